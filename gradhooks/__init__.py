@@ -1,0 +1,48 @@
+"""gradhooks: per-example gradients for PyTorch by hooks.
+
+    import gradhooks
+    with gradhooks.add_hooks(model):            # loss_reduction="mean" (default) or "sum"
+        F.cross_entropy(model(x), y).backward()
+    model.fc.weight.grad1                       # [batch, *weight.shape]
+
+``grad1[i]`` is the gradient of example ``i``'s own loss: ``grad1.mean(0) == param.grad`` for a
+mean-reduced loss, ``grad1.sum(0) == param.grad`` for a sum. autograd-hacks' functions are here
+too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
+"""
+
+from . import oracle, rules  # noqa: F401  (rules: registers the built-in rules)
+from .check import check_rule
+from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
+from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
+from .pieces import Direct, Outer, Piece
+from .registry import REGISTRY, Call, Registry, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # hooks
+    "add_hooks",
+    "remove_hooks",
+    "Hooks",
+    "hooks_of",
+    "clear_grad1",
+    "set_enabled",
+    "paused",
+    # autograd-hacks compatibility
+    "compute_grad1",
+    "clear_backprops",
+    "disable_hooks",
+    "enable_hooks",
+    "is_supported",
+    # rules
+    "register",
+    "Registry",
+    "REGISTRY",
+    "Call",
+    "Piece",
+    "Outer",
+    "Direct",
+    "check_rule",
+    # references
+    "oracle",
+]

@@ -1,0 +1,391 @@
+"""The engine: hooks, capture and accumulation. It never names a layer type.
+
+A forward hook on every module that has a rule keeps that call's inputs (detached; autograd keeps
+them alive anyway) and registers a gradient hook on the call's output tensors. When backward
+reaches those outputs, the rule turns (inputs, output-gradients) into pieces and the per-example
+gradient of each trainable parameter is added to ``param.grad1``.
+
+Pairing the gradient hook with the call it came from (rather than with the module) is what makes
+a module called twice in one forward correct; accumulating on the parameter object is what makes
+tied weights correct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .registry import REGISTRY, Call, Registry, _Entry
+
+__all__ = [
+    "Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1", "set_enabled", "paused"
+]
+
+LossReduction = Literal["mean", "sum"]
+Unsupported = Literal["error", "skip"]
+
+# Models and modules currently hooked, so that hooks are never added twice (which would count
+# every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
+_HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
+_GLOBALLY_ENABLED = [True]
+
+
+@dataclass
+class _Target:
+    """One hooked module: its rule and the parameters the rule is responsible for."""
+
+    name: str
+    module: nn.Module
+    entry: _Entry
+    params: dict[str, nn.Parameter]
+
+
+class Hooks:
+    """Per-example gradient hooks on one model. Returned by :func:`add_hooks`.
+
+    Use it as a context manager to remove the hooks on exit::
+
+        with gradhooks.add_hooks(model) as h:
+            F.cross_entropy(model(x), y).backward()
+        model.fc.weight.grad1          # [batch, *model.fc.weight.shape]
+
+    After each captured backward, every trainable parameter that received a gradient holds
+    ``param.grad1``, of shape ``[batch, *param.shape]``: ``grad1[i]`` is the gradient of example
+    ``i``'s own loss. For ``loss_reduction="mean"`` (loss = mean of per-example losses)
+    ``grad1.mean(0)`` equals ``param.grad``; for ``"sum"``, ``grad1.sum(0)`` does.
+
+    A second backward without :meth:`clear` adds to ``grad1``, as ``.grad`` accumulates;
+    :meth:`clear` makes the next backward start afresh (call it between training steps).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_reduction: LossReduction = "mean",
+        unsupported: Unsupported = "error",
+        registry: Registry = REGISTRY,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if unsupported not in ("error", "skip"):
+            raise ValueError(f"unsupported must be 'error' or 'skip', got {unsupported!r}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
+        self.loss_reduction: LossReduction = loss_reduction
+        self.unsupported = unsupported
+        self.registry = registry
+        self._model_ref = weakref.ref(model)
+        self._targets = _plan(model, registry, unsupported)
+        self._check_not_hooked(model)
+        self._written: dict[int, nn.Parameter] = {}
+        self._removed = False
+        self._handles = []
+        for target in self._targets:
+            self._handles.append(
+                target.module.register_forward_hook(
+                    self._forward_hook(target), with_kwargs=True, always_call=False
+                )
+            )
+        _ACTIVE[model] = self
+        for target in self._targets:
+            _HOOKED_MODULES[target.module] = self
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model_ref()
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    def modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """The hooked modules, by qualified name."""
+        for t in self._targets:
+            yield t.name, t.module
+
+    def clear(self) -> None:
+        """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
+        it. The current ``grad1`` tensors stay readable."""
+        self._written.clear()
+
+    def rescale(self, loss_reduction: LossReduction) -> None:
+        """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
+        ``grad1`` computed since the last :meth:`clear` (what autograd-hacks' ``compute_grad1``
+        ``loss_type`` says), and use it for later backwards."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_reduction == self.loss_reduction:
+            return
+        for p in self._written.values():
+            batch = p.grad1.shape[0]
+            if loss_reduction == "sum":  # it was computed as mean (times batch): undo
+                p.grad1.div_(max(batch, 1))
+            else:
+                p.grad1.mul_(batch)
+        self.loss_reduction = loss_reduction
+
+    @property
+    def captured(self) -> bool:
+        """Whether a backward has written ``grad1`` since the hooks were added or cleared."""
+        return bool(self._written)
+
+    def remove(self) -> None:
+        """Remove every hook. Idempotent. ``grad1`` stays on the parameters (like ``.grad``);
+        :func:`clear_grad1` deletes it."""
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        model = self.model
+        if model is not None and _ACTIVE.get(model) is self:
+            del _ACTIVE[model]
+        for t in self._targets:
+            if _HOOKED_MODULES.get(t.module) is self:
+                del _HOOKED_MODULES[t.module]
+        self._written.clear()
+
+    def __enter__(self) -> Hooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else f"{len(self._targets)} modules"
+        return f"Hooks({state}, loss_reduction={self.loss_reduction!r})"
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_not_hooked(self, model: nn.Module) -> None:
+        if model in _ACTIVE:
+            raise RuntimeError(
+                f"{type(model).__qualname__} already has gradhooks hooks ({_ACTIVE[model]!r}); "
+                "adding them again would count every gradient twice. Call "
+                "gradhooks.remove_hooks(model) first, or keep using the existing handle."
+            )
+        for t in self._targets:
+            if t.module in _HOOKED_MODULES:
+                raise RuntimeError(
+                    f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
+                    f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
+                    "that contains this one; remove those hooks first."
+                )
+
+    def _forward_hook(self, target: _Target):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._removed or not _GLOBALLY_ENABLED[0] or not torch.is_grad_enabled():
+                return
+            if module is not target.module:
+                return  # a deep copy of a hooked module carries our hook: the copy is not hooked
+            if torch._C._functorch.peek_interpreter_stack() is not None:
+                return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
+            live = {n: p for n, p in target.params.items() if p.requires_grad}
+            if not live:
+                return
+            leaves, _ = tree_flatten(output)
+            hooked = [
+                i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad
+            ]
+            if not hooked:
+                return
+            call = Call(
+                module=module,
+                inputs=_detach(args),
+                kwargs=_detach(kwargs),
+                output=_detach(output) if target.entry.needs_output else None,
+                grad_outputs=(),
+                name=target.name,
+            )
+
+            def on_grads(grads) -> None:
+                if self._removed:
+                    return
+                full: list[Tensor | None] = [None] * len(leaves)
+                for i, g in zip(hooked, grads):
+                    full[i] = g
+                self._backward(target, live, replace(call, grad_outputs=tuple(full)))
+
+            if len(hooked) == 1:
+                leaves[hooked[0]].register_hook(lambda g: on_grads((g,)))
+            else:
+                torch.autograd.graph.register_multi_grad_hook(
+                    [leaves[i] for i in hooked], on_grads, mode="all"
+                )
+
+        return hook
+
+    def _backward(self, target: _Target, params: dict[str, nn.Parameter], call: Call) -> None:
+        rule = target.entry.rule
+        pieces = rule(call)
+        for pname, p in params.items():
+            piece = pieces.get(pname)
+            if piece is None:
+                raise RuntimeError(
+                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
+                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)})"
+                )
+            scale = float(piece.batch_size) if self.loss_reduction == "mean" else 1.0
+            try:
+                g1 = piece.grad1(p.shape, scale)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
+                    f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
+                ) from e
+            self._accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
+
+    def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
+        if g1.dtype != p.dtype:
+            g1 = g1.to(p.dtype)
+        if id(p) in self._written:
+            old = p.grad1
+            if old.shape != g1.shape:
+                raise RuntimeError(
+                    f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
+                    f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
+                    "Call clear() (autograd-hacks: clear_backprops(model)) between steps, or "
+                    "make every hooked layer see the same batch."
+                )
+            p.grad1 = old + g1
+        else:
+            p.grad1 = g1
+            self._written[id(p)] = p
+
+
+def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> list[_Target]:
+    """Which modules to hook, checking that every trainable parameter is covered."""
+    targets: list[_Target] = []
+    owned: list[str] = []
+    uncovered: list[tuple[str, nn.Module, dict[str, nn.Parameter]]] = []
+    covered: set[int] = set()
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in owned):
+            continue
+        entry = registry.lookup(module)
+        own = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
+        if entry is None:
+            trainable = {n: p for n, p in own.items() if p.requires_grad}
+            if trainable:
+                uncovered.append((name, module, trainable))
+            continue
+        if entry.owns_children:
+            owned.append(f"{name}." if name else "")
+        if own:
+            targets.append(_Target(name, module, entry, own))
+            covered.update(id(p) for p in own.values())
+    if uncovered:
+        lines = [
+            f"'{name or '<model>'}' ({type(m).__qualname__}): {', '.join(ps)}"
+            for name, m, ps in uncovered
+        ]
+        # Skipping a parameter that a covered module also uses (tied) would make its grad1 hold
+        # only part of the gradient: never allowed.
+        tied = [
+            f"'{name}.{pn}'" for name, _, ps in uncovered for pn, p in ps.items() if id(p) in covered
+        ]
+        if unsupported == "error" or tied:
+            why = (
+                f"\nThese are tied to hooked modules, so skipping them would make grad1 wrong: "
+                f"{', '.join(tied)}."
+                if tied
+                else ""
+            )
+            raise TypeError(
+                "gradhooks has no rule for these modules with trainable parameters:\n  "
+                + "\n  ".join(lines)
+                + why
+                + "\nRegister one with @gradhooks.register(ModuleType) (see the README), freeze "
+                "those parameters, or pass unsupported='skip' to leave them without grad1. "
+                "Nothing was hooked."
+            )
+    return targets
+
+
+def _detach(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def add_hooks(
+    model: nn.Module,
+    loss_reduction: LossReduction = "mean",
+    unsupported: Unsupported = "error",
+    registry: Registry = REGISTRY,
+) -> Hooks:
+    """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
+
+    Args:
+        model: any ``nn.Module``. Every module with trainable parameters must have a rule.
+        loss_reduction: ``"mean"`` when the loss is the mean of per-example losses (the default
+            of torch losses), ``"sum"`` when it is their sum. ``grad1[i]`` is the gradient of
+            example ``i``'s own loss in both cases.
+        unsupported: ``"error"`` (default) raises, before anything is hooked, when a module with
+            trainable parameters has no rule; ``"skip"`` leaves its parameters without ``grad1``.
+        registry: the rules to use (default: the built-in registry).
+
+    Returns:
+        A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> model = torch.nn.Linear(3, 2)
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 2)
+        >>> with gradhooks.add_hooks(model):
+        ...     torch.nn.functional.mse_loss(model(x), y).backward()
+        >>> model.weight.grad1.shape
+        torch.Size([5, 2, 3])
+        >>> torch.allclose(model.weight.grad1.mean(0), model.weight.grad, atol=1e-6)
+        True
+    """
+    return Hooks(model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry)
+
+
+def hooks_of(model: nn.Module) -> Hooks:
+    """The active handle of a hooked model (raises if it has none)."""
+    try:
+        return _ACTIVE[model]
+    except KeyError:
+        raise ValueError(
+            f"{type(model).__qualname__} has no gradhooks hooks: call gradhooks.add_hooks(model) "
+            "first (or it was already removed)"
+        ) from None
+
+
+def remove_hooks(model: nn.Module) -> None:
+    """Remove the hooks :func:`add_hooks` put on ``model``. ``grad1`` stays on the parameters."""
+    hooks_of(model).remove()
+
+
+def clear_grad1(model: nn.Module) -> None:
+    """Delete ``grad1`` from every parameter of ``model``."""
+    for p in model.parameters():
+        if hasattr(p, "grad1"):
+            del p.grad1
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch capture on or off for every hooked model (autograd-hacks' enable/disable)."""
+    _GLOBALLY_ENABLED[0] = bool(enabled)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Within the block, no hooked model captures anything (the oracles run under it)."""
+    before = _GLOBALLY_ENABLED[0]
+    _GLOBALLY_ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _GLOBALLY_ENABLED[0] = before

@@ -1,0 +1,90 @@
+"""Reference per-example gradients: ``torch.func`` ``vmap(grad)`` and an explicit loop.
+
+Both define example ``i``'s own loss as ``loss_fn(model(x[i:i+1]), target[i:i+1])``: the loss of
+a batch of one, where mean and sum reductions agree. Shipped in the package so that users can
+check their own rules (:func:`gradhooks.check_rule`) and models against the same references the
+test suite uses. Capture by gradhooks is paused while they run.
+
+Both return ``{param_name: [batch, *param.shape]}`` for every parameter that requires grad
+(tied parameters appear once, under their first name, as in ``named_parameters()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from .engine import paused
+
+__all__ = ["vmap_grad", "loop_grad", "Inputs"]
+
+Inputs = Tensor | Sequence[Tensor]
+LossFn = Callable[..., Tensor]
+
+
+def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
+    return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+
+def _split(model: nn.Module):
+    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    rest = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    rest.update({n: b.detach() for n, b in model.named_buffers()})
+    return trainable, rest
+
+
+def _empty(model: nn.Module, trainable: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {n: p.new_zeros((0, *p.shape)) for n, p in trainable.items()}
+
+
+def vmap_grad(
+    model: nn.Module, loss_fn: LossFn, inputs: Inputs, target: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Per-example gradients by ``vmap(grad(...))`` over dimension 0 of inputs and target."""
+    inputs = _as_tuple(inputs)
+    trainable, rest = _split(model)
+    if inputs[0].shape[0] == 0:
+        return _empty(model, trainable)
+
+    def one_loss(params, xs, y):
+        xs = tuple(x.unsqueeze(0) for x in xs)
+        out = functional_call(model, (params, rest), xs)
+        return loss_fn(out) if y is None else loss_fn(out, y.unsqueeze(0))
+
+    # functional_call does not always put back a parameter of a module that appears under
+    # several names (nn.Sequential(*[conv] * 3)): put every one back ourselves.
+    originals = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()]
+    try:
+        with paused():
+            in_dims = (None, 0, None if target is None else 0)
+            return vmap(grad(one_loss), in_dims=in_dims, randomness="same")(
+                trainable, inputs, target
+            )
+    finally:
+        for m, n, p in originals:
+            m._parameters[n] = p
+
+
+def loop_grad(
+    model: nn.Module, loss_fn: LossFn, inputs: Inputs, target: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Per-example gradients by one forward and backward per example."""
+    inputs = _as_tuple(inputs)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = inputs[0].shape[0]
+    if batch == 0:
+        return _empty(model, dict(zip(names, params)))
+    per_example: list[Sequence[Tensor]] = []
+    with paused():
+        for i in range(batch):
+            out = model(*(x[i : i + 1] for x in inputs))
+            loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            per_example.append(
+                [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+            )
+    return {n: torch.stack(gs) for n, gs in zip(names, zip(*per_example))}

@@ -1,0 +1,154 @@
+"""The registry of layer rules: an explicit object keyed by module type.
+
+A rule is a function ``rule(call) -> {param_name: Piece}``. ``call`` is a :class:`Call`: the
+module, the inputs of one forward call (detached) and the gradients of the loss with respect to
+that call's outputs. The returned pieces (:mod:`gradhooks.pieces`) say how each trainable
+parameter's per-example gradient is formed; the engine does the rest (scaling, accumulation over
+repeated calls and tied weights, every quantity).
+
+Example, a layer that multiplies its input by a learned vector::
+
+    class Scale(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return x * self.scale
+
+    @gradhooks.register(Scale)
+    def scale_rule(call):
+        (x,) = call.inputs                 # [batch, *, n]
+        g = call.grad_output               # [batch, *, n]
+        per_example = (x * g).reshape(x.shape[0], -1, x.shape[-1]).sum(1)
+        return {"scale": gradhooks.Direct(per_example)}
+
+Lookup: the module's exact type first; then its base classes, but only when the subclass does
+not override ``forward`` (a subclass that computes something else must get its own rule, never
+its parent's silently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from .pieces import Piece
+
+__all__ = ["Call", "Registry", "Rule", "REGISTRY", "register"]
+
+
+@dataclass
+class Call:
+    """One forward call of a hooked module, seen from its backward.
+
+    ``inputs``: the positional arguments of the forward, tensors detached.
+    ``kwargs``: the keyword arguments of the forward, tensors detached.
+    ``output``: the forward's output, tensors detached (a tensor or a tuple, as returned).
+    ``grad_outputs``: one entry per tensor in the output (flattened in order), the gradient of
+    the backpropagated loss with respect to it, or ``None`` where none flowed.
+    """
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    grad_outputs: tuple[Tensor | None, ...]
+    name: str = ""
+
+    @property
+    def grad_output(self) -> Tensor:
+        """The gradient with respect to the first output tensor."""
+        g = self.grad_outputs[0]
+        if g is None:
+            raise RuntimeError(f"no gradient reached the output of {self.name or self.module!r}")
+        return g
+
+
+Rule = Callable[[Call], Mapping[str, Piece]]
+
+
+@dataclass
+class _Entry:
+    rule: Rule
+    owns_children: bool
+    needs_output: bool
+
+
+@dataclass
+class Registry:
+    """Rules keyed by module type.
+
+    ``owns_children``: the rule computes the gradients of the parameters of the module's
+    submodules too (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+    ``out_proj``); those submodules are then not hooked on their own.
+    ``needs_output``: the rule reads ``call.output`` (otherwise it is not kept, to save memory).
+    """
+
+    _rules: dict[type, _Entry] = field(default_factory=dict)
+
+    def register(
+        self,
+        *types: type[nn.Module],
+        overwrite: bool = False,
+        owns_children: bool = False,
+        needs_output: bool = False,
+    ) -> Callable[[Rule], Rule]:
+        """Decorator: use the function as the rule for ``types``."""
+        if not types:
+            raise TypeError("register() needs at least one module type")
+
+        def decorate(rule: Rule) -> Rule:
+            for t in types:
+                if not (isinstance(t, type) and issubclass(t, nn.Module)):
+                    raise TypeError(f"register() takes nn.Module subclasses, got {t!r}")
+                if t in self._rules and not overwrite:
+                    old = self._rules[t].rule
+                    raise ValueError(
+                        f"a rule for {t.__qualname__} is already registered "
+                        f"({old.__module__}.{old.__qualname__}); pass overwrite=True to replace it"
+                    )
+            for t in types:
+                self._rules[t] = _Entry(rule, owns_children, needs_output)
+            return rule
+
+        return decorate
+
+    def unregister(self, t: type[nn.Module]) -> None:
+        del self._rules[t]
+
+    def lookup(self, module: nn.Module) -> _Entry | None:
+        """The entry for this module, or ``None`` when no rule covers it."""
+        cls = type(module)
+        entry = self._rules.get(cls)
+        if entry is not None:
+            return entry
+        for base in cls.__mro__[1:]:
+            entry = self._rules.get(base)
+            if entry is not None:
+                return entry if cls.forward is base.forward else None
+        return None
+
+    def __contains__(self, t: type) -> bool:
+        return t in self._rules
+
+    def types(self) -> list[type]:
+        return list(self._rules)
+
+
+REGISTRY = Registry()
+
+
+def register(
+    *types: type[nn.Module],
+    overwrite: bool = False,
+    owns_children: bool = False,
+    needs_output: bool = False,
+) -> Callable[[Rule], Rule]:
+    """Register a rule in the default registry (see :class:`Registry`)."""
+    return REGISTRY.register(
+        *types, overwrite=overwrite, owns_children=owns_children, needs_output=needs_output
+    )

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    max_examples=int(os.environ.get("GRADHOOKS_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("default")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,93 @@
+"""One oracle harness for every layer and every quantity.
+
+A :class:`Case` is a model factory, an input factory and a sum-reduced loss. :func:`check`
+runs it in float64 through gradhooks and through both oracles (``vmap(grad)`` and a
+per-example loop) and asserts that all three agree, and that ``grad1`` reduces to ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+
+RTOL, ATOL = 1e-7, 1e-9
+
+
+def sum_of_squares(out, target=None) -> Tensor:
+    """A loss that sums per-example losses and reaches every output tensor."""
+    leaves = out if isinstance(out, tuple | list) else (out,)
+    return sum(0.5 * (t**2).sum() for t in leaves if isinstance(t, Tensor))
+
+
+def cross_entropy_sum(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+@dataclass
+class Case:
+    id: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[int], Tensor | tuple[Tensor, ...]]
+    target: Callable[[int], Tensor] | None = None
+    loss: Callable[..., Tensor] = sum_of_squares  # sums over the batch
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def _double(x):
+    if isinstance(x, tuple):
+        return tuple(_double(t) for t in x)
+    return x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
+
+
+def assert_close(got: Tensor, want: Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel():
+        diff = (got - want).abs().max().item()
+        assert torch.allclose(got, want, rtol=RTOL, atol=ATOL), f"{what}: max abs diff {diff:.3e}"
+
+
+def run_hooked(model, case, inputs, target, reduction: str, **hook_kwargs):
+    batch = (inputs[0] if isinstance(inputs, tuple) else inputs).shape[0]
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, **hook_kwargs):
+        out = model(*args)
+        loss = case.loss(out) if target is None else case.loss(out, target)
+        if reduction == "mean":
+            loss = loss / max(batch, 1)
+        loss.backward()
+    return batch
+
+
+def check(case: Case, batch: int = 4, reduction: str = "mean", seed: int = 0, **hook_kwargs):
+    """Assert hooks == vmap(grad) == loop for every trainable parameter, in float64."""
+    torch.manual_seed(seed)
+    model = case.model().double()
+    inputs = _double(case.inputs(batch))
+    target = case.target(batch) if case.target else None
+    loss = case.loss
+    want = vmap_grad(model, loss, inputs, target)
+    loop = loop_grad(model, loss, inputs, target)
+    run_hooked(model, case, inputs, target, reduction, **hook_kwargs)
+    checked = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, "grad1"), f"{case.id}: frozen {name} got a grad1"
+            continue
+        assert_close(loop[name], want[name], f"{case.id}: loop vs vmap, {name}")
+        assert hasattr(p, "grad1"), f"{case.id}: {name} has no grad1"
+        assert_close(p.grad1, want[name], f"{case.id} ({reduction}, batch {batch}): {name}")
+        reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+        if batch:
+            assert_close(reduced, p.grad, f"{case.id}: grad1 reduced vs .grad, {name}")
+        checked += 1
+    assert checked, f"{case.id}: no trainable parameter was checked"
+    return model

@@ -1,0 +1,80 @@
+"""Convolutions over a sweep of every hyper-parameter (hypothesis)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from harness import Case, check
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+@st.composite
+def conv_cases(draw, dims):
+    groups = draw(st.sampled_from([1, 2, 3]))
+    depthwise = draw(st.booleans())
+    in_ch = groups * draw(st.integers(1, 2))
+    out_ch = in_ch * draw(st.integers(1, 2)) if depthwise else groups * draw(st.integers(1, 2))
+    if depthwise:
+        groups = in_ch
+    kernel = draw(st.tuples(*[st.integers(1, 3)] * dims))
+    dilation = draw(st.tuples(*[st.integers(1, 2)] * dims))
+    padding_mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    padding = draw(
+        st.one_of(
+            st.sampled_from(["same", "valid"]),
+            st.integers(0, 2),
+            st.tuples(*[st.integers(0, 2)] * dims),
+        )
+    )
+    stride = (
+        1 if padding == "same" else draw(st.one_of(st.integers(1, 2), st.tuples(*[st.integers(1, 2)] * dims)))
+    )
+    bias = draw(st.booleans())
+    size = draw(st.integers(4, 7)) if dims < 3 else draw(st.integers(4, 5))
+    kwargs = dict(
+        kernel_size=kernel, stride=stride, padding=padding, dilation=dilation,
+        groups=groups, bias=bias, padding_mode=padding_mode,
+    )
+    spatial = (size,) * dims
+    return Case(
+        f"conv{dims}d{kwargs}",
+        lambda: CONV[dims](in_ch, out_ch, **kwargs),
+        lambda b: torch.randn(b, in_ch, *spatial),
+    )
+
+
+def _valid(case):
+    try:
+        m = case.model()
+        m(case.inputs(1))
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False  # e.g. reflect padding wider than the input: torch refuses it too
+    return True
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@given(case=conv_cases(2), batch=st.sampled_from([1, 3]))
+def test_conv2d_sweep(case, batch, reduction):
+    if _valid(case):
+        check(case, batch=batch, reduction=reduction)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(padding="same", dilation=2, kernel_size=4),
+        dict(padding="valid", kernel_size=3, stride=2),
+        dict(padding=(1, 2), kernel_size=(3, 2), padding_mode="reflect"),
+        dict(padding=1, kernel_size=3, padding_mode="circular", groups=2),
+        dict(padding=2, kernel_size=3, padding_mode="replicate", dilation=(2, 1)),
+        dict(kernel_size=3, groups=4),  # depthwise
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_conv2d_named(kwargs, batch):
+    case = Case(f"conv2d{kwargs}", lambda: nn.Conv2d(4, 8, **kwargs), lambda b: torch.randn(b, 4, 7, 6))
+    check(case, batch=batch)

@@ -1,0 +1,109 @@
+"""Adding and removing hooks leaves nothing behind; scoped handles; hooking twice."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks.models import SimpleCNN
+
+
+def _hook_state(model):
+    return [
+        (
+            name,
+            sorted(vars(m)),
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(m._backward_hooks),
+            len(getattr(m, "_backward_pre_hooks", {})),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def _train_step(model, x):
+    model(x).pow(2).sum().backward()
+
+
+def test_remove_hooks_leaves_model_exactly_as_before():
+    torch.manual_seed(0)
+    model = SimpleCNN()
+    x = torch.randn(3, 1, 28, 28)
+    before = _hook_state(model)
+    out_before = model(x).detach()
+    gradhooks.add_hooks(model)
+    assert _hook_state(model) != before
+    _train_step(model, x)
+    gradhooks.remove_hooks(model)
+    gradhooks.clear_grad1(model)
+    assert _hook_state(model) == before
+    assert all(not hasattr(p, "grad1") for p in model.parameters())
+    torch.testing.assert_close(model(x), out_before)
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(clone(x), out_before)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    restored = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(restored(x), out_before)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(model))(x), out_before)
+    # and hooking again works
+    with gradhooks.add_hooks(model):
+        _train_step(model, x)
+    assert model.fc2.weight.grad1.shape == (3, 10, 128)
+
+
+def test_context_manager_removes_hooks_even_on_error():
+    model = nn.Linear(3, 2)
+    before = _hook_state(model)
+    with pytest.raises(ZeroDivisionError):
+        with gradhooks.add_hooks(model):
+            1 / 0
+    assert _hook_state(model) == before
+
+
+def test_hooks_on_one_model_never_fire_for_another():
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    with gradhooks.add_hooks(a):
+        b(torch.randn(4, 3)).sum().backward()
+        a(torch.randn(5, 3)).sum().backward()
+    assert not hasattr(b.weight, "grad1")
+    assert a.weight.grad1.shape == (5, 2, 3)
+
+
+def test_deep_copy_of_hooked_model_is_not_hooked():
+    a = nn.Linear(3, 2)
+    with gradhooks.add_hooks(a):
+        b = copy.deepcopy(a)
+        b(torch.randn(4, 3)).sum().backward()
+    assert not hasattr(a.weight, "grad1") and not hasattr(b.weight, "grad1")
+
+
+def test_adding_hooks_twice_is_an_error():
+    model = nn.Sequential(nn.Linear(3, 2))
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError, match="already has gradhooks hooks"):
+            gradhooks.add_hooks(model)
+        with pytest.raises(RuntimeError, match="already hooked"):
+            gradhooks.add_hooks(model[0])  # a submodule of a hooked model
+
+
+def test_removing_twice():
+    model = nn.Linear(3, 2)
+    h = gradhooks.add_hooks(model)
+    gradhooks.remove_hooks(model)
+    h.remove()  # the handle is idempotent
+    with pytest.raises(ValueError, match="has no gradhooks hooks"):
+        gradhooks.remove_hooks(model)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="loss_reduction"):
+        gradhooks.add_hooks(nn.Linear(2, 2), loss_reduction="avg")
+    with pytest.raises(TypeError, match="nn.Module"):
+        gradhooks.add_hooks(lambda x: x)
