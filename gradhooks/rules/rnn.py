@@ -26,6 +26,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.utils._pytree import tree_flatten
 
 from ..pieces import Outer
 from ..registry import Call, register
@@ -170,7 +171,9 @@ def rnn(call: Call) -> dict[str, Outer]:
                 batch_first=True,
                 total_length=time,
             )
-        grads = (g_out, *grads[4:])  # data, batch_sizes, sorted_indices, unsorted_indices
+        # The output PackedSequence flattens like the input one: data (the only leaf with a
+        # gradient), batch_sizes, sorted_indices, unsorted_indices; then h_n (and c_n).
+        grads = (g_out, *grads[len(tree_flatten(x)[0]) :])
     else:
         if x.dim() != 3:
             raise _error(
