@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import Case, _double, assert_close, check, run_hooked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -17,7 +18,6 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 from gradhooks.rules.rnn import recompute
-from harness import Case, _double, assert_close, check, run_hooked
 
 TYPES = {
     "tanh": lambda *a, **k: nn.RNN(*a, nonlinearity="tanh", **k),
@@ -164,7 +164,7 @@ def test_recompute_matches_module(kind):
         out, h = rnn(packed)
         out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
         got, _ = recompute(rnn, x, ls)
-        for g, w in zip(got, (out, *(h if isinstance(h, tuple) else (h,)))):
+        for g, w in zip(got, (out, *(h if isinstance(h, tuple) else (h,))), strict=True):
             assert_close(g.detach(), w.detach(), f"{kind}: recomputed vs module")
 
 
@@ -194,3 +194,42 @@ def test_dropout_in_training_is_an_error():
 def test_unbatched_input_is_an_error():
     with pytest.raises(ValueError, match=r"GRU.*shape \(4, 2\).*batch"):
         _backward(nn.GRU(2, 3), torch.randn(4, 2))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_rnn_every_batch_size(kind, batch, reduction):
+    """Two layers, bidirectional, time-major, initial state given: every output reached."""
+    proj = dict(proj_size=2) if kind == "lstm" else {}
+    layers_dirs, h_out = 4, 2 if kind == "lstm" else 3
+
+    def inputs(b):
+        state = (torch.randn(b, layers_dirs, h_out),)
+        if kind == "lstm":
+            state = (*state, torch.randn(b, layers_dirs, 3))
+        return (torch.randn(b, 5, 2), *state)
+
+    case = Case(
+        f"{kind} 2 layers bidirectional time-major",
+        lambda: BatchFirst(TYPES[kind](2, 3, num_layers=2, bidirectional=True, **proj)),
+        inputs,
+        loss=_loss("all"),
+    )
+    check(case, batch, reduction)
+
+
+class TwoCalls(nn.Module):
+    """One GRU run on a sequence and on its reverse: each call adds its share to grad1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(2, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x)[0] + self.gru(x.flip(1))[0]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_module_called_twice(reduction):
+    check(Case("gru twice", TwoCalls, lambda b: torch.randn(b, 4, 2)), 3, reduction)

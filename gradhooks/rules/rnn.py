@@ -190,10 +190,10 @@ def rnn(call: Call) -> dict[str, Outer]:
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
     with torch.enable_grad():
         outputs, probes = recompute(module, x_pad, lengths, hx)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
         zs = [z for _, z in probes.values()]
         got = torch.autograd.grad(
             [o for o, _ in pairs], zs, [g for _, g in pairs], allow_unused=True
         )
-    g_of = {id(z): torch.zeros_like(z) if g is None else g for z, g in zip(zs, got)}
+    g_of = {id(z): torch.zeros_like(z) if g is None else g for z, g in zip(zs, got, strict=True)}
     return {name: Outer(a, g_of[id(z)]) for name, (a, z) in probes.items()}
