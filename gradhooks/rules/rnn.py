@@ -34,7 +34,8 @@ from ..registry import Call, register
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
 
-def _initial_state(module: nn.RNNBase, call: Call) -> Tensor | tuple[Tensor, Tensor] | None:
+def _initial_state(call: Call) -> Tensor | tuple[Tensor, Tensor] | None:
+    """``hx`` as passed to ``forward``: ``h0``, ``(h0, c0)`` for the LSTM, or ``None``."""
     if len(call.inputs) > 1:
         return call.inputs[1]
     return call.kwargs.get("hx")
@@ -151,7 +152,7 @@ def _error(call: Call, what: str, todo: str) -> ValueError:
 @register(nn.RNN, nn.LSTM, nn.GRU)
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
-    x, hx = call.inputs[0], _initial_state(module, call)
+    x, hx = call.inputs[0], _initial_state(call)
     if module.training and module.dropout > 0 and module.num_layers > 1:
         raise _error(
             call,
@@ -191,9 +192,11 @@ def rnn(call: Call) -> dict[str, Outer]:
     with torch.enable_grad():
         outputs, probes = recompute(module, x_pad, lengths, hx)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-        zs = [z for _, z in probes.values()]
-        got = torch.autograd.grad(
-            [o for o, _ in pairs], zs, [g for _, g in pairs], allow_unused=True
-        )
+        zs = list({id(z): z for _, z in probes.values()}.values())  # a bias shares its weight's
+        got = [None] * len(zs)
+        if pairs:
+            got = torch.autograd.grad(
+                [o for o, _ in pairs], zs, [g for _, g in pairs], allow_unused=True
+            )
     g_of = {id(z): torch.zeros_like(z) if g is None else g for z, g in zip(zs, got, strict=True)}
     return {name: Outer(a, g_of[id(z)]) for name, (a, z) in probes.items()}
