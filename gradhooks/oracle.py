@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch._dispatch.python import enable_python_dispatcher
 from torch.func import functional_call, grad, vmap
 
 from .engine import paused
@@ -58,7 +59,9 @@ def vmap_grad(
     # several names (nn.Sequential(*[conv] * 3)): put every one back ourselves.
     originals = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()]
     try:
-        with paused():
+        # The Python dispatcher runs torch's own decompositions of composite ops that vmap has
+        # no batching rule for (aten::lstm, gru, rnn_tanh, rnn_relu): stock RNNs become vmappable.
+        with paused(), enable_python_dispatcher():
             in_dims = (None, 0, None if target is None else 0)
             return vmap(grad(one_loss), in_dims=in_dims, randomness="same")(
                 trainable, inputs, target

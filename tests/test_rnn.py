@@ -1,0 +1,235 @@
+"""nn.RNN / nn.LSTM / nn.GRU over a sweep of every option (hypothesis), packed sequences, errors.
+
+The oracles slice and vmap inputs on dimension 0, so the RNN is wrapped in :class:`BatchFirst`,
+which takes and returns batch-first tensors and hands the RNN its own layout (time-major when
+``batch_first=False``, hidden states ``[layers * dirs, batch, hidden]``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import Case, _double, assert_close, check, run_hooked
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from gradhooks.rules.rnn import recompute
+
+TYPES = {
+    "tanh": lambda *a, **k: nn.RNN(*a, nonlinearity="tanh", **k),
+    "relu": lambda *a, **k: nn.RNN(*a, nonlinearity="relu", **k),
+    "lstm": nn.LSTM,
+    "gru": nn.GRU,
+}
+
+
+class BatchFirst(nn.Module):
+    """``forward(x [batch, time, in], [lengths,] [h0[, c0]])``, ``h0``/``c0`` ``[batch, layers *
+    dirs, hidden]``; returns ``(output [batch, time, dirs * hidden_out], h_n [batch, layers *
+    dirs, hidden_out][, c_n])``. With ``packed``, ``lengths`` (int64 ``[batch]``) packs the
+    input (``enforce_sorted`` as given) and the output is padded back."""
+
+    def __init__(self, rnn: nn.RNNBase, hx_as_kwarg=False, packed=False, enforce_sorted=False):
+        super().__init__()
+        self.rnn, self.hx_as_kwarg = rnn, hx_as_kwarg
+        self.packed, self.enforce_sorted = packed, enforce_sorted
+
+    def forward(self, x, *rest):
+        rnn = self.rnn
+        time = x.shape[1]
+        x = x if rnn.batch_first else x.transpose(0, 1)
+        if self.packed:
+            lengths, *rest = rest
+            x = pack_padded_sequence(
+                x, lengths, batch_first=rnn.batch_first, enforce_sorted=self.enforce_sorted
+            )
+        hx = tuple(h.transpose(0, 1).contiguous() for h in rest)
+        hx = None if not hx else hx if len(hx) == 2 else hx[0]
+        out, h = rnn(x, hx=hx) if self.hx_as_kwarg else rnn(x, hx)
+        if self.packed:
+            out, _ = pad_packed_sequence(out, batch_first=rnn.batch_first, total_length=time)
+        out = out if rnn.batch_first else out.transpose(0, 1)
+        hs = h if isinstance(h, tuple) else (h,)
+        return (out, *(t.transpose(0, 1) for t in hs))
+
+
+def _loss(which: str):
+    """Sum-reduced losses that reach all outputs, only the sequence output, or only h_n."""
+
+    def loss(out, target=None):
+        parts = {"all": out, "output": out[:1], "last": out[1:2]}[which]
+        return sum(0.5 * (t**2).sum() + t.sum() for t in parts)
+
+    return loss
+
+
+@st.composite
+def rnn_cases(draw, packed: bool = False):
+    kind = draw(st.sampled_from(sorted(TYPES)))
+    layers = draw(st.integers(1, 3))
+    bidirectional = draw(st.booleans())
+    proj = draw(st.sampled_from([0, 0, 1, 2])) if kind == "lstm" else 0
+    hidden = draw(st.integers(max(1, proj + 1), 3))
+    in_size = draw(st.integers(1, 3))
+    time = draw(st.integers(1, 4))
+    kwargs = dict(
+        num_layers=layers,
+        bidirectional=bidirectional,
+        batch_first=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        dropout=draw(st.sampled_from([0.0, 0.5])) if layers > 1 else 0.0,
+    )
+    if proj:
+        kwargs["proj_size"] = proj
+    h0 = draw(st.sampled_from(["none", "positional", "kwarg"]))
+    enforce_sorted = draw(st.booleans())
+    which = draw(st.sampled_from(["all", "output", "last"]))
+    dirs_layers = layers * (2 if bidirectional else 1)
+    h_out = proj or hidden
+
+    def model():
+        rnn = TYPES[kind](in_size, hidden, **kwargs)
+        m = BatchFirst(rnn, h0 == "kwarg", packed, enforce_sorted)
+        return m.eval() if kwargs["dropout"] else m  # dropout is only exact in eval mode
+
+    def inputs(b):
+        x = torch.randn(b, time, in_size)
+        lengths = torch.randint(1, time + 1, (b,))
+        if enforce_sorted:
+            lengths = lengths.sort(descending=True).values
+        state = ()
+        if h0 != "none":
+            state = (torch.randn(b, dirs_layers, h_out),)
+            if kind == "lstm":
+                state = (*state, torch.randn(b, dirs_layers, hidden))
+        if packed:
+            return (x, lengths, *state)
+        return (x, *state) if state else x
+
+    return Case(f"{kind}{kwargs} h0={h0} loss={which} T={time}", model, inputs, loss=_loss(which))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@settings(max_examples=12)
+@given(case=rnn_cases(), batch=st.sampled_from([0, 1, 3]))
+def test_rnn_sweep(case, batch, reduction):
+    check(case, batch, reduction)
+
+
+def check_packed(case: Case, batch: int, reduction: str, seed: int = 0) -> None:
+    """:func:`harness.check` for packed inputs. ``vmap`` cannot pack (lengths are data), so the
+    ``vmap(grad)`` oracle runs, per group of equal length, the same model on the sequences cut to
+    that length without packing (what packing a batch of one means); the loop packs for real."""
+    torch.manual_seed(seed)
+    model = case.model().double()
+    x, lengths, *state = _double(case.inputs(batch))
+    want = {n: torch.zeros(batch, *p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
+    for length in lengths.unique().tolist():
+        idx = (lengths == length).nonzero()[:, 0]
+        cut = (x[idx, :length], *(s[idx] for s in state))
+        model.packed = False
+        for n, g in vmap_grad(model, case.loss, cut).items():
+            want[n][idx] = g
+        model.packed = True
+    loop = loop_grad(model, case.loss, (x, lengths, *state))
+    run_hooked(model, case, (x, lengths, *state), None, reduction)
+    for name, p in model.named_parameters():
+        assert_close(loop[name], want[name], f"{case.id}: loop vs vmap, {name}")
+        assert_close(p.grad1, want[name], f"{case.id} ({reduction}, batch {batch}): {name}")
+        reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+        assert_close(reduced, p.grad, f"{case.id}: grad1 reduced vs .grad, {name}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@settings(max_examples=10)
+@given(case=rnn_cases(packed=True), batch=st.sampled_from([1, 4]))
+def test_rnn_packed_sweep(case, batch, reduction):
+    check_packed(case, batch, reduction)
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_recompute_matches_module(kind):
+    """The rule's recomputation gives the module's own output, h_n (and c_n), packed or not."""
+    torch.manual_seed(0)
+    kw = dict(proj_size=2) if kind == "lstm" else {}
+    rnn = TYPES[kind](3, 4, num_layers=2, bidirectional=True, batch_first=True, **kw).double()
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 5, 1, 6])
+    for ls in (torch.full((5,), 6), lengths):
+        packed = pack_padded_sequence(x, ls, batch_first=True, enforce_sorted=False)
+        out, h = rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
+        got, _ = recompute(rnn, x, ls)
+        for g, w in zip(got, (out, *(h if isinstance(h, tuple) else (h,))), strict=True):
+            assert_close(g.detach(), w.detach(), f"{kind}: recomputed vs module")
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_check_rule(kind):
+    kw = dict(proj_size=1) if kind == "lstm" else {}
+    rnn = TYPES[kind](2, 3, num_layers=2, bidirectional=True, batch_first=True, **kw)
+    assert gradhooks.check_rule(rnn, torch.randn(3, 4, 2)).ok
+
+
+def _backward(model: nn.Module, *inputs: Tensor) -> None:
+    with gradhooks.add_hooks(model):
+        out = model(*inputs)
+        out[0].sum().backward()
+
+
+def test_dropout_in_training_is_an_error():
+    model = nn.Sequential()
+    model.add_module("enc", nn.LSTM(2, 3, num_layers=2, dropout=0.3))
+    with pytest.raises(ValueError, match=r"'enc' \(LSTM.*dropout=0.3.*eval\(\)"):
+        _backward(model, torch.randn(4, 2, 2))
+    model.eval()  # no dropout: exact
+    _backward(model, torch.randn(4, 2, 2))
+    assert model.enc.weight_hh_l1.grad1.shape == (2, 12, 3)
+
+
+def test_unbatched_input_is_an_error():
+    with pytest.raises(ValueError, match=r"GRU.*shape \(4, 2\).*batch"):
+        _backward(nn.GRU(2, 3), torch.randn(4, 2))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_rnn_every_batch_size(kind, batch, reduction):
+    """Two layers, bidirectional, time-major, initial state given: every output reached."""
+    proj = dict(proj_size=2) if kind == "lstm" else {}
+    layers_dirs, h_out = 4, 2 if kind == "lstm" else 3
+
+    def inputs(b):
+        state = (torch.randn(b, layers_dirs, h_out),)
+        if kind == "lstm":
+            state = (*state, torch.randn(b, layers_dirs, 3))
+        return (torch.randn(b, 5, 2), *state)
+
+    case = Case(
+        f"{kind} 2 layers bidirectional time-major",
+        lambda: BatchFirst(TYPES[kind](2, 3, num_layers=2, bidirectional=True, **proj)),
+        inputs,
+        loss=_loss("all"),
+    )
+    check(case, batch, reduction)
+
+
+class TwoCalls(nn.Module):
+    """One GRU run on a sequence and on its reverse: each call adds its share to grad1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(2, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x)[0] + self.gru(x.flip(1))[0]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_module_called_twice(reduction):
+    check(Case("gru twice", TwoCalls, lambda b: torch.randn(b, 4, 2)), 3, reduction)
