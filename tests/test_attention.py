@@ -142,6 +142,7 @@ NAMED = {
     "seq_first_masks": Opts(batch_first=False, key_padding_mask=True, attn_mask="3d"),
     "float_masks": Opts(key_padding_mask=True, attn_mask="2d", mask_dtype="float"),
     "causal_sdpa": Opts(attn_mask="causal", need_weights=False, add_bias_kv=True),
+    "causal_hint_ignored": Opts(attn_mask="causal", key_padding_mask=True, add_bias_kv=True),
     "per_head_weights": Opts(average_attn_weights=False, heads=3, inputs="cross"),
     "eval_with_dropout": Opts(dropout=0.5, eval=True),
 }
@@ -342,3 +343,27 @@ def test_transformer_layer_in_eval_mode_takes_the_normal_path(registry):
         lambda b: layer_inputs("encoder", False, b),
     )
     check(c, batch=3, reduction="mean", registry=registry)
+
+
+def test_transformer_encoder_stack(registry):
+    """nn.TransformerEncoder: deep copies of one layer, sequence first. (No final ``norm=``: a
+    LayerNorm outside the layers would see [seq, batch, E], and its rule reads dim 0 as batch.)"""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def forward(self, x):
+            return self.encoder(x.transpose(0, 1)).transpose(0, 1)
+
+    check(Case("encoder-stack", Encoder, lambda b: torch.randn(b, 3, 4)), batch=3, reduction="sum", registry=registry)
+
+
+def test_transformer_layer_dropout_in_training_is_an_error():
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.1)
+    with gradhooks.add_hooks(layer, unsupported="skip"):
+        out = layer(torch.randn(3, 2, 4)).sum()
+        with pytest.raises(RuntimeError, match=r"training mode with dropout > 0 \(dropout, dropout1"):
+            out.backward()
