@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from einops import rearrange
+from harness import Case, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.pieces import Direct, Outer
-from harness import Case, check
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,9 @@ def test_pieces_are_outer_products():
     seen = {}
     rule = gradhooks.REGISTRY.lookup(m).rule
     reg = gradhooks.Registry()
-    reg.register(nn.MultiheadAttention, owns_children=True)(lambda call: seen.setdefault("p", rule(call)))
+    reg.register(nn.MultiheadAttention, owns_children=True)(
+        lambda call: seen.setdefault("p", rule(call))
+    )
     with gradhooks.add_hooks(m, registry=reg):
         m(x, kv, kv)[0].sum().backward()
     pieces = seen["p"]
@@ -254,7 +256,9 @@ def _standin_layer_norm(call):
     m = call.module
     (x,) = call.inputs
     dims = tuple(range(-len(m.normalized_shape), 0))
-    xhat = (x - x.mean(dims, keepdim=True)) / torch.sqrt(x.var(dims, unbiased=False, keepdim=True) + m.eps)
+    xhat = (x - x.mean(dims, keepdim=True)) / torch.sqrt(
+        x.var(dims, unbiased=False, keepdim=True) + m.eps
+    )
     g = call.grad_output
     lead = tuple(range(1, x.dim() - len(dims)))
     return {"weight": Direct((xhat * g).sum(lead)), "bias": Direct(g.sum(lead))}
@@ -266,7 +270,9 @@ def registry():
         yield gradhooks.REGISTRY
         return
     if os.environ.get("GRADHOOKS_STANDIN_LAYERNORM") != "1":
-        pytest.skip("no built-in nn.LayerNorm rule yet (set GRADHOOKS_STANDIN_LAYERNORM=1 to use a stand-in)")
+        pytest.skip(
+            "no built-in nn.LayerNorm rule yet (set GRADHOOKS_STANDIN_LAYERNORM=1 to use a stand-in)"
+        )
     gradhooks.register(nn.LayerNorm)(_standin_layer_norm)
     try:
         yield gradhooks.REGISTRY
@@ -278,7 +284,9 @@ class Layer(nn.Module):
     """A Transformer(Encoder|Decoder)Layer fed batch-first inputs (``src`` or ``(tgt, memory)``
     and, optionally, key padding masks), with a causal self-attention mask."""
 
-    def __init__(self, kind: str, batch_first: bool, norm_first: bool, activation: str, masks: bool):
+    def __init__(
+        self, kind: str, batch_first: bool, norm_first: bool, activation: str, masks: bool
+    ):
         super().__init__()
         cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
         self.layer = cls(
@@ -295,7 +303,7 @@ class Layer(nn.Module):
             out = self.layer(tb(x), src_mask=causal, is_causal=True, **kpm)
         else:
             memory, *kpms = rest
-            kpm = dict(zip(("tgt_key_padding_mask", "memory_key_padding_mask"), kpms))
+            kpm = dict(zip(("tgt_key_padding_mask", "memory_key_padding_mask"), kpms, strict=False))
             out = self.layer(tb(x), tb(memory), tgt_mask=causal, tgt_is_causal=True, **kpm)
         return tb(out)
 
@@ -358,12 +366,19 @@ def test_transformer_encoder_stack(registry):
         def forward(self, x):
             return self.encoder(x.transpose(0, 1)).transpose(0, 1)
 
-    check(Case("encoder-stack", Encoder, lambda b: torch.randn(b, 3, 4)), batch=3, reduction="sum", registry=registry)
+    check(
+        Case("encoder-stack", Encoder, lambda b: torch.randn(b, 3, 4)),
+        batch=3,
+        reduction="sum",
+        registry=registry,
+    )
 
 
 def test_transformer_layer_dropout_in_training_is_an_error():
     layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.1)
     with gradhooks.add_hooks(layer, unsupported="skip"):
         out = layer(torch.randn(3, 2, 4)).sum()
-        with pytest.raises(RuntimeError, match=r"training mode with dropout > 0 \(dropout, dropout1"):
+        with pytest.raises(
+            RuntimeError, match=r"training mode with dropout > 0 \(dropout, dropout1"
+        ):
             out.backward()

@@ -124,7 +124,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     args.apply_defaults()
     args = args.arguments
     query, key, value = args["query"], args["key"], args["value"]
-    where = f"'{call.name}' ({type(m).__qualname__})"
+    where = f"'{call.name or '<model>'}' ({type(m).__qualname__})"
     if query.dim() != 3:
         raise ValueError(
             f"{where} got an unbatched query of shape {tuple(query.shape)}: per-example "
@@ -157,7 +157,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     with torch.enable_grad():
         projections = [
             F.linear(x, w, b).requires_grad_()
-            for x, w, b in zip(inputs, (w_q, w_k, w_v), (b_q, b_k, b_v))
+            for x, w, b in zip(inputs, (w_q, w_k, w_v), (b_q, b_k, b_v), strict=True)
         ]
         biases_kv = []
         if m.bias_k is not None:
@@ -177,7 +177,10 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         leaves = projections + biases_kv
         if outputs:
             leaf_grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-            leaf_grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, leaf_grads)]
+            leaf_grads = [
+                torch.zeros_like(t) if g is None else g
+                for t, g in zip(leaves, leaf_grads, strict=True)
+            ]
         else:
             leaf_grads = [torch.zeros_like(t) for t in leaves]
     g_qkv = leaf_grads[:3]
@@ -191,7 +194,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     if m._qkv_same_embed_dim:
         pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv))
     else:
-        for name, x, g in zip(("q", "k", "v"), inputs, g_qkv):
+        for name, x, g in zip(("q", "k", "v"), inputs, g_qkv, strict=True):
             pieces[f"{name}_proj_weight"] = Outer(x, g)
     if m.in_proj_bias is not None:
         pieces["in_proj_bias"] = Outer(None, _stacked(g_qkv))

@@ -26,14 +26,20 @@ from ..pieces import Piece
 from ..registry import REGISTRY, Call, register
 
 
+def _detach(tree):
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
 def _batch_first(tree):
-    return tree_map(lambda t: t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() > 2 else t, tree)
+    return tree_map(
+        lambda t: t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() > 2 else t, tree
+    )
 
 
 @register(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True)
 def transformer_layer(call: Call) -> dict[str, Piece]:
     layer = call.module
-    where = f"'{call.name}' ({type(layer).__qualname__})"
+    where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if layer.training and dropouts:
         raise RuntimeError(
@@ -59,10 +65,14 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         for *_, out in records
     ]
     flat = [t for ts in leaves for t in ts]
-    grads = iter(torch.autograd.grad(output, flat, call.grad_output, allow_unused=True)) if flat else iter(())
+    grads = (
+        iter(torch.autograd.grad(output, flat, call.grad_output, allow_unused=True))
+        if flat
+        else iter(())
+    )
 
     pieces: dict[str, Piece] = {}
-    for (name, module, args, kwargs, out), ts in zip(records, leaves):
+    for (name, module, args, kwargs, out), ts in zip(records, leaves, strict=True):
         entry = REGISTRY.lookup(module)
         params = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
         part_grads = [torch.zeros_like(t) if (g := next(grads)) is None else g for t in ts]
@@ -81,12 +91,11 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         for i, t in enumerate(out_leaves):
             if isinstance(t, Tensor) and t.requires_grad:
                 full[i] = next(it)
-        detach = lambda tree: tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)  # noqa: E731
         part = Call(
             module=module,
-            inputs=detach(args),
-            kwargs=detach(kwargs),
-            output=detach(out) if entry.needs_output else None,
+            inputs=_detach(args),
+            kwargs=_detach(kwargs),
+            output=_detach(out) if entry.needs_output else None,
             grad_outputs=tuple(full),
             name=f"{call.name}.{name}" if call.name else name,
         )
