@@ -1,0 +1,204 @@
+"""nn.MultiheadAttention as shipped by torch: recompute the attention, differentiate, and split.
+
+Per example, MultiheadAttention is::
+
+    q = query Wqᵀ + bq      k = key Wkᵀ + bk      v = value Wvᵀ + bv        (in-projection)
+    k, v += [bias_k], [bias_v] (add_bias_kv);  += [0] (add_zero_attn)      (extra key/value slots)
+    ctx = softmax(q kᵀ / √head_dim + masks) v, per head                     (attention)
+    out = ctx Woᵀ + bo                                                      (out_proj)
+
+Every weight is a Linear map applied at every position, so its per-example gradient is an
+:class:`Outer` of what it sees and the gradient of the loss with respect to what it produces:
+
+- ``out_proj.weight``: ``Outer(ctx, grad_output)``; ``out_proj.bias``: ``Outer(None, grad_output)``
+  (the module uses ``out_proj``'s parameters without calling it, so this rule owns them).
+- ``in_proj_weight`` ``[3E, E]``: one group per projection, ``Outer(stack(query, key, value),
+  stack(∂q, ∂k, ∂v))`` with ``groups = 3``; when the query and key lengths differ, the shorter
+  sequence is padded with zero positions (which add nothing to a sum of outer products).
+- ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight`` (``kdim``/``vdim`` != ``embed_dim``):
+  one ``Outer`` each; ``in_proj_bias`` ``[3E]``: ``Outer(None, ·)`` of the same groups.
+- ``bias_k`` / ``bias_v`` ``[1, 1, E]``: one key/value slot per example: ``Direct``.
+
+``∂q, ∂k, ∂v`` (per position, per example) come from recomputing the attention in explicit torch
+ops from the captured inputs, mirroring ``F.multi_head_attention_forward`` (masks, ``is_causal``,
+``bias_k``/``bias_v``, ``add_zero_attn``, ``need_weights``, ``average_attn_weights``), and one
+``torch.autograd.grad`` with the gradients of both outputs (the attention output and, when the
+loss uses them, the returned attention weights). No example sees another, so these are the
+per-example gradients. Scaling: none here; the engine scales for mean-reduced losses.
+
+Dropout inside the attention (``dropout > 0`` in training mode) draws a random mask this rule
+cannot reproduce: it raises instead of being silently wrong (use ``dropout=0`` or ``eval()``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from ..pieces import Direct, Outer, Piece
+from ..registry import Call, register
+
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask (True = masked) as an additive float mask; a float mask as is."""
+    if mask is None or mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
+
+
+def _attention(
+    m: nn.MultiheadAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
+    args: dict,
+) -> tuple[Tensor, Tensor]:
+    """The attention between the projections, batch first, as ``F.multi_head_attention_forward``
+    computes it.
+
+    ``q``: ``[batch, tgt, E]``, ``k``/``v``: ``[batch, src, E]``, ``bias_k``/``bias_v``:
+    ``[batch, 1, E]`` (one copy per example). Returns ``ctx`` ``[batch, tgt, E]`` (the input
+    of ``out_proj``) and the attention probabilities ``[batch, heads, tgt, src']`` (``src'``:
+    with the bias_k and zero-attention slots).
+    """
+    heads = m.num_heads
+    batch, tgt = q.shape[:2]
+    kpm = _float_mask(args["key_padding_mask"], q.dtype)
+    attn_mask = _float_mask(args["attn_mask"], q.dtype)
+    # torch hands is_causal to scaled_dot_product_attention (and ignores attn_mask) only here.
+    causal = args["is_causal"] and kpm is None and not args["need_weights"]
+    if causal:
+        attn_mask = None
+    elif attn_mask is not None:
+        attn_mask = (
+            attn_mask[None, None]
+            if attn_mask.dim() == 2
+            else rearrange(attn_mask, "(batch heads) tgt src -> batch heads tgt src", heads=heads)
+        )
+    if kpm is not None:
+        kpm = rearrange(kpm, "batch src -> batch 1 1 src")
+
+    def extra_slot(k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor):
+        pad = lambda t: None if t is None else F.pad(t, (0, 1))  # noqa: E731
+        return torch.cat([k, k_new], 1), torch.cat([v, v_new], 1), pad(attn_mask), pad(kpm)
+
+    if bias_k is not None:
+        k, v, attn_mask, kpm = extra_slot(k, v, bias_k, bias_v)
+    if m.add_zero_attn:
+        zero = k.new_zeros(batch, 1, k.shape[-1])
+        k, v, attn_mask, kpm = extra_slot(k, v, zero, zero)
+    q, k, v = (
+        rearrange(t, "batch seq (heads dim) -> batch heads seq dim", heads=heads) for t in (q, k, v)
+    )
+    scores = q @ k.transpose(-1, -2) / math.sqrt(m.head_dim)
+    if causal:  # scaled_dot_product_attention's causal mask: lower-left triangle, top aligned
+        allowed = torch.ones(tgt, k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, -math.inf)
+    for mask in (attn_mask, kpm):
+        if mask is not None:
+            scores = scores + mask
+    probs = scores.softmax(-1)
+    ctx = rearrange(probs @ v, "batch heads tgt dim -> batch tgt (heads dim)")
+    return ctx, probs
+
+
+def _stacked(xs: list[Tensor]) -> Tensor:
+    """``[batch, seq_i, f]`` tensors as ``[batch, len(xs), max seq, f]``, zero-padded."""
+    longest = max(x.shape[1] for x in xs)
+    return torch.stack([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs], 1)
+
+
+@register(nn.MultiheadAttention, owns_children=True)
+def multihead_attention(call: Call) -> dict[str, Piece]:
+    m: nn.MultiheadAttention = call.module
+    args = _SIGNATURE.bind(m, *call.inputs, **call.kwargs)
+    args.apply_defaults()
+    args = args.arguments
+    query, key, value = args["query"], args["key"], args["value"]
+    where = f"'{call.name or '<model>'}' ({type(m).__qualname__})"
+    if query.dim() != 3:
+        raise ValueError(
+            f"{where} got an unbatched query of shape {tuple(query.shape)}: per-example "
+            "gradients need a batch dimension ([batch, seq, E] with batch_first=True, "
+            "[seq, batch, E] otherwise)"
+        )
+    if m.training and m.dropout > 0:
+        raise RuntimeError(
+            f"{where} has dropout={m.dropout} inside the attention and is in training mode: "
+            "its random mask is drawn inside torch's attention and cannot be reproduced, so "
+            "per-example gradients of this layer cannot be computed. Construct it with "
+            "dropout=0 (nn.TransformerEncoderLayer/DecoderLayer pass their dropout to it), "
+            "or call .eval()."
+        )
+    if not m.batch_first:  # [seq, batch, E] -> [batch, seq, E]
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    g_out = call.grad_outputs[0]
+    g_probs = call.grad_outputs[1] if len(call.grad_outputs) > 1 else None
+    if g_out is not None and not m.batch_first:
+        g_out = g_out.transpose(0, 1)
+
+    if m._qkv_same_embed_dim:
+        w_q, w_k, w_v = m.in_proj_weight.detach().chunk(3)
+    else:
+        w_q, w_k, w_v = (w.detach() for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
+    b_q = b_k = b_v = None
+    if m.in_proj_bias is not None:
+        b_q, b_k, b_v = m.in_proj_bias.detach().chunk(3)
+    inputs = [query, key, value]
+    with torch.enable_grad():
+        projections = [
+            F.linear(x, w, b).requires_grad_()
+            for x, w, b in zip(inputs, (w_q, w_k, w_v), (b_q, b_k, b_v), strict=True)
+        ]
+        biases_kv = []
+        if m.bias_k is not None:
+            batch = query.shape[0]
+            biases_kv = [
+                b.detach().reshape(1, 1, -1).expand(batch, 1, -1).clone().requires_grad_()
+                for b in (m.bias_k, m.bias_v)
+            ]
+        ctx, probs = _attention(m, *projections, *(biases_kv or (None, None)), args)
+        outputs, grads = [], []
+        if g_out is not None:
+            outputs.append(ctx)
+            grads.append(g_out @ m.out_proj.weight.detach())
+        if g_probs is not None:
+            outputs.append(probs.mean(1) if args["average_attn_weights"] else probs)
+            grads.append(g_probs)
+        leaves = projections + biases_kv
+        if outputs:
+            leaf_grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+            leaf_grads = [
+                torch.zeros_like(t) if g is None else g
+                for t, g in zip(leaves, leaf_grads, strict=True)
+            ]
+        else:
+            leaf_grads = [torch.zeros_like(t) for t in leaves]
+    g_qkv = leaf_grads[:3]
+
+    pieces: dict[str, Piece] = {}
+    if g_out is None:
+        g_out = query.new_zeros(*query.shape[:2], m.embed_dim)
+    pieces["out_proj.weight"] = Outer(ctx.detach(), g_out)
+    if m.out_proj.bias is not None:
+        pieces["out_proj.bias"] = Outer(None, g_out)
+    if m._qkv_same_embed_dim:
+        pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv))
+    else:
+        for name, x, g in zip(("q", "k", "v"), inputs, g_qkv, strict=True):
+            pieces[f"{name}_proj_weight"] = Outer(x, g)
+    if m.in_proj_bias is not None:
+        pieces["in_proj_bias"] = Outer(None, _stacked(g_qkv))
+    if biases_kv:
+        pieces["bias_k"] = Direct(leaf_grads[3])
+        pieces["bias_v"] = Direct(leaf_grads[4])
+    return pieces

@@ -1,0 +1,115 @@
+"""nn.TransformerEncoderLayer / nn.TransformerDecoderLayer, both layouts, through their parts.
+
+With ``batch_first=False`` (torch's default) the layer's Linear and LayerNorm parts see
+``[seq, batch, features]``; their rules read dimension 0 as the batch, which would be wrong. So
+this rule owns the whole layer: it reruns the layer's forward on the captured inputs, records
+every call of a part (``self_attn``, ``multihead_attn``, ``linear1``, ``norm1``, ...) and its
+output-gradient (one ``torch.autograd.grad`` from the layer's output-gradient), puts the
+position-wise parts' tensors batch first, and hands each call to that part's own rule. The pieces
+are the parts' own (:class:`Outer` for the Linear maps and attention projections), under the
+layer's parameter names (``linear1.weight``, ``self_attn.in_proj_weight``, ...). The attention
+(``nn.MultiheadAttention``) knows its own layout and gets its call as it was.
+
+Scaling: none here; the engine scales for mean-reduced losses. Dropout (``dropout > 0`` in
+training mode) cannot be replayed: an error (construct the layer with ``dropout=0``, or call
+``eval()``). Parts are looked up in the default registry.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..engine import paused
+from ..pieces import Piece
+from ..registry import REGISTRY, Call, register
+
+
+def _detach(tree):
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def _batch_first(tree):
+    return tree_map(
+        lambda t: t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() > 2 else t, tree
+    )
+
+
+@register(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True)
+def transformer_layer(call: Call) -> dict[str, Piece]:
+    layer = call.module
+    where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"
+    dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if layer.training and dropouts:
+        raise RuntimeError(
+            f"{where} is in training mode with dropout > 0 ({', '.join(dropouts)}): its random "
+            "masks cannot be replayed, so per-example gradients of this layer cannot be "
+            "computed. Construct it with dropout=0, or call .eval()."
+        )
+    names = {m: n for n, m in layer.named_children()}
+    records: list[tuple[str, nn.Module, tuple, dict, object]] = []
+
+    def record(module, args, kwargs, output):
+        records.append((names[module], module, args, kwargs, output))
+
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
+    try:
+        with torch.enable_grad(), paused():
+            output = layer.forward(*call.inputs, **call.kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    leaves = [
+        [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
+        for *_, out in records
+    ]
+    flat = [t for ts in leaves for t in ts]
+    grads = (
+        iter(torch.autograd.grad(output, flat, call.grad_output, allow_unused=True))
+        if flat
+        else iter(())
+    )
+
+    pieces: dict[str, Piece] = {}
+    for (name, module, args, kwargs, out), ts in zip(records, leaves, strict=True):
+        entry = REGISTRY.lookup(module)
+        params = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
+        part_grads = [torch.zeros_like(t) if (g := next(grads)) is None else g for t in ts]
+        if not params:
+            continue
+        if entry is None:
+            raise TypeError(
+                f"{where}: its part '{name}' ({type(module).__qualname__}) has no rule; register "
+                "one with @gradhooks.register."
+            )
+        if name in {p.split(".")[0] for p in pieces}:
+            raise RuntimeError(f"{where}: part '{name}' was called twice; not supported")
+        out_leaves = tree_flatten(out)[0]
+        full: list[Tensor | None] = [None] * len(out_leaves)
+        it = iter(part_grads)
+        for i, t in enumerate(out_leaves):
+            if isinstance(t, Tensor) and t.requires_grad:
+                full[i] = next(it)
+        part = Call(
+            module=module,
+            inputs=_detach(args),
+            kwargs=_detach(kwargs),
+            output=_detach(out) if entry.needs_output else None,
+            grad_outputs=tuple(full),
+            name=f"{call.name}.{name}" if call.name else name,
+        )
+        if not layer.self_attn.batch_first and not isinstance(module, nn.MultiheadAttention):
+            # A position-wise part: [seq, batch, ...] -> [batch, seq, ...].
+            part = Call(
+                module=module,
+                inputs=_batch_first(part.inputs),
+                kwargs=_batch_first(part.kwargs),
+                output=_batch_first(part.output),
+                grad_outputs=_batch_first(part.grad_outputs),
+                name=part.name,
+            )
+        for pname, piece in entry.rule(part).items():
+            if pname in params:
+                pieces[f"{name}.{pname}"] = piece
+    return pieces
