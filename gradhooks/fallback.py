@@ -20,10 +20,15 @@ Assumptions, all checked (a clear error otherwise):
 
 - Dimension 0 of every output tensor that receives a gradient is the batch ``B``.
 - A tensor input (positional or keyword) whose dimension 0 has size ``B`` is batched; any other
-  tensor input (an attention mask ``[seq, seq]``) is shared by every example.
+  tensor input (an attention mask ``[seq, seq]``) is shared by every example. When a shared
+  tensor's dimension 0 happens to equal ``B``, the first recomputation fails or differs and the
+  fallback retries with that tensor shared.
 - The module does not mix examples, draw random numbers or depend on state it changes in its
   forward: the per-example recomputation must reproduce the batched output (compared, so that a
   violated assumption is an error, never a silently wrong ``grad1``).
+
+Not detected: a module that both calls a hooked submodule and uses that submodule's parameter
+directly (``self.proj(x) + F.linear(y, self.proj.weight)``) misses the direct use; write a rule.
 
 Scaling: the pieces are the vjp of the backpropagated loss; the engine multiplies them by ``B``
 for a mean-reduced loss, as for every rule. Cost: one extra forward and backward of the module,
@@ -50,6 +55,9 @@ __all__ = ["fallback", "FALLBACK", "fallback_params"]
 _UNCALLED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 # Modules that torch.func cannot vmap: recomputed with a loop over the examples.
 _LOOP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+# Per module: which tensor inputs were split over the examples, for the shapes of its last call.
+_PATTERN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+_MAX_RETRIES = 4
 
 
 def fallback_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -140,6 +148,32 @@ def _per_example_vjp(
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}, set()
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
     batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch for t in leaves]
+    # A tensor whose dimension 0 only happens to equal the batch size (an attention mask
+    # [seq, seq] with seq == batch) makes the recomputation fail or differ: then retry with one
+    # such tensor (any batched one but the first) shared by every example instead.
+    candidates = [j for j, is_b in enumerate(batched) if is_b][1 : _MAX_RETRIES + 1]
+    patterns = [batched] + [[is_b and k != j for k, is_b in enumerate(batched)] for j in candidates]
+    shapes = (batch, tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves))
+    cached = _PATTERN.get(module)
+    if cached is not None and cached[0] == shapes:
+        patterns.insert(0, cached[1])  # what worked for the last call with these shapes
+    first: Exception | None = None
+    for pattern in patterns:
+        try:
+            result = _attempt(call, name, wrt, leaves, spec, pattern, gs, out_idx, batch)
+            _PATTERN[module] = (shapes, pattern)
+            return result
+        except Exception as e:  # noqa: PERF203
+            if "draws random numbers" in str(e):
+                raise
+            first = first or e
+    assert first is not None
+    raise first
+
+
+def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
+    """One recomputation, with the tensor inputs flagged in ``batched`` split over examples."""
+    module = call.module
     xs = [t for t, b in zip(leaves, batched) if b]
     fixed = {n: p.detach() for n, p in module.named_parameters() if n not in wrt}
     fixed.update({n: b.detach() for n, b in module.named_buffers()})
@@ -175,7 +209,8 @@ def _per_example_vjp(
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="There is a performance drop")
-            if module not in _LOOP:
+            vmapped = module not in _LOOP
+            if vmapped:
                 try:
                     grads, outs = vmap(one, randomness="error")(xs, gs)
                 except RuntimeError as e:
@@ -183,12 +218,13 @@ def _per_example_vjp(
                         raise
                     # Some operators cannot be vmapped (nn.LSTM in float64 on CPU writes a
                     # batched tensor into an unbatched one): one example at a time instead.
-                    _LOOP[module] = True
-            if module in _LOOP:
+                    vmapped = False
+            if not vmapped:
                 called.clear()
                 grads, outs = _loop(
                     module, name, fixed, primals, leaves, batched, spec, gs, out_idx
                 )
+                _LOOP[module] = True
     except Exception as e:
         if str(e).startswith("fallback for"):
             raise  # ours, already clear

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import Case, check
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
-from harness import Case, check
 
 
 class Scale(nn.Module):
@@ -231,3 +231,9 @@ def test_randomness_is_a_clear_error():
             model(torch.randn(5, 4)).sum().backward()
     model.eval()
     check(Case("dropout_eval", lambda: Dropped(4).eval(), lambda b: torch.randn(b, 4)), batch=3)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[8]], ids=repr)
+def test_shared_tensor_whose_dim_0_equals_the_batch(case):
+    """A mask [seq, seq] (or [seq, n]) with seq == batch is not split over the examples."""
+    check(case, batch=3, reduction="mean")

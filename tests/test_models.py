@@ -7,12 +7,18 @@ them: a rule where one is registered, the torch.func fallback otherwise.
 
 import pytest
 import torch
+from harness import Case, _double, assert_close, check, cross_entropy_sum, run_hooked
 
 from gradhooks.models import (
-    CifarCNN, EmbedBlock, LSTMLanguageModel, ResNet18GN, TinyGPT, TinyUNet, TinyViT,
+    CifarCNN,
+    EmbedBlock,
+    LSTMLanguageModel,
+    ResNet18GN,
+    TinyGPT,
+    TinyUNet,
+    TinyViT,
 )  # fmt: skip
 from gradhooks.oracle import loop_grad
-from harness import Case, _double, assert_close, check, cross_entropy_sum, run_hooked
 
 
 def tokens(vocab: int, seq: int):
