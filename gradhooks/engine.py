@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .fallback import FALLBACK, fallback_params
 from .registry import REGISTRY, Call, Registry, _Entry
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 LossReduction = Literal["mean", "sum"]
-Unsupported = Literal["error", "skip"]
+Unsupported = Literal["fallback", "error", "skip"]
 
 # Models and modules currently hooked, so that hooks are never added twice (which would count
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
@@ -70,13 +71,15 @@ class Hooks:
         self,
         model: nn.Module,
         loss_reduction: LossReduction = "mean",
-        unsupported: Unsupported = "error",
+        unsupported: Unsupported = "fallback",
         registry: Registry = REGISTRY,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if unsupported not in ("error", "skip"):
-            raise ValueError(f"unsupported must be 'error' or 'skip', got {unsupported!r}")
+        if unsupported not in ("fallback", "error", "skip"):
+            raise ValueError(
+                f"unsupported must be 'fallback', 'error' or 'skip', got {unsupported!r}"
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
         self.loss_reduction: LossReduction = loss_reduction
@@ -112,6 +115,13 @@ class Hooks:
         """The hooked modules, by qualified name."""
         for t in self._targets:
             yield t.name, t.module
+
+    def fallback_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules without a rule whose ``grad1`` the ``torch.func`` fallback computes
+        (``unsupported="fallback"``), by qualified name."""
+        for t in self._targets:
+            if t.entry is FALLBACK:
+                yield t.name, t.module
 
     def clear(self) -> None:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
@@ -232,6 +242,8 @@ class Hooks:
         for pname, p in params.items():
             piece = pieces.get(pname)
             if piece is None:
+                if pname in pieces:
+                    continue  # the rule says: this call's gradient for it is computed elsewhere
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
                     f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)})"
@@ -277,7 +289,11 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
         own = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
         if entry is None:
             trainable = {n: p for n, p in own.items() if p.requires_grad}
-            if trainable:
+            if trainable and unsupported == "fallback":
+                params = fallback_params(module)
+                targets.append(_Target(name, module, FALLBACK, params))
+                covered.update(id(p) for p in params.values())
+            elif trainable:
                 uncovered.append((name, module, trainable))
             continue
         if entry.owns_children:
@@ -307,8 +323,8 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
                 + "\n  ".join(lines)
                 + why
                 + "\nRegister one with @gradhooks.register(ModuleType) (see the README), freeze "
-                "those parameters, or pass unsupported='skip' to leave them without grad1. "
-                "Nothing was hooked."
+                "those parameters, pass unsupported='fallback' (the default) to compute them with "
+                "torch.func, or unsupported='skip' to leave them without grad1. Nothing was hooked."
             )
     return targets
 
@@ -320,18 +336,21 @@ def _detach(tree: Any) -> Any:
 def add_hooks(
     model: nn.Module,
     loss_reduction: LossReduction = "mean",
-    unsupported: Unsupported = "error",
+    unsupported: Unsupported = "fallback",
     registry: Registry = REGISTRY,
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
     Args:
-        model: any ``nn.Module``. Every module with trainable parameters must have a rule.
+        model: any ``nn.Module``.
         loss_reduction: ``"mean"`` when the loss is the mean of per-example losses (the default
             of torch losses), ``"sum"`` when it is their sum. ``grad1[i]`` is the gradient of
             example ``i``'s own loss in both cases.
-        unsupported: ``"error"`` (default) raises, before anything is hooked, when a module with
-            trainable parameters has no rule; ``"skip"`` leaves its parameters without ``grad1``.
+        unsupported: what to do with a module that has trainable parameters and no rule.
+            ``"fallback"`` (default): compute its per-example gradients with ``torch.func``
+            from the captured call (:mod:`gradhooks.fallback`; slower than a rule, see
+            :meth:`Hooks.fallback_modules`). ``"error"``: raise, before anything is hooked.
+            ``"skip"``: leave its parameters without ``grad1``.
         registry: the rules to use (default: the built-in registry).
 
     Returns:

@@ -155,7 +155,9 @@ class TinyGPT(nn.Module):
         self.out.weight = self.tok.weight  # tied
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        # Positions [batch, seq], not [seq]: a layer called without the batch dimension and
+        # broadcast over it later has no per-example gradients of its own to capture.
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.tok(tokens) + self.pos(pos)
         return self.out(self.ln(self.blocks(x)))
 

@@ -1,0 +1,314 @@
+"""The fallback rule: per-example gradients of any module, by ``torch.func``, from its captured call.
+
+A module with trainable parameters and no rule (a custom layer, a layer no rule covers yet, or a
+module whose ``forward`` uses bare ``nn.Parameter`` s such as a ViT class token) is recomputed one
+example at a time from the inputs its forward hook captured::
+
+    grad1[b] = vjp(θ ↦ module(θ, x[b:b+1]), θ)(g[b:b+1])      for b in batch (torch.func.vmap)
+
+with ``θ`` the module's own trainable parameters (``recurse=False``), every other parameter and
+buffer held fixed, and ``g`` the captured gradient of the loss with respect to the call's outputs.
+Children keep their own rules: inside the recomputation they run under ``torch.func``, where the
+engine's forward hook captures nothing, so nothing is counted twice.
+
+A module can use a submodule's parameter without calling the submodule
+(``nn.MultiheadAttention`` reads ``out_proj.weight``); the fallback sees which hooked submodules
+its recomputation called and also differentiates with respect to the parameters of those that
+were not called.
+
+Assumptions, all checked (a clear error otherwise):
+
+- Dimension 0 of every output tensor that receives a gradient is the batch ``B``.
+- A tensor input (positional or keyword) whose dimension 0 has size ``B`` is batched; any other
+  tensor input (an attention mask ``[seq, seq]``) is shared by every example. When a shared
+  tensor's dimension 0 happens to equal ``B``, the first recomputation fails or differs and the
+  fallback retries with that tensor shared.
+- The module does not mix examples, draw random numbers or depend on state it changes in its
+  forward: the per-example recomputation must reproduce the batched output (compared, so that a
+  violated assumption is an error, never a silently wrong ``grad1``).
+
+Not detected: a module that both calls a hooked submodule and uses that submodule's parameter
+directly (``self.proj(x) + F.linear(y, self.proj.weight)``) misses the direct use; write a rule.
+
+Scaling: the pieces are the vjp of the backpropagated loss; the engine multiplies them by ``B``
+for a mean-reduced loss, as for every rule. Cost: one extra forward and backward of the module,
+vmapped over the batch, per call.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .pieces import Direct, Piece
+from .registry import Call, _Entry
+
+__all__ = ["fallback", "FALLBACK", "fallback_params"]
+
+# Per module: the names of submodule parameters its last call used without calling their module.
+_UNCALLED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+# Modules that torch.func cannot vmap: recomputed with a loop over the examples.
+_LOOP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+# Per module: which tensor inputs were split over the examples, for the shapes of its last call.
+_PATTERN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+_MAX_RETRIES = 4
+
+
+def fallback_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters the fallback may give pieces for: the module's own (``recurse=False``),
+    then those of its submodules (for a submodule it uses without calling it)."""
+    own = dict(module.named_parameters(recurse=False))
+    ids = {id(p) for p in own.values()}
+    nested = {n: p for n, p in module.named_parameters() if id(p) not in ids}
+    return {**own, **nested}
+
+
+def fallback(call: Call) -> dict[str, Piece | None]:
+    """Per-example gradients of ``call.module``'s parameters by ``vmap`` of a ``vjp``.
+
+    Returns ``{name: Direct([batch, *param.shape])}`` for the module's own trainable parameters
+    and for those of submodules it used without calling them, and ``{name: None}`` for the
+    parameters of submodules it called (their own hooks have them).
+    """
+    from .engine import _HOOKED_MODULES  # the engine imports this module
+
+    module = call.module
+    own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    nested = {n: p for n, p in fallback_params(module).items() if n not in own and p.requires_grad}
+    hooks = _HOOKED_MODULES.get(module)
+    if hooks is None:  # not hooked by the engine: no way to tell which submodules are hooked
+        nested = {}
+    targets = {id(t.module): t for t in hooks._targets} if hooks is not None else {}
+
+    def handled(name: str, called: set[int]) -> bool:
+        """Whether a called hooked submodule computes ``name``'s gradient itself."""
+        parts = name.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            sub = module.get_submodule(".".join(parts[:k]))
+            target = targets.get(id(sub))
+            if target is not None and id(sub) in called and ".".join(parts[k:]) in target.params:
+                return True
+        return False
+
+    guess = _UNCALLED.get(module, frozenset()) & nested.keys()
+    for _ in range(2):
+        wrt = {**own, **{n: nested[n] for n in sorted(guess)}}
+        grads, called = _per_example_vjp(call, wrt)
+        uncalled = frozenset(n for n in nested if not handled(n, called))
+        if uncalled == guess:
+            break
+        guess = uncalled  # the recomputation called other submodules than last time: redo
+    else:
+        raise RuntimeError(
+            f"fallback for '{call.name}' ({type(module).__qualname__}): the submodules its "
+            "forward calls changed between two recomputations of the same call; register a rule "
+            "for it with @gradhooks.register."
+        )
+    _UNCALLED[module] = guess
+    pieces: dict[str, Piece | None] = {n: None for n in nested}
+    pieces.update({n: Direct(g) for n, g in grads.items()})
+    return pieces
+
+
+def _describe(call: Call) -> str:
+    def shapes(tree) -> str:
+        leaves = tree_flatten(tree)[0]
+        return ", ".join(str(tuple(t.shape)) if isinstance(t, Tensor) else repr(t) for t in leaves)
+
+    grads = [None if g is None else tuple(g.shape) for g in call.grad_outputs]
+    kwargs = f"; keyword inputs {shapes(call.kwargs)}" if call.kwargs else ""
+    return f"inputs {shapes(call.inputs)}{kwargs}; output gradients {grads}"
+
+
+def _per_example_vjp(
+    call: Call, wrt: Mapping[str, nn.Parameter]
+) -> tuple[dict[str, Tensor], set[int]]:
+    """``{name: [batch, *shape]}`` for the parameters in ``wrt``, and the ids of the submodules
+    the recomputation called."""
+    module, name = call.module, f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
+    out_idx = [i for i, g in enumerate(call.grad_outputs) if g is not None]
+    gs = [call.grad_outputs[i] for i in out_idx]
+    if not gs:
+        return {}, set()
+    batch = gs[0].shape[0] if gs[0].dim() else -1
+    if any(g.dim() == 0 or g.shape[0] != batch for g in gs):
+        raise ValueError(
+            f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
+            f"every output that receives a gradient; got {_describe(call)}. Register a rule "
+            "for this module with @gradhooks.register (see the README), or freeze its "
+            "parameters."
+        )
+    if batch == 0:
+        return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}, set()
+    leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
+    batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch for t in leaves]
+    # A tensor whose dimension 0 only happens to equal the batch size (an attention mask
+    # [seq, seq] with seq == batch) makes the recomputation fail or differ: then retry with one
+    # such tensor (any batched one but the first) shared by every example instead.
+    candidates = [j for j, is_b in enumerate(batched) if is_b][1 : _MAX_RETRIES + 1]
+    patterns = [batched] + [[is_b and k != j for k, is_b in enumerate(batched)] for j in candidates]
+    shapes = (batch, tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves))
+    cached = _PATTERN.get(module)
+    if cached is not None and cached[0] == shapes:
+        patterns.insert(0, cached[1])  # what worked for the last call with these shapes
+    first: Exception | None = None
+    for pattern in patterns:
+        try:
+            result = _attempt(call, name, wrt, leaves, spec, pattern, gs, out_idx, batch)
+            _PATTERN[module] = (shapes, pattern)
+            return result
+        except Exception as e:  # noqa: PERF203
+            if "draws random numbers" in str(e):
+                raise
+            first = first or e
+    assert first is not None
+    raise first
+
+
+def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
+    """One recomputation, with the tensor inputs flagged in ``batched`` split over examples."""
+    module = call.module
+    xs = [t for t, b in zip(leaves, batched) if b]
+    fixed = {n: p.detach() for n, p in module.named_parameters() if n not in wrt}
+    fixed.update({n: b.detach() for n, b in module.named_buffers()})
+    primals = {n: p.detach() for n, p in wrt.items()}
+    called: set[int] = set()
+
+    def record(m: nn.Module, args: object) -> None:
+        called.add(id(m))
+
+    def one(xs_b: list[Tensor], gs_b: list[Tensor]):
+        it = iter(xs_b)
+        args, kwargs = tree_unflatten(
+            [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched)], spec
+        )
+
+        def f(params):
+            out = tree_flatten(functional_call(module, {**fixed, **params}, args, kwargs))[0]
+            return tuple(out[i] for i in out_idx)
+
+        outs, pullback = vjp(f, primals)
+        for o, g in zip(outs, gs_b):
+            if o.shape != (1, *g.shape):
+                raise ValueError(
+                    f"fallback for {name}: it takes dimension 0 of the inputs and outputs as the "
+                    f"batch ({batch}, from the output gradients), but one example's output has "
+                    f"shape {tuple(o.shape)}, not {(1, *g.shape)}; got {_describe(call)}. "
+                    "Register a rule for this module with @gradhooks.register (see the README)."
+                )
+        (grads,) = pullback(tuple(g.unsqueeze(0) for g in gs_b))
+        return grads, tuple(o.squeeze(0) for o in outs)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            vmapped = module not in _LOOP
+            if vmapped:
+                try:
+                    grads, outs = vmap(one, randomness="error")(xs, gs)
+                except RuntimeError as e:
+                    if "random operation" in str(e):
+                        raise
+                    # Some operators cannot be vmapped (nn.LSTM in float64 on CPU writes a
+                    # batched tensor into an unbatched one): one example at a time instead.
+                    vmapped = False
+            if not vmapped:
+                called.clear()
+                grads, outs = _loop(
+                    module, name, fixed, primals, leaves, batched, spec, gs, out_idx
+                )
+                _LOOP[module] = True
+    except Exception as e:
+        if str(e).startswith("fallback for"):
+            raise  # ours, already clear
+        if isinstance(e, RuntimeError) and "random operation" in str(e):
+            raise RuntimeError(
+                f"fallback for {name}: its forward draws random numbers (dropout in training "
+                "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
+                "or set the dropout to 0 for the backward you capture, or register a rule for "
+                "this module with @gradhooks.register."
+            ) from e
+        raise RuntimeError(
+            f"fallback for {name} could not recompute the module one example at a time "
+            f"({_describe(call)}; batch {batch} on dimension 0): {e}\nIf the module mixes the "
+            "examples of a batch (BatchNorm in training mode), it has no per-example gradients; "
+            "otherwise register a rule for it with @gradhooks.register (see the README), or "
+            "freeze its parameters."
+        ) from e
+    finally:
+        handle.remove()
+    called.discard(id(module))
+    _check_output(call, name, out_idx, outs, batch)
+    return grads, called
+
+
+def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx):
+    """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example."""
+    from .engine import paused
+
+    per_example, outs = [], []
+    for b in range(gs[0].shape[0]):
+        args, kwargs = tree_unflatten(
+            [t[b : b + 1] if is_b else t for t, is_b in zip(leaves, batched)], spec
+        )
+        params = {n: p.detach().requires_grad_() for n, p in primals.items()}
+        with torch.enable_grad(), paused():
+            out = tree_flatten(functional_call(module, {**fixed, **params}, args, kwargs))[0]
+            out = [out[i] for i in out_idx]
+            for o, g in zip(out, gs):
+                if o.shape != (1, *g.shape[1:]):
+                    raise ValueError(
+                        f"fallback for {name}: it takes dimension 0 of the inputs and outputs "
+                        f"as the batch, but one example's output has shape {tuple(o.shape)}, "
+                        f"not {(1, *g.shape[1:])}. Register a rule for this module with "
+                        "@gradhooks.register (see the README)."
+                    )
+            grads = torch.autograd.grad(
+                [o for o in out if o.requires_grad],
+                list(params.values()),
+                [g[b : b + 1] for o, g in zip(out, gs) if o.requires_grad],
+                allow_unused=True,
+            )
+        per_example.append(
+            [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        )
+        outs.append([o.detach()[0] for o in out])
+    grads = {n: torch.stack(gs_n) for n, gs_n in zip(primals, zip(*per_example))}
+    return grads, tuple(torch.stack(os) for os in zip(*outs))
+
+
+def _check_output(call: Call, name: str, out_idx: list[int], outs, batch: int) -> None:
+    """The per-example recomputation must reproduce the captured batched output."""
+    if call.output is None:
+        return  # registered by hand without needs_output=True: nothing to compare with
+    captured = tree_flatten(call.output)[0]
+    for i, got in zip(out_idx, outs):
+        want = captured[i]
+        if not want.numel():
+            continue
+        eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
+        finite = want[torch.isfinite(want)]
+        tol = min(1e3 * eps, 5e-2) * (1.0 + (finite.abs().max().item() if finite.numel() else 0))
+        if not torch.isclose(got, want, rtol=0.0, atol=tol, equal_nan=True).all():
+            diff = (got - want).abs().nan_to_num(nan=float("inf")).max().item()
+            raise RuntimeError(
+                f"fallback for {name}: recomputing the module one example at a time does not "
+                f"reproduce its output {i} (max difference {diff:.3e}; {_describe(call)}). "
+                "The module mixes the examples of a batch (BatchNorm in training mode), changes "
+                "its state in its forward, or takes a tensor whose dimension 0 happens to equal "
+                f"the batch size {batch} but is not a batch. Per-example gradients from its call "
+                "would be wrong: register a rule with @gradhooks.register, or freeze its "
+                "parameters."
+            )
+
+
+#: The fallback as a registry entry: the engine hooks every module with trainable parameters
+#: and no rule with it when ``unsupported="fallback"`` (the default).
+FALLBACK = _Entry(rule=fallback, owns_children=False, needs_output=True)

@@ -1,0 +1,239 @@
+"""The torch.func fallback for modules without a rule, against vmap(grad) and a per-example loop."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import Case, check
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+
+
+class Scale(nn.Module):
+    """A custom layer: no rule is registered for it."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.scale
+
+
+class Buffered(nn.Module):
+    """A parameter used together with buffers."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n))
+        self.register_buffer("mean", torch.randn(n))
+        self.register_buffer("std", torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return ((x - self.mean) / self.std) @ self.weight
+
+
+class Gated(nn.Module):
+    """Keyword inputs: a batched gate and a shared (unbatched) mask, returning a tuple."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n)
+        self.bias = nn.Parameter(torch.randn(n))
+
+    def forward(self, x, *, gate, mask, scale=2.0):
+        h = (x @ self.weight) * mask + self.bias
+        return h * torch.sigmoid(gate), scale * h.sum(-1)
+
+
+class GatedModel(nn.Module):
+    def __init__(self, n=4, seq=3):
+        super().__init__()
+        self.inp = nn.Linear(n, n)
+        self.gated = Gated(n)
+        self.register_buffer("mask", (torch.arange(seq * n).reshape(seq, n) % 3 != 0).double())
+
+    def forward(self, x):
+        a, b = self.gated(self.inp(x), gate=x.flip(-1), mask=self.mask, scale=0.5)
+        return a, b
+
+
+class HalfUsed(nn.Module):
+    """A tuple output of which only the first element reaches the loss."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n)
+
+    def forward(self, x):
+        y = x @ self.weight
+        return y, y.exp()
+
+
+class HalfUsedModel(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.used = HalfUsed(n)
+        self.out = nn.Linear(n, 2)
+
+    def forward(self, x):
+        return self.out(self.used(x)[0])
+
+
+class TokenModel(nn.Module):
+    """Bare parameters in the root's forward (class token, positional embedding, a scale);
+    children with rules (Linear) keep them."""
+
+    def __init__(self, n=4, seq=3):
+        super().__init__()
+        self.proj = nn.Linear(5, n)
+        self.cls = nn.Parameter(torch.randn(1, 1, n))
+        self.pos = nn.Parameter(torch.randn(1, seq + 1, n))
+        self.gain = nn.Parameter(torch.tensor(1.5))
+        self.head = nn.Linear(n, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1) + self.pos
+        return self.head(torch.tanh(h * self.gain)[:, 0])
+
+
+class TiedToRule(nn.Module):
+    """An Embedding (fallback) whose weight a Linear (rule) also uses, and a module called twice."""
+
+    def __init__(self, vocab=7, n=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, n)
+        self.scale = Scale(n)
+        self.out = nn.Linear(n, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(self.scale(self.scale(self.embed(tokens))))
+
+
+class UsesChildWeight(nn.Module):
+    """Uses a child's weight without calling the child (as nn.MultiheadAttention does)."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.proj = nn.Linear(n, n)
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return F.linear(x, self.proj.weight, self.proj.bias) * self.gain
+
+
+class MHA(nn.Module):
+    def __init__(self, n=4, heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(n, heads, batch_first=True, bias=True)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+        return self.attn(x, x, x, attn_mask=causal, need_weights=False)[0]
+
+
+CASES = [
+    Case("custom_layer", lambda: nn.Sequential(nn.Linear(3, 4), Scale(4)), lambda b: torch.randn(b, 2, 3)),
+    Case("buffers", lambda: nn.Sequential(Buffered(3), nn.Linear(3, 2)), lambda b: torch.randn(b, 3)),
+    Case("batchnorm_eval", lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval(), lambda b: torch.randn(b, 3)),
+    Case("kwargs_tuple", GatedModel, lambda b: torch.randn(b, 3, 4)),
+    Case("half_used_tuple", HalfUsedModel, lambda b: torch.randn(b, 4)),
+    Case("bare_parameters", TokenModel, lambda b: torch.randn(b, 3, 5)),
+    Case("tied_to_rule", TiedToRule, lambda b: torch.randint(7, (b, 3))),
+    Case("uses_child_weight", lambda: nn.Sequential(UsesChildWeight(), nn.Linear(4, 2)), lambda b: torch.randn(b, 4)),
+    Case("multihead_attention", MHA, lambda b: torch.randn(b, 3, 4)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 4])
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_fallback_matches_oracles(case, batch, reduction):
+    check(case, batch=batch, reduction=reduction)
+
+
+def test_check_rule_on_a_custom_layer():
+    assert gradhooks.check_rule(Scale(4), torch.randn(5, 4)).ok
+    assert gradhooks.check_rule(Buffered(3), torch.randn(5, 3)).ok
+
+
+def test_fallback_modules_lists_only_modules_without_a_rule():
+    model = TokenModel()
+    with gradhooks.add_hooks(model) as hooks:
+        assert [name for name, _ in hooks.fallback_modules()] == [""]
+        assert {name for name, _ in hooks.modules()} == {"", "proj", "head"}
+    mha = MHA()
+    with gradhooks.add_hooks(mha) as hooks:
+        # out_proj has the Linear rule, but attn uses its weight without calling it
+        assert [name for name, _ in hooks.fallback_modules()] == ["attn"]
+
+
+def test_children_are_not_captured_inside_the_fallback():
+    """The fallback recomputes the root (bare parameters), children and all, under torch.func:
+    the children's hooks must not fire there, or their grad1 would be counted twice."""
+    model = TokenModel().double()
+    x = torch.randn(3, 3, 5, dtype=torch.float64)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).sum().backward()
+        want = vmap_grad(model, lambda out: out.sum(), x)  # under torch.func: no capture
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)
+
+
+def test_error_and_skip_still_work():
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4))
+    with pytest.raises(TypeError, match=r"'1' \(Scale\): scale"):
+        gradhooks.add_hooks(model, unsupported="error")
+    with gradhooks.add_hooks(model, unsupported="skip") as hooks:
+        assert list(hooks.fallback_modules()) == []
+        model(torch.randn(2, 3)).sum().backward()
+    assert not hasattr(model[1].scale, "grad1")
+    with pytest.raises(ValueError, match="'fallback', 'error' or 'skip'"):
+        gradhooks.add_hooks(model, unsupported="warn")
+
+
+class Transposed(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):  # [batch, seq, n] -> [seq, batch, n]: batch not on dim 0
+        return x.transpose(0, 1) * self.scale
+
+
+def test_batch_not_on_dim_0_is_a_clear_error():
+    model = Transposed(4)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(ValueError, match=r"'<model>' \(Transposed\).*batch.*\(3, 2, 4\)"):
+            model(torch.randn(2, 3, 4)).sum().backward()
+
+
+def test_mixing_examples_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # training mode
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError, match=r"'1' \(BatchNorm1d\)"):
+            model(torch.randn(5, 3)).sum().backward()
+
+
+class Dropped(Scale):
+    def forward(self, x):
+        return F.dropout(super().forward(x), 0.5, self.training)
+
+
+def test_randomness_is_a_clear_error():
+    model = Dropped(4)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError, match=r"'<model>' \(Dropped\).*random"):
+            model(torch.randn(5, 4)).sum().backward()
+    model.eval()
+    check(Case("dropout_eval", lambda: Dropped(4).eval(), lambda b: torch.randn(b, 4)), batch=3)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[8]], ids=repr)
+def test_shared_tensor_whose_dim_0_equals_the_batch(case):
+    """A mask [seq, seq] (or [seq, n]) with seq == batch is not split over the examples."""
+    check(case, batch=3, reduction="mean")
