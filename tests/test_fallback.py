@@ -153,7 +153,15 @@ CASES = [
 @pytest.mark.parametrize("batch", [0, 1, 4])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_fallback_matches_oracles(case, batch, reduction):
-    check(case, batch=batch, reduction=reduction)
+    # Only the Linear rule: everything else here (Embedding, BatchNorm, MultiheadAttention, the
+    # custom layers) goes through the fallback, whichever built-in rules exist.
+    check(case, batch=batch, reduction=reduction, registry=_only(nn.Linear))
+
+
+def _only(*module_types):
+    reg = gradhooks.Registry()
+    reg._rules.update({t: gradhooks.REGISTRY._rules[t] for t in module_types})
+    return reg
 
 
 def test_check_rule_on_a_custom_layer():
@@ -168,8 +176,18 @@ def test_fallback_modules_lists_only_modules_without_a_rule():
         assert {name for name, _ in hooks.modules()} == {"", "proj", "head"}
     mha = MHA()
     with gradhooks.add_hooks(mha) as hooks:
+        # nn.MultiheadAttention has its own rule (which covers out_proj too): no fallback
+        assert [name for name, _ in hooks.fallback_modules()] == []
+    with gradhooks.add_hooks(mha, registry=_without(nn.MultiheadAttention)) as hooks:
         # out_proj has the Linear rule, but attn uses its weight without calling it
         assert [name for name, _ in hooks.fallback_modules()] == ["attn"]
+
+
+def _without(module_type):
+    reg = gradhooks.Registry()
+    reg._rules.update(gradhooks.REGISTRY._rules)
+    reg.unregister(module_type)
+    return reg
 
 
 def test_children_are_not_captured_inside_the_fallback():
