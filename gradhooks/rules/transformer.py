@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..engine import paused
+from ..fallback import FALLBACK
 from ..pieces import Piece
 from ..registry import REGISTRY, Call, register
 
@@ -79,10 +80,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         if not params:
             continue
         if entry is None:
-            raise TypeError(
-                f"{where}: its part '{name}' ({type(module).__qualname__}) has no rule; register "
-                "one with @gradhooks.register."
-            )
+            entry = FALLBACK  # a part without a rule: torch.func, as for any module
         if name in {p.split(".")[0] for p in pieces}:
             raise RuntimeError(f"{where}: part '{name}' was called twice; not supported")
         out_leaves = tree_flatten(out)[0]
