@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from harness import Case, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_conv import _valid, conv_cases
 from torch import nn
 
 import gradhooks
-from harness import Case, check
-from test_conv import _valid, conv_cases
 
 TRANSPOSE = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
@@ -35,13 +35,18 @@ def transpose_cases(draw, dims):
     padding = draw(per_dim(st.integers(0, 2)))
     # torch: output_padding < max(stride, dilation) in every dimension
     output_padding = tuple(
-        draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation)
+        draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation, strict=True)
     )
     bias = draw(st.booleans())
     size = draw(st.integers(2, 4)) if dims < 3 else draw(st.integers(2, 3))
     kwargs = dict(
-        kernel_size=kernel, stride=stride, padding=padding, dilation=dilation,
-        output_padding=output_padding, groups=groups, bias=bias,
+        kernel_size=kernel,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        output_padding=output_padding,
+        groups=groups,
+        bias=bias,
     )
     return Case(
         f"convtranspose{dims}d({in_ch}, {out_ch}, {kwargs})",

@@ -4,13 +4,13 @@ rules in this branch."""
 
 import pytest
 import torch
+from harness import Case, assert_close, check, run_hooked, sum_of_squares
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import Case, assert_close, check, run_hooked, sum_of_squares
 
 REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
 BATCHES = st.sampled_from([0, 1, 3])
@@ -29,7 +29,11 @@ def test_embedding(reduction, num, shape, padding, batch):
         # a linear layer after it, so that the gradient reaching the lookup is not the output
         return nn.Sequential(nn.Embedding(num, 3, padding_idx=padding), nn.Linear(3, 2))
 
-    case = Case(f"Embedding({num}, 3, padding_idx={padding}) on {shape}", model, lambda b: torch.randint(0, num, (b, *shape)))
+    case = Case(
+        f"Embedding({num}, 3, padding_idx={padding}) on {shape}",
+        model,
+        lambda b: torch.randint(0, num, (b, *shape)),
+    )
     check(case, batch=batch, reduction=reduction)
 
 
@@ -113,7 +117,11 @@ def test_embedding_bag(reduction, setup, flat, batch):
         idx = torch.randint(0, 4, (b, length))
         return (idx, torch.randn(b, length)) if weighted else idx
 
-    case = Case(f"EmbeddingBag({mode}, weighted={weighted}, padding_idx={padding}, flat={flat})", model, inputs)
+    case = Case(
+        f"EmbeddingBag({mode}, weighted={weighted}, padding_idx={padding}, flat={flat})",
+        model,
+        inputs,
+    )
     check(case, batch=batch, reduction=reduction)
 
 
@@ -123,14 +131,16 @@ def test_embedding_bag_ragged_and_empty_bags(mode, include_last_offset):
     """Bags of different lengths, some empty, one all padding: each bag's gradient equals that
     of the bag passed alone."""
     torch.manual_seed(0)
-    bag = nn.EmbeddingBag(5, 3, mode=mode, padding_idx=4, include_last_offset=include_last_offset).double()
+    bag = nn.EmbeddingBag(
+        5, 3, mode=mode, padding_idx=4, include_last_offset=include_last_offset
+    ).double()
     idx = torch.tensor([0, 1, 0, 2, 3, 1, 4, 4, 2])
     starts = [0, 2, 2, 5, 6, 8]  # bags: [0 1], [], [0 2 3], [1], [4 4] (all padding), [2]
     ends = starts[1:] + [len(idx)]
     offsets = torch.tensor(starts + ([len(idx)] if include_last_offset else []))
     psw = torch.randn(len(idx), dtype=torch.float64) if mode == "sum" else None
     want = []
-    for s, e in zip(starts, ends):
+    for s, e in zip(starts, ends, strict=True):
         args = (idx[s:e], torch.tensor([0] + ([e - s] if include_last_offset else [])))
         out = bag(*args, None if psw is None else psw[s:e])
         want.append(torch.autograd.grad(sum_of_squares(out), bag.weight, allow_unused=True)[0])
@@ -164,12 +174,22 @@ def test_check_rule(module, inputs):
 
 
 NEW = [
-    nn.Conv1d(2, 2, 1), nn.Conv3d(2, 2, 1),
-    nn.ConvTranspose1d(2, 2, 1), nn.ConvTranspose2d(2, 2, 1), nn.ConvTranspose3d(2, 2, 1),
-    nn.Embedding(3, 2), nn.EmbeddingBag(3, 2),
-    nn.LayerNorm(2), nn.GroupNorm(1, 2), nn.RMSNorm(2),
-    nn.InstanceNorm1d(2, affine=True), nn.InstanceNorm2d(2, affine=True), nn.InstanceNorm3d(2, affine=True),
-    nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2),
+    nn.Conv1d(2, 2, 1),
+    nn.Conv3d(2, 2, 1),
+    nn.ConvTranspose1d(2, 2, 1),
+    nn.ConvTranspose2d(2, 2, 1),
+    nn.ConvTranspose3d(2, 2, 1),
+    nn.Embedding(3, 2),
+    nn.EmbeddingBag(3, 2),
+    nn.LayerNorm(2),
+    nn.GroupNorm(1, 2),
+    nn.RMSNorm(2),
+    nn.InstanceNorm1d(2, affine=True),
+    nn.InstanceNorm2d(2, affine=True),
+    nn.InstanceNorm3d(2, affine=True),
+    nn.BatchNorm1d(2),
+    nn.BatchNorm2d(2),
+    nn.BatchNorm3d(2),
     nn.PReLU(),
 ]
 

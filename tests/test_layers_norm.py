@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
+from harness import Case, assert_close, check, run_hooked, sum_of_squares
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import Case, assert_close, check, run_hooked, sum_of_squares
 
 REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
 BATCHES = st.sampled_from([0, 1, 3])
@@ -40,10 +40,16 @@ def perturbed(module: nn.Module) -> nn.Module:
 )
 def test_layer_norm(reduction, lead, norm, affine, bias, eps, batch):
     if not affine:
-        norm_layer = lambda: nn.Sequential(nn.Linear(norm[-1], norm[-1]), nn.LayerNorm(norm, eps, False))  # noqa: E731
+        norm_layer = lambda: nn.Sequential(
+            nn.Linear(norm[-1], norm[-1]), nn.LayerNorm(norm, eps, False)
+        )  # noqa: E731
     else:
         norm_layer = lambda: perturbed(nn.LayerNorm(norm, eps, bias=bias))  # noqa: E731
-    case = Case(f"LayerNorm({norm}, {eps}, {affine}, bias={bias})", norm_layer, lambda b: torch.randn(b, *lead, *norm))
+    case = Case(
+        f"LayerNorm({norm}, {eps}, {affine}, bias={bias})",
+        norm_layer,
+        lambda b: torch.randn(b, *lead, *norm),
+    )
     check(case, batch=batch, reduction=reduction)
 
 
@@ -56,7 +62,11 @@ def test_layer_norm(reduction, lead, norm, affine, bias, eps, batch):
     batch=BATCHES,
 )
 def test_rms_norm(reduction, lead, norm, eps, batch):
-    case = Case(f"RMSNorm({norm}, {eps})", lambda: perturbed(nn.RMSNorm(norm, eps)), lambda b: torch.randn(b, *lead, *norm))
+    case = Case(
+        f"RMSNorm({norm}, {eps})",
+        lambda: perturbed(nn.RMSNorm(norm, eps)),
+        lambda b: torch.randn(b, *lead, *norm),
+    )
     check(case, batch=batch, reduction=reduction)
 
 
@@ -93,7 +103,11 @@ def test_instance_norm(reduction, dims, track, train, size, batch):
         m = perturbed(INSTANCE[dims](3, affine=True, track_running_stats=track))
         return m.train(train)
 
-    case = Case(f"InstanceNorm{dims}d(track={track}, train={train})", model, lambda b: torch.randn(b, 3, *(size,) * dims))
+    case = Case(
+        f"InstanceNorm{dims}d(track={track}, train={train})",
+        model,
+        lambda b: torch.randn(b, 3, *(size,) * dims),
+    )
     if not (track and train):
         check(case, batch=batch, reduction=reduction)
         return
@@ -151,7 +165,12 @@ def test_batch_norm_batch_statistics_are_an_error_at_forward(dims, setup, why):
         with torch.no_grad():
             model(x)  # not capturing: nothing to refuse
     message = str(info.value)
-    for expected in (why, "per-example gradients do not exist", "nn.GroupNorm(num_groups, 5)", "model.eval()"):
+    for expected in (
+        why,
+        "per-example gradients do not exist",
+        "nn.GroupNorm(num_groups, 5)",
+        "model.eval()",
+    ):
         assert expected in message, message
 
 

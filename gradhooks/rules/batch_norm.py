@@ -37,7 +37,8 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
         return
     kind = type(module).__qualname__
     why = (
-        "it is in train mode" if module.track_running_stats
+        "it is in train mode"
+        if module.track_running_stats
         else "it has track_running_stats=False, so it uses batch statistics even in eval mode"
     )
     raise RuntimeError(

@@ -36,7 +36,12 @@ def output_grad_columns(module: nn.modules.conv._ConvTransposeNd, g: Tensor, spa
     counts = [
         (size + 2 * p - d * (k - 1) - 1) // s + 1
         for size, p, d, k, s in zip(
-            g.shape[2:], module.padding, module.dilation, module.kernel_size, module.stride
+            g.shape[2:],
+            module.padding,
+            module.dilation,
+            module.kernel_size,
+            module.stride,
+            strict=True,
         )
     ]
     cols = cols.reshape(*cols.shape[:2], *counts)

@@ -65,7 +65,11 @@ def bags(m: nn.EmbeddingBag, idx: Tensor, offsets: Tensor | None):
     else:
         num_bags = offsets.numel() - 1 if m.include_last_offset else offsets.numel()
         starts = offsets[:num_bags]
-        end = offsets[num_bags:num_bags + 1] if m.include_last_offset else offsets.new_tensor([idx.numel()])
+        end = (
+            offsets[num_bags : num_bags + 1]
+            if m.include_last_offset
+            else offsets.new_tensor([idx.numel()])
+        )
         ends = torch.cat([offsets[1:num_bags], end])
         pos = torch.arange(idx.numel(), device=idx.device)
         bag = (torch.bucketize(pos, starts, right=True) - 1).clamp(min=0)
@@ -86,7 +90,7 @@ def embedding_bag(call: Call) -> dict[str, Direct]:
     as in torch; an empty bag has a zero gradient.
     """
     m: nn.EmbeddingBag = call.module
-    args = dict(zip(("input", "offsets", "per_sample_weights"), call.inputs))
+    args = dict(zip(("input", "offsets", "per_sample_weights"), call.inputs, strict=False))
     args.update(call.kwargs)
     idx, offsets, weights = args["input"], args.get("offsets"), args.get("per_sample_weights")
     if m.scale_grad_by_freq:
@@ -106,7 +110,10 @@ def embedding_bag(call: Call) -> dict[str, Direct]:
         valid_bag, valid_idx = bag[valid], flat[valid]
         counts = torch.bincount(valid_bag, minlength=num_bags)
         length = int(counts.max()) if num_bags and valid_bag.numel() else 0
-        slot = torch.arange(valid_bag.numel(), device=g.device) - (torch.cumsum(counts, 0) - counts)[valid_bag]
+        slot = (
+            torch.arange(valid_bag.numel(), device=g.device)
+            - (torch.cumsum(counts, 0) - counts)[valid_bag]
+        )
         rows = g.new_full((num_bags, length, dim), -math.inf)
         rows[valid_bag, slot] = m.weight.detach()[valid_idx].to(g.dtype)
         index = torch.zeros(num_bags, length, dtype=flat.dtype, device=g.device)
@@ -116,13 +123,17 @@ def embedding_bag(call: Call) -> dict[str, Direct]:
             nonempty = (counts > 0)[:, None].expand(-1, dim)
             b = torch.arange(num_bags, device=g.device)[:, None].expand(-1, dim)
             d = torch.arange(dim, device=g.device)[None, :].expand(num_bags, -1)
-            value.index_put_((b[nonempty], winner[nonempty], d[nonempty]), g[nonempty], accumulate=True)
+            value.index_put_(
+                (b[nonempty], winner[nonempty], d[nonempty]), g[nonempty], accumulate=True
+            )
         return {"weight": Direct(value)}
     coef = valid.to(g.dtype)
     if weights is not None:
         coef = coef * weights.reshape(-1).to(g.dtype)
     if m.mode == "mean":
-        counts = torch.zeros(num_bags, dtype=g.dtype, device=g.device).index_add_(0, bag, valid.to(g.dtype))
+        counts = torch.zeros(num_bags, dtype=g.dtype, device=g.device).index_add_(
+            0, bag, valid.to(g.dtype)
+        )
         coef = coef / counts[bag].clamp(min=1)
     value.index_put_((bag, flat), coef[:, None] * g[bag], accumulate=True)
     return {"weight": Direct(value)}
