@@ -201,6 +201,8 @@ class Hooks:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
             if torch._C._functorch.peek_interpreter_stack() is not None:
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
+            if target.entry.on_forward is not None:
+                target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
             live = {n: p for n, p in target.params.items() if p.requires_grad}
             if not live:
                 return

@@ -76,6 +76,7 @@ class _Entry:
     rule: Rule
     owns_children: bool
     needs_output: bool
+    on_forward: Callable[[nn.Module, str], None] | None = None
 
 
 @dataclass
@@ -86,6 +87,9 @@ class Registry:
     submodules too (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
     ``out_proj``); those submodules are then not hooked on their own.
     ``needs_output``: the rule reads ``call.output`` (otherwise it is not kept, to save memory).
+    ``on_forward``: ``on_forward(module, qualname)`` runs at every captured forward of the
+    module, before anything is kept; it raises when per-example gradients cannot exist for
+    that call (``nn.BatchNorm2d`` in train mode), so the error points at the forward.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -96,6 +100,7 @@ class Registry:
         overwrite: bool = False,
         owns_children: bool = False,
         needs_output: bool = False,
+        on_forward: Callable[[nn.Module, str], None] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
         if not types:
@@ -112,7 +117,7 @@ class Registry:
                         f"({old.__module__}.{old.__qualname__}); pass overwrite=True to replace it"
                     )
             for t in types:
-                self._rules[t] = _Entry(rule, owns_children, needs_output)
+                self._rules[t] = _Entry(rule, owns_children, needs_output, on_forward)
             return rule
 
         return decorate
@@ -147,8 +152,13 @@ def register(
     overwrite: bool = False,
     owns_children: bool = False,
     needs_output: bool = False,
+    on_forward: Callable[[nn.Module, str], None] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
-        *types, overwrite=overwrite, owns_children=owns_children, needs_output=needs_output
+        *types,
+        overwrite=overwrite,
+        owns_children=owns_children,
+        needs_output=needs_output,
+        on_forward=on_forward,
     )

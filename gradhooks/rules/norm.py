@@ -1,0 +1,97 @@
+"""Normalization layers without batch statistics: nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
+nn.InstanceNorm1d/2d/3d.
+
+Each computes ``y = x̂ · weight + bias`` where ``x̂`` (the normalized input) depends on one
+example only. The rule recomputes ``x̂`` from ``call.inputs`` with the module's own settings
+(``torch.nn.functional`` with no affine parameters), then, per example,
+
+    grad1[b] weight = Σ_shared x̂[b] · g[b],      grad1[b] bias = Σ_shared g[b]
+
+where ``shared`` is every axis the parameter is broadcast over: the leading (non-normalized)
+axes for LayerNorm / RMSNorm (parameters ``[*normalized_shape]``), the spatial axes for
+GroupNorm / InstanceNorm (parameters ``[channels]``). Elementwise products, so the pieces are
+:class:`Direct` ``[batch, *param.shape]``. Rules never scale: the engine applies mean/sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..pieces import Direct
+from ..registry import Call, register
+
+
+def _need_batch(call: Call, x: Tensor, unbatched_dim: int, layout: str) -> None:
+    if x.dim() <= unbatched_dim:
+        raise ValueError(
+            f"'{call.name}' ({type(call.module).__qualname__}) got an input of shape "
+            f"{tuple(x.shape)} without a batch dimension: per-example gradients need {layout}"
+        )
+
+
+def trailing_affine(xhat: Tensor, g: Tensor, param_dims: int) -> dict[str, Direct]:
+    """Parameters ``[*x.shape[-param_dims:]]`` broadcast over the axes between batch and them."""
+    shape = g.shape[g.dim() - param_dims :]
+    lead = (g.shape[0], math.prod(g.shape[1 : g.dim() - param_dims]), *shape)
+    return {
+        "weight": Direct((xhat * g).reshape(lead).sum(1)),
+        "bias": Direct(g.reshape(lead).sum(1)),
+    }
+
+
+def channel_affine(xhat: Tensor, g: Tensor) -> dict[str, Direct]:
+    """Parameters ``[channels]`` on axis 1, broadcast over the spatial axes."""
+    shape = (*g.shape[:2], math.prod(g.shape[2:]))
+    return {
+        "weight": Direct((xhat * g).reshape(shape).sum(-1)),
+        "bias": Direct(g.reshape(shape).sum(-1)),
+    }
+
+
+@register(nn.LayerNorm)
+def layer_norm(call: Call) -> dict[str, Direct]:
+    """``x``: ``[batch, *, *normalized_shape]``; weight, bias: ``[*normalized_shape]``."""
+    m: nn.LayerNorm = call.module
+    x = call.inputs[0]
+    _need_batch(call, x, len(m.normalized_shape), "[batch, *, *normalized_shape]")
+    xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+    return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
+
+
+@register(nn.RMSNorm)
+def rms_norm(call: Call) -> dict[str, Direct]:
+    """``x``: ``[batch, *, *normalized_shape]``; weight: ``[*normalized_shape]``. ``eps=None``
+    is the input dtype's machine epsilon, as in torch."""
+    m: nn.RMSNorm = call.module
+    x = call.inputs[0]
+    _need_batch(call, x, len(m.normalized_shape), "[batch, *, *normalized_shape]")
+    xhat = F.rms_norm(x, m.normalized_shape, None, m.eps)
+    return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
+
+
+@register(nn.GroupNorm)
+def group_norm(call: Call) -> dict[str, Direct]:
+    """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``."""
+    m: nn.GroupNorm = call.module
+    x = call.inputs[0]
+    _need_batch(call, x, 1, "[batch, channels, *spatial]")
+    xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+    return channel_affine(xhat, call.grad_output)
+
+
+@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm(call: Call) -> dict[str, Direct]:
+    """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``. Normalized with each
+    example's own statistics, or with the running statistics in eval mode when
+    ``track_running_stats=True`` (as torch does); either way one example at a time."""
+    m = call.module
+    x = call.inputs[0]
+    _need_batch(call, x, m._get_no_batch_dim(), "[batch, channels, *spatial]")
+    if m.training or not m.track_running_stats:
+        xhat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
+    else:
+        xhat = F.instance_norm(x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
+    return channel_affine(xhat, call.grad_output)

@@ -1,0 +1,199 @@
+"""nn.Embedding and nn.EmbeddingBag (2-D input, 1-D input with offsets, per_sample_weights,
+padding_idx, sum/mean/max), against both oracles; and is_supported for every layer of issue 3's
+rules in this branch."""
+
+import pytest
+import torch
+from harness import Case, assert_close, check, run_hooked, sum_of_squares
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+
+REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
+BATCHES = st.sampled_from([0, 1, 3])
+
+
+@REDUCTIONS
+@settings(max_examples=15)
+@given(
+    num=st.integers(2, 5),
+    shape=st.lists(st.integers(1, 4), max_size=2),
+    padding=st.one_of(st.none(), st.integers(-2, 1)),
+    batch=BATCHES,
+)
+def test_embedding(reduction, num, shape, padding, batch):
+    def model():
+        # a linear layer after it, so that the gradient reaching the lookup is not the output
+        return nn.Sequential(nn.Embedding(num, 3, padding_idx=padding), nn.Linear(3, 2))
+
+    case = Case(
+        f"Embedding({num}, 3, padding_idx={padding}) on {shape}",
+        model,
+        lambda b: torch.randint(0, num, (b, *shape)),
+    )
+    check(case, batch=batch, reduction=reduction)
+
+
+@REDUCTIONS
+@pytest.mark.parametrize("padding", [None, 1])
+def test_embedding_scale_grad_by_freq_counts_within_each_example(reduction, padding):
+    """torch counts a row's occurrences in the batch it is given; an example's own loss sees
+    only that example's occurrences, and that is what grad1 holds (so grad1 does not sum to
+    .grad here: the batch gradient is scaled by batch-wide counts)."""
+    torch.manual_seed(0)
+    model = nn.Embedding(4, 3, padding_idx=padding, scale_grad_by_freq=True).double()
+    x = torch.randint(0, 4, (5, 6))
+    want = vmap_grad(model, sum_of_squares, x)["weight"]
+    assert_close(loop_grad(model, sum_of_squares, x)["weight"], want, "loop vs vmap")
+    run_hooked(model, Case("freq", None, None), x, None, reduction)
+    assert_close(model.weight.grad1, want, f"scale_grad_by_freq ({reduction})")
+
+
+def test_embedding_max_norm():
+    """The forward renormalizes looked-up rows in place (vmap refuses that): the loop oracle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3, max_norm=0.5), nn.Linear(3, 2)).double()
+    x = torch.randint(0, 5, (4, 3))
+    model(x)  # renormalize every row the batch touches, so the loop sees the same weights
+    want = loop_grad(model, sum_of_squares, x)
+    run_hooked(model, Case("max_norm", None, None), x, None, "sum")
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"max_norm, {name}")
+
+
+def test_embedding_sparse_gives_dense_grad1():
+    torch.manual_seed(0)
+    sparse = nn.Embedding(6, 3, sparse=True, padding_idx=0).double()
+    dense = nn.Embedding(6, 3, padding_idx=0).double()
+    dense.load_state_dict(sparse.state_dict())
+    x = torch.randint(0, 6, (4, 5))
+    want = loop_grad(dense, sum_of_squares, x)["weight"]
+    for m in (sparse, dense):
+        run_hooked(m, Case("sparse", None, None), x, None, "mean")
+        assert_close(m.weight.grad1, want, f"sparse={m.sparse}")
+    assert_close(sparse.weight.grad.to_dense(), want.mean(0), "sparse .grad")
+
+
+@st.composite
+def bag_setup(draw):
+    mode = draw(st.sampled_from(["sum", "mean", "max"]))
+    weighted = mode == "sum" and draw(st.booleans())
+    padding = draw(st.one_of(st.none(), st.integers(0, 3)))
+    return mode, weighted, padding, draw(st.integers(1, 4))
+
+
+class Bags(nn.Module):
+    """An EmbeddingBag then a Linear, taking ``[batch, length]`` indices (and per-sample
+    weights): the bag gets them as they are (``flat=None``), or as a 1-D input with offsets,
+    one bag per row (``flat`` = ``include_last_offset``)."""
+
+    def __init__(self, bag, flat):
+        super().__init__()
+        self.bag, self.flat, self.out = bag, flat, nn.Linear(bag.embedding_dim, 2)
+
+    def forward(self, idx, *weights):
+        if self.flat is None:
+            return self.out(self.bag(idx, None, *weights))
+        n, length = idx.shape
+        offsets = torch.arange(0, n * length + (length if self.flat else 0), length)
+        return self.out(self.bag(idx.reshape(-1), offsets, *(w.reshape(-1) for w in weights)))
+
+
+@REDUCTIONS
+@settings(max_examples=15)
+@given(setup=bag_setup(), flat=st.sampled_from([None, False, True]), batch=BATCHES)
+def test_embedding_bag(reduction, setup, flat, batch):
+    """2-D input (flat=None), or 1-D input with offsets, with or without the last offset."""
+    mode, weighted, padding, length = setup
+
+    def model():
+        bag = nn.EmbeddingBag(4, 3, mode=mode, padding_idx=padding, include_last_offset=bool(flat))
+        return Bags(bag, flat)
+
+    def inputs(b):
+        idx = torch.randint(0, 4, (b, length))
+        return (idx, torch.randn(b, length)) if weighted else idx
+
+    case = Case(
+        f"EmbeddingBag({mode}, weighted={weighted}, padding_idx={padding}, flat={flat})",
+        model,
+        inputs,
+    )
+    check(case, batch=batch, reduction=reduction)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_embedding_bag_ragged_and_empty_bags(mode, include_last_offset):
+    """Bags of different lengths, some empty, one all padding: each bag's gradient equals that
+    of the bag passed alone."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(
+        5, 3, mode=mode, padding_idx=4, include_last_offset=include_last_offset
+    ).double()
+    idx = torch.tensor([0, 1, 0, 2, 3, 1, 4, 4, 2])
+    starts = [0, 2, 2, 5, 6, 8]  # bags: [0 1], [], [0 2 3], [1], [4 4] (all padding), [2]
+    ends = starts[1:] + [len(idx)]
+    offsets = torch.tensor(starts + ([len(idx)] if include_last_offset else []))
+    psw = torch.randn(len(idx), dtype=torch.float64) if mode == "sum" else None
+    want = []
+    for s, e in zip(starts, ends, strict=True):
+        args = (idx[s:e], torch.tensor([0] + ([e - s] if include_last_offset else [])))
+        out = bag(*args, None if psw is None else psw[s:e])
+        want.append(torch.autograd.grad(sum_of_squares(out), bag.weight, allow_unused=True)[0])
+    with gradhooks.add_hooks(bag, loss_reduction="sum"):
+        sum_of_squares(bag(idx, offsets, psw)).backward()
+    assert_close(bag.weight.grad1, torch.stack(want), f"ragged bags ({mode})")
+    assert_close(bag.weight.grad1.sum(0), bag.weight.grad, "grad1 sums to .grad")
+
+
+def test_embedding_bag_scale_grad_by_freq_is_a_clear_error():
+    bag = nn.EmbeddingBag(4, 3, scale_grad_by_freq=True)
+    with gradhooks.add_hooks(bag), pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
+        bag(torch.randint(0, 4, (2, 3))).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "module, inputs",
+    [
+        (nn.Embedding(5, 3, padding_idx=0), (torch.randint(0, 5, (4, 3)),)),
+        (nn.EmbeddingBag(5, 3, mode="mean"), (torch.randint(0, 5, (4, 3)),)),
+        (nn.EmbeddingBag(5, 3, mode="max"), (torch.randint(0, 5, (4, 3)),)),
+        (nn.EmbeddingBag(5, 3, mode="sum"), (torch.randint(0, 5, (4, 3)), None, torch.randn(4, 3))),
+    ],
+    ids=["Embedding", "EmbeddingBag-mean", "EmbeddingBag-max", "EmbeddingBag-weighted"],
+)
+def test_check_rule(module, inputs):
+    inputs = tuple(t for t in inputs if t is not None)
+    if len(inputs) == 2:  # per_sample_weights goes third: pass it by a wrapper
+        module = Bags(module, None)
+    assert gradhooks.check_rule(module, inputs).ok
+
+
+NEW = [
+    nn.Conv1d(2, 2, 1),
+    nn.Conv3d(2, 2, 1),
+    nn.ConvTranspose1d(2, 2, 1),
+    nn.ConvTranspose2d(2, 2, 1),
+    nn.ConvTranspose3d(2, 2, 1),
+    nn.Embedding(3, 2),
+    nn.EmbeddingBag(3, 2),
+    nn.LayerNorm(2),
+    nn.GroupNorm(1, 2),
+    nn.RMSNorm(2),
+    nn.InstanceNorm1d(2, affine=True),
+    nn.InstanceNorm2d(2, affine=True),
+    nn.InstanceNorm3d(2, affine=True),
+    nn.BatchNorm1d(2),
+    nn.BatchNorm2d(2),
+    nn.BatchNorm3d(2),
+    nn.PReLU(),
+]
+
+
+@pytest.mark.parametrize("module", NEW, ids=lambda m: type(m).__name__)
+def test_is_supported(module):
+    assert gradhooks.is_supported(module)
