@@ -1,0 +1,165 @@
+"""Quantities other than ``grad1``, computed from the pieces of one backward, for every layer.
+
+The engine hands every piece of a backward to a :class:`Collector` (one per :class:`Hooks`
+handle). The collector keeps each parameter's pieces until the backward ends (a callback queued
+on the autograd engine from inside the first gradient hook), then computes what was asked:
+
+- ``"norms"``: per-example gradient norms per parameter and in total (the ghost norm), with the
+  cross terms between the calls of a reused module and between the users of a tied weight:
+  ``‖Σ_j G_j‖² = Σ_j Σ_k ⟨G_j, G_k⟩``.
+- ``"sum_grad_sq"``: ``Σ_b grad1[b]²`` per parameter (diagonal empirical Fisher) and the
+  per-example gradient variance.
+- ``"kfac"``: Kronecker factors (see :mod:`gradhooks.kfac`).
+
+``grad1`` is never materialized for a whole model: where a layer's maths needs it, it is formed
+for one parameter and a slice of the batch at a time.
+
+Every result is of the per-example losses' own gradients: the engine's ``scale`` (batch size
+for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import pieces as P
+from .kfac import KfacAccumulator
+
+__all__ = ["QUANTITIES", "Collector", "total_norms"]
+
+QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
+
+# Largest materialized per-example gradient slice, in elements (64 Mi floats).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class _Held:
+    """The pieces of one parameter in the current backward, each with the engine's scale."""
+
+    param: nn.Parameter
+    pieces: list[tuple[P.Piece, float]] = field(default_factory=list)
+
+
+class Collector:
+    """Keeps the pieces of one backward and computes the requested quantities at its end."""
+
+    def __init__(self, model: nn.Module, quantities: tuple[str, ...]) -> None:
+        self.quantities = quantities
+        self.names = {}
+        for name, p in model.named_parameters():
+            self.names.setdefault(id(p), name)
+        self._held: dict[int, _Held] = {}
+        self._queued = False
+        self.param_sq_norms: dict[str, Tensor] = {}
+        self.sum_grad_sq: dict[str, Tensor] = {}
+        self.grad_mean: dict[str, Tensor] = {}
+        self.batch: int | None = None
+        self.kfac = KfacAccumulator() if "kfac" in quantities else None
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.param_sq_norms = {}
+        self.sum_grad_sq = {}
+        self.grad_mean = {}
+        self.batch = None
+        if self.kfac is not None:
+            self.kfac.clear()
+
+    def add(self, qualname: str, call_pieces: dict, params: dict, scale: float) -> None:
+        """Called by the engine for every call of a hooked module in a backward."""
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if self.kfac is not None:
+            self.kfac.add(qualname, call_pieces, params, scale)
+        if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
+            for pname, p in params.items():
+                held = self._held.setdefault(id(p), _Held(p))
+                held.pieces.append((call_pieces[pname], scale))
+
+    # -- at the end of the backward ---------------------------------------------------------------
+
+    def _finish(self) -> None:
+        self._queued = False
+        held, self._held = self._held, {}
+        if self.kfac is not None:
+            self.kfac.end_backward()
+        if not held:
+            return
+        sq_norms, sums_sq, means = {}, {}, {}
+        batches = {h.pieces[0][0].batch_size for h in held.values()}
+        if len(batches) != 1:
+            raise RuntimeError(
+                f"the hooked layers saw different batch sizes in one backward ({sorted(batches)}): "
+                "per-example quantities need every layer to see the same batch"
+            )
+        (batch,) = batches
+        for h in held.values():
+            name = self.names.get(id(h.param), f"<param {id(h.param)}>")
+            if "norms" in self.quantities:
+                sq_norms[name] = _sq_norm(h)
+            if "sum_grad_sq" in self.quantities:
+                sums_sq[name] = _sum_sq(h)
+                means[name] = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces) / max(
+                    batch, 1
+                )
+        self.param_sq_norms, self.sum_grad_sq, self.grad_mean = sq_norms, sums_sq, means
+        self.batch = batch
+
+
+def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
+    """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
+    of the batch at a time (so that at most ~64 Mi elements exist at once)."""
+    batch = h.pieces[0][0].batch_size
+    rows = max(1, _CHUNK_ELEMENTS // max(h.param.numel(), 1))
+    for start in range(0, batch, rows):
+        sl = slice(start, min(start + rows, batch))
+        total = None
+        for piece, scale in h.pieces:
+            g = P.select(piece, sl).grad1(h.param.shape, scale)
+            total = g if total is None else total + g
+        yield sl, total
+
+
+def _sq_norm(h: _Held) -> Tensor:
+    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``."""
+    shape = h.param.shape
+    ps = h.pieces
+    cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    if cheap:
+        total = None
+        for i, (p, sp) in enumerate(ps):
+            for j in range(i, len(ps)):
+                q, sq = ps[j]
+                term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
+                total = term if total is None else total + term
+        return total
+    parts = [g.reshape(g.shape[0], -1).pow(2).sum(1) for _, g in _materialized(h)]
+    return torch.cat(parts) if parts else h.param.new_zeros(0)
+
+
+def _sum_sq(h: _Held) -> Tensor:
+    """``Σ_b (Σ_j scale_j grad1_j[b])²``, shape ``param.shape``."""
+    if len(h.pieces) == 1:
+        piece, scale = h.pieces[0]
+        direct = P.sum_sq(piece, h.param.shape)
+        if direct is not None:
+            return direct * scale**2
+    total = None
+    for _, g in _materialized(h):
+        part = (g**2).sum(0)
+        total = part if total is None else total + part
+    if total is None:  # empty batch
+        total = torch.zeros_like(h.param)
+    return total
+
+
+def total_norms(sq_norms: dict[str, Tensor]) -> Tensor:
+    """Per-example norm of the gradient of all parameters together, ``[batch]``."""
+    return torch.stack(list(sq_norms.values())).sum(0).sqrt()
+
