@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .quantities import QUANTITIES, Collector, total_norms
+from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, Registry, _Entry
 
 __all__ = [
@@ -76,7 +76,7 @@ class Hooks:
         quantities: tuple[str, ...] | str = ("grad1",),
     ) -> None:
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
-        unknown = [q for q in quantities if q not in QUANTITIES]
+        unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
         if unknown or not quantities:
             raise ValueError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
         if loss_reduction not in ("mean", "sum"):

@@ -142,13 +142,13 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     if gram_is_cheaper(p, q):
         assert isinstance(p, Outer) and isinstance(q, Outer)
         if p.a is None:  # bias: Σ_shared g, then a dot product
-            return (p.g.sum(-2) * q.g.sum(-2)).reshape(batch, -1).sum(1)
+            return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
         aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
         gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
-        return (aa * gg).reshape(batch, -1).sum(1)
-    gp = p.grad1(param_shape).reshape(batch, -1)
-    gq = gp if q is p else q.grad1(param_shape).reshape(batch, -1)
+        return (aa * gg).flatten(1).sum(1)
+    gp = p.grad1(param_shape).flatten(1)
+    gq = gp if q is p else q.grad1(param_shape).flatten(1)
     return (gp * gq).sum(1)
 
 

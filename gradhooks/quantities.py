@@ -32,6 +32,8 @@ from .kfac import KfacAccumulator
 __all__ = ["QUANTITIES", "Collector", "total_norms"]
 
 QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
+# internal: gradhooks.jacobians() runs the backward under torch.func.vmap over the outputs
+_INTERNAL = ("_jacobian",)
 
 # Largest materialized per-example gradient slice, in elements (64 Mi floats).
 _CHUNK_ELEMENTS = 1 << 26
@@ -60,6 +62,8 @@ class Collector:
         self.grad_mean: dict[str, Tensor] = {}
         self.batch: int | None = None
         self.kfac = KfacAccumulator() if "kfac" in quantities else None
+        self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
+        self.jacobian_written: set[int] = set()
 
     def clear(self) -> None:
         self._held.clear()
@@ -67,11 +71,15 @@ class Collector:
         self.sum_grad_sq = {}
         self.grad_mean = {}
         self.batch = None
+        self.jacobian_written = set()
         if self.kfac is not None:
             self.kfac.clear()
 
     def add(self, qualname: str, call_pieces: dict, params: dict, scale: float) -> None:
         """Called by the engine for every call of a hooked module in a backward."""
+        if "_jacobian" in self.quantities:
+            self._add_jacobian(call_pieces, params, scale)
+            return
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
@@ -81,6 +89,27 @@ class Collector:
             for pname, p in params.items():
                 held = self._held.setdefault(id(p), _Held(p))
                 held.pieces.append((call_pieces[pname], scale))
+
+    def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
+        """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,
+        ``[outputs, batch, *shape]``, goes into ``self.jacobian[id(p)]`` (``[batch, outputs,
+        *shape]``, allocated by the caller), summed over calls (reuse) and users (tied)."""
+        from torch._C import _functorch
+
+        for pname, p in params.items():
+            g1 = call_pieces[pname].grad1(p.shape, scale)
+            if _functorch.is_batchedtensor(g1):
+                bdim = _functorch.maybe_get_bdim(g1)
+                g1 = _functorch.get_unwrapped(g1).movedim(bdim, 0)
+            else:  # the same for every output (cannot happen for a vmapped output-gradient)
+                g1 = g1.unsqueeze(0)
+            into = self.jacobian[id(p)]
+            g1 = g1.transpose(0, 1)
+            if id(p) in self.jacobian_written:
+                into.add_(g1)
+            else:
+                into.copy_(g1)
+                self.jacobian_written.add(id(p))
 
     # -- at the end of the backward ---------------------------------------------------------------
 
@@ -139,7 +168,7 @@ def _sq_norm(h: _Held) -> Tensor:
                 term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
                 total = term if total is None else total + term
         return total
-    parts = [g.reshape(g.shape[0], -1).pow(2).sum(1) for _, g in _materialized(h)]
+    parts = [g.flatten(1).pow(2).sum(1) for _, g in _materialized(h)]
     return torch.cat(parts) if parts else h.param.new_zeros(0)
 
 
