@@ -46,7 +46,8 @@ __all__ = ["KFactors", "KfacAccumulator", "kfac"]
 class KFactors:
     """Kronecker factors of one weight: ``torch.kron(G, A)`` approximates its curvature.
 
-    ``A``: ``[*groups, in(+1), in(+1)]``; ``G``: ``[*groups, out, out]``; ``bias``: whether
+    ``A``: ``[*groups, in(+1), in(+1)]``; ``G``: ``[*groups, out, out]`` (a groups axis of
+    size one, e.g. a Conv with ``groups=1``, is dropped); ``bias``: whether
     ``A`` is bias-augmented (then the weight is ``cat([W, b[..., None]], -1)``)."""
 
     A: Tensor
@@ -57,7 +58,8 @@ class KFactors:
 class KfacAccumulator:
     """Sums ``a aᵀ`` and ``g gᵀ`` of every ``Outer`` piece (with a non-``None`` ``a``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
+        self.names = names or {}  # id(param) -> its name (the first, for a tied weight)
         self.expand = True
         self.bias = True
         self.capture_a = True  # False: later backwards of the same forward add to G only
@@ -77,13 +79,19 @@ class KfacAccumulator:
             pc for n, pc in call_pieces.items()
             if n in params and isinstance(pc, Outer) and pc.a is None
         ]  # fmt: skip
-        for pname in params:
+        for pname, p in params.items():
             piece = call_pieces[pname]
             if not isinstance(piece, Outer) or piece.a is None:
                 continue
-            key = f"{module_name}.{pname}" if module_name else pname
+            key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
             a, g = piece.a, piece.g * scale
             biased = self.bias and len(bias_pieces) == 1
+            if self._biased.get(key, biased) != biased:
+                raise RuntimeError(
+                    f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
+                    f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
+                    "both: use bias=False"
+                )
             if biased:
                 a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
             batch, shared = a.shape[0], a.shape[-2]
@@ -116,7 +124,10 @@ class KfacAccumulator:
             gg = self._g[key]
             if reduction == "mean":
                 gg = gg / max(self._n_g[key], 1)
-            out[key] = KFactors(aa / max(self._n_a[key], 1), gg, self._biased[key])
+            aa = aa / max(self._n_a[key], 1)
+            if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
+                aa, gg = aa[0], gg[0]
+            out[key] = KFactors(aa, gg, self._biased[key])
         return out
 
 

@@ -61,7 +61,7 @@ class Collector:
         self.sum_grad_sq: dict[str, Tensor] = {}
         self.grad_mean: dict[str, Tensor] = {}
         self.batch: int | None = None
-        self.kfac = KfacAccumulator() if "kfac" in quantities else None
+        self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
         self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
         self.jacobian_written: set[int] = set()
 

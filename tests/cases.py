@@ -42,7 +42,7 @@ class Tied(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.enc = nn.Linear(5, 3, bias=False)
+        self.enc = nn.Linear(5, 3)
         self.mid = nn.Linear(3, 5)
         self.dec = nn.Linear(5, 3)
         self.dec.weight = self.enc.weight
