@@ -53,7 +53,11 @@ def train(
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.0)
     gen = torch.Generator().manual_seed(seed + 1)
-    hooks = gradhooks.add_hooks(net, quantities=("norms",) if ghost else ("grad1",)) if private else None
+    hooks = (
+        gradhooks.add_hooks(net, quantities=("norms",) if ghost else ("grad1",))
+        if private
+        else None
+    )
     steps = 0
     for _ in range(epochs):
         perm = torch.randperm(len(ytr), generator=gen)

@@ -92,7 +92,9 @@ def main(argv=None) -> dict:
     sgd = {lr: train(kfac=False, epochs=args.epochs, lr=lr) for lr in (0.1, 0.3, 1.0)}
     best = max(sgd, key=sgd.get)
     kfac = train(kfac=True, epochs=args.epochs, lr=0.05)
-    print(f"SGD   test accuracy after {args.epochs} epochs: {sgd[best]:.3f} (best of lr {list(sgd)}: {best})")
+    print(
+        f"SGD   test accuracy after {args.epochs} epochs: {sgd[best]:.3f} (best of lr {list(sgd)}: {best})"
+    )
     print(f"K-FAC test accuracy after {args.epochs} epochs: {kfac:.3f} (lr 0.05, damping 0.1)")
     sgd = sgd[best]
     return {"sgd": sgd, "kfac": kfac}

@@ -115,11 +115,13 @@ def dp_sgd_step(
         factors = clip_factors(norms, max_norm)
         clipped = [
             torch.zeros_like(p) if g is None else torch.einsum("b,b...->...", factors, g)
-            for p, g in zip(params, grads1)
+            for p, g in zip(params, grads1, strict=True)
         ]
     else:
         torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        norms = hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
+        norms = (
+            hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
+        )
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:
@@ -128,10 +130,10 @@ def dp_sgd_step(
             )
         finally:
             hooks._ignore_backward = False
-        clipped = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        clipped = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     std = noise_multiplier * max_norm
     denom = max(batch, 1) if reduction == "mean" else 1
-    for p, c in zip(params, clipped):
+    for p, c in zip(params, clipped, strict=True):
         if std > 0:
             noise = torch.randn(
                 p.shape, generator=generator, dtype=p.dtype,

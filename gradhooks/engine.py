@@ -275,6 +275,8 @@ class Hooks:
                     full[i] = g
                 self._backward(target, live, replace(call, grad_outputs=tuple(full)))
 
+            if self._collector is not None:
+                self._collector.expect(live)
             if len(hooked) == 1:
                 leaves[hooked[0]].register_hook(lambda g: on_grads((g,)))
             else:
@@ -287,7 +289,7 @@ class Hooks:
     def _backward(self, target: _Target, params: dict[str, nn.Parameter], call: Call) -> None:
         rule = target.entry.rule
         pieces = rule(call)
-        for pname, p in params.items():
+        for pname in params:
             piece = pieces.get(pname)
             if piece is None:
                 raise RuntimeError(

@@ -192,7 +192,9 @@ def kfac(
         params = [p for p in model.parameters() if p.requires_grad]
         vectors = _output_vectors(out.detach(), target, fisher, loss, mc_samples, generator)
         for i, v in enumerate(vectors):
-            torch.autograd.grad(out, params, v, retain_graph=i < len(vectors) - 1, allow_unused=True)
+            torch.autograd.grad(
+                out, params, v, retain_graph=i < len(vectors) - 1, allow_unused=True
+            )
             acc.capture_a = False
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:

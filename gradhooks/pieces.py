@@ -138,7 +138,6 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     :class:`Outer` with one shared position: ``(a_p·a_q)(g_p·g_q)`` (Goodfellow). Several shared
     positions: the Gram form ``Σ_{s,t} (a_p[s]·a_q[t]) (g_p[s]·g_q[t])`` when
     :func:`gram_is_cheaper`, else both gradients are materialized (one parameter at a time)."""
-    batch = p.batch_size
     if gram_is_cheaper(p, q):
         assert isinstance(p, Outer) and isinstance(q, Outer)
         if p.a is None:  # bias: Σ_shared g, then a dot product

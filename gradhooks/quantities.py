@@ -56,6 +56,10 @@ class Collector:
         for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
         self._held: dict[int, _Held] = {}
+        # calls per parameter in the forward(s) not yet backpropagated: a parameter's pieces are
+        # reduced (and freed) as soon as all its calls' pieces arrived, not at the end
+        self._expected: dict[int, int] = {}
+        self._done: dict[str, tuple] = {}
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
         self.sum_grad_sq: dict[str, Tensor] = {}
@@ -67,6 +71,7 @@ class Collector:
 
     def clear(self) -> None:
         self._held.clear()
+        self._done = {}
         self.param_sq_norms = {}
         self.sum_grad_sq = {}
         self.grad_mean = {}
@@ -89,6 +94,17 @@ class Collector:
             for pname, p in params.items():
                 held = self._held.setdefault(id(p), _Held(p))
                 held.pieces.append((call_pieces[pname], scale))
+                expected = self._expected.get(id(p), 0)
+                if expected and len(held.pieces) >= expected:  # every call of the forward
+                    del self._held[id(p)]
+                    self._expected[id(p)] = 0
+                    self._reduce(held)
+
+    def expect(self, params: dict) -> None:
+        """Called by the engine for every captured forward call: one more piece will come."""
+        if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
+            for p in params.values():
+                self._expected[id(p)] = self._expected.get(id(p), 0) + 1
 
     def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
         """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,
@@ -97,48 +113,104 @@ class Collector:
         from torch._C import _functorch
 
         for pname, p in params.items():
-            g1 = call_pieces[pname].grad1(p.shape, scale)
+            piece = call_pieces[pname]
+            into = self.jacobian[id(p)].transpose(0, 1)  # [outputs, batch, *shape]
+            first = id(p) not in self.jacobian_written
+            self.jacobian_written.add(id(p))
+            if _jacobian_outer_into(piece, into, scale, first):
+                continue
+            g1 = piece.grad1(p.shape, scale)
             if _functorch.is_batchedtensor(g1):
-                bdim = _functorch.maybe_get_bdim(g1)
-                g1 = _functorch.get_unwrapped(g1).movedim(bdim, 0)
+                g1 = _functorch.get_unwrapped(g1).movedim(_functorch.maybe_get_bdim(g1), 0)
             else:  # the same for every output (cannot happen for a vmapped output-gradient)
                 g1 = g1.unsqueeze(0)
-            into = self.jacobian[id(p)]
-            g1 = g1.transpose(0, 1)
-            if id(p) in self.jacobian_written:
-                into.add_(g1)
-            else:
+            if first:
                 into.copy_(g1)
-                self.jacobian_written.add(id(p))
+            else:
+                into.add_(g1)
 
     # -- at the end of the backward ---------------------------------------------------------------
 
+    def _reduce(self, h: _Held) -> None:
+        """This parameter's quantities from all its pieces of this backward."""
+        name = self.names.get(id(h.param), f"<param {id(h.param)}>")
+        if name in self._done:
+            raise RuntimeError(
+                f"'{name}' received another call's gradient after its per-example quantities were "
+                "computed in this backward (a forward re-run during the backward, e.g. activation "
+                "checkpointing?): norms/sum_grad_sq cannot include that call; use grad1 instead"
+            )
+        batch = h.pieces[0][0].batch_size
+        sq = _sq_norm(h) if "norms" in self.quantities else None
+        sums = mean = None
+        if "sum_grad_sq" in self.quantities:
+            sums = _sum_sq(h)
+            mean = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces) / max(batch, 1)
+        self._done[name] = (batch, sq, sums, mean)
+
     def _finish(self) -> None:
+        """At the end of the backward: reduce what is still held, publish the results."""
         self._queued = False
         held, self._held = self._held, {}
+        self._expected = {}  # the forward's calls are consumed by this backward
         if self.kfac is not None:
             self.kfac.end_backward()
-        if not held:
+        for h in held.values():
+            self._reduce(h)
+        done, self._done = self._done, {}
+        if not done:
             return
-        sq_norms, sums_sq, means = {}, {}, {}
-        batches = {h.pieces[0][0].batch_size for h in held.values()}
+        batches = {d[0] for d in done.values()}
         if len(batches) != 1:
             raise RuntimeError(
                 f"the hooked layers saw different batch sizes in one backward ({sorted(batches)}): "
                 "per-example quantities need every layer to see the same batch"
             )
-        (batch,) = batches
-        for h in held.values():
-            name = self.names.get(id(h.param), f"<param {id(h.param)}>")
-            if "norms" in self.quantities:
-                sq_norms[name] = _sq_norm(h)
-            if "sum_grad_sq" in self.quantities:
-                sums_sq[name] = _sum_sq(h)
-                means[name] = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces) / max(
-                    batch, 1
-                )
-        self.param_sq_norms, self.sum_grad_sq, self.grad_mean = sq_norms, sums_sq, means
-        self.batch = batch
+        self.param_sq_norms = {n: d[1] for n, d in done.items() if d[1] is not None}
+        self.sum_grad_sq = {n: d[2] for n, d in done.items() if d[2] is not None}
+        self.grad_mean = {n: d[3] for n, d in done.items() if d[3] is not None}
+        (self.batch,) = batches
+
+
+def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool) -> bool:
+    """An :class:`Outer` piece whose ``g`` is batched over the outputs (and ``a`` not): write
+    ``g ⊗ a`` straight into the result (no intermediate copy of the largest tensor). ``into``:
+    ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
+    from torch._C import _functorch
+
+    if not isinstance(piece, P.Outer) or not _functorch.is_batchedtensor(piece.g):
+        return False
+    if piece.a is not None and _functorch.is_batchedtensor(piece.a):
+        return False
+    g = _functorch.get_unwrapped(piece.g).movedim(_functorch.maybe_get_bdim(piece.g), 0)
+    if scale != 1.0:
+        g = g * scale
+    outputs, batch = into.shape[:2]
+    groups = g.shape[2:-2]  # [outputs, batch, *groups, shared, out]
+    try:
+        if piece.a is None:
+            target = into.view(outputs, batch, *groups, g.shape[-1])
+        else:
+            target = into.view(outputs, batch, *groups, g.shape[-1], piece.a.shape[-1])
+    except RuntimeError:
+        return False
+    if piece.a is None:
+        value = g.sum(-2)
+    elif g.shape[-2] == 1:
+        value = None
+        prod = (g[..., 0, :, None], piece.a[..., 0, None, :].unsqueeze(0))
+        if first:
+            torch.mul(*prod, out=target)
+        else:
+            target.add_(prod[0] * prod[1])
+    else:
+        value = torch.matmul(g.transpose(-1, -2), piece.a.unsqueeze(0))
+    if value is not None:
+        if first:
+            target.copy_(value)
+        else:
+            target.add_(value)
+    return True
 
 
 def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
@@ -191,4 +263,3 @@ def _sum_sq(h: _Held) -> Tensor:
 def total_norms(sq_norms: dict[str, Tensor]) -> Tensor:
     """Per-example norm of the gradient of all parameters together, ``[batch]``."""
     return torch.stack(list(sq_norms.values())).sum(0).sqrt()
-

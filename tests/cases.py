@@ -70,25 +70,60 @@ def _seq(*layers):
 # {layer type: cases}; every case's output is [batch, outputs] (Jacobians, K-FAC need that)
 CASES_BY_LAYER: dict[type, list[Case]] = {
     nn.Linear: [
-        Case("mlp", lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), lambda b: torch.randn(b, 6)),
-        Case("mlp_ce", lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), lambda b: torch.randn(b, 6),
-             lambda b: torch.randint(3, (b,)), cross_entropy_sum),
-        Case("linear_seq_gram", lambda: nn.Sequential(nn.Linear(8, 8), nn.Flatten()), lambda b: torch.randn(b, 2, 8)),
-        Case("linear_seq_materialize", lambda: nn.Sequential(nn.Linear(5, 3), nn.Flatten()), lambda b: torch.randn(b, 6, 5)),
+        Case(
+            "mlp",
+            lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)),
+            lambda b: torch.randn(b, 6),
+        ),
+        Case(
+            "mlp_ce",
+            lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)),
+            lambda b: torch.randn(b, 6),
+            lambda b: torch.randint(3, (b,)),
+            cross_entropy_sum,
+        ),
+        Case(
+            "linear_seq_gram",
+            lambda: nn.Sequential(nn.Linear(8, 8), nn.Flatten()),
+            lambda b: torch.randn(b, 2, 8),
+        ),
+        Case(
+            "linear_seq_materialize",
+            lambda: nn.Sequential(nn.Linear(5, 3), nn.Flatten()),
+            lambda b: torch.randn(b, 6, 5),
+        ),
         Case("reused_linear", Reused, lambda b: torch.randn(b, 4)),
         Case("reused_linear_seq", ReusedSeq, lambda b: torch.randn(b, 3, 8)),
         Case("tied_linear", Tied, lambda b: torch.randn(b, 5)),
     ],  # fmt: skip
     nn.Conv2d: [
-        Case("conv_net", SmallConvNet, lambda b: torch.randn(b, 2, 6, 6), lambda b: torch.randint(3, (b,)), cross_entropy_sum),
-        Case("conv_gram", _seq(nn.Conv2d(3, 8, 3), nn.Flatten()), lambda b: torch.randn(b, 3, 4, 4)),
-        Case("reused_conv", _seq(*[nn.Conv2d(2, 2, 3, padding=1)] * 2, nn.Flatten()), lambda b: torch.randn(b, 2, 3, 3)),
+        Case(
+            "conv_net",
+            SmallConvNet,
+            lambda b: torch.randn(b, 2, 6, 6),
+            lambda b: torch.randint(3, (b,)),
+            cross_entropy_sum,
+        ),
+        Case(
+            "conv_gram", _seq(nn.Conv2d(3, 8, 3), nn.Flatten()), lambda b: torch.randn(b, 3, 4, 4)
+        ),
+        Case(
+            "reused_conv",
+            _seq(*[nn.Conv2d(2, 2, 3, padding=1)] * 2, nn.Flatten()),
+            lambda b: torch.randn(b, 2, 3, 3),
+        ),
     ],  # fmt: skip
     nn.Conv1d: [
-        Case("conv1d", _seq(nn.Conv1d(2, 3, 2, dilation=2), nn.Flatten()), lambda b: torch.randn(b, 2, 5)),
+        Case(
+            "conv1d",
+            _seq(nn.Conv1d(2, 3, 2, dilation=2), nn.Flatten()),
+            lambda b: torch.randn(b, 2, 5),
+        ),
     ],
     nn.Conv3d: [
-        Case("conv3d", _seq(nn.Conv3d(1, 2, 2), nn.Flatten()), lambda b: torch.randn(b, 1, 3, 3, 2)),
+        Case(
+            "conv3d", _seq(nn.Conv3d(1, 2, 2), nn.Flatten()), lambda b: torch.randn(b, 1, 3, 3, 2)
+        ),
     ],
 }
 

@@ -17,7 +17,11 @@ def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
     """{weight name: (A, G)} by their definitions, one example at a time: a layer's input
     columns (Linear: the input; Conv: F.unfold of it) and the gradient of the example's own loss
     with respect to the layer's output, at every call."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)}
+    layers = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)
+    }
     acc: dict[str, list] = {}
     for b in range(inputs.shape[0]):
         seen = []
@@ -36,7 +40,9 @@ def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
             if isinstance(m, nn.Linear):
                 a, gg = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [shared, in/out]
             else:
-                assert m.groups == 1 and m.padding_mode == "zeros", "explicit conv: plain convs only"
+                assert m.groups == 1 and m.padding_mode == "zeros", (
+                    "explicit conv: plain convs only"
+                )
                 nd = x.dim() - 2
                 xx = x if nd == 2 else x.unsqueeze(-2)
                 k = m.kernel_size if nd == 2 else (1, *m.kernel_size)
@@ -95,7 +101,10 @@ def per_example_ggn(model, x, loss_hessian):
 
     with gradhooks.paused():
         jac = torch.vmap(one)(x)  # {name: [batch, C, *shape]}
-    return {n: torch.einsum("bcp,cd,bdq->bpq", j.flatten(2), loss_hessian, j.flatten(2)) for n, j in jac.items()}
+    return {
+        n: torch.einsum("bcp,cd,bdq->bpq", j.flatten(2), loss_hessian, j.flatten(2))
+        for n, j in jac.items()
+    }
 
 
 def test_kfac_is_the_exact_ggn_for_a_deep_linear_network_with_mse():
@@ -128,7 +137,9 @@ def test_kfac_is_the_exact_ggn_for_one_example_of_any_network():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     x = torch.randn(1, 4, dtype=torch.float64)
-    factors = gradhooks.kfac(model, x, fisher="exact", loss="cross_entropy", reduction="sum", bias=False)
+    factors = gradhooks.kfac(
+        model, x, fisher="exact", loss="cross_entropy", reduction="sum", bias=False
+    )
     with gradhooks.paused():
         p = torch.softmax(model(x), -1)[0]
     ggn = per_example_ggn(model, x, torch.diag(p) - torch.outer(p, p))
@@ -144,7 +155,9 @@ def test_empirical_factors_of_one_example_are_its_gradient_outer_product():
     with gradhooks.add_hooks(model, "sum"):
         F.cross_entropy(model(x), y, reduction="sum").backward()
     g = model[3].weight.grad1[0].flatten()  # shared == 1: exact
-    assert_close(torch.kron(factors["3.weight"].G, factors["3.weight"].A), torch.outer(g, g), "linear")
+    assert_close(
+        torch.kron(factors["3.weight"].G, factors["3.weight"].A), torch.outer(g, g), "linear"
+    )
 
 
 def test_mc_fisher_is_reproducible_and_converges_to_the_exact_one():
@@ -152,13 +165,17 @@ def test_mc_fisher_is_reproducible_and_converges_to_the_exact_one():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     x = torch.randn(8, 3, dtype=torch.float64)
     exact = gradhooks.kfac(model, x, fisher="exact")
-    run = lambda n, s: gradhooks.kfac(model, x, fisher="mc", mc_samples=n, generator=torch.Generator().manual_seed(s))
+    run = lambda n, s: gradhooks.kfac(
+        model, x, fisher="mc", mc_samples=n, generator=torch.Generator().manual_seed(s)
+    )
     a, b = run(2, 5), run(2, 5)
     for name in exact:
         assert torch.equal(a[name].G, b[name].G), "same generator, different samples"
         assert_close(a[name].A, exact[name].A, f"A does not depend on the backward, {name}")
     # many samples in one backward: the batch repeated (mean factors do not change)
-    many = gradhooks.kfac(model, x.repeat(2000, 1), fisher="mc", generator=torch.Generator().manual_seed(0))
+    many = gradhooks.kfac(
+        model, x.repeat(2000, 1), fisher="mc", generator=torch.Generator().manual_seed(0)
+    )
     for name in exact:
         err = (many[name].G - exact[name].G).norm() / exact[name].G.norm()
         assert err < 0.1, f"MC Fisher G far from the exact one for {name}: relative error {err:.3f}"

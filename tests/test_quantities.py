@@ -88,13 +88,19 @@ def test_norms_of_a_direct_piece_tied_to_an_outer_one():
         return {"weight": gradhooks.Direct(x * call.grad_output)}
 
     lin = nn.Linear(4, 3, bias=False)
-    model = nn.Sequential(lin, nn.Tanh(), nn.Unflatten(1, (3, 1)), Scale(lin.weight), nn.Flatten()).double()
+    model = nn.Sequential(
+        lin, nn.Tanh(), nn.Unflatten(1, (3, 1)), Scale(lin.weight), nn.Flatten()
+    ).double()
     case = Case("direct_tied", lambda: model, lambda b: torch.randn(b, 4))
     x = torch.randn(5, 4, dtype=torch.float64)
     loop = loop_grad(model, case.loss, x)
-    with gradhooks.add_hooks(model, "sum", registry=registry, quantities=("norms", "sum_grad_sq")) as h:
+    with gradhooks.add_hooks(
+        model, "sum", registry=registry, quantities=("norms", "sum_grad_sq")
+    ) as h:
         case.loss(model(x)).backward()
-    assert_close(h.param_norms()["0.weight"], loop["0.weight"].flatten(1).norm(dim=1), "direct+outer norm")
+    assert_close(
+        h.param_norms()["0.weight"], loop["0.weight"].flatten(1).norm(dim=1), "direct+outer norm"
+    )
     assert_close(h.sum_grad_sq()["0.weight"], (loop["0.weight"] ** 2).sum(0), "direct+outer sum_sq")
 
 
@@ -152,7 +158,9 @@ def test_dp_noise_is_reproducible_and_calibrated(method):
     params = list(model.parameters())
     grads = []
     for noise in (0.0, 1.3, 1.3):
-        with gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",)) as h:
+        with gradhooks.add_hooks(
+            model, quantities=("grad1" if method == "grad1" else "norms",)
+        ) as h:
             losses = per_example_losses(model, case, inputs, target)
             gradhooks.dp_sgd_step(
                 h, losses, max_norm=0.5, noise_multiplier=noise, reduction="sum",
@@ -224,7 +232,9 @@ def check_jacobians(model, inputs, want, what):
         assert_close(got[name], w, f"{what}: Jacobian of {name}")
     flat = gradhooks.jacobians(model, inputs, flatten=True)
     batch, outputs = flat.shape[:2]
-    assert_close(flat, torch.cat([w.reshape(batch, outputs, -1) for w in want.values()], -1), f"{what}: flat")
+    assert_close(
+        flat, torch.cat([w.reshape(batch, outputs, -1) for w in want.values()], -1), f"{what}: flat"
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
