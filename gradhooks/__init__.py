@@ -12,6 +12,9 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 
 from . import oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .check import check_rule
+from .dp import clip_factors, dp_sgd_step
+from .jacobian import jacobians
+from .kfac import KFactors, kfac
 from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
 from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .pieces import Direct, Outer, Piece
@@ -28,6 +31,12 @@ __all__ = [
     "clear_grad1",
     "set_enabled",
     "paused",
+    # more from the same hooks (add_hooks(model, quantities=...))
+    "dp_sgd_step",
+    "clip_factors",
+    "kfac",
+    "KFactors",
+    "jacobians",
     # autograd-hacks compatibility
     "compute_grad1",
     "clear_backprops",

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .fallback import FALLBACK, fallback_params
+from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, Registry, _Entry
 
 __all__ = [
@@ -73,7 +74,12 @@ class Hooks:
         loss_reduction: LossReduction = "mean",
         unsupported: Unsupported = "fallback",
         registry: Registry = REGISTRY,
+        quantities: tuple[str, ...] | str = ("grad1",),
     ) -> None:
+        quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
+        unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
+        if unknown or not quantities:
+            raise ValueError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if unsupported not in ("fallback", "error", "skip"):
@@ -90,6 +96,10 @@ class Hooks:
         self._check_not_hooked(model)
         self._written: dict[int, nn.Parameter] = {}
         self._removed = False
+        self.quantities = quantities
+        self._grad1 = "grad1" in quantities
+        self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
+        self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
         self._handles = []
         for target in self._targets:
             self._handles.append(
@@ -127,6 +137,8 @@ class Hooks:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
         it. The current ``grad1`` tensors stay readable."""
         self._written.clear()
+        if self._collector is not None:
+            self._collector.clear()
 
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
@@ -148,6 +160,52 @@ class Hooks:
     def captured(self) -> bool:
         """Whether a backward has written ``grad1`` since the hooks were added or cleared."""
         return bool(self._written)
+
+    # -- quantities other than grad1 (add_hooks(..., quantities=...)) -------------------------
+    # Of the last backward (each backward replaces them), except kfac_factors, which accumulate
+    # until clear(). All are of the per-example losses' own gradients (as grad1 is).
+
+    def param_norms(self) -> dict[str, Tensor]:
+        """Per-example gradient norms per parameter, ``{name: [batch]}`` (``"norms"``).
+        ``norms[name][i] == p.grad1[i].norm()``, computed without forming ``grad1``; a reused
+        module's calls and a tied weight's users are summed before the norm is taken."""
+        return {n: v.sqrt() for n, v in self._results("norms").param_sq_norms.items()}
+
+    def norms(self) -> Tensor:
+        """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``)."""
+        c = self._results("norms")
+        if not c.param_sq_norms:
+            raise RuntimeError("no backward has been captured since the hooks were added or cleared")
+        return total_norms(c.param_sq_norms)
+
+    def sum_grad_sq(self) -> dict[str, Tensor]:
+        """``Σ_i grad1[i]²`` per parameter, ``{name: [*p.shape]}`` (``"sum_grad_sq"``): the
+        diagonal of the empirical Fisher, summed over examples (BackPACK's SumGradSquared for a
+        sum-reduced loss)."""
+        return dict(self._results("sum_grad_sq").sum_grad_sq)
+
+    def grad_variance(self) -> dict[str, Tensor]:
+        """Per-example gradient variance per parameter, ``{name: [*p.shape]}``
+        (``"sum_grad_sq"``): ``mean_i grad1[i]² - (mean_i grad1[i])²`` (population variance,
+        clamped at 0)."""
+        c = self._results("sum_grad_sq")
+        batch = max(c.batch or 0, 1)
+        return {
+            n: (sq / batch - c.grad_mean[n] ** 2).clamp_min(0) for n, sq in c.sum_grad_sq.items()
+        }
+
+    def kfac_factors(self, reduction: LossReduction = "mean") -> dict:
+        """K-FAC factors ``{weight_name: KFactors(A, G, bias)}`` accumulated since the last
+        :meth:`clear` (``"kfac"``); conventions in :mod:`gradhooks.kfac`."""
+        return self._results("kfac").kfac.factors(reduction)
+
+    def _results(self, quantity: str) -> Collector:
+        if self._collector is None or quantity not in self.quantities:
+            raise RuntimeError(
+                f"this handle does not compute {quantity!r} (quantities={self.quantities!r}): "
+                f"add_hooks(model, quantities=({quantity!r}, ...))"
+            )
+        return self._collector
 
     def remove(self) -> None:
         """Remove every hook. Idempotent. ``grad1`` stays on the parameters (like ``.grad``);
@@ -222,13 +280,15 @@ class Hooks:
             )
 
             def on_grads(grads) -> None:
-                if self._removed:
+                if self._removed or self._ignore_backward:
                     return
                 full: list[Tensor | None] = [None] * len(leaves)
                 for i, g in zip(hooked, grads):
                     full[i] = g
                 self._backward(target, live, replace(call, grad_outputs=tuple(full)))
 
+            if self._collector is not None:
+                self._collector.expect(live)
             if len(hooked) == 1:
                 leaves[hooked[0]].register_hook(lambda g: on_grads((g,)))
             else:
@@ -241,18 +301,27 @@ class Hooks:
     def _backward(self, target: _Target, params: dict[str, nn.Parameter], call: Call) -> None:
         rule = target.entry.rule
         pieces = rule(call)
+        live: dict[str, nn.Parameter] = {}
         for pname, p in params.items():
-            piece = pieces.get(pname)
-            if piece is None:
-                if pname in pieces:
-                    continue  # the rule says: this call's gradient for it is computed elsewhere
+            if pieces.get(pname) is not None:
+                live[pname] = p
+            elif pname not in pieces:
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
                     f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)})"
                 )
-            scale = float(piece.batch_size) if self.loss_reduction == "mean" else 1.0
+            # else: None, the rule says this call's gradient for it is computed elsewhere
+        if not live:
+            return
+        batch = pieces[next(iter(live))].batch_size
+        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        if self._collector is not None:
+            self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale)
+        if not self._grad1:
+            return
+        for pname, p in live.items():
             try:
-                g1 = piece.grad1(p.shape, scale)
+                g1 = pieces[pname].grad1(p.shape, scale)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
@@ -340,6 +409,7 @@ def add_hooks(
     loss_reduction: LossReduction = "mean",
     unsupported: Unsupported = "fallback",
     registry: Registry = REGISTRY,
+    quantities: tuple[str, ...] | str = ("grad1",),
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -354,6 +424,11 @@ def add_hooks(
             :meth:`Hooks.fallback_modules`). ``"error"``: raise, before anything is hooked.
             ``"skip"``: leave its parameters without ``grad1``.
         registry: the rules to use (default: the built-in registry).
+        quantities: what each backward computes, any of ``"grad1"`` (``param.grad1``),
+            ``"norms"`` (:meth:`Hooks.norms`, :meth:`Hooks.param_norms`), ``"sum_grad_sq"``
+            (:meth:`Hooks.sum_grad_sq`, :meth:`Hooks.grad_variance`) and ``"kfac"``
+            (:meth:`Hooks.kfac_factors`). Without ``"grad1"`` no per-example gradient of the
+            whole model is ever formed.
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -370,7 +445,10 @@ def add_hooks(
         >>> torch.allclose(model.weight.grad1.mean(0), model.weight.grad, atol=1e-6)
         True
     """
-    return Hooks(model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry)
+    return Hooks(
+        model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
+        quantities=quantities,
+    )  # fmt: skip
 
 
 def hooks_of(model: nn.Module) -> Hooks:

@@ -99,3 +99,80 @@ class Direct(Piece):
 
 def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
+
+
+# -- quantities other than grad1 (norms, squared sums, variance, batch slices) -----------------
+# Added as separate functions so that ``Outer.grad1`` / ``Direct.grad1`` stay as they are. All
+# results are *unscaled* (``scale = 1``): the caller multiplies by the engine's scale.
+
+
+def select(piece: Piece, rows: slice) -> Piece:
+    """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
+    if isinstance(piece, Outer):
+        return Outer(None if piece.a is None else piece.a[rows], piece.g[rows])
+    if isinstance(piece, Direct):
+        return Direct(piece.value[rows])
+    raise TypeError(f"unknown piece type {type(piece).__qualname__}")
+
+
+def gram_is_cheaper(p: Piece, q: Piece) -> bool:
+    """Whether the per-example inner product of two :class:`Outer` pieces should use the Gram
+    form ``⟨a_p a_qᵀ, g_p g_qᵀ⟩`` (two ``[shared_p, shared_q]`` matrices per example and group)
+    rather than materialize ``[out, in]`` per example: ``2·T_p·T_q < in·out`` (Li et al. 2022).
+    Bias pieces (``a is None``) are always cheap: they reduce over ``shared`` first."""
+    if not (isinstance(p, Outer) and isinstance(q, Outer)):
+        return False
+    if (p.a is None) != (q.a is None):
+        return False
+    if p.a is None:
+        return p.g.shape[-1] == q.g.shape[-1]
+    if p.a.shape[-1] != q.a.shape[-1] or p.g.shape[-1] != q.g.shape[-1]:
+        return False
+    return 2 * p.g.shape[-2] * q.g.shape[-2] < p.a.shape[-1] * p.g.shape[-1]
+
+
+def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
+    """Per-example inner product ``⟨grad1_p[b], grad1_q[b]⟩`` of two pieces of one parameter
+    (unscaled), shape ``[batch]``. ``p is q`` gives the squared norm.
+
+    :class:`Outer` with one shared position: ``(a_p·a_q)(g_p·g_q)`` (Goodfellow). Several shared
+    positions: the Gram form ``Σ_{s,t} (a_p[s]·a_q[t]) (g_p[s]·g_q[t])`` when
+    :func:`gram_is_cheaper`, else both gradients are materialized (one parameter at a time)."""
+    if gram_is_cheaper(p, q):
+        assert isinstance(p, Outer) and isinstance(q, Outer)
+        if p.a is None:  # bias: Σ_shared g, then a dot product
+            return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
+        # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
+        aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
+        gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
+        return (aa * gg).flatten(1).sum(1)
+    gp = p.grad1(param_shape).flatten(1)
+    gq = gp if q is p else q.grad1(param_shape).flatten(1)
+    return (gp * gq).sum(1)
+
+
+def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:
+    """``Σ_b grad1[b]²`` (unscaled), shape ``param_shape``, without materializing ``grad1`` where
+    the piece allows it (one shared position: ``(g²)ᵀ(a²)``; bias pieces); ``None`` where it would
+    have to be materialized (the caller then does it a slice of the batch at a time)."""
+    if isinstance(piece, Outer):
+        if piece.a is None:
+            return (piece.g.sum(-2) ** 2).sum(0).reshape(param_shape)
+        if piece.g.shape[-2] == 1:
+            g2, a2 = piece.g[..., 0, :] ** 2, piece.a[..., 0, :] ** 2
+            return torch.einsum("b...o,b...i->...oi", g2, a2).reshape(param_shape)
+        return None
+    if isinstance(piece, Direct):
+        return (piece.value**2).sum(0).reshape(param_shape)
+    return None
+
+
+def batch_sum(piece: Piece, param_shape: torch.Size) -> Tensor:
+    """``Σ_b grad1[b]`` (unscaled), shape ``param_shape``, never materializing ``grad1``."""
+    if isinstance(piece, Outer):
+        if piece.a is None:
+            return piece.g.sum((0, -2)).reshape(param_shape)
+        return torch.einsum("b...so,b...si->...oi", piece.g, piece.a).reshape(param_shape)
+    if isinstance(piece, Direct):
+        return piece.value.sum(0).reshape(param_shape)
+    raise TypeError(f"unknown piece type {type(piece).__qualname__}")

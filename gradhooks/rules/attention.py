@@ -156,17 +156,18 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     inputs = [query, key, value]
     with torch.enable_grad():
         projections = [
-            F.linear(x, w, b).requires_grad_()
+            _probed(F.linear(x, w, b))
             for x, w, b in zip(inputs, (w_q, w_k, w_v), (b_q, b_k, b_v), strict=True)
         ]
         biases_kv = []
         if m.bias_k is not None:
             batch = query.shape[0]
             biases_kv = [
-                b.detach().reshape(1, 1, -1).expand(batch, 1, -1).clone().requires_grad_()
+                _probed(b.detach().reshape(1, 1, -1).expand(batch, 1, -1))
                 for b in (m.bias_k, m.bias_v)
             ]
-        ctx, probs = _attention(m, *projections, *(biases_kv or (None, None)), args)
+        values = [v for v, _ in projections + biases_kv]
+        ctx, probs = _attention(m, *values[:3], *(values[3:] or (None, None)), args)
         outputs, grads = [], []
         if g_out is not None:
             outputs.append(ctx)
@@ -174,7 +175,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         if g_probs is not None:
             outputs.append(probs.mean(1) if args["average_attn_weights"] else probs)
             grads.append(g_probs)
-        leaves = projections + biases_kv
+        leaves = [probe for _, probe in projections + biases_kv]
         if outputs:
             leaf_grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
             leaf_grads = [
@@ -202,3 +203,11 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         pieces["bias_k"] = Direct(leaf_grads[3])
         pieces["bias_v"] = Direct(leaf_grads[4])
     return pieces
+
+
+def _probed(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(t + probe, probe)`` with ``probe`` a zero leaf that requires grad: the gradient with
+    respect to the probe is the gradient with respect to ``t``. (A probe rather than
+    ``t.requires_grad_()``, which torch.func transforms forbid: the Jacobians vmap the backward.)"""
+    probe = torch.zeros(t.shape, dtype=t.dtype, device=t.device, requires_grad=True)
+    return t.detach() + probe, probe

@@ -43,8 +43,8 @@ def im2col(
     window = (slice(None),) * (2 + nd) + tuple(slice(None, None, dil) for dil in dilation)
     x = x[window]  # [batch, channels, *positions, *kernel]
     perm = [0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd)]
-    batch, channels = x.shape[:2]
-    return x.permute(perm).reshape(batch, channels * math.prod(kernel), -1)
+    batch, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2 : 2 + nd])
+    return x.permute(perm).reshape(batch, channels * math.prod(kernel), positions)
 
 
 def conv_input_columns(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:

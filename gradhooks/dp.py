@@ -1,0 +1,164 @@
+"""DP-SGD: per-example clipping, summing and Gaussian noise, written into ``p.grad``.
+
+:func:`dp_sgd_step` takes the per-example losses of a hooked forward and sets, for every
+trainable parameter,
+
+    p.grad = (Σ_i min(1, C / ‖g_i‖) · g_i  +  N(0, (σ·C)² I)) / D
+
+where ``g_i`` is example ``i``'s own gradient of the whole model (all parameters together),
+``C = max_norm``, ``σ = noise_multiplier`` and ``D`` the batch size for ``reduction="mean"``
+(``1`` for ``"sum"``). Any torch optimizer then steps on ``p.grad``. An example whose gradient
+is zero is left as it is (factor 1).
+
+Two paths, chosen by what the handle computes:
+
+- ``"grad1"`` (the handle has ``"grad1"``): one backward, ``grad1`` of every parameter, norms
+  and the clipped sum from it.
+- ``"ghost"`` (the handle has ``"norms"`` and not ``"grad1"``): ghost clipping, never forming
+  ``grad1``: a first backward computes the per-example norms from the pieces
+  (:meth:`Hooks.norms`), a second backward of ``Σ_i min(1, C/‖g_i‖) · loss_i`` (the factors
+  detached, capture off) gives the clipped sum directly in autograd's own gradient. Memory is
+  that of two plain backwards (the graph is kept for the second); compute about twice one.
+
+Privacy accounting is not done here: the noise multiplier, the sampling rate
+(``batch / dataset``) and the number of steps are what an accountant (e.g. Opacus'
+``RDPAccountant``) needs. For Poisson-sampled batches of varying size, use ``reduction="sum"``
+and divide by the *expected* batch size yourself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .engine import Hooks
+
+__all__ = ["dp_sgd_step", "clip_factors"]
+
+
+def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / norms)``, ``1`` where a norm is 0; shape of ``norms``."""
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
+
+
+def dp_sgd_step(
+    hooks: Hooks,
+    per_example_loss: Tensor,
+    *,
+    max_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
+    method: Literal["grad1", "ghost"] | None = None,
+) -> Tensor:
+    """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
+    ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
+
+    Args:
+        hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
+            or ``quantities=("norms",)`` (ghost clipping, never forms ``grad1``), added before
+            the forward. Its ``loss_reduction`` does not matter here.
+        per_example_loss: each example's own loss, ``[batch]`` (e.g. ``reduction="none"``).
+        max_norm: ``C``, the clipping norm of each example's whole-model gradient.
+        noise_multiplier: ``σ``; the noise std is ``σ·C``. ``0`` for clipping only.
+        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
+        reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
+        method: force ``"grad1"`` or ``"ghost"``; by default the one the handle supports.
+
+    Returns:
+        The per-example gradient norms before clipping, ``[batch]``.
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> model = torch.nn.Linear(4, 3)
+        >>> h = gradhooks.add_hooks(model, quantities=("norms",))
+        >>> losses = torch.nn.functional.cross_entropy(
+        ...     model(torch.randn(8, 4)), torch.randint(3, (8,)), reduction="none")
+        >>> norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.1,
+        ...                               generator=torch.Generator().manual_seed(0))
+        >>> norms.shape, model.weight.grad.shape
+        (torch.Size([8]), torch.Size([3, 4]))
+    """
+    if method is None:
+        method = "grad1" if "grad1" in hooks.quantities else "ghost"
+    if method not in ("grad1", "ghost"):
+        raise ValueError(f"method must be 'grad1' or 'ghost', got {method!r}")
+    needed = "grad1" if method == "grad1" else "norms"
+    if needed not in hooks.quantities:
+        raise ValueError(
+            f"dp_sgd_step(method={method!r}) needs a handle with quantities containing "
+            f"{needed!r}, this one has {hooks.quantities!r}"
+        )
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if per_example_loss.dim() != 1:
+        raise ValueError(
+            f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
+            "loss with reduction='none' (and sum any other dimension per example)"
+        )
+    params = _covered_params(hooks)
+    batch = per_example_loss.shape[0]
+    loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
+    hooks.clear()
+    if method == "grad1":
+        torch.autograd.grad(loss, params, allow_unused=True)
+        grads1 = [getattr(p, "grad1", None) if id(p) in hooks._written else None for p in params]
+        sq = per_example_loss.new_zeros(batch)
+        for g in grads1:
+            if g is not None:
+                sq = sq + g.flatten(1).pow(2).sum(1)
+        norms = sq.sqrt()
+        factors = clip_factors(norms, max_norm)
+        clipped = [
+            torch.zeros_like(p) if g is None else torch.einsum("b,b...->...", factors, g)
+            for p, g in zip(params, grads1, strict=True)
+        ]
+    else:
+        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        norms = (
+            hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
+        )
+        factors = clip_factors(norms, max_norm).detach()
+        hooks._ignore_backward = True
+        try:
+            grads = torch.autograd.grad(
+                (factors * per_example_loss).sum(), params, allow_unused=True
+            )
+        finally:
+            hooks._ignore_backward = False
+        clipped = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    std = noise_multiplier * max_norm
+    denom = max(batch, 1) if reduction == "mean" else 1
+    for p, c in zip(params, clipped, strict=True):
+        if std > 0:
+            noise = torch.randn(
+                p.shape, generator=generator, dtype=p.dtype,
+                device=generator.device if generator is not None else p.device,
+            )  # fmt: skip
+            c = c + std * noise.to(p.device)
+        p.grad = (c / denom).detach()
+    return norms.detach()
+
+
+def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
+    model = hooks.model
+    if model is None or not hooks.active:
+        raise RuntimeError("dp_sgd_step needs an active handle (its model is gone or removed)")
+    covered = {id(p) for t in hooks._targets for p in t.params.values()}
+    params, missing, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (params if id(p) in covered else missing).append(p if id(p) in covered else name)
+    if missing:
+        raise RuntimeError(
+            f"dp_sgd_step: trainable parameters {missing} have no gradhooks rule (hooked with "
+            "unsupported='skip'), so their per-example gradients cannot be clipped; freeze "
+            "them or register a rule"
+        )
+    return params

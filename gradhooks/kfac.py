@@ -1,0 +1,237 @@
+"""K-FAC Kronecker factors from the same :class:`~gradhooks.pieces.Outer` pieces, for every layer.
+
+For a parameter whose piece is ``Outer(a, g)`` (``a``: ``[batch, *groups, shared, in]``, ``g``:
+``[batch, *groups, shared, out]``), the weight ``W`` (``[*groups, out, in]``) gets
+
+- ``A``: ``[*groups, in, in]`` (``in + 1`` when bias-augmented), the input second moment,
+- ``G``: ``[*groups, out, out]``, the output-gradient second moment,
+
+so that ``torch.kron(G, A)`` approximates the curvature of ``W.flatten()`` (row-major
+``[out, in]``; per group). Conventions (Eschenhagen et al. 2023, "Kronecker-factored
+approximate curvature for modern neural network architectures"):
+
+- ``g`` is each example's *own* output gradient (the engine's scale is applied, as for
+  ``grad1``), so the factors do not depend on the loss reduction used in the backward.
+- ``expand`` (default; KFC of Grosse & Martens 2016 for convolutions): the shared positions
+  (tokens, pixels, the calls of a reused module) act as extra examples:
+  ``A = Σ_{b,s} a aᵀ / (batch · shared)``, ``G = Σ_{b,s} g gᵀ``.
+- ``reduce``: positions are reduced first, ``ā_b = mean_s a``, ``ḡ_b = Σ_s g``:
+  ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``.
+- ``reduction="sum"`` keeps ``G`` a sum over examples (``kron(G, A)`` approximates the sum of
+  per-example curvatures, e.g. ``Σ_b grad1[b] grad1[b]ᵀ``); ``"mean"`` divides ``G`` by the
+  number of examples (the mean curvature).
+- ``bias=True`` appends a column of ones to ``a`` when the module has a bias whose piece is
+  ``Outer(None, ·)``: ``A`` then covers ``cat([W, b[..., None]], -1)`` (per group).
+- Which curvature ``G`` estimates depends on the backward: the user's loss gives the empirical
+  Fisher; :func:`kfac` backpropagates sampled labels (``"mc"``, the Fisher) or the columns of the
+  loss Hessian's square root (``"exact"``, the generalized Gauss-Newton) in a separate backward.
+  Over several backwards of one forward ``G`` sums and ``A`` is taken once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .pieces import Outer
+
+__all__ = ["KFactors", "KfacAccumulator", "kfac"]
+
+
+@dataclass
+class KFactors:
+    """Kronecker factors of one weight: ``torch.kron(G, A)`` approximates its curvature.
+
+    ``A``: ``[*groups, in(+1), in(+1)]``; ``G``: ``[*groups, out, out]`` (a groups axis of
+    size one, e.g. a Conv with ``groups=1``, is dropped); ``bias``: whether
+    ``A`` is bias-augmented (then the weight is ``cat([W, b[..., None]], -1)``)."""
+
+    A: Tensor
+    G: Tensor
+    bias: bool
+
+
+class KfacAccumulator:
+    """Sums ``a aᵀ`` and ``g gᵀ`` of every ``Outer`` piece (with a non-``None`` ``a``)."""
+
+    def __init__(self, names: dict[int, str] | None = None) -> None:
+        self.names = names or {}  # id(param) -> its name (the first, for a tied weight)
+        self.expand = True
+        self.bias = True
+        self.capture_a = True  # False: later backwards of the same forward add to G only
+        self.clear()
+
+    def clear(self) -> None:
+        self._a: dict[str, Tensor] = {}
+        self._g: dict[str, Tensor] = {}
+        self._n_a: dict[str, int] = {}
+        self._n_g: dict[str, int] = {}
+        self._biased: dict[str, bool] = {}
+        self._batch_now: dict[str, int] = {}
+        self.capture_a = True
+
+    def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
+        bias_pieces = [
+            pc for n, pc in call_pieces.items()
+            if n in params and isinstance(pc, Outer) and pc.a is None
+        ]  # fmt: skip
+        for pname, p in params.items():
+            piece = call_pieces[pname]
+            if not isinstance(piece, Outer) or piece.a is None:
+                continue
+            key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
+            a, g = piece.a, piece.g * scale
+            biased = self.bias and len(bias_pieces) == 1
+            if self._biased.get(key, biased) != biased:
+                raise RuntimeError(
+                    f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
+                    f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
+                    "both: use bias=False"
+                )
+            if biased:
+                a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
+            batch, shared = a.shape[0], a.shape[-2]
+            # letters: b batch, s shared, i/j in, o/p out; '...' the groups
+            if self.expand:
+                aa = torch.einsum("b...si,b...sj->...ij", a, a)
+                gg = torch.einsum("b...so,b...sp->...op", g, g)
+                n_a = batch * shared
+            else:
+                abar, gbar = a.mean(-2), g.sum(-2)
+                aa = torch.einsum("b...i,b...j->...ij", abar, abar)
+                gg = torch.einsum("b...o,b...p->...op", gbar, gbar)
+                n_a = batch
+            self._g[key] = self._g[key] + gg if key in self._g else gg
+            if self.capture_a:
+                self._a[key] = self._a[key] + aa if key in self._a else aa
+                self._n_a[key] = self._n_a.get(key, 0) + n_a
+                self._biased[key] = biased
+                self._batch_now[key] = batch
+
+    def end_backward(self) -> None:
+        """G is normalized by examples, not by calls: count each example once per forward."""
+        for key, batch in self._batch_now.items():
+            self._n_g[key] = self._n_g.get(key, 0) + batch
+        self._batch_now = {}
+
+    def factors(self, reduction: Literal["mean", "sum"] = "mean") -> dict[str, KFactors]:
+        out = {}
+        for key, aa in self._a.items():
+            gg = self._g[key]
+            if reduction == "mean":
+                gg = gg / max(self._n_g[key], 1)
+            aa = aa / max(self._n_a[key], 1)
+            if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
+                aa, gg = aa[0], gg[0]
+            out[key] = KFactors(aa, gg, self._biased[key])
+        return out
+
+
+Fisher = Literal["mc", "exact", "empirical"]
+LossName = Literal["cross_entropy", "mse"]
+
+
+def kfac(
+    model: nn.Module,
+    inputs: Tensor,
+    target: Tensor | None = None,
+    *,
+    fisher: Fisher = "mc",
+    loss: LossName = "cross_entropy",
+    reduction: Literal["mean", "sum"] = "mean",
+    expand: bool = True,
+    bias: bool = True,
+    mc_samples: int = 1,
+    generator: torch.Generator | None = None,
+) -> dict[str, KFactors]:
+    """K-FAC factors of every weight of ``model`` from one forward on ``inputs``.
+
+    Args:
+        model: a model whose layers have rules; its output must be ``[batch, classes]``.
+        inputs: ``[batch, ...]``.
+        target: labels ``[batch]`` (``cross_entropy``) or ``[batch, classes]`` (``mse``); needed
+            for ``fisher="empirical"`` only.
+        fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
+            model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
+            noise: the "random vectors at the output" of the forum thread), giving the Fisher;
+            ``"exact"`` backpropagates the ``classes`` columns of the square root of the loss
+            Hessian (the GGN; exact K-FAC for a deep linear network); ``"empirical"`` the loss
+            with the true ``target``.
+        loss: ``"cross_entropy"`` (``F.cross_entropy`` per example) or ``"mse"``
+            (``F.mse_loss(..., reduction="sum")`` per example: Hessian ``2·I``).
+        reduction, expand, bias: conventions of :mod:`gradhooks.kfac`.
+        generator: a ``torch.Generator`` for reproducible ``"mc"`` sampling.
+
+    Returns:
+        ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights).
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> f = gradhooks.kfac(net, torch.randn(16, 4), fisher="exact")
+        >>> f["0.weight"].A.shape, f["0.weight"].G.shape       # bias-augmented: 4 + 1
+        (torch.Size([5, 5]), torch.Size([8, 8]))
+    """
+    from .engine import add_hooks
+
+    with add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
+        acc = h._collector.kfac
+        acc.expand, acc.bias = expand, bias
+        out = model(inputs)
+        if out.dim() != 2:
+            raise ValueError(
+                f"kfac() expects a [batch, classes] model output, got {tuple(out.shape)}; for other "
+                "outputs use add_hooks(model, quantities=('kfac',)), your own backward(s), and "
+                "h.kfac_factors()"
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        vectors = _output_vectors(out.detach(), target, fisher, loss, mc_samples, generator)
+        for i, v in enumerate(vectors):
+            torch.autograd.grad(
+                out, params, v, retain_graph=i < len(vectors) - 1, allow_unused=True
+            )
+            acc.capture_a = False
+        if fisher == "mc" and mc_samples > 1:
+            for key in acc._g:
+                acc._g[key] = acc._g[key] / mc_samples
+        return h.kfac_factors(reduction)
+
+
+def _output_vectors(
+    out: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName, samples: int,
+    generator: torch.Generator | None,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients with respect to the output that each backward propagates, ``[batch, C]``."""
+    if loss not in ("cross_entropy", "mse"):
+        raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
+    if fisher == "empirical":
+        if target is None:
+            raise ValueError("fisher='empirical' needs the target")
+        if loss == "cross_entropy":
+            return [torch.softmax(out, -1) - F.one_hot(target, out.shape[-1]).to(out.dtype)]
+        return [2 * (out - target)]
+    if fisher == "mc":
+        vs = []
+        for _ in range(samples):
+            if loss == "cross_entropy":
+                probs = torch.softmax(out, -1)
+                y = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                vs.append(probs - F.one_hot(y, out.shape[-1]).to(out.dtype))
+            else:  # y ~ N(out, I/2), the distribution whose NLL is the squared error
+                noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+                vs.append(noise.to(out.device) * 2**0.5)
+        return vs
+    if fisher == "exact":
+        classes = out.shape[-1]
+        eye = torch.eye(classes, dtype=out.dtype, device=out.device)
+        if loss == "mse":
+            return [2**0.5 * eye[c].expand_as(out) for c in range(classes)]
+        # diag(p) - p pᵀ = Σ_c √p_c (e_c - p) (√p_c (e_c - p))ᵀ
+        probs = torch.softmax(out, -1)
+        return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(classes)]
+    raise ValueError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")

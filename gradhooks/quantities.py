@@ -1,0 +1,265 @@
+"""Quantities other than ``grad1``, computed from the pieces of one backward, for every layer.
+
+The engine hands every piece of a backward to a :class:`Collector` (one per :class:`Hooks`
+handle). The collector keeps each parameter's pieces until the backward ends (a callback queued
+on the autograd engine from inside the first gradient hook), then computes what was asked:
+
+- ``"norms"``: per-example gradient norms per parameter and in total (the ghost norm), with the
+  cross terms between the calls of a reused module and between the users of a tied weight:
+  ``‖Σ_j G_j‖² = Σ_j Σ_k ⟨G_j, G_k⟩``.
+- ``"sum_grad_sq"``: ``Σ_b grad1[b]²`` per parameter (diagonal empirical Fisher) and the
+  per-example gradient variance.
+- ``"kfac"``: Kronecker factors (see :mod:`gradhooks.kfac`).
+
+``grad1`` is never materialized for a whole model: where a layer's maths needs it, it is formed
+for one parameter and a slice of the batch at a time.
+
+Every result is of the per-example losses' own gradients: the engine's ``scale`` (batch size
+for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import pieces as P
+from .kfac import KfacAccumulator
+
+__all__ = ["QUANTITIES", "Collector", "total_norms"]
+
+QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
+# internal: gradhooks.jacobians() runs the backward under torch.func.vmap over the outputs
+_INTERNAL = ("_jacobian",)
+
+# Largest materialized per-example gradient slice, in elements (64 Mi floats).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class _Held:
+    """The pieces of one parameter in the current backward, each with the engine's scale."""
+
+    param: nn.Parameter
+    pieces: list[tuple[P.Piece, float]] = field(default_factory=list)
+
+
+class Collector:
+    """Keeps the pieces of one backward and computes the requested quantities at its end."""
+
+    def __init__(self, model: nn.Module, quantities: tuple[str, ...]) -> None:
+        self.quantities = quantities
+        self.names = {}
+        for name, p in model.named_parameters():
+            self.names.setdefault(id(p), name)
+        self._held: dict[int, _Held] = {}
+        # calls per parameter in the forward(s) not yet backpropagated: a parameter's pieces are
+        # reduced (and freed) as soon as all its calls' pieces arrived, not at the end
+        self._expected: dict[int, int] = {}
+        self._done: dict[str, tuple] = {}
+        self._queued = False
+        self.param_sq_norms: dict[str, Tensor] = {}
+        self.sum_grad_sq: dict[str, Tensor] = {}
+        self.grad_mean: dict[str, Tensor] = {}
+        self.batch: int | None = None
+        self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
+        self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
+        self.jacobian_written: set[int] = set()
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._done = {}
+        self.param_sq_norms = {}
+        self.sum_grad_sq = {}
+        self.grad_mean = {}
+        self.batch = None
+        self.jacobian_written = set()
+        if self.kfac is not None:
+            self.kfac.clear()
+
+    def add(self, qualname: str, call_pieces: dict, params: dict, scale: float) -> None:
+        """Called by the engine for every call of a hooked module in a backward."""
+        if "_jacobian" in self.quantities:
+            self._add_jacobian(call_pieces, params, scale)
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if self.kfac is not None:
+            self.kfac.add(qualname, call_pieces, params, scale)
+        if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
+            for pname, p in params.items():
+                held = self._held.setdefault(id(p), _Held(p))
+                held.pieces.append((call_pieces[pname], scale))
+                expected = self._expected.get(id(p), 0)
+                if expected and len(held.pieces) >= expected:  # every call of the forward
+                    del self._held[id(p)]
+                    self._expected[id(p)] = 0
+                    self._reduce(held)
+
+    def expect(self, params: dict) -> None:
+        """Called by the engine for every captured forward call: one more piece will come."""
+        if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
+            for p in params.values():
+                self._expected[id(p)] = self._expected.get(id(p), 0) + 1
+
+    def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
+        """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,
+        ``[outputs, batch, *shape]``, goes into ``self.jacobian[id(p)]`` (``[batch, outputs,
+        *shape]``, allocated by the caller), summed over calls (reuse) and users (tied)."""
+        from torch._C import _functorch
+
+        for pname, p in params.items():
+            piece = call_pieces[pname]
+            into = self.jacobian[id(p)].transpose(0, 1)  # [outputs, batch, *shape]
+            first = id(p) not in self.jacobian_written
+            self.jacobian_written.add(id(p))
+            if _jacobian_outer_into(piece, into, scale, first):
+                continue
+            g1 = piece.grad1(p.shape, scale)
+            if _functorch.is_batchedtensor(g1):
+                g1 = _functorch.get_unwrapped(g1).movedim(_functorch.maybe_get_bdim(g1), 0)
+            else:  # the same for every output (cannot happen for a vmapped output-gradient)
+                g1 = g1.unsqueeze(0)
+            if first:
+                into.copy_(g1)
+            else:
+                into.add_(g1)
+
+    # -- at the end of the backward ---------------------------------------------------------------
+
+    def _reduce(self, h: _Held) -> None:
+        """This parameter's quantities from all its pieces of this backward."""
+        name = self.names.get(id(h.param), f"<param {id(h.param)}>")
+        if name in self._done:
+            raise RuntimeError(
+                f"'{name}' received another call's gradient after its per-example quantities were "
+                "computed in this backward (a forward re-run during the backward, e.g. activation "
+                "checkpointing?): norms/sum_grad_sq cannot include that call; use grad1 instead"
+            )
+        batch = h.pieces[0][0].batch_size
+        sq = _sq_norm(h) if "norms" in self.quantities else None
+        sums = mean = None
+        if "sum_grad_sq" in self.quantities:
+            sums = _sum_sq(h)
+            mean = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces) / max(batch, 1)
+        self._done[name] = (batch, sq, sums, mean)
+
+    def _finish(self) -> None:
+        """At the end of the backward: reduce what is still held, publish the results."""
+        self._queued = False
+        held, self._held = self._held, {}
+        self._expected = {}  # the forward's calls are consumed by this backward
+        if self.kfac is not None:
+            self.kfac.end_backward()
+        for h in held.values():
+            self._reduce(h)
+        done, self._done = self._done, {}
+        if not done:
+            return
+        batches = {d[0] for d in done.values()}
+        if len(batches) != 1:
+            raise RuntimeError(
+                f"the hooked layers saw different batch sizes in one backward ({sorted(batches)}): "
+                "per-example quantities need every layer to see the same batch"
+            )
+        self.param_sq_norms = {n: d[1] for n, d in done.items() if d[1] is not None}
+        self.sum_grad_sq = {n: d[2] for n, d in done.items() if d[2] is not None}
+        self.grad_mean = {n: d[3] for n, d in done.items() if d[3] is not None}
+        (self.batch,) = batches
+
+
+def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool) -> bool:
+    """An :class:`Outer` piece whose ``g`` is batched over the outputs (and ``a`` not): write
+    ``g ⊗ a`` straight into the result (no intermediate copy of the largest tensor). ``into``:
+    ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
+    from torch._C import _functorch
+
+    if not isinstance(piece, P.Outer) or not _functorch.is_batchedtensor(piece.g):
+        return False
+    if piece.a is not None and _functorch.is_batchedtensor(piece.a):
+        return False
+    g = _functorch.get_unwrapped(piece.g).movedim(_functorch.maybe_get_bdim(piece.g), 0)
+    if scale != 1.0:
+        g = g * scale
+    outputs, batch = into.shape[:2]
+    groups = g.shape[2:-2]  # [outputs, batch, *groups, shared, out]
+    try:
+        if piece.a is None:
+            target = into.view(outputs, batch, *groups, g.shape[-1])
+        else:
+            target = into.view(outputs, batch, *groups, g.shape[-1], piece.a.shape[-1])
+    except RuntimeError:
+        return False
+    if piece.a is None:
+        value = g.sum(-2)
+    elif g.shape[-2] == 1:
+        value = None
+        prod = (g[..., 0, :, None], piece.a[..., 0, None, :].unsqueeze(0))
+        if first:
+            torch.mul(*prod, out=target)
+        else:
+            target.add_(prod[0] * prod[1])
+    else:
+        value = torch.matmul(g.transpose(-1, -2), piece.a.unsqueeze(0))
+    if value is not None:
+        if first:
+            target.copy_(value)
+        else:
+            target.add_(value)
+    return True
+
+
+def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
+    """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
+    of the batch at a time (so that at most ~64 Mi elements exist at once)."""
+    batch = h.pieces[0][0].batch_size
+    rows = max(1, _CHUNK_ELEMENTS // max(h.param.numel(), 1))
+    for start in range(0, batch, rows):
+        sl = slice(start, min(start + rows, batch))
+        total = None
+        for piece, scale in h.pieces:
+            g = P.select(piece, sl).grad1(h.param.shape, scale)
+            total = g if total is None else total + g
+        yield sl, total
+
+
+def _sq_norm(h: _Held) -> Tensor:
+    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``."""
+    shape = h.param.shape
+    ps = h.pieces
+    cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    if cheap:
+        total = None
+        for i, (p, sp) in enumerate(ps):
+            for j in range(i, len(ps)):
+                q, sq = ps[j]
+                term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
+                total = term if total is None else total + term
+        return total
+    parts = [g.flatten(1).pow(2).sum(1) for _, g in _materialized(h)]
+    return torch.cat(parts) if parts else h.param.new_zeros(0)
+
+
+def _sum_sq(h: _Held) -> Tensor:
+    """``Σ_b (Σ_j scale_j grad1_j[b])²``, shape ``param.shape``."""
+    if len(h.pieces) == 1:
+        piece, scale = h.pieces[0]
+        direct = P.sum_sq(piece, h.param.shape)
+        if direct is not None:
+            return direct * scale**2
+    total = None
+    for _, g in _materialized(h):
+        part = (g**2).sum(0)
+        total = part if total is None else total + part
+    if total is None:  # empty batch
+        total = torch.zeros_like(h.param)
+    return total
+
+
+def total_norms(sq_norms: dict[str, Tensor]) -> Tensor:
+    """Per-example norm of the gradient of all parameters together, ``[batch]``."""
+    return torch.stack(list(sq_norms.values())).sum(0).sqrt()

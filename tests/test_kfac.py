@@ -1,0 +1,188 @@
+"""K-FAC factors against their explicit definitions (a per-example loop capturing each layer's
+input and output-gradient) and against the exact GGN where theory says K-FAC is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from cases import CASES
+from harness import _double, assert_close
+
+
+def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
+    """{weight name: (A, G)} by their definitions, one example at a time: a layer's input
+    columns (Linear: the input; Conv: F.unfold of it) and the gradient of the example's own loss
+    with respect to the layer's output, at every call."""
+    layers = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)
+    }
+    acc: dict[str, list] = {}
+    for b in range(inputs.shape[0]):
+        seen = []
+        handles = [
+            m.register_forward_hook(lambda m, args, out, n=n: seen.append((n, m, args[0], out)))
+            for n, m in layers.items()
+        ]  # fmt: skip
+        with gradhooks.paused():
+            out = model(inputs[b : b + 1])
+        for h in handles:
+            h.remove()
+        loss = case.loss(out) if target is None else case.loss(out, target[b : b + 1])
+        grads = torch.autograd.grad(loss, [o for *_, o in seen])
+        for (n, m, x, _), g in zip(seen, grads):
+            name = next(pn for pn, p in model.named_parameters() if p is m.weight)
+            if isinstance(m, nn.Linear):
+                a, gg = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [shared, in/out]
+            else:
+                assert m.groups == 1 and m.padding_mode == "zeros", (
+                    "explicit conv: plain convs only"
+                )
+                nd = x.dim() - 2
+                xx = x if nd == 2 else x.unsqueeze(-2)
+                k = m.kernel_size if nd == 2 else (1, *m.kernel_size)
+                unf = lambda t, kk: F.unfold(t, kk, dilation=m.dilation if nd == 2 else (1, *m.dilation),
+                                             padding=m.padding if nd == 2 else (0, *m.padding),
+                                             stride=m.stride if nd == 2 else (1, *m.stride))  # fmt: skip
+                if nd == 3:
+                    pytest.skip("explicit factors for Conv3d need an N-d unfold")
+                a = unf(xx, k)[0].T  # [positions, in*kernel]
+                gg = g.flatten(2)[0].T  # [positions, out]
+            if m.bias is not None:
+                a = torch.cat([a, torch.ones_like(a[:, :1])], 1)
+            if not expand:
+                a, gg = a.mean(0, keepdim=True), gg.sum(0, keepdim=True)
+            acc.setdefault(name, []).append((a, gg))
+    result = {}
+    for name, pairs in acc.items():
+        aa = sum(a.T @ a for a, _ in pairs) / sum(a.shape[0] for a, _ in pairs)
+        gg = sum(g.T @ g for _, g in pairs)
+        result[name] = (aa, gg / inputs.shape[0] if reduction == "mean" else gg)
+    return result
+
+
+def plain(case):
+    """Cases whose layers with parameters are all ungrouped Linear / Conv1d / Conv2d, the
+    layers explicit_factors knows how to unfold."""
+    m = case.model()
+    return all(
+        isinstance(c, nn.Linear | nn.Conv1d | nn.Conv2d) and c.groups == 1
+        if isinstance(c, nn.Conv1d | nn.Conv2d)
+        else isinstance(c, nn.Linear) or not list(c.parameters(recurse=False))
+        for c in m.modules()
+    )
+
+
+@pytest.mark.parametrize("expand", [True, False], ids=["expand", "reduce"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", [c for c in CASES if plain(c)], ids=repr)
+def test_factors_equal_their_definitions(case, reduction, expand):
+    torch.manual_seed(0)
+    model = case.model().double()
+    inputs, target = _double(case.inputs(4)), case.target(4) if case.target else None
+    want = explicit_factors(model, case, inputs, target, expand, reduction)
+    with gradhooks.add_hooks(model, reduction, quantities=("kfac",)) as h:
+        h._collector.kfac.expand = expand
+        out = model(inputs)
+        loss = case.loss(out) if target is None else case.loss(out, target)
+        (loss / 4 if reduction == "mean" else loss).backward()
+    got = h.kfac_factors(reduction)
+    assert set(got) == set(want), f"{case.id}: {sorted(got)} != {sorted(want)}"
+    for name, (A, G) in want.items():
+        assert_close(got[name].A, A, f"{case.id}: A of {name}")
+        assert_close(got[name].G, G, f"{case.id}: G of {name}")
+
+
+def per_example_ggn(model, x, loss_hessian):
+    """[batch, P, P] exact GGN blocks Jᵀ H J of every parameter, from torch.func.jacrev."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(sample):
+        f = lambda p: torch.func.functional_call(model, p, (sample[None],))[0]
+        return torch.func.jacrev(f)(params)
+
+    with gradhooks.paused():
+        jac = torch.vmap(one)(x)  # {name: [batch, C, *shape]}
+    return {
+        n: torch.einsum("bcp,cd,bdq->bpq", j.flatten(2), loss_hessian, j.flatten(2))
+        for n, j in jac.items()
+    }
+
+
+def test_kfac_is_the_exact_ggn_for_a_deep_linear_network_with_mse():
+    """Deep linear network, MSE: the backward Jacobian does not depend on the example, so
+    G ⊗ A (bias-augmented) is the GGN block exactly, for any batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(3, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    factors = gradhooks.kfac(model, x, fisher="exact", loss="mse", reduction="sum")
+    hess = 2 * torch.eye(2, dtype=torch.float64)  # F.mse_loss(reduction="sum")
+    params = dict(model.named_parameters())
+    # the GGN of theta = cat([W, b[:, None]], 1) for every layer, from Jacobians of theta
+    for name, f in factors.items():
+        prefix = name.rsplit(".", 1)[0]
+        W, b = params[f"{prefix}.weight"], params[f"{prefix}.bias"]
+
+        def fn(theta, sample):
+            p = {f"{prefix}.weight": theta[:, :-1], f"{prefix}.bias": theta[:, -1]}
+            with gradhooks.paused():
+                return torch.func.functional_call(model, p, (sample[None],), strict=False)[0]
+
+        theta = torch.cat([W, b[:, None]], 1).detach()
+        J = torch.vmap(torch.func.jacrev(fn), in_dims=(None, 0))(theta, x).flatten(2)  # [b, C, P]
+        ggn = torch.einsum("bcp,cd,bdq->pq", J, hess, J)
+        assert f.bias and f.A.shape[-1] == W.shape[1] + 1
+        assert_close(torch.kron(f.G, f.A), ggn, f"K-FAC vs GGN, {name}")
+
+
+def test_kfac_is_the_exact_ggn_for_one_example_of_any_network():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(1, 4, dtype=torch.float64)
+    factors = gradhooks.kfac(
+        model, x, fisher="exact", loss="cross_entropy", reduction="sum", bias=False
+    )
+    with gradhooks.paused():
+        p = torch.softmax(model(x), -1)[0]
+    ggn = per_example_ggn(model, x, torch.diag(p) - torch.outer(p, p))
+    for name, f in factors.items():
+        assert_close(torch.kron(f.G, f.A), ggn[name][0], f"K-FAC vs GGN, one example, {name}")
+
+
+def test_empirical_factors_of_one_example_are_its_gradient_outer_product():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)).double()
+    x, y = torch.randn(1, 2, 4, 4, dtype=torch.float64), torch.randint(3, (1,))
+    factors = gradhooks.kfac(model, x, y, fisher="empirical", reduction="sum", bias=False)
+    with gradhooks.add_hooks(model, "sum"):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    g = model[3].weight.grad1[0].flatten()  # shared == 1: exact
+    assert_close(
+        torch.kron(factors["3.weight"].G, factors["3.weight"].A), torch.outer(g, g), "linear"
+    )
+
+
+def test_mc_fisher_is_reproducible_and_converges_to_the_exact_one():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    exact = gradhooks.kfac(model, x, fisher="exact")
+    run = lambda n, s: gradhooks.kfac(
+        model, x, fisher="mc", mc_samples=n, generator=torch.Generator().manual_seed(s)
+    )
+    a, b = run(2, 5), run(2, 5)
+    for name in exact:
+        assert torch.equal(a[name].G, b[name].G), "same generator, different samples"
+        assert_close(a[name].A, exact[name].A, f"A does not depend on the backward, {name}")
+    # many samples in one backward: the batch repeated (mean factors do not change)
+    many = gradhooks.kfac(
+        model, x.repeat(2000, 1), fisher="mc", generator=torch.Generator().manual_seed(0)
+    )
+    for name in exact:
+        err = (many[name].G - exact[name].G).norm() / exact[name].G.norm()
+        assert err < 0.1, f"MC Fisher G far from the exact one for {name}: relative error {err:.3f}"

@@ -1,0 +1,258 @@
+"""Norms, squared sums, variance, DP-SGD and Jacobians against the per-example loop oracle, on
+every case of tests/cases.py (every registered layer type, reused modules, tied weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from cases import CASES, CASES_BY_LAYER
+from harness import Case, _double, assert_close
+from gradhooks.models import SimpleCNN
+from gradhooks.oracle import loop_grad
+
+
+def setup(case: Case, batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = case.model().double()
+    inputs = _double(case.inputs(batch))
+    target = case.target(batch) if case.target else None
+    return model, inputs, target
+
+
+def forward_loss(model, case, inputs, target, reduction):
+    out = model(inputs)
+    loss = case.loss(out) if target is None else case.loss(out, target)
+    return loss / max(inputs.shape[0], 1) if reduction == "mean" else loss
+
+
+def per_example_losses(model, case, inputs, target):
+    """[batch] own losses from one batched forward (the cases' losses are sums over examples)."""
+    out = model(inputs)
+    return torch.stack(
+        [case.loss(out[i : i + 1]) if target is None else case.loss(out[i : i + 1], target[i : i + 1])
+         for i in range(inputs.shape[0])]
+    )  # fmt: skip
+
+
+def test_every_registered_layer_has_a_quantity_case():
+    missing = [t.__qualname__ for t in gradhooks.REGISTRY.types() if t not in CASES_BY_LAYER]
+    assert not missing, f"add cases for {missing} to tests/cases.py (CASES_BY_LAYER)"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 4])
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_norms_and_squared_sums(case, batch, reduction):
+    if batch == 0 and case.id.startswith("instance_norm"):
+        pytest.skip("torch's own instance_norm fails on an empty batch")
+    model, inputs, target = setup(case, batch)
+    loop = loop_grad(model, case.loss, inputs, target)
+    with gradhooks.add_hooks(model, reduction, quantities=("norms", "sum_grad_sq")) as h:
+        forward_loss(model, case, inputs, target, reduction).backward()
+    for name, p in model.named_parameters():
+        assert not hasattr(p, "grad1"), f"{case.id}: grad1 was formed for {name}"
+    param_norms, sums, variances = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    assert set(param_norms) == set(loop), f"{case.id}: {sorted(param_norms)} != {sorted(loop)}"
+    for name, g in loop.items():
+        what = f"{case.id} ({reduction}, batch {batch}): {name}"
+        assert_close(param_norms[name], g.flatten(1).norm(dim=1), f"{what} norm")
+        assert_close(sums[name], (g**2).sum(0), f"{what} sum_grad_sq")
+        if batch:
+            assert_close(variances[name], g.var(0, unbiased=False), f"{what} variance")
+    if batch:
+        total = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+        assert_close(h.norms(), total, f"{case.id}: total norm")
+
+
+def test_norms_of_a_direct_piece_tied_to_an_outer_one():
+    """A parameter used by a Direct rule and an Outer rule at once: cross terms between the
+    two piece types (through materialization)."""
+
+    class Scale(nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, x):  # x [batch, 3, 4] * weight [3, 4]
+            return x * self.weight
+
+    registry = gradhooks.Registry()
+    registry.register(nn.Linear)(gradhooks.REGISTRY.lookup(nn.Linear(1, 1)).rule)
+
+    @registry.register(Scale)
+    def scale(call):
+        (x,) = call.inputs
+        return {"weight": gradhooks.Direct(x * call.grad_output)}
+
+    lin = nn.Linear(4, 3, bias=False)
+    model = nn.Sequential(
+        lin, nn.Tanh(), nn.Unflatten(1, (3, 1)), Scale(lin.weight), nn.Flatten()
+    ).double()
+    case = Case("direct_tied", lambda: model, lambda b: torch.randn(b, 4))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    loop = loop_grad(model, case.loss, x)
+    with gradhooks.add_hooks(
+        model, "sum", registry=registry, quantities=("norms", "sum_grad_sq")
+    ) as h:
+        case.loss(model(x)).backward()
+    assert_close(
+        h.param_norms()["0.weight"], loop["0.weight"].flatten(1).norm(dim=1), "direct+outer norm"
+    )
+    assert_close(h.sum_grad_sq()["0.weight"], (loop["0.weight"] ** 2).sum(0), "direct+outer sum_sq")
+
+
+def test_norms_each_backward_replaces_and_clear_resets():
+    case = CASES_BY_LAYER[nn.Linear][0]
+    model, inputs, target = setup(case, 3)
+    with gradhooks.add_hooks(model, "sum", quantities=("norms",)) as h:
+        forward_loss(model, case, inputs, target, "sum").backward()
+        first = h.norms()
+        forward_loss(model, case, 2 * inputs, target, "sum").backward()
+        assert not torch.allclose(h.norms(), first)
+        h.clear()
+        with pytest.raises(RuntimeError, match="no backward"):
+            h.norms()
+        with pytest.raises(RuntimeError, match="quantities"):
+            h.sum_grad_sq()
+
+
+def test_bad_quantity_name():
+    with pytest.raises(ValueError, match="quantities must be"):
+        gradhooks.add_hooks(nn.Linear(2, 2), quantities=("grad2",))
+
+
+# -- DP-SGD -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("method", ["grad1", "ghost"])
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_dp_clipping_equals_clipped_loop_oracle(case, method, reduction):
+    batch = 5
+    model, inputs, target = setup(case, batch, seed=1)
+    loop = loop_grad(model, case.loss, inputs, target)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()  # some examples clipped, some not
+    assert (norms > max_norm).any() and (norms < max_norm).any(), f"{case.id}: {norms}"
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        losses = per_example_losses(model, case, inputs, target)
+        got_norms = gradhooks.dp_sgd_step(
+            h, losses, max_norm=max_norm, noise_multiplier=0.0, reduction=reduction
+        )
+    assert_close(got_norms, norms, f"{case.id}: norms")
+    denom = batch if reduction == "mean" else 1
+    for name, p in model.named_parameters():
+        want = torch.einsum("b,b...->...", factors, loop[name]) / denom
+        assert_close(p.grad, want, f"{case.id} ({method}, {reduction}): clipped {name}")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost"])
+def test_dp_noise_is_reproducible_and_calibrated(method):
+    case = CASES_BY_LAYER[nn.Linear][1]
+    model, inputs, target = setup(case, 4)
+    params = list(model.parameters())
+    grads = []
+    for noise in (0.0, 1.3, 1.3):
+        with gradhooks.add_hooks(
+            model, quantities=("grad1" if method == "grad1" else "norms",)
+        ) as h:
+            losses = per_example_losses(model, case, inputs, target)
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=0.5, noise_multiplier=noise, reduction="sum",
+                generator=torch.Generator().manual_seed(7),
+            )  # fmt: skip
+        grads.append([p.grad.clone() for p in params])
+    clean, noisy, again = grads
+    gen = torch.Generator().manual_seed(7)
+    for c, n, a, p in zip(clean, noisy, again, params):
+        assert torch.equal(n, a), "same generator seed, different noise"
+        want = 1.3 * 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        assert_close(n - c, want, "noise = noise_multiplier * max_norm * N(0, 1)")
+
+
+def test_dp_refuses_a_handle_without_the_quantity():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
+        losses = model(torch.randn(4, 3)).sum(1)
+        with pytest.raises(ValueError, match="needs a handle"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+
+
+# -- Jacobians ----------------------------------------------------------------------------------
+
+
+def vmap_jacrev(model, x):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def one(sample):
+        call = lambda p: torch.func.functional_call(model, (p, buffers), (sample[None],))[0]
+        return torch.func.jacrev(call)(params)  # {name: [*out, *p.shape]}
+
+    with gradhooks.paused():
+        return torch.vmap(one)(x)
+
+
+class SeedMLP(nn.Module):
+    """The MLP of the per-example Jacobian question (seed 003)."""
+
+    def __init__(self, input_size=784, hidden_size=20, output_size=10):
+        super().__init__()
+        self.fc1 = nn.Linear(input_size, hidden_size)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(hidden_size, output_size)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+def loop_jacobians(model, x):
+    """{name: [batch, outputs, *p.shape]} by one backward per example and output."""
+    names = [n for n, p in model.named_parameters()]
+    params = list(model.parameters())
+    rows = []
+    with gradhooks.paused():
+        for b in range(x.shape[0]):
+            out = model(x[b : b + 1]).flatten()
+            rows.append([torch.autograd.grad(o, params, retain_graph=True) for o in out])
+    return {
+        n: torch.stack([torch.stack([r[i] for r in row]) for row in rows])
+        for i, n in enumerate(names)
+    }
+
+
+def check_jacobians(model, inputs, want, what):
+    got = gradhooks.jacobians(model, inputs)
+    for name, w in want.items():
+        assert_close(got[name], w, f"{what}: Jacobian of {name}")
+    flat = gradhooks.jacobians(model, inputs, flatten=True)
+    batch, outputs = flat.shape[:2]
+    assert_close(
+        flat, torch.cat([w.reshape(batch, outputs, -1) for w in want.values()], -1), f"{what}: flat"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_jacobians_equal_the_loop_oracle(case):
+    model, inputs, _ = setup(case, 3)
+    check_jacobians(model, inputs, loop_jacobians(model, inputs), case.id)
+
+
+@pytest.mark.parametrize("model", [SeedMLP, SimpleCNN], ids=["seed003_mlp", "simple_cnn"])
+def test_jacobians_equal_vmap_jacrev(model):
+    torch.manual_seed(0)
+    model = model().double()
+    shape = (784,) if isinstance(model, SeedMLP) else (1, 28, 28)
+    inputs = torch.randn(2, *shape, dtype=torch.float64)
+    want = vmap_jacrev(model, inputs)
+    check_jacobians(model, inputs, want, type(model).__name__)
+
+
+def test_jacobians_of_an_empty_batch():
+    model = SeedMLP(6, 4, 3)
+    assert gradhooks.jacobians(model, torch.randn(0, 6), flatten=True).shape == (0, 3, 43)
