@@ -15,7 +15,8 @@ Peak memory: what the step adds at its peak over what was live just before it.
   and allocator slack are included, which is honest for "how much RAM does this need".
   Where ``/proc`` is not available (not Linux) CPU memory is not measured.
 
-Both add ``Runner.extra_bytes``: memory a method holds outside its step (the floor's buffer).
+Both add ``Runner.held_bytes()``: memory a method holds between steps (the floor's buffer,
+gradhooks' ``grad1``, whose memory the next backward reuses).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def _peak_of_step(runner: Runner, device: str) -> int:
         before = _proc_kib("VmRSS")
         runner.step()
         peak = (_proc_kib("VmHWM") - before) * 1024
-    return peak + runner.extra_bytes
+    return peak + runner.held_bytes()
 
 
 # -- one method on one model ---------------------------------------------------------------------

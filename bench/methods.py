@@ -52,7 +52,9 @@ class Runner:
     step: Callable[[], None]
     result: Callable[[], dict[str, Tensor] | Tensor | None]  # grad1 dict, norms [batch], None
     reset: Callable[[], None] = lambda: None
-    extra_bytes: int = 0  # memory the method holds outside the step (the floor's buffer)
+    # bytes the method holds between steps (the floor's buffer, gradhooks' grad1): added to
+    # the step's peak memory
+    held_bytes: Callable[[], int] = lambda: 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def floor(s: Setup) -> Runner:
 
     return Runner(
         step, lambda: None, reset=lambda: _clear(params),
-        extra_bytes=buffer.numel() * buffer.element_size(),
+        held_bytes=lambda: buffer.numel() * buffer.element_size(),
     )  # fmt: skip
 
 
@@ -224,6 +226,8 @@ def _hooks(s: Setup) -> gradhooks.Hooks:
 
 
 def gradhooks_grad1(s: Setup) -> Runner:
+    """As a training loop uses it: ``grad1`` stays on the parameters between steps (and its
+    memory is reused by the next backward); those bytes are counted as held."""
     hooks = _hooks(s)
     named = s.trainable()
 
@@ -232,9 +236,14 @@ def gradhooks_grad1(s: Setup) -> Runner:
 
     def reset() -> None:
         hooks.clear()
-        _clear(named.values(), "grad1")
+        _clear(named.values())
 
-    return Runner(step, lambda: {n: p.grad1 for n, p in named.items()}, reset=reset)
+    def held() -> int:
+        return sum(p.grad1.nbytes for p in named.values() if getattr(p, "grad1", None) is not None)
+
+    return Runner(
+        step, lambda: {n: p.grad1 for n, p in named.items()}, reset=reset, held_bytes=held
+    )
 
 
 # gradhooks quantities other than grad1 (norms, DP-SGD step, ...) go here as they land: one
