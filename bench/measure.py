@@ -34,7 +34,9 @@ import torch
 from .methods import Method, Runner, Setup, Unavailable
 from .problems import Problem
 
-WRONG_TOLERANCE = 1e-3  # largest |difference| / largest |reference|, float32
+# largest |difference| / largest |reference|, in float32: deep float32 models (ResNet18GN) differ
+# from vmap(grad) by up to ~1e-2 in every method; a wrong scaling or a missing term gives O(1).
+WRONG_TOLERANCE = 3e-2
 
 
 @dataclass
@@ -94,7 +96,9 @@ def _rel_err(method: Method, got, ref: dict[str, torch.Tensor]) -> float:
         if g is None:
             raise Unavailable("unsupported", f"no per-example gradient for {name}")
         if tuple(g.shape) != tuple(r.shape):
-            raise Unavailable("unsupported", f"{name}: shape {tuple(g.shape)}, want {tuple(r.shape)}")
+            raise Unavailable(
+                "unsupported", f"{name}: shape {tuple(g.shape)}, want {tuple(r.shape)}"
+            )
         worst = max(worst, (g.detach().to(r.dtype) - r).abs().max().item())
     return worst / scale
 
@@ -141,10 +145,14 @@ def _peak_of_step(runner: Runner, device: str) -> int:
 
 def _unsupported(rec: Record, e: Exception) -> None:
     if isinstance(e, Unavailable):
-        rec.status, rec.reason = e.status, str(e)
+        rec.status, rec.reason = e.status, _short(str(e))
     else:  # a peer that fails on a model is reported, never a crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        rec.status, rec.reason = "unsupported", f"{type(e).__name__}: {first}"[:200]
+        rec.status, rec.reason = "unsupported", _short(f"{type(e).__name__}: {first}")
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def prepare(

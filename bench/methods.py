@@ -191,7 +191,9 @@ def _backpack(s: Setup, norms: bool) -> Runner:
         attr = "batch_l2" if norms else "grad_batch"
         lacking = [n for n, p in named.items() if getattr(p, attr, None) is None]
         if lacking:
-            raise Unavailable("unsupported", f"no {attr} for {', '.join(lacking)}")
+            raise Unavailable(
+                "unsupported", f"no {attr} for {len(lacking)} parameters ({', '.join(lacking)})"
+            )
         if norms:
             return sum(p.batch_l2 for p in params).sqrt() * batch
         return {n: p.grad_batch * batch for n, p in named.items()}

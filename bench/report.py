@@ -75,49 +75,62 @@ def markdown(data: dict) -> str:
         f"{data.get('clock', 'wall')} clock.",
     ]
     for (device, batch), records in _groups(data).items():
-        models = _ordered(records, "model")
-        methods = [x for x in _ordered(records, "method") if x != "plain"]
-        notes: dict[tuple[str, str], str] = {}  # shared by both tables, numbered in order
-
-        def cell(model: str, method: str, values: dict[str, float]) -> str:
-            r = next(r for r in records if r["model"] == model and r["method"] == method)
-            text = f"{values[method]:.2f}x" if method in values else "n/a"
-            if r["status"] == "ok":
-                return text
-            label = METHODS[method].label if method in METHODS else method
-            notes.setdefault((model, method), f"{_label(model)}, {label}: {r['reason']}")
-            number = list(notes).index((model, method)) + 1
-            if r["status"] == "wrong":
-                return f"{text} WRONG [{number}]"
-            return f"{r['status']} [{number}]"
-
-        def header(first: str, extra: list[str]) -> list[str]:
-            names = [METHODS[x].label if x in METHODS else x for x in methods]
-            cols = ["model", first, *names, *extra]
-            return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-
-        def plain(model: str) -> dict:
-            return next((r for r in records if r["model"] == model and r["method"] == "plain"), {})
-
-        lines += ["", f"## {device}, batch {batch}", "", "Time, as a ratio to plain forward+backward:", ""]
-        lines += header("plain (ms)", ["grad1 target"])
-        for model in models:
-            t = ratios(records, model, "median_s")
-            ms = f"{plain(model)['median_s'] * 1e3:.1f}" if plain(model).get("median_s") else "n/a"
-            row = [_label(model), ms, *(cell(model, x, t) for x in methods), target(records, model)]
-            lines.append("| " + " | ".join(row) + " |")
-        if any(r.get("peak_bytes") is not None for r in records):
-            lines += ["", "Peak memory of one step, as a ratio to plain forward+backward's:", ""]
-            lines += header("plain (MiB)", [])
-            for model in models:
-                mem = ratios(records, model, "peak_bytes")
-                peak = plain(model).get("peak_bytes")
-                row = [_label(model), f"{peak / MIB:.1f}" if peak else "n/a"]
-                row += [cell(model, x, mem) for x in methods]
-                lines.append("| " + " | ".join(row) + " |")
-        if notes:
-            lines += ["", *(f"[{i}] {n}" for i, n in enumerate(notes.values(), 1))]
+        lines += _section(device, batch, records)
     return "\n".join(lines) + "\n"
+
+
+def _section(device: str, batch: int, records: list[dict]) -> list[str]:
+    """The time and memory tables of one (device, batch), with their notes."""
+    lines: list[str] = []
+    models = _ordered(records, "model")
+    methods = [x for x in _ordered(records, "method") if x != "plain"]
+    notes: dict[tuple[str, str], str] = {}  # shared by both tables, numbered in order
+
+    def cell(model: str, method: str, values: dict[str, float]) -> str:
+        r = next(r for r in records if r["model"] == model and r["method"] == method)
+        text = f"{values[method]:.2f}x" if method in values else "n/a"
+        if r["status"] == "ok":
+            return text
+        label = METHODS[method].label if method in METHODS else method
+        notes.setdefault((model, method), f"{_label(model)}, {label}: {r['reason']}")
+        number = list(notes).index((model, method)) + 1
+        if r["status"] == "wrong":
+            return f"{text} WRONG [{number}]"
+        return f"{r['status']} [{number}]"
+
+    def header(first: str, extra: list[str]) -> list[str]:
+        names = [METHODS[x].label if x in METHODS else x for x in methods]
+        cols = ["model", first, *names, *extra]
+        return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+
+    def plain(model: str) -> dict:
+        return next((r for r in records if r["model"] == model and r["method"] == "plain"), {})
+
+    lines += [
+        "",
+        f"## {device}, batch {batch}",
+        "",
+        "Time, as a ratio to plain forward+backward:",
+        "",
+    ]
+    lines += header("plain (ms)", ["grad1 target"])
+    for model in models:
+        t = ratios(records, model, "median_s")
+        ms = f"{plain(model)['median_s'] * 1e3:.1f}" if plain(model).get("median_s") else "n/a"
+        row = [_label(model), ms, *(cell(model, x, t) for x in methods), target(records, model)]
+        lines.append("| " + " | ".join(row) + " |")
+    if any(r.get("peak_bytes") is not None for r in records):
+        lines += ["", "Peak memory of one step, as a ratio to plain forward+backward's:", ""]
+        lines += header("plain (MiB)", [])
+        for model in models:
+            mem = ratios(records, model, "peak_bytes")
+            peak = plain(model).get("peak_bytes")
+            row = [_label(model), f"{peak / MIB:.1f}" if peak else "n/a"]
+            row += [cell(model, x, mem) for x in methods]
+            lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += ["", *(f"[{i}] {n}" for i, n in enumerate(notes.values(), 1))]
+    return lines
 
 
 def plot(data: dict, path: Path) -> Path | None:
@@ -137,9 +150,7 @@ def plot(data: dict, path: Path) -> Path | None:
     for col, ((device, batch), records) in enumerate(groups.items()):
         models = _ordered(records, "model")
         methods = _ordered(records, "method")
-        for row, (what, title) in enumerate(
-            [("median_s", "time"), ("peak_bytes", "peak memory")]
-        ):
+        for row, (what, title) in enumerate([("median_s", "time"), ("peak_bytes", "peak memory")]):
             ax = axes[row][col]
             width = 0.8 / max(len(methods), 1)
             for i, method in enumerate(methods):

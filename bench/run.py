@@ -7,8 +7,10 @@
 
 Writes a table (ratios to plain forward+backward) to stdout and ``<out>/results.md``, every
 measurement to ``<out>/results.json``, and a plot of time and peak memory to
-``<out>/results.png`` (when matplotlib is installed). Peers (``pip install -e '.[bench]'``) that
-are missing or refuse a model are reported as such.
+``<out>/results.png`` (when matplotlib is installed); ``<out>`` is ``bench/out/`` unless
+``--out`` says otherwise. Peers (``pip install -e '.[bench]'``) that are missing or refuse a
+model are reported as such. On a machine shared with other work, ``--threads 1 --clock cpu``
+gives steadier ratios than the default wall clock.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ def parse(argv: list[str] | None):
     p.add_argument("--slow-reps", type=int, default=1, help="timed steps of the slow loop")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
         help="wall: elapsed time; cpu: process CPU time (steadier on a loaded machine)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder")
     p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = _names(args.models, PROBLEMS, "models")
@@ -148,7 +152,7 @@ def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
         progress.advance()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for round_ in range(max(args.reps, args.slow_reps)):
-        for (rec, runner), name in zip(cells, args.methods):
+        for (rec, runner), name in zip(cells, args.methods, strict=True):
             reps = args.slow_reps if METHODS[name].slow else args.reps
             if round_ >= reps:
                 continue
@@ -221,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
 
     command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    meta = {"command": command.strip(), "machine": machine(), "reps": args.reps, "clock": args.clock}
+    meta = {
+        "command": command.strip(),
+        "machine": machine(),
+        "reps": args.reps,
+        "clock": args.clock,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = {**meta, "records": [r.as_dict() for r in records]}

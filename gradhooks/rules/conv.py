@@ -12,7 +12,6 @@ import functools
 import math
 
 import torch
-
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
