@@ -13,6 +13,7 @@ tied weights correct.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -320,14 +321,40 @@ class Hooks:
         if not self._grad1:
             return
         for pname, p in live.items():
+            piece = pieces[pname]
+            qualname = f"{target.name}.{pname}" if target.name else pname
+            accumulate = id(p) in self._written
+            out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
             try:
-                g1 = pieces[pname].grad1(p.shape, scale)
+                if out is not None:
+                    piece.grad1_into(out, scale, accumulate)
+                else:
+                    g1 = piece.grad1(p.shape, scale)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
-            self._accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
+            if out is None:
+                self._accumulate(qualname, p, g1)
+            self._written[id(p)] = p
+
+    def _writable_grad1(
+        self, qualname: str, p: nn.Parameter, batch: int, accumulate: bool
+    ) -> Tensor | None:
+        """``p.grad1``, if this call's gradient can be written into its memory: it has the
+        right shape, dtype and device, and nothing but ``p`` refers to it or to its memory (the
+        test autograd makes before reusing ``.grad``). Writing in place skips a fresh
+        allocation, whose page faults cost more than the writing itself on CPU; a ``grad1``
+        the caller kept (a reference, a view, a numpy array) is never changed."""
+        old = _sole_grad1(p)
+        if old is None:
+            return None
+        if accumulate and old.shape[0] != batch:
+            return None  # _accumulate explains
+        if tuple(old.shape) != (batch, *p.shape) or old.dtype != p.dtype or old.device != p.device:
+            return None
+        return old
 
     def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
         if g1.dtype != p.dtype:
@@ -344,7 +371,55 @@ class Hooks:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
-            self._written[id(p)] = p
+
+
+def _grad1_refs(owner: Any) -> int:
+    t = owner.__dict__.get("grad1")
+    return sys.getrefcount(t)
+
+
+def _sole_refs() -> int | None:
+    """What :func:`_grad1_refs` counts for a ``grad1`` that nothing else refers to, or ``None``
+    where one more reference would not show (then ``grad1`` is never written in place)."""
+    try:
+        owner = nn.Parameter(torch.zeros(2))
+        owner.grad1 = torch.zeros(1, 2)
+        alone = _grad1_refs(owner)
+        kept = owner.grad1  # noqa: F841  (one more reference)
+        return alone if _grad1_refs(owner) == alone + 1 else None
+    except Exception:
+        return None
+
+
+_SOLE_REFS = _sole_refs()
+
+
+def _sole_grad1(p: nn.Parameter) -> Tensor | None:
+    """``p.grad1`` if it is a plain contiguous tensor that only ``p`` refers to: no other
+    Python reference, no view or other tensor on its memory, not saved by autograd."""
+    if _SOLE_REFS is None or type(p.__dict__.get("grad1")) is not Tensor:
+        return None
+    if _grad1_refs(p) != _SOLE_REFS:
+        return None
+    t = p.grad1
+    try:
+        storage_users = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        if t._use_count() != 1 or storage_users != _STORAGE_USERS_ALONE:
+            return None
+    except (AttributeError, RuntimeError):  # private counts unavailable: never reuse
+        return None
+    return t if t.is_contiguous() and t._base is None else None
+
+
+def _storage_users_alone() -> int | None:
+    try:
+        t = torch.zeros(2)
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_STORAGE_USERS_ALONE = _storage_users_alone()
 
 
 def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> list[_Target]:

@@ -39,6 +39,15 @@ class Piece:
         """Per-example gradient, shape ``[batch, *param_shape]``, multiplied by ``scale``."""
         raise NotImplementedError
 
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        """Write ``grad1(out.shape[1:], scale)`` into ``out`` (contiguous), or add it to ``out``
+        if ``accumulate``. Pieces that can write in place without a temporary override this."""
+        g1 = self.grad1(out.shape[1:], scale)
+        if accumulate:
+            out.add_(g1.reshape(out.shape))
+        else:
+            out.copy_(g1.reshape(out.shape))
+
 
 @dataclass
 class Outer(Piece):
@@ -64,22 +73,55 @@ class Outer(Piece):
         return self.g.shape[0]
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
-        batch = self.batch_size
-        g = self.g
-        if self.a is None:
-            out = g.sum(-2)
-            return _scaled(out, scale).reshape(batch, *param_shape)
-        a = self.a
-        result_numel = g.shape[-1] * a.shape[-1]
-        if scale != 1.0 and g.shape[-2] * g.shape[-1] <= result_numel:
-            g, scale = g * scale, 1.0  # scale the smaller operand
-        if g.shape[-2] == 1:
-            # One shared position: a broadcast multiply writes each float once; faster than
-            # einsum/bmm with an inner dimension of one.
-            out = g[..., 0, :, None] * a[..., 0, None, :]
+        g, a = self.g, self.g if self.a is None else self.a
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            # Inside vmap (the Jacobians batch the backward over outputs): no in-place writes
+            # into a buffer that is not batched like the operands.
+            if self.a is None:
+                out = g.sum(-2)
+            else:
+                out = torch.matmul(g.transpose(-1, -2), a)
+            return (out * scale if scale != 1.0 else out).reshape(self.batch_size, *param_shape)
+        out = g.new_empty((self.batch_size, *param_shape), dtype=torch.result_type(g, a))
+        self.grad1_into(out, scale)
+        return out
+
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        a, g = self.a, self.g
+        if out.dtype != torch.result_type(g, g if a is None else a) or not out.is_contiguous():
+            return super().grad1_into(out, scale, accumulate)
+        shared, n_out = g.shape[-2], g.shape[-1]
+        if a is None:  # a bias: sum over shared positions
+            result = out.view(*g.shape[:-2], n_out)
+            if accumulate:
+                result.add_(g.sum(-2), alpha=scale)
+            else:
+                torch.sum(g, -2, out=result)
+                if scale != 1.0:
+                    result.mul_(scale)
+            return
+        # Every float of the result is written once, straight into ``out``: the mean scale is
+        # folded into the smaller operand (or into the matmul's alpha), accumulation into the
+        # matmul's beta.
+        n_in = a.shape[-1]
+        result = out.view(-1, n_out, n_in)  # [batch * groups, out, in]
+        if shared == 1:
+            # One shared position: a broadcast multiply, faster than a matmul with an inner
+            # dimension of one.
+            g, a = g.reshape(-1, n_out, 1), a.reshape(-1, 1, n_in)
+            if scale != 1.0:
+                if n_out <= n_in:
+                    g = g * scale
+                else:
+                    a = a * scale
+            if accumulate:
+                result.addcmul_(g, a)
+            else:
+                torch.mul(g, a, out=result)
         else:
-            out = torch.matmul(g.transpose(-1, -2), a)
-        return _scaled(out, scale).reshape(batch, *param_shape)
+            g_t = g.reshape(-1, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
+            a = a.reshape(-1, shared, n_in)
+            result.baddbmm_(g_t, a, beta=1.0 if accumulate else 0.0, alpha=scale)
 
 
 @dataclass

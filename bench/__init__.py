@@ -1,0 +1,1 @@
+"""The gradhooks benchmark suite: ``python -m bench --help`` (see bench/run.py)."""

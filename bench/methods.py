@@ -1,0 +1,270 @@
+"""The methods the benchmark times: plain training, the floor, the peers and gradhooks.
+
+A method turns a :class:`Setup` (its own copy of the model, the batch, the loss) into a
+:class:`Runner`: ``reset()`` frees the previous step's results (not timed), ``step()`` is what is
+timed, ``result()`` gives what the step computed for the correctness check. A method that cannot
+run raises :class:`Unavailable` (peer not installed: ``missing``; peer refuses the model:
+``unsupported``); any other exception while setting up or on the first step is reported as
+``unsupported`` too, with its message, never a crash.
+
+Adding a method is a function ``setup -> Runner`` and one line in :data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+
+class Unavailable(Exception):
+    """The method cannot run here; ``status`` is ``"missing"`` or ``"unsupported"``."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+@dataclass
+class Setup:
+    model: nn.Module  # this method's own copy (hooks and wrappers stay on it)
+    x: Tensor
+    y: Tensor
+    loss: Callable[[Tensor, Tensor], Tensor]
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    def trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class Runner:
+    step: Callable[[], None]
+    result: Callable[[], dict[str, Tensor] | Tensor | None]  # grad1 dict, norms [batch], None
+    reset: Callable[[], None] = lambda: None
+    # bytes the method holds between steps (the floor's buffer, gradhooks' grad1): added to
+    # the step's peak memory
+    held_bytes: Callable[[], int] = lambda: 0
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # command-line name
+    label: str  # column header
+    quantity: str  # "grad" (plain), "grad1" (per-example gradients) or "norms" (their norms)
+    make: Callable[[Setup], Runner]
+    peer: str | None = None  # the package it needs
+    slow: bool = False  # timed with --slow-reps repetitions
+    tags: tuple[str, ...] = field(default=())
+
+
+def _clear(params, *attrs: str) -> None:
+    for p in params:
+        p.grad = None
+        for a in attrs:
+            if hasattr(p, a):
+                setattr(p, a, None)
+
+
+def _need(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise Unavailable("missing", f"{module} is not installed (pip install -e '.[bench]')")
+
+
+# -- plain training and the floor ----------------------------------------------------------------
+
+
+def plain(s: Setup) -> Runner:
+    params = list(s.trainable().values())
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+
+    return Runner(step, lambda: None, reset=lambda: _clear(params))
+
+
+def floor(s: Setup) -> Runner:
+    """Plain forward+backward plus writing batch x parameters floats once, into a buffer
+    allocated beforehand: no method that returns per-example gradients can do less."""
+    params = list(s.trainable().values())
+    numel = sum(p.numel() for p in params)
+    buffer = torch.empty(s.batch * numel, device=s.x.device)
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+        buffer.fill_(1.0)
+
+    return Runner(
+        step, lambda: None, reset=lambda: _clear(params),
+        held_bytes=lambda: buffer.numel() * buffer.element_size(),
+    )  # fmt: skip
+
+
+# -- references: loop and vmap(grad) -------------------------------------------------------------
+
+
+def loop(s: Setup) -> Runner:
+    out: dict = {}
+
+    def step() -> None:
+        out["g"] = loop_grad(s.model, s.loss, s.x, s.y)
+
+    return Runner(step, lambda: out["g"], reset=out.clear)
+
+
+def vmap_grad(s: Setup) -> Runner:
+    """``torch.func`` ``vmap(grad)``, the vmapped function built once (outside the timing)."""
+    params = {n: p.detach() for n, p in s.trainable().items()}
+    model, loss = s.model, s.loss
+
+    def one_loss(params, x, y):
+        return loss(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))
+    out: dict = {}
+
+    def step() -> None:
+        out["g"] = per_example(params, s.x, s.y)
+
+    return Runner(step, lambda: out["g"], reset=out.clear)
+
+
+# -- peers ---------------------------------------------------------------------------------------
+
+
+def _opacus(s: Setup, ghost: bool) -> Runner:
+    _need("opacus")
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+
+    if ghost:
+        wrapped = GradSampleModuleFastGradientClipping(
+            s.model, loss_reduction="mean", use_ghost_clipping=True
+        )
+    else:
+        wrapped = GradSampleModule(s.model, loss_reduction="mean")
+    named = s.trainable()
+    params = list(named.values())
+    out: dict = {}
+
+    def step() -> None:
+        s.loss(wrapped(s.x), s.y).backward()
+        if ghost:
+            out["norms"] = wrapped.get_norm_sample()
+
+    def result():
+        if ghost:
+            return out["norms"]
+        return {n: p.grad_sample for n, p in named.items()}
+
+    def reset() -> None:
+        _clear(params, "grad_sample", "_norm_sample")
+        out.clear()
+
+    return Runner(step, result, reset=reset)
+
+
+def _backpack(s: Setup, norms: bool) -> Runner:
+    _need("backpack")
+    from backpack import backpack, extend
+    from backpack.extensions import BatchGrad, BatchL2Grad
+
+    model = extend(s.model)
+    named = s.trainable()
+    params = list(named.values())
+    batch = s.batch  # BackPACK's per-example terms of a mean loss carry 1/batch: undone below
+
+    def step() -> None:
+        with backpack(BatchL2Grad() if norms else BatchGrad()):
+            s.loss(model(s.x), s.y).backward()
+
+    def result():
+        attr = "batch_l2" if norms else "grad_batch"
+        lacking = [n for n, p in named.items() if getattr(p, attr, None) is None]
+        if lacking:
+            raise Unavailable(
+                "unsupported", f"no {attr} for {len(lacking)} parameters ({', '.join(lacking)})"
+            )
+        if norms:
+            return sum(p.batch_l2 for p in params).sqrt() * batch
+        return {n: p.grad_batch * batch for n, p in named.items()}
+
+    return Runner(step, result, reset=lambda: _clear(params, "grad_batch", "batch_l2"))
+
+
+def expanded_weights(s: Setup) -> Runner:
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    named = s.trainable()
+    params = list(named.values())
+    call = call_for_per_sample_grads(s.model, loss_reduction="mean")
+
+    def step() -> None:
+        s.loss(call(s.x), s.y).backward()
+
+    def result():
+        return {n: p.grad_sample for n, p in named.items()}
+
+    return Runner(step, result, reset=lambda: _clear(params, "grad_sample"))
+
+
+# -- gradhooks -----------------------------------------------------------------------------------
+
+
+def _hooks(s: Setup) -> gradhooks.Hooks:
+    try:
+        return gradhooks.add_hooks(s.model, loss_reduction="mean")
+    except TypeError as e:  # no rule for some layer (yet)
+        raise Unavailable("unsupported", str(e).splitlines()[1].strip()) from e
+
+
+def gradhooks_grad1(s: Setup) -> Runner:
+    """As a training loop uses it: ``grad1`` stays on the parameters between steps (and its
+    memory is reused by the next backward); those bytes are counted as held."""
+    hooks = _hooks(s)
+    named = s.trainable()
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+
+    def reset() -> None:
+        hooks.clear()
+        _clear(named.values())
+
+    def held() -> int:
+        return sum(p.grad1.nbytes for p in named.values() if getattr(p, "grad1", None) is not None)
+
+    return Runner(
+        step, lambda: {n: p.grad1 for n, p in named.items()}, reset=reset, held_bytes=held
+    )
+
+
+# gradhooks quantities other than grad1 (norms, DP-SGD step, ...) go here as they land: one
+# function ``setup -> Runner`` and one line in METHODS.
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("plain", "plain fwd+bwd", "grad", plain),
+        Method("floor", "floor", "grad", floor),
+        Method("loop", "loop", "grad1", loop, slow=True),
+        Method("vmap", "vmap(grad)", "grad1", vmap_grad),
+        Method("opacus", "Opacus hooks", "grad1", lambda s: _opacus(s, ghost=False), "opacus"),
+        Method("backpack", "BackPACK BatchGrad", "grad1", lambda s: _backpack(s, False), "backpack"),
+        Method("ew", "ExpandedWeights", "grad1", expanded_weights),
+        Method("grad1", "gradhooks grad1", "grad1", gradhooks_grad1, tags=("gradhooks",)),
+        Method("opacus-ghost", "Opacus ghost norms", "norms", lambda s: _opacus(s, ghost=True), "opacus"),
+        Method("backpack-l2", "BackPACK BatchL2Grad", "norms", lambda s: _backpack(s, True), "backpack"),
+    ]
+}  # fmt: skip
+
+PEERS = ("vmap", "opacus", "backpack", "ew")  # the grad1 peers gradhooks is compared with

@@ -1,0 +1,171 @@
+"""The benchmark's outputs: a markdown table of ratios to plain forward+backward, and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .methods import METHODS, PEERS
+
+MIB = 2**20
+
+
+def _groups(data: dict) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in data["records"]:
+        groups.setdefault((r["device"], r["batch"]), []).append(r)
+    return groups
+
+
+def _ordered(records: list[dict], key: str) -> list[str]:
+    seen: list[str] = []
+    for r in records:
+        if r[key] not in seen:
+            seen.append(r[key])
+    return seen
+
+
+def _label(model: str) -> str:
+    from .problems import PROBLEMS
+
+    return PROBLEMS[model].label if model in PROBLEMS else model
+
+
+def ratios(records: list[dict], model: str, what: str) -> dict[str, float]:
+    """``{method: value / plain's value}`` for the methods of ``model`` that ran
+    (``what``: ``"median_s"`` or ``"peak_bytes"``)."""
+    mine = {r["method"]: r for r in records if r["model"] == model}
+    plain = mine.get("plain", {}).get(what)
+    if not plain:
+        return {}
+    return {
+        m: r[what] / plain
+        for m, r in mine.items()
+        if r["status"] in ("ok", "wrong") and r.get(what) is not None
+    }
+
+
+def target(records: list[dict], model: str) -> str:
+    """Issue 5's bar for grad1: at most 0.8x the fastest peer, or at most 1.2x the floor where
+    the fastest peer is already within 1.5x of it."""
+    t = ratios(records, model, "median_s")
+    ok = {r["method"] for r in records if r["model"] == model and r["status"] == "ok"}
+    peers = [t[m] for m in PEERS if m in t and m in ok]
+    if "grad1" not in t or "grad1" not in ok or not peers:
+        return ""
+    best, g = min(peers), t["grad1"]
+    text = f"{g / best:.2f}x best peer"
+    floor = t.get("floor")
+    if floor:
+        text += f", {g / floor:.2f}x floor"
+    met = g <= 0.8 * best or (floor is not None and best <= 1.5 * floor and g <= 1.2 * floor)
+    return f"{'met' if met else 'missed'} ({text})"
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [
+        "# gradhooks benchmark",
+        "",
+        f"`{data['command']}`",
+        "",
+        f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+        + (f", {m['gpu']}" if m.get("gpu") else "")
+        + f"; torch {m['torch']}, Python {m['python']}, opacus {m.get('opacus')}, "
+        f"backpack {m.get('backpack')}. Median of {data['reps']} steps (the loop: fewer), "
+        f"{data.get('clock', 'wall')} clock.",
+    ]
+    for (device, batch), records in _groups(data).items():
+        lines += _section(device, batch, records)
+    return "\n".join(lines) + "\n"
+
+
+def _section(device: str, batch: int, records: list[dict]) -> list[str]:
+    """The time and memory tables of one (device, batch), with their notes."""
+    lines: list[str] = []
+    models = _ordered(records, "model")
+    methods = [x for x in _ordered(records, "method") if x != "plain"]
+    notes: dict[tuple[str, str], str] = {}  # shared by both tables, numbered in order
+
+    def cell(model: str, method: str, values: dict[str, float]) -> str:
+        r = next(r for r in records if r["model"] == model and r["method"] == method)
+        text = f"{values[method]:.2f}x" if method in values else "n/a"
+        if r["status"] == "ok":
+            return text
+        label = METHODS[method].label if method in METHODS else method
+        notes.setdefault((model, method), f"{_label(model)}, {label}: {r['reason']}")
+        number = list(notes).index((model, method)) + 1
+        if r["status"] == "wrong":
+            return f"{text} WRONG [{number}]"
+        return f"{r['status']} [{number}]"
+
+    def header(first: str, extra: list[str]) -> list[str]:
+        names = [METHODS[x].label if x in METHODS else x for x in methods]
+        cols = ["model", first, *names, *extra]
+        return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+
+    def plain(model: str) -> dict:
+        return next((r for r in records if r["model"] == model and r["method"] == "plain"), {})
+
+    lines += [
+        "",
+        f"## {device}, batch {batch}",
+        "",
+        "Time, as a ratio to plain forward+backward:",
+        "",
+    ]
+    lines += header("plain (ms)", ["grad1 target"])
+    for model in models:
+        t = ratios(records, model, "median_s")
+        ms = f"{plain(model)['median_s'] * 1e3:.1f}" if plain(model).get("median_s") else "n/a"
+        row = [_label(model), ms, *(cell(model, x, t) for x in methods), target(records, model)]
+        lines.append("| " + " | ".join(row) + " |")
+    if any(r.get("peak_bytes") is not None for r in records):
+        lines += ["", "Peak memory of one step, as a ratio to plain forward+backward's:", ""]
+        lines += header("plain (MiB)", [])
+        for model in models:
+            mem = ratios(records, model, "peak_bytes")
+            peak = plain(model).get("peak_bytes")
+            row = [_label(model), f"{peak / MIB:.1f}" if peak else "n/a"]
+            row += [cell(model, x, mem) for x in methods]
+            lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += ["", *(f"[{i}] {n}" for i, n in enumerate(notes.values(), 1))]
+    return lines
+
+
+def plot(data: dict, path: Path) -> Path | None:
+    """Time and peak memory per method per model (ratios to plain, log scale); ``None`` when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = _groups(data)
+    fig, axes = plt.subplots(
+        2, len(groups), figsize=(13 * len(groups), 9), squeeze=False, constrained_layout=True
+    )
+    for col, ((device, batch), records) in enumerate(groups.items()):
+        models = _ordered(records, "model")
+        methods = _ordered(records, "method")
+        for row, (what, title) in enumerate([("median_s", "time"), ("peak_bytes", "peak memory")]):
+            ax = axes[row][col]
+            width = 0.8 / max(len(methods), 1)
+            for i, method in enumerate(methods):
+                values = [ratios(records, mo, what).get(method, 0.0) for mo in models]
+                xs = [k + i * width for k in range(len(models))]
+                label = METHODS[method].label if method in METHODS else method
+                ax.bar(xs, values, width, label=label)
+            ax.set_yscale("log")
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks([k + 0.4 - width / 2 for k in range(len(models))])
+            ax.set_xticklabels([_label(mo) for mo in models], rotation=15, fontsize=8)
+            ax.set_ylabel(f"{title} / plain fwd+bwd")
+            ax.set_title(f"{title}, {device}, batch {batch} (missing bars: not run)")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][col].legend(fontsize=8, ncol=2)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,251 @@
+"""Per-example gradients, side by side: gradhooks, its peers, plain training and the floor.
+
+    python -m bench                                   # every model and method, batch 64, CPU
+    python -m bench --models mlp,simplecnn --methods plain,floor,vmap,grad1 --reps 9
+    python -m bench --device cuda --batch 32,128
+    python bench/run.py --help
+
+Writes a table (ratios to plain forward+backward) to stdout and ``<out>/results.md``, every
+measurement to ``<out>/results.json``, and a plot of time and peak memory to
+``<out>/results.png`` (when matplotlib is installed); ``<out>`` is ``bench/out/`` unless
+``--out`` says otherwise. Peers (``pip install -e '.[bench]'``) that are missing or refuse a
+model are reported as such. On a machine shared with other work, ``--threads 1 --clock cpu``
+gives steadier ratios than the default wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+import torch
+
+from bench import measure, report
+from bench.methods import METHODS
+from bench.problems import PROBLEMS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names(text: str, known: dict, what: str) -> list[str]:
+    if text == "all":
+        return list(known)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"models: {', '.join(PROBLEMS)}\nmethods: {', '.join(METHODS)}",
+    )  # fmt: skip
+    p.add_argument("--models", default="all", help="comma-separated, or 'all'")
+    p.add_argument("--methods", default="all", help="comma-separated, or 'all'")
+    p.add_argument("--batch", default="64", help="batch sizes, comma-separated")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per method (median)")
+    p.add_argument("--slow-reps", type=int, default=1, help="timed steps of the slow loop")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: elapsed time; cpu: process CPU time (steadier on a loaded machine)",
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder")
+    p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.models = _names(args.models, PROBLEMS, "models")
+    args.methods = _names(args.methods, METHODS, "methods")
+    args.batch = [int(b) for b in args.batch.split(",")]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    return args
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total, self.done, self.width, self.start = total, 0, width, time.perf_counter()
+
+    def show(self, label: str) -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        line = f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+        sys.stderr.write(f"{line:<100.100}")
+        sys.stderr.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        self.show("done")
+        sys.stderr.write("\n")
+
+
+def _memory_in_subprocess(model: str, methods: list[str], batch: int, args) -> dict[str, int]:
+    """CPU peaks of ``methods`` on ``model``, measured in a fresh process (see measure.py)."""
+    cmd = [
+        sys.executable, "-m", "bench", "--memory-worker", "--models", model,
+        "--methods", ",".join(methods), "--batch", str(batch), "--device", args.device,
+    ]  # fmt: skip
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=measure.memory_env(), capture_output=True, text=True, timeout=3600
+    )
+    if done.returncode != 0:
+        sys.stderr.write(f"\nmemory pass for {model} failed:\n{done.stderr[-2000:]}\n")
+        return {}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def memory_worker(args) -> None:
+    (model,) = args.models
+    (batch,) = args.batch
+    problem = PROBLEMS[model]
+    base, x, y = measure.instance(problem, batch, args.device)
+    peaks = {}
+    for name in args.methods:  # one at a time: each starts from the same live memory
+        rec, runner = measure.prepare(problem, METHODS[name], base, x, y, None, args.device)
+        if runner is not None:
+            measure.measure_peak(rec, runner, args.device)
+        peaks[name] = rec.peak_bytes
+        del runner
+    print(json.dumps(peaks))
+
+
+def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
+    """Every method on one model: set up and warmed up, then timed in rounds (each round
+    steps every method once, so that load from elsewhere on the machine hits all alike)."""
+    progress.show(f"{problem.name}: reference")
+    base, x, y = measure.instance(problem, batch, args.device)
+    try:
+        ref = measure.reference(problem, base, x, y)
+    except Exception as e:
+        sys.stderr.write(f"\nno reference for {problem.name}: {e}\n")
+        ref = None
+    cells = []
+    for name in args.methods:
+        progress.show(f"{problem.name}: {name} (set up)")
+        cells.append(measure.prepare(problem, METHODS[name], base, x, y, ref, args.device))
+        progress.advance()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for round_ in range(max(args.reps, args.slow_reps)):
+        for (rec, runner), name in zip(cells, args.methods, strict=True):
+            reps = args.slow_reps if METHODS[name].slow else args.reps
+            if round_ >= reps:
+                continue
+            progress.show(f"{problem.name}: {name} ({round_ + 1}/{reps})")
+            if runner is not None and rec.status in ("ok", "wrong"):
+                try:
+                    measure.timed_step(rec, runner, args.device, clock)
+                except Exception as e:
+                    measure._unsupported(rec, e)
+            progress.advance()
+    for rec, runner in cells:
+        if memory_here and runner is not None:
+            measure.measure_peak(rec, runner, args.device)
+    return [rec for rec, _ in cells]
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    for peer, dist in (("opacus", "opacus"), ("backpack", "backpack-for-pytorch")):
+        try:
+            info[peer] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            info[peer] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_worker:
+        memory_worker(args)
+        return 0
+    memory = not args.no_memory
+    if memory and args.device == "cpu" and not measure.cpu_memory_supported():
+        print("CPU peak memory needs Linux /proc (VmHWM, clear_refs): not measured here")
+        memory = False
+    memory_subprocess = memory and args.device == "cpu"
+
+    per_model = sum(1 + (args.slow_reps if METHODS[m].slow else args.reps) for m in args.methods)
+    cells = len(args.batch) * len(args.models) * (per_model + memory_subprocess)
+    progress = Progress(cells)
+    records: list[measure.Record] = []
+    for batch in args.batch:
+        for model_name in args.models:
+            problem = PROBLEMS[model_name]
+            mine = run_model(problem, batch, args, memory and not memory_subprocess, progress)
+            if memory_subprocess:
+                progress.show(f"{model_name}: peak memory (subprocess)")
+                runnable = [r.method for r in mine if r.status in ("ok", "wrong")]
+                peaks = _memory_in_subprocess(model_name, runnable, batch, args) if runnable else {}
+                for r in mine:
+                    r.peak_bytes = peaks.get(r.method)
+                progress.advance()
+            records.extend(mine)
+    progress.close()
+
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    meta = {
+        "command": command.strip(),
+        "machine": machine(),
+        "reps": args.reps,
+        "clock": args.clock,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**meta, "records": [r.as_dict() for r in records]}
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    text = report.markdown(data)
+    (out / "results.md").write_text(text)
+    print(text)
+    print(f"written: {out / 'results.json'}, {out / 'results.md'}", end="")
+    if args.no_plot:
+        print()
+    else:
+        png = report.plot(data, out / "results.png")
+        print(f", {png}" if png else "\n(no plot: matplotlib is not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

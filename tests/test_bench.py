@@ -1,0 +1,70 @@
+"""The benchmark suite runs, checks every method against vmap(grad), and reports peers that
+cannot run instead of crashing. No timings are asserted."""
+
+import json
+
+import pytest
+
+pytest.importorskip("bench.run")
+
+from bench import measure, methods, report  # noqa: E402
+from bench.problems import PROBLEMS  # noqa: E402
+from bench.run import main  # noqa: E402
+
+
+def test_bench_runs_and_writes_table_and_json(tmp_path, capsys):
+    argv = ["--models", "mlp", "--methods", "plain,floor,vmap,ew,grad1", "--batch", "3"]
+    argv += ["--reps", "1", "--out", str(tmp_path), "--no-plot", "--no-memory"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    by_method = {r["method"]: r for r in data["records"]}
+    assert set(by_method) == {"plain", "floor", "vmap", "ew", "grad1"}
+    for name in ("vmap", "ew", "grad1"):
+        assert by_method[name]["status"] == "ok", by_method[name]
+        assert by_method[name]["rel_err"] < 1e-4
+    assert all(len(r["times_s"]) == 1 for r in data["records"])
+    table = (tmp_path / "results.md").read_text()
+    assert "gradhooks grad1" in table and "MLP 784-512-512-10" in table
+    assert table in capsys.readouterr().out
+
+
+def _fails(setup):
+    raise RuntimeError("this peer does not like the model")
+
+
+def _missing(setup):
+    methods._need("no_such_peer_package")
+
+
+@pytest.mark.parametrize(
+    "make, status", [(_fails, "unsupported"), (_missing, "missing")], ids=["fails", "missing"]
+)
+def test_failing_or_missing_peer_is_reported(make, status):
+    problem = PROBLEMS["mlp"]
+    model, x, y = measure.instance(problem, 2, "cpu")
+    method = methods.Method("peer", "a peer", "grad1", make)
+    rec, runner = measure.prepare(problem, method, model, x, y, None, "cpu")
+    assert runner is None and rec.status == status and rec.reason
+    data = {
+        "command": "test", "reps": 1,
+        "machine": {"cpu": "cpu", "cores": 1, "torch_threads": 1, "torch": "t", "python": "p"},
+        "records": [rec.as_dict()],
+    }  # fmt: skip
+    assert f"{status} [1]" in report.markdown(data)
+
+
+def test_wrong_result_is_flagged():
+    problem = PROBLEMS["mlp"]
+    model, x, y = measure.instance(problem, 2, "cpu")
+    ref = measure.reference(problem, model, x, y)
+
+    def off_by_one(setup):
+        runner = methods.gradhooks_grad1(setup)
+        good = runner.result
+        return methods.Runner(
+            runner.step, lambda: {n: g + 1 for n, g in good().items()}, reset=runner.reset
+        )
+
+    method = methods.Method("bad", "bad", "grad1", off_by_one)
+    rec, _ = measure.prepare(problem, method, model, x, y, ref, "cpu")
+    assert rec.status == "wrong" and rec.rel_err > 1e-3
