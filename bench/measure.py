@@ -167,7 +167,7 @@ def prepare(
             runner = method.make(Setup(copy.deepcopy(base_model), x, y, problem.loss))
             runner.reset()
             runner.step()
-        if ref is not None and method.quantity != "grad":
+        if ref is not None and method.quantity in ("grad1", "norms"):
             rec.rel_err = _rel_err(method, runner.result(), ref)
             if not rec.rel_err <= WRONG_TOLERANCE:
                 rec.status, rec.reason = "wrong", f"relative error {rec.rel_err:.1e} vs vmap(grad)"

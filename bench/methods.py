@@ -61,7 +61,7 @@ class Runner:
 class Method:
     name: str  # command-line name
     label: str  # column header
-    quantity: str  # "grad" (plain), "grad1" (per-example gradients) or "norms" (their norms)
+    quantity: str  # "grad" (plain), "grad1", "norms", "step" (a DP-SGD step), "jacobian"
     make: Callable[[Setup], Runner]
     peer: str | None = None  # the package it needs
     slow: bool = False  # timed with --slow-reps repetitions
@@ -248,8 +248,138 @@ def gradhooks_grad1(s: Setup) -> Runner:
     )
 
 
-# gradhooks quantities other than grad1 (norms, DP-SGD step, ...) go here as they land: one
-# function ``setup -> Runner`` and one line in METHODS.
+def gradhooks_norms(s: Setup) -> Runner:
+    """Per-example gradient norms without forming grad1 (``quantities=("norms",)``)."""
+    try:
+        hooks = gradhooks.add_hooks(s.model, quantities=("norms",))
+    except TypeError as e:
+        raise Unavailable("unsupported", str(e).splitlines()[1].strip()) from e
+    params = list(s.trainable().values())
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+
+    def reset() -> None:
+        hooks.clear()
+        _clear(params)
+
+    return Runner(step, hooks.norms, reset=reset)
+
+
+# -- DP-SGD steps: per-example clipping to C = 1, Gaussian noise (sigma = 1), an SGD update ---------
+
+MAX_NORM, NOISE = 1.0, 1.0
+
+
+def _per_example_loss(s: Setup):
+    from .problems import PER_EXAMPLE
+
+    try:
+        return PER_EXAMPLE[s.loss]
+    except KeyError:
+        raise Unavailable("unsupported", "no per-example form of this loss") from None
+
+
+def _gradhooks_dp(s: Setup, quantity: str) -> Runner:
+    each = _per_example_loss(s)
+    hooks = gradhooks.add_hooks(s.model, quantities=(quantity,))
+    params = list(s.trainable().values())
+    opt = torch.optim.SGD(params, lr=1e-3)
+    gen = torch.Generator(device=s.x.device).manual_seed(0)
+
+    def step() -> None:
+        losses = each(s.model(s.x), s.y)
+        gradhooks.dp_sgd_step(hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen)
+        opt.step()
+
+    def reset() -> None:
+        hooks.clear()
+        gradhooks.clear_grad1(s.model)
+        _clear(params)
+
+    return Runner(step, lambda: None, reset=reset)
+
+
+class _Criterion(nn.Module):
+    """A problem's loss as the ``nn.Module`` with ``reduction`` that Opacus' ghost clipping
+    wants (``"none"`` gives the per-example losses)."""
+
+    def __init__(self, loss, each) -> None:
+        super().__init__()
+        self.loss, self.each, self.reduction = loss, each, "mean"
+
+    def forward(self, out: Tensor, y: Tensor) -> Tensor:
+        losses = self.each(out, y)
+        return losses if self.reduction == "none" else losses.mean()
+
+
+def _opacus_dp(s: Setup, ghost: bool) -> Runner:
+    _need("opacus")
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    each = _per_example_loss(s)
+    params = list(s.trainable().values())
+    kwargs = dict(noise_multiplier=NOISE, max_grad_norm=MAX_NORM, expected_batch_size=s.batch)
+    if ghost:
+        wrapped = GradSampleModuleFastGradientClipping(s.model, loss_reduction="mean", use_ghost_clipping=True)
+        opt = DPOptimizerFastGradientClipping(torch.optim.SGD(params, lr=1e-3), **kwargs)
+        criterion = DPLossFastGradientClipping(wrapped, opt, _Criterion(s.loss, each), "mean")
+    else:
+        wrapped = GradSampleModule(s.model, loss_reduction="mean")
+        opt = DPOptimizer(torch.optim.SGD(params, lr=1e-3), **kwargs)
+        criterion = s.loss
+
+    def step() -> None:
+        criterion(wrapped(s.x), s.y).backward()
+        opt.step()
+
+    def reset() -> None:
+        opt.zero_grad(set_to_none=True)
+        _clear(params, "grad_sample", "_norm_sample")
+
+    return Runner(step, lambda: None, reset=reset)
+
+
+# -- per-example Jacobians of every output (classifiers: [batch, classes] outputs) ---------------
+
+
+def _classifier(s: Setup) -> None:
+    if s.loss.__name__ != "classify":
+        raise Unavailable("unsupported", "Jacobians are benchmarked on [batch, classes] outputs")
+
+
+def gradhooks_jacobians(s: Setup) -> Runner:
+    _classifier(s)
+    out: dict = {}
+
+    def step() -> None:
+        out["j"] = gradhooks.jacobians(s.model, s.x, flatten=True)
+
+    return Runner(step, lambda: None, reset=out.clear)
+
+
+def vmap_jacrev(s: Setup) -> Runner:
+    """The Q&A's recipe: ``vmap`` over examples of ``jacrev`` of ``functional_call``, flattened
+    to ``[batch, outputs, P]`` (the function built once)."""
+    _classifier(s)
+    params = {n: p.detach() for n, p in s.trainable().items()}
+    buffers = {n: b.detach() for n, b in s.model.named_buffers()}
+    model = s.model
+
+    def one(x):
+        call = lambda p: functional_call(model, (p, buffers), (x.unsqueeze(0),))[0]
+        return torch.cat([v.flatten(1) for v in torch.func.jacrev(call)(params).values()], -1)
+
+    per_example = vmap(one)
+    out: dict = {}
+
+    def step() -> None:
+        out["j"] = per_example(s.x)
+
+    return Runner(step, lambda: None, reset=out.clear)
+
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -264,6 +394,13 @@ METHODS: dict[str, Method] = {
         Method("grad1", "gradhooks grad1", "grad1", gradhooks_grad1, tags=("gradhooks",)),
         Method("opacus-ghost", "Opacus ghost norms", "norms", lambda s: _opacus(s, ghost=True), "opacus"),
         Method("backpack-l2", "BackPACK BatchL2Grad", "norms", lambda s: _backpack(s, True), "backpack"),
+        Method("norms", "gradhooks norms", "norms", gradhooks_norms, tags=("gradhooks",)),
+        Method("opacus-dp", "Opacus DP step (hooks)", "step", lambda s: _opacus_dp(s, ghost=False), "opacus"),
+        Method("opacus-dp-ghost", "Opacus DP step (ghost)", "step", lambda s: _opacus_dp(s, ghost=True), "opacus"),
+        Method("dp", "gradhooks DP step (ghost)", "step", lambda s: _gradhooks_dp(s, "norms"), tags=("gradhooks",)),
+        Method("dp-grad1", "gradhooks DP step (grad1)", "step", lambda s: _gradhooks_dp(s, "grad1"), tags=("gradhooks",)),
+        Method("jacrev", "vmap(jacrev)", "jacobian", vmap_jacrev, slow=True),
+        Method("jacobians", "gradhooks Jacobians", "jacobian", gradhooks_jacobians, slow=True, tags=("gradhooks",)),
     ]
 }  # fmt: skip
 

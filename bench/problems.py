@@ -28,6 +28,19 @@ def next_token(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+def classify_each(out: Tensor, y: Tensor) -> Tensor:
+    """``[batch]`` per-example losses of :func:`classify` (whose mean it is)."""
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def next_token_each(out: Tensor, y: Tensor) -> Tensor:
+    """``[batch]`` per-example losses of :func:`next_token`: each example's mean over tokens."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
+
+
+PER_EXAMPLE = {classify: classify_each, next_token: next_token_each}
+
+
 @dataclass(frozen=True)
 class Problem:
     name: str  # command-line name

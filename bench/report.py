@@ -61,6 +61,34 @@ def target(records: list[dict], model: str) -> str:
     return f"{'met' if met else 'missed'} ({text})"
 
 
+def targets(records: list[dict], model: str) -> str:
+    """Every bar of issue 5 that this model's records can judge: grad1 (:func:`target`);
+    norms at most 1.5x plain's time and 1.3x its peak memory; the DP-SGD step (ghost) faster
+    than Opacus' fastest DP step; Jacobians at most 0.8x ``vmap(jacrev)``."""
+    t = ratios(records, model, "median_s")
+    mem = ratios(records, model, "peak_bytes")
+    ok = {r["method"] for r in records if r["model"] == model and r["status"] == "ok"}
+    verdicts = [f"grad1 {target(records, model)}"] if target(records, model) else []
+
+    def verdict(name: str, met: bool, text: str) -> None:
+        verdicts.append(f"{name} {'met' if met else 'missed'} ({text})")
+
+    if "norms" in ok and "norms" in t:
+        text = f"{t['norms']:.2f}x plain time"
+        met = t["norms"] <= 1.5
+        if "norms" in mem:
+            text += f", {mem['norms']:.2f}x plain memory"
+            met = met and mem["norms"] <= 1.3
+        verdict("norms", met, text)
+    opacus = [t[m] for m in ("opacus-dp", "opacus-dp-ghost") if m in ok and m in t]
+    if "dp" in ok and "dp" in t and opacus:
+        verdict("DP step", t["dp"] < min(opacus), f"{t['dp'] / min(opacus):.2f}x Opacus' fastest")
+    if {"jacobians", "jacrev"} <= ok and {"jacobians", "jacrev"} <= set(t):
+        ratio = t["jacobians"] / t["jacrev"]
+        verdict("Jacobians", ratio <= 0.8, f"{ratio:.2f}x vmap(jacrev)")
+    return "; ".join(verdicts)
+
+
 def markdown(data: dict) -> str:
     m = data["machine"]
     lines = [
@@ -113,11 +141,11 @@ def _section(device: str, batch: int, records: list[dict]) -> list[str]:
         "Time, as a ratio to plain forward+backward:",
         "",
     ]
-    lines += header("plain (ms)", ["grad1 target"])
+    lines += header("plain (ms)", ["issue 5 targets"])
     for model in models:
         t = ratios(records, model, "median_s")
         ms = f"{plain(model)['median_s'] * 1e3:.1f}" if plain(model).get("median_s") else "n/a"
-        row = [_label(model), ms, *(cell(model, x, t) for x in methods), target(records, model)]
+        row = [_label(model), ms, *(cell(model, x, t) for x in methods), targets(records, model)]
         lines.append("| " + " | ".join(row) + " |")
     if any(r.get("peak_bytes") is not None for r in records):
         lines += ["", "Peak memory of one step, as a ratio to plain forward+backward's:", ""]
