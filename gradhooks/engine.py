@@ -13,6 +13,8 @@ tied weights correct.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -22,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import checks
+from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, Registry, _Entry
@@ -32,6 +36,7 @@ __all__ = [
 
 LossReduction = Literal["mean", "sum"]
 Unsupported = Literal["fallback", "error", "skip"]
+Capture = Literal["always", "marked"]
 
 # Models and modules currently hooked, so that hooks are never added twice (which would count
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
@@ -48,6 +53,63 @@ class _Target:
     module: nn.Module
     entry: _Entry
     params: dict[str, nn.Parameter]
+
+
+@dataclass
+class _CallState:
+    """One captured forward call, until its backward."""
+
+    params: dict[str, nn.Parameter]
+    root_batch: int | None  # the batch the model's root forward saw (None: outside one)
+    derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
+    cancelled: bool = False  # its forward raised: never captured
+
+
+@dataclass
+class _Frame:
+    """One root forward of the model, while it runs."""
+
+    batch: int | None
+    states: list[_CallState]
+
+
+@dataclass
+class _Backward:
+    """One backward pass (autograd graph task), while it runs."""
+
+    reached: set[int]  # ids of parameters whose calls this backward captured
+    computed: set[int]  # ids of parameters whose gradient this backward computes
+    before: dict[int, Tensor | None]  # grad1 before this backward first wrote it (rollback)
+    missed: list[str]  # parameters it computed without a captured call
+    memory_checked: bool = False
+
+
+class _Hook:
+    """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
+    gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
+    tensors."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        if _is_compiling():
+            return torch.compiler.disable(self.fn)(*args)
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return (InertHook, ())
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", bool)())
+
+
+def _graph_task() -> int:
+    """The id of the running backward (-1 outside any)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else 0
 
 
 class Hooks:
@@ -75,6 +137,10 @@ class Hooks:
         unsupported: Unsupported = "fallback",
         registry: Registry = REGISTRY,
         quantities: tuple[str, ...] | str = ("grad1",),
+        *,
+        batch_dim: int | None = 0,
+        max_grad1_bytes: int | str | None = "auto",
+        capture: Capture = "always",
     ) -> None:
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
@@ -88,6 +154,16 @@ class Hooks:
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
+        if capture not in ("always", "marked"):
+            raise ValueError(f"capture must be 'always' or 'marked', got {capture!r}")
+        if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim must be an int >= 0 or None, got {batch_dim!r}")
+        checks.memory_limit(torch.device("cpu"), max_grad1_bytes)  # validates
+        if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
+            raise ValueError(f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}")
+        self.batch_dim = batch_dim
+        self.max_grad1_bytes = max_grad1_bytes
+        self.capture: Capture = capture
         self.loss_reduction: LossReduction = loss_reduction
         self.unsupported = unsupported
         self.registry = registry
@@ -100,13 +176,37 @@ class Hooks:
         self._grad1 = "grad1" in quantities
         self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
         self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
-        self._handles = []
+        self._paused = 0  # depth of `with h.paused()`
+        self._marked = 0  # depth of `with h.capturing()`
+        self._frames: list[_Frame] = []  # root forwards running
+        self._tasks: dict[int, _Backward] = {}  # backwards running, by graph task id
+        self._missed: dict[str, None] = {}  # parameters a backward computed without capture
+        # the bookkeeping of backwards (which parameters each computes) is off for the
+        # Jacobians, whose backward runs under vmap and writes no grad1
+        self._track = "_jacobian" not in quantities
+        self._params: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            covered = any(q is p for t in self._targets for q in t.params.values())
+            if p.requires_grad and covered and id(p) not in self._params:
+                self._params[id(p)] = (name, p)
+        self._numel = sum(p.numel() for _, p in self._params.values())
+        self._handles = [
+            model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
+        ]
         for target in self._targets:
             self._handles.append(
                 target.module.register_forward_hook(
-                    self._forward_hook(target), with_kwargs=True, always_call=False
+                    _Hook(self._forward_hook(target)), with_kwargs=True, always_call=False
                 )
             )
+        self._handles.append(
+            model.register_forward_hook(
+                _Hook(self._on_root_post), with_kwargs=True, always_call=True
+            )
+        )
+        if self._track:
+            for pid, (name, p) in self._params.items():
+                self._handles.append(p.register_hook(self._param_hook(pid, name)))
         _ACTIVE[model] = self
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
@@ -137,8 +237,60 @@ class Hooks:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
         it. The current ``grad1`` tensors stay readable."""
         self._written.clear()
+        self._missed.clear()
         if self._collector is not None:
             self._collector.clear()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block this handle captures nothing: forwards are not kept and backwards
+        write no ``grad1`` (other handles are not affected). For backwards that are not the
+        training loss: derivatives for a Laplacian or an input-gradient, or differentiating a
+        function of ``grad1`` after a ``create_graph=True`` backward."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """With ``add_hooks(..., capture="marked")``, only backwards run inside this block write
+        ``grad1`` (forwards are always kept)::
+
+            h = gradhooks.add_hooks(model, capture="marked")
+            out = model(x)
+            dx, = torch.autograd.grad(out.sum(), x, retain_graph=True)   # not captured
+            with h.capturing():
+                loss_fn(out, y).backward()                                # captured
+        """
+        self._marked += 1
+        try:
+            yield
+        finally:
+            self._marked -= 1
+
+    def check(
+        self, loss_fn=None, inputs=None, target=None, *, examples: int = 2,
+        raise_on_error: bool = True,
+    ) -> checks.CheckReport:  # fmt: skip
+        """Check, after a backward, that ``grad1`` is what it claims to be; raise a
+        ``RuntimeError`` naming every problem (or return them, ``raise_on_error=False``).
+
+        Always: every parameter's ``grad1`` reduces (``mean``/``sum`` as declared) to its
+        ``.grad`` (it does not when ``.grad`` accumulated over earlier steps, when the loss has a
+        term that bypasses the hooked layers, such as weight decay added to the loss, or
+        derivatives of the model); NaN/Inf in ``grad1`` (carried through as autograd does)
+        with the examples they are in; backwards that computed gradients without a captured
+        forward. ``.grad1`` reduces to ``.grad`` whatever the loss's real reduction, so the
+        reduction itself needs the loss: with ``loss_fn(model(x[i:i+1]), target[i:i+1])``
+        (and the ``inputs``/``target`` of the captured forward), the first ``examples``
+        examples are recomputed one at a time and the report says which reduction the loss
+        really used. Returns a :class:`gradhooks.checks.CheckReport`.
+        """
+        return checks.check(
+            self, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
+        )
 
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
@@ -223,6 +375,11 @@ class Hooks:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        self._frames.clear()
+        self._tasks.clear()
+        if self._collector is not None:
+            self._collector.discard_backward()
+            self._collector._expected = {}
 
     def __enter__(self) -> Hooks:
         return self
@@ -251,9 +408,14 @@ class Hooks:
                     "that contains this one; remove those hooks first."
                 )
 
+    def _capturing_backward(self) -> bool:
+        return not self._paused and (self.capture == "always" or self._marked > 0)
+
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._removed or not _GLOBALLY_ENABLED[0] or not torch.is_grad_enabled():
+            if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+                return
+            if not torch.is_grad_enabled():
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -278,14 +440,16 @@ class Hooks:
                 grad_outputs=(),
                 name=target.name,
             )
+            frame = self._frames[-1] if self._frames else None
+            state = _CallState(live, frame.batch if frame is not None else None)
+            if frame is not None:
+                frame.states.append(state)
 
             def on_grads(grads) -> None:
-                if self._removed or self._ignore_backward:
-                    return
                 full: list[Tensor | None] = [None] * len(leaves)
                 for i, g in zip(hooked, grads):
                     full[i] = g
-                self._backward(target, live, replace(call, grad_outputs=tuple(full)))
+                self._on_grads(target, state, replace(call, grad_outputs=tuple(full)), args, kwargs)
 
             if self._collector is not None:
                 self._collector.expect(live)
@@ -298,9 +462,61 @@ class Hooks:
 
         return hook
 
-    def _backward(self, target: _Target, params: dict[str, nn.Parameter], call: Call) -> None:
+    def _on_grads(self, target: _Target, state: _CallState, call: Call, args, kwargs) -> None:
+        """The backward reached the outputs of one captured call."""
+        if self._removed or self._ignore_backward or state.cancelled:
+            return
+        # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
+        create_graph = torch.is_grad_enabled()
+        if not self._capturing_backward():
+            state.derived |= create_graph
+            return
+        if state.derived:
+            raise RuntimeError(
+                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): this "
+                "backward reaches a call through which an earlier backward was run with "
+                "create_graph=True (torch.autograd.grad(..., create_graph=True): an input-gradient, "
+                "a Laplacian, a gradient penalty, or grad1 itself). A loss built from such "
+                "derivatives has per-example gradients with terms through the double backward "
+                "that hooks do not see, so grad1 would be wrong. To differentiate grad1 or those "
+                "derivatives on purpose, run this backward under `with h.paused():`; for "
+                "per-example gradients of such a loss use torch.func "
+                "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, "
+                "compute them without create_graph=True."
+            )
+        state.derived = create_graph
+        if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
+            call = replace(call, inputs=args, kwargs=kwargs)
+        bw = self._backward_state() if self._track else None
+        if bw is not None:
+            bw.reached.update(id(p) for p in state.params.values())
+        try:
+            self._backward(target, state.params, call, state.root_batch, bw)
+        except BaseException:
+            self._abort_backward()
+            raise
+
+    def _backward(
+        self,
+        target: _Target,
+        params: dict[str, nn.Parameter],
+        call: Call,
+        root_batch: int | None = None,
+        bw: _Backward | None = None,
+    ) -> None:
         rule = target.entry.rule
-        pieces = rule(call)
+        try:
+            pieces = rule(call)
+        except Exception as e:
+            if str(e).startswith("fallback for") or f"'{target.name}'" in str(e):
+                raise  # already names the module
+            raise RuntimeError(
+                f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) failed on {_describe(call)}: {e}\n"
+                "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
+                "an input without a batch dimension (x of shape [features] rather than "
+                "[batch, features]) needs one: x.unsqueeze(0)."
+            ) from e
         live: dict[str, nn.Parameter] = {}
         for pname, p in params.items():
             if pieces.get(pname) is not None:
@@ -313,7 +529,13 @@ class Hooks:
             # else: None, the rule says this call's gradient for it is computed elsewhere
         if not live:
             return
-        batch = pieces[next(iter(live))].batch_size
+        first = next(iter(live))
+        batch = pieces[first].batch_size
+        if root_batch is not None and batch != root_batch:
+            self._batch_mismatch(target, first, call, batch, root_batch)
+        if root_batch is None and self._grad1 and bw is not None and not bw.memory_checked:
+            bw.memory_checked = True  # a hooked module called outside the model's forward
+            self._refuse_large(batch)
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale)
@@ -327,7 +549,155 @@ class Hooks:
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
+            if bw is not None and id(p) not in bw.before:
+                bw.before[id(p)] = p.grad1 if id(p) in self._written else None
             self._accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
+
+    def _batch_mismatch(self, target, pname, call, batch, root_batch) -> None:
+        name = target.name or "<model>"
+        raise RuntimeError(
+            f"'{name}' ({type(target.module).__qualname__}) gives '{pname}' a per-example "
+            f"gradient for {batch} examples (dimension 0 of what its rule sees: "
+            f"{_describe(call)}), but the model's forward got a batch of {root_batch} (dimension "
+            f"{self.batch_dim} of its first tensor input). The layer does not see the examples on "
+            "dimension 0 (the model folds time or patches into the batch, x.view(B * T, ...), or "
+            "runs it sequence-first, [seq, batch, ...]), so its grad1 rows would not be "
+            "examples. Keep the batch on dimension 0 of every hooked layer's input (nn.Linear "
+            "takes [batch, *, features]: no need to fold; batch_first=True, or "
+            "x.transpose(0, 1)); if the model's input has its batch on another dimension, pass "
+            "add_hooks(..., batch_dim=k); batch_dim=None turns this check off (grad1 then has one "
+            "row per entry of each layer's dimension 0)."
+        )
+
+    def _refuse_large(self, batch: int) -> None:
+        if not self._params:
+            return
+        p = next(iter(self._params.values()))[1]
+        model = self.model
+        checks.refuse_if_too_large(
+            f"'{type(model).__qualname__}'" if model is not None else "the model",
+            batch, self._numel, p.element_size(), p.device, self.max_grad1_bytes,
+        )  # fmt: skip
+
+    # -- the root forward and the backward's bookkeeping --------------------------------------
+
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module is not self.model:
+            return  # a copy
+        frame = _Frame(None, [])
+        self._frames.append(frame)  # first: the post-hook pops it even if this raises
+        if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+            return
+        if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+            return
+        if _graph_task() == -1:
+            self._drop_stale()
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if not leaves:
+            return
+        dim = 0 if self.batch_dim is None else self.batch_dim
+        first = leaves[0]
+        if first.dim() <= dim:
+            if self.batch_dim is None:
+                return
+            raise ValueError(
+                f"{type(module).__qualname__}'s first tensor input has shape "
+                f"{tuple(first.shape)}: no batch dimension {dim}. gradhooks needs a batch of "
+                f"examples; for one example add the batch dimension (x.unsqueeze(0)), or pass "
+                "add_hooks(..., batch_dim=None) if the first input is not batched."
+            )
+        batch = first.shape[dim]
+        if self.batch_dim is not None:
+            frame.batch = batch
+        if self._grad1:
+            self._refuse_large(batch)
+
+    def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if module is not self.model or not self._frames:
+            return
+        frame = self._frames.pop()
+        if output is None and sys.exc_info()[1] is not None:
+            # the forward raised: what it captured will never be backpropagated
+            for state in frame.states:
+                state.cancelled = True
+                if self._collector is not None:
+                    self._collector.unexpect(state.params)
+
+    def _backward_state(self) -> _Backward:
+        task = _graph_task()
+        bw = self._tasks.get(task)
+        if bw is None:
+            bw = self._tasks[task] = _Backward(set(), set(), {}, [])
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+        return bw
+
+    def _param_hook(self, pid: int, name: str):
+        def hook(grad: Tensor) -> None:
+            if self._removed or self._ignore_backward:
+                return
+            bw = self._backward_state()
+            bw.computed.add(pid)
+            if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+                bw.missed.append(name)
+
+        return hook
+
+    def _end_backward(self, task: int) -> None:
+        bw = self._tasks.pop(task, None)
+        if bw is None or self._removed:
+            return
+        # A backward that does not compute a parameter's gradient (torch.autograd.grad with
+        # respect to the inputs, backward(inputs=[...])) leaves its grad1 as it was.
+        self._rollback(bw, keep=bw.computed)
+        if self._collector is not None and bw.reached and not bw.computed:
+            self._collector.discard_backward()
+        if bw.missed:
+            for name in bw.missed:
+                self._missed[name] = None
+            names = ", ".join(f"'{n}'" for n in bw.missed[:5])
+            more = f" and {len(bw.missed) - 5} more" if len(bw.missed) > 5 else ""
+            warnings.warn(
+                f"gradhooks: a backward computed the gradient of {names}{more} but no forward "
+                "call of their modules was captured for it: the forward ran before add_hooks "
+                "(or while capture was paused, or outside the hooked model). Their grad1 is "
+                "missing or from another backward. Run the forward after add_hooks.",
+                GradhooksWarning,
+                stacklevel=2,
+            )
+
+    def _rollback(self, bw: _Backward, keep: set[int] = frozenset()) -> None:
+        """Put back the grad1 a backward replaced (``_accumulate`` never writes in place)."""
+        for pid, before in bw.before.items():
+            if pid in keep:
+                continue
+            p = self._written.get(pid)
+            if p is None:
+                continue
+            if before is None:
+                del self._written[pid]
+                if hasattr(p, "grad1"):
+                    del p.grad1
+            else:
+                p.grad1 = before
+
+    def _abort_backward(self) -> None:
+        """A hook of ours raised: the backward fails; leave nothing of it behind."""
+        bw = self._tasks.pop(_graph_task(), None)
+        if bw is not None:
+            self._rollback(bw)
+        if self._collector is not None:
+            self._collector.discard_backward()
+
+    def _drop_stale(self) -> None:
+        """At a forward outside any backward: a backward still recorded as running failed
+        (an exception elsewhere in it); undo what it wrote."""
+        for bw in self._tasks.values():
+            self._rollback(bw)
+        self._tasks.clear()
+        if self._collector is not None and self._collector._queued:
+            self._collector.discard_backward()
 
     def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
         if g1.dtype != p.dtype:
@@ -404,12 +774,27 @@ def _detach(tree: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
+def _describe(call: Call) -> str:
+    def shapes(tree: Any) -> str:
+        return ", ".join(
+            str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+            for t in tree_flatten(tree)[0]
+        )
+
+    grads = ", ".join("None" if g is None else str(tuple(g.shape)) for g in call.grad_outputs)
+    return f"inputs [{shapes(call.inputs)}], output-gradients [{grads}]"
+
+
 def add_hooks(
     model: nn.Module,
     loss_reduction: LossReduction = "mean",
     unsupported: Unsupported = "fallback",
     registry: Registry = REGISTRY,
     quantities: tuple[str, ...] | str = ("grad1",),
+    *,
+    batch_dim: int | None = 0,
+    max_grad1_bytes: int | str | None = "auto",
+    capture: Capture = "always",
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -429,6 +814,19 @@ def add_hooks(
             (:meth:`Hooks.sum_grad_sq`, :meth:`Hooks.grad_variance`) and ``"kfac"``
             (:meth:`Hooks.kfac_factors`). Without ``"grad1"`` no per-example gradient of the
             whole model is ever formed.
+        batch_dim: where the batch is in the model's first tensor input (default 0). Every
+            hooked layer must see that batch on dimension 0; a layer that sees another size
+            (time folded into the batch, a sequence-first layer) is an error naming both
+            sizes. ``None``: no such check (nor the no-batch-dimension error at the forward).
+        max_grad1_bytes: refuse a forward whose ``grad1`` (batch × trainable parameters ×
+            element size) would exceed this many bytes (:class:`gradhooks.Grad1TooLarge`,
+            before anything is allocated). ``"auto"``: :func:`gradhooks.set_memory_limit`'s
+            value, by default half of the memory of the parameters' device. ``None``: no limit.
+        capture: which backwards write ``grad1``. ``"always"`` (default): every backward
+            that computes the parameters' gradients (``.backward()``, ``torch.autograd.grad``
+            with respect to them), except under :meth:`Hooks.paused`; a backward with respect
+            to other tensors only (an input-gradient) leaves ``grad1`` as it was. ``"marked"``:
+            only backwards run inside ``with h.capturing():``.
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -447,7 +845,8 @@ def add_hooks(
     """
     return Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
-        quantities=quantities,
+        quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
+        capture=capture,
     )  # fmt: skip
 
 

@@ -106,6 +106,21 @@ class Collector:
             for p in params.values():
                 self._expected[id(p)] = self._expected.get(id(p), 0) + 1
 
+    def unexpect(self, params: dict) -> None:
+        """A captured call whose forward raised: its piece will never come."""
+        for p in params.values():
+            if self._expected.get(id(p), 0) > 0:
+                self._expected[id(p)] -= 1
+                if not self._expected[id(p)]:
+                    del self._expected[id(p)]
+
+    def discard_backward(self) -> None:
+        """Forget what the running backward gave (it failed, or computed no parameter's
+        gradient); the results of earlier backwards stay."""
+        self._held.clear()
+        self._done = {}
+        self._queued = False
+
     def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
         """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,
         ``[outputs, batch, *shape]``, goes into ``self.jacobian[id(p)]`` (``[batch, outputs,
