@@ -648,11 +648,13 @@ class Hooks:
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
-        # A backward that does not compute a parameter's gradient (torch.autograd.grad with
-        # respect to the inputs, backward(inputs=[...])) leaves its grad1 as it was.
-        self._rollback(bw, keep=bw.computed)
-        if self._collector is not None and bw.reached and not bw.computed:
-            self._collector.discard_backward()
+        # A backward that computes the gradient of none of the model's parameters
+        # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
+        # leaves grad1 and the other quantities as they were.
+        if bw.reached and not bw.computed:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
         if bw.missed:
             for name in bw.missed:
                 self._missed[name] = None
@@ -667,11 +669,9 @@ class Hooks:
                 stacklevel=2,
             )
 
-    def _rollback(self, bw: _Backward, keep: set[int] = frozenset()) -> None:
+    def _rollback(self, bw: _Backward) -> None:
         """Put back the grad1 a backward replaced (``_accumulate`` never writes in place)."""
         for pid, before in bw.before.items():
-            if pid in keep:
-                continue
             p = self._written.get(pid)
             if p is None:
                 continue
@@ -824,8 +824,9 @@ def add_hooks(
             value, by default half of the memory of the parameters' device. ``None``: no limit.
         capture: which backwards write ``grad1``. ``"always"`` (default): every backward
             that computes the parameters' gradients (``.backward()``, ``torch.autograd.grad``
-            with respect to them), except under :meth:`Hooks.paused`; a backward with respect
-            to other tensors only (an input-gradient) leaves ``grad1`` as it was. ``"marked"``:
+            with respect to some of them), except under :meth:`Hooks.paused`; a backward
+            that computes none of the model's parameter gradients (``torch.autograd.grad``
+            with respect to the input only) leaves ``grad1`` as it was. ``"marked"``:
             only backwards run inside ``with h.capturing():``.
 
     Returns:
