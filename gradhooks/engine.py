@@ -17,7 +17,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -60,17 +60,20 @@ class _CallState:
     """One captured forward call, until its backward."""
 
     params: dict[str, nn.Parameter]
-    root_batch: int | None  # the batch the model's root forward saw (None: outside one)
+    frame: _Frame | None  # the model's forward it was called in (None: outside one)
     derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
     cancelled: bool = False  # its forward raised: never captured
 
 
 @dataclass
 class _Frame:
-    """One root forward of the model, while it runs."""
+    """One root forward of the model (kept by its calls until their backward)."""
 
-    batch: int | None
+    batch: int | None  # dimension batch_dim of the first tensor input (an int batch_dim)
     states: list[_CallState]
+    grad_enabled: bool = True
+    sizes: set[int] = field(default_factory=set)  # dims 0, 1 of its tensor inputs and outputs
+    seen: dict[int, str] = field(default_factory=dict)  # batch sizes the layers saw -> a layer
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _Backward:
     before: dict[int, Tensor | None]  # grad1 before this backward first wrote it (rollback)
     missed: list[str]  # parameters it computed without a captured call
     memory_checked: bool = False
+    derived: str | None = None  # a call it reached through an earlier create_graph backward
 
 
 class _Hook:
@@ -138,7 +142,7 @@ class Hooks:
         registry: Registry = REGISTRY,
         quantities: tuple[str, ...] | str = ("grad1",),
         *,
-        batch_dim: int | None = 0,
+        batch_dim: int | str | None = "auto",
         max_grad1_bytes: int | str | None = "auto",
         capture: Capture = "always",
     ) -> None:
@@ -156,8 +160,8 @@ class Hooks:
             raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
         if capture not in ("always", "marked"):
             raise ValueError(f"capture must be 'always' or 'marked', got {capture!r}")
-        if batch_dim is not None and (not isinstance(batch_dim, int) or batch_dim < 0):
-            raise ValueError(f"batch_dim must be an int >= 0 or None, got {batch_dim!r}")
+        if batch_dim not in (None, "auto") and (not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}")
         checks.memory_limit(torch.device("cpu"), max_grad1_bytes)  # validates
         if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
             raise ValueError(f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}")
@@ -416,6 +420,11 @@ class Hooks:
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
                 return
             if not torch.is_grad_enabled():
+                if self._collector is not None and self._frames and self._frames[-1].grad_enabled:
+                    # no_grad inside a training forward: reentrant activation checkpointing,
+                    # which reruns this call during the backward. The collector then waits for
+                    # the end of the backward to reduce these parameters' pieces.
+                    self._collector.defer.update(id(p) for p in target.params.values())
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -441,7 +450,7 @@ class Hooks:
                 name=target.name,
             )
             frame = self._frames[-1] if self._frames else None
-            state = _CallState(live, frame.batch if frame is not None else None)
+            state = _CallState(live, frame)
             if frame is not None:
                 frame.states.append(state)
 
@@ -471,27 +480,22 @@ class Hooks:
         if not self._capturing_backward():
             state.derived |= create_graph
             return
+        bw = self._backward_state() if self._track else None
         if state.derived:
-            raise RuntimeError(
-                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): this "
-                "backward reaches a call through which an earlier backward was run with "
-                "create_graph=True (torch.autograd.grad(..., create_graph=True): an input-gradient, "
-                "a Laplacian, a gradient penalty, or grad1 itself). A loss built from such "
-                "derivatives has per-example gradients with terms through the double backward "
-                "that hooks do not see, so grad1 would be wrong. To differentiate grad1 or those "
-                "derivatives on purpose, run this backward under `with h.paused():`; for "
-                "per-example gradients of such a loss use torch.func "
-                "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, "
-                "compute them without create_graph=True."
-            )
+            # Wrong only if this backward computes parameter gradients (not for the next
+            # derivative of a Laplacian, with respect to the input): decided at its end.
+            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            if bw is None:
+                raise RuntimeError(_higher_order(where))
+            bw.derived = bw.derived or where
+            return
         state.derived = create_graph
         if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
             call = replace(call, inputs=args, kwargs=kwargs)
-        bw = self._backward_state() if self._track else None
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
         try:
-            self._backward(target, state.params, call, state.root_batch, bw)
+            self._backward(target, state.params, call, state.frame, bw)
         except BaseException:
             self._abort_backward()
             raise
@@ -501,14 +505,15 @@ class Hooks:
         target: _Target,
         params: dict[str, nn.Parameter],
         call: Call,
-        root_batch: int | None = None,
+        frame: _Frame | None = None,
         bw: _Backward | None = None,
     ) -> None:
         rule = target.entry.rule
         try:
             pieces = rule(call)
         except Exception as e:
-            if str(e).startswith("fallback for") or f"'{target.name}'" in str(e):
+            msg = str(e)
+            if msg.startswith("fallback for") or f"'{target.name}'" in msg or f"'{target.name or '<model>'}'" in msg:
                 raise  # already names the module
             raise RuntimeError(
                 f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
@@ -531,10 +536,10 @@ class Hooks:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
-        if root_batch is not None and batch != root_batch:
-            self._batch_mismatch(target, first, call, batch, root_batch)
-        if root_batch is None and self._grad1 and bw is not None and not bw.memory_checked:
-            bw.memory_checked = True  # a hooked module called outside the model's forward
+        if frame is not None and self.batch_dim is not None:
+            self._check_batch(target, first, call, batch, frame)
+        if self._grad1 and bw is not None and not bw.memory_checked:
+            bw.memory_checked = True  # before the first grad1 of this backward is formed
             self._refuse_large(batch)
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         if self._collector is not None:
@@ -553,20 +558,39 @@ class Hooks:
                 bw.before[id(p)] = p.grad1 if id(p) in self._written else None
             self._accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
 
-    def _batch_mismatch(self, target, pname, call, batch, root_batch) -> None:
-        name = target.name or "<model>"
+    def _check_batch(self, target, pname, call, batch: int, frame: _Frame) -> None:
+        """Every hooked layer of one forward of the model must see its batch on dimension 0."""
+        name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        what = (
+            f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
+            f"what its rule sees: {_describe(call)})"
+        )
+        other = next((n for b, n in frame.seen.items() if b != batch), None)
+        if frame.batch is not None and batch != frame.batch:
+            why = (
+                f"but the model's forward got a batch of {frame.batch} (dimension "
+                f"{self.batch_dim} of its first tensor input)"
+            )
+        elif other is not None:
+            seen = next(b for b, n in frame.seen.items() if n == other)
+            why = f"but {other} in the same forward of the model saw a batch of {seen}"
+        elif frame.batch is None and frame.sizes and batch not in frame.sizes:
+            why = (
+                f"but dimensions 0 and 1 of the model's tensor inputs and outputs have sizes "
+                f"{sorted(frame.sizes)}, none {batch}"
+            )
+        else:
+            frame.seen.setdefault(batch, name)
+            return
         raise RuntimeError(
-            f"'{name}' ({type(target.module).__qualname__}) gives '{pname}' a per-example "
-            f"gradient for {batch} examples (dimension 0 of what its rule sees: "
-            f"{_describe(call)}), but the model's forward got a batch of {root_batch} (dimension "
-            f"{self.batch_dim} of its first tensor input). The layer does not see the examples on "
-            "dimension 0 (the model folds time or patches into the batch, x.view(B * T, ...), or "
-            "runs it sequence-first, [seq, batch, ...]), so its grad1 rows would not be "
-            "examples. Keep the batch on dimension 0 of every hooked layer's input (nn.Linear "
-            "takes [batch, *, features]: no need to fold; batch_first=True, or "
-            "x.transpose(0, 1)); if the model's input has its batch on another dimension, pass "
-            "add_hooks(..., batch_dim=k); batch_dim=None turns this check off (grad1 then has one "
-            "row per entry of each layer's dimension 0)."
+            f"{what}, {why}. A layer that does not see the examples on dimension 0 (the model "
+            "folds time or patches into the batch, x.view(B * T, ...), or runs a layer "
+            "sequence-first, [seq, batch, ...]) would get grad1 rows that are not examples. Keep "
+            "the batch on dimension 0 of every hooked layer's input (nn.Linear takes "
+            "[batch, *, features]: no need to fold; batch_first=True, or x.transpose(0, 1)). "
+            "add_hooks(..., batch_dim=k) says the model's batch is dimension k of its first "
+            "input; batch_dim=None turns this check off (grad1 then has one row per entry of "
+            "each layer's dimension 0)."
         )
 
     def _refuse_large(self, batch: int) -> None:
@@ -584,7 +608,7 @@ class Hooks:
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is not self.model:
             return  # a copy
-        frame = _Frame(None, [])
+        frame = _Frame(None, [], torch.is_grad_enabled())
         self._frames.append(frame)  # first: the post-hook pops it even if this raises
         if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
             return
@@ -593,29 +617,36 @@ class Hooks:
         if _graph_task() == -1:
             self._drop_stale()
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if not leaves:
+        if not leaves or self.batch_dim is None:
             return
-        dim = 0 if self.batch_dim is None else self.batch_dim
+        if self.batch_dim == "auto":
+            frame.sizes.update(n for t in leaves for n in t.shape[:2])
+            if all(t.dim() == 0 for t in leaves):
+                raise ValueError(
+                    f"{type(module).__qualname__}'s tensor inputs have no dimensions "
+                    f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
+                    "Add a batch dimension (x.unsqueeze(0) for one example)."
+                )
+            return
         first = leaves[0]
-        if first.dim() <= dim:
-            if self.batch_dim is None:
-                return
+        if first.dim() <= self.batch_dim:
             raise ValueError(
                 f"{type(module).__qualname__}'s first tensor input has shape "
-                f"{tuple(first.shape)}: no batch dimension {dim}. gradhooks needs a batch of "
-                f"examples; for one example add the batch dimension (x.unsqueeze(0)), or pass "
-                "add_hooks(..., batch_dim=None) if the first input is not batched."
+                f"{tuple(first.shape)}: no batch dimension {self.batch_dim}. gradhooks needs a "
+                "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
             )
-        batch = first.shape[dim]
-        if self.batch_dim is not None:
-            frame.batch = batch
+        frame.batch = first.shape[self.batch_dim]
         if self._grad1:
-            self._refuse_large(batch)
+            self._refuse_large(frame.batch)  # before the forward allocates anything
 
     def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if module is not self.model or not self._frames:
             return
         frame = self._frames.pop()
+        if self.batch_dim == "auto" and frame.sizes:
+            frame.sizes.update(
+                n for t in tree_flatten(output)[0] if isinstance(t, Tensor) for n in t.shape[:2]
+            )
         if output is None and sys.exc_info()[1] is not None:
             # the forward raised: what it captured will never be backpropagated
             for state in frame.states:
@@ -648,6 +679,11 @@ class Hooks:
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
+        if bw.derived is not None and bw.computed:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+            raise RuntimeError(_higher_order(bw.derived))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
@@ -774,6 +810,20 @@ def _detach(tree: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
+def _higher_order(module: str) -> str:
+    return (
+        f"{module}: this backward computes parameter gradients through a call through which "
+        "an earlier backward was run with create_graph=True (torch.autograd.grad(..., "
+        "create_graph=True): an input-gradient, a Laplacian, a gradient penalty, or grad1 "
+        "itself). A loss built from such derivatives has per-example gradients with terms "
+        "through the double backward that hooks do not see, so grad1 would be wrong (it was not "
+        "written). To differentiate grad1 or those derivatives on purpose, run this backward "
+        "under `with h.paused():`; for per-example gradients of such a loss use torch.func "
+        "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, compute "
+        "them without create_graph=True (or detach them)."
+    )
+
+
 def _describe(call: Call) -> str:
     def shapes(tree: Any) -> str:
         return ", ".join(
@@ -792,7 +842,7 @@ def add_hooks(
     registry: Registry = REGISTRY,
     quantities: tuple[str, ...] | str = ("grad1",),
     *,
-    batch_dim: int | None = 0,
+    batch_dim: int | str | None = "auto",
     max_grad1_bytes: int | str | None = "auto",
     capture: Capture = "always",
 ) -> Hooks:
@@ -814,13 +864,20 @@ def add_hooks(
             (:meth:`Hooks.sum_grad_sq`, :meth:`Hooks.grad_variance`) and ``"kfac"``
             (:meth:`Hooks.kfac_factors`). Without ``"grad1"`` no per-example gradient of the
             whole model is ever formed.
-        batch_dim: where the batch is in the model's first tensor input (default 0). Every
-            hooked layer must see that batch on dimension 0; a layer that sees another size
-            (time folded into the batch, a sequence-first layer) is an error naming both
-            sizes. ``None``: no such check (nor the no-batch-dimension error at the forward).
-        max_grad1_bytes: refuse a forward whose ``grad1`` (batch × trainable parameters ×
-            element size) would exceed this many bytes (:class:`gradhooks.Grad1TooLarge`,
-            before anything is allocated). ``"auto"``: :func:`gradhooks.set_memory_limit`'s
+        batch_dim: the check that every hooked layer sees the examples on dimension 0 of
+            its input (rules for sequence-first layers, such as ``nn.LSTM`` without
+            ``batch_first``, handle their own layout). ``"auto"`` (default): all hooked
+            layers of one forward of the model must agree on the batch size, and it must be
+            the size of dimension 0 or 1 of some tensor input or output of the model (so a
+            model that folds time into the batch, ``x.view(B * T, ...)``, is an error naming
+            the layer and both sizes; a lone layer run sequence-first is not caught). An int
+            ``k``: the batch is dimension ``k`` of the model's first
+            tensor input, and every layer must see exactly that (stricter; also checks the
+            memory limit at the forward). ``None``: no check.
+        max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
+            larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
+            first captured call of the backward, before any ``grad1`` is formed; at the
+            forward with an int ``batch_dim``). ``"auto"``: :func:`gradhooks.set_memory_limit`'s
             value, by default half of the memory of the parameters' device. ``None``: no limit.
         capture: which backwards write ``grad1``. ``"always"`` (default): every backward
             that computes the parameters' gradients (``.backward()``, ``torch.autograd.grad``

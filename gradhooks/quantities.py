@@ -59,6 +59,9 @@ class Collector:
         # calls per parameter in the forward(s) not yet backpropagated: a parameter's pieces are
         # reduced (and freed) as soon as all its calls' pieces arrived, not at the end
         self._expected: dict[int, int] = {}
+        # parameters whose pieces wait for the end of the backward (a call of theirs is rerun
+        # during the backward: reentrant activation checkpointing)
+        self.defer: set[int] = set()
         self._done: dict[str, tuple] = {}
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
@@ -95,7 +98,7 @@ class Collector:
                 held = self._held.setdefault(id(p), _Held(p))
                 held.pieces.append((call_pieces[pname], scale))
                 expected = self._expected.get(id(p), 0)
-                if expected and len(held.pieces) >= expected:  # every call of the forward
+                if expected and len(held.pieces) >= expected and id(p) not in self.defer:
                     del self._held[id(p)]
                     self._expected[id(p)] = 0
                     self._reduce(held)

@@ -147,28 +147,36 @@ class TimeFolded(nn.Module):
 
 
 class SeqFirst(nn.Module):
-    """Batch-first input, run sequence-first ([seq, batch, features]) inside."""
+    """Batch-first input; one layer run sequence-first ([seq, batch, features]) inside."""
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
 
     def forward(self, x):
-        return self.proj(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(self.proj(x.transpose(0, 1)).transpose(0, 1))
 
 
 @pytest.mark.parametrize("model", [TimeFolded, SeqFirst], ids=["time-folded", "seq-first"])
-def test_layer_that_sees_another_batch_is_an_error(model):
+@pytest.mark.parametrize("batch_dim", ["auto", 0])
+def test_layer_that_sees_another_batch_is_an_error(model, batch_dim):
     torch.manual_seed(0)
     m = model().double()
     x = torch.randn(2, 5, 3, dtype=D)
-    with gradhooks.add_hooks(m):
+    with gradhooks.add_hooks(m, batch_dim=batch_dim):
         with pytest.raises(RuntimeError) as e:
             m(x).pow(2).mean().backward()
     msg = str(e.value)
     assert "'proj' (Linear)" in msg and "'weight'" in msg
     seen, shape = (10, "(10, 3)") if model is TimeFolded else (5, "(5, 2, 3)")
-    assert f"for {seen} examples" in msg and "batch of 2" in msg and shape in msg
+    assert f"for {seen} examples" in msg and shape in msg
+    if batch_dim == 0:
+        assert "got a batch of 2 (dimension 0 of its first tensor input)" in msg
+    elif model is TimeFolded:
+        assert "sizes [2, 5], none 10" in msg
+    else:  # the head (backpropagated first) saw the batch of 2
+        assert "'head' (Linear) in the same forward of the model saw a batch of 2" in msg
     assert "batch_dim" in msg
     # the escape: no check; grad1 then has a row per entry of the layer's dimension 0
     with gradhooks.add_hooks(m, batch_dim=None, loss_reduction="sum"):
@@ -195,7 +203,7 @@ def test_batch_dim_names_where_the_models_batch_is():
     with gradhooks.add_hooks(m, batch_dim=1, loss_reduction="sum"):
         sq(m(x)).backward()
     assert_matches(inner, want, "batch_dim=1")
-    with gradhooks.add_hooks(m):  # default batch_dim=0 sees seq 4 at the root: refused
+    with gradhooks.add_hooks(m, batch_dim=0):  # batch_dim=0 takes seq 4 as the batch: refused
         with pytest.raises(RuntimeError, match="for 3 examples.*batch of 4"):
             sq(m(x)).backward()
 
@@ -203,7 +211,7 @@ def test_batch_dim_names_where_the_models_batch_is():
 def test_inputs_without_a_batch_dimension():
     model = nn.Linear(3, 2)
     with gradhooks.add_hooks(model):
-        with pytest.raises(ValueError, match=r"shape \(\): no batch dimension 0.*unsqueeze"):
+        with pytest.raises(ValueError, match=r"no dimensions \(\(\)\): no batch.*unsqueeze"):
             model(torch.tensor(1.0).expand(3)[0])
         out = model(torch.randn(3))  # [features]: torch accepts it, but it is no batch
         with pytest.raises(RuntimeError, match=r"(?s)for .<model>. \(Linear\) failed on inputs \[\(3,\)\].*unsqueeze\(0\)"):
@@ -216,14 +224,20 @@ def test_inputs_without_a_batch_dimension():
 def test_grad1_too_large_is_refused_before_allocation():
     model = mlp()  # 32 parameters, float64: 256 bytes per example
     x = torch.randn(8, 3, dtype=D)
-    with gradhooks.add_hooks(model, max_grad1_bytes=1000) as h:
+    with gradhooks.add_hooks(model, max_grad1_bytes=1000, batch_dim=0) as h:
         with pytest.raises(gradhooks.Grad1TooLarge) as e:
-            model(x)
+            model(x)  # batch_dim given: refused at the forward
         assert "2.0 KiB" in str(e.value) and "batch 8 × 32" in str(e.value)
         assert "quantities=('norms',)" in str(e.value) and "at most 3" in str(e.value)
         assert not h._frames
         sq(model(x[:3])).backward()  # 768 bytes: fine
         assert model[0].weight.grad1.shape == (3, 5, 3)
+    gradhooks.clear_grad1(model)
+    with gradhooks.add_hooks(model, max_grad1_bytes=1000) as h:
+        out = model(x)  # batch_dim="auto": refused at the first captured call of the backward
+        with pytest.raises(gradhooks.Grad1TooLarge, match="batch 8 × 32"):
+            sq(out).backward()
+        assert not h._tasks and not hasattr(model[0].weight, "grad1")
     with gradhooks.add_hooks(model, max_grad1_bytes=1000, quantities=("norms",)) as h:
         sq(model(x)).backward()  # norms never form grad1
         assert h.norms().shape == (8,)
@@ -231,7 +245,7 @@ def test_grad1_too_large_is_refused_before_allocation():
         gradhooks.set_memory_limit(1000)
         with gradhooks.add_hooks(model):
             with pytest.raises(gradhooks.Grad1TooLarge):
-                model(x)
+                sq(model(x)).backward()
         with gradhooks.add_hooks(model, max_grad1_bytes=None):  # the handle's own wins
             sq(model(x)).backward()
         # a hooked module called on its own (no forward of the model): checked at its backward
