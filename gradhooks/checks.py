@@ -44,7 +44,9 @@ def set_memory_limit(limit: int | str | None) -> None:
     the parameters, total RAM for CPU) or ``None`` (no limit). ``add_hooks(...,
     max_grad1_bytes=...)`` overrides it for one handle."""
     if not (limit is None or limit == "auto" or (isinstance(limit, int) and limit >= 0)):
-        raise ValueError(f"the memory limit must be bytes (int >= 0), 'auto' or None, got {limit!r}")
+        raise ValueError(
+            f"the memory limit must be bytes (int >= 0), 'auto' or None, got {limit!r}"
+        )
     _LIMIT[0] = limit
 
 
@@ -184,9 +186,7 @@ def check(
             raise ValueError("check(loss_fn, inputs, target): the inputs of the captured forward")
         _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, report)
     if report.problems and raise_on_error:
-        raise RuntimeError(
-            "gradhooks check failed:\n  - " + "\n  - ".join(report.problems)
-        )
+        raise RuntimeError("gradhooks check failed:\n  - " + "\n  - ".join(report.problems))
     return report
 
 
@@ -208,7 +208,9 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
     k = min(examples, batch)
     if k == 0:
         return
-    want = loop_grad(model, loss_fn, tuple(x[:k] for x in xs), None if target is None else target[:k])
+    want = loop_grad(
+        model, loss_fn, tuple(x[:k] for x in xs), None if target is None else target[:k]
+    )
     got_parts, want_parts = [], []
     for name, p in written.items():
         if name in want:

@@ -132,6 +132,12 @@ class Hooks:
 
     A second backward without :meth:`clear` adds to ``grad1``, as ``.grad`` accumulates;
     :meth:`clear` makes the next backward start afresh (call it between training steps).
+
+    Which backwards write ``grad1``: those that compute the model's parameter gradients
+    (``torch.autograd.grad`` with respect to the input only leaves it alone), not under
+    :meth:`paused`, and with ``capture="marked"`` only under :meth:`capturing`. A backward
+    through derivatives taken with ``create_graph=True`` is refused (hooks cannot see the
+    double backward). :meth:`check` verifies ``grad1`` after a backward.
     """
 
     def __init__(
@@ -164,7 +170,9 @@ class Hooks:
             raise ValueError(f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}")
         checks.memory_limit(torch.device("cpu"), max_grad1_bytes)  # validates
         if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
-            raise ValueError(f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}")
+            raise ValueError(
+                f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
+            )
         self.batch_dim = batch_dim
         self.max_grad1_bytes = max_grad1_bytes
         self.capture: Capture = capture
@@ -188,10 +196,10 @@ class Hooks:
         # the bookkeeping of backwards (which parameters each computes) is off for the
         # Jacobians, whose backward runs under vmap and writes no grad1
         self._track = "_jacobian" not in quantities
-        self._params: dict[int, tuple[str, nn.Parameter]] = {}
+        self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
+        covered = {id(q) for t in self._targets for q in t.params.values()}
         for name, p in model.named_parameters():
-            covered = any(q is p for t in self._targets for q in t.params.values())
-            if p.requires_grad and covered and id(p) not in self._params:
+            if p.requires_grad and id(p) in covered and id(p) not in self._params:
                 self._params[id(p)] = (name, p)
         self._numel = sum(p.numel() for _, p in self._params.values())
         self._handles = [
@@ -513,7 +521,8 @@ class Hooks:
             pieces = rule(call)
         except Exception as e:
             msg = str(e)
-            if msg.startswith("fallback for") or f"'{target.name}'" in msg or f"'{target.name or '<model>'}'" in msg:
+            names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
+            if msg.startswith("fallback for") or any(n in msg for n in names):
                 raise  # already names the module
             raise RuntimeError(
                 f"rule {rule.__qualname__} for '{target.name or '<model>'}' "

@@ -32,7 +32,9 @@ def assert_matches(model, want, what=""):
 # -- the loss's reduction, NaN/Inf: Hooks.check -------------------------------------------------
 
 
-@pytest.mark.parametrize("declared,real", [("mean", "sum"), ("sum", "mean"), ("mean", "mean"), ("sum", "sum")])
+@pytest.mark.parametrize(
+    "declared,real", [("mean", "sum"), ("sum", "mean"), ("mean", "mean"), ("sum", "sum")]
+)
 def test_check_says_which_reduction_the_loss_used(declared, real):
     model = mlp()
     x, y = torch.randn(6, 3, dtype=D), torch.randint(2, (6,))
@@ -214,7 +216,10 @@ def test_inputs_without_a_batch_dimension():
         with pytest.raises(ValueError, match=r"no dimensions \(\(\)\): no batch.*unsqueeze"):
             model(torch.tensor(1.0).expand(3)[0])
         out = model(torch.randn(3))  # [features]: torch accepts it, but it is no batch
-        with pytest.raises(RuntimeError, match=r"(?s)for .<model>. \(Linear\) failed on inputs \[\(3,\)\].*unsqueeze\(0\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"(?s)for .<model>. \(Linear\) failed on inputs \[\(3,\)\].*unsqueeze\(0\)",
+        ):
             out.sum().backward()
 
 

@@ -30,7 +30,7 @@ def mlp(dtype=D):
 def assert_matches(model, want, what="", **tol):
     for n, p in model.named_parameters():
         if tol:
-            torch.testing.assert_close(p.grad1, want[n], **tol, msg=lambda m: f"{what} {n}: {m}")
+            torch.testing.assert_close(p.grad1, want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}")
         else:
             assert_close(p.grad1, want[n], f"{what} {n}")
 
@@ -172,9 +172,13 @@ def test_laplacian_loss_is_refused():
     with gradhooks.add_hooks(model):
         u = model(x)[:, 0]
         (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
-        lap = sum(torch.autograd.grad(du[:, j].sum(), x, create_graph=True)[0][:, j] for j in range(3))
+        lap = sum(
+            torch.autograd.grad(du[:, j].sum(), x, create_graph=True)[0][:, j] for j in range(3)
+        )
         loss = (lap + u).pow(2).mean()
-        with pytest.raises(RuntimeError, match=r"create_graph=True.*grad1 would be wrong.*vmap_grad"):
+        with pytest.raises(
+            RuntimeError, match=r"create_graph=True.*grad1 would be wrong.*vmap_grad"
+        ):
             loss.backward()
 
 
@@ -221,7 +225,7 @@ def test_autocast_bfloat16_accumulates_in_float32():
             out = model(x)
         assert out.dtype == torch.bfloat16
         sq(out.float()).backward()
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         assert p.grad1.dtype == torch.float32
     assert_matches(model, want, "bf16", rtol=5e-2, atol=5e-2)
 
@@ -235,7 +239,7 @@ def test_autocast_float16_cuda():
         with torch.autocast("cuda", dtype=torch.float16):
             out = model(x)
         sq(out.float()).backward()
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         assert p.grad1.dtype == torch.float32
     assert_matches(model, want, "fp16", rtol=2e-2, atol=2e-2)
 
@@ -243,8 +247,11 @@ def test_autocast_float16_cuda():
 def test_channels_last():
     def cnn():
         return nn.Sequential(
-            nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, stride=2),
-            nn.Flatten(), nn.Linear(8, 2),
+            nn.Conv2d(2, 3, 3, padding=1),
+            nn.Tanh(),
+            nn.Conv2d(3, 2, 3, stride=2),
+            nn.Flatten(),
+            nn.Linear(8, 2),
         ).to(memory_format=torch.channels_last)
 
     case = Case(
@@ -303,7 +310,10 @@ def test_several_hooked_models_at_once():
     enc, dec = mlp(), nn.Sequential(nn.Linear(2, 3)).double()
     x = torch.randn(4, 3, dtype=D)
     want_dec = vmap_grad(dec, sq, enc(x).detach())
-    with gradhooks.add_hooks(enc, loss_reduction="sum"), gradhooks.add_hooks(dec, loss_reduction="sum"):
+    with (
+        gradhooks.add_hooks(enc, loss_reduction="sum"),
+        gradhooks.add_hooks(dec, loss_reduction="sum"),
+    ):
         h = enc(x)
         sq(dec(h.detach())).backward()  # the decoder's own loss
         sq(enc(x)).backward()  # the encoder's own loss
