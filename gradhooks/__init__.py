@@ -12,6 +12,7 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 
 from . import oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .check import check_rule
+from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
 from .dp import clip_factors, dp_sgd_step
 from .jacobian import jacobians
 from .kfac import KFactors, kfac
@@ -31,6 +32,11 @@ __all__ = [
     "clear_grad1",
     "set_enabled",
     "paused",
+    # guards (never silently wrong)
+    "set_memory_limit",
+    "Grad1TooLarge",
+    "GradhooksWarning",
+    "CheckReport",
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",

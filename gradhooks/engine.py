@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import checks
+from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, Registry, _Entry
@@ -33,6 +36,7 @@ __all__ = [
 
 LossReduction = Literal["mean", "sum"]
 Unsupported = Literal["fallback", "error", "skip"]
+Capture = Literal["always", "marked"]
 
 # Models and modules currently hooked, so that hooks are never added twice (which would count
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
@@ -51,6 +55,67 @@ class _Target:
     params: dict[str, nn.Parameter]
 
 
+@dataclass
+class _CallState:
+    """One captured forward call, until its backward."""
+
+    params: dict[str, nn.Parameter]
+    frame: _Frame | None  # the model's forward it was called in (None: outside one)
+    derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
+    cancelled: bool = False  # its forward raised: never captured
+
+
+@dataclass
+class _Frame:
+    """One root forward of the model (kept by its calls until their backward)."""
+
+    batch: int | None  # dimension batch_dim of the first tensor input (an int batch_dim)
+    states: list[_CallState]
+    grad_enabled: bool = True
+    sizes: set[int] = field(default_factory=set)  # dims 0, 1 of its tensor inputs and outputs
+    seen: dict[int, str] = field(default_factory=dict)  # batch sizes the layers saw -> a layer
+
+
+@dataclass
+class _Backward:
+    """One backward pass (autograd graph task), while it runs."""
+
+    reached: set[int]  # ids of parameters whose calls this backward captured
+    computed: set[int]  # ids of parameters whose gradient this backward computes
+    before: dict[int, Tensor | None]  # grad1 before this backward first wrote it (rollback)
+    missed: list[str]  # parameters it computed without a captured call
+    memory_checked: bool = False
+    derived: str | None = None  # a call it reached through an earlier create_graph backward
+
+
+class _Hook:
+    """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
+    gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
+    tensors."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        if _is_compiling():
+            return torch.compiler.disable(self.fn)(*args)
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return (InertHook, ())
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", bool)())
+
+
+def _graph_task() -> int:
+    """The id of the running backward (-1 outside any)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else 0
+
+
 class Hooks:
     """Per-example gradient hooks on one model. Returned by :func:`add_hooks`.
 
@@ -67,6 +132,12 @@ class Hooks:
 
     A second backward without :meth:`clear` adds to ``grad1``, as ``.grad`` accumulates;
     :meth:`clear` makes the next backward start afresh (call it between training steps).
+
+    Which backwards write ``grad1``: those that compute the model's parameter gradients
+    (``torch.autograd.grad`` with respect to the input only leaves it alone), not under
+    :meth:`paused`, and with ``capture="marked"`` only under :meth:`capturing`. A backward
+    through derivatives taken with ``create_graph=True`` is refused (hooks cannot see the
+    double backward). :meth:`check` verifies ``grad1`` after a backward.
     """
 
     def __init__(
@@ -76,6 +147,10 @@ class Hooks:
         unsupported: Unsupported = "fallback",
         registry: Registry = REGISTRY,
         quantities: tuple[str, ...] | str = ("grad1",),
+        *,
+        batch_dim: int | str | None = "auto",
+        max_grad1_bytes: int | str | None = "auto",
+        capture: Capture = "always",
     ) -> None:
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
@@ -89,6 +164,18 @@ class Hooks:
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
+        if capture not in ("always", "marked"):
+            raise ValueError(f"capture must be 'always' or 'marked', got {capture!r}")
+        if batch_dim not in (None, "auto") and (not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}")
+        checks.memory_limit(torch.device("cpu"), max_grad1_bytes)  # validates
+        if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
+            raise ValueError(
+                f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
+            )
+        self.batch_dim = batch_dim
+        self.max_grad1_bytes = max_grad1_bytes
+        self.capture: Capture = capture
         self.loss_reduction: LossReduction = loss_reduction
         self.unsupported = unsupported
         self.registry = registry
@@ -101,13 +188,37 @@ class Hooks:
         self._grad1 = "grad1" in quantities
         self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
         self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
-        self._handles = []
+        self._paused = 0  # depth of `with h.paused()`
+        self._marked = 0  # depth of `with h.capturing()`
+        self._frames: list[_Frame] = []  # root forwards running
+        self._tasks: dict[int, _Backward] = {}  # backwards running, by graph task id
+        self._missed: dict[str, None] = {}  # parameters a backward computed without capture
+        # the bookkeeping of backwards (which parameters each computes) is off for the
+        # Jacobians, whose backward runs under vmap and writes no grad1
+        self._track = "_jacobian" not in quantities
+        self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
+        covered = {id(q) for t in self._targets for q in t.params.values()}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) in covered and id(p) not in self._params:
+                self._params[id(p)] = (name, p)
+        self._numel = sum(p.numel() for _, p in self._params.values())
+        self._handles = [
+            model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
+        ]
         for target in self._targets:
             self._handles.append(
                 target.module.register_forward_hook(
-                    self._forward_hook(target), with_kwargs=True, always_call=False
+                    _Hook(self._forward_hook(target)), with_kwargs=True, always_call=False
                 )
             )
+        self._handles.append(
+            model.register_forward_hook(
+                _Hook(self._on_root_post), with_kwargs=True, always_call=True
+            )
+        )
+        if self._track:
+            for pid, (name, p) in self._params.items():
+                self._handles.append(p.register_hook(self._param_hook(pid, name)))
         _ACTIVE[model] = self
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
@@ -138,8 +249,60 @@ class Hooks:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
         it. The current ``grad1`` tensors stay readable."""
         self._written.clear()
+        self._missed.clear()
         if self._collector is not None:
             self._collector.clear()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block this handle captures nothing: forwards are not kept and backwards
+        write no ``grad1`` (other handles are not affected). For backwards that are not the
+        training loss: derivatives for a Laplacian or an input-gradient, or differentiating a
+        function of ``grad1`` after a ``create_graph=True`` backward."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """With ``add_hooks(..., capture="marked")``, only backwards run inside this block write
+        ``grad1`` (forwards are always kept)::
+
+            h = gradhooks.add_hooks(model, capture="marked")
+            out = model(x)
+            dx, = torch.autograd.grad(out.sum(), x, retain_graph=True)   # not captured
+            with h.capturing():
+                loss_fn(out, y).backward()                                # captured
+        """
+        self._marked += 1
+        try:
+            yield
+        finally:
+            self._marked -= 1
+
+    def check(
+        self, loss_fn=None, inputs=None, target=None, *, examples: int = 2,
+        raise_on_error: bool = True,
+    ) -> checks.CheckReport:  # fmt: skip
+        """Check, after a backward, that ``grad1`` is what it claims to be; raise a
+        ``RuntimeError`` naming every problem (or return them, ``raise_on_error=False``).
+
+        Always: every parameter's ``grad1`` reduces (``mean``/``sum`` as declared) to its
+        ``.grad`` (it does not when ``.grad`` accumulated over earlier steps, when the loss has a
+        term that bypasses the hooked layers, such as weight decay added to the loss, or
+        derivatives of the model); NaN/Inf in ``grad1`` (carried through as autograd does)
+        with the examples they are in; backwards that computed gradients without a captured
+        forward. ``.grad1`` reduces to ``.grad`` whatever the loss's real reduction, so the
+        reduction itself needs the loss: with ``loss_fn(model(x[i:i+1]), target[i:i+1])``
+        (and the ``inputs``/``target`` of the captured forward), the first ``examples``
+        examples are recomputed one at a time and the report says which reduction the loss
+        really used. Returns a :class:`gradhooks.checks.CheckReport`.
+        """
+        return checks.check(
+            self, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
+        )
 
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
@@ -224,6 +387,11 @@ class Hooks:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        self._frames.clear()
+        self._tasks.clear()
+        if self._collector is not None:
+            self._collector.discard_backward()
+            self._collector._expected = {}
 
     def __enter__(self) -> Hooks:
         return self
@@ -252,9 +420,19 @@ class Hooks:
                     "that contains this one; remove those hooks first."
                 )
 
+    def _capturing_backward(self) -> bool:
+        return not self._paused and (self.capture == "always" or self._marked > 0)
+
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._removed or not _GLOBALLY_ENABLED[0] or not torch.is_grad_enabled():
+            if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+                return
+            if not torch.is_grad_enabled():
+                if self._collector is not None and self._frames and self._frames[-1].grad_enabled:
+                    # no_grad inside a training forward: reentrant activation checkpointing,
+                    # which reruns this call during the backward. The collector then waits for
+                    # the end of the backward to reduce these parameters' pieces.
+                    self._collector.defer.update(id(p) for p in target.params.values())
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -279,14 +457,16 @@ class Hooks:
                 grad_outputs=(),
                 name=target.name,
             )
+            frame = self._frames[-1] if self._frames else None
+            state = _CallState(live, frame)
+            if frame is not None:
+                frame.states.append(state)
 
             def on_grads(grads) -> None:
-                if self._removed or self._ignore_backward:
-                    return
                 full: list[Tensor | None] = [None] * len(leaves)
                 for i, g in zip(hooked, grads):
                     full[i] = g
-                self._backward(target, live, replace(call, grad_outputs=tuple(full)))
+                self._on_grads(target, state, replace(call, grad_outputs=tuple(full)), args, kwargs)
 
             if self._collector is not None:
                 self._collector.expect(live)
@@ -299,9 +479,58 @@ class Hooks:
 
         return hook
 
-    def _backward(self, target: _Target, params: dict[str, nn.Parameter], call: Call) -> None:
+    def _on_grads(self, target: _Target, state: _CallState, call: Call, args, kwargs) -> None:
+        """The backward reached the outputs of one captured call."""
+        if self._removed or self._ignore_backward or state.cancelled:
+            return
+        # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
+        create_graph = torch.is_grad_enabled()
+        if not self._capturing_backward():
+            state.derived |= create_graph
+            return
+        bw = self._backward_state() if self._track else None
+        if state.derived:
+            # Wrong only if this backward computes parameter gradients (not for the next
+            # derivative of a Laplacian, with respect to the input): decided at its end.
+            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            if bw is None:
+                raise RuntimeError(_higher_order(where))
+            bw.derived = bw.derived or where
+            return
+        state.derived = create_graph
+        if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
+            call = replace(call, inputs=args, kwargs=kwargs)
+        if bw is not None:
+            bw.reached.update(id(p) for p in state.params.values())
+        try:
+            self._backward(target, state.params, call, state.frame, bw)
+        except BaseException:
+            self._abort_backward()
+            raise
+
+    def _backward(
+        self,
+        target: _Target,
+        params: dict[str, nn.Parameter],
+        call: Call,
+        frame: _Frame | None = None,
+        bw: _Backward | None = None,
+    ) -> None:
         rule = target.entry.rule
-        pieces = rule(call)
+        try:
+            pieces = rule(call)
+        except Exception as e:
+            msg = str(e)
+            names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
+            if msg.startswith("fallback for") or any(n in msg for n in names):
+                raise  # already names the module
+            raise RuntimeError(
+                f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) failed on {_describe(call)}: {e}\n"
+                "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
+                "an input without a batch dimension (x of shape [features] rather than "
+                "[batch, features]) needs one: x.unsqueeze(0)."
+            ) from e
         live: dict[str, nn.Parameter] = {}
         for pname, p in params.items():
             if pieces.get(pname) is not None:
@@ -314,7 +543,13 @@ class Hooks:
             # else: None, the rule says this call's gradient for it is computed elsewhere
         if not live:
             return
-        batch = pieces[next(iter(live))].batch_size
+        first = next(iter(live))
+        batch = pieces[first].batch_size
+        if frame is not None and self.batch_dim is not None:
+            self._check_batch(target, first, call, batch, frame)
+        if self._grad1 and bw is not None and not bw.memory_checked:
+            bw.memory_checked = True  # before the first grad1 of this backward is formed
+            self._refuse_large(batch)
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale)
@@ -323,6 +558,9 @@ class Hooks:
         for pname, p in live.items():
             piece = pieces[pname]
             qualname = f"{target.name}.{pname}" if target.name else pname
+            if bw is not None and id(p) not in bw.before:
+                # kept for a rollback; a kept grad1 is then never written in place
+                bw.before[id(p)] = p.grad1 if id(p) in self._written else None
             accumulate = id(p) in self._written
             out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
             try:
@@ -347,6 +585,8 @@ class Hooks:
         test autograd makes before reusing ``.grad``). Writing in place skips a fresh
         allocation, whose page faults cost more than the writing itself on CPU; a ``grad1``
         the caller kept (a reference, a view, a numpy array) is never changed."""
+        if torch.is_grad_enabled():
+            return None  # a create_graph backward: grad1 gets a graph, never written in place
         old = _sole_grad1(p)
         if old is None:
             return None
@@ -355,6 +595,183 @@ class Hooks:
         if tuple(old.shape) != (batch, *p.shape) or old.dtype != p.dtype or old.device != p.device:
             return None
         return old
+
+    def _check_batch(self, target, pname, call, batch: int, frame: _Frame) -> None:
+        """Every hooked layer of one forward of the model must see its batch on dimension 0."""
+        name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        what = (
+            f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
+            f"what its rule sees: {_describe(call)})"
+        )
+        other = next((n for b, n in frame.seen.items() if b != batch), None)
+        if frame.batch is not None and batch != frame.batch:
+            why = (
+                f"but the model's forward got a batch of {frame.batch} (dimension "
+                f"{self.batch_dim} of its first tensor input)"
+            )
+        elif other is not None:
+            seen = next(b for b, n in frame.seen.items() if n == other)
+            why = f"but {other} in the same forward of the model saw a batch of {seen}"
+        elif frame.batch is None and frame.sizes and batch not in frame.sizes:
+            why = (
+                f"but dimensions 0 and 1 of the model's tensor inputs and outputs have sizes "
+                f"{sorted(frame.sizes)}, none {batch}"
+            )
+        else:
+            frame.seen.setdefault(batch, name)
+            return
+        raise RuntimeError(
+            f"{what}, {why}. A layer that does not see the examples on dimension 0 (the model "
+            "folds time or patches into the batch, x.view(B * T, ...), or runs a layer "
+            "sequence-first, [seq, batch, ...]) would get grad1 rows that are not examples. Keep "
+            "the batch on dimension 0 of every hooked layer's input (nn.Linear takes "
+            "[batch, *, features]: no need to fold; batch_first=True, or x.transpose(0, 1)). "
+            "add_hooks(..., batch_dim=k) says the model's batch is dimension k of its first "
+            "input; batch_dim=None turns this check off (grad1 then has one row per entry of "
+            "each layer's dimension 0)."
+        )
+
+    def _refuse_large(self, batch: int) -> None:
+        if not self._params:
+            return
+        p = next(iter(self._params.values()))[1]
+        model = self.model
+        checks.refuse_if_too_large(
+            f"'{type(model).__qualname__}'" if model is not None else "the model",
+            batch, self._numel, p.element_size(), p.device, self.max_grad1_bytes,
+        )  # fmt: skip
+
+    # -- the root forward and the backward's bookkeeping --------------------------------------
+
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module is not self.model:
+            return  # a copy
+        frame = _Frame(None, [], torch.is_grad_enabled())
+        self._frames.append(frame)  # first: the post-hook pops it even if this raises
+        if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+            return
+        if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+            return
+        if _graph_task() == -1:
+            self._drop_stale()
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if not leaves or self.batch_dim is None:
+            return
+        if self.batch_dim == "auto":
+            frame.sizes.update(n for t in leaves for n in t.shape[:2])
+            if all(t.dim() == 0 for t in leaves):
+                raise ValueError(
+                    f"{type(module).__qualname__}'s tensor inputs have no dimensions "
+                    f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
+                    "Add a batch dimension (x.unsqueeze(0) for one example)."
+                )
+            return
+        first = leaves[0]
+        if first.dim() <= self.batch_dim:
+            raise ValueError(
+                f"{type(module).__qualname__}'s first tensor input has shape "
+                f"{tuple(first.shape)}: no batch dimension {self.batch_dim}. gradhooks needs a "
+                "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
+            )
+        frame.batch = first.shape[self.batch_dim]
+        if self._grad1:
+            self._refuse_large(frame.batch)  # before the forward allocates anything
+
+    def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if module is not self.model or not self._frames:
+            return
+        frame = self._frames.pop()
+        if self.batch_dim == "auto" and frame.sizes:
+            frame.sizes.update(
+                n for t in tree_flatten(output)[0] if isinstance(t, Tensor) for n in t.shape[:2]
+            )
+        if output is None and sys.exc_info()[1] is not None:
+            # the forward raised: what it captured will never be backpropagated
+            for state in frame.states:
+                state.cancelled = True
+                if self._collector is not None:
+                    self._collector.unexpect(state.params)
+
+    def _backward_state(self) -> _Backward:
+        task = _graph_task()
+        bw = self._tasks.get(task)
+        if bw is None:
+            bw = self._tasks[task] = _Backward(set(), set(), {}, [])
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+        return bw
+
+    def _param_hook(self, pid: int, name: str):
+        def hook(grad: Tensor) -> None:
+            if self._removed or self._ignore_backward:
+                return
+            bw = self._backward_state()
+            bw.computed.add(pid)
+            if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+                bw.missed.append(name)
+
+        return hook
+
+    def _end_backward(self, task: int) -> None:
+        bw = self._tasks.pop(task, None)
+        if bw is None or self._removed:
+            return
+        if bw.derived is not None and bw.computed:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+            raise RuntimeError(_higher_order(bw.derived))
+        # A backward that computes the gradient of none of the model's parameters
+        # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
+        # leaves grad1 and the other quantities as they were.
+        if bw.reached and not bw.computed:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+        if bw.missed:
+            for name in bw.missed:
+                self._missed[name] = None
+            names = ", ".join(f"'{n}'" for n in bw.missed[:5])
+            more = f" and {len(bw.missed) - 5} more" if len(bw.missed) > 5 else ""
+            warnings.warn(
+                f"gradhooks: a backward computed the gradient of {names}{more} but no forward "
+                "call of their modules was captured for it: the forward ran before add_hooks "
+                "(or while capture was paused, or outside the hooked model). Their grad1 is "
+                "missing or from another backward. Run the forward after add_hooks.",
+                GradhooksWarning,
+                stacklevel=2,
+            )
+
+    def _rollback(self, bw: _Backward) -> None:
+        """Put back the grad1 a backward replaced (``_accumulate`` never writes in place)."""
+        for pid, before in bw.before.items():
+            p = self._written.get(pid)
+            if p is None:
+                continue
+            if before is None:
+                del self._written[pid]
+                if hasattr(p, "grad1"):
+                    del p.grad1
+            else:
+                p.grad1 = before
+
+    def _abort_backward(self) -> None:
+        """A hook of ours raised: the backward fails; leave nothing of it behind."""
+        bw = self._tasks.pop(_graph_task(), None)
+        if bw is not None:
+            self._rollback(bw)
+        if self._collector is not None:
+            self._collector.discard_backward()
+
+    def _drop_stale(self) -> None:
+        """At a forward outside any backward: a backward still recorded as running failed
+        (an exception elsewhere in it); undo what it wrote."""
+        for bw in self._tasks.values():
+            self._rollback(bw)
+        self._tasks.clear()
+        if self._collector is not None and self._collector._queued:
+            self._collector.discard_backward()
 
     def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
         if g1.dtype != p.dtype:
@@ -479,12 +896,41 @@ def _detach(tree: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
+def _higher_order(module: str) -> str:
+    return (
+        f"{module}: this backward computes parameter gradients through a call through which "
+        "an earlier backward was run with create_graph=True (torch.autograd.grad(..., "
+        "create_graph=True): an input-gradient, a Laplacian, a gradient penalty, or grad1 "
+        "itself). A loss built from such derivatives has per-example gradients with terms "
+        "through the double backward that hooks do not see, so grad1 would be wrong (it was not "
+        "written). To differentiate grad1 or those derivatives on purpose, run this backward "
+        "under `with h.paused():`; for per-example gradients of such a loss use torch.func "
+        "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, compute "
+        "them without create_graph=True (or detach them)."
+    )
+
+
+def _describe(call: Call) -> str:
+    def shapes(tree: Any) -> str:
+        return ", ".join(
+            str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+            for t in tree_flatten(tree)[0]
+        )
+
+    grads = ", ".join("None" if g is None else str(tuple(g.shape)) for g in call.grad_outputs)
+    return f"inputs [{shapes(call.inputs)}], output-gradients [{grads}]"
+
+
 def add_hooks(
     model: nn.Module,
     loss_reduction: LossReduction = "mean",
     unsupported: Unsupported = "fallback",
     registry: Registry = REGISTRY,
     quantities: tuple[str, ...] | str = ("grad1",),
+    *,
+    batch_dim: int | str | None = "auto",
+    max_grad1_bytes: int | str | None = "auto",
+    capture: Capture = "always",
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -504,6 +950,27 @@ def add_hooks(
             (:meth:`Hooks.sum_grad_sq`, :meth:`Hooks.grad_variance`) and ``"kfac"``
             (:meth:`Hooks.kfac_factors`). Without ``"grad1"`` no per-example gradient of the
             whole model is ever formed.
+        batch_dim: the check that every hooked layer sees the examples on dimension 0 of
+            its input (rules for sequence-first layers, such as ``nn.LSTM`` without
+            ``batch_first``, handle their own layout). ``"auto"`` (default): all hooked
+            layers of one forward of the model must agree on the batch size, and it must be
+            the size of dimension 0 or 1 of some tensor input or output of the model (so a
+            model that folds time into the batch, ``x.view(B * T, ...)``, is an error naming
+            the layer and both sizes; a lone layer run sequence-first is not caught). An int
+            ``k``: the batch is dimension ``k`` of the model's first
+            tensor input, and every layer must see exactly that (stricter; also checks the
+            memory limit at the forward). ``None``: no check.
+        max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
+            larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
+            first captured call of the backward, before any ``grad1`` is formed; at the
+            forward with an int ``batch_dim``). ``"auto"``: :func:`gradhooks.set_memory_limit`'s
+            value, by default half of the memory of the parameters' device. ``None``: no limit.
+        capture: which backwards write ``grad1``. ``"always"`` (default): every backward
+            that computes the parameters' gradients (``.backward()``, ``torch.autograd.grad``
+            with respect to some of them), except under :meth:`Hooks.paused`; a backward
+            that computes none of the model's parameter gradients (``torch.autograd.grad``
+            with respect to the input only) leaves ``grad1`` as it was. ``"marked"``:
+            only backwards run inside ``with h.capturing():``.
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -522,7 +989,8 @@ def add_hooks(
     """
     return Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
-        quantities=quantities,
+        quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
+        capture=capture,
     )  # fmt: skip
 
 

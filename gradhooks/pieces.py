@@ -74,9 +74,11 @@ class Outer(Piece):
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         g, a = self.g, self.g if self.a is None else self.a
-        if torch._C._functorch.peek_interpreter_stack() is not None:
-            # Inside vmap (the Jacobians batch the backward over outputs): no in-place writes
-            # into a buffer that is not batched like the operands.
+        differentiable = torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)
+        if differentiable or torch._C._functorch.peek_interpreter_stack() is not None:
+            # A create_graph backward (grad1 gets a graph: no out= writes), or inside vmap (the
+            # Jacobians batch the backward over outputs: no in-place writes into a buffer that
+            # is not batched like the operands).
             if self.a is None:
                 out = g.sum(-2)
             else:

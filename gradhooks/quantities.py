@@ -59,6 +59,9 @@ class Collector:
         # calls per parameter in the forward(s) not yet backpropagated: a parameter's pieces are
         # reduced (and freed) as soon as all its calls' pieces arrived, not at the end
         self._expected: dict[int, int] = {}
+        # parameters whose pieces wait for the end of the backward (a call of theirs is rerun
+        # during the backward: reentrant activation checkpointing)
+        self.defer: set[int] = set()
         self._done: dict[str, tuple] = {}
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
@@ -95,7 +98,7 @@ class Collector:
                 held = self._held.setdefault(id(p), _Held(p))
                 held.pieces.append((call_pieces[pname], scale))
                 expected = self._expected.get(id(p), 0)
-                if expected and len(held.pieces) >= expected:  # every call of the forward
+                if expected and len(held.pieces) >= expected and id(p) not in self.defer:
                     del self._held[id(p)]
                     self._expected[id(p)] = 0
                     self._reduce(held)
@@ -105,6 +108,21 @@ class Collector:
         if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
             for p in params.values():
                 self._expected[id(p)] = self._expected.get(id(p), 0) + 1
+
+    def unexpect(self, params: dict) -> None:
+        """A captured call whose forward raised: its piece will never come."""
+        for p in params.values():
+            if self._expected.get(id(p), 0) > 0:
+                self._expected[id(p)] -= 1
+                if not self._expected[id(p)]:
+                    del self._expected[id(p)]
+
+    def discard_backward(self) -> None:
+        """Forget what the running backward gave (it failed, or computed no parameter's
+        gradient); the results of earlier backwards stay."""
+        self._held.clear()
+        self._done = {}
+        self._queued = False
 
     def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
         """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,

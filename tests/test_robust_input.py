@@ -1,0 +1,354 @@
+"""Bad input: each is either right or an error naming the module, the parameter, the shapes and
+what to do (issue 6, "Bad input")."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+from harness import assert_close
+
+D = torch.float64
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def sq(out, target=None):
+    return 0.5 * out.pow(2).sum()
+
+
+def assert_matches(model, want, what=""):
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{what} {n}")
+
+
+# -- the loss's reduction, NaN/Inf: Hooks.check -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "declared,real", [("mean", "sum"), ("sum", "mean"), ("mean", "mean"), ("sum", "sum")]
+)
+def test_check_says_which_reduction_the_loss_used(declared, real):
+    model = mlp()
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(2, (6,))
+    with gradhooks.add_hooks(model, loss_reduction=declared) as h:
+        F.cross_entropy(model(x), y, reduction=real).backward()
+        # grad1 always reduces to .grad (the engine's scale cancels): only the loss can tell
+        assert h.check().ok
+        if declared == real:
+            report = h.check(F.cross_entropy, x, y)
+            assert report.ok and report.reduction == real
+        else:
+            with pytest.raises(RuntimeError, match=f"the loss is the {real} of the per-example"):
+                h.check(F.cross_entropy, x, y)
+            report = h.check(F.cross_entropy, x, y, raise_on_error=False)
+            assert report.reduction == real
+            h.rescale(real)  # what the message says to do
+            assert h.check(F.cross_entropy, x, y).ok
+            assert_matches(model, vmap_grad(model, F.cross_entropy, x, y), "rescaled")
+
+
+def test_check_reports_a_loss_term_that_bypasses_the_layers():
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(model) as h:
+        loss = sq(model(x)) / 4 + 0.1 * model[0].weight.pow(2).sum()  # weight decay in the loss
+        loss.backward()
+        report = h.check(raise_on_error=False)
+    assert len(report.problems) == 1 and "'0.weight'" in report.problems[0]
+    assert "weight decay" in report.problems[0]
+
+
+def test_nan_is_carried_through_and_reported():
+    model = mlp()
+    x = torch.randn(5, 3, dtype=D)
+    x[2, 1] = float("inf")
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        sq(model(x)).backward()
+        report = h.check(raise_on_error=False)
+    g1 = model[0].weight.grad1
+    assert not torch.isfinite(g1[2]).all(), "NaN/Inf is carried through, as autograd does"
+    assert torch.isfinite(g1[[0, 1, 3, 4]]).all(), "the other examples stay finite"
+    assert not torch.isfinite(model[0].weight.grad).all()
+    assert report.nonfinite["0.weight"] == [2]
+    assert any("NaN or Inf for examples [2]" in p for p in report.problems)
+
+
+# -- nothing captured, several forwards, removal while pending ------------------------------------
+
+
+def test_hooks_added_after_the_forward_warn_at_the_backward():
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    out = model(x)
+    h = gradhooks.add_hooks(model)
+    with pytest.warns(gradhooks.GradhooksWarning, match="no forward call of their modules"):
+        sq(out).backward()
+    assert not hasattr(model[0].weight, "grad1")
+    with pytest.raises(RuntimeError, match="before add_hooks"):
+        h.check()
+    with pytest.raises(RuntimeError, match="no backward pass was captured"):
+        gradhooks.compute_grad1(model)
+    h.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a captured step does not warn
+        sq(model(x)).backward()
+    h.remove()
+
+
+def test_second_forward_before_the_backward():
+    model = mlp()
+    x1, x2 = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
+    want1, want2 = vmap_grad(model, sq, x1), vmap_grad(model, sq, x2)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        out1, out2 = model(x1), model(x2)  # two graphs pending
+        sq(out2).backward()  # reaches only its own graph
+        assert_matches(model, want2, "second forward's backward")
+        h.clear()
+        sq(out1).backward()
+        assert_matches(model, want1, "first forward's backward")
+        # one backward over two forwards of different batch sizes: no per-example pairing
+        out1, out3 = model(x1), model(torch.randn(3, 3, dtype=D))
+        h.clear()
+        with pytest.raises(RuntimeError, match=r"holds \(\d, 2, 5\).*gives \(\d, 2, 5\)"):
+            (sq(out1) + sq(out3)).backward()
+
+
+def test_removed_while_a_backward_is_pending():
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    h = gradhooks.add_hooks(model, quantities=("grad1", "norms"))
+    out = model(x)
+    h.remove()
+    sq(out).backward()  # no error, nothing written
+    assert all(not hasattr(p, "grad1") for p in model.parameters())
+    assert all(p.grad is not None for p in model.parameters())
+    assert not h._collector._expected and not h._collector._held
+
+
+# -- layers that see another batch, inputs without a batch dimension ------------------------------
+
+
+class TimeFolded(nn.Module):
+    """[batch, time, features] folded into [batch * time, features] for the Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, x):
+        b, t, f = x.shape
+        return self.proj(x.reshape(b * t, f)).view(b, t, -1)
+
+
+class SeqFirst(nn.Module):
+    """Batch-first input; one layer run sequence-first ([seq, batch, features]) inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.proj(x.transpose(0, 1)).transpose(0, 1))
+
+
+@pytest.mark.parametrize("model", [TimeFolded, SeqFirst], ids=["time-folded", "seq-first"])
+@pytest.mark.parametrize("batch_dim", ["auto", 0])
+def test_layer_that_sees_another_batch_is_an_error(model, batch_dim):
+    torch.manual_seed(0)
+    m = model().double()
+    x = torch.randn(2, 5, 3, dtype=D)
+    with gradhooks.add_hooks(m, batch_dim=batch_dim):
+        with pytest.raises(RuntimeError) as e:
+            m(x).pow(2).mean().backward()
+    msg = str(e.value)
+    assert "'proj' (Linear)" in msg and "'weight'" in msg
+    seen, shape = (10, "(10, 3)") if model is TimeFolded else (5, "(5, 2, 3)")
+    assert f"for {seen} examples" in msg and shape in msg
+    if batch_dim == 0:
+        assert "got a batch of 2 (dimension 0 of its first tensor input)" in msg
+    elif model is TimeFolded:
+        assert "sizes [2, 5], none 10" in msg
+    else:  # the head (backpropagated first) saw the batch of 2
+        assert "'head' (Linear) in the same forward of the model saw a batch of 2" in msg
+    assert "batch_dim" in msg
+    # the escape: no check; grad1 then has a row per entry of the layer's dimension 0
+    with gradhooks.add_hooks(m, batch_dim=None, loss_reduction="sum"):
+        m(x).pow(2).sum().backward()
+    assert m.proj.weight.grad1.shape[0] == seen
+
+
+def test_batch_dim_names_where_the_models_batch_is():
+    """A model that takes [seq, batch, features] and runs its layers batch-first."""
+    torch.manual_seed(0)
+    inner = mlp()
+
+    class SeqFirstInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = inner
+
+        def forward(self, x):  # x: [seq, batch, 3]
+            return self.net(x.transpose(0, 1))
+
+    m = SeqFirstInput()
+    x = torch.randn(4, 3, 3, dtype=D)  # seq 4, batch 3
+    want = vmap_grad(inner, sq, x.transpose(0, 1))
+    with gradhooks.add_hooks(m, batch_dim=1, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(inner, want, "batch_dim=1")
+    with gradhooks.add_hooks(m, batch_dim=0):  # batch_dim=0 takes seq 4 as the batch: refused
+        with pytest.raises(RuntimeError, match="for 3 examples.*batch of 4"):
+            sq(m(x)).backward()
+
+
+def test_inputs_without_a_batch_dimension():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(ValueError, match=r"no dimensions \(\(\)\): no batch.*unsqueeze"):
+            model(torch.tensor(1.0).expand(3)[0])
+        out = model(torch.randn(3))  # [features]: torch accepts it, but it is no batch
+        with pytest.raises(
+            RuntimeError,
+            match=r"(?s)for .<model>. \(Linear\) failed on inputs \[\(3,\)\].*unsqueeze\(0\)",
+        ):
+            out.sum().backward()
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def test_grad1_too_large_is_refused_before_allocation():
+    model = mlp()  # 32 parameters, float64: 256 bytes per example
+    x = torch.randn(8, 3, dtype=D)
+    with gradhooks.add_hooks(model, max_grad1_bytes=1000, batch_dim=0) as h:
+        with pytest.raises(gradhooks.Grad1TooLarge) as e:
+            model(x)  # batch_dim given: refused at the forward
+        assert "2.0 KiB" in str(e.value) and "batch 8 × 32" in str(e.value)
+        assert "quantities=('norms',)" in str(e.value) and "at most 3" in str(e.value)
+        assert not h._frames
+        sq(model(x[:3])).backward()  # 768 bytes: fine
+        assert model[0].weight.grad1.shape == (3, 5, 3)
+    gradhooks.clear_grad1(model)
+    with gradhooks.add_hooks(model, max_grad1_bytes=1000) as h:
+        out = model(x)  # batch_dim="auto": refused at the first captured call of the backward
+        with pytest.raises(gradhooks.Grad1TooLarge, match="batch 8 × 32"):
+            sq(out).backward()
+        assert not h._tasks and not hasattr(model[0].weight, "grad1")
+    with gradhooks.add_hooks(model, max_grad1_bytes=1000, quantities=("norms",)) as h:
+        sq(model(x)).backward()  # norms never form grad1
+        assert h.norms().shape == (8,)
+    try:
+        gradhooks.set_memory_limit(1000)
+        with gradhooks.add_hooks(model):
+            with pytest.raises(gradhooks.Grad1TooLarge):
+                sq(model(x)).backward()
+        with gradhooks.add_hooks(model, max_grad1_bytes=None):  # the handle's own wins
+            sq(model(x)).backward()
+        # a hooked module called on its own (no forward of the model): checked at its backward
+        with gradhooks.add_hooks(model):
+            with pytest.raises(gradhooks.Grad1TooLarge):
+                model[0](x).sum().backward()
+    finally:
+        gradhooks.set_memory_limit("auto")
+    assert gradhooks.checks.memory_limit(torch.device("cpu")) > 2**20
+    with pytest.raises(ValueError, match="memory limit"):
+        gradhooks.set_memory_limit(-1)
+
+
+# -- an exception mid-forward or mid-backward leaves nothing behind -------------------------------
+
+
+class Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.fail = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.fail:
+            raise RuntimeError("data error")
+        return self.b(h)
+
+
+def test_exception_in_the_forward_leaves_no_pending_capture():
+    torch.manual_seed(0)
+    m = Fails().double()
+    x = torch.randn(4, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        m.fail = True
+        with pytest.raises(RuntimeError, match="data error"):
+            m(x)
+        assert not h._collector._expected and not h._frames
+        m.fail = False
+        sq(m(x)).backward()
+        assert_matches(m, want, "after a failed forward")
+        norms = torch.cat([want[n].flatten(1) for n in want], 1).norm(dim=1)
+        assert_close(h.norms(), norms, "norms after a failed forward")
+
+
+class BoomBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+def _registry_with_failing_linear(flag):
+    linear = gradhooks.REGISTRY.lookup(nn.Linear(1, 1)).rule
+    registry = gradhooks.Registry()
+
+    @registry.register(nn.Linear)
+    def maybe_failing(call):
+        if flag[0] and call.name == "a":
+            raise RuntimeError("rule failed in 'a'")
+        return linear(call)
+
+    return registry
+
+
+@pytest.mark.parametrize("where", ["our hook", "elsewhere"])
+def test_exception_in_the_backward_leaves_no_stale_state(where):
+    torch.manual_seed(0)
+    m = Fails().double()
+    x = torch.randn(4, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    flag = [False]
+    registry = _registry_with_failing_linear(flag)
+    with gradhooks.add_hooks(
+        m, loss_reduction="sum", quantities=("grad1", "norms"), registry=registry
+    ) as h:
+        sq(m(x)).backward()
+        before = {n: p.grad1 for n, p in m.named_parameters()}
+        if where == "our hook":  # 'b' is written, then the rule of 'a' raises
+            flag[0] = True
+            with pytest.raises(RuntimeError, match="rule failed in 'a'"):
+                sq(m(x)).backward()
+            flag[0] = False
+        else:  # an op below the hooked layers raises after 'b''s hook ran
+            h1 = torch.tanh(m.a(x))
+            out = m.b(BoomBackward.apply(h1))
+            with pytest.raises(RuntimeError, match="boom in backward"):
+                sq(out).backward()
+        m(x)  # the next forward drops whatever a failed backward left
+        assert not h._tasks and not h._collector._held and not h._collector._queued
+        for n, p in m.named_parameters():  # grad1 as before the failed backward
+            assert_close(p.grad1, before[n], f"rolled back {n}")
+        h.clear()
+        sq(m(x)).backward()
+        assert_matches(m, want, "after a failed backward")
+        norms = torch.cat([want[n].flatten(1) for n in want], 1).norm(dim=1)
+        assert_close(h.norms(), norms, "norms after a failed backward")
