@@ -111,18 +111,17 @@ def ddp_grad1(where: str) -> None:
 
 
 def dp_sgd() -> None:
-    """Unequal shards (5, 3), both methods, both reductions, with and without a DDP wrapper:
+    """Unequal shards (5, 3; 8, 0), both methods, both reductions, with and without a DDP wrapper:
     noise 0 equals one process on the whole batch; with noise and rank 0's generator seeded
     as the single process's, equals it too (the noise entered once); all ranks equal."""
-    sizes = [5, 3, 4, 2][:WORLD]
-    x, y, xs, ys = data(sizes)
-    for wrap in (False, True):
+    for wrap, sizes in ((False, [5, 3]), (True, [5, 3]), (False, [8, 0])):  # 0: an empty shard
+        x, y, xs, ys = data(sizes)
         for method, quantities in (("grad1", ("grad1",)), ("ghost", ("norms",))):
             for reduction in ("mean", "sum"):
                 for sigma in (0.0, 1.3):
                     model, ref = net(), net()
                     hooked = DDP(model) if wrap else model
-                    what = f"wrap={wrap} {method} {reduction} sigma={sigma}"
+                    what = f"wrap={wrap} {sizes} {method} {reduction} sigma={sigma}"
                     with gradhooks.add_hooks(hooked, quantities=quantities) as h:
                         losses = F.cross_entropy(hooked(xs), ys, reduction="none")
                         gen = torch.Generator().manual_seed(7 if RANK == 0 else 100 + RANK)
@@ -173,7 +172,7 @@ def dp_sgd_noise() -> None:
 def kfac_scenario() -> None:
     """K-FAC factors on unequal shards, handle (with and without DDP, expand and reduce, mean
     and sum) and kfac() (exact and empirical), equal to one process on the whole batch."""
-    sizes = [5, 3, 4, 2][:WORLD]
+    sizes = [5, 3]
     x, y, xs, ys = data(sizes)
     for wrap in (False, True):
         for expand in (True, False):
@@ -200,7 +199,8 @@ def kfac_scenario() -> None:
                     all_ranks_equal(g.G, f"{what} G")
             for k, w in again.items():
                 close(w.G, got["mean"][k].G, "kfac_factors twice")
-    for fisher in ("exact", "empirical"):
+    for fisher, sizes in (("exact", [5, 3]), ("empirical", [5, 3]), ("exact", [8, 0])):
+        x, y, xs, ys = data(sizes)
         model = net()
         got = ghd.kfac(model, xs, ys, fisher=fisher)
         want = gradhooks.kfac(model, x, y, fisher=fisher)
@@ -226,8 +226,7 @@ def mismatch() -> None:
 
 
 SCENARIOS = {
-    "ddp_grad1_wrapper": lambda: ddp_grad1("wrapper"),
-    "ddp_grad1_inner": lambda: ddp_grad1("inner"),
+    "ddp_grad1": lambda: (ddp_grad1("wrapper"), ddp_grad1("inner")),
     "dp_sgd": dp_sgd,
     "dp_sgd_noise": dp_sgd_noise,
     "kfac": kfac_scenario,
@@ -241,4 +240,8 @@ if __name__ == "__main__":
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    print(f"rank {RANK}: {sys.argv[1]} OK")
+    print(f"rank {RANK}: {sys.argv[1]} OK", flush=True)
+    # Skip the interpreter's teardown: torch 2.13's gloo threads now and then abort it
+    # ("terminate called without an active exception", ~1 run in 15, after everything passed
+    # and the process group was destroyed), which would make the test flaky.
+    os._exit(0)
