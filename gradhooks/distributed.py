@@ -123,15 +123,17 @@ def _all_reduce_sums(
 
     One ``all_reduce`` for the counts and a check that every rank sends the same layout, then one
     per (dtype, device) of the tensors, flattened together."""
+    n = len(tensors)
     layout = sum((t.numel() + 1) * (i + 1) for i, t in enumerate(tensors)) % 1_000_003
     device = tensors[0].device if tensors else torch.device("cpu")
-    # Σ n and Σ n² over ranks: all ranks sent the same n iff world · Σ n² == (Σ n)²
-    meta = torch.tensor([count, len(tensors), layout, layout * layout], dtype=torch.int64)
+    # Σ v and Σ v² over the ranks: all ranks hold the same v iff world · Σ v² == (Σ v)², a test
+    # whose answer is the same on every rank (so that all raise together, none hangs)
+    meta = torch.tensor([count, n, n * n, layout, layout * layout], dtype=torch.int64)
     meta = meta.to(device)
     dist.all_reduce(meta, group=group)
     world = dist.get_world_size(group)
-    total, n_sum, lay_sum, lay_sq = meta.tolist()
-    if n_sum != world * len(tensors) or world * lay_sq != lay_sum * lay_sum:
+    total, n_sum, n_sq, lay_sum, lay_sq = meta.tolist()
+    if world * n_sq != n_sum * n_sum or world * lay_sq != lay_sum * lay_sum:
         raise RuntimeError(
             f"gradhooks.distributed.{what}: the ranks hold different tensors to reduce (this "
             f"rank, {dist.get_rank(group)}: {len(tensors)} tensors, {list(names)[:8]}...): every "

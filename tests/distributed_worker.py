@@ -69,7 +69,7 @@ def all_ranks_equal(t: torch.Tensor, what: str) -> None:
 # -- scenarios ----------------------------------------------------------------------------------
 
 
-def ddp_grad1(where: str) -> None:
+def ddp_grad1(where: str, **ddp_options) -> None:
     """DDP on a hooked model (hooks on the wrapper or on the inner module), two SGD steps:
     each rank's grad1 is the oracle's on its shard; p.grad is the single-process full-batch
     gradient (DDP's all-reduce, untouched)."""
@@ -77,9 +77,9 @@ def ddp_grad1(where: str) -> None:
     ref = copy.deepcopy(model)
     if where == "inner":
         h = gradhooks.add_hooks(model)
-        ddp = DDP(model)
+        ddp = DDP(model, **ddp_options)
     else:
-        ddp = DDP(model)
+        ddp = DDP(model, **ddp_options)
         h = gradhooks.add_hooks(ddp)
         names = [n for n, _ in ddp.named_parameters()]
         assert all(n.startswith("module.") for n in names), names
@@ -226,7 +226,12 @@ def mismatch() -> None:
 
 
 SCENARIOS = {
-    "ddp_grad1": lambda: (ddp_grad1("wrapper"), ddp_grad1("inner")),
+    "ddp_grad1": lambda: (
+        ddp_grad1("wrapper"),
+        ddp_grad1("inner"),
+        ddp_grad1("wrapper", find_unused_parameters=True),
+        ddp_grad1("inner", static_graph=True),
+    ),
     "dp_sgd": dp_sgd,
     "dp_sgd_noise": dp_sgd_noise,
     "kfac": kfac_scenario,

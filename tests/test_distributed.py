@@ -8,6 +8,7 @@ which)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -112,3 +113,31 @@ def test_kfac_factors_reduced_across_ranks(tmp_path):
 
 def test_different_models_on_ranks_raise(tmp_path):
     run("mismatch", tmp_path)
+
+
+def test_torchrun_example(tmp_path):
+    """examples/distributed_dp_sgd.py under torchrun (``python -m torch.distributed.run``):
+    trains, the replicas stay equal (the example asserts it), and it learns."""
+    log = tmp_path / "torchrun.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={WORLD}", str(ROOT / "examples" / "distributed_dp_sgd.py"),
+        "--steps", "40",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started
+            proc.wait()
+            pytest.fail(f"torchrun killed after {TIMEOUT} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    acc = float(text.split("accuracy ")[-1].split()[0])
+    assert acc > 0.8, f"DP-SGD across 2 processes did not learn: accuracy {acc:.3f}\n{text}"
