@@ -10,7 +10,7 @@ mean-reduced loss, ``grad1.sum(0) == param.grad`` for a sum. autograd-hacks' fun
 too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 """
 
-from . import oracle, rules  # noqa: F401  (rules: registers the built-in rules)
+from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .check import check_rule
 from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
 from .dp import clip_factors, dp_sgd_step
@@ -43,6 +43,7 @@ __all__ = [
     "kfac",
     "KFactors",
     "jacobians",
+    "distributed",
     # autograd-hacks compatibility
     "compute_grad1",
     "clear_backprops",

@@ -135,13 +135,19 @@ def dp_sgd_step(
     denom = max(batch, 1) if reduction == "mean" else 1
     for p, c in zip(params, clipped, strict=True):
         if std > 0:
-            noise = torch.randn(
-                p.shape, generator=generator, dtype=p.dtype,
-                device=generator.device if generator is not None else p.device,
-            )  # fmt: skip
-            c = c + std * noise.to(p.device)
+            c = c + std * gaussian(p, generator)
         p.grad = (c / denom).detach()
     return norms.detach()
+
+
+def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard normal noise shaped, typed and placed like ``p``, drawn from ``generator``
+    (one parameter after the other, in the order of :func:`_covered_params`)."""
+    noise = torch.randn(
+        p.shape, generator=generator, dtype=p.dtype,
+        device=generator.device if generator is not None else p.device,
+    )  # fmt: skip
+    return noise.to(p.device)
 
 
 def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:

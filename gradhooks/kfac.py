@@ -177,6 +177,16 @@ def kfac(
         >>> f["0.weight"].A.shape, f["0.weight"].G.shape       # bias-augmented: 4 + 1
         (torch.Size([5, 5]), torch.Size([8, 8]))
     """
+    acc = _accumulate(model, inputs, target, fisher, loss, expand, bias, mc_samples, generator)
+    return acc.factors(reduction)
+
+
+def _accumulate(
+    model: nn.Module, inputs: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName,
+    expand: bool, bias: bool, mc_samples: int, generator: torch.Generator | None,
+) -> KfacAccumulator:  # fmt: skip
+    """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
+    across ranks before dividing)."""
     from .engine import add_hooks
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
@@ -199,7 +209,7 @@ def kfac(
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:
                 acc._g[key] = acc._g[key] / mc_samples
-        return h.kfac_factors(reduction)
+        return acc
 
 
 def _output_vectors(

@@ -1,0 +1,143 @@
+"""torch.distributed: DDP on hooked models, DP-SGD and K-FAC across ranks.
+
+Each test starts two processes of ``distributed_worker.py`` with the environment torchrun
+would give them (gloo backend, 127.0.0.1, a free port), waits at most ``TIMEOUT`` seconds (then
+kills both) and asserts that both ranks passed their own checks (the worker's docstrings say
+which)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="no gloo backend"
+)
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+ROOT = WORKER.parent.parent
+WORLD = 2
+TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, tmp_path: Path) -> list[tuple[int | None, str]]:
+    """Run ``scenario`` on WORLD ranks; (exit status, or None when killed at the deadline,
+    output) per rank."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(WORLD),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+        log = open(tmp_path / f"{scenario}.rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        )
+    results, killed = [], set()
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for rank, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                killed.add(rank)
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        results.append((None if rank in killed else p.returncode, log.read()))
+        log.close()
+    return results
+
+
+def run(scenario: str, tmp_path: Path) -> None:
+    results = launch(scenario, tmp_path)
+    if any("address already in use" in out.lower() for _, out in results):
+        results = launch(scenario, tmp_path)  # the free port was taken meanwhile: once more
+    for rank, (code, out) in enumerate(results):
+        assert code is not None, f"rank {rank} killed after {TIMEOUT} s:\n{out[-3000:]}"
+        assert code == 0, f"rank {rank} failed (exit {code}):\n{out[-3000:]}"
+        assert f"{scenario} OK" in out, out[-3000:]
+
+
+def test_ddp_grad1_per_shard_and_allreduce_untouched(tmp_path):
+    """Hooks on the DDP wrapper, then on the inner module (one launch for both)."""
+    run("ddp_grad1", tmp_path)
+
+
+def test_dp_sgd_across_ranks_equals_one_process(tmp_path):
+    run("dp_sgd", tmp_path)
+
+
+def test_dp_sgd_noise_added_once(tmp_path):
+    run("dp_sgd_noise", tmp_path)
+
+
+def test_kfac_factors_reduced_across_ranks(tmp_path):
+    run("kfac", tmp_path)
+
+
+def test_different_models_on_ranks_raise(tmp_path):
+    run("mismatch", tmp_path)
+
+
+def test_torchrun_example(tmp_path):
+    """examples/distributed_dp_sgd.py under torchrun (``python -m torch.distributed.run``):
+    trains, the replicas stay equal (the example asserts it), and it learns."""
+    log = tmp_path / "torchrun.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={WORLD}", str(ROOT / "examples" / "distributed_dp_sgd.py"),
+        "--steps", "40",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started
+            proc.wait()
+            pytest.fail(f"torchrun killed after {TIMEOUT} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    acc = float(text.split("accuracy ")[-1].split()[0])
+    assert acc > 0.8, f"DP-SGD across 2 processes did not learn: accuracy {acc:.3f}\n{text}"
