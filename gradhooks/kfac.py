@@ -77,11 +77,11 @@ class KfacAccumulator:
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
         bias_pieces = [
             pc for n, pc in call_pieces.items()
-            if n in params and isinstance(pc, Outer) and pc.a is None
+            if n in params and isinstance(pc, Outer) and not pc.has_input
         ]  # fmt: skip
         for pname, p in params.items():
             piece = call_pieces[pname]
-            if not isinstance(piece, Outer) or piece.a is None:
+            if not isinstance(piece, Outer) or not piece.has_input:
                 continue
             key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
             a, g = piece.a, piece.g * scale

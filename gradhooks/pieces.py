@@ -72,6 +72,21 @@ class Outer(Piece):
     def batch_size(self) -> int:
         return self.g.shape[0]
 
+    @property
+    def has_input(self) -> bool:
+        """False for a bias (``a is None``). Subclasses that build ``a`` on demand answer
+        without building it."""
+        return self.a is not None
+
+    @property
+    def in_features(self) -> int:
+        """The size of ``a``'s last axis (0 for a bias), without building ``a``."""
+        return 0 if self.a is None else self.a.shape[-1]
+
+    def select(self, rows: slice) -> Outer:
+        """The same piece restricted to the examples ``rows``."""
+        return Outer(None if self.a is None else self.a[rows], self.g[rows])
+
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         g, a = self.g, self.g if self.a is None else self.a
         differentiable = torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)
@@ -137,6 +152,10 @@ class Direct(Piece):
     def batch_size(self) -> int:
         return self.value.shape[0]
 
+    def select(self, rows: slice) -> Direct:
+        """The same piece restricted to the examples ``rows``."""
+        return Direct(self.value[rows])
+
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
 
@@ -152,10 +171,8 @@ def _scaled(t: Tensor, scale: float) -> Tensor:
 
 def select(piece: Piece, rows: slice) -> Piece:
     """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
-    if isinstance(piece, Outer):
-        return Outer(None if piece.a is None else piece.a[rows], piece.g[rows])
-    if isinstance(piece, Direct):
-        return Direct(piece.value[rows])
+    if isinstance(piece, Outer | Direct):
+        return piece.select(rows)
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")
 
 
@@ -166,13 +183,13 @@ def gram_is_cheaper(p: Piece, q: Piece) -> bool:
     Bias pieces (``a is None``) are always cheap: they reduce over ``shared`` first."""
     if not (isinstance(p, Outer) and isinstance(q, Outer)):
         return False
-    if (p.a is None) != (q.a is None):
+    if p.has_input != q.has_input:
         return False
-    if p.a is None:
+    if not p.has_input:
         return p.g.shape[-1] == q.g.shape[-1]
-    if p.a.shape[-1] != q.a.shape[-1] or p.g.shape[-1] != q.g.shape[-1]:
+    if p.in_features != q.in_features or p.g.shape[-1] != q.g.shape[-1]:
         return False
-    return 2 * p.g.shape[-2] * q.g.shape[-2] < p.a.shape[-1] * p.g.shape[-1]
+    return 2 * p.g.shape[-2] * q.g.shape[-2] < p.in_features * p.g.shape[-1]
 
 
 def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
@@ -184,7 +201,7 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     :func:`gram_is_cheaper`, else both gradients are materialized (one parameter at a time)."""
     if gram_is_cheaper(p, q):
         assert isinstance(p, Outer) and isinstance(q, Outer)
-        if p.a is None:  # bias: Σ_shared g, then a dot product
+        if not p.has_input:  # bias: Σ_shared g, then a dot product
             return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
         aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
@@ -200,7 +217,7 @@ def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:
     the piece allows it (one shared position: ``(g²)ᵀ(a²)``; bias pieces); ``None`` where it would
     have to be materialized (the caller then does it a slice of the batch at a time)."""
     if isinstance(piece, Outer):
-        if piece.a is None:
+        if not piece.has_input:
             return (piece.g.sum(-2) ** 2).sum(0).reshape(param_shape)
         if piece.g.shape[-2] == 1:
             g2, a2 = piece.g[..., 0, :] ** 2, piece.a[..., 0, :] ** 2
@@ -214,7 +231,7 @@ def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:
 def batch_sum(piece: Piece, param_shape: torch.Size) -> Tensor:
     """``Σ_b grad1[b]`` (unscaled), shape ``param_shape``, never materializing ``grad1``."""
     if isinstance(piece, Outer):
-        if piece.a is None:
+        if not piece.has_input:
             return piece.g.sum((0, -2)).reshape(param_shape)
         return torch.einsum("b...so,b...si->...oi", piece.g, piece.a).reshape(param_shape)
     if isinstance(piece, Direct):

@@ -94,6 +94,18 @@ class ConvWeight(Outer):
     def __repr__(self) -> str:
         return f"ConvWeight(x={tuple(self.x.shape)}, grad_output={tuple(self.grad_output.shape)})"
 
+    @property
+    def has_input(self) -> bool:
+        return True
+
+    @property
+    def in_features(self) -> int:
+        m = self.module
+        return m.in_channels // m.groups * math.prod(m.kernel_size)
+
+    def select(self, rows: slice) -> ConvWeight:
+        return ConvWeight(self.module, self.x[rows], self.grad_output[rows])
+
     def _grouped_form(self) -> bool:
         positions = math.prod(self.grad_output.shape[2:])
         return (
