@@ -20,6 +20,8 @@ for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -35,8 +37,9 @@ QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
 # internal: gradhooks.jacobians() runs the backward under torch.func.vmap over the outputs
 _INTERNAL = ("_jacobian",)
 
-# Largest materialized per-example gradient slice, in elements (64 Mi floats).
-_CHUNK_ELEMENTS = 1 << 26
+# Largest materialized slice of examples, in elements of per-example gradient or of the columns
+# it is formed from (2 Mi floats, 8 MiB): norms-only memory stays close to a plain backward's.
+_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -235,7 +238,8 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
     of the batch at a time (so that at most ~64 Mi elements exist at once)."""
     batch = h.pieces[0][0].batch_size
-    rows = max(1, _CHUNK_ELEMENTS // max(h.param.numel(), 1))
+    per_example = max([h.param.numel()] + [_transient(piece) for piece, _ in h.pieces])
+    rows = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         total = None
@@ -243,6 +247,15 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
             g = P.select(piece, sl).grad1(h.param.shape, scale)
             total = g if total is None else total + g
         yield sl, total
+
+
+def _transient(piece: P.Piece) -> int:
+    """Elements one example of ``piece`` needs while its gradient is formed: the columns
+    ``[*groups, shared, in]`` of an :class:`~gradhooks.pieces.Outer` (a convolution's im2col,
+    explicit or inside the convolution backward)."""
+    if not isinstance(piece, P.Outer) or not piece.has_input:
+        return 0
+    return math.prod(piece.g.shape[1:-1]) * piece.in_features
 
 
 def _sq_norm(h: _Held) -> Tensor:
