@@ -19,11 +19,11 @@ from collections import Counter
 
 import torch
 from fuzz_models import FuzzCase, fuzz_cases
-from harness import assert_close, sum_of_squares
 from hypothesis import HealthCheck, given, settings
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_EXAMPLES", "25"))
 RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")

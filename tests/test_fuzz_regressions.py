@@ -1,0 +1,56 @@
+"""Minimal cases found by the fuzzer (tests/test_fuzz.py), kept as regression tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+from harness import assert_close, sum_of_squares
+
+
+class InstanceNormThenTranspose(nn.Module):
+    """InstanceNorm2d on ``[batch, 2, 1, 2]``, then a transpose: the output-gradient reaching
+    the norm has channels-last strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(2, affine=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(x)).flatten(2).transpose(1, 2)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def finite_difference(model, x, param, eps=1e-6):
+    """d sum_of_squares(model(x)) / d param, by central differences (float64)."""
+    grad = torch.zeros_like(param)
+    with torch.no_grad(), gradhooks.paused():
+        for i in range(param.numel()):
+            old = param.view(-1)[i].item()
+            param.view(-1)[i] = old + eps
+            up = sum_of_squares(model(x))
+            param.view(-1)[i] = old - eps
+            down = sum_of_squares(model(x))
+            param.view(-1)[i] = old
+            grad.view(-1)[i] = (up - down) / (2 * eps)
+    return grad
+
+
+def test_instance_norm_with_a_channels_last_output_gradient():
+    """torch 2.13 (CPU) returns wrong weight/bias gradients from ``F.instance_norm`` of a single
+    example when the output-gradient has channels-last strides (so torch's ``.grad`` of a batch of
+    one, and the per-example loop oracle, are off by ~0.08 here). gradhooks' rule recomputes the
+    normalized input itself: ``grad1`` matches ``vmap(grad)`` and finite differences."""
+    torch.manual_seed(0)
+    model = InstanceNormThenTranspose().double()
+    x = torch.randn(1, 2, 1, 2, dtype=torch.float64)
+    want = vmap_grad(model, sum_of_squares, x)
+    with gradhooks.add_hooks(model, "sum"):
+        sum_of_squares(model(x)).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"grad1 vs vmap: {name}")
+        fd = finite_difference(model, x, p)
+        assert torch.allclose(p.grad1[0], fd, atol=1e-7), f"{name}: grad1 vs finite differences"
