@@ -89,10 +89,12 @@ class Apply(Block):
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
-    Works around a torch bug (2.13, CPU): ``F.instance_norm`` on a 4-d/5-d input of one example
-    whose output-gradient has channels-last strides (a transpose after it) returns wrong
-    weight/bias gradients, so torch's own ``.grad`` and the loop oracle are wrong there while
-    ``grad1`` and ``vmap(grad)`` are right (tests/test_fuzz_regressions.py).
+    Works around a torch bug (2.13, CPU): the backward of ``F.batch_norm`` (which BatchNorm and
+    InstanceNorm run) on a 4-d/5-d input returns wrong weight/bias gradients when the
+    output-gradient passes as channels-last but has non-canonical strides on a size-1 axis (a
+    batch of one, or a grid ``[1, w]``, followed by a transpose). torch's own ``.grad`` and the
+    loop oracle are then wrong, ``grad1`` and ``vmap(grad)`` right
+    (tests/test_fuzz_regressions.py).
     """
 
     generate_vmap_rule = True
@@ -119,7 +121,7 @@ class Grid(Block):
 
     def forward(self, x):
         y = self.mod(x.unflatten(-1, self.grid))
-        if isinstance(self.mod, nn.modules.instancenorm._InstanceNorm) and y.dim() > 3:
+        if isinstance(self.mod, nn.modules.batchnorm._NormBase) and y.dim() > 3:
             y = _ContiguousGrad.apply(y)
         return y.flatten(2)
 
@@ -504,8 +506,8 @@ def _draw_conv(draw, shape: Shape, transpose: bool) -> Block:
 
 def _draw_chan_norm(draw, shape: Shape, kind: str) -> Block:
     c, length = shape.dims
-    if kind == "group_norm":
-        groups = draw(st.sampled_from(_divisors(c)))
+    if kind == "group_norm":  # torch: more than one value per group (of one example)
+        groups = draw(st.sampled_from([g for g in _divisors(c) if c // g * length > 1]))
         return Apply(nn.GroupNorm(groups, c, affine=draw(st.booleans())))
     dims = draw(st.integers(1, 3))
     grid = _grid(draw, length, dims)
@@ -615,7 +617,7 @@ def _draw_block(draw, shape: Shape) -> Block:
     if kind in ("conv", "conv_transpose"):
         return _draw_conv(draw, shape, transpose=kind == "conv_transpose")
     if kind in ("group_norm", "instance_norm", "batch_norm"):
-        if kind == "instance_norm" and b < 2:  # torch: needs more than one spatial element
+        if (kind == "instance_norm" and b < 2) or a * b < 2:  # torch: more than one value
             return Transpose()
         return _draw_chan_norm(draw, shape, kind)
     if kind == "prelu":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -10,13 +11,13 @@ from gradhooks.oracle import vmap_grad
 from harness import assert_close, sum_of_squares
 
 
-class InstanceNormThenTranspose(nn.Module):
-    """InstanceNorm2d on ``[batch, 2, 1, 2]``, then a transpose: the output-gradient reaching
-    the norm has channels-last strides."""
+class NormThenTranspose(nn.Module):
+    """A 2-d norm on ``[batch, 2, 1, 2]``, then a transpose: the output-gradient reaching the
+    norm passes as channels-last with non-canonical strides on its size-1 axes."""
 
-    def __init__(self):
+    def __init__(self, norm: nn.Module):
         super().__init__()
-        self.norm = nn.InstanceNorm2d(2, affine=True)
+        self.norm = norm
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):
@@ -39,13 +40,25 @@ def finite_difference(model, x, param, eps=1e-6):
     return grad
 
 
-def test_instance_norm_with_a_channels_last_output_gradient():
-    """torch 2.13 (CPU) returns wrong weight/bias gradients from ``F.instance_norm`` of a single
-    example when the output-gradient has channels-last strides (so torch's ``.grad`` of a batch of
-    one, and the per-example loop oracle, are off by ~0.08 here). gradhooks' rule recomputes the
-    normalized input itself: ``grad1`` matches ``vmap(grad)`` and finite differences."""
+def _eval_batch_norm():
+    bn = nn.BatchNorm2d(2)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    return bn.eval()
+
+
+@pytest.mark.parametrize(
+    "norm", [lambda: nn.InstanceNorm2d(2, affine=True), _eval_batch_norm],
+    ids=["instance_norm2d", "batch_norm2d_eval"],
+)  # fmt: skip
+def test_norm_with_a_channels_last_output_gradient(norm):
+    """torch 2.13 (CPU): the backward of ``F.batch_norm`` (BatchNorm, InstanceNorm) returns wrong
+    weight/bias gradients for this example (off by ~0.01-0.08), so torch's ``.grad`` of a batch of
+    one and the per-example loop oracle are wrong here. gradhooks' rules recompute the normalized
+    input themselves: ``grad1`` matches ``vmap(grad)`` and finite differences."""
     torch.manual_seed(0)
-    model = InstanceNormThenTranspose().double()
+    model = NormThenTranspose(norm()).double()
     x = torch.randn(1, 2, 1, 2, dtype=torch.float64)
     want = vmap_grad(model, sum_of_squares, x)
     with gradhooks.add_hooks(model, "sum"):
