@@ -62,6 +62,10 @@ def _one_line(m: nn.Module) -> str:
 # -- blocks -------------------------------------------------------------------------------------
 
 
+# Layers whose rule covers their children (counted as one layer in the summary).
+WHOLE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
 class Block(nn.Module):
     """A module with a one-line description. ``layers`` are the modules it exercises."""
 
@@ -69,7 +73,17 @@ class Block(nn.Module):
         return type(self).__name__
 
     def layers(self) -> list[nn.Module]:
-        return [m for m in self.modules() if not isinstance(m, Block)]
+        found: list[nn.Module] = []
+
+        def walk(module: nn.Module) -> None:
+            for child in module.children():
+                if not isinstance(child, (Block, nn.Dropout, nn.Identity)):
+                    found.append(child)
+                if not isinstance(child, WHOLE):
+                    walk(child)
+
+        walk(self)
+        return found
 
 
 class Apply(Block):
@@ -208,6 +222,8 @@ class Attention(Block):
         if not self.mha.batch_first:
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         kpm = None if self.kpm is None else self.kpm.expand(x.shape[0], -1)
+        if kpm is not None and self.attn_mask is not None and self.attn_mask.is_floating_point():
+            kpm = torch.zeros(kpm.shape, dtype=x.dtype).masked_fill(kpm, -math.inf)  # same type
         out, w = self.mha(
             q, k, v, key_padding_mask=kpm, attn_mask=self.attn_mask,
             need_weights=self.need_weights, average_attn_weights=self.average,
@@ -238,6 +254,37 @@ class Attention(Block):
             f"weights used={self.use_weights}"
         )
         return f"MultiheadAttention({', '.join(parts)})"
+
+
+class Transformer(Block):
+    """``seq`` through nn.TransformerEncoderLayer, or nn.TransformerDecoderLayer attending to
+    its own input as memory; optionally with a causal mask."""
+
+    def __init__(self, layer: nn.Module, causal: bool):
+        super().__init__()
+        self.layer, self.causal = layer, causal
+
+    def forward(self, x):
+        batch_first = self.layer.self_attn.batch_first
+        inp = x if batch_first else x.transpose(0, 1)
+        mask = None
+        if self.causal:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        if isinstance(self.layer, nn.TransformerDecoderLayer):
+            out = self.layer(inp, inp, tgt_mask=mask)
+        else:
+            out = self.layer(inp, src_mask=mask)
+        return out if batch_first else out.transpose(0, 1)
+
+    def describe(self):
+        m = self.layer
+        return (
+            f"{type(m).__name__}(d_model={m.linear1.in_features}, "
+            f"heads={m.self_attn.num_heads}, feedforward={m.linear1.out_features}, "
+            f"activation={getattr(m.activation, '__name__', m.activation)}, "
+            f"norm_first={m.norm_first}, bias={m.linear1.bias is not None}, "
+            f"batch_first={m.self_attn.batch_first}, causal={self.causal})"
+        )
 
 
 class Recurrent(Block):
@@ -409,8 +456,6 @@ class FuzzModel(nn.Module):
         mix = Counter()
         for b in set(self.steps):
             for m in self.blocks[b].layers():
-                if isinstance(m, (nn.Identity, nn.modules.linear.NonDynamicallyQuantizableLinear)):
-                    continue
                 mix["custom (fallback)" if isinstance(m, CUSTOM) else type(m).__name__] += 1
             if isinstance(self.blocks[b], Twice):
                 mix["reuse: Twice"] += 1
@@ -550,6 +595,17 @@ def _draw_attention(draw, shape: Shape) -> Block:
     return Attention(mha, source, kpm, attn_mask, need, average, use)
 
 
+def _draw_transformer(draw, shape: Shape) -> Block:
+    f = shape.dims[1]
+    cls = draw(st.sampled_from([nn.TransformerEncoderLayer, nn.TransformerDecoderLayer]))
+    layer = cls(
+        f, draw(st.sampled_from(_divisors(f))), draw(st.integers(1, 6)), dropout=0.0,
+        activation=draw(st.sampled_from(["relu", "gelu"])), batch_first=draw(st.booleans()),
+        norm_first=draw(st.booleans()), bias=draw(st.booleans()),
+    )  # fmt: skip
+    return Transformer(layer, causal=_chance(draw, 3))
+
+
 def _draw_rnn(draw, shape: Shape) -> Block:
     f = shape.dims[1]
     kind = draw(st.sampled_from(["RNN", "GRU", "LSTM"]))
@@ -569,7 +625,7 @@ def _draw_rnn(draw, shape: Shape) -> Block:
 
 
 SEQ_KINDS = [
-    "linear", "layer_norm", "rms_norm", "attention", "rnn",
+    "linear", "layer_norm", "rms_norm", "attention", "rnn", "transformer",
     "affine", "mix", "residual", "pos_bias", "to_chan",
 ]  # fmt: skip
 CHAN_KINDS = [
@@ -604,6 +660,8 @@ def _draw_block(draw, shape: Shape) -> Block:
             return _draw_attention(draw, shape)
         if kind == "rnn":
             return _draw_rnn(draw, shape)
+        if kind == "transformer":
+            return _draw_transformer(draw, shape)
         if kind == "affine":
             return Apply(Affine(b))
         if kind == "mix":
