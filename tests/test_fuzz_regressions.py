@@ -8,7 +8,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
-from harness import assert_close, sum_of_squares
+from harness import Case, assert_close, check, sum_of_squares
 
 
 class NormThenTranspose(nn.Module):
@@ -67,3 +67,24 @@ def test_norm_with_a_channels_last_output_gradient(norm):
         assert_close(p.grad1, want[name], f"grad1 vs vmap: {name}")
         fd = finite_difference(model, x, p)
         assert torch.allclose(p.grad1[0], fd, atol=1e-7), f"{name}: grad1 vs finite differences"
+
+
+@pytest.mark.parametrize("layer", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_transformer_layer_with_a_frozen_first_part(layer, reduction):
+    """norm_first=True, bias=False and ``norm1.weight`` frozen: ``norm1`` (the first part, on the
+    layer's own input) has no trainable parameter, so no gradient reaches its output in the
+    rule's recomputation; the rule must skip it rather than ask LayerNorm's rule for a piece
+    (it raised "no gradient reached the output of '...norm1'")."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer(4, 2, 6, dropout=0.0, norm_first=True, bias=False, batch_first=True)
+            self.layer.norm1.weight.requires_grad_(False)
+
+        def forward(self, x):
+            return self.layer(x, x) if layer is nn.TransformerDecoderLayer else self.layer(x)
+
+    case = Case("transformer_frozen_norm1", Model, lambda b: torch.randn(b, 3, 4))
+    check(case, batch=3, reduction=reduction)
