@@ -75,9 +75,10 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
     for (name, module, args, kwargs, out), ts in zip(records, leaves, strict=True):
         entry = REGISTRY.lookup(module)
-        params = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
+        recurse = entry is not None and entry.owns_children
+        params = {n: p for n, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         part_grads = [torch.zeros_like(t) if (g := next(grads)) is None else g for t in ts]
-        if not params:
+        if not params:  # nothing to compute (all frozen: maybe no gradient reached it either)
             continue
         if entry is None:
             entry = FALLBACK  # a part without a rule: torch.func, as for any module
