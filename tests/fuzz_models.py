@@ -104,11 +104,11 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
     Works around a torch bug (2.13, CPU): the backward of ``F.batch_norm`` (which BatchNorm and
-    InstanceNorm run) on a 4-d/5-d input returns wrong weight/bias gradients when the
-    output-gradient passes as channels-last but has non-canonical strides on a size-1 axis (a
-    batch of one, or a grid ``[1, w]``, followed by a transpose). torch's own ``.grad`` and the
-    loop oracle are then wrong, ``grad1`` and ``vmap(grad)`` right
-    (tests/test_fuzz_regressions.py).
+    InstanceNorm run) on a 4-d/5-d tensor returns wrong weight/bias gradients when the input and
+    the output-gradient differ in layout and one passes as channels-last with non-canonical
+    strides on a size-1 axis (a batch of one, or a grid ``[1, w]``, next to a transpose). The
+    input is made contiguous too. torch's own ``.grad`` and the loop oracle are then wrong,
+    ``grad1`` and ``vmap(grad)`` right (tests/test_fuzz_regressions.py).
     """
 
     generate_vmap_rule = True
@@ -134,10 +134,10 @@ class Grid(Block):
         self.mod, self.grid = module, grid
 
     def forward(self, x):
-        y = self.mod(x.unflatten(-1, self.grid))
-        if isinstance(self.mod, nn.modules.batchnorm._NormBase) and y.dim() > 3:
-            y = _ContiguousGrad.apply(y)
-        return y.flatten(2)
+        x = x.unflatten(-1, self.grid)
+        if isinstance(self.mod, nn.modules.batchnorm._NormBase) and x.dim() > 3:
+            return _ContiguousGrad.apply(self.mod(x.contiguous())).flatten(2)  # a torch bug
+        return self.mod(x).flatten(2)
 
     def describe(self):
         return f"{_one_line(self.mod)} on grid {list(self.grid)}"

@@ -11,16 +11,19 @@ from gradhooks.oracle import vmap_grad
 from harness import Case, assert_close, check, sum_of_squares
 
 
-class NormThenTranspose(nn.Module):
-    """A 2-d norm on ``[batch, 2, 1, 2]``, then a transpose: the output-gradient reaching the
-    norm passes as channels-last with non-canonical strides on its size-1 axes."""
+class NormNextToTranspose(nn.Module):
+    """A 2-d norm on ``[batch, 2, 1, 2]`` next to a transpose: after it (``"grad"``: the
+    output-gradient reaching the norm passes as channels-last with non-canonical strides on its
+    size-1 axes) or before it (``"input"``: the input does, the output-gradient is contiguous)."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, transposed: str):
         super().__init__()
-        self.norm = norm
+        self.norm, self.transposed = norm, transposed
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):
+        if self.transposed == "input":  # x: [batch, 2, 2] -> [batch, 2, 1, 2], transposed
+            return self.head(self.norm(x.transpose(1, 2).unflatten(-1, (1, 2))).flatten(1))
         h = torch.tanh(self.norm(x)).flatten(2).transpose(1, 2)
         return self.head(torch.tanh(h).flatten(1))
 
@@ -48,18 +51,22 @@ def _eval_batch_norm():
     return bn.eval()
 
 
+@pytest.mark.parametrize("transposed", ["grad", "input"])
 @pytest.mark.parametrize(
     "norm", [lambda: nn.InstanceNorm2d(2, affine=True), _eval_batch_norm],
     ids=["instance_norm2d", "batch_norm2d_eval"],
 )  # fmt: skip
-def test_norm_with_a_channels_last_output_gradient(norm):
+def test_norm_next_to_a_transpose(norm, transposed):
     """torch 2.13 (CPU): the backward of ``F.batch_norm`` (BatchNorm, InstanceNorm) returns wrong
-    weight/bias gradients for this example (off by ~0.01-0.08), so torch's ``.grad`` of a batch of
-    one and the per-example loop oracle are wrong here. gradhooks' rules recompute the normalized
-    input themselves: ``grad1`` matches ``vmap(grad)`` and finite differences."""
+    weight/bias gradients here (off by ~0.01-0.2: input and output-gradient differ in layout, one
+    with non-canonical channels-last strides), so torch's ``.grad`` of a batch of one and the
+    per-example loop oracle are wrong. gradhooks' rules compute the weight and bias gradients
+    themselves: ``grad1`` matches ``vmap(grad)`` and finite differences."""
     torch.manual_seed(0)
-    model = NormThenTranspose(norm()).double()
-    x = torch.randn(1, 2, 1, 2, dtype=torch.float64)
+    model = NormNextToTranspose(norm(), transposed).double()
+    x = torch.randn(1, 2, 2, dtype=torch.float64)
+    if transposed == "grad":
+        x = x.unflatten(-1, (1, 2))
     want = vmap_grad(model, sum_of_squares, x)
     with gradhooks.add_hooks(model, "sum"):
         sum_of_squares(model(x)).backward()
