@@ -95,3 +95,27 @@ def test_transformer_layer_with_a_frozen_first_part(layer, reduction):
 
     case = Case("transformer_frozen_norm1", Model, lambda b: torch.randn(b, 3, 4))
     check(case, batch=3, reduction=reduction)
+
+
+@pytest.mark.parametrize("layer", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_layer_with_parts_tied_to_each_other(layer, batch_first):
+    """``norm2.weight`` is ``norm1.weight`` (and ``linear2.weight`` is ``linear1.weight``): the
+    layer's parameters dedupe them to their first names, so the rule must add each tied part's
+    piece to that name (it dropped norm2's and linear2's contributions)."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer(4, 2, 4, dropout=0.0, batch_first=batch_first)
+            self.layer.norm2.weight = self.layer.norm1.weight
+            self.layer.linear2.weight = self.layer.linear1.weight
+
+        def forward(self, x):
+            x = x if batch_first else x.transpose(0, 1)
+            out = self.layer(x, x) if layer is nn.TransformerDecoderLayer else self.layer(x)
+            return out if batch_first else out.transpose(0, 1)
+
+    case = Case("transformer_tied_parts", Model, lambda b: torch.randn(b, 3, 4))
+    check(case, batch=3, reduction="mean")
+    check(case, batch=1, reduction="sum")
