@@ -119,3 +119,19 @@ def test_transformer_layer_with_parts_tied_to_each_other(layer, batch_first):
     case = Case("transformer_tied_parts", Model, lambda b: torch.randn(b, 3, 4))
     check(case, batch=3, reduction="mean")
     check(case, batch=1, reduction="sum")
+
+
+def test_transformer_layer_part_tied_to_a_later_registered_part():
+    """``norm1.weight`` is ``linear2.bias``: its first name belongs to a part registered earlier
+    but called later (``norm_first=False``: norm1 runs before linear2); not "called twice"."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+            self.layer.norm1.weight = self.layer.linear2.bias
+
+        def forward(self, x):
+            return self.layer(x)
+
+    check(Case("transformer_tied_norm_bias", Model, lambda b: torch.randn(b, 3, 4)), batch=3)
