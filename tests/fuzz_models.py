@@ -706,11 +706,18 @@ def _tie_and_freeze(draw, model: FuzzModel, index: int, pool: list) -> None:
     maybe freeze one; then add its parameters to ``pool``."""
     block = model.blocks[index]
     named = list(block.named_parameters())
+    used: set[tuple[str, int]] = set()  # (module, parameter): one slot per module (see below)
     for qualname, p in named:
-        same = [(j, n, q) for j, n, q in pool if q.shape == p.shape and q is not p]
+        owner, _, leaf = qualname.rpartition(".")
+        # Two slots of one module holding one parameter (bias = weight) is a known gap of the
+        # engine (tests/test_fuzz_regressions.py, xfail): not drawn.
+        same = [
+            (j, n, q) for j, n, q in pool
+            if q.shape == p.shape and q is not p and (owner, id(q)) not in used
+        ]  # fmt: skip
         if same and _chance(draw, 4):
             j, n, q = draw(st.sampled_from(same))
-            owner, _, leaf = qualname.rpartition(".")
+            used.add((owner, id(q)))
             setattr(block.get_submodule(owner), leaf, q)
             model.notes.append(f"tied: step {model.steps.index(index)} {qualname} is step "
                                f"{model.steps.index(j)} {n}")  # fmt: skip

@@ -135,3 +135,19 @@ def test_transformer_layer_part_tied_to_a_later_registered_part():
             return self.layer(x)
 
     check(Case("transformer_tied_norm_bias", Model, lambda b: torch.randn(b, 3, 4)), batch=3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine: a module whose two parameter slots hold one Parameter (LayerNorm with "
+    "bias = weight) is planned from module.named_parameters(), which dedupes the second slot, "
+    "so its rule's piece for that slot is dropped; fixing it needs _plan/_backward in engine.py "
+    "to keep every slot (named_parameters(remove_duplicate=False)) and add their pieces",
+)
+def test_module_with_one_parameter_in_two_slots():
+    def model():
+        m = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2))
+        m[0].bias = m[0].weight
+        return m
+
+    check(Case("layer_norm_bias_is_weight", model, lambda b: torch.randn(b, 2, 3)), batch=3)
