@@ -7,7 +7,7 @@ frozen and bare parameters, custom layers through the fallback) is checked for
 - ``h.param_norms()``, ``h.norms()``, ``h.sum_grad_sq()``, ``h.grad_variance()`` == the same
   quantities of the loop's per-example gradients,
 
-under a mean or a sum loss. ``GRADHOOKS_FUZZ_EXAMPLES`` sets how many models (default 25);
+under a mean or a sum loss. ``GRADHOOKS_FUZZ_EXAMPLES`` sets how many models (default 200, a few seconds);
 ``GRADHOOKS_FUZZ_RANDOM=1`` draws new ones on every run (by default the same, derandomized).
 The test prints how many models it tried and the layer mix (``pytest -s`` or ``-rA``).
 """
@@ -25,7 +25,7 @@ import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 from harness import assert_close, sum_of_squares
 
-EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_EXAMPLES", "200"))
 RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
 TRIED: Counter = Counter()  # models checked, and the layer mix, over the run
 
