@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..engine import paused
 from ..fallback import FALLBACK
-from ..pieces import Piece
+from ..pieces import Direct, Piece
 from ..registry import REGISTRY, Call, register
 
 
@@ -72,17 +72,25 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         else iter(())
     )
 
+    # A parameter tied between parts appears once, under its first name, among the layer's
+    # parameters (the engine's); each part's piece for it is added under that name.
+    first_name = {
+        id(p): n for n, p in reversed(list(layer.named_parameters(remove_duplicate=False)))
+    }
     pieces: dict[str, Piece] = {}
+    called: set[str] = set()
     for (name, module, args, kwargs, out), ts in zip(records, leaves, strict=True):
         entry = REGISTRY.lookup(module)
-        params = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
+        recurse = entry is not None and entry.owns_children
+        params = {n: p for n, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         part_grads = [torch.zeros_like(t) if (g := next(grads)) is None else g for t in ts]
-        if not params:
+        if not params:  # nothing to compute (all frozen: maybe no gradient reached it either)
             continue
         if entry is None:
             entry = FALLBACK  # a part without a rule: torch.func, as for any module
-        if name in {p.split(".")[0] for p in pieces}:
+        if name in called:
             raise RuntimeError(f"{where}: part '{name}' was called twice; not supported")
+        called.add(name)
         out_leaves = tree_flatten(out)[0]
         full: list[Tensor | None] = [None] * len(out_leaves)
         it = iter(part_grads)
@@ -109,5 +117,13 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
             )
         for pname, piece in entry.rule(part).items():
             if pname in params:
-                pieces[f"{name}.{pname}"] = piece
+                key = first_name[id(params[pname])]
+                pieces[key] = (
+                    piece if key not in pieces else _added(pieces[key], piece, params[pname])
+                )
     return pieces
+
+
+def _added(p: Piece, q: Piece, param: Tensor) -> Piece:
+    """One piece for a parameter two parts use: the sum of their per-example gradients."""
+    return Direct(p.grad1(param.shape) + q.grad1(param.shape))
