@@ -849,7 +849,10 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
         if any(name.startswith(prefix) for prefix in owned):
             continue
         entry = registry.lookup(module)
-        own = dict(module.named_parameters(recurse=entry is not None and entry.owns_children))
+        recurse = entry is not None and entry.owns_children
+        # Every slot, also one Parameter held in two slots of a module (bias = weight): each
+        # slot's piece is added to it.
+        own = dict(module.named_parameters(recurse=recurse, remove_duplicate=recurse))
         if entry is None:
             trainable = {n: p for n, p in own.items() if p.requires_grad}
             if trainable and unsupported == "fallback":

@@ -137,13 +137,6 @@ def test_transformer_layer_part_tied_to_a_later_registered_part():
     check(Case("transformer_tied_norm_bias", Model, lambda b: torch.randn(b, 3, 4)), batch=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: a module whose two parameter slots hold one Parameter (LayerNorm with "
-    "bias = weight) is planned from module.named_parameters(), which dedupes the second slot, "
-    "so its rule's piece for that slot is dropped; fixing it needs _plan/_backward in engine.py "
-    "to keep every slot (named_parameters(remove_duplicate=False)) and add their pieces",
-)
 def test_module_with_one_parameter_in_two_slots():
     def model():
         m = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2))
@@ -151,3 +144,21 @@ def test_module_with_one_parameter_in_two_slots():
         return m
 
     check(Case("layer_norm_bias_is_weight", model, lambda b: torch.randn(b, 2, 3)), batch=3)
+
+
+class _TwoSlots(nn.Module):
+    """A layer without a rule (the fallback) whose two slots hold one Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.shift = self.scale
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale + self.shift)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_parameter_in_two_slots_through_the_fallback(reduction):
+    case = Case("two_slots_fallback", lambda: nn.Sequential(_TwoSlots(), nn.Linear(3, 2)), lambda b: torch.randn(b, 3))
+    check(case, batch=3, reduction=reduction)
