@@ -289,7 +289,9 @@ def _gradhooks_dp(s: Setup, quantity: str) -> Runner:
 
     def step() -> None:
         losses = each(s.model(s.x), s.y)
-        gradhooks.dp_sgd_step(hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen)
+        gradhooks.dp_sgd_step(
+            hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen
+        )
         opt.step()
 
     def reset() -> None:
@@ -323,7 +325,9 @@ def _opacus_dp(s: Setup, ghost: bool) -> Runner:
     params = list(s.trainable().values())
     kwargs = dict(noise_multiplier=NOISE, max_grad_norm=MAX_NORM, expected_batch_size=s.batch)
     if ghost:
-        wrapped = GradSampleModuleFastGradientClipping(s.model, loss_reduction="mean", use_ghost_clipping=True)
+        wrapped = GradSampleModuleFastGradientClipping(
+            s.model, loss_reduction="mean", use_ghost_clipping=True
+        )
         opt = DPOptimizerFastGradientClipping(torch.optim.SGD(params, lr=1e-3), **kwargs)
         criterion = DPLossFastGradientClipping(wrapped, opt, _Criterion(s.loss, each), "mean")
     else:

@@ -13,11 +13,11 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .check import check_rule
 from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
+from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
 from .dp import clip_factors, dp_sgd_step
+from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .jacobian import jacobians
 from .kfac import KFactors, kfac
-from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
-from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .pieces import Direct, Outer, Piece
 from .registry import REGISTRY, Call, Registry, register
 

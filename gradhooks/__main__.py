@@ -87,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {'method':<18} | {'time (ms)':>10} | {'vs hooks':>8} | {'max |diff| vs hooks':>20} |")
     print(f"| {'-' * 18} | {'-' * 10}:| {'-' * 8}:| {'-' * 20}:|")
     print(f"| {'gradhooks hooks':<18} | {t_hooks * 1e3:>10.2f} | {1.0:>7.2f}x | {'':>20} |")
-    print(f"| {'vmap(grad)':<18} | {t_vmap * 1e3:>10.2f} | {t_vmap / t_hooks:>7.2f}x | {d_vmap:>20.2e} |")
-    print(f"| {'per-example loop':<18} | {t_loop * 1e3:>10.2f} | {t_loop / t_hooks:>7.2f}x | {d_loop:>20.2e} |")
+    print(
+        f"| {'vmap(grad)':<18} | {t_vmap * 1e3:>10.2f} | {t_vmap / t_hooks:>7.2f}x | {d_vmap:>20.2e} |"
+    )
+    print(
+        f"| {'per-example loop':<18} | {t_loop * 1e3:>10.2f} | {t_loop / t_hooks:>7.2f}x | {d_loop:>20.2e} |"
+    )
     print()
     if ok:
         print(f"agree: largest difference is {max(r_vmap, r_loop):.1e} of the largest gradient")

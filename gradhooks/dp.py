@@ -130,7 +130,9 @@ def dp_sgd_step(
             )
         finally:
             hooks._ignore_backward = False
-        clipped = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        clipped = [
+            torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
+        ]
     std = noise_multiplier * max_norm
     denom = max(batch, 1) if reduction == "mean" else 1
     for p, c in zip(params, clipped, strict=True):

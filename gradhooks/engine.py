@@ -30,9 +30,7 @@ from .fallback import FALLBACK, fallback_params
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, Registry, _Entry
 
-__all__ = [
-    "Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1", "set_enabled", "paused"
-]
+__all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1", "set_enabled", "paused"]
 
 LossReduction = Literal["mean", "sum"]
 Unsupported = Literal["fallback", "error", "skip"]
@@ -339,7 +337,9 @@ class Hooks:
         """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``)."""
         c = self._results("norms")
         if not c.param_sq_norms:
-            raise RuntimeError("no backward has been captured since the hooks were added or cleared")
+            raise RuntimeError(
+                "no backward has been captured since the hooks were added or cleared"
+            )
         return total_norms(c.param_sq_norms)
 
     def sum_grad_sq(self) -> dict[str, Tensor]:
@@ -444,9 +444,7 @@ class Hooks:
             if not live:
                 return
             leaves, _ = tree_flatten(output)
-            hooked = [
-                i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad
-            ]
+            hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
             call = Call(
@@ -875,7 +873,10 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
         # Skipping a parameter that a covered module also uses (tied) would make its grad1 hold
         # only part of the gradient: never allowed.
         tied = [
-            f"'{name}.{pn}'" for name, _, ps in uncovered for pn, p in ps.items() if id(p) in covered
+            f"'{name}.{pn}'"
+            for name, _, ps in uncovered
+            for pn, p in ps.items()
+            if id(p) in covered
         ]
         if unsupported == "error" or tied:
             why = (

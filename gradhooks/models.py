@@ -7,8 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "SimpleCNN", "LeNet", "MLP", "CifarCNN", "ResNet18GN", "TinyGPT", "TinyViT",
-    "LSTMLanguageModel", "TinyUNet", "EmbedBlock",
+    "SimpleCNN",
+    "LeNet",
+    "MLP",
+    "CifarCNN",
+    "ResNet18GN",
+    "TinyGPT",
+    "TinyViT",
+    "LSTMLanguageModel",
+    "TinyUNet",
+    "EmbedBlock",
 ]
 
 

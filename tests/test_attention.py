@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from einops import rearrange
-from harness import Case, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.pieces import Direct, Outer
+from harness import Case, check
 
 
 @dataclass(frozen=True)

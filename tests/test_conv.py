@@ -30,13 +30,20 @@ def conv_cases(draw, dims):
         )
     )
     stride = (
-        1 if padding == "same" else draw(st.one_of(st.integers(1, 2), st.tuples(*[st.integers(1, 2)] * dims)))
+        1
+        if padding == "same"
+        else draw(st.one_of(st.integers(1, 2), st.tuples(*[st.integers(1, 2)] * dims)))
     )
     bias = draw(st.booleans())
     size = draw(st.integers(4, 7)) if dims < 3 else draw(st.integers(4, 5))
     kwargs = dict(
-        kernel_size=kernel, stride=stride, padding=padding, dilation=dilation,
-        groups=groups, bias=bias, padding_mode=padding_mode,
+        kernel_size=kernel,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=bias,
+        padding_mode=padding_mode,
     )
     spatial = (size,) * dims
     return Case(
@@ -76,5 +83,7 @@ def test_conv2d_sweep(case, batch, reduction):
 )
 @pytest.mark.parametrize("batch", [0, 1, 3])
 def test_conv2d_named(kwargs, batch):
-    case = Case(f"conv2d{kwargs}", lambda: nn.Conv2d(4, 8, **kwargs), lambda b: torch.randn(b, 4, 7, 6))
+    case = Case(
+        f"conv2d{kwargs}", lambda: nn.Conv2d(4, 8, **kwargs), lambda b: torch.randn(b, 4, 7, 6)
+    )
     check(case, batch=batch)

@@ -24,7 +24,9 @@ CASES = [
     ),
     Case("mlp", lambda: MLP(7, 5, 3), lambda b: torch.randn(b, 7)),
     Case("linear_3d", lambda: nn.Linear(5, 3), lambda b: torch.randn(b, 6, 5)),
-    Case("linear_4d_nobias", lambda: nn.Linear(5, 3, bias=False), lambda b: torch.randn(b, 2, 3, 5)),
+    Case(
+        "linear_4d_nobias", lambda: nn.Linear(5, 3, bias=False), lambda b: torch.randn(b, 2, 3, 5)
+    ),
     Case("linear_2d", lambda: nn.Linear(4, 2), lambda b: torch.randn(b, 4)),
 ]
 

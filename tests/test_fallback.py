@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import Case, check
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
+from harness import Case, check
 
 
 class Scale(nn.Module):

@@ -160,5 +160,9 @@ class _TwoSlots(nn.Module):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_one_parameter_in_two_slots_through_the_fallback(reduction):
-    case = Case("two_slots_fallback", lambda: nn.Sequential(_TwoSlots(), nn.Linear(3, 2)), lambda b: torch.randn(b, 3))
+    case = Case(
+        "two_slots_fallback",
+        lambda: nn.Sequential(_TwoSlots(), nn.Linear(3, 2)),
+        lambda b: torch.randn(b, 3),
+    )
     check(case, batch=3, reduction=reduction)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import CASES
 from torch import nn
 
 import gradhooks
-from cases import CASES
 from harness import _double, assert_close
 
 
@@ -35,7 +35,7 @@ def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
             h.remove()
         loss = case.loss(out) if target is None else case.loss(out, target[b : b + 1])
         grads = torch.autograd.grad(loss, [o for *_, o in seen])
-        for (n, m, x, _), g in zip(seen, grads):
+        for (_, m, x, _), g in zip(seen, grads):
             name = next(pn for pn, p in model.named_parameters() if p is m.weight)
             if isinstance(m, nn.Linear):
                 a, gg = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [shared, in/out]

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from harness import Case, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_conv import _valid, conv_cases
 from torch import nn
 
 import gradhooks
+from harness import Case, check
 
 TRANSPOSE = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 

@@ -4,13 +4,13 @@ rules in this branch."""
 
 import pytest
 import torch
-from harness import Case, assert_close, check, run_hooked, sum_of_squares
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
+from harness import Case, assert_close, check, run_hooked, sum_of_squares
 
 REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
 BATCHES = st.sampled_from([0, 1, 3])

@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
-from harness import Case, assert_close, check, run_hooked, sum_of_squares
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
+from harness import Case, assert_close, check, run_hooked, sum_of_squares
 
 REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
 BATCHES = st.sampled_from([0, 1, 3])

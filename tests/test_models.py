@@ -53,5 +53,7 @@ def test_model_batch_of_one(case):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_lstm_language_model(reduction):
-    case = Case("lstm_lm", lambda: LSTMLanguageModel(vocab=11, dim=4, hidden=5, layers=2), tokens(11, 5))
+    case = Case(
+        "lstm_lm", lambda: LSTMLanguageModel(vocab=11, dim=4, hidden=5, layers=2), tokens(11, 5)
+    )
     check(case, batch=3, reduction=reduction)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import CASES, CASES_BY_LAYER
 from torch import nn
 
 import gradhooks
-from cases import CASES, CASES_BY_LAYER
-from harness import Case, _double, assert_close
 from gradhooks.models import SimpleCNN
 from gradhooks.oracle import loop_grad
+from harness import Case, _double, assert_close
 
 
 def setup(case: Case, batch: int, seed: int = 0):

@@ -36,7 +36,9 @@ def registry():
 
 def test_user_rule_is_used_like_a_builtin(registry):
     registry.register(Scale)(scale_rule)
-    case = Case("scale", lambda: nn.Sequential(nn.Linear(3, 4), Scale(4)), lambda b: torch.randn(b, 2, 3))
+    case = Case(
+        "scale", lambda: nn.Sequential(nn.Linear(3, 4), Scale(4)), lambda b: torch.randn(b, 2, 3)
+    )
     for reduction in ("mean", "sum"):
         check(case, batch=3, reduction=reduction, registry=registry)
     assert gradhooks.check_rule(Scale(4), torch.randn(5, 4), registry=registry).ok
@@ -47,7 +49,9 @@ def test_check_rule_reports_a_wrong_rule(registry):
         return {"scale": gradhooks.Direct(2 * scale_rule(call)["scale"].value)}
 
     registry.register(Scale)(wrong)
-    report = gradhooks.check_rule(Scale(4), torch.randn(5, 4), registry=registry, raise_on_mismatch=False)
+    report = gradhooks.check_rule(
+        Scale(4), torch.randn(5, 4), registry=registry, raise_on_mismatch=False
+    )
     assert not report.ok and "scale (sum)" in report.failures
     with pytest.raises(AssertionError, match="scale"):
         gradhooks.check_rule(Scale(4), torch.randn(5, 4), registry=registry)

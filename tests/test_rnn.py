@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import Case, _double, assert_close, check, run_hooked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -18,6 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 from gradhooks.rules.rnn import recompute
+from harness import Case, _double, assert_close, check, run_hooked
 
 TYPES = {
     "tanh": lambda *a, **k: nn.RNN(*a, nonlinearity="tanh", **k),

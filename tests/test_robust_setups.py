@@ -30,7 +30,9 @@ def mlp(dtype=D):
 def assert_matches(model, want, what="", **tol):
     for n, p in model.named_parameters():
         if tol:
-            torch.testing.assert_close(p.grad1, want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}")
+            torch.testing.assert_close(
+                p.grad1, want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
+            )
         else:
             assert_close(p.grad1, want[n], f"{what} {n}")
 

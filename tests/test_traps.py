@@ -47,7 +47,11 @@ CASES = [
     Case("reused_module", Reused, lambda b: torch.randn(b, 4)),
     Case("tied_weight", Tied, lambda b: torch.randn(b, 5)),
     Case("frozen_parameter", frozen_first, lambda b: torch.randn(b, 4)),
-    Case("reused_conv", lambda: nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1)] * 3), lambda b: torch.randn(b, 2, 5, 5)),
+    Case(
+        "reused_conv",
+        lambda: nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1)] * 3),
+        lambda b: torch.randn(b, 2, 5, 5),
+    ),
 ]
 
 

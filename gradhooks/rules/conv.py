@@ -34,7 +34,10 @@ def im2col(
         return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
     if nd == 1:
         cols = F.unfold(
-            x.unsqueeze(-2), (1, *kernel), dilation=(1, *dilation), padding=(0, *padding),
+            x.unsqueeze(-2),
+            (1, *kernel),
+            dilation=(1, *dilation),
+            padding=(0, *padding),
             stride=(1, *stride),
         )
         return cols
