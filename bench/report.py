@@ -185,7 +185,7 @@ def plot(data: dict, path: Path) -> Path | None:
                 values = [ratios(records, mo, what).get(method, 0.0) for mo in models]
                 xs = [k + i * width for k in range(len(models))]
                 label = METHODS[method].label if method in METHODS else method
-                ax.bar(xs, values, width, label=label)
+                ax.bar(xs, values, width, label=label, color=plt.cm.tab20(i % 20))
             ax.set_yscale("log")
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks([k + 0.4 - width / 2 for k in range(len(models))])
