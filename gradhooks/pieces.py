@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Piece", "Outer", "Direct"]
+__all__ = ["Piece", "Outer", "Direct", "Rows"]
 
 
 class Piece:
@@ -160,6 +160,89 @@ class Direct(Piece):
         return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
 
 
+@dataclass
+class Rows(Piece):
+    """A gradient that adds vectors into rows of a ``[num_rows, dim]`` parameter (an embedding
+    table): ``grad1[b, n] = Σ_{entries e with example[e] = b and index[e] = n} g[e]``.
+
+    A sparse (coordinate) layout: ``example``, ``index``: ``[entries]`` (int64), ``g``:
+    ``[entries, dim]``; ``batch`` the number of examples (entries of every example may be
+    absent), ``num_rows`` the parameter's first dimension. Entries the parameter does not get a
+    gradient from (``padding_idx``) are left out by the rule (or have ``g = 0``).
+    ``positions``: set when every example has exactly that many entries, in order
+    (``example[e] = e // positions``: an Embedding's ``[batch, positions]`` lookups), which
+    lets inner products with an :class:`Outer` piece of a tied weight batch over examples.
+
+    ``grad1`` is one scatter-add into ``[batch * num_rows, dim]``; norms and squared sums are
+    computed on the rows the examples touched (at most ``entries``), never on
+    ``[batch, num_rows, dim]``: see :func:`rows_compact`.
+    """
+
+    example: Tensor
+    index: Tensor
+    g: Tensor
+    batch: int
+    num_rows: int
+    positions: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch
+
+    def keys(self) -> Tensor:
+        """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)``."""
+        return self.example * self.num_rows + self.index
+
+    def select(self, rows: slice) -> Rows:
+        """The same piece restricted to the examples ``rows`` (a slice with step 1)."""
+        start, stop, _ = rows.indices(self.batch)
+        stop = max(start, stop)
+        keep = (self.example >= start) & (self.example < stop)
+        return Rows(
+            self.example[keep] - start,
+            self.index[keep],
+            self.g[keep],
+            stop - start,
+            self.num_rows,
+            self.positions,
+        )
+
+    def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
+        g = _scaled(self.g, scale)
+        differentiable = torch.is_grad_enabled() and g.requires_grad
+        if differentiable or torch._C._functorch.peek_interpreter_stack() is not None:
+            out = g.new_zeros(self.batch * self.num_rows, g.shape[-1])
+            out = out.index_add(0, self.keys(), g)
+            return out.reshape(self.batch, *param_shape)
+        out = g.new_empty((self.batch, *param_shape))
+        self.grad1_into(out, scale)
+        return out
+
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        if out.dtype != self.g.dtype or not out.is_contiguous():
+            return super().grad1_into(out, scale, accumulate)
+        flat = out.view(self.batch * self.num_rows, self.g.shape[-1])
+        if not accumulate:
+            flat.zero_()
+        flat.index_add_(0, self.keys(), self.g, alpha=scale)
+
+
+def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]]:
+    """The rows that the (scaled) :class:`Rows` pieces of one parameter touch, per example:
+    ``(keys, values)`` with ``keys`` ``[rows]`` the distinct ``example * num_rows + index`` and
+    ``values[j]`` ``[rows, dim]`` piece ``j``'s (scaled) gradient in those rows. Every row of
+    ``grad1`` not in ``keys`` is zero, so norms, inner products and squared sums of ``grad1``
+    are those of the compact rows: ``O(entries · dim)``, never ``batch · num_rows · dim``."""
+    keys = [p.keys() for p, _ in pieces]
+    unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+    values, start = [], 0
+    for (p, s), k in zip(pieces, keys, strict=True):
+        inv = inverse[start : start + k.numel()]
+        start += k.numel()
+        values.append(p.g.new_zeros(unique.numel(), p.g.shape[-1]).index_add_(0, inv, p.g, alpha=s))
+    return unique, values
+
+
 def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
 
@@ -171,7 +254,7 @@ def _scaled(t: Tensor, scale: float) -> Tensor:
 
 def select(piece: Piece, rows: slice) -> Piece:
     """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
-    if isinstance(piece, Outer | Direct):
+    if isinstance(piece, Outer | Direct | Rows):
         return piece.select(rows)
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")
 
@@ -225,7 +308,49 @@ def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:
         return None
     if isinstance(piece, Direct):
         return (piece.value**2).sum(0).reshape(param_shape)
+    if isinstance(piece, Rows):
+        return rows_sum_sq([(piece, 1.0)], param_shape)
     return None
+
+
+def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:
+    """``‖Σ_j scale_j grad1_j[b]‖²`` for :class:`Rows` pieces of one parameter, ``[batch]``."""
+    keys, values = rows_compact(pieces)
+    total = values[0] if len(values) == 1 else torch.stack(values).sum(0)
+    batch = pieces[0][0].batch
+    out = total.new_zeros(batch)
+    return out.index_add_(0, keys // pieces[0][0].num_rows, total.pow(2).sum(1))
+
+
+def rows_sum_sq(pieces: list[tuple[Rows, float]], param_shape: torch.Size) -> Tensor:
+    """``Σ_b (Σ_j scale_j grad1_j[b])²`` for :class:`Rows` pieces of one parameter."""
+    keys, values = rows_compact(pieces)
+    total = values[0] if len(values) == 1 else torch.stack(values).sum(0)
+    out = total.new_zeros(pieces[0][0].num_rows, total.shape[-1])
+    return out.index_add_(0, keys % pieces[0][0].num_rows, total.pow(2)).reshape(param_shape)
+
+
+def rows_outer_inner(p: Rows, q: Outer) -> Tensor | None:
+    """Per-example ``⟨grad1_p[b], grad1_q[b]⟩`` of a :class:`Rows` piece and a
+    :class:`Outer` piece of the same ``[num_rows, dim]`` weight (an embedding tied to an
+    output Linear), without materializing either: with ``q``'s ``a`` ``[batch, shared, dim]``
+    and ``g`` ``[batch, shared, num_rows]``,
+
+        ⟨Σ_e onehot(index_e) g_eᵀ, Σ_t g_q[t] a[t]ᵀ⟩ = Σ_e Σ_t g_q[t, index_e] (a[t] · g_e)
+
+    (``O(batch · positions · shared · dim)``). ``None`` where this does not apply (``q`` has
+    groups or no input, ``p`` has no fixed ``positions``): the caller then materializes."""
+    if p.positions is None or not q.has_input or q.g.dim() != 3 or q.g.shape[-1] != p.num_rows:
+        return None
+    dim = p.g.shape[-1]
+    if q.in_features != dim or 2 * p.positions * q.g.shape[1] >= p.num_rows * dim:
+        return None  # materializing [num_rows, dim] per example is cheaper
+    a, gq = q.a, q.g  # [batch, shared, dim], [batch, shared, rows]
+    # letters: b batch, t shared position of q, s position of p, d dim
+    gp = p.g.reshape(p.batch, p.positions, dim)
+    idx = p.index.reshape(p.batch, 1, p.positions).expand(-1, gq.shape[1], -1)
+    ag = torch.einsum("btd,bsd->bts", a, gp)
+    return (ag * gq.gather(2, idx)).flatten(1).sum(1)
 
 
 def batch_sum(piece: Piece, param_shape: torch.Size) -> Tensor:
@@ -236,4 +361,7 @@ def batch_sum(piece: Piece, param_shape: torch.Size) -> Tensor:
         return torch.einsum("b...so,b...si->...oi", piece.g, piece.a).reshape(param_shape)
     if isinstance(piece, Direct):
         return piece.value.sum(0).reshape(param_shape)
+    if isinstance(piece, Rows):
+        out = piece.g.new_zeros(piece.num_rows, piece.g.shape[-1])
+        return out.index_add_(0, piece.index, piece.g).reshape(param_shape)
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")

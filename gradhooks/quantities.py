@@ -260,10 +260,27 @@ def _transient(piece: P.Piece) -> int:
 def _sq_norm(h: _Held) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``."""
     shape = h.param.shape
-    ps = h.pieces
+    rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
+    ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]
     cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    total = None
+    if cheap and rows and ps:  # a tied weight: embedding rows and an output layer's outer
+        cross = []
+        for p, sp in rows:
+            for q, sq in ps:
+                term = P.rows_outer_inner(p, q) if isinstance(q, P.Outer) else None
+                if term is None:
+                    cheap = False
+                    break
+                cross.append(term * (2 * sp * sq))
+            if not cheap:
+                break
+        if cheap:
+            total = sum(cross[1:], cross[0])
     if cheap:
-        total = None
+        if rows:  # every Rows piece together, cross terms included, on the rows they touch
+            term = P.rows_sq_norm(rows)
+            total = term if total is None else total + term
         for i, (p, sp) in enumerate(ps):
             for j in range(i, len(ps)):
                 q, sq = ps[j]
@@ -276,6 +293,8 @@ def _sq_norm(h: _Held) -> Tensor:
 
 def _sum_sq(h: _Held) -> Tensor:
     """``Σ_b (Σ_j scale_j grad1_j[b])²``, shape ``param.shape``."""
+    if all(isinstance(p, P.Rows) for p, _ in h.pieces):
+        return P.rows_sum_sq(h.pieces, h.param.shape)
     if len(h.pieces) == 1:
         piece, scale = h.pieces[0]
         direct = P.sum_sq(piece, h.param.shape)

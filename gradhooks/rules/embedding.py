@@ -1,10 +1,11 @@
 """nn.Embedding and nn.EmbeddingBag: the weight rows an example looked up get its gradients.
 
 A lookup is a one-hot row times the weight, so the per-example gradient is an outer product of
-one-hot rows with the output-gradient; it is built directly (a scatter-add into
-``[batch, num_embeddings, embedding_dim]``, a :class:`Direct` piece) rather than by
-materializing the one-hot ``[batch, positions, num_embeddings]``. Rules never scale: the engine
-applies mean/sum.
+one-hot rows with the output-gradient. The rules return a :class:`Rows` piece (which rows get
+which output-gradient vectors): ``grad1`` is one scatter-add into
+``[batch, num_embeddings, embedding_dim]``, and norms / squared sums are computed on the rows
+each example touched, without ``grad1``. ``EmbeddingBag(mode="max")`` returns a :class:`Direct`
+piece. Rules never scale: the engine applies mean/sum.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..pieces import Direct
+from ..pieces import Direct, Rows
 from ..registry import Call, register
 
 
 @register(nn.Embedding)
-def embedding(call: Call) -> dict[str, Direct]:
+def embedding(call: Call) -> dict[str, Rows]:
     """``input``: ``[batch, *]`` indices, ``g``: ``[batch, *, dim]``; per example,
     ``grad1[b, n] = Σ_{positions p with input[b, p] = n} g[b, p]``.
 
@@ -45,9 +46,13 @@ def embedding(call: Call) -> dict[str, Direct]:
         counts = torch.zeros(batch, m.num_embeddings, dtype=g.dtype, device=g.device)
         counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=g.dtype))
         g = g / counts.gather(1, idx)[..., None]
-    value = g.new_zeros(batch, m.num_embeddings, dim)
-    value.scatter_add_(1, idx[..., None].expand(-1, -1, dim), g)
-    return {"weight": Direct(value)}
+    positions = idx.shape[1]
+    example = torch.arange(batch, device=idx.device).repeat_interleave(positions)
+    return {
+        "weight": Rows(
+            example, idx.reshape(-1), g.reshape(-1, dim), batch, m.num_embeddings, positions
+        )
+    }
 
 
 def bags(m: nn.EmbeddingBag, idx: Tensor, offsets: Tensor | None):
@@ -80,7 +85,7 @@ def bags(m: nn.EmbeddingBag, idx: Tensor, offsets: Tensor | None):
 
 
 @register(nn.EmbeddingBag)
-def embedding_bag(call: Call) -> dict[str, Direct]:
+def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
     """One example per bag: ``input`` ``[bags, length]``, or 1-D with ``offsets`` (then
     ``batch`` = the number of bags); ``g``: ``[bags, dim]``.
 
@@ -104,8 +109,8 @@ def embedding_bag(call: Call) -> dict[str, Direct]:
     g = call.grad_output  # [bags, dim]
     bag, flat, valid, num_bags = bags(m, idx, offsets)
     dim = m.embedding_dim
-    value = g.new_zeros(num_bags, m.num_embeddings, dim)
     if m.mode == "max":
+        value = g.new_zeros(num_bags, m.num_embeddings, dim)
         # The entry holding each dimension's maximum, per bag: [bags, length] padded with -inf.
         valid_bag, valid_idx = bag[valid], flat[valid]
         counts = torch.bincount(valid_bag, minlength=num_bags)
@@ -135,5 +140,5 @@ def embedding_bag(call: Call) -> dict[str, Direct]:
             0, bag, valid.to(g.dtype)
         )
         coef = coef / counts[bag].clamp(min=1)
-    value.index_put_((bag, flat), coef[:, None] * g[bag], accumulate=True)
-    return {"weight": Direct(value)}
+    bag, flat, coef = bag[valid], flat[valid], coef[valid]
+    return {"weight": Rows(bag, flat, coef[:, None] * g[bag], num_bags, m.num_embeddings)}
