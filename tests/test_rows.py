@@ -1,0 +1,162 @@
+"""The Rows piece (embedding tables): its grad1, grad1_into, select, norms, squared sums and
+batch sums against a dense construction, and norms / squared sums of models with embeddings
+(tied to an output Linear, reused, padding_idx, bags) against the per-example loop oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradhooks
+from gradhooks import pieces as P
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+
+def random_rows(batch, rows, dim, entries, seed, positions=None):
+    gen = torch.Generator().manual_seed(seed)
+    if positions is not None:
+        example = torch.arange(batch).repeat_interleave(positions)
+    else:
+        example = torch.randint(max(batch, 1), (entries,), generator=gen) if batch else torch.zeros(0, dtype=torch.long)
+    index = torch.randint(rows, (example.numel(),), generator=gen)
+    g = torch.randn(example.numel(), dim, generator=gen, dtype=torch.float64)
+    return P.Rows(example, index, g, batch, rows, positions)
+
+
+def dense(piece: P.Rows) -> torch.Tensor:
+    out = torch.zeros(piece.batch, piece.num_rows, piece.g.shape[-1], dtype=piece.g.dtype)
+    for e in range(piece.example.numel()):
+        out[piece.example[e], piece.index[e]] += piece.g[e]
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.sampled_from([0, 1, 5]),
+    rows=st.integers(1, 6),
+    dim=st.integers(1, 4),
+    entries=st.integers(0, 12),
+    seed=st.integers(0, 100),
+    scale=st.sampled_from([1.0, 2.5]),
+)
+def test_rows_methods_against_dense(batch, rows, dim, entries, seed, scale):
+    p = random_rows(batch, rows, dim, entries, seed)
+    q = random_rows(batch, rows, dim, entries + 3, seed + 1)
+    shape = torch.Size([rows, dim])
+    want = dense(p)
+    assert_close(p.grad1(shape, scale), want * scale, "grad1")
+    out = torch.full((batch, rows, dim), 7.0, dtype=torch.float64)
+    p.grad1_into(out, scale)
+    assert_close(out, want * scale, "grad1_into")
+    p.grad1_into(out, 1.0, accumulate=True)
+    assert_close(out, want * (scale + 1), "grad1_into accumulate")
+    if batch:
+        sl = slice(1, batch)
+        assert_close(P.select(p, sl).grad1(shape), want[sl], "select")
+    both = want * scale + dense(q) * 2.0
+    assert_close(P.rows_sq_norm([(p, scale), (q, 2.0)]), both.flatten(1).pow(2).sum(1), "sq_norm")
+    assert_close(P.rows_sum_sq([(p, scale), (q, 2.0)], shape), both.pow(2).sum(0), "sum_sq")
+    assert_close(P.sum_sq(p, shape), want.pow(2).sum(0), "sum_sq one piece")
+    assert_close(P.batch_sum(p, shape), want.sum(0), "batch_sum")
+
+
+@pytest.mark.parametrize("shared", [1, 3, 40])  # 40: Gram dearer than materializing -> None
+def test_rows_outer_inner_against_dense(shared):
+    batch, rows, dim, positions = 3, 9, 5, 4
+    p = random_rows(batch, rows, dim, 0, 3, positions)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(batch, shared, dim, generator=gen, dtype=torch.float64)
+    g = torch.randn(batch, shared, rows, generator=gen, dtype=torch.float64)
+    q = P.Outer(a, g)
+    got = P.rows_outer_inner(p, q)
+    if 2 * positions * shared >= rows * dim:
+        assert got is None
+        return
+    want = (dense(p) * q.grad1(torch.Size([rows, dim]))).flatten(1).sum(1)
+    assert_close(got, want, "rows_outer_inner")
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab, dim, padding_idx, reuse):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.tok.weight
+        self.reuse = reuse
+
+    def forward(self, x):
+        h = self.tok(x)
+        if self.reuse:
+            h = h + self.tok(x.flip(1))
+        return self.out(torch.tanh(self.mix(h)))
+
+
+def sum_of_squares(out):
+    return (out**2).sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 4])
+@pytest.mark.parametrize(
+    "vocab,dim,seq,padding_idx,reuse",
+    [
+        (50, 8, 5, 0, False),  # Gram cross term (2·5·5 < 50·8)
+        (50, 8, 5, None, True),  # reused embedding, tied
+        (7, 3, 6, 2, False),  # cross term dearer than materializing: per-chunk fallback
+        (7, 3, 6, None, True),
+    ],
+)
+def test_tied_embedding_norms_against_loop(vocab, dim, seq, padding_idx, reuse, batch, reduction):
+    torch.manual_seed(0)
+    model = TiedLM(vocab, dim, padding_idx, reuse).double()
+    x = torch.randint(vocab, (batch, seq))
+    if batch and padding_idx is not None:
+        x[0, :2] = padding_idx
+    loop = loop_grad(model, sum_of_squares, x)
+    with gradhooks.add_hooks(model, reduction, quantities=("norms", "sum_grad_sq")) as h:
+        loss = sum_of_squares(model(x))
+        (loss / max(batch, 1) if reduction == "mean" else loss).backward()
+    norms, sums = h.param_norms(), h.sum_grad_sq()
+    for name, g in loop.items():
+        assert_close(norms[name], g.flatten(1).norm(dim=1), f"{name} norm")
+        assert_close(sums[name], (g**2).sum(0), f"{name} sum_grad_sq")
+    with gradhooks.add_hooks(model, reduction):
+        loss = sum_of_squares(model(x))
+        (loss / max(batch, 1) if reduction == "mean" else loss).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, loop[name], f"{name} grad1")
+    if batch:
+        assert_close(p.grad1, vmap_grad(model, sum_of_squares, x)[name], f"{name} vmap")
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_embedding_bag_norms_against_loop(mode, weighted):
+    torch.manual_seed(1)
+    if weighted and mode == "mean":
+        pytest.skip("torch: per_sample_weights only with mode='sum'")
+    model = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=1).double()
+    x = torch.randint(9, (5, 6))
+    x[0, :3] = 1
+    w = torch.rand(5, 6, dtype=torch.float64)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = model
+
+        def forward(self, x, w):
+            return self.bag(x, per_sample_weights=w if weighted else None)
+
+    wrap = Wrap()
+    loop = loop_grad(wrap, sum_of_squares, (x, w))
+    with gradhooks.add_hooks(wrap, "sum", quantities=("norms", "sum_grad_sq")) as h:
+        sum_of_squares(wrap(x, w)).backward()
+    g = loop["bag.weight"]
+    assert_close(h.param_norms()["bag.weight"], g.flatten(1).norm(dim=1), "bag norm")
+    assert_close(h.sum_grad_sq()["bag.weight"], (g**2).sum(0), "bag sum_grad_sq")
