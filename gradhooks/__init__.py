@@ -18,7 +18,7 @@ from .dp import clip_factors, dp_sgd_step
 from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .jacobian import jacobians
 from .kfac import KFactors, kfac
-from .pieces import Direct, Outer, Piece
+from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
 
 __version__ = "0.1.0"
@@ -58,6 +58,7 @@ __all__ = [
     "Piece",
     "Outer",
     "Direct",
+    "Rows",
     "check_rule",
     # references
     "oracle",
