@@ -61,14 +61,17 @@ def _attention(
     bias_k: Tensor | None,
     bias_v: Tensor | None,
     args: dict,
-) -> tuple[Tensor, Tensor]:
+    need_probs: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """The attention between the projections, batch first, as ``F.multi_head_attention_forward``
     computes it.
 
     ``q``: ``[batch, tgt, E]``, ``k``/``v``: ``[batch, src, E]``, ``bias_k``/``bias_v``:
     ``[batch, 1, E]`` (one copy per example). Returns ``ctx`` ``[batch, tgt, E]`` (the input
     of ``out_proj``) and the attention probabilities ``[batch, heads, tgt, src']`` (``src'``:
-    with the bias_k and zero-attention slots).
+    with the bias_k and zero-attention slots), or ``None`` unless ``need_probs``: then the
+    attention is torch's fused ``scaled_dot_product_attention`` (as in the module's own forward),
+    much cheaper to run and backpropagate than the explicit softmax.
     """
     heads = m.num_heads
     batch, tgt = q.shape[:2]
@@ -99,6 +102,10 @@ def _attention(
     q, k, v = (
         rearrange(t, "batch seq (heads dim) -> batch heads seq dim", heads=heads) for t in (q, k, v)
     )
+    if not need_probs:
+        mask = attn_mask if kpm is None else kpm if attn_mask is None else attn_mask + kpm
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return rearrange(ctx, "batch heads tgt dim -> batch tgt (heads dim)"), None
     scores = q @ k.transpose(-1, -2) / math.sqrt(m.head_dim)
     if causal:  # scaled_dot_product_attention's causal mask: lower-left triangle, top aligned
         allowed = torch.ones(tgt, k.shape[-2], dtype=torch.bool, device=q.device).tril()
@@ -167,7 +174,9 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
                 for b in (m.bias_k, m.bias_v)
             ]
         values = [v for v, _ in projections + biases_kv]
-        ctx, probs = _attention(m, *values[:3], *(values[3:] or (None, None)), args)
+        ctx, probs = _attention(
+            m, *values[:3], *(values[3:] or (None, None)), args, need_probs=g_probs is not None
+        )
         outputs, grads = [], []
         if g_out is not None:
             outputs.append(ctx)
