@@ -21,7 +21,11 @@ def random_rows(batch, rows, dim, entries, seed, positions=None):
     if positions is not None:
         example = torch.arange(batch).repeat_interleave(positions)
     else:
-        example = torch.randint(max(batch, 1), (entries,), generator=gen) if batch else torch.zeros(0, dtype=torch.long)
+        example = (
+            torch.randint(max(batch, 1), (entries,), generator=gen)
+            if batch
+            else torch.zeros(0, dtype=torch.long)
+        )
     index = torch.randint(rows, (example.numel(),), generator=gen)
     g = torch.randn(example.numel(), dim, generator=gen, dtype=torch.float64)
     return P.Rows(example, index, g, batch, rows, positions)
