@@ -124,13 +124,15 @@ class ConvWeight(Outer):
         m = self.module
         x, padding = _explicit_padding(m, self.x)
         g = self.grad_output
-        if scale != 1.0:  # scale the smaller operand
+        batch = x.shape[0]
+        weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
+        # scale the smallest of the two operands and the result (the result in place)
+        scale_result = scale != 1.0 and math.prod(weight_shape) < min(g.numel(), x.numel())
+        if scale != 1.0 and not scale_result:
             if g.numel() <= x.numel():
                 g = g * scale
             else:
                 x = x * scale
-        batch = x.shape[0]
-        weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * m.out_channels, *g.shape[2:]),
             x.reshape(1, batch * m.in_channels, *x.shape[2:]),
@@ -138,7 +140,7 @@ class ConvWeight(Outer):
             None, m.stride, padding, m.dilation, False, (0,) * len(padding), batch * m.groups,
             (False, True, False),
         )  # fmt: skip
-        return grad_weight
+        return grad_weight.mul_(scale) if scale_result else grad_weight
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): the output-gradient is
@@ -206,9 +208,12 @@ class ConvWeight(Outer):
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
         if not self._grouped_form():
             return super().grad1_into(out, scale, accumulate)
-        grad_weight = self._grad1_grouped(scale).view(out.shape)
+        # the scale is applied by the write into ``out``, which happens anyway
+        grad_weight = self._grad1_grouped(1.0).view(out.shape)
         if accumulate:
-            out.add_(grad_weight)
+            out.add_(grad_weight, alpha=scale)
+        elif scale != 1.0:
+            torch.mul(grad_weight, scale, out=out)
         else:
             out.copy_(grad_weight)
 
