@@ -80,6 +80,8 @@ class ConvWeight(Outer):
     measured faster (CPU, more output positions than output channels: 2-8x on 3x3
     convolutions over 16x16 and larger maps), one convolution backward with the batch folded
     into the groups, which never forms the columns; otherwise columns and a batched matmul.
+    Per-example Jacobians (:meth:`jacobian_into`) are, under the same condition, one such
+    convolution backward with the outputs and output channels of one example in its group.
     """
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor) -> None:
@@ -148,7 +150,8 @@ class ConvWeight(Outer):
         ``into`` ``[outputs, batch, *param_shape]``, by one convolution backward with ``batch``
         groups of ``outputs * out`` output channels each (example ``b``'s input channels are
         shared by all its outputs), never forming the columns. Returns False where the generic
-        path must be used (not on CPU, input batched too)."""
+        path must be used (not on CPU, input batched too, no more output positions than output
+        channels: there the columns and a matmul were measured faster, as for ``grad1``)."""
         from torch._C import _functorch
 
         m = self.module
@@ -162,6 +165,8 @@ class ConvWeight(Outer):
         go = _functorch.get_unwrapped(go).movedim(_functorch.maybe_get_bdim(go), 0)
         if go.dim() != self.x.dim() + 1 or go.shape[1] != self.x.shape[0] or go.shape[1] == 0:
             return False
+        if math.prod(go.shape[3:]) <= m.out_channels:
+            return False  # few positions: columns and a matmul were measured faster
         outputs, batch = go.shape[:2]
         x, padding = _explicit_padding(m, self.x)
         # [batch, outputs, out, *spatial]: example b's rows of every output side by side
