@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from .engine import add_hooks
@@ -66,12 +67,16 @@ def jacobians(
         # part of the work), which the hooks' pieces replace.
         targets = {id(t.module) for t in h._targets}
         covered = {id(q) for t in h._targets for q in t.params.values()}
-        reached: list[Tensor] = []
+        reached: list = []  # their gradient edges: the outputs themselves are not kept alive
 
         def collect(module: nn.Module, args, output) -> None:
             if id(module) in targets:
                 leaves, _ = tree_flatten(output)
-                reached.extend(t for t in leaves if isinstance(t, Tensor) and t.requires_grad)
+                reached.extend(
+                    get_gradient_edge(t)
+                    for t in leaves
+                    if isinstance(t, Tensor) and t.requires_grad
+                )
 
         handle = nn.modules.module.register_module_forward_hook(collect)
         try:
