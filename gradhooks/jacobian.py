@@ -14,6 +14,8 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
 
 from .engine import add_hooks
 from .registry import REGISTRY, Registry
@@ -59,7 +61,29 @@ def jacobians(
             named[name] = p
     params = list(named.values())
     with add_hooks(model, loss_reduction="sum", registry=registry, quantities=("_jacobian",)) as h:
-        out = model(inputs)
+        # The backward is taken with respect to the hooked calls' outputs (and the parameters
+        # no hooked module covers), not the parameters: autograd then never forms the
+        # parameters' own gradients (batched over the outputs, for a convolution the largest
+        # part of the work), which the hooks' pieces replace.
+        targets = {id(t.module) for t in h._targets}
+        covered = {id(q) for t in h._targets for q in t.params.values()}
+        reached: list = []  # their gradient edges: the outputs themselves are not kept alive
+
+        def collect(module: nn.Module, args, output) -> None:
+            if id(module) in targets:
+                leaves, _ = tree_flatten(output)
+                reached.extend(
+                    get_gradient_edge(t)
+                    for t in leaves
+                    if isinstance(t, Tensor) and t.requires_grad
+                )
+
+        handle = nn.modules.module.register_module_forward_hook(collect)
+        try:
+            out = model(inputs)
+        finally:
+            handle.remove()
+        wrt = reached + [p for p in params if id(p) not in covered]
         outputs = math.prod(out.shape[1:])
         # the results, allocated once; the backward writes each parameter's block in place
         total = sum(p.numel() for p in params)
@@ -72,13 +96,14 @@ def jacobians(
             else:
                 block = p.new_empty(batch, outputs, *p.shape)
             result[name] = h._collector.jacobian[id(p)] = block
-        if batch and outputs:
+        if batch and outputs and wrt:
             eye = torch.eye(outputs, dtype=out.dtype, device=out.device)
             # [outputs, batch, *out]: output-gradient c is one-hot at output c for every example
             vs = eye[:, None, :].expand(outputs, batch, outputs).reshape(outputs, *out.shape)
 
             def backward(v: Tensor):
-                return torch.autograd.grad(out, params, v, retain_graph=True, allow_unused=True)
+                torch.autograd.grad(out, wrt, v, retain_graph=True, allow_unused=True)
+                return v  # the results are written by the hooks; vmap wants a tensor back
 
             torch.func.vmap(backward)(vs)
         for p in params:  # reached by no output: the Jacobian is zero

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -87,3 +87,33 @@ def test_conv2d_named(kwargs, batch):
         f"conv2d{kwargs}", lambda: nn.Conv2d(4, 8, **kwargs), lambda b: torch.randn(b, 4, 7, 6)
     )
     check(case, batch=batch)
+
+
+class _ConvHead(nn.Module):
+    """A convolution and a small linear head (few outputs: the Jacobian stays small)."""
+
+    def __init__(self, conv: nn.Module, inputs) -> None:
+        super().__init__()
+        self.conv = conv
+        self.head = nn.Linear(conv(inputs).flatten(1).shape[1], 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+@settings(max_examples=15, deadline=None)
+@given(dims=st.sampled_from([1, 2, 3]), data=st.data(), batch=st.sampled_from([1, 2]))
+def test_conv_jacobians_sweep(dims, data, batch):
+    """Per-example Jacobians of a convolution (the grouped-convolution form where it has more
+    output positions than output channels, columns and a matmul elsewhere) equal a loop of
+    one backward per example and output, and vmap(jacrev)."""
+    from test_quantities import check_jacobians, loop_jacobians, vmap_jacrev
+
+    case = data.draw(conv_cases(dims))
+    if not _valid(case):
+        return
+    torch.manual_seed(0)
+    x = case.inputs(batch).double()
+    model = _ConvHead(case.model().double(), x).double()
+    check_jacobians(model, x, loop_jacobians(model, x), case.id)
+    check_jacobians(model, x, vmap_jacrev(model, x), case.id)

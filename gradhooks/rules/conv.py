@@ -80,6 +80,8 @@ class ConvWeight(Outer):
     measured faster (CPU, more output positions than output channels: 2-8x on 3x3
     convolutions over 16x16 and larger maps), one convolution backward with the batch folded
     into the groups, which never forms the columns; otherwise columns and a batched matmul.
+    Per-example Jacobians (:meth:`jacobian_into`) are, under the same condition, one such
+    convolution backward with the outputs and output channels of one example in its group.
     """
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor) -> None:
@@ -124,13 +126,15 @@ class ConvWeight(Outer):
         m = self.module
         x, padding = _explicit_padding(m, self.x)
         g = self.grad_output
-        if scale != 1.0:  # scale the smaller operand
+        batch = x.shape[0]
+        weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
+        # scale the smallest of the two operands and the result (the result in place)
+        scale_result = scale != 1.0 and math.prod(weight_shape) < min(g.numel(), x.numel())
+        if scale != 1.0 and not scale_result:
             if g.numel() <= x.numel():
                 g = g * scale
             else:
                 x = x * scale
-        batch = x.shape[0]
-        weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * m.out_channels, *g.shape[2:]),
             x.reshape(1, batch * m.in_channels, *x.shape[2:]),
@@ -138,7 +142,68 @@ class ConvWeight(Outer):
             None, m.stride, padding, m.dilation, False, (0,) * len(padding), batch * m.groups,
             (False, True, False),
         )  # fmt: skip
-        return grad_weight
+        return grad_weight.mul_(scale) if scale_result else grad_weight
+
+    def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
+        """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): the output-gradient is
+        batched, ``[outputs, batch, out, *spatial]``, the input is not. Write the Jacobian,
+        ``into`` ``[outputs, batch, *param_shape]``, by one convolution backward with ``batch``
+        groups of ``outputs * out`` output channels each (example ``b``'s input channels are
+        shared by all its outputs), never forming the columns. Returns False where the generic
+        path must be used (not on CPU, input batched too, no more output positions than output
+        channels: there the columns and a matmul were measured faster, as for ``grad1``)."""
+        from torch._C import _functorch
+
+        m = self.module
+        go = self.grad_output
+        if (
+            self.x.device.type != "cpu"
+            or _functorch.is_batchedtensor(self.x)
+            or not _functorch.is_batchedtensor(go)
+        ):
+            return False
+        go = _functorch.get_unwrapped(go).movedim(_functorch.maybe_get_bdim(go), 0)
+        if go.dim() != self.x.dim() + 1 or go.shape[1] != self.x.shape[0] or go.shape[1] == 0:
+            return False
+        if math.prod(go.shape[3:]) <= m.out_channels:
+            return False  # few positions: columns and a matmul were measured faster
+        outputs, batch = go.shape[:2]
+        x, padding = _explicit_padding(m, self.x)
+        # [batch, outputs, out, *spatial]: example b's rows of every output side by side
+        g = go.transpose(0, 1).reshape(1, batch * outputs * m.out_channels, *go.shape[3:])
+        if m.groups == 1:
+            groups, weight_rows = batch, batch * outputs * m.out_channels
+        else:
+            # groups inside an example: channels (group, outputs, out/group) per example
+            groups = batch * m.groups
+            g = rearrange(
+                go,
+                "outputs batch (groups out) ... -> 1 (batch groups outputs out) ...",
+                groups=m.groups,
+            )
+            weight_rows = batch * outputs * m.out_channels
+        weight_shape = (weight_rows, m.in_channels // m.groups, *m.kernel_size)
+        _, grad_weight, _ = torch.ops.aten.convolution_backward(
+            g, x.reshape(1, batch * m.in_channels, *x.shape[2:]),
+            x.new_empty(1).expand(weight_shape),  # only its shape is read
+            None, m.stride, padding, m.dilation, False, (0,) * len(padding), groups,
+            (False, True, False),
+        )  # fmt: skip
+        if m.groups == 1:
+            value = grad_weight.view(batch, outputs, *into.shape[2:])
+        else:
+            value = rearrange(
+                grad_weight.view(batch, m.groups, outputs, m.out_channels // m.groups, -1),
+                "batch groups outputs out k -> batch outputs (groups out) k",
+            ).reshape(batch, outputs, *into.shape[2:])
+        target = into.transpose(0, 1)  # [batch, outputs, *param_shape]
+        if scale != 1.0:
+            value = value * scale
+        if first:
+            target.copy_(value)
+        else:
+            target.add_(value)
+        return True
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         if self._grouped_form():
@@ -148,9 +213,12 @@ class ConvWeight(Outer):
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
         if not self._grouped_form():
             return super().grad1_into(out, scale, accumulate)
-        grad_weight = self._grad1_grouped(scale).view(out.shape)
+        # the scale is applied by the write into ``out``, which happens anyway
+        grad_weight = self._grad1_grouped(1.0).view(out.shape)
         if accumulate:
-            out.add_(grad_weight)
+            out.add_(grad_weight, alpha=scale)
+        elif scale != 1.0:
+            torch.mul(grad_weight, scale, out=out)
         else:
             out.copy_(grad_weight)
 
