@@ -2,22 +2,11 @@
 
 import torch
 import torch.nn.functional as F
+from cases import Reused  # one Linear called twice in a forward
 from torch import nn
 
 import gradhooks
 from harness import Case, assert_close, check
-
-
-class Reused(nn.Module):
-    """One Linear called twice in a forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.fc(torch.tanh(self.fc(x)))))
 
 
 class Tied(nn.Module):
