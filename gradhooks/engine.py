@@ -166,7 +166,6 @@ class Hooks:
             raise ValueError(f"capture must be 'always' or 'marked', got {capture!r}")
         if batch_dim not in (None, "auto") and (not isinstance(batch_dim, int) or batch_dim < 0):
             raise ValueError(f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}")
-        checks.memory_limit(torch.device("cpu"), max_grad1_bytes)  # validates
         if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
             raise ValueError(
                 f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
@@ -742,7 +741,8 @@ class Hooks:
             )
 
     def _rollback(self, bw: _Backward) -> None:
-        """Put back the grad1 a backward replaced (``_accumulate`` never writes in place)."""
+        """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
+        so it was never written in place (``_writable_grad1`` refuses a referenced grad1)."""
         for pid, before in bw.before.items():
             p = self._written.get(pid)
             if p is None:
