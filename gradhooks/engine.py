@@ -202,12 +202,21 @@ class Hooks:
         self._handles = [
             model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
         ]
+        # calls run with their parameters detached, {id(module): [(module, {name: param})]}
+        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter]]]] = {}
+        self._rerunning = 0  # inside _rerun_vjp
         for target in self._targets:
-            self._handles.append(
-                target.module.register_forward_hook(
-                    _Hook(self._forward_hook(target)), with_kwargs=True, always_call=False
-                )
+            detaches = target.entry.grad_from_grad1 is not None
+            handle = target.module.register_forward_hook(
+                _Hook(self._forward_hook(target)), with_kwargs=True, always_call=detaches
             )
+            self._handles.append(handle)
+            if detaches:
+                self._handles.append(
+                    target.module.register_forward_pre_hook(
+                        _Hook(self._detach_hook(target, handle.id)), with_kwargs=True
+                    )
+                )
         self._handles.append(
             model.register_forward_hook(
                 _Hook(self._on_root_post), with_kwargs=True, always_call=True
@@ -388,6 +397,10 @@ class Hooks:
         self._written.clear()
         self._frames.clear()
         self._tasks.clear()
+        for stack in self._detached.values():  # removed during a forward
+            for module, detached in stack:
+                module._parameters.update(detached)
+        self._detached.clear()
         if self._collector is not None:
             self._collector.discard_backward()
             self._collector._expected = {}
@@ -422,8 +435,61 @@ class Hooks:
     def _capturing_backward(self) -> bool:
         return not self._paused and (self.capture == "always" or self._marked > 0)
 
+    def _detach_hook(self, target: _Target, forward_hook: int):
+        """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
+        so, the call runs with the module's own parameters detached (autograd then computes no
+        batch gradient for them), and :meth:`_forward_hook` (handle id ``forward_hook``)
+        replaces the output by one attached to them again through :class:`_Attach`, whose
+        backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
+        would see the output before it is attached: a loss built on that output would give
+        the parameters no gradient."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if (
+                module is not target.module
+                or next(iter(module._forward_hooks), None) != forward_hook
+                or nn.modules.module._global_forward_hooks
+                or self._removed
+                or not self._grad1
+                or not self._track
+                or not self._capturing_backward()
+                or not _GLOBALLY_ENABLED[0]
+                or not torch.is_grad_enabled()
+                or _is_compiling()
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or not target.entry.grad_from_grad1(module, args)
+            ):
+                return
+            own = module._parameters
+            detached = {
+                n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
+            }
+            if not detached:
+                return
+            for n, p in detached.items():
+                own[n] = p.detach()
+            self._detached.setdefault(id(module), []).append((module, detached))
+
+        return hook
+
+    def _reattach(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """Put back the parameters :meth:`_detach_hook` detached for the call now ending."""
+        stack = self._detached.get(id(module))
+        if not stack:
+            return {}
+        _, detached = stack.pop()
+        if not stack:
+            del self._detached[id(module)]
+        module._parameters.update(detached)
+        return detached
+
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            detached = self._reattach(module) if self._detached else {}
+            if output is None and sys.exc_info()[1] is not None:
+                return  # the forward raised (an always_call hook, for _reattach)
+            if detached:
+                return self._capture_detached(target, detached, args, kwargs, output)
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
                 return
             if not torch.is_grad_enabled():
@@ -476,8 +542,67 @@ class Hooks:
 
         return hook
 
-    def _on_grads(self, target: _Target, state: _CallState, call: Call, args, kwargs) -> None:
-        """The backward reached the outputs of one captured call."""
+    def _capture_detached(
+        self,
+        target: _Target,
+        detached: dict[str, nn.Parameter],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+    ) -> Tensor:
+        """Capture a call that ran with ``detached`` detached (:meth:`_detach_hook`); return
+        its output attached to them again (the forward hook's replacement output)."""
+        module = target.module
+        if not isinstance(output, Tensor):
+            raise RuntimeError(
+                f"'{target.name}' ({type(module).__qualname__}) returned "
+                f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
+                "modules that return one tensor"
+            )
+        if target.entry.on_forward is not None:
+            target.entry.on_forward(module, target.name)
+        live = {n: p for n, p in target.params.items() if p.requires_grad}
+        call = Call(
+            module=module,
+            inputs=_detach(args),
+            kwargs=_detach(kwargs),
+            output=_detach(output) if target.entry.needs_output else None,
+            grad_outputs=(),
+            name=target.name,
+        )
+        frame = self._frames[-1] if self._frames else None
+        state = _CallState(live, frame)
+        if frame is not None:
+            frame.states.append(state)
+        if self._collector is not None:
+            self._collector.expect(live)
+        inputs = [
+            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad
+        ]
+
+        def backward(g: Tensor) -> tuple[Tensor | None, ...]:
+            sums: dict[str, Tensor] = {}
+            self._on_grads(target, state, replace(call, grad_outputs=(g,)), args, kwargs, sums)
+            self._rerunning += 1  # its backwards are not the model's: not tracked
+            try:
+                grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
+            finally:
+                self._rerunning -= 1
+            return (*(grads[n] for n in detached), *corrections)
+
+        return _Attach.apply(backward, len(detached), output, *detached.values(), *inputs)
+
+    def _on_grads(
+        self,
+        target: _Target,
+        state: _CallState,
+        call: Call,
+        args,
+        kwargs,
+        sums: dict[str, Tensor] | None = None,
+    ) -> None:
+        """The backward reached the outputs of one captured call. ``sums``: filled with the
+        call's batch gradient of each parameter it writes ``grad1`` for."""
         if self._removed or self._ignore_backward or state.cancelled:
             return
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
@@ -500,7 +625,7 @@ class Hooks:
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
         try:
-            self._backward(target, state.params, call, state.frame, bw)
+            self._backward(target, state.params, call, state.frame, bw, sums)
         except BaseException:
             self._abort_backward()
             raise
@@ -512,6 +637,7 @@ class Hooks:
         call: Call,
         frame: _Frame | None = None,
         bw: _Backward | None = None,
+        sums: dict[str, Tensor] | None = None,
     ) -> None:
         rule = target.entry.rule
         try:
@@ -560,6 +686,8 @@ class Hooks:
                 bw.before[id(p)] = p.grad1 if id(p) in self._written else None
             accumulate = id(p) in self._written
             out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
+            if accumulate and sums is not None:
+                out = None  # this call's own grad1 is summed below: not added in place
             try:
                 if out is not None:
                     piece.grad1_into(out, scale, accumulate)
@@ -570,6 +698,10 @@ class Hooks:
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
+            if sums is not None:
+                own = out if out is not None else g1
+                total = own.sum(0, dtype=p.dtype)
+                sums[pname] = total / scale if scale else total
             if out is None:
                 self._accumulate(qualname, p, g1)
             self._written[id(p)] = p
@@ -701,7 +833,7 @@ class Hooks:
 
     def _param_hook(self, pid: int, name: str):
         def hook(grad: Tensor) -> None:
-            if self._removed or self._ignore_backward:
+            if self._removed or self._ignore_backward or self._rerunning:
                 return
             bw = self._backward_state()
             bw.computed.add(pid)
@@ -786,6 +918,61 @@ class Hooks:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+class _Attach(torch.autograd.Function):
+    """``_Attach.apply(backward, n, output, *params, *inputs)``: ``output``, computed with
+    ``params`` detached, attached to them again (:meth:`Hooks._detach_hook`): the same memory,
+    not a view for autograd (an in-place ReLU may follow). Its backward hands the
+    output-gradient on unchanged and asks ``backward(g)`` for the gradients of ``params`` and
+    ``inputs``."""
+
+    @staticmethod
+    def forward(ctx, backward, n: int, output: Tensor, *params_and_inputs: Tensor) -> Tensor:
+        ctx.backward = backward
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return (None, None, g, *ctx.backward(g))
+
+
+def _rerun_vjp(
+    module: nn.Module,
+    detached: dict[str, nn.Parameter],
+    sums: dict[str, Tensor],
+    args: tuple,
+    kwargs: dict,
+    inputs: list[Tensor],
+    g: Tensor,
+) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+    """The gradients an :class:`_Attach` node gives: for each detached parameter, the call's
+    batch gradient (``sums``, from ``grad1``; where the hooks computed none, because this
+    backward is not captured, by running the call's forward again, hooks bypassed). For the
+    call's ``inputs``, nothing (``None``), except in a ``create_graph`` backward: the
+    input-gradient the output's own node computed has no graph through the detached
+    parameters, so each input gets a correction of value zero that carries it."""
+    create_graph = torch.is_grad_enabled()
+    grads: dict[str, Tensor | None] = dict(sums)
+    missing = [n for n in detached if n not in grads]
+    if missing:
+        with torch.enable_grad():
+            a, k = (args, kwargs) if create_graph else _detach((args, kwargs))
+            found = torch.autograd.grad(
+                module.forward(*a, **k), [detached[n] for n in missing], g,
+                create_graph=create_graph, allow_unused=True,
+            )  # fmt: skip
+        grads.update(zip(missing, found))
+    corrections: list[Tensor | None] = [None] * len(inputs)
+    if create_graph and inputs:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        swap = dict(zip(map(id, inputs), leaves))
+        a, k = tree_map(lambda t: swap.get(id(t), t), (args, kwargs))
+        found = torch.autograd.grad(
+            module.forward(*a, **k), leaves, g.detach(), create_graph=True, allow_unused=True
+        )
+        corrections = [None if c is None else c - c.detach() for c in found]
+    return grads, corrections
 
 
 def _grad1_refs(owner: Any) -> int:

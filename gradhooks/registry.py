@@ -77,6 +77,7 @@ class _Entry:
     owns_children: bool
     needs_output: bool
     on_forward: Callable[[nn.Module, str], None] | None = None
+    grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
 
 
 @dataclass
@@ -90,6 +91,14 @@ class Registry:
     ``on_forward``: ``on_forward(module, qualname)`` runs at every captured forward of the
     module, before anything is kept; it raises when per-example gradients cannot exist for
     that call (``nn.BatchNorm2d`` in train mode), so the error points at the forward.
+    ``grad_from_grad1``: ``grad_from_grad1(module, args) -> bool``, asked before a captured
+    forward call while ``grad1`` is being computed. True: the call runs with the module's own
+    parameters detached, and their ``.grad`` is the sum of the call's ``grad1``, so that
+    autograd does not compute the batch weight gradient a second time (worth it where many
+    positions per example share the weight: the sum reads ``batch x parameters`` floats, the
+    batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
+    returns one tensor and calls no hooked submodule; its rule must give a piece for each of
+    its own parameters.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -101,6 +110,7 @@ class Registry:
         owns_children: bool = False,
         needs_output: bool = False,
         on_forward: Callable[[nn.Module, str], None] | None = None,
+        grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
         if not types:
@@ -117,7 +127,9 @@ class Registry:
                         f"({old.__module__}.{old.__qualname__}); pass overwrite=True to replace it"
                     )
             for t in types:
-                self._rules[t] = _Entry(rule, owns_children, needs_output, on_forward)
+                self._rules[t] = _Entry(
+                    rule, owns_children, needs_output, on_forward, grad_from_grad1
+                )
             return rule
 
         return decorate
@@ -153,6 +165,7 @@ def register(
     owns_children: bool = False,
     needs_output: bool = False,
     on_forward: Callable[[nn.Module, str], None] | None = None,
+    grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
@@ -161,4 +174,5 @@ def register(
         owns_children=owns_children,
         needs_output=needs_output,
         on_forward=on_forward,
+        grad_from_grad1=grad_from_grad1,
     )

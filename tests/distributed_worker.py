@@ -25,6 +25,10 @@ from gradhooks import distributed as ghd
 from gradhooks.oracle import loop_grad, vmap_grad
 
 torch.set_num_threads(1)
+if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:  # as tests/conftest.py
+    from gradhooks.rules import linear
+
+    linear.SUM_GRAD1_POSITIONS = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 TOL = {"rtol": 1e-10, "atol": 1e-12}  # float64; only the order of the sums differs
 
@@ -89,6 +93,8 @@ def ddp_grad1(where: str, **ddp_options) -> None:
             assert "already hooked" in str(e), e
         else:
             raise AssertionError("hooking the inner module of a hooked DDP wrapper must fail")
+    nodes = []  # the autograd node of the first layer's output, seen after gradhooks' hook
+    model[0].register_forward_hook(lambda m, a, out: nodes.append(type(out.grad_fn).__name__))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
@@ -97,6 +103,8 @@ def ddp_grad1(where: str, **ddp_options) -> None:
         opt.zero_grad()
         h.clear()
         F.cross_entropy(ddp(xs), ys).backward()
+        if os.environ.get("GRADHOOKS_SUM_GRAD1_POSITIONS") == "1":
+            assert nodes[-1] == "_AttachBackward", nodes
         for name, want in (("vmap", vmap_grad(ref, F.cross_entropy, xs, ys)),
                            ("loop", loop_grad(ref, F.cross_entropy, xs, ys))):  # fmt: skip
             for p, w in zip(params(model), want.values(), strict=True):

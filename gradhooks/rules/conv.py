@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..pieces import Outer
 from ..registry import Call, register
+from . import linear
 
 
 def im2col(
@@ -223,7 +224,31 @@ class ConvWeight(Outer):
             out.copy_(grad_weight)
 
 
-@register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def many_positions(module: nn.modules.conv._ConvNd, args: tuple) -> bool:
+    """Whether a convolution call's batch gradient is better taken as the sum of its
+    ``grad1``: on CPU, with at least ``linear.SUM_GRAD1_POSITIONS`` output positions per
+    example (as :func:`gradhooks.rules.linear.many_positions`)."""
+    x = args[0] if args else None
+    nd = len(module.kernel_size)
+    if not isinstance(x, Tensor) or x.device.type != "cpu" or x.dim() != nd + 2:
+        return False
+    if isinstance(module.padding, str):
+        padding = (0,) * nd if module.padding == "valid" else None
+    else:
+        padding = module.padding
+    if padding is None:  # "same"
+        positions = math.prod(x.shape[2:])
+    else:
+        positions = math.prod(
+            (size + 2 * p - d * (k - 1) - 1) // s + 1
+            for size, p, d, k, s in zip(
+                x.shape[2:], padding, module.dilation, module.kernel_size, module.stride
+            )
+        )
+    return positions >= linear.SUM_GRAD1_POSITIONS
+
+
+@register(nn.Conv1d, nn.Conv2d, nn.Conv3d, grad_from_grad1=many_positions)
 def conv(call: Call) -> dict[str, Outer]:
     module = call.module
     (x,) = call.inputs

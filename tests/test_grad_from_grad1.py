@@ -1,0 +1,219 @@
+"""Batch gradients taken from grad1 (a rule's ``grad_from_grad1``: Linear and convolutions with
+many positions per example). The call runs with its parameters detached and an ``_Attach`` node
+gives ``.grad`` the sum of the call's ``grad1``: ``.grad`` must stay exactly what autograd
+computes without hooks, in every setup where autograd computes it, and ``grad1`` must stay the
+oracle's. ``GRADHOOKS_SUM_GRAD1_POSITIONS=1 python -m pytest`` runs the whole suite this way."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.models import CifarCNN, TinyGPT
+from gradhooks.oracle import loop_grad, vmap_grad
+from gradhooks.rules import linear
+from harness import assert_close
+
+D = torch.float64
+
+
+@pytest.fixture(params=[1, None], ids=["every-call", "default-threshold"])
+def threshold(request, monkeypatch):
+    if request.param is not None:
+        monkeypatch.setattr(linear, "SUM_GRAD1_POSITIONS", request.param)
+    return linear.SUM_GRAD1_POSITIONS
+
+
+class ConvSeq(nn.Module):
+    """A conv with an in-place ReLU on its output, a reused Linear over 40 positions, a Linear
+    on [batch, features]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.seq = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):  # [batch, 2, 40]
+        h = F.relu(self.conv(x), inplace=True).transpose(1, 2)  # [batch, 40, 3]
+        h = torch.tanh(self.seq(self.seq(h)))  # called twice: grad1 accumulates
+        return self.head(h.mean(1))
+
+
+def attached(out) -> bool:
+    """Whether ``out``'s autograd history starts with an _Attach node (for an output that is a
+    view, the in-place attach puts it behind the view's own nodes)."""
+    nodes = [out.grad_fn]
+    for _ in range(3):
+        if any(type(n).__name__ == "_AttachBackward" for n in nodes):
+            return True
+        nodes = [f for n in nodes if n is not None for f, _ in n.next_functions]
+    return False
+
+
+def attach_nodes(model, x):
+    """Whether each hooked layer call's output is attached, in call order."""
+    seen = []
+    handles = [
+        m.register_forward_hook(lambda m, a, out: seen.append(attached(out)))
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
+    ]
+    model(x)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def plain_grads(model, loss_fn, x, y):
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), y).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_and_grad1_against_oracles(threshold, reduction):
+    torch.manual_seed(0)
+    model = ConvSeq().to(D)
+    x, y = torch.randn(5, 2, 40, dtype=D), torch.randint(0, 2, (5,))
+    loss_fn = lambda out, t: F.cross_entropy(out, t, reduction=reduction)  # noqa: E731
+    want = vmap_grad(model, loss_fn, x, y)
+    loop = loop_grad(model, loss_fn, x, y)
+    grads = plain_grads(model, loss_fn, x, y)
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        nodes = attach_nodes(model, x)
+        # with the default threshold: the conv and the reused Linear (40 positions), not the head
+        assert nodes == [True, True, True, threshold == 1], nodes
+        loss_fn(model(x), y).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
+        assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
+        assert_close(p.grad, grads[n], f"{n} .grad vs autograd without hooks")
+
+
+@pytest.mark.parametrize("make", [lambda: CifarCNN(width=4), lambda: TinyGPT(layers=1)])
+def test_in_tree_models(threshold, make):
+    torch.manual_seed(0)
+    model = make().to(D)
+    if isinstance(model, TinyGPT):
+        x, y = torch.randint(0, 64, (3, 40)), torch.randint(0, 64, (3, 40))
+        loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    else:
+        x, y = torch.randn(3, 3, 32, 32, dtype=D), torch.randint(0, 10, (3,))
+        loss_fn = F.cross_entropy
+    want = vmap_grad(model, loss_fn, x, y)
+    grads = plain_grads(model, loss_fn, x, y)
+    with gradhooks.add_hooks(model):
+        assert any(attach_nodes(model, x))
+        loss_fn(model(x), y).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
+        assert_close(p.grad, grads[n], f"{n} .grad vs autograd without hooks")
+
+
+def test_backwards_that_write_no_grad1_still_give_grad(threshold):
+    """A paused backward, a second backward without clear() and .grad accumulation: .grad is
+    autograd's (the call's forward reruns where no grad1 was computed)."""
+    torch.manual_seed(0)
+    model = ConvSeq().to(D)
+    x, y = torch.randn(4, 2, 40, dtype=D), torch.randint(0, 2, (4,))
+    ref = copy.deepcopy(model)
+    with gradhooks.add_hooks(model) as h:
+        out = model(x)
+        with h.paused():
+            F.cross_entropy(out, y).backward(retain_graph=True)
+        assert not hasattr(model.conv.weight, "grad1")
+        (2 * F.cross_entropy(out, y)).backward()  # captured; .grad accumulates
+        want = vmap_grad(model, lambda o, t: 2 * F.cross_entropy(o, t), x, y)
+        F.cross_entropy(model(x), y).backward()  # grad1 accumulates too
+    out = ref(x)
+    F.cross_entropy(out, y).backward(retain_graph=True)
+    (2 * F.cross_entropy(out, y)).backward()
+    F.cross_entropy(ref(x), y).backward()
+    once = vmap_grad(model, F.cross_entropy, x, y)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, r.grad, f"{n} .grad")
+        assert_close(p.grad1, want[n] + once[n], f"{n} grad1 of the two captured backwards")
+
+
+def test_input_gradient_penalty(threshold):
+    """WGAN-GP's penalty: ‖∂out/∂x‖² through a create_graph backward, differentiated with
+    respect to the parameters (outside capture). The input-gradient depends on the detached
+    weights; the _Attach node's correction carries that dependence."""
+    torch.manual_seed(0)
+    model = ConvSeq().to(D)
+    x = torch.randn(4, 2, 40, dtype=D, requires_grad=True)
+    ref = copy.deepcopy(model)
+
+    def penalty(m):
+        (dx,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+        return dx.pow(2).sum()
+
+    penalty(ref).backward()
+    with gradhooks.add_hooks(model) as h:
+        value = penalty(model)
+        with h.paused():
+            value.backward()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        if r.grad is None:  # head.bias: the input-gradient does not depend on it
+            assert p.grad is None, n
+        else:
+            assert_close(p.grad, r.grad, f"{n} gradient of the penalty")
+
+
+def test_forward_that_raises_leaves_the_parameters_in_place(threshold):
+    model = ConvSeq().to(D)
+    weight = model.conv.weight
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(4, 5, 40, dtype=D))  # 5 channels, the conv takes 2
+        assert model.conv._parameters["weight"] is weight
+        assert isinstance(model.conv.weight, nn.Parameter)
+        x = torch.randn(4, 2, 40, dtype=D)
+        F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1])).backward()
+        assert model.conv.weight.grad1.shape == (4, *weight.shape)
+
+
+def test_parameters_are_restored_after_every_forward(threshold):
+    model = ConvSeq().to(D)
+    params = dict(model.named_parameters())
+    with gradhooks.add_hooks(model):
+        model(torch.randn(4, 2, 40, dtype=D))
+        assert dict(model.named_parameters()) == params
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
+    """A forward hook registered before add_hooks (an activation regularizer) sees the output
+    before it could be attached: that call keeps autograd's own batch gradient."""
+    torch.manual_seed(0)
+    model = ConvSeq().to(D)
+    x, y = torch.randn(4, 2, 40, dtype=D), torch.randint(0, 2, (4,))
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.kept = []
+        m.conv.register_forward_hook(lambda mod, a, out, m=m: m.kept.append(out))
+
+    def loss(m):
+        return F.cross_entropy(m(x), y, reduction="sum") + m.kept.pop().pow(2).sum()
+
+    loss(ref).backward()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        assert attach_nodes(model, x)[0] is False  # the conv: not attached
+        model.kept.clear()
+        loss(model).backward()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, r.grad, f"{n} .grad")
+
+
+def test_global_forward_hook_turns_it_off(threshold):
+    model = ConvSeq().to(D)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+    try:
+        with gradhooks.add_hooks(model):
+            assert not any(attach_nodes(model, torch.randn(2, 2, 40, dtype=D)))
+    finally:
+        handle.remove()
