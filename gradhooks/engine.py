@@ -525,8 +525,10 @@ class Hooks:
             if frame is not None:
                 frame.states.append(state)
 
+            n_leaves = len(leaves)
+
             def on_grads(grads) -> None:
-                full: list[Tensor | None] = [None] * len(leaves)
+                full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
                     full[i] = g
                 self._on_grads(target, state, replace(call, grad_outputs=tuple(full)), args, kwargs)
