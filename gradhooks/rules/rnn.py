@@ -52,6 +52,16 @@ def _shift(first: Tensor, steps: Tensor) -> Tensor:
     return torch.cat([first[None], steps[:-1]])
 
 
+def _one_minus(x: Tensor) -> Tensor:
+    """``1 - x``, new."""
+    return torch.rsub(x, 1)
+
+
+def _one_minus_sq(x: Tensor) -> Tensor:
+    """``1 - x²``, new (the derivative of tanh at its output ``x``)."""
+    return torch.addcmul(x.new_ones(()), x, x, value=-1)
+
+
 class _Direction:
     """One layer and direction of an RNN module, time-major, in its own step order (a reverse
     direction is handed its input flipped in time).
@@ -196,20 +206,21 @@ class _Direction:
         ``h_{t-1}`` other than through ``W_hh`` (or ``None``); this adds ``d_out[t - 1]``, the
         matmul with ``W_hh`` and, at skipped steps, the state carried over."""
         d_h = d_out[-1] + d_h
+        skip = None if m is None else 1 - m
         for t in range(d_out.shape[0] - 1, -1, -1):
             d_pre, direct = step(t, d_h)
             if t == 0:
                 break
             nxt = d_out[t - 1] if direct is None else direct.add_(d_out[t - 1])
             if m is not None:
-                nxt = torch.addcmul(nxt, d_h, 1 - m[t])
+                nxt = torch.addcmul(nxt, d_h, skip[t])
             d_h = torch.addmm(nxt, d_pre, self.w_hh)
 
     def _rnn_back(self, d_out, d_hn, m):
         h = self.h_new
-        slope = 1 - h * h if self.mode == "RNN_TANH" else (h > 0).to(h.dtype)
+        slope = _one_minus_sq(h) if self.mode == "RNN_TANH" else (h > 0).to(h.dtype)
         if m is not None:
-            slope = slope * m
+            slope.mul_(m)
         g = torch.empty_like(h)
 
         def step(t, d_h):
@@ -221,15 +232,19 @@ class _Direction:
     def _lstm_back(self, d_out, d_hn, d_cn, m):
         H = self.hidden
         i, f, g, o = self.act.chunk(4, -1)
-        tc, c_prev = self.tanh_c, _shift(self.c0, self.c)
-        # d c_t (new) = d c_t (carried) + d h_t * o (1 - tanh² c_t); d o_pre = d h_t * tanh(c) o (1 - o)
-        to_c = o * (1 - tc * tc)
-        to_o = tc * o * (1 - o)
-        # d (i, f, g)_pre = d c_t * (g i (1 - i), c_{t-1} f (1 - f), i (1 - g²))
-        to_ifg = torch.stack([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g)], -2)
+        tc, c = self.tanh_c, self.c
+        # d c_t (new) = d c_t (carried) + d h_t o (1 - tanh² c_t); d o_pre = d h_t tanh(c_t) o (1 - o)
+        to_c = _one_minus_sq(tc).mul_(o)
+        to_o = _one_minus(o).mul_(o).mul_(tc)
+        # d (i, f, g)_pre = d c_t (g i (1 - i), c_{t-1} f (1 - f), i (1 - g²)): [T, B, 3, H]
+        to_ifg = self.act.new_empty(*tc.shape[:2], 3, H)
+        to_i, to_f, to_g = to_ifg.unbind(-2)
+        torch.mul(_one_minus(i).mul_(i), g, out=to_i)
+        torch.mul(_one_minus(f).mul_(f), _shift(self.c0, c), out=to_f)
+        torch.mul(_one_minus_sq(g), i, out=to_g)
         forget = f
         if m is not None:
-            to_c, to_o, to_ifg = to_c * m, to_o * m, to_ifg * m[..., None]
+            to_c, to_o, to_ifg = to_c.mul_(m), to_o.mul_(m), to_ifg.mul_(m[..., None])
             forget = torch.where(self.keep, f, 1.0)
         steps, batch = d_out.shape[:2]
         d_pre = torch.empty_like(self.act)  # [T, B, 4H]
@@ -261,13 +276,15 @@ class _Direction:
         hh_n = self.hh[..., 2 * H :]
         # h = (1 - z) n + z h_prev: d n_pre = d h (1 - z)(1 - n²); d z_pre = d h (h_prev - n) z (1 - z);
         # d (W_hn h + b_hn) = d n_pre r; d r_pre = d n_pre (W_hn h + b_hn) r (1 - r)
-        to_n = (1 - z) * (1 - n * n)
-        to_hh = torch.stack(
-            [to_n * hh_n * r * (1 - r), (h_prev - n) * z * (1 - z), to_n * r], -2
-        )  # [T, B, 3, H]
+        to_n = _one_minus_sq(n).mul_(_one_minus(z))
+        to_hh = self.act.new_empty(*n.shape[:2], 3, H)  # [T, B, 3, H]
+        to_r, to_z, to_hn = to_hh.unbind(-2)
+        torch.mul(to_n, r, out=to_hn)
+        torch.mul(to_hn, hh_n, out=to_r).mul_(_one_minus(r))
+        torch.sub(h_prev, n, out=to_z).mul_(z).mul_(_one_minus(z))
         carry = z
         if m is not None:
-            to_n, to_hh = to_n * m, to_hh * m[..., None]
+            to_n, to_hh = to_n.mul_(m), to_hh.mul_(m[..., None])
             carry = torch.where(self.keep, z, 0.0)  # the skipped steps' carry is added apart
         batch = d_out.shape[1]
         g_hh = torch.empty_like(self.act)
