@@ -200,74 +200,73 @@ class _Direction:
             d_x = (g_ih.reshape(-1, g_ih.shape[-1]) @ self.w_ih).view(*g_ih.shape[:2], self.w_ih.shape[1])
         return pairs, d_x
 
-    def _through_time(self, d_out, d_h, m, step) -> None:
-        """The backward recurrence: ``step(t, d_h)`` writes step ``t``'s pre-activation
-        gradients and returns ``(d_pre_hh [B, gates * H], d_h_direct)``, the gradient of
-        ``h_{t-1}`` other than through ``W_hh`` (or ``None``); this adds ``d_out[t - 1]``, the
-        matmul with ``W_hh`` and, at skipped steps, the state carried over."""
+    def _through_time(self, d_out, d_h, m, step) -> Tensor:
+        """The backward recurrence. ``step(t, d_h)`` takes the gradient of the state after step
+        ``t`` and returns ``(d_pre_hh [B, gates * H], d_h_direct)``: the gradient of step
+        ``t``'s ``h W_hhᵀ + b_hh``, and that of ``h_{t-1}`` other than through ``W_hh`` (or
+        ``None``); this adds ``d_out[t - 1]``, the matmul with ``W_hh`` and, at skipped steps,
+        the state carried over. Returns every step's ``d_pre_hh``, ``[T, B, gates * H]``.
+
+        Written without ``out=`` or in-place writes into buffers: the Jacobians run it under
+        ``vmap`` over the output-gradients."""
         d_h = d_out[-1] + d_h
         skip = None if m is None else 1 - m
+        d_pre = []
         for t in range(d_out.shape[0] - 1, -1, -1):
-            d_pre, direct = step(t, d_h)
+            d_pre_t, direct = step(t, d_h)
+            d_pre.append(d_pre_t)
             if t == 0:
                 break
-            nxt = d_out[t - 1] if direct is None else direct.add_(d_out[t - 1])
+            nxt = d_out[t - 1] if direct is None else direct + d_out[t - 1]
             if m is not None:
                 nxt = torch.addcmul(nxt, d_h, skip[t])
-            d_h = torch.addmm(nxt, d_pre, self.w_hh)
+            d_h = torch.addmm(nxt, d_pre_t, self.w_hh)
+        return torch.stack(d_pre[::-1])
 
     def _rnn_back(self, d_out, d_hn, m):
         h = self.h_new
         slope = _one_minus_sq(h) if self.mode == "RNN_TANH" else (h > 0).to(h.dtype)
         if m is not None:
             slope.mul_(m)
-        g = torch.empty_like(h)
-
-        def step(t, d_h):
-            return torch.mul(d_h, slope[t], out=g[t]), None
-
-        self._through_time(d_out, d_hn, m, step)
+        g = self._through_time(d_out, d_hn, m, lambda t, d_h: (d_h * slope[t], None))
         return g, g, {}
 
     def _lstm_back(self, d_out, d_hn, d_cn, m):
         H = self.hidden
         i, f, g, o = self.act.chunk(4, -1)
         tc, c = self.tanh_c, self.c
-        # d c_t (new) = d c_t (carried) + d h_t o (1 - tanh² c_t); d o_pre = d h_t tanh(c_t) o (1 - o)
+        # d c_t (new) = d c_t (carried) + d h_t o (1 - tanh² c_t)
         to_c = _one_minus_sq(tc).mul_(o)
-        to_o = _one_minus(o).mul_(o).mul_(tc)
-        # d (i, f, g)_pre = d c_t (g i (1 - i), c_{t-1} f (1 - f), i (1 - g²)): [T, B, 3, H]
-        to_ifg = self.act.new_empty(*tc.shape[:2], 3, H)
-        to_i, to_f, to_g = to_ifg.unbind(-2)
+        # d (i, f, g, o)_pre = (d c_t, d c_t, d c_t, d h_t) *
+        #     (g i (1 - i), c_{t-1} f (1 - f), i (1 - g²), tanh(c_t) o (1 - o)): [T, B, 4, H]
+        to_pre = self.act.new_empty(*tc.shape[:2], 4, H)
+        to_i, to_f, to_g, to_o = to_pre.unbind(-2)
         torch.mul(_one_minus(i).mul_(i), g, out=to_i)
         torch.mul(_one_minus(f).mul_(f), _shift(self.c0, c), out=to_f)
         torch.mul(_one_minus_sq(g), i, out=to_g)
+        torch.mul(_one_minus(o).mul_(o), tc, out=to_o)
         forget = f
         if m is not None:
-            to_c, to_o, to_ifg = to_c.mul_(m), to_o.mul_(m), to_ifg.mul_(m[..., None])
+            to_c, to_pre = to_c.mul_(m), to_pre.mul_(m[..., None])
             forget = torch.where(self.keep, f, 1.0)
-        steps, batch = d_out.shape[:2]
-        d_pre = torch.empty_like(self.act)  # [T, B, 4H]
-        d_h_all = None if self.w_hr is None else torch.empty_like(d_out)
+        batch = d_out.shape[1]
+        d_hs = []  # the gradients of the (projected) states, for weight_hr
         d_c = [torch.zeros_like(tc[0]) if d_cn is None else d_cn]
 
         def step(t, d_h):
             if self.w_hr is not None:
-                d_h_all[t] = d_h
+                d_hs.append(d_h)
                 d_h = d_h @ self.w_hr
             d_c_new = torch.addcmul(d_c[0], d_h, to_c[t])
-            torch.mul(d_c_new[:, None], to_ifg[t], out=d_pre[t, :, : 3 * H].view(batch, 3, H))
-            torch.mul(d_h, to_o[t], out=d_pre[t, :, 3 * H :])
-            d_c[0] = d_c_new.mul_(forget[t])
-            return d_pre[t], None
+            d_pre_t = torch.stack([d_c_new, d_c_new, d_c_new, d_h], 1).mul_(to_pre[t])
+            d_c[0] = d_c_new * forget[t]
+            return d_pre_t.view(batch, 4 * H), None
 
-        self._through_time(d_out, d_hn, m, step)
+        d_pre = self._through_time(d_out, d_hn, m, step)
         extra = {}
         if self.w_hr is not None:
-            extra["weight_hr" + self.sfx] = (
-                self.proj_in,
-                d_h_all if m is None else d_h_all * m,
-            )
+            d_hs = torch.stack(d_hs[::-1])
+            extra["weight_hr" + self.sfx] = (self.proj_in, d_hs if m is None else d_hs * m)
         return d_pre, d_pre, extra
 
     def _gru_back(self, d_out, d_hn, m, h_prev):
@@ -287,16 +286,14 @@ class _Direction:
             to_n, to_hh = to_n.mul_(m), to_hh.mul_(m[..., None])
             carry = torch.where(self.keep, z, 0.0)  # the skipped steps' carry is added apart
         batch = d_out.shape[1]
-        g_hh = torch.empty_like(self.act)
-        g_ih = torch.empty_like(self.act)
+        d_hs = []
 
         def step(t, d_h):
-            torch.mul(d_h[:, None], to_hh[t], out=g_hh[t].view(batch, 3, H))
-            torch.mul(d_h, to_n[t], out=g_ih[t, :, 2 * H :])
-            return g_hh[t], d_h * carry[t]
+            d_hs.append(d_h)
+            return (d_h[:, None] * to_hh[t]).view(batch, 3 * H), d_h * carry[t]
 
-        self._through_time(d_out, d_hn, m, step)
-        g_ih[..., : 2 * H] = g_hh[..., : 2 * H]
+        g_hh = self._through_time(d_out, d_hn, m, step)
+        g_ih = torch.cat([g_hh[..., : 2 * H], torch.stack(d_hs[::-1]) * to_n], -1)
         return g_ih, g_hh, {}
 
 
