@@ -28,6 +28,8 @@ differentiated further).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from einops import rearrange
 from torch import Tensor, nn
@@ -106,8 +108,7 @@ class _Direction:
 
     def _rnn(self, x, keep, h, _):
         pre = self._pre_ih(x, self._bias())
-        def act(v, out):
-            return torch.tanh(v, out=out) if self.mode == "RNN_TANH" else torch.clamp(v, min=0, out=out)
+        act = torch.tanh if self.mode == "RNN_TANH" else partial(torch.clamp, min=0)
 
         self.h_new = torch.empty_like(pre)  # [T, B, H]: each step's new state, before masking
         out = self.h_new if keep is None else torch.empty_like(pre)
@@ -197,7 +198,7 @@ class _Direction:
             pairs["bias_ih" + s], pairs["bias_hh" + s] = (None, g_ih), (None, g_hh)
         d_x = None
         if need_dx:
-            d_x = (g_ih.reshape(-1, g_ih.shape[-1]) @ self.w_ih).view(*g_ih.shape[:2], self.w_ih.shape[1])
+            d_x = g_ih @ self.w_ih
         return pairs, d_x
 
     def _through_time(self, d_out, d_h, m, step) -> Tensor:
