@@ -1,9 +1,12 @@
-"""nn.RNN (tanh, relu), nn.LSTM (with ``proj_size``) and nn.GRU, by recompute and differentiate.
+"""nn.RNN (tanh, relu), nn.LSTM (with ``proj_size``) and nn.GRU, by recompute and backpropagate
+through time by hand.
 
-The captured call is re-run with explicit cell maths (torch's gate order: LSTM ``i, f, g, o``;
-GRU ``r, z, n`` with ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``), in a batch-first padded
-layout, with a zero *probe* added to every pre-activation. One ``torch.autograd.grad`` of the
-recomputed outputs against the captured output-gradients then gives the gradient of every
+The captured call is re-run without autograd (torch's gate order: LSTM ``i, f, g, o``; GRU
+``r, z, n`` with ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``), time-major, keeping the
+gate activations: the input-side pre-activations of all steps are one matmul, each step one
+matmul with ``W_hh`` and a few elementwise ops. The backward through time is then written out
+with the gates' closed-form derivatives (one matmul with ``W_hh`` and a few elementwise ops per
+step, no autograd graph), from the captured output-gradients, and gives the gradient of every
 pre-activation at every step, per example. Each weight sees its input at every step, so its
 per-example gradient is an :class:`Outer` with ``shared`` = time steps:
 
@@ -14,13 +17,18 @@ per-example gradient is an :class:`Outer` with ``shared`` = time steps:
 - ``weight_hr_l{k}[_reverse]`` (LSTM ``proj_size``): ``a = o * tanh(c_t)``, ``g`` = grad of ``h_t``;
 - biases: ``Outer(None, g)`` with the same ``g``.
 
-``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, an initial state (``h0``, or
-``(h0, c0)``) and :class:`~torch.nn.utils.rnn.PackedSequence` inputs are handled; with packed
+(For the reverse direction the ``shared`` axis runs backwards in time: the sum over it is the
+same.) ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, an initial state (``h0``,
+or ``(h0, c0)``) and :class:`~torch.nn.utils.rnn.PackedSequence` inputs are handled; with packed
 inputs, steps past an example's length are masked out and contribute nothing. As for every rule,
 the output-gradients are those of the backpropagated loss; the engine does the mean/sum scaling.
+After a ``create_graph=True`` backward the pieces carry no graph (``grad1`` of an RNN cannot be
+differentiated further).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from einops import rearrange
@@ -41,107 +49,350 @@ def _initial_state(call: Call) -> Tensor | tuple[Tensor, Tensor] | None:
     return call.kwargs.get("hx")
 
 
-def _cell(mode: str, pre_ih: Tensor, pre_hh: Tensor, c_prev: Tensor | None):
-    """One step from the two pre-activations ``[batch, gates * hidden]``: ``(h, c)``, where for
-    the LSTM ``h`` is ``o * tanh(c)`` before any projection, and ``c`` is ``None`` otherwise."""
-    if mode == "RNN_TANH":
-        return torch.tanh(pre_ih + pre_hh), None
-    if mode == "RNN_RELU":
-        return torch.relu(pre_ih + pre_hh), None
-    if mode == "LSTM":
-        i, f, g, o = (pre_ih + pre_hh).chunk(4, -1)
-        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
-    # GRU
-    ih_r, ih_z, ih_n = pre_ih.chunk(3, -1)
-    hh_r, hh_z, hh_n = pre_hh.chunk(3, -1)
-    r = torch.sigmoid(ih_r + hh_r)
-    z = torch.sigmoid(ih_z + hh_z)
-    n = torch.tanh(ih_n + r * hh_n)
-    return n, z  # combined with h_prev by the caller: (1 - z) * n + z * h_prev
+def _shift(first: Tensor, steps: Tensor) -> Tensor:
+    """The state before each step: ``[first, steps[0], ..., steps[-2]]`` ``[time, batch, n]``."""
+    return torch.cat([first[None], steps[:-1]])
+
+
+def _one_minus(x: Tensor) -> Tensor:
+    """``1 - x``, new."""
+    return torch.rsub(x, 1)
+
+
+def _one_minus_sq(x: Tensor) -> Tensor:
+    """``1 - x²``, new (the derivative of tanh at its output ``x``)."""
+    return torch.addcmul(x.new_ones(()), x, x, value=-1)
+
+
+class _Direction:
+    """One layer and direction of an RNN module, time-major, in its own step order (a reverse
+    direction is handed its input flipped in time).
+
+    :meth:`forward` runs the recurrence without autograd and keeps what the backward needs;
+    :meth:`backward` takes the gradients of the outputs and of the final state and returns the
+    ``(a, g)`` of every parameter (time-major ``[time, batch, n]``) and the input-gradient.
+    ``keep`` ``[time, batch, 1]`` (bool), or ``None`` when every step is valid: where it is
+    false the step is skipped (the state carried over unchanged, as for packed sequences).
+
+    Letters in shapes: ``T`` time steps, ``B`` batch, ``H`` hidden size, ``P`` the size of the
+    output state (``proj_size`` or ``H``).
+    """
+
+    def __init__(self, module: nn.RNNBase, sfx: str) -> None:
+        def get(name: str) -> Tensor:
+            return getattr(module, name + sfx).detach()
+
+        self.mode, self.sfx, self.hidden = module.mode, sfx, module.hidden_size
+        self.w_ih, self.w_hh = get("weight_ih"), get("weight_hh")
+        self.b_ih = get("bias_ih") if module.bias else None
+        self.b_hh = get("bias_hh") if module.bias else None
+        self.w_hr = get("weight_hr") if module.proj_size > 0 else None
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, keep: Tensor | None, h0: Tensor, c0: Tensor | None):
+        """``x`` ``[T, B, in]``; ``h0`` ``[B, P]``, ``c0`` ``[B, H]`` (LSTM). Returns
+        ``(out [T, B, P], h_n, c_n)``; ``out`` past a sequence's end repeats its last state."""
+        self.x, self.keep, self.h0 = x, keep, h0
+        step = {"LSTM": self._lstm, "GRU": self._gru}.get(self.mode, self._rnn)
+        return step(x, keep, h0, c0)
+
+    def _pre_ih(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]``."""
+        flat = x.reshape(-1, x.shape[-1])
+        pre = flat @ self.w_ih.T if bias is None else torch.addmm(bias, flat, self.w_ih.T)
+        return pre.view(*x.shape[:2], self.w_ih.shape[0])
+
+    def _bias(self) -> Tensor | None:
+        return None if self.b_ih is None else self.b_ih + self.b_hh
+
+    def _rnn(self, x, keep, h, _):
+        pre = self._pre_ih(x, self._bias())
+        act = torch.tanh if self.mode == "RNN_TANH" else partial(torch.clamp, min=0)
+
+        self.h_new = torch.empty_like(pre)  # [T, B, H]: each step's new state, before masking
+        out = self.h_new if keep is None else torch.empty_like(pre)
+        w_hh = self.w_hh.T
+        for t in range(x.shape[0]):
+            act(torch.addmm(pre[t], h, w_hh), out=self.h_new[t])
+            h = self.h_new[t] if keep is None else torch.where(keep[t], self.h_new[t], h)
+            if keep is not None:
+                out[t] = h
+        self.out = out
+        return out, h, None
+
+    def _lstm(self, x, keep, h, c):
+        H = self.hidden
+        pre = self._pre_ih(x, self._bias())
+        steps, batch = pre.shape[:2]
+        self.act = act = torch.empty_like(pre)  # [T, B, 4H]: i, f, g, o after their nonlinearity
+        self.tanh_c = torch.empty(steps, batch, H, dtype=pre.dtype, device=pre.device)
+        self.c = torch.empty_like(self.tanh_c)  # [T, B, H]: the cell state after each step
+        self.proj_in = None if self.w_hr is None else torch.empty_like(self.tanh_c)
+        out = pre.new_empty(steps, batch, h.shape[-1])  # [T, B, P]
+        self.c0 = c
+        w_hh = self.w_hh.T
+        for t in range(steps):
+            a = act[t]
+            gates = torch.addmm(pre[t], h, w_hh)
+            torch.sigmoid(gates, out=a)
+            torch.tanh(gates[:, 2 * H : 3 * H], out=a[:, 2 * H : 3 * H])
+            i, f, g, o = a.chunk(4, 1)
+            c_new = torch.mul(f, c) if keep is not None else torch.mul(f, c, out=self.c[t])
+            c_new.addcmul_(i, g)
+            tc = torch.tanh(c_new, out=self.tanh_c[t])
+            if self.w_hr is None:
+                h_new = torch.mul(o, tc, out=out[t] if keep is None else None)
+            else:
+                torch.mul(o, tc, out=self.proj_in[t])
+                h_new = torch.mm(self.proj_in[t], self.w_hr.T, out=out[t] if keep is None else None)
+            if keep is None:
+                c, h = c_new, h_new
+            else:
+                c = torch.where(keep[t], c_new, c, out=self.c[t])
+                h = torch.where(keep[t], h_new, h, out=out[t])
+        self.out = out
+        return out, h, c
+
+    def _gru(self, x, keep, h, _):
+        H = self.hidden
+        pre = self._pre_ih(x, self.b_ih)  # [T, B, 3H]
+        self.act = act = torch.empty_like(pre)  # r, z, n
+        self.hh = hh = torch.empty_like(pre)  # h W_hhᵀ + b_hh
+        out = torch.empty_like(pre[..., :H])
+        w_hh = self.w_hh.T
+        for t in range(x.shape[0]):
+            if self.b_hh is None:
+                torch.mm(h, w_hh, out=hh[t])
+            else:
+                torch.addmm(self.b_hh, h, w_hh, out=hh[t])
+            rz, n = act[t, :, : 2 * H], act[t, :, 2 * H :]
+            torch.add(pre[t, :, : 2 * H], hh[t, :, : 2 * H], out=rz).sigmoid_()
+            torch.addcmul(pre[t, :, 2 * H :], rz[:, :H], hh[t, :, 2 * H :], out=n).tanh_()
+            z = rz[:, H:]
+            if keep is None:
+                h = torch.lerp(n, h, z, out=out[t])  # (1 - z) n + z h
+            else:
+                h = torch.where(keep[t], torch.lerp(n, h, z), h, out=out[t])
+        self.out = out
+        return out, h, None
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward(self, d_out: Tensor, d_hn: Tensor, d_cn: Tensor | None, need_dx: bool):
+        """``d_out`` ``[T, B, P]`` (zero past each sequence's end), ``d_hn`` ``[B, P]``,
+        ``d_cn`` ``[B, H]`` (LSTM): the gradients of the outputs. Returns ``(pairs, d_x)``:
+        ``pairs`` maps each parameter name to ``(a, g)``, time-major; ``d_x`` ``[T, B, in]``
+        (``None`` unless ``need_dx``)."""
+        h_prev = _shift(self.h0, self.out)  # [T, B, P]
+        m = None if self.keep is None else self.keep.to(d_out.dtype)
+        if self.mode == "LSTM":
+            g_ih, g_hh, extra = self._lstm_back(d_out, d_hn, d_cn, m)
+        elif self.mode == "GRU":
+            g_ih, g_hh, extra = self._gru_back(d_out, d_hn, m, h_prev)
+        else:
+            g_ih, g_hh, extra = self._rnn_back(d_out, d_hn, m)
+        s = self.sfx
+        pairs = {"weight_ih" + s: (self.x, g_ih), "weight_hh" + s: (h_prev, g_hh), **extra}
+        if self.b_ih is not None:
+            pairs["bias_ih" + s], pairs["bias_hh" + s] = (None, g_ih), (None, g_hh)
+        d_x = None
+        if need_dx:
+            d_x = g_ih @ self.w_ih
+        return pairs, d_x
+
+    def _through_time(self, d_out, d_h, m, step) -> Tensor:
+        """The backward recurrence. ``step(t, d_h)`` takes the gradient of the state after step
+        ``t`` and returns ``(d_pre_hh [B, gates * H], d_h_direct)``: the gradient of step
+        ``t``'s ``h W_hhᵀ + b_hh``, and that of ``h_{t-1}`` other than through ``W_hh`` (or
+        ``None``); this adds ``d_out[t - 1]``, the matmul with ``W_hh`` and, at skipped steps,
+        the state carried over. Returns every step's ``d_pre_hh``, ``[T, B, gates * H]``.
+
+        Written without ``out=`` or in-place writes into buffers: the Jacobians run it under
+        ``vmap`` over the output-gradients."""
+        d_h = d_out[-1] + d_h
+        skip = None if m is None else 1 - m
+        d_pre = []
+        for t in range(d_out.shape[0] - 1, -1, -1):
+            d_pre_t, direct = step(t, d_h)
+            d_pre.append(d_pre_t)
+            if t == 0:
+                break
+            nxt = d_out[t - 1] if direct is None else direct + d_out[t - 1]
+            if m is not None:
+                nxt = torch.addcmul(nxt, d_h, skip[t])
+            d_h = torch.addmm(nxt, d_pre_t, self.w_hh)
+        return torch.stack(d_pre[::-1])
+
+    def _rnn_back(self, d_out, d_hn, m):
+        h = self.h_new
+        slope = _one_minus_sq(h) if self.mode == "RNN_TANH" else (h > 0).to(h.dtype)
+        if m is not None:
+            slope.mul_(m)
+        g = self._through_time(d_out, d_hn, m, lambda t, d_h: (d_h * slope[t], None))
+        return g, g, {}
+
+    def _lstm_back(self, d_out, d_hn, d_cn, m):
+        H = self.hidden
+        i, f, g, o = self.act.chunk(4, -1)
+        tc, c = self.tanh_c, self.c
+        # d c_t (new) = d c_t (carried) + d h_t o (1 - tanh² c_t)
+        to_c = _one_minus_sq(tc).mul_(o)
+        # d (i, f, g, o)_pre = (d c_t, d c_t, d c_t, d h_t) *
+        #     (g i (1 - i), c_{t-1} f (1 - f), i (1 - g²), tanh(c_t) o (1 - o)): [T, B, 4, H]
+        to_pre = self.act.new_empty(*tc.shape[:2], 4, H)
+        to_i, to_f, to_g, to_o = to_pre.unbind(-2)
+        torch.mul(_one_minus(i).mul_(i), g, out=to_i)
+        torch.mul(_one_minus(f).mul_(f), _shift(self.c0, c), out=to_f)
+        torch.mul(_one_minus_sq(g), i, out=to_g)
+        torch.mul(_one_minus(o).mul_(o), tc, out=to_o)
+        forget = f
+        if m is not None:
+            to_c, to_pre = to_c.mul_(m), to_pre.mul_(m[..., None])
+            forget = torch.where(self.keep, f, 1.0)
+        batch = d_out.shape[1]
+        d_hs = []  # the gradients of the (projected) states, for weight_hr
+        d_c = [torch.zeros_like(tc[0]) if d_cn is None else d_cn]
+
+        def step(t, d_h):
+            if self.w_hr is not None:
+                d_hs.append(d_h)
+                d_h = d_h @ self.w_hr
+            d_c_new = torch.addcmul(d_c[0], d_h, to_c[t])
+            d_pre_t = torch.stack([d_c_new, d_c_new, d_c_new, d_h], 1).mul_(to_pre[t])
+            d_c[0] = d_c_new * forget[t]
+            return d_pre_t.view(batch, 4 * H), None
+
+        d_pre = self._through_time(d_out, d_hn, m, step)
+        extra = {}
+        if self.w_hr is not None:
+            d_hs = torch.stack(d_hs[::-1])
+            extra["weight_hr" + self.sfx] = (self.proj_in, d_hs if m is None else d_hs * m)
+        return d_pre, d_pre, extra
+
+    def _gru_back(self, d_out, d_hn, m, h_prev):
+        H = self.hidden
+        r, z, n = self.act.chunk(3, -1)
+        hh_n = self.hh[..., 2 * H :]
+        # h = (1 - z) n + z h_prev: d n_pre = d h (1 - z)(1 - n²); d z_pre = d h (h_prev - n) z (1 - z);
+        # d (W_hn h + b_hn) = d n_pre r; d r_pre = d n_pre (W_hn h + b_hn) r (1 - r)
+        to_n = _one_minus_sq(n).mul_(_one_minus(z))
+        to_hh = self.act.new_empty(*n.shape[:2], 3, H)  # [T, B, 3, H]
+        to_r, to_z, to_hn = to_hh.unbind(-2)
+        torch.mul(to_n, r, out=to_hn)
+        torch.mul(to_hn, hh_n, out=to_r).mul_(_one_minus(r))
+        torch.sub(h_prev, n, out=to_z).mul_(z).mul_(_one_minus(z))
+        carry = z
+        if m is not None:
+            to_n, to_hh = to_n.mul_(m), to_hh.mul_(m[..., None])
+            carry = torch.where(self.keep, z, 0.0)  # the skipped steps' carry is added apart
+        batch = d_out.shape[1]
+        d_hs = []
+
+        def step(t, d_h):
+            d_hs.append(d_h)
+            return (d_h[:, None] * to_hh[t]).view(batch, 3 * H), d_h * carry[t]
+
+        g_hh = self._through_time(d_out, d_hn, m, step)
+        g_ih = torch.cat([g_hh[..., : 2 * H], torch.stack(d_hs[::-1]) * to_n], -1)
+        return g_ih, g_hh, {}
 
 
 def recompute(
     module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None
-) -> tuple[tuple[Tensor, ...], dict[str, tuple[Tensor | None, Tensor]]]:
-    """Re-run ``module`` on a batch-first padded ``x`` ``[batch, time, in]`` with per-example
-    ``lengths`` ``[batch]`` and an optional initial state (torch's layout, ``[layers * dirs,
-    batch, hidden]``), under autograd.
+) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
+    """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
+    with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
+    ``[layers * dirs, batch, hidden]``).
 
-    Returns ``(outputs, probes)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
-    h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length; ``probes``
-    maps every parameter name to ``(a, probe)``: ``a`` ``[batch, time, in]`` (``None`` for a
-    bias) is what the parameter multiplies, ``probe`` ``[batch, time, out]`` a zero tensor
-    requiring grad, added to that parameter's pre-activation, whose gradient is ``g``.
+    Returns ``(outputs, layers)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
+    h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length;
+    ``layers[k][d]`` the :class:`_Direction` of layer ``k`` and direction ``d``, holding what
+    :func:`backpropagate` needs.
     """
-    mode, lstm = module.mode, module.mode == "LSTM"
+    lstm = module.mode == "LSTM"
     dirs = 2 if module.bidirectional else 1
     batch, time = x.shape[:2]
-    hidden, proj = module.hidden_size, module.proj_size
-    h_size = proj if proj > 0 else hidden
-    if hx is None:
-        h0 = x.new_zeros(module.num_layers * dirs, batch, h_size)
-        c0 = x.new_zeros(module.num_layers * dirs, batch, hidden)
-    else:
-        h0, c0 = hx if lstm else (hx, None)
-    valid = torch.arange(time, device=x.device)[None, :] < lengths.to(x.device)[:, None]
-    valid = valid[..., None]  # [batch, time, 1]
-    probes: dict[str, tuple[Tensor | None, Tensor]] = {}
-    h_n, c_n = [], []
-    layer_in = x
-    for layer in range(module.num_layers):
-        outs = []
-        for d in range(dirs):
-            sfx = f"_l{layer}" + ("_reverse" if d else "")
-            w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
-            gates = w_ih.shape[0]
-            z_ih = x.new_zeros(batch, time, gates, requires_grad=True)
-            z_hh = x.new_zeros(batch, time, gates, requires_grad=True)
-            pre_ih = layer_in @ w_ih.detach().T + z_ih
-            b_ih = b_hh = None
-            if module.bias:
-                b_ih = getattr(module, "bias_ih" + sfx).detach()
-                b_hh = getattr(module, "bias_hh" + sfx).detach()
-                pre_ih = pre_ih + b_ih
-            z_hr = x.new_zeros(batch, time, proj, requires_grad=True) if proj > 0 else None
-            w_hr = getattr(module, "weight_hr" + sfx).detach() if proj > 0 else None
-            h, c = h0[layer * dirs + d], c0[layer * dirs + d] if lstm else None
-            steps = range(time - 1, -1, -1) if d else range(time)
-            out_t: list[Tensor] = [None] * time  # type: ignore[list-item]
-            h_prev_t: list[Tensor] = [None] * time  # type: ignore[list-item]
-            pre_proj_t: list[Tensor] = [None] * time  # type: ignore[list-item]
-            for t in steps:
-                h_prev_t[t] = h
-                pre_hh = h @ w_hh.detach().T + z_hh[:, t]
-                if b_hh is not None:
-                    pre_hh = pre_hh + b_hh
-                new_h, aux = _cell(mode, pre_ih[:, t], pre_hh, c)
-                if mode == "GRU":
-                    new_h = (1 - aux) * new_h + aux * h
-                if lstm:
-                    c = torch.where(valid[:, t], aux, c)
-                if w_hr is not None:
-                    pre_proj_t[t] = new_h
-                    new_h = new_h @ w_hr.T + z_hr[:, t]
-                h = torch.where(valid[:, t], new_h, h)
-                out_t[t] = h
-            outs.append(torch.stack(out_t, 1))
-            h_n.append(h)
-            if lstm:
+    h_size = module.proj_size or module.hidden_size
+    with torch.no_grad():
+        if hx is None:
+            h0 = x.new_zeros(module.num_layers * dirs, batch, h_size)
+            c0 = x.new_zeros(module.num_layers * dirs, batch, module.hidden_size)
+        else:
+            h0, c0 = (t.detach() for t in hx) if lstm else (hx.detach(), None)
+        lengths = lengths.to(x.device)
+        keep = None
+        if bool((lengths < time).any()):
+            keep = (torch.arange(time, device=x.device)[:, None] < lengths[None, :])[..., None]
+        layer_in = rearrange(x.detach(), "batch time inp -> time batch inp").contiguous()
+        layers: list[list[_Direction]] = []
+        h_n, c_n = [], []
+        for layer in range(module.num_layers):
+            outs, layers_d = [], []
+            for d in range(dirs):
+                k = layer * dirs + d
+                run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""))
+                flip = (lambda t: t.flip(0)) if d else (lambda t: t)
+                out, h, c = run.forward(
+                    flip(layer_in),
+                    None if keep is None else flip(keep),
+                    h0[k],
+                    c0[k] if lstm else None,
+                )
+                outs.append(flip(out))
+                h_n.append(h)
                 c_n.append(c)
-            h_prev = torch.stack(h_prev_t, 1).detach()
-            probes["weight_ih" + sfx] = (layer_in.detach(), z_ih)
-            probes["weight_hh" + sfx] = (h_prev, z_hh)
-            if module.bias:
-                probes["bias_ih" + sfx] = (None, z_ih)
-                probes["bias_hh" + sfx] = (None, z_hh)
-            if w_hr is not None:
-                probes["weight_hr" + sfx] = (torch.stack(pre_proj_t, 1).detach(), z_hr)
-        layer_in = torch.where(valid, torch.cat(outs, -1), 0.0)
-    outputs = (layer_in, torch.stack(h_n))
-    if lstm:
-        outputs = (*outputs, torch.stack(c_n))
-    return outputs, probes
+                layers_d.append(run)
+            layers.append(layers_d)
+            layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
+            if keep is not None:
+                layer_in = layer_in * keep
+        outputs = (rearrange(layer_in, "time batch out -> batch time out"), torch.stack(h_n))
+        if lstm:
+            outputs = (*outputs, torch.stack(c_n))
+    return outputs, layers
+
+
+def backpropagate(
+    module: nn.RNNBase, layers: list[list[_Direction]], grads: tuple[Tensor | None, ...]
+) -> dict[str, Outer]:
+    """The backward through time of a :func:`recompute`, from ``grads`` (for ``output``
+    batch-first ``[batch, time, dirs * hidden_out]``, ``h_n`` and ``c_n`` in torch's layout;
+    ``None`` where no gradient flowed): one :class:`Outer` per parameter."""
+    dirs = 2 if module.bidirectional else 1
+    first = layers[0][0]
+    keep = first.keep
+    steps, batch = first.x.shape[:2]
+    h_size = module.proj_size or module.hidden_size
+    like = first.out
+    pieces: dict[str, Outer] = {}
+    with torch.no_grad():
+        g_out, g_h, g_c = (*grads, None)[:3]
+        if g_out is None:
+            d_out = like.new_zeros(steps, batch, dirs * h_size)
+        else:
+            d_out = rearrange(g_out.detach(), "batch time out -> time batch out")
+            if keep is not None:
+                d_out = d_out * keep
+        for layer in range(module.num_layers - 1, -1, -1):
+            d_x = None
+            for d, run in enumerate(layers[layer]):
+                k = layer * dirs + d
+                flip = (lambda t: t.flip(0)) if d else (lambda t: t)
+                d_o = d_out[..., d * h_size : (d + 1) * h_size] if dirs > 1 else d_out
+                d_hn = like.new_zeros(batch, h_size) if g_h is None else g_h[k].detach()
+                d_cn = None if g_c is None else g_c[k].detach()
+                pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=layer > 0)
+                for name, (a, g) in pairs.items():
+                    pieces[name] = Outer(
+                        None if a is None else rearrange(a, "time batch n -> batch time n"),
+                        rearrange(g, "time batch n -> batch time n"),
+                    )
+                if layer > 0:
+                    d_x = flip(dx_d) if d_x is None else d_x + flip(dx_d)
+            if layer > 0:
+                d_out = d_x if keep is None else d_x * keep
+    return pieces
 
 
 def _error(call: Call, what: str, todo: str) -> ValueError:
@@ -189,14 +440,5 @@ def rnn(call: Call) -> dict[str, Outer]:
                 grads = (rearrange(grads[0], "time batch out -> batch time out"), *grads[1:])
         x_pad = x
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-    with torch.enable_grad():
-        outputs, probes = recompute(module, x_pad, lengths, hx)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-        zs = list({id(z): z for _, z in probes.values()}.values())  # a bias shares its weight's
-        got = [None] * len(zs)
-        if pairs:
-            got = torch.autograd.grad(
-                [o for o, _ in pairs], zs, [g for _, g in pairs], allow_unused=True
-            )
-    g_of = {id(z): torch.zeros_like(z) if g is None else g for z, g in zip(zs, got, strict=True)}
-    return {name: Outer(a, g_of[id(z)]) for name, (a, z) in probes.items()}
+    _, layers = recompute(module, x_pad, lengths, hx)
+    return backpropagate(module, layers, grads)
