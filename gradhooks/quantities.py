@@ -198,7 +198,7 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
     ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
     from torch._C import _functorch
 
-    custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (convolutions)
+    custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (conv, Rows)
     if custom is not None and custom(into, scale, first):
         return True
     if not isinstance(piece, P.Outer) or not _functorch.is_batchedtensor(piece.g):
