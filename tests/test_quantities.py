@@ -283,9 +283,7 @@ def test_jacobians_of_embeddings_scatter_rows(make, monkeypatch):
 
     used = []
     original = Rows.jacobian_into
-    monkeypatch.setattr(
-        Rows, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1]
-    )
+    monkeypatch.setattr(Rows, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1])
     torch.manual_seed(0)
     model = make().double()
     tokens = torch.randint(model.embed.num_embeddings, (3, 5))
