@@ -226,6 +226,29 @@ class Rows(Piece):
             flat.zero_()
         flat.index_add_(0, self.keys(), self.g, alpha=scale)
 
+    def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
+        """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): ``g`` is batched,
+        ``[outputs, entries, dim]``, ``example`` and ``index`` are not. Write the Jacobian,
+        ``into`` ``[outputs, batch, num_rows, dim]`` (any strides), by zeroing it (if
+        ``first``) and one accumulating scatter of every entry's ``[outputs, dim]`` block; the
+        generic path would build ``grad1`` batched (a zero-filled copy per call) and copy it.
+        Returns False where that path must be used (``g`` not batched over the outputs)."""
+        from torch._C import _functorch
+
+        if not _functorch.is_batchedtensor(self.g) or any(
+            _functorch.is_batchedtensor(t) for t in (self.example, self.index)
+        ):
+            return False
+        g = _functorch.get_unwrapped(self.g).movedim(_functorch.maybe_get_bdim(self.g), 0)
+        if g.dim() != 3 or into.dim() != 4:
+            return False
+        target = into.permute(1, 2, 0, 3)  # [batch, num_rows, outputs, dim], a view
+        if first:
+            target.zero_()
+        values = _scaled(g, scale).transpose(0, 1)  # [entries, outputs, dim]
+        target.index_put_((self.example, self.index), values, accumulate=True)
+        return True
+
 
 def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]]:
     """The rows that the (scaled) :class:`Rows` pieces of one parameter touch, per example:

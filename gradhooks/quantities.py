@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from . import pieces as P
@@ -198,7 +199,7 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
     ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
     from torch._C import _functorch
 
-    custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (convolutions)
+    custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (conv, Rows)
     if custom is not None and custom(into, scale, first):
         return True
     if not isinstance(piece, P.Outer) or not _functorch.is_batchedtensor(piece.g):
@@ -227,7 +228,21 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
         else:
             target.add_(prod[0] * prod[1])
     else:
-        value = torch.matmul(g.transpose(-1, -2), piece.a.unsqueeze(0))
+        # One product per example (and group) with every output's rows stacked,
+        # [outputs * out, shared] @ [shared, in], rather than one per output (which repeats
+        # ``a`` for every output and multiplies matrices of only ``out`` rows). The stacking
+        # copies ``g`` keeping its contiguous axis last (``out`` for a Linear, ``shared`` for a
+        # convolution's output-gradient).
+        if g.stride(-1) == 1:
+            rows = rearrange(g, "outputs batch ... shared out -> batch ... shared (outputs out)")
+            rows = rows.transpose(-1, -2)
+        else:
+            rows = rearrange(g, "outputs batch ... shared out -> batch ... (outputs out) shared")
+        value = rearrange(
+            torch.matmul(rows, piece.a),
+            "batch ... (outputs out) inp -> outputs batch ... out inp",
+            outputs=outputs,
+        )
     if value is not None:
         if first:
             target.copy_(value)

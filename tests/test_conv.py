@@ -105,8 +105,8 @@ class _ConvHead(nn.Module):
 @given(dims=st.sampled_from([1, 2, 3]), data=st.data(), batch=st.sampled_from([1, 2]))
 def test_conv_jacobians_sweep(dims, data, batch):
     """Per-example Jacobians of a convolution (the grouped-convolution form where it has more
-    output positions than output channels, columns and a matmul elsewhere) equal a loop of
-    one backward per example and output, and vmap(jacrev)."""
+    output positions than output channels times outputs, columns and a matmul elsewhere) equal
+    a loop of one backward per example and output, and vmap(jacrev)."""
     from test_quantities import check_jacobians, loop_jacobians, vmap_jacrev
 
     case = data.draw(conv_cases(dims))
@@ -117,3 +117,25 @@ def test_conv_jacobians_sweep(dims, data, batch):
     model = _ConvHead(case.model().double(), x).double()
     check_jacobians(model, x, loop_jacobians(model, x), case.id)
     check_jacobians(model, x, vmap_jacrev(model, x), case.id)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("size, grouped", [(7, True), (5, False), (3, False)])
+def test_conv_jacobians_choose_the_form(size, grouped, groups, monkeypatch):
+    """Conv2d(2, 6, 3) with a 2-output head: 25 output positions (> 2 outputs x 6 channels) take
+    the grouped-convolution form; 9 (more than the channels, not than their rows for all
+    outputs) and 1 take the columns and one matmul per example; all equal vmap(jacrev)."""
+    from test_quantities import check_jacobians, vmap_jacrev
+
+    from gradhooks.rules.conv import ConvWeight
+
+    used = []
+    original = ConvWeight.jacobian_into
+    monkeypatch.setattr(
+        ConvWeight, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1]
+    )
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, size, size, dtype=torch.float64)
+    model = _ConvHead(nn.Conv2d(2, 6, 3, groups=groups).double(), x).double()
+    check_jacobians(model, x, vmap_jacrev(model, x), f"size {size}")
+    assert used and all(u == grouped for u in used)

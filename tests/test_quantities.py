@@ -9,7 +9,7 @@ from cases import CASES, CASES_BY_LAYER
 from torch import nn
 
 import gradhooks
-from gradhooks.models import SimpleCNN
+from gradhooks.models import EmbedBlock, SimpleCNN
 from gradhooks.oracle import loop_grad
 from harness import Case, _double, assert_close
 
@@ -256,3 +256,39 @@ def test_jacobians_equal_vmap_jacrev(model):
 def test_jacobians_of_an_empty_batch():
     model = SeedMLP(6, 4, 3)
     assert gradhooks.jacobians(model, torch.randn(0, 6), flatten=True).shape == (0, 3, 43)
+
+
+class TiedEmbed(nn.Module):
+    """An Embedding looked up twice and tied to the output Linear (padding row 0): the
+    Jacobian of its weight sums an Outer piece and two Rows pieces."""
+
+    def __init__(self, vocab=6, dim=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.head = nn.Linear(dim, vocab)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.embed(tokens.flip(1)).tanh()
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize(
+    "make", [TiedEmbed, lambda: EmbedBlock(vocab=9, dim=4, classes=3)], ids=["tied", "block"]
+)
+def test_jacobians_of_embeddings_scatter_rows(make, monkeypatch):
+    """Embedding Jacobians by :meth:`Rows.jacobian_into` (one scatter into the result, repeated
+    tokens and padding included) equal vmap(jacrev) and the loop."""
+    from gradhooks.pieces import Rows
+
+    used = []
+    original = Rows.jacobian_into
+    monkeypatch.setattr(Rows, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1])
+    torch.manual_seed(0)
+    model = make().double()
+    tokens = torch.randint(model.embed.num_embeddings, (3, 5))
+    tokens[0, :3] = tokens[0, 3]  # a token repeated within an example
+    tokens[1, 1] = 0  # the padding row, in TiedEmbed
+    check_jacobians(model, tokens, vmap_jacrev(model, tokens), "embeddings")
+    check_jacobians(model, tokens, loop_jacobians(model, tokens), "embeddings")
+    assert used and all(used)
