@@ -280,7 +280,7 @@ def _per_example_loss(s: Setup):
         raise Unavailable("unsupported", "no per-example form of this loss") from None
 
 
-def _gradhooks_dp(s: Setup, quantity: str) -> Runner:
+def _gradhooks_dp(s: Setup, quantity: str, method: str) -> Runner:
     each = _per_example_loss(s)
     hooks = gradhooks.add_hooks(s.model, quantities=(quantity,))
     params = list(s.trainable().values())
@@ -290,8 +290,9 @@ def _gradhooks_dp(s: Setup, quantity: str) -> Runner:
     def step() -> None:
         losses = each(s.model(s.x), s.y)
         gradhooks.dp_sgd_step(
-            hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen
-        )
+            hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen,
+            method=method,
+        )  # fmt: skip
         opt.step()
 
     def reset() -> None:
@@ -401,8 +402,9 @@ METHODS: dict[str, Method] = {
         Method("norms", "gradhooks norms", "norms", gradhooks_norms, tags=("gradhooks",)),
         Method("opacus-dp", "Opacus DP step (hooks)", "step", lambda s: _opacus_dp(s, ghost=False), "opacus"),
         Method("opacus-dp-ghost", "Opacus DP step (ghost)", "step", lambda s: _opacus_dp(s, ghost=True), "opacus"),
-        Method("dp", "gradhooks DP step (ghost)", "step", lambda s: _gradhooks_dp(s, "norms"), tags=("gradhooks",)),
-        Method("dp-grad1", "gradhooks DP step (grad1)", "step", lambda s: _gradhooks_dp(s, "grad1"), tags=("gradhooks",)),
+        Method("dp", "gradhooks DP step (ghost)", "step", lambda s: _gradhooks_dp(s, "norms", "ghost"), tags=("gradhooks",)),
+        Method("dp-bk", "gradhooks DP step (book-keeping)", "step", lambda s: _gradhooks_dp(s, "norms", "bookkeeping"), tags=("gradhooks",)),
+        Method("dp-grad1", "gradhooks DP step (grad1)", "step", lambda s: _gradhooks_dp(s, "grad1", "grad1"), tags=("gradhooks",)),
         Method("jacrev", "vmap(jacrev)", "jacobian", vmap_jacrev, slow=True),
         Method("jacobians", "gradhooks Jacobians", "jacobian", gradhooks_jacobians, slow=True, tags=("gradhooks",)),
     ]

@@ -55,7 +55,7 @@ def dp_sgd_step(
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    method: Literal["grad1", "ghost"] | None = None,
+    method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     group: Group = None,
 ) -> Tensor:
     """:func:`gradhooks.dp_sgd_step` with the batch split across the ranks of ``group``.

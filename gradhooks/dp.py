@@ -19,6 +19,13 @@ Two paths, chosen by what the handle computes:
   (:meth:`Hooks.norms`), a second backward of ``Σ_i min(1, C/‖g_i‖) · loss_i`` (the factors
   detached, capture off) gives the clipped sum directly in autograd's own gradient. Memory is
   that of two plain backwards (the graph is kept for the second); compute about twice one.
+- ``"bookkeeping"`` (a handle with ``"norms"``): ghost norms without the second backward
+  (Bu et al., "Differentially private optimization on large model at small cost", 2023).
+  The one backward keeps every call's pieces (the layer inputs and output-gradients); the
+  clipped sum is then, per parameter, the batch gradient of the pieces with example ``i``
+  weighted by ``min(1, C/‖g_i‖)`` (:func:`gradhooks.pieces.batch_sum`): the cost of the
+  weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
+  layer are held until the step ends (about the size of the activations).
 
 Privacy accounting is not done here: the noise multiplier, the sampling rate
 (``batch / dataset``) and the number of steps are what an accountant (e.g. Opacus'
@@ -33,6 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import pieces as P
 from .engine import Hooks
 
 __all__ = ["dp_sgd_step", "clip_factors"]
@@ -52,7 +60,7 @@ def dp_sgd_step(
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    method: Literal["grad1", "ghost"] | None = None,
+    method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -66,7 +74,8 @@ def dp_sgd_step(
         noise_multiplier: ``σ``; the noise std is ``σ·C``. ``0`` for clipping only.
         generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
         reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
-        method: force ``"grad1"`` or ``"ghost"``; by default the one the handle supports.
+        method: ``"grad1"``, ``"ghost"`` or ``"bookkeeping"``; by default ``"grad1"`` for a
+            handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
 
     Returns:
         The per-example gradient norms before clipping, ``[batch]``.
@@ -84,9 +93,9 @@ def dp_sgd_step(
         (torch.Size([8]), torch.Size([3, 4]))
     """
     if method is None:
-        method = "grad1" if "grad1" in hooks.quantities else "ghost"
-    if method not in ("grad1", "ghost"):
-        raise ValueError(f"method must be 'grad1' or 'ghost', got {method!r}")
+        method = "grad1" if "grad1" in hooks.quantities else "bookkeeping"
+    if method not in ("grad1", "ghost", "bookkeeping"):
+        raise ValueError(f"method must be 'grad1', 'ghost' or 'bookkeeping', got {method!r}")
     needed = "grad1" if method == "grad1" else "norms"
     if needed not in hooks.quantities:
         raise ValueError(
@@ -117,6 +126,24 @@ def dp_sgd_step(
             torch.zeros_like(p) if g is None else torch.einsum("b,b...->...", factors, g)
             for p, g in zip(params, grads1, strict=True)
         ]
+    elif method == "bookkeeping":
+        kept = hooks._collector.keep = []
+        try:
+            torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            hooks._collector.keep = None
+        norms = (
+            hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
+        )
+        factors = clip_factors(norms, max_norm).detach()
+        sums: dict[int, Tensor] = {}
+        for pieces, live, scale in kept:
+            for pname, p in live.items():
+                s = P.batch_sum(pieces[pname], p.shape, factors * scale).to(p.dtype)
+                sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
+        del kept
+        clipped = [sums.get(id(p), None) for p in params]
+        clipped = [torch.zeros_like(p) if c is None else c for p, c in zip(params, clipped)]
     else:
         torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         norms = (

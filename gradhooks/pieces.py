@@ -376,15 +376,30 @@ def rows_outer_inner(p: Rows, q: Outer) -> Tensor | None:
     return (ag * gq.gather(2, idx)).flatten(1).sum(1)
 
 
-def batch_sum(piece: Piece, param_shape: torch.Size) -> Tensor:
-    """``Σ_b grad1[b]`` (unscaled), shape ``param_shape``, never materializing ``grad1``."""
+def batch_sum(piece: Piece, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+    """``Σ_b grad1[b]`` (unscaled), or ``Σ_b weights[b] grad1[b]`` (``weights`` ``[batch]``),
+    shape ``param_shape``, never materializing ``grad1``: the cost of the batch gradient
+    autograd computes. A piece with a ``batch_sum(param_shape, weights)`` method (a
+    convolution's) computes it itself."""
+    own = getattr(piece, "batch_sum", None)
+    if own is not None:
+        return own(param_shape, weights)
+
+    def weighted(t: Tensor) -> Tensor:  # [batch, ...] with example b's rows times weights[b]
+        return t if weights is None else t * weights.view(-1, *[1] * (t.dim() - 1)).to(t.dtype)
+
     if isinstance(piece, Outer):
         if not piece.has_input:
-            return piece.g.sum((0, -2)).reshape(param_shape)
-        return torch.einsum("b...so,b...si->...oi", piece.g, piece.a).reshape(param_shape)
+            return weighted(piece.g).sum((0, -2)).reshape(param_shape)
+        g = weighted(piece.g)
+        if g.dim() == 3:  # no groups: one matmul over (batch, shared)
+            flat = g.reshape(-1, g.shape[-1]).T @ piece.a.reshape(-1, piece.a.shape[-1])
+            return flat.reshape(param_shape)
+        return torch.einsum("b...so,b...si->...oi", g, piece.a).reshape(param_shape)
     if isinstance(piece, Direct):
-        return piece.value.sum(0).reshape(param_shape)
+        return weighted(piece.value).sum(0).reshape(param_shape)
     if isinstance(piece, Rows):
+        g = piece.g if weights is None else piece.g * weights.to(piece.g.dtype)[piece.example, None]
         out = piece.g.new_zeros(piece.num_rows, piece.g.shape[-1])
-        return out.index_add_(0, piece.index, piece.g).reshape(param_shape)
+        return out.index_add_(0, piece.index, g).reshape(param_shape)
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")

@@ -74,6 +74,9 @@ class Collector:
         self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
         self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
         self.jacobian_written: set[int] = set()
+        # while a list: every call's pieces of the backward, (pieces, params, scale), for
+        # dp_sgd_step's book-keeping path (gradhooks.dp)
+        self.keep: list[tuple[dict, dict, float]] | None = None
 
     def clear(self) -> None:
         self._held.clear()
@@ -94,6 +97,10 @@ class Collector:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
+        if self.keep is not None:  # fresh pieces: none of the columns the norms may cache
+            self.keep.append(
+                ({n: P.select(call_pieces[n], slice(None)) for n in params}, params, scale)
+            )
         if self.kfac is not None:
             self.kfac.add(qualname, call_pieces, params, scale)
         if "norms" in self.quantities or "sum_grad_sq" in self.quantities:

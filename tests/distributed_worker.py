@@ -124,7 +124,11 @@ def dp_sgd() -> None:
     as the single process's, equals it too (the noise entered once); all ranks equal."""
     for wrap, sizes in ((False, [5, 3]), (True, [5, 3]), (False, [8, 0])):  # 0: an empty shard
         x, y, xs, ys = data(sizes)
-        for method, quantities in (("grad1", ("grad1",)), ("ghost", ("norms",))):
+        for method, quantities in (
+            ("grad1", ("grad1",)),
+            ("ghost", ("norms",)),
+            ("bookkeeping", ("norms",)),
+        ):
             for reduction in ("mean", "sum"):
                 for sigma in (0.0, 1.3):
                     model, ref = net(), net()
@@ -135,13 +139,14 @@ def dp_sgd() -> None:
                         gen = torch.Generator().manual_seed(7 if RANK == 0 else 100 + RANK)
                         norms = ghd.dp_sgd_step(
                             h, losses, max_norm=4.0, noise_multiplier=sigma, generator=gen,
-                            reduction=reduction,
+                            reduction=reduction, method=method,
                         )  # fmt: skip
                     with gradhooks.add_hooks(ref, quantities=quantities) as h:
                         losses = F.cross_entropy(ref(x), y, reduction="none")
                         want = gradhooks.dp_sgd_step(
                             h, losses, max_norm=4.0, noise_multiplier=sigma,
                             generator=torch.Generator().manual_seed(7), reduction=reduction,
+                            method=method,
                         )  # fmt: skip
                     start = sum(sizes[:RANK])
                     close(norms, want[start : start + sizes[RANK]], f"{what}: local norms")

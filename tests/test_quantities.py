@@ -128,7 +128,7 @@ def test_bad_quantity_name():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("method", ["grad1", "ghost"])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_dp_clipping_equals_clipped_loop_oracle(case, method, reduction):
     batch = 5
@@ -142,8 +142,9 @@ def test_dp_clipping_equals_clipped_loop_oracle(case, method, reduction):
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
         losses = per_example_losses(model, case, inputs, target)
         got_norms = gradhooks.dp_sgd_step(
-            h, losses, max_norm=max_norm, noise_multiplier=0.0, reduction=reduction
-        )
+            h, losses, max_norm=max_norm, noise_multiplier=0.0, reduction=reduction,
+            method=method,
+        )  # fmt: skip
     assert_close(got_norms, norms, f"{case.id}: norms")
     denom = batch if reduction == "mean" else 1
     for name, p in model.named_parameters():
@@ -151,7 +152,7 @@ def test_dp_clipping_equals_clipped_loop_oracle(case, method, reduction):
         assert_close(p.grad, want, f"{case.id} ({method}, {reduction}): clipped {name}")
 
 
-@pytest.mark.parametrize("method", ["grad1", "ghost"])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 def test_dp_noise_is_reproducible_and_calibrated(method):
     case = CASES_BY_LAYER[nn.Linear][1]
     model, inputs, target = setup(case, 4)
@@ -164,7 +165,7 @@ def test_dp_noise_is_reproducible_and_calibrated(method):
             losses = per_example_losses(model, case, inputs, target)
             gradhooks.dp_sgd_step(
                 h, losses, max_norm=0.5, noise_multiplier=noise, reduction="sum",
-                generator=torch.Generator().manual_seed(7),
+                generator=torch.Generator().manual_seed(7), method=method,
             )  # fmt: skip
         grads.append([p.grad.clone() for p in params])
     clean, noisy, again = grads

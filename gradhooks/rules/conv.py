@@ -209,6 +209,21 @@ class ConvWeight(Outer):
             target.add_(value)
         return True
 
+    def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+        """``Σ_b weights[b] grad1[b]`` (:func:`gradhooks.pieces.batch_sum`): the weight gradient
+        of one convolution backward with each example's output-gradient times its weight,
+        as autograd computes the batch gradient (no columns)."""
+        m = self.module
+        x, padding = _explicit_padding(m, self.x)
+        g = self.grad_output
+        if weights is not None:
+            g = g * weights.to(g.dtype).view(-1, *[1] * (g.dim() - 1))
+        _, grad_weight, _ = torch.ops.aten.convolution_backward(
+            g, x, x.new_empty(1).expand(m.weight.shape), None, m.stride, padding, m.dilation,
+            False, (0,) * len(padding), m.groups, (False, True, False),
+        )  # fmt: skip
+        return grad_weight.reshape(param_shape)
+
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         if self._grouped_form():
             return self._grad1_grouped(scale).reshape(self.batch_size, *param_shape)
