@@ -128,10 +128,12 @@ def dp_sgd_step(
         ]
     elif method == "bookkeeping":
         kept = hooks._collector.keep = []
+        hooks._no_param_grads = True  # this backward's own parameter gradients are not used
         try:
             torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             hooks._collector.keep = None
+            hooks._no_param_grads = False
         norms = (
             hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
         )

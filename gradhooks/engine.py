@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import checks
+from . import pieces as P
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
@@ -185,6 +186,9 @@ class Hooks:
         self._grad1 = "grad1" in quantities
         self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
         self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
+        # set by dp_sgd_step's book-keeping backward, whose parameter gradients are not used:
+        # calls run detached then give none (and the backward still counts as the model's)
+        self._no_param_grads = False
         self._paused = 0  # depth of `with h.paused()`
         self._marked = 0  # depth of `with h.capturing()`
         self._frames: list[_Frame] = []  # root forwards running
@@ -450,7 +454,7 @@ class Hooks:
                 or next(iter(module._forward_hooks), None) != forward_hook
                 or nn.modules.module._global_forward_hooks
                 or self._removed
-                or not self._grad1
+                or not (self._grad1 or "norms" in self.quantities)
                 or not self._track
                 or not self._capturing_backward()
                 or not _GLOBALLY_ENABLED[0]
@@ -584,7 +588,17 @@ class Hooks:
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
-            self._on_grads(target, state, replace(call, grad_outputs=(g,)), args, kwargs, sums)
+            filled = replace(call, grad_outputs=(g,))
+            self._on_grads(target, state, filled, args, kwargs, sums)
+            if self._no_param_grads:
+                return (None,) * (len(detached) + len(inputs))
+            if len(sums) < len(detached) and not torch.is_grad_enabled():
+                # this backward writes nothing (paused, the second backward of a ghost DP
+                # step): the batch gradients of the rule's pieces
+                pieces = target.entry.rule(filled)
+                for n, p in detached.items():
+                    if n not in sums and pieces.get(n) is not None:
+                        sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
             self._rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
@@ -676,9 +690,20 @@ class Hooks:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
             self._refuse_large(batch)
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        formed: dict[int, Tensor] | None = None
+        if sums is not None and not self._grad1 and not self._no_param_grads:
+            formed = {}
         if self._collector is not None:
-            self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale)
+            self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
         if not self._grad1:
+            if formed is not None:  # a call run detached without grad1 (norms): batch gradients
+                for pname, p in live.items():  # as a by-product of the norms, else from the piece
+                    total = formed.pop(id(p), None)
+                    if total is not None:
+                        total = total / scale if scale else total
+                    else:
+                        total = P.batch_sum(pieces[pname], p.shape)
+                    sums[pname] = total.to(p.dtype)
             return
         for pname, p in live.items():
             piece = pieces[pname]
@@ -856,7 +881,7 @@ class Hooks:
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
-        if bw.reached and not bw.computed:
+        if bw.reached and not bw.computed and not self._no_param_grads:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()

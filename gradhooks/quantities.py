@@ -89,8 +89,18 @@ class Collector:
         if self.kfac is not None:
             self.kfac.clear()
 
-    def add(self, qualname: str, call_pieces: dict, params: dict, scale: float) -> None:
-        """Called by the engine for every call of a hooked module in a backward."""
+    def add(
+        self,
+        qualname: str,
+        call_pieces: dict,
+        params: dict,
+        scale: float,
+        sums: dict[int, Tensor] | None = None,
+    ) -> None:
+        """Called by the engine for every call of a hooked module in a backward. ``sums``: where
+        a parameter's norms are computed now from this call's ``grad1`` formed a slice at a
+        time, ``sums[id(param)]`` gets its batch sum ``Σ_b grad1[b]`` (scaled) as a by-product
+        (the engine's batch gradient for a call run with its parameters detached)."""
         if "_jacobian" in self.quantities:
             self._add_jacobian(call_pieces, params, scale)
             return
@@ -111,7 +121,7 @@ class Collector:
                 if expected and len(held.pieces) >= expected and id(p) not in self.defer:
                     del self._held[id(p)]
                     self._expected[id(p)] = 0
-                    self._reduce(held)
+                    self._reduce(held, sums if len(held.pieces) == 1 else None)
 
     def expect(self, params: dict) -> None:
         """Called by the engine for every captured forward call: one more piece will come."""
@@ -159,8 +169,9 @@ class Collector:
 
     # -- at the end of the backward ---------------------------------------------------------------
 
-    def _reduce(self, h: _Held) -> None:
-        """This parameter's quantities from all its pieces of this backward."""
+    def _reduce(self, h: _Held, sums: dict[int, Tensor] | None = None) -> None:
+        """This parameter's quantities from all its pieces of this backward (``sums``: see
+        :meth:`add`)."""
         name = self.names.get(id(h.param), f"<param {id(h.param)}>")
         if name in self._done:
             raise RuntimeError(
@@ -169,7 +180,7 @@ class Collector:
                 "checkpointing?): norms/sum_grad_sq cannot include that call; use grad1 instead"
             )
         batch = h.pieces[0][0].batch_size
-        sq = _sq_norm(h) if "norms" in self.quantities else None
+        sq = _sq_norm(h, sums) if "norms" in self.quantities else None
         sums = mean = None
         if "sum_grad_sq" in self.quantities:
             sums = _sum_sq(h)
@@ -282,8 +293,9 @@ def _transient(piece: P.Piece) -> int:
     return math.prod(piece.g.shape[1:-1]) * piece.in_features
 
 
-def _sq_norm(h: _Held) -> Tensor:
-    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``."""
+def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
+    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
+    forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
     shape = h.param.shape
     rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
     ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]
@@ -312,7 +324,13 @@ def _sq_norm(h: _Held) -> Tensor:
                 term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
                 total = term if total is None else total + term
         return total
-    parts = [g.flatten(1).pow(2).sum(1) for _, g in _materialized(h)]
+    parts, total = [], None
+    for _, g in _materialized(h):
+        parts.append(g.flatten(1).pow(2).sum(1))
+        if sums is not None:
+            total = g.sum(0) if total is None else total + g.sum(0)
+    if total is not None:
+        sums[id(h.param)] = total
     return torch.cat(parts) if parts else h.param.new_zeros(0)
 
 

@@ -75,7 +75,10 @@ def plain_grads(model, loss_fn, x, y):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_grad_and_grad1_against_oracles(threshold, reduction):
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_grad_and_grad1_against_oracles(threshold, reduction, quantity):
+    """With norms only, the batch gradient is a by-product of the norms where they form the
+    per-example gradient a slice at a time (the conv), else the pieces' batch sum."""
     torch.manual_seed(0)
     model = ConvSeq().to(D)
     x, y = torch.randn(5, 2, 40, dtype=D), torch.randint(0, 2, (5,))
@@ -83,15 +86,18 @@ def test_grad_and_grad1_against_oracles(threshold, reduction):
     want = vmap_grad(model, loss_fn, x, y)
     loop = loop_grad(model, loss_fn, x, y)
     grads = plain_grads(model, loss_fn, x, y)
-    with gradhooks.add_hooks(model, loss_reduction=reduction):
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=(quantity,)) as h:
         nodes = attach_nodes(model, x)
         # with the default threshold: the conv and the reused Linear (40 positions), not the head
         assert nodes == [True, True, True, threshold == 1], nodes
         loss_fn(model(x), y).backward()
     for n, p in model.named_parameters():
-        assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
-        assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
         assert_close(p.grad, grads[n], f"{n} .grad vs autograd without hooks")
+        if quantity == "grad1":
+            assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
+            assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
+        else:
+            assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
 
 
 @pytest.mark.parametrize("make", [lambda: CifarCNN(width=4), lambda: TinyGPT(layers=1)])
@@ -116,7 +122,7 @@ def test_in_tree_models(threshold, make):
 
 def test_backwards_that_write_no_grad1_still_give_grad(threshold):
     """A paused backward, a second backward without clear() and .grad accumulation: .grad is
-    autograd's (the call's forward reruns where no grad1 was computed)."""
+    autograd's (from the rule's pieces where no grad1 was computed)."""
     torch.manual_seed(0)
     model = ConvSeq().to(D)
     x, y = torch.randn(4, 2, 40, dtype=D), torch.randint(0, 2, (4,))
