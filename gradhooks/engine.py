@@ -85,6 +85,7 @@ class _Backward:
     missed: list[str]  # parameters it computed without a captured call
     memory_checked: bool = False
     derived: str | None = None  # a call it reached through an earlier create_graph backward
+    pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
 
 
 class _Hook:
@@ -530,12 +531,51 @@ class Hooks:
                 frame.states.append(state)
 
             n_leaves = len(leaves)
+            taps = None
+            if target.entry.taps is not None and self._track:
+                # (not for the Jacobians: their backward stops at the hooked calls' outputs)
+                taps = target.entry.taps(module, args, kwargs, output)
+            nodes = list(taps.nodes) if taps is not None else []
 
             def on_grads(grads) -> None:
                 full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
                     full[i] = g
+                capturing = not (self._removed or self._ignore_backward or state.cancelled)
+                if nodes and capturing and self._capturing_backward():
+                    # The rule runs when the backward reaches the tapped nodes too, or, if it
+                    # never does (a backward for some parameters only), at its end without them
+                    pending["outputs"] = tuple(full)
+                    bw = self._backward_state()
+                    bw.reached.update(id(p) for p in live.values())  # before their own grads
+                    bw.pending[id(pending)] = lambda: self._on_grads(
+                        target, state, replace(call, grad_outputs=pending.pop("outputs"),
+                                               taps=None), args, kwargs,
+                    )  # fmt: skip
+                    return
                 self._on_grads(target, state, replace(call, grad_outputs=tuple(full)), args, kwargs)
+
+            if nodes:
+                pending: dict[Any, Any] = {}
+                call = replace(call, taps=taps)
+
+                def on_node(i: int, grad_outputs: tuple) -> None:
+                    if "outputs" not in pending:
+                        return  # a backward not captured
+                    pending[i] = tuple(grad_outputs)
+                    if len(pending) < len(nodes) + 1:
+                        return
+                    tapped = tuple(pending[j] for j in range(len(nodes)))
+                    outputs = pending.pop("outputs")
+                    pending.clear()
+                    bw = self._tasks.get(_graph_task())
+                    if bw is not None:
+                        bw.pending.pop(id(pending), None)
+                    done = replace(call, grad_outputs=outputs, tap_grads=tapped)
+                    self._on_grads(target, state, done, args, kwargs)
+
+                for i, node in enumerate(nodes):
+                    node.register_prehook(lambda grad_outputs, i=i: on_node(i, grad_outputs))
 
             if self._collector is not None:
                 self._collector.expect(live)
@@ -870,6 +910,9 @@ class Hooks:
         return hook
 
     def _end_backward(self, task: int) -> None:
+        waiting = self._tasks.get(task)
+        while waiting is not None and waiting.pending:  # taps the backward never reached
+            waiting.pending.pop(next(iter(waiting.pending)))()
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
@@ -1229,7 +1272,11 @@ def remove_hooks(model: nn.Module) -> None:
 
 
 def clear_grad1(model: nn.Module) -> None:
-    """Delete ``grad1`` from every parameter of ``model``."""
+    """Delete ``grad1`` from every parameter of ``model`` (a handle on it then starts afresh,
+    as after :meth:`Hooks.clear`)."""
+    hooks = _ACTIVE.get(model)
+    if hooks is not None:
+        hooks.clear()
     for p in model.parameters():
         if hasattr(p, "grad1"):
             del p.grad1

@@ -50,6 +50,8 @@ class Call:
     ``output``: the forward's output, tensors detached (a tensor or a tuple, as returned).
     ``grad_outputs``: one entry per tensor in the output (flattened in order), the gradient of
     the backpropagated loss with respect to it, or ``None`` where none flowed.
+    ``taps``, ``tap_grads``: what the rule's ``taps`` function returned for this call (or
+    ``None``) and, per node in ``taps.nodes``, the gradients with respect to its outputs.
     """
 
     module: nn.Module
@@ -58,6 +60,8 @@ class Call:
     output: Any
     grad_outputs: tuple[Tensor | None, ...]
     name: str = ""
+    taps: Any = None
+    tap_grads: tuple[tuple[Tensor | None, ...], ...] = ()
 
     @property
     def grad_output(self) -> Tensor:
@@ -78,6 +82,7 @@ class _Entry:
     needs_output: bool
     on_forward: Callable[[nn.Module, str], None] | None = None
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
+    taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
 
 
 @dataclass
@@ -99,6 +104,12 @@ class Registry:
     batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
     returns one tensor and calls no hooked submodule; its rule must give a piece for each of
     its own parameters.
+    ``taps``: ``taps(module, args, kwargs, output)``, asked after a captured forward call: an
+    object with ``nodes``, autograd nodes inside the call (found from ``output.grad_fn``)
+    whose output-gradients the rule needs, or ``None``. The rule then runs when the backward
+    has reached all of them (they come after the call's outputs), with ``call.taps`` and
+    ``call.tap_grads``: gradients of intermediate results that the module does not return
+    (the projections inside ``nn.MultiheadAttention``), so nothing has to be recomputed.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -111,6 +122,7 @@ class Registry:
         needs_output: bool = False,
         on_forward: Callable[[nn.Module, str], None] | None = None,
         grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
+        taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
         if not types:
@@ -128,7 +140,7 @@ class Registry:
                     )
             for t in types:
                 self._rules[t] = _Entry(
-                    rule, owns_children, needs_output, on_forward, grad_from_grad1
+                    rule, owns_children, needs_output, on_forward, grad_from_grad1, taps
                 )
             return rule
 
@@ -166,6 +178,7 @@ def register(
     needs_output: bool = False,
     on_forward: Callable[[nn.Module, str], None] | None = None,
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
+    taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
@@ -175,4 +188,5 @@ def register(
         needs_output=needs_output,
         on_forward=on_forward,
         grad_from_grad1=grad_from_grad1,
+        taps=taps,
     )

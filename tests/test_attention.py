@@ -14,7 +14,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.pieces import Direct, Outer
-from harness import Case, check
+from harness import Case, assert_close, check
 
 
 @dataclass(frozen=True)
@@ -382,3 +382,40 @@ def test_transformer_layer_dropout_in_training_is_an_error():
             RuntimeError, match=r"training mode with dropout > 0 \(dropout, dropout1"
         ):
             out.backward()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_self_attention_taps_the_projections(batch_first, monkeypatch):
+    """Stock self-attention gives the rule the in-projection's output-gradient from the
+    backward itself (no recompute); a backward for out_proj's weight alone never reaches the
+    in-projection, and the rule then recomputes at its end."""
+    from gradhooks.rules import attention
+
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)  # batch 3 (batch_first) or 5
+
+    def loss_fn(out):
+        return out[0].pow(2).sum()
+
+    def one(params, xi):
+        xi = xi.unsqueeze(0 if batch_first else 1)
+        return loss_fn(
+            torch.func.functional_call(model, params, (xi, xi, xi), {"need_weights": False})
+        )
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    want = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0 if batch_first else 1))(params, x)
+    calls = []
+    tapped = attention._tapped_pieces
+    monkeypatch.setattr(attention, "_tapped_pieces", lambda *a: calls.append(1) or tapped(*a))
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        loss_fn(model(x, x, x, need_weights=False)).backward()
+        assert calls, "the taps were not used"
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, want[n], n)
+        h.clear()
+        calls.clear()
+        torch.autograd.grad(loss_fn(model(x, x, x, need_weights=False)), [model.out_proj.weight])
+        assert not calls
+        assert_close(model.out_proj.weight.grad1, want["out_proj.weight"], "out_proj alone")

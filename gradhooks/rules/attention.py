@@ -124,7 +124,102 @@ def _stacked(xs: list[Tensor]) -> Tensor:
     return torch.stack([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs], 1)
 
 
-@register(nn.MultiheadAttention, owns_children=True)
+class _Projections:
+    """Taps of a self-attention call (``query is key is value``, packed ``in_proj_weight``):
+    ``nodes``: the autograd node of the in-projection (whose output-gradient is ``∂[q, k, v]``
+    at every position); ``ctx``: the attention output that ``out_proj`` multiplied, as the
+    out-projection's node saved it. Both ``[seq * batch, ·]``, rows in ``(seq, batch)`` order
+    (``F.multi_head_attention_forward`` works sequence-first)."""
+
+    def __init__(self, node, ctx: Tensor) -> None:
+        self.nodes = [node]
+        self.ctx = ctx
+
+
+def _weight_of(node) -> Tensor | None:
+    """The parameter an ``AccumulateGrad`` node (directly or through a transpose) feeds."""
+    if node is not None and type(node).__name__ == "TBackward0":
+        node = node.next_functions[0][0]
+    return getattr(node, "variable", None)
+
+
+def _saved_input(node) -> Tensor | None:
+    """The left operand ``[rows, E]`` an ``addmm`` / ``mm`` node saved (a Linear's input)."""
+    name = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}.get(type(node).__name__)
+    return None if name is None else getattr(node, name)
+
+
+def projection_taps(
+    m: nn.MultiheadAttention, args: tuple, kwargs: dict, output: tuple
+) -> _Projections | None:
+    """The taps of a stock self-attention call (see :class:`_Projections`), found in the
+    graph of its output; ``None`` (the rule then recomputes the attention) for other calls or
+    where torch's graph does not have the expected shape."""
+    try:
+        bound = _SIGNATURE.bind(m, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    query = bound.get("query")
+    if (
+        not isinstance(query, Tensor)
+        or query.dim() != 3
+        or bound.get("key") is not query
+        or bound.get("value") is not query
+        or not m._qkv_same_embed_dim
+        or m.bias_k is not None
+        or not m.in_proj_weight.requires_grad
+        or not m.out_proj.weight.requires_grad
+        or not isinstance(output, tuple)
+        or output[0].grad_fn is None
+    ):
+        return None
+    wanted = {id(m.in_proj_weight): "in", id(m.out_proj.weight): "out"}
+    found: dict[str, object] = {}
+    seen, todo = set(), [output[0].grad_fn]
+    while todo and len(found) < 2:  # the call's own graph: a few dozen nodes
+        node = todo.pop()
+        if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            w = _weight_of(nxt) if type(node).__name__ != "TBackward0" else None
+            if w is not None and id(w) in wanted:
+                found.setdefault(wanted[id(w)], node)
+            todo.append(nxt)
+    if len(found) < 2:
+        return None
+    ctx = _saved_input(found["out"])
+    batch, seq = (query.shape[0], query.shape[1]) if m.batch_first else query.shape[1::-1]
+    if ctx is None or ctx.shape != (seq * batch, m.embed_dim):
+        return None
+    return _Projections(found["in"], ctx.detach())
+
+
+def _tapped_pieces(call: Call, query: Tensor, g_out: Tensor | None) -> dict[str, Piece] | None:
+    """The pieces from the taps (:func:`projection_taps`): ``in_proj_weight`` is
+    ``Outer(query, ∂[q, k, v])``, ``out_proj.weight`` ``Outer(ctx, grad_output)``; ``query``
+    and ``g_out`` batch first. ``None`` where the tapped gradient is not the expected one."""
+    m: nn.MultiheadAttention = call.module
+    (g_proj,) = call.tap_grads[0][:1]
+    batch, seq = query.shape[:2]
+    if g_proj is None or g_proj.numel() != seq * batch * 3 * m.embed_dim:
+        return None
+    g_proj = g_proj.reshape(seq, batch, 3 * m.embed_dim).transpose(0, 1)
+    ctx = call.taps.ctx.reshape(seq, batch, m.embed_dim).transpose(0, 1)
+    if g_out is None:
+        g_out = query.new_zeros(batch, seq, m.embed_dim)
+    pieces: dict[str, Piece] = {
+        "in_proj_weight": Outer(query, g_proj),
+        "out_proj.weight": Outer(ctx, g_out),
+    }
+    if m.in_proj_bias is not None:
+        pieces["in_proj_bias"] = Outer(None, g_proj)
+    if m.out_proj.bias is not None:
+        pieces["out_proj.bias"] = Outer(None, g_out)
+    return pieces
+
+
+@register(nn.MultiheadAttention, owns_children=True, taps=projection_taps)
 def multihead_attention(call: Call) -> dict[str, Piece]:
     m: nn.MultiheadAttention = call.module
     args = _SIGNATURE.bind(m, *call.inputs, **call.kwargs)
@@ -152,6 +247,10 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     g_probs = call.grad_outputs[1] if len(call.grad_outputs) > 1 else None
     if g_out is not None and not m.batch_first:
         g_out = g_out.transpose(0, 1)
+    if call.taps is not None and call.tap_grads:
+        pieces = _tapped_pieces(call, query, g_out)
+        if pieces is not None:
+            return pieces
 
     if m._qkv_same_embed_dim:
         w_q, w_k, w_v = m.in_proj_weight.detach().chunk(3)
