@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Piece", "Outer", "Direct", "Rows"]
 
@@ -285,26 +286,31 @@ def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
 
 
+# A buffer Rows.grad1_into wrote -> (its version counter then, the rows written). Keyed by the
+# tensor object (not by value), dropped when it is freed.
+_ROWS_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _rows_written(out: Tensor) -> Tensor | None:
     """The rows of ``out`` (as ``[-1, dim]``) outside which it is zero, as the last
     :meth:`Rows.grad1_into` into it recorded them, if ``out`` has not been written since (its
-    memory and its version counter, which its views share and every in-place change bumps, are
-    as that call left them); else ``None``. Writes that autograd does not see either (through
-    ``.data`` or a NumPy array of ``grad1``) are not seen."""
-    record = getattr(out, "_gradhooks_rows", None)
+    version counter, which its views share and every in-place change bumps, is as that call
+    left it); else ``None``. Writes that autograd does not see either (through ``.data`` or a
+    NumPy array of ``grad1``) are not seen."""
+    record = _ROWS_WRITTEN.get(out)
     if record is None or out.is_inference():
         return None
-    ptr, version, rows = record
-    return rows if ptr == out.data_ptr() and version == out._version else None
+    version, rows = record
+    return rows if version == out._version else None
 
 
 def _record_rows(out: Tensor, rows: Tensor | None) -> None:
     """Record for :func:`_rows_written` that ``out`` is zero outside ``rows`` (``None``:
     unknown)."""
     if out.is_inference() or rows is None:
-        out.__dict__.pop("_gradhooks_rows", None)
+        _ROWS_WRITTEN.pop(out, None)
     else:
-        out._gradhooks_rows = (out.data_ptr(), out._version, rows)
+        _ROWS_WRITTEN[out] = (out._version, rows)
 
 
 # -- quantities other than grad1 (norms, squared sums, variance, batch slices) -----------------
