@@ -513,7 +513,7 @@ class Hooks:
             live = {n: p for n, p in target.params.items() if p.requires_grad}
             if not live:
                 return
-            leaves, _ = tree_flatten(output)
+            leaves = _leaves(output)
             hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
@@ -622,9 +622,8 @@ class Hooks:
             frame.states.append(state)
         if self._collector is not None:
             self._collector.expect(live)
-        inputs = [
-            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad
-        ]
+        leaves = [*_leaves(args), *_leaves(kwargs)]
+        inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
@@ -795,10 +794,6 @@ class Hooks:
     def _check_batch(self, target, pname, call, batch: int, frame: _Frame) -> None:
         """Every hooked layer of one forward of the model must see its batch on dimension 0."""
         name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
-        what = (
-            f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
-            f"what its rule sees: {_describe(call)})"
-        )
         other = next((n for b, n in frame.seen.items() if b != batch), None)
         if frame.batch is not None and batch != frame.batch:
             why = (
@@ -816,6 +811,10 @@ class Hooks:
         else:
             frame.seen.setdefault(batch, name)
             return
+        what = (
+            f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
+            f"what its rule sees: {_describe(call)})"
+        )
         raise RuntimeError(
             f"{what}, {why}. A layer that does not see the examples on dimension 0 (the model "
             "folds time or patches into the batch, x.view(B * T, ...), or runs a layer "
@@ -850,7 +849,7 @@ class Hooks:
             return
         if _graph_task() == -1:
             self._drop_stale()
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        leaves = [t for t in [*_leaves(args), *_leaves(kwargs)] if isinstance(t, Tensor)]
         if not leaves or self.batch_dim is None:
             return
         if self.batch_dim == "auto":
@@ -879,7 +878,7 @@ class Hooks:
         frame = self._frames.pop()
         if self.batch_dim == "auto" and frame.sizes:
             frame.sizes.update(
-                n for t in tree_flatten(output)[0] if isinstance(t, Tensor) for n in t.shape[:2]
+                n for t in _leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
             )
         if output is None and sys.exc_info()[1] is not None:
             # the forward raised: what it captured will never be backpropagated
@@ -1154,7 +1153,26 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
 
 
 def _detach(tree: Any) -> Any:
+    if type(tree) is Tensor:
+        return tree.detach()
+    if _flat(tree):
+        return tuple(t.detach() for t in tree) if type(tree) is tuple else tree
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """``tree_flatten(tree)[0]``, without pytree (which costs more per call, and leaves a
+    reference cycle for the garbage collector) for a tensor and where :func:`_flat`."""
+    if type(tree) is Tensor:
+        return [tree]
+    return list(tree) if _flat(tree) else tree_flatten(tree)[0]
+
+
+def _flat(tree: Any) -> bool:
+    """A tuple of tensors or an empty dict: a call's usual args and kwargs."""
+    if type(tree) is tuple:
+        return all(type(t) is Tensor for t in tree)
+    return type(tree) is dict and not tree
 
 
 def _higher_order(module: str) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Piece", "Outer", "Direct", "Rows"]
 
@@ -219,12 +220,27 @@ class Rows(Piece):
         return out
 
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        """One scatter-add into ``out``, zeroed first unless ``accumulate``: where ``out`` is
+        a reused ``grad1`` that an earlier call left as it was, only in the rows that call
+        wrote (:func:`_rows_written`; zeroing all of an embedding's ``grad1`` costs more than
+        the scatter), else everywhere."""
         if out.dtype != self.g.dtype or not out.is_contiguous():
             return super().grad1_into(out, scale, accumulate)
         flat = out.view(self.batch * self.num_rows, self.g.shape[-1])
+        keys, written = self.keys(), _rows_written(out)
         if not accumulate:
-            flat.zero_()
-        flat.index_add_(0, self.keys(), self.g, alpha=scale)
+            if written is None:
+                flat.zero_()
+            else:
+                flat.index_fill_(0, written, 0)
+            written = keys
+        elif written is not None and written.numel() + keys.numel() <= flat.shape[0]:
+            written = torch.cat([written, keys])
+        else:  # unknown, or more entries than rows (zeroing all of it is then cheaper)
+            written = None
+        # the scale on the entries: index_add_'s alpha is slower (single-threaded on CPU)
+        flat.index_add_(0, keys, _scaled(self.g, scale))
+        _record_rows(out, written)
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): ``g`` is batched,
@@ -268,6 +284,33 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
 
 def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
+
+
+# A buffer Rows.grad1_into wrote -> (its version counter then, the rows written). Keyed by the
+# tensor object (not by value), dropped when it is freed.
+_ROWS_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _rows_written(out: Tensor) -> Tensor | None:
+    """The rows of ``out`` (as ``[-1, dim]``) outside which it is zero, as the last
+    :meth:`Rows.grad1_into` into it recorded them, if ``out`` has not been written since (its
+    version counter, which its views share and every in-place change bumps, is as that call
+    left it); else ``None``. Writes that autograd does not see either (through ``.data`` or a
+    NumPy array of ``grad1``) are not seen."""
+    record = _ROWS_WRITTEN.get(out)
+    if record is None or out.is_inference():
+        return None
+    version, rows = record
+    return rows if version == out._version else None
+
+
+def _record_rows(out: Tensor, rows: Tensor | None) -> None:
+    """Record for :func:`_rows_written` that ``out`` is zero outside ``rows`` (``None``:
+    unknown)."""
+    if out.is_inference() or rows is None:
+        _ROWS_WRITTEN.pop(out, None)
+    else:
+        _ROWS_WRITTEN[out] = (out._version, rows)
 
 
 # -- quantities other than grad1 (norms, squared sums, variance, batch slices) -----------------

@@ -164,3 +164,56 @@ def test_embedding_bag_norms_against_loop(mode, weighted):
     g = loop["bag.weight"]
     assert_close(h.param_norms()["bag.weight"], g.flatten(1).norm(dim=1), "bag norm")
     assert_close(h.sum_grad_sq()["bag.weight"], (g**2).sum(0), "bag sum_grad_sq")
+
+
+def test_grad1_into_a_reused_buffer_zeroes_only_the_rows_written_before(monkeypatch):
+    """Writing a piece into a buffer that pieces were written into (and accumulated into) zeroes
+    only the rows they wrote; all of it where the buffer was changed in place since (also
+    through a view)."""
+    first, second = (random_rows(3, 20, 2, 0, seed, positions=4) for seed in (1, 2))
+    out = torch.empty(3, 20, 2, dtype=torch.float64)
+    first.grad1_into(out, 2.0)
+    torch.testing.assert_close(out, dense(first) * 2.0)
+    calls = []
+    original = torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: calls.append(t.shape) or original(t))
+    second.grad1_into(out, 3.0)  # only first's rows are zeroed
+    assert calls == []
+    torch.testing.assert_close(out, dense(second) * 3.0)
+    first.grad1_into(out, 1.0, accumulate=True)  # both pieces' rows are recorded
+    second.grad1_into(out, 1.0)
+    assert calls == []
+    torch.testing.assert_close(out, dense(second))
+    for change in (lambda t: t[1].add_(1.0), lambda t: t.view(-1)[5].fill_(7.0),
+                   lambda t: t.mul_(0.5).add_(1.0)):  # fmt: skip
+        change(out)
+        first.grad1_into(out, 1.0)
+        torch.testing.assert_close(out, dense(first))
+    assert len(calls) == 3  # each change: zeroed everywhere
+    for _ in range(5):  # more entries accumulated than rows: zeroed everywhere next time
+        first.grad1_into(out, 1.0, accumulate=True)
+    second.grad1_into(out, 1.0)
+    torch.testing.assert_close(out, dense(second))
+    assert len(calls) == 4
+
+
+def test_embedding_grad1_over_steps_with_reused_memory():
+    """An embedding's grad1, its memory reused step after step (other tokens each step, a step
+    with an in-place change of grad1 in between), against vmap(grad)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Flatten(), nn.Linear(12, 2)).double()
+    loss_fn = nn.functional.cross_entropy
+    with gradhooks.add_hooks(model) as h:
+        ptr = None
+        for step in range(4):
+            x, y = torch.randint(7, (5, 4)), torch.randint(2, (5,))
+            h.clear()
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            g1 = model[0].weight.grad1
+            torch.testing.assert_close(g1, vmap_grad(model, loss_fn, x, y)["0.weight"])
+            assert ptr is None or g1.data_ptr() == ptr
+            ptr = g1.data_ptr()
+            if step == 1:
+                g1.add_(1.0)  # a change in place: the next step zeroes everything
+            del g1

@@ -57,7 +57,10 @@ def layer_norm(call: Call) -> dict[str, Direct]:
     m: nn.LayerNorm = call.module
     x = call.inputs[0]
     _need_batch(call, x, len(m.normalized_shape), "[batch, *, *normalized_shape]")
-    xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+    # With a weight of ones: x̂ · 1 is x̂ exactly, and torch's CPU kernel is about twice as fast
+    # with a weight as without.
+    ones = x.new_ones(m.normalized_shape)
+    xhat = F.layer_norm(x, m.normalized_shape, ones, None, m.eps)
     return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
 
 
