@@ -517,18 +517,7 @@ class Hooks:
             hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
-            call = Call(
-                module=module,
-                inputs=_detach(args),
-                kwargs=_detach(kwargs),
-                output=_detach(output) if target.entry.needs_output else None,
-                grad_outputs=(),
-                name=target.name,
-            )
-            frame = self._frames[-1] if self._frames else None
-            state = _CallState(live, frame)
-            if frame is not None:
-                frame.states.append(state)
+            call, state = self._kept_call(target, live, args, kwargs, output)
 
             n_leaves = len(leaves)
             taps = None
@@ -588,6 +577,25 @@ class Hooks:
 
         return hook
 
+    def _kept_call(
+        self, target: _Target, live: dict, args: tuple, kwargs: dict, output: Any
+    ) -> tuple[Call, _CallState]:
+        """What a captured forward call keeps until its backward, registered with the root
+        forward it runs in."""
+        call = Call(
+            module=target.module,
+            inputs=_detach(args),
+            kwargs=_detach(kwargs),
+            output=_detach(output) if target.entry.needs_output else None,
+            grad_outputs=(),
+            name=target.name,
+        )
+        frame = self._frames[-1] if self._frames else None
+        state = _CallState(live, frame)
+        if frame is not None:
+            frame.states.append(state)
+        return call, state
+
     def _capture_detached(
         self,
         target: _Target,
@@ -608,18 +616,7 @@ class Hooks:
         if target.entry.on_forward is not None:
             target.entry.on_forward(module, target.name)
         live = {n: p for n, p in target.params.items() if p.requires_grad}
-        call = Call(
-            module=module,
-            inputs=_detach(args),
-            kwargs=_detach(kwargs),
-            output=_detach(output) if target.entry.needs_output else None,
-            grad_outputs=(),
-            name=target.name,
-        )
-        frame = self._frames[-1] if self._frames else None
-        state = _CallState(live, frame)
-        if frame is not None:
-            frame.states.append(state)
+        call, state = self._kept_call(target, live, args, kwargs, output)
         if self._collector is not None:
             self._collector.expect(live)
         leaves = [*_leaves(args), *_leaves(kwargs)]
