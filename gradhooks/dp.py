@@ -134,9 +134,7 @@ def dp_sgd_step(
         finally:
             hooks._collector.keep = None
             hooks._no_param_grads = False
-        norms = (
-            hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
-        )
+        norms = _captured_norms(hooks, per_example_loss)
         factors = clip_factors(norms, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
@@ -144,13 +142,10 @@ def dp_sgd_step(
                 s = P.batch_sum(pieces[pname], p.shape, factors * scale).to(p.dtype)
                 sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
         del kept
-        clipped = [sums.get(id(p), None) for p in params]
-        clipped = [torch.zeros_like(p) if c is None else c for p, c in zip(params, clipped)]
+        clipped = [sums[id(p)] if id(p) in sums else torch.zeros_like(p) for p in params]
     else:
         torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        norms = (
-            hooks.norms() if hooks._collector.param_sq_norms else per_example_loss.new_zeros(batch)
-        )
+        norms = _captured_norms(hooks, per_example_loss)
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:
@@ -169,6 +164,13 @@ def dp_sgd_step(
             c = c + std * gaussian(p, generator)
         p.grad = (c / denom).detach()
     return norms.detach()
+
+
+def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
+    """The per-example norms the last backward captured (zeros where it reached no layer)."""
+    if hooks._collector.param_sq_norms:
+        return hooks.norms()
+    return per_example_loss.new_zeros(per_example_loss.shape[0])
 
 
 def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:

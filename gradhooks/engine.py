@@ -642,7 +642,7 @@ class Hooks:
                 self._rerunning -= 1
             return (*(grads[n] for n in detached), *corrections)
 
-        return _Attach.apply(backward, len(detached), output, *detached.values(), *inputs)
+        return _Attach.apply(backward, output, *detached.values(), *inputs)
 
     def _on_grads(
         self,
@@ -987,20 +987,20 @@ class Hooks:
 
 
 class _Attach(torch.autograd.Function):
-    """``_Attach.apply(backward, n, output, *params, *inputs)``: ``output``, computed with
+    """``_Attach.apply(backward, output, *params, *inputs)``: ``output``, computed with
     ``params`` detached, attached to them again (:meth:`Hooks._detach_hook`): the same memory,
     not a view for autograd (an in-place ReLU may follow). Its backward hands the
     output-gradient on unchanged and asks ``backward(g)`` for the gradients of ``params`` and
     ``inputs``."""
 
     @staticmethod
-    def forward(ctx, backward, n: int, output: Tensor, *params_and_inputs: Tensor) -> Tensor:
+    def forward(ctx, backward, output: Tensor, *params_and_inputs: Tensor) -> Tensor:
         ctx.backward = backward
         return output.detach()
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return (None, None, g, *ctx.backward(g))
+        return (None, g, *ctx.backward(g))
 
 
 def _rerun_vjp(
@@ -1013,8 +1013,9 @@ def _rerun_vjp(
     g: Tensor,
 ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
     """The gradients an :class:`_Attach` node gives: for each detached parameter, the call's
-    batch gradient (``sums``, from ``grad1``; where the hooks computed none, because this
-    backward is not captured, by running the call's forward again, hooks bypassed). For the
+    batch gradient (``sums``: from ``grad1``, the norms or the rule's pieces; where none gave
+    one, a ``create_graph`` backward that writes nothing, by running the call's forward
+    again, hooks bypassed). For the
     call's ``inputs``, nothing (``None``), except in a ``create_graph`` backward: the
     input-gradient the output's own node computed has no graph through the detached
     parameters, so each input gets a correction of value zero that carries it."""
