@@ -353,12 +353,23 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
         if not p.has_input:  # bias: Σ_shared g, then a dot product
             return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
-        aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
+        aa = input_gram(p, q)
         gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
         return (aa * gg).flatten(1).sum(1)
     gp = p.grad1(param_shape).flatten(1)
     gq = gp if q is p else q.grad1(param_shape).flatten(1)
     return (gp * gq).sum(1)
+
+
+def input_gram(p: Outer, q: Outer) -> Tensor:
+    """``a_p a_qᵀ`` per example and group, ``[batch, *groups, shared_p, shared_q]``. A piece
+    with an ``input_gram(other)`` method (a convolution's) may compute it without forming
+    ``a``; it returns ``None`` where it does not."""
+    own = getattr(p, "input_gram", None)
+    aa = None if own is None else own(q)
+    if aa is None:
+        aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
+    return aa
 
 
 def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:

@@ -108,6 +108,18 @@ CASES_BY_LAYER: dict[type, list[Case]] = {
             "conv_gram", _seq(nn.Conv2d(3, 8, 3), nn.Flatten()), lambda b: torch.randn(b, 3, 4, 4)
         ),
         Case(
+            # the Gram of the columns from the Gram of the input's positions (ConvWeight.input_gram),
+            # cross terms between the two calls included
+            "conv_gram_positions",
+            _seq(*[nn.Conv2d(8, 8, 3, padding=1)] * 2, nn.Flatten()),
+            lambda b: torch.randn(b, 8, 4, 4),
+        ),
+        Case(
+            "conv1d_gram_positions",
+            _seq(nn.Conv1d(16, 16, 5, padding=2), nn.Flatten()),
+            lambda b: torch.randn(b, 16, 8),
+        ),
+        Case(
             "reused_conv",
             _seq(*[nn.Conv2d(2, 2, 3, padding=1)] * 2, nn.Flatten()),
             lambda b: torch.randn(b, 2, 3, 3),

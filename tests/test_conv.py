@@ -139,3 +139,45 @@ def test_conv_jacobians_choose_the_form(size, grouped, groups, monkeypatch):
     model = _ConvHead(nn.Conv2d(2, 6, 3, groups=groups).double(), x).double()
     check_jacobians(model, x, vmap_jacrev(model, x), f"size {size}")
     assert used and all(u == grouped for u in used)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dims=st.sampled_from([1, 2, 3]), data=st.data(), batch=st.sampled_from([1, 2]))
+def test_column_gram_from_the_positions_gram(dims, data, batch):
+    """The per-example Gram of a convolution's columns taken from the Gram of its padded input's
+    positions (``ConvWeight._gram_from_positions``, what norms use where that is cheaper) equals
+    the columns' own, for every geometry, of one call and between two calls."""
+    from gradhooks.rules.conv import ConvWeight
+
+    case = data.draw(conv_cases(dims))
+    if not _valid(case):
+        return
+    torch.manual_seed(0)
+    m = case.model().double()
+    x1, x2 = case.inputs(batch).double(), case.inputs(batch).double()
+    with torch.no_grad():
+        p = ConvWeight(m, x1, torch.randn_like(m(x1)))
+        q = ConvWeight(m, x2, torch.randn_like(m(x2)))
+    for other in (p, q):
+        want = torch.einsum("b...si,b...ti->b...st", p.a, other.a)
+        torch.testing.assert_close(p._gram_from_positions(other), want, msg=case.id)
+
+
+def test_column_gram_takes_the_positions_form_where_cheaper():
+    """3x3 over 4x4 with padding 1: 36 padded positions, 16 outputs (36² < 16² · 9): the
+    positions form; 1x1 with stride 2 (64 positions, 16 outputs): the columns; a call of
+    another geometry: the columns."""
+    from gradhooks.rules.conv import ConvWeight
+
+    def piece(conv, x):
+        with torch.no_grad():
+            return ConvWeight(conv, x, torch.randn_like(conv(x)))
+
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    same = nn.Conv2d(8, 8, 3, padding=1).double()
+    assert piece(same, x).input_gram(piece(same, x)) is not None
+    pointwise = nn.Conv2d(8, 8, 1, stride=2).double()
+    x8 = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    assert piece(pointwise, x8).input_gram(piece(pointwise, x8)) is None
+    other = nn.Conv2d(8, 8, 3, padding=1, dilation=1, stride=1).double()
+    assert piece(same, x).input_gram(piece(other, x[:, :, :3, :3])) is None

@@ -9,6 +9,7 @@ The weight ``[out, in/groups, *kernel]`` sees, at every output position, a colum
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -208,6 +209,68 @@ class ConvWeight(Outer):
         else:
             target.add_(value)
         return True
+
+    def _geometry(self) -> tuple:
+        m = self.module
+        return (
+            m.kernel_size, m.stride, m.dilation, m.groups, m.padding, m.padding_mode,
+            self.x.shape[1:], self.grad_output.shape[2:],
+        )  # fmt: skip
+
+    def input_gram(self, other: Outer) -> Tensor | None:
+        """``a aᵀ`` of this piece and ``other`` (a call of a convolution of the same geometry on
+        inputs of the same shape), ``[batch, groups, positions, positions]``, without the
+        columns: where the (padded) input has fewer positions ``P`` than ``T · prod(kernel)``
+        (``T`` output positions). Column ``s`` holds the input at ``s · stride + k · dilation``
+        for every kernel offset ``k``, so
+
+            (a aᵀ)[s, t] = Σ_k X[s · stride + k · dilation, t · stride + k · dilation],
+
+        with ``X`` the ``[P, P]`` Gram of the padded input's positions over its channels: one
+        matmul of ``P² · channels`` and ``prod(kernel)`` strided sums, instead of
+        ``T² · channels · prod(kernel)``. ``None`` elsewhere (the caller uses the columns)."""
+        if not isinstance(other, ConvWeight) or other._geometry() != self._geometry():
+            return None
+        m = self.module
+        pads = m._reversed_padding_repeated_twice[::-1]  # (right, left) per axis, in order
+        positions = math.prod(
+            size + pads[2 * d] + pads[2 * d + 1] for d, size in enumerate(self.x.shape[2:])
+        )
+        outputs = math.prod(self.grad_output.shape[2:])
+        if positions * positions >= outputs * outputs * math.prod(m.kernel_size):
+            return None
+        return self._gram_from_positions(other)
+
+    def _gram_from_positions(self, other: ConvWeight) -> Tensor:
+        """:meth:`input_gram`, whatever the sizes."""
+        m = self.module
+        x = self._padded()
+        spatial, out = x.shape[2:], self.grad_output.shape[2:]
+        positions, outputs = math.prod(spatial), math.prod(out)
+        xq = x if other is self else other._padded()
+        batch, groups = x.shape[0], m.groups
+        channels = m.in_channels // groups
+        xp = x.reshape(batch, groups, channels, positions)
+        xq = xq.reshape(batch, groups, channels, positions)
+        gram = (xp.transpose(-1, -2) @ xq).view(batch, groups, *spatial, *spatial)
+        total = None
+        for offset in itertools.product(*map(range, m.kernel_size)):
+            # the input positions of offset ``offset`` at every output position, per axis
+            axes = tuple(
+                slice(k * d, k * d + s * (n - 1) + 1, s)
+                for k, d, s, n in zip(offset, m.dilation, m.stride, out)
+            )
+            part = gram[(slice(None), slice(None), *axes, *axes)]
+            total = part.clone() if total is None else total.add_(part)
+        assert total is not None
+        return total.reshape(batch, groups, outputs, outputs)
+
+    def _padded(self) -> Tensor:
+        """The input with all of the module's padding applied: ``[batch, in, *padded]``."""
+        x, padding = _explicit_padding(self.module, self.x)
+        if any(padding):
+            x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
+        return x
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         """``Σ_b weights[b] grad1[b]`` (:func:`gradhooks.pieces.batch_sum`): the weight gradient
