@@ -293,6 +293,25 @@ def _transient(piece: P.Piece) -> int:
     return math.prod(piece.g.shape[1:-1]) * piece.in_features
 
 
+# What one pass over a float of a materialized per-example gradient (its squared norm, its batch
+# sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
+# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256).
+_PASS_MACS = 16
+
+
+def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
+    """For a piece whose norms are wanted together with its batch gradient (a call run with its
+    parameters detached): whether the Gram form, ``batch·T²·(in + out)`` multiply-adds and then
+    the batch gradient's own ``batch·T·in·out``, costs less than forming ``grad1`` a slice at a
+    time (the same ``batch·T·in·out``, then a few passes over ``batch·in·out`` floats, the
+    batch gradient among them). A bias (``a is None``): never (its ``grad1`` is the Gram form's
+    first step)."""
+    if not isinstance(piece, P.Outer) or not piece.has_input:
+        return False
+    shared, n_in, n_out = piece.g.shape[-2], piece.in_features, piece.g.shape[-1]
+    return shared * shared * (n_in + n_out) < _PASS_MACS * n_in * n_out
+
+
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
     forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
@@ -300,6 +319,8 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
     ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]
     cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    if cheap and sums is not None and len(ps) == 1 and not _gram_with_sum_is_cheaper(ps[0][0]):
+        cheap = False  # grad1 a slice at a time gives the batch gradient as a by-product
     total = None
     if cheap and rows and ps:  # a tied weight: embedding rows and an output layer's outer
         cross = []
@@ -326,7 +347,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
         return total
     parts, total = [], None
     for _, g in _materialized(h):
-        parts.append(g.flatten(1).pow(2).sum(1))
+        parts.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
         if sums is not None:
             total = g.sum(0) if total is None else total + g.sum(0)
     if total is not None:
