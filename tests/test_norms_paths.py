@@ -1,0 +1,116 @@
+"""Per-example norms of Linear calls run with their parameters detached (many positions per
+example on CPU, ``grad_from_grad1``): the norms and the call's batch gradient come either from
+the Gram form plus a batch product, or from ``grad1`` formed a slice at a time (its batch sum
+being the batch gradient). Both against ``vmap(grad)`` and the per-example loop in float64, and
+``.grad`` against autograd without hooks."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks import pieces as P
+from gradhooks import quantities as Q
+from gradhooks.models import EmbedBlock
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+D = torch.float64
+POSITIONS = 32  # linear.SUM_GRAD1_POSITIONS: these calls run detached
+
+
+class Tokens(nn.Module):
+    """A Linear over ``positions`` tokens, an activation, a Linear back, mean-pooled."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, positions, dim]
+        return self.down(torch.tanh(self.up(x))).mean(1)
+
+
+def forms(dim: int, hidden: int, positions: int) -> tuple[bool, bool]:
+    """Whether Li et al.'s criterion takes the Gram form for the up-projection's weight, and
+    whether it still does when the batch gradient is wanted too."""
+    piece = P.Outer(torch.zeros(1, positions, dim), torch.zeros(1, positions, hidden))
+    li = P.gram_is_cheaper(piece, piece)
+    return li, li and Q._gram_with_sum_is_cheaper(piece)
+
+
+def norms_and_grads(model, x, loss_fn, reduction):
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=("norms",)) as h:
+        loss_fn(model(x)).backward()
+        return h.param_norms(), h.norms(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize(
+    "dim, hidden, li, gram",
+    [(160, 160, True, True), (32, 128, True, False), (4, 6, False, False)],
+    ids=["gram-and-batch-product", "grad1-slices-where-li-says-gram", "grad1-slices"],
+)
+def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
+    assert forms(dim, hidden, POSITIONS) == (li, gram)
+    torch.manual_seed(0)
+    model = Tokens(dim, hidden).to(D)
+    x = torch.randn(batch, POSITIONS, dim, dtype=D)
+    target = torch.randn(batch, dim, dtype=D)
+
+    def loss_fn(out, t=target):
+        loss = 0.5 * ((out - t) ** 2).sum()
+        return loss / max(out.shape[0], 1) if reduction == "mean" else loss
+
+    def one(out, t):
+        return 0.5 * ((out - t) ** 2).sum()
+
+    want = vmap_grad(model, one, x, target)
+    loop = loop_grad(model, one, x, target)
+    ref = copy.deepcopy(model)
+    if batch:
+        loss_fn(ref(x)).backward()
+    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
+    total = torch.zeros(batch, dtype=D)
+    for n, p in ref.named_parameters():
+        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
+        expected = want[n].flatten(1).norm(dim=1)
+        assert_close(param_norms[n], expected, f"{n} norms ({reduction}, batch {batch})")
+        total += expected**2
+        if batch:
+            assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
+    assert_close(norms, total.sqrt(), "total norms")
+
+
+def test_benchmark_layers_take_grad1_slices():
+    """EmbedBlock's MLP (64 positions, 64 x 256 and back): Li et al.'s 2·T² < in·out prefers
+    the Gram form, which then needs a batch product more (measured ~2x slower)."""
+    assert forms(64, 256, 64) == (True, False)
+    assert forms(256, 64, 64) == (True, False)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_embed_block_norms_and_grad(reduction):
+    """A small EmbedBlock (embedding rows, LayerNorm, a detached MLP over 40 tokens)."""
+    torch.manual_seed(0)
+    model = EmbedBlock(vocab=30, dim=8, classes=3).to(D)
+    x, y = torch.randint(0, 30, (4, 40)), torch.randint(0, 3, (4,))
+
+    def loss_fn(out, t=y):
+        return F.cross_entropy(out, t, reduction=reduction)
+
+    want = vmap_grad(model, F.cross_entropy, x, y)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
+    total = torch.zeros(4, dtype=D)
+    for n, p in ref.named_parameters():
+        expected = want[n].flatten(1).norm(dim=1)
+        assert_close(param_norms[n], expected, f"{n} norms")
+        assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
+        total += expected**2
+    assert_close(norms, total.sqrt(), "total norms")
