@@ -312,9 +312,32 @@ def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
     return shared * shared * (n_in + n_out) < _PASS_MACS * n_in * n_out
 
 
+def _one_sq_norm(
+    piece: P.Piece, scale: float, param: nn.Parameter, sums: dict[int, Tensor] | None
+) -> Tensor | None:
+    """:func:`_sq_norm` of a parameter with one piece in the backward (no reuse, no tie), where
+    no product is needed: an :class:`~gradhooks.pieces.Outer` with one shared position
+    (``‖g aᵀ‖ = ‖g‖ ‖a‖``, Goodfellow), a bias, a :class:`~gradhooks.pieces.Direct` (``grad1``
+    at hand). On small layers the general path's bookkeeping costs more than this arithmetic.
+    ``None``: the general path."""
+    if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1 and sums is None:
+        sq = piece.a.square().sum(-1) * piece.g.square().sum(-1)  # [batch, *groups, 1]
+        return sq.flatten(1).sum(1) * scale**2
+    if isinstance(piece, P.Direct) or isinstance(piece, P.Outer) and not piece.has_input:
+        g1 = piece.grad1(param.shape, scale).flatten(1)
+        if sums is not None:
+            sums[id(param)] = g1.sum(0).reshape(param.shape)
+        return torch.linalg.vector_norm(g1, dim=1).square()
+    return None
+
+
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
     forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
+    if len(h.pieces) == 1:
+        single = _one_sq_norm(*h.pieces[0], h.param, sums)
+        if single is not None:
+            return single
     shape = h.param.shape
     rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
     ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]

@@ -114,3 +114,38 @@ def test_embed_block_norms_and_grad(reduction):
         assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
         total += expected**2
     assert_close(norms, total.sqrt(), "total norms")
+
+
+ONE_PIECE = [
+    pytest.param(lambda: nn.Linear(5, 3), (5,), id="linear-one-position"),
+    pytest.param(lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 3, 3), id="grouped-conv-one-position"),
+    pytest.param(lambda: nn.LayerNorm(5), (2, 5), id="layernorm-direct"),
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("make, shape", ONE_PIECE)
+def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
+    """Parameters with one piece whose norm needs no product (one shared position, a bias, a
+    Direct piece) take a short path: against vmap(grad) and the loop."""
+    torch.manual_seed(0)
+    model = make().to(D)
+    x = torch.randn(batch, *shape, dtype=D)
+
+    def one(out, t=None):
+        return 0.5 * (out**2).sum()
+
+    def loss_fn(out):
+        return one(out) / max(batch, 1) if reduction == "mean" else one(out)
+
+    want = vmap_grad(model, one, x)
+    loop = loop_grad(model, one, x)
+    short = []
+    real = Q._one_sq_norm
+    monkeypatch.setattr(Q, "_one_sq_norm", lambda *a: short.append(real(*a)) or short[-1])
+    param_norms, _, _ = norms_and_grads(model, x, loss_fn, reduction)
+    assert len(short) == len(want) and all(s is not None for s in short)
+    for n in want:
+        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
+        assert_close(param_norms[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
