@@ -149,3 +149,41 @@ def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
     for n in want:
         assert_close(loop[n], want[n], f"{n}: loop vs vmap")
         assert_close(param_norms[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad1_slices_of_a_few_examples(reduction, monkeypatch):
+    """grad1 formed a cache-sized slice of the batch at a time (here 2 and 4 examples of 5, the
+    last slice shorter): norms, squared sums and .grad against the oracles and autograd."""
+    monkeypatch.setattr(Q, "_CACHE_ELEMENTS", 1024)
+    monkeypatch.setattr(Q, "_CACHE_MIN_ROWS", 2)
+    torch.manual_seed(0)
+    model = Tokens(8, 16).to(D)
+    x, target = torch.randn(5, POSITIONS, 8, dtype=D), torch.randn(5, 8, dtype=D)
+
+    def one(out, t):
+        return 0.5 * ((out - t) ** 2).sum()
+
+    def loss_fn(out):
+        return one(out, target) / 5 if reduction == "mean" else one(out, target)
+
+    want = vmap_grad(model, one, x, target)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    slices = []
+    real = Q._materialized
+
+    def materialized(h):
+        for sl, g in real(h):
+            slices.append(g.shape[0])
+            yield sl, g
+
+    monkeypatch.setattr(Q, "_materialized", materialized)
+    quantities = ("norms", "sum_grad_sq")
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=quantities) as h:
+        loss_fn(model(x)).backward()
+    assert sorted(set(slices)) == [1, 2, 4], slices  # 2, 2, 1 and 4, 1 examples
+    for n, p in ref.named_parameters():
+        assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
+        assert_close(h.sum_grad_sq()[n], (want[n] ** 2).sum(0), f"{n} sum_grad_sq")
+        assert_close(dict(model.named_parameters())[n].grad, p.grad, f"{n} .grad vs autograd")
