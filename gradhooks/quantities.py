@@ -303,7 +303,8 @@ def _transient(piece: P.Piece) -> int:
 
 # What one pass over a float of a materialized per-example gradient (its squared norm, its batch
 # sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
-# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256).
+# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256); rounded down, which
+# leaves the Gram form to the layers where it wins by a margin.
 _PASS_MACS = 16
 
 
