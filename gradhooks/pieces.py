@@ -278,7 +278,9 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
     for (p, s), k in zip(pieces, keys, strict=True):
         inv = inverse[start : start + k.numel()]
         start += k.numel()
-        values.append(p.g.new_zeros(unique.numel(), p.g.shape[-1]).index_add_(0, inv, p.g, alpha=s))
+        # the scale after the scatter: index_add_'s alpha is slower (single-threaded on CPU)
+        value = p.g.new_zeros(unique.numel(), p.g.shape[-1]).index_add_(0, inv, p.g)
+        values.append(value if s == 1.0 else value.mul_(s))
     return unique, values
 
 
@@ -396,7 +398,8 @@ def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:
     total = values[0] if len(values) == 1 else torch.stack(values).sum(0)
     batch = pieces[0][0].batch
     out = total.new_zeros(batch)
-    return out.index_add_(0, keys // pieces[0][0].num_rows, total.pow(2).sum(1))
+    sq = torch.linalg.vector_norm(total, dim=1).square()
+    return out.index_add_(0, keys // pieces[0][0].num_rows, sq)
 
 
 def rows_sum_sq(pieces: list[tuple[Rows, float]], param_shape: torch.Size) -> Tensor:

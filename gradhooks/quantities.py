@@ -40,6 +40,12 @@ _INTERNAL = ("_jacobian",)
 # Largest materialized slice of examples, in elements of per-example gradient or of the columns
 # it is formed from (2 Mi floats, 8 MiB): norms-only memory stays close to a plain backward's.
 _CHUNK_ELEMENTS = 1 << 21
+# A smaller slice where it still holds several examples: one that stays in a core's cache
+# (256 Ki floats) while its squared norms and batch sum are read back (EmbedBlock's norms ~4%
+# faster on a 2-core CPU); fewer than _CACHE_MIN_ROWS examples would cost more in per-slice
+# overhead than the cache saves.
+_CACHE_ELEMENTS = 1 << 18
+_CACHE_MIN_ROWS = 8
 
 
 @dataclass
@@ -290,10 +296,12 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
 
 def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
-    of the batch at a time (so that at most ~64 Mi elements exist at once)."""
+    of the batch at a time (so that at most ~_CHUNK_ELEMENTS elements exist at once)."""
     batch = h.pieces[0][0].batch_size
     per_example = max([h.param.numel()] + [_transient(piece) for piece, _ in h.pieces])
     rows = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
+    if _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
+        rows = min(rows, _CACHE_ELEMENTS // max(per_example, 1))
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         total = None
@@ -312,13 +320,58 @@ def _transient(piece: P.Piece) -> int:
     return math.prod(piece.g.shape[1:-1]) * piece.in_features
 
 
+# What one pass over a float of a materialized per-example gradient (its squared norm, its batch
+# sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
+# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256); rounded down, which
+# leaves the Gram form to the layers where it wins by a margin.
+_PASS_MACS = 16
+
+
+def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
+    """For a piece whose norms are wanted together with its batch gradient (a call run with its
+    parameters detached): whether the Gram form, ``batch·T²·(in + out)`` multiply-adds and then
+    the batch gradient's own ``batch·T·in·out``, costs less than forming ``grad1`` a slice at a
+    time (the same ``batch·T·in·out``, then a few passes over ``batch·in·out`` floats, the
+    batch gradient among them). A bias (``a is None``): never (its ``grad1`` is the Gram form's
+    first step)."""
+    if not isinstance(piece, P.Outer) or not piece.has_input:
+        return False
+    shared, n_in, n_out = piece.g.shape[-2], piece.in_features, piece.g.shape[-1]
+    return shared * shared * (n_in + n_out) < _PASS_MACS * n_in * n_out
+
+
+def _one_sq_norm(
+    piece: P.Piece, scale: float, param: nn.Parameter, sums: dict[int, Tensor] | None
+) -> Tensor | None:
+    """:func:`_sq_norm` of a parameter with one piece in the backward (no reuse, no tie), where
+    no product is needed: an :class:`~gradhooks.pieces.Outer` with one shared position
+    (``‖g aᵀ‖ = ‖g‖ ‖a‖``, Goodfellow), a bias, a :class:`~gradhooks.pieces.Direct` (``grad1``
+    at hand). On small layers the general path's bookkeeping costs more than this arithmetic.
+    ``None``: the general path."""
+    if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1 and sums is None:
+        sq = piece.a.square().sum(-1) * piece.g.square().sum(-1)  # [batch, *groups, 1]
+        return sq.flatten(1).sum(1) * scale**2
+    if isinstance(piece, P.Direct) or isinstance(piece, P.Outer) and not piece.has_input:
+        g1 = piece.grad1(param.shape, scale).flatten(1)
+        if sums is not None:
+            sums[id(param)] = g1.sum(0).reshape(param.shape)
+        return torch.linalg.vector_norm(g1, dim=1).square()
+    return None
+
+
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
     forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
+    if len(h.pieces) == 1:
+        single = _one_sq_norm(*h.pieces[0], h.param, sums)
+        if single is not None:
+            return single
     shape = h.param.shape
     rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
     ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]
     cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    if cheap and sums is not None and len(ps) == 1 and not _gram_with_sum_is_cheaper(ps[0][0]):
+        cheap = False  # grad1 a slice at a time gives the batch gradient as a by-product
     total = None
     if cheap and rows and ps:  # a tied weight: embedding rows and an output layer's outer
         cross = []
@@ -345,7 +398,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
         return total
     parts, total = [], None
     for _, g in _materialized(h):
-        parts.append(g.flatten(1).pow(2).sum(1))
+        parts.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
         if sums is not None:
             total = g.sum(0) if total is None else total + g.sum(0)
     if total is not None:

@@ -1,0 +1,196 @@
+"""Per-example norms of Linear calls run with their parameters detached (many positions per
+example on CPU, ``grad_from_grad1``): the norms and the call's batch gradient come either from
+the Gram form plus a batch product, or from ``grad1`` formed a slice at a time (its batch sum
+being the batch gradient). Both against ``vmap(grad)`` and the per-example loop in float64, and
+``.grad`` against autograd without hooks."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks import pieces as P
+from gradhooks import quantities as Q
+from gradhooks.models import EmbedBlock
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+D = torch.float64
+POSITIONS = 32  # linear.SUM_GRAD1_POSITIONS: these calls run detached
+
+
+class Tokens(nn.Module):
+    """A Linear over ``positions`` tokens, an activation, a Linear back, mean-pooled."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, positions, dim]
+        return self.down(torch.tanh(self.up(x))).mean(1)
+
+
+def forms(dim: int, hidden: int, positions: int) -> tuple[bool, bool]:
+    """Whether Li et al.'s criterion takes the Gram form for the up-projection's weight, and
+    whether it still does when the batch gradient is wanted too."""
+    piece = P.Outer(torch.zeros(1, positions, dim), torch.zeros(1, positions, hidden))
+    li = P.gram_is_cheaper(piece, piece)
+    return li, li and Q._gram_with_sum_is_cheaper(piece)
+
+
+def norms_and_grads(model, x, loss_fn, reduction):
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=("norms",)) as h:
+        loss_fn(model(x)).backward()
+        return h.param_norms(), h.norms(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize(
+    "dim, hidden, li, gram",
+    [(160, 160, True, True), (32, 128, True, False), (4, 6, False, False)],
+    ids=["gram-and-batch-product", "grad1-slices-where-li-says-gram", "grad1-slices"],
+)
+def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
+    assert forms(dim, hidden, POSITIONS) == (li, gram)
+    torch.manual_seed(0)
+    model = Tokens(dim, hidden).to(D)
+    x = torch.randn(batch, POSITIONS, dim, dtype=D)
+    target = torch.randn(batch, dim, dtype=D)
+
+    def loss_fn(out, t=target):
+        loss = 0.5 * ((out - t) ** 2).sum()
+        return loss / max(out.shape[0], 1) if reduction == "mean" else loss
+
+    def one(out, t):
+        return 0.5 * ((out - t) ** 2).sum()
+
+    want = vmap_grad(model, one, x, target)
+    loop = loop_grad(model, one, x, target)
+    ref = copy.deepcopy(model)
+    if batch:
+        loss_fn(ref(x)).backward()
+    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
+    total = torch.zeros(batch, dtype=D)
+    for n, p in ref.named_parameters():
+        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
+        expected = want[n].flatten(1).norm(dim=1)
+        assert_close(param_norms[n], expected, f"{n} norms ({reduction}, batch {batch})")
+        total += expected**2
+        if batch:
+            assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
+    assert_close(norms, total.sqrt(), "total norms")
+
+
+def test_benchmark_layers_take_grad1_slices():
+    """EmbedBlock's MLP (64 positions, 64 x 256 and back): Li et al.'s 2·T² < in·out prefers
+    the Gram form, which then needs a batch product more (measured ~2x slower)."""
+    assert forms(64, 256, 64) == (True, False)
+    assert forms(256, 64, 64) == (True, False)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_embed_block_norms_and_grad(reduction):
+    """A small EmbedBlock (embedding rows, LayerNorm, a detached MLP over 40 tokens)."""
+    torch.manual_seed(0)
+    model = EmbedBlock(vocab=30, dim=8, classes=3).to(D)
+    x, y = torch.randint(0, 30, (4, 40)), torch.randint(0, 3, (4,))
+
+    def loss_fn(out, t=y):
+        return F.cross_entropy(out, t, reduction=reduction)
+
+    want = vmap_grad(model, F.cross_entropy, x, y)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
+    total = torch.zeros(4, dtype=D)
+    for n, p in ref.named_parameters():
+        expected = want[n].flatten(1).norm(dim=1)
+        assert_close(param_norms[n], expected, f"{n} norms")
+        assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
+        total += expected**2
+    assert_close(norms, total.sqrt(), "total norms")
+
+
+ONE_PIECE = [
+    pytest.param(lambda: nn.Linear(5, 3), (5,), id="linear-one-position"),
+    pytest.param(lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 3, 3), id="grouped-conv-one-position"),
+    pytest.param(lambda: nn.LayerNorm(5), (2, 5), id="layernorm-direct"),
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("make, shape", ONE_PIECE)
+def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
+    """Parameters with one piece whose norm needs no product (one shared position, a bias, a
+    Direct piece) take a short path: against vmap(grad) and the loop."""
+    torch.manual_seed(0)
+    model = make().to(D)
+    x = torch.randn(batch, *shape, dtype=D)
+
+    def one(out, t=None):
+        return 0.5 * (out**2).sum()
+
+    def loss_fn(out):
+        return one(out) / max(batch, 1) if reduction == "mean" else one(out)
+
+    want = vmap_grad(model, one, x)
+    loop = loop_grad(model, one, x)
+    short = []  # (what the short path gave, whether the batch gradient was wanted too)
+    real = Q._one_sq_norm
+
+    def one_sq_norm(piece, scale, param, sums):
+        short.append((real(piece, scale, param, sums), sums is not None))
+        return short[-1][0]
+
+    monkeypatch.setattr(Q, "_one_sq_norm", one_sq_norm)
+    param_norms, _, _ = norms_and_grads(model, x, loss_fn, reduction)
+    # a weight of a call run detached (GRADHOOKS_SUM_GRAD1_POSITIONS=1) takes the general path
+    assert len(short) == len(want)
+    assert all(got is not None or detached for got, detached in short)
+    for n in want:
+        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
+        assert_close(param_norms[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad1_slices_of_a_few_examples(reduction, monkeypatch):
+    """grad1 formed a cache-sized slice of the batch at a time (here 2 and 4 examples of 5, the
+    last slice shorter): norms, squared sums and .grad against the oracles and autograd."""
+    monkeypatch.setattr(Q, "_CACHE_ELEMENTS", 1024)
+    monkeypatch.setattr(Q, "_CACHE_MIN_ROWS", 2)
+    torch.manual_seed(0)
+    model = Tokens(8, 16).to(D)
+    x, target = torch.randn(5, POSITIONS, 8, dtype=D), torch.randn(5, 8, dtype=D)
+
+    def one(out, t):
+        return 0.5 * ((out - t) ** 2).sum()
+
+    def loss_fn(out):
+        return one(out, target) / 5 if reduction == "mean" else one(out, target)
+
+    want = vmap_grad(model, one, x, target)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    slices = []
+    real = Q._materialized
+
+    def materialized(h):
+        for sl, g in real(h):
+            slices.append(g.shape[0])
+            yield sl, g
+
+    monkeypatch.setattr(Q, "_materialized", materialized)
+    quantities = ("norms", "sum_grad_sq")
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=quantities) as h:
+        loss_fn(model(x)).backward()
+    assert sorted(set(slices)) == [1, 2, 4], slices  # 2, 2, 1 and 4, 1 examples
+    for n, p in ref.named_parameters():
+        assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
+        assert_close(h.sum_grad_sq()[n], (want[n] ** 2).sum(0), f"{n} sum_grad_sq")
+        assert_close(dict(model.named_parameters())[n].grad, p.grad, f"{n} .grad vs autograd")
