@@ -7,8 +7,17 @@ gate activations: the input-side pre-activations of all steps are one matmul, ea
 matmul with ``W_hh`` and a few elementwise ops. The backward through time is then written out
 with the gates' closed-form derivatives (one matmul with ``W_hh`` and a few elementwise ops per
 step, no autograd graph), from the captured output-gradients, and gives the gradient of every
-pre-activation at every step, per example. Each weight sees its input at every step, so its
-per-example gradient is an :class:`Outer` with ``shared`` = time steps:
+pre-activation at every step, per example.
+
+An LSTM whose every sequence is full length (not packed, or packed at full length) goes faster:
+its hidden states come from torch's fused forward (the last layer's are the module's own
+output, kept with ``needs_output``; each earlier layer's one fused no-grad run), so all gate
+pre-activations are two matmuls and the cell states one ``addcmul`` per step; its backward
+through time is three ops per step into preallocated buffers (inside ``vmap``, for the
+Jacobians, the step-by-step backward is used instead).
+
+Each weight sees its input at every step, so its per-example gradient is an :class:`Outer` with
+``shared`` = time steps:
 
 - ``weight_ih_l{k}[_reverse]``: ``a`` = the layer's input ``[batch, time, in]``,
   ``g`` = grad of ``x W_ihᵀ + b_ih`` ``[batch, time, gates * hidden]``;
@@ -54,6 +63,11 @@ def _shift(first: Tensor, steps: Tensor) -> Tensor:
     return torch.cat([first[None], steps[:-1]])
 
 
+def _transformed() -> bool:
+    """Whether this runs inside a ``torch.func`` transform (the Jacobians' ``vmap``)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _one_minus(x: Tensor) -> Tensor:
     """``1 - x``, new."""
     return torch.rsub(x, 1)
@@ -96,6 +110,32 @@ class _Direction:
         self.x, self.keep, self.h0 = x, keep, h0
         step = {"LSTM": self._lstm, "GRU": self._gru}.get(self.mode, self._rnn)
         return step(x, keep, h0, c0)
+
+    def forward_lstm_from(self, x: Tensor, h: Tensor, h0: Tensor, c0: Tensor):
+        """The LSTM's forward when its states ``h`` ``[T, B, P]`` are known (torch's fused
+        run computed them) and every step is valid: no recurrence over ``h``. All gate
+        pre-activations ``x W_ihᵀ + h_{t-1} W_hhᵀ + b`` are two matmuls, their nonlinearities
+        three batched ops, and the cell states ``c_t = f_t c_{t-1} + i_t g_t`` one ``addcmul``
+        per step. Keeps what :meth:`forward` keeps; returns ``(h, h_n, c_n)``."""
+        H, P = self.hidden, h.shape[-1]
+        self.x, self.keep, self.h0, self.c0, self.out = x, None, h0, c0, h
+        pre = self._pre_ih(x, self._bias())  # [T, B, 4H]
+        steps, batch = pre.shape[:2]
+        if steps > 1:  # + h_{t-1} W_hhᵀ, without materializing the shifted states
+            pre[1:].view(-1, 4 * H).addmm_(h[:-1].reshape(-1, P), self.w_hh.T)
+        pre[0].addmm_(h0, self.w_hh.T)
+        self.act = act = pre  # i, f, g, o after their nonlinearity
+        act[..., : 2 * H].sigmoid_()
+        act[..., 2 * H : 3 * H].tanh_()
+        act[..., 3 * H :].sigmoid_()
+        i, f, g, o = act.chunk(4, -1)
+        self.c = c = torch.mul(i, g)  # then c_t = i_t g_t + f_t c_{t-1}, in place
+        torch.addcmul(c[0], f[0], c0, out=c[0])
+        for t in range(1, steps):
+            torch.addcmul(c[t], f[t], c[t - 1], out=c[t])
+        self.tanh_c = torch.tanh(c)
+        self.proj_in = None if self.w_hr is None else torch.mul(o, self.tanh_c)
+        return h, h[-1], c[-1]
 
     def _pre_ih(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]``."""
@@ -186,7 +226,9 @@ class _Direction:
         (``None`` unless ``need_dx``)."""
         h_prev = _shift(self.h0, self.out)  # [T, B, P]
         m = None if self.keep is None else self.keep.to(d_out.dtype)
-        if self.mode == "LSTM":
+        if self.mode == "LSTM" and m is None and not _transformed():
+            g_ih, g_hh, extra = self._lstm_back_fast(d_out, d_hn, d_cn)
+        elif self.mode == "LSTM":
             g_ih, g_hh, extra = self._lstm_back(d_out, d_hn, d_cn, m)
         elif self.mode == "GRU":
             g_ih, g_hh, extra = self._gru_back(d_out, d_hn, m, h_prev)
@@ -270,6 +312,54 @@ class _Direction:
             extra["weight_hr" + self.sfx] = (self.proj_in, d_hs if m is None else d_hs * m)
         return d_pre, d_pre, extra
 
+    def _lstm_back_fast(self, d_out, d_hn, d_cn):
+        """:meth:`_lstm_back` when every step is valid: three ops per step (four with
+        ``proj_size``), written into preallocated buffers. The gradients at step ``t``:
+        ``d h_t = d_out[t] + d G_{t+1} W_hh``, ``d (o tanh c_t) = d h_t`` (``d h_t W_hr`` with a
+        projection), ``d c_t = d c_{t+1} f_{t+1} + d (o tanh c_t) o (1 - tanh² c_t)`` and
+        ``(d c_t f_t, d G_t) = (d c_t, d c_t, d c_t, d c_t, d (o tanh c_t)) * (f, i (1 - i) g,
+        f (1 - f) c_{t-1}, (1 - g²) i, o (1 - o) tanh c_t)``: one ``[batch, 5, H]`` product whose
+        first slot is the cell gradient carried to the step before and the other four the gate
+        gradients ``i, f, g, o``. Uses ``out=``, so not under ``vmap`` (the Jacobians use
+        :meth:`_lstm_back`)."""
+        H = self.hidden
+        steps, batch = d_out.shape[:2]
+        act = self.act.view(steps, batch, 4, H)
+        i, f, g, o = act.unbind(2)
+        tc, c = self.tanh_c, self.c
+        to_c = _one_minus_sq(tc).mul_(o)[:, :, None]  # [T, B, 1, H]
+        # [T, B, 5, H]: f, then each gate's derivative times what it multiplies
+        to_pre = tc.new_empty(steps, batch, 5, H)
+        torch.addcmul(act, act, act, value=-1, out=to_pre[:, :, 1:])  # a (1 - a)
+        torch.addcmul(g.new_ones(()), g, g, value=-1, out=to_pre[:, :, 3])  # 1 - g²
+        to_pre[:, :, 0] = f
+        to_pre[:, :, 1] *= g
+        to_pre[1:, :, 2] *= c[:-1]
+        to_pre[0, :, 2] *= self.c0
+        to_pre[:, :, 3] *= i
+        to_pre[:, :, 4] *= tc
+        grads = torch.empty_like(to_pre)  # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o)
+        d_pre = grads.view(steps, batch, 5 * H)[..., H:]  # [T, B, 4H] (rows 5H apart)
+        state = tc.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
+        d_proj = state[:, 4]
+        d_hs = None if self.w_hr is None else d_out.new_empty(d_out.shape)  # d h_t, [T, B, P]
+        carry = (torch.zeros_like(tc[0]) if d_cn is None else d_cn)[:, None]
+        d_h = torch.add(d_out[-1], d_hn, out=d_proj if d_hs is None else d_hs[-1])
+        outs, to_cs, to_pres = d_out.unbind(0), to_c.unbind(0), to_pre.unbind(0)
+        for t in range(steps - 1, -1, -1):
+            if t < steps - 1:
+                target = d_proj if d_hs is None else d_hs[t]
+                d_h = torch.addmm(outs[t], d_pre[t + 1], self.w_hh, out=target)
+                carry = grads[t + 1, :, :1]
+            if d_hs is not None:
+                torch.mm(d_h, self.w_hr, out=d_proj)
+            torch.addcmul(carry.expand(-1, 4, -1), state[:, 4:], to_cs[t], out=state[:, :4])
+            torch.mul(state, to_pres[t], out=grads[t])
+        extra = {}
+        if d_hs is not None:
+            extra["weight_hr" + self.sfx] = (self.proj_in, d_hs)
+        return d_pre, d_pre, extra
+
     def _gru_back(self, d_out, d_hn, m, h_prev):
         H = self.hidden
         r, z, n = self.act.chunk(3, -1)
@@ -298,12 +388,38 @@ class _Direction:
         return g_ih, g_hh, {}
 
 
+def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tensor) -> Tensor:
+    """torch's own (fused) forward of one layer of an LSTM, both directions, without autograd:
+    ``x`` ``[T, B, in]``, ``h0`` ``[dirs, B, P]``, ``c0`` ``[dirs, B, H]`` -> the layer's
+    output ``[T, B, dirs * P]``."""
+    names = ["weight_ih", "weight_hh"]
+    names += ["bias_ih", "bias_hh"] if module.bias else []
+    names += ["weight_hr"] if module.proj_size > 0 else []
+    sfxs = [f"_l{layer}", f"_l{layer}_reverse"][: 2 if module.bidirectional else 1]
+    weights = [getattr(module, n + s).detach() for s in sfxs for n in names]
+    out, _, _ = torch._VF.lstm(  # (input, hx, weights, bias, layers, dropout, train, bidir, bf)
+        x, (h0, c0), weights, module.bias, 1, 0.0, False, module.bidirectional, False
+    )
+    return out
+
+
 def recompute(
-    module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None
+    module: nn.RNNBase,
+    x: Tensor,
+    lengths: Tensor,
+    hx=None,
+    output: Tensor | None = None,
+    fast: bool = True,
 ) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
     """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
     with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
     ``[layers * dirs, batch, hidden]``).
+
+    An LSTM whose every sequence is full length (and ``fast``) takes a faster way: torch's own
+    fused forward gives each layer's states (``output`` ``[batch, time, dirs * hidden_out]``,
+    the module's output if given, is the last layer's), then
+    :meth:`_Direction.forward_lstm_from` the gates and cell states with no recurrence over
+    ``h``. Otherwise the recurrence is run step by step.
 
     Returns ``(outputs, layers)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
     h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length;
@@ -327,12 +443,27 @@ def recompute(
         layer_in = rearrange(x.detach(), "batch time inp -> time batch inp").contiguous()
         layers: list[list[_Direction]] = []
         h_n, c_n = [], []
+        fast = fast and lstm and keep is None
         for layer in range(module.num_layers):
             outs, layers_d = [], []
+            if fast:
+                ks = slice(layer * dirs, (layer + 1) * dirs)
+                if layer == module.num_layers - 1 and output is not None:
+                    states = rearrange(output.detach(), "batch time out -> time batch out")
+                else:
+                    states = _lstm_layer(module, layer, layer_in, h0[ks], c0[ks])
             for d in range(dirs):
                 k = layer * dirs + d
                 run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""))
                 flip = (lambda t: t.flip(0)) if d else (lambda t: t)
+                if fast:
+                    own = states[..., d * h_size : (d + 1) * h_size] if dirs > 1 else states
+                    out, h, c = run.forward_lstm_from(flip(layer_in), flip(own), h0[k], c0[k])
+                    outs.append(flip(out))
+                    h_n.append(h)
+                    c_n.append(c)
+                    layers_d.append(run)
+                    continue
                 out, h, c = run.forward(
                     flip(layer_in),
                     None if keep is None else flip(keep),
@@ -344,7 +475,7 @@ def recompute(
                 c_n.append(c)
                 layers_d.append(run)
             layers.append(layers_d)
-            layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
+            layer_in = states if fast else torch.cat(outs, -1) if dirs > 1 else outs[0]
             if keep is not None:
                 layer_in = layer_in * keep
         outputs = (rearrange(layer_in, "time batch out -> batch time out"), torch.stack(h_n))
@@ -400,7 +531,7 @@ def _error(call: Call, what: str, todo: str) -> ValueError:
     return ValueError(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
-@register(nn.RNN, nn.LSTM, nn.GRU)
+@register(nn.RNN, nn.GRU)
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
     x, hx = call.inputs[0], _initial_state(call)
@@ -440,5 +571,12 @@ def rnn(call: Call) -> dict[str, Outer]:
                 grads = (rearrange(grads[0], "time batch out -> batch time out"), *grads[1:])
         x_pad = x
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-    _, layers = recompute(module, x_pad, lengths, hx)
+    output = None
+    if not packed and call.output is not None:
+        output = call.output[0]
+        output = output if module.batch_first else rearrange(output, "t b o -> b t o")
+    _, layers = recompute(module, x_pad, lengths, hx, output)
     return backpropagate(module, layers, grads)
+
+
+register(nn.LSTM, needs_output=True)(rnn)  # the last layer's states: not recomputed
