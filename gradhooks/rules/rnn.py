@@ -14,7 +14,12 @@ its hidden states come from torch's fused forward (the last layer's are the modu
 output, kept with ``needs_output``; each earlier layer's one fused no-grad run), so all gate
 pre-activations are two matmuls and the cell states one ``addcmul`` per step; its backward
 through time is three ops per step into preallocated buffers (inside ``vmap``, for the
-Jacobians, the step-by-step backward is used instead).
+Jacobians, the step-by-step backward is used instead). Such a call (a padded input, no dropout
+between layers) runs without autograd while ``grad1`` or the norms are computed
+(``grad_from_grad1`` with ``input_grads``): torch's own LSTM backward is not run, the batch
+gradients are the sums of the per-example ones and the input-, ``h0``- and ``c0``-gradients
+come from the same backward through time (``d x_t = d G_t W_ih``, ``d h0 = d G_0 W_hh``,
+``d c0 = d c_0 f_0``).
 
 Each weight sees its input at every step, so its per-example gradient is an :class:`Outer` with
 ``shared`` = time steps:
@@ -97,6 +102,7 @@ class _Direction:
             return getattr(module, name + sfx).detach()
 
         self.mode, self.sfx, self.hidden = module.mode, sfx, module.hidden_size
+        self.d_state0: tuple[Tensor | None, Tensor | None] = (None, None)  # d h0, d c0
         self.w_ih, self.w_hh = get("weight_ih"), get("weight_hh")
         self.b_ih = get("bias_ih") if module.bias else None
         self.b_hh = get("bias_hh") if module.bias else None
@@ -355,6 +361,7 @@ class _Direction:
                 torch.mm(d_h, self.w_hr, out=d_proj)
             torch.addcmul(carry.expand(-1, 4, -1), state[:, 4:], to_cs[t], out=state[:, :4])
             torch.mul(state, to_pres[t], out=grads[t])
+        self.d_state0 = (d_pre[0] @ self.w_hh, grads[0, :, 0])  # c_0 = f_0 c0 + i_0 g_0
         extra = {}
         if d_hs is not None:
             extra["weight_hr" + self.sfx] = (self.proj_in, d_hs)
@@ -485,11 +492,16 @@ def recompute(
 
 
 def backpropagate(
-    module: nn.RNNBase, layers: list[list[_Direction]], grads: tuple[Tensor | None, ...]
+    module: nn.RNNBase,
+    layers: list[list[_Direction]],
+    grads: tuple[Tensor | None, ...],
+    inputs: list[Tensor] | None = None,
 ) -> dict[str, Outer]:
     """The backward through time of a :func:`recompute`, from ``grads`` (for ``output``
     batch-first ``[batch, time, dirs * hidden_out]``, ``h_n`` and ``c_n`` in torch's layout;
-    ``None`` where no gradient flowed): one :class:`Outer` per parameter."""
+    ``None`` where no gradient flowed): one :class:`Outer` per parameter. ``inputs``: a list
+    to fill, where every direction took the LSTM's fast path, with the gradients of the input
+    (batch-first ``[batch, time, in]``), of ``h0`` and of ``c0`` (torch's layout)."""
     dirs = 2 if module.bidirectional else 1
     first = layers[0][0]
     keep = first.keep
@@ -497,6 +509,8 @@ def backpropagate(
     h_size = module.proj_size or module.hidden_size
     like = first.out
     pieces: dict[str, Outer] = {}
+    d_h0: list[Tensor] = []
+    d_c0: list[Tensor] = []
     with torch.no_grad():
         g_out, g_h, g_c = (*grads, None)[:3]
         if g_out is None:
@@ -513,16 +527,22 @@ def backpropagate(
                 d_o = d_out[..., d * h_size : (d + 1) * h_size] if dirs > 1 else d_out
                 d_hn = like.new_zeros(batch, h_size) if g_h is None else g_h[k].detach()
                 d_cn = None if g_c is None else g_c[k].detach()
-                pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=layer > 0)
+                want_dx = layer > 0 or inputs is not None
+                pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=want_dx)
+                d_h0.insert(d, run.d_state0[0])
+                d_c0.insert(d, run.d_state0[1])
                 for name, (a, g) in pairs.items():
                     pieces[name] = Outer(
                         None if a is None else rearrange(a, "time batch n -> batch time n"),
                         rearrange(g, "time batch n -> batch time n"),
                     )
-                if layer > 0:
+                if want_dx:
                     d_x = flip(dx_d) if d_x is None else d_x + flip(dx_d)
             if layer > 0:
                 d_out = d_x if keep is None else d_x * keep
+        if inputs is not None and all(s is not None for s in d_h0):
+            d_x = rearrange(d_x, "time batch inp -> batch time inp")
+            inputs.extend([d_x, torch.stack(d_h0), torch.stack(d_c0)])
     return pieces
 
 
@@ -543,6 +563,7 @@ def rnn(call: Call) -> dict[str, Outer]:
             "set dropout=0, call model.eval(), or apply nn.Dropout between single-layer RNNs",
         )
     packed = isinstance(x, PackedSequence)
+    given = x  # as passed
     grads = call.grad_outputs
     if packed:
         time = x.batch_sizes.shape[0]
@@ -576,7 +597,32 @@ def rnn(call: Call) -> dict[str, Outer]:
         output = call.output[0]
         output = output if module.batch_first else rearrange(output, "t b o -> b t o")
     _, layers = recompute(module, x_pad, lengths, hx, output)
-    return backpropagate(module, layers, grads)
+    found: list[Tensor] | None = None if call.input_grads is None else []
+    pieces = backpropagate(module, layers, grads, found)
+    if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
+        d_x, d_h0, d_c0 = found
+        if not module.batch_first:
+            d_x = rearrange(d_x, "batch time inp -> time batch inp")
+        by_id = {id(given): d_x}
+        if hx is not None:
+            by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
+        leaves = tree_flatten((call.inputs, call.kwargs))[0]
+        call.input_grads.extend(by_id.get(id(t)) for t in leaves)
+    return pieces
 
 
-register(nn.LSTM, needs_output=True)(rnn)  # the last layer's states: not recomputed
+def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
+    """Whether an LSTM call runs without autograd, its rule giving the parameters' batch
+    gradients and the input-gradients (the fast path's backward through time, run anyway for
+    the per-example gradients, replaces torch's): a padded ``[batch, time, in]`` or
+    ``[time, batch, in]`` input, and no dropout between layers."""
+    x = args[0] if args else None
+    return (
+        isinstance(x, Tensor)
+        and x.dim() == 3
+        and not (module.training and module.dropout > 0 and module.num_layers > 1)
+    )
+
+
+# needs_output: the last layer's states are not recomputed
+register(nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True)(rnn)
