@@ -293,6 +293,17 @@ def _transient(piece: P.Piece) -> int:
     return math.prod(piece.g.shape[1:-1]) * piece.in_features
 
 
+def _gram_outweighs(p: P.Piece) -> bool:
+    """Whether the Gram form of an :class:`~gradhooks.pieces.Outer`'s squared norm
+    (``shared² (in + out)`` multiply-adds per example) costs more than squaring the formed
+    per-example gradient (``in out``): forming it costs ``shared in out``, what the batch
+    gradient costs anyway."""
+    if not isinstance(p, P.Outer) or not p.has_input:
+        return False
+    shared = p.g.shape[-2]
+    return shared * shared * (p.in_features + p.g.shape[-1]) > p.in_features * p.g.shape[-1]
+
+
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
     forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
@@ -300,6 +311,8 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     rows = [(p, s) for p, s in h.pieces if isinstance(p, P.Rows)]
     ps = [(p, s) for p, s in h.pieces if not isinstance(p, P.Rows)]
     cheap = all(P.gram_is_cheaper(p, q) for i, (p, _) in enumerate(ps) for q, _ in ps[i:])
+    if cheap and sums is not None and not rows and any(_gram_outweighs(p) for p, _ in ps):
+        cheap = False  # the batch gradient is wanted too: formed with the norms, in one pass
     total = None
     if cheap and rows and ps:  # a tied weight: embedding rows and an output layer's outer
         cross = []
