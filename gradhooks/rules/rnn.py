@@ -136,9 +136,10 @@ class _Direction:
         act[..., 3 * H :].sigmoid_()
         i, f, g, o = act.chunk(4, -1)
         self.c = c = torch.mul(i, g)  # then c_t = i_t g_t + f_t c_{t-1}, in place
-        torch.addcmul(c[0], f[0], c0, out=c[0])
+        cs, fs = c.unbind(0), f.unbind(0)  # (views made once: the loop is per-op overhead)
+        torch.addcmul(cs[0], fs[0], c0, out=cs[0])
         for t in range(1, steps):
-            torch.addcmul(c[t], f[t], c[t - 1], out=c[t])
+            torch.addcmul(cs[t], fs[t], cs[t - 1], out=cs[t])
         self.tanh_c = torch.tanh(c)
         self.proj_in = None if self.w_hr is None else torch.mul(o, self.tanh_c)
         return h, h[-1], c[-1]
@@ -349,18 +350,22 @@ class _Direction:
         state = tc.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
         d_proj = state[:, 4]
         d_hs = None if self.w_hr is None else d_out.new_empty(d_out.shape)  # d h_t, [T, B, P]
-        carry = (torch.zeros_like(tc[0]) if d_cn is None else d_cn)[:, None]
-        d_h = torch.add(d_out[-1], d_hn, out=d_proj if d_hs is None else d_hs[-1])
+        # views made once: the loop's cost is mostly per-op overhead
         outs, to_cs, to_pres = d_out.unbind(0), to_c.unbind(0), to_pre.unbind(0)
+        d_pres, gs = d_pre.unbind(0), grads.unbind(0)
+        carries = grads[:, :, :1].expand(-1, -1, 4, -1).unbind(0)  # d c_{t+1} f_{t+1}
+        targets = [d_proj] * steps if d_hs is None else d_hs.unbind(0)
+        carry = (torch.zeros_like(tc[0]) if d_cn is None else d_cn)[:, None].expand(-1, 4, -1)
+        d_dc, d_o_tanh_c = state[:, :4], state[:, 4:]
+        d_h = torch.add(outs[-1], d_hn, out=targets[-1])
         for t in range(steps - 1, -1, -1):
             if t < steps - 1:
-                target = d_proj if d_hs is None else d_hs[t]
-                d_h = torch.addmm(outs[t], d_pre[t + 1], self.w_hh, out=target)
-                carry = grads[t + 1, :, :1]
+                d_h = torch.addmm(outs[t], d_pres[t + 1], self.w_hh, out=targets[t])
+                carry = carries[t + 1]
             if d_hs is not None:
                 torch.mm(d_h, self.w_hr, out=d_proj)
-            torch.addcmul(carry.expand(-1, 4, -1), state[:, 4:], to_cs[t], out=state[:, :4])
-            torch.mul(state, to_pres[t], out=grads[t])
+            torch.addcmul(carry, d_o_tanh_c, to_cs[t], out=d_dc)
+            torch.mul(state, to_pres[t], out=gs[t])
         self.d_state0 = (d_pre[0] @ self.w_hh, grads[0, :, 0])  # c_0 = f_0 c0 + i_0 g_0
         extra = {}
         if d_hs is not None:
