@@ -207,8 +207,9 @@ class Hooks:
         self._handles = [
             model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
         ]
-        # calls run with their parameters detached, {id(module): [(module, {name: param})]}
-        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter]]]] = {}
+        # calls run with their parameters detached, {id(module): [(module, {name: param},
+        # (args, kwargs) where the call runs with grad mode off, else None)]}
+        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter], Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
@@ -403,8 +404,10 @@ class Hooks:
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for module, detached in stack:
+            for module, detached, owned in stack:
                 module._parameters.update(detached)
+                if owned is not None:
+                    torch.set_grad_enabled(True)
         self._detached.clear()
         if self._collector is not None:
             self._collector.discard_backward()
@@ -447,7 +450,8 @@ class Hooks:
         replaces the output by one attached to them again through :class:`_Attach`, whose
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
-        the parameters no gradient."""
+        the parameters no gradient. Where the rule's entry has ``input_grads``, the call runs
+        with grad mode off: autograd records nothing of it (:meth:`_capture_owned`)."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if (
@@ -463,8 +467,9 @@ class Hooks:
                 or _is_compiling()
                 or torch._C._functorch.peek_interpreter_stack() is not None
                 or not target.entry.grad_from_grad1(module, args)
+                or (target.entry.input_grads and not _last_pre_hook(module, hook))
             ):
-                return
+                return  # (a later pre-hook could change what the forward gets)
             own = module._parameters
             detached = {
                 n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
@@ -473,26 +478,35 @@ class Hooks:
                 return
             for n, p in detached.items():
                 own[n] = p.detach()
-            self._detached.setdefault(id(module), []).append((module, detached))
+            owned = (args, kwargs) if target.entry.input_grads else None
+            self._detached.setdefault(id(module), []).append((module, detached, owned))
+            if owned is not None:
+                torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
 
         return hook
 
-    def _reattach(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """Put back the parameters :meth:`_detach_hook` detached for the call now ending."""
+    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any]:
+        """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
+        returns them and the call's ``(args, kwargs)`` where it ran with grad mode off (else
+        ``None``)."""
         stack = self._detached.get(id(module))
         if not stack:
-            return {}
-        _, detached = stack.pop()
+            return {}, None
+        _, detached, owned = stack.pop()
         if not stack:
             del self._detached[id(module)]
         module._parameters.update(detached)
-        return detached
+        if owned is not None:
+            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
+        return detached, owned
 
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            detached = self._reattach(module) if self._detached else {}
+            detached, owned = self._reattach(module) if self._detached else ({}, None)
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
+            if owned is not None:
+                return self._capture_owned(target, detached, owned, args, kwargs, output)
             if detached:
                 return self._capture_detached(target, detached, args, kwargs, output)
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
@@ -643,6 +657,77 @@ class Hooks:
             return (*(grads[n] for n in detached), *corrections)
 
         return _Attach.apply(backward, output, *detached.values(), *inputs)
+
+    def _capture_owned(
+        self,
+        target: _Target,
+        detached: dict[str, nn.Parameter],
+        owned: tuple[tuple, dict],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+    ) -> Any:
+        """Capture a call that ran with grad mode off (its rule's entry has ``input_grads``):
+        autograd recorded nothing of it. Return its output with every tensor leaf attached to
+        the parameters and to the inputs that require grad (``owned``: ``(args, kwargs)``)
+        through one :class:`_AttachAll` node. Its backward runs the rule, whose pieces give
+        the parameters' batch gradients and which gives the inputs' gradients
+        (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
+        autograd through the call's forward run again (:func:`_rerun_owned`)."""
+        module = target.module
+        if target.entry.on_forward is not None:
+            target.entry.on_forward(module, target.name)
+        live = {n: p for n, p in target.params.items() if p.requires_grad}
+        call, state = self._kept_call(target, live, args, kwargs, output)
+        if self._collector is not None:
+            self._collector.expect(live)
+        in_leaves = tree_flatten(owned)[0]
+        in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
+        out_leaves, spec = tree_flatten(output)
+        out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
+
+        def backward(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+            full: list[Tensor | None] = [None] * len(out_leaves)
+            for i, g in zip(out_idx, grads):
+                full[i] = g
+            create_graph = torch.is_grad_enabled()
+            sums: dict[str, Tensor] = {}
+            filled = replace(call, grad_outputs=tuple(full), input_grads=[])
+            self._on_grads(target, state, filled, args, kwargs, sums)
+            found = filled.input_grads
+            incomplete = len(sums) < len(detached) and not self._no_param_grads
+            if not create_graph and (incomplete or not found):
+                # the rule did not run (paused, not capturing): run it for both
+                again = replace(filled, input_grads=[])
+                pieces = target.entry.rule(again)
+                for n, p in detached.items():
+                    if n not in sums and pieces.get(n) is not None:
+                        sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
+                found = again.input_grads
+            param_grads = {} if create_graph else dict(sums)
+            input_grads = [None if create_graph or not found else found[i] for i in in_idx]
+            missing = [n for n in detached if n not in param_grads]
+            if missing or (in_idx and not found) or create_graph:
+                self._rerunning += 1  # its backwards are not the model's: not tracked
+                try:
+                    wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
+                    got = _rerun_owned(module, owned, full, wanted, create_graph)
+                finally:
+                    self._rerunning -= 1
+                param_grads.update(zip(missing, got))
+                if create_graph or not found:
+                    input_grads = got[len(missing) :]
+            if self._no_param_grads:
+                return (*(None for _ in detached), *input_grads)
+            return (*(param_grads[n] for n in detached), *input_grads)
+
+        outs = _AttachAll.apply(
+            backward, len(out_idx), *(out_leaves[i] for i in out_idx), *detached.values(),
+            *(in_leaves[i] for i in in_idx),
+        )  # fmt: skip
+        for i, t in zip(out_idx, outs):
+            out_leaves[i] = t
+        return spec.unflatten(out_leaves)
 
     def _on_grads(
         self,
@@ -1001,6 +1086,53 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         return (None, g, *ctx.backward(g))
+
+
+def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` is the forward pre-hook ``module`` runs last (none global)."""
+    hooks = module._forward_pre_hooks
+    last = hooks[next(reversed(hooks))] if hooks else None
+    return getattr(last, "fn", None) is fn and not nn.modules.module._global_forward_pre_hooks
+
+
+class _AttachAll(torch.autograd.Function):
+    """``_AttachAll.apply(backward, n, *outputs, *params_and_inputs)``: the ``n`` ``outputs`` of a
+    call that autograd recorded nothing of (:meth:`Hooks._capture_owned`), attached to
+    ``params_and_inputs``: the same memory. Its backward asks ``backward(grads)`` (one per
+    output, ``None`` where none flowed) for the gradients of ``params_and_inputs``."""
+
+    @staticmethod
+    def forward(ctx, backward, n: int, *tensors: Tensor):
+        ctx.backward, ctx.n = backward, n
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(None for _ in range(ctx.n)), *ctx.backward(grads))
+
+
+def _rerun_owned(
+    module: nn.Module,
+    owned: tuple[tuple, dict],
+    grads: list,
+    wanted: list[Tensor],
+    create_graph: bool,
+) -> list[Tensor | None]:
+    """The gradients of ``wanted`` (parameters, inputs) through ``module``'s forward run again
+    on the ``(args, kwargs)`` of a call (``owned``, as called: inputs attached), hooks
+    bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed)."""
+    with torch.enable_grad():
+        args, kwargs = owned
+        leaves = tree_flatten(module.forward(*args, **kwargs))[0]
+    pairs = [
+        (t, g) for t, g in zip(leaves, grads)
+        if g is not None and isinstance(t, Tensor) and t.requires_grad
+    ]  # fmt: skip
+    if not pairs or not wanted:
+        return [None] * len(wanted)
+    outs, gs = zip(*pairs)
+    return list(torch.autograd.grad(outs, wanted, gs, create_graph=create_graph, allow_unused=True))
 
 
 def _rerun_vjp(

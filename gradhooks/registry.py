@@ -52,6 +52,10 @@ class Call:
     the backpropagated loss with respect to it, or ``None`` where none flowed.
     ``taps``, ``tap_grads``: what the rule's ``taps`` function returned for this call (or
     ``None``) and, per node in ``taps.nodes``, the gradients with respect to its outputs.
+    ``input_grads``: ``None``, or (a call run with grad mode off: the rule's entry has
+    ``input_grads``) an empty list the rule may fill with the gradients of the backpropagated
+    loss with respect to the call's inputs: one per leaf of ``tree_flatten((inputs,
+    kwargs))``, ``None`` where there is none. Left empty, autograd computes them.
     """
 
     module: nn.Module
@@ -62,6 +66,7 @@ class Call:
     name: str = ""
     taps: Any = None
     tap_grads: tuple[tuple[Tensor | None, ...], ...] = ()
+    input_grads: list[Tensor | None] | None = None
 
     @property
     def grad_output(self) -> Tensor:
@@ -83,6 +88,7 @@ class _Entry:
     on_forward: Callable[[nn.Module, str], None] | None = None
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
+    input_grads: bool = False
 
 
 @dataclass
@@ -104,6 +110,10 @@ class Registry:
     batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
     returns one tensor and calls no hooked submodule; its rule must give a piece for each of
     its own parameters.
+    ``input_grads`` (with ``grad_from_grad1``): the call runs with grad mode off, so that
+    autograd records nothing of it (no backward of the module's own is run), and the rule
+    gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may then be any
+    tree of tensors; ``create_graph`` backwards run the forward again under autograd.
     ``taps``: ``taps(module, args, kwargs, output)``, asked after a captured forward call: an
     object with ``nodes``, autograd nodes inside the call (found from ``output.grad_fn``)
     whose output-gradients the rule needs, or ``None``. The rule then runs when the backward
@@ -123,6 +133,7 @@ class Registry:
         on_forward: Callable[[nn.Module, str], None] | None = None,
         grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
         taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
+        input_grads: bool = False,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
         if not types:
@@ -140,8 +151,9 @@ class Registry:
                     )
             for t in types:
                 self._rules[t] = _Entry(
-                    rule, owns_children, needs_output, on_forward, grad_from_grad1, taps
-                )
+                    rule, owns_children, needs_output, on_forward, grad_from_grad1, taps,
+                    input_grads,
+                )  # fmt: skip
             return rule
 
         return decorate
@@ -179,6 +191,7 @@ def register(
     on_forward: Callable[[nn.Module, str], None] | None = None,
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
+    input_grads: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
@@ -189,4 +202,5 @@ def register(
         on_forward=on_forward,
         grad_from_grad1=grad_from_grad1,
         taps=taps,
+        input_grads=input_grads,
     )

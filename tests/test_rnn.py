@@ -7,6 +7,8 @@ which takes and returns batch-first tensors and hands the RNN its own layout (ti
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from gradhooks.rules.rnn import backpropagate, recompute
+from gradhooks.rules.rnn import _Direction, backpropagate, recompute
 from harness import Case, _double, assert_close, check, run_hooked
 
 TYPES = {
@@ -279,3 +281,76 @@ def test_pre_activation_gradients_match_autograd(kind):
     for name, w in zip(names, want, strict=True):
         got = pieces[name].grad1(w.shape).sum(0)
         assert_close(got, w, f"{kind}: summed grad1 vs autograd, {name}")
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    bidirectional=st.booleans(),
+    proj=st.sampled_from([0, 1, 2]),
+    bias=st.booleans(),
+    state=st.booleans(),
+    time=st.integers(1, 5),
+    give_output=st.booleans(),
+)
+def test_lstm_fast_path_matches_step_by_step(
+    layers, bidirectional, proj, bias, state, time, give_output
+):
+    """The LSTM's fast path (states from torch's fused forward, gates batched, three ops per step
+    of the backward) against the step-by-step recurrence and backward (the packed path), on
+    the same module and gradients: outputs, every parameter's ``a`` and ``g``, and autograd."""
+    torch.manual_seed(layers * 100 + time)
+    kw = dict(proj_size=proj) if proj else {}
+    rnn = nn.LSTM(3, 3, layers, bias=bias, bidirectional=bidirectional, batch_first=True, **kw)
+    rnn = rnn.double()
+    batch, k = 4, layers * (2 if bidirectional else 1)
+    x = torch.randn(batch, time, 3, dtype=torch.float64)
+    hx = None
+    if state:
+        hx = (torch.randn(k, batch, proj or 3, dtype=torch.float64),
+              torch.randn(k, batch, 3, dtype=torch.float64))  # fmt: skip
+    lengths = torch.full((batch,), time)
+    with torch.no_grad():
+        module_out = rnn(x, hx)[0] if give_output else None
+    with patch.object(_Direction, "forward", side_effect=AssertionError("not the fast path")):
+        (out, *st_fast), fast = recompute(rnn, x, lengths, hx, module_out)
+    (out_s, *st_slow), slow = recompute(rnn, x, lengths, hx, fast=False)
+    for g, w in zip((out, *st_fast), (out_s, *st_slow), strict=True):
+        assert_close(g, w, "fast vs step-by-step recompute")
+    grads = (torch.randn_like(out), *(torch.randn_like(s) for s in st_fast))
+    got, want = backpropagate(rnn, fast, grads), backpropagate(rnn, slow, grads)
+    params = dict(rnn.named_parameters())
+    o, (h, c) = rnn(x, hx)
+    auto = torch.autograd.grad((o, h, c), list(params.values()), grads)
+    for (name, p), w in zip(params.items(), auto, strict=True):
+        g1 = got[name].grad1(p.shape)
+        assert_close(g1, want[name].grad1(p.shape), f"fast vs step-by-step grad1, {name}")
+        assert_close(g1.sum(0), w, f"fast summed grad1 vs autograd, {name}")
+
+
+@pytest.mark.parametrize("proj", [0, 2])
+def test_lstm_jacobians(proj):
+    """The Jacobians run the rule's backward under vmap (the step-by-step backward, after the
+    fast forward): against one autograd backward per example and output."""
+    torch.manual_seed(0)
+    kw = dict(proj_size=proj) if proj else {}
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(2, 3, 2, bidirectional=True, batch_first=True, **kw)
+
+        def forward(self, x):
+            out, (h, c) = self.rnn(x)
+            return torch.cat([out[:, -1], h.transpose(0, 1).flatten(1), c[-1]], -1)
+
+    model = Head().double()
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+    got = gradhooks.jacobians(model, x)
+    params = dict(model.named_parameters())
+    for b in range(x.shape[0]):
+        out = model(x[b : b + 1]).flatten()
+        for j, o in enumerate(out):
+            want = torch.autograd.grad(o, list(params.values()), retain_graph=True)
+            for (name, _), w in zip(params.items(), want, strict=True):
+                assert_close(got[name][b, j], w, f"Jacobian of {name}, example {b}, output {j}")

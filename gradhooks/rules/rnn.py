@@ -7,8 +7,22 @@ gate activations: the input-side pre-activations of all steps are one matmul, ea
 matmul with ``W_hh`` and a few elementwise ops. The backward through time is then written out
 with the gates' closed-form derivatives (one matmul with ``W_hh`` and a few elementwise ops per
 step, no autograd graph), from the captured output-gradients, and gives the gradient of every
-pre-activation at every step, per example. Each weight sees its input at every step, so its
-per-example gradient is an :class:`Outer` with ``shared`` = time steps:
+pre-activation at every step, per example.
+
+An LSTM whose every sequence is full length (not packed, or packed at full length) goes faster:
+its hidden states come from torch's fused forward (the last layer's are the module's own
+output, kept with ``needs_output``; each earlier layer's one fused no-grad run), so all gate
+pre-activations are two matmuls and the cell states one ``addcmul`` per step; its backward
+through time is three ops per step into preallocated buffers (inside ``vmap``, for the
+Jacobians, the step-by-step backward is used instead). Such a call (a padded input, no dropout
+between layers) runs without autograd while ``grad1`` or the norms are computed
+(``grad_from_grad1`` with ``input_grads``): torch's own LSTM backward is not run, the batch
+gradients are the sums of the per-example ones and the input-, ``h0``- and ``c0``-gradients
+come from the same backward through time (``d x_t = d G_t W_ih``, ``d h0 = d G_0 W_hh``,
+``d c0 = d c_0 f_0``).
+
+Each weight sees its input at every step, so its per-example gradient is an :class:`Outer` with
+``shared`` = time steps:
 
 - ``weight_ih_l{k}[_reverse]``: ``a`` = the layer's input ``[batch, time, in]``,
   ``g`` = grad of ``x W_ihᵀ + b_ih`` ``[batch, time, gates * hidden]``;
@@ -54,6 +68,11 @@ def _shift(first: Tensor, steps: Tensor) -> Tensor:
     return torch.cat([first[None], steps[:-1]])
 
 
+def _transformed() -> bool:
+    """Whether this runs inside a ``torch.func`` transform (the Jacobians' ``vmap``)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _one_minus(x: Tensor) -> Tensor:
     """``1 - x``, new."""
     return torch.rsub(x, 1)
@@ -83,6 +102,7 @@ class _Direction:
             return getattr(module, name + sfx).detach()
 
         self.mode, self.sfx, self.hidden = module.mode, sfx, module.hidden_size
+        self.d_state0: tuple[Tensor | None, Tensor | None] = (None, None)  # d h0, d c0
         self.w_ih, self.w_hh = get("weight_ih"), get("weight_hh")
         self.b_ih = get("bias_ih") if module.bias else None
         self.b_hh = get("bias_hh") if module.bias else None
@@ -96,6 +116,33 @@ class _Direction:
         self.x, self.keep, self.h0 = x, keep, h0
         step = {"LSTM": self._lstm, "GRU": self._gru}.get(self.mode, self._rnn)
         return step(x, keep, h0, c0)
+
+    def forward_lstm_from(self, x: Tensor, h: Tensor, h0: Tensor, c0: Tensor):
+        """The LSTM's forward when its states ``h`` ``[T, B, P]`` are known (torch's fused
+        run computed them) and every step is valid: no recurrence over ``h``. All gate
+        pre-activations ``x W_ihᵀ + h_{t-1} W_hhᵀ + b`` are two matmuls, their nonlinearities
+        three batched ops, and the cell states ``c_t = f_t c_{t-1} + i_t g_t`` one ``addcmul``
+        per step. Keeps what :meth:`forward` keeps; returns ``(h, h_n, c_n)``."""
+        H, P = self.hidden, h.shape[-1]
+        self.x, self.keep, self.h0, self.c0, self.out = x, None, h0, c0, h
+        pre = self._pre_ih(x, self._bias())  # [T, B, 4H]
+        steps, batch = pre.shape[:2]
+        if steps > 1:  # + h_{t-1} W_hhᵀ, without materializing the shifted states
+            pre[1:].view(-1, 4 * H).addmm_(h[:-1].reshape(-1, P), self.w_hh.T)
+        pre[0].addmm_(h0, self.w_hh.T)
+        self.act = act = pre  # i, f, g, o after their nonlinearity
+        act[..., : 2 * H].sigmoid_()
+        act[..., 2 * H : 3 * H].tanh_()
+        act[..., 3 * H :].sigmoid_()
+        i, f, g, o = act.chunk(4, -1)
+        self.c = c = torch.mul(i, g)  # then c_t = i_t g_t + f_t c_{t-1}, in place
+        cs, fs = c.unbind(0), f.unbind(0)  # (views made once: the loop is per-op overhead)
+        torch.addcmul(cs[0], fs[0], c0, out=cs[0])
+        for t in range(1, steps):
+            torch.addcmul(cs[t], fs[t], cs[t - 1], out=cs[t])
+        self.tanh_c = torch.tanh(c)
+        self.proj_in = None if self.w_hr is None else torch.mul(o, self.tanh_c)
+        return h, h[-1], c[-1]
 
     def _pre_ih(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]``."""
@@ -186,7 +233,9 @@ class _Direction:
         (``None`` unless ``need_dx``)."""
         h_prev = _shift(self.h0, self.out)  # [T, B, P]
         m = None if self.keep is None else self.keep.to(d_out.dtype)
-        if self.mode == "LSTM":
+        if self.mode == "LSTM" and m is None and not _transformed():
+            g_ih, g_hh, extra = self._lstm_back_fast(d_out, d_hn, d_cn)
+        elif self.mode == "LSTM":
             g_ih, g_hh, extra = self._lstm_back(d_out, d_hn, d_cn, m)
         elif self.mode == "GRU":
             g_ih, g_hh, extra = self._gru_back(d_out, d_hn, m, h_prev)
@@ -270,6 +319,59 @@ class _Direction:
             extra["weight_hr" + self.sfx] = (self.proj_in, d_hs if m is None else d_hs * m)
         return d_pre, d_pre, extra
 
+    def _lstm_back_fast(self, d_out, d_hn, d_cn):
+        """:meth:`_lstm_back` when every step is valid: three ops per step (four with
+        ``proj_size``), written into preallocated buffers. The gradients at step ``t``:
+        ``d h_t = d_out[t] + d G_{t+1} W_hh``, ``d (o tanh c_t) = d h_t`` (``d h_t W_hr`` with a
+        projection), ``d c_t = d c_{t+1} f_{t+1} + d (o tanh c_t) o (1 - tanh² c_t)`` and
+        ``(d c_t f_t, d G_t) = (d c_t, d c_t, d c_t, d c_t, d (o tanh c_t)) * (f, i (1 - i) g,
+        f (1 - f) c_{t-1}, (1 - g²) i, o (1 - o) tanh c_t)``: one ``[batch, 5, H]`` product whose
+        first slot is the cell gradient carried to the step before and the other four the gate
+        gradients ``i, f, g, o``. Uses ``out=``, so not under ``vmap`` (the Jacobians use
+        :meth:`_lstm_back`)."""
+        H = self.hidden
+        steps, batch = d_out.shape[:2]
+        act = self.act.view(steps, batch, 4, H)
+        i, f, g, o = act.unbind(2)
+        tc, c = self.tanh_c, self.c
+        to_c = _one_minus_sq(tc).mul_(o)[:, :, None]  # [T, B, 1, H]
+        # [T, B, 5, H]: f, then each gate's derivative times what it multiplies
+        to_pre = tc.new_empty(steps, batch, 5, H)
+        torch.addcmul(act, act, act, value=-1, out=to_pre[:, :, 1:])  # a (1 - a)
+        torch.addcmul(g.new_ones(()), g, g, value=-1, out=to_pre[:, :, 3])  # 1 - g²
+        to_pre[:, :, 0] = f
+        to_pre[:, :, 1] *= g
+        to_pre[1:, :, 2] *= c[:-1]
+        to_pre[0, :, 2] *= self.c0
+        to_pre[:, :, 3] *= i
+        to_pre[:, :, 4] *= tc
+        grads = torch.empty_like(to_pre)  # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o)
+        d_pre = grads.view(steps, batch, 5 * H)[..., H:]  # [T, B, 4H] (rows 5H apart)
+        state = tc.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
+        d_proj = state[:, 4]
+        d_hs = None if self.w_hr is None else d_out.new_empty(d_out.shape)  # d h_t, [T, B, P]
+        # views made once: the loop's cost is mostly per-op overhead
+        outs, to_cs, to_pres = d_out.unbind(0), to_c.unbind(0), to_pre.unbind(0)
+        d_pres, gs = d_pre.unbind(0), grads.unbind(0)
+        carries = grads[:, :, :1].expand(-1, -1, 4, -1).unbind(0)  # d c_{t+1} f_{t+1}
+        targets = [d_proj] * steps if d_hs is None else d_hs.unbind(0)
+        carry = (torch.zeros_like(tc[0]) if d_cn is None else d_cn)[:, None].expand(-1, 4, -1)
+        d_dc, d_o_tanh_c = state[:, :4], state[:, 4:]
+        d_h = torch.add(outs[-1], d_hn, out=targets[-1])
+        for t in range(steps - 1, -1, -1):
+            if t < steps - 1:
+                d_h = torch.addmm(outs[t], d_pres[t + 1], self.w_hh, out=targets[t])
+                carry = carries[t + 1]
+            if d_hs is not None:
+                torch.mm(d_h, self.w_hr, out=d_proj)
+            torch.addcmul(carry, d_o_tanh_c, to_cs[t], out=d_dc)
+            torch.mul(state, to_pres[t], out=gs[t])
+        self.d_state0 = (d_pre[0] @ self.w_hh, grads[0, :, 0])  # c_0 = f_0 c0 + i_0 g_0
+        extra = {}
+        if d_hs is not None:
+            extra["weight_hr" + self.sfx] = (self.proj_in, d_hs)
+        return d_pre, d_pre, extra
+
     def _gru_back(self, d_out, d_hn, m, h_prev):
         H = self.hidden
         r, z, n = self.act.chunk(3, -1)
@@ -298,12 +400,38 @@ class _Direction:
         return g_ih, g_hh, {}
 
 
+def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tensor) -> Tensor:
+    """torch's own (fused) forward of one layer of an LSTM, both directions, without autograd:
+    ``x`` ``[T, B, in]``, ``h0`` ``[dirs, B, P]``, ``c0`` ``[dirs, B, H]`` -> the layer's
+    output ``[T, B, dirs * P]``."""
+    names = ["weight_ih", "weight_hh"]
+    names += ["bias_ih", "bias_hh"] if module.bias else []
+    names += ["weight_hr"] if module.proj_size > 0 else []
+    sfxs = [f"_l{layer}", f"_l{layer}_reverse"][: 2 if module.bidirectional else 1]
+    weights = [getattr(module, n + s).detach() for s in sfxs for n in names]
+    out, _, _ = torch._VF.lstm(  # (input, hx, weights, bias, layers, dropout, train, bidir, bf)
+        x, (h0, c0), weights, module.bias, 1, 0.0, False, module.bidirectional, False
+    )
+    return out
+
+
 def recompute(
-    module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None
+    module: nn.RNNBase,
+    x: Tensor,
+    lengths: Tensor,
+    hx=None,
+    output: Tensor | None = None,
+    fast: bool = True,
 ) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
     """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
     with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
     ``[layers * dirs, batch, hidden]``).
+
+    An LSTM whose every sequence is full length (and ``fast``) takes a faster way: torch's own
+    fused forward gives each layer's states (``output`` ``[batch, time, dirs * hidden_out]``,
+    the module's output if given, is the last layer's), then
+    :meth:`_Direction.forward_lstm_from` the gates and cell states with no recurrence over
+    ``h``. Otherwise the recurrence is run step by step.
 
     Returns ``(outputs, layers)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
     h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length;
@@ -327,12 +455,27 @@ def recompute(
         layer_in = rearrange(x.detach(), "batch time inp -> time batch inp").contiguous()
         layers: list[list[_Direction]] = []
         h_n, c_n = [], []
+        fast = fast and lstm and keep is None
         for layer in range(module.num_layers):
             outs, layers_d = [], []
+            if fast:
+                ks = slice(layer * dirs, (layer + 1) * dirs)
+                if layer == module.num_layers - 1 and output is not None:
+                    states = rearrange(output.detach(), "batch time out -> time batch out")
+                else:
+                    states = _lstm_layer(module, layer, layer_in, h0[ks], c0[ks])
             for d in range(dirs):
                 k = layer * dirs + d
                 run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""))
                 flip = (lambda t: t.flip(0)) if d else (lambda t: t)
+                if fast:
+                    own = states[..., d * h_size : (d + 1) * h_size] if dirs > 1 else states
+                    out, h, c = run.forward_lstm_from(flip(layer_in), flip(own), h0[k], c0[k])
+                    outs.append(flip(out))
+                    h_n.append(h)
+                    c_n.append(c)
+                    layers_d.append(run)
+                    continue
                 out, h, c = run.forward(
                     flip(layer_in),
                     None if keep is None else flip(keep),
@@ -344,7 +487,7 @@ def recompute(
                 c_n.append(c)
                 layers_d.append(run)
             layers.append(layers_d)
-            layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
+            layer_in = states if fast else torch.cat(outs, -1) if dirs > 1 else outs[0]
             if keep is not None:
                 layer_in = layer_in * keep
         outputs = (rearrange(layer_in, "time batch out -> batch time out"), torch.stack(h_n))
@@ -354,11 +497,16 @@ def recompute(
 
 
 def backpropagate(
-    module: nn.RNNBase, layers: list[list[_Direction]], grads: tuple[Tensor | None, ...]
+    module: nn.RNNBase,
+    layers: list[list[_Direction]],
+    grads: tuple[Tensor | None, ...],
+    inputs: list[Tensor] | None = None,
 ) -> dict[str, Outer]:
     """The backward through time of a :func:`recompute`, from ``grads`` (for ``output``
     batch-first ``[batch, time, dirs * hidden_out]``, ``h_n`` and ``c_n`` in torch's layout;
-    ``None`` where no gradient flowed): one :class:`Outer` per parameter."""
+    ``None`` where no gradient flowed): one :class:`Outer` per parameter. ``inputs``: a list
+    to fill, where every direction took the LSTM's fast path, with the gradients of the input
+    (batch-first ``[batch, time, in]``), of ``h0`` and of ``c0`` (torch's layout)."""
     dirs = 2 if module.bidirectional else 1
     first = layers[0][0]
     keep = first.keep
@@ -366,6 +514,8 @@ def backpropagate(
     h_size = module.proj_size or module.hidden_size
     like = first.out
     pieces: dict[str, Outer] = {}
+    d_h0: list[Tensor] = []
+    d_c0: list[Tensor] = []
     with torch.no_grad():
         g_out, g_h, g_c = (*grads, None)[:3]
         if g_out is None:
@@ -382,16 +532,22 @@ def backpropagate(
                 d_o = d_out[..., d * h_size : (d + 1) * h_size] if dirs > 1 else d_out
                 d_hn = like.new_zeros(batch, h_size) if g_h is None else g_h[k].detach()
                 d_cn = None if g_c is None else g_c[k].detach()
-                pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=layer > 0)
+                want_dx = layer > 0 or inputs is not None
+                pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=want_dx)
+                d_h0.insert(d, run.d_state0[0])
+                d_c0.insert(d, run.d_state0[1])
                 for name, (a, g) in pairs.items():
                     pieces[name] = Outer(
                         None if a is None else rearrange(a, "time batch n -> batch time n"),
                         rearrange(g, "time batch n -> batch time n"),
                     )
-                if layer > 0:
+                if want_dx:
                     d_x = flip(dx_d) if d_x is None else d_x + flip(dx_d)
             if layer > 0:
                 d_out = d_x if keep is None else d_x * keep
+        if inputs is not None and all(s is not None for s in d_h0):
+            d_x = rearrange(d_x, "time batch inp -> batch time inp")
+            inputs.extend([d_x, torch.stack(d_h0), torch.stack(d_c0)])
     return pieces
 
 
@@ -400,7 +556,7 @@ def _error(call: Call, what: str, todo: str) -> ValueError:
     return ValueError(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
-@register(nn.RNN, nn.LSTM, nn.GRU)
+@register(nn.RNN, nn.GRU)
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
     x, hx = call.inputs[0], _initial_state(call)
@@ -412,6 +568,7 @@ def rnn(call: Call) -> dict[str, Outer]:
             "set dropout=0, call model.eval(), or apply nn.Dropout between single-layer RNNs",
         )
     packed = isinstance(x, PackedSequence)
+    given = x  # as passed
     grads = call.grad_outputs
     if packed:
         time = x.batch_sizes.shape[0]
@@ -440,5 +597,37 @@ def rnn(call: Call) -> dict[str, Outer]:
                 grads = (rearrange(grads[0], "time batch out -> batch time out"), *grads[1:])
         x_pad = x
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-    _, layers = recompute(module, x_pad, lengths, hx)
-    return backpropagate(module, layers, grads)
+    output = None
+    if not packed and call.output is not None:
+        output = call.output[0]
+        output = output if module.batch_first else rearrange(output, "t b o -> b t o")
+    _, layers = recompute(module, x_pad, lengths, hx, output)
+    found: list[Tensor] | None = None if call.input_grads is None else []
+    pieces = backpropagate(module, layers, grads, found)
+    if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
+        d_x, d_h0, d_c0 = found
+        if not module.batch_first:
+            d_x = rearrange(d_x, "batch time inp -> time batch inp")
+        by_id = {id(given): d_x}
+        if hx is not None:
+            by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
+        leaves = tree_flatten((call.inputs, call.kwargs))[0]
+        call.input_grads.extend(by_id.get(id(t)) for t in leaves)
+    return pieces
+
+
+def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
+    """Whether an LSTM call runs without autograd, its rule giving the parameters' batch
+    gradients and the input-gradients (the fast path's backward through time, run anyway for
+    the per-example gradients, replaces torch's): a padded ``[batch, time, in]`` or
+    ``[time, batch, in]`` input, and no dropout between layers."""
+    x = args[0] if args else None
+    return (
+        isinstance(x, Tensor)
+        and x.dim() == 3
+        and not (module.training and module.dropout > 0 and module.num_layers > 1)
+    )
+
+
+# needs_output: the last layer's states are not recomputed
+register(nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True)(rnn)

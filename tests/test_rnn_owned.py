@@ -1,0 +1,209 @@
+"""nn.LSTM calls that autograd records nothing of (the rule's ``grad_from_grad1`` with
+``input_grads``): the rule's backward through time gives ``.grad`` and the gradients of the
+input, ``h0`` and ``c0``; torch's own LSTM backward is not run. Everything must stay what
+autograd computes without hooks, in every setup (create_graph, paused and repeated backwards,
+a forward that raises), and grad1 / the norms the oracles'."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+from harness import assert_close
+
+D = torch.float64
+
+
+def owned(out) -> bool:
+    return type(out.grad_fn).__name__ == "_AttachAllBackward"
+
+
+def lstm_setup(seed, layers, bidirectional, proj, batch_first, state, x_grad, batch=4, time=5):
+    torch.manual_seed(seed)
+    kw = dict(proj_size=proj) if proj else {}
+    rnn = nn.LSTM(3, 4, layers, bidirectional=bidirectional, batch_first=batch_first, **kw)
+    rnn = rnn.to(D)
+    shape = (batch, time, 3) if batch_first else (time, batch, 3)
+    x = torch.randn(*shape, dtype=D, requires_grad=x_grad)
+    k = layers * (2 if bidirectional else 1)
+    hx = None
+    if state:
+        hx = (torch.randn(k, batch, proj or 4, dtype=D, requires_grad=True),
+              torch.randn(k, batch, 4, dtype=D, requires_grad=True))  # fmt: skip
+    return rnn, x, hx
+
+
+def loss_of(out, h, c, which):
+    parts = {"all": (out, h, c), "output": (out,), "h_n": (h,), "c_n": (c,)}[which]
+    return sum((t**2).sum() + t.sum() for t in parts)
+
+
+def leaves(x, hx):
+    return [t for t in (x, *(hx or ())) if t.requires_grad]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    bidirectional=st.booleans(),
+    proj=st.sampled_from([0, 0, 2]),
+    batch_first=st.booleans(),
+    state=st.booleans(),
+    x_grad=st.booleans(),
+    which=st.sampled_from(["all", "output", "h_n", "c_n"]),
+    quantity=st.sampled_from(["grad1", "norms"]),
+)
+def test_grads_equal_autograd_without_hooks(
+    layers, bidirectional, proj, batch_first, state, x_grad, which, quantity
+):
+    """.grad of every parameter and the gradients of x, h0, c0 against the same LSTM without
+    hooks; grad1 (or the norms) against vmap(grad) (sum reduction)."""
+    rnn, x, hx = lstm_setup(layers, layers, bidirectional, proj, batch_first, state, x_grad)
+    ref = copy.deepcopy(rnn)
+    out, (h, c) = ref(x, hx)
+    loss_of(out, h, c, which).backward()
+    want_in = [t.grad for t in leaves(x, hx)]
+    for t in leaves(x, hx):
+        t.grad = None
+    with gradhooks.add_hooks(rnn, loss_reduction="sum", quantities=(quantity,)) as hooks:
+        out, (h, c) = rnn(x, hx)
+        assert owned(out) and owned(h) and owned(c)
+        loss_of(out, h, c, which).backward()
+    for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, r.grad, f"{n}: .grad")
+    for t, w in zip(leaves(x, hx), want_in, strict=True):
+        assert_close(t.grad, w, "input-gradient")
+
+    class Split(nn.Module):  # batch on dimension 0 for the oracle, as the LSTM lays it out
+        def __init__(self):
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x, *state):
+            x = x if batch_first else x.transpose(0, 1)
+            state = tuple(s.transpose(0, 1).contiguous() for s in state) or None
+            out, (h, c) = self.rnn(x, state)
+            return out if batch_first else out.transpose(0, 1), h.transpose(0, 1), c.transpose(0, 1)
+
+    def loss(o):
+        return loss_of(o[0], *o[1:], which)
+
+    xb = (x if batch_first else x.transpose(0, 1)).detach()
+    st_b = tuple(s.detach().transpose(0, 1) for s in hx or ())
+    want = vmap_grad(Split(), loss, (xb, *st_b))
+    names = [n for n, _ in rnn.named_parameters()]
+    if quantity == "grad1":
+        for n, p in rnn.named_parameters():
+            assert_close(p.grad1, want["rnn." + n], f"{n}: grad1")
+    else:
+        sq = sum(want["rnn." + n].flatten(1).pow(2).sum(1) for n in names)
+        assert_close(hooks.norms(), sq.sqrt(), "norms")
+
+
+def test_create_graph_backward_is_autograds():
+    """A gradient penalty through the LSTM (create_graph, then differentiated again): the call
+    is run again under autograd; .grad as without hooks."""
+    rnn, x, hx = lstm_setup(0, 2, True, 2, True, True, True)
+    ref = copy.deepcopy(rnn)
+
+    def penalty(m):
+        out, (h, c) = m(x, hx)
+        (dx,) = torch.autograd.grad(loss_of(out, h, c, "all"), x, create_graph=True)
+        return dx.pow(2).sum()
+
+    penalty(ref).backward()
+    want = [p.grad for p in ref.parameters()]
+    with gradhooks.add_hooks(rnn) as h:
+        value = penalty(rnn)
+        with h.paused():
+            value.backward()
+    for (n, p), w in zip(rnn.named_parameters(), want, strict=True):
+        assert_close(p.grad, w, f"{n}: gradient of the penalty")
+
+
+def test_paused_and_repeated_backwards():
+    """A paused backward (the rule run for .grad only), a captured one, a second forward:
+    .grad and the input-gradients accumulate as autograd's."""
+    rnn, x, hx = lstm_setup(1, 2, False, 0, True, True, True)
+    ref = copy.deepcopy(rnn)
+
+    def twice(m, h=None):
+        out, (hn, cn) = m(x, hx)
+        loss = loss_of(out, hn, cn, "all")
+        if h is None:
+            loss.backward(retain_graph=True)
+        else:
+            with h.paused():
+                loss.backward(retain_graph=True)
+        (2 * loss).backward()
+        out, (hn, cn) = m(x, hx)
+        loss_of(out, hn, cn, "output").backward()
+
+    twice(ref)
+    want = [p.grad for p in ref.parameters()]
+    want_in = [t.grad.clone() for t in leaves(x, hx)]
+    for t in leaves(x, hx):
+        t.grad = None
+    with gradhooks.add_hooks(rnn, loss_reduction="sum") as h:
+        twice(rnn, h)
+    for (n, p), w in zip(rnn.named_parameters(), want, strict=True):
+        assert_close(p.grad, w, f"{n}: .grad")
+    for t, w in zip(leaves(x, hx), want_in, strict=True):
+        assert_close(t.grad, w, "input-gradient")
+
+
+def test_forward_that_raises_restores_grad_mode_and_parameters():
+    rnn = nn.LSTM(3, 4)
+    weight = rnn.weight_ih_l0
+    with gradhooks.add_hooks(rnn):
+        with pytest.raises(RuntimeError):
+            rnn(torch.randn(5, 2, 7))  # 7 features, the LSTM takes 3
+        assert torch.is_grad_enabled()
+        assert rnn._parameters["weight_ih_l0"] is weight
+        out, _ = rnn(torch.randn(5, 2, 3))
+        assert owned(out)
+        out.sum().backward()
+        assert weight.grad1.shape == (2, *weight.shape)
+
+
+def test_where_autograd_still_runs_the_lstm():
+    """Packed sequences, dropout between layers in training (an error at the backward), no
+    grad mode: not taken."""
+    rnn = nn.LSTM(3, 4, batch_first=True)
+    x = torch.randn(2, 5, 3)
+    with gradhooks.add_hooks(rnn):
+        out, _ = rnn(pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True))
+        assert not owned(out.data)
+        with torch.no_grad():
+            assert rnn(x)[0].grad_fn is None
+        assert torch.is_grad_enabled()
+    drop = nn.LSTM(3, 4, 2, dropout=0.5)
+    with gradhooks.add_hooks(drop):
+        assert not owned(drop(torch.randn(5, 2, 3))[0])
+
+
+def test_a_later_pre_hook_keeps_autograd():
+    """A forward pre-hook registered after add_hooks changes the input: the call keeps
+    autograd (the input-gradient goes through the pre-hook's own operations)."""
+    rnn, x, _ = lstm_setup(2, 1, False, 0, True, False, True)
+    ref = copy.deepcopy(rnn)
+    ref.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    ref(x)[0].sum().backward()
+    want = x.grad
+    x.grad = None
+    with gradhooks.add_hooks(rnn):
+        rnn.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        out, _ = rnn(x)
+        assert not owned(out)
+        out.sum().backward()
+    assert_close(x.grad, want, "input-gradient through the pre-hook")
+    for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, r.grad, f"{n}: .grad")
