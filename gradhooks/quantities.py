@@ -339,7 +339,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
         return total
     parts, total = [], None
     for _, g in _materialized(h):
-        parts.append(g.flatten(1).pow(2).sum(1))
+        parts.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())  # no g² temporary
         if sums is not None:
             total = g.sum(0) if total is None else total + g.sum(0)
     if total is not None:
