@@ -706,7 +706,9 @@ class Hooks:
                 found = again.input_grads
             param_grads = {} if create_graph else dict(sums)
             input_grads = [None if create_graph or not found else found[i] for i in in_idx]
-            missing = [n for n in detached if n not in param_grads]
+            # (a backward whose parameter gradients are not used, the book-keeping DP step's,
+            # needs none: no rerun, whose nested backward would reach earlier calls' hooks)
+            missing = [] if self._no_param_grads else [n for n in detached if n not in param_grads]
             if missing or (in_idx and not found) or create_graph:
                 self._rerunning += 1  # its backwards are not the model's: not tracked
                 try:

@@ -207,3 +207,37 @@ def test_a_later_pre_hook_keeps_autograd():
     assert_close(x.grad, want, "input-gradient through the pre-hook")
     for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
         assert_close(p.grad, r.grad, f"{n}: .grad")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_step_after_an_embedding(method):
+    """A DP-SGD step on Embedding -> LSTM -> Linear: every method's clipped gradient equals the
+    clipped per-example loop. (The book-keeping step's backward wants no parameter gradients:
+    the LSTM's backward must not rerun its forward under autograd, whose nested backward would
+    reach the embedding's hooks a second time.)"""
+    from gradhooks.oracle import loop_grad
+
+    torch.manual_seed(0)
+    from gradhooks.models import LSTMLanguageModel
+
+    model = LSTMLanguageModel(vocab=11, dim=4, hidden=5, layers=2).double()
+    tokens, target = torch.randint(11, (5, 6)), torch.randint(11, (5, 6))
+
+    def loss(out, y):  # the sum over examples of each example's mean over positions
+        return nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1).sum()
+
+    loop = loop_grad(model, loss, tokens, target)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    with gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",)) as h:
+        seen = []
+        model.lstm.register_forward_hook(lambda m, a, out: seen.append(owned(out[0])))
+        out = model(tokens)
+        assert seen == [True]
+        losses = nn.functional.cross_entropy(out.transpose(1, 2), target, reduction="none").mean(1)
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method)
+    assert_close(got, norms, f"{method}: norms")
+    for name, p in model.named_parameters():
+        want = torch.einsum("b,b...->...", factors, loop[name]) / 5
+        assert_close(p.grad, want, f"{method}: clipped {name}")
