@@ -251,25 +251,6 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
             torch.mul(*prod, out=target)
         else:
             target.add_(prod[0] * prod[1])
-    elif (
-        g.stride(-1) != 1
-        and math.prod(groups) == 1
-        and target.stride(-1) == 1
-        and target.stride(-2) == target.shape[-1]
-    ):
-        # A convolution's output-gradient (``shared`` contiguous) without groups: one batched
-        # product per output, written straight into the result's ``[out, in]`` blocks
-        # (measured 1.25x faster than stacking the outputs' rows below, which copies ``g``
-        # and the product).
-        value = None
-        a = piece.a.reshape(batch, *piece.a.shape[-2:])
-        rows = g.reshape(outputs, batch, *g.shape[-2:]).transpose(-1, -2)  # [.., out, shared]
-        for o in range(outputs):
-            block = target[o].view(batch, *rows.shape[-2:-1], a.shape[-1])
-            if first:
-                torch.bmm(rows[o], a, out=block)
-            else:
-                block.baddbmm_(rows[o], a)
     else:
         # One product per example (and group) with every output's rows stacked,
         # [outputs * out, shared] @ [shared, in], rather than one per output (which repeats

@@ -181,24 +181,3 @@ def test_column_gram_takes_the_positions_form_where_cheaper():
     assert piece(pointwise, x8).input_gram(piece(pointwise, x8)) is None
     other = nn.Conv2d(8, 8, 3, padding=1, dilation=1, stride=1).double()
     assert piece(same, x).input_gram(piece(other, x[:, :, :3, :3])) is None
-
-
-def test_conv_jacobians_per_output_products(monkeypatch):
-    """A reused Conv2d(4, 4, 3) over 3x3 maps with a 5-output head: 9 positions, fewer than 5
-    outputs x 4 channels, so the columns path; without groups its products are one batched
-    matmul per output straight into the result (the second call accumulating); equal to
-    vmap(jacrev)."""
-    from test_quantities import check_jacobians, vmap_jacrev
-
-    products = []
-    bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a, **k: products.append("out" in k) or bmm(*a, **k))
-    torch.manual_seed(0)
-    conv = nn.Conv2d(4, 4, 3, padding=1)
-    model = nn.Sequential(
-        nn.Conv2d(2, 4, 1), conv, nn.Tanh(), conv, nn.Flatten(), nn.Linear(36, 5)
-    ).double()
-    x = torch.randn(3, 2, 3, 3, dtype=torch.float64)
-    check_jacobians(model, x, vmap_jacrev(model, x), "reused conv")
-    taken = products.count(True)
-    assert taken and taken % 10 == 0, products  # 5 outputs x 2 calls, per jacobians() run
