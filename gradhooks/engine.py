@@ -610,6 +610,18 @@ class Hooks:
             frame.states.append(state)
         return call, state
 
+    def _keep_unhooked_call(self, target: _Target, args: tuple, kwargs: dict, output: Any):
+        """The start of capturing a call whose parameters autograd does not see (run detached,
+        or with grad mode off): its forward check, its kept call and the collector's
+        expectation of its live parameters. Returns ``(call, state)``."""
+        if target.entry.on_forward is not None:
+            target.entry.on_forward(target.module, target.name)
+        live = {n: p for n, p in target.params.items() if p.requires_grad}
+        call, state = self._kept_call(target, live, args, kwargs, output)
+        if self._collector is not None:
+            self._collector.expect(live)
+        return call, state
+
     def _capture_detached(
         self,
         target: _Target,
@@ -627,12 +639,7 @@ class Hooks:
                 f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
                 "modules that return one tensor"
             )
-        if target.entry.on_forward is not None:
-            target.entry.on_forward(module, target.name)
-        live = {n: p for n, p in target.params.items() if p.requires_grad}
-        call, state = self._kept_call(target, live, args, kwargs, output)
-        if self._collector is not None:
-            self._collector.expect(live)
+        call, state = self._keep_unhooked_call(target, args, kwargs, output)
         leaves = [*_leaves(args), *_leaves(kwargs)]
         inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
 
@@ -675,12 +682,7 @@ class Hooks:
         (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
         autograd through the call's forward run again (:func:`_rerun_owned`)."""
         module = target.module
-        if target.entry.on_forward is not None:
-            target.entry.on_forward(module, target.name)
-        live = {n: p for n, p in target.params.items() if p.requires_grad}
-        call, state = self._kept_call(target, live, args, kwargs, output)
-        if self._collector is not None:
-            self._collector.expect(live)
+        call, state = self._keep_unhooked_call(target, args, kwargs, output)
         in_leaves = tree_flatten(owned)[0]
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)
