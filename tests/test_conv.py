@@ -1,14 +1,31 @@
 """Convolutions over a sweep of every hyper-parameter (hypothesis)."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from gradhooks.rules import conv as conv_rules
 from harness import Case, check
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+# grad1 of a convolution weight by the grouped convolution or by the columns: each form on
+# every case, whatever the number of columns would choose
+FORMS = {"grouped": 0, "columns": 10**9}
+
+
+@contextlib.contextmanager
+def grad1_form(form):
+    saved = conv_rules.GROUPED_MIN_COLUMNS
+    conv_rules.GROUPED_MIN_COLUMNS = FORMS[form]
+    try:
+        yield
+    finally:
+        conv_rules.GROUPED_MIN_COLUMNS = saved
 
 
 @st.composite
@@ -62,11 +79,13 @@ def _valid(case):
     return True
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @given(case=conv_cases(2), batch=st.sampled_from([1, 3]))
-def test_conv2d_sweep(case, batch, reduction):
+def test_conv2d_sweep(case, batch, reduction, form):
     if _valid(case):
-        check(case, batch=batch, reduction=reduction)
+        with grad1_form(form):
+            check(case, batch=batch, reduction=reduction)
 
 
 @pytest.mark.parametrize(
@@ -81,12 +100,23 @@ def test_conv2d_sweep(case, batch, reduction):
     ],
     ids=str,
 )
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("batch", [0, 1, 3])
-def test_conv2d_named(kwargs, batch):
+def test_conv2d_named(kwargs, batch, form):
     case = Case(
         f"conv2d{kwargs}", lambda: nn.Conv2d(4, 8, **kwargs), lambda b: torch.randn(b, 4, 7, 6)
     )
-    check(case, batch=batch)
+    with grad1_form(form):
+        check(case, batch=batch)
+
+
+@pytest.mark.parametrize("channels, grouped", [(3, False), (8, True)])
+def test_conv_grad1_form_by_columns(channels, grouped):
+    """A 3x3 convolution over 3 channels (27 columns) takes grad1 by the columns, over 8 (72)
+    by the grouped convolution."""
+    conv = nn.Conv2d(channels, 4, 3, padding=1)
+    x, g = torch.randn(2, channels, 6, 6), torch.randn(2, 4, 6, 6)
+    assert conv_rules.ConvWeight(conv, x, g)._grouped_form() == grouped
 
 
 class _ConvHead(nn.Module):

@@ -22,6 +22,11 @@ from ..registry import Call, register
 from . import linear
 
 
+GROUPED_MIN_COLUMNS = 64
+"""The fewest columns (``in_channels / groups * prod(kernel)``) for which :class:`ConvWeight`
+takes ``grad1`` by the grouped convolution rather than by the columns."""
+
+
 def im2col(
     x: Tensor,
     kernel: tuple[int, ...],
@@ -32,19 +37,9 @@ def im2col(
     """Columns of a convolution's input: ``[batch, channels * prod(kernel), positions]``, rows
     ordered (channel, kernel offsets), positions row-major, as ``F.unfold`` orders them."""
     nd = len(kernel)
-    if nd == 2:
-        return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
-    if nd == 1:
-        cols = F.unfold(
-            x.unsqueeze(-2),
-            (1, *kernel),
-            dilation=(1, *dilation),
-            padding=(0, *padding),
-            stride=(1, *stride),
-        )
-        return cols
-    # N-d: a strided view per spatial dimension, then one copy.
-    x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
+    # a strided view per spatial dimension, then one copy (2-4x faster than F.unfold on CPU)
+    if any(padding):
+        x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
     for d in range(nd):
         span = dilation[d] * (kernel[d] - 1) + 1
         x = x.unfold(2 + d, span, stride[d])  # appends a window axis
@@ -115,11 +110,16 @@ class ConvWeight(Outer):
         return ConvWeight(self.module, self.x[rows], self.grad_output[rows])
 
     def _grouped_form(self) -> bool:
+        # Measured on CPU at batch 64 (3x3 kernels): the grouped form is 2-4x faster with 8 to
+        # 64 input channels over 16x16 and 32x32 maps, but 1.2-1.6x slower than the columns
+        # with up to 6 (a network's stem: under 64 columns), where the grouped convolution has
+        # too little work per group.
         positions = math.prod(self.grad_output.shape[2:])
         return (
             self.x.device.type == "cpu"
             and self.x.shape[0] > 0
             and positions > self.module.out_channels
+            and self.in_features >= GROUPED_MIN_COLUMNS
         )
 
     def _grad1_grouped(self, scale: float) -> Tensor:
