@@ -103,11 +103,13 @@ class Progress:
         sys.stderr.write("\n")
 
 
-def _memory_in_subprocess(model: str, methods: list[str], batch: int, args) -> dict[str, int]:
-    """CPU peaks of ``methods`` on ``model``, measured in a fresh process (see measure.py)."""
+def _memory_in_subprocess(model: str, method: str, batch: int, args) -> int | None:
+    """CPU peak of ``method`` on ``model``, measured in a fresh process (see measure.py): one
+    process per method, since a method run after another in the same process reuses the heap
+    memory the earlier one left behind, and its peak reads too low."""
     cmd = [
         sys.executable, "-m", "bench", "--memory-worker", "--models", model,
-        "--methods", ",".join(methods), "--batch", str(batch), "--device", args.device,
+        "--methods", method, "--batch", str(batch), "--device", args.device,
     ]  # fmt: skip
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -115,9 +117,9 @@ def _memory_in_subprocess(model: str, methods: list[str], batch: int, args) -> d
         cmd, cwd=ROOT, env=measure.memory_env(), capture_output=True, text=True, timeout=3600
     )
     if done.returncode != 0:
-        sys.stderr.write(f"\nmemory pass for {model} failed:\n{done.stderr[-2000:]}\n")
-        return {}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        sys.stderr.write(f"\nmemory pass for {model}, {method} failed:\n{done.stderr[-2000:]}\n")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1]).get(method)
 
 
 def memory_worker(args) -> None:
@@ -126,7 +128,7 @@ def memory_worker(args) -> None:
     problem = PROBLEMS[model]
     base, x, y = measure.instance(problem, batch, args.device)
     peaks = {}
-    for name in args.methods:  # one at a time: each starts from the same live memory
+    for name in args.methods:  # the caller passes one method per process
         rec, runner = measure.prepare(problem, METHODS[name], base, x, y, None, args.device)
         if runner is not None:
             measure.measure_peak(rec, runner, args.device)
@@ -215,11 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             problem = PROBLEMS[model_name]
             mine = run_model(problem, batch, args, memory and not memory_subprocess, progress)
             if memory_subprocess:
-                progress.show(f"{model_name}: peak memory (subprocess)")
-                runnable = [r.method for r in mine if r.status in ("ok", "wrong")]
-                peaks = _memory_in_subprocess(model_name, runnable, batch, args) if runnable else {}
                 for r in mine:
-                    r.peak_bytes = peaks.get(r.method)
+                    if r.status in ("ok", "wrong"):
+                        progress.show(f"{model_name}: peak memory of {r.method} (subprocess)")
+                        r.peak_bytes = _memory_in_subprocess(model_name, r.method, batch, args)
                 progress.advance()
             records.extend(mine)
     progress.close()
