@@ -882,6 +882,8 @@ class Hooks:
 
     def _check_batch(self, target, pname, call, batch: int, frame: _Frame) -> None:
         """Every hooked layer of one forward of the model must see its batch on dimension 0."""
+        if len(frame.seen) == 1 and batch in frame.seen:
+            return  # the usual case, checked once per forward: as the layers before it
         name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
         other = next((n for b, n in frame.seen.items() if b != batch), None)
         if frame.batch is not None and batch != frame.batch:
