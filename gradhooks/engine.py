@@ -105,15 +105,18 @@ class _Hook:
         return (InertHook, ())
 
 
+# Looked up once, not in every hook call (each hooked call asks both several times).
+_COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_CURRENT_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and getattr(compiler, "is_compiling", bool)())
+    return _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
 
 
 def _graph_task() -> int:
     """The id of the running backward (-1 outside any)."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return get() if get is not None else 0
+    return _CURRENT_GRAPH_TASK_ID() if _CURRENT_GRAPH_TASK_ID is not None else 0
 
 
 class Hooks:
@@ -879,6 +882,8 @@ class Hooks:
 
     def _check_batch(self, target, pname, call, batch: int, frame: _Frame) -> None:
         """Every hooked layer of one forward of the model must see its batch on dimension 0."""
+        if len(frame.seen) == 1 and batch in frame.seen:
+            return  # the usual case, checked once per forward: as the layers before it
         name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
         other = next((n for b, n in frame.seen.items() if b != batch), None)
         if frame.batch is not None and batch != frame.batch:

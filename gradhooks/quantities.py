@@ -121,7 +121,9 @@ class Collector:
             self.kfac.add(qualname, call_pieces, params, scale)
         if "norms" in self.quantities or "sum_grad_sq" in self.quantities:
             for pname, p in params.items():
-                held = self._held.setdefault(id(p), _Held(p))
+                held = self._held.get(id(p))
+                if held is None:
+                    held = self._held[id(p)] = _Held(p)
                 held.pieces.append((call_pieces[pname], scale))
                 expected = self._expected.get(id(p), 0)
                 if expected and len(held.pieces) >= expected and id(p) not in self.defer:
@@ -337,7 +339,45 @@ def _one_sq_norm(
         if sums is not None:
             sums[id(param)] = g1.sum(0).reshape(param.shape)
         return torch.linalg.vector_norm(g1, dim=1).square()
+    if isinstance(piece, P.Rows):
+        return _rows_sq_norm(piece, scale)
     return None
+
+
+# Where :func:`_rows_sq_norm` counts the rows an Embedding call's lookups share rather than
+# compacting every lookup: from this many lookups on (below, the compaction's fewer operations
+# cost less), while the table of counts, ``batch · num_rows`` int64, holds no more bytes than the
+# compacted rows would (``lookups · dim`` floats), and while at most a quarter of the lookups
+# share a row (else compacting all of them is cheaper). EmbedBlock (64 x 64 lookups of 1,000
+# rows): ~2x faster.
+_COUNTED_MIN_LOOKUPS = 1024
+_COUNTED_MAX_SHARED = 0.25
+
+
+def _rows_sq_norm(piece: P.Rows, scale: float) -> Tensor:
+    """``‖grad1[b]‖²`` of one :class:`~gradhooks.pieces.Rows` piece times ``scale``,
+    ``[batch]``: each lookup's ``‖g_e‖²``, except that the lookups of an example that hit the
+    same row are summed first (``‖Σ_e g_e‖²``). Where lookups mostly hit distinct rows (see
+    :data:`_COUNTED_MIN_LOOKUPS`), only those of shared rows (counted by ``bincount`` over
+    ``example * num_rows + index``) are compacted; else :func:`~gradhooks.pieces.rows_sq_norm`
+    compacts all of them."""
+    keys = piece.keys()  # [lookups]
+    lookups, table = keys.numel(), piece.batch * piece.num_rows
+    shared = None
+    if lookups >= _COUNTED_MIN_LOOKUPS and 2 * table <= lookups * piece.g.shape[-1]:
+        shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
+        if int(shared.sum()) > _COUNTED_MAX_SHARED * lookups:
+            shared = None
+    if shared is None:  # (the scale on the [batch] result: fewer multiplications)
+        return P.rows_sq_norm([(piece, 1.0)]) * scale**2
+    sq = torch.linalg.vector_norm(piece.g, dim=-1).square()  # [lookups]
+    out = sq.new_zeros(piece.batch).index_add_(0, piece.example, sq.masked_fill(shared, 0))
+    if bool(shared.any()):
+        rows, inverse = torch.unique(keys[shared], return_inverse=True)
+        summed = piece.g.new_zeros(rows.numel(), piece.g.shape[-1])
+        summed.index_add_(0, inverse, piece.g[shared])
+        out.index_add_(0, rows // piece.num_rows, torch.linalg.vector_norm(summed, dim=-1).square())
+    return out * scale**2
 
 
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:

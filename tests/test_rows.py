@@ -217,3 +217,40 @@ def test_embedding_grad1_over_steps_with_reused_memory():
             if step == 1:
                 g1.add_(1.0)  # a change in place: the next step zeroes everything
             del g1
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize(
+    "batch,rows,dim,positions",
+    [
+        (16, 400, 16, 64),  # 1,024 lookups, few repeats: the shared rows counted
+        (16, 40, 8, 64),  # many repeats: every lookup compacted
+        (16, 5000, 2, 64),  # a table of counts larger than the rows compacted
+        (2, 200, 8, 4),  # few lookups
+        (0, 200, 8, 600),
+    ],
+)
+def test_one_rows_piece_sq_norm_against_dense(batch, rows, dim, positions, scale):
+    """The squared norm of one Embedding call's piece (``quantities._rows_sq_norm``), on each
+    of its paths, against the dense per-example gradient."""
+    from gradhooks.quantities import _rows_sq_norm
+
+    piece = random_rows(batch, rows, dim, None, seed=1, positions=positions)
+    want = (dense(piece) * scale).flatten(1).square().sum(1)
+    assert_close(_rows_sq_norm(piece, scale), want, "rows sq norm")
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_norms_with_many_lookups_against_oracles(padding_idx):
+    """An Embedding with enough lookups for the counted path, repeats and padding included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(600, 16, padding_idx=padding_idx), nn.Linear(16, 2)).double()
+    x = torch.randint(600, (16, 80))
+    x[0, :5] = 3  # repeats within an example (and the padding row, where there is one)
+    loss = lambda out: (out**2).sum()  # noqa: E731
+    loop, vmapped = loop_grad(model, loss, x), vmap_grad(model, loss, x)
+    with gradhooks.add_hooks(model, "sum", quantities=("norms",)) as h:
+        loss(model(x)).backward()
+    got = h.param_norms()["0.weight"]
+    assert_close(got, loop["0.weight"].flatten(1).norm(dim=1), "embedding norm vs loop")
+    assert_close(got, vmapped["0.weight"].flatten(1).norm(dim=1), "embedding norm vs vmap")

@@ -23,9 +23,19 @@ def many_positions(module: nn.Module, args: tuple) -> bool:
     return math.prod(x.shape[1:-1]) >= SUM_GRAD1_POSITIONS
 
 
+def _positions(t: Tensor) -> Tensor:
+    """``[batch, *, features]`` as ``[batch, positions, features]``: einops'
+    ``"batch ... f -> batch (...) f"``, as a plain reshape (einops costs a few µs more per call,
+    which a small layer called often feels). Other shapes go to einops, for its error."""
+    if t.dim() < 2:
+        return rearrange(t, "batch ... f -> batch (...) f")
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
 @register(nn.Linear, grad_from_grad1=many_positions)
 def linear(call: Call) -> dict[str, Outer]:
+    """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
+    pieces' ``shared`` axis."""
     (x,) = call.inputs
-    a = rearrange(x, "batch ... inp -> batch (...) inp")
-    g = rearrange(call.grad_output, "batch ... out -> batch (...) out")
-    return {"weight": Outer(a, g), "bias": Outer(None, g)}
+    g = _positions(call.grad_output)
+    return {"weight": Outer(_positions(x), g), "bias": Outer(None, g)}
