@@ -29,7 +29,8 @@ Each weight sees its input at every step, so its per-example gradient is an :cla
 - ``weight_hh_l{k}[_reverse]``: ``a`` = the previous hidden state ``h_{t-1}``, ``g`` = grad of
   ``h_{t-1} W_hhᵀ + b_hh``;
 - ``weight_hr_l{k}[_reverse]`` (LSTM ``proj_size``): ``a = o * tanh(c_t)``, ``g`` = grad of ``h_t``;
-- biases: ``Outer(None, g)`` with the same ``g``.
+- biases: ``Outer(None, Σ_t g)`` (one shared position), with the same ``g`` summed over time
+  once: where ``bias_ih`` and ``bias_hh`` see the same ``g`` (RNN, LSTM) they share it.
 
 (For the reverse direction the ``shared`` axis runs backwards in time: the sum over it is the
 same.) ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, an initial state (``h0``,
