@@ -241,3 +241,37 @@ def test_dp_step_after_an_embedding(method):
     for name, p in model.named_parameters():
         want = torch.einsum("b,b...->...", factors, loop[name]) / 5
         assert_close(p.grad, want, f"{method}: clipped {name}")
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bias_pieces_per_parameter_quantities(kind, batch, reduction):
+    """A bias's piece is Σ_t g summed once (shared by bias_ih and bias_hh where g is the same,
+    the LSTM's): every parameter's own norm, squared sum and grad1 against vmap(grad)."""
+    torch.manual_seed(1)
+    rnn = getattr(nn, kind)(3, 4, 2, batch_first=True).to(D)
+    x = torch.randn(batch, 5, 3, dtype=D)
+
+    def loss(out):
+        return (out[0] ** 2 + out[0]).sum()
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x):
+            return (self.rnn(x)[0],)
+
+    want = vmap_grad(First(), loss, (x,))  # per-example gradients of each example's own loss
+    qs = ("grad1", "norms", "sum_grad_sq")
+    with gradhooks.add_hooks(rnn, loss_reduction=reduction, quantities=qs) as hooks:
+        total = loss(First()(x))
+        (total / max(batch, 1) if reduction == "mean" else total).backward()
+    norms, sums = hooks.param_norms(), hooks.sum_grad_sq()
+    for n, p in rnn.named_parameters():
+        w = want["rnn." + n]
+        assert_close(p.grad1, w, f"{n}: grad1")
+        assert_close(norms[n], w.flatten(1).norm(dim=1), f"{n}: norm")
+        assert_close(sums[n], (w**2).sum(0), f"{n}: sum_grad_sq")

@@ -29,7 +29,8 @@ Each weight sees its input at every step, so its per-example gradient is an :cla
 - ``weight_hh_l{k}[_reverse]``: ``a`` = the previous hidden state ``h_{t-1}``, ``g`` = grad of
   ``h_{t-1} W_hhᵀ + b_hh``;
 - ``weight_hr_l{k}[_reverse]`` (LSTM ``proj_size``): ``a = o * tanh(c_t)``, ``g`` = grad of ``h_t``;
-- biases: ``Outer(None, g)`` with the same ``g``.
+- biases: ``Outer(None, Σ_t g)`` (one shared position), with the same ``g`` summed over time
+  once: where ``bias_ih`` and ``bias_hh`` see the same ``g`` (RNN, LSTM) they share it.
 
 (For the reverse direction the ``shared`` axis runs backwards in time: the sum over it is the
 same.) ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, an initial state (``h0``,
@@ -246,8 +247,9 @@ class _Direction:
         if self.b_ih is not None:
             pairs["bias_ih" + s], pairs["bias_hh" + s] = (None, g_ih), (None, g_hh)
         d_x = None
-        if need_dx:
-            d_x = g_ih @ self.w_ih
+        if need_dx:  # (one 2-d matmul: g_ih may be a strided view, which it reads in place)
+            flat = torch.mm(g_ih.reshape(-1, g_ih.shape[-1]), self.w_ih)
+            d_x = flat.view(*g_ih.shape[:2], self.w_ih.shape[1])
         return pairs, d_x
 
     def _through_time(self, d_out, d_h, m, step) -> Tensor:
@@ -536,9 +538,15 @@ def backpropagate(
                 pairs, dx_d = run.backward(flip(d_o), d_hn, d_cn, need_dx=want_dx)
                 d_h0.insert(d, run.d_state0[0])
                 d_c0.insert(d, run.d_state0[1])
+                summed: dict[int, Tensor] = {}  # id(g) -> Σ_t g [batch, 1, n]
                 for name, (a, g) in pairs.items():
+                    if a is None:  # a bias: Σ_t g once, shared by b_ih and b_hh where g is
+                        if id(g) not in summed:
+                            summed[id(g)] = g.sum(0)[:, None]
+                        pieces[name] = Outer(None, summed[id(g)])
+                        continue
                     pieces[name] = Outer(
-                        None if a is None else rearrange(a, "time batch n -> batch time n"),
+                        rearrange(a, "time batch n -> batch time n"),
                         rearrange(g, "time batch n -> batch time n"),
                     )
                 if want_dx:
