@@ -20,7 +20,9 @@ The engine passes ``scale`` so that the result is the gradient of each example's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -83,6 +85,18 @@ class Outer(Piece):
     def in_features(self) -> int:
         """The size of ``a``'s last axis (0 for a bias), without building ``a``."""
         return 0 if self.a is None else self.a.shape[-1]
+
+    # Whether forming grad1 a cache-sized slice of the batch at a time pays (see
+    # gradhooks.quantities._materialized): true of a batched matmul of small matrices.
+    cache_slices: ClassVar[bool] = True
+
+    @property
+    def transient(self) -> int:
+        """Elements one example needs while its ``grad1`` is formed, besides the result: the
+        columns ``[*groups, shared, in]`` (none for a bias)."""
+        if not self.has_input:
+            return 0
+        return math.prod(self.g.shape[1:-1]) * self.in_features
 
     def select(self, rows: slice) -> Outer:
         """The same piece restricted to the examples ``rows``."""

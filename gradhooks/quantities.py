@@ -283,7 +283,8 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     batch = h.pieces[0][0].batch_size
     per_example = max([h.param.numel()] + [_transient(piece) for piece, _ in h.pieces])
     rows = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
-    if _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
+    cache_slices = all(getattr(piece, "cache_slices", True) for piece, _ in h.pieces)
+    if cache_slices and _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
         rows = min(rows, _CACHE_ELEMENTS // max(per_example, 1))
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
@@ -295,12 +296,9 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
 
 
 def _transient(piece: P.Piece) -> int:
-    """Elements one example of ``piece`` needs while its gradient is formed: the columns
-    ``[*groups, shared, in]`` of an :class:`~gradhooks.pieces.Outer` (a convolution's im2col,
-    explicit or inside the convolution backward)."""
-    if not isinstance(piece, P.Outer) or not piece.has_input:
-        return 0
-    return math.prod(piece.g.shape[1:-1]) * piece.in_features
+    """Elements one example of ``piece`` needs while its gradient is formed
+    (:attr:`gradhooks.pieces.Outer.transient`: the columns of a Linear or a convolution)."""
+    return piece.transient if isinstance(piece, P.Outer) else 0
 
 
 # What one pass over a float of a materialized per-example gradient (its squared norm, its batch
