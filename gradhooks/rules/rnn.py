@@ -347,9 +347,13 @@ class _Direction:
         to_pre[0, :, 2] *= self.c0
         to_pre[:, :, 3] *= i
         to_pre[:, :, 4] *= tc
+        # The gates and cell states are not read again: free them before the loop's buffers
+        # (a third less peak memory on a two-layer LSTM)
+        self.act = self.c = self.tanh_c = None
+        del act, i, f, g, o, tc, c
         grads = torch.empty_like(to_pre)  # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o)
         d_pre = grads.view(steps, batch, 5 * H)[..., H:]  # [T, B, 4H] (rows 5H apart)
-        state = tc.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
+        state = to_pre.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
         d_proj = state[:, 4]
         d_hs = None if self.w_hr is None else d_out.new_empty(d_out.shape)  # d h_t, [T, B, P]
         # views made once: the loop's cost is mostly per-op overhead
@@ -357,7 +361,7 @@ class _Direction:
         d_pres, gs = d_pre.unbind(0), grads.unbind(0)
         carries = grads[:, :, :1].expand(-1, -1, 4, -1).unbind(0)  # d c_{t+1} f_{t+1}
         targets = [d_proj] * steps if d_hs is None else d_hs.unbind(0)
-        carry = (torch.zeros_like(tc[0]) if d_cn is None else d_cn)[:, None].expand(-1, 4, -1)
+        carry = (to_pre.new_zeros(batch, H) if d_cn is None else d_cn)[:, None].expand(-1, 4, -1)
         d_dc, d_o_tanh_c = state[:, :4], state[:, 4:]
         d_h = torch.add(outs[-1], d_hn, out=targets[-1])
         for t in range(steps - 1, -1, -1):
