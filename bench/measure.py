@@ -8,8 +8,9 @@ Peak memory: what the step adds at its peak over what was live just before it.
 - CUDA: ``torch.cuda.max_memory_allocated()`` minus ``memory_allocated()`` before the step.
 - CPU: the resident set size (RSS). torch's CPU allocator takes memory from malloc, which keeps
   freed memory for reuse, so an RSS delta within one long process undercounts. The memory pass
-  therefore runs in a fresh subprocess per (model, batch) with ``MALLOC_MMAP_THRESHOLD_=65536``
-  (every allocation over 64 KiB is its own mapping, returned to the system when freed), runs
+  therefore runs in a fresh subprocess per (model, batch, method) with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation over 64 KiB is its own mapping, returned
+  to the system when freed), runs
   one warm-up step, resets the high-water mark (``/proc/self/clear_refs``), and reports
   ``VmHWM`` after the step minus ``VmRSS`` before it. Granularity is a page; small allocations
   and allocator slack are included, which is honest for "how much RAM does this need".

@@ -20,7 +20,6 @@ for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 

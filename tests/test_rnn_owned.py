@@ -236,7 +236,9 @@ def test_dp_step_after_an_embedding(method):
         out = model(tokens)
         assert seen == [True]
         losses = nn.functional.cross_entropy(out.transpose(1, 2), target, reduction="none").mean(1)
-        got = gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method)
+        got = gradhooks.dp_sgd_step(
+            h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method
+        )
     assert_close(got, norms, f"{method}: norms")
     for name, p in model.named_parameters():
         want = torch.einsum("b,b...->...", factors, loop[name]) / 5

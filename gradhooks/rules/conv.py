@@ -21,7 +21,6 @@ from ..pieces import Outer
 from ..registry import Call, register
 from . import linear
 
-
 GROUPED_MIN_COLUMNS = 64
 """The fewest columns (``in_channels / groups * prod(kernel)``) for which :class:`ConvWeight`
 takes ``grad1`` by the grouped convolution rather than by the columns."""
