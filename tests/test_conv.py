@@ -13,19 +13,20 @@ from harness import Case, check
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
-# grad1 of a convolution weight by the grouped convolution or by the columns: each form on
-# every case, whatever the number of columns would choose
-FORMS = {"grouped": 0, "columns": 10**9}
+# grad1 of a convolution weight by the grouped convolution (the whole batch in one call, or
+# one example per call) or by the columns: each form on every case, whatever the number of
+# columns would choose. Values: (GROUPED_MIN_COLUMNS, GROUPED_CALL_ELEMENTS).
+FORMS = {"grouped": (0, 10**9), "grouped-slices": (0, 1), "columns": (10**9, 10**9)}
 
 
 @contextlib.contextmanager
 def grad1_form(form):
-    saved = conv_rules.GROUPED_MIN_COLUMNS
-    conv_rules.GROUPED_MIN_COLUMNS = FORMS[form]
+    saved = conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS
+    conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS = FORMS[form]
     try:
         yield
     finally:
-        conv_rules.GROUPED_MIN_COLUMNS = saved
+        conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS = saved
 
 
 @st.composite
