@@ -91,6 +91,12 @@ class Outer(Piece):
     cache_slices: ClassVar[bool] = True
 
     @property
+    def call_rows(self) -> int | None:
+        """The most examples whose ``grad1`` this piece forms in one call (more are formed in
+        parts and copied together); ``None``: no limit."""
+        return None
+
+    @property
     def transient(self) -> int:
         """Elements one example needs while its ``grad1`` is formed, besides the result: the
         columns ``[*groups, shared, in]`` (none for a bias)."""

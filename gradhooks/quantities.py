@@ -285,6 +285,8 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     cache_slices = all(getattr(piece, "cache_slices", True) for piece, _ in h.pieces)
     if cache_slices and _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
         rows = min(rows, _CACHE_ELEMENTS // max(per_example, 1))
+    # no slice larger than a piece forms in one call (it would be formed in parts and copied)
+    rows = min([rows] + [r for p, _ in h.pieces if (r := getattr(p, "call_rows", None))])
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         total = None

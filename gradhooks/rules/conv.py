@@ -313,6 +313,10 @@ class ConvWeight(Outer):
         and written (:attr:`transient`) in one call."""
         return max(1, GROUPED_CALL_ELEMENTS // max(self.transient, 1))
 
+    @property
+    def call_rows(self) -> int | None:
+        return self._rows_per_call() if self._grouped_form() else None
+
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         if not self._grouped_form():
             return super().grad1(param_shape, scale)
