@@ -180,6 +180,19 @@ def prepare(
         return rec, None
 
 
+def untimed_step(runner: Runner, device: str) -> None:
+    """One step, not timed: the timed step that follows then starts from this method's own
+    state (the memory its previous step freed, warm caches), as in a training loop, rather than
+    from whatever the method timed before it left."""
+    runner.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    runner.reset()
+
+
 def timed_step(rec: Record, runner: Runner, device: str, clock=time.perf_counter) -> None:
     """Time one step (appended to ``rec.times_s``); ``clock``: ``time.perf_counter`` (wall)
     or ``time.process_time`` (CPU time of all threads, steadier on a shared machine)."""

@@ -68,6 +68,10 @@ def parse(argv: list[str] | None):
         default="wall",
         help="wall: elapsed time; cpu: process CPU time (steadier on a loaded machine)",
     )
+    p.add_argument(
+        "--settle", type=int, default=1,
+        help="untimed steps of a method right before each of its timed steps (0: none)",
+    )  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder")
@@ -139,7 +143,8 @@ def memory_worker(args) -> None:
 
 def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
     """Every method on one model: set up and warmed up, then timed in rounds (each round
-    steps every method once, so that load from elsewhere on the machine hits all alike)."""
+    steps every method once, so that load from elsewhere on the machine hits all alike; the
+    order rotates from round to round)."""
     progress.show(f"{problem.name}: reference")
     base, x, y = measure.instance(problem, batch, args.device)
     try:
@@ -153,14 +158,20 @@ def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
         cells.append(measure.prepare(problem, METHODS[name], base, x, y, ref, args.device))
         progress.advance()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    pairs = list(zip(cells, args.methods, strict=True))
     for round_ in range(max(args.reps, args.slow_reps)):
-        for (rec, runner), name in zip(cells, args.methods, strict=True):
+        # each round starts one method later: what a step inherits from the step before it
+        # (memory the previous method freed, caches) falls on every method alike
+        shift = round_ % len(pairs)
+        for (rec, runner), name in pairs[shift:] + pairs[:shift]:
             reps = args.slow_reps if METHODS[name].slow else args.reps
             if round_ >= reps:
                 continue
             progress.show(f"{problem.name}: {name} ({round_ + 1}/{reps})")
             if runner is not None and rec.status in ("ok", "wrong"):
                 try:
+                    for _ in range(args.settle):  # as in a training loop: after its own step
+                        measure.untimed_step(runner, args.device)
                     measure.timed_step(rec, runner, args.device, clock)
                 except Exception as e:
                     measure._unsupported(rec, e)
