@@ -69,7 +69,7 @@ def parse(argv: list[str] | None):
         help="wall: elapsed time; cpu: process CPU time (steadier on a loaded machine)",
     )
     p.add_argument(
-        "--settle", type=int, default=1,
+        "--settle", type=int, default=0,
         help="untimed steps of a method right before each of its timed steps (0: none)",
     )  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
