@@ -20,6 +20,7 @@ for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -263,6 +264,19 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
             rows = rows.transpose(-1, -2)
         else:
             rows = rearrange(g, "outputs batch ... shared out -> batch ... (outputs out) shared")
+        per_example = into.transpose(0, 1)  # [batch, outputs, *groups, out, in]
+        if math.prod(groups) == 1 and per_example.is_contiguous():
+            # the product's [batch, (outputs out), in] is the result's own layout: written
+            # straight into it, no copy
+            n_rows, n_in = outputs * g.shape[-1], piece.a.shape[-1]
+            rows = rows.reshape(batch, n_rows, g.shape[-2])
+            result = per_example.view(batch, n_rows, n_in)
+            a = piece.a.reshape(batch, g.shape[-2], n_in)
+            if first:
+                torch.bmm(rows, a, out=result)
+            else:
+                result.baddbmm_(rows, a)
+            return True
         value = rearrange(
             torch.matmul(rows, piece.a),
             "batch ... (outputs out) inp -> outputs batch ... out inp",
