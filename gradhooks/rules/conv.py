@@ -122,9 +122,7 @@ class ConvWeight(Outer):
         """The grouped form's one convolution reads the example's input and output-gradient and
         writes its gradient (the columns are never formed); the other form, the columns."""
         if self._grouped_form():
-            m = self.module
-            weight = m.out_channels * m.in_channels // m.groups * math.prod(m.kernel_size)
-            return self.x[0].numel() + self.grad_output[0].numel() + weight
+            return self.x[0].numel() + self.grad_output[0].numel() + self.module.weight.numel()
         return super().transient
 
     def select(self, rows: slice) -> ConvWeight:
@@ -308,28 +306,29 @@ class ConvWeight(Outer):
         )  # fmt: skip
         return grad_weight.reshape(param_shape)
 
-    def _rows_per_call(self) -> int:
-        """Examples per grouped convolution: about :data:`GROUPED_CALL_ELEMENTS` elements read
-        and written (:attr:`transient`) in one call."""
-        return max(1, GROUPED_CALL_ELEMENTS // max(self.transient, 1))
-
     @property
     def call_rows(self) -> int | None:
-        return self._rows_per_call() if self._grouped_form() else None
+        """The grouped form: examples per convolution, about :data:`GROUPED_CALL_ELEMENTS`
+        elements read and written (:attr:`transient`) in one call."""
+        if not self._grouped_form():
+            return None
+        return max(1, GROUPED_CALL_ELEMENTS // max(self.transient, 1))
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
-        if not self._grouped_form():
+        rows = self.call_rows
+        if rows is None:
             return super().grad1(param_shape, scale)
-        if self._rows_per_call() >= self.batch_size:
+        if rows >= self.batch_size:
             return self._grad1_grouped(scale).reshape(self.batch_size, *param_shape)
         out = self.x.new_empty(self.batch_size, *param_shape)
         self.grad1_into(out, scale)
         return out
 
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
-        if not self._grouped_form():
+        rows = self.call_rows
+        if rows is None:
             return super().grad1_into(out, scale, accumulate)
-        batch, rows = self.batch_size, self._rows_per_call()
+        batch = self.batch_size
         for start in range(0, batch, rows):
             part = self if rows >= batch else self.select(slice(start, start + rows))
             target = out[start : start + rows]
