@@ -10,10 +10,10 @@ Peak memory: what the step adds at its peak over what was live just before it.
   freed memory for reuse, so an RSS delta within one long process undercounts. The memory pass
   therefore runs in a fresh subprocess per (model, batch, method) with
   ``MALLOC_MMAP_THRESHOLD_=65536`` (every allocation over 64 KiB is its own mapping, returned
-  to the system when freed), runs
-  one warm-up step, resets the high-water mark (``/proc/self/clear_refs``), and reports
-  ``VmHWM`` after the step minus ``VmRSS`` before it. Granularity is a page; small allocations
-  and allocator slack are included, which is honest for "how much RAM does this need".
+  to the system when freed), runs one warm-up step, resets the high-water mark
+  (``/proc/self/clear_refs``), and reports ``VmHWM`` after the step minus ``VmRSS`` before it.
+  Granularity is a page; small allocations and allocator slack are included, which is honest
+  for "how much RAM does this need".
   Where ``/proc`` is not available (not Linux) CPU memory is not measured.
 
 Both add ``Runner.held_bytes()``: memory a method holds between steps (the floor's buffer,
@@ -180,22 +180,10 @@ def prepare(
         return rec, None
 
 
-def untimed_step(runner: Runner, device: str) -> None:
-    """One step, not timed: the timed step that follows then starts from this method's own
-    state (the memory its previous step freed, warm caches), as in a training loop, rather than
-    from whatever the method timed before it left."""
-    runner.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runner.step()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    runner.reset()
-
-
-def timed_step(rec: Record, runner: Runner, device: str, clock=time.perf_counter) -> None:
-    """Time one step (appended to ``rec.times_s``); ``clock``: ``time.perf_counter`` (wall)
-    or ``time.process_time`` (CPU time of all threads, steadier on a shared machine)."""
+def step_once(runner: Runner, device: str, clock=time.perf_counter) -> float:
+    """One step from ``reset()`` to ``reset()``; returns its time (the resets untimed).
+    ``clock``: ``time.perf_counter`` (wall) or ``time.process_time`` (CPU time of all threads,
+    steadier on a shared machine)."""
     cuda = device.startswith("cuda")
     runner.reset()
     if cuda:
@@ -206,8 +194,14 @@ def timed_step(rec: Record, runner: Runner, device: str, clock=time.perf_counter
         runner.step()
         if cuda:
             torch.cuda.synchronize()
-        rec.times_s.append(clock() - start)
+        elapsed = clock() - start
     runner.reset()
+    return elapsed
+
+
+def timed_step(rec: Record, runner: Runner, device: str, clock=time.perf_counter) -> None:
+    """Time one step (:func:`step_once`), appended to ``rec.times_s``."""
+    rec.times_s.append(step_once(runner, device, clock))
 
 
 def measure_peak(rec: Record, runner: Runner, device: str) -> None:

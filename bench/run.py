@@ -170,8 +170,8 @@ def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
             progress.show(f"{problem.name}: {name} ({round_ + 1}/{reps})")
             if runner is not None and rec.status in ("ok", "wrong"):
                 try:
-                    for _ in range(args.settle):  # as in a training loop: after its own step
-                        measure.untimed_step(runner, args.device)
+                    for _ in range(args.settle):  # untimed: as in a training loop, the timed
+                        measure.step_once(runner, args.device)  # step follows its own
                     measure.timed_step(rec, runner, args.device, clock)
                 except Exception as e:
                     measure._unsupported(rec, e)
