@@ -542,6 +542,8 @@ class Hooks:
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
+            if taps is not None:
+                call = replace(call, taps=taps)
 
             def on_grads(grads) -> None:
                 full: list[Tensor | None] = [None] * n_leaves
@@ -563,7 +565,6 @@ class Hooks:
 
             if nodes:
                 pending: dict[Any, Any] = {}
-                call = replace(call, taps=taps)
 
                 def on_node(i: int, grad_outputs: tuple) -> None:
                     if "outputs" not in pending:

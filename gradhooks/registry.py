@@ -120,6 +120,8 @@ class Registry:
     has reached all of them (they come after the call's outputs), with ``call.taps`` and
     ``call.tap_grads``: gradients of intermediate results that the module does not return
     (the projections inside ``nn.MultiheadAttention``), so nothing has to be recomputed.
+    With no ``nodes``, the rule runs as usual, with ``call.taps`` only: what the call's own
+    nodes saved at the forward (a LayerNorm's mean and 1/std).
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
-from gradhooks.oracle import loop_grad
+from gradhooks.oracle import loop_grad, vmap_grad
 from harness import Case, assert_close, check, run_hooked, sum_of_squares
 
 REDUCTIONS = pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -87,6 +87,63 @@ def test_group_norm(reduction, groups, per_group, spatial, batch):
         lambda b: torch.randn(b, channels, *spatial),
     )
     check(case, batch=batch, reduction=reduction)
+
+
+@pytest.mark.parametrize(
+    "make, x_shape",
+    [
+        (lambda: nn.LayerNorm(6), (5, 4, 6)),
+        (lambda: nn.LayerNorm((3, 4)), (5, 3, 4)),
+        (lambda: nn.GroupNorm(2, 4), (5, 4, 3, 3)),
+        (lambda: nn.GroupNorm(4, 4), (5, 4, 7)),
+    ],
+    ids=["layer", "layer-2d", "group", "group-instance"],
+)
+@pytest.mark.parametrize("input_grad", [True, False], ids=["inner", "first-layer"])
+def test_normalized_input_comes_from_the_saved_statistics(make, x_shape, input_grad, monkeypatch):
+    """LayerNorm and GroupNorm take x̂ from the mean and 1/std their forward's node saved, not
+    from a second normalization; grad1 equals the oracle's and the recomputed x̂'s."""
+    from gradhooks.rules import norm as rules
+
+    torch.manual_seed(0)
+    layer = perturbed(make()).double()
+    x = torch.randn(*x_shape, dtype=torch.float64, requires_grad=input_grad)
+    want = vmap_grad(layer, sum_of_squares, x.detach())
+    seen = []
+    taken = rules._from_statistics
+
+    def spy(call, x):
+        seen.append(taken(call, x) is not None)
+        return taken(call, x)
+
+    monkeypatch.setattr(rules, "_from_statistics", spy)
+    got = {}
+    for forced in (False, True):  # forced: as if nothing was saved (the recompute)
+        if forced:
+            monkeypatch.setattr(rules, "_from_statistics", lambda call, x: None)
+        with gradhooks.add_hooks(layer, loss_reduction="sum"):
+            sum_of_squares(layer(x)).backward()
+        got[forced] = {n: p.grad1 for n, p in layer.named_parameters()}
+        for p in layer.parameters():
+            del p.grad1
+    assert seen == [True], seen
+    for name in want:
+        assert_close(got[False][name], want[name], f"{name}: saved statistics vs vmap(grad)")
+        assert_close(got[True][name], want[name], f"{name}: recomputed vs vmap(grad)")
+
+
+def test_saved_statistics_are_not_used_for_another_input():
+    """Under autocast to bfloat16 the node normalizes a cast copy of the input: no statistics
+    are taken from it (the rule recomputes)."""
+    from gradhooks.rules.norm import saved_statistics
+
+    layer = nn.LayerNorm(6)
+    x = torch.randn(3, 6, requires_grad=True)
+    assert saved_statistics(layer, (x,), {}, layer(x)) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x.bfloat16())
+    assert saved_statistics(layer, (x,), {}, y) is None  # another tensor than the one saved
+    assert saved_statistics(layer, (x,), {}, y.detach()) is None  # no node
 
 
 @REDUCTIONS

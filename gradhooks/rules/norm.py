@@ -2,8 +2,10 @@
 nn.InstanceNorm1d/2d/3d.
 
 Each computes ``y = x̂ · weight + bias`` where ``x̂`` (the normalized input) depends on one
-example only. The rule recomputes ``x̂`` from ``call.inputs`` with the module's own settings
-(``torch.nn.functional`` with no affine parameters), then, per example,
+example only. LayerNorm and GroupNorm form ``x̂ = (x - mean) · rstd`` from the mean and 1/std
+their forward's autograd node saved (:func:`saved_statistics`, the rule's taps); otherwise the
+rule recomputes ``x̂`` from ``call.inputs`` with the module's own settings
+(``torch.nn.functional`` with no affine parameters). Then, per example,
 
     grad1[b] weight = Σ_shared x̂[b] · g[b],      grad1[b] bias = Σ_shared g[b]
 
@@ -69,16 +71,63 @@ def channel_affine(xhat: Tensor, g: Tensor) -> dict[str, Direct]:
     }
 
 
-@register(nn.LayerNorm)
+class _Statistics:
+    """The taps of a LayerNorm / GroupNorm call: no nodes, the mean and 1/std (``rstd``) of
+    each normalized group, as the call's autograd node saved them: ``[*lead, 1, ...]``
+    (LayerNorm) or ``[batch, groups]`` (GroupNorm)."""
+
+    nodes = ()
+
+    def __init__(self, mean: Tensor, rstd: Tensor, grouped: bool) -> None:
+        self.mean = mean
+        self.rstd = rstd
+        self.grouped = grouped  # GroupNorm's [batch, groups]
+
+
+_SAVES_STATISTICS = ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
+
+
+def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _Statistics | None:
+    """The mean and 1/std torch's forward saved for its backward, read off the output's node
+    (they live as long as the graph does); ``None`` where the node is not torch's own
+    normalization of this very input (autocast casts it first, a subclass may transform it)."""
+    node = getattr(output, "grad_fn", None)
+    kind = type(node).__name__
+    if kind not in _SAVES_STATISTICS or not args or not isinstance(args[0], Tensor):
+        return None
+    x, saved = args[0], node._saved_input
+    if saved.data_ptr() != x.data_ptr() or saved.shape != x.shape or saved.dtype != x.dtype:
+        return None
+    grouped = kind == "NativeGroupNormBackward0"
+    return _Statistics(node._saved_result1.detach(), node._saved_result2.detach(), grouped)
+
+
+def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
+    """``(x - mean) · rstd`` (for GroupNorm over ``[batch, groups, rest]``, reshaped as ``x``)
+    from the saved statistics; ``None`` where there are none, or where the result must carry a graph
+    (a ``create_graph`` backward: the saved statistics do not)."""
+    stats = call.taps
+    if not isinstance(stats, _Statistics) or torch.is_grad_enabled():
+        return None
+    if not stats.grouped:
+        return (x - stats.mean).mul_(stats.rstd)
+    batch, groups = stats.mean.shape
+    grouped = x.reshape(batch, groups, x.numel() // max(batch * groups, 1))
+    return (grouped - stats.mean.unsqueeze(-1)).mul_(stats.rstd.unsqueeze(-1)).view(x.shape)
+
+
+@register(nn.LayerNorm, taps=saved_statistics)
 def layer_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, *, *normalized_shape]``; weight, bias: ``[*normalized_shape]``."""
     m: nn.LayerNorm = call.module
     x = call.inputs[0]
     _need_batch(call, x, len(m.normalized_shape), "[batch, *, *normalized_shape]")
-    # With a weight of ones: x̂ · 1 is x̂ exactly, and torch's CPU kernel is about twice as fast
-    # with a weight as without.
-    ones = x.new_ones(m.normalized_shape)
-    xhat = F.layer_norm(x, m.normalized_shape, ones, None, m.eps)
+    xhat = _from_statistics(call, x)
+    if xhat is None:
+        # With a weight of ones: x̂ · 1 is x̂ exactly, and torch's CPU kernel is about twice as
+        # fast with a weight as without.
+        ones = x.new_ones(m.normalized_shape)
+        xhat = F.layer_norm(x, m.normalized_shape, ones, None, m.eps)
     return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
 
 
@@ -93,13 +142,15 @@ def rms_norm(call: Call) -> dict[str, Direct]:
     return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
 
 
-@register(nn.GroupNorm)
+@register(nn.GroupNorm, taps=saved_statistics)
 def group_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``."""
     m: nn.GroupNorm = call.module
     x = call.inputs[0]
     _need_batch(call, x, 1, "[batch, channels, *spatial]")
-    xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+    xhat = _from_statistics(call, x)
+    if xhat is None:
+        xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
     return channel_affine(xhat, call.grad_output)
 
 
