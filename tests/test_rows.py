@@ -219,6 +219,40 @@ def test_embedding_grad1_over_steps_with_reused_memory():
             del g1
 
 
+def test_positions_over_the_full_table_then_fewer(monkeypatch):
+    """A position embedding looked up at every row once, in order (a full context), writes the
+    entries themselves (no zeroing, no scatter); then a shorter context into the same memory
+    zeroes the rows past it. Both against vmap(grad), at mean and sum."""
+    torch.manual_seed(0)
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Embedding(6, 3)
+
+        def forward(self, x):  # x [batch, seq, 3]
+            pos = torch.arange(x.shape[1]).expand(x.shape[:2])
+            return x * self.pos(pos)
+
+    model = Positions().double()
+    scatters = []
+    original = torch.Tensor.index_add_
+    monkeypatch.setattr(
+        torch.Tensor, "index_add_", lambda t, *a: scatters.append(t.shape) or original(t, *a)
+    )
+    for reduction in ("mean", "sum"):
+        with gradhooks.add_hooks(model, reduction) as h:
+            for seq in (6, 6, 4, 6):
+                x = torch.randn(5, seq, 3, dtype=torch.float64)
+                h.clear()
+                scatters.clear()
+                loss = sum_of_squares(model(x))
+                (loss / 5 if reduction == "mean" else loss).backward()
+                want = vmap_grad(model, sum_of_squares, x)["pos.weight"]
+                torch.testing.assert_close(model.pos.weight.grad1, want)
+                assert bool(scatters) == (seq < 6), (seq, scatters)
+
+
 @pytest.mark.parametrize("scale", [1.0, 2.5])
 @pytest.mark.parametrize(
     "batch,rows,dim,positions",
