@@ -419,3 +419,13 @@ def test_self_attention_taps_the_projections(batch_first, monkeypatch):
         torch.autograd.grad(loss_fn(model(x, x, x, need_weights=False)), [model.out_proj.weight])
         assert not calls
         assert_close(model.out_proj.weight.grad1, want["out_proj.weight"], "out_proj alone")
+        for args, kwargs in (
+            ((x,), {"key": x, "value": x}),
+            ((), {"query": x, "key": x, "value": x}),
+        ):
+            h.clear()
+            calls.clear()
+            loss_fn(model(*args, **kwargs, need_weights=False)).backward()
+            assert calls, f"the taps were not used, called with {len(args)} positional"
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"{n}, {len(args)} positional")

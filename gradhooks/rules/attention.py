@@ -155,16 +155,17 @@ def projection_taps(
     """The taps of a stock self-attention call (see :class:`_Projections`), found in the
     graph of its output; ``None`` (the rule then recomputes the attention) for other calls or
     where torch's graph does not have the expected shape."""
-    try:
-        bound = _SIGNATURE.bind(m, *args, **kwargs).arguments
-    except TypeError:
-        return None
-    query = bound.get("query")
+    # query, key, value as passed, positionally or by name (the forward ran: they bind);
+    # not Signature.bind, which costs more than the rest of this function
+    query, key, value = (
+        args[i] if i < len(args) else kwargs.get(name)
+        for i, name in enumerate(("query", "key", "value"))
+    )
     if (
         not isinstance(query, Tensor)
         or query.dim() != 3
-        or bound.get("key") is not query
-        or bound.get("value") is not query
+        or key is not query
+        or value is not query
         or not m._qkv_same_embed_dim
         or m.bias_k is not None
         or not m.in_proj_weight.requires_grad
