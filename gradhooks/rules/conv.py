@@ -160,7 +160,7 @@ class ConvWeight(Outer):
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * m.out_channels, *g.shape[2:]),
             x.reshape(1, batch * m.in_channels, *x.shape[2:]),
-            x.new_empty(1).expand(weight_shape),  # only its shape is read
+            x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
             None, m.stride, padding, m.dilation, False, (0,) * len(padding), batch * m.groups,
             (False, True, False),
         )  # fmt: skip
@@ -209,7 +209,7 @@ class ConvWeight(Outer):
         weight_shape = (weight_rows, m.in_channels // m.groups, *m.kernel_size)
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
             g, x.reshape(1, batch * m.in_channels, *x.shape[2:]),
-            x.new_empty(1).expand(weight_shape),  # only its shape is read
+            x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
             None, m.stride, padding, m.dilation, False, (0,) * len(padding), groups,
             (False, True, False),
         )  # fmt: skip
@@ -301,7 +301,7 @@ class ConvWeight(Outer):
         if weights is not None:
             g = g * weights.to(g.dtype).view(-1, *[1] * (g.dim() - 1))
         _, grad_weight, _ = torch.ops.aten.convolution_backward(
-            g, x, x.new_empty(1).expand(m.weight.shape), None, m.stride, padding, m.dilation,
+            g, x, x.new_empty(m.weight.shape), None, m.stride, padding, m.dilation,
             False, (0,) * len(padding), m.groups, (False, True, False),
         )  # fmt: skip
         return grad_weight.reshape(param_shape)
