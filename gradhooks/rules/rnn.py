@@ -351,7 +351,10 @@ class _Direction:
         # (a third less peak memory on a two-layer LSTM)
         self.act = self.c = self.tanh_c = None
         del act, i, f, g, o, tc, c
-        grads = torch.empty_like(to_pre)  # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o)
+        # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o), written over to_pre (step t's product
+        # replaces the factors only step t reads): no new buffer, whose fresh pages the loop
+        # would fault in one step at a time
+        grads = to_pre
         d_pre = grads.view(steps, batch, 5 * H)[..., H:]  # [T, B, 4H] (rows 5H apart)
         state = to_pre.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
         d_proj = state[:, 4]
