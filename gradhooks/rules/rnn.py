@@ -126,8 +126,8 @@ class _Direction:
         per step. Keeps what :meth:`forward` keeps; returns ``(h, h_n, c_n)``."""
         H, P = self.hidden, h.shape[-1]
         self.x, self.keep, self.h0, self.c0, self.out = x, None, h0, c0, h
-        pre = self._pre_ih(x, self._bias())  # [T, B, 4H]
-        steps, batch = pre.shape[:2]
+        steps, batch = x.shape[:2]
+        pre = self._pre_ih(x, self._bias(), self._gate_buffer(steps, batch, x))  # [T, B, 4H]
         if steps > 1:  # + h_{t-1} W_hhᵀ, without materializing the shifted states
             pre[1:].view(-1, 4 * H).addmm_(h[:-1].reshape(-1, P), self.w_hh.T)
         pre[0].addmm_(h0, self.w_hh.T)
@@ -145,11 +145,24 @@ class _Direction:
         self.proj_in = None if self.w_hr is None else torch.mul(o, self.tanh_c)
         return h, h[-1], c[-1]
 
-    def _pre_ih(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]``."""
+    def _pre_ih(self, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+        """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]`` (written into
+        ``out``, which may have rows apart, if given)."""
         flat = x.reshape(-1, x.shape[-1])
-        pre = flat @ self.w_ih.T if bias is None else torch.addmm(bias, flat, self.w_ih.T)
-        return pre.view(*x.shape[:2], self.w_ih.shape[0])
+        into = None if out is None else out.view(flat.shape[0], self.w_ih.shape[0])
+        if bias is None:
+            pre = torch.mm(flat, self.w_ih.T, out=into)
+        else:
+            pre = torch.addmm(bias, flat, self.w_ih.T, out=into)
+        return pre.view(*x.shape[:2], self.w_ih.shape[0]) if out is None else out
+
+    def _gate_buffer(self, steps: int, batch: int, like: Tensor) -> Tensor:
+        """The LSTM's ``[T, B, 5H]`` buffer: slots 1-4 hold the gates ``i, f, g, o`` after their
+        nonlinearity (``self.act`` is their view); :meth:`_lstm_back_fast` writes each gate's
+        factor over it and its carried cell factor into slot 0, so that its backward needs no
+        buffer of its own (on CPU, fresh memory costs a page fault per 4 KiB written)."""
+        self.slots = like.new_empty(steps, batch, 5 * self.hidden)
+        return self.slots[..., self.hidden :]
 
     def _bias(self) -> Tensor | None:
         return None if self.b_ih is None else self.b_ih + self.b_hh
@@ -173,7 +186,7 @@ class _Direction:
         H = self.hidden
         pre = self._pre_ih(x, self._bias())
         steps, batch = pre.shape[:2]
-        self.act = act = torch.empty_like(pre)  # [T, B, 4H]: i, f, g, o after their nonlinearity
+        self.act = act = self._gate_buffer(steps, batch, pre)  # i, f, g, o after nonlinearity
         self.tanh_c = torch.empty(steps, batch, H, dtype=pre.dtype, device=pre.device)
         self.c = torch.empty_like(self.tanh_c)  # [T, B, H]: the cell state after each step
         self.proj_in = None if self.w_hr is None else torch.empty_like(self.tanh_c)
@@ -333,27 +346,30 @@ class _Direction:
         :meth:`_lstm_back`)."""
         H = self.hidden
         steps, batch = d_out.shape[:2]
-        act = self.act.view(steps, batch, 4, H)
-        i, f, g, o = act.unbind(2)
-        tc, c = self.tanh_c, self.c
-        to_c = _one_minus_sq(tc).mul_(o)[:, :, None]  # [T, B, 1, H]
-        # [T, B, 5, H]: f, then each gate's derivative times what it multiplies
-        to_pre = tc.new_empty(steps, batch, 5, H)
-        torch.addcmul(act, act, act, value=-1, out=to_pre[:, :, 1:])  # a (1 - a)
-        torch.addcmul(g.new_ones(()), g, g, value=-1, out=to_pre[:, :, 3])  # 1 - g²
+        # [T, B, 5, H]: slot 0 free, then the gates i, f, g, o (:meth:`_gate_buffer`). Each
+        # slot becomes the factor that step's cell (or, for o, state) gradient multiplies: f
+        # (slot 0, the cell gradient carried back), i (1 - i) g, f (1 - f) c_{t-1},
+        # (1 - g²) i, o (1 - o) tanh c_t, written in an order that reads each gate before it
+        # is overwritten, with the cell states' buffer as the scratch.
+        to_pre = self.slots.view(steps, batch, 5, H)
+        _, i, f, g, o = to_pre.unbind(2)
+        tc, scratch = self.tanh_c, self.c
         to_pre[:, :, 0] = f
-        to_pre[:, :, 1] *= g
-        to_pre[1:, :, 2] *= c[:-1]
-        to_pre[0, :, 2] *= self.c0
-        to_pre[:, :, 3] *= i
-        to_pre[:, :, 4] *= tc
-        # The gates and cell states are not read again: free them before the loop's buffers
-        # (a third less peak memory on a two-layer LSTM)
-        self.act = self.c = self.tanh_c = None
-        del act, i, f, g, o, tc, c
+        torch.addcmul(f, f, f, value=-1, out=f)
+        f[1:] *= scratch[:-1]
+        f[0] *= self.c0
+        torch.addcmul(g.new_ones(()), g, g, value=-1, out=scratch).mul_(i)  # (1 - g²) i
+        torch.addcmul(i, i, i, value=-1, out=i).mul_(g)
+        g.copy_(scratch)
+        to_c = torch.addcmul(tc.new_ones(()), tc, tc, value=-1, out=scratch).mul_(o)
+        torch.addcmul(o, o, o, value=-1, out=o).mul_(tc)
+        to_c = to_c[:, :, None]  # [T, B, 1, H]: d c_t (new) = d c_t (carried) + d h_t to_c
+        # The gates are factors now, the cell states scratch: not read again (a third less
+        # peak memory on a two-layer LSTM)
+        self.act = self.c = self.tanh_c = self.slots = None
+        del i, f, g, o, tc
         # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o), written over to_pre (step t's product
-        # replaces the factors only step t reads): no new buffer, whose fresh pages the loop
-        # would fault in one step at a time
+        # replaces the factors only step t reads)
         grads = to_pre
         d_pre = grads.view(steps, batch, 5 * H)[..., H:]  # [T, B, 4H] (rows 5H apart)
         state = to_pre.new_empty(batch, 5, H)  # d c_t four times, d (o tanh c_t)
