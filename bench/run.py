@@ -72,6 +72,12 @@ def parse(argv: list[str] | None):
         "--settle", type=int, default=0,
         help="untimed steps of a method right before each of its timed steps (0: none)",
     )  # fmt: skip
+    p.add_argument(
+        "--keep-freed-memory", action="store_true",
+        help="glibc only: the timing process keeps the memory it frees (no trimming, large "
+        "blocks from the heap), so steps do not page-fault fresh buffers in again (peak memory "
+        "is still measured with the default allocator)",
+    )  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder")
@@ -182,6 +188,24 @@ def run_model(problem, batch: int, args, memory_here: bool, progress: Progress):
     return [rec for rec, _ in cells]
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc keep what this process frees: blocks up to its ceiling (32 MiB) come from the
+    heap rather than their own mapping, and the heap's top is never handed back. A buffer
+    freed at the end of one step is then reused, not faulted in page by page at the next.
+    Returns False where the C library is not glibc (nothing changed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(
+        mallopt(m_trim_threshold, 2**31 - 1)
+    )
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -213,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_worker:
         memory_worker(args)
         return 0
+    if args.keep_freed_memory and not keep_freed_memory():
+        print("--keep-freed-memory: the C library is not glibc, nothing changed")
+        args.keep_freed_memory = False
     memory = not args.no_memory
     if memory and args.device == "cpu" and not measure.cpu_memory_supported():
         print("CPU peak memory needs Linux /proc (VmHWM, clear_refs): not measured here")

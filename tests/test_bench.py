@@ -68,3 +68,24 @@ def test_wrong_result_is_flagged():
     method = methods.Method("bad", "bad", "grad1", off_by_one)
     rec, _ = measure.prepare(problem, method, model, x, y, ref, "cpu")
     assert rec.status == "wrong" and rec.rel_err > 1e-3
+
+
+def test_keep_freed_memory_flag(tmp_path):
+    """``--keep-freed-memory`` (in a subprocess: it changes the process's allocator) runs the
+    bench; on glibc it takes effect, elsewhere it says that nothing changed."""
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    argv = ["--models", "mlp", "--methods", "plain,grad1", "--batch", "3", "--reps", "1"]
+    argv += ["--no-plot", "--no-memory", "--keep-freed-memory", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", *argv], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"]: r["status"] for r in data["records"]} == {"plain": "ok", "grad1": "ok"}
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert ("nothing changed" in done.stdout) is not glibc, done.stdout[-2000:]
