@@ -172,6 +172,35 @@ def test_conv_jacobians_choose_the_form(size, grouped, groups, monkeypatch):
     assert used and all(u == grouped for u in used)
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_conv_jacobians_grouped_form_of_a_reused_conv(groups, monkeypatch):
+    """A convolution called twice (its second call's Jacobian added to the first's) by the
+    grouped-convolution form, one output at a time, against the per-example loop."""
+    from test_quantities import check_jacobians, loop_jacobians
+
+    from gradhooks.rules.conv import ConvWeight
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1, groups=groups)
+            self.head = nn.Linear(3 * 12 * 12, 2)
+
+        def forward(self, x):
+            return self.head(self.conv(torch.tanh(self.conv(x))).flatten(1))
+
+    used = []
+    original = ConvWeight.jacobian_into
+    monkeypatch.setattr(
+        ConvWeight, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1]
+    )
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = torch.randn(3, 3, 12, 12, dtype=torch.float64)
+    check_jacobians(model, x, loop_jacobians(model, x), f"conv twice, groups={groups}")
+    assert used and all(used)
+
+
 @settings(max_examples=30, deadline=None)
 @given(dims=st.sampled_from([1, 2, 3]), data=st.data(), batch=st.sampled_from([1, 2]))
 def test_column_gram_from_the_positions_gram(dims, data, batch):
