@@ -253,6 +253,23 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
             torch.mul(*prod, out=target)
         else:
             target.add_(prod[0] * prod[1])
+    elif math.prod(groups) == 1 and g.stride(-1) == 1 and not into.transpose(0, 1).is_contiguous():
+        # The flattened result (an example's outputs lie P apart, not one [outputs * out, in]
+        # matrix) of a Linear over positions (g contiguous in out): one product per output,
+        # [out, shared] @ [shared, in] per example, straight into that output's block, with no
+        # stacking of g and no copy of the product (EmbedBlock's Jacobians about 6% faster).
+        # A convolution's g (contiguous in positions) keeps the stacked product below: one
+        # product per output was slower there.
+        shared, n_out, n_in = g.shape[-2], g.shape[-1], piece.a.shape[-1]
+        a = piece.a.reshape(batch, shared, n_in)
+        for o in range(outputs):
+            g_o = g[o].reshape(batch, shared, n_out).transpose(1, 2)
+            block = target[o].view(batch, n_out, n_in)
+            if first:
+                torch.bmm(g_o, a, out=block)
+            else:
+                block.baddbmm_(g_o, a)
+        return True
     else:
         # One product per example (and group) with every output's rows stacked,
         # [outputs * out, shared] @ [shared, in], rather than one per output (which repeats

@@ -254,6 +254,25 @@ def test_jacobians_equal_vmap_jacrev(model):
     check_jacobians(model, inputs, want, type(model).__name__)
 
 
+def test_jacobians_of_a_reused_linear_over_positions():
+    """A Linear over positions, called twice: the flattened result takes one product per
+    output into each output's block (added to for the second call), against the loop."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):  # x [batch, positions, 4]
+            return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))).mean(1))
+
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    check_jacobians(model, x, loop_jacobians(model, x), "Linear over positions, twice")
+
+
 def test_jacobians_of_an_empty_batch():
     model = SeedMLP(6, 4, 3)
     assert gradhooks.jacobians(model, torch.randn(0, 6), flatten=True).shape == (0, 3, 43)
