@@ -84,8 +84,8 @@ class ConvWeight(Outer):
     convolutions over 16x16 and larger maps), one convolution backward with the batch folded
     into the groups, which never forms the columns; otherwise columns and a batched matmul.
     Per-example Jacobians (:meth:`jacobian_into`) are, where the positions outnumber the
-    output channels of all outputs, one such convolution backward per output; otherwise
-    columns and a matmul (the generic path).
+    output channels of all outputs, one such convolution backward with the outputs and output
+    channels of one example in its group; otherwise columns and a matmul (the generic path).
     """
 
     def __init__(self, module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor) -> None:
@@ -169,9 +169,9 @@ class ConvWeight(Outer):
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): the output-gradient is
         batched, ``[outputs, batch, out, *spatial]``, the input is not. Write the Jacobian,
-        ``into`` ``[outputs, batch, *param_shape]``, by one grouped convolution backward per
-        output (the grouped form of :meth:`_grad1_grouped`, on that output's gradient as it
-        lies in the batched one), never forming the columns. Returns False where the generic
+        ``into`` ``[outputs, batch, *param_shape]``, by one convolution backward with ``batch``
+        groups of ``outputs * out`` output channels each (example ``b``'s input channels are
+        shared by all its outputs), never forming the columns. Returns False where the generic
         path must be used (not on CPU, input batched too, no more output positions than output
         channels times outputs: there the columns and a matmul were measured faster)."""
         from torch._C import _functorch
@@ -193,23 +193,40 @@ class ConvWeight(Outer):
             # measured faster (up to 2.5x) unless the positions outnumber those rows.
             return False
         x, padding = _explicit_padding(m, self.x)
-        xs = x.reshape(1, batch * m.in_channels, *x.shape[2:])
-        weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
-        for o in range(outputs):
-            # one output at a time: its output-gradient [batch, out, *spatial] is a slice of
-            # the batched one as it lies (no copy into example-major order), its channels
-            # already (example, group, out/group) as the grouped form wants them
-            _, grad_weight, _ = torch.ops.aten.convolution_backward(
-                go[o].reshape(1, batch * m.out_channels, *go.shape[3:]), xs,
-                x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
-                None, m.stride, padding, m.dilation, False, (0,) * len(padding),
-                batch * m.groups, (False, True, False),
-            )  # fmt: skip
-            value = grad_weight.view(batch, *into.shape[2:])
-            if first:
-                torch.mul(value, scale, out=into[o]) if scale != 1.0 else into[o].copy_(value)
-            else:
-                into[o].add_(value, alpha=scale)
+        # [batch, outputs, out, *spatial]: example b's rows of every output side by side
+        g = go.transpose(0, 1).reshape(1, batch * outputs * m.out_channels, *go.shape[3:])
+        if m.groups == 1:
+            groups, weight_rows = batch, batch * outputs * m.out_channels
+        else:
+            # groups inside an example: channels (group, outputs, out/group) per example
+            groups = batch * m.groups
+            g = rearrange(
+                go,
+                "outputs batch (groups out) ... -> 1 (batch groups outputs out) ...",
+                groups=m.groups,
+            )
+            weight_rows = batch * outputs * m.out_channels
+        weight_shape = (weight_rows, m.in_channels // m.groups, *m.kernel_size)
+        _, grad_weight, _ = torch.ops.aten.convolution_backward(
+            g, x.reshape(1, batch * m.in_channels, *x.shape[2:]),
+            x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
+            None, m.stride, padding, m.dilation, False, (0,) * len(padding), groups,
+            (False, True, False),
+        )  # fmt: skip
+        if m.groups == 1:
+            value = grad_weight.view(batch, outputs, *into.shape[2:])
+        else:
+            value = rearrange(
+                grad_weight.view(batch, m.groups, outputs, m.out_channels // m.groups, -1),
+                "batch groups outputs out k -> batch outputs (groups out) k",
+            ).reshape(batch, outputs, *into.shape[2:])
+        target = into.transpose(0, 1)  # [batch, outputs, *param_shape]
+        if scale != 1.0:
+            value = value * scale
+        if first:
+            target.copy_(value)
+        else:
+            target.add_(value)
         return True
 
     def _geometry(self) -> tuple:
