@@ -132,6 +132,28 @@ def test_normalized_input_comes_from_the_saved_statistics(make, x_shape, input_g
         assert_close(got[True][name], want[name], f"{name}: recomputed vs vmap(grad)")
 
 
+def test_group_norm_statistics_on_a_channels_last_input(monkeypatch):
+    """GroupNorm after a convolution, both channels_last: x̂ from the saved statistics (of the
+    channels_last input) equals the oracle's."""
+    from gradhooks.rules import norm as rules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), perturbed(nn.GroupNorm(3, 6))).double()
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    want = vmap_grad(model, sum_of_squares, x)
+    taken = []
+    original = rules._from_statistics
+    monkeypatch.setattr(
+        rules, "_from_statistics", lambda call, x: taken.append(original(call, x)) or taken[-1]
+    )
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sum_of_squares(model(x)).backward()
+    assert len(taken) == 1 and taken[0] is not None
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"channels_last: {name}")
+
+
 def test_saved_statistics_are_not_used_for_another_input():
     """Under autocast to bfloat16 the node normalizes a cast copy of the input: no statistics
     are taken from it (the rule recomputes)."""
