@@ -156,11 +156,15 @@ class _Direction:
             pre = torch.addmm(bias, flat, self.w_ih.T, out=into)
         return pre.view(*x.shape[:2], self.w_ih.shape[0]) if out is None else out
 
-    def _gate_buffer(self, steps: int, batch: int, like: Tensor) -> Tensor:
-        """The LSTM's ``[T, B, 5H]`` buffer: slots 1-4 hold the gates ``i, f, g, o`` after their
-        nonlinearity (``self.act`` is their view); :meth:`_lstm_back_fast` writes each gate's
-        factor over it and its carried cell factor into slot 0, so that its backward needs no
-        buffer of its own (on CPU, fresh memory costs a page fault per 4 KiB written)."""
+    def _gate_buffer(self, steps: int, batch: int, like: Tensor, masked: bool = False) -> Tensor:
+        """The LSTM's gates ``i, f, g, o`` after their nonlinearity, ``[T, B, 4H]`` (what
+        ``self.act`` holds). Where :meth:`_lstm_back_fast` will run (no masked steps, not under
+        a transform), slots 1-4 of a ``[T, B, 5H]`` buffer: it writes each gate's factor over
+        the gate and its carried cell factor into slot 0, so that its backward needs no buffer
+        of its own (on CPU, fresh memory costs a page fault per 4 KiB written)."""
+        if masked or _transformed():
+            self.slots = None
+            return like.new_empty(steps, batch, 4 * self.hidden)
         self.slots = like.new_empty(steps, batch, 5 * self.hidden)
         return self.slots[..., self.hidden :]
 
@@ -186,7 +190,7 @@ class _Direction:
         H = self.hidden
         pre = self._pre_ih(x, self._bias())
         steps, batch = pre.shape[:2]
-        self.act = act = self._gate_buffer(steps, batch, pre)  # i, f, g, o after nonlinearity
+        self.act = act = self._gate_buffer(steps, batch, pre, masked=keep is not None)
         self.tanh_c = torch.empty(steps, batch, H, dtype=pre.dtype, device=pre.device)
         self.c = torch.empty_like(self.tanh_c)  # [T, B, H]: the cell state after each step
         self.proj_in = None if self.w_hr is None else torch.empty_like(self.tanh_c)
