@@ -368,8 +368,7 @@ class _Direction:
         to_c = torch.addcmul(tc.new_ones(()), tc, tc, value=-1, out=scratch).mul_(o)
         torch.addcmul(o, o, o, value=-1, out=o).mul_(tc)
         to_c = to_c[:, :, None]  # [T, B, 1, H]: d c_t (new) = d c_t (carried) + d h_t to_c
-        # The gates are factors now, the cell states scratch: not read again (a third less
-        # peak memory on a two-layer LSTM)
+        # The gates are factors now, the cell states scratch: not read again
         self.act = self.c = self.tanh_c = self.slots = None
         del i, f, g, o, tc
         # [T, B, 5, H]: d c_t f_t, d G_t (i, f, g, o), written over to_pre (step t's product
