@@ -89,3 +89,24 @@ def test_keep_freed_memory_flag(tmp_path):
     assert {r["method"]: r["status"] for r in data["records"]} == {"plain": "ok", "grad1": "ok"}
     glibc = platform.libc_ver()[0] == "glibc"
     assert ("nothing changed" in done.stdout) is not glibc, done.stdout[-2000:]
+
+
+def test_ab_runs_each_version_in_its_own_process(capsys):
+    """``python -m bench.ab`` times a method against plain for two versions (the last commit
+    and the working tree), one process per run, and reports both."""
+    import subprocess
+    from pathlib import Path
+
+    from bench import ab
+
+    root = Path(__file__).resolve().parent.parent
+    if subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True
+    ).returncode:
+        pytest.skip("not a git checkout")
+    argv = ["--revs", "HEAD,.", "--model", "mlp", "--method", "grad1", "--batch", "3"]
+    assert ab.main([*argv, "--rounds", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp, grad1 / plain, batch 3, 1 processes each:" in out
+    for rev in ("HEAD", "."):
+        assert f"{rev}: median" in out, out
