@@ -13,6 +13,7 @@ tied weights correct.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import warnings
 import weakref
@@ -542,15 +543,16 @@ class Hooks:
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
-            if taps is not None:
-                call = replace(call, taps=taps)
+            n_nodes = len(nodes)  # (the closures below must not refer to the nodes: see
+            if taps is not None:  # _without_nodes)
+                call = replace(call, taps=_without_nodes(taps))
 
             def on_grads(grads) -> None:
                 full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
                     full[i] = g
                 capturing = not (self._removed or self._ignore_backward or state.cancelled)
-                if nodes and capturing and self._capturing_backward():
+                if n_nodes and capturing and self._capturing_backward():
                     # The rule runs when the backward reaches the tapped nodes too, or, if it
                     # never does (a backward for some parameters only), at its end without them
                     pending["outputs"] = tuple(full)
@@ -570,9 +572,9 @@ class Hooks:
                     if "outputs" not in pending:
                         return  # a backward not captured
                     pending[i] = tuple(grad_outputs)
-                    if len(pending) < len(nodes) + 1:
+                    if len(pending) < n_nodes + 1:
                         return
-                    tapped = tuple(pending[j] for j in range(len(nodes)))
+                    tapped = tuple(pending[j] for j in range(n_nodes))
                     outputs = pending.pop("outputs")
                     pending.clear()
                     bw = self._tasks.get(_graph_task())
@@ -691,9 +693,10 @@ class Hooks:
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)
         out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
+        n_out = len(out_leaves)  # (the closure must not hold the attached outputs: see below)
 
         def backward(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-            full: list[Tensor | None] = [None] * len(out_leaves)
+            full: list[Tensor | None] = [None] * n_out
             for i, g in zip(out_idx, grads):
                 full[i] = g
             create_graph = torch.is_grad_enabled()
@@ -733,9 +736,13 @@ class Hooks:
             backward, len(out_idx), *(out_leaves[i] for i in out_idx), *detached.values(),
             *(in_leaves[i] for i in in_idx),
         )  # fmt: skip
+        # A new list: the attached outputs hold the node, whose backward must not hold them (a
+        # cycle through autograd's graph, which Python's garbage collector cannot see: every
+        # call's graph and tensors would stay alive for good)
+        attached = list(out_leaves)
         for i, t in zip(out_idx, outs):
-            out_leaves[i] = t
-        return spec.unflatten(out_leaves)
+            attached[i] = t
+        return spec.unflatten(attached)
 
     def _on_grads(
         self,
@@ -1079,6 +1086,19 @@ class Hooks:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def _without_nodes(taps: Any) -> Any:
+    """``taps`` as the rule sees them (``call.taps``): without their ``nodes``, which the engine
+    has hooked by then. Each node's hook refers to the kept call; a call referring back to the
+    node would make a reference cycle through autograd's graph, which keeps the forward's
+    tensors (and the graph's) alive after the backward until Python's garbage collector runs:
+    several steps' activations at once, and fresh memory for every step."""
+    if not getattr(taps, "nodes", None):
+        return taps
+    kept = copy.copy(taps)
+    kept.nodes = ()
+    return kept
 
 
 class _Attach(torch.autograd.Function):

@@ -1,8 +1,10 @@
 """Adding and removing hooks leaves nothing behind; scoped handles; hooking twice."""
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -107,3 +109,61 @@ def test_bad_arguments():
         gradhooks.add_hooks(nn.Linear(2, 2), loss_reduction="avg")
     with pytest.raises(TypeError, match="nn.Module"):
         gradhooks.add_hooks(lambda x: x)
+
+
+def _leaf_outputs(model):
+    """Weak references to the tensor output of every leaf module's forward calls."""
+    refs = []
+
+    def keep(module, args, output):
+        if isinstance(output, torch.Tensor):
+            refs.append(weakref.ref(output))
+
+    for m in model.modules():
+        if not list(m.children()):
+            m.register_forward_hook(keep)
+    return refs
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_a_backward_frees_the_forward_without_the_garbage_collector(quantity):
+    """After a training step, nothing of its forward is left alive: no reference cycle through
+    autograd's graph keeps activations until Python's garbage collector runs. (Stock
+    self-attention's tapped nodes once held the kept call, which held the nodes: a GPT's RSS
+    grew by 270 MB over 40 steps between collections.)"""
+    from gradhooks.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=16, dim=8, heads=2, layers=2, max_seq=6)
+    tokens = torch.randint(16, (3, 6))
+    refs = _leaf_outputs(model)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        _train_step(model, tokens)  # warm-up
+        gc.collect()
+        gc.disable()
+        try:
+            refs.clear()
+            h.clear()
+            _train_step(model, tokens)
+            alive = [r() for r in refs if r() is not None]
+        finally:
+            gc.enable()
+    assert refs and not alive, f"{len(alive)} of {len(refs)} layer outputs still alive"
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_an_owned_call_leaves_no_graph_behind(quantity):
+    """An LSTM (a call whose rule owns its backward, :class:`_AttachAll`) leaves no autograd
+    node alive after its backward, however many steps run: its attached outputs once held the
+    node's backward, which held them (a cycle the garbage collector cannot see), so every
+    step's graph and tensors stayed for good."""
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+    x = torch.randn(2, 5, 3)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        for _ in range(3):
+            h.clear()
+            model(x)[0].pow(2).sum().backward()
+        gc.collect()
+        nodes = [o for o in gc.get_objects() if type(o).__name__ == "_AttachAllBackward"]
+    assert not nodes, f"{len(nodes)} _AttachAll nodes alive after 3 steps"
