@@ -543,8 +543,9 @@ class Hooks:
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
-            n_nodes = len(nodes)  # (the closures below must not refer to the nodes: see
-            if taps is not None:  # _without_nodes)
+            # the closures below count the nodes and never hold them (see _without_nodes)
+            n_nodes = len(nodes)
+            if taps is not None:
                 call = replace(call, taps=_without_nodes(taps))
 
             def on_grads(grads) -> None:
