@@ -89,6 +89,30 @@ class _Backward:
     pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
 
 
+class _Sums(dict):
+    """The batch gradients a call's rule gives (:meth:`Hooks._backward` fills it), for the
+    parameters in ``names`` only."""
+
+    def __init__(self, names) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+
+
+@dataclass
+class _Carried:
+    """A call run with its parameters detached whose rule has ``taps`` (see
+    :meth:`Hooks._detach_hook`): the parameters are attached to its first input through a
+    :class:`_Carry` node, whose backward runs after every node of the call, so after the rule.
+    Never holds a tensor of the call's own graph (a cycle through autograd's graph)."""
+
+    target: _Target
+    detached: dict[str, nn.Parameter]
+    args: tuple  # as the caller passed them (the input not yet carried)
+    kwargs: dict
+    sums: _Sums
+    outputs: tuple | None = None  # the call's output-gradients, once the backward has them
+
+
 class _Hook:
     """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
     gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
@@ -212,8 +236,9 @@ class Hooks:
             model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
         ]
         # calls run with their parameters detached, {id(module): [(module, {name: param},
-        # (args, kwargs) where the call runs with grad mode off, else None)]}
-        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter], Any]]] = {}
+        # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
+        # its input carries them, else None)]}
+        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter], Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
@@ -408,7 +433,7 @@ class Hooks:
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for module, detached, owned in stack:
+            for module, detached, owned, _ in stack:
                 module._parameters.update(detached)
                 if owned is not None:
                     torch.set_grad_enabled(True)
@@ -455,9 +480,16 @@ class Hooks:
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
         the parameters no gradient. Where the rule's entry has ``input_grads``, the call runs
-        with grad mode off: autograd records nothing of it (:meth:`_capture_owned`)."""
+        with grad mode off: autograd records nothing of it (:meth:`_capture_owned`). Where it
+        has ``taps`` (and ``grad1`` is computed), the rule runs only once the backward has
+        reached nodes inside the call, after its output: the parameters are attached to the
+        call's first floating-point input instead, through a :class:`_Carry` node that takes
+        its place (every occurrence: ``query is key is value`` stays true), and whose backward
+        runs after the call's (:meth:`_carried_backward`)."""
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        carries = target.entry.taps is not None and not target.entry.input_grads
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if (
                 module is not target.module
                 or next(iter(module._forward_hooks), None) != forward_hook
@@ -471,48 +503,70 @@ class Hooks:
                 or _is_compiling()
                 or torch._C._functorch.peek_interpreter_stack() is not None
                 or not target.entry.grad_from_grad1(module, args)
-                or (target.entry.input_grads and not _last_pre_hook(module, hook))
+                or (carries and not self._grad1)
+                or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
             own = module._parameters
             detached = {
                 n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
             }
-            if not detached:
+            carried = None
+            if carries:
+                carried = next(
+                    (t for t in [*_leaves(args), *_leaves(kwargs)]
+                     if isinstance(t, Tensor) and t.is_floating_point()),
+                    None,
+                )  # fmt: skip
+            if not detached or (carries and carried is None):
                 return
             for n, p in detached.items():
                 own[n] = p.detach()
             owned = (args, kwargs) if target.entry.input_grads else None
-            self._detached.setdefault(id(module), []).append((module, detached, owned))
+            box = None
+            if carries:
+                box = _Carried(target, detached, args, kwargs, _Sums(detached))
+                attached = _Carry.apply(
+                    lambda g: self._carried_backward(box, g), carried, *detached.values()
+                )
+                swap = lambda t: attached if t is carried else t  # noqa: E731
+                args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
+            self._detached.setdefault(id(module), []).append((module, detached, owned, box))
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
+            if box is not None:
+                return args, kwargs
 
         return hook
 
-    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any]:
+    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any]:
         """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
-        returns them and the call's ``(args, kwargs)`` where it ran with grad mode off (else
-        ``None``)."""
+        returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
+        ``None``) and its :class:`_Carried` where its first input carries them (else ``None``)."""
         stack = self._detached.get(id(module))
         if not stack:
-            return {}, None
-        _, detached, owned = stack.pop()
+            return {}, None, None
+        _, detached, owned, carried = stack.pop()
         if not stack:
             del self._detached[id(module)]
         module._parameters.update(detached)
         if owned is not None:
             torch.set_grad_enabled(True)  # (it was on: _detach_hook)
-        return detached, owned
+        return detached, owned, carried
 
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            detached, owned = self._reattach(module) if self._detached else ({}, None)
+            detached, owned, carried = (
+                self._reattach(module) if self._detached else ({}, None, None)
+            )
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
             if owned is not None:
                 return self._capture_owned(target, detached, owned, args, kwargs, output)
-            if detached:
+            if detached and carried is None:
                 return self._capture_detached(target, detached, args, kwargs, output)
+            # (a carried call goes on as any other: its rule gives the sums as well)
+            sums = carried.sums if carried is not None else None
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
                 return
             if not torch.is_grad_enabled():
@@ -552,6 +606,9 @@ class Hooks:
                 full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
                     full[i] = g
+                if carried is not None:  # (sums a backward that never reached it left: gone)
+                    carried.outputs = tuple(full)
+                    carried.sums.clear()
                 capturing = not (self._removed or self._ignore_backward or state.cancelled)
                 if n_nodes and capturing and self._capturing_backward():
                     # The rule runs when the backward reaches the tapped nodes too, or, if it
@@ -561,10 +618,11 @@ class Hooks:
                     bw.reached.update(id(p) for p in live.values())  # before their own grads
                     bw.pending[id(pending)] = lambda: self._on_grads(
                         target, state, replace(call, grad_outputs=pending.pop("outputs"),
-                                               taps=None), args, kwargs,
+                                               taps=None), args, kwargs, sums,
                     )  # fmt: skip
                     return
-                self._on_grads(target, state, replace(call, grad_outputs=tuple(full)), args, kwargs)
+                filled = replace(call, grad_outputs=tuple(full))
+                self._on_grads(target, state, filled, args, kwargs, sums)
 
             if nodes:
                 pending: dict[Any, Any] = {}
@@ -582,7 +640,7 @@ class Hooks:
                     if bw is not None:
                         bw.pending.pop(id(pending), None)
                     done = replace(call, grad_outputs=outputs, tap_grads=tapped)
-                    self._on_grads(target, state, done, args, kwargs)
+                    self._on_grads(target, state, done, args, kwargs, sums)
 
                 for i, node in enumerate(nodes):
                     node.register_prehook(lambda grad_outputs, i=i: on_node(i, grad_outputs))
@@ -745,6 +803,31 @@ class Hooks:
             attached[i] = t
         return spec.unflatten(attached)
 
+    def _carried_backward(self, carried: _Carried, g: Tensor | None) -> tuple:
+        """The backward of a :class:`_Carry` node: the carried input's gradient ``g`` on, and
+        the batch gradients of the call's detached parameters. They are the sums the rule gave
+        (it ran when the backward reached the call's taps, before this node); where it gave
+        none (a paused backward, one not captured) or in a ``create_graph`` backward,
+        autograd through the call's forward run again (:func:`_rerun_carried`)."""
+        detached = carried.detached
+        outputs, carried.outputs = carried.outputs, None
+        create_graph = torch.is_grad_enabled()
+        if self._no_param_grads and not create_graph:
+            return (g, *(None for _ in detached))
+        grads: dict[str, Tensor | None] = {} if create_graph else dict(carried.sums)
+        carried.sums.clear()
+        missing = [n for n in detached if n not in grads]
+        if (missing or create_graph) and outputs is not None:
+            self._rerunning += 1  # its backwards are not the model's: not tracked
+            try:
+                found, correction = _rerun_carried(carried, missing, outputs, create_graph)
+            finally:
+                self._rerunning -= 1
+            grads.update(found)
+            if correction is not None:
+                g = correction if g is None else g + correction
+        return (g, *(grads.get(n) for n in detached))
+
     def _on_grads(
         self,
         target: _Target,
@@ -832,9 +915,12 @@ class Hooks:
             formed = {}
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
+        wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
         if not self._grad1:
             if formed is not None:  # a call run detached without grad1 (norms): batch gradients
                 for pname, p in live.items():  # as a by-product of the norms, else from the piece
+                    if wanted is not None and pname not in wanted:
+                        continue
                     total = formed.pop(id(p), None)
                     if total is not None:
                         total = total / scale if scale else total
@@ -850,7 +936,8 @@ class Hooks:
                 bw.before[id(p)] = p.grad1 if id(p) in self._written else None
             accumulate = id(p) in self._written
             out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
-            if accumulate and sums is not None:
+            summed = sums is not None and (wanted is None or pname in wanted)
+            if accumulate and summed:
                 out = None  # this call's own grad1 is summed below: not added in place
             try:
                 if out is not None:
@@ -862,7 +949,7 @@ class Hooks:
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
-            if sums is not None:
+            if summed:
                 own = out if out is not None else g1
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
@@ -1117,6 +1204,88 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         return (None, g, *ctx.backward(g))
+
+
+class _Carry(torch.autograd.Function):
+    """``_Carry.apply(backward, x, *params)``: ``x`` (the same memory), attached to ``params``
+    that the call it goes into runs detached (:meth:`Hooks._detach_hook`). Its backward asks
+    ``backward(g)`` for the gradients of ``x`` and ``params``."""
+
+    @staticmethod
+    def forward(ctx, backward, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.backward = backward
+        ctx.set_materialize_grads(False)
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor | None):
+        return (None, *ctx.backward(g))
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """``module``'s parameters named in ``tensors`` (qualified names) replaced by them."""
+    owners = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        owners[name] = (owner, leaf, owner._parameters[leaf])
+        owner._parameters[leaf] = t
+    try:
+        yield
+    finally:
+        for owner, leaf, p in owners.values():
+            owner._parameters[leaf] = p
+
+
+def _rerun_carried(
+    carried: _Carried, missing: list[str], outputs: tuple, create_graph: bool
+) -> tuple[dict[str, Tensor | None], Tensor | None]:
+    """What a :class:`_Carry` node needs of autograd through the call's forward run again,
+    hooks bypassed, against the call's output-gradients ``outputs``: the batch gradients of
+    the ``missing`` parameters and, in a ``create_graph`` backward, a correction of value zero
+    for the carried input. Its gradient as the call's own nodes computed it has no graph
+    through the detached parameters; the correction carries exactly that part: the forward
+    runs on a fresh leaf for the input, against detached output-gradients, with every other
+    parameter of the call detached."""
+    module, detached = carried.target.module, carried.detached
+    args, kwargs = carried.args, carried.kwargs
+
+    def vjp(args, kwargs, grads, wanted):
+        with torch.enable_grad():
+            leaves = tree_flatten(module.forward(*args, **kwargs))[0]
+        pairs = [
+            (t, g) for t, g in zip(leaves, grads)
+            if g is not None and isinstance(t, Tensor) and t.requires_grad
+        ]  # fmt: skip
+        if not pairs:
+            return [None] * len(wanted)
+        outs, gs = zip(*pairs)
+        return torch.autograd.grad(outs, wanted, gs, create_graph=create_graph, allow_unused=True)
+
+    found: dict[str, Tensor | None] = {}
+    if missing:
+        a, k = (args, kwargs) if create_graph else _detach((args, kwargs))
+        found = dict(zip(missing, vjp(a, k, outputs, [detached[n] for n in missing])))
+    correction = None
+    if create_graph:
+        x = next(
+            t for t in [*_leaves(args), *_leaves(kwargs)]
+            if isinstance(t, Tensor) and t.is_floating_point()
+        )  # fmt: skip
+        leaf = x.detach().requires_grad_()
+        swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
+        others = {
+            n: p.detach() for n, p in carried.target.params.items() if n not in detached
+        }
+        with _parameters_replaced(module, others):
+            (full,) = vjp(
+                tree_map(swap, args), tree_map(swap, kwargs),
+                [None if g is None else g.detach() for g in outputs], [leaf],
+            )  # fmt: skip
+        if full is not None:
+            correction = full - full.detach()
+    return found, correction
 
 
 def _last_pre_hook(module: nn.Module, fn: Any) -> bool:

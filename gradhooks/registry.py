@@ -109,7 +109,10 @@ class Registry:
     positions per example share the weight: the sum reads ``batch x parameters`` floats, the
     batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
     returns one tensor and calls no hooked submodule; its rule must give a piece for each of
-    its own parameters.
+    its own parameters. With ``taps`` too (the rule runs after the call's output, when the
+    backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
+    parameters are then attached to the call's first floating-point input instead of its
+    output, and the output may be any tree of tensors.
     ``input_grads`` (with ``grad_from_grad1``): the call runs with grad mode off, so that
     autograd records nothing of it (no backward of the module's own is run), and the rule
     gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may then be any

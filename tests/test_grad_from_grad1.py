@@ -223,3 +223,158 @@ def test_global_forward_hook_turns_it_off(threshold):
             assert not any(attach_nodes(model, torch.randn(2, 2, 40, dtype=D)))
     finally:
         handle.remove()
+
+
+# -- self-attention: the parameters carried by the input ------------------------------------------
+# The rule of nn.MultiheadAttention runs when the backward reaches the in-projection inside the
+# call, after the call's output: in_proj_weight and in_proj_bias are attached to the call's
+# input instead (a _Carry node), whose backward runs after the whole call.
+
+
+class AttnSeq(nn.Module):
+    """A Linear, causal self-attention over the positions (as TinyGPT calls it), a head."""
+
+    def __init__(self, batch_first=True, first=False, need_weights=False):
+        super().__init__()
+        self.batch_first, self.first, self.need_weights = batch_first, first, need_weights
+        self.embed = nn.Linear(4, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=batch_first)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # [batch, 40, 4]
+        h = x if self.first else torch.tanh(self.embed(x))
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        mask = torch.triu(torch.ones(40, 40, dtype=torch.bool), 1)
+        h = h + self.attn(h, h, h, attn_mask=mask, need_weights=self.need_weights)[0]
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+def carried(model, x) -> bool:
+    """Whether the attention's input came through a _Carry node."""
+    seen = []
+    handle = model.attn.register_forward_hook(
+        lambda m, a, out: seen.append(type(a[0].grad_fn).__name__ == "_CarryBackward")
+    )
+    model(x)
+    handle.remove()
+    return seen == [True]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("layout", ["batch_first", "seq_first", "input_first"])
+def test_carried_attention_against_oracles(threshold, reduction, layout):
+    """grad1 against vmap(grad) and the loop, .grad against autograd without hooks; the
+    attention's input is the model's own (no grad) with ``input_first``."""
+    torch.manual_seed(0)
+    model = AttnSeq(batch_first=layout != "seq_first", first=layout == "input_first").to(D)
+    x, y = torch.randn(5, 40, 4, dtype=D), torch.randint(0, 2, (5,))
+    loss_fn = lambda out, t: F.cross_entropy(out, t, reduction=reduction)  # noqa: E731
+    want = vmap_grad(model, loss_fn, x, y)
+    loop = loop_grad(model, loss_fn, x, y)
+    grads = plain_grads(model, loss_fn, x, y)
+    with gradhooks.add_hooks(model, loss_reduction=reduction) as h:
+        assert carried(model, x)
+        loss_fn(model(x), y).backward()
+        h.check(loss_fn, x, y)
+    for n, p in model.named_parameters():
+        if layout == "input_first" and n.startswith("embed"):
+            continue
+        assert_close(p.grad, grads[n], f"{n} .grad vs autograd without hooks")
+        assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
+        assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
+
+
+def test_carried_attention_only_where_it_pays(threshold):
+    """Not with fewer positions than the threshold, not with norms only (the sum of grad1 is
+    what replaces autograd's batch gradient), not for cross-attention."""
+    model = AttnSeq().to(D)
+    x = torch.randn(2, 40, 4, dtype=D)
+    with gradhooks.add_hooks(model, quantities=("norms",)):
+        assert not carried(model, x)
+    with gradhooks.add_hooks(model):
+        assert carried(model, x) == (threshold <= 40)
+        seen = []
+        model.attn.register_forward_hook(lambda m, a, out: seen.append(a[0].grad_fn))
+        h = torch.randn(2, 40, 4, dtype=D, requires_grad=True)
+        model.attn(h, h + 0, h + 0)
+        assert type(seen[0]).__name__ != "_CarryBackward"
+
+
+def test_carried_attention_backwards_that_write_no_grad1_still_give_grad(threshold):
+    """A paused backward (the carry then runs the call's forward again for .grad), a second
+    captured backward through a retained graph, and another forward: .grad is autograd's,
+    grad1 the sum of the captured backwards'."""
+    torch.manual_seed(0)
+    model = AttnSeq().to(D)
+    x, y = torch.randn(4, 40, 4, dtype=D), torch.randint(0, 2, (4,))
+    ref = copy.deepcopy(model)
+    with gradhooks.add_hooks(model) as h:
+        out = model(x)
+        with h.paused():
+            F.cross_entropy(out, y).backward(retain_graph=True)
+        assert not hasattr(model.attn.in_proj_weight, "grad1")
+        assert_close(model.attn.in_proj_weight.grad, plain_grads(ref, F.cross_entropy, x, y)[
+            "attn.in_proj_weight"], "paused: .grad of in_proj_weight")  # fmt: skip
+        (2 * F.cross_entropy(out, y)).backward()  # captured; .grad accumulates
+        want = vmap_grad(model, lambda o, t: 2 * F.cross_entropy(o, t), x, y)
+        F.cross_entropy(model(x), y).backward()  # grad1 accumulates too
+    out = ref(x)
+    F.cross_entropy(out, y).backward(retain_graph=True)
+    (2 * F.cross_entropy(out, y)).backward()
+    F.cross_entropy(ref(x), y).backward()
+    once = vmap_grad(model, F.cross_entropy, x, y)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, r.grad, f"{n} .grad")
+        assert_close(p.grad1, want[n] + once[n], f"{n} grad1 of the two captured backwards")
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_carried_attention_input_gradient_penalty(threshold, first):
+    """‖∂out/∂x‖² through a create_graph backward, differentiated with respect to the
+    parameters: the input-gradient the call's own nodes give has no graph through the detached
+    in-projection; the carry's correction adds exactly that part (no other term twice). (With
+    need_weights: torch's fused attention has no double backward on CPU.)"""
+    torch.manual_seed(0)
+    model = AttnSeq(first=first, need_weights=True).to(D)
+    x = torch.randn(3, 40, 4, dtype=D, requires_grad=True)
+    ref = copy.deepcopy(model)
+
+    def penalty(m):
+        (dx,) = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
+        return dx.pow(2).sum()
+
+    penalty(ref).backward()
+    with gradhooks.add_hooks(model) as h:
+        assert carried(model, x)
+        value = penalty(model)
+        with h.paused():
+            value.backward()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        if r.grad is None:
+            assert p.grad is None, n
+        else:
+            assert_close(p.grad, r.grad, f"{n} gradient of the penalty")
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
+def test_carried_attention_dp_step(threshold, method):
+    """The DP step's clipped gradients against the clipped loop (the book-keeping step's
+    second backward gives the carried parameters no gradient of their own)."""
+    torch.manual_seed(0)
+    model = AttnSeq().to(D)
+    x, y = torch.randn(5, 40, 4, dtype=D), torch.randint(0, 2, (5,))
+    loop = loop_grad(model, F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    with gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",)) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method)
+    assert_close(got, norms, "norms")
+    for name, p in model.named_parameters():
+        want = torch.einsum("b,b...->...", factors, loop[name]) / 5
+        assert_close(p.grad, want, f"{method}: clipped {name}")
+

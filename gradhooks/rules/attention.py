@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from ..pieces import Direct, Outer, Piece
 from ..registry import Call, register
+from . import linear
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -143,6 +144,19 @@ def _weight_of(node) -> Tensor | None:
     return getattr(node, "variable", None)
 
 
+_PRODUCTS = ("AddmmBackward0", "MmBackward0", "BmmBackward0")
+
+
+def _multiplies_by(node, w: Tensor) -> bool:
+    """Whether ``node`` is a matrix product whose right operand is ``w`` (transposed, or
+    expanded over a batch): a Linear map by a weight that does not require grad (run detached,
+    see :func:`self_attention_positions`), which autograd's graph does not otherwise show."""
+    if type(node).__name__ not in _PRODUCTS:
+        return False
+    right = node._saved_mat2
+    return right is not None and right.data_ptr() == w.data_ptr() and right.shape[-2:] == w.T.shape
+
+
 def _saved_input(node) -> Tensor | None:
     """The left operand ``[rows, E]`` an ``addmm`` / ``mm`` node saved (a Linear's input)."""
     name = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}.get(type(node).__name__)
@@ -182,6 +196,8 @@ def projection_taps(
         if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
             continue
         seen.add(node)
+        if "in" not in found and _multiplies_by(node, m.in_proj_weight):
+            found["in"] = node  # the call ran with in_proj_weight detached
         for nxt, _ in node.next_functions:
             w = _weight_of(nxt) if type(node).__name__ != "TBackward0" else None
             if w is not None and id(w) in wanted:
@@ -220,7 +236,33 @@ def _tapped_pieces(call: Call, query: Tensor, g_out: Tensor | None) -> dict[str,
     return pieces
 
 
-@register(nn.MultiheadAttention, owns_children=True, taps=projection_taps)
+def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
+    """``grad_from_grad1``: the call runs with ``in_proj_weight`` and ``in_proj_bias``
+    detached (autograd then does not compute their batch gradient, which the sum of ``grad1``
+    gives) for the calls whose taps the rule uses: a self-attention call (``query``, ``key``,
+    ``value`` passed positionally, one tensor) on CPU with as many positions per example as
+    :func:`gradhooks.rules.linear.many_positions` asks of a Linear. ``out_proj`` stays
+    attached: its input, which the rule needs, is saved only for its own weight gradient."""
+    if len(args) < 3 or not isinstance(args[0], Tensor) or args[0].dim() != 3:
+        return False
+    query = args[0]
+    return (
+        args[1] is query
+        and args[2] is query
+        and query.device.type == "cpu"
+        and m._qkv_same_embed_dim
+        and m.bias_k is None
+        and not (m.training and m.dropout > 0)
+        and query.shape[1 if m.batch_first else 0] >= linear.SUM_GRAD1_POSITIONS
+    )
+
+
+@register(
+    nn.MultiheadAttention,
+    owns_children=True,
+    taps=projection_taps,
+    grad_from_grad1=self_attention_positions,
+)
 def multihead_attention(call: Call) -> dict[str, Piece]:
     m: nn.MultiheadAttention = call.module
     args = _SIGNATURE.bind(m, *call.inputs, **call.kwargs)
