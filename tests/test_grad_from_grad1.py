@@ -120,18 +120,25 @@ def test_in_tree_models(threshold, make):
         assert_close(p.grad, grads[n], f"{n} .grad vs autograd without hooks")
 
 
-def test_backwards_that_write_no_grad1_still_give_grad(threshold):
+@pytest.mark.parametrize("kind", ["conv", "attention"])
+def test_backwards_that_write_no_grad1_still_give_grad(threshold, kind):
     """A paused backward, a second backward without clear() and .grad accumulation: .grad is
-    autograd's (from the rule's pieces where no grad1 was computed)."""
+    autograd's (from the rule's pieces where no grad1 was computed; self-attention's carry runs
+    the call's forward again for the paused backward)."""
     torch.manual_seed(0)
-    model = ConvSeq().to(D)
-    x, y = torch.randn(4, 2, 40, dtype=D), torch.randint(0, 2, (4,))
+    if kind == "conv":
+        model, x, watched = ConvSeq().to(D), torch.randn(4, 2, 40, dtype=D), "conv.weight"
+    else:
+        model, x, watched = AttnSeq().to(D), torch.randn(4, 40, 4, dtype=D), "attn.in_proj_weight"
+    y = torch.randint(0, 2, (4,))
     ref = copy.deepcopy(model)
     with gradhooks.add_hooks(model) as h:
         out = model(x)
         with h.paused():
             F.cross_entropy(out, y).backward(retain_graph=True)
-        assert not hasattr(model.conv.weight, "grad1")
+        assert not hasattr(model.get_parameter(watched), "grad1")
+        want_paused = plain_grads(ref, F.cross_entropy, x, y)[watched]
+        assert_close(model.get_parameter(watched).grad, want_paused, f"paused: .grad of {watched}")
         (2 * F.cross_entropy(out, y)).backward()  # captured; .grad accumulates
         want = vmap_grad(model, lambda o, t: 2 * F.cross_entropy(o, t), x, y)
         F.cross_entropy(model(x), y).backward()  # grad1 accumulates too
@@ -301,34 +308,6 @@ def test_carried_attention_only_where_it_pays(threshold):
         h = torch.randn(2, 40, 4, dtype=D, requires_grad=True)
         model.attn(h, h + 0, h + 0)
         assert type(seen[0]).__name__ != "_CarryBackward"
-
-
-def test_carried_attention_backwards_that_write_no_grad1_still_give_grad(threshold):
-    """A paused backward (the carry then runs the call's forward again for .grad), a second
-    captured backward through a retained graph, and another forward: .grad is autograd's,
-    grad1 the sum of the captured backwards'."""
-    torch.manual_seed(0)
-    model = AttnSeq().to(D)
-    x, y = torch.randn(4, 40, 4, dtype=D), torch.randint(0, 2, (4,))
-    ref = copy.deepcopy(model)
-    with gradhooks.add_hooks(model) as h:
-        out = model(x)
-        with h.paused():
-            F.cross_entropy(out, y).backward(retain_graph=True)
-        assert not hasattr(model.attn.in_proj_weight, "grad1")
-        assert_close(model.attn.in_proj_weight.grad, plain_grads(ref, F.cross_entropy, x, y)[
-            "attn.in_proj_weight"], "paused: .grad of in_proj_weight")  # fmt: skip
-        (2 * F.cross_entropy(out, y)).backward()  # captured; .grad accumulates
-        want = vmap_grad(model, lambda o, t: 2 * F.cross_entropy(o, t), x, y)
-        F.cross_entropy(model(x), y).backward()  # grad1 accumulates too
-    out = ref(x)
-    F.cross_entropy(out, y).backward(retain_graph=True)
-    (2 * F.cross_entropy(out, y)).backward()
-    F.cross_entropy(ref(x), y).backward()
-    once = vmap_grad(model, F.cross_entropy, x, y)
-    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p.grad, r.grad, f"{n} .grad")
-        assert_close(p.grad1, want[n] + once[n], f"{n} grad1 of the two captured backwards")
 
 
 @pytest.mark.parametrize("first", [False, True])
