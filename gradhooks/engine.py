@@ -107,6 +107,7 @@ class _Carried:
 
     target: _Target
     detached: dict[str, nn.Parameter]
+    input: Tensor  # the carried input, as the caller passed it
     args: tuple  # as the caller passed them (the input not yet carried)
     kwargs: dict
     sums: _Sums
@@ -525,7 +526,7 @@ class Hooks:
             owned = (args, kwargs) if target.entry.input_grads else None
             box = None
             if carries:
-                box = _Carried(target, detached, args, kwargs, _Sums(detached))
+                box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
                 attached = _Carry.apply(
                     lambda g: self._carried_backward(box, g), carried, *detached.values()
                 )
@@ -1250,38 +1251,23 @@ def _rerun_carried(
     parameter of the call detached."""
     module, detached = carried.target.module, carried.detached
     args, kwargs = carried.args, carried.kwargs
-
-    def vjp(args, kwargs, grads, wanted):
-        with torch.enable_grad():
-            leaves = tree_flatten(module.forward(*args, **kwargs))[0]
-        pairs = [
-            (t, g) for t, g in zip(leaves, grads)
-            if g is not None and isinstance(t, Tensor) and t.requires_grad
-        ]  # fmt: skip
-        if not pairs:
-            return [None] * len(wanted)
-        outs, gs = zip(*pairs)
-        return torch.autograd.grad(outs, wanted, gs, create_graph=create_graph, allow_unused=True)
-
     found: dict[str, Tensor | None] = {}
     if missing:
-        a, k = (args, kwargs) if create_graph else _detach((args, kwargs))
-        found = dict(zip(missing, vjp(a, k, outputs, [detached[n] for n in missing])))
+        call = (args, kwargs) if create_graph else _detach((args, kwargs))
+        wanted = [detached[n] for n in missing]
+        found = dict(zip(missing, _rerun_owned(module, call, outputs, wanted, create_graph)))
     correction = None
     if create_graph:
-        x = next(
-            t for t in [*_leaves(args), *_leaves(kwargs)]
-            if isinstance(t, Tensor) and t.is_floating_point()
-        )  # fmt: skip
+        x = carried.input
         leaf = x.detach().requires_grad_()
         swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
         others = {
             n: p.detach() for n, p in carried.target.params.items() if n not in detached
         }
         with _parameters_replaced(module, others):
-            (full,) = vjp(
-                tree_map(swap, args), tree_map(swap, kwargs),
-                [None if g is None else g.detach() for g in outputs], [leaf],
+            (full,) = _rerun_owned(
+                module, tree_map(swap, (args, kwargs)),
+                [None if g is None else g.detach() for g in outputs], [leaf], True,
             )  # fmt: skip
         if full is not None:
             correction = full - full.detach()
