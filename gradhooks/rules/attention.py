@@ -290,45 +290,54 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     g_probs = call.grad_outputs[1] if len(call.grad_outputs) > 1 else None
     if g_out is not None and not m.batch_first:
         g_out = g_out.transpose(0, 1)
-    if call.taps is not None and call.tap_grads:
+    # A create_graph backward: the pieces get the graph of the recomputation, through the
+    # parameters too (the taps' tensors were computed with the in-projection detached).
+    create_graph = torch.is_grad_enabled()
+    if call.taps is not None and call.tap_grads and not create_graph:
         pieces = _tapped_pieces(call, query, g_out)
         if pieces is not None:
             return pieces
+    own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
 
     if m._qkv_same_embed_dim:
-        w_q, w_k, w_v = m.in_proj_weight.detach().chunk(3)
+        w_q, w_k, w_v = own(m.in_proj_weight).chunk(3)
     else:
-        w_q, w_k, w_v = (w.detach() for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
+        w_q, w_k, w_v = (own(w) for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
     b_q = b_k = b_v = None
     if m.in_proj_bias is not None:
-        b_q, b_k, b_v = m.in_proj_bias.detach().chunk(3)
+        b_q, b_k, b_v = own(m.in_proj_bias).chunk(3)
     inputs = [query, key, value]
     with torch.enable_grad():
         projections = [
-            _probed(F.linear(x, w, b))
+            _probed(F.linear(x, w, b), create_graph)
             for x, w, b in zip(inputs, (w_q, w_k, w_v), (b_q, b_k, b_v), strict=True)
         ]
         biases_kv = []
         if m.bias_k is not None:
             batch = query.shape[0]
             biases_kv = [
-                _probed(b.detach().reshape(1, 1, -1).expand(batch, 1, -1))
+                _probed(own(b).reshape(1, 1, -1).expand(batch, 1, -1), create_graph)
                 for b in (m.bias_k, m.bias_v)
             ]
         values = [v for v, _ in projections + biases_kv]
+        # (the explicit softmax in a create_graph backward: torch's fused attention has no
+        # double backward on CPU)
         ctx, probs = _attention(
-            m, *values[:3], *(values[3:] or (None, None)), args, need_probs=g_probs is not None
-        )
+            m, *values[:3], *(values[3:] or (None, None)), args,
+            need_probs=g_probs is not None or create_graph,
+        )  # fmt: skip
         outputs, grads = [], []
         if g_out is not None:
             outputs.append(ctx)
-            grads.append(g_out @ m.out_proj.weight.detach())
+            grads.append(g_out @ own(m.out_proj.weight))
         if g_probs is not None:
             outputs.append(probs.mean(1) if args["average_attn_weights"] else probs)
             grads.append(g_probs)
         leaves = [probe for _, probe in projections + biases_kv]
         if outputs:
-            leaf_grads = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+            leaf_grads = torch.autograd.grad(
+                outputs, leaves, grads, allow_unused=True, create_graph=create_graph
+            )
             leaf_grads = [
                 torch.zeros_like(t) if g is None else g
                 for t, g in zip(leaves, leaf_grads, strict=True)
@@ -340,7 +349,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
     if g_out is None:
         g_out = query.new_zeros(*query.shape[:2], m.embed_dim)
-    pieces["out_proj.weight"] = Outer(ctx.detach(), g_out)
+    pieces["out_proj.weight"] = Outer(own(ctx), g_out)
     if m.out_proj.bias is not None:
         pieces["out_proj.bias"] = Outer(None, g_out)
     if m._qkv_same_embed_dim:
@@ -356,9 +365,11 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     return pieces
 
 
-def _probed(t: Tensor) -> tuple[Tensor, Tensor]:
+def _probed(t: Tensor, keep_graph: bool = False) -> tuple[Tensor, Tensor]:
     """``(t + probe, probe)`` with ``probe`` a zero leaf that requires grad: the gradient with
     respect to the probe is the gradient with respect to ``t``. (A probe rather than
-    ``t.requires_grad_()``, which torch.func transforms forbid: the Jacobians vmap the backward.)"""
+    ``t.requires_grad_()``, which torch.func transforms forbid: the Jacobians vmap the backward.)
+    ``t`` is detached unless ``keep_graph`` (a create_graph backward: the gradient is then
+    differentiable through what ``t`` was computed from)."""
     probe = torch.zeros(t.shape, dtype=t.dtype, device=t.device, requires_grad=True)
-    return t.detach() + probe, probe
+    return (t if keep_graph else t.detach()) + probe, probe

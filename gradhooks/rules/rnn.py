@@ -647,7 +647,38 @@ def rnn(call: Call) -> dict[str, Outer]:
             by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
         leaves = tree_flatten((call.inputs, call.kwargs))[0]
         call.input_grads.extend(by_id.get(id(t)) for t in leaves)
+    if torch.is_grad_enabled():  # a create_graph backward
+        params = [p for p in module.parameters() if p.requires_grad]
+        where = f"'{call.name or '<model>'}' ({type(module).__qualname__})"
+        pieces = {
+            n: Outer(p.a, _NoSecondDerivative.apply(where, p.g, *params))
+            for n, p in pieces.items()
+        }
     return pieces
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """``_NoSecondDerivative.apply(where, g, *params)``: ``g`` (the same values), with a
+    backward that raises. An RNN's pieces come from a backward through time without autograd,
+    so the ``grad1`` a ``create_graph`` backward gives them has no graph: differentiating a
+    function of it would silently miss every term through this layer. Attached to the
+    parameters, the pieces' ``grad1`` requires grad, and differentiating through it stops
+    here with an error instead."""
+
+    @staticmethod
+    def forward(ctx, where: str, g: Tensor, *params: Tensor) -> Tensor:
+        ctx.where = where
+        return g.detach()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.where}: grad1 from a create_graph=True backward cannot be differentiated "
+            "for RNN layers (gradhooks computes their per-example gradients by a backward "
+            "through time without autograd, so the derivative would miss every term through "
+            "this layer). Differentiate per-example gradients of RNNs with torch.func instead "
+            "(vmap(grad) inside grad)."
+        )
 
 
 def _owns_backward(module: nn.LSTM, args: tuple) -> bool:

@@ -48,6 +48,10 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
             "masks cannot be replayed, so per-example gradients of this layer cannot be "
             "computed. Construct it with dropout=0, or call .eval()."
         )
+    # A create_graph backward: the parts' calls keep the graph of the rerun (through the
+    # parameters too), and so do their pieces.
+    create_graph = torch.is_grad_enabled()
+    keep = (lambda tree: tree) if create_graph else _detach  # noqa: E731
     names = {m: n for n, m in layer.named_children()}
     records: list[tuple[str, nn.Module, tuple, dict, object]] = []
 
@@ -67,7 +71,11 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     ]
     flat = [t for ts in leaves for t in ts]
     grads = (
-        iter(torch.autograd.grad(output, flat, call.grad_output, allow_unused=True))
+        iter(
+            torch.autograd.grad(
+                output, flat, call.grad_output, allow_unused=True, create_graph=create_graph
+            )
+        )
         if flat
         else iter(())
     )
@@ -99,9 +107,9 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
                 full[i] = next(it)
         part = Call(
             module=module,
-            inputs=_detach(args),
-            kwargs=_detach(kwargs),
-            output=_detach(out) if entry.needs_output else None,
+            inputs=keep(args),
+            kwargs=keep(kwargs),
+            output=keep(out) if entry.needs_output else None,
             grad_outputs=tuple(full),
             name=f"{call.name}.{name}" if call.name else name,
         )

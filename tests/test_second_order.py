@@ -1,0 +1,96 @@
+"""Differentiating through grad1: a create_graph backward gives grad1 with a graph, and the
+derivative of a function of it matches a per-example loop in float64, for every layer; where
+gradhooks cannot give that graph (RNN layers), differentiating raises instead of being wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cases import CASES, Case, _first, _head, _SelfAttention, _seq
+from harness import _double, assert_close
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gradhooks
+
+BATCH = 3
+RNNS = {"rnn", "lstm", "gru"}  # grad1 by a backward through time without autograd
+NO_DOUBLE_BACKWARD = {"embedding_bag"}  # torch has no derivative of its backward
+
+# The paths taken from linear.SUM_GRAD1_POSITIONS (32) positions on: parameters run detached
+# (Linear, convolution), the in-projection carried by the input (self-attention).
+MANY_POSITIONS = [
+    Case(
+        "conv_many_positions",
+        _seq(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, padding=1), nn.Flatten()),
+        lambda b: torch.randn(b, 2, 6, 6),
+    ),
+    Case(
+        "linear_many_positions",
+        _seq(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3), nn.Flatten()),
+        lambda b: torch.randn(b, 40, 4),
+    ),
+    Case("attention_carried", _head(_SelfAttention, 4, _first), lambda b: torch.randn(b, 40, 4)),
+]
+
+
+def _loss(case: Case, out, target):
+    return case.loss(out) if target is None else case.loss(out, target)
+
+
+@pytest.mark.parametrize("case", CASES + MANY_POSITIONS, ids=repr)
+def test_derivative_of_a_function_of_grad1(case):
+    if case.id in NO_DOUBLE_BACKWARD:
+        pytest.skip("torch cannot differentiate this layer's backward")
+    torch.manual_seed(0)
+    model = case.model().double()
+    inputs = _double(case.inputs(BATCH))
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    target = case.target(BATCH) if case.target else None
+    weights = torch.rand(BATCH, dtype=torch.double) + 0.5  # each example's own weight
+
+    # the oracle: each example's gradient with a graph, one example at a time
+    ref = copy.deepcopy(model)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    per_example, objective = [], 0
+    # torch's fused attention has no double backward on CPU: the math kernel, both sides
+    with sdpa_kernel(SDPBackend.MATH):
+        for b in range(BATCH):
+            t = None if target is None else target[b : b + 1]
+            out = ref(*(a[b : b + 1] for a in args))
+            grads = torch.autograd.grad(_loss(case, out, t), ref_params, create_graph=True)
+            per_example.append(grads)
+            objective = objective + weights[b] * sum(g.pow(2).sum() for g in grads)
+        want = torch.autograd.grad(objective, ref_params, allow_unused=True)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+            torch.autograd.grad(_loss(case, model(*args), target), params, create_graph=True)
+            for i, p in enumerate(params):
+                value = torch.stack([grads[i] for grads in per_example]).detach()
+                assert_close(p.grad1.detach(), value, f"{case.id}: grad1 of parameter {i}")
+            value = sum((weights * p.grad1.pow(2).flatten(1).sum(1)).sum() for p in params)
+            with h.paused():
+                if case.id in RNNS:
+                    with pytest.raises(RuntimeError, match=r"'layer' \(\w+\): grad1 from a "
+                                       "create_graph=True backward cannot be differentiated"):
+                        torch.autograd.grad(value, params, allow_unused=True)
+                    return
+                got = torch.autograd.grad(value, params, allow_unused=True)
+    for i, (g, w, p) in enumerate(zip(got, want, params, strict=True)):
+        g = torch.zeros_like(p) if g is None else g
+        w = torch.zeros_like(p) if w is None else w
+        assert_close(g, w, f"{case.id}: d Σ_b w_b ‖grad1_b‖² / d parameter {i}")
+
+
+@pytest.mark.parametrize("case", MANY_POSITIONS, ids=repr)
+def test_many_positions_cases_take_their_paths(case):
+    """The MANY_POSITIONS cases' first layer runs its parameters detached (else they test
+    nothing more than the small cases)."""
+    model = case.model()
+    first = next(m for m in model.modules() if gradhooks.REGISTRY.lookup(m) is not None)
+    x = case.inputs(BATCH)
+    args = (x, x, x) if isinstance(first, nn.MultiheadAttention) else (x,)
+    assert gradhooks.REGISTRY.lookup(first).grad_from_grad1(first, args)
