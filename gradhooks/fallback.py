@@ -174,10 +174,14 @@ def _per_example_vjp(
 def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     """One recomputation, with the tensor inputs flagged in ``batched`` split over examples."""
     module = call.module
+    # A create_graph backward: the per-example gradients keep the graph through the parameters,
+    # inputs and output-gradients (torch.func composes with autograd outside it).
+    create_graph = torch.is_grad_enabled()
+    own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
     xs = [t for t, b in zip(leaves, batched) if b]
-    fixed = {n: p.detach() for n, p in module.named_parameters() if n not in wrt}
+    fixed = {n: own(p) for n, p in module.named_parameters() if n not in wrt}
     fixed.update({n: b.detach() for n, b in module.named_buffers()})
-    primals = {n: p.detach() for n, p in wrt.items()}
+    primals = {n: own(p) for n, p in wrt.items()}
     called: set[int] = set()
 
     def record(m: nn.Module, args: object) -> None:
@@ -207,7 +211,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.set_grad_enabled(create_graph), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="There is a performance drop")
             vmapped = module not in _LOOP
             if vmapped:
@@ -222,7 +226,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             if not vmapped:
                 called.clear()
                 grads, outs = _loop(
-                    module, name, fixed, primals, leaves, batched, spec, gs, out_idx
+                    module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph
                 )
                 _LOOP[module] = True
     except Exception as e:
@@ -249,8 +253,9 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     return grads, called
 
 
-def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx):
-    """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example."""
+def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph=False):
+    """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example
+    (``create_graph``: the primals as they are, the gradients with a graph)."""
     from .engine import paused
 
     per_example, outs = [], []
@@ -258,7 +263,12 @@ def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx):
         args, kwargs = tree_unflatten(
             [t[b : b + 1] if is_b else t for t, is_b in zip(leaves, batched)], spec
         )
-        params = {n: p.detach().requires_grad_() for n, p in primals.items()}
+        # (create_graph: an alias of each parameter, so that the gradient is taken through
+        # its use here only, not through an input computed from it: as vjp's primals)
+        params = {
+            n: p.view_as(p) if create_graph else p.detach().requires_grad_()
+            for n, p in primals.items()
+        }
         with torch.enable_grad(), paused():
             out = tree_flatten(functional_call(module, {**fixed, **params}, args, kwargs))[0]
             out = [out[i] for i in out_idx]
@@ -275,6 +285,7 @@ def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx):
                 list(params.values()),
                 [g[b : b + 1] for o, g in zip(out, gs) if o.requires_grad],
                 allow_unused=True,
+                create_graph=create_graph,
             )
         per_example.append(
             [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]

@@ -10,10 +10,13 @@ import pytest
 import torch
 from cases import CASES, Case, _first, _head, _SelfAttention, _seq
 from harness import _double, assert_close
+from test_fallback import CASES as FALLBACK_CASES
+from test_fallback import _only
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradhooks
+from gradhooks import fallback
 
 BATCH = 3
 RNNS = {"rnn", "lstm", "gru"}  # grad1 by a backward through time without autograd
@@ -44,6 +47,20 @@ def _loss(case: Case, out, target):
 def test_derivative_of_a_function_of_grad1(case):
     if case.id in NO_DOUBLE_BACKWARD:
         pytest.skip("torch cannot differentiate this layer's backward")
+    _check(case)
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["vmap", "loop"])
+@pytest.mark.parametrize("case", FALLBACK_CASES, ids=repr)
+def test_derivative_of_a_function_of_grad1_by_the_fallback(case, loop):
+    """Every layer but Linear through the torch.func fallback, vmapped or one example at a
+    time (where torch.func cannot vmap a module)."""
+    _check(case, loop=loop, registry=_only(nn.Linear))
+
+
+def _check(case: Case, loop: bool = False, **hook_kwargs) -> None:
+    """d/dθ Σ_b w_b ‖grad1_b‖² (random w_b > 0, every trainable parameter) from gradhooks'
+    grad1 of a create_graph backward, against a per-example loop; grad1's value too."""
     torch.manual_seed(0)
     model = case.model().double()
     inputs = _double(case.inputs(BATCH))
@@ -66,12 +83,15 @@ def test_derivative_of_a_function_of_grad1(case):
         want = torch.autograd.grad(objective, ref_params, allow_unused=True)
 
         params = [p for p in model.parameters() if p.requires_grad]
-        with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        if loop:
+            for m in model.modules():
+                fallback._LOOP[m] = True
+        with gradhooks.add_hooks(model, loss_reduction="sum", **hook_kwargs) as h:
             torch.autograd.grad(_loss(case, model(*args), target), params, create_graph=True)
             for i, p in enumerate(params):
                 value = torch.stack([grads[i] for grads in per_example]).detach()
                 assert_close(p.grad1.detach(), value, f"{case.id}: grad1 of parameter {i}")
-            value = sum((weights * p.grad1.pow(2).flatten(1).sum(1)).sum() for p in params)
+            value = sum((weights * p.grad1.pow(2).reshape(BATCH, -1).sum(1)).sum() for p in params)
             with h.paused():
                 if case.id in RNNS:
                     with pytest.raises(RuntimeError, match=r"'layer' \(\w+\): grad1 from a "
