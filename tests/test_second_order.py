@@ -1,6 +1,7 @@
 """Differentiating through grad1: a create_graph backward gives grad1 with a graph, and the
 derivative of a function of it matches a per-example loop in float64, for every layer; where
-gradhooks cannot give that graph (RNN layers), differentiating raises instead of being wrong."""
+gradhooks cannot give that graph (RNN layers on packed sequences), differentiating raises
+instead of being wrong."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from cases import CASES, Case, _first, _head, _SelfAttention, _seq
+from cases import CASES, Case, _first, _head, _last_step, _SelfAttention, _seq
 from harness import _double, assert_close
 from test_fallback import CASES as FALLBACK_CASES
 from test_fallback import _only
@@ -19,7 +20,6 @@ import gradhooks
 from gradhooks import fallback
 
 BATCH = 3
-RNNS = {"rnn", "lstm", "gru"}  # grad1 by a backward through time without autograd
 NO_DOUBLE_BACKWARD = {"embedding_bag"}  # torch has no derivative of its backward
 
 # The paths taken from linear.SUM_GRAD1_POSITIONS (32) positions on: parameters run detached
@@ -37,13 +37,26 @@ MANY_POSITIONS = [
     ),
     Case("attention_carried", _head(_SelfAttention, 4, _first), lambda b: torch.randn(b, 40, 4)),
 ]
+# RNNs in a create_graph backward go through the torch.func fallback: more of their options
+RNN_OPTIONS = [
+    Case(
+        "lstm_layers_bidirectional",
+        _head(lambda: nn.LSTM(3, 4, 2, batch_first=True, bidirectional=True), 8, _last_step),
+        lambda b: torch.randn(b, 5, 3),
+    ),
+    Case(
+        "gru_layers",
+        _head(lambda: nn.GRU(3, 4, 2, batch_first=True), 4, _last_step),
+        lambda b: torch.randn(b, 5, 3),
+    ),
+]
 
 
 def _loss(case: Case, out, target):
     return case.loss(out) if target is None else case.loss(out, target)
 
 
-@pytest.mark.parametrize("case", CASES + MANY_POSITIONS, ids=repr)
+@pytest.mark.parametrize("case", CASES + MANY_POSITIONS + RNN_OPTIONS, ids=repr)
 def test_derivative_of_a_function_of_grad1(case):
     if case.id in NO_DOUBLE_BACKWARD:
         pytest.skip("torch cannot differentiate this layer's backward")
@@ -93,11 +106,6 @@ def _check(case: Case, loop: bool = False, **hook_kwargs) -> None:
                 assert_close(p.grad1.detach(), value, f"{case.id}: grad1 of parameter {i}")
             value = sum((weights * p.grad1.pow(2).reshape(BATCH, -1).sum(1)).sum() for p in params)
             with h.paused():
-                if case.id in RNNS:
-                    with pytest.raises(RuntimeError, match=r"'layer' \(\w+\): grad1 from a "
-                                       "create_graph=True backward cannot be differentiated"):
-                        torch.autograd.grad(value, params, allow_unused=True)
-                    return
                 got = torch.autograd.grad(value, params, allow_unused=True)
     for i, (g, w, p) in enumerate(zip(got, want, params, strict=True)):
         g = torch.zeros_like(p) if g is None else g
@@ -114,3 +122,46 @@ def test_many_positions_cases_take_their_paths(case):
     x = case.inputs(BATCH)
     args = (x, x, x) if isinstance(first, nn.MultiheadAttention) else (x,)
     assert gradhooks.REGISTRY.lookup(first).grad_from_grad1(first, args)
+
+
+class _Unsplit(nn.Module):
+    """An LSTM call the fallback cannot split into examples (its last output, to 3): on a
+    packed batch (lengths 4, 3, 2, ...), time-major, or with an initial state."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.lstm = nn.LSTM(3, 4, batch_first=how != "time_major")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # [batch, time, 3]
+        if self.how == "packed":
+            lengths = torch.arange(x.shape[1], x.shape[1] - x.shape[0], -1)
+            x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+            _, (h, _) = self.lstm(x)
+        elif self.how == "time_major":
+            _, (h, _) = self.lstm(x.transpose(0, 1))
+        else:  # an initial state, from the input
+            h0 = x[:, 0, :1].expand(-1, 4)[None].contiguous()
+            _, (h, _) = self.lstm(x, (h0, torch.zeros_like(h0)))
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("how", ["packed", "time_major", "initial_state"])
+def test_rnn_calls_the_fallback_cannot_split_refuse_to_be_differentiated(how):
+    """grad1 has its value, and differentiating it raises, naming the layer."""
+    torch.manual_seed(0)
+    model = _Unsplit(how).double()
+    x = torch.randn(3, 4, 3, dtype=torch.double)
+    params = list(model.parameters())
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        loss = model(x).pow(2).sum()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        for p, g in zip(params, grads, strict=True):
+            assert_close(p.grad1.detach().sum(0), g.detach(), "grad1 sums to the gradient")
+        lstm = [p for n, p in model.named_parameters() if n.startswith("lstm.")]
+        assert all(p.grad1.requires_grad for p in lstm)
+        value = sum(p.grad1.pow(2).sum() for p in params)
+        with h.paused(), pytest.raises(RuntimeError, match=r"'lstm' \(LSTM\): grad1 from a "
+                                       "create_graph=True backward cannot be differentiated"):
+            torch.autograd.grad(value, params)

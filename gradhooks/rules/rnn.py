@@ -37,8 +37,11 @@ same.) ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, an initial 
 or ``(h0, c0)``) and :class:`~torch.nn.utils.rnn.PackedSequence` inputs are handled; with packed
 inputs, steps past an example's length are masked out and contribute nothing. As for every rule,
 the output-gradients are those of the backpropagated loss; the engine does the mean/sum scaling.
-After a ``create_graph=True`` backward the pieces carry no graph (``grad1`` of an RNN cannot be
-differentiated further).
+In a ``create_graph=True`` backward the per-example gradients come from the ``torch.func``
+fallback instead, which keeps their graph (the backward through time here has none), where it
+can split the call into examples (a padded ``batch_first`` input and no initial state); for the
+other calls (a ``PackedSequence``, a time-major input, an initial state) they come from here
+and differentiating them raises.
 """
 
 from __future__ import annotations
@@ -585,6 +588,17 @@ def backpropagate(
     return pieces
 
 
+def _fallback_splits(call: Call) -> bool:
+    """Whether the fallback can split the call into examples: every tensor input batch first
+    (a padded ``batch_first`` input, no initial state, whose batch is on dimension 1)."""
+    return (
+        call.module.batch_first
+        and len(call.inputs) == 1
+        and not call.kwargs
+        and isinstance(call.inputs[0], Tensor)
+    )
+
+
 def _error(call: Call, what: str, todo: str) -> ValueError:
     m = call.module
     return ValueError(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
@@ -602,6 +616,12 @@ def rnn(call: Call) -> dict[str, Outer]:
             "set dropout=0, call model.eval(), or apply nn.Dropout between single-layer RNNs",
         )
     packed = isinstance(x, PackedSequence)
+    if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed():
+        # A create_graph backward: the backward through time below has no graph, so the
+        # per-example gradients come from torch.func (the fallback), which keeps it.
+        from ..fallback import fallback
+
+        return fallback(call)  # type: ignore[return-value]
     given = x  # as passed
     grads = call.grad_outputs
     if packed:
@@ -647,7 +667,7 @@ def rnn(call: Call) -> dict[str, Outer]:
             by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
         leaves = tree_flatten((call.inputs, call.kwargs))[0]
         call.input_grads.extend(by_id.get(id(t)) for t in leaves)
-    if torch.is_grad_enabled():  # a create_graph backward
+    if torch.is_grad_enabled():  # a create_graph backward the fallback could not split
         params = [p for p in module.parameters() if p.requires_grad]
         where = f"'{call.name or '<model>'}' ({type(module).__qualname__})"
         pieces = {
@@ -659,8 +679,9 @@ def rnn(call: Call) -> dict[str, Outer]:
 
 class _NoSecondDerivative(torch.autograd.Function):
     """``_NoSecondDerivative.apply(where, g, *params)``: ``g`` (the same values), with a
-    backward that raises. An RNN's pieces come from a backward through time without autograd,
-    so the ``grad1`` a ``create_graph`` backward gives them has no graph: differentiating a
+    backward that raises. The pieces of an RNN call the fallback cannot split into examples
+    come from a backward through time without autograd even in a ``create_graph`` backward,
+    so their ``grad1`` has no graph: differentiating a
     function of it would silently miss every term through this layer. Attached to the
     parameters, the pieces' ``grad1`` requires grad, and differentiating through it stops
     here with an error instead."""
@@ -674,10 +695,11 @@ class _NoSecondDerivative(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(
             f"{ctx.where}: grad1 from a create_graph=True backward cannot be differentiated "
-            "for RNN layers (gradhooks computes their per-example gradients by a backward "
-            "through time without autograd, so the derivative would miss every term through "
-            "this layer). Differentiate per-example gradients of RNNs with torch.func instead "
-            "(vmap(grad) inside grad)."
+            "for this RNN call (a PackedSequence, a time-major input or an initial state: "
+            "gradhooks computes its per-example gradients by a backward through time without "
+            "autograd, so the derivative would miss every term through this layer). Pass a "
+            "padded input with batch_first=True and no initial state, or differentiate "
+            "per-example gradients with torch.func (vmap(grad) inside grad)."
         )
 
 
