@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 from cases import CASES, Case, _first, _head, _last_step, _SelfAttention, _seq
-from harness import _double, assert_close
 from test_fallback import CASES as FALLBACK_CASES
 from test_fallback import _only
 from torch import nn
@@ -18,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradhooks
 from gradhooks import fallback
+from harness import _double, assert_close
 
 BATCH = 3
 NO_DOUBLE_BACKWARD = {"embedding_bag"}  # torch has no derivative of its backward
@@ -162,6 +162,12 @@ def test_rnn_calls_the_fallback_cannot_split_refuse_to_be_differentiated(how):
         lstm = [p for n, p in model.named_parameters() if n.startswith("lstm.")]
         assert all(p.grad1.requires_grad for p in lstm)
         value = sum(p.grad1.pow(2).sum() for p in params)
-        with h.paused(), pytest.raises(RuntimeError, match=r"'lstm' \(LSTM\): grad1 from a "
-                                       "create_graph=True backward cannot be differentiated"):
+        with (
+            h.paused(),
+            pytest.raises(
+                RuntimeError,
+                match=r"'lstm' \(LSTM\): grad1 from a "
+                "create_graph=True backward cannot be differentiated",
+            ),
+        ):
             torch.autograd.grad(value, params)

@@ -589,8 +589,9 @@ def backpropagate(
 
 
 def _fallback_splits(call: Call) -> bool:
-    """Whether the fallback can split the call into examples: every tensor input batch first
-    (a padded ``batch_first`` input, no initial state, whose batch is on dimension 1)."""
+    """Whether the fallback, which takes dimension 0 of every tensor input as the batch, can
+    split the call into examples: a padded ``batch_first`` input and no initial state (whose
+    batch is on dimension 1)."""
     return (
         call.module.batch_first
         and len(call.inputs) == 1
@@ -671,8 +672,7 @@ def rnn(call: Call) -> dict[str, Outer]:
         params = [p for p in module.parameters() if p.requires_grad]
         where = f"'{call.name or '<model>'}' ({type(module).__qualname__})"
         pieces = {
-            n: Outer(p.a, _NoSecondDerivative.apply(where, p.g, *params))
-            for n, p in pieces.items()
+            n: Outer(p.a, _NoSecondDerivative.apply(where, p.g, *params)) for n, p in pieces.items()
         }
     return pieces
 
@@ -681,10 +681,9 @@ class _NoSecondDerivative(torch.autograd.Function):
     """``_NoSecondDerivative.apply(where, g, *params)``: ``g`` (the same values), with a
     backward that raises. The pieces of an RNN call the fallback cannot split into examples
     come from a backward through time without autograd even in a ``create_graph`` backward,
-    so their ``grad1`` has no graph: differentiating a
-    function of it would silently miss every term through this layer. Attached to the
-    parameters, the pieces' ``grad1`` requires grad, and differentiating through it stops
-    here with an error instead."""
+    so their ``grad1`` has no graph: differentiating a function of it would silently miss
+    every term through this layer. Attached to the parameters, the pieces' ``grad1`` requires
+    grad, and differentiating through it stops here with an error instead."""
 
     @staticmethod
     def forward(ctx, where: str, g: Tensor, *params: Tensor) -> Tensor:
