@@ -21,14 +21,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..engine import paused
+from ..engine import _detach, paused
 from ..fallback import FALLBACK
 from ..pieces import Direct, Piece
 from ..registry import REGISTRY, Call, register
-
-
-def _detach(tree):
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
 def _batch_first(tree):
