@@ -97,6 +97,20 @@ class Outer(Piece):
         return None
 
     @property
+    def gram_macs(self) -> int:
+        """Multiply-adds of the Gram form of one example's squared norm (both ``[shared,
+        shared]`` Grams, every group): ``groups · T² · (in + out)``."""
+        shared, groups = self.g.shape[-2], math.prod(self.g.shape[1:-2])
+        return groups * shared * shared * (self.in_features + self.g.shape[-1])
+
+    @property
+    def grad1_extra_macs(self) -> int:
+        """Multiply-adds that forming one example's ``grad1`` costs beyond its share of the
+        batch gradient's product (which costs the same): none here, ``a`` is the layer's
+        input; a convolution's duplicated columns cost more."""
+        return 0
+
+    @property
     def transient(self) -> int:
         """Elements one example needs while its ``grad1`` is formed, besides the result: the
         columns ``[*groups, shared, in]`` (none for a bias)."""

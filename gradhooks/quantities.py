@@ -342,15 +342,16 @@ _PASS_MACS = 16
 
 def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
     """For a piece whose norms are wanted together with its batch gradient (a call run with its
-    parameters detached): whether the Gram form, ``batch·T²·(in + out)`` multiply-adds and then
-    the batch gradient's own ``batch·T·in·out``, costs less than forming ``grad1`` a slice at a
-    time (the same ``batch·T·in·out``, then a few passes over ``batch·in·out`` floats, the
-    batch gradient among them). A bias (``a is None``): never (its ``grad1`` is the Gram form's
-    first step)."""
+    parameters detached): whether the Gram form (``piece.gram_macs`` per example: ``T²·(in +
+    out)``, less for a convolution whose input has few positions) and then the batch
+    gradient's own ``batch·T·in·out`` cost less than forming ``grad1`` a slice at a time (the
+    same ``batch·T·in·out``, more where it forms duplicated columns: ``grad1_extra_macs``,
+    then a few passes over ``batch·in·out`` floats, the batch gradient among them). A bias
+    (``a is None``): never (its ``grad1`` is the Gram form's first step)."""
     if not isinstance(piece, P.Outer) or not piece.has_input:
         return False
-    shared, n_in, n_out = piece.g.shape[-2], piece.in_features, piece.g.shape[-1]
-    return shared * shared * (n_in + n_out) < _PASS_MACS * n_in * n_out
+    per_example = math.prod(piece.g.shape[1:-2]) * piece.in_features * piece.g.shape[-1]
+    return piece.gram_macs < _PASS_MACS * per_example + piece.grad1_extra_macs
 
 
 def _one_sq_norm(

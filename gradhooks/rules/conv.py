@@ -9,7 +9,6 @@ The weight ``[out, in/groups, *kernel]`` sees, at every output position, a colum
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import torch
@@ -250,15 +249,44 @@ class ConvWeight(Outer):
         ``T² · channels · prod(kernel)``. ``None`` elsewhere (the caller uses the columns)."""
         if not isinstance(other, ConvWeight) or other._geometry() != self._geometry():
             return None
-        m = self.module
-        pads = m._reversed_padding_repeated_twice[::-1]  # (right, left) per axis, in order
-        positions = math.prod(
-            size + pads[2 * d] + pads[2 * d + 1] for d, size in enumerate(self.x.shape[2:])
-        )
-        outputs = math.prod(self.grad_output.shape[2:])
-        if positions * positions >= outputs * outputs * math.prod(m.kernel_size):
+        if not self._positions_form():
             return None
         return self._gram_from_positions(other)
+
+    def _padded_positions(self) -> int:
+        pads = self.module._reversed_padding_repeated_twice[::-1]  # (right, left) per axis
+        return math.prod(
+            size + pads[2 * d] + pads[2 * d + 1] for d, size in enumerate(self.x.shape[2:])
+        )
+
+    def _positions_form(self) -> bool:
+        """Whether :meth:`input_gram` takes the Gram of the input's positions."""
+        positions, outputs = self._padded_positions(), math.prod(self.grad_output.shape[2:])
+        return positions * positions < outputs * outputs * math.prod(self.module.kernel_size)
+
+    @property
+    def gram_macs(self) -> int:
+        """:attr:`Outer.gram_macs`, with the input's Gram over its positions where
+        :meth:`input_gram` takes that form: ``P² · in/groups`` for the input side."""
+        if not self._positions_form():
+            return super().gram_macs
+        m = self.module
+        positions, outputs = self._padded_positions(), math.prod(self.grad_output.shape[2:])
+        return m.groups * positions * positions * (m.in_channels // m.groups) + (
+            outputs * outputs * m.out_channels
+        )
+
+    @property
+    def grad1_extra_macs(self) -> int:
+        """Columns that repeat the input (a kernel of more than one offset, not the grouped
+        form): the product with them, at batch 64 on a 2-core CPU, took about twice the time
+        of the batch gradient's convolution backward (3x3, 64 channels over 8x8: 2.0 ms against
+        0.9, columns included), so it counts once more."""
+        m = self.module
+        if self._grouped_form() or math.prod(m.kernel_size) == 1:
+            return 0
+        positions = math.prod(self.grad_output.shape[2:])
+        return positions * self.in_features * m.out_channels
 
     def _gram_from_positions(self, other: ConvWeight) -> Tensor:
         """:meth:`input_gram`, whatever the sizes."""
@@ -271,17 +299,20 @@ class ConvWeight(Outer):
         channels = m.in_channels // groups
         xp = x.reshape(batch, groups, channels, positions)
         xq = xq.reshape(batch, groups, channels, positions)
-        gram = (xp.transpose(-1, -2) @ xq).view(batch, groups, *spatial, *spatial)
-        total = None
-        for offset in itertools.product(*map(range, m.kernel_size)):
-            # the input positions of offset ``offset`` at every output position, per axis
-            axes = tuple(
-                slice(k * d, k * d + s * (n - 1) + 1, s)
-                for k, d, s, n in zip(offset, m.dilation, m.stride, out)
-            )
-            part = gram[(slice(None), slice(None), *axes, *axes)]
-            total = part.clone() if total is None else total.add_(part)
-        assert total is not None
+        total = (xp.transpose(-1, -2) @ xq).view(batch, groups, *spatial, *spatial)
+        # The sum over kernel offsets is separable: one spatial axis at a time (its offsets, in
+        # both copies of the axis), each pass on what the ones before left (3x3 on 8x8 maps:
+        # 6 strided sums on shrinking views instead of 9 on the whole, about 2.7x faster).
+        nd = len(spatial)
+        for axis, (size, d, s, n) in enumerate(zip(m.kernel_size, m.dilation, m.stride, out)):
+            summed = None
+            for k in range(size):
+                # the input positions of offset k at every output position, on this axis
+                at = [slice(None)] * (2 + 2 * nd)
+                at[2 + axis] = at[2 + nd + axis] = slice(k * d, k * d + s * (n - 1) + 1, s)
+                part = total[tuple(at)]
+                summed = part.clone() if summed is None else summed.add_(part)
+            total = summed
         return total.reshape(batch, groups, outputs, outputs)
 
     def _padded(self) -> Tensor:
