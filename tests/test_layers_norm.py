@@ -101,8 +101,9 @@ def test_group_norm(reduction, groups, per_group, spatial, batch):
 )
 @pytest.mark.parametrize("input_grad", [True, False], ids=["inner", "first-layer"])
 def test_normalized_input_comes_from_the_saved_statistics(make, x_shape, input_grad, monkeypatch):
-    """LayerNorm and GroupNorm take x̂ from the mean and 1/std their forward's node saved, not
-    from a second normalization; grad1 equals the oracle's and the recomputed x̂'s."""
+    """LayerNorm and GroupNorm take x̂ (GroupNorm: its sums with g) from the mean and 1/std
+    their forward's node saved, not from a second normalization; grad1 equals the oracle's and
+    the recomputed x̂'s."""
     from gradhooks.rules import norm as rules
 
     torch.manual_seed(0)
@@ -110,17 +111,21 @@ def test_normalized_input_comes_from_the_saved_statistics(make, x_shape, input_g
     x = torch.randn(*x_shape, dtype=torch.float64, requires_grad=input_grad)
     want = vmap_grad(layer, sum_of_squares, x.detach())
     seen = []
-    taken = rules._from_statistics
+    # GroupNorm takes its pieces from the statistics without forming x̂
+    reader = (
+        "_group_norm_from_statistics" if isinstance(layer, nn.GroupNorm) else "_from_statistics"
+    )
+    taken = getattr(rules, reader)
 
     def spy(call, x):
         seen.append(taken(call, x) is not None)
         return taken(call, x)
 
-    monkeypatch.setattr(rules, "_from_statistics", spy)
+    monkeypatch.setattr(rules, reader, spy)
     got = {}
     for forced in (False, True):  # forced: as if nothing was saved (the recompute)
         if forced:
-            monkeypatch.setattr(rules, "_from_statistics", lambda call, x: None)
+            monkeypatch.setattr(rules, reader, lambda call, x: None)
         with gradhooks.add_hooks(layer, loss_reduction="sum"):
             sum_of_squares(layer(x)).backward()
         got[forced] = {n: p.grad1 for n, p in layer.named_parameters()}
@@ -133,8 +138,8 @@ def test_normalized_input_comes_from_the_saved_statistics(make, x_shape, input_g
 
 
 def test_group_norm_statistics_on_a_channels_last_input(monkeypatch):
-    """GroupNorm after a convolution, both channels_last: x̂ from the saved statistics (of the
-    channels_last input) equals the oracle's."""
+    """GroupNorm after a convolution, both channels_last: the pieces from the saved statistics
+    (of the channels_last input) equal the oracle's."""
     from gradhooks.rules import norm as rules
 
     torch.manual_seed(0)
@@ -143,9 +148,11 @@ def test_group_norm_statistics_on_a_channels_last_input(monkeypatch):
     x = torch.randn(4, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
     want = vmap_grad(model, sum_of_squares, x)
     taken = []
-    original = rules._from_statistics
+    original = rules._group_norm_from_statistics
     monkeypatch.setattr(
-        rules, "_from_statistics", lambda call, x: taken.append(original(call, x)) or taken[-1]
+        rules,
+        "_group_norm_from_statistics",
+        lambda call, x: taken.append(original(call, x)) or taken[-1],
     )
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         sum_of_squares(model(x)).backward()

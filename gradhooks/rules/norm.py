@@ -103,17 +103,13 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
 
 
 def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
-    """``(x - mean) · rstd`` (for GroupNorm over ``[batch, groups, rest]``, reshaped as ``x``)
-    from the saved statistics; ``None`` where there are none, or where the result must carry a graph
-    (a ``create_graph`` backward: the saved statistics do not)."""
+    """LayerNorm's ``(x - mean) · rstd`` from the saved statistics; ``None`` where there are
+    none, or where the result must carry a graph (a ``create_graph`` backward: the saved
+    statistics do not)."""
     stats = call.taps
     if not isinstance(stats, _Statistics) or torch.is_grad_enabled():
         return None
-    if not stats.grouped:
-        return (x - stats.mean).mul_(stats.rstd)
-    batch, groups = stats.mean.shape
-    grouped = x.reshape(batch, groups, x.numel() // max(batch * groups, 1))
-    return (grouped - stats.mean.unsqueeze(-1)).mul_(stats.rstd.unsqueeze(-1)).view(x.shape)
+    return (x - stats.mean).mul_(stats.rstd)
 
 
 @register(nn.LayerNorm, taps=saved_statistics)
@@ -148,10 +144,30 @@ def group_norm(call: Call) -> dict[str, Direct]:
     m: nn.GroupNorm = call.module
     x = call.inputs[0]
     _need_batch(call, x, 1, "[batch, channels, *spatial]")
-    xhat = _from_statistics(call, x)
-    if xhat is None:
-        xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+    pieces = _group_norm_from_statistics(call, x)
+    if pieces is not None:
+        return pieces
+    xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
     return channel_affine(xhat, call.grad_output)
+
+
+def _group_norm_from_statistics(call: Call, x: Tensor) -> dict[str, Direct] | None:
+    """GroupNorm's pieces from the mean and 1/std its forward saved, without forming ``x̂``: per
+    example and channel, ``Σ_s x̂ g = rstd · (Σ_s x g - mean · Σ_s g)`` (over the spatial
+    positions ``s``; ``mean`` and ``rstd`` those of the channel's group), as torch's own
+    GroupNorm backward forms the weight's gradient: one pass over ``x`` and ``g`` instead of
+    four. ``None`` where :func:`_from_statistics` would give none."""
+    stats = call.taps
+    if not isinstance(stats, _Statistics) or torch.is_grad_enabled():
+        return None
+    g = call.grad_output
+    batch, groups = stats.mean.shape
+    shape = (batch, g.shape[1], math.prod(g.shape[2:]))
+    g = g.reshape(shape)
+    g_sum = g.sum(-1)  # [batch, channels]
+    gx = torch.linalg.vecdot(x.reshape(shape), g)
+    mean, rstd = (s.repeat_interleave(shape[1] // groups, dim=1) for s in (stats.mean, stats.rstd))
+    return {"weight": Direct((gx - mean * g_sum).mul_(rstd)), "bias": Direct(g_sum)}
 
 
 @register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
