@@ -116,6 +116,65 @@ def test_embed_block_norms_and_grad(reduction):
     assert_close(norms, total.sqrt(), "total norms")
 
 
+class ConvMap(nn.Module):
+    """A 3x3 convolution over an 8x8 map (64 positions: run detached), mean-pooled."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, cin, 8, 8]
+        return torch.tanh(self.conv(x)).mean((2, 3))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize(
+    "cin, cout, gram",
+    [(16, 64, True), (16, 16, False)],
+    ids=["gram-from-positions-and-conv-backward", "grad1-slices"],
+)
+def test_detached_conv_norms(cin, cout, gram, batch, reduction):
+    """A convolution run detached with few output positions: its norms from the Gram form
+    (the input's Gram over positions) and ``.grad`` from one convolution backward where the
+    cost model prefers that to forming grad1 through the columns, else grad1 a slice at a time;
+    both against ``vmap(grad)`` and the loop, ``.grad`` against autograd without hooks."""
+    from gradhooks.rules.conv import ConvWeight, many_positions
+
+    torch.manual_seed(0)
+    model = ConvMap(cin, cout).to(D)
+    x = torch.randn(batch, cin, 8, 8, dtype=D)
+    target = torch.randn(batch, cout, dtype=D)
+    assert many_positions(model.conv, (x,))
+    with torch.no_grad():
+        piece = ConvWeight(model.conv, x, torch.zeros(batch, cout, 8, 8, dtype=D))
+    assert P.gram_is_cheaper(piece, piece) == gram
+    assert (gram and Q._gram_with_sum_is_cheaper(piece)) == gram
+
+    def loss_fn(out, t=target):
+        loss = 0.5 * ((out - t) ** 2).sum()
+        return loss / max(out.shape[0], 1) if reduction == "mean" else loss
+
+    def one(out, t):
+        return 0.5 * ((out - t) ** 2).sum()
+
+    want = vmap_grad(model, one, x, target)
+    loop = loop_grad(model, one, x, target)
+    ref = copy.deepcopy(model)
+    if batch:
+        loss_fn(ref(x)).backward()
+    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
+    total = torch.zeros(batch, dtype=D)
+    for n, p in ref.named_parameters():
+        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
+        expected = want[n].flatten(1).norm(dim=1)
+        assert_close(param_norms[n], expected, f"{n} norms ({reduction}, batch {batch})")
+        total += expected**2
+        if batch:
+            assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
+    assert_close(norms, total.sqrt(), "total norms")
+
+
 ONE_PIECE = [
     pytest.param(lambda: nn.Linear(5, 3), (5,), id="linear-one-position"),
     pytest.param(lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 3, 3), id="grouped-conv-one-position"),
