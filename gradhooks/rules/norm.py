@@ -78,10 +78,9 @@ class _Statistics:
 
     nodes = ()
 
-    def __init__(self, mean: Tensor, rstd: Tensor, grouped: bool) -> None:
+    def __init__(self, mean: Tensor, rstd: Tensor) -> None:
         self.mean = mean
         self.rstd = rstd
-        self.grouped = grouped  # GroupNorm's [batch, groups]
 
 
 _SAVES_STATISTICS = ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
@@ -98,8 +97,7 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
     x, saved = args[0], node._saved_input
     if saved.data_ptr() != x.data_ptr() or saved.shape != x.shape or saved.dtype != x.dtype:
         return None
-    grouped = kind == "NativeGroupNormBackward0"
-    return _Statistics(node._saved_result1.detach(), node._saved_result2.detach(), grouped)
+    return _Statistics(node._saved_result1.detach(), node._saved_result2.detach())
 
 
 def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
