@@ -48,19 +48,10 @@ def norms_and_grads(model, x, loss_fn, reduction):
         return h.param_norms(), h.norms(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("batch", [0, 1, 3])
-@pytest.mark.parametrize(
-    "dim, hidden, li, gram",
-    [(160, 160, True, True), (32, 128, True, False), (4, 6, False, False)],
-    ids=["gram-and-batch-product", "grad1-slices-where-li-says-gram", "grad1-slices"],
-)
-def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
-    assert forms(dim, hidden, POSITIONS) == (li, gram)
-    torch.manual_seed(0)
-    model = Tokens(dim, hidden).to(D)
-    x = torch.randn(batch, POSITIONS, dim, dtype=D)
-    target = torch.randn(batch, dim, dtype=D)
+def check_squared_error_norms(model, x, target, reduction):
+    """Under a squared-error loss against ``target``: the norms (per parameter and in total)
+    against ``vmap(grad)`` and the per-example loop, ``.grad`` against autograd without hooks."""
+    batch = x.shape[0]
 
     def loss_fn(out, t=target):
         loss = 0.5 * ((out - t) ** 2).sum()
@@ -84,6 +75,22 @@ def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
         if batch:
             assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
     assert_close(norms, total.sqrt(), "total norms")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize(
+    "dim, hidden, li, gram",
+    [(160, 160, True, True), (32, 128, True, False), (4, 6, False, False)],
+    ids=["gram-and-batch-product", "grad1-slices-where-li-says-gram", "grad1-slices"],
+)
+def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
+    assert forms(dim, hidden, POSITIONS) == (li, gram)
+    torch.manual_seed(0)
+    model = Tokens(dim, hidden).to(D)
+    x = torch.randn(batch, POSITIONS, dim, dtype=D)
+    target = torch.randn(batch, dim, dtype=D)
+    check_squared_error_norms(model, x, target, reduction)
 
 
 def test_benchmark_layers_take_grad1_slices():
@@ -150,29 +157,7 @@ def test_detached_conv_norms(cin, cout, gram, batch, reduction):
         piece = ConvWeight(model.conv, x, torch.zeros(batch, cout, 8, 8, dtype=D))
     assert P.gram_is_cheaper(piece, piece) == gram
     assert (gram and Q._gram_with_sum_is_cheaper(piece)) == gram
-
-    def loss_fn(out, t=target):
-        loss = 0.5 * ((out - t) ** 2).sum()
-        return loss / max(out.shape[0], 1) if reduction == "mean" else loss
-
-    def one(out, t):
-        return 0.5 * ((out - t) ** 2).sum()
-
-    want = vmap_grad(model, one, x, target)
-    loop = loop_grad(model, one, x, target)
-    ref = copy.deepcopy(model)
-    if batch:
-        loss_fn(ref(x)).backward()
-    param_norms, norms, grads = norms_and_grads(model, x, loss_fn, reduction)
-    total = torch.zeros(batch, dtype=D)
-    for n, p in ref.named_parameters():
-        assert_close(loop[n], want[n], f"{n}: loop vs vmap")
-        expected = want[n].flatten(1).norm(dim=1)
-        assert_close(param_norms[n], expected, f"{n} norms ({reduction}, batch {batch})")
-        total += expected**2
-        if batch:
-            assert_close(grads[n], p.grad, f"{n} .grad vs autograd without hooks")
-    assert_close(norms, total.sqrt(), "total norms")
+    check_squared_error_norms(model, x, target, reduction)
 
 
 ONE_PIECE = [
