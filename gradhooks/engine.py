@@ -238,8 +238,9 @@ class Hooks:
         ]
         # calls run with their parameters detached, {id(module): [(module, {name: param},
         # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
-        # its input carries them, else None)]}
-        self._detached: dict[int, list[tuple[nn.Module, dict[str, nn.Parameter], Any, Any]]] = {}
+        # its input carries them, else None, (its rule's record, what it gave) where one is
+        # entered, else None)]}
+        self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
@@ -434,8 +435,10 @@ class Hooks:
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for module, detached, owned, _ in stack:
+            for module, detached, owned, _, recording in stack[::-1]:
                 module._parameters.update(detached)
+                if recording is not None:
+                    recording[0].__exit__(None, None, None)
                 if owned is not None:
                     torch.set_grad_enabled(True)
         self._detached.clear()
@@ -521,9 +524,13 @@ class Hooks:
                 )  # fmt: skip
             if not detached or (carries and carried is None):
                 return
+            owned = (args, kwargs) if target.entry.input_grads else None
+            recording = None  # (context manager, what it gave), left in _reattach
+            if owned is not None and target.entry.record is not None:
+                manager = target.entry.record(module)
+                recording = (manager, manager.__enter__())
             for n, p in detached.items():
                 own[n] = p.detach()
-            owned = (args, kwargs) if target.entry.input_grads else None
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
@@ -532,7 +539,9 @@ class Hooks:
                 )
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
-            self._detached.setdefault(id(module), []).append((module, detached, owned, box))
+            self._detached.setdefault(id(module), []).append(
+                (module, detached, owned, box, recording)
+            )
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
             if box is not None:
@@ -540,30 +549,35 @@ class Hooks:
 
         return hook
 
-    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any]:
+    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any, Any]:
         """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
         returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
-        ``None``) and its :class:`_Carried` where its first input carries them (else ``None``)."""
+        ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
+        and what its rule's ``record`` gave (else ``None``), the recording now left."""
         stack = self._detached.get(id(module))
         if not stack:
-            return {}, None, None
-        _, detached, owned, carried = stack.pop()
+            return {}, None, None, None
+        _, detached, owned, carried, recording = stack.pop()
         if not stack:
             del self._detached[id(module)]
         module._parameters.update(detached)
         if owned is not None:
             torch.set_grad_enabled(True)  # (it was on: _detach_hook)
-        return detached, owned, carried
+        recorded = None
+        if recording is not None:
+            manager, recorded = recording
+            manager.__exit__(*sys.exc_info())
+        return detached, owned, carried, recorded
 
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            detached, owned, carried = (
-                self._reattach(module) if self._detached else ({}, None, None)
+            detached, owned, carried, recorded = (
+                self._reattach(module) if self._detached else ({}, None, None, None)
             )
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
             if owned is not None:
-                return self._capture_owned(target, detached, owned, args, kwargs, output)
+                return self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
             if detached and carried is None:
                 return self._capture_detached(target, detached, args, kwargs, output)
             # (a carried call goes on as any other: its rule gives the sums as well)
@@ -739,6 +753,7 @@ class Hooks:
         args: tuple,
         kwargs: dict,
         output: Any,
+        recorded: Any = None,
     ) -> Any:
         """Capture a call that ran with grad mode off (its rule's entry has ``input_grads``):
         autograd recorded nothing of it. Return its output with every tensor leaf attached to
@@ -746,9 +761,12 @@ class Hooks:
         through one :class:`_AttachAll` node. Its backward runs the rule, whose pieces give
         the parameters' batch gradients and which gives the inputs' gradients
         (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
-        autograd through the call's forward run again (:func:`_rerun_owned`)."""
+        autograd through the call's forward run again (:func:`_rerun_owned`). ``recorded``:
+        what the rule's ``record`` gave at the forward (``call.recorded``)."""
         module = target.module
         call, state = self._keep_unhooked_call(target, args, kwargs, output)
+        if recorded is not None:
+            call = replace(call, recorded=recorded)
         in_leaves = tree_flatten(owned)[0]
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)

@@ -31,6 +31,7 @@ its parent's silently).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,8 @@ class Call:
     ``input_grads``) an empty list the rule may fill with the gradients of the backpropagated
     loss with respect to the call's inputs: one per leaf of ``tree_flatten((inputs,
     kwargs))``, ``None`` where there is none. Left empty, autograd computes them.
+    ``recorded``: for a call run with grad mode off whose rule's entry has ``record``, what
+    the recording gave at its forward; else ``None``.
     """
 
     module: nn.Module
@@ -67,6 +70,7 @@ class Call:
     taps: Any = None
     tap_grads: tuple[tuple[Tensor | None, ...], ...] = ()
     input_grads: list[Tensor | None] | None = None
+    recorded: Any = None
 
     @property
     def grad_output(self) -> Tensor:
@@ -89,6 +93,7 @@ class _Entry:
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
     input_grads: bool = False
+    record: Callable[[nn.Module], AbstractContextManager] | None = None
 
 
 @dataclass
@@ -117,6 +122,10 @@ class Registry:
     autograd records nothing of it (no backward of the module's own is run), and the rule
     gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may then be any
     tree of tensors; ``create_graph`` backwards run the forward again under autograd.
+    ``record`` (with ``input_grads``): ``record(module)``, a context manager entered around
+    the forward of each call run with grad mode off (a ``TorchFunctionMode`` can keep what
+    the forward computes on the way); what its ``__enter__`` returned reaches the rule as
+    ``call.recorded``. ``nn.LSTM`` keeps its lower layers' outputs this way.
     ``taps``: ``taps(module, args, kwargs, output)``, asked after a captured forward call: an
     object with ``nodes``, autograd nodes inside the call (found from ``output.grad_fn``)
     whose output-gradients the rule needs, or ``None``. The rule then runs when the backward
@@ -139,10 +148,16 @@ class Registry:
         grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
         taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
         input_grads: bool = False,
+        record: Callable[[nn.Module], AbstractContextManager] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
         if not types:
             raise TypeError("register() needs at least one module type")
+        if record is not None and not input_grads:
+            raise TypeError(
+                "register(record=...) needs input_grads=True: only a call run with "
+                "grad mode off is recorded"
+            )
 
         def decorate(rule: Rule) -> Rule:
             for t in types:
@@ -157,7 +172,7 @@ class Registry:
             for t in types:
                 self._rules[t] = _Entry(
                     rule, owns_children, needs_output, on_forward, grad_from_grad1, taps,
-                    input_grads,
+                    input_grads, record,
                 )  # fmt: skip
             return rule
 
@@ -197,6 +212,7 @@ def register(
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     input_grads: bool = False,
+    record: Callable[[nn.Module], AbstractContextManager] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
@@ -208,4 +224,5 @@ def register(
         grad_from_grad1=grad_from_grad1,
         taps=taps,
         input_grads=input_grads,
+        record=record,
     )

@@ -103,3 +103,47 @@ def test_every_rule_file_registers_a_rule():
     for name in RULE_MODULES:
         module = importlib.import_module(f"gradhooks.rules.{name}")
         assert module.__name__ in registered, f"rules/{name}.py registers no rule"
+
+
+def test_record_needs_input_grads(registry):
+    with pytest.raises(TypeError, match="input_grads=True"):
+        registry.register(Scale, record=lambda m: None)(scale_rule)
+
+
+def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
+    """A rule with input_grads and record: its context manager is entered around the call's
+    forward and left at its end, and what it gave is the rule's call.recorded."""
+    seen = {}
+
+    class Recording:
+        def __init__(self, module):
+            self.module = module
+
+        def __enter__(self):
+            seen["entered"] = True
+            return self
+
+        def __exit__(self, *exc):
+            seen["left"] = True
+
+    def rule(call):
+        seen["recorded"] = call.recorded
+        (x,) = call.inputs
+        call.input_grads.append(call.grad_output * call.module.scale)
+        return scale_rule(call)
+
+    registry.register(
+        Scale, overwrite=True, grad_from_grad1=lambda m, a: True, input_grads=True,
+        record=Recording,
+    )(rule)  # fmt: skip
+    model = Scale(3).double()
+    x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+    with gradhooks.add_hooks(model, loss_reduction="sum", registry=registry):
+        y = model(x)
+        assert seen == {"entered": True, "left": True}
+        assert type(y.grad_fn).__name__ == "_AttachAllBackward"  # run with grad mode off
+        (y**2).sum().backward()
+    assert isinstance(seen["recorded"], Recording) and seen["recorded"].module is model
+    want = 2 * x.detach() * model.scale.detach() ** 2
+    torch.testing.assert_close(x.grad, want)
+    torch.testing.assert_close(model.scale.grad1, 2 * x.detach() ** 2 * model.scale.detach())

@@ -160,18 +160,72 @@ def test_paused_and_repeated_backwards():
         assert_close(t.grad, w, "input-gradient")
 
 
-def test_forward_that_raises_restores_grad_mode_and_parameters():
-    rnn = nn.LSTM(3, 4)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_forward_that_raises_restores_grad_mode_and_parameters(layers):
+    rnn = nn.LSTM(3, 4, layers)
     weight = rnn.weight_ih_l0
     with gradhooks.add_hooks(rnn):
         with pytest.raises(RuntimeError):
             rnn(torch.randn(5, 2, 7))  # 7 features, the LSTM takes 3
         assert torch.is_grad_enabled()
+        assert torch._C._len_torch_function_stack() == 0  # the layers' recording was left
         assert rnn._parameters["weight_ih_l0"] is weight
         out, _ = rnn(torch.randn(5, 2, 3))
         assert owned(out)
         out.sum().backward()
         assert weight.grad1.shape == (2, *weight.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D])
+@pytest.mark.parametrize("batch_first,bidirectional,proj", [(True, False, 0), (False, True, 2)])
+def test_lower_layers_kept_at_the_forward_not_run_again(
+    monkeypatch, dtype, batch_first, bidirectional, proj
+):
+    """A 3-layer LSTM run with grad mode off: torch's fused call runs a layer at a time and
+    keeps the lower layers' outputs for the rule (which must not run them again). The outputs
+    are, bit for bit, those of the unhooked module with its parameters detached, as the call
+    runs (float32 takes torch's oneDNN kernel on CPU; in float64, torch's matmul may sum in
+    another order for weights that require grad), and grad1 is vmap(grad)'s."""
+    from gradhooks.rules import rnn as rules
+
+    def rerun(*args):
+        raise AssertionError("a lower layer was run again")
+
+    monkeypatch.setattr(rules, "_lstm_layer", rerun)
+    rnn, x, hx = lstm_setup(3, 3, bidirectional, proj, batch_first, True, True)
+    rnn, x, hx = rnn.to(dtype), x.detach().to(dtype), tuple(t.detach().to(dtype) for t in hx)
+    ref = copy.deepcopy(rnn)
+    for n, p in list(ref.named_parameters()):
+        ref._parameters[n] = p.detach()
+    with torch.no_grad():
+        want_out = ref(x, hx)
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        out, (h, c) = rnn(x, hx)
+        assert owned(out)
+        for got, want in zip((out, h, c), (want_out[0], *want_out[1]), strict=True):
+            assert torch.equal(got, want)
+        loss_of(out, h, c, "all").backward()
+    assert torch._C._len_torch_function_stack() == 0
+    if dtype is D:
+
+        class Split(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rnn = rnn
+
+            def forward(self, x, h0, c0):
+                x = x if batch_first else x.transpose(0, 1)
+                state = (h0.transpose(0, 1).contiguous(), c0.transpose(0, 1).contiguous())
+                out, (h, c) = self.rnn(x, state)
+                out = out if batch_first else out.transpose(0, 1)
+                return out, h.transpose(0, 1), c.transpose(0, 1)
+
+        xb = x if batch_first else x.transpose(0, 1)
+        want = vmap_grad(
+            Split(), lambda o: loss_of(*o, "all"), (xb, *(s.transpose(0, 1) for s in hx))
+        )
+        for n, p in rnn.named_parameters():
+            assert_close(p.grad1, want["rnn." + n], f"{n}: grad1")
 
 
 def test_where_autograd_still_runs_the_lstm():

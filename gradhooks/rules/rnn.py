@@ -11,8 +11,10 @@ pre-activation at every step, per example.
 
 An LSTM whose every sequence is full length (not packed, or packed at full length) goes faster:
 its hidden states come from torch's fused forward (the last layer's are the module's own
-output, kept with ``needs_output``; each earlier layer's one fused no-grad run), so all gate
-pre-activations are two matmuls and the cell states one ``addcmul`` per step; its backward
+output, kept with ``needs_output``; the earlier layers' are kept at the forward where the call
+runs with grad mode off, see below and :class:`_LayerOutputs`, else each is one fused no-grad
+run again), so all gate pre-activations are two matmuls and the cell states one ``addcmul``
+per step; its backward
 through time is three ops per step into preallocated buffers (inside ``vmap``, for the
 Jacobians, the step-by-step backward is used instead). Such a call (a padded input, no dropout
 between layers) runs without autograd while ``grad1`` or the norms are computed
@@ -46,12 +48,14 @@ and differentiating them raises.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..pieces import Outer
@@ -446,6 +450,55 @@ def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tenso
     return out
 
 
+class _LayerOutputs(TorchFunctionMode):
+    """The ``record`` of an ``nn.LSTM`` call run with grad mode off (:func:`_owns_backward`):
+    torch's fused multi-layer LSTM (``torch._VF.lstm``) runs one layer at a time (the same
+    kernel and the same floats), and the outputs of every layer but the last, time-major
+    ``[T, B, dirs * P]``, are kept in ``outputs``, so that :func:`recompute` need not run
+    the lower layers again. Any other call passes through unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[Tensor] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _VF_LSTM and self.outputs is None and not kwargs and len(args) == 9:
+            x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+            if isinstance(hx, (tuple, list)) and layers > 1 and not (train and dropout > 0):
+                return self._by_layer(
+                    x, hx, params, has_biases, layers, train, bidirectional, batch_first
+                )
+        return func(*args, **kwargs)
+
+    def _by_layer(self, x, hx, params, has_biases, layers, train, bidirectional, batch_first):
+        dirs = 2 if bidirectional else 1
+        per = len(params) // layers
+        h0, c0 = hx
+        layer_in = x.transpose(0, 1) if batch_first else x  # (as the fused call does)
+        self.outputs, h_n, c_n = [], [], []
+        for k in range(layers):
+            ks = slice(k * dirs, (k + 1) * dirs)
+            layer_in, h, c = _VF_LSTM(
+                layer_in, (h0[ks], c0[ks]), params[k * per : (k + 1) * per], has_biases, 1,
+                0.0, train, bidirectional, False,
+            )  # fmt: skip
+            h_n.append(h)
+            c_n.append(c)
+            if k < layers - 1:
+                self.outputs.append(layer_in)
+        out = layer_in.transpose(0, 1) if batch_first else layer_in
+        return out, torch.cat(h_n), torch.cat(c_n)
+
+
+_VF_LSTM = torch._C._VariableFunctions.lstm
+
+
+def _record_lower_layers(module: nn.LSTM) -> AbstractContextManager:
+    """``nn.LSTM``'s ``record``: :class:`_LayerOutputs` where it has layers below the last."""
+    return _LayerOutputs() if module.num_layers > 1 else nullcontext()
+
+
 def recompute(
     module: nn.RNNBase,
     x: Tensor,
@@ -453,6 +506,7 @@ def recompute(
     hx=None,
     output: Tensor | None = None,
     fast: bool = True,
+    lower: list[Tensor] | None = None,
 ) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
     """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
     with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
@@ -460,7 +514,8 @@ def recompute(
 
     An LSTM whose every sequence is full length (and ``fast``) takes a faster way: torch's own
     fused forward gives each layer's states (``output`` ``[batch, time, dirs * hidden_out]``,
-    the module's output if given, is the last layer's), then
+    the module's output if given, is the last layer's; ``lower``, the earlier layers'
+    time-major outputs if the forward kept them, :class:`_LayerOutputs`), then
     :meth:`_Direction.forward_lstm_from` the gates and cell states with no recurrence over
     ``h``. Otherwise the recurrence is run step by step.
 
@@ -493,6 +548,8 @@ def recompute(
                 ks = slice(layer * dirs, (layer + 1) * dirs)
                 if layer == module.num_layers - 1 and output is not None:
                     states = rearrange(output.detach(), "batch time out -> time batch out")
+                elif lower is not None and layer < len(lower):
+                    states = lower[layer]
                 else:
                     states = _lstm_layer(module, layer, layer_in, h0[ks], c0[ks])
             for d in range(dirs):
@@ -656,7 +713,8 @@ def rnn(call: Call) -> dict[str, Outer]:
     if not packed and call.output is not None:
         output = call.output[0]
         output = output if module.batch_first else rearrange(output, "t b o -> b t o")
-    _, layers = recompute(module, x_pad, lengths, hx, output)
+    lower = getattr(call.recorded, "outputs", None)
+    _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower)
     found: list[Tensor] | None = None if call.input_grads is None else []
     pieces = backpropagate(module, layers, grads, found)
     if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
@@ -716,4 +774,7 @@ def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
 
 
 # needs_output: the last layer's states are not recomputed
-register(nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True)(rnn)
+register(
+    nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True,
+    record=_record_lower_layers,
+)(rnn)  # fmt: skip
