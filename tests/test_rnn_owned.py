@@ -50,6 +50,27 @@ def leaves(x, hx):
     return [t for t in (x, *(hx or ())) if t.requires_grad]
 
 
+def oracle_grad1(rnn, x, hx, batch_first, which):
+    """vmap(grad) of loss_of(rnn(x, hx), which) per parameter, the batch moved to dimension 0
+    of every input and output for the oracle (the LSTM lays it out on dimension 1 of the state
+    and, time-major, of x)."""
+
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x, *state):
+            x = x if batch_first else x.transpose(0, 1)
+            state = tuple(s.transpose(0, 1).contiguous() for s in state) or None
+            out, (h, c) = self.rnn(x, state)
+            return out if batch_first else out.transpose(0, 1), h.transpose(0, 1), c.transpose(0, 1)
+
+    xb = (x if batch_first else x.transpose(0, 1)).detach()
+    st_b = tuple(s.detach().transpose(0, 1) for s in hx or ())
+    return vmap_grad(Split(), lambda o: loss_of(*o, which), (xb, *st_b))
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     layers=st.integers(1, 3),
@@ -82,23 +103,7 @@ def test_grads_equal_autograd_without_hooks(
     for t, w in zip(leaves(x, hx), want_in, strict=True):
         assert_close(t.grad, w, "input-gradient")
 
-    class Split(nn.Module):  # batch on dimension 0 for the oracle, as the LSTM lays it out
-        def __init__(self):
-            super().__init__()
-            self.rnn = rnn
-
-        def forward(self, x, *state):
-            x = x if batch_first else x.transpose(0, 1)
-            state = tuple(s.transpose(0, 1).contiguous() for s in state) or None
-            out, (h, c) = self.rnn(x, state)
-            return out if batch_first else out.transpose(0, 1), h.transpose(0, 1), c.transpose(0, 1)
-
-    def loss(o):
-        return loss_of(o[0], *o[1:], which)
-
-    xb = (x if batch_first else x.transpose(0, 1)).detach()
-    st_b = tuple(s.detach().transpose(0, 1) for s in hx or ())
-    want = vmap_grad(Split(), loss, (xb, *st_b))
+    want = oracle_grad1(rnn, x, hx, batch_first, which)
     names = [n for n, _ in rnn.named_parameters()]
     if quantity == "grad1":
         for n, p in rnn.named_parameters():
@@ -207,23 +212,7 @@ def test_lower_layers_kept_at_the_forward_not_run_again(
         loss_of(out, h, c, "all").backward()
     assert torch._C._len_torch_function_stack() == 0
     if dtype is D:
-
-        class Split(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.rnn = rnn
-
-            def forward(self, x, h0, c0):
-                x = x if batch_first else x.transpose(0, 1)
-                state = (h0.transpose(0, 1).contiguous(), c0.transpose(0, 1).contiguous())
-                out, (h, c) = self.rnn(x, state)
-                out = out if batch_first else out.transpose(0, 1)
-                return out, h.transpose(0, 1), c.transpose(0, 1)
-
-        xb = x if batch_first else x.transpose(0, 1)
-        want = vmap_grad(
-            Split(), lambda o: loss_of(*o, "all"), (xb, *(s.transpose(0, 1) for s in hx))
-        )
+        want = oracle_grad1(rnn, x, hx, batch_first, "all")
         for n, p in rnn.named_parameters():
             assert_close(p.grad1, want["rnn." + n], f"{n}: grad1")
 
