@@ -499,7 +499,7 @@ class Hooks:
                 or next(iter(module._forward_hooks), None) != forward_hook
                 or nn.modules.module._global_forward_hooks
                 or self._removed
-                or not (self._grad1 or "norms" in self.quantities)
+                or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
                 or not self._track
                 or not self._capturing_backward()
                 or not _GLOBALLY_ENABLED[0]

@@ -189,11 +189,22 @@ class Collector:
             )
         batch = h.pieces[0][0].batch_size
         sq = _sq_norm(h, sums) if "norms" in self.quantities else None
-        sums = mean = None
+        sum_sq = mean = None
         if "sum_grad_sq" in self.quantities:
-            sums = _sum_sq(h)
-            mean = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces) / max(batch, 1)
-        self._done[name] = (batch, sq, sums, mean)
+            # the batch gradient (for the mean) once: a by-product of the squares or of the
+            # norms where they form grad1 a slice at a time, else from the pieces; it is also
+            # the engine's batch gradient of a call run detached (``sums``)
+            found: dict[int, Tensor] = {}
+            sum_sq = _sum_sq(h, found)
+            total = found.get(id(h.param))
+            if total is None and sums is not None:
+                total = sums.get(id(h.param))
+            if total is None:
+                total = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces)
+            if sums is not None:
+                sums.setdefault(id(h.param), total)
+            mean = total / max(batch, 1)
+        self._done[name] = (batch, sq, sum_sq, mean)
 
     def _finish(self) -> None:
         """At the end of the backward: reduce what is still held, publish the results."""
@@ -458,8 +469,9 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     return torch.cat(parts) if parts else h.param.new_zeros(0)
 
 
-def _sum_sq(h: _Held) -> Tensor:
-    """``Σ_b (Σ_j scale_j grad1_j[b])²``, shape ``param.shape``."""
+def _sum_sq(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
+    """``Σ_b (Σ_j scale_j grad1_j[b])²``, shape ``param.shape``. Where that forms the
+    per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
     if all(isinstance(p, P.Rows) for p, _ in h.pieces):
         return P.rows_sum_sq(h.pieces, h.param.shape)
     if len(h.pieces) == 1:
@@ -467,12 +479,17 @@ def _sum_sq(h: _Held) -> Tensor:
         direct = P.sum_sq(piece, h.param.shape)
         if direct is not None:
             return direct * scale**2
-    total = None
+    total = batch_sum = None
     for _, g in _materialized(h):
-        part = (g**2).sum(0)
+        part = g.square().sum(0)
         total = part if total is None else total + part
+        if sums is not None:
+            part = g.sum(0)
+            batch_sum = part if batch_sum is None else batch_sum + part
     if total is None:  # empty batch
         total = torch.zeros_like(h.param)
+    if batch_sum is not None:
+        sums[id(h.param)] = batch_sum
     return total
 
 

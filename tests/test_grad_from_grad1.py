@@ -75,10 +75,11 @@ def plain_grads(model, loss_fn, x, y):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("quantity", ["grad1", "norms", "sum_grad_sq"])
 def test_grad_and_grad1_against_oracles(threshold, reduction, quantity):
-    """With norms only, the batch gradient is a by-product of the norms where they form the
-    per-example gradient a slice at a time (the conv), else the pieces' batch sum."""
+    """With norms (or squared sums) only, the batch gradient is a by-product of the norms (or
+    of the squares) where they form the per-example gradient a slice at a time (the conv), else
+    the pieces' batch sum; the squared sums' gradient mean is that same batch gradient."""
     torch.manual_seed(0)
     model = ConvSeq().to(D)
     x, y = torch.randn(5, 2, 40, dtype=D), torch.randint(0, 2, (5,))
@@ -96,8 +97,12 @@ def test_grad_and_grad1_against_oracles(threshold, reduction, quantity):
         if quantity == "grad1":
             assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
             assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
-        else:
+        elif quantity == "norms":
             assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
+        else:
+            assert_close(h.sum_grad_sq()[n], want[n].square().sum(0), f"{n} squared sums")
+            variance = want[n].var(0, unbiased=False)
+            assert_close(h.grad_variance()[n], variance, f"{n} gradient variance")
 
 
 @pytest.mark.parametrize("make", [lambda: CifarCNN(width=4), lambda: TinyGPT(layers=1)])
