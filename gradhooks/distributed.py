@@ -173,7 +173,7 @@ def kfac_factors(
     Returns:
         ``{weight_name: KFactors}``, the same on every rank.
     """
-    return _reduced(hooks._results("kfac").kfac, group).factors(reduction)
+    return _reduced(hooks._results("kfac").kfac, group).factors(reduction, last=True)
 
 
 def kfac(
@@ -196,7 +196,7 @@ def kfac(
     acc = _kfac._accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator
     )
-    return _reduced(acc, group).factors(reduction)
+    return _reduced(acc, group).factors(reduction, last=True)
 
 
 def _reduced(acc: KfacAccumulator, group: Group) -> KfacAccumulator:

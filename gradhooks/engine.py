@@ -1195,6 +1195,33 @@ class Hooks:
             p.grad1 = g1
 
 
+@contextlib.contextmanager
+def _output_edges(hooks: Hooks) -> Iterator[list]:
+    """While a forward of the hooked model runs inside: the gradient edges of every hooked
+    call's output tensors that require grad, in a list (the outputs themselves are not kept
+    alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
+    every hooked call, whose hooks then fire, without forming any parameter's batch gradient
+    (for a convolution batched over several output-gradients, the largest part of the work)."""
+    from torch.autograd.graph import get_gradient_edge
+
+    targets = {id(t.module) for t in hooks._targets}
+    edges: list = []
+
+    def collect(module: nn.Module, args, output) -> None:
+        if id(module) in targets:
+            edges.extend(
+                get_gradient_edge(t)
+                for t in tree_flatten(output)[0]
+                if isinstance(t, Tensor) and t.requires_grad
+            )
+
+    handle = nn.modules.module.register_module_forward_hook(collect)
+    try:
+        yield edges
+    finally:
+        handle.remove()
+
+
 def _without_nodes(taps: Any) -> Any:
     """``taps`` as the rule sees them (``call.taps``): without their ``nodes``, which the engine
     has hooked by then. Each node's hook refers to the kept call; a call referring back to the

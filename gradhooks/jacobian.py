@@ -14,10 +14,8 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
-from .engine import add_hooks
+from .engine import _output_edges, add_hooks
 from .registry import REGISTRY, Registry
 
 __all__ = ["jacobians"]
@@ -65,24 +63,9 @@ def jacobians(
         # no hooked module covers), not the parameters: autograd then never forms the
         # parameters' own gradients (batched over the outputs, for a convolution the largest
         # part of the work), which the hooks' pieces replace.
-        targets = {id(t.module) for t in h._targets}
         covered = {id(q) for t in h._targets for q in t.params.values()}
-        reached: list = []  # their gradient edges: the outputs themselves are not kept alive
-
-        def collect(module: nn.Module, args, output) -> None:
-            if id(module) in targets:
-                leaves, _ = tree_flatten(output)
-                reached.extend(
-                    get_gradient_edge(t)
-                    for t in leaves
-                    if isinstance(t, Tensor) and t.requires_grad
-                )
-
-        handle = nn.modules.module.register_module_forward_hook(collect)
-        try:
+        with _output_edges(h) as reached:
             out = model(inputs)
-        finally:
-            handle.remove()
         wrt = reached + [p for p in params if id(p) not in covered]
         outputs = math.prod(out.shape[1:])
         # the results, allocated once; the backward writes each parameter's block in place

@@ -30,6 +30,7 @@ approximate curvature for modern neural network architectures"):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,7 +85,6 @@ class KfacAccumulator:
             if not isinstance(piece, Outer) or not piece.has_input:
                 continue
             key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
-            a, g = piece.a, piece.g * scale
             biased = self.bias and len(bias_pieces) == 1
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
@@ -92,25 +92,22 @@ class KfacAccumulator:
                     f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
                     "both: use bias=False"
                 )
-            if biased:
-                a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
-            batch, shared = a.shape[0], a.shape[-2]
-            # letters: b batch, s shared, i/j in, o/p out; '...' the groups
-            if self.expand:
-                aa = torch.einsum("b...si,b...sj->...ij", a, a)
-                gg = torch.einsum("b...so,b...sp->...op", g, g)
-                n_a = batch * shared
-            else:
-                abar, gbar = a.mean(-2), g.sum(-2)
-                aa = torch.einsum("b...i,b...j->...ij", abar, abar)
-                gg = torch.einsum("b...o,b...p->...op", gbar, gbar)
-                n_a = batch
-            self._g[key] = self._g[key] + gg if key in self._g else gg
-            if self.capture_a:
-                self._a[key] = self._a[key] + aa if key in self._a else aa
-                self._n_a[key] = self._n_a.get(key, 0) + n_a
-                self._biased[key] = biased
-                self._batch_now[key] = batch
+            g = piece.g
+            if not self.expand:
+                g = g.sum(-2, keepdim=True)
+            self._g[key] = _second_moment(g, into=self._g.get(key), alpha=scale**2)
+            if not self.capture_a:
+                continue  # (a later backward of the same forward: the input is not read,
+                # a convolution's columns never formed again)
+            a = piece.a
+            batch = a.shape[0]
+            if not self.expand:
+                a = a.mean(-2, keepdim=True)
+            self._a[key] = _second_moment(a, augment=biased, into=self._a.get(key))
+            n_a = batch * a.shape[-2]
+            self._n_a[key] = self._n_a.get(key, 0) + n_a
+            self._biased[key] = biased
+            self._batch_now[key] = batch
 
     def end_backward(self) -> None:
         """G is normalized by examples, not by calls: count each example once per forward."""
@@ -118,17 +115,85 @@ class KfacAccumulator:
             self._n_g[key] = self._n_g.get(key, 0) + batch
         self._batch_now = {}
 
-    def factors(self, reduction: Literal["mean", "sum"] = "mean") -> dict[str, KFactors]:
+    def factors(
+        self, reduction: Literal["mean", "sum"] = "mean", last: bool = False
+    ) -> dict[str, KFactors]:
+        """``last``: the sums are divided in place (nothing reads them again): no second copy
+        of each factor (for a Linear over many features, ``A`` takes hundreds of MiB)."""
         out = {}
         for key, aa in self._a.items():
             gg = self._g[key]
             if reduction == "mean":
-                gg = gg / max(self._n_g[key], 1)
-            aa = aa / max(self._n_a[key], 1)
+                n_g = max(self._n_g[key], 1)
+                gg = gg.div_(n_g) if last else gg / n_g
+            elif not last:
+                gg = gg.clone()  # the next backward adds to the sum in place
+            n_a = max(self._n_a[key], 1)
+            aa = aa.div_(n_a) if last else aa / n_a
             if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
                 aa, gg = aa[0], gg[0]
             out[key] = KFactors(aa, gg, self._biased[key])
         return out
+
+
+def _second_moment(
+    t: Tensor, augment: bool = False, into: Tensor | None = None, alpha: float = 1.0
+) -> Tensor:
+    """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
+    added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
+    a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
+    the count), written around the product rather than appended to ``t`` (a copy of it).
+
+    Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
+    (a Linear's input) or are few per example (then copied into that order: each example's
+    product would be mostly output); otherwise (a convolution's columns, whose positions are
+    contiguous) one product per example, read in place: at once where the ``batch`` products
+    are small, else accumulated one by one (measured on a 2-core CPU: up to 2.7x faster than
+    one product over copied rows)."""
+    batch, shared, n = t.shape[0], t.shape[-2], t.shape[-1]
+    groups = t.shape[1:-2]
+    count = math.prod(groups)
+    width = n + 1 if augment else n
+    if into is None:
+        out, beta = t.new_empty(count, width, width), 0.0
+    else:
+        out, beta = into.view(count, width, width), 1.0
+    core = out[:, :n, :n]
+    flat = t.reshape(batch, count, shared, n)
+    if count > 1:  # one product per group over all its rows
+        rows = flat.transpose(0, 1).reshape(count, batch * shared, n)
+        core.baddbmm_(rows.transpose(1, 2), rows, beta=beta, alpha=alpha)
+    elif flat.stride(-1) == 1 or 4 * shared < n:
+        rows = flat.reshape(batch * shared, n)
+        core[0].addmm_(rows.T, rows, beta=beta, alpha=alpha)
+    elif batch * n * n <= _PRODUCTS_AT_ONCE:
+        per_example = flat[:, 0]
+        total = torch.bmm(per_example.transpose(1, 2), per_example).sum(0)
+        if beta:
+            core[0].add_(total, alpha=alpha)
+        else:
+            torch.mul(total, alpha, out=core[0])
+    else:
+        if not beta:
+            core[0].zero_()
+        for x in flat[:, 0]:
+            core[0].addmm_(x.T, x, alpha=alpha)
+    if augment:
+        sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
+        if beta:
+            out[:, :n, n] += sums
+            out[:, n, :n] += sums
+            out[:, n, n] += alpha * batch * shared
+        else:
+            out[:, :n, n] = sums
+            out[:, n, :n] = sums
+            out[:, n, n] = alpha * batch * shared
+    return out.view(*groups, width, width)
+
+
+# The most elements the per-example products of :func:`_second_moment` form at once (16 MiB of
+# float32) before being summed
+_PRODUCTS_AT_ONCE = 1 << 22
 
 
 Fisher = Literal["mc", "exact", "empirical"]
@@ -178,7 +243,7 @@ def kfac(
         (torch.Size([5, 5]), torch.Size([8, 8]))
     """
     acc = _accumulate(model, inputs, target, fisher, loss, expand, bias, mc_samples, generator)
-    return acc.factors(reduction)
+    return acc.factors(reduction, last=True)
 
 
 def _accumulate(
@@ -187,24 +252,25 @@ def _accumulate(
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
-    from .engine import add_hooks
+    from .engine import _output_edges, add_hooks
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
         acc = h._collector.kfac
         acc.expand, acc.bias = expand, bias
-        out = model(inputs)
+        with _output_edges(h) as reached:
+            out = model(inputs)
         if out.dim() != 2:
             raise ValueError(
                 f"kfac() expects a [batch, classes] model output, got {tuple(out.shape)}; for other "
                 "outputs use add_hooks(model, quantities=('kfac',)), your own backward(s), and "
                 "h.kfac_factors()"
             )
-        params = [p for p in model.parameters() if p.requires_grad]
+        # The backwards are taken with respect to the hooked calls' outputs (their hooks then
+        # see their output-gradients): no parameter's batch gradient is ever formed
+        wrt = reached or [p for p in model.parameters() if p.requires_grad]
         vectors = _output_vectors(out.detach(), target, fisher, loss, mc_samples, generator)
         for i, v in enumerate(vectors):
-            torch.autograd.grad(
-                out, params, v, retain_graph=i < len(vectors) - 1, allow_unused=True
-            )
+            torch.autograd.grad(out, wrt, v, retain_graph=i < len(vectors) - 1, allow_unused=True)
             acc.capture_a = False
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:

@@ -3,6 +3,8 @@ input and output-gradient) and against the exact GGN where theory says K-FAC is 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,3 +188,52 @@ def test_mc_fisher_is_reproducible_and_converges_to_the_exact_one():
     for name in exact:
         err = (many[name].G - exact[name].G).norm() / exact[name].G.norm()
         assert err < 0.1, f"MC Fisher G far from the exact one for {name}: relative error {err:.3f}"
+
+
+@pytest.mark.parametrize("augment", [False, True], ids=["plain", "augmented"])
+@pytest.mark.parametrize(
+    "layout",
+    ["rows", "few-shared", "per-example", "one-by-one", "groups", "empty"],
+)
+def test_second_moment_every_form(layout, augment, monkeypatch):
+    """``_second_moment`` (the factors' products) against its definition, ``alpha · Σ_{b,s}
+    t tᵀ`` with a column of ones appended, in each of its forms, first alone then added to
+    what is there (a reused module's second call)."""
+    K = importlib.import_module("gradhooks.kfac")  # (gradhooks.kfac is the function)
+    torch.manual_seed(4)
+    batch = 0 if layout == "empty" else 3
+    if layout == "one-by-one":
+        monkeypatch.setattr(K, "_PRODUCTS_AT_ONCE", 1)
+    if layout in ("rows", "empty"):  # a Linear over positions: n contiguous
+        t = torch.randn(batch, 5, 4, dtype=torch.float64)
+    elif layout == "few-shared":  # positions contiguous, fewer than n / 4
+        t = torch.randn(batch, 9, 2, dtype=torch.float64).transpose(1, 2)
+    elif layout == "groups":
+        t = torch.randn(batch, 3, 6, 4, dtype=torch.float64)
+    else:  # a convolution's columns: [batch, groups = 1, positions, n], positions contiguous
+        t = torch.randn(batch, 1, 4, 7, dtype=torch.float64).transpose(2, 3)
+    ones = torch.ones(*t.shape[:-1], 1, dtype=t.dtype)
+    full = torch.cat([t, ones], -1) if augment else t
+    want = torch.einsum("b...si,b...sj->...ij", full, full)
+    first = K._second_moment(t, augment=augment, alpha=0.5)
+    assert_close(first, 0.5 * want, f"{layout}: alone")
+    both = K._second_moment(t, augment=augment, into=first.clone(), alpha=2.0)
+    assert_close(both, 2.5 * want, f"{layout}: added to the sum so far")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_factors_handed_out_do_not_change_with_the_next_backward(reduction):
+    """The sums grow in place with every backward; the factors already handed out stay."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(2, (6,))
+    with gradhooks.add_hooks(model, "sum", quantities=("kfac",)) as h:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        first = h.kfac_factors(reduction)
+        kept = {n: (f.A.clone(), f.G.clone()) for n, f in first.items()}
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        second = h.kfac_factors(reduction)
+    for name, (A, G) in kept.items():
+        assert torch.equal(first[name].A, A) and torch.equal(first[name].G, G), name
+        if reduction == "sum":
+            assert_close(second[name].G, 2 * G, f"{name}: G summed over both backwards")
