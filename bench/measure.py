@@ -90,6 +90,9 @@ def _rel_err(method: Method, got, ref: dict[str, torch.Tensor]) -> float:
     if method.quantity == "norms":
         want = torch.stack([r.flatten(1).pow(2).sum(1) for r in ref.values()]).sum(0).sqrt()
         return ((got.flatten() - want).abs().max() / want.abs().max()).item()
+    if method.quantity == "sum_grad_sq":
+        ref = {n: r.square().sum(0, keepdim=True) for n, r in ref.items()}
+        got = {n: g.unsqueeze(0) for n, g in got.items()}
     scale = max(r.abs().max().item() for r in ref.values())
     worst = 0.0
     for name, r in ref.items():
@@ -102,6 +105,24 @@ def _rel_err(method: Method, got, ref: dict[str, torch.Tensor]) -> float:
             )
         worst = max(worst, (g.detach().to(r.dtype) - r).abs().max().item())
     return worst / scale
+
+
+def _kfac_rel_err(factors: dict[str, tuple], base_model, x) -> float:
+    """``factors``: ``{weight: (G, A)}`` (BackPACK's order) of Linear layers, against
+    :func:`gradhooks.kfac`'s exact factors (tested against their definitions), without the
+    bias column; the worst of the two factors' relative errors."""
+    import gradhooks
+
+    want = gradhooks.kfac(copy.deepcopy(base_model), x, fisher="exact", bias=False)
+    worst = 0.0
+    for name, (G, A) in factors.items():
+        for got, ref in ((G, want[name].G), (A, want[name].A)):
+            if tuple(got.shape) != tuple(ref.shape):
+                raise Unavailable(
+                    "unsupported", f"{name}: factor {tuple(got.shape)}, want {tuple(ref.shape)}"
+                )
+            worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+    return worst
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -168,10 +189,13 @@ def prepare(
             runner = method.make(Setup(copy.deepcopy(base_model), x, y, problem.loss))
             runner.reset()
             runner.step()
-        if ref is not None and method.quantity in ("grad1", "norms"):
-            rec.rel_err = _rel_err(method, runner.result(), ref)
-            if not rec.rel_err <= WRONG_TOLERANCE:
-                rec.status, rec.reason = "wrong", f"relative error {rec.rel_err:.1e} vs vmap(grad)"
+        checked = None
+        if ref is not None and method.quantity in ("grad1", "norms", "sum_grad_sq"):
+            rec.rel_err, checked = _rel_err(method, runner.result(), ref), "vmap(grad)"
+        elif method.quantity == "kfac" and (factors := runner.result()) is not None:
+            rec.rel_err, checked = _kfac_rel_err(factors, base_model, x), "gradhooks' exact K-FAC"
+        if checked and not rec.rel_err <= WRONG_TOLERANCE:
+            rec.status, rec.reason = "wrong", f"relative error {rec.rel_err:.1e} vs {checked}"
         runner.reset()
         return rec, runner
     except Exception as e:

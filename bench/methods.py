@@ -61,7 +61,9 @@ class Runner:
 class Method:
     name: str  # command-line name
     label: str  # column header
-    quantity: str  # "grad" (plain), "grad1", "norms", "step" (a DP-SGD step), "jacobian"
+    # "grad" (plain), "grad1", "norms", "step" (a DP-SGD step), "jacobian", "sum_grad_sq",
+    # "kfac" (the gradient and K-FAC factors)
+    quantity: str
     make: Callable[[Setup], Runner]
     peer: str | None = None  # the package it needs
     slow: bool = False  # timed with --slow-reps repetitions
@@ -347,12 +349,159 @@ def _opacus_dp(s: Setup, ghost: bool) -> Runner:
     return Runner(step, lambda: None, reset=reset)
 
 
+# -- sum of squared per-example gradients (the diagonal empirical Fisher, gradient variance) ----
+
+
+def _squared_sums(runner: Runner) -> Runner:
+    """A per-example-gradient method's runner followed by ``Σ_i grad1[i]²`` per parameter (how
+    a method without a squared-sum quantity of its own gets it)."""
+    out: dict = {}
+
+    def step() -> None:
+        runner.step()
+        out["sq"] = {n: g.square().sum(0) for n, g in runner.result().items()}
+
+    def reset() -> None:
+        runner.reset()
+        out.clear()
+
+    return Runner(step, lambda: out["sq"], reset=reset, held_bytes=runner.held_bytes)
+
+
+def _backpack_sum_grad_sq(s: Setup) -> Runner:
+    _need("backpack")
+    from backpack import backpack, extend
+    from backpack.extensions import SumGradSquared
+
+    model = extend(s.model)
+    named = s.trainable()
+    params = list(named.values())
+    square = s.batch**2  # a mean loss's per-example terms carry 1/batch: undone below
+
+    def step() -> None:
+        with backpack(SumGradSquared()):
+            s.loss(model(s.x), s.y).backward()
+
+    def result():
+        lacking = [n for n, p in named.items() if getattr(p, "sum_grad_squared", None) is None]
+        if lacking:
+            raise Unavailable(
+                "unsupported",
+                f"no sum_grad_squared for {len(lacking)} parameters ({', '.join(lacking)})",
+            )
+        return {n: p.sum_grad_squared * square for n, p in named.items()}
+
+    return Runner(step, result, reset=lambda: _clear(params, "sum_grad_squared"))
+
+
+def gradhooks_sum_grad_sq(s: Setup) -> Runner:
+    """``quantities=("sum_grad_sq",)``: ``Σ_i grad1[i]²`` without forming grad1."""
+    try:
+        hooks = gradhooks.add_hooks(s.model, quantities=("sum_grad_sq",))
+    except TypeError as e:
+        raise Unavailable("unsupported", str(e).splitlines()[1].strip()) from e
+    params = list(s.trainable().values())
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+
+    def reset() -> None:
+        hooks.clear()
+        _clear(params)
+
+    return Runner(step, hooks.sum_grad_sq, reset=reset)
+
+
+# -- K-FAC: the gradient and the Kronecker factors of every weight, as a K-FAC step needs ---------
+
+
+def _gradhooks_kfac(s: Setup, fisher: str) -> Runner:
+    """The loss's gradient (one forward and backward), then :func:`gradhooks.kfac`: its own
+    forward and the backward(s) that feed ``G``: one of a sampled label (``"mc"``), one per
+    class (``"exact"``, the GGN)."""
+    _classifier(s)
+    params = list(s.trainable().values())
+    gen = torch.Generator(device=s.x.device).manual_seed(0)
+    out: dict = {}
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+        out["f"] = gradhooks.kfac(s.model, s.x, fisher=fisher, generator=gen)
+
+    def reset() -> None:
+        _clear(params)
+        out.clear()
+
+    return Runner(step, lambda: None, reset=reset)
+
+
+def _sequential(s: Setup) -> nn.Sequential:
+    """The model as the ``nn.Sequential`` of modules that BackPACK's second-order extensions
+    need (they refuse other containers and cannot see functional calls), sharing its
+    parameters and computing the same function (checked on the batch)."""
+    from gradhooks import models
+
+    m = s.model
+    if isinstance(m, nn.Sequential):
+        return m
+    if isinstance(m, models.CifarCNN):
+        seq = nn.Sequential(*m.features, nn.Flatten(), m.head)
+    elif isinstance(m, models.SimpleCNN):
+        seq = nn.Sequential(
+            m.conv1, nn.ReLU(), m.conv2, nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), m.fc1,
+            nn.ReLU(), m.fc2,
+        )  # fmt: skip
+    else:
+        raise Unavailable(
+            "unsupported", f"needs an nn.Sequential of supported modules ({type(m).__name__})"
+        )
+    with torch.no_grad():
+        if not torch.allclose(seq(s.x), m(s.x), rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"the nn.Sequential form of {type(m).__name__} differs from it")
+    return seq
+
+
+def _backpack_kfac(s: Setup, exact: bool) -> Runner:
+    """BackPACK's ``KFLR`` (``exact``, the GGN) or ``KFAC`` (one sampled label): one backward
+    gives the gradient and the factors. ``result()``, for ``KFLR``: ``{weight: (G, A)}`` of the
+    Linear layers, whose factors BackPACK defines as gradhooks does (its convolutions' are
+    scaled differently), for the check against gradhooks' exact factors."""
+    _classifier(s)
+    _need("backpack")
+    from backpack import backpack, extend
+    from backpack.extensions import KFAC, KFLR
+
+    model = extend(_sequential(s))
+    loss = extend(nn.CrossEntropyLoss())
+    named = s.trainable()
+    params = list(named.values())
+    attr = "kflr" if exact else "kfac"
+    name_of = {id(p): n for n, p in named.items()}  # (the model's own names)
+    linear = {name_of[id(m.weight)]: m for m in model.modules() if isinstance(m, nn.Linear)}
+
+    def step() -> None:
+        with backpack(KFLR() if exact else KFAC(mc_samples=1)):
+            loss(model(s.x), s.y).backward()
+
+    def result():
+        lacking = [n for n, p in named.items() if getattr(p, attr, None) is None]
+        if lacking:
+            raise Unavailable(
+                "unsupported", f"no {attr} for {len(lacking)} parameters ({', '.join(lacking)})"
+            )
+        if not exact:
+            return None
+        return {n: tuple(getattr(m.weight, attr)) for n, m in linear.items()}
+
+    return Runner(step, result, reset=lambda: _clear(params, attr))
+
+
 # -- per-example Jacobians of every output (classifiers: [batch, classes] outputs) ---------------
 
 
 def _classifier(s: Setup) -> None:
     if s.loss.__name__ != "classify":
-        raise Unavailable("unsupported", "Jacobians are benchmarked on [batch, classes] outputs")
+        raise Unavailable("unsupported", "benchmarked on [batch, classes] outputs only")
 
 
 def gradhooks_jacobians(s: Setup) -> Runner:
@@ -405,6 +554,13 @@ METHODS: dict[str, Method] = {
         Method("dp", "gradhooks DP step (ghost)", "step", lambda s: _gradhooks_dp(s, "norms", "ghost"), tags=("gradhooks",)),
         Method("dp-bk", "gradhooks DP step (book-keeping)", "step", lambda s: _gradhooks_dp(s, "norms", "bookkeeping"), tags=("gradhooks",)),
         Method("dp-grad1", "gradhooks DP step (grad1)", "step", lambda s: _gradhooks_dp(s, "grad1", "grad1"), tags=("gradhooks",)),
+        Method("vmap-sgs", "vmap(grad) squared sums", "sum_grad_sq", lambda s: _squared_sums(vmap_grad(s))),
+        Method("backpack-sgs", "BackPACK SumGradSquared", "sum_grad_sq", _backpack_sum_grad_sq, "backpack"),
+        Method("sgs", "gradhooks sum_grad_sq", "sum_grad_sq", gradhooks_sum_grad_sq, tags=("gradhooks",)),
+        Method("backpack-kflr", "BackPACK KFLR (exact)", "kfac", lambda s: _backpack_kfac(s, True), "backpack"),
+        Method("kfac", "gradhooks K-FAC (exact)", "kfac", lambda s: _gradhooks_kfac(s, "exact"), tags=("gradhooks",)),
+        Method("backpack-kfac", "BackPACK KFAC (MC)", "kfac", lambda s: _backpack_kfac(s, False), "backpack"),
+        Method("kfac-mc", "gradhooks K-FAC (MC)", "kfac", lambda s: _gradhooks_kfac(s, "mc"), tags=("gradhooks",)),
         Method("jacrev", "vmap(jacrev)", "jacobian", vmap_jacrev, slow=True),
         Method("jacobians", "gradhooks Jacobians", "jacobian", gradhooks_jacobians, slow=True, tags=("gradhooks",)),
     ]

@@ -110,3 +110,37 @@ def test_ab_runs_each_version_in_its_own_process(capsys):
     assert "mlp, grad1 / plain, batch 3, 1 processes each:" in out
     for rev in ("HEAD", "."):
         assert f"{rev}: median" in out, out
+
+
+def test_sum_grad_sq_and_kfac_methods(tmp_path):
+    """The squared sums are checked against vmap(grad); BackPACK's exact K-FAC factors (where
+    BackPACK is installed) against gradhooks' on the Linear layers."""
+    names = ["plain", "vmap-sgs", "sgs", "backpack-sgs", "kfac", "kfac-mc", "backpack-kflr"]
+    argv = ["--models", "mlp,cifarcnn", "--methods", ",".join(names), "--batch", "3"]
+    argv += ["--reps", "1", "--out", str(tmp_path), "--no-plot", "--no-memory"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    for r in data["records"]:
+        if r["method"].startswith("backpack") and r["status"] == "missing":
+            continue
+        assert r["status"] == "ok", r
+        if r["method"] in ("vmap-sgs", "sgs", "backpack-sgs", "backpack-kflr"):
+            assert r["rel_err"] < 1e-4, r
+
+
+def test_wrong_kfac_factors_are_flagged():
+    import gradhooks
+
+    problem = PROBLEMS["mlp"]
+    model, x, y = measure.instance(problem, 4, "cpu")
+
+    def doubled(setup):
+        def result():
+            f = gradhooks.kfac(setup.model, setup.x, fisher="exact", bias=False)
+            return {n: (2 * k.G, k.A) for n, k in f.items()}
+
+        return methods.Runner(lambda: None, result)
+
+    method = methods.Method("bad", "bad", "kfac", doubled)
+    rec, _ = measure.prepare(problem, method, model, x, y, None, "cpu")
+    assert rec.status == "wrong" and rec.rel_err > 0.5, rec
