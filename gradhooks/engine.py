@@ -396,12 +396,13 @@ class Hooks:
     def grad_variance(self) -> dict[str, Tensor]:
         """Per-example gradient variance per parameter, ``{name: [*p.shape]}``
         (``"sum_grad_sq"``): ``mean_i grad1[i]² - (mean_i grad1[i])²`` (population variance,
-        clamped at 0)."""
+        clamped at 0). The mean of a Linear on ``[batch, features]`` is formed by the first
+        call, from its input and output-gradient, kept until then (``batch · (in + out)``
+        floats; only :meth:`sum_grad_sq` asked for, it is never formed)."""
         c = self._results("sum_grad_sq")
         batch = max(c.batch or 0, 1)
-        return {
-            n: (sq / batch - c.grad_mean[n] ** 2).clamp_min(0) for n, sq in c.sum_grad_sq.items()
-        }
+        means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}  # (formed now)
+        return {n: (sq / batch - means[n] ** 2).clamp_min(0) for n, sq in c.sum_grad_sq.items()}
 
     def kfac_factors(self, reduction: LossReduction = "mean") -> dict:
         """K-FAC factors ``{weight_name: KFactors(A, G, bias)}`` accumulated since the last

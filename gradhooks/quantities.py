@@ -75,7 +75,7 @@ class Collector:
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
         self.sum_grad_sq: dict[str, Tensor] = {}
-        self.grad_mean: dict[str, Tensor] = {}
+        self.grad_mean: dict[str, Tensor | _Deferred] = {}  # a _Deferred: formed when asked
         self.batch: int | None = None
         self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
         self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
@@ -199,11 +199,15 @@ class Collector:
             total = found.get(id(h.param))
             if total is None and sums is not None:
                 total = sums.get(id(h.param))
-            if total is None:
-                total = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces)
-            if sums is not None:
-                sums.setdefault(id(h.param), total)
-            mean = total / max(batch, 1)
+            if total is None and sums is None and all(_one_position(pc) for pc, _ in h.pieces):
+                # a product per piece that autograd's .grad also forms: only if asked for
+                mean: Tensor | _Deferred = _Deferred(h.pieces, h.param.shape, batch)
+            else:
+                if total is None:
+                    total = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces)
+                if sums is not None:
+                    sums.setdefault(id(h.param), total)
+                mean = total / max(batch, 1)
         self._done[name] = (batch, sq, sum_sq, mean)
 
     def _finish(self) -> None:
@@ -467,6 +471,28 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     if total is not None:
         sums[id(h.param)] = total
     return torch.cat(parts) if parts else h.param.new_zeros(0)
+
+
+def _one_position(piece: P.Piece) -> bool:
+    """An :class:`~gradhooks.pieces.Outer` with an input and one shared position (a Linear on
+    ``[batch, features]``): its squared sums are one product of the squares, its batch sum
+    another, and it keeps only ``batch · (in + out)`` floats."""
+    return isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1
+
+
+class _Deferred:
+    """The gradient mean of :meth:`Collector._reduce` (``Σ_b grad1[b] / batch``), formed
+    from the pieces only when :meth:`gradhooks.Hooks.grad_variance` asks for it (once)."""
+
+    def __init__(self, pieces: list, shape: torch.Size, batch: int) -> None:
+        self.pieces, self.shape, self.batch = list(pieces), shape, batch
+        self.value: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        if self.value is None:
+            total = sum(s * P.batch_sum(pc, self.shape) for pc, s in self.pieces)
+            self.value, self.pieces = total / max(self.batch, 1), []
+        return self.value
 
 
 def _sum_sq(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:

@@ -312,3 +312,35 @@ def test_jacobians_of_embeddings_scatter_rows(make, monkeypatch):
     check_jacobians(model, tokens, vmap_jacrev(model, tokens), "embeddings")
     check_jacobians(model, tokens, loop_jacobians(model, tokens), "embeddings")
     assert used and all(used)
+
+
+def test_gradient_mean_of_a_linear_on_features_is_formed_only_when_asked(monkeypatch):
+    """With sum_grad_sq, a Linear on ``[batch, features]`` (whose ``.grad`` autograd forms) gets
+    its gradient mean from its pieces only when grad_variance() asks, once; the result is the
+    oracle's, also after the parameters changed in between."""
+    from gradhooks import pieces as P
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(3, (7,))
+    loss_fn = nn.functional.cross_entropy
+    want = loop_grad(model, loss_fn, x, y)
+    formed = []
+    real = P.batch_sum
+    monkeypatch.setattr(P, "batch_sum", lambda piece, *a: formed.append(piece) or real(piece, *a))
+    with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
+        loss_fn(model(x), y).backward()
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        assert not any(pc.has_input for pc in formed), "formed before it was asked for"
+        for name, sq in h.sum_grad_sq().items():
+            assert_close(sq, want[name].square().sum(0), f"{name} squared sums")
+        with torch.no_grad():
+            for w in weights:
+                w.add_(1.0)  # (an optimizer step: the mean is of the backward's gradients)
+        first = h.grad_variance()
+        count = len(formed)
+        again = h.grad_variance()
+        assert len(formed) == count, "the mean was formed twice"
+    for name, v in first.items():
+        assert_close(v, want[name].var(0, unbiased=False), f"{name} gradient variance")
+        assert torch.equal(again[name], v)
