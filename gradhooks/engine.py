@@ -1307,9 +1307,7 @@ def _rerun_carried(
         x = carried.input
         leaf = x.detach().requires_grad_()
         swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
-        others = {
-            n: p.detach() for n, p in carried.target.params.items() if n not in detached
-        }
+        others = {n: p.detach() for n, p in carried.target.params.items() if n not in detached}
         with _parameters_replaced(module, others):
             (full,) = _rerun_owned(
                 module, tree_map(swap, (args, kwargs)),

@@ -356,9 +356,10 @@ def test_carried_attention_dp_step(threshold, method):
     factors = torch.clamp(max_norm / norms, max=1.0)
     with gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",)) as h:
         losses = F.cross_entropy(model(x), y, reduction="none")
-        got = gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method)
+        got = gradhooks.dp_sgd_step(
+            h, losses, max_norm=max_norm, noise_multiplier=0.0, method=method
+        )
     assert_close(got, norms, "norms")
     for name, p in model.named_parameters():
         want = torch.einsum("b,b...->...", factors, loop[name]) / 5
         assert_close(p.grad, want, f"{method}: clipped {name}")
-
