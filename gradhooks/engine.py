@@ -225,8 +225,8 @@ class Hooks:
         self._tasks: dict[int, _Backward] = {}  # backwards running, by graph task id
         self._missed: dict[str, None] = {}  # parameters a backward computed without capture
         # the bookkeeping of backwards (which parameters each computes) is off for the
-        # Jacobians, whose backward runs under vmap and writes no grad1
-        self._track = "_jacobian" not in quantities
+        # Jacobians and kfac(), whose backwards run under vmap and write no grad1
+        self._track = not {"_jacobian", "_vmapped"} & set(quantities)
         self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
         covered = {id(q) for t in self._targets for q in t.params.values()}
         for name, p in model.named_parameters():
@@ -1196,8 +1196,15 @@ class Hooks:
             p.grad1 = g1
 
 
+class _Edges(list):
+    """:func:`_output_edges`' list of gradient edges; ``numel``: the elements of the outputs
+    they lead to (what one backward through them writes at least)."""
+
+    numel = 0
+
+
 @contextlib.contextmanager
-def _output_edges(hooks: Hooks) -> Iterator[list]:
+def _output_edges(hooks: Hooks) -> Iterator[_Edges]:
     """While a forward of the hooked model runs inside: the gradient edges of every hooked
     call's output tensors that require grad, in a list (the outputs themselves are not kept
     alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
@@ -1206,15 +1213,14 @@ def _output_edges(hooks: Hooks) -> Iterator[list]:
     from torch.autograd.graph import get_gradient_edge
 
     targets = {id(t.module) for t in hooks._targets}
-    edges: list = []
+    edges = _Edges()
 
     def collect(module: nn.Module, args, output) -> None:
         if id(module) in targets:
-            edges.extend(
-                get_gradient_edge(t)
-                for t in tree_flatten(output)[0]
-                if isinstance(t, Tensor) and t.requires_grad
-            )
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    edges.append(get_gradient_edge(t))
+                    edges.numel += t.numel()
 
     handle = nn.modules.module.register_module_forward_hook(collect)
     try:

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._C import _functorch
 
 from .pieces import Outer
 
@@ -93,6 +94,10 @@ class KfacAccumulator:
                     "both: use bias=False"
                 )
             g = piece.g
+            if _functorch.is_batchedtensor(g):  # vmapped over output-gradients (kfac()):
+                # each column is one more backward of the same examples
+                g = _functorch.get_unwrapped(g).movedim(_functorch.maybe_get_bdim(g), 0)
+                g = g.flatten(0, 1)
             if not self.expand:
                 g = g.sum(-2, keepdim=True)
             self._g[key] = _second_moment(g, into=self._g.get(key), alpha=scale**2)
@@ -254,7 +259,7 @@ def _accumulate(
     across ranks before dividing)."""
     from .engine import _output_edges, add_hooks
 
-    with add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
+    with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
         acc = h._collector.kfac
         acc.expand, acc.bias = expand, bias
         with _output_edges(h) as reached:
@@ -269,13 +274,34 @@ def _accumulate(
         # see their output-gradients): no parameter's batch gradient is ever formed
         wrt = reached or [p for p in model.parameters() if p.requires_grad]
         vectors = _output_vectors(out.detach(), target, fisher, loss, mc_samples, generator)
-        for i, v in enumerate(vectors):
-            torch.autograd.grad(out, wrt, v, retain_graph=i < len(vectors) - 1, allow_unused=True)
-            acc.capture_a = False
+        # Several backwards (one per class for "exact") run batched under vmap, in chunks of
+        # about _VMAP_ELEMENTS output-gradient elements of the hooked calls: all at once on
+        # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
+        # activation-sized gradients (a CNN's: batched, fresh buffers made it 1.6x slower)
+        chunk = max(1, _VMAP_ELEMENTS // max(reached.numel, 1))
+        if len(vectors) == 1 or chunk == 1:
+            for i, v in enumerate(vectors):
+                torch.autograd.grad(
+                    out, wrt, v, retain_graph=i < len(vectors) - 1, allow_unused=True
+                )
+                acc.capture_a = False
+        else:
+
+            def backward(v: Tensor) -> Tensor:
+                torch.autograd.grad(out, wrt, v, retain_graph=True, allow_unused=True)
+                acc.capture_a = False
+                return v  # (the hooks accumulate the factors; vmap wants a tensor back)
+
+            torch.func.vmap(backward, chunk_size=chunk)(torch.stack(vectors))
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:
                 acc._g[key] = acc._g[key] / mc_samples
         return acc
+
+
+# The most output-gradient elements of the hooked calls that one batched backward of
+# :func:`kfac` forms (several columns under vmap)
+_VMAP_ELEMENTS = 1 << 20
 
 
 def _output_vectors(

@@ -35,7 +35,7 @@ __all__ = ["QUANTITIES", "Collector", "total_norms"]
 
 QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
 # internal: gradhooks.jacobians() runs the backward under torch.func.vmap over the outputs
-_INTERNAL = ("_jacobian",)
+_INTERNAL = ("_jacobian", "_vmapped")  # "_vmapped": gradhooks.kfac's backwards run under vmap
 
 # Largest materialized slice of examples, in elements of per-example gradient or of the columns
 # it is formed from (2 Mi floats, 8 MiB): norms-only memory stays close to a plain backward's.

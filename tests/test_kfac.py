@@ -237,3 +237,31 @@ def test_factors_handed_out_do_not_change_with_the_next_backward(reduction):
         assert torch.equal(first[name].A, A) and torch.equal(first[name].G, G), name
         if reduction == "sum":
             assert_close(second[name].G, 2 * G, f"{name}: G summed over both backwards")
+
+
+@pytest.mark.parametrize("fisher", ["exact", "mc"])
+def test_batched_backwards_in_chunks_or_one_by_one_agree(fisher, monkeypatch):
+    """kfac()'s backwards (one per class, or per sample) under vmap all at once, in chunks of
+    two, and one after another give the same factors."""
+    K = importlib.import_module("gradhooks.kfac")
+    torch.manual_seed(7)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)
+    ).double()
+    x = torch.randn(4, 2, 4, 4, dtype=torch.float64)
+    per_column = 4 * (3 * 2 * 2 + 5 + 5)  # the hooked calls' output elements
+    chunks = []
+    vmap = torch.func.vmap
+    monkeypatch.setattr(
+        torch.func, "vmap", lambda f, chunk_size=None: chunks.append(chunk_size) or vmap(f, chunk_size=chunk_size)
+    )  # fmt: skip
+    results = {}
+    for name, limit in [("all", 1 << 20), ("pairs", 2 * per_column), ("one", 1)]:
+        monkeypatch.setattr(K, "_VMAP_ELEMENTS", limit)
+        gen = torch.Generator().manual_seed(0)
+        results[name] = gradhooks.kfac(model, x, fisher=fisher, mc_samples=5, generator=gen)
+    assert chunks[:2] == [(1 << 20) // per_column, 2] and len(chunks) == 2, chunks
+    for name in ("pairs", "one"):
+        for key, f in results["all"].items():
+            assert_close(results[name][key].A, f.A, f"{name}: A of {key}")
+            assert_close(results[name][key].G, f.G, f"{name}: G of {key}")
