@@ -417,9 +417,10 @@ def gradhooks_sum_grad_sq(s: Setup) -> Runner:
 
 def _gradhooks_kfac(s: Setup, fisher: str) -> Runner:
     """The loss's gradient (one forward and backward), then :func:`gradhooks.kfac`: its own
-    forward and the backward(s) that feed ``G``: one of a sampled label (``"mc"``), one per
-    class (``"exact"``, the GGN)."""
-    _classifier(s)
+    forward and the backward(s) that feed ``G``: one of a sampled label (``"mc"``; per
+    position for a language model), one per class (``"exact"``, the GGN; classifiers only)."""
+    if fisher == "exact":
+        _classifier(s)
     params = list(s.trainable().values())
     gen = torch.Generator(device=s.x.device).manual_seed(0)
     out: dict = {}

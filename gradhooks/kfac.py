@@ -221,10 +221,12 @@ def kfac(
     """K-FAC factors of every weight of ``model`` from one forward on ``inputs``.
 
     Args:
-        model: a model whose layers have rules; its output must be ``[batch, classes]``.
+        model: a model whose layers have rules; its output ``[batch, classes]``, or ``[batch,
+            ..., classes]`` (a language model's ``[batch, seq, vocab]``: each example's loss is
+            the sum over its positions; ``"mc"`` and ``"empirical"`` only).
         inputs: ``[batch, ...]``.
-        target: labels ``[batch]`` (``cross_entropy``) or ``[batch, classes]`` (``mse``); needed
-            for ``fisher="empirical"`` only.
+        target: labels ``[batch, ...]`` (``cross_entropy``) or the output's shape (``mse``);
+            needed for ``fisher="empirical"`` only.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
             model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
             noise: the "random vectors at the output" of the forum thread), giving the Fisher;
@@ -264,11 +266,19 @@ def _accumulate(
         acc.expand, acc.bias = expand, bias
         with _output_edges(h) as reached:
             out = model(inputs)
-        if out.dim() != 2:
+        if out.dim() < 2:
             raise ValueError(
-                f"kfac() expects a [batch, classes] model output, got {tuple(out.shape)}; for other "
-                "outputs use add_hooks(model, quantities=('kfac',)), your own backward(s), and "
-                "h.kfac_factors()"
+                f"kfac() expects a [batch, classes] or [batch, ..., classes] model output, got "
+                f"{tuple(out.shape)}; for other outputs use add_hooks(model, "
+                "quantities=('kfac',)), your own backward(s), and h.kfac_factors()"
+            )
+        if fisher == "exact" and out.dim() > 2:
+            raise ValueError(
+                f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
+                "GGN of a loss over several positions needs one backward per class and "
+                f"position ({math.prod(out.shape[1:])} here), and one backward per class would "
+                "add terms between positions; use fisher='mc' (one sampled label per position: "
+                "unbiased for the Fisher) or 'empirical'"
             )
         # The backwards are taken with respect to the hooked calls' outputs (their hooks then
         # see their output-gradients): no parameter's batch gradient is ever formed
@@ -320,9 +330,10 @@ def _output_vectors(
     if fisher == "mc":
         vs = []
         for _ in range(samples):
-            if loss == "cross_entropy":
+            if loss == "cross_entropy":  # one label per example (and position)
                 probs = torch.softmax(out, -1)
-                y = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                flat = probs.reshape(-1, out.shape[-1])
+                y = torch.multinomial(flat, 1, generator=generator)[:, 0].view(out.shape[:-1])
                 vs.append(probs - F.one_hot(y, out.shape[-1]).to(out.dtype))
             else:  # y ~ N(out, I/2), the distribution whose NLL is the squared error
                 noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)

@@ -265,3 +265,60 @@ def test_batched_backwards_in_chunks_or_one_by_one_agree(fisher, monkeypatch):
         for key, f in results["all"].items():
             assert_close(results[name][key].A, f.A, f"{name}: A of {key}")
             assert_close(results[name][key].G, f.G, f"{name}: G of {key}")
+
+
+class _SequenceModel(nn.Module):
+    """Tokens ``[batch, seq]`` -> logits ``[batch, seq, 6]``; positions mix (a running sum), so
+    a layer's output-gradient at one position comes from the losses at several."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.hidden = nn.Linear(4, 5)
+        self.out = nn.Linear(5, 6)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(self.embed(x))).cumsum(1))
+
+
+def test_empirical_factors_of_a_sequence_output_are_those_of_its_summed_loss():
+    torch.manual_seed(8)
+    model = _SequenceModel().double()
+    x, y = torch.randint(7, (3, 4)), torch.randint(6, (3, 4))
+    got = gradhooks.kfac(model, x, y, fisher="empirical", reduction="sum")
+    with gradhooks.add_hooks(model, "sum", quantities=("kfac",)) as h:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").backward()
+        want = h.kfac_factors("sum")
+    assert set(got) == set(want) == {"hidden.weight", "out.weight"}
+    for name, w in want.items():
+        assert_close(got[name].A, w.A, f"A of {name}")
+        assert_close(got[name].G, w.G, f"G of {name}")
+
+
+def test_mc_factors_of_a_sequence_output_converge_to_the_exact_ones_per_position():
+    """One sampled label per position: unbiased for the Fisher, whose exact G takes one
+    backward per class and position (the oracle below); kfac(fisher='exact') refuses such an
+    output rather than add the terms between positions that one backward per class would."""
+    torch.manual_seed(9)
+    model = _SequenceModel().double()
+    x = torch.randint(7, (3, 4))
+    with gradhooks.add_hooks(model, "sum", quantities=("kfac",)) as h:
+        out = model(x)
+        p = torch.softmax(out.detach(), -1)
+        eye = torch.eye(6, dtype=p.dtype)
+        params = list(model.parameters())
+        for t in range(4):
+            for c in range(6):
+                v = torch.zeros_like(out)
+                v[:, t] = p[:, t, c : c + 1].sqrt() * (eye[c] - p[:, t])
+                torch.autograd.grad(out, params, v, retain_graph=True)
+        exact = h.kfac_factors("sum")
+    many = gradhooks.kfac(
+        model, x.repeat(3000, 1), fisher="mc", generator=torch.Generator().manual_seed(0)
+    )
+    for name, f in exact.items():
+        assert_close(many[name].A, f.A, f"A of {name}")
+        err = (many[name].G - f.G / 3).norm() / (f.G / 3).norm()
+        assert err < 0.1, f"MC G far from the exact one for {name}: relative error {err:.3f}"
+    with pytest.raises(ValueError, match=r"fisher='exact'.*\(3, 4, 6\).*fisher='mc'"):
+        gradhooks.kfac(model, x, fisher="exact")
