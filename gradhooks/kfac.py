@@ -31,6 +31,7 @@ approximate curvature for modern neural network architectures"):
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._C import _functorch
 
+from .checks import GradhooksWarning
 from .pieces import Outer
 
 __all__ = ["KFactors", "KfacAccumulator", "kfac"]
@@ -74,6 +76,7 @@ class KfacAccumulator:
         self._n_g: dict[str, int] = {}
         self._biased: dict[str, bool] = {}
         self._batch_now: dict[str, int] = {}
+        self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self.capture_a = True
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
@@ -83,9 +86,12 @@ class KfacAccumulator:
         ]  # fmt: skip
         for pname, p in params.items():
             piece = call_pieces[pname]
-            if not isinstance(piece, Outer) or not piece.has_input:
-                continue
             key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
+            if not isinstance(piece, Outer) or not piece.has_input:
+                # no Kronecker factors from this use (a bias, an embedding's rows, a norm's
+                # scale); a weight tied to a Linear gets factors of that use only: said
+                self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
+                continue
             biased = self.bias and len(bias_pieces) == 1
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
@@ -125,6 +131,16 @@ class KfacAccumulator:
     ) -> dict[str, KFactors]:
         """``last``: the sums are divided in place (nothing reads them again): no second copy
         of each factor (for a Linear over many features, ``A`` takes hundreds of MiB)."""
+        partial = {k: self._other[k] for k in self._a if k in self._other}
+        if partial:
+            uses = "; ".join(f"'{k}' also used by {v}" for k, v in partial.items())
+            warnings.warn(
+                f"gradhooks K-FAC: the factors of {', '.join(map(repr, partial))} cover only "
+                f"their uses as a Linear or convolution weight ({uses}, whose gradient has no "
+                "Kronecker factors): the curvature of a tied weight's other uses is left out",
+                GradhooksWarning,
+                stacklevel=3,
+            )
         out = {}
         for key, aa in self._a.items():
             gg = self._g[key]

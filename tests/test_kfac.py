@@ -4,6 +4,7 @@ input and output-gradient) and against the exact GGN where theory says K-FAC is 
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -322,3 +323,30 @@ def test_mc_factors_of_a_sequence_output_converge_to_the_exact_ones_per_position
         assert err < 0.1, f"MC G far from the exact one for {name}: relative error {err:.3f}"
     with pytest.raises(ValueError, match=r"fisher='exact'.*\(3, 4, 6\).*fisher='mc'"):
         gradhooks.kfac(model, x, fisher="exact")
+
+
+def test_a_weight_tied_to_an_embedding_gets_a_warning_naming_its_other_use():
+    """The factors of a weight used both as an output Linear's and as an Embedding's cover the
+    Linear use only: said, naming the weight and the other module; an untied model says
+    nothing."""
+    from gradhooks import GradhooksWarning
+
+    class Tied(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(7, 4)
+            self.out = nn.Linear(4, 7, bias=False)
+            if tie:
+                self.out.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.embed(x)))
+
+    torch.manual_seed(10)
+    x = torch.randint(7, (3, 5))
+    with pytest.warns(GradhooksWarning, match=r"'embed\.weight'.*'embed' \(Rows\)"):
+        factors = gradhooks.kfac(Tied(True).double(), x, fisher="mc")
+    assert set(factors) == {"embed.weight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(gradhooks.kfac(Tied(False).double(), x, fisher="mc")) == {"out.weight"}
