@@ -556,6 +556,8 @@ METHODS: dict[str, Method] = {
         Method("dp-bk", "gradhooks DP step (book-keeping)", "step", lambda s: _gradhooks_dp(s, "norms", "bookkeeping"), tags=("gradhooks",)),
         Method("dp-grad1", "gradhooks DP step (grad1)", "step", lambda s: _gradhooks_dp(s, "grad1", "grad1"), tags=("gradhooks",)),
         Method("vmap-sgs", "vmap(grad) squared sums", "sum_grad_sq", lambda s: _squared_sums(vmap_grad(s))),
+        Method("opacus-sgs", "Opacus hooks squared sums", "sum_grad_sq", lambda s: _squared_sums(_opacus(s, ghost=False)), "opacus"),
+        Method("ew-sgs", "ExpandedWeights squared sums", "sum_grad_sq", lambda s: _squared_sums(expanded_weights(s))),
         Method("backpack-sgs", "BackPACK SumGradSquared", "sum_grad_sq", _backpack_sum_grad_sq, "backpack"),
         Method("sgs", "gradhooks sum_grad_sq", "sum_grad_sq", gradhooks_sum_grad_sq, tags=("gradhooks",)),
         Method("backpack-kflr", "BackPACK KFLR (exact)", "kfac", lambda s: _backpack_kfac(s, True), "backpack"),

@@ -115,16 +115,24 @@ def test_ab_runs_each_version_in_its_own_process(capsys):
 def test_sum_grad_sq_and_kfac_methods(tmp_path):
     """The squared sums are checked against vmap(grad); BackPACK's exact K-FAC factors (where
     BackPACK is installed) against gradhooks' on the Linear layers."""
-    names = ["plain", "vmap-sgs", "sgs", "backpack-sgs", "kfac", "kfac-mc", "backpack-kflr"]
+    names = ["plain", "vmap-sgs", "opacus-sgs", "ew-sgs", "sgs", "backpack-sgs", "kfac"]
+    names += ["kfac-mc", "backpack-kflr"]
     argv = ["--models", "mlp,cifarcnn", "--methods", ",".join(names), "--batch", "3"]
     argv += ["--reps", "1", "--out", str(tmp_path), "--no-plot", "--no-memory"]
     assert main(argv) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     for r in data["records"]:
-        if r["method"].startswith("backpack") and r["status"] == "missing":
+        if r["method"].startswith(("backpack", "opacus")) and r["status"] == "missing":
             continue
         assert r["status"] == "ok", r
-        if r["method"] in ("vmap-sgs", "sgs", "backpack-sgs", "backpack-kflr"):
+        if r["method"] in (
+            "vmap-sgs",
+            "opacus-sgs",
+            "ew-sgs",
+            "sgs",
+            "backpack-sgs",
+            "backpack-kflr",
+        ):
             assert r["rel_err"] < 1e-4, r
 
 
