@@ -319,7 +319,10 @@ def test_gradient_mean_of_a_linear_on_features_is_formed_only_when_asked(monkeyp
     its gradient mean from its pieces only when grad_variance() asks, once; the result is the
     oracle's, also after the parameters changed in between."""
     from gradhooks import pieces as P
+    from gradhooks.rules import linear
 
+    # (a Linear run detached takes .grad from the same product, formed at once then)
+    monkeypatch.setattr(linear, "SUM_GRAD1_POSITIONS", 32)
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(3, (7,))
