@@ -250,10 +250,11 @@ def gradhooks_grad1(s: Setup) -> Runner:
     )
 
 
-def gradhooks_norms(s: Setup) -> Runner:
-    """Per-example gradient norms without forming grad1 (``quantities=("norms",)``)."""
+def _gradhooks_quantity(s: Setup, quantity: str, result: str) -> Runner:
+    """``add_hooks(quantities=(quantity,))``, which never forms grad1; ``result``: the handle's
+    method that gives it."""
     try:
-        hooks = gradhooks.add_hooks(s.model, quantities=("norms",))
+        hooks = gradhooks.add_hooks(s.model, quantities=(quantity,))
     except TypeError as e:
         raise Unavailable("unsupported", str(e).splitlines()[1].strip()) from e
     params = list(s.trainable().values())
@@ -265,7 +266,12 @@ def gradhooks_norms(s: Setup) -> Runner:
         hooks.clear()
         _clear(params)
 
-    return Runner(step, hooks.norms, reset=reset)
+    return Runner(step, getattr(hooks, result), reset=reset)
+
+
+def gradhooks_norms(s: Setup) -> Runner:
+    """Per-example gradient norms without forming grad1 (``quantities=("norms",)``)."""
+    return _gradhooks_quantity(s, "norms", "norms")
 
 
 # -- DP-SGD steps: per-example clipping to C = 1, Gaussian noise (sigma = 1), an SGD update ---------
@@ -396,20 +402,7 @@ def _backpack_sum_grad_sq(s: Setup) -> Runner:
 
 def gradhooks_sum_grad_sq(s: Setup) -> Runner:
     """``quantities=("sum_grad_sq",)``: ``Σ_i grad1[i]²`` without forming grad1."""
-    try:
-        hooks = gradhooks.add_hooks(s.model, quantities=("sum_grad_sq",))
-    except TypeError as e:
-        raise Unavailable("unsupported", str(e).splitlines()[1].strip()) from e
-    params = list(s.trainable().values())
-
-    def step() -> None:
-        s.loss(s.model(s.x), s.y).backward()
-
-    def reset() -> None:
-        hooks.clear()
-        _clear(params)
-
-    return Runner(step, hooks.sum_grad_sq, reset=reset)
+    return _gradhooks_quantity(s, "sum_grad_sq", "sum_grad_sq")
 
 
 # -- K-FAC: the gradient and the Kronecker factors of every weight, as a K-FAC step needs ---------
