@@ -406,7 +406,11 @@ class Hooks:
 
     def kfac_factors(self, reduction: LossReduction = "mean") -> dict:
         """K-FAC factors ``{weight_name: KFactors(A, G, bias)}`` accumulated since the last
-        :meth:`clear` (``"kfac"``); conventions in :mod:`gradhooks.kfac`."""
+        :meth:`clear` (``"kfac"``); conventions in :mod:`gradhooks.kfac`. Over several
+        backwards of one forward (your own sampled labels, or the columns of a loss Hessian's
+        square root), ``G`` sums them; ``"mean"`` then divides by the examples of every
+        backward, which averages over the backwards (right for samples; for columns, multiply
+        by their number, or use :func:`gradhooks.kfac`, which sums them)."""
         return self._results("kfac").kfac.factors(reduction)
 
     def _results(self, quantity: str) -> Collector:

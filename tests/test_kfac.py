@@ -350,3 +350,26 @@ def test_a_weight_tied_to_an_embedding_gets_a_warning_naming_its_other_use():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert set(gradhooks.kfac(Tied(False).double(), x, fisher="mc")) == {"out.weight"}
+
+
+def test_several_backwards_of_one_forward_sum_g_and_mean_averages_them():
+    """Through the hooks, two backwards of one forward: ``G`` sums them ("sum"), and "mean"
+    divides by the examples of both (their average); ``A`` is the input's either way."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with gradhooks.add_hooks(model, "sum", quantities=("kfac",)) as h:
+        out = model(x)
+        u, v = torch.randn_like(out), torch.randn_like(out)
+        out.backward(u, retain_graph=True)
+        one = {r: h.kfac_factors(r) for r in ("mean", "sum")}
+        out.backward(v)
+        both = {r: h.kfac_factors(r) for r in ("mean", "sum")}
+    with gradhooks.add_hooks(model, "sum", quantities=("kfac",)) as h:
+        model(x).backward(v)
+        other = h.kfac_factors("sum")
+    for name in one["sum"]:
+        total = one["sum"][name].G + other[name].G
+        assert_close(both["sum"][name].G, total, f"{name}: G summed over the backwards")
+        assert_close(both["mean"][name].G, total / 10, f"{name}: G over 2 x 5 examples")
+        assert_close(both["mean"][name].A, one["mean"][name].A, f"{name}: A")
