@@ -199,8 +199,8 @@ class Collector:
             total = found.get(id(h.param))
             if total is None and sums is not None:
                 total = sums.get(id(h.param))
-            if total is None and sums is None and all(_one_position(pc) for pc, _ in h.pieces):
-                # a product per piece that autograd's .grad also forms: only if asked for
+            if total is None and sums is None and all(_kept_cheaply(pc) for pc, _ in h.pieces):
+                # what autograd's .grad also forms (a product, a scatter): only if asked for
                 mean: Tensor | _Deferred = _Deferred(h.pieces, h.param.shape, batch)
             else:
                 if total is None:
@@ -473,10 +473,13 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     return torch.cat(parts) if parts else h.param.new_zeros(0)
 
 
-def _one_position(piece: P.Piece) -> bool:
-    """An :class:`~gradhooks.pieces.Outer` with an input and one shared position (a Linear on
-    ``[batch, features]``): its squared sums are one product of the squares, its batch sum
-    another, and it keeps only ``batch · (in + out)`` floats."""
+def _kept_cheaply(piece: P.Piece) -> bool:
+    """A piece whose batch sum the gradient mean can form later from little memory: an
+    :class:`~gradhooks.pieces.Outer` with an input and one shared position (a Linear on
+    ``[batch, features]``: ``batch · (in + out)`` floats, its batch sum one product), or a
+    :class:`~gradhooks.pieces.Rows` (an Embedding: its lookups' gradients, one scatter)."""
+    if isinstance(piece, P.Rows):
+        return True
     return isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1
 
 

@@ -314,18 +314,30 @@ def test_jacobians_of_embeddings_scatter_rows(make, monkeypatch):
     assert used and all(used)
 
 
-def test_gradient_mean_of_a_linear_on_features_is_formed_only_when_asked(monkeypatch):
-    """With sum_grad_sq, a Linear on ``[batch, features]`` (whose ``.grad`` autograd forms) gets
-    its gradient mean from its pieces only when grad_variance() asks, once; the result is the
-    oracle's, also after the parameters changed in between."""
+def test_gradient_mean_of_linears_on_features_and_embeddings_is_formed_only_when_asked(
+    monkeypatch,
+):
+    """With sum_grad_sq, an Embedding and Linears on ``[batch, features]`` (whose ``.grad``
+    autograd forms) get their gradient means from their pieces only when grad_variance() asks,
+    once; the result is the oracle's, also after the parameters changed in between."""
     from gradhooks import pieces as P
     from gradhooks.rules import linear
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(7, 5)
+            self.hidden = nn.Linear(5, 4)
+            self.out = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.hidden(self.embed(x).mean(1))))
 
     # (a Linear run detached takes .grad from the same product, formed at once then)
     monkeypatch.setattr(linear, "SUM_GRAD1_POSITIONS", 32)
     torch.manual_seed(6)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(3, (7,))
+    model = Model().double()
+    x, y = torch.randint(7, (7, 6)), torch.randint(3, (7,))
     loss_fn = nn.functional.cross_entropy
     want = loop_grad(model, loss_fn, x, y)
     formed = []
@@ -334,7 +346,9 @@ def test_gradient_mean_of_a_linear_on_features_is_formed_only_when_asked(monkeyp
     with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
         loss_fn(model(x), y).backward()
         weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-        assert not any(pc.has_input for pc in formed), "formed before it was asked for"
+        assert not [pc for pc in formed if not isinstance(pc, P.Outer) or pc.has_input], (
+            "formed before it was asked for"
+        )
         for name, sq in h.sum_grad_sq().items():
             assert_close(sq, want[name].square().sum(0), f"{name} squared sums")
         with torch.no_grad():
