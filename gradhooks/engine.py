@@ -396,9 +396,10 @@ class Hooks:
     def grad_variance(self) -> dict[str, Tensor]:
         """Per-example gradient variance per parameter, ``{name: [*p.shape]}``
         (``"sum_grad_sq"``): ``mean_i grad1[i]² - (mean_i grad1[i])²`` (population variance,
-        clamped at 0). The mean of a Linear on ``[batch, features]`` or of an Embedding is
-        formed by the first call, from the input and output-gradient (the lookups' gradients)
-        kept until then; only :meth:`sum_grad_sq` asked for, it is never formed."""
+        clamped at 0). The mean of a Linear on ``[batch, features]`` or of an Embedding, where
+        its input and output-gradient (its lookups' gradients) take no more memory than the
+        mean, is formed by the first call, from those kept until then; only
+        :meth:`sum_grad_sq` asked for, it is never formed."""
         c = self._results("sum_grad_sq")
         batch = max(c.batch or 0, 1)
         means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}  # (formed now)

@@ -199,8 +199,10 @@ class Collector:
             total = found.get(id(h.param))
             if total is None and sums is not None:
                 total = sums.get(id(h.param))
-            if total is None and sums is None and all(_kept_cheaply(pc) for pc, _ in h.pieces):
-                # what autograd's .grad also forms (a product, a scatter): only if asked for
+            kept = sum(_kept(pc) for pc, _ in h.pieces)
+            if total is None and sums is None and kept <= h.param.numel():
+                # what autograd's .grad also forms (a product, a scatter), only if asked for,
+                # where keeping its pieces takes no more memory than the mean would
                 mean: Tensor | _Deferred = _Deferred(h.pieces, h.param.shape, batch)
             else:
                 if total is None:
@@ -473,14 +475,16 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
     return torch.cat(parts) if parts else h.param.new_zeros(0)
 
 
-def _kept_cheaply(piece: P.Piece) -> bool:
-    """A piece whose batch sum the gradient mean can form later from little memory: an
+def _kept(piece: P.Piece) -> float:
+    """The elements a piece keeps for a gradient mean formed later (``inf``: not kept): an
     :class:`~gradhooks.pieces.Outer` with an input and one shared position (a Linear on
-    ``[batch, features]``: ``batch · (in + out)`` floats, its batch sum one product), or a
-    :class:`~gradhooks.pieces.Rows` (an Embedding: its lookups' gradients, one scatter)."""
+    ``[batch, features]``, whose batch sum is one product) or a
+    :class:`~gradhooks.pieces.Rows` (an Embedding: one scatter of its lookups' gradients)."""
     if isinstance(piece, P.Rows):
-        return True
-    return isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1
+        return piece.g.numel() + 2 * piece.index.numel()
+    if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1:
+        return piece.a.numel() + piece.g.numel()
+    return math.inf
 
 
 class _Deferred:
