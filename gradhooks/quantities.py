@@ -199,14 +199,17 @@ class Collector:
             total = found.get(id(h.param))
             if total is None and sums is not None:
                 total = sums.get(id(h.param))
-            kept = sum(_kept(pc) for pc, _ in h.pieces)
-            if total is None and sums is None and kept <= h.param.numel():
+            if (
+                total is None
+                and sums is None
+                and sum(_kept(pc) for pc, _ in h.pieces) <= h.param.numel()
+            ):
                 # what autograd's .grad also forms (a product, a scatter), only if asked for,
                 # where keeping its pieces takes no more memory than the mean would
                 mean: Tensor | _Deferred = _Deferred(h.pieces, h.param.shape, batch)
             else:
                 if total is None:
-                    total = sum(s * P.batch_sum(pc, h.param.shape) for pc, s in h.pieces)
+                    total = _batch_total(h.pieces, h.param.shape)
                 if sums is not None:
                     sums.setdefault(id(h.param), total)
                 mean = total / max(batch, 1)
@@ -497,9 +500,14 @@ class _Deferred:
 
     def __call__(self) -> Tensor:
         if self.value is None:
-            total = sum(s * P.batch_sum(pc, self.shape) for pc, s in self.pieces)
+            total = _batch_total(self.pieces, self.shape)
             self.value, self.pieces = total / max(self.batch, 1), []
         return self.value
+
+
+def _batch_total(pieces: list, shape: torch.Size) -> Tensor:
+    """``Σ_b Σ_j scale_j grad1_j[b]``, shape ``shape``, from the (scaled) pieces."""
+    return sum(s * P.batch_sum(pc, shape) for pc, s in pieces)
 
 
 def _sum_sq(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
