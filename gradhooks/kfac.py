@@ -199,16 +199,14 @@ def _second_moment(
             core[0].zero_()
         for x in flat[:, 0]:
             core[0].addmm_(x.T, x, alpha=alpha)
-    if augment:
+    if augment:  # the ones column: Σ t and the count, added to what is there (or to zeros)
+        if not beta:
+            out[:, n].zero_()
+            out[:, :n, n].zero_()
         sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
-        if beta:
-            out[:, :n, n] += sums
-            out[:, n, :n] += sums
-            out[:, n, n] += alpha * batch * shared
-        else:
-            out[:, :n, n] = sums
-            out[:, n, :n] = sums
-            out[:, n, n] = alpha * batch * shared
+        out[:, :n, n] += sums
+        out[:, n, :n] += sums
+        out[:, n, n] += alpha * batch * shared
     return out.view(*groups, width, width)
 
 
