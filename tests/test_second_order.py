@@ -1,7 +1,6 @@
 """Differentiating through grad1: a create_graph backward gives grad1 with a graph, and the
-derivative of a function of it matches a per-example loop in float64, for every layer; where
-gradhooks cannot give that graph (RNN layers on packed sequences), differentiating raises
-instead of being wrong."""
+derivative of a function of it matches a per-example loop in float64, for every layer, RNN
+calls on packed sequences, time-major or with an initial state included."""
 
 from __future__ import annotations
 
@@ -125,49 +124,68 @@ def test_many_positions_cases_take_their_paths(case):
 
 
 class _Unsplit(nn.Module):
-    """An LSTM call the fallback cannot split into examples (its last output, to 3): on a
-    packed batch (lengths 4, 3, 2, ...), time-major, or with an initial state."""
+    """An RNN call the fallback cannot split into examples (its last state, to 3): on a packed
+    batch (lengths 4, 3, 2, ...), time-major, or with an initial state."""
 
-    def __init__(self, how):
+    def __init__(self, how, kind, **options):
         super().__init__()
-        self.how = how
-        self.lstm = nn.LSTM(3, 4, batch_first=how != "time_major")
+        self.how, self.kind = how, kind
+        self.rnn = kind(3, 4, batch_first=how != "time_major", **options)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):  # [batch, time, 3]
+        lstm = self.kind is nn.LSTM
         if self.how == "packed":
             lengths = torch.arange(x.shape[1], x.shape[1] - x.shape[0], -1)
-            x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
-            _, (h, _) = self.lstm(x)
+            out = self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True))
         elif self.how == "time_major":
-            _, (h, _) = self.lstm(x.transpose(0, 1))
+            out = self.rnn(x.transpose(0, 1))
         else:  # an initial state, from the input
-            h0 = x[:, 0, :1].expand(-1, 4)[None].contiguous()
-            _, (h, _) = self.lstm(x, (h0, torch.zeros_like(h0)))
+            layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+            h0 = x[:, 0, :1].expand(-1, 4)[None].expand(layers, -1, -1).contiguous()
+            out = self.rnn(x, (h0, torch.zeros_like(h0)) if lstm else h0)
+        h = out[1][0] if lstm else out[1]
         return self.head(h[-1])
 
 
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        (nn.LSTM, {}),
+        (nn.GRU, {}),
+        (nn.RNN, {}),
+        (nn.LSTM, {"num_layers": 2, "bidirectional": True}),
+    ],
+    ids=["LSTM", "GRU", "RNN", "LSTM-2-layers-bidirectional"],
+)
 @pytest.mark.parametrize("how", ["packed", "time_major", "initial_state"])
-def test_rnn_calls_the_fallback_cannot_split_refuse_to_be_differentiated(how):
-    """grad1 has its value, and differentiating it raises, naming the layer."""
+def test_rnn_calls_the_fallback_cannot_split(how, kind, options):
+    """Calls the torch.func fallback cannot split go one example at a time: grad1 and the
+    derivative of Σ_b w_b ‖grad1_b‖², against each example's gradient taken through the
+    batch's own forward (the examples are independent)."""
     torch.manual_seed(0)
-    model = _Unsplit(how).double()
-    x = torch.randn(3, 4, 3, dtype=torch.double)
+    model = _Unsplit(how, kind, **options).double()
+    x = torch.randn(BATCH, 4, 3, dtype=torch.double)
+    weights = torch.rand(BATCH, dtype=torch.double) + 0.5
+
+    ref = copy.deepcopy(model)
+    ref_params = list(ref.parameters())
+    out = ref(x)
+    per_example, objective = [], 0
+    for b in range(BATCH):
+        grads = torch.autograd.grad(out[b].pow(2).sum(), ref_params, create_graph=True)
+        per_example.append(grads)
+        objective = objective + weights[b] * sum(g.pow(2).sum() for g in grads)
+    want = torch.autograd.grad(objective, ref_params)
+
     params = list(model.parameters())
     with gradhooks.add_hooks(model, loss_reduction="sum") as h:
-        loss = model(x).pow(2).sum()
-        grads = torch.autograd.grad(loss, params, create_graph=True)
-        for p, g in zip(params, grads, strict=True):
-            assert_close(p.grad1.detach().sum(0), g.detach(), "grad1 sums to the gradient")
-        lstm = [p for n, p in model.named_parameters() if n.startswith("lstm.")]
-        assert all(p.grad1.requires_grad for p in lstm)
-        value = sum(p.grad1.pow(2).sum() for p in params)
-        with (
-            h.paused(),
-            pytest.raises(
-                RuntimeError,
-                match=r"'lstm' \(LSTM\): grad1 from a "
-                "create_graph=True backward cannot be differentiated",
-            ),
-        ):
-            torch.autograd.grad(value, params)
+        torch.autograd.grad(model(x).pow(2).sum(), params, create_graph=True)
+        for i, p in enumerate(params):
+            value = torch.stack([grads[i] for grads in per_example]).detach()
+            assert_close(p.grad1.detach(), value, f"{how}: grad1 of parameter {i}")
+        value = sum((weights * p.grad1.pow(2).reshape(BATCH, -1).sum(1)).sum() for p in params)
+        with h.paused():
+            got = torch.autograd.grad(value, params)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(g, w, f"{how}: d Σ_b w_b ‖grad1_b‖² / d parameter {i}")

@@ -41,9 +41,10 @@ inputs, steps past an example's length are masked out and contribute nothing. As
 the output-gradients are those of the backpropagated loss; the engine does the mean/sum scaling.
 In a ``create_graph=True`` backward the per-example gradients come from the ``torch.func``
 fallback instead, which keeps their graph (the backward through time here has none), where it
-can split the call into examples (a padded ``batch_first`` input and no initial state); for the
-other calls (a ``PackedSequence``, a time-major input, an initial state) they come from here
-and differentiating them raises.
+can split the call into examples (a padded ``batch_first`` input and no initial state); the
+other calls (a ``PackedSequence``, a time-major input, an initial state) are run again one
+example at a time, each example's gradients taken by autograd with their graph
+(:func:`_example_by_example`).
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ from functools import partial
 import torch
 from einops import rearrange
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..pieces import Outer
+from ..pieces import Direct, Outer
 from ..registry import Call, register
 
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
@@ -645,6 +647,62 @@ def backpropagate(
     return pieces
 
 
+def _example_by_example(
+    module: nn.RNNBase, x: Tensor, lengths: Tensor, hx, grads: tuple[Tensor | None, ...]
+) -> dict[str, Direct]:
+    """The pieces of a call in a ``create_graph`` backward that the fallback cannot split into
+    examples (a ``PackedSequence``, a time-major input, an initial state): each example's
+    gradients by autograd, with their graph, through the module's forward run again on that
+    example alone (its own length, its own column of the initial state). ``x``: batch-first
+    padded ``[batch, time, in]`` with ``lengths`` ``[batch]``; ``grads``: the output's gradient
+    batch-first, then ``h_n``'s (and ``c_n``'s) in torch's layout, as for :func:`backpropagate`.
+    A forward and a backward per example: slower than the backward through time, and only
+    taken in this mode, whose derivatives that backward could not give."""
+    from ..engine import paused  # (the engine imports the rules)
+
+    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    lstm = module.mode == "LSTM"
+    g_out, g_h, g_c = (*grads, None)[:3]
+    per_example: list[tuple[Tensor | None, ...]] = []
+    for b in range(x.shape[0]):
+        steps = int(lengths[b])
+        xb = x[b : b + 1, :steps]
+        if not module.batch_first:
+            xb = xb.transpose(0, 1)
+        state = None
+        if hx is not None:
+            state = tuple(t[:, b : b + 1].contiguous() for t in hx) if lstm else hx[:, b : b + 1]
+        # An alias of each parameter (as the fallback's loop): the gradient is taken through
+        # this rerun only, not through an input computed from the same parameter; and paused,
+        # this nested backward is not one the hooks capture or account for
+        aliases = {n: p.view_as(p) for n, p in named.items()}
+        params = list(aliases.values())
+        with paused():
+            out, h_n = functional_call(module, aliases, (xb, state))
+        found = [(out, None if g_out is None else g_out[b : b + 1, :steps])]
+        if not module.batch_first and g_out is not None:
+            found[0] = (out, found[0][1].transpose(0, 1))
+        if lstm:
+            h_n, c_n = h_n
+            found.append((c_n, None if g_c is None else g_c[:, b : b + 1]))
+        found.append((h_n, None if g_h is None else g_h[:, b : b + 1]))
+        found = [(t, g) for t, g in found if g is not None]
+        if not found:
+            per_example.append((None,) * len(params))
+            continue
+        outs, gs = zip(*found)
+        with paused():
+            per_example.append(
+                torch.autograd.grad(outs, params, gs, create_graph=True, allow_unused=True)
+            )
+    pieces = {}
+    for i, (name, p) in enumerate(named.items()):
+        grads_i = [torch.zeros_like(p) if g[i] is None else g[i] for g in per_example]
+        value = torch.stack(grads_i) if grads_i else p.new_zeros(0, *p.shape)
+        pieces[name] = Direct(value)
+    return pieces
+
+
 def _fallback_splits(call: Call) -> bool:
     """Whether the fallback, which takes dimension 0 of every tensor input as the batch, can
     split the call into examples: a padded ``batch_first`` input and no initial state (whose
@@ -709,6 +767,9 @@ def rnn(call: Call) -> dict[str, Outer]:
                 grads = (rearrange(grads[0], "time batch out -> batch time out"), *grads[1:])
         x_pad = x
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+    if torch.is_grad_enabled() and not _transformed():
+        # A create_graph backward the fallback cannot split into examples
+        return _example_by_example(module, x_pad, lengths, hx, grads)
     output = None
     if not packed and call.output is not None:
         output = call.output[0]
@@ -726,38 +787,7 @@ def rnn(call: Call) -> dict[str, Outer]:
             by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
         leaves = tree_flatten((call.inputs, call.kwargs))[0]
         call.input_grads.extend(by_id.get(id(t)) for t in leaves)
-    if torch.is_grad_enabled():  # a create_graph backward the fallback could not split
-        params = [p for p in module.parameters() if p.requires_grad]
-        where = f"'{call.name or '<model>'}' ({type(module).__qualname__})"
-        pieces = {
-            n: Outer(p.a, _NoSecondDerivative.apply(where, p.g, *params)) for n, p in pieces.items()
-        }
     return pieces
-
-
-class _NoSecondDerivative(torch.autograd.Function):
-    """``_NoSecondDerivative.apply(where, g, *params)``: ``g`` (the same values), with a
-    backward that raises. The pieces of an RNN call the fallback cannot split into examples
-    come from a backward through time without autograd even in a ``create_graph`` backward,
-    so their ``grad1`` has no graph: differentiating a function of it would silently miss
-    every term through this layer. Attached to the parameters, the pieces' ``grad1`` requires
-    grad, and differentiating through it stops here with an error instead."""
-
-    @staticmethod
-    def forward(ctx, where: str, g: Tensor, *params: Tensor) -> Tensor:
-        ctx.where = where
-        return g.detach()
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"{ctx.where}: grad1 from a create_graph=True backward cannot be differentiated "
-            "for this RNN call (a PackedSequence, a time-major input or an initial state: "
-            "gradhooks computes its per-example gradients by a backward through time without "
-            "autograd, so the derivative would miss every term through this layer). Pass a "
-            "padded input with batch_first=True and no initial state, or differentiate "
-            "per-example gradients with torch.func (vmap(grad) inside grad)."
-        )
 
 
 def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
