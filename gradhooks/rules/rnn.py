@@ -672,29 +672,29 @@ def _example_by_example(
         state = None
         if hx is not None:
             state = tuple(t[:, b : b + 1].contiguous() for t in hx) if lstm else hx[:, b : b + 1]
+        g_b = None if g_out is None else g_out[b : b + 1, :steps]
+        if g_b is not None and not module.batch_first:
+            g_b = g_b.transpose(0, 1)
         # An alias of each parameter (as the fallback's loop): the gradient is taken through
         # this rerun only, not through an input computed from the same parameter; and paused,
-        # this nested backward is not one the hooks capture or account for
+        # the rerun and its backward are not ones the hooks capture or account for
         aliases = {n: p.view_as(p) for n, p in named.items()}
-        params = list(aliases.values())
         with paused():
             out, h_n = functional_call(module, aliases, (xb, state))
-        found = [(out, None if g_out is None else g_out[b : b + 1, :steps])]
-        if not module.batch_first and g_out is not None:
-            found[0] = (out, found[0][1].transpose(0, 1))
-        if lstm:
-            h_n, c_n = h_n
-            found.append((c_n, None if g_c is None else g_c[:, b : b + 1]))
-        found.append((h_n, None if g_h is None else g_h[:, b : b + 1]))
-        found = [(t, g) for t, g in found if g is not None]
-        if not found:
-            per_example.append((None,) * len(params))
-            continue
-        outs, gs = zip(*found)
-        with paused():
-            per_example.append(
-                torch.autograd.grad(outs, params, gs, create_graph=True, allow_unused=True)
+            found = [(out, g_b)]
+            if lstm:
+                h_n, c_n = h_n
+                found.append((c_n, None if g_c is None else g_c[:, b : b + 1]))
+            found.append((h_n, None if g_h is None else g_h[:, b : b + 1]))
+            found = [(t, g) for t, g in found if g is not None]
+            if not found:
+                per_example.append((None,) * len(aliases))
+                continue
+            outs, gs = zip(*found)
+            grads_b = torch.autograd.grad(
+                outs, list(aliases.values()), gs, create_graph=True, allow_unused=True
             )
+        per_example.append(grads_b)
     pieces = {}
     for i, (name, p) in enumerate(named.items()):
         grads_i = [torch.zeros_like(p) if g[i] is None else g[i] for g in per_example]
