@@ -201,6 +201,77 @@ def test_conv_jacobians_grouped_form_of_a_reused_conv(groups, monkeypatch):
     assert used and all(used)
 
 
+class _ConvTwice(nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, groups=groups)
+        self.head = nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(torch.tanh(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("form", ["grouped", "grouped-slices"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_bias_from_the_grouped_backward(form, reduction, groups, monkeypatch):
+    """Where the weight's grouped convolution backward runs, the bias's per-example sums come
+    from it (every call of a reused convolution: written, then added), equal to the oracles;
+    for a frozen bias that backward does not form them."""
+    taken, asked = [], []
+    take, grouped = conv_rules.ConvBias._take, conv_rules.ConvWeight._grad1_grouped
+    monkeypatch.setattr(
+        conv_rules.ConvBias, "_take", lambda *a: taken.append(take(*a)) or taken[-1]
+    )
+    monkeypatch.setattr(
+        conv_rules.ConvWeight,
+        "_grad1_grouped",
+        lambda self, scale, with_bias=False: (
+            asked.append(with_bias) or grouped(self, scale, with_bias)
+        ),
+    )
+    case = Case(
+        f"conv twice, groups={groups}",
+        lambda: _ConvTwice(groups),
+        lambda b: torch.randn(b, 4, 6, 6),
+    )
+    with grad1_form(form):
+        check(case, batch=3, reduction=reduction)
+    assert len(taken) == 2 and all(t is not None for t in taken)
+    assert asked and all(asked)
+
+    frozen = Case(
+        "frozen bias", lambda: _frozen_bias(_ConvTwice(groups)), lambda b: torch.randn(b, 4, 6, 6)
+    )
+    asked.clear()
+    with grad1_form(form):
+        check(frozen, batch=3, reduction=reduction)
+    assert asked and not any(asked)
+
+
+def _frozen_bias(model: _ConvTwice) -> _ConvTwice:
+    model.conv.bias.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_jacobians_bias_from_the_grouped_backward(groups, monkeypatch):
+    """The Jacobians of a reused convolution's bias come from its weight's grouped convolution
+    backward (both calls), equal to the per-example loop's."""
+    from test_quantities import check_jacobians, loop_jacobians
+
+    used = []
+    original = conv_rules.ConvBias.jacobian_into
+    monkeypatch.setattr(
+        conv_rules.ConvBias, "jacobian_into", lambda *a: used.append(original(*a)) or used[-1]
+    )
+    torch.manual_seed(0)
+    model = _ConvTwice(groups).double()
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    check_jacobians(model, x, loop_jacobians(model, x), f"conv twice, groups={groups}")
+    assert used and all(used)  # both calls, each time the Jacobians are taken
+
+
 @settings(max_examples=30, deadline=None)
 @given(dims=st.sampled_from([1, 2, 3]), data=st.data(), batch=st.sampled_from([1, 2]))
 def test_column_gram_from_the_positions_gram(dims, data, batch):

@@ -85,13 +85,23 @@ class ConvWeight(Outer):
     Per-example Jacobians (:meth:`jacobian_into`) are, where the positions outnumber the
     output channels of all outputs, one such convolution backward with the outputs and output
     channels of one example in its group; otherwise columns and a matmul (the generic path).
+    Where that convolution backward runs, it also gives the call's :class:`ConvBias` its sums.
     """
 
-    def __init__(self, module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor) -> None:
+    def __init__(
+        self,
+        module: nn.modules.conv._ConvNd,
+        x: Tensor,
+        grad_output: Tensor,
+        bias: ConvBias | None = None,
+    ) -> None:
         self.module, self.x, self.grad_output = module, x, grad_output
         self.g = rearrange(
             grad_output, "batch (groups out) ... -> batch groups (...) out", groups=module.groups
         )
+        # the same call's bias piece: the grouped convolution backward, which reads the
+        # output-gradient anyway, gives it its per-example sums too
+        self.bias = bias
 
     @functools.cached_property
     def a(self) -> Tensor:  # type: ignore[override]
@@ -140,10 +150,12 @@ class ConvWeight(Outer):
             and self.in_features >= GROUPED_MIN_COLUMNS
         )
 
-    def _grad1_grouped(self, scale: float) -> Tensor:
+    def _grad1_grouped(self, scale: float, with_bias: bool = False) -> tuple[Tensor, Tensor | None]:
         """``[batch * out, in/groups, *kernel]``: example ``b``'s weight gradient is group
         ``b`` of the weight gradient of a convolution with ``batch * groups`` groups over the
-        batch laid side by side in the channels."""
+        batch laid side by side in the channels. ``with_bias``: also ``[batch * out]``, the
+        bias gradient of that convolution, which is each example's output-gradient summed over
+        positions (else ``None``); both scaled."""
         m = self.module
         x, padding = _explicit_padding(m, self.x)
         g = self.grad_output
@@ -151,19 +163,24 @@ class ConvWeight(Outer):
         weight_shape = (batch * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
         # scale the smallest of the two operands and the result (the result in place)
         scale_result = scale != 1.0 and math.prod(weight_shape) < min(g.numel(), x.numel())
+        scaled_g = False
         if scale != 1.0 and not scale_result:
             if g.numel() <= x.numel():
-                g = g * scale
+                g, scaled_g = g * scale, True
             else:
                 x = x * scale
-        _, grad_weight, _ = torch.ops.aten.convolution_backward(
+        _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * m.out_channels, *g.shape[2:]),
             x.reshape(1, batch * m.in_channels, *x.shape[2:]),
             x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
-            None, m.stride, padding, m.dilation, False, (0,) * len(padding), batch * m.groups,
-            (False, True, False),
+            [batch * m.out_channels] if with_bias else None, m.stride, padding, m.dilation,
+            False, (0,) * len(padding), batch * m.groups, (False, True, with_bias),
         )  # fmt: skip
-        return grad_weight.mul_(scale) if scale_result else grad_weight
+        if scale_result:
+            grad_weight.mul_(scale)
+        if with_bias and scale != 1.0 and not scaled_g:
+            grad_bias.mul_(scale)
+        return grad_weight, grad_bias
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): the output-gradient is
@@ -206,11 +223,12 @@ class ConvWeight(Outer):
             )
             weight_rows = batch * outputs * m.out_channels
         weight_shape = (weight_rows, m.in_channels // m.groups, *m.kernel_size)
-        _, grad_weight, _ = torch.ops.aten.convolution_backward(
+        with_bias = self.bias is not None
+        _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             g, x.reshape(1, batch * m.in_channels, *x.shape[2:]),
             x.new_empty(weight_shape),  # only its shape is read (an expanded one is copied)
-            None, m.stride, padding, m.dilation, False, (0,) * len(padding), groups,
-            (False, True, False),
+            [weight_rows] if with_bias else None, m.stride, padding, m.dilation, False,
+            (0,) * len(padding), groups, (False, True, with_bias),
         )  # fmt: skip
         if m.groups == 1:
             value = grad_weight.view(batch, outputs, *into.shape[2:])
@@ -219,6 +237,13 @@ class ConvWeight(Outer):
                 grad_weight.view(batch, m.groups, outputs, m.out_channels // m.groups, -1),
                 "batch groups outputs out k -> batch outputs (groups out) k",
             ).reshape(batch, outputs, *into.shape[2:])
+        if with_bias:  # each example's and output's output-gradient summed over positions
+            sums = rearrange(
+                grad_bias,
+                "(batch groups outputs out) -> batch outputs (groups out)",
+                batch=batch, groups=m.groups, outputs=outputs,
+            )  # fmt: skip
+            self.bias.computed = (sums * scale if scale != 1.0 else sums, scale, "jacobian")
         target = into.transpose(0, 1)  # [batch, outputs, *param_shape]
         if scale != 1.0:
             value = value * scale
@@ -350,7 +375,11 @@ class ConvWeight(Outer):
         if rows is None:
             return super().grad1(param_shape, scale)
         if rows >= self.batch_size:
-            return self._grad1_grouped(scale).reshape(self.batch_size, *param_shape)
+            with_bias = self.bias is not None
+            grad_weight, grad_bias = self._grad1_grouped(scale, with_bias)
+            if with_bias:
+                self.bias.computed = (grad_bias.view(self.batch_size, -1), scale, "grad1")
+            return grad_weight.reshape(self.batch_size, *param_shape)
         out = self.x.new_empty(self.batch_size, *param_shape)
         self.grad1_into(out, scale)
         return out
@@ -360,17 +389,67 @@ class ConvWeight(Outer):
         if rows is None:
             return super().grad1_into(out, scale, accumulate)
         batch = self.batch_size
+        with_bias = self.bias is not None
+        sums = out.new_empty(batch, self.module.out_channels) if with_bias else None
         for start in range(0, batch, rows):
             part = self if rows >= batch else self.select(slice(start, start + rows))
             target = out[start : start + rows]
             # the scale is applied by the write into ``out``, which happens anyway
-            grad_weight = part._grad1_grouped(1.0).view(target.shape)
+            grad_weight, grad_bias = part._grad1_grouped(1.0, with_bias)
+            grad_weight = grad_weight.view(target.shape)
             if accumulate:
                 target.add_(grad_weight, alpha=scale)
             elif scale != 1.0:
                 torch.mul(grad_weight, scale, out=target)
             else:
                 target.copy_(grad_weight)
+            if with_bias:
+                torch.mul(grad_bias.view(-1, sums.shape[1]), scale, out=sums[start : start + rows])
+        if with_bias:
+            self.bias.computed = (sums, scale, "grad1")
+
+
+class ConvBias(Outer):
+    """A convolution bias's :class:`Outer` piece (``a`` is ``None``: per example, the
+    output-gradient summed over positions). Where the same call's :class:`ConvWeight` ran its
+    grouped convolution backward first, that gave these sums too (its bias gradient, one per
+    example and channel, while it read the output-gradient anyway): they are taken from there
+    instead of reading the output-gradient again (CifarCNN's Jacobians about 4-8% faster, its
+    grad1 about 1%)."""
+
+    def __init__(self, g: Tensor) -> None:
+        super().__init__(None, g)
+        # (sums [batch, out] or [batch, outputs, out], their scale, for which path), set by the
+        # weight's piece
+        self.computed: tuple[Tensor, float, str] | None = None
+
+    def _take(self, scale: float, path: str) -> Tensor | None:
+        computed, self.computed = self.computed, None
+        if computed is None or computed[1] != scale or computed[2] != path:
+            return None
+        return computed[0]
+
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        sums = self._take(scale, "grad1")
+        if sums is None or sums.dtype != out.dtype or sums.numel() != out.numel():
+            return super().grad1_into(out, scale, accumulate)
+        if accumulate:
+            out.add_(sums.view(out.shape))
+        else:
+            out.copy_(sums.view(out.shape))
+
+    def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
+        """:func:`gradhooks.jacobians`, ``into`` ``[outputs, batch, out]``: the sums the weight's
+        convolution gave, or False (the generic path)."""
+        sums = self._take(scale, "jacobian")
+        if sums is None or sums.shape != into.transpose(0, 1).shape:
+            return False
+        target = into.transpose(0, 1)
+        if first:
+            target.copy_(sums)
+        else:
+            target.add_(sums)
+        return True
 
 
 def many_positions(module: nn.modules.conv._ConvNd, args: tuple) -> bool:
@@ -407,5 +486,7 @@ def conv(call: Call) -> dict[str, Outer]:
             f"'{call.name}' ({type(module).__qualname__}) got an input of shape {tuple(x.shape)} "
             "without a batch dimension: per-example gradients need [batch, channels, *spatial]"
         )
-    bias_g = rearrange(call.grad_output, "batch out ... -> batch (...) out")
-    return {"weight": ConvWeight(module, x, call.grad_output), "bias": Outer(None, bias_g)}
+    bias = ConvBias(rearrange(call.grad_output, "batch out ... -> batch (...) out"))
+    trained = module.bias is not None and module.bias.requires_grad
+    weight = ConvWeight(module, x, call.grad_output, bias if trained else None)
+    return {"weight": weight, "bias": bias}
