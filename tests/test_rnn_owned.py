@@ -188,9 +188,10 @@ def test_lower_layers_kept_at_the_forward_not_run_again(
 ):
     """A 3-layer LSTM run with grad mode off: torch's fused call runs a layer at a time and
     keeps the lower layers' outputs for the rule (which must not run them again). The outputs
-    are, bit for bit, those of the unhooked module with its parameters detached, as the call
-    runs (float32 takes torch's oneDNN kernel on CPU; in float64, torch's matmul may sum in
-    another order for weights that require grad), and grad1 is vmap(grad)'s."""
+    are, bit for bit, those of the unhooked module: in float32 without a projection (torch's
+    oneDNN kernel, run in its training form to keep the gates) as it runs under autograd,
+    else with its parameters detached, as the call runs (in float64, torch's matmul may sum in
+    another order for weights that require grad); and grad1 is vmap(grad)'s."""
     from gradhooks.rules import rnn as rules
 
     def rerun(*args):
@@ -202,8 +203,11 @@ def test_lower_layers_kept_at_the_forward_not_run_again(
     ref = copy.deepcopy(rnn)
     for n, p in list(ref.named_parameters()):
         ref._parameters[n] = p.detach()
-    with torch.no_grad():
-        want_out = ref(x, hx)
+    if dtype is torch.float32 and not proj:
+        want_out = copy.deepcopy(rnn)(x, hx)
+    else:
+        with torch.no_grad():
+            want_out = ref(x, hx)
     with gradhooks.add_hooks(rnn, loss_reduction="sum"):
         out, (h, c) = rnn(x, hx)
         assert owned(out)
@@ -320,3 +324,91 @@ def test_bias_pieces_per_parameter_quantities(kind, batch, reduction):
         assert_close(p.grad1, w, f"{n}: grad1")
         assert_close(norms[n], w.flatten(1).norm(dim=1), f"{n}: norm")
         assert_close(sums[n], (w**2).sum(0), f"{n}: sum_grad_sq")
+
+
+onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+def float32_against_float64_oracle(layers, bidirectional, batch_first, bias, state, quantity):
+    """A float32 LSTM (torch's oneDNN kernel on CPU) under hooks: .grad and the input-,
+    h0- and c0-gradients against the same module without hooks, grad1 (or the norms) against
+    vmap(grad) of its float64 copy, to float32 rounding."""
+    torch.manual_seed(layers)
+    rnn = nn.LSTM(3, 4, layers, bias=bias, bidirectional=bidirectional, batch_first=batch_first)
+    shape = (4, 6, 3) if batch_first else (6, 4, 3)
+    x = torch.randn(*shape, requires_grad=True)
+    k = layers * (2 if bidirectional else 1)
+    hx = (torch.randn(k, 4, 4, requires_grad=True), torch.randn(k, 4, 4)) if state else None
+    ref = copy.deepcopy(rnn)
+    out, (h, c) = ref(x, hx)
+    loss_of(out, h, c, "all").backward()
+    want_in = [t.grad for t in leaves(x, hx)]
+    for t in leaves(x, hx):
+        t.grad = None
+    with gradhooks.add_hooks(rnn, loss_reduction="sum", quantities=(quantity,)) as hooks:
+        out, (h, c) = rnn(x, hx)
+        assert owned(out)
+        loss_of(out, h, c, "all").backward()
+
+    def close(got, want, what):
+        diff = (got.double() - want.double()).abs().max().item()
+        assert torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-5), f"{what}: {diff}"
+
+    for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
+        close(p.grad, r.grad, f"{n}: .grad")
+    for t, w in zip(leaves(x, hx), want_in, strict=True):
+        close(t.grad, w, "input-gradient")
+    hx64 = None if hx is None else tuple(t.detach().double() for t in hx)
+    want = oracle_grad1(copy.deepcopy(rnn).double(), x.detach().double(), hx64, batch_first, "all")
+    if quantity == "grad1":
+        for n, p in rnn.named_parameters():
+            close(p.grad1, want["rnn." + n], f"{n}: grad1")
+    else:
+        sq = sum(w.flatten(1).pow(2).sum(1) for w in want.values())
+        close(hooks.norms(), sq.sqrt(), "norms")
+
+
+@onednn
+@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,state", [
+    (1, False, True, True, False),
+    (2, False, False, True, True),
+    (1, True, True, False, True),
+    (2, True, False, True, False),
+])  # fmt: skip
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_float32_gates_kept_from_the_onednn_run(
+    monkeypatch, layers, bidirectional, batch_first, bias, state, quantity
+):
+    """In float32 on CPU the forward keeps each layer's gates from oneDNN's workspace: the
+    rule computes none again (no gate pre-activation matmul), and every gradient is still the
+    oracles'."""
+    from gradhooks.rules import rnn as rules
+
+    def computed(*args):
+        raise AssertionError("the gates were computed again")
+
+    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
+    monkeypatch.setattr(rules._Direction, "_pre_ih", computed)
+    float32_against_float64_oracle(layers, bidirectional, batch_first, bias, state, quantity)
+    assert rules._WORKSPACE_GATES
+
+
+@onednn
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_workspace_gates_that_disagree_are_computed_again(monkeypatch, quantity):
+    """Where oneDNN's workspace does not hold the gates where they are read (here: read with
+    the wrong row length), the check at the first and last step finds it, the gates are
+    computed, every gradient is the oracles', and the workspace is not read again."""
+    from gradhooks.rules import rnn as rules
+
+    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
+    monkeypatch.setattr(rules, "_good_ld", lambda n: n + 16)  # oneDNN: 16 floats for 4H = 16
+    float32_against_float64_oracle(2, True, True, True, True, quantity)
+    assert not rules._WORKSPACE_GATES
+    kept = []
+    original = rules._mkldnn_layer
+    monkeypatch.setattr(rules, "_mkldnn_layer", lambda *a: kept.append(1) or original(*a))
+    float32_against_float64_oracle(1, False, True, True, False, quantity)
+    assert not kept
