@@ -412,3 +412,50 @@ def test_workspace_gates_that_disagree_are_computed_again(monkeypatch, quantity)
     monkeypatch.setattr(rules, "_mkldnn_layer", lambda *a: kept.append(1) or original(*a))
     float32_against_float64_oracle(1, False, True, True, False, quantity)
     assert not kept
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_autocast_bfloat16(monkeypatch, kind, backward_inside):
+    """Under CPU autocast to bfloat16 the LSTM runs in bfloat16 and its outputs and
+    output-gradients are bfloat16 (torch keeps the GRU in float32); the rule recomputes and backpropagates in the parameters'
+    float32 (also where the backward runs inside the autocast block): .grad as autograd's
+    without hooks, grad1 float32 and the per-example loop's of the float32 model, to bfloat16
+    rounding. oneDNN's workspace (bfloat16 under autocast) is not read."""
+    from gradhooks.rules import rnn as rules
+
+    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
+    torch.manual_seed(0)
+    rnn = getattr(nn, kind)(3, 8, 2, bidirectional=True, batch_first=True)
+    x = torch.randn(4, 6, 3)
+    ref = copy.deepcopy(rnn)
+    from gradhooks.oracle import loop_grad
+
+    want = loop_grad(copy.deepcopy(rnn), lambda out: loss_of(out[0], out[0], out[0], "output"), x)
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)[0]
+            assert out.dtype == (torch.bfloat16 if kind == "LSTM" else torch.float32)
+            loss = loss_of(out.float(), out.float(), out.float(), "output")
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+
+    step(ref)
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        step(rnn)
+    for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad1.dtype == torch.float32
+        scale = r.grad.abs().max().item()
+        assert torch.allclose(p.grad, r.grad, rtol=2e-2, atol=2e-2 * scale), f"{n}: .grad"
+        # (the LSTM's .grad is grad1's sum; the GRU's, autograd's, which torch computes in
+        # bfloat16 in places)
+        tol = 1e-4 if kind == "LSTM" else 2e-2
+        assert torch.allclose(p.grad1.sum(0), p.grad, rtol=tol, atol=tol * scale), n
+        if want is not None:
+            w = want[n]
+            wscale = w.abs().max().item()
+            assert torch.allclose(p.grad1, w, rtol=5e-2, atol=5e-2 * wscale), f"{n}: grad1"
+    assert rules._WORKSPACE_GATES

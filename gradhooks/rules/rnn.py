@@ -509,7 +509,17 @@ def _mkldnn_applies(x: Tensor, params, has_biases: bool, layers: int, dirs: int)
         and len(params) == layers * dirs * (4 if has_biases else 2)
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
         and not _transformed()
+        and not _autocast_on()
     )
+
+
+def _autocast_on() -> bool:
+    """Whether CPU autocast is on (it would run the kernel in a lower precision, whose
+    workspace holds other floats)."""
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
 
 
 def _good_ld(n: int) -> int:
@@ -664,12 +674,20 @@ def recompute(
     dirs = 2 if module.bidirectional else 1
     batch, time = x.shape[:2]
     h_size = module.proj_size or module.hidden_size
+    # in the parameters' dtype: under autocast the call ran in a lower precision, and its
+    # outputs (the states read below) are in that one
+    dtype = module.weight_ih_l0.dtype
+    x = x.to(dtype)
+    if output is not None:
+        output = output.to(dtype)
+    if lower is not None:
+        lower = [t.to(dtype) for t in lower]
     with torch.no_grad():
         if hx is None:
             h0 = x.new_zeros(module.num_layers * dirs, batch, h_size)
             c0 = x.new_zeros(module.num_layers * dirs, batch, module.hidden_size)
         else:
-            h0, c0 = (t.detach() for t in hx) if lstm else (hx.detach(), None)
+            h0, c0 = (t.detach().to(dtype) for t in hx) if lstm else (hx.detach().to(dtype), None)
         lengths = lengths.to(x.device)
         keep = None
         if bool((lengths < time).any()):
@@ -742,7 +760,8 @@ def backpropagate(
     d_h0: list[Tensor] = []
     d_c0: list[Tensor] = []
     with torch.no_grad():
-        g_out, g_h, g_c = (*grads, None)[:3]
+        # (in the recompute's dtype: under autocast the output-gradients are in a lower one)
+        g_out, g_h, g_c = (None if g is None else g.to(like.dtype) for g in (*grads, None)[:3])
         if g_out is None:
             d_out = like.new_zeros(steps, batch, dirs * h_size)
         else:
@@ -911,9 +930,11 @@ def rnn(call: Call) -> dict[str, Outer]:
         output = output if module.batch_first else rearrange(output, "t b o -> b t o")
     lower = getattr(call.recorded, "outputs", None)
     gates = getattr(call.recorded, "gates", None)
-    _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower, gates=gates)
     found: list[Tensor] | None = None if call.input_grads is None else []
-    pieces = backpropagate(module, layers, grads, found)
+    # in the parameters' dtype, also where the backward runs under autocast
+    with torch.autocast(x_pad.device.type, enabled=False):
+        _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower, gates=gates)
+        pieces = backpropagate(module, layers, grads, found)
     if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
         d_x, d_h0, d_c0 = found
         if not module.batch_first:
