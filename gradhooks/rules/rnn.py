@@ -529,6 +529,9 @@ def _good_ld(n: int) -> int:
     return ld + 16 if ld % 256 == 0 else ld
 
 
+_MKLDNN_LSTM = 2  # mkldnn_rnn_layer's mode for an LSTM (ideep's rnn_kind)
+
+
 def _mkldnn_layer(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], reverse: bool):
     """One layer and direction of an LSTM by torch's oneDNN kernel in the form torch runs it
     under autograd (training, which keeps a workspace for its own backward), with nothing
@@ -545,20 +548,10 @@ def _mkldnn_layer(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], reve
         weights += [weights[0].new_zeros(4 * H)] * 2
     with torch.enable_grad():  # the training form (no input requires grad: no graph)
         out, h_n, c_n, workspace = torch.ops.aten.mkldnn_rnn_layer(
-            x.detach().contiguous(),
-            *weights,
-            h0.detach()[None].contiguous(),
-            c0.detach()[None].contiguous(),
-            reverse,
-            [],
-            2,
-            H,
-            1,
-            has_biases,
-            False,
-            False,
-            True,
-        )  # fmt: skip  (mode 2: LSTM)
+            x.detach().contiguous(), *weights, h0.detach()[None].contiguous(),
+            c0.detach()[None].contiguous(), reverse, [], _MKLDNN_LSTM, H, 1, has_biases,
+            False, False, True,  # (bidirectional, batch_first, train)
+        )  # fmt: skip
     steps, batch = x.shape[:2]
     ld = _good_ld(4 * H)
     gates = None
