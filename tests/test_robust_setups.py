@@ -218,15 +218,21 @@ def test_differentiate_through_grad1_with_create_graph():
 # -- precision, memory format, micro-batches -----------------------------------------------------
 
 
-def test_autocast_bfloat16_accumulates_in_float32():
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_autocast_bfloat16_accumulates_in_float32(backward_inside):
+    """grad1 in float32 under CPU autocast, also where the backward runs inside the autocast
+    block (the rules' products then see autocast too)."""
     model = mlp(torch.float32)
     x = torch.randn(8, 3)
     want = vmap_grad(model, sq, x)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
-        assert out.dtype == torch.bfloat16
-        sq(out.float()).backward()
+            assert out.dtype == torch.bfloat16
+            if backward_inside:
+                sq(out.float()).backward()
+        if not backward_inside:
+            sq(out.float()).backward()
     for _n, p in model.named_parameters():
         assert p.grad1.dtype == torch.float32
     assert_matches(model, want, "bf16", rtol=5e-2, atol=5e-2)
