@@ -199,6 +199,10 @@ class Registry:
     def types(self) -> list[type]:
         return list(self._rules)
 
+    def __repr__(self) -> str:
+        # Short: the default registry shows in add_hooks' signature (help(add_hooks)).
+        return f"{type(self).__name__}(rules for {len(self._rules)} module types)"
+
 
 REGISTRY = Registry()
 

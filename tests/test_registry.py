@@ -1,6 +1,7 @@
 """The rule registry: user rules, duplicates, uncovered parameters, every rule file registered."""
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -147,3 +148,15 @@ def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
     want = 2 * x.detach() * model.scale.detach() ** 2
     torch.testing.assert_close(x.grad, want)
     torch.testing.assert_close(model.scale.grad1, 2 * x.detach() ** 2 * model.scale.detach())
+
+
+def test_registry_reads_short_in_add_hooks_signature(registry):
+    """The default registry is a default argument of add_hooks: help(add_hooks) shows its repr
+    in the signature, which must stay one short line, not every rule."""
+    sig = str(inspect.signature(gradhooks.add_hooks))
+    n = len(gradhooks.REGISTRY.types())
+    assert f"registry: 'Registry' = Registry(rules for {n} module types)" in sig, sig
+    assert len(sig) < 400, f"add_hooks' signature is {len(sig)} characters: {sig}"
+    registry.register(Scale)(scale_rule)
+    assert repr(registry) == f"Registry(rules for {n + 1} module types)"
+    assert repr(gradhooks.Registry()) == "Registry(rules for 0 module types)"
