@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("sklearn")
+pytest.importorskip(
+    "sklearn", reason="the examples need scikit-learn: pip install -e '.[examples]'"
+)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 
