@@ -1,0 +1,88 @@
+"""README.md's Python code runs as written: every ```python block, in order, in one namespace,
+as a reader pasting them one after another would run them.
+
+A block is left out only when the line right before its fence is an HTML comment that says
+why, ``<!-- not run: needs CUDA -->``. The blocks run in a fresh interpreter (a block may
+register rules or change settings for good), with ``GradhooksWarning`` an error, and must
+print nothing to stderr: no warning reaches the reader, torch's own included (without NumPy,
+``import torch`` warns).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradhooks
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FENCE = re.compile(r"^```(\w*)\s*$")
+NOT_RUN = re.compile(r"^<!--\s*not run:\s*\S.*-->\s*$")
+
+# Runs in the fresh interpreter: the blocks come as JSON [[first line, code], ...] on stdin;
+# each is compiled as README.md at its own lines, so a traceback points at the README
+RUNNER = """
+import json, sys, warnings
+import gradhooks
+warnings.simplefilter("error", gradhooks.GradhooksWarning)
+namespace = {"__name__": "__main__"}
+for line, code in json.load(sys.stdin):
+    exec(compile("\\n" * (line - 1) + code, "README.md", "exec"), namespace)
+"""
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```python blocks of ``text`` in order, as (line of their first code line, code),
+    less those right after a ``<!-- not run: why -->`` line."""
+    blocks, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
+        assert end is not None, f"README.md line {i + 1}: a code block that is never closed"
+        skipped = i > 0 and NOT_RUN.match(lines[i - 1])
+        if fence.group(1) == "python" and not skipped:
+            blocks.append((i + 2, "\n".join(lines[i + 1 : end]) + "\n"))
+        i = end + 1
+    return blocks
+
+
+def test_python_blocks_are_found_and_a_marked_block_is_left_out():
+    text = "\n".join(
+        [
+            "# Title", "```python", "a = 1", "```", "text",
+            "<!-- not run: needs CUDA -->", "```python", "b = torch.ones(1, device='cuda')",
+            "```", "```bash", "pip install gradhooks", "```", "<!-- a plain comment -->",
+            "```python", "c = a + 1", "```",
+        ]
+    )  # fmt: skip
+    assert python_blocks(text) == [(3, "a = 1\n"), (15, "c = a + 1\n")]
+
+
+def test_readme_code_runs_in_order():
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 5, f"only {len(blocks)} ```python blocks found in {README}"
+    root = str(Path(gradhooks.__file__).resolve().parents[1])  # this checkout's gradhooks
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        cwd=README.parent,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=300,
+    )
+    if run.returncode != 0:
+        pytest.fail(f"README.md's code failed:\n{run.stderr}", pytrace=False)
+    if run.stderr:
+        pytest.fail(f"README.md's code ran but printed to stderr:\n{run.stderr}", pytrace=False)
