@@ -182,20 +182,23 @@ def kfac(
     target: Tensor | None = None,
     *,
     fisher: _kfac.Fisher = "mc",
-    loss: _kfac.LossName = "cross_entropy",
+    loss: _kfac.LossName | _kfac.LossFn = "cross_entropy",
     reduction: Literal["mean", "sum"] = "mean",
     expand: bool = True,
     bias: bool = True,
     mc_samples: int = 1,
     generator: torch.Generator | None = None,
+    sample_target: _kfac.Sampler | None = None,
+    output_grads: _kfac.Sampler | None = None,
     group: Group = None,
 ) -> dict[str, KFactors]:
     """:func:`gradhooks.kfac` with ``inputs`` (and ``target``) this rank's shard: the factors of
     the whole batch, the same on every rank. For ``fisher="mc"``, give each rank a differently
     seeded ``generator`` (the same seed on every rank samples correlated labels)."""
     acc = _kfac._accumulate(
-        model, inputs, target, fisher, loss, expand, bias, mc_samples, generator
-    )
+        model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
+        sample_target, output_grads,
+    )  # fmt: skip
     return _reduced(acc, group).factors(reduction, last=True)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -217,6 +218,11 @@ _PRODUCTS_AT_ONCE = 1 << 22
 
 Fisher = Literal["mc", "exact", "empirical"]
 LossName = Literal["cross_entropy", "mse"]
+# Your own loss: the loss of a batch of one, loss(output[i:i+1], target[i:i+1]) (or without the
+# target), as in gradhooks.oracle
+LossFn = Callable[..., Tensor]
+# sample_target and output_grads: called with the detached output and kfac()'s generator
+Sampler = Callable[[Tensor, "torch.Generator | None"], Tensor]
 
 
 def kfac(
@@ -225,12 +231,14 @@ def kfac(
     target: Tensor | None = None,
     *,
     fisher: Fisher = "mc",
-    loss: LossName = "cross_entropy",
+    loss: LossName | LossFn = "cross_entropy",
     reduction: Literal["mean", "sum"] = "mean",
     expand: bool = True,
     bias: bool = True,
     mc_samples: int = 1,
     generator: torch.Generator | None = None,
+    sample_target: Sampler | None = None,
+    output_grads: Sampler | None = None,
 ) -> dict[str, KFactors]:
     """K-FAC factors of every weight of ``model`` from one forward on ``inputs``.
 
@@ -239,18 +247,41 @@ def kfac(
             ..., classes]`` (a language model's ``[batch, seq, vocab]``: each example's loss is
             the sum over its positions; ``"mc"`` and ``"empirical"`` only).
         inputs: ``[batch, ...]``.
-        target: labels ``[batch, ...]`` (``cross_entropy``) or the output's shape (``mse``);
-            needed for ``fisher="empirical"`` only.
+        target: labels ``[batch, ...]`` (``cross_entropy``) or the output's shape (``mse``),
+            or what your ``loss`` takes; needed for ``fisher="empirical"`` with a named loss.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
             model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
             noise: the "random vectors at the output" of the forum thread), giving the Fisher;
             ``"exact"`` backpropagates the ``classes`` columns of the square root of the loss
             Hessian (the GGN; exact K-FAC for a deep linear network); ``"empirical"`` the loss
             with the true ``target``.
-        loss: ``"cross_entropy"`` (``F.cross_entropy`` per example) or ``"mse"``
-            (``F.mse_loss(..., reduction="sum")`` per example: Hessian ``2·I``).
+        loss: ``"cross_entropy"`` (``F.cross_entropy`` per example), ``"mse"``
+            (``F.mse_loss(..., reduction="sum")`` per example: Hessian ``2·I``), or your own: a
+            function ``loss(output, target)`` (``loss(output)`` when ``target`` is ``None``)
+            giving the loss of a batch of one, so that example ``i``'s own loss is
+            ``loss(output[i:i+1], target[i:i+1])`` (summed if not a scalar), as in
+            :mod:`gradhooks.oracle`; ``F.cross_entropy`` itself is one. It is evaluated per
+            example with ``torch.func`` (``vmap``), so it is made of torch operations. What each
+            ``fisher`` takes from it: ``"empirical"``, its gradient with respect to the output
+            at ``target``; ``"mc"``, its gradient at targets drawn by ``sample_target`` (which
+            you give: only you know the distribution your loss is the negative
+            log-likelihood of); ``"exact"``, the columns of the square root of its Hessian with
+            respect to each example's output (``torch.func``, per example; refused where that
+            Hessian has a negative eigenvalue, a loss not convex in the output, whose GGN has
+            no square root).
         reduction, expand, bias: conventions of :mod:`gradhooks.kfac`.
-        generator: a ``torch.Generator`` for reproducible ``"mc"`` sampling.
+        mc_samples: backwards of sampled output-gradients for ``"mc"``, averaged.
+        generator: a ``torch.Generator`` for reproducible ``"mc"`` sampling (also handed to
+            ``sample_target`` and ``output_grads``).
+        sample_target: for ``"mc"``, ``sample_target(output, generator)`` draws targets from
+            the model's predictive distribution given its detached ``output``, in the layout
+            ``loss`` takes (e.g. ``torch.multinomial(output.softmax(-1), 1, generator=g)[:,
+            0]`` for ``F.cross_entropy``); ``G`` is of the loss's per-example gradients at
+            them. With a named loss it replaces the built-in sampling.
+        output_grads: for ``"mc"``, your own sampled output-gradients instead of a loss:
+            ``output_grads(output, generator)`` returns a tensor of the output's shape whose
+            slice ``i`` is example ``i``'s own sampled gradient with respect to its output
+            (``loss`` is not used).
 
     Returns:
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights).
@@ -262,18 +293,28 @@ def kfac(
         >>> f = gradhooks.kfac(net, torch.randn(16, 4), fisher="exact")
         >>> f["0.weight"].A.shape, f["0.weight"].G.shape       # bias-augmented: 4 + 1
         (torch.Size([5, 5]), torch.Size([8, 8]))
+        >>> smooth = lambda out, y: torch.nn.functional.cross_entropy(out, y, label_smoothing=0.1)
+        >>> f = gradhooks.kfac(net, torch.randn(16, 4), torch.randint(3, (16,)),
+        ...                    fisher="empirical", loss=smooth)
     """
-    acc = _accumulate(model, inputs, target, fisher, loss, expand, bias, mc_samples, generator)
+    acc = _accumulate(
+        model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
+        sample_target, output_grads,
+    )  # fmt: skip
     return acc.factors(reduction, last=True)
 
 
 def _accumulate(
-    model: nn.Module, inputs: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName,
-    expand: bool, bias: bool, mc_samples: int, generator: torch.Generator | None,
+    model: nn.Module, inputs: Tensor, target: Tensor | None, fisher: Fisher,
+    loss: LossName | LossFn, expand: bool, bias: bool, mc_samples: int,
+    generator: torch.Generator | None, sample_target: Sampler | None = None,
+    output_grads: Sampler | None = None,
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
     from .engine import _output_edges, add_hooks
+
+    _check_arguments(fisher, loss, target, sample_target, output_grads)
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
         acc = h._collector.kfac
@@ -297,7 +338,9 @@ def _accumulate(
         # The backwards are taken with respect to the hooked calls' outputs (their hooks then
         # see their output-gradients): no parameter's batch gradient is ever formed
         wrt = reached or [p for p in model.parameters() if p.requires_grad]
-        vectors = _output_vectors(out.detach(), target, fisher, loss, mc_samples, generator)
+        vectors = _output_vectors(
+            out.detach(), target, fisher, loss, mc_samples, generator, sample_target, output_grads
+        )
         # Several backwards (one per class for "exact") run batched under vmap, in chunks of
         # about _VMAP_ELEMENTS output-gradient elements of the hooked calls: all at once on
         # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
@@ -328,16 +371,62 @@ def _accumulate(
 _VMAP_ELEMENTS = 1 << 20
 
 
+def _check_arguments(
+    fisher: Fisher, loss: LossName | LossFn, target: Tensor | None,
+    sample_target: Sampler | None, output_grads: Sampler | None,
+) -> None:  # fmt: skip
+    """Refuse what cannot work before the forward runs."""
+    if fisher not in ("mc", "exact", "empirical"):
+        raise ValueError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")
+    if not callable(loss) and loss not in _LOSSES:
+        raise ValueError(
+            f"loss must be 'cross_entropy', 'mse' or a function loss(output, target) of a "
+            f"batch of one, got {loss!r}"
+        )
+    if sample_target is not None and output_grads is not None:
+        raise ValueError(
+            "kfac(): give sample_target (targets whose loss gradients are backpropagated) or "
+            "output_grads (the gradients themselves), not both"
+        )
+    given = "sample_target" if sample_target is not None else "output_grads"
+    if (sample_target is not None or output_grads is not None) and fisher != "mc":
+        raise ValueError(
+            f"kfac(fisher={fisher!r}, {given}=...): {given} samples the Fisher; use it with "
+            "fisher='mc'"
+        )
+    if callable(loss) and fisher == "mc" and sample_target is None and output_grads is None:
+        raise ValueError(
+            f"kfac(fisher='mc', loss={_name(loss)}): sampling needs the distribution the loss "
+            "is the negative log-likelihood of, which a function does not tell: give "
+            "sample_target=lambda output, generator: <targets drawn from it>, or your own "
+            "sampled output-gradients with output_grads=...; or use fisher='exact' (the GGN, "
+            "from the loss's Hessian) or 'empirical'"
+        )
+    if fisher == "empirical" and not callable(loss) and target is None:
+        raise ValueError("fisher='empirical' needs the target")
+
+
+def _name(loss: LossFn) -> str:
+    return getattr(loss, "__qualname__", None) or repr(loss)
+
+
 def _output_vectors(
-    out: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName, samples: int,
-    generator: torch.Generator | None,
+    out: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName | LossFn, samples: int,
+    generator: torch.Generator | None, sample_target: Sampler | None = None,
+    output_grads: Sampler | None = None,
 ) -> list[Tensor]:  # fmt: skip
-    """The gradients with respect to the output that each backward propagates, ``[batch, C]``."""
-    if loss not in ("cross_entropy", "mse"):
-        raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
+    """The gradients with respect to the output that each backward propagates, shaped as
+    ``out``: row ``i`` is example ``i``'s own."""
+    if output_grads is not None:
+        return [_checked(output_grads(out, generator), out) for _ in range(samples)]
+    if sample_target is not None:
+        loss_fn = _LOSSES[loss] if isinstance(loss, str) else loss
+        return [_loss_grads(loss_fn, out, sample_target(out, generator)) for _ in range(samples)]
+    if callable(loss):
+        if fisher == "empirical":
+            return [_loss_grads(loss, out, target)]
+        return _hessian_root_columns(loss, out, target)
     if fisher == "empirical":
-        if target is None:
-            raise ValueError("fisher='empirical' needs the target")
         if loss == "cross_entropy":
             return [torch.softmax(out, -1) - F.one_hot(target, out.shape[-1]).to(out.dtype)]
         return [2 * (out - target)]
@@ -353,12 +442,78 @@ def _output_vectors(
                 noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
                 vs.append(noise.to(out.device) * 2**0.5)
         return vs
-    if fisher == "exact":
-        classes = out.shape[-1]
-        eye = torch.eye(classes, dtype=out.dtype, device=out.device)
-        if loss == "mse":
-            return [2**0.5 * eye[c].expand_as(out) for c in range(classes)]
-        # diag(p) - p pᵀ = Σ_c √p_c (e_c - p) (√p_c (e_c - p))ᵀ
-        probs = torch.softmax(out, -1)
-        return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(classes)]
-    raise ValueError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")
+    classes = out.shape[-1]
+    eye = torch.eye(classes, dtype=out.dtype, device=out.device)
+    if loss == "mse":
+        return [2**0.5 * eye[c].expand_as(out) for c in range(classes)]
+    # diag(p) - p pᵀ = Σ_c √p_c (e_c - p) (√p_c (e_c - p))ᵀ
+    probs = torch.softmax(out, -1)
+    return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(classes)]
+
+
+# The named losses as functions of a batch of one (each example's loss summed over its
+# positions), for sample_target
+_LOSSES: dict[str, LossFn] = {
+    "cross_entropy": lambda out, y: F.cross_entropy(
+        out.flatten(0, -2), y.flatten(), reduction="sum"
+    ),
+    "mse": lambda out, y: F.mse_loss(out, y, reduction="sum"),
+}
+
+
+def _checked(v: Tensor, out: Tensor) -> Tensor:
+    if not isinstance(v, Tensor) or v.shape != out.shape:
+        got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+        raise ValueError(
+            f"kfac(output_grads=...) returned {got}; it must return a tensor of the model "
+            f"output's shape {tuple(out.shape)}, slice i example i's own output-gradient"
+        )
+    return v.to(out.dtype)
+
+
+def _per_example(transform, loss: LossFn, out: Tensor, target: Tensor | None) -> Tensor:
+    """``vmap(transform(one example's loss))`` over the output (and target)."""
+
+    def one(o: Tensor, t: Tensor | None) -> Tensor:
+        o = o.unsqueeze(0)
+        return (loss(o) if t is None else loss(o, t.unsqueeze(0))).sum()
+
+    try:
+        return torch.func.vmap(transform(one), in_dims=(0, None if target is None else 0))(
+            out, target
+        )
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        raise RuntimeError(
+            f"kfac(loss={_name(loss)}): the loss could not be evaluated per example with "
+            f"torch.func ({type(e).__name__}: {e}). It is called on a batch of one, "
+            f"loss(output[i:i+1]{', target[i:i+1]' if target is not None else ''}) with output "
+            f"{tuple(out.shape)}, under vmap: write it in torch operations (no .item(), no "
+            "Python branch on a tensor's value)"
+        ) from e
+
+
+def _loss_grads(loss: LossFn, out: Tensor, target: Tensor | None) -> Tensor:
+    """Each example's own loss gradient with respect to its output, shaped as ``out``."""
+    return _per_example(torch.func.grad, loss, out, target)
+
+
+def _hessian_root_columns(loss: LossFn, out: Tensor, target: Tensor | None) -> list[Tensor]:
+    """Columns ``v_c`` (each ``[batch, classes]``) with ``Σ_c v_c v_cᵀ`` each example's loss
+    Hessian with respect to its output: its eigenvectors scaled by the eigenvalues' roots."""
+    # (reverse over reverse: more losses' operations have it than forward-mode derivatives)
+    hessian = lambda f: torch.func.jacrev(torch.func.grad(f))
+    hess = _per_example(hessian, loss, out, target)  # [batch, classes, classes]
+    eig, vec = torch.linalg.eigh((hess + hess.mT) / 2)
+    largest = eig.abs().amax(-1, keepdim=True)
+    negative = eig < -100 * out.shape[-1] * torch.finfo(eig.dtype).eps * largest
+    if negative.any():
+        b, c = negative.nonzero()[0].tolist()
+        raise ValueError(
+            f"kfac(fisher='exact', loss={_name(loss)}): the loss's Hessian with respect to the "
+            f"output of example {b} has a negative eigenvalue ({eig[b, c].item():.3g}; largest "
+            f"magnitude {largest[b, 0].item():.3g}): the loss is not convex in the output, so "
+            "its generalized Gauss-Newton has no square root to backpropagate; use "
+            "fisher='mc' (with sample_target=...) or 'empirical'"
+        )
+    roots = vec * eig.clamp(min=0).sqrt()[:, None, :]
+    return [roots[..., c] for c in range(out.shape[-1])]
