@@ -17,7 +17,7 @@ from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks,
 from .dp import clip_factors, dp_sgd_step
 from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .jacobian import jacobians
-from .kfac import KFactors, kfac
+from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
 
@@ -42,6 +42,8 @@ __all__ = [
     "clip_factors",
     "kfac",
     "KFactors",
+    "KFactorsInverse",
+    "kfac_precondition",
     "jacobians",
     "distributed",
     # autograd-hacks compatibility

@@ -26,13 +26,17 @@ approximate curvature for modern neural network architectures"):
   Fisher; :func:`kfac` backpropagates sampled labels (``"mc"``, the Fisher) or the columns of the
   loss Hessian's square root (``"exact"``, the generalized Gauss-Newton) in a separate backward.
   Over several backwards of one forward ``G`` sums and ``A`` is taken once.
+
+:meth:`KFactors.inverse` and :func:`kfac_precondition` turn the factors into a preconditioned
+gradient, ``(kron(G, A) + damping·I)⁻¹ vec(grad)``, exactly (not the factored
+``(G + √damping·I) ⊗ (A + √damping·I)``), from the eigendecompositions of ``A`` and ``G``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,7 +48,7 @@ from torch._C import _functorch
 from .checks import GradhooksWarning
 from .pieces import Outer
 
-__all__ = ["KFactors", "KfacAccumulator", "kfac"]
+__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
 
 
 @dataclass
@@ -53,11 +57,63 @@ class KFactors:
 
     ``A``: ``[*groups, in(+1), in(+1)]``; ``G``: ``[*groups, out, out]`` (a groups axis of
     size one, e.g. a Conv with ``groups=1``, is dropped); ``bias``: whether
-    ``A`` is bias-augmented (then the weight is ``cat([W, b[..., None]], -1)``)."""
+    ``A`` is bias-augmented (then the weight is ``cat([W, b[..., None]], -1)``);
+    ``bias_name``: the name of that bias parameter (``None`` without one).
+
+    The weight as a matrix is its parameter reshaped to ``[*groups, out, in]``, row-major: a
+    Linear's ``[out, in]`` as is, a convolution's ``[out, in/groups, *kernel]`` as
+    ``[groups, out/groups, in/groups · prod(kernel)]``; ``torch.kron(G, A)`` approximates the
+    curvature of that matrix (bias column appended) flattened, per group."""
 
     A: Tensor
     G: Tensor
     bias: bool
+    bias_name: str | None = None
+
+    def inverse(self, damping: float) -> KFactorsInverse:
+        """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
+        ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
+        itself."""
+        if not damping > 0:
+            raise ValueError(
+                f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
+                "(fewer examples than features, a ReLU's dead units)"
+            )
+        eig_a, q_a = torch.linalg.eigh(self.A)
+        eig_g, q_g = torch.linalg.eigh(self.G)
+        # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
+        # PSD factor's eigenvalues slightly negative: clamped
+        scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
+        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping)
+
+
+@dataclass
+class KFactorsInverse:
+    """``(kron(G, A) + damping·I)⁻¹`` of one weight, as :meth:`KFactors.inverse` returns it:
+    the eigenvectors ``Q_A`` (``[*groups, in(+1), in(+1)]``) and ``Q_G`` (``[*groups, out,
+    out]``) and ``scale = 1 / (λ_G λ_Aᵀ + damping)`` (``[*groups, out, in(+1)]``)."""
+
+    Q_A: Tensor
+    Q_G: Tensor
+    scale: Tensor
+    bias: bool
+    bias_name: str | None
+    damping: float
+
+    def apply(self, grad: Tensor) -> Tensor:
+        """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
+        as a matrix ``[*groups, out, in(+1)]`` (bias column appended when ``bias``; see
+        :class:`KFactors`)."""
+        if grad.shape != self.scale.shape:
+            raise ValueError(
+                f"K-FAC: a gradient of shape {tuple(grad.shape)} given to factors of a "
+                f"{tuple(self.scale.shape)} weight matrix ([*groups, out, in"
+                f"{' + 1 (bias column)' if self.bias else ''}]): reshape the weight's gradient "
+                "to [*groups, out, in], e.g. grad.flatten(1) for a convolution"
+                + (", and append the bias's as a column" if self.bias else "")
+            )
+        rotated = self.Q_G.mT @ grad.to(self.scale.dtype) @ self.Q_A
+        return (self.Q_G @ (rotated * self.scale) @ self.Q_A.mT).to(grad.dtype)
 
 
 class KfacAccumulator:
@@ -76,13 +132,14 @@ class KfacAccumulator:
         self._n_a: dict[str, int] = {}
         self._n_g: dict[str, int] = {}
         self._biased: dict[str, bool] = {}
+        self._bias_name: dict[str, str | None] = {}  # key -> the bias its A covers
         self._batch_now: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self.capture_a = True
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
         bias_pieces = [
-            pc for n, pc in call_pieces.items()
+            n for n, pc in call_pieces.items()
             if n in params and isinstance(pc, Outer) and not pc.has_input
         ]  # fmt: skip
         for pname, p in params.items():
@@ -120,6 +177,11 @@ class KfacAccumulator:
             self._n_a[key] = self._n_a.get(key, 0) + n_a
             self._biased[key] = biased
             self._batch_now[key] = batch
+            if biased:
+                (b,) = bias_pieces
+                name = self.names.get(id(params[b]), f"{module_name}.{b}" if module_name else b)
+                if self._bias_name.setdefault(key, name) != name:
+                    self._bias_name[key] = None  # a weight tied across calls with other biases
 
     def end_backward(self) -> None:
         """G is normalized by examples, not by calls: count each example once per forward."""
@@ -154,7 +216,7 @@ class KfacAccumulator:
             aa = aa.div_(n_a) if last else aa / n_a
             if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
                 aa, gg = aa[0], gg[0]
-            out[key] = KFactors(aa, gg, self._biased[key])
+            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key))
         return out
 
 
@@ -302,6 +364,101 @@ def kfac(
         sample_target, output_grads,
     )  # fmt: skip
     return acc.factors(reduction, last=True)
+
+
+def kfac_precondition(
+    model: nn.Module,
+    factors: Mapping[str, KFactors | KFactorsInverse],
+    damping: float | None = None,
+) -> None:
+    """Precondition the gradients in place: every weight's ``.grad`` in ``factors`` (and its
+    bias's, where the factors are bias-augmented) becomes ``(kron(G, A) + damping·I)⁻¹
+    vec(grad)``, the damped K-FAC natural gradient, ready for an optimizer step.
+
+    The weight's gradient is taken as the matrix ``[*groups, out, in]`` (a convolution's
+    ``[out, in · prod(kernel)]``), with the bias's gradient appended as a column when
+    ``f.bias`` (``cat([W, b[:, None]], 1)``); see :class:`KFactors`. Parameters without factors
+    keep their gradient.
+
+    Args:
+        model: the model of the factors (names as in its ``named_parameters()``), after a
+            backward.
+        factors: ``{weight name: KFactors}`` (:func:`kfac`, :meth:`Hooks.kfac_factors`), with
+            ``damping``; or ``{weight name: f.inverse(damping)}``, to reuse the
+            eigendecompositions over several steps, without.
+        damping: ``> 0``, added to ``kron(G, A)``.
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(3, (16,))
+        >>> factors = gradhooks.kfac(net, x, fisher="mc")
+        >>> torch.nn.functional.cross_entropy(net(x), y).backward()
+        >>> gradhooks.kfac_precondition(net, factors, damping=1e-3)  # then optimizer.step()
+    """
+    params = dict(model.named_parameters())
+    done = []
+    for name, f in factors.items():
+        if isinstance(f, KFactors):
+            if damping is None:
+                raise ValueError(
+                    f"kfac_precondition: KFactors of '{name}' and no damping: give damping=..., "
+                    "or factors inverted once with f.inverse(damping)"
+                )
+            f = f.inverse(damping)
+        elif damping is not None:
+            raise ValueError(
+                f"kfac_precondition: the factors of '{name}' are already inverted with damping "
+                f"{f.damping}; leave damping out (or pass the KFactors themselves)"
+            )
+        weight = _with_grad(params, name, name)
+        bias = _with_grad(params, f.bias_name, name) if f.bias else None
+        if f.bias and bias is None:
+            raise ValueError(
+                f"kfac_precondition: the factors of '{name}' cover a bias column but name no "
+                "bias parameter (KFactors made by hand, or a weight tied across modules with "
+                "different biases): give KFactors(..., bias_name=...), or factors from "
+                "kfac(..., bias=False)"
+            )
+        *groups, rows, cols = f.scale.shape
+        width = cols - f.bias
+        shapes = f"weight {tuple(weight.shape)}" + (
+            f", bias {tuple(bias.shape)}" if bias is not None else ""
+        )
+        if weight.numel() != math.prod(groups) * rows * width or (
+            bias is not None and bias.numel() != math.prod(groups) * rows
+        ):
+            raise ValueError(
+                f"kfac_precondition: the factors of '{name}' are of a {tuple(f.scale.shape)} "
+                f"weight matrix ([*groups, out, in{' + 1 (bias)' if f.bias else ''}]), which "
+                f"does not fit the parameters ({shapes}): factors of another model, or a "
+                "layer whose weight is not [out, in, ...]"
+            )
+        grad = weight.grad.reshape(*groups, rows, width)
+        if bias is not None:
+            grad = torch.cat([grad, bias.grad.reshape(*groups, rows, 1)], -1)
+        done.append((weight, bias, f.apply(grad), width))
+    for weight, bias, natural, width in done:  # (written once every weight has been checked)
+        weight.grad.copy_(natural[..., :width].reshape(weight.shape))
+        if bias is not None:
+            bias.grad.copy_(natural[..., width].reshape(bias.shape))
+
+
+def _with_grad(params: dict[str, nn.Parameter], name: str | None, of: str) -> Tensor | None:
+    """The parameter ``name`` (of the factors of ``of``); it must have a ``.grad``."""
+    if name is None:
+        return None
+    p = params.get(name)
+    if p is None:
+        raise ValueError(
+            f"kfac_precondition: the factors of '{of}' refer to a parameter '{name}' that the "
+            "model does not have: factors of another model (a DistributedDataParallel "
+            "wrapper's names start with 'module.')"
+        )
+    if p.grad is None:
+        raise ValueError(f"kfac_precondition: '{name}' has no .grad: run the loss's backward first")
+    return p
 
 
 def _accumulate(

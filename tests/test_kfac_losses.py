@@ -45,7 +45,7 @@ LOSSES = {
 def assert_factors_equal(got, want, what):
     assert set(got) == set(want), f"{what}: {sorted(got)} != {sorted(want)}"
     for name, w in want.items():
-        assert got[name].bias == w.bias, name
+        assert got[name].bias == w.bias and got[name].bias_name == w.bias_name, name
         assert_close(got[name].A, w.A, f"{what}: A of {name}")
         assert_close(got[name].G, w.G, f"{what}: G of {name}")
 
