@@ -661,14 +661,19 @@ def _hessian_root_columns(loss: LossFn, out: Tensor, target: Tensor | None) -> l
     hessian = lambda f: torch.func.jacrev(torch.func.grad(f))
     hess = _per_example(hessian, loss, out, target)  # [batch, classes, classes]
     eig, vec = torch.linalg.eigh((hess + hess.mT) / 2)
-    largest = eig.abs().amax(-1, keepdim=True)
-    negative = eig < -100 * out.shape[-1] * torch.finfo(eig.dtype).eps * largest
+    # Rounding leaves eigenvalues of about eps times the terms the Hessian is computed from,
+    # which can be far larger than the Hessian itself (a saturated softmax's, about 1e-14 in
+    # float64, from probabilities of about 1): negative ones are refused only beyond that,
+    # with the loss's scale taken as at least one, and clamped to zero
+    largest = eig.abs().amax(-1)
+    scale = largest.max().clamp(min=1)
+    negative = eig < -100 * out.shape[-1] * torch.finfo(eig.dtype).eps * scale
     if negative.any():
         b, c = negative.nonzero()[0].tolist()
         raise ValueError(
             f"kfac(fisher='exact', loss={_name(loss)}): the loss's Hessian with respect to the "
             f"output of example {b} has a negative eigenvalue ({eig[b, c].item():.3g}; largest "
-            f"magnitude {largest[b, 0].item():.3g}): the loss is not convex in the output, so "
+            f"magnitude {largest[b].item():.3g}): the loss is not convex in the output, so "
             "its generalized Gauss-Newton has no square root to backpropagate; use "
             "fisher='mc' (with sample_target=...) or 'empirical'"
         )

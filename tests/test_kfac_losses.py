@@ -114,6 +114,24 @@ def test_a_function_loss_gives_the_named_losses_factors(name, fn, fisher):
     assert_factors_equal(got, want, f"{fisher}, {name} as a function")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, D], ids=["float32", "float64"])
+def test_exact_factors_of_a_saturated_softmax_are_not_refused(dtype):
+    """Logits far apart: each example's cross-entropy Hessian is about 1e-14 (float64), its
+    eigenvalues' rounding of about the same size, some negative. Rounding, not a loss that is
+    not convex: the factors are the built-in loss's."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).to(dtype)
+    with torch.no_grad():
+        model[2].weight.mul_(40)
+    x, y = torch.randn(8, 3, dtype=dtype), torch.randint(4, (8,))
+    want = gradhooks.kfac(model, x, y, fisher="exact")
+    got = gradhooks.kfac(model, x, y, fisher="exact", loss=F.cross_entropy)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name].A, w.A, msg=f"A of {name}")
+        scale = w.G.abs().max()
+        torch.testing.assert_close(got[name].G, w.G, atol=1e-5 * scale, rtol=0, msg=name)
+
+
 def cross_entropy_labels(out, generator):  # what the built-in "mc" draws, in the same order
     probs = torch.softmax(out, -1).reshape(-1, out.shape[-1])
     return torch.multinomial(probs, 1, generator=generator)[:, 0].view(out.shape[:-1])
