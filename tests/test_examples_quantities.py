@@ -20,9 +20,18 @@ def test_dp_sgd_digits_learns_and_both_paths_agree():
     assert abs(grad1 - ghost) < 0.02, f"grad1 path {grad1:.3f} vs ghost path {ghost:.3f}"
 
 
-def test_kfac_digits_beats_sgd_at_the_same_learning_rate():
+def test_kfac_digits_beats_the_best_sgd_reports_it_and_plots(tmp_path, capsys):
+    pytest.importorskip(
+        "matplotlib", reason="the K-FAC example's plot: pip install -e '.[examples]'"
+    )
     import kfac_digits as ex
 
-    kfac = ex.train(kfac=True, epochs=1, lr=0.05)
-    sgd = ex.train(kfac=False, epochs=1, lr=0.05)
-    assert kfac > 0.8 and kfac > sgd, f"K-FAC {kfac:.3f} vs SGD {sgd:.3f}"
+    out = tmp_path / "curves.png"
+    curves = ex.main(["--epochs", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    kfac = curves.pop("K-FAC").accuracy
+    best = max(c.accuracy[-1] for c in curves.values())
+    assert len(kfac) == 2 and kfac[-1] > 0.8 and kfac[-1] > best, (kfac, best, printed)
+    assert "epoch  1/1:" in printed and "K-FAC's gain over the best SGD: +" in printed
+    assert f"the best of {', '.join(map(str, ex.SGD_LEARNING_RATES))}" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no PNG plot written"
