@@ -20,6 +20,7 @@ from .jacobian import jacobians
 from .kfac import KFactors, kfac
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
+from .sampling import PoissonSampler, poisson_loader
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",
+    "PoissonSampler",
+    "poisson_loader",
     "kfac",
     "KFactors",
     "jacobians",
