@@ -11,6 +11,7 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 """
 
 from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
+from .accounting import PrivacyAccountant, noise_multiplier_for
 from .check import check_rule
 from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
 from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
@@ -43,6 +44,8 @@ __all__ = [
     "clip_factors",
     "PoissonSampler",
     "poisson_loader",
+    "PrivacyAccountant",
+    "noise_multiplier_for",
     "kfac",
     "KFactors",
     "jacobians",

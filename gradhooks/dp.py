@@ -29,11 +29,11 @@ Two paths, chosen by what the handle computes:
   weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
   layer are held until the step ends (about the size of the activations).
 
-Privacy accounting is not done here: the noise multiplier, the sampling rate and the number
-of steps are what an accountant (e.g. Opacus' ``RDPAccountant``) needs. Its analysis assumes
-Poisson-sampled batches (:class:`gradhooks.PoissonSampler`), whose size varies: pass
-``expected_batch_size=`` so that the noisy sum is divided by the expected size, which is
-public, not by the batch's own size, which is not (and is 0 for an empty batch).
+Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
+multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
+(:class:`gradhooks.PoissonSampler`), whose size varies: pass ``expected_batch_size=`` so that
+the noisy sum is divided by the expected size, which is public, not by the batch's own size,
+which is not (and is 0 for an empty batch).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Poisson sampling: the batches that DP-SGD's privacy analysis assumes.
 
-DP-SGD's privacy accountants (the sampled Gaussian mechanism) assume that every batch holds
+The privacy accountant (:class:`gradhooks.PrivacyAccountant`) assumes that every batch holds
 every example independently with probability ``q = expected_batch_size / num_examples``: batches
 vary in size (binomial, mean ``expected_batch_size``) and may be empty. A shuffled epoch of
 fixed-size batches is a different mechanism, with other guarantees. With such batches, divide
