@@ -95,7 +95,7 @@ def train(
     sampler = gradhooks.PoissonSampler(
         len(ytr), batch, generator=torch.Generator().manual_seed(seed + 1)
     )
-    noise = torch.Generator().manual_seed(seed + 2)  # in earnest: a secret, fresh seed
+    noise = torch.Generator().manual_seed(seed + 2)  # in earnest: a secret seed (os.urandom)
     accountant = gradhooks.PrivacyAccountant()
     run = Run(private=private, sample_rate=sampler.sample_rate)
     quantities = ("norms",) if ghost else ("grad1",)
