@@ -119,8 +119,8 @@ def ddp_grad1(where: str, **ddp_options) -> None:
 
 
 def dp_sgd() -> None:
-    """Unequal shards (5, 3; 8, 0), both methods, both reductions and an expected batch size,
-    with and without a DDP wrapper: noise 0 equals one process on the whole batch; with noise and
+    """Unequal shards (5, 3; 8, 0), every method, both reductions (and an expected batch size
+    on the book-keeping path), with and without a DDP wrapper: noise 0 equals one process on the whole batch; with noise and
     rank 0's generator seeded as the single process's, equals it too (the noise entered once);
     all ranks equal."""
     for wrap, sizes in ((False, [5, 3]), (True, [5, 3]), (False, [8, 0])):  # 0: an empty shard
@@ -131,6 +131,8 @@ def dp_sgd() -> None:
             ("bookkeeping", ("norms",)),
         ):
             for reduction, expected in (("mean", None), ("sum", None), ("mean", 6.5)):
+                if expected is not None and method != "bookkeeping":
+                    continue  # the denominator comes after the path: one path is enough
                 for sigma in (0.0, 1.3):
                     model, ref = net(), net()
                     hooked = DDP(model) if wrap else model
