@@ -11,6 +11,7 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 """
 
 from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
+from .accounting import PrivacyAccountant, noise_multiplier_for
 from .check import check_rule
 from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
 from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
@@ -20,6 +21,7 @@ from .jacobian import jacobians
 from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
+from .sampling import PoissonSampler, poisson_loader
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,10 @@ __all__ = [
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",
+    "PoissonSampler",
+    "poisson_loader",
+    "PrivacyAccountant",
+    "noise_multiplier_for",
     "kfac",
     "KFactors",
     "KFactorsInverse",

@@ -56,6 +56,7 @@ def dp_sgd_step(
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
+    expected_batch_size: float | None = None,
     group: Group = None,
 ) -> Tensor:
     """:func:`gradhooks.dp_sgd_step` with the batch split across the ranks of ``group``.
@@ -65,14 +66,15 @@ def dp_sgd_step(
         p.grad = (Σ_ranks Σ_i min(1, C / ‖g_i‖) · g_i  +  N(0, (σ·C)² I)) / D
 
     where ``i`` runs over each rank's own examples, the noise is drawn once, on group rank 0 from
-    its ``generator``, and ``D`` is the total batch size over all ranks (``"mean"``) or ``1``
-    (``"sum"``). The model may be wrapped in ``DistributedDataParallel`` or not: the backward(s)
-    here use ``torch.autograd.grad``, which DDP's all-reduce does not see.
+    its ``generator``, and ``D`` is the total batch size over all ranks (``"mean"``), ``1``
+    (``"sum"``), or ``expected_batch_size`` when given (Poisson sampling: the expected size of
+    the whole batch, over all ranks). The model may be wrapped in ``DistributedDataParallel`` or
+    not: the backward(s) here use ``torch.autograd.grad``, which DDP's all-reduce does not see.
 
     Args:
-        hooks, per_example_loss, max_norm, noise_multiplier, reduction, method: as for
-            :func:`gradhooks.dp_sgd_step`; ``per_example_loss`` is this rank's shard,
-            ``[local_batch]`` (shards may differ in size, or be empty).
+        hooks, per_example_loss, max_norm, noise_multiplier, reduction, method,
+            expected_batch_size: as for :func:`gradhooks.dp_sgd_step`; ``per_example_loss`` is
+            this rank's shard, ``[local_batch]`` (shards may differ in size, or be empty).
         generator: used on group rank 0 only (a ``torch.Generator`` on the parameters' device);
             seed it differently every step, and keep the seed secret, as in one process.
         group: the process group (default: the whole world).
@@ -88,6 +90,7 @@ def dp_sgd_step(
                                           generator=gen)  # gen: used on rank 0 only
         optimizer.step()                                  # the same step on every rank
     """
+    _dp._check_expected_batch_size(expected_batch_size, reduction)
     norms = _dp.dp_sgd_step(
         hooks, per_example_loss, max_norm=max_norm, noise_multiplier=0.0, reduction="sum",
         method=method,
@@ -101,7 +104,7 @@ def dp_sgd_step(
     total_batch = _all_reduce_sums(
         grads, per_example_loss.shape[0], group, "dp_sgd_step", _names(hooks, params)
     )
-    denom = max(total_batch, 1) if reduction == "mean" else 1
+    denom = _dp._denominator(total_batch, reduction, expected_batch_size)
     for p, g in zip(params, grads, strict=True):
         p.grad = g / denom
     return norms

@@ -7,8 +7,10 @@ trainable parameter,
 
 where ``g_i`` is example ``i``'s own gradient of the whole model (all parameters together),
 ``C = max_norm``, ``σ = noise_multiplier`` and ``D`` the batch size for ``reduction="mean"``
-(``1`` for ``"sum"``). Any torch optimizer then steps on ``p.grad``. An example whose gradient
-is zero is left as it is (factor 1).
+(``1`` for ``"sum"``), or the *expected* batch size when ``expected_batch_size`` is given (for
+Poisson-sampled batches, :class:`gradhooks.PoissonSampler`). Any torch optimizer then steps on
+``p.grad``. An example whose gradient is zero is left as it is (factor 1). An empty batch gives
+the noise alone.
 
 Two paths, chosen by what the handle computes:
 
@@ -27,10 +29,11 @@ Two paths, chosen by what the handle computes:
   weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
   layer are held until the step ends (about the size of the activations).
 
-Privacy accounting is not done here: the noise multiplier, the sampling rate
-(``batch / dataset``) and the number of steps are what an accountant (e.g. Opacus'
-``RDPAccountant``) needs. For Poisson-sampled batches of varying size, use ``reduction="sum"``
-and divide by the *expected* batch size yourself.
+Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
+multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
+(:class:`gradhooks.PoissonSampler`), whose size varies: pass ``expected_batch_size=`` so that
+the noisy sum is divided by the expected size, which is public, not by the batch's own size,
+which is not (and is 0 for an empty batch).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def dp_sgd_step(
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
+    expected_batch_size: float | None = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -76,6 +80,8 @@ def dp_sgd_step(
         reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
         method: ``"grad1"``, ``"ghost"`` or ``"bookkeeping"``; by default ``"grad1"`` for a
             handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
+        expected_batch_size: divide by this instead of the batch's own size (with
+            ``reduction="mean"``): for Poisson sampling, ``sampler.expected_batch_size``.
 
     Returns:
         The per-example gradient norms before clipping, ``[batch]``.
@@ -104,6 +110,7 @@ def dp_sgd_step(
         )
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    _check_expected_batch_size(expected_batch_size, reduction)
     if per_example_loss.dim() != 1:
         raise ValueError(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
@@ -158,12 +165,31 @@ def dp_sgd_step(
             torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
         ]
     std = noise_multiplier * max_norm
-    denom = max(batch, 1) if reduction == "mean" else 1
+    denom = _denominator(batch, reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
         if std > 0:
             c = c + std * gaussian(p, generator)
         p.grad = (c / denom).detach()
     return norms.detach()
+
+
+def _check_expected_batch_size(expected_batch_size: float | None, reduction: str) -> None:
+    if expected_batch_size is None:
+        return
+    if reduction != "mean":
+        raise ValueError(
+            f"expected_batch_size={expected_batch_size!r} divides the sum by the expected batch "
+            f"size, which contradicts reduction={reduction!r}: give one or the other"
+        )
+    if not 0 < expected_batch_size < float("inf"):
+        raise ValueError(f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}")
+
+
+def _denominator(batch: int, reduction: str, expected_batch_size: float | None) -> float:
+    """``D``: the expected batch size if given, else the batch size (mean) or 1 (sum)."""
+    if expected_batch_size is not None:
+        return expected_batch_size
+    return max(batch, 1) if reduction == "mean" else 1
 
 
 def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:

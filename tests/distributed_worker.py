@@ -119,9 +119,10 @@ def ddp_grad1(where: str, **ddp_options) -> None:
 
 
 def dp_sgd() -> None:
-    """Unequal shards (5, 3; 8, 0), both methods, both reductions, with and without a DDP wrapper:
-    noise 0 equals one process on the whole batch; with noise and rank 0's generator seeded
-    as the single process's, equals it too (the noise entered once); all ranks equal."""
+    """Unequal shards (5, 3; 8, 0), every method, both reductions (and an expected batch size
+    on the book-keeping path), with and without a DDP wrapper: noise 0 equals one process on the whole batch; with noise and
+    rank 0's generator seeded as the single process's, equals it too (the noise entered once);
+    all ranks equal."""
     for wrap, sizes in ((False, [5, 3]), (True, [5, 3]), (False, [8, 0])):  # 0: an empty shard
         x, y, xs, ys = data(sizes)
         for method, quantities in (
@@ -129,24 +130,26 @@ def dp_sgd() -> None:
             ("ghost", ("norms",)),
             ("bookkeeping", ("norms",)),
         ):
-            for reduction in ("mean", "sum"):
+            for reduction, expected in (("mean", None), ("sum", None), ("mean", 6.5)):
+                if expected is not None and method != "bookkeeping":
+                    continue  # the denominator comes after the path: one path is enough
                 for sigma in (0.0, 1.3):
                     model, ref = net(), net()
                     hooked = DDP(model) if wrap else model
-                    what = f"wrap={wrap} {sizes} {method} {reduction} sigma={sigma}"
+                    what = f"wrap={wrap} {sizes} {method} {reduction} {expected} sigma={sigma}"
                     with gradhooks.add_hooks(hooked, quantities=quantities) as h:
                         losses = F.cross_entropy(hooked(xs), ys, reduction="none")
                         gen = torch.Generator().manual_seed(7 if RANK == 0 else 100 + RANK)
                         norms = ghd.dp_sgd_step(
                             h, losses, max_norm=4.0, noise_multiplier=sigma, generator=gen,
-                            reduction=reduction, method=method,
+                            reduction=reduction, method=method, expected_batch_size=expected,
                         )  # fmt: skip
                     with gradhooks.add_hooks(ref, quantities=quantities) as h:
                         losses = F.cross_entropy(ref(x), y, reduction="none")
                         want = gradhooks.dp_sgd_step(
                             h, losses, max_norm=4.0, noise_multiplier=sigma,
                             generator=torch.Generator().manual_seed(7), reduction=reduction,
-                            method=method,
+                            method=method, expected_batch_size=expected,
                         )  # fmt: skip
                     start = sum(sizes[:RANK])
                     close(norms, want[start : start + sizes[RANK]], f"{what}: local norms")

@@ -1,0 +1,199 @@
+"""Privacy accounting for DP-SGD: the ε spent so far, for a given δ, by Google's dp-accounting.
+
+The accountant itself is Google's ``dp-accounting`` library (``pip install "gradhooks[dp]"``),
+imported only when a number is asked for; gradhooks only records what the training loop did.
+Each DP-SGD step that samples every example independently with probability ``q`` (Poisson
+sampling, :class:`gradhooks.PoissonSampler`) and adds Gaussian noise of standard deviation
+``σ·C`` to the sum of gradients clipped to norm ``C`` is the library's
+``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; ``T`` such steps compose into
+``SelfComposedDpEvent(..., T)``. The neighbouring datasets differ by adding or removing one
+example (the relation that Poisson sampling's analysis uses).
+
+Two accountants:
+
+- ``"rdp"`` (default): Rényi DP (Mironov, 2017; the sampled Gaussian of Mironov, Talwar and
+  Zhang, 2019), converted to (ε, δ) by Canonne, Kamath and Steinke's bound (2020). Fast (0.04
+  to 0.07 s per setting of ``(σ, q)``, whatever the number of steps), an upper bound that is a
+  little loose.
+- ``"pld"``: privacy loss distributions (discretized as in Doroshenko et al., 2022): tighter
+  (8-9% lower ε for σ = 1.1 at MNIST's usual q = 256/60000 over 60 epochs, and in
+  ``examples/dp_sgd_digits.py``'s setting), slower (about 0.5 s per setting).
+
+:meth:`PrivacyAccountant.epsilon` composes the history only when it has changed: several δ
+for the same steps cost one composition. Importing the library takes about 1 s (SciPy).
+
+Example::
+
+    >>> import gradhooks
+    >>> acc = gradhooks.PrivacyAccountant()
+    >>> for _ in range(1000):
+    ...     acc.step(noise_multiplier=1.1, sample_rate=256 / 60000)
+    >>> round(acc.epsilon(delta=1e-5), 2)
+    0.89
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+__all__ = ["PrivacyAccountant", "noise_multiplier_for"]
+
+Method = Literal["rdp", "pld"]
+
+
+def _dp_accounting(what: str) -> Any:
+    """The ``dp_accounting`` module, or an ImportError that says how to install it."""
+    try:
+        import dp_accounting
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs Google's dp-accounting library, which is not installed: "
+            'pip install "gradhooks[dp]" (or pip install dp-accounting)'
+        ) from e
+    return dp_accounting
+
+
+def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None:
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+    if not 0 <= sample_rate <= 1:
+        raise ValueError(
+            f"sample_rate must be in [0, 1] (expected batch size / number of examples), "
+            f"got {sample_rate!r}"
+        )
+    if int(steps) != steps or steps < 0:
+        raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
+
+
+def _check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ValueError(
+            f"delta must be in (0, 1), got {delta!r} (usually well below 1 / number of examples)"
+        )
+
+
+def _new_accountant(dpa: Any, method: str) -> Any:
+    if method == "rdp":
+        return dpa.rdp.RdpAccountant()
+    if method == "pld":
+        return dpa.pld.PLDAccountant()
+    raise ValueError(f"method must be 'rdp' or 'pld', got {method!r}")
+
+
+def _event(dpa: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
+    one = dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier))
+    return dpa.SelfComposedDpEvent(one, int(steps))
+
+
+class PrivacyAccountant:
+    """Records DP-SGD steps and reports the privacy they spent.
+
+    Call :meth:`step` once per :func:`gradhooks.dp_sgd_step` (with the noise multiplier it
+    used and the sampling rate ``q = expected batch size / number of examples`` of the Poisson
+    sampler that drew its batch), and :meth:`epsilon` for the ε of the whole run so far at a
+    given δ. Recording needs nothing but Python; :meth:`epsilon` needs the ``dp`` extra.
+
+    Args:
+        method: ``"rdp"`` (Rényi DP, the default) or ``"pld"`` (privacy loss distributions:
+            tighter, slower); see :mod:`gradhooks.accounting`.
+
+    Attributes:
+        history: ``[(noise_multiplier, sample_rate, steps), ...]``, consecutive steps with the
+            same noise multiplier and sampling rate merged into one entry.
+
+    Example::
+
+        acc = gradhooks.PrivacyAccountant()
+        for x, y in loader:  # gradhooks.poisson_loader(dataset, expected_batch_size, ...)
+            ...
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.1, ...)
+            acc.step(noise_multiplier=1.1, sample_rate=loader.batch_sampler.sample_rate)
+        acc.epsilon(delta=1e-5)
+    """
+
+    def __init__(self, method: Method = "rdp") -> None:
+        if method not in ("rdp", "pld"):
+            raise ValueError(f"method must be 'rdp' or 'pld', got {method!r}")
+        self.method = method
+        self.history: list[tuple[float, float, int]] = []
+        self._composed: tuple[list[tuple[float, float, int]], Any] | None = None
+
+    def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        """Record ``steps`` DP-SGD steps, each with noise ``noise_multiplier · max_norm`` on a
+        batch that held every example independently with probability ``sample_rate``."""
+        _check_step(noise_multiplier, sample_rate, steps)
+        steps = int(steps)
+        if steps == 0:
+            return
+        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
+            self.history[-1] = (noise_multiplier, sample_rate, self.history[-1][2] + steps)
+        else:
+            self.history.append((float(noise_multiplier), float(sample_rate), steps))
+
+    @property
+    def steps(self) -> int:
+        """The number of steps recorded."""
+        return sum(n for _, _, n in self.history)
+
+    def dp_event(self) -> Any:
+        """The recorded steps as one ``dp_accounting.DpEvent`` (``ComposedDpEvent`` of a
+        ``SelfComposedDpEvent`` per history entry), for any of the library's own accountants."""
+        dpa = _dp_accounting("PrivacyAccountant.dp_event")
+        return dpa.ComposedDpEvent([_event(dpa, *entry) for entry in self.history])
+
+    def epsilon(self, delta: float) -> float:
+        """ε of (ε, δ)-differential privacy for the steps recorded so far: ``0.0`` before any
+        step, ``inf`` if a step had no noise (``noise_multiplier=0``) and a sampling rate
+        above 0."""
+        _check_delta(delta)
+        dpa = _dp_accounting("PrivacyAccountant.epsilon")
+        if self._composed is None or self._composed[0] != self.history:
+            accountant = _new_accountant(dpa, self.method)
+            accountant.compose(self.dp_event())
+            self._composed = (list(self.history), accountant)  # other deltas: no recompose
+        return float(self._composed[1].get_epsilon(delta))
+
+    def __repr__(self) -> str:
+        return f"PrivacyAccountant(method={self.method!r}, steps={self.steps})"
+
+
+def noise_multiplier_for(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    *,
+    method: Method = "rdp",
+    tol: float = 1e-4,
+) -> float:
+    """The smallest noise multiplier ``σ`` (within ``tol``) with which ``steps`` DP-SGD steps
+    at sampling rate ``sample_rate`` spend at most ``target_epsilon`` at ``delta``.
+
+    The search is ``dp_accounting.calibrate_dp_mechanism`` (Brent's method on the library's
+    accountant); the returned ``σ`` is on the private side: its ε is ``<= target_epsilon``.
+    About 0.3-1 s with ``method="rdp"``; ``"pld"`` can take tens of seconds.
+
+    Example::
+
+        sigma = gradhooks.noise_multiplier_for(3.0, 1e-5, sample_rate=256 / 60000, steps=14062)
+    """
+    _check_step(0.0, sample_rate, steps)
+    _check_delta(delta)
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    if steps == 0 or sample_rate == 0:
+        raise ValueError(
+            f"with steps={steps} and sample_rate={sample_rate} no example is ever used: any "
+            "noise multiplier, even 0, spends no privacy"
+        )
+    dpa = _dp_accounting("noise_multiplier_for")
+    return float(
+        dpa.calibrate_dp_mechanism(
+            lambda: _new_accountant(dpa, method),
+            lambda sigma: _event(dpa, sigma, sample_rate, steps),
+            target_epsilon,
+            delta,
+            tol=tol,
+        )
+    )

@@ -1,0 +1,153 @@
+"""Poisson sampling: the batches that DP-SGD's privacy analysis assumes.
+
+The privacy accountant (:class:`gradhooks.PrivacyAccountant`) assumes that every batch holds
+every example independently with probability ``q = expected_batch_size / num_examples``: batches
+vary in size (binomial, mean ``expected_batch_size``) and may be empty. A shuffled epoch of
+fixed-size batches is a different mechanism, with other guarantees. With such batches, divide
+the noisy clipped sum by the *expected* batch size, not the batch's own:
+``gradhooks.dp_sgd_step(..., expected_batch_size=...)``.
+
+Two ways to draw them:
+
+- :class:`PoissonSampler`, batches of indices, for plain tensors (``x[idx]``) or as a
+  ``DataLoader``'s ``batch_sampler``;
+- :func:`poisson_loader`, a ``DataLoader`` with that sampler whose empty batches are tensors
+  with 0 rows (the default collate fails on an empty batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import default_collate
+
+__all__ = ["PoissonSampler", "poisson_loader"]
+
+
+class PoissonSampler(Sampler[list[int]]):
+    """Batches of indices into ``range(num_examples)`` in which each example is, independently,
+    with probability ``sample_rate = expected_batch_size / num_examples``.
+
+    Each batch is a sorted ``list[int]``; its length is binomial with mean
+    ``expected_batch_size``, and it may be empty. Iterating yields ``steps`` batches (by
+    default ``round(num_examples / expected_batch_size)``, one epoch in expectation), each
+    drawn afresh from ``generator``: the same seed gives the same batches, and iterating again
+    continues the generator's stream (the next epoch differs).
+
+    Args:
+        num_examples: the number of examples ``n`` (``len(dataset)``).
+        expected_batch_size: ``q·n``, in ``(0, n]``.
+        steps: the number of batches per iteration.
+        generator: a CPU ``torch.Generator``; by default a fresh one seeded from torch's
+            global generator at each iteration (as ``RandomSampler`` does).
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> x = torch.randn(1000, 4)
+        >>> sampler = gradhooks.PoissonSampler(len(x), 32, generator=torch.Generator().manual_seed(0))
+        >>> len(sampler), sampler.sample_rate
+        (31, 0.032)
+        >>> [len(idx) for idx in sampler][:5]  # x[idx] is a batch
+        [31, 40, 35, 26, 31]
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        expected_batch_size: float,
+        *,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if int(num_examples) != num_examples or num_examples < 1:
+            raise ValueError(f"num_examples must be a whole number >= 1, got {num_examples!r}")
+        if not 0 < expected_batch_size <= num_examples:
+            raise ValueError(
+                f"expected_batch_size must be in (0, num_examples={num_examples}], got "
+                f"{expected_batch_size!r}"
+            )
+        if steps is None:
+            steps = max(1, round(num_examples / expected_batch_size))
+        if int(steps) != steps or steps < 0:
+            raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError(
+                f"generator must be a CPU torch.Generator (indices are drawn on the CPU), got "
+                f"one on {generator.device}"
+            )
+        self.num_examples = int(num_examples)
+        self.expected_batch_size = expected_batch_size
+        self.sample_rate = expected_batch_size / num_examples
+        self.steps = int(steps)
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = self.generator
+        if gen is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            gen = torch.Generator().manual_seed(seed)
+        for _ in range(self.steps):
+            # float64: P(u < q) is q to 2^-53 (float32's grid would bias q by up to 2^-24)
+            u = torch.rand(self.num_examples, generator=gen, dtype=torch.float64)
+            yield torch.nonzero(u < self.sample_rate).flatten().tolist()
+
+    def __repr__(self) -> str:
+        return (
+            f"PoissonSampler(num_examples={self.num_examples}, expected_batch_size="
+            f"{self.expected_batch_size}, steps={self.steps})"
+        )
+
+
+class _EmptyAware:
+    """A collate function that turns an empty batch into the collate of one example with
+    every tensor cut to 0 rows (picklable, for ``num_workers > 0``)."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        one = self.collate_fn([self.dataset[0]])
+        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+
+def poisson_loader(
+    dataset: Dataset,
+    expected_batch_size: float,
+    *,
+    steps: int | None = None,
+    generator: torch.Generator | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` (map-style) whose batches are drawn by
+    :class:`PoissonSampler` (``loader.batch_sampler``; its ``sample_rate`` is what the
+    accountant needs).
+
+    An empty batch comes out as the collate of one example with every tensor cut to 0 rows
+    (``[0, *feature shape]``), so the same model code runs on it. Other keyword arguments go
+    to ``DataLoader`` (``num_workers``, ``pin_memory``, ...; not ``batch_size``, ``shuffle``,
+    ``sampler`` or ``drop_last``, which the sampler replaces).
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> from torch.utils.data import TensorDataset
+        >>> data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+        >>> loader = gradhooks.poisson_loader(data, 2, generator=torch.Generator().manual_seed(0))
+        >>> [tuple(x.shape) for x, y in loader][:3]  # an empty batch: [0, 3]
+        [(2, 3), (0, 3), (2, 3)]
+    """
+    sampler = PoissonSampler(len(dataset), expected_batch_size, steps=steps, generator=generator)
+    collate = _EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -1,0 +1,296 @@
+"""The DP-SGD path around the step: privacy accounting (against Google's dp-accounting called
+directly, and a published value), Poisson sampling (its statistics, its seed, its empty
+batches), and the step on Poisson batches (the expected batch size) against a float64
+per-example loop with the noise drawn by hand."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close
+
+# -- privacy accounting ---------------------------------------------------------------------------
+
+
+def direct_accountant(schedule, method):
+    """dp-accounting's own accountant, each run of equal steps composed with the library's
+    ``count``, or step by step."""
+    dpa = pytest.importorskip("dp_accounting")
+    acc = dpa.rdp.RdpAccountant() if method == "rdp" else dpa.pld.PLDAccountant()
+    for sigma, q, n, one_by_one in schedule:
+        event = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma))
+        for _ in range(n if one_by_one else 1):
+            acc.compose(event, 1 if one_by_one else n)
+    return acc
+
+
+@pytest.mark.parametrize(
+    "method, schedule",
+    [
+        ("rdp", [(1.1, 0.01, 1000, False)]),
+        ("rdp", [(1.1, 0.01, 2, True), (0.8, 0.02, 1, True), (1.1, 0.01, 1, True)]),
+        ("pld", [(1.1, 0.01, 1000, False)]),
+    ],
+    ids=["rdp-1000-steps", "rdp-step-by-step", "pld-1000-steps"],
+)
+def test_epsilon_equals_dp_accounting_called_directly(method, schedule):
+    acc = gradhooks.PrivacyAccountant(method)
+    for sigma, q, n, _ in schedule:
+        for _ in range(n):
+            acc.step(noise_multiplier=sigma, sample_rate=q)
+    assert acc.steps == sum(n for *_, n, _ in schedule)
+    assert len(acc.history) == len(schedule), f"equal consecutive steps merge: {acc.history}"
+    direct = direct_accountant(schedule, method)
+    for delta in (1e-5, 1e-3):
+        want = direct.get_epsilon(delta)
+        got = acc.epsilon(delta)
+        assert math.isclose(got, want, rel_tol=1e-9), f"{method} δ={delta}: {got} != {want}"
+
+
+def test_epsilon_reproduces_tensorflow_privacys_mnist_tutorial():
+    """TensorFlow Privacy's tutorials/README.md ("Select Parameters", first row): MNIST (60,000
+    examples), batch 256, noise multiplier 1.12, 60 epochs: ε = 2.92 at δ = 1e-5, by its RDP
+    accountant of then, which turned RDP into (ε, δ) by ε = min_α RDP(α) + log(1/δ)/(α − 1).
+    The same RDP curve from our ledger gives 2.92 that way; our ε uses dp-accounting's current
+    conversion (Canonne, Kamath and Steinke, 2020), which is tighter, so it lies below."""
+    dpa = pytest.importorskip("dp_accounting")
+    q, steps, delta, published = 256 / 60000, 60 * 60000 // 256, 1e-5, 2.92
+    acc = gradhooks.PrivacyAccountant()
+    acc.step(noise_multiplier=1.12, sample_rate=q, steps=steps)
+    rdp = dpa.rdp.RdpAccountant()
+    rdp.compose(acc.dp_event())
+    classic = np.min(rdp.rdp + np.log(1 / delta) / (rdp.orders - 1))
+    assert abs(classic - published) < 0.005, f"classic conversion {classic:.4f} != {published}"
+    eps = acc.epsilon(delta)
+    assert 0.8 * published < eps < published, f"ε {eps:.3f} against the published {published}"
+
+
+def test_noise_multiplier_for_is_the_smallest_within_budget():
+    pytest.importorskip("dp_accounting")
+    q, steps, delta, target = 0.01, 1000, 1e-5, 2.0
+    sigma = gradhooks.noise_multiplier_for(target, delta, q, steps, tol=1e-4)
+
+    def eps(s):
+        acc = gradhooks.PrivacyAccountant()
+        acc.step(noise_multiplier=s, sample_rate=q, steps=steps)
+        return acc.epsilon(delta)
+
+    assert eps(sigma) <= target, f"σ={sigma}: ε {eps(sigma)} over the target {target}"
+    assert eps(sigma - 3e-4) > target, f"σ={sigma} is not the smallest: {eps(sigma - 3e-4)}"
+
+
+def test_accountant_edge_values_and_errors():
+    pytest.importorskip("dp_accounting")
+    acc = gradhooks.PrivacyAccountant()
+    assert acc.epsilon(1e-5) == 0.0, "no step, no privacy spent"
+    acc.step(noise_multiplier=1.0, sample_rate=0.0, steps=10)
+    assert acc.epsilon(1e-5) == 0.0, "a step that samples nobody spends nothing"
+    acc.step(noise_multiplier=0.0, sample_rate=0.01)
+    assert acc.epsilon(1e-5) == math.inf, "a step without noise spends everything"
+    with pytest.raises(ValueError, match="delta must be in"):
+        acc.epsilon(0.0)
+    with pytest.raises(ValueError, match="sample_rate must be in"):
+        acc.step(noise_multiplier=1.0, sample_rate=64)  # a batch size, not a rate
+    with pytest.raises(ValueError, match="noise_multiplier must be"):
+        acc.step(noise_multiplier=-1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="method must be"):
+        gradhooks.PrivacyAccountant("moments")
+    with pytest.raises(ValueError, match="no example is ever used"):
+        gradhooks.noise_multiplier_for(1.0, 1e-5, sample_rate=0.0, steps=10)
+
+
+def test_without_dp_accounting_recording_works_and_epsilon_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting fails
+    acc = gradhooks.PrivacyAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=3)
+    assert acc.history == [(1.0, 0.01, 3)]
+    with pytest.raises(ImportError, match=r'pip install "gradhooks\[dp\]"'):
+        acc.epsilon(1e-5)
+    with pytest.raises(ImportError, match=r"noise_multiplier_for needs .*gradhooks\[dp\]"):
+        gradhooks.noise_multiplier_for(1.0, 1e-5, 0.01, 100)
+
+
+# -- Poisson sampling -----------------------------------------------------------------------------
+
+
+def inclusion(batches, n):
+    """[steps, n] 0/1: whether example j is in batch t."""
+    m = torch.zeros(len(batches), n, dtype=torch.float64)
+    for t, idx in enumerate(batches):
+        m[t, idx] = 1.0
+    return m
+
+
+def test_poisson_batches_have_the_binomial_statistics():
+    """n = 200, q = 0.1, 2,000 batches (seeded, so the test is deterministic; the bounds are 5
+    standard errors of each statistic): sizes with mean nq and variance nq(1 - q) (a fixed-size
+    batch has variance 0), each example in a fraction q of the batches, no correlation between
+    two examples (sampling without replacement gives -1/(n - 1) to every pair) nor between
+    consecutive batches."""
+    n, expected, steps = 200, 20.0, 2000
+    q = expected / n
+    sampler = gradhooks.PoissonSampler(
+        n, expected, steps=steps, generator=torch.Generator().manual_seed(0)
+    )
+    batches = list(sampler)
+    assert len(batches) == steps == len(sampler)
+    for idx in batches:
+        assert idx == sorted(set(idx)) and all(0 <= i < n for i in idx), idx
+    m = inclusion(batches, n)
+    sizes = m.sum(1)
+    var = n * q * (1 - q)
+    assert abs(sizes.mean() - expected) < 5 * math.sqrt(var / steps), sizes.mean()
+    # the sample variance's standard error: var·sqrt(2/steps) for a near-normal binomial
+    assert abs(sizes.var() - var) < 5 * var * math.sqrt(2 / steps), sizes.var()
+    freq = m.mean(0)
+    assert (freq - q).abs().max() < 5 * math.sqrt(q * (1 - q) / steps), freq
+    corr = torch.corrcoef(m.T)
+    off = corr[~torch.eye(n, dtype=torch.bool)]
+    # the mean of n(n-1) correlations, each with standard error 1/sqrt(steps)
+    assert abs(off.mean()) < 5 / math.sqrt(steps) / math.sqrt(n), off.mean()
+    lag = torch.corrcoef(torch.stack([sizes[:-1], sizes[1:]]))[0, 1]
+    assert abs(lag) < 5 / math.sqrt(steps), f"consecutive batch sizes correlate: {lag}"
+
+
+def test_poisson_batches_may_be_empty_as_often_as_the_binomial_says():
+    n, expected, steps = 10, 0.5, 2000
+    p_empty = (1 - expected / n) ** n  # 0.599
+    sampler = gradhooks.PoissonSampler(
+        n, expected, steps=steps, generator=torch.Generator().manual_seed(1)
+    )
+    empty = sum(len(idx) == 0 for idx in sampler) / steps
+    assert abs(empty - p_empty) < 5 * math.sqrt(p_empty * (1 - p_empty) / steps), empty
+
+
+def test_poisson_sampler_is_reproducible_by_its_seed():
+    def draw(seed, epochs=2):
+        sampler = gradhooks.PoissonSampler(50, 5, generator=torch.Generator().manual_seed(seed))
+        return [list(sampler) for _ in range(epochs)]
+
+    first, second = draw(3)
+    assert draw(3) == [first, second], "the same seed must give the same batches"
+    assert first != second, "a second epoch continues the generator: other batches"
+    assert draw(4)[0] != first, "another seed must give other batches"
+    assert len(first) == 10, "by default one epoch in expectation: n / expected batches"
+
+
+def test_poisson_sampler_refuses_a_rate_out_of_range():
+    with pytest.raises(ValueError, match="expected_batch_size must be in"):
+        gradhooks.PoissonSampler(10, 20)
+    with pytest.raises(ValueError, match="expected_batch_size must be in"):
+        gradhooks.PoissonSampler(10, 0)
+
+
+def test_poisson_loader_batches_and_empty_batches():
+    x, y = torch.randn(30, 3), torch.arange(30)
+    data = TensorDataset(x, y)
+    seed = lambda: torch.Generator().manual_seed(2)
+    loader = gradhooks.poisson_loader(data, 1.0, steps=60, generator=seed())
+    indices = list(gradhooks.PoissonSampler(30, 1.0, steps=60, generator=seed()))
+    assert loader.batch_sampler.sample_rate == 1 / 30
+    batches = list(loader)
+    assert len(batches) == len(loader) == 60
+    assert any(len(i) == 0 for i in indices) and any(len(i) > 1 for i in indices), indices
+    for (xb, yb), idx in zip(batches, indices, strict=True):
+        assert torch.equal(xb, x[idx]) and torch.equal(yb, y[idx]), idx
+        assert xb.shape == (len(idx), 3) and yb.shape == (len(idx),)
+    # the plain DataLoader fails on the same empty batch: what poisson_loader is for
+    plain = DataLoader(data, batch_sampler=[[]])
+    with pytest.raises(IndexError):
+        next(iter(plain))
+
+
+# -- the DP step on Poisson batches ---------------------------------------------------------------
+
+
+def small_net():
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 3 * 3, 4)
+    ).double()
+
+
+def dp_step(model, x, y, method, **kwargs):
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        norms = gradhooks.dp_sgd_step(h, losses, method=method, **kwargs)
+    return norms, [p.grad.clone() for p in model.parameters()]
+
+
+def hand_noise(model, seed, std):
+    """std · N(0, 1) per parameter, drawn in parameter order from a generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [std * torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_step_with_expected_batch_size_equals_clipped_sum_plus_noise_over_it(method):
+    torch.manual_seed(0)
+    model = small_net()
+    n, expected = 40, 8.0
+    x = torch.randn(n, 1, 5, 5, dtype=torch.float64)
+    y = torch.randint(4, (n,))
+    sampler = gradhooks.PoissonSampler(n, expected, generator=torch.Generator().manual_seed(5))
+    idx = next(iter(sampler))
+    xb, yb = x[idx], y[idx]
+    assert len(idx) != expected, "a batch whose size is not the expected one"
+    loop = loop_grad(model, F.cross_entropy, xb, yb)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()
+    assert (norms > max_norm).any() and (norms < max_norm).any(), norms
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    sigma, seed = 0.7, 11
+    got_norms, grads = dp_step(
+        model, xb, yb, method, max_norm=max_norm, noise_multiplier=sigma,
+        generator=torch.Generator().manual_seed(seed), expected_batch_size=expected,
+    )  # fmt: skip
+    assert_close(got_norms, norms, f"{method}: norms")
+    noise = hand_noise(model, seed, sigma * max_norm)
+    for (name, g), z, got in zip(loop.items(), noise, grads, strict=True):
+        want = (torch.einsum("b,b...->...", factors, g) + z) / expected
+        assert_close(got, want, f"{method}: (clipped sum + noise) / expected batch, {name}")
+    _, summed = dp_step(
+        model, xb, yb, method, max_norm=max_norm, noise_multiplier=sigma,
+        generator=torch.Generator().manual_seed(seed), reduction="sum",
+    )  # fmt: skip
+    for got, s in zip(grads, summed, strict=True):
+        assert_close(got, s / expected, f"{method}: reduction='sum' / expected batch size")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_step_on_an_empty_batch_gives_the_noise_alone(method):
+    model = small_net()
+    x, y = torch.zeros(0, 1, 5, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    sigma, clip, expected, seed = 1.3, 0.5, 8.0, 3
+    norms, grads = dp_step(
+        model, x, y, method, max_norm=clip, noise_multiplier=sigma,
+        generator=torch.Generator().manual_seed(seed), expected_batch_size=expected,
+    )  # fmt: skip
+    assert norms.shape == (0,)
+    noise = hand_noise(model, seed, sigma * clip)
+    for (name, _), z, got in zip(model.named_parameters(), noise, grads, strict=True):
+        assert_close(got, z / expected, f"{method}: empty batch, {name}: noise / expected batch")
+    _, clean = dp_step(model, x, y, method, max_norm=clip, noise_multiplier=0.0)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in clean), "no noise, no examples: 0"
+
+
+def test_expected_batch_size_refuses_reduction_sum_and_bad_values():
+    model = nn.Linear(3, 2)
+    for kwargs, match in (
+        ({"reduction": "sum", "expected_batch_size": 4.0}, "contradicts reduction='sum'"),
+        ({"expected_batch_size": 0.0}, "expected_batch_size must be > 0"),
+    ):
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            losses = model(torch.randn(4, 3)).sum(1)
+            with pytest.raises(ValueError, match=match):
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0, **kwargs)
