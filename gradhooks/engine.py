@@ -23,14 +23,16 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import checks
 from . import pieces as P
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
+from .layout import PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
-from .registry import REGISTRY, Call, Registry, _Entry
+from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
 __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1", "set_enabled", "paused"]
 
@@ -56,6 +58,28 @@ class _Target:
 
 
 @dataclass
+class _CallLayout:
+    """Where the examples are in one captured call (from the forward's :class:`Tracker`).
+
+    ``kind``: ``"plain"`` (where the rule reads them), ``"moved"`` (a position-wise layer's
+    examples on another dimension, or folded: moved to dimension 0 before the rule),
+    ``"fold"`` (another layer's examples folded into its batch dimension: the rule's rows of
+    one example summed), ``"shared"`` (the call does not depend on the examples: its
+    per-example output-gradients come from where its output meets the batch) or
+    ``"unknown"`` (not followed: the rule's dimension is taken, and the batch size checked).
+    """
+
+    kind: str  # also "mismatch": the examples are not where the rule reads them (an error)
+    batch: int
+    first: Layout | None = None  # of the first input with examples
+    inputs: tuple = ()  # per leaf of (args, kwargs)
+    outputs: tuple = ()  # per leaf of the output
+    sources: tuple = ()  # "shared": per output leaf, its Source (or None)
+    lost: tuple = ()  # "unknown": the operations the tracker could not follow the batch through
+    root: bool = False  # its first input is one of the forward's own (auto: a guess to check)
+
+
+@dataclass
 class _CallState:
     """One captured forward call, until its backward."""
 
@@ -63,6 +87,9 @@ class _CallState:
     frame: _Frame | None  # the model's forward it was called in (None: outside one)
     derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
     cancelled: bool = False  # its forward raised: never captured
+    layout: _CallLayout | None = None
+    versions: tuple = ()  # (tensor, version) of its kept inputs, to refuse in-place changes
+    out_versions: tuple = ()  # (leaf index, version) of its kept output
 
 
 @dataclass
@@ -74,6 +101,9 @@ class _Frame:
     grad_enabled: bool = True
     sizes: set[int] = field(default_factory=set)  # dims 0, 1 of its tensor inputs and outputs
     seen: dict[int, str] = field(default_factory=dict)  # batch sizes the layers saw -> a layer
+    tracker: Tracker | None = None  # follows the batch through this forward
+    roots: list = field(default_factory=list)  # the forward's tensor inputs
+    signature: list = field(default_factory=list)  # (call, kind) of its captured calls
 
 
 @dataclass
@@ -241,11 +271,20 @@ class Hooks:
         # its input carries them, else None, (its rule's record, what it gave) where one is
         # entered, else None)]}
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
-        self._rerunning = 0  # inside _rerun_vjp
+        self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
+        # parameters used outside their modules' calls, by id: the sources of their uses
+        self._direct: dict[int, weakref.WeakSet] = {}
+        self._direct_targets: dict[int, _Target] = {}
+        self._functional_targets: dict[tuple, _Target] = {}
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
+            self._handles.append(
+                target.module.register_forward_pre_hook(
+                    _Hook(self._enter_hook(target)), with_kwargs=True
+                )
+            )
             handle = target.module.register_forward_hook(
-                _Hook(self._forward_hook(target)), with_kwargs=True, always_call=detaches
+                _Hook(self._forward_hook(target)), with_kwargs=True, always_call=True
             )
             self._handles.append(handle)
             if detaches:
@@ -438,6 +477,8 @@ class Hooks:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        for frame in self._frames[::-1]:
+            self._stop_tracker(frame)
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
@@ -480,7 +521,11 @@ class Hooks:
                 )
 
     def _capturing_backward(self) -> bool:
-        return not self._paused and (self.capture == "always" or self._marked > 0)
+        return (
+            not self._paused
+            and _GLOBALLY_ENABLED[0]
+            and (self.capture == "always" or self._marked > 0)
+        )
 
     def _detach_hook(self, target: _Target, forward_hook: int):
         """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
@@ -513,6 +558,7 @@ class Hooks:
                 or _is_compiling()
                 or torch._C._functorch.peek_interpreter_stack() is not None
                 or not target.entry.grad_from_grad1(module, args)
+                or not self._plain_call(target, module, args, kwargs)
                 or (carries and not self._grad1)
                 or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
             ):
@@ -575,17 +621,43 @@ class Hooks:
             manager.__exit__(*sys.exc_info())
         return detached, owned, carried, recorded
 
+    def _enter_hook(self, target: _Target):
+        """The forward pre-hook of every hooked module: the tracker (if this forward has one)
+        learns which parameters the call covers, so that an operation using a parameter
+        outside its module's call is seen as a direct use."""
+        own = list(target.params.values())
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            tracker = self._tracker()
+            if tracker is not None and module is target.module:
+                tracker.enter_call(own, module, soft=target.entry is FALLBACK)
+
+        return hook
+
+    def _tracker(self) -> Tracker | None:
+        return self._frames[-1].tracker if self._frames else None
+
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            tracker = self._tracker()
+            if tracker is None or module is not target.module or not tracker.covered:
+                return body(module, args, kwargs, output, None, True)
+            used = tracker.exit_call()
+            with tracker.paused():
+                return body(module, args, kwargs, output, tracker, used)
+
+        def body(module, args, kwargs, output, tracker, used) -> Any:
             detached, owned, carried, recorded = (
                 self._reattach(module) if self._detached else ({}, None, None, None)
             )
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
             if owned is not None:
-                return self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
+                new = self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
+                return _carry_layouts(tracker, output, new)
             if detached and carried is None:
-                return self._capture_detached(target, detached, args, kwargs, output)
+                new = self._capture_detached(target, detached, args, kwargs, output)
+                return _carry_layouts(tracker, output, new)
             # (a carried call goes on as any other: its rule gives the sums as well)
             sums = carried.sums if carried is not None else None
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
@@ -610,11 +682,24 @@ class Hooks:
             hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
-            call, state = self._kept_call(target, live, args, kwargs, output)
+            if target.entry is FALLBACK and tracker is not None:
+                live = _used_by_fallback(target, live, used, tracker, output)
+                if not live:
+                    return  # the tracker follows every use (or there was none)
+            replaced = None
+            if any(leaves[i]._is_view() for i in hooked):
+                # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
+                # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
+                # an output of its own
+                old, output = output, tree_map(_unview, output)
+                replaced = _carry_layouts(tracker, old, output)
+                leaves = _leaves(output)
+            layout = self._call_layout(target, args, kwargs, output, tracker)
+            call, state = self._kept_call(target, live, args, kwargs, output, layout)
 
             n_leaves = len(leaves)
             taps = None
-            if target.entry.taps is not None and self._track:
+            if target.entry.taps is not None and self._track and _keeps_rows(layout):
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
@@ -624,6 +709,8 @@ class Hooks:
                 call = replace(call, taps=_without_nodes(taps))
 
             def on_grads(grads) -> None:
+                if self._rerunning:
+                    return  # a backward of the engine's own
                 full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
                     full[i] = g
@@ -649,7 +736,7 @@ class Hooks:
                 pending: dict[Any, Any] = {}
 
                 def on_node(i: int, grad_outputs: tuple) -> None:
-                    if "outputs" not in pending:
+                    if "outputs" not in pending or self._rerunning:
                         return  # a backward not captured
                     pending[i] = tuple(grad_outputs)
                     if len(pending) < n_nodes + 1:
@@ -674,11 +761,18 @@ class Hooks:
                 torch.autograd.graph.register_multi_grad_hook(
                     [leaves[i] for i in hooked], on_grads, mode="all"
                 )
+            return replaced
 
         return hook
 
     def _kept_call(
-        self, target: _Target, live: dict, args: tuple, kwargs: dict, output: Any
+        self,
+        target: _Target,
+        live: dict,
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+        layout: _CallLayout | None = None,
     ) -> tuple[Call, _CallState]:
         """What a captured forward call keeps until its backward, registered with the root
         forward it runs in."""
@@ -691,9 +785,18 @@ class Hooks:
             name=target.name,
         )
         frame = self._frames[-1] if self._frames else None
-        state = _CallState(live, frame)
+        kept = [t for t in _leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
+        if target.entry is not FALLBACK:
+            kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
+        versions = tuple((t, t._version) for t in kept)
+        state = _CallState(live, frame, layout=layout, versions=versions)
+        if call.output is not None:
+            state.out_versions = tuple(
+                (i, t._version) for i, t in enumerate(_leaves(call.output)) if isinstance(t, Tensor)
+            )
         if frame is not None:
             frame.states.append(state)
+            frame.signature.append((id(target), None if layout is None else layout.kind))
         return call, state
 
     def _keep_unhooked_call(self, target: _Target, args: tuple, kwargs: dict, output: Any):
@@ -703,10 +806,185 @@ class Hooks:
         if target.entry.on_forward is not None:
             target.entry.on_forward(target.module, target.name)
         live = {n: p for n, p in target.params.items() if p.requires_grad}
-        call, state = self._kept_call(target, live, args, kwargs, output)
+        layout = self._call_layout(target, args, kwargs, output, self._tracker())
+        call, state = self._kept_call(target, live, args, kwargs, output, layout)
         if self._collector is not None:
             self._collector.expect(live)
         return call, state
+
+    # -- where the examples are (the forward's Tracker) ----------------------------------------
+
+    def _call_layout(
+        self, target: _Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
+    ) -> _CallLayout | None:
+        """Where the examples are in a captured call, from the tracker's layouts of its inputs
+        (``None`` without a tracker). A call on inputs that do not depend on the examples is
+        ``"shared"``: its outputs become the tracker's sources. Raises where the rule would
+        read the examples from a dimension that does not hold them."""
+        if tracker is None:
+            return None
+        batch = tracker.batch
+        ins, outs = tree_flatten((args, kwargs))[0], tree_flatten(output)[0]
+        lin = tuple(tracker.layout(t) for t in ins)
+        lout = tuple(tracker.layout(t) for t in outs)
+        first = next((lay for lay in lin if lay is not None), None)
+        where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
+        free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
+        if first is not None and free and target.entry is not FALLBACK:
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) depends on the examples but "
+                "gradhooks lost them inside its forward (an operation it does not see, such as "
+                "a custom kernel), so it cannot tell which example each part of its gradient "
+                "belongs to. Register a rule for it, or freeze its parameters."
+            )
+        if first is None or free:
+            if not free:
+                raise RuntimeError(
+                    f"{where}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
+                    "examples, but its output does: the module reads the batch from somewhere "
+                    "else than its inputs (an attribute set by another module?), so its rule "
+                    "cannot tell which example each part of its gradient belongs to. Pass that "
+                    "tensor as an input, or register a rule for it."
+                )
+            sources = []
+            for t in outs:
+                if any(t is g for g in grads):
+                    s = Source(target.name, t.shape)
+                    tracker.add_source(t, s)
+                    sources.append(s)
+                else:
+                    sources.append(None)
+            layout = _CallLayout("shared", batch, None, lin, lout)
+            layout.sources = tuple(sources)
+            return layout
+        if first is UNKNOWN:
+            layout = _CallLayout("unknown", batch, first, lin, lout)
+            layout.lost = tuple(tracker.unknown)
+            return layout
+        frame = self._frames[-1] if self._frames else None
+        root = frame is not None and any(
+            x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
+        )
+        if first is PACKED or target.entry is FALLBACK:
+            return _CallLayout("plain", batch, first, lin, lout, root=root)
+        dim = target.entry.batch_dim_of(target.module)
+        if dim == "positions":
+            kind = "plain" if first.dim == 0 and first.plain else "moved"
+            return _CallLayout(kind, batch, first, lin, lout, root=root)
+        if first.dim != dim and self._reseed(tracker, ins, outs, dim):
+            return self._call_layout(target, args, kwargs, output, tracker)
+        if first.dim != dim:
+            layout = _CallLayout("mismatch", batch, first, lin, lout)
+            layout.lost = (
+                f"{where}: the examples are on {first.describe(batch)} of its input "
+                f"({_shapes(args, kwargs)}), but its rule reads them from dimension {dim}. Its "
+                "per-example gradients would mix examples. Give the layer its input with the "
+                f"batch on dimension {dim} (batch_first=..., x.transpose(...)), or say where the "
+                "model's batch is with add_hooks(..., batch_dim=k).",
+            )
+            return layout
+        return _CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
+
+    def _reseed(self, tracker: Tracker, ins: list, outs: list, dim: int) -> bool:
+        """``batch_dim="auto"`` takes dimension 0 of the model's first input as the batch;
+        where the first hooked call takes that very input and reads its batch from dimension
+        ``dim`` (a sequence-first layer), the batch is dimension ``dim`` instead (once, at the
+        first call of the forward)."""
+        frame = self._frames[-1] if self._frames else None
+        if self.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
+            return False
+        x = next((t for t in ins if isinstance(t, Tensor)), None)
+        if x is None or not any(x is r for r in frame.roots) or x.dim() <= dim:
+            return False
+        batch = x.shape[dim]
+        tracker.batch = batch
+        tracker.layouts.clear()
+        for t in frame.roots:
+            if t.dim() > dim and t.shape[dim] == batch:
+                tracker.set_layout(t, Layout(dim))
+        for t in outs:  # (computed under the other reading: not followed further)
+            if isinstance(t, Tensor):
+                tracker.set_layout(t, UNKNOWN)
+        frame.roots = []
+        return True
+
+    def _plain_call(self, target: _Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether a call about to run has its examples where its rule reads them (the paths
+        that run a call detached assume so); true without a tracker."""
+        tracker = self._tracker()
+        if tracker is None:
+            return True
+        first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+                      if tracker.layout(t) is not None), None)  # fmt: skip
+        if first is None or first is UNKNOWN:
+            return False
+        if first is PACKED:
+            return True
+        dim = target.entry.batch_dim_of(module)
+        want = 0 if dim == "positions" else dim
+        if first.dim != want and self._reseed(tracker, tree_flatten((args, kwargs))[0], [], want):
+            first = next(tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+                         if tracker.layout(t) is not None)  # fmt: skip
+        return first.plain and first.dim == want
+
+    def _direct_source(self, source: Source, p: nn.Parameter) -> None:
+        """The tracker saw ``p`` used outside its module's call (a parent's
+        ``F.linear(h, self.wte.weight)``, a table read as ``self.emb.weight``): its per-example
+        gradients from that use are the source's, given to ``p.grad1`` when its gradient is
+        complete (:meth:`_param_hook`)."""
+        self._direct.setdefault(id(p), weakref.WeakSet()).add(source)
+        if self._collector is not None:
+            self._collector.expect({source.name: p})
+
+    def _functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
+        """A parameter used directly in a torch function the registry has a rule for
+        (``F.linear``: a tied output layer): the function's call is captured as a hooked
+        module's would be. ``NotImplemented`` where that does not apply."""
+        spec = self.registry.function(name)
+        if spec is None:
+            return NotImplemented
+        entry, roles = spec
+        x = args[0] if args else kwargs.get("input")
+        lay = tracker.layout(x)
+        if lay is None or lay is UNKNOWN or lay is PACKED:
+            return NotImplemented
+        named = {}
+        for role, (pos, key) in roles.items():
+            t = args[pos] if len(args) > pos else kwargs.get(key)
+            if isinstance(t, Tensor) and any(t is d for d in direct):
+                named[role] = t
+        if len(named) != len(direct):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        tracker._propagate(name, args, kwargs, out)
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return out
+        key = (name, *(id(p) for p in named.values()))
+        target = self._functional_targets.get(key)
+        if target is None:
+            names = [self._params[id(p)][0] for p in named.values()]
+            owner = self._owner(names[0])
+            label = ", ".join(f"'{n}'" for n in names)
+            target = _Target(f"{label} used in {name}", owner, entry, named)
+            self._functional_targets[key] = target
+        call, state = self._kept_call(target, named, (x,), {}, out, self._call_layout(
+            target, (x,), {}, out, tracker))  # fmt: skip
+        if self._collector is not None:
+            self._collector.expect(named)
+        out.register_hook(lambda g: None if self._rerunning else self._on_grads(
+            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+        return out
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        """A backward the engine runs inside one of the model's (per-example gradients through
+        batch-free operations): the hooks it reaches are not the model's."""
+        self._rerunning += 1
+        try:
+            yield
+        finally:
+            self._rerunning -= 1
 
     def _capture_detached(
         self,
@@ -886,7 +1164,17 @@ class Hooks:
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
         try:
-            self._backward(target, state.params, call, state.frame, bw, sums)
+            _check_versions(target, state)
+            if state.out_versions:
+                call = _unchanged_outputs(call, state.out_versions)
+            layout = state.layout
+            if layout is not None and layout.kind == "shared":
+                aligned = _aligned_call(target, layout, call)
+                if aligned is not None:
+                    layout = aligned
+                else:
+                    call = _per_example_outputs(target, layout, call, create_graph)
+            self._backward(target, state.params, call, state.frame, bw, sums, layout)
         except BaseException:
             self._abort_backward()
             raise
@@ -899,10 +1187,11 @@ class Hooks:
         frame: _Frame | None = None,
         bw: _Backward | None = None,
         sums: dict[str, Tensor] | None = None,
+        layout: _CallLayout | None = None,
     ) -> None:
         rule = target.entry.rule
         try:
-            pieces = rule(call)
+            pieces = _pieces(target, params, call, layout)
         except Exception as e:
             msg = str(e)
             names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
@@ -929,7 +1218,27 @@ class Hooks:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
-        if frame is not None and self.batch_dim is not None:
+        if (
+            layout is not None
+            and batch != layout.batch
+            and self.batch_dim == "auto"
+            and (layout.root and frame is not None)
+        ):
+            # the model's first input was taken as the batch, and the layer that reads it
+            # counts its examples otherwise (bags of a flat index list): its count is checked
+            # as without the tracker
+            self._check_batch(target, first, call, batch, frame)
+        elif layout is not None:
+            if batch != layout.batch:
+                raise RuntimeError(
+                    f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): its "
+                    f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
+                    f"model's forward has {layout.batch} ({_describe(call)}). gradhooks could "
+                    f"not follow the batch to this layer (through: "
+                    f"{', '.join(layout.lost) or 'its own operations'}); say where the model's "
+                    "batch is with add_hooks(..., batch_dim=k), or register a rule."
+                )
+        elif frame is not None and self.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
         if self._grad1 and bw is not None and not bw.memory_checked:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
@@ -1072,6 +1381,7 @@ class Hooks:
                     f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
                     "Add a batch dimension (x.unsqueeze(0) for one example)."
                 )
+            self._start_tracker(frame, args, kwargs)
             return
         first = leaves[0]
         if first.dim() <= self.batch_dim:
@@ -1083,11 +1393,36 @@ class Hooks:
         frame.batch = first.shape[self.batch_dim]
         if self._grad1:
             self._refuse_large(frame.batch)  # before the forward allocates anything
+        self._start_tracker(frame, args, kwargs)
+
+    def _start_tracker(self, frame: _Frame, args: tuple, kwargs: dict) -> None:
+        """Follow the batch through this forward (:mod:`gradhooks.layout`)."""
+        if not self._track or _is_compiling():
+            return
+        found = _root_batch(args, kwargs, self.batch_dim)
+        if found is None:
+            return
+        batch, layouts = found
+        if batch == 0:
+            return  # (no example: nothing to follow)
+        tracker = Tracker(batch, self._params, self)
+        for t, lay in layouts:
+            tracker.set_layout(t, lay)
+        frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        frame.tracker = tracker
+        tracker.__enter__()
+
+    def _stop_tracker(self, frame: _Frame) -> None:
+        tracker, frame.tracker = frame.tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            tracker.finish()
 
     def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if module is not self.model or not self._frames:
             return
         frame = self._frames.pop()
+        self._stop_tracker(frame)
         if self.batch_dim == "auto" and frame.sizes:
             frame.sizes.update(
                 n for t in _leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
@@ -1113,12 +1448,55 @@ class Hooks:
         def hook(grad: Tensor) -> None:
             if self._removed or self._ignore_backward or self._rerunning:
                 return
+            if pid in self._direct and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+                self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
             if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
                 bw.missed.append(name)
 
         return hook
+
+    def _direct_uses(self, pid: int, name: str) -> None:
+        """A parameter's gradient is complete: its per-example gradients from its uses outside
+        its module's call (the tracker's sources) go into ``grad1`` as one more piece."""
+        task = _graph_task()
+        found = [
+            s for s in list(self._direct[pid]) if not s.discarded and (task in s.grads or s.problem)
+        ]
+        if not found:
+            return
+        p = self._params[pid][1]
+        target = self._direct_targets.get(pid)
+        if target is None:
+            prefix, leaf = _owner_name(name)
+            entry = _Entry(
+                rule=lambda call, leaf=leaf: {leaf: P.Direct(call.grad_outputs[0])},
+                owns_children=False, needs_output=False,
+            )  # fmt: skip
+            target = _Target(prefix, self._owner(name), entry, {leaf: p})
+            self._direct_targets[pid] = target
+        problem = next((s.problem for s in found if s.problem), None)
+        if problem is not None:
+            self._abort_backward()
+            raise RuntimeError(
+                f"'{name}' is used outside its module's call, in operations that do not depend "
+                f"on the examples until they meet the batch, and {problem}: gradhooks cannot "
+                "tell each example's share of its gradient. Use it through its module, or "
+                "freeze it."
+            )
+        per = None
+        for s in found:
+            g = s.grads.pop(task)
+            per = g if per is None else per + g
+        call = Call(target.module, (), {}, None, (per.to(p.dtype),), name=target.name)
+        state = _CallState(dict(target.params), None)
+        self._on_grads(target, state, call, (), {})
+
+    def _owner(self, name: str) -> nn.Module:
+        prefix, _ = _owner_name(name)
+        model = self.model
+        return model.get_submodule(prefix) if model is not None else None
 
     def _end_backward(self, task: int) -> None:
         waiting = self._tasks.get(task)
@@ -1558,6 +1936,309 @@ def _higher_order(module: str) -> str:
         "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, compute "
         "them without create_graph=True (or detach them)."
     )
+
+
+def _used_by_fallback(target: _Target, live: dict, used, tracker: Tracker, output) -> dict:
+    """The parameters a call of a module without a rule used in operations of its own (not
+    inside its hooked submodules' calls) that the fallback differentiates: those the tracker
+    could not follow to where they met the batch cheaply (its sources for them are then
+    dropped). A submodule's parameter it uses directly while also calling that submodule
+    cannot be told apart in the recomputation (both uses would be counted): an error."""
+    escaped = set()
+    for t in tree_flatten(output)[0]:
+        escaped |= tracker.sources_of(t)
+    kept = {}
+    for n, p in live.items():
+        if id(p) not in used.params:
+            continue
+        source = used.sources.get(id(p))
+        if source is None and id(p) in used.functional:
+            continue  # the tracker's: captured as F.linear's call
+        if source is not None and not (
+            source.needs_fallback or source.problem or source in escaped
+        ):  # fmt: skip
+            continue  # the tracker's
+        if source is not None:
+            source.discarded = True
+        kept[n] = p
+    for n in kept:
+        prefix, _, _ = n.rpartition(".")
+        if prefix and id(target.module.get_submodule(prefix)) in used.called:
+            raise RuntimeError(
+                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}) calls its "
+                f"submodule '{prefix}' and also uses its parameter '{n}' directly; its "
+                "per-example gradients cannot tell the two uses apart. Register a rule for "
+                f"{type(target.module).__qualname__} with @gradhooks.register, or use the "
+                "parameter only through the submodule."
+            )
+    return kept
+
+
+def _owner_name(name: str) -> tuple[str, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    return ", ".join(
+        str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+        for t in tree_flatten((args, kwargs))[0]
+    )
+
+
+class _Unview(torch.autograd.Function):
+    """``x``'s memory as a tensor that autograd does not take for a view (its gradient passes
+    unchanged), so that an in-place change of it keeps the hooks on it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g
+
+
+def _unview(t: Any) -> Any:
+    if isinstance(t, Tensor) and t.requires_grad and t._is_view():
+        return _Unview.apply(t)
+    return t
+
+
+def _carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
+    """The layouts (and sources) of a call's outputs, for the outputs the engine replaced them
+    with."""
+    if tracker is not None and new is not None:
+        for a, b in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
+            if isinstance(a, Tensor) and isinstance(b, Tensor):
+                tracker.set_layout(b, tracker.layout(a))
+                tracker.taint(b, tracker.sources_of(a))
+    return new
+
+
+def _keeps_rows(layout: _CallLayout | None) -> bool:
+    """Whether a call's rule sees its input as the forward ran it (what ``taps`` were taken
+    from): not where the engine moves or adds a batch dimension."""
+    return layout is None or layout.kind in ("plain", "fold", "unknown")
+
+
+def _check_versions(target: _Target, state: _CallState) -> None:
+    """The inputs a rule computes from must be those of the forward, as autograd requires of
+    the tensors it saves (the paths that run a call detached do not let autograd see them)."""
+    for t, version in state.versions:
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: an input of '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
+                f"{t._version}; expected version {version} instead. gradhooks computes the "
+                "layer's per-example gradients from its input, as autograd computes its "
+                "weight gradient: change a copy of it (x = x.clone()), or out of place."
+            )
+
+
+def _unchanged_outputs(call: Call, versions: tuple) -> Call:
+    """The kept output with every leaf changed in place since the forward (a residual added
+    into it: ``x += shortcut``) left out (``None``): it no longer is what the call gave."""
+    leaves, spec = tree_flatten(call.output)
+    changed = {i for i, v in versions if leaves[i]._version != v}
+    if not changed:
+        return call
+    kept = [None if i in changed else t for i, t in enumerate(leaves)]
+    return replace(call, output=tree_unflatten(kept, spec))
+
+
+def _tolerance(t: Tensor) -> float:
+    return {torch.float64: 1e-7, torch.float32: 1e-4}.get(t.dtype, 2e-2)
+
+
+def _aligned_call(target: _Target, layout: _CallLayout, call: Call) -> _CallLayout | None:
+    """A call that does not depend on the examples whose output every operation took row by
+    row with the batch (positions looked up already expanded to the batch, then added to it):
+    its rows are examples after all, where the tracker found them (``Source.aligned``)."""
+    found = {s.aligned for s in layout.sources if s is not None}
+    if len(found) != 1 or None in found:
+        return None
+    (lay,) = found
+    dim = target.entry.batch_dim_of(target.module)
+    leaves = tree_flatten((call.inputs, call.kwargs))[0]
+    first = next((i for i, t in enumerate(leaves) if isinstance(t, Tensor)), None)
+    if first is None or leaves[first].dim() <= lay.dim:
+        return None
+    if dim == "positions":
+        kind = "plain" if lay.dim == 0 and lay.plain else "moved"
+    elif lay.dim == dim:
+        kind = "plain" if lay.plain else "fold"
+    else:
+        return None
+    inputs = tuple(lay if i == first else None for i in range(len(leaves)))
+    outputs = tuple(lay for _ in layout.outputs)
+    return _CallLayout(kind, layout.batch, lay, inputs, outputs)
+
+
+def _per_example_outputs(
+    target: _Target, layout: _CallLayout, call: Call, create_graph: bool
+) -> Call:
+    """A call that does not depend on the examples: its output-gradients per example, from
+    where its outputs met the batch (the tracker's sources), checked against autograd's."""
+    where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+    task = _graph_task()
+    grads = []
+    for g, source in zip(call.grad_outputs, layout.sources):
+        if g is None:
+            grads.append(None)
+            continue
+        per = None if source is None else source.grads.pop(task, None)
+        problem = None if source is None else source.problem
+        shape = tuple(g.shape)
+        if create_graph:
+            problem = "a create_graph=True backward runs through it"
+        if problem is not None:
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples (its output {shape} is "
+                f"broadcast into the batch later), and {problem}, so gradhooks cannot tell each "
+                "example's share of its gradient. Compute its input per example (expand it to "
+                "the batch before the layer), or freeze its parameters."
+            )
+        if per is None:
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples, and its output {shape} "
+                "received a gradient that never met the batch (the model returns it, or a loss "
+                "term uses it alone): that gradient belongs to no example. Compute that term "
+                "from per-example outputs, or freeze the layer's parameters."
+            )
+        total = per.sum(0)
+        tol = _tolerance(g)
+        scale = max(float(g.abs().max()) if g.numel() else 0.0, 1e-30)
+        if not torch.allclose(total, g, rtol=tol, atol=tol * scale):
+            diff = float((total - g).abs().max())
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples; the per-example shares of "
+                f"its output's gradient found where it meets the batch add up to within "
+                f"{diff:.2e} of the gradient autograd gives it (largest {scale:.2e}): part of "
+                "its gradient reached it another way (a term of the loss that uses it alone?). "
+                "Its per-example gradients would be wrong: freeze its parameters, or compute "
+                "its input per example."
+            )
+        grads.append(per)
+    return replace(call, grad_outputs=tuple(grads), taps=None)
+
+
+def _pieces(
+    target: _Target, params: dict[str, nn.Parameter], call: Call, layout: _CallLayout | None
+) -> dict[str, P.Piece | None]:
+    """The rule's pieces for a call, with one row per example: the call handed to the rule
+    with its examples where the rule reads them (moved, added), or the rule's rows of one
+    example summed (folded), or the rule run one example at a time (a call that does not
+    depend on the examples, of a layer that reads its batch from a fixed dimension)."""
+    rule = target.entry.rule
+    if target.entry is FALLBACK:
+        if layout is None:
+            return rule(call)
+        batch = CallBatch(
+            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
+        )
+        return rule(replace(call, batch=batch))
+    if layout is None or layout.kind in ("plain", "unknown"):
+        return rule(call)
+    if layout.kind == "mismatch":
+        rule(call)  # (its own error, where it has one, says more: an unbatched input)
+        raise RuntimeError(layout.lost[0])
+    if target.entry.batch_dim_of(target.module) == "positions":
+        return rule(_positions_call(call, layout))
+    if layout.kind == "fold":
+        first = layout.first
+        pieces = dict(rule(call))
+        rows = next((pc.batch_size for pc in pieces.values() if pc is not None), None)
+        if rows != first.size(layout.batch):
+            return pieces  # the rule's rows are not its input's (bags): checked by the caller
+        for n, piece in pieces.items():
+            if piece is not None and n in params:
+                pieces[n] = P.merge(piece, params[n].shape, first.outer, layout.batch, first.inner)
+        return pieces
+    return _one_by_one(rule, call, params, layout.batch)
+
+
+def _positions_call(call: Call, layout: _CallLayout) -> Call:
+    """A position-wise layer's call with its examples on a new dimension 0: moved there
+    (with any fold) from where they are, or, for a call that does not depend on them, its
+    inputs repeated for every example (a view) beside the per-example output-gradients."""
+    batch = layout.batch
+    if layout.kind == "shared":
+
+        def grow(t):
+            return t.unsqueeze(0).expand(batch, *t.shape) if isinstance(t, Tensor) else t
+
+        return replace(
+            call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
+            taps=None,
+        )  # fmt: skip
+    leaves, spec = tree_flatten((call.inputs, call.kwargs))
+    moved = [
+        batch_rows(t, lay, batch) if isinstance(t, Tensor) and _followed(lay) else t
+        for t, lay in zip(leaves, layout.inputs)
+    ]
+    inputs, kwargs = tree_unflatten(moved, spec)
+    grads = []
+    for i, g in enumerate(call.grad_outputs):
+        lay = layout.outputs[i] if i < len(layout.outputs) else None
+        grads.append(None if g is None else batch_rows(g, lay if _followed(lay) else layout.first,
+                                                       batch))  # fmt: skip
+    return replace(call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None)
+
+
+def _followed(lay: Layout | None) -> bool:
+    return lay is not None and lay.dim >= 0
+
+
+def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece | None]:
+    """A call that does not depend on the examples, of a layer that reads its batch from a
+    fixed dimension: the rule once per example, with that example's output-gradients; every
+    row the rule gives belongs to that example."""
+    per: dict[str, list] = {n: [] for n in params}
+    for b in range(batch):
+        one = replace(
+            call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
+        )
+        pieces = rule(one)
+        for n, p in params.items():
+            piece = pieces.get(n)
+            per[n].append(None if piece is None else piece.grad1(p.shape).sum(0))
+    out: dict[str, P.Piece | None] = {}
+    for n, rows in per.items():
+        if all(r is None for r in rows):
+            out[n] = None
+        else:
+            like = next(r for r in rows if r is not None)
+            out[n] = P.Direct(
+                torch.stack([torch.zeros_like(like) if r is None else r for r in rows])
+            )
+    return out
+
+
+def _root_batch(
+    args: tuple, kwargs: dict, batch_dim
+) -> tuple[int, list[tuple[Tensor, Layout]]] | None:
+    """The model's batch size and the layouts of its tensor inputs: dimension ``batch_dim``
+    (0 for ``"auto"``) of its first tensor input is the batch, and every tensor input whose
+    dimension ``batch_dim`` has that size holds the examples there; a ``PackedSequence``'s
+    batch is its first batch size."""
+    dim = 0 if batch_dim == "auto" else batch_dim
+    packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if packed:
+        batch = int(packed[0].batch_sizes[0])
+        found = [(ps.data, PACKED) for ps in packed]
+        skip = {id(t) for ps in packed for t in ps if isinstance(t, Tensor)}
+        leaves = [t for t in leaves if id(t) not in skip]
+    else:
+        first = next((t for t in leaves if t.dim() > dim), None)
+        if first is None:
+            return None
+        batch = first.shape[dim]
+        found = []
+    found += [(t, Layout(dim)) for t in leaves if t.dim() > dim and t.shape[dim] == batch]
+    return batch, found
 
 
 def _describe(call: Call) -> str:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .layout import Layout, batch_rows
 from .pieces import Direct, Piece
 from .registry import Call, _Entry
 
@@ -61,9 +62,10 @@ _MAX_RETRIES = 4
 
 
 def fallback_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters the fallback may give pieces for: the module's own (``recurse=False``),
-    then those of its submodules (for a submodule it uses without calling it)."""
-    own = dict(module.named_parameters(recurse=False))
+    """The parameters the fallback may give pieces for: the module's own (``recurse=False``;
+    every slot, also one parameter held in two), then those of its submodules (for a
+    submodule it uses without calling it)."""
+    own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
     ids = {id(p) for p in own.values()}
     nested = {n: p for n, p in module.named_parameters() if id(p) not in ids}
     return {**own, **nested}
@@ -79,8 +81,20 @@ def fallback(call: Call) -> dict[str, Piece | None]:
     from .engine import _HOOKED_MODULES  # the engine imports this module
 
     module = call.module
-    own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    own = {
+        n: p
+        for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
+        if p.requires_grad
+    }
     nested = {n: p for n, p in fallback_params(module).items() if n not in own and p.requires_grad}
+    if _followed(call):
+        # The forward was followed (gradhooks.layout): which tensors hold the examples, and
+        # where, is known, and so is which parameters the call used in operations of its own
+        # (call.batch.params); only those are differentiated.
+        wrt = {n: p for n, p in {**own, **nested}.items() if n in call.batch.params}
+        pieces: dict[str, Piece | None] = {n: None for n in {**own, **nested}}
+        pieces.update({n: Direct(g) for n, g in _by_layout(call, wrt).items()})
+        return pieces
     hooks = _HOOKED_MODULES.get(module)
     if hooks is None:  # not hooked by the engine: no way to tell which submodules are hooked
         nested = {}
@@ -114,6 +128,154 @@ def fallback(call: Call) -> dict[str, Piece | None]:
     pieces: dict[str, Piece | None] = {n: None for n in nested}
     pieces.update({n: Direct(g) for n, g in grads.items()})
     return pieces
+
+
+def _followed(call: Call) -> bool:
+    """Whether the engine followed the batch into this call (its ``batch``), through every
+    tensor the recomputation splits or compares."""
+    info = call.batch
+    if info is None:
+        return False
+    lays = [*info.inputs, *(info.outputs if not info.shared else ())]
+    return all(lay is None or lay.dim >= 0 for lay in lays)
+
+
+def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
+    """``{name: [batch, *shape]}`` for the parameters in ``wrt``, from a call whose tensors'
+    layouts are known (``call.batch``): example ``b``'s recomputation gets its own part of every
+    tensor input that holds the examples (where they are: the layout's dimension, keeping its
+    windows or heads) and the rest as they are; ``b``'s part of each output-gradient is its
+    cotangent. A call that does not depend on the examples (``shared``) is recomputed once per
+    example on the same inputs, against that example's share of the output-gradients.
+
+    An input that does not depend on the examples but was expanded to the batch (a class token,
+    ``cls.expand(batch, -1, -1)``) is passed whole at first; where the recomputation then fails
+    or does not reproduce the output, it is tried again split on dimension 0 like the batch
+    (the output check decides)."""
+    info = call.batch
+    leaves = tree_flatten((tuple(call.inputs), dict(call.kwargs)))[0]
+    split = [
+        not info.shared and isinstance(t, Tensor) and lay is not None
+        for t, lay in zip(leaves, info.inputs)
+    ]
+    aligned = [
+        sp or (not info.shared and isinstance(t, Tensor) and t.dim() > 0
+               and t.shape[0] == info.size)
+        for t, sp in zip(leaves, split)
+    ]  # fmt: skip
+    try:
+        return _by_layout_split(call, wrt, split)
+    except Exception:
+        if aligned == split:
+            raise
+        return _by_layout_split(call, wrt, aligned)
+
+
+def _by_layout_split(call: Call, wrt: Mapping[str, nn.Parameter], split: list[bool]):
+    module, name = call.module, f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
+    info = call.batch
+    batch = info.size
+    out_idx = [i for i, g in enumerate(call.grad_outputs) if g is not None]
+    gs = [call.grad_outputs[i] for i in out_idx]
+    if not gs or not wrt:
+        return {}
+    if batch == 0:
+        return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}
+    create_graph = torch.is_grad_enabled()
+    own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
+    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed.update({n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)})
+    primals = {n: own(p) for n, p in wrt.items()}
+    leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
+    xs = [
+        batch_rows(t, Layout(0) if lay is None else lay, batch)
+        for t, lay, sp in zip(leaves, info.inputs, split)
+        if sp
+    ]
+    outs_lay = [info.outputs[i] if i < len(info.outputs) else None for i in out_idx]
+    if not info.shared and any(lay is None for lay in outs_lay):
+        raise ValueError(
+            f"fallback for {name}: an output that receives a gradient does not depend on the "
+            f"examples while its inputs do ({_describe(call)}); register a rule for this module "
+            "with @gradhooks.register (see the README), or freeze its parameters."
+        )
+    cots = gs if info.shared else [batch_rows(g, lay, batch) for g, lay in zip(gs, outs_lay)]
+
+    def args_of(parts) -> tuple:
+        it = iter(parts)
+        return tree_unflatten([next(it) if sp else t for t, sp in zip(leaves, split)], spec)
+
+    def one(xs_b, cots_b):
+        args, kwargs = args_of(xs_b)
+
+        def f(params):
+            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            out = tree_flatten(out)[0]
+            return tuple(out[i] for i in out_idx)
+
+        outs, pullback = vjp(f, primals)
+        for o, c in zip(outs, cots_b):
+            if o.shape != c.shape:
+                raise ValueError(
+                    f"fallback for {name}: one example's output has shape {tuple(o.shape)}, "
+                    f"its part of the output-gradient {tuple(c.shape)} ({_describe(call)}); "
+                    "register a rule for this module with @gradhooks.register."
+                )
+        (grads,) = pullback(tuple(cots_b))
+        return grads, outs
+
+    called: set[int] = set()
+    try:
+        with torch.set_grad_enabled(create_graph), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            grads = outs = None
+            if module not in _LOOP:
+                try:
+                    grads, outs = vmap(one, randomness="error")(xs, cots)
+                except RuntimeError as e:
+                    if "random operation" in str(e):
+                        raise
+            if grads is None:
+                from .engine import paused
+
+                rows = []
+                for b in range(batch):
+                    with torch.enable_grad(), paused():
+                        rows.append(one([x[b] for x in xs], [c[b] for c in cots]))
+                grads = {n: torch.stack([r[0][n] for r in rows]) for n in primals}
+                outs = tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_idx)))
+                if not create_graph:
+                    grads = {n: g.detach() for n, g in grads.items()}
+                _LOOP[module] = True
+    except Exception as e:
+        if str(e).startswith("fallback for"):
+            raise
+        if isinstance(e, RuntimeError) and "random operation" in str(e):
+            raise RuntimeError(
+                f"fallback for {name}: its forward draws random numbers (dropout in training "
+                "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
+                "or set the dropout to 0 for the backward you capture, or register a rule for "
+                "this module with @gradhooks.register."
+            ) from e
+        raise RuntimeError(
+            f"fallback for {name} could not recompute the module one example at a time "
+            f"({_describe(call)}; batch {batch}): {e}\nIf the module mixes the examples of a "
+            "batch (BatchNorm in training mode), it has no per-example gradients; otherwise "
+            "register a rule for it with @gradhooks.register (see the README), or freeze its "
+            "parameters."
+        ) from e
+    del called
+    if call.output is not None:
+        captured = tree_flatten(call.output)[0]
+        for j, i in enumerate(out_idx):
+            want = captured[i]
+            if want is None:
+                continue
+            want = want.expand(batch, *want.shape) if info.shared else batch_rows(
+                want, info.outputs[i], batch
+            )  # fmt: skip
+            _compare(name, call, i, outs[j], want, batch)
+    return grads
 
 
 def _describe(call: Call) -> str:
@@ -179,8 +341,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     create_graph = torch.is_grad_enabled()
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
     xs = [t for t, b in zip(leaves, batched) if b]
-    fixed = {n: own(p) for n, p in module.named_parameters() if n not in wrt}
-    fixed.update({n: b.detach() for n, b in module.named_buffers()})
+    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed.update({n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)})
     primals = {n: own(p) for n, p in wrt.items()}
     called: set[int] = set()
 
@@ -194,7 +356,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
         )
 
         def f(params):
-            out = tree_flatten(functional_call(module, {**fixed, **params}, args, kwargs))[0]
+            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            out = tree_flatten(out)[0]
             return tuple(out[i] for i in out_idx)
 
         outs, pullback = vjp(f, primals)
@@ -270,7 +433,8 @@ def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, crea
             for n, p in primals.items()
         }
         with torch.enable_grad(), paused():
-            out = tree_flatten(functional_call(module, {**fixed, **params}, args, kwargs))[0]
+            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            out = tree_flatten(out)[0]
             out = [out[i] for i in out_idx]
             for o, g in zip(out, gs):
                 if o.shape != (1, *g.shape[1:]):
@@ -301,23 +465,29 @@ def _check_output(call: Call, name: str, out_idx: list[int], outs, batch: int) -
         return  # registered by hand without needs_output=True: nothing to compare with
     captured = tree_flatten(call.output)[0]
     for i, got in zip(out_idx, outs):
-        want = captured[i]
-        if not want.numel():
-            continue
-        eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
-        finite = want[torch.isfinite(want)]
-        tol = min(1e3 * eps, 5e-2) * (1.0 + (finite.abs().max().item() if finite.numel() else 0))
-        if not torch.isclose(got, want, rtol=0.0, atol=tol, equal_nan=True).all():
-            diff = (got - want).abs().nan_to_num(nan=float("inf")).max().item()
-            raise RuntimeError(
-                f"fallback for {name}: recomputing the module one example at a time does not "
-                f"reproduce its output {i} (max difference {diff:.3e}; {_describe(call)}). "
-                "The module mixes the examples of a batch (BatchNorm in training mode), changes "
-                "its state in its forward, or takes a tensor whose dimension 0 happens to equal "
-                f"the batch size {batch} but is not a batch. Per-example gradients from its call "
-                "would be wrong: register a rule with @gradhooks.register, or freeze its "
-                "parameters."
-            )
+        if captured[i] is not None:
+            _compare(name, call, i, got, captured[i], batch)
+
+
+def _compare(name: str, call: Call, i: int, got: Tensor, want: Tensor, batch: int) -> None:
+    """Output ``i`` as recomputed per example (``got``, examples on dimension 0) against the
+    forward's (``want``, the same layout)."""
+    if not want.numel():
+        return
+    eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
+    finite = want[torch.isfinite(want)]
+    tol = min(1e3 * eps, 5e-2) * (1.0 + (finite.abs().max().item() if finite.numel() else 0))
+    if not torch.isclose(got, want, rtol=0.0, atol=tol, equal_nan=True).all():
+        diff = (got - want).abs().nan_to_num(nan=float("inf")).max().item()
+        raise RuntimeError(
+            f"fallback for {name}: recomputing the module one example at a time does not "
+            f"reproduce its output {i} (max difference {diff:.3e}; {_describe(call)}). "
+            "The module mixes the examples of a batch (BatchNorm in training mode), changes "
+            "its state in its forward, or takes a tensor whose dimension 0 happens to equal "
+            f"the batch size {batch} but is not a batch. Per-example gradients from its call "
+            "would be wrong: register a rule with @gradhooks.register, or freeze its "
+            "parameters."
+        )
 
 
 #: The fallback as a registry entry: the engine hooks every module with trainable parameters

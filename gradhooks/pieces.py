@@ -369,6 +369,31 @@ def _record_rows(out: Tensor, rows: Tensor | None) -> None:
 # results are *unscaled* (``scale = 1``): the caller multiplies by the engine's scale.
 
 
+def merge(piece: Piece, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
+    """A piece whose rows are ``outer · batch · inner`` parts of examples (a layer that saw the
+    batch folded with windows, heads or time: row ``(a · batch + b) · inner + c`` is part of
+    example ``b``) as one with ``batch`` rows, each the sum of its example's parts: for an
+    :class:`Outer`, the parts become shared positions; a :class:`Rows` renumbers its entries;
+    anything else is formed per part and summed."""
+    if outer == 1 and inner == 1:
+        return piece
+    if type(piece) is Outer:
+
+        def fold(t: Tensor) -> Tensor:  # [o*B*i, *groups, S, f] -> [B, *groups, o*i*S, f]
+            t = t.unflatten(0, (outer, batch, inner)).movedim(1, 0)  # [B, o, i, *groups, S, f]
+            groups = t.dim() - 5
+            t = t.permute(0, *range(3, 3 + groups), 1, 2, t.dim() - 2, t.dim() - 1)
+            return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
+
+        return Outer(None if piece.a is None else fold(piece.a), fold(piece.g))
+    if isinstance(piece, Rows):
+        example = torch.div(piece.example, inner, rounding_mode="floor") % batch
+        positions = piece.positions * inner if piece.positions is not None and outer == 1 else None
+        return Rows(example, piece.index, piece.g, batch, piece.num_rows, positions)
+    g1 = piece.grad1(param_shape)
+    return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
+
+
 def select(piece: Piece, rows: slice) -> Piece:
     """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
     if isinstance(piece, Outer | Direct | Rows):

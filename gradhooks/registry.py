@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .pieces import Piece
 
-__all__ = ["Call", "Registry", "Rule", "REGISTRY", "register"]
+__all__ = ["Call", "CallBatch", "Registry", "Rule", "REGISTRY", "register", "batch_first"]
 
 
 @dataclass
@@ -59,6 +59,10 @@ class Call:
     kwargs))``, ``None`` where there is none. Left empty, autograd computes them.
     ``recorded``: for a call run with grad mode off whose rule's entry has ``record``, what
     the recording gave at its forward; else ``None``.
+    ``batch``: where the examples are in this call's tensors, as the engine followed them
+    through the forward (a :class:`CallBatch`), or ``None`` where it did not. Rules whose
+    layer reads its batch from a fixed dimension need not look: the engine hands them calls
+    in that form. The ``torch.func`` fallback reads it.
     """
 
     module: nn.Module
@@ -71,6 +75,7 @@ class Call:
     tap_grads: tuple[tuple[Tensor | None, ...], ...] = ()
     input_grads: list[Tensor | None] | None = None
     recorded: Any = None
+    batch: CallBatch | None = None
 
     @property
     def grad_output(self) -> Tensor:
@@ -81,7 +86,30 @@ class Call:
         return g
 
 
+@dataclass(frozen=True)
+class CallBatch:
+    """Where the examples are in one call's tensors.
+
+    ``size``: the number of examples. ``inputs``: per leaf of ``tree_flatten((inputs,
+    kwargs))``, its :class:`~gradhooks.layout.Layout` (``None``: the same for every example).
+    ``outputs``: likewise per leaf of the output. ``shared``: the call does not depend on the
+    examples (a position embedding looked up with ``arange``): its output is broadcast into the
+    batch downstream, and ``grad_outputs`` hold each example's share, ``[size, *output.shape]``.
+    ``params``: the names of the module's parameters (its own, or a submodule's it did not
+    call) that operations of the call's own used.
+    """
+
+    size: int
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    shared: bool = False
+    params: frozenset[str] = frozenset()
+
+
 Rule = Callable[[Call], Mapping[str, Piece]]
+# torch function name -> (module type whose rule captures it, its parameters' arguments)
+_FUNCTIONS: dict[str, tuple[type, dict[str, tuple[int, str]]]] = {}
+BatchDim = int | Callable[[nn.Module], int] | str
 
 
 @dataclass
@@ -94,6 +122,12 @@ class _Entry:
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
     input_grads: bool = False
     record: Callable[[nn.Module], AbstractContextManager] | None = None
+    batch_dim: BatchDim = 0
+
+    def batch_dim_of(self, module: nn.Module) -> int | str:
+        """The dimension of the call's first input the rule reads the batch from, or
+        ``"positions"``."""
+        return self.batch_dim(module) if callable(self.batch_dim) else self.batch_dim
 
 
 @dataclass
@@ -126,6 +160,14 @@ class Registry:
     the forward of each call run with grad mode off (a ``TorchFunctionMode`` can keep what
     the forward computes on the way); what its ``__enter__`` returned reaches the rule as
     ``call.recorded``. ``nn.LSTM`` keeps its lower layers' outputs this way.
+    ``batch_dim``: where the layer reads its examples: the dimension of its first input (``0``,
+    the default; a function of the module for a layer with ``batch_first``), or
+    ``"positions"``: the layer maps every position of its input alike, so every dimension but
+    its feature dimensions is a position and the engine may put the batch on dimension 0
+    itself (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``). Where the examples are
+    elsewhere in a call (folded into dimension 0 with windows or heads, on another dimension, or
+    nowhere: a call on positions alone), the engine then moves them to dimension 0 or adds it;
+    for other layers it sums the pieces of rows that belong to one example, or refuses.
     ``taps``: ``taps(module, args, kwargs, output)``, asked after a captured forward call: an
     object with ``nodes``, autograd nodes inside the call (found from ``output.grad_fn``)
     whose output-gradients the rule needs, or ``None``. The rule then runs when the backward
@@ -149,8 +191,15 @@ class Registry:
         taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
         input_grads: bool = False,
         record: Callable[[nn.Module], AbstractContextManager] | None = None,
+        batch_dim: BatchDim = 0,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
+        if not (callable(batch_dim) or batch_dim == "positions" or
+                (isinstance(batch_dim, int) and batch_dim >= 0)):  # fmt: skip
+            raise TypeError(
+                f"register(batch_dim=...) takes an int >= 0, a function of the module or "
+                f"'positions', got {batch_dim!r}"
+            )
         if not types:
             raise TypeError("register() needs at least one module type")
         if record is not None and not input_grads:
@@ -172,7 +221,7 @@ class Registry:
             for t in types:
                 self._rules[t] = _Entry(
                     rule, owns_children, needs_output, on_forward, grad_from_grad1, taps,
-                    input_grads, record,
+                    input_grads, record, batch_dim,
                 )  # fmt: skip
             return rule
 
@@ -180,6 +229,23 @@ class Registry:
 
     def unregister(self, t: type[nn.Module]) -> None:
         del self._rules[t]
+
+    def register_function(
+        self, name: str, module_type: type[nn.Module], params: dict[str, tuple[int, str]]
+    ) -> None:
+        """Capture the torch function ``name`` with ``module_type``'s rule where a parameter is
+        passed to it outside its module's call (``F.linear(h, self.wte.weight)``, a tied output
+        layer): ``params`` maps the rule's parameter names to the function's arguments,
+        ``(position, keyword)``. Its first argument is the call's input. The map is shared by
+        every registry; each uses its own rule for ``module_type``."""
+        _FUNCTIONS[name] = (module_type, dict(params))
+
+    def function(self, name: str) -> tuple[_Entry, dict[str, tuple[int, str]]] | None:
+        """The entry and argument map for the torch function ``name``, or ``None``."""
+        spec = _FUNCTIONS.get(name)
+        if spec is None or spec[0] not in self._rules:
+            return None
+        return self._rules[spec[0]], spec[1]
 
     def lookup(self, module: nn.Module) -> _Entry | None:
         """The entry for this module, or ``None`` when no rule covers it."""
@@ -207,6 +273,12 @@ class Registry:
 REGISTRY = Registry()
 
 
+def batch_first(module: nn.Module) -> int:
+    """The ``batch_dim`` of a layer with a ``batch_first`` flag (``nn.LSTM``,
+    ``nn.MultiheadAttention``): 0 where it is set, else 1."""
+    return 0 if module.batch_first else 1
+
+
 def register(
     *types: type[nn.Module],
     overwrite: bool = False,
@@ -217,6 +289,7 @@ def register(
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     input_grads: bool = False,
     record: Callable[[nn.Module], AbstractContextManager] | None = None,
+    batch_dim: BatchDim = 0,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
@@ -229,4 +302,5 @@ def register(
         taps=taps,
         input_grads=input_grads,
         record=record,
+        batch_dim=batch_dim,
     )

@@ -223,11 +223,15 @@ class Transposed(nn.Module):
         return x.transpose(0, 1) * self.scale
 
 
-def test_batch_not_on_dim_0_is_a_clear_error():
-    model = Transposed(4)
-    with gradhooks.add_hooks(model):
-        with pytest.raises(ValueError, match=r"'<model>' \(Transposed\).*batch.*\(3, 2, 4\)"):
-            model(torch.randn(2, 3, 4)).sum().backward()
+def test_batch_not_on_dim_0_is_followed():
+    """The module's output holds the batch on dimension 1: the fallback splits it there."""
+    torch.manual_seed(0)
+    model = Transposed(4).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    want = vmap_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    torch.testing.assert_close(model.scale.grad1, want["scale"])
 
 
 def test_mixing_examples_is_a_clear_error():
@@ -242,13 +246,39 @@ class Dropped(Scale):
         return F.dropout(super().forward(x), 0.5, self.training)
 
 
+class DroppedProduct(nn.Module):
+    """A custom layer whose weight meets the batch in a matrix product (the fallback's), then
+    dropout."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        return F.dropout(x @ self.w, 0.5, self.training)
+
+
 def test_randomness_is_a_clear_error():
-    model = Dropped(4)
+    model = DroppedProduct(4)
     with gradhooks.add_hooks(model):
-        with pytest.raises(RuntimeError, match=r"'<model>' \(Dropped\).*random"):
+        with pytest.raises(RuntimeError, match=r"'<model>' \(DroppedProduct\).*random"):
             model(torch.randn(5, 4)).sum().backward()
     model.eval()
-    check(Case("dropout_eval", lambda: Dropped(4).eval(), lambda b: torch.randn(b, 4)), batch=3)
+    check(Case("dropout_eval", lambda: DroppedProduct(4).eval(), lambda b: torch.randn(b, 4)), batch=3)
+
+
+def test_dropout_after_an_elementwise_weight_keeps_the_forwards_mask():
+    """``dropout(tanh(x) * scale)`` in training: the scale's uses are followed (no
+    recomputation), so each example's gradient is that of the mask the forward drew."""
+    torch.manual_seed(0)
+    model = Dropped(4).double()
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out = model(x)
+        out.pow(2).sum().backward()
+    kept = (out != 0).double() * 2.0  # the mask over 1 - p
+    want = (2 * out * kept * torch.tanh(x)).sum(1)  # d/dscale of each example's Σ out²
+    torch.testing.assert_close(model.scale.grad1, want)
 
 
 @pytest.mark.parametrize("case", [CASES[3], CASES[8]], ids=repr)

@@ -41,7 +41,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..pieces import Direct, Outer, Piece
-from ..registry import Call, register
+from ..registry import Call, batch_first, register
 from . import linear
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -262,6 +262,7 @@ def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
     owns_children=True,
     taps=projection_taps,
     grad_from_grad1=self_attention_positions,
+    batch_dim=batch_first,
 )
 def multihead_attention(call: Call) -> dict[str, Piece]:
     m: nn.MultiheadAttention = call.module

@@ -19,7 +19,7 @@ from ..pieces import Direct, Rows
 from ..registry import Call, register
 
 
-@register(nn.Embedding)
+@register(nn.Embedding, batch_dim="positions")
 def embedding(call: Call) -> dict[str, Rows]:
     """``input``: ``[batch, *]`` indices, ``g``: ``[batch, *, dim]``; per example,
     ``grad1[b, n] = Σ_{positions p with input[b, p] = n} g[b, p]``.

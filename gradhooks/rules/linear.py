@@ -6,7 +6,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..pieces import Outer
-from ..registry import Call, register
+from ..registry import REGISTRY, Call, register
 
 # Summing grad1 over the batch reads batch x parameters floats; autograd's batch gradient costs
 # 2 x batch x positions x parameters flops. Measured on a 2-core CPU, the sum wins from a few
@@ -32,10 +32,13 @@ def _positions(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
-@register(nn.Linear, grad_from_grad1=many_positions)
+@register(nn.Linear, grad_from_grad1=many_positions, batch_dim="positions")
 def linear(call: Call) -> dict[str, Outer]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis."""
     (x,) = call.inputs
     g = _positions(call.grad_output)
     return {"weight": Outer(_positions(x), g), "bias": Outer(None, g)}
+
+
+REGISTRY.register_function("linear", nn.Linear, {"weight": (1, "weight"), "bias": (2, "bias")})

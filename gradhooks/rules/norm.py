@@ -110,7 +110,7 @@ def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
     return (x - stats.mean).mul_(stats.rstd)
 
 
-@register(nn.LayerNorm, taps=saved_statistics)
+@register(nn.LayerNorm, taps=saved_statistics, batch_dim="positions")
 def layer_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, *, *normalized_shape]``; weight, bias: ``[*normalized_shape]``."""
     m: nn.LayerNorm = call.module
@@ -125,7 +125,7 @@ def layer_norm(call: Call) -> dict[str, Direct]:
     return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
 
 
-@register(nn.RMSNorm)
+@register(nn.RMSNorm, batch_dim="positions")
 def rms_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, *, *normalized_shape]``; weight: ``[*normalized_shape]``. ``eps=None``
     is the input dtype's machine epsilon, as in torch."""

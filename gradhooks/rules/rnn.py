@@ -63,8 +63,9 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..layout import note
 from ..pieces import Direct, Outer
-from ..registry import Call, register
+from ..registry import Call, batch_first, register
 
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
@@ -586,10 +587,12 @@ class _LayerOutputs(TorchFunctionMode):
             if isinstance(hx, (tuple, list)) and not (train and dropout > 0 and layers > 1):
                 workspace = _mkldnn_applies(x, params, has_biases, layers, dirs)
                 if layers > 1 or workspace:
-                    return self._by_layer(
+                    out = self._by_layer(
                         x, hx, params, has_biases, layers, train, bidirectional, batch_first,
                         workspace,
                     )  # fmt: skip
+                    note(func, args, kwargs, out)  # (the batch's layout, as torch's call gives it)
+                    return out
         return func(*args, **kwargs)
 
     def _by_layer(
@@ -867,7 +870,7 @@ def _error(call: Call, what: str, todo: str) -> ValueError:
     return ValueError(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
-@register(nn.RNN, nn.GRU)
+@register(nn.RNN, nn.GRU, batch_dim=batch_first)
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
     x, hx = call.inputs[0], _initial_state(call)
@@ -956,5 +959,5 @@ def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
 # needs_output: the last layer's states are not recomputed
 register(
     nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True,
-    record=_record_layers,
+    record=_record_layers, batch_dim=batch_first,
 )(rnn)  # fmt: skip

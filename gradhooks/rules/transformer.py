@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..engine import _detach, paused
 from ..fallback import FALLBACK
 from ..pieces import Direct, Piece
-from ..registry import REGISTRY, Call, register
+from ..registry import REGISTRY, Call, batch_first, register
 
 
 def _batch_first(tree):
@@ -33,7 +33,10 @@ def _batch_first(tree):
     )
 
 
-@register(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True)
+@register(
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True,
+    batch_dim=lambda layer: batch_first(layer.self_attn),
+)  # fmt: skip
 def transformer_layer(call: Call) -> dict[str, Piece]:
     layer = call.module
     where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"

@@ -1,0 +1,1547 @@
+"""Where the examples are: the batch followed through a forward, one torch function at a time.
+
+A rule reads the batch from one dimension of its layer's input. In the models people train that
+is not always so: a learned position embedding is looked up with ``arange(T)`` and broadcast into
+the batch afterwards; Swin folds the windows of every image into dimension 0 (``[B * windows,
+...]``); a sequence-first model keeps the batch on dimension 1. Sizes cannot tell these apart (a
+sequence as long as the batch is large looks like a batch), so the engine follows the batch
+itself: while a hooked model's forward runs, a :class:`Tracker` (a ``TorchFunctionMode``) sees
+every torch function call and records, for each tensor that depends on the examples, a
+:class:`Layout`: the dimension that holds them and how they are laid out in it. Tensors that do
+not depend on the examples (parameters, buffers, positions from ``arange``, masks) carry none.
+
+A layout ``Layout(dim, outer, inner)`` says that dimension ``dim`` has ``outer · batch · inner``
+entries and that entry ``(a · batch + b) · inner + c`` belongs to example ``b``: ``[B, T, C]`` is
+``Layout(0)``, Swin's windows ``[B * W, N, C]`` are ``Layout(0, inner=W)``, a sequence-first
+``[T, B, C]`` is ``Layout(1)``. :data:`UNKNOWN` marks a tensor that depends on the examples
+through an operation whose effect on the layout is not known here.
+
+Batch-free inputs that meet the batch. A hooked call (or a parameter used outside its module's
+call) whose inputs carry no layout is *batch-free*: its output is the same for every example and
+is broadcast into the batch later (the position embedding). Its per-example gradient is defined,
+but autograd sums it over the batch where the broadcast happens, so the output's gradient the
+hooks see is already summed. The tracker therefore marks such outputs as *sources* and, where a
+tensor derived from them meets a tensor with a layout (the *meeting* operation), recovers each
+example's share of the gradient:
+
+- an elementwise operation that broadcasts the batch-free operand along the batch (``x + pos``,
+  ``scores + bias``) runs with that operand expanded along the batch dimension; the gradient of the
+  expanded operand is then per example, at no extra cost;
+- any other operation (``torch.bmm`` of a repeated table, ``torch.cat``) is differentiated again at
+  the backward, one example's part of the output-gradient at a time (batched with
+  ``is_grads_batched``).
+
+The per-example gradient of the meeting operand is taken back to the sources through the
+batch-free operations between them (``torch.autograd.grad`` with ``is_grads_batched``). A source's
+per-example output-gradients, summed over the examples, must equal the gradient autograd gives
+its output; where they do not (a gradient reached it without passing the batch), the engine
+raises rather than give a wrong number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Layout", "UNKNOWN", "PACKED", "Tracker", "Source", "note"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Dimension ``dim`` holds ``outer · batch · inner`` entries; entry ``(a · batch + b) · inner
+    + c`` belongs to example ``b``."""
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+    def size(self, batch: int) -> int:
+        return self.outer * batch * self.inner
+
+    @property
+    def plain(self) -> bool:
+        return self.outer == 1 and self.inner == 1
+
+    def at(self, dim: int) -> Layout:
+        return Layout(dim, self.outer, self.inner)
+
+    def describe(self, batch: int) -> str:
+        if self is PACKED:
+            return "packed (a PackedSequence)"
+        if self is UNKNOWN or self.dim < 0:
+            return "unknown"
+        if self.plain:
+            return f"dimension {self.dim}"
+        parts = [str(self.outer)] if self.outer > 1 else []
+        parts.append(f"batch {batch}")
+        if self.inner > 1:
+            parts.append(str(self.inner))
+        return f"dimension {self.dim} as {' x '.join(parts)}"
+
+
+UNKNOWN = Layout(-1)
+# a PackedSequence's data: the examples' time steps packed along dimension 0 (the RNN rules read
+# them from its batch sizes)
+PACKED = Layout(-2)
+
+
+def batch_rows(t: Tensor, layout: Layout, batch: int) -> Tensor:
+    """``t`` with its examples on a new leading dimension: ``[batch, ...]``, the layout's
+    dimension keeping ``outer · inner`` entries (``outer`` before ``inner``)."""
+    d = layout.dim
+    t = t.unflatten(d, (layout.outer, batch, layout.inner)).movedim(d + 1, 0)
+    return t.flatten(d + 1, d + 2)
+
+
+def example_mask(shape: Sequence[int], layout: Layout, batch: int, device) -> Tensor:
+    """``[batch, *shape]`` of 0/1 (bool): entry ``[b, ...]`` is 1 where that entry of a tensor
+    of ``shape`` with ``layout`` belongs to example ``b``."""
+    d = layout.dim
+    index = torch.arange(layout.size(batch), device=device)
+    owner = (index // layout.inner) % batch  # [size]
+    mask = owner[None, :] == torch.arange(batch, device=device)[:, None]  # [batch, size]
+    view = [batch] + [1] * len(shape)
+    view[d + 1] = layout.size(batch)
+    return mask.reshape(view).expand(batch, *shape)
+
+
+# -- how operations move the batch -----------------------------------------------------------------
+
+# A handler gets (args, kwargs, out, layout_of) and returns the layout of the operation's tensor
+# outputs: one Layout for all of them, a list (one per tensor output, in order), or UNKNOWN.
+Handler = Callable[[tuple, dict, Any, Callable[[Any], Layout | None]], Any]
+_HANDLERS: dict[str, Handler] = {}
+
+
+def _handles(*names: str):
+    def decorate(fn: Handler) -> Handler:
+        for n in names:
+            _HANDLERS[n] = fn
+        return fn
+
+    return decorate
+
+
+def _first_tensor(out: Any) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, list | tuple):
+        for o in out:
+            if isinstance(o, Tensor):
+                return o
+    return None
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif type(a) in (list, tuple):
+            found.extend(x for x in a if isinstance(x, Tensor))
+    return found
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _norm_dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+_POINTWISE = """
+    add sub mul div true_divide floor_divide remainder fmod pow float_power atan2 hypot
+    copysign xlogy logaddexp logaddexp2 maximum minimum fmax fmin lerp addcmul addcdiv where
+    masked_fill bitwise_and bitwise_or bitwise_xor bitwise_not logical_and logical_or
+    logical_xor logical_not eq ne lt le gt ge equal isclose clamp clip clamp_min clamp_max
+    neg negative abs absolute sign sgn exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square
+    reciprocal sin cos tan asin acos atan sinh cosh tanh asinh acosh atanh erf erfc erfinv
+    sigmoid logit relu relu6 gelu silu mish elu selu celu leaky_relu rrelu hardtanh hardswish
+    hardsigmoid hardshrink softshrink tanhshrink softplus softsign threshold logsigmoid
+    prelu floor ceil round trunc frac isnan isinf isfinite isneginf isposinf nan_to_num
+    dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
+    to type type_as float double half bfloat16 int long bool short char byte cpu cuda
+    contiguous clone detach requires_grad_ pin_memory conj real imag positive
+    fill_ zero_ normal_ uniform_ bernoulli bernoulli_ exponential_ random_ copy_ set_
+    masked_fill_ masked_scatter masked_scatter_ where_ clamp_ clip_ nan_to_num_
+    __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
+    __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__
+    __rfloordiv__ __ifloordiv__ __mod__ __rmod__ __imod__ __pow__ __rpow__ __ipow__
+    __neg__ __pos__ __abs__ __invert__ __and__ __rand__ __iand__ __or__ __ror__ __ior__
+    __xor__ __rxor__ __ixor__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __lshift__
+    __rshift__ new_tensor .data .real .imag
+""".split()
+# in-place forms: the name with a trailing underscore
+_POINTWISE += [n + "_" for n in _POINTWISE if n.isidentifier() and not n.startswith("_")]
+_POINTWISE_SET = frozenset(_POINTWISE)
+# operations that make a batch-free tensor batch-sized, and those that then use it row by row
+# along the batch (elementwise, concatenation along another dimension, batched matrix products)
+_SPREADS = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
+_ROWWISE = _POINTWISE_SET | {"cat", "concat", "concatenate", "bmm", "matmul", "__matmul__",
+                              "baddbmm"}  # fmt: skip
+
+
+@_handles(*_POINTWISE)
+def _pointwise(args, kwargs, out, layout_of):
+    """Broadcasting operations: a layout keeps its dimension counted from the right."""
+    o = _first_tensor(out)
+    if o is None:
+        return None
+    n, result = o.dim(), None
+    for t in _tensors(args, kwargs):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        d = lay.dim + n - t.dim()
+        if d < 0 or o.shape[d] != t.shape[lay.dim]:
+            return UNKNOWN
+        cand = lay.at(d)
+        if result is None:
+            result = cand
+        elif result != cand:
+            return UNKNOWN
+    return result
+
+
+def _along(dims: Any, n: int) -> set[int] | None:
+    """Normalized dims of a ``dim`` argument (``None``: all)."""
+    if dims is None:
+        return None
+    if isinstance(dims, int):
+        return {_norm_dim(dims, n)}
+    return {_norm_dim(int(d), n) for d in dims}
+
+
+def _single_input(args, kwargs, layout_of) -> tuple[Tensor, Layout] | tuple[None, None]:
+    """The first tensor argument and its layout, if it is the only one with a layout."""
+    found = None
+    for t in _tensors(args, kwargs):
+        lay = layout_of(t)
+        if lay is not None:
+            if found is not None:
+                return None, None
+            found = (t, lay)
+    return found if found is not None else (None, None)
+
+
+def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
+    """A shape-keeping operation along ``dim`` (softmax, cumsum, flip): the layout stays, unless
+    it works along the batch dimension (it mixes the examples)."""
+
+    def handler(args, kwargs, out, layout_of):
+        t, lay = _single_input(args, kwargs, layout_of)
+        if t is None or lay is UNKNOWN:
+            return UNKNOWN
+        dims = _along(_arg(args, kwargs, pos, name, default_dim), t.dim())
+        if dims is None or lay.dim in dims:
+            return UNKNOWN
+        return lay
+
+    return handler
+
+
+for _n in ("softmax", "log_softmax", "softmin", "cumsum", "cumprod", "logcumsumexp",
+           "cummax", "cummin", "sort", "argsort", "glu", "topk", "kthvalue", "msort"):  # fmt: skip
+    _HANDLERS[_n] = _dim_op(-1 if _n in ("sort", "argsort", "glu", "topk", "kthvalue") else None)
+_HANDLERS["topk"] = _dim_op(-1, pos=2)
+_HANDLERS["kthvalue"] = _dim_op(-1, pos=2)
+_HANDLERS["normalize"] = _dim_op(1, pos=2)
+_HANDLERS["flip"] = _dim_op(None, name="dims")
+_HANDLERS["roll"] = _dim_op(None, pos=2, name="dims")
+_HANDLERS["diff"] = _dim_op(-1, pos=2)
+
+
+_REDUCTIONS = """sum mean nansum nanmean prod amax amin max min std var std_mean var_mean
+    logsumexp all any argmax argmin median nanmedian mode count_nonzero norm vector_norm
+    aminmax""".split()
+
+
+@_handles(*_REDUCTIONS)
+def _reduction(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    dim = kwargs.get("dim", kwargs.get("axis"))
+    if dim is None:
+        # positional: norm(input, p, dim), vector_norm(x, ord, dim); else (input, dim)
+        for a in args[1:]:
+            if (
+                isinstance(a, int)
+                and not isinstance(a, bool)
+                or (isinstance(a, list | tuple) and a and all(isinstance(x, int) for x in a))
+            ):
+                dim = a
+                break
+    dims = _along(dim, n)
+    if dims is None or lay.dim in dims:
+        return UNKNOWN
+    keepdim = kwargs.get("keepdim", False) or any(a is True for a in args[2:])
+    if keepdim:
+        return lay
+    return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
+
+
+def _reshaped(lay: Layout, before: Sequence[int], after: Sequence[int], batch: int) -> Layout:
+    """The layout of a tensor of shape ``before`` viewed as ``after`` (row-major)."""
+    inner = lay.inner * math.prod(before[lay.dim + 1 :])
+    block = inner * batch
+    for e in range(len(after)):  # the outermost dimension that holds the batch whole
+        post = math.prod(after[e + 1 :])
+        if post > inner:
+            continue
+        if inner % post == 0 and (after[e] * post) % block == 0:
+            return Layout(e, after[e] * post // block, inner // post)
+    return UNKNOWN
+
+
+class _NeedsBatch:
+    """A handler that needs the batch size (reshapes): called with it bound."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+
+def _reshape_like(args, kwargs, out, layout_of, batch):
+    t, lay = _single_input(args, kwargs, layout_of)
+    o = _first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None:
+        return UNKNOWN
+    if o.shape == t.shape:
+        return lay
+    return _reshaped(lay, t.shape, o.shape, batch)
+
+
+for _n in ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel",
+           "squeeze", "unsqueeze", "atleast_1d", "atleast_2d", "atleast_3d", "squeeze_",
+           "unsqueeze_", "resize_", "view_copy", "reshape_copy"):  # fmt: skip
+    _HANDLERS[_n] = _NeedsBatch(_reshape_like)
+
+
+@_handles("expand", "expand_as", "broadcast_to", "expand_copy")
+def _expand(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    o = _first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None:
+        return UNKNOWN
+    d = lay.dim + o.dim() - t.dim()
+    return lay.at(d) if o.shape[d] == t.shape[lay.dim] else UNKNOWN
+
+
+@_handles("repeat", "tile")
+def _repeat(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    o = _first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None:
+        return UNKNOWN
+    d = lay.dim + o.dim() - t.dim()
+    times = o.shape[d] // max(t.shape[lay.dim], 1)
+    return Layout(d, lay.outer * times, lay.inner)
+
+
+@_handles("permute")
+def _permute(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    dims = args[1:] if len(args) > 1 else kwargs.get("dims")
+    if len(dims) == 1 and isinstance(dims[0], list | tuple):
+        dims = dims[0]
+    order = [_norm_dim(int(d), t.dim()) for d in dims]
+    return lay.at(order.index(lay.dim))
+
+
+@_handles("transpose", "swapaxes", "swapdims", "transpose_", "swapaxes_", "swapdims_")
+def _transpose(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    d0 = _norm_dim(int(_arg(args, kwargs, 1, "dim0")), n)
+    d1 = _norm_dim(int(_arg(args, kwargs, 2, "dim1")), n)
+    return lay.at({d0: d1, d1: d0}.get(lay.dim, lay.dim))
+
+
+@_handles("t", "t_", ".T", ".H")
+def _t(args, kwargs, out, layout_of):
+    """``t()`` of a 2-d tensor swaps its dimensions; ``.T`` of an n-d one reverses them."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    return lay.at(t.dim() - 1 - lay.dim) if t.dim() >= 2 else lay
+
+
+@_handles(".mT", ".mH", "adjoint")
+def _mt(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    return lay.at({n - 1: n - 2, n - 2: n - 1}.get(lay.dim, lay.dim))
+
+
+@_handles("movedim", "moveaxis")
+def _movedim(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    src = _arg(args, kwargs, 1, "source")
+    dst = _arg(args, kwargs, 2, "destination")
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    src = [_norm_dim(s, n) for s in src]
+    dst = [_norm_dim(d, n) for d in dst]
+    order = [None] * n
+    for s, d in zip(src, dst):
+        order[d] = s
+    rest = iter(d for d in range(n) if d not in src)
+    order = [next(rest) if o is None else o for o in order]
+    return lay.at(order.index(lay.dim))
+
+
+@_handles("narrow", "select", "unfold", "diagonal", "narrow_copy", "select_copy")
+def _select(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    o = _first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None:
+        return UNKNOWN
+    n = t.dim()
+    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), n)
+    if dim == lay.dim:
+        return UNKNOWN
+    if o.dim() == n - 1:  # select removes the dimension
+        return lay.at(lay.dim - (dim < lay.dim))
+    return lay
+
+
+@_handles("tril", "triu", "tril_", "triu_", "diag_embed", "matrix_exp", "inverse",
+          "cholesky", "det", "logdet", "slogdet", "trace")  # fmt: skip
+def _matrices(args, kwargs, out, layout_of):
+    """Operations on the last two dimensions: a layout among the leading ones stays."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    o = _first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None or lay.dim >= t.dim() - 2:
+        return UNKNOWN
+    return lay.at(lay.dim + o.dim() - t.dim())
+
+
+@_handles("split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "hsplit",
+          "vsplit", "unsafe_chunk")  # fmt: skip
+def _split(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    dim = _norm_dim(int(_arg(args, kwargs, 2, "dim", 0)), t.dim())
+    return UNKNOWN if dim == lay.dim else lay
+
+
+@_handles("unbind")
+def _unbind(args, kwargs, out, layout_of):
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), t.dim())
+    return UNKNOWN if dim == lay.dim else lay.at(lay.dim - (dim < lay.dim))
+
+
+@_handles("cat", "concat", "concatenate")
+def _cat(args, kwargs, out, layout_of):
+    tensors = list(_arg(args, kwargs, 0, "tensors"))
+    o = _first_tensor(out)
+    if o is None:
+        return UNKNOWN
+    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), o.dim())
+    lays = [layout_of(t) for t in tensors if isinstance(t, Tensor) and t.dim() > 0]
+    known = [x for x in lays if x is not None]
+    if not known or UNKNOWN in known:
+        return UNKNOWN
+    if dim != known[0].dim:
+        return known[0] if all(x == known[0] for x in known) else UNKNOWN
+    if len(known) != len(lays) or any(x.inner != known[0].inner for x in known):
+        return UNKNOWN  # examples concatenated with something else along their dimension
+    return Layout(dim, sum(x.outer for x in known), known[0].inner)
+
+
+@_handles("stack", "hstack", "vstack", "dstack", "column_stack")
+def _stack(args, kwargs, out, layout_of):
+    tensors = list(_arg(args, kwargs, 0, "tensors"))
+    o = _first_tensor(out)
+    lays = [layout_of(t) for t in tensors if isinstance(t, Tensor)]
+    known = [x for x in lays if x is not None]
+    if o is None or not known or UNKNOWN in known or any(x != known[0] for x in known):
+        return UNKNOWN
+    first = next(t for t in tensors if isinstance(t, Tensor))
+    if o.dim() == first.dim():  # hstack / vstack of >= 2-d: a cat
+        return _cat((tensors, 0 if o.shape[0] != first.shape[0] else 1), {}, out, layout_of)
+    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), o.dim())
+    lay = known[0]
+    return lay.at(lay.dim + (dim <= lay.dim))
+
+
+def _mm_side(lay: Layout, n: int, is_left: bool, out_n: int, other_n: int) -> Layout | None:
+    """Where a layout of one operand of ``matmul`` goes (``None``: it is contracted)."""
+    if is_left:
+        if n == 1 or lay.dim == n - 1:
+            return None
+        if lay.dim == n - 2:
+            return lay.at(out_n - (2 if other_n >= 2 else 1))
+    else:
+        if n == 1 or lay.dim == n - 2:
+            return None
+        if lay.dim == n - 1:
+            return lay.at(out_n - 1)
+    lead = n - 2  # batch dimensions of this operand, right-aligned with the output's
+    out_lead = out_n - (2 if (n >= 2 and other_n >= 2) else 1)
+    return lay.at(lay.dim + out_lead - lead)
+
+
+@_handles("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "dot", "inner", "vdot")
+def _matmul(args, kwargs, out, layout_of):
+    a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+    if not isinstance(b, Tensor):
+        b = _arg(args, kwargs, 1, "mat2")
+    o = _first_tensor(out)
+    if o is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return UNKNOWN
+    found = None
+    for t, left, other in ((a, True, b), (b, False, a)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        where = _mm_side(lay, t.dim(), left, o.dim(), other.dim())
+        if where is None or found not in (None, where):
+            return UNKNOWN
+        found = where
+    return found
+
+
+@_handles("baddbmm", "addmm", "addmv", "addbmm", "addr")
+def _addmm(args, kwargs, out, layout_of):
+    """``input + m1 @ m2``: the product's layout, which the added input must share."""
+    o = _first_tensor(out)
+    m1, m2 = _arg(args, kwargs, 1, "mat1"), _arg(args, kwargs, 2, "mat2")
+    if not (isinstance(m1, Tensor) and isinstance(m2, Tensor)):
+        m1, m2 = _arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2")
+    if o is None or not (isinstance(m1, Tensor) and isinstance(m2, Tensor)):
+        return UNKNOWN
+    prod = _matmul((m1, m2), {}, o, layout_of)
+    base = _arg(args, kwargs, 0, "input")
+    lay = layout_of(base) if isinstance(base, Tensor) else None
+    if lay is not None:
+        added = _pointwise((base,), {}, o, layout_of)
+        if prod is not None and added != prod:
+            return UNKNOWN
+        return added
+    return prod
+
+
+@_handles("linear", "bilinear")
+def _linear(args, kwargs, out, layout_of):
+    x = args[0]
+    o = _first_tensor(out)
+    w = _arg(args, kwargs, 1, "weight")
+    if o is None or (isinstance(w, Tensor) and layout_of(w) is not None):
+        return UNKNOWN
+    lay = layout_of(x)
+    if lay is None or lay is UNKNOWN or lay.dim == x.dim() - 1:
+        return UNKNOWN
+    return lay
+
+
+@_handles("einsum")
+def _einsum(args, kwargs, out, layout_of):
+    eq = args[0]
+    ops = args[1:]
+    if len(ops) == 1 and isinstance(ops[0], list | tuple):
+        ops = tuple(ops[0])
+    o = _first_tensor(out)
+    if not isinstance(eq, str) or o is None:
+        return UNKNOWN
+    eq = eq.replace(" ", "")
+    if "->" in eq:
+        lhs, rhs = eq.split("->")
+    else:
+        lhs = eq
+        letters = [c for c in lhs if c.isalpha()]
+        rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if "..." in lhs:
+            rhs = "..." + rhs
+    terms = lhs.split(",")
+    if len(terms) != len(ops):
+        return UNKNOWN
+    ell = max((t.dim() - len(term.replace("...", "")) for term, t in zip(terms, ops)
+               if "..." in term), default=0)  # fmt: skip
+
+    def expand(term: str, ndim: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        k = ndim - len(head) - len(tail)
+        return list(head) + [f"_{ell - k + j}" for j in range(k)] + list(tail)
+
+    out_letters = expand(rhs, o.dim()) if "..." in rhs else list(rhs)
+    if "..." in rhs:
+        head, tail = rhs.split("...")
+        out_letters = list(head) + [f"_{j}" for j in range(ell)] + list(tail)
+    found = None
+    for term, t in zip(terms, ops):
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        letter = expand(term, t.dim())[lay.dim]
+        if letter not in out_letters:
+            return UNKNOWN
+        where = lay.at(out_letters.index(letter))
+        if found not in (None, where):
+            return UNKNOWN
+        found = where
+    return found
+
+
+@_handles("scaled_dot_product_attention")
+def _sdpa(args, kwargs, out, layout_of):
+    o = _first_tensor(out)
+    if o is None:
+        return UNKNOWN
+    found = None
+    names = ("query", "key", "value", "attn_mask")
+    for i, name in enumerate(names):
+        t = _arg(args, kwargs, i, name)
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            continue
+        if lay is UNKNOWN or lay.dim >= t.dim() - 2:
+            return UNKNOWN
+        where = lay.at(lay.dim + o.dim() - t.dim())
+        if found not in (None, where):
+            return UNKNOWN
+        found = where
+    return found
+
+
+@_handles("multi_head_attention_forward")
+def _mha(args, kwargs, out, layout_of):
+    """``nn.MultiheadAttention``'s functional form: sequence-first ``[L, N, E]`` (or unbatched
+    ``[L, E]``); the output ``[L, N, E]`` and the weights ``[N, (H,) L, S]``."""
+    q = args[0]
+    lay = layout_of(q)
+    if lay is None or lay is UNKNOWN or q.dim() != 3 or lay.dim != 1:
+        return UNKNOWN
+    outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, Tensor)]
+    return [lay] + [lay.at(0) for _ in outs[1:]]
+
+
+@_handles("lstm", "gru", "rnn_tanh", "rnn_relu")
+def _rnn(args, kwargs, out, layout_of):
+    """torch's fused recurrent layers: padded ``(input, hx, params, ..., batch_first)`` or
+    packed ``(data, batch_sizes, hx, params, ...)``; outputs ``(output, h_n[, c_n])``, the
+    states ``[layers * dirs, batch, hidden]``."""
+    x = args[0]
+    lay = layout_of(x)
+    outs = _out_tensors(out)
+    if lay is None or not outs:
+        return UNKNOWN
+    packed = isinstance(args[1], Tensor) and isinstance(args[3], list | tuple)
+    if packed:
+        if lay is not PACKED:
+            return UNKNOWN
+        first = PACKED
+    else:
+        batch_first = bool(args[-1])
+        if lay is UNKNOWN or lay.dim != (0 if batch_first else 1) or not lay.plain:
+            return UNKNOWN
+        first = lay
+    return [first] + [Layout(1) for _ in outs[1:]]
+
+
+@_handles("_pack_padded_sequence")
+def _pack(args, kwargs, out, layout_of):
+    x, batch_first = args[0], bool(_arg(args, kwargs, 2, "batch_first"))
+    lay = layout_of(x)
+    if lay is None or lay is UNKNOWN or lay.dim != (0 if batch_first else 1) or not lay.plain:
+        return UNKNOWN
+    return [PACKED, None]
+
+
+@_handles("_pad_packed_sequence")
+def _unpack(args, kwargs, out, layout_of):
+    if layout_of(args[0]) is not PACKED:
+        return UNKNOWN
+    return [Layout(0 if bool(_arg(args, kwargs, 2, "batch_first")) else 1), None]
+
+
+# operations that work on each example's own slice along dimension 0 ([N, C, ...]): convolutions,
+# pooling, resampling, per-example normalizations
+_SAMPLEWISE = """conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
+    convolution max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
+    max_pool3d_with_indices avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d
+    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d
+    adaptive_max_pool3d adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices
+    lp_pool1d lp_pool2d lp_pool3d interpolate upsample upsample_nearest upsample_bilinear
+    pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle group_norm
+    instance_norm local_response_norm grid_sample affine_grid fractional_max_pool2d
+    fractional_max_pool3d max_unpool1d max_unpool2d max_unpool3d embedding_bag""".split()
+
+
+@_handles(*_SAMPLEWISE)
+def _samplewise(args, kwargs, out, layout_of):
+    found = None
+    for t in _tensors(args, kwargs):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN or lay.dim != 0:
+            return UNKNOWN
+        if found not in (None, lay):
+            return UNKNOWN
+        found = lay
+    return found
+
+
+@_handles("pad")
+def _pad(args, kwargs, out, layout_of):
+    """``F.pad`` pads the last ``len(pad) // 2`` dimensions."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    pad = _arg(args, kwargs, 1, "pad")
+    return UNKNOWN if lay.dim >= t.dim() - len(pad) // 2 else lay
+
+
+@_handles("batch_norm")
+def _batch_norm(args, kwargs, out, layout_of):
+    training = _arg(args, kwargs, 5, "training", False)
+    return UNKNOWN if training else _samplewise(args[:1], {}, out, layout_of)
+
+
+@_handles("layer_norm", "rms_norm")
+def _layer_norm(args, kwargs, out, layout_of):
+    x = args[0]
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    lay = layout_of(x)
+    for w in _tensors(args[2:], {k: v for k, v in kwargs.items() if k != "input"}):
+        if layout_of(w) is not None:
+            return UNKNOWN
+    if lay is None or lay is UNKNOWN:
+        return UNKNOWN
+    k = 1 if isinstance(shape, int) else len(shape)
+    return UNKNOWN if lay.dim >= x.dim() - k else lay
+
+
+@_handles("embedding", "one_hot")
+def _embedding(args, kwargs, out, layout_of):
+    idx = args[0]
+    lay = layout_of(idx)
+    w = _arg(args, kwargs, 1, "weight")
+    if isinstance(w, Tensor) and layout_of(w) is not None:
+        return UNKNOWN
+    return UNKNOWN if lay is None or lay is UNKNOWN else lay
+
+
+@_handles("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+          "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+          "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss", "multilabel_margin_loss",
+          "multilabel_soft_margin_loss", "hinge_embedding_loss", "margin_ranking_loss",
+          "cosine_embedding_loss", "triplet_margin_loss", "multi_margin_loss")  # fmt: skip
+def _loss(args, kwargs, out, layout_of):
+    o = _first_tensor(out)
+    reduction = kwargs.get("reduction", "mean")
+    if o is None or reduction != "none":
+        return UNKNOWN  # a reduction over the batch: the loss itself
+    found = None
+    for t in _tensors(args, kwargs):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN or lay.dim != 0:
+            return UNKNOWN
+        found = lay
+    return found
+
+
+@_handles("gather", "take_along_dim", "index_select", "scatter", "scatter_add", "scatter_reduce",
+          "index_add", "index_copy", "index_fill", "index_put", "gather_", "scatter_",
+          "scatter_add_", "scatter_reduce_", "index_add_", "index_copy_", "index_fill_",
+          "index_put_", "masked_select")  # fmt: skip
+def _indexed(args, kwargs, out, layout_of):
+    """Indexing along one dimension: a layout of the indexed tensor stays if the indexing is
+    along another dimension (and any index or source tensor shares it)."""
+    x = args[0]
+    o = _first_tensor(out)
+    if o is None or not isinstance(x, Tensor):
+        return UNKNOWN
+    n = x.dim()
+    dim = _arg(args, kwargs, 1, "dim")
+    if not isinstance(dim, int):  # take_along_dim(x, idx, dim), index_put(x, indices, v)
+        dim = _arg(args, kwargs, 2, "dim")
+    found = None
+    for t in _tensors(args, kwargs):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN or t.dim() != n or (isinstance(dim, int) and
+                                              lay.dim == _norm_dim(dim, n)):  # fmt: skip
+            return UNKNOWN
+        if found not in (None, lay):
+            return UNKNOWN
+        found = lay
+    if found is None or o.dim() != n:
+        return UNKNOWN
+    return found
+
+
+@_handles("__getitem__")
+def _getitem(args, kwargs, out, layout_of):
+    x, index = args[0], args[1]
+    lay = layout_of(x)
+    o = _first_tensor(out)
+    if o is None:
+        return UNKNOWN
+    if lay is None:  # a batch-free tensor indexed by one with a layout (a lookup)
+        if isinstance(index, Tensor):
+            ilay = layout_of(index)
+            return UNKNOWN if ilay is None or ilay is UNKNOWN else ilay
+        return UNKNOWN
+    if lay is UNKNOWN:
+        return UNKNOWN
+    return _index_map(x, lay, index, o) or UNKNOWN
+
+
+def _index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
+    """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: not known, or indexed)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    n = x.dim()
+    consumed = sum(
+        0 if (i is None or i is Ellipsis or isinstance(i, bool)) else
+        (i.dim() if isinstance(i, Tensor) and i.dtype == torch.bool else 1)
+        for i in index
+    )  # fmt: skip
+    src, dst = 0, 0
+    advanced = [i for i in index if isinstance(i, Tensor | list)]
+    for i in index:
+        if i is Ellipsis:
+            skip = n - consumed
+            if src <= lay.dim < src + skip:
+                return lay.at(dst + lay.dim - src)
+            src += skip
+            dst += skip
+        elif i is None:
+            dst += 1
+        elif isinstance(i, bool):
+            dst += 1
+        elif isinstance(i, int):
+            if src == lay.dim:
+                return None
+            src += 1
+        elif isinstance(i, slice):
+            if src == lay.dim:
+                full = i == slice(None) or (
+                    i.step in (None, 1) and (i.start in (None, 0))
+                    and (i.stop is None or i.stop >= x.shape[src])
+                )  # fmt: skip
+                return lay.at(dst) if full else None
+            src += 1
+            dst += 1
+        elif isinstance(i, Tensor | list):
+            if len(advanced) > 1 or src == lay.dim:
+                return None
+            t = torch.as_tensor(i) if isinstance(i, list) else i
+            if t.dtype == torch.bool:
+                if src <= lay.dim < src + t.dim():
+                    return None
+                src += t.dim()
+                dst += 1
+            else:
+                src += 1
+                dst += t.dim()
+        else:
+            return None
+    if lay.dim >= src:
+        return lay.at(dst + lay.dim - src)
+    return None
+
+
+# operations whose outputs never depend on the examples (creation, shape queries)
+_FREE = """arange range zeros ones full empty eye linspace logspace rand randn randint
+    randperm tensor as_tensor from_numpy zeros_like ones_like empty_like full_like rand_like
+    randn_like randint_like new_zeros new_ones new_empty new_full tril_indices triu_indices
+    empty_strided scalar_tensor""".split()
+_HANDLERS.update({n: (lambda *a: None) for n in _FREE})
+
+
+def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
+    which have layouts (``layout_of``)."""
+    handler = _HANDLERS.get(name)
+    if handler is None:
+        return UNKNOWN
+    try:
+        if isinstance(handler, _NeedsBatch):
+            return handler.fn(args, kwargs, out, layout_of, batch)
+        return handler(args, kwargs, out, layout_of)
+    except Exception:  # an argument form the handler does not know: say nothing of the layout
+        return UNKNOWN
+
+
+# -- sources: batch-free tensors whose per-example gradients are wanted ------------------------------
+
+
+@dataclass(eq=False)
+class Source:
+    """A batch-free tensor whose per-example output-gradients are collected: the output of a
+    batch-free hooked call, or a parameter used outside its module's call. ``grads`` holds, per
+    running backward (graph task), ``[batch, *shape]``: each example's part of the gradient of
+    its tensor, summed over the meetings seen so far. It holds nothing of the autograd graph
+    (the meetings hold its tensor's gradient edge), so a hook may keep it."""
+
+    name: str
+    shape: torch.Size
+    grads: dict[int, Tensor] = field(default_factory=dict)
+    uses: list = field(default_factory=list)  # (kind, info) of every operation that used it
+    problem: str | None = None  # why its per-example gradients cannot be formed
+    aligned: Layout | None = None  # every use took it row by row with the batch: its layout
+    needs_fallback: bool = False  # soft: a use only its module's fallback can handle
+    discarded: bool = False  # soft: its module's fallback took it over
+
+
+def _graph_task() -> int:
+    return torch._C._current_graph_task_id()
+
+
+_TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
+
+
+def _is_inplace(name: str) -> bool:
+    return bool(_TRAILING_UNDERSCORE.match(name)) or (
+        name.startswith("__i") and name.endswith("__") and name not in ("__invert__",)
+    )
+
+
+# elementwise operations through which a batch-free operand may be expanded along the batch
+_EXPANDABLE = frozenset(
+    """add sub mul div true_divide addcmul addcdiv lerp where masked_fill maximum minimum pow
+    atan2 hypot fmod remainder clamp float_power xlogy logaddexp copysign
+    __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
+    __truediv__ __rtruediv__ __itruediv__ __pow__ __rpow__ add_ sub_ mul_ div_ addcmul_
+    addcdiv_ lerp_ masked_fill_ clamp_ pow_""".split()
+)
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.T, .mT, .data
+        owner = getattr(func, "__self__", None)
+        return "." + getattr(owner, "__name__", "?")
+    return name
+
+
+@dataclass
+class _Use:
+    """What one hooked call's operations did: the ids of the parameters it covers that they
+    used, and the ids of the hooked modules called inside it."""
+
+    params: set[int] = field(default_factory=set)
+    called: set[int] = field(default_factory=set)
+    soft: bool = False
+    sources: dict[int, Source] = field(default_factory=dict)  # soft: per parameter id
+    functional: set[int] = field(default_factory=set)  # soft: captured as a function's call
+
+
+class Tracker(TorchFunctionMode):
+    """Follows the batch through one forward of a hooked model (see the module docstring).
+
+    ``batch``: the number of examples. ``params``: ``{id(p): (name, p)}`` of the parameters the
+    hooks cover. ``engine``: the object told about what the forward does that the engine acts
+    on (:meth:`Hooks._direct_use`); ``None`` in tests of the layouts alone.
+    """
+
+    def __init__(self, batch: int, params: dict[int, tuple[str, Tensor]], engine: Any = None):
+        super().__init__()
+        self.batch = batch
+        self.params = params
+        self.engine = engine
+        self.layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.taints: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset[Source]
+        self.covered: list[
+            frozenset[int]
+        ] = []  # parameter ids of the calls running, innermost last
+        self.used: list[_Use] = []  # per running call
+        self.param_sources: dict[int, Source] = {}
+        self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
+        self.spread: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expanded -> (from, how)
+        self.meetings: list[_Meeting] = []
+        self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
+        self.off = 0
+
+    # -- what the engine asks ---------------------------------------------------------------------
+
+    def layout(self, t: Any) -> Layout | None:
+        """``t``'s layout, or ``None`` where it does not depend on the examples."""
+        if not isinstance(t, Tensor):
+            return None
+        return self.layouts.get(t)
+
+    def sources_of(self, t: Any) -> frozenset[Source]:
+        return self.taints.get(t, frozenset()) if isinstance(t, Tensor) else frozenset()
+
+    def set_layout(self, t: Tensor, layout: Layout | None) -> None:
+        if layout is None:
+            self.layouts.pop(t, None)
+        else:
+            self.layouts[t] = layout
+
+    def add_source(self, t: Tensor, source: Source) -> None:
+        """``t`` (the output of a batch-free hooked call) is a source from now on."""
+        self.edges[source] = torch.autograd.graph.get_gradient_edge(t)
+        self.taint(t, frozenset({source}))
+
+    def taint(self, t: Tensor, sources: frozenset[Source]) -> None:
+        if sources:
+            self.taints[t] = sources | self.taints.get(t, frozenset())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The engine's own operations inside a forward are not the model's."""
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+    def enter_call(self, params: Sequence[Tensor], module: Any = None, soft: bool = False) -> None:
+        """A hooked call starts; it covers ``params``: an operation inside it (and not inside
+        an inner call that covers them) uses them as that call's own. ``soft`` (a module
+        without a rule): its parameters' uses are still followed as direct uses, and its call
+        takes over (the ``torch.func`` fallback) only those the tracker cannot handle."""
+        for record in self.used:
+            record.called.add(id(module))
+        self.covered.append(frozenset(id(p) for p in params))
+        self.used.append(_Use(soft=soft))
+
+    def exit_call(self) -> _Use:
+        """Leave the innermost call: which of its parameters its operations used, and which
+        hooked modules it called."""
+        self.covered.pop()
+        return self.used.pop()
+
+    # -- the mode ---------------------------------------------------------------------------------
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
+        tensors = _tensors(args, kwargs)
+        if not tensors:
+            return func(*args, **kwargs)
+        layouts, sources, direct = [], set(), []
+        for t in tensors:
+            lay = self.layouts.get(t)
+            if lay is not None:
+                layouts.append((t, lay))
+            s = self.taints.get(t)
+            if s:
+                sources |= s
+            if id(t) in self.params:
+                where = self._covering(id(t))
+                if where is None:
+                    direct.append(t)
+                else:
+                    self.used[where].params.add(id(t))
+                    if self.used[where].soft:
+                        direct.append(t)
+        if not layouts and not sources and not direct:
+            return func(*args, **kwargs)
+        name = _name(func)
+        self.off += 1
+        try:
+            if not sources and not direct:
+                out = func(*args, **kwargs)
+                self._propagate(name, args, kwargs, out)
+                return out
+            if layouts:
+                return self._meeting(func, name, args, kwargs, tensors, direct)
+            for p in direct:
+                sources.add(self._param_source(p))
+            if True:  # batch-free: the sources flow on
+                out = func(*args, **kwargs)
+                frozen = frozenset(sources)
+                for o in _out_tensors(out):
+                    self.taint(o, frozen)
+                if name in _SPREADS and isinstance(out, Tensor) and isinstance(args[0], Tensor):
+                    self.spread[out] = (args[0], name)
+                for s in sources:
+                    s.uses.append(("free", name))
+                return out
+        finally:
+            self.off -= 1
+
+    def _covering(self, pid: int) -> int | None:
+        for i in range(len(self.covered) - 1, -1, -1):
+            if pid in self.covered[i]:
+                return i
+        return None
+
+    def _param_source(self, p: Tensor) -> Source:
+        """The source of ``p``'s direct uses: one per forward, or, inside a module without a
+        rule that covers it (soft), one per call of that module."""
+        where = self._covering(id(p))
+        record = self.used[where] if where is not None else None
+        table = record.sources if record is not None else self.param_sources
+        s = table.get(id(p))
+        if s is None:
+            name, _ = self.params[id(p)]
+            s = Source(name, p.shape)
+            s.param = True  # type: ignore[attr-defined]
+            s.soft = record is not None  # type: ignore[attr-defined]
+            self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
+            table[id(p)] = s
+            if self.engine is not None:
+                self.engine._direct_source(s, p)
+        return s
+
+    def _layout_of(self, t: Any) -> Layout | None:
+        return self.layouts.get(t) if isinstance(t, Tensor) else None
+
+    def _propagate(self, name: str, args, kwargs, out) -> None:
+        outs = _out_tensors(out)
+        if not outs:
+            return
+        result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+        if result is UNKNOWN or result is None:
+            if name not in _HANDLERS:
+                self.unknown[name] = None
+            for o in outs:
+                self.layouts[o] = UNKNOWN
+            return
+        if not isinstance(result, list):
+            result = [result] * len(outs)
+        for o, lay in zip(outs, result):
+            if lay is None:
+                continue
+            if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
+                lay = UNKNOWN  # (a handler's guess that the shapes contradict)
+            self.layouts[o] = lay
+
+    # -- meetings ---------------------------------------------------------------------------------
+
+    def _meeting(self, func, name, args, kwargs, tensors, direct) -> Any:
+        """An operation where tensors derived from sources meet tensors with a layout."""
+        ids = {id(d) for d in direct}
+        tainted = [t for t in tensors if self.taints.get(t) or id(t) in ids]
+        if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
+            out = self.engine._functional_use(func, name, args, kwargs, direct, self)
+            if out is not NotImplemented:
+                for p in direct:  # (a module without a rule that covers it leaves it to this)
+                    where = self._covering(id(p))
+                    if where is not None:
+                        self.used[where].functional.add(id(p))
+                return out
+        for p in direct:
+            self._param_source(p)
+        fast = self._expanded(func, name, args, kwargs, tainted)
+        if fast is None:
+            fast = self._spread(func, name, args, kwargs, tainted)
+        if fast is not None:
+            return fast
+        out = func(*args, **kwargs)
+        self._propagate(name, args, kwargs, out)
+        outs = [o for o in _out_tensors(out)]
+        lays = [self.layouts.get(o) for o in outs]
+        srcs = {t: self._sources(t) for t in tainted}
+        soft = {s for ss in srcs.values() for s in ss if getattr(s, "soft", False)}
+        for s in soft:  # (its module's fallback takes it over: cheaper than a masked backward)
+            s.needs_fallback = True
+        srcs = {t: ss - soft for t, ss in srcs.items()}
+        tainted = [t for t in tainted if srcs[t]]
+        if not tainted:
+            return out
+        if any(lay is None or lay is UNKNOWN for lay in lays) or _is_inplace(name):
+            why = (
+                f"'{name}' combines it with the batch in a way gradhooks cannot follow"
+                if not _is_inplace(name)
+                else f"the in-place '{name}' writes the batch into a tensor derived from it"
+            )
+            for s in set().union(*srcs.values()):
+                s.problem = s.problem or why
+            return out
+        srcs = {t: srcs[t] for t in tainted}
+        meeting = _Meeting(self, func, name, args, kwargs, tainted, srcs, outs, lays)
+        self.meetings.append(meeting)
+        aligned = self._aligned(name, args, kwargs, tainted, outs, lays)
+        for s in set().union(*srcs.values()):
+            s.uses.append(("aligned", aligned[s]) if s in aligned else ("meet", name))
+        return out
+
+    def _aligned(self, name, args, kwargs, tainted, outs, lays) -> dict[Source, Layout]:
+        """The sources that an elementwise operation uses as they are, row by row with the
+        batch (a lookup of positions expanded to the batch before the layer, added to the
+        batch): ``{source: where its output holds the examples}``."""
+        if name not in _POINTWISE_SET or len(outs) != 1 or lays[0] is None:
+            return {}
+        out, lay = outs[0], lays[0]
+        found = {}
+        for t in tainted:
+            srcs = self.taints.get(t, frozenset())
+            j = lay.dim - (out.dim() - t.dim())
+            if len(srcs) != 1 or j < 0 or t.shape[j] != out.shape[lay.dim]:
+                continue
+            (s,) = srcs
+            if self.edges[s] == torch.autograd.graph.get_gradient_edge(t) and not hasattr(
+                s, "param"
+            ):
+                found[s] = lay.at(j)
+        return found
+
+    def _sources(self, t: Tensor) -> frozenset[Source]:
+        s = self.taints.get(t, frozenset())
+        if id(t) in self.params:
+            where = self._covering(id(t))
+            if where is None:
+                s = s | {self.param_sources[id(t)]}
+            elif self.used[where].soft:
+                s = s | {self.used[where].sources[id(t)]}
+        return s
+
+    def _expanded(self, func, name, args, kwargs, tainted) -> Any:
+        """An elementwise meeting: run it with each batch-free operand expanded along the batch
+        dimension of the result; the expanded operands' gradients are per example."""
+        if name not in _EXPANDABLE or not tainted:
+            return None
+        others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
+        if not others or any(self.layouts[t] is UNKNOWN for t in others):
+            return None
+        if _is_inplace(name) and any(args and t is args[0] for t in tainted):
+            return None  # the batch written into a batch-free tensor
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in _tensors(args, kwargs)))
+        except RuntimeError:
+            return None
+        n = len(shape)
+        lay = None
+        for t in others:
+            cand = self.layouts[t].at(self.layouts[t].dim + n - t.dim())
+            if lay not in (None, cand):
+                return None
+            lay = cand
+        size = lay.size(self.batch)
+        if shape[lay.dim] != size:
+            return None
+        plan = []
+        for t in tainted:
+            j = lay.dim - (n - t.dim())
+            if j >= 0 and t.shape[j] != 1:
+                return None  # aligned with the batch row by row: the general path
+            plan.append(t)
+        swaps, hooks = {}, []
+        for t in plan:
+            v = t.reshape((1,) * (n - t.dim()) + tuple(t.shape))
+            sizes = [-1] * n
+            sizes[lay.dim] = size
+            e = v.expand(sizes)
+            swaps[id(t)] = e
+            hooks.append((e, t, self._sources(t)))
+        swap = lambda a: swaps.get(id(a), a) if isinstance(a, Tensor) else (  # noqa: E731
+            type(a)(swaps.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
+            if type(a) in (list, tuple) else a
+        )  # fmt: skip
+        new_args = tuple(swap(a) for a in args)
+        new_kwargs = {k: swap(v) for k, v in kwargs.items()}
+        out = func(*new_args, **new_kwargs)
+        self._propagate(name, new_args, new_kwargs, out)
+        batch = self.batch
+        for e, t, srcs in hooks:
+            for s in srcs:
+                s.uses.append(("expanded", name))
+            t_shape, t_ref = t.shape, torch.autograd.graph.get_gradient_edge(t)
+            srcs_list = tuple(srcs)
+            edges = {s: self.edges[s] for s in srcs_list}
+            engine = self.engine
+
+            def hook(g, lay=lay, t_shape=t_shape, t_ref=t_ref, edges=edges, engine=engine):
+                # [batch, ..., outer * inner, ...]: each example's rows summed, as broadcasting
+                # would have summed all of them
+                per = batch_rows(g, lay, batch).sum(lay.dim + 1, keepdim=True)
+                per = per.reshape(batch, *t_shape)
+                _deliver(engine, edges, per, t_ref)
+
+            e.register_hook(hook)
+        return out
+
+    def _spread(self, func, name, args, kwargs, tainted) -> Any:
+        """A meeting whose batch-free operands were expanded (or repeated) to the batch before
+        it (a class token, ``cls.expand(batch, -1, -1)``, concatenated with the patches): the
+        operation treats them row by row with the batch, so its plain gradient of each, taken
+        through an alias, holds each example's share in that example's rows; summed over the
+        rows the expansion copied, it is the per-example gradient of what was expanded."""
+        if name not in _ROWWISE:
+            return None
+        others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
+        plans = []
+        for t in tainted:
+            found = self.spread.get(t)
+            x = next((o for o in others if o.dim() == t.dim()), None)
+            if found is None or x is None:
+                return None
+            lay = self.layouts[x]
+            if lay is UNKNOWN or t.shape[lay.dim] != x.shape[lay.dim]:
+                return None
+            if name in ("cat", "concat", "concatenate"):
+                dim = _arg(args, kwargs, 1, "dim", 0)
+                if _norm_dim(dim, t.dim()) == lay.dim:
+                    return None
+            elif name not in _POINTWISE_SET and lay.dim >= t.dim() - 2:
+                return None  # (a matrix product's rows or columns: not row by row)
+            source, how = found
+            j = lay.dim
+            if how == "repeat":
+                k = source.dim() - (t.dim() - j)  # the source's dimension that was repeated
+                if k < 0 or source.shape[k] != lay.inner or any(
+                    a != b for i, (a, b) in enumerate(zip(t.shape, (1,) * (t.dim() - source.dim())
+                                                          + tuple(source.shape))) if i != j
+                ):  # fmt: skip
+                    return None
+            plans.append((t, lay, source, how))
+        swaps, hooks = {}, []
+        for t, lay, source, how in plans:
+            alias = t.view_as(t)
+            swaps[id(t)] = alias
+            hooks.append((alias, lay, source, how, self._sources(source)))
+        swap = lambda a: swaps.get(id(a), a) if isinstance(a, Tensor) else (  # noqa: E731
+            type(a)(swaps.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
+            if type(a) in (list, tuple) else a
+        )  # fmt: skip
+        new_args = tuple(swap(a) for a in args)
+        new_kwargs = {k: swap(v) for k, v in kwargs.items()}
+        out = func(*new_args, **new_kwargs)
+        self._propagate(name, new_args, new_kwargs, out)
+        batch, engine = self.batch, self.engine
+        for alias, lay, source, how, srcs in hooks:
+            for s in srcs:
+                s.uses.append(("spread", name))
+            edges = {s: self.edges[s] for s in srcs}
+            at = torch.autograd.graph.get_gradient_edge(source)
+            shape = source.shape
+
+            def hook(g, lay=lay, how=how, shape=shape, edges=edges, at=at):
+                rows = batch_rows(g, lay, batch)  # [batch, ..., outer * inner, ...]
+                d = lay.dim + 1
+                if how == "repeat":
+                    rows = rows.unflatten(d, (lay.outer, lay.inner)).sum(d)
+                else:
+                    rows = rows.sum(d, keepdim=True)
+                lead = (1,) * (rows.dim() - 1 - len(shape))
+                per = rows.sum_to_size(batch, *lead, *shape).reshape(batch, *shape)
+                _deliver(engine, edges, per, at)
+
+            alias.register_hook(hook)
+        return out
+
+    def finish(self) -> None:
+        """At the end of the forward: a source whose every use took it row by row with the
+        batch is *aligned* (its call's rows are examples after all: ``Source.aligned``); the
+        meetings of the others hook the backward."""
+        seen = {s for m in self.meetings for srcs in m.sources for s in srcs}
+        seen |= {s for ss in self.taints.values() for s in ss}
+        for s in seen:
+            kinds = {u for u in s.uses}
+            if kinds and all(k == "aligned" for k, _ in kinds) and len(kinds) == 1:
+                s.aligned = next(iter(kinds))[1]
+        for m in self.meetings:
+            if not all(s.aligned is not None for srcs in m.sources for s in srcs):
+                m.arm()
+        self.meetings = []
+
+
+_ACTIVE: list[Tracker] = []
+
+
+def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Tell the running forward's tracker that ``func(*args, **kwargs)`` gave ``out``: for a
+    ``TorchFunctionMode`` of a rule's own that computes a torch function another way (the
+    tracker then never sees that function, only the operations it was computed with)."""
+    if _ACTIVE and not _ACTIVE[-1].off:
+        tracker = _ACTIVE[-1]
+        layouts = [tracker.layouts.get(t) for t in _tensors(args, kwargs or {})]
+        if any(lay is not None for lay in layouts):
+            tracker._propagate(_name(func), args, kwargs or {}, out)
+
+
+def _out_tensors(out: Any) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [o for o in out if isinstance(o, Tensor)]
+    return []
+
+
+def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> None:
+    """Give each source (``edges``: its tensor's gradient edge) its per-example
+    output-gradients, from ``per_example`` (``[batch, *shape]``), the per-example gradient of a
+    tensor derived from them (at gradient edge ``at_edge``): through the batch-free operations
+    between them, by one batched backward."""
+    task = _graph_task()
+    direct = [s for s, e in edges.items() if e == at_edge]
+    through = [s for s, e in edges.items() if e != at_edge]
+    for s in direct:
+        _add(s, task, per_example)
+    if not through:
+        return
+    ctx = engine._nested() if engine is not None else contextlib.nullcontext()
+    with ctx:
+        try:
+            grads = torch.autograd.grad(
+                [at_edge], [edges[s] for s in through], per_example, retain_graph=True,
+                allow_unused=True, is_grads_batched=True,
+            )  # fmt: skip
+        except RuntimeError:
+            grads = _grads_one_by_one(at_edge, [edges[s] for s in through], through, per_example)
+    for s, g in zip(through, grads):
+        if g is not None:
+            _add(s, task, g)
+
+
+def _grads_one_by_one(at_edge, edges, sources, per_example):
+    rows = []
+    for b in range(per_example.shape[0]):
+        rows.append(torch.autograd.grad(
+            [at_edge], edges, per_example[b], retain_graph=True,
+            allow_unused=True,
+        ))  # fmt: skip
+    out = []
+    for j, s in enumerate(sources):
+        col = [r[j] for r in rows]
+        out.append(None if all(c is None for c in col) else torch.stack(
+            [torch.zeros(s.shape, dtype=per_example.dtype, device=per_example.device)
+             if c is None else c for c in col]))  # fmt: skip
+    return out
+
+
+def _add(s: Source, task: int, g: Tensor) -> None:
+    old = s.grads.get(task)
+    s.grads[task] = g if old is None else old + g
+
+
+class _Meeting:
+    """An operation that combines tensors derived from sources with tensors that have a layout,
+    not elementwise: at the backward, it is differentiated again with respect to its
+    batch-free operands, one example's share of the output-gradient at a time."""
+
+    # at most this many elements of masked output-gradients at once
+    CHUNK = 1 << 24
+
+    def __init__(self, tracker, func, name, args, kwargs, tainted, sources, outs, layouts):
+        self.engine, self.batch = tracker.engine, tracker.batch
+        self.func, self.name = func, name
+        ids = {id(t) for t in tainted}
+        # detached: the recomputation needs the values, never the graph (and holding the
+        # graph's tensors from a hook on that graph would make a cycle)
+        self.args = tuple(_detached(a) for a in args)
+        self.kwargs = {k: _detached(v) for k, v in kwargs.items()}
+        self.versions = [(t, t._version) for t in _tensors(self.args, self.kwargs)]
+        self.positions = [
+            (i, None) for i, a in enumerate(args) if isinstance(a, Tensor) and id(a) in ids
+        ] + [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor) and id(v) in ids]
+        self.edges = [torch.autograd.graph.get_gradient_edge(t) for t in tainted]
+        self.sources = [tuple(sources[t]) for t in tainted]
+        self.src_edges = [{s: tracker.edges[s] for s in srcs} for srcs in self.sources]
+        self.nodes = [(o.grad_fn, o.output_nr) for o in outs]
+        self.layouts = layouts
+        self.shapes = [o.shape for o in outs]
+
+    def arm(self) -> None:
+        node, nr = self.nodes[0]
+        if node is None:
+            return
+        if len(self.nodes) == 1 or all(n is node for n, _ in self.nodes):
+            node.register_prehook(lambda grad_outputs: self.backward(grad_outputs))
+        else:  # (outputs from several nodes: not met in practice)
+            for s in {x for srcs in self.sources for x in srcs}:
+                s.problem = s.problem or f"'{self.name}' has outputs from several autograd nodes"
+
+    def backward(self, grad_outputs) -> None:
+        grads = [grad_outputs[nr] if nr < len(grad_outputs) else None for _, nr in self.nodes]
+        if all(g is None for g in grads):
+            return
+        for t, v in self.versions:
+            if t._version != v:
+                for srcs in self.sources:
+                    for s in srcs:
+                        s.problem = s.problem or (
+                            f"an input of '{self.name}' was modified in place after it"
+                        )
+                return
+        per_example = self._per_example(grads)
+        for e, per, edges in zip(self.edges, per_example, self.src_edges):
+            _deliver(self.engine, edges, per, e)
+
+    def _per_example(self, grads) -> list[Tensor]:
+        batch = self.batch
+
+        with torch.enable_grad():
+            leaves = []
+            args, kwargs = list(self.args), dict(self.kwargs)
+            for i, k in self.positions:
+                if i is not None:
+                    args[i] = args[i].detach().requires_grad_()
+                    leaves.append(args[i])
+                else:
+                    kwargs[k] = kwargs[k].detach().requires_grad_()
+                    leaves.append(kwargs[k])
+            outs = _out_tensors(self.func(*args, **kwargs))
+            pairs = [(o, g, lay) for o, g, lay in zip(outs, grads, self.layouts) if g is not None]
+            per_elem = sum(g.numel() for _, g, _ in pairs)
+            step = max(1, self.CHUNK // max(per_elem, 1))
+            parts: list[list[Tensor]] = [[] for _ in leaves]
+            for start in range(0, batch, step):
+                stop = min(batch, start + step)
+                cots = []
+                for _, g, lay in pairs:
+                    mask = example_mask(g.shape, lay, batch, g.device)[start:stop]
+                    cots.append(g.unsqueeze(0) * mask)
+                got = torch.autograd.grad(
+                    [o for o, _, _ in pairs], leaves, cots, retain_graph=True,
+                    allow_unused=True, is_grads_batched=True,
+                )  # fmt: skip
+                for j, (leaf, gj) in enumerate(zip(leaves, got)):
+                    parts[j].append(
+                        torch.zeros((stop - start, *leaf.shape), dtype=leaf.dtype,
+                                    device=leaf.device) if gj is None else gj
+                    )  # fmt: skip
+        return [torch.cat(p) for p in parts]
+
+
+def _detached(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return a.detach()
+    if type(a) in (list, tuple):
+        return type(a)(_detached(x) for x in a)
+    return a

@@ -1,0 +1,412 @@
+"""Real models as their authors wrote them: tiny configurations of Hugging Face transformers
+(random weights, dropout 0, float64), a PEFT LoRA adapter, and a nanoGPT-style model, each
+checked parameter by parameter against a per-example loop, with sum and mean losses, with and
+without ``position_ids``, and with a sequence as long as the batch is large (where sizes cannot
+tell the batch from the sequence)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+
+transformers = pytest.importorskip(
+    "transformers", reason="real-model tests need transformers: pip install -e '.[test]'"
+)
+
+D = torch.float64
+V = 40  # vocabulary
+
+
+def _quiet():
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*performance drop.*")
+
+
+_quiet()
+
+
+# -- the oracle and the check -------------------------------------------------------------------
+
+
+def loop_oracle(model, batch: dict, loss_fn, size: int) -> dict[str, torch.Tensor]:
+    """Each example's gradient, one forward and backward of a batch of one at a time."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
+    with gradhooks.paused():
+        for b in range(size):
+            one = {k: v[b : b + 1] if _per_example(k, v, size) else v for k, v in batch.items()}
+            grads = torch.autograd.grad(loss_fn(model, one), [p for _, p in params], allow_unused=True)
+            rows.append([torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)])
+    return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
+
+
+def _per_example(key, v, size):
+    shared = key == "position_ids"  # one row for the whole batch
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size and not shared
+
+
+def close(got, want, what):
+    """float64, to 1e-6 of the largest entry: some models compute in float32 inside (Hugging
+    Face's attention takes its softmax in float32), which a mean loss then rounds differently
+    from the loop's sum; a wrong per-example gradient is off by its own size."""
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale + 1e-12,
+                               msg=lambda m: f"{what}: {m}")  # fmt: skip
+
+
+def check_model(model, batch: dict, loss_fn, size: int, reduction: str, **hook_kwargs):
+    """grad1 of every trainable parameter equals the loop's, in float64; grad1 reduces to .grad."""
+    torch.manual_seed(0)
+    model = model.double().eval()
+    want = loop_oracle(model, batch, loss_fn, size)
+    model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, **hook_kwargs):
+        loss = loss_fn(model, batch)
+        (loss / size if reduction == "mean" else loss).backward()
+    checked = 0
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert hasattr(p, "grad1"), f"{n}: no grad1"
+        got = p.grad1
+        close(got, want[n], n)
+        close(got.sum(0) if reduction == "sum" else got.mean(0), p.grad, f"{n} .grad")
+        checked += 1
+    assert checked
+    for p in model.parameters():
+        if hasattr(p, "grad1"):
+            del p.grad1
+
+
+def lm_loss(model, batch):
+    """Next-token cross-entropy summed over positions and examples (each example's own loss is
+    its sum)."""
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**kw).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+
+
+def cls_loss(model, batch):
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    return F.cross_entropy(model(**kw).logits, batch["labels"], reduction="sum")
+
+
+def text(size, seq, *, positions=False, classes=None, decoder=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (size, seq), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if classes:
+        batch["labels"] = torch.randint(0, classes, (size,), generator=g)
+    else:
+        batch["labels"] = torch.randint(0, V, (size, seq), generator=g)
+    if positions:  # as a user passes them: one row, broadcast over the batch
+        batch["position_ids"] = torch.arange(seq)[None]
+    if decoder:
+        batch["decoder_input_ids"] = torch.randint(0, V, (size, seq), generator=g)
+    return batch
+
+
+SMALL = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+             vocab_size=V, max_position_embeddings=32)  # fmt: skip
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=V, n_positions=32,
+                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert_cls():
+    return transformers.BertForSequenceClassification(
+        transformers.BertConfig(**SMALL, **NO_DROPOUT, num_labels=3)
+    )
+
+
+def bert_mlm():  # lm_head bias under two names, decoder tied to the word embeddings
+    return transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, **NO_DROPOUT))
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=1))
+
+
+def t5():
+    cfg = transformers.T5Config(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2,
+                                vocab_size=V, dropout_rate=0.0, relative_attention_num_buckets=8)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def bart():
+    cfg = transformers.BartConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, vocab_size=V,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+def distilbert():
+    cfg = transformers.DistilBertConfig(dim=16, n_layers=2, n_heads=2, hidden_dim=24,
+                                        vocab_size=V, max_position_embeddings=32, dropout=0.0,
+                                        attention_dropout=0.0, num_labels=3)  # fmt: skip
+    return transformers.DistilBertForSequenceClassification(cfg)
+
+
+def albert():
+    cfg = transformers.AlbertConfig(**SMALL, **NO_DROPOUT, embedding_size=8,
+                                    classifier_dropout_prob=0.0, num_labels=3)  # fmt: skip
+    return transformers.AlbertForSequenceClassification(cfg)
+
+
+def roberta():
+    return transformers.RobertaForSequenceClassification(
+        transformers.RobertaConfig(**SMALL, **NO_DROPOUT, num_labels=3, pad_token_id=1)
+    )
+
+
+def deberta_v2():  # relative-position projections of a [1, 2k, H] table, a table read directly
+    cfg = transformers.DebertaV2Config(**SMALL, **NO_DROPOUT, num_labels=3, relative_attention=True,
+                                       pos_att_type=["p2c", "c2p"], max_relative_positions=8,
+                                       position_buckets=4)  # fmt: skip
+    return transformers.DebertaV2ForSequenceClassification(cfg)
+
+
+HF = {
+    # name: (model factory, loss, batch kwargs, takes position_ids)
+    "gpt2": (gpt2, lm_loss, {}, True),
+    "bert-classifier": (bert_cls, cls_loss, {"classes": 3}, True),
+    "bert-masked-lm": (bert_mlm, lm_loss, {}, True),
+    "llama": (llama, lm_loss, {}, True),
+    "t5": (t5, lm_loss, {"decoder": True}, False),
+    "bart": (bart, lm_loss, {"decoder": True}, False),
+    "distilbert": (distilbert, cls_loss, {"classes": 3}, False),
+    "albert": (albert, cls_loss, {"classes": 3}, True),
+    "roberta": (roberta, cls_loss, {"classes": 3}, False),
+    "deberta-v2": (deberta_v2, cls_loss, {"classes": 3}, False),
+}
+
+
+def _cases():
+    for name, (_, _, _, positions) in HF.items():
+        for pos in (False, True) if positions else (False,):
+            for size, seq in ((3, 5), (4, 4)):
+                for reduction in ("sum", "mean"):
+                    yield pytest.param(name, pos, size, seq, reduction,
+                                       id=f"{name}-{'position_ids' if pos else 'built'}-B{size}T{seq}-{reduction}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "positions", "size", "seq", "reduction"), list(_cases()))
+def test_hugging_face(name, positions, size, seq, reduction):
+    factory, loss_fn, kw, _ = HF[name]
+    torch.manual_seed(0)
+    check_model(factory(), text(size, seq, positions=positions, **kw), loss_fn, size, reduction)
+
+
+def test_hugging_face_internal_loss_with_labels():
+    """The model computes its own loss from labels (a mean over tokens): loss_reduction="mean"."""
+    torch.manual_seed(0)
+    model = gpt2().double().eval()
+    batch = text(3, 5)
+    ids = batch["input_ids"]
+
+    def loss(m, b):
+        return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+
+    want = loop_oracle(model, {"input_ids": ids}, loss, 3)
+    with gradhooks.add_hooks(model):
+        loss(model, {"input_ids": ids}).backward()
+    for n, p in model.named_parameters():
+        close(p.grad1, want[n], n)
+
+
+def test_gpt2_lora_adapter():
+    """GPT-2 with a PEFT LoRA adapter: only the adapter's weights are trainable."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
+                             fan_in_fan_out=True)  # fmt: skip
+    model = peft.get_peft_model(gpt2(), config)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    for reduction in ("sum", "mean"):
+        check_model(model, text(3, 5), lm_loss, 3, reduction)
+
+
+# -- nanoGPT as nanoGPT writes it -------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, block_size):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, block_size):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class NanoGPT(nn.Module):
+    """The layout of nanoGPT's GPT: learned positions looked up with arange(t), a tied output
+    layer (``wte.weight = lm_head.weight``), the loss inside when targets are given.
+    ``functional_head``: the output layer as ``F.linear(x, self.transformer.wte.weight)`` in the
+    model's own forward instead (a parameter used outside its module's call)."""
+
+    def __init__(self, vocab=V, block_size=16, n_layer=2, n_head=2, n_embd=16, functional_head=False):
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))  # fmt: skip
+        self.functional_head = functional_head
+        if not functional_head:
+            self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+            self.transformer.wte.weight = self.lm_head.weight
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        tok_emb = self.transformer.wte(idx)
+        pos_emb = self.transformer.wpe(pos)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if self.functional_head:
+            logits = F.linear(x, self.transformer.wte.weight)
+        else:
+            logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+@pytest.mark.parametrize("functional_head", [False, True], ids=["tied-lm_head", "F.linear-head"])
+@pytest.mark.parametrize("size,seq", [(3, 6), (5, 5)])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_nanogpt(functional_head, size, seq, reduction):
+    torch.manual_seed(0)
+    model = NanoGPT(functional_head=functional_head)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, V, (size, seq), generator=g)
+    targets = torch.randint(0, V, (size, seq), generator=g)
+
+    def loss(m, batch):
+        logits = m(batch["idx"])
+        return F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1), reduction="sum")
+
+    check_model(model, {"idx": idx, "targets": targets}, loss, size, reduction)
+
+
+def test_nanogpt_loss_inside():
+    """nanoGPT's own loss (the mean over the batch's tokens): loss_reduction="mean"."""
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    idx, targets = torch.randint(0, V, (4, 4)), torch.randint(0, V, (4, 4))
+    want = loop_oracle(model, {"idx": idx, "targets": targets}, lambda m, b: m(b["idx"], b["targets"])[1], 4)
+    with gradhooks.add_hooks(model):
+        model(idx, targets)[1].backward()
+    for n, p in model.named_parameters():
+        close(p.grad1, want[n], n)
+
+
+# -- timm and torchvision, where they import ----------------------------------------------------
+
+
+def _vision(module: str):
+    try:
+        return pytest.importorskip(module, reason=f"{module} is not installed")
+    except Exception as e:  # noqa: BLE001 (a build whose C ops do not load with this torch)
+        pytest.skip(f"{module} does not import with this torch build: {type(e).__name__}: {e}")
+
+
+TIMM = {
+    "vit": dict(model_name="vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
+    "swin": dict(model_name="swin_tiny_patch4_window7_224", img_size=32, patch_size=4,
+                 window_size=4, depths=(1, 1), num_heads=(2, 2), embed_dim=16),  # fmt: skip
+    "swinv2": dict(model_name="swinv2_tiny_window8_256", img_size=32, patch_size=4,
+                   window_size=4, depths=(1, 1), num_heads=(2, 2), embed_dim=16),  # fmt: skip
+    "convnext": dict(model_name="convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32)),
+    "beit": dict(model_name="beit_base_patch16_224", img_size=32, patch_size=8, depth=2,
+                 embed_dim=32, num_heads=4),  # fmt: skip
+}
+
+
+def image_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+
+
+@pytest.mark.parametrize("name", list(TIMM))
+def test_timm(name):
+    timm = _vision("timm")
+    kw = dict(TIMM[name])
+    model = timm.create_model(kw.pop("model_name"), num_classes=3, **kw)
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(3, 3, 32, 32, generator=g, dtype=D), "y": torch.tensor([0, 2, 1])}
+    check_model(model, batch, image_loss, 3, "mean")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vit", "swin_t"])
+def test_torchvision(name):
+    models = _vision("torchvision.models")
+    if name == "resnet18":
+        model = models.resnet18(num_classes=3, norm_layer=lambda c: nn.GroupNorm(2, c))
+        size = 32
+    elif name == "vit":
+        model = models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                         hidden_dim=16, mlp_dim=24, num_classes=3)  # fmt: skip
+        size = 32
+    else:
+        model = models.swin_t(num_classes=3)
+        size = 64
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(2, 3, size, size, generator=g, dtype=D), "y": torch.tensor([0, 2])}
+    check_model(model, batch, image_loss, 2, "mean")
