@@ -14,7 +14,15 @@ from . import distributed, oracle, rules  # noqa: F401  (rules: registers the bu
 from .accounting import PrivacyAccountant, noise_multiplier_for
 from .check import check_rule
 from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
-from .compat import clear_backprops, compute_grad1, disable_hooks, enable_hooks, is_supported
+from .compat import (
+    backprop_hess,
+    clear_backprops,
+    compute_grad1,
+    compute_hess,
+    disable_hooks,
+    enable_hooks,
+    is_supported,
+)
 from .dp import clip_factors, dp_sgd_step
 from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
 from .jacobian import jacobians
@@ -58,6 +66,8 @@ __all__ = [
     "disable_hooks",
     "enable_hooks",
     "is_supported",
+    "backprop_hess",
+    "compute_hess",
     # rules
     "register",
     "Registry",

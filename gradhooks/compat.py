@@ -7,6 +7,12 @@
     autograd_hacks.clear_backprops(model)
     autograd_hacks.remove_hooks(model)
 
+and its Hessian helpers, for a loss of the network's output ``[batch, classes]``::
+
+    autograd_hacks.backprop_hess(output, hess_type="CrossEntropy")  # or "LeastSquares"
+    autograd_hacks.compute_hess(model)
+    param.hess                                 # [numel, numel]: the loss's Hessian block
+
 Differences, all in the user's favour: ``grad1`` is already there after ``backward()``
 (``compute_grad1`` only confirms or corrects the loss reduction); modules called twice, tied
 weights and every layer with a rule are correct; a second backward without ``clear_backprops``
@@ -17,12 +23,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .engine import hooks_of, set_enabled
+from .engine import _ACTIVE, hooks_of, set_enabled
 from .registry import REGISTRY
 
-__all__ = ["compute_grad1", "clear_backprops", "disable_hooks", "enable_hooks", "is_supported"]
+__all__ = [
+    "compute_grad1",
+    "clear_backprops",
+    "disable_hooks",
+    "enable_hooks",
+    "is_supported",
+    "backprop_hess",
+    "compute_hess",
+]
 
 
 def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") -> None:
@@ -42,7 +58,8 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
 
 
 def clear_backprops(model: nn.Module) -> None:
-    """End the current accumulation: the next backward replaces ``grad1`` instead of adding."""
+    """End the current accumulation: the next backward replaces ``grad1`` instead of adding
+    (and the backprops :func:`backprop_hess` kept are forgotten)."""
     hooks_of(model).clear()
 
 
@@ -59,3 +76,74 @@ def enable_hooks() -> None:
 def is_supported(layer: nn.Module) -> bool:
     """Whether a rule in the default registry covers ``layer``."""
     return REGISTRY.lookup(layer) is not None
+
+
+def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquares"]) -> None:
+    """Backpropagate, from the network's ``output`` ``[batch, classes]``, the columns of the
+    square root of each example's loss Hessian with respect to it (``"CrossEntropy"``:
+    ``diag(p) - p pᵀ`` with ``p`` the softmax; ``"LeastSquares"``: the identity), one backward
+    per column, keeping every hooked model's per-example gradients of each for
+    :func:`compute_hess`. Each backward adds to ``.grad`` as autograd does; ``grad1`` is left as
+    it was. :func:`clear_backprops` forgets what was kept."""
+    if hess_type not in ("CrossEntropy", "LeastSquares"):
+        raise ValueError(f"hess_type must be 'CrossEntropy' or 'LeastSquares', got {hess_type!r}")
+    if output.dim() != 2:
+        raise ValueError(f"backprop_hess needs an output [batch, classes], got {tuple(output.shape)}")
+    n, classes = output.shape
+    with torch.no_grad():
+        if hess_type == "CrossEntropy":
+            p = F.softmax(output.detach(), dim=1)
+            hess = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]  # [n, c, c]
+            vals, vecs = torch.linalg.eigh(hess)
+            root = vecs @ torch.diag_embed(vals.clamp_min(0).sqrt()) @ vecs.transpose(1, 2)
+            columns = root.transpose(0, 1)  # [c, n, c]: column o of each example's root
+        else:
+            eye = torch.eye(classes, dtype=output.dtype, device=output.device)
+            columns = eye[:, None, :].expand(classes, n, classes)
+    handles = [h for h in list(_ACTIVE.values()) if h.active]
+    kept = {id(h): {pid: getattr(p, "grad1", None) for pid, (_, p) in h._params.items()}
+            for h in handles}  # fmt: skip
+    records = {id(h): [] for h in handles}
+    for column in columns:
+        for h in handles:
+            h.clear()
+        output.backward(column, retain_graph=True)
+        for h in handles:
+            scale = n if h.loss_reduction == "mean" else 1  # (grad1 is of a sum here)
+            records[id(h)].append({
+                pid: p.grad1.detach() / scale
+                for pid, (_, p) in h._params.items() if id(p) in {id(q) for q in h._written.values()}
+            })  # fmt: skip
+    for h in handles:
+        h.clear()
+        h._hessian_backprops.extend(records[id(h)])
+        for pid, (_, p) in h._params.items():
+            before = kept[id(h)][pid]
+            if before is None:
+                if hasattr(p, "grad1"):
+                    del p.grad1
+            else:
+                p.grad1 = before
+
+
+def compute_hess(model: nn.Module) -> None:
+    """``param.hess``, ``[numel, numel]``, for every parameter of a layer with a rule: the
+    Hessian of the loss of :func:`backprop_hess` with respect to it (its Gauss-Newton block,
+    ``Σ_{example, column} g gᵀ / batch``, which is the Hessian for a layer followed by
+    piecewise-linear activations), from the per-example gradients kept since the last
+    :func:`clear_backprops`."""
+    hooks = hooks_of(model)
+    if not hooks._hessian_backprops:
+        raise RuntimeError(
+            "compute_hess: no backprop_hess was run since add_hooks or clear_backprops; run the "
+            "forward with the hooks on, then backprop_hess(output, hess_type)"
+        )
+    for name, module in model.named_modules():
+        if not is_supported(module):
+            continue
+        for p in module.parameters(recurse=False):
+            rows = [rec[id(p)] for rec in hooks._hessian_backprops if id(p) in rec]
+            if not rows:
+                continue
+            jac = torch.stack(rows).flatten(2)  # [columns, batch, numel]
+            p.hess = torch.einsum("onp,onq->pq", jac, jac) / jac.shape[1]

@@ -274,6 +274,8 @@ class Hooks:
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
         # parameters used outside their modules' calls, by id: the sources of their uses
         self._direct: dict[int, weakref.WeakSet] = {}
+        # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
+        self._hessian_backprops: list[dict[int, Tensor]] = []
         self._direct_targets: dict[int, _Target] = {}
         self._functional_targets: dict[tuple, _Target] = {}
         for target in self._targets:
@@ -332,6 +334,7 @@ class Hooks:
         it. The current ``grad1`` tensors stay readable."""
         self._written.clear()
         self._missed.clear()
+        self._hessian_backprops.clear()
         if self._collector is not None:
             self._collector.clear()
 
@@ -2306,6 +2309,9 @@ def add_hooks(
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
 
+    Like autograd-hacks' ``add_hooks``, it turns capture back on where
+    :func:`set_enabled` (``disable_hooks()``) turned it off.
+
     Example::
 
         >>> import torch, gradhooks
@@ -2318,11 +2324,13 @@ def add_hooks(
         >>> torch.allclose(model.weight.grad1.mean(0), model.weight.grad, atol=1e-6)
         True
     """
-    return Hooks(
+    hooks = Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
         quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
         capture=capture,
     )  # fmt: skip
+    set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
+    return hooks
 
 
 def hooks_of(model: nn.Module) -> Hooks:

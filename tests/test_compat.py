@@ -86,3 +86,118 @@ def test_training_loop_with_clear_backprops():
             torch.testing.assert_close(p.grad1.mean(0), p.grad)
         autograd_hacks.clear_backprops(model)
     autograd_hacks.remove_hooks(model)
+
+
+def _jacobian(y: torch.Tensor, x: torch.Tensor, create_graph: bool = False) -> torch.Tensor:
+    """d y / d x, one backward per entry of y (as autograd-hacks' tests take it)."""
+    rows = []
+    flat = y.reshape(-1)
+    for i in range(flat.numel()):
+        (g,) = torch.autograd.grad(flat[i], x, retain_graph=True, create_graph=create_graph)
+        rows.append(g)
+    return torch.stack(rows).reshape(*y.shape, *x.shape)
+
+
+def test_more_gradients_after_disable_hooks_leave_grad1_alone():
+    """autograd-hacks' own test: after disable_hooks(), the per-example losses' Jacobian is
+    taken by more backwards through the graph recorded with the hooks on."""
+    torch.manual_seed(1)
+    model = Net().double()
+    loss_fn = nn.CrossEntropyLoss()
+    data = torch.rand(4, 1, 28, 28, dtype=torch.float64)
+    targets = torch.LongTensor(4).random_(0, 10)
+    autograd_hacks.add_hooks(model)
+    try:
+        output = model(data)
+        loss_fn(output, targets).backward(retain_graph=True)
+        autograd_hacks.compute_grad1(model)
+        autograd_hacks.disable_hooks()
+        losses = torch.stack([loss_fn(output[i : i + 1], targets[i : i + 1]) for i in range(4)])
+        for layer in model.modules():
+            if not autograd_hacks.is_supported(layer):
+                continue
+            for param in layer.parameters():
+                torch.testing.assert_close(param.grad, param.grad1.mean(dim=0))
+                torch.testing.assert_close(_jacobian(losses, param), param.grad1)
+    finally:
+        autograd_hacks.remove_hooks(model)
+        autograd_hacks.enable_hooks()
+
+
+def test_paused_and_set_enabled_stop_a_backward_of_a_captured_forward():
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with autograd_hacks.add_hooks(model) as h:
+        out = model(x)
+        out.sum().backward(retain_graph=True)
+        first = model.weight.grad1.clone()
+        with h.paused():
+            out.sum().backward(retain_graph=True)
+        with autograd_hacks.paused():
+            out.sum().backward(retain_graph=True)
+        autograd_hacks.set_enabled(False)
+        try:
+            out.sum().backward(retain_graph=True)
+        finally:
+            autograd_hacks.set_enabled(True)
+        torch.testing.assert_close(model.weight.grad1, first)
+
+
+def test_add_hooks_captures_again_after_disable_hooks():
+    autograd_hacks.disable_hooks()
+    model = nn.Linear(3, 2)
+    with autograd_hacks.add_hooks(model):
+        model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad1.shape == (4, 2, 3)
+
+
+class TinyNet(nn.Module):
+    """autograd-hacks' Hessian test network: ReLUs and max-pooling only, so each layer's
+    Hessian block is its Gauss-Newton block."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 2, 2, 1)
+        self.conv2 = nn.Conv2d(2, 2, 2, 1)
+        self.fc1 = nn.Linear(2, 2)
+        self.fc2 = nn.Linear(2, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(x, 4, 4)
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(x, 2, 2)
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2, 2)
+        x = x.view(-1, 2)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("hess_type", ["CrossEntropy", "LeastSquares"])
+def test_compute_hess_equals_autograds_hessian(hess_type):
+    torch.manual_seed(1)
+    model = TinyNet().double()
+    n = 3
+    data = torch.rand(n, 1, 28, 28, dtype=torch.float64)
+    autograd_hacks.add_hooks(model)
+    try:
+        output = model(data)
+        if hess_type == "CrossEntropy":
+            targets = torch.LongTensor(n).random_(0, 10)
+            loss = nn.CrossEntropyLoss()(output, targets)
+        else:
+            targets = torch.rand(output.shape, dtype=torch.float64)
+            loss = ((output - targets) ** 2).sum() / 2 / n
+        autograd_hacks.backprop_hess(output, hess_type=hess_type)
+        autograd_hacks.clear_backprops(model)  # forgets the first run: only the second counts
+        autograd_hacks.backprop_hess(output, hess_type=hess_type)
+        autograd_hacks.compute_hess(model)
+        autograd_hacks.disable_hooks()
+        for layer in model.modules():
+            if not autograd_hacks.is_supported(layer):
+                continue
+            for param in layer.parameters():
+                want = _jacobian(_jacobian(loss, param, create_graph=True), param)
+                torch.testing.assert_close(param.hess, want.reshape(param.hess.shape))
+    finally:
+        autograd_hacks.remove_hooks(model)
+        autograd_hacks.enable_hooks()
