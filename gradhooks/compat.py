@@ -88,7 +88,9 @@ def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquar
     if hess_type not in ("CrossEntropy", "LeastSquares"):
         raise ValueError(f"hess_type must be 'CrossEntropy' or 'LeastSquares', got {hess_type!r}")
     if output.dim() != 2:
-        raise ValueError(f"backprop_hess needs an output [batch, classes], got {tuple(output.shape)}")
+        raise ValueError(
+            f"backprop_hess needs an output [batch, classes], got {tuple(output.shape)}"
+        )
     n, classes = output.shape
     with torch.no_grad():
         if hess_type == "CrossEntropy":
@@ -138,7 +140,7 @@ def compute_hess(model: nn.Module) -> None:
             "compute_hess: no backprop_hess was run since add_hooks or clear_backprops; run the "
             "forward with the hooks on, then backprop_hess(output, hess_type)"
         )
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not is_supported(module):
             continue
         for p in module.parameters(recurse=False):

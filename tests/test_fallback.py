@@ -264,7 +264,9 @@ def test_randomness_is_a_clear_error():
         with pytest.raises(RuntimeError, match=r"'<model>' \(DroppedProduct\).*random"):
             model(torch.randn(5, 4)).sum().backward()
     model.eval()
-    check(Case("dropout_eval", lambda: DroppedProduct(4).eval(), lambda b: torch.randn(b, 4)), batch=3)
+    check(
+        Case("dropout_eval", lambda: DroppedProduct(4).eval(), lambda b: torch.randn(b, 4)), batch=3
+    )
 
 
 def test_dropout_after_an_elementwise_weight_keeps_the_forwards_mask():

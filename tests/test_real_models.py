@@ -42,8 +42,12 @@ def loop_oracle(model, batch: dict, loss_fn, size: int) -> dict[str, torch.Tenso
     with gradhooks.paused():
         for b in range(size):
             one = {k: v[b : b + 1] if _per_example(k, v, size) else v for k, v in batch.items()}
-            grads = torch.autograd.grad(loss_fn(model, one), [p for _, p in params], allow_unused=True)
-            rows.append([torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)])
+            grads = torch.autograd.grad(
+                loss_fn(model, one), [p for _, p in params], allow_unused=True
+            )
+            rows.append(
+                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
+            )
     return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
 
 
@@ -90,7 +94,9 @@ def lm_loss(model, batch):
     its sum)."""
     kw = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**kw).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum"
+    )
 
 
 def cls_loss(model, batch):
@@ -292,7 +298,9 @@ class NanoGPT(nn.Module):
     ``functional_head``: the output layer as ``F.linear(x, self.transformer.wte.weight)`` in the
     model's own forward instead (a parameter used outside its module's call)."""
 
-    def __init__(self, vocab=V, block_size=16, n_layer=2, n_head=2, n_embd=16, functional_head=False):
+    def __init__(
+        self, vocab=V, block_size=16, n_layer=2, n_head=2, n_embd=16, functional_head=False
+    ):
         super().__init__()
         self.block_size = block_size
         self.transformer = nn.ModuleDict(dict(
@@ -326,7 +334,9 @@ class NanoGPT(nn.Module):
             logits = self.lm_head(x)
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+        )
 
 
 @pytest.mark.parametrize("functional_head", [False, True], ids=["tied-lm_head", "F.linear-head"])
@@ -351,7 +361,9 @@ def test_nanogpt_loss_inside():
     torch.manual_seed(0)
     model = NanoGPT().double()
     idx, targets = torch.randint(0, V, (4, 4)), torch.randint(0, V, (4, 4))
-    want = loop_oracle(model, {"idx": idx, "targets": targets}, lambda m, b: m(b["idx"], b["targets"])[1], 4)
+    want = loop_oracle(
+        model, {"idx": idx, "targets": targets}, lambda m, b: m(b["idx"], b["targets"])[1], 4
+    )
     with gradhooks.add_hooks(model):
         model(idx, targets)[1].backward()
     for n, p in model.named_parameters():
@@ -370,13 +382,33 @@ def _vision(module: str):
 
 TIMM = {
     "vit": dict(model_name="vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
-    "swin": dict(model_name="swin_tiny_patch4_window7_224", img_size=32, patch_size=4,
-                 window_size=4, depths=(1, 1), num_heads=(2, 2), embed_dim=16),  # fmt: skip
-    "swinv2": dict(model_name="swinv2_tiny_window8_256", img_size=32, patch_size=4,
-                   window_size=4, depths=(1, 1), num_heads=(2, 2), embed_dim=16),  # fmt: skip
+    "swin": dict(
+        model_name="swin_tiny_patch4_window7_224",
+        img_size=32,
+        patch_size=4,
+        window_size=4,
+        depths=(1, 1),
+        num_heads=(2, 2),
+        embed_dim=16,
+    ),  # fmt: skip
+    "swinv2": dict(
+        model_name="swinv2_tiny_window8_256",
+        img_size=32,
+        patch_size=4,
+        window_size=4,
+        depths=(1, 1),
+        num_heads=(2, 2),
+        embed_dim=16,
+    ),  # fmt: skip
     "convnext": dict(model_name="convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32)),
-    "beit": dict(model_name="beit_base_patch16_224", img_size=32, patch_size=8, depth=2,
-                 embed_dim=32, num_heads=4),  # fmt: skip
+    "beit": dict(
+        model_name="beit_base_patch16_224",
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        embed_dim=32,
+        num_heads=4,
+    ),  # fmt: skip
 }
 
 
