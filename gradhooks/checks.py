@@ -224,6 +224,15 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
     tol = 10 * _tol(next(iter(written.values())).grad1.dtype)
     norm = ref.norm().item()
     if norm == 0:
+        if got.norm().item() > 0:
+            report.problems.append(
+                f"the first {k} examples' own losses, each computed on its own, have no "
+                "gradient, but their rows of grad1 do: the loss couples the examples of the "
+                "batch (a contrastive or InfoNCE loss, a loss over the batch's statistics), so "
+                "no example has a loss of its own and grad1 holds each example's share of the "
+                "batch loss's gradient, not a per-example gradient. For DP-SGD, clip a loss "
+                "that is a sum over examples."
+            )
         return
 
     def close(factor: float) -> bool:
@@ -249,7 +258,8 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
         f"loss_reduction={hooks.loss_reduction!r}, batch {batch}): the loss may be scaled "
         "(divided by the number of micro-batches, or a mean over more than the batch), grad1 "
         "may hold several backwards (call h.clear() between steps), the examples may not be "
-        "independent (batch statistics), the model may be random (dropout: check in eval "
+        "independent (batch statistics, or a loss that couples them: contrastive, InfoNCE), "
+        "the model may be random (dropout: check in eval "
         "mode), or loss_fn / inputs differ from those of the captured backward"
     )
 

@@ -117,6 +117,8 @@ class _Backward:
     memory_checked: bool = False
     derived: str | None = None  # a call it reached through an earlier create_graph backward
     pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
+    verify: frozenset = frozenset()  # the forwards' signatures this backward verifies
+    grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
 
 
 class _Sums(dict):
@@ -210,6 +212,7 @@ class Hooks:
         batch_dim: int | str | None = "auto",
         max_grad1_bytes: int | str | None = "auto",
         capture: Capture = "always",
+        verify: bool = True,
     ) -> None:
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
@@ -257,12 +260,6 @@ class Hooks:
         # the bookkeeping of backwards (which parameters each computes) is off for the
         # Jacobians and kfac(), whose backwards run under vmap and write no grad1
         self._track = not {"_jacobian", "_vmapped"} & set(quantities)
-        self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
-        covered = {id(q) for t in self._targets for q in t.params.values()}
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) in covered and id(p) not in self._params:
-                self._params[id(p)] = (name, p)
-        self._numel = sum(p.numel() for _, p in self._params.values())
         self._handles = [
             model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
         ]
@@ -278,9 +275,32 @@ class Hooks:
         self._hessian_backprops: list[dict[int, Tensor]] = []
         self._direct_targets: dict[int, _Target] = {}
         self._functional_targets: dict[tuple, _Target] = {}
+        self._target_handles: list = []
+        # the last line of defence (_verify): signatures of the calls of a forward
+        self.verify = verify
+        self._verified: set[tuple] = set()
+        self._unverified: set[tuple] = set()
+        self._exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
+        self._install(model)
+        self._handles.append(
+            model.register_forward_hook(
+                _Hook(self._on_root_post), with_kwargs=True, always_call=True
+            )
+        )
+        _ACTIVE[model] = self
+
+    def _install(self, model: nn.Module) -> None:
+        """Hook every planned module and every trainable parameter they cover."""
+        self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
+        covered = {id(q) for t in self._targets for q in t.params.values()}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) in covered and id(p) not in self._params:
+                self._params[id(p)] = (name, p)
+        self._numel = sum(p.numel() for _, p in self._params.values())
+        handles = self._target_handles
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
-            self._handles.append(
+            handles.append(
                 target.module.register_forward_pre_hook(
                     _Hook(self._enter_hook(target)), with_kwargs=True
                 )
@@ -288,24 +308,51 @@ class Hooks:
             handle = target.module.register_forward_hook(
                 _Hook(self._forward_hook(target)), with_kwargs=True, always_call=True
             )
-            self._handles.append(handle)
+            handles.append(handle)
             if detaches:
-                self._handles.append(
+                handles.append(
                     target.module.register_forward_pre_hook(
                         _Hook(self._detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
-        self._handles.append(
-            model.register_forward_hook(
-                _Hook(self._on_root_post), with_kwargs=True, always_call=True
-            )
-        )
         if self._track:
             for pid, (name, p) in self._params.items():
-                self._handles.append(p.register_hook(self._param_hook(pid, name)))
-        _ACTIVE[model] = self
+                handles.append(p.register_hook(self._param_hook(pid, name)))
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
+        self._structure = _structure(model)
+
+    def _follow_changes(self, model: nn.Module) -> None:
+        """At each forward: where modules were added, swapped or removed, or parameters frozen
+        or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
+        too); after :meth:`clear`, a parameter that is no longer trainable loses its
+        ``grad1``."""
+        if _structure(model) == self._structure:
+            return
+        before = dict(self._params)
+        for h in self._target_handles:
+            h.remove()
+        self._target_handles = []
+        for t in self._targets:
+            if _HOOKED_MODULES.get(t.module) is self:
+                del _HOOKED_MODULES[t.module]
+        self._targets = _plan(model, self.registry, self.unsupported)
+        for t in self._targets:
+            other = _HOOKED_MODULES.get(t.module)
+            if other is not None and other is not self:
+                raise RuntimeError(
+                    f"module '{t.name}' ({type(t.module).__qualname__}), added after add_hooks, "
+                    f"is already hooked by another gradhooks handle ({other!r}); remove those "
+                    "hooks first."
+                )
+        self._install(model)
+        if self._collector is not None:
+            for name, p in model.named_parameters():
+                self._collector.names.setdefault(id(p), name)
+        if not self._written:  # (cleared since the last backward)
+            for pid, (_, p) in before.items():
+                if pid not in self._params and hasattr(p, "grad1"):
+                    del p.grad1
 
     # -- public -------------------------------------------------------------------------------
 
@@ -470,9 +517,10 @@ class Hooks:
         if self._removed:
             return
         self._removed = True
-        for h in self._handles:
+        for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
+        self._target_handles.clear()
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]
@@ -1267,6 +1315,8 @@ class Hooks:
             return
         for pname, p in live.items():
             piece = pieces[pname]
+            if not piece.sums_to_grad:
+                self._exempt.add(id(p))
             qualname = f"{target.name}.{pname}" if target.name else pname
             if bw is not None and id(p) not in bw.before:
                 # kept for a rollback; a kept grad1 is then never written in place
@@ -1373,6 +1423,7 @@ class Hooks:
             return
         if _graph_task() == -1:
             self._drop_stale()
+        self._follow_changes(module)
         leaves = [t for t in [*_leaves(args), *_leaves(kwargs)] if isinstance(t, Tensor)]
         if not leaves or self.batch_dim is None:
             return
@@ -1426,6 +1477,11 @@ class Hooks:
             return
         frame = self._frames.pop()
         self._stop_tracker(frame)
+        if frame.signature:
+            sig = tuple(frame.signature)
+            if sig not in self._verified:
+                self._verified.add(sig)  # (verified by the next backward that captures)
+                self._unverified.add(sig)
         if self.batch_dim == "auto" and frame.sizes:
             frame.sizes.update(
                 n for t in _leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
@@ -1442,6 +1498,8 @@ class Hooks:
         bw = self._tasks.get(task)
         if bw is None:
             bw = self._tasks[task] = _Backward(set(), set(), {}, [])
+            if self.verify and self._grad1 and self._unverified:
+                bw.verify = frozenset(self._unverified)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )
@@ -1455,6 +1513,10 @@ class Hooks:
                 self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
+            if bw.verify and self._capturing_backward():
+                # (a copy: autograd may take this very tensor as .grad, which DDP then
+                # all-reduces in place)
+                bw.grads[pid] = grad.detach().clone()
             if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
                 bw.missed.append(name)
 
@@ -1520,6 +1582,8 @@ class Hooks:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()
+        if bw.verify and bw.grads and bw.reached:
+            self._verify(bw)
         if bw.missed:
             for name in bw.missed:
                 self._missed[name] = None
@@ -1533,6 +1597,56 @@ class Hooks:
                 GradhooksWarning,
                 stacklevel=2,
             )
+
+    def _verify(self, bw: _Backward) -> None:
+        """The last line of defence, on the first backward of each new set of calls: every
+        parameter's ``grad1`` of this backward reduces to the gradient autograd computed for it
+        (a use of a parameter that the hooks did not see would show here). A mismatch undoes the
+        backward's ``grad1`` and raises, naming the parameters."""
+        wrong = []
+        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
+        # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
+        # the model's scale, not its own rounding)
+        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        for pid, grad in grads.items():
+            name, p = self._params[pid]
+            if pid in self._exempt:
+                continue
+            g1 = getattr(p, "grad1", None) if pid in self._written else None
+            if g1 is not None and pid in bw.before and bw.before[pid] is not None:
+                g1 = g1 - bw.before[pid]
+            elif pid not in bw.before:
+                g1 = None  # (not written by this backward)
+            if g1 is None:
+                got = torch.zeros_like(grad)
+            else:
+                g1 = g1.detach()
+                got = g1.mean(0) if self.loss_reduction == "mean" else g1.sum(0)
+            want = grad.to(got.dtype)
+            if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
+                continue
+            # float32: room for lower-precision matrix products under autocast
+            tol = {torch.float64: 1e-6, torch.float32: 2e-2}.get(want.dtype, 1e-1)
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            diff = float((got - want).abs().max()) if want.numel() else 0.0
+            if diff > tol * scale + 1e-3 * tol * overall and diff > 0:
+                wrong.append(f"'{name}' (differs by {diff:.2e}, largest {scale:.2e})")
+        if wrong:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+            raise RuntimeError(
+                f"gradhooks: grad1 does not add up ({self.loss_reduction} over the batch) to the "
+                f"gradient autograd computed in the same backward, for {', '.join(wrong[:5])}"
+                f"{f' and {len(wrong) - 5} more' if len(wrong) > 5 else ''}. Its grad1 was not "
+                "written. Either a use of the parameter that the hooks did not see (a custom "
+                "operation or kernel: register a rule for the module), or a term of the loss "
+                "that does not come from the examples (weight decay or a penalty added to the "
+                "loss: add its gradient to .grad yourself, or pass add_hooks(..., "
+                "verify=False) to keep grad1 of the per-example terms alone). This is checked "
+                "on the first backward of each new set of layer calls."
+            )
+        self._unverified -= bw.verify
 
     def _rollback(self, bw: _Backward) -> None:
         """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
@@ -1977,6 +2091,14 @@ def _used_by_fallback(target: _Target, live: dict, used, tracker: Tracker, outpu
     return kept
 
 
+def _structure(model: nn.Module) -> tuple:
+    """What the hooks were planned for: the modules, and which parameters are trainable."""
+    return (
+        tuple(map(id, model.modules())),
+        tuple(id(p) for p in model.parameters() if p.requires_grad),
+    )
+
+
 def _owner_name(name: str) -> tuple[str, str]:
     prefix, _, leaf = name.rpartition(".")
     return prefix, leaf
@@ -2265,6 +2387,7 @@ def add_hooks(
     batch_dim: int | str | None = "auto",
     max_grad1_bytes: int | str | None = "auto",
     capture: Capture = "always",
+    verify: bool = True,
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -2305,6 +2428,11 @@ def add_hooks(
             that computes none of the model's parameter gradients (``torch.autograd.grad``
             with respect to the input only) leaves ``grad1`` as it was. ``"marked"``:
             only backwards run inside ``with h.capturing():``.
+        verify: on the first backward of each new set of layer calls (the first step, a new
+            sequence length), check that every parameter's ``grad1`` adds up to the gradient
+            autograd computed, and raise, naming the parameters, where it does not (a use the
+            hooks did not see; a loss term that is not per example, such as weight decay
+            added to the loss: ``verify=False`` keeps ``grad1`` of the per-example terms).
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -2327,7 +2455,7 @@ def add_hooks(
     hooks = Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
         quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
-        capture=capture,
+        capture=capture, verify=verify,
     )  # fmt: skip
     set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
     return hooks

@@ -1184,6 +1184,10 @@ class Tracker(TorchFunctionMode):
         tainted = [t for t in tainted if srcs[t]]
         if not tainted:
             return out
+        if name in _POINTWISE_SET and all(o.dim() == 0 for o in outs):
+            for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
+                s.uses.append(("loss", name))  # decay): no example's; not delivered
+            return out
         if any(lay is None or lay is UNKNOWN for lay in lays) or _is_inplace(name):
             why = (
                 f"'{name}' combines it with the batch in a way gradhooks cannot follow"

@@ -32,7 +32,14 @@ __all__ = ["Piece", "Outer", "Direct", "Rows"]
 
 
 class Piece:
-    """One parameter's contribution from one call of a layer."""
+    """One parameter's contribution from one call of a layer.
+
+    ``sums_to_grad``: the per-example gradients add up to the call's share of ``.grad`` (false
+    only where a layer defines them otherwise: an Embedding that scales by each example's own
+    counts, ``scale_grad_by_freq``); the engine's check of ``grad1`` against ``.grad`` skips
+    the parameter otherwise."""
+
+    sums_to_grad: ClassVar[bool] = True
 
     @property
     def batch_size(self) -> int:

@@ -169,3 +169,39 @@ def test_an_owned_call_leaves_no_graph_behind(quantity):
         gc.collect()
         nodes = [o for o in gc.get_objects() if type(o).__name__ == "_AttachAllBackward"]
     assert not nodes, f"{len(nodes)} _AttachAll nodes alive after 3 steps"
+
+
+def test_a_layer_added_or_swapped_after_add_hooks_gets_grad1():
+    """The hooks follow the model: a layer swapped in, and one added, after add_hooks."""
+    from gradhooks.oracle import vmap_grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh()).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(out, target=None):
+        return out.pow(2).sum()
+
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        loss(model(x)).backward()
+        model[0] = nn.Linear(3, 4).double()  # swapped
+        model.append(nn.Linear(4, 2).double())  # added
+        h.clear()
+        loss(model(x)).backward()
+        want = vmap_grad(model, loss, x)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, want[name], msg=name)
+
+
+def test_a_parameter_frozen_between_steps_loses_its_grad1_after_clear():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with gradhooks.add_hooks(model) as h:
+        model(x).sum().backward()
+        assert model[0].weight.grad1.shape == (5, 4, 3)
+        model[0].weight.requires_grad_(False)
+        h.clear()
+        model(x).sum().backward()
+        assert not hasattr(model[0].weight, "grad1")
+        assert model[0].bias.grad1.shape == (5, 4)

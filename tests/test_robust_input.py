@@ -56,10 +56,18 @@ def test_check_says_which_reduction_the_loss_used(declared, real):
 
 
 def test_check_reports_a_loss_term_that_bypasses_the_layers():
+    """Weight decay added to the loss is no example's: the first backward says so (and writes
+    no grad1); with verify=False grad1 keeps the per-example terms, and check() reports it."""
     model = mlp()
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(model) as h:
         loss = sq(model(x)) / 4 + 0.1 * model[0].weight.pow(2).sum()  # weight decay in the loss
+        with pytest.raises(RuntimeError, match=r"'0.weight'.*weight decay"):
+            loss.backward()
+        assert not hasattr(model[0].weight, "grad1")
+    model.zero_grad()
+    with gradhooks.add_hooks(model, verify=False) as h:
+        loss = sq(model(x)) / 4 + 0.1 * model[0].weight.pow(2).sum()
         loss.backward()
         report = h.check(raise_on_error=False)
     assert len(report.problems) == 1 and "'0.weight'" in report.problems[0]
@@ -348,3 +356,23 @@ def test_exception_in_the_backward_leaves_no_stale_state(where):
         assert_matches(m, want, "after a failed backward")
         norms = torch.cat([want[n].flatten(1) for n in want], 1).norm(dim=1)
         assert_close(h.norms(), norms, "norms after a failed backward")
+
+
+def test_check_flags_a_loss_that_couples_the_examples():
+    """An InfoNCE loss: each example alone has a loss of 0 (nothing to contrast with), so the
+    per-example recomputation has no gradient while grad1 does: check() says so."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(6, 4, dtype=D)
+    noise = 0.1 * torch.randn(6, 4, dtype=D)
+
+    def info_nce(z, target=None):
+        with gradhooks.paused():
+            z2 = model(x[: z.shape[0]] + noise[: z.shape[0]]).detach()
+        logits = F.normalize(z, dim=1) @ F.normalize(z2, dim=1).T
+        return F.cross_entropy(logits / 0.1, torch.arange(z.shape[0]))
+
+    with gradhooks.add_hooks(model) as h:
+        info_nce(model(x)).backward()
+        with pytest.raises(RuntimeError, match="couples the examples"):
+            h.check(info_nce, x)

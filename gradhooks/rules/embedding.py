@@ -48,11 +48,10 @@ def embedding(call: Call) -> dict[str, Rows]:
         g = g / counts.gather(1, idx)[..., None]
     positions = idx.shape[1]
     example = torch.arange(batch, device=idx.device).repeat_interleave(positions)
-    return {
-        "weight": Rows(
-            example, idx.reshape(-1), g.reshape(-1, dim), batch, m.num_embeddings, positions
-        )
-    }
+    piece = Rows(example, idx.reshape(-1), g.reshape(-1, dim), batch, m.num_embeddings, positions)
+    if m.scale_grad_by_freq:
+        piece.sums_to_grad = False  # (each example's own counts: not the batch's)
+    return {"weight": piece}
 
 
 def bags(m: nn.EmbeddingBag, idx: Tensor, offsets: Tensor | None):
