@@ -995,8 +995,10 @@ class Hooks:
         spec = self.registry.function(name)
         if spec is None:
             return NotImplemented
-        entry, roles = spec
-        x = args[0] if args else kwargs.get("input")
+        entry, roles, (in_pos, in_key), applies = spec
+        if not applies(args, kwargs):
+            return NotImplemented
+        x = args[in_pos] if len(args) > in_pos else kwargs.get(in_key)
         lay = tracker.layout(x)
         if lay is None or lay is UNKNOWN or lay is PACKED:
             return NotImplemented
@@ -1497,8 +1499,12 @@ class Hooks:
         task = _graph_task()
         bw = self._tasks.get(task)
         if bw is None:
+            nested = bool(self._tasks)  # (a backward inside another: reentrant checkpointing)
             bw = self._tasks[task] = _Backward(set(), set(), {}, [])
-            if self.verify and self._grad1 and self._unverified:
+            if nested:  # their gradients are split between the two: not verified
+                for other in self._tasks.values():
+                    other.verify = frozenset()
+            elif self.verify and self._grad1 and self._unverified:
                 bw.verify = frozenset(self._unverified)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)

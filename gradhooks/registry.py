@@ -108,7 +108,7 @@ class CallBatch:
 
 Rule = Callable[[Call], Mapping[str, Piece]]
 # torch function name -> (module type whose rule captures it, its parameters' arguments)
-_FUNCTIONS: dict[str, tuple[type, dict[str, tuple[int, str]]]] = {}
+_FUNCTIONS: dict[str, tuple[Any, dict[str, tuple[int, str]], tuple[int, str], Callable]] = {}
 BatchDim = int | Callable[[nn.Module], int] | str
 
 
@@ -231,21 +231,27 @@ class Registry:
         del self._rules[t]
 
     def register_function(
-        self, name: str, module_type: type[nn.Module], params: dict[str, tuple[int, str]]
+        self,
+        name: str,
+        rule: Rule,
+        params: dict[str, tuple[int, str]],
+        input: tuple[int, str] = (0, "input"),
+        applies: Callable[[tuple, dict], bool] = lambda args, kwargs: True,
     ) -> None:
-        """Capture the torch function ``name`` with ``module_type``'s rule where a parameter is
-        passed to it outside its module's call (``F.linear(h, self.wte.weight)``, a tied output
-        layer): ``params`` maps the rule's parameter names to the function's arguments,
-        ``(position, keyword)``. Its first argument is the call's input. The map is shared by
-        every registry; each uses its own rule for ``module_type``."""
-        _FUNCTIONS[name] = (module_type, dict(params))
+        """Capture a call of the torch function ``name`` with ``rule`` where a parameter is
+        passed to it directly, outside its module's call (``F.linear(h, self.wte.weight)``, a
+        tied output layer; ``torch.addmm(self.bias, x, self.weight)``, Hugging Face's
+        ``Conv1D``): ``params`` maps the rule's parameter names to the function's arguments
+        ``(position, keyword)``, ``input`` is the argument the rule receives as
+        ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a form the rule does not
+        cover. The rule is position-wise (``batch_dim="positions"``). Shared by every
+        registry."""
+        entry = _Entry(rule, False, False, batch_dim="positions")
+        _FUNCTIONS[name] = (entry, dict(params), input, applies)
 
-    def function(self, name: str) -> tuple[_Entry, dict[str, tuple[int, str]]] | None:
-        """The entry and argument map for the torch function ``name``, or ``None``."""
-        spec = _FUNCTIONS.get(name)
-        if spec is None or spec[0] not in self._rules:
-            return None
-        return self._rules[spec[0]], spec[1]
+    def function(self, name: str):
+        """``(entry, params, input, applies)`` for the torch function ``name``, or ``None``."""
+        return _FUNCTIONS.get(name)
 
     def lookup(self, module: nn.Module) -> _Entry | None:
         """The entry for this module, or ``None`` when no rule covers it."""

@@ -41,4 +41,22 @@ def linear(call: Call) -> dict[str, Outer]:
     return {"weight": Outer(_positions(x), g), "bias": Outer(None, g)}
 
 
-REGISTRY.register_function("linear", nn.Linear, {"weight": (1, "weight"), "bias": (2, "bias")})
+REGISTRY.register_function("linear", linear, {"weight": (1, "weight"), "bias": (2, "bias")})
+
+
+def addmm(call: Call) -> dict[str, Outer]:
+    """``torch.addmm(bias, x, weight)``: a Linear with its weight ``[in, out]`` (Hugging Face's
+    ``Conv1D``): ``grad1[b] = Σ_s x[b, s]ᵀ g[b, s]``, ``[in, out]``."""
+    (x,) = call.inputs
+    g = _positions(call.grad_output)
+    return {"weight": Outer(g, _positions(x)), "bias": Outer(None, g)}
+
+
+def _plain_addmm(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1 and len(args) == 3
+
+
+REGISTRY.register_function(
+    "addmm", addmm, {"bias": (0, "input"), "weight": (2, "mat2")}, input=(1, "mat1"),
+    applies=_plain_addmm,
+)  # fmt: skip
