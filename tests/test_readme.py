@@ -31,6 +31,9 @@ RUNNER = """
 import json, sys, warnings
 import gradhooks
 warnings.simplefilter("error", gradhooks.GradhooksWarning)
+# (a library's notice of its own deprecations, not the README's code: peft calls an API of
+# transformers' that warns so)
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\\.")
 namespace = {"__name__": "__main__"}
 for line, code in json.load(sys.stdin):
     exec(compile("\\n" * (line - 1) + code, "README.md", "exec"), namespace)
