@@ -79,6 +79,11 @@ def dp_sgd_step(
             seed it differently every step, and keep the seed secret, as in one process.
         group: the process group (default: the whole world).
 
+    A model sharded with FSDP2 (``fully_shard``, per layer and at the root; hook it with
+    ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
+    exact, the clipped sums are formed whole from the kept layer inputs and output-gradients,
+    all-reduced, and each rank keeps its shard as the sharded parameter's ``.grad``.
+
     Returns:
         This rank's per-example gradient norms before clipping, ``[local_batch]``.
 
@@ -90,13 +95,15 @@ def dp_sgd_step(
                                           generator=gen)  # gen: used on rank 0 only
         optimizer.step()                                  # the same step on every rank
     """
-    _dp._check_expected_batch_size(expected_batch_size, reduction)
-    norms = _dp.dp_sgd_step(
-        hooks, per_example_loss, max_norm=max_norm, noise_multiplier=0.0, reduction="sum",
-        method=method,
-    )  # fmt: skip
+    method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     params = _dp._covered_params(hooks)
-    grads = [p.grad for p in params]  # this rank's clipped sums
+    if hooks._sharded and method == "ghost":
+        raise ValueError(
+            "gradhooks.distributed.dp_sgd_step(method='ghost') on a model sharded by FSDP2: "
+            "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
+            "inputs and output-gradients)"
+        )
+    norms, grads = _dp._clipped_sums(hooks, per_example_loss, max_norm, method, params)
     std = noise_multiplier * max_norm
     if std > 0 and dist.get_rank(group) == 0:  # once, before the sum: every rank gets it
         for p, g in zip(params, grads, strict=True):
@@ -106,8 +113,20 @@ def dp_sgd_step(
     )
     denom = _dp._denominator(total_batch, reduction, expected_batch_size)
     for p, g in zip(params, grads, strict=True):
-        p.grad = g / denom
-    return norms
+        p.grad = _like(p, (g / denom).detach())
+    return norms.detach()
+
+
+def _like(p: Tensor, full: Tensor) -> Tensor:
+    """``full`` (the same on every rank) as ``p``'s gradient: itself, or, for a parameter
+    sharded by FSDP2 (a DTensor), this rank's shard of it, placed like ``p``."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    # every rank holds the whole sum: each keeps its own shard, no communication
+    return distribute_tensor(full.to(p.dtype), mesh, p.placements, src_data_rank=None)
 
 
 def _names(hooks: Hooks, params: Sequence[nn.Parameter]) -> list[str]:

@@ -98,6 +98,28 @@ def dp_sgd_step(
         >>> norms.shape, model.weight.grad.shape
         (torch.Size([8]), torch.Size([3, 4]))
     """
+    method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
+    params = _covered_params(hooks)
+    if hooks._sharded:
+        raise ValueError(
+            "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
+            "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
+        )
+    norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params)
+    std = noise_multiplier * max_norm
+    denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
+    for p, c in zip(params, clipped, strict=True):
+        if std > 0:
+            c = c + std * gaussian(p, generator)
+        p.grad = (c / denom).detach()
+    return norms.detach()
+
+
+def _checked(
+    hooks: Hooks, per_example_loss: Tensor, method: str | None, reduction: str,
+    expected_batch_size: float | None,
+) -> str:  # fmt: skip
+    """The method to use, after checking the arguments of a DP-SGD step."""
     if method is None:
         method = "grad1" if "grad1" in hooks.quantities else "bookkeeping"
     if method not in ("grad1", "ghost", "bookkeeping"):
@@ -116,12 +138,21 @@ def dp_sgd_step(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
             "loss with reduction='none' (and sum any other dimension per example)"
         )
-    params = _covered_params(hooks)
+    return method
+
+
+def _clipped_sums(
+    hooks: Hooks, per_example_loss: Tensor, max_norm: float, method: str, params: list
+) -> tuple[Tensor, list[Tensor]]:
+    """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
+    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples."""
     batch = per_example_loss.shape[0]
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
+    # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
+    wrt = [hooks._current.get(id(p), p) for p in params]
     hooks.clear()
     if method == "grad1":
-        torch.autograd.grad(loss, params, allow_unused=True)
+        torch.autograd.grad(loss, wrt, allow_unused=True)
         grads1 = [getattr(p, "grad1", None) if id(p) in hooks._written else None for p in params]
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
@@ -130,14 +161,14 @@ def dp_sgd_step(
         norms = sq.sqrt()
         factors = clip_factors(norms, max_norm)
         clipped = [
-            torch.zeros_like(p) if g is None else torch.einsum("b,b...->...", factors, g)
+            _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
             for p, g in zip(params, grads1, strict=True)
         ]
     elif method == "bookkeeping":
         kept = hooks._collector.keep = []
         hooks._no_param_grads = True  # this backward's own parameter gradients are not used
         try:
-            torch.autograd.grad(loss, params, allow_unused=True)
+            torch.autograd.grad(loss, wrt, allow_unused=True)
         finally:
             hooks._collector.keep = None
             hooks._no_param_grads = False
@@ -149,28 +180,23 @@ def dp_sgd_step(
                 s = P.batch_sum(pieces[pname], p.shape, factors * scale).to(p.dtype)
                 sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
         del kept
-        clipped = [sums[id(p)] if id(p) in sums else torch.zeros_like(p) for p in params]
+        clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
     else:
-        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True)
         norms = _captured_norms(hooks, per_example_loss)
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:
-            grads = torch.autograd.grad(
-                (factors * per_example_loss).sum(), params, allow_unused=True
-            )
+            grads = torch.autograd.grad((factors * per_example_loss).sum(), wrt, allow_unused=True)
         finally:
             hooks._ignore_backward = False
-        clipped = [
-            torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
-        ]
-    std = noise_multiplier * max_norm
-    denom = _denominator(batch, reduction, expected_batch_size)
-    for p, c in zip(params, clipped, strict=True):
-        if std > 0:
-            c = c + std * gaussian(p, generator)
-        p.grad = (c / denom).detach()
-    return norms.detach()
+        clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    return norms, clipped
+
+
+def _zeros(p: Tensor) -> Tensor:
+    """Zeros of ``p``'s full shape, as a plain tensor (also for a DTensor)."""
+    return torch.zeros(p.shape, dtype=p.dtype, device=p.device)
 
 
 def _check_expected_batch_size(expected_batch_size: float | None, reduction: str) -> None:
@@ -200,8 +226,8 @@ def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
 
 
 def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Standard normal noise shaped, typed and placed like ``p``, drawn from ``generator``
-    (one parameter after the other, in the order of :func:`_covered_params`)."""
+    """Standard normal noise of ``p``'s full shape and dtype (also for a DTensor), drawn from
+    ``generator`` (one parameter after the other, in the order of :func:`_covered_params`)."""
     noise = torch.randn(
         p.shape, generator=generator, dtype=p.dtype,
         device=generator.device if generator is not None else p.device,

@@ -276,6 +276,18 @@ class Hooks:
         self._direct_targets: dict[int, _Target] = {}
         self._functional_targets: dict[tuple, _Target] = {}
         self._target_handles: list = []
+        # parameters sharded by FSDP2 (DTensors): per-example norms only, no grad1
+        self._sharded = _sharded_ids(model)
+        self._current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
+        if self._sharded and self._grad1:
+            name = next(n for n, p in model.named_parameters() if id(p) in self._sharded)
+            raise ValueError(
+                f"'{name}' is sharded by FSDP2 (a DTensor): its grad1 would be [batch, *full "
+                "shape] on every rank, which is what sharding avoids, so gradhooks does not form "
+                "it. Use add_hooks(model, quantities=('norms',)) and "
+                "gradhooks.distributed.dp_sgd_step (per-example norms, clipping and noise, the "
+                "clipped sum sharded like the parameter)."
+            )
         # the last line of defence (_verify): signatures of the calls of a forward
         self.verify = verify
         self._verified: set[tuple] = set()
@@ -317,17 +329,18 @@ class Hooks:
                 )
         if self._track:
             for pid, (name, p) in self._params.items():
-                handles.append(p.register_hook(self._param_hook(pid, name)))
+                if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
+                    handles.append(p.register_hook(self._param_hook(pid, name)))
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
-        self._structure = _structure(model)
+        self._structure = _structure(model, bool(self._sharded))
 
     def _follow_changes(self, model: nn.Module) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``."""
-        if _structure(model) == self._structure:
+        if _structure(model, bool(self._sharded)) == self._structure:
             return
         before = dict(self._params)
         for h in self._target_handles:
@@ -679,14 +692,36 @@ class Hooks:
         own = list(target.params.values())
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module is not target.module:
+                return
+            now = own
+            if self._sharded:
+                now = self._unsharded(target)
             tracker = self._tracker()
-            if tracker is not None and module is target.module:
-                tracker.enter_call(own, module, soft=target.entry is FALLBACK)
+            if tracker is not None:
+                tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
 
     def _tracker(self) -> Tracker | None:
         return self._frames[-1].tracker if self._frames else None
+
+    def _unsharded(self, target: _Target) -> list[nn.Parameter]:
+        """A module sharded by FSDP2 holds, while it runs, unsharded parameters in place of
+        the sharded ones the hooks were planned with: the parameters its call uses now, each
+        known to the tracker under its sharded one's name (and kept for the DP step's
+        backward, :func:`gradhooks.dp_sgd_step`)."""
+        slots = dict(target.module.named_parameters(remove_duplicate=False))
+        now = []
+        for name, planned in target.params.items():
+            current = slots.get(name, planned)
+            now.append(current)
+            if current is not planned:
+                self._current[id(planned)] = current
+                tracker = self._tracker()
+                if tracker is not None and id(planned) in self._params:
+                    tracker.params[id(current)] = (self._params[id(planned)][0], planned)
+        return now
 
     def _forward_hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -1584,7 +1619,7 @@ class Hooks:
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
-        if bw.reached and not bw.computed and not self._no_param_grads:
+        if bw.reached and not bw.computed and not self._no_param_grads and not self._sharded:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()
@@ -2097,12 +2132,23 @@ def _used_by_fallback(target: _Target, live: dict, used, tracker: Tracker, outpu
     return kept
 
 
-def _structure(model: nn.Module) -> tuple:
-    """What the hooks were planned for: the modules, and which parameters are trainable."""
+def _structure(model: nn.Module, by_name: bool = False) -> tuple:
+    """What the hooks were planned for: the modules, and which parameters are trainable (by
+    name where FSDP2 shards them: it swaps a module's parameters for unsharded ones while it
+    runs)."""
     return (
         tuple(map(id, model.modules())),
-        tuple(id(p) for p in model.parameters() if p.requires_grad),
+        tuple(n if by_name else id(p) for n, p in model.named_parameters() if p.requires_grad),
     )
+
+
+def _sharded_ids(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s parameters that are DTensors (sharded by FSDP2)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch without distributed tensors)
+        return set()
+    return {id(p) for p in model.parameters() if isinstance(p, DTensor)}
 
 
 def _owner_name(name: str) -> tuple[str, str]:

@@ -401,6 +401,27 @@ def merge(piece: Piece, param_shape: torch.Size, outer: int, batch: int, inner: 
     return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
 
 
+def widened(piece: Piece, dtype: torch.dtype) -> Piece:
+    """``piece`` computed in ``dtype`` where its tensors are of a lower floating precision (a
+    bfloat16 forward of float32 parameters: autocast, FSDP2's mixed precision), so that the
+    quantities formed from it keep the parameters' precision; as it is otherwise."""
+    g = piece.g if isinstance(piece, Outer | Rows) else getattr(piece, "value", None)
+    if (
+        g is None
+        or not g.is_floating_point()
+        or torch.finfo(g.dtype).bits >= torch.finfo(dtype).bits
+    ):
+        return piece
+    if type(piece) is Outer:
+        return Outer(None if piece.a is None else piece.a.to(dtype), piece.g.to(dtype))
+    if isinstance(piece, Rows):
+        return Rows(piece.example, piece.index, piece.g.to(dtype), piece.batch, piece.num_rows,
+                    piece.positions)  # fmt: skip
+    if isinstance(piece, Direct):
+        return Direct(piece.value.to(dtype))
+    return piece
+
+
 def select(piece: Piece, rows: slice) -> Piece:
     """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
     if isinstance(piece, Outer | Direct | Rows):

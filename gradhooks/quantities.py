@@ -110,6 +110,10 @@ class Collector:
         if "_jacobian" in self.quantities:
             self._add_jacobian(call_pieces, params, scale)
             return
+        call_pieces = {
+            n: pc if n not in params else P.widened(pc, params[n].dtype)
+            for n, pc in call_pieces.items()
+        }
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True

@@ -241,6 +241,70 @@ def mismatch() -> None:
             raise AssertionError("different models on the ranks must raise")
 
 
+def fsdp() -> None:
+    """FSDP2 (``fully_shard`` per layer and at the root): the book-keeping DP step's norms and
+    sharded ``p.grad`` equal one process on the whole batch (rank 0's noise seed as the single
+    process's), over two optimizer steps; grad1 of a sharded parameter is refused, pointing to
+    the norms; with bfloat16 parameters (``MixedPrecisionPolicy``) the norms stay float32 and
+    within bfloat16's precision of float32's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def sharded(model: nn.Module, **kw) -> nn.Module:
+        for m in model:
+            if any(True for _ in m.parameters(recurse=False)):
+                fully_shard(m, **kw)
+        return fully_shard(model, **kw)
+
+    for sizes in ([5, 3], [4, 4]):
+        x, y, xs, ys = data(sizes)
+        model, ref = sharded(net()), net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            ref_h = gradhooks.add_hooks(ref, quantities=("norms",))
+            for step in range(2):
+                what = f"{sizes} step {step}"
+                losses = F.cross_entropy(model(xs), ys, reduction="none")
+                gen = torch.Generator().manual_seed(step if RANK == 0 else 50 + RANK)
+                norms = ghd.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=1.1,
+                                        generator=gen)  # fmt: skip
+                ref_losses = F.cross_entropy(ref(x), y, reduction="none")
+                want = gradhooks.dp_sgd_step(
+                    ref_h, ref_losses, max_norm=4.0, noise_multiplier=1.1,
+                    generator=torch.Generator().manual_seed(step),
+                )  # fmt: skip
+                start = sum(sizes[:RANK])
+                close(norms, want[start : start + sizes[RANK]], f"{what}: local norms")
+                for p, r in zip(params(model), params(ref), strict=True):
+                    assert type(p.grad).__name__ == "DTensor", f"{what}: {type(p.grad)}"
+                    close(p.grad.full_tensor(), r.grad, f"{what}: sharded p.grad vs one process")
+                opt.step()
+                ref_opt.step()
+            ref_h.remove()
+    try:
+        gradhooks.add_hooks(sharded(net()))
+    except ValueError as e:
+        assert "sharded by FSDP2" in str(e) and "quantities=('norms',)" in str(e), e
+    else:
+        raise AssertionError("grad1 of a sharded parameter must be refused")
+    # bfloat16 parameters in the forward and backward: the norms in float32
+    x, y, xs, ys = data([4, 4])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = sharded(net().float(), mp_policy=policy)
+    ref = net().float()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(xs.float()).float(), ys, reduction="none")
+        norms = ghd.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=0.0)
+    with gradhooks.add_hooks(ref, quantities=("norms",)) as h:
+        want = gradhooks.dp_sgd_step(
+            h, F.cross_entropy(ref(x.float()), y, reduction="none"), max_norm=4.0,
+            noise_multiplier=0.0,
+        )  # fmt: skip
+    assert norms.dtype == torch.float32, norms.dtype
+    start = 4 * RANK
+    assert torch.allclose(norms, want[start : start + 4], rtol=3e-2), (norms, want)
+
+
 SCENARIOS = {
     "ddp_grad1": lambda: (
         ddp_grad1("wrapper"),
@@ -252,6 +316,7 @@ SCENARIOS = {
     "dp_sgd_noise": dp_sgd_noise,
     "kfac": kfac_scenario,
     "mismatch": mismatch,
+    "fsdp": fsdp,
 }
 
 if __name__ == "__main__":

@@ -119,6 +119,10 @@ def test_kfac_factors_reduced_across_ranks(tmp_path):
     run("kfac", tmp_path)
 
 
+def test_fsdp2_dp_step_equals_one_process(tmp_path):
+    run("fsdp", tmp_path)
+
+
 def test_different_models_on_ranks_raise(tmp_path):
     run("mismatch", tmp_path)
 
