@@ -146,6 +146,8 @@ def vmap_grad(s: Setup) -> Runner:
 
 def _opacus(s: Setup, ghost: bool) -> Runner:
     _need("opacus")
+    if hasattr(s.model, "expand_positions"):
+        s.model.expand_positions = True  # (the position_ids workaround Opacus needs)
     from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 
     if ghost:
@@ -326,6 +328,8 @@ class _Criterion(nn.Module):
 
 def _opacus_dp(s: Setup, ghost: bool) -> Runner:
     _need("opacus")
+    if hasattr(s.model, "expand_positions"):
+        s.model.expand_positions = True  # (the position_ids workaround Opacus needs)
     from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping

@@ -48,6 +48,7 @@ class Problem:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]
+    workload: bool = False  # a real fine-tuning workload (its own goals: bench/report.py)
 
 
 def _images(shape: tuple[int, ...], classes: int = 10):
@@ -69,6 +70,81 @@ def _tokens(vocab: int, seq: int, classes: int | None = None):
     return make
 
 
+class HuggingFace(nn.Module):
+    """A Hugging Face model called as its users call it: token ids (or pixels) in, logits out.
+    ``expand_positions``: pass ``position_ids`` expanded to the batch, the workaround Opacus
+    needs (its per-sample gradient of the position embedding otherwise has a batch of one);
+    gradhooks needs none."""
+
+    def __init__(self, model: nn.Module, pixels: bool = False) -> None:
+        super().__init__()
+        self.model, self.pixels, self.expand_positions = model, pixels, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pixels:
+            return self.model(pixel_values=x).logits
+        kw = {}
+        if self.expand_positions:
+            kw["position_ids"] = torch.arange(x.shape[1], device=x.device).expand(x.shape)
+        return self.model(input_ids=x, **kw).logits
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        from bench.methods import Unavailable
+
+        raise Unavailable("missing", f"transformers is not installed: {e}") from e
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+GPT2_VOCAB = 50257  # GPT-2's own
+
+
+def gpt2(lora: bool = False) -> nn.Module:
+    """GPT-2, 2 layers of width 256 (GPT-2's vocabulary, tied output layer); ``lora``: a PEFT
+    LoRA adapter (rank 8) on the attention's and MLP's projections, the rest frozen."""
+    t = _transformers()
+    config = t.GPT2Config(
+        n_embd=256, n_layer=2, n_head=4, n_positions=1024, vocab_size=GPT2_VOCAB,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = t.GPT2LMHeadModel(config)
+    if lora:
+        import peft
+
+        adapter = peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, fan_in_fan_out=True,
+            target_modules=["c_attn", "c_proj", "c_fc"],
+        )  # fmt: skip
+        model = peft.get_peft_model(model, adapter)
+    return HuggingFace(model)
+
+
+def bert() -> nn.Module:
+    """A BERT classifier, 2 layers of width 256 (BERT's vocabulary), 2 classes."""
+    t = _transformers()
+    config = t.BertConfig(
+        vocab_size=30522, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=1024, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        num_labels=2,
+    )  # fmt: skip
+    return HuggingFace(t.BertForSequenceClassification(config))
+
+
+def vit() -> nn.Module:
+    """A ViT classifier (Hugging Face's), 64x64 images in 8x8 patches, 4 layers of width 256."""
+    t = _transformers()
+    config = t.ViTConfig(
+        image_size=64, patch_size=8, hidden_size=256, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=1024, num_labels=10,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return HuggingFace(t.ViTForImageClassification(config), pixels=True)
+
+
 PROBLEMS: dict[str, Problem] = {
     p.name: p
     for p in [
@@ -85,5 +161,18 @@ PROBLEMS: dict[str, Problem] = {
             "embedblock", "EmbedBlock 64 tokens", models.EmbedBlock, _tokens(1000, 64, classes=10),
             classify,
         ),
+        # real workloads (Hugging Face transformers, peft: pip install -e '.[bench]')
+        Problem("gpt2-128", "HF GPT-2 2x256, seq 128", gpt2, _tokens(GPT2_VOCAB, 128), next_token,
+                True),
+        Problem("gpt2-512", "HF GPT-2 2x256, seq 512", gpt2, _tokens(GPT2_VOCAB, 512), next_token,
+                True),
+        Problem(
+            "gpt2-lora-128", "HF GPT-2 2x256 LoRA r8, seq 128", lambda: gpt2(lora=True),
+            _tokens(GPT2_VOCAB, 128), next_token, True,
+        ),
+        Problem("bert-128", "HF BERT classifier 2x256, seq 128", bert,
+                _tokens(30522, 128, classes=2), classify, True),
+        Problem("vit-64", "HF ViT 4x256, 64x64 images", vit, _images((3, 64, 64)), classify,
+                True),
     ]
 }  # fmt: skip

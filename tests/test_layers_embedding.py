@@ -1,6 +1,6 @@
 """nn.Embedding and nn.EmbeddingBag (2-D input, 1-D input with offsets, per_sample_weights,
-padding_idx, sum/mean/max), against both oracles; and is_supported for every layer of issue 3's
-rules in this branch."""
+padding_idx, sum/mean/max), against both oracles; and is_supported for every layer with a
+built-in rule."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Real training setups, each against the oracle (issue 6, "Real training setups")."""
+"""Real training setups, each against the oracle."""
 
 import copy
 import io
