@@ -30,7 +30,7 @@ from . import checks
 from . import pieces as P
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
-from .layout import PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
@@ -915,6 +915,16 @@ class Hooks:
         lout = tuple(tracker.layout(t) for t in outs)
         first = next((lay for lay in lin if lay is not None), None)
         where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        if any(lay is MIXED for lay in lin):
+            ops = ", ".join(tracker.mixed) or "an operation across the batch"
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
+                f"examples of the batch ({ops}: a reduction, shift or product along it, or "
+                "entries picked from it), so its rows are not one example each. Where one "
+                "example's loss depends on another's, per-example gradients do not exist. Keep "
+                "the examples apart in the forward (detach what is computed from the whole "
+                "batch, or compute it outside the model), or freeze this layer's parameters."
+            )
         grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
         free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
         if first is not None and free and target.entry is not FALLBACK:
@@ -1513,7 +1523,10 @@ class Hooks:
         if module is not self.model or not self._frames:
             return
         frame = self._frames.pop()
+        tracker = frame.tracker
         self._stop_tracker(frame)
+        if tracker is not None and sys.exc_info()[1] is None:
+            self._check_output(module, tracker, output)
         if frame.signature:
             sig = tuple(frame.signature)
             if sig not in self._verified:
@@ -1529,6 +1542,28 @@ class Hooks:
                 state.cancelled = True
                 if self._collector is not None:
                     self._collector.unexpect(state.params)
+
+    def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
+        """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
+        was taken as the batch: a sequence-first model read batch-first), where no output keeps
+        them apart."""
+        outs = [t for t in _leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        lays = [tracker.layout(t) for t in outs]
+        mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
+        if not mixed or any(lay is not None and lay.dim >= 0 for lay in lays):
+            return
+        ops = ", ".join(tracker.mixed) or "an operation across the batch"
+        where = (
+            "dimension 0 of its first input"
+            if self.batch_dim == "auto"
+            else (f"dimension {self.batch_dim}")
+        )
+        shapes = ", ".join(str(tuple(t.shape)) for t in mixed)
+        raise RuntimeError(
+            f"{type(module).__qualname__}: its output ({shapes}) mixes the {tracker.batch} examples that gradhooks took from {where} "
+            f"({ops}), so per-example gradients do not exist. If the model's batch is another "
+            "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
+        )
 
     def _backward_state(self) -> _Backward:
         task = _graph_task()

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Layout", "UNKNOWN", "PACKED", "Tracker", "Source", "note"]
+__all__ = ["Layout", "UNKNOWN", "PACKED", "MIXED", "Tracker", "Source", "note"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Layout:
     def describe(self, batch: int) -> str:
         if self is PACKED:
             return "packed (a PackedSequence)"
+        if self is MIXED:
+            return "mixed (entries depend on several examples)"
         if self is UNKNOWN or self.dim < 0:
             return "unknown"
         if self.plain:
@@ -92,6 +94,9 @@ UNKNOWN = Layout(-1)
 # a PackedSequence's data: the examples' time steps packed along dimension 0 (the RNN rules read
 # them from its batch sizes)
 PACKED = Layout(-2)
+# a tensor whose entries depend on several examples at once (a reduction over the batch, a roll
+# along it, a product of two examples): per-example gradients through it do not exist
+MIXED = Layout(-3)
 
 
 def batch_rows(t: Tensor, layout: Layout, batch: int) -> Tensor:
@@ -213,7 +218,7 @@ def _pointwise(args, kwargs, out, layout_of):
         if result is None:
             result = cand
         elif result != cand:
-            return UNKNOWN
+            return MIXED  # two examples' entries combined
     return result
 
 
@@ -248,7 +253,7 @@ def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
             return UNKNOWN
         dims = _along(_arg(args, kwargs, pos, name, default_dim), t.dim())
         if dims is None or lay.dim in dims:
-            return UNKNOWN
+            return MIXED
         return lay
 
     return handler
@@ -289,7 +294,7 @@ def _reduction(args, kwargs, out, layout_of):
                 break
     dims = _along(dim, n)
     if dims is None or lay.dim in dims:
-        return UNKNOWN
+        return MIXED  # a reduction over the examples
     keepdim = kwargs.get("keepdim", False) or any(a is True for a in args[2:])
     if keepdim:
         return lay
@@ -423,7 +428,7 @@ def _select(args, kwargs, out, layout_of):
     n = t.dim()
     dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), n)
     if dim == lay.dim:
-        return UNKNOWN
+        return MIXED  # (some examples picked out of the batch)
     if o.dim() == n - 1:  # select removes the dimension
         return lay.at(lay.dim - (dim < lay.dim))
     return lay
@@ -447,7 +452,7 @@ def _split(args, kwargs, out, layout_of):
     if t is None or lay is UNKNOWN:
         return UNKNOWN
     dim = _norm_dim(int(_arg(args, kwargs, 2, "dim", 0)), t.dim())
-    return UNKNOWN if dim == lay.dim else lay
+    return MIXED if dim == lay.dim else lay
 
 
 @_handles("unbind")
@@ -456,7 +461,7 @@ def _unbind(args, kwargs, out, layout_of):
     if t is None or lay is UNKNOWN:
         return UNKNOWN
     dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), t.dim())
-    return UNKNOWN if dim == lay.dim else lay.at(lay.dim - (dim < lay.dim))
+    return MIXED if dim == lay.dim else lay.at(lay.dim - (dim < lay.dim))
 
 
 @_handles("cat", "concat", "concatenate")
@@ -527,7 +532,7 @@ def _matmul(args, kwargs, out, layout_of):
             return UNKNOWN
         where = _mm_side(lay, t.dim(), left, o.dim(), other.dim())
         if where is None or found not in (None, where):
-            return UNKNOWN
+            return MIXED  # the examples contracted, or two examples' rows multiplied
         found = where
     return found
 
@@ -609,10 +614,10 @@ def _einsum(args, kwargs, out, layout_of):
             return UNKNOWN
         letter = expand(term, t.dim())[lay.dim]
         if letter not in out_letters:
-            return UNKNOWN
+            return MIXED  # summed over the examples
         where = lay.at(out_letters.index(letter))
         if found not in (None, where):
-            return UNKNOWN
+            return MIXED
         found = where
     return found
 
@@ -723,14 +728,17 @@ def _pad(args, kwargs, out, layout_of):
     t, lay = _single_input(args, kwargs, layout_of)
     if t is None or lay is UNKNOWN:
         return UNKNOWN
-    pad = _arg(args, kwargs, 1, "pad")
-    return UNKNOWN if lay.dim >= t.dim() - len(pad) // 2 else lay
+    pad = list(_arg(args, kwargs, 1, "pad"))
+    j = t.dim() - 1 - lay.dim  # (pad lists the last dimension first)
+    if 2 * j + 1 < len(pad) and (pad[2 * j] or pad[2 * j + 1]):
+        return UNKNOWN  # the batch dimension itself padded
+    return lay
 
 
 @_handles("batch_norm")
 def _batch_norm(args, kwargs, out, layout_of):
     training = _arg(args, kwargs, 5, "training", False)
-    return UNKNOWN if training else _samplewise(args[:1], {}, out, layout_of)
+    return MIXED if training else _samplewise(args[:1], {}, out, layout_of)
 
 
 @_handles("layer_norm", "rms_norm")
@@ -766,7 +774,7 @@ def _loss(args, kwargs, out, layout_of):
     o = _first_tensor(out)
     reduction = kwargs.get("reduction", "mean")
     if o is None or reduction != "none":
-        return UNKNOWN  # a reduction over the batch: the loss itself
+        return MIXED  # a reduction over the batch: the loss itself
     found = None
     for t in _tensors(args, kwargs):
         lay = layout_of(t)
@@ -798,9 +806,10 @@ def _indexed(args, kwargs, out, layout_of):
         lay = layout_of(t)
         if lay is None:
             continue
-        if lay is UNKNOWN or t.dim() != n or (isinstance(dim, int) and
-                                              lay.dim == _norm_dim(dim, n)):  # fmt: skip
+        if lay is UNKNOWN or t.dim() != n:
             return UNKNOWN
+        if isinstance(dim, int) and lay.dim == _norm_dim(dim, n):
+            return MIXED  # gathered or scattered along the examples
         if found not in (None, lay):
             return UNKNOWN
         found = lay
@@ -817,37 +826,119 @@ def _getitem(args, kwargs, out, layout_of):
     if o is None:
         return UNKNOWN
     if lay is None:  # a batch-free tensor indexed by one with a layout (a lookup)
-        if isinstance(index, Tensor):
-            ilay = layout_of(index)
-            return UNKNOWN if ilay is None or ilay is UNKNOWN else ilay
+        items = index if isinstance(index, tuple) else (index,)
+        found = [layout_of(i) for i in items if isinstance(i, Tensor) and layout_of(i)]
+        if len(found) == 1 and len(items) == 1 and found[0].dim >= 0:
+            return found[0]
         return UNKNOWN
-    if lay is UNKNOWN:
+    if lay.dim < 0:
+        return lay
+    where = _index_map(x, lay, index, o)
+    return where if where is not None else MIXED
+
+
+def _setitem(args, kwargs, out, layout_of, batch):
+    """``x[index] = value``: ``x`` (the output) keeps its layout where it has one; a batch-free
+    ``x`` that takes the examples (a buffer filled with shifted tokens, ``new_zeros`` then
+    ``x[:, 1:] = ids[:, :-1]``) takes the layout that ``x[index]`` would give ``value``'s."""
+    x, index, value = args[0], args[1], args[2]
+    lay, vlay = layout_of(x), layout_of(value) if isinstance(value, Tensor) else None
+    if vlay is None:
+        return lay  # (batch-free values written: x keeps its layout, or has none)
+    if MIXED in (lay, vlay):
+        return MIXED
+    if lay is not None and lay.dim < 0 or vlay.dim < 0:
         return UNKNOWN
-    return _index_map(x, lay, index, o) or UNKNOWN
+    with torch.no_grad():
+        view = x.detach()[index]  # (the shape x[index] has: a view, or a small copy)
+    want = vlay.at(vlay.dim + view.dim() - value.dim())
+    if lay is not None:  # each example's values written into its own rows, or not
+        return lay if _index_map(x, lay, index, view) == want else MIXED
+    for d in range(x.dim()):
+        cand = Layout(d, vlay.outer, vlay.inner)
+        if x.shape[d] == cand.size(batch) and _index_map(x, cand, index, view) == want:
+            return cand
+    return UNKNOWN
+
+
+_HANDLERS["__setitem__"] = _NeedsBatch(_setitem)
+
+
+def _arange_dim(t: Tensor, size: int) -> int | None:
+    """The dimension of index tensor ``t`` along which it is ``0, 1, ..., size - 1`` (every
+    other dimension of size 1): an index that keeps each example in its place."""
+    if t.dtype in (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return None
+    dims = [d for d, n in enumerate(t.shape) if n != 1]
+    if len(dims) != 1 or t.shape[dims[0]] != size:
+        return (
+            None
+            if not (size == 1 and t.numel() == 1 and int(t.reshape(())) == 0)
+            else (t.dim() - 1 if t.dim() else None)
+        )
+    flat = t.reshape(-1)
+    if not torch.equal(flat, torch.arange(size, device=t.device, dtype=flat.dtype)):
+        return None
+    return dims[0]
 
 
 def _index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
-    """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: not known, or indexed)."""
-    if not isinstance(index, tuple):
-        index = (index,)
+    """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: the index picks or
+    reorders examples)."""
+    items = list(index) if isinstance(index, tuple) else [index]
     n = x.dim()
-    consumed = sum(
-        0 if (i is None or i is Ellipsis or isinstance(i, bool)) else
-        (i.dim() if isinstance(i, Tensor) and i.dtype == torch.bool else 1)
-        for i in index
-    )  # fmt: skip
-    src, dst = 0, 0
-    advanced = [i for i in index if isinstance(i, Tensor | list)]
-    for i in index:
-        if i is Ellipsis:
-            skip = n - consumed
-            if src <= lay.dim < src + skip:
-                return lay.at(dst + lay.dim - src)
-            src += skip
-            dst += skip
-        elif i is None:
-            dst += 1
-        elif isinstance(i, bool):
+
+    def width(i) -> int:
+        if i is None or i is Ellipsis or isinstance(i, bool):
+            return 0
+        if isinstance(i, Tensor) and i.dtype == torch.bool:
+            return i.dim()
+        return 1
+
+    rest = n - sum(width(i) for i in items)
+    if any(i is Ellipsis for i in items):
+        k = next(j for j, i in enumerate(items) if i is Ellipsis)
+        items[k : k + 1] = [slice(None)] * rest
+    else:
+        items += [slice(None)] * rest
+    is_adv = [isinstance(i, Tensor | list) and not isinstance(i, bool) for i in items]
+    adv = [j for j, a in enumerate(is_adv) if a]
+    tensors = [torch.as_tensor(items[j]) for j in adv]
+    if adv:
+        if any(t.dtype == torch.bool for t in tensors):
+            # a mask: keeps a layout before it (as one dimension of the masked entries)
+            first = adv[0]
+            src = sum(width(items[j]) for j in range(first))
+            if lay.dim < src and all(
+                not isinstance(items[j], int) and items[j] is not None for j in range(first)
+            ):  # fmt: skip
+                return _index_map(x, lay, tuple(items[:first]), o)
+            return None
+        try:
+            bshape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        except RuntimeError:
+            return None
+        adjacent = adv == list(range(adv[0], adv[-1] + 1))
+    src = dst = 0
+    block_done = False
+    for j, i in enumerate(items):
+        if is_adv[j]:
+            t = tensors[adv.index(j)]
+            start = dst if adjacent else 0
+            if src == lay.dim:
+                if not lay.plain:
+                    return None
+                k = _arange_dim(t, x.shape[src])
+                if k is None:
+                    return None
+                return lay.at(start + k + len(bshape) - t.dim())
+            src += 1
+            if not block_done:
+                block_done = True
+                if adjacent:
+                    dst += len(bshape)
+            continue
+        if i is None or isinstance(i, bool):
             dst += 1
         elif isinstance(i, int):
             if src == lay.dim:
@@ -859,25 +950,14 @@ def _index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
                     i.step in (None, 1) and (i.start in (None, 0))
                     and (i.stop is None or i.stop >= x.shape[src])
                 )  # fmt: skip
-                return lay.at(dst) if full else None
+                if not full:
+                    return None
+                shift = len(bshape) if adv and not adjacent else 0
+                return lay.at(dst + shift)
             src += 1
             dst += 1
-        elif isinstance(i, Tensor | list):
-            if len(advanced) > 1 or src == lay.dim:
-                return None
-            t = torch.as_tensor(i) if isinstance(i, list) else i
-            if t.dtype == torch.bool:
-                if src <= lay.dim < src + t.dim():
-                    return None
-                src += t.dim()
-                dst += 1
-            else:
-                src += 1
-                dst += t.dim()
         else:
             return None
-    if lay.dim >= src:
-        return lay.at(dst + lay.dim - src)
     return None
 
 
@@ -932,8 +1012,10 @@ _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 
 def _is_inplace(name: str) -> bool:
-    return bool(_TRAILING_UNDERSCORE.match(name)) or (
-        name.startswith("__i") and name.endswith("__") and name not in ("__invert__",)
+    return (
+        name == "__setitem__"
+        or bool(_TRAILING_UNDERSCORE.match(name))
+        or (name.startswith("__i") and name.endswith("__") and name not in ("__invert__",))
     )
 
 
@@ -991,6 +1073,7 @@ class Tracker(TorchFunctionMode):
         self.spread: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expanded -> (from, how)
         self.meetings: list[_Meeting] = []
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
+        self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1094,7 +1177,10 @@ class Tracker(TorchFunctionMode):
             if True:  # batch-free: the sources flow on
                 out = func(*args, **kwargs)
                 frozen = frozenset(sources)
-                for o in _out_tensors(out):
+                outs = _out_tensors(out)
+                if not outs and _is_inplace(name) and isinstance(args[0], Tensor):
+                    outs = [args[0]]  # (M[rows, cols] = weight: M derives from the weight now)
+                for o in outs:
                     self.taint(o, frozen)
                 if name in _SPREADS and isinstance(out, Tensor) and isinstance(args[0], Tensor):
                     self.spread[out] = (args[0], name)
@@ -1133,9 +1219,25 @@ class Tracker(TorchFunctionMode):
 
     def _propagate(self, name: str, args, kwargs, out) -> None:
         outs = _out_tensors(out)
-        if not outs:
-            return
-        result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+        if not outs and _is_inplace(name) and args and isinstance(args[0], Tensor):
+            outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
+        if not outs or name in _FREE:
+            return  # (a new tensor: its values do not depend on the examples)
+        inherited = any(self.layouts.get(t) is MIXED for t in _tensors(args, kwargs))
+        if inherited:
+            result = MIXED
+        else:
+            result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+        if result is MIXED:
+            if any(o.requires_grad for o in outs):
+                if not inherited:
+                    self.mixed.setdefault(name, None)
+                for o in outs:
+                    self.layouts[o] = MIXED
+                return
+            # no gradient flows back through it (data, detached statistics): each row is still
+            # a constant of its example's computation, where the rule's dimension reads it
+            result = UNKNOWN
         if result is UNKNOWN or result is None:
             if name not in _HANDLERS:
                 self.unknown[name] = None

@@ -376,3 +376,178 @@ def test_check_flags_a_loss_that_couples_the_examples():
         info_nce(model(x)).backward()
         with pytest.raises(RuntimeError, match="couples the examples"):
             h.check(info_nce, x)
+
+
+# -- operations across the batch inside the forward ----------------------------------------------
+
+
+def rowwise_grad(model, loss_rows, *inputs):
+    """Each example's gradient from the batched graph itself (one backward per example's loss):
+    the oracle where the forward computes something from the whole batch that no gradient flows
+    through (data centred on the batch, a detached statistic, an index built from the batch)."""
+    rows = loss_rows(model(*inputs))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    per = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
+    return {n: torch.stack([g[k] for g in per]) for k, n in enumerate(params)}
+
+
+def sq_rows(out):
+    return 0.5 * out.pow(2).flatten(1).sum(1)
+
+
+class Across(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.l1, self.l2 = how, nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l2(self.how(torch.tanh(self.l1(x))))
+
+
+MIXING = {
+    "roll": lambda h: h + torch.roll(h, 1, 0),
+    "mean": lambda h: h - h.mean(0),
+    "batch-norm": lambda h: F.batch_norm(h, None, None, training=True),
+    "gram": lambda h: (h @ h.T) @ h,
+    "flip": lambda h: h.flip(0) * h,
+    "cumsum": lambda h: h.cumsum(0),
+    "pick": lambda h: h[[1, 0, 2, 3]],
+    "gather": lambda h: h.gather(0, torch.zeros_like(h, dtype=torch.long)),
+}
+
+
+@pytest.mark.parametrize("how", list(MIXING))
+def test_forward_that_mixes_the_examples_is_refused(how):
+    """An operation that makes one example's activations depend on another's (where a gradient
+    flows back through it): per-example gradients of the layers after it do not exist, and the
+    forward says which layer, its shapes and the operation."""
+    torch.manual_seed(0)
+    m = Across(MIXING[how]).double()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(
+            RuntimeError, match=r"'l2' \(Linear\): its input \(\(4, 5\)\) was computed across"
+        ):
+            m(x)
+
+
+@pytest.mark.parametrize("how", ["centred-input", "detached-mean", "detached-roll"])
+def test_batch_statistics_without_gradient_keep_the_examples(how):
+    """The same operations on what no gradient flows through (the data, a detached statistic):
+    each example's loss still depends on the parameters through its own rows only."""
+    torch.manual_seed(0)
+    mix = {
+        "centred-input": lambda h: h,
+        "detached-mean": lambda h: h - h.mean(0).detach(),
+        "detached-roll": lambda h: h * torch.roll(h, 1, 0).detach(),
+    }[how]
+
+    class Model(Across):
+        def forward(self, x):
+            if how == "centred-input":
+                x = x - x.mean(0)
+            return super().forward(x)
+
+    m = Model(mix).double()
+    x = torch.randn(4, 3, dtype=D)
+    want = rowwise_grad(m, sq_rows, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, how)
+
+
+def test_sequence_first_model_read_batch_first_is_refused():
+    """A model that takes [seq, batch, features] and averages over the sequence: with the
+    default batch_dim, dimension 0 (the sequence) is taken as the batch, and the output, which
+    averages over it, says so instead of giving grad1 a row per position."""
+    torch.manual_seed(0)
+
+    class SeqFirstMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):  # x: [seq, batch, 3]
+            return self.net(x).mean(0)
+
+    m = SeqFirstMean()
+    x = torch.randn(5, 3, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"SeqFirstMean: its output \(\(3, 2\)\) mixes the 5"
+                           r" examples.*batch_dim=k"):  # fmt: skip
+            m(x)
+    want = rowwise_grad(m, sq_rows, x)  # (the output's rows are the examples)
+    with gradhooks.add_hooks(m, batch_dim=1, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "batch_dim=1")
+
+
+class Indexed(nn.Module):
+    """Indexing that keeps each example in its place: a per-example reordering of positions by
+    ``h[arange(B)[:, None], order]``, a shifted copy written into a new buffer (as decoders
+    shift their labels), a zero padding of the positions; then a layer run sequence-first."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.e, self.l, self.o = how, nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, order):
+        h = self.e(x)
+        if self.how == "gather-positions":
+            h = h[torch.arange(x.shape[0])[:, None], order]
+        elif self.how == "shifted-copy":
+            s = h.new_zeros(h.shape)
+            s[:, 1:] = h[:, :-1]
+            h = s
+        elif self.how == "mask-by-index":
+            keep = (order < 3).double()[torch.arange(x.shape[0])[:, None], torch.arange(4)]
+            h = h * keep[..., None]
+        elif self.how == "pad-positions":
+            h = F.pad(h, (0, 0, 1, 1))
+        return self.o(torch.tanh(self.l(h.transpose(0, 1))).mean(0))
+
+
+@pytest.mark.parametrize("how", ["gather-positions", "shifted-copy", "mask-by-index",
+                                 "pad-positions"])  # fmt: skip
+def test_indexing_that_keeps_the_examples_apart(how):
+    """Batch 4 and sequence 4: only following the examples through the indexing tells the
+    sequence-first layer which dimension holds them."""
+    torch.manual_seed(0)
+    m = Indexed(how).double()
+    x = torch.randn(4, 4, 3, dtype=D)
+    order = torch.stack([torch.randperm(4) for _ in range(4)])
+    want = rowwise_grad(m, sq_rows, x, order)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, order)).backward()
+    assert_matches(m, want, how)
+
+
+def test_parameter_written_into_a_buffer_by_index():
+    """A module without a rule that writes its parameter into a matrix (``M[rows, cols] = w``,
+    as orthogonal fine-tuning adapters do) and multiplies the batch by it."""
+    torch.manual_seed(0)
+
+    class Skew(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(0.3 * torch.randn(1, 6))
+            self.rows, self.cols = torch.triu_indices(4, 4, 1)
+
+        def forward(self, x):
+            m = torch.zeros(1, 4, 4, dtype=x.dtype)
+            m[:, self.rows, self.cols] = self.weight
+            return x @ (torch.eye(4, dtype=x.dtype) + m[0] - m[0].T)
+
+    for frozen in (False, True):
+        model = nn.Sequential(nn.Linear(3, 4), Skew(), nn.Linear(4, 2)).double()
+        if frozen:
+            model[0].requires_grad_(False)
+            model[2].requires_grad_(False)
+        x = torch.randn(5, 3, dtype=D)
+        want = rowwise_grad(model, sq_rows, x)
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            sq(model(x)).backward()
+        for n, p in model.named_parameters():
+            assert (n in want) == hasattr(p, "grad1"), n
+            if n in want:
+                assert_close(p.grad1, want[n], f"frozen={frozen} {n}")
