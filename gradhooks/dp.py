@@ -109,9 +109,10 @@ def dp_sgd_step(
     std = noise_multiplier * max_norm
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
-        if std > 0:
-            c = c + std * gaussian(p, generator)
-        p.grad = (c / denom).detach()
+        if std > 0:  # (a new tensor: divided in place)
+            p.grad = torch.add(c.detach(), gaussian(p, generator), alpha=std).div_(denom)
+        else:
+            p.grad = (c / denom).detach()
     return norms.detach()
 
 

@@ -550,11 +550,15 @@ def batch_sum(piece: Piece, param_shape: torch.Size, weights: Tensor | None = No
     if isinstance(piece, Outer):
         if not piece.has_input:
             return weighted(piece.g).sum((0, -2)).reshape(param_shape)
-        g = weighted(piece.g)
+        g, a = piece.g, piece.a
+        if a.numel() < g.numel():  # (the weights scale the smaller of the two factors)
+            a = weighted(a)
+        else:
+            g = weighted(g)
         if g.dim() == 3:  # no groups: one matmul over (batch, shared)
-            flat = g.reshape(-1, g.shape[-1]).T @ piece.a.reshape(-1, piece.a.shape[-1])
+            flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
             return flat.reshape(param_shape)
-        return torch.einsum("b...so,b...si->...oi", g, piece.a).reshape(param_shape)
+        return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
     if isinstance(piece, Direct):
         return weighted(piece.value).sum(0).reshape(param_shape)
     if isinstance(piece, Rows):
