@@ -95,6 +95,19 @@ def plain(s: Setup) -> Runner:
     return Runner(step, lambda: None, reset=lambda: _clear(params))
 
 
+def plain_sgd(s: Setup) -> Runner:
+    """A plain training step: forward, backward and an SGD update (what the DP steps do on top
+    of their clipping and noise)."""
+    params = list(s.trainable().values())
+    opt = torch.optim.SGD(params, lr=1e-3)
+
+    def step() -> None:
+        s.loss(s.model(s.x), s.y).backward()
+        opt.step()
+
+    return Runner(step, lambda: None, reset=lambda: _clear(params))
+
+
 def floor(s: Setup) -> Runner:
     """Plain forward+backward plus writing batch x parameters floats once, into a buffer
     allocated beforehand: no method that returns per-example gradients can do less."""
@@ -537,6 +550,7 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in [
         Method("plain", "plain fwd+bwd", "grad", plain),
+        Method("plain-sgd", "plain step (SGD)", "step", plain_sgd),
         Method("floor", "floor", "grad", floor),
         Method("loop", "loop", "grad1", loop, slow=True),
         Method("vmap", "vmap(grad)", "grad1", vmap_grad),

@@ -100,23 +100,27 @@ def targets(records: list[dict], model: str) -> str:
 
 def workload_goals(records: list[dict], model: str) -> str:
     """The goals on a real workload (a Hugging Face model being fine-tuned): gradhooks' DP step
-    (book-keeping or ghost, the faster) at most 1.15x plain's time (1.05x with a LoRA adapter)
-    and 1.2x its peak memory, and at most 0.7x the time of Opacus' fastest DP step that runs."""
+    (book-keeping or ghost, the faster) at most 1.15x the time of a plain training step (1.05x
+    with a LoRA adapter) and 1.2x its peak memory, and at most 0.7x the time of Opacus' fastest
+    DP step that runs. The plain training step is ``plain-sgd`` (forward, backward and the SGD
+    update that the DP steps also make) where it ran, else plain forward+backward."""
     t = ratios(records, model, "median_s")
     mem = ratios(records, model, "peak_bytes")
     ok = {r["method"] for r in records if r["model"] == model and r["status"] == "ok"}
     light = {m: t[m] for m in ("dp", "dp-bk") if m in ok and m in t}
     if not light:
         return ""
+    base = "plain-sgd" if "plain-sgd" in ok and "plain-sgd" in t else "plain"
     best = min(light, key=light.get)
     path = {"dp": "ghost", "dp-bk": "book-keeping"}[best]
     bar = 1.05 if "lora" in model else 1.15
     verdicts = []
-    text = f"{path}: {light[best]:.2f}x plain time"
-    met = light[best] <= bar
-    if best in mem:
-        text += f", {mem[best]:.2f}x plain memory"
-        met = met and mem[best] <= 1.2
+    time_ = light[best] / t[base]
+    text = f"{path}: {time_:.2f}x {'the plain step' if base != 'plain' else 'plain'}'s time"
+    met = time_ <= bar
+    if best in mem and base in mem:
+        text += f", {mem[best] / mem[base]:.2f}x its memory"
+        met = met and mem[best] / mem[base] <= 1.2
     verdicts.append(f"DP step {'met' if met else 'missed'} ({text}; goal {bar}x, 1.2x)")
     opacus = [t[m] for m in ("opacus-dp", "opacus-dp-ghost") if m in ok and m in t]
     if opacus:
@@ -130,7 +134,7 @@ def workload_goals(records: list[dict], model: str) -> str:
 def markdown(data: dict) -> str:
     m = data["machine"]
     lines = [
-        "# gradhooks benchmark",
+        f"# {data.get('title', 'gradhooks benchmark')}",
         "",
         f"`{data['command']}`",
         "",

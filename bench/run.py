@@ -1,5 +1,6 @@
 """Per-example gradients, side by side: gradhooks, its peers, plain training and the floor.
 
+    python -m bench --suite grad1                     # one table of bench/RESULTS.md
     python -m bench                                   # every model and method, batch 64, CPU
     python -m bench --models mlp,simplecnn --methods plain,floor,vmap,grad1 --reps 9
     python -m bench --device cuda --batch 32,128
@@ -8,9 +9,10 @@
 Writes a table (ratios to plain forward+backward) to stdout and ``<out>/results.md``, every
 measurement to ``<out>/results.json``, and a plot of time and peak memory to
 ``<out>/results.png`` (when matplotlib is installed); ``<out>`` is ``bench/out/`` unless
-``--out`` says otherwise. Peers (``pip install -e '.[bench]'``) that are missing or refuse a
-model are reported as such. On a machine shared with other work, ``--threads 1 --clock cpu``
-gives steadier ratios than the default wall clock.
+``--out`` says otherwise. With ``--suite NAME`` (:mod:`bench.suites`) the files are
+``bench/results/NAME-<device>.*``. Peers (``pip install -e '.[bench]'``) that are missing or
+refuse a model are reported as such. On a machine shared with other work, ``--threads 1
+--clock cpu`` gives steadier ratios than the default wall clock.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from bench import measure, report
 from bench.methods import METHODS
 from bench.problems import PROBLEMS
+from bench.suites import SUITES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,12 +58,17 @@ def parse(argv: list[str] | None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"models: {', '.join(PROBLEMS)}\nmethods: {', '.join(METHODS)}",
     )  # fmt: skip
-    p.add_argument("--models", default="all", help="comma-separated, or 'all'")
-    p.add_argument("--methods", default="all", help="comma-separated, or 'all'")
-    p.add_argument("--batch", default="64", help="batch sizes, comma-separated")
+    p.add_argument(
+        "--suite", choices=list(SUITES), default=None,
+        help="one table of bench/RESULTS.md: its models, methods, batch and steps (flags given "
+        "as well override them); written to bench/results/<suite>-<device>.*",
+    )  # fmt: skip
+    p.add_argument("--models", default=None, help="comma-separated, or 'all' (the default)")
+    p.add_argument("--methods", default=None, help="comma-separated, or 'all' (the default)")
+    p.add_argument("--batch", default=None, help="batch sizes, comma-separated (default 64)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per method (median)")
-    p.add_argument("--slow-reps", type=int, default=1, help="timed steps of the slow loop")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per method (median; 5)")
+    p.add_argument("--slow-reps", type=int, default=None, help="timed steps of the slow loop (1)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
         "--clock",
@@ -80,9 +88,18 @@ def parse(argv: list[str] | None):
     )  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"), help="output folder")
+    p.add_argument("--out", default=None, help="output folder (bench/out, or bench/results "
+                   "with --suite)")  # fmt: skip
     p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    suite = SUITES.get(args.suite)
+    for name, default in (("models", "all"), ("methods", "all"), ("batch", "64"),
+                          ("reps", 5), ("slow_reps", 1)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(suite, name) if suite else default)
+    if args.out is None:
+        args.out = str(ROOT / "bench" / ("results" if suite else "out"))
+    args.stem = f"{args.suite}-{args.device.split(':')[0]}" if suite else "results"
     args.models = _names(args.models, PROBLEMS, "models")
     args.methods = _names(args.methods, METHODS, "methods")
     args.batch = [int(b) for b in args.batch.split(",")]
@@ -272,16 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.suite:
+        meta["suite"] = args.suite
+        meta["title"] = SUITES[args.suite].title
     data = {**meta, "records": [r.as_dict() for r in records]}
-    (out / "results.json").write_text(json.dumps(data, indent=1))
+    stem = out / args.stem
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     text = report.markdown(data)
-    (out / "results.md").write_text(text)
+    stem.with_suffix(".md").write_text(text)
     print(text)
-    print(f"written: {out / 'results.json'}, {out / 'results.md'}", end="")
+    print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}", end="")
     if args.no_plot:
         print()
     else:
-        png = report.plot(data, out / "results.png")
+        png = report.plot(data, stem.with_suffix(".png"))
         print(f", {png}" if png else "\n(no plot: matplotlib is not installed)")
     return 0
 

@@ -28,6 +28,22 @@ def test_bench_runs_and_writes_table_and_json(tmp_path, capsys):
     assert table in capsys.readouterr().out
 
 
+def test_suite_names_its_files_and_flags_override_it(tmp_path):
+    from bench.suites import SUITES
+
+    for suite in SUITES.values():  # every table names models and methods the bench has
+        assert set(suite.models.split(",")) <= set(PROBLEMS)
+        assert set(suite.methods.split(",")) <= set(methods.METHODS)
+    argv = ["--suite", "dp", "--models", "mlp", "--methods", "plain,plain-sgd,dp-bk"]
+    argv += ["--batch", "3", "--reps", "1", "--out", str(tmp_path), "--no-plot", "--no-memory"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "dp-cpu.json").read_text())
+    assert data["suite"] == "dp" and data["title"] == SUITES["dp"].title
+    assert {r["method"] for r in data["records"]} == {"plain", "plain-sgd", "dp-bk"}
+    assert {r["batch"] for r in data["records"]} == {3}
+    assert (tmp_path / "dp-cpu.md").read_text().startswith(f"# {SUITES['dp'].title}")
+
+
 def _fails(setup):
     raise RuntimeError("this peer does not like the model")
 
