@@ -51,6 +51,7 @@ class Record:
     times_s: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     rel_err: float | None = None
+    notes: str = ""  # what the method said of its warm-up step (Runner.notes)
 
     @property
     def median_s(self) -> float | None:
@@ -190,6 +191,7 @@ def prepare(
             runner.reset()
             runner.step()
         checked = None
+        rec.notes = runner.notes()
         if ref is not None and method.quantity in ("grad1", "norms", "sum_grad_sq"):
             rec.rel_err, checked = _rel_err(method, runner.result(), ref), "vmap(grad)"
         elif method.quantity == "kfac" and (factors := runner.result()) is not None:

@@ -55,6 +55,8 @@ class Runner:
     # bytes the method holds between steps (the floor's buffer, gradhooks' grad1): added to
     # the step's peak memory
     held_bytes: Callable[[], int] = lambda: 0
+    # what the method says of its last step, for the report (gradhooks: its norms' forms)
+    notes: Callable[[], str] = lambda: ""
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,23 @@ def _gradhooks_quantity(s: Setup, quantity: str, result: str) -> Runner:
         hooks.clear()
         _clear(params)
 
-    return Runner(step, getattr(hooks, result), reset=reset)
+    notes = (lambda: forms_chosen(hooks)) if quantity == "norms" else (lambda: "")
+    return Runner(step, getattr(hooks, result), reset=reset, notes=notes)
+
+
+def forms_chosen(hooks) -> str:
+    """The forms gradhooks' cost model chose for the per-example norms of the last backward
+    (``Hooks.norm_forms``): how many parameters took each, and which were materialized (the
+    layers over several positions where the Gram form would cost more)."""
+    forms = hooks.norm_forms()
+    counts: dict[str, int] = {}
+    for form in forms.values():
+        counts[form] = counts.get(form, 0) + 1
+    text = "norm forms: " + ", ".join(f"{form} {n}" for form, n in sorted(counts.items()))
+    materialized = [n for n, f in forms.items() if f == "materialized"]
+    if materialized:
+        text += f" (materialized: {', '.join(materialized)})"
+    return text
 
 
 def gradhooks_norms(s: Setup) -> Runner:

@@ -200,6 +200,10 @@ def _section(device: str, batch: int, records: list[dict]) -> list[str]:
             lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += ["", *(f"[{i}] {n}" for i, n in enumerate(notes.values(), 1))]
+    said = [r for r in records if r.get("notes")]
+    if said:
+        lines += ["", "What the methods said of their warm-up step:", ""]
+        lines += [f"- {_label(r['model'])}, {METHODS[r['method']].label if r['method'] in METHODS else r['method']}: {r['notes']}" for r in said]  # fmt: skip
     return lines
 
 

@@ -480,6 +480,20 @@ class Hooks:
         module's calls and a tied weight's users are summed before the norm is taken."""
         return {n: v.sqrt() for n, v in self._results("norms").param_sq_norms.items()}
 
+    def norm_forms(self) -> dict[str, str]:
+        """How the last backward formed each parameter's per-example norm (``"norms"``),
+        ``{name: form}``, chosen per parameter by cost:
+
+        - ``"outer"``: one position per example, ``‖g‖·‖a‖`` (Goodfellow);
+        - ``"gram"``: several positions ``T``, from the two ``[T, T]`` Gram matrices of the
+          layer's inputs and output-gradients, ``T²·(in + out)`` per example;
+        - ``"materialized"``: ``grad1`` formed a slice of the batch at a time, ``T·in·out`` per
+          example, where that is cheaper than the Gram form;
+        - ``"direct"``: the rule gives ``grad1`` itself (a bias, a norm layer's scale);
+        - ``"rows"``: an embedding's looked-up rows, never the whole table.
+        """
+        return dict(self._results("norms").norm_forms)
+
     def norms(self) -> Tensor:
         """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``)."""
         c = self._results("norms")

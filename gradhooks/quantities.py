@@ -74,6 +74,8 @@ class Collector:
         self._done: dict[str, tuple] = {}
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
+        self.norm_forms: dict[str, str] = {}  # how each parameter's norm was formed
+        self._forms: dict[str, str] = {}  # (of the backward running)
         self.sum_grad_sq: dict[str, Tensor] = {}
         self.grad_mean: dict[str, Tensor | _Deferred] = {}  # a _Deferred: formed when asked
         self.batch: int | None = None
@@ -88,6 +90,7 @@ class Collector:
         self._held.clear()
         self._done = {}
         self.param_sq_norms = {}
+        self.norm_forms, self._forms = {}, {}
         self.sum_grad_sq = {}
         self.grad_mean = {}
         self.batch = None
@@ -192,7 +195,9 @@ class Collector:
                 "checkpointing?): norms/sum_grad_sq cannot include that call; use grad1 instead"
             )
         batch = h.pieces[0][0].batch_size
-        sq = _sq_norm(h, sums) if "norms" in self.quantities else None
+        sq = None
+        if "norms" in self.quantities:
+            sq, self._forms[name] = _sq_norm(h, sums)
         sum_sq = mean = None
         if "sum_grad_sq" in self.quantities:
             # the batch gradient (for the mean) once: a by-product of the squares or of the
@@ -238,6 +243,7 @@ class Collector:
                 "per-example quantities need every layer to see the same batch"
             )
         self.param_sq_norms = {n: d[1] for n, d in done.items() if d[1] is not None}
+        self.norm_forms, self._forms = {n: self._forms[n] for n in self.param_sq_norms}, {}
         self.sum_grad_sq = {n: d[2] for n, d in done.items() if d[2] is not None}
         self.grad_mean = {n: d[3] for n, d in done.items() if d[3] is not None}
         (self.batch,) = batches
@@ -380,22 +386,22 @@ def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
 
 def _one_sq_norm(
     piece: P.Piece, scale: float, param: nn.Parameter, sums: dict[int, Tensor] | None
-) -> Tensor | None:
+) -> tuple[Tensor, str] | None:
     """:func:`_sq_norm` of a parameter with one piece in the backward (no reuse, no tie), where
     no product is needed: an :class:`~gradhooks.pieces.Outer` with one shared position
     (``‖g aᵀ‖ = ‖g‖ ‖a‖``, Goodfellow), a bias, a :class:`~gradhooks.pieces.Direct` (``grad1``
     at hand). On small layers the general path's bookkeeping costs more than this arithmetic.
-    ``None``: the general path."""
+    With its form (see :meth:`gradhooks.Hooks.norm_forms`); ``None``: the general path."""
     if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1 and sums is None:
         sq = piece.a.square().sum(-1) * piece.g.square().sum(-1)  # [batch, *groups, 1]
-        return sq.flatten(1).sum(1) * scale**2
+        return sq.flatten(1).sum(1) * scale**2, "outer"
     if isinstance(piece, P.Direct) or isinstance(piece, P.Outer) and not piece.has_input:
         g1 = piece.grad1(param.shape, scale).flatten(1)
         if sums is not None:
             sums[id(param)] = g1.sum(0).reshape(param.shape)
-        return torch.linalg.vector_norm(g1, dim=1).square()
+        return torch.linalg.vector_norm(g1, dim=1).square(), "direct"
     if isinstance(piece, P.Rows):
-        return _rows_sq_norm(piece, scale)
+        return _rows_sq_norm(piece, scale), "rows"
     return None
 
 
@@ -435,9 +441,10 @@ def _rows_sq_norm(piece: P.Rows, scale: float) -> Tensor:
     return out * scale**2
 
 
-def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
-    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``. Where that
-    forms the per-example gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
+def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, str]:
+    """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``, and how it
+    was formed (see :meth:`gradhooks.Hooks.norm_forms`). Where that forms the per-example
+    gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
     if len(h.pieces) == 1:
         single = _one_sq_norm(*h.pieces[0], h.param, sums)
         if single is not None:
@@ -471,7 +478,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
                 q, sq = ps[j]
                 term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
                 total = term if total is None else total + term
-        return total
+        return total, "gram"
     parts, total = [], None
     for _, g in _materialized(h):
         parts.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
@@ -479,7 +486,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
             total = g.sum(0) if total is None else total + g.sum(0)
     if total is not None:
         sums[id(h.param)] = total
-    return torch.cat(parts) if parts else h.param.new_zeros(0)
+    return (torch.cat(parts) if parts else h.param.new_zeros(0)), "materialized"
 
 
 def _kept(piece: P.Piece) -> float:

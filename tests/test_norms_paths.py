@@ -238,3 +238,43 @@ def test_grad1_slices_of_a_few_examples(reduction, monkeypatch):
         assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
         assert_close(h.sum_grad_sq()[n], (want[n] ** 2).sum(0), f"{n} sum_grad_sq")
         assert_close(dict(model.named_parameters())[n].grad, p.grad, f"{n} .grad vs autograd")
+
+
+@pytest.mark.parametrize("dim, hidden", [(160, 160), (4, 6)], ids=["gram", "materialized"])
+def test_norm_forms_say_which_form_each_parameter_took(dim, hidden):
+    """``Hooks.norm_forms()``: the form the cost model chose for each parameter's norm (the
+    norms themselves against ``vmap(grad)``)."""
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, dim)
+            self.tokens = Tokens(dim, hidden)
+            self.head = nn.Linear(dim, 2)
+
+        def forward(self, ids):  # [batch, positions]
+            return self.head(self.tokens(self.emb(ids)))
+
+    model = Mixed().to(D)
+    ids = torch.randint(10, (3, POSITIONS))
+
+    def one(out, t=None):
+        return 0.5 * (out**2).sum()
+
+    want = vmap_grad(model, one, ids)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("norms",)) as h:
+        one(model(ids)).backward()
+        norms, got = h.param_norms(), h.norm_forms()
+    li, gram = forms(dim, hidden, POSITIONS)
+    assert got == {
+        "emb.weight": "rows",
+        "tokens.up.weight": "gram" if gram else "materialized",
+        "tokens.up.bias": "direct",
+        "tokens.down.weight": "gram" if gram else "materialized",
+        "tokens.down.bias": "direct",
+        "head.weight": "outer",
+        "head.bias": "direct",
+    }
+    for n in want:
+        assert_close(norms[n], want[n].flatten(1).norm(dim=1), n)
