@@ -429,10 +429,21 @@ def select(piece: Piece, rows: slice) -> Piece:
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")
 
 
+# What one pass over a float of a materialized per-example gradient (its squared norm, its batch
+# sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
+# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256); rounded down, which
+# leaves the Gram form to the layers where it wins by a margin.
+PASS_MACS = 16
+
+
 def gram_is_cheaper(p: Piece, q: Piece) -> bool:
     """Whether the per-example inner product of two :class:`Outer` pieces should use the Gram
     form ``⟨a_p a_qᵀ, g_p g_qᵀ⟩`` (two ``[shared_p, shared_q]`` matrices per example and group)
-    rather than materialize ``[out, in]`` per example: ``2·T_p·T_q < in·out`` (Li et al. 2022).
+    rather than materialize ``[out, in]`` per example, by multiply-adds per example: the Gram
+    form costs ``T_p·T_q·(in + out)`` (:attr:`Outer.gram_macs` for one piece), materializing
+    ``(T_p + T_q)·in·out`` (``T·in·out`` and a pass over the result for one piece, plus what a
+    convolution's duplicated columns cost). So a Linear over ``T`` positions takes the Gram form
+    while ``T < in·out / (in + out)``: GPT-2's output layer (256 to 50,257) up to ``T = 254``.
     Bias pieces (``a is None``) are always cheap: they reduce over ``shared`` first."""
     if not (isinstance(p, Outer) and isinstance(q, Outer)):
         return False
@@ -442,7 +453,12 @@ def gram_is_cheaper(p: Piece, q: Piece) -> bool:
         return p.g.shape[-1] == q.g.shape[-1]
     if p.in_features != q.in_features or p.g.shape[-1] != q.g.shape[-1]:
         return False
-    return 2 * p.g.shape[-2] * q.g.shape[-2] < p.in_features * p.g.shape[-1]
+    area = p.in_features * p.g.shape[-1]
+    if p is q:
+        groups, shared = math.prod(p.g.shape[1:-2]), p.g.shape[-2]
+        return p.gram_macs < groups * (shared + PASS_MACS) * area + p.grad1_extra_macs
+    tp, tq = p.g.shape[-2], q.g.shape[-2]
+    return tp * tq * (p.in_features + p.g.shape[-1]) < (tp + tq + PASS_MACS) * area
 
 
 def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:

@@ -363,11 +363,7 @@ def _transient(piece: P.Piece) -> int:
     return piece.transient if isinstance(piece, P.Outer) else 0
 
 
-# What one pass over a float of a materialized per-example gradient (its squared norm, its batch
-# sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
-# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256); rounded down, which
-# leaves the Gram form to the layers where it wins by a margin.
-_PASS_MACS = 16
+_PASS_MACS = P.PASS_MACS
 
 
 def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:

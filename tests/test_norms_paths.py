@@ -35,8 +35,8 @@ class Tokens(nn.Module):
 
 
 def forms(dim: int, hidden: int, positions: int) -> tuple[bool, bool]:
-    """Whether Li et al.'s criterion takes the Gram form for the up-projection's weight, and
-    whether it still does when the batch gradient is wanted too."""
+    """Whether the cost model takes the Gram form for the up-projection's weight, and whether
+    it still does when the batch gradient is wanted too."""
     piece = P.Outer(torch.zeros(1, positions, dim), torch.zeros(1, positions, hidden))
     li = P.gram_is_cheaper(piece, piece)
     return li, li and Q._gram_with_sum_is_cheaper(piece)
@@ -82,7 +82,7 @@ def check_squared_error_norms(model, x, target, reduction):
 @pytest.mark.parametrize(
     "dim, hidden, li, gram",
     [(160, 160, True, True), (32, 128, True, False), (4, 6, False, False)],
-    ids=["gram-and-batch-product", "grad1-slices-where-li-says-gram", "grad1-slices"],
+    ids=["gram-and-batch-product", "grad1-slices-with-the-batch-product", "grad1-slices"],
 )
 def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
     assert forms(dim, hidden, POSITIONS) == (li, gram)
@@ -94,10 +94,24 @@ def test_detached_linear_norms(dim, hidden, li, gram, batch, reduction):
 
 
 def test_benchmark_layers_take_grad1_slices():
-    """EmbedBlock's MLP (64 positions, 64 x 256 and back): Li et al.'s 2·T² < in·out prefers
-    the Gram form, which then needs a batch product more (measured ~2x slower)."""
-    assert forms(64, 256, 64) == (True, False)
-    assert forms(256, 64, 64) == (True, False)
+    """EmbedBlock's MLP (64 positions, 64 x 256 and back) forms grad1 a slice at a time: the
+    Gram form would cost as much, and then a batch product more (measured ~2x slower). Li et
+    al.'s memory criterion, 2·T² < in·out, would have taken the Gram form."""
+    assert forms(64, 256, 64)[1] is False and 2 * 64 * 64 < 64 * 256
+    assert forms(256, 64, 64)[1] is False
+
+
+def test_cost_model_takes_the_cheaper_form_for_a_vocabulary_projection():
+    """GPT-2's output layer (256 to 50,257): the Gram form costs ``T²·(in + out)`` per example,
+    materializing ``T·in·out``; the Gram form up to ``T = 269``, not beyond (Li et al.'s
+    2·T² < in·out would take it up to ``T = 2,536``, at 10x the multiply-adds)."""
+
+    def choice(t):
+        piece = P.Outer(torch.zeros(1, t, 256), torch.zeros(1, t, 50257))
+        return P.gram_is_cheaper(piece, piece)
+
+    assert choice(128) and choice(200)
+    assert not choice(512) and not choice(1024)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -155,8 +169,7 @@ def test_detached_conv_norms(cin, cout, gram, batch, reduction):
     assert many_positions(model.conv, (x,))
     with torch.no_grad():
         piece = ConvWeight(model.conv, x, torch.zeros(batch, cout, 8, 8, dtype=D))
-    assert P.gram_is_cheaper(piece, piece) == gram
-    assert (gram and Q._gram_with_sum_is_cheaper(piece)) == gram
+    assert (P.gram_is_cheaper(piece, piece) and Q._gram_with_sum_is_cheaper(piece)) == gram
     check_squared_error_norms(model, x, target, reduction)
 
 
