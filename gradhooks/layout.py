@@ -669,7 +669,9 @@ def _rnn(args, kwargs, out, layout_of):
     if packed:
         if lay is not PACKED:
             return UNKNOWN
-        first = PACKED
+        # the states are in the packed order (longest first), which the module's forward
+        # undoes with an index_select along the batch where the sequences were not sorted
+        return [PACKED] + [UNKNOWN for _ in outs[1:]]
     else:
         batch_first = bool(args[-1])
         if lay is UNKNOWN or lay.dim != (0 if batch_first else 1) or not lay.plain:
@@ -809,6 +811,8 @@ def _indexed(args, kwargs, out, layout_of):
         if lay is UNKNOWN or t.dim() != n:
             return UNKNOWN
         if isinstance(dim, int) and lay.dim == _norm_dim(dim, n):
+            if _permutes(args, kwargs, x.shape[lay.dim]) and t is x:
+                return UNKNOWN  # (the examples reordered, as sorting for packing does)
             return MIXED  # gathered or scattered along the examples
         if found not in (None, lay):
             return UNKNOWN
@@ -816,6 +820,23 @@ def _indexed(args, kwargs, out, layout_of):
     if found is None or o.dim() != n:
         return UNKNOWN
     return found
+
+
+def _is_permutation(index: Any, size: int) -> bool:
+    """Whether ``index`` is a 1-D integer tensor holding ``0, ..., size - 1`` in some order."""
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.numel() != size:
+        return False
+    if index.dtype in (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return False
+    return torch.equal(index.sort().values, torch.arange(size, device=index.device))
+
+
+def _permutes(args, kwargs, size: int) -> bool:
+    """``index_select(x, dim, index)`` (three arguments: nothing written) with ``index`` a
+    permutation of the batch."""
+    if len(args) + len(kwargs) != 3:
+        return False
+    return _is_permutation(_arg(args, kwargs, 2, "index"), size)
 
 
 @_handles("__getitem__")
@@ -834,6 +855,13 @@ def _getitem(args, kwargs, out, layout_of):
     if lay.dim < 0:
         return lay
     where = _index_map(x, lay, index, o)
+    if (
+        where is None
+        and lay.dim == 0
+        and lay.plain
+        and _is_permutation(index[0] if isinstance(index, tuple) and index else index, x.shape[0])
+    ):
+        return UNKNOWN  # (the examples reordered: x[perm])
     return where if where is not None else MIXED
 
 

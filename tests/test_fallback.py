@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.oracle import vmap_grad
+from gradhooks.oracle import loop_grad, vmap_grad
 from harness import Case, check
 
 
@@ -134,6 +134,18 @@ class MHA(nn.Module):
         seq = x.shape[1]
         causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
         return self.attn(x, x, x, attn_mask=causal, need_weights=False)[0]
+
+
+class CellPair(nn.Module):
+    """An LSTMCell, whose two outputs depend on each other (``h' = o * tanh(c')``), both used."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(3, 4)
+
+    def forward(self, x):
+        h, c = self.cell(x)
+        return h + 0.5 * c
 
 
 CASES = [
@@ -287,3 +299,24 @@ def test_dropout_after_an_elementwise_weight_keeps_the_forwards_mask():
 def test_shared_tensor_whose_dim_0_equals_the_batch(case):
     """A mask [seq, seq] (or [seq, n]) with seq == batch is not split over the examples."""
     check(case, batch=3, reduction="mean")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_outputs_computed_from_each_other(reduction):
+    """An LSTMCell returns ``(h', c')`` with ``h'`` computed from ``c'``: the gradient reaching
+    ``c'`` from outside the call is kept apart from what flows into it through ``h'`` (counted
+    twice before). Against the per-example loop (``vmap`` cannot batch torch's LSTM cell)."""
+    from harness import assert_close
+
+    torch.manual_seed(0)
+    model = CellPair().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(out, target=None):
+        return out.pow(2).sum()
+
+    want = loop_grad(model, loss, x)
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        (loss(model(x)) / (4 if reduction == "mean" else 1)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)

@@ -411,7 +411,7 @@ MIXING = {
     "gram": lambda h: (h @ h.T) @ h,
     "flip": lambda h: h.flip(0) * h,
     "cumsum": lambda h: h.cumsum(0),
-    "pick": lambda h: h[[1, 0, 2, 3]],
+    "pick": lambda h: h[[1, 0, 0, 3]],
     "gather": lambda h: h.gather(0, torch.zeros_like(h, dtype=torch.long)),
 }
 
@@ -551,3 +551,83 @@ def test_parameter_written_into_a_buffer_by_index():
             assert (n in want) == hasattr(p, "grad1"), n
             if n in want:
                 assert_close(p.grad1, want[n], f"frozen={frozen} {n}")
+
+
+def test_sequences_sorted_for_packing_and_back():
+    """``pack_padded_sequence(..., enforce_sorted=False)`` sorts the examples by length
+    (``index_select`` with a permutation) and the LSTM puts its final states back in the
+    batch's order: a classifier on ``h_n[-1]`` gets each example's own gradient."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn, self.out = (
+                nn.Embedding(20, 5),
+                nn.LSTM(5, 8, batch_first=True),
+                nn.Linear(8, 3),
+            )
+
+        def forward(self, ids, lengths):
+            packed = pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                          enforce_sorted=False)  # fmt: skip
+            _, (h, _) = self.rnn(packed)
+            return self.out(h[-1])
+
+    torch.manual_seed(0)
+    m = Classifier().double()
+    ids, lengths = torch.randint(20, (4, 6)), torch.tensor([3, 6, 2, 5])
+    want = rowwise_grad(m, sq_rows, ids, lengths)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(ids, lengths)).backward()
+    assert_matches(m, want, "unsorted packing")
+
+
+def test_input_passed_by_keyword():
+    """``layer(input=x)``: the rule reads the input where the forward's signature puts it."""
+    torch.manual_seed(0)
+
+    class ByKeyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(3, 4), nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.norm(input=self.fc(input=x))
+
+    m = ByKeyword().double()
+    x = torch.randn(5, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "keyword input")
+
+
+@pytest.mark.parametrize("batch_dim", ["auto", 1])
+def test_sequence_first_encoder_with_a_final_norm(batch_dim):
+    """``nn.TransformerEncoder(..., norm=LayerNorm)`` with ``batch_first=False``, the sequence
+    as long as the batch: the batch is taken from the encoder layer's own reading (dimension 1)
+    before its operations run, so the final norm sees it there too."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, 8, 0.0)
+    m = nn.TransformerEncoder(layer, 1, norm=nn.LayerNorm(4), enable_nested_tensor=False).double()
+    x = torch.randn(3, 3, 4, dtype=D)  # [seq, batch, features]
+    want = {n: [] for n, _ in m.named_parameters()}
+    for i in range(3):
+        grads = torch.autograd.grad(sq(m(x[:, i : i + 1])), list(m.parameters()))
+        for n, g in zip(want, grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=batch_dim):
+        sq(m(x)).backward()
+    assert_matches(m, {n: torch.stack(g) for n, g in want.items()}, f"batch_dim={batch_dim}")
+
+
+def test_verify_leaves_a_gradient_that_is_zero_but_for_rounding():
+    """An InstanceNorm's scale under a summed output has gradient 0 (the normalized values sum
+    to zero), which autograd and grad1 round differently: not a mismatch."""
+    torch.manual_seed(0)
+    m = nn.InstanceNorm1d(3, affine=True, bias=False).double()
+    x = torch.randn(4, 3, 6, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        m(x).sum().backward()
+    assert m.weight.grad1.abs().max() < 1e-12
