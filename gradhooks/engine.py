@@ -960,6 +960,15 @@ class Hooks:
                 "the examples apart in the forward (detach what is computed from the whole "
                 "batch, or compute it outside the model), or freeze this layer's parameters."
             )
+        moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
+                      and t in tracker.reordered), None)  # fmt: skip
+        if moved is not None:
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
+                f"another order ({moved} with a permutation of the batch), so its rule would give "
+                "each example the gradient of another. Put them back in order before the layer "
+                "(x[perm.argsort()]), or freeze its parameters."
+            )
         grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
         free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
         if first is not None and free and target.entry is not FALLBACK:

@@ -94,6 +94,12 @@ UNKNOWN = Layout(-1)
 # a PackedSequence's data: the examples' time steps packed along dimension 0 (the RNN rules read
 # them from its batch sizes)
 PACKED = Layout(-2)
+# (a handler's answer, never a tensor's layout: the examples reordered along the batch, by a
+# permutation; the tracker marks the result as reordered, see Tracker.reordered)
+_REORDER = Layout(-4)
+# operations that take a reordered batch with the order it was put in (a PackedSequence keeps
+# its sorted_indices, and the RNN rules read them)
+_TAKES_ORDER = {"_pack_padded_sequence"}
 # a tensor whose entries depend on several examples at once (a reduction over the batch, a roll
 # along it, a product of two examples): per-example gradients through it do not exist
 MIXED = Layout(-3)
@@ -445,6 +451,18 @@ def _matrices(args, kwargs, out, layout_of):
     return lay.at(lay.dim + o.dim() - t.dim())
 
 
+def _blocks(lay: Layout, size: int, start: int, stop: int, step: int) -> Layout | None:
+    """The layout of entries ``start:stop:step`` of a dimension of ``size`` entries laid out as
+    ``lay``: all of them, or whole blocks of the ``outer`` copies of the batch (the halves of
+    ``cat([x1, x2])``); ``None`` where the slice picks some examples."""
+    if step == 1 and start == 0 and stop >= size:
+        return lay
+    block = size // lay.outer
+    if step != 1 or lay.outer == 1 or start % block or stop % block or stop <= start:
+        return None
+    return Layout(lay.dim, (stop - start) // block, lay.inner)
+
+
 @_handles("split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "hsplit",
           "vsplit", "unsafe_chunk")  # fmt: skip
 def _split(args, kwargs, out, layout_of):
@@ -452,7 +470,14 @@ def _split(args, kwargs, out, layout_of):
     if t is None or lay is UNKNOWN:
         return UNKNOWN
     dim = _norm_dim(int(_arg(args, kwargs, 2, "dim", 0)), t.dim())
-    return MIXED if dim == lay.dim else lay
+    if dim != lay.dim:
+        return lay
+    found, start = [], 0
+    for o in _out_tensors(out):
+        n = o.shape[dim]
+        found.append(_blocks(lay, t.shape[dim], start, start + n, 1) or MIXED)
+        start += n
+    return found
 
 
 @_handles("unbind")
@@ -812,7 +837,7 @@ def _indexed(args, kwargs, out, layout_of):
             return UNKNOWN
         if isinstance(dim, int) and lay.dim == _norm_dim(dim, n):
             if _permutes(args, kwargs, x.shape[lay.dim]) and t is x:
-                return UNKNOWN  # (the examples reordered, as sorting for packing does)
+                return _REORDER  # (the examples reordered, as sorting for packing does)
             return MIXED  # gathered or scattered along the examples
         if found not in (None, lay):
             return UNKNOWN
@@ -861,7 +886,7 @@ def _getitem(args, kwargs, out, layout_of):
         and lay.plain
         and _is_permutation(index[0] if isinstance(index, tuple) and index else index, x.shape[0])
     ):
-        return UNKNOWN  # (the examples reordered: x[perm])
+        return _REORDER  # (the examples reordered: x[perm])
     return where if where is not None else MIXED
 
 
@@ -974,14 +999,9 @@ def _index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
             src += 1
         elif isinstance(i, slice):
             if src == lay.dim:
-                full = i == slice(None) or (
-                    i.step in (None, 1) and (i.start in (None, 0))
-                    and (i.stop is None or i.stop >= x.shape[src])
-                )  # fmt: skip
-                if not full:
-                    return None
                 shift = len(bshape) if adv and not adjacent else 0
-                return lay.at(dst + shift)
+                blocks = _blocks(lay, x.shape[src], *i.indices(x.shape[src]))
+                return None if blocks is None else blocks.at(dst + shift)
             src += 1
             dst += 1
         else:
@@ -1102,6 +1122,9 @@ class Tracker(TorchFunctionMode):
         self.meetings: list[_Meeting] = []
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
         self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
+        # tensors whose rows along the batch are the examples in another order (x[perm]), with
+        # the operation that reordered them
+        self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1251,11 +1274,28 @@ class Tracker(TorchFunctionMode):
             outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
         if not outs or name in _FREE:
             return  # (a new tensor: its values do not depend on the examples)
-        inherited = any(self.layouts.get(t) is MIXED for t in _tensors(args, kwargs))
+        ins = _tensors(args, kwargs)
+        inherited = any(self.layouts.get(t) is MIXED for t in ins)
         if inherited:
             result = MIXED
         else:
             result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+        reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
+        if result is _REORDER:
+            if reordered is None and any(o.requires_grad for o in outs):
+                for o in outs:
+                    self.reordered[o] = name
+            result = UNKNOWN  # (reordered again: taken as put back in order)
+        elif reordered is not None and name not in _TAKES_ORDER:
+            ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
+                       None and self._layout_of(t).dim >= 0]  # fmt: skip
+            if ordered and any(o.requires_grad for o in outs):
+                result = MIXED  # (rows of different examples combined: x[perm] + x)
+                self.mixed.setdefault(reordered, None)
+                inherited = True
+            elif any(o.requires_grad for o in outs):
+                for o in outs:
+                    self.reordered[o] = reordered
         if result is MIXED:
             if any(o.requires_grad for o in outs):
                 if not inherited:
@@ -1277,6 +1317,11 @@ class Tracker(TorchFunctionMode):
         for o, lay in zip(outs, result):
             if lay is None:
                 continue
+            if lay is MIXED:  # (one of several outputs: a chunk with some of the examples)
+                if not o.requires_grad:
+                    lay = UNKNOWN
+                else:
+                    self.mixed.setdefault(name, None)
             if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
                 lay = UNKNOWN  # (a handler's guess that the shapes contradict)
             self.layouts[o] = lay

@@ -412,6 +412,8 @@ MIXING = {
     "flip": lambda h: h.flip(0) * h,
     "cumsum": lambda h: h.cumsum(0),
     "pick": lambda h: h[[1, 0, 0, 3]],
+    "permuted-sum": lambda h: h[[1, 0, 3, 2]] + h,
+    "sorted-sum": lambda h: h.index_select(0, torch.tensor([3, 2, 1, 0])) * h,
     "gather": lambda h: h.gather(0, torch.zeros_like(h, dtype=torch.long)),
 }
 
@@ -429,6 +431,19 @@ def test_forward_that_mixes_the_examples_is_refused(how):
             RuntimeError, match=r"'l2' \(Linear\): its input \(\(4, 5\)\) was computed across"
         ):
             m(x)
+
+
+@pytest.mark.parametrize("how", ["getitem", "index_select"])
+def test_layer_on_reordered_examples_is_refused(how):
+    """A layer whose input holds the examples in another order (``h[perm]``): its rule would
+    give each example another's gradient; refused at the forward."""
+    perm = torch.tensor([2, 0, 3, 1])
+    reorder = {"getitem": lambda h: h[perm], "index_select": lambda h: h.index_select(0, perm)}
+    torch.manual_seed(0)
+    m = Across(reorder[how]).double()
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): .* in another order"):
+            m(torch.randn(4, 3, dtype=D))
 
 
 @pytest.mark.parametrize("how", ["centred-input", "detached-mean", "detached-roll"])
