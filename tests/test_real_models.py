@@ -246,6 +246,25 @@ def test_gpt2_lora_adapter():
         check_model(model, text(3, 5), lm_loss, 3, reduction)
 
 
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_gpt2_prefix_and_prompt_tuning(method):
+    """PEFT prefix tuning (virtual keys and values concatenated in front of every layer's, by
+    ``torch.cat`` of a list) and prompt tuning (virtual tokens in front of the embeddings)."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    config = (peft.PrefixTuningConfig if method == "prefix" else peft.PromptTuningConfig)(
+        task_type="CAUSAL_LM", num_virtual_tokens=3
+    )
+    model = peft.get_peft_model(gpt2(), config)
+
+    def loss(m, batch):  # (the logits of the virtual tokens, where there are any, dropped)
+        logits = m(input_ids=batch["input_ids"]).logits[:, -batch["labels"].shape[1] :]
+        return F.cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1), reduction="sum")
+
+    for reduction in ("sum", "mean"):
+        check_model(model, text(3, 5), loss, 3, reduction)
+
+
 # -- nanoGPT as nanoGPT writes it -------------------------------------------------------------
 
 

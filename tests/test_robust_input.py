@@ -551,3 +551,34 @@ def test_parameter_written_into_a_buffer_by_index():
             assert (n in want) == hasattr(p, "grad1"), n
             if n in want:
                 assert_close(p.grad1, want[n], f"frozen={frozen} {n}")
+
+
+class Prefixed(nn.Module):
+    """Prefix tuning as PEFT does it: a table of virtual tokens looked up with positions
+    expanded to the batch (batch-sized, but the same for every example), concatenated in front
+    of the batch's keys by ``torch.cat([prefix, keys])``; ``twice``: the same prefix on both
+    ends (one tensor in two places of the list)."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.twice = twice
+        self.prefix, self.k, self.o = nn.Embedding(2, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        pos = torch.arange(2).unsqueeze(0).expand(x.shape[0], -1)
+        pre = self.prefix(pos)  # [batch, 2, 4]
+        keys = self.k(x)  # [batch, T, 4]
+        parts = [pre, keys, pre] if self.twice else [pre, keys]
+        h = torch.cat(parts, dim=1)
+        return self.o(torch.tanh(h) * torch.tanh(h).sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_batch_free_prefix_concatenated_with_the_batch(twice):
+    torch.manual_seed(0)
+    m = Prefixed(twice).double()
+    x = torch.randn(3, 5, 3, dtype=D)
+    want = rowwise_grad(m, sq_rows, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "prefix")
