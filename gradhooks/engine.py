@@ -2321,9 +2321,10 @@ def _per_example_outputs(
             )
         total = per.sum(0)
         tol = _tolerance(g)
-        scale = max(float(g.abs().max()) if g.numel() else 0.0, 1e-30)
-        if not torch.allclose(total, g, rtol=tol, atol=tol * scale):
-            diff = float((total - g).abs().max())
+        finite = g[torch.isfinite(g)]  # (NaN and Inf are carried through, as autograd does)
+        scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
+        if not torch.isclose(total, g, rtol=tol, atol=tol * scale, equal_nan=True).all():
+            diff = float((total - g).abs().nan_to_num(nan=float("inf")).max())
             raise RuntimeError(
                 f"{where}: its inputs do not depend on the examples; the per-example shares of "
                 f"its output's gradient found where it meets the batch add up to within "

@@ -89,6 +89,33 @@ def test_nan_is_carried_through_and_reported():
     assert any("NaN or Inf for examples [2]" in p for p in report.problems)
 
 
+class Positions(nn.Module):
+    """A learned position embedding looked up with ``arange(T)``: a batch-free call whose
+    output meets the batch in ``x + pos``."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.l = nn.Embedding(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.l(x + self.pos(torch.arange(x.shape[1])))
+
+
+def test_nan_through_a_batch_free_call_stays_with_its_example():
+    """An Inf in one example's input gives that example NaN gradients, also in the share of
+    the position embedding that meets the batch; the other examples keep theirs."""
+    torch.manual_seed(0)
+    model = Positions().double()
+    x = torch.randn(5, 4, 3, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    x[2, 1, 0] = float("inf")
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    g1 = model.pos.weight.grad1
+    assert not torch.isfinite(g1[2]).all(), "NaN/Inf is carried through, as autograd does"
+    assert_close(g1[[0, 1, 3, 4]], want["pos.weight"][[0, 1, 3, 4]], "the other examples")
+
+
 # -- nothing captured, several forwards, removal while pending ------------------------------------
 
 
