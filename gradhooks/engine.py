@@ -762,6 +762,16 @@ class Hooks:
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
             live = {n: p for n, p in target.params.items() if p.requires_grad}
+            if tracker is not None and target.entry is not FALLBACK:
+                # a parameter its call never used, followed where it was used instead (the old
+                # nn.utils.weight_norm makes `weight` from `weight_g` and `weight_v` in a
+                # forward pre-hook, before the call): its grad1 comes from there
+                live = {
+                    n: p
+                    for n, p in live.items()
+                    if id(self._current.get(id(p), p)) in used.params
+                    or id(p) not in tracker.param_sources
+                }
             if not live:
                 return
             leaves = _leaves(output)
@@ -1309,7 +1319,13 @@ class Hooks:
             elif pname not in pieces:
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
-                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)})"
+                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}). "
+                    "A parameter the rule does not know is used by something around the layer "
+                    "(a forward pre-hook that makes its weight from it, as the old "
+                    "torch.nn.utils.weight_norm does), which gradhooks follows only while it "
+                    "tracks the batch (batch_dim not None): use "
+                    "torch.nn.utils.parametrizations.weight_norm, or register a rule for "
+                    "the layer."
                 )
             # else: None, the rule says this call's gradient for it is computed elsewhere
         if not live:

@@ -609,3 +609,29 @@ def test_batch_free_prefix_concatenated_with_the_batch(twice):
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         sq(m(x)).backward()
     assert_matches(m, want, "prefix")
+
+
+@pytest.mark.parametrize("style", ["pre-hook", "parametrization"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_weight_norm_old_and_new(style, layer):
+    """The old ``nn.utils.weight_norm`` makes the layer's ``weight`` from ``weight_g`` and
+    ``weight_v`` in a forward pre-hook, before the layer's call; the new one is a
+    parametrization. Either way ``grad1`` is for the parameters the user trains."""
+    torch.manual_seed(0)
+    first = nn.Linear(12, 4) if layer == "linear" else nn.Conv1d(3, 4, 3, padding=1)
+    wrap = nn.utils.weight_norm if style == "pre-hook" else nn.utils.parametrizations.weight_norm
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (the old one is deprecated)
+        first = wrap(first)
+    flat = nn.Flatten() if layer == "linear" else nn.Identity()
+    model = nn.Sequential(flat, first, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(5, 3, 4, dtype=D)
+    model(x)  # (the lazy layer's shape)
+    want = rowwise_grad(model, sq_rows, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, f"{style} {layer}")
+    if style == "pre-hook":
+        with gradhooks.add_hooks(model, batch_dim=None, loss_reduction="sum"):
+            with pytest.raises(RuntimeError, match=r"'weight_g'.*parametrizations.weight_norm"):
+                sq(model(x)).backward()
