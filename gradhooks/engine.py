@@ -30,7 +30,7 @@ from . import checks
 from . import pieces as P
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
-from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, saving_elsewhere
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
@@ -795,7 +795,12 @@ class Hooks:
 
             n_leaves = len(leaves)
             taps = None
-            if target.entry.taps is not None and self._track and _keeps_rows(layout):
+            if (
+                target.entry.taps is not None
+                and self._track
+                and _keeps_rows(layout)
+                and not saving_elsewhere()  # (reading what it saved would rerun it)
+            ):
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []

@@ -1008,6 +1008,16 @@ def _graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def saving_elsewhere() -> bool:
+    """Whether the tensors autograd saves for the backward go through saved-tensor hooks now
+    (non-reentrant activation checkpointing, offloading to the CPU). Such a forward is run
+    again, untracked, when its saved tensors are needed: it must save exactly what it saves
+    untracked (the same operations on the same shapes), and reading a saved tensor in the
+    forward would run it again there."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
+
+
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 
@@ -1340,8 +1350,8 @@ class Tracker(TorchFunctionMode):
     def _expanded(self, func, name, args, kwargs, tainted) -> Any:
         """An elementwise meeting: run it with each batch-free operand expanded along the batch
         dimension of the result; the expanded operands' gradients are per example."""
-        if name not in _EXPANDABLE or not tainted:
-            return None
+        if name not in _EXPANDABLE or not tainted or saving_elsewhere():
+            return None  # (checkpointed: the expanded operand would be saved in its place)
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
         if not others or any(self.layouts[t] is UNKNOWN for t in others):
             return None
