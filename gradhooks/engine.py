@@ -31,7 +31,7 @@ from . import checks
 from . import pieces as P
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
-from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, saving_elsewhere
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
@@ -794,6 +794,16 @@ class Hooks:
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
             live = {n: p for n, p in target.params.items() if p.requires_grad}
+            if tracker is not None and target.entry is not FALLBACK:
+                # a parameter its call never used, followed where it was used instead (the old
+                # nn.utils.weight_norm makes `weight` from `weight_g` and `weight_v` in a
+                # forward pre-hook, before the call): its grad1 comes from there
+                live = {
+                    n: p
+                    for n, p in live.items()
+                    if id(self._current.get(id(p), p)) in used.params
+                    or id(p) not in tracker.param_sources
+                }
             if not live:
                 return
             leaves = _leaves(output)
@@ -820,7 +830,12 @@ class Hooks:
 
             n_leaves = len(leaves)
             taps = None
-            if target.entry.taps is not None and self._track and _keeps_rows(layout):
+            if (
+                target.entry.taps is not None
+                and self._track
+                and _keeps_rows(layout)
+                and not saving_elsewhere()  # (reading what it saved would rerun it)
+            ):
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
@@ -1353,7 +1368,13 @@ class Hooks:
             elif pname not in pieces:
                 raise RuntimeError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
-                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)})"
+                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}). "
+                    "A parameter the rule does not know is used by something around the layer "
+                    "(a forward pre-hook that makes its weight from it, as the old "
+                    "torch.nn.utils.weight_norm does), which gradhooks follows only while it "
+                    "tracks the batch (batch_dim not None): use "
+                    "torch.nn.utils.parametrizations.weight_norm, or register a rule for "
+                    "the layer."
                 )
             # else: None, the rule says this call's gradient for it is computed elsewhere
         if not live:
@@ -2406,9 +2427,10 @@ def _per_example_outputs(
             )
         total = per.sum(0)
         tol = _tolerance(g)
-        scale = max(float(g.abs().max()) if g.numel() else 0.0, 1e-30)
-        if not torch.allclose(total, g, rtol=tol, atol=tol * scale):
-            diff = float((total - g).abs().max())
+        finite = g[torch.isfinite(g)]  # (NaN and Inf are carried through, as autograd does)
+        scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
+        if not torch.isclose(total, g, rtol=tol, atol=tol * scale, equal_nan=True).all():
+            diff = float((total - g).abs().nan_to_num(nan=float("inf")).max())
             raise RuntimeError(
                 f"{where}: its inputs do not depend on the examples; the per-example shares of "
                 f"its output's gradient found where it meets the batch add up to within "

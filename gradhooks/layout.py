@@ -1056,6 +1056,16 @@ def _graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def saving_elsewhere() -> bool:
+    """Whether the tensors autograd saves for the backward go through saved-tensor hooks now
+    (non-reentrant activation checkpointing, offloading to the CPU). Such a forward is run
+    again, untracked, when its saved tensors are needed: it must save exactly what it saves
+    untracked (the same operations on the same shapes), and reading a saved tensor in the
+    forward would run it again there."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
+
+
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 
@@ -1331,7 +1341,7 @@ class Tracker(TorchFunctionMode):
     def _meeting(self, func, name, args, kwargs, tensors, direct) -> Any:
         """An operation where tensors derived from sources meet tensors with a layout."""
         ids = {id(d) for d in direct}
-        tainted = [t for t in tensors if self.taints.get(t) or id(t) in ids]
+        tainted = list({id(t): t for t in tensors if self.taints.get(t) or id(t) in ids}.values())
         if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
             out = self.engine._functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
@@ -1413,8 +1423,8 @@ class Tracker(TorchFunctionMode):
     def _expanded(self, func, name, args, kwargs, tainted) -> Any:
         """An elementwise meeting: run it with each batch-free operand expanded along the batch
         dimension of the result; the expanded operands' gradients are per example."""
-        if name not in _EXPANDABLE or not tainted:
-            return None
+        if name not in _EXPANDABLE or not tainted or saving_elsewhere():
+            return None  # (checkpointed: the expanded operand would be saved in its place)
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
         if not others or any(self.layouts[t] is UNKNOWN for t in others):
             return None
@@ -1640,15 +1650,22 @@ class _Meeting:
     def __init__(self, tracker, func, name, args, kwargs, tainted, sources, outs, layouts):
         self.engine, self.batch = tracker.engine, tracker.batch
         self.func, self.name = func, name
-        ids = {id(t) for t in tainted}
         # detached: the recomputation needs the values, never the graph (and holding the
         # graph's tensors from a hook on that graph would make a cycle)
         self.args = tuple(_detached(a) for a in args)
         self.kwargs = {k: _detached(v) for k, v in kwargs.items()}
         self.versions = [(t, t._version) for t in _tensors(self.args, self.kwargs)]
-        self.positions = [
-            (i, None) for i, a in enumerate(args) if isinstance(a, Tensor) and id(a) in ids
-        ] + [(None, k) for k, v in kwargs.items() if isinstance(v, Tensor) and id(v) in ids]
+        # where each tainted tensor is: its (argument position or keyword, index in a list or
+        # tuple argument or None), every place it is passed (torch.cat([past, k]))
+        where: dict[int, list] = {id(t): [] for t in tainted}
+        for key, a in [*enumerate(args), *kwargs.items()]:
+            if isinstance(a, Tensor) and id(a) in where:
+                where[id(a)].append((key, None))
+            elif type(a) in (list, tuple):
+                for j, x in enumerate(a):
+                    if isinstance(x, Tensor) and id(x) in where:
+                        where[id(x)].append((key, j))
+        self.positions = [where[id(t)] for t in tainted]
         self.edges = [torch.autograd.graph.get_gradient_edge(t) for t in tainted]
         self.sources = [tuple(sources[t]) for t in tainted]
         self.src_edges = [{s: tracker.edges[s] for s in srcs} for srcs in self.sources]
@@ -1688,13 +1705,19 @@ class _Meeting:
         with torch.enable_grad():
             leaves = []
             args, kwargs = list(self.args), dict(self.kwargs)
-            for i, k in self.positions:
-                if i is not None:
-                    args[i] = args[i].detach().requires_grad_()
-                    leaves.append(args[i])
-                else:
-                    kwargs[k] = kwargs[k].detach().requires_grad_()
-                    leaves.append(kwargs[k])
+            for places in self.positions:
+                key, j = places[0]
+                table = args if isinstance(key, int) else kwargs
+                leaf = (table[key] if j is None else table[key][j]).detach().requires_grad_()
+                leaves.append(leaf)
+                for key, j in places:
+                    table = args if isinstance(key, int) else kwargs
+                    if j is None:
+                        table[key] = leaf
+                    else:
+                        table[key] = type(table[key])(
+                            leaf if i == j else x for i, x in enumerate(table[key])
+                        )
             outs = _out_tensors(self.func(*args, **kwargs))
             pairs = [(o, g, lay) for o, g, lay in zip(outs, grads, self.layouts) if g is not None]
             per_elem = sum(g.numel() for _, g, _ in pairs)

@@ -233,6 +233,100 @@ def test_hugging_face_internal_loss_with_labels():
         close(p.grad1, want[n], n)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
+@pytest.mark.parametrize("name", ["gpt2", "bert-masked-lm", "llama"])
+def test_hugging_face_gradient_checkpointing(name, reentrant):
+    """``model.gradient_checkpointing_enable()`` (non-reentrant by default): every layer's
+    forward runs again, untracked, in the backward, and must save what it saved tracked
+    (Llama's rotary tables multiply the batch inside the checkpoint)."""
+    factory, loss_fn, kw, _ = HF[name]
+    torch.manual_seed(0)
+    model = factory().double().eval()
+    batch = text(3, 5, **kw)
+    want = loop_oracle(model, batch, loss_fn, 3)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": True} if reentrant else None
+    )
+    model.train()  # (checkpointing runs in training mode only; dropout is 0)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss_fn(model, batch).backward()
+    for n, p in model.named_parameters():
+        close(p.grad1, want[n], n)
+
+
+def padded(size, seq, **kw):
+    """Sequences of unequal lengths: the last positions of some masked out."""
+    batch = text(size, seq, **kw)
+    for b, pad in enumerate((2, 0, 1, 3)[:size]):
+        if pad:
+            batch["attention_mask"][b, -pad:] = 0
+    return batch
+
+
+def opt():
+    cfg = transformers.OPTConfig(hidden_size=16, num_hidden_layers=2, ffn_dim=24,
+                                 num_attention_heads=2, vocab_size=V, max_position_embeddings=32,
+                                 word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
+                                 pad_token_id=1)  # fmt: skip
+    return transformers.OPTForCausalLM(cfg)
+
+
+def mobilebert():
+    cfg = transformers.MobileBertConfig(
+        hidden_size=16, embedding_size=8, intra_bottleneck_size=8, true_hidden_size=8,
+        num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        num_feedforward_networks=2, vocab_size=V, max_position_embeddings=32, **NO_DROPOUT,
+        classifier_dropout=0.0, num_labels=3,
+    )  # fmt: skip
+    return transformers.MobileBertForSequenceClassification(cfg)
+
+
+def longt5():
+    cfg = transformers.LongT5Config(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2,
+                                    vocab_size=V, dropout_rate=0.0, local_radius=2,
+                                    relative_attention_num_buckets=8,
+                                    encoder_attention_type="local")  # fmt: skip
+    return transformers.LongT5ForConditionalGeneration(cfg)
+
+
+PADDED = {
+    "opt": (opt, lm_loss, {}),
+    "mobilebert": (mobilebert, cls_loss, {"classes": 3}),
+    "longt5-local": (longt5, lm_loss, {"decoder": True}),
+    "bert-classifier": (bert_cls, cls_loss, {"classes": 3}),
+    "llama": (llama, lm_loss, {}),
+}
+
+
+@pytest.mark.parametrize("size,seq,reduction", [(3, 5, "sum"), (4, 4, "mean")])
+@pytest.mark.parametrize("name", list(PADDED))
+def test_hugging_face_padding(name, size, seq, reduction):
+    """An attention mask with zeros: each example's gradient is that of its own length."""
+    factory, loss_fn, kw = PADDED[name]
+    torch.manual_seed(0)
+    check_model(factory(), padded(size, seq, **kw), loss_fn, size, reduction)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_with_labels_only(name):
+    """Only ``labels=``: the decoder's input is the labels shifted right, written into a new
+    buffer by ``shifted[:, 1:] = labels[:, :-1]``, and the model's loss is a mean."""
+    torch.manual_seed(0)
+    model = HF[name][0]().double().eval()
+    model.config.decoder_start_token_id = model.config.pad_token_id = 0
+    batch = text(3, 5)
+
+    def loss(m, b):
+        return m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                 labels=b["labels"]).loss  # fmt: skip
+
+    want = loop_oracle(model, batch, loss, 3)
+    with gradhooks.add_hooks(model):  # (loss_reduction="mean")
+        loss(model, batch).backward()
+    for n, p in model.named_parameters():
+        close(p.grad1, want[n], n)
+
+
 def test_gpt2_lora_adapter():
     """GPT-2 with a PEFT LoRA adapter: only the adapter's weights are trainable."""
     peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
@@ -244,6 +338,25 @@ def test_gpt2_lora_adapter():
     assert trainable and all("lora_" in n for n in trainable)
     for reduction in ("sum", "mean"):
         check_model(model, text(3, 5), lm_loss, 3, reduction)
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_gpt2_prefix_and_prompt_tuning(method):
+    """PEFT prefix tuning (virtual keys and values concatenated in front of every layer's, by
+    ``torch.cat`` of a list) and prompt tuning (virtual tokens in front of the embeddings)."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    config = (peft.PrefixTuningConfig if method == "prefix" else peft.PromptTuningConfig)(
+        task_type="CAUSAL_LM", num_virtual_tokens=3
+    )
+    model = peft.get_peft_model(gpt2(), config)
+
+    def loss(m, batch):  # (the logits of the virtual tokens, where there are any, dropped)
+        logits = m(input_ids=batch["input_ids"]).logits[:, -batch["labels"].shape[1] :]
+        return F.cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1), reduction="sum")
+
+    for reduction in ("sum", "mean"):
+        check_model(model, text(3, 5), loss, 3, reduction)
 
 
 # -- nanoGPT as nanoGPT writes it -------------------------------------------------------------

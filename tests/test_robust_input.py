@@ -89,6 +89,33 @@ def test_nan_is_carried_through_and_reported():
     assert any("NaN or Inf for examples [2]" in p for p in report.problems)
 
 
+class Positions(nn.Module):
+    """A learned position embedding looked up with ``arange(T)``: a batch-free call whose
+    output meets the batch in ``x + pos``."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.l = nn.Embedding(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.l(x + self.pos(torch.arange(x.shape[1])))
+
+
+def test_nan_through_a_batch_free_call_stays_with_its_example():
+    """An Inf in one example's input gives that example NaN gradients, also in the share of
+    the position embedding that meets the batch; the other examples keep theirs."""
+    torch.manual_seed(0)
+    model = Positions().double()
+    x = torch.randn(5, 4, 3, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    x[2, 1, 0] = float("inf")
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    g1 = model.pos.weight.grad1
+    assert not torch.isfinite(g1[2]).all(), "NaN/Inf is carried through, as autograd does"
+    assert_close(g1[[0, 1, 3, 4]], want["pos.weight"][[0, 1, 3, 4]], "the other examples")
+
+
 # -- nothing captured, several forwards, removal while pending ------------------------------------
 
 
@@ -646,3 +673,60 @@ def test_verify_leaves_a_gradient_that_is_zero_but_for_rounding():
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         m(x).sum().backward()
     assert m.weight.grad1.abs().max() < 1e-12
+
+
+class Prefixed(nn.Module):
+    """Prefix tuning as PEFT does it: a table of virtual tokens looked up with positions
+    expanded to the batch (batch-sized, but the same for every example), concatenated in front
+    of the batch's keys by ``torch.cat([prefix, keys])``; ``twice``: the same prefix on both
+    ends (one tensor in two places of the list)."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.twice = twice
+        self.prefix, self.k, self.o = nn.Embedding(2, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        pos = torch.arange(2).unsqueeze(0).expand(x.shape[0], -1)
+        pre = self.prefix(pos)  # [batch, 2, 4]
+        keys = self.k(x)  # [batch, T, 4]
+        parts = [pre, keys, pre] if self.twice else [pre, keys]
+        h = torch.cat(parts, dim=1)
+        return self.o(torch.tanh(h) * torch.tanh(h).sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_batch_free_prefix_concatenated_with_the_batch(twice):
+    torch.manual_seed(0)
+    m = Prefixed(twice).double()
+    x = torch.randn(3, 5, 3, dtype=D)
+    want = rowwise_grad(m, sq_rows, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "prefix")
+
+
+@pytest.mark.parametrize("style", ["pre-hook", "parametrization"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_weight_norm_old_and_new(style, layer):
+    """The old ``nn.utils.weight_norm`` makes the layer's ``weight`` from ``weight_g`` and
+    ``weight_v`` in a forward pre-hook, before the layer's call; the new one is a
+    parametrization. Either way ``grad1`` is for the parameters the user trains."""
+    torch.manual_seed(0)
+    first = nn.Linear(12, 4) if layer == "linear" else nn.Conv1d(3, 4, 3, padding=1)
+    wrap = nn.utils.weight_norm if style == "pre-hook" else nn.utils.parametrizations.weight_norm
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (the old one is deprecated)
+        first = wrap(first)
+    flat = nn.Flatten() if layer == "linear" else nn.Identity()
+    model = nn.Sequential(flat, first, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(5, 3, 4, dtype=D)
+    model(x)  # (the lazy layer's shape)
+    want = rowwise_grad(model, sq_rows, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, f"{style} {layer}")
+    if style == "pre-hook":
+        with gradhooks.add_hooks(model, batch_dim=None, loss_reduction="sum"):
+            with pytest.raises(RuntimeError, match=r"'weight_g'.*parametrizations.weight_norm"):
+                sq(model(x)).backward()

@@ -110,6 +110,41 @@ def test_activation_checkpointing_counts_once(reentrant):
         assert_matches(model, want, "second step")
 
 
+class CheckpointedBlock(nn.Module):
+    """A transformer-like block under non-reentrant checkpointing: LayerNorms (whose rule
+    would read the statistics their forward saved, which would run the block again inside
+    the forward) and a batch-free table looked up with ``arange(T)`` that multiplies the batch
+    (as rotary embeddings do), inside the checkpoint, whose recomputation must save the same
+    tensors as the forward."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.stem, self.ln1, self.ln2 = nn.Linear(3, 4), nn.LayerNorm(4), nn.LayerNorm(4)
+        self.pos, self.mid, self.head = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def block(self, h):
+        pos = self.pos(torch.arange(h.shape[1]))
+        return self.ln2(h + torch.tanh(self.mid(self.ln1(h)) * pos))
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = checkpoint(self.block, h, use_reentrant=False) if self.checkpointed else self.block(h)
+        return self.head(h)
+
+
+def test_non_reentrant_checkpointing_saves_what_it_saves_untracked():
+    torch.manual_seed(0)
+    model = CheckpointedBlock(True).double()
+    x = torch.randn(3, 5, 3, dtype=D)
+    ref = copy.deepcopy(model)
+    ref.checkpointed = False
+    want = vmap_grad(ref, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, "checkpointed")
+
+
 # -- autograd.grad, several backwards, create_graph -----------------------------------------------
 
 
