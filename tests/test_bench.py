@@ -168,3 +168,29 @@ def test_wrong_kfac_factors_are_flagged():
     method = methods.Method("bad", "bad", "kfac", doubled)
     rec, _ = measure.prepare(problem, method, model, x, y, None, "cpu")
     assert rec.status == "wrong" and rec.rel_err > 0.5, rec
+
+
+def test_fsdp_bench_times_three_methods(tmp_path, capsys):
+    """``python -m bench.fsdp`` at its tiniest (2 gloo processes, one example each, 4 tokens,
+    one step, no memory pass): the three methods in the JSON, gradhooks' DP step timed, and,
+    where Opacus ran, the check agreeing."""
+    pytest.importorskip("opacus")
+    pytest.importorskip("transformers")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("no gloo backend")
+    from bench import fsdp
+
+    argv = ["--procs", "2", "--batch", "1", "--seq", "4", "--reps", "1", "--no-memory"]
+    assert fsdp.main([*argv, "--timeout", "120", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "fsdp-cpu.json").read_text())
+    by_method = {r["method"]: r for r in data["records"]}
+    assert set(by_method) == {"plain", "dp-bk", "opacus-ghost-fsdp"}
+    for name in ("plain", "dp-bk"):
+        assert by_method[name]["status"] == "ok", by_method[name]
+        assert len(by_method[name]["times_s"]) == 1
+        assert len(by_method[name]["rank_times_s"]) == 2
+    if by_method["opacus-ghost-fsdp"]["status"] == "ok":
+        assert data["check"]["agree"] is True, data["check"]
+    assert (tmp_path / "fsdp-cpu.md").read_text() in capsys.readouterr().out
