@@ -1,5 +1,7 @@
-"""DP-SGD under FSDP2 across processes: gradhooks' book-keeping step and Opacus' FSDP ghost
-clipping, side by side with a plain FSDP training step, on the same model.
+"""DP-SGD under FSDP2 across processes: gradhooks against Opacus' FSDP ghost clipping.
+
+gradhooks' book-keeping step and Opacus' FSDP ghost clipping, side by side with a plain FSDP
+training step, on the same model.
 
     python -m bench.fsdp                    # 2 processes (gloo, CPU), batch 8 per rank, seq 128
     python -m bench.fsdp --procs 2 --batch 8 --seq 128 --reps 5 --out bench/results
