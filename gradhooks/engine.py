@@ -969,8 +969,9 @@ class Hooks:
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
             raise RuntimeError(
                 f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
-                f"examples of the batch ({ops}: a reduction, shift or product along it, or "
-                "entries picked from it), so its rows are not one example each. Where one "
+                f"examples of the batch ({ops}: a reduction, shift or product along it, "
+                "entries picked from it, or rows that are not examples put among them), so its "
+                "rows are not one example each. Where one "
                 "example's loss depends on another's, per-example gradients do not exist. Keep "
                 "the examples apart in the forward (detach what is computed from the whole "
                 "batch, or compute it outside the model), or freeze this layer's parameters."

@@ -496,14 +496,19 @@ def _cat(args, kwargs, out, layout_of):
     if o is None:
         return UNKNOWN
     dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), o.dim())
-    lays = [layout_of(t) for t in tensors if isinstance(t, Tensor) and t.dim() > 0]
+    parts = [t for t in tensors if isinstance(t, Tensor) and t.numel() > 0]  # (empty: no rows)
+    lays = [layout_of(t) for t in parts]
     known = [x for x in lays if x is not None]
-    if not known or UNKNOWN in known:
+    firm = [x for x in known if x is not UNKNOWN]
+    if not firm or (UNKNOWN in known and dim != firm[0].dim):
         return UNKNOWN
     if dim != known[0].dim:
         return known[0] if all(x == known[0] for x in known) else UNKNOWN
-    if len(known) != len(lays) or any(x.inner != known[0].inner for x in known):
-        return UNKNOWN  # examples concatenated with something else along their dimension
+    if len(firm) != len(lays) or any(x.inner != known[0].inner for x in known):
+        # rows that are not the examples put among them along their dimension: which row is
+        # whose is lost, and what is computed across the rows next (a shift, a sum, attention
+        # over them) could not be told from what keeps the examples apart
+        return MIXED
     return Layout(dim, sum(x.outer for x in known), known[0].inner)
 
 
@@ -758,7 +763,7 @@ def _pad(args, kwargs, out, layout_of):
     pad = list(_arg(args, kwargs, 1, "pad"))
     j = t.dim() - 1 - lay.dim  # (pad lists the last dimension first)
     if 2 * j + 1 < len(pad) and (pad[2 * j] or pad[2 * j + 1]):
-        return UNKNOWN  # the batch dimension itself padded
+        return MIXED  # the batch dimension itself padded (or cropped): as cat with other rows
     return lay
 
 

@@ -442,6 +442,14 @@ MIXING = {
     "permuted-sum": lambda h: h[[1, 0, 3, 2]] + h,
     "sorted-sum": lambda h: h.index_select(0, torch.tensor([3, 2, 1, 0])) * h,
     "gather": lambda h: h.gather(0, torch.zeros_like(h, dtype=torch.long)),
+    # rows that are not examples put among them, then a shift, a sum or attention across rows
+    "cat-shift": lambda h: torch.cat([h, torch.zeros(1, 5, dtype=D)])[1:] + h,
+    "pad-shift": lambda h: F.pad(h, (0, 0, 1, 0))[:-1] + h,
+    "cat-sum": lambda h: h + torch.cat([h, torch.ones(2, 5, dtype=D)]).mean(0),
+    "cat-attention": lambda h: (
+        torch.softmax(h @ torch.cat([h, h[:1].detach() * 0]).T, -1)
+        @ torch.cat([h, h[:1].detach() * 0])
+    ),
 }
 
 
@@ -458,6 +466,18 @@ def test_forward_that_mixes_the_examples_is_refused(how):
             RuntimeError, match=r"'l2' \(Linear\): its input \(\(4, 5\)\) was computed across"
         ):
             m(x)
+
+
+def test_empty_rows_concatenated_keep_the_examples():
+    """``cat([h, empty])`` along the batch (a cache of no rows yet) adds no rows: the examples
+    stay where they were."""
+    torch.manual_seed(0)
+    m = Across(lambda h: torch.cat([torch.zeros(0, 5, dtype=D), h])).double()
+    x = torch.randn(4, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "cat with no rows")
 
 
 @pytest.mark.parametrize("how", ["getitem", "index_select"])
