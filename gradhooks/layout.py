@@ -1140,6 +1140,8 @@ class Tracker(TorchFunctionMode):
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
+        self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1295,6 +1297,8 @@ class Tracker(TorchFunctionMode):
             result = MIXED
         else:
             result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+            if result is UNKNOWN:
+                result = self._presume(name, args, kwargs, out, ins, outs)
         reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
         if result is _REORDER:
             if reordered is None and any(o.requires_grad for o in outs):
@@ -1340,6 +1344,35 @@ class Tracker(TorchFunctionMode):
             if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
                 lay = UNKNOWN  # (a handler's guess that the shapes contradict)
             self.layouts[o] = lay
+
+    def _presume(self, name: str, args, kwargs, out, ins: list, outs: list) -> Layout:
+        """Where the batch is not followed through an operation (one without a handler, or one
+        taking a tensor of unknown layout), a hooked layer after it reads the examples from its
+        rule's dimension, checking only the batch size. So that nothing after such an operation
+        mixes the examples unseen, they are presumed where they were (an output as long as the
+        batch on the input's batch dimension), and an operation that would mix them there (a
+        reduction, shift or product along it) counts as mixing. This only ever adds refusals:
+        a presumed layout is never handed to a rule."""
+
+        def presumed_of(t: Any) -> Layout | None:
+            lay = self._layout_of(t)
+            return self.presumed.get(t, lay) if lay is UNKNOWN else lay
+
+        guess = None
+        if any(self._layout_of(t) is UNKNOWN for t in ins):
+            again = output_layout(name, args, kwargs, out, presumed_of, self.batch)
+            if again is MIXED:
+                return MIXED
+            if isinstance(again, Layout) and again.dim >= 0:
+                guess = again
+        if guess is None:
+            firm = {lay for t in ins if (lay := presumed_of(t)) is not None and lay.dim >= 0}
+            guess = next(iter(firm)) if len(firm) == 1 else None
+        if guess is not None:
+            for o in outs:
+                if o.dim() > guess.dim and o.shape[guess.dim] == guess.size(self.batch):
+                    self.presumed[o] = guess
+        return UNKNOWN
 
     # -- meetings ---------------------------------------------------------------------------------
 

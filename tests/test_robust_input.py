@@ -422,6 +422,11 @@ def sq_rows(out):
     return 0.5 * out.pow(2).flatten(1).sum(1)
 
 
+def spectral(h):
+    """A round trip through the FFT along the features: each example on its own."""
+    return torch.fft.ifft(torch.fft.fft(h, dim=1), dim=1).real
+
+
 class Across(nn.Module):
     def __init__(self, how):
         super().__init__()
@@ -446,6 +451,10 @@ MIXING = {
     "cat-shift": lambda h: torch.cat([h, torch.zeros(1, 5, dtype=D)])[1:] + h,
     "pad-shift": lambda h: F.pad(h, (0, 0, 1, 0))[:-1] + h,
     "cat-sum": lambda h: h + torch.cat([h, torch.ones(2, 5, dtype=D)]).mean(0),
+    # after an operation the tracker has no handler for (the FFT): the examples presumed where
+    # they were, so what mixes them there next is seen
+    "fft-then-roll": lambda h: (lambda u: u + torch.roll(u, 1, 0))(spectral(h)),
+    "fft-then-mean": lambda h: (lambda u: u - u.mean(0))(spectral(h)),
     "cat-attention": lambda h: (
         torch.softmax(h @ torch.cat([h, h[:1].detach() * 0]).T, -1)
         @ torch.cat([h, h[:1].detach() * 0])
@@ -466,6 +475,18 @@ def test_forward_that_mixes_the_examples_is_refused(how):
             RuntimeError, match=r"'l2' \(Linear\): its input \(\(4, 5\)\) was computed across"
         ):
             m(x)
+
+
+def test_operation_without_a_handler_keeps_each_example_apart():
+    """The FFT along the features, which the tracker has no handler for, between two layers:
+    each example's gradient, as without it."""
+    torch.manual_seed(0)
+    m = Across(lambda h: spectral(h) * h).double()
+    x = torch.randn(4, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "fft")
 
 
 def test_empty_rows_concatenated_keep_the_examples():
