@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from ._torch import tree_flatten
 from .engine import add_hooks
 from .oracle import Inputs, _as_tuple, vmap_grad
 from .registry import REGISTRY, Registry

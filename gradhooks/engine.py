@@ -25,13 +25,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import checks
+from . import _torch, checks
 from . import pieces as P
+from ._torch import tree_flatten, tree_map, tree_unflatten
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
-from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, saving_elsewhere
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
@@ -166,7 +166,6 @@ class _Hook:
 
 # Looked up once, not in every hook call (each hooked call asks both several times).
 _COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-_CURRENT_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def _is_compiling() -> bool:
@@ -175,7 +174,7 @@ def _is_compiling() -> bool:
 
 def _graph_task() -> int:
     """The id of the running backward (-1 outside any)."""
-    return _CURRENT_GRAPH_TASK_ID() if _CURRENT_GRAPH_TASK_ID is not None else 0
+    return _torch.graph_task_id()
 
 
 class Hooks:
@@ -215,6 +214,7 @@ class Hooks:
         capture: Capture = "always",
         verify: bool = True,
     ) -> None:
+        _torch.require()
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
         if unknown or not quantities:
@@ -562,7 +562,7 @@ class Hooks:
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
             for module, detached, owned, _, recording in stack[::-1]:
-                module._parameters.update(detached)
+                _torch.own_parameters(module).update(detached)
                 if recording is not None:
                     recording[0].__exit__(None, None, None)
                 if owned is not None:
@@ -626,8 +626,8 @@ class Hooks:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if (
                 module is not target.module
-                or next(iter(module._forward_hooks), None) != forward_hook
-                or nn.modules.module._global_forward_hooks
+                or _torch.first_forward_hook(module) != forward_hook
+                or _torch.global_forward_hooks()
                 or self._removed
                 or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
                 or not self._track
@@ -635,14 +635,14 @@ class Hooks:
                 or not _GLOBALLY_ENABLED[0]
                 or not torch.is_grad_enabled()
                 or _is_compiling()
-                or torch._C._functorch.peek_interpreter_stack() is not None
+                or _torch.in_transform(args, kwargs)
                 or not target.entry.grad_from_grad1(module, args)
                 or not self._plain_call(target, module, args, kwargs)
                 or (carries and not self._grad1)
                 or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
-            own = module._parameters
+            own = _torch.own_parameters(module)
             detached = {
                 n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
             }
@@ -691,7 +691,7 @@ class Hooks:
         _, detached, owned, carried, recording = stack.pop()
         if not stack:
             del self._detached[id(module)]
-        module._parameters.update(detached)
+        _torch.own_parameters(module).update(detached)
         if owned is not None:
             torch.set_grad_enabled(True)  # (it was on: _detach_hook)
         recorded = None
@@ -789,7 +789,7 @@ class Hooks:
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
-            if torch._C._functorch.peek_interpreter_stack() is not None:
+            if _torch.in_transform(args, kwargs, output):
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
@@ -815,7 +815,7 @@ class Hooks:
                 if not live:
                     return  # the tracker follows every use (or there was none)
             replaced = None
-            if len(hooked) > 1 or any(leaves[i]._is_view() for i in hooked):
+            if len(hooked) > 1 or any(_torch.is_view(leaves[i]) for i in hooked):
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
                 # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
                 # an output of its own. Several outputs each get a node of their own: where one
@@ -834,7 +834,7 @@ class Hooks:
                 target.entry.taps is not None
                 and self._track
                 and _keeps_rows(layout)
-                and not saving_elsewhere()  # (reading what it saved would rerun it)
+                and not _torch.saved_tensor_hooks_active()  # (reading what it saved would rerun it)
             ):
                 # (not for the Jacobians: their backward stops at the hooked calls' outputs)
                 taps = target.entry.taps(module, args, kwargs, output)
@@ -924,11 +924,13 @@ class Hooks:
         kept = [t for t in _leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
         if target.entry is not FALLBACK:
             kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
-        versions = tuple((t, t._version) for t in kept)
+        versions = tuple((t, _torch.version(t)) for t in kept)
         state = _CallState(live, frame, layout=layout, versions=versions)
         if call.output is not None:
             state.out_versions = tuple(
-                (i, t._version) for i, t in enumerate(_leaves(call.output)) if isinstance(t, Tensor)
+                (i, _torch.version(t))
+                for i, t in enumerate(_leaves(call.output))
+                if isinstance(t, Tensor)
             )
         if frame is not None:
             frame.states.append(state)
@@ -1532,7 +1534,7 @@ class Hooks:
         self._frames.append(frame)  # first: the post-hook pops it even if this raises
         if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
             return
-        if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
         if _graph_task() == -1:
             self._drop_stale()
@@ -1642,9 +1644,7 @@ class Hooks:
                     other.verify = frozenset()
             elif self.verify and self._grad1 and self._unverified:
                 bw.verify = frozenset(self._unverified)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_backward(task)
-            )
+            _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
 
     def _param_hook(self, pid: int, name: str):
@@ -1929,13 +1929,14 @@ def _parameters_replaced(module: nn.Module, tensors: dict[str, Tensor]) -> Itera
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         owner = module.get_submodule(prefix) if prefix else module
-        owners[name] = (owner, leaf, owner._parameters[leaf])
-        owner._parameters[leaf] = t
+        slots = _torch.own_parameters(owner)
+        owners[name] = (slots, leaf, slots[leaf])
+        slots[leaf] = t
     try:
         yield
     finally:
-        for owner, leaf, p in owners.values():
-            owner._parameters[leaf] = p
+        for slots, leaf, p in owners.values():
+            slots[leaf] = p
 
 
 def _rerun_carried(
@@ -1973,9 +1974,8 @@ def _rerun_carried(
 
 def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
     """Whether ``fn`` is the forward pre-hook ``module`` runs last (none global)."""
-    hooks = module._forward_pre_hooks
-    last = hooks[next(reversed(hooks))] if hooks else None
-    return getattr(last, "fn", None) is fn and not nn.modules.module._global_forward_pre_hooks
+    last = _torch.last_forward_pre_hook(module)
+    return getattr(last, "fn", None) is fn and not _torch.global_forward_pre_hooks()
 
 
 class _AttachAll(torch.autograd.Function):
@@ -2086,24 +2086,7 @@ def _sole_grad1(p: nn.Parameter) -> Tensor | None:
     if _grad1_refs(p) != _SOLE_REFS:
         return None
     t = p.grad1
-    try:
-        storage_users = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-        if t._use_count() != 1 or storage_users != _STORAGE_USERS_ALONE:
-            return None
-    except (AttributeError, RuntimeError):  # private counts unavailable: never reuse
-        return None
-    return t if t.is_contiguous() and t._base is None else None
-
-
-def _storage_users_alone() -> int | None:
-    try:
-        t = torch.zeros(2)
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_STORAGE_USERS_ALONE = _storage_users_alone()
+    return t if t.is_contiguous() and _torch.unshared(t) else None
 
 
 def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> list[_Target]:
@@ -2319,7 +2302,7 @@ def _own_node(t: Any) -> Any:
 
 
 def _unview(t: Any) -> Any:
-    if isinstance(t, Tensor) and t.requires_grad and t._is_view():
+    if isinstance(t, Tensor) and t.requires_grad and _torch.is_view(t):
         return _Unview.apply(t)
     return t
 
@@ -2345,12 +2328,12 @@ def _check_versions(target: _Target, state: _CallState) -> None:
     """The inputs a rule computes from must be those of the forward, as autograd requires of
     the tensors it saves (the paths that run a call detached do not let autograd see them)."""
     for t, version in state.versions:
-        if t._version != version:
+        if _torch.version(t) != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: an input of '{target.name or '<model>'}' "
                 f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
-                f"{t._version}; expected version {version} instead. gradhooks computes the "
+                f"{_torch.version(t)}; expected version {version} instead. gradhooks computes the "
                 "layer's per-example gradients from its input, as autograd computes its "
                 "weight gradient: change a copy of it (x = x.clone()), or out of place."
             )
@@ -2360,7 +2343,7 @@ def _unchanged_outputs(call: Call, versions: tuple) -> Call:
     """The kept output with every leaf changed in place since the forward (a residual added
     into it: ``x += shortcut``) left out (``None``): it no longer is what the call gave."""
     leaves, spec = tree_flatten(call.output)
-    changed = {i for i, v in versions if leaves[i]._version != v}
+    changed = {i for i, v in versions if _torch.version(leaves[i]) != v}
     if not changed:
         return call
     kept = [None if i in changed else t for i, t in enumerate(leaves)]

@@ -44,8 +44,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _torch
+from ._torch import tree_flatten, tree_unflatten
 from .layout import Layout, batch_rows
 from .pieces import Direct, Piece
 from .registry import Call, _Entry
@@ -231,7 +232,8 @@ def _by_layout_split(call: Call, wrt: Mapping[str, nn.Parameter], split: list[bo
             grads = outs = None
             if module not in _LOOP:
                 try:
-                    grads, outs = vmap(one, randomness="error")(xs, cots)
+                    with _torch.own_transform():
+                        grads, outs = vmap(one, randomness="error")(xs, cots)
                 except RuntimeError as e:
                     if "random operation" in str(e):
                         raise
@@ -379,7 +381,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             vmapped = module not in _LOOP
             if vmapped:
                 try:
-                    grads, outs = vmap(one, randomness="error")(xs, gs)
+                    with _torch.own_transform():
+                        grads, outs = vmap(one, randomness="error")(xs, gs)
                 except RuntimeError as e:
                     if "random operation" in str(e):
                         raise

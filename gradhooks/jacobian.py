@@ -1,8 +1,9 @@
 """Per-example Jacobians of every output with respect to every parameter, from the hooks.
 
 One forward on the batch; then one backward of the identity over the outputs, batched with
-``torch.func.vmap`` (``vmap`` over the ``outputs`` one-hot output-gradients). In that backward
-every hooked call sees a batch of output-gradients, its rule makes its pieces once (a
+``torch.func.vmap`` (``vmap`` over the ``outputs`` one-hot output-gradients; one backward per
+output where gradhooks cannot read vmap's batched tensors, see ``gradhooks._torch``). In that
+backward every hooked call sees a batch of output-gradients, its rule makes its pieces once (a
 convolution's im2col is computed once, not once per output), and the pieces' ``grad1`` *is* the
 Jacobian: ``J[b, c] = ∂ out[b, c] / ∂ p``. Every layer with a rule is covered; reused modules and
 tied weights are summed as for ``grad1``.
@@ -15,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from . import _torch
 from .engine import _output_edges, add_hooks
 from .registry import REGISTRY, Registry
 
@@ -88,7 +90,19 @@ def jacobians(
                 torch.autograd.grad(out, wrt, v, retain_graph=True, allow_unused=True)
                 return v  # the results are written by the hooks; vmap wants a tensor back
 
-            torch.func.vmap(backward)(vs)
+            if _torch.batched_backwards():
+                with _torch.own_transform():
+                    torch.func.vmap(backward)(vs)
+            else:  # one output at a time, each added into its column
+                for block in result.values():
+                    block.zero_()
+                collector = h._collector
+                try:
+                    for c in range(outputs):
+                        collector.jacobian_column = c
+                        backward(vs[c])
+                finally:
+                    collector.jacobian_column = None
         for p in params:  # reached by no output: the Jacobian is zero
             if id(p) not in h._collector.jacobian_written:
                 h._collector.jacobian[id(p)].zero_()

@@ -43,8 +43,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._C import _functorch
 
+from . import _torch
 from .checks import GradhooksWarning
 from .pieces import Outer
 
@@ -158,10 +158,10 @@ class KfacAccumulator:
                     "both: use bias=False"
                 )
             g = piece.g
-            if _functorch.is_batchedtensor(g):  # vmapped over output-gradients (kfac()):
+            physical = _torch.unbatched(g)
+            if physical is not None:  # vmapped over output-gradients (kfac()):
                 # each column is one more backward of the same examples
-                g = _functorch.get_unwrapped(g).movedim(_functorch.maybe_get_bdim(g), 0)
-                g = g.flatten(0, 1)
+                g = physical.flatten(0, 1)
             if not self.expand:
                 g = g.sum(-2, keepdim=True)
             self._g[key] = _second_moment(g, into=self._g.get(key), alpha=scale**2)
@@ -503,7 +503,7 @@ def _accumulate(
         # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
         # activation-sized gradients (a CNN's: batched, fresh buffers made it 1.6x slower)
         chunk = max(1, _VMAP_ELEMENTS // max(reached.numel, 1))
-        if len(vectors) == 1 or chunk == 1:
+        if len(vectors) == 1 or chunk == 1 or not _torch.batched_backwards():
             for i, v in enumerate(vectors):
                 torch.autograd.grad(
                     out, wrt, v, retain_graph=i < len(vectors) - 1, allow_unused=True
@@ -516,7 +516,8 @@ def _accumulate(
                 acc.capture_a = False
                 return v  # (the hooks accumulate the factors; vmap wants a tensor back)
 
-            torch.func.vmap(backward, chunk_size=chunk)(torch.stack(vectors))
+            with _torch.own_transform():
+                torch.func.vmap(backward, chunk_size=chunk)(torch.stack(vectors))
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:
                 acc._g[key] = acc._g[key] / mc_samples

@@ -52,6 +52,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _torch
+
 __all__ = ["Layout", "UNKNOWN", "PACKED", "MIXED", "Tracker", "Source", "note"]
 
 
@@ -1057,20 +1059,6 @@ class Source:
     discarded: bool = False  # soft: its module's fallback took it over
 
 
-def _graph_task() -> int:
-    return torch._C._current_graph_task_id()
-
-
-def saving_elsewhere() -> bool:
-    """Whether the tensors autograd saves for the backward go through saved-tensor hooks now
-    (non-reentrant activation checkpointing, offloading to the CPU). Such a forward is run
-    again, untracked, when its saved tensors are needed: it must save exactly what it saves
-    untracked (the same operations on the same shapes), and reading a saved tensor in the
-    forward would run it again there."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(True) is not None
-
-
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 
@@ -1461,7 +1449,7 @@ class Tracker(TorchFunctionMode):
     def _expanded(self, func, name, args, kwargs, tainted) -> Any:
         """An elementwise meeting: run it with each batch-free operand expanded along the batch
         dimension of the result; the expanded operands' gradients are per example."""
-        if name not in _EXPANDABLE or not tainted or saving_elsewhere():
+        if name not in _EXPANDABLE or not tainted or _torch.saved_tensor_hooks_active():
             return None  # (checkpointed: the expanded operand would be saved in its place)
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
         if not others or any(self.layouts[t] is UNKNOWN for t in others):
@@ -1635,7 +1623,7 @@ def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> 
     output-gradients, from ``per_example`` (``[batch, *shape]``), the per-example gradient of a
     tensor derived from them (at gradient edge ``at_edge``): through the batch-free operations
     between them, by one batched backward."""
-    task = _graph_task()
+    task = _torch.graph_task_id()
     direct = [s for s, e in edges.items() if e == at_edge]
     through = [s for s, e in edges.items() if e != at_edge]
     for s in direct:
@@ -1692,7 +1680,7 @@ class _Meeting:
         # graph's tensors from a hook on that graph would make a cycle)
         self.args = tuple(_detached(a) for a in args)
         self.kwargs = {k: _detached(v) for k, v in kwargs.items()}
-        self.versions = [(t, t._version) for t in _tensors(self.args, self.kwargs)]
+        self.versions = [(t, _torch.version(t)) for t in _tensors(self.args, self.kwargs)]
         # where each tainted tensor is: its (argument position or keyword, index in a list or
         # tuple argument or None), every place it is passed (torch.cat([past, k]))
         where: dict[int, list] = {id(t): [] for t in tainted}
@@ -1726,7 +1714,7 @@ class _Meeting:
         if all(g is None for g in grads):
             return
         for t, v in self.versions:
-            if t._version != v:
+            if _torch.version(t) != v:
                 for srcs in self.sources:
                     for s in srcs:
                         s.problem = s.problem or (

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch._dispatch.python import enable_python_dispatcher
 from torch.func import functional_call, grad, vmap
 
+from . import _torch
 from .engine import paused
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
@@ -45,11 +45,20 @@ def _empty(model: nn.Module, trainable: dict[str, Tensor]) -> dict[str, Tensor]:
 def vmap_grad(
     model: nn.Module, loss_fn: LossFn, inputs: Inputs, target: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Per-example gradients by ``vmap(grad(...))`` over dimension 0 of inputs and target."""
+    """Per-example gradients by ``vmap(grad(...))`` over dimension 0 of inputs and target
+    (by :func:`loop_grad` for a model with an RNN where torch's Python dispatcher, which makes
+    RNNs vmappable, cannot be reached: :func:`gradhooks._torch.python_dispatcher`)."""
     inputs = _as_tuple(inputs)
     trainable, rest = _split(model)
     if inputs[0].shape[0] == 0:
         return _empty(model, trainable)
+    # The Python dispatcher runs torch's own decompositions of composite ops that vmap has
+    # no batching rule for (aten::lstm, gru, rnn_tanh, rnn_relu): stock RNNs become
+    # vmappable. Only where needed, so that vmap(grad) is timed at its usual speed elsewhere.
+    recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+    dispatch = _torch.python_dispatcher() if recurrent else contextlib.nullcontext()
+    if dispatch is None:
+        return loop_grad(model, loss_fn, inputs, target)
 
     def one_loss(params, xs, y):
         xs = tuple(x.unsqueeze(0) for x in xs)
@@ -58,13 +67,8 @@ def vmap_grad(
 
     # functional_call does not always put back a parameter of a module that appears under
     # several names (nn.Sequential(*[conv] * 3)): put every one back ourselves.
-    originals = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()]
+    originals = [(m, n, p) for m in model.modules() for n, p in _torch.own_parameters(m).items()]
     try:
-        # The Python dispatcher runs torch's own decompositions of composite ops that vmap has
-        # no batching rule for (aten::lstm, gru, rnn_tanh, rnn_relu): stock RNNs become
-        # vmappable. Only where needed, so that vmap(grad) is timed at its usual speed elsewhere.
-        recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
-        dispatch = enable_python_dispatcher() if recurrent else contextlib.nullcontext()
         with paused(), dispatch:
             in_dims = (None, 0, None if target is None else 0)
             return vmap(grad(one_loss), in_dims=in_dims, randomness="same")(
@@ -72,7 +76,7 @@ def vmap_grad(
             )
     finally:
         for m, n, p in originals:
-            m._parameters[n] = p
+            _torch.own_parameters(m)[n] = p
 
 
 def loop_grad(

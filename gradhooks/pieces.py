@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _torch
+
 __all__ = ["Piece", "Outer", "Direct", "Rows"]
 
 
@@ -132,7 +134,7 @@ class Outer(Piece):
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         g, a = self.g, self.g if self.a is None else self.a
         differentiable = torch.is_grad_enabled() and (g.requires_grad or a.requires_grad)
-        if differentiable or torch._C._functorch.peek_interpreter_stack() is not None:
+        if differentiable or _torch.in_transform(g, a):
             # A create_graph backward (grad1 gets a graph: no out= writes), or inside vmap (the
             # Jacobians batch the backward over outputs: no in-place writes into a buffer that
             # is not batched like the operands).
@@ -252,7 +254,7 @@ class Rows(Piece):
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         g = _scaled(self.g, scale)
         differentiable = torch.is_grad_enabled() and g.requires_grad
-        if differentiable or torch._C._functorch.peek_interpreter_stack() is not None:
+        if differentiable or _torch.in_transform(g):
             out = g.new_zeros(self.batch * self.num_rows, g.shape[-1])
             out = out.index_add(0, self.keys(), g)
             return out.reshape(self.batch, *param_shape)
@@ -300,13 +302,9 @@ class Rows(Piece):
         ``first``) and one accumulating scatter of every entry's ``[outputs, dim]`` block; the
         generic path would build ``grad1`` batched (a zero-filled copy per call) and copy it.
         Returns False where that path must be used (``g`` not batched over the outputs)."""
-        from torch._C import _functorch
-
-        if not _functorch.is_batchedtensor(self.g) or any(
-            _functorch.is_batchedtensor(t) for t in (self.example, self.index)
-        ):
+        g = _torch.unbatched(self.g)
+        if g is None or any(_torch.is_batched(t) for t in (self.example, self.index)):
             return False
-        g = _functorch.get_unwrapped(self.g).movedim(_functorch.maybe_get_bdim(self.g), 0)
         if g.dim() != 3 or into.dim() != 4:
             return False
         target = into.permute(1, 2, 0, 3)  # [batch, num_rows, outputs, dim], a view
@@ -359,7 +357,7 @@ def _rows_written(out: Tensor) -> Tensor | None:
     if record is None or out.is_inference():
         return None
     version, rows = record
-    return rows if version == out._version else None
+    return rows if version == _torch.version(out) else None
 
 
 def _record_rows(out: Tensor, rows: Tensor | None) -> None:
@@ -368,7 +366,7 @@ def _record_rows(out: Tensor, rows: Tensor | None) -> None:
     if out.is_inference() or rows is None:
         _ROWS_WRITTEN.pop(out, None)
     else:
-        _ROWS_WRITTEN[out] = (out._version, rows)
+        _ROWS_WRITTEN[out] = (_torch.version(out), rows)
 
 
 # -- quantities other than grad1 (norms, squared sums, variance, batch slices) -----------------

@@ -28,6 +28,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import _torch
 from . import pieces as P
 from .kfac import KfacAccumulator
 
@@ -82,6 +83,9 @@ class Collector:
         self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
         self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
         self.jacobian_written: set[int] = set()
+        # the output whose backward runs, where the Jacobians' backwards run one at a time
+        # (without vmap: gradhooks._torch.batched_backwards); None under vmap
+        self.jacobian_column: int | None = None
         # while a list: every call's pieces of the backward, (pieces, params, scale), for
         # dp_sgd_step's book-keeping path (gradhooks.dp)
         self.keep: list[tuple[dict, dict, float]] | None = None
@@ -118,7 +122,7 @@ class Collector:
             for n, pc in call_pieces.items()
         }
         if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            _torch.queue_backward_callback(self._finish)
             self._queued = True
         if self.keep is not None:  # fresh pieces: none of the columns the norms may cache
             self.keep.append(
@@ -162,9 +166,15 @@ class Collector:
     def _add_jacobian(self, call_pieces: dict, params: dict, scale: float) -> None:
         """Under ``vmap`` over the outputs: ``grad1`` is batched; its physical tensor,
         ``[outputs, batch, *shape]``, goes into ``self.jacobian[id(p)]`` (``[batch, outputs,
-        *shape]``, allocated by the caller), summed over calls (reuse) and users (tied)."""
-        from torch._C import _functorch
-
+        *shape]``, allocated by the caller), summed over calls (reuse) and users (tied). One
+        output at a time (``jacobian_column``, no vmap): ``grad1`` is added into its column,
+        which the caller zeroed."""
+        if self.jacobian_column is not None:
+            for pname, p in params.items():
+                self.jacobian_written.add(id(p))
+                column = self.jacobian[id(p)][:, self.jacobian_column]
+                column.add_(call_pieces[pname].grad1(p.shape, scale))
+            return
         for pname, p in params.items():
             piece = call_pieces[pname]
             into = self.jacobian[id(p)].transpose(0, 1)  # [outputs, batch, *shape]
@@ -173,10 +183,10 @@ class Collector:
             if _jacobian_outer_into(piece, into, scale, first):
                 continue
             g1 = piece.grad1(p.shape, scale)
-            if _functorch.is_batchedtensor(g1):
-                g1 = _functorch.get_unwrapped(g1).movedim(_functorch.maybe_get_bdim(g1), 0)
-            else:  # the same for every output (cannot happen for a vmapped output-gradient)
-                g1 = g1.unsqueeze(0)
+            physical = _torch.unbatched(g1)
+            # (not batched: the same for every output; cannot happen for a vmapped
+            # output-gradient)
+            g1 = g1.unsqueeze(0) if physical is None else physical
             if first:
                 into.copy_(g1)
             else:
@@ -253,16 +263,14 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
     """An :class:`Outer` piece whose ``g`` is batched over the outputs (and ``a`` not): write
     ``g ⊗ a`` straight into the result (no intermediate copy of the largest tensor). ``into``:
     ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
-    from torch._C import _functorch
-
     custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (conv, Rows)
     if custom is not None and custom(into, scale, first):
         return True
-    if not isinstance(piece, P.Outer) or not _functorch.is_batchedtensor(piece.g):
+    if not isinstance(piece, P.Outer) or _torch.is_batched(piece.a):
         return False
-    if piece.a is not None and _functorch.is_batchedtensor(piece.a):
+    g = _torch.unbatched(piece.g)
+    if g is None:
         return False
-    g = _functorch.get_unwrapped(piece.g).movedim(_functorch.maybe_get_bdim(piece.g), 0)
     if scale != 1.0:
         g = g * scale
     outputs, batch = into.shape[:2]

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
+
+from ._torch import tree_map
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 

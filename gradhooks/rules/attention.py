@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from .. import _torch
 from ..pieces import Direct, Outer, Piece
 from ..registry import Call, batch_first, register
 from . import linear
@@ -137,6 +138,13 @@ class _Projections:
         self.ctx = ctx
 
 
+def _packed(m: nn.MultiheadAttention) -> bool:
+    """Whether query, key and value share one ``in_proj_weight`` (``[3E, E]``): torch
+    registers it as ``None`` where they have projections of their own (``q_proj_weight``...),
+    as its private ``_qkv_same_embed_dim`` says."""
+    return m.in_proj_weight is not None
+
+
 def _weight_of(node) -> Tensor | None:
     """The parameter an ``AccumulateGrad`` node (directly or through a transpose) feeds."""
     if node is not None and type(node).__name__ == "TBackward0":
@@ -153,14 +161,14 @@ def _multiplies_by(node, w: Tensor) -> bool:
     see :func:`self_attention_positions`), which autograd's graph does not otherwise show."""
     if type(node).__name__ not in _PRODUCTS:
         return False
-    right = node._saved_mat2
+    right = _torch.saved(node, "mat2")
     return right is not None and right.data_ptr() == w.data_ptr() and right.shape[-2:] == w.T.shape
 
 
-def _saved_input(node) -> Tensor | None:
+def _left_operand(node) -> Tensor | None:
     """The left operand ``[rows, E]`` an ``addmm`` / ``mm`` node saved (a Linear's input)."""
-    name = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}.get(type(node).__name__)
-    return None if name is None else getattr(node, name)
+    name = {"AddmmBackward0": "mat1", "MmBackward0": "self"}.get(type(node).__name__)
+    return None if name is None else _torch.saved(node, name)
 
 
 def projection_taps(
@@ -180,7 +188,7 @@ def projection_taps(
         or query.dim() != 3
         or key is not query
         or value is not query
-        or not m._qkv_same_embed_dim
+        or not _packed(m)
         or m.bias_k is not None
         or not m.in_proj_weight.requires_grad
         or not m.out_proj.weight.requires_grad
@@ -205,7 +213,7 @@ def projection_taps(
             todo.append(nxt)
     if len(found) < 2:
         return None
-    ctx = _saved_input(found["out"])
+    ctx = _left_operand(found["out"])
     batch, seq = (query.shape[0], query.shape[1]) if m.batch_first else query.shape[1::-1]
     if ctx is None or ctx.shape != (seq * batch, m.embed_dim):
         return None
@@ -250,7 +258,7 @@ def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
         args[1] is query
         and args[2] is query
         and query.device.type == "cpu"
-        and m._qkv_same_embed_dim
+        and _packed(m)
         and m.bias_k is None
         and not (m.training and m.dropout > 0)
         and query.shape[1 if m.batch_first else 0] >= linear.SUM_GRAD1_POSITIONS
@@ -300,7 +308,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
             return pieces
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
 
-    if m._qkv_same_embed_dim:
+    if _packed(m):
         w_q, w_k, w_v = own(m.in_proj_weight).chunk(3)
     else:
         w_q, w_k, w_v = (own(w) for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
@@ -353,7 +361,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     pieces["out_proj.weight"] = Outer(own(ctx), g_out)
     if m.out_proj.bias is not None:
         pieces["out_proj.bias"] = Outer(None, g_out)
-    if m._qkv_same_embed_dim:
+    if _packed(m):
         pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv))
     else:
         for name, x, g in zip(("q", "k", "v"), inputs, g_qkv, strict=True):

@@ -26,9 +26,9 @@ from .norm import _need_batch, channel_affine
 TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def uses_batch_statistics(module: nn.modules.batchnorm._BatchNorm) -> bool:
-    """Whether torch normalizes this call with the statistics of the batch (as it decides in
-    ``_BatchNorm.forward``)."""
+def uses_batch_statistics(module: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d) -> bool:
+    """Whether torch normalizes this call with the statistics of the batch (as its batch
+    norm's forward decides)."""
     return module.training or module.running_mean is None or module.running_var is None
 
 

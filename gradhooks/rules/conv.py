@@ -16,9 +16,13 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from .. import _torch
 from ..pieces import Outer
 from ..registry import Call, register
 from . import linear
+
+# the layers of this rule (annotations)
+_Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
 GROUPED_MIN_COLUMNS = 64
 """The fewest columns (``in_channels / groups * prod(kernel)``) for which :class:`ConvWeight`
@@ -55,18 +59,18 @@ def im2col(
     return x.permute(perm).reshape(batch, channels * math.prod(kernel), positions)
 
 
-def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def _explicit_padding(module: _Conv, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """``x`` and the zero padding still to apply: string padding and non-zero padding modes
     are applied to ``x`` here (as the module does)."""
     padding = module.padding
     if isinstance(padding, str) or module.padding_mode != "zeros":
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        x = F.pad(x, _torch.conv_padding(module), mode=mode)
         padding = (0,) * len(module.kernel_size)
     return x, tuple(padding)
 
 
-def conv_input_columns(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+def conv_input_columns(module: _Conv, x: Tensor) -> Tensor:
     """``module``'s input as its weight sees it: ``[batch, channels * prod(kernel), positions]``
     with the module's own padding (string padding, non-zero padding modes) applied."""
     x, padding = _explicit_padding(module, x)
@@ -90,7 +94,7 @@ class ConvWeight(Outer):
 
     def __init__(
         self,
-        module: nn.modules.conv._ConvNd,
+        module: _Conv,
         x: Tensor,
         grad_output: Tensor,
         bias: ConvBias | None = None,
@@ -190,17 +194,12 @@ class ConvWeight(Outer):
         shared by all its outputs), never forming the columns. Returns False where the generic
         path must be used (not on CPU, input batched too, no more output positions than output
         channels times outputs: there the columns and a matmul were measured faster)."""
-        from torch._C import _functorch
-
         m = self.module
-        go = self.grad_output
-        if (
-            self.x.device.type != "cpu"
-            or _functorch.is_batchedtensor(self.x)
-            or not _functorch.is_batchedtensor(go)
-        ):
+        if self.x.device.type != "cpu" or _torch.is_batched(self.x):
             return False
-        go = _functorch.get_unwrapped(go).movedim(_functorch.maybe_get_bdim(go), 0)
+        go = _torch.unbatched(self.grad_output)
+        if go is None:
+            return False
         if go.dim() != self.x.dim() + 1 or go.shape[1] != self.x.shape[0] or go.shape[1] == 0:
             return False
         outputs, batch = go.shape[:2]
@@ -279,7 +278,7 @@ class ConvWeight(Outer):
         return self._gram_from_positions(other)
 
     def _padded_positions(self) -> int:
-        pads = self.module._reversed_padding_repeated_twice[::-1]  # (right, left) per axis
+        pads = _torch.conv_padding(self.module)[::-1]  # (right, left) per axis
         return math.prod(
             size + pads[2 * d] + pads[2 * d + 1] for d, size in enumerate(self.x.shape[2:])
         )
@@ -452,7 +451,7 @@ class ConvBias(Outer):
         return True
 
 
-def many_positions(module: nn.modules.conv._ConvNd, args: tuple) -> bool:
+def many_positions(module: _Conv, args: tuple) -> bool:
     """Whether a convolution call's batch gradient is better taken as the sum of its
     ``grad1``: on CPU, with at least ``linear.SUM_GRAD1_POSITIONS`` output positions per
     example (as :func:`gradhooks.rules.linear.many_positions`)."""

@@ -28,7 +28,9 @@ from ..registry import Call, register
 from .conv import im2col
 
 
-def output_grad_columns(module: nn.modules.conv._ConvTransposeNd, g: Tensor, spatial) -> Tensor:
+def output_grad_columns(
+    module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, g: Tensor, spatial
+) -> Tensor:
     """``[batch, out * prod(kernel), *spatial]``: the output-gradient each input position's
     kernel offsets wrote to, for input spatial size ``spatial``."""
     cols = im2col(g, module.kernel_size, module.stride, module.dilation, module.padding)

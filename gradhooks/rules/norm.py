@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _torch
 from ..pieces import Direct
 from ..registry import Call, register
 
@@ -42,7 +43,7 @@ def _times(xhat: Tensor, g: Tensor) -> Tensor:
     shape (autocast)."""
     if (
         torch.is_grad_enabled()
-        or torch._C._functorch.peek_interpreter_stack() is not None
+        or _torch.in_transform(xhat, g)
         or xhat.dtype != g.dtype
         or xhat.shape != g.shape
     ):
@@ -94,10 +95,15 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
     kind = type(node).__name__
     if kind not in _SAVES_STATISTICS or not args or not isinstance(args[0], Tensor):
         return None
-    x, saved = args[0], node._saved_input
+    x, saved = args[0], _torch.saved(node, "input")
+    if saved is None:
+        return None
     if saved.data_ptr() != x.data_ptr() or saved.shape != x.shape or saved.dtype != x.dtype:
         return None
-    return _Statistics(node._saved_result1.detach(), node._saved_result2.detach())
+    mean, rstd = _torch.saved(node, "result1"), _torch.saved(node, "result2")
+    if mean is None or rstd is None:
+        return None
+    return _Statistics(mean.detach(), rstd.detach())
 
 
 def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
@@ -168,6 +174,10 @@ def _group_norm_from_statistics(call: Call, x: Tensor) -> dict[str, Direct] | No
     return {"weight": Direct((gx - mean * g_sum).mul_(rstd)), "bias": Direct(g_sum)}
 
 
+# the input dimensions of an unbatched call, by layer (InstanceNorm's own, private, count)
+_INSTANCE_UNBATCHED = {nn.InstanceNorm1d: 2, nn.InstanceNorm2d: 3, nn.InstanceNorm3d: 4}
+
+
 @register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 def instance_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``. Normalized with each
@@ -175,7 +185,8 @@ def instance_norm(call: Call) -> dict[str, Direct]:
     ``track_running_stats=True`` (as torch does); either way one example at a time."""
     m = call.module
     x = call.inputs[0]
-    _need_batch(call, x, m._get_no_batch_dim(), "[batch, channels, *spatial]")
+    unbatched = next((d for k, d in _INSTANCE_UNBATCHED.items() if isinstance(m, k)), 2)
+    _need_batch(call, x, unbatched, "[batch, channels, *spatial]")
     if m.training or not m.track_running_stats:
         xhat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
     else:

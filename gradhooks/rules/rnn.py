@@ -61,8 +61,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from .. import _torch
+from .._torch import tree_flatten
 from ..layout import note
 from ..pieces import Direct, Outer
 from ..registry import Call, batch_first, register
@@ -82,9 +83,11 @@ def _shift(first: Tensor, steps: Tensor) -> Tensor:
     return torch.cat([first[None], steps[:-1]])
 
 
-def _transformed() -> bool:
-    """Whether this runs inside a ``torch.func`` transform (the Jacobians' ``vmap``)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+def _transformed(*trees) -> bool:
+    """Whether this runs inside a ``torch.func`` transform (the Jacobians' ``vmap``); where
+    torch cannot be asked, ``trees`` (tensors of the call) help tell
+    (:func:`gradhooks._torch.in_transform`)."""
+    return _torch.in_transform(*trees)
 
 
 def _activate(pre: Tensor) -> Tensor:
@@ -155,7 +158,7 @@ class _Direction:
         self.x, self.keep, self.h0, self.c0, self.out = x, None, h0, c0, h
         steps, batch = x.shape[:2]
         if gates is not None and self._agree(gates[..., H:], x, h, h0):
-            self.slots, act = (None if _transformed() else gates), gates[..., H:]
+            self.slots, act = (None if _transformed(gates) else gates), gates[..., H:]
         else:
             act = self._gate_buffer(steps, batch, x)  # [T, B, 4H]
             self._pre_ih(x, self._bias(), act)
@@ -215,7 +218,7 @@ class _Direction:
         a transform), slots 1-4 of a ``[T, B, 5H]`` buffer: it writes each gate's factor over
         the gate and its carried cell factor into slot 0, so that its backward needs no buffer
         of its own (on CPU, fresh memory costs a page fault per 4 KiB written)."""
-        if masked or _transformed():
+        if masked or _transformed(like):
             self.slots = None
             return like.new_empty(steps, batch, 4 * self.hidden)
         self.slots = like.new_empty(steps, batch, 5 * self.hidden)
@@ -304,7 +307,7 @@ class _Direction:
         (``None`` unless ``need_dx``)."""
         h_prev = _shift(self.h0, self.out)  # [T, B, P]
         m = None if self.keep is None else self.keep.to(d_out.dtype)
-        if self.mode == "LSTM" and m is None and not _transformed():
+        if self.mode == "LSTM" and m is None and not _transformed(d_out, d_hn, d_cn):
             g_ih, g_hh, extra = self._lstm_back_fast(d_out, d_hn, d_cn)
         elif self.mode == "LSTM":
             g_ih, g_hh, extra = self._lstm_back(d_out, d_hn, d_cn, m)
@@ -481,16 +484,20 @@ class _Direction:
         return g_ih, g_hh, {}
 
 
-def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tensor) -> Tensor:
+def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tensor) -> Tensor | None:
     """torch's own (fused) forward of one layer of an LSTM, both directions, without autograd:
     ``x`` ``[T, B, in]``, ``h0`` ``[dirs, B, P]``, ``c0`` ``[dirs, B, H]`` -> the layer's
-    output ``[T, B, dirs * P]``."""
+    output ``[T, B, dirs * P]``; ``None`` where torch's fused LSTM is not reachable
+    (:func:`gradhooks._torch.fused_lstm`)."""
+    lstm = _torch.fused_lstm()
+    if lstm is None:
+        return None
     names = ["weight_ih", "weight_hh"]
     names += ["bias_ih", "bias_hh"] if module.bias else []
     names += ["weight_hr"] if module.proj_size > 0 else []
     sfxs = [f"_l{layer}", f"_l{layer}_reverse"][: 2 if module.bidirectional else 1]
     weights = [getattr(module, n + s).detach() for s in sfxs for n in names]
-    out, _, _ = torch._VF.lstm(  # (input, hx, weights, bias, layers, dropout, train, bidir, bf)
+    out, _, _ = lstm(  # (input, hx, weights, bias, layers, dropout, train, bidir, batch_first)
         x, (h0, c0), weights, module.bias, 1, 0.0, False, module.bidirectional, False
     )
     return out
@@ -505,11 +512,12 @@ def _mkldnn_applies(x: Tensor, params, has_biases: bool, layers: int, dirs: int)
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.numel() > 0
+        and _torch.available("mkldnn_lstm")
         and torch.backends.mkldnn.is_available()
-        and torch._C._get_mkldnn_enabled()
+        and torch.backends.mkldnn.enabled
         and len(params) == layers * dirs * (4 if has_biases else 2)
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-        and not _transformed()
+        and not _transformed(x)
         and not _autocast_on()
     )
 
@@ -548,7 +556,7 @@ def _mkldnn_layer(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], reve
     if not has_biases:
         weights += [weights[0].new_zeros(4 * H)] * 2
     with torch.enable_grad():  # the training form (no input requires grad: no graph)
-        out, h_n, c_n, workspace = torch.ops.aten.mkldnn_rnn_layer(
+        out, h_n, c_n, workspace = _torch.mkldnn_rnn_layer(
             x.detach().contiguous(), *weights, h0.detach()[None].contiguous(),
             c0.detach()[None].contiguous(), reverse, [], _MKLDNN_LSTM, H, 1, has_biases,
             False, False, True,  # (bidirectional, batch_first, train)
@@ -565,8 +573,8 @@ def _mkldnn_layer(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], reve
 
 class _LayerOutputs(TorchFunctionMode):
     """The ``record`` of an ``nn.LSTM`` call run with grad mode off (:func:`_owns_backward`).
-    torch's fused multi-layer LSTM (``torch._VF.lstm``) runs one layer at a time (the same
-    kernel and the same floats), and the outputs of every layer but the last, time-major
+    torch's fused multi-layer LSTM (:func:`gradhooks._torch.fused_lstm`) runs one layer at a
+    time (the same kernel and the same floats), and the outputs of every layer but the last, time-major
     ``[T, B, dirs * P]``, are kept in ``outputs``, so that :func:`recompute` need not run the
     lower layers again. Where torch runs its oneDNN kernel (:func:`_mkldnn_applies`, one layer
     or more), each layer and direction is that kernel's run as under autograd
@@ -581,22 +589,22 @@ class _LayerOutputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _VF_LSTM and self.outputs is None and not kwargs and len(args) == 9:
+        if func is _torch.fused_lstm() and self.outputs is None and not kwargs and len(args) == 9:
             x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
             dirs = 2 if bidirectional else 1
             if isinstance(hx, (tuple, list)) and not (train and dropout > 0 and layers > 1):
                 workspace = _mkldnn_applies(x, params, has_biases, layers, dirs)
                 if layers > 1 or workspace:
                     out = self._by_layer(
-                        x, hx, params, has_biases, layers, train, bidirectional, batch_first,
-                        workspace,
+                        func, x, hx, params, has_biases, layers, train, bidirectional,
+                        batch_first, workspace,
                     )  # fmt: skip
                     note(func, args, kwargs, out)  # (the batch's layout, as torch's call gives it)
                     return out
         return func(*args, **kwargs)
 
     def _by_layer(
-        self, x, hx, params, has_biases, layers, train, bidirectional, batch_first, workspace
+        self, lstm, x, hx, params, has_biases, layers, train, bidirectional, batch_first, workspace
     ):
         dirs = 2 if bidirectional else 1
         per = len(params) // layers
@@ -618,7 +626,7 @@ class _LayerOutputs(TorchFunctionMode):
                         self.gates[(k, d)] = gates
                 layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
             else:
-                layer_in, h, c = _VF_LSTM(
+                layer_in, h, c = lstm(
                     layer_in, (h0[ks], c0[ks]), params[k * per : (k + 1) * per], has_biases, 1,
                     0.0, train, bidirectional, False,
                 )  # fmt: skip
@@ -630,7 +638,6 @@ class _LayerOutputs(TorchFunctionMode):
         return out, torch.cat(h_n), torch.cat(c_n)
 
 
-_VF_LSTM = torch._C._VariableFunctions.lstm
 # False once oneDNN's workspace was found not to hold the gates where _mkldnn_layer reads them
 _WORKSPACE_GATES = True
 
@@ -694,6 +701,7 @@ def recompute(
         fast = fast and lstm and keep is None
         for layer in range(module.num_layers):
             outs, layers_d = [], []
+            states = None  # the layer's output, where torch's fused run gives it
             if fast:
                 ks = slice(layer * dirs, (layer + 1) * dirs)
                 if layer == module.num_layers - 1 and output is not None:
@@ -706,7 +714,7 @@ def recompute(
                 k = layer * dirs + d
                 run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""))
                 flip = (lambda t: t.flip(0)) if d else (lambda t: t)
-                if fast:
+                if states is not None:
                     own = states[..., d * h_size : (d + 1) * h_size] if dirs > 1 else states
                     kept = None if gates is None else gates.get((layer, d))
                     out, h, c = run.forward_lstm_from(flip(layer_in), flip(own), h0[k], c0[k], kept)
@@ -726,7 +734,9 @@ def recompute(
                 c_n.append(c)
                 layers_d.append(run)
             layers.append(layers_d)
-            layer_in = states if fast else torch.cat(outs, -1) if dirs > 1 else outs[0]
+            layer_in = (
+                states if states is not None else torch.cat(outs, -1) if dirs > 1 else outs[0]
+            )
             if keep is not None:
                 layer_in = layer_in * keep
         outputs = (rearrange(layer_in, "time batch out -> batch time out"), torch.stack(h_n))
@@ -882,7 +892,7 @@ def rnn(call: Call) -> dict[str, Outer]:
             "set dropout=0, call model.eval(), or apply nn.Dropout between single-layer RNNs",
         )
     packed = isinstance(x, PackedSequence)
-    if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed():
+    if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed(call.grad_outputs):
         # A create_graph backward: the backward through time below has no graph, so the
         # per-example gradients come from torch.func (the fallback), which keeps it.
         from ..fallback import fallback
@@ -917,7 +927,7 @@ def rnn(call: Call) -> dict[str, Outer]:
                 grads = (rearrange(grads[0], "time batch out -> batch time out"), *grads[1:])
         x_pad = x
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-    if torch.is_grad_enabled() and not _transformed():
+    if torch.is_grad_enabled() and not _transformed(grads):
         # A create_graph backward the fallback cannot split into examples
         return _example_by_example(module, x_pad, lengths, hx, grads)
     output = None

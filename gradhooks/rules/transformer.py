@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 
+from .._torch import tree_flatten, tree_map
 from ..engine import _detach, paused
 from ..fallback import FALLBACK
 from ..pieces import Direct, Piece

@@ -1,0 +1,645 @@
+"""Every undocumented torch internal gradhooks uses, reached through this module only.
+
+gradhooks avoids torch's private names; where no public API serves, the internal is looked up
+here once, at import, guarded, and used through one small function below. Where it is missing
+(a later torch renamed it) or switched off (:func:`disabled`, for the tests), that function
+gives its fallback: a slower path with the same numbers, never a wrong one. Where no such path
+exists the internal is *required*: :func:`require`, which :func:`gradhooks.add_hooks` calls,
+refuses with a clear error naming it. ``tests/test_torch_internals.py`` checks every fallback
+against the internal, and that no private torch name is used outside this module.
+
+Each internal, its name here, where it is used, and its fallback:
+
+- ``functorch_stack``: ``torch._C._functorch.peek_interpreter_stack`` (:func:`in_transform`),
+  whether this runs inside a ``torch.func`` transform. The engine does not capture calls
+  there (the oracles, the fallback rule, a user's ``vmap``); pieces, LayerNorm's rule and the
+  RNN rule write out of place there. Fallback: inside one of gradhooks' own transforms
+  (:func:`own_transform`), or a tensor of the call is a functorch tensor
+  (``torch.func.debug_unwrap``).
+- ``functorch_batched``: ``torch._C._functorch.is_batchedtensor``, ``get_unwrapped``,
+  ``maybe_get_bdim`` (:func:`unbatched`), the physical tensor of a ``vmap``-batched one.
+  :func:`gradhooks.jacobians` and :func:`gradhooks.kfac` run their backwards under ``vmap``
+  over the output-gradients and write the hooks' batched pieces into plain tensors
+  (``quantities``, ``kfac``; the Jacobian forms of ``pieces.Rows`` and ``rules/conv.py``).
+  Fallback: one backward per output-gradient, no ``vmap``.
+- ``saved_tensor_hooks``: ``torch._C._autograd._top_saved_tensors_default_hooks``
+  (:func:`saved_tensor_hooks_active`): whether saved-tensor hooks (non-reentrant activation
+  checkpointing, offloading) are on. Used by the engine (no ``taps`` then) and the tracker
+  (no expanded elementwise meetings then). Fallback: "on" (the rules recompute what they
+  would have read, the meetings are differentiated example by example).
+- ``use_counts``: ``Tensor._use_count``, ``torch._C._storage_Use_Count``, ``Tensor._base``
+  (:func:`unshared`): that nothing but one tensor object holds its memory, the test autograd
+  makes before reusing ``.grad``; the engine then writes the next ``grad1`` into the old one.
+  Fallback: never reuse (a fresh ``grad1`` every backward).
+- ``autograd_saved``: an autograd node's ``_saved_<name>`` fields (:func:`saved`), the
+  tensors torch saved for its backward: LayerNorm / GroupNorm's mean and ``rstd``
+  (``rules/norm.py``), a self-attention's projections and context (``rules/attention.py``).
+  Fallback: ``None``; the rules recompute them.
+- ``fused_lstm``: ``torch._VF.lstm`` (:func:`fused_lstm`), the fused multi-layer LSTM that
+  ``nn.LSTM.forward`` calls: ``rules/rnn.py`` recognizes it to keep each layer's outputs and
+  runs it one layer at a time for the states. Fallback: the states are computed by the rule's
+  own recurrence, step by step.
+- ``mkldnn_lstm``: ``torch.ops.aten.mkldnn_rnn_layer`` (:func:`mkldnn_rnn_layer`), oneDNN's
+  LSTM layer, whose workspace holds the gates (``rules/rnn.py`` reads them, and checks them
+  at the first and last step: ``_WORKSPACE_GATES``). Fallback: the fused LSTM, the gates
+  computed again by two matmuls.
+- ``python_dispatcher``: ``torch._dispatch.python.enable_python_dispatcher``
+  (:func:`python_dispatcher`), which lets ``vmap`` run torch's decompositions of the RNN ops
+  it has no batching rule for, in :func:`gradhooks.oracle.vmap_grad`. Fallback: a model with
+  an RNN gets :func:`gradhooks.oracle.loop_grad`'s per-example loop instead.
+- ``conv_padding``: a convolution's ``_reversed_padding_repeated_twice`` (:func:`conv_padding`),
+  the ``F.pad`` padding its forward applies (``rules/conv.py``). Fallback: the same computed
+  from its public ``padding``, ``kernel_size`` and ``dilation``, as torch's constructor does.
+- ``is_view``: ``Tensor._is_view`` (:func:`is_view`): the engine gives a hooked output that is
+  a view a node of its own, so that an in-place change after it keeps its hooks. Fallback:
+  every output gets one.
+
+Required (no fallback; :func:`require` refuses without them):
+
+- ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
+  backward runs now (``engine.py``, ``layout.py``): a backward inside another (reentrant
+  checkpointing) or a failed one is told apart by it.
+- ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
+  (:func:`queue_backward_callback`), a function run when the running backward ends: where the
+  engine verifies and reduces what it captured (``engine.py``, ``quantities.py``).
+- ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
+  in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
+  bumps it), read under its private name: the engine refuses an input changed in place after
+  the forward (``engine.py``, ``layout.py``), ``pieces.Rows`` knows where its ``grad1`` is zero.
+- ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
+  ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
+  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
+  :func:`global_forward_hooks`): the engine runs a call with its parameters replaced by
+  detached ones, and checks that its hooks run where it needs them (``engine.py``,
+  ``oracle.py``).
+- ``pytree``: ``torch.utils._pytree`` (:func:`tree_flatten`, :func:`tree_unflatten`,
+  :func:`tree_map`): the tensors in a call's arguments and outputs, containers registered with
+  torch included (a Hugging Face ``ModelOutput``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .checks import GradhooksWarning
+
+__all__ = [
+    "INTERNALS",
+    "Internal",
+    "available",
+    "batched_backwards",
+    "conv_padding",
+    "disabled",
+    "first_forward_hook",
+    "fused_lstm",
+    "global_forward_hooks",
+    "global_forward_pre_hooks",
+    "graph_task_id",
+    "in_transform",
+    "is_batched",
+    "is_view",
+    "last_forward_pre_hook",
+    "missing",
+    "mkldnn_rnn_layer",
+    "own_parameters",
+    "own_transform",
+    "python_dispatcher",
+    "queue_backward_callback",
+    "require",
+    "saved",
+    "saved_tensor_hooks_active",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "unbatched",
+    "unshared",
+    "version",
+]
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One torch internal: what it reads, and what gradhooks does without it."""
+
+    name: str
+    reads: str
+    fallback: str  # "" where required
+    required: bool = False
+
+
+INTERNALS: dict[str, Internal] = {
+    i.name: i
+    for i in (
+        Internal(
+            "functorch_stack",
+            "torch._C._functorch.peek_interpreter_stack",
+            "gradhooks' own transforms are marked; a call's tensors are looked at",
+        ),
+        Internal(
+            "functorch_batched",
+            "torch._C._functorch.is_batchedtensor, get_unwrapped, maybe_get_bdim",
+            "jacobians() and kfac() run one backward per output-gradient, without vmap",
+        ),
+        Internal(
+            "saved_tensor_hooks",
+            "torch._C._autograd._top_saved_tensors_default_hooks",
+            "taken to be on: no taps, no expanded meetings (recomputed)",
+        ),
+        Internal(
+            "use_counts",
+            "Tensor._use_count, torch._C._storage_Use_Count, Tensor._base",
+            "grad1's memory is never reused",
+        ),
+        Internal(
+            "autograd_saved",
+            "autograd nodes' _saved_<name> fields",
+            "the norm and attention rules recompute what torch saved",
+        ),
+        Internal(
+            "fused_lstm",
+            "torch._VF.lstm",
+            "the RNN rule's own recurrence gives each layer's states",
+        ),
+        Internal(
+            "mkldnn_lstm",
+            "torch.ops.aten.mkldnn_rnn_layer (and its workspace)",
+            "the fused LSTM; the gates are computed again",
+        ),
+        Internal(
+            "python_dispatcher",
+            "torch._dispatch.python.enable_python_dispatcher",
+            "vmap_grad of a model with an RNN is loop_grad",
+        ),
+        Internal(
+            "conv_padding",
+            "_ConvNd._reversed_padding_repeated_twice",
+            "computed from padding, kernel_size and dilation",
+        ),
+        Internal("is_view", "Tensor._is_view", "every hooked output gets a node of its own"),
+        Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
+        Internal(
+            "backward_callback",
+            "torch.autograd.Variable._execution_engine.queue_callback",
+            "",
+            required=True,
+        ),
+        Internal("version_counter", "Tensor._version", "", required=True),
+        Internal(
+            "module_state",
+            "nn.Module._parameters, _forward_hooks, _forward_pre_hooks, "
+            "torch.nn.modules.module._global_forward_hooks, _global_forward_pre_hooks",
+            "",
+            required=True,
+        ),
+        Internal("pytree", "torch.utils._pytree", "", required=True),
+    )
+}
+
+_off: set[str] = set()  # switched off by disabled()
+_missing: set[str] = set()  # not found in this torch at import
+
+
+def available(name: str) -> bool:
+    """Whether internal ``name`` is used now (found in this torch, not switched off)."""
+    return name not in _off and name not in _missing
+
+
+def missing() -> list[str]:
+    """The internals this torch lacks (their fallbacks are used)."""
+    return sorted(_missing)
+
+
+@contextlib.contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Use the fallbacks of internals ``names`` (every one when none is given) within the
+    block, as on a torch without them."""
+    unknown = set(names) - INTERNALS.keys()
+    if unknown:
+        raise ValueError(f"no torch internal named {sorted(unknown)}; known: {sorted(INTERNALS)}")
+    added = set(names or INTERNALS) - _off
+    _off.update(added)
+    try:
+        yield
+    finally:
+        _off.difference_update(added)
+
+
+def require() -> None:
+    """Raise where a required internal is missing (or switched off)."""
+    lacking = [i for i in INTERNALS.values() if i.required and not available(i.name)]
+    if lacking:
+        names = "; ".join(f"{i.name} ({i.reads})" for i in lacking)
+        raise RuntimeError(
+            f"gradhooks needs torch internals missing here (torch {torch.__version__}): "
+            f"{names}. No public torch API replaces them; use a torch version that has them "
+            "(gradhooks is tested with torch >= 2.1)."
+        )
+
+
+def _lookup(name: str, find: Callable[[], Any]) -> Any:
+    """``find()``, or ``None`` (and ``name`` recorded as missing) where it fails."""
+    try:
+        found = find()
+    except Exception:
+        found = None
+    if found is None:
+        _missing.add(name)
+    return found
+
+
+# -- functorch_stack ---------------------------------------------------------------------------
+
+_PEEK = _lookup("functorch_stack", lambda: torch._C._functorch.peek_interpreter_stack)
+_DEBUG_UNWRAP = getattr(getattr(torch, "func", None), "debug_unwrap", None)
+
+
+_own_transforms = 0  # how many of gradhooks' own torch.func transforms are running
+
+
+@contextlib.contextmanager
+def own_transform() -> Iterator[None]:
+    """Mark a ``torch.func`` transform gradhooks itself runs (the Jacobians' and K-FAC's
+    ``vmap`` over backwards, the fallback rule's), for :func:`in_transform`'s fallback."""
+    global _own_transforms
+    _own_transforms += 1
+    try:
+        yield
+    finally:
+        _own_transforms -= 1
+
+
+def in_transform(*trees: Any) -> bool:
+    """Whether this runs inside a ``torch.func`` transform (``vmap``, ``grad``, ...).
+
+    Reads ``torch._C._functorch.peek_interpreter_stack()``: torch has no public way to ask
+    (``torch.compiler.is_compiling`` is for ``torch.compile`` only). Without it: inside one of
+    gradhooks' own transforms (:func:`own_transform`), or a tensor in ``trees`` (the call's
+    arguments, outputs, gradients) is a functorch tensor, batched or tracked by ``grad`` (the
+    public ``torch.func.debug_unwrap`` unwraps it)."""
+    if _PEEK is not None and "functorch_stack" not in _off:
+        return _PEEK() is not None
+    if _own_transforms:
+        return True
+    if _DEBUG_UNWRAP is None:
+        return False
+    try:
+        return any(
+            isinstance(t, Tensor) and _DEBUG_UNWRAP(t, recurse=False) is not t
+            for t in tree_flatten(trees)[0]
+        )
+    except Exception:
+        return True
+
+
+# -- functorch_batched -------------------------------------------------------------------------
+
+_BATCHED = _lookup(
+    "functorch_batched",
+    lambda: (
+        torch._C._functorch.is_batchedtensor,
+        torch._C._functorch.get_unwrapped,
+        torch._C._functorch.maybe_get_bdim,
+    ),
+)
+
+
+def unbatched(t: Tensor | None) -> Tensor | None:
+    """The physical tensor of ``t``, batched by the innermost ``vmap``, with its vmapped
+    dimension first; ``None`` where ``t`` is not batched, or where this internal is missing.
+
+    Reads ``torch._C._functorch.is_batchedtensor``, ``get_unwrapped`` and ``maybe_get_bdim``:
+    ``torch.func`` has no public way out of a ``vmap`` (``debug_unwrap`` is for debugging and
+    loses the batched dimension). Without them nothing is batched: :func:`gradhooks.jacobians`
+    and :func:`gradhooks.kfac` then do not ``vmap`` their backwards (see
+    :func:`batched_backwards`)."""
+    if _BATCHED is None or "functorch_batched" in _off or t is None:
+        return None
+    is_batched, get_unwrapped, bdim = _BATCHED
+    if not is_batched(t):
+        return None
+    return get_unwrapped(t).movedim(bdim(t), 0)
+
+
+def is_batched(t: Tensor | None) -> bool:
+    """Whether :func:`unbatched` of ``t`` is a tensor (``False`` without the internal)."""
+    if _BATCHED is None or "functorch_batched" in _off or t is None:
+        return False
+    return bool(_BATCHED[0](t))
+
+
+def batched_backwards() -> bool:
+    """Whether several backwards may run batched under ``vmap`` and their batched pieces be
+    read (:func:`unbatched`); else one backward per output-gradient."""
+    return available("functorch_batched")
+
+
+# -- saved_tensor_hooks ------------------------------------------------------------------------
+
+_TOP_HOOKS = _lookup(
+    "saved_tensor_hooks", lambda: torch._C._autograd._top_saved_tensors_default_hooks
+)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether the tensors autograd saves for the backward go through saved-tensor hooks now
+    (``torch.autograd.graph.saved_tensors_hooks``: non-reentrant activation checkpointing,
+    offloading to the CPU). Such a forward is run again, untracked, when its saved tensors are
+    needed: it must save exactly what it saves untracked (the same operations on the same
+    shapes), and reading a saved tensor in the forward would run it again there.
+
+    Reads ``torch._C._autograd._top_saved_tensors_default_hooks``: torch pushes the hooks
+    publicly but has no public way to ask whether any are on. Without it: True (the answer
+    that makes the callers recompute rather than read what was saved)."""
+    if _TOP_HOOKS is None or "saved_tensor_hooks" in _off:
+        return True
+    try:
+        return _TOP_HOOKS(True) is not None
+    except Exception:
+        return True
+
+
+# -- use_counts --------------------------------------------------------------------------------
+
+
+def _storage_users_alone() -> int | None:
+    """What ``torch._C._storage_Use_Count`` counts for a storage one tensor holds."""
+    t = torch.zeros(2)
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_STORAGE_ALONE = _lookup("use_counts", _storage_users_alone)
+
+
+def unshared(t: Tensor) -> bool:
+    """Whether nothing but the tensor object ``t`` holds its memory: no other tensor on the
+    same ``TensorImpl`` (autograd's saved variables, a ``detach()``), none on its storage (a
+    view, a NumPy array), and ``t`` is no view itself. Python references are the caller's to
+    count (``sys.getrefcount``).
+
+    Reads ``Tensor._use_count``, ``torch._C._storage_Use_Count`` and ``Tensor._base``, as
+    autograd does (in C++) before it accumulates into ``.grad`` in place; torch has no public
+    way to ask. Without them: False (the caller allocates anew)."""
+    if _STORAGE_ALONE is None or "use_counts" in _off:
+        return False
+    try:
+        return (
+            t._use_count() == 1
+            and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == _STORAGE_ALONE
+            and t._base is None
+        )
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+# -- autograd_saved ----------------------------------------------------------------------------
+
+
+def saved(node: Any, name: str) -> Tensor | None:
+    """The tensor autograd node ``node`` saved for its backward as ``name`` (``node._saved_``
+    + ``name``: ``"input"``, ``"result1"``, ``"mat2"``...), or ``None``.
+
+    The ``_saved_*`` fields are how torch exposes what a node saved (autograd's notes show
+    them, but their names follow each op's private derivative formula and may change); there
+    is no public accessor. ``None`` where the node has no such field, its saved tensors were
+    freed, the field is no tensor, or this internal is off: callers then recompute."""
+    if "autograd_saved" in _off:
+        return None
+    try:
+        value = getattr(node, "_saved_" + name)
+    except (AttributeError, RuntimeError):
+        return None
+    return value if isinstance(value, Tensor) else None
+
+
+# -- fused_lstm / mkldnn_lstm ------------------------------------------------------------------
+
+_FUSED_LSTM = _lookup("fused_lstm", lambda: torch._C._VariableFunctions.lstm)
+
+
+def fused_lstm() -> Callable | None:
+    """``torch._VF.lstm``, the fused multi-layer LSTM ``nn.LSTM.forward`` calls with its
+    flattened weights, or ``None``.
+
+    There is no public function of an LSTM's weights that runs torch's kernel (the module
+    itself is one); the RNN rule runs it one layer at a time for the lower layers' states,
+    and recognizes the module's own call of it. ``None`` where missing or off: the rule then
+    computes the states by its own recurrence."""
+    return None if "fused_lstm" in _off else _FUSED_LSTM
+
+
+_MKLDNN_RNN_LAYER = _lookup("mkldnn_lstm", lambda: torch.ops.aten.mkldnn_rnn_layer)
+
+
+def mkldnn_rnn_layer(*args: Any):
+    """``torch.ops.aten.mkldnn_rnn_layer(*args)``: one layer and direction of an RNN by
+    oneDNN, as torch runs it under autograd: ``(output, h_n, c_n, workspace)``.
+
+    The op and its workspace (where the RNN rule reads the gates) are oneDNN's and torch's
+    own, with no public equivalent: ``nn.LSTM`` keeps the workspace for its backward and never
+    shows it. Call only where :func:`available` ``("mkldnn_lstm")``; without it the rule runs
+    :func:`fused_lstm` and computes the gates again."""
+    return _MKLDNN_RNN_LAYER(*args)
+
+
+# -- python_dispatcher -------------------------------------------------------------------------
+
+
+def _python_dispatcher_factory():
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher
+
+
+_PYTHON_DISPATCHER = _lookup("python_dispatcher", _python_dispatcher_factory)
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager | None:
+    """A context in which ``vmap`` runs torch's Python decompositions of the composite ops it
+    has no batching rule for (``aten::lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``), or ``None``.
+
+    Reads ``torch._dispatch.python.enable_python_dispatcher``: ``torch.func`` has no public
+    switch for it. ``None`` where missing or off: :func:`gradhooks.oracle.vmap_grad` then
+    computes an RNN model's per-example gradients by its per-example loop."""
+    if _PYTHON_DISPATCHER is None or "python_dispatcher" in _off:
+        return None
+    return _PYTHON_DISPATCHER()
+
+
+# -- conv_padding ------------------------------------------------------------------------------
+
+
+def _public_conv_padding(module: nn.Module) -> list[int]:
+    """``_reversed_padding_repeated_twice`` as ``_ConvNd.__init__`` computes it."""
+    kernel, dilation, padding = module.kernel_size, module.dilation, module.padding
+    if isinstance(padding, str):
+        pads = [0, 0] * len(kernel)
+        if padding == "same":
+            for d, k, i in zip(dilation, kernel, range(len(kernel) - 1, -1, -1)):
+                total = d * (k - 1)
+                pads[2 * i] = total // 2
+                pads[2 * i + 1] = total - total // 2
+        return pads
+    return [p for p in reversed(padding) for _ in range(2)]
+
+
+def conv_padding(module: nn.Module) -> list[int]:
+    """The padding a convolution's forward passes to ``F.pad`` (string padding, a padding mode
+    other than zeros): ``(left, right)`` per spatial axis, last axis first.
+
+    Reads ``module._reversed_padding_repeated_twice``, what the forward itself reads (public
+    ``padding`` changed after construction is not applied by it). Where missing or off: the
+    same computed from ``padding``, ``kernel_size`` and ``dilation``."""
+    if "conv_padding" not in _off:
+        pads = getattr(module, "_reversed_padding_repeated_twice", None)
+        if pads is not None:
+            return list(pads)
+    return _public_conv_padding(module)
+
+
+# -- is_view -----------------------------------------------------------------------------------
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether autograd takes ``t`` for a view of another tensor (``Tensor._is_view()``; the
+    tensor views notes show no public test). True where missing or off: the caller then
+    treats every tensor as a view, which costs one node and is right for every tensor."""
+    if "is_view" in _off:
+        return True
+    try:
+        return t._is_view()
+    except AttributeError:
+        return True
+
+
+# -- graph_task_id (required) ------------------------------------------------------------------
+
+_GRAPH_TASK_ID = _lookup("graph_task_id", lambda: torch._C._current_graph_task_id)
+
+
+def graph_task_id() -> int:
+    """The id of the running backward (``torch._C._current_graph_task_id``), -1 outside any.
+
+    torch has no public way to tell one backward from another running inside it (reentrant
+    checkpointing). Required (:func:`require`); 0 where missing."""
+    return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else 0
+
+
+# -- backward_callback (required) --------------------------------------------------------------
+
+_QUEUE_CALLBACK = _lookup(
+    "backward_callback", lambda: torch.autograd.Variable._execution_engine.queue_callback
+)
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward ends
+    (``torch.autograd.Variable._execution_engine.queue_callback``, as DDP and FSDP use it).
+
+    No public hook fires once a backward is done. Required (:func:`require`)."""
+    _QUEUE_CALLBACK(fn)
+
+
+# -- version_counter (required) ----------------------------------------------------------------
+
+_lookup("version_counter", lambda: torch.zeros(1)._version)
+
+
+def version(t: Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``), which every in-place change of it or of a
+    view of it bumps: autograd's own in-place check reads it, and
+    ``torch.autograd.graph.increment_version`` bumps it publicly, but reading it has only its
+    private name. Required (:func:`require`)."""
+    return t._version
+
+
+# -- module_state (required) -------------------------------------------------------------------
+
+
+def _module_state():
+    """The global hook dicts, once a module is seen to have the attributes read below."""
+    m = nn.Module()
+    for name in ("_parameters", "_forward_hooks", "_forward_pre_hooks"):
+        if not isinstance(getattr(m, name), dict):
+            return None
+    return nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks
+
+
+_GLOBAL_HOOKS = _lookup("module_state", _module_state)
+
+
+def own_parameters(module: nn.Module) -> dict[str, Any]:
+    """``module._parameters``: its own parameters by name, the dict its ``__getattr__`` reads.
+    Setting an entry replaces the parameter for the module's forward without the checks of
+    ``setattr`` (a plain tensor for a parameter), as ``torch.func.functional_call`` does
+    internally; torch has no public way to do it. Required (:func:`require`)."""
+    return module._parameters
+
+
+def first_forward_hook(module: nn.Module) -> Any:
+    """The forward hook ``module`` runs first (``module._forward_hooks``), or ``None``: torch
+    has no public way to list a module's hooks. Required (:func:`require`)."""
+    return next(iter(module._forward_hooks), None)
+
+
+def last_forward_pre_hook(module: nn.Module) -> Any:
+    """The forward pre-hook ``module`` runs last (``module._forward_pre_hooks``), or ``None``.
+    Required (:func:`require`)."""
+    hooks = module._forward_pre_hooks
+    return hooks[next(reversed(hooks))] if hooks else None
+
+
+def global_forward_hooks() -> bool:
+    """Whether global forward hooks (``nn.modules.module.register_module_forward_hook``) are
+    registered, which run before a module's own. Required (:func:`require`)."""
+    return bool(_GLOBAL_HOOKS[0]) if _GLOBAL_HOOKS is not None else True
+
+
+def global_forward_pre_hooks() -> bool:
+    """Whether global forward pre-hooks are registered, which run before a module's own.
+    Required (:func:`require`)."""
+    return bool(_GLOBAL_HOOKS[1]) if _GLOBAL_HOOKS is not None else True
+
+
+# -- pytree (required) -------------------------------------------------------------------------
+
+
+def _pytree_module():
+    import torch.utils._pytree as pytree
+
+    return pytree
+
+
+_PYTREE = _lookup("pytree", _pytree_module)
+
+
+def _no_pytree(*args: Any, **kwargs: Any) -> Any:
+    require()
+    raise RuntimeError("torch.utils._pytree is missing")  # (require raised already)
+
+
+# torch.utils._pytree: the leaves of nested containers, those registered with torch included.
+# No public module yet (torch.utils.pytree is planned); required (:func:`require`).
+tree_flatten: Callable = getattr(_PYTREE, "tree_flatten", _no_pytree)
+tree_unflatten: Callable = getattr(_PYTREE, "tree_unflatten", _no_pytree)
+tree_map: Callable = getattr(_PYTREE, "tree_map", _no_pytree)
+
+
+if _missing - {n for n, i in INTERNALS.items() if i.required}:
+    warnings.warn(
+        "gradhooks: this torch lacks internals that gradhooks uses where they exist: "
+        + "; ".join(
+            f"{INTERNALS[n].reads} (instead: {INTERNALS[n].fallback})"
+            for n in sorted(_missing)
+            if not INTERNALS[n].required
+        )
+        + ". The numbers are the same; some computations are slower.",
+        GradhooksWarning,
+        stacklevel=2,
+    )
