@@ -79,8 +79,8 @@ def dp_sgd_step(
             seed it differently every step, and keep the seed secret, as in one process.
         group: the process group (default: the whole world).
 
-    A model sharded with FSDP2 (``fully_shard``, per layer and at the root; hook it with
-    ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
+    A model sharded with FSDP2 (``fully_shard``: the root, and any of its modules before it;
+    hook it, once sharded, with ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
     exact, the clipped sums are formed whole from the kept layer inputs and output-gradients,
     all-reduced, and each rank keeps its shard as the sharded parameter's ``.grad``.
 
@@ -133,7 +133,7 @@ def _names(hooks: Hooks, params: Sequence[nn.Parameter]) -> list[str]:
     model = hooks.model
     by_id = {}
     if model is not None:
-        for n, p in model.named_parameters():
+        for n, p in hooks._named_parameters(model):
             by_id.setdefault(id(p), n)
     return [by_id.get(id(p), "?") for p in params]
 

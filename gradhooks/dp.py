@@ -242,7 +242,7 @@ def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
         raise RuntimeError("dp_sgd_step needs an active handle (its model is gone or removed)")
     covered = {id(p) for t in hooks._targets for p in t.params.values()}
     params, missing, seen = [], [], set()
-    for name, p in model.named_parameters():
+    for name, p in hooks._named_parameters(model):  # (FSDP2: the sharded parameters)
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))

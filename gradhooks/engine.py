@@ -242,7 +242,11 @@ class Hooks:
         self.unsupported = unsupported
         self.registry = registry
         self._model_ref = weakref.ref(model)
-        self._targets = _plan(model, registry, unsupported)
+        # parameters sharded by FSDP2 (DTensors), by qualified name (every slot): the hooks are
+        # planned with these, whatever stand-in FSDP2 has put in their slots at the time
+        self._shards = _fsdp_shards(model)
+        self._sharded = {id(p) for p in self._shards.values()}  # per-example norms, no grad1
+        self._targets = _plan(model, registry, unsupported, self._shards)
         self._check_not_hooked(model)
         self._written: dict[int, nn.Parameter] = {}
         self._removed = False
@@ -277,8 +281,6 @@ class Hooks:
         self._direct_targets: dict[int, _Target] = {}
         self._functional_targets: dict[tuple, _Target] = {}
         self._target_handles: list = []
-        # parameters sharded by FSDP2 (DTensors): per-example norms only, no grad1
-        self._sharded = _sharded_ids(model)
         self._current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
         if self._sharded and self._grad1:
             name = next(n for n, p in model.named_parameters() if id(p) in self._sharded)
@@ -306,7 +308,7 @@ class Hooks:
         """Hook every planned module and every trainable parameter they cover."""
         self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
         covered = {id(q) for t in self._targets for q in t.params.values()}
-        for name, p in model.named_parameters():
+        for name, p in self._named_parameters(model):
             if p.requires_grad and id(p) in covered and id(p) not in self._params:
                 self._params[id(p)] = (name, p)
         self._numel = sum(p.numel() for _, p in self._params.values())
@@ -343,6 +345,12 @@ class Hooks:
         ``grad1``."""
         if _structure(model, bool(self._sharded)) == self._structure:
             return
+        if not self._shards and any(isinstance(m, _fsdp_module_class()) for m in model.modules()):
+            raise RuntimeError(
+                "the model was sharded with FSDP2 (fully_shard) after add_hooks: the hooks were "
+                "planned with its parameters before sharding. Remove them and add them to the "
+                "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
+            )
         before = dict(self._params)
         for h in self._target_handles:
             h.remove()
@@ -350,7 +358,7 @@ class Hooks:
         for t in self._targets:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
-        self._targets = _plan(model, self.registry, self.unsupported)
+        self._targets = _plan(model, self.registry, self.unsupported, self._shards)
         for t in self._targets:
             other = _HOOKED_MODULES.get(t.module)
             if other is not None and other is not self:
@@ -361,12 +369,20 @@ class Hooks:
                 )
         self._install(model)
         if self._collector is not None:
-            for name, p in model.named_parameters():
+            for name, p in self._named_parameters(model):
                 self._collector.names.setdefault(id(p), name)
         if not self._written:  # (cleared since the last backward)
             for pid, (_, p) in before.items():
                 if pid not in self._params and hasattr(p, "grad1"):
                     del p.grad1
+
+    def _named_parameters(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """``model.named_parameters()`` with the parameters the hooks were planned with: where
+        FSDP2 holds a stand-in in a sharded parameter's slot (its unsharded parameter while a
+        call runs, and at the root from the forward to the backward, or one resharded after
+        the forward on a smaller mesh), the sharded parameter."""
+        for name, p in model.named_parameters():
+            yield name, self._shards.get(name, p)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -2089,8 +2105,13 @@ def _sole_grad1(p: nn.Parameter) -> Tensor | None:
     return t if t.is_contiguous() and _torch.unshared(t) else None
 
 
-def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> list[_Target]:
-    """Which modules to hook, checking that every trainable parameter is covered."""
+def _plan(
+    model: nn.Module, registry: Registry, unsupported: Unsupported,
+    shards: dict[str, nn.Parameter] | None = None,
+) -> list[_Target]:  # fmt: skip
+    """Which modules to hook, checking that every trainable parameter is covered. ``shards``:
+    the parameters sharded by FSDP2 by qualified name (:func:`_fsdp_shards`), which the
+    targets hold in place of what is in their slots now (a stand-in of FSDP2's)."""
     targets: list[_Target] = []
     owned: list[str] = []
     uncovered: list[tuple[str, nn.Module, dict[str, nn.Parameter]]] = []
@@ -2145,6 +2166,10 @@ def _plan(model: nn.Module, registry: Registry, unsupported: Unsupported) -> lis
                 "those parameters, pass unsupported='fallback' (the default) to compute them with "
                 "torch.func, or unsupported='skip' to leave them without grad1. Nothing was hooked."
             )
+    if shards:
+        for t in targets:
+            prefix = f"{t.name}." if t.name else ""
+            t.params = {n: shards.get(prefix + n, p) for n, p in t.params.items()}
     return targets
 
 
@@ -2261,13 +2286,38 @@ def _structure(model: nn.Module, by_name: bool = False) -> tuple:
     )
 
 
-def _sharded_ids(model: nn.Module) -> set[int]:
-    """The ids of ``model``'s parameters that are DTensors (sharded by FSDP2)."""
+def _fsdp_module_class() -> type | tuple:
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` gives a module), or ``()`` (no
+    class) where this torch has none."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # (torch < 2.6)
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return ()
+    return FSDPModule
+
+
+def _fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of ``model`` sharded by FSDP2 (DTensors), by qualified name, every slot.
+
+    FSDP2 registers a module's sharded parameters only while its group is resharded: while a
+    call runs its slots hold unsharded parameters, and the root's group (where the parameters
+    of every module not sharded on its own live) stays unsharded from the forward to the
+    backward, or after a forward under ``no_grad``. Its modules are resharded first
+    (``FSDPModule.reshard``: local, it frees the gathered copies, which the next forward gathers
+    again), so that the sharded parameters are those found."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # (a torch without distributed tensors)
-        return set()
-    return {id(p) for p in model.parameters() if isinstance(p, DTensor)}
+        return {}
+    for m in model.modules():
+        if isinstance(m, _fsdp_module_class()):
+            m.reshard()
+    return {
+        n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
+    }
 
 
 def _owner_name(name: str) -> tuple[str, str]:

@@ -241,29 +241,55 @@ def mismatch() -> None:
             raise AssertionError("different models on the ranks must raise")
 
 
+def blocked() -> nn.Module:
+    """:func:`net` with its middle layers in a block of their own (a sub-Sequential)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(),
+        nn.Sequential(nn.Linear(12, 6), nn.LayerNorm(6), nn.Tanh()), nn.Linear(6, 3),
+    ).double()  # fmt: skip
+
+
 def fsdp() -> None:
-    """FSDP2 (``fully_shard`` per layer and at the root): the book-keeping DP step's norms and
-    sharded ``p.grad`` equal one process on the whole batch (rank 0's noise seed as the single
-    process's), over two optimizer steps; grad1 of a sharded parameter is refused, pointing to
-    the norms; with bfloat16 parameters (``MixedPrecisionPolicy``) the norms stay float32 and
-    within bfloat16's precision of float32's."""
+    """FSDP2 (``fully_shard``), whichever modules are sharded on their own, the rest left to the
+    root's group (every layer, the root alone, a block, a layer inside a block): the
+    book-keeping DP step's norms and sharded ``p.grad`` equal one process on the whole batch
+    (rank 0's noise seed as the single process's), over two optimizer steps; the norms of a
+    plain backward too, FSDP2's own gradient left as without hooks (also for hooks added after a
+    forward under ``no_grad``, which leaves the root's group unsharded); grad1 of a sharded
+    parameter is refused, pointing to the norms, and so are hooks added before sharding; with
+    bfloat16 parameters (``MixedPrecisionPolicy``) the norms stay float32 and within bfloat16's
+    precision of float32's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def sharded(model: nn.Module, **kw) -> nn.Module:
-        for m in model:
-            if any(True for _ in m.parameters(recurse=False)):
-                fully_shard(m, **kw)
+    def sharded(model: nn.Module, layout: str = "layers", **kw) -> nn.Module:
+        if layout == "layers":  # every module with parameters of its own, innermost first
+            for m in reversed(list(model.modules())[1:]):
+                if any(True for _ in m.parameters(recurse=False)):
+                    fully_shard(m, **kw)
+        if layout == "nested":
+            fully_shard(model[3][0], **kw)
+        if layout in ("blocks", "nested"):
+            fully_shard(model[3], **kw)
         return fully_shard(model, **kw)
 
-    for sizes in ([5, 3], [4, 4]):
+    cases = [
+        (net, "layers", [5, 3]), (net, "layers", [4, 4]), (net, "root", [4, 4]),
+        (blocked, "blocks", [5, 3]), (blocked, "nested", [5, 3]), (blocked, "layers", [4, 4]),
+    ]  # fmt: skip
+    for make, layout, sizes in cases:
         x, y, xs, ys = data(sizes)
-        model, ref = sharded(net()), net()
+        model, ref = sharded(make(), layout), make()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        start = sum(sizes[:RANK])
+        if layout == "root":  # a forward under no_grad leaves the root's group unsharded
+            with torch.no_grad():
+                model(xs)
         with gradhooks.add_hooks(model, quantities=("norms",)) as h:
             ref_h = gradhooks.add_hooks(ref, quantities=("norms",))
             for step in range(2):
-                what = f"{sizes} step {step}"
+                what = f"{layout} {sizes} step {step}"
                 losses = F.cross_entropy(model(xs), ys, reduction="none")
                 gen = torch.Generator().manual_seed(step if RANK == 0 else 50 + RANK)
                 norms = ghd.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=1.1,
@@ -273,20 +299,41 @@ def fsdp() -> None:
                     ref_h, ref_losses, max_norm=4.0, noise_multiplier=1.1,
                     generator=torch.Generator().manual_seed(step),
                 )  # fmt: skip
-                start = sum(sizes[:RANK])
                 close(norms, want[start : start + sizes[RANK]], f"{what}: local norms")
                 for p, r in zip(params(model), params(ref), strict=True):
                     assert type(p.grad).__name__ == "DTensor", f"{what}: {type(p.grad)}"
                     close(p.grad.full_tensor(), r.grad, f"{what}: sharded p.grad vs one process")
                 opt.step()
                 ref_opt.step()
+            # the norms of a plain backward (FSDP2 reduce-scatters the gradient: averaged over
+            # the ranks, the mean over the whole batch where the shards are of one size)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            h.clear()
+            ref_h.clear()
+            F.cross_entropy(model(xs), ys).backward()
+            F.cross_entropy(ref(x), y).backward()
+            what = f"{layout} {sizes} plain backward"
+            close(h.norms(), ref_h.norms()[start : start + sizes[RANK]], f"{what}: norms")
+            if sizes[0] == sizes[1]:
+                for p, r in zip(params(model), params(ref), strict=True):
+                    close(p.grad.full_tensor(), r.grad, f"{what}: FSDP2's p.grad")
             ref_h.remove()
-    try:
-        gradhooks.add_hooks(sharded(net()))
-    except ValueError as e:
-        assert "sharded by FSDP2" in str(e) and "quantities=('norms',)" in str(e), e
-    else:
-        raise AssertionError("grad1 of a sharded parameter must be refused")
+    for layout in ("layers", "root"):
+        try:
+            gradhooks.add_hooks(sharded(net(), layout))
+        except ValueError as e:
+            assert "sharded by FSDP2" in str(e) and "quantities=('norms',)" in str(e), e
+        else:
+            raise AssertionError(f"{layout}: grad1 of a sharded parameter must be refused")
+    model = net()  # hooked, then sharded: refused at the forward, not silently wrong
+    with gradhooks.add_hooks(model, quantities=("norms",)):
+        try:
+            sharded(model, "root")(data([4, 4])[2])
+        except RuntimeError as e:
+            assert "after add_hooks" in str(e), e
+        else:
+            raise AssertionError("hooks added before fully_shard must be refused")
     # bfloat16 parameters in the forward and backward: the norms in float32
     x, y, xs, ys = data([4, 4])
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
