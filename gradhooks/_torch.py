@@ -72,6 +72,10 @@ Required (no fallback; :func:`require` refuses without them):
   :func:`global_forward_hooks`): the engine runs a call with its parameters replaced by
   detached ones, and checks that its hooks run where it needs them (``engine.py``,
   ``oracle.py``).
+- ``fsdp_module``: ``torch.distributed._composable.fsdp.FSDPModule`` (:func:`fsdp_module_class`),
+  the class ``fully_shard`` gives a module, public as ``torch.distributed.fsdp.FSDPModule``
+  from torch 2.6; read under the private name before. Without either, no module is taken as
+  sharded by FSDP2.
 - ``pytree``: ``torch.utils._pytree`` (:func:`tree_flatten`, :func:`tree_unflatten`,
   :func:`tree_map`): the tensors in a call's arguments and outputs, containers registered with
   torch included (a Hugging Face ``ModelOutput``).
@@ -98,6 +102,7 @@ __all__ = [
     "conv_padding",
     "disabled",
     "first_forward_hook",
+    "fsdp_module_class",
     "fused_lstm",
     "global_forward_hooks",
     "global_forward_pre_hooks",
@@ -643,3 +648,16 @@ if _missing - {n for n, i in INTERNALS.items() if i.required}:
         GradhooksWarning,
         stacklevel=2,
     )
+
+
+def fsdp_module_class() -> type | tuple:
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` gives a module), or ``()`` (no class:
+    ``isinstance`` is then false) where this torch has none."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # (torch < 2.6: the same class under its private name)
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return ()
+    return FSDPModule

@@ -345,7 +345,9 @@ class Hooks:
         ``grad1``."""
         if _structure(model, bool(self._sharded)) == self._structure:
             return
-        if not self._shards and any(isinstance(m, _fsdp_module_class()) for m in model.modules()):
+        if not self._shards and any(
+            isinstance(m, _torch.fsdp_module_class()) for m in model.modules()
+        ):
             raise RuntimeError(
                 "the model was sharded with FSDP2 (fully_shard) after add_hooks: the hooks were "
                 "planned with its parameters before sharding. Remove them and add them to the "
@@ -2286,19 +2288,6 @@ def _structure(model: nn.Module, by_name: bool = False) -> tuple:
     )
 
 
-def _fsdp_module_class() -> type | tuple:
-    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` gives a module), or ``()`` (no
-    class) where this torch has none."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:  # (torch < 2.6)
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            return ()
-    return FSDPModule
-
-
 def _fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters of ``model`` sharded by FSDP2 (DTensors), by qualified name, every slot.
 
@@ -2313,7 +2302,7 @@ def _fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
     except ImportError:  # (a torch without distributed tensors)
         return {}
     for m in model.modules():
-        if isinstance(m, _fsdp_module_class()):
+        if isinstance(m, _torch.fsdp_module_class()):
             m.reshard()
     return {
         n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
