@@ -1016,6 +1016,18 @@ _FREE = """arange range zeros ones full empty eye linspace logspace rand randn r
     empty_strided scalar_tensor""".split()
 _HANDLERS.update({n: (lambda *a: None) for n in _FREE})
 
+# operations that read only the dtype and device, or the shape, of their tensor arguments after
+# the first (``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``): their result holds the first
+# argument's values alone, so a batch in the others is not the result's
+_LIKE = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def _data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments whose values ``name`` computes with: for :data:`_LIKE`, the first alone."""
+    if name in _LIKE and args and isinstance(args[0], Tensor):
+        return args[:1], {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)}
+    return args, kwargs
+
 
 def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
@@ -1206,6 +1218,8 @@ class Tracker(TorchFunctionMode):
         tensors = _tensors(args, kwargs)
         if not tensors:
             return func(*args, **kwargs)
+        if len(tensors) > 1 and _name(func) in _LIKE:
+            tensors = _tensors(*_data_args(_name(func), args, kwargs))
         layouts, sources, direct = [], set(), []
         for t in tensors:
             lay = self.layouts.get(t)
@@ -1232,11 +1246,14 @@ class Tracker(TorchFunctionMode):
                 self._propagate(name, args, kwargs, out)
                 return out
             if layouts:
-                return self._meeting(func, name, args, kwargs, tensors, direct)
+                out = self._meeting(func, name, args, kwargs, tensors, direct)
+                self._hold(direct, args, out)
+                return out
             for p in direct:
                 sources.add(self._param_source(p))
             if True:  # batch-free: the sources flow on
                 out = func(*args, **kwargs)
+                self._hold(direct, args, out)
                 frozen = frozenset(sources)
                 outs = _out_tensors(out)
                 if not outs and _is_inplace(name) and isinstance(args[0], Tensor):
@@ -1256,6 +1273,35 @@ class Tracker(TorchFunctionMode):
             if pid in self.covered[i]:
                 return i
         return None
+
+    def _hold(self, direct: list[Tensor], args: tuple, out: Any) -> None:
+        """An operation used parameters directly (``direct``): their sources are tied to the
+        autograd node of its output, so that they live as long as the graph through it (a
+        problem found on the way is reported at the backward, never dropped with the tracker),
+        and a backward that passes through it tells the engine that these parameters'
+        gradients come from a forward the tracker followed (:meth:`Hooks._direct_reached`)."""
+        if not direct or self.engine is None:
+            return
+        outs = _out_tensors(out) or [a for a in args[:1] if isinstance(a, Tensor)]
+        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if node is None:
+            return
+        held = []
+        for p in direct:
+            s = self._found_source(p)
+            if s is not None:
+                held.append((id(p), s))
+        if held:
+            engine, unknown = self.engine, self.unknown
+            node.register_prehook(
+                lambda grad_outputs, held=tuple(held): engine._direct_reached(held, unknown)
+            )
+
+    def _found_source(self, p: Tensor) -> Source | None:
+        """The source of ``p``'s direct uses made so far, if any (:meth:`_param_source`)."""
+        where = self._covering(id(p))
+        table = self.used[where].sources if where is not None else self.param_sources
+        return table.get(id(p))
 
     def _param_source(self, p: Tensor) -> Source:
         """The source of ``p``'s direct uses: one per forward, or, inside a module without a
@@ -1279,6 +1325,7 @@ class Tracker(TorchFunctionMode):
         return self.layouts.get(t) if isinstance(t, Tensor) else None
 
     def _propagate(self, name: str, args, kwargs, out) -> None:
+        args, kwargs = _data_args(name, args, kwargs)
         outs = _out_tensors(out)
         if not outs and _is_inplace(name) and args and isinstance(args[0], Tensor):
             outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
@@ -1374,11 +1421,13 @@ class Tracker(TorchFunctionMode):
                 s.uses.append(("loss", name))  # decay): no example's; not delivered
             return out
         if any(lay is None or lay is UNKNOWN for lay in lays) or _is_inplace(name):
-            why = (
-                f"'{name}' combines it with the batch in a way gradhooks cannot follow"
-                if not _is_inplace(name)
-                else f"the in-place '{name}' writes the batch into a tensor derived from it"
-            )
+            if _is_inplace(name):
+                why = f"the in-place '{name}' writes the batch into a tensor derived from it"
+            else:
+                lost = ", ".join(self.unknown)
+                why = f"'{name}' combines it with the batch in a way gradhooks cannot follow" + (
+                    f" (the batch was lost before it, through {lost})" if lost else ""
+                )
             for s in set().union(*srcs.values()):
                 s.problem = s.problem or why
             return out

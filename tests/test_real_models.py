@@ -340,6 +340,37 @@ def test_gpt2_lora_adapter():
         check_model(model, text(3, 5), lm_loss, 3, reduction)
 
 
+def test_llama_boft_adapter():
+    """Llama with a PEFT BOFT adapter (orthogonal butterfly factors built from the adapter's
+    parameters alone, cast with ``.to(x)`` like the batch, multiplied into it): every adapter
+    parameter gets its per-example gradient, and a DP step clips each example's own norm."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (peft: no CUDA extension for its block-diagonal kernel)
+        config = peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"],
+                                 boft_dropout=0.0)  # fmt: skip
+        model = peft.get_peft_model(llama(), config).double()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("boft_" in n for n in trainable)
+    with torch.no_grad():  # (initialized to the identity rotation: move off it)
+        for p in trainable.values():
+            p.add_(0.1 * torch.randn_like(p))
+    batch = text(3, 5)
+    for reduction in ("sum", "mean"):
+        check_model(model, batch, lm_loss, 3, reduction)
+    want = loop_oracle(model, batch, lm_loss, 3)
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(model) as h:
+        logits = model(input_ids=batch["input_ids"]).logits
+        losses = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").sum(1)
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=1e6, noise_multiplier=0.0, reduction="sum")
+    close(got, norms, "per-example norms")
+    for n, p in trainable.items():
+        close(p.grad, want[n].sum(0), f"{n}: clipped sum")
+
+
 @pytest.mark.parametrize("method", ["prefix", "prompt"])
 def test_gpt2_prefix_and_prompt_tuning(method):
     """PEFT prefix tuning (virtual keys and values concatenated in front of every layer's, by

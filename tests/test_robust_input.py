@@ -730,3 +730,100 @@ def test_weight_norm_old_and_new(style, layer):
         with gradhooks.add_hooks(model, batch_dim=None, loss_reduction="sum"):
             with pytest.raises(RuntimeError, match=r"'weight_g'.*parametrizations.weight_norm"):
                 sq(model(x)).backward()
+
+
+# -- parameters used outside their modules' calls: followed, or refused, never left out ---------
+
+
+class Adapter(nn.Module):
+    """A frozen layer and an adapter parameter held in a ParameterDict (never called itself), made
+    into a matrix that multiplies the batch: ``how`` makes it like the batch, or loses the batch."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.base = how, nn.Linear(4, 4).requires_grad_(False)
+        self.r = nn.ParameterDict({"a": nn.Parameter(0.3 * torch.randn(4, 4))})
+        self.register_buffer("perm", torch.eye(4)[[1, 0, 3, 2]])
+
+    def forward(self, x):
+        h, r = self.base(x), self.r["a"]
+        if self.how == "to":
+            m = r.to(x) @ self.perm.to(x)  # (dtype and device like the batch)
+        elif self.how == "type_as":
+            m = r.type_as(h) @ self.perm.type_as(h)
+        elif self.how == "view_as":
+            m = r.reshape(-1).view_as(torch.empty(4, 4)).reshape_as(self.perm)
+        elif self.how == "expand_as":
+            return h * r[0].expand_as(h)
+        else:  # the batch lost (an operation gradhooks does not know), then met
+            return h.fliplr() @ r
+        return h @ m
+
+
+@pytest.mark.parametrize("how", ["to", "type_as", "view_as", "expand_as"])
+def test_parameter_cast_like_the_batch(how):
+    """``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``, ``w.expand_as(x)`` take only the dtype,
+    device or shape of the batch ``x``: the result holds ``w``'s values, the same for every
+    example, and its per-example gradient is followed to where it meets the batch."""
+    torch.manual_seed(0)
+    model = Adapter(how).double()
+    x = torch.randn(5, 4, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert list(want) == ["r.a"]
+    assert_close(model.r.a.grad1, want["r.a"], how)
+
+
+def test_parameter_whose_batch_is_lost_is_refused_at_the_backward():
+    """A parameter used directly that meets a batch gradhooks lost the track of: the backward
+    raises naming it and the operation, writes no grad1, and a DP step refuses too (it would
+    clip the other parameters and leave this one untrained)."""
+    torch.manual_seed(0)
+    model = Adapter("lost").double()
+    x = torch.randn(5, 4, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        with pytest.raises(RuntimeError, match=r"'r\.a' is used outside.*through fliplr"):
+            sq(model(x)).backward()
+        assert not hasattr(model.r.a, "grad1")
+        h.clear()
+        with pytest.raises(RuntimeError, match=r"'r\.a' is used outside.*through fliplr"):
+            gradhooks.dp_sgd_step(h, sq_rows(model(x)), max_norm=1.0, noise_multiplier=0.0)
+
+
+class Penalized(nn.Module):
+    """A parameter held outside any called module, whose only use is a penalty the model
+    returns: its gradient is no example's."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(3, 2).requires_grad_(False)
+        self.extra = nn.ParameterDict({"a": nn.Parameter(torch.randn(2))})
+
+    def forward(self, x):
+        return self.base(x), self.extra["a"].pow(2).sum()
+
+
+def test_parameter_whose_gradient_never_meets_the_batch_is_refused():
+    torch.manual_seed(0)
+    model = Penalized().double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out, penalty = model(torch.randn(4, 3, dtype=D))
+        with pytest.raises(RuntimeError, match=r"'extra\.a' is used outside.*never met the batch"):
+            (sq(out) + penalty).backward()
+    assert not hasattr(model.extra.a, "grad1")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_step_refuses_a_parameter_without_per_example_gradients(method):
+    """The forward run before add_hooks: the backward computes every gradient but captures none;
+    the DP step refuses, naming the parameters, rather than clip nothing and step on zeros."""
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    losses = sq_rows(model(x))
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gradhooks.GradhooksWarning)
+            with pytest.raises(RuntimeError, match=r"dp_sgd_step: .*'0\.weight', '0\.bias'"):
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
