@@ -1420,9 +1420,16 @@ class Tracker(TorchFunctionMode):
             for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
                 s.uses.append(("loss", name))  # decay): no example's; not delivered
             return out
-        if any(lay is None or lay is UNKNOWN for lay in lays) or _is_inplace(name):
+        if any(lay is None or lay.dim < 0 for lay in lays) or _is_inplace(name):
+            met = {*lays, *(self.layouts.get(t) for t in tensors)}
             if _is_inplace(name):
                 why = f"the in-place '{name}' writes the batch into a tensor derived from it"
+            elif MIXED in met:
+                why = (
+                    f"'{name}' combines it with a tensor whose entries depend on several "
+                    f"examples at once ({', '.join(self.mixed) or name}), so the examples' shares "
+                    "of its gradient do not exist"
+                )
             else:
                 lost = ", ".join(self.unknown)
                 why = f"'{name}' combines it with the batch in a way gradhooks cannot follow" + (
@@ -1475,8 +1482,8 @@ class Tracker(TorchFunctionMode):
         if name not in _EXPANDABLE or not tainted or saving_elsewhere():
             return None  # (checkpointed: the expanded operand would be saved in its place)
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
-        if not others or any(self.layouts[t] is UNKNOWN for t in others):
-            return None
+        if not others or any(self.layouts[t].dim < 0 for t in others):
+            return None  # (unknown, packed or mixed: no batch dimension to expand along)
         if _is_inplace(name) and any(args and t is args[0] for t in tainted):
             return None  # the batch written into a batch-free tensor
         try:
@@ -1550,8 +1557,8 @@ class Tracker(TorchFunctionMode):
             if found is None or x is None:
                 return None
             lay = self.layouts[x]
-            if lay is UNKNOWN or t.shape[lay.dim] != x.shape[lay.dim]:
-                return None
+            if lay.dim < 0 or t.shape[lay.dim] != x.shape[lay.dim]:
+                return None  # (unknown, packed or mixed: no batch dimension to take rows of)
             if name in ("cat", "concat", "concatenate"):
                 dim = _arg(args, kwargs, 1, "dim", 0)
                 if _norm_dim(dim, t.dim()) == lay.dim:

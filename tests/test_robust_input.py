@@ -827,3 +827,82 @@ def test_dp_step_refuses_a_parameter_without_per_example_gradients(method):
             warnings.simplefilter("ignore", gradhooks.GradhooksWarning)
             with pytest.raises(RuntimeError, match=r"dp_sgd_step: .*'0\.weight', '0\.bias'"):
                 gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+
+
+# -- a 0-d parameter (a temperature, CLIP's logit_scale) times the batch ---------------------------
+
+
+class Temperature(nn.Module):
+    """Holds a 0-d parameter that its parent uses (never called itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+
+class Scaled(nn.Module):
+    """``tanh(a(x)) · exp(s)`` with ``s`` 0-d: the model's own parameter (``root``), or a
+    submodule's that the model uses directly (``held``). With ``logits``, CLIP's: the scale
+    multiplies ``v @ u.T``, ``[B, B]``, whose entries each depend on two examples."""
+
+    def __init__(self, where, logits=False):
+        super().__init__()
+        self.where, self.logits = where, logits
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        if where == "root":
+            self.scale = nn.Parameter(torch.tensor(0.7))
+        else:
+            self.temperature = Temperature()
+
+    def forward(self, x):
+        s = self.scale if self.where == "root" else self.temperature.scale
+        if not self.logits:
+            return self.b(torch.tanh(self.a(x))) * s.exp()
+        u, v = self.a(x), self.b(x)
+        return v @ u.T * s.exp(), u, v
+
+
+@pytest.mark.parametrize("where", ["root", "held"])
+def test_zero_dim_parameter_times_the_batch(where):
+    torch.manual_seed(0)
+    model = Scaled(where).double()
+    x = torch.randn(5, 3, 4, dtype=D)
+    want = vmap_grad(model, sq, x)
+    for reduction in ("sum", "mean"):
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            loss = sq(model(x))
+            (loss if reduction == "sum" else loss / 5).backward()
+        assert_matches(model, want, f"{where} {reduction}")
+        gradhooks.clear_grad1(model)
+
+
+def test_zero_dim_parameter_times_logits_across_the_batch_is_refused():
+    """CLIP's logits ``[B, B]`` times ``exp(logit_scale)``: each entry depends on two examples,
+    so the scale has no per-example gradient. Refused, naming the parameter or the module, as
+    the model returns the logits alone or with per-example outputs."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=D)
+    model = Scaled("held", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        logits, u, v = model(x)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'temperature\.scale' is used outside.*'mul' combines it with a tensor whose "
+            r"entries depend on several examples at once \(matmul\)",
+        ):
+            logits.diagonal().sum().backward()
+    assert not hasattr(model.temperature.scale, "grad1")
+    model = Scaled("root", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        logits, u, v = model(x)
+        with pytest.raises(ValueError, match=r"fallback for '<model>' \(Scaled\).*\(3, 3\)"):
+            logits.diagonal().sum().backward()
+
+    class LogitsOnly(Scaled):
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    model = LogitsOnly("root", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"LogitsOnly: its output \(\(3, 3\)\) mixes the 3"):
+            model(x)
