@@ -307,6 +307,15 @@ def _reduction(args, kwargs, out, layout_of):
     return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
 
 
+@_handles("max", "min")
+def _max_min(args, kwargs, out, layout_of):
+    """``max(a, b)`` and ``min(a, b)`` of two tensors are elementwise (``torch.maximum``, as
+    XGLM clamps its attention scores with a 0-d tensor); with a ``dim``, or none, a reduction."""
+    if isinstance(_arg(args, kwargs, 1, "other"), Tensor):
+        return _pointwise(args, kwargs, out, layout_of)
+    return _reduction(args, kwargs, out, layout_of)
+
+
 def _reshaped(lay: Layout, before: Sequence[int], after: Sequence[int], batch: int) -> Layout:
     """The layout of a tensor of shape ``before`` viewed as ``after`` (row-major)."""
     inner = lay.inner * math.prod(before[lay.dim + 1 :])

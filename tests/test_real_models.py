@@ -340,6 +340,28 @@ def test_gpt2_lora_adapter():
         check_model(model, text(3, 5), lm_loss, 3, reduction)
 
 
+def xglm():
+    cfg = transformers.XGLMConfig(vocab_size=V, d_model=16, num_layers=2, attention_heads=2,
+                                  ffn_dim=24, max_position_embeddings=32, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)  # fmt: skip
+    return transformers.XGLMForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(("size", "seq"), [(3, 5), (4, 4)])
+def test_xglm(size, seq):
+    """XGLM clamps its attention scores with ``torch.max(scores, 0-d tensor)``: elementwise, not
+    a reduction over the batch. (Its clamp value is made in the default dtype: float64 here.)"""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(D)
+    try:
+        torch.manual_seed(0)
+        model = xglm()
+        for reduction in ("sum", "mean"):
+            check_model(model, text(size, seq), lm_loss, size, reduction)
+    finally:
+        torch.set_default_dtype(old)
+
+
 def test_llama_boft_adapter():
     """Llama with a PEFT BOFT adapter (orthogonal butterfly factors built from the adapter's
     parameters alone, cast with ``.to(x)`` like the batch, multiplied into it): every adapter

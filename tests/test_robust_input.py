@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.layout import MIXED, Layout, Tracker
 from gradhooks.oracle import vmap_grad
 from harness import assert_close
 
@@ -906,3 +907,68 @@ def test_zero_dim_parameter_times_logits_across_the_batch_is_refused():
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         with pytest.raises(RuntimeError, match=r"LogitsOnly: its output \(\(3, 3\)\) mixes the 3"):
             model(x)
+
+
+# -- max and min: elementwise of two tensors, a reduction along a dimension ----------------------
+
+
+def layout_after(fn, x, layout, *args, **kwargs):
+    """The layout the tracker gives ``fn(x, *args, **kwargs)`` (its first tensor), ``x``
+    having ``layout``."""
+    tracker = Tracker(x.shape[layout.dim], {})
+    tracker.set_layout(x, layout)
+    with tracker:
+        out = fn(x, *args, **kwargs)
+    return tracker.layout(out[0] if isinstance(out, tuple) else out)
+
+
+LIKE_THE_INPUT = {
+    "max(x, 0-d)": lambda x: torch.max(x, torch.tensor(-0.5, dtype=D)),
+    "min(x, other=row)": lambda x: torch.min(x, other=torch.zeros(x.shape[-1], dtype=D)),
+    "x.max(x.flip(-1))": lambda x: x.max(x.flip(-1)),
+    "max(0-d, x)": lambda x: torch.max(torch.tensor(0.1, dtype=D), x),
+}
+
+
+@pytest.mark.parametrize("how", list(LIKE_THE_INPUT))
+@pytest.mark.parametrize("layout", [Layout(0), Layout(1)], ids=["batch-first", "batch-second"])
+def test_max_min_of_two_tensors_is_elementwise(how, layout):
+    x = torch.randn(3, 4, 5, dtype=D, requires_grad=True)
+    assert layout_after(LIKE_THE_INPUT[how], x, layout) == layout
+
+
+def test_max_min_along_a_dimension_is_a_reduction_along_it():
+    x = torch.randn(3, 4, 5, dtype=D, requires_grad=True)
+    for fn in (torch.max, torch.min, torch.amax, torch.Tensor.max):
+        assert layout_after(fn, x, Layout(0), 2) == Layout(0)
+        assert layout_after(fn, x, Layout(1), 0) == Layout(0)
+        assert layout_after(fn, x, Layout(1), -1, keepdim=True) == Layout(1)
+        assert layout_after(fn, x, Layout(2), dim=1) == Layout(1)
+        assert layout_after(fn, x, Layout(0), 0) is MIXED
+    assert layout_after(lambda x: x.max(dim=1).indices, x, Layout(0)) == Layout(0)
+    assert layout_after(torch.max, x, Layout(0)) is MIXED
+    assert layout_after(lambda x: x.min(), x, Layout(1)) is MIXED
+
+
+class Clamped(nn.Module):
+    """Elementwise max and min with a 0-d tensor (XGLM's clamp of its attention scores), and a
+    max over the sequence (pooling), between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.max(self.a(x), torch.tensor(-0.5, dtype=x.dtype))
+        h = h.min(torch.tensor(0.8, dtype=x.dtype))
+        return self.b(h.max(dim=1).values)
+
+
+def test_max_min_between_layers_match_the_oracle():
+    torch.manual_seed(0)
+    model = Clamped().double()
+    x = torch.randn(5, 6, 4, dtype=D)
+    want = vmap_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, "clamped")
