@@ -978,6 +978,17 @@ class Hooks:
                 "the examples apart in the forward (detach what is computed from the whole "
                 "batch, or compute it outside the model), or freeze this layer's parameters."
             )
+        if first is PACKED:
+            whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
+            if not any(isinstance(a, PackedSequence) for a in whole[0]):
+                raise RuntimeError(
+                    f"{where}: its input ({_shapes(args, kwargs)}) is the data of a "
+                    "PackedSequence, or part of it (the examples' time steps packed together, "
+                    "longest sequences first), taken out of the PackedSequence, so its rows are "
+                    "not one example each and its rule cannot tell which example each belongs "
+                    "to. Give the layer the PackedSequence itself (a recurrent layer), or the "
+                    "padded batch (pad_packed_sequence), or freeze its parameters."
+                )
         moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
                       and t in tracker.reordered), None)  # fmt: skip
         if moved is not None:

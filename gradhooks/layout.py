@@ -1433,6 +1433,12 @@ class Tracker(TorchFunctionMode):
             met = {*lays, *(self.layouts.get(t) for t in tensors)}
             if _is_inplace(name):
                 why = f"the in-place '{name}' writes the batch into a tensor derived from it"
+            elif PACKED in met:
+                why = (
+                    f"'{name}' combines it with the data of a PackedSequence (the examples' "
+                    "time steps packed together), whose rows gradhooks follows only into the "
+                    "recurrent layers it has rules for"
+                )
             elif MIXED in met:
                 why = (
                     f"'{name}' combines it with a tensor whose entries depend on several "
