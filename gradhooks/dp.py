@@ -153,8 +153,9 @@ def _clipped_sums(
     wrt = [hooks._current.get(id(p), p) for p in params]
     hooks.clear()
     if method == "grad1":
-        torch.autograd.grad(loss, wrt, allow_unused=True)
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         grads1 = [getattr(p, "grad1", None) if id(p) in hooks._written else None for p in params]
+        _check_captured(hooks, params, grads, [g is not None for g in grads1])
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
             if g is not None:
@@ -169,10 +170,11 @@ def _clipped_sums(
         kept = hooks._collector.keep = []
         hooks._no_param_grads = True  # this backward's own parameter gradients are not used
         try:
-            torch.autograd.grad(loss, wrt, allow_unused=True)
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         finally:
             hooks._collector.keep = None
             hooks._no_param_grads = False
+        _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         factors = clip_factors(norms, max_norm).detach()
         sums: dict[int, Tensor] = {}
@@ -183,7 +185,8 @@ def _clipped_sums(
         del kept
         clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
     else:
-        torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True)
+        _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
@@ -193,6 +196,31 @@ def _clipped_sums(
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     return norms, clipped
+
+
+def _has_norm(hooks: Hooks, p: Tensor) -> bool:
+    """Whether the last backward captured ``p``'s per-example norms."""
+    return hooks._collector.names.get(id(p)) in hooks._collector.param_sq_norms
+
+
+def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[bool]) -> None:
+    """Refuses a step where the backward computed a parameter's gradient but captured no
+    per-example gradient of it: it would be left out of the clipping (the step would give it
+    zero, or noise alone), and the model would silently not train it."""
+    names = {id(p): n for n, p in hooks.model.named_parameters()}
+    lost = [
+        f"'{names.get(id(p), '?')}'"
+        for p, g, ok in zip(params, grads, captured, strict=True)
+        if g is not None and not ok
+    ]
+    if lost:
+        more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+        raise RuntimeError(
+            f"dp_sgd_step: the backward computed the gradient of {', '.join(lost[:5])}{more} "
+            "but gradhooks captured no per-example gradient for them, so they cannot be "
+            "clipped (the step would give them zero, or noise alone). Run the forward after "
+            "add_hooks, with capture on; a warning of the backward says more."
+        )
 
 
 def _zeros(p: Tensor) -> Tensor:

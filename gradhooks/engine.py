@@ -115,6 +115,9 @@ class _Backward:
     computed: set[int]  # ids of parameters whose gradient this backward computes
     before: dict[int, Tensor | None]  # grad1 before this backward first wrote it (rollback)
     missed: list[str]  # parameters it computed without a captured call
+    # parameters it reached through their direct uses in a followed forward: (id) -> (sources,
+    # the operations whose effect on the batch that forward did not know)
+    direct: dict[int, tuple[set, dict]] = field(default_factory=dict)
     memory_checked: bool = False
     derived: str | None = None  # a call it reached through an earlier create_graph backward
     pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
@@ -996,6 +999,17 @@ class Hooks:
                 "the examples apart in the forward (detach what is computed from the whole "
                 "batch, or compute it outside the model), or freeze this layer's parameters."
             )
+        if first is PACKED:
+            whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
+            if not any(isinstance(a, PackedSequence) for a in whole[0]):
+                raise RuntimeError(
+                    f"{where}: its input ({_shapes(args, kwargs)}) is the data of a "
+                    "PackedSequence, or part of it (the examples' time steps packed together, "
+                    "longest sequences first), taken out of the PackedSequence, so its rows are "
+                    "not one example each and its rule cannot tell which example each belongs "
+                    "to. Give the layer the PackedSequence itself (a recurrent layer), or the "
+                    "padded batch (pad_packed_sequence), or freeze its parameters."
+                )
         moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
                       and t in tracker.reordered), None)  # fmt: skip
         if moved is not None:
@@ -1678,9 +1692,45 @@ class Hooks:
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
             if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+                if pid in bw.direct:
+                    self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
 
         return hook
+
+    def _direct_reached(self, held: tuple, unknown: dict) -> None:
+        """The backward passes through an operation of a followed forward that used these
+        parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
+        if self._rerunning or self._removed or self._ignore_backward or not self._track:
+            return
+        if not (_GLOBALLY_ENABLED[0] and self._capturing_backward()):
+            return
+        bw = self._backward_state()
+        for pid, source in held:
+            sources, _ = bw.direct.setdefault(pid, (set(), unknown))
+            sources.add(source)
+
+    def _lost(self, pid: int, name: str, sources: set, unknown: dict) -> None:
+        """A parameter used directly in a followed forward whose gradient this backward computed
+        with no per-example gradient at all: never left without one in silence."""
+        uses = {kind for s in sources for kind, _ in s.uses}
+        if "loss" in uses and not self.verify:
+            return  # (a term of the loss alone: verify=False keeps the per-example terms)
+        ops = ", ".join(unknown)
+        self._abort_backward()
+        raise RuntimeError(
+            f"'{name}' is used outside its module's call, and this backward computed its "
+            "gradient, but no per-example gradient reached it: "
+            + (
+                f"gradhooks lost the examples on the way (through {ops}, whose effect on the "
+                "batch it does not know)"
+                if ops
+                else "its gradient never met the batch where gradhooks could follow it (a "
+                "term of the loss computed from the parameter alone?)"
+            )
+            + ". Its grad1 was not written. Use the parameter through a module with a rule "
+            "(or register one with @gradhooks.register), or freeze it."
+        )
 
     def _direct_uses(self, pid: int, name: str) -> None:
         """A parameter's gradient is complete: its per-example gradients from its uses outside

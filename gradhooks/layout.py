@@ -309,6 +309,15 @@ def _reduction(args, kwargs, out, layout_of):
     return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
 
 
+@_handles("max", "min")
+def _max_min(args, kwargs, out, layout_of):
+    """``max(a, b)`` and ``min(a, b)`` of two tensors are elementwise (``torch.maximum``, as
+    XGLM clamps its attention scores with a 0-d tensor); with a ``dim``, or none, a reduction."""
+    if isinstance(_arg(args, kwargs, 1, "other"), Tensor):
+        return _pointwise(args, kwargs, out, layout_of)
+    return _reduction(args, kwargs, out, layout_of)
+
+
 def _reshaped(lay: Layout, before: Sequence[int], after: Sequence[int], batch: int) -> Layout:
     """The layout of a tensor of shape ``before`` viewed as ``after`` (row-major)."""
     inner = lay.inner * math.prod(before[lay.dim + 1 :])
@@ -1023,6 +1032,18 @@ _FREE = """arange range zeros ones full empty eye linspace logspace rand randn r
     empty_strided scalar_tensor""".split()
 _HANDLERS.update({n: (lambda *a: None) for n in _FREE})
 
+# operations that read only the dtype and device, or the shape, of their tensor arguments after
+# the first (``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``): their result holds the first
+# argument's values alone, so a batch in the others is not the result's
+_LIKE = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def _data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments whose values ``name`` computes with: for :data:`_LIKE`, the first alone."""
+    if name in _LIKE and args and isinstance(args[0], Tensor):
+        return args[:1], {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)}
+    return args, kwargs
+
 
 def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
@@ -1201,6 +1222,8 @@ class Tracker(TorchFunctionMode):
         tensors = _tensors(args, kwargs)
         if not tensors:
             return func(*args, **kwargs)
+        if len(tensors) > 1 and _name(func) in _LIKE:
+            tensors = _tensors(*_data_args(_name(func), args, kwargs))
         layouts, sources, direct = [], set(), []
         for t in tensors:
             lay = self.layouts.get(t)
@@ -1227,11 +1250,14 @@ class Tracker(TorchFunctionMode):
                 self._propagate(name, args, kwargs, out)
                 return out
             if layouts:
-                return self._meeting(func, name, args, kwargs, tensors, direct)
+                out = self._meeting(func, name, args, kwargs, tensors, direct)
+                self._hold(direct, args, out)
+                return out
             for p in direct:
                 sources.add(self._param_source(p))
             if True:  # batch-free: the sources flow on
                 out = func(*args, **kwargs)
+                self._hold(direct, args, out)
                 frozen = frozenset(sources)
                 outs = _out_tensors(out)
                 if not outs and _is_inplace(name) and isinstance(args[0], Tensor):
@@ -1251,6 +1277,35 @@ class Tracker(TorchFunctionMode):
             if pid in self.covered[i]:
                 return i
         return None
+
+    def _hold(self, direct: list[Tensor], args: tuple, out: Any) -> None:
+        """An operation used parameters directly (``direct``): their sources are tied to the
+        autograd node of its output, so that they live as long as the graph through it (a
+        problem found on the way is reported at the backward, never dropped with the tracker),
+        and a backward that passes through it tells the engine that these parameters'
+        gradients come from a forward the tracker followed (:meth:`Hooks._direct_reached`)."""
+        if not direct or self.engine is None:
+            return
+        outs = _out_tensors(out) or [a for a in args[:1] if isinstance(a, Tensor)]
+        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if node is None:
+            return
+        held = []
+        for p in direct:
+            s = self._found_source(p)
+            if s is not None:
+                held.append((id(p), s))
+        if held:
+            engine, unknown = self.engine, self.unknown
+            node.register_prehook(
+                lambda grad_outputs, held=tuple(held): engine._direct_reached(held, unknown)
+            )
+
+    def _found_source(self, p: Tensor) -> Source | None:
+        """The source of ``p``'s direct uses made so far, if any (:meth:`_param_source`)."""
+        where = self._covering(id(p))
+        table = self.used[where].sources if where is not None else self.param_sources
+        return table.get(id(p))
 
     def _param_source(self, p: Tensor) -> Source:
         """The source of ``p``'s direct uses: one per forward, or, inside a module without a
@@ -1274,6 +1329,7 @@ class Tracker(TorchFunctionMode):
         return self.layouts.get(t) if isinstance(t, Tensor) else None
 
     def _propagate(self, name: str, args, kwargs, out) -> None:
+        args, kwargs = _data_args(name, args, kwargs)
         outs = _out_tensors(out)
         if not outs and _is_inplace(name) and args and isinstance(args[0], Tensor):
             outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
@@ -1399,12 +1455,27 @@ class Tracker(TorchFunctionMode):
             for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
                 s.uses.append(("loss", name))  # decay): no example's; not delivered
             return out
-        if any(lay is None or lay is UNKNOWN for lay in lays) or _is_inplace(name):
-            why = (
-                f"'{name}' combines it with the batch in a way gradhooks cannot follow"
-                if not _is_inplace(name)
-                else f"the in-place '{name}' writes the batch into a tensor derived from it"
-            )
+        if any(lay is None or lay.dim < 0 for lay in lays) or _is_inplace(name):
+            met = {*lays, *(self.layouts.get(t) for t in tensors)}
+            if _is_inplace(name):
+                why = f"the in-place '{name}' writes the batch into a tensor derived from it"
+            elif PACKED in met:
+                why = (
+                    f"'{name}' combines it with the data of a PackedSequence (the examples' "
+                    "time steps packed together), whose rows gradhooks follows only into the "
+                    "recurrent layers it has rules for"
+                )
+            elif MIXED in met:
+                why = (
+                    f"'{name}' combines it with a tensor whose entries depend on several "
+                    f"examples at once ({', '.join(self.mixed) or name}), so the examples' shares "
+                    "of its gradient do not exist"
+                )
+            else:
+                lost = ", ".join(self.unknown)
+                why = f"'{name}' combines it with the batch in a way gradhooks cannot follow" + (
+                    f" (the batch was lost before it, through {lost})" if lost else ""
+                )
             for s in set().union(*srcs.values()):
                 s.problem = s.problem or why
             return out
@@ -1452,8 +1523,8 @@ class Tracker(TorchFunctionMode):
         if name not in _EXPANDABLE or not tainted or _torch.saved_tensor_hooks_active():
             return None  # (checkpointed: the expanded operand would be saved in its place)
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
-        if not others or any(self.layouts[t] is UNKNOWN for t in others):
-            return None
+        if not others or any(self.layouts[t].dim < 0 for t in others):
+            return None  # (unknown, packed or mixed: no batch dimension to expand along)
         if _is_inplace(name) and any(args and t is args[0] for t in tainted):
             return None  # the batch written into a batch-free tensor
         try:
@@ -1527,8 +1598,8 @@ class Tracker(TorchFunctionMode):
             if found is None or x is None:
                 return None
             lay = self.layouts[x]
-            if lay is UNKNOWN or t.shape[lay.dim] != x.shape[lay.dim]:
-                return None
+            if lay.dim < 0 or t.shape[lay.dim] != x.shape[lay.dim]:
+                return None  # (unknown, packed or mixed: no batch dimension to take rows of)
             if name in ("cat", "concat", "concatenate"):
                 dim = _arg(args, kwargs, 1, "dim", 0)
                 if _norm_dim(dim, t.dim()) == lay.dim:

@@ -340,6 +340,59 @@ def test_gpt2_lora_adapter():
         check_model(model, text(3, 5), lm_loss, 3, reduction)
 
 
+def xglm():
+    cfg = transformers.XGLMConfig(vocab_size=V, d_model=16, num_layers=2, attention_heads=2,
+                                  ffn_dim=24, max_position_embeddings=32, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)  # fmt: skip
+    return transformers.XGLMForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(("size", "seq"), [(3, 5), (4, 4)])
+def test_xglm(size, seq):
+    """XGLM clamps its attention scores with ``torch.max(scores, 0-d tensor)``: elementwise, not
+    a reduction over the batch. (Its clamp value is made in the default dtype: float64 here.)"""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(D)
+    try:
+        torch.manual_seed(0)
+        model = xglm()
+        for reduction in ("sum", "mean"):
+            check_model(model, text(size, seq), lm_loss, size, reduction)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_llama_boft_adapter():
+    """Llama with a PEFT BOFT adapter (orthogonal butterfly factors built from the adapter's
+    parameters alone, cast with ``.to(x)`` like the batch, multiplied into it): every adapter
+    parameter gets its per-example gradient, and a DP step clips each example's own norm."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (peft: no CUDA extension for its block-diagonal kernel)
+        config = peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"],
+                                 boft_dropout=0.0)  # fmt: skip
+        model = peft.get_peft_model(llama(), config).double()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("boft_" in n for n in trainable)
+    with torch.no_grad():  # (initialized to the identity rotation: move off it)
+        for p in trainable.values():
+            p.add_(0.1 * torch.randn_like(p))
+    batch = text(3, 5)
+    for reduction in ("sum", "mean"):
+        check_model(model, batch, lm_loss, 3, reduction)
+    want = loop_oracle(model, batch, lm_loss, 3)
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(model) as h:
+        logits = model(input_ids=batch["input_ids"]).logits
+        losses = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").sum(1)
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=1e6, noise_multiplier=0.0, reduction="sum")
+    close(got, norms, "per-example norms")
+    for n, p in trainable.items():
+        close(p.grad, want[n].sum(0), f"{n}: clipped sum")
+
+
 @pytest.mark.parametrize("method", ["prefix", "prompt"])
 def test_gpt2_prefix_and_prompt_tuning(method):
     """PEFT prefix tuning (virtual keys and values concatenated in front of every layer's, by

@@ -257,6 +257,78 @@ def test_packed_every_mode(kind, reduction):
     check_packed(Case(f"{kind} packed", model, inputs, loss=_loss("all")), 4, reduction)
 
 
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_packed_sequences_of_one_step(kind, enforce_sorted):
+    """Every sequence of length 1 (``T = 1``): the packed data is ``[batch, in]``, one row per
+    example (in the order of their lengths)."""
+
+    def inputs(b):
+        return (torch.randn(b, 1, 2), torch.ones(b, dtype=torch.long))
+
+    model = lambda: BatchFirst(  # noqa: E731
+        TYPES[kind](2, 3, bidirectional=True, batch_first=True), packed=True,
+        enforce_sorted=enforce_sorted,
+    )  # fmt: skip
+    for reduction in ("sum", "mean"):
+        check_packed(Case(f"{kind} packed T=1", model, inputs, loss=_loss("all")), 3, reduction)
+
+
+class StepByStep(nn.Module):
+    """A recurrent layer written in Python (as Opacus's DPLSTM is) over a PackedSequence: its
+    own linear layers called on the packed data, one time step's rows at a time."""
+
+    def __init__(self, ih=True):
+        super().__init__()
+        self.ih, self.hh = nn.Linear(2, 3) if ih else nn.Identity(), nn.Linear(3, 3)
+
+    def forward(self, packed):
+        data, sizes = packed.data, packed.batch_sizes.tolist()
+        h = torch.zeros(sizes[0], 3, dtype=data.dtype)
+        outs, start = [], 0
+        for n in sizes:
+            h = torch.tanh(self.ih(data[start : start + n]) + self.hh(h[:n]))
+            outs.append(h)
+            start += n
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("time", [1, 3])
+def test_layer_on_the_data_of_a_packed_sequence_is_refused(time):
+    """A layer called on rows of a PackedSequence's data: they are the examples' time steps in
+    the order of their lengths, not one example each (also for ``T = 1``, where there are as many
+    rows as examples). Refused at the forward, naming the layer."""
+    torch.manual_seed(0)
+    model = StepByStep().double()
+    x = torch.randn(3, time, 2, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'ih' \(Linear\): its input \(\(3, 2\)\) is the "
+                           "data of a PackedSequence"):  # fmt: skip
+            model(packed)
+    # without the layer on the data: the first state (zeros, the same for every example) meets
+    # it after 'hh', whose share of each example's gradient cannot be told: the backward says so
+    model = StepByStep(ih=False).double()
+    x = torch.randn(3, time, 3, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out = model(packed)
+        with pytest.raises(RuntimeError, match=r"'hh' \(Linear\): its inputs do not depend on "
+                           r"the examples.*the data of a PackedSequence"):  # fmt: skip
+            out.pow(2).sum().backward()
+
+
+def test_opacus_rnn_on_packed_sequences_of_one_step_is_refused():
+    layers = pytest.importorskip("opacus.layers", reason="needs opacus")
+    torch.manual_seed(0)
+    rnn = layers.DPLSTM(5, 9, num_layers=1, batch_first=True, bias=False).double()
+    x = torch.randn(2, 1, 5, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([1, 1]), batch_first=True)
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'l0\.ih' \(RNNLinear\).*PackedSequence"):
+            rnn(packed)
+
+
 @pytest.mark.parametrize("kind", sorted(TYPES))
 def test_pre_activation_gradients_match_autograd(kind):
     """The hand-written backward through time against autograd through the module itself: the

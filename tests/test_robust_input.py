@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.layout import MIXED, Layout, Tracker
 from gradhooks.oracle import vmap_grad
 from harness import assert_close
 
@@ -771,3 +772,244 @@ def test_weight_norm_old_and_new(style, layer):
         with gradhooks.add_hooks(model, batch_dim=None, loss_reduction="sum"):
             with pytest.raises(RuntimeError, match=r"'weight_g'.*parametrizations.weight_norm"):
                 sq(model(x)).backward()
+
+
+# -- parameters used outside their modules' calls: followed, or refused, never left out ---------
+
+
+class Adapter(nn.Module):
+    """A frozen layer and an adapter parameter held in a ParameterDict (never called itself), made
+    into a matrix that multiplies the batch: ``how`` makes it like the batch, or loses the batch."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.base = how, nn.Linear(4, 4).requires_grad_(False)
+        self.r = nn.ParameterDict({"a": nn.Parameter(0.3 * torch.randn(4, 4))})
+        self.register_buffer("perm", torch.eye(4)[[1, 0, 3, 2]])
+
+    def forward(self, x):
+        h, r = self.base(x), self.r["a"]
+        if self.how == "to":
+            m = r.to(x) @ self.perm.to(x)  # (dtype and device like the batch)
+        elif self.how == "type_as":
+            m = r.type_as(h) @ self.perm.type_as(h)
+        elif self.how == "view_as":
+            m = r.reshape(-1).view_as(torch.empty(4, 4)).reshape_as(self.perm)
+        elif self.how == "expand_as":
+            return h * r[0].expand_as(h)
+        else:  # the batch lost (an operation gradhooks does not know), then met
+            return h.fliplr() @ r
+        return h @ m
+
+
+@pytest.mark.parametrize("how", ["to", "type_as", "view_as", "expand_as"])
+def test_parameter_cast_like_the_batch(how):
+    """``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``, ``w.expand_as(x)`` take only the dtype,
+    device or shape of the batch ``x``: the result holds ``w``'s values, the same for every
+    example, and its per-example gradient is followed to where it meets the batch."""
+    torch.manual_seed(0)
+    model = Adapter(how).double()
+    x = torch.randn(5, 4, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert list(want) == ["r.a"]
+    assert_close(model.r.a.grad1, want["r.a"], how)
+
+
+def test_parameter_whose_batch_is_lost_is_refused_at_the_backward():
+    """A parameter used directly that meets a batch gradhooks lost the track of: the backward
+    raises naming it and the operation, writes no grad1, and a DP step refuses too (it would
+    clip the other parameters and leave this one untrained)."""
+    torch.manual_seed(0)
+    model = Adapter("lost").double()
+    x = torch.randn(5, 4, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        with pytest.raises(RuntimeError, match=r"'r\.a' is used outside.*through fliplr"):
+            sq(model(x)).backward()
+        assert not hasattr(model.r.a, "grad1")
+        h.clear()
+        with pytest.raises(RuntimeError, match=r"'r\.a' is used outside.*through fliplr"):
+            gradhooks.dp_sgd_step(h, sq_rows(model(x)), max_norm=1.0, noise_multiplier=0.0)
+
+
+class Penalized(nn.Module):
+    """A parameter held outside any called module, whose only use is a penalty the model
+    returns: its gradient is no example's."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(3, 2).requires_grad_(False)
+        self.extra = nn.ParameterDict({"a": nn.Parameter(torch.randn(2))})
+
+    def forward(self, x):
+        return self.base(x), self.extra["a"].pow(2).sum()
+
+
+def test_parameter_whose_gradient_never_meets_the_batch_is_refused():
+    torch.manual_seed(0)
+    model = Penalized().double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out, penalty = model(torch.randn(4, 3, dtype=D))
+        with pytest.raises(RuntimeError, match=r"'extra\.a' is used outside.*never met the batch"):
+            (sq(out) + penalty).backward()
+    assert not hasattr(model.extra.a, "grad1")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_step_refuses_a_parameter_without_per_example_gradients(method):
+    """The forward run before add_hooks: the backward computes every gradient but captures none;
+    the DP step refuses, naming the parameters, rather than clip nothing and step on zeros."""
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    losses = sq_rows(model(x))
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gradhooks.GradhooksWarning)
+            with pytest.raises(RuntimeError, match=r"dp_sgd_step: .*'0\.weight', '0\.bias'"):
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+
+
+# -- a 0-d parameter (a temperature, CLIP's logit_scale) times the batch ---------------------------
+
+
+class Temperature(nn.Module):
+    """Holds a 0-d parameter that its parent uses (never called itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+
+class Scaled(nn.Module):
+    """``tanh(a(x)) · exp(s)`` with ``s`` 0-d: the model's own parameter (``root``), or a
+    submodule's that the model uses directly (``held``). With ``logits``, CLIP's: the scale
+    multiplies ``v @ u.T``, ``[B, B]``, whose entries each depend on two examples."""
+
+    def __init__(self, where, logits=False):
+        super().__init__()
+        self.where, self.logits = where, logits
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        if where == "root":
+            self.scale = nn.Parameter(torch.tensor(0.7))
+        else:
+            self.temperature = Temperature()
+
+    def forward(self, x):
+        s = self.scale if self.where == "root" else self.temperature.scale
+        if not self.logits:
+            return self.b(torch.tanh(self.a(x))) * s.exp()
+        u, v = self.a(x), self.b(x)
+        return v @ u.T * s.exp(), u, v
+
+
+@pytest.mark.parametrize("where", ["root", "held"])
+def test_zero_dim_parameter_times_the_batch(where):
+    torch.manual_seed(0)
+    model = Scaled(where).double()
+    x = torch.randn(5, 3, 4, dtype=D)
+    want = vmap_grad(model, sq, x)
+    for reduction in ("sum", "mean"):
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            loss = sq(model(x))
+            (loss if reduction == "sum" else loss / 5).backward()
+        assert_matches(model, want, f"{where} {reduction}")
+        gradhooks.clear_grad1(model)
+
+
+def test_zero_dim_parameter_times_logits_across_the_batch_is_refused():
+    """CLIP's logits ``[B, B]`` times ``exp(logit_scale)``: each entry depends on two examples,
+    so the scale has no per-example gradient. Refused, naming the parameter or the module, as
+    the model returns the logits alone or with per-example outputs."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=D)
+    model = Scaled("held", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        logits, u, v = model(x)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'temperature\.scale' is used outside.*'mul' combines it with a tensor whose "
+            r"entries depend on several examples at once \(matmul\)",
+        ):
+            logits.diagonal().sum().backward()
+    assert not hasattr(model.temperature.scale, "grad1")
+    model = Scaled("root", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        logits, u, v = model(x)
+        with pytest.raises(ValueError, match=r"fallback for '<model>' \(Scaled\).*\(3, 3\)"):
+            logits.diagonal().sum().backward()
+
+    class LogitsOnly(Scaled):
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    model = LogitsOnly("root", logits=True).double()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"LogitsOnly: its output \(\(3, 3\)\) mixes the 3"):
+            model(x)
+
+
+# -- max and min: elementwise of two tensors, a reduction along a dimension ----------------------
+
+
+def layout_after(fn, x, layout, *args, **kwargs):
+    """The layout the tracker gives ``fn(x, *args, **kwargs)`` (its first tensor), ``x``
+    having ``layout``."""
+    tracker = Tracker(x.shape[layout.dim], {})
+    tracker.set_layout(x, layout)
+    with tracker:
+        out = fn(x, *args, **kwargs)
+    return tracker.layout(out[0] if isinstance(out, tuple) else out)
+
+
+LIKE_THE_INPUT = {
+    "max(x, 0-d)": lambda x: torch.max(x, torch.tensor(-0.5, dtype=D)),
+    "min(x, other=row)": lambda x: torch.min(x, other=torch.zeros(x.shape[-1], dtype=D)),
+    "x.max(x.flip(-1))": lambda x: x.max(x.flip(-1)),
+    "max(0-d, x)": lambda x: torch.max(torch.tensor(0.1, dtype=D), x),
+}
+
+
+@pytest.mark.parametrize("how", list(LIKE_THE_INPUT))
+@pytest.mark.parametrize("layout", [Layout(0), Layout(1)], ids=["batch-first", "batch-second"])
+def test_max_min_of_two_tensors_is_elementwise(how, layout):
+    x = torch.randn(3, 4, 5, dtype=D, requires_grad=True)
+    assert layout_after(LIKE_THE_INPUT[how], x, layout) == layout
+
+
+def test_max_min_along_a_dimension_is_a_reduction_along_it():
+    x = torch.randn(3, 4, 5, dtype=D, requires_grad=True)
+    for fn in (torch.max, torch.min, torch.amax, torch.Tensor.max):
+        assert layout_after(fn, x, Layout(0), 2) == Layout(0)
+        assert layout_after(fn, x, Layout(1), 0) == Layout(0)
+        assert layout_after(fn, x, Layout(1), -1, keepdim=True) == Layout(1)
+        assert layout_after(fn, x, Layout(2), dim=1) == Layout(1)
+        assert layout_after(fn, x, Layout(0), 0) is MIXED
+    assert layout_after(lambda x: x.max(dim=1).indices, x, Layout(0)) == Layout(0)
+    assert layout_after(torch.max, x, Layout(0)) is MIXED
+    assert layout_after(lambda x: x.min(), x, Layout(1)) is MIXED
+
+
+class Clamped(nn.Module):
+    """Elementwise max and min with a 0-d tensor (XGLM's clamp of its attention scores), and a
+    max over the sequence (pooling), between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.max(self.a(x), torch.tensor(-0.5, dtype=x.dtype))
+        h = h.min(torch.tensor(0.8, dtype=x.dtype))
+        return self.b(h.max(dim=1).values)
+
+
+def test_max_min_between_layers_match_the_oracle():
+    torch.manual_seed(0)
+    model = Clamped().double()
+    x = torch.randn(5, 6, 4, dtype=D)
+    want = vmap_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, "clamped")
