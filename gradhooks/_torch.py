@@ -76,6 +76,11 @@ Required (no fallback; :func:`require` refuses without them):
   the class ``fully_shard`` gives a module, public as ``torch.distributed.fsdp.FSDPModule``
   from torch 2.6; read under the private name before. Without either, no module is taken as
   sharded by FSDP2.
+- ``op_schema``: an aten operator's ``OpOverload._schema`` (:func:`dim_arguments`), the names of
+  its arguments: the tracker reads which dimension an operation it has no handler for works
+  along, passed by position (``torch.fft.fft(h, None, 0)``), and refuses one along the batch.
+  Fallback: every integer passed by position is taken as a dimension (more refusals, none
+  missed).
 - ``pytree``: ``torch.utils._pytree`` (:func:`tree_flatten`, :func:`tree_unflatten`,
   :func:`tree_map`): the tensors in a call's arguments and outputs, containers registered with
   torch included (a Hugging Face ``ModelOutput``).
@@ -84,6 +89,7 @@ Required (no fallback; :func:`require` refuses without them):
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -100,6 +106,7 @@ __all__ = [
     "available",
     "batched_backwards",
     "conv_padding",
+    "dim_arguments",
     "disabled",
     "first_forward_hook",
     "fsdp_module_class",
@@ -188,6 +195,11 @@ INTERNALS: dict[str, Internal] = {
             "computed from padding, kernel_size and dilation",
         ),
         Internal("is_view", "Tensor._is_view", "every hooked output gets a node of its own"),
+        Internal(
+            "op_schema",
+            "OpOverload._schema (an aten operator's argument names)",
+            "every integer passed by position is taken as a dimension",
+        ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
             "backward_callback",
@@ -661,3 +673,39 @@ def fsdp_module_class() -> type | tuple:
         except ImportError:
             return ()
     return FSDPModule
+
+
+# -- op_schema --------------------------------------------------------------------------------
+
+_DIM_NAMES = ("dim", "dims", "axis")
+_lookup("op_schema", lambda: torch.ops.aten.sum.default._schema.arguments)
+
+
+@functools.cache
+def _argument_names(name: str) -> tuple[tuple[str, ...], ...]:
+    """The argument names of every overload of ``aten::name`` (none where there is no such
+    operator)."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+        return tuple(
+            tuple(a.name for a in getattr(packet, o)._schema.arguments) for o in packet.overloads()
+        )
+    except Exception:
+        return ()
+
+
+def dim_arguments(name: str, args: tuple, kwargs: dict) -> list[int]:
+    """The dimensions torch function ``name`` is called to work along: its arguments named
+    ``dim``, ``dims`` or ``axis``, by keyword, or by position where an overload of the aten
+    operator of that name puts one there."""
+    found = [kwargs[k] for k in _DIM_NAMES if kwargs.get(k) is not None]
+    if available("op_schema"):
+        for names in _argument_names(name):
+            found += [a for n, a in zip(names, args) if n in _DIM_NAMES and a is not None]
+    else:  # (every integer passed by position might be one: more refusals, none missed)
+        found += [a for a in args if isinstance(a, (int, list, tuple))]
+    dims: list[int] = []
+    for d in found:
+        items = d if isinstance(d, (list, tuple)) else [d]
+        dims += [int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)]
+    return list(dict.fromkeys(dims))

@@ -456,6 +456,9 @@ MIXING = {
     # they were, so what mixes them there next is seen
     "fft-then-roll": lambda h: (lambda u: u + torch.roll(u, 1, 0))(spectral(h)),
     "fft-then-mean": lambda h: (lambda u: u - u.mean(0))(spectral(h)),
+    # an operation without a handler along the batch, its dimension by keyword or position
+    "fft-along-batch": lambda h: torch.fft.fft(h, dim=0).real,
+    "fft-along-batch-positional": lambda h: torch.fft.fft(h, None, 0).real,
     "cat-attention": lambda h: (
         torch.softmax(h @ torch.cat([h, h[:1].detach() * 0]).T, -1)
         @ torch.cat([h, h[:1].detach() * 0])

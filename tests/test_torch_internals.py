@@ -411,6 +411,42 @@ def test_conv_padding(make):
     check_both_ways("conv_padding", model, x)
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_op_schema(off):
+    """The dimension of an operation the tracker has no handler for, passed by position
+    (``torch.fft.fft(h, None, 0)``, along the batch): refused either way; along the features,
+    by keyword or not at all, each example's own gradient either way."""
+    assert _torch.dim_arguments("fft_fft", (torch.zeros(2), None, 0), {}) == [0]
+    with switched_off("op_schema", off):
+        for along in (
+            lambda h: torch.fft.fft(h, None, 0).real,
+            lambda h: torch.fft.fft(h, 2, 0).real,
+        ):
+            model = Between(along)
+            with gradhooks.add_hooks(model, loss_reduction="sum"):
+                with pytest.raises(RuntimeError, match="computed across the examples"):
+                    model(torch.randn(4, 3, dtype=torch.float64))
+        for along in (lambda h: torch.fft.fft(h, dim=1).real, lambda h: torch.fft.fft(h).real):
+            model = Between(along)
+            x = torch.randn(4, 3, dtype=torch.float64)
+            want = vmap_grad(model, sum_of_squares, x)
+            with gradhooks.add_hooks(model, loss_reduction="sum"):
+                sum_of_squares(model(x)).backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], n)
+
+
+class Between(nn.Module):
+    """Two layers with ``how`` between them."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.l1, self.l2 = how, nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.l2(self.how(torch.tanh(self.l1(x))))
+
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = ["graph_task_id", "backward_callback", "version_counter", "module_state", "pytree"]
@@ -484,6 +520,7 @@ TESTED = {
     "mkldnn_lstm": test_mkldnn_lstm,
     "python_dispatcher": test_python_dispatcher,
     "conv_padding": test_conv_padding,
+    "op_schema": test_op_schema,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }
 
