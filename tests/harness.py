@@ -48,6 +48,19 @@ def _double(x):
     return x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
 
 
+class Between(nn.Module):
+    """Two Linear layers (3 to 5 to 2 features) with ``how`` between them: what a test puts
+    between two hooked layers (an operation across the batch, one the tracker has no handler
+    for)."""
+
+    def __init__(self, how: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.how, self.l1, self.l2 = how, nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.how(torch.tanh(self.l1(x))))
+
+
 def assert_close(got: Tensor, want: Tensor, what: str) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if got.numel():

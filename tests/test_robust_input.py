@@ -11,7 +11,7 @@ from torch import nn
 import gradhooks
 from gradhooks.layout import MIXED, Layout, Tracker
 from gradhooks.oracle import vmap_grad
-from harness import assert_close
+from harness import Between, assert_close
 
 D = torch.float64
 
@@ -428,15 +428,6 @@ def spectral(h):
     return torch.fft.ifft(torch.fft.fft(h, dim=1), dim=1).real
 
 
-class Across(nn.Module):
-    def __init__(self, how):
-        super().__init__()
-        self.how, self.l1, self.l2 = how, nn.Linear(3, 5), nn.Linear(5, 2)
-
-    def forward(self, x):
-        return self.l2(self.how(torch.tanh(self.l1(x))))
-
-
 MIXING = {
     "roll": lambda h: h + torch.roll(h, 1, 0),
     "mean": lambda h: h - h.mean(0),
@@ -472,7 +463,7 @@ def test_forward_that_mixes_the_examples_is_refused(how):
     flows back through it): per-example gradients of the layers after it do not exist, and the
     forward says which layer, its shapes and the operation."""
     torch.manual_seed(0)
-    m = Across(MIXING[how]).double()
+    m = Between(MIXING[how]).double()
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         with pytest.raises(
@@ -485,7 +476,7 @@ def test_operation_without_a_handler_keeps_each_example_apart():
     """The FFT along the features, which the tracker has no handler for, between two layers:
     each example's gradient, as without it."""
     torch.manual_seed(0)
-    m = Across(lambda h: spectral(h) * h).double()
+    m = Between(lambda h: spectral(h) * h).double()
     x = torch.randn(4, 3, dtype=D)
     want = vmap_grad(m, sq, x)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
@@ -497,7 +488,7 @@ def test_empty_rows_concatenated_keep_the_examples():
     """``cat([h, empty])`` along the batch (a cache of no rows yet) adds no rows: the examples
     stay where they were."""
     torch.manual_seed(0)
-    m = Across(lambda h: torch.cat([torch.zeros(0, 5, dtype=D), h])).double()
+    m = Between(lambda h: torch.cat([torch.zeros(0, 5, dtype=D), h])).double()
     x = torch.randn(4, 3, dtype=D)
     want = vmap_grad(m, sq, x)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
@@ -512,7 +503,7 @@ def test_layer_on_reordered_examples_is_refused(how):
     perm = torch.tensor([2, 0, 3, 1])
     reorder = {"getitem": lambda h: h[perm], "index_select": lambda h: h.index_select(0, perm)}
     torch.manual_seed(0)
-    m = Across(reorder[how]).double()
+    m = Between(reorder[how]).double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): .* in another order"):
             m(torch.randn(4, 3, dtype=D))
@@ -529,7 +520,7 @@ def test_batch_statistics_without_gradient_keep_the_examples(how):
         "detached-roll": lambda h: h * torch.roll(h, 1, 0).detach(),
     }[how]
 
-    class Model(Across):
+    class Model(Between):
         def forward(self, x):
             if how == "centred-input":
                 x = x - x.mean(0)

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import gradhooks
 from gradhooks import _torch
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import assert_close, sum_of_squares
+from harness import Between, assert_close, sum_of_squares
 
 
 @pytest.fixture(autouse=True)
@@ -422,29 +422,18 @@ def test_op_schema(off):
             lambda h: torch.fft.fft(h, None, 0).real,
             lambda h: torch.fft.fft(h, 2, 0).real,
         ):
-            model = Between(along)
+            model = Between(along).double()
             with gradhooks.add_hooks(model, loss_reduction="sum"):
                 with pytest.raises(RuntimeError, match="computed across the examples"):
                     model(torch.randn(4, 3, dtype=torch.float64))
         for along in (lambda h: torch.fft.fft(h, dim=1).real, lambda h: torch.fft.fft(h).real):
-            model = Between(along)
+            model = Between(along).double()
             x = torch.randn(4, 3, dtype=torch.float64)
             want = vmap_grad(model, sum_of_squares, x)
             with gradhooks.add_hooks(model, loss_reduction="sum"):
                 sum_of_squares(model(x)).backward()
             for n, p in model.named_parameters():
                 assert_close(p.grad1, want[n], n)
-
-
-class Between(nn.Module):
-    """Two layers with ``how`` between them."""
-
-    def __init__(self, how):
-        super().__init__()
-        self.how, self.l1, self.l2 = how, nn.Linear(3, 3), nn.Linear(3, 2)
-
-    def forward(self, x):
-        return self.l2(self.how(torch.tanh(self.l1(x))))
 
 
 # -- required internals ------------------------------------------------------------------------
