@@ -1402,14 +1402,16 @@ class Tracker(TorchFunctionMode):
             lay = self._layout_of(t)
             return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
-        if name not in _HANDLERS:  # (along the examples' dimension: across the batch)
-            dims = _torch.dim_arguments(name, args, kwargs)
-            for t in ins:
-                lay = presumed_of(t)
-                if dims and lay is not None and lay.dim >= 0 and t.dim() > 0:
-                    if any(-t.dim() <= d < t.dim() and _norm_dim(d, t.dim()) == lay.dim
-                           for d in dims):  # fmt: skip
-                        return MIXED
+        # (an operation without a handler along the examples' dimension: across the batch)
+        dims = _torch.dim_arguments(name, args, kwargs) if name not in _HANDLERS else []
+        for t in ins if dims else ():
+            lay, n = presumed_of(t), t.dim()
+            if (
+                lay is not None
+                and lay.dim >= 0
+                and any(-n <= d < n and _norm_dim(d, n) == lay.dim for d in dims)
+            ):
+                return MIXED
         guess = None
         if any(self._layout_of(t) is UNKNOWN for t in ins):
             again = output_layout(name, args, kwargs, out, presumed_of, self.batch)
