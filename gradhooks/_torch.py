@@ -78,9 +78,11 @@ Required (no fallback; :func:`require` refuses without them):
   sharded by FSDP2.
 - ``op_schema``: an aten operator's ``OpOverload._schema`` (:func:`dim_arguments`), the names of
   its arguments: the tracker reads which dimension an operation it has no handler for works
-  along, passed by position (``torch.fft.fft(h, None, 0)``), and refuses one along the batch.
-  Fallback: every integer passed by position is taken as a dimension (more refusals, none
-  missed).
+  along, passed by position (``torch.fft.fft(h, None, 0)``), and refuses one along the batch;
+  and it puts arguments passed by keyword in their places (:func:`positional`,
+  ``F.linear(input=x, weight=w)``) for the handlers that read them by position. Fallback:
+  every integer passed by position is taken as a dimension (more refusals, none missed); the
+  keyword arguments stay where they are (the layout of such a call is then unknown).
 - ``pytree``: ``torch.utils._pytree`` (:func:`tree_flatten`, :func:`tree_unflatten`,
   :func:`tree_map`): the tensors in a call's arguments and outputs, containers registered with
   torch included (a Hugging Face ``ModelOutput``).
@@ -107,6 +109,7 @@ __all__ = [
     "batched_backwards",
     "conv_padding",
     "dim_arguments",
+    "positional",
     "disabled",
     "first_forward_hook",
     "fsdp_module_class",
@@ -692,6 +695,26 @@ def _argument_names(name: str) -> tuple[tuple[str, ...], ...]:
         )
     except Exception:
         return ()
+
+
+def positional(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of torch function ``name`` with the arguments passed by
+    keyword that come next by position (``F.linear(input=x, weight=w)``) moved into ``args``,
+    in the order of the overload of the aten operator of that name that takes the most of
+    them (``input`` standing for ``self``). Unchanged without the internal."""
+    if not kwargs or not available("op_schema"):
+        return args, kwargs
+    best: tuple[tuple, dict] = (args, kwargs)
+    for names in _argument_names(name):
+        moved, rest = list(args), dict(kwargs)
+        for n in names[len(args) :]:
+            key = n if n in rest else "input" if n == "self" and "input" in rest else None
+            if key is None:
+                break
+            moved.append(rest.pop(key))
+        if len(rest) < len(best[1]):
+            best = (tuple(moved), rest)
+    return best
 
 
 def dim_arguments(name: str, args: tuple, kwargs: dict) -> list[int]:

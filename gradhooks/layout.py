@@ -1052,11 +1052,22 @@ def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, bat
     if handler is None:
         return UNKNOWN
     try:
-        if isinstance(handler, _NeedsBatch):
-            return handler.fn(args, kwargs, out, layout_of, batch)
-        return handler(args, kwargs, out, layout_of)
-    except Exception:  # an argument form the handler does not know: say nothing of the layout
-        return UNKNOWN
+        return _handle(handler, args, kwargs, out, layout_of, batch)
+    except Exception:
+        pass
+    moved = _torch.positional(name, args, kwargs)  # (F.linear(input=x, weight=w))
+    if moved[0] is not args:
+        try:
+            return _handle(handler, *moved, out, layout_of, batch)
+        except Exception:
+            pass
+    return UNKNOWN  # an argument form the handler does not know: say nothing of the layout
+
+
+def _handle(handler, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    if isinstance(handler, _NeedsBatch):
+        return handler.fn(args, kwargs, out, layout_of, batch)
+    return handler(args, kwargs, out, layout_of)
 
 
 # -- sources: batch-free tensors whose per-example gradients are wanted ------------------------------
@@ -1704,6 +1715,8 @@ def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> 
     output-gradients, from ``per_example`` (``[batch, *shape]``), the per-example gradient of a
     tensor derived from them (at gradient edge ``at_edge``): through the batch-free operations
     between them, by one batched backward."""
+    if engine is not None and engine._probing:
+        return  # (the engine's check of one example, which captures nothing)
     task = _torch.graph_task_id()
     direct = [s for s, e in edges.items() if e == at_edge]
     through = [s for s, e in edges.items() if e != at_edge]
@@ -1791,6 +1804,8 @@ class _Meeting:
                 s.problem = s.problem or f"'{self.name}' has outputs from several autograd nodes"
 
     def backward(self, grad_outputs) -> None:
+        if self.engine is not None and self.engine._probing:
+            return  # (the engine's check of one example, which captures nothing)
         grads = [grad_outputs[nr] if nr < len(grad_outputs) else None for _, nr in self.nodes]
         if all(g is None for g in grads):
             return

@@ -436,6 +436,42 @@ def test_op_schema(off):
                 assert_close(p.grad1, want[n], n)
 
 
+class KeywordInput(nn.Module):
+    """A frozen ``F.linear`` given the batch by keyword, then the batch moved to dimension 1
+    (a layer that sees ``[T, B, F]``), with as many positions as examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(input=x, weight=self.frozen)
+        return self.head(h.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_op_schema_puts_keyword_arguments_in_place(off):
+    """The arguments of ``F.linear(input=x, weight=w)`` in their places: the tracker follows
+    the batch through it, and the layer after the transpose gets each example's own gradient;
+    switched off, the layout is unknown there, and the call is refused rather than read from
+    the wrong dimension (the first backward's check of one example)."""
+    assert _torch.positional("linear", (), {"input": 1, "weight": 2}) == ((1, 2), {})
+    torch.manual_seed(0)
+    model = KeywordInput().double()
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    want = loop_grad(model, sum_of_squares, x)
+    with switched_off("op_schema", off), gradhooks.add_hooks(model, loss_reduction="sum"):
+        if off:
+            with pytest.raises(RuntimeError, match="example 2's grad1"):
+                sum_of_squares(model(x)).backward()
+            return
+        sum_of_squares(model(x)).backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad1, want[n], n)
+
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = ["graph_task_id", "backward_callback", "version_counter", "module_state", "pytree"]
