@@ -31,7 +31,7 @@ from . import pieces as P
 from ._torch import tree_flatten, tree_map, tree_unflatten
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
-from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, example_mask
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
@@ -105,6 +105,9 @@ class _Frame:
     tracker: Tracker | None = None  # follows the batch through this forward
     roots: list = field(default_factory=list)  # the forward's tensor inputs
     signature: list = field(default_factory=list)  # (call, kind) of its captured calls
+    # a call of it ran under saved-tensor hooks or with grad mode off (activation
+    # checkpointing: run again at the backward), or under autocast: no probe (_arm_probe)
+    unprobed: bool = False
 
 
 @dataclass
@@ -123,6 +126,20 @@ class _Backward:
     pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
     verify: frozenset = frozenset()  # the forwards' signatures this backward verifies
     grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
+    frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
+    probe: _Probe | None = None  # (verify) one example's gradient, by autograd alone
+
+
+@dataclass
+class _Probe:
+    """One example's gradient of every parameter, as autograd gives it from that example's
+    rows of the model's output-gradients alone (:meth:`Hooks._probe`)."""
+
+    frame: int  # id of the forward whose outputs it started from
+    example: int
+    batch: int
+    grads: dict[int, Tensor]  # by parameter id
+    lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
 
 
 class _Sums(dict):
@@ -173,6 +190,14 @@ _COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling
 
 def _is_compiling() -> bool:
     return _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
+
+
+def _autocast() -> bool:
+    """Whether autocast is on for the CPU or CUDA."""
+    try:
+        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    except TypeError:  # (torch before 2.4: no device argument)
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def _graph_task() -> int:
@@ -277,6 +302,8 @@ class Hooks:
         # entered, else None)]}
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
+        self._probing = False  # inside _probe's backward
+        self._probe_box: dict | None = None  # the outputs of the forward _probe starts from
         # parameters used outside their modules' calls, by id: the sources of their uses
         self._direct: dict[int, weakref.WeakSet] = {}
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
@@ -802,11 +829,13 @@ class Hooks:
             if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
                 return
             if not torch.is_grad_enabled():
-                if self._collector is not None and self._frames and self._frames[-1].grad_enabled:
+                if self._frames and self._frames[-1].grad_enabled:
                     # no_grad inside a training forward: reentrant activation checkpointing,
                     # which reruns this call during the backward. The collector then waits for
                     # the end of the backward to reduce these parameters' pieces.
-                    self._collector.defer.update(id(p) for p in target.params.values())
+                    self._frames[-1].unprobed = True
+                    if self._collector is not None:
+                        self._collector.defer.update(id(p) for p in target.params.values())
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -866,7 +895,7 @@ class Hooks:
                 call = replace(call, taps=_without_nodes(taps))
 
             def on_grads(grads) -> None:
-                if self._rerunning:
+                if self._rerunning and not (self._probing and carried is not None):
                     return  # a backward of the engine's own
                 full: list[Tensor | None] = [None] * n_leaves
                 for i, g in zip(hooked, grads):
@@ -874,6 +903,8 @@ class Hooks:
                 if carried is not None:  # (sums a backward that never reached it left: gone)
                     carried.outputs = tuple(full)
                     carried.sums.clear()
+                    if self._rerunning:
+                        return  # the probe's: the carried parameters' gradients by a rerun
                 capturing = not (self._removed or self._ignore_backward or state.cancelled)
                 if n_nodes and capturing and self._capturing_backward():
                     # The rule runs when the backward reaches the tapped nodes too, or, if it
@@ -956,6 +987,8 @@ class Hooks:
         if frame is not None:
             frame.states.append(state)
             frame.signature.append((id(target), None if layout is None else layout.kind))
+            if not frame.unprobed and (_torch.saved_tensor_hooks_active() or _autocast()):
+                frame.unprobed = True  # (run again at the backward, or in lower precision)
         return call, state
 
     def _keep_unhooked_call(self, target: _Target, args: tuple, kwargs: dict, output: Any):
@@ -1202,16 +1235,17 @@ class Hooks:
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
             filled = replace(call, grad_outputs=(g,))
-            self._on_grads(target, state, filled, args, kwargs, sums)
-            if self._no_param_grads:
-                return (None,) * (len(detached) + len(inputs))
-            if len(sums) < len(detached) and not torch.is_grad_enabled():
-                # this backward writes nothing (paused, the second backward of a ghost DP
-                # step): the batch gradients of the rule's pieces
-                pieces = target.entry.rule(filled)
-                for n, p in detached.items():
-                    if n not in sums and pieces.get(n) is not None:
-                        sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
+            if not self._probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
+                self._on_grads(target, state, filled, args, kwargs, sums)
+                if self._no_param_grads:
+                    return (None,) * (len(detached) + len(inputs))
+                if len(sums) < len(detached) and not torch.is_grad_enabled():
+                    # this backward writes nothing (paused, the second backward of a ghost DP
+                    # step): the batch gradients of the rule's pieces
+                    pieces = target.entry.rule(filled)
+                    for n, p in detached.items():
+                        if n not in sums and pieces.get(n) is not None:
+                            sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
             self._rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
@@ -1253,6 +1287,10 @@ class Hooks:
             full: list[Tensor | None] = [None] * n_out
             for i, g in zip(out_idx, grads):
                 full[i] = g
+            if self._probing:  # (autograd's own gradients, by a rerun: no rule runs)
+                wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
+                with self._nested():
+                    return tuple(_rerun_owned(module, owned, full, wanted, False))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = replace(call, grad_outputs=tuple(full), input_grads=[])
@@ -1334,7 +1372,7 @@ class Hooks:
     ) -> None:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
         call's batch gradient of each parameter it writes ``grad1`` for."""
-        if self._removed or self._ignore_backward or state.cancelled:
+        if self._removed or self._ignore_backward or state.cancelled or self._probing:
             return
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
         create_graph = torch.is_grad_enabled()
@@ -1355,6 +1393,8 @@ class Hooks:
             call = replace(call, inputs=args, kwargs=kwargs)
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
+            if state.frame is not None:
+                bw.frames.add(id(state.frame))
         try:
             _check_versions(target, state)
             if state.out_versions:
@@ -1632,6 +1672,8 @@ class Hooks:
             if sig not in self._verified:
                 self._verified.add(sig)  # (verified by the next backward that captures)
                 self._unverified.add(sig)
+                if tracker is not None and sys.exc_info()[1] is None:
+                    self._arm_probe(frame, tracker, output)
         if self.batch_dim == "auto" and frame.sizes:
             frame.sizes.update(
                 n for t in _leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
@@ -1642,6 +1684,103 @@ class Hooks:
                 state.cancelled = True
                 if self._collector is not None:
                     self._collector.unexpect(state.params)
+
+    def _arm_probe(self, frame: _Frame, tracker: Tracker, output: Any) -> None:
+        """Get ready to check, at the next backward that verifies, one example's ``grad1``
+        against autograd's gradient of that example's rows of the model's outputs alone
+        (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
+        the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
+        batch) shows there."""
+        if self._probe_box is not None:
+            self._probe_box.clear()  # (an earlier forward never backpropagated: its graph goes)
+            self._probe_box = None
+        if (
+            not (self.verify and self._grad1)
+            or self._sharded
+            or frame.unprobed
+            or tracker.batch < 2
+            or _is_compiling()
+        ):
+            return
+        outs, layouts = [], []
+        for t in _leaves(output):
+            if not (isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None):
+                continue
+            lay = tracker.layout(t)
+            if lay is UNKNOWN:
+                # the tracker lost the examples on the way: where it presumes them, or on the
+                # model's batch dimension (a guess: wrong, the check can only refuse)
+                dim = self.batch_dim if isinstance(self.batch_dim, int) else 0
+                lay = tracker.presumed.get(t)
+                if lay is None and t.dim() > dim and t.shape[dim] == tracker.batch:
+                    lay = Layout(dim)
+            outs.append(t)
+            layouts.append(lay if lay is not None and lay.dim >= 0 else None)
+        if not any(layouts):
+            return
+        box = {
+            "edges": [torch.autograd.graph.get_gradient_edge(t) for t in outs],
+            "layouts": layouts,
+            "batch": tracker.batch,
+            "frame": id(frame),
+            "lost": tuple(tracker.unknown),
+        }
+        self._probe_box = box
+        torch.autograd.graph.register_multi_grad_hook(
+            outs, lambda grads: self._probe(box, grads), mode="all"
+        )
+
+    def _probe(self, box: dict, grads: tuple) -> None:
+        """At the start of a backward that verifies (the first of each new set of calls), with
+        the model's output-gradients in hand: every parameter's gradient from one example's
+        rows of them alone, by a backward of autograd's own through the same graph (the hooks
+        stand aside). :meth:`_verify` compares it with that example's ``grad1``. Only where
+        every output that has a gradient holds the examples where the tracker followed them;
+        an output that lost them (a loss computed inside the model) leaves the check out."""
+        if (
+            not box
+            or self._removed
+            or self._ignore_backward
+            or self._rerunning
+            or torch.is_grad_enabled()  # (a create_graph backward)
+            or not self._capturing_backward()
+        ):
+            return
+        bw = self._backward_state()
+        if not bw.verify or bw.probe is not None:
+            return
+        used = [(e, g, lay) for e, g, lay in zip(box["edges"], grads, box["layouts"])
+                if g is not None]  # fmt: skip
+        if not used or any(lay is None for _, _, lay in used):
+            return
+        batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
+        example = batch - 1
+        masked = []
+        for _, g, lay in used:
+            if lay.size(batch) != g.shape[lay.dim]:
+                return
+            masked.append(g * example_mask(g.shape, lay, batch, g.device)[example])
+        pids = list(self._params)
+        params = [self._params[pid][1] for pid in pids]
+        no_param_grads, self._no_param_grads = self._no_param_grads, False
+        self._probing = True
+        self._rerunning += 1
+        try:
+            found = torch.autograd.grad(
+                [e for e, _, _ in used], params, masked, retain_graph=True, allow_unused=True
+            )
+        except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
+            found = None
+        finally:
+            self._rerunning -= 1
+            self._probing = False
+            self._no_param_grads = no_param_grads
+        box.clear()  # (the graph's edges: no cycle through the hook that holds them)
+        if self._probe_box is box:
+            self._probe_box = None
+        if found is not None:
+            grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
+            bw.probe = _Probe(box_frame, example, batch, grads_of, lost)
 
     def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
@@ -1811,8 +1950,11 @@ class Hooks:
     def _verify(self, bw: _Backward) -> None:
         """The last line of defence, on the first backward of each new set of calls: every
         parameter's ``grad1`` of this backward reduces to the gradient autograd computed for it
-        (a use of a parameter that the hooks did not see would show here). A mismatch undoes the
-        backward's ``grad1`` and raises, naming the parameters."""
+        (a use of a parameter that the hooks did not see would show here), and one example's
+        ``grad1`` is autograd's gradient from that example's rows of the model's
+        output-gradients alone (:meth:`_probe`: what mixes the examples unseen would show
+        there). A mismatch undoes the backward's ``grad1`` and raises, naming the
+        parameters."""
         wrong = []
         grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
         # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
@@ -1822,46 +1964,84 @@ class Hooks:
             name, p = self._params[pid]
             if pid in self._exempt:
                 continue
-            g1 = getattr(p, "grad1", None) if pid in self._written else None
-            if g1 is not None and pid in bw.before and bw.before[pid] is not None:
-                g1 = g1 - bw.before[pid]
-            elif pid not in bw.before:
-                g1 = None  # (not written by this backward)
+            g1 = self._grad1_of_backward(bw, pid, p)
             if g1 is None:
                 got = torch.zeros_like(grad)
             else:
-                g1 = g1.detach()
                 got = g1.mean(0) if self.loss_reduction == "mean" else g1.sum(0)
-            want = grad.to(got.dtype)
-            if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
-                continue
-            # float32: room for lower-precision matrix products under autocast
-            tol = {torch.float64: 1e-6, torch.float32: 2e-2}.get(want.dtype, 1e-1)
-            scale = float(want.abs().max()) if want.numel() else 0.0
-            if g1 is not None and g1.numel():  # (examples' gradients that cancel in the sum)
-                scale = max(scale, float(g1.abs().max()))
-            diff = float((got - want).abs().max()) if want.numel() else 0.0
-            # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
-            # summed output) is not compared with its own rounding
-            floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
-            if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
-                wrong.append(f"'{name}' (differs by {diff:.2e}, largest {scale:.2e})")
+            diff = _mismatch(got, grad.to(got.dtype), g1, overall)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
         if wrong:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()
             raise RuntimeError(
                 f"gradhooks: grad1 does not add up ({self.loss_reduction} over the batch) to the "
-                f"gradient autograd computed in the same backward, for {', '.join(wrong[:5])}"
-                f"{f' and {len(wrong) - 5} more' if len(wrong) > 5 else ''}. Its grad1 was not "
-                "written. Either a use of the parameter that the hooks did not see (a custom "
-                "operation or kernel: register a rule for the module), or a term of the loss "
-                "that does not come from the examples (weight decay or a penalty added to the "
-                "loss: add its gradient to .grad yourself, or pass add_hooks(..., "
+                f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
+                "grad1 was not written. Either a use of the parameter that the hooks did not "
+                "see (a custom operation or kernel: register a rule for the module), or a term "
+                "of the loss that does not come from the examples (weight decay or a penalty "
+                "added to the loss: add its gradient to .grad yourself, or pass add_hooks(..., "
                 "verify=False) to keep grad1 of the per-example terms alone). This is checked "
                 "on the first backward of each new set of layer calls."
             )
+        probe = bw.probe
+        if probe is not None and bw.frames == {probe.frame}:
+            self._verify_probe(bw, probe)
         self._unverified -= bw.verify
+
+    def _verify_probe(self, bw: _Backward, probe: _Probe) -> None:
+        """:meth:`_verify`'s second part: example ``probe.example``'s ``grad1`` of this
+        backward against autograd's gradient from that example's output rows alone."""
+        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        want_of = {pid: g.to_dense() * scale if g.is_sparse else g * scale
+                   for pid, g in probe.grads.items()}  # fmt: skip
+        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
+        wrong = []
+        for pid, want in want_of.items():
+            name, p = self._params[pid]
+            if pid in self._exempt:
+                continue
+            g1 = self._grad1_of_backward(bw, pid, p)
+            if g1 is not None and g1.shape[0] != probe.batch:
+                continue  # (a layer that counts its examples otherwise: bags)
+            got = torch.zeros_like(want) if g1 is None else g1[probe.example]
+            # (no autocast here, _arm_probe: float32 products, TF32 convolutions on a GPU)
+            diff = _mismatch(got, want.to(got.dtype), None, overall, float32=5e-3)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
+        if not wrong:
+            return
+        self._rollback(bw)
+        if self._collector is not None:
+            self._collector.discard_backward()
+        lost = (
+            f" after {', '.join(probe.lost)}, whose effect on the batch it does not know"
+            if probe.lost
+            else ""
+        )
+        raise RuntimeError(
+            f"gradhooks: example {probe.example}'s grad1 is not the gradient autograd gives that "
+            "example from its own rows of the model's output-gradients alone, for "
+            f"{_listed(wrong)}. Its grad1 was not written. Either the model mixes the examples "
+            "of the batch between these parameters and its output (an operation, custom "
+            "autograd.Function or kernel that computes across the rows of the batch, in its "
+            "forward or its backward): one example's loss then depends on the others' and "
+            "per-example gradients do not exist; keep the examples apart (detach what is "
+            "computed from the whole batch) or freeze these parameters. Or gradhooks read the "
+            f"examples from the wrong place{lost}: say where the model's batch is with "
+            "add_hooks(..., batch_dim=k), or register a rule for the layer. This is checked on "
+            "the first backward of each new set of layer calls."
+        )
+
+    def _grad1_of_backward(self, bw: _Backward, pid: int, p: nn.Parameter) -> Tensor | None:
+        """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""
+        if pid not in self._written or pid not in bw.before:
+            return None
+        g1 = p.grad1.detach()
+        before = bw.before[pid]
+        return g1 if before is None else g1 - before
 
     def _rollback(self, bw: _Backward) -> None:
         """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
@@ -2437,6 +2617,36 @@ def _unchanged_outputs(call: Call, versions: tuple) -> Call:
         return call
     kept = [None if i in changed else t for i, t in enumerate(leaves)]
     return replace(call, output=tree_unflatten(kept, spec))
+
+
+def _mismatch(
+    got: Tensor, want: Tensor, rows: Tensor | None, overall: float, float32: float = 2e-2
+) -> str | None:
+    """How ``got`` differs from ``want`` (``None``: within rounding). ``rows``: the per-example
+    gradients ``got`` was reduced from (examples' gradients that cancel in the sum set the
+    scale too); ``overall``: the largest entry of the model's gradients; ``float32``: the
+    relative tolerance in float32 (the default leaves room for lower-precision matrix products
+    under autocast)."""
+    if not want.numel():
+        return None
+    if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
+        return None
+    tol = {torch.float64: 1e-6, torch.float32: float32}.get(want.dtype, 1e-1)
+    scale = max(float(want.abs().max()), float(got.abs().max()) if rows is None else 0.0)
+    if rows is not None and rows.numel():
+        scale = max(scale, float(rows.abs().max()))
+    diff = float((got - want).abs().max())
+    # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
+    # summed output) is not compared with its own rounding
+    floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
+    if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
+        return f"differs by {diff:.2e}, largest {scale:.2e}"
+    return None
+
+
+def _listed(items: list[str], n: int = 5) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
 
 
 def _tolerance(t: Tensor) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.layout import MIXED, Layout, Tracker
-from gradhooks.oracle import vmap_grad
+from gradhooks.oracle import loop_grad, vmap_grad
 from harness import Between, assert_close
 
 D = torch.float64
@@ -470,6 +470,101 @@ def test_forward_that_mixes_the_examples_is_refused(how):
             RuntimeError, match=r"'l2' \(Linear\): its input \(\(4, 5\)\) was computed across"
         ):
             m(x)
+
+
+class _Centred(torch.autograd.Function):
+    """A custom function centring over the batch: forward and backward compute across it."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h - h.mean(0, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+class _MixedBackward(torch.autograd.Function):
+    """The identity forward, a backward that adds the next example's gradient."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.roll(1, 0)
+
+
+class _RowWise(torch.autograd.Function):
+    """A custom function that keeps every example to itself (a scaled tanh)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        y = torch.tanh(h)
+        ctx.save_for_backward(y)
+        return 2 * y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 2 * g * (1 - y * y)
+
+
+def _centring_hook(h):
+    h = h * 1.0
+    h.register_hook(lambda g: g - g.mean(0))
+    return h
+
+
+# Mixing the tracker does not see: only the first backward's check of one example against
+# autograd's gradient from that example's rows of the output alone shows it
+UNSEEN_MIXING = {
+    "function": _Centred.apply,
+    "backward-only": _MixedBackward.apply,
+    "gradient-hook": _centring_hook,
+    "linalg-norm": lambda h: h / torch.linalg.norm(h),
+    "layer-norm-over-batch": lambda h: F.layer_norm(h, h.shape),
+    "cdist": lambda h: torch.cat([torch.cdist(h, h), h], 1)[:, :5],
+    "fft2": lambda h: torch.fft.fft2(h).real,
+    "pinv": lambda h: torch.linalg.pinv(h).t(),
+    "conv-along-batch": lambda h: F.conv2d(
+        h[None, None], torch.ones(1, 1, 3, 1, dtype=D), padding=(1, 0)
+    )[0, 0],
+    "transposed-reshape": lambda h: h.t().reshape(h.shape[0], h.shape[1]),
+}
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("how", list(UNSEEN_MIXING))
+def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, reduction):
+    """A custom autograd.Function, a gradient hook or an operation the tracker does not follow
+    that computes across the batch: the first backward raises, naming the parameters whose
+    grad1 is not their examples' own, and writes no grad1."""
+    torch.manual_seed(0)
+    m = Between(UNSEEN_MIXING[how]).double()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction=reduction):
+        out = m(x)
+        loss = sq(out) / (4 if reduction == "mean" else 1)
+        with pytest.raises(RuntimeError, match=r"example 3's grad1 .*'l1\.weight'"):
+            loss.backward()
+    assert not any(hasattr(p, "grad1") for p in m.parameters())
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_custom_function_that_keeps_the_examples_apart(reduction):
+    """A custom autograd.Function that treats each example alone: no refusal, each example's
+    own gradient, at the first backward and after."""
+    torch.manual_seed(0)
+    m = Between(_RowWise.apply).double()
+    x = torch.randn(4, 3, dtype=D)
+    want = loop_grad(m, sq, x)  # (vmap needs the function's setup_context)
+    with gradhooks.add_hooks(m, loss_reduction=reduction) as h:
+        for _ in range(2):
+            h.clear()
+            sq(m(x)).div(4 if reduction == "mean" else 1).backward()
+            assert_matches(m, want, "row-wise function")
 
 
 def test_operation_without_a_handler_keeps_each_example_apart():
