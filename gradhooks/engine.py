@@ -100,6 +100,7 @@ class _Frame:
     batch: int | None  # dimension batch_dim of the first tensor input (an int batch_dim)
     states: list[_CallState]
     grad_enabled: bool = True
+    owner: Any = None  # the module whose call it is (the root, or an entry: _entry_hooks)
     sizes: set[int] = field(default_factory=set)  # dims 0, 1 of its tensor inputs and outputs
     seen: dict[int, str] = field(default_factory=dict)  # batch sizes the layers saw -> a layer
     tracker: Tracker | None = None  # follows the batch through this forward
@@ -360,6 +361,14 @@ class Hooks:
                         _Hook(self._detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
+        for entry in _entries(model, self._targets):
+            pre, post = self._entry_hooks(entry)
+            handles.append(
+                entry.register_forward_pre_hook(_Hook(pre), with_kwargs=True, prepend=True)
+            )
+            handles.append(
+                entry.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
+            )
         if self._track:
             for pid, (name, p) in self._params.items():
                 if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
@@ -1602,7 +1611,30 @@ class Hooks:
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is not self.model:
             return  # a copy
-        frame = _Frame(None, [], torch.is_grad_enabled())
+        self._open_frame(module, args, kwargs)
+
+    def _entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
+        """The forward pre- and post-hook of a module of the model other than the root that
+        holds a hooked module (or is one): where it is called outside the model's own forward
+        (``model.encoder(x)``, a method such as ``get_image_features`` that calls submodules
+        rather than ``forward``), its call is a forward of the model's, with the batch followed
+        from its inputs, as the root's would be."""
+        ref = weakref.ref(module)
+
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._frames and m is ref():
+                self._open_frame(m, args, kwargs)
+
+        def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if m is ref():
+                self._on_root_post(m, args, kwargs, output)
+
+        return pre, post
+
+    def _open_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A forward of the model starts: ``module``'s call (the root's, or an entry's:
+        :meth:`_entry_hooks`)."""
+        frame = _Frame(None, [], torch.is_grad_enabled(), owner=module)
         self._frames.append(frame)  # first: the post-hook pops it even if this raises
         if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
             return
@@ -1610,7 +1642,7 @@ class Hooks:
             return
         if _graph_task() == -1:
             self._drop_stale()
-        self._follow_changes(module)
+        self._follow_changes(self.model)
         leaves = [t for t in [*_leaves(args), *_leaves(kwargs)] if isinstance(t, Tensor)]
         if not leaves or self.batch_dim is None:
             return
@@ -1660,8 +1692,8 @@ class Hooks:
             tracker.finish()
 
     def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if module is not self.model or not self._frames:
-            return
+        if not self._frames or self._frames[-1].owner is not module:
+            return  # (a copy; an entry called inside the model's forward)
         frame = self._frames.pop()
         tracker = frame.tracker
         self._stop_tracker(frame)
@@ -1934,15 +1966,21 @@ class Hooks:
         if bw.verify and bw.grads and bw.reached:
             self._verify(bw)
         if bw.missed:
+            missed = set(bw.missed)
+            for name, p in self._params.values():
+                if name in missed and id(p) not in self._written and hasattr(p, "grad1"):
+                    del p.grad1  # (an earlier step's, never to be read for this one's)
             for name in bw.missed:
                 self._missed[name] = None
             names = ", ".join(f"'{n}'" for n in bw.missed[:5])
             more = f" and {len(bw.missed) - 5} more" if len(bw.missed) > 5 else ""
             warnings.warn(
                 f"gradhooks: a backward computed the gradient of {names}{more} but no forward "
-                "call of their modules was captured for it: the forward ran before add_hooks "
-                "(or while capture was paused, or outside the hooked model). Their grad1 is "
-                "missing or from another backward. Run the forward after add_hooks.",
+                "call of their modules was captured for it: the forward ran before add_hooks, "
+                "or while capture was paused, or outside the hooked model's modules (a "
+                "parameter used in the loss, or in a method of the model other than forward "
+                "outside any submodule's call). They have no grad1 from this backward. Run the "
+                "forward after add_hooks, through the model's modules.",
                 GradhooksWarning,
                 stacklevel=2,
             )
@@ -2408,6 +2446,24 @@ def _plan(
 _SIGNATURES: weakref.WeakKeyDictionary[type, inspect.Signature | None] = (
     weakref.WeakKeyDictionary()
 )  # (a module class's forward signature, while the class exists)
+
+
+def _entries(model: nn.Module, targets: list[_Target]) -> list[nn.Module]:
+    """The modules of ``model`` other than itself that hold a hooked module or are one: each
+    may be called on its own (:meth:`Hooks._entry_hooks`)."""
+    hooked = {id(t.module) for t in targets}
+    found: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module) -> bool:
+        holds = id(m) in hooked
+        for child in m.children():
+            holds |= walk(child)
+        if holds and m is not model:
+            found[id(m)] = m
+        return holds
+
+    walk(model)
+    return list(found.values())
 
 
 def _forward_signature(cls: type) -> inspect.Signature | None:

@@ -139,6 +139,22 @@ def test_hooks_added_after_the_forward_warn_at_the_backward():
     h.remove()
 
 
+def test_a_backward_with_nothing_captured_leaves_no_earlier_grad1():
+    """A step whose forward was not captured (paused here; a method of the model that uses a
+    parameter outside any submodule's call is another) warns, and the parameters keep no
+    grad1 of an earlier step to be read as this one's."""
+    model = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(model) as h:
+        sq(model(x)).backward()
+        h.clear()
+        with h.paused():
+            out = model(x)
+        with pytest.warns(gradhooks.GradhooksWarning, match="no grad1 from this backward"):
+            sq(out).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
 def test_second_forward_before_the_backward():
     model = mlp()
     x1, x2 = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
@@ -240,6 +256,62 @@ def test_batch_dim_names_where_the_models_batch_is():
     with gradhooks.add_hooks(m, batch_dim=0, loss_reduction="sum"):
         sq(m(x)).backward()
     assert_matches(m, per_position, "batch_dim=0")
+
+
+class _Encoder(nn.Module):
+    """Tokens plus a learned position embedding looked up with ``arange(T)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.proj = nn.Embedding(10, 4), nn.Embedding(6, 4), nn.Linear(4, 4)
+
+    def forward(self, idx):
+        return self.proj(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+
+
+class _TwoParts(nn.Module):
+    """A model used through its parts: ``features`` (as CLIP's ``get_image_features``) calls
+    its submodules, not its ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = _Encoder(), nn.Linear(4, 2)
+
+    def features(self, idx):
+        return self.head(self.enc(idx))
+
+    def forward(self, idx):
+        return self.features(idx)
+
+
+ENTRIES = {
+    "forward": lambda m, idx: m(idx),
+    "method": lambda m, idx: m.features(idx),
+    "submodule": lambda m, idx: m.enc(idx),
+    "layer": lambda m, idx: m.head(m.enc.tok(idx)),
+}
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+@pytest.mark.parametrize("how", list(ENTRIES))
+def test_model_used_through_a_method_or_a_submodule(how, seq):
+    """A model called through a method other than ``forward``, or a submodule called on its
+    own: the batch is followed from that call's inputs as from the model's, so the position
+    embedding gets each example's share, also with as many positions as examples."""
+    torch.manual_seed(0)
+    m = _TwoParts().double()
+    idx = torch.randint(10, (3, seq))
+    use = ENTRIES[how]
+    params = dict(m.named_parameters())
+    rows = [torch.autograd.grad(sq(use(m, idx[i : i + 1])), list(params.values()),
+                                allow_unused=True) for i in range(3)]  # fmt: skip
+    want = {n: torch.stack([torch.zeros_like(p) if r[k] is None else r[k] for r in rows])
+            for k, (n, p) in enumerate(params.items())}  # fmt: skip
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(use(m, idx)).backward()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert_close(p.grad1, want[n], f"{how} {n}")
 
 
 def test_inputs_without_a_batch_dimension():
