@@ -214,8 +214,8 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
     got_parts, want_parts = [], []
     for name, p in written.items():
         if name in want:
-            got_parts.append(p.grad1[:k].detach().flatten(1).double())
-            want_parts.append(want[name].detach().flatten(1).double())
+            got_parts.append(p.grad1[:k].detach().reshape(k, -1).double())
+            want_parts.append(want[name].detach().reshape(k, -1).double())
     if not got_parts:
         return
     got, ref = torch.cat(got_parts, 1), torch.cat(want_parts, 1)

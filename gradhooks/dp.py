@@ -159,7 +159,7 @@ def _clipped_sums(
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
             if g is not None:
-                sq = sq + g.flatten(1).pow(2).sum(1)
+                sq = sq + g.reshape(batch, -1).pow(2).sum(1)
         norms = sq.sqrt()
         factors = clip_factors(norms, max_norm)
         clipped = [

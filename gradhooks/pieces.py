@@ -474,8 +474,9 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
         aa = input_gram(p, q)
         gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
         return (aa * gg).flatten(1).sum(1)
-    gp = p.grad1(param_shape).flatten(1)
-    gq = gp if q is p else q.grad1(param_shape).flatten(1)
+    gp = p.grad1(param_shape)
+    gp = gp.reshape(gp.shape[0], -1)  # (a 0-d parameter's is [batch])
+    gq = gp if q is p else q.grad1(param_shape).reshape(gp.shape[0], -1)
     return (gp * gq).sum(1)
 
 

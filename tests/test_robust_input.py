@@ -1077,6 +1077,17 @@ def test_zero_dim_parameter_times_the_batch(where):
             (loss if reduction == "sum" else loss / 5).backward()
         assert_matches(model, want, f"{where} {reduction}")
         gradhooks.clear_grad1(model)
+    # its per-example norms, and a DP step on them (a [batch] grad1, no feature dimension)
+    norms = torch.cat([g.reshape(5, -1) for g in want.values()], 1).norm(dim=1)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("norms",)) as h:
+        sq(model(x)).backward()
+        assert_close(h.norms(), norms, "norms")
+        got = gradhooks.dp_sgd_step(
+            h, sq_rows(model(x)), max_norm=1e9, noise_multiplier=0.0, reduction="sum"
+        )
+    assert_close(got, norms, "dp_sgd_step's norms")
+    for n, p in model.named_parameters():
+        assert_close(p.grad, want[n].sum(0), f"dp_sgd_step {n}")
 
 
 def test_zero_dim_parameter_times_logits_across_the_batch_is_refused():
