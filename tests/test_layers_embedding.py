@@ -52,6 +52,21 @@ def test_embedding_scale_grad_by_freq_counts_within_each_example(reduction, padd
     assert_close(model.weight.grad1, want, f"scale_grad_by_freq ({reduction})")
 
 
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+def test_table_cropped_in_place(bag):
+    """A table replaced by a slice of itself (nanoGPT's ``crop_block_size``) while the module
+    still says the old ``num_embeddings``: grad1 has the table's rows, as ``.grad`` does."""
+    torch.manual_seed(0)
+    table = nn.EmbeddingBag(8, 3) if bag else nn.Embedding(8, 3)
+    table.weight = nn.Parameter(table.weight[:5].detach().clone())
+    model = nn.Sequential(table, nn.Linear(3, 2)).double()
+    x = torch.randint(0, 5, (4, 3))
+    want = loop_grad(model, sum_of_squares, x)
+    run_hooked(model, Case("cropped", None, None), x, None, "sum")
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"cropped, {name}")
+
+
 def test_embedding_max_norm():
     """The forward renormalizes looked-up rows in place (vmap refuses that): the loop oracle."""
     torch.manual_seed(0)

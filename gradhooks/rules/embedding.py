@@ -43,12 +43,12 @@ def embedding(call: Call) -> dict[str, Rows]:
     if m.padding_idx is not None:
         g = g.masked_fill((idx == m.padding_idx)[..., None], 0)
     if m.scale_grad_by_freq:
-        counts = torch.zeros(batch, m.num_embeddings, dtype=g.dtype, device=g.device)
+        counts = torch.zeros(batch, m.weight.shape[0], dtype=g.dtype, device=g.device)
         counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=g.dtype))
         g = g / counts.gather(1, idx)[..., None]
     positions = idx.shape[1]
     example = torch.arange(batch, device=idx.device).repeat_interleave(positions)
-    piece = Rows(example, idx.reshape(-1), g.reshape(-1, dim), batch, m.num_embeddings, positions)
+    piece = Rows(example, idx.reshape(-1), g.reshape(-1, dim), batch, m.weight.shape[0], positions)
     if m.scale_grad_by_freq:
         piece.sums_to_grad = False  # (each example's own counts: not the batch's)
     return {"weight": piece}
@@ -109,7 +109,7 @@ def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
     bag, flat, valid, num_bags = bags(m, idx, offsets)
     dim = m.embedding_dim
     if m.mode == "max":
-        value = g.new_zeros(num_bags, m.num_embeddings, dim)
+        value = g.new_zeros(num_bags, m.weight.shape[0], dim)
         # The entry holding each dimension's maximum, per bag: [bags, length] padded with -inf.
         valid_bag, valid_idx = bag[valid], flat[valid]
         counts = torch.bincount(valid_bag, minlength=num_bags)
@@ -140,4 +140,4 @@ def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
         )
         coef = coef / counts[bag].clamp(min=1)
     bag, flat, coef = bag[valid], flat[valid], coef[valid]
-    return {"weight": Rows(bag, flat, coef[:, None] * g[bag], num_bags, m.num_embeddings)}
+    return {"weight": Rows(bag, flat, coef[:, None] * g[bag], num_bags, m.weight.shape[0])}
