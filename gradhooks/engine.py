@@ -294,9 +294,7 @@ class Hooks:
         # the bookkeeping of backwards (which parameters each computes) is off for the
         # Jacobians and kfac(), whose backwards run under vmap and write no grad1
         self._track = not {"_jacobian", "_vmapped"} & set(quantities)
-        self._handles = [
-            model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
-        ]
+        self._handles: list = []
         # calls run with their parameters detached, {id(module): [(module, {name: param},
         # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
         # its input carries them, else None, (its rule's record, what it gave) where one is
@@ -327,12 +325,20 @@ class Hooks:
         self._verified: set[tuple] = set()
         self._unverified: set[tuple] = set()
         self._exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
-        self._install(model)
-        self._handles.append(
-            model.register_forward_hook(
-                _Hook(self._on_root_post), with_kwargs=True, always_call=True
+        _refuse_scripted(model, self._targets)
+        try:
+            self._handles.append(
+                model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
             )
-        )
+            self._install(model)
+            self._handles.append(
+                model.register_forward_hook(
+                    _Hook(self._on_root_post), with_kwargs=True, always_call=True
+                )
+            )
+        except BaseException:
+            self.remove()  # (nothing left on the model)
+            raise
         _ACTIVE[model] = self
 
     def _install(self, model: nn.Module) -> None:
@@ -2448,6 +2454,21 @@ _SIGNATURES: weakref.WeakKeyDictionary[type, inspect.Signature | None] = (
 )  # (a module class's forward signature, while the class exists)
 
 
+def _refuse_scripted(model: nn.Module, targets: list[_Target]) -> None:
+    """TorchScript modules take no hooks: refused before anything is hooked."""
+    scripted = [t for t in targets if isinstance(t.module, torch.jit.ScriptModule)]
+    if not scripted:
+        return
+    t = scripted[0]
+    params = ", ".join(f"'{n}'" for n in t.params)
+    raise TypeError(
+        f"module '{t.name or '<model>'}' is a TorchScript module "
+        f"({type(t.module).__qualname__}), which takes no forward or backward hooks, so "
+        f"gradhooks cannot capture its calls for its trainable parameters ({params}). Hook the "
+        "module before torch.jit.script, or freeze its parameters (requires_grad_(False))."
+    )
+
+
 def _entries(model: nn.Module, targets: list[_Target]) -> list[nn.Module]:
     """The modules of ``model`` other than itself that hold a hooked module or are one: each
     may be called on its own (:meth:`Hooks._entry_hooks`)."""
@@ -2458,7 +2479,7 @@ def _entries(model: nn.Module, targets: list[_Target]) -> list[nn.Module]:
         holds = id(m) in hooked
         for child in m.children():
             holds |= walk(child)
-        if holds and m is not model:
+        if holds and m is not model and not isinstance(m, torch.jit.ScriptModule):
             found[id(m)] = m
         return holds
 

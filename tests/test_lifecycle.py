@@ -60,6 +60,31 @@ def test_remove_hooks_leaves_model_exactly_as_before():
     assert model.fc2.weight.grad1.shape == (3, 10, 128)
 
 
+@pytest.mark.parametrize("where", [0, 2], ids=["first", "last"])
+def test_a_torchscript_child_is_refused_leaving_the_model_as_it_was(where):
+    """A scripted layer takes no hooks: add_hooks refuses it, naming it, before hooking
+    anything; frozen, it is left alone and the other layers get grad1 (last in the model: the
+    tracker does not see inside TorchScript, so one before a hooked layer hides the batch)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)]
+    layers[where] = torch.jit.script(layers[where])
+    model = nn.Sequential(*layers)
+    x = torch.randn(3, 4)
+    before = _hook_state(model)
+    with pytest.raises(TypeError, match=rf"'{where}' is a TorchScript module.*requires_grad_"):
+        gradhooks.add_hooks(model)
+    assert _hook_state(model) == before
+    model(x)  # runs as before
+    if where == 0:
+        return
+    for p in model[where].parameters():
+        p.requires_grad_(False)
+    with gradhooks.add_hooks(model):
+        _train_step(model, x)
+    assert model[0].weight.grad1.shape == (3, 5, 4)
+    assert _hook_state(model) == before
+
+
 def test_context_manager_removes_hooks_even_on_error():
     model = nn.Linear(3, 2)
     before = _hook_state(model)
