@@ -99,6 +99,7 @@ def dp_sgd_step(
         (torch.Size([8]), torch.Size([3, 4]))
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
+    _check_clipping(max_norm, noise_multiplier)
     params = _covered_params(hooks)
     if hooks._sharded:
         raise ValueError(
@@ -142,6 +143,105 @@ def _checked(
     return method
 
 
+def _check_clipping(max_norm: float, noise_multiplier: float) -> None:
+    if not 0 < max_norm < float("inf"):  # (also NaN)
+        raise ValueError(
+            f"max_norm must be > 0 and finite, got {max_norm!r}: it bounds each example's "
+            "gradient norm (0 would leave the noise alone, a negative one would flip every "
+            "gradient, NaN or Inf would clip nothing)"
+        )
+    if not 0 <= noise_multiplier < float("inf"):
+        raise ValueError(f"noise_multiplier must be >= 0 and finite, got {noise_multiplier!r}")
+
+
+def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) -> tuple:
+    """``torch.autograd.grad(loss, wrt)``; where the forward ran calls with grad mode off
+    (reentrant activation checkpointing, whose nodes run again only in a backward without
+    ``inputs``), by ``loss.backward()``, ``.grad`` left as it was."""
+    if not hooks._recomputes:
+        return torch.autograd.grad(loss, wrt, retain_graph=retain_graph, allow_unused=True)
+    kept = [p.grad for p in wrt]
+    for p in wrt:
+        p.grad = None
+    try:
+        loss.backward(retain_graph=retain_graph)
+        return tuple(p.grad for p in wrt)
+    finally:
+        for p, g in zip(wrt, kept, strict=True):
+            p.grad = g
+
+
+def _one_example(hooks: Hooks, per_example_loss: Tensor, wrt: list) -> tuple | None:
+    """On the first step of each new set of calls: the last example's gradient by autograd,
+    from its own loss alone (:func:`_check_one_example` compares the step's with it).
+    ``None`` where it is not checked."""
+    batch = per_example_loss.shape[0]
+    if (
+        not (hooks.verify and hooks._unverified)
+        or hooks._recomputes
+        or hooks._sharded
+        or batch < 2
+        or not per_example_loss.requires_grad
+    ):
+        return None
+    with hooks._standing_aside():
+        grads = torch.autograd.grad(
+            per_example_loss[batch - 1], wrt, retain_graph=True, allow_unused=True
+        )
+    if hooks._probe_box is not None:  # (the hooks' own check of one example: this one's is it)
+        hooks._probe_box.clear()
+        hooks._probe_box = None
+    if not hooks._grad1:
+        hooks._unverified.clear()
+    return grads
+
+
+def _check_one_example(
+    hooks: Hooks, params: list, truth: tuple | None, norms: Tensor, grads1: list | None
+) -> None:
+    """The step's norm (and ``grad1``) of the last example against autograd's gradient of that
+    example's own loss: a loss that depends on other examples (a contrastive loss, a term that
+    is no example's added to each) or a model that mixes them where gradhooks cannot see it
+    would show here."""
+    if truth is None:
+        return
+    batch = norms.shape[0]
+    names = {id(p): n for n, p in hooks.model.named_parameters()}
+    parts, wrong = [], []
+    for i, (p, g) in enumerate(zip(params, truth, strict=True)):
+        g = torch.zeros(p.shape, dtype=norms.dtype, device=norms.device) if g is None else g
+        g = g.to_dense() if g.is_sparse else g
+        parts.append(g.detach().reshape(-1).to(norms.dtype))
+        if grads1 is not None and grads1[i] is not None:
+            got = grads1[i][batch - 1].detach()
+            tol = _tolerance(got.dtype)
+            if tol and (got - g).norm() > tol * max(float(g.norm()), float(got.norm())) + 1e-30:
+                wrong.append(f"'{names.get(id(p), '?')}'")
+    want = torch.cat(parts).norm() if parts else norms.new_zeros(())
+    got = norms[batch - 1]
+    tol = _tolerance(norms.dtype)
+    off = tol and bool((got - want).abs() > tol * max(float(want), float(got)) + 1e-30)
+    if not (off or wrong) or not torch.isfinite(want) or not torch.isfinite(got):
+        return
+    which = f" (differing in {', '.join(wrong[:5])})" if wrong else ""
+    raise RuntimeError(
+        f"dp_sgd_step: example {batch - 1}'s gradient from the hooks (norm {float(got):.6g}) "
+        f"is not the gradient of its own loss, per_example_loss[{batch - 1}] (norm "
+        f"{float(want):.6g}, by autograd){which}. Either its loss depends on the other "
+        "examples (a loss that couples the batch, such as a contrastive one) or on the "
+        "parameters outside the model's per-example path (a penalty such as weight decay added "
+        "to each example's loss: leave it out, and add its gradient to .grad after the step), "
+        "or the model mixes the examples where gradhooks cannot see it. Clipping would not "
+        "bound each example's influence, so no gradient was written. This is checked on the "
+        "first step of each new set of layer calls."
+    )
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative: float64, float32 (none below: not compared)."""
+    return {torch.float64: 1e-6, torch.float32: 5e-3}.get(dtype, 0.0)
+
+
 def _clipped_sums(
     hooks: Hooks, per_example_loss: Tensor, max_norm: float, method: str, params: list
 ) -> tuple[Tensor, list[Tensor]]:
@@ -151,16 +251,19 @@ def _clipped_sums(
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
     wrt = [hooks._current.get(id(p), p) for p in params]
+    truth = _one_example(hooks, per_example_loss, wrt)
     hooks.clear()
     if method == "grad1":
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        grads = _grads(hooks, loss, wrt)
         grads1 = [getattr(p, "grad1", None) if id(p) in hooks._written else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
+        _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
             if g is not None:
-                sq = sq + g.reshape(batch, -1).pow(2).sum(1)
+                sq = sq + P.flat_rows(g).pow(2).sum(1)
         norms = sq.sqrt()
+        _check_one_example(hooks, params, truth, norms, grads1)
         factors = clip_factors(norms, max_norm)
         clipped = [
             _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
@@ -170,12 +273,13 @@ def _clipped_sums(
         kept = hooks._collector.keep = []
         hooks._no_param_grads = True  # this backward's own parameter gradients are not used
         try:
-            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+            grads = _grads(hooks, loss, wrt)
         finally:
             hooks._collector.keep = None
             hooks._no_param_grads = False
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
+        _check_one_example(hooks, params, truth, norms, None)
         factors = clip_factors(norms, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
@@ -185,13 +289,14 @@ def _clipped_sums(
         del kept
         clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
     else:
-        grads = torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True)
+        grads = _grads(hooks, loss, wrt, retain_graph=True)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
+        _check_one_example(hooks, params, truth, norms, None)
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:
-            grads = torch.autograd.grad((factors * per_example_loss).sum(), wrt, allow_unused=True)
+            grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
         finally:
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -250,8 +355,22 @@ def _denominator(batch: int, reduction: str, expected_batch_size: float | None) 
 def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
     """The per-example norms the last backward captured (zeros where it reached no layer)."""
     if hooks._collector.param_sq_norms:
-        return hooks.norms()
+        norms = hooks.norms()
+        _check_batch(hooks, per_example_loss, [norms.shape[0]])
+        return norms
     return per_example_loss.new_zeros(per_example_loss.shape[0])
+
+
+def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> None:
+    """The losses are one per example of the captured batch."""
+    bad = [n for n in sizes if n != per_example_loss.shape[0]]
+    if bad:
+        raise ValueError(
+            f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
+            f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
+            "(per-token losses [batch * seq] summed or averaged per example: "
+            "losses.view(batch, -1).sum(1)). No gradient was written."
+        )
 
 
 def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:

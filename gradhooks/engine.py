@@ -302,6 +302,10 @@ class Hooks:
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
         self._probing = False  # inside _probe's backward
+        # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
+        # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
+        # avoids)
+        self._recomputes = False
         self._probe_box: dict | None = None  # the outputs of the forward _probe starts from
         # parameters used outside their modules' calls, by id: the sources of their uses
         self._direct: dict[int, weakref.WeakSet] = {}
@@ -849,6 +853,7 @@ class Hooks:
                     # which reruns this call during the backward. The collector then waits for
                     # the end of the backward to reduce these parameters' pieces.
                     self._frames[-1].unprobed = True
+                    self._recomputes = True
                     if self._collector is not None:
                         self._collector.defer.update(id(p) for p in target.params.values())
                 return
@@ -1800,25 +1805,34 @@ class Hooks:
             masked.append(g * example_mask(g.shape, lay, batch, g.device)[example])
         pids = list(self._params)
         params = [self._params[pid][1] for pid in pids]
-        no_param_grads, self._no_param_grads = self._no_param_grads, False
-        self._probing = True
-        self._rerunning += 1
         try:
-            found = torch.autograd.grad(
-                [e for e, _, _ in used], params, masked, retain_graph=True, allow_unused=True
-            )
+            with self._standing_aside():
+                found = torch.autograd.grad(
+                    [e for e, _, _ in used], params, masked, retain_graph=True, allow_unused=True
+                )
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
             found = None
-        finally:
-            self._rerunning -= 1
-            self._probing = False
-            self._no_param_grads = no_param_grads
         box.clear()  # (the graph's edges: no cycle through the hook that holds them)
         if self._probe_box is box:
             self._probe_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             bw.probe = _Probe(box_frame, example, batch, grads_of, lost)
+
+    @contextlib.contextmanager
+    def _standing_aside(self) -> Iterator[None]:
+        """A backward of autograd's own through the model's graph, to check against (one
+        example's gradient): the hooks capture nothing, and calls run detached or owned give
+        autograd's gradients by running their forward again (no rule runs)."""
+        no_param_grads, self._no_param_grads = self._no_param_grads, False
+        self._probing = True
+        self._rerunning += 1
+        try:
+            yield
+        finally:
+            self._rerunning -= 1
+            self._probing = False
+            self._no_param_grads = no_param_grads
 
     def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what

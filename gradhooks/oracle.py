@@ -82,7 +82,9 @@ def vmap_grad(
 def loop_grad(
     model: nn.Module, loss_fn: LossFn, inputs: Inputs, target: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Per-example gradients by one forward and backward per example."""
+    """Per-example gradients by one forward and backward per example (``loss.backward()``,
+    each parameter's ``.grad`` put back as it was: ``torch.autograd.grad`` would not run
+    reentrant activation checkpointing again, and give those parameters nothing)."""
     inputs = _as_tuple(inputs)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -90,12 +92,19 @@ def loop_grad(
     if batch == 0:
         return _empty(model, dict(zip(names, params)))
     per_example: list[Sequence[Tensor]] = []
-    with paused():
-        for i in range(batch):
-            out = model(*(x[i : i + 1] for x in inputs))
-            loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            per_example.append(
-                [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-            )
+    kept = [p.grad for p in params]
+    try:
+        with paused():
+            for i in range(batch):
+                for p in params:
+                    p.grad = None
+                out = model(*(x[i : i + 1] for x in inputs))
+                loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
+                loss.backward()
+                per_example.append(
+                    [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in params]
+                )
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
     return {n: torch.stack(gs) for n, gs in zip(names, zip(*per_example))}

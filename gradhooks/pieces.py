@@ -475,8 +475,8 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
         gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
         return (aa * gg).flatten(1).sum(1)
     gp = p.grad1(param_shape)
-    gp = gp.reshape(gp.shape[0], -1)  # (a 0-d parameter's is [batch])
-    gq = gp if q is p else q.grad1(param_shape).reshape(gp.shape[0], -1)
+    gp = flat_rows(gp)
+    gq = gp if q is p else flat_rows(q.grad1(param_shape))
     return (gp * gq).sum(1)
 
 
@@ -548,6 +548,12 @@ def rows_outer_inner(p: Rows, q: Outer) -> Tensor | None:
     idx = p.index.reshape(p.batch, 1, p.positions).expand(-1, gq.shape[1], -1)
     ag = torch.einsum("btd,bsd->bts", a, gp)
     return (ag * gq.gather(2, idx)).flatten(1).sum(1)
+
+
+def flat_rows(t: Tensor) -> Tensor:
+    """``t`` ``[batch, *shape]`` as ``[batch, numel of shape]`` (a 0-d parameter's ``grad1`` is
+    ``[batch]``; an empty batch keeps its row length)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def batch_sum(piece: Piece, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:

@@ -400,8 +400,7 @@ def _one_sq_norm(
         sq = piece.a.square().sum(-1) * piece.g.square().sum(-1)  # [batch, *groups, 1]
         return sq.flatten(1).sum(1) * scale**2, "outer"
     if isinstance(piece, P.Direct) or isinstance(piece, P.Outer) and not piece.has_input:
-        g1 = piece.grad1(param.shape, scale)
-        g1 = g1.reshape(g1.shape[0], -1)  # (a 0-d parameter's is [batch])
+        g1 = P.flat_rows(piece.grad1(param.shape, scale))
         if sums is not None:
             sums[id(param)] = g1.sum(0).reshape(param.shape)
         return torch.linalg.vector_norm(g1, dim=1).square(), "direct"
@@ -486,7 +485,7 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, s
         return total, "gram"
     parts, total = [], None
     for _, g in _materialized(h):
-        parts.append(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square())
+        parts.append(torch.linalg.vector_norm(P.flat_rows(g), dim=1).square())
         if sums is not None:
             total = g.sum(0) if total is None else total + g.sum(0)
     if total is not None:

@@ -184,6 +184,117 @@ def test_dp_refuses_a_handle_without_the_quantity():
             gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
 
 
+METHODS = pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+
+
+def _mlp_and_batch(batch=4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    return model, torch.randn(batch, 3, dtype=torch.float64)
+
+
+def _hooked(model, method):
+    return gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",))
+
+
+@METHODS
+@pytest.mark.parametrize(
+    "max_norm, noise",
+    [
+        (0.0, 1.0),
+        (-1.0, 0.0),
+        (float("nan"), 0.0),
+        (float("inf"), 0.0),
+        (1.0, -1.0),
+        (1.0, float("nan")),
+    ],  # fmt: skip
+)
+def test_dp_refuses_clipping_or_noise_that_bounds_nothing(method, max_norm, noise):
+    """A negative max_norm would flip every gradient, NaN or Inf would clip nothing, 0 would
+    leave the noise alone: refused, no gradient written."""
+    model, x = _mlp_and_batch()
+    with _hooked(model, method) as h:
+        with pytest.raises(ValueError, match="max_norm must be|noise_multiplier must be"):
+            gradhooks.dp_sgd_step(
+                h, model(x).pow(2).sum(1), max_norm=max_norm, noise_multiplier=noise,
+                method=method,
+            )  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
+
+
+@METHODS
+def test_dp_refuses_losses_that_are_not_one_per_example(method):
+    """Per-token losses ``[batch * seq]`` passed as they come: one per example is needed
+    (else the sum would be divided by the token count), refused before any gradient."""
+    model, x = _mlp_and_batch()
+    with _hooked(model, method) as h:
+        losses = model(x).pow(2).reshape(-1)  # [4 * 2]
+        with pytest.raises(ValueError, match="has 8 entries, but the hooked forward had a batch"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+    assert all(p.grad is None for p in model.parameters())
+
+
+NOT_OWN = {
+    # a penalty on the parameters added to each example's loss: not in the hooks' gradients
+    "penalty": lambda model, out: out.pow(2).sum(1) + 0.1 * model[0].weight.pow(2).sum(),
+    # each example's loss depends on the other examples' outputs (in-batch negatives)
+    "coupled": lambda model, out: torch.nn.functional.cross_entropy(
+        out @ out.T, torch.arange(out.shape[0]), reduction="none"
+    ),
+}
+
+
+@METHODS
+@pytest.mark.parametrize("how", list(NOT_OWN))
+def test_dp_refuses_a_loss_that_is_not_each_examples_own(method, how):
+    """Clipping bounds each example's influence only where each loss is that example's own:
+    the first step checks one example's gradient against autograd's of its own loss, and
+    refuses, writing no gradient."""
+    model, x = _mlp_and_batch()
+    with _hooked(model, method) as h:
+        losses = NOT_OWN[how](model, model(x))
+        with pytest.raises(RuntimeError, match="dp_sgd_step: example 3|grad1 does not add up"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks under reentrant activation checkpointing, which ``torch.autograd.grad``
+    does not run again (Hugging Face's ``gradient_checkpointing_enable`` uses it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        x = x.requires_grad_()  # (as enable_input_require_grads does)
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=True
+        )
+        return self.head(h)
+
+
+@METHODS
+def test_dp_step_through_reentrant_checkpointing(method):
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    loss = lambda out: out.pow(2).sum()
+    loop = loop_grad(model, loss, x.clone())
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    with _hooked(model, method) as h:
+        got = gradhooks.dp_sgd_step(
+            h, model(x.clone()).pow(2).sum(1), max_norm=max_norm, noise_multiplier=0.0,
+            method=method, reduction="sum",
+        )  # fmt: skip
+    assert_close(got, norms, "norms")
+    for name, p in model.named_parameters():
+        want = torch.einsum("b,b...->...", factors, loop[name])
+        assert_close(p.grad, want, f"{method}: clipped {name}")
+
+
 # -- Jacobians ----------------------------------------------------------------------------------
 
 
