@@ -451,6 +451,16 @@ def _select(args, kwargs, out, layout_of):
     return lay
 
 
+@_handles("im2col", "col2im")
+def _patches(args, kwargs, out, layout_of):
+    """``F.unfold`` / ``F.fold``: ``[N, C, *spatial]`` to and from ``[N, C·k, L]``, each
+    example's own along dimension 0 (also folded with others there)."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN or lay.dim != 0:
+        return UNKNOWN
+    return lay
+
+
 @_handles("tril", "triu", "tril_", "triu_", "diag_embed", "matrix_exp", "inverse",
           "cholesky", "det", "logdet", "slogdet", "trace")  # fmt: skip
 def _matrices(args, kwargs, out, layout_of):
@@ -713,12 +723,12 @@ def _rnn(args, kwargs, out, layout_of):
         # the states are in the packed order (longest first), which the module's forward
         # undoes with an index_select along the batch where the sequences were not sorted
         return [PACKED] + [UNKNOWN for _ in outs[1:]]
-    else:
-        batch_first = bool(args[-1])
-        if lay is UNKNOWN or lay.dim != (0 if batch_first else 1) or not lay.plain:
-            return UNKNOWN
-        first = lay
-    return [first] + [Layout(1) for _ in outs[1:]]
+    batch_first = bool(args[-1])
+    if lay is UNKNOWN or lay.dim != (0 if batch_first else 1):
+        return UNKNOWN
+    # (each row of the batch dimension runs alone: the examples stay where they were, also
+    # folded with other rows, [batch * rows, time, features], as in Sequencer2d)
+    return [lay] + [lay.at(1) for _ in outs[1:]]
 
 
 @_handles("_pack_padded_sequence")
@@ -1117,7 +1127,13 @@ def _name(func: Any) -> str:
     if name == "__get__":  # a property: Tensor.T, .mT, .data
         owner = getattr(func, "__self__", None)
         return "." + getattr(owner, "__name__", "?")
+    if name in _SPATIAL and getattr(func, "__module__", None) == "torch.nn.functional":
+        return _SPATIAL[name]  # (F.unfold is not Tensor.unfold)
     return name
+
+
+# functions of torch.nn.functional named as a Tensor method that does something else
+_SPATIAL = {"unfold": "im2col", "fold": "col2im"}
 
 
 @dataclass

@@ -232,6 +232,39 @@ class TwoCalls(nn.Module):
         return self.gru(x)[0] + self.gru(x.flip(1))[0]
 
 
+class RowsFolded(nn.Module):
+    """Sequencer2d's pattern: an RNN over the rows of each image folded into the batch
+    (``[batch * rows, width, channels]``), then a Linear on the rows moved to dimension 0
+    (``[rows, batch, ...]``), as many rows as examples."""
+
+    def __init__(self, kind, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = TYPES[kind](4, 4, batch_first=batch_first)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(3 * 2 * 4, 5)
+
+    def forward(self, x):  # [batch, rows 3, width 2, channels 4]
+        r = x.reshape(-1, 2, 4)
+        h = self.rnn(r if self.batch_first else r.transpose(0, 1))[0]
+        h = h if self.batch_first else h.transpose(0, 1)
+        z = self.fc(h.reshape(x.shape).transpose(0, 1)).transpose(0, 1)
+        return self.head(z.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_rnn_over_rows_folded_into_the_batch(kind, batch_first):
+    torch.manual_seed(0)
+    model = RowsFolded(kind, batch_first).double()
+    x = torch.randn(3, 3, 2, 4, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"{kind}: {name}")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_module_called_twice(reduction):
     check(Case("gru twice", TwoCalls, lambda b: torch.randn(b, 4, 2)), 3, reduction)

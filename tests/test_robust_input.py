@@ -231,6 +231,28 @@ def test_layer_that_sees_the_batch_elsewhere_is_followed(model, batch_dim):
     assert m.proj.weight.grad1.shape[0] == (10 if model is TimeFolded else 5)
 
 
+@pytest.mark.parametrize("kernel", [2, (2, 2)], ids=["int", "tuple"])
+def test_image_patches_by_unfold(kernel):
+    """``F.unfold`` (not ``Tensor.unfold``, whose arguments are a dimension and a size) keeps
+    each example on dimension 0: the Linear on its patches gets each example's gradient."""
+    torch.manual_seed(0)
+
+    class Patches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):  # [batch, 2, 3, 3] -> patches [4, batch, 8], as many as examples
+            return self.fc(F.unfold(x, kernel).permute(2, 0, 1)).transpose(0, 1)
+
+    m = Patches().double()
+    x = torch.randn(4, 2, 3, 3, dtype=D)
+    want = vmap_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, f"unfold {kernel}")
+
+
 def test_batch_dim_names_where_the_models_batch_is():
     """A model that takes [seq, batch, features] and runs its layers batch-first: batch_dim=1
     says so. batch_dim=0 says the sequence is the batch, and grad1 is then per position
