@@ -329,6 +329,8 @@ class Hooks:
         self._verified: set[tuple] = set()
         self._unverified: set[tuple] = set()
         self._exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
+        # the quantities _probe checks one example of
+        self._checks_examples = self._track and (self._grad1 or "norms" in quantities)
         _refuse_scripted(model, self._targets)
         try:
             self._handles.append(
@@ -1505,6 +1507,9 @@ class Hooks:
         formed: dict[int, Tensor] | None = None
         if sums is not None and not self._grad1 and not self._no_param_grads:
             formed = {}
+        for pname, p in live.items():
+            if not pieces[pname].sums_to_grad:
+                self._exempt.add(id(p))
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
@@ -1522,8 +1527,6 @@ class Hooks:
             return
         for pname, p in live.items():
             piece = pieces[pname]
-            if not piece.sums_to_grad:
-                self._exempt.add(id(p))
             qualname = f"{target.name}.{pname}" if target.name else pname
             if bw is not None and id(p) not in bw.before:
                 # kept for a rollback; a kept grad1 is then never written in place
@@ -1738,7 +1741,7 @@ class Hooks:
             self._probe_box.clear()  # (an earlier forward never backpropagated: its graph goes)
             self._probe_box = None
         if (
-            not (self.verify and self._grad1)
+            not (self.verify and self._checks_examples)
             or self._sharded
             or frame.unprobed
             or tracker.batch < 2
@@ -1865,7 +1868,7 @@ class Hooks:
             if nested:  # their gradients are split between the two: not verified
                 for other in self._tasks.values():
                     other.verify = frozenset()
-            elif self.verify and self._grad1 and self._unverified:
+            elif self.verify and self._checks_examples and self._unverified:
                 bw.verify = frozenset(self._unverified)
             _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
@@ -1878,7 +1881,7 @@ class Hooks:
                 self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
-            if bw.verify and self._capturing_backward():
+            if bw.verify and self._grad1 and self._capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
@@ -1985,6 +1988,11 @@ class Hooks:
                 self._collector.discard_backward()
         if bw.verify and bw.grads and bw.reached:
             self._verify(bw)
+        elif bw.verify and not self._grad1:
+            if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
+                # (after the collector's own callback, which forms the norms)
+                _torch.queue_backward_callback(lambda: self._verify_norms(bw, bw.probe))
+            self._unverified -= bw.verify
         if bw.missed:
             missed = set(bw.missed)
             for name, p in self._params.values():
@@ -2074,23 +2082,47 @@ class Hooks:
         self._rollback(bw)
         if self._collector is not None:
             self._collector.discard_backward()
-        lost = (
-            f" after {', '.join(probe.lost)}, whose effect on the batch it does not know"
-            if probe.lost
-            else ""
-        )
         raise RuntimeError(
             f"gradhooks: example {probe.example}'s grad1 is not the gradient autograd gives that "
             "example from its own rows of the model's output-gradients alone, for "
-            f"{_listed(wrong)}. Its grad1 was not written. Either the model mixes the examples "
-            "of the batch between these parameters and its output (an operation, custom "
-            "autograd.Function or kernel that computes across the rows of the batch, in its "
-            "forward or its backward): one example's loss then depends on the others' and "
-            "per-example gradients do not exist; keep the examples apart (detach what is "
-            "computed from the whole batch) or freeze these parameters. Or gradhooks read the "
-            f"examples from the wrong place{lost}: say where the model's batch is with "
-            "add_hooks(..., batch_dim=k), or register a rule for the layer. This is checked on "
-            "the first backward of each new set of layer calls."
+            f"{_listed(wrong)}. Its grad1 was not written. "
+            + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
+        )
+
+    def _verify_norms(self, bw: _Backward, probe: _Probe) -> None:
+        """:meth:`_verify_probe` for a handle without ``grad1``: example ``probe.example``'s
+        per-parameter norms of this backward against autograd's gradient from that example's
+        output rows alone."""
+        collector = self._collector
+        if collector is None or not collector.param_sq_norms:
+            return
+        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        want_of = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
+                   for pid, g in probe.grads.items() if pid not in self._exempt}  # fmt: skip
+        overall = max(want_of.values(), default=0.0)
+        wrong = []
+        for pid, want in want_of.items():
+            name = collector.names.get(pid)
+            sq = collector.param_sq_norms.get(name)
+            if sq is not None and sq.shape[0] != probe.batch:
+                continue  # (a layer that counts its examples otherwise: bags)
+            got = 0.0 if sq is None else float(sq[probe.example].clamp_min(0).sqrt())
+            tol = {torch.float64: 1e-6, torch.float32: 5e-3}.get(
+                sq.dtype if sq is not None else torch.float64, 1e-1
+            )
+            diff = abs(got - want)
+            if diff > tol * max(got, want) + 1e-3 * tol * overall and diff > 0:
+                wrong.append(f"'{name}' (norm {got:.4g}, autograd's {want:.4g})")
+        if not wrong:
+            return
+        collector.discard_backward()
+        collector.param_sq_norms, collector.norm_forms = {}, {}
+        collector.sum_grad_sq, collector.grad_mean = {}, {}
+        raise RuntimeError(
+            f"gradhooks: example {probe.example}'s per-example norms are not those of the "
+            "gradient autograd gives that example from its own rows of the model's "
+            f"output-gradients alone, for {_listed(wrong)}. The norms of this backward were "
+            "not kept. " + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
 
     def _grad1_of_backward(self, bw: _Backward, pid: int, p: nn.Parameter) -> Tensor | None:
@@ -2733,6 +2765,24 @@ def _mismatch(
     if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
         return f"differs by {diff:.2e}, largest {scale:.2e}"
     return None
+
+
+_EXAMPLES_NOT_APART = (
+    "Either the model mixes the examples of the batch between these parameters and its output "
+    "(an operation, custom autograd.Function or kernel that computes across the rows of the "
+    "batch, in its forward or its backward; or a layer that computes a parameter's use once "
+    "and keeps it): one example's loss then depends on the others' and per-example gradients "
+    "do not exist; keep the examples apart (detach what is computed from the whole batch) or "
+    "freeze these parameters. Or gradhooks read the examples from the wrong place{lost}: say "
+    "where the model's batch is with add_hooks(..., batch_dim=k), or register a rule for the "
+    "layer. This is checked on the first backward of each new set of layer calls."
+)
+
+
+def _lost(probe: _Probe) -> str:
+    if not probe.lost:
+        return ""
+    return f" after {', '.join(probe.lost)}, whose effect on the batch it does not know"
 
 
 def _listed(items: list[str], n: int = 5) -> str:

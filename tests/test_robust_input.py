@@ -629,20 +629,26 @@ UNSEEN_MIXING = {
 }
 
 
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("how", list(UNSEEN_MIXING))
-def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, reduction):
+def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, reduction, quantity):
     """A custom autograd.Function, a gradient hook or an operation the tracker does not follow
     that computes across the batch: the first backward raises, naming the parameters whose
-    grad1 is not their examples' own, and writes no grad1."""
+    grad1 (or norms) are not their examples' own, and keeps none."""
     torch.manual_seed(0)
     m = Between(UNSEEN_MIXING[how]).double()
     x = torch.randn(4, 3, dtype=D)
-    with gradhooks.add_hooks(m, loss_reduction=reduction):
+    with gradhooks.add_hooks(m, loss_reduction=reduction, quantities=(quantity,)) as h:
         out = m(x)
         loss = sq(out) / (4 if reduction == "mean" else 1)
-        with pytest.raises(RuntimeError, match=r"example 3's grad1 .*'l1\.weight'"):
+        with pytest.raises(
+            RuntimeError, match=r"example 3's (grad1|per-example norms) .*'l1\.weight'"
+        ):
             loss.backward()
+        if quantity == "norms":
+            with pytest.raises(RuntimeError, match="no backward has been captured"):
+                h.norms()
     assert not any(hasattr(p, "grad1") for p in m.parameters())
 
 
@@ -659,6 +665,10 @@ def test_custom_function_that_keeps_the_examples_apart(reduction):
             h.clear()
             sq(m(x)).div(4 if reduction == "mean" else 1).backward()
             assert_matches(m, want, "row-wise function")
+    norms = torch.cat([g.reshape(4, -1) for g in want.values()], 1).norm(dim=1)
+    with gradhooks.add_hooks(m, loss_reduction=reduction, quantities=("norms",)) as h:
+        sq(m(x)).div(4 if reduction == "mean" else 1).backward()
+        assert_close(h.norms(), norms, "row-wise function: norms")
 
 
 def test_operation_without_a_handler_keeps_each_example_apart():
