@@ -883,6 +883,10 @@ class Hooks:
             if not hooked:
                 return
             if target.entry is FALLBACK and tracker is not None:
+                if used.mixed:
+                    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+                    outs = [t for t in _leaves(output) if isinstance(t, Tensor)]
+                    tracker.absorb(used, ins, outs)
                 live = _used_by_fallback(target, live, used, tracker, output)
                 if not live:
                     return  # the tracker follows every use (or there was none)

@@ -1146,6 +1146,9 @@ class _Use:
     soft: bool = False
     sources: dict[int, Source] = field(default_factory=dict)  # soft: per parameter id
     functional: set[int] = field(default_factory=set)  # soft: captured as a function's call
+    # soft: the operations of its own that mixed rows of the batch (see Tracker.absorb)
+    mixing: set[str] = field(default_factory=set)
+    mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
 
 
 class Tracker(TorchFunctionMode):
@@ -1224,6 +1227,36 @@ class Tracker(TorchFunctionMode):
             record.called.add(id(module))
         self.covered.append(frozenset(id(p) for p in params))
         self.used.append(_Use(soft=soft))
+
+    def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
+        """A call of a module without a rule (``used``, just left) whose own operations mixed
+        rows of the batch: rows picked by a data-dependent index and put back (a
+        mixture-of-experts layer routing each token), which the tracker cannot follow. Its
+        ``torch.func`` fallback recomputes it one example at a time (checking that this
+        reproduces its output, so a module that truly mixes the examples is an error there):
+        its outputs are taken to hold the examples as its first input with examples does,
+        where their shapes agree, and its parameters' uses go to the fallback. Returns whether
+        it did."""
+        if not used.mixing or not used.mixing <= _PICKS:
+            return False  # (a reduction or product across the batch: truly mixed)
+        if any(self._layout_of(t) is MIXED for t in inputs):
+            return False  # (mixed before the call)
+        first = next((lay for t in inputs if (lay := self._layout_of(t)) is not None), None)
+        if first is None or first.dim < 0:
+            return False
+        size = first.size(self.batch)
+        lays = [self._layout_of(o) for o in outputs]
+        if not any(lay is MIXED for lay in lays) or any(
+            lay is MIXED and (o.dim() <= first.dim or o.shape[first.dim] != size)
+            for o, lay in zip(outputs, lays)
+        ):
+            return False
+        for o, lay in zip(outputs, lays):
+            if lay is MIXED:
+                self.layouts[o] = first
+        for s in used.sources.values():
+            s.needs_fallback = True
+        return True
 
     def exit_call(self) -> _Use:
         """Leave the innermost call: which of its parameters its operations used, and which
@@ -1392,6 +1425,10 @@ class Tracker(TorchFunctionMode):
                     self.mixed.setdefault(name, None)
                 for o in outs:
                     self.layouts[o] = MIXED
+                if self.used and self.used[-1].soft:
+                    self.used[-1].mixed = True
+                    if not inherited:
+                        self.used[-1].mixing.add(name)
                 return
             # no gradient flows back through it (data, detached statistics): each row is still
             # a constant of its example's computation, where the rule's dimension reads it
@@ -1705,6 +1742,13 @@ class Tracker(TorchFunctionMode):
 
 
 _ACTIVE: list[Tracker] = []
+# operations that pick or put back rows by an index: inside a module without a rule, the
+# fallback's recomputation one example at a time tells whether they kept the examples apart
+_PICKS = frozenset(
+    """__getitem__ __setitem__ index_select index_add index_add_ index_copy index_copy_
+    index_put index_put_ gather scatter scatter_ scatter_add scatter_add_ take_along_dim
+    masked_select masked_scatter masked_scatter_""".split()
+)
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

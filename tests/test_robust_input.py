@@ -967,6 +967,86 @@ def test_weight_norm_old_and_new(style, layer):
                 sq(model(x)).backward()
 
 
+class _Experts(nn.Module):
+    """Mixture-of-experts routing as Hugging Face writes it (Mixtral): each expert's weights a
+    slice of one 3-d parameter, each token's rows picked by a data-dependent index, and put
+    back with ``index_add_``; no rule, so the fallback recomputes it one example at a time."""
+
+    def __init__(self, experts=3, dim=4, hidden=6):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, hidden, dim) / 2)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) / 2)
+
+    def forward(self, h, top, weights):  # h [tokens, dim], top / weights [tokens, k]
+        out = torch.zeros_like(h)
+        for e in range(self.up.shape[0]):
+            token, slot = torch.where(top == e)
+            rows = F.linear(torch.tanh(F.linear(h[token], self.up[e])), self.down[e])
+            out.index_add_(0, token, rows * weights[token, slot, None])
+        return out
+
+
+class _MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts, self.head = nn.Linear(4, 3), _Experts(), nn.Linear(4, 2)
+
+    def forward(self, x):  # [batch, tokens, 4]
+        flat = x.reshape(-1, 4)
+        weights, top = self.router(flat).softmax(-1).topk(2, -1)
+        return self.head(self.experts(flat, top, weights).view(x.shape))
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("tokens", [3, 5], ids=["tokens=batch", "tokens>batch"])
+def test_mixture_of_experts_routing_each_token(tokens, quantity):
+    """Rows of the batch picked by a data-dependent index and put back inside a module without
+    a rule: the fallback recomputes it per example (which reproduces its output: routing is
+    per token), so each example gets its own gradient."""
+    torch.manual_seed(0)
+    m = _MoE().double()
+    x = torch.randn(3, tokens, 4, dtype=D)
+    want = loop_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=(quantity,)) as h:
+        sq(m(x)).backward()
+    if quantity == "grad1":
+        assert_matches(m, want, "experts")
+    else:
+        norms = torch.cat([g.reshape(3, -1) for g in want.values()], 1).norm(dim=1)
+        assert_close(h.norms(), norms, "experts: norms")
+
+
+def test_a_module_without_a_rule_that_truly_mixes_is_still_refused():
+    """The same picking of rows, but each example's rows put back into another example's
+    (a shift of the index): the per-example recomputation does not reproduce the output."""
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, h):  # [tokens, 4]
+            idx = torch.where(h[:, 0] > -100)[0]
+            out = torch.zeros_like(h)
+            return out.index_add_(0, (idx + 3) % h.shape[0], F.linear(h[idx], self.w))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.head = Shifted(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.mix(x.reshape(-1, 4)).view(x.shape))
+
+    torch.manual_seed(0)
+    m = Model().double()
+    x = torch.randn(3, 3, 4, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match="'mix'.*one example at a time does not reproduce"):
+            sq(m(x)).backward()
+    assert not any(hasattr(p, "grad1") for p in m.parameters())
+
+
 # -- parameters used outside their modules' calls: followed, or refused, never left out ---------
 
 
