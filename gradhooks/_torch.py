@@ -69,9 +69,11 @@ Required (no fallback; :func:`require` refuses without them):
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
-  :func:`global_forward_hooks`): the engine runs a call with its parameters replaced by
-  detached ones, and checks that its hooks run where it needs them (``engine.py``,
-  ``oracle.py``).
+  :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine runs a call with its
+  parameters replaced by detached ones, and checks that its hooks run where it needs them
+  (``engine.py``, ``oracle.py``); the fallback runs a module again without its forward hooks
+  (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
+  ``enable_input_require_grads`` adds, fails under ``torch.func``).
 - ``fsdp_module``: ``torch.distributed._composable.fsdp.FSDPModule`` (:func:`fsdp_module_class`),
   the class ``fully_shard`` gives a module, public as ``torch.distributed.fsdp.FSDPModule``
   from torch 2.6; read under the private name before. Without either, no module is taken as
@@ -112,6 +114,7 @@ __all__ = [
     "positional",
     "disabled",
     "first_forward_hook",
+    "forward_hooks_off",
     "fsdp_module_class",
     "fused_lstm",
     "global_forward_hooks",
@@ -600,6 +603,19 @@ def own_parameters(module: nn.Module) -> dict[str, Any]:
     ``setattr`` (a plain tensor for a parameter), as ``torch.func.functional_call`` does
     internally; torch has no public way to do it. Required (:func:`require`)."""
     return module._parameters
+
+
+@contextlib.contextmanager
+def forward_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s own forward hooks (``module._forward_hooks``: its
+    pre-hooks stay) do not run when it is called: torch has no public way to call a module
+    with its forward pre-hooks but not its hooks."""
+    kept = module._forward_hooks
+    module._forward_hooks = type(kept)()
+    try:
+        yield
+    finally:
+        module._forward_hooks = kept
 
 
 def first_forward_hook(module: nn.Module) -> Any:

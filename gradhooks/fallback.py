@@ -227,7 +227,10 @@ def _by_layout_split(call: Call, wrt: Mapping[str, nn.Parameter], split: list[bo
 
     called: set[int] = set()
     try:
-        with torch.set_grad_enabled(create_graph), warnings.catch_warnings():
+        # (its own forward hooks are the caller's business, not the recomputation's: a hook
+        # that calls output.requires_grad_() fails under torch.func)
+        with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
+                _torch.forward_hooks_off(module):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
             if module not in _LOOP:
@@ -376,7 +379,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
-        with torch.set_grad_enabled(create_graph), warnings.catch_warnings():
+        with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
+                _torch.forward_hooks_off(module):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             vmapped = module not in _LOOP
             if vmapped:

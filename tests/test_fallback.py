@@ -320,3 +320,32 @@ def test_outputs_computed_from_each_other(reduction):
         (loss(model(x)) / (4 if reduction == "mean" else 1)).backward()
     for n, p in model.named_parameters():
         assert_close(p.grad1, want[n], n)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An Embedding that overrides forward (Hugging Face's ``*ScaledWordEmbedding``): no rule."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_modules_own_forward_hooks_do_not_run_in_the_recomputation(reduction):
+    """A forward hook on a module the fallback recomputes, as Hugging Face's
+    ``enable_input_require_grads`` adds (``output.requires_grad_(True)``, which torch.func
+    refuses), and one that records outputs: the recomputation runs without them, and they run
+    once per forward, as without gradhooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledEmbedding(10, 4), nn.Linear(4, 3)).double()
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: o.requires_grad_(True))
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ids = torch.randint(0, 10, (4, 5))
+    loss = lambda out: out.pow(2).sum()
+    want = loop_grad(model, loss, ids)
+    seen.clear()
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        loss(model(ids)).div(4 if reduction == "mean" else 1).backward()
+    assert seen == [(4, 5, 4)]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[n])
