@@ -461,7 +461,10 @@ class Hooks:
 
     def clear(self) -> None:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
-        it. The current ``grad1`` tensors stay readable."""
+        it. The current ``grad1`` tensors stay readable (those of a backward that failed half
+        way are put back as they were before it)."""
+        if _graph_task() == -1:
+            self._drop_stale()
         self._written.clear()
         self._missed.clear()
         self._hessian_backprops.clear()
@@ -565,7 +568,8 @@ class Hooks:
         return dict(self._results("norms").norm_forms)
 
     def norms(self) -> Tensor:
-        """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``)."""
+        """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``), of the
+        last backward (each backward replaces them; they do not accumulate as ``grad1``)."""
         c = self._results("norms")
         if not c.param_sq_norms:
             raise RuntimeError(
@@ -1057,6 +1061,13 @@ class Hooks:
                 "example's loss depends on another's, per-example gradients do not exist. Keep "
                 "the examples apart in the forward (detach what is computed from the whole "
                 "batch, or compute it outside the model), or freeze this layer's parameters."
+                + (
+                    f" The batch was taken as dimension 0 of the model's first input ({batch} "
+                    "examples): if it is another dimension (a sequence-first model, [seq, "
+                    "batch, ...]), say which with add_hooks(model, batch_dim=k)."
+                    if self.batch_dim == "auto"
+                    else ""
+                )
             )
         if first is PACKED:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
@@ -1640,7 +1651,8 @@ class Hooks:
         ref = weakref.ref(module)
 
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self._frames and m is ref():
+            # (not during a backward: activation checkpointing running a block again)
+            if not self._frames and m is ref() and _graph_task() == -1:
                 self._open_frame(m, args, kwargs)
 
         def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -107,6 +107,10 @@ _TAKES_ORDER = {"_pack_padded_sequence"}
 MIXED = Layout(-3)
 
 
+def _followed(lay: Layout | None) -> bool:
+    return lay is not None and lay.dim >= 0
+
+
 def batch_rows(t: Tensor, layout: Layout, batch: int) -> Tensor:
     """``t`` with its examples on a new leading dimension: ``[batch, ...]``, the layout's
     dimension keeping ``outer · inner`` entries (``outer`` before ``inner``)."""
@@ -1419,6 +1423,10 @@ class Tracker(TorchFunctionMode):
             elif any(o.requires_grad for o in outs):
                 for o in outs:
                     self.reordered[o] = reordered
+        if result is MIXED and self.batch == 1 and not inherited:
+            # one example cannot mix with another: where two reshapes put its only entry on
+            # different dimensions (heads folded in, sequence-first), take the first input's
+            result = next((lay for t in ins if _followed(lay := self._layout_of(t))), UNKNOWN)
         if result is MIXED:
             if any(o.requires_grad for o in outs):
                 if not inherited:

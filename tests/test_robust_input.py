@@ -253,6 +253,44 @@ def test_image_patches_by_unfold(kernel):
     assert_matches(m, want, f"unfold {kernel}")
 
 
+class _HeadsFolded(nn.Module):
+    """Attention written sequence-first with the heads folded into the batch, as torch 1.x's
+    and Opacus' ``DPMultiheadAttention`` do: ``[T, B, D]`` viewed as ``[T, B * H, D / H]``."""
+
+    def __init__(self, dim=4, heads=2):
+        super().__init__()
+        self.heads, self.q, self.k, self.out = (
+            heads,
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+        )
+
+    def forward(self, x):  # [T, B, D]
+        t, b, d = x.shape
+        fold = lambda h: h.contiguous().view(t, b * self.heads, d // self.heads).transpose(0, 1)
+        q, k = fold(self.q(x)), fold(self.k(x))
+        o = torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1), q)
+        return self.out(o.transpose(0, 1).contiguous().view(t, b, d))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_heads_folded_into_a_sequence_first_batch(batch):
+    """Also for one example, whose only entry two reshapes may put on different dimensions
+    (it mixes with nothing): each example's own gradient, with batch_dim=1."""
+    torch.manual_seed(0)
+    m = _HeadsFolded().double()
+    x = torch.randn(5, batch, 4, dtype=D)
+    params = dict(m.named_parameters())
+    rows = [
+        torch.autograd.grad(sq(m(x[:, i : i + 1])), list(params.values())) for i in range(batch)
+    ]
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=1):
+        sq(m(x)).backward()
+    for k, (n, p) in enumerate(params.items()):
+        assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
+
+
 def test_batch_dim_names_where_the_models_batch_is():
     """A model that takes [seq, batch, features] and runs its layers batch-first: batch_dim=1
     says so. batch_dim=0 says the sequence is the batch, and grad1 is then per position
