@@ -187,6 +187,7 @@ _POINTWISE = """
     reciprocal sin cos tan asin acos atan sinh cosh tanh asinh acosh atanh erf erfc erfinv
     sigmoid logit relu relu6 gelu silu mish elu selu celu leaky_relu rrelu hardtanh hardswish
     hardsigmoid hardshrink softshrink tanhshrink softplus softsign threshold logsigmoid
+    log_sigmoid special_expit lgamma digamma sinc xlog1py heaviside deg2rad rad2deg i0
     prelu floor ceil round trunc frac isnan isinf isfinite isneginf isposinf nan_to_num
     dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
     to type type_as float double half bfloat16 int long bool short char byte cpu cuda
@@ -358,6 +359,21 @@ for _n in ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "
     _HANDLERS[_n] = _NeedsBatch(_reshape_like)
 
 
+@_handles("repeat_interleave")
+def _repeat_interleave(args, kwargs, out, layout_of):
+    """``x.repeat_interleave(k, dim)``: along the layout's dimension each entry is repeated
+    ``k`` times in place, so every example's entries stay together (``inner`` times ``k``);
+    along another dimension the layout stays. Per-entry counts (a tensor), or no ``dim`` (the
+    input flattened): not followed."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    repeats, dim = _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
+    if t is None or lay is UNKNOWN or dim is None or not isinstance(repeats, int):
+        return UNKNOWN
+    if _norm_dim(int(dim), t.dim()) != lay.dim:
+        return lay
+    return Layout(lay.dim, lay.outer, lay.inner * repeats)
+
+
 @_handles("expand", "expand_as", "broadcast_to", "expand_copy")
 def _expand(args, kwargs, out, layout_of):
     t, lay = _single_input(args, kwargs, layout_of)
@@ -474,6 +490,31 @@ def _matrices(args, kwargs, out, layout_of):
     if t is None or lay is UNKNOWN or o is None or lay.dim >= t.dim() - 2:
         return UNKNOWN
     return lay.at(lay.dim + o.dim() - t.dim())
+
+
+@_handles("view_as_complex", "view_as_real")
+def _complex_view(args, kwargs, out, layout_of):
+    """``view_as_complex`` drops a last dimension of 2, ``view_as_real`` adds one (rotary
+    embeddings as complex products): a layout before it stays."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN or lay.dim >= t.dim() - 1:
+        return UNKNOWN
+    return lay
+
+
+@_handles("linalg_solve_triangular", "linalg_solve", "cholesky_solve", "triangular_solve")
+def _solves(args, kwargs, out, layout_of):
+    """Batched solves of two operands (``[..., n, n]`` and ``[..., n, k]``): a layout among the
+    leading dimensions of each, the same in both (or one operand without examples), stays."""
+    ts = [a for a in args[:2] if isinstance(a, Tensor)]
+    o = _first_tensor(out)
+    lays = {layout_of(t) for t in ts} - {None}
+    if len(ts) != 2 or o is None or len(lays) != 1:
+        return UNKNOWN
+    (lay,) = lays
+    if lay is UNKNOWN or ts[0].dim() != ts[1].dim() or lay.dim >= ts[0].dim() - 2:
+        return UNKNOWN
+    return lay
 
 
 def _blocks(lay: Layout, size: int, start: int, stop: int, step: int) -> Layout | None:
@@ -1245,7 +1286,7 @@ class Tracker(TorchFunctionMode):
             return False  # (a reduction or product across the batch: truly mixed)
         if any(self._layout_of(t) is MIXED for t in inputs):
             return False  # (mixed before the call)
-        first = next((lay for t in inputs if (lay := self._layout_of(t)) is not None), None)
+        first = next((lay for t in inputs if (lay := self.presumed_of(t)) is not None), None)
         if first is None or first.dim < 0:
             return False
         size = first.size(self.batch)
@@ -1391,6 +1432,11 @@ class Tracker(TorchFunctionMode):
 
     def _layout_of(self, t: Any) -> Layout | None:
         return self.layouts.get(t) if isinstance(t, Tensor) else None
+
+    def presumed_of(self, t: Any) -> Layout | None:
+        """``t``'s layout, or, where it is unknown, where its examples are presumed."""
+        lay = self._layout_of(t)
+        return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
     def _propagate(self, name: str, args, kwargs, out) -> None:
         args, kwargs = _data_args(name, args, kwargs)
@@ -1690,6 +1736,9 @@ class Tracker(TorchFunctionMode):
                 return None  # (a matrix product's rows or columns: not row by row)
             source, how = found
             j = lay.dim
+            k = source.dim() - (t.dim() - j)  # the source's dimension along the batch
+            if how != "repeat" and k >= 0 and source.shape[k] != 1:
+                return None  # (already as long as the batch: the expansion copied nothing)
             if how == "repeat":
                 k = source.dim() - (t.dim() - j)  # the source's dimension that was repeated
                 if k < 0 or source.shape[k] != lay.inner or any(

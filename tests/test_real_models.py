@@ -185,6 +185,21 @@ def deberta_v2():  # relative-position projections of a [1, 2k, H] table, a tabl
     return transformers.DebertaV2ForSequenceClassification(cfg)
 
 
+def mixtral():  # experts routing each token: rows picked by index, put back by index_add_
+    cfg = transformers.MixtralConfig(**SMALL, num_key_value_heads=1, num_local_experts=3,
+                                     num_experts_per_tok=2)  # fmt: skip
+    cfg._experts_implementation = "eager"  # (the default grouped_mm takes no float64 on CPU)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def qwen2_moe():  # experts and a gated shared expert
+    cfg = transformers.Qwen2MoeConfig(**SMALL, num_key_value_heads=1, num_experts=3,
+                                      num_experts_per_tok=2, moe_intermediate_size=12,
+                                      shared_expert_intermediate_size=12)  # fmt: skip
+    cfg._experts_implementation = "eager"
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
 HF = {
     # name: (model factory, loss, batch kwargs, takes position_ids)
     "gpt2": (gpt2, lm_loss, {}, True),
@@ -197,6 +212,8 @@ HF = {
     "albert": (albert, cls_loss, {"classes": 3}, True),
     "roberta": (roberta, cls_loss, {"classes": 3}, False),
     "deberta-v2": (deberta_v2, cls_loss, {"classes": 3}, False),
+    "mixtral": (mixtral, lm_loss, {}, False),
+    "qwen2-moe": (qwen2_moe, lm_loss, {}, False),
 }
 
 
