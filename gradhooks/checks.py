@@ -30,6 +30,17 @@ _LIMIT: list[int | str | None] = ["auto"]
 _AUTO_FRACTION = 0.5
 
 
+def example_weights(batch: int) -> Tensor:
+    """``[batch]`` float64 weights in ``[1, 2)``, all different (the fractional parts of
+    multiples of the golden ratio): the checks compare ``Σ_i weights[i] · grad1[i]`` with the
+    gradient autograd gives the examples' losses (or output rows) weighted alike, which sees an
+    error in any example's ``grad1`` (a sum, all weights 1, would not see examples that
+    cancel)."""
+    return 1.0 + torch.remainder(
+        torch.arange(1, batch + 1, dtype=torch.float64) * 0.6180339887, 1.0
+    )
+
+
 class Grad1TooLarge(MemoryError):
     """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated)."""
 

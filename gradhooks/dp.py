@@ -43,8 +43,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import checks
 from . import pieces as P
-from .engine import Hooks
+from .engine import _PROBE_TOLERANCE, Hooks, _mismatch
 
 __all__ = ["dp_sgd_step", "clip_factors"]
 
@@ -171,9 +172,11 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
             p.grad = g
 
 
-def _one_example(hooks: Hooks, per_example_loss: Tensor, wrt: list) -> tuple | None:
-    """On the first step of each new set of calls: the last example's gradient by autograd,
-    from its own loss alone (:func:`_check_one_example` compares the step's with it).
+def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tuple | None:
+    """On the first step of each new set of calls, autograd's gradient of the examples' own
+    losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`checks.example_weights`,
+    every example checked at once) where the hooks give per-example gradients to weight alike
+    (``grad1``, book-keeping), else of the last example's loss alone (its per-parameter norms).
     ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
     if (
@@ -184,62 +187,68 @@ def _one_example(hooks: Hooks, per_example_loss: Tensor, wrt: list) -> tuple | N
         or not per_example_loss.requires_grad
     ):
         return None
+    if method == "ghost":
+        weights = torch.zeros(batch, dtype=torch.float64)
+        weights[-1] = 1.0
+    else:
+        weights = checks.example_weights(batch)
+    w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
     with hooks._standing_aside():
         grads = torch.autograd.grad(
-            per_example_loss[batch - 1], wrt, retain_graph=True, allow_unused=True
+            (w * per_example_loss).sum(), wrt, retain_graph=True, allow_unused=True
         )
-    if hooks._probe_box is not None:  # (the hooks' own check of one example: this one's is it)
+    if hooks._probe_box is not None:  # (the hooks' own check of the examples: this one is it)
         hooks._probe_box.clear()
         hooks._probe_box = None
     if not hooks._grad1:
         hooks._unverified.clear()
-    return grads
+    return weights, grads
 
 
-def _check_one_example(
-    hooks: Hooks, params: list, truth: tuple | None, norms: Tensor, grads1: list | None
-) -> None:
-    """The step's norm (and ``grad1``) of the last example against autograd's gradient of that
-    example's own loss: a loss that depends on other examples (a contrastive loss, a term that
-    is no example's added to each) or a model that mixes them where gradhooks cannot see it
-    would show here."""
+def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list, norms: bool) -> None:
+    """The step's per-example gradients against autograd's of the examples' own losses
+    (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i`` (or, with ``norms``, the last
+    example's norm). A loss that depends on other examples (a contrastive loss, a penalty added
+    to each example's loss) or a model that mixes them where gradhooks cannot see it shows
+    here."""
     if truth is None:
         return
-    batch = norms.shape[0]
+    weights, grads = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
-    parts, wrong = [], []
-    for i, (p, g) in enumerate(zip(params, truth, strict=True)):
-        g = torch.zeros(p.shape, dtype=norms.dtype, device=norms.device) if g is None else g
-        g = g.to_dense() if g.is_sparse else g
-        parts.append(g.detach().reshape(-1).to(norms.dtype))
-        if grads1 is not None and grads1[i] is not None:
-            got = grads1[i][batch - 1].detach()
-            tol = _tolerance(got.dtype)
-            if tol and (got - g).norm() > tol * max(float(g.norm()), float(got.norm())) + 1e-30:
-                wrong.append(f"'{names.get(id(p), '?')}'")
-    want = torch.cat(parts).norm() if parts else norms.new_zeros(())
-    got = norms[batch - 1]
-    tol = _tolerance(norms.dtype)
-    off = tol and bool((got - want).abs() > tol * max(float(want), float(got)) + 1e-30)
-    if not (off or wrong) or not torch.isfinite(want) or not torch.isfinite(got):
+    wants = [
+        torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
+        else (g.to_dense() if g.is_sparse else g).detach()
+        for p, g in zip(params, grads, strict=True)
+    ]  # fmt: skip
+    if norms:
+        wants = [w.norm().reshape(1) for w in wants]
+    overall = max((float(w.abs().max()) for w in wants if w.numel()), default=0.0)
+    wrong = []
+    for p, want, g in zip(params, wants, got, strict=True):
+        g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
+        diff = _mismatch(g, want, None, overall, **_PROBE_TOLERANCE)
+        if diff is not None:
+            wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
+    if not wrong:
         return
-    which = f" (differing in {', '.join(wrong[:5])})" if wrong else ""
-    raise RuntimeError(
-        f"dp_sgd_step: example {batch - 1}'s gradient from the hooks (norm {float(got):.6g}) "
-        f"is not the gradient of its own loss, per_example_loss[{batch - 1}] (norm "
-        f"{float(want):.6g}, by autograd){which}. Either its loss depends on the other "
-        "examples (a loss that couples the batch, such as a contrastive one) or on the "
-        "parameters outside the model's per-example path (a penalty such as weight decay added "
-        "to each example's loss: leave it out, and add its gradient to .grad after the step), "
-        "or the model mixes the examples where gradhooks cannot see it. Clipping would not "
-        "bound each example's influence, so no gradient was written. This is checked on the "
-        "first step of each new set of layer calls."
+    last = weights.shape[0] - 1
+    what = (
+        f"example {last}'s per-parameter gradient norms from the hooks are not those of the "
+        f"gradient of its own loss, per_example_loss[{last}]"
+        if norms
+        else "the per-example gradients from the hooks, weighted over the examples, are not "
+        "the gradient of the examples' own losses weighted alike"
     )
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """Relative: float64, float32 (none below: not compared)."""
-    return {torch.float64: 1e-6, torch.float32: 5e-3}.get(dtype, 0.0)
+    more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+    raise RuntimeError(
+        f"dp_sgd_step: {what} (by autograd), for {', '.join(wrong[:5])}{more}. Either an "
+        "example's loss depends on the other examples (a loss that couples the batch, such as "
+        "a contrastive one) or on the parameters outside the model's per-example path (a "
+        "penalty such as weight decay added to each example's loss: leave it out, and add its "
+        "gradient to .grad after the step), or the model mixes the examples where gradhooks "
+        "cannot see it. Clipping would not bound each example's influence, so no gradient was "
+        "written. This is checked on the first step of each new set of layer calls."
+    )
 
 
 def _clipped_sums(
@@ -251,7 +260,7 @@ def _clipped_sums(
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
     wrt = [hooks._current.get(id(p), p) for p in params]
-    truth = _one_example(hooks, per_example_loss, wrt)
+    truth = _truth(hooks, per_example_loss, wrt, method)
     hooks.clear()
     if method == "grad1":
         grads = _grads(hooks, loss, wrt)
@@ -263,7 +272,12 @@ def _clipped_sums(
             if g is not None:
                 sq = sq + P.flat_rows(g).pow(2).sum(1)
         norms = sq.sqrt()
-        _check_one_example(hooks, params, truth, norms, grads1)
+        if truth is not None:
+            w = truth[0]
+            _check_step(hooks, params, truth, [
+                None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
+                for g in grads1
+            ], norms=False)  # fmt: skip
         factors = clip_factors(norms, max_norm)
         clipped = [
             _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
@@ -279,7 +293,14 @@ def _clipped_sums(
             hooks._no_param_grads = False
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
-        _check_one_example(hooks, params, truth, norms, None)
+        if truth is not None:
+            w = truth[0].to(device=norms.device, dtype=norms.dtype)
+            weighted: dict[int, Tensor] = {}
+            for pieces, live, scale in kept:
+                for pname, p in live.items():
+                    s = P.batch_sum(pieces[pname], p.shape, w * scale).to(p.dtype)
+                    weighted[id(p)] = s if id(p) not in weighted else weighted[id(p)] + s
+            _check_step(hooks, params, truth, [weighted.get(id(p)) for p in params], norms=False)
         factors = clip_factors(norms, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
@@ -292,7 +313,13 @@ def _clipped_sums(
         grads = _grads(hooks, loss, wrt, retain_graph=True)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
-        _check_one_example(hooks, params, truth, norms, None)
+        if truth is not None:
+            per_param = hooks.param_norms()
+            names = hooks._collector.names
+            _check_step(hooks, params, truth, [
+                None if names.get(id(p)) not in per_param else per_param[names[id(p)]][-1]
+                for p in params
+            ], norms=True)  # fmt: skip
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:

@@ -133,14 +133,25 @@ class _Backward:
 
 @dataclass
 class _Probe:
-    """One example's gradient of every parameter, as autograd gives it from that example's
-    rows of the model's output-gradients alone (:meth:`Hooks._probe`)."""
+    """Every parameter's gradient as autograd gives it from the model's output-gradients with
+    each example's rows weighted by ``weights[i]`` (:meth:`Hooks._probe`): ``Σ_i weights[i] ·
+    grad1[i]`` must equal it. ``weights`` is one example's indicator where the handle forms
+    norms, not ``grad1``."""
 
     frame: int  # id of the forward whose outputs it started from
-    example: int
-    batch: int
+    weights: Tensor  # [batch]
     grads: dict[int, Tensor]  # by parameter id
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
+
+    @property
+    def batch(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def example(self) -> int:
+        """The example checked alone (norms), or -1 (all, weighted: grad1)."""
+        nonzero = (self.weights != 0).nonzero()
+        return int(nonzero[0, 0]) if nonzero.shape[0] == 1 else -1
 
 
 class _Sums(dict):
@@ -1047,9 +1058,21 @@ class Hooks:
             return None
         batch = tracker.batch
         ins, outs = tree_flatten((args, kwargs))[0], tree_flatten(output)[0]
-        lin = tuple(tracker.layout(t) for t in ins)
-        lout = tuple(tracker.layout(t) for t in outs)
+        # (the fallback may split where the examples are presumed: its recomputation one
+        # example at a time must reproduce the call's output; a rule is never handed them)
+        of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
+        lin = tuple(of(t) for t in ins)
+        lout = tuple(of(t) for t in outs)
         first = next((lay for lay in lin if lay is not None), None)
+        if target.entry is FALLBACK and first is not None and first.dim >= 0:
+            # (an input whose examples were lost but whose rows line up with the first's:
+            # split like it, which the recomputation checks)
+            size = first.size(batch)
+            lin = tuple(
+                first if lay is UNKNOWN and t.dim() > first.dim and t.shape[first.dim] == size
+                else lay
+                for t, lay in zip(ins, lin)
+            )  # fmt: skip
         where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
         if any(lay is MIXED for lay in lin):
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
@@ -1794,11 +1817,14 @@ class Hooks:
 
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
-        the model's output-gradients in hand: every parameter's gradient from one example's
-        rows of them alone, by a backward of autograd's own through the same graph (the hooks
-        stand aside). :meth:`_verify` compares it with that example's ``grad1``. Only where
-        every output that has a gradient holds the examples where the tracker followed them;
-        an output that lost them (a loss computed inside the model) leaves the check out."""
+        the model's output-gradients in hand: every parameter's gradient from them with each
+        example's rows weighted (:func:`checks.example_weights`; for a handle without
+        ``grad1``, the last example's rows alone), by a backward of autograd's own through the
+        same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or the
+        norms) weighted alike. Only where every output that has a gradient holds the examples
+        where the tracker followed them, and none is computed from another (whose gradient
+        would then be counted twice); an output that lost them (a loss computed inside the
+        model) leaves the check out."""
         if (
             not box
             or self._removed
@@ -1813,15 +1839,25 @@ class Hooks:
             return
         used = [(e, g, lay) for e, g, lay in zip(box["edges"], grads, box["layouts"])
                 if g is not None]  # fmt: skip
-        if not used or any(lay is None for _, _, lay in used):
+        if (
+            not used
+            or any(lay is None for _, _, lay in used)
+            or _dependent([e for e, _, _ in used])
+        ):
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
-        example = batch - 1
+        if self._grad1:
+            weights = checks.example_weights(batch)
+        else:
+            weights = torch.zeros(batch, dtype=torch.float64)
+            weights[-1] = 1.0
         masked = []
         for _, g, lay in used:
             if lay.size(batch) != g.shape[lay.dim]:
                 return
-            masked.append(g * example_mask(g.shape, lay, batch, g.device)[example])
+            mask = example_mask(g.shape, lay, batch, g.device)  # [batch, *shape]
+            w = weights.to(device=g.device, dtype=g.dtype)
+            masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
         pids = list(self._params)
         params = [self._params[pid][1] for pid in pids]
         try:
@@ -1836,7 +1872,7 @@ class Hooks:
             self._probe_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
-            bw.probe = _Probe(box_frame, example, batch, grads_of, lost)
+            bw.probe = _Probe(box_frame, weights, grads_of, lost)
 
     @contextlib.contextmanager
     def _standing_aside(self) -> Iterator[None]:
@@ -2074,11 +2110,11 @@ class Hooks:
         self._unverified -= bw.verify
 
     def _verify_probe(self, bw: _Backward, probe: _Probe) -> None:
-        """:meth:`_verify`'s second part: example ``probe.example``'s ``grad1`` of this
-        backward against autograd's gradient from that example's output rows alone."""
+        """:meth:`_verify`'s second part: ``grad1`` of this backward, weighted over the examples
+        as the probe's output rows were, against autograd's gradient from those rows."""
         scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
-        want_of = {pid: g.to_dense() * scale if g.is_sparse else g * scale
-                   for pid, g in probe.grads.items()}  # fmt: skip
+        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
+                   for pid, g in probe.grads.items() if pid in bw.computed}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
         wrong = []
         for pid, want in want_of.items():
@@ -2088,9 +2124,12 @@ class Hooks:
             g1 = self._grad1_of_backward(bw, pid, p)
             if g1 is not None and g1.shape[0] != probe.batch:
                 continue  # (a layer that counts its examples otherwise: bags)
-            got = torch.zeros_like(want) if g1 is None else g1[probe.example]
-            # (no autocast here, _arm_probe: float32 products, TF32 convolutions on a GPU)
-            diff = _mismatch(got, want.to(got.dtype), None, overall, float32=5e-3)
+            if g1 is None:
+                got = torch.zeros_like(want)
+            else:
+                w = probe.weights.to(device=g1.device, dtype=g1.dtype)
+                got = torch.einsum("b,b...->...", w, g1)
+            diff = _mismatch(got, want.to(got.dtype), None, overall, **_PROBE_TOLERANCE)
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if not wrong:
@@ -2099,9 +2138,9 @@ class Hooks:
         if self._collector is not None:
             self._collector.discard_backward()
         raise RuntimeError(
-            f"gradhooks: example {probe.example}'s grad1 is not the gradient autograd gives that "
-            "example from its own rows of the model's output-gradients alone, for "
-            f"{_listed(wrong)}. Its grad1 was not written. "
+            "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
+            "it is not the gradient autograd gives from the model's output-gradients with each "
+            f"example's rows weighted alike, for {_listed(wrong)}. Its grad1 was not written. "
             + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
 
@@ -2114,7 +2153,8 @@ class Hooks:
             return
         scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
         want_of = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
-                   for pid, g in probe.grads.items() if pid not in self._exempt}  # fmt: skip
+                   for pid, g in probe.grads.items()
+                   if pid not in self._exempt and pid in bw.computed}  # fmt: skip
         overall = max(want_of.values(), default=0.0)
         wrong = []
         for pid, want in want_of.items():
@@ -2123,9 +2163,10 @@ class Hooks:
             if sq is not None and sq.shape[0] != probe.batch:
                 continue  # (a layer that counts its examples otherwise: bags)
             got = 0.0 if sq is None else float(sq[probe.example].clamp_min(0).sqrt())
-            tol = {torch.float64: 1e-6, torch.float32: 5e-3}.get(
+            tol = {torch.float64: _PROBE_TOLERANCE["float64"],
+                   torch.float32: _PROBE_TOLERANCE["float32"]}.get(
                 sq.dtype if sq is not None else torch.float64, 1e-1
-            )
+            )  # fmt: skip
             diff = abs(got - want)
             if diff > tol * max(got, want) + 1e-3 * tol * overall and diff > 0:
                 wrong.append(f"'{name}' (norm {got:.4g}, autograd's {want:.4g})")
@@ -2759,7 +2800,12 @@ def _unchanged_outputs(call: Call, versions: tuple) -> Call:
 
 
 def _mismatch(
-    got: Tensor, want: Tensor, rows: Tensor | None, overall: float, float32: float = 2e-2
+    got: Tensor,
+    want: Tensor,
+    rows: Tensor | None,
+    overall: float,
+    float32: float = 2e-2,
+    float64: float = 1e-6,
 ) -> str | None:
     """How ``got`` differs from ``want`` (``None``: within rounding). ``rows``: the per-example
     gradients ``got`` was reduced from (examples' gradients that cancel in the sum set the
@@ -2770,7 +2816,7 @@ def _mismatch(
         return None
     if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
         return None
-    tol = {torch.float64: 1e-6, torch.float32: float32}.get(want.dtype, 1e-1)
+    tol = {torch.float64: float64, torch.float32: float32}.get(want.dtype, 1e-1)
     scale = max(float(want.abs().max()), float(got.abs().max()) if rows is None else 0.0)
     if rows is not None and rows.numel():
         scale = max(scale, float(rows.abs().max()))
@@ -2781,6 +2827,31 @@ def _mismatch(
     if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
         return f"differs by {diff:.2e}, largest {scale:.2e}"
     return None
+
+
+# The probe compares two computations, not one reduced two ways: room for a model's own float32
+# parts inside a float64 one (Hugging Face's norms and softmax), and, in float32, for TF32
+# convolutions on a GPU (autocast leaves the probe out).
+_PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
+
+
+def _dependent(edges: list) -> bool:
+    """Whether one of the outputs (their gradient edges) is computed from another: the
+    gradient reaching the other then holds what flowed in through the first."""
+    if len(edges) < 2:
+        return False
+    nodes = {e.node for e in edges if e.node is not None}
+    for e in edges:
+        seen, todo = set(), [n for n, _ in e.node.next_functions if n is not None]
+        while todo:
+            n = todo.pop()
+            if n in nodes:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(m for m, _ in n.next_functions if m is not None)
+    return False
 
 
 _EXAMPLES_NOT_APART = (

@@ -681,7 +681,8 @@ def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, red
         out = m(x)
         loss = sq(out) / (4 if reduction == "mean" else 1)
         with pytest.raises(
-            RuntimeError, match=r"example 3's (grad1|per-example norms) .*'l1\.weight'"
+            RuntimeError,
+            match=r"(grad1 is not the examples' own|example 3's per-example norms).*'l1\.weight'",
         ):
             loss.backward()
         if quantity == "norms":
@@ -1335,3 +1336,142 @@ def test_max_min_between_layers_match_the_oracle():
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         sq(model(x)).backward()
     assert_matches(model, want, "clamped")
+
+
+# -- operations the tracker follows the batch through -----------------------------------------
+
+A_SQUARE = torch.eye(4, dtype=D) + 0.1 * torch.ones(4, 4, dtype=D)
+
+FOLLOWED = {
+    # (operation, input layout, the output's)
+    "repeat_interleave along the batch": (
+        lambda x: x.repeat_interleave(2, dim=0),
+        Layout(0),
+        Layout(0, inner=2),
+    ),
+    "repeat_interleave along another": (
+        lambda x: x.repeat_interleave(3, dim=2),
+        Layout(1),
+        Layout(1),
+    ),
+    "view_as_complex": (
+        lambda x: torch.view_as_complex(x.reshape(3, 4, 2, 2)),
+        Layout(0),
+        Layout(0),
+    ),
+    "view_as_real": (
+        lambda x: torch.view_as_real(torch.view_as_complex(x.reshape(3, 4, 2, 2))),
+        Layout(0),
+        Layout(0),
+    ),  # fmt: skip
+    "solve_triangular": (
+        lambda x: torch.linalg.solve_triangular(A_SQUARE.expand(3, 4, 4), x, upper=False),
+        Layout(0),
+        Layout(0),
+    ),  # fmt: skip
+    "log_sigmoid": (F.logsigmoid, Layout(1), Layout(1)),
+    "unfold (im2col)": (lambda x: F.unfold(x[:, None], (2, 2)), Layout(0), Layout(0)),
+}
+
+
+@pytest.mark.parametrize("how", list(FOLLOWED))
+def test_operations_the_batch_is_followed_through(how):
+    fn, before, after = FOLLOWED[how]
+    x = torch.randn(3, 4, 4, dtype=D, requires_grad=True)
+    assert layout_after(fn, x, before) == after
+
+
+# -- the first backward's check: what it must not refuse, what it must see ----------------------
+
+
+class _PositionsExpandedFirst(nn.Module):
+    """Flaubert's positions: ``[1, T]`` expanded to ``[B, T]`` before the table, whose output
+    (already ``[B, T, D]``) is then expanded to the tokens' shape, a no-op."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.norm = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.LayerNorm(4)
+        self.register_buffer("ids", torch.arange(8)[None], persistent=False)
+
+    def forward(self, x):
+        b, t = x.shape
+        tokens = self.tok(x)
+        return self.norm(tokens + self.pos(self.ids[:, :t].expand(b, t)).expand_as(tokens))
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+def test_position_ids_expanded_to_the_batch_before_the_table(seq):
+    torch.manual_seed(0)
+    m = _PositionsExpandedFirst().double()
+    x = torch.randint(0, 10, (3, seq))
+    want = loop_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "positions expanded first")
+
+
+class _PooledToo(nn.Module):
+    """Returns a tensor and a row of it (``last_hidden_state`` and a pooled output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        s = self.a(x)
+        return s, s[:, 0]
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_outputs_computed_from_each_other_are_not_refused(quantity):
+    """The loss uses both outputs; the gradient reaching the first holds what flowed in
+    through the second: the check leaves such outputs out rather than count it twice."""
+    torch.manual_seed(0)
+    m = _PooledToo().double()
+    x = torch.randn(3, 5, 4, dtype=D)
+    loss = lambda out: sq(out[0]) + sq(out[1])
+    want = loop_grad(m, loss, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=(quantity,)) as h:
+        loss(m(x)).backward()
+    if quantity == "grad1":
+        assert_matches(m, want, "pooled too")
+    else:
+        norms = torch.cat([g.reshape(3, -1) for g in want.values()], 1).norm(dim=1)
+        assert_close(h.norms(), norms, "pooled too: norms")
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_a_backward_for_some_parameters_only(how, quantity):
+    torch.manual_seed(0)
+    m = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    want = vmap_grad(m, sq, x)["2.weight"]
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=(quantity,)) as h:
+        loss = sq(m(x))
+        if how == "autograd.grad":
+            torch.autograd.grad(loss, [m[2].weight])
+        else:
+            loss.backward(inputs=[m[2].weight])
+        if quantity == "grad1":
+            assert_close(m[2].weight.grad1, want, how)
+        else:
+            assert_close(h.param_norms()["2.weight"], want.flatten(1).norm(dim=1), how)
+
+
+def _swap_first_two(h):
+    """A gradient hook that swaps examples 0 and 1 of the gradient, the last left alone."""
+    h = h * 1.0
+    h.register_hook(lambda g: g[[1, 0, *range(2, g.shape[0])]])
+    return h
+
+
+def test_mixing_that_leaves_the_last_example_alone_is_refused():
+    """The check weighs every example (not only the last): a gradient hook that swaps the
+    first two examples' rows is seen."""
+    torch.manual_seed(0)
+    m = Between(_swap_first_two).double()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"grad1 is not the examples' own.*'l1\.weight'"):
+            sq(m(x)).backward()
