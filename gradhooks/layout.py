@@ -951,6 +951,8 @@ def _getitem(args, kwargs, out, layout_of):
     if lay.dim < 0:
         return lay
     where = _index_map(x, lay, index, o)
+    if where is None and lay.dim == 0 and lay.plain:
+        where = _masked_rows(x, index, o)
     if (
         where is None
         and lay.dim == 0
@@ -959,6 +961,29 @@ def _getitem(args, kwargs, out, layout_of):
     ):
         return _REORDER  # (the examples reordered: x[perm])
     return where if where is not None else MIXED
+
+
+def _masked_rows(x: Tensor, index: Any, o: Tensor) -> Layout | None:
+    """``x[mask]`` with a boolean ``mask`` over the leading dimensions of ``x``, the batch first
+    (the end-of-sequence tokens of each example, the patches not masked out): the rows it picks
+    come example by example; where every example has as many, they are ``Layout(0, inner=k)``
+    (``None`` otherwise: some examples have more rows than others)."""
+    if (
+        isinstance(index, tuple)
+        and index
+        and all(i is Ellipsis or i == slice(None) for i in index[1:])
+    ):  # (x[mask, :], x[mask, ...])
+        index = index[0]
+    if not (isinstance(index, Tensor) and index.dtype == torch.bool and index.dim() >= 1):
+        return None
+    if tuple(index.shape) != tuple(x.shape[: index.dim()]) or o.dim() < 1:
+        return None
+    counts = index.reshape(index.shape[0], -1).sum(1)
+    batch = index.shape[0]
+    if batch == 0 or o.shape[0] != int(counts.sum()) or not bool((counts == counts[0]).all()):
+        return None
+    k = int(counts[0])
+    return Layout(0, inner=k) if k else None
 
 
 def _setitem(args, kwargs, out, layout_of, batch):

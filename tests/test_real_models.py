@@ -233,6 +233,33 @@ def test_hugging_face(name, positions, size, seq, reduction):
     check_model(factory(), text(size, seq, positions=positions, **kw), loss_fn, size, reduction)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_hugging_face_classifier_pooling_end_of_sequence(kind, reduction):
+    """Sequence classification by an encoder-decoder: the hidden state at each example's
+    end-of-sequence token, picked with a boolean mask over the whole batch
+    (``h[eos_mask, :].view(B, -1, H)``), as many per example."""
+    torch.manual_seed(0)
+    if kind == "bart":
+        cfg = transformers.BartConfig(
+            d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, vocab_size=V,
+            max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, classifier_dropout=0.0, num_labels=3,
+        )  # fmt: skip
+        model = transformers.BartForSequenceClassification(cfg)
+    else:
+        cfg = transformers.T5Config(d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2,
+                                    vocab_size=V, dropout_rate=0.0, classifier_dropout=0.0,
+                                    relative_attention_num_buckets=8, num_labels=3,
+                                    decoder_start_token_id=0)  # fmt: skip
+        model = transformers.T5ForSequenceClassification(cfg)
+    batch = text(3, 4, classes=3)
+    batch["input_ids"][:, -1] = cfg.eos_token_id
+    batch["input_ids"][:, :-1] = batch["input_ids"][:, :-1].clamp_min(3)
+    check_model(model, batch, cls_loss, 3, reduction)
+
+
 def test_hugging_face_internal_loss_with_labels():
     """The model computes its own loss from labels (a mean over tokens): loss_reduction="mean"."""
     torch.manual_seed(0)
