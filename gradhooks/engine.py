@@ -586,6 +586,15 @@ class Hooks:
             raise RuntimeError(
                 "no backward has been captured since the hooks were added or cleared"
             )
+        if c.missed:
+            names = ", ".join(f"'{n}'" for n in c.missed[:5])
+            raise RuntimeError(
+                f"the last backward computed the gradient of {names} but captured no "
+                "per-example gradient for them (used outside the hooked model's modules: in "
+                "the loss, or in a method of the model other than forward outside any "
+                "submodule's call), so the whole-model norms would leave them out. Use them "
+                "inside a module's forward, or freeze them; param_norms() has the others."
+            )
         return total_norms(c.param_sq_norms)
 
     def sum_grad_sq(self) -> dict[str, Tensor]:
@@ -2045,6 +2054,8 @@ class Hooks:
                 # (after the collector's own callback, which forms the norms)
                 _torch.queue_backward_callback(lambda: self._verify_norms(bw, bw.probe))
             self._unverified -= bw.verify
+        if self._collector is not None:
+            self._collector.missed = list(bw.missed)
         if bw.missed:
             missed = set(bw.missed)
             for name, p in self._params.values():

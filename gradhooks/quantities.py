@@ -75,6 +75,9 @@ class Collector:
         self._done: dict[str, tuple] = {}
         self._queued = False
         self.param_sq_norms: dict[str, Tensor] = {}
+        # parameters the last backward computed a gradient for without capturing their calls:
+        # left out of param_sq_norms, so the whole-model norms would be too small
+        self.missed: list[str] = []
         self.norm_forms: dict[str, str] = {}  # how each parameter's norm was formed
         self._forms: dict[str, str] = {}  # (of the backward running)
         self.sum_grad_sq: dict[str, Tensor] = {}
@@ -94,6 +97,7 @@ class Collector:
         self._held.clear()
         self._done = {}
         self.param_sq_norms = {}
+        self.missed = []
         self.norm_forms, self._forms = {}, {}
         self.sum_grad_sq = {}
         self.grad_mean = {}

@@ -1475,3 +1475,53 @@ def test_mixing_that_leaves_the_last_example_alone_is_refused():
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         with pytest.raises(RuntimeError, match=r"grad1 is not the examples' own.*'l1\.weight'"):
             sq(m(x)).backward()
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["as-many-each", "unequal"])
+def test_rows_picked_by_a_boolean_mask_over_the_batch(equal):
+    """``h[mask]`` with a boolean mask over ``[batch, seq]`` (end-of-sequence pooling, patches
+    kept): the rows come example by example; with as many per example they are followed,
+    with some examples having more than others they are refused."""
+    torch.manual_seed(0)
+
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x, mask):
+            h = torch.tanh(self.a(x))[mask, :]
+            return self.b(h.view(x.shape[0], -1, 5)[:, -1] if equal else h)
+
+    m = Pool().double()
+    x = torch.randn(3, 4, 3, dtype=D)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[:, [1, 3]] = True
+    if not equal:
+        mask[0, 0] = True
+    if equal:
+        want = loop_grad(m, sq, (x, mask))
+        with gradhooks.add_hooks(m, loss_reduction="sum"):
+            sq(m(x, mask)).backward()
+        assert_matches(m, want, "masked rows")
+    else:
+        with gradhooks.add_hooks(m, loss_reduction="sum"):
+            with pytest.raises(RuntimeError, match=r"'b' \(Linear\).*computed across"):
+                m(x, mask)
+
+
+def test_norms_refused_where_a_parameter_was_used_outside_the_model():
+    """A parameter the loss uses directly (CLIP's ``logit_scale`` in the user's loss): its
+    per-example gradient is not captured, so the whole-model norms are refused rather than
+    left without it (a warning says which); the others' norms stay readable."""
+    torch.manual_seed(0)
+    m = mlp()
+    scale = nn.Parameter(torch.tensor(1.5, dtype=D))
+    m.register_parameter("scale", scale)
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=("norms",)) as h:
+        with pytest.warns(gradhooks.GradhooksWarning, match="'scale'"):
+            sq(m(x) * scale).backward()
+        with pytest.raises(RuntimeError, match="gradient of 'scale' but captured no"):
+            h.norms()
+        assert set(h.param_norms()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
