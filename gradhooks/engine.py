@@ -1741,8 +1741,10 @@ class Hooks:
         if batch == 0:
             return  # (no example: nothing to follow)
         tracker = Tracker(batch, self._params, self)
-        for t, lay in layouts:
+        for i, (t, lay) in enumerate(layouts):
             tracker.set_layout(t, lay)
+            if i and lay is not PACKED:
+                tracker.candidates[t] = True
         frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         frame.tracker = tracker
         tracker.__enter__()
@@ -3077,7 +3079,10 @@ def _root_batch(
         if first is None:
             return None
         batch = first.shape[dim]
-        found = []
+        found = [(first, Layout(dim))]
+        leaves = [t for t in leaves if t is not first]
+    # (the others by their size alone: the tracker's candidates, dropped where taking them as
+    # batched is all that makes an operation mix the examples)
     found += [(t, Layout(dim)) for t in leaves if t.dim() > dim and t.shape[dim] == batch]
     return batch, found
 

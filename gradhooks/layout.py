@@ -1251,6 +1251,10 @@ class Tracker(TorchFunctionMode):
         self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the model's inputs taken as holding the examples by their size alone (not its first
+        # input): an operation that would mix the examples only because of one of them, used as
+        # it is, takes it as shared by every example instead (:meth:`_without_candidates`)
+        self.candidates: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1494,6 +1498,8 @@ class Tracker(TorchFunctionMode):
             elif any(o.requires_grad for o in outs):
                 for o in outs:
                     self.reordered[o] = reordered
+        if result is MIXED and not inherited and self.candidates:
+            result = self._without_candidates(name, args, kwargs, out, ins, result)
         if result is MIXED and self.batch == 1 and not inherited:
             # one example cannot mix with another: where two reshapes put its only entry on
             # different dimensions (heads folded in, sequence-first), take the first input's
@@ -1531,6 +1537,27 @@ class Tracker(TorchFunctionMode):
             if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
                 lay = UNKNOWN  # (a handler's guess that the shapes contradict)
             self.layouts[o] = lay
+
+    def _without_candidates(self, name: str, args, kwargs, out, ins: list, result):
+        """``result`` (mixed) of an operation on some of the model's inputs taken as batched
+        by their size alone (a mask ``[T, T]`` or a shared table ``[K, D]`` as long as the
+        batch is large): where taking them as shared by every example instead gives a layout
+        that keeps the examples apart, they are, from now on, and that layout is the result."""
+        found = [t for t in ins if t in self.candidates]
+        if not found:
+            return result
+
+        def layout_of(t: Any) -> Layout | None:
+            return None if any(t is c for c in found) else self._layout_of(t)
+
+        alt = output_layout(name, args, kwargs, out, layout_of, self.batch)
+        alts = alt if isinstance(alt, list) else [alt]
+        if not alts or any(a is None or a is MIXED or a is UNKNOWN for a in alts):
+            return result
+        for t in found:
+            self.layouts.pop(t, None)
+            del self.candidates[t]
+        return alt
 
     def _presume(self, name: str, args, kwargs, out, ins: list, outs: list) -> Layout:
         """Where the batch is not followed through an operation (one without a handler, or one

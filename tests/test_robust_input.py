@@ -1525,3 +1525,32 @@ def test_norms_refused_where_a_parameter_was_used_outside_the_model():
         with pytest.raises(RuntimeError, match="gradient of 'scale' but captured no"):
             h.norms()
         assert set(h.param_norms()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+class _MaskedAttention(nn.Module):
+    """A causal mask ``[T, T]`` passed beside the batch, added to the scores as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(1, 2) + mask
+        return self.o(scores.softmax(-1) @ x)
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+def test_a_shared_input_as_long_as_the_batch(seq):
+    """The mask's first dimension has the batch's size when the sequence is as long as the
+    batch: taken as batched by its size, it would make the sum mix the examples; taken as shared
+    instead, the sum keeps them apart, and each example gets its own gradient."""
+    torch.manual_seed(0)
+    m = _MaskedAttention().double()
+    x = torch.randn(3, seq, 4, dtype=D)
+    mask = torch.triu(torch.full((seq, seq), -1e9, dtype=D), 1)
+    params = dict(m.named_parameters())
+    rows = [torch.autograd.grad(sq(m(x[i : i + 1], mask)), list(params.values())) for i in range(3)]
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, mask)).backward()
+    for k, (n, p) in enumerate(params.items()):
+        assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
