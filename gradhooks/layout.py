@@ -492,6 +492,44 @@ def _matrices(args, kwargs, out, layout_of):
     return lay.at(lay.dim + o.dim() - t.dim())
 
 
+@_handles("fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")
+def _fft(args, kwargs, out, layout_of):
+    """A Fourier transform along one dimension (``dim``, the last by default): along the
+    batch it mixes the examples; along another, the layout stays (an FFT convolution along
+    the sequence, as Hyena's)."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    dim = _arg(args, kwargs, 2, "dim", -1)
+    return MIXED if _norm_dim(int(dim), t.dim()) == lay.dim else lay
+
+
+def _fft_along(default: tuple[int, ...] | None) -> Handler:
+    """A Fourier transform along several dimensions (``dim``; by default the last two for the
+    2-d ones, the last ``len(s)`` or all for the n-d ones, ``default=None``)."""
+
+    def handler(args, kwargs, out, layout_of):
+        t, lay = _single_input(args, kwargs, layout_of)
+        if t is None or lay is UNKNOWN:
+            return UNKNOWN
+        dim, s = _arg(args, kwargs, 2, "dim", default), _arg(args, kwargs, 1, "s")
+        if dim is None:
+            n = len(s) if s is not None else t.dim()
+            dims = list(range(t.dim() - n, t.dim()))
+        else:
+            items = dim if isinstance(dim, list | tuple) else [dim]
+            dims = [_norm_dim(int(d), t.dim()) for d in items]
+        return MIXED if lay.dim in dims else lay
+
+    return handler
+
+
+for _n in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2"):
+    _HANDLERS[_n] = _fft_along((-2, -1))
+for _n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn"):
+    _HANDLERS[_n] = _fft_along(None)
+
+
 @_handles("view_as_complex", "view_as_real")
 def _complex_view(args, kwargs, out, layout_of):
     """``view_as_complex`` drops a last dimension of 2, ``view_as_real`` adds one (rotary

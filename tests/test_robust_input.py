@@ -560,6 +560,12 @@ def spectral(h):
     return torch.fft.ifft(torch.fft.fft(h, dim=1), dim=1).real
 
 
+def unhandled(h):
+    """An elementwise function the tracker has no handler for (the normal distribution's
+    cumulative function): each example on its own, the examples presumed where they were."""
+    return torch.special.ndtr(h)
+
+
 MIXING = {
     "roll": lambda h: h + torch.roll(h, 1, 0),
     "mean": lambda h: h - h.mean(0),
@@ -582,6 +588,12 @@ MIXING = {
     # an operation without a handler along the batch, its dimension by keyword or position
     "fft-along-batch": lambda h: torch.fft.fft(h, dim=0).real,
     "fft-along-batch-positional": lambda h: torch.fft.fft(h, None, 0).real,
+    # after an operation the tracker has no handler for, and one along the batch
+    "fft2-over-batch": lambda h: torch.fft.fft2(h).real,
+    "unhandled-then-roll": lambda h: (lambda u: u + torch.roll(u, 1, 0))(unhandled(h)),
+    "unhandled-then-mean": lambda h: (lambda u: u - u.mean(0))(unhandled(h)),
+    "unhandled-along-batch": lambda h: torch.special.softmax(h, dim=0),
+    "unhandled-along-batch-positional": lambda h: torch.special.softmax(h, 0),
     "cat-attention": lambda h: (
         torch.softmax(h @ torch.cat([h, h[:1].detach() * 0]).T, -1)
         @ torch.cat([h, h[:1].detach() * 0])
@@ -658,7 +670,6 @@ UNSEEN_MIXING = {
     "linalg-norm": lambda h: h / torch.linalg.norm(h),
     "layer-norm-over-batch": lambda h: F.layer_norm(h, h.shape),
     "cdist": lambda h: torch.cat([torch.cdist(h, h), h], 1)[:, :5],
-    "fft2": lambda h: torch.fft.fft2(h).real,
     "pinv": lambda h: torch.linalg.pinv(h).t(),
     "conv-along-batch": lambda h: F.conv2d(
         h[None, None], torch.ones(1, 1, 3, 1, dtype=D), padding=(1, 0)
@@ -710,16 +721,51 @@ def test_custom_function_that_keeps_the_examples_apart(reduction):
         assert_close(h.norms(), norms, "row-wise function: norms")
 
 
-def test_operation_without_a_handler_keeps_each_example_apart():
-    """The FFT along the features, which the tracker has no handler for, between two layers:
-    each example's gradient, as without it."""
+@pytest.mark.parametrize(
+    "how",
+    [lambda h: unhandled(h) * h, lambda h: spectral(h) * h,
+     lambda h: torch.special.softmax(h, 1) * h],
+    ids=["unhandled", "fft", "unhandled-along-features"],
+)  # fmt: skip
+def test_operation_without_a_handler_keeps_each_example_apart(how):
+    """An operation the tracker has no handler for (or the FFT along the features) between two
+    layers: each example's gradient, as without it."""
     torch.manual_seed(0)
-    m = Between(lambda h: spectral(h) * h).double()
+    m = Between(how).double()
     x = torch.randn(4, 3, dtype=D)
     want = vmap_grad(m, sq, x)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         sq(m(x)).backward()
-    assert_matches(m, want, "fft")
+    assert_matches(m, want, "unhandled")
+
+
+class _FFTConv(nn.Module):
+    """Hyena's long convolution: a filter made by a layer from positions alone (batch-free),
+    multiplied with the sequence in the frequency domain."""
+
+    def __init__(self):
+        super().__init__()
+        self.filt, self.proj = nn.Linear(1, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # [batch, seq, 4]
+        t = x.shape[1]
+        k = self.filt(torch.linspace(0, 1, t, dtype=x.dtype)[:, None])  # [seq, 4]
+        u = self.proj(x)
+        y = torch.fft.irfft(
+            torch.fft.rfft(u, n=2 * t, dim=1) * torch.fft.rfft(k, n=2 * t, dim=0), n=2 * t, dim=1
+        )
+        return y[:, :t]
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+def test_convolution_in_the_frequency_domain(seq):
+    torch.manual_seed(0)
+    m = _FFTConv().double()
+    x = torch.randn(3, seq, 4, dtype=D)
+    want = loop_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x)).backward()
+    assert_matches(m, want, "fft convolution")
 
 
 def test_empty_rows_concatenated_keep_the_examples():

@@ -414,19 +414,22 @@ def test_conv_padding(make):
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_op_schema(off):
     """The dimension of an operation the tracker has no handler for, passed by position
-    (``torch.fft.fft(h, None, 0)``, along the batch): refused either way; along the features,
-    by keyword or not at all, each example's own gradient either way."""
-    assert _torch.dim_arguments("fft_fft", (torch.zeros(2), None, 0), {}) == [0]
+    (``torch.special.softmax(h, 0)``, along the batch): refused either way; along the
+    features, by keyword or by position, each example's own gradient either way."""
+    assert _torch.dim_arguments("special_softmax", (torch.zeros(2), 0), {}) == [0]
     with switched_off("op_schema", off):
         for along in (
-            lambda h: torch.fft.fft(h, None, 0).real,
-            lambda h: torch.fft.fft(h, 2, 0).real,
+            lambda h: torch.special.softmax(h, 0),
+            lambda h: torch.special.softmax(h, 0, torch.float64),
         ):
             model = Between(along).double()
             with gradhooks.add_hooks(model, loss_reduction="sum"):
                 with pytest.raises(RuntimeError, match="computed across the examples"):
                     model(torch.randn(4, 3, dtype=torch.float64))
-        for along in (lambda h: torch.fft.fft(h, dim=1).real, lambda h: torch.fft.fft(h).real):
+        for along in (
+            lambda h: torch.special.softmax(h, dim=1),
+            lambda h: torch.special.softmax(h, 1) * h,
+        ):
             model = Between(along).double()
             x = torch.randn(4, 3, dtype=torch.float64)
             want = vmap_grad(model, sum_of_squares, x)
