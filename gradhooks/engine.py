@@ -186,8 +186,13 @@ class _Hook:
 
     def __init__(self, fn) -> None:
         self.fn = fn
+        # removed while its module's call runs (the hooks planned again at the root's forward
+        # pre-hook): torch still calls it once, from its copy of the module's hooks
+        self.dead = False
 
     def __call__(self, *args: Any) -> Any:
+        if self.dead:
+            return None
         if _is_compiling():
             return torch.compiler.disable(self.fn)(*args)
         return self.fn(*args)
@@ -325,6 +330,7 @@ class Hooks:
         self._direct_targets: dict[int, _Target] = {}
         self._functional_targets: dict[tuple, _Target] = {}
         self._target_handles: list = []
+        self._module_hooks: list[_Hook] = []  # the hooks _install put on the planned modules
         self._current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
         if self._sharded and self._grad1:
             name = next(n for n, p in model.named_parameters() if id(p) in self._sharded)
@@ -343,6 +349,7 @@ class Hooks:
         # the quantities _probe checks one example of
         self._checks_examples = self._track and (self._grad1 or "norms" in quantities)
         _refuse_scripted(model, self._targets)
+        _refuse_lazy(model)
         try:
             self._handles.append(
                 model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
@@ -367,30 +374,36 @@ class Hooks:
                 self._params[id(p)] = (name, p)
         self._numel = sum(p.numel() for _, p in self._params.values())
         handles = self._target_handles
+
+        def hook(fn) -> _Hook:
+            made = _Hook(fn)
+            self._module_hooks.append(made)
+            return made
+
         for target in self._targets:
             detaches = target.entry.grad_from_grad1 is not None
             handles.append(
                 target.module.register_forward_pre_hook(
-                    _Hook(self._enter_hook(target)), with_kwargs=True
+                    hook(self._enter_hook(target)), with_kwargs=True
                 )
             )
             handle = target.module.register_forward_hook(
-                _Hook(self._forward_hook(target)), with_kwargs=True, always_call=True
+                hook(self._forward_hook(target)), with_kwargs=True, always_call=True
             )
             handles.append(handle)
             if detaches:
                 handles.append(
                     target.module.register_forward_pre_hook(
-                        _Hook(self._detach_hook(target, handle.id)), with_kwargs=True
+                        hook(self._detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
         for entry in _entries(model, self._targets):
             pre, post = self._entry_hooks(entry)
             handles.append(
-                entry.register_forward_pre_hook(_Hook(pre), with_kwargs=True, prepend=True)
+                entry.register_forward_pre_hook(hook(pre), with_kwargs=True, prepend=True)
             )
             handles.append(
-                entry.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
+                entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
             )
         if self._track:
             for pid, (name, p) in self._params.items():
@@ -416,6 +429,9 @@ class Hooks:
                 "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
             )
         before = dict(self._params)
+        for made in self._module_hooks:
+            made.dead = True
+        self._module_hooks = []
         for h in self._target_handles:
             h.remove()
         self._target_handles = []
@@ -2585,6 +2601,17 @@ def _refuse_scripted(model: nn.Module, targets: list[_Target]) -> None:
     )
 
 
+def _refuse_lazy(model: nn.Module) -> None:
+    """A lazy module's parameters take their shapes at its first forward: refused before."""
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"'{lazy[0]}' is not initialized yet (a lazy module, nn.LazyLinear and the like, "
+            "takes its shapes at its first forward): run one forward of the model (under "
+            "torch.no_grad()) before add_hooks."
+        )
+
+
 def _entries(model: nn.Module, targets: list[_Target]) -> list[nn.Module]:
     """The modules of ``model`` other than itself that hold a hooked module or are one: each
     may be called on its own (:meth:`Hooks._entry_hooks`)."""
@@ -2707,7 +2734,7 @@ def _structure(model: nn.Module, by_name: bool = False) -> tuple:
     runs)."""
     return (
         tuple(map(id, model.modules())),
-        tuple(n if by_name else id(p) for n, p in model.named_parameters() if p.requires_grad),
+        tuple(n if by_name else (n, id(p)) for n, p in model.named_parameters() if p.requires_grad),
     )
 
 

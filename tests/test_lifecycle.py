@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import gradhooks
 from gradhooks.models import SimpleCNN
@@ -230,3 +231,34 @@ def test_a_parameter_frozen_between_steps_loses_its_grad1_after_clear():
         model(x).sum().backward()
         assert not hasattr(model[0].weight, "grad1")
         assert model[0].bias.grad1.shape == (5, 4)
+
+
+def test_a_lazy_module_is_refused_until_its_first_forward():
+    model = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 2))
+    before = _hook_state(model)
+    with pytest.raises(ValueError, match="'0.weight' is not initialized yet.*forward"):
+        gradhooks.add_hooks(model)
+    assert _hook_state(model) == before
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    with gradhooks.add_hooks(model):
+        _train_step(model, torch.randn(5, 4))
+    assert model[0].weight.grad1.shape == (5, 3, 4)
+
+
+def test_a_parameter_moved_to_another_name_is_planned_again():
+    """``prune.remove`` puts the same parameter back under ``weight`` (from ``weight_orig``):
+    the hooks are planned again at the next forward, and it gets grad1 under its new name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.4)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(3):
+            if step == 1:
+                prune.remove(model[0], "weight")
+            h.clear()
+            _train_step(model, x)
+            want = gradhooks.oracle.loop_grad(model, lambda out: out.pow(2).sum(), x)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, want[n])
