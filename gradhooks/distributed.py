@@ -96,7 +96,7 @@ def dp_sgd_step(
         optimizer.step()                                  # the same step on every rank
     """
     method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _dp._check_clipping(max_norm, noise_multiplier)
+    _dp._check_clipping(max_norm, noise_multiplier, generator)
     params = _dp._covered_params(hooks)
     if hooks._sharded and method == "ghost":
         raise ValueError(

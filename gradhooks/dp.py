@@ -100,7 +100,7 @@ def dp_sgd_step(
         (torch.Size([8]), torch.Size([3, 4]))
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _check_clipping(max_norm, noise_multiplier)
+    _check_clipping(max_norm, noise_multiplier, generator)
     params = _covered_params(hooks)
     if hooks._sharded:
         raise ValueError(
@@ -144,7 +144,12 @@ def _checked(
     return method
 
 
-def _check_clipping(max_norm: float, noise_multiplier: float) -> None:
+def _check_clipping(max_norm: float, noise_multiplier: float, generator: Any = None) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__qualname__} "
+            "(torch.Generator().manual_seed(seed) for reproducible noise)"
+        )
     if not 0 < max_norm < float("inf"):  # (also NaN)
         raise ValueError(
             f"max_norm must be > 0 and finite, got {max_norm!r}: it bounds each example's "

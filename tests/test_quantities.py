@@ -506,3 +506,15 @@ def test_dp_step_with_a_parameter_whose_gradient_is_zero(method, dtype):
     torch.testing.assert_close(got, norms, **tol)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, loop[name].sum(0), **tol)
+
+
+@METHODS
+def test_dp_refuses_a_generator_that_is_not_one(method):
+    model, x = _mlp_and_batch()
+    with _hooked(model, method) as h:
+        with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+            gradhooks.dp_sgd_step(
+                h, model(x).pow(2).sum(1), max_norm=1.0, noise_multiplier=1.0, generator=0,
+                method=method,
+            )  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
