@@ -38,14 +38,14 @@ which is not (and is 0 for an empty batch).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from . import checks
 from . import pieces as P
-from .engine import _PROBE_TOLERANCE, Hooks, _mismatch
+from .engine import _PROBE_TOLERANCE, Hooks, _drop_box, _mismatch
 
 __all__ = ["dp_sgd_step", "clip_factors"]
 
@@ -203,7 +203,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
             (w * per_example_loss).sum(), wrt, retain_graph=True, allow_unused=True
         )
     if hooks._probe_box is not None:  # (the hooks' own check of the examples: this one is it)
-        hooks._probe_box.clear()
+        _drop_box(hooks._probe_box)
         hooks._probe_box = None
     if not hooks._grad1:
         hooks._unverified.clear()

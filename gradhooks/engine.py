@@ -141,6 +141,10 @@ class _Probe:
     frame: int  # id of the forward whose outputs it started from
     weights: Tensor  # [batch]
     grads: dict[int, Tensor]  # by parameter id
+    # from the output-gradients as they are: where it is not autograd's gradient of the
+    # parameter in the backward itself, the loss reached it otherwise (a term on an
+    # activation a hook kept), and that parameter is not compared
+    plain: dict[int, Tensor]
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
 
     @property
@@ -207,6 +211,18 @@ _COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling
 
 def _is_compiling() -> bool:
     return _COMPILER_IS_COMPILING is not None and bool(_COMPILER_IS_COMPILING())
+
+
+def _drop_box(box: dict) -> None:
+    """Let go of what :meth:`Hooks._arm_probe` held of a forward's graph."""
+    handle = box.get("handle")
+    box.clear()
+    if handle is not None:
+        handle.remove()
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _autocast() -> bool:
@@ -318,6 +334,7 @@ class Hooks:
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
         self._probing = False  # inside _probe's backward
+        self._backwards = 0  # backwards that captured a call, since the hooks were added
         # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
         # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
         # avoids)
@@ -665,6 +682,9 @@ class Hooks:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        if self._probe_box is not None:
+            _drop_box(self._probe_box)
+            self._probe_box = None
         for frame in self._frames[::-1]:
             self._stop_tracker(frame)
         self._frames.clear()
@@ -1781,8 +1801,11 @@ class Hooks:
             self._check_output(module, tracker, output)
         if frame.signature:
             sig = tuple(frame.signature)
-            if sig not in self._verified:
-                self._verified.add(sig)  # (verified by the next backward that captures)
+            # (verified by the next backward that captures: the first of each new set of calls,
+            # and again at the 2nd, 4th, 8th... backward of the handle, where what changed since
+            # without changing the calls, a hook or a loss term added later, shows)
+            if sig not in self._verified or (self.verify and _power_of_two(self._backwards + 1)):
+                self._verified.add(sig)
                 self._unverified.add(sig)
                 if tracker is not None and sys.exc_info()[1] is None:
                     self._arm_probe(frame, tracker, output)
@@ -1803,8 +1826,8 @@ class Hooks:
         (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
         the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
         batch) shows there."""
-        if self._probe_box is not None:
-            self._probe_box.clear()  # (an earlier forward never backpropagated: its graph goes)
+        if self._probe_box is not None:  # (an earlier forward never backpropagated)
+            _drop_box(self._probe_box)
             self._probe_box = None
         if (
             not (self.verify and self._checks_examples)
@@ -1838,9 +1861,12 @@ class Hooks:
             "lost": tuple(tracker.unknown),
         }
         self._probe_box = box
-        torch.autograd.graph.register_multi_grad_hook(
-            outs, lambda grads: self._probe(box, grads), mode="all"
-        )
+        if len(outs) == 1:
+            outs[0].register_hook(lambda g: self._probe(box, (g,)))
+        else:  # (its closure holds the outputs' nodes: removed once it ran, see _drop_box)
+            box["handle"] = torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda grads: self._probe(box, grads), mode="all"
+            )
 
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
@@ -1853,7 +1879,7 @@ class Hooks:
         would then be counted twice); an output that lost them (a loss computed inside the
         model) leaves the check out."""
         if (
-            not box
+            "edges" not in box
             or self._removed
             or self._ignore_backward
             or self._rerunning
@@ -1887,19 +1913,25 @@ class Hooks:
             masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
         pids = list(self._params)
         params = [self._params[pid][1] for pid in pids]
+        edges = [e for e, _, _ in used]
         try:
             with self._standing_aside():
                 found = torch.autograd.grad(
-                    [e for e, _, _ in used], params, masked, retain_graph=True, allow_unused=True
+                    edges, params, masked, retain_graph=True, allow_unused=True
+                )
+                plain = torch.autograd.grad(
+                    edges, params, [g for _, g, _ in used], retain_graph=True, allow_unused=True
                 )
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
-            found = None
-        box.clear()  # (the graph's edges: no cycle through the hook that holds them)
+            found = plain = None
+        # (the graph's edges and hooks: no cycle through the hook that holds them)
+        _torch.queue_backward_callback(lambda: _drop_box(box))
         if self._probe_box is box:
             self._probe_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
-            bw.probe = _Probe(box_frame, weights, grads_of, lost)
+            plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
+            bw.probe = _Probe(box_frame, weights, grads_of, plain_of, lost)
 
     @contextlib.contextmanager
     def _standing_aside(self) -> Iterator[None]:
@@ -1960,7 +1992,7 @@ class Hooks:
                 self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
-            if bw.verify and self._grad1 and self._capturing_backward():
+            if bw.verify and self._capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
@@ -2053,6 +2085,8 @@ class Hooks:
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
+        if bw.reached:
+            self._backwards += 1
         if bw.derived is not None and bw.computed:
             self._rollback(bw)
             if self._collector is not None:
@@ -2065,7 +2099,7 @@ class Hooks:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()
-        if bw.verify and bw.grads and bw.reached:
+        if bw.verify and bw.grads and bw.reached and self._grad1:
             self._verify(bw)
         elif bw.verify and not self._grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
@@ -2138,12 +2172,27 @@ class Hooks:
             self._verify_probe(bw, probe)
         self._unverified -= bw.verify
 
+    def _through_outputs(self, bw: _Backward, probe: _Probe) -> set[int]:
+        """The parameters whose gradient in this backward came through the model's outputs
+        alone: the probe's gradient from the output-gradients as they are is autograd's."""
+        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
+        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        found = set()
+        for pid, grad in grads.items():
+            plain = probe.plain.get(pid)
+            plain = torch.zeros_like(grad) if plain is None else plain
+            plain = plain.to_dense() if plain.is_sparse else plain
+            if _mismatch(plain.to(grad.dtype), grad, None, overall, **_PROBE_TOLERANCE) is None:
+                found.add(pid)
+        return found
+
     def _verify_probe(self, bw: _Backward, probe: _Probe) -> None:
         """:meth:`_verify`'s second part: ``grad1`` of this backward, weighted over the examples
         as the probe's output rows were, against autograd's gradient from those rows."""
         scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        through = self._through_outputs(bw, probe)
         want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
-                   for pid, g in probe.grads.items() if pid in bw.computed}  # fmt: skip
+                   for pid, g in probe.grads.items() if pid in through}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
         wrong = []
         for pid, want in want_of.items():
@@ -2181,9 +2230,10 @@ class Hooks:
         if collector is None or not collector.param_sq_norms:
             return
         scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        through = self._through_outputs(bw, probe)
         want_of = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
                    for pid, g in probe.grads.items()
-                   if pid not in self._exempt and pid in bw.computed}  # fmt: skip
+                   if pid not in self._exempt and pid in through}  # fmt: skip
         overall = max(want_of.values(), default=0.0)
         wrong = []
         for pid, want in want_of.items():

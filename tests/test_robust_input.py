@@ -1600,3 +1600,20 @@ def test_a_shared_input_as_long_as_the_batch(seq):
         sq(m(x, mask)).backward()
     for k, (n, p) in enumerate(params.items()):
         assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
+
+
+def test_a_change_after_the_first_steps_is_seen_at_the_next_check():
+    """What changes after the first backward without changing the layer calls (a gradient hook
+    added, a term added to the loss) is checked again at the 2nd, 4th, 8th... backward: it is
+    refused there, not accepted for good."""
+    torch.manual_seed(0)
+    m = mlp()
+    x = torch.randn(4, 3, dtype=D)
+    with gradhooks.add_hooks(m, loss_reduction="sum") as h:
+        sq(m(x)).backward()  # the 1st backward, checked: right
+        h.clear()
+        out = m(x)
+        with pytest.raises(RuntimeError, match="does not add up.*'0.weight'"):
+            (sq(out) + 0.1 * m[0].weight.pow(2).sum()).backward()  # the 2nd: checked again
+        checked = [k for k in range(1, 9) if k & (k - 1) == 0]
+        assert checked == [1, 2, 4, 8]
