@@ -1127,8 +1127,10 @@ class Hooks:
                 "entries picked from it, or rows that are not examples put among them), so its "
                 "rows are not one example each. Where one "
                 "example's loss depends on another's, per-example gradients do not exist. Keep "
-                "the examples apart in the forward (detach what is computed from the whole "
-                "batch, or compute it outside the model), or freeze this layer's parameters."
+                "the examples apart in the forward (compute what needs the whole batch outside "
+                "the model, or use running statistics: a statistic of the batch, even detached, "
+                "makes each example's result depend on the others'), or freeze this layer's "
+                "parameters."
                 + (
                     f" The batch was taken as dimension 0 of the model's first input ({batch} "
                     "examples): if it is another dimension (a sequence-first model, [seq, "
@@ -2949,10 +2951,11 @@ _EXAMPLES_NOT_APART = (
     "(an operation, custom autograd.Function or kernel that computes across the rows of the "
     "batch, in its forward or its backward; or a layer that computes a parameter's use once "
     "and keeps it): one example's loss then depends on the others' and per-example gradients "
-    "do not exist; keep the examples apart (detach what is computed from the whole batch) or "
-    "freeze these parameters. Or gradhooks read the examples from the wrong place{lost}: say "
+    "do not exist; keep the examples apart (compute what needs the whole batch outside the "
+    "model, or use running statistics) or freeze these parameters. Or gradhooks read the examples from the wrong place{lost}: say "
     "where the model's batch is with add_hooks(..., batch_dim=k), or register a rule for the "
-    "layer. This is checked on the first backward of each new set of layer calls."
+    "layer. This is checked on the first backward of each new set of layer calls, and again at the "
+    "2nd, 4th, 8th... backward."
 )
 
 

@@ -1259,6 +1259,13 @@ class _Use:
     mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
 
 
+def _carries(t: Tensor) -> bool:
+    """Whether what ``t`` holds, computed across the examples, makes one example's result
+    depend on another's: its gradient flows back, or its values are computed with (a batch mean
+    of the data, a detached statistic). An index or mask is taken as selecting only."""
+    return t.requires_grad or t.is_floating_point() or t.is_complex()
+
+
 class Tracker(TorchFunctionMode):
     """Follows the batch through one forward of a hooked model (see the module docstring).
 
@@ -1543,7 +1550,7 @@ class Tracker(TorchFunctionMode):
             # different dimensions (heads folded in, sequence-first), take the first input's
             result = next((lay for t in ins if _followed(lay := self._layout_of(t))), UNKNOWN)
         if result is MIXED:
-            if any(o.requires_grad for o in outs):
+            if any(_carries(o) for o in outs):
                 if not inherited:
                     self.mixed.setdefault(name, None)
                 for o in outs:
@@ -1553,8 +1560,9 @@ class Tracker(TorchFunctionMode):
                     if not inherited:
                         self.used[-1].mixing.add(name)
                 return
-            # no gradient flows back through it (data, detached statistics): each row is still
-            # a constant of its example's computation, where the rule's dimension reads it
+            # an index or mask computed across the examples (which experts any token picked,
+            # the longest sequence): it selects, and each row is still a constant of its
+            # example's computation, where the rule's dimension reads it
             result = UNKNOWN
         if result is UNKNOWN or result is None:
             if name not in _HANDLERS:
@@ -1568,7 +1576,7 @@ class Tracker(TorchFunctionMode):
             if lay is None:
                 continue
             if lay is MIXED:  # (one of several outputs: a chunk with some of the examples)
-                if not o.requires_grad:
+                if not _carries(o):
                     lay = UNKNOWN
                 else:
                     self.mixed.setdefault(name, None)

@@ -689,6 +689,10 @@ def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, red
     m = Between(UNSEEN_MIXING[how]).double()
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction=reduction, quantities=(quantity,)) as h:
+        if how == "function":  # (its forward's operations run under no_grad, where they are seen)
+            with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): its input .* across the"):
+                m(x)
+            return
         out = m(x)
         loss = sq(out) / (4 if reduction == "mean" else 1)
         with pytest.raises(
@@ -794,9 +798,11 @@ def test_layer_on_reordered_examples_is_refused(how):
 
 
 @pytest.mark.parametrize("how", ["centred-input", "detached-mean", "detached-roll"])
-def test_batch_statistics_without_gradient_keep_the_examples(how):
+def test_batch_statistics_without_gradient_are_refused(how):
     """The same operations on what no gradient flows through (the data, a detached statistic):
-    each example's loss still depends on the parameters through its own rows only."""
+    each example's result then depends on the others' data, so its gradient alone (the loop
+    over batches of one) is not the batched forward's row. Refused at the forward, naming the
+    layer, with the model untouched."""
     torch.manual_seed(0)
     mix = {
         "centred-input": lambda h: h,
@@ -812,10 +818,13 @@ def test_batch_statistics_without_gradient_keep_the_examples(how):
 
     m = Model(mix).double()
     x = torch.randn(4, 3, dtype=D)
-    want = rowwise_grad(m, sq_rows, x)
+    rows, alone = rowwise_grad(m, sq_rows, x), loop_grad(m, sq, x)
+    assert any(not torch.allclose(rows[n], alone[n]) for n in rows)  # (what was given before)
+    layer = "l1" if how == "centred-input" else "l2"
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        sq(m(x)).backward()
-    assert_matches(m, want, how)
+        with pytest.raises(RuntimeError, match=rf"'{layer}' \(Linear\): its input .* across the"):
+            m(x)
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in m.parameters())
 
 
 def test_sequence_first_model_read_batch_first_is_refused():
@@ -1127,7 +1136,9 @@ def test_a_module_without_a_rule_that_truly_mixes_is_still_refused():
     m = Model().double()
     x = torch.randn(3, 3, 4, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match="'mix'.*one example at a time does not reproduce"):
+        with pytest.raises(
+            RuntimeError, match="'mix.*(one example at a time does not reproduce|across the)"
+        ):
             sq(m(x)).backward()
     assert not any(hasattr(p, "grad1") for p in m.parameters())
 
