@@ -180,9 +180,8 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
 def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tuple | None:
     """On the first step of each new set of calls, autograd's gradient of the examples' own
     losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`checks.example_weights`,
-    every example checked at once) where the hooks give per-example gradients to weight alike
-    (``grad1``, book-keeping), else of the last example's loss alone (its per-parameter norms).
-    ``None`` where it is not checked."""
+    every example checked at once), to compare with the per-example gradients weighted alike
+    (``grad1``, or the pieces the norms are formed from). ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
     if (
         not (hooks.verify and hooks._unverified)
@@ -192,11 +191,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
         or not per_example_loss.requires_grad
     ):
         return None
-    if method == "ghost":
-        weights = torch.zeros(batch, dtype=torch.float64)
-        weights[-1] = 1.0
-    else:
-        weights = checks.example_weights(batch)
+    weights = checks.example_weights(batch)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
     with hooks._standing_aside():
         grads = torch.autograd.grad(
@@ -210,23 +205,20 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
     return weights, grads
 
 
-def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list, norms: bool) -> None:
+def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> None:
     """The step's per-example gradients against autograd's of the examples' own losses
-    (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i`` (or, with ``norms``, the last
-    example's norm). A loss that depends on other examples (a contrastive loss, a penalty added
-    to each example's loss) or a model that mixes them where gradhooks cannot see it shows
-    here."""
+    (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i``. A loss that depends on
+    other examples (a contrastive loss, a penalty added to each example's loss) or a model that
+    mixes them where gradhooks cannot see it shows here."""
     if truth is None:
         return
-    weights, grads = truth
+    _, grads = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
     wants = [
         torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
         else (g.to_dense() if g.is_sparse else g).detach()
         for p, g in zip(params, grads, strict=True)
     ]  # fmt: skip
-    if norms:
-        wants = [w.norm().reshape(1) for w in wants]
     overall = max((float(w.abs().max()) for w in wants if w.numel()), default=0.0)
     wrong = []
     for p, want, g in zip(params, wants, got, strict=True):
@@ -236,12 +228,8 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list, norm
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
         return
-    last = weights.shape[0] - 1
     what = (
-        f"example {last}'s per-parameter gradient norms from the hooks are not those of the "
-        f"gradient of its own loss, per_example_loss[{last}]"
-        if norms
-        else "the per-example gradients from the hooks, weighted over the examples, are not "
+        "the per-example gradients from the hooks, weighted over the examples, are not "
         "the gradient of the examples' own losses weighted alike"
     )
     more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
@@ -282,7 +270,7 @@ def _clipped_sums(
             _check_step(hooks, params, truth, [
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
-            ], norms=False)  # fmt: skip
+            ])  # fmt: skip
         factors = clip_factors(norms, max_norm)
         clipped = [
             _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
@@ -299,13 +287,7 @@ def _clipped_sums(
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
-            w = truth[0].to(device=norms.device, dtype=norms.dtype)
-            weighted: dict[int, Tensor] = {}
-            for pieces, live, scale in kept:
-                for pname, p in live.items():
-                    s = P.batch_sum(pieces[pname], p.shape, w * scale).to(p.dtype)
-                    weighted[id(p)] = s if id(p) not in weighted else weighted[id(p)] + s
-            _check_step(hooks, params, truth, [weighted.get(id(p)) for p in params], norms=False)
+            _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
         factors = clip_factors(norms, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
@@ -315,16 +297,17 @@ def _clipped_sums(
         del kept
         clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
     else:
-        grads = _grads(hooks, loss, wrt, retain_graph=True)
+        # (the step that is checked keeps the pieces the norms come from, to weigh them)
+        kept = hooks._collector.keep = [] if truth is not None else None
+        try:
+            grads = _grads(hooks, loss, wrt, retain_graph=True)
+        finally:
+            hooks._collector.keep = None
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
-            per_param = hooks.param_norms()
-            names = hooks._collector.names
-            _check_step(hooks, params, truth, [
-                None if names.get(id(p)) not in per_param else per_param[names[id(p)]][-1]
-                for p in params
-            ], norms=True)  # fmt: skip
+            _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
+            del kept
         factors = clip_factors(norms, max_norm).detach()
         hooks._ignore_backward = True
         try:
@@ -333,6 +316,17 @@ def _clipped_sums(
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     return norms, clipped
+
+
+def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:
+    """Per parameter, ``Σ_i weights[i] · g_i`` from the pieces a backward kept."""
+    found: dict[int, Tensor] = {}
+    for pieces, live, scale in kept:
+        for pname, p in live.items():
+            w = weights.to(device=p.device, dtype=p.dtype) * scale
+            s = P.batch_sum(pieces[pname], p.shape, w).to(p.dtype)
+            found[id(p)] = s if id(p) not in found else found[id(p)] + s
+    return [found.get(id(p)) for p in params]
 
 
 def _has_norm(hooks: Hooks, p: Tensor) -> bool:

@@ -129,14 +129,15 @@ class _Backward:
     grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: _Probe | None = None  # (verify) one example's gradient, by autograd alone
+    # (verify, without grad1) every call's pieces, (pieces, params, scale), for the norms' check
+    kept: list[tuple[dict, dict, float]] = field(default_factory=list)
 
 
 @dataclass
 class _Probe:
     """Every parameter's gradient as autograd gives it from the model's output-gradients with
     each example's rows weighted by ``weights[i]`` (:meth:`Hooks._probe`): ``Σ_i weights[i] ·
-    grad1[i]`` must equal it. ``weights`` is one example's indicator where the handle forms
-    norms, not ``grad1``."""
+    grad1[i]`` must equal it (without ``grad1``: formed from the pieces, :meth:`Hooks._weigh`)."""
 
     frame: int  # id of the forward whose outputs it started from
     weights: Tensor  # [batch]
@@ -150,12 +151,6 @@ class _Probe:
     @property
     def batch(self) -> int:
         return self.weights.shape[0]
-
-    @property
-    def example(self) -> int:
-        """The example checked alone (norms), or -1 (all, weighted: grad1)."""
-        nonzero = (self.weights != 0).nonzero()
-        return int(nonzero[0, 0]) if nonzero.shape[0] == 1 else -1
 
 
 class _Sums(dict):
@@ -1595,6 +1590,9 @@ class Hooks:
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
                 self._exempt.add(id(p))
+        if not self._grad1 and bw is not None and bw.verify:
+            # (fresh pieces: none of the columns the norms may cache)
+            bw.kept.append(({n: P.select(pieces[n], slice(None)) for n in live}, live, scale))
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
@@ -1873,10 +1871,9 @@ class Hooks:
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
         the model's output-gradients in hand: every parameter's gradient from them with each
-        example's rows weighted (:func:`checks.example_weights`; for a handle without
-        ``grad1``, the last example's rows alone), by a backward of autograd's own through the
-        same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or the
-        norms) weighted alike. Only where every output that has a gradient holds the examples
+        example's rows weighted (:func:`checks.example_weights`), by a backward of autograd's own through the
+        same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or, for
+        norms, the pieces' batch sum) weighted alike. Only where every output that has a gradient holds the examples
         where the tracker followed them, and none is computed from another (whose gradient
         would then be counted twice); an output that lost them (a loss computed inside the
         model) leaves the check out."""
@@ -1901,11 +1898,7 @@ class Hooks:
         ):
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
-        if self._grad1:
-            weights = checks.example_weights(batch)
-        else:
-            weights = torch.zeros(batch, dtype=torch.float64)
-            weights[-1] = 1.0
+        weights = checks.example_weights(batch)
         masked = []
         for _, g, lay in used:
             if lay.size(batch) != g.shape[lay.dim]:
@@ -2225,43 +2218,61 @@ class Hooks:
         )
 
     def _verify_norms(self, bw: _Backward, probe: _Probe) -> None:
-        """:meth:`_verify_probe` for a handle without ``grad1``: example ``probe.example``'s
-        per-parameter norms of this backward against autograd's gradient from that example's
-        output rows alone."""
+        """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
+        norms of this backward were formed from, weighted over the examples as the probe's
+        output rows were (:meth:`_weigh`), against autograd's gradient from those rows."""
         collector = self._collector
         if collector is None or not collector.param_sq_norms:
             return
         scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
-        want_of = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
+        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
                    for pid, g in probe.grads.items()
                    if pid not in self._exempt and pid in through}  # fmt: skip
-        overall = max(want_of.values(), default=0.0)
+        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
+        weighted = self._weigh(bw, probe.weights)
         wrong = []
         for pid, want in want_of.items():
             name = collector.names.get(pid)
-            sq = collector.param_sq_norms.get(name)
-            if sq is not None and sq.shape[0] != probe.batch:
+            if name not in collector.param_sq_norms:
+                continue  # (reached otherwise than by a captured call: collector.missed)
+            got = weighted.get(pid, 0)
+            if got is None:
                 continue  # (a layer that counts its examples otherwise: bags)
-            got = 0.0 if sq is None else float(sq[probe.example].clamp_min(0).sqrt())
-            tol = {torch.float64: _PROBE_TOLERANCE["float64"],
-                   torch.float32: _PROBE_TOLERANCE["float32"]}.get(
-                sq.dtype if sq is not None else torch.float64, 1e-1
-            )  # fmt: skip
-            diff = abs(got - want)
-            if diff > tol * max(got, want) + 1e-3 * tol * overall and diff > 0:
-                wrong.append(f"'{name}' (norm {got:.4g}, autograd's {want:.4g})")
+            got = torch.zeros_like(want) + got
+            diff = _mismatch(got.to(want.dtype), want, None, overall, **_PROBE_TOLERANCE)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
         if not wrong:
             return
         collector.discard_backward()
         collector.param_sq_norms, collector.norm_forms = {}, {}
         collector.sum_grad_sq, collector.grad_mean = {}, {}
         raise RuntimeError(
-            f"gradhooks: example {probe.example}'s per-example norms are not those of the "
-            "gradient autograd gives that example from its own rows of the model's "
-            f"output-gradients alone, for {_listed(wrong)}. The norms of this backward were "
-            "not kept. " + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
+            "gradhooks: the per-example norms are not those of the examples' own gradients: "
+            "the gradients they were formed from, weighted over the examples, are not the "
+            "gradient autograd gives from the model's output-gradients with each example's "
+            f"rows weighted alike, for {_listed(wrong)}. The norms of this backward were not "
+            "kept. " + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
+
+    @staticmethod
+    def _weigh(bw: _Backward, weights: Tensor) -> dict[int, Tensor | None]:
+        """Without ``grad1``, what :meth:`_verify_norms` compares: ``Σ_i weights[i] ·
+        grad1[i]`` of each parameter, from the backward's pieces (the cost of one batch
+        gradient); ``None`` for a layer that counts its examples otherwise (bags)."""
+        found: dict[int, Tensor | None] = {}
+        for pieces, live, scale in bw.kept:
+            for pname, p in live.items():
+                piece = pieces[pname]
+                if piece.batch_size != weights.shape[0]:
+                    found[id(p)] = None
+                if id(p) in found and found[id(p)] is None:
+                    continue
+                total = P.batch_sum(piece, p.shape, weights.to(p.device)).to(torch.float64)
+                found[id(p)] = total * scale + found.get(id(p), 0)
+        bw.kept = []
+        return found
 
     def _grad1_of_backward(self, bw: _Backward, pid: int, p: nn.Parameter) -> Tensor | None:
         """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""

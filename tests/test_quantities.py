@@ -518,3 +518,22 @@ def test_dp_refuses_a_generator_that_is_not_one(method):
                 method=method,
             )  # fmt: skip
     assert all(p.grad is None for p in model.parameters())
+
+
+@METHODS
+def test_dp_refuses_mixing_of_two_examples_the_tracker_cannot_see(method):
+    """A gradient hook that adds the second example's output-gradient to the first's: every
+    method's check of the first step (all examples weighted, also for the norms) refuses it,
+    and nothing is written."""
+    model, x = _mlp_and_batch()
+
+    def forward(x):
+        h = model[1](model[0](x))
+        h.register_hook(lambda g: torch.cat([g[:1] + g[1:2], g[1:]]))
+        return model[2](h)
+
+    with _hooked(model, method) as h:
+        with pytest.raises(RuntimeError, match="dp_sgd_step: the per-example gradients"):
+            gradhooks.dp_sgd_step(h, forward(x).pow(2).sum(1), max_norm=1.0,
+                                  noise_multiplier=0.0, method=method)  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
