@@ -191,7 +191,8 @@ _POINTWISE = """
     prelu floor ceil round trunc frac isnan isinf isfinite isneginf isposinf nan_to_num
     dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
     to type type_as float double half bfloat16 int long bool short char byte cpu cuda
-    contiguous clone detach requires_grad_ pin_memory conj real imag positive
+    contiguous clone detach requires_grad_ pin_memory conj real imag positive polar complex
+    angle conj_physical resolve_conj resolve_neg
     fill_ zero_ normal_ uniform_ bernoulli bernoulli_ exponential_ random_ copy_ set_
     masked_fill_ masked_scatter masked_scatter_ where_ clamp_ clip_ nan_to_num_
     __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
