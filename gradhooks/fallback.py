@@ -151,28 +151,48 @@ def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]
 
     An input that does not depend on the examples but was expanded to the batch (a class token,
     ``cls.expand(batch, -1, -1)``) is passed whole at first; where the recomputation then fails
-    or does not reproduce the output, it is tried again split on dimension 0 like the batch
-    (the output check decides)."""
+    or does not reproduce the output, it is tried again split where the inputs with as many
+    dimensions hold the examples (dimension 0, or 1 in a sequence-first module such as
+    XLNet's attention; the output check decides)."""
     info = call.batch
     leaves = tree_flatten((tuple(call.inputs), dict(call.kwargs)))[0]
     split = [
         not info.shared and isinstance(t, Tensor) and lay is not None
         for t, lay in zip(leaves, info.inputs)
     ]
+
+    def dim_of(t: Tensor) -> int:
+        # (where the inputs of as many dimensions that hold the examples hold them, on one
+        # dimension: a sequence-first module's dimension 1; else dimension 0)
+        dims = {lay.dim for u, lay in zip(leaves, info.inputs)
+                if isinstance(u, Tensor) and u.dim() == t.dim() and lay is not None
+                and lay.dim >= 0 and lay.plain}  # fmt: skip
+        return dims.pop() if len(dims) == 1 else 0
+
     aligned = [
-        sp or (not info.shared and isinstance(t, Tensor) and t.dim() > 0
-               and t.shape[0] == info.size)
+        None if not isinstance(t, Tensor) or info.shared else
+        Layout(0) if sp else Layout(dim_of(t))
         for t, sp in zip(leaves, split)
+    ]  # fmt: skip
+    aligned = [
+        lay if lay is not None and (sp or (t.dim() > lay.dim and t.shape[lay.dim] == info.size))
+        else None
+        for t, sp, lay in zip(leaves, split, aligned)
     ]  # fmt: skip
     try:
         return _by_layout_split(call, wrt, split)
     except Exception:
-        if aligned == split:
+        if [lay is not None for lay in aligned] == split:
             raise
-        return _by_layout_split(call, wrt, aligned)
+        return _by_layout_split(call, wrt, [lay is not None for lay in aligned], aligned)
 
 
-def _by_layout_split(call: Call, wrt: Mapping[str, nn.Parameter], split: list[bool]):
+def _by_layout_split(
+    call: Call,
+    wrt: Mapping[str, nn.Parameter],
+    split: list[bool],
+    aligned: list[Layout | None] | None = None,
+):
     module, name = call.module, f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
     info = call.batch
     batch = info.size
@@ -189,8 +209,8 @@ def _by_layout_split(call: Call, wrt: Mapping[str, nn.Parameter], split: list[bo
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
     xs = [
-        batch_rows(t, Layout(0) if lay is None else lay, batch)
-        for t, lay, sp in zip(leaves, info.inputs, split)
+        batch_rows(t, lay if lay is not None else aligned[k] if aligned else Layout(0), batch)
+        for k, (t, lay, sp) in enumerate(zip(leaves, info.inputs, split))
         if sp
     ]
     outs_lay = [info.outputs[i] if i < len(info.outputs) else None for i in out_idx]

@@ -349,3 +349,48 @@ def test_modules_own_forward_hooks_do_not_run_in_the_recomputation(reduction):
     assert seen == [(4, 5, 4)]
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad1, want[n])
+
+
+class _SeqFirstAttention(nn.Module):
+    """Attention over ``[time, batch, features]`` with a position table expanded to the batch
+    (XLNet's relative attention): no rule, so the fallback."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n) / n**0.5)
+
+    def forward(self, h, r):  # [T, B, n], [T, B, n]
+        scores = torch.einsum("ibn,jbn->bij", h @ self.w, r)
+        return torch.einsum("bij,jbn->ibn", scores.softmax(-1), h)
+
+
+class _SeqFirstModel(nn.Module):
+    def __init__(self, n=4, t=3):
+        super().__init__()
+        self.inp, self.pos = nn.Linear(n, n), nn.Embedding(t, n)
+        self.attn, self.head = _SeqFirstAttention(n), nn.Linear(n, 2)
+
+    def forward(self, x):  # [B, T, n]
+        h = self.inp(x).transpose(0, 1)
+        r = self.pos(torch.arange(x.shape[1]))[:, None].expand(-1, x.shape[0], -1)
+        return self.head(self.attn(h, r).transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch", [2, 3, 5])  # (3: as long as the sequence)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sequence_first_module_with_an_expanded_position_input(batch, reduction):
+    """The expanded position table holds the batch on dimension 1, where the module's other
+    inputs hold the examples: the recomputation one example at a time splits it there."""
+    torch.manual_seed(0)
+    m = _SeqFirstModel().double()
+    x = torch.randn(batch, 3, 4, dtype=torch.float64)
+
+    def loss(out):
+        return 0.5 * out.pow(2).sum() / (batch if reduction == "mean" else 1)
+
+    want = vmap_grad(m, loss, x)
+    with gradhooks.add_hooks(m, loss_reduction=reduction):
+        loss(m(x)).backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad1, want[n] * (batch if reduction == "mean" else 1),
+                                   rtol=1e-9, atol=1e-10, msg=n)  # fmt: skip
