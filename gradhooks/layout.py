@@ -208,6 +208,7 @@ _POINTWISE_SET = frozenset(_POINTWISE)
 # operations that make a batch-free tensor batch-sized, and those that then use it row by row
 # along the batch (elementwise, concatenation along another dimension, batched matrix products)
 _SPREADS = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
+_COPIES = frozenset({"contiguous", "clone"})  # (the same values: an expansion stays one)
 _ROWWISE = _POINTWISE_SET | {"cat", "concat", "concatenate", "bmm", "matmul", "__matmul__",
                               "baddbmm"}  # fmt: skip
 
@@ -1290,6 +1291,7 @@ class Tracker(TorchFunctionMode):
         self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
         self.spread: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expanded -> (from, how)
         self.meetings: list[_Meeting] = []
+        self.unmet: set[Source] = set()  # sources used in place, as they are, with the batch
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
         self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
@@ -1446,6 +1448,8 @@ class Tracker(TorchFunctionMode):
                     self.taint(o, frozen)
                 if name in _SPREADS and isinstance(out, Tensor) and isinstance(args[0], Tensor):
                     self.spread[out] = (args[0], name)
+                elif name in _COPIES and isinstance(out, Tensor) and args[0] in self.spread:
+                    self.spread[out] = self.spread[args[0]]  # (MPNet: expand(...).contiguous())
                 for s in sources:
                     s.uses.append(("free", name))
                 return out
@@ -1682,7 +1686,20 @@ class Tracker(TorchFunctionMode):
             for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
                 s.uses.append(("loss", name))  # decay): no example's; not delivered
             return out
-        if any(lay is None or lay.dim < 0 for lay in lays) or _is_inplace(name):
+        followed = not any(lay is None or lay.dim < 0 for lay in lays)
+        if followed and _is_inplace(name) and not any(args and t is args[0] for t in tainted):
+            # added in place into the batch (TAPAS: embeddings += token_type_embeddings(ids)):
+            # as the operation out of place where each source's output is used as it is, row
+            # by row with the batch; else (no meeting can run an in-place operation again)
+            # refused below
+            aligned = self._aligned(name, args, kwargs, tainted, outs, lays)
+            every = set().union(*(srcs[t] for t in tainted))
+            if every <= set(aligned):
+                for s in every:
+                    s.uses.append(("aligned", aligned[s]))
+                self.unmet |= every  # (no meeting holds them: finish still sees them)
+                return out
+        if not followed or _is_inplace(name):
             met = {*lays, *(self.layouts.get(t) for t in tensors)}
             if _is_inplace(name):
                 why = f"the in-place '{name}' writes the batch into a tensor derived from it"
@@ -1817,6 +1834,8 @@ class Tracker(TorchFunctionMode):
         rows the expansion copied, it is the per-example gradient of what was expanded."""
         if name not in _ROWWISE:
             return None
+        if _is_inplace(name) and any(args and t is args[0] for t in tainted):
+            return None  # the batch written into what was expanded
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
         plans = []
         for t in tainted:
@@ -1886,7 +1905,8 @@ class Tracker(TorchFunctionMode):
         batch is *aligned* (its call's rows are examples after all: ``Source.aligned``); the
         meetings of the others hook the backward."""
         seen = {s for m in self.meetings for srcs in m.sources for s in srcs}
-        seen |= {s for ss in self.taints.values() for s in ss}
+        seen |= {s for ss in self.taints.values() for s in ss} | self.unmet
+        self.unmet = set()
         for s in seen:
             kinds = {u for u in s.uses}
             if kinds and all(k == "aligned" for k, _ in kinds) and len(kinds) == 1:
@@ -2010,6 +2030,8 @@ class _Meeting:
         self.shapes = [o.shape for o in outs]
 
     def arm(self) -> None:
+        if not self.nodes:
+            return  # (no output that a gradient reaches)
         node, nr = self.nodes[0]
         if node is None:
             return

@@ -200,6 +200,34 @@ def qwen2_moe():  # experts and a gated shared expert
     return transformers.Qwen2MoeForCausalLM(cfg)
 
 
+def mpnet():  # relative bias expanded to the batch, .contiguous(), added in place
+    cfg = transformers.MPNetConfig(**SMALL, **NO_DROPOUT, num_labels=3)
+    return transformers.MPNetForSequenceClassification(cfg)
+
+
+def tapas():  # token-type lookups of default (all-zero) ids, each added in place
+    cfg = transformers.TapasConfig(**SMALL, **NO_DROPOUT, num_labels=3)
+    return transformers.TapasForSequenceClassification(cfg)
+
+
+def xlnet():  # sequence-first attention (fallback), position table expanded to the batch
+    cfg = transformers.XLNetConfig(d_model=16, n_layer=2, n_head=2, d_inner=24, vocab_size=V,
+                                   dropout=0.0, num_labels=3)  # fmt: skip
+    model = transformers.XLNetForSequenceClassification(cfg)
+    for n, p in model.named_parameters():  # (used only with target_mapping or segment ids)
+        if n.endswith(("mask_emb", "r_s_bias", "seg_embed")):
+            p.requires_grad_(False)
+    return model
+
+
+def llama4():  # rotary embedding through torch.polar, a shared expert
+    cfg = transformers.Llama4TextConfig(
+        **SMALL, num_key_value_heads=1, head_dim=8, intermediate_size_mlp=24,
+        num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+    )  # fmt: skip
+    return transformers.Llama4ForCausalLM(cfg)
+
+
 HF = {
     # name: (model factory, loss, batch kwargs, takes position_ids)
     "gpt2": (gpt2, lm_loss, {}, True),
@@ -214,6 +242,10 @@ HF = {
     "deberta-v2": (deberta_v2, cls_loss, {"classes": 3}, False),
     "mixtral": (mixtral, lm_loss, {}, False),
     "qwen2-moe": (qwen2_moe, lm_loss, {}, False),
+    "mpnet": (mpnet, cls_loss, {"classes": 3}, False),
+    "tapas": (tapas, cls_loss, {"classes": 3}, False),
+    "xlnet": (xlnet, cls_loss, {"classes": 3}, False),
+    "llama4": (llama4, lm_loss, {}, True),
 }
 
 

@@ -1435,6 +1435,7 @@ FOLLOWED = {
         Layout(0),
     ),  # fmt: skip
     "log_sigmoid": (F.logsigmoid, Layout(1), Layout(1)),
+    "polar": (lambda x: torch.view_as_real(torch.polar(x.exp(), x)), Layout(1), Layout(1)),
     "unfold (im2col)": (lambda x: F.unfold(x[:, None], (2, 2)), Layout(0), Layout(0)),
 }
 
@@ -1447,6 +1448,64 @@ def test_operations_the_batch_is_followed_through(how):
 
 
 # -- the first backward's check: what it must not refuse, what it must see ----------------------
+
+
+class _AddedInPlace(nn.Module):
+    """Layers whose inputs do not depend on the examples, added in place into the batch:
+    TAPAS's token-type lookups of all-zero ids ``[B, T]``, and MPNet's relative bias,
+    expanded to the batch and made contiguous, added to the scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+        self.types = nn.ModuleList([nn.Embedding(3, 4) for _ in range(2)])
+        self.bias = nn.Embedding(9, 4)
+
+    def forward(self, x):
+        b, t = x.shape
+        h = self.tok(x)
+        types = torch.zeros(b, t, 2, dtype=torch.long)
+        for i, table in enumerate(self.types):
+            h += table(types[:, :, i])
+        rel = torch.arange(t)[None, :] - torch.arange(t)[:, None] + 4  # [T, T]
+        bias = self.bias(rel.clamp(0, 8)).permute(2, 0, 1).unsqueeze(0)  # [1, 4, T, T]
+        scores = torch.einsum("bsf,buf->bsu", h, h)[:, None].repeat(1, 4, 1, 1)
+        scores += bias.expand(b, -1, t, t).contiguous()
+        return self.head(torch.einsum("bfsu,buf->bsf", scores.softmax(-1), h))
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_layers_without_the_examples_added_in_place_into_the_batch(seq, reduction):
+    torch.manual_seed(0)
+    m = _AddedInPlace().double()
+    x = torch.randint(0, 10, (3, seq))
+    want = loop_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction=reduction):
+        sq(m(x)).div(3 if reduction == "mean" else 1).backward()
+    assert_matches(m, want, "added in place")
+
+
+def test_batch_added_in_place_into_a_layer_without_the_examples_is_refused():
+    """The other way round: the batch written into the lookup's output (``table(ids) += h``)
+    is still refused, naming the layer."""
+
+    class Into(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            p = self.pos(torch.arange(x.shape[1])).expand(x.shape[0], -1, -1).contiguous()
+            p += self.tok(x)
+            return self.head(p)
+
+    torch.manual_seed(0)
+    m = Into().double()
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match="'pos'"):
+            sq(m(torch.randint(0, 10, (3, 5)))).backward()
+    assert not any(hasattr(p, "grad1") for p in m.parameters())
 
 
 class _PositionsExpandedFirst(nn.Module):
