@@ -337,6 +337,9 @@ class Hooks:
         self._probe_box: dict | None = None  # the outputs of the forward _probe starts from
         # parameters used outside their modules' calls, by id: the sources of their uses
         self._direct: dict[int, weakref.WeakSet] = {}
+        # sources with a problem that no autograd graph holds (found where the forward recorded
+        # none): kept until a backward ends, so that the parameter's gradient reports it
+        self._unheld: list = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         self._direct_targets: dict[int, _Target] = {}
@@ -677,6 +680,7 @@ class Hooks:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        self._unheld.clear()
         if self._probe_box is not None:
             _drop_box(self._probe_box)
             self._probe_box = None
@@ -2080,6 +2084,7 @@ class Hooks:
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
+        self._unheld.clear()
         if bw.reached:
             self._backwards += 1
         if bw.derived is not None and bw.computed:

@@ -458,14 +458,31 @@ def _movedim(args, kwargs, out, layout_of):
     return lay.at(order.index(lay.dim))
 
 
-@_handles("narrow", "select", "unfold", "diagonal", "narrow_copy", "select_copy")
+@_handles("diagonal", "diagonal_copy")
+def _diagonal(args, kwargs, out, layout_of):
+    """``x.diagonal(offset, dim1, dim2)``: the two dimensions go, the diagonal comes last."""
+    t, lay = _single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    d1 = _norm_dim(int(_arg(args, kwargs, 2, "dim1", 0)), n)
+    d2 = _norm_dim(int(_arg(args, kwargs, 3, "dim2", 1)), n)
+    if lay.dim in (d1, d2):
+        return MIXED  # (the examples' entries paired with another dimension's)
+    return lay.at(lay.dim - (d1 < lay.dim) - (d2 < lay.dim))
+
+
+@_handles("narrow", "select", "unfold", "narrow_copy", "select_copy")
 def _select(args, kwargs, out, layout_of):
     t, lay = _single_input(args, kwargs, layout_of)
     o = _first_tensor(out)
     if t is None or lay is UNKNOWN or o is None:
         return UNKNOWN
     n = t.dim()
-    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), n)
+    dim = _arg(args, kwargs, 1, "dim", None)
+    if dim is None:  # (Tensor.unfold's keyword)
+        dim = kwargs.get("dimension", 0)
+    dim = _norm_dim(int(dim), n)
     if dim == lay.dim:
         return MIXED  # (some examples picked out of the batch)
     if o.dim() == n - 1:  # select removes the dimension
@@ -1261,6 +1278,23 @@ class _Use:
     mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
 
 
+def _unselected(name: str, args: tuple, layouts) -> set[int]:
+    """``torch.where(cond, x, y)``: the ids of ``x`` or ``y`` where they mix the examples and
+    ``cond`` takes none of their entries (Hugging Face's time-series mean scaler: a scale
+    from the whole batch, used only for a series with no observation)."""
+    if name != "where" or len(args) < 3:
+        return set()
+    cond, x, y = args[:3]
+    if not isinstance(cond, Tensor) or cond.dtype != torch.bool:
+        return set()
+    found = set()
+    if isinstance(x, Tensor) and layouts.get(x) is MIXED and not bool(cond.any()):
+        found.add(id(x))
+    if isinstance(y, Tensor) and layouts.get(y) is MIXED and bool(cond.all()):
+        found.add(id(y))
+    return found
+
+
 def _carries(t: Tensor) -> bool:
     """Whether what ``t`` holds, computed across the examples, makes one example's result
     depend on another's: its gradient flows back, or its values are computed with (a batch mean
@@ -1525,11 +1559,19 @@ class Tracker(TorchFunctionMode):
         if not outs or name in _FREE:
             return  # (a new tensor: its values do not depend on the examples)
         ins = _tensors(args, kwargs)
+        unselected = _unselected(name, args, self.layouts)
+        layout_of = self._layout_of
+        if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
+            ins = [t for t in ins if id(t) not in unselected]
+
+            def layout_of(t: Any) -> Layout | None:
+                return None if id(t) in unselected else self._layout_of(t)
+
         inherited = any(self.layouts.get(t) is MIXED for t in ins)
         if inherited:
             result = MIXED
         else:
-            result = output_layout(name, args, kwargs, out, self._layout_of, self.batch)
+            result = output_layout(name, args, kwargs, out, layout_of, self.batch)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
@@ -1665,6 +1707,28 @@ class Tracker(TorchFunctionMode):
                 return out
         for p in direct:
             self._param_source(p)
+        if any(not t.requires_grad for t in tainted):
+            if not torch.is_grad_enabled():
+                # (inside a custom autograd.Function's forward, whose own backward gives the
+                # sources a gradient gradhooks cannot split by example, or under no_grad)
+                out = func(*args, **kwargs)
+                self._propagate(name, args, kwargs, out)
+                why = (
+                    f"'{name}' combines it with the batch where autograd records no graph "
+                    "(inside a custom autograd.Function's forward, or under torch.no_grad), "
+                    "so gradhooks cannot follow its gradient from there"
+                )
+                for t in tainted:
+                    for s in self._sources(t):
+                        s.problem = s.problem or why
+                        if self.engine is not None:  # (no graph holds it: kept to be told)
+                            self.engine._unheld.append(s)
+                return out
+            tainted = [t for t in tainted if t.requires_grad]  # (detached: no gradient back)
+            if not tainted:
+                out = func(*args, **kwargs)
+                self._propagate(name, args, kwargs, out)
+                return out
         fast = self._expanded(func, name, args, kwargs, tainted)
         if fast is None:
             fast = self._spread(func, name, args, kwargs, tainted)

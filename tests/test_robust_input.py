@@ -1436,6 +1436,11 @@ FOLLOWED = {
     ),  # fmt: skip
     "log_sigmoid": (F.logsigmoid, Layout(1), Layout(1)),
     "polar": (lambda x: torch.view_as_real(torch.polar(x.exp(), x)), Layout(1), Layout(1)),
+    "unfold by keyword": (lambda x: x.unfold(dimension=-1, size=2, step=2), Layout(0), Layout(0)),
+    "diagonal of the last two": (lambda x: x.diagonal(0, 1, 2), Layout(0), Layout(0)),
+    "diagonal by keyword": (lambda x: x.diagonal(dim1=-2, dim2=-1), Layout(0), Layout(0)),
+    "diagonal before the batch": (lambda x: x.diagonal(0, 0, 2), Layout(1), Layout(0)),
+    "diagonal across the batch": (lambda x: x.diagonal(), Layout(0), MIXED),
     "unfold (im2col)": (lambda x: F.unfold(x[:, None], (2, 2)), Layout(0), Layout(0)),
 }
 
@@ -1448,6 +1453,75 @@ def test_operations_the_batch_is_followed_through(how):
 
 
 # -- the first backward's check: what it must not refuse, what it must see ----------------------
+
+
+class _MeanScaled(nn.Module):
+    """Hugging Face's time-series mean scaler: each series scaled by its mean absolute
+    observed value; a scale from the whole batch only where a series has no observation."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, observed):
+        total = (x * observed).abs().sum(1, keepdim=True)
+        count = observed.sum(1, keepdim=True)
+        scale = total / count.clamp(min=1)
+        default = (total.sum(0) / count.sum(0).clamp(min=1)).squeeze()  # across the batch
+        return self.lin(x / torch.where(count > 0, scale, default))
+
+
+def test_a_batch_statistic_that_no_entry_takes_is_not_mixing():
+    """Every series observed: ``torch.where`` takes none of the batch's scale, each example is
+    its own (the loop agrees). One series unobserved: it takes it, and is refused."""
+    torch.manual_seed(0)
+    m = _MeanScaled().double()
+    x, observed = torch.randn(3, 4, dtype=D), torch.ones(3, 4, dtype=D)
+    want = loop_grad(m, sq, (x, observed))
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, observed)).backward()
+    assert_matches(m, want, "every series observed")
+    observed[1] = 0
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'lin' \(Linear\): its input .* across the"):
+            m(x, observed)
+
+
+class _InsideAFunction(torch.autograd.Function):
+    """A parameter combined with the batch inside a custom function's forward (PEFT's C3A
+    block-circular convolution): autograd records no graph there."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.fft.ifft(torch.fft.fft(x) * torch.fft.fft(w)).real
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gf = torch.fft.fft(g)
+        gx = torch.fft.ifft(gf * torch.fft.fft(w).conj()).real
+        gw = torch.fft.ifft((gf * torch.fft.fft(x).conj()).sum(0)).real
+        return gx, gw
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_parameter_combined_with_the_batch_inside_a_custom_function_is_refused(verify):
+    class Circular(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = nn.Linear(4, 4)
+            self.kernel = nn.ParameterDict({"w": nn.Parameter(torch.randn(4))})  # (as PEFT)
+
+        def forward(self, x):
+            return self.base(x) + _InsideAFunction.apply(x, self.kernel["w"])
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Circular(), nn.Linear(4, 2)).double()
+    with gradhooks.add_hooks(m, loss_reduction="sum", verify=verify):
+        with pytest.raises(RuntimeError, match=r"'0\.kernel\.w' .* custom autograd\.Function"):
+            sq(m(torch.randn(3, 4, dtype=D))).backward()
+    assert not any(hasattr(p, "grad1") for p in m.parameters())
 
 
 class _AddedInPlace(nn.Module):
