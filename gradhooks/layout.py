@@ -1131,10 +1131,8 @@ def _index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
         if is_adv[j]:
             t = tensors[adv.index(j)]
             start = dst if adjacent else 0
-            if src == lay.dim:
-                if not lay.plain:
-                    return None
-                k = _arange_dim(t, x.shape[src])
+            if src == lay.dim:  # (an arange over the whole dimension: every entry in place,
+                k = _arange_dim(t, x.shape[src])  # also where heads are folded in: Informer)
                 if k is None:
                     return None
                 return lay.at(start + k + len(bshape) - t.dim())

@@ -1351,6 +1351,20 @@ def layout_after(fn, x, layout, *args, **kwargs):
     return tracker.layout(out[0] if isinstance(out, tuple) else out)
 
 
+def test_rows_picked_with_an_arange_over_folded_heads_stay_in_place():
+    """Informer's sparse attention: ``q[arange(B * H)[:, None], top]`` picks, for every row
+    of the folded batch and heads, its own queries: the layout stays. Another order is not."""
+    x = torch.randn(4, 3, 5, dtype=D, requires_grad=True)  # 2 examples x 2 heads
+    top = torch.tensor([[0, 2], [1, 1], [2, 0], [0, 0]])
+    for rows, want in ((torch.arange(4)[:, None], Layout(0, inner=2)),
+                       (torch.tensor([1, 0, 3, 2])[:, None], MIXED)):  # fmt: skip
+        tracker = Tracker(2, {})
+        tracker.set_layout(x, Layout(0, inner=2))
+        with tracker:
+            out = x[rows, top]
+        assert tracker.layout(out) == want
+
+
 LIKE_THE_INPUT = {
     "max(x, 0-d)": lambda x: torch.max(x, torch.tensor(-0.5, dtype=D)),
     "min(x, other=row)": lambda x: torch.min(x, other=torch.zeros(x.shape[-1], dtype=D)),
