@@ -37,6 +37,7 @@ vmapped over the batch, per call.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -141,6 +142,10 @@ def _followed(call: Call) -> bool:
     return all(lay is None or lay.dim >= 0 for lay in lays)
 
 
+# the most combinations of expanded inputs tried split (:func:`_by_layout`)
+_SPLIT_TRIES = 8
+
+
 def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
     """``{name: [batch, *shape]}`` for the parameters in ``wrt``, from a call whose tensors'
     layouts are known (``call.batch``): example ``b``'s recomputation gets its own part of every
@@ -181,10 +186,21 @@ def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]
     ]  # fmt: skip
     try:
         return _by_layout_split(call, wrt, split)
-    except Exception:
-        if [lay is not None for lay in aligned] == split:
-            raise
-        return _by_layout_split(call, wrt, [lay is not None for lay in aligned], aligned)
+    except Exception as e:
+        error = e
+    # (which of the expanded inputs hold the batch is told by the output check alone: all of
+    # them first, then fewer; a [T, T] mask as long as the batch is not one)
+    extra = [k for k, (lay, sp) in enumerate(zip(aligned, split)) if lay is not None and not sp]
+    tries = [c for n in range(len(extra), 0, -1) for c in itertools.combinations(extra, n)]
+    for chosen in tries[:_SPLIT_TRIES]:
+        try:
+            return _by_layout_split(
+                call, wrt, [sp or k in chosen for k, sp in enumerate(split)], aligned
+            )
+        except Exception as e:
+            if chosen == tries[0]:
+                error = e  # (the message of the widest try)
+    raise error
 
 
 def _by_layout_split(

@@ -394,3 +394,44 @@ def test_sequence_first_module_with_an_expanded_position_input(batch, reduction)
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad1, want[n] * (batch if reduction == "mean" else 1),
                                    rtol=1e-9, atol=1e-10, msg=n)  # fmt: skip
+
+
+class _MaskedMixer(nn.Module):
+    """Funnel's relative attention, in small: a per-example input, a type matrix built from
+    a fresh tensor and expanded to the batch ``[B, T, T]``, and a ``[T, T]`` mask (no rule)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n) / n**0.5)
+        self.type_bias = nn.Parameter(torch.randn(()))
+
+    def forward(self, h, types, mask):  # [B, T, n], [B, T, T], [T, T]
+        scores = torch.einsum("btn,bsn->bts", h @ self.w, h) + self.type_bias * types
+        return torch.einsum("bts,bsn->btn", (scores - 1e4 * (1 - mask)).softmax(-1), h)
+
+
+class _MaskedModel(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.inp, self.mix, self.head = nn.Linear(n, n), _MaskedMixer(n), nn.Linear(n, 2)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        kinds = torch.zeros(b, t, dtype=x.dtype)  # (no example's: made here)
+        types = (kinds[:, :, None] == kinds[:, None, :]).to(x.dtype)
+        mask = torch.ones(t, t, dtype=x.dtype).tril()
+        return self.head(self.mix(self.inp(x), types, mask))
+
+
+@pytest.mark.parametrize("batch", [2, 3])  # (3: the mask as long as the batch)
+def test_an_expanded_input_and_a_mask_as_long_as_the_batch(batch):
+    """Which inputs to split with the examples is told by the output check: the expanded
+    type matrix may be, the ``[T, T]`` mask must not be, even when ``T`` is the batch size."""
+    torch.manual_seed(0)
+    m = _MaskedModel().double()
+    x = torch.randn(batch, 3, 4, dtype=torch.float64)
+    want = vmap_grad(m, lambda out: 0.5 * out.pow(2).sum(), x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        (0.5 * m(x).pow(2).sum()).backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad1, want[n], rtol=1e-9, atol=1e-10, msg=n)

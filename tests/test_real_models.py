@@ -220,6 +220,18 @@ def xlnet():  # sequence-first attention (fallback), position table expanded to 
     return model
 
 
+def funnel():  # relative attention run by the fallback: a [T, T] mask, an expanded type matrix
+    cfg = transformers.FunnelConfig(
+        d_model=16, n_head=2, d_head=8, d_inner=24, block_sizes=[1, 1], vocab_size=V,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, num_labels=3,
+    )  # fmt: skip
+    model = transformers.FunnelForSequenceClassification(cfg)
+    for layer in model.funnel.encoder.blocks.modules():  # (a key's bias: zero gradient by
+        if hasattr(layer, "k_head"):  # symmetry, its rounding all that is left to compare)
+            layer.k_head.bias.requires_grad_(False)
+    return model
+
+
 def llama4():  # rotary embedding through torch.polar, a shared expert
     cfg = transformers.Llama4TextConfig(
         **SMALL, num_key_value_heads=1, head_dim=8, intermediate_size_mlp=24,
@@ -246,13 +258,14 @@ HF = {
     "tapas": (tapas, cls_loss, {"classes": 3}, False),
     "xlnet": (xlnet, cls_loss, {"classes": 3}, False),
     "llama4": (llama4, lm_loss, {}, True),
+    "funnel": (funnel, cls_loss, {"classes": 3}, False),
 }
 
 
 def _cases():
     for name, (_, _, _, positions) in HF.items():
         for pos in (False, True) if positions else (False,):
-            for size, seq in ((3, 5), (4, 4)):
+            for size, seq in ((3, 5), (4, 4), (3, 3)) if name == "funnel" else ((3, 5), (4, 4)):
                 for reduction in ("sum", "mean"):
                     yield pytest.param(name, pos, size, seq, reduction,
                                        id=f"{name}-{'position_ids' if pos else 'built'}-B{size}T{seq}-{reduction}")  # fmt: skip
