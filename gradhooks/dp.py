@@ -420,6 +420,12 @@ def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
             continue
         seen.add(id(p))
         (params if id(p) in covered else missing).append(p if id(p) in covered else name)
+    complex_ = [n for n, p in hooks._named_parameters(model) if p.requires_grad and p.is_complex()]
+    if complex_:
+        raise ValueError(
+            f"dp_sgd_step: '{complex_[0]}' is complex: the clipping is defined here for real "
+            "parameters only (freeze it, or clip its grad1 yourself)"
+        )
     if missing:
         raise RuntimeError(
             f"dp_sgd_step: trainable parameters {missing} have no gradhooks rule (hooked with "

@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch import nn
 
+import gradhooks
 from gradhooks.models import MLP, LeNet, SimpleCNN
+from gradhooks.oracle import loop_grad
 from harness import Case, check, cross_entropy_sum
 
 CASES = [
@@ -59,3 +61,28 @@ def test_real_mean_loss_matches_the_tutorial_oracle():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-10)
         torch.testing.assert_close(p.grad1.mean(0), p.grad, rtol=1e-7, atol=1e-10)
+
+
+def test_complex_linear_grad1_and_what_is_refused():
+    """A complex Linear: grad1 is autograd's convention (the gradient with respect to the
+    conjugate, ``g ⊗ conj(x)``), against the loop; norms and DP steps, formed for real
+    parameters only, are refused with the parameter named."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3, dtype=torch.complex128))
+    x = torch.randn(5, 4, dtype=torch.complex128)
+
+    def loss(out):
+        return out.abs().pow(2).sum()
+
+    want = loop_grad(m, loss, x)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        loss(m(x)).backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad1, want[n], rtol=1e-10, atol=1e-12, msg=n)
+    gradhooks.clear_grad1(m)
+    with pytest.raises(ValueError, match="'0.weight' is complex: quantities \\('norms',\\)"):
+        gradhooks.add_hooks(m, quantities=("norms",))
+    with gradhooks.add_hooks(m, loss_reduction="sum") as h:
+        with pytest.raises(ValueError, match="dp_sgd_step: '0.weight' is complex"):
+            gradhooks.dp_sgd_step(h, m(x).abs().pow(2).sum(1), max_norm=1.0,
+                                  noise_multiplier=0.0, method="grad1")  # fmt: skip

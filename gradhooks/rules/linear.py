@@ -38,7 +38,8 @@ def linear(call: Call) -> dict[str, Outer]:
     pieces' ``shared`` axis."""
     (x,) = call.inputs
     g = _positions(call.grad_output)
-    return {"weight": Outer(_positions(x), g), "bias": Outer(None, g)}
+    return {"weight": Outer(_positions(x.conj() if x.is_complex() else x), g),
+            "bias": Outer(None, g)}  # fmt: skip
 
 
 REGISTRY.register_function("linear", linear, {"weight": (1, "weight"), "bias": (2, "bias")})
