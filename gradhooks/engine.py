@@ -146,6 +146,7 @@ class _Probe:
     # parameter in the backward itself, the loss reached it otherwise (a term on an
     # activation a hook kept), and that parameter is not compared
     plain: dict[int, Tensor]
+    last: dict[int, Tensor]  # (without grad1) the last example's gradient alone
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
 
     @property
@@ -365,6 +366,7 @@ class Hooks:
         self._checks_examples = self._track and (self._grad1 or "norms" in quantities)
         _refuse_scripted(model, self._targets)
         _refuse_lazy(model)
+        _refuse_complex(model, quantities)
         try:
             self._handles.append(
                 model.register_forward_pre_hook(_Hook(self._on_root_pre), with_kwargs=True)
@@ -1903,13 +1905,14 @@ class Hooks:
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
         weights = checks.example_weights(batch)
-        masked = []
+        masked, last = [], []
         for _, g, lay in used:
             if lay.size(batch) != g.shape[lay.dim]:
                 return
             mask = example_mask(g.shape, lay, batch, g.device)  # [batch, *shape]
             w = weights.to(device=g.device, dtype=g.dtype)
             masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
+            last.append(g * mask[-1].to(g.dtype))
         pids = list(self._params)
         params = [self._params[pid][1] for pid in pids]
         edges = [e for e, _, _ in used]
@@ -1921,8 +1924,12 @@ class Hooks:
                 plain = torch.autograd.grad(
                     edges, params, [g for _, g, _ in used], retain_graph=True, allow_unused=True
                 )
+                # (without grad1, the norms themselves are checked too: the last example's)
+                alone = None if self._grad1 else torch.autograd.grad(
+                    edges, params, last, retain_graph=True, allow_unused=True
+                )  # fmt: skip
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
-            found = plain = None
+            found = plain = alone = None
         # (the graph's edges and hooks: no cycle through the hook that holds them)
         _torch.queue_backward_callback(lambda: _drop_box(box))
         if self._probe_box is box:
@@ -1930,7 +1937,8 @@ class Hooks:
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
-            bw.probe = _Probe(box_frame, weights, grads_of, plain_of, lost)
+            alone_of = {pid: g for pid, g in zip(pids, alone or ()) if g is not None}
+            bw.probe = _Probe(box_frame, weights, grads_of, plain_of, alone_of, lost)
 
     @contextlib.contextmanager
     def _standing_aside(self) -> Iterator[None]:
@@ -2236,6 +2244,9 @@ class Hooks:
                    if pid not in self._exempt and pid in through}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
         weighted = self._weigh(bw, probe.weights)
+        alone = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
+                 for pid, g in probe.last.items() if pid in want_of}  # fmt: skip
+        largest = max(alone.values(), default=0.0)
         wrong = []
         for pid, want in want_of.items():
             name = collector.names.get(pid)
@@ -2248,6 +2259,16 @@ class Hooks:
             diff = _mismatch(got.to(want.dtype), want, None, overall, **_PROBE_TOLERANCE)
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
+                continue
+            # the norms formed from those gradients: the last example's, against autograd's
+            sq = collector.param_sq_norms[name]
+            norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
+            tol = {torch.float64: _PROBE_TOLERANCE["float64"],
+                   torch.float32: _PROBE_TOLERANCE["float32"]}.get(sq.dtype, 1e-1)  # fmt: skip
+            miss = abs(norm - norm_want)
+            if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
+                wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
+                             f"{norm_want:.4g})")  # fmt: skip
         if not wrong:
             return
         collector.discard_backward()
@@ -2274,7 +2295,8 @@ class Hooks:
                     found[id(p)] = None
                 if id(p) in found and found[id(p)] is None:
                     continue
-                total = P.batch_sum(piece, p.shape, weights.to(p.device)).to(torch.float64)
+                total = P.batch_sum(piece, p.shape, weights.to(p.device))
+                total = total.to(torch.complex128 if total.is_complex() else torch.float64)
                 found[id(p)] = total * scale + found.get(id(p), 0)
         bw.kept = []
         return found
@@ -2667,6 +2689,18 @@ def _refuse_scripted(model: nn.Module, targets: list[_Target]) -> None:
         f"gradhooks cannot capture its calls for its trainable parameters ({params}). Hook the "
         "module before torch.jit.script, or freeze its parameters (requires_grad_(False))."
     )
+
+
+def _refuse_complex(model: nn.Module, quantities: tuple) -> None:
+    """Norms, squared sums and curvature are formed for real parameters only."""
+    formed = [q for q in quantities if q != "grad1"]
+    found = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if formed and found:
+        raise ValueError(
+            f"'{found[0]}' is complex: quantities {tuple(formed)} are formed for real "
+            "parameters only. Use quantities=('grad1',) and take what you need from grad1 "
+            "(p.grad1.abs().pow(2) for the squares), or freeze the complex parameters."
+        )
 
 
 def _refuse_lazy(model: nn.Module) -> None:
