@@ -352,7 +352,10 @@ def _reshape_like(args, kwargs, out, layout_of, batch):
         return UNKNOWN
     if o.shape == t.shape:
         return lay
-    return _reshaped(lay, t.shape, o.shape, batch)
+    found = _reshaped(lay, t.shape, o.shape, batch)
+    # (no dimension holds each example's entries together: a row of the result has entries of
+    # several examples, as h.t().reshape(B, F) or rows regrouped by view(2, B, F) give)
+    return MIXED if found is UNKNOWN and lay.dim >= 0 else found
 
 
 for _n in ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel",

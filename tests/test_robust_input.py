@@ -697,7 +697,7 @@ def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, red
     m = Between(UNSEEN_MIXING[how]).double()
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction=reduction, quantities=(quantity,)) as h:
-        if how == "function":  # (its forward's operations run under no_grad, where they are seen)
+        if how in ("function", "transposed-reshape"):  # (seen by the tracker at the forward)
             with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): its input .* across the"):
                 m(x)
             return
@@ -1349,6 +1349,39 @@ def layout_after(fn, x, layout, *args, **kwargs):
     with tracker:
         out = fn(x, *args, **kwargs)
     return tracker.layout(out[0] if isinstance(out, tuple) else out)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("how", ["mask", "slice"])
+def test_rows_regrouped_across_the_examples_are_refused_at_the_forward(how, checkpointed):
+    """Each example's two rows ``[B * 2, F]`` viewed as ``[2, B, F]`` and averaged: a row of
+    the result holds two examples' entries. Refused at the forward, also where the first
+    backward's check is left out (activation checkpointing, ``verify=False``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Regroup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def block(self, x, mask):
+            h = torch.tanh(self.l1(x))
+            rows = h[mask] if how == "mask" else h[:, 1:3].reshape(x.shape[0] * 2, 6)
+            return rows.view(2, x.shape[0], 6).mean(0)
+
+        def forward(self, x, mask):
+            if checkpointed:
+                return self.l2(checkpoint(self.block, x, mask, use_reentrant=False))
+            return self.l2(self.block(x, mask))
+
+    torch.manual_seed(0)
+    m = Regroup().double()
+    x, mask = torch.randn(3, 4, 4, dtype=D), torch.zeros(3, 4, dtype=torch.bool)
+    mask[:, 1:3] = True
+    with gradhooks.add_hooks(m, loss_reduction="sum", verify=checkpointed):
+        with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): its input .* across the"):
+            sq(m(x, mask)).backward()
+    assert not any(hasattr(p, "grad1") for p in m.parameters())
 
 
 def test_rows_picked_with_an_arange_over_folded_heads_stay_in_place():
