@@ -1125,7 +1125,8 @@ class Hooks:
             raise RuntimeError(
                 f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
                 f"examples of the batch ({ops}: a reduction, shift or product along it, "
-                "entries picked from it, or rows that are not examples put among them), so its "
+                "entries picked from it, rows that are not examples put among them, or a "
+                "reshape that leaves no dimension holding each example whole), so its "
                 "rows are not one example each. Where one "
                 "example's loss depends on another's, per-example gradients do not exist. Keep "
                 "the examples apart in the forward (compute what needs the whole batch outside "
