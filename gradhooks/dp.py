@@ -320,13 +320,8 @@ def _clipped_sums(
 
 def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:
     """Per parameter, ``Σ_i weights[i] · g_i`` from the pieces a backward kept."""
-    found: dict[int, Tensor] = {}
-    for pieces, live, scale in kept:
-        for pname, p in live.items():
-            w = weights.to(device=p.device, dtype=p.dtype) * scale
-            s = P.batch_sum(pieces[pname], p.shape, w).to(p.dtype)
-            found[id(p)] = s if id(p) not in found else found[id(p)] + s
-    return [found.get(id(p)) for p in params]
+    found = P.weighted_sums(kept, weights)
+    return [None if found.get(id(p)) is None else found[id(p)].to(p.dtype) for p in params]
 
 
 def _has_norm(hooks: Hooks, p: Tensor) -> bool:

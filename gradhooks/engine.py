@@ -137,7 +137,7 @@ class _Backward:
 class _Probe:
     """Every parameter's gradient as autograd gives it from the model's output-gradients with
     each example's rows weighted by ``weights[i]`` (:meth:`Hooks._probe`): ``Σ_i weights[i] ·
-    grad1[i]`` must equal it (without ``grad1``: formed from the pieces, :meth:`Hooks._weigh`)."""
+    grad1[i]`` must equal it (without ``grad1``: formed from the pieces, :func:`pieces.weighted_sums`)."""
 
     frame: int  # id of the forward whose outputs it started from
     weights: Tensor  # [batch]
@@ -2234,7 +2234,7 @@ class Hooks:
     def _verify_norms(self, bw: _Backward, probe: _Probe) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
-        output rows were (:meth:`_weigh`), against autograd's gradient from those rows."""
+        output rows were (:func:`pieces.weighted_sums` of the kept pieces), against autograd's gradient from those rows."""
         collector = self._collector
         if collector is None or not collector.param_sq_norms:
             return
@@ -2244,7 +2244,8 @@ class Hooks:
                    for pid, g in probe.grads.items()
                    if pid not in self._exempt and pid in through}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
-        weighted = self._weigh(bw, probe.weights)
+        weighted = P.weighted_sums(bw.kept, probe.weights)
+        bw.kept = []
         alone = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
                  for pid, g in probe.last.items() if pid in want_of}  # fmt: skip
         largest = max(alone.values(), default=0.0)
@@ -2282,25 +2283,6 @@ class Hooks:
             f"rows weighted alike, for {_listed(wrong)}. The norms of this backward were not "
             "kept. " + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
-
-    @staticmethod
-    def _weigh(bw: _Backward, weights: Tensor) -> dict[int, Tensor | None]:
-        """Without ``grad1``, what :meth:`_verify_norms` compares: ``Σ_i weights[i] ·
-        grad1[i]`` of each parameter, from the backward's pieces (the cost of one batch
-        gradient); ``None`` for a layer that counts its examples otherwise (bags)."""
-        found: dict[int, Tensor | None] = {}
-        for pieces, live, scale in bw.kept:
-            for pname, p in live.items():
-                piece = pieces[pname]
-                if piece.batch_size != weights.shape[0]:
-                    found[id(p)] = None
-                if id(p) in found and found[id(p)] is None:
-                    continue
-                total = P.batch_sum(piece, p.shape, weights.to(p.device))
-                total = total.to(torch.complex128 if total.is_complex() else torch.float64)
-                found[id(p)] = total * scale + found.get(id(p), 0)
-        bw.kept = []
-        return found
 
     def _grad1_of_backward(self, bw: _Backward, pid: int, p: nn.Parameter) -> Tensor | None:
         """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""

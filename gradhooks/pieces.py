@@ -587,3 +587,20 @@ def batch_sum(piece: Piece, param_shape: torch.Size, weights: Tensor | None = No
         out = piece.g.new_zeros(piece.num_rows, piece.g.shape[-1])
         return out.index_add_(0, piece.index, g).reshape(param_shape)
     raise TypeError(f"unknown piece type {type(piece).__qualname__}")
+
+
+def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
+    """Per parameter id, ``Σ_b weights[b] grad1[b]`` (scaled) over a backward's calls, each
+    kept as ``(pieces, params, scale)`` (:func:`batch_sum` per piece, summed); ``None`` for a
+    parameter whose layer counts its examples otherwise (bags of another number)."""
+    found: dict[int, Tensor | None] = {}
+    for pieces, params, scale in kept:
+        for name, p in params.items():
+            piece = pieces[name]
+            if piece.batch_size != weights.shape[0]:
+                found[id(p)] = None
+            if id(p) in found and found[id(p)] is None:
+                continue
+            total = batch_sum(piece, p.shape, weights.to(p.device)) * scale
+            found[id(p)] = total if id(p) not in found else found[id(p)] + total
+    return found
