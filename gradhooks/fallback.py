@@ -41,6 +41,7 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -174,23 +175,21 @@ def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]
                 and lay.dim >= 0 and lay.plain}  # fmt: skip
         return dims.pop() if len(dims) == 1 else 0
 
-    aligned = [
-        None if not isinstance(t, Tensor) or info.shared else
-        Layout(0) if sp else Layout(dim_of(t))
-        for t, sp in zip(leaves, split)
-    ]  # fmt: skip
-    aligned = [
-        lay if lay is not None and (sp or (t.dim() > lay.dim and t.shape[lay.dim] == info.size))
-        else None
-        for t, sp, lay in zip(leaves, split, aligned)
-    ]  # fmt: skip
+    def expanded_at(t: Any, sp: bool) -> Layout | None:
+        """Where an input not split with the examples would be, tried again."""
+        if sp or info.shared or not isinstance(t, Tensor):
+            return None
+        d = dim_of(t)
+        return Layout(d) if t.dim() > d and t.shape[d] == info.size else None
+
+    aligned = [expanded_at(t, sp) for t, sp in zip(leaves, split)]
     try:
         return _by_layout_split(call, wrt, split)
     except Exception as e:
         error = e
     # (which of the expanded inputs hold the batch is told by the output check alone: all of
     # them first, then fewer; a [T, T] mask as long as the batch is not one)
-    extra = [k for k, (lay, sp) in enumerate(zip(aligned, split)) if lay is not None and not sp]
+    extra = [k for k, lay in enumerate(aligned) if lay is not None]
     tries = [c for n in range(len(extra), 0, -1) for c in itertools.combinations(extra, n)]
     for chosen in tries[:_SPLIT_TRIES]:
         try:
