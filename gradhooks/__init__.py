@@ -24,9 +24,10 @@ from .compat import (
     is_supported,
 )
 from .dp import clip_factors, dp_sgd_step
-from .engine import Hooks, add_hooks, clear_grad1, hooks_of, paused, remove_hooks, set_enabled
+from .engine import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
 from .jacobian import jacobians
 from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
+from .pause import paused, set_enabled
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
 from .sampling import PoissonSampler, poisson_loader

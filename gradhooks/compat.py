@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .engine import _ACTIVE, hooks_of, set_enabled
+from .engine import _ACTIVE, hooks_of
+from .pause import set_enabled
 from .registry import REGISTRY
 
 __all__ = [

@@ -32,10 +32,11 @@ from ._torch import tree_flatten, tree_map, tree_unflatten
 from .checks import GradhooksWarning, InertHook
 from .fallback import FALLBACK, fallback_params
 from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, example_mask
+from .pause import PROCESS, Pause, set_enabled
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
 
-__all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1", "set_enabled", "paused"]
+__all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
 
 LossReduction = Literal["mean", "sum"]
 Unsupported = Literal["fallback", "error", "skip"]
@@ -45,7 +46,6 @@ Capture = Literal["always", "marked"]
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
 _HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
-_GLOBALLY_ENABLED = [True]
 
 
 @dataclass
@@ -56,6 +56,7 @@ class _Target:
     module: nn.Module
     entry: _Entry
     params: dict[str, nn.Parameter]
+    memo: dict[str, Any] = field(default_factory=dict)  # the rule's, between calls
 
 
 @dataclass
@@ -314,7 +315,7 @@ class Hooks:
         # set by dp_sgd_step's book-keeping backward, whose parameter gradients are not used:
         # calls run detached then give none (and the backward still counts as the model's)
         self._no_param_grads = False
-        self._paused = 0  # depth of `with h.paused()`
+        self._pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
         self._marked = 0  # depth of `with h.capturing()`
         self._frames: list[_Frame] = []  # root forwards running
         self._tasks: dict[int, _Backward] = {}  # backwards running, by graph task id
@@ -428,6 +429,7 @@ class Hooks:
                     handles.append(p.register_hook(self._param_hook(pid, name)))
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
+        self._hooked = {id(t.module): frozenset(t.params) for t in self._targets}
         self._structure = _structure(model, bool(self._sharded))
 
     def _follow_changes(self, model: nn.Module) -> None:
@@ -521,11 +523,8 @@ class Hooks:
         write no ``grad1`` (other handles are not affected). For backwards that are not the
         training loss: derivatives for a Laplacian or an input-gradient, or differentiating a
         function of ``grad1`` after a ``create_graph=True`` backward."""
-        self._paused += 1
-        try:
+        with self._pause():
             yield
-        finally:
-            self._paused -= 1
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -730,11 +729,7 @@ class Hooks:
                 )
 
     def _capturing_backward(self) -> bool:
-        return (
-            not self._paused
-            and _GLOBALLY_ENABLED[0]
-            and (self.capture == "always" or self._marked > 0)
-        )
+        return self._pause.on and (self.capture == "always" or self._marked > 0)
 
     def _detach_hook(self, target: _Target, forward_hook: int):
         """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
@@ -762,7 +757,6 @@ class Hooks:
                 or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
                 or not self._track
                 or not self._capturing_backward()
-                or not _GLOBALLY_ENABLED[0]
                 or not torch.is_grad_enabled()
                 or _is_compiling()
                 or _torch.in_transform(args, kwargs)
@@ -908,7 +902,7 @@ class Hooks:
                 return _carry_layouts(tracker, output, new)
             # (a carried call goes on as any other: its rule gives the sums as well)
             sums = carried.sums if carried is not None else None
-            if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+            if self._removed or not self._pause.on:
                 return
             if not torch.is_grad_enabled():
                 if self._frames and self._frames[-1].grad_enabled:
@@ -1058,6 +1052,9 @@ class Hooks:
             output=_detach(output) if target.entry.needs_output else None,
             grad_outputs=(),
             name=target.name,
+            registry=self.registry,
+            hooked=self._hooked,
+            memo=target.memo,
         )
         frame = self._frames[-1] if self._frames else None
         kept = [t for t in _leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
@@ -1741,7 +1738,7 @@ class Hooks:
         :meth:`_entry_hooks`)."""
         frame = _Frame(None, [], torch.is_grad_enabled(), owner=module)
         self._frames.append(frame)  # first: the post-hook pops it even if this raises
-        if self._removed or self._paused or not _GLOBALLY_ENABLED[0]:
+        if self._removed or not self._pause.on:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
@@ -1996,7 +1993,7 @@ class Hooks:
         def hook(grad: Tensor) -> None:
             if self._removed or self._ignore_backward or self._rerunning:
                 return
-            if pid in self._direct and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+            if pid in self._direct and self._capturing_backward():
                 self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
@@ -2004,7 +2001,7 @@ class Hooks:
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
-            if pid not in bw.reached and _GLOBALLY_ENABLED[0] and self._capturing_backward():
+            if pid not in bw.reached and self._capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
@@ -2016,7 +2013,7 @@ class Hooks:
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
         if self._rerunning or self._removed or self._ignore_backward or not self._track:
             return
-        if not (_GLOBALLY_ENABLED[0] and self._capturing_backward()):
+        if not (self._capturing_backward()):
             return
         bw = self._backward_state()
         for pid, source in held:
@@ -2077,7 +2074,10 @@ class Hooks:
         for s in found:
             g = s.grads.pop(task)
             per = g if per is None else per + g
-        call = Call(target.module, (), {}, None, (per.to(p.dtype),), name=target.name)
+        call = Call(
+            target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
+            registry=self.registry,
+        )  # fmt: skip
         state = _CallState(dict(target.params), None)
         self._on_grads(target, state, call, (), {})
 
@@ -3320,19 +3320,3 @@ def clear_grad1(model: nn.Module) -> None:
     for p in model.parameters():
         if hasattr(p, "grad1"):
             del p.grad1
-
-
-def set_enabled(enabled: bool) -> None:
-    """Switch capture on or off for every hooked model (autograd-hacks' enable/disable)."""
-    _GLOBALLY_ENABLED[0] = bool(enabled)
-
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Within the block, no hooked model captures anything (the oracles run under it)."""
-    before = _GLOBALLY_ENABLED[0]
-    _GLOBALLY_ENABLED[0] = False
-    try:
-        yield
-    finally:
-        _GLOBALLY_ENABLED[0] = before

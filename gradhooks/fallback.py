@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,17 +49,16 @@ from torch.func import functional_call, vjp, vmap
 from . import _torch
 from ._torch import tree_flatten, tree_unflatten
 from .layout import Layout, batch_rows
+from .pause import paused
 from .pieces import Direct, Piece
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
 
-# Per module: the names of submodule parameters its last call used without calling their module.
-_UNCALLED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
-# Modules that torch.func cannot vmap: recomputed with a loop over the examples.
-_LOOP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-# Per module: which tensor inputs were split over the examples, for the shapes of its last call.
-_PATTERN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+# What the fallback keeps in a call's memo (per module, per handle):
+# "uncalled": the names of submodule parameters its last call used without calling their module;
+# "loop": torch.func cannot vmap the module: recomputed with a loop over the examples;
+# "pattern": which tensor inputs were split over the examples, for the shapes of its last call.
 _MAX_RETRIES = 4
 
 
@@ -81,8 +79,6 @@ def fallback(call: Call) -> dict[str, Piece | None]:
     and for those of submodules it used without calling them, and ``{name: None}`` for the
     parameters of submodules it called (their own hooks have them).
     """
-    from .engine import _HOOKED_MODULES  # the engine imports this module
-
     module = call.module
     own = {
         n: p
@@ -98,22 +94,22 @@ def fallback(call: Call) -> dict[str, Piece | None]:
         pieces: dict[str, Piece | None] = {n: None for n in {**own, **nested}}
         pieces.update({n: Direct(g) for n, g in _by_layout(call, wrt).items()})
         return pieces
-    hooks = _HOOKED_MODULES.get(module)
-    if hooks is None:  # not hooked by the engine: no way to tell which submodules are hooked
+    hooked = call.hooked
+    if hooked is None:  # not a handle's call: no way to tell which submodules are hooked
         nested = {}
-    targets = {id(t.module): t for t in hooks._targets} if hooks is not None else {}
+        hooked = {}
 
     def handled(name: str, called: set[int]) -> bool:
         """Whether a called hooked submodule computes ``name``'s gradient itself."""
         parts = name.split(".")
         for k in range(len(parts) - 1, 0, -1):
             sub = module.get_submodule(".".join(parts[:k]))
-            target = targets.get(id(sub))
-            if target is not None and id(sub) in called and ".".join(parts[k:]) in target.params:
+            params = hooked.get(id(sub))
+            if params is not None and id(sub) in called and ".".join(parts[k:]) in params:
                 return True
         return False
 
-    guess = _UNCALLED.get(module, frozenset()) & nested.keys()
+    guess = call.memo.get("uncalled", frozenset()) & nested.keys()
     for _ in range(2):
         wrt = {**own, **{n: nested[n] for n in sorted(guess)}}
         grads, called = _per_example_vjp(call, wrt)
@@ -127,7 +123,7 @@ def fallback(call: Call) -> dict[str, Piece | None]:
             "forward calls changed between two recomputations of the same call; register a rule "
             "for it with @gradhooks.register."
         )
-    _UNCALLED[module] = guess
+    call.memo["uncalled"] = guess
     pieces: dict[str, Piece | None] = {n: None for n in nested}
     pieces.update({n: Direct(g) for n, g in grads.items()})
     return pieces
@@ -268,7 +264,7 @@ def _by_layout_split(
                 _torch.forward_hooks_off(module):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
-            if module not in _LOOP:
+            if "loop" not in call.memo:
                 try:
                     with _torch.own_transform():
                         grads, outs = vmap(one, randomness="error")(xs, cots)
@@ -276,8 +272,6 @@ def _by_layout_split(
                     if "random operation" in str(e):
                         raise
             if grads is None:
-                from .engine import paused
-
                 rows = []
                 for b in range(batch):
                     with torch.enable_grad(), paused():
@@ -286,7 +280,7 @@ def _by_layout_split(
                 outs = tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_idx)))
                 if not create_graph:
                     grads = {n: g.detach() for n, g in grads.items()}
-                _LOOP[module] = True
+                call.memo["loop"] = True
     except Exception as e:
         if str(e).startswith("fallback for"):
             raise
@@ -333,7 +327,7 @@ def _per_example_vjp(
 ) -> tuple[dict[str, Tensor], set[int]]:
     """``{name: [batch, *shape]}`` for the parameters in ``wrt``, and the ids of the submodules
     the recomputation called."""
-    module, name = call.module, f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
+    name = f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
     out_idx = [i for i, g in enumerate(call.grad_outputs) if g is not None]
     gs = [call.grad_outputs[i] for i in out_idx]
     if not gs:
@@ -356,14 +350,14 @@ def _per_example_vjp(
     candidates = [j for j, is_b in enumerate(batched) if is_b][1 : _MAX_RETRIES + 1]
     patterns = [batched] + [[is_b and k != j for k, is_b in enumerate(batched)] for j in candidates]
     shapes = (batch, tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves))
-    cached = _PATTERN.get(module)
+    cached = call.memo.get("pattern")
     if cached is not None and cached[0] == shapes:
         patterns.insert(0, cached[1])  # what worked for the last call with these shapes
     first: Exception | None = None
     for pattern in patterns:
         try:
             result = _attempt(call, name, wrt, leaves, spec, pattern, gs, out_idx, batch)
-            _PATTERN[module] = (shapes, pattern)
+            call.memo["pattern"] = (shapes, pattern)
             return result
         except Exception as e:  # noqa: PERF203
             if "draws random numbers" in str(e):
@@ -417,7 +411,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
                 _torch.forward_hooks_off(module):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
-            vmapped = module not in _LOOP
+            vmapped = "loop" not in call.memo
             if vmapped:
                 try:
                     with _torch.own_transform():
@@ -433,7 +427,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                 grads, outs = _loop(
                     module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph
                 )
-                _LOOP[module] = True
+                call.memo["loop"] = True
     except Exception as e:
         if str(e).startswith("fallback for"):
             raise  # ours, already clear
@@ -461,8 +455,6 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
 def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph=False):
     """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example
     (``create_graph``: the primals as they are, the gradients with a graph)."""
-    from .engine import paused
-
     per_example, outs = [], []
     for b in range(gs[0].shape[0]):
         args, kwargs = tree_unflatten(

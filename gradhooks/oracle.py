@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from . import _torch
-from .engine import paused
+from .pause import paused
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
 

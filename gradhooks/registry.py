@@ -63,6 +63,12 @@ class Call:
     through the forward (a :class:`CallBatch`), or ``None`` where it did not. Rules whose
     layer reads its batch from a fixed dimension need not look: the engine hands them calls
     in that form. The ``torch.func`` fallback reads it.
+    ``registry``: the rules the call's handle uses (``add_hooks(registry=...)``), for a rule
+    that hands its module's parts to their own rules; ``None`` means the default registry.
+    ``hooked``: the modules the call's handle hooks, by ``id``, each with the names of the
+    parameters its rule computes (``None``: not known, the call is not a handle's).
+    ``memo``: what the rule keeps from one call of this module to the next under the same
+    handle (a cache; removing the hooks drops it).
     """
 
     module: nn.Module
@@ -76,6 +82,9 @@ class Call:
     input_grads: list[Tensor | None] | None = None
     recorded: Any = None
     batch: CallBatch | None = None
+    registry: Registry | None = None
+    hooked: Mapping[int, frozenset[str]] | None = None
+    memo: dict[str, Any] = field(default_factory=dict)
 
     @property
     def grad_output(self) -> Tensor:

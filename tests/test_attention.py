@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import pytest
@@ -246,38 +245,11 @@ def test_unbatched_input_is_an_error():
 
 
 # -- Transformer layers -----------------------------------------------------------------------
-# They need a LayerNorm rule. Until the built-in one exists these tests skip; with
-# GRADHOOKS_STANDIN_LAYERNORM=1 they run with the stand-in rule below, registered in the default
-# registry for the test only (the layer rule looks its parts up there).
-
-
-def _standin_layer_norm(call):
-    """A plain LayerNorm rule (elementwise affine): weight sees the normalised input."""
-    m = call.module
-    (x,) = call.inputs
-    dims = tuple(range(-len(m.normalized_shape), 0))
-    xhat = (x - x.mean(dims, keepdim=True)) / torch.sqrt(
-        x.var(dims, unbiased=False, keepdim=True) + m.eps
-    )
-    g = call.grad_output
-    lead = tuple(range(1, x.dim() - len(dims)))
-    return {"weight": Direct((xhat * g).sum(lead)), "bias": Direct(g.sum(lead))}
 
 
 @pytest.fixture
 def registry():
-    if gradhooks.is_supported(nn.LayerNorm(2)):
-        yield gradhooks.REGISTRY
-        return
-    if os.environ.get("GRADHOOKS_STANDIN_LAYERNORM") != "1":
-        pytest.skip(
-            "no built-in nn.LayerNorm rule yet (set GRADHOOKS_STANDIN_LAYERNORM=1 to use a stand-in)"
-        )
-    gradhooks.register(nn.LayerNorm)(_standin_layer_norm)
-    try:
-        yield gradhooks.REGISTRY
-    finally:
-        gradhooks.REGISTRY.unregister(nn.LayerNorm)
+    return gradhooks.REGISTRY
 
 
 class Layer(nn.Module):
@@ -372,6 +344,24 @@ def test_transformer_encoder_stack(registry):
         reduction="sum",
         registry=registry,
     )
+
+
+def test_transformer_layer_hands_its_parts_to_the_handles_registry():
+    """The layer's parts get the rules of the registry given to add_hooks, not the default's:
+    a registry whose Linear rule is wrapped sees every Linear part's call, and grad1 still
+    matches the loop (sequence-first, so the parts' calls are put batch first)."""
+    seen = []
+    reg = gradhooks.Registry()
+    for m in (nn.TransformerEncoderLayer(4, 2), nn.LayerNorm(2), nn.MultiheadAttention(4, 2)):
+        entry = gradhooks.REGISTRY.lookup(m)
+        reg.register(type(m), owns_children=entry.owns_children, batch_dim=entry.batch_dim,
+                     taps=entry.taps, needs_output=entry.needs_output)(entry.rule)  # fmt: skip
+    linear = gradhooks.REGISTRY.lookup(nn.Linear(1, 1)).rule
+    reg.register(nn.Linear)(lambda call: seen.append(call.name) or linear(call))
+    c = Case("encoder-own-registry", lambda: Layer("encoder", False, False, "relu", False),
+             lambda b: layer_inputs("encoder", False, b))  # fmt: skip
+    check(c, batch=3, reduction="mean", registry=reg)
+    assert {"layer.linear1", "layer.linear2"} <= set(seen)
 
 
 def test_transformer_layer_dropout_in_training_is_an_error():

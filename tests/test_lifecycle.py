@@ -262,3 +262,40 @@ def test_a_parameter_moved_to_another_name_is_planned_again():
             want = gradhooks.oracle.loop_grad(model, lambda out: out.pow(2).sum(), x)
             for n, p in model.named_parameters():
                 torch.testing.assert_close(p.grad1, want[n])
+
+
+def test_pausing_one_handle_leaves_another_capturing_and_the_process_switch_pauses_all():
+    a, b = nn.Linear(3, 2).double(), nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    with gradhooks.add_hooks(a) as ha, gradhooks.add_hooks(b) as hb:
+
+        def written():
+            for p in (a.weight, b.weight):
+                if hasattr(p, "grad1"):
+                    del p.grad1
+            ha.clear()
+            hb.clear()
+            (a(x).sum() + b(x).sum()).backward()
+            return hasattr(a.weight, "grad1"), hasattr(b.weight, "grad1")
+
+        assert written() == (True, True)
+        with ha.paused():
+            assert written() == (False, True)
+            with ha.paused():  # (blocks nest)
+                assert written() == (False, True)
+            assert written() == (False, True)
+        with gradhooks.paused():
+            assert written() == (False, False)
+        gradhooks.set_enabled(False)
+        try:
+            assert written() == (False, False)
+            with gradhooks.paused():
+                pass
+            assert written() == (False, False)  # (a block's end does not switch capture on)
+        finally:
+            gradhooks.set_enabled(True)
+        with gradhooks.paused():
+            gradhooks.set_enabled(True)
+            assert written() == (False, False)  # (nor does the switch end a block)
+        assert written() == (True, True)

@@ -65,6 +65,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from .._torch import tree_flatten
 from ..layout import note
+from ..pause import paused
 from ..pieces import Direct, Outer
 from ..registry import Call, batch_first, register
 
@@ -818,8 +819,6 @@ def _example_by_example(
     batch-first, then ``h_n``'s (and ``c_n``'s) in torch's layout, as for :func:`backpropagate`.
     A forward and a backward per example: slower than the backward through time, and only
     taken in this mode, whose derivatives that backward could not give."""
-    from ..engine import paused  # (the engine imports the rules)
-
     named = {n: p for n, p in module.named_parameters() if p.requires_grad}
     lstm = module.mode == "LSTM"
     g_out, g_h, g_c = (*grads, None)[:3]

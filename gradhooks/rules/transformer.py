@@ -12,7 +12,7 @@ layer's parameter names (``linear1.weight``, ``self_attn.in_proj_weight``, ...).
 
 Scaling: none here; the engine scales for mean-reduced losses. Dropout (``dropout > 0`` in
 training mode) cannot be replayed: an error (construct the layer with ``dropout=0``, or call
-``eval()``). Parts are looked up in the default registry.
+``eval()``). Parts are looked up in the handle's registry (``call.registry``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_map
-from ..engine import _detach, paused
 from ..fallback import FALLBACK
+from ..pause import paused
 from ..pieces import Direct, Piece
 from ..registry import REGISTRY, Call, batch_first, register
+
+
+def _detach(tree):
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
 def _batch_first(tree):
@@ -51,6 +55,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     # parameters too), and so do their pieces.
     create_graph = torch.is_grad_enabled()
     keep = (lambda tree: tree) if create_graph else _detach  # noqa: E731
+    registry = call.registry if call.registry is not None else REGISTRY
     names = {m: n for n, m in layer.named_children()}
     records: list[tuple[str, nn.Module, tuple, dict, object]] = []
 
@@ -87,7 +92,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
     called: set[str] = set()
     for (name, module, args, kwargs, out), ts in zip(records, leaves, strict=True):
-        entry = REGISTRY.lookup(module)
+        entry = registry.lookup(module)
         recurse = entry is not None and entry.owns_children
         params = {n: p for n, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         part_grads = [torch.zeros_like(t) if (g := next(grads)) is None else g for t in ts]
@@ -111,6 +116,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
             output=keep(out) if entry.needs_output else None,
             grad_outputs=tuple(full),
             name=f"{call.name}.{name}" if call.name else name,
+            registry=registry,
         )
         if not layer.self_attn.batch_first and not isinstance(module, nn.MultiheadAttention):
             # A position-wise part: [seq, batch, ...] -> [batch, seq, ...].
@@ -121,6 +127,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
                 output=_batch_first(part.output),
                 grad_outputs=_batch_first(part.grad_outputs),
                 name=part.name,
+                registry=registry,
             )
         for pname, piece in entry.rule(part).items():
             if pname in params:

@@ -1,0 +1,60 @@
+"""Pausing capture: one switch per handle, under one for the whole process.
+
+A :class:`Pause` is on unless a ``with pause():`` block is running, it was switched off
+(:meth:`Pause.switch`), or its parent is not on. Every :class:`gradhooks.Hooks` handle has one
+whose parent is :data:`PROCESS`: ``with h.paused():`` pauses that handle alone,
+:func:`paused` and :func:`set_enabled` (autograd-hacks' ``disable_hooks`` /
+``enable_hooks``) every handle. This module imports nothing of gradhooks, so rules and oracles
+may pause capture without importing the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["Pause", "PROCESS", "paused", "set_enabled"]
+
+
+class Pause:
+    """Whether capture is on, for one handle (``parent``: the process's switch) or all."""
+
+    def __init__(self, parent: Pause | None = None) -> None:
+        self.parent = parent
+        self._depth = 0  # `with pause():` blocks running
+        self._off = False  # switched off until switched on again
+
+    @property
+    def on(self) -> bool:
+        return not self._off and self._depth == 0 and (self.parent is None or self.parent.on)
+
+    def switch(self, on: bool) -> None:
+        """Switch capture on or off until the next switch (``with`` blocks still pause)."""
+        self._off = not on
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """Capture is off within the block (blocks nest)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+
+PROCESS = Pause()
+"""The switch every handle's :class:`Pause` is under."""
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch capture on or off for every hooked model (autograd-hacks' enable/disable)."""
+    PROCESS.switch(bool(enabled))
+
+
+def paused() -> contextlib.AbstractContextManager[None]:
+    """Within the block, no hooked model captures anything (the oracles run under it)::
+
+    with gradhooks.paused():
+        loss.backward()  # no grad1 written, on any model
+    """
+    return PROCESS()
