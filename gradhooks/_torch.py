@@ -61,7 +61,7 @@ Required (no fallback; :func:`require` refuses without them):
   checkpointing) or a failed one is told apart by it.
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
-  engine verifies and reduces what it captured (``engine.py``, ``quantities.py``).
+  engine verifies and reduces what it captured (``engine.py``, ``quantities/collector.py``).
 - ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
   in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
   bumps it), read under its private name: the engine refuses an input changed in place after

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from . import dp as _dp
 from . import kfac as _kfac
 from .engine import Hooks
-from .kfac import KfacAccumulator, KFactors
+from .quantities.kfac import KfacAccumulator, KFactors
 
 __all__ = ["dp_sgd_step", "kfac_factors", "kfac", "broadcast_parameters"]
 

@@ -35,9 +35,7 @@ gradient, ``(kron(G, A) + damping·I)⁻¹ vec(grad)``, exactly (not the factore
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -45,237 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _torch
-from .checks import GradhooksWarning
-from .pieces import Outer
+from .engine import _output_edges, add_hooks
+from .quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
 
 __all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
-
-
-@dataclass
-class KFactors:
-    """Kronecker factors of one weight: ``torch.kron(G, A)`` approximates its curvature.
-
-    ``A``: ``[*groups, in(+1), in(+1)]``; ``G``: ``[*groups, out, out]`` (a groups axis of
-    size one, e.g. a Conv with ``groups=1``, is dropped); ``bias``: whether
-    ``A`` is bias-augmented (then the weight is ``cat([W, b[..., None]], -1)``);
-    ``bias_name``: the name of that bias parameter (``None`` without one).
-
-    The weight as a matrix is its parameter reshaped to ``[*groups, out, in]``, row-major: a
-    Linear's ``[out, in]`` as is, a convolution's ``[out, in/groups, *kernel]`` as
-    ``[groups, out/groups, in/groups · prod(kernel)]``; ``torch.kron(G, A)`` approximates the
-    curvature of that matrix (bias column appended) flattened, per group."""
-
-    A: Tensor
-    G: Tensor
-    bias: bool
-    bias_name: str | None = None
-
-    def inverse(self, damping: float) -> KFactorsInverse:
-        """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
-        ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
-        itself."""
-        if not damping > 0:
-            raise ValueError(
-                f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
-                "(fewer examples than features, a ReLU's dead units)"
-            )
-        eig_a, q_a = torch.linalg.eigh(self.A)
-        eig_g, q_g = torch.linalg.eigh(self.G)
-        # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
-        # PSD factor's eigenvalues slightly negative: clamped
-        scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
-        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping)
-
-
-@dataclass
-class KFactorsInverse:
-    """``(kron(G, A) + damping·I)⁻¹`` of one weight, as :meth:`KFactors.inverse` returns it:
-    the eigenvectors ``Q_A`` (``[*groups, in(+1), in(+1)]``) and ``Q_G`` (``[*groups, out,
-    out]``) and ``scale = 1 / (λ_G λ_Aᵀ + damping)`` (``[*groups, out, in(+1)]``)."""
-
-    Q_A: Tensor
-    Q_G: Tensor
-    scale: Tensor
-    bias: bool
-    bias_name: str | None
-    damping: float
-
-    def apply(self, grad: Tensor) -> Tensor:
-        """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
-        as a matrix ``[*groups, out, in(+1)]`` (bias column appended when ``bias``; see
-        :class:`KFactors`)."""
-        if grad.shape != self.scale.shape:
-            raise ValueError(
-                f"K-FAC: a gradient of shape {tuple(grad.shape)} given to factors of a "
-                f"{tuple(self.scale.shape)} weight matrix ([*groups, out, in"
-                f"{' + 1 (bias column)' if self.bias else ''}]): reshape the weight's gradient "
-                "to [*groups, out, in], e.g. grad.flatten(1) for a convolution"
-                + (", and append the bias's as a column" if self.bias else "")
-            )
-        rotated = self.Q_G.mT @ grad.to(self.scale.dtype) @ self.Q_A
-        return (self.Q_G @ (rotated * self.scale) @ self.Q_A.mT).to(grad.dtype)
-
-
-class KfacAccumulator:
-    """Sums ``a aᵀ`` and ``g gᵀ`` of every ``Outer`` piece (with a non-``None`` ``a``)."""
-
-    def __init__(self, names: dict[int, str] | None = None) -> None:
-        self.names = names or {}  # id(param) -> its name (the first, for a tied weight)
-        self.expand = True
-        self.bias = True
-        self.capture_a = True  # False: later backwards of the same forward add to G only
-        self.clear()
-
-    def clear(self) -> None:
-        self._a: dict[str, Tensor] = {}
-        self._g: dict[str, Tensor] = {}
-        self._n_a: dict[str, int] = {}
-        self._n_g: dict[str, int] = {}
-        self._biased: dict[str, bool] = {}
-        self._bias_name: dict[str, str | None] = {}  # key -> the bias its A covers
-        self._batch_now: dict[str, int] = {}
-        self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
-        self.capture_a = True
-
-    def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
-        bias_pieces = [
-            n for n, pc in call_pieces.items()
-            if n in params and isinstance(pc, Outer) and not pc.has_input
-        ]  # fmt: skip
-        for pname, p in params.items():
-            piece = call_pieces[pname]
-            key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
-            if not isinstance(piece, Outer) or not piece.has_input:
-                # no Kronecker factors from this use (a bias, an embedding's rows, a norm's
-                # scale); a weight tied to a Linear gets factors of that use only: said
-                self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
-                continue
-            biased = self.bias and len(bias_pieces) == 1
-            if self._biased.get(key, biased) != biased:
-                raise RuntimeError(
-                    f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
-                    f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
-                    "both: use bias=False"
-                )
-            g = piece.g
-            physical = _torch.unbatched(g)
-            if physical is not None:  # vmapped over output-gradients (kfac()):
-                # each column is one more backward of the same examples
-                g = physical.flatten(0, 1)
-            if not self.expand:
-                g = g.sum(-2, keepdim=True)
-            self._g[key] = _second_moment(g, into=self._g.get(key), alpha=scale**2)
-            if not self.capture_a:
-                continue  # (a later backward of the same forward: the input is not read,
-                # a convolution's columns never formed again)
-            a = piece.a
-            batch = a.shape[0]
-            if not self.expand:
-                a = a.mean(-2, keepdim=True)
-            self._a[key] = _second_moment(a, augment=biased, into=self._a.get(key))
-            n_a = batch * a.shape[-2]
-            self._n_a[key] = self._n_a.get(key, 0) + n_a
-            self._biased[key] = biased
-            self._batch_now[key] = batch
-            if biased:
-                (b,) = bias_pieces
-                name = self.names.get(id(params[b]), f"{module_name}.{b}" if module_name else b)
-                if self._bias_name.setdefault(key, name) != name:
-                    self._bias_name[key] = None  # a weight tied across calls with other biases
-
-    def end_backward(self) -> None:
-        """G is normalized by examples, not by calls: count each example once per forward."""
-        for key, batch in self._batch_now.items():
-            self._n_g[key] = self._n_g.get(key, 0) + batch
-        self._batch_now = {}
-
-    def factors(
-        self, reduction: Literal["mean", "sum"] = "mean", last: bool = False
-    ) -> dict[str, KFactors]:
-        """``last``: the sums are divided in place (nothing reads them again): no second copy
-        of each factor (for a Linear over many features, ``A`` takes hundreds of MiB)."""
-        partial = {k: self._other[k] for k in self._a if k in self._other}
-        if partial:
-            uses = "; ".join(f"'{k}' also used by {v}" for k, v in partial.items())
-            warnings.warn(
-                f"gradhooks K-FAC: the factors of {', '.join(map(repr, partial))} cover only "
-                f"their uses as a Linear or convolution weight ({uses}, whose gradient has no "
-                "Kronecker factors): the curvature of a tied weight's other uses is left out",
-                GradhooksWarning,
-                stacklevel=3,
-            )
-        out = {}
-        for key, aa in self._a.items():
-            gg = self._g[key]
-            if reduction == "mean":
-                n_g = max(self._n_g[key], 1)
-                gg = gg.div_(n_g) if last else gg / n_g
-            elif not last:
-                gg = gg.clone()  # the next backward adds to the sum in place
-            n_a = max(self._n_a[key], 1)
-            aa = aa.div_(n_a) if last else aa / n_a
-            if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
-                aa, gg = aa[0], gg[0]
-            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key))
-        return out
-
-
-def _second_moment(
-    t: Tensor, augment: bool = False, into: Tensor | None = None, alpha: float = 1.0
-) -> Tensor:
-    """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
-    added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
-    a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
-    the count), written around the product rather than appended to ``t`` (a copy of it).
-
-    Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
-    (a Linear's input) or are few per example (then copied into that order: each example's
-    product would be mostly output); otherwise (a convolution's columns, whose positions are
-    contiguous) one product per example, read in place: at once where the ``batch`` products
-    are small, else accumulated one by one (measured on a 2-core CPU: up to 2.7x faster than
-    one product over copied rows)."""
-    batch, shared, n = t.shape[0], t.shape[-2], t.shape[-1]
-    groups = t.shape[1:-2]
-    count = math.prod(groups)
-    width = n + 1 if augment else n
-    if into is None:
-        out, beta = t.new_empty(count, width, width), 0.0
-    else:
-        out, beta = into.view(count, width, width), 1.0
-    core = out[:, :n, :n]
-    flat = t.reshape(batch, count, shared, n)
-    if count > 1:  # one product per group over all its rows
-        rows = flat.transpose(0, 1).reshape(count, batch * shared, n)
-        core.baddbmm_(rows.transpose(1, 2), rows, beta=beta, alpha=alpha)
-    elif flat.stride(-1) == 1 or 4 * shared < n:
-        rows = flat.reshape(batch * shared, n)
-        core[0].addmm_(rows.T, rows, beta=beta, alpha=alpha)
-    elif batch * n * n <= _PRODUCTS_AT_ONCE:
-        per_example = flat[:, 0]
-        total = torch.bmm(per_example.transpose(1, 2), per_example).sum(0)
-        if beta:
-            core[0].add_(total, alpha=alpha)
-        else:
-            torch.mul(total, alpha, out=core[0])
-    else:
-        if not beta:
-            core[0].zero_()
-        for x in flat[:, 0]:
-            core[0].addmm_(x.T, x, alpha=alpha)
-    if augment:  # the ones column: Σ t and the count, added to what is there (or to zeros)
-        if not beta:
-            out[:, n].zero_()
-            out[:, :n, n].zero_()
-        sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
-        out[:, :n, n] += sums
-        out[:, n, :n] += sums
-        out[:, n, n] += alpha * batch * shared
-    return out.view(*groups, width, width)
-
-
-# The most elements the per-example products of :func:`_second_moment` form at once (16 MiB of
-# float32) before being summed
-_PRODUCTS_AT_ONCE = 1 << 22
 
 
 Fisher = Literal["mc", "exact", "empirical"]
@@ -469,8 +240,6 @@ def _accumulate(
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
-    from .engine import _output_edges, add_hooks
-
     _check_arguments(fisher, loss, target, sample_target, output_grads)
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:

@@ -96,7 +96,7 @@ class Outer(Piece):
         return 0 if self.a is None else self.a.shape[-1]
 
     # Whether forming grad1 a cache-sized slice of the batch at a time pays (see
-    # gradhooks.quantities._materialized): true of a batched matmul of small matrices.
+    # gradhooks.quantities.collector._materialized): true of a batched matmul of small matrices.
     cache_slices: ClassVar[bool] = True
 
     @property

@@ -200,7 +200,7 @@ def test_second_moment_every_form(layout, augment, monkeypatch):
     """``_second_moment`` (the factors' products) against its definition, ``alpha · Σ_{b,s}
     t tᵀ`` with a column of ones appended, in each of its forms, first alone then added to
     what is there (a reused module's second call)."""
-    K = importlib.import_module("gradhooks.kfac")  # (gradhooks.kfac is the function)
+    K = importlib.import_module("gradhooks.quantities.kfac")
     torch.manual_seed(4)
     batch = 0 if layout == "empty" else 3
     if layout == "one-by-one":
@@ -244,7 +244,7 @@ def test_factors_handed_out_do_not_change_with_the_next_backward(reduction):
 def test_batched_backwards_in_chunks_or_one_by_one_agree(fisher, monkeypatch):
     """kfac()'s backwards (one per class, or per sample) under vmap all at once, in chunks of
     two, and one after another give the same factors."""
-    K = importlib.import_module("gradhooks.kfac")
+    K = importlib.import_module("gradhooks.kfac")  # (gradhooks.kfac is the function)
     torch.manual_seed(7)
     model = nn.Sequential(
         nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)

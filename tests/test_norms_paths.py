@@ -13,9 +13,9 @@ from torch import nn
 
 import gradhooks
 from gradhooks import pieces as P
-from gradhooks import quantities as Q
 from gradhooks.models import EmbedBlock
 from gradhooks.oracle import loop_grad, vmap_grad
+from gradhooks.quantities import collector as Q
 from harness import assert_close
 
 D = torch.float64

@@ -265,9 +265,9 @@ def test_positions_over_the_full_table_then_fewer(monkeypatch):
     ],
 )
 def test_one_rows_piece_sq_norm_against_dense(batch, rows, dim, positions, scale):
-    """The squared norm of one Embedding call's piece (``quantities._rows_sq_norm``), on each
+    """The squared norm of one Embedding call's piece (``quantities.collector._rows_sq_norm``), on each
     of its paths, against the dense per-example gradient."""
-    from gradhooks.quantities import _rows_sq_norm
+    from gradhooks.quantities.collector import _rows_sq_norm
 
     piece = random_rows(batch, rows, dim, None, seed=1, positions=positions)
     want = (dense(piece) * scale).flatten(1).square().sum(1)

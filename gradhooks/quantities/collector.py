@@ -28,8 +28,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from . import _torch
-from . import pieces as P
+from .. import _torch
+from .. import pieces as P
 from .kfac import KfacAccumulator
 
 __all__ = ["QUANTITIES", "Collector", "total_norms"]
