@@ -25,7 +25,7 @@ Two paths, chosen by what the handle computes:
   (Bu et al., "Differentially private optimization on large model at small cost", 2023).
   The one backward keeps every call's pieces (the layer inputs and output-gradients); the
   clipped sum is then, per parameter, the batch gradient of the pieces with example ``i``
-  weighted by ``min(1, C/‖g_i‖)`` (:func:`gradhooks.pieces.batch_sum`): the cost of the
+  weighted by ``min(1, C/‖g_i‖)`` (:meth:`gradhooks.pieces.Piece.batch_sum`): the cost of the
   weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
   layer are held until the step ends (about the size of the activations).
 
@@ -292,7 +292,7 @@ def _clipped_sums(
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
             for pname, p in live.items():
-                s = P.batch_sum(pieces[pname], p.shape, factors * scale).to(p.dtype)
+                s = pieces[pname].batch_sum(p.shape, factors * scale).to(p.dtype)
                 sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
         del kept
         clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]

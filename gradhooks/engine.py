@@ -1351,7 +1351,7 @@ class Hooks:
                     pieces = target.entry.rule(filled)
                     for n, p in detached.items():
                         if n not in sums and pieces.get(n) is not None:
-                            sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
+                            sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
             self._rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
@@ -1409,7 +1409,7 @@ class Hooks:
                 pieces = target.entry.rule(again)
                 for n, p in detached.items():
                     if n not in sums and pieces.get(n) is not None:
-                        sums[n] = P.batch_sum(pieces[n], p.shape).to(p.dtype)
+                        sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
                 found = again.input_grads
             param_grads = {} if create_graph else dict(sums)
             input_grads = [None if create_graph or not found else found[i] for i in in_idx]
@@ -1596,7 +1596,7 @@ class Hooks:
                 self._exempt.add(id(p))
         if not self._grad1 and bw is not None and bw.verify:
             # (fresh pieces: none of the columns the norms may cache)
-            bw.kept.append(({n: P.select(pieces[n], slice(None)) for n in live}, live, scale))
+            bw.kept.append(({n: pieces[n].select(slice(None)) for n in live}, live, scale))
         if self._collector is not None:
             self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
@@ -1609,7 +1609,7 @@ class Hooks:
                     if total is not None:
                         total = total / scale if scale else total
                     else:
-                        total = P.batch_sum(pieces[pname], p.shape)
+                        total = pieces[pname].batch_sum(p.shape)
                     sums[pname] = total.to(p.dtype)
             return
         for pname, p in live.items():
@@ -3110,7 +3110,7 @@ def _pieces(
             return pieces  # the rule's rows are not its input's (bags): checked by the caller
         for n, piece in pieces.items():
             if piece is not None and n in params:
-                pieces[n] = P.merge(piece, params[n].shape, first.outer, layout.batch, first.inner)
+                pieces[n] = piece.merged(params[n].shape, first.outer, layout.batch, first.inner)
         return pieces
     return _one_by_one(rule, call, params, layout.batch)
 

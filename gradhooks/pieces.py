@@ -60,6 +60,80 @@ class Piece:
         else:
             out.copy_(g1.reshape(out.shape))
 
+    # -- what the quantities read; each default works from grad1, a piece overrides what it
+    # can do cheaper. Results are unscaled (scale 1) unless a ``scale`` is taken.
+
+    # Whether forming grad1 a cache-sized slice of the batch at a time pays (see
+    # gradhooks.quantities.collector._materialized).
+    cache_slices: ClassVar[bool] = True
+
+    @property
+    def call_rows(self) -> int | None:
+        """The most examples whose ``grad1`` this piece forms in one call (more are formed in
+        parts and copied together); ``None``: no limit."""
+        return None
+
+    @property
+    def transient(self) -> int:
+        """Elements one example needs while its ``grad1`` is formed, besides the result."""
+        return 0
+
+    @property
+    def kept_elements(self) -> float:
+        """The elements this piece keeps for a batch sum formed later (``inf``: too many to
+        keep it rather than the sum)."""
+        return math.inf
+
+    def select(self, rows: slice) -> Piece:
+        """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
+        raise TypeError(f"{type(self).__qualname__} defines no select(rows)")
+
+    def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+        """``Σ_b grad1[b]``, or ``Σ_b weights[b] grad1[b]`` (``weights`` ``[batch]``), shape
+        ``param_shape``. Here from ``grad1``; the built-in pieces never form it."""
+        g1 = self.grad1(param_shape)
+        if weights is not None:
+            g1 = g1 * weights.to(g1.dtype).view(-1, *[1] * (g1.dim() - 1))
+        return g1.sum(0)
+
+    def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
+        """``Σ_b grad1[b]²``, shape ``param_shape``, where the piece forms it without
+        materializing ``grad1``; ``None`` otherwise (the caller then forms ``grad1`` a slice of
+        the batch at a time)."""
+        return None
+
+    def sq_norm(
+        self, param_shape: torch.Size, scale: float, with_sum: bool = False
+    ) -> tuple[Tensor, str, Tensor | None] | None:
+        """``‖scale · grad1[b]‖²``, ``[batch]``, where this piece alone forms it with no
+        product, with its form (see :meth:`gradhooks.Hooks.norm_forms`) and, where ``grad1``
+        was formed on the way, its batch sum (``with_sum``: wanted; a piece whose batch sum
+        then costs more than forming ``grad1`` a slice at a time gives ``None``). ``None``:
+        the general path."""
+        return None
+
+    def merged(self, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
+        """A piece whose rows are ``outer · batch · inner`` parts of examples (a layer that saw
+        the batch folded with windows, heads or time: row ``(a · batch + b) · inner + c`` is
+        part of example ``b``) as one with ``batch`` rows, each the sum of its example's parts.
+        Here formed per part and summed."""
+        if outer == 1 and inner == 1:
+            return self
+        g1 = self.grad1(param_shape)
+        return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
+
+    def widened(self, dtype: torch.dtype) -> Piece:
+        """This piece computed in ``dtype`` where its tensors are of a lower floating precision
+        (a bfloat16 forward of float32 parameters: autocast, FSDP2's mixed precision), so that
+        the quantities formed from it keep the parameters' precision. Here: as it is."""
+        return self
+
+    def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
+        """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`), write the Jacobian
+        ``[outputs, batch, *param_shape]`` into ``into`` (zeroing it first if ``first``, else
+        adding), where this piece has a form of its own; False: the generic path."""
+        return False
+
 
 @dataclass
 class Outer(Piece):
@@ -95,16 +169,6 @@ class Outer(Piece):
         """The size of ``a``'s last axis (0 for a bias), without building ``a``."""
         return 0 if self.a is None else self.a.shape[-1]
 
-    # Whether forming grad1 a cache-sized slice of the batch at a time pays (see
-    # gradhooks.quantities.collector._materialized): true of a batched matmul of small matrices.
-    cache_slices: ClassVar[bool] = True
-
-    @property
-    def call_rows(self) -> int | None:
-        """The most examples whose ``grad1`` this piece forms in one call (more are formed in
-        parts and copied together); ``None``: no limit."""
-        return None
-
     @property
     def gram_macs(self) -> int:
         """Multiply-adds of the Gram form of one example's squared norm (both ``[shared,
@@ -128,8 +192,73 @@ class Outer(Piece):
         return math.prod(self.g.shape[1:-1]) * self.in_features
 
     def select(self, rows: slice) -> Outer:
-        """The same piece restricted to the examples ``rows``."""
         return Outer(None if self.a is None else self.a[rows], self.g[rows])
+
+    @property
+    def kept_elements(self) -> float:
+        """A Linear on ``[batch, features]`` (one shared position) keeps ``a`` and ``g``: its
+        batch sum is one product."""
+        if self.has_input and self.g.shape[-2] == 1:
+            return self.a.numel() + self.g.numel()
+        return math.inf
+
+    def input_gram(self, other: Outer) -> Tensor:
+        """``a_self a_otherᵀ`` per example and group, ``[batch, *groups, shared_self,
+        shared_other]`` (a convolution's may form it without its columns)."""
+        return torch.einsum("b...si,b...ti->b...st", self.a, other.a)
+
+    def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+        """One product over the batch and the shared positions (the weights scale the smaller
+        of ``a`` and ``g``): the cost of the batch gradient autograd computes."""
+        g, a = self.g, self.a
+        if a is None:
+            return _weighted(g, weights).sum((0, -2)).reshape(param_shape)
+        if a.numel() < g.numel():
+            a = _weighted(a, weights)
+        else:
+            g = _weighted(g, weights)
+        if g.dim() == 3:  # no groups: one matmul over (batch, shared)
+            flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+            return flat.reshape(param_shape)
+        return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
+
+    def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
+        """A bias: ``Σ_b (Σ_s g)²``; one shared position: ``(g²)ᵀ(a²)``."""
+        if not self.has_input:
+            return (self.g.sum(-2) ** 2).sum(0).reshape(param_shape)
+        if self.g.shape[-2] == 1:
+            g2, a2 = self.g[..., 0, :] ** 2, self.a[..., 0, :] ** 2
+            return torch.einsum("b...o,b...i->...oi", g2, a2).reshape(param_shape)
+        return None
+
+    def sq_norm(
+        self, param_shape: torch.Size, scale: float, with_sum: bool = False
+    ) -> tuple[Tensor, str, Tensor | None] | None:
+        """One shared position: ``‖g aᵀ‖ = ‖g‖ ‖a‖`` (Goodfellow); a bias: from ``grad1``."""
+        if not self.has_input:
+            return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
+        if self.g.shape[-2] == 1 and not with_sum:
+            sq = self.a.square().sum(-1) * self.g.square().sum(-1)  # [batch, *groups, 1]
+            return sq.flatten(1).sum(1) * scale**2, "outer", None
+        return None
+
+    def merged(self, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
+        """The parts become shared positions."""
+        if outer == 1 and inner == 1:
+            return self
+
+        def fold(t: Tensor) -> Tensor:  # [o*B*i, *groups, S, f] -> [B, *groups, o*i*S, f]
+            t = t.unflatten(0, (outer, batch, inner)).movedim(1, 0)  # [B, o, i, *groups, S, f]
+            groups = t.dim() - 5
+            t = t.permute(0, *range(3, 3 + groups), 1, 2, t.dim() - 2, t.dim() - 1)
+            return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
+
+        return Outer(None if self.a is None else fold(self.a), fold(self.g))
+
+    def widened(self, dtype: torch.dtype) -> Piece:
+        if not _narrower(self.g, dtype):
+            return self
+        return Outer(None if self.a is None else self.a.to(dtype), self.g.to(dtype))
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         g, a = self.g, self.g if self.a is None else self.a
@@ -197,11 +326,34 @@ class Direct(Piece):
         return self.value.shape[0]
 
     def select(self, rows: slice) -> Direct:
-        """The same piece restricted to the examples ``rows``."""
         return Direct(self.value[rows])
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
+
+    def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+        return _weighted(self.value, weights).sum(0).reshape(param_shape)
+
+    def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
+        return (self.value**2).sum(0).reshape(param_shape)
+
+    def sq_norm(
+        self, param_shape: torch.Size, scale: float, with_sum: bool = False
+    ) -> tuple[Tensor, str, Tensor | None] | None:
+        return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
+
+    def widened(self, dtype: torch.dtype) -> Piece:
+        return Direct(self.value.to(dtype)) if _narrower(self.value, dtype) else self
+
+
+# Where :meth:`Rows.sq_norm` counts the rows an Embedding call's lookups share rather than
+# compacting every lookup: from this many lookups on (below, the compaction's fewer operations
+# cost less), while the table of counts, ``batch · num_rows`` int64, holds no more bytes than the
+# compacted rows would (``lookups · dim`` floats), and while at most a quarter of the lookups
+# share a row (else compacting all of them is cheaper). EmbedBlock (64 x 64 lookups of 1,000
+# rows): ~2x faster.
+COUNTED_MIN_LOOKUPS = 1024
+COUNTED_MAX_SHARED = 0.25
 
 
 @dataclass
@@ -237,8 +389,62 @@ class Rows(Piece):
         """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)``."""
         return self.example * self.num_rows + self.index
 
+    @property
+    def kept_elements(self) -> float:
+        """One scatter of its lookups' gradients gives the batch sum."""
+        return self.g.numel() + 2 * self.index.numel()
+
+    def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
+        g = self.g if weights is None else self.g * weights.to(self.g.dtype)[self.example, None]
+        out = self.g.new_zeros(self.num_rows, self.g.shape[-1])
+        return out.index_add_(0, self.index, g).reshape(param_shape)
+
+    def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
+        return rows_sum_sq([(self, 1.0)], param_shape)
+
+    def sq_norm(
+        self, param_shape: torch.Size, scale: float, with_sum: bool = False
+    ) -> tuple[Tensor, str, Tensor | None] | None:
+        """Each lookup's ``‖g_e‖²``, except that the lookups of an example that hit the same row
+        are summed first (``‖Σ_e g_e‖²``). Where lookups mostly hit distinct rows (see
+        :data:`COUNTED_MIN_LOOKUPS`), only those of shared rows (counted by ``bincount`` over
+        ``example * num_rows + index``) are compacted; else :func:`rows_sq_norm` compacts all
+        of them. (Its batch sum is one scatter: left to :meth:`batch_sum`.)"""
+        keys = self.keys()  # [lookups]
+        lookups, table = keys.numel(), self.batch * self.num_rows
+        shared = None
+        if lookups >= COUNTED_MIN_LOOKUPS and 2 * table <= lookups * self.g.shape[-1]:
+            shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
+            if int(shared.sum()) > COUNTED_MAX_SHARED * lookups:
+                shared = None
+        if shared is None:  # (the scale on the [batch] result: fewer multiplications)
+            return rows_sq_norm([(self, 1.0)]) * scale**2, "rows", None
+        sq = torch.linalg.vector_norm(self.g, dim=-1).square()  # [lookups]
+        out = sq.new_zeros(self.batch).index_add_(0, self.example, sq.masked_fill(shared, 0))
+        if bool(shared.any()):
+            rows, inverse = torch.unique(keys[shared], return_inverse=True)
+            summed = self.g.new_zeros(rows.numel(), self.g.shape[-1])
+            summed.index_add_(0, inverse, self.g[shared])
+            norms = torch.linalg.vector_norm(summed, dim=-1).square()
+            out.index_add_(0, rows // self.num_rows, norms)
+        return out * scale**2, "rows", None
+
+    def merged(self, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
+        """The entries are renumbered to their examples."""
+        if outer == 1 and inner == 1:
+            return self
+        example = torch.div(self.example, inner, rounding_mode="floor") % batch
+        positions = self.positions * inner if self.positions is not None and outer == 1 else None
+        return Rows(example, self.index, self.g, batch, self.num_rows, positions)
+
+    def widened(self, dtype: torch.dtype) -> Piece:
+        if not _narrower(self.g, dtype):
+            return self
+        return Rows(self.example, self.index, self.g.to(dtype), self.batch, self.num_rows,
+                    self.positions)  # fmt: skip
+
     def select(self, rows: slice) -> Rows:
-        """The same piece restricted to the examples ``rows`` (a slice with step 1)."""
+        """(A slice with step 1.)"""
         start, stop, _ = rows.indices(self.batch)
         stop = max(start, stop)
         keep = (self.example >= start) & (self.example < stop)
@@ -337,6 +543,25 @@ def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
 
 
+def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
+    """``t`` ``[batch, ...]`` with example ``b``'s rows times ``weights[b]``."""
+    return t if weights is None else t * weights.view(-1, *[1] * (t.dim() - 1)).to(t.dtype)
+
+
+def _from_grad1(
+    g1: Tensor, param_shape: torch.Size, with_sum: bool
+) -> tuple[Tensor, str, Tensor | None]:
+    """The squared norms of ``grad1`` at hand, and its batch sum (``with_sum``)."""
+    rows = flat_rows(g1)
+    total = rows.sum(0).reshape(param_shape) if with_sum else None
+    return torch.linalg.vector_norm(rows, dim=1).square(), "direct", total
+
+
+def _narrower(t: Tensor, dtype: torch.dtype) -> bool:
+    """``t`` is of a lower floating precision than ``dtype``."""
+    return t.is_floating_point() and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits
+
+
 # A buffer Rows.grad1_into wrote -> (its version counter then, the rows written). Keyed by the
 # tensor object (not by value), dropped when it is freed.
 _ROWS_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -369,62 +594,8 @@ def _record_rows(out: Tensor, rows: Tensor | None) -> None:
         _ROWS_WRITTEN[out] = (_torch.version(out), rows)
 
 
-# -- quantities other than grad1 (norms, squared sums, variance, batch slices) -----------------
-# Added as separate functions so that ``Outer.grad1`` / ``Direct.grad1`` stay as they are. All
-# results are *unscaled* (``scale = 1``): the caller multiplies by the engine's scale.
-
-
-def merge(piece: Piece, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
-    """A piece whose rows are ``outer · batch · inner`` parts of examples (a layer that saw the
-    batch folded with windows, heads or time: row ``(a · batch + b) · inner + c`` is part of
-    example ``b``) as one with ``batch`` rows, each the sum of its example's parts: for an
-    :class:`Outer`, the parts become shared positions; a :class:`Rows` renumbers its entries;
-    anything else is formed per part and summed."""
-    if outer == 1 and inner == 1:
-        return piece
-    if type(piece) is Outer:
-
-        def fold(t: Tensor) -> Tensor:  # [o*B*i, *groups, S, f] -> [B, *groups, o*i*S, f]
-            t = t.unflatten(0, (outer, batch, inner)).movedim(1, 0)  # [B, o, i, *groups, S, f]
-            groups = t.dim() - 5
-            t = t.permute(0, *range(3, 3 + groups), 1, 2, t.dim() - 2, t.dim() - 1)
-            return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
-
-        return Outer(None if piece.a is None else fold(piece.a), fold(piece.g))
-    if isinstance(piece, Rows):
-        example = torch.div(piece.example, inner, rounding_mode="floor") % batch
-        positions = piece.positions * inner if piece.positions is not None and outer == 1 else None
-        return Rows(example, piece.index, piece.g, batch, piece.num_rows, positions)
-    g1 = piece.grad1(param_shape)
-    return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
-
-
-def widened(piece: Piece, dtype: torch.dtype) -> Piece:
-    """``piece`` computed in ``dtype`` where its tensors are of a lower floating precision (a
-    bfloat16 forward of float32 parameters: autocast, FSDP2's mixed precision), so that the
-    quantities formed from it keep the parameters' precision; as it is otherwise."""
-    g = piece.g if isinstance(piece, Outer | Rows) else getattr(piece, "value", None)
-    if (
-        g is None
-        or not g.is_floating_point()
-        or torch.finfo(g.dtype).bits >= torch.finfo(dtype).bits
-    ):
-        return piece
-    if type(piece) is Outer:
-        return Outer(None if piece.a is None else piece.a.to(dtype), piece.g.to(dtype))
-    if isinstance(piece, Rows):
-        return Rows(piece.example, piece.index, piece.g.to(dtype), piece.batch, piece.num_rows,
-                    piece.positions)  # fmt: skip
-    if isinstance(piece, Direct):
-        return Direct(piece.value.to(dtype))
-    return piece
-
-
-def select(piece: Piece, rows: slice) -> Piece:
-    """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
-    if isinstance(piece, Outer | Direct | Rows):
-        return piece.select(rows)
-    raise TypeError(f"unknown piece type {type(piece).__qualname__}")
+# -- products of two pieces of one parameter (a reused module, a tied weight) -------------------
+# All results are *unscaled* (``scale = 1``): the caller multiplies by the engine's scale.
 
 
 # What one pass over a float of a materialized per-example gradient (its squared norm, its batch
@@ -471,42 +642,13 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
         if not p.has_input:  # bias: Σ_shared g, then a dot product
             return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
-        aa = input_gram(p, q)
+        aa = p.input_gram(q)
         gg = torch.einsum("b...so,b...to->b...st", p.g, q.g)
         return (aa * gg).flatten(1).sum(1)
     gp = p.grad1(param_shape)
     gp = flat_rows(gp)
     gq = gp if q is p else flat_rows(q.grad1(param_shape))
     return (gp * gq).sum(1)
-
-
-def input_gram(p: Outer, q: Outer) -> Tensor:
-    """``a_p a_qᵀ`` per example and group, ``[batch, *groups, shared_p, shared_q]``. A piece
-    with an ``input_gram(other)`` method (a convolution's) may compute it without forming
-    ``a``; it returns ``None`` where it does not."""
-    own = getattr(p, "input_gram", None)
-    aa = None if own is None else own(q)
-    if aa is None:
-        aa = torch.einsum("b...si,b...ti->b...st", p.a, q.a)
-    return aa
-
-
-def sum_sq(piece: Piece, param_shape: torch.Size) -> Tensor | None:
-    """``Σ_b grad1[b]²`` (unscaled), shape ``param_shape``, without materializing ``grad1`` where
-    the piece allows it (one shared position: ``(g²)ᵀ(a²)``; bias pieces); ``None`` where it would
-    have to be materialized (the caller then does it a slice of the batch at a time)."""
-    if isinstance(piece, Outer):
-        if not piece.has_input:
-            return (piece.g.sum(-2) ** 2).sum(0).reshape(param_shape)
-        if piece.g.shape[-2] == 1:
-            g2, a2 = piece.g[..., 0, :] ** 2, piece.a[..., 0, :] ** 2
-            return torch.einsum("b...o,b...i->...oi", g2, a2).reshape(param_shape)
-        return None
-    if isinstance(piece, Direct):
-        return (piece.value**2).sum(0).reshape(param_shape)
-    if isinstance(piece, Rows):
-        return rows_sum_sq([(piece, 1.0)], param_shape)
-    return None
 
 
 def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:
@@ -556,42 +698,9 @@ def flat_rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
-def batch_sum(piece: Piece, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
-    """``Σ_b grad1[b]`` (unscaled), or ``Σ_b weights[b] grad1[b]`` (``weights`` ``[batch]``),
-    shape ``param_shape``, never materializing ``grad1``: the cost of the batch gradient
-    autograd computes. A piece with a ``batch_sum(param_shape, weights)`` method (a
-    convolution's) computes it itself."""
-    own = getattr(piece, "batch_sum", None)
-    if own is not None:
-        return own(param_shape, weights)
-
-    def weighted(t: Tensor) -> Tensor:  # [batch, ...] with example b's rows times weights[b]
-        return t if weights is None else t * weights.view(-1, *[1] * (t.dim() - 1)).to(t.dtype)
-
-    if isinstance(piece, Outer):
-        if not piece.has_input:
-            return weighted(piece.g).sum((0, -2)).reshape(param_shape)
-        g, a = piece.g, piece.a
-        if a.numel() < g.numel():  # (the weights scale the smaller of the two factors)
-            a = weighted(a)
-        else:
-            g = weighted(g)
-        if g.dim() == 3:  # no groups: one matmul over (batch, shared)
-            flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-            return flat.reshape(param_shape)
-        return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
-    if isinstance(piece, Direct):
-        return weighted(piece.value).sum(0).reshape(param_shape)
-    if isinstance(piece, Rows):
-        g = piece.g if weights is None else piece.g * weights.to(piece.g.dtype)[piece.example, None]
-        out = piece.g.new_zeros(piece.num_rows, piece.g.shape[-1])
-        return out.index_add_(0, piece.index, g).reshape(param_shape)
-    raise TypeError(f"unknown piece type {type(piece).__qualname__}")
-
-
 def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
     """Per parameter id, ``Σ_b weights[b] grad1[b]`` (scaled) over a backward's calls, each
-    kept as ``(pieces, params, scale)`` (:func:`batch_sum` per piece, summed); ``None`` for a
+    kept as ``(pieces, params, scale)`` (:meth:`Piece.batch_sum` per piece, summed); ``None`` for a
     parameter whose layer counts its examples otherwise (bags of another number)."""
     found: dict[int, Tensor | None] = {}
     for pieces, params, scale in kept:
@@ -601,6 +710,6 @@ def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
                 found[id(p)] = None
             if id(p) in found and found[id(p)] is None:
                 continue
-            total = batch_sum(piece, p.shape, weights.to(p.device)) * scale
+            total = piece.batch_sum(p.shape, weights.to(p.device)) * scale
             found[id(p)] = total if id(p) not in found else found[id(p)] + total
     return found

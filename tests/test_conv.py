@@ -306,9 +306,9 @@ def test_column_gram_takes_the_positions_form_where_cheaper():
 
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
     same = nn.Conv2d(8, 8, 3, padding=1).double()
-    assert piece(same, x).input_gram(piece(same, x)) is not None
+    assert piece(same, x).positions_gram(piece(same, x)) is not None
     pointwise = nn.Conv2d(8, 8, 1, stride=2).double()
     x8 = torch.randn(2, 8, 8, 8, dtype=torch.float64)
-    assert piece(pointwise, x8).input_gram(piece(pointwise, x8)) is None
+    assert piece(pointwise, x8).positions_gram(piece(pointwise, x8)) is None
     other = nn.Conv2d(8, 8, 3, padding=1, dilation=1, stride=1).double()
-    assert piece(same, x).input_gram(piece(other, x[:, :, :3, :3])) is None
+    assert piece(same, x).positions_gram(piece(other, x[:, :, :3, :3])) is None

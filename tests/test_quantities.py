@@ -456,8 +456,11 @@ def test_gradient_mean_is_formed_only_when_asked_where_its_pieces_are_small(monk
     loss_fn = nn.functional.cross_entropy
     want = loop_grad(model, loss_fn, x, y)
     formed = []
-    real = P.batch_sum
-    monkeypatch.setattr(P, "batch_sum", lambda piece, *a: formed.append(piece) or real(piece, *a))
+    for kind in (P.Outer, P.Direct, P.Rows):
+        real = kind.batch_sum
+        monkeypatch.setattr(
+            kind, "batch_sum", lambda piece, *a, real=real: formed.append(piece) or real(piece, *a)
+        )
     with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
         loss_fn(model(x), y).backward()
         weights = [pc for pc in formed if not isinstance(pc, P.Outer) or pc.has_input]

@@ -60,12 +60,12 @@ def test_rows_methods_against_dense(batch, rows, dim, entries, seed, scale):
     assert_close(out, want * (scale + 1), "grad1_into accumulate")
     if batch:
         sl = slice(1, batch)
-        assert_close(P.select(p, sl).grad1(shape), want[sl], "select")
+        assert_close(p.select(sl).grad1(shape), want[sl], "select")
     both = want * scale + dense(q) * 2.0
     assert_close(P.rows_sq_norm([(p, scale), (q, 2.0)]), both.flatten(1).pow(2).sum(1), "sq_norm")
     assert_close(P.rows_sum_sq([(p, scale), (q, 2.0)], shape), both.pow(2).sum(0), "sum_sq")
-    assert_close(P.sum_sq(p, shape), want.pow(2).sum(0), "sum_sq one piece")
-    assert_close(P.batch_sum(p, shape), want.sum(0), "batch_sum")
+    assert_close(p.sum_sq(shape), want.pow(2).sum(0), "sum_sq one piece")
+    assert_close(p.batch_sum(shape), want.sum(0), "batch_sum")
 
 
 @pytest.mark.parametrize("shared", [1, 3, 40])  # 40: Gram dearer than materializing -> None
@@ -265,13 +265,13 @@ def test_positions_over_the_full_table_then_fewer(monkeypatch):
     ],
 )
 def test_one_rows_piece_sq_norm_against_dense(batch, rows, dim, positions, scale):
-    """The squared norm of one Embedding call's piece (``quantities.collector._rows_sq_norm``), on each
-    of its paths, against the dense per-example gradient."""
-    from gradhooks.quantities.collector import _rows_sq_norm
-
+    """The squared norm of one Embedding call's piece (``Rows.sq_norm``), on each of its
+    paths, against the dense per-example gradient."""
     piece = random_rows(batch, rows, dim, None, seed=1, positions=positions)
     want = (dense(piece) * scale).flatten(1).square().sum(1)
-    assert_close(_rows_sq_norm(piece, scale), want, "rows sq norm")
+    sq, form, _ = piece.sq_norm(dense(piece).shape[1:], scale)
+    assert_close(sq, want, "rows sq norm")
+    assert form == "rows"
 
 
 @pytest.mark.parametrize("padding_idx", [None, 3])

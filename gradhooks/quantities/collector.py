@@ -122,7 +122,7 @@ class Collector:
             self._add_jacobian(call_pieces, params, scale)
             return
         call_pieces = {
-            n: pc if n not in params else P.widened(pc, params[n].dtype)
+            n: pc if n not in params else pc.widened(params[n].dtype)
             for n, pc in call_pieces.items()
         }
         if not self._queued:
@@ -130,7 +130,7 @@ class Collector:
             self._queued = True
         if self.keep is not None:  # fresh pieces: none of the columns the norms may cache
             self.keep.append(
-                ({n: P.select(call_pieces[n], slice(None)) for n in params}, params, scale)
+                ({n: call_pieces[n].select(slice(None)) for n in params}, params, scale)
             )
         if self.kfac is not None:
             self.kfac.add(qualname, call_pieces, params, scale)
@@ -225,7 +225,7 @@ class Collector:
             if (
                 total is None
                 and sums is None
-                and sum(_kept(pc) for pc, _ in h.pieces) <= h.param.numel()
+                and sum(pc.kept_elements for pc, _ in h.pieces) <= h.param.numel()
             ):
                 # what autograd's .grad also forms (a product, a scatter), only if asked for,
                 # where keeping its pieces takes no more memory than the mean would
@@ -267,8 +267,7 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
     """An :class:`Outer` piece whose ``g`` is batched over the outputs (and ``a`` not): write
     ``g ⊗ a`` straight into the result (no intermediate copy of the largest tensor). ``into``:
     ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
-    custom = getattr(piece, "jacobian_into", None)  # a piece with its own form (conv, Rows)
-    if custom is not None and custom(into, scale, first):
+    if piece.jacobian_into(into, scale, first):  # a piece with its own form (conv, Rows)
         return True
     if not isinstance(piece, P.Outer) or _torch.is_batched(piece.a):
         return False
@@ -353,26 +352,20 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
     of the batch at a time (so that at most ~_CHUNK_ELEMENTS elements exist at once)."""
     batch = h.pieces[0][0].batch_size
-    per_example = max([h.param.numel()] + [_transient(piece) for piece, _ in h.pieces])
+    per_example = max([h.param.numel()] + [piece.transient for piece, _ in h.pieces])
     rows = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
-    cache_slices = all(getattr(piece, "cache_slices", True) for piece, _ in h.pieces)
+    cache_slices = all(piece.cache_slices for piece, _ in h.pieces)
     if cache_slices and _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
         rows = min(rows, _CACHE_ELEMENTS // max(per_example, 1))
     # no slice larger than a piece forms in one call (it would be formed in parts and copied)
-    rows = min([rows] + [r for p, _ in h.pieces if (r := getattr(p, "call_rows", None))])
+    rows = min([rows] + [r for p, _ in h.pieces if (r := p.call_rows)])
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         total = None
         for piece, scale in h.pieces:
-            g = P.select(piece, sl).grad1(h.param.shape, scale)
+            g = piece.select(sl).grad1(h.param.shape, scale)
             total = g if total is None else total + g
         yield sl, total
-
-
-def _transient(piece: P.Piece) -> int:
-    """Elements one example of ``piece`` needs while its gradient is formed
-    (:attr:`gradhooks.pieces.Outer.transient`: the columns of a Linear or a convolution)."""
-    return piece.transient if isinstance(piece, P.Outer) else 0
 
 
 _PASS_MACS = P.PASS_MACS
@@ -396,57 +389,17 @@ def _one_sq_norm(
     piece: P.Piece, scale: float, param: nn.Parameter, sums: dict[int, Tensor] | None
 ) -> tuple[Tensor, str] | None:
     """:func:`_sq_norm` of a parameter with one piece in the backward (no reuse, no tie), where
-    no product is needed: an :class:`~gradhooks.pieces.Outer` with one shared position
-    (``‖g aᵀ‖ = ‖g‖ ‖a‖``, Goodfellow), a bias, a :class:`~gradhooks.pieces.Direct` (``grad1``
-    at hand). On small layers the general path's bookkeeping costs more than this arithmetic.
-    With its form (see :meth:`gradhooks.Hooks.norm_forms`); ``None``: the general path."""
-    if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1 and sums is None:
-        sq = piece.a.square().sum(-1) * piece.g.square().sum(-1)  # [batch, *groups, 1]
-        return sq.flatten(1).sum(1) * scale**2, "outer"
-    if isinstance(piece, P.Direct) or isinstance(piece, P.Outer) and not piece.has_input:
-        g1 = P.flat_rows(piece.grad1(param.shape, scale))
-        if sums is not None:
-            sums[id(param)] = g1.sum(0).reshape(param.shape)
-        return torch.linalg.vector_norm(g1, dim=1).square(), "direct"
-    if isinstance(piece, P.Rows):
-        return _rows_sq_norm(piece, scale), "rows"
-    return None
-
-
-# Where :func:`_rows_sq_norm` counts the rows an Embedding call's lookups share rather than
-# compacting every lookup: from this many lookups on (below, the compaction's fewer operations
-# cost less), while the table of counts, ``batch · num_rows`` int64, holds no more bytes than the
-# compacted rows would (``lookups · dim`` floats), and while at most a quarter of the lookups
-# share a row (else compacting all of them is cheaper). EmbedBlock (64 x 64 lookups of 1,000
-# rows): ~2x faster.
-_COUNTED_MIN_LOOKUPS = 1024
-_COUNTED_MAX_SHARED = 0.25
-
-
-def _rows_sq_norm(piece: P.Rows, scale: float) -> Tensor:
-    """``‖grad1[b]‖²`` of one :class:`~gradhooks.pieces.Rows` piece times ``scale``,
-    ``[batch]``: each lookup's ``‖g_e‖²``, except that the lookups of an example that hit the
-    same row are summed first (``‖Σ_e g_e‖²``). Where lookups mostly hit distinct rows (see
-    :data:`_COUNTED_MIN_LOOKUPS`), only those of shared rows (counted by ``bincount`` over
-    ``example * num_rows + index``) are compacted; else :func:`~gradhooks.pieces.rows_sq_norm`
-    compacts all of them."""
-    keys = piece.keys()  # [lookups]
-    lookups, table = keys.numel(), piece.batch * piece.num_rows
-    shared = None
-    if lookups >= _COUNTED_MIN_LOOKUPS and 2 * table <= lookups * piece.g.shape[-1]:
-        shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
-        if int(shared.sum()) > _COUNTED_MAX_SHARED * lookups:
-            shared = None
-    if shared is None:  # (the scale on the [batch] result: fewer multiplications)
-        return P.rows_sq_norm([(piece, 1.0)]) * scale**2
-    sq = torch.linalg.vector_norm(piece.g, dim=-1).square()  # [lookups]
-    out = sq.new_zeros(piece.batch).index_add_(0, piece.example, sq.masked_fill(shared, 0))
-    if bool(shared.any()):
-        rows, inverse = torch.unique(keys[shared], return_inverse=True)
-        summed = piece.g.new_zeros(rows.numel(), piece.g.shape[-1])
-        summed.index_add_(0, inverse, piece.g[shared])
-        out.index_add_(0, rows // piece.num_rows, torch.linalg.vector_norm(summed, dim=-1).square())
-    return out * scale**2
+    no product is needed (:meth:`gradhooks.pieces.Piece.sq_norm`: one shared position, a bias,
+    ``grad1`` at hand; an Embedding's rows). On small layers the general path's bookkeeping
+    costs more than this arithmetic. With its form (see :meth:`gradhooks.Hooks.norm_forms`);
+    ``None``: the general path."""
+    found = piece.sq_norm(param.shape, scale, with_sum=sums is not None)
+    if found is None:
+        return None
+    sq, form, total = found
+    if sums is not None and total is not None:
+        sums[id(param)] = total
+    return sq, form
 
 
 def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, str]:
@@ -497,18 +450,6 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, s
     return (torch.cat(parts) if parts else h.param.new_zeros(0)), "materialized"
 
 
-def _kept(piece: P.Piece) -> float:
-    """The elements a piece keeps for a gradient mean formed later (``inf``: not kept): an
-    :class:`~gradhooks.pieces.Outer` with an input and one shared position (a Linear on
-    ``[batch, features]``, whose batch sum is one product) or a
-    :class:`~gradhooks.pieces.Rows` (an Embedding: one scatter of its lookups' gradients)."""
-    if isinstance(piece, P.Rows):
-        return piece.g.numel() + 2 * piece.index.numel()
-    if isinstance(piece, P.Outer) and piece.has_input and piece.g.shape[-2] == 1:
-        return piece.a.numel() + piece.g.numel()
-    return math.inf
-
-
 class _Deferred:
     """The gradient mean of :meth:`Collector._reduce` (``Σ_b grad1[b] / batch``), formed
     from the pieces only when :meth:`gradhooks.Hooks.grad_variance` asks for it (once)."""
@@ -526,7 +467,7 @@ class _Deferred:
 
 def _batch_total(pieces: list, shape: torch.Size) -> Tensor:
     """``Σ_b Σ_j scale_j grad1_j[b]``, shape ``shape``, from the (scaled) pieces."""
-    return sum(s * P.batch_sum(pc, shape) for pc, s in pieces)
+    return sum(s * pc.batch_sum(shape) for pc, s in pieces)
 
 
 def _sum_sq(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
@@ -536,7 +477,7 @@ def _sum_sq(h: _Held, sums: dict[int, Tensor] | None = None) -> Tensor:
         return P.rows_sum_sq(h.pieces, h.param.shape)
     if len(h.pieces) == 1:
         piece, scale = h.pieces[0]
-        direct = P.sum_sq(piece, h.param.shape)
+        direct = piece.sum_sq(h.param.shape)
         if direct is not None:
             return direct * scale**2
     total = batch_sum = None

@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
-from ..pieces import Outer
+from ..pieces import Outer, Piece
 from ..registry import Call, register
 from . import linear
 
@@ -124,6 +124,10 @@ class ConvWeight(Outer):
     def in_features(self) -> int:
         m = self.module
         return m.in_channels // m.groups * math.prod(m.kernel_size)
+
+    # (folded or widened, the piece would lose the call it reads: formed from grad1 instead)
+    merged = Piece.merged
+    widened = Piece.widened
 
     # Measured at 2 threads (batch 64, ResNet18GN's and CifarCNN's layers): a convolution's
     # grad1 in cache-sized slices (a few examples per convolution or im2col and matmul) is up to
@@ -259,7 +263,13 @@ class ConvWeight(Outer):
             self.x.shape[1:], self.grad_output.shape[2:],
         )  # fmt: skip
 
-    def input_gram(self, other: Outer) -> Tensor | None:
+    def input_gram(self, other: Outer) -> Tensor:
+        """``a aᵀ`` of this piece and ``other``: :meth:`positions_gram` where it applies, else
+        from the columns."""
+        gram = self.positions_gram(other)
+        return super().input_gram(other) if gram is None else gram
+
+    def positions_gram(self, other: Outer) -> Tensor | None:
         """``a aᵀ`` of this piece and ``other`` (a call of a convolution of the same geometry on
         inputs of the same shape), ``[batch, groups, positions, positions]``, without the
         columns: where the (padded) input has fewer positions ``P`` than ``T · prod(kernel)``
@@ -270,7 +280,7 @@ class ConvWeight(Outer):
 
         with ``X`` the ``[P, P]`` Gram of the padded input's positions over its channels: one
         matmul of ``P² · channels`` and ``prod(kernel)`` strided sums, instead of
-        ``T² · channels · prod(kernel)``. ``None`` elsewhere (the caller uses the columns)."""
+        ``T² · channels · prod(kernel)``. ``None`` elsewhere."""
         if not isinstance(other, ConvWeight) or other._geometry() != self._geometry():
             return None
         if not self._positions_form():
@@ -284,14 +294,14 @@ class ConvWeight(Outer):
         )
 
     def _positions_form(self) -> bool:
-        """Whether :meth:`input_gram` takes the Gram of the input's positions."""
+        """Whether :meth:`positions_gram` applies to ``self`` and a call like it."""
         positions, outputs = self._padded_positions(), math.prod(self.grad_output.shape[2:])
         return positions * positions < outputs * outputs * math.prod(self.module.kernel_size)
 
     @property
     def gram_macs(self) -> int:
         """:attr:`Outer.gram_macs`, with the input's Gram over its positions where
-        :meth:`input_gram` takes that form: ``P² · in/groups`` for the input side."""
+        :meth:`positions_gram` applies: ``P² · in/groups`` for the input side."""
         if not self._positions_form():
             return super().gram_macs
         m = self.module
@@ -313,7 +323,7 @@ class ConvWeight(Outer):
         return positions * self.in_features * m.out_channels
 
     def _gram_from_positions(self, other: ConvWeight) -> Tensor:
-        """:meth:`input_gram`, whatever the sizes."""
+        """:meth:`positions_gram`, whatever the sizes."""
         m = self.module
         x = self._padded()
         spatial, out = x.shape[2:], self.grad_output.shape[2:]
@@ -347,7 +357,7 @@ class ConvWeight(Outer):
         return x
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
-        """``Σ_b weights[b] grad1[b]`` (:func:`gradhooks.pieces.batch_sum`): the weight gradient
+        """``Σ_b weights[b] grad1[b]`` (:meth:`gradhooks.pieces.Piece.batch_sum`): the weight gradient
         of one convolution backward with each example's output-gradient times its weight,
         as autograd computes the batch gradient (no columns)."""
         m = self.module
@@ -415,6 +425,9 @@ class ConvBias(Outer):
     example and channel, while it read the output-gradient anyway): they are taken from there
     instead of reading the output-gradient again (CifarCNN's Jacobians about 4-8% faster, its
     grad1 about 1%)."""
+
+    merged = Piece.merged  # (the weight's sums are for this call as it is)
+    widened = Piece.widened
 
     def __init__(self, g: Tensor) -> None:
         super().__init__(None, g)
