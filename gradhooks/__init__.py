@@ -31,6 +31,7 @@ from .pause import paused, set_enabled
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register
 from .sampling import PoissonSampler, poisson_loader
+from .tuning import TUNING, Tuning, tuned
 
 __version__ = "0.1.0"
 
@@ -81,4 +82,8 @@ __all__ = [
     "check_rule",
     # references
     "oracle",
+    # thresholds between equivalent paths
+    "tuned",
+    "Tuning",
+    "TUNING",
 ]

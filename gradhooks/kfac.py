@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from . import _torch
 from .engine import _output_edges, add_hooks
 from .quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
+from .tuning import TUNING
 
 __all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
 
@@ -268,10 +269,10 @@ def _accumulate(
             out.detach(), target, fisher, loss, mc_samples, generator, sample_target, output_grads
         )
         # Several backwards (one per class for "exact") run batched under vmap, in chunks of
-        # about _VMAP_ELEMENTS output-gradient elements of the hooked calls: all at once on
+        # about ``TUNING.kfac_vmap_elements`` output-gradient elements of the hooked calls: all at once on
         # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
         # activation-sized gradients (a CNN's: batched, fresh buffers made it 1.6x slower)
-        chunk = max(1, _VMAP_ELEMENTS // max(reached.numel, 1))
+        chunk = max(1, TUNING.kfac_vmap_elements // max(reached.numel, 1))
         if len(vectors) == 1 or chunk == 1 or not _torch.batched_backwards():
             for i, v in enumerate(vectors):
                 torch.autograd.grad(
@@ -291,11 +292,6 @@ def _accumulate(
             for key in acc._g:
                 acc._g[key] = acc._g[key] / mc_samples
         return acc
-
-
-# The most output-gradient elements of the hooked calls that one batched backward of
-# :func:`kfac` forms (several columns under vmap)
-_VMAP_ELEMENTS = 1 << 20
 
 
 def _check_arguments(

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch
+from .tuning import TUNING
 
 __all__ = ["Piece", "Outer", "Direct", "Rows"]
 
@@ -346,16 +347,6 @@ class Direct(Piece):
         return Direct(self.value.to(dtype)) if _narrower(self.value, dtype) else self
 
 
-# Where :meth:`Rows.sq_norm` counts the rows an Embedding call's lookups share rather than
-# compacting every lookup: from this many lookups on (below, the compaction's fewer operations
-# cost less), while the table of counts, ``batch · num_rows`` int64, holds no more bytes than the
-# compacted rows would (``lookups · dim`` floats), and while at most a quarter of the lookups
-# share a row (else compacting all of them is cheaper). EmbedBlock (64 x 64 lookups of 1,000
-# rows): ~2x faster.
-COUNTED_MIN_LOOKUPS = 1024
-COUNTED_MAX_SHARED = 0.25
-
-
 @dataclass
 class Rows(Piece):
     """A gradient that adds vectors into rows of a ``[num_rows, dim]`` parameter (an embedding
@@ -407,15 +398,15 @@ class Rows(Piece):
     ) -> tuple[Tensor, str, Tensor | None] | None:
         """Each lookup's ``‖g_e‖²``, except that the lookups of an example that hit the same row
         are summed first (``‖Σ_e g_e‖²``). Where lookups mostly hit distinct rows (see
-        :data:`COUNTED_MIN_LOOKUPS`), only those of shared rows (counted by ``bincount`` over
+        ``TUNING.rows_counted_min_lookups``), only those of shared rows (counted by ``bincount`` over
         ``example * num_rows + index``) are compacted; else :func:`rows_sq_norm` compacts all
         of them. (Its batch sum is one scatter: left to :meth:`batch_sum`.)"""
         keys = self.keys()  # [lookups]
         lookups, table = keys.numel(), self.batch * self.num_rows
         shared = None
-        if lookups >= COUNTED_MIN_LOOKUPS and 2 * table <= lookups * self.g.shape[-1]:
+        if lookups >= TUNING.rows_counted_min_lookups and 2 * table <= lookups * self.g.shape[-1]:
             shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
-            if int(shared.sum()) > COUNTED_MAX_SHARED * lookups:
+            if int(shared.sum()) > TUNING.rows_counted_max_shared * lookups:
                 shared = None
         if shared is None:  # (the scale on the [batch] result: fewer multiplications)
             return rows_sq_norm([(self, 1.0)]) * scale**2, "rows", None
@@ -598,13 +589,6 @@ def _record_rows(out: Tensor, rows: Tensor | None) -> None:
 # All results are *unscaled* (``scale = 1``): the caller multiplies by the engine's scale.
 
 
-# What one pass over a float of a materialized per-example gradient (its squared norm, its batch
-# sum) costs, in multiply-adds of the small batched matmuls of the Gram form: about 20, measured
-# on a 2-core CPU (EmbedBlock's Linear layers, 64 positions, 64 x 256); rounded down, which
-# leaves the Gram form to the layers where it wins by a margin.
-PASS_MACS = 16
-
-
 def gram_is_cheaper(p: Piece, q: Piece) -> bool:
     """Whether the per-example inner product of two :class:`Outer` pieces should use the Gram
     form ``⟨a_p a_qᵀ, g_p g_qᵀ⟩`` (two ``[shared_p, shared_q]`` matrices per example and group)
@@ -625,9 +609,9 @@ def gram_is_cheaper(p: Piece, q: Piece) -> bool:
     area = p.in_features * p.g.shape[-1]
     if p is q:
         groups, shared = math.prod(p.g.shape[1:-2]), p.g.shape[-2]
-        return p.gram_macs < groups * (shared + PASS_MACS) * area + p.grad1_extra_macs
+        return p.gram_macs < groups * (shared + TUNING.pass_macs) * area + p.grad1_extra_macs
     tp, tq = p.g.shape[-2], q.g.shape[-2]
-    return tp * tq * (p.in_features + p.g.shape[-1]) < (tp + tq + PASS_MACS) * area
+    return tp * tq * (p.in_features + p.g.shape[-1]) < (tp + tq + TUNING.pass_macs) * area
 
 
 def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:

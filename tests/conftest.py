@@ -16,9 +16,9 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:
     # e.g. 1: every CPU Linear and convolution call takes its batch gradient from grad1
     # (gradhooks.rules.linear.many_positions), not only those with many positions
-    from gradhooks.rules import linear
+    import gradhooks
 
-    linear.SUM_GRAD1_POSITIONS = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
+    gradhooks.TUNING.sum_grad1_positions = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,9 +26,7 @@ from gradhooks.oracle import loop_grad, vmap_grad
 
 torch.set_num_threads(1)
 if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:  # as tests/conftest.py
-    from gradhooks.rules import linear
-
-    linear.SUM_GRAD1_POSITIONS = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
+    gradhooks.TUNING.sum_grad1_positions = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 TOL = {"rtol": 1e-10, "atol": 1e-12}  # float64; only the order of the sums differs
 

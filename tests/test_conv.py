@@ -1,13 +1,12 @@
 """Convolutions over a sweep of every hyper-parameter (hypothesis)."""
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import gradhooks
 from gradhooks.rules import conv as conv_rules
 from harness import Case, check
 
@@ -15,18 +14,16 @@ CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 # grad1 of a convolution weight by the grouped convolution (the whole batch in one call, or
 # one example per call) or by the columns: each form on every case, whatever the number of
-# columns would choose. Values: (GROUPED_MIN_COLUMNS, GROUPED_CALL_ELEMENTS).
-FORMS = {"grouped": (0, 10**9), "grouped-slices": (0, 1), "columns": (10**9, 10**9)}
+# columns would choose.
+FORMS = {
+    "grouped": {"conv_grouped_min_columns": 0, "conv_grouped_call_elements": 10**9},
+    "grouped-slices": {"conv_grouped_min_columns": 0, "conv_grouped_call_elements": 1},
+    "columns": {"conv_grouped_min_columns": 10**9, "conv_grouped_call_elements": 10**9},
+}
 
 
-@contextlib.contextmanager
 def grad1_form(form):
-    saved = conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS
-    conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS = FORMS[form]
-    try:
-        yield
-    finally:
-        conv_rules.GROUPED_MIN_COLUMNS, conv_rules.GROUPED_CALL_ELEMENTS = saved
+    return gradhooks.tuned(**FORMS[form])
 
 
 @st.composite

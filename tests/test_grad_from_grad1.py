@@ -14,17 +14,18 @@ from torch import nn
 import gradhooks
 from gradhooks.models import CifarCNN, TinyGPT
 from gradhooks.oracle import loop_grad, vmap_grad
-from gradhooks.rules import linear
 from harness import assert_close
 
 D = torch.float64
 
 
 @pytest.fixture(params=[1, None], ids=["every-call", "default-threshold"])
-def threshold(request, monkeypatch):
-    if request.param is not None:
-        monkeypatch.setattr(linear, "SUM_GRAD1_POSITIONS", request.param)
-    return linear.SUM_GRAD1_POSITIONS
+def threshold(request):
+    if request.param is None:
+        yield gradhooks.TUNING.sum_grad1_positions
+        return
+    with gradhooks.tuned(sum_grad1_positions=request.param) as tuning:
+        yield tuning.sum_grad1_positions
 
 
 class ConvSeq(nn.Module):

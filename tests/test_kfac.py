@@ -3,7 +3,6 @@ input and output-gradient) and against the exact GGN where theory says K-FAC is 
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
@@ -197,14 +196,15 @@ def test_mc_fisher_is_reproducible_and_converges_to_the_exact_one():
     ["rows", "few-shared", "per-example", "one-by-one", "groups", "empty"],
 )
 def test_second_moment_every_form(layout, augment, monkeypatch):
-    """``_second_moment`` (the factors' products) against its definition, ``alpha · Σ_{b,s}
+    """``second_moment`` (the factors' products) against its definition, ``alpha · Σ_{b,s}
     t tᵀ`` with a column of ones appended, in each of its forms, first alone then added to
     what is there (a reused module's second call)."""
-    K = importlib.import_module("gradhooks.quantities.kfac")
+    from gradhooks.quantities.kfac import second_moment
+
     torch.manual_seed(4)
     batch = 0 if layout == "empty" else 3
     if layout == "one-by-one":
-        monkeypatch.setattr(K, "_PRODUCTS_AT_ONCE", 1)
+        monkeypatch.setattr(gradhooks.TUNING, "kfac_products_at_once", 1)
     if layout in ("rows", "empty"):  # a Linear over positions: n contiguous
         t = torch.randn(batch, 5, 4, dtype=torch.float64)
     elif layout == "few-shared":  # positions contiguous, fewer than n / 4
@@ -216,9 +216,9 @@ def test_second_moment_every_form(layout, augment, monkeypatch):
     ones = torch.ones(*t.shape[:-1], 1, dtype=t.dtype)
     full = torch.cat([t, ones], -1) if augment else t
     want = torch.einsum("b...si,b...sj->...ij", full, full)
-    first = K._second_moment(t, augment=augment, alpha=0.5)
+    first = second_moment(t, augment=augment, alpha=0.5)
     assert_close(first, 0.5 * want, f"{layout}: alone")
-    both = K._second_moment(t, augment=augment, into=first.clone(), alpha=2.0)
+    both = second_moment(t, augment=augment, into=first.clone(), alpha=2.0)
     assert_close(both, 2.5 * want, f"{layout}: added to the sum so far")
 
 
@@ -244,7 +244,6 @@ def test_factors_handed_out_do_not_change_with_the_next_backward(reduction):
 def test_batched_backwards_in_chunks_or_one_by_one_agree(fisher, monkeypatch):
     """kfac()'s backwards (one per class, or per sample) under vmap all at once, in chunks of
     two, and one after another give the same factors."""
-    K = importlib.import_module("gradhooks.kfac")  # (gradhooks.kfac is the function)
     torch.manual_seed(7)
     model = nn.Sequential(
         nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)
@@ -258,7 +257,7 @@ def test_batched_backwards_in_chunks_or_one_by_one_agree(fisher, monkeypatch):
     )  # fmt: skip
     results = {}
     for name, limit in [("all", 1 << 20), ("pairs", 2 * per_column), ("one", 1)]:
-        monkeypatch.setattr(K, "_VMAP_ELEMENTS", limit)
+        monkeypatch.setattr(gradhooks.TUNING, "kfac_vmap_elements", limit)
         gen = torch.Generator().manual_seed(0)
         results[name] = gradhooks.kfac(model, x, fisher=fisher, mc_samples=5, generator=gen)
     assert chunks[:2] == [(1 << 20) // per_column, 2] and len(chunks) == 2, chunks

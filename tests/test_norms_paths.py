@@ -19,7 +19,7 @@ from gradhooks.quantities import collector as Q
 from harness import assert_close
 
 D = torch.float64
-POSITIONS = 32  # linear.SUM_GRAD1_POSITIONS: these calls run detached
+POSITIONS = 32  # TUNING.sum_grad1_positions: these calls run detached
 
 
 class Tokens(nn.Module):
@@ -219,8 +219,8 @@ def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
 def test_grad1_slices_of_a_few_examples(reduction, monkeypatch):
     """grad1 formed a cache-sized slice of the batch at a time (here 2 and 4 examples of 5, the
     last slice shorter): norms, squared sums and .grad against the oracles and autograd."""
-    monkeypatch.setattr(Q, "_CACHE_ELEMENTS", 1024)
-    monkeypatch.setattr(Q, "_CACHE_MIN_ROWS", 2)
+    monkeypatch.setattr(gradhooks.TUNING, "cache_elements", 1024)
+    monkeypatch.setattr(gradhooks.TUNING, "cache_min_rows", 2)
     torch.manual_seed(0)
     model = Tokens(8, 16).to(D)
     x, target = torch.randn(5, POSITIONS, 8, dtype=D), torch.randn(5, 8, dtype=D)

@@ -436,7 +436,6 @@ def test_gradient_mean_is_formed_only_when_asked_where_its_pieces_are_small(monk
     4 x (16 + 3) for its 48 is formed at once. The results are the oracle's, also after the
     parameters changed in between."""
     from gradhooks import pieces as P
-    from gradhooks.rules import linear
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -449,7 +448,7 @@ def test_gradient_mean_is_formed_only_when_asked_where_its_pieces_are_small(monk
             return self.out(torch.tanh(self.hidden(self.embed(x).mean(1))))
 
     # (a Linear run detached takes .grad from the same product, formed at once then)
-    monkeypatch.setattr(linear, "SUM_GRAD1_POSITIONS", 32)
+    monkeypatch.setattr(gradhooks.TUNING, "sum_grad1_positions", 32)
     torch.manual_seed(6)
     model = Model().double()
     x, y = torch.randint(50, (4, 5)), torch.randint(3, (4,))

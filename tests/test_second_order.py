@@ -21,7 +21,7 @@ from harness import _double, assert_close
 BATCH = 3
 NO_DOUBLE_BACKWARD = {"embedding_bag"}  # torch has no derivative of its backward
 
-# The paths taken from linear.SUM_GRAD1_POSITIONS (32) positions on: parameters run detached
+# The paths taken from TUNING.sum_grad1_positions (32) positions on: parameters run detached
 # (Linear, convolution), the in-projection carried by the input (self-attention).
 MANY_POSITIONS = [
     Case(

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
+from ..tuning import TUNING
 from .kfac import KfacAccumulator
 
 __all__ = ["QUANTITIES", "Collector", "total_norms"]
@@ -37,16 +38,6 @@ __all__ = ["QUANTITIES", "Collector", "total_norms"]
 QUANTITIES = ("grad1", "norms", "sum_grad_sq", "kfac")
 # internal: gradhooks.jacobians() runs the backward under torch.func.vmap over the outputs
 _INTERNAL = ("_jacobian", "_vmapped")  # "_vmapped": gradhooks.kfac's backwards run under vmap
-
-# Largest materialized slice of examples, in elements of per-example gradient or of the columns
-# it is formed from (2 Mi floats, 8 MiB): norms-only memory stays close to a plain backward's.
-_CHUNK_ELEMENTS = 1 << 21
-# A smaller slice where it still holds several examples: one that stays in a core's cache
-# (256 Ki floats) while its squared norms and batch sum are read back (EmbedBlock's norms ~4%
-# faster on a 2-core CPU); fewer than _CACHE_MIN_ROWS examples would cost more in per-slice
-# overhead than the cache saves.
-_CACHE_ELEMENTS = 1 << 18
-_CACHE_MIN_ROWS = 8
 
 
 @dataclass
@@ -350,13 +341,14 @@ def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool
 
 def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
     """The parameter's per-example gradient ``Σ_j scale_j grad1_j``, ``[rows, *shape]``, a slice
-    of the batch at a time (so that at most ~_CHUNK_ELEMENTS elements exist at once)."""
+    of the batch at a time (so that at most ~``TUNING.chunk_elements`` elements exist at once)."""
     batch = h.pieces[0][0].batch_size
     per_example = max([h.param.numel()] + [piece.transient for piece, _ in h.pieces])
-    rows = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
+    rows = max(1, TUNING.chunk_elements // max(per_example, 1))
     cache_slices = all(piece.cache_slices for piece, _ in h.pieces)
-    if cache_slices and _CACHE_ELEMENTS // max(per_example, 1) >= _CACHE_MIN_ROWS:
-        rows = min(rows, _CACHE_ELEMENTS // max(per_example, 1))
+    cache_rows = TUNING.cache_elements // max(per_example, 1)
+    if cache_slices and cache_rows >= TUNING.cache_min_rows:
+        rows = min(rows, cache_rows)
     # no slice larger than a piece forms in one call (it would be formed in parts and copied)
     rows = min([rows] + [r for p, _ in h.pieces if (r := p.call_rows)])
     for start in range(0, batch, rows):
@@ -366,9 +358,6 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
             g = piece.select(sl).grad1(h.param.shape, scale)
             total = g if total is None else total + g
         yield sl, total
-
-
-_PASS_MACS = P.PASS_MACS
 
 
 def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
@@ -382,7 +371,7 @@ def _gram_with_sum_is_cheaper(piece: P.Piece) -> bool:
     if not isinstance(piece, P.Outer) or not piece.has_input:
         return False
     per_example = math.prod(piece.g.shape[1:-2]) * piece.in_features * piece.g.shape[-1]
-    return piece.gram_macs < _PASS_MACS * per_example + piece.grad1_extra_macs
+    return piece.gram_macs < TUNING.pass_macs * per_example + piece.grad1_extra_macs
 
 
 def _one_sq_norm(

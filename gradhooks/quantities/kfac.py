@@ -17,8 +17,9 @@ from torch import Tensor
 from .. import _torch
 from ..checks import GradhooksWarning
 from ..pieces import Outer
+from ..tuning import TUNING
 
-__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator"]
+__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment"]
 
 
 @dataclass
@@ -134,7 +135,7 @@ class KfacAccumulator:
                 g = physical.flatten(0, 1)
             if not self.expand:
                 g = g.sum(-2, keepdim=True)
-            self._g[key] = _second_moment(g, into=self._g.get(key), alpha=scale**2)
+            self._g[key] = second_moment(g, into=self._g.get(key), alpha=scale**2)
             if not self.capture_a:
                 continue  # (a later backward of the same forward: the input is not read,
                 # a convolution's columns never formed again)
@@ -142,7 +143,7 @@ class KfacAccumulator:
             batch = a.shape[0]
             if not self.expand:
                 a = a.mean(-2, keepdim=True)
-            self._a[key] = _second_moment(a, augment=biased, into=self._a.get(key))
+            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key))
             n_a = batch * a.shape[-2]
             self._n_a[key] = self._n_a.get(key, 0) + n_a
             self._biased[key] = biased
@@ -190,7 +191,7 @@ class KfacAccumulator:
         return out
 
 
-def _second_moment(
+def second_moment(
     t: Tensor, augment: bool = False, into: Tensor | None = None, alpha: float = 1.0
 ) -> Tensor:
     """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
@@ -220,7 +221,7 @@ def _second_moment(
     elif flat.stride(-1) == 1 or 4 * shared < n:
         rows = flat.reshape(batch * shared, n)
         core[0].addmm_(rows.T, rows, beta=beta, alpha=alpha)
-    elif batch * n * n <= _PRODUCTS_AT_ONCE:
+    elif batch * n * n <= TUNING.kfac_products_at_once:
         per_example = flat[:, 0]
         total = torch.bmm(per_example.transpose(1, 2), per_example).sum(0)
         if beta:
@@ -241,8 +242,3 @@ def _second_moment(
         out[:, n, :n] += sums
         out[:, n, n] += alpha * batch * shared
     return out.view(*groups, width, width)
-
-
-# The most elements the per-example products of :func:`_second_moment` form at once (16 MiB of
-# float32) before being summed
-_PRODUCTS_AT_ONCE = 1 << 22

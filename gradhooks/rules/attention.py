@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from .. import _torch
 from ..pieces import Direct, Outer, Piece
 from ..registry import Call, batch_first, register
-from . import linear
+from ..tuning import TUNING
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -261,7 +261,7 @@ def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
         and _packed(m)
         and m.bias_k is None
         and not (m.training and m.dropout > 0)
-        and query.shape[1 if m.batch_first else 0] >= linear.SUM_GRAD1_POSITIONS
+        and query.shape[1 if m.batch_first else 0] >= TUNING.sum_grad1_positions
     )
 
 

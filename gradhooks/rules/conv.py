@@ -19,21 +19,10 @@ from torch import Tensor, nn
 from .. import _torch
 from ..pieces import Outer, Piece
 from ..registry import Call, register
-from . import linear
+from ..tuning import TUNING
 
 # the layers of this rule (annotations)
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
-
-GROUPED_MIN_COLUMNS = 64
-"""The fewest columns (``in_channels / groups * prod(kernel)``) for which :class:`ConvWeight`
-takes ``grad1`` by the grouped convolution rather than by the columns."""
-GROUPED_CALL_ELEMENTS = 1 << 20
-"""The grouped form runs on slices of the batch that read and write about this many elements
-(input, output-gradient and gradient). Measured at 2 threads, batch 64: on CifarCNN's and
-SimpleCNN's larger layers, slices of 13-15 examples took 5.1-5.8 ms whatever the state of the
-C allocator, where the whole batch in one call took 4.4-5.5 ms when freed memory was reused
-and 7.1-8.8 ms when its large buffers were fresh pages (which is common: glibc returns
-large blocks to the system)."""
 
 
 def im2col(
@@ -131,7 +120,7 @@ class ConvWeight(Outer):
 
     # Measured at 2 threads (batch 64, ResNet18GN's and CifarCNN's layers): a convolution's
     # grad1 in cache-sized slices (a few examples per convolution or im2col and matmul) is up to
-    # 2x slower than in slices of ~_CHUNK_ELEMENTS.
+    # 2x slower than in slices of ~``TUNING.chunk_elements``.
     cache_slices = False
 
     @property
@@ -155,7 +144,7 @@ class ConvWeight(Outer):
             self.x.device.type == "cpu"
             and self.x.shape[0] > 0
             and positions > self.module.out_channels
-            and self.in_features >= GROUPED_MIN_COLUMNS
+            and self.in_features >= TUNING.conv_grouped_min_columns
         )
 
     def _grad1_grouped(self, scale: float, with_bias: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -373,11 +362,11 @@ class ConvWeight(Outer):
 
     @property
     def call_rows(self) -> int | None:
-        """The grouped form: examples per convolution, about :data:`GROUPED_CALL_ELEMENTS`
+        """The grouped form: examples per convolution, about ``TUNING.conv_grouped_call_elements``
         elements read and written (:attr:`transient`) in one call."""
         if not self._grouped_form():
             return None
-        return max(1, GROUPED_CALL_ELEMENTS // max(self.transient, 1))
+        return max(1, TUNING.conv_grouped_call_elements // max(self.transient, 1))
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         rows = self.call_rows
@@ -466,7 +455,7 @@ class ConvBias(Outer):
 
 def many_positions(module: _Conv, args: tuple) -> bool:
     """Whether a convolution call's batch gradient is better taken as the sum of its
-    ``grad1``: on CPU, with at least ``linear.SUM_GRAD1_POSITIONS`` output positions per
+    ``grad1``: on CPU, with at least ``TUNING.sum_grad1_positions`` output positions per
     example (as :func:`gradhooks.rules.linear.many_positions`)."""
     x = args[0] if args else None
     nd = len(module.kernel_size)
@@ -485,7 +474,7 @@ def many_positions(module: _Conv, args: tuple) -> bool:
                 x.shape[2:], padding, module.dilation, module.kernel_size, module.stride
             )
         )
-    return positions >= linear.SUM_GRAD1_POSITIONS
+    return positions >= TUNING.sum_grad1_positions
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d, grad_from_grad1=many_positions)

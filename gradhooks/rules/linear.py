@@ -7,20 +7,16 @@ from torch import Tensor, nn
 
 from ..pieces import Outer
 from ..registry import REGISTRY, Call, register
-
-# Summing grad1 over the batch reads batch x parameters floats; autograd's batch gradient costs
-# 2 x batch x positions x parameters flops. Measured on a 2-core CPU, the sum wins from a few
-# dozen positions per example on.
-SUM_GRAD1_POSITIONS = 32
+from ..tuning import TUNING
 
 
 def many_positions(module: nn.Module, args: tuple) -> bool:
     """Whether a Linear call's batch gradient is better taken as the sum of its ``grad1`` (on
-    CPU, at least :data:`SUM_GRAD1_POSITIONS` positions per example)."""
+    CPU, at least ``TUNING.sum_grad1_positions`` positions per example)."""
     x = args[0] if args else None
     if not isinstance(x, Tensor) or x.device.type != "cpu" or x.dim() < 2:
         return False
-    return math.prod(x.shape[1:-1]) >= SUM_GRAD1_POSITIONS
+    return math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
 
 
 def _positions(t: Tensor) -> Tensor:
