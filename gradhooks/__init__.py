@@ -13,7 +13,7 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .accounting import PrivacyAccountant, noise_multiplier_for
 from .check import check_rule
-from .checks import CheckReport, Grad1TooLarge, GradhooksWarning, set_memory_limit
+from .checks import CheckReport
 from .compat import (
     backprop_hess,
     clear_backprops,
@@ -25,8 +25,10 @@ from .compat import (
 )
 from .dp import clip_factors, dp_sgd_step
 from .engine import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
+from .errors import Grad1TooLarge, GradhooksWarning
 from .jacobian import jacobians
 from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
+from .memory import set_memory_limit
 from .pause import paused, set_enabled
 from .pieces import Direct, Outer, Piece, Rows
 from .registry import REGISTRY, Call, Registry, register

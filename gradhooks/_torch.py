@@ -102,7 +102,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checks import GradhooksWarning
+from .errors import GradhooksWarning
 
 __all__ = [
     "INTERNALS",

@@ -1,10 +1,4 @@
-"""Guards against silently wrong per-example gradients: the memory limit and ``Hooks.check``.
-
-The memory limit: before a forward is captured, the engine estimates the size of ``grad1`` for
-the whole model, ``batch × Σ numel(p) × element size`` over the trainable parameters it covers,
-and refuses with :class:`Grad1TooLarge` when it exceeds the limit. The limit is, in order: the
-``max_grad1_bytes`` given to :func:`gradhooks.add_hooks`, the one set with
-:func:`set_memory_limit`, or half of the memory of the parameters' device (total RAM for CPU).
+"""Guards against silently wrong per-example gradients: ``Hooks.check``.
 
 :func:`check` (``Hooks.check``) compares what the hooks computed with what autograd computed
 and, given the loss, with a per-example recomputation; it names what is wrong and what to do.
@@ -12,10 +6,9 @@ and, given the loss, with a per-example recomputation; it names what is wrong an
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,90 +16,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .engine import Hooks
 
-__all__ = ["Grad1TooLarge", "CheckReport", "set_memory_limit", "memory_limit", "GradhooksWarning"]
-
-# None: no limit; "auto": half of the device's memory; an int: bytes
-_LIMIT: list[int | str | None] = ["auto"]
-_AUTO_FRACTION = 0.5
-
-
-def example_weights(batch: int) -> Tensor:
-    """``[batch]`` float64 weights in ``[1, 2)``, all different (the fractional parts of
-    multiples of the golden ratio): the checks compare ``Σ_i weights[i] · grad1[i]`` with the
-    gradient autograd gives the examples' losses (or output rows) weighted alike, which sees an
-    error in any example's ``grad1`` (a sum, all weights 1, would not see examples that
-    cancel)."""
-    return 1.0 + torch.remainder(
-        torch.arange(1, batch + 1, dtype=torch.float64) * 0.6180339887, 1.0
-    )
-
-
-class Grad1TooLarge(MemoryError):
-    """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated)."""
-
-
-class GradhooksWarning(RuntimeWarning):
-    """A backward whose per-example gradients gradhooks could not capture."""
-
-
-def set_memory_limit(limit: int | str | None) -> None:
-    """Largest ``grad1`` (all parameters of a hooked model together, in bytes) that a captured
-    forward may lead to: an int, ``"auto"`` (default: half of the memory of the device holding
-    the parameters, total RAM for CPU) or ``None`` (no limit). ``add_hooks(...,
-    max_grad1_bytes=...)`` overrides it for one handle."""
-    if not (limit is None or limit == "auto" or (isinstance(limit, int) and limit >= 0)):
-        raise ValueError(
-            f"the memory limit must be bytes (int >= 0), 'auto' or None, got {limit!r}"
-        )
-    _LIMIT[0] = limit
-
-
-def memory_limit(device: torch.device, override: int | str | None = "auto") -> int | None:
-    """The limit in bytes for ``grad1`` on ``device`` (``None``: unlimited)."""
-    limit = override if override != "auto" else _LIMIT[0]
-    if limit != "auto":
-        return limit  # type: ignore[return-value]
-    total = _device_memory(device)
-    return None if total is None else int(total * _AUTO_FRACTION)
-
-
-def _device_memory(device: torch.device) -> int | None:
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        pass
-    return None
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def refuse_if_too_large(
-    model_name: str, batch: int, numel: int, itemsize: int, device: torch.device, override
-) -> None:
-    """Raise :class:`Grad1TooLarge` when ``batch × numel × itemsize`` exceeds the limit."""
-    need = batch * numel * itemsize
-    limit = memory_limit(device, override)
-    if limit is None or need <= limit:
-        return
-    per_example = numel * itemsize
-    fits = limit // max(per_example, 1)
-    raise Grad1TooLarge(
-        f"grad1 for {model_name} would take {_size(need)} (batch {batch} × {numel:,} trainable "
-        f"parameters × {itemsize} bytes), over the limit of {_size(limit)} on {device}; nothing "
-        f"was allocated and the forward was not run. Use add_hooks(model, quantities=('norms',)) "
-        f"(per-example norms, DP-SGD by ghost clipping: never forms grad1), a batch of at most "
-        f"{fits}, or freeze parameters; or raise the limit with add_hooks(..., max_grad1_bytes=...) "
-        "or gradhooks.set_memory_limit(bytes or None)."
-    )
+__all__ = ["CheckReport"]
 
 
 @dataclass
@@ -273,11 +183,3 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
         "the model may be random (dropout: check in eval "
         "mode), or loss_fn / inputs differ from those of the captured backward"
     )
-
-
-class InertHook:
-    """What a gradhooks hook becomes in a copy or an unpickled model: it does nothing (the copy
-    is not hooked; hook it with ``add_hooks``)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None

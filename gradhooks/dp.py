@@ -43,7 +43,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import checks
 from . import pieces as P
 from .engine import _PROBE_TOLERANCE, Hooks, _drop_box, _mismatch
 
@@ -179,7 +178,7 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
 
 def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tuple | None:
     """On the first step of each new set of calls, autograd's gradient of the examples' own
-    losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`checks.example_weights`,
+    losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`pieces.example_weights`,
     every example checked at once), to compare with the per-example gradients weighted alike
     (``grad1``, or the pieces the norms are formed from). ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
@@ -191,7 +190,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
         or not per_example_loss.requires_grad
     ):
         return None
-    weights = checks.example_weights(batch)
+    weights = P.example_weights(batch)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
     with hooks._standing_aside():
         grads = torch.autograd.grad(

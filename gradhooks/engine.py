@@ -29,9 +29,11 @@ from torch.nn.utils.rnn import PackedSequence
 from . import _torch, checks
 from . import pieces as P
 from ._torch import tree_flatten, tree_map, tree_unflatten
-from .checks import GradhooksWarning, InertHook
+from .errors import GradhooksWarning
 from .fallback import FALLBACK, fallback_params
+from .inert import InertHook
 from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows, example_mask
+from .memory import refuse_if_too_large
 from .pause import PROCESS, Pause, set_enabled
 from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .registry import REGISTRY, Call, CallBatch, Registry, _Entry
@@ -1702,7 +1704,7 @@ class Hooks:
             return
         p = next(iter(self._params.values()))[1]
         model = self.model
-        checks.refuse_if_too_large(
+        refuse_if_too_large(
             f"'{type(model).__qualname__}'" if model is not None else "the model",
             batch, self._numel, p.element_size(), p.device, self.max_grad1_bytes,
         )  # fmt: skip
@@ -1875,7 +1877,7 @@ class Hooks:
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
         the model's output-gradients in hand: every parameter's gradient from them with each
-        example's rows weighted (:func:`checks.example_weights`), by a backward of autograd's own through the
+        example's rows weighted (:func:`pieces.example_weights`), by a backward of autograd's own through the
         same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or, for
         norms, the pieces' batch sum) weighted alike. Only where every output that has a gradient holds the examples
         where the tracker followed them, and none is computed from another (whose gradient
@@ -1902,7 +1904,7 @@ class Hooks:
         ):
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
-        weights = checks.example_weights(batch)
+        weights = P.example_weights(batch)
         masked, last = [], []
         for _, g, lay in used:
             if lay.size(batch) != g.shape[lay.dim]:

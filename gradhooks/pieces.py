@@ -682,6 +682,17 @@ def flat_rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
+def example_weights(batch: int) -> Tensor:
+    """``[batch]`` float64 weights in ``[1, 2)``, all different (the fractional parts of
+    multiples of the golden ratio): the checks compare ``Σ_i weights[i] · grad1[i]`` with the
+    gradient autograd gives the examples' losses (or output rows) weighted alike, which sees an
+    error in any example's ``grad1`` (a sum, all weights 1, would not see examples that
+    cancel)."""
+    return 1.0 + torch.remainder(
+        torch.arange(1, batch + 1, dtype=torch.float64) * 0.6180339887, 1.0
+    )
+
+
 def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
     """Per parameter id, ``Σ_b weights[b] grad1[b]`` (scaled) over a backward's calls, each
     kept as ``(pieces, params, scale)`` (:meth:`Piece.batch_sum` per piece, summed); ``None`` for a

@@ -423,7 +423,7 @@ def test_grad1_too_large_is_refused_before_allocation():
                 model[0](x).sum().backward()
     finally:
         gradhooks.set_memory_limit("auto")
-    assert gradhooks.checks.memory_limit(torch.device("cpu")) > 2**20
+    assert gradhooks.memory.memory_limit(torch.device("cpu")) > 2**20
     with pytest.raises(ValueError, match="memory limit"):
         gradhooks.set_memory_limit(-1)
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch
-from ..checks import GradhooksWarning
+from ..errors import GradhooksWarning
 from ..pieces import Outer
 from ..tuning import TUNING
 
