@@ -12,8 +12,7 @@ too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 
 from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .accounting import PrivacyAccountant, noise_multiplier_for
-from .check import check_rule
-from .checks import CheckReport
+from .check import CheckReport, check_rule
 from .compat import (
     backprop_hess,
     clear_backprops,

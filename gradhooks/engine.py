@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _torch, checks
+from . import _torch
 from . import pieces as P
 from ._torch import tree_flatten, tree_map, tree_unflatten
+from .check import CheckReport, check_hooks
 from .errors import GradhooksWarning
 from .fallback import FALLBACK, fallback_params
 from .inert import InertHook
@@ -548,7 +549,7 @@ class Hooks:
     def check(
         self, loss_fn=None, inputs=None, target=None, *, examples: int = 2,
         raise_on_error: bool = True,
-    ) -> checks.CheckReport:  # fmt: skip
+    ) -> CheckReport:  # fmt: skip
         """Check, after a backward, that ``grad1`` is what it claims to be; raise a
         ``RuntimeError`` naming every problem (or return them, ``raise_on_error=False``).
 
@@ -561,9 +562,9 @@ class Hooks:
         reduction itself needs the loss: with ``loss_fn(model(x[i:i+1]), target[i:i+1])``
         (and the ``inputs``/``target`` of the captured forward), the first ``examples``
         examples are recomputed one at a time and the report says which reduction the loss
-        really used. Returns a :class:`gradhooks.checks.CheckReport`.
+        really used. Returns a :class:`gradhooks.CheckReport`.
         """
-        return checks.check(
+        return check_hooks(
             self, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
         )
 
