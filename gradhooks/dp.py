@@ -44,7 +44,9 @@ import torch
 from torch import Tensor
 
 from . import pieces as P
-from .engine import _PROBE_TOLERANCE, Hooks, _drop_box, _mismatch
+from .engine import Hooks
+from .records import drop_box
+from .verify import PROBE_TOLERANCE, mismatch
 
 __all__ = ["dp_sgd_step", "clip_factors"]
 
@@ -197,7 +199,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
             (w * per_example_loss).sum(), wrt, retain_graph=True, allow_unused=True
         )
     if hooks._probe_box is not None:  # (the hooks' own check of the examples: this one is it)
-        _drop_box(hooks._probe_box)
+        drop_box(hooks._probe_box)
         hooks._probe_box = None
     if not hooks._grad1:
         hooks._unverified.clear()
@@ -222,7 +224,7 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
     wrong = []
     for p, want, g in zip(params, wants, got, strict=True):
         g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
-        diff = _mismatch(g, want, None, overall, **_PROBE_TOLERANCE)
+        diff = mismatch(g, want, None, overall, **PROBE_TOLERANCE)
         if diff is not None:
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:

@@ -1,0 +1,489 @@
+"""Where the examples are in a captured call, as the forward's tracker followed them
+(:mod:`gradhooks.layout`), and the call handed to its rule in that form. :class:`CallLayouts` is
+the part of :class:`gradhooks.Hooks` that asks the tracker.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from . import _torch
+from . import pieces as P
+from ._torch import tree_flatten, tree_map, tree_unflatten
+from .fallback import FALLBACK
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .plan import Target
+from .records import CallLayout, CallState
+from .registry import Call, CallBatch
+
+
+class _Unview(torch.autograd.Function):
+    """``x``'s memory as a tensor that autograd does not take for a view (its gradient passes
+    unchanged), so that an in-place change of it keeps the hooks on it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g
+
+
+def own_node(t: Any) -> Any:
+    if isinstance(t, Tensor) and t.requires_grad:
+        return _Unview.apply(t)
+    return t
+
+
+def unview(t: Any) -> Any:
+    if isinstance(t, Tensor) and t.requires_grad and _torch.is_view(t):
+        return _Unview.apply(t)
+    return t
+
+
+def carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
+    """The layouts (and sources) of a call's outputs, for the outputs the engine replaced them
+    with."""
+    if tracker is not None and new is not None:
+        for a, b in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
+            if isinstance(a, Tensor) and isinstance(b, Tensor):
+                tracker.set_layout(b, tracker.layout(a))
+                tracker.taint(b, tracker.sources_of(a))
+    return new
+
+
+def keeps_rows(layout: CallLayout | None) -> bool:
+    """Whether a call's rule sees its input as the forward ran it (what ``taps`` were taken
+    from): not where the engine moves or adds a batch dimension."""
+    return layout is None or layout.kind in ("plain", "fold", "unknown")
+
+
+def check_versions(target: Target, state: CallState) -> None:
+    """The inputs a rule computes from must be those of the forward, as autograd requires of
+    the tensors it saves (the paths that run a call detached do not let autograd see them)."""
+    for t, version in state.versions:
+        if _torch.version(t) != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: an input of '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
+                f"{_torch.version(t)}; expected version {version} instead. gradhooks computes the "
+                "layer's per-example gradients from its input, as autograd computes its "
+                "weight gradient: change a copy of it (x = x.clone()), or out of place."
+            )
+
+
+def unchanged_outputs(call: Call, versions: tuple) -> Call:
+    """The kept output with every leaf changed in place since the forward (a residual added
+    into it: ``x += shortcut``) left out (``None``): it no longer is what the call gave."""
+    leaves, spec = tree_flatten(call.output)
+    changed = {i for i, v in versions if _torch.version(leaves[i]) != v}
+    if not changed:
+        return call
+    kept = [None if i in changed else t for i, t in enumerate(leaves)]
+    return replace(call, output=tree_unflatten(kept, spec))
+
+
+def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout | None:
+    """A call that does not depend on the examples whose output every operation took row by
+    row with the batch (positions looked up already expanded to the batch, then added to it):
+    its rows are examples after all, where the tracker found them (``Source.aligned``)."""
+    found = {s.aligned for s in layout.sources if s is not None}
+    if len(found) != 1 or None in found:
+        return None
+    (lay,) = found
+    dim = target.entry.batch_dim_of(target.module)
+    leaves = tree_flatten((call.inputs, call.kwargs))[0]
+    first = next((i for i, t in enumerate(leaves) if isinstance(t, Tensor)), None)
+    if first is None or leaves[first].dim() <= lay.dim:
+        return None
+    if dim == "positions":
+        kind = "plain" if lay.dim == 0 and lay.plain else "moved"
+    elif lay.dim == dim:
+        kind = "plain" if lay.plain else "fold"
+    else:
+        return None
+    inputs = tuple(lay if i == first else None for i in range(len(leaves)))
+    outputs = tuple(lay for _ in layout.outputs)
+    return CallLayout(kind, layout.batch, lay, inputs, outputs)
+
+
+def rule_pieces(
+    target: Target, params: dict[str, nn.Parameter], call: Call, layout: CallLayout | None
+) -> dict[str, P.Piece | None]:
+    """The rule's pieces for a call, with one row per example: the call handed to the rule
+    with its examples where the rule reads them (moved, added), or the rule's rows of one
+    example summed (folded), or the rule run one example at a time (a call that does not
+    depend on the examples, of a layer that reads its batch from a fixed dimension)."""
+    rule = target.entry.rule
+    if target.entry is FALLBACK:
+        if layout is None:
+            return rule(call)
+        batch = CallBatch(
+            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
+        )
+        return rule(replace(call, batch=batch))
+    if layout is None or layout.kind in ("plain", "unknown"):
+        return rule(call)
+    if layout.kind == "mismatch":
+        rule(call)  # (its own error, where it has one, says more: an unbatched input)
+        raise RuntimeError(layout.lost[0])
+    if target.entry.batch_dim_of(target.module) == "positions":
+        return rule(_positions_call(call, layout))
+    if layout.kind == "fold":
+        first = layout.first
+        pieces = dict(rule(call))
+        rows = next((pc.batch_size for pc in pieces.values() if pc is not None), None)
+        if rows != first.size(layout.batch):
+            return pieces  # the rule's rows are not its input's (bags): checked by the caller
+        for n, piece in pieces.items():
+            if piece is not None and n in params:
+                pieces[n] = piece.merged(params[n].shape, first.outer, layout.batch, first.inner)
+        return pieces
+    return _one_by_one(rule, call, params, layout.batch)
+
+
+def _positions_call(call: Call, layout: CallLayout) -> Call:
+    """A position-wise layer's call with its examples on a new dimension 0: moved there
+    (with any fold) from where they are, or, for a call that does not depend on them, its
+    inputs repeated for every example (a view) beside the per-example output-gradients."""
+    batch = layout.batch
+    if layout.kind == "shared":
+
+        def grow(t):
+            return t.unsqueeze(0).expand(batch, *t.shape) if isinstance(t, Tensor) else t
+
+        return replace(
+            call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
+            taps=None,
+        )  # fmt: skip
+    leaves, spec = tree_flatten((call.inputs, call.kwargs))
+    moved = [
+        batch_rows(t, lay, batch) if isinstance(t, Tensor) and _followed(lay) else t
+        for t, lay in zip(leaves, layout.inputs)
+    ]
+    inputs, kwargs = tree_unflatten(moved, spec)
+    grads = []
+    for i, g in enumerate(call.grad_outputs):
+        lay = layout.outputs[i] if i < len(layout.outputs) else None
+        grads.append(None if g is None else batch_rows(g, lay if _followed(lay) else layout.first,
+                                                       batch))  # fmt: skip
+    return replace(call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None)
+
+
+def _followed(lay: Layout | None) -> bool:
+    return lay is not None and lay.dim >= 0
+
+
+def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece | None]:
+    """A call that does not depend on the examples, of a layer that reads its batch from a
+    fixed dimension: the rule once per example, with that example's output-gradients; every
+    row the rule gives belongs to that example."""
+    per: dict[str, list] = {n: [] for n in params}
+    for b in range(batch):
+        one = replace(
+            call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
+        )
+        pieces = rule(one)
+        for n, p in params.items():
+            piece = pieces.get(n)
+            per[n].append(None if piece is None else piece.grad1(p.shape).sum(0))
+    out: dict[str, P.Piece | None] = {}
+    for n, rows in per.items():
+        if all(r is None for r in rows):
+            out[n] = None
+        else:
+            like = next(r for r in rows if r is not None)
+            out[n] = P.Direct(
+                torch.stack([torch.zeros_like(like) if r is None else r for r in rows])
+            )
+    return out
+
+
+def root_batch(
+    args: tuple, kwargs: dict, batch_dim
+) -> tuple[int, list[tuple[Tensor, Layout]]] | None:
+    """The model's batch size and the layouts of its tensor inputs: dimension ``batch_dim``
+    (0 for ``"auto"``) of its first tensor input is the batch, and every tensor input whose
+    dimension ``batch_dim`` has that size holds the examples there; a ``PackedSequence``'s
+    batch is its first batch size."""
+    dim = 0 if batch_dim == "auto" else batch_dim
+    packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if packed:
+        batch = int(packed[0].batch_sizes[0])
+        found = [(ps.data, PACKED) for ps in packed]
+        skip = {id(t) for ps in packed for t in ps if isinstance(t, Tensor)}
+        leaves = [t for t in leaves if id(t) not in skip]
+    else:
+        first = next((t for t in leaves if t.dim() > dim), None)
+        if first is None:
+            return None
+        batch = first.shape[dim]
+        found = [(first, Layout(dim))]
+        leaves = [t for t in leaves if t is not first]
+    # (the others by their size alone: the tracker's candidates, dropped where taking them as
+    # batched is all that makes an operation mix the examples)
+    found += [(t, Layout(dim)) for t in leaves if t.dim() > dim and t.shape[dim] == batch]
+    return batch, found
+
+
+def describe_call(call: Call) -> str:
+    def shapes(tree: Any) -> str:
+        return ", ".join(
+            str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+            for t in tree_flatten(tree)[0]
+        )
+
+    grads = ", ".join("None" if g is None else str(tuple(g.shape)) for g in call.grad_outputs)
+    return f"inputs [{shapes(call.inputs)}], output-gradients [{grads}]"
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    return ", ".join(
+        str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+        for t in tree_flatten((args, kwargs))[0]
+    )
+
+
+class CallLayouts:
+    """The tracker's view of each call (a part of :class:`gradhooks.Hooks`)."""
+
+    def _call_layout(
+        self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
+    ) -> CallLayout | None:
+        """Where the examples are in a captured call, from the tracker's layouts of its inputs
+        (``None`` without a tracker). A call on inputs that do not depend on the examples is
+        ``"shared"``: its outputs become the tracker's sources. Raises where the rule would
+        read the examples from a dimension that does not hold them."""
+        if tracker is None:
+            return None
+        batch = tracker.batch
+        ins, outs = tree_flatten((args, kwargs))[0], tree_flatten(output)[0]
+        # (the fallback may split where the examples are presumed: its recomputation one
+        # example at a time must reproduce the call's output; a rule is never handed them)
+        of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
+        lin = tuple(of(t) for t in ins)
+        lout = tuple(of(t) for t in outs)
+        first = next((lay for lay in lin if lay is not None), None)
+        if target.entry is FALLBACK and first is not None and first.dim >= 0:
+            # (an input whose examples were lost but whose rows line up with the first's:
+            # split like it, which the recomputation checks)
+            size = first.size(batch)
+            lin = tuple(
+                first if lay is UNKNOWN and t.dim() > first.dim and t.shape[first.dim] == size
+                else lay
+                for t, lay in zip(ins, lin)
+            )  # fmt: skip
+        where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        if any(lay is MIXED for lay in lin):
+            ops = ", ".join(tracker.mixed) or "an operation across the batch"
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
+                f"examples of the batch ({ops}: a reduction, shift or product along it, "
+                "entries picked from it, rows that are not examples put among them, or a "
+                "reshape that leaves no dimension holding each example whole), so its "
+                "rows are not one example each. Where one "
+                "example's loss depends on another's, per-example gradients do not exist. Keep "
+                "the examples apart in the forward (compute what needs the whole batch outside "
+                "the model, or use running statistics: a statistic of the batch, even detached, "
+                "makes each example's result depend on the others'), or freeze this layer's "
+                "parameters."
+                + (
+                    f" The batch was taken as dimension 0 of the model's first input ({batch} "
+                    "examples): if it is another dimension (a sequence-first model, [seq, "
+                    "batch, ...]), say which with add_hooks(model, batch_dim=k)."
+                    if self.batch_dim == "auto"
+                    else ""
+                )
+            )
+        if first is PACKED:
+            whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
+            if not any(isinstance(a, PackedSequence) for a in whole[0]):
+                raise RuntimeError(
+                    f"{where}: its input ({_shapes(args, kwargs)}) is the data of a "
+                    "PackedSequence, or part of it (the examples' time steps packed together, "
+                    "longest sequences first), taken out of the PackedSequence, so its rows are "
+                    "not one example each and its rule cannot tell which example each belongs "
+                    "to. Give the layer the PackedSequence itself (a recurrent layer), or the "
+                    "padded batch (pad_packed_sequence), or freeze its parameters."
+                )
+        moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
+                      and t in tracker.reordered), None)  # fmt: skip
+        if moved is not None:
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
+                f"another order ({moved} with a permutation of the batch), so its rule would give "
+                "each example the gradient of another. Put them back in order before the layer "
+                "(x[perm.argsort()]), or freeze its parameters."
+            )
+        grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
+        free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
+        if first is not None and free and target.entry is not FALLBACK:
+            raise RuntimeError(
+                f"{where}: its input ({_shapes(args, kwargs)}) depends on the examples but "
+                "gradhooks lost them inside its forward (an operation it does not see, such as "
+                "a custom kernel), so it cannot tell which example each part of its gradient "
+                "belongs to. Register a rule for it, or freeze its parameters."
+            )
+        if first is None or free:
+            if not free:
+                raise RuntimeError(
+                    f"{where}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
+                    "examples, but its output does: the module reads the batch from somewhere "
+                    "else than its inputs (an attribute set by another module?), so its rule "
+                    "cannot tell which example each part of its gradient belongs to. Pass that "
+                    "tensor as an input, or register a rule for it."
+                )
+            sources = []
+            for t in outs:
+                if any(t is g for g in grads):
+                    s = Source(target.name, t.shape)
+                    tracker.add_source(t, s)
+                    sources.append(s)
+                else:
+                    sources.append(None)
+            layout = CallLayout("shared", batch, None, lin, lout)
+            layout.sources = tuple(sources)
+            return layout
+        if first is UNKNOWN:
+            layout = CallLayout("unknown", batch, first, lin, lout)
+            layout.lost = tuple(tracker.unknown)
+            return layout
+        frame = self._frames[-1] if self._frames else None
+        root = frame is not None and any(
+            x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
+        )
+        if first is PACKED or target.entry is FALLBACK:
+            return CallLayout("plain", batch, first, lin, lout, root=root)
+        dim = target.entry.batch_dim_of(target.module)
+        if dim == "positions":
+            kind = "plain" if first.dim == 0 and first.plain else "moved"
+            return CallLayout(kind, batch, first, lin, lout, root=root)
+        if first.dim != dim and self._reseed(tracker, ins, outs, dim):
+            return self._call_layout(target, args, kwargs, output, tracker)
+        if first.dim != dim:
+            layout = CallLayout("mismatch", batch, first, lin, lout)
+            layout.lost = (
+                f"{where}: the examples are on {first.describe(batch)} of its input "
+                f"({_shapes(args, kwargs)}), but its rule reads them from dimension {dim}. Its "
+                "per-example gradients would mix examples. Give the layer its input with the "
+                f"batch on dimension {dim} (batch_first=..., x.transpose(...)), or say where the "
+                "model's batch is with add_hooks(..., batch_dim=k).",
+            )
+            return layout
+        return CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
+
+    def _reseed(self, tracker: Tracker, ins: list, outs: list, dim: int) -> bool:
+        """``batch_dim="auto"`` takes dimension 0 of the model's first input as the batch;
+        where the first hooked call takes that very input and reads its batch from dimension
+        ``dim`` (a sequence-first layer), the batch is dimension ``dim`` instead (once, at the
+        first call of the forward)."""
+        frame = self._frames[-1] if self._frames else None
+        if self.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
+            return False
+        x = next((t for t in ins if isinstance(t, Tensor)), None)
+        if x is None or not any(x is r for r in frame.roots) or x.dim() <= dim:
+            return False
+        batch = x.shape[dim]
+        tracker.batch = batch
+        tracker.layouts.clear()
+        for t in frame.roots:
+            if t.dim() > dim and t.shape[dim] == batch:
+                tracker.set_layout(t, Layout(dim))
+        for t in outs:  # (computed under the other reading: not followed further)
+            if isinstance(t, Tensor):
+                tracker.set_layout(t, UNKNOWN)
+        frame.roots = []
+        return True
+
+    def _reseed_before(
+        self, target: Target, module: nn.Module, args: tuple, kwargs: dict, tracker: Tracker
+    ) -> None:
+        """:meth:`_reseed` as the first hooked call starts (a sequence-first layer given the
+        model's input), so that the operations inside it are followed from the right batch."""
+        if target.entry is FALLBACK:
+            return
+        dim = target.entry.batch_dim_of(module)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return
+        ins = tree_flatten((args, kwargs))[0]
+        first = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
+        if first is not None and first.dim >= 0 and first.dim != dim:
+            self._reseed(tracker, ins, [], dim)
+
+    def _functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
+        """A parameter used directly in a torch function the registry has a rule for
+        (``F.linear``: a tied output layer): the function's call is captured as a hooked
+        module's would be. ``NotImplemented`` where that does not apply."""
+        spec = self.registry.function(name)
+        if spec is None:
+            return NotImplemented
+        entry, roles, (in_pos, in_key), applies = spec
+        if not applies(args, kwargs):
+            return NotImplemented
+        x = args[in_pos] if len(args) > in_pos else kwargs.get(in_key)
+        lay = tracker.layout(x)
+        if lay is None or lay is UNKNOWN or lay is PACKED:
+            return NotImplemented
+        named = {}
+        for role, (pos, key) in roles.items():
+            t = args[pos] if len(args) > pos else kwargs.get(key)
+            if isinstance(t, Tensor) and any(t is d for d in direct):
+                named[role] = t
+        if len(named) != len(direct):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        tracker._propagate(name, args, kwargs, out)
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return out
+        key = (name, *(id(p) for p in named.values()))
+        target = self._functional_targets.get(key)
+        if target is None:
+            names = [self._params[id(p)][0] for p in named.values()]
+            owner = self._owner(names[0])
+            label = ", ".join(f"'{n}'" for n in names)
+            target = Target(f"{label} used in {name}", owner, entry, named)
+            self._functional_targets[key] = target
+        call, state = self._kept_call(target, named, (x,), {}, out, self._call_layout(
+            target, (x,), {}, out, tracker))  # fmt: skip
+        if self._collector is not None:
+            self._collector.expect(named)
+        out.register_hook(lambda g: None if self._rerunning else self._on_grads(
+            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+        return out
+
+    def _direct_source(self, source: Source, p: nn.Parameter) -> None:
+        """The tracker saw ``p`` used outside its module's call (a parent's
+        ``F.linear(h, self.wte.weight)``, a table read as ``self.emb.weight``): its per-example
+        gradients from that use are the source's, given to ``p.grad1`` when its gradient is
+        complete (:meth:`_param_hook`)."""
+        self._direct.setdefault(id(p), weakref.WeakSet()).add(source)
+        if self._collector is not None:
+            self._collector.expect({source.name: p})
+
+    def _plain_call(self, target: Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether a call about to run has its examples where its rule reads them (the paths
+        that run a call detached assume so); true without a tracker."""
+        tracker = self._tracker()
+        if tracker is None:
+            return True
+        first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+                      if tracker.layout(t) is not None), None)  # fmt: skip
+        if first is None or first is UNKNOWN:
+            return False
+        if first is PACKED:
+            return True
+        dim = target.entry.batch_dim_of(module)
+        want = 0 if dim == "positions" else dim
+        if first.dim != want and self._reseed(tracker, tree_flatten((args, kwargs))[0], [], want):
+            first = next(tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+                         if tracker.layout(t) is not None)  # fmt: skip
+        return first.plain and first.dim == want

@@ -1,0 +1,473 @@
+"""Calls whose parameters autograd does not see: run detached (the batch gradient taken from
+``grad1``, a rule's ``grad_from_grad1``), run with grad mode off (a rule with ``input_grads``,
+which gives the inputs' gradients itself), or with the parameters carried by the first input
+(a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of
+:class:`gradhooks.Hooks` that runs them; autograd reaches the parameters again through the
+``autograd.Function`` nodes below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _torch
+from ._torch import tree_flatten, tree_map
+from .plan import Target
+from .records import detach_tree, is_compiling, tree_leaves
+
+
+class _Sums(dict):
+    """The batch gradients a call's rule gives (:meth:`Hooks._backward` fills it), for the
+    parameters in ``names`` only."""
+
+    def __init__(self, names) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+
+
+@dataclass
+class _Carried:
+    """A call run with its parameters detached whose rule has ``taps`` (see
+    :meth:`Hooks._detach_hook`): the parameters are attached to its first input through a
+    :class:`_Carry` node, whose backward runs after every node of the call, so after the rule.
+    Never holds a tensor of the call's own graph (a cycle through autograd's graph)."""
+
+    target: Target
+    detached: dict[str, nn.Parameter]
+    input: Tensor  # the carried input, as the caller passed it
+    args: tuple  # as the caller passed them (the input not yet carried)
+    kwargs: dict
+    sums: _Sums
+    outputs: tuple | None = None  # the call's output-gradients, once the backward has them
+
+
+class _Attach(torch.autograd.Function):
+    """``_Attach.apply(backward, output, *params, *inputs)``: ``output``, computed with
+    ``params`` detached, attached to them again (:meth:`Hooks._detach_hook`): the same memory,
+    not a view for autograd (an in-place ReLU may follow). Its backward hands the
+    output-gradient on unchanged and asks ``backward(g)`` for the gradients of ``params`` and
+    ``inputs``."""
+
+    @staticmethod
+    def forward(ctx, backward, output: Tensor, *params_and_inputs: Tensor) -> Tensor:
+        ctx.backward = backward
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return (None, g, *ctx.backward(g))
+
+
+class _Carry(torch.autograd.Function):
+    """``_Carry.apply(backward, x, *params)``: ``x`` (the same memory), attached to ``params``
+    that the call it goes into runs detached (:meth:`Hooks._detach_hook`). Its backward asks
+    ``backward(g)`` for the gradients of ``x`` and ``params``."""
+
+    @staticmethod
+    def forward(ctx, backward, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.backward = backward
+        ctx.set_materialize_grads(False)
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor | None):
+        return (None, *ctx.backward(g))
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """``module``'s parameters named in ``tensors`` (qualified names) replaced by them."""
+    owners = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        slots = _torch.own_parameters(owner)
+        owners[name] = (slots, leaf, slots[leaf])
+        slots[leaf] = t
+    try:
+        yield
+    finally:
+        for slots, leaf, p in owners.values():
+            slots[leaf] = p
+
+
+def _rerun_carried(
+    carried: _Carried, missing: list[str], outputs: tuple, create_graph: bool
+) -> tuple[dict[str, Tensor | None], Tensor | None]:
+    """What a :class:`_Carry` node needs of autograd through the call's forward run again,
+    hooks bypassed, against the call's output-gradients ``outputs``: the batch gradients of
+    the ``missing`` parameters and, in a ``create_graph`` backward, a correction of value zero
+    for the carried input. Its gradient as the call's own nodes computed it has no graph
+    through the detached parameters; the correction carries exactly that part: the forward
+    runs on a fresh leaf for the input, against detached output-gradients, with every other
+    parameter of the call detached."""
+    module, detached = carried.target.module, carried.detached
+    args, kwargs = carried.args, carried.kwargs
+    found: dict[str, Tensor | None] = {}
+    if missing:
+        call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
+        wanted = [detached[n] for n in missing]
+        found = dict(zip(missing, _rerun_owned(module, call, outputs, wanted, create_graph)))
+    correction = None
+    if create_graph:
+        x = carried.input
+        leaf = x.detach().requires_grad_()
+        swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
+        others = {n: p.detach() for n, p in carried.target.params.items() if n not in detached}
+        with _parameters_replaced(module, others):
+            (full,) = _rerun_owned(
+                module, tree_map(swap, (args, kwargs)),
+                [None if g is None else g.detach() for g in outputs], [leaf], True,
+            )  # fmt: skip
+        if full is not None:
+            correction = full - full.detach()
+    return found, correction
+
+
+def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` is the forward pre-hook ``module`` runs last (none global)."""
+    last = _torch.last_forward_pre_hook(module)
+    return getattr(last, "fn", None) is fn and not _torch.global_forward_pre_hooks()
+
+
+class _AttachAll(torch.autograd.Function):
+    """``_AttachAll.apply(backward, n, *outputs, *params_and_inputs)``: the ``n`` ``outputs`` of a
+    call that autograd recorded nothing of (:meth:`Hooks._capture_owned`), attached to
+    ``params_and_inputs``: the same memory. Its backward asks ``backward(grads)`` (one per
+    output, ``None`` where none flowed) for the gradients of ``params_and_inputs``."""
+
+    @staticmethod
+    def forward(ctx, backward, n: int, *tensors: Tensor):
+        ctx.backward, ctx.n = backward, n
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(None for _ in range(ctx.n)), *ctx.backward(grads))
+
+
+def _rerun_owned(
+    module: nn.Module,
+    owned: tuple[tuple, dict],
+    grads: list,
+    wanted: list[Tensor],
+    create_graph: bool,
+) -> list[Tensor | None]:
+    """The gradients of ``wanted`` (parameters, inputs) through ``module``'s forward run again
+    on the ``(args, kwargs)`` of a call (``owned``, as called: inputs attached), hooks
+    bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed)."""
+    with torch.enable_grad():
+        args, kwargs = owned
+        leaves = tree_flatten(module.forward(*args, **kwargs))[0]
+    pairs = [
+        (t, g) for t, g in zip(leaves, grads)
+        if g is not None and isinstance(t, Tensor) and t.requires_grad
+    ]  # fmt: skip
+    if not pairs or not wanted:
+        return [None] * len(wanted)
+    outs, gs = zip(*pairs)
+    return list(torch.autograd.grad(outs, wanted, gs, create_graph=create_graph, allow_unused=True))
+
+
+def _rerun_vjp(
+    module: nn.Module,
+    detached: dict[str, nn.Parameter],
+    sums: dict[str, Tensor],
+    args: tuple,
+    kwargs: dict,
+    inputs: list[Tensor],
+    g: Tensor,
+) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+    """The gradients an :class:`_Attach` node gives: for each detached parameter, the call's
+    batch gradient (``sums``: from ``grad1``, the norms or the rule's pieces; where none gave
+    one, a ``create_graph`` backward that writes nothing, by running the call's forward
+    again, hooks bypassed). For the
+    call's ``inputs``, nothing (``None``), except in a ``create_graph`` backward: the
+    input-gradient the output's own node computed has no graph through the detached
+    parameters, so each input gets a correction of value zero that carries it."""
+    create_graph = torch.is_grad_enabled()
+    grads: dict[str, Tensor | None] = dict(sums)
+    missing = [n for n in detached if n not in grads]
+    if missing:
+        with torch.enable_grad():
+            a, k = (args, kwargs) if create_graph else detach_tree((args, kwargs))
+            found = torch.autograd.grad(
+                module.forward(*a, **k), [detached[n] for n in missing], g,
+                create_graph=create_graph, allow_unused=True,
+            )  # fmt: skip
+        grads.update(zip(missing, found))
+    corrections: list[Tensor | None] = [None] * len(inputs)
+    if create_graph and inputs:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        swap = dict(zip(map(id, inputs), leaves))
+        a, k = tree_map(lambda t: swap.get(id(t), t), (args, kwargs))
+        found = torch.autograd.grad(
+            module.forward(*a, **k), leaves, g.detach(), create_graph=True, allow_unused=True
+        )
+        corrections = [None if c is None else c - c.detach() for c in found]
+    return grads, corrections
+
+
+class DetachedCalls:
+    """Calls run detached, owned or carried (a part of :class:`gradhooks.Hooks`)."""
+
+    def _detach_hook(self, target: Target, forward_hook: int):
+        """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
+        so, the call runs with the module's own parameters detached (autograd then computes no
+        batch gradient for them), and :meth:`_forward_hook` (handle id ``forward_hook``)
+        replaces the output by one attached to them again through :class:`_Attach`, whose
+        backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
+        would see the output before it is attached: a loss built on that output would give
+        the parameters no gradient. Where the rule's entry has ``input_grads``, the call runs
+        with grad mode off: autograd records nothing of it (:meth:`_capture_owned`). Where it
+        has ``taps`` (and ``grad1`` is computed), the rule runs only once the backward has
+        reached nodes inside the call, after its output: the parameters are attached to the
+        call's first floating-point input instead, through a :class:`_Carry` node that takes
+        its place (every occurrence: ``query is key is value`` stays true), and whose backward
+        runs after the call's (:meth:`_carried_backward`)."""
+
+        carries = target.entry.taps is not None and not target.entry.input_grads
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if (
+                module is not target.module
+                or _torch.first_forward_hook(module) != forward_hook
+                or _torch.global_forward_hooks()
+                or self._removed
+                or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
+                or not self._track
+                or not self._capturing_backward()
+                or not torch.is_grad_enabled()
+                or is_compiling()
+                or _torch.in_transform(args, kwargs)
+                or not target.entry.grad_from_grad1(module, args)
+                or not self._plain_call(target, module, args, kwargs)
+                or (carries and not self._grad1)
+                or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
+            ):
+                return  # (a later pre-hook could change what the forward gets)
+            own = _torch.own_parameters(module)
+            detached = {
+                n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
+            }
+            carried = None
+            if carries:
+                carried = next(
+                    (t for t in [*tree_leaves(args), *tree_leaves(kwargs)]
+                     if isinstance(t, Tensor) and t.is_floating_point()),
+                    None,
+                )  # fmt: skip
+            if not detached or (carries and carried is None):
+                return
+            owned = (args, kwargs) if target.entry.input_grads else None
+            recording = None  # (context manager, what it gave), left in _reattach
+            if owned is not None and target.entry.record is not None:
+                manager = target.entry.record(module)
+                recording = (manager, manager.__enter__())
+            for n, p in detached.items():
+                own[n] = p.detach()
+            box = None
+            if carries:
+                box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
+                attached = _Carry.apply(
+                    lambda g: self._carried_backward(box, g), carried, *detached.values()
+                )
+                swap = lambda t: attached if t is carried else t  # noqa: E731
+                args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
+            self._detached.setdefault(id(module), []).append(
+                (module, detached, owned, box, recording)
+            )
+            if owned is not None:
+                torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
+            if box is not None:
+                return args, kwargs
+
+        return hook
+
+    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any, Any]:
+        """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
+        returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
+        ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
+        and what its rule's ``record`` gave (else ``None``), the recording now left."""
+        stack = self._detached.get(id(module))
+        if not stack:
+            return {}, None, None, None
+        _, detached, owned, carried, recording = stack.pop()
+        if not stack:
+            del self._detached[id(module)]
+        _torch.own_parameters(module).update(detached)
+        if owned is not None:
+            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
+        recorded = None
+        if recording is not None:
+            manager, recorded = recording
+            manager.__exit__(*sys.exc_info())
+        return detached, owned, carried, recorded
+
+    def _capture_detached(
+        self,
+        target: Target,
+        detached: dict[str, nn.Parameter],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+    ) -> Tensor:
+        """Capture a call that ran with ``detached`` detached (:meth:`_detach_hook`); return
+        its output attached to them again (the forward hook's replacement output)."""
+        module = target.module
+        if not isinstance(output, Tensor):
+            raise RuntimeError(
+                f"'{target.name}' ({type(module).__qualname__}) returned "
+                f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
+                "modules that return one tensor"
+            )
+        call, state = self._keep_unhooked_call(target, args, kwargs, output)
+        leaves = [*tree_leaves(args), *tree_leaves(kwargs)]
+        inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+
+        def backward(g: Tensor) -> tuple[Tensor | None, ...]:
+            sums: dict[str, Tensor] = {}
+            filled = replace(call, grad_outputs=(g,))
+            if not self._probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
+                self._on_grads(target, state, filled, args, kwargs, sums)
+                if self._no_param_grads:
+                    return (None,) * (len(detached) + len(inputs))
+                if len(sums) < len(detached) and not torch.is_grad_enabled():
+                    # this backward writes nothing (paused, the second backward of a ghost DP
+                    # step): the batch gradients of the rule's pieces
+                    pieces = target.entry.rule(filled)
+                    for n, p in detached.items():
+                        if n not in sums and pieces.get(n) is not None:
+                            sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+            self._rerunning += 1  # its backwards are not the model's: not tracked
+            try:
+                grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
+            finally:
+                self._rerunning -= 1
+            return (*(grads[n] for n in detached), *corrections)
+
+        return _Attach.apply(backward, output, *detached.values(), *inputs)
+
+    def _capture_owned(
+        self,
+        target: Target,
+        detached: dict[str, nn.Parameter],
+        owned: tuple[tuple, dict],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+        recorded: Any = None,
+    ) -> Any:
+        """Capture a call that ran with grad mode off (its rule's entry has ``input_grads``):
+        autograd recorded nothing of it. Return its output with every tensor leaf attached to
+        the parameters and to the inputs that require grad (``owned``: ``(args, kwargs)``)
+        through one :class:`_AttachAll` node. Its backward runs the rule, whose pieces give
+        the parameters' batch gradients and which gives the inputs' gradients
+        (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
+        autograd through the call's forward run again (:func:`_rerun_owned`). ``recorded``:
+        what the rule's ``record`` gave at the forward (``call.recorded``)."""
+        module = target.module
+        call, state = self._keep_unhooked_call(target, args, kwargs, output)
+        if recorded is not None:
+            call = replace(call, recorded=recorded)
+        in_leaves = tree_flatten(owned)[0]
+        in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
+        out_leaves, spec = tree_flatten(output)
+        out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
+        n_out = len(out_leaves)  # (the closure must not hold the attached outputs: see below)
+
+        def backward(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+            full: list[Tensor | None] = [None] * n_out
+            for i, g in zip(out_idx, grads):
+                full[i] = g
+            if self._probing:  # (autograd's own gradients, by a rerun: no rule runs)
+                wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
+                with self._nested():
+                    return tuple(_rerun_owned(module, owned, full, wanted, False))
+            create_graph = torch.is_grad_enabled()
+            sums: dict[str, Tensor] = {}
+            filled = replace(call, grad_outputs=tuple(full), input_grads=[])
+            self._on_grads(target, state, filled, args, kwargs, sums)
+            found = filled.input_grads
+            incomplete = len(sums) < len(detached) and not self._no_param_grads
+            if not create_graph and (incomplete or not found):
+                # the rule did not run (paused, not capturing): run it for both
+                again = replace(filled, input_grads=[])
+                pieces = target.entry.rule(again)
+                for n, p in detached.items():
+                    if n not in sums and pieces.get(n) is not None:
+                        sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+                found = again.input_grads
+            param_grads = {} if create_graph else dict(sums)
+            input_grads = [None if create_graph or not found else found[i] for i in in_idx]
+            # (a backward whose parameter gradients are not used, the book-keeping DP step's,
+            # needs none: no rerun, whose nested backward would reach earlier calls' hooks)
+            missing = [] if self._no_param_grads else [n for n in detached if n not in param_grads]
+            if missing or (in_idx and not found) or create_graph:
+                self._rerunning += 1  # its backwards are not the model's: not tracked
+                try:
+                    wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
+                    got = _rerun_owned(module, owned, full, wanted, create_graph)
+                finally:
+                    self._rerunning -= 1
+                param_grads.update(zip(missing, got))
+                if create_graph or not found:
+                    input_grads = got[len(missing) :]
+            if self._no_param_grads:
+                return (*(None for _ in detached), *input_grads)
+            return (*(param_grads[n] for n in detached), *input_grads)
+
+        outs = _AttachAll.apply(
+            backward, len(out_idx), *(out_leaves[i] for i in out_idx), *detached.values(),
+            *(in_leaves[i] for i in in_idx),
+        )  # fmt: skip
+        # A new list: the attached outputs hold the node, whose backward must not hold them (a
+        # cycle through autograd's graph, which Python's garbage collector cannot see: every
+        # call's graph and tensors would stay alive for good)
+        attached = list(out_leaves)
+        for i, t in zip(out_idx, outs):
+            attached[i] = t
+        return spec.unflatten(attached)
+
+    def _carried_backward(self, carried: _Carried, g: Tensor | None) -> tuple:
+        """The backward of a :class:`_Carry` node: the carried input's gradient ``g`` on, and
+        the batch gradients of the call's detached parameters. They are the sums the rule gave
+        (it ran when the backward reached the call's taps, before this node); where it gave
+        none (a paused backward, one not captured) or in a ``create_graph`` backward,
+        autograd through the call's forward run again (:func:`_rerun_carried`)."""
+        detached = carried.detached
+        outputs, carried.outputs = carried.outputs, None
+        create_graph = torch.is_grad_enabled()
+        if self._no_param_grads and not create_graph:
+            return (g, *(None for _ in detached))
+        grads: dict[str, Tensor | None] = {} if create_graph else dict(carried.sums)
+        carried.sums.clear()
+        missing = [n for n in detached if n not in grads]
+        if (missing or create_graph) and outputs is not None:
+            self._rerunning += 1  # its backwards are not the model's: not tracked
+            try:
+                found, correction = _rerun_carried(carried, missing, outputs, create_graph)
+            finally:
+                self._rerunning -= 1
+            grads.update(found)
+            if correction is not None:
+                g = correction if g is None else g + correction
+        return (g, *(grads.get(n) for n in detached))
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        """A backward the engine runs inside one of the model's (per-example gradients through
+        batch-free operations): the hooks it reaches are not the model's."""
+        self._rerunning += 1
+        try:
+            yield
+        finally:
+            self._rerunning -= 1

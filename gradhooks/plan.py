@@ -1,0 +1,233 @@
+"""Which modules of a model the hooks cover, with which rule, and what is refused before any
+hook is added (TorchScript, complex parameters, lazy modules)."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import _torch
+from .fallback import FALLBACK, fallback_params
+from .registry import Registry, _Entry
+
+Unsupported = Literal["fallback", "error", "skip"]
+
+
+@dataclass
+class Target:
+    """One hooked module: its rule and the parameters the rule is responsible for."""
+
+    name: str
+    module: nn.Module
+    entry: _Entry
+    params: dict[str, nn.Parameter]
+    memo: dict[str, Any] = field(default_factory=dict)  # the rule's, between calls
+
+
+def plan_targets(
+    model: nn.Module, registry: Registry, unsupported: Unsupported,
+    shards: dict[str, nn.Parameter] | None = None,
+) -> list[Target]:  # fmt: skip
+    """Which modules to hook, checking that every trainable parameter is covered. ``shards``:
+    the parameters sharded by FSDP2 by qualified name (:func:`fsdp_shards`), which the
+    targets hold in place of what is in their slots now (a stand-in of FSDP2's)."""
+    targets: list[Target] = []
+    owned: list[str] = []
+    uncovered: list[tuple[str, nn.Module, dict[str, nn.Parameter]]] = []
+    covered: set[int] = set()
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in owned):
+            continue
+        entry = registry.lookup(module)
+        recurse = entry is not None and entry.owns_children
+        # Every slot, also one Parameter held in two slots of a module (bias = weight): each
+        # slot's piece is added to it.
+        own = dict(module.named_parameters(recurse=recurse, remove_duplicate=recurse))
+        if entry is None:
+            trainable = {n: p for n, p in own.items() if p.requires_grad}
+            if trainable and unsupported == "fallback":
+                params = fallback_params(module)
+                targets.append(Target(name, module, FALLBACK, params))
+                covered.update(id(p) for p in params.values())
+            elif trainable:
+                uncovered.append((name, module, trainable))
+            continue
+        if entry.owns_children:
+            owned.append(f"{name}." if name else "")
+        if own:
+            targets.append(Target(name, module, entry, own))
+            covered.update(id(p) for p in own.values())
+    if uncovered:
+        lines = [
+            f"'{name or '<model>'}' ({type(m).__qualname__}): {', '.join(ps)}"
+            for name, m, ps in uncovered
+        ]
+        # Skipping a parameter that a covered module also uses (tied) would make its grad1 hold
+        # only part of the gradient: never allowed.
+        tied = [
+            f"'{name}.{pn}'"
+            for name, _, ps in uncovered
+            for pn, p in ps.items()
+            if id(p) in covered
+        ]
+        if unsupported == "error" or tied:
+            why = (
+                f"\nThese are tied to hooked modules, so skipping them would make grad1 wrong: "
+                f"{', '.join(tied)}."
+                if tied
+                else ""
+            )
+            raise TypeError(
+                "gradhooks has no rule for these modules with trainable parameters:\n  "
+                + "\n  ".join(lines)
+                + why
+                + "\nRegister one with @gradhooks.register(ModuleType) (see the README), freeze "
+                "those parameters, pass unsupported='fallback' (the default) to compute them with "
+                "torch.func, or unsupported='skip' to leave them without grad1. Nothing was hooked."
+            )
+    if shards:
+        for t in targets:
+            prefix = f"{t.name}." if t.name else ""
+            t.params = {n: shards.get(prefix + n, p) for n, p in t.params.items()}
+    return targets
+
+
+_SIGNATURES: weakref.WeakKeyDictionary[type, inspect.Signature | None] = (
+    weakref.WeakKeyDictionary()
+)  # (a module class's forward signature, while the class exists)
+
+
+def refuse_scripted(model: nn.Module, targets: list[Target]) -> None:
+    """TorchScript modules take no hooks: refused before anything is hooked."""
+    scripted = [t for t in targets if isinstance(t.module, torch.jit.ScriptModule)]
+    if not scripted:
+        return
+    t = scripted[0]
+    params = ", ".join(f"'{n}'" for n in t.params)
+    raise TypeError(
+        f"module '{t.name or '<model>'}' is a TorchScript module "
+        f"({type(t.module).__qualname__}), which takes no forward or backward hooks, so "
+        f"gradhooks cannot capture its calls for its trainable parameters ({params}). Hook the "
+        "module before torch.jit.script, or freeze its parameters (requires_grad_(False))."
+    )
+
+
+def refuse_complex(model: nn.Module, quantities: tuple) -> None:
+    """Norms, squared sums and curvature are formed for real parameters only."""
+    formed = [q for q in quantities if q != "grad1"]
+    found = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if formed and found:
+        raise ValueError(
+            f"'{found[0]}' is complex: quantities {tuple(formed)} are formed for real "
+            "parameters only. Use quantities=('grad1',) and take what you need from grad1 "
+            "(p.grad1.abs().pow(2) for the squares), or freeze the complex parameters."
+        )
+
+
+def refuse_lazy(model: nn.Module) -> None:
+    """A lazy module's parameters take their shapes at its first forward: refused before."""
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"'{lazy[0]}' is not initialized yet (a lazy module, nn.LazyLinear and the like, "
+            "takes its shapes at its first forward): run one forward of the model (under "
+            "torch.no_grad()) before add_hooks."
+        )
+
+
+def entry_modules(model: nn.Module, targets: list[Target]) -> list[nn.Module]:
+    """The modules of ``model`` other than itself that hold a hooked module or are one: each
+    may be called on its own (:meth:`Hooks._entry_hooks`)."""
+    hooked = {id(t.module) for t in targets}
+    found: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module) -> bool:
+        holds = id(m) in hooked
+        for child in m.children():
+            holds |= walk(child)
+        if holds and m is not model and not isinstance(m, torch.jit.ScriptModule):
+            found[id(m)] = m
+        return holds
+
+    walk(model)
+    return list(found.values())
+
+
+def _forward_signature(cls: type) -> inspect.Signature | None:
+    if cls not in _SIGNATURES:
+        try:
+            _SIGNATURES[cls] = inspect.signature(cls.forward)
+        except (TypeError, ValueError):
+            _SIGNATURES[cls] = None
+    return _SIGNATURES[cls]
+
+
+def positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments as its forward's signature binds them: those passed by keyword that
+    the forward also takes by position (``linear(input=x)``) join ``args``, which is where the
+    rules read them."""
+    if not kwargs:
+        return args, kwargs
+    sig = _forward_signature(type(module))
+    if sig is None:
+        return args, kwargs
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    return tuple(bound.args[1:]), dict(bound.kwargs)
+
+
+def higher_order(module: str) -> str:
+    return (
+        f"{module}: this backward computes parameter gradients through a call through which "
+        "an earlier backward was run with create_graph=True (torch.autograd.grad(..., "
+        "create_graph=True): an input-gradient, a Laplacian, a gradient penalty, or grad1 "
+        "itself). A loss built from such derivatives has per-example gradients with terms "
+        "through the double backward that hooks do not see, so grad1 would be wrong (it was not "
+        "written). To differentiate grad1 or those derivatives on purpose, run this backward "
+        "under `with h.paused():`; for per-example gradients of such a loss use torch.func "
+        "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, compute "
+        "them without create_graph=True (or detach them)."
+    )
+
+
+def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
+    """What the hooks were planned for: the modules, and which parameters are trainable (by
+    name where FSDP2 shards them: it swaps a module's parameters for unsharded ones while it
+    runs)."""
+    return (
+        tuple(map(id, model.modules())),
+        tuple(n if by_name else (n, id(p)) for n, p in model.named_parameters() if p.requires_grad),
+    )
+
+
+def fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of ``model`` sharded by FSDP2 (DTensors), by qualified name, every slot.
+
+    FSDP2 registers a module's sharded parameters only while its group is resharded: while a
+    call runs its slots hold unsharded parameters, and the root's group (where the parameters
+    of every module not sharded on its own live) stays unsharded from the forward to the
+    backward, or after a forward under ``no_grad``. Its modules are resharded first
+    (``FSDPModule.reshard``: local, it frees the gathered copies, which the next forward gathers
+    again), so that the sharded parameters are those found."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch without distributed tensors)
+        return {}
+    for m in model.modules():
+        if isinstance(m, _torch.fsdp_module_class()):
+            m.reshard()
+    return {
+        n: p for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
+    }
+
+
+def owner_name(name: str) -> tuple[str, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf

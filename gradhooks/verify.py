@@ -1,0 +1,466 @@
+"""The checks of a backward against autograd (``add_hooks(verify=True)``).
+
+At the first backward of each new set of calls (and again at the 2nd, 4th, 8th...), autograd
+computes every parameter's gradient from the model's output-gradients with each example's rows
+weighted differently, in a second backward through the same graph (the probe); ``grad1`` weighted
+alike (or, without ``grad1``, the pieces) must match, or the backward is undone and refused,
+naming the parameters. :class:`Verification` is the part of :class:`gradhooks.Hooks` that does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _torch
+from . import pieces as P
+from .layout import MIXED, UNKNOWN, Layout, Tracker, example_mask
+from .plan import Target
+from .records import (
+    Backward,
+    CallLayout,
+    Frame,
+    Probe,
+    drop_box,
+    graph_task,
+    is_compiling,
+    tree_leaves,
+)
+from .registry import Call
+
+
+def mismatch(
+    got: Tensor,
+    want: Tensor,
+    rows: Tensor | None,
+    overall: float,
+    float32: float = 2e-2,
+    float64: float = 1e-6,
+) -> str | None:
+    """How ``got`` differs from ``want`` (``None``: within rounding). ``rows``: the per-example
+    gradients ``got`` was reduced from (examples' gradients that cancel in the sum set the
+    scale too); ``overall``: the largest entry of the model's gradients; ``float32``: the
+    relative tolerance in float32 (the default leaves room for lower-precision matrix products
+    under autocast)."""
+    if not want.numel():
+        return None
+    if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
+        return None
+    tol = {torch.float64: float64, torch.float32: float32}.get(want.dtype, 1e-1)
+    scale = max(float(want.abs().max()), float(got.abs().max()) if rows is None else 0.0)
+    if rows is not None and rows.numel():
+        scale = max(scale, float(rows.abs().max()))
+    diff = float((got - want).abs().max())
+    # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
+    # summed output) is not compared with its own rounding
+    floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
+    if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
+        return f"differs by {diff:.2e}, largest {scale:.2e}"
+    return None
+
+
+# The probe compares two computations, not one reduced two ways: room for a model's own float32
+# parts inside a float64 one (Hugging Face's norms and softmax), and, in float32, for TF32
+# convolutions on a GPU (autocast leaves the probe out).
+PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
+
+
+def _dependent(edges: list) -> bool:
+    """Whether one of the outputs (their gradient edges) is computed from another: the
+    gradient reaching the other then holds what flowed in through the first."""
+    if len(edges) < 2:
+        return False
+    nodes = {e.node for e in edges if e.node is not None}
+    for e in edges:
+        seen, todo = set(), [n for n, _ in e.node.next_functions if n is not None]
+        while todo:
+            n = todo.pop()
+            if n in nodes:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(m for m, _ in n.next_functions if m is not None)
+    return False
+
+
+_EXAMPLES_NOT_APART = (
+    "Either the model mixes the examples of the batch between these parameters and its output "
+    "(an operation, custom autograd.Function or kernel that computes across the rows of the "
+    "batch, in its forward or its backward; or a layer that computes a parameter's use once "
+    "and keeps it): one example's loss then depends on the others' and per-example gradients "
+    "do not exist; keep the examples apart (compute what needs the whole batch outside the "
+    "model, or use running statistics) or freeze these parameters. Or gradhooks read the examples from the wrong place{lost}: say "
+    "where the model's batch is with add_hooks(..., batch_dim=k), or register a rule for the "
+    "layer. This is checked on the first backward of each new set of layer calls, and again at the "
+    "2nd, 4th, 8th... backward."
+)
+
+
+def _lost(probe: Probe) -> str:
+    if not probe.lost:
+        return ""
+    return f" after {', '.join(probe.lost)}, whose effect on the batch it does not know"
+
+
+def _listed(items: list[str], n: int = 5) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def _tolerance(t: Tensor) -> float:
+    return {torch.float64: 1e-7, torch.float32: 1e-4}.get(t.dtype, 2e-2)
+
+
+def per_example_outputs(target: Target, layout: CallLayout, call: Call, create_graph: bool) -> Call:
+    """A call that does not depend on the examples: its output-gradients per example, from
+    where its outputs met the batch (the tracker's sources), checked against autograd's."""
+    where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+    task = graph_task()
+    grads = []
+    for g, source in zip(call.grad_outputs, layout.sources):
+        if g is None:
+            grads.append(None)
+            continue
+        per = None if source is None else source.grads.pop(task, None)
+        problem = None if source is None else source.problem
+        shape = tuple(g.shape)
+        if create_graph:
+            problem = "a create_graph=True backward runs through it"
+        if problem is not None:
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples (its output {shape} is "
+                f"broadcast into the batch later), and {problem}, so gradhooks cannot tell each "
+                "example's share of its gradient. Compute its input per example (expand it to "
+                "the batch before the layer), or freeze its parameters."
+            )
+        if per is None:
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples, and its output {shape} "
+                "received a gradient that never met the batch (the model returns it, or a loss "
+                "term uses it alone): that gradient belongs to no example. Compute that term "
+                "from per-example outputs, or freeze the layer's parameters."
+            )
+        total = per.sum(0)
+        tol = _tolerance(g)
+        finite = g[torch.isfinite(g)]  # (NaN and Inf are carried through, as autograd does)
+        scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
+        if not torch.isclose(total, g, rtol=tol, atol=tol * scale, equal_nan=True).all():
+            diff = float((total - g).abs().nan_to_num(nan=float("inf")).max())
+            raise RuntimeError(
+                f"{where}: its inputs do not depend on the examples; the per-example shares of "
+                f"its output's gradient found where it meets the batch add up to within "
+                f"{diff:.2e} of the gradient autograd gives it (largest {scale:.2e}): part of "
+                "its gradient reached it another way (a term of the loss that uses it alone?). "
+                "Its per-example gradients would be wrong: freeze its parameters, or compute "
+                "its input per example."
+            )
+        grads.append(per)
+    return replace(call, grad_outputs=tuple(grads), taps=None)
+
+
+class Verification:
+    """The probe and the checks of a backward (a part of :class:`gradhooks.Hooks`)."""
+
+    def _arm_probe(self, frame: Frame, tracker: Tracker, output: Any) -> None:
+        """Get ready to check, at the next backward that verifies, one example's ``grad1``
+        against autograd's gradient of that example's rows of the model's outputs alone
+        (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
+        the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
+        batch) shows there."""
+        if self._probe_box is not None:  # (an earlier forward never backpropagated)
+            drop_box(self._probe_box)
+            self._probe_box = None
+        if (
+            not (self.verify and self._checks_examples)
+            or self._sharded
+            or frame.unprobed
+            or tracker.batch < 2
+            or is_compiling()
+        ):
+            return
+        outs, layouts = [], []
+        for t in tree_leaves(output):
+            if not (isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None):
+                continue
+            lay = tracker.layout(t)
+            if lay is UNKNOWN:
+                # the tracker lost the examples on the way: where it presumes them, or on the
+                # model's batch dimension (a guess: wrong, the check can only refuse)
+                dim = self.batch_dim if isinstance(self.batch_dim, int) else 0
+                lay = tracker.presumed.get(t)
+                if lay is None and t.dim() > dim and t.shape[dim] == tracker.batch:
+                    lay = Layout(dim)
+            outs.append(t)
+            layouts.append(lay if lay is not None and lay.dim >= 0 else None)
+        if not any(layouts):
+            return
+        box = {
+            "edges": [torch.autograd.graph.get_gradient_edge(t) for t in outs],
+            "layouts": layouts,
+            "batch": tracker.batch,
+            "frame": id(frame),
+            "lost": tuple(tracker.unknown),
+        }
+        self._probe_box = box
+        if len(outs) == 1:
+            outs[0].register_hook(lambda g: self._probe(box, (g,)))
+        else:  # (its closure holds the outputs' nodes: removed once it ran, see drop_box)
+            box["handle"] = torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda grads: self._probe(box, grads), mode="all"
+            )
+
+    def _probe(self, box: dict, grads: tuple) -> None:
+        """At the start of a backward that verifies (the first of each new set of calls), with
+        the model's output-gradients in hand: every parameter's gradient from them with each
+        example's rows weighted (:func:`pieces.example_weights`), by a backward of autograd's own through the
+        same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or, for
+        norms, the pieces' batch sum) weighted alike. Only where every output that has a gradient holds the examples
+        where the tracker followed them, and none is computed from another (whose gradient
+        would then be counted twice); an output that lost them (a loss computed inside the
+        model) leaves the check out."""
+        if (
+            "edges" not in box
+            or self._removed
+            or self._ignore_backward
+            or self._rerunning
+            or torch.is_grad_enabled()  # (a create_graph backward)
+            or not self._capturing_backward()
+        ):
+            return
+        bw = self._backward_state()
+        if not bw.verify or bw.probe is not None:
+            return
+        used = [(e, g, lay) for e, g, lay in zip(box["edges"], grads, box["layouts"])
+                if g is not None]  # fmt: skip
+        if (
+            not used
+            or any(lay is None for _, _, lay in used)
+            or _dependent([e for e, _, _ in used])
+        ):
+            return
+        batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
+        weights = P.example_weights(batch)
+        masked, last = [], []
+        for _, g, lay in used:
+            if lay.size(batch) != g.shape[lay.dim]:
+                return
+            mask = example_mask(g.shape, lay, batch, g.device)  # [batch, *shape]
+            w = weights.to(device=g.device, dtype=g.dtype)
+            masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
+            last.append(g * mask[-1].to(g.dtype))
+        pids = list(self._params)
+        params = [self._params[pid][1] for pid in pids]
+        edges = [e for e, _, _ in used]
+        try:
+            with self._standing_aside():
+                found = torch.autograd.grad(
+                    edges, params, masked, retain_graph=True, allow_unused=True
+                )
+                plain = torch.autograd.grad(
+                    edges, params, [g for _, g, _ in used], retain_graph=True, allow_unused=True
+                )
+                # (without grad1, the norms themselves are checked too: the last example's)
+                alone = None if self._grad1 else torch.autograd.grad(
+                    edges, params, last, retain_graph=True, allow_unused=True
+                )  # fmt: skip
+        except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
+            found = plain = alone = None
+        # (the graph's edges and hooks: no cycle through the hook that holds them)
+        _torch.queue_backward_callback(lambda: drop_box(box))
+        if self._probe_box is box:
+            self._probe_box = None
+        if found is not None:
+            grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
+            plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
+            alone_of = {pid: g for pid, g in zip(pids, alone or ()) if g is not None}
+            bw.probe = Probe(box_frame, weights, grads_of, plain_of, alone_of, lost)
+
+    @contextlib.contextmanager
+    def _standing_aside(self) -> Iterator[None]:
+        """A backward of autograd's own through the model's graph, to check against (one
+        example's gradient): the hooks capture nothing, and calls run detached or owned give
+        autograd's gradients by running their forward again (no rule runs)."""
+        no_param_grads, self._no_param_grads = self._no_param_grads, False
+        self._probing = True
+        self._rerunning += 1
+        try:
+            yield
+        finally:
+            self._rerunning -= 1
+            self._probing = False
+            self._no_param_grads = no_param_grads
+
+    def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
+        """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
+        was taken as the batch: a sequence-first model read batch-first), where no output keeps
+        them apart."""
+        outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        lays = [tracker.layout(t) for t in outs]
+        mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
+        if not mixed or any(lay is not None and lay is not MIXED for lay in lays):
+            return  # (an output that keeps the examples, or whose layout was lost)
+        ops = ", ".join(tracker.mixed) or "an operation across the batch"
+        where = (
+            "dimension 0 of its first input"
+            if self.batch_dim == "auto"
+            else (f"dimension {self.batch_dim}")
+        )
+        shapes = ", ".join(str(tuple(t.shape)) for t in mixed)
+        raise RuntimeError(
+            f"{type(module).__qualname__}: its output ({shapes}) mixes the {tracker.batch} examples that gradhooks took from {where} "
+            f"({ops}), so per-example gradients do not exist. If the model's batch is another "
+            "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
+        )
+
+    def _verify(self, bw: Backward) -> None:
+        """The last line of defence, on the first backward of each new set of calls: every
+        parameter's ``grad1`` of this backward reduces to the gradient autograd computed for it
+        (a use of a parameter that the hooks did not see would show here), and one example's
+        ``grad1`` is autograd's gradient from that example's rows of the model's
+        output-gradients alone (:meth:`_probe`: what mixes the examples unseen would show
+        there). A mismatch undoes the backward's ``grad1`` and raises, naming the
+        parameters."""
+        wrong = []
+        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
+        # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
+        # the model's scale, not its own rounding)
+        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        for pid, grad in grads.items():
+            name, p = self._params[pid]
+            if pid in self._exempt:
+                continue
+            g1 = self._grad1_of_backward(bw, pid, p)
+            if g1 is None:
+                got = torch.zeros_like(grad)
+            else:
+                got = g1.mean(0) if self.loss_reduction == "mean" else g1.sum(0)
+            diff = mismatch(got, grad.to(got.dtype), g1, overall)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
+        if wrong:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+            raise RuntimeError(
+                f"gradhooks: grad1 does not add up ({self.loss_reduction} over the batch) to the "
+                f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
+                "grad1 was not written. Either a use of the parameter that the hooks did not "
+                "see (a custom operation or kernel: register a rule for the module), or a term "
+                "of the loss that does not come from the examples (weight decay or a penalty "
+                "added to the loss: add its gradient to .grad yourself, or pass add_hooks(..., "
+                "verify=False) to keep grad1 of the per-example terms alone). This is checked "
+                "on the first backward of each new set of layer calls."
+            )
+        probe = bw.probe
+        if probe is not None and bw.frames == {probe.frame}:
+            self._verify_probe(bw, probe)
+        self._unverified -= bw.verify
+
+    def _through_outputs(self, bw: Backward, probe: Probe) -> set[int]:
+        """The parameters whose gradient in this backward came through the model's outputs
+        alone: the probe's gradient from the output-gradients as they are is autograd's."""
+        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
+        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        found = set()
+        for pid, grad in grads.items():
+            plain = probe.plain.get(pid)
+            plain = torch.zeros_like(grad) if plain is None else plain
+            plain = plain.to_dense() if plain.is_sparse else plain
+            if mismatch(plain.to(grad.dtype), grad, None, overall, **PROBE_TOLERANCE) is None:
+                found.add(pid)
+        return found
+
+    def _verify_probe(self, bw: Backward, probe: Probe) -> None:
+        """:meth:`_verify`'s second part: ``grad1`` of this backward, weighted over the examples
+        as the probe's output rows were, against autograd's gradient from those rows."""
+        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        through = self._through_outputs(bw, probe)
+        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
+                   for pid, g in probe.grads.items() if pid in through}  # fmt: skip
+        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
+        wrong = []
+        for pid, want in want_of.items():
+            name, p = self._params[pid]
+            if pid in self._exempt:
+                continue
+            g1 = self._grad1_of_backward(bw, pid, p)
+            if g1 is not None and g1.shape[0] != probe.batch:
+                continue  # (a layer that counts its examples otherwise: bags)
+            if g1 is None:
+                got = torch.zeros_like(want)
+            else:
+                w = probe.weights.to(device=g1.device, dtype=g1.dtype)
+                got = torch.einsum("b,b...->...", w, g1)
+            diff = mismatch(got, want.to(got.dtype), None, overall, **PROBE_TOLERANCE)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
+        if not wrong:
+            return
+        self._rollback(bw)
+        if self._collector is not None:
+            self._collector.discard_backward()
+        raise RuntimeError(
+            "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
+            "it is not the gradient autograd gives from the model's output-gradients with each "
+            f"example's rows weighted alike, for {_listed(wrong)}. Its grad1 was not written. "
+            + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
+        )
+
+    def _verify_norms(self, bw: Backward, probe: Probe) -> None:
+        """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
+        norms of this backward were formed from, weighted over the examples as the probe's
+        output rows were (:func:`pieces.weighted_sums` of the kept pieces), against autograd's gradient from those rows."""
+        collector = self._collector
+        if collector is None or not collector.param_sq_norms:
+            return
+        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        through = self._through_outputs(bw, probe)
+        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
+                   for pid, g in probe.grads.items()
+                   if pid not in self._exempt and pid in through}  # fmt: skip
+        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
+        weighted = P.weighted_sums(bw.kept, probe.weights)
+        bw.kept = []
+        alone = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
+                 for pid, g in probe.last.items() if pid in want_of}  # fmt: skip
+        largest = max(alone.values(), default=0.0)
+        wrong = []
+        for pid, want in want_of.items():
+            name = collector.names.get(pid)
+            if name not in collector.param_sq_norms:
+                continue  # (reached otherwise than by a captured call: collector.missed)
+            got = weighted.get(pid, 0)
+            if got is None:
+                continue  # (a layer that counts its examples otherwise: bags)
+            got = torch.zeros_like(want) + got
+            diff = mismatch(got.to(want.dtype), want, None, overall, **PROBE_TOLERANCE)
+            if diff is not None:
+                wrong.append(f"'{name}' ({diff})")
+                continue
+            # the norms formed from those gradients: the last example's, against autograd's
+            sq = collector.param_sq_norms[name]
+            norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
+            tol = {torch.float64: PROBE_TOLERANCE["float64"],
+                   torch.float32: PROBE_TOLERANCE["float32"]}.get(sq.dtype, 1e-1)  # fmt: skip
+            miss = abs(norm - norm_want)
+            if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
+                wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
+                             f"{norm_want:.4g})")  # fmt: skip
+        if not wrong:
+            return
+        collector.discard_backward()
+        collector.param_sq_norms, collector.norm_forms = {}, {}
+        collector.sum_grad_sq, collector.grad_mean = {}, {}
+        raise RuntimeError(
+            "gradhooks: the per-example norms are not those of the examples' own gradients: "
+            "the gradients they were formed from, weighted over the examples, are not the "
+            "gradient autograd gives from the model's output-gradients with each example's "
+            f"rows weighted alike, for {_listed(wrong)}. The norms of this backward were not "
+            "kept. " + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
+        )
