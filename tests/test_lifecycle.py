@@ -158,7 +158,7 @@ def test_a_backward_frees_the_forward_without_the_garbage_collector(quantity, se
     autograd's graph keeps activations until Python's garbage collector runs. (Stock
     self-attention's tapped nodes once held the kept call, which held the nodes: a GPT's RSS
     grew by 270 MB over 40 steps between collections.) At 40 positions the attention's
-    in-projection is carried by its input (a _Carry node, tests/test_grad_from_grad1.py)."""
+    in-projection is carried by its input (a _Carry node, tests/test_batch_grad.py)."""
     from gradhooks.models import TinyGPT
 
     torch.manual_seed(0)
