@@ -183,7 +183,7 @@ ONE_PIECE = [
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("batch", [0, 1, 3])
 @pytest.mark.parametrize("make, shape", ONE_PIECE)
-def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
+def test_one_piece_norms(make, shape, batch, reduction):
     """Parameters with one piece whose norm needs no product (one shared position, a bias, a
     Direct piece) take a short path: against vmap(grad) and the loop."""
     torch.manual_seed(0)
@@ -198,18 +198,13 @@ def test_one_piece_norms(make, shape, batch, reduction, monkeypatch):
 
     want = vmap_grad(model, one, x)
     loop = loop_grad(model, one, x)
-    short = []  # (what the short path gave, whether the batch gradient was wanted too)
-    real = Q._one_sq_norm
-
-    def one_sq_norm(piece, scale, param, sums):
-        short.append((real(piece, scale, param, sums), sums is not None))
-        return short[-1][0]
-
-    monkeypatch.setattr(Q, "_one_sq_norm", one_sq_norm)
-    param_norms, _, _ = norms_and_grads(model, x, loss_fn, reduction)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=("norms",)) as h:
+        loss_fn(model(x)).backward()
+        param_norms, forms = h.param_norms(), h.norm_forms()
     # a weight of a call run detached (GRADHOOKS_SUM_GRAD1_POSITIONS=1) takes the general path
-    assert len(short) == len(want)
-    assert all(got is not None or detached for got, detached in short)
+    detached = gradhooks.TUNING.sum_grad1_positions <= 1
+    assert set(forms) == set(want)
+    assert all(form in ("outer", "direct") or detached for form in forms.values()), forms
     for n in want:
         assert_close(loop[n], want[n], f"{n}: loop vs vmap")
         assert_close(param_norms[n], want[n].flatten(1).norm(dim=1), f"{n} norms")
