@@ -39,10 +39,6 @@ Each internal, its name here, where it is used, and its fallback:
   ``nn.LSTM.forward`` calls: ``rules/rnn.py`` recognizes it to keep each layer's outputs and
   runs it one layer at a time for the states. Fallback: the states are computed by the rule's
   own recurrence, step by step.
-- ``mkldnn_lstm``: ``torch.ops.aten.mkldnn_rnn_layer`` (:func:`mkldnn_rnn_layer`), oneDNN's
-  LSTM layer, whose workspace holds the gates (``rules/rnn.py`` reads them, and checks them
-  at the first and last step: ``_WORKSPACE_GATES``). Fallback: the fused LSTM, the gates
-  computed again by two matmuls.
 - ``python_dispatcher``: ``torch._dispatch.python.enable_python_dispatcher``
   (:func:`python_dispatcher`), which lets ``vmap`` run torch's decompositions of the RNN ops
   it has no batching rule for, in :func:`gradhooks.oracle.vmap_grad`. Fallback: a model with
@@ -125,7 +121,6 @@ __all__ = [
     "is_view",
     "last_forward_pre_hook",
     "missing",
-    "mkldnn_rnn_layer",
     "own_parameters",
     "own_transform",
     "python_dispatcher",
@@ -184,11 +179,6 @@ INTERNALS: dict[str, Internal] = {
             "fused_lstm",
             "torch._VF.lstm",
             "the RNN rule's own recurrence gives each layer's states",
-        ),
-        Internal(
-            "mkldnn_lstm",
-            "torch.ops.aten.mkldnn_rnn_layer (and its workspace)",
-            "the fused LSTM; the gates are computed again",
         ),
         Internal(
             "python_dispatcher",
@@ -441,7 +431,7 @@ def saved(node: Any, name: str) -> Tensor | None:
     return value if isinstance(value, Tensor) else None
 
 
-# -- fused_lstm / mkldnn_lstm ------------------------------------------------------------------
+# -- fused_lstm --------------------------------------------------------------------------------
 
 _FUSED_LSTM = _lookup("fused_lstm", lambda: torch._C._VariableFunctions.lstm)
 
@@ -455,20 +445,6 @@ def fused_lstm() -> Callable | None:
     and recognizes the module's own call of it. ``None`` where missing or off: the rule then
     computes the states by its own recurrence."""
     return None if "fused_lstm" in _off else _FUSED_LSTM
-
-
-_MKLDNN_RNN_LAYER = _lookup("mkldnn_lstm", lambda: torch.ops.aten.mkldnn_rnn_layer)
-
-
-def mkldnn_rnn_layer(*args: Any):
-    """``torch.ops.aten.mkldnn_rnn_layer(*args)``: one layer and direction of an RNN by
-    oneDNN, as torch runs it under autograd: ``(output, h_n, c_n, workspace)``.
-
-    The op and its workspace (where the RNN rule reads the gates) are oneDNN's and torch's
-    own, with no public equivalent: ``nn.LSTM`` keeps the workspace for its backward and never
-    shows it. Call only where :func:`available` ``("mkldnn_lstm")``; without it the rule runs
-    :func:`fused_lstm` and computes the gates again."""
-    return _MKLDNN_RNN_LAYER(*args)
 
 
 # -- python_dispatcher -------------------------------------------------------------------------

@@ -189,8 +189,8 @@ def test_lower_layers_kept_at_the_forward_not_run_again(
     """A 3-layer LSTM run with grad mode off: torch's fused call runs a layer at a time and
     keeps the lower layers' outputs for the rule (which must not run them again). The outputs
     are, bit for bit, those of the unhooked module: in float32 without a projection (torch's
-    oneDNN kernel, run in its training form to keep the gates) as it runs under autograd,
-    else with its parameters detached, as the call runs (in float64, torch's matmul may sum in
+    oneDNN kernel, run with grad mode on, in the form it takes under autograd) as it runs under
+    autograd, else with its parameters detached, as the call runs (in float64, torch's matmul may sum in
     another order for weights that require grad); and grad1 is vmap(grad)'s."""
     from gradhooks.rules import rnn as rules
 
@@ -326,11 +326,6 @@ def test_bias_pieces_per_parameter_quantities(kind, batch, reduction):
         assert_close(sums[n], (w**2).sum(0), f"{n}: sum_grad_sq")
 
 
-onednn = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
-)
-
-
 def float32_against_float64_oracle(layers, bidirectional, batch_first, bias, state, quantity):
     """A float32 LSTM (torch's oneDNN kernel on CPU) under hooks: .grad and the input-,
     h0- and c0-gradients against the same module without hooks, grad1 (or the norms) against
@@ -370,48 +365,18 @@ def float32_against_float64_oracle(layers, bidirectional, batch_first, bias, sta
         close(hooks.norms(), sq.sqrt(), "norms")
 
 
-@onednn
 @pytest.mark.parametrize("layers,bidirectional,batch_first,bias,state", [
     (1, False, True, True, False),
     (2, False, False, True, True),
     (1, True, True, False, True),
     (2, True, False, True, False),
+    (2, True, True, True, True),
 ])  # fmt: skip
 @pytest.mark.parametrize("quantity", ["grad1", "norms"])
-def test_float32_gates_kept_from_the_onednn_run(
-    monkeypatch, layers, bidirectional, batch_first, bias, state, quantity
-):
-    """In float32 on CPU the forward keeps each layer's gates from oneDNN's workspace: the
-    rule computes none again (no gate pre-activation matmul), and every gradient is still the
-    oracles'."""
-    from gradhooks.rules import rnn as rules
-
-    def computed(*args):
-        raise AssertionError("the gates were computed again")
-
-    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
-    monkeypatch.setattr(rules._Direction, "_pre_ih", computed)
+def test_float32_against_float64_oracle(layers, bidirectional, batch_first, bias, state, quantity):
+    """In float32 on CPU (where torch runs its oneDNN kernel) every gradient is the oracles',
+    to float32 rounding."""
     float32_against_float64_oracle(layers, bidirectional, batch_first, bias, state, quantity)
-    assert rules._WORKSPACE_GATES
-
-
-@onednn
-@pytest.mark.parametrize("quantity", ["grad1", "norms"])
-def test_workspace_gates_that_disagree_are_computed_again(monkeypatch, quantity):
-    """Where oneDNN's workspace does not hold the gates where they are read (here: read with
-    the wrong row length), the check at the first and last step finds it, the gates are
-    computed, every gradient is the oracles', and the workspace is not read again."""
-    from gradhooks.rules import rnn as rules
-
-    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
-    monkeypatch.setattr(rules, "_good_ld", lambda n: n + 16)  # oneDNN: 16 floats for 4H = 16
-    float32_against_float64_oracle(2, True, True, True, True, quantity)
-    assert not rules._WORKSPACE_GATES
-    kept = []
-    original = rules._mkldnn_layer
-    monkeypatch.setattr(rules, "_mkldnn_layer", lambda *a: kept.append(1) or original(*a))
-    float32_against_float64_oracle(1, False, True, True, False, quantity)
-    assert not kept
 
 
 def reference_or_skip(step, model) -> None:
@@ -432,15 +397,12 @@ def reference_or_skip(step, model) -> None:
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 @pytest.mark.parametrize("backward_inside", [False, True])
-def test_autocast_bfloat16(monkeypatch, kind, backward_inside):
+def test_autocast_bfloat16(kind, backward_inside):
     """Under CPU autocast to bfloat16 the LSTM runs in bfloat16 and its outputs and
     output-gradients are bfloat16 (torch keeps the GRU in float32); the rule recomputes and backpropagates in the parameters'
     float32 (also where the backward runs inside the autocast block): .grad as autograd's
     without hooks, grad1 float32 and the per-example loop's of the float32 model, to bfloat16
-    rounding. oneDNN's workspace (bfloat16 under autocast) is not read."""
-    from gradhooks.rules import rnn as rules
-
-    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
+    rounding."""
     torch.manual_seed(0)
     rnn = getattr(nn, kind)(3, 8, 2, bidirectional=True, batch_first=True)
     x = torch.randn(4, 6, 3)
@@ -474,4 +436,3 @@ def test_autocast_bfloat16(monkeypatch, kind, backward_inside):
             w = want[n]
             wscale = w.abs().max().item()
             assert torch.allclose(p.grad1, w, rtol=5e-2, atol=5e-2 * wscale), f"{n}: grad1"
-    assert rules._WORKSPACE_GATES

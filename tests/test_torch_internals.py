@@ -336,28 +336,6 @@ def test_fused_lstm(monkeypatch):
         by_layer.clear()
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-def test_mkldnn_lstm(monkeypatch):
-    """In float32 on CPU the gates come from oneDNN's workspace; switched off, torch's fused
-    LSTM runs and the gates are computed again: grad1 the float64 oracle's (to float32
-    rounding) both ways."""
-    from gradhooks.rules import rnn as rules
-
-    monkeypatch.setattr(rules, "_WORKSPACE_GATES", True)
-    calls = spy(monkeypatch, "mkldnn_rnn_layer")
-    rnn, x, hx = _lstm_case(torch.float32)
-    want = _lstm_per_example(copy.deepcopy(rnn).double(), x.double(), [t.double() for t in hx])
-    for off in (False, True):
-        with switched_off("mkldnn_lstm", off):
-            got, _ = _run_lstm(rnn, x, hx)
-        for n, w in want.items():
-            diff = (got[n].double() - w).abs().max().item()
-            assert torch.allclose(got[n].double(), w, rtol=1e-4, atol=1e-5), f"{n}: {diff}"
-        assert bool(calls) != off
-        calls.clear()
-    assert rules._WORKSPACE_GATES
-
-
 def test_python_dispatcher(monkeypatch):
     """vmap_grad of a model with an RNN runs under torch's Python dispatcher; switched off,
     it is the per-example loop: the same numbers."""
@@ -545,7 +523,6 @@ TESTED = {
     "functorch_stack": test_functorch_stack,
     "functorch_batched": test_functorch_batched,
     "fused_lstm": test_fused_lstm,
-    "mkldnn_lstm": test_mkldnn_lstm,
     "python_dispatcher": test_python_dispatcher,
     "conv_padding": test_conv_padding,
     "op_schema": test_op_schema,

@@ -14,17 +14,13 @@ its hidden states come from torch's fused forward (the last layer's are the modu
 output, kept with ``needs_output``; the earlier layers' are kept at the forward where the call
 runs with grad mode off, see below and :class:`_LayerOutputs`, else each is one fused no-grad
 run again), so all gate pre-activations are two matmuls and the cell states one ``addcmul``
-per step. Where torch runs its oneDNN kernel (float32 on CPU, no projection) and the call runs
-with grad mode off, the forward runs each layer in the kernel's training form, as torch does
-under autograd, and keeps the gates from its workspace (checked at the first and the last
-step): they are not computed again. Its backward
-through time is three ops per step into preallocated buffers (inside ``vmap``, for the
-Jacobians, the step-by-step backward is used instead). Such a call (a padded input, no dropout
-between layers) runs without autograd while ``grad1`` or the norms are computed
-(``grad_from_grad1`` with ``input_grads``): torch's own LSTM backward is not run, the batch
-gradients are the sums of the per-example ones and the input-, ``h0``- and ``c0``-gradients
-come from the same backward through time (``d x_t = d G_t W_ih``, ``d h0 = d G_0 W_hh``,
-``d c0 = d c_0 f_0``).
+per step. Its backward through time is three ops per step into preallocated buffers (inside
+``vmap``, for the Jacobians, the step-by-step backward is used instead). Such a call (a padded
+input, no dropout between layers) runs without autograd while ``grad1`` or the norms are
+computed (``grad_from_grad1`` with ``input_grads``): torch's own LSTM backward is not run, the
+batch gradients are the sums of the per-example ones and the input-, ``h0``- and
+``c0``-gradients come from the same backward through time (``d x_t = d G_t W_ih``,
+``d h0 = d G_0 W_hh``, ``d c0 = d c_0 f_0``).
 
 Each weight sees its input at every step, so its per-example gradient is an :class:`Outer` with
 ``shared`` = time steps:
@@ -144,30 +140,20 @@ class _Direction:
         step = {"LSTM": self._lstm, "GRU": self._gru}.get(self.mode, self._rnn)
         return step(x, keep, h0, c0)
 
-    def forward_lstm_from(
-        self, x: Tensor, h: Tensor, h0: Tensor, c0: Tensor, gates: Tensor | None = None
-    ):
+    def forward_lstm_from(self, x: Tensor, h: Tensor, h0: Tensor, c0: Tensor):
         """The LSTM's forward when its states ``h`` ``[T, B, P]`` are known (torch's fused
-        run computed them) and every step is valid: no recurrence over ``h``. The gates
-        ``i, f, g, o`` are the ones that run kept (``gates``, a :meth:`_gate_buffer`
-        ``[T, B, 5H]`` filled by :func:`_mkldnn_layer`) where they agree with :meth:`_gates_at`
-        at the first and the last step; else all gate pre-activations
-        ``x W_ihᵀ + h_{t-1} W_hhᵀ + b`` are two matmuls and their nonlinearities three batched
-        ops. The cell states ``c_t = f_t c_{t-1} + i_t g_t`` are one ``addcmul`` per step.
-        Keeps what :meth:`forward` keeps; returns ``(h, h_n, c_n)``."""
+        run computed them) and every step is valid: no recurrence over ``h``. All gate
+        pre-activations ``x W_ihᵀ + h_{t-1} W_hhᵀ + b`` ``[T, B, 4H]`` are two matmuls, their
+        nonlinearities three batched ops, and the cell states ``c_t = f_t c_{t-1} + i_t g_t``
+        one ``addcmul`` per step. Keeps what :meth:`forward` keeps; returns ``(h, h_n, c_n)``."""
         H, P = self.hidden, h.shape[-1]
         self.x, self.keep, self.h0, self.c0, self.out = x, None, h0, c0, h
         steps, batch = x.shape[:2]
-        if gates is not None and self._agree(gates[..., H:], x, h, h0):
-            self.slots, act = (None if _transformed(gates) else gates), gates[..., H:]
-        else:
-            act = self._gate_buffer(steps, batch, x)  # [T, B, 4H]
-            self._pre_ih(x, self._bias(), act)
-            if steps > 1:  # + h_{t-1} W_hhᵀ, without materializing the shifted states
-                act[1:].view(-1, 4 * H).addmm_(h[:-1].reshape(-1, P), self.w_hh.T)
-            act[0].addmm_(h0, self.w_hh.T)
-            _activate(act)
-        self.act = act  # i, f, g, o after their nonlinearity
+        act = self._pre_ih(x, self._bias(), self._gate_buffer(steps, batch, x))  # [T, B, 4H]
+        if steps > 1:  # + h_{t-1} W_hhᵀ, without materializing the shifted states
+            act[1:].view(-1, 4 * H).addmm_(h[:-1].reshape(-1, P), self.w_hh.T)
+        act[0].addmm_(h0, self.w_hh.T)
+        self.act = _activate(act)  # i, f, g, o after their nonlinearity
         i, f, g, o = act.chunk(4, -1)
         self.c = c = torch.mul(i, g)  # then c_t = i_t g_t + f_t c_{t-1}, in place
         cs, fs = c.unbind(0), f.unbind(0)  # (views made once: the loop is per-op overhead)
@@ -177,30 +163,6 @@ class _Direction:
         self.tanh_c = torch.tanh(c)
         self.proj_in = None if self.w_hr is None else torch.mul(o, self.tanh_c)
         return h, h[-1], c[-1]
-
-    def _gates_at(self, x_t: Tensor, h_prev: Tensor) -> Tensor:
-        """The gates ``i, f, g, o`` of one step, ``[B, 4H]``, from its input and the state
-        before it."""
-        pre = torch.mm(x_t, self.w_ih.T).addmm_(h_prev, self.w_hh.T)
-        if self.b_ih is not None:
-            pre += self._bias()
-        return _activate(pre)
-
-    def _agree(self, gates: Tensor, x: Tensor, h: Tensor, h0: Tensor) -> bool:
-        """Whether ``gates`` ``[T, B, 4H]`` (read from oneDNN's workspace, whose layout is its
-        own and not promised) hold this direction's gates: the first and the last step's,
-        computed again (two small matmuls), must match to rounding. Where they do not, the
-        gates are computed here and the workspace is not read again in this process."""
-        global _WORKSPACE_GATES
-        steps = x.shape[0]
-        want = self._gates_at(x[0], h0)
-        ok = torch.allclose(gates[0], want, rtol=1e-4, atol=1e-5)
-        if ok and steps > 1:
-            want = self._gates_at(x[-1], h[-2])
-            ok = torch.allclose(gates[-1], want, rtol=1e-4, atol=1e-5)
-        if not ok:
-            _WORKSPACE_GATES = False
-        return ok
 
     def _pre_ih(self, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
         """``x W_ihᵀ + bias`` for all steps at once: ``[T, B, gates * H]`` (written into
@@ -504,143 +466,59 @@ def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tenso
     return out
 
 
-def _mkldnn_applies(x: Tensor, params, has_biases: bool, layers: int, dirs: int) -> bool:
-    """Whether torch runs this LSTM on CPU with its oneDNN kernel (float32, oneDNN on, no
-    projection) and :func:`_mkldnn_layer` may keep its gates."""
-    return (
-        _WORKSPACE_GATES
-        and isinstance(x, Tensor)
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.numel() > 0
-        and _torch.available("mkldnn_lstm")
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and len(params) == layers * dirs * (4 if has_biases else 2)
-        and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-        and not _transformed(x)
-        and not _autocast_on()
-    )
-
-
-def _autocast_on() -> bool:
-    """Whether CPU autocast is on (it would run the kernel in a lower precision, whose
-    workspace holds other floats)."""
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-
-
-def _good_ld(n: int) -> int:
-    """oneDNN's row length for ``n`` float32 gates: a multiple of 16 floats (64 bytes), and not
-    of 256 (16 more where it would be)."""
-    ld = -(-n // 16) * 16
-    return ld + 16 if ld % 256 == 0 else ld
-
-
-_MKLDNN_LSTM = 2  # mkldnn_rnn_layer's mode for an LSTM (ideep's rnn_kind)
-
-
-def _mkldnn_layer(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], reverse: bool):
-    """One layer and direction of an LSTM by torch's oneDNN kernel in the form torch runs it
-    under autograd (training, which keeps a workspace for its own backward), with nothing
-    requiring grad: ``x`` ``[T, B, in]``, ``h0``, ``c0`` ``[B, H]``, ``weights``
-    ``w_ih, w_hh[, b_ih, b_hh]``. Returns ``(out [T, B, H], h_n, c_n, gates)``: ``gates`` a
-    ``[T, B, 5H]`` buffer (:meth:`_Direction._gate_buffer`) holding the gates ``i, f, g, o``
-    of every step (in step order: a reverse direction's run backwards in time) in its last
-    ``4H``, copied from the workspace; ``None`` where it is not the expected size.
-    :meth:`_Direction.forward_lstm_from` checks them before it uses them."""
-    H = h0.shape[-1]
-    weights = [w.detach() for w in weights]
-    has_biases = len(weights) == 4
-    if not has_biases:
-        weights += [weights[0].new_zeros(4 * H)] * 2
-    with torch.enable_grad():  # the training form (no input requires grad: no graph)
-        out, h_n, c_n, workspace = _torch.mkldnn_rnn_layer(
-            x.detach().contiguous(), *weights, h0.detach()[None].contiguous(),
-            c0.detach()[None].contiguous(), reverse, [], _MKLDNN_LSTM, H, 1, has_biases,
-            False, False, True,  # (bidirectional, batch_first, train)
-        )  # fmt: skip
-    steps, batch = x.shape[:2]
-    ld = _good_ld(4 * H)
-    gates = None
-    if workspace is not None and workspace.numel() >= steps * batch * ld * 4:
-        kept = workspace.view(torch.float32)[: steps * batch * ld].view(steps, batch, ld)
-        gates = out.new_empty(steps, batch, 5 * H)
-        gates[..., H:] = kept[..., : 4 * H]
-    return out, h_n[0], c_n[0], gates
-
-
 class _LayerOutputs(TorchFunctionMode):
     """The ``record`` of an ``nn.LSTM`` call run with grad mode off (:func:`_owns_backward`).
     torch's fused multi-layer LSTM (:func:`gradhooks._torch.fused_lstm`) runs one layer at a
-    time (the same kernel and the same floats), and the outputs of every layer but the last, time-major
-    ``[T, B, dirs * P]``, are kept in ``outputs``, so that :func:`recompute` need not run the
-    lower layers again. Where torch runs its oneDNN kernel (:func:`_mkldnn_applies`, one layer
-    or more), each layer and direction is that kernel's run as under autograd
-    (:func:`_mkldnn_layer`: the floats of the module's forward without hooks), and its gates
-    are kept too, in ``gates[(layer, direction)]``, so that :meth:`_Direction.forward_lstm_from`
-    need not compute them again. Any other call passes through unchanged."""
+    time (the same kernel and the same floats), and the outputs of every layer but the last,
+    time-major ``[T, B, dirs * P]``, are kept in ``outputs``, so that :func:`recompute` need
+    not run the lower layers again. Each layer runs with grad mode on and nothing requiring
+    grad (no graph is made): the form torch runs under autograd, so that the call's outputs
+    are, bit for bit, the module's without hooks (torch's oneDNN kernel, float32 on CPU, runs
+    another form with grad mode off, a rounding apart). Any other call passes through
+    unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outputs: list[Tensor] | None = None
-        self.gates: dict[tuple[int, int], Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _torch.fused_lstm() and self.outputs is None and not kwargs and len(args) == 9:
+        if (
+            func is _torch.fused_lstm()
+            and self.outputs is None
+            and not kwargs
+            and len(args) == 9
+            and not torch.is_grad_enabled()
+        ):
             x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
-            dirs = 2 if bidirectional else 1
             if isinstance(hx, (tuple, list)) and not (train and dropout > 0 and layers > 1):
-                workspace = _mkldnn_applies(x, params, has_biases, layers, dirs)
-                if layers > 1 or workspace:
-                    out = self._by_layer(
-                        func, x, hx, params, has_biases, layers, train, bidirectional,
-                        batch_first, workspace,
-                    )  # fmt: skip
-                    note(func, args, kwargs, out)  # (the batch's layout, as torch's call gives it)
-                    return out
+                out = self._by_layer(
+                    func, x, hx, params, has_biases, layers, train, bidirectional, batch_first
+                )
+                note(func, args, kwargs, out)  # (the batch's layout, as torch's call gives it)
+                return out
         return func(*args, **kwargs)
 
-    def _by_layer(
-        self, lstm, x, hx, params, has_biases, layers, train, bidirectional, batch_first, workspace
-    ):
+    def _by_layer(self, lstm, x, hx, params, has_biases, layers, train, bidirectional, batch_first):
         dirs = 2 if bidirectional else 1
         per = len(params) // layers
-        h0, c0 = hx
-        layer_in = x.transpose(0, 1) if batch_first else x  # (as the fused call does)
+        params = [p.detach() for p in params]
+        h0, c0 = (t.detach() for t in hx)
+        layer_in = x.detach().transpose(0, 1) if batch_first else x.detach()  # (as torch does)
         self.outputs, h_n, c_n = [], [], []
-        for k in range(layers):
-            ks = slice(k * dirs, (k + 1) * dirs)
-            if workspace:
-                outs = []
-                for d in range(dirs):
-                    weights = params[k * per + d * per // dirs : k * per + (d + 1) * per // dirs]
-                    j = k * dirs + d
-                    out, h, c, gates = _mkldnn_layer(layer_in, h0[j], c0[j], weights, d == 1)
-                    outs.append(out)
-                    h_n.append(h[None])
-                    c_n.append(c[None])
-                    if gates is not None:
-                        self.gates[(k, d)] = gates
-                layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
-            else:
+        with torch.enable_grad():  # (nothing requires grad: no graph)
+            for k in range(layers):
+                ks = slice(k * dirs, (k + 1) * dirs)
                 layer_in, h, c = lstm(
                     layer_in, (h0[ks], c0[ks]), params[k * per : (k + 1) * per], has_biases, 1,
                     0.0, train, bidirectional, False,
                 )  # fmt: skip
                 h_n.append(h)
                 c_n.append(c)
-            if k < layers - 1:
-                self.outputs.append(layer_in)
+                if k < layers - 1:
+                    self.outputs.append(layer_in)
         out = layer_in.transpose(0, 1) if batch_first else layer_in
         return out, torch.cat(h_n), torch.cat(c_n)
-
-
-# False once oneDNN's workspace was found not to hold the gates where _mkldnn_layer reads them
-_WORKSPACE_GATES = True
 
 
 def _record_layers(module: nn.LSTM) -> AbstractContextManager:
@@ -656,7 +534,6 @@ def recompute(
     output: Tensor | None = None,
     fast: bool = True,
     lower: list[Tensor] | None = None,
-    gates: dict[tuple[int, int], Tensor] | None = None,
 ) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
     """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
     with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
@@ -665,9 +542,9 @@ def recompute(
     An LSTM whose every sequence is full length (and ``fast``) takes a faster way: torch's own
     fused forward gives each layer's states (``output`` ``[batch, time, dirs * hidden_out]``,
     the module's output if given, is the last layer's; ``lower``, the earlier layers'
-    time-major outputs if the forward kept them, :class:`_LayerOutputs`; ``gates``, the gates
-    it kept by ``(layer, direction)``), then :meth:`_Direction.forward_lstm_from` the gates and
-    cell states with no recurrence over ``h``. Otherwise the recurrence is run step by step.
+    time-major outputs if the forward kept them, :class:`_LayerOutputs`), then
+    :meth:`_Direction.forward_lstm_from` the gates and cell states with no recurrence over
+    ``h``. Otherwise the recurrence is run step by step.
 
     Returns ``(outputs, layers)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
     h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length;
@@ -717,8 +594,7 @@ def recompute(
                 flip = (lambda t: t.flip(0)) if d else (lambda t: t)
                 if states is not None:
                     own = states[..., d * h_size : (d + 1) * h_size] if dirs > 1 else states
-                    kept = None if gates is None else gates.get((layer, d))
-                    out, h, c = run.forward_lstm_from(flip(layer_in), flip(own), h0[k], c0[k], kept)
+                    out, h, c = run.forward_lstm_from(flip(layer_in), flip(own), h0[k], c0[k])
                     outs.append(flip(out))
                     h_n.append(h)
                     c_n.append(c)
@@ -934,11 +810,10 @@ def rnn(call: Call) -> dict[str, Outer]:
         output = call.output[0]
         output = output if module.batch_first else rearrange(output, "t b o -> b t o")
     lower = getattr(call.recorded, "outputs", None)
-    gates = getattr(call.recorded, "gates", None)
     found: list[Tensor] | None = None if call.input_grads is None else []
     # in the parameters' dtype, also where the backward runs under autocast
     with torch.autocast(x_pad.device.type, enabled=False):
-        _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower, gates=gates)
+        _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower)
         pieces = backpropagate(module, layers, grads, found)
     if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
         d_x, d_h0, d_c0 = found
