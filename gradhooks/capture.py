@@ -114,7 +114,7 @@ def _rerun_carried(
     if missing:
         call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
         wanted = [detached[n] for n in missing]
-        found = dict(zip(missing, _rerun_owned(module, call, outputs, wanted, create_graph)))
+        found = dict(zip(missing, _rerun(module, call, outputs, wanted, create_graph)))
     correction = None
     if create_graph:
         x = carried.input
@@ -122,7 +122,7 @@ def _rerun_carried(
         swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
         others = {n: p.detach() for n, p in carried.target.params.items() if n not in detached}
         with _parameters_replaced(module, others):
-            (full,) = _rerun_owned(
+            (full,) = _rerun(
                 module, tree_map(swap, (args, kwargs)),
                 [None if g is None else g.detach() for g in outputs], [leaf], True,
             )  # fmt: skip
@@ -154,7 +154,7 @@ class _AttachAll(torch.autograd.Function):
         return (None, None, *(None for _ in range(ctx.n)), *ctx.backward(grads))
 
 
-def _rerun_owned(
+def _rerun(
     module: nn.Module,
     owned: tuple[tuple, dict],
     grads: list,
@@ -163,7 +163,10 @@ def _rerun_owned(
 ) -> list[Tensor | None]:
     """The gradients of ``wanted`` (parameters, inputs) through ``module``'s forward run again
     on the ``(args, kwargs)`` of a call (``owned``, as called: inputs attached), hooks
-    bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed)."""
+    bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed).
+    The one rerun of a call, wherever what autograd would give is wanted and the rule did not
+    give it (a ``create_graph`` backward): for a call run detached (:func:`_rerun_vjp`),
+    carried (:func:`_rerun_carried`) or owned (:meth:`DetachedCalls._capture_owned`)."""
     with torch.enable_grad():
         args, kwargs = owned
         leaves = tree_flatten(module.forward(*args, **kwargs))[0]
@@ -197,21 +200,15 @@ def _rerun_vjp(
     grads: dict[str, Tensor | None] = dict(sums)
     missing = [n for n in detached if n not in grads]
     if missing:
-        with torch.enable_grad():
-            a, k = (args, kwargs) if create_graph else detach_tree((args, kwargs))
-            found = torch.autograd.grad(
-                module.forward(*a, **k), [detached[n] for n in missing], g,
-                create_graph=create_graph, allow_unused=True,
-            )  # fmt: skip
-        grads.update(zip(missing, found))
+        call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
+        wanted = [detached[n] for n in missing]
+        grads.update(zip(missing, _rerun(module, call, [g], wanted, create_graph)))
     corrections: list[Tensor | None] = [None] * len(inputs)
     if create_graph and inputs:
         leaves = [t.detach().requires_grad_() for t in inputs]
         swap = dict(zip(map(id, inputs), leaves))
-        a, k = tree_map(lambda t: swap.get(id(t), t), (args, kwargs))
-        found = torch.autograd.grad(
-            module.forward(*a, **k), leaves, g.detach(), create_graph=True, allow_unused=True
-        )
+        call = tree_map(lambda t: swap.get(id(t), t), (args, kwargs))
+        found = _rerun(module, call, [g.detach()], leaves, True)
         corrections = [None if c is None else c - c.detach() for c in found]
     return grads, corrections
 
@@ -391,7 +388,7 @@ class DetachedCalls:
             if self._probing:  # (autograd's own gradients, by a rerun: no rule runs)
                 wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
                 with self._nested():
-                    return tuple(_rerun_owned(module, owned, full, wanted, False))
+                    return tuple(_rerun(module, owned, full, wanted, False))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = replace(call, grad_outputs=tuple(full), input_grads=[])
@@ -415,7 +412,7 @@ class DetachedCalls:
                 self._rerunning += 1  # its backwards are not the model's: not tracked
                 try:
                     wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
-                    got = _rerun_owned(module, owned, full, wanted, create_graph)
+                    got = _rerun(module, owned, full, wanted, create_graph)
                 finally:
                     self._rerunning -= 1
                 param_grads.update(zip(missing, got))
