@@ -369,7 +369,7 @@ class DetachedCalls:
         through one :class:`_AttachAll` node. Its backward runs the rule, whose pieces give
         the parameters' batch gradients and which gives the inputs' gradients
         (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
-        autograd through the call's forward run again (:func:`_rerun_owned`). ``recorded``:
+        autograd through the call's forward run again (:func:`_rerun`). ``recorded``:
         what the rule's ``record`` gave at the forward (``call.recorded``)."""
         module = target.module
         call, state = self._keep_unhooked_call(target, args, kwargs, output)
