@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
@@ -175,7 +174,7 @@ class Collector:
             into = self.jacobian[id(p)].transpose(0, 1)  # [outputs, batch, *shape]
             first = id(p) not in self.jacobian_written
             self.jacobian_written.add(id(p))
-            if _jacobian_outer_into(piece, into, scale, first):
+            if piece.jacobian_into(into, scale, first):  # (its own form)
                 continue
             g1 = piece.grad1(p.shape, scale)
             physical = _torch.unbatched(g1)
@@ -252,91 +251,6 @@ class Collector:
         self.sum_grad_sq = {n: d[2] for n, d in done.items() if d[2] is not None}
         self.grad_mean = {n: d[3] for n, d in done.items() if d[3] is not None}
         (self.batch,) = batches
-
-
-def _jacobian_outer_into(piece: P.Piece, into: Tensor, scale: float, first: bool) -> bool:
-    """An :class:`Outer` piece whose ``g`` is batched over the outputs (and ``a`` not): write
-    ``g ⊗ a`` straight into the result (no intermediate copy of the largest tensor). ``into``:
-    ``[outputs, batch, *param_shape]``. Returns False where the generic path must be used."""
-    if piece.jacobian_into(into, scale, first):  # a piece with its own form (conv, Rows)
-        return True
-    if not isinstance(piece, P.Outer) or _torch.is_batched(piece.a):
-        return False
-    g = _torch.unbatched(piece.g)
-    if g is None:
-        return False
-    if scale != 1.0:
-        g = g * scale
-    outputs, batch = into.shape[:2]
-    groups = g.shape[2:-2]  # [outputs, batch, *groups, shared, out]
-    try:
-        if piece.a is None:
-            target = into.view(outputs, batch, *groups, g.shape[-1])
-        else:
-            target = into.view(outputs, batch, *groups, g.shape[-1], piece.a.shape[-1])
-    except RuntimeError:
-        return False
-    if piece.a is None:
-        value = g.sum(-2)
-    elif g.shape[-2] == 1:
-        value = None
-        prod = (g[..., 0, :, None], piece.a[..., 0, None, :].unsqueeze(0))
-        if first:
-            torch.mul(*prod, out=target)
-        else:
-            target.add_(prod[0] * prod[1])
-    elif math.prod(groups) == 1 and g.stride(-1) == 1 and not into.transpose(0, 1).is_contiguous():
-        # The flattened result (an example's outputs lie P apart, not one [outputs * out, in]
-        # matrix) of a Linear over positions (g contiguous in out): one product per output,
-        # [out, shared] @ [shared, in] per example, straight into that output's block, with no
-        # stacking of g and no copy of the product (EmbedBlock's Jacobians about 6% faster).
-        # A convolution's g (contiguous in positions) keeps the stacked product below: one
-        # product per output was slower there.
-        shared, n_out, n_in = g.shape[-2], g.shape[-1], piece.a.shape[-1]
-        a = piece.a.reshape(batch, shared, n_in)
-        for o in range(outputs):
-            g_o = g[o].reshape(batch, shared, n_out).transpose(1, 2)
-            block = target[o].view(batch, n_out, n_in)
-            if first:
-                torch.bmm(g_o, a, out=block)
-            else:
-                block.baddbmm_(g_o, a)
-        return True
-    else:
-        # One product per example (and group) with every output's rows stacked,
-        # [outputs * out, shared] @ [shared, in], rather than one per output (which repeats
-        # ``a`` for every output and multiplies matrices of only ``out`` rows). The stacking
-        # copies ``g`` keeping its contiguous axis last (``out`` for a Linear, ``shared`` for a
-        # convolution's output-gradient).
-        if g.stride(-1) == 1:
-            rows = rearrange(g, "outputs batch ... shared out -> batch ... shared (outputs out)")
-            rows = rows.transpose(-1, -2)
-        else:
-            rows = rearrange(g, "outputs batch ... shared out -> batch ... (outputs out) shared")
-        per_example = into.transpose(0, 1)  # [batch, outputs, *groups, out, in]
-        if math.prod(groups) == 1 and per_example.is_contiguous():
-            # the product's [batch, (outputs out), in] is the result's own layout: written
-            # straight into it, no copy
-            n_rows, n_in = outputs * g.shape[-1], piece.a.shape[-1]
-            rows = rows.reshape(batch, n_rows, g.shape[-2])
-            result = per_example.view(batch, n_rows, n_in)
-            a = piece.a.reshape(batch, g.shape[-2], n_in)
-            if first:
-                torch.bmm(rows, a, out=result)
-            else:
-                result.baddbmm_(rows, a)
-            return True
-        value = rearrange(
-            torch.matmul(rows, piece.a),
-            "batch ... (outputs out) inp -> outputs batch ... out inp",
-            outputs=outputs,
-        )
-    if value is not None:
-        if first:
-            target.copy_(value)
-        else:
-            target.add_(value)
-    return True
 
 
 def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:

@@ -180,13 +180,19 @@ class ConvWeight(Outer):
         return grad_weight, grad_bias
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
+        """:meth:`grouped_jacobian_into` where it applies, else :meth:`Outer.jacobian_into`."""
+        return self.grouped_jacobian_into(into, scale, first) or super().jacobian_into(
+            into, scale, first
+        )
+
+    def grouped_jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Under ``vmap`` over the outputs (:func:`gradhooks.jacobians`): the output-gradient is
         batched, ``[outputs, batch, out, *spatial]``, the input is not. Write the Jacobian,
         ``into`` ``[outputs, batch, *param_shape]``, by one convolution backward with ``batch``
         groups of ``outputs * out`` output channels each (example ``b``'s input channels are
-        shared by all its outputs), never forming the columns. Returns False where the generic
-        path must be used (not on CPU, input batched too, no more output positions than output
-        channels times outputs: there the columns and a matmul were measured faster)."""
+        shared by all its outputs), never forming the columns. False elsewhere (not on CPU,
+        input batched too, no more output positions than output channels times outputs: there
+        the columns and a matmul were measured faster)."""
         m = self.module
         if self.x.device.type != "cpu" or _torch.is_batched(self.x):
             return False
@@ -441,10 +447,10 @@ class ConvBias(Outer):
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """:func:`gradhooks.jacobians`, ``into`` ``[outputs, batch, out]``: the sums the weight's
-        convolution gave, or False (the generic path)."""
+        convolution gave, else :meth:`Outer.jacobian_into`."""
         sums = self._take(scale, "jacobian")
         if sums is None or sums.shape != into.transpose(0, 1).shape:
-            return False
+            return super().jacobian_into(into, scale, first)
         target = into.transpose(0, 1)
         if first:
             target.copy_(sums)
