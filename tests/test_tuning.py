@@ -1,0 +1,79 @@
+"""The thresholds between equivalent paths (``gradhooks.TUNING``): at either extreme of every
+one, grad1, the norms and the squared sums stay the oracles', in float64."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+D = torch.float64
+
+
+class Mixed(nn.Module):
+    """A token table, a Linear over positions, a convolution over them, a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.mix = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.emb(tokens)))  # [batch, positions, 8]
+        h = torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return self.head(h).mean(1)  # [batch, 20]
+
+
+def _one(out, y):
+    return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+FIELDS = [f.name for f in dataclasses.fields(gradhooks.Tuning)]
+EXTREMES = {
+    "rows_counted_max_shared": (0.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("extreme", ["low", "high"])
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_threshold_at_either_extreme_gives_the_oracles_numbers(field, extreme):
+    low, high = EXTREMES.get(field, (1, 10**9))
+    torch.manual_seed(0)
+    model = Mixed().to(D)
+    tokens, y = torch.randint(20, (3, 40)), torch.randint(20, (3,))
+    want = vmap_grad(model, _one, tokens, y)
+    loop = loop_grad(model, _one, tokens, y)
+    ref = copy.deepcopy(model)
+    nn.functional.cross_entropy(ref(tokens), y).backward()
+    value = low if extreme == "low" else high
+    with gradhooks.tuned(**{field: value}):
+        quantities = ("grad1", "norms", "sum_grad_sq")
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            nn.functional.cross_entropy(model(tokens), y).backward()
+            norms, sums = h.param_norms(), h.sum_grad_sq()
+    for name, p in model.named_parameters():
+        assert_close(loop[name], want[name], f"{name}: loop vs vmap")
+        assert_close(p.grad1, want[name], f"{field}={value}: grad1 of {name}")
+        assert_close(norms[name], want[name].flatten(1).norm(dim=1), f"{field}={value}: norms")
+        assert_close(sums[name], want[name].square().sum(0), f"{field}={value}: squared sums")
+        assert_close(p.grad, ref.get_parameter(name).grad, f"{field}={value}: .grad of {name}")
+
+
+def test_tuned_refuses_an_unknown_name_and_puts_every_value_back():
+    before = dataclasses.asdict(gradhooks.TUNING)
+    with pytest.raises(TypeError, match="no threshold named sum_grad1_position;"):
+        with gradhooks.tuned(sum_grad1_position=1):
+            pass
+    with pytest.raises(RuntimeError, match="inside"):
+        with gradhooks.tuned(sum_grad1_positions=1, chunk_elements=7) as tuning:
+            assert tuning.sum_grad1_positions == 1 and tuning.chunk_elements == 7
+            raise RuntimeError("inside")
+    assert dataclasses.asdict(gradhooks.TUNING) == before
