@@ -87,8 +87,9 @@ class Piece:
         return math.inf
 
     def select(self, rows: slice) -> Piece:
-        """The same piece restricted to the examples ``rows`` (a slice of the batch)."""
-        raise TypeError(f"{type(self).__qualname__} defines no select(rows)")
+        """The same piece restricted to the examples ``rows`` (a slice of the batch). Here the
+        rows of ``grad1``, formed when asked for."""
+        return _RowsOf(self, rows)
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         """``Σ_b grad1[b]``, or ``Σ_b weights[b] grad1[b]`` (``weights`` ``[batch]``), shape
@@ -135,6 +136,20 @@ class Piece:
         ``[outputs, batch, *param_shape]`` into ``into`` (zeroing it first if ``first``, else
         adding), where this piece has a form of its own; False: the generic path."""
         return False
+
+
+class _RowsOf(Piece):
+    """:meth:`Piece.select`'s default: examples ``rows`` of ``piece``."""
+
+    def __init__(self, piece: Piece, rows: slice) -> None:
+        self.piece, self.rows = piece, rows
+
+    @property
+    def batch_size(self) -> int:
+        return len(range(*self.rows.indices(self.piece.batch_size)))
+
+    def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
+        return self.piece.grad1(param_shape, scale)[self.rows]
 
 
 @dataclass

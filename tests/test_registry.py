@@ -160,3 +160,53 @@ def test_registry_reads_short_in_add_hooks_signature(registry):
     registry.register(Scale)(scale_rule)
     assert repr(registry) == f"Registry(rules for {n + 1} module types)"
     assert repr(gradhooks.Registry()) == "Registry(rules for 0 module types)"
+
+
+class _OwnPiece(gradhooks.Piece):
+    """A piece of a user's own: only ``batch_size`` and ``grad1``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @property
+    def batch_size(self):
+        return self.value.shape[0]
+
+    def grad1(self, param_shape, scale=1.0):
+        return (self.value * scale).reshape(self.batch_size, *param_shape)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_piece_of_your_own_needs_only_batch_size_and_grad1(registry, reduction):
+    """Every quantity comes from the base class's defaults: grad1, norms, squared sums and the
+    checks of the backward, against the oracles; Scale is called twice (its pieces added)."""
+    from gradhooks.oracle import vmap_grad
+
+    registry.register(Scale)(lambda call: {"scale": _OwnPiece(scale_rule(call)["scale"].value)})
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.s = nn.Linear(3, 4), Scale(4)
+
+        def forward(self, x):
+            return self.s(torch.tanh(self.s(self.lin(x))))
+
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+
+    def one(out):
+        return out.pow(2).sum()
+
+    want = vmap_grad(model, one, x)
+    quantities = ("grad1", "norms", "sum_grad_sq")
+    hooks = gradhooks.add_hooks(model, reduction, registry=registry, quantities=quantities)
+    with hooks as h:
+        out = model(x).pow(2).sum()
+        (out / 5 if reduction == "mean" else out).backward()
+        norms, sums = h.param_norms(), h.sum_grad_sq()
+    g = want["s.scale"]
+    torch.testing.assert_close(model.s.scale.grad1, g)
+    torch.testing.assert_close(norms["s.scale"], g.norm(dim=1))
+    torch.testing.assert_close(sums["s.scale"], g.square().sum(0))
