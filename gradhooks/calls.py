@@ -162,7 +162,7 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
 
         return replace(
             call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
-            taps=None,
+            taps=None, saved=None,
         )  # fmt: skip
     leaves, spec = tree_flatten((call.inputs, call.kwargs))
     moved = [
@@ -175,7 +175,9 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
         lay = layout.outputs[i] if i < len(layout.outputs) else None
         grads.append(None if g is None else batch_rows(g, lay if _followed(lay) else layout.first,
                                                        batch))  # fmt: skip
-    return replace(call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None)
+    return replace(
+        call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None, saved=None
+    )
 
 
 def _followed(lay: Layout | None) -> bool:

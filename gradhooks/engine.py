@@ -727,6 +727,13 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
             n_nodes = len(nodes)
             if taps is not None:
                 call = replace(call, taps=_without_nodes(taps))
+            if (
+                target.entry.saved is not None
+                and self._track
+                and keeps_rows(layout)
+                and not _torch.saved_tensor_hooks_active()  # (reading it would rerun the call)
+            ):
+                call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
 
             def on_grads(grads) -> None:
                 if self._rerunning and not (self._probing and carried is not None):

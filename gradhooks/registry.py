@@ -53,6 +53,7 @@ class Call:
     the backpropagated loss with respect to it, or ``None`` where none flowed.
     ``taps``, ``tap_grads``: what the rule's ``taps`` function returned for this call (or
     ``None``) and, per node in ``taps.nodes``, the gradients with respect to its outputs.
+    ``saved``: what the rule's ``saved`` function returned for this call (or ``None``).
     ``input_grads``: ``None``, or (a call run with grad mode off: the rule's entry has
     ``input_grads``) an empty list the rule may fill with the gradients of the backpropagated
     loss with respect to the call's inputs: one per leaf of ``tree_flatten((inputs,
@@ -79,6 +80,7 @@ class Call:
     name: str = ""
     taps: Any = None
     tap_grads: tuple[tuple[Tensor | None, ...], ...] = ()
+    saved: Any = None
     input_grads: list[Tensor | None] | None = None
     recorded: Any = None
     batch: CallBatch | None = None
@@ -129,6 +131,7 @@ class _Entry:
     on_forward: Callable[[nn.Module, str], None] | None = None
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
+    saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
     input_grads: bool = False
     record: Callable[[nn.Module], AbstractContextManager] | None = None
     batch_dim: BatchDim = 0
@@ -183,8 +186,12 @@ class Registry:
     has reached all of them (they come after the call's outputs), with ``call.taps`` and
     ``call.tap_grads``: gradients of intermediate results that the module does not return
     (the projections inside ``nn.MultiheadAttention``), so nothing has to be recomputed.
-    With no ``nodes``, the rule runs as usual, with ``call.taps`` only: what the call's own
-    nodes saved at the forward (a LayerNorm's mean and 1/std).
+    With no ``nodes``, the rule runs as usual, with ``call.taps`` only.
+    ``saved``: ``saved(module, args, kwargs, output)``, asked after a captured forward call:
+    what the call's own autograd nodes saved for their backward that the rule would otherwise
+    recompute (a LayerNorm's mean and 1/std), or ``None``; the rule reads it as
+    ``call.saved``. Not asked where saved-tensor hooks are on (reading it would run the
+    forward again) or where the rule gets the call in another layout than it ran in.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -198,6 +205,7 @@ class Registry:
         on_forward: Callable[[nn.Module, str], None] | None = None,
         grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
         taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
+        saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
         input_grads: bool = False,
         record: Callable[[nn.Module], AbstractContextManager] | None = None,
         batch_dim: BatchDim = 0,
@@ -229,8 +237,9 @@ class Registry:
                     )
             for t in types:
                 self._rules[t] = _Entry(
-                    rule, owns_children, needs_output, on_forward, grad_from_grad1, taps,
-                    input_grads, record, batch_dim,
+                    rule, owns_children, needs_output, on_forward=on_forward,
+                    grad_from_grad1=grad_from_grad1, taps=taps, saved=saved,
+                    input_grads=input_grads, record=record, batch_dim=batch_dim,
                 )  # fmt: skip
             return rule
 
@@ -302,6 +311,7 @@ def register(
     on_forward: Callable[[nn.Module, str], None] | None = None,
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
+    saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     input_grads: bool = False,
     record: Callable[[nn.Module], AbstractContextManager] | None = None,
     batch_dim: BatchDim = 0,
@@ -315,6 +325,7 @@ def register(
         on_forward=on_forward,
         grad_from_grad1=grad_from_grad1,
         taps=taps,
+        saved=saved,
         input_grads=input_grads,
         record=record,
         batch_dim=batch_dim,

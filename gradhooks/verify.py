@@ -161,7 +161,7 @@ def per_example_outputs(target: Target, layout: CallLayout, call: Call, create_g
                 "its input per example."
             )
         grads.append(per)
-    return replace(call, grad_outputs=tuple(grads), taps=None)
+    return replace(call, grad_outputs=tuple(grads), taps=None, saved=None)
 
 
 class Verification:

@@ -117,7 +117,7 @@ def _tokens():
 
 
 def test_saved_tensor_hooks(monkeypatch):
-    """Checkpointed and not: the taps (LayerNorm's statistics, attention's projections) and
+    """Checkpointed and not: LayerNorm's saved statistics, attention's taps and
     the position table's expanded meeting are used only where no saved-tensor hooks are on;
     switched off, the hooks are taken to be on everywhere (all recomputed)."""
     seen = spy(monkeypatch, "saved_tensor_hooks_active")

@@ -3,8 +3,8 @@ nn.InstanceNorm1d/2d/3d.
 
 Each computes ``y = x̂ · weight + bias`` where ``x̂`` (the normalized input) depends on one
 example only. LayerNorm and GroupNorm form ``x̂ = (x - mean) · rstd`` from the mean and 1/std
-their forward's autograd node saved (:func:`saved_statistics`, the rule's taps); otherwise the
-rule recomputes ``x̂`` from ``call.inputs`` with the module's own settings
+their forward's autograd node saved (:func:`saved_statistics`, the rule's ``saved``);
+otherwise the rule recomputes ``x̂`` from ``call.inputs`` with the module's own settings
 (``torch.nn.functional`` with no affine parameters). Then, per example,
 
     grad1[b] weight = Σ_shared x̂[b] · g[b],      grad1[b] bias = Σ_shared g[b]
@@ -73,11 +73,9 @@ def channel_affine(xhat: Tensor, g: Tensor) -> dict[str, Direct]:
 
 
 class _Statistics:
-    """The taps of a LayerNorm / GroupNorm call: no nodes, the mean and 1/std (``rstd``) of
-    each normalized group, as the call's autograd node saved them: ``[*lead, 1, ...]``
-    (LayerNorm) or ``[batch, groups]`` (GroupNorm)."""
-
-    nodes = ()
+    """What a LayerNorm / GroupNorm call's autograd node saved: the mean and 1/std (``rstd``)
+    of each normalized group, ``[*lead, 1, ...]`` (LayerNorm) or ``[batch, groups]``
+    (GroupNorm)."""
 
     def __init__(self, mean: Tensor, rstd: Tensor) -> None:
         self.mean = mean
@@ -110,13 +108,13 @@ def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
     """LayerNorm's ``(x - mean) · rstd`` from the saved statistics; ``None`` where there are
     none, or where the result must carry a graph (a ``create_graph`` backward: the saved
     statistics do not)."""
-    stats = call.taps
+    stats = call.saved
     if not isinstance(stats, _Statistics) or torch.is_grad_enabled():
         return None
     return (x - stats.mean).mul_(stats.rstd)
 
 
-@register(nn.LayerNorm, taps=saved_statistics, batch_dim="positions")
+@register(nn.LayerNorm, saved=saved_statistics, batch_dim="positions")
 def layer_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, *, *normalized_shape]``; weight, bias: ``[*normalized_shape]``."""
     m: nn.LayerNorm = call.module
@@ -142,7 +140,7 @@ def rms_norm(call: Call) -> dict[str, Direct]:
     return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
 
 
-@register(nn.GroupNorm, taps=saved_statistics)
+@register(nn.GroupNorm, saved=saved_statistics)
 def group_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``."""
     m: nn.GroupNorm = call.module
@@ -161,7 +159,7 @@ def _group_norm_from_statistics(call: Call, x: Tensor) -> dict[str, Direct] | No
     positions ``s``; ``mean`` and ``rstd`` those of the channel's group), as torch's own
     GroupNorm backward forms the weight's gradient: one pass over ``x`` and ``g`` instead of
     four. ``None`` where :func:`_from_statistics` would give none."""
-    stats = call.taps
+    stats = call.saved
     if not isinstance(stats, _Statistics) or torch.is_grad_enabled():
         return None
     g = call.grad_output
