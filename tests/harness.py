@@ -68,6 +68,29 @@ def assert_close(got: Tensor, want: Tensor, what: str) -> None:
         assert torch.allclose(got, want, rtol=RTOL, atol=ATOL), f"{what}: max abs diff {diff:.3e}"
 
 
+def mlp(dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """A small Linear-Tanh-Linear model (3 -> 5 -> 2), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(dtype)
+
+
+def sq(out, target=None):
+    """Half the sum of squares: a loss without a target."""
+    return 0.5 * out.pow(2).sum()
+
+
+def assert_matches(model, want: dict, what: str = "", **tol) -> None:
+    """Every parameter's ``grad1`` against ``want[name]`` (``assert_close``, or
+    ``torch.testing.assert_close`` with the tolerances ``tol``)."""
+    for n, p in model.named_parameters():
+        if tol:
+            torch.testing.assert_close(
+                p.grad1, want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
+            )
+        else:
+            assert_close(p.grad1, want[n], f"{what} {n}")
+
+
 def run_hooked(model, case, inputs, target, reduction: str, **hook_kwargs):
     batch = (inputs[0] if isinstance(inputs, tuple) else inputs).shape[0]
     args = inputs if isinstance(inputs, tuple) else (inputs,)

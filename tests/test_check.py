@@ -8,7 +8,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
-from harness import assert_close
+from harness import assert_matches, mlp, sq
 
 D = torch.float64
 
@@ -67,20 +67,6 @@ def test_builtin_rule_passes_check_rule(module_type):
 
 
 # -- Hooks.check -----------------------------------------------------------------------------------
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
-
-
-def sq(out, target=None):
-    return 0.5 * out.pow(2).sum()
-
-
-def assert_matches(model, want, what=""):
-    for n, p in model.named_parameters():
-        assert_close(p.grad1, want[n], f"{what} {n}")
 
 
 @pytest.mark.parametrize(

@@ -11,23 +11,9 @@ from torch import nn
 import gradhooks
 from gradhooks.layout import MIXED, Layout, Tracker
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import Between, assert_close
+from harness import Between, assert_close, assert_matches, mlp, sq
 
 D = torch.float64
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
-
-
-def sq(out, target=None):
-    return 0.5 * out.pow(2).sum()
-
-
-def assert_matches(model, want, what=""):
-    for n, p in model.named_parameters():
-        assert_close(p.grad1, want[n], f"{what} {n}")
 
 
 # -- NaN/Inf in an example -------------------------------------------------------------------------

@@ -13,28 +13,9 @@ from torch.utils.checkpoint import checkpoint
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
-from harness import Case, assert_close, check
+from harness import Case, assert_close, assert_matches, check, mlp, sq
 
 D = torch.float64
-
-
-def sq(out, target=None):
-    return 0.5 * out.pow(2).sum()
-
-
-def mlp(dtype=D):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(dtype)
-
-
-def assert_matches(model, want, what="", **tol):
-    for n, p in model.named_parameters():
-        if tol:
-            torch.testing.assert_close(
-                p.grad1, want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
-            )
-        else:
-            assert_close(p.grad1, want[n], f"{what} {n}")
 
 
 def norms_of(want):
