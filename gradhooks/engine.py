@@ -713,26 +713,24 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
             call, state = self._kept_call(target, live, args, kwargs, output, layout)
 
             n_leaves = len(leaves)
-            taps = None
-            if (
-                target.entry.taps is not None
+            # what the call's nodes hold is read only where they stand as the forward ran them
+            # (not for the Jacobians: their backward stops at the hooked calls' outputs; not
+            # under saved-tensor hooks: reading what a node saved would rerun the call)
+            readable = (
+                (target.entry.taps is not None or target.entry.saved is not None)
                 and self._track
                 and keeps_rows(layout)
-                and not _torch.saved_tensor_hooks_active()  # (reading what it saved would rerun it)
-            ):
-                # (not for the Jacobians: their backward stops at the hooked calls' outputs)
+                and not _torch.saved_tensor_hooks_active()
+            )
+            taps = None
+            if target.entry.taps is not None and readable:
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
             # the closures below count the nodes and never hold them (see _without_nodes)
             n_nodes = len(nodes)
             if taps is not None:
                 call = replace(call, taps=_without_nodes(taps))
-            if (
-                target.entry.saved is not None
-                and self._track
-                and keeps_rows(layout)
-                and not _torch.saved_tensor_hooks_active()  # (reading it would rerun the call)
-            ):
+            if target.entry.saved is not None and readable:
                 call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
 
             def on_grads(grads) -> None:

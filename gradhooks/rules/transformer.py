@@ -24,11 +24,8 @@ from .._torch import tree_flatten, tree_map
 from ..fallback import FALLBACK
 from ..pause import paused
 from ..pieces import Direct, Piece
+from ..records import detach_tree
 from ..registry import REGISTRY, Call, batch_first, register
-
-
-def _detach(tree):
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
 def _batch_first(tree):
@@ -54,7 +51,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     # A create_graph backward: the parts' calls keep the graph of the rerun (through the
     # parameters too), and so do their pieces.
     create_graph = torch.is_grad_enabled()
-    keep = (lambda tree: tree) if create_graph else _detach  # noqa: E731
+    keep = (lambda tree: tree) if create_graph else detach_tree  # noqa: E731
     registry = call.registry if call.registry is not None else REGISTRY
     names = {m: n for n, m in layer.named_children()}
     records: list[tuple[str, nn.Module, tuple, dict, object]] = []
