@@ -67,9 +67,9 @@ Required (no fallback; :func:`require` refuses without them):
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
-  :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine runs a call with its
-  parameters replaced by detached ones, and checks that its hooks run where it needs them
-  (``capture.py``, ``engine.py``, ``oracle.py``); the fallback runs a module again without its
+  :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine checks that its hooks
+  run where it needs them (``capture.py``, ``engine.py``), the oracle puts back parameters
+  that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
   ``enable_input_require_grads`` adds, fails under ``torch.func``).
 - ``fsdp_module``: ``torch.distributed._composable.fsdp.FSDPModule`` (:func:`fsdp_module_class`),

@@ -1,5 +1,7 @@
 """Calls whose parameters autograd does not see: run detached (the batch gradient taken from
-``grad1``, a rule's ``grad_from_grad1``), run with grad mode off (a rule with ``input_grads``,
+``grad1``, a rule's ``grad_from_grad1``; the forward's tracker hands each torch function of the
+call detached aliases of the parameters, :attr:`gradhooks.layout.Tracker.aliases`), run with
+grad mode off (a rule with ``input_grads``,
 which gives the inputs' gradients itself), or with the parameters carried by the first input
 (a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of
 :class:`gradhooks.Hooks` that runs them; autograd reaches the parameters again through the
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 from . import _torch
 from ._torch import tree_flatten, tree_map
+from .layout import Aliases
 from .plan import Target
 from .records import detach_tree, is_compiling, tree_leaves
 
@@ -81,23 +84,6 @@ class _Carry(torch.autograd.Function):
         return (None, *ctx.backward(g))
 
 
-@contextlib.contextmanager
-def _parameters_replaced(module: nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
-    """``module``'s parameters named in ``tensors`` (qualified names) replaced by them."""
-    owners = {}
-    for name, t in tensors.items():
-        prefix, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(prefix) if prefix else module
-        slots = _torch.own_parameters(owner)
-        owners[name] = (slots, leaf, slots[leaf])
-        slots[leaf] = t
-    try:
-        yield
-    finally:
-        for slots, leaf, p in owners.values():
-            slots[leaf] = p
-
-
 def _rerun_carried(
     carried: _Carried, missing: list[str], outputs: tuple, create_graph: bool
 ) -> tuple[dict[str, Tensor | None], Tensor | None]:
@@ -120,8 +106,8 @@ def _rerun_carried(
         x = carried.input
         leaf = x.detach().requires_grad_()
         swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
-        others = {n: p.detach() for n, p in carried.target.params.items() if n not in detached}
-        with _parameters_replaced(module, others):
+        others = {id(p): p.detach() for n, p in carried.target.params.items() if n not in detached}
+        with Aliases(others):
             (full,) = _rerun(
                 module, tree_map(swap, (args, kwargs)),
                 [None if g is None else g.detach() for g in outputs], [leaf], True,
@@ -129,6 +115,15 @@ def _rerun_carried(
         if full is not None:
             correction = full - full.detach()
     return found, correction
+
+
+def unalias(tracker, previous: dict[int, Tensor | None]) -> None:
+    """Put back ``tracker``'s aliases as they were (``previous``, ``None``: none)."""
+    for pid, alias in previous.items():
+        if alias is None:
+            tracker.aliases.pop(pid, None)
+        else:
+            tracker.aliases[pid] = alias
 
 
 def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
@@ -218,8 +213,9 @@ class DetachedCalls:
 
     def _detach_hook(self, target: Target, forward_hook: int):
         """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
-        so, the call runs with the module's own parameters detached (autograd then computes no
-        batch gradient for them), and :meth:`_forward_hook` (handle id ``forward_hook``)
+        so, the call runs with the module's own parameters detached (the tracker hands its
+        torch functions detached aliases: autograd then computes no batch gradient for them),
+        and :meth:`_forward_hook` (handle id ``forward_hook``)
         replaces the output by one attached to them again through :class:`_Attach`, whose
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
@@ -251,9 +247,10 @@ class DetachedCalls:
                 or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
-            own = _torch.own_parameters(module)
             detached = {
-                n: p for n, p in target.params.items() if p.requires_grad and own.get(n) is p
+                n: p
+                for n, p in target.params.items()
+                if p.requires_grad and "." not in n and getattr(module, n, None) is p
             }
             carried = None
             if carries:
@@ -264,13 +261,18 @@ class DetachedCalls:
                 )  # fmt: skip
             if not detached or (carries and carried is None):
                 return
+            tracker = None if target.entry.input_grads else self._tracker()
+            if not target.entry.input_grads and (tracker is None or tracker.off):
+                return  # (the tracker hands the call its detached parameters)
             owned = (args, kwargs) if target.entry.input_grads else None
             recording = None  # (context manager, what it gave), left in _reattach
             if owned is not None and target.entry.record is not None:
                 manager = target.entry.record(module)
                 recording = (manager, manager.__enter__())
-            for n, p in detached.items():
-                own[n] = p.detach()
+            aliases = None  # (the tracker, what its aliases were), put back in _reattach
+            if tracker is not None:
+                aliases = (tracker, {id(p): tracker.aliases.get(id(p)) for p in detached.values()})
+                tracker.aliases.update((id(p), p.detach()) for p in detached.values())
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
@@ -280,7 +282,7 @@ class DetachedCalls:
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
             self._detached.setdefault(id(module), []).append(
-                (module, detached, owned, box, recording)
+                (module, detached, owned, box, recording, aliases)
             )
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
@@ -297,10 +299,11 @@ class DetachedCalls:
         stack = self._detached.get(id(module))
         if not stack:
             return {}, None, None, None
-        _, detached, owned, carried, recording = stack.pop()
+        _, detached, owned, carried, recording, aliases = stack.pop()
         if not stack:
             del self._detached[id(module)]
-        _torch.own_parameters(module).update(detached)
+        if aliases is not None:
+            unalias(*aliases)
         if owned is not None:
             torch.set_grad_enabled(True)  # (it was on: _detach_hook)
         recorded = None

@@ -46,7 +46,7 @@ from .calls import (
     unchanged_outputs,
     unview,
 )
-from .capture import DetachedCalls
+from .capture import DetachedCalls, unalias
 from .check import CheckReport, check_hooks
 from .errors import GradhooksWarning
 from .fallback import FALLBACK
@@ -189,7 +189,7 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
         # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
         # its input carries them, else None, (its rule's record, what it gave) where one is
         # entered, else None)]}
-        self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any]]] = {}
+        self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any, Any]]] = {}
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
         self._probing = False  # inside _probe's backward
         self._backwards = 0  # backwards that captured a call, since the hooks were added
@@ -551,8 +551,9 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for module, detached, owned, _, recording in stack[::-1]:
-                _torch.own_parameters(module).update(detached)
+            for _, _, owned, _, recording, aliases in stack[::-1]:
+                if aliases is not None:
+                    unalias(*aliases)
                 if recording is not None:
                     recording[0].__exit__(None, None, None)
                 if owned is not None:

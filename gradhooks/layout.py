@@ -54,7 +54,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch
 
-__all__ = ["Layout", "UNKNOWN", "PACKED", "MIXED", "Tracker", "Source", "note"]
+__all__ = [
+    "Layout",
+    "UNKNOWN",
+    "PACKED",
+    "MIXED",
+    "Tracker",
+    "Source",
+    "Aliases",
+    "aliased",
+    "note",
+]
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,36 @@ def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
         elif type(a) in (list, tuple):
             found.extend(x for x in a if isinstance(x, Tensor))
     return found
+
+
+def _alias(aliases: dict[int, Tensor], a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return aliases.get(id(a), a)
+    if type(a) in (list, tuple) and any(id(x) in aliases for x in a if isinstance(x, Tensor)):
+        return type(a)(aliases.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
+    return a
+
+
+def aliased(aliases: dict[int, Tensor], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor whose ``id`` is in ``aliases`` replaced by its
+    alias (also inside a list or tuple argument: ``torch.cat([x, w])``)."""
+    return (
+        tuple(_alias(aliases, a) for a in args),
+        {k: _alias(aliases, v) for k, v in kwargs.items()},
+    )
+
+
+class Aliases(TorchFunctionMode):
+    """While on, every torch function receives ``aliases[id(t)]`` in place of a tensor ``t``
+    (see :attr:`Tracker.aliases`)."""
+
+    def __init__(self, aliases: dict[int, Tensor]) -> None:
+        super().__init__()
+        self.aliases = aliases
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = aliased(self.aliases, args, kwargs or {})
+        return func(*args, **kwargs)
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
@@ -1334,6 +1374,9 @@ class Tracker(TorchFunctionMode):
         self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensors every torch function gets in place of others, by the others' ids: the
+        # detached parameters of a call whose rule gives their batch gradients itself
+        self.aliases: dict[int, Tensor] = {}
         # the model's inputs taken as holding the examples by their size alone (not its first
         # input): an operation that would mix the examples only because of one of them, used as
         # it is, takes it as shared by every example instead (:meth:`_without_candidates`)
@@ -1434,6 +1477,8 @@ class Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.aliases:
+            args, kwargs = aliased(self.aliases, args, kwargs)
         if self.off:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)

@@ -155,12 +155,17 @@ class Registry:
     that call (``nn.BatchNorm2d`` in train mode), so the error points at the forward.
     ``grad_from_grad1``: ``grad_from_grad1(module, args) -> bool``, asked before a captured
     forward call while ``grad1`` is being computed. True: the call runs with the module's own
-    parameters detached, and their ``.grad`` is the sum of the call's ``grad1``, so that
+    parameters detached (the forward's tracker hands every torch function of the call a
+    detached alias of each; nothing is swapped on the module, and autograd's in-place checks
+    still see the parameters' versions), and their ``.grad`` is the sum of the call's
+    ``grad1``, so that
     autograd does not compute the batch weight gradient a second time (worth it where many
     positions per example share the weight: the sum reads ``batch x parameters`` floats, the
     batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
-    returns one tensor and calls no hooked submodule; its rule must give a piece for each of
-    its own parameters. With ``taps`` too (the rule runs after the call's output, when the
+    returns one tensor, calls no hooked submodule and hands its parameters to torch functions
+    (one handed to an ``autograd.Function`` keeps autograd's batch gradient as well, which the
+    check of the first backward refuses); its rule must give a piece for each of its own
+    parameters. With ``taps`` too (the rule runs after the call's output, when the
     backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
     parameters are then attached to the call's first floating-point input instead of its
     output, and the output may be any tree of tensors.

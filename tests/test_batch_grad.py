@@ -205,6 +205,73 @@ def test_parameters_are_restored_after_every_forward(threshold):
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
 
+def test_nothing_is_swapped_on_the_module_during_its_call(threshold):
+    """The call gets its detached parameters from the forward's tracker, at each torch
+    function: a pre-hook that runs after gradhooks' still finds the module's own parameters."""
+    model = ConvSeq().to(D)
+    seen = []
+    with gradhooks.add_hooks(model):
+        model.conv.register_forward_pre_hook(
+            lambda m, args: seen.append(m._parameters["weight"] is weight)
+        )
+        weight = model.conv.weight
+        out = model(torch.randn(4, 2, 40, dtype=D))
+        assert attached(model.conv(torch.randn(4, 2, 40, dtype=D))) or threshold > 1
+        out.sum().backward()
+    assert seen and all(seen)
+
+
+def test_a_weight_changed_in_place_before_the_backward_is_autograds_error(threshold):
+    """The call's nodes save the detached weight, which shares the parameter's version
+    counter: autograd's own in-place check still fires."""
+    model = ConvSeq().to(D)
+    with gradhooks.add_hooks(model):
+        out = model(torch.randn(4, 2, 40, dtype=D))
+        with torch.no_grad():
+            model.seq.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+class _Times(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=D))
+
+    def forward(self, x):
+        return _Times.apply(x, self.w)  # (an autograd.Function: no torch function sees w)
+
+
+def test_a_parameter_no_torch_function_sees_is_refused_not_counted_twice():
+    """grad_from_grad1 needs the call's torch functions to receive its parameters: a layer
+    that hands one to an autograd.Function keeps autograd's batch gradient too, and the
+    engine's check of the first backward refuses the step instead of doubling ``.grad``."""
+    registry = gradhooks.Registry()
+
+    @registry.register(_Scale, grad_from_grad1=lambda m, args: True)
+    def rule(call):
+        (x,) = call.inputs
+        return {"w": gradhooks.Direct((x * call.grad_output).sum(1))}
+
+    model = nn.Sequential(_Scale())
+    x = torch.randn(4, 5, 3, dtype=D)
+    with gradhooks.add_hooks(model, registry=registry):
+        with pytest.raises(RuntimeError, match="w"):
+            model(x).sum().backward()
+
+
 def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
     """A forward hook registered before add_hooks (an activation regularizer) sees the output
     before it could be attached: that call keeps autograd's own batch gradient."""
