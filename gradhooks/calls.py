@@ -18,6 +18,7 @@ from . import pieces as P
 from ._torch import tree_flatten, tree_map, tree_unflatten
 from .fallback import FALLBACK
 from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from .loop import per_example
 from .plan import Target
 from .records import CallLayout, CallState
 from .registry import Call, CallBatch
@@ -188,25 +189,20 @@ def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece
     """A call that does not depend on the examples, of a layer that reads its batch from a
     fixed dimension: the rule once per example, with that example's output-gradients; every
     row the rule gives belongs to that example."""
-    per: dict[str, list] = {n: [] for n in params}
-    for b in range(batch):
-        one = replace(
-            call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
-        )
-        pieces = rule(one)
-        for n, p in params.items():
-            piece = pieces.get(n)
-            per[n].append(None if piece is None else piece.grad1(p.shape).sum(0))
-    out: dict[str, P.Piece | None] = {}
-    for n, rows in per.items():
-        if all(r is None for r in rows):
-            out[n] = None
-        else:
-            like = next(r for r in rows if r is not None)
-            out[n] = P.Direct(
-                torch.stack([torch.zeros_like(like) if r is None else r for r in rows])
+
+    def one(b: int) -> list[Tensor | None]:
+        pieces = rule(
+            replace(
+                call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
             )
-    return out
+        )
+        return [
+            None if (piece := pieces.get(n)) is None else piece.grad1(p.shape).sum(0)
+            for n, p in params.items()
+        ]
+
+    rows = per_example(batch, one) or [None] * len(params)
+    return {n: None if r is None else P.Direct(r) for n, r in zip(params, rows)}
 
 
 def root_batch(

@@ -49,6 +49,7 @@ from torch.func import functional_call, vjp, vmap
 from . import _torch
 from ._torch import tree_flatten, tree_unflatten
 from .layout import Layout, batch_rows
+from .loop import per_example
 from .pause import paused
 from .pieces import Direct, Piece
 from .registry import Call, _Entry
@@ -272,12 +273,15 @@ def _by_layout_split(
                     if "random operation" in str(e):
                         raise
             if grads is None:
-                rows = []
-                for b in range(batch):
+
+                def example(b: int) -> list[Tensor]:
                     with torch.enable_grad(), paused():
-                        rows.append(one([x[b] for x in xs], [c[b] for c in cots]))
-                grads = {n: torch.stack([r[0][n] for r in rows]) for n in primals}
-                outs = tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_idx)))
+                        g, o = one([x[b] for x in xs], [c[b] for c in cots])
+                    return [*(g[n] for n in primals), *o]
+
+                rows = per_example(batch, example, like=[*primals.values(), *[None] * len(out_idx)])
+                grads = dict(zip(primals, rows[: len(primals)]))
+                outs = tuple(rows[len(primals) :])
                 if not create_graph:
                     grads = {n: g.detach() for n, g in grads.items()}
                 call.memo["loop"] = True
@@ -455,8 +459,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
 def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph=False):
     """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example
     (``create_graph``: the primals as they are, the gradients with a graph)."""
-    per_example, outs = [], []
-    for b in range(gs[0].shape[0]):
+
+    def example(b: int) -> list[Tensor | None]:
         args, kwargs = tree_unflatten(
             [t[b : b + 1] if is_b else t for t, is_b in zip(leaves, batched)], spec
         )
@@ -485,12 +489,11 @@ def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, crea
                 allow_unused=True,
                 create_graph=create_graph,
             )
-        per_example.append(
-            [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
-        )
-        outs.append([o.detach()[0] for o in out])
-    grads = {n: torch.stack(gs_n) for n, gs_n in zip(primals, zip(*per_example))}
-    return grads, tuple(torch.stack(os) for os in zip(*outs))
+        return [*grads, *(o.detach()[0] for o in out)]
+
+    like = [*primals.values(), *[None] * len(out_idx)]
+    rows = per_example(gs[0].shape[0], example, like=like)
+    return dict(zip(primals, rows[: len(primals)])), tuple(rows[len(primals) :])
 
 
 def _check_output(call: Call, name: str, out_idx: list[int], outs, batch: int) -> None:

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch
+from . import _torch, loop
 
 __all__ = [
     "Layout",
@@ -2084,20 +2084,11 @@ def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> 
             _add(s, task, g)
 
 
-def _grads_one_by_one(at_edge, edges, sources, per_example):
-    rows = []
-    for b in range(per_example.shape[0]):
-        rows.append(torch.autograd.grad(
-            [at_edge], edges, per_example[b], retain_graph=True,
-            allow_unused=True,
-        ))  # fmt: skip
-    out = []
-    for j, s in enumerate(sources):
-        col = [r[j] for r in rows]
-        out.append(None if all(c is None for c in col) else torch.stack(
-            [torch.zeros(s.shape, dtype=per_example.dtype, device=per_example.device)
-             if c is None else c for c in col]))  # fmt: skip
-    return out
+def _grads_one_by_one(at_edge, edges, sources, grads):
+    def one(b: int) -> tuple[Tensor | None, ...]:
+        return torch.autograd.grad([at_edge], edges, grads[b], retain_graph=True, allow_unused=True)
+
+    return loop.per_example(grads.shape[0], one) or [None] * len(sources)
 
 
 def _add(s: Source, task: int, g: Tensor) -> None:

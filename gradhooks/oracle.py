@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from . import _torch
+from .loop import per_example
 from .pause import paused
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
@@ -88,23 +88,20 @@ def loop_grad(
     inputs = _as_tuple(inputs)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
-    batch = inputs[0].shape[0]
-    if batch == 0:
-        return _empty(model, dict(zip(names, params)))
-    per_example: list[Sequence[Tensor]] = []
     kept = [p.grad for p in params]
+
+    def one(i: int) -> list[Tensor | None]:
+        for p in params:
+            p.grad = None
+        out = model(*(x[i : i + 1] for x in inputs))
+        loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
+        loss.backward()
+        return [None if p.grad is None else p.grad.to_dense() for p in params]
+
     try:
         with paused():
-            for i in range(batch):
-                for p in params:
-                    p.grad = None
-                out = model(*(x[i : i + 1] for x in inputs))
-                loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
-                loss.backward()
-                per_example.append(
-                    [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in params]
-                )
+            grads = per_example(inputs[0].shape[0], one, like=params)
     finally:
         for p, g in zip(params, kept):
             p.grad = g
-    return {n: torch.stack(gs) for n, gs in zip(names, zip(*per_example))}
+    return dict(zip(names, grads))

@@ -435,3 +435,23 @@ def test_an_expanded_input_and_a_mask_as_long_as_the_batch(batch):
         (0.5 * m(x).pow(2).sum()).backward()
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad1, want[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_the_per_example_loop_stacks_and_fills_missing_rows():
+    """``gradhooks.loop.per_example``, the one loop every per-example recomputation runs
+    through: rows stacked per position, an example's missing row zeros, a position no example
+    gave ``None`` (or zeros where its shape is given), a batch of 0 empty."""
+    import doctest
+
+    import gradhooks.loop
+
+    assert doctest.testmod(gradhooks.loop).failed == 0
+    like = [torch.ones(2), None, torch.ones(3)]
+    rows = gradhooks.loop.per_example(
+        2, lambda b: [torch.full((2,), b + 1.0), None, None if b == 0 else torch.ones(3)], like
+    )
+    assert torch.equal(rows[0], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    assert rows[1] is None
+    assert torch.equal(rows[2], torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    empty = gradhooks.loop.per_example(0, lambda b: [], like)
+    assert [t.shape if t is not None else None for t in empty] == [(0, 2), None, (0, 3)]

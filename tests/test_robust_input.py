@@ -1760,3 +1760,57 @@ def test_a_change_after_the_first_steps_is_seen_at_the_next_check():
             (sq(out) + 0.1 * m[0].weight.pow(2).sum()).backward()  # the 2nd: checked again
         checked = [k for k in range(1, 9) if k & (k - 1) == 0]
         assert checked == [1, 2, 4, 8]
+
+
+class ConvOfATable(nn.Module):
+    """A convolution of a fixed table, the same for every example, added to the batch: the
+    convolution reads its batch from dimension 0, so its rule runs once per example with that
+    example's share of the output-gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(1, 2, 8))
+        self.conv, self.out = nn.Conv1d(2, 2, 3, padding=1), nn.Linear(8, 2)
+
+    def forward(self, x):  # [batch, 2, 8]
+        return self.out(torch.tanh(x + self.conv(self.table)))
+
+
+def test_batch_free_call_of_a_layer_with_a_fixed_batch_dimension():
+    torch.manual_seed(0)
+    model = ConvOfATable().double()
+    x = torch.randn(4, 2, 8, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_matches(model, want, "conv of a table")
+
+
+class TanhPositions(Positions):
+    """A position embedding through a batch-free operation before it meets the batch."""
+
+    def forward(self, x):
+        return self.l(x + torch.tanh(self.pos(torch.arange(x.shape[1]))))
+
+
+def test_batch_free_gradients_one_example_at_a_time(monkeypatch):
+    """Where autograd cannot batch the backward through the batch-free operations (an
+    operation with no batching rule: ``is_grads_batched`` raises), each example's share is
+    taken back through them one example at a time, to the same numbers."""
+    torch.manual_seed(0)
+    model = TanhPositions().double()
+    x = torch.randn(5, 4, 3, dtype=D)
+    want = rowwise_grad(model, sq_rows, x)
+    real, refused = torch.autograd.grad, []
+
+    def grad(*args, is_grads_batched=False, **kwargs):
+        if is_grads_batched:
+            refused.append(True)
+            raise RuntimeError("no batching rule")
+        return real(*args, **kwargs)
+
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
+        monkeypatch.setattr(torch.autograd, "grad", grad)
+        sq(model(x)).backward()
+    assert refused
+    assert_matches(model, want, "one by one")

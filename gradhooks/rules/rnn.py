@@ -61,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from .._torch import tree_flatten
 from ..layout import note
+from ..loop import per_example
 from ..pause import paused
 from ..pieces import Direct, Outer
 from ..registry import Call, batch_first, register
@@ -698,8 +699,8 @@ def _example_by_example(
     named = {n: p for n, p in module.named_parameters() if p.requires_grad}
     lstm = module.mode == "LSTM"
     g_out, g_h, g_c = (*grads, None)[:3]
-    per_example: list[tuple[Tensor | None, ...]] = []
-    for b in range(x.shape[0]):
+
+    def one(b: int) -> tuple[Tensor | None, ...]:
         steps = int(lengths[b])
         xb = x[b : b + 1, :steps]
         if not module.batch_first:
@@ -723,19 +724,14 @@ def _example_by_example(
             found.append((h_n, None if g_h is None else g_h[:, b : b + 1]))
             found = [(t, g) for t, g in found if g is not None]
             if not found:
-                per_example.append((None,) * len(aliases))
-                continue
+                return (None,) * len(aliases)
             outs, gs = zip(*found)
-            grads_b = torch.autograd.grad(
+            return torch.autograd.grad(
                 outs, list(aliases.values()), gs, create_graph=True, allow_unused=True
             )
-        per_example.append(grads_b)
-    pieces = {}
-    for i, (name, p) in enumerate(named.items()):
-        grads_i = [torch.zeros_like(p) if g[i] is None else g[i] for g in per_example]
-        value = torch.stack(grads_i) if grads_i else p.new_zeros(0, *p.shape)
-        pieces[name] = Direct(value)
-    return pieces
+
+    grads = per_example(x.shape[0], one, like=list(named.values()))
+    return {name: Direct(g) for name, g in zip(named, grads)}
 
 
 def _fallback_splits(call: Call) -> bool:
