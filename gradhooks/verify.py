@@ -271,10 +271,10 @@ class Verification:
                 )  # fmt: skip
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
             found = plain = alone = None
-        # (the graph's edges and hooks: no cycle through the hook that holds them)
+        # (the graph's edges and hooks: no cycle through the hook that holds them. The box
+        # stays the handle's: a backward that fails never runs the callback, and the next
+        # forward or remove() lets go of it instead)
         _torch.queue_backward_callback(lambda: drop_box(box))
-        if self._probe_box is box:
-            self._probe_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
