@@ -39,7 +39,7 @@ class _Sums(dict):
 class _Carried:
     """A call run with its parameters detached whose rule has ``taps`` (see
     :meth:`Hooks._detach_hook`): the parameters are attached to its first input through a
-    :class:`_Carry` node, whose backward runs after every node of the call, so after the rule.
+    :class:`_Join` node, whose backward runs after every node of the call, so after the rule.
     Never holds a tensor of the call's own graph (a cycle through autograd's graph)."""
 
     target: Target
@@ -51,43 +51,32 @@ class _Carried:
     outputs: tuple | None = None  # the call's output-gradients, once the backward has them
 
 
-class _Attach(torch.autograd.Function):
-    """``_Attach.apply(backward, output, *params, *inputs)``: ``output``, computed with
-    ``params`` detached, attached to them again (:meth:`Hooks._detach_hook`): the same memory,
-    not a view for autograd (an in-place ReLU may follow). Its backward hands the
-    output-gradient on unchanged and asks ``backward(g)`` for the gradients of ``params`` and
-    ``inputs``."""
+class _Join(torch.autograd.Function):
+    """``_Join.apply(backward, n, *tensors)``: the first ``n`` of ``tensors`` (the same memory,
+    not views for autograd: an in-place ReLU may follow), joined in autograd's graph to every
+    one of ``tensors``. Its backward asks ``backward(grads)`` (one per returned tensor, ``None``
+    where none flowed) for the gradients of all of ``tensors``, in order.
+
+    The one node by which a call whose parameters autograd does not see reaches them again:
+    after the output of a call run detached (:meth:`DetachedCalls._capture_detached`) or with
+    grad mode off (:meth:`DetachedCalls._capture_owned`), or before the first input of a
+    carried call (:class:`_Carried`)."""
 
     @staticmethod
-    def forward(ctx, backward, output: Tensor, *params_and_inputs: Tensor) -> Tensor:
-        ctx.backward = backward
-        return output.detach()
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        return (None, g, *ctx.backward(g))
-
-
-class _Carry(torch.autograd.Function):
-    """``_Carry.apply(backward, x, *params)``: ``x`` (the same memory), attached to ``params``
-    that the call it goes into runs detached (:meth:`Hooks._detach_hook`). Its backward asks
-    ``backward(g)`` for the gradients of ``x`` and ``params``."""
-
-    @staticmethod
-    def forward(ctx, backward, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, backward, n: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.backward = backward
         ctx.set_materialize_grads(False)
-        return x.detach()
+        return tuple(t.detach() for t in tensors[:n])
 
     @staticmethod
-    def backward(ctx, g: Tensor | None):
-        return (None, *ctx.backward(g))
+    def backward(ctx, *grads):
+        return (None, None, *ctx.backward(grads))
 
 
 def _rerun_carried(
     carried: _Carried, missing: list[str], outputs: tuple, create_graph: bool
 ) -> tuple[dict[str, Tensor | None], Tensor | None]:
-    """What a :class:`_Carry` node needs of autograd through the call's forward run again,
+    """What a carried call's :class:`_Join` node needs of autograd through the call's forward run again,
     hooks bypassed, against the call's output-gradients ``outputs``: the batch gradients of
     the ``missing`` parameters and, in a ``create_graph`` backward, a correction of value zero
     for the carried input. Its gradient as the call's own nodes computed it has no graph
@@ -132,23 +121,6 @@ def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
     return getattr(last, "fn", None) is fn and not _torch.global_forward_pre_hooks()
 
 
-class _AttachAll(torch.autograd.Function):
-    """``_AttachAll.apply(backward, n, *outputs, *params_and_inputs)``: the ``n`` ``outputs`` of a
-    call that autograd recorded nothing of (:meth:`Hooks._capture_owned`), attached to
-    ``params_and_inputs``: the same memory. Its backward asks ``backward(grads)`` (one per
-    output, ``None`` where none flowed) for the gradients of ``params_and_inputs``."""
-
-    @staticmethod
-    def forward(ctx, backward, n: int, *tensors: Tensor):
-        ctx.backward, ctx.n = backward, n
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *(None for _ in range(ctx.n)), *ctx.backward(grads))
-
-
 def _rerun(
     module: nn.Module,
     owned: tuple[tuple, dict],
@@ -184,7 +156,7 @@ def _rerun_vjp(
     inputs: list[Tensor],
     g: Tensor,
 ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-    """The gradients an :class:`_Attach` node gives: for each detached parameter, the call's
+    """The gradients a detached call's :class:`_Join` node gives: for each detached parameter, the call's
     batch gradient (``sums``: from ``grad1``, the norms or the rule's pieces; where none gave
     one, a ``create_graph`` backward that writes nothing, by running the call's forward
     again, hooks bypassed). For the
@@ -216,14 +188,14 @@ class DetachedCalls:
         so, the call runs with the module's own parameters detached (the tracker hands its
         torch functions detached aliases: autograd then computes no batch gradient for them),
         and :meth:`_forward_hook` (handle id ``forward_hook``)
-        replaces the output by one attached to them again through :class:`_Attach`, whose
+        replaces the output by one attached to them again through a :class:`_Join` node, whose
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
         the parameters no gradient. Where the rule's entry has ``input_grads``, the call runs
         with grad mode off: autograd records nothing of it (:meth:`_capture_owned`). Where it
         has ``taps`` (and ``grad1`` is computed), the rule runs only once the backward has
         reached nodes inside the call, after its output: the parameters are attached to the
-        call's first floating-point input instead, through a :class:`_Carry` node that takes
+        call's first floating-point input instead, through a :class:`_Join` node that takes
         its place (every occurrence: ``query is key is value`` stays true), and whose backward
         runs after the call's (:meth:`_carried_backward`)."""
 
@@ -276,9 +248,10 @@ class DetachedCalls:
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
-                attached = _Carry.apply(
-                    lambda g: self._carried_backward(box, g), carried, *detached.values()
-                )
+                (attached,) = _Join.apply(
+                    lambda gs: self._carried_backward(box, gs[0]), 1, carried,
+                    *detached.values(),
+                )  # fmt: skip
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
             self._detached.setdefault(id(module), []).append(
@@ -354,7 +327,14 @@ class DetachedCalls:
                 self._rerunning -= 1
             return (*(grads[n] for n in detached), *corrections)
 
-        return _Attach.apply(backward, output, *detached.values(), *inputs)
+        def joined(grads: tuple[Tensor | None]) -> tuple[Tensor | None, ...]:
+            (g,) = grads
+            if g is None:
+                return (None,) * (1 + len(detached) + len(inputs))
+            return (g, *backward(g))  # (the output's gradient on, through the call's own nodes)
+
+        (attached,) = _Join.apply(joined, 1, output, *detached.values(), *inputs)
+        return attached
 
     def _capture_owned(
         self,
@@ -369,7 +349,7 @@ class DetachedCalls:
         """Capture a call that ran with grad mode off (its rule's entry has ``input_grads``):
         autograd recorded nothing of it. Return its output with every tensor leaf attached to
         the parameters and to the inputs that require grad (``owned``: ``(args, kwargs)``)
-        through one :class:`_AttachAll` node. Its backward runs the rule, whose pieces give
+        through one :class:`_Join` node. Its backward runs the rule, whose pieces give
         the parameters' batch gradients and which gives the inputs' gradients
         (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
         autograd through the call's forward run again (:func:`_rerun`). ``recorded``:
@@ -425,8 +405,10 @@ class DetachedCalls:
                 return (*(None for _ in detached), *input_grads)
             return (*(param_grads[n] for n in detached), *input_grads)
 
-        outs = _AttachAll.apply(
-            backward, len(out_idx), *(out_leaves[i] for i in out_idx), *detached.values(),
+        n = len(out_idx)
+        outs = _Join.apply(
+            lambda grads: ((None,) * n + backward(grads)), n,
+            *(out_leaves[i] for i in out_idx), *detached.values(),
             *(in_leaves[i] for i in in_idx),
         )  # fmt: skip
         # A new list: the attached outputs hold the node, whose backward must not hold them (a
@@ -438,7 +420,7 @@ class DetachedCalls:
         return spec.unflatten(attached)
 
     def _carried_backward(self, carried: _Carried, g: Tensor | None) -> tuple:
-        """The backward of a :class:`_Carry` node: the carried input's gradient ``g`` on, and
+        """The backward of a carried call's :class:`_Join` node: the carried input's gradient ``g`` on, and
         the batch gradients of the call's detached parameters. They are the sums the rule gave
         (it ran when the backward reached the call's taps, before this node); where it gave
         none (a paused backward, one not captured) or in a ``create_graph`` backward,

@@ -102,7 +102,7 @@ def ddp_grad1(where: str, **ddp_options) -> None:
         h.clear()
         F.cross_entropy(ddp(xs), ys).backward()
         if os.environ.get("GRADHOOKS_SUM_GRAD1_POSITIONS") == "1":
-            assert nodes[-1] == "_AttachBackward", nodes
+            assert nodes[-1] == "_JoinBackward", nodes
         for name, want in (("vmap", vmap_grad(ref, F.cross_entropy, xs, ys)),
                            ("loop", loop_grad(ref, F.cross_entropy, xs, ys))):  # fmt: skip
             for p, w in zip(params(model), want.values(), strict=True):

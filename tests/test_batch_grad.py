@@ -1,5 +1,5 @@
 """Batch gradients taken from grad1 (a rule's ``grad_from_grad1``: Linear and convolutions with
-many positions per example). The call runs with its parameters detached and an ``_Attach`` node
+many positions per example). The call runs with its parameters detached and a ``_Join`` node
 gives ``.grad`` the sum of the call's ``grad1``: ``.grad`` must stay exactly what autograd
 computes without hooks, in every setup where autograd computes it, and ``grad1`` must stay the
 oracle's. ``GRADHOOKS_SUM_GRAD1_POSITIONS=1 python -m pytest`` runs the whole suite this way."""
@@ -45,11 +45,11 @@ class ConvSeq(nn.Module):
 
 
 def attached(out) -> bool:
-    """Whether ``out``'s autograd history starts with an _Attach node (for an output that is a
+    """Whether ``out``'s autograd history starts with a _Join node (for an output that is a
     view, the in-place attach puts it behind the view's own nodes)."""
     nodes = [out.grad_fn]
     for _ in range(3):
-        if any(type(n).__name__ == "_AttachBackward" for n in nodes):
+        if any(type(n).__name__ == "_JoinBackward" for n in nodes):
             return True
         nodes = [f for n in nodes if n is not None for f, _ in n.next_functions]
     return False
@@ -161,7 +161,7 @@ def test_backwards_that_write_no_grad1_still_give_grad(threshold, kind):
 def test_input_gradient_penalty(threshold):
     """WGAN-GP's penalty: ‖∂out/∂x‖² through a create_graph backward, differentiated with
     respect to the parameters (outside capture). The input-gradient depends on the detached
-    weights; the _Attach node's correction carries that dependence."""
+    weights; the _Join node's correction carries that dependence."""
     torch.manual_seed(0)
     model = ConvSeq().to(D)
     x = torch.randn(4, 2, 40, dtype=D, requires_grad=True)
@@ -308,7 +308,7 @@ def test_global_forward_hook_turns_it_off(threshold):
 # -- self-attention: the parameters carried by the input ------------------------------------------
 # The rule of nn.MultiheadAttention runs when the backward reaches the in-projection inside the
 # call, after the call's output: in_proj_weight and in_proj_bias are attached to the call's
-# input instead (a _Carry node), whose backward runs after the whole call.
+# input instead (a _Join node), whose backward runs after the whole call.
 
 
 class AttnSeq(nn.Module):
@@ -332,11 +332,18 @@ class AttnSeq(nn.Module):
         return self.head(h.mean(1))
 
 
+def joins(node, param) -> bool:
+    """Whether ``node`` is a _Join node that joins its tensor to ``param``."""
+    return type(node).__name__ == "_JoinBackward" and any(
+        getattr(f, "variable", None) is param for f, _ in node.next_functions
+    )
+
+
 def carried(model, x) -> bool:
-    """Whether the attention's input came through a _Carry node."""
+    """Whether the attention's input came through a _Join node joined to its in-projection."""
     seen = []
     handle = model.attn.register_forward_hook(
-        lambda m, a, out: seen.append(type(a[0].grad_fn).__name__ == "_CarryBackward")
+        lambda m, a, out: seen.append(joins(a[0].grad_fn, m.in_proj_weight))
     )
     model(x)
     handle.remove()
@@ -380,7 +387,7 @@ def test_carried_attention_only_where_it_pays(threshold):
         model.attn.register_forward_hook(lambda m, a, out: seen.append(a[0].grad_fn))
         h = torch.randn(2, 40, 4, dtype=D, requires_grad=True)
         model.attn(h, h + 0, h + 0)
-        assert type(seen[0]).__name__ != "_CarryBackward"
+        assert not joins(seen[0], model.attn.in_proj_weight)
 
 
 @pytest.mark.parametrize("first", [False, True])

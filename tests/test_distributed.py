@@ -100,7 +100,7 @@ def test_ddp_grad1_per_shard_and_allreduce_untouched(tmp_path):
 
 
 def test_ddp_with_batch_gradients_from_grad1(tmp_path, monkeypatch):
-    """Every Linear and Conv1d call takes its batch gradient from grad1 (an _Attach node):
+    """Every Linear and Conv1d call takes its batch gradient from grad1 (a _Join node):
     DDP's all-reduce still sees every parameter's gradient and p.grad stays the full-batch
     gradient."""
     monkeypatch.setenv("GRADHOOKS_SUM_GRAD1_POSITIONS", "1")

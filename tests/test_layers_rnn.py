@@ -473,7 +473,7 @@ D = torch.float64
 
 
 def owned(out) -> bool:
-    return type(out.grad_fn).__name__ == "_AttachAllBackward"
+    return type(out.grad_fn).__name__ == "_JoinBackward"
 
 
 def lstm_setup(seed, layers, bidirectional, proj, batch_first, state, x_grad, batch=4, time=5):
