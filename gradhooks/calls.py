@@ -66,6 +66,24 @@ def keeps_rows(layout: CallLayout | None) -> bool:
     return layout is None or layout.kind in ("plain", "fold", "unknown")
 
 
+def check_parameter_versions(
+    target: Target, params: dict[str, Tensor], versions: dict[str, int]
+) -> None:
+    """A call autograd recorded nothing of (its rule gives its whole backward, from the
+    parameters as they are then) must find the parameters of its forward, as autograd requires
+    of the tensors it saves."""
+    for n, p in params.items():
+        if _torch.version(p) != versions[n]:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: parameter '{n}' of '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) of shape {tuple(p.shape)} is at version "
+                f"{_torch.version(p)}; expected version {versions[n]} instead. The layer's "
+                "backward would use the changed values: change parameters after the backward "
+                "(optimizer.step() after loss.backward()), as autograd requires."
+            )
+
+
 def check_versions(target: Target, state: CallState) -> None:
     """The inputs a rule computes from must be those of the forward, as autograd requires of
     the tensors it saves (the paths that run a call detached do not let autograd see them)."""

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from . import _torch
 from ._torch import tree_flatten, tree_map
+from .calls import check_parameter_versions
 from .layout import Aliases
 from .plan import Target
 from .records import detach_tree, is_compiling, tree_leaves
@@ -363,8 +364,10 @@ class DetachedCalls:
         out_leaves, spec = tree_flatten(output)
         out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
         n_out = len(out_leaves)  # (the closure must not hold the attached outputs: see below)
+        versions = {n: _torch.version(p) for n, p in detached.items()}
 
         def backward(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+            check_parameter_versions(target, detached, versions)  # (autograd saved none)
             full: list[Tensor | None] = [None] * n_out
             for i, g in zip(out_idx, grads):
                 full[i] = g

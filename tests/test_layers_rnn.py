@@ -886,3 +886,25 @@ def test_autocast_bfloat16(kind, backward_inside):
             w = want[n]
             wscale = w.abs().max().item()
             assert torch.allclose(p.grad1, w, rtol=5e-2, atol=5e-2 * wscale), f"{n}: grad1"
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_a_weight_changed_in_place_before_the_backward_is_refused(quantity):
+    """The LSTM's call runs with grad mode off (its rule gives the whole backward), so autograd
+    saves none of its tensors; a weight changed after the forward would silently enter the
+    backward. It is refused as autograd refuses it for the unhooked module, naming it."""
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4, num_layers=2, batch_first=True).double()
+    x = torch.randn(5, 7, 3, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    loss = plain(x)[0].pow(2).sum()
+    with torch.no_grad():
+        plain.weight_hh_l1.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with gradhooks.add_hooks(model, quantities=(quantity,)):
+        loss = model(x)[0].pow(2).sum()
+        with torch.no_grad():
+            model.weight_hh_l1.mul_(2)
+        with pytest.raises(RuntimeError, match=r"parameter 'weight_hh_l1' .*\(LSTM\)"):
+            loss.backward()
