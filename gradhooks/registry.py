@@ -172,7 +172,9 @@ class Registry:
     ``input_grads`` (with ``grad_from_grad1``): the call runs with grad mode off, so that
     autograd records nothing of it (no backward of the module's own is run), and the rule
     gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may then be any
-    tree of tensors; ``create_graph`` backwards run the forward again under autograd.
+    tree of tensors; ``create_graph`` backwards run the forward again under autograd. A
+    parameter changed in place between the forward and the backward is refused, as autograd
+    refuses a saved tensor changed so.
     ``record`` (with ``input_grads``): ``record(module)``, a context manager entered around
     the forward of each call run with grad mode off (a ``TorchFunctionMode`` can keep what
     the forward computes on the way); what its ``__enter__`` returned reaches the rule as
