@@ -1,6 +1,7 @@
 """Calls whose parameters autograd does not see: run detached (the batch gradient taken from
 ``grad1``, a rule's ``grad_from_grad1``; the forward's tracker hands each torch function of the
-call detached aliases of the parameters, :attr:`gradhooks.layout.Tracker.aliases`), run with
+call detached aliases of the parameters, :attr:`gradhooks.layout.Tracker.aliases`, or a mode of
+the call's own where no tracker follows it: :func:`hand_over`), run with
 grad mode off (a rule with ``input_grads``,
 which gives the inputs' gradients itself), or with the parameters carried by the first input
 (a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from . import _torch
 from ._torch import tree_flatten, tree_map
 from .calls import check_parameter_versions
-from .layout import Aliases
+from .layout import Aliases, Tracker
 from .plan import Target
 from .records import detach_tree, is_compiling, tree_leaves
 
@@ -107,13 +108,28 @@ def _rerun_carried(
     return found, correction
 
 
-def unalias(tracker, previous: dict[int, Tensor | None]) -> None:
-    """Put back ``tracker``'s aliases as they were (``previous``, ``None``: none)."""
-    for pid, alias in previous.items():
-        if alias is None:
-            tracker.aliases.pop(pid, None)
-        else:
-            tracker.aliases[pid] = alias
+def hand_over(tracker: Tracker | None, params: Iterable[Tensor]) -> Callable[[], None]:
+    """Hand every torch function of the call now starting a detached alias of each of
+    ``params``: through ``tracker``'s aliases where a tracker follows the forward, else
+    through an :class:`~gradhooks.layout.Aliases` mode of the call's own (a call run again at
+    the backward by activation checkpointing, which must save what its forward saved).
+    Returns what puts things back, at the call's end."""
+    aliases = {id(p): p.detach() for p in params}
+    if tracker is None:
+        mode = Aliases(aliases)
+        mode.__enter__()
+        return lambda: mode.__exit__(None, None, None)
+    previous = {pid: tracker.aliases.get(pid) for pid in aliases}
+    tracker.aliases.update(aliases)
+
+    def undo() -> None:
+        for pid, alias in previous.items():
+            if alias is None:
+                tracker.aliases.pop(pid, None)
+            else:
+                tracker.aliases[pid] = alias
+
+    return undo
 
 
 def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
@@ -234,18 +250,14 @@ class DetachedCalls:
                 )  # fmt: skip
             if not detached or (carries and carried is None):
                 return
-            tracker = None if target.entry.input_grads else self._tracker()
-            if not target.entry.input_grads and (tracker is None or tracker.off):
-                return  # (the tracker hands the call its detached parameters)
             owned = (args, kwargs) if target.entry.input_grads else None
             recording = None  # (context manager, what it gave), left in _reattach
             if owned is not None and target.entry.record is not None:
                 manager = target.entry.record(module)
                 recording = (manager, manager.__enter__())
-            aliases = None  # (the tracker, what its aliases were), put back in _reattach
-            if tracker is not None:
-                aliases = (tracker, {id(p): tracker.aliases.get(id(p)) for p in detached.values()})
-                tracker.aliases.update((id(p), p.detach()) for p in detached.values())
+            undo = None  # (puts back what hand_over did, in _reattach)
+            if owned is None:  # (a call run with grad mode off needs no aliases)
+                undo = hand_over(self._tracker(), detached.values())
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
@@ -256,7 +268,7 @@ class DetachedCalls:
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
             self._detached.setdefault(id(module), []).append(
-                (module, detached, owned, box, recording, aliases)
+                (module, detached, owned, box, recording, undo)
             )
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
@@ -273,11 +285,11 @@ class DetachedCalls:
         stack = self._detached.get(id(module))
         if not stack:
             return {}, None, None, None
-        _, detached, owned, carried, recording, aliases = stack.pop()
+        _, detached, owned, carried, recording, undo = stack.pop()
         if not stack:
             del self._detached[id(module)]
-        if aliases is not None:
-            unalias(*aliases)
+        if undo is not None:
+            undo()
         if owned is not None:
             torch.set_grad_enabled(True)  # (it was on: _detach_hook)
         recorded = None

@@ -46,7 +46,7 @@ from .calls import (
     unchanged_outputs,
     unview,
 )
-from .capture import DetachedCalls, unalias
+from .capture import DetachedCalls
 from .check import CheckReport, check_hooks
 from .errors import GradhooksWarning
 from .fallback import FALLBACK
@@ -551,9 +551,9 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for _, _, owned, _, recording, aliases in stack[::-1]:
-                if aliases is not None:
-                    unalias(*aliases)
+            for _, _, owned, _, recording, undo in stack[::-1]:
+                if undo is not None:
+                    undo()
                 if recording is not None:
                     recording[0].__exit__(None, None, None)
                 if owned is not None:

@@ -438,3 +438,41 @@ def test_carried_attention_dp_step(threshold, method):
     for name, p in model.named_parameters():
         want = torch.einsum("b,b...->...", factors, loop[name]) / 5
         assert_close(p.grad, want, f"{method}: clipped {name}")
+
+
+class Checkpointed(nn.Module):
+    """A Linear pair and a convolution over 40 positions under activation checkpointing
+    (``reentrant=None``: without it, the reference)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b, self.conv = nn.Linear(4, 8), nn.Linear(8, 4), nn.Conv1d(4, 4, 3, padding=1)
+
+    def block(self, x):  # [batch, 40, 4]
+        return self.b(torch.tanh(self.a(x))) + self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.block(x)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing(threshold, reentrant):
+    """The checkpointed calls run again at the backward, where no tracker follows the forward:
+    they run detached there too (a non-reentrant checkpoint refuses a recomputation that saves
+    other tensors than the forward did), and grad1 and .grad are the oracles'."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).to(D)
+    ref = copy.deepcopy(model)
+    ref.reentrant = None
+    x = torch.randn(3, 40, 4, dtype=D, requires_grad=True)
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    want = vmap_grad(ref, loss_fn, x.detach())
+    grads = {n: g.sum(0) for n, g in want.items()}
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss_fn(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
+        assert_close(p.grad, grads[n], f"{n} .grad vs the sum of the per-example gradients")
