@@ -298,6 +298,50 @@ class DetachedCalls:
             manager.__exit__(*sys.exc_info())
         return detached, owned, carried, recorded
 
+    def _check_aliases(
+        self,
+        target: Target,
+        detached: dict[str, nn.Parameter],
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+    ) -> None:
+        """The first call of a module run with ``detached`` detached: refuse it where its
+        output's autograd history reaches one of them inside the call (a use that no torch
+        function received, so no alias replaced it: an ``autograd.Function``, a TorchScript
+        function), which would add autograd's batch gradient to the one taken from
+        ``grad1``. The walk stops at the call's inputs (at most 64 nodes)."""
+        self._aliases_checked.add(id(target.module))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        # (the nodes held while their ids are compared: a node's Python object may be made anew)
+        held = [t.grad_fn for t in inputs if t.grad_fn is not None]
+        stop = {id(node) for node in held}
+        wanted = {id(p): n for n, p in detached.items()}
+        nodes = [t.grad_fn for t in tree_leaves(output)
+                 if isinstance(t, Tensor) and t.grad_fn is not None]  # fmt: skip
+        seen: set[int] = set()
+        while nodes and len(seen) < 64:
+            node = nodes.pop()
+            if id(node) in seen or id(node) in stop:
+                continue
+            held.append(node)
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)
+            if variable is None:
+                nodes.extend(f for f, _ in node.next_functions if f is not None)
+            elif id(variable) in wanted:
+                module = target.module
+                raise RuntimeError(
+                    f"gradhooks: '{target.name or '<model>'}' ({type(module).__qualname__}) "
+                    f"hands its parameter '{wanted[id(variable)]}' (shape "
+                    f"{tuple(variable.shape)}) to an operation no torch function call "
+                    "shows (an autograd.Function, a TorchScript function), so the call "
+                    "cannot run with it detached: autograd would add its batch gradient to "
+                    "the one its rule takes from grad1. Raise the rule's threshold "
+                    "(gradhooks.tuned(sum_grad1_positions=...) for Linear and the "
+                    "convolutions) or register its rule without grad_from_grad1."
+                )
+
     def _capture_detached(
         self,
         target: Target,

@@ -190,6 +190,7 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
         # its input carries them, else None, (its rule's record, what it gave) where one is
         # entered, else None)]}
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any, Any]]] = {}
+        self._aliases_checked: set[int] = set()  # modules whose detached call was checked
         self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
         self._probing = False  # inside _probe's backward
         self._backwards = 0  # backwards that captured a call, since the hooks were added
@@ -559,6 +560,7 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
                 if owned is not None:
                     torch.set_grad_enabled(True)
         self._detached.clear()
+        self._aliases_checked.clear()
         if self._collector is not None:
             self._collector.discard_backward()
             self._collector._expected = {}
@@ -648,6 +650,8 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
             )
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
+            if detached and owned is None and id(module) not in self._aliases_checked:
+                self._check_aliases(target, detached, args, kwargs, output)
             if owned is not None:
                 new = self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
                 return carry_layouts(tracker, output, new)

@@ -163,8 +163,8 @@ class Registry:
     positions per example share the weight: the sum reads ``batch x parameters`` floats, the
     batch gradient costs ``2 x batch x positions x parameters`` flops). Only for a module that
     returns one tensor, calls no hooked submodule and hands its parameters to torch functions
-    (one handed to an ``autograd.Function`` keeps autograd's batch gradient as well, which the
-    check of the first backward refuses); its rule must give a piece for each of its own
+    (one handed to an ``autograd.Function`` would keep autograd's batch gradient as well: the
+    module's first call refuses it); its rule must give a piece for each of its own
     parameters. With ``taps`` too (the rule runs after the call's output, when the
     backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
     parameters are then attached to the call's first floating-point input instead of its

@@ -256,8 +256,9 @@ class _Scale(nn.Module):
 
 def test_a_parameter_no_torch_function_sees_is_refused_not_counted_twice():
     """grad_from_grad1 needs the call's torch functions to receive its parameters: a layer
-    that hands one to an autograd.Function keeps autograd's batch gradient too, and the
-    engine's check of the first backward refuses the step instead of doubling ``.grad``."""
+    that hands one to an autograd.Function would keep autograd's batch gradient too. Its
+    first call is refused at the forward, with or without the check of the backward, instead
+    of doubling ``.grad``."""
     registry = gradhooks.Registry()
 
     @registry.register(_Scale, grad_from_grad1=lambda m, args: True)
@@ -267,9 +268,13 @@ def test_a_parameter_no_torch_function_sees_is_refused_not_counted_twice():
 
     model = nn.Sequential(_Scale())
     x = torch.randn(4, 5, 3, dtype=D)
-    with gradhooks.add_hooks(model, registry=registry):
-        with pytest.raises(RuntimeError, match="w"):
-            model(x).sum().backward()
+    for verify in (True, False):  # (refused at the forward, before the check could run)
+        with gradhooks.add_hooks(model, registry=registry, verify=verify):
+            with pytest.raises(RuntimeError, match=r"'0' \(_Scale\) hands its parameter 'w'"):
+                model(x)
+    assert not hasattr(model[0].w, "grad1")
+    model(x).sum().backward()  # (the model as it was)
+    assert_close(model[0].w.grad, (x * 1.0).sum((0, 1)), "w .grad")
 
 
 def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
