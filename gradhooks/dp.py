@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import pieces as P
 from .engine import Hooks
@@ -119,6 +120,10 @@ def dp_sgd_step(
     return norms.detach()
 
 
+# Losses a step has run its backward through (their graph freed), until they are freed
+_STEPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _checked(
     hooks: Hooks, per_example_loss: Tensor, method: str | None, reduction: str,
     expected_batch_size: float | None,
@@ -141,6 +146,17 @@ def _checked(
         raise ValueError(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
             "loss with reduction='none' (and sum any other dimension per example)"
+        )
+    if not per_example_loss.requires_grad:
+        raise ValueError(
+            "dp_sgd_step: per_example_loss has no autograd history (detached, or computed "
+            "under torch.no_grad()); the step runs the backward itself: pass the losses as "
+            "the hooked forward gave them"
+        )
+    if per_example_loss in _STEPPED:
+        raise ValueError(
+            "dp_sgd_step: these losses were already stepped on (their graph is freed, the "
+            "parameters' .grad holds that step); run a new forward for the next step"
         )
     return method
 
@@ -316,6 +332,7 @@ def _clipped_sums(
         finally:
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    _STEPPED[per_example_loss] = True
     return norms, clipped
 
 

@@ -294,3 +294,25 @@ def test_expected_batch_size_refuses_reduction_sum_and_bad_values():
             losses = model(torch.randn(4, 3)).sum(1)
             with pytest.raises(ValueError, match=match):
                 gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_losses_without_a_graph_or_stepped_on_are_refused(method):
+    """Detached losses (no graph to backpropagate) and losses a step already ran its backward
+    through (their graph freed) are refused by name, before anything is written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with pytest.raises(ValueError, match="no autograd history"):
+            gradhooks.dp_sgd_step(
+                h, losses.detach(), max_norm=1.0, noise_multiplier=0.0, method=method
+            )
+        gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+        stepped = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match="already stepped on"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+    for p, g in zip(model.parameters(), stepped):
+        assert torch.equal(p.grad, g), "the refused step left .grad as the first step wrote it"
