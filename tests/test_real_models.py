@@ -322,12 +322,14 @@ def test_hugging_face_internal_loss_with_labels():
         close(p.grad1, want[n], n)
 
 
+@pytest.mark.parametrize("detached", [False, True], ids=["", "detached"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
 @pytest.mark.parametrize("name", ["gpt2", "bert-masked-lm", "llama"])
-def test_hugging_face_gradient_checkpointing(name, reentrant):
+def test_hugging_face_gradient_checkpointing(name, reentrant, detached):
     """``model.gradient_checkpointing_enable()`` (non-reentrant by default): every layer's
     forward runs again, untracked, in the backward, and must save what it saved tracked
-    (Llama's rotary tables multiply the batch inside the checkpoint)."""
+    (Llama's rotary tables multiply the batch inside the checkpoint). ``detached``: every
+    Linear call runs detached, its .grad summed from grad1, as on long sequences."""
     factory, loss_fn, kw, _ = HF[name]
     torch.manual_seed(0)
     model = factory().double().eval()
@@ -337,10 +339,13 @@ def test_hugging_face_gradient_checkpointing(name, reentrant):
         gradient_checkpointing_kwargs={"use_reentrant": True} if reentrant else None
     )
     model.train()  # (checkpointing runs in training mode only; dropout is 0)
-    with gradhooks.add_hooks(model, loss_reduction="sum"):
-        loss_fn(model, batch).backward()
+    threshold = 1 if detached else gradhooks.TUNING.sum_grad1_positions
+    with gradhooks.tuned(sum_grad1_positions=threshold):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            loss_fn(model, batch).backward()
     for n, p in model.named_parameters():
         close(p.grad1, want[n], n)
+        close(p.grad, want[n].sum(0), f"{n} .grad")
 
 
 def padded(size, seq, **kw):
