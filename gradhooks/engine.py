@@ -1225,9 +1225,9 @@ class Hooks(CallLayouts, DetachedCalls, Verification):
         return bw
 
     def _param_hook(self, pid: int, name: str):
-        def hook(grad: Tensor) -> None:
-            if self._removed or self._ignore_backward or self._rerunning:
-                return
+        def hook(grad: Tensor | None) -> None:
+            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+                return  # (None: a node gave it no gradient, an empty batch's detached call)
             if pid in self._direct and self._capturing_backward():
                 self._direct_uses(pid, name)
             bw = self._backward_state()

@@ -107,7 +107,12 @@ def test_ddp_with_batch_gradients_from_grad1(tmp_path, monkeypatch):
     run("ddp_grad1", tmp_path)
 
 
-def test_dp_sgd_across_ranks_equals_one_process(tmp_path):
+@pytest.mark.parametrize("detached", [False, True], ids=["", "detached"])
+def test_dp_sgd_across_ranks_equals_one_process(tmp_path, monkeypatch, detached):
+    """``detached``: every Linear call takes its batch gradient from grad1, also on the rank
+    with no examples (whose parameters then get no gradient from the call's node)."""
+    if detached:
+        monkeypatch.setenv("GRADHOOKS_SUM_GRAD1_POSITIONS", "1")
     run("dp_sgd", tmp_path)
 
 
