@@ -67,6 +67,7 @@ Required (no fallback; :func:`require` refuses without them):
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
+  :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine checks that its hooks
   run where it needs them (``capture.py``, ``engine.py``), the oracle puts back parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
@@ -113,6 +114,7 @@ __all__ = [
     "disabled",
     "first_forward_hook",
     "forward_hooks_off",
+    "forward_pre_hooks",
     "fsdp_module_class",
     "fused_lstm",
     "global_forward_hooks",
@@ -607,6 +609,12 @@ def last_forward_pre_hook(module: nn.Module) -> Any:
     Required (:func:`require`)."""
     hooks = module._forward_pre_hooks
     return hooks[next(reversed(hooks))] if hooks else None
+
+
+def forward_pre_hooks(module: nn.Module) -> list:
+    """``module``'s forward pre-hooks in the order they run (``module._forward_pre_hooks``).
+    Required (:func:`require`)."""
+    return list(module._forward_pre_hooks.values())
 
 
 def global_forward_hooks() -> bool:

@@ -25,7 +25,7 @@ from ._torch import tree_flatten, tree_map
 from .calls import check_parameter_versions
 from .layout import Aliases, Tracker
 from .plan import Target
-from .records import detach_tree, is_compiling, tree_leaves
+from .records import Hook, detach_tree, is_compiling, tree_leaves
 
 
 class _Sums(dict):
@@ -132,6 +132,21 @@ def hand_over(tracker: Tracker | None, params: Iterable[Tensor]) -> Callable[[],
     return undo
 
 
+def _first_pre_hooks_ours(module: nn.Module, fn: Any) -> bool:
+    """Whether every forward pre-hook ``module`` runs before ``fn`` is gradhooks' own (and
+    none global): another's (the old ``nn.utils.weight_norm``, ``nn.utils.prune``) may make
+    the weight the call uses from its parameters before the call, where no alias reaches
+    them (the engine then follows their use there instead)."""
+    if _torch.global_forward_pre_hooks():
+        return False
+    for h in _torch.forward_pre_hooks(module):
+        if getattr(h, "fn", None) is fn:
+            return True
+        if not isinstance(h, Hook):
+            return False
+    return False
+
+
 def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
     """Whether ``fn`` is the forward pre-hook ``module`` runs last (none global)."""
     last = _torch.last_forward_pre_hook(module)
@@ -234,6 +249,7 @@ class DetachedCalls:
                 or not self._plain_call(target, module, args, kwargs)
                 or (carries and not self._grad1)
                 or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
+                or not (target.entry.input_grads or _first_pre_hooks_ours(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
             detached = {

@@ -987,12 +987,16 @@ def test_batch_free_prefix_concatenated_with_the_batch(twice):
     assert_matches(m, want, "prefix")
 
 
+@pytest.mark.parametrize("detached", [False, True], ids=["", "detached"])
 @pytest.mark.parametrize("style", ["pre-hook", "parametrization"])
 @pytest.mark.parametrize("layer", ["linear", "conv"])
-def test_weight_norm_old_and_new(style, layer):
+def test_weight_norm_old_and_new(style, layer, detached):
     """The old ``nn.utils.weight_norm`` makes the layer's ``weight`` from ``weight_g`` and
     ``weight_v`` in a forward pre-hook, before the layer's call; the new one is a
-    parametrization. Either way ``grad1`` is for the parameters the user trains."""
+    parametrization. Either way ``grad1`` is for the parameters the user trains.
+    ``detached``: with the threshold at which Linear and convolution calls take their batch
+    gradient from grad1 at 1 (as on long sequences); a call whose weight a pre-hook made
+    before it is not run detached."""
     torch.manual_seed(0)
     first = nn.Linear(12, 4) if layer == "linear" else nn.Conv1d(3, 4, 3, padding=1)
     wrap = nn.utils.weight_norm if style == "pre-hook" else nn.utils.parametrizations.weight_norm
@@ -1004,8 +1008,10 @@ def test_weight_norm_old_and_new(style, layer):
     x = torch.randn(5, 3, 4, dtype=D)
     model(x)  # (the lazy layer's shape)
     want = rowwise_grad(model, sq_rows, x)
-    with gradhooks.add_hooks(model, loss_reduction="sum"):
-        sq(model(x)).backward()
+    threshold = 1 if detached else gradhooks.TUNING.sum_grad1_positions
+    with gradhooks.tuned(sum_grad1_positions=threshold):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            sq(model(x)).backward()
     assert_matches(model, want, f"{style} {layer}")
     if style == "pre-hook":
         with gradhooks.add_hooks(model, batch_dim=None, loss_reduction="sum"):
