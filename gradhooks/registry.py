@@ -165,7 +165,8 @@ class Registry:
     returns one tensor, calls no hooked submodule and hands its parameters to torch functions
     (one handed to an ``autograd.Function`` would keep autograd's batch gradient as well: the
     module's first call refuses it); its rule must give a piece for each of its own
-    parameters. With ``taps`` too (the rule runs after the call's output, when the
+    parameters. Not asked where another's forward pre-hook runs before gradhooks' (the old
+    ``nn.utils.weight_norm`` makes the weight from its parameters there). With ``taps`` too (the rule runs after the call's output, when the
     backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
     parameters are then attached to the call's first floating-point input instead of its
     output, and the output may be any tree of tensors.
