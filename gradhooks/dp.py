@@ -200,13 +200,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
     every example checked at once), to compare with the per-example gradients weighted alike
     (``grad1``, or the pieces the norms are formed from). ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
-    if (
-        not (hooks.verify and hooks._unverified)
-        or hooks._recomputes
-        or hooks._sharded
-        or batch < 2
-        or not per_example_loss.requires_grad
-    ):
+    if not (hooks.verify and hooks._unverified) or hooks._recomputes or hooks._sharded or batch < 2:
         return None
     weights = P.example_weights(batch)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
