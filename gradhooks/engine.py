@@ -47,7 +47,6 @@ from .calls import (
     unview,
 )
 from .capture import DetachedCalls
-from .check import CheckReport, check_hooks
 from .errors import GradhooksWarning
 from .fallback import FALLBACK
 from .layout import PACKED, Tracker
@@ -83,7 +82,7 @@ from .records import (
     tree_leaves,
 )
 from .registry import REGISTRY, Call, Registry, _Entry
-from .verify import Verification, per_example_outputs
+from .verify import CheckReport, Verification, check_hooks, per_example_outputs
 
 __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
 

@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch
 from .._torch import tree_flatten
+from ..fallback import fallback
 from ..layout import note
 from ..loop import per_example
 from ..pause import paused
@@ -766,8 +767,6 @@ def rnn(call: Call) -> dict[str, Outer]:
     if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed(call.grad_outputs):
         # A create_graph backward: the backward through time below has no graph, so the
         # per-example gradients come from torch.func (the fallback), which keeps it.
-        from ..fallback import fallback
-
         return fallback(call)  # type: ignore[return-value]
     given = x  # as passed
     grads = call.grad_outputs
