@@ -57,19 +57,19 @@ Required (no fallback; :func:`require` refuses without them):
   checkpointing) or a failed one is told apart by it.
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
-  engine verifies and reduces what it captured (``engine.py``, ``verify.py``,
+  engine verifies and reduces what it captured (``backward.py``, ``verify.py``,
   ``quantities/collector.py``).
 - ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
   in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
   bumps it), read under its private name: the engine refuses an input changed in place after
-  the forward (``engine.py``, ``calls.py``, ``layout.py``), ``pieces.Rows`` knows where its
+  the forward (``forward.py``, ``calls.py``, ``layout.py``), ``pieces.Rows`` knows where its
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine checks that its hooks
-  run where it needs them (``capture.py``, ``engine.py``), the oracle puts back parameters
+  run where it needs them (``capture.py``), the oracle puts back parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
   ``enable_input_require_grads`` adds, fails under ``torch.func``).

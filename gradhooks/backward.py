@@ -1,0 +1,524 @@
+"""A backward of the hooked model: each captured call's pieces, from its rule, added to
+``grad1`` and handed to the quantities; and the backward's bookkeeping (which parameters it
+reached and computed, the parameters used outside their modules' calls, what a failed backward
+leaves to undo).
+
+:class:`Backwards` is this part of :class:`gradhooks.Hooks`. :meth:`Backwards._on_grads` is where
+the backward reaches a kept call (from its output's gradient hook, :mod:`gradhooks.forward`, or
+from a :class:`~gradhooks.capture._Join` node); a parameter's own gradient hook
+(:meth:`Backwards._param_hook`) records what autograd computed; a callback at the backward's end
+(:meth:`Backwards._end_backward`) verifies, warns and rolls back.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _torch
+from . import pieces as P
+from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
+from .errors import GradhooksWarning
+from .memory import refuse_if_too_large
+from .plan import Target, higher_order, owner_name
+from .records import Backward, CallLayout, CallState, Frame, graph_task
+from .registry import Call, _Entry
+from .verify import per_example_outputs
+
+
+class Backwards:
+    """The backward side of :class:`gradhooks.Hooks`: pieces into ``grad1``, and bookkeeping."""
+
+    def _on_grads(
+        self,
+        target: Target,
+        state: CallState,
+        call: Call,
+        args,
+        kwargs,
+        sums: dict[str, Tensor] | None = None,
+    ) -> None:
+        """The backward reached the outputs of one captured call. ``sums``: filled with the
+        call's batch gradient of each parameter it writes ``grad1`` for."""
+        if self._removed or self._ignore_backward or state.cancelled or self._probing:
+            return
+        # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
+        create_graph = torch.is_grad_enabled()
+        if not self._capturing_backward():
+            state.derived |= create_graph
+            return
+        bw = self._backward_state() if self._track else None
+        if state.derived:
+            # Wrong only if this backward computes parameter gradients (not for the next
+            # derivative of a Laplacian, with respect to the input): decided at its end.
+            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            if bw is None:
+                raise RuntimeError(higher_order(where))
+            bw.derived = bw.derived or where
+            return
+        state.derived = create_graph
+        if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
+            call = replace(call, inputs=args, kwargs=kwargs)
+        if bw is not None:
+            bw.reached.update(id(p) for p in state.params.values())
+            if state.frame is not None:
+                bw.frames.add(id(state.frame))
+        try:
+            check_versions(target, state)
+            if state.out_versions:
+                call = unchanged_outputs(call, state.out_versions)
+            layout = state.layout
+            if layout is not None and layout.kind == "shared":
+                aligned = aligned_call(target, layout, call)
+                if aligned is not None:
+                    layout = aligned
+                else:
+                    call = per_example_outputs(target, layout, call, create_graph)
+            self._backward(target, state.params, call, state.frame, bw, sums, layout)
+        except BaseException:
+            self._abort_backward()
+            raise
+
+    def _backward(
+        self,
+        target: Target,
+        params: dict[str, nn.Parameter],
+        call: Call,
+        frame: Frame | None = None,
+        bw: Backward | None = None,
+        sums: dict[str, Tensor] | None = None,
+        layout: CallLayout | None = None,
+    ) -> None:
+        rule = target.entry.rule
+        try:
+            pieces = rule_pieces(target, params, call, layout)
+        except Exception as e:
+            msg = str(e)
+            names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
+            if msg.startswith("fallback for") or any(n in msg for n in names):
+                raise  # already names the module
+            raise RuntimeError(
+                f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
+                f"({type(target.module).__qualname__}) failed on {describe_call(call)}: {e}\n"
+                "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
+                "an input without a batch dimension (x of shape [features] rather than "
+                "[batch, features]) needs one: x.unsqueeze(0)."
+            ) from e
+        live: dict[str, nn.Parameter] = {}
+        for pname, p in params.items():
+            if pieces.get(pname) is not None:
+                live[pname] = p
+            elif pname not in pieces:
+                raise RuntimeError(
+                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
+                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}). "
+                    "A parameter the rule does not know is used by something around the layer "
+                    "(a forward pre-hook that makes its weight from it, as the old "
+                    "torch.nn.utils.weight_norm does), which gradhooks follows only while it "
+                    "tracks the batch (batch_dim not None): use "
+                    "torch.nn.utils.parametrizations.weight_norm, or register a rule for "
+                    "the layer."
+                )
+            # else: None, the rule says this call's gradient for it is computed elsewhere
+        if not live:
+            return
+        first = next(iter(live))
+        batch = pieces[first].batch_size
+        if (
+            layout is not None
+            and batch != layout.batch
+            and self.batch_dim == "auto"
+            and (layout.root and frame is not None)
+        ):
+            # the model's first input was taken as the batch, and the layer that reads it
+            # counts its examples otherwise (bags of a flat index list): its count is checked
+            # as without the tracker
+            self._check_batch(target, first, call, batch, frame)
+        elif layout is not None:
+            if batch != layout.batch:
+                raise RuntimeError(
+                    f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): its "
+                    f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
+                    f"model's forward has {layout.batch} ({describe_call(call)}). gradhooks could "
+                    f"not follow the batch to this layer (through: "
+                    f"{', '.join(layout.lost) or 'its own operations'}); say where the model's "
+                    "batch is with add_hooks(..., batch_dim=k), or register a rule."
+                )
+        elif frame is not None and self.batch_dim is not None:
+            self._check_batch(target, first, call, batch, frame)
+        if self._grad1 and bw is not None and not bw.memory_checked:
+            bw.memory_checked = True  # before the first grad1 of this backward is formed
+            self._refuse_large(batch)
+        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        formed: dict[int, Tensor] | None = None
+        if sums is not None and not self._grad1 and not self._no_param_grads:
+            formed = {}
+        for pname, p in live.items():
+            if not pieces[pname].sums_to_grad:
+                self._exempt.add(id(p))
+        if not self._grad1 and bw is not None and bw.verify:
+            # (fresh pieces: none of the columns the norms may cache)
+            bw.kept.append(({n: pieces[n].select(slice(None)) for n in live}, live, scale))
+        if self._collector is not None:
+            self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
+        wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
+        if not self._grad1:
+            if formed is not None:  # a call run detached without grad1 (norms): batch gradients
+                for pname, p in live.items():  # as a by-product of the norms, else from the piece
+                    if wanted is not None and pname not in wanted:
+                        continue
+                    total = formed.pop(id(p), None)
+                    if total is not None:
+                        total = total / scale if scale else total
+                    else:
+                        total = pieces[pname].batch_sum(p.shape)
+                    sums[pname] = total.to(p.dtype)
+            return
+        for pname, p in live.items():
+            piece = pieces[pname]
+            qualname = f"{target.name}.{pname}" if target.name else pname
+            if bw is not None and id(p) not in bw.before:
+                # kept for a rollback; a kept grad1 is then never written in place
+                bw.before[id(p)] = p.grad1 if id(p) in self._written else None
+            accumulate = id(p) in self._written
+            out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
+            summed = sums is not None and (wanted is None or pname in wanted)
+            if accumulate and summed:
+                out = None  # this call's own grad1 is summed below: not added in place
+            try:
+                if out is not None:
+                    piece.grad1_into(out, scale, accumulate)
+                else:
+                    g1 = piece.grad1(p.shape, scale)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
+                    f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
+                ) from e
+            if summed:
+                own = out if out is not None else g1
+                total = own.sum(0, dtype=p.dtype)
+                sums[pname] = total / scale if scale else total
+            if out is None:
+                self._accumulate(qualname, p, g1)
+            self._written[id(p)] = p
+
+    def _writable_grad1(
+        self, qualname: str, p: nn.Parameter, batch: int, accumulate: bool
+    ) -> Tensor | None:
+        """``p.grad1``, if this call's gradient can be written into its memory: it has the
+        right shape, dtype and device, and nothing but ``p`` refers to it or to its memory (the
+        test autograd makes before reusing ``.grad``). Writing in place skips a fresh
+        allocation, whose page faults cost more than the writing itself on CPU; a ``grad1``
+        the caller kept (a reference, a view, a numpy array) is never changed."""
+        if torch.is_grad_enabled():
+            return None  # a create_graph backward: grad1 gets a graph, never written in place
+        old = _sole_grad1(p)
+        if old is None:
+            return None
+        if accumulate and old.shape[0] != batch:
+            return None  # _accumulate explains
+        if tuple(old.shape) != (batch, *p.shape) or old.dtype != p.dtype or old.device != p.device:
+            return None
+        return old
+
+    def _check_batch(self, target, pname, call, batch: int, frame: Frame) -> None:
+        """Every hooked layer of one forward of the model must see its batch on dimension 0."""
+        if len(frame.seen) == 1 and batch in frame.seen:
+            return  # the usual case, checked once per forward: as the layers before it
+        name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        other = next((n for b, n in frame.seen.items() if b != batch), None)
+        if frame.batch is not None and batch != frame.batch:
+            why = (
+                f"but the model's forward got a batch of {frame.batch} (dimension "
+                f"{self.batch_dim} of its first tensor input)"
+            )
+        elif other is not None:
+            seen = next(b for b, n in frame.seen.items() if n == other)
+            why = f"but {other} in the same forward of the model saw a batch of {seen}"
+        elif frame.batch is None and frame.sizes and batch not in frame.sizes:
+            why = (
+                f"but dimensions 0 and 1 of the model's tensor inputs and outputs have sizes "
+                f"{sorted(frame.sizes)}, none {batch}"
+            )
+        else:
+            frame.seen.setdefault(batch, name)
+            return
+        what = (
+            f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
+            f"what its rule sees: {describe_call(call)})"
+        )
+        raise RuntimeError(
+            f"{what}, {why}. A layer that does not see the examples on dimension 0 (the model "
+            "folds time or patches into the batch, x.view(B * T, ...), or runs a layer "
+            "sequence-first, [seq, batch, ...]) would get grad1 rows that are not examples. Keep "
+            "the batch on dimension 0 of every hooked layer's input (nn.Linear takes "
+            "[batch, *, features]: no need to fold; batch_first=True, or x.transpose(0, 1)). "
+            "add_hooks(..., batch_dim=k) says the model's batch is dimension k of its first "
+            "input; batch_dim=None turns this check off (grad1 then has one row per entry of "
+            "each layer's dimension 0)."
+        )
+
+    def _refuse_large(self, batch: int) -> None:
+        if not self._params:
+            return
+        p = next(iter(self._params.values()))[1]
+        model = self.model
+        refuse_if_too_large(
+            f"'{type(model).__qualname__}'" if model is not None else "the model",
+            batch, self._numel, p.element_size(), p.device, self.max_grad1_bytes,
+        )  # fmt: skip
+
+    def _backward_state(self) -> Backward:
+        task = graph_task()
+        bw = self._tasks.get(task)
+        if bw is None:
+            nested = bool(self._tasks)  # (a backward inside another: reentrant checkpointing)
+            bw = self._tasks[task] = Backward(set(), set(), {}, [])
+            if nested:  # their gradients are split between the two: not verified
+                for other in self._tasks.values():
+                    other.verify = frozenset()
+            elif self.verify and self._checks_examples and self._unverified:
+                bw.verify = frozenset(self._unverified)
+            _torch.queue_backward_callback(lambda: self._end_backward(task))
+        return bw
+
+    def _param_hook(self, pid: int, name: str):
+        def hook(grad: Tensor | None) -> None:
+            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+                return  # (None: a node gave it no gradient, an empty batch's detached call)
+            if pid in self._direct and self._capturing_backward():
+                self._direct_uses(pid, name)
+            bw = self._backward_state()
+            bw.computed.add(pid)
+            if bw.verify and self._capturing_backward():
+                # (a copy: autograd may take this very tensor as .grad, which DDP then
+                # all-reduces in place)
+                bw.grads[pid] = grad.detach().clone()
+            if pid not in bw.reached and self._capturing_backward():
+                if pid in bw.direct:
+                    self._lost(pid, name, *bw.direct[pid])
+                bw.missed.append(name)
+
+        return hook
+
+    def _direct_reached(self, held: tuple, unknown: dict) -> None:
+        """The backward passes through an operation of a followed forward that used these
+        parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
+        if self._rerunning or self._removed or self._ignore_backward or not self._track:
+            return
+        if not (self._capturing_backward()):
+            return
+        bw = self._backward_state()
+        for pid, source in held:
+            sources, _ = bw.direct.setdefault(pid, (set(), unknown))
+            sources.add(source)
+
+    def _lost(self, pid: int, name: str, sources: set, unknown: dict) -> None:
+        """A parameter used directly in a followed forward whose gradient this backward computed
+        with no per-example gradient at all: never left without one in silence."""
+        uses = {kind for s in sources for kind, _ in s.uses}
+        if "loss" in uses and not self.verify:
+            return  # (a term of the loss alone: verify=False keeps the per-example terms)
+        ops = ", ".join(unknown)
+        self._abort_backward()
+        raise RuntimeError(
+            f"'{name}' is used outside its module's call, and this backward computed its "
+            "gradient, but no per-example gradient reached it: "
+            + (
+                f"gradhooks lost the examples on the way (through {ops}, whose effect on the "
+                "batch it does not know)"
+                if ops
+                else "its gradient never met the batch where gradhooks could follow it (a "
+                "term of the loss computed from the parameter alone?)"
+            )
+            + ". Its grad1 was not written. Use the parameter through a module with a rule "
+            "(or register one with @gradhooks.register), or freeze it."
+        )
+
+    def _direct_uses(self, pid: int, name: str) -> None:
+        """A parameter's gradient is complete: its per-example gradients from its uses outside
+        its module's call (the tracker's sources) go into ``grad1`` as one more piece."""
+        task = graph_task()
+        found = [
+            s for s in list(self._direct[pid]) if not s.discarded and (task in s.grads or s.problem)
+        ]
+        if not found:
+            return
+        p = self._params[pid][1]
+        target = self._direct_targets.get(pid)
+        if target is None:
+            prefix, leaf = owner_name(name)
+            entry = _Entry(
+                rule=lambda call, leaf=leaf: {leaf: P.Direct(call.grad_outputs[0])},
+                owns_children=False, needs_output=False,
+            )  # fmt: skip
+            target = Target(prefix, self._owner(name), entry, {leaf: p})
+            self._direct_targets[pid] = target
+        problem = next((s.problem for s in found if s.problem), None)
+        if problem is not None:
+            self._abort_backward()
+            raise RuntimeError(
+                f"'{name}' is used outside its module's call, in operations that do not depend "
+                f"on the examples until they meet the batch, and {problem}: gradhooks cannot "
+                "tell each example's share of its gradient. Use it through its module, or "
+                "freeze it."
+            )
+        per = None
+        for s in found:
+            g = s.grads.pop(task)
+            per = g if per is None else per + g
+        call = Call(
+            target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
+            registry=self.registry,
+        )  # fmt: skip
+        state = CallState(dict(target.params), None)
+        self._on_grads(target, state, call, (), {})
+
+    def _owner(self, name: str) -> nn.Module:
+        prefix, _ = owner_name(name)
+        model = self.model
+        return model.get_submodule(prefix) if model is not None else None
+
+    def _end_backward(self, task: int) -> None:
+        waiting = self._tasks.get(task)
+        while waiting is not None and waiting.pending:  # taps the backward never reached
+            waiting.pending.pop(next(iter(waiting.pending)))()
+        bw = self._tasks.pop(task, None)
+        if bw is None or self._removed:
+            return
+        self._unheld.clear()
+        if bw.reached:
+            self._backwards += 1
+        if bw.derived is not None and bw.computed:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+            raise RuntimeError(higher_order(bw.derived))
+        # A backward that computes the gradient of none of the model's parameters
+        # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
+        # leaves grad1 and the other quantities as they were.
+        if bw.reached and not bw.computed and not self._no_param_grads and not self._sharded:
+            self._rollback(bw)
+            if self._collector is not None:
+                self._collector.discard_backward()
+        if bw.verify and bw.grads and bw.reached and self._grad1:
+            self._verify(bw)
+        elif bw.verify and not self._grad1:
+            if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
+                # (after the collector's own callback, which forms the norms)
+                _torch.queue_backward_callback(lambda: self._verify_norms(bw, bw.probe))
+            self._unverified -= bw.verify
+        if self._collector is not None:
+            self._collector.missed = list(bw.missed)
+        if bw.missed:
+            missed = set(bw.missed)
+            for name, p in self._params.values():
+                if name in missed and id(p) not in self._written and hasattr(p, "grad1"):
+                    del p.grad1  # (an earlier step's, never to be read for this one's)
+            for name in bw.missed:
+                self._missed[name] = None
+            names = ", ".join(f"'{n}'" for n in bw.missed[:5])
+            more = f" and {len(bw.missed) - 5} more" if len(bw.missed) > 5 else ""
+            warnings.warn(
+                f"gradhooks: a backward computed the gradient of {names}{more} but no forward "
+                "call of their modules was captured for it: the forward ran before add_hooks, "
+                "or while capture was paused, or outside the hooked model's modules (a "
+                "parameter used in the loss, or in a method of the model other than forward "
+                "outside any submodule's call). They have no grad1 from this backward. Run the "
+                "forward after add_hooks, through the model's modules.",
+                GradhooksWarning,
+                stacklevel=2,
+            )
+
+    def _grad1_of_backward(self, bw: Backward, pid: int, p: nn.Parameter) -> Tensor | None:
+        """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""
+        if pid not in self._written or pid not in bw.before:
+            return None
+        g1 = p.grad1.detach()
+        before = bw.before[pid]
+        return g1 if before is None else g1 - before
+
+    def _rollback(self, bw: Backward) -> None:
+        """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
+        so it was never written in place (``_writable_grad1`` refuses a referenced grad1)."""
+        for pid, before in bw.before.items():
+            p = self._written.get(pid)
+            if p is None:
+                continue
+            if before is None:
+                del self._written[pid]
+                if hasattr(p, "grad1"):
+                    del p.grad1
+            else:
+                p.grad1 = before
+
+    def _abort_backward(self) -> None:
+        """A hook of ours raised: the backward fails; leave nothing of it behind."""
+        bw = self._tasks.pop(graph_task(), None)
+        if bw is not None:
+            self._rollback(bw)
+        if self._collector is not None:
+            self._collector.discard_backward()
+
+    def _drop_stale(self) -> None:
+        """At a forward outside any backward: a backward still recorded as running failed
+        (an exception elsewhere in it); undo what it wrote."""
+        for bw in self._tasks.values():
+            self._rollback(bw)
+        self._tasks.clear()
+        if self._collector is not None and self._collector._queued:
+            self._collector.discard_backward()
+
+    def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
+        if g1.dtype != p.dtype:
+            g1 = g1.to(p.dtype)
+        if id(p) in self._written:
+            old = p.grad1
+            if old.shape != g1.shape:
+                raise RuntimeError(
+                    f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
+                    f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
+                    "Call clear() (autograd-hacks: clear_backprops(model)) between steps, or "
+                    "make every hooked layer see the same batch."
+                )
+            p.grad1 = old + g1
+        else:
+            p.grad1 = g1
+
+
+def _grad1_refs(owner: Any) -> int:
+    t = owner.__dict__.get("grad1")
+    return sys.getrefcount(t)
+
+
+def _sole_refs() -> int | None:
+    """What :func:`_grad1_refs` counts for a ``grad1`` that nothing else refers to, or ``None``
+    where one more reference would not show (then ``grad1`` is never written in place)."""
+    try:
+        owner = nn.Parameter(torch.zeros(2))
+        owner.grad1 = torch.zeros(1, 2)
+        alone = _grad1_refs(owner)
+        kept = owner.grad1  # noqa: F841  (one more reference)
+        return alone if _grad1_refs(owner) == alone + 1 else None
+    except Exception:
+        return None
+
+
+_SOLE_REFS = _sole_refs()
+
+
+def _sole_grad1(p: nn.Parameter) -> Tensor | None:
+    """``p.grad1`` if it is a plain contiguous tensor that only ``p`` refers to: no other
+    Python reference, no view or other tensor on its memory, not saved by autograd."""
+    if _SOLE_REFS is None or type(p.__dict__.get("grad1")) is not Tensor:
+        return None
+    if _grad1_refs(p) != _SOLE_REFS:
+        return None
+    t = p.grad1
+    return t if t.is_contiguous() and _torch.unshared(t) else None

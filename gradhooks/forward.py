@@ -1,0 +1,465 @@
+"""A forward of the hooked model: its frame and the tracker that follows the batch through it,
+and, at each hooked call, what the call keeps until the backward reaches its outputs.
+
+:class:`Forwards` is this part of :class:`gradhooks.Hooks`: the forward pre- and post-hooks of
+the model (and of the modules through which it may be entered, :meth:`Forwards._entry_hooks`)
+open and close a :class:`~gradhooks.records.Frame`; every hooked module's forward hook keeps its
+call (a :class:`~gradhooks.registry.Call` and its :class:`~gradhooks.records.CallState`) and puts
+a gradient hook on its outputs, which hands the call, with its output-gradients, to the backward
+(:mod:`gradhooks.backward`). A call whose rule runs it detached, owned or carried goes through
+:mod:`gradhooks.capture` first.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _torch
+from ._torch import tree_flatten, tree_map
+from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
+from .fallback import FALLBACK
+from .layout import PACKED, Tracker
+from .plan import Target, positional
+from .records import (
+    CallLayout,
+    CallState,
+    Frame,
+    autocast_on,
+    detach_tree,
+    graph_task,
+    is_compiling,
+    power_of_two,
+    tree_leaves,
+)
+from .registry import Call
+
+
+class Forwards:
+    """The forward side of :class:`gradhooks.Hooks`: frames, the tracker, kept calls."""
+
+    def _enter_hook(self, target: Target):
+        """The forward pre-hook of every hooked module: the tracker (if this forward has one)
+        learns which parameters the call covers, so that an operation using a parameter
+        outside its module's call is seen as a direct use."""
+        own = list(target.params.values())
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module is not target.module:
+                return
+            now = own
+            if self._sharded:
+                now = self._unsharded(target)
+            tracker = self._tracker()
+            if tracker is not None:
+                self._reseed_before(target, module, args, kwargs, tracker)
+                tracker.enter_call(now, module, soft=target.entry is FALLBACK)
+
+        return hook
+
+    def _tracker(self) -> Tracker | None:
+        return self._frames[-1].tracker if self._frames else None
+
+    def _unsharded(self, target: Target) -> list[nn.Parameter]:
+        """A module sharded by FSDP2 holds, while it runs, unsharded parameters in place of
+        the sharded ones the hooks were planned with: the parameters its call uses now, each
+        known to the tracker under its sharded one's name (and kept for the DP step's
+        backward, :func:`gradhooks.dp_sgd_step`)."""
+        slots = dict(target.module.named_parameters(remove_duplicate=False))
+        now = []
+        for name, planned in target.params.items():
+            current = slots.get(name, planned)
+            now.append(current)
+            if current is not planned:
+                self._current[id(planned)] = current
+                tracker = self._tracker()
+                if tracker is not None and id(planned) in self._params:
+                    tracker.params[id(current)] = (self._params[id(planned)][0], planned)
+        return now
+
+    def _forward_hook(self, target: Target):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            tracker = self._tracker()
+            if tracker is None or module is not target.module or not tracker.covered:
+                return body(module, args, kwargs, output, None, True)
+            used = tracker.exit_call()
+            with tracker.paused():
+                return body(module, args, kwargs, output, tracker, used)
+
+        def body(module, args, kwargs, output, tracker, used) -> Any:
+            args, kwargs = positional(module, args, kwargs)
+            detached, owned, carried, recorded = (
+                self._reattach(module) if self._detached else ({}, None, None, None)
+            )
+            if output is None and sys.exc_info()[1] is not None:
+                return  # the forward raised (an always_call hook, for _reattach)
+            if detached and owned is None and id(module) not in self._aliases_checked:
+                self._check_aliases(target, detached, args, kwargs, output)
+            if owned is not None:
+                new = self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
+                return carry_layouts(tracker, output, new)
+            if detached and carried is None:
+                new = self._capture_detached(target, detached, args, kwargs, output)
+                return carry_layouts(tracker, output, new)
+            # (a carried call goes on as any other: its rule gives the sums as well)
+            sums = carried.sums if carried is not None else None
+            if self._removed or not self._pause.on:
+                return
+            if not torch.is_grad_enabled():
+                if self._frames and self._frames[-1].grad_enabled:
+                    # no_grad inside a training forward: reentrant activation checkpointing,
+                    # which reruns this call during the backward. The collector then waits for
+                    # the end of the backward to reduce these parameters' pieces.
+                    self._frames[-1].unprobed = True
+                    self._recomputes = True
+                    if self._collector is not None:
+                        self._collector.defer.update(id(p) for p in target.params.values())
+                return
+            if module is not target.module:
+                return  # a deep copy of a hooked module carries our hook: the copy is not hooked
+            if _torch.in_transform(args, kwargs, output):
+                return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
+            if target.entry.on_forward is not None:
+                target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
+            live = {n: p for n, p in target.params.items() if p.requires_grad}
+            if tracker is not None and target.entry is not FALLBACK:
+                # a parameter its call never used, followed where it was used instead (the old
+                # nn.utils.weight_norm makes `weight` from `weight_g` and `weight_v` in a
+                # forward pre-hook, before the call): its grad1 comes from there
+                live = {
+                    n: p
+                    for n, p in live.items()
+                    if id(self._current.get(id(p), p)) in used.params
+                    or id(p) not in tracker.param_sources
+                }
+            if not live:
+                return
+            leaves = tree_leaves(output)
+            hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not hooked:
+                return
+            if target.entry is FALLBACK and tracker is not None:
+                if used.mixed:
+                    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+                    outs = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+                    tracker.absorb(used, ins, outs)
+                live = _used_by_fallback(target, live, used, tracker, output)
+                if not live:
+                    return  # the tracker follows every use (or there was none)
+            replaced = None
+            if len(hooked) > 1 or any(_torch.is_view(leaves[i]) for i in hooked):
+                # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
+                # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
+                # an output of its own. Several outputs each get a node of their own: where one
+                # is computed from another inside the call (LSTMCell's h' from c'), the gradient
+                # reaching the other would include what flowed in through the first.
+                old = output
+                output = tree_map(unview if len(hooked) == 1 else own_node, output)
+                replaced = carry_layouts(tracker, old, output)
+                leaves = tree_leaves(output)
+            layout = self._call_layout(target, args, kwargs, output, tracker)
+            call, state = self._kept_call(target, live, args, kwargs, output, layout)
+
+            n_leaves = len(leaves)
+            # what the call's nodes hold is read only where they stand as the forward ran them
+            # (not for the Jacobians: their backward stops at the hooked calls' outputs; not
+            # under saved-tensor hooks: reading what a node saved would rerun the call)
+            readable = (
+                (target.entry.taps is not None or target.entry.saved is not None)
+                and self._track
+                and keeps_rows(layout)
+                and not _torch.saved_tensor_hooks_active()
+            )
+            taps = None
+            if target.entry.taps is not None and readable:
+                taps = target.entry.taps(module, args, kwargs, output)
+            nodes = list(taps.nodes) if taps is not None else []
+            # the closures below count the nodes and never hold them (see _without_nodes)
+            n_nodes = len(nodes)
+            if taps is not None:
+                call = replace(call, taps=_without_nodes(taps))
+            if target.entry.saved is not None and readable:
+                call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
+
+            def on_grads(grads) -> None:
+                if self._rerunning and not (self._probing and carried is not None):
+                    return  # a backward of the engine's own
+                full: list[Tensor | None] = [None] * n_leaves
+                for i, g in zip(hooked, grads):
+                    full[i] = g
+                if carried is not None:  # (sums a backward that never reached it left: gone)
+                    carried.outputs = tuple(full)
+                    carried.sums.clear()
+                    if self._rerunning:
+                        return  # the probe's: the carried parameters' gradients by a rerun
+                capturing = not (self._removed or self._ignore_backward or state.cancelled)
+                if n_nodes and capturing and self._capturing_backward():
+                    # The rule runs when the backward reaches the tapped nodes too, or, if it
+                    # never does (a backward for some parameters only), at its end without them
+                    pending["outputs"] = tuple(full)
+                    bw = self._backward_state()
+                    bw.reached.update(id(p) for p in live.values())  # before their own grads
+                    bw.pending[id(pending)] = lambda: self._on_grads(
+                        target, state, replace(call, grad_outputs=pending.pop("outputs"),
+                                               taps=None), args, kwargs, sums,
+                    )  # fmt: skip
+                    return
+                filled = replace(call, grad_outputs=tuple(full))
+                self._on_grads(target, state, filled, args, kwargs, sums)
+
+            if nodes:
+                pending: dict[Any, Any] = {}
+
+                def on_node(i: int, grad_outputs: tuple) -> None:
+                    if "outputs" not in pending or self._rerunning:
+                        return  # a backward not captured
+                    pending[i] = tuple(grad_outputs)
+                    if len(pending) < n_nodes + 1:
+                        return
+                    tapped = tuple(pending[j] for j in range(n_nodes))
+                    outputs = pending.pop("outputs")
+                    pending.clear()
+                    bw = self._tasks.get(graph_task())
+                    if bw is not None:
+                        bw.pending.pop(id(pending), None)
+                    done = replace(call, grad_outputs=outputs, tap_grads=tapped)
+                    self._on_grads(target, state, done, args, kwargs, sums)
+
+                for i, node in enumerate(nodes):
+                    node.register_prehook(lambda grad_outputs, i=i: on_node(i, grad_outputs))
+
+            if self._collector is not None:
+                self._collector.expect(live)
+            if len(hooked) == 1:
+                leaves[hooked[0]].register_hook(lambda g: on_grads((g,)))
+            else:
+                torch.autograd.graph.register_multi_grad_hook(
+                    [leaves[i] for i in hooked], on_grads, mode="all"
+                )
+            return replaced
+
+        return hook
+
+    def _kept_call(
+        self,
+        target: Target,
+        live: dict,
+        args: tuple,
+        kwargs: dict,
+        output: Any,
+        layout: CallLayout | None = None,
+    ) -> tuple[Call, CallState]:
+        """What a captured forward call keeps until its backward, registered with the root
+        forward it runs in."""
+        call = Call(
+            module=target.module,
+            inputs=detach_tree(args),
+            kwargs=detach_tree(kwargs),
+            output=detach_tree(output) if target.entry.needs_output else None,
+            grad_outputs=(),
+            name=target.name,
+            registry=self.registry,
+            hooked=self._hooked,
+            memo=target.memo,
+        )
+        frame = self._frames[-1] if self._frames else None
+        kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
+        if target.entry is not FALLBACK:
+            kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
+        versions = tuple((t, _torch.version(t)) for t in kept)
+        state = CallState(live, frame, layout=layout, versions=versions)
+        if call.output is not None:
+            state.out_versions = tuple(
+                (i, _torch.version(t))
+                for i, t in enumerate(tree_leaves(call.output))
+                if isinstance(t, Tensor)
+            )
+        if frame is not None:
+            frame.states.append(state)
+            frame.signature.append((id(target), None if layout is None else layout.kind))
+            if not frame.unprobed and (_torch.saved_tensor_hooks_active() or autocast_on()):
+                frame.unprobed = True  # (run again at the backward, or in lower precision)
+        return call, state
+
+    def _keep_unhooked_call(self, target: Target, args: tuple, kwargs: dict, output: Any):
+        """The start of capturing a call whose parameters autograd does not see (run detached,
+        or with grad mode off): its forward check, its kept call and the collector's
+        expectation of its live parameters. Returns ``(call, state)``."""
+        if target.entry.on_forward is not None:
+            target.entry.on_forward(target.module, target.name)
+        live = {n: p for n, p in target.params.items() if p.requires_grad}
+        layout = self._call_layout(target, args, kwargs, output, self._tracker())
+        call, state = self._kept_call(target, live, args, kwargs, output, layout)
+        if self._collector is not None:
+            self._collector.expect(live)
+        return call, state
+
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module is not self.model:
+            return  # a copy
+        self._open_frame(module, args, kwargs)
+
+    def _entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
+        """The forward pre- and post-hook of a module of the model other than the root that
+        holds a hooked module (or is one): where it is called outside the model's own forward
+        (``model.encoder(x)``, a method such as ``get_image_features`` that calls submodules
+        rather than ``forward``), its call is a forward of the model's, with the batch followed
+        from its inputs, as the root's would be."""
+        ref = weakref.ref(module)
+
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            # (not during a backward: activation checkpointing running a block again)
+            if not self._frames and m is ref() and graph_task() == -1:
+                self._open_frame(m, args, kwargs)
+
+        def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if m is ref():
+                self._on_root_post(m, args, kwargs, output)
+
+        return pre, post
+
+    def _open_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A forward of the model starts: ``module``'s call (the root's, or an entry's:
+        :meth:`_entry_hooks`)."""
+        frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
+        self._frames.append(frame)  # first: the post-hook pops it even if this raises
+        if self._removed or not self._pause.on:
+            return
+        if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
+            return
+        if graph_task() == -1:
+            self._drop_stale()
+        self._follow_changes(self.model)
+        leaves = [t for t in [*tree_leaves(args), *tree_leaves(kwargs)] if isinstance(t, Tensor)]
+        if not leaves or self.batch_dim is None:
+            return
+        if self.batch_dim == "auto":
+            frame.sizes.update(n for t in leaves for n in t.shape[:2])
+            if all(t.dim() == 0 for t in leaves):
+                raise ValueError(
+                    f"{type(module).__qualname__}'s tensor inputs have no dimensions "
+                    f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
+                    "Add a batch dimension (x.unsqueeze(0) for one example)."
+                )
+            self._start_tracker(frame, args, kwargs)
+            return
+        first = leaves[0]
+        if first.dim() <= self.batch_dim:
+            raise ValueError(
+                f"{type(module).__qualname__}'s first tensor input has shape "
+                f"{tuple(first.shape)}: no batch dimension {self.batch_dim}. gradhooks needs a "
+                "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
+            )
+        frame.batch = first.shape[self.batch_dim]
+        if self._grad1:
+            self._refuse_large(frame.batch)  # before the forward allocates anything
+        self._start_tracker(frame, args, kwargs)
+
+    def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
+        """Follow the batch through this forward (:mod:`gradhooks.layout`)."""
+        if not self._track or is_compiling():
+            return
+        found = root_batch(args, kwargs, self.batch_dim)
+        if found is None:
+            return
+        batch, layouts = found
+        if batch == 0:
+            return  # (no example: nothing to follow)
+        tracker = Tracker(batch, self._params, self)
+        for i, (t, lay) in enumerate(layouts):
+            tracker.set_layout(t, lay)
+            if i and lay is not PACKED:
+                tracker.candidates[t] = True
+        frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        frame.tracker = tracker
+        tracker.__enter__()
+
+    def _stop_tracker(self, frame: Frame) -> None:
+        tracker, frame.tracker = frame.tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            tracker.finish()
+
+    def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._frames or self._frames[-1].owner is not module:
+            return  # (a copy; an entry called inside the model's forward)
+        frame = self._frames.pop()
+        tracker = frame.tracker
+        self._stop_tracker(frame)
+        if tracker is not None and sys.exc_info()[1] is None:
+            self._check_output(module, tracker, output)
+        if frame.signature:
+            sig = tuple(frame.signature)
+            # (verified by the next backward that captures: the first of each new set of calls,
+            # and again at the 2nd, 4th, 8th... backward of the handle, where what changed since
+            # without changing the calls, a hook or a loss term added later, shows)
+            if sig not in self._verified or (self.verify and power_of_two(self._backwards + 1)):
+                self._verified.add(sig)
+                self._unverified.add(sig)
+                if tracker is not None and sys.exc_info()[1] is None:
+                    self._arm_probe(frame, tracker, output)
+        if self.batch_dim == "auto" and frame.sizes:
+            frame.sizes.update(
+                n for t in tree_leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
+            )
+        if output is None and sys.exc_info()[1] is not None:
+            # the forward raised: what it captured will never be backpropagated
+            for state in frame.states:
+                state.cancelled = True
+                if self._collector is not None:
+                    self._collector.unexpect(state.params)
+
+
+def _without_nodes(taps: Any) -> Any:
+    """``taps`` as the rule sees them (``call.taps``): without their ``nodes``, which the engine
+    has hooked by then. Each node's hook refers to the kept call; a call referring back to the
+    node would make a reference cycle through autograd's graph, which keeps the forward's
+    tensors (and the graph's) alive after the backward until Python's garbage collector runs:
+    several steps' activations at once, and fresh memory for every step."""
+    if not getattr(taps, "nodes", None):
+        return taps
+    kept = copy.copy(taps)
+    kept.nodes = ()
+    return kept
+
+
+def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output) -> dict:
+    """The parameters a call of a module without a rule used in operations of its own (not
+    inside its hooked submodules' calls) that the fallback differentiates: those the tracker
+    could not follow to where they met the batch cheaply (its sources for them are then
+    dropped). A submodule's parameter it uses directly while also calling that submodule
+    cannot be told apart in the recomputation (both uses would be counted): an error."""
+    escaped = set()
+    for t in tree_flatten(output)[0]:
+        escaped |= tracker.sources_of(t)
+    kept = {}
+    for n, p in live.items():
+        if id(p) not in used.params:
+            continue
+        source = used.sources.get(id(p))
+        if source is None and id(p) in used.functional:
+            continue  # the tracker's: captured as F.linear's call
+        if source is not None and not (
+            source.needs_fallback or source.problem or source in escaped
+        ):  # fmt: skip
+            continue  # the tracker's
+        if source is not None:
+            source.discarded = True
+        kept[n] = p
+    for n in kept:
+        prefix, _, _ = n.rpartition(".")
+        if prefix and id(target.module.get_submodule(prefix)) in used.called:
+            raise RuntimeError(
+                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}) calls its "
+                f"submodule '{prefix}' and also uses its parameter '{n}' directly; its "
+                "per-example gradients cannot tell the two uses apart. Register a rule for "
+                f"{type(target.module).__qualname__} with @gradhooks.register, or use the "
+                "parameter only through the submodule."
+            )
+    return kept
