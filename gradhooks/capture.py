@@ -2,7 +2,7 @@
 ``grad1``, a rule's ``grad_from_grad1``; the forward's tracker hands each torch function of the
 call detached aliases of the parameters, :attr:`gradhooks.layout.Tracker.aliases`, or a mode of
 the call's own where no tracker follows it: :func:`hand_over`), run with
-grad mode off (a rule with ``input_grads``,
+grad mode off (a rule with ``owns_backward``,
 which gives the inputs' gradients itself), or with the parameters carried by the first input
 (a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of
 :class:`gradhooks.Hooks` that runs them; autograd reaches the parameters again through the
@@ -223,7 +223,7 @@ class DetachedCalls:
         replaces the output by one attached to them again through a :class:`_Join` node, whose
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
-        the parameters no gradient. Where the rule's entry has ``input_grads``, the call runs
+        the parameters no gradient. Where the rule's entry has ``owns_backward``, the call runs
         with grad mode off: autograd records nothing of it (:meth:`_capture_owned`). Where it
         has ``taps`` (and ``grad1`` is computed), the rule runs only once the backward has
         reached nodes inside the call, after its output: the parameters are attached to the
@@ -231,7 +231,8 @@ class DetachedCalls:
         its place (every occurrence: ``query is key is value`` stays true), and whose backward
         runs after the call's (:meth:`_carried_backward`)."""
 
-        carries = target.entry.taps is not None and not target.entry.input_grads
+        owns = target.entry.owns_backward is not False
+        carries = target.entry.taps is not None and not owns
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if (
@@ -248,8 +249,8 @@ class DetachedCalls:
                 or not target.entry.grad_from_grad1(module, args)
                 or not self._plain_call(target, module, args, kwargs)
                 or (carries and not self._grad1)
-                or ((target.entry.input_grads or carries) and not _last_pre_hook(module, hook))
-                or not (target.entry.input_grads or _first_pre_hooks_ours(module, hook))
+                or ((owns or carries) and not _last_pre_hook(module, hook))
+                or not (owns or _first_pre_hooks_ours(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
             detached = {
@@ -266,10 +267,10 @@ class DetachedCalls:
                 )  # fmt: skip
             if not detached or (carries and carried is None):
                 return
-            owned = (args, kwargs) if target.entry.input_grads else None
+            owned = (args, kwargs) if owns else None
             recording = None  # (context manager, what it gave), left in _reattach
-            if owned is not None and target.entry.record is not None:
-                manager = target.entry.record(module)
+            if owned is not None and callable(target.entry.owns_backward):
+                manager = target.entry.owns_backward(module)
                 recording = (manager, manager.__enter__())
             undo = None  # (puts back what hand_over did, in _reattach)
             if owned is None:  # (a call run with grad mode off needs no aliases)
@@ -297,7 +298,7 @@ class DetachedCalls:
         """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
         returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
         ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
-        and what its rule's ``record`` gave (else ``None``), the recording now left."""
+        and what its rule's ``owns_backward`` recording gave (else ``None``), the recording now left."""
         stack = self._detached.get(id(module))
         if not stack:
             return {}, None, None, None
@@ -419,14 +420,14 @@ class DetachedCalls:
         output: Any,
         recorded: Any = None,
     ) -> Any:
-        """Capture a call that ran with grad mode off (its rule's entry has ``input_grads``):
+        """Capture a call that ran with grad mode off (its rule's entry has ``owns_backward``):
         autograd recorded nothing of it. Return its output with every tensor leaf attached to
         the parameters and to the inputs that require grad (``owned``: ``(args, kwargs)``)
         through one :class:`_Join` node. Its backward runs the rule, whose pieces give
         the parameters' batch gradients and which gives the inputs' gradients
         (``call.input_grads``); where the rule gives none, or in a ``create_graph`` backward,
         autograd through the call's forward run again (:func:`_rerun`). ``recorded``:
-        what the rule's ``record`` gave at the forward (``call.recorded``)."""
+        what the rule's ``owns_backward`` recording gave at the forward (``call.recorded``)."""
         module = target.module
         call, state = self._keep_unhooked_call(target, args, kwargs, output)
         if recorded is not None:

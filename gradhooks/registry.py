@@ -55,11 +55,11 @@ class Call:
     ``None``) and, per node in ``taps.nodes``, the gradients with respect to its outputs.
     ``saved``: what the rule's ``saved`` function returned for this call (or ``None``).
     ``input_grads``: ``None``, or (a call run with grad mode off: the rule's entry has
-    ``input_grads``) an empty list the rule may fill with the gradients of the backpropagated
+    ``owns_backward``) an empty list the rule may fill with the gradients of the backpropagated
     loss with respect to the call's inputs: one per leaf of ``tree_flatten((inputs,
     kwargs))``, ``None`` where there is none. Left empty, autograd computes them.
-    ``recorded``: for a call run with grad mode off whose rule's entry has ``record``, what
-    the recording gave at its forward; else ``None``.
+    ``recorded``: for a call run with grad mode off whose rule's entry has ``owns_backward``
+    given as a recording, what the recording gave at its forward; else ``None``.
     ``batch``: where the examples are in this call's tensors, as the engine followed them
     through the forward (a :class:`CallBatch`), or ``None`` where it did not. Rules whose
     layer reads its batch from a fixed dimension need not look: the engine hands them calls
@@ -132,8 +132,7 @@ class _Entry:
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
     saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
-    input_grads: bool = False
-    record: Callable[[nn.Module], AbstractContextManager] | None = None
+    owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False
     batch_dim: BatchDim = 0
 
     def batch_dim_of(self, module: nn.Module) -> int | str:
@@ -170,15 +169,15 @@ class Registry:
     backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
     parameters are then attached to the call's first floating-point input instead of its
     output, and the output may be any tree of tensors.
-    ``input_grads`` (with ``grad_from_grad1``): the call runs with grad mode off, so that
+    ``owns_backward`` (with ``grad_from_grad1``): ``True``, or ``record(module)``, a context
+    manager. Where ``grad_from_grad1`` says so, the call runs with grad mode off, so that
     autograd records nothing of it (no backward of the module's own is run), and the rule
-    gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may then be any
-    tree of tensors; ``create_graph`` backwards run the forward again under autograd. A
-    parameter changed in place between the forward and the backward is refused, as autograd
-    refuses a saved tensor changed so.
-    ``record`` (with ``input_grads``): ``record(module)``, a context manager entered around
-    the forward of each call run with grad mode off (a ``TorchFunctionMode`` can keep what
-    the forward computes on the way); what its ``__enter__`` returned reaches the rule as
+    gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may
+    then be any tree of tensors; ``create_graph`` backwards run the forward again under
+    autograd. A parameter changed in place between the forward and the backward is refused,
+    as autograd refuses a saved tensor changed so. Given ``record``, its context manager is
+    entered around the call's forward (a ``TorchFunctionMode`` can keep what the forward
+    computes on the way), and what its ``__enter__`` returned reaches the rule as
     ``call.recorded``. ``nn.LSTM`` keeps its lower layers' outputs this way.
     ``batch_dim``: where the layer reads its examples: the dimension of its first input (``0``,
     the default; a function of the module for a layer with ``batch_first``), or
@@ -214,8 +213,7 @@ class Registry:
         grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
         taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
         saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
-        input_grads: bool = False,
-        record: Callable[[nn.Module], AbstractContextManager] | None = None,
+        owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
         batch_dim: BatchDim = 0,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``."""
@@ -227,10 +225,15 @@ class Registry:
             )
         if not types:
             raise TypeError("register() needs at least one module type")
-        if record is not None and not input_grads:
+        if owns_backward is not False and grad_from_grad1 is None:
             raise TypeError(
-                "register(record=...) needs input_grads=True: only a call run with "
-                "grad mode off is recorded"
+                "register(owns_backward=...) needs grad_from_grad1: it says which calls run "
+                "with grad mode off"
+            )
+        if not (isinstance(owns_backward, bool) or callable(owns_backward)):
+            raise TypeError(
+                "register(owns_backward=...) takes True or a function of the module giving a "
+                f"context manager, got {owns_backward!r}"
             )
 
         def decorate(rule: Rule) -> Rule:
@@ -247,7 +250,7 @@ class Registry:
                 self._rules[t] = _Entry(
                     rule, owns_children, needs_output, on_forward=on_forward,
                     grad_from_grad1=grad_from_grad1, taps=taps, saved=saved,
-                    input_grads=input_grads, record=record, batch_dim=batch_dim,
+                    owns_backward=owns_backward, batch_dim=batch_dim,
                 )  # fmt: skip
             return rule
 
@@ -320,8 +323,7 @@ def register(
     grad_from_grad1: Callable[[nn.Module, tuple], bool] | None = None,
     taps: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
-    input_grads: bool = False,
-    record: Callable[[nn.Module], AbstractContextManager] | None = None,
+    owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
     batch_dim: BatchDim = 0,
 ) -> Callable[[Rule], Rule]:
     """Register a rule in the default registry (see :class:`Registry`)."""
@@ -334,7 +336,6 @@ def register(
         grad_from_grad1=grad_from_grad1,
         taps=taps,
         saved=saved,
-        input_grads=input_grads,
-        record=record,
+        owns_backward=owns_backward,
         batch_dim=batch_dim,
     )

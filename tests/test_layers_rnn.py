@@ -464,7 +464,7 @@ def test_lstm_jacobians(proj):
 
 # -- LSTM calls autograd records nothing of ------------------------------------------------------
 # nn.LSTM calls that autograd records nothing of (the rule's ``grad_from_grad1`` with
-# ``input_grads``): the rule's backward through time gives ``.grad`` and the gradients of the
+# ``owns_backward``): the rule's backward through time gives ``.grad`` and the gradients of the
 # input, ``h0`` and ``c0``; torch's own LSTM backward is not run. Everything must stay what
 # autograd computes without hooks, in every setup (create_graph, paused and repeated backwards,
 # a forward that raises), and grad1 / the norms the oracles'.

@@ -106,13 +106,16 @@ def test_every_rule_file_registers_a_rule():
         assert module.__name__ in registered, f"rules/{name}.py registers no rule"
 
 
-def test_record_needs_input_grads(registry):
-    with pytest.raises(TypeError, match="input_grads=True"):
-        registry.register(Scale, record=lambda m: None)(scale_rule)
+def test_owns_backward_needs_grad_from_grad1(registry):
+    with pytest.raises(TypeError, match="needs grad_from_grad1"):
+        registry.register(Scale, owns_backward=lambda m: None)(scale_rule)
+    with pytest.raises(TypeError, match="takes True or a function"):
+        registry.register(Scale, grad_from_grad1=lambda m, a: True, owns_backward=1)(scale_rule)
+    assert Scale not in registry
 
 
 def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
-    """A rule with input_grads and record: its context manager is entered around the call's
+    """A rule that owns its backward, with a recording: its context manager is entered around the call's
     forward and left at its end, and what it gave is the rule's call.recorded."""
     seen = {}
 
@@ -134,8 +137,7 @@ def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
         return scale_rule(call)
 
     registry.register(
-        Scale, overwrite=True, grad_from_grad1=lambda m, a: True, input_grads=True,
-        record=Recording,
+        Scale, overwrite=True, grad_from_grad1=lambda m, a: True, owns_backward=Recording,
     )(rule)  # fmt: skip
     model = Scale(3).double()
     x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
@@ -148,6 +150,30 @@ def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
     want = 2 * x.detach() * model.scale.detach() ** 2
     torch.testing.assert_close(x.grad, want)
     torch.testing.assert_close(model.scale.grad1, 2 * x.detach() ** 2 * model.scale.detach())
+
+
+def test_owns_backward_without_input_grads_leaves_them_to_autograd(registry):
+    """owns_backward=True, the rule giving its pieces only: the call runs with grad mode off,
+    and the input's gradient comes from autograd through the forward run again. Against the
+    unhooked module's autograd and a per-example loop, in float64."""
+    registry.register(Scale, overwrite=True, grad_from_grad1=lambda m, a: True, owns_backward=True)(
+        scale_rule
+    )
+    model = Scale(3).double()
+    x = torch.randn(5, 2, 3, dtype=torch.double)
+    plain = x.clone().requires_grad_()
+    (model(plain) ** 3).sum().backward()
+    want_scale = model.scale.grad.clone()
+    want1 = gradhooks.oracle.loop_grad(model, lambda out: (out**3).sum(), x)["scale"]
+    model.zero_grad()
+    hooked = x.clone().requires_grad_()
+    with gradhooks.add_hooks(model, loss_reduction="sum", registry=registry):
+        y = model(hooked)
+        assert type(y.grad_fn).__name__ == "_JoinBackward"  # run with grad mode off
+        (y**3).sum().backward()
+    torch.testing.assert_close(hooked.grad, plain.grad)
+    torch.testing.assert_close(model.scale.grad, want_scale)
+    torch.testing.assert_close(model.scale.grad1, want1)
 
 
 def test_registry_reads_short_in_add_hooks_signature(registry):

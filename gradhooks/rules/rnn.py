@@ -17,7 +17,7 @@ run again), so all gate pre-activations are two matmuls and the cell states one 
 per step. Its backward through time is three ops per step into preallocated buffers (inside
 ``vmap``, for the Jacobians, the step-by-step backward is used instead). Such a call (a padded
 input, no dropout between layers) runs without autograd while ``grad1`` or the norms are
-computed (``grad_from_grad1`` with ``input_grads``): torch's own LSTM backward is not run, the
+computed (``grad_from_grad1`` with ``owns_backward``): torch's own LSTM backward is not run, the
 batch gradients are the sums of the per-example ones and the input-, ``h0``- and
 ``c0``-gradients come from the same backward through time (``d x_t = d G_t W_ih``,
 ``d h0 = d G_0 W_hh``, ``d c0 = d c_0 f_0``).
@@ -524,7 +524,7 @@ class _LayerOutputs(TorchFunctionMode):
 
 
 def _record_layers(module: nn.LSTM) -> AbstractContextManager:
-    """``nn.LSTM``'s ``record``: :class:`_LayerOutputs`."""
+    """``nn.LSTM``'s ``owns_backward``: :class:`_LayerOutputs`, a recording."""
     return _LayerOutputs()
 
 
@@ -837,6 +837,6 @@ def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
 
 # needs_output: the last layer's states are not recomputed
 register(
-    nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, input_grads=True,
-    record=_record_layers, batch_dim=batch_first,
+    nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, owns_backward=_record_layers,
+    batch_dim=batch_first,
 )(rnn)  # fmt: skip
