@@ -287,21 +287,8 @@ def _by_layout_split(
                 call.memo["loop"] = True
     except Exception as e:
         if str(e).startswith("fallback for"):
-            raise
-        if isinstance(e, RuntimeError) and "random operation" in str(e):
-            raise RuntimeError(
-                f"fallback for {name}: its forward draws random numbers (dropout in training "
-                "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
-                "or set the dropout to 0 for the backward you capture, or register a rule for "
-                "this module with @gradhooks.register."
-            ) from e
-        raise RuntimeError(
-            f"fallback for {name} could not recompute the module one example at a time "
-            f"({_describe(call)}; batch {batch}): {e}\nIf the module mixes the examples of a "
-            "batch (BatchNorm in training mode), it has no per-example gradients; otherwise "
-            "register a rule for it with @gradhooks.register (see the README), or freeze its "
-            "parameters."
-        ) from e
+            raise  # ours, already clear
+        raise _recomputation_failed(name, call, f"batch {batch}", e) from e
     del called
     if call.output is not None:
         captured = tree_flatten(call.output)[0]
@@ -435,25 +422,30 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     except Exception as e:
         if str(e).startswith("fallback for"):
             raise  # ours, already clear
-        if isinstance(e, RuntimeError) and "random operation" in str(e):
-            raise RuntimeError(
-                f"fallback for {name}: its forward draws random numbers (dropout in training "
-                "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
-                "or set the dropout to 0 for the backward you capture, or register a rule for "
-                "this module with @gradhooks.register."
-            ) from e
-        raise RuntimeError(
-            f"fallback for {name} could not recompute the module one example at a time "
-            f"({_describe(call)}; batch {batch} on dimension 0): {e}\nIf the module mixes the "
-            "examples of a batch (BatchNorm in training mode), it has no per-example gradients; "
-            "otherwise register a rule for it with @gradhooks.register (see the README), or "
-            "freeze its parameters."
-        ) from e
+        raise _recomputation_failed(name, call, f"batch {batch} on dimension 0", e) from e
     finally:
         handle.remove()
     called.discard(id(module))
     _check_output(call, name, out_idx, outs, batch)
     return grads, called
+
+
+def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Exception:
+    """What a per-example recomputation of ``name``'s call that failed with ``e`` raises: an
+    error that says what to do."""
+    if isinstance(e, RuntimeError) and "random operation" in str(e):
+        return RuntimeError(
+            f"fallback for {name}: its forward draws random numbers (dropout in training "
+            "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
+            "or set the dropout to 0 for the backward you capture, or register a rule for "
+            "this module with @gradhooks.register."
+        )
+    return RuntimeError(
+        f"fallback for {name} could not recompute the module one example at a time "
+        f"({_describe(call)}; {batch}): {e}\nIf the module mixes the examples of a batch "
+        "(BatchNorm in training mode), it has no per-example gradients; otherwise register a "
+        "rule for it with @gradhooks.register (see the README), or freeze its parameters."
+    )
 
 
 def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph=False):

@@ -281,6 +281,38 @@ def test_randomness_is_a_clear_error():
     )
 
 
+class NoSingleExamples(nn.Module):
+    """A custom layer (its weight meets the batch in a matrix product: the fallback's) that
+    refuses a batch of one, as the fallback's recomputation runs it."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            raise ValueError("this layer needs two examples at least")
+        return x @ self.w
+
+
+@pytest.mark.parametrize("batch_dim", ["auto", None])  # the tracker's split, or dimension 0
+def test_a_failed_recomputation_is_a_clear_error(batch_dim):
+    """The error names the module, the shapes and the layer's own complaint, and says what to
+    do; the model is left as it was."""
+    model = NoSingleExamples(4)
+    with gradhooks.add_hooks(model, batch_dim=batch_dim):
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(5, 4)).sum().backward()
+    message = str(info.value)
+    assert "'<model>' (NoSingleExamples) could not recompute the module one example" in message
+    assert "inputs (5, 4)" in message and "needs two examples at least" in message
+    where = "batch 5)" if batch_dim == "auto" else "batch 5 on dimension 0)"
+    assert where in message  # (each of the two recomputations says where the batch is)
+    assert "register a rule for it with @gradhooks.register" in message
+    assert not hasattr(model.w, "grad1")
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
 def test_dropout_after_an_elementwise_weight_keeps_the_forwards_mask():
     """``dropout(tanh(x) * scale)`` in training: the scale's uses are followed (no
     recomputation), so each example's gradient is that of the mask the forward drew."""
