@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from . import _torch
-from ._torch import tree_flatten
 from .backward import Backwards
 from .calls import CallLayouts
 from .capture import DetachedCalls
@@ -562,39 +561,6 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def _capturing_backward(self) -> bool:
         return self._pause.on and (self.capture == "always" or self._marked > 0)
-
-
-class _Edges(list):
-    """:func:`_output_edges`' list of gradient edges; ``numel``: the elements of the outputs
-    they lead to (what one backward through them writes at least)."""
-
-    numel = 0
-
-
-@contextlib.contextmanager
-def _output_edges(hooks: Hooks) -> Iterator[_Edges]:
-    """While a forward of the hooked model runs inside: the gradient edges of every hooked
-    call's output tensors that require grad, in a list (the outputs themselves are not kept
-    alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
-    every hooked call, whose hooks then fire, without forming any parameter's batch gradient
-    (for a convolution batched over several output-gradients, the largest part of the work)."""
-    from torch.autograd.graph import get_gradient_edge
-
-    targets = {id(t.module) for t in hooks._targets}
-    edges = _Edges()
-
-    def collect(module: nn.Module, args, output) -> None:
-        if id(module) in targets:
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, Tensor) and t.requires_grad:
-                    edges.append(get_gradient_edge(t))
-                    edges.numel += t.numel()
-
-    handle = nn.modules.module.register_module_forward_hook(collect)
-    try:
-        yield edges
-    finally:
-        handle.remove()
 
 
 def add_hooks(

@@ -12,11 +12,13 @@ a gradient hook on its outputs, which hands the call, with its output-gradients,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +41,9 @@ from .records import (
     tree_leaves,
 )
 from .registry import Call
+
+if TYPE_CHECKING:
+    from .engine import Hooks
 
 
 class Forwards:
@@ -463,3 +468,36 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
                 "parameter only through the submodule."
             )
     return kept
+
+
+class _Edges(list):
+    """:func:`output_edges`' list of gradient edges; ``numel``: the elements of the outputs
+    they lead to (what one backward through them writes at least)."""
+
+    numel = 0
+
+
+@contextlib.contextmanager
+def output_edges(hooks: Hooks) -> Iterator[_Edges]:
+    """While a forward of the hooked model runs inside: the gradient edges of every hooked
+    call's output tensors that require grad, in a list (the outputs themselves are not kept
+    alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
+    every hooked call, whose hooks then fire, without forming any parameter's batch gradient
+    (for a convolution batched over several output-gradients, the largest part of the work)."""
+    from torch.autograd.graph import get_gradient_edge
+
+    targets = {id(t.module) for t in hooks._targets}
+    edges = _Edges()
+
+    def collect(module: nn.Module, args, output) -> None:
+        if id(module) in targets:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    edges.append(get_gradient_edge(t))
+                    edges.numel += t.numel()
+
+    handle = nn.modules.module.register_module_forward_hook(collect)
+    try:
+        yield edges
+    finally:
+        handle.remove()

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _torch
-from .engine import _output_edges, add_hooks
+from .engine import add_hooks
+from .forward import output_edges
 from .registry import REGISTRY, Registry
 
 __all__ = ["jacobians"]
@@ -66,7 +67,7 @@ def jacobians(
         # parameters' own gradients (batched over the outputs, for a convolution the largest
         # part of the work), which the hooks' pieces replace.
         covered = {id(q) for t in h._targets for q in t.params.values()}
-        with _output_edges(h) as reached:
+        with output_edges(h) as reached:
             out = model(inputs)
         wrt = reached + [p for p in params if id(p) not in covered]
         outputs = math.prod(out.shape[1:])

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _torch
-from .engine import _output_edges, add_hooks
+from .engine import add_hooks
+from .forward import output_edges
 from .quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
 from .tuning import TUNING
 
@@ -246,7 +247,7 @@ def _accumulate(
     with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
         acc = h._collector.kfac
         acc.expand, acc.bias = expand, bias
-        with _output_edges(h) as reached:
+        with output_edges(h) as reached:
             out = model(inputs)
         if out.dim() < 2:
             raise ValueError(
