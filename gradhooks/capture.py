@@ -75,39 +75,6 @@ class _Join(torch.autograd.Function):
         return (None, None, *ctx.backward(grads))
 
 
-def _rerun_carried(
-    carried: _Carried, missing: list[str], outputs: tuple, create_graph: bool
-) -> tuple[dict[str, Tensor | None], Tensor | None]:
-    """What a carried call's :class:`_Join` node needs of autograd through the call's forward run again,
-    hooks bypassed, against the call's output-gradients ``outputs``: the batch gradients of
-    the ``missing`` parameters and, in a ``create_graph`` backward, a correction of value zero
-    for the carried input. Its gradient as the call's own nodes computed it has no graph
-    through the detached parameters; the correction carries exactly that part: the forward
-    runs on a fresh leaf for the input, against detached output-gradients, with every other
-    parameter of the call detached."""
-    module, detached = carried.target.module, carried.detached
-    args, kwargs = carried.args, carried.kwargs
-    found: dict[str, Tensor | None] = {}
-    if missing:
-        call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
-        wanted = [detached[n] for n in missing]
-        found = dict(zip(missing, _rerun(module, call, outputs, wanted, create_graph)))
-    correction = None
-    if create_graph:
-        x = carried.input
-        leaf = x.detach().requires_grad_()
-        swap = lambda t: leaf if t is x else t.detach() if isinstance(t, Tensor) else t  # noqa: E731
-        others = {id(p): p.detach() for n, p in carried.target.params.items() if n not in detached}
-        with Aliases(others):
-            (full,) = _rerun(
-                module, tree_map(swap, (args, kwargs)),
-                [None if g is None else g.detach() for g in outputs], [leaf], True,
-            )  # fmt: skip
-        if full is not None:
-            correction = full - full.detach()
-    return found, correction
-
-
 def hand_over(tracker: Tracker | None, params: Iterable[Tensor]) -> Callable[[], None]:
     """Hand every torch function of the call now starting a detached alias of each of
     ``params``: through ``tracker``'s aliases where a tracker follows the forward, else
@@ -164,8 +131,8 @@ def _rerun(
     on the ``(args, kwargs)`` of a call (``owned``, as called: inputs attached), hooks
     bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed).
     The one rerun of a call, wherever what autograd would give is wanted and the rule did not
-    give it (a ``create_graph`` backward): for a call run detached (:func:`_rerun_vjp`),
-    carried (:func:`_rerun_carried`) or owned (:meth:`DetachedCalls._capture_owned`)."""
+    give it (a ``create_graph`` backward): for a call run detached or carried
+    (:func:`_autograd_of`) or owned (:meth:`DetachedCalls._capture_owned`)."""
     with torch.enable_grad():
         args, kwargs = owned
         leaves = tree_flatten(module.forward(*args, **kwargs))[0]
@@ -179,37 +146,44 @@ def _rerun(
     return list(torch.autograd.grad(outs, wanted, gs, create_graph=create_graph, allow_unused=True))
 
 
-def _rerun_vjp(
-    module: nn.Module,
-    detached: dict[str, nn.Parameter],
-    sums: dict[str, Tensor],
+def _autograd_of(
+    target: Target,
     args: tuple,
     kwargs: dict,
+    detached: dict[str, nn.Parameter],
+    missing: list[str],
+    outputs: list,
     inputs: list[Tensor],
-    g: Tensor,
+    create_graph: bool,
 ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-    """The gradients a detached call's :class:`_Join` node gives: for each detached parameter, the call's
-    batch gradient (``sums``: from ``grad1``, the norms or the rule's pieces; where none gave
-    one, a ``create_graph`` backward that writes nothing, by running the call's forward
-    again, hooks bypassed). For the
-    call's ``inputs``, nothing (``None``), except in a ``create_graph`` backward: the
-    input-gradient the output's own node computed has no graph through the detached
-    parameters, so each input gets a correction of value zero that carries it."""
-    create_graph = torch.is_grad_enabled()
-    grads: dict[str, Tensor | None] = dict(sums)
-    missing = [n for n in detached if n not in grads]
+    """What a :class:`_Join` node needs of autograd through the forward, run again (hooks
+    bypassed), of a call that ran with ``detached`` detached, against the call's
+    output-gradients ``outputs``: the batch gradients of the ``missing`` parameters (those no
+    rule gave) and, in a ``create_graph`` backward, a correction of value zero for each of
+    ``inputs``. Their gradients as the call's own nodes computed them have no graph through
+    the detached parameters; the corrections carry exactly that part: the forward runs on
+    fresh leaves for the inputs, against detached output-gradients, with every other tensor and
+    parameter of the call detached."""
+    module = target.module
+    found: dict[str, Tensor | None] = {}
     if missing:
         call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
-        wanted = [detached[n] for n in missing]
-        grads.update(zip(missing, _rerun(module, call, [g], wanted, create_graph)))
+        got = _rerun(module, call, outputs, [detached[n] for n in missing], create_graph)
+        found = dict(zip(missing, got))
     corrections: list[Tensor | None] = [None] * len(inputs)
     if create_graph and inputs:
         leaves = [t.detach().requires_grad_() for t in inputs]
         swap = dict(zip(map(id, inputs), leaves))
-        call = tree_map(lambda t: swap.get(id(t), t), (args, kwargs))
-        found = _rerun(module, call, [g.detach()], leaves, True)
-        corrections = [None if c is None else c - c.detach() for c in found]
-    return grads, corrections
+        call = tree_map(
+            lambda t: swap.get(id(t), t.detach()) if isinstance(t, Tensor) else t, (args, kwargs)
+        )
+        attached = {id(p) for p in detached.values()}
+        others = {id(p): p.detach() for p in target.params.values() if id(p) not in attached}
+        with Aliases(others):
+            got = _rerun(module, call, [None if g is None else g.detach() for g in outputs],
+                         leaves, True)  # fmt: skip
+        corrections = [None if c is None else c - c.detach() for c in got]
+    return found, corrections
 
 
 class DetachedCalls:
@@ -394,11 +368,16 @@ class DetachedCalls:
                     for n, p in detached.items():
                         if n not in sums and pieces.get(n) is not None:
                             sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+            create_graph = torch.is_grad_enabled()
+            missing = [n for n in detached if n not in sums]
             self._rerunning += 1  # its backwards are not the model's: not tracked
             try:
-                grads, corrections = _rerun_vjp(module, detached, sums, args, kwargs, inputs, g)
+                found, corrections = _autograd_of(
+                    target, args, kwargs, detached, missing, [g], inputs, create_graph
+                )
             finally:
                 self._rerunning -= 1
+            grads = {**sums, **found}
             return (*(grads[n] for n in detached), *corrections)
 
         def joined(grads: tuple[Tensor | None]) -> tuple[Tensor | None, ...]:
@@ -500,7 +479,7 @@ class DetachedCalls:
         the batch gradients of the call's detached parameters. They are the sums the rule gave
         (it ran when the backward reached the call's taps, before this node); where it gave
         none (a paused backward, one not captured) or in a ``create_graph`` backward,
-        autograd through the call's forward run again (:func:`_rerun_carried`)."""
+        autograd through the call's forward run again (:func:`_autograd_of`)."""
         detached = carried.detached
         outputs, carried.outputs = carried.outputs, None
         create_graph = torch.is_grad_enabled()
@@ -512,7 +491,10 @@ class DetachedCalls:
         if (missing or create_graph) and outputs is not None:
             self._rerunning += 1  # its backwards are not the model's: not tracked
             try:
-                found, correction = _rerun_carried(carried, missing, outputs, create_graph)
+                found, (correction,) = _autograd_of(
+                    carried.target, carried.args, carried.kwargs, detached, missing,
+                    list(outputs), [carried.input], create_graph,
+                )  # fmt: skip
             finally:
                 self._rerunning -= 1
             grads.update(found)

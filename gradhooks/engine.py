@@ -158,7 +158,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # entered, else None)]}
         self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any, Any]]] = {}
         self._aliases_checked: set[int] = set()  # modules whose detached call was checked
-        self._rerunning = 0  # inside _rerun_vjp, or a per-example backward of the tracker's
+        self._rerunning = (
+            0  # inside a rerun of a detached call, or a per-example backward of the tracker's
+        )
         self._probing = False  # inside _probe's backward
         self._backwards = 0  # backwards that captured a call, since the hooks were added
         # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
