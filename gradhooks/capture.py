@@ -26,6 +26,7 @@ from .calls import check_parameter_versions
 from .layout import Aliases, Tracker
 from .plan import Target
 from .records import Hook, detach_tree, is_compiling, tree_leaves
+from .registry import Call
 
 
 class _Sums(dict):
@@ -184,6 +185,16 @@ def _autograd_of(
                          leaves, True)  # fmt: skip
         corrections = [None if c is None else c - c.detach() for c in got]
     return found, corrections
+
+
+def _sums_of_rule(target: Target, call: Call, detached: dict, sums: dict[str, Tensor]) -> None:
+    """Into ``sums``, the batch gradients of the rule's pieces for ``call``, for the detached
+    parameters it has none of yet: a backward in which the rule did not run through the engine
+    (paused, not captured, the second backward of a ghost DP step)."""
+    pieces = target.entry.rule(call)
+    for n, p in detached.items():
+        if n not in sums and pieces.get(n) is not None:
+            sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
 
 
 class DetachedCalls:
@@ -364,10 +375,7 @@ class DetachedCalls:
                 if len(sums) < len(detached) and not torch.is_grad_enabled():
                     # this backward writes nothing (paused, the second backward of a ghost DP
                     # step): the batch gradients of the rule's pieces
-                    pieces = target.entry.rule(filled)
-                    for n, p in detached.items():
-                        if n not in sums and pieces.get(n) is not None:
-                            sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+                    _sums_of_rule(target, filled, detached, sums)
             create_graph = torch.is_grad_enabled()
             missing = [n for n in detached if n not in sums]
             self._rerunning += 1  # its backwards are not the model's: not tracked
@@ -436,10 +444,7 @@ class DetachedCalls:
             if not create_graph and (incomplete or not found):
                 # the rule did not run (paused, not capturing): run it for both
                 again = replace(filled, input_grads=[])
-                pieces = target.entry.rule(again)
-                for n, p in detached.items():
-                    if n not in sums and pieces.get(n) is not None:
-                        sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+                _sums_of_rule(target, again, detached, sums)
                 found = again.input_grads
             param_grads = {} if create_graph else dict(sums)
             input_grads = [None if create_graph or not found else found[i] for i in in_idx]
