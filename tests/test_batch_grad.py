@@ -465,9 +465,9 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_activation_checkpointing(threshold, reentrant):
-    """The checkpointed calls run again at the backward, where no tracker follows the forward:
-    they run detached there too (a non-reentrant checkpoint refuses a recomputation that saves
-    other tensors than the forward did), and grad1 and .grad are the oracles'."""
+    """The checkpointed calls run again at the backward, where no tracker follows the forward
+    (a non-reentrant checkpoint refuses a recomputation that saves other tensors than the
+    forward did), and grad1 and .grad are the oracles'."""
     torch.manual_seed(0)
     model = Checkpointed(reentrant).to(D)
     ref = copy.deepcopy(model)
@@ -481,3 +481,41 @@ def test_activation_checkpointing(threshold, reentrant):
     for n, p in model.named_parameters():
         assert_close(p.grad1, want[n], f"{n} grad1 vs vmap")
         assert_close(p.grad, grads[n], f"{n} .grad vs the sum of the per-example gradients")
+
+
+class CheckpointedLayouts(nn.Module):
+    """A Linear under non-reentrant activation checkpointing on an input whose examples are
+    not on dimension 0: folded with the positions (OPT's ``[batch * time, features]``), or
+    sequence-first (``[time, batch, channels, features]``)."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout, self.fc = layout, nn.Linear(8, 8)
+
+    def block(self, x):
+        if self.layout == "folded":
+            b, t, e = x.shape
+            return self.fc(x.reshape(b * t, e)).reshape(b, t, -1)
+        return self.fc(x.transpose(0, 1)).transpose(0, 1)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("layout", ["folded", "sequence-first"])
+def test_checkpointed_calls_with_their_examples_elsewhere(threshold, layout):
+    """The forward's tracker sees the layout and runs the call as autograd does; the
+    recomputation at the backward, with no tracker, must do the same (a non-reentrant
+    checkpoint refuses other saved tensors). 16 channels: 48 positions per call
+    sequence-first, above the default threshold."""
+    torch.manual_seed(0)
+    model = CheckpointedLayouts(layout).to(D)
+    shape = (3, 4, 8) if layout == "folded" else (3, 4, 16, 8)
+    x = torch.randn(*shape, dtype=D)
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    want = loop_grad(model, loss_fn, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss_fn(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{n} grad1 vs the loop")
+        assert_close(p.grad, want[n].sum(0), f"{n} .grad vs the sum of the per-example gradients")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
+from gradhooks.oracle import loop_grad
 from gradhooks.pieces import Direct, Outer
 from harness import Case, assert_close, check
 
@@ -419,3 +420,40 @@ def test_self_attention_taps_the_projections(batch_first, monkeypatch):
             assert calls, f"the taps were not used, called with {len(args)} positional"
             for n, p in model.named_parameters():
                 assert_close(p.grad1, want[n], f"{n}, {len(args)} positional")
+
+
+class AdaptedAttention(nn.Module):
+    """A trainable parameter inside a self-attention's module tree (as PEFT puts its LoRA
+    matrices there) that the model uses before the attention call, not inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn.adapter = nn.Module()
+        self.attn.adapter.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        h = x * self.attn.adapter.scale
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["adapter-only", "all-trainable"])
+def test_a_parameter_of_the_attention_used_outside_its_call(frozen):
+    """With the in-projection run detached (every call: the threshold at 1), what the engine
+    reads of the parameters as the call starts is not the call's use of them: the adapter's
+    grad1 comes from where the model uses it. Against the per-example loop, in float64."""
+    torch.manual_seed(0)
+    model = AdaptedAttention().double().eval()
+    if frozen:
+        for n, p in model.attn.named_parameters():
+            p.requires_grad_(n.startswith("adapter."))
+    x = torch.randn(3, 5, 8, dtype=torch.double)
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    want = loop_grad(model, loss_fn, x)
+    with gradhooks.tuned(sum_grad1_positions=1):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            loss_fn(model(x)).backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad1, want[n], n)
+            assert_close(p.grad, want[n].sum(0), f"{n} .grad")

@@ -328,8 +328,10 @@ def test_hugging_face_internal_loss_with_labels():
 def test_hugging_face_gradient_checkpointing(name, reentrant, detached):
     """``model.gradient_checkpointing_enable()`` (non-reentrant by default): every layer's
     forward runs again, untracked, in the backward, and must save what it saved tracked
-    (Llama's rotary tables multiply the batch inside the checkpoint). ``detached``: every
-    Linear call runs detached, its .grad summed from grad1, as on long sequences."""
+    (Llama's rotary tables multiply the batch inside the checkpoint). ``detached``: the
+    threshold at 1, as on long sequences: a reentrant checkpoint's recomputation runs every
+    Linear call detached, its .grad summed from grad1; under a non-reentrant one (saved-tensor
+    hooks) no call runs detached, in the forward or in its recomputation."""
     factory, loss_fn, kw, _ = HF[name]
     torch.manual_seed(0)
     model = factory().double().eval()
@@ -432,6 +434,46 @@ def test_gpt2_lora_adapter():
     assert trainable and all("lora_" in n for n in trainable)
     for reduction in ("sum", "mean"):
         check_model(model, text(3, 5), lm_loss, 3, reduction)
+
+
+class AttentionClassifier(nn.Module):
+    """Token embeddings, one ``nn.MultiheadAttention`` and a linear head over the mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.fc(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def test_multihead_attention_lora_adapter():
+    """PEFT's LoRA on ``nn.MultiheadAttention`` puts the adapter's matrices inside the attention's
+    module tree and merges them into its weights before the call. 40 tokens: the in-projection
+    runs detached (above ``TUNING.sum_grad1_positions``), and the adapter's grad1 comes from
+    where the merge uses it. Against the per-example loop, both reductions."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[test]'")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["attn"])
+    model = peft.get_peft_model(AttentionClassifier(), config).double().eval()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():  # (lora_B starts at zero: move off it)
+        for p in trainable.values():
+            p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(0, V, (3, 40))
+    y = torch.tensor([0, 2, 1])
+    for reduction in ("sum", "mean"):
+        loss_fn = lambda out, t, r=reduction: F.cross_entropy(out, t, reduction=r)  # noqa: E731
+        want = gradhooks.oracle.loop_grad(model, loss_fn, ids, y)
+        model.zero_grad(set_to_none=True)
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            loss_fn(model(ids), y).backward()
+        for n, p in trainable.items():
+            close(p.grad1, want[n], f"{n} ({reduction})")
 
 
 def xglm():
