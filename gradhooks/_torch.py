@@ -24,9 +24,10 @@ Each internal, its name here, where it is used, and its fallback:
   Fallback: one backward per output-gradient, no ``vmap``.
 - ``saved_tensor_hooks``: ``torch._C._autograd._top_saved_tensors_default_hooks``
   (:func:`saved_tensor_hooks_active`): whether saved-tensor hooks (non-reentrant activation
-  checkpointing, offloading) are on. Used by the engine (no ``taps`` then) and the tracker
-  (no expanded elementwise meetings then). Fallback: "on" (the rules recompute what they
-  would have read, the meetings are differentiated example by example).
+  checkpointing, offloading) are on. Used by the engine (no ``taps`` then, and no call run
+  detached: ``capture.py``) and the tracker (no expanded elementwise meetings then). Fallback:
+  "on" (the rules recompute what they would have read, every call runs as autograd does, the
+  meetings are differentiated example by example).
 - ``use_counts``: ``Tensor._use_count``, ``torch._C._storage_Use_Count``, ``Tensor._base``
   (:func:`unshared`): that nothing but one tensor object holds its memory, the test autograd
   makes before reusing ``.grad``; the engine then writes the next ``grad1`` into the old one.

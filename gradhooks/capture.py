@@ -231,11 +231,11 @@ class DetachedCalls:
                 or not torch.is_grad_enabled()
                 or is_compiling()
                 or _torch.in_transform(args, kwargs)
+                or not target.entry.grad_from_grad1(module, args)
                 # (non-reentrant activation checkpointing runs the call again at the backward,
                 # where no tracker tells its layout as the forward's did: it must save what the
                 # forward saved, so neither runs detached)
                 or _torch.saved_tensor_hooks_active()
-                or not target.entry.grad_from_grad1(module, args)
                 or not self._plain_call(target, module, args, kwargs)
                 or (carries and not self._grad1)
                 or ((owns or carries) and not _last_pre_hook(module, hook))
