@@ -242,22 +242,18 @@ class DetachedCalls:
                 or not (owns or _first_pre_hooks_ours(module, hook))
             ):
                 return  # (a later pre-hook could change what the forward gets)
-            tracker = self._tracker()
-            # (the tracker is in the call already: what the engine reads of the parameters is
-            # not the call's use of them, which decides whose per-example gradient it gives)
-            with tracker.paused() if tracker is not None else contextlib.nullcontext():
-                detached = {
-                    n: p
-                    for n, p in target.params.items()
-                    if p.requires_grad and "." not in n and getattr(module, n, None) is p
-                }
-                carried = None
-                if carries:
-                    carried = next(
-                        (t for t in [*tree_leaves(args), *tree_leaves(kwargs)]
-                         if isinstance(t, Tensor) and t.is_floating_point()),
-                        None,
-                    )  # fmt: skip
+            detached = {
+                n: p
+                for n, p in target.params.items()
+                if p.requires_grad and "." not in n and getattr(module, n, None) is p
+            }
+            carried = None
+            if carries:
+                carried = next(
+                    (t for t in [*tree_leaves(args), *tree_leaves(kwargs)]
+                     if isinstance(t, Tensor) and t.is_floating_point()),
+                    None,
+                )  # fmt: skip
             if not detached or (carries and carried is None):
                 return
             owned = (args, kwargs) if owns else None
@@ -267,7 +263,7 @@ class DetachedCalls:
                 recording = (manager, manager.__enter__())
             undo = None  # (puts back what hand_over did, in _reattach)
             if owned is None:  # (a call run with grad mode off needs no aliases)
-                undo = hand_over(tracker, detached.values())
+                undo = hand_over(self._tracker(), detached.values())
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))

@@ -1210,6 +1210,15 @@ _FREE = """arange range zeros ones full empty eye linspace logspace rand randn r
     empty_strided scalar_tensor""".split()
 _HANDLERS.update({n: (lambda *a: None) for n in _FREE})
 
+# what reads a tensor's metadata, not its values: a parameter handed to one of these is not used
+# (by a hook reading ``p.dtype`` inside a call, or the engine reading ``p.requires_grad``)
+_METADATA = frozenset(
+    """.requires_grad .dtype .device .shape .ndim .is_leaf .grad_fn .layout .names .is_cuda
+    .is_sparse .is_quantized .is_meta .itemsize .nbytes dim size numel nelement
+    element_size is_floating_point is_complex is_contiguous stride storage_offset data_ptr
+    get_device""".split()
+)
+
 # operations that read only the dtype and device, or the shape, of their tensor arguments after
 # the first (``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``): their result holds the first
 # argument's values alone, so a batch in the others is not the result's
@@ -1487,6 +1496,7 @@ class Tracker(TorchFunctionMode):
         if len(tensors) > 1 and _name(func) in _LIKE:
             tensors = _tensors(*_data_args(_name(func), args, kwargs))
         layouts, sources, direct = [], set(), []
+        metadata = None  # (asked once a parameter is among the arguments)
         for t in tensors:
             lay = self.layouts.get(t)
             if lay is not None:
@@ -1495,6 +1505,10 @@ class Tracker(TorchFunctionMode):
             if s:
                 sources |= s
             if id(t) in self.params:
+                if metadata is None:
+                    metadata = _name(func) in _METADATA
+                if metadata:
+                    continue  # (reading p.dtype or p.requires_grad is no use of its values)
                 where = self._covering(id(t))
                 if where is None:
                     direct.append(t)

@@ -457,3 +457,23 @@ def test_a_parameter_of_the_attention_used_outside_its_call(frozen):
         if p.requires_grad:
             assert_close(p.grad1, want[n], n)
             assert_close(p.grad, want[n].sum(0), f"{n} .grad")
+
+
+def test_a_hook_reading_a_parameters_metadata_does_not_use_it():
+    """A forward pre-hook of the user's that reads a parameter's dtype as the attention's call
+    starts (inside the call, for the tracker) does not make it a parameter the call used: its
+    grad1 still comes from where the model uses it. Short sequences: nothing run detached."""
+    torch.manual_seed(0)
+    model = AdaptedAttention().double().eval()
+    x = torch.randn(3, 5, 8, dtype=torch.double)
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    want = loop_grad(model, loss_fn, x)
+    seen = []
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model.attn.register_forward_pre_hook(
+            lambda m, args: seen.append((m.adapter.scale.dtype, m.adapter.scale.requires_grad))
+        )
+        loss_fn(model(x)).backward()
+    assert seen == [(torch.double, True)]
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
