@@ -66,6 +66,18 @@ def keeps_rows(layout: CallLayout | None) -> bool:
     return layout is None or layout.kind in ("plain", "fold", "unknown")
 
 
+def _changed_in_place(target: Target, what: str, t: Tensor, version: int, advice: str) -> None:
+    """Raise, in autograd's words, where ``t`` (``what`` of ``target``'s call) is no longer at
+    the ``version`` its forward saw."""
+    if _torch.version(t) != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {what} of '{target.name or '<model>'}' "
+            f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
+            f"{_torch.version(t)}; expected version {version} instead. {advice}"
+        )
+
+
 def check_parameter_versions(
     target: Target, params: dict[str, Tensor], versions: dict[str, int]
 ) -> None:
@@ -73,30 +85,22 @@ def check_parameter_versions(
     parameters as they are then) must find the parameters of its forward, as autograd requires
     of the tensors it saves."""
     for n, p in params.items():
-        if _torch.version(p) != versions[n]:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: parameter '{n}' of '{target.name or '<model>'}' "
-                f"({type(target.module).__qualname__}) of shape {tuple(p.shape)} is at version "
-                f"{_torch.version(p)}; expected version {versions[n]} instead. The layer's "
-                "backward would use the changed values: change parameters after the backward "
-                "(optimizer.step() after loss.backward()), as autograd requires."
-            )
+        _changed_in_place(
+            target, f"parameter '{n}'", p, versions[n],
+            "The layer's backward would use the changed values: change parameters after the "
+            "backward (optimizer.step() after loss.backward()), as autograd requires.",
+        )  # fmt: skip
 
 
 def check_versions(target: Target, state: CallState) -> None:
     """The inputs a rule computes from must be those of the forward, as autograd requires of
     the tensors it saves (the paths that run a call detached do not let autograd see them)."""
     for t, version in state.versions:
-        if _torch.version(t) != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: an input of '{target.name or '<model>'}' "
-                f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
-                f"{_torch.version(t)}; expected version {version} instead. gradhooks computes the "
-                "layer's per-example gradients from its input, as autograd computes its "
-                "weight gradient: change a copy of it (x = x.clone()), or out of place."
-            )
+        _changed_in_place(
+            target, "an input", t, version,
+            "gradhooks computes the layer's per-example gradients from its input, as autograd "
+            "computes its weight gradient: change a copy of it (x = x.clone()), or out of place.",
+        )  # fmt: skip
 
 
 def unchanged_outputs(call: Call, versions: tuple) -> Call:
