@@ -1,5 +1,6 @@
-"""README.md's Python code runs as written: every ```python block, in order, in one namespace,
-as a reader pasting them one after another would run them.
+"""The manual's Python code runs as written: for README.md and for each page of docs/, every
+```python block, in order, in one namespace, as a reader pasting them one after another would run
+them.
 
 A block is left out only when the line right before its fence is an HTML comment that says
 why, ``<!-- not run: needs CUDA -->``. The blocks run in a fresh interpreter (a block may
@@ -21,7 +22,9 @@ import pytest
 
 import gradhooks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*\S.*-->\s*$")
 
@@ -35,8 +38,9 @@ warnings.simplefilter("error", gradhooks.GradhooksWarning)
 # transformers' that warns so)
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\\.")
 namespace = {"__name__": "__main__"}
-for line, code in json.load(sys.stdin):
-    exec(compile("\\n" * (line - 1) + code, "README.md", "exec"), namespace)
+name, blocks = json.load(sys.stdin)
+for line, code in blocks:
+    exec(compile("\\n" * (line - 1) + code, name, "exec"), namespace)
 """
 
 
@@ -51,7 +55,7 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
-        assert end is not None, f"README.md line {i + 1}: a code block that is never closed"
+        assert end is not None, f"line {i + 1}: a code block that is never closed"
         skipped = i > 0 and NOT_RUN.match(lines[i - 1])
         if fence.group(1) == "python" and not skipped:
             blocks.append((i + 2, "\n".join(lines[i + 1 : end]) + "\n"))
@@ -71,21 +75,27 @@ def test_python_blocks_are_found_and_a_marked_block_is_left_out():
     assert python_blocks(text) == [(3, "a = 1\n"), (15, "c = a + 1\n")]
 
 
-def test_readme_code_runs_in_order():
+def test_readme_has_code():
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 5, f"only {len(blocks)} ```python blocks found in {README}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_page_code_runs_in_order(page: Path):
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    name = page.relative_to(ROOT).as_posix()
     root = str(Path(gradhooks.__file__).resolve().parents[1])  # this checkout's gradhooks
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, "-c", RUNNER],
-        input=json.dumps(blocks),
+        input=json.dumps([name, blocks]),
         capture_output=True,
         text=True,
-        cwd=README.parent,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": path},
         timeout=300,
     )
     if run.returncode != 0:
-        pytest.fail(f"README.md's code failed:\n{run.stderr}", pytrace=False)
+        pytest.fail(f"{name}'s code failed:\n{run.stderr}", pytrace=False)
     if run.stderr:
-        pytest.fail(f"README.md's code ran but printed to stderr:\n{run.stderr}", pytrace=False)
+        pytest.fail(f"{name}'s code ran but printed to stderr:\n{run.stderr}", pytrace=False)
