@@ -20,7 +20,10 @@ Two accountants:
   ``examples/dp_sgd_digits.py``'s setting), slower (about 0.5 s per setting).
 
 :meth:`PrivacyAccountant.epsilon` composes the history only when it has changed: several δ
-for the same steps cost one composition. Importing the library takes about 1 s (SciPy).
+for the same steps cost one composition. Importing the library takes about 1 s (SciPy). Its
+notices about its own numerics (absl warnings about Rényi orders left out) are silenced while
+it computes. docs/privacy-accounting.md compares the accountants, with Opacus' PRV, on the same
+runs (``python -m bench.accountants``).
 
 Example::
 
@@ -34,7 +37,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 __all__ = ["PrivacyAccountant", "noise_multiplier_for"]
@@ -52,6 +59,24 @@ def _dp_accounting(what: str) -> Any:
             'pip install "gradhooks[dp]" (or pip install dp-accounting)'
         ) from e
     return dp_accounting
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No notices from dp-accounting while it computes. Its RDP accountant logs, through
+    absl, each fractional Rényi order whose series does not converge (at low noise or high
+    sampling rates, several per call) and leaves that order out of the minimum, which only
+    makes ε an upper bound over fewer orders: information for the library's developers, not
+    for a user reading ε."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"dp_accounting(\.|$)")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None:
@@ -148,11 +173,12 @@ class PrivacyAccountant:
         above 0."""
         _check_delta(delta)
         dpa = _dp_accounting("PrivacyAccountant.epsilon")
-        if self._composed is None or self._composed[0] != self.history:
-            accountant = _new_accountant(dpa, self.method)
-            accountant.compose(self.dp_event())
-            self._composed = (list(self.history), accountant)  # other deltas: no recompose
-        return float(self._composed[1].get_epsilon(delta))
+        with _quiet():
+            if self._composed is None or self._composed[0] != self.history:
+                accountant = _new_accountant(dpa, self.method)
+                accountant.compose(self.dp_event())
+                self._composed = (list(self.history), accountant)  # other deltas: no recompose
+            return float(self._composed[1].get_epsilon(delta))
 
     def __repr__(self) -> str:
         return f"PrivacyAccountant(method={self.method!r}, steps={self.steps})"
@@ -188,12 +214,13 @@ def noise_multiplier_for(
             "noise multiplier, even 0, spends no privacy"
         )
     dpa = _dp_accounting("noise_multiplier_for")
-    return float(
-        dpa.calibrate_dp_mechanism(
-            lambda: _new_accountant(dpa, method),
-            lambda sigma: _event(dpa, sigma, sample_rate, steps),
-            target_epsilon,
-            delta,
-            tol=tol,
+    with _quiet():
+        return float(
+            dpa.calibrate_dp_mechanism(
+                lambda: _new_accountant(dpa, method),
+                lambda sigma: _event(dpa, sigma, sample_rate, steps),
+                target_epsilon,
+                delta,
+                tol=tol,
+            )
         )
-    )
