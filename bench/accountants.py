@@ -42,7 +42,7 @@ def main() -> None:
         cells = [what, f"{sigma}", f"{q:.4g}", f"{steps:,}"]
         for method in ("rdp", "pld"):
 
-            def ours(method=method):
+            def ours(method=method, sigma=sigma, q=q, steps=steps):
                 acc = gradhooks.PrivacyAccountant(method)
                 acc.step(noise_multiplier=sigma, sample_rate=q, steps=steps)
                 return acc.epsilon(DELTA)
@@ -54,7 +54,7 @@ def main() -> None:
                 cells.append("(no opacus)")
                 continue
 
-            def theirs(cls=cls):
+            def theirs(cls=cls, sigma=sigma, q=q, steps=steps):
                 acc = cls()
                 acc.history = [(sigma, q, steps)]
                 return acc.get_epsilon(DELTA)

@@ -10,7 +10,7 @@ mean-reduced loss, ``grad1.sum(0) == param.grad`` for a sum. autograd-hacks' fun
 too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 """
 
-from . import distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
+from . import audit, distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .accounting import PrivacyAccountant, noise_multiplier_for
 from .check import CheckReport, check_rule
 from .compat import (
@@ -57,6 +57,7 @@ __all__ = [
     "poisson_loader",
     "PrivacyAccountant",
     "noise_multiplier_for",
+    "audit",
     "kfac",
     "KFactors",
     "KFactorsInverse",
