@@ -1,19 +1,20 @@
-"""K-FAC against plain SGD on scikit-learn's bundled digits (8x8 images, 10 classes; no
-download).
+"""K-FAC (``gradhooks.KFAC``) against SGD and Adam on scikit-learn's bundled digits (8x8 images,
+10 classes; no download).
 
     pip install torch==2.13.0 -e ".[examples]"
     python examples/kfac_digits.py [--epochs 5] [--out kfac_digits.png]
 
-Both optimizers train the same network from the same start on the same batches. SGD runs at
-several learning rates and the best is compared (picked on the test set: that favours SGD).
-K-FAC: every ``--every`` steps the Kronecker factors are estimated with ``gradhooks.kfac`` (a
-separate forward and a backward of labels sampled from the model: the Fisher), kept as a running
-average and inverted once (``KFactors.inverse``); every step ``gradhooks.kfac_precondition``
-replaces each weight's gradient, its bias's as the last column, by
-``(kron(G, A) + damping·I)⁻¹ grad`` before the SGD step.
+Every run trains the same network from the same start on the same batches. SGD and Adam run at
+several learning rates each, and the best of each is compared (picked on the test set: that
+favours them). K-FAC wraps SGD: every ``--every`` steps new Kronecker factors are estimated
+(``gradhooks.kfac``: a separate forward, and a backward of labels sampled from the model, for
+the Fisher), averaged into running factors and inverted; every step each weight's gradient (its
+bias's as the last column) becomes ``(kron(G, A) + damping·I)⁻¹ grad`` before SGD steps.
 
-Prints a line per epoch (every run's test accuracy), then K-FAC's gain over the best SGD, and
-writes the training curves (training loss and test accuracy per epoch) to ``--out``.
+Prints a line per epoch (every run's test accuracy), then K-FAC's gain over the best SGD and the
+best Adam, and writes the training curves to ``--out``: the training loss against steps and
+against wall time (K-FAC's steps cost more: its factors and their inverses), and the test
+accuracy per epoch.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_sgd_digits import accuracy, load_digits_tensors, make_net  # noqa: E402
@@ -34,95 +35,83 @@ from dp_sgd_digits import accuracy, load_digits_tensors, make_net  # noqa: E402
 import gradhooks  # noqa: E402
 
 SGD_LEARNING_RATES = (0.1, 0.3, 1.0)
+ADAM_LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 KFAC_LEARNING_RATE, DAMPING = 0.05, 0.03
-
-
-class KFACPreconditioner:
-    """Keeps a running average of the K-FAC factors of ``net`` and its damped inverse."""
-
-    def __init__(self, net: nn.Module, damping: float = DAMPING, decay: float = 0.9) -> None:
-        self.net, self.damping, self.decay = net, damping, decay
-        self.factors: dict[str, gradhooks.KFactors] = {}
-        self.inverses: dict[str, gradhooks.KFactorsInverse] = {}
-
-    def update(self, x: torch.Tensor, generator: torch.Generator) -> None:
-        """New factors from the batch ``x`` (MC Fisher), averaged in, inverted once."""
-        for name, new in gradhooks.kfac(self.net, x, fisher="mc", generator=generator).items():
-            old = self.factors.get(name)
-            if old is not None:
-                new = dataclasses.replace(
-                    new,
-                    A=self.decay * old.A + (1 - self.decay) * new.A,
-                    G=self.decay * old.G + (1 - self.decay) * new.G,
-                )
-            self.factors[name] = new
-        self.inverses = {n: f.inverse(self.damping) for n, f in self.factors.items()}
-
-    def precondition(self) -> None:
-        """Every weight's (and bias's) ``.grad`` becomes ``(kron(G, A) + damping·I)⁻¹ grad``."""
-        gradhooks.kfac_precondition(self.net, self.inverses)
 
 
 @dataclasses.dataclass
 class Curve:
-    """Per epoch (index 0: before training): mean training loss, test accuracy."""
+    """``loss``/``seconds``: per step, the batch's training loss and the wall time of the run's
+    steps so far; ``accuracy``: per epoch (index 0: before training), the test accuracy."""
 
     loss: list[float] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
     accuracy: list[float] = dataclasses.field(default_factory=list)
+
+    def epoch_loss(self, steps_per_epoch: int) -> float:
+        """The mean training loss over the last epoch."""
+        last = self.loss[-steps_per_epoch:]
+        return sum(last) / len(last)
 
 
 def train(
-    kfac: bool, epochs: int, lr: float, every: int = 10, batch: int = 64, seed: int = 0
+    method: str, epochs: int, lr: float, every: int = 10, batch: int = 64, seed: int = 0
 ) -> Iterator[Curve]:
-    """Trains, yielding the curve so far after each epoch (and once before the first)."""
+    """Trains with ``method`` ("SGD", "Adam" or "K-FAC"), yielding the curve so far after each
+    epoch (and once before the first)."""
     torch.manual_seed(seed)
     (xtr, ytr), (xte, yte) = load_digits_tensors(seed)
     net = make_net()
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed + 1)
-    pre = KFACPreconditioner(net) if kfac else None
+    if method == "Adam":
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+    if method == "K-FAC":
+        opt = gradhooks.KFAC(
+            net, opt, damping=DAMPING, decay=0.9, factors_every=every, inverse_every=every,
+            generator=torch.Generator().manual_seed(seed + 2),
+        )  # fmt: skip
     curve = Curve()
-    with torch.no_grad():
-        curve.loss.append(F.cross_entropy(net(xtr), ytr).item())
     curve.accuracy.append(accuracy(net, xte, yte))
     yield curve
-    step = 0
+    elapsed = 0.0  # the run's own steps: the runs are interleaved epoch by epoch
     for _ in range(epochs):
         perm = torch.randperm(len(ytr), generator=gen)
-        losses = []
         for i in range(0, len(ytr) - batch + 1, batch):
+            start = time.perf_counter()
             idx = perm[i : i + batch]
-            if pre is not None and step % every == 0:
-                pre.update(xtr[idx], gen)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(xtr[idx]), ytr[idx])
             loss.backward()
-            if pre is not None:
-                pre.precondition()
-            opt.step()
-            losses.append(loss.item())
-            step += 1
-        curve.loss.append(sum(losses) / len(losses))
+            if method == "K-FAC":
+                opt.step(xtr[idx])
+            else:
+                opt.step()
+            curve.loss.append(loss.item())
+            elapsed += time.perf_counter() - start
+            curve.seconds.append(elapsed)
         curve.accuracy.append(accuracy(net, xte, yte))
         yield curve
 
 
-def plot(curves: dict[str, Curve], best_sgd: str, path: str) -> None:
+def plot(curves: dict[str, Curve], best: tuple[str, ...], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # a file, no window
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for label, curve in curves.items():
-        style = {"linewidth": 2.5} if label in (best_sgd, "K-FAC") else {"alpha": 0.5}
-        epochs = range(len(curve.loss))
-        left.plot(epochs, curve.loss, marker="o", label=label, **style)
-        right.plot(epochs, curve.accuracy, marker="o", label=label, **style)
-    left.set(xlabel="epoch", ylabel="training loss (mean over the epoch)", yscale="log")
-    right.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
-    left.legend()
-    fig.suptitle("K-FAC (gradhooks.kfac_precondition) against SGD on scikit-learn's digits")
+        style = {"linewidth": 2.0} if label in best else {"alpha": 0.35, "linewidth": 1.0}
+        axes[0].plot(range(1, len(curve.loss) + 1), curve.loss, label=label, **style)
+        axes[1].plot(curve.seconds, curve.loss, label=label, **style)
+        axes[2].plot(range(len(curve.accuracy)), curve.accuracy, marker="o", label=label, **style)
+    axes[0].set(xlabel="step", ylabel="training loss (batch)", yscale="log")
+    axes[1].set(xlabel="wall time (s)", ylabel="training loss (batch)", yscale="log")
+    axes[2].set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+    axes[0].legend(fontsize="small")
+    fig.suptitle("K-FAC (gradhooks.KFAC around SGD) against SGD and Adam on scikit-learn's digits")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -141,38 +130,40 @@ def main(argv: list[str] | None = None) -> dict[str, Curve]:
     )
     args = parser.parse_args(argv)
 
-    runs = {f"SGD, lr {lr}": train(False, args.epochs, lr) for lr in SGD_LEARNING_RATES}
-    runs["K-FAC"] = train(True, args.epochs, KFAC_LEARNING_RATE, every=args.every)
-    print(f"test accuracy per epoch; K-FAC: lr {KFAC_LEARNING_RATE}, damping {DAMPING}")
+    runs = {f"SGD, lr {lr}": train("SGD", args.epochs, lr) for lr in SGD_LEARNING_RATES}
+    runs |= {f"Adam, lr {lr}": train("Adam", args.epochs, lr) for lr in ADAM_LEARNING_RATES}
+    runs["K-FAC"] = train("K-FAC", args.epochs, KFAC_LEARNING_RATE, every=args.every)
+    print(f"test accuracy per epoch; K-FAC: SGD lr {KFAC_LEARNING_RATE}, damping {DAMPING}")
     for epoch in range(args.epochs + 1):
         curves = {label: next(run) for label, run in runs.items()}
         row = ", ".join(f"{label} {c.accuracy[-1]:.3f}" for label, c in curves.items())
         print(f"epoch {epoch:>2}/{args.epochs}: {row}", flush=True)
 
-    sgd = {label: c for label, c in curves.items() if label.startswith("SGD")}
-    best = max(sgd, key=lambda label: sgd[label].accuracy[-1])
-    kfac, base = curves["K-FAC"], sgd[best]
-    lr_list = ", ".join(map(str, SGD_LEARNING_RATES))
-    print(f"\nafter {args.epochs} epochs, test accuracy and training loss:")
-    print(f"  K-FAC: {kfac.accuracy[-1]:.3f}, {kfac.loss[-1]:.3f}")
-    best_lr = best.removeprefix("SGD, lr ")
+    kfac = curves["K-FAC"]
+    steps = len(kfac.loss) // args.epochs
+    print(f"\nafter {args.epochs} epochs, test accuracy, training loss and wall time:")
     print(
-        f"  SGD:   {base.accuracy[-1]:.3f}, {base.loss[-1]:.3f} (lr {best_lr}, the best of "
-        f"{lr_list} on the test set)"
+        f"  K-FAC: {kfac.accuracy[-1]:.3f}, {kfac.epoch_loss(steps):.3f}, {kfac.seconds[-1]:.2f} s"
     )
-    gain = 100 * (kfac.accuracy[-1] - base.accuracy[-1])
-    ratio = base.loss[-1] / kfac.loss[-1]
-    loss = f"{ratio:.1f}x lower" if ratio >= 1 else f"{1 / ratio:.1f}x higher"
-    print(
-        f"K-FAC's gain over the best SGD: {gain:+.1f} percentage points of test accuracy; "
-        f"its training loss is {loss}"
-    )
-    reached = next((e for e, a in enumerate(kfac.accuracy) if a >= base.accuracy[-1]), None)
-    if reached is not None:
+    best = ["K-FAC"]
+    for name, rates in [("SGD", SGD_LEARNING_RATES), ("Adam", ADAM_LEARNING_RATES)]:
+        runs_of = {label: c for label, c in curves.items() if label.startswith(name)}
+        label = max(runs_of, key=lambda label: runs_of[label].accuracy[-1])
+        base = runs_of[label]
+        best.append(label)
         print(
-            f"K-FAC reached the best SGD's final accuracy after {reached} of {args.epochs} epochs"
+            f"  {name}: {base.accuracy[-1]:.3f}, {base.epoch_loss(steps):.3f}, "
+            f"{base.seconds[-1]:.2f} s (lr {label.split('lr ')[1]}, the best of "
+            f"{', '.join(map(str, rates))} on the test set)"
         )
-    plot(curves, best, args.out)
+        gain = 100 * (kfac.accuracy[-1] - base.accuracy[-1])
+        ratio = base.epoch_loss(steps) / kfac.epoch_loss(steps)
+        loss = f"{ratio:.1f}x lower" if ratio >= 1 else f"{1 / ratio:.1f}x higher"
+        print(
+            f"K-FAC's gain over the best {name}: {gain:+.1f} percentage points of test "
+            f"accuracy; its training loss is {loss}"
+        )
+    plot(curves, tuple(best), args.out)
     print(f"training curves: {os.path.abspath(args.out)}")
     return curves
 

@@ -27,6 +27,7 @@ from .engine import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
 from .errors import Grad1TooLarge, GradhooksWarning
 from .jacobian import jacobians
 from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
+from .kfac_optimizer import KFAC
 from .memory import set_memory_limit
 from .pause import paused, set_enabled
 from .pieces import Direct, Outer, Piece, Rows
@@ -62,6 +63,7 @@ __all__ = [
     "KFactors",
     "KFactorsInverse",
     "kfac_precondition",
+    "KFAC",
     "jacobians",
     "distributed",
     # autograd-hacks compatibility

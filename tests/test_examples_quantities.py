@@ -50,7 +50,7 @@ def test_dp_sgd_digits_quick_prints_each_epoch_epsilon_and_writes_the_plot(
     assert all("ε" in line for line in lines if "DP-SGD" in line), text
 
 
-def test_kfac_digits_beats_the_best_sgd_reports_it_and_plots(tmp_path, capsys):
+def test_kfac_digits_beats_the_best_sgd_and_adam_reports_it_and_plots(tmp_path, capsys):
     pytest.importorskip(
         "matplotlib", reason="the K-FAC example's plot: pip install -e '.[examples]'"
     )
@@ -59,9 +59,14 @@ def test_kfac_digits_beats_the_best_sgd_reports_it_and_plots(tmp_path, capsys):
     out = tmp_path / "curves.png"
     curves = ex.main(["--epochs", "1", "--out", str(out)])
     printed = capsys.readouterr().out
-    kfac = curves.pop("K-FAC").accuracy
+    kfac = curves.pop("K-FAC")
     best = max(c.accuracy[-1] for c in curves.values())
-    assert len(kfac) == 2 and kfac[-1] > 0.8 and kfac[-1] > best, (kfac, best, printed)
-    assert "epoch  1/1:" in printed and "K-FAC's gain over the best SGD: +" in printed
+    assert len(kfac.accuracy) == 2 and kfac.accuracy[-1] > 0.8, (kfac.accuracy, printed)
+    assert kfac.accuracy[-1] > best, (kfac.accuracy, best, printed)
+    assert len(kfac.loss) == len(kfac.seconds) > 10 and kfac.seconds == sorted(kfac.seconds)
+    assert "epoch  1/1:" in printed
+    assert "K-FAC's gain over the best SGD: +" in printed, printed
+    assert "K-FAC's gain over the best Adam: +" in printed, printed
     assert f"the best of {', '.join(map(str, ex.SGD_LEARNING_RATES))}" in printed
+    assert f"the best of {', '.join(map(str, ex.ADAM_LEARNING_RATES))}" in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no PNG plot written"
