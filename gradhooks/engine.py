@@ -414,8 +414,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
-        ``grad1`` computed since the last :meth:`clear` (what autograd-hacks' ``compute_grad1``
-        ``loss_type`` says), and use it for later backwards."""
+        ``grad1`` of the current accumulation (since the last ``zero_grad`` or :meth:`clear`;
+        what autograd-hacks' ``compute_grad1`` ``loss_type`` says), and use it for later
+        backwards."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_reduction == self.loss_reduction:
