@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from . import _torch
 from . import pieces as P
+from .accumulation import all_zero
 from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
 from .errors import GradhooksWarning
 from .memory import refuse_if_too_large
@@ -183,8 +185,15 @@ class Backwards:
             piece = pieces[pname]
             qualname = f"{target.name}.{pname}" if target.name else pname
             if bw is not None and id(p) not in bw.before:
+                if id(p) in self._written and self._new_forward(p, frame):
+                    del self._written[id(p)]  # (torch.autograd.grad of another forward)
                 # kept for a rollback; a kept grad1 is then never written in place
                 bw.before[id(p)] = p.grad1 if id(p) in self._written else None
+                if bw.batch is None:
+                    bw.batch = piece.batch_size
+            self._stale.pop(id(p), None)
+            if frame is not None:
+                self._forward_of[id(p)] = weakref.ref(frame)
             accumulate = id(p) in self._written
             out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
@@ -283,10 +292,83 @@ class Backwards:
             if nested:  # their gradients are split between the two: not verified
                 for other in self._tasks.values():
                     other.verify = frozenset()
-            elif self.verify and self._checks_examples and self._unverified:
-                bw.verify = frozenset(self._unverified)
+            else:
+                bw.capturing = self._capturing_backward()
+                if bw.capturing:
+                    self._restart()
+                else:
+                    self._trail.observe()
+                if self.verify and self._checks_examples and self._unverified:
+                    bw.verify = frozenset(self._unverified)
             _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
+
+    def _restart(self) -> None:
+        """At the start of a backward, before autograd adds anything to ``.grad``: where
+        ``.grad`` was reset since the last backward (``zero_grad``: see
+        :mod:`gradhooks.accumulation`), ``grad1`` starts afresh (and so do the quantities that
+        accumulate); a ``grad1`` deleted by the user starts afresh too."""
+        for pid, p in list(self._written.items()):
+            if p.__dict__.get("grad1") is None:
+                del self._written[pid]
+                self._depth.pop(pid, None)
+        if not len(self._trail):
+            return
+        reset = self._trail.restarted()
+        for p in reset:
+            if self._written.pop(id(p), None) is not None:
+                self._stale[id(p)] = p
+            self._depth.pop(id(p), None)
+        if reset and self._collector is not None:
+            self._collector.restart(reset)
+
+    def _settle(self, bw: Backward, captured: bool) -> None:
+        """At the end of a backward: count it in each ``grad1`` it wrote; where it was a
+        captured backward of the model, a ``grad1`` left from before a reset that it did not
+        reach goes as ``.grad`` went: deleted where ``.grad`` is ``None`` (or holds a gradient
+        this backward computed without capture), zeros where ``.grad`` is zeros; then record
+        the ``.grad`` every parameter was left with, for the next backward's start."""
+        if captured:  # (not one rolled back, or one that was not captured)
+            for pid, before in bw.before.items():
+                if pid in self._written:
+                    self._depth[pid] = self._depth.get(pid, 1) + 1 if before is not None else 1
+        if captured and self._stale:
+            stale, self._stale = self._stale, {}
+            zero = [p for p in stale.values() if p.grad is not None and bw.batch is not None]
+            zero = [p for p, z in zip(zero, all_zero([p.grad for p in zero])) if z]
+            for p in zero:
+                self._zero_grad1(p, bw.batch)
+            for pid, p in stale.items():
+                if pid not in self._written and "grad1" in p.__dict__:
+                    del p.grad1
+        if not bw.capturing:
+            return  # (its additions to .grad continue the accumulation, see GradTrail)
+        params = {pid: p for pid, p in self._written.items()}
+        for pid in bw.reached:
+            if pid in self._params:
+                params.setdefault(pid, self._params[pid][1])
+        for p in self._trail.params():
+            params.setdefault(id(p), p)
+        self._trail.record(params.values())
+
+    def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
+        """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
+        no sign (see :mod:`gradhooks.accumulation`): the last backward left ``.grad`` alone
+        and was of another forward."""
+        if frame is None or not self._trail.left_alone(p):
+            return False
+        last = self._forward_of.get(id(p))
+        return last is not None and last() is not frame
+
+    def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
+        """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
+        old = _sole_grad1(p)
+        if old is not None and tuple(old.shape) == (batch, *p.shape) and old.dtype == p.dtype:
+            old.zero_()
+        else:
+            p.grad1 = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
+        self._written[id(p)] = p
+        self._depth[id(p)] = 1
 
     def _param_hook(self, pid: int, name: str):
         def hook(grad: Tensor | None) -> None:
@@ -403,10 +485,12 @@ class Backwards:
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
+        kept = True
         if bw.reached and not bw.computed and not self._no_param_grads and not self._sharded:
             self._rollback(bw)
             if self._collector is not None:
                 self._collector.discard_backward()
+            kept = False
         if bw.verify and bw.grads and bw.reached and self._grad1:
             self._verify(bw)
         elif bw.verify and not self._grad1:
@@ -414,6 +498,7 @@ class Backwards:
                 # (after the collector's own callback, which forms the norms)
                 _torch.queue_backward_callback(lambda: self._verify_norms(bw, bw.probe))
             self._unverified -= bw.verify
+        self._settle(bw, kept and bool(bw.reached))
         if self._collector is not None:
             self._collector.missed = list(bw.missed)
         if bw.missed:

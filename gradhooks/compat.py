@@ -15,8 +15,11 @@ and its Hessian helpers, for a loss of the network's output ``[batch, classes]``
 
 Differences, all in the user's favour: ``grad1`` is already there after ``backward()``
 (``compute_grad1`` only confirms or corrects the loss reduction); modules called twice, tied
-weights and every layer with a rule are correct; a second backward without ``clear_backprops``
-accumulates (as ``.grad`` does) instead of asserting.
+weights and every layer with a rule are correct; ``optimizer.zero_grad()`` /
+``model.zero_grad()`` starts ``grad1`` afresh as ``clear_backprops`` does. As in
+autograd-hacks, ``compute_grad1`` refuses ``grad1`` that sums several backwards (a second
+backward with neither ``clear_backprops`` nor ``zero_grad`` between: "Multiple backprops
+detected"); ``param.grad1`` itself holds that sum, as ``.grad`` does.
 """
 
 from __future__ import annotations
@@ -48,12 +51,24 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
     gradhooks computes ``grad1`` during ``backward()`` with the ``loss_reduction`` given to
     :func:`add_hooks` (default ``"mean"``); when ``loss_type`` differs, the ``grad1`` of the
     captured backward is rescaled and later backwards use ``loss_type``.
+
+    As autograd-hacks' does, it refuses (``RuntimeError``, nothing changed) where ``grad1``
+    holds more than one backward: a second backward with neither :func:`clear_backprops` nor
+    ``zero_grad()`` since the first.
     """
     hooks = hooks_of(model)
     if not hooks.captured:
         raise RuntimeError(
             "compute_grad1: no backward pass was captured since add_hooks or clear_backprops. "
             "Run the forward and loss.backward() with the hooks on (add_hooks before the forward)."
+        )
+    if hooks.accumulated > 1:
+        raise RuntimeError(
+            f"compute_grad1: Multiple backprops detected: grad1 holds the sum of "
+            f"{hooks.accumulated} backwards, as .grad does, with neither clear_backprops(model) "
+            "nor optimizer.zero_grad() / model.zero_grad() between them. Call one of them "
+            "before each step's forward and backward (or read param.grad1 itself, which keeps "
+            "the sum, without compute_grad1)."
         )
     hooks.rescale(loss_type)
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _torch
+from .accumulation import GradTrail
 from .backward import Backwards
 from .calls import CallLayouts
 from .capture import DetachedCalls
@@ -77,8 +78,11 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
     ``i``'s own loss. For ``loss_reduction="mean"`` (loss = mean of per-example losses)
     ``grad1.mean(0)`` equals ``param.grad``; for ``"sum"``, ``grad1.sum(0)`` does.
 
-    A second backward without :meth:`clear` adds to ``grad1``, as ``.grad`` accumulates;
-    :meth:`clear` makes the next backward start afresh (call it between training steps).
+    ``grad1`` accumulates exactly when ``.grad`` does: a backward adds to it where ``.grad``
+    still holds what the backwards before it left (micro-batches, ``retain_graph``), and starts
+    it afresh where ``.grad`` was reset (``optimizer.zero_grad()`` / ``model.zero_grad()``,
+    either ``set_to_none``); after a reset, a parameter the backward does not reach loses its
+    ``grad1`` (zeros where ``.grad`` is zeros). :meth:`clear` starts afresh as a reset does.
 
     Which backwards write ``grad1``: those that compute the model's parameter gradients
     (``torch.autograd.grad`` with respect to the input only leaves it alone), not under
@@ -134,7 +138,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._sharded = {id(p) for p in self._shards.values()}  # per-example norms, no grad1
         self._targets = plan_targets(model, registry, unsupported, self._shards)
         self._check_not_hooked(model)
+        # the parameters whose grad1 the next captured backward adds to (the accumulation
+        # goes on), and whose grad1 it replaces if it reaches them, else deletes or zeroes
+        # (left from before a zero_grad or clear(): stale), by id
         self._written: dict[int, nn.Parameter] = {}
+        self._stale: dict[int, nn.Parameter] = {}
+        self._trail = GradTrail()  # the .grad the backwards left (gradhooks.accumulation)
+        self._depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
+        self._forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
         self._removed = False
         self.quantities = quantities
         self._grad1 = "grad1" in quantities
@@ -338,11 +349,16 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def clear(self) -> None:
         """Start a new accumulation: the next backward replaces ``grad1`` instead of adding to
-        it. The current ``grad1`` tensors stay readable (those of a backward that failed half
-        way are put back as they were before it)."""
+        it, and a parameter it does not reach loses its ``grad1``, as after
+        ``optimizer.zero_grad()`` (which is all an ordinary training loop needs). The current
+        ``grad1`` tensors stay readable until then (those of a backward that failed half way
+        are put back as they were before it)."""
         if graph_task() == -1:
             self._drop_stale()
+        self._stale.update(self._written)
         self._written.clear()
+        self._trail.clear()
+        self._depth.clear()
         self._missed.clear()
         self._hessian_backprops.clear()
         if self._collector is not None:
@@ -398,8 +414,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
-        ``grad1`` computed since the last :meth:`clear` (what autograd-hacks' ``compute_grad1``
-        ``loss_type`` says), and use it for later backwards."""
+        ``grad1`` of the current accumulation (since the last ``zero_grad`` or :meth:`clear`;
+        what autograd-hacks' ``compute_grad1`` ``loss_type`` says), and use it for later
+        backwards."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_reduction == self.loss_reduction:
@@ -416,6 +433,13 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
     def captured(self) -> bool:
         """Whether a backward has written ``grad1`` since the hooks were added or cleared."""
         return bool(self._written)
+
+    @property
+    def accumulated(self) -> int:
+        """How many captured backwards ``grad1`` holds the sum of (the most over parameters;
+        0 before any): 1 after each ``zero_grad()``, forward and backward, ``k`` after ``k``
+        micro-batches without ``zero_grad`` (or a ``retain_graph`` backward run ``k`` times)."""
+        return max((self._depth.get(pid, 1) for pid in self._written), default=0)
 
     # -- quantities other than grad1 (add_hooks(..., quantities=...)) -------------------------
     # Of the last backward (each backward replaces them), except kfac_factors, which accumulate
@@ -512,6 +536,10 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
         self._written.clear()
+        self._stale.clear()
+        self._trail.clear()
+        self._depth.clear()
+        self._forward_of.clear()
         self._unheld.clear()
         if self._probe_box is not None:
             drop_box(self._probe_box)

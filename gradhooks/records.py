@@ -87,6 +87,8 @@ class Backward:
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
     # (verify, without grad1) every call's pieces, (pieces, params, scale), for the norms' check
     kept: list[tuple[dict, dict, float]] = field(default_factory=list)
+    batch: int | None = None  # the examples of the grad1 it wrote
+    capturing: bool = True  # captured (not paused; marked where capture="marked")
 
 
 @dataclass

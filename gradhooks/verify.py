@@ -484,7 +484,9 @@ class CheckReport:
 
     ``module``: the type of the layer or model checked; ``check``: which check made the report
     (``"check_rule"`` or ``"Hooks.check"``); ``ok``: nothing failed (no ``failures`` and no
-    ``problems``). ``str(report)`` lists all of it, one line each.
+    ``problems``) and nothing was left unchecked (no ``unchecked``). ``str(report)`` lists all
+    of it, one line each; its first line says ``ok``, ``FAILED``, ``MISMATCH`` or, where
+    nothing failed but something could not be checked, ``UNCHECKED``.
 
     From :func:`check_rule`: ``differences``: ``{"<parameter> (<reduction>)": max |hooks -
     vmap(grad)|}`` for every trainable parameter and both reductions (``inf`` where ``grad1``
@@ -493,7 +495,8 @@ class CheckReport:
     From ``Hooks.check``: ``problems``: one sentence each, naming what is wrong and what to do;
     ``reduction``: the reduction the loss really used (``"mean"``/``"sum"``), when the loss was
     given and it could be told; ``nonfinite``: ``{param_name: [example indices]}`` whose
-    ``grad1`` holds NaN or Inf.
+    ``grad1`` holds NaN or Inf; ``unchecked``: what could not be checked, one sentence each,
+    with what to pass so that it is (the loss's reduction, without the loss).
     """
 
     module: str = ""
@@ -503,13 +506,17 @@ class CheckReport:
     reduction: str | None = None
     nonfinite: dict[str, list[int]] = field(default_factory=dict)
     check: str = "check"
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.failures and not self.problems
+        return not self.failures and not self.problems and not self.unchecked
 
     def __str__(self) -> str:
-        status = "ok" if self.ok else "MISMATCH" if self.failures else "FAILED"
+        status = (
+            "ok" if self.ok else "MISMATCH" if self.failures else "FAILED" if self.problems
+            else "UNCHECKED"
+        )  # fmt: skip
         rows = [f"{self.check}({self.module}): {status}"]
         rows += [
             f"  {key:<40} max |hooks - vmap(grad)| = {d:.3e}"
@@ -519,6 +526,7 @@ class CheckReport:
         if self.reduction is not None:
             rows.append(f"  the loss's reduction: {self.reduction}")
         rows += [f"  - {problem}" for problem in self.problems]
+        rows += [f"  not checked: {what}" for what in self.unchecked]
         return "\n".join(rows)
 
 
@@ -575,11 +583,14 @@ def check_hooks(
             report.problems.append(
                 f"'{name}': grad1.{reduce}(0) differs from .grad (max difference {diff:.3e}, "
                 f"largest entry {want.abs().max().item():.3e}): .grad holds more than the "
-                f"backwards captured since clear(): gradients from before clear() (call "
-                "optimizer.zero_grad() and h.clear() together), a term of the loss that does "
-                "not go through a hooked layer's output (weight decay added to the loss: add "
-                "its gradient to grad1 yourself, or use the optimizer's weight_decay), or a loss "
-                "built from derivatives of the model (gradient penalties)"
+                "captured backwards grad1 holds: gradients from before h.clear() (clear() "
+                "without optimizer.zero_grad(); zero_grad() alone is enough), of a backward "
+                "that was not captured (paused, or of a forward run before add_hooks), a term "
+                "of the loss that does not go through a hooked layer's output (weight decay "
+                "added to the loss: add its gradient to grad1 yourself, or use the optimizer's "
+                "weight_decay), a loss built from derivatives of the model (gradient "
+                "penalties), or .grad changed in place after the backward (clip_grad_norm_, "
+                "a GradScaler's unscale_, DDP's all-reduce: check before those)"
             )
     for name, rows in report.nonfinite.items():
         report.problems.append(
@@ -591,6 +602,17 @@ def check_hooks(
         if inputs is None:
             raise ValueError("check(loss_fn, inputs, target): the inputs of the captured forward")
         _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, report)
+    elif written:
+        other = "sum" if reduce == "mean" else "mean"
+        batch = next(iter(written.values())).grad1.shape[0]
+        report.unchecked.append(
+            f"the loss's reduction: grad1.{reduce}(0) equals .grad whatever the loss really "
+            f"was, so a loss that is the {other} of the per-example losses, hooked with "
+            f"loss_reduction={hooks.loss_reduction!r}, leaves grad1 {batch}× too "
+            f"{'large' if reduce == 'mean' else 'small'} (the batch size) unseen. Pass the "
+            "loss: h.check(loss_fn, inputs, target) recomputes the first examples one at a "
+            "time and says which reduction the loss used"
+        )
     if report.problems and raise_on_error:
         raise RuntimeError("gradhooks check failed:\n  - " + "\n  - ".join(report.problems))
     return report
@@ -611,6 +633,7 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
         return
     k = min(examples, batch)
     if k == 0:
+        report.unchecked.append("the loss's reduction: the batch is empty")
         return
     want = loop_grad(
         model, loss_fn, tuple(x[:k] for x in xs), None if target is None else target[:k]
@@ -621,9 +644,16 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
             got_parts.append(p.grad1[:k].detach().reshape(k, -1).double())
             want_parts.append(want[name].detach().reshape(k, -1).double())
     if not got_parts:
+        report.unchecked.append(
+            "the loss's reduction: no parameter with grad1 got a gradient from the examples "
+            "recomputed one at a time"
+        )
         return
     got, ref = torch.cat(got_parts, 1), torch.cat(want_parts, 1)
     if not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
+        report.unchecked.append(
+            f"the loss's reduction: the first {k} examples' gradients are not finite"
+        )
         return
     tol = 10 * _tol(next(iter(written.values())).grad1.dtype)
     norm = ref.norm().item()
@@ -636,6 +666,11 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
                 "no example has a loss of its own and grad1 holds each example's share of the "
                 "batch loss's gradient, not a per-example gradient. For DP-SGD, clip a loss "
                 "that is a sum over examples."
+            )
+        else:
+            report.unchecked.append(
+                f"the loss's reduction: the first {k} examples' gradients are zero; check "
+                "with more examples (check(..., examples=k))"
             )
         return
 

@@ -77,8 +77,15 @@ def test_check_says_which_reduction_the_loss_used(declared, real):
     x, y = torch.randn(6, 3, dtype=D), torch.randint(2, (6,))
     with gradhooks.add_hooks(model, loss_reduction=declared) as h:
         F.cross_entropy(model(x), y, reduction=real).backward()
-        # grad1 always reduces to .grad (the engine's scale cancels): only the loss can tell
-        assert h.check().ok
+        # grad1 always reduces to .grad (the engine's scale cancels): only the loss can tell,
+        # and without it the report says what it could not check, never "ok"
+        blind = h.check()
+        assert not blind.ok and not blind.problems and not blind.failures
+        assert len(blind.unchecked) == 1 and "reduction" in blind.unchecked[0]
+        assert str(blind).startswith("Hooks.check(Sequential): UNCHECKED\n")
+        assert "h.check(loss_fn, inputs, target)" in str(blind)
+        assert "unchecked=[" in repr(blind)
+        assert "6× too " + ("large" if declared == "mean" else "small") in blind.unchecked[0]
         if declared == real:
             report = h.check(F.cross_entropy, x, y)
             assert report.ok and report.reduction == real

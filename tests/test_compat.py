@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gradhooks as autograd_hacks
-from gradhooks.oracle import loop_grad
+from gradhooks.oracle import loop_grad, vmap_grad
 
 
 class Net(nn.Module):
@@ -201,3 +201,61 @@ def test_compute_hess_equals_autograds_hessian(hess_type):
     finally:
         autograd_hacks.remove_hooks(model)
         autograd_hacks.enable_hooks()
+
+
+def test_compute_grad1_refuses_two_backwards_as_autograd_hacks_asserts():
+    """autograd-hacks asserts "Multiple backprops detected" when a second backward ran without
+    clear_backprops; so does compute_grad1 here, leaving grad1 (the sum of both, as .grad)
+    untouched. zero_grad() between the steps starts grad1 afresh, as clear_backprops does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    xs = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    autograd_hacks.add_hooks(model)
+    try:
+        model(xs[0]).pow(2).mean().backward()
+        model(xs[1]).pow(2).mean().backward()  # neither clear_backprops nor zero_grad
+        held = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        with pytest.raises(RuntimeError, match="Multiple backprops detected.*2 backwards"):
+            autograd_hacks.compute_grad1(model)
+        want = [vmap_grad(model, lambda o: o.pow(2).mean(), x) for x in xs[:2]]
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, held[n], rtol=0, atol=0)  # untouched
+            torch.testing.assert_close(p.grad1, want[0][n] + want[1][n])
+        model.zero_grad()  # (what the ordinary loop does instead of clear_backprops)
+        model(xs[2]).pow(2).mean().backward()
+        autograd_hacks.compute_grad1(model)
+        want = vmap_grad(model, lambda o: o.pow(2).mean(), xs[2])
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, want[n])
+        out = model(xs[2])
+        out.pow(2).mean().backward(retain_graph=True)
+        out.pow(2).mean().backward()  # a retain_graph backward twice: two backprops too
+        with pytest.raises(RuntimeError, match="Multiple backprops detected"):
+            autograd_hacks.compute_grad1(model)
+        autograd_hacks.clear_backprops(model)
+        model(xs[0]).pow(2).mean().backward()  # .grad accumulates; grad1 is this backward's
+        autograd_hacks.compute_grad1(model)
+        want = vmap_grad(model, lambda o: o.pow(2).mean(), xs[0])
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, want[n])
+    finally:
+        autograd_hacks.remove_hooks(model)
+
+
+def test_compute_grad1_in_a_loop_with_zero_grad_and_no_clear_backprops():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    autograd_hacks.add_hooks(model)
+    try:
+        for _ in range(3):
+            x = torch.randn(6, 3, dtype=torch.float64)
+            want = vmap_grad(model, lambda o: o.pow(2).mean(), x)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            autograd_hacks.compute_grad1(model)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, want[n])
+            opt.step()
+    finally:
+        autograd_hacks.remove_hooks(model)

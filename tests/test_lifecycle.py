@@ -327,3 +327,65 @@ def test_a_failed_backward_leaves_no_graph_behind():
             out.pow(2).sum().backward()
         del out
     assert _graph_tensors() == before, "the failed step's graph is still alive"
+
+
+# -- accumulation: when grad1 starts afresh (gradhooks.accumulation) ---------------------------
+
+
+def test_grad_trail_tells_a_reset_from_an_accumulation():
+    """GradTrail, alone: .grad None (where it was not), or changed and all zeros, is a reset;
+    left alone, changed in place but not zeroed, or replaced by a nonzero tensor, is not; a
+    reset seen by a backward that was not captured counts even after .grad filled again."""
+    from gradhooks.accumulation import GradTrail
+
+    p = nn.Parameter(torch.ones(3))
+    trail = GradTrail()
+
+    def after(change) -> bool:
+        p.grad = torch.ones(3)
+        trail.record([p])
+        change()
+        return p in trail.restarted()
+
+    assert not after(lambda: None)
+    assert after(lambda: setattr(p, "grad", None))
+    assert after(lambda: p.grad.zero_())
+    assert after(lambda: setattr(p, "grad", torch.zeros(3)))
+    assert not after(lambda: p.grad.mul_(0.5))  # clip_grad_norm_, unscale_
+    assert not after(lambda: setattr(p, "grad", torch.full((3,), 2.0)))
+    p.grad = None
+    trail.record([p])
+    assert p not in trail.restarted()  # None then and now: torch.autograd.grad's backwards
+    assert 1 == len(trail)
+    p.grad = torch.ones(3)
+    trail.record([p])
+    p.grad = None  # zero_grad
+    trail.observe()  # a paused backward starts, and fills .grad again
+    p.grad = torch.ones(3)
+    assert p in trail.restarted() and not len(trail)
+
+
+def test_all_zero_dense_and_sparse():
+    from gradhooks.accumulation import all_zero
+
+    sparse = torch.sparse_coo_tensor([[0, 2]], [0.0, 1.0], (4,), check_invariants=True)
+    zero_sparse = torch.sparse_coo_tensor([[1]], [0.0], (4,), check_invariants=True)
+    found = all_zero([torch.zeros(2, 3), torch.eye(2), sparse, zero_sparse, torch.zeros(0)])
+    assert found == [True, False, False, True, True]
+
+
+@pytest.mark.parametrize("reset", ["zero_grad", "clear"])
+def test_a_parameter_the_next_backward_does_not_reach_loses_its_grad1(reset):
+    """After zero_grad (or clear()), a backward that does not reach a parameter leaves it no
+    grad1 from before: the next step's reads never see an earlier step's."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2)})
+    x = torch.randn(4, 3)
+    with gradhooks.add_hooks(model) as h:
+        (model["a"](x).sum() + model["b"](x).sum()).backward()
+        assert hasattr(model["b"].weight, "grad1")
+        model.zero_grad() if reset == "zero_grad" else h.clear()
+        assert hasattr(model["b"].weight, "grad1")  # readable until the next backward
+        model["a"](x).sum().backward()
+        assert not hasattr(model["b"].weight, "grad1")
+        assert model["a"].weight.grad1.shape == (4, 2, 3)

@@ -96,6 +96,13 @@ class Collector:
         if self.kfac is not None:
             self.kfac.clear()
 
+    def restart(self, params: list[nn.Parameter]) -> None:
+        """These parameters' ``.grad`` was reset (``zero_grad``) since the last backward: what
+        accumulates over backwards (the K-FAC factors) starts afresh for them. The other
+        quantities are each backward's own."""
+        if self.kfac is not None:
+            self.kfac.restart(self.names[id(p)] for p in params if id(p) in self.names)
+
     def add(
         self,
         qualname: str,

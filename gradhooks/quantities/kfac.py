@@ -108,6 +108,14 @@ class KfacAccumulator:
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self.capture_a = True
 
+    def restart(self, keys) -> None:
+        """Forget what was summed for these weights (by name): their next backward starts
+        afresh."""
+        for key in keys:
+            for sums in (self._a, self._g, self._n_a, self._n_g, self._biased, self._bias_name,
+                         self._batch_now, self._other):  # fmt: skip
+                sums.pop(key, None)
+
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
         bias_pieces = [
             n for n, pc in call_pieces.items()

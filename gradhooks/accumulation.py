@@ -1,0 +1,131 @@
+"""When a backward adds to what earlier backwards left, and when it starts afresh: the rule
+``grad1`` and the accumulating quantities share with ``.grad``.
+
+autograd adds each backward's gradient to ``p.grad``, and ``optimizer.zero_grad()`` /
+``model.zero_grad()`` start it afresh: ``p.grad`` becomes ``None`` (``set_to_none=True``, torch's
+default) or zeros (``set_to_none=False``). gradhooks does not see the ``zero_grad`` call, only
+its result, so :class:`GradTrail` records, at the end of every captured backward, the
+``.grad`` each parameter was left with (the tensor and its version counter); at the start of
+the next captured backward, before autograd adds anything to it, a parameter whose ``.grad``
+is ``None`` (and was not), or was changed since and is all zeros, was reset: its ``grad1``
+starts afresh. A
+``.grad`` left as it was (gradient accumulation over micro-batches, a second backward with
+``retain_graph``), or changed but not zeroed (``clip_grad_norm_``, a ``GradScaler``'s
+``unscale_``, DDP's all-reduce: post-processing of the sum, not a new start; a backward that
+was not captured adding to it), continues the accumulation, unless a backward that was not
+captured saw it reset at its own start (``zero_grad``, then a paused backward).
+
+A backward that leaves ``.grad`` alone (``torch.autograd.grad``, which returns its gradients
+instead of adding them up) gives no such sign: there the engine adds to ``grad1`` over the
+backwards of one forward (several ``retain_graph`` backwards, as K-FAC's sampled labels take
+them) and starts afresh at a new forward's.
+
+Reading the values happens only for a ``.grad`` whose tensor or version changed (once per step
+after ``zero_grad(set_to_none=False)``), one transfer per device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from . import _torch
+
+__all__ = ["GradTrail", "all_zero"]
+
+
+class GradTrail:
+    """The ``.grad`` each parameter was left with by the last backward that saw it."""
+
+    def __init__(self) -> None:
+        # id(param) -> (param, a weak reference to its .grad or None, that .grad's version)
+        self._left: dict[int, tuple[nn.Parameter, weakref.ref | None, int]] = {}
+        self._reset_seen: set[int] = set()  # by a backward that was not captured
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self._left
+
+    def __len__(self) -> int:
+        return len(self._left)
+
+    def record(self, params: Iterable[nn.Parameter]) -> None:
+        """At the end of a backward (every gradient accumulated): what ``.grad`` holds now."""
+        for p in params:
+            g = p.grad
+            ref = None if g is None else weakref.ref(g)
+            self._left[id(p)] = (p, ref, -1 if g is None else _torch.version(g))
+            self._reset_seen.discard(id(p))
+
+    def left_alone(self, p: nn.Parameter) -> bool:
+        """Whether the last captured backward left ``p.grad`` ``None`` and it still is (a
+        ``torch.autograd.grad``, which returns its gradients instead of adding them up)."""
+        found = self._left.get(id(p))
+        return found is not None and found[1] is None and p.grad is None
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for p, _, _ in self._left.values()]
+
+    def _reset(self, seen: bool) -> list[nn.Parameter]:
+        """The recorded parameters whose ``.grad`` is ``None`` now, or was changed since and
+        is all zeros (or, ``seen``, changed since a reset was seen)."""
+        reset, changed = [], []
+        for p, ref, version in self._left.values():
+            g = p.grad
+            if g is None:
+                if ref is not None:  # (None then and now: a backward that leaves .grad alone)
+                    reset.append(p)
+            elif ref is None or ref() is not g or _torch.version(g) != version:
+                if seen and id(p) in self._reset_seen:
+                    reset.append(p)
+                else:
+                    changed.append(p)
+        if changed:
+            zero = all_zero([p.grad for p in changed])
+            reset += [p for p, z in zip(changed, zero) if z]
+        return reset
+
+    def restarted(self) -> list[nn.Parameter]:
+        """At the start of a captured backward (nothing accumulated yet): the recorded
+        parameters whose ``.grad`` was reset since the last captured backward. They are
+        forgotten."""
+        reset = self._reset(seen=True)
+        for p in reset:
+            del self._left[id(p)]
+            self._reset_seen.discard(id(p))
+        return reset
+
+    def observe(self) -> None:
+        """At the start of a backward that is not captured: note the resets it sees (its own
+        gradient then makes ``.grad`` nonzero again; the next captured backward starts afresh
+        all the same, unless ``.grad`` is put back as the last captured backward left it)."""
+        self._reset_seen.update(id(p) for p in self._reset(seen=True))
+
+    def forget(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            self._left.pop(pid, None)
+            self._reset_seen.discard(pid)
+
+    def clear(self) -> None:
+        self._left.clear()
+        self._reset_seen.clear()
+
+
+def all_zero(tensors: list[Tensor]) -> list[bool]:
+    """Whether each tensor (dense or sparse) holds only zeros; one transfer per device."""
+    flags: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        t = t.detach()
+        if t.is_sparse:
+            t = t.coalesce().values()
+        elif t.layout != torch.strided:
+            t = t.to_dense()
+        flags.setdefault(t.device, []).append((i, t.any()))
+    out = [False] * len(tensors)
+    for found in flags.values():
+        anys = torch.stack([f for _, f in found]).tolist()
+        for (i, _), a in zip(found, anys):
+            out[i] = not a
+    return out
