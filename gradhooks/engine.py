@@ -268,8 +268,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``."""
-        if structure_of(model, bool(self._sharded)) == self._structure:
+        now = structure_of(model, bool(self._sharded))
+        if now == self._structure:
             return
+        if not self._sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
+            impls = {pid: impl for _, pid, impl in self._structure[1]}
+            for p in model.parameters():
+                if impls.get(id(p), _torch.tensor_impl(p)) != _torch.tensor_impl(p):
+                    _torch.drop_stale_hooks(p)
         if not self._shards and any(
             isinstance(m, _torch.fsdp_module_class()) for m in model.modules()
         ):

@@ -58,6 +58,9 @@ class Forwards:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
+            if self._pause.on and torch.is_grad_enabled() and not self._removed:
+                where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
+                refuse_nested(where, args, kwargs)
             now = own
             if self._sharded:
                 now = self._unsharded(target)
@@ -130,6 +133,8 @@ class Forwards:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
             if _torch.in_transform(args, kwargs, output):
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
+            where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
+            refuse_nested(where, args, kwargs, output)
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
             live = {n: p for n, p in target.params.items() if p.requires_grad}
@@ -338,6 +343,7 @@ class Forwards:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
+        refuse_nested(f"'{type(module).__qualname__}' (the model)", args, kwargs)
         if graph_task() == -1:
             self._drop_stale()
         self._follow_changes(self.model)
@@ -419,6 +425,23 @@ class Forwards:
                 state.cancelled = True
                 if self._collector is not None:
                     self._collector.unexpect(state.params)
+
+
+def refuse_nested(where: str, *trees: Any) -> None:
+    """A nested tensor (``torch.nested``, jagged or strided) holds its examples as rows of
+    different lengths: no rule reads a per-example gradient from it, and following its batch
+    would fail deep inside torch. Refused where it enters the model or a hooked call."""
+    for t in tree_leaves(trees):
+        if isinstance(t, Tensor) and t.is_nested:
+            raise ValueError(
+                f"{where} got a nested tensor (torch.nested, layout {t.layout}, {t.dim()} "
+                "dimensions, the examples of different lengths): gradhooks computes per-example "
+                "gradients of dense tensors only. Pad the examples into one tensor "
+                "(nt.to_padded_tensor(0.0)) and mask what is padding (an attention mask, or "
+                "zeros in the loss), or compute them one example at a time "
+                "(gradhooks.oracle.loop_grad); under `with h.paused():` the model runs on "
+                "nested tensors without per-example gradients."
+            )
 
 
 def _without_nodes(taps: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,24 @@ class Probe:
         return self.weights.shape[0]
 
 
+FULLGRAPH = (
+    "gradhooks' hooks run eagerly (each hooked layer's call is a graph break), so a hooked "
+    "model cannot be compiled with torch.compile(..., fullgraph=True): compile it without "
+    "fullgraph=True (the layers between the hooks are compiled), or remove the hooks "
+    "(gradhooks.remove_hooks(model)) to compile the whole model as one graph without grad1"
+)
+
+
+_DYNAMO = "torch._dynamo"  # (imported by torch.compile; importing it takes seconds)
+
+
+def _eager(fn):
+    try:
+        return torch.compiler.disable(fn, reason=FULLGRAPH)
+    except TypeError:  # (a torch whose disable takes no reason)
+        return torch.compiler.disable(fn)
+
+
 class Hook:
     """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
     gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
@@ -120,12 +140,22 @@ class Hook:
         # removed while its module's call runs (the hooks planned again at the root's forward
         # pre-hook): torch still calls it once, from its copy of the module's hooks
         self.dead = False
+        # fn run eagerly under torch.compile (a graph break), made outside any compilation
+        # where torch's compiler is loaded: made while torch.compile traces, fullgraph=True
+        # would fail naming torch.compiler.disable itself rather than why
+        self._eager: Any = None
+        if _DYNAMO in sys.modules:
+            self._eager = _eager(fn)
 
     def __call__(self, *args: Any) -> Any:
         if self.dead:
             return None
         if is_compiling():
+            if self._eager is not None:
+                return self._eager(*args)
             return torch.compiler.disable(self.fn)(*args)
+        if self._eager is None and _DYNAMO in sys.modules:
+            self._eager = _eager(self.fn)
         return self.fn(*args)
 
     def __reduce__(self):
