@@ -61,6 +61,8 @@ class Forwards:
             if self._pause.on and torch.is_grad_enabled() and not self._removed:
                 where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
                 refuse_nested(where, args, kwargs)
+                if target.entry is FALLBACK and module.training and self._frames:
+                    self._keep_buffers(module)
             now = own
             if self._sharded:
                 now = self._unsharded(target)
@@ -70,6 +72,28 @@ class Forwards:
                 tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
+
+    def _keep_buffers(self, module: nn.Module) -> None:
+        """Before a call of a module without a rule in training mode: copies of its buffers,
+        in case its forward changes them in place (spectral_norm's power iteration), for the
+        fallback to recompute the call from where it started (:meth:`_buffers_of`)."""
+        found = list(module.named_buffers(remove_duplicate=False))
+        if found:
+            kept = [(n, b, _torch.version(b), b.detach().clone()) for n, b in found]
+            self._frames[-1].buffers.setdefault(id(module), []).append(kept)
+
+    def _buffers_of(self, module: nn.Module) -> dict[str, Tensor] | None:
+        """After its call: the buffers as the call found them (:meth:`_keep_buffers`), where
+        its forward changed them, else ``None``."""
+        if not self._frames:
+            return None
+        stack = self._frames[-1].buffers.get(id(module))
+        if not stack:
+            return None
+        kept = stack.pop()
+        if all(_torch.version(b) == v for _, b, v, _ in kept):
+            return None
+        return {n: copy for n, _, _, copy in kept}
 
     def _tracker(self) -> Tracker | None:
         return self._frames[-1].tracker if self._frames else None
@@ -93,14 +117,15 @@ class Forwards:
 
     def _forward_hook(self, target: Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            found = self._buffers_of(module) if target.entry is FALLBACK else None
             tracker = self._tracker()
             if tracker is None or module is not target.module or not tracker.covered:
-                return body(module, args, kwargs, output, None, True)
+                return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
             with tracker.paused():
-                return body(module, args, kwargs, output, tracker, used)
+                return body(module, args, kwargs, output, tracker, used, found)
 
-        def body(module, args, kwargs, output, tracker, used) -> Any:
+        def body(module, args, kwargs, output, tracker, used, found) -> Any:
             args, kwargs = positional(module, args, kwargs)
             detached, owned, carried, recorded = (
                 self._reattach(module) if self._detached else ({}, None, None, None)
@@ -175,6 +200,8 @@ class Forwards:
                 leaves = tree_leaves(output)
             layout = self._call_layout(target, args, kwargs, output, tracker)
             call, state = self._kept_call(target, live, args, kwargs, output, layout)
+            if found is not None:
+                call = replace(call, buffers=found)
 
             n_leaves = len(leaves)
             # what the call's nodes hold is read only where they stand as the forward ran them

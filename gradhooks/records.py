@@ -67,6 +67,9 @@ class Frame:
     # a call of it ran under saved-tensor hooks or with grad mode off (activation
     # checkpointing: run again at the backward), or under autocast: no probe (_arm_probe)
     unprobed: bool = False
+    # per module without a rule running in training mode, by id: its buffers as each of its
+    # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
+    buffers: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass

@@ -150,3 +150,91 @@ def test_nested_multihead_attention_is_refused():
     with gradhooks.add_hooks(mha, loss_reduction="sum"):
         with pytest.raises(ValueError, match=r"'MultiheadAttention' \(the model\).*nested"):
             mha(nt, nt, nt, need_weights=False)
+
+
+# -- parametrizations in training mode ----------------------------------------------------------
+
+PARAMETRIZATIONS = {
+    "spectral_norm": lambda m: nn.utils.parametrizations.spectral_norm(m),
+    "orthogonal": lambda m: nn.utils.parametrizations.orthogonal(m),
+    "weight_norm": lambda m: nn.utils.parametrizations.weight_norm(m),
+}
+
+
+def per_example_from(model: nn.Module, x: torch.Tensor) -> dict:
+    """The float64 loop, each example from a copy of ``model`` as it is now (training mode:
+    spectral_norm's power iteration then starts from the same buffers for every example)."""
+    rows: dict[str, list] = {n: [] for n, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        one = copy.deepcopy(model)
+        sq(one(x[i : i + 1])).backward()
+        for n, p in one.named_parameters():
+            rows[n].append(p.grad)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+@pytest.mark.parametrize("when", ["before", "after"], ids=["registered before", "after add_hooks"])
+@pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
+def test_parametrization_in_training_mode(kind, when):
+    """grad1 of parametrizations.weight.original (original0/original1 for weight_norm) equals
+    the loop, and the buffers (spectral_norm's _u and _v, advanced once per forward in
+    training) are left as a plain step leaves them: the fallback recomputes the
+    parametrization from copies of the buffers as its call found them. Before, spectral_norm
+    was refused (its recomputation ran the power iteration again, from the advanced buffers,
+    and advanced them once more)."""
+    model = mlp()
+    if when == "before":
+        PARAMETRIZATIONS[kind](model[0])
+    model.train()
+    x = x_of(5)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        if when == "after":
+            PARAMETRIZATIONS[kind](model[0])
+        for step in range(2):  # (the buffers advance at each step, as plain training's)
+            want = per_example_from(model, x)
+            plain = copy.deepcopy(model)
+            with h.paused():
+                sq(plain(x)).backward()
+            h.clear()
+            model.zero_grad()
+            sq(model(x)).backward()
+            assert_grad1(model, want, f"{kind} {when}, step {step}")
+            names = {n for n, _ in model.named_parameters()}
+            assert {"0.parametrizations.weight.original"} <= names or kind == "weight_norm"
+            for (n, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
+                assert torch.equal(b, c), f"{kind} {when}: buffer {n} differs from a plain step"
+            for (n, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+                assert_close(p.grad, q.grad, f"{kind} {when}: .grad of {n}")
+
+
+class Counts(nn.Module):
+    """No rule: counts its calls in a buffer, and scales by a buffer it updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, dtype=D) / 3)
+        self.register_buffer("calls", torch.zeros((), dtype=D))
+        self.register_buffer("scale", torch.ones(3, dtype=D))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            self.scale.mul_(0.5)
+        return x @ torch.linalg.matrix_exp(self.w * self.scale)
+
+
+def test_fallback_module_changing_its_buffers():
+    """The fallback recomputes from the buffers as the call found them (not those its forward
+    left): grad1 right, and the buffers changed once per forward, as without hooks."""
+    torch.manual_seed(0)
+    model = Counts()
+    x = x_of()
+    want = per_example_from(model, x)
+    plain = copy.deepcopy(model)
+    sq(plain(x)).backward()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "Counts")
+    assert float(model.calls) == 1.0
+    for (n, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(b, c), f"buffer {n} differs from a plain step"
