@@ -34,6 +34,149 @@ def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
         assert_close(p.grad1, want[n], f"{what}: {n}")
 
 
+# -- torch.func.functional_call -----------------------------------------------------------------
+
+
+def loop_through(model: nn.Module, params_of, x: torch.Tensor, wrt: dict) -> dict:
+    """The float64 loop: example i's loss ``sq(functional_call(model, params_of(), x[i:i+1]))``
+    differentiated with respect to each tensor of ``wrt`` (``params_of`` recomputes the slots'
+    tensors from them for every example)."""
+    rows: dict[str, list] = {n: [] for n in wrt}
+    with gradhooks.paused():
+        for i in range(x.shape[0]):
+            loss = sq(functional_call(model, params_of(), (x[i : i + 1],)))
+            grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
+            for n, g in zip(wrt, grads):
+                rows[n].append(torch.zeros_like(wrt[n]) if g is None else g)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+def inner_grads(model, params: dict, support: torch.Tensor, create_graph: bool) -> dict:
+    """One inner step's gradients (MAML) on a support batch, under gradhooks.paused()."""
+    with gradhooks.paused():
+        loss = sq(functional_call(model, params, (support,)))
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph)
+    return dict(zip(params, grads))
+
+
+def test_functional_call_with_the_models_parameters():
+    model = mlp()
+    x = x_of()
+    own = dict(model.named_parameters())
+    want = loop_through(model, lambda: own, x, own)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(functional_call(model, own, (x,))).backward()
+    assert_grad1(model, want, "functional_call(model, own parameters)")
+
+
+def test_functional_call_with_other_tensors():
+    """Leaf tensors in place of the parameters: grad1 where autograd puts .grad, on them; the
+    model's parameters, unused, get neither."""
+    model = mlp()
+    x = x_of()
+    g = torch.Generator().manual_seed(3)
+    other = {
+        n: torch.randn(p.shape, dtype=D, generator=g).requires_grad_()
+        for n, p in model.named_parameters()
+    }
+    want = loop_through(model, lambda: other, x, other)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(2):
+            h.clear()
+            sq(functional_call(model, other, (x,))).backward()
+            for n, t in other.items():
+                assert_close(t.grad1, want[n], f"step {step}: {n}")
+            for n, p in model.named_parameters():
+                assert not hasattr(p, "grad1") and p.grad is None, n
+        # then the model's own forward again: its parameters hooked as before
+        h.clear()
+        sq(model(x)).backward()
+    assert_grad1(model, loop_grad(model, sq, x), "the model's own forward after")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_functional_call_with_fast_weights(order, reduction):
+    """MAML: fast = p - lr * g, g from an inner step on a support batch (detached: first
+    order; with create_graph: second order). grad1 of the model's parameters is each query
+    example's gradient with respect to p, through fast; first order, it is the gradient with
+    respect to fast. Before, grad1 went on the fast tensors only and p got none, in silence."""
+    model = mlp()
+    x, support = x_of(), x_of(6) * 2
+    own = dict(model.named_parameters())
+    lr = 0.3
+
+    def fast():
+        g = inner_grads(model, own, support, create_graph=order == "second")
+        return {n: p - lr * g[n] for n, p in own.items()}
+
+    want = loop_through(model, fast, x, own)
+    scale = 1.0 if reduction == "sum" else 1.0 / x.shape[0]
+    with gradhooks.add_hooks(model, loss_reduction=reduction) as h:
+        for step in range(2):
+            h.clear()
+            model.zero_grad()
+            (sq(functional_call(model, fast(), (x,))) * scale).backward()
+            assert_grad1(model, want, f"{order} order, step {step}")
+            for n, p in model.named_parameters():
+                got = p.grad1.sum(0) if reduction == "sum" else p.grad1.mean(0)
+                assert_close(got, p.grad, f".grad of {n}")
+
+
+class Doubled(torch.autograd.Function):
+    """2 * p, whose backward reads a number from its gradient (no vmap: .item())."""
+
+    @staticmethod
+    def forward(ctx, p):
+        return 2 * p
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (2.0 if float(g.abs().max()) >= 0 else 0.0)
+
+
+def test_functional_call_through_a_computation_vmap_cannot_batch():
+    """The batched backward through the slot's computation fails: one example at a time."""
+    model = mlp()
+    x = x_of()
+    own = dict(model.named_parameters())
+    fast = lambda: {n: Doubled.apply(p) for n, p in own.items()}  # noqa: E731
+    want = loop_through(model, fast, x, own)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(functional_call(model, fast(), (x,))).backward()
+    assert_grad1(model, want, "through Doubled")
+
+
+def test_functional_call_with_fast_weights_and_norms_is_refused():
+    model = mlp()
+    x = x_of()
+    fast = {n: p - 0.1 for n, p in model.named_parameters()}
+    with gradhooks.add_hooks(model, quantities=("norms",)):
+        with pytest.raises(ValueError, match=r"'0.weight' holds a tensor computed.*grad1"):
+            functional_call(model, fast, (x,))
+
+
+def test_functional_call_with_fast_weights_under_bf16_autocast():
+    """Linear on 2-D inputs under bfloat16 autocast: grad1 in float32 against the float64 loop,
+    to bfloat16's precision (8 bits of mantissa: 2**-8 relative, on gradients of size ~1)."""
+    model = mlp().float()
+    x = x_of().float()
+    own = dict(model.named_parameters())
+    g = {n: torch.full_like(p, 0.1) for n, p in own.items()}
+    ref = copy.deepcopy(model).double()
+    ref_own = dict(ref.named_parameters())
+    want = loop_through(ref, lambda: {n: p - g[n].double() for n, p in ref_own.items()},
+                        x.double(), ref_own)  # fmt: skip
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = functional_call(model, {n: p - g[n] for n, p in own.items()}, (x,))
+        sq(out.float()).backward()
+    for n, p in model.named_parameters():
+        assert p.grad1.dtype == torch.float32
+        top = float(want[n].abs().max())
+        torch.testing.assert_close(p.grad1.double(), want[n], rtol=0.05, atol=0.05 * top)
+
+
 # -- conversions that swap the parameters (swap_tensors) -----------------------------------------
 
 
