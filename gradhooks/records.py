@@ -155,7 +155,10 @@ class Hook:
         if is_compiling():
             if self._eager is not None:
                 return self._eager(*args)
-            return torch.compiler.disable(self.fn)(*args)
+            # (no wrapper yet: torch.compile traces this, and would trace the making of one.
+            # Raised here, the frame runs eagerly, where the wrapper is made; with
+            # fullgraph=True, torch.compile fails with this message)
+            raise RuntimeError(FULLGRAPH)
         if self._eager is None and _DYNAMO in sys.modules:
             self._eager = _eager(self.fn)
         return self.fn(*args)

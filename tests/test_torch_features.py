@@ -381,3 +381,91 @@ def test_fallback_module_changing_its_buffers():
     assert float(model.calls) == 1.0
     for (n, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.equal(b, c), f"buffer {n} differs from a plain step"
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dynamo():
+    dynamo = pytest.importorskip("torch._dynamo")
+    dynamo.reset()
+    try:
+        yield dynamo
+    finally:
+        dynamo.reset()
+
+
+@pytest.mark.parametrize("order", ["add_hooks, then compile", "compile, then add_hooks"])
+def test_torch_compile(dynamo, order):
+    """The default backend: the hooks run eagerly (graph breaks) and grad1 equals the loop,
+    at the first call and with the compiled code reused; add_hooks on the OptimizedModule
+    torch.compile returns works the same."""
+    model = mlp()
+    x = x_of()
+    want = loop_grad(model, sq, x)
+    if order.startswith("add_hooks"):
+        h = gradhooks.add_hooks(model, loss_reduction="sum")
+        compiled = torch.compile(model)
+    else:
+        compiled = torch.compile(model)
+        h = gradhooks.add_hooks(compiled, loss_reduction="sum")
+    with h:
+        for step in range(2):
+            h.clear()
+            sq(compiled(x)).backward()
+            assert_grad1(model, want, f"{order}, step {step}")
+
+
+def test_torch_compile_fullgraph_is_refused(dynamo):
+    model = mlp()
+    x = x_of()
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        compiled = torch.compile(model, fullgraph=True)
+        with pytest.raises(RuntimeError, match=r"gradhooks.*fullgraph=True.*without fullgraph"):
+            compiled(x)
+        h.clear()
+        sq(model(x)).backward()  # (the model, eager, as before)
+    assert_grad1(model, loop_grad(model, sq, x), "eager after the refusal")
+
+
+_FRESH = """
+import sys, torch
+from torch import nn
+import gradhooks
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+x = torch.randn(4, 3, dtype=torch.float64)
+want = gradhooks.oracle.loop_grad(model, lambda o: 0.5 * o.pow(2).sum(), x)
+h = gradhooks.add_hooks(model, loss_reduction="sum")
+assert "torch._dynamo" not in sys.modules  # (the hooks made before torch.compile loads it)
+try:
+    torch.compile(model, fullgraph=True)(x)
+    raise SystemExit("fullgraph=True was not refused")
+except RuntimeError as e:
+    assert "fullgraph=True" in str(e) and "gradhooks" in str(e), str(e)
+for step in range(2):
+    h.clear()
+    (0.5 * torch.compile(model)(x).pow(2).sum()).backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad1, want[n], rtol=1e-7, atol=1e-9), n
+print("ok")
+"""
+
+
+@pytest.mark.slow  # (a fresh interpreter: importing torch and compiling, ~20-40 s)
+def test_torch_compile_of_hooks_made_before_torch_compile_loads(tmp_path):
+    """A fresh interpreter, where torch.compile's own modules load after add_hooks: the same
+    refusal of fullgraph=True, and grad1 right without it."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(_FRESH)
+    root = os.path.dirname(os.path.dirname(gradhooks.__file__))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
