@@ -396,13 +396,37 @@ def dynamo():
         dynamo.reset()
 
 
+class Positions(nn.Module):
+    """A position embedding looked up with arange and broadcast into the batch: its grad1
+    comes from the forward's tracker, which must follow the batch under torch.compile too."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.lin = nn.Embedding(6, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x + self.pos(torch.arange(x.shape[1])))
+
+
+MODELS = {
+    "mlp": (mlp, x_of),
+    "positions": (
+        lambda: (torch.manual_seed(0), Positions().double())[1],
+        lambda: torch.randn(4, 6, 3, dtype=D, generator=torch.Generator().manual_seed(1)),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["mlp", pytest.param("positions", marks=pytest.mark.slow)],  # (8-15 s each here)
+)
 @pytest.mark.parametrize("order", ["add_hooks, then compile", "compile, then add_hooks"])
-def test_torch_compile(dynamo, order):
+def test_torch_compile(dynamo, order, kind):
     """The default backend: the hooks run eagerly (graph breaks) and grad1 equals the loop,
     at the first call and with the compiled code reused; add_hooks on the OptimizedModule
     torch.compile returns works the same."""
-    model = mlp()
-    x = x_of()
+    model, x = MODELS[kind][0](), MODELS[kind][1]()
     want = loop_grad(model, sq, x)
     if order.startswith("add_hooks"):
         h = gradhooks.add_hooks(model, loss_reduction="sum")
