@@ -158,8 +158,6 @@ class Forwards:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
             if _torch.in_transform(args, kwargs, output):
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
-            where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
-            refuse_nested(where, args, kwargs, output)
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
             live = {n: p for n, p in target.params.items() if p.requires_grad}

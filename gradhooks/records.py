@@ -155,6 +155,8 @@ class Hook:
         if is_compiling():
             if self._eager is not None:
                 return self._eager(*args)
+            if _DYNAMO_COMPILING is not None and not _DYNAMO_COMPILING():
+                return self.fn(*args)  # (run for real: torch.export without dynamo)
             # (no wrapper yet: torch.compile traces this, and would trace the making of one.
             # Raised here, the frame runs eagerly, where the wrapper is made; with
             # fullgraph=True, torch.compile fails with this message)
@@ -169,6 +171,7 @@ class Hook:
 
 # Looked up once, not in every hook call (each hooked call asks both several times).
 _COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_DYNAMO_COMPILING = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
 
 
 def is_compiling() -> bool:
