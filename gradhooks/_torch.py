@@ -50,7 +50,6 @@ Each internal, its name here, where it is used, and its fallback:
 - ``is_view``: ``Tensor._is_view`` (:func:`is_view`): the engine gives a hooked output that is
   a view a node of its own, so that an in-place change after it keeps its hooks. Fallback:
   every output gets one.
-
 Required (no fallback; :func:`require` refuses without them):
 
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
@@ -74,6 +73,15 @@ Required (no fallback; :func:`require` refuses without them):
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
   ``enable_input_require_grads`` adds, fails under ``torch.func``).
+- ``tensor_impl``: ``Tensor._cdata`` and ``Tensor._backward_hooks`` (:func:`tensor_impl`,
+  :func:`drop_stale_hooks`): ``torch.utils.swap_tensors`` puts another C++ tensor under the
+  same Python object (``model.to(...)``, ``.double()``, even ``.float()`` of a float model, do so
+  under ``torch.__future__.set_swap_module_params_on_conversion(True)``), and the gradient
+  hooks registered on the tensor stay behind with the old one: its dict of hooks moves with the
+  Python object but is no longer registered with autograd, so no hook added to it later fires
+  either. The engine (``plan.py``, ``engine.py``) sees the swap by the address ``_cdata`` and
+  drops the stale dict before hooking the parameter again. No public API shows the swap or
+  undoes it.
 - ``fsdp_module``: ``torch.distributed._composable.fsdp.FSDPModule`` (:func:`fsdp_module_class`),
   the class ``fully_shard`` gives a module, public as ``torch.distributed.fsdp.FSDPModule``
   from torch 2.6; read under the private name before. Without either, no module is taken as
@@ -113,6 +121,7 @@ __all__ = [
     "dim_arguments",
     "positional",
     "disabled",
+    "drop_stale_hooks",
     "first_forward_hook",
     "forward_hooks_off",
     "forward_pre_hooks",
@@ -136,6 +145,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "tensor_impl",
     "unbatched",
     "unshared",
     "version",
@@ -217,6 +227,7 @@ INTERNALS: dict[str, Internal] = {
             required=True,
         ),
         Internal("pytree", "torch.utils._pytree", "", required=True),
+        Internal("tensor_impl", "Tensor._cdata, Tensor._backward_hooks", "", required=True),
     )
 }
 
@@ -520,6 +531,30 @@ def is_view(t: Tensor) -> bool:
         return t._is_view()
     except AttributeError:
         return True
+
+
+# -- tensor_impl (required) -------------------------------------------------------------------
+
+_lookup(
+    "tensor_impl",
+    lambda: torch.zeros(1)._cdata if hasattr(torch.zeros(1), "_backward_hooks") else None,
+)
+
+
+def tensor_impl(t: Tensor) -> int:
+    """The address of the C++ tensor under ``t`` (``Tensor._cdata``), which
+    ``torch.utils.swap_tensors`` changes under the same Python object. Required
+    (:func:`require`)."""
+    return t._cdata
+
+
+def drop_stale_hooks(t: Tensor) -> None:
+    """Forget the gradient hooks of a tensor whose C++ tensor was swapped
+    (``torch.utils.swap_tensors``): its dict of hooks (``Tensor._backward_hooks``) moved with
+    the Python object but is no longer registered with autograd, and ``register_hook`` would
+    add to it, never to fire. Without the dict, the next ``register_hook`` registers a new
+    one. Required (:func:`require`)."""
+    t._backward_hooks = None
 
 
 # -- graph_task_id (required) ------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .calls import CallLayouts
 from .capture import DetachedCalls
 from .fallback import FALLBACK
 from .forward import Forwards
+from .loop import per_example
 from .pause import PROCESS, Pause, set_enabled
 from .plan import (
     Target,
@@ -232,6 +233,19 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         for name, p in self._named_parameters(model):
             if p.requires_grad and id(p) in covered and id(p) not in self._params:
                 self._params[id(p)] = (name, p)
+        # tensors computed from parameters in the parameters' slots (torch.func.functional_call
+        # with fast weights, p - lr * g): grad1 goes on, through the computation, to the
+        # tensors autograd gives the gradient (_derived_hook)
+        derived = {pid: p for pid, (_, p) in self._params.items() if p.grad_fn is not None}
+        if derived:
+            self._refuse_derived(derived)
+            for pid, p in derived.items():
+                name = self._params[pid][0]
+                for leaf in leaves_of(p):
+                    if id(leaf) in self._params:
+                        continue
+                    known = name if leaf.shape == p.shape else f"{name} (a tensor it was made from)"
+                    self._params[id(leaf)] = (known, leaf)
         self._numel = sum(p.numel() for _, p in self._params.values())
         handles = self._target_handles
 
@@ -269,6 +283,8 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             for pid, (name, p) in self._params.items():
                 if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
                     handles.append(p.register_hook(self._param_hook(pid, name)))
+            for pid, p in derived.items():
+                handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
         self._hooked = {id(t.module): frozenset(t.params) for t in self._targets}
@@ -279,8 +295,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``."""
-        if structure_of(model, bool(self._sharded)) == self._structure:
+        now = structure_of(model, bool(self._sharded))
+        if now == self._structure:
             return
+        if not self._sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
+            impls = {pid: impl for _, pid, impl in self._structure[1]}
+            for p in model.parameters():
+                if impls.get(id(p), _torch.tensor_impl(p)) != _torch.tensor_impl(p):
+                    _torch.drop_stale_hooks(p)
         if not self._shards and any(
             isinstance(m, _torch.fsdp_module_class()) for m in model.modules()
         ):
@@ -316,6 +338,67 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             for pid, (_, p) in before.items():
                 if pid not in self._params and hasattr(p, "grad1"):
                     del p.grad1
+
+    def _refuse_derived(self, derived: dict[int, Tensor]) -> None:
+        """Per-example gradients pass through a computation in a parameter's slot as
+        ``grad1`` only: the other quantities are formed from the slot's pieces, which are
+        not the gradients of the tensors it was computed from."""
+        if self.quantities != ("grad1",) or self._sharded:
+            name = self._params[next(iter(derived))][0]
+            raise ValueError(
+                f"'{name}' holds a tensor computed from other tensors (torch.func.functional_call "
+                f"with weights such as p - lr * g), not a parameter: quantities "
+                f"{self.quantities!r} of its pieces are not those of the tensors autograd gives "
+                "its gradient. Use add_hooks(model, quantities=('grad1',)) and form them from "
+                "grad1, or pass leaf tensors (p.detach().requires_grad_()) to functional_call."
+            )
+
+    def _derived_hook(self, pid: int, ref: weakref.ref):
+        """When the backward has the whole gradient of a tensor computed from parameters that
+        stands in a parameter's slot (:meth:`_install`), each example's share of it, its
+        ``grad1`` of this backward, is taken back through the computation to the tensors it
+        was computed from (one batched backward, ``is_grads_batched``): their ``grad1``.
+        Fast weights ``p - lr * g`` with ``g`` detached give ``p`` the slot's own."""
+
+        def hook(grad: Tensor | None) -> None:
+            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+                return
+            t = ref()
+            bw = self._tasks.get(graph_task())
+            if t is None or bw is None or not self._capturing_backward():
+                return
+            g1 = self._grad1_of_backward(bw, pid, t)
+            if g1 is None:
+                return
+            leaves = [q for q in leaves_of(t) if id(q) in self._params]
+            edge = torch.autograd.graph.get_gradient_edge(t)
+            create_graph = torch.is_grad_enabled()
+            with self._nested():
+                try:
+                    grads = torch.autograd.grad(
+                        [edge], leaves, g1, retain_graph=True, allow_unused=True,
+                        is_grads_batched=True, create_graph=create_graph,
+                    )  # fmt: skip
+                except RuntimeError:  # (an operation vmap cannot batch): one at a time
+
+                    def one(b: int) -> tuple:
+                        return torch.autograd.grad(
+                            [edge], leaves, g1[b], retain_graph=True, allow_unused=True,
+                            create_graph=create_graph,
+                        )  # fmt: skip
+
+                    grads = tuple(per_example(g1.shape[0], one, like=leaves))
+            for q, g in zip(leaves, grads):
+                if g is None:
+                    continue
+                qid = id(q)
+                bw.reached.add(qid)
+                if qid not in bw.before:
+                    bw.before[qid] = q.grad1 if qid in self._written else None
+                self._accumulate(self._params[qid][0], q, g)
+                self._written[qid] = q
+
+        return hook
 
     def _named_parameters(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """``model.named_parameters()`` with the parameters the hooks were planned with: where
@@ -591,6 +674,24 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def _capturing_backward(self) -> bool:
         return self._pause.on and (self.capture == "always" or self._marked > 0)
+
+
+def leaves_of(t: Tensor) -> list[Tensor]:
+    """The tensors requiring grad that autograd gives ``t``'s gradient to: the leaves of the
+    graph that computed it, in the order first reached."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # (AccumulateGrad)
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            found.setdefault(id(leaf), leaf)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return list(found.values())
 
 
 def add_hooks(

@@ -217,7 +217,7 @@ def _by_layout_split(
     create_graph = torch.is_grad_enabled()
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
     fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
-    fixed.update({n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)})
+    buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
     xs = [
@@ -242,7 +242,8 @@ def _by_layout_split(
         args, kwargs = args_of(xs_b)
 
         def f(params):
-            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            state = {**fixed, **buffers(), **params}
+            out = functional_call(module, state, args, kwargs, tie_weights=False)
             out = tree_flatten(out)[0]
             return tuple(out[i] for i in out_idx)
 
@@ -367,7 +368,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
     xs = [t for t, b in zip(leaves, batched) if b]
     fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
-    fixed.update({n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)})
+    buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     called: set[int] = set()
 
@@ -381,7 +382,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
         )
 
         def f(params):
-            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            state = {**fixed, **buffers(), **params}
+            out = functional_call(module, state, args, kwargs, tie_weights=False)
             out = tree_flatten(out)[0]
             return tuple(out[i] for i in out_idx)
 
@@ -416,8 +418,9 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             if not vmapped:
                 called.clear()
                 grads, outs = _loop(
-                    module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph
-                )
+                    module, name, fixed, buffers, primals, leaves, batched, spec, gs, out_idx,
+                    create_graph,
+                )  # fmt: skip
                 call.memo["loop"] = True
     except Exception as e:
         if str(e).startswith("fallback for"):
@@ -448,7 +451,21 @@ def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Ex
     )
 
 
-def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, create_graph=False):
+def _buffers(call: Call):
+    """What the recomputations of ``call`` take for the module's buffers, a function giving a
+    dict: the buffers themselves, or, where the call's forward changed them in place
+    (:attr:`Call.buffers`), fresh copies of them as the call found them, for each
+    recomputation (which changes them as the forward did, and must start where it started)."""
+    before = call.buffers
+    if before is None:
+        live = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
+        return lambda: live
+    return lambda: {n: b.clone() for n, b in before.items()}
+
+
+def _loop(
+    module, name, fixed, buffers, primals, leaves, batched, spec, gs, out_idx, create_graph=False
+):
     """What the vmapped vjp computes, by one forward and ``autograd.grad`` per example
     (``create_graph``: the primals as they are, the gradients with a graph)."""
 
@@ -463,7 +480,8 @@ def _loop(module, name, fixed, primals, leaves, batched, spec, gs, out_idx, crea
             for n, p in primals.items()
         }
         with torch.enable_grad(), paused():
-            out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+            state = {**fixed, **buffers(), **params}
+            out = functional_call(module, state, args, kwargs, tie_weights=False)
             out = tree_flatten(out)[0]
             out = [out[i] for i in out_idx]
             for o, g in zip(out, gs):

@@ -58,6 +58,11 @@ class Forwards:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
+            if self._pause.on and torch.is_grad_enabled() and not self._removed:
+                where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
+                refuse_nested(where, args, kwargs)
+                if target.entry is FALLBACK and module.training and self._frames:
+                    self._keep_buffers(module)
             now = own
             if self._sharded:
                 now = self._unsharded(target)
@@ -67,6 +72,28 @@ class Forwards:
                 tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
+
+    def _keep_buffers(self, module: nn.Module) -> None:
+        """Before a call of a module without a rule in training mode: copies of its buffers,
+        in case its forward changes them in place (spectral_norm's power iteration), for the
+        fallback to recompute the call from where it started (:meth:`_buffers_of`)."""
+        found = list(module.named_buffers(remove_duplicate=False))
+        if found:
+            kept = [(n, b, _torch.version(b), b.detach().clone()) for n, b in found]
+            self._frames[-1].buffers.setdefault(id(module), []).append(kept)
+
+    def _buffers_of(self, module: nn.Module) -> dict[str, Tensor] | None:
+        """After its call: the buffers as the call found them (:meth:`_keep_buffers`), where
+        its forward changed them, else ``None``."""
+        if not self._frames:
+            return None
+        stack = self._frames[-1].buffers.get(id(module))
+        if not stack:
+            return None
+        kept = stack.pop()
+        if all(_torch.version(b) == v for _, b, v, _ in kept):
+            return None
+        return {n: copy for n, _, _, copy in kept}
 
     def _tracker(self) -> Tracker | None:
         return self._frames[-1].tracker if self._frames else None
@@ -90,14 +117,15 @@ class Forwards:
 
     def _forward_hook(self, target: Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            found = self._buffers_of(module) if target.entry is FALLBACK else None
             tracker = self._tracker()
             if tracker is None or module is not target.module or not tracker.covered:
-                return body(module, args, kwargs, output, None, True)
+                return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
             with tracker.paused():
-                return body(module, args, kwargs, output, tracker, used)
+                return body(module, args, kwargs, output, tracker, used, found)
 
-        def body(module, args, kwargs, output, tracker, used) -> Any:
+        def body(module, args, kwargs, output, tracker, used, found) -> Any:
             args, kwargs = positional(module, args, kwargs)
             detached, owned, carried, recorded = (
                 self._reattach(module) if self._detached else ({}, None, None, None)
@@ -170,6 +198,8 @@ class Forwards:
                 leaves = tree_leaves(output)
             layout = self._call_layout(target, args, kwargs, output, tracker)
             call, state = self._kept_call(target, live, args, kwargs, output, layout)
+            if found is not None:
+                call = replace(call, buffers=found)
 
             n_leaves = len(leaves)
             # what the call's nodes hold is read only where they stand as the forward ran them
@@ -338,6 +368,7 @@ class Forwards:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
+        refuse_nested(f"'{type(module).__qualname__}' (the model)", args, kwargs)
         if graph_task() == -1:
             self._drop_stale()
         self._follow_changes(self.model)
@@ -419,6 +450,23 @@ class Forwards:
                 state.cancelled = True
                 if self._collector is not None:
                     self._collector.unexpect(state.params)
+
+
+def refuse_nested(where: str, *trees: Any) -> None:
+    """A nested tensor (``torch.nested``, jagged or strided) holds its examples as rows of
+    different lengths: no rule reads a per-example gradient from it, and following its batch
+    would fail deep inside torch. Refused where it enters the model or a hooked call."""
+    for t in tree_leaves(trees):
+        if isinstance(t, Tensor) and t.is_nested:
+            raise ValueError(
+                f"{where} got a nested tensor (torch.nested, layout {t.layout}, {t.dim()} "
+                "dimensions, the examples of different lengths): gradhooks computes per-example "
+                "gradients of dense tensors only. Pad the examples into one tensor "
+                "(nt.to_padded_tensor(0.0)) and mask what is padding (an attention mask, or "
+                "zeros in the loss), or compute them one example at a time "
+                "(gradhooks.oracle.loop_grad); under `with h.paused():` the model runs on "
+                "nested tensors without per-example gradients."
+            )
 
 
 def _without_nodes(taps: Any) -> Any:

@@ -200,10 +200,18 @@ def higher_order(module: str) -> str:
 def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
     """What the hooks were planned for: the modules, and which parameters are trainable (by
     name where FSDP2 shards them: it swaps a module's parameters for unsharded ones while it
-    runs)."""
+    runs), each with the C++ tensor under it: ``torch.utils.swap_tensors`` (``model.to(...)``,
+    ``.double()``, ``.float()`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes it under the same
+    Python object and drops the gradient hooks the parameter had, which are then added
+    again."""
     return (
         tuple(map(id, model.modules())),
-        tuple(n if by_name else (n, id(p)) for n, p in model.named_parameters() if p.requires_grad),
+        tuple(
+            n if by_name else (n, id(p), _torch.tensor_impl(p))
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        ),
     )
 
 

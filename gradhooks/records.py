@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class Frame:
     # a call of it ran under saved-tensor hooks or with grad mode off (activation
     # checkpointing: run again at the backward), or under autocast: no probe (_arm_probe)
     unprobed: bool = False
+    # per module without a rule running in training mode, by id: its buffers as each of its
+    # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
+    buffers: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +116,24 @@ class Probe:
         return self.weights.shape[0]
 
 
+FULLGRAPH = (
+    "gradhooks' hooks run eagerly (each hooked layer's call is a graph break), so a hooked "
+    "model cannot be compiled with torch.compile(..., fullgraph=True): compile it without "
+    "fullgraph=True (the layers between the hooks are compiled), or remove the hooks "
+    "(gradhooks.remove_hooks(model)) to compile the whole model as one graph without grad1"
+)
+
+
+_DYNAMO = "torch._dynamo"  # (imported by torch.compile; importing it takes seconds)
+
+
+def _eager(fn):
+    try:
+        return torch.compiler.disable(fn, reason=FULLGRAPH)
+    except TypeError:  # (a torch whose disable takes no reason)
+        return torch.compiler.disable(fn)
+
+
 class Hook:
     """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
     gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
@@ -122,12 +144,27 @@ class Hook:
         # removed while its module's call runs (the hooks planned again at the root's forward
         # pre-hook): torch still calls it once, from its copy of the module's hooks
         self.dead = False
+        # fn run eagerly under torch.compile (a graph break), made outside any compilation
+        # where torch's compiler is loaded: made while torch.compile traces, fullgraph=True
+        # would fail naming torch.compiler.disable itself rather than why
+        self._eager: Any = None
+        if _DYNAMO in sys.modules:
+            self._eager = _eager(fn)
 
     def __call__(self, *args: Any) -> Any:
         if self.dead:
             return None
         if is_compiling():
-            return torch.compiler.disable(self.fn)(*args)
+            if self._eager is not None:
+                return self._eager(*args)
+            if _DYNAMO_COMPILING is not None and not _DYNAMO_COMPILING():
+                return self.fn(*args)  # (run for real: torch.export without dynamo)
+            # (no wrapper yet: torch.compile traces this, and would trace the making of one.
+            # Raised here, the frame runs eagerly, where the wrapper is made; with
+            # fullgraph=True, torch.compile fails with this message)
+            raise RuntimeError(FULLGRAPH)
+        if self._eager is None and _DYNAMO in sys.modules:
+            self._eager = _eager(self.fn)
         return self.fn(*args)
 
     def __reduce__(self):
@@ -136,6 +173,7 @@ class Hook:
 
 # Looked up once, not in every hook call (each hooked call asks both several times).
 _COMPILER_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_DYNAMO_COMPILING = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
 
 
 def is_compiling() -> bool:

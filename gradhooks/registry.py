@@ -70,6 +70,11 @@ class Call:
     parameters its rule computes (``None``: not known, the call is not a handle's).
     ``memo``: what the rule keeps from one call of this module to the next under the same
     handle (a cache; removing the hooks drops it).
+    ``buffers``: for a call of a module without a rule whose forward changed its buffers in
+    place (spectral_norm's power iteration in training mode), copies of the buffers as the call
+    found them, ``{name: tensor}`` (``named_buffers(remove_duplicate=False)``); else ``None``.
+    The fallback recomputes the call from copies of these, so that it reproduces the call and
+    the module's own buffers change once, by its forward, as without hooks.
     """
 
     module: nn.Module
@@ -87,6 +92,7 @@ class Call:
     registry: Registry | None = None
     hooked: Mapping[int, frozenset[str]] | None = None
     memo: dict[str, Any] = field(default_factory=dict)
+    buffers: Mapping[str, Tensor] | None = None
 
     @property
     def grad_output(self) -> Tensor:

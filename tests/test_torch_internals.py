@@ -455,7 +455,10 @@ def test_op_schema_puts_keyword_arguments_in_place(off):
 
 # -- required internals ------------------------------------------------------------------------
 
-REQUIRED = ["graph_task_id", "backward_callback", "version_counter", "module_state", "pytree"]
+REQUIRED = [
+    "graph_task_id", "backward_callback", "version_counter", "module_state", "pytree",
+    "tensor_impl",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", REQUIRED)
