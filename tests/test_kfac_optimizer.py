@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -49,6 +50,8 @@ class _Tokens(nn.Module):
 @pytest.mark.parametrize("fisher,theirs", [("exact", "type-2"), ("empirical", "empirical")])
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
 def test_factors_match_curvlinops_kfac_operator(fisher, theirs, approx):
+    # (not in the test extra: it needs backpack-for-pytorch, which pulls a torchvision built
+    # for CUDA, whose import breaks transformers' on a CPU-only torch)
     curvlinops = pytest.importorskip("curvlinops", reason="pip install curvlinops-for-pytorch")
     torch.manual_seed(0)
     model = _Tokens().to(D)
@@ -69,6 +72,36 @@ def test_factors_match_curvlinops_kfac_operator(fisher, theirs, approx):
         product = f.G @ matrix @ f.A  # kron(G, A) vec(matrix), row-major
         torch.testing.assert_close(product[:, :-1].reshape(w.shape), expected[weight])
         torch.testing.assert_close(product[:, -1], expected[f"{module}.bias"])
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_factors_match_asdl(approx):
+    """ASDL (asdfghjkl) computes the GGN's Kronecker factors of Linear and Conv2d layers, the
+    bias kept apart (so ``bias=False`` here); its convolution factors are KFC's: ``expand``."""
+    asdl = pytest.importorskip("asdl", reason="pip install asdfghjkl")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    ).to(D)  # fmt: skip
+    x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(3, (6,))
+    config = asdl.FisherConfig(
+        fisher_type=asdl.FISHER_EXACT, fisher_shapes=[asdl.SHAPE_KRON],
+        loss_type=asdl.LOSS_CROSS_ENTROPY, data_size=x.shape[0],
+    )  # fmt: skip
+    with warnings.catch_warnings():  # (its hooks are torch's deprecated non-full ones)
+        warnings.simplefilter("ignore", FutureWarning)
+        maker = asdl.get_fisher_maker(model, config)
+        maker.setup_model_call(model, x)
+        maker.setup_loss_call(F.cross_entropy, y)
+        maker.forward_and_backward()
+    ours = gradhooks.kfac(model, x, y, fisher="exact", bias=False, expand=approx == "expand")
+    for name, module in [("0.weight", model[0]), ("3.weight", model[3])]:
+        theirs = module.fisher.kron
+        if approx == "reduce" and name == "0.weight":  # the convolution: ASDL's is KFC's
+            assert not torch.allclose(ours[name].A, theirs.A)
+            continue
+        torch.testing.assert_close(ours[name].A, theirs.A)
+        torch.testing.assert_close(ours[name].G, theirs.B)
 
 
 # -- running averages, intervals, the update ------------------------------------------------------
