@@ -121,7 +121,12 @@ class KfacAccumulator:
                 # scale); a weight tied to a Linear gets factors of that use only: said
                 self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
                 continue
-            biased = self.bias and len(bias_pieces) == 1
+            # the bias is a column of the weight as a matrix [out, in] only where it lies
+            # along its rows: not for torch.addmm(b, x, W) with W [in, out] (GPT-2's Conv1D),
+            # whose bias lies along the columns, the output-gradient being the piece's a; its
+            # factors then cover the weight alone
+            bias_g = call_pieces[bias_pieces[0]].g if len(bias_pieces) == 1 else None
+            biased = self.bias and bias_g is not None and bias_g is not piece.a
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
                     f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
