@@ -306,9 +306,28 @@ def test_bfloat16_autocast_on_linear_layers():
 
 # -- Hugging Face models -----------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
+
+def test_the_docstrings_examples_run():
+    import doctest
+    import importlib
+
+    module = importlib.import_module("gradhooks.jacobian")
+    result = doctest.testmod(module)
+    assert result.attempted >= 8 and result.failed == 0, result
+
+
 V = 12
+
+
+def hf(name):
+    """A transformers class, or a skip that says why it does not import (a torchvision
+    wheel built for another torch breaks transformers' model imports)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    try:
+        return getattr(transformers, name)
+    except Exception as e:  # (transformers wraps the cause in its own error)
+        pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
 
 
 class Logits(nn.Module):
@@ -336,10 +355,11 @@ def test_gpt2_tied_lm_head_with_padding_mask():
     """GPT-2's lm_head is tied to the token embeddings (a Linear sharing ``wte.weight``), its
     position embedding is called on positions alone, its Conv1D layers use ``torch.addmm``:
     all summed into each parameter's Jacobian, against vmap(jacrev), with a padded mask."""
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=V, n_positions=8,
                                   resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
     torch.manual_seed(0)
-    model = Logits(transformers.GPT2LMHeadModel(cfg)).double().eval()
+    model = Logits(hf("GPT2LMHeadModel")(cfg)).double().eval()
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
     ids, mask = padded_batch()
     with warnings.catch_warnings():
@@ -348,12 +368,13 @@ def test_gpt2_tied_lm_head_with_padding_mask():
 
 
 def test_bert_classifier_with_padding_mask():
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                   intermediate_size=12, vocab_size=V, max_position_embeddings=8,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                   num_labels=3)  # fmt: skip
     torch.manual_seed(0)
-    model = Logits(transformers.BertForSequenceClassification(cfg), last=False).double().eval()
+    model = Logits(hf("BertForSequenceClassification")(cfg), last=False).double().eval()
     ids, mask = padded_batch()
     mask = mask.flip(1)  # right padding
     with warnings.catch_warnings():
