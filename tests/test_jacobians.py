@@ -53,14 +53,15 @@ def check(model, args, kwargs=None, what="", loop=False):
     """Every trainable parameter's Jacobian, and the flattened one, against vmap(jacrev)."""
     args = args if isinstance(args, tuple) else (args,)
     want = vmap_jacrev(model, args, kwargs, loop=loop)
-    got = gradhooks.jacobians(model, args if len(args) > 1 else args[0], kwargs=kwargs)
+    extra = {} if kwargs is None else {"kwargs": kwargs}  # (the old call, without)
+    got = gradhooks.jacobians(model, args if len(args) > 1 else args[0], **extra)
     assert set(got) == set(want), f"{what}: {sorted(got)} != {sorted(want)}"
     batch = args[0].shape[0]
     for name, w in want.items():
         g = got[name]
         assert g.shape[:1] == (batch,) and g.shape[2:] == dict(model.named_parameters())[name].shape
         assert_close(g.reshape(w.shape), w, f"{what}: Jacobian of {name}")
-    flat = gradhooks.jacobians(model, args, kwargs=kwargs, flatten=True)
+    flat = gradhooks.jacobians(model, args if len(args) > 1 else args[0], **extra, flatten=True)
     outputs = flat.shape[1]
     assert_close(
         flat, torch.cat([w.reshape(batch, outputs, -1) for w in want.values()], -1), f"{what} flat"
