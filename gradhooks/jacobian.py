@@ -2,9 +2,10 @@
 
 One forward on the batch; then one backward of the identity over the outputs, batched with
 ``torch.func.vmap`` (``vmap`` over the ``outputs`` one-hot output-gradients; one backward per
-output where gradhooks cannot read vmap's batched tensors, see ``gradhooks._torch``, and where
-the forward used a parameter outside its module's call or called a layer on what does not
-depend on the examples, whose per-example shares the tracker forms one backward at a time). In
+output where gradhooks cannot read vmap's batched tensors, see ``gradhooks._torch``; where the
+forward used a parameter outside its module's call or called a layer on what does not depend
+on the examples, whose per-example shares the tracker forms one backward at a time; and under
+autocast, where torch's own vmapped backward of some layers fails on the mixed dtypes). In
 that backward every hooked call sees a batch of output-gradients, its rule makes its pieces once
 (a convolution's im2col is computed once, not once per output), and the pieces' ``grad1`` *is*
 the Jacobian: ``J[b, c] = ∂ out[b, c] / ∂ p``. Every layer with a rule is covered; reused
@@ -29,6 +30,7 @@ from ._torch import tree_flatten
 from .engine import Hooks, add_hooks
 from .forward import output_edges
 from .layout import MIXED, UNKNOWN, Tracker
+from .records import autocast_on
 from .registry import REGISTRY, Registry
 
 __all__ = ["jacobians"]
@@ -135,7 +137,7 @@ def jacobians(
                 torch.autograd.grad(out, wrt, v, retain_graph=True, allow_unused=True)
                 return v  # the results are written by the hooks; vmap wants a tensor back
 
-            if _torch.batched_backwards() and not run.sources:
+            if _torch.batched_backwards() and not run.sources and not run.autocast:
                 with _torch.own_transform():
                     torch.func.vmap(backward)(vs)
             else:  # one output at a time, each added into its column
@@ -182,8 +184,9 @@ def model_inputs(
 class HookedForward:
     """One forward of the hooked model: its output, the gradient edges of the hooked calls'
     outputs, the parameters used outside their modules' calls (by id), whether the tracker
-    collected per-example shares anywhere (such a forward's backwards run one at a time), and
-    the tracker itself (``None`` where the forward was not followed)."""
+    collected per-example shares anywhere, the tracker itself (``None`` where the forward was
+    not followed), and whether autocast was on. Where the tracker collected shares or autocast
+    was on, the backwards run one at a time, not under ``vmap``."""
 
     output: Any
     reached: list
@@ -191,6 +194,7 @@ class HookedForward:
     sources: bool
     tracker: Tracker | None
     batch: int
+    autocast: bool  # (torch's vmapped backward of a LayerNorm in mixed dtypes fails)
 
 
 def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> HookedForward:
@@ -203,7 +207,7 @@ def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> Hoo
     batch = tracker.batch if tracker is not None else (first.shape[0] if first.dim() else 1)
     direct = {pid for pid in h._direct if pid in h._params}
     sources = tracker is not None and bool(tracker.edges)
-    return HookedForward(out, reached, direct, sources, tracker, batch)
+    return HookedForward(out, reached, direct, sources, tracker, batch, autocast_on())
 
 
 @contextmanager

@@ -317,9 +317,10 @@ def _accumulate(
         # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
         # activation-sized gradients (a CNN's: batched, fresh buffers made it 1.6x slower)
         chunk = max(1, TUNING.kfac_vmap_elements // max(reached.numel, 1))
-        # (one at a time also where the tracker forms per-example shares: a layer called on
-        # positions alone, a parameter used outside its module's call)
-        batched = _torch.batched_backwards() and not run.sources
+        # (one at a time also where the tracker forms per-example shares, a layer called on
+        # positions alone or a parameter used outside its module's call, and under autocast,
+        # where torch's vmapped backward of a LayerNorm fails on the mixed dtypes)
+        batched = _torch.batched_backwards() and not run.sources and not run.autocast
         if len(vectors) == 1 or chunk == 1 or not batched:
             for i, v in enumerate(vectors):
                 torch.autograd.grad(

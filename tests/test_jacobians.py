@@ -287,22 +287,52 @@ def test_a_hooked_model_is_refused():
 # -- bfloat16 autocast -----------------------------------------------------------------------
 
 
-def test_bfloat16_autocast_on_linear_layers():
+class OverPositions(nn.Module):
+    """Linears on ``[batch, positions, features]``, a LayerNorm, a mean over positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.fc(x)))).mean(1)
+
+
+@pytest.mark.parametrize(
+    "make, inputs",
+    [
+        (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)),
+         lambda: torch.randn(4, 6)),
+        (OverPositions, lambda: torch.randn(4, 5, 6)),
+        (TiedHead, lambda: torch.randint(7, (4, 5))),
+    ],
+    ids=["mlp", "positions_layer_norm", "tied_head"],
+)  # fmt: skip
+def test_bfloat16_autocast(make, inputs):
     """Under CPU autocast to bfloat16 the Linears compute in bfloat16 (8 significant bits):
-    the Jacobians, in float32, are within 3% of the largest entry of the float64 ones of the
-    same weights (each entry is a product of two or three bfloat16-rounded factors: about
-    3 x 0.4% each, summed over 8 hidden units)."""
+    the Jacobians, in the parameters' float32, are within 3% of the largest entry of the
+    float64 ones of the same weights (each entry is a product of two or three bfloat16-rounded
+    factors, about 0.4% each, summed over 8 hidden units; 0.9% seen). Convolutions under
+    autocast are not covered: their Jacobian rule fails there (oneDNN refuses the mixed
+    dtypes)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    x = torch.randn(4, 6)
+    model, x = make(), inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = gradhooks.jacobians(model, x)
-    want = vmap_jacrev(model.double(), (x.double(),))
+    want = vmap_jacrev(model.double(), (x.double() if x.is_floating_point() else x,))
     for name, w in want.items():
         g = got[name]
         assert g.dtype == torch.float32, f"{name}: {g.dtype}"
         scale = w.abs().max().item()
-        torch.testing.assert_close(g.double().reshape(w.shape), w, rtol=0, atol=3e-2 * scale)
+        torch.testing.assert_close(
+            g.double().reshape(w.shape),
+            w,
+            rtol=0,
+            atol=3e-2 * scale,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 # -- Hugging Face models -----------------------------------------------------------------------

@@ -552,6 +552,37 @@ def test_bfloat16_autocast_on_linear_layers():
             )
 
 
+def test_bfloat16_autocast_exact_fisher_over_positions():
+    """``fisher="exact"`` (one backward per class, batched) under CPU autocast to bfloat16 on
+    Linears over positions and a LayerNorm (whose vmapped backward torch cannot run in mixed
+    dtypes: the backwards then run one at a time): within 3% of the largest entry of the
+    float64 factors of the same weights (bfloat16's 8 significant bits, as above)."""
+
+    class OverPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 8)
+            self.norm = nn.LayerNorm(8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.norm(torch.tanh(self.fc(x)))).mean(1)
+
+    torch.manual_seed(20)
+    model, x = OverPositions(), torch.randn(6, 5, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gradhooks.kfac(model, x, fisher="exact")
+    want = gradhooks.kfac(model.double(), x.double(), fisher="exact")
+    assert set(got) == set(want) == {"fc.weight", "head.weight"}
+    for name, w in want.items():
+        for what, g, ww in (("A", got[name].A, w.A), ("G", got[name].G, w.G)):
+            assert g.dtype == torch.float32, f"{what} of {name}: {g.dtype}"
+            torch.testing.assert_close(
+                g.double(), ww, rtol=0, atol=3e-2 * ww.abs().max().item(),
+                msg=lambda m, name=name, what=what: f"{what} of {name}: {m}",
+            )  # fmt: skip
+
+
 def hf(name):
     """A transformers class, or a skip that says why it does not import (a torchvision
     wheel built for another torch breaks transformers' model imports)."""
