@@ -119,7 +119,8 @@ def jacobians(
         outputs = math.prod(out.shape[1:])
         # the results, allocated once; the backward writes each parameter's block in place
         total = sum(p.numel() for p in params)
-        flat = out.new_empty(batch, outputs, total, dtype=params[0].dtype) if flatten else None
+        dtype = params[0].dtype if params else out.dtype  # (under autocast: not out's)
+        flat = out.new_empty(batch, outputs, total, dtype=dtype) if flatten else None
         result, offset = {}, 0
         for name, p in named.items():
             if flat is not None:

@@ -194,6 +194,12 @@ def test_a_frozen_parameter_is_left_out():
     assert_close(got["emb.weight"], want["emb.weight"], "frozen neighbour")
 
 
+def test_a_model_with_every_parameter_frozen():
+    model = nn.Linear(3, 2).requires_grad_(False)
+    assert gradhooks.jacobians(model, torch.randn(4, 3)) == {}
+    assert gradhooks.jacobians(model, torch.randn(4, 3), flatten=True).shape == (4, 2, 0)
+
+
 # -- several inputs, keyword inputs --------------------------------------------------------------
 
 
