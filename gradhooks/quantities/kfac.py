@@ -34,7 +34,11 @@ class KFactors:
     The weight as a matrix is its parameter reshaped to ``[*groups, out, in]``, row-major: a
     Linear's ``[out, in]`` as is, a convolution's ``[out, in/groups, *kernel]`` as
     ``[groups, out/groups, in/groups · prod(kernel)]``; ``torch.kron(G, A)`` approximates the
-    curvature of that matrix (bias column appended) flattened, per group."""
+    curvature of that matrix (bias column appended) flattened, per group. A weight used as
+    ``torch.addmm(b, x, W)`` with ``W`` ``[in, out]`` (Hugging Face's ``Conv1D``) is that
+    matrix as it is: ``G`` ``[in, in]`` over its rows (from the inputs, summed like an
+    output-gradient's), ``A`` ``[out, out]`` over its columns (from the output-gradients,
+    averaged like an input's), and no bias column (the bias lies along the columns)."""
 
     A: Tensor
     G: Tensor
