@@ -160,9 +160,10 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._frames: list[Frame] = []  # root forwards running
         self._tasks: dict[int, Backward] = {}  # backwards running, by graph task id
         self._missed: dict[str, None] = {}  # parameters a backward computed without capture
-        # the bookkeeping of backwards (which parameters each computes) is off for the
-        # Jacobians and kfac(), whose backwards run under vmap and write no grad1
-        self._track = not {"_jacobian", "_vmapped"} & set(quantities)
+        # the tracker follows every forward, also those of gradhooks.jacobians and
+        # gradhooks.kfac: a parameter used outside its module's call (a tied head, a table read
+        # as .weight), a layer called on positions alone, an output that lost the batch
+        self._track = True
         self._handles: list = []
         # calls run with their parameters detached, {id(module): [(module, {name: param},
         # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where

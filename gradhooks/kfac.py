@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from . import _torch
 from .engine import add_hooks
-from .forward import output_edges
+from .jacobian import Inputs, checked_output, hooked_forward, model_inputs
 from .quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
 from .tuning import TUNING
 
@@ -62,9 +62,10 @@ Sampler = Callable[[Tensor, "torch.Generator | None"], Tensor]
 
 def kfac(
     model: nn.Module,
-    inputs: Tensor,
+    inputs: Inputs,
     target: Tensor | None = None,
     *,
+    kwargs: Mapping[str, Any] | None = None,
     fisher: Fisher = "mc",
     loss: LossName | LossFn = "cross_entropy",
     reduction: Literal["mean", "sum"] = "mean",
@@ -75,13 +76,35 @@ def kfac(
     sample_target: Sampler | None = None,
     output_grads: Sampler | None = None,
 ) -> dict[str, KFactors]:
-    """K-FAC factors of every weight of ``model`` from one forward on ``inputs``.
+    """K-FAC factors of every weight of ``model`` from one forward, ``model(*inputs, **kwargs)``.
+
+    Conventions (those of the module :mod:`gradhooks.kfac`, Eschenhagen et al. 2023), for a
+    weight whose layer sees inputs ``a`` ``[batch, shared, in]`` and output-gradients ``g``
+    ``[batch, shared, out]`` (``shared``: a sequence's positions, a convolution's pixels, the
+    calls of a reused module; 1 for a Linear on ``[batch, in]``):
+
+    - ``g`` is each example's *own* output-gradient, so the factors do not depend on how a loss
+      would reduce over the batch;
+    - ``expand=True`` (KFC): the shared positions act as extra examples, ``A = Σ_{b,s} a aᵀ /
+      (batch · shared)``, ``G = Σ_{b,s} g gᵀ``; ``expand=False`` (reduce): ``ā_b = mean_s a``,
+      ``ḡ_b = Σ_s g``, ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``;
+    - ``reduction="mean"`` divides ``G`` by ``batch`` (``kron(G, A)`` approximates the mean of
+      the examples' curvatures), ``"sum"`` keeps the sum; ``A`` is always a mean;
+    - ``bias=True`` appends a ones column to ``a`` where the layer has a bias: ``A`` is then
+      ``[in + 1, in + 1]`` and covers ``cat([W, b[:, None]], 1)``.
 
     Args:
-        model: a model whose layers have rules; its output ``[batch, classes]``, or ``[batch,
-            ..., classes]`` (a language model's ``[batch, seq, vocab]``: each example's loss is
-            the sum over its positions; ``"mc"`` and ``"empirical"`` only).
-        inputs: ``[batch, ...]``.
+        model: a model whose layers have rules; its output one tensor ``[batch, classes]``, or
+            ``[batch, ..., classes]`` (a language model's ``[batch, seq, vocab]``: each
+            example's loss is the sum over its positions; ``"mc"`` and ``"empirical"`` only),
+            row ``b`` example ``b``'s (a Hugging Face model's ``ModelOutput``: wrap the model in
+            a module that returns ``.logits``). An output without the batch on dimension 0 (a
+            scalar, ``model(x).sum(0)``) or that mixes the examples is refused with an error.
+        inputs: the model's input ``[batch, ...]``, or a tuple of its positional inputs
+            (``(x, y)`` for ``model(x, y)``); the batch is dimension 0 of the first tensor
+            among them (then among ``kwargs``), as for :func:`gradhooks.add_hooks`.
+        kwargs: the model's keyword inputs (``{"attention_mask": mask}``), per example
+            ``[batch, ...]`` or shared.
         target: labels ``[batch, ...]`` (``cross_entropy``) or the output's shape (``mse``),
             or what your ``loss`` takes; needed for ``fisher="empirical"`` with a named loss.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
@@ -119,7 +142,12 @@ def kfac(
             (``loss`` is not used).
 
     Returns:
-        ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights).
+        ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
+        ``A`` ``[*groups, in(+1), in(+1)]`` and ``G`` ``[*groups, out, out]``: a Linear's
+        ``[in + 1, in + 1]`` (bias-augmented) and ``[out, out]``; a convolution's ``in`` is
+        ``in_channels/groups · prod(kernel)``. A weight also used outside a Linear or
+        convolution (tied to an Embedding) gets the factors of its Kronecker-factored uses and
+        a :class:`~gradhooks.GradhooksWarning` naming the others.
 
     Example::
 
@@ -131,10 +159,20 @@ def kfac(
         >>> smooth = lambda out, y: torch.nn.functional.cross_entropy(out, y, label_smoothing=0.1)
         >>> f = gradhooks.kfac(net, torch.randn(16, 4), torch.randint(3, (16,)),
         ...                    fisher="empirical", loss=smooth)
+        >>> class Masked(torch.nn.Module):  # several inputs and keyword arguments
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(4, 3)
+        ...     def forward(self, x, y, scale=1.0):
+        ...         return scale * self.fc(x * y)
+        >>> x, y = torch.randn(16, 4), torch.randn(16, 4)
+        >>> f = gradhooks.kfac(Masked(), (x, y), kwargs={"scale": 2.0}, fisher="exact")
+        >>> f["fc.weight"].A.shape
+        torch.Size([5, 5])
     """
     acc = _accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
-        sample_target, output_grads,
+        sample_target, output_grads, kwargs,
     )  # fmt: skip
     return acc.factors(reduction, last=True)
 
@@ -235,20 +273,22 @@ def _with_grad(params: dict[str, nn.Parameter], name: str | None, of: str) -> Te
 
 
 def _accumulate(
-    model: nn.Module, inputs: Tensor, target: Tensor | None, fisher: Fisher,
+    model: nn.Module, inputs: Inputs, target: Tensor | None, fisher: Fisher,
     loss: LossName | LossFn, expand: bool, bias: bool, mc_samples: int,
     generator: torch.Generator | None, sample_target: Sampler | None = None,
-    output_grads: Sampler | None = None,
+    output_grads: Sampler | None = None, kwargs: Mapping[str, Any] | None = None,
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
     _check_arguments(fisher, loss, target, sample_target, output_grads)
+    args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
         acc = h._collector.kfac
         acc.expand, acc.bias = expand, bias
-        with output_edges(h) as reached:
-            out = model(inputs)
+        run = hooked_forward(h, model, args, kwargs)
+        out = checked_output(run, model, "kfac", "[batch, classes] or [batch, ..., classes]")
+        reached = run.reached
         if out.dim() < 2:
             raise ValueError(
                 f"kfac() expects a [batch, classes] or [batch, ..., classes] model output, got "
@@ -264,8 +304,11 @@ def _accumulate(
                 "unbiased for the Fisher) or 'empirical'"
             )
         # The backwards are taken with respect to the hooked calls' outputs (their hooks then
-        # see their output-gradients): no parameter's batch gradient is ever formed
-        wrt = reached or [p for p in model.parameters() if p.requires_grad]
+        # see their output-gradients): no parameter's batch gradient is ever formed, but for
+        # a parameter also used outside its module's call (whose uses are collected when its
+        # gradient is complete)
+        direct = [p for p in model.parameters() if id(p) in run.direct]
+        wrt = (reached + direct) or [p for p in model.parameters() if p.requires_grad]
         vectors = _output_vectors(
             out.detach(), target, fisher, loss, mc_samples, generator, sample_target, output_grads
         )
@@ -274,7 +317,11 @@ def _accumulate(
         # small layers (an MLP's: 1.4x faster), one at a time where a backward writes
         # activation-sized gradients (a CNN's: batched, fresh buffers made it 1.6x slower)
         chunk = max(1, TUNING.kfac_vmap_elements // max(reached.numel, 1))
-        if len(vectors) == 1 or chunk == 1 or not _torch.batched_backwards():
+        # (one at a time also where the tracker forms per-example shares, a layer called on
+        # positions alone or a parameter used outside its module's call, and under autocast,
+        # where torch's vmapped backward of a LayerNorm fails on the mixed dtypes)
+        batched = _torch.batched_backwards() and not run.sources and not run.autocast
+        if len(vectors) == 1 or chunk == 1 or not batched:
             for i, v in enumerate(vectors):
                 torch.autograd.grad(
                     out, wrt, v, retain_graph=i < len(vectors) - 1, allow_unused=True

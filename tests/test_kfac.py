@@ -3,6 +3,7 @@ input and output-gradient) and against the exact GGN where theory says K-FAC is 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -372,3 +373,294 @@ def test_several_backwards_of_one_forward_sum_g_and_mean_averages_them():
         assert_close(both["sum"][name].G, total, f"{name}: G summed over the backwards")
         assert_close(both["mean"][name].G, total / 10, f"{name}: G over 2 x 5 examples")
         assert_close(both["mean"][name].A, one["mean"][name].A, f"{name}: A")
+
+
+# -- real call signatures: several inputs, keyword inputs, tied heads, Hugging Face models --------
+
+
+def hand_factors(model, args, kwargs, target, layers, expand=True, reduction="sum", bias=True):
+    """{weight name: (A, G)} of the empirical Fisher (summed cross-entropy at ``target``) by
+    their definitions, one example at a time: each chosen layer's input rows (bias column
+    appended) and the gradient of the example's own loss with respect to its output, at every
+    call. ``layers``: ``{weight name: module}``, modules computing ``x @ W.T + b`` or
+    ``x @ W + b`` (a Linear; GPT-2's Conv1D) on ``[..., in]``."""
+    batch = target.shape[0]
+    per = lambda t: isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch
+    acc: dict[str, list] = {}
+    for b in range(batch):
+        seen = []
+        handles = [
+            m.register_forward_hook(lambda m, a, out, n=n: seen.append((n, m, a[0], out)))
+            for n, m in layers.items()
+        ]  # fmt: skip
+        one = tuple(a[b : b + 1] if per(a) else a for a in args)
+        kw = {k: v[b : b + 1] if per(v) else v for k, v in kwargs.items()}
+        try:
+            with gradhooks.paused():
+                out = model(*one, **kw)
+        finally:
+            for h in handles:
+                h.remove()
+        loss = F.cross_entropy(out.flatten(0, -2), target[b : b + 1].flatten(), reduction="sum")
+        grads = torch.autograd.grad(loss, [o for *_, o in seen])
+        for (name, m, x, _), g in zip(seen, grads):
+            a, gg = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+            if bias and getattr(m, "bias", None) is not None:
+                a = torch.cat([a, torch.ones_like(a[:, :1])], 1)
+            if not expand:
+                a, gg = a.mean(0, keepdim=True), gg.sum(0, keepdim=True)
+            acc.setdefault(name, []).append((a, gg))
+    result = {}
+    for name, pairs in acc.items():
+        aa = sum(a.T @ a for a, _ in pairs) / sum(a.shape[0] for a, _ in pairs)
+        gg = sum(g.T @ g for _, g in pairs)
+        result[name] = (aa, gg / batch if reduction == "mean" else gg)
+    return result
+
+
+def assert_factors(got, want, what):
+    assert set(got) == set(want), f"{what}: {sorted(got)} != {sorted(want)}"
+    for name, (A, G) in want.items():
+        assert_close(got[name].A, A, f"{what}: A of {name}")
+        assert_close(got[name].G, G, f"{what}: G of {name}")
+
+
+class TwoInputs(nn.Module):
+    """``model(x, y, scale=..., mask=...)``: x ``[batch, positions, 4]``, y ``[batch, 2]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(2, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x, y, scale=1.0, mask=None):
+        h = torch.tanh(self.a(x))
+        h = h if mask is None else h * mask[..., None]
+        return self.head(scale * h.mean(1) + self.b(y))
+
+
+@pytest.mark.parametrize("expand", [True, False], ids=["expand", "reduce"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_several_inputs_and_keyword_arguments(reduction, expand):
+    torch.manual_seed(12)
+    model = TwoInputs().double()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 6, 4, dtype=torch.float64, generator=g)
+    y = torch.randn(4, 2, dtype=torch.float64, generator=g)
+    mask = (torch.rand(4, 6, generator=g) > 0.3).double()
+    target = torch.randint(3, (4,), generator=g)
+    kwargs = {"scale": 2.0, "mask": mask}
+    layers = {f"{n}.weight": getattr(model, n) for n in ("a", "b", "head")}
+    want = hand_factors(model, (x, y), kwargs, target, layers, expand, reduction)
+    got = gradhooks.kfac(
+        model, (x, y), target, kwargs=kwargs, fisher="empirical", reduction=reduction,
+        expand=expand,
+    )  # fmt: skip
+    assert_factors(got, want, "model(x, y, scale=, mask=)")
+
+
+class TiedHead(nn.Module):
+    """``logits = F.linear(h, self.emb.weight)`` (GPT-2-style tying, functional form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, tokens):
+        return F.linear(torch.tanh(self.mix(self.emb(tokens))).mean(1), self.emb.weight)
+
+
+def test_a_tied_head_in_the_functional_form_gets_the_factors_of_its_linear_use():
+    """The head's input and output-gradient give ``emb.weight`` its factors (the Embedding's
+    use has no Kronecker form: said), equal to those of the same model with an untied
+    ``nn.Linear`` head holding a copy of the weight (checked by hand)."""
+    from gradhooks import GradhooksWarning
+
+    torch.manual_seed(13)
+    tied = TiedHead().double()
+
+    class Untied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mix = copy.deepcopy(tied.emb), copy.deepcopy(tied.mix)
+            self.head = nn.Linear(4, 7, bias=False).double()
+            with torch.no_grad():
+                self.head.weight.copy_(tied.emb.weight)
+
+        def forward(self, tokens):
+            return self.head(torch.tanh(self.mix(self.emb(tokens))).mean(1))
+
+    untied = Untied()
+    tokens = torch.randint(7, (5, 3), generator=torch.Generator().manual_seed(13))
+    target = torch.randint(7, (5,), generator=torch.Generator().manual_seed(14))
+    layers = {"mix.weight": untied.mix, "head.weight": untied.head}
+    want = hand_factors(untied, (tokens,), {}, target, layers, reduction="mean")
+    want["emb.weight"] = want.pop("head.weight")
+    with pytest.warns(GradhooksWarning, match=r"'emb\.weight'.*'emb' \(Rows\)"):
+        got = gradhooks.kfac(tied, tokens, target, fisher="empirical")
+    assert_factors(got, want, "tied head")
+    assert got["emb.weight"].bias is False
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("scalar", r"output \(\) for a batch of 3 .* scalar"),
+        ("sum0", r"output \(\(3,\)\) mixes the 3 examples"),
+        ("transposed", r"output \(3, 3\) .* examples are on dimension 1"),
+        ("dict", r"returned a dict, not a tensor"),
+    ],
+)
+def test_an_output_without_the_batch_is_refused(how, says):
+    class Reduced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            out = self.fc(x)
+            return {"scalar": lambda: out.sum(), "sum0": lambda: out.sum(0),
+                    "transposed": lambda: out.T, "dict": lambda: {"logits": out}}[how]()  # fmt: skip
+
+    model = Reduced().double()
+    with pytest.raises((ValueError, RuntimeError, TypeError), match=says):
+        gradhooks.kfac(model, torch.randn(3, 4, dtype=torch.float64), fisher="mc")
+    with pytest.raises(ValueError, match="no gradhooks hooks"):
+        gradhooks.hooks_of(model)  # (nothing left on the model)
+
+
+def test_bfloat16_autocast_on_linear_layers():
+    """Under CPU autocast to bfloat16 the Linears compute in bfloat16 (8 significant bits):
+    ``A`` and ``G`` are within 3% of the largest entry of the float64 factors of the same
+    weights (sums of products of bfloat16-rounded inputs and output-gradients, each about
+    0.4% off)."""
+    torch.manual_seed(15)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 6), torch.randint(3, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gradhooks.kfac(model, x, y, fisher="empirical")
+    model = model.double()
+    layers = {"0.weight": model[0], "2.weight": model[2]}
+    want = hand_factors(model, (x.double(),), {}, y, layers, reduction="mean")
+    for name, (A, G) in want.items():
+        for what, g, w in (("A", got[name].A, A), ("G", got[name].G, G)):
+            scale = w.abs().max().item()
+            torch.testing.assert_close(
+                g.double(), w, rtol=0, atol=3e-2 * scale, msg=lambda m: f"{what} of {name}: {m}"
+            )
+
+
+def test_bfloat16_autocast_exact_fisher_over_positions():
+    """``fisher="exact"`` (one backward per class, batched) under CPU autocast to bfloat16 on
+    Linears over positions and a LayerNorm (whose vmapped backward torch cannot run in mixed
+    dtypes: the backwards then run one at a time): within 3% of the largest entry of the
+    float64 factors of the same weights (bfloat16's 8 significant bits, as above)."""
+
+    class OverPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 8)
+            self.norm = nn.LayerNorm(8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.norm(torch.tanh(self.fc(x)))).mean(1)
+
+    torch.manual_seed(20)
+    model, x = OverPositions(), torch.randn(6, 5, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gradhooks.kfac(model, x, fisher="exact")
+    want = gradhooks.kfac(model.double(), x.double(), fisher="exact")
+    assert set(got) == set(want) == {"fc.weight", "head.weight"}
+    for name, w in want.items():
+        for what, g, ww in (("A", got[name].A, w.A), ("G", got[name].G, w.G)):
+            assert g.dtype == torch.float32, f"{what} of {name}: {g.dtype}"
+            torch.testing.assert_close(
+                g.double(), ww, rtol=0, atol=3e-2 * ww.abs().max().item(),
+                msg=lambda m, name=name, what=what: f"{what} of {name}: {m}",
+            )  # fmt: skip
+
+
+def hf(name):
+    """A transformers class, or a skip that says why it does not import (a torchvision
+    wheel built for another torch breaks transformers' model imports)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    try:
+        return getattr(transformers, name)
+    except Exception as e:  # (transformers wraps the cause in its own error)
+        pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
+
+
+class Logits(nn.Module):
+    def __init__(self, model, last=True):
+        super().__init__()
+        self.model, self.last = model, last
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits[:, -1] if self.last else logits
+
+
+def padded_batch(vocab):
+    g = torch.Generator().manual_seed(16)
+    ids = torch.randint(vocab, (3, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask, torch.randint(vocab, (3,), generator=g)
+
+
+def test_bert_classifier_with_padding_mask():
+    """Every Linear of a tiny BERT (attention, feed-forward, pooler, classifier) with a
+    right-padded ``attention_mask=`` keyword input, against the hand computation."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=12, vocab_size=12, max_position_embeddings=8,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  num_labels=3)  # fmt: skip
+    torch.manual_seed(17)
+    model = Logits(hf("BertForSequenceClassification")(cfg), last=False).double().eval()
+    ids, mask, _ = padded_batch(12)
+    mask = mask.flip(1)
+    target = torch.randint(3, (3,), generator=torch.Generator().manual_seed(18))
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    want = hand_factors(model, (ids,), {"attention_mask": mask}, target, layers)
+    got = gradhooks.kfac(
+        model, ids, target, kwargs={"attention_mask": mask}, fisher="empirical", reduction="sum"
+    )
+    assert_factors(got, want, "BERT")
+
+
+def test_gpt2_with_padding_mask():
+    """A tiny GPT-2: its Conv1D layers (``torch.addmm(b, x, W)``, no module rule) get factors
+    from their input and output-gradient, its lm_head those of its use as a Linear (tied to the
+    token embeddings: said), with a left-padded ``attention_mask=``, against the hand
+    computation."""
+    from gradhooks import GradhooksWarning
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=12, n_positions=8,
+                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    torch.manual_seed(19)
+    model = Logits(hf("GPT2LMHeadModel")(cfg)).double().eval()
+    ids, mask, target = padded_batch(12)
+    conv1d = type(model.model.transformer.h[0].attn.c_attn)
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, conv1d)}
+    layers["model.transformer.wte.weight"] = model.model.lm_head
+    want = hand_factors(model, (ids,), {"attention_mask": mask}, target, layers, bias=False)
+    for name in layers:
+        if name != "model.transformer.wte.weight":  # W [in, out]: its rows are the inputs
+            A, G = want[name]
+            # the weight as a matrix [in, out]: G over its rows (inputs, summed), A over its
+            # columns (output-gradients, averaged over the 3 x 5 positions)
+            rows = 3 * 5
+            want[name] = (G / rows, A * rows)
+    with pytest.warns(GradhooksWarning, match=r"wte\.weight"):
+        got = gradhooks.kfac(
+            model, ids, target, kwargs={"attention_mask": mask}, fisher="empirical",
+            reduction="sum",
+        )  # fmt: skip
+    assert_factors(got, want, "GPT-2")

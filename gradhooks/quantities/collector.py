@@ -115,13 +115,15 @@ class Collector:
         a parameter's norms are computed now from this call's ``grad1`` formed a slice at a
         time, ``sums[id(param)]`` gets its batch sum ``Σ_b grad1[b]`` (scaled) as a by-product
         (the engine's batch gradient for a call run with its parameters detached)."""
-        if "_jacobian" in self.quantities:
-            self._add_jacobian(call_pieces, params, scale)
-            return
+        # (under autocast a rule's pieces may be narrower than the parameters: widened to
+        # their dtype first, for every quantity and the Jacobians)
         call_pieces = {
             n: pc if n not in params else pc.widened(params[n].dtype)
             for n, pc in call_pieces.items()
         }
+        if "_jacobian" in self.quantities:
+            self._add_jacobian(call_pieces, params, scale)
+            return
         if not self._queued:
             _torch.queue_backward_callback(self._finish)
             self._queued = True

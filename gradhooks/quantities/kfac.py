@@ -34,7 +34,11 @@ class KFactors:
     The weight as a matrix is its parameter reshaped to ``[*groups, out, in]``, row-major: a
     Linear's ``[out, in]`` as is, a convolution's ``[out, in/groups, *kernel]`` as
     ``[groups, out/groups, in/groups · prod(kernel)]``; ``torch.kron(G, A)`` approximates the
-    curvature of that matrix (bias column appended) flattened, per group."""
+    curvature of that matrix (bias column appended) flattened, per group. A weight used as
+    ``torch.addmm(b, x, W)`` with ``W`` ``[in, out]`` (Hugging Face's ``Conv1D``) is that
+    matrix as it is: ``G`` ``[in, in]`` over its rows (from the inputs, summed like an
+    output-gradient's), ``A`` ``[out, out]`` over its columns (from the output-gradients,
+    averaged like an input's), and no bias column (the bias lies along the columns)."""
 
     A: Tensor
     G: Tensor
@@ -129,7 +133,12 @@ class KfacAccumulator:
                 # scale); a weight tied to a Linear gets factors of that use only: said
                 self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
                 continue
-            biased = self.bias and len(bias_pieces) == 1
+            # the bias is a column of the weight as a matrix [out, in] only where it lies
+            # along its rows: not for torch.addmm(b, x, W) with W [in, out] (GPT-2's Conv1D),
+            # whose bias lies along the columns, the output-gradient being the piece's a; its
+            # factors then cover the weight alone
+            bias_g = call_pieces[bias_pieces[0]].g if len(bias_pieces) == 1 else None
+            biased = self.bias and bias_g is not None and bias_g is not piece.a
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
                     f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
