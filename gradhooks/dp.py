@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import pieces as P
 from .engine import Hooks
-from .records import drop_box
+from .records import drop_box, half_precision
 from .verify import PROBE_TOLERANCE, mismatch
 
 __all__ = ["dp_sgd_step", "clip_factors"]
@@ -68,6 +68,7 @@ def dp_sgd_step(
     reduction: Literal["mean", "sum"] = "mean",
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     expected_batch_size: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -85,9 +86,19 @@ def dp_sgd_step(
             handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
         expected_batch_size: divide by this instead of the batch's own size (with
             ``reduction="mean"``): for Poisson sampling, ``sampler.expected_batch_size``.
+        scaler: a ``torch.amp.GradScaler`` (float16 autocast): the backward runs on the losses
+            multiplied by its scale ``S``, so that float16 output-gradients do not underflow;
+            the norms and clipping factors are those of the unscaled gradients (the norms
+            divided by ``S``), and ``p.grad`` is written *scaled* by ``S``, for
+            ``scaler.step(optimizer)`` to unscale (exactly: ``S`` is a power of two) and step,
+            then ``scaler.update()``. Where a gradient holds Inf or NaN (an overflow), no noise
+            is drawn, every ``p.grad`` is set to NaN and the returned norms hold the non-finite
+            ones: ``scaler.step`` skips the step and ``scaler.update`` lowers the scale, as
+            without DP. A skipped step released nothing: do not record it in the
+            :class:`~gradhooks.PrivacyAccountant` (see ``docs/mixed-precision.md``).
 
     Returns:
-        The per-example gradient norms before clipping, ``[batch]``.
+        The per-example gradient norms before clipping (unscaled), ``[batch]``.
 
     Example::
 
@@ -109,8 +120,13 @@ def dp_sgd_step(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params)
-    std = noise_multiplier * max_norm
+    scale = loss_scale(scaler)
+    norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scale)
+    if scaler is not None and not finite(norms, clipped):
+        for p in params:  # (scaler.step sees them, and skips the step)
+            p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+        return norms.detach()
+    std = noise_multiplier * max_norm * scale  # (the clipped sums are scaled by it)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
         if std > 0:  # (a new tensor: divided in place)
@@ -118,6 +134,30 @@ def dp_sgd_step(
         else:
             p.grad = (c / denom).detach()
     return norms.detach()
+
+
+def loss_scale(scaler: torch.amp.GradScaler | None) -> float:
+    """The scale ``S`` of an enabled ``GradScaler`` (``1.0`` without one)."""
+    if scaler is None:
+        return 1.0
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
+        )
+    if not scaler.is_enabled():
+        return 1.0
+    scale = float(scaler.get_scale())
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"the GradScaler's scale is {scale!r}: it must be > 0 and finite")
+    return scale
+
+
+def finite(norms: Tensor, clipped: list[Tensor]) -> bool:
+    """Whether the norms and the clipped sums all hold finite numbers (one synchronisation)."""
+    flags = [torch.isfinite(norms).all()] + [
+        torch.isfinite(c).all().to(norms.device) for c in clipped if c.numel()
+    ]
+    return bool(torch.stack(flags).all())
 
 
 # Losses a step has run its backward through (their graph freed), until they are freed
@@ -197,23 +237,32 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
 def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tuple | None:
     """On the first step of each new set of calls, autograd's gradient of the examples' own
     losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`pieces.example_weights`,
-    every example checked at once), to compare with the per-example gradients weighted alike
-    (``grad1``, or the pieces the norms are formed from). ``None`` where it is not checked."""
+    every example checked at once; divided by the batch size where the hooks' backward takes
+    the mean, as it does), to compare with the per-example gradients weighted alike (``grad1``,
+    or the pieces the norms are formed from). Where the forward ran in a half precision
+    (autocast), the weights are powers of two, which the backward carries without rounding.
+    ``(weights, gradients, exact)``; ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
     if not (hooks.verify and hooks._unverified) or hooks._recomputes or hooks._sharded or batch < 2:
         return None
-    weights = P.example_weights(batch)
+    box = hooks._probe_box
+    exact = box is not None and half_precision(box.get("precision"))
+    weights = P.example_weights(batch, exact)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
+    weighted = w * per_example_loss
     with hooks._standing_aside():
         grads = torch.autograd.grad(
-            (w * per_example_loss).sum(), wrt, retain_graph=True, allow_unused=True
-        )
-    if hooks._probe_box is not None:  # (the hooks' own check of the examples: this one is it)
-        drop_box(hooks._probe_box)
+            weighted.mean() if hooks.loss_reduction == "mean" else weighted.sum(),
+            wrt, retain_graph=True, allow_unused=True,
+        )  # fmt: skip
+    if hooks.loss_reduction == "mean":
+        grads = tuple(None if g is None else g * batch for g in grads)
+    if box is not None:  # (the hooks' own check of the examples: this one is it)
+        drop_box(box)
         hooks._probe_box = None
     if not hooks._grad1:
         hooks._unverified.clear()
-    return weights, grads
+    return weights, grads, exact
 
 
 def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> None:
@@ -223,7 +272,7 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
     mixes them where gradhooks cannot see it shows here."""
     if truth is None:
         return
-    _, grads = truth
+    _, grads, exact = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
     wants = [
         torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
@@ -234,7 +283,9 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
     wrong = []
     for p, want, g in zip(params, wants, got, strict=True):
         g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
-        diff = mismatch(g, want, None, overall, **PROBE_TOLERANCE)
+        diff = mismatch(
+            g, want, None, overall, **PROBE_TOLERANCE, precision=hooks._precision, exact=exact
+        )
         if diff is not None:
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
@@ -256,10 +307,20 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
 
 
 def _clipped_sums(
-    hooks: Hooks, per_example_loss: Tensor, max_norm: float, method: str, params: list
+    hooks: Hooks,
+    per_example_loss: Tensor,
+    max_norm: float,
+    method: str,
+    params: list,
+    scaled_by: float = 1.0,
 ) -> tuple[Tensor, list[Tensor]]:
     """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
-    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples."""
+    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples.
+    ``scaled_by``: a GradScaler's ``S``: the backward is that of ``S ·`` the losses, the
+    norms returned and clipped are those divided by ``S``, the sums ``S ·`` the clipped ones."""
+    stepped = per_example_loss
+    if scaled_by != 1.0:
+        per_example_loss = per_example_loss * scaled_by
     batch = per_example_loss.shape[0]
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
@@ -282,7 +343,7 @@ def _clipped_sums(
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
             ])  # fmt: skip
-        factors = clip_factors(norms, max_norm)
+        factors = clip_factors(norms / scaled_by, max_norm)
         clipped = [
             _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
             for p, g in zip(params, grads1, strict=True)
@@ -299,7 +360,7 @@ def _clipped_sums(
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
-        factors = clip_factors(norms, max_norm).detach()
+        factors = clip_factors(norms / scaled_by, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
             for pname, p in live.items():
@@ -319,15 +380,15 @@ def _clipped_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             del kept
-        factors = clip_factors(norms, max_norm).detach()
+        factors = clip_factors(norms / scaled_by, max_norm).detach()
         hooks._ignore_backward = True
         try:
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
         finally:
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    _STEPPED[per_example_loss] = True
-    return norms, clipped
+    _STEPPED[stepped] = True
+    return norms / scaled_by, clipped
 
 
 def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:

@@ -148,6 +148,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._frames: list[Frame] = []  # root forwards running
         self._tasks: dict[int, Backward] = {}  # backwards running, by graph task id
         self._missed: dict[str, None] = {}  # parameters a backward computed without capture
+        # the lowest precision the calls of the backwards since clear() ran in (the checks'
+        # tolerance: records.lowest_precision)
+        self._precision: torch.dtype | None = None
         # the bookkeeping of backwards (which parameters each computes) is off for the
         # Jacobians and kfac(), whose backwards run under vmap and write no grad1
         self._track = not {"_jacobian", "_vmapped"} & set(quantities)
@@ -344,6 +347,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             self._drop_stale()
         self._written.clear()
         self._missed.clear()
+        self._precision = None
         self._hessian_backprops.clear()
         if self._collector is not None:
             self._collector.clear()
