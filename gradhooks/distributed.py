@@ -104,7 +104,7 @@ def dp_sgd_step(
             "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
             "inputs and output-gradients)"
         )
-    norms, grads = _dp._clipped_sums(hooks, per_example_loss, max_norm, method, params)
+    norms, grads, _ = _dp._clipped_sums(hooks, per_example_loss, max_norm, method, params)
     std = noise_multiplier * max_norm
     if std > 0 and dist.get_rank(group) == 0:  # once, before the sum: every rank gets it
         for p, g in zip(params, grads, strict=True):

@@ -114,19 +114,19 @@ def dp_sgd_step(
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _check_clipping(max_norm, noise_multiplier, generator)
+    check_scaler(scaler)
     params = _covered_params(hooks)
     if hooks._sharded:
         raise ValueError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    scale = loss_scale(scaler)
-    norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scale)
-    if scaler is not None and not finite(norms, clipped):
+    norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    if scale is not None and not finite(norms, clipped):
         for p in params:  # (scaler.step sees them, and skips the step)
             p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
         return norms.detach()
-    std = noise_multiplier * max_norm * scale  # (the clipped sums are scaled by it)
+    std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
         if std > 0:  # (a new tensor: divided in place)
@@ -136,20 +136,11 @@ def dp_sgd_step(
     return norms.detach()
 
 
-def loss_scale(scaler: torch.amp.GradScaler | None) -> float:
-    """The scale ``S`` of an enabled ``GradScaler`` (``1.0`` without one)."""
-    if scaler is None:
-        return 1.0
-    if not isinstance(scaler, torch.amp.GradScaler):
+def check_scaler(scaler: Any) -> None:
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(
             f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
         )
-    if not scaler.is_enabled():
-        return 1.0
-    scale = float(scaler.get_scale())
-    if not 0 < scale < float("inf"):
-        raise ValueError(f"the GradScaler's scale is {scale!r}: it must be > 0 and finite")
-    return scale
 
 
 def finite(norms: Tensor, clipped: list[Tensor]) -> bool:
@@ -312,15 +303,17 @@ def _clipped_sums(
     max_norm: float,
     method: str,
     params: list,
-    scaled_by: float = 1.0,
-) -> tuple[Tensor, list[Tensor]]:
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[Tensor, list[Tensor], float | None]:
     """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
     as plain tensors, also for a parameter sharded by FSDP2) of this process's examples.
-    ``scaled_by``: a GradScaler's ``S``: the backward is that of ``S ·`` the losses, the
-    norms returned and clipped are those divided by ``S``, the sums ``S ·`` the clipped ones."""
-    stepped = per_example_loss
-    if scaled_by != 1.0:
-        per_example_loss = per_example_loss * scaled_by
+    With an enabled GradScaler, its scale ``S`` (also returned, else ``None``): the backward
+    is that of ``scaler.scale(losses)``, the norms returned and clipped are those divided by
+    ``S``, the sums ``S ·`` the clipped ones."""
+    stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
+    if scaler is not None and scaler.is_enabled():
+        per_example_loss = scaler.scale(per_example_loss)
+        scaled_by = loss_scale = float(scaler.get_scale())
     batch = per_example_loss.shape[0]
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
@@ -344,10 +337,13 @@ def _clipped_sums(
                 for g in grads1
             ])  # fmt: skip
         factors = clip_factors(norms / scaled_by, max_norm)
+        # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = [
-            _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
+            _zeros(p) if g is None else torch.einsum(
+                "b,b...->...", *_widest(factors, g)
+            ).to(p.dtype)
             for p, g in zip(params, grads1, strict=True)
-        ]
+        ]  # fmt: skip
     elif method == "bookkeeping":
         kept = hooks._collector.keep = []
         hooks._no_param_grads = True  # this backward's own parameter gradients are not used
@@ -388,7 +384,13 @@ def _clipped_sums(
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     _STEPPED[stepped] = True
-    return norms / scaled_by, clipped
+    return norms / scaled_by, clipped, loss_scale
+
+
+def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` in the more precise of their dtypes."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
 
 
 def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:
