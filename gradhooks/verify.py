@@ -107,6 +107,8 @@ def rounding_tolerance(
     :data:`HALF_ROUNDING_UNITS` of its ``eps``, if that is larger. A mixing of the examples
     smaller than that cannot be told from rounding: ``exact``, in bfloat16 ``8 · 2⁻⁷ ≈ 0.06``
     of the largest entry, in float16 ``8 · 2⁻¹⁰ ≈ 0.008``; else twice that."""
+    if dtype.is_complex:  # (as its real and imaginary parts)
+        dtype = dtype.to_real()
     tol = {torch.float64: float64, torch.float32: float32}.get(dtype, 0.0)
     lowest = lowest_precision(dtype, precision)
     if lowest is not None and torch.finfo(lowest).eps > torch.finfo(torch.float32).eps:
