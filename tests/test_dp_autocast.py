@@ -5,7 +5,8 @@ per-example loop.
 Tolerance: the hooked forward and backward round the activations and output-gradients of each
 low-precision layer to the dtype's ``eps / 2`` (relative), and the norms, the clipping factors
 and the clipped sums inherit it; against float64, within ``16 · eps`` of the largest entry
-(bfloat16: 0.125, float16: 0.016) for these three-layer models (measured: up to 3 eps)."""
+(bfloat16: 0.125, float16: 0.016) for these three-layer models (measured: up to 5.3 eps in
+bfloat16, 1.3 in float16)."""
 
 from __future__ import annotations
 
