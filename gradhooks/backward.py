@@ -28,7 +28,7 @@ from .calls import aligned_call, check_versions, describe_call, rule_pieces, unc
 from .errors import GradhooksWarning
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
-from .records import Backward, CallLayout, CallState, Frame, graph_task
+from .records import Backward, CallLayout, CallState, Frame, graph_task, lowest_precision
 from .registry import Call, _Entry
 from .verify import per_example_outputs
 
@@ -55,6 +55,12 @@ class Backwards:
             state.derived |= create_graph
             return
         bw = self._backward_state() if self._track else None
+        precision = lowest_precision(state.precision, *(
+            g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
+        ))  # fmt: skip
+        self._precision = lowest_precision(self._precision, precision)
+        if bw is not None:
+            bw.precision = lowest_precision(bw.precision, precision)
         if state.derived:
             # Wrong only if this backward computes parameter gradients (not for the next
             # derivative of a Laplacian, with respect to the input): decided at its end.

@@ -58,6 +58,7 @@ def dp_sgd_step(
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     expected_batch_size: float | None = None,
     group: Group = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """:func:`gradhooks.dp_sgd_step` with the batch split across the ranks of ``group``.
 
@@ -78,6 +79,12 @@ def dp_sgd_step(
         generator: used on group rank 0 only (a ``torch.Generator`` on the parameters' device);
             seed it differently every step, and keep the seed secret, as in one process.
         group: the process group (default: the whole world).
+        scaler: a ``torch.amp.GradScaler``, as for :func:`gradhooks.dp_sgd_step` (the same
+            scale on every rank, as every rank's scaler sees the same ``p.grad``). A rank whose
+            gradients overflow sends NaN into the sum, so that every rank's ``p.grad`` holds
+            NaN and every rank's ``scaler.step`` skips the step (rank 0 may have drawn its noise
+            for it: discarded). Whether the step was skipped is the same on every rank:
+            ``scaler.get_scale()`` went down at ``scaler.update()``.
 
     A model sharded with FSDP2 (``fully_shard``: the root, and any of its modules before it;
     hook it, once sharded, with ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
@@ -97,6 +104,7 @@ def dp_sgd_step(
     """
     method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _dp._check_clipping(max_norm, noise_multiplier, generator)
+    _dp.check_scaler(scaler)
     params = _dp._covered_params(hooks)
     if hooks._sharded and method == "ghost":
         raise ValueError(
@@ -104,9 +112,15 @@ def dp_sgd_step(
             "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
             "inputs and output-gradients)"
         )
-    norms, grads = _dp._clipped_sums(hooks, per_example_loss, max_norm, method, params)
-    std = noise_multiplier * max_norm
-    if std > 0 and dist.get_rank(group) == 0:  # once, before the sum: every rank gets it
+    norms, grads, scale = _dp._clipped_sums(
+        hooks, per_example_loss, max_norm, method, params, scaler
+    )
+    overflow = scale is not None and not _dp.finite(norms, grads)
+    if overflow:  # (NaN in the sum: every rank's p.grad, and every rank's scaler skips)
+        for g in grads:
+            g.fill_(float("nan"))
+    std = noise_multiplier * max_norm * (scale or 1.0)  # (the sums are scaled by it)
+    if std > 0 and not overflow and dist.get_rank(group) == 0:  # once, before the sum
         for p, g in zip(params, grads, strict=True):
             g.add_(_dp.gaussian(p, generator), alpha=std)
     total_batch = _all_reduce_sums(

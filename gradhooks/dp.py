@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import pieces as P
 from .engine import Hooks
-from .records import drop_box
+from .records import drop_box, half_precision
 from .verify import PROBE_TOLERANCE, mismatch
 
 __all__ = ["dp_sgd_step", "clip_factors"]
@@ -68,6 +68,7 @@ def dp_sgd_step(
     reduction: Literal["mean", "sum"] = "mean",
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     expected_batch_size: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -85,9 +86,19 @@ def dp_sgd_step(
             handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
         expected_batch_size: divide by this instead of the batch's own size (with
             ``reduction="mean"``): for Poisson sampling, ``sampler.expected_batch_size``.
+        scaler: a ``torch.amp.GradScaler`` (float16 autocast): the backward runs on the losses
+            multiplied by its scale ``S``, so that float16 output-gradients do not underflow;
+            the norms and clipping factors are those of the unscaled gradients (the norms
+            divided by ``S``), and ``p.grad`` is written *scaled* by ``S``, for
+            ``scaler.step(optimizer)`` to unscale (exactly: ``S`` is a power of two) and step,
+            then ``scaler.update()``. Where a gradient holds Inf or NaN (an overflow), no noise
+            is drawn, every ``p.grad`` is set to NaN and the returned norms hold the non-finite
+            ones: ``scaler.step`` skips the step and ``scaler.update`` lowers the scale, as
+            without DP. A skipped step released nothing: do not record it in the
+            :class:`~gradhooks.PrivacyAccountant` (see ``docs/mixed-precision.md``).
 
     Returns:
-        The per-example gradient norms before clipping, ``[batch]``.
+        The per-example gradient norms before clipping (unscaled), ``[batch]``.
 
     Example::
 
@@ -103,14 +114,19 @@ def dp_sgd_step(
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _check_clipping(max_norm, noise_multiplier, generator)
+    check_scaler(scaler)
     params = _covered_params(hooks)
     if hooks._sharded:
         raise ValueError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params)
-    std = noise_multiplier * max_norm
+    norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    if scale is not None and not finite(norms, clipped):
+        for p in params:  # (scaler.step sees them, and skips the step)
+            p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+        return norms.detach()
+    std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
         if std > 0:  # (a new tensor: divided in place)
@@ -118,6 +134,21 @@ def dp_sgd_step(
         else:
             p.grad = (c / denom).detach()
     return norms.detach()
+
+
+def check_scaler(scaler: Any) -> None:
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
+        )
+
+
+def finite(norms: Tensor, clipped: list[Tensor]) -> bool:
+    """Whether the norms and the clipped sums all hold finite numbers (one synchronisation)."""
+    flags = [torch.isfinite(norms).all()] + [
+        torch.isfinite(c).all().to(norms.device) for c in clipped if c.numel()
+    ]
+    return bool(torch.stack(flags).all())
 
 
 # Losses a step has run its backward through (their graph freed), until they are freed
@@ -197,23 +228,32 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
 def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tuple | None:
     """On the first step of each new set of calls, autograd's gradient of the examples' own
     losses, for :func:`_check_step`: of ``Σ_i w_i · loss_i`` (:func:`pieces.example_weights`,
-    every example checked at once), to compare with the per-example gradients weighted alike
-    (``grad1``, or the pieces the norms are formed from). ``None`` where it is not checked."""
+    every example checked at once; divided by the batch size where the hooks' backward takes
+    the mean, as it does), to compare with the per-example gradients weighted alike (``grad1``,
+    or the pieces the norms are formed from). Where the forward ran in a half precision
+    (autocast), the weights are powers of two, which the backward carries without rounding.
+    ``(weights, gradients, exact)``; ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
     if not (hooks.verify and hooks._unverified) or hooks._recomputes or hooks._sharded or batch < 2:
         return None
-    weights = P.example_weights(batch)
+    box = hooks._probe_box
+    exact = box is not None and half_precision(box.get("precision"))
+    weights = P.example_weights(batch, exact)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
+    weighted = w * per_example_loss
     with hooks._standing_aside():
         grads = torch.autograd.grad(
-            (w * per_example_loss).sum(), wrt, retain_graph=True, allow_unused=True
-        )
-    if hooks._probe_box is not None:  # (the hooks' own check of the examples: this one is it)
-        drop_box(hooks._probe_box)
+            weighted.mean() if hooks.loss_reduction == "mean" else weighted.sum(),
+            wrt, retain_graph=True, allow_unused=True,
+        )  # fmt: skip
+    if hooks.loss_reduction == "mean":
+        grads = tuple(None if g is None else g * batch for g in grads)
+    if box is not None:  # (the hooks' own check of the examples: this one is it)
+        drop_box(box)
         hooks._probe_box = None
     if not hooks._grad1:
         hooks._unverified.clear()
-    return weights, grads
+    return weights, grads, exact
 
 
 def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> None:
@@ -223,7 +263,7 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
     mixes them where gradhooks cannot see it shows here."""
     if truth is None:
         return
-    _, grads = truth
+    _, grads, exact = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
     wants = [
         torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
@@ -234,7 +274,9 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
     wrong = []
     for p, want, g in zip(params, wants, got, strict=True):
         g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
-        diff = mismatch(g, want, None, overall, **PROBE_TOLERANCE)
+        diff = mismatch(
+            g, want, None, overall, **PROBE_TOLERANCE, precision=hooks._precision, exact=exact
+        )
         if diff is not None:
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
@@ -256,10 +298,22 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
 
 
 def _clipped_sums(
-    hooks: Hooks, per_example_loss: Tensor, max_norm: float, method: str, params: list
-) -> tuple[Tensor, list[Tensor]]:
+    hooks: Hooks,
+    per_example_loss: Tensor,
+    max_norm: float,
+    method: str,
+    params: list,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[Tensor, list[Tensor], float | None]:
     """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
-    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples."""
+    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples.
+    With an enabled GradScaler, its scale ``S`` (also returned, else ``None``): the backward
+    is that of ``scaler.scale(losses)``, the norms returned and clipped are those divided by
+    ``S``, the sums ``S ·`` the clipped ones."""
+    stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
+    if scaler is not None and scaler.is_enabled():
+        per_example_loss = scaler.scale(per_example_loss)
+        scaled_by = loss_scale = float(scaler.get_scale())
     batch = per_example_loss.shape[0]
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
@@ -282,11 +336,14 @@ def _clipped_sums(
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
             ])  # fmt: skip
-        factors = clip_factors(norms, max_norm)
+        factors = clip_factors(norms / scaled_by, max_norm)
+        # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = [
-            _zeros(p) if g is None else torch.einsum("b,b...->...", factors, g)
+            _zeros(p) if g is None else torch.einsum(
+                "b,b...->...", *_widest(factors, g)
+            ).to(p.dtype)
             for p, g in zip(params, grads1, strict=True)
-        ]
+        ]  # fmt: skip
     elif method == "bookkeeping":
         kept = hooks._collector.keep = []
         hooks._no_param_grads = True  # this backward's own parameter gradients are not used
@@ -299,7 +356,7 @@ def _clipped_sums(
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
-        factors = clip_factors(norms, max_norm).detach()
+        factors = clip_factors(norms / scaled_by, max_norm).detach()
         sums: dict[int, Tensor] = {}
         for pieces, live, scale in kept:
             for pname, p in live.items():
@@ -319,15 +376,21 @@ def _clipped_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             del kept
-        factors = clip_factors(norms, max_norm).detach()
+        factors = clip_factors(norms / scaled_by, max_norm).detach()
         hooks._ignore_backward = True
         try:
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
         finally:
             hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    _STEPPED[per_example_loss] = True
-    return norms, clipped
+    _STEPPED[stepped] = True
+    return norms / scaled_by, clipped, loss_scale
+
+
+def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` in the more precise of their dtypes."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
 
 
 def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:

@@ -164,6 +164,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # gradhooks.kfac: a parameter used outside its module's call (a tied head, a table read
         # as .weight), a layer called on positions alone, an output that lost the batch
         self._track = True
+        # the lowest precision the calls of the backwards since clear() ran in (the checks'
+        # tolerance: records.lowest_precision)
+        self._precision: torch.dtype | None = None
         self._handles: list = []
         # calls run with their parameters detached, {id(module): [(module, {name: param},
         # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
@@ -444,6 +447,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._trail.clear()
         self._depth.clear()
         self._missed.clear()
+        self._precision = None
         self._hessian_backprops.clear()
         if self._collector is not None:
             self._collector.clear()

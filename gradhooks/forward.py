@@ -33,7 +33,7 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
-    autocast_on,
+    call_precision,
     detach_tree,
     graph_task,
     is_compiling,
@@ -318,8 +318,9 @@ class Forwards:
         if frame is not None:
             frame.states.append(state)
             frame.signature.append((id(target), None if layout is None else layout.kind))
-            if not frame.unprobed and (_torch.saved_tensor_hooks_active() or autocast_on()):
-                frame.unprobed = True  # (run again at the backward, or in lower precision)
+            if not frame.unprobed and _torch.saved_tensor_hooks_active():
+                frame.unprobed = True  # (run again at the backward)
+        state.precision = call_precision(args, output)
         return call, state
 
     def _keep_unhooked_call(self, target: Target, args: tuple, kwargs: dict, output: Any):

@@ -30,7 +30,7 @@ from ._torch import tree_flatten
 from .engine import Hooks, add_hooks
 from .forward import output_edges
 from .layout import MIXED, UNKNOWN, Tracker
-from .records import autocast_on
+from .records import autocast_dtype
 from .registry import REGISTRY, Registry
 
 __all__ = ["jacobians"]
@@ -208,7 +208,7 @@ def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> Hoo
     batch = tracker.batch if tracker is not None else (first.shape[0] if first.dim() else 1)
     direct = {pid for pid in h._direct if pid in h._params}
     sources = tracker is not None and bool(tracker.edges)
-    return HookedForward(out, reached, direct, sources, tracker, batch, autocast_on())
+    return HookedForward(out, reached, direct, sources, tracker, batch, autocast_dtype() is not None)
 
 
 @contextmanager

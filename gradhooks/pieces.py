@@ -787,15 +787,22 @@ def flat_rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
-def example_weights(batch: int) -> Tensor:
+def example_weights(batch: int, exact: bool = False) -> Tensor:
     """``[batch]`` float64 weights in ``[1, 2)``, all different (the fractional parts of
     multiples of the golden ratio): the checks compare ``Σ_i weights[i] · grad1[i]`` with the
     gradient autograd gives the examples' losses (or output rows) weighted alike, which sees an
     error in any example's ``grad1`` (a sum, all weights 1, would not see examples that
-    cancel)."""
-    return 1.0 + torch.remainder(
-        torch.arange(1, batch + 1, dtype=torch.float64) * 0.6180339887, 1.0
-    )
+    cancel).
+
+    ``exact``: powers of two instead, ``1``, ``2`` or ``4`` (by the same fractional parts, in
+    thirds): multiplying by one rounds nothing, so a backward that rounds in a half precision
+    (bfloat16, float16) carries each example's weighted rows as exactly the weight times its
+    unweighted ones, through every layer, and the two sides of a check differ by the rounding
+    of the final products alone, not by one rounding per layer."""
+    frac = torch.remainder(torch.arange(1, batch + 1, dtype=torch.float64) * 0.6180339887, 1.0)
+    if exact:
+        return torch.exp2(torch.floor(3 * frac))
+    return 1.0 + frac
 
 
 def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
@@ -810,6 +817,7 @@ def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
                 found[id(p)] = None
             if id(p) in found and found[id(p)] is None:
                 continue
-            total = piece.batch_sum(p.shape, weights.to(p.device)) * scale
+            # (in the parameter's precision, as the norms are: pieces of a bfloat16 forward)
+            total = piece.widened(p.dtype).batch_sum(p.shape, weights.to(p.device)) * scale
             found[id(p)] = total if id(p) not in found else found[id(p)] + total
     return found

@@ -48,6 +48,8 @@ class CallState:
     layout: CallLayout | None = None
     versions: tuple = ()  # (tensor, version) of its kept inputs, to refuse in-place changes
     out_versions: tuple = ()  # (leaf index, version) of its kept output
+    # the lowest floating-point precision its forward ran in (see :func:`lowest_precision`)
+    precision: torch.dtype | None = None
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Frame:
     roots: list = field(default_factory=list)  # the forward's tensor inputs
     signature: list = field(default_factory=list)  # (call, kind) of its captured calls
     # a call of it ran under saved-tensor hooks or with grad mode off (activation
-    # checkpointing: run again at the backward), or under autocast: no probe (_arm_probe)
+    # checkpointing: run again at the backward): no probe (_arm_probe)
     unprobed: bool = False
     # per module without a rule running in training mode, by id: its buffers as each of its
     # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
@@ -93,6 +95,8 @@ class Backward:
     kept: list[tuple[dict, dict, float]] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
     capturing: bool = True  # captured (not paused; marked where capture="marked")
+    # the lowest floating-point precision its calls ran in (see :func:`lowest_precision`)
+    precision: torch.dtype | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Probe:
     plain: dict[int, Tensor]
     last: dict[int, Tensor]  # (without grad1) the last example's gradient alone
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
+    exact: bool = False  # weights of powers of two (pieces.example_weights): no rounding
 
     @property
     def batch(self) -> int:
@@ -192,12 +197,56 @@ def power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def autocast_on() -> bool:
-    """Whether autocast is on for the CPU or CUDA."""
-    try:
-        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-    except TypeError:  # (torch before 2.4: no device argument)
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+def autocast_dtype() -> torch.dtype | None:
+    """The lower of the dtypes autocast runs its eligible operations in, on the CPU and CUDA
+    (``None`` where it is off on both)."""
+    found = None
+    for device in ("cpu", "cuda"):
+        try:
+            on = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if on else None
+        except (TypeError, AttributeError):  # (torch before 2.4: no device argument)
+            on = torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+            get = torch.get_autocast_cpu_dtype if device == "cpu" else torch.get_autocast_gpu_dtype
+            dtype = get() if on else None
+        found = lowest_precision(found, dtype)
+    return found
+
+
+def lowest_precision(*dtypes: torch.dtype | None) -> torch.dtype | None:
+    """Of the floating-point ``dtypes`` (``None`` and the others are passed over), the one
+    that rounds the most (the largest ``finfo(dtype).eps``: bfloat16 before float16 before
+    float32). The checks of a backward derive their tolerance from it: two computations of a
+    gradient that each rounded in bfloat16 differ by many more float32 units than two that
+    stayed in float32."""
+    found = None
+    for d in dtypes:
+        if d is None or not d.is_floating_point:
+            continue
+        if found is None or torch.finfo(d).eps > torch.finfo(found).eps:
+            found = d
+    return found
+
+
+def half_precision(dtype: torch.dtype | None) -> bool:
+    """Whether ``dtype`` rounds more coarsely than float32 (bfloat16, float16)."""
+    return (
+        dtype is not None
+        and dtype.is_floating_point
+        and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+    )
+
+
+def call_precision(args: Any, output: Any) -> torch.dtype | None:
+    """The lowest precision a call ran in: its floating-point inputs' and outputs' dtypes, and
+    autocast's where it is on (an operation inside the call may have run in it, and the
+    gradients through it round in it too, whatever the dtypes at the call's boundary)."""
+    dtypes = {
+        t.dtype
+        for t in tree_flatten((args, output))[0]
+        if isinstance(t, Tensor) and t.is_floating_point()
+    }
+    return lowest_precision(autocast_dtype(), *dtypes)
 
 
 def graph_task() -> int:

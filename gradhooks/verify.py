@@ -34,7 +34,9 @@ from .records import (
     Probe,
     drop_box,
     graph_task,
+    half_precision,
     is_compiling,
+    lowest_precision,
     tree_leaves,
 )
 from .registry import Call
@@ -50,17 +52,20 @@ def mismatch(
     overall: float,
     float32: float = 2e-2,
     float64: float = 1e-6,
+    precision: torch.dtype | None = None,
+    exact: bool = False,
 ) -> str | None:
     """How ``got`` differs from ``want`` (``None``: within rounding). ``rows``: the per-example
     gradients ``got`` was reduced from (examples' gradients that cancel in the sum set the
     scale too); ``overall``: the largest entry of the model's gradients; ``float32``: the
-    relative tolerance in float32 (the default leaves room for lower-precision matrix products
-    under autocast)."""
+    relative tolerance in float32 (the default leaves room for TF32 matrix products on a GPU);
+    ``precision``, ``exact``: the lowest precision the computations ran in, and whether they
+    differ by the rounding of their last products alone (:func:`rounding_tolerance`)."""
     if not want.numel():
         return None
     if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
         return None
-    tol = {torch.float64: float64, torch.float32: float32}.get(want.dtype, 1e-1)
+    tol = rounding_tolerance(want.dtype, precision, exact, float32=float32, float64=float64)
     scale = max(float(want.abs().max()), float(got.abs().max()) if rows is None else 0.0)
     if rows is not None and rows.numel():
         scale = max(scale, float(rows.abs().max()))
@@ -73,9 +78,48 @@ def mismatch(
     return None
 
 
+# Two computations of one gradient (gradhooks' per-example gradients weighted over the
+# examples, and autograd's gradient of the examples weighted alike) that each rounded in a half
+# precision differ by some of its rounding units (eps) of the largest entry. With weights of
+# any value, by a few per layer they went through: measured on Linear, LayerNorm, GELU and
+# Embedding stacks of up to 24 residual blocks under CPU autocast, up to 6 units (bfloat16) and
+# 8 (float16); allowed: twice that. With weights of powers of two (pieces.example_weights(...,
+# exact=True)) or none, the layers carry the weighted rows without rounding and the two differ
+# by the rounding of the last products: measured, up to 2.3 units (12 residual blocks);
+# allowed: 8. The mixings the probe's tests use show there as 8% to 130% of the largest entry.
+HALF_ROUNDING_UNITS = 16
+EXACT_ROUNDING_UNITS = 8
+
+
+def rounding_tolerance(
+    dtype: torch.dtype,
+    precision: torch.dtype | None = None,
+    exact: bool = False,
+    float32: float = 2e-2,
+    float64: float = 1e-6,
+) -> float:
+    """The relative tolerance of a check that compares two gradients of dtype ``dtype``
+    computed in ``precision`` (the lowest precision the hooked calls ran in: their tensors'
+    dtypes and autocast's, :func:`records.call_precision`; ``None``: ``dtype``'s own):
+    ``float64`` or ``float32`` for those dtypes, and, where either is a half precision
+    (bfloat16, float16), :data:`EXACT_ROUNDING_UNITS` (``exact``: the two computations carried
+    the same rows, or rows weighted by powers of two, through the layers) or
+    :data:`HALF_ROUNDING_UNITS` of its ``eps``, if that is larger. A mixing of the examples
+    smaller than that cannot be told from rounding: ``exact``, in bfloat16 ``8 · 2⁻⁷ ≈ 0.06``
+    of the largest entry, in float16 ``8 · 2⁻¹⁰ ≈ 0.008``; else twice that."""
+    if dtype.is_complex:  # (as its real and imaginary parts)
+        dtype = dtype.to_real()
+    tol = {torch.float64: float64, torch.float32: float32}.get(dtype, 0.0)
+    lowest = lowest_precision(dtype, precision)
+    if lowest is not None and torch.finfo(lowest).eps > torch.finfo(torch.float32).eps:
+        units = EXACT_ROUNDING_UNITS if exact else HALF_ROUNDING_UNITS
+        tol = max(tol, units * torch.finfo(lowest).eps)
+    return tol
+
+
 # The probe compares two computations, not one reduced two ways: room for a model's own float32
 # parts inside a float64 one (Hugging Face's norms and softmax), and, in float32, for TF32
-# convolutions on a GPU (autocast leaves the probe out).
+# convolutions on a GPU; under autocast, rounding_tolerance's room for its precision.
 PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
 
 
@@ -215,6 +259,8 @@ class Verification:
             "batch": tracker.batch,
             "frame": id(frame),
             "lost": tuple(tracker.unknown),
+            # (the precision its calls ran in: below float32, the weights are powers of two)
+            "precision": lowest_precision(*(state.precision for state in frame.states)),
         }
         self._probe_box = box
         if len(outs) == 1:
@@ -254,7 +300,8 @@ class Verification:
         ):
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
-        weights = P.example_weights(batch)
+        exact = half_precision(box["precision"])
+        weights = P.example_weights(batch, exact)
         masked, last = [], []
         for _, g, lay in used:
             if lay.size(batch) != g.shape[lay.dim]:
@@ -288,7 +335,7 @@ class Verification:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
             alone_of = {pid: g for pid, g in zip(pids, alone or ()) if g is not None}
-            bw.probe = Probe(box_frame, weights, grads_of, plain_of, alone_of, lost)
+            bw.probe = Probe(box_frame, weights, grads_of, plain_of, alone_of, lost, exact)
 
     @contextlib.contextmanager
     def _standing_aside(self) -> Iterator[None]:
@@ -349,7 +396,9 @@ class Verification:
                 got = torch.zeros_like(grad)
             else:
                 got = g1.mean(0) if self.loss_reduction == "mean" else g1.sum(0)
-            diff = mismatch(got, grad.to(got.dtype), g1, overall)
+            diff = mismatch(
+                got, grad.to(got.dtype), g1, overall, precision=bw.precision, exact=True
+            )
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
@@ -381,7 +430,11 @@ class Verification:
             plain = probe.plain.get(pid)
             plain = torch.zeros_like(grad) if plain is None else plain
             plain = plain.to_dense() if plain.is_sparse else plain
-            if mismatch(plain.to(grad.dtype), grad, None, overall, **PROBE_TOLERANCE) is None:
+            close = mismatch(
+                plain.to(grad.dtype), grad, None, overall, **PROBE_TOLERANCE,
+                precision=bw.precision, exact=True,
+            )  # fmt: skip
+            if close is None:
                 found.add(pid)
         return found
 
@@ -406,7 +459,10 @@ class Verification:
             else:
                 w = probe.weights.to(device=g1.device, dtype=g1.dtype)
                 got = torch.einsum("b,b...->...", w, g1)
-            diff = mismatch(got, want.to(got.dtype), None, overall, **PROBE_TOLERANCE)
+            diff = mismatch(
+                got, want.to(got.dtype), None, overall, **PROBE_TOLERANCE,
+                precision=bw.precision, exact=probe.exact,
+            )  # fmt: skip
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if not wrong:
@@ -448,15 +504,17 @@ class Verification:
             if got is None:
                 continue  # (a layer that counts its examples otherwise: bags)
             got = torch.zeros_like(want) + got
-            diff = mismatch(got.to(want.dtype), want, None, overall, **PROBE_TOLERANCE)
+            diff = mismatch(
+                got.to(want.dtype), want, None, overall, **PROBE_TOLERANCE,
+                precision=bw.precision, exact=probe.exact,
+            )  # fmt: skip
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
                 continue
             # the norms formed from those gradients: the last example's, against autograd's
             sq = collector.param_sq_norms[name]
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
-            tol = {torch.float64: PROBE_TOLERANCE["float64"],
-                   torch.float32: PROBE_TOLERANCE["float32"]}.get(sq.dtype, 1e-1)  # fmt: skip
+            tol = rounding_tolerance(sq.dtype, bw.precision, probe.exact, **PROBE_TOLERANCE)
             miss = abs(norm - norm_want)
             if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
@@ -530,8 +588,12 @@ class CheckReport:
         return "\n".join(rows)
 
 
-def _tol(dtype: torch.dtype) -> float:
-    return {torch.float64: 1e-6, torch.float32: 1e-3}.get(dtype, 3e-2)
+def _tol(
+    dtype: torch.dtype, precision: torch.dtype | None, exact: bool, factor: float = 1.0
+) -> float:
+    """The relative tolerance of :func:`check_hooks` for ``grad1`` of ``dtype`` from calls that
+    ran in ``precision`` (autocast: :func:`rounding_tolerance`)."""
+    return rounding_tolerance(dtype, precision, exact, float32=factor * 1e-3, float64=factor * 1e-6)
 
 
 def check_hooks(
@@ -576,7 +638,7 @@ def check_hooks(
         want = p.grad.detach().to(got.dtype)
         if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             continue  # reported as non-finite
-        tol = _tol(got.dtype)
+        tol = _tol(got.dtype, hooks._precision, exact=True)  # (the same backward's)
         scale = want.abs().max().item() + got.abs().max().item()
         diff = (got - want).abs().max().item()
         if diff > tol * max(scale, 1e-30):
@@ -655,7 +717,8 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
             f"the loss's reduction: the first {k} examples' gradients are not finite"
         )
         return
-    tol = 10 * _tol(next(iter(written.values())).grad1.dtype)
+    # (against a recomputation in the model's own dtype: rounded otherwise at every layer)
+    tol = _tol(next(iter(written.values())).grad1.dtype, hooks._precision, False, factor=10)
     norm = ref.norm().item()
     if norm == 0:
         if got.norm().item() > 0:

@@ -348,6 +348,84 @@ def fsdp() -> None:
     assert norms.dtype == torch.float32, norms.dtype
     start = 4 * RANK
     assert torch.allclose(norms, want[start : start + 4], rtol=3e-2), (norms, want)
+    # the sharded p.grad: the float64 loop's clipped mean of the whole batch, within bfloat16's
+    loop = loop_grad(net(), F.cross_entropy, x, y)
+    factors = torch.clamp(4.0 / torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1),
+                          max=1.0)  # fmt: skip
+    for p, g in zip(params(model), loop.values(), strict=True):
+        want = torch.einsum("b,b...->...", factors, g) / 8
+        within(p.grad.full_tensor(), want, torch.bfloat16, "FSDP2 bfloat16: sharded p.grad")
+
+
+def mlp32() -> nn.Module:
+    """Flatten, Linear, Tanh, LayerNorm, Linear in float32 (rules that work under autocast)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(12, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)
+    )
+
+
+def within(got, want, dtype, what: str) -> None:
+    """``got`` within ``16 · eps(dtype)`` of ``want``'s largest entry: the rounding of a
+    low-precision forward and backward (see tests/test_dp_autocast.py)."""
+    diff = float((got.double() - want).abs().max())
+    bound = 16 * torch.finfo(dtype).eps * float(want.abs().max())
+    assert diff <= bound, f"rank {RANK} {what}: differs by {diff:.2e} > {bound:.2e}"
+
+
+def dp_sgd_autocast() -> None:
+    """Under CPU autocast (bfloat16; float16, also with a GradScaler), unequal shards (5, 3),
+    every method, with and without DDP: p.grad is the float64 per-example loop's clipped,
+    noised mean of the whole batch (rank 0's noise) within 16 eps, the same on every rank. With
+    a GradScaler whose scale overflows float16, the first step is skipped on every rank (the
+    parameters as they were, the scale lowered), the next one is right."""
+    sizes, sigma = [5, 3], 0.5
+    x, y, xs, ys = data(sizes)
+    xs = xs.float()
+    loop = loop_grad(mlp32().double(), F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm = float(norms.median())
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    clipped = [torch.einsum("b,b...->...", factors, g) for g in loop.values()]
+    cases = [
+        (wrap, dtype, False) for wrap in (False, True) for dtype in (torch.bfloat16, torch.float16)
+    ] + [(False, torch.float16, True)]
+    for wrap, dtype, scaled in cases:  # fmt: skip
+        for method in ("grad1", "ghost", "bookkeeping"):
+            what = f"wrap={wrap} {dtype} scaler={scaled} {method}"
+            model = mlp32()
+            hooked = DDP(model) if wrap else model
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = (
+                torch.amp.GradScaler("cpu", init_scale=2.0**30, backoff_factor=2.0**-20)
+                if scaled else None
+            )  # fmt: skip
+            quantities = ("grad1",) if method == "grad1" else ("norms",)
+            with gradhooks.add_hooks(hooked, quantities=quantities) as h:
+                for step in range(2 if scaled else 1):
+                    before = [p.detach().clone() for p in params(model)]
+                    with torch.autocast("cpu", dtype=dtype):
+                        out = hooked(xs)
+                    losses = F.cross_entropy(out.float(), ys, reduction="none")
+                    gen = torch.Generator().manual_seed(7 if RANK == 0 else 100 + RANK)
+                    ghd.dp_sgd_step(
+                        h, losses, max_norm=max_norm, noise_multiplier=sigma, generator=gen,
+                        method=method, scaler=scaler,
+                    )  # fmt: skip
+                    if scaler is not None:
+                        scale = scaler.get_scale()
+                        scaler.step(opt)
+                        scaler.update()
+                        if step == 0:
+                            assert scaler.get_scale() < scale, f"{what}: not skipped"
+                            for p, b in zip(params(model), before, strict=True):
+                                assert torch.equal(p.detach(), b), f"{what}: a skipped step"
+                            continue
+                    noise = torch.Generator().manual_seed(7)
+                    for p, c in zip(params(model), clipped, strict=True):
+                        z = torch.randn(p.shape, generator=noise).double() * sigma * max_norm
+                        within(p.grad * sum(sizes) - z, c, dtype, f"{what} step {step}")
+                        all_ranks_equal(p.grad, f"{what}: p.grad")
 
 
 SCENARIOS = {
@@ -359,6 +437,7 @@ SCENARIOS = {
     ),
     "dp_sgd": dp_sgd,
     "dp_sgd_noise": dp_sgd_noise,
+    "dp_sgd_autocast": dp_sgd_autocast,
     "kfac": kfac_scenario,
     "mismatch": mismatch,
     "fsdp": fsdp,

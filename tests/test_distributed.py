@@ -116,6 +116,10 @@ def test_dp_sgd_across_ranks_equals_one_process(tmp_path, monkeypatch, detached)
     run("dp_sgd", tmp_path)
 
 
+def test_dp_sgd_under_autocast_and_grad_scaler(tmp_path):
+    run("dp_sgd_autocast", tmp_path)
+
+
 def test_dp_sgd_noise_added_once(tmp_path):
     run("dp_sgd_noise", tmp_path)
 
