@@ -47,6 +47,7 @@ class CallState:
     layout: CallLayout | None = None
     versions: tuple = ()  # (tensor, version) of its kept inputs, to refuse in-place changes
     out_versions: tuple = ()  # (leaf index, version) of its kept output
+    in_backward: bool = False  # its forward ran while a backward ran (a backward's own forward)
 
 
 @dataclass
@@ -87,6 +88,18 @@ class Backward:
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
     # (verify, without grad1) every call's pieces, (pieces, params, scale), for the norms' check
     kept: list[tuple[dict, dict, float]] = field(default_factory=list)
+    # started while another backward of the handle ran (reentrant checkpointing, a backward
+    # taken in a custom autograd.Function's backward or a gradient hook): what it hands the
+    # quantities waits in ``held`` until its end says whether it computed parameter gradients
+    nested: bool = False
+    held: list[tuple] = field(default_factory=list)
+    attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
+    accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
+    # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
+    # the parameter's accumulation, where a hook of the user's may have changed it
+    raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    batched: str | None = None  # an is_grads_batched backward (under vmap): what it reached
+    inside: bool = False  # it reached a call whose forward ran during a backward
 
 
 @dataclass

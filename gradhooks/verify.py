@@ -191,6 +191,7 @@ class Verification:
             or frame.unprobed
             or tracker.batch < 2
             or is_compiling()
+            or self._user_backward_hooks(tracker)
         ):
             return
         outs, layouts = [], []
@@ -224,6 +225,19 @@ class Verification:
                 outs, lambda grads: self._probe(box, grads), mode="all"
             )
 
+    def _user_backward_hooks(self, tracker: Tracker | None = None) -> bool:
+        """Whether a backward through the model runs hooks of the user's (a module's full
+        backward hook or pre-hook, a global one, a hook on a parameter or, seen by the
+        forward's ``tracker``, on an activation): then no backward of the checks' own runs,
+        for those hooks to fire exactly as often as without gradhooks (the checks that need
+        none still do)."""
+        model = self.model
+        if tracker.user_hooks if tracker is not None else self._activation_hooks:
+            return True
+        params = [p for _, p in self._params.values()]
+        own = 1 if self._track else 0
+        return model is not None and _torch.user_backward_hooks(model.modules(), params, own)
+
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
         the model's output-gradients in hand: every parameter's gradient from them with each
@@ -240,8 +254,9 @@ class Verification:
             or self._rerunning
             or torch.is_grad_enabled()  # (a create_graph backward)
             or not self._capturing_backward()
+            or any(g is not None and _torch.is_grads_batched(g) for g in grads)
         ):
-            return
+            return  # (an is_grads_batched backward: the next one is checked)
         bw = self._backward_state()
         if not bw.verify or bw.probe is not None:
             return
