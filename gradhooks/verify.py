@@ -15,6 +15,7 @@ do (as :func:`gradhooks.check_rule` does for a rule).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -224,6 +225,8 @@ class Verification:
             box["handle"] = torch.autograd.graph.register_multi_grad_hook(
                 outs, lambda grads: self._probe(box, grads), mode="all"
             )
+        # (a hook the user puts on an output after the forward: no probe then, see _probe)
+        box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
     def _user_backward_hooks(self, tracker: Tracker | None = None) -> bool:
         """Whether a backward through the model runs hooks of the user's (a module's full
@@ -257,6 +260,8 @@ class Verification:
             or any(g is not None and _torch.is_grads_batched(g) for g in grads)
         ):
             return  # (an is_grads_batched backward: the next one is checked)
+        if any((t := ref()) is not None and _torch.tensor_hooks(t) > n for ref, n in box["hooks"]):
+            return  # (hooks of the user's on an output, which a backward of its own would run)
         bw = self._backward_state()
         if not bw.verify or bw.probe is not None:
             return

@@ -118,6 +118,20 @@ def test_hooks_fire_as_often_as_without_gradhooks(how, verify):
     assert got == want
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_hook_on_the_output_put_after_the_forward(verify):
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    counts = collections.Counter()
+    with gradhooks.add_hooks(model, verify=verify):
+        for _ in range(3):
+            out = model(x)
+            out.register_hook(lambda g: counts.update(["output"]))
+            per_example(out, y).mean().backward()
+    assert counts == {"output": 3}
+
+
 # -- hooks on parameters -------------------------------------------------------------------------
 
 
