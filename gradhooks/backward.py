@@ -356,6 +356,8 @@ class Backwards:
         where the change is a multiple of it (``g * c``, a clipping of its norm), so that it
         still reduces to ``.grad``; any other change is refused."""
         factor = _multiple(raw, final)
+        if factor is not None and abs(factor - 1.0) <= _ROUNDING.get(raw.dtype, 1e-2):
+            return  # (a new tensor, the same gradient: a norm clip that did not clip)
         if factor is not None and self._grad1:
             p = self._params[pid][1]
             if pid in self._written and pid in bw.before:
@@ -643,6 +645,9 @@ def _same(final: Tensor, raw: Tensor, version: int) -> bool:
     return final is raw and _torch.version(raw) == version
 
 
+_ROUNDING = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
 def _multiple(raw: Tensor, final: Tensor) -> float | None:
     """``c`` where ``final == c * raw`` (to rounding), else ``None``."""
     if final.shape != raw.shape or final.is_sparse or raw.is_sparse:
@@ -652,7 +657,7 @@ def _multiple(raw: Tensor, final: Tensor) -> float | None:
     if rr == 0.0:
         return 1.0 if not bool(f.any()) else None
     c = float(r @ f) / rr
-    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(raw.dtype, 1e-2)
+    tol = _ROUNDING.get(raw.dtype, 1e-2)
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
 

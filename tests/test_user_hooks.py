@@ -187,6 +187,20 @@ def test_parameter_hook_that_changes_the_gradient_otherwise_is_refused(quantitie
             assert h.param_norms().keys() == {n for n, _ in model.named_parameters()}
 
 
+def test_parameter_hook_that_leaves_the_gradient_with_norms():
+    """A clip of the gradient's norm that does not clip (a new tensor, the same values)."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    want = loop_grad(model, per_example, x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for p in model.parameters():
+            p.register_hook(lambda g: _clip(g, c=1e6))
+        per_example(model(x), y).mean().backward()
+        for n, v in h.param_norms().items():
+            assert_close(v, want[n].flatten(1).norm(dim=1), n)
+
+
 def test_parameter_hook_that_scales_with_norms_is_refused():
     x, y = data()
     torch.manual_seed(0)
