@@ -343,11 +343,24 @@ class Backwards:
             bw.accumulated.add(pid)
             raw = bw.raw.pop(pid, None)
             final = grad_inputs[0] if grad_inputs else None
-            if raw is None or final is None or _same(final, *raw):
+            if raw is None or final is None:
                 return
-            self._changed_by_hook(bw, pid, name, raw[0], final)
+            # (with grad1: its batch gradient, which hooks registered before gradhooks' own
+            # have not changed either)
+            base = self._grad1_total(bw, pid) if self._grad1 else None
+            if base is None and _same(final, *raw):
+                return
+            self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
 
         return hook
+
+    def _grad1_total(self, bw: Backward, pid: int) -> Tensor | None:
+        """The batch gradient (``.grad``'s part) of what backward ``bw`` added to ``grad1``."""
+        g1 = self._grad1_of_backward(bw, pid, self._params[pid][1])
+        if g1 is None:
+            return None
+        total = g1.sum(0)
+        return total / g1.shape[0] if self.loss_reduction == "mean" and g1.shape[0] else total
 
     def _changed_by_hook(
         self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor
@@ -364,8 +377,8 @@ class Backwards:
                 before = bw.before[pid]
                 g1 = p.grad1.detach()
                 p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
-            if pid in bw.grads:
-                bw.grads[pid] = bw.grads[pid] * factor
+            if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
+                bw.grads[pid] = final.detach().clone()
             return
         what = (
             "by a factor, which the per-example norms cannot follow"
@@ -378,7 +391,7 @@ class Backwards:
         if self._collector is not None:
             self._collector.discard_backward()
         raise RuntimeError(
-            f"gradhooks: a hook registered on '{name}' (with register_hook after add_hooks) "
+            f"gradhooks: a hook registered on '{name}' (with register_hook) "
             f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
             "Its grad1 was not written. Change grad1 (or the per-example gradients) yourself "
             "after the backward, or remove the hook while the hooks are on; a hook that "
@@ -645,7 +658,8 @@ def _same(final: Tensor, raw: Tensor, version: int) -> bool:
     return final is raw and _torch.version(raw) == version
 
 
-_ROUNDING = {torch.float64: 1e-10, torch.float32: 1e-5}
+# (the gradient a hook got against grad1's batch sum: two sums of the same terms)
+_ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 def _multiple(raw: Tensor, final: Tensor) -> float | None:

@@ -139,15 +139,17 @@ def _clip(g, c=0.05):
     return g * min(1.0, c / float(g.norm()))
 
 
+@pytest.mark.parametrize("before", [False, True], ids=["after-add_hooks", "before-add_hooks"])
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
 @pytest.mark.parametrize("hook", ["scale", "clip-norm", "observe"])
-def test_parameter_hook_that_multiplies_the_gradient(hook, verify):
+def test_parameter_hook_that_multiplies_the_gradient(hook, verify, before):
     x, y = data()
     torch.manual_seed(0)
     model = Net().double()
     want = loop_grad(model, per_example, x, y)
     seen = collections.Counter()
-    with gradhooks.add_hooks(model, verify=verify):
+
+    def register():
         for n, p in model.named_parameters():
             if hook == "scale":
                 p.register_hook(lambda g: 0.5 * g)
@@ -155,6 +157,12 @@ def test_parameter_hook_that_multiplies_the_gradient(hook, verify):
                 p.register_hook(_clip)
             else:
                 p.register_hook(lambda g, n=n: seen.update([n]))
+
+    if before:
+        register()
+    with gradhooks.add_hooks(model, verify=verify):
+        if not before:
+            register()
         per_example(model(x), y).mean().backward()
     for n, p in model.named_parameters():
         assert_close(p.grad1.mean(0), p.grad, n)
