@@ -347,7 +347,7 @@ class Backwards:
                 return
             # (with grad1: its batch gradient, which hooks registered before gradhooks' own
             # have not changed either)
-            base = self._grad1_total(bw, pid) if self._grad1 else None
+            base = self._grad1_total(bw, pid) if self._grad1 and pid not in self._exempt else None
             if base is None and _same(final, *raw):
                 return
             self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)

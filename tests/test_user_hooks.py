@@ -204,6 +204,25 @@ def test_parameter_hook_that_multiplies_the_gradient(hook, verify, before):
     assert seen == ({n: 1 for n, _ in model.named_parameters()} if hook == "observe" else {})
 
 
+def test_observing_hook_on_a_parameter_whose_grad1_does_not_sum_to_grad():
+    """An Embedding scaling by each example's own counts (``scale_grad_by_freq``): its grad1
+    does not add up to ``.grad`` by design, and a hook that only looks changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(7, 3, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 2)
+    )
+    model = model.double()
+    idx, y = torch.randint(7, (B, 4)), torch.randn(B, 2, dtype=torch.float64)
+    want = loop_grad(model, per_example, idx, y)
+    seen = collections.Counter()
+    with gradhooks.add_hooks(model):
+        model[0].weight.register_hook(lambda g: seen.update(["weight"]))
+        per_example(model(idx), y).mean().backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+    assert seen == {"weight": 1}
+
+
 @pytest.mark.parametrize("quantities", [("grad1",), ("norms",)], ids=["grad1", "norms"])
 def test_parameter_hook_that_changes_the_gradient_otherwise_is_refused(quantities):
     """Clamping each entry is no per-example map: refused, naming the parameter, and grad1 of
