@@ -122,6 +122,17 @@ def dp_sgd_step(
             "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
             "after dp_sgd_step."
         )
+    own = 1 if hooks._track else 0  # (gradhooks' own hook on each parameter)
+    hooked = [n for n, p in hooks._named_parameters(hooks.model)
+              if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
+    if method == "ghost" and hooked:
+        raise ValueError(
+            f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook (register_hook), "
+            "and ghost clipping takes the clipped sum from autograd's gradient of the "
+            "parameters, which such a hook may change after the clipping (a factor above 1 "
+            "would break the clipping bound). Use method='bookkeeping' or 'grad1' (they form "
+            "the clipped sum from the per-example gradients themselves), or remove the hook."
+        )
     norms, clipped = _clipped_sums(hooks, per_example_loss, max_norm, method, params)
     std = noise_multiplier * max_norm
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)

@@ -268,6 +268,31 @@ def test_parameter_hook_that_scales_with_norms_is_refused():
             per_example(model(x), y).mean().backward()
 
 
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
+def test_dp_step_with_a_hook_on_a_parameter(method):
+    """A DP step forms the clipped sum from the per-example gradients (``grad1``, the pieces):
+    a hook that doubles a parameter's gradient does not change it. Ghost clipping takes it from
+    autograd's gradient, which the hook would double past the clipping bound: refused."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    want = loop_grad(model, per_example, x, y)
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    factors = gradhooks.clip_factors(norms, float(norms.median()))
+    q = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=q) as h:
+        model.b.weight.register_hook(lambda g: 2 * g)
+        losses = per_example(model(x), y)
+        step = dict(max_norm=float(norms.median()), noise_multiplier=0.0, method=method)
+        if method == "ghost":
+            with pytest.raises(ValueError, match="'b.weight' has a gradient hook"):
+                gradhooks.dp_sgd_step(h, losses, **step)
+            return
+        gradhooks.dp_sgd_step(h, losses, **step)
+    for n, p in model.named_parameters():
+        assert_close(p.grad, torch.einsum("b,b...->...", factors, want[n]) / B, n)
+
+
 # -- an optimizer step fused into the backward ---------------------------------------------------
 
 
