@@ -21,7 +21,11 @@ Each internal, its name here, where it is used, and its fallback:
   :func:`gradhooks.jacobians` and :func:`gradhooks.kfac` run their backwards under ``vmap``
   over the output-gradients and write the hooks' batched pieces into plain tensors
   (``quantities``, ``kfac``; the Jacobian forms of ``pieces.Rows`` and ``rules/conv.py``).
-  Fallback: one backward per output-gradient, no ``vmap``.
+  With ``is_legacy_batchedtensor`` (:func:`is_grads_batched`), the engine tells a user's
+  ``is_grads_batched`` backward, whose gradients are batched by the older ``vmap``, and
+  writes no ``grad1`` from it (``backward.py``, ``verify.py``).
+  Fallback: one backward per output-gradient, no ``vmap``; a user's batched backward reaches
+  the rules, whose pieces then fail with an error.
 - ``saved_tensor_hooks``: ``torch._C._autograd._top_saved_tensors_default_hooks``
   (:func:`saved_tensor_hooks_active`): whether saved-tensor hooks (non-reentrant activation
   checkpointing, offloading) are on. Used by the engine (no ``taps`` then, and no call run
@@ -50,6 +54,12 @@ Each internal, its name here, where it is used, and its fallback:
 - ``is_view``: ``Tensor._is_view`` (:func:`is_view`): the engine gives a hooked output that is
   a view a node of its own, so that an in-place change after it keeps its hooks. Fallback:
   every output gets one.
+- ``autograd_node``: ``torch._C._current_autograd_node`` (:func:`enclosing_backward`),
+  whether a backward ends inside another (taken in a custom ``autograd.Function``'s backward
+  or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
+  parameter gradients go back to the code that asked for them (``backward.py``). Fallback: a
+  backward inside another is seen only where the other reached a hooked call first.
+
 Required (no fallback; :func:`require` refuses without them):
 
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
@@ -68,8 +78,11 @@ Required (no fallback; :func:`require` refuses without them):
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
-  :func:`global_forward_hooks`, :func:`forward_hooks_off`): the engine checks that its hooks
-  run where it needs them (``capture.py``), the oracle puts back parameters
+  :func:`global_forward_hooks`, :func:`forward_hooks_off`), and the backward hooks of
+  modules, of every module and of tensors (:func:`user_backward_hooks`): the engine checks
+  that its hooks run where it needs them (``capture.py``), runs no backward of its own
+  checks through a user's backward hooks (``verify.py``, ``dp.py``), the oracle puts back
+  parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
   ``enable_input_require_grads`` adds, fails under ``torch.func``).
@@ -115,10 +128,12 @@ from .errors import GradhooksWarning
 __all__ = [
     "INTERNALS",
     "Internal",
+    "accumulate_hooks",
     "available",
     "batched_backwards",
     "conv_padding",
     "dim_arguments",
+    "enclosing_backward",
     "positional",
     "disabled",
     "drop_stale_hooks",
@@ -132,6 +147,7 @@ __all__ = [
     "graph_task_id",
     "in_transform",
     "is_batched",
+    "is_grads_batched",
     "is_view",
     "last_forward_pre_hook",
     "missing",
@@ -142,12 +158,14 @@ __all__ = [
     "require",
     "saved",
     "saved_tensor_hooks_active",
+    "tensor_hooks",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
     "tensor_impl",
     "unbatched",
     "unshared",
+    "user_backward_hooks",
     "version",
 ]
 
@@ -172,7 +190,8 @@ INTERNALS: dict[str, Internal] = {
         ),
         Internal(
             "functorch_batched",
-            "torch._C._functorch.is_batchedtensor, get_unwrapped, maybe_get_bdim",
+            "torch._C._functorch.is_batchedtensor, get_unwrapped, maybe_get_bdim, "
+            "is_legacy_batchedtensor",
             "jacobians() and kfac() run one backward per output-gradient, without vmap",
         ),
         Internal(
@@ -207,6 +226,11 @@ INTERNALS: dict[str, Internal] = {
         ),
         Internal("is_view", "Tensor._is_view", "every hooked output gets a node of its own"),
         Internal(
+            "autograd_node",
+            "torch._C._current_autograd_node",
+            "a backward inside another is seen only where the other reached a hooked call",
+        ),
+        Internal(
             "op_schema",
             "OpOverload._schema (an aten operator's argument names)",
             "every integer passed by position is taken as a dimension",
@@ -221,8 +245,10 @@ INTERNALS: dict[str, Internal] = {
         Internal("version_counter", "Tensor._version", "", required=True),
         Internal(
             "module_state",
-            "nn.Module._parameters, _forward_hooks, _forward_pre_hooks, "
-            "torch.nn.modules.module._global_forward_hooks, _global_forward_pre_hooks",
+            "nn.Module._parameters, _forward_hooks, _forward_pre_hooks, _backward_hooks, "
+            "_backward_pre_hooks, torch.nn.modules.module._global_forward_hooks, "
+            "_global_forward_pre_hooks, _global_backward_hooks, _global_backward_pre_hooks, "
+            "Tensor._backward_hooks, _post_accumulate_grad_hooks",
             "",
             required=True,
         ),
@@ -361,6 +387,18 @@ def is_batched(t: Tensor | None) -> bool:
     if _BATCHED is None or "functorch_batched" in _off or t is None:
         return False
     return bool(_BATCHED[0](t))
+
+
+_LEGACY_BATCHED = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+
+
+def is_grads_batched(t: Tensor | None) -> bool:
+    """Whether ``t`` is batched by a ``vmap`` or by the older one that
+    ``torch.autograd.grad(..., is_grads_batched=True)`` runs its backward under
+    (``torch._C._functorch.is_legacy_batchedtensor``); ``False`` without the internal."""
+    if _BATCHED is None or "functorch_batched" in _off or t is None:
+        return False
+    return bool(_BATCHED[0](t)) or (_LEGACY_BATCHED is not None and bool(_LEGACY_BATCHED(t)))
 
 
 def batched_backwards() -> bool:
@@ -663,6 +701,46 @@ def global_forward_pre_hooks() -> bool:
     """Whether global forward pre-hooks are registered, which run before a module's own.
     Required (:func:`require`)."""
     return bool(_GLOBAL_HOOKS[1]) if _GLOBAL_HOOKS is not None else True
+
+
+def user_backward_hooks(modules: Any, params: Any, own: int = 0) -> bool:
+    """Whether a backward through ``modules`` would run backward hooks of the user's: a
+    module's full backward (pre-)hook, a global one, or a hook on one of ``params`` other than
+    the ``own`` each holds of gradhooks' (``Tensor._backward_hooks``,
+    ``_post_accumulate_grad_hooks``). torch has no public way to list them. Required
+    (:func:`require`)."""
+    g = nn.modules.module
+    if g._global_backward_hooks or g._global_backward_pre_hooks:
+        return True
+    if any(m._backward_hooks or m._backward_pre_hooks for m in modules):
+        return True
+    return any(len(p._backward_hooks or ()) > own or p._post_accumulate_grad_hooks for p in params)
+
+
+def accumulate_hooks(p: Tensor) -> int:
+    """How many post-accumulate-grad hooks ``p`` holds (``Tensor._post_accumulate_grad_hooks``).
+    Required (:func:`require`)."""
+    return len(p._post_accumulate_grad_hooks or ())
+
+
+def tensor_hooks(t: Tensor) -> int:
+    """How many gradient hooks ``t`` holds (``Tensor._backward_hooks``, what
+    ``t.register_hook`` adds). Required (:func:`require`)."""
+    return len(t._backward_hooks or ())
+
+
+# -- autograd_node -----------------------------------------------------------------------------
+
+_CURRENT_NODE = _lookup("autograd_node", lambda: torch._C._current_autograd_node)
+
+
+def enclosing_backward() -> bool | None:
+    """At the end of a backward (in its callback): whether it runs inside another backward
+    (``torch._C._current_autograd_node``, the node whose backward or hook took it, ``None`` at
+    the end of an outermost backward); ``None``: unknown (the internal is missing)."""
+    if _CURRENT_NODE is None or "autograd_node" in _off:
+        return None
+    return _CURRENT_NODE() is not None
 
 
 # -- pytree (required) -------------------------------------------------------------------------

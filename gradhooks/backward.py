@@ -54,6 +54,12 @@ class Backwards:
         if not self._capturing_backward():
             state.derived |= create_graph
             return
+        if self._track and _batched(call.grad_outputs):
+            # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
+            # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
+            bw = self._backward_state()
+            bw.batched = bw.batched or f"'{target.name or '<model>'}'"
+            return
         bw = self._backward_state() if self._track else None
         precision = lowest_precision(state.precision, *(
             g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
@@ -74,6 +80,9 @@ class Backwards:
             call = replace(call, inputs=args, kwargs=kwargs)
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
+            if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)
+                bw.attached.update(id(p) for p in state.params.values())
+            bw.inside = bw.inside or state.in_backward
             if state.frame is not None:
                 bw.frames.add(id(state.frame))
         try:
@@ -164,7 +173,8 @@ class Backwards:
             self._refuse_large(batch)
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         formed: dict[int, Tensor] | None = None
-        if sums is not None and not self._grad1 and not self._no_param_grads:
+        nested = bw is not None and bw.nested
+        if sums is not None and not self._grad1 and not self._no_param_grads and not nested:
             formed = {}
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
@@ -173,7 +183,10 @@ class Backwards:
             # (fresh pieces: none of the columns the norms may cache)
             bw.kept.append(({n: pieces[n].select(slice(None)) for n in live}, live, scale))
         if self._collector is not None:
-            self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
+            if nested:  # (handed over at its end, if it computed parameter gradients)
+                bw.held.append((target.name, {n: pieces[n] for n in live}, live, scale))
+            else:
+                self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
         if not self._grad1:
             if formed is not None:  # a call run detached without grad1 (norms): batch gradients
@@ -294,7 +307,7 @@ class Backwards:
         bw = self._tasks.get(task)
         if bw is None:
             nested = bool(self._tasks)  # (a backward inside another: reentrant checkpointing)
-            bw = self._tasks[task] = Backward(set(), set(), {}, [])
+            bw = self._tasks[task] = Backward(set(), set(), {}, [], nested=nested)
             if nested:  # their gradients are split between the two: not verified
                 for other in self._tasks.values():
                     other.verify = frozenset()
@@ -380,10 +393,19 @@ class Backwards:
         def hook(grad: Tensor | None) -> None:
             if grad is None or self._removed or self._ignore_backward or self._rerunning:
                 return  # (None: a node gave it no gradient, an empty batch's detached call)
+            if self._track and _batched((grad,)):
+                bw = self._backward_state()
+                bw.batched = bw.batched or f"'{name}'"
+                bw.computed.add(pid)
+                return
             if pid in self._direct and self._capturing_backward():
                 self._direct_uses(pid, name)
             bw = self._backward_state()
             bw.computed.add(pid)
+            hooked = _torch.tensor_hooks(self._params[pid][1]) > 1
+            if hooked and pid in bw.reached and self._capturing_backward():
+                # (hooks of the user's run after this one: compared at the accumulation)
+                bw.raw[pid] = (grad, _torch.version(grad))
             if bw.verify and self._capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
@@ -394,6 +416,75 @@ class Backwards:
                 bw.missed.append(name)
 
         return hook
+
+    def _accumulate_hook(self, pid: int, name: str):
+        """A pre-hook of the parameter's ``AccumulateGrad`` node: it runs where autograd adds
+        the gradient into ``.grad`` (a ``backward()``, not a ``torch.autograd.grad``), after
+        every hook registered on the parameter, so with the gradient ``.grad`` really gets."""
+
+        def hook(grad_inputs: tuple) -> None:
+            if self._removed or self._ignore_backward or self._rerunning:
+                return
+            bw = self._tasks.get(graph_task())
+            if bw is None:
+                return
+            bw.accumulated.add(pid)
+            raw = bw.raw.pop(pid, None)
+            final = grad_inputs[0] if grad_inputs else None
+            if raw is None or final is None:
+                return
+            # (with grad1: its batch gradient, which hooks registered before gradhooks' own
+            # have not changed either)
+            base = self._grad1_total(bw, pid) if self._grad1 and pid not in self._exempt else None
+            if base is None and _same(final, *raw):
+                return
+            self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
+
+        return hook
+
+    def _grad1_total(self, bw: Backward, pid: int) -> Tensor | None:
+        """The batch gradient (``.grad``'s part) of what backward ``bw`` added to ``grad1``."""
+        g1 = self._grad1_of_backward(bw, pid, self._params[pid][1])
+        if g1 is None:
+            return None
+        total = g1.sum(0)
+        return total / g1.shape[0] if self.loss_reduction == "mean" and g1.shape[0] else total
+
+    def _changed_by_hook(
+        self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor
+    ) -> None:
+        """A hook the user registered on the parameter changed its gradient: ``grad1`` follows
+        where the change is a multiple of it (``g * c``, a clipping of its norm), so that it
+        still reduces to ``.grad``; any other change is refused."""
+        factor = _multiple(raw, final)
+        if factor is not None and abs(factor - 1.0) <= _ROUNDING.get(raw.dtype, 1e-2):
+            return  # (a new tensor, the same gradient: a norm clip that did not clip)
+        if factor is not None and self._grad1:
+            p = self._params[pid][1]
+            if pid in self._written and pid in bw.before:
+                before = bw.before[pid]
+                g1 = p.grad1.detach()
+                p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
+            if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
+                bw.grads[pid] = final.detach().clone()
+            return
+        what = (
+            "by a factor, which the per-example norms cannot follow"
+            if factor is not None
+            else "otherwise than by a factor (each entry clamped, noise or another tensor added)"
+        )
+        for other in (bw, *self._tasks.values()):
+            self._rollback(other)
+        self._tasks.clear()
+        if self._collector is not None:
+            self._collector.discard_backward()
+        raise RuntimeError(
+            f"gradhooks: a hook registered on '{name}' (with register_hook) "
+            f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
+            "Its grad1 was not written. Change grad1 (or the per-example gradients) yourself "
+            "after the backward, or remove the hook while the hooks are on; a hook that "
+            "multiplies the gradient by a number is followed, with grad1."
+        )
 
     def _direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
@@ -480,6 +571,16 @@ class Backwards:
         bw = self._tasks.pop(task, None)
         if bw is None or self._removed:
             return
+        bw.raw.clear()
+        if bw.batched is not None:
+            self._end_batched(bw)
+            return
+        inside = _torch.enclosing_backward()
+        if inside is None:  # (without the internal: as far as the handle's backwards tell)
+            inside = bw.nested or bw.inside
+        returned = (bw.reached & bw.computed) - bw.accumulated if inside else set()
+        if returned:
+            self._refuse_returned(bw, returned)
         self._unheld.clear()
         if bw.reached:
             self._backwards += 1
@@ -492,11 +593,18 @@ class Backwards:
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
         kept = True
-        if bw.reached and not bw.computed and not self._no_param_grads and not self._sharded:
+        # (a call run detached gives its parameters no gradient where the book-keeping step
+        # asks for none: a backward that reached only such calls computed theirs all the same)
+        detached_only = self._no_param_grads and not bw.attached
+        if bw.reached and not bw.computed and not detached_only and not self._sharded:
             self._rollback(bw)
-            if self._collector is not None:
+            if self._collector is not None and not bw.nested:
                 self._collector.discard_backward()
             kept = False
+            bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
+        for args in bw.held:
+            self._collector.add(*args)
+        bw.held.clear()
         if bw.verify and bw.grads and bw.reached and self._grad1:
             self._verify(bw)
         elif bw.verify and not self._grad1:
@@ -526,6 +634,49 @@ class Backwards:
                 GradhooksWarning,
                 stacklevel=2,
             )
+
+    def _end_batched(self, bw: Backward) -> None:
+        """The end of an ``is_grads_batched`` backward: one with respect to the inputs only
+        leaves ``grad1`` and the quantities as they were; one that computes parameter
+        gradients is refused (each of its rows would need a ``grad1`` of its own)."""
+        if not bw.computed:
+            return
+        names = [name for pid, (name, _) in self._params.items() if pid in bw.computed]
+        for other in self._tasks.values():
+            self._rollback(other)
+        raise RuntimeError(
+            f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
+            f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
+            f"gradient of {_listed_names(names)}, which reached {bw.batched}; grad1 holds one "
+            "gradient per example, not one per output-gradient, so it was left as it was. Take "
+            "such backwards with respect to the inputs only, run them under h.paused(), or use "
+            "gradhooks.jacobians for per-example Jacobians."
+        )
+
+    def _refuse_returned(self, bw: Backward, returned: set[int]) -> None:
+        """A backward inside another (taken in a custom ``autograd.Function``'s backward or a
+        gradient hook) computed parameter gradients and gave them back to the code that asked,
+        instead of adding them into ``.grad``: what that code does with them (an adjoint ODE
+        solver sums them over its time steps, scaled by the step) is not seen per example."""
+        names = [name for pid, (name, _) in self._params.items() if pid in returned]
+        for other in (bw, *self._tasks.values()):
+            self._rollback(other)
+        self._tasks.clear()
+        if self._collector is not None:
+            self._collector.discard_backward()
+        raise RuntimeError(
+            f"gradhooks: {_listed_names(names)}: their gradients were computed by a backward "
+            "run inside another backward (torch.autograd.grad with respect to them, in a custom "
+            "autograd.Function's backward or a gradient hook: an adjoint ODE solver, implicit "
+            "differentiation) and handed back to the code that called it, which may scale, sum "
+            "or transform them before they reach the parameters; gradhooks cannot follow that "
+            "per example, so no grad1 or norms were written for this backward. Backpropagate "
+            "through the computation itself (through the solver's steps), or take the inner "
+            "torch.autograd.grad with respect to the state only and let the parameters' "
+            "gradients come from an ordinary call of the module (as implicit differentiation "
+            "of a fixed point can: one call f(z*, x) with autograd on, its gradient hook "
+            "solving for the adjoint), or freeze these parameters."
+        )
 
     def _grad1_of_backward(self, bw: Backward, pid: int, p: nn.Parameter) -> Tensor | None:
         """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""
@@ -581,6 +732,39 @@ class Backwards:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def _batched(grads) -> bool:
+    """Whether a backward's gradients are batched by ``vmap`` (``is_grads_batched``)."""
+    return any(g is not None and _torch.is_grads_batched(g) for g in grads)
+
+
+def _listed_names(names: list[str], n: int = 5) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(f"'{x}'" for x in names[:n]) + more
+
+
+def _same(final: Tensor, raw: Tensor, version: int) -> bool:
+    """The gradient a parameter's hooks ended with is the one autograd gave, unchanged."""
+    return final is raw and _torch.version(raw) == version
+
+
+# (the gradient a hook got against grad1's batch sum: two sums of the same terms)
+_ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def _multiple(raw: Tensor, final: Tensor) -> float | None:
+    """``c`` where ``final == c * raw`` (to rounding), else ``None``."""
+    if final.shape != raw.shape or final.is_sparse or raw.is_sparse:
+        return None
+    r, f = raw.detach().double().flatten(), final.detach().double().flatten()
+    rr = float(r @ r)
+    if rr == 0.0:
+        return 1.0 if not bool(f.any()) else None
+    c = float(r @ f) / rr
+    tol = _ROUNDING.get(raw.dtype, 1e-2)
+    scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
+    return c if float((f - c * r).abs().max()) <= tol * scale else None
 
 
 def _grad1_refs(owner: Any) -> int:

@@ -21,6 +21,8 @@ Two paths, chosen by what the handle computes:
   (:meth:`Hooks.norms`), a second backward of ``Σ_i min(1, C/‖g_i‖) · loss_i`` (the factors
   detached, capture off) gives the clipped sum directly in autograd's own gradient. Memory is
   that of two plain backwards (the graph is kept for the second); compute about twice one.
+  Backward hooks registered on the model run in both backwards; the other paths run one
+  backward, and no check of gradhooks' runs another through hooks of the model's.
 - ``"bookkeeping"`` (a handle with ``"norms"``): ghost norms without the second backward
   (Bu et al., "Differentially private optimization on large model at small cost", 2023).
   The one backward keeps every call's pieces (the layer inputs and output-gradients); the
@@ -44,6 +46,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _torch
 from . import pieces as P
 from .engine import Hooks
 from .records import drop_box, half_precision
@@ -120,6 +123,27 @@ def dp_sgd_step(
         raise ValueError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
+        )
+    fused = [n for n, p in hooks._named_parameters(hooks.model)
+             if p.requires_grad and _torch.accumulate_hooks(p)]  # fmt: skip
+    if fused:
+        raise ValueError(
+            f"dp_sgd_step: '{fused[0]}' has a post-accumulate-grad hook (an optimizer step "
+            "fused into the backward, register_post_accumulate_grad_hook): the step writes "
+            ".grad after its backward, clipped and noised, so that hook would never see it (or "
+            "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
+            "after dp_sgd_step."
+        )
+    own = 1 if hooks._track else 0  # (gradhooks' own hook on each parameter)
+    hooked = [n for n, p in hooks._named_parameters(hooks.model)
+              if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
+    if method == "ghost" and hooked:
+        raise ValueError(
+            f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook (register_hook), "
+            "and ghost clipping takes the clipped sum from autograd's gradient of the "
+            "parameters, which such a hook may change after the clipping (a factor above 1 "
+            "would break the clipping bound). Use method='bookkeeping' or 'grad1' (they form "
+            "the clipped sum from the per-example gradients themselves), or remove the hook."
         )
     norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
     if scale is not None and not finite(norms, clipped):
@@ -236,6 +260,8 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
     batch = per_example_loss.shape[0]
     if not (hooks.verify and hooks._unverified) or hooks._recomputes or hooks._sharded or batch < 2:
         return None
+    if hooks._user_backward_hooks():
+        return None  # (no backward of the check's own through hooks of the user's)
     box = hooks._probe_box
     exact = box is not None and half_precision(box.get("precision"))
     weights = P.example_weights(batch, exact)

@@ -178,6 +178,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             0  # inside a rerun of a detached call, or a per-example backward of the tracker's
         )
         self._probing = False  # inside _probe's backward
+        self._activation_hooks = False  # the last forward hooked an activation (verify.py)
         self._backwards = 0  # backwards that captured a call, since the hooks were added
         # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
         # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
@@ -283,10 +284,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             handles.append(
                 entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
             )
+        self._accumulators = []  # (held: a leaf's AccumulateGrad node lives while referred to)
         if self._track:
             for pid, (name, p) in self._params.items():
                 if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
                     handles.append(p.register_hook(self._param_hook(pid, name)))
+                    node = torch.autograd.graph.get_gradient_edge(p).node
+                    handles.append(node.register_prehook(self._accumulate_hook(pid, name)))
+                    self._accumulators.append(node)
             for pid, p in derived.items():
                 handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
         for target in self._targets:
@@ -617,6 +622,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             h.remove()
         self._handles.clear()
         self._target_handles.clear()
+        self._accumulators = []
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]

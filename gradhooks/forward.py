@@ -309,6 +309,7 @@ class Forwards:
             kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
         versions = tuple((t, _torch.version(t)) for t in kept)
         state = CallState(live, frame, layout=layout, versions=versions)
+        state.in_backward = graph_task() != -1
         if call.output is not None:
             state.out_versions = tuple(
                 (i, _torch.version(t))
@@ -429,6 +430,8 @@ class Forwards:
         frame = self._frames.pop()
         tracker = frame.tracker
         self._stop_tracker(frame)
+        # (the last forward put gradient hooks of the model's own on activations)
+        self._activation_hooks = tracker is not None and tracker.user_hooks
         if tracker is not None and sys.exc_info()[1] is None:
             self._check_output(module, tracker, output)
         if frame.signature:

@@ -50,6 +50,7 @@ class CallState:
     out_versions: tuple = ()  # (leaf index, version) of its kept output
     # the lowest floating-point precision its forward ran in (see :func:`lowest_precision`)
     precision: torch.dtype | None = None
+    in_backward: bool = False  # its forward ran while a backward ran (a backward's own forward)
 
 
 @dataclass
@@ -97,6 +98,18 @@ class Backward:
     capturing: bool = True  # captured (not paused; marked where capture="marked")
     # the lowest floating-point precision its calls ran in (see :func:`lowest_precision`)
     precision: torch.dtype | None = None
+    # started while another backward of the handle ran (reentrant checkpointing, a backward
+    # taken in a custom autograd.Function's backward or a gradient hook): what it hands the
+    # quantities waits in ``held`` until its end says whether it computed parameter gradients
+    nested: bool = False
+    held: list[tuple] = field(default_factory=list)
+    attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
+    accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
+    # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
+    # the parameter's accumulation, where a hook of the user's may have changed it
+    raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    batched: str | None = None  # an is_grads_batched backward (under vmap): what it reached
+    inside: bool = False  # it reached a call whose forward ran during a backward
 
 
 @dataclass

@@ -15,6 +15,7 @@ do (as :func:`gradhooks.check_rule` does for a rule).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -235,6 +236,7 @@ class Verification:
             or frame.unprobed
             or tracker.batch < 2
             or is_compiling()
+            or self._user_backward_hooks(tracker)
         ):
             return
         outs, layouts = [], []
@@ -269,6 +271,21 @@ class Verification:
             box["handle"] = torch.autograd.graph.register_multi_grad_hook(
                 outs, lambda grads: self._probe(box, grads), mode="all"
             )
+        # (a hook the user puts on an output after the forward: no probe then, see _probe)
+        box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
+
+    def _user_backward_hooks(self, tracker: Tracker | None = None) -> bool:
+        """Whether a backward through the model runs hooks of the user's (a module's full
+        backward hook or pre-hook, a global one, a hook on a parameter or, seen by the
+        forward's ``tracker``, on an activation): then no backward of the checks' own runs,
+        for those hooks to fire exactly as often as without gradhooks (the checks that need
+        none still do)."""
+        model = self.model
+        if tracker.user_hooks if tracker is not None else self._activation_hooks:
+            return True
+        params = [p for _, p in self._params.values()]
+        own = 1 if self._track else 0
+        return model is not None and _torch.user_backward_hooks(model.modules(), params, own)
 
     def _probe(self, box: dict, grads: tuple) -> None:
         """At the start of a backward that verifies (the first of each new set of calls), with
@@ -286,8 +303,11 @@ class Verification:
             or self._rerunning
             or torch.is_grad_enabled()  # (a create_graph backward)
             or not self._capturing_backward()
+            or any(g is not None and _torch.is_grads_batched(g) for g in grads)
         ):
-            return
+            return  # (an is_grads_batched backward: the next one is checked)
+        if any((t := ref()) is not None and _torch.tensor_hooks(t) > n for ref, n in box["hooks"]):
+            return  # (hooks of the user's on an output, which a backward of its own would run)
         bw = self._backward_state()
         if not bw.verify or bw.probe is not None:
             return

@@ -453,6 +453,26 @@ def test_op_schema_puts_keyword_arguments_in_place(off):
             assert_close(p.grad1, want[n], n)
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+@pytest.mark.parametrize("head", [True, False], ids=["head", "ode-last"])
+def test_autograd_node(monkeypatch, off, head):
+    """An adjoint ODE's backward takes its parameters' gradients with torch.autograd.grad
+    inside the model's backward: refused with the internal, and with its fallback too (the
+    inner backward's calls ran their forward during a backward, or the outer backward reached
+    a hooked call first), whether or not a hooked layer comes after the ODE; grad1 unwritten."""
+    from test_nested_backward import ODENet
+
+    seen = spy(monkeypatch, "enclosing_backward")
+    torch.manual_seed(0)
+    model = ODENet(head).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with switched_off("autograd_node", off), gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError, match="inside another backward"):
+            sum_of_squares(model(x)).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    assert (True in seen) != off and (None in seen) == off, seen
+
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = [
@@ -529,6 +549,7 @@ TESTED = {
     "python_dispatcher": test_python_dispatcher,
     "conv_padding": test_conv_padding,
     "op_schema": test_op_schema,
+    "autograd_node": test_autograd_node,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }
 
