@@ -178,7 +178,6 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             0  # inside a rerun of a detached call, or a per-example backward of the tracker's
         )
         self._probing = False  # inside _probe's backward
-        self._activation_hooks = False  # the last forward hooked an activation (verify.py)
         self._backwards = 0  # backwards that captured a call, since the hooks were added
         # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
         # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then

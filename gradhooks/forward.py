@@ -430,8 +430,6 @@ class Forwards:
         frame = self._frames.pop()
         tracker = frame.tracker
         self._stop_tracker(frame)
-        # (the last forward put gradient hooks of the model's own on activations)
-        self._activation_hooks = tracker is not None and tracker.user_hooks
         if tracker is not None and sys.exc_info()[1] is None:
             self._check_output(module, tracker, output)
         if frame.signature:

@@ -1383,7 +1383,6 @@ class Tracker(TorchFunctionMode):
         self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.user_hooks = False  # the forward put a gradient hook on a tensor (not gradhooks)
         # tensors every torch function gets in place of others, by the others' ids: the
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
@@ -1491,8 +1490,6 @@ class Tracker(TorchFunctionMode):
             args, kwargs = aliased(self.aliases, args, kwargs)
         if self.off:
             return func(*args, **kwargs)
-        if func is Tensor.register_hook:  # (a hook of the model's own on an activation)
-            self.user_hooks = True
         tensors = _tensors(args, kwargs)
         if not tensors:
             return func(*args, **kwargs)

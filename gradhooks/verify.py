@@ -236,7 +236,7 @@ class Verification:
             or frame.unprobed
             or tracker.batch < 2
             or is_compiling()
-            or self._user_backward_hooks(tracker)
+            or self._user_backward_hooks()
         ):
             return
         outs, layouts = [], []
@@ -274,15 +274,14 @@ class Verification:
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
-    def _user_backward_hooks(self, tracker: Tracker | None = None) -> bool:
-        """Whether a backward through the model runs hooks of the user's (a module's full
-        backward hook or pre-hook, a global one, a hook on a parameter or, seen by the
-        forward's ``tracker``, on an activation): then no backward of the checks' own runs,
-        for those hooks to fire exactly as often as without gradhooks (the checks that need
-        none still do)."""
+    def _user_backward_hooks(self) -> bool:
+        """Whether a backward through the model runs module or parameter hooks of the user's (a
+        module's full backward hook or pre-hook, a global one, a hook on a parameter): then no
+        backward of the checks' own runs, for those hooks to fire exactly as often as without
+        gradhooks (the checks that need none still do). A gradient hook on an activation does
+        not leave the checks out: it may compute across the batch, which only they see (it
+        fires once more in a backward that verifies)."""
         model = self.model
-        if tracker.user_hooks if tracker is not None else self._activation_hooks:
-            return True
         params = [p for _, p in self._params.values()]
         own = 1 if self._track else 0
         return model is not None and _torch.user_backward_hooks(model.modules(), params, own)
