@@ -346,6 +346,9 @@ class Forwards:
             return
         if self.batch_dim == "auto":
             frame.sizes.update(n for t in leaves for n in t.shape[:2])
+            first = next((t for t in leaves if t.dim() > 0), None)
+            if first is not None and first.numel() == 0 and first.shape[0] > 0:
+                frame.empty = tuple(first.shape)
             if all(t.dim() == 0 for t in leaves):
                 raise ValueError(
                     f"{type(module).__qualname__}'s tensor inputs have no dimensions "

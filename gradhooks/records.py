@@ -65,6 +65,9 @@ class Frame:
     # a call of it ran under saved-tensor hooks or with grad mode off (activation
     # checkpointing: run again at the backward), or under autocast: no probe (_arm_probe)
     unprobed: bool = False
+    # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
+    # dimension 0 of some size: a batch of empty examples, or no example on another dimension
+    empty: tuple[int, ...] | None = None
 
 
 @dataclass
