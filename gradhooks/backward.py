@@ -511,11 +511,12 @@ def _examples_of_empty_call(
     batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
 ) -> int | None:
     """The number of examples of a call whose per-example gradients are all zeros, formed
-    without its rule: a forward without examples on its batch dimension ``batch_dim`` (an int;
-    also other than 0, where the layers may see the batch elsewhere: ``[time, 0, features]``),
-    or a call whose tensor inputs have no entries, with the examples where its rule reads
-    them (``[batch, 0, features]``). ``None`` otherwise (the rule runs)."""
-    if frame is not None and isinstance(batch_dim, int) and frame.batch == 0:
+    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
+    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
+    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
+    have no entries, with the examples where its rule reads them (``[batch, 0, features]``).
+    ``None`` otherwise (the rule runs)."""
+    if frame is not None and frame.batch == 0:
         return 0
     leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
     if not leaves or any(t.numel() for t in leaves):

@@ -53,7 +53,8 @@ class CallState:
 class Frame:
     """One root forward of the model (kept by its calls until their backward)."""
 
-    batch: int | None  # dimension batch_dim of the first tensor input (an int batch_dim)
+    # dimension batch_dim of the first tensor input (an int batch_dim; or 0: no example)
+    batch: int | None
     states: list[CallState]
     grad_enabled: bool = True
     owner: Any = None  # the module whose call it is (the root, or an entry: _entry_hooks)

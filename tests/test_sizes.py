@@ -108,3 +108,147 @@ def test_examples_without_entries_on_dimension_0(case):
         sq(m(x)).backward()
     for n, p in m.named_parameters():
         assert_close(p.grad1, want[n], f"{case} {n}")
+
+
+# -- a shared input as long as the batch ------------------------------------------------------
+
+
+class _Prototypes(nn.Module):
+    """A few-shot model: prototypes encoded from a memory ``[K, F]`` (a buffer, or the forward's
+    second argument), logits the negative distances ``-cdist(encoder(x), prototypes)``."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.encoder, self.proto_encoder = nn.Linear(3, 4), nn.Linear(4, 4)
+        self.register_buffer("memory", torch.randn(k, 4))
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        return -torch.cdist(self.encoder(x), self.proto_encoder(memory))
+
+
+class _PrototypeTable(nn.Module):
+    """``K`` prototypes in an ``nn.Embedding``, looked up with ``arange(K)`` (made here, or
+    passed as the forward's second argument), scored by a dot product."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.encoder, self.protos = k, nn.Linear(3, 4), nn.Embedding(k, 4)
+
+    def forward(self, x, ids=None):
+        ids = torch.arange(self.k) if ids is None else ids
+        return self.encoder(x) @ self.protos(ids).t()
+
+
+class _MemoryBank(nn.Module):
+    """Each example (``[B, T, 3]``) attends over a memory bank ``[K, F]`` (a parameter, or the
+    forward's second argument): keys and values projected from it by hooked Linears."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4),
+                                          nn.Linear(4, 2))  # fmt: skip
+        self.memory = nn.Parameter(torch.randn(k, 4))
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        att = torch.einsum("btf,kf->btk", self.q(x), self.k(memory)).softmax(-1)
+        return self.o(att @ self.v(memory))
+
+
+class _SharedAttention(nn.Module):
+    """``nn.MultiheadAttention`` from each example's tokens to a memory ``[K, F]`` (a parameter,
+    or the forward's second argument) expanded over the batch."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.inp, self.o = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.memory = nn.Parameter(torch.randn(k, 4))
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        q = self.inp(x)
+        kv = memory.unsqueeze(0).expand(q.shape[0], -1, -1)
+        return self.o(self.att(q, kv, kv)[0])
+
+
+SHARED = {
+    "prototypes-cdist": (_Prototypes, None, lambda m: m.memory),
+    "prototype-table": (_PrototypeTable, None, lambda m: torch.arange(m.k)),
+    "memory-bank": (_MemoryBank, 2, lambda m: m.memory.detach().clone()),
+    "shared-attention": (_SharedAttention, 2, lambda m: m.memory.detach().clone()),
+}
+
+
+def _check_shared(case: str, k: int, sizes: list[int], where: str, verify: bool = True):
+    """Steps of batch sizes ``sizes`` under one handle (cleared between steps), the shared
+    input stored on the module or passed to the forward: grad1 against the loop each step."""
+    make, time, shared = SHARED[case]
+    torch.manual_seed(0)
+    m = make(k).double()
+    extra = (shared(m),) if where == "argument" else ()
+    if where == "argument" and isinstance(getattr(m, "memory", None), nn.Parameter):
+        m.memory.requires_grad_(False)  # (the argument in its place)
+    with gradhooks.add_hooks(m, loss_reduction="sum", verify=verify) as h:
+        for batch in sizes:
+            shape = (batch, 3) if time is None else (batch, time, 3)
+            x = torch.randn(*shape, dtype=D)
+            with gradhooks.paused():
+                want = loop_rows(m, x, *extra)
+            h.clear()
+            sq(m(x, *extra)).backward()
+            for n, p in m.named_parameters():
+                if p.requires_grad:
+                    assert_close(p.grad1, want[n], f"{case} ({where}) K={k} B={batch}: {n}")
+
+
+@pytest.mark.parametrize("where", ["module", "argument"])
+@pytest.mark.parametrize("batch", [4, 5, 1], ids=["B=K", "B>K", "B=1"])
+@pytest.mark.parametrize("case", list(SHARED))
+def test_a_shared_input_whatever_the_batch_size(case, batch, where):
+    """A memory or prototype table ``[K, ...]`` shared by every example, K = 4: the same right
+    answer whether the batch is as long (where a forward argument is taken as batched by its
+    size, until what is computed from it alone would mix the examples), longer or 1."""
+    _check_shared(case, 4, [batch], where)
+
+
+@pytest.mark.parametrize("where", ["module", "argument"])
+@pytest.mark.parametrize("case", list(SHARED))
+def test_a_shared_input_without_verification(case, where):
+    """B = K with ``verify=False``: right by itself, not only caught by the check."""
+    _check_shared(case, 3, [3], where, verify=False)
+
+
+@pytest.mark.parametrize("where", ["module", "argument"])
+@pytest.mark.parametrize("case", list(SHARED))
+def test_poisson_batch_sizes_over_steps(case, where):
+    """Poisson-like batch sizes around K = 4 under one handle, an empty batch among them:
+    every step right (was: refused at each step where B == K, or the empty one)."""
+    _check_shared(case, 4, [4, 6, 4, 3, 0, 1, 4], where)
+
+
+class _TwoTowers(nn.Module):
+    """Two inputs that both hold the examples (``[B, F]`` each), added row by row."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(5, 2)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+def test_a_second_input_with_the_examples_stays_batched():
+    """A second input as long as the batch that is combined with the examples row by row holds
+    the examples: each example's own row of it."""
+    torch.manual_seed(0)
+    m = _TwoTowers().double()
+    x, y = torch.randn(4, 3, dtype=D), torch.randn(4, 5, dtype=D)
+    named = dict(m.named_parameters())
+    rows = [torch.autograd.grad(sq(m(x[i : i + 1], y[i : i + 1])), list(named.values()))
+            for i in range(4)]  # fmt: skip
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, y)).backward()
+    for k, (n, p) in enumerate(named.items()):
+        assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
