@@ -215,6 +215,26 @@ def test_a_shared_input_whatever_the_batch_size(case, batch, where):
 
 @pytest.mark.parametrize("where", ["module", "argument"])
 @pytest.mark.parametrize("case", list(SHARED))
+def test_norms_of_a_shared_input_as_long_as_the_batch(case, where):
+    """B = K = 4, norms only (no grad1 formed): each parameter's per-example norm as the
+    loop's."""
+    make, time, shared = SHARED[case]
+    torch.manual_seed(0)
+    m = make(4).double()
+    extra = (shared(m),) if where == "argument" else ()
+    if where == "argument" and isinstance(getattr(m, "memory", None), nn.Parameter):
+        m.memory.requires_grad_(False)
+    x = torch.randn(4, 3, dtype=D) if time is None else torch.randn(4, time, 3, dtype=D)
+    want = loop_rows(m, x, *extra)
+    with gradhooks.add_hooks(m, loss_reduction="sum", quantities=("norms",)) as h:
+        sq(m(x, *extra)).backward()
+        got = h.param_norms()
+    for n, w in want.items():
+        assert_close(got[n], w.flatten(1).norm(dim=1), f"{case} ({where}): {n}")
+
+
+@pytest.mark.parametrize("where", ["module", "argument"])
+@pytest.mark.parametrize("case", list(SHARED))
 def test_a_shared_input_without_verification(case, where):
     """B = K with ``verify=False``: right by itself, not only caught by the check."""
     _check_shared(case, 3, [3], where, verify=False)
