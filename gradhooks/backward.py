@@ -134,7 +134,7 @@ class Backwards:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
-        if frame is not None and frame.empty is not None and batch:
+        if frame is not None and frame.empty is not None and batch and _blank(call):
             raise ValueError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
                 f"first tensor input has shape {frame.empty}, with no entries. With "
@@ -514,16 +514,25 @@ def _examples_of_empty_call(
     without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
     where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
     input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
-    have no entries, with the examples where its rule reads them (``[batch, 0, features]``).
+    and output-gradients have no entries, with the examples where its rule reads them
+    (``[batch, 0, features]``).
     ``None`` otherwise (the rule runs)."""
     if frame is not None and frame.batch == 0:
         return 0
-    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
-    if not leaves or any(t.numel() for t in leaves):
+    if not _blank(call):
         return None
     if layout is not None and layout.kind in ("plain", "fold"):
         return layout.batch  # (where the rule reads the examples: empty, each of them)
     return None
+
+
+def _blank(call: Call) -> bool:
+    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
+    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
+    return bool(leaves) and not any(
+        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
+    )
 
 
 def _grad1_refs(owner: Any) -> int:
