@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from . import _torch
 from . import pieces as P
+from ._torch import tree_flatten
 from .accumulation import all_zero
 from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
 from .errors import GradhooksWarning
@@ -112,8 +113,12 @@ class Backwards:
         layout: CallLayout | None = None,
     ) -> None:
         rule = target.entry.rule
+        empty = _examples_of_empty_call(self.batch_dim, call, frame, layout)
         try:
-            pieces = rule_pieces(target, params, call, layout)
+            if empty is not None:  # (no entry: a gradient of zeros for each example)
+                pieces = {n: P.Direct(p.new_zeros((empty, *p.shape))) for n, p in params.items()}
+            else:
+                pieces = rule_pieces(target, params, call, layout)
         except Exception as e:
             msg = str(e)
             names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
@@ -146,6 +151,16 @@ class Backwards:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
+        if frame is not None and frame.empty is not None and batch and _blank(call):
+            raise ValueError(
+                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
+                f"first tensor input has shape {frame.empty}, with no entries. With "
+                f"batch_dim='auto' its batch is dimension 0: {frame.empty[0]} examples without "
+                f"entries, and '{first}' would get a per-example gradient for each; if the batch "
+                "is another dimension, of size 0 (a sequence-first input [time, 0, ...]), there "
+                "is no example. Say which with add_hooks(..., batch_dim=k): grad1 then has as "
+                "many rows as that dimension."
+            )
         if (
             layout is not None
             and batch != layout.batch
@@ -765,6 +780,34 @@ def _multiple(raw: Tensor, final: Tensor) -> float | None:
     tol = _ROUNDING.get(raw.dtype, 1e-2)
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
+
+
+def _examples_of_empty_call(
+    batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
+) -> int | None:
+    """The number of examples of a call whose per-example gradients are all zeros, formed
+    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
+    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
+    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
+    and output-gradients have no entries, with the examples where its rule reads them
+    (``[batch, 0, features]``).
+    ``None`` otherwise (the rule runs)."""
+    if frame is not None and frame.batch == 0:
+        return 0
+    if not _blank(call):
+        return None
+    if layout is not None and layout.kind in ("plain", "fold"):
+        return layout.batch  # (where the rule reads the examples: empty, each of them)
+    return None
+
+
+def _blank(call: Call) -> bool:
+    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
+    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
+    return bool(leaves) and not any(
+        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
+    )
 
 
 def _grad1_refs(owner: Any) -> int:

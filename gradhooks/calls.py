@@ -55,8 +55,7 @@ def carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
     if tracker is not None and new is not None:
         for a, b in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
             if isinstance(a, Tensor) and isinstance(b, Tensor):
-                tracker.set_layout(b, tracker.layout(a))
-                tracker.taint(b, tracker.sources_of(a))
+                tracker.carry(a, b)
     return new
 
 

@@ -237,6 +237,7 @@ class DetachedCalls:
                 # forward saved, so neither runs detached)
                 or _torch.saved_tensor_hooks_active()
                 or not self._plain_call(target, module, args, kwargs)
+                or (owns and self._from_sources(args, kwargs))
                 or (carries and not self._grad1)
                 or ((owns or carries) and not _last_pre_hook(module, hook))
                 or not (owns or _first_pre_hooks_ours(module, hook))
@@ -282,6 +283,18 @@ class DetachedCalls:
                 return args, kwargs
 
         return hook
+
+    def _from_sources(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an input of a call that requires grad was computed from tensors that do not
+        depend on the examples and that the tracker follows to where they meet the batch (a
+        learned initial state ``h0.expand(-1, batch, -1)``): a call run with grad mode off gives
+        such an input only its batch gradient, so it runs under autograd instead, where the
+        tracker splits that gradient by example."""
+        tracker = self._tracker()
+        return tracker is not None and any(
+            isinstance(t, Tensor) and t.requires_grad and tracker.sources_of(t)
+            for t in [*tree_leaves(args), *tree_leaves(kwargs)]
+        )
 
     def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any, Any]:
         """Put back the parameters :meth:`_detach_hook` detached for the call now ending;

@@ -45,10 +45,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from . import _torch
 from ._torch import tree_flatten, tree_unflatten
-from .layout import Layout, batch_rows
+from .layout import PACKED, Layout, batch_rows
 from .loop import per_example
 from .pause import paused
 from .pieces import Direct, Piece
@@ -87,6 +88,17 @@ def fallback(call: Call) -> dict[str, Piece | None]:
         if p.requires_grad
     }
     nested = {n: p for n, p in fallback_params(module).items() if n not in own and p.requires_grad}
+    returned = tree_flatten(call.output, is_leaf=lambda a: isinstance(a, PackedSequence))[0]
+    if any(isinstance(o, PackedSequence) for o in returned) or (
+        call.batch is not None and PACKED in call.batch.outputs
+    ):
+        raise ValueError(
+            f"fallback for '{call.name or '<model>'}' ({type(module).__qualname__}): it returns "
+            f"a PackedSequence ({_describe(call)}), whose data packs the examples' time steps "
+            "together, longest sequences first, so a recomputation one example at a time cannot "
+            "be matched with its rows. Return the padded output (pad_packed_sequence) from "
+            "the module, or register a rule for it with @gradhooks.register."
+        )
     if _followed(call):
         # The forward was followed (gradhooks.layout): which tensors hold the examples, and
         # where, is known, and so is which parameters the call used in operations of its own
@@ -258,6 +270,12 @@ def _by_layout_split(
         (grads,) = pullback(tuple(cots_b))
         return grads, outs
 
+    def one_out(xs_b, params) -> list[Tensor]:
+        args, kwargs = args_of(xs_b)
+        out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+        out = tree_flatten(out)[0]
+        return [out[i] for i in out_idx]
+
     called: set[int] = set()
     try:
         # (its own forward hooks are the caller's business, not the recomputation's: a hook
@@ -275,10 +293,12 @@ def _by_layout_split(
                         raise
             if grads is None:
 
-                def example(b: int) -> list[Tensor]:
+                def example(b: int) -> list[Tensor | None]:
+                    # (by autograd, not torch.func: some operations cannot run on the tensors
+                    # torch.func wraps even one example at a time, such as packing sequences)
                     with torch.enable_grad(), paused():
-                        g, o = one([x[b] for x in xs], [c[b] for c in cots])
-                    return [*(g[n] for n in primals), *o]
+                        return _autograd_one(name, one_out, primals, [x[b] for x in xs],
+                                             [c[b] for c in cots], create_graph)  # fmt: skip
 
                 rows = per_example(batch, example, like=[*primals.values(), *[None] * len(out_idx)])
                 grads = dict(zip(primals, rows[: len(primals)]))
@@ -302,6 +322,31 @@ def _by_layout_split(
             )  # fmt: skip
             _compare(name, call, i, outs[j], want, batch)
     return grads
+
+
+def _autograd_one(
+    name: str, f, primals: dict, xs_b: list, cots_b: list, create_graph: bool
+) -> list:
+    """One example's ``[*gradients, *outputs]`` by autograd: ``f(xs_b, params)`` gives the
+    outputs, ``cots_b`` their gradients (an alias of each parameter, as :func:`_loop`'s)."""
+    params = {
+        n: p.view_as(p) if create_graph else p.detach().requires_grad_() for n, p in primals.items()
+    }
+    outs = f(xs_b, params)
+    for o, c in zip(outs, cots_b):
+        if o.shape != c.shape:
+            raise ValueError(
+                f"fallback for {name}: one example's output has shape {tuple(o.shape)}, its "
+                f"part of the output-gradient {tuple(c.shape)}; register a rule for this module "
+                "with @gradhooks.register."
+            )
+    found = [(o, c) for o, c in zip(outs, cots_b) if o.requires_grad]
+    grads = torch.autograd.grad(
+        [o for o, _ in found], list(params.values()), [c for _, c in found],
+        allow_unused=True, create_graph=create_graph,
+    ) if found else (None,) * len(params)  # fmt: skip
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+    return [*grads, *(o.detach() for o in outs)]
 
 
 def _describe(call: Call) -> str:

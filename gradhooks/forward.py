@@ -27,7 +27,7 @@ from . import _torch
 from ._torch import tree_flatten, tree_map
 from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
 from .fallback import FALLBACK
-from .layout import PACKED, Tracker
+from .layout import PACKED, Source, Tracker
 from .plan import Target, positional
 from .records import (
     CallLayout,
@@ -316,6 +316,17 @@ class Forwards:
                 for i, t in enumerate(tree_leaves(call.output))
                 if isinstance(t, Tensor)
             )
+        tracker = frame.tracker if frame is not None else None
+        if tracker is not None and layout is not None and layout.kind in ("plain", "fold", "moved"):
+            ins = tree_flatten((args, kwargs))[0]
+            outs = tree_leaves(output)
+            if target.entry is FALLBACK:  # (recomputed per example as split: never made shared)
+                tracker.joined |= frozenset().union(
+                    *(tracker.lineage.get(t, frozenset()) for t in ins if isinstance(t, Tensor))
+                )
+            else:
+                tracker.note_call(ins, outs, lambda outputs: self._made_shared(
+                    target, state, len(ins), outputs, tracker))  # fmt: skip
         if frame is not None:
             frame.states.append(state)
             frame.signature.append((id(target), None if layout is None else layout.kind))
@@ -323,6 +334,25 @@ class Forwards:
                 frame.unprobed = True  # (run again at the backward)
         state.precision = call_precision(args, output)
         return call, state
+
+    def _made_shared(
+        self, target: Target, state: CallState, n_inputs: int, outputs: list, tracker: Tracker
+    ) -> list:
+        """A call kept as batched, on model inputs taken as batched by their size alone, that
+        the tracker found shared by every example after all (:meth:`Tracker.note_call`): a
+        batch-free call, its outputs that require grad sources. Returns their sources."""
+        sources = []
+        for t in outputs:
+            s = None
+            if t.requires_grad:
+                s = Source(target.name, t.shape)
+                tracker.add_source(t, s)
+            sources.append(s)
+        layout = CallLayout("shared", tracker.batch, None, (None,) * n_inputs,
+                            (None,) * len(outputs))  # fmt: skip
+        layout.sources = tuple(sources)
+        state.layout = layout
+        return sources
 
     def _keep_unhooked_call(self, target: Target, args: tuple, kwargs: dict, output: Any):
         """The start of capturing a call whose parameters autograd does not see (run detached,
@@ -379,6 +409,9 @@ class Forwards:
             return
         if self.batch_dim == "auto":
             frame.sizes.update(n for t in leaves for n in t.shape[:2])
+            first = next((t for t in leaves if t.dim() > 0), None)
+            if first is not None and first.numel() == 0 and first.shape[0] > 0:
+                frame.empty = tuple(first.shape)
             if all(t.dim() == 0 for t in leaves):
                 raise ValueError(
                     f"{type(module).__qualname__}'s tensor inputs have no dimensions "
@@ -408,12 +441,14 @@ class Forwards:
             return
         batch, layouts = found
         if batch == 0:
-            return  # (no example: nothing to follow)
+            frame.batch = 0  # (no example: nothing to follow, and every grad1 has no row)
+            return
         tracker = Tracker(batch, self._params, self)
         for i, (t, lay) in enumerate(layouts):
-            tracker.set_layout(t, lay)
             if i and lay is not PACKED:
-                tracker.candidates[t] = True
+                tracker.add_candidate(t, lay)
+            else:
+                tracker.set_layout(t, lay)
         frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         frame.tracker = tracker
         tracker.__enter__()

@@ -733,6 +733,31 @@ def _matmul(args, kwargs, out, layout_of):
     return found
 
 
+@_handles("cdist")
+def _cdist(args, kwargs, out, layout_of):
+    """``cdist(x1 [*, P, M], x2 [*, R, M]) -> [*, P, R]``: as ``x1 @ x2.mT`` (the features
+    ``M`` contracted; the rows of ``x1`` on ``P``, those of ``x2`` on ``R``)."""
+    a, b = _arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")
+    o = _first_tensor(out)
+    if o is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return UNKNOWN
+    found = None
+    for t, row in ((a, o.dim() - 2), (b, o.dim() - 1)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        n = t.dim()
+        if lay.dim == n - 1:
+            return MIXED  # the examples among the features a distance sums over
+        where = lay.at(row if lay.dim == n - 2 else lay.dim + (o.dim() - 2) - (n - 2))
+        if found not in (None, where):
+            return MIXED  # two examples' rows compared
+        found = where
+    return found
+
+
 @_handles("baddbmm", "addmm", "addmv", "addbmm", "addr")
 def _addmm(args, kwargs, out, layout_of):
     """``input + m1 @ m2``: the product's layout, which the added input must share."""
@@ -1387,9 +1412,23 @@ class Tracker(TorchFunctionMode):
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
         # the model's inputs taken as holding the examples by their size alone (not its first
-        # input): an operation that would mix the examples only because of one of them, used as
-        # it is, takes it as shared by every example instead (:meth:`_without_candidates`)
+        # input): an operation that would mix the examples only because of one of them, or of
+        # what was computed from them alone, takes them as shared by every example instead
+        # (:meth:`_without_candidates`)
         self.candidates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensor -> the ids of the candidates its layout comes from, where it comes from them
+        # alone (a candidate itself, a hooked call on one, what was computed from those)
+        self.lineage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the hooked calls on such tensors alone, which become batch-free calls (their outputs
+        # sources) where their candidates are taken as shared (:meth:`note_call`)
+        self.pending: list[_Pending] = []
+        # tensor -> the indices in ``pending`` of the calls it was computed from
+        self.would: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the ids of candidates already combined with the examples row by row, or met by a
+        # parameter as batched: never taken as shared afterwards (the forward so far assumed
+        # they held the examples)
+        self.joined: set[int] = set()
+        self.func: Any = None  # the torch function being followed (a meeting formed later)
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1408,6 +1447,48 @@ class Tracker(TorchFunctionMode):
             self.layouts.pop(t, None)
         else:
             self.layouts[t] = layout
+
+    def add_candidate(self, t: Tensor, layout: Layout) -> None:
+        """``t``, an input of the model other than its first, is taken as holding the examples
+        on ``layout`` by its size alone (:attr:`candidates`)."""
+        self.set_layout(t, layout)
+        self.candidates[t] = True
+        self.lineage[t] = frozenset({id(t)})
+
+    def note_call(self, inputs: list, outputs: list, shared: Callable[[list], list]) -> None:
+        """A hooked call whose examples are where its rule reads them: where its inputs with
+        examples come from candidates alone, it is kept, and ``shared(outputs)`` (which makes
+        the call batch-free and returns its outputs' sources) is called where those candidates
+        are taken as shared after all."""
+        if not self.lineage:
+            return
+        found = [self.lineage.get(t) for t in inputs
+                 if isinstance(t, Tensor) and self._layout_of(t) is not None]  # fmt: skip
+        every = frozenset().union(*(f for f in found if f))
+        if not every:
+            return
+        if None in found:  # (also the examples of the first input: batched for good)
+            self.joined |= every
+            return
+        key = len(self.pending)
+        outs = [o for o in outputs if isinstance(o, Tensor)]
+        self.pending.append(_Pending(every, outs, shared))
+        for o in outs:
+            if self._layout_of(o) is not None:
+                self.lineage[o] = every
+            self.would[o] = frozenset({key})
+
+    def carry(self, old: Tensor, new: Tensor) -> None:
+        """``new`` replaces ``old``, a hooked call's output: its layout, sources and lineage."""
+        self.set_layout(new, self.layout(old))
+        self.taint(new, self.sources_of(old))
+        if old in self.lineage:
+            self.lineage[new] = self.lineage[old]
+        if old in self.would:
+            self.would[new] = self.would[old]
+            for k in self.would[old]:
+                outs = self.pending[k].outputs
+                self.pending[k].outputs = [new if o is old else o for o in outs]
 
     def add_source(self, t: Tensor, source: Source) -> None:
         """``t`` (the output of a batch-free hooked call) is a source from now on."""
@@ -1523,7 +1604,11 @@ class Tracker(TorchFunctionMode):
         try:
             if not sources and not direct:
                 out = func(*args, **kwargs)
-                self._propagate(name, args, kwargs, out)
+                self.func = func
+                try:
+                    self._propagate(name, args, kwargs, out)
+                finally:
+                    self.func = None
                 return out
             if layouts:
                 out = self._meeting(func, name, args, kwargs, tensors, direct)
@@ -1650,8 +1735,11 @@ class Tracker(TorchFunctionMode):
             elif any(o.requires_grad for o in outs):
                 for o in outs:
                     self.reordered[o] = reordered
-        if result is MIXED and not inherited and self.candidates:
+        resolved = False
+        if result is MIXED and not inherited and self.lineage:
+            before = result
             result = self._without_candidates(name, args, kwargs, out, ins, result)
+            resolved = result is not before
         if result is MIXED and self.batch == 1 and not inherited:
             # one example cannot mix with another: where two reshapes put its only entry on
             # different dimensions (heads folded in, sequence-first), take the first input's
@@ -1690,27 +1778,106 @@ class Tracker(TorchFunctionMode):
             if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
                 lay = UNKNOWN  # (a handler's guess that the shapes contradict)
             self.layouts[o] = lay
+        if resolved:
+            self._meet_after(name, args, kwargs, out)
+        elif self.lineage:
+            self._inherit(ins, outs)
+
+    def _inherit(self, ins: list, outs: list) -> None:
+        """The lineage of an operation's outputs (:attr:`lineage`): its inputs' where every input
+        with examples has one; an operation that combines such an input with other examples
+        joins its candidates to the batch for good."""
+        every, would, firm = frozenset(), frozenset(), False
+        for t in ins:
+            if self._layout_of(t) is None:
+                continue
+            found = self.lineage.get(t)
+            if found is None:
+                firm = True
+                continue
+            every |= found
+            would |= self.would.get(t, frozenset())
+        if not every:
+            return
+        if firm:
+            self.joined |= every
+            return
+        for o in outs:
+            if self._layout_of(o) is not None:
+                self.lineage[o] = every
+                if would:
+                    self.would[o] = would
 
     def _without_candidates(self, name: str, args, kwargs, out, ins: list, result):
         """``result`` (mixed) of an operation on some of the model's inputs taken as batched
-        by their size alone (a mask ``[T, T]`` or a shared table ``[K, D]`` as long as the
-        batch is large): where taking them as shared by every example instead gives a layout
-        that keeps the examples apart, they are, from now on, and that layout is the result."""
-        found = [t for t in ins if t in self.candidates]
+        by their size alone, or on what was computed from them alone (a mask ``[T, T]``, a
+        memory bank ``[K, D]`` or the prototypes a hooked layer computed from it, as long as
+        the batch is large): where taking those inputs as shared by every example instead
+        gives a layout that keeps the examples apart, they are, from now on (the hooked calls
+        on them become batch-free, their outputs sources: :meth:`_take_as_shared`), and that
+        layout is the result. Not where the forward already combined them with the examples
+        row by row (:attr:`joined`)."""
+        found = [t for t in ins if t in self.lineage]
         if not found:
             return result
+        cands = frozenset().union(*(self.lineage[t] for t in found))
+        if cands & self.joined:
+            return result
+        calls = any(not p.done and p.lineage & cands for p in self.pending)
+        if calls and (self.func is None or _name(self.func) != name):
+            return result  # (hooked calls to make batch-free, and no meeting to form here)
 
         def layout_of(t: Any) -> Layout | None:
-            return None if any(t is c for c in found) else self._layout_of(t)
+            if isinstance(t, Tensor) and self.lineage.get(t, frozenset()) & cands:
+                return None
+            return self._layout_of(t)
 
         alt = output_layout(name, args, kwargs, out, layout_of, self.batch)
         alts = alt if isinstance(alt, list) else [alt]
         if not alts or any(a is None or a is MIXED or a is UNKNOWN for a in alts):
             return result
-        for t in found:
-            self.layouts.pop(t, None)
-            del self.candidates[t]
+        self._take_as_shared(cands)
         return alt
+
+    def _take_as_shared(self, cands: frozenset[int]) -> None:
+        """The candidates ``cands`` (ids) are shared by every example: what was computed from
+        them alone has no layout, and the hooked calls on them are batch-free, their outputs
+        sources that taint what was computed from them."""
+        for t, found in list(self.lineage.items()):
+            if found & cands:
+                self.layouts.pop(t, None)
+                del self.lineage[t]
+        for t in list(self.candidates.keys()):
+            if id(t) in cands:
+                del self.candidates[t]
+        made: dict[int, frozenset[Source]] = {}
+        for k, p in enumerate(self.pending):
+            if p.done or not p.lineage & cands:
+                continue
+            p.done = True
+            made[k] = frozenset(s for s in p.shared(p.outputs) if s is not None)
+        for t, keys in list(self.would.items()):
+            srcs = frozenset().union(*(made.get(k, frozenset()) for k in keys))
+            if srcs:
+                self.taint(t, srcs)
+
+    def _meet_after(self, name: str, args, kwargs, out) -> None:
+        """The operation that took candidates as shared (:meth:`_without_candidates`) after it
+        ran: where its inputs now carry sources, it is their meeting with the batch."""
+        func = self.func
+        tainted = [t for t in _tensors(args, kwargs) if self.taints.get(t) and t.requires_grad]
+        if func is None or _name(func) != name or not tainted:
+            return
+        outs = _out_tensors(out)
+        lays = [self.layouts.get(o) for o in outs]
+        srcs = {t: self._sources(t) for t in tainted}
+        if _is_inplace(name):  # (no meeting can run an in-place operation again)
+            for s in set().union(*srcs.values()):
+                s.problem = s.problem or f"the in-place '{name}' writes the batch into it"
+            return
+        self.meetings.append(_Meeting(self, func, name, args, kwargs, tainted, srcs, outs, lays))
+        for s in set().union(*srcs.values()):
+            s.uses.append(("meet", name))
 
     def _presume(self, name: str, args, kwargs, out, ins: list, outs: list) -> Layout:
         """Where the batch is not followed through an operation (one without a handler, or one
@@ -1757,6 +1924,8 @@ class Tracker(TorchFunctionMode):
         """An operation where tensors derived from sources meet tensors with a layout."""
         ids = {id(d) for d in direct}
         tainted = list({id(t): t for t in tensors if self.taints.get(t) or id(t) in ids}.values())
+        for t in tensors if self.lineage else ():
+            self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
         if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
             out = self.engine._functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
@@ -2039,6 +2208,17 @@ class Tracker(TorchFunctionMode):
             if not all(s.aligned is not None for srcs in m.sources for s in srcs):
                 m.arm()
         self.meetings = []
+        self.pending = []
+
+
+@dataclass
+class _Pending:
+    """A hooked call on tensors computed from candidates alone (:meth:`Tracker.note_call`)."""
+
+    lineage: frozenset[int]  # the candidates' ids
+    outputs: list[Tensor]
+    shared: Callable[[list], list]  # makes the call batch-free: its outputs' sources
+    done: bool = False
 
 
 _ACTIVE: list[Tracker] = []

@@ -57,7 +57,8 @@ class CallState:
 class Frame:
     """One root forward of the model (kept by its calls until their backward)."""
 
-    batch: int | None  # dimension batch_dim of the first tensor input (an int batch_dim)
+    # dimension batch_dim of the first tensor input (an int batch_dim; or 0: no example)
+    batch: int | None
     states: list[CallState]
     grad_enabled: bool = True
     owner: Any = None  # the module whose call it is (the root, or an entry: _entry_hooks)
@@ -72,6 +73,9 @@ class Frame:
     # per module without a rule running in training mode, by id: its buffers as each of its
     # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
     buffers: dict[int, list] = field(default_factory=dict)
+    # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
+    # dimension 0 of some size: a batch of empty examples, or no example on another dimension
+    empty: tuple[int, ...] | None = None
 
 
 @dataclass

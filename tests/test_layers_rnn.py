@@ -908,3 +908,138 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused(quantity):
             model.weight_hh_l1.mul_(2)
         with pytest.raises(RuntimeError, match=r"parameter 'weight_hh_l1' .*\(LSTM\)"):
             loss.backward()
+
+
+# -- learned initial states, and a packed GRU inside a module without a rule ----------------------
+
+
+class _LearnedState(nn.Module):
+    """An RNN whose initial state is a parameter of its parent, ``[layers, 1, hidden]``,
+    expanded over the batch (``h0.expand(-1, batch, -1).contiguous()``; ``c0`` too for the
+    LSTM), then a Linear on the outputs."""
+
+    def __init__(self, kind: str, batch_first: bool, layers: int = 2, hidden: int = 4):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(3, hidden, num_layers=layers, batch_first=batch_first)
+        self.h0 = nn.Parameter(torch.randn(layers, 1, hidden))
+        self.c0 = nn.Parameter(torch.randn(layers, 1, hidden)) if kind == "LSTM" else None
+        self.out = nn.Linear(hidden, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch = x.shape[0 if self.rnn.batch_first else 1]
+        hx = self.h0.expand(-1, batch, -1).contiguous()
+        if self.c0 is not None:
+            hx = (hx, self.c0.expand(-1, batch, -1).contiguous())
+        y, _ = self.rnn(x, hx)
+        return self.out(y)
+
+
+class _PackedGRU(nn.Module):
+    """A GRU on a PackedSequence inside a module without a rule (its own learned ``h0`` and
+    output ``scale``, so the fallback recomputes it per example), read out through
+    ``pad_packed_sequence``."""
+
+    def __init__(self, batch_first: bool, enforce_sorted: bool):
+        super().__init__()
+        self.batch_first, self.enforce_sorted = batch_first, enforce_sorted
+        self.gru = nn.GRU(3, 4, batch_first=batch_first)
+        self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        time = x.shape[1 if self.batch_first else 0]
+        packed = pack_padded_sequence(
+            x, lengths, batch_first=self.batch_first, enforce_sorted=self.enforce_sorted
+        )
+        out, _ = self.gru(packed, self.h0.expand(-1, len(lengths), -1).contiguous())
+        y, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=time)
+        return y * self.scale
+
+
+class _ReadOut(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.out = inner, nn.Linear(4, 2)
+
+    def forward(self, *args):
+        return self.out(self.inner(*args))
+
+
+def _loop_along(model: nn.Module, x: Tensor, dim: int, *per_row: Tensor) -> dict[str, Tensor]:
+    """The float64 per-example loop, example ``i`` being ``x.narrow(dim, i, 1)`` (and row ``i``
+    of each of ``per_row``), with the loss ``0.5 * sum of squares``."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows = []
+    for i in range(x.shape[dim]):
+        out = model(x.narrow(dim, i, 1), *(t[i : i + 1] for t in per_row))
+        rows.append(torch.autograd.grad(0.5 * out.pow(2).sum(), list(named.values())))
+    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(named)}
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "time_first"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_learned_initial_state_of_the_parent(kind, batch_first, quantity):
+    """A learned ``h0`` (and ``c0``) of the parent, expanded over the batch: its grad1, and the
+    RNN's, against the per-example loop; the LSTM as the GRU."""
+    torch.manual_seed(0)
+    m = _LearnedState(kind, batch_first).double()
+    dim = 0 if batch_first else 1
+    x = torch.randn(3, 5, 3, dtype=D) if batch_first else torch.randn(5, 3, 3, dtype=D)
+    want = _loop_along(m, x, dim)
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=dim,
+                             quantities=(quantity,)) as h:  # fmt: skip
+        (0.5 * m(x).pow(2).sum()).backward()
+    for n, p in m.named_parameters():
+        if quantity == "grad1":
+            assert_close(p.grad1, want[n], f"{kind} {n}")
+        else:
+            assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"{kind} {n}")
+
+
+@pytest.mark.parametrize(
+    "batch_first,enforce_sorted",
+    [(True, True), (True, False), (False, True)],
+    ids=["batch_first-sorted", "batch_first-unsorted", "time_first-sorted"],
+)
+def test_packed_gru_in_a_module_without_a_rule(batch_first, enforce_sorted):
+    """The fallback recomputes a module that packs, runs a GRU from its own learned ``h0`` and
+    pads back, one example at a time (packing cannot run under torch.func): grad1 of ``h0``,
+    ``scale``, the GRU's weights and the Linear after it against the per-example loop."""
+    torch.manual_seed(0)
+    m = _ReadOut(_PackedGRU(batch_first, enforce_sorted)).double()
+    dim = 0 if batch_first else 1
+    x = torch.randn(3, 5, 3, dtype=D) if batch_first else torch.randn(5, 3, 3, dtype=D)
+    lengths = torch.tensor([5, 3, 2])
+    want = _loop_along(m, x, dim, lengths)
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=dim):
+        (0.5 * m(x, lengths).pow(2).sum()).backward()
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
+def test_a_module_without_a_rule_returning_a_packed_sequence_is_refused():
+    """The fallback cannot match a recomputation of one example with the rows of a
+    PackedSequence it returns: refused, saying so."""
+
+    class Packs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru, self.h0 = nn.GRU(3, 4, batch_first=True), nn.Parameter(torch.zeros(1, 1, 4))
+
+        def forward(self, x, lengths):
+            packed = pack_padded_sequence(x, lengths, batch_first=True)
+            return self.gru(packed, self.h0.expand(-1, len(lengths), -1).contiguous())[0]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.packs, self.out = Packs(), nn.Linear(4, 2)
+
+        def forward(self, x, lengths):
+            return self.out(pad_packed_sequence(self.packs(x, lengths), batch_first=True)[0])
+
+    m = Model().double()
+    x = torch.randn(3, 5, 3, dtype=D)
+    with gradhooks.add_hooks(m), pytest.raises(ValueError, match="'packs'.*PackedSequence"):
+        m(x, torch.tensor([5, 3, 2])).sum().backward()

@@ -641,7 +641,7 @@ def test_mixing_the_tracker_cannot_see_is_refused_at_the_first_backward(how, red
     m = Between(UNSEEN_MIXING[how]).double()
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction=reduction, quantities=(quantity,)) as h:
-        if how in ("function", "transposed-reshape"):  # (seen by the tracker at the forward)
+        if how in ("function", "transposed-reshape", "cdist"):  # (the tracker sees it mix)
             with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): its input .* across the"):
                 m(x)
             return
