@@ -55,7 +55,7 @@ class Backwards:
         if not self._capturing_backward():
             state.derived |= create_graph
             return
-        if self._track and _batched(call.grad_outputs):
+        if not self._vmapped and _batched(call.grad_outputs):
             # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
             # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
             bw = self._backward_state()
@@ -408,7 +408,7 @@ class Backwards:
         def hook(grad: Tensor | None) -> None:
             if grad is None or self._removed or self._ignore_backward or self._rerunning:
                 return  # (None: a node gave it no gradient, an empty batch's detached call)
-            if self._track and _batched((grad,)):
+            if not self._vmapped and _batched((grad,)):
                 bw = self._backward_state()
                 bw.batched = bw.batched or f"'{name}'"
                 bw.computed.add(pid)

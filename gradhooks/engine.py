@@ -164,6 +164,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # gradhooks.kfac: a parameter used outside its module's call (a tied head, a table read
         # as .weight), a layer called on positions alone, an output that lost the batch
         self._track = True
+        # the Jacobians' and kfac()'s handles run their backwards batched under vmap themselves:
+        # a batched output-gradient there is theirs, not a user's is_grads_batched backward
+        self._vmapped = bool({"_jacobian", "_vmapped"} & set(quantities))
         # the lowest precision the calls of the backwards since clear() ran in (the checks'
         # tolerance: records.lowest_precision)
         self._precision: torch.dtype | None = None
