@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +152,26 @@ def drop_box(box: dict) -> None:
 
 def power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast switched off for the devices it is on for. The hooks' own products (pieces into
+    ``grad1``, norms, factors) run in the precision the engine chose for them
+    (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
+    autocast block, which would otherwise cast them back to bfloat16 or float16."""
+    devices = [d for d in ("cpu", "cuda") if _autocast_enabled(d)]
+    with contextlib.ExitStack() as stack:
+        for d in devices:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+def _autocast_enabled(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except TypeError:  # (torch before 2.4: no device argument)
+        return torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
 
 
 def autocast_on() -> bool:

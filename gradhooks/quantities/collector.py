@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
+from ..records import autocast_off
 from ..tuning import TUNING
 from .kfac import KfacAccumulator
 
@@ -112,7 +113,7 @@ class Collector:
             self._add_jacobian(call_pieces, params, scale)
             return
         call_pieces = {
-            n: pc if n not in params else pc.widened(params[n].dtype)
+            n: pc if n not in params else pc.in_dtype(P.accumulation_dtype(params[n].dtype))
             for n, pc in call_pieces.items()
         }
         if not self._queued:
@@ -230,6 +231,10 @@ class Collector:
 
     def _finish(self) -> None:
         """At the end of the backward: reduce what is still held, publish the results."""
+        with autocast_off():
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         self._queued = False
         held, self._held = self._held, {}
         self._expected = {}  # the forward's calls are consumed by this backward
@@ -363,7 +368,8 @@ class _Deferred:
 
     def __call__(self) -> Tensor:
         if self.value is None:
-            total = _batch_total(self.pieces, self.shape)
+            with autocast_off():
+                total = _batch_total(self.pieces, self.shape)
             self.value, self.pieces = total / max(self.batch, 1), []
         return self.value
 
