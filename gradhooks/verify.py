@@ -455,8 +455,9 @@ class Verification:
             # the norms formed from those gradients: the last example's, against autograd's
             sq = collector.param_sq_norms[name]
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
+            # (by the parameter's precision: a bfloat16 parameter's norms are float32 sums)
             tol = {torch.float64: PROBE_TOLERANCE["float64"],
-                   torch.float32: PROBE_TOLERANCE["float32"]}.get(sq.dtype, 1e-1)  # fmt: skip
+                   torch.float32: PROBE_TOLERANCE["float32"]}.get(want.dtype, 1e-1)  # fmt: skip
             miss = abs(norm - norm_want)
             if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
