@@ -16,14 +16,14 @@ import copy
 
 import pytest
 import torch
+from cases import CASES_BY_LAYER
+from test_fallback import CASES as ALL_FALLBACK_CASES
+from test_fallback import _only
 from torch import Tensor, nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from cases import CASES_BY_LAYER
 from harness import Case, _double
-from test_fallback import CASES as ALL_FALLBACK_CASES
-from test_fallback import _only
 
 BF16, FP16 = torch.bfloat16, torch.float16
 TOL = {BF16: 5e-2, FP16: 1e-2}
