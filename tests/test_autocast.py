@@ -345,3 +345,15 @@ def test_hugging_face_bfloat16_autocast(name):
         diff = float((p.grad1.double() - ref[n]).abs().max())
         scale = max(float(ref[n].abs().max()), 1e-2 * overall)
         assert diff <= TOL[BF16] * scale, f"{name} {n}: relative error {diff / scale:.2e}"
+
+
+def test_precision_bench_measures_against_the_loop():
+    """``python -m bench.precision``'s measurement, on its MLP: float32 to float32's rounding,
+    bfloat16 autocast to bfloat16's, grad1 in the parameters' dtype (asserted inside)."""
+    from bench import precision
+
+    gen = torch.Generator().manual_seed(0)
+    make, x, y = precision._models(4, gen)["MLP"]
+    exact, _ = precision.measure(make, x, y, torch.float32, None, seed=0)
+    low, autograd = precision.measure(make, x, y, torch.float32, BF16, seed=0)
+    assert exact < 1e-5 and 1e-5 < low < TOL[BF16] and autograd < TOL[BF16]
