@@ -52,6 +52,7 @@ from .layout import Layout, batch_rows
 from .loop import per_example
 from .pause import paused
 from .pieces import Direct, Piece, cast
+from .records import autocast_as
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -265,7 +266,7 @@ def _by_layout_split(
         # (its own forward hooks are the caller's business, not the recomputation's: a hook
         # that calls output.requires_grad_() fails under torch.func)
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module):  # fmt: skip
+                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
             if "loop" not in call.memo:
@@ -337,8 +338,9 @@ def _per_example_vjp(
     if batch == 0:
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}, set()
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
-    # Recomputed in the parameters' precision: under autocast the call ran in a lower one, and
-    # its inputs (a previous layer's output) may be bfloat16 beside float32 parameters
+    # Recomputed from inputs in the parameters' precision (under autocast a previous layer's
+    # output may be bfloat16 beside float32 parameters), under the autocast the forward ran
+    # under (Call.autocast): as the call ran
     dtype = next(iter(wrt.values())).dtype
     leaves = [cast(t, dtype) if isinstance(t, Tensor) else t for t in leaves]
     batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch for t in leaves]
@@ -407,7 +409,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module):  # fmt: skip
+                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             vmapped = "loop" not in call.memo
             if vmapped:

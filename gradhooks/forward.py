@@ -34,6 +34,7 @@ from .records import (
     CallState,
     Frame,
     autocast_on,
+    autocast_state,
     detach_tree,
     graph_task,
     is_compiling,
@@ -272,6 +273,7 @@ class Forwards:
             registry=self.registry,
             hooked=self._hooked,
             memo=target.memo,
+            autocast=autocast_state() if autocast_on() else (),
         )
         frame = self._frames[-1] if self._frames else None
         kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]

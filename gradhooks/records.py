@@ -167,6 +167,30 @@ def autocast_off() -> Iterator[None]:
         yield
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast on now: ``((device, dtype), ...)`` for each device it is on for."""
+    state = []
+    for d in ("cpu", "cuda"):
+        if _autocast_enabled(d):
+            try:
+                dtype = torch.get_autocast_dtype(d)
+            except AttributeError:  # (torch before 2.4)
+                dtype = (
+                    torch.get_autocast_cpu_dtype() if d == "cpu" else torch.get_autocast_gpu_dtype()
+                )
+            state.append((d, dtype))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Autocast on as :func:`autocast_state` found it (nothing, for an empty state)."""
+    with contextlib.ExitStack() as stack:
+        for d, dtype in state:
+            stack.enter_context(torch.autocast(d, dtype=dtype))
+        yield
+
+
 def _autocast_enabled(device: str) -> bool:
     try:
         return torch.is_autocast_enabled(device)

@@ -35,6 +35,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .pieces import Piece
@@ -70,6 +71,8 @@ class Call:
     parameters its rule computes (``None``: not known, the call is not a handle's).
     ``memo``: what the rule keeps from one call of this module to the next under the same
     handle (a cache; removing the hooks drops it).
+    ``autocast``: the ``torch.autocast`` the forward ran under, ``((device, dtype), ...)`` for
+    each device it was on for (empty: none), for a rule that recomputes the call as it ran.
     """
 
     module: nn.Module
@@ -87,6 +90,7 @@ class Call:
     registry: Registry | None = None
     hooked: Mapping[int, frozenset[str]] | None = None
     memo: dict[str, Any] = field(default_factory=dict)
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     @property
     def grad_output(self) -> Tensor:
