@@ -29,7 +29,15 @@ from .calls import aligned_call, check_versions, describe_call, rule_pieces, unc
 from .errors import GradhooksWarning
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
-from .records import Backward, CallLayout, CallState, Frame, graph_task, lowest_precision
+from .records import (
+    Backward,
+    CallLayout,
+    CallState,
+    Frame,
+    autocast_off,
+    graph_task,
+    lowest_precision,
+)
 from .registry import Call, _Entry
 from .verify import per_example_outputs
 
@@ -97,7 +105,8 @@ class Backwards:
                     layout = aligned
                 else:
                     call = per_example_outputs(target, layout, call, create_graph)
-            self._backward(target, state.params, call, state.frame, bw, sums, layout)
+            with autocast_off():
+                self._backward(target, state.params, call, state.frame, bw, sums, layout)
         except BaseException:
             self._abort_backward()
             raise

@@ -143,8 +143,9 @@ def rule_pieces(
     """The rule's pieces for a call, with one row per example: the call handed to the rule
     with its examples where the rule reads them (moved, added), or the rule's rows of one
     example summed (folded), or the rule run one example at a time (a call that does not
-    depend on the examples, of a layer that reads its batch from a fixed dimension)."""
-    rule = target.entry.rule
+    depend on the examples, of a layer that reads its batch from a fixed dimension). Every
+    piece in its parameter's dtype (:meth:`gradhooks.pieces.Piece.in_dtype`)."""
+    rule = in_params_dtype(target.entry.rule, params)
     if target.entry is FALLBACK:
         if layout is None:
             return rule(call)
@@ -170,6 +171,21 @@ def rule_pieces(
                 pieces[n] = piece.merged(params[n].shape, first.outer, layout.batch, first.inner)
         return pieces
     return _one_by_one(rule, call, params, layout.batch)
+
+
+def in_params_dtype(rule, params: dict[str, nn.Parameter]):
+    """``rule`` with each piece it gives brought to its parameter's dtype: a layer run in a
+    lower precision than its parameters (autocast) gives a lower-precision output-gradient
+    beside the input it was handed (float32), whose product no kernel takes as it is."""
+
+    def cast(call: Call) -> dict[str, P.Piece | None]:
+        pieces = rule(call)
+        return {
+            n: pc if pc is None or n not in params else pc.in_dtype(params[n].dtype)
+            for n, pc in pieces.items()
+        }
+
+    return cast
 
 
 def _positions_call(call: Call, layout: CallLayout) -> Call:

@@ -194,7 +194,7 @@ def _sums_of_rule(target: Target, call: Call, detached: dict, sums: dict[str, Te
     pieces = target.entry.rule(call)
     for n, p in detached.items():
         if n not in sums and pieces.get(n) is not None:
-            sums[n] = pieces[n].batch_sum(p.shape).to(p.dtype)
+            sums[n] = pieces[n].in_dtype(p.dtype).batch_sum(p.shape)
 
 
 class DetachedCalls:

@@ -52,7 +52,8 @@ from ._torch import tree_flatten, tree_unflatten
 from .layout import PACKED, Layout, batch_rows
 from .loop import per_example
 from .pause import paused
-from .pieces import Direct, Piece
+from .pieces import Direct, Piece, cast
+from .records import autocast_as
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -232,6 +233,9 @@ def _by_layout_split(
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
+    # (in the parameters' precision: see _per_example_vjp)
+    dtype = next(iter(wrt.values())).dtype
+    leaves = [cast(t, dtype) if isinstance(t, Tensor) else t for t in leaves]
     xs = [
         batch_rows(t, lay if lay is not None else aligned[k] if aligned else Layout(0), batch)
         for k, (t, lay, sp) in enumerate(zip(leaves, info.inputs, split))
@@ -267,7 +271,7 @@ def _by_layout_split(
                     f"its part of the output-gradient {tuple(c.shape)} ({_describe(call)}); "
                     "register a rule for this module with @gradhooks.register."
                 )
-        (grads,) = pullback(tuple(cots_b))
+        (grads,) = pullback(tuple(cast(c, o.dtype) for c, o in zip(cots_b, outs)))
         return grads, outs
 
     def one_out(xs_b, params) -> list[Tensor]:
@@ -281,7 +285,7 @@ def _by_layout_split(
         # (its own forward hooks are the caller's business, not the recomputation's: a hook
         # that calls output.requires_grad_() fails under torch.func)
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module):  # fmt: skip
+                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
             if "loop" not in call.memo:
@@ -380,6 +384,11 @@ def _per_example_vjp(
     if batch == 0:
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}, set()
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
+    # Recomputed from inputs in the parameters' precision (under autocast a previous layer's
+    # output may be bfloat16 beside float32 parameters), under the autocast the forward ran
+    # under (Call.autocast): as the call ran
+    dtype = next(iter(wrt.values())).dtype
+    leaves = [cast(t, dtype) if isinstance(t, Tensor) else t for t in leaves]
     batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch for t in leaves]
     # A tensor whose dimension 0 only happens to equal the batch size (an attention mask
     # [seq, seq] with seq == batch) makes the recomputation fail or differ: then retry with one
@@ -441,13 +450,13 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     f"shape {tuple(o.shape)}, not {(1, *g.shape)}; got {_describe(call)}. "
                     "Register a rule for this module with @gradhooks.register (see the README)."
                 )
-        (grads,) = pullback(tuple(g.unsqueeze(0) for g in gs_b))
+        (grads,) = pullback(tuple(cast(g, o.dtype).unsqueeze(0) for g, o in zip(gs_b, outs)))
         return grads, tuple(o.squeeze(0) for o in outs)
 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module):  # fmt: skip
+                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             vmapped = "loop" not in call.memo
             if vmapped:
@@ -540,7 +549,7 @@ def _loop(
             grads = torch.autograd.grad(
                 [o for o in out if o.requires_grad],
                 list(params.values()),
-                [g[b : b + 1] for o, g in zip(out, gs) if o.requires_grad],
+                [cast(g[b : b + 1], o.dtype) for o, g in zip(out, gs) if o.requires_grad],
                 allow_unused=True,
                 create_graph=create_graph,
             )
@@ -567,6 +576,11 @@ def _compare(name: str, call: Call, i: int, got: Tensor, want: Tensor, batch: in
     if not want.numel():
         return
     eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
+    if got.is_floating_point() and want.is_floating_point() and got.dtype != want.dtype:
+        # (recomputed in the parameters' precision, the forward's under autocast: compared
+        # in the wider, within the rounding of the narrower)
+        eps = max(eps, torch.finfo(got.dtype).eps)
+        got, want = (t.to(torch.promote_types(got.dtype, want.dtype)) for t in (got, want))
     finite = want[torch.isfinite(want)]
     tol = min(1e3 * eps, 5e-2) * (1.0 + (finite.abs().max().item() if finite.numel() else 0))
     if not torch.isclose(got, want, rtol=0.0, atol=tol, equal_nan=True).all():

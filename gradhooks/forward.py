@@ -33,6 +33,8 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    autocast_on,
+    autocast_state,
     call_precision,
     detach_tree,
     graph_task,
@@ -302,6 +304,7 @@ class Forwards:
             registry=self.registry,
             hooked=self._hooked,
             memo=target.memo,
+            autocast=autocast_state() if autocast_on() else (),
         )
         frame = self._frames[-1] if self._frames else None
         kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]

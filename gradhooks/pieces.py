@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _torch
 from .tuning import TUNING
 
-__all__ = ["Piece", "Outer", "Direct", "Rows"]
+__all__ = ["Piece", "Outer", "Direct", "Rows", "accumulation_dtype"]
 
 
 class Piece:
@@ -125,10 +125,13 @@ class Piece:
         g1 = self.grad1(param_shape)
         return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
 
-    def widened(self, dtype: torch.dtype) -> Piece:
-        """This piece computed in ``dtype`` where its tensors are of a lower floating precision
-        (a bfloat16 forward of float32 parameters: autocast, FSDP2's mixed precision), so that
-        the quantities formed from it keep the parameters' precision. Here: as it is."""
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        """This piece with its floating tensors in ``dtype``. A layer that ran in another
+        precision than its parameter (autocast: a bfloat16 output-gradient beside the float32
+        input the layer was handed; FSDP2's mixed precision; bfloat16 parameters under
+        autocast with a float32 input) gives tensors of mixed precision: the engine brings them
+        to the parameter's dtype before ``grad1`` is formed, and to at least float32 before
+        norms, squared sums and K-FAC factors (:func:`accumulation_dtype`). Here: as it is."""
         return self
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
@@ -150,6 +153,9 @@ class _RowsOf(Piece):
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return self.piece.grad1(param_shape, scale)[self.rows]
+
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        return _RowsOf(self.piece.in_dtype(dtype), self.rows)
 
 
 @dataclass
@@ -272,10 +278,10 @@ class Outer(Piece):
 
         return Outer(None if self.a is None else fold(self.a), fold(self.g))
 
-    def widened(self, dtype: torch.dtype) -> Piece:
-        if not _narrower(self.g, dtype):
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        if not (_other(self.g, dtype) or _other(self.a, dtype)):
             return self
-        return Outer(None if self.a is None else self.a.to(dtype), self.g.to(dtype))
+        return Outer(None if self.a is None else cast(self.a, dtype), cast(self.g, dtype))
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Where ``g`` is batched over the outputs (and ``a`` not): ``g ⊗ a`` straight into the
@@ -448,8 +454,8 @@ class Direct(Piece):
     ) -> tuple[Tensor, str, Tensor | None] | None:
         return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
 
-    def widened(self, dtype: torch.dtype) -> Piece:
-        return Direct(self.value.to(dtype)) if _narrower(self.value, dtype) else self
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        return Direct(cast(self.value, dtype)) if _other(self.value, dtype) else self
 
 
 @dataclass
@@ -533,10 +539,10 @@ class Rows(Piece):
         positions = self.positions * inner if self.positions is not None and outer == 1 else None
         return Rows(example, self.index, self.g, batch, self.num_rows, positions)
 
-    def widened(self, dtype: torch.dtype) -> Piece:
-        if not _narrower(self.g, dtype):
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        if not _other(self.g, dtype):
             return self
-        return Rows(self.example, self.index, self.g.to(dtype), self.batch, self.num_rows,
+        return Rows(self.example, self.index, cast(self.g, dtype), self.batch, self.num_rows,
                     self.positions)  # fmt: skip
 
     def select(self, rows: slice) -> Rows:
@@ -653,9 +659,25 @@ def _from_grad1(
     return torch.linalg.vector_norm(rows, dim=1).square(), "direct", total
 
 
-def _narrower(t: Tensor, dtype: torch.dtype) -> bool:
-    """``t`` is of a lower floating precision than ``dtype``."""
-    return t.is_floating_point() and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits
+def _other(t: Tensor | None, dtype: torch.dtype) -> bool:
+    """``t`` is a real floating tensor of another dtype than ``dtype`` (a floating one)."""
+    return t is not None and t.is_floating_point() and dtype.is_floating_point and t.dtype != dtype
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` where it is of another floating dtype (indices, complex: as they are)."""
+    return t.to(dtype) if _other(t, dtype) else t
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which norms, squared sums and K-FAC factors of a parameter of ``dtype`` are
+    formed: float32, or the parameter's own where it is wider (float64). A sum of squares over
+    a whole parameter in bfloat16 or float16 would lose the norm's low digits (bfloat16 keeps
+    8 bits) or overflow (float16 above 65504); in float32 it costs one conversion of the
+    pieces."""
+    if not dtype.is_floating_point:
+        return dtype
+    return torch.promote_types(dtype, torch.float32)
 
 
 # A buffer Rows.grad1_into wrote -> (its version counter then, the rows written). Keyed by the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +266,58 @@ def call_precision(args: Any, output: Any) -> torch.dtype | None:
         if isinstance(t, Tensor) and t.is_floating_point()
     }
     return lowest_precision(autocast_dtype(), *dtypes)
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast switched off for the devices it is on for. The hooks' own products (pieces into
+    ``grad1``, norms, factors) run in the precision the engine chose for them
+    (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
+    autocast block, which would otherwise cast them back to bfloat16 or float16."""
+    devices = [d for d in ("cpu", "cuda") if _autocast_enabled(d)]
+    with contextlib.ExitStack() as stack:
+        for d in devices:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast on now: ``((device, dtype), ...)`` for each device it is on for."""
+    state = []
+    for d in ("cpu", "cuda"):
+        if _autocast_enabled(d):
+            try:
+                dtype = torch.get_autocast_dtype(d)
+            except AttributeError:  # (torch before 2.4)
+                dtype = (
+                    torch.get_autocast_cpu_dtype() if d == "cpu" else torch.get_autocast_gpu_dtype()
+                )
+            state.append((d, dtype))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Autocast on as :func:`autocast_state` found it (nothing, for an empty state)."""
+    with contextlib.ExitStack() as stack:
+        for d, dtype in state:
+            stack.enter_context(torch.autocast(d, dtype=dtype))
+        yield
+
+
+def _autocast_enabled(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except TypeError:  # (torch before 2.4: no device argument)
+        return torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+
+
+def autocast_on() -> bool:
+    """Whether autocast is on for the CPU or CUDA."""
+    try:
+        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    except TypeError:  # (torch before 2.4: no device argument)
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def graph_task() -> int:

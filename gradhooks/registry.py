@@ -35,6 +35,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .pieces import Piece
@@ -75,6 +76,8 @@ class Call:
     found them, ``{name: tensor}`` (``named_buffers(remove_duplicate=False)``); else ``None``.
     The fallback recomputes the call from copies of these, so that it reproduces the call and
     the module's own buffers change once, by its forward, as without hooks.
+    ``autocast``: the ``torch.autocast`` the forward ran under, ``((device, dtype), ...)`` for
+    each device it was on for (empty: none), for a rule that recomputes the call as it ran.
     """
 
     module: nn.Module
@@ -93,6 +96,7 @@ class Call:
     hooked: Mapping[int, frozenset[str]] | None = None
     memo: dict[str, Any] = field(default_factory=dict)
     buffers: Mapping[str, Tensor] | None = None
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     @property
     def grad_output(self) -> Tensor:

@@ -533,7 +533,8 @@ class Verification:
             # the norms formed from those gradients: the last example's, against autograd's
             sq = collector.param_sq_norms[name]
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
-            tol = rounding_tolerance(sq.dtype, bw.precision, probe.exact, **PROBE_TOLERANCE)
+            # (by the parameter's dtype: a bfloat16 parameter's norms are float32 sums)
+            tol = rounding_tolerance(want.dtype, bw.precision, probe.exact, **PROBE_TOLERANCE)
             miss = abs(norm - norm_want)
             if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
+from ..records import autocast_off
 from ..tuning import TUNING
 from .kfac import KfacAccumulator
 
@@ -118,7 +119,7 @@ class Collector:
         # (under autocast a rule's pieces may be narrower than the parameters: widened to
         # their dtype first, for every quantity and the Jacobians)
         call_pieces = {
-            n: pc if n not in params else pc.widened(params[n].dtype)
+            n: pc if n not in params else pc.in_dtype(P.accumulation_dtype(params[n].dtype))
             for n, pc in call_pieces.items()
         }
         if "_jacobian" in self.quantities:
@@ -239,6 +240,10 @@ class Collector:
 
     def _finish(self) -> None:
         """At the end of the backward: reduce what is still held, publish the results."""
+        with autocast_off():
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         self._queued = False
         held, self._held = self._held, {}
         self._expected = {}  # the forward's calls are consumed by this backward
@@ -372,7 +377,8 @@ class _Deferred:
 
     def __call__(self) -> Tensor:
         if self.value is None:
-            total = _batch_total(self.pieces, self.shape)
+            with autocast_off():
+                total = _batch_total(self.pieces, self.shape)
             self.value, self.pieces = total / max(self.batch, 1), []
         return self.value
 

@@ -41,7 +41,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
-from ..pieces import Direct, Outer, Piece
+from ..pieces import Direct, Outer, Piece, cast
 from ..registry import Call, batch_first, register
 from ..tuning import TUNING
 
@@ -118,6 +118,19 @@ def _attention(
     probs = scores.softmax(-1)
     ctx = rearrange(probs @ v, "batch heads tgt dim -> batch tgt (heads dim)")
     return ctx, probs
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` are one tensor (the call's inputs are handed on as detached views)."""
+    if a is b:
+        return True
+    try:
+        return (
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype
+        )  # fmt: skip
+    except RuntimeError:  # (a tensor of a torch.func transform has no data pointer)
+        return False
 
 
 def _stacked(xs: list[Tensor]) -> Tensor:
@@ -293,6 +306,8 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
             "dropout=0 (nn.TransformerEncoderLayer/DecoderLayer pass their dropout to it), "
             "or call .eval()."
         )
+    # self-attention: one input for the three projections (as the taps' pieces take it)
+    one_input = _same(query, key) and _same(query, value)
     if not m.batch_first:  # [seq, batch, E] -> [batch, seq, E]
         query, key, value = (t.transpose(0, 1) for t in (query, key, value))
     g_out = call.grad_outputs[0]
@@ -307,6 +322,12 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         if pieces is not None:
             return pieces
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
+    # recomputed in the parameters' dtype: under autocast the call ran in a lower precision,
+    # and its inputs (a previous layer's output) and output-gradients may be bfloat16
+    dtype = m.out_proj.weight.dtype
+    query, key, value, g_out, g_probs = (
+        None if t is None else cast(t, dtype) for t in (query, key, value, g_out, g_probs)
+    )
 
     if _packed(m):
         w_q, w_k, w_v = own(m.in_proj_weight).chunk(3)
@@ -361,7 +382,9 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     pieces["out_proj.weight"] = Outer(own(ctx), g_out)
     if m.out_proj.bias is not None:
         pieces["out_proj.bias"] = Outer(None, g_out)
-    if _packed(m):
+    if _packed(m) and one_input:  # [q k v] = x W_inᵀ: one product over 3E outputs
+        pieces["in_proj_weight"] = Outer(query, torch.cat(g_qkv, -1))
+    elif _packed(m):
         pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv))
     else:
         for name, x, g in zip(("q", "k", "v"), inputs, g_qkv, strict=True):

@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
-from ..pieces import Outer, Piece
+from ..pieces import Outer, Piece, cast
 from ..registry import Call, register
 from ..tuning import TUNING
 
@@ -114,9 +114,17 @@ class ConvWeight(Outer):
         m = self.module
         return m.in_channels // m.groups * math.prod(m.kernel_size)
 
-    # (folded or widened, the piece would lose the call it reads: formed from grad1 instead)
+    # (folded, the piece would lose the call it reads: formed from grad1 instead)
     merged = Piece.merged
-    widened = Piece.widened
+
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        """The input and output-gradient in ``dtype`` (autocast: the float32 input beside a
+        bfloat16 output-gradient), without the bias's shortcut (whose sums would be of the
+        other precision)."""
+        x, go = cast(self.x, dtype), cast(self.grad_output, dtype)
+        if x is self.x and go is self.grad_output:
+            return self
+        return ConvWeight(self.module, x, go)
 
     # Measured at 2 threads (batch 64, ResNet18GN's and CifarCNN's layers): a convolution's
     # grad1 in cache-sized slices (a few examples per convolution or im2col and matmul) is up to
@@ -422,7 +430,10 @@ class ConvBias(Outer):
     grad1 about 1%)."""
 
     merged = Piece.merged  # (the weight's sums are for this call as it is)
-    widened = Piece.widened
+
+    def in_dtype(self, dtype: torch.dtype) -> Piece:
+        g = cast(self.g, dtype)
+        return self if g is self.g else ConvBias(g)
 
     def __init__(self, g: Tensor) -> None:
         super().__init__(None, g)
