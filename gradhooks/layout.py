@@ -1244,7 +1244,9 @@ def _picked(x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int) -> Layout
         return None
     if lay.owners is None and lay.inner == 1 and _tensor_dims(items, x.dim()) == {lay.dim}:
         return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
-    while items and (items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)):
+    while items and (
+        items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)
+    ):
         items.pop()  # (trailing dimensions taken whole: their owners are not formed)
     shape = list(x.shape)
     if Ellipsis not in items:
@@ -1433,19 +1435,91 @@ for _n, _kind in (("index_select", "select"), ("gather", "gather"), ("index_add"
 _OWNER_AWARE = (
     (_POINTWISE_SET - {"masked_scatter", "masked_scatter_", "set_"})
     | set(_REDUCTIONS)
-    | {"softmax", "log_softmax", "softmin", "cumsum", "cumprod", "logcumsumexp", "cummax",
-       "cummin", "sort", "argsort", "topk", "kthvalue", "msort", "glu", "normalize", "flip",
-       "roll", "diff", "max", "min", "view", "reshape", "view_as", "reshape_as", "flatten",
-       "unflatten", "ravel", "squeeze", "unsqueeze", "squeeze_", "unsqueeze_", "expand",
-       "expand_as", "broadcast_to", "permute", "transpose", "swapaxes", "swapdims", "t",
-       ".T", ".mT", "movedim", "moveaxis", "matmul", "__matmul__", "__rmatmul__", "mm",
-       "bmm", "baddbmm", "addmm", "linear", "__getitem__", "__setitem__", "unbind", "stack",
-       "split", "chunk", "split_with_sizes", "cat", "concat", "concatenate", "layer_norm",
-       "rms_norm", "embedding", "one_hot", "index_fill", "index_fill_",
-       "masked_select"}  # fmt: skip
-    | set(_HANDLERS) & {"index_select", "gather", "index_add", "index_add_", "index_copy",
-                        "index_copy_", "scatter", "scatter_", "scatter_add", "scatter_add_",
-                        "index_put", "index_put_"}  # fmt: skip
+    | {
+        "softmax",
+        "log_softmax",
+        "softmin",
+        "cumsum",
+        "cumprod",
+        "logcumsumexp",
+        "cummax",
+        "cummin",
+        "sort",
+        "argsort",
+        "topk",
+        "kthvalue",
+        "msort",
+        "glu",
+        "normalize",
+        "flip",
+        "roll",
+        "diff",
+        "max",
+        "min",
+        "view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "ravel",
+        "squeeze",
+        "unsqueeze",
+        "squeeze_",
+        "unsqueeze_",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "permute",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        ".T",
+        ".mT",
+        "movedim",
+        "moveaxis",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+        "mm",
+        "bmm",
+        "baddbmm",
+        "addmm",
+        "linear",
+        "__getitem__",
+        "__setitem__",
+        "unbind",
+        "stack",
+        "split",
+        "chunk",
+        "split_with_sizes",
+        "cat",
+        "concat",
+        "concatenate",
+        "layer_norm",
+        "rms_norm",
+        "embedding",
+        "one_hot",
+        "index_fill",
+        "index_fill_",
+        "masked_select",
+    }  # fmt: skip
+    | set(_HANDLERS)
+    & {
+        "index_select",
+        "gather",
+        "index_add",
+        "index_add_",
+        "index_copy",
+        "index_copy_",
+        "scatter",
+        "scatter_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+    }  # fmt: skip
 )
 
 
@@ -1873,6 +1947,10 @@ class Tracker(TorchFunctionMode):
         if not layouts and not sources and not direct:
             return func(*args, **kwargs)
         name = _name(func)
+        if direct and name in _MAYBE_SAME and isinstance(args[0], Tensor):
+            out = func(*args, **kwargs)
+            if out is args[0]:
+                return out  # (a parameter converted to what it is: no use of it, as module.to())
         self.off += 1
         try:
             if not sources and not direct:
@@ -2023,7 +2101,12 @@ class Tracker(TorchFunctionMode):
                 if self.used and self.used[-1].soft:
                     self.used[-1].mixed = True
                     if not inherited:
-                        self.used[-1].mixing.add(name)
+                        picked = any(
+                            lay is not None and lay.owners is not None
+                            for t in ins
+                            if (lay := self._layout_of(t)) is not None
+                        )
+                        self.used[-1].mixing.add("__getitem__" if picked else name)
                 return
             # an index or mask computed across the examples (which experts any token picked,
             # the longest sequence): it selects, and each row is still a constant of its
@@ -2451,6 +2534,10 @@ class Tracker(TorchFunctionMode):
 _ACTIVE: list[Tracker] = []
 # operations that pick or put back rows by an index: inside a module without a rule, the
 # fallback's recomputation one example at a time tells whether they kept the examples apart
+# conversions that return their tensor itself where it already is what they make
+_MAYBE_SAME = frozenset(
+    """to type type_as contiguous float double half bfloat16 cpu cuda""".split()
+)
 # products by a mask (see Tracker._all_ones)
 _PRODUCTS = frozenset(
     """mul mul_ __mul__ __rmul__ __imul__ logical_and __and__ __rand__ __iand__

@@ -289,6 +289,8 @@ class Outer(Piece):
         owners = owners.to(self.g.device)
         counts = torch.bincount(owners, minlength=batch)
         most = int(counts.max()) if counts.numel() else 0
+        if most == 0:  # (no rows: a zero gradient for every example)
+            return Direct(self.g.new_zeros((batch, *param_shape)))
         order = torch.argsort(owners, stable=True)
         starts = torch.cumsum(counts, 0) - counts
         sorted_owners = owners[order]
