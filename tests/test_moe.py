@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close, sq
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
+from harness import assert_close, sq
 
 D = torch.float64
 
