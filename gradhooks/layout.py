@@ -1375,6 +1375,13 @@ def _indexed_rows(kind: str, args, kwargs, out, layout_of, batch) -> Layout | No
     if not isinstance(dim, int) or not isinstance(index, Tensor) or index.is_floating_point():
         return None
     dim = _norm_dim(dim, x.dim())
+    if kind == "select" and xlay is None:
+        # a table that does not depend on the examples looked up by an index that does (NLLB's
+        # sinusoidal positions, weights.index_select(0, position_ids.view(-1))): its rows
+        ilay = layout_of(index)
+        if ilay is None or ilay.dim != 0 or index.dim() != 1:
+            return None
+        return ilay.at(dim)
     if kind in ("select", "gather"):
         if xlay is None or xlay.dim != dim:
             return None

@@ -220,9 +220,51 @@ def test_switch_transformers(transformers, capacity):
             )
         assert (chosen.sum((1, 2)) < ids.shape[1]).all()  # (tokens are dropped)
     want = loop_grad(m, sq, ids)
-    # (verify=False: the backward's check of grad1 against autograd's weighted gradient flags
-    # this model although grad1 matches the loop; not yet understood)
+    # (verify=False: the backward's check against autograd's weighted gradient flags this
+    # encoder even without experts, encoder_sparse_step=0, although grad1 matches the loop)
     with gradhooks.add_hooks(m, loss_reduction="sum", verify=False):
         sq(m(ids)).backward()
     for n, p in m.named_parameters():
         assert_close(p.grad1, want[n], n)
+
+
+def _nllb(transformers, capacity):
+    cfg = transformers.NllbMoeConfig(
+        vocab_size=32, d_model=8, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12, num_experts=3,
+        expert_capacity=capacity, encoder_sparse_step=1, decoder_sparse_step=1, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=32,
+        moe_token_dropout=0.0, moe_eval_capacity_token_fraction=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.NllbMoeModel(cfg).double().eval()
+    for mod in model.modules():  # (the router in float64 too, as the rest)
+        if type(mod).__name__.endswith("Router"):
+            mod.dtype = D
+    return Hidden(model.encoder)
+
+
+def test_nllb_moe_with_a_capacity_that_drops_nothing(transformers):
+    """NLLB-MoE counts its capacity over every token of the batch (``cumsum`` along it); where
+    no expert overflows, the mask it multiplies by keeps every token, and each example's
+    gradient is its own."""
+    m, ids = _nllb(transformers, 64), torch.randint(2, 32, (3, 6))
+    want = loop_grad(m, sq, ids)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(ids)).backward()
+    for n, p in m.named_parameters():
+        if p.grad is None:
+            assert not hasattr(p, "grad1"), n
+        else:
+            assert_close(p.grad1, want[n], n)
+
+
+def test_nllb_moe_dropping_tokens_across_the_batch_is_refused(transformers):
+    """A capacity of 2 tokens per expert over the whole batch: which tokens an expert drops
+    depends on the other examples, so the layer after the routing is refused, naming it."""
+    m, ids = _nllb(transformers, 2), torch.randint(2, 32, (3, 6))
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.ffn\.experts\.expert_\d\.fc1' "
+                                               r"\(Linear\).*index computed across the batch "
+                                               r"\(cumsum"):  # fmt: skip
+            m(ids)
