@@ -175,6 +175,43 @@ def test_rows_picked_into_a_module_without_a_rule_are_refused():
             sq(m(torch.randn(3, 5, 4, dtype=D))).backward()
 
 
+class Unpadded(nn.Module):
+    """The unpadded tokens of a batch (flash-attention's varlen path: ``_unpad_input``), a
+    Linear on them, padded back: picked by ``x[indices]`` or ``gather``, put back by
+    ``out[indices] = ...`` or ``scatter_add_``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.a, self.b, self.head = how, nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x, mask):  # [batch, seq, 3], [batch, seq] (True: a token)
+        b, t, _ = x.shape
+        h = torch.tanh(self.a(x)).flatten(0, 1)
+        indices = torch.nonzero(mask.flatten()).flatten()
+        if self.how == "index":
+            packed = self.b(h[indices])  # [tokens, 5]
+            out = h.new_zeros(b * t, 5)
+            out[indices] = packed
+        else:
+            rows = indices[:, None].expand(-1, 5)
+            packed = self.b(torch.gather(h, 0, rows))
+            out = h.new_zeros(b * t, 5).scatter_add_(0, rows, packed)
+        return self.head(out.view(b, t, 5))
+
+
+@pytest.mark.parametrize("how", ["index", "gather"])
+def test_unpadded_tokens(how):
+    torch.manual_seed(0)
+    m = Unpadded(how).double()
+    x = torch.randn(3, 4, 3, dtype=D)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    want = loop_grad(m, sq, (x, mask))
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, mask)).backward()
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
 # -- Hugging Face --------------------------------------------------------------------------------
 
 
