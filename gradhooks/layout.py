@@ -1825,6 +1825,8 @@ class Tracker(TorchFunctionMode):
         # tensors computed across the examples that carry no gradient and no values computed
         # with (indices, masks), with the operation that did (see _coupling)
         self.coupled: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # positions of rows that nonzero found in a tensor with examples (see _row_indices)
+        self.row_index: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -2074,6 +2076,7 @@ class Tracker(TorchFunctionMode):
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         result = self._coupling(name, args, ins, outs, result)
+        self._row_indices(name, args, ins, outs)
         reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
         if result is _REORDER:
             if reordered is None and any(o.requires_grad for o in outs):
@@ -2183,6 +2186,34 @@ class Tracker(TorchFunctionMode):
         for o in outs:
             self.coupled[o] = found[0]
         return result
+
+    def _row_indices(self, name: str, args, ins: list, outs: list) -> None:
+        """Follow the positions of rows that ``nonzero`` (``torch.where(mask)``) finds in a
+        tensor with examples (the tokens routed to an expert): kept through reshapes,
+        concatenation and arithmetic; a part of them taken by position (``tokens[:capacity]``,
+        ``narrow``, ``split``) is decided across the batch (the first tokens of the batch, not
+        of each example), so it is coupled (see :meth:`_coupling`)."""
+        if name in ("nonzero", "argwhere") or name == "where" and len(args) == 1:
+            if any(_followed(self._layout_of(t)) for t in ins):
+                for o in outs:
+                    if not o.is_floating_point():
+                        self.row_index[o] = True
+            return
+        if not any(t in self.row_index for t in ins):
+            return
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is not None and x in self.row_index and name in _PART_OF:
+            index = args[1] if name == "__getitem__" and len(args) > 1 else None
+            items = index if isinstance(index, tuple) else (index,)
+            if name != "__getitem__" or not any(isinstance(i, Tensor) for i in items):
+                if any(o.numel() < x.numel() for o in outs):
+                    for o in outs:
+                        self.coupled[o] = f"{name} of the rows an index picked"
+                    return
+        if name in _KEEPS_ROWS_INDEX or name in _POINTWISE_SET or name == "__getitem__":
+            for o in outs:
+                if not o.is_floating_point():
+                    self.row_index[o] = True
 
     def _without_candidates(self, name: str, args, kwargs, out, ins: list, result):
         """``result`` (mixed) of an operation on some of the model's inputs taken as batched
@@ -2544,6 +2575,16 @@ _ACTIVE: list[Tracker] = []
 # conversions that return their tensor itself where it already is what they make
 _MAYBE_SAME = frozenset(
     """to type type_as contiguous float double half bfloat16 cpu cuda""".split()
+)
+# operations that take a part of a tensor by position, and those that keep every entry of an
+# index of rows (see Tracker._row_indices)
+_PART_OF = frozenset(
+    """__getitem__ narrow select split chunk tensor_split split_with_sizes unsafe_split unbind
+    topk kthvalue""".split()
+)
+_KEEPS_ROWS_INDEX = frozenset(
+    """view reshape flatten ravel squeeze unsqueeze contiguous clone cat concat concatenate
+    stack expand expand_as sort msort""".split()
 )
 # products by a mask (see Tracker._all_ones)
 _PRODUCTS = frozenset(

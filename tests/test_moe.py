@@ -155,6 +155,30 @@ def test_capacity_counted_across_the_batch_is_refused():
     assert not any(hasattr(p, "grad1") for p in m.parameters())
 
 
+class Truncated(MoE):
+    """Each expert keeps the first ``capacity`` of its tokens in the batch, by slicing the
+    positions ``torch.where`` found: the first tokens of the batch, not of each example."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = x.view(-1, d)
+        weights, chosen = self.gate(h).softmax(-1).topk(1, -1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token = torch.where(chosen[:, 0] == e)[0][: self.capacity]
+            out.index_add_(0, token, expert(h[token]) * weights[token])
+        return self.head(out.view(b, t, d))
+
+
+def test_capacity_by_slicing_the_tokens_found_is_refused():
+    torch.manual_seed(0)
+    m = Truncated(capacity=2).double()
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
+                                               r"across the batch \(__getitem__ of the rows"):  # fmt: skip
+            m(torch.randn(3, 5, 4, dtype=D))
+
+
 def test_rows_picked_into_a_module_without_a_rule_are_refused():
     """An expert with a bare parameter gets rows of different numbers per example: its
     torch.func fallback cannot split them, and says so."""
