@@ -1654,14 +1654,16 @@ def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, bat
     which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
     only through the operations that know them (:data:`_OWNER_AWARE`), and never lost: where
     one of these cannot say where they went, its result is mixed (refused where it is used),
-    never of unknown layout (which a rule would read as the batch)."""
+    never of unknown layout (which a rule would read as the batch). (An index or mask computed
+    from them, which selects only, may be of unknown layout.)"""
     lays = [lay for t in _tensors(args, kwargs) if (lay := layout_of(t)) is not None]
     if any(lay.owners is not None for lay in lays):
+        lost = MIXED if any(map(_carries, _out_tensors(out))) else UNKNOWN
         if name not in _OWNER_AWARE:
-            return MIXED
+            return lost
         found = _output_layout(name, args, kwargs, out, layout_of, batch)
         if found is UNKNOWN or (isinstance(found, list) and UNKNOWN in found):
-            return MIXED
+            return lost
         return found
     return _output_layout(name, args, kwargs, out, layout_of, batch)
 
@@ -2205,7 +2207,12 @@ class Tracker(TorchFunctionMode):
         if x is not None and x in self.row_index and name in _PART_OF:
             index = args[1] if name == "__getitem__" and len(args) > 1 else None
             items = index if isinstance(index, tuple) else (index,)
-            if name != "__getitem__" or not any(isinstance(i, Tensor) for i in items):
+            # (a mask or index of the rows' own, weights[tokens] > 0.1, picks per row; one
+            # that does not depend on them, arange(n) < capacity, by position)
+            if name != "__getitem__" or not all(
+                _followed(self._layout_of(i)) or i in self.row_index
+                for i in items if isinstance(i, Tensor)
+            ) or not any(isinstance(i, Tensor) for i in items):  # fmt: skip
                 if any(o.numel() < x.numel() for o in outs):
                     for o in outs:
                         self.coupled[o] = f"{name} of the rows an index picked"

@@ -157,7 +157,13 @@ def test_capacity_counted_across_the_batch_is_refused():
 
 class Truncated(MoE):
     """Each expert keeps the first ``capacity`` of its tokens in the batch, by slicing the
-    positions ``torch.where`` found: the first tokens of the batch, not of each example."""
+    positions ``torch.where`` found (``how="slice"``), or by a mask of their positions
+    (``"arange"``): the first tokens of the batch, not of each example. ``"per-token"``
+    drops the tokens whose weight is small: each token's own choice."""
+
+    def __init__(self, how="slice", **kw):
+        super().__init__(**kw)
+        self.how = how
 
     def forward(self, x):
         b, t, d = x.shape
@@ -165,18 +171,32 @@ class Truncated(MoE):
         weights, chosen = self.gate(h).softmax(-1).topk(1, -1)
         out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
-            token = torch.where(chosen[:, 0] == e)[0][: self.capacity]
+            token = torch.where(chosen[:, 0] == e)[0]
+            if self.how == "slice":
+                token = token[: self.capacity]
+            elif self.how == "arange":
+                token = token[torch.arange(token.numel()) < self.capacity]
+            else:
+                token = token[weights[token, 0] > 0.4]
             out.index_add_(0, token, expert(h[token]) * weights[token])
         return self.head(out.view(b, t, d))
 
 
-def test_capacity_by_slicing_the_tokens_found_is_refused():
+@pytest.mark.parametrize("how", ["slice", "arange"])
+def test_capacity_by_position_among_the_tokens_found_is_refused(how):
     torch.manual_seed(0)
-    m = Truncated(capacity=2).double()
+    m = Truncated(how, capacity=2).double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
         with pytest.raises(RuntimeError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
                                                r"across the batch \(__getitem__ of the rows"):  # fmt: skip
             m(torch.randn(3, 5, 4, dtype=D))
+
+
+def test_tokens_dropped_each_by_its_own_weight():
+    torch.manual_seed(0)
+    m = Truncated("per-token").double()
+    x = torch.randn(3, 5, 4, dtype=D)
+    check(m, x)
 
 
 def test_rows_picked_into_a_module_without_a_rule_are_refused():
