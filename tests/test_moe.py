@@ -349,3 +349,54 @@ def test_nllb_moe_dropping_tokens_across_the_batch_is_refused(transformers):
                                                r"\(Linear\).*index computed across the batch "
                                                r"\(cumsum"):  # fmt: skip
             m(ids)
+
+
+# -- the layout itself ---------------------------------------------------------------------------
+
+
+def _followed(fn, batch=3, tokens=4):
+    """``fn(h)`` of ``h`` ``[batch * tokens, 5]`` (tokens folded into the batch) under a tracker:
+    the layouts it gives, by name."""
+    from gradhooks.layout import Layout, Tracker
+
+    x = torch.randn(batch, tokens, 5, dtype=D, requires_grad=True)
+    tracker = Tracker(batch, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        found = fn(x.view(-1, 5))
+    return {k: tracker.layout(v) for k, v in found.items()}
+
+
+def test_rows_picked_are_owned_by_their_examples_and_put_back():
+    from gradhooks.layout import MIXED, Layout
+
+    token = torch.tensor([0, 5, 6, 11])  # (examples 0, 1, 1, 2 of 3 x 4 tokens)
+
+    def fn(h):
+        rows = h[token]
+        out = torch.zeros_like(h).index_add_(0, token, rows * 2)
+        other = h[token.flip(0)]
+        return {"rows": rows, "wide": rows.view(4, 1, 5), "out": out, "back": out.view(3, 4, 5),
+                "mixed": rows + other, "shifted": torch.zeros_like(h).index_add_(0, (token + 1) % 12, rows),
+                "repeat": rows.repeat(2, 1)}  # fmt: skip
+
+    lays = _followed(fn)
+    assert torch.equal(lays["rows"].owners.rows, torch.tensor([0, 1, 1, 2]))
+    assert lays["wide"] == Layout(0, owners=lays["rows"].owners)
+    assert lays["out"] == Layout(0, inner=4) and lays["back"] == Layout(0)
+    assert lays["mixed"] is MIXED  # (row 0 of example 0 added to row 3 of example 2)
+    assert lays["shifted"] is MIXED  # (token 11, example 2's, written into row 0, example 0's)
+    assert lays["repeat"] is MIXED  # (an operation that does not follow owned rows)
+
+
+def test_whole_examples_picked_are_still_refused():
+    """``x[[1, 0, 0]]`` on ``[batch, F]``: the batch itself changed (an example twice, one
+    gone), not tokens of examples picked."""
+    from gradhooks.layout import MIXED, Layout, Tracker
+
+    x = torch.randn(3, 5, dtype=D, requires_grad=True)
+    tracker = Tracker(3, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        out = x[torch.tensor([1, 0, 0])]
+    assert tracker.layout(out) is MIXED
