@@ -2106,7 +2106,7 @@ class Tracker(TorchFunctionMode):
                 self.coupled[o] = name
         if result is MIXED:
             if any(_carries(o) for o in outs):
-                if not inherited:
+                if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
                     self.mixed.setdefault(name, None)
                 for o in outs:
                     self.layouts[o] = MIXED
