@@ -376,9 +376,12 @@ def test_rows_picked_are_owned_by_their_examples_and_put_back():
         rows = h[token]
         out = torch.zeros_like(h).index_add_(0, token, rows * 2)
         other = h[token.flip(0)]
-        return {"rows": rows, "wide": rows.view(4, 1, 5), "out": out, "back": out.view(3, 4, 5),
-                "mixed": rows + other, "shifted": torch.zeros_like(h).index_add_(0, (token + 1) % 12, rows),
-                "repeat": rows.repeat(2, 1)}  # fmt: skip
+        shifted = torch.zeros_like(h).index_add_(0, (token + 1) % 12, rows)
+        return {
+            "rows": rows, "wide": rows.view(4, 1, 5), "out": out, "back": out.view(3, 4, 5),
+            "mixed": rows + other, "shifted": shifted, "repeat": rows.repeat(2, 1),
+            "split": rows.split([1, 3])[0], "sliced": rows[:2],
+        }  # fmt: skip
 
     lays = _followed(fn)
     assert torch.equal(lays["rows"].owners.rows, torch.tensor([0, 1, 1, 2]))
@@ -387,6 +390,7 @@ def test_rows_picked_are_owned_by_their_examples_and_put_back():
     assert lays["mixed"] is MIXED  # (row 0 of example 0 added to row 3 of example 2)
     assert lays["shifted"] is MIXED  # (token 11, example 2's, written into row 0, example 0's)
     assert lays["repeat"] is MIXED  # (an operation that does not follow owned rows)
+    assert lays["split"] is MIXED and lays["sliced"] is MIXED  # (by position: as a capacity)
 
 
 def test_whole_examples_picked_are_still_refused():
@@ -400,3 +404,27 @@ def test_whole_examples_picked_are_still_refused():
     with tracker:
         out = x[torch.tensor([1, 0, 0])]
     assert tracker.layout(out) is MIXED
+
+
+def test_tokens_sorted_by_expert_across_the_batch_are_refused():
+    """Sorting the tokens by expert (``argsort`` along the batch's tokens) and picking them in
+    that order: the order comes from every example's tokens, and what follows (a split by the
+    counts) cannot be told from a capacity; refused at the first expert, naming the argsort."""
+
+    class Sorted(MoE):
+        def forward(self, x):
+            b, t, d = x.shape
+            h = x.view(-1, d)
+            weights, chosen = self.gate(h).softmax(-1).topk(1, -1)
+            order = torch.argsort(chosen[:, 0], stable=True)
+            counts = torch.bincount(chosen[:, 0], minlength=len(self.experts)).tolist()
+            parts = torch.split(h[order], counts)
+            done = torch.cat([ex(part) for ex, part in zip(self.experts, parts)])
+            out = torch.zeros_like(h).index_copy(0, order, done * weights[order])
+            return self.head(out.view(b, t, d))
+
+    torch.manual_seed(0)
+    m = Sorted().double()
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(RuntimeError, match=r"'experts\.0\.up' \(Linear\).*\(argsort"):
+            m(torch.randn(3, 5, 4, dtype=D))
