@@ -62,7 +62,7 @@ def carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
 def keeps_rows(layout: CallLayout | None) -> bool:
     """Whether a call's rule sees its input as the forward ran it (what ``taps`` were taken
     from): not where the engine moves or adds a batch dimension."""
-    return layout is None or layout.kind in ("plain", "fold", "unknown")
+    return layout is None or layout.kind in ("plain", "fold", "unknown", "owners")
 
 
 def _changed_in_place(target: Target, what: str, t: Tensor, version: int, advice: str) -> None:
@@ -158,6 +158,8 @@ def rule_pieces(
     if layout.kind == "mismatch":
         rule(call)  # (its own error, where it has one, says more: an unbatched input)
         raise RuntimeError(layout.lost[0])
+    if layout.kind == "owners":
+        return _owned_pieces(rule(call), params, layout)
     if target.entry.batch_dim_of(target.module) == "positions":
         return rule(_positions_call(call, layout))
     if layout.kind == "fold":
@@ -186,6 +188,26 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter]):
         }
 
     return cast
+
+
+def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P.Piece | None]:
+    """A call on rows picked by an index (tokens routed to an expert): the rule's rows are its
+    input's, each one example's part (:class:`gradhooks.layout.Owners`); each example's are
+    summed."""
+    owners = layout.first.owners.rows
+    found = dict(pieces)
+    for n, piece in found.items():
+        if piece is None or n not in params:
+            continue
+        if piece.batch_size != owners.numel():
+            raise RuntimeError(
+                f"the rule gave {piece.batch_size} rows for '{n}' of a call on {owners.numel()} "
+                "rows picked by an index (each one example's): it cannot tell which example "
+                "each belongs to. Register a rule whose rows are its input's, or freeze the "
+                "parameter."
+            )
+        found[n] = piece.owned(params[n].shape, owners, layout.batch)
+    return found
 
 
 def _positions_call(call: Call, layout: CallLayout) -> Call:
@@ -396,9 +418,33 @@ class CallLayouts:
         root = frame is not None and any(
             x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
         )
+        if target.entry is FALLBACK and any(
+            lay is not None and lay.owners is not None for lay in (*lin, *lout)
+        ):
+            raise RuntimeError(
+                f"{where}: a module without a rule given rows picked from the batch by an index "
+                f"({_shapes(args, kwargs)}: tokens routed to an expert, or unpadded), so the "
+                "examples have different numbers of rows and its torch.func fallback cannot "
+                "split them. Make its weights nn.Linear children (each with a rule), register "
+                "a rule for it with @gradhooks.register, or freeze its parameters."
+            )
         if first is PACKED or target.entry is FALLBACK:
             return CallLayout("plain", batch, first, lin, lout, root=root)
         dim = target.entry.batch_dim_of(target.module)
+        if first.owners is not None:
+            want = 0 if dim == "positions" else dim
+            followed = [lay for lay in (*lin, *lout) if lay is not None]
+            if first.dim == want and all(lay == first for lay in followed):
+                return CallLayout("owners", batch, first, lin, lout, root=root)
+            layout = CallLayout("mismatch", batch, first, lin, lout)
+            layout.lost = (
+                f"{where}: its input ({_shapes(args, kwargs)}) holds rows picked from the "
+                f"batch by an index on {first.describe(batch)}, but its rule reads each "
+                f"row's example from dimension {want}, or its inputs and outputs hold "
+                "different rows. Give the layer the picked rows on dimension "
+                f"{want}, or freeze its parameters.",
+            )
+            return layout
         if dim == "positions":
             kind = "plain" if first.dim == 0 and first.plain else "moved"
             return CallLayout(kind, batch, first, lin, lout, root=root)

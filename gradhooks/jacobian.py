@@ -208,7 +208,9 @@ def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> Hoo
     batch = tracker.batch if tracker is not None else (first.shape[0] if first.dim() else 1)
     direct = {pid for pid in h._direct if pid in h._params}
     sources = tracker is not None and bool(tracker.edges)
-    return HookedForward(out, reached, direct, sources, tracker, batch, autocast_dtype() is not None)
+    return HookedForward(
+        out, reached, direct, sources, tracker, batch, autocast_dtype() is not None
+    )
 
 
 @contextmanager

@@ -67,24 +67,56 @@ __all__ = [
 ]
 
 
+class Owners:
+    """The example of each entry of a layout's dimension, one by one: ``rows[r]`` (int64,
+    ``[entries]``) owns entry ``r``. Rows picked from the batch by an index (the tokens a
+    mixture-of-experts layer routes to one expert, ``h[top_x]``; the unpadded tokens of a
+    batch, ``h[mask]``) are laid out so: each still belongs to one example, but how many each
+    example has, and where, is data. ``base``: the layout of the tensor they were picked from
+    (where they are written back to, ``out.index_add_(0, top_x, y)``). Two are equal where
+    their rows are."""
+
+    __slots__ = ("rows", "base")
+
+    def __init__(self, rows: Tensor, base: Layout | None = None) -> None:
+        self.rows, self.base = rows, base
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Owners) or self.rows.shape != other.rows.shape:
+            return False
+        return self.rows.device == other.rows.device and torch.equal(self.rows, other.rows)
+
+    def __hash__(self) -> int:
+        return hash(self.rows.numel())
+
+    def __repr__(self) -> str:
+        return f"Owners({self.rows.numel()} rows)"
+
+
 @dataclass(frozen=True)
 class Layout:
     """Dimension ``dim`` holds ``outer · batch · inner`` entries; entry ``(a · batch + b) · inner
-    + c`` belongs to example ``b``."""
+    + c`` belongs to example ``b``. With ``owners``, dimension ``dim`` holds as many entries as
+    it has rows, and entry ``r`` belongs to example ``owners.rows[r]`` (see :class:`Owners`)."""
 
     dim: int
     outer: int = 1
     inner: int = 1
+    owners: Owners | None = None
 
     def size(self, batch: int) -> int:
+        if self.owners is not None:
+            return self.owners.rows.numel()
         return self.outer * batch * self.inner
 
     @property
     def plain(self) -> bool:
-        return self.outer == 1 and self.inner == 1
+        return self.outer == 1 and self.inner == 1 and self.owners is None
 
     def at(self, dim: int) -> Layout:
-        return Layout(dim, self.outer, self.inner)
+        return Layout(dim, self.outer, self.inner, self.owners)
 
     def describe(self, batch: int) -> str:
         if self is PACKED:
@@ -93,6 +125,8 @@ class Layout:
             return "mixed (entries depend on several examples)"
         if self is UNKNOWN or self.dim < 0:
             return "unknown"
+        if self.owners is not None:
+            return f"dimension {self.dim}, rows picked from the batch by an index"
         if self.plain:
             return f"dimension {self.dim}"
         parts = [str(self.outer)] if self.outer > 1 else []
@@ -123,7 +157,16 @@ def _followed(lay: Layout | None) -> bool:
 
 def batch_rows(t: Tensor, layout: Layout, batch: int) -> Tensor:
     """``t`` with its examples on a new leading dimension: ``[batch, ...]``, the layout's
-    dimension keeping ``outer · inner`` entries (``outer`` before ``inner``)."""
+    dimension keeping ``outer · inner`` entries (``outer`` before ``inner``). Not for rows
+    picked by an index (:class:`Owners`: the examples have different numbers of rows)."""
+    if layout.owners is not None:
+        raise ValueError(
+            f"a tensor of shape {tuple(t.shape)} holds rows picked from the batch by an index "
+            f"on dimension {layout.dim} (tokens routed to experts, unpadded tokens): the "
+            "examples have different numbers of rows there, so they cannot be split along a "
+            "new dimension. Give the rows to nn.Linear (or another layer with a rule) rather "
+            "than to a module without a rule, or freeze its parameters."
+        )
     d = layout.dim
     t = t.unflatten(d, (layout.outer, batch, layout.inner)).movedim(d + 1, 0)
     return t.flatten(d + 1, d + 2)
@@ -133,12 +176,69 @@ def example_mask(shape: Sequence[int], layout: Layout, batch: int, device) -> Te
     """``[batch, *shape]`` of 0/1 (bool): entry ``[b, ...]`` is 1 where that entry of a tensor
     of ``shape`` with ``layout`` belongs to example ``b``."""
     d = layout.dim
-    index = torch.arange(layout.size(batch), device=device)
-    owner = (index // layout.inner) % batch  # [size]
+    owner = owner_vector(layout, batch, device)  # [size]
     mask = owner[None, :] == torch.arange(batch, device=device)[:, None]  # [batch, size]
     view = [batch] + [1] * len(shape)
     view[d + 1] = layout.size(batch)
     return mask.reshape(view).expand(batch, *shape)
+
+
+def owner_vector(layout: Layout, batch: int, device) -> Tensor:
+    """``[size]`` (int64): the example that owns each entry of the layout's dimension."""
+    if layout.owners is not None:
+        return layout.owners.rows.to(device)
+    index = torch.arange(layout.size(batch), device=device)
+    return (index // layout.inner) % batch
+
+
+def _owner_map(t: Tensor, layout: Layout, batch: int) -> Tensor:
+    """The owner of every entry of ``t`` (laid out as ``layout``), as a tensor of ``t.dim()``
+    dimensions of size 1 but the layout's (expand it to ``t.shape``)."""
+    shape = [1] * t.dim()
+    shape[layout.dim] = t.shape[layout.dim]
+    return owner_vector(layout, batch, t.device).view(shape)
+
+
+def _owned(dim: int, rows: Tensor, base: Layout | None, batch: int) -> Layout:
+    """The layout of a dimension whose entry ``r`` belongs to example ``rows[r]``: ``base``
+    (at ``dim``) where ``rows`` is its own (every row picked in place), else an
+    :class:`Owners` layout."""
+    rows = rows.reshape(-1).to(torch.int64)
+    if (
+        base is not None
+        and base.owners is None
+        and base.dim >= 0
+        and base.size(batch) == rows.numel()
+        and torch.equal(owner_vector(base, batch, rows.device), rows)
+    ):
+        return Layout(dim, base.outer, base.inner)
+    if base is not None and base.owners is not None:
+        base = base.owners.base
+    return Layout(dim, owners=Owners(rows, base))
+
+
+def _owner_dim(ow: Tensor, o: Tensor, base: Layout | None, batch: int) -> Layout | None:
+    """The layout of ``o`` whose entries' owners are ``ow`` (broadcastable to ``o.shape``, as
+    many dimensions): the dimension along which alone they vary (the longest where several
+    do), or ``None`` where there is none (an entry of each row of several examples)."""
+    if ow.dim() != o.dim() or o.dim() == 0:
+        return None
+    best = None
+    for e in range(o.dim()):
+        if ow.shape[e] != o.shape[e]:
+            continue
+        if o.numel() == 0:
+            if o.shape[e] == 0:
+                return Layout(e, owners=Owners(ow.new_zeros(0), base))
+            continue
+        flat = ow.movedim(e, 0).reshape(ow.shape[e], -1)
+        if flat.shape[1] > 1 and not bool((flat == flat[:, :1]).all()):
+            continue
+        if best is None or o.shape[e] > o.shape[best[0]]:
+            best = (e, flat[:, 0])
+    if best is None:
+        return None
+    return _owned(best[0], best[1], base, batch)
 
 
 # -- how operations move the batch -----------------------------------------------------------------
@@ -378,6 +478,24 @@ def _reshaped(lay: Layout, before: Sequence[int], after: Sequence[int], batch: i
     return UNKNOWN
 
 
+def _reshaped_rows(lay: Layout, before: Sequence[int], after: Sequence[int], batch: int) -> Layout:
+    """:func:`_reshaped` for rows picked by an index (:class:`Owners`): the dimension that
+    holds them kept whole (``[1, n, F]`` to ``[n, F]``, ``[n, H * D]`` to ``[n, H, D]``), or
+    merged with what follows it (``[n, F]`` to ``[n * F]``); else mixed."""
+    d, rows = lay.dim, lay.owners.rows
+    outer, inner = math.prod(before[:d]), math.prod(before[d + 1 :])
+    for e in range(len(after)):
+        post = math.prod(after[e + 1 :])
+        if math.prod(after[:e]) != outer or after[e] * post != rows.numel() * inner:
+            continue
+        if post == 0 or inner % post:
+            continue
+        times = inner // post
+        return _owned(e, rows.repeat_interleave(times) if times > 1 else rows,
+                      lay.owners.base, batch)  # fmt: skip
+    return MIXED
+
+
 class _NeedsBatch:
     """A handler that needs the batch size (reshapes): called with it bound."""
 
@@ -392,6 +510,8 @@ def _reshape_like(args, kwargs, out, layout_of, batch):
         return UNKNOWN
     if o.shape == t.shape:
         return lay
+    if lay.owners is not None:
+        return _reshaped_rows(lay, t.shape, o.shape, batch)
     found = _reshaped(lay, t.shape, o.shape, batch)
     # (no dimension holds each example's entries together: a row of the result has entries of
     # several examples, as h.t().reshape(B, F) or rows regrouped by view(2, B, F) give)
@@ -670,12 +790,27 @@ def _cat(args, kwargs, out, layout_of):
         return UNKNOWN
     if dim != known[0].dim:
         return known[0] if all(x == known[0] for x in known) else UNKNOWN
+    if any(x.owners is not None for x in firm):
+        if len(firm) != len(lays) or any(x.dim != dim for x in firm):
+            return MIXED
+        return _cat_rows(dim, parts, firm)
     if len(firm) != len(lays) or any(x.inner != known[0].inner for x in known):
         # rows that are not the examples put among them along their dimension: which row is
         # whose is lost, and what is computed across the rows next (a shift, a sum, attention
         # over them) could not be told from what keeps the examples apart
         return MIXED
     return Layout(dim, sum(x.outer for x in known), known[0].inner)
+
+
+def _cat_rows(dim: int, parts: list[Tensor], lays: list[Layout]) -> Layout:
+    """Rows picked by an index concatenated along their dimension (each expert's outputs in
+    turn): their owners in turn. Another layout among them (the whole batch) is mixed: its
+    number of examples is not known here."""
+    if any(x.owners is None for x in lays):
+        return MIXED
+    rows = torch.cat([x.owners.rows for x in lays])
+    bases = {x.owners.base for x in lays}
+    return Layout(dim, owners=Owners(rows, bases.pop() if len(bases) == 1 else None))
 
 
 @_handles("stack", "hstack", "vstack", "dstack", "column_stack")
@@ -1060,8 +1195,7 @@ def _permutes(args, kwargs, size: int) -> bool:
     return _is_permutation(_arg(args, kwargs, 2, "index"), size)
 
 
-@_handles("__getitem__")
-def _getitem(args, kwargs, out, layout_of):
+def _getitem(args, kwargs, out, layout_of, batch):
     x, index = args[0], args[1]
     lay = layout_of(x)
     o = _first_tensor(out)
@@ -1071,6 +1205,11 @@ def _getitem(args, kwargs, out, layout_of):
         items = index if isinstance(index, tuple) else (index,)
         found = [layout_of(i) for i in items if isinstance(i, Tensor) and layout_of(i)]
         if len(found) == 1 and len(items) == 1 and found[0].dim >= 0:
+            mask = items[0]
+            if mask.dtype == torch.bool:  # (the rows a mask with examples picks: theirs)
+                with torch.no_grad():
+                    rows = _owner_map(mask, found[0], batch).expand(mask.shape)[mask]
+                return _owned(0, rows, found[0], batch) if o.dim() >= 1 else UNKNOWN
             return found[0]
         return UNKNOWN
     if lay.dim < 0:
@@ -1085,7 +1224,64 @@ def _getitem(args, kwargs, out, layout_of):
         and _is_permutation(index[0] if isinstance(index, tuple) and index else index, x.shape[0])
     ):
         return _REORDER  # (the examples reordered: x[perm])
+    if where is None:
+        where = _picked(x, lay, index, o, batch)
     return where if where is not None else MIXED
+
+
+_HANDLERS["__getitem__"] = _NeedsBatch(_getitem)
+
+
+def _index_items(index: Any) -> list | None:
+    """The items of an index of integer or boolean tensors, ints, slices, ``None`` and
+    ``...`` (``None``: another kind of index)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    for i in items:
+        if isinstance(i, Tensor):
+            if i.is_floating_point() or i.is_complex() or i.requires_grad:
+                return None
+        elif not (i is None or i is Ellipsis or isinstance(i, int | slice)):
+            return None
+    return items
+
+
+def _tensor_dims(items: list, n: int) -> set[int]:
+    """The dimensions of a tensor of ``n`` dimensions that the index tensors among ``items``
+    index."""
+    widths = [i.dim() if isinstance(i, Tensor) and i.dtype == torch.bool else
+              0 if i is None or i is Ellipsis else 1 for i in items]  # fmt: skip
+    found, src = set(), 0
+    for i, w in zip(items, widths):
+        if i is Ellipsis:
+            src += n - sum(widths)
+        elif isinstance(i, Tensor):
+            found |= set(range(src, src + w))
+        src += w
+    return found
+
+
+def _picked(x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int) -> Layout | None:
+    """``x[index]`` where the index picks entries along the examples' dimension (rows routed to
+    an expert, ``h[top_x]``, ``h[None, top_x]``, ``h[mask]``): where every row of the result
+    belongs to one example, an :class:`Owners` layout saying which (``None`` otherwise)."""
+    items = _index_items(index)
+    if items is None or not any(isinstance(i, Tensor) for i in items):
+        return None
+    if lay.owners is None and lay.inner == 1 and _tensor_dims(items, x.dim()) == {lay.dim}:
+        return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
+    while items and (
+        items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)
+    ):
+        items.pop()  # (trailing dimensions taken whole: their owners are not formed)
+    shape = list(x.shape)
+    if Ellipsis not in items:
+        covered = sum(i.dim() if isinstance(i, Tensor) and i.dtype == torch.bool else
+                      0 if i is None else 1 for i in items)  # fmt: skip
+        shape[covered:] = [1 if j != lay.dim else n for j, n in
+                           enumerate(x.shape[covered:], covered)]  # fmt: skip
+    with torch.no_grad():
+        owners = _owner_map(x, lay, batch).expand(shape)[tuple(items)]
+    return _owner_dim(owners, o, lay, batch)
 
 
 def _masked_rows(x: Tensor, index: Any, o: Tensor) -> Layout | None:
@@ -1123,6 +1319,8 @@ def _setitem(args, kwargs, out, layout_of, batch):
         return MIXED
     if lay is not None and lay.dim < 0 or vlay.dim < 0:
         return UNKNOWN
+    if vlay.owners is not None or lay is not None and lay.owners is not None:
+        return _set_rows(x, lay, index, value, vlay, batch)
     with torch.no_grad():
         view = x.detach()[index]  # (the shape x[index] has: a view, or a small copy)
     want = vlay.at(vlay.dim + view.dim() - value.dim())
@@ -1136,6 +1334,225 @@ def _setitem(args, kwargs, out, layout_of, batch):
 
 
 _HANDLERS["__setitem__"] = _NeedsBatch(_setitem)
+
+
+def _row_candidates(x: Tensor, lay: Layout | None, vlay: Layout, batch: int) -> list[Layout]:
+    """Where the examples may be in ``x`` after rows laid out as ``vlay`` are written into it:
+    its own layout, or, for a tensor that did not depend on them (``zeros``), the layout the
+    rows were picked from, or the plain batch, on any dimension of the right size."""
+    if lay is not None:
+        return [lay]
+    base = vlay.owners.base if vlay.owners is not None else vlay
+    found = []
+    for d in range(x.dim()):
+        for c in (base, Layout(0)):
+            if c is None or c.owners is not None or c.dim < 0:
+                continue
+            cand = Layout(d, c.outer, c.inner)
+            if x.shape[d] == cand.size(batch) and cand not in found:
+                found.append(cand)
+    return found
+
+
+def _set_rows(x: Tensor, lay: Layout | None, index: Any, value: Tensor, vlay: Layout,
+              batch: int) -> Layout:  # fmt: skip
+    """``x[index] = value`` (or ``index_put_``) where ``value`` or ``x`` holds rows picked by an
+    index (tokens put back after their expert): the layout of ``x`` if every entry written
+    belongs to the example that owns its place there, else mixed."""
+    items = _index_items(index)
+    if items is None:
+        return MIXED
+    with torch.no_grad():
+        view = x.detach()[tuple(items)]
+        vo = _owner_map(value, vlay, batch)
+        if vo.dim() > view.dim():
+            return MIXED
+        vo = vo.reshape((1,) * (view.dim() - vo.dim()) + tuple(vo.shape))
+        for cand in _row_candidates(x, lay, vlay, batch):
+            got = _owner_map(x, cand, batch).expand(x.shape)[tuple(items)]
+            if got.dim() == vo.dim() and bool((got == vo).all()):
+                return cand
+    return MIXED
+
+
+def _indexed_rows(kind: str, args, kwargs, out, layout_of, batch) -> Layout | None:
+    """Indexing along the dimension of rows that are parts of examples (tokens): picked
+    (``index_select``, ``gather``: an :class:`Owners` layout), or written back (``index_add_``,
+    ``index_copy_``, ``scatter_add_``, ``index_put_``: the layout of the tensor written into,
+    where each row lands in its own example's place, else mixed). ``None``: not such an
+    operation (the other handlers decide)."""
+    x = args[0]
+    o = _first_tensor(out)
+    if not isinstance(x, Tensor) or o is None:
+        return None
+    xlay = layout_of(x)
+    if kind == "put":
+        indices = _arg(args, kwargs, 1, "indices")
+        values = _arg(args, kwargs, 2, "values")
+        vlay = layout_of(values) if isinstance(values, Tensor) else None
+        if vlay is None or vlay.dim < 0 or xlay is not None and xlay.dim < 0:
+            return None
+        if vlay.owners is None and (xlay is None or xlay.owners is None):
+            return None
+        return _set_rows(x, xlay, tuple(indices), values, vlay, batch)
+    dim = _arg(args, kwargs, 1, "dim")
+    index = _arg(args, kwargs, 2, "index")
+    if not isinstance(dim, int) or not isinstance(index, Tensor) or index.is_floating_point():
+        return None
+    dim = _norm_dim(dim, x.dim())
+    if kind == "select" and xlay is None:
+        # a table that does not depend on the examples looked up by an index that does (NLLB's
+        # sinusoidal positions, weights.index_select(0, position_ids.view(-1))): its rows
+        ilay = layout_of(index)
+        if ilay is None or ilay.dim != 0 or index.dim() != 1:
+            return None
+        return ilay.at(dim)
+    if kind in ("select", "gather"):
+        if xlay is None or xlay.dim != dim:
+            return None
+        if xlay.owners is None and xlay.inner == 1:
+            return None  # (whole examples picked: the batch itself changed)
+        with torch.no_grad():
+            if kind == "select":
+                rows = owner_vector(xlay, batch, x.device)[index.reshape(-1)]
+                return _owned(dim, rows, xlay, batch)
+            owners = _owner_map(x, xlay, batch).expand(x.shape).gather(dim, index)
+            return _owner_dim(owners, o, xlay, batch) or MIXED
+    src = _arg(args, kwargs, 3, "source" if kind == "add" else "src")
+    if src is None and kind == "scatter":
+        src = kwargs.get("value")
+    slay = layout_of(src) if isinstance(src, Tensor) else None
+    if slay is None or slay.dim < 0 or xlay is not None and xlay.dim < 0:
+        return None
+    if slay.dim != dim and slay.owners is None and (xlay is None or xlay.owners is None):
+        return None
+    if slay.dim != dim or src.dim() != x.dim():
+        return MIXED
+    with torch.no_grad():
+        if kind == "add":
+            vo = owner_vector(slay, batch, x.device)
+            for cand in _row_candidates(x, xlay, slay, batch):
+                if cand.dim != dim:
+                    continue
+                got = owner_vector(cand, batch, x.device)[index.reshape(-1)]
+                if got.shape == vo.shape and torch.equal(got, vo):
+                    return cand
+            return MIXED
+        part = tuple(slice(0, k) for k in index.shape)
+        vo = _owner_map(src, slay, batch).expand(src.shape)[part]
+        for cand in _row_candidates(x, xlay, slay, batch):
+            got = _owner_map(x, cand, batch).expand(x.shape).gather(dim, index)
+            if torch.equal(got, vo):
+                return cand
+    return MIXED
+
+
+def _rows_then(kind: str) -> _NeedsBatch:
+    def handler(args, kwargs, out, layout_of, batch):
+        found = _indexed_rows(kind, args, kwargs, out, layout_of, batch)
+        return _indexed(args, kwargs, out, layout_of) if found is None else found
+
+    return _NeedsBatch(handler)
+
+
+for _n, _kind in (("index_select", "select"), ("gather", "gather"), ("index_add", "add"),
+                  ("index_add_", "add"), ("index_copy", "add"), ("index_copy_", "add"),
+                  ("scatter", "scatter"), ("scatter_", "scatter"), ("scatter_add", "scatter"),
+                  ("scatter_add_", "scatter"), ("index_put", "put"),
+                  ("index_put_", "put")):  # fmt: skip
+    _HANDLERS[_n] = _rows_then(_kind)
+
+# the operations that follow rows picked by an index (:class:`Owners`): every other one makes
+# them mixed (see output_layout)
+_OWNER_AWARE = (
+    (_POINTWISE_SET - {"masked_scatter", "masked_scatter_", "set_"})
+    | set(_REDUCTIONS)
+    | {
+        "softmax",
+        "log_softmax",
+        "softmin",
+        "cumsum",
+        "cumprod",
+        "logcumsumexp",
+        "cummax",
+        "cummin",
+        "sort",
+        "argsort",
+        "topk",
+        "kthvalue",
+        "msort",
+        "glu",
+        "normalize",
+        "flip",
+        "roll",
+        "diff",
+        "max",
+        "min",
+        "view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "ravel",
+        "squeeze",
+        "unsqueeze",
+        "squeeze_",
+        "unsqueeze_",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "permute",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        ".T",
+        ".mT",
+        "movedim",
+        "moveaxis",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+        "mm",
+        "bmm",
+        "baddbmm",
+        "addmm",
+        "linear",
+        "__getitem__",
+        "__setitem__",
+        "unbind",
+        "stack",
+        "split",
+        "chunk",
+        "split_with_sizes",
+        "cat",
+        "concat",
+        "concatenate",
+        "layer_norm",
+        "rms_norm",
+        "embedding",
+        "one_hot",
+        "index_fill",
+        "index_fill_",
+        "masked_select",
+    }  # fmt: skip
+    | set(_HANDLERS)
+    & {
+        "index_select",
+        "gather",
+        "index_add",
+        "index_add_",
+        "index_copy",
+        "index_copy_",
+        "scatter",
+        "scatter_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+    }  # fmt: skip
+)
 
 
 def _arange_dim(t: Tensor, size: int) -> int | None:
@@ -1259,7 +1676,24 @@ def _data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
-    which have layouts (``layout_of``)."""
+    which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
+    only through the operations that know them (:data:`_OWNER_AWARE`), and never lost: where
+    one of these cannot say where they went, its result is mixed (refused where it is used),
+    never of unknown layout (which a rule would read as the batch). (An index or mask computed
+    from them, which selects only, may be of unknown layout.)"""
+    lays = [lay for t in _tensors(args, kwargs) if (lay := layout_of(t)) is not None]
+    if any(lay.owners is not None for lay in lays):
+        lost = MIXED if any(map(_carries, _out_tensors(out))) else UNKNOWN
+        if name not in _OWNER_AWARE:
+            return lost
+        found = _output_layout(name, args, kwargs, out, layout_of, batch)
+        if found is UNKNOWN or (isinstance(found, list) and UNKNOWN in found):
+            return lost
+        return found
+    return _output_layout(name, args, kwargs, out, layout_of, batch)
+
+
+def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
     handler = _HANDLERS.get(name)
     if handler is None:
         return UNKNOWN
@@ -1429,6 +1863,11 @@ class Tracker(TorchFunctionMode):
         # they held the examples)
         self.joined: set[int] = set()
         self.func: Any = None  # the torch function being followed (a meeting formed later)
+        # tensors computed across the examples that carry no gradient and no values computed
+        # with (indices, masks), with the operation that did (see _coupling)
+        self.coupled: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # positions of rows that nonzero found in a tensor with examples (see _row_indices)
+        self.row_index: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -1600,6 +2039,10 @@ class Tracker(TorchFunctionMode):
         if not layouts and not sources and not direct:
             return func(*args, **kwargs)
         name = _name(func)
+        if direct and name in _MAYBE_SAME and isinstance(args[0], Tensor):
+            out = func(*args, **kwargs)
+            if out is args[0]:
+                return out  # (a parameter converted to what it is: no use of it, as module.to())
         self.off += 1
         try:
             if not sources and not direct:
@@ -1704,7 +2147,7 @@ class Tracker(TorchFunctionMode):
         if not outs or name in _FREE:
             return  # (a new tensor: its values do not depend on the examples)
         ins = _tensors(args, kwargs)
-        unselected = _unselected(name, args, self.layouts)
+        unselected = _unselected(name, args, self.layouts) | self._all_ones(name, ins)
         layout_of = self._layout_of
         if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
             ins = [t for t in ins if id(t) not in unselected]
@@ -1719,6 +2162,8 @@ class Tracker(TorchFunctionMode):
             result = output_layout(name, args, kwargs, out, layout_of, self.batch)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
+        result = self._coupling(name, args, ins, outs, result)
+        self._row_indices(name, args, ins, outs)
         reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
         if result is _REORDER:
             if reordered is None and any(o.requires_grad for o in outs):
@@ -1744,16 +2189,24 @@ class Tracker(TorchFunctionMode):
             # one example cannot mix with another: where two reshapes put its only entry on
             # different dimensions (heads folded in, sequence-first), take the first input's
             result = next((lay for t in ins if _followed(lay := self._layout_of(t))), UNKNOWN)
+        if result is MIXED and not any(_carries(o) for o in outs) and not inherited:
+            for o in outs:  # (an index or mask computed across the examples: see _coupling)
+                self.coupled[o] = name
         if result is MIXED:
             if any(_carries(o) for o in outs):
-                if not inherited:
+                if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
                     self.mixed.setdefault(name, None)
                 for o in outs:
                     self.layouts[o] = MIXED
                 if self.used and self.used[-1].soft:
                     self.used[-1].mixed = True
                     if not inherited:
-                        self.used[-1].mixing.add(name)
+                        picked = any(
+                            lay is not None and lay.owners is not None
+                            for t in ins
+                            if (lay := self._layout_of(t)) is not None
+                        )
+                        self.used[-1].mixing.add("__getitem__" if picked else name)
                 return
             # an index or mask computed across the examples (which experts any token picked,
             # the longest sequence): it selects, and each row is still a constant of its
@@ -1807,6 +2260,84 @@ class Tracker(TorchFunctionMode):
                 self.lineage[o] = every
                 if would:
                     self.would[o] = would
+
+    def _all_ones(self, name: str, ins: list) -> set[int]:
+        """The ids of the operands of a product that are a mask computed across the examples
+        (:meth:`_coupling`) whose every entry is one: multiplying by it keeps every entry, as
+        a constant would (NLLB-MoE's expert capacity where no token overflows it)."""
+        if name not in _PRODUCTS:
+            return set()
+        return {
+            id(t) for t in ins
+            if t in self.coupled and not _carries(t) and bool((t == 1).all())
+        }  # fmt: skip
+
+    def _coupling(self, name: str, args, ins: list, outs: list, result: Any) -> Any:
+        """Indices and masks computed across the examples (which tokens an expert keeps under
+        a capacity counted over the whole batch, ``cumsum`` along it) are followed as
+        *coupled*: what they select for one example depends on the others. Rows picked from
+        the batch by one are refused (mixed: the per-example computation would pick other
+        rows); one that picks along another dimension (which expert, from the experts any
+        token chose) only selects, and its result is not coupled."""
+        found = [self.coupled[t] for t in ins if t in self.coupled]
+        if not found:
+            return result
+        lays = result if isinstance(result, list) else [result]
+        picks = name in _PICKS and args and isinstance(args[0], Tensor)
+        if picks:
+            x_lay = self._layout_of(args[0])
+            fresh = [
+                lay for lay in lays
+                if isinstance(lay, Layout) and lay.owners is not None
+                and (x_lay is None or x_lay.owners is None or lay.owners != x_lay.owners)
+            ]  # fmt: skip
+            index_only = args[0] not in self.coupled
+            if fresh and index_only:
+                self.mixed.setdefault(
+                    f"{name} picking rows by an index computed across the batch "
+                    f"({', '.join(dict.fromkeys(found))}: an expert capacity counted over the "
+                    "batch?)",
+                    None,
+                )
+                return MIXED
+            if index_only and all(isinstance(lay, Layout) and lay.dim >= 0 for lay in lays):
+                return result  # (a coupled index along another dimension: selects only)
+        for o in outs:
+            self.coupled[o] = found[0]
+        return result
+
+    def _row_indices(self, name: str, args, ins: list, outs: list) -> None:
+        """Follow the positions of rows that ``nonzero`` (``torch.where(mask)``) finds in a
+        tensor with examples (the tokens routed to an expert): kept through reshapes,
+        concatenation and arithmetic; a part of them taken by position (``tokens[:capacity]``,
+        ``narrow``, ``split``) is decided across the batch (the first tokens of the batch, not
+        of each example), so it is coupled (see :meth:`_coupling`)."""
+        if name in ("nonzero", "argwhere") or name == "where" and len(args) == 1:
+            if any(_followed(self._layout_of(t)) for t in ins):
+                for o in outs:
+                    if not o.is_floating_point():
+                        self.row_index[o] = True
+            return
+        if not any(t in self.row_index for t in ins):
+            return
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is not None and x in self.row_index and name in _PART_OF:
+            index = args[1] if name == "__getitem__" and len(args) > 1 else None
+            items = index if isinstance(index, tuple) else (index,)
+            # (a mask or index of the rows' own, weights[tokens] > 0.1, picks per row; one
+            # that does not depend on them, arange(n) < capacity, by position)
+            if name != "__getitem__" or not all(
+                _followed(self._layout_of(i)) or i in self.row_index
+                for i in items if isinstance(i, Tensor)
+            ) or not any(isinstance(i, Tensor) for i in items):  # fmt: skip
+                if any(o.numel() < x.numel() for o in outs):
+                    for o in outs:
+                        self.coupled[o] = f"{name} of the rows an index picked"
+                    return
+        if name in _KEEPS_ROWS_INDEX or name in _POINTWISE_SET or name == "__getitem__":
+            for o in outs:
+                if not o.is_floating_point():
+                    self.row_index[o] = True
 
     def _without_candidates(self, name: str, args, kwargs, out, ins: list, result):
         """``result`` (mixed) of an operation on some of the model's inputs taken as batched
@@ -2062,6 +2593,8 @@ class Tracker(TorchFunctionMode):
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
         if not others or any(self.layouts[t].dim < 0 for t in others):
             return None  # (unknown, packed or mixed: no batch dimension to expand along)
+        if any(self.layouts[t].owners is not None for t in others):
+            return None  # (rows picked by an index: the general meeting, by example masks)
         if _is_inplace(name) and any(args and t is args[0] for t in tainted):
             return None  # the batch written into a batch-free tensor
         try:
@@ -2130,6 +2663,8 @@ class Tracker(TorchFunctionMode):
         if _is_inplace(name) and any(args and t is args[0] for t in tainted):
             return None  # the batch written into what was expanded
         others = [t for t in _tensors(args, kwargs) if self.layouts.get(t) is not None]
+        if any(self.layouts[t].owners is not None for t in others):
+            return None  # (rows picked by an index: the general meeting, by example masks)
         plans = []
         for t in tainted:
             found = self.spread.get(t)
@@ -2224,6 +2759,25 @@ class _Pending:
 _ACTIVE: list[Tracker] = []
 # operations that pick or put back rows by an index: inside a module without a rule, the
 # fallback's recomputation one example at a time tells whether they kept the examples apart
+# conversions that return their tensor itself where it already is what they make
+_MAYBE_SAME = frozenset(
+    """to type type_as contiguous float double half bfloat16 cpu cuda""".split()
+)
+# operations that take a part of a tensor by position, and those that keep every entry of an
+# index of rows (see Tracker._row_indices)
+_PART_OF = frozenset(
+    """__getitem__ narrow select split chunk tensor_split split_with_sizes unsafe_split unbind
+    topk kthvalue""".split()
+)
+_KEEPS_ROWS_INDEX = frozenset(
+    """view reshape flatten ravel squeeze unsqueeze contiguous clone cat concat concatenate
+    stack expand expand_as sort msort""".split()
+)
+# products by a mask (see Tracker._all_ones)
+_PRODUCTS = frozenset(
+    """mul mul_ __mul__ __rmul__ __imul__ logical_and __and__ __rand__ __iand__
+    bitwise_and""".split()
+)
 _PICKS = frozenset(
     """__getitem__ __setitem__ index_select index_add index_add_ index_copy index_copy_
     index_put index_put_ gather scatter scatter_ scatter_add scatter_add_ take_along_dim

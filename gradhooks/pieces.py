@@ -125,6 +125,15 @@ class Piece:
         g1 = self.grad1(param_shape)
         return Direct(g1.unflatten(0, (outer, batch, inner)).sum((0, 2)))
 
+    def owned(self, param_shape: torch.Size, owners: Tensor, batch: int) -> Piece:
+        """A piece whose row ``r`` is part of example ``owners[r]`` (a layer that saw rows
+        picked from the batch by an index: the tokens routed to an expert) as one with
+        ``batch`` rows, each the sum of its example's parts (zero for an example with none).
+        Here formed per row and summed."""
+        g1 = self.grad1(param_shape)
+        out = g1.new_zeros((batch, *g1.shape[1:]))
+        return Direct(out.index_add_(0, owners.to(g1.device), g1))
+
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         """This piece with its floating tensors in ``dtype``. A layer that ran in another
         precision than its parameter (autocast: a bfloat16 output-gradient beside the float32
@@ -275,6 +284,29 @@ class Outer(Piece):
             groups = t.dim() - 5
             t = t.permute(0, *range(3, 3 + groups), 1, 2, t.dim() - 2, t.dim() - 1)
             return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
+
+        return Outer(None if self.a is None else fold(self.a), fold(self.g))
+
+    def owned(self, param_shape: torch.Size, owners: Tensor, batch: int) -> Piece:
+        """The rows become shared positions of their examples: ``[rows, *groups, S, f]`` as
+        ``[batch, *groups, most · S, f]``, each example's rows first and zeros after them (a
+        zero row adds nothing to a sum of outer products), ``most`` the most rows of one
+        example."""
+        owners = owners.to(self.g.device)
+        counts = torch.bincount(owners, minlength=batch)
+        most = int(counts.max()) if counts.numel() else 0
+        if most == 0:  # (no rows: a zero gradient for every example)
+            return Direct(self.g.new_zeros((batch, *param_shape)))
+        order = torch.argsort(owners, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_owners = owners[order]
+        slot = torch.arange(owners.numel(), device=owners.device) - starts[sorted_owners]
+
+        def fold(t: Tensor) -> Tensor:  # [R, *groups, S, f] -> [B, *groups, most*S, f]
+            out = t.new_zeros((batch, most, *t.shape[1:]))
+            out[sorted_owners, slot] = t[order]
+            out = out.movedim(1, -3)  # [B, *groups, most, S, f]
+            return out.reshape(batch, *t.shape[1:-2], most * t.shape[-2], t.shape[-1])
 
         return Outer(None if self.a is None else fold(self.a), fold(self.g))
 
@@ -538,6 +570,11 @@ class Rows(Piece):
         example = torch.div(self.example, inner, rounding_mode="floor") % batch
         positions = self.positions * inner if self.positions is not None and outer == 1 else None
         return Rows(example, self.index, self.g, batch, self.num_rows, positions)
+
+    def owned(self, param_shape: torch.Size, owners: Tensor, batch: int) -> Piece:
+        """The entries are renumbered to their rows' examples."""
+        example = owners.to(self.example.device)[self.example]
+        return Rows(example, self.index, self.g, batch, self.num_rows)
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         if not _other(self.g, dtype):
@@ -840,6 +877,6 @@ def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
             if id(p) in found and found[id(p)] is None:
                 continue
             # (in the parameter's precision, as the norms are: pieces of a bfloat16 forward)
-            total = piece.widened(p.dtype).batch_sum(p.shape, weights.to(p.device)) * scale
+            total = piece.in_dtype(p.dtype).batch_sum(p.shape, weights.to(p.device)) * scale
             found[id(p)] = total if id(p) not in found else found[id(p)] + total
     return found

@@ -26,7 +26,9 @@ class CallLayout:
     ``"fold"`` (another layer's examples folded into its batch dimension: the rule's rows of
     one example summed), ``"shared"`` (the call does not depend on the examples: its
     per-example output-gradients come from where its output meets the batch) or
-    ``"unknown"`` (not followed: the rule's dimension is taken, and the batch size checked).
+    ``"unknown"`` (not followed: the rule's dimension is taken, and the batch size checked) or
+    ``"owners"`` (rows picked from the batch by an index, each one example's: the rule's rows
+    of one example summed, :meth:`gradhooks.pieces.Piece.owned`).
     """
 
     kind: str  # also "mismatch": the examples are not where the rule reads them (an error)
