@@ -39,7 +39,7 @@ from .records import (
     lowest_precision,
 )
 from .registry import Call, _Entry
-from .verify import per_example_outputs
+from .verify import per_example_outputs, rounding_tolerance
 
 
 class Backwards:
@@ -480,8 +480,13 @@ class Backwards:
         """A hook the user registered on the parameter changed its gradient: ``grad1`` follows
         where the change is a multiple of it (``g * c``, a clipping of its norm), so that it
         still reduces to ``.grad``; any other change is refused."""
-        factor = _multiple(raw, final)
-        if factor is not None and abs(factor - 1.0) <= _ROUNDING.get(raw.dtype, 1e-2):
+        # (two sums of the same terms, rounded in the precision the backward's calls ran in)
+        tol = rounding_tolerance(
+            raw.dtype, bw.precision, float32=_ROUNDING[torch.float32],
+            float64=_ROUNDING[torch.float64],
+        )  # fmt: skip
+        factor = _multiple(raw, final, tol)
+        if factor is not None and abs(factor - 1.0) <= tol:
             return  # (a new tensor, the same gradient: a norm clip that did not clip)
         if factor is not None and self._grad1:
             p = self._params[pid][1]
@@ -777,7 +782,7 @@ def _same(final: Tensor, raw: Tensor, version: int) -> bool:
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def _multiple(raw: Tensor, final: Tensor) -> float | None:
+def _multiple(raw: Tensor, final: Tensor, tol: float) -> float | None:
     """``c`` where ``final == c * raw`` (to rounding), else ``None``."""
     if final.shape != raw.shape or final.is_sparse or raw.is_sparse:
         return None
@@ -786,7 +791,6 @@ def _multiple(raw: Tensor, final: Tensor) -> float | None:
     if rr == 0.0:
         return 1.0 if not bool(f.any()) else None
     c = float(r @ f) / rr
-    tol = _ROUNDING.get(raw.dtype, 1e-2)
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
 
@@ -802,12 +806,21 @@ def _examples_of_empty_call(
     (``[batch, 0, features]``).
     ``None`` otherwise (the rule runs)."""
     if frame is not None and frame.batch == 0:
+        if (layout is None or layout.kind == "plain") and _first_rows(call) == 0:
+            return None  # (the rule reads 0 rows where it reads them: its pieces, empty,
+            # still say what they are of, as K-FAC's factors summed over ranks need)
         return 0
     if not _blank(call):
         return None
     if layout is not None and layout.kind in ("plain", "fold"):
         return layout.batch  # (where the rule reads the examples: empty, each of them)
     return None
+
+
+def _first_rows(call: Call) -> int | None:
+    """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
+    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
+    return None if first is None or first.dim() == 0 else first.shape[0]
 
 
 def _blank(call: Call) -> bool:

@@ -491,6 +491,8 @@ def test_torch_compile_of_hooks_made_before_torch_compile_loads(tmp_path):
     script.write_text(_FRESH)
     root = os.path.dirname(os.path.dirname(gradhooks.__file__))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # (a cache of compiled kernels of its own: one another process wrote half-way is no test)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
     )
