@@ -6,6 +6,7 @@ is refused with an error naming the module and what to do."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -478,19 +479,25 @@ print("ok")
 """
 
 
+# The environment the tests started in, for the fresh interpreter below: what libraries set
+# while the suite runs (a compiler that is gcc for C++ as well, which then links no C++
+# library into a compiled kernel) is no user's shell
+_STARTING_ENVIRONMENT = dict(os.environ)
+
+
 @pytest.mark.slow  # (a fresh interpreter: importing torch and compiling, ~20-40 s)
 def test_torch_compile_of_hooks_made_before_torch_compile_loads(tmp_path):
     """A fresh interpreter, where torch.compile's own modules load after add_hooks: the same
     refusal of fullgraph=True, and grad1 right without it; a non-strict torch.export (which
     runs the hooks for real) is not refused."""
-    import os
     import subprocess
     import sys
 
     script = tmp_path / "fresh.py"
     script.write_text(_FRESH)
     root = os.path.dirname(os.path.dirname(gradhooks.__file__))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = _STARTING_ENVIRONMENT
+    env = {**start, "PYTHONPATH": root + os.pathsep + start.get("PYTHONPATH", "")}
     # (a cache of compiled kernels of its own: one another process wrote half-way is no test)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     done = subprocess.run(
