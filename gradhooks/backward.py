@@ -104,7 +104,7 @@ class Backwards:
                 if aligned is not None:
                     layout = aligned
                 else:
-                    call = per_example_outputs(target, layout, call, create_graph)
+                    call = per_example_outputs(target, layout, call, create_graph, self._precision)
             with autocast_off():
                 self._backward(target, state.params, call, state.frame, bw, sums, layout)
         except BaseException:

@@ -40,6 +40,7 @@ which is not (and is 0 for an empty batch).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -49,6 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _torch
 from . import pieces as P
 from .engine import Hooks
+from .errors import GradhooksWarning
 from .records import drop_box, half_precision
 from .verify import PROBE_TOLERANCE, mismatch
 
@@ -78,8 +80,8 @@ def dp_sgd_step(
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
-            or ``quantities=("norms",)`` (ghost clipping, never forms ``grad1``), added before
-            the forward. Its ``loss_reduction`` does not matter here.
+            or ``quantities=("norms",)`` (book-keeping by default, or ghost clipping: never
+            forms ``grad1``), added before the forward. Its ``loss_reduction`` does not matter here.
         per_example_loss: each example's own loss, ``[batch]`` (e.g. ``reduction="none"``).
         max_norm: ``C``, the clipping norm of each example's whole-model gradient.
         noise_multiplier: ``σ``; the noise std is ``σ·C``. ``0`` for clipping only.
@@ -151,6 +153,7 @@ def dp_sgd_step(
             p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
         return norms.detach()
     std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
+    _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
         if std > 0:  # (a new tensor: divided in place)
@@ -177,6 +180,33 @@ def finite(norms: Tensor, clipped: list[Tensor]) -> bool:
 
 # Losses a step has run its backward through (their graph freed), until they are freed
 _STEPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Per handle, the batch size of its last step divided by its own size (reduction "mean"
+# without expected_batch_size); -1 once it has warned that the sizes vary
+_OWN_SIZES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _warn_if_sizes_vary(hooks: Hooks, batch: int, reduction: str, expected: float | None) -> None:
+    """Batches whose size varies, each divided by its own size: Poisson-sampled batches
+    without ``expected_batch_size``, whose normalisation is another mechanism than the one
+    the accountant analyses (the batch's size is not public). Said once per handle."""
+    if reduction != "mean" or expected is not None:
+        return
+    last = _OWN_SIZES.get(hooks)
+    if last == -1:
+        return
+    _OWN_SIZES[hooks] = batch
+    if last is not None and last != batch:
+        _OWN_SIZES[hooks] = -1
+        warnings.warn(
+            f"gradhooks.dp_sgd_step: the batch size varies between steps ({last}, then "
+            f"{batch}) and each step divides its noisy sum by its own batch's size. With "
+            "Poisson-sampled batches (PoissonSampler, poisson_loader), pass "
+            "expected_batch_size=sampler.expected_batch_size: the accountant's analysis "
+            "assumes that public denominator, and an empty batch has no size of its own. "
+            "(Fixed-size batches with a smaller last one: drop_last=True, or ignore this.)",
+            GradhooksWarning,
+            stacklevel=3,
+        )
 
 
 def _checked(

@@ -737,16 +737,17 @@ def add_hooks(
             (:meth:`Hooks.sum_grad_sq`, :meth:`Hooks.grad_variance`) and ``"kfac"``
             (:meth:`Hooks.kfac_factors`). Without ``"grad1"`` no per-example gradient of the
             whole model is ever formed.
-        batch_dim: the check that every hooked layer sees the examples on dimension 0 of
-            its input (rules for sequence-first layers, such as ``nn.LSTM`` without
-            ``batch_first``, handle their own layout). ``"auto"`` (default): all hooked
-            layers of one forward of the model must agree on the batch size, and it must be
-            the size of dimension 0 or 1 of some tensor input or output of the model (so a
-            model that folds time into the batch, ``x.view(B * T, ...)``, is an error naming
-            the layer and both sizes; a lone layer run sequence-first is not caught). An int
-            ``k``: the batch is dimension ``k`` of the model's first
-            tensor input, and every layer must see exactly that (stricter; also checks the
-            memory limit at the forward). ``None``: no check.
+        batch_dim: where the examples are. ``"auto"`` (default): dimension 0 of the model's
+            first tensor input (a ``PackedSequence``: its first batch size), and of every
+            other tensor input of that size unless only that would make it mix the examples
+            (a mask as long as the batch); an int ``k``: dimension ``k`` of the first tensor
+            input (a sequence-first model: ``batch_dim=1``; also checks the memory limit at
+            the forward). From there the batch is followed through the forward: a layer that
+            sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
+            rows are summed) or on another dimension (moved) is right; a layer whose input
+            was computed across the batch is an error naming the layer and the shapes.
+            ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
+            dimension 0.
         max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
             larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
             first captured call of the backward, before any ``grad1`` is formed; at the

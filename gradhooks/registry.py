@@ -30,6 +30,7 @@ its parent's silently).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -226,7 +227,50 @@ class Registry:
         owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
         batch_dim: BatchDim = 0,
     ) -> Callable[[Rule], Rule]:
-        """Decorator: use the function as the rule for ``types``."""
+        """Decorator: use the function as the rule for ``types``.
+
+        The rule is ``rule(call: Call) -> {param_name: Piece}``, one piece per trainable
+        parameter of the module (``None`` for one the call did not use), in the canonical
+        layout of :mod:`gradhooks.pieces`. A second rule for a type is refused unless
+        ``overwrite=True``; a subclass inherits its parent's rule only when it does not
+        override ``forward``.
+
+        Options, what the rule needs of a call:
+
+        - ``batch_dim``: where the layer reads its examples: ``0`` (default), a function of
+          the module (:func:`batch_first` for a layer with a ``batch_first`` flag), or
+          ``"positions"`` for a layer that treats every position alike (Linear, Embedding,
+          LayerNorm: the engine hands it calls with the examples folded, elsewhere or absent
+          moved to, or put on, dimension 0). ``call.batch`` tells the rule where they are.
+        - ``owns_children``: the rule also computes its submodules' parameters
+          (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling ``out_proj``).
+        - ``needs_output``: the rule receives ``call.output``.
+        - ``on_forward``: ``check(module, name)``, called at each forward call; raise there to
+          refuse the call (BatchNorm in train mode does).
+        - ``saved``: ``read(module, args, kwargs, output)`` returns what the call's own nodes
+          saved for their backward (a norm's mean and 1/std), read in ``call.saved``
+          (``None`` where saved-tensor hooks are on).
+        - ``taps``: ``find(module, args, kwargs, output)`` returns an object whose ``nodes``
+          are autograd nodes inside the call; the rule runs once the backward has reached
+          them and reads their output-gradients in ``call.tap_grads``.
+
+        Speed-ups over autograd, each keeping autograd's own checks:
+
+        - ``grad_from_grad1``: ``predicate(module, args)``; where true, the call runs with its
+          parameters detached and their ``.grad`` is the sum of the call's ``grad1`` (or a
+          by-product of the norms), so that autograd does not also form the batch gradient.
+        - ``owns_backward`` (with ``grad_from_grad1``): ``True``, or ``record(module)``, a
+          context manager entered around the call's forward (what its ``__enter__`` returns
+          reaches the rule as ``call.recorded``). The call runs with grad mode off and the
+          rule owns its whole backward: besides its pieces it fills ``call.input_grads``.
+
+        Example::
+
+            @gradhooks.register(MyLinear)
+            def my_linear(call):
+                x, g = call.inputs[0], call.grad_outputs[0]  # [batch, in], [batch, out]
+                return {"weight": gradhooks.Outer(x[:, None], g[:, None])}
+        """
         if not (callable(batch_dim) or batch_dim == "positions" or
                 (isinstance(batch_dim, int) and batch_dim >= 0)):  # fmt: skip
             raise TypeError(
@@ -336,7 +380,6 @@ def register(
     owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
     batch_dim: BatchDim = 0,
 ) -> Callable[[Rule], Rule]:
-    """Register a rule in the default registry (see :class:`Registry`)."""
     return REGISTRY.register(
         *types,
         overwrite=overwrite,
@@ -349,3 +392,9 @@ def register(
         owns_backward=owns_backward,
         batch_dim=batch_dim,
     )
+
+
+register.__doc__ = (  # (the options are Registry.register's: one text for both)
+    "Register a rule in :data:`REGISTRY`, the default registry: ``@register(MyLayer)``.\n\n"
+    + inspect.cleandoc(Registry.register.__doc__).split("\n", 1)[1].lstrip("\n")
+)

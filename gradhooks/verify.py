@@ -167,13 +167,17 @@ def _listed(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + more
 
 
-def _tolerance(t: Tensor) -> float:
-    return {torch.float64: 1e-7, torch.float32: 1e-4}.get(t.dtype, 2e-2)
-
-
-def per_example_outputs(target: Target, layout: CallLayout, call: Call, create_graph: bool) -> Call:
+def per_example_outputs(
+    target: Target,
+    layout: CallLayout,
+    call: Call,
+    create_graph: bool,
+    precision: torch.dtype | None = None,
+) -> Call:
     """A call that does not depend on the examples: its output-gradients per example, from
-    where its outputs met the batch (the tracker's sources), checked against autograd's."""
+    where its outputs met the batch (the tracker's sources), checked against autograd's, to
+    the rounding of ``precision``, the lowest the backward's calls ran in (where they meet the
+    batch under autocast, the shares are products of bfloat16 or float16 operations)."""
     where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
     task = graph_task()
     grads = []
@@ -201,7 +205,7 @@ def per_example_outputs(target: Target, layout: CallLayout, call: Call, create_g
                 "from per-example outputs, or freeze the layer's parameters."
             )
         total = per.sum(0)
-        tol = _tolerance(g)
+        tol = rounding_tolerance(g.dtype, precision, float32=1e-4, float64=1e-7)
         finite = g[torch.isfinite(g)]  # (NaN and Inf are carried through, as autograd does)
         scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
         if not torch.isclose(total, g, rtol=tol, atol=tol * scale, equal_nan=True).all():

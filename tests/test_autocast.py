@@ -313,11 +313,10 @@ def test_fallback(case, dtype):
 
 
 # -- real models: tiny Hugging Face configurations (tests/test_real_models.py) ------------------
-# Left out: T5 (its relative-attention bias, computed once for the batch, is checked against
-# a float32 tolerance while its gradient comes through bfloat16 attention: refused), Qwen2-MoE
-# (under bfloat16 its router picks other experts for some tokens than in float64: no
-# reference to compare with).
-HF_MODELS = ["gpt2", "bert-classifier", "llama", "funnel"]
+# T5's relative-attention bias is computed once for the batch; its per-example shares come
+# through bfloat16 attention. Left out: Qwen2-MoE (under bfloat16 its router picks other
+# experts for some tokens than in float64: no reference to compare with).
+HF_MODELS = ["gpt2", "bert-classifier", "llama", "funnel", "t5"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)

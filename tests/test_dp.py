@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -316,3 +317,25 @@ def test_losses_without_a_graph_or_stepped_on_are_refused(method):
             gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
     for p, g in zip(model.parameters(), stepped):
         assert torch.equal(p.grad, g), "the refused step left .grad as the first step wrote it"
+
+
+def test_varying_batch_sizes_without_expected_batch_size_warn_once():
+    """Poisson batches normalised each by its own size are another mechanism than the one
+    accounted: said once, naming the fix; with expected_batch_size, or fixed sizes, silent."""
+
+    def steps(sizes, **kwargs):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            for n in sizes:
+                losses = model(torch.randn(n, 3)).pow(2).sum(1)
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, **kwargs)
+
+    with pytest.warns(gradhooks.GradhooksWarning, match="expected_batch_size") as said:
+        steps([4, 5, 3, 6])
+    assert len([w for w in said if issubclass(w.category, gradhooks.GradhooksWarning)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.GradhooksWarning)
+        steps([4, 5, 3, 6], expected_batch_size=4.5)
+        steps([4, 4, 4])
+        steps([4, 5, 3], reduction="sum")

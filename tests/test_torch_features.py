@@ -506,12 +506,6 @@ def test_torch_compile_of_hooks_made_before_torch_compile_loads(tmp_path):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="refused, not wrong: the check that a batch-free call's per-example shares add up "
-    "to autograd's gradient takes float32's tolerance where the meeting ran in bfloat16",
-)
 @pytest.mark.parametrize("kind", ["spectral_norm", "weight_norm"])
 def test_parametrization_under_bf16_autocast(kind):
     """Linear on 2-D inputs under bfloat16 autocast, in training mode: grad1 (float32) against
