@@ -502,11 +502,7 @@ class Backwards:
             if factor is not None
             else "otherwise than by a factor (each entry clamped, noise or another tensor added)"
         )
-        for other in (bw, *self._tasks.values()):
-            self._rollback(other)
-        self._tasks.clear()
-        if self._collector is not None:
-            self._collector.discard_backward()
+        self._undo_running(bw)
         raise RuntimeError(
             f"gradhooks: a hook registered on '{name}' (with register_hook) "
             f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
@@ -682,17 +678,22 @@ class Backwards:
             "gradhooks.jacobians for per-example Jacobians."
         )
 
+    def _undo_running(self, bw: Backward) -> None:
+        """Before a refusal inside backward ``bw``: its ``grad1`` and that of every backward of
+        the handle still running (an outer one) back as they were, nothing left collected."""
+        for other in (bw, *self._tasks.values()):
+            self._rollback(other)
+        self._tasks.clear()
+        if self._collector is not None:
+            self._collector.discard_backward()
+
     def _refuse_returned(self, bw: Backward, returned: set[int]) -> None:
         """A backward inside another (taken in a custom ``autograd.Function``'s backward or a
         gradient hook) computed parameter gradients and gave them back to the code that asked,
         instead of adding them into ``.grad``: what that code does with them (an adjoint ODE
         solver sums them over its time steps, scaled by the step) is not seen per example."""
         names = [name for pid, (name, _) in self._params.items() if pid in returned]
-        for other in (bw, *self._tasks.values()):
-            self._rollback(other)
-        self._tasks.clear()
-        if self._collector is not None:
-            self._collector.discard_backward()
+        self._undo_running(bw)
         raise RuntimeError(
             f"gradhooks: {_listed_names(names)}: their gradients were computed by a backward "
             "run inside another backward (torch.autograd.grad with respect to them, in a custom "
