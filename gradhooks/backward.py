@@ -69,7 +69,7 @@ class Backwards:
             bw = self._backward_state()
             bw.batched = bw.batched or f"'{target.name or '<model>'}'"
             return
-        bw = self._backward_state() if self._track else None
+        bw = self._backward_state()
         precision = lowest_precision(state.precision, *(
             g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
         ))  # fmt: skip
@@ -514,7 +514,7 @@ class Backwards:
     def _direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
-        if self._rerunning or self._removed or self._ignore_backward or not self._track:
+        if self._rerunning or self._removed or self._ignore_backward:
             return
         if not (self._capturing_backward()):
             return

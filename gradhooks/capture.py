@@ -226,7 +226,6 @@ class DetachedCalls:
                 or _torch.global_forward_hooks()
                 or self._removed
                 or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
-                or not self._track
                 or not self._capturing_backward()
                 or not torch.is_grad_enabled()
                 or is_compiling()

@@ -136,7 +136,7 @@ def dp_sgd_step(
             "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
             "after dp_sgd_step."
         )
-    own = 1 if hooks._track else 0  # (gradhooks' own hook on each parameter)
+    own = 1  # (gradhooks' own hook on each parameter)
     hooked = [n for n, p in hooks._named_parameters(hooks.model)
               if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
     if method == "ghost" and hooked:

@@ -160,10 +160,6 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._frames: list[Frame] = []  # root forwards running
         self._tasks: dict[int, Backward] = {}  # backwards running, by graph task id
         self._missed: dict[str, None] = {}  # parameters a backward computed without capture
-        # the tracker follows every forward, also those of gradhooks.jacobians and
-        # gradhooks.kfac: a parameter used outside its module's call (a tied head, a table read
-        # as .weight), a layer called on positions alone, an output that lost the batch
-        self._track = True
         # the Jacobians' and kfac()'s handles run their backwards batched under vmap themselves:
         # a batched output-gradient there is theirs, not a user's is_grads_batched backward
         self._vmapped = bool({"_jacobian", "_vmapped"} & set(quantities))
@@ -214,7 +210,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._unverified: set[tuple] = set()
         self._exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
         # the quantities _probe checks one example of
-        self._checks_examples = self._track and (self._grad1 or "norms" in quantities)
+        self._checks_examples = self._grad1 or "norms" in quantities
         refuse_scripted(model, self._targets)
         refuse_lazy(model)
         refuse_complex(model, quantities)
@@ -287,15 +283,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
             )
         self._accumulators = []  # (held: a leaf's AccumulateGrad node lives while referred to)
-        if self._track:
-            for pid, (name, p) in self._params.items():
-                if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
-                    handles.append(p.register_hook(self._param_hook(pid, name)))
-                    node = torch.autograd.graph.get_gradient_edge(p).node
-                    handles.append(node.register_prehook(self._accumulate_hook(pid, name)))
-                    self._accumulators.append(node)
-            for pid, p in derived.items():
-                handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
+        for pid, (name, p) in self._params.items():
+            if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
+                handles.append(p.register_hook(self._param_hook(pid, name)))
+                node = torch.autograd.graph.get_gradient_edge(p).node
+                handles.append(node.register_prehook(self._accumulate_hook(pid, name)))
+                self._accumulators.append(node)
+        for pid, p in derived.items():
+            handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
         for target in self._targets:
             _HOOKED_MODULES[target.module] = self
         self._hooked = {id(t.module): frozenset(t.params) for t in self._targets}

@@ -205,11 +205,9 @@ class Forwards:
 
             n_leaves = len(leaves)
             # what the call's nodes hold is read only where they stand as the forward ran them
-            # (not for the Jacobians: their backward stops at the hooked calls' outputs; not
-            # under saved-tensor hooks: reading what a node saved would rerun the call)
+            # (not under saved-tensor hooks: reading what a node saved would rerun the call)
             readable = (
                 (target.entry.taps is not None or target.entry.saved is not None)
-                and self._track
                 and keeps_rows(layout)
                 and not _torch.saved_tensor_hooks_active()
             )
@@ -437,7 +435,7 @@ class Forwards:
 
     def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         """Follow the batch through this forward (:mod:`gradhooks.layout`)."""
-        if not self._track or is_compiling():
+        if is_compiling():
             return
         found = root_batch(args, kwargs, self.batch_dim)
         if found is None:

@@ -287,7 +287,7 @@ class Verification:
         fires once more in a backward that verifies)."""
         model = self.model
         params = [p for _, p in self._params.values()]
-        own = 1 if self._track else 0
+        own = 1  # (gradhooks' own hook on each parameter)
         return model is not None and _torch.user_backward_hooks(model.modules(), params, own)
 
     def _probe(self, box: dict, grads: tuple) -> None:
