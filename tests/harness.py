@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -127,3 +128,29 @@ def check(case: Case, batch: int = 4, reduction: str = "mean", seed: int = 0, **
         checked += 1
     assert checked, f"{case.id}: no trainable parameter was checked"
     return model
+
+
+# -- Hugging Face models ------------------------------------------------------------------------
+
+
+def hf(name: str):
+    """A transformers class, or a skip that says why it does not import (a torchvision
+    wheel built for another torch breaks transformers' model imports)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    try:
+        return getattr(transformers, name)
+    except Exception as e:  # (transformers wraps the cause in its own error)
+        pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
+
+
+class Logits(nn.Module):
+    """A Hugging Face model's logits at the last position (GPT-2) or of the sequence (BERT)."""
+
+    def __init__(self, model, last=True):
+        super().__init__()
+        self.model, self.last = model, last
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits[:, -1] if self.last else logits

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from harness import assert_close
+from harness import Logits, assert_close, hf
 
 D = torch.float64
 
@@ -354,29 +354,6 @@ def test_the_docstrings_examples_run():
 
 
 V = 12
-
-
-def hf(name):
-    """A transformers class, or a skip that says why it does not import (a torchvision
-    wheel built for another torch breaks transformers' model imports)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    try:
-        return getattr(transformers, name)
-    except Exception as e:  # (transformers wraps the cause in its own error)
-        pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
-
-
-class Logits(nn.Module):
-    """A Hugging Face model's logits at the last position (GPT-2) or of the sequence (BERT)."""
-
-    def __init__(self, model, last=True):
-        super().__init__()
-        self.model, self.last = model, last
-
-    def forward(self, input_ids, attention_mask=None):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return logits[:, -1] if self.last else logits
 
 
 def padded_batch():

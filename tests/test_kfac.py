@@ -13,7 +13,7 @@ from cases import CASES
 from torch import nn
 
 import gradhooks
-from harness import _double, assert_close
+from harness import Logits, _double, assert_close, hf
 
 
 def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
@@ -581,27 +581,6 @@ def test_bfloat16_autocast_exact_fisher_over_positions():
                 g.double(), ww, rtol=0, atol=3e-2 * ww.abs().max().item(),
                 msg=lambda m, name=name, what=what: f"{what} of {name}: {m}",
             )  # fmt: skip
-
-
-def hf(name):
-    """A transformers class, or a skip that says why it does not import (a torchvision
-    wheel built for another torch breaks transformers' model imports)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    try:
-        return getattr(transformers, name)
-    except Exception as e:  # (transformers wraps the cause in its own error)
-        pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
-
-
-class Logits(nn.Module):
-    def __init__(self, model, last=True):
-        super().__init__()
-        self.model, self.last = model, last
-
-    def forward(self, input_ids, attention_mask=None):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return logits[:, -1] if self.last else logits
 
 
 def padded_batch(vocab):
