@@ -264,13 +264,7 @@ def _by_layout_split(
             return tuple(out[i] for i in out_idx)
 
         outs, pullback = vjp(f, primals)
-        for o, c in zip(outs, cots_b):
-            if o.shape != c.shape:
-                raise ValueError(
-                    f"fallback for {name}: one example's output has shape {tuple(o.shape)}, "
-                    f"its part of the output-gradient {tuple(c.shape)} ({_describe(call)}); "
-                    "register a rule for this module with @gradhooks.register."
-                )
+        _check_example_shapes(name, outs, cots_b, _describe(call))
         (grads,) = pullback(tuple(cast(c, o.dtype) for c, o in zip(cots_b, outs)))
         return grads, outs
 
@@ -328,6 +322,18 @@ def _by_layout_split(
     return grads
 
 
+def _check_example_shapes(name: str, outs, cots_b, where: str | None = None) -> None:
+    """One example's outputs must have the shapes of their parts of the output-gradient."""
+    for o, c in zip(outs, cots_b):
+        if o.shape != c.shape:
+            raise ValueError(
+                f"fallback for {name}: one example's output has shape {tuple(o.shape)}, its "
+                f"part of the output-gradient {tuple(c.shape)}"
+                + (f" ({where})" if where else "")
+                + "; register a rule for this module with @gradhooks.register."
+            )
+
+
 def _autograd_one(
     name: str, f, primals: dict, xs_b: list, cots_b: list, create_graph: bool
 ) -> list:
@@ -337,13 +343,7 @@ def _autograd_one(
         n: p.view_as(p) if create_graph else p.detach().requires_grad_() for n, p in primals.items()
     }
     outs = f(xs_b, params)
-    for o, c in zip(outs, cots_b):
-        if o.shape != c.shape:
-            raise ValueError(
-                f"fallback for {name}: one example's output has shape {tuple(o.shape)}, its "
-                f"part of the output-gradient {tuple(c.shape)}; register a rule for this module "
-                "with @gradhooks.register."
-            )
+    _check_example_shapes(name, outs, cots_b)
     found = [(o, c) for o, c in zip(outs, cots_b) if o.requires_grad]
     grads = torch.autograd.grad(
         [o for o, _ in found], list(params.values()), [c for _, c in found],
