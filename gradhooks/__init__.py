@@ -10,9 +10,7 @@ mean-reduced loss, ``grad1.sum(0) == param.grad`` for a sum. autograd-hacks' fun
 too, so ``import gradhooks as autograd_hacks`` runs its recipe unchanged.
 """
 
-from . import audit, distributed, oracle, rules  # noqa: F401  (rules: registers the built-in rules)
-from .accounting import PrivacyAccountant, noise_multiplier_for
-from .check import CheckReport, check_rule
+from . import oracle, rules  # noqa: F401  (rules: registers the built-in rules)
 from .compat import (
     backprop_hess,
     clear_backprops,
@@ -22,18 +20,22 @@ from .compat import (
     enable_hooks,
     is_supported,
 )
-from .dp import clip_factors, dp_sgd_step
-from .engine import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
+from .engine.handle import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
+from .engine.memory import set_memory_limit
+from .engine.pause import paused, set_enabled
 from .errors import Grad1TooLarge, GradhooksWarning
-from .jacobian import jacobians
-from .kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
-from .kfac_optimizer import KFAC
-from .memory import set_memory_limit
-from .pause import paused, set_enabled
 from .pieces import Direct, Outer, Piece, Rows
-from .registry import REGISTRY, Call, Registry, register
-from .sampling import PoissonSampler, poisson_loader
+from .privacy import audit  # noqa: F401
+from .privacy.accounting import PrivacyAccountant, noise_multiplier_for
+from .privacy.sampling import PoissonSampler, poisson_loader
+from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
+from .workflows import distributed  # noqa: F401
+from .workflows.check import CheckReport, check_rule
+from .workflows.dp import clip_factors, dp_sgd_step
+from .workflows.jacobian import jacobians
+from .workflows.kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
+from .workflows.kfac_optimizer import KFAC
 
 __version__ = "0.1.0"
 

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .engine import _ACTIVE, hooks_of
-from .pause import set_enabled
-from .registry import REGISTRY
+from .engine.handle import _ACTIVE, hooks_of
+from .engine.pause import set_enabled
+from .rules.registry import REGISTRY
 
 __all__ = [
     "compute_grad1",

@@ -14,4 +14,4 @@ class GradhooksWarning(RuntimeWarning):
 
 class Grad1TooLarge(MemoryError):
     """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated;
-    see :mod:`gradhooks.memory`)."""
+    see :mod:`gradhooks.engine.memory`)."""

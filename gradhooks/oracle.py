@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from . import _torch
+from .engine.pause import paused
 from .loop import per_example
-from .pause import paused
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
 

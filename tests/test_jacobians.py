@@ -348,7 +348,7 @@ def test_the_docstrings_examples_run():
     import doctest
     import importlib
 
-    module = importlib.import_module("gradhooks.jacobian")
+    module = importlib.import_module("gradhooks.workflows.jacobian")
     result = doctest.testmod(module)
     assert result.attempted >= 8 and result.failed == 0, result
 

@@ -175,9 +175,9 @@ def test_factors_and_inverses_are_updated_at_their_intervals(monkeypatch):
         factors_every=2, inverse_every=3,
     )  # fmt: skip
     estimates, inversions = [], []
-    kfac, invert = gradhooks.kfac_optimizer.kfac, gradhooks.KFactors.inverse
+    kfac, invert = gradhooks.workflows.kfac_optimizer.kfac, gradhooks.KFactors.inverse
     monkeypatch.setattr(
-        gradhooks.kfac_optimizer,
+        gradhooks.workflows.kfac_optimizer,
         "kfac",
         lambda *a, **k: estimates.append(opt.steps) or kfac(*a, **k),
     )

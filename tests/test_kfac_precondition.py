@@ -157,6 +157,6 @@ def test_the_kfac_docstrings_examples_run():
     import doctest
     import importlib
 
-    module = importlib.import_module("gradhooks.kfac")  # (gradhooks.kfac is the function)
+    module = importlib.import_module("gradhooks.workflows.kfac")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 10 and result.failed == 0, result

@@ -329,14 +329,14 @@ def test_a_failed_backward_leaves_no_graph_behind():
     assert _graph_tensors() == before, "the failed step's graph is still alive"
 
 
-# -- accumulation: when grad1 starts afresh (gradhooks.accumulation) ---------------------------
+# -- accumulation: when grad1 starts afresh (gradhooks.engine.accumulation) ---------------------------
 
 
 def test_grad_trail_tells_a_reset_from_an_accumulation():
     """GradTrail, alone: .grad None (where it was not), or changed and all zeros, is a reset;
     left alone, changed in place but not zeroed, or replaced by a nonzero tensor, is not; a
     reset seen by a backward that was not captured counts even after .grad filled again."""
-    from gradhooks.accumulation import GradTrail
+    from gradhooks.engine.accumulation import GradTrail
 
     p = nn.Parameter(torch.ones(3))
     trail = GradTrail()
@@ -366,7 +366,7 @@ def test_grad_trail_tells_a_reset_from_an_accumulation():
 
 
 def test_all_zero_dense_and_sparse():
-    from gradhooks.accumulation import all_zero
+    from gradhooks.engine.accumulation import all_zero
 
     sparse = torch.sparse_coo_tensor([[0, 2]], [0.0, 1.0], (4,), check_invariants=True)
     zero_sparse = torch.sparse_coo_tensor([[1]], [0.0], (4,), check_invariants=True)

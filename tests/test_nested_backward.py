@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.dp import clip_factors
 from gradhooks.oracle import loop_grad
+from gradhooks.workflows.dp import clip_factors
 from harness import assert_close
 
 B = 5

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.layout import MIXED, Layout, Tracker
 from gradhooks.oracle import loop_grad, vmap_grad
+from gradhooks.tracking.layout import MIXED, Layout, Tracker
 from harness import Between, assert_close, assert_matches, mlp, sq
 
 D = torch.float64
@@ -367,7 +367,7 @@ def test_grad1_too_large_is_refused_before_allocation():
                 model[0](x).sum().backward()
     finally:
         gradhooks.set_memory_limit("auto")
-    assert gradhooks.memory.memory_limit(torch.device("cpu")) > 2**20
+    assert gradhooks.engine.memory.memory_limit(torch.device("cpu")) > 2**20
     with pytest.raises(ValueError, match="memory limit"):
         gradhooks.set_memory_limit(-1)
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradhooks
-from gradhooks import fallback
+from gradhooks.rules import fallback
 from harness import _double, assert_close
 
 BATCH = 3

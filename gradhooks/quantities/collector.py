@@ -9,7 +9,7 @@ on the autograd engine from inside the first gradient hook), then computes what 
   ``‖Σ_j G_j‖² = Σ_j Σ_k ⟨G_j, G_k⟩``.
 - ``"sum_grad_sq"``: ``Σ_b grad1[b]²`` per parameter (diagonal empirical Fisher) and the
   per-example gradient variance.
-- ``"kfac"``: Kronecker factors (see :mod:`gradhooks.kfac`).
+- ``"kfac"``: Kronecker factors (see :mod:`gradhooks.workflows.kfac`).
 
 ``grad1`` is never materialized for a whole model: where a layer's maths needs it, it is formed
 for one parameter and a slice of the batch at a time.
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
-from ..records import autocast_off
+from ..engine.records import autocast_off
 from ..tuning import TUNING
 from .kfac import KfacAccumulator
 
@@ -81,7 +81,7 @@ class Collector:
         # (without vmap: gradhooks._torch.batched_backwards); None under vmap
         self.jacobian_column: int | None = None
         # while a list: every call's pieces of the backward, (pieces, params, scale), for
-        # dp_sgd_step's book-keeping path (gradhooks.dp)
+        # dp_sgd_step's book-keeping path (gradhooks.workflows.dp)
         self.keep: list[tuple[dict, dict, float]] | None = None
 
     def clear(self) -> None:

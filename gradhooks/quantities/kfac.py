@@ -1,7 +1,7 @@
 """K-FAC Kronecker factors of one weight, and their accumulation from the pieces of backwards.
 
 The conventions (``expand`` / ``reduce``, the bias augmentation, the mean and sum reductions) are
-those of :mod:`gradhooks.kfac`, which computes the factors of a model in one call.
+those of :mod:`gradhooks.workflows.kfac`, which computes the factors of a model in one call.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..pieces import Direct, Outer, Piece, cast
-from ..registry import Call, batch_first, register
 from ..tuning import TUNING
+from .registry import Call, batch_first, register
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..pieces import Direct
-from ..registry import Call, register
 from .norm import _need_batch, channel_affine
+from .registry import Call, register
 
 TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 

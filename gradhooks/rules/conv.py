@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..pieces import Outer, Piece, cast
-from ..registry import Call, register
 from ..tuning import TUNING
+from .registry import Call, register
 
 # the layers of this rule (annotations)
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d

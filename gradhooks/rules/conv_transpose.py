@@ -24,8 +24,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..pieces import Outer
-from ..registry import Call, register
 from .conv import im2col
+from .registry import Call, register
 
 
 def output_grad_columns(

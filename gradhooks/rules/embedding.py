@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..pieces import Direct, Rows
-from ..registry import Call, register
+from .registry import Call, register
 
 
 @register(nn.Embedding, batch_dim="positions")

@@ -6,8 +6,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..pieces import Outer
-from ..registry import REGISTRY, Call, register
 from ..tuning import TUNING
+from .registry import REGISTRY, Call, register
 
 
 def many_positions(module: nn.Module, args: tuple) -> bool:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..pieces import Direct
-from ..registry import Call, register
+from .registry import Call, register
 
 
 def _need_batch(call: Call, x: Tensor, unbatched_dim: int, layout: str) -> None:

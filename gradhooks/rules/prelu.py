@@ -15,7 +15,7 @@ import math
 from torch import nn
 
 from ..pieces import Direct
-from ..registry import Call, register
+from .registry import Call, register
 
 
 @register(nn.PReLU)

@@ -60,12 +60,12 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch
 from .._torch import tree_flatten
-from ..fallback import fallback
-from ..layout import note
+from ..engine.pause import paused
 from ..loop import per_example
-from ..pause import paused
 from ..pieces import Direct, Outer
-from ..registry import Call, batch_first, register
+from ..tracking.layout import note
+from .fallback import fallback
+from .registry import Call, batch_first, register
 
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_map
-from ..fallback import FALLBACK
-from ..pause import paused
+from ..engine.pause import paused
+from ..engine.records import detach_tree
 from ..pieces import Direct, Piece
-from ..records import detach_tree
-from ..registry import REGISTRY, Call, batch_first, register
+from .fallback import FALLBACK
+from .registry import REGISTRY, Call, batch_first, register
 
 
 def _batch_first(tree):

@@ -11,9 +11,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _torch
-from .fallback import FALLBACK, fallback_params
-from .registry import Registry, _Entry
+from .. import _torch
+from ..rules.fallback import FALLBACK, fallback_params
+from ..rules.registry import Registry, _Entry
 
 Unsupported = Literal["fallback", "error", "skip"]
 

@@ -121,7 +121,7 @@ class PrivacyAccountant:
 
     Args:
         method: ``"rdp"`` (Rényi DP, the default) or ``"pld"`` (privacy loss distributions:
-            tighter, slower); see :mod:`gradhooks.accounting`.
+            tighter, slower); see :mod:`gradhooks.privacy.accounting`.
 
     Attributes:
         history: ``[(noise_multiplier, sample_rate, steps), ...]``, consecutive steps with the

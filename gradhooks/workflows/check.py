@@ -1,7 +1,7 @@
 """The check of a rule: :func:`check_rule` compares its ``grad1`` with the ``torch.func``
 oracle (``vmap(grad)``), in float64, for a layer and a batch of inputs, for whoever writes a rule.
 It returns a :class:`CheckReport`, as :meth:`gradhooks.Hooks.check` (the check of a handle after
-a backward, :mod:`gradhooks.verify`) does.
+a backward, :mod:`gradhooks.engine.verify`) does.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ._torch import tree_flatten
-from .engine import add_hooks
-from .oracle import Inputs, _as_tuple, vmap_grad
-from .registry import REGISTRY, Registry
-from .verify import CheckReport
+from .._torch import tree_flatten
+from ..engine.handle import add_hooks
+from ..engine.verify import CheckReport
+from ..oracle import Inputs, _as_tuple, vmap_grad
+from ..rules.registry import REGISTRY, Registry
 
 __all__ = ["check_rule", "CheckReport"]
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from . import _torch
+from .. import _torch
 
 __all__ = ["GradTrail", "all_zero"]
 

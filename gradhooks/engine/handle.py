@@ -29,14 +29,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import _torch
+from .. import _torch
+from ..loop import per_example
+from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
+from ..rules.fallback import FALLBACK
+from ..rules.registry import REGISTRY, Registry
 from .accumulation import GradTrail
 from .backward import Backwards
 from .calls import CallLayouts
 from .capture import DetachedCalls
-from .fallback import FALLBACK
 from .forward import Forwards
-from .loop import per_example
 from .pause import PROCESS, Pause, set_enabled
 from .plan import (
     Target,
@@ -49,9 +51,7 @@ from .plan import (
     refuse_scripted,
     structure_of,
 )
-from .quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from .records import Backward, Frame, Hook, drop_box, graph_task
-from .registry import REGISTRY, Registry
 from .verify import CheckReport, Verification, check_hooks
 
 __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
@@ -144,7 +144,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # (left from before a zero_grad or clear(): stale), by id
         self._written: dict[int, nn.Parameter] = {}
         self._stale: dict[int, nn.Parameter] = {}
-        self._trail = GradTrail()  # the .grad the backwards left (gradhooks.accumulation)
+        self._trail = GradTrail()  # the .grad the backwards left (gradhooks.engine.accumulation)
         self._depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
         self._forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
         self._removed = False
@@ -594,7 +594,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
 
     def kfac_factors(self, reduction: LossReduction = "mean") -> dict:
         """K-FAC factors ``{weight_name: KFactors(A, G, bias)}`` accumulated since the last
-        :meth:`clear` (``"kfac"``); conventions in :mod:`gradhooks.kfac`. Over several
+        :meth:`clear` (``"kfac"``); conventions in :mod:`gradhooks.workflows.kfac`. Over several
         backwards of one forward (your own sampled labels, or the columns of a loss Hessian's
         square root), ``G`` sums them; ``"mean"`` then divides by the examples of every
         backward, which averages over the backwards (right for samples; for columns, multiply
@@ -723,7 +723,7 @@ def add_hooks(
             example ``i``'s own loss in both cases.
         unsupported: what to do with a module that has trainable parameters and no rule.
             ``"fallback"`` (default): compute its per-example gradients with ``torch.func``
-            from the captured call (:mod:`gradhooks.fallback`; slower than a rule, see
+            from the captured call (:mod:`gradhooks.rules.fallback`; slower than a rule, see
             :meth:`Hooks.fallback_modules`). ``"error"``: raise, before anything is hooked.
             ``"skip"``: leave its parameters without ``grad1``.
         registry: the rules to use (default: the built-in registry).

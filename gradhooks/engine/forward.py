@@ -3,11 +3,11 @@ and, at each hooked call, what the call keeps until the backward reaches its out
 
 :class:`Forwards` is this part of :class:`gradhooks.Hooks`: the forward pre- and post-hooks of
 the model (and of the modules through which it may be entered, :meth:`Forwards._entry_hooks`)
-open and close a :class:`~gradhooks.records.Frame`; every hooked module's forward hook keeps its
-call (a :class:`~gradhooks.registry.Call` and its :class:`~gradhooks.records.CallState`) and puts
+open and close a :class:`~gradhooks.engine.records.Frame`; every hooked module's forward hook keeps its
+call (a :class:`~gradhooks.rules.registry.Call` and its :class:`~gradhooks.engine.records.CallState`) and puts
 a gradient hook on its outputs, which hands the call, with its output-gradients, to the backward
-(:mod:`gradhooks.backward`). A call whose rule runs it detached, owned or carried goes through
-:mod:`gradhooks.capture` first.
+(:mod:`gradhooks.engine.backward`). A call whose rule runs it detached, owned or carried goes through
+:mod:`gradhooks.engine.capture` first.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from . import _torch
-from ._torch import tree_flatten, tree_map
+from .. import _torch
+from .._torch import tree_flatten, tree_map
+from ..rules.fallback import FALLBACK
+from ..rules.registry import Call
+from ..tracking.layout import PACKED, Source, Tracker
 from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
-from .fallback import FALLBACK
-from .layout import PACKED, Source, Tracker
 from .plan import Target, positional
 from .records import (
     CallLayout,
@@ -42,10 +43,9 @@ from .records import (
     power_of_two,
     tree_leaves,
 )
-from .registry import Call
 
 if TYPE_CHECKING:
-    from .engine import Hooks
+    from .handle import Hooks
 
 
 class Forwards:
@@ -434,7 +434,7 @@ class Forwards:
         self._start_tracker(frame, args, kwargs)
 
     def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
-        """Follow the batch through this forward (:mod:`gradhooks.layout`)."""
+        """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""
         if is_compiling():
             return
         found = root_batch(args, kwargs, self.batch_dim)

@@ -4,8 +4,8 @@ reached and computed, the parameters used outside their modules' calls, what a f
 leaves to undo).
 
 :class:`Backwards` is this part of :class:`gradhooks.Hooks`. :meth:`Backwards._on_grads` is where
-the backward reaches a kept call (from its output's gradient hook, :mod:`gradhooks.forward`, or
-from a :class:`~gradhooks.capture._Join` node); a parameter's own gradient hook
+the backward reaches a kept call (from its output's gradient hook, :mod:`gradhooks.engine.forward`, or
+from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradient hook
 (:meth:`Backwards._param_hook`) records what autograd computed; a callback at the backward's end
 (:meth:`Backwards._end_backward`) verifies, warns and rolls back.
 """
@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _torch
-from . import pieces as P
-from ._torch import tree_flatten
+from .. import _torch
+from .. import pieces as P
+from .._torch import tree_flatten
+from ..errors import GradhooksWarning
+from ..rules.registry import Call, _Entry
 from .accumulation import all_zero
 from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
-from .errors import GradhooksWarning
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
@@ -38,7 +39,6 @@ from .records import (
     graph_task,
     lowest_precision,
 )
-from .registry import Call, _Entry
 from .verify import per_example_outputs, rounding_tolerance
 
 
@@ -349,7 +349,7 @@ class Backwards:
     def _restart(self) -> None:
         """At the start of a backward, before autograd adds anything to ``.grad``: where
         ``.grad`` was reset since the last backward (``zero_grad``: see
-        :mod:`gradhooks.accumulation`), ``grad1`` starts afresh (and so do the quantities that
+        :mod:`gradhooks.engine.accumulation`), ``grad1`` starts afresh (and so do the quantities that
         accumulate); a ``grad1`` deleted by the user starts afresh too."""
         for pid, p in list(self._written.items()):
             if p.__dict__.get("grad1") is None:
@@ -396,7 +396,7 @@ class Backwards:
 
     def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
         """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
-        no sign (see :mod:`gradhooks.accumulation`): the last backward left ``.grad`` alone
+        no sign (see :mod:`gradhooks.engine.accumulation`): the last backward left ``.grad`` alone
         and was of another forward."""
         if frame is None or not self._trail.left_alone(p):
             return False

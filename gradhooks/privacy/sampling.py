@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from ._torch import tree_map
+from .._torch import tree_map
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .errors import Grad1TooLarge
+from ..errors import Grad1TooLarge
 
 __all__ = ["set_memory_limit", "memory_limit", "refuse_if_too_large"]
 

@@ -19,7 +19,7 @@ damping is lowered where the model was good (ratio above 3/4) and raised where i
 (below 1/4), by ``ω = (19/20)^adapt_every``.
 
 The factors' conventions (``expand`` / ``reduce`` for weight-sharing layers, the bias column,
-the mean reduction) are those of :mod:`gradhooks.kfac`. The factors' forward leaves the
+the mean reduction) are those of :mod:`gradhooks.workflows.kfac`. The factors' forward leaves the
 model's buffers as it found them (a BatchNorm's running statistics move once per training
 step, as without K-FAC).
 
@@ -44,14 +44,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..quantities.kfac import KFactors, KFactorsInverse
 from .kfac import Fisher, LossFn, LossName, kfac, kfac_precondition
-from .quantities.kfac import KFactors, KFactorsInverse
 
 __all__ = ["KFAC"]
 
 
 class KFAC:
-    """K-FAC preconditioning around any torch optimizer (see :mod:`gradhooks.kfac_optimizer`).
+    """K-FAC preconditioning around any torch optimizer (see :mod:`gradhooks.workflows.kfac_optimizer`).
 
     Args:
         model: the model whose weights are preconditioned (its layers need rules; the model

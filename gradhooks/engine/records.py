@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _torch
-from ._torch import tree_flatten, tree_map
-from .inert import InertHook
-from .layout import Layout, Tracker
+from .. import _torch
+from .._torch import tree_flatten, tree_map
+from ..inert import InertHook
+from ..tracking.layout import Layout, Tracker
 
 
 @dataclass

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from . import _torch
-from . import pieces as P
-from .layout import MIXED, UNKNOWN, Layout, Tracker, example_mask
-from .oracle import loop_grad
+from .. import _torch
+from .. import pieces as P
+from ..oracle import loop_grad
+from ..rules.registry import Call
+from ..tracking.layout import MIXED, UNKNOWN, Layout, Tracker, example_mask
 from .plan import Target
 from .records import (
     Backward,
@@ -40,10 +41,9 @@ from .records import (
     lowest_precision,
     tree_leaves,
 )
-from .registry import Call
 
 if TYPE_CHECKING:
-    from .engine import Hooks
+    from .handle import Hooks
 
 
 def mismatch(

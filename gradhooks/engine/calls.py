@@ -1,5 +1,5 @@
 """Where the examples are in a captured call, as the forward's tracker followed them
-(:mod:`gradhooks.layout`), and the call handed to its rule in that form. :class:`CallLayouts` is
+(:mod:`gradhooks.tracking.layout`), and the call handed to its rule in that form. :class:`CallLayouts` is
 the part of :class:`gradhooks.Hooks` that asks the tracker.
 """
 
@@ -13,15 +13,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _torch
-from . import pieces as P
-from ._torch import tree_flatten, tree_map, tree_unflatten
-from .fallback import FALLBACK
-from .layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
-from .loop import per_example
+from .. import _torch
+from .. import pieces as P
+from .._torch import tree_flatten, tree_map, tree_unflatten
+from ..loop import per_example
+from ..rules.fallback import FALLBACK
+from ..rules.registry import Call, CallBatch
+from ..tracking.layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
 from .records import CallLayout, CallState
-from .registry import Call, CallBatch
 
 
 class _Unview(torch.autograd.Function):
@@ -192,7 +192,7 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter]):
 
 def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P.Piece | None]:
     """A call on rows picked by an index (tokens routed to an expert): the rule's rows are its
-    input's, each one example's part (:class:`gradhooks.layout.Owners`); each example's are
+    input's, each one example's part (:class:`gradhooks.tracking.layout.Owners`); each example's are
     summed."""
     owners = layout.first.owners.rows
     found = dict(pieces)

@@ -47,13 +47,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _torch
-from ._torch import tree_flatten, tree_unflatten
-from .layout import PACKED, Layout, batch_rows
-from .loop import per_example
-from .pause import paused
-from .pieces import Direct, Piece, cast
-from .records import autocast_as
+from .. import _torch
+from .._torch import tree_flatten, tree_unflatten
+from ..engine.pause import paused
+from ..engine.records import autocast_as
+from ..loop import per_example
+from ..pieces import Direct, Piece, cast
+from ..tracking.layout import PACKED, Layout, batch_rows
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -101,7 +101,7 @@ def fallback(call: Call) -> dict[str, Piece | None]:
             "the module, or register a rule for it with @gradhooks.register."
         )
     if _followed(call):
-        # The forward was followed (gradhooks.layout): which tensors hold the examples, and
+        # The forward was followed (gradhooks.tracking.layout): which tensors hold the examples, and
         # where, is known, and so is which parameters the call used in operations of its own
         # (call.batch.params); only those are differentiated.
         wrt = {n: p for n, p in {**own, **nested}.items() if n in call.batch.params}

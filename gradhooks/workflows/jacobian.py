@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _torch
-from ._torch import tree_flatten
-from .engine import Hooks, add_hooks
-from .forward import output_edges
-from .layout import MIXED, UNKNOWN, Tracker
-from .records import autocast_dtype
-from .registry import REGISTRY, Registry
+from .. import _torch
+from .._torch import tree_flatten
+from ..engine.forward import output_edges
+from ..engine.handle import Hooks, add_hooks
+from ..engine.records import autocast_dtype
+from ..rules.registry import REGISTRY, Registry
+from ..tracking.layout import MIXED, UNKNOWN, Tracker
 
 __all__ = ["jacobians"]
 

@@ -47,12 +47,12 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch
-from . import pieces as P
-from .engine import Hooks
-from .errors import GradhooksWarning
-from .records import drop_box, half_precision
-from .verify import PROBE_TOLERANCE, mismatch
+from .. import _torch
+from .. import pieces as P
+from ..engine.handle import Hooks
+from ..engine.records import drop_box, half_precision
+from ..engine.verify import PROBE_TOLERANCE, mismatch
+from ..errors import GradhooksWarning
 
 __all__ = ["dp_sgd_step", "clip_factors"]
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .pieces import Piece
+from ..pieces import Piece
 
 __all__ = ["Call", "CallBatch", "Registry", "Rule", "REGISTRY", "register", "batch_first"]
 
@@ -113,7 +113,7 @@ class CallBatch:
     """Where the examples are in one call's tensors.
 
     ``size``: the number of examples. ``inputs``: per leaf of ``tree_flatten((inputs,
-    kwargs))``, its :class:`~gradhooks.layout.Layout` (``None``: the same for every example).
+    kwargs))``, its :class:`~gradhooks.tracking.layout.Layout` (``None``: the same for every example).
     ``outputs``: likewise per leaf of the output. ``shared``: the call does not depend on the
     examples (a position embedding looked up with ``arange``): its output is broadcast into the
     batch downstream, and ``grad_outputs`` hold each example's share, ``[size, *output.shape]``.

@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _torch
-from .engine import add_hooks
+from .. import _torch
+from ..engine.handle import add_hooks
+from ..quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
+from ..tuning import TUNING
 from .jacobian import Inputs, checked_output, hooked_forward, model_inputs
-from .quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
-from .tuning import TUNING
 
 __all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
 
@@ -78,7 +78,7 @@ def kfac(
 ) -> dict[str, KFactors]:
     """K-FAC factors of every weight of ``model`` from one forward, ``model(*inputs, **kwargs)``.
 
-    Conventions (those of the module :mod:`gradhooks.kfac`, Eschenhagen et al. 2023), for a
+    Conventions (those of the module :mod:`gradhooks.workflows.kfac`, Eschenhagen et al. 2023), for a
     weight whose layer sees inputs ``a`` ``[batch, shared, in]`` and output-gradients ``g``
     ``[batch, shared, out]`` (``shared``: a sequence's positions, a convolution's pixels, the
     calls of a reused module; 1 for a Linear on ``[batch, in]``):
@@ -127,7 +127,7 @@ def kfac(
             respect to each example's output (``torch.func``, per example; refused where that
             Hessian has a negative eigenvalue, a loss not convex in the output, whose GGN has
             no square root).
-        reduction, expand, bias: conventions of :mod:`gradhooks.kfac`.
+        reduction, expand, bias: conventions of :mod:`gradhooks.workflows.kfac`.
         mc_samples: backwards of sampled output-gradients for ``"mc"``, averaged.
         generator: a ``torch.Generator`` for reproducible ``"mc"`` sampling (also handed to
             ``sample_target`` and ``output_grads``).

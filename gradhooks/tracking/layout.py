@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch, loop
+from .. import _torch, loop
 
 __all__ = [
     "Layout",

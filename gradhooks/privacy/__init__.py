@@ -1,0 +1,1 @@
+"""Privacy bookkeeping: Poisson sampling, the accountant, and the audit of the mechanism."""
