@@ -32,10 +32,11 @@ from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
 from .workflows import distributed  # noqa: F401
 from .workflows.check import CheckReport, check_rule
-from .workflows.dp import clip_factors, dp_sgd_step
+from .workflows.dp import ClippedSum, clip_factors, clipped_sum, dp_sgd_step
 from .workflows.jacobian import jacobians
 from .workflows.kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
 from .workflows.kfac_optimizer import KFAC
+from .workflows.private import DPOptimizer
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,9 @@ __all__ = [
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",
+    "clipped_sum",
+    "ClippedSum",
+    "DPOptimizer",
     "PoissonSampler",
     "poisson_loader",
     "PrivacyAccountant",
