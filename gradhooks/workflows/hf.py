@@ -388,6 +388,8 @@ class DPTrainer(transformers.Trainer):
             self.noise_multiplier = noise_multiplier_for(
                 target, self.dp.delta, self.sample_rate, planned, method=self.dp.accountant
             )
+            if not self.accountant.steps:
+                return  # (calibrated for this run: within the budget)
         if target is None:
             return
         spent = self._epsilon_after(planned)
