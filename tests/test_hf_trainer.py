@@ -222,15 +222,21 @@ def test_a_sequence_classifier_step(tmp_path):
 
 def test_gradient_accumulation_is_one_step_of_the_same_examples(tmp_path):
     """2 physical batches of 2 (expected) and 1 of 4: the same Poisson draws, the same noise
-    (added once per logical batch), the same parameters after 2 steps."""
+    (added once per logical batch), the same parameters after 2 steps. The second run also
+    evaluates after each step (a forward of the hooked model without gradients), which
+    changes nothing."""
     results = []
     for bs, accumulate in ((2, 2), (4, 1)):
         model, data = gpt2(), Recorded(16)
         dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0,
                          noise_seed=5, sampling_seed=3)  # fmt: skip
+        evaluate = {} if accumulate == 2 else {"eval_strategy": "steps", "eval_steps": 1}
         args = targs(tmp_path, per_device_train_batch_size=bs,
-                     gradient_accumulation_steps=accumulate, max_steps=2)  # fmt: skip
-        trainer, _ = trained(model, args, data, dp)
+                     gradient_accumulation_steps=accumulate, max_steps=2, **evaluate)  # fmt: skip
+        extra = {} if accumulate == 2 else {"eval_dataset": Recorded(8, seed=1)}
+        trainer, _ = trained(model, args, data, dp, **extra)
+        if evaluate:
+            assert sum("eval_loss" in entry for entry in trainer.state.log_history) == 2
         results.append((dict(model.named_parameters()), drawn(trainer, data, steps=2)))
     (a, seen_a), (b, seen_b) = results
     assert seen_a == seen_b
@@ -398,6 +404,26 @@ def test_refused_settings(tmp_path):
         DPArguments(max_grad_norm=0.0, delta=1e-5, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="delta"):
         DPArguments(max_grad_norm=1.0, delta=1.0, noise_multiplier=1.0)
+
+
+def test_refused_at_train_before_a_step(tmp_path):
+    model, data = gpt2(), Recorded(16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0)
+    trainer = DPTrainer(model, targs(tmp_path), train_dataset=data, dp=dp)
+    with pytest.raises(ValueError, match="resume_from_checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match="trial"):
+        trainer.train(trial={"learning_rate": 0.1})
+    trainer = DPTrainer(model, targs(tmp_path), train_dataset=data, dp=dp,
+                        per_example_loss=lambda outputs, labels: outputs.logits.mean())  # fmt: skip
+    with pytest.raises(ValueError, match=r"shape \[\d\]"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    with pytest.raises(ValueError, match="no gradhooks hooks"):
+        gradhooks.hooks_of(model)  # (the hooks are gone)
 
 
 def test_the_callers_arguments_are_left_as_they_were(tmp_path):

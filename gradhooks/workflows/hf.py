@@ -250,7 +250,9 @@ class DPTrainer(transformers.Trainer):
     Refused, before anything changes: ``fp16`` (a ``GradScaler``), several processes
     (``torch.distributed``), ``auto_find_batch_size`` (the batch size is ``L``'s),
     ``compute_loss_func`` (a batch loss: pass ``per_example_loss``), a dataset without a
-    length. ``train_sampling_strategy`` does not apply: the batches are Poisson's.
+    length, ``train(resume_from_checkpoint=...)`` (the checkpoint lacks the accountant's
+    steps), a hyperparameter search ``trial``. ``train_sampling_strategy`` does not apply: the
+    batches are Poisson's.
     """
 
     def __init__(
@@ -349,6 +351,14 @@ class DPTrainer(transformers.Trainer):
         """``Trainer.train`` with the model hooked (``quantities=("norms",)``) for its length;
         refused before the first step if the steps taken and the planned run together exceed
         ``target_epsilon``."""
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume not in (None, False):
+            raise ValueError(
+                "DPTrainer: resume_from_checkpoint is not supported: the checkpoint does not "
+                "hold the privacy accountant's steps, so ε after resuming would leave out "
+                "those before (and the Poisson sampler's state). Train in one run, or with "
+                "the same trainer again (its accountant keeps every step)"
+            )
         if kwargs.get("trial") is not None or len(args) > 1:
             raise ValueError(
                 "DPTrainer: a hyperparameter search trial changes the arguments (the batch "
