@@ -570,3 +570,45 @@ def test_accountant_state_dict_round_trips_and_refuses_another_method():
     assert again.history == acc.history and again.epsilon(1e-5) == acc.epsilon(1e-5)
     with pytest.raises(ValueError, match="'pld'"):
         gradhooks.PrivacyAccountant("pld").load_state_dict(acc.state_dict())
+
+
+# -- dp_sgd_step given pieces that do not fit -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "batch, expected",
+    [(16, 16 / 1000), (8, 1000.0)],
+    ids=["the sampling rate for the expected size", "the dataset's size for it"],
+)
+def test_dp_sgd_step_refuses_a_batch_no_sampler_of_that_expected_size_draws(batch, expected):
+    model = net()
+    x, y = examples(batch)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        with pytest.raises(ValueError, match="probability below"):
+            gradhooks.dp_sgd_step(
+                h, losses_of(model, x, y), max_norm=C, noise_multiplier=SIGMA,
+                expected_batch_size=expected,
+            )  # fmt: skip
+    assert all(p.grad is None for p in model.parameters()), "nothing written"
+    # at the edge of what a Poisson batch of that size does, no refusal
+    x, y = examples(30)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        gradhooks.dp_sgd_step(
+            h, losses_of(model, x, y), max_norm=C, noise_multiplier=SIGMA,
+            expected_batch_size=12.0,  # 30 - 12 = 18 < 7·√12 + 7 = 31
+        )  # fmt: skip
+
+
+def test_dp_optimizer_refuses_a_logical_batch_far_from_its_expected_size():
+    model = net()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=C,
+            noise_multiplier=SIGMA, expected_batch_size=2.0,
+        )  # fmt: skip
+        for seed in range(3):  # 36 examples, where 2 are expected: 36 - 2 > 7·√2 + 7
+            x, y = examples(12, seed=seed)
+            opt.backward(losses_of(model, x, y))
+        with pytest.raises(ValueError, match="probability below"):
+            opt.step()
+        assert all(p.grad is None for p in model.parameters())

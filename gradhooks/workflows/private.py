@@ -246,6 +246,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "physical batch of the logical batch (an empty batch too: its losses have 0 "
                 "rows), then opt.step(); a plain loss.backward() is not clipped."
             )
+        _dp.check_batch_against_expected(
+            self._examples, self.expected_batch_size, "DPOptimizer.step"
+        )
         params = _dp._covered_params(self.hooks)
         if len(params) != len(self._sums):
             raise RuntimeError(
