@@ -238,6 +238,39 @@ def test_dp_optimizer_skips_and_does_not_record_a_float16_overflow():
         assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+def test_fused_and_foreach_optimizers_with_a_grad_scaler_step_as_the_plain_one():
+    """A fused AdamW unscales inside its kernel (GradScaler hands it the scale) and skips on
+    the overflow flag: the same steps, skipped and taken, as the plain loop's (float32
+    rounding apart)."""
+
+    def train(**kwargs):
+        model = net(torch.float32)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=0.01, **kwargs), h, max_grad_norm=C,
+                noise_multiplier=SIGMA, expected_batch_size=E, scaler=scaler,
+                generator=torch.Generator().manual_seed(0),
+            )  # fmt: skip
+            stepped = []
+            for seed in range(3):
+                x, y = examples(6, seed=seed, dtype=torch.float32)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(x)
+                opt.backward(F.cross_entropy(logits.float(), y, reduction="none"))
+                stepped.append(opt.step())
+                opt.zero_grad()
+        return stepped, [p.detach() for p in model.parameters()]
+
+    plain_steps, plain = train(foreach=False)
+    assert plain_steps == [False, True, True]
+    for kwargs in ({"foreach": True}, {"fused": True}):
+        steps, params = train(**kwargs)
+        assert steps == plain_steps, kwargs
+        for a, b in zip(params, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=str(kwargs))
+
+
 # -- make_private ---------------------------------------------------------------------------------
 
 N = 30  # examples
@@ -558,6 +591,12 @@ def test_make_private_refuses_misuse():
     private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
     with pytest.raises(RuntimeError, match="not followed by"):
         next(batches)  # step() forgotten
+    first = private.batches()
+    xb, yb, _ = next(first)
+    second = private.batches()
+    next(second)  # (restarts the logical batch: the first loop may not go on)
+    with pytest.raises(RuntimeError, match="another loop"):
+        next(first)
     private.close()
 
 

@@ -390,6 +390,7 @@ class PrivateTraining:
         noise_multiplier: float,
         max_grad_norm: float,
         sample_rate: float,
+        expected_batch_size: float,
         steps: int,
         delta: float,
         target_epsilon: float | None,
@@ -404,7 +405,7 @@ class PrivateTraining:
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
         self.sample_rate = float(sample_rate)
-        self.expected_batch_size = self.sample_rate * self.num_examples
+        self.expected_batch_size = float(expected_batch_size)
         self.steps = int(steps)
         self.delta = float(delta)
         self.target_epsilon = target_epsilon
@@ -437,6 +438,7 @@ class PrivateTraining:
         self._states: dict[int, Tensor] = {}  # batch generator's state before logical batch k
         self._pending: collections.deque = collections.deque()  # (k, last, size) per physical
         self._current: _Physical | None = None
+        self._loops = 0  # loops over batches() started
         self._closed = False
 
     # -- the loop ------------------------------------------------------------------------------
@@ -461,6 +463,8 @@ class PrivateTraining:
         if self.accountant.steps >= self.steps:
             raise PrivacyBudgetExceeded(self._spent())
         self._restart()
+        self._loops += 1
+        loop = self._loops  # (a loop started later takes over; this one may not go on)
         loader = DataLoader(
             self.dataset, batch_sampler=_Indices(self), collate_fn=self._collate,
             **self._loader_kwargs,
@@ -472,6 +476,11 @@ class PrivateTraining:
                 k, last, size = self._pending.popleft()
                 self._current = _Physical(k, last, size)
                 yield batch
+                if loop != self._loops:
+                    raise RuntimeError(
+                        "private.batches(): another loop over private.batches() started since; "
+                        "it restarted the logical batch in progress, and this one cannot go on"
+                    )
                 if self._current is not None and not self._current.stepped:
                     raise RuntimeError(
                         "private.batches(): the last physical batch was not followed by "
@@ -479,7 +488,8 @@ class PrivateTraining:
                         "batch (step() only steps at a logical batch's end)"
                     )
         finally:
-            self._current = None
+            if loop == self._loops:
+                self._current = None
             del it
 
     def backward(self, per_example_loss: Tensor) -> Tensor:
@@ -567,6 +577,11 @@ class PrivateTraining:
         """Resume from :meth:`state_dict` of a run with the same plan (σ, C, q, steps, δ,
         accountant, physical batch size, number of examples)."""
         self._check_open()
+        if self._current is not None:
+            raise RuntimeError(
+                "load_state_dict inside a loop over private.batches(): load the checkpoint "
+                "before the loop (a new loop then starts where the checkpoint was taken)"
+            )
         plan = self._plan()
         wrong = [k for k in plan if state["plan"].get(k) != plan[k]]
         if wrong:
@@ -774,6 +789,8 @@ def make_private(
         sample_rate = expected_batch_size / n
     if not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if expected_batch_size is None:
+        expected_batch_size = sample_rate * n
     if steps is None:
         assert epochs is not None
         if not epochs > 0:
@@ -806,7 +823,8 @@ def make_private(
     return PrivateTraining(
         model, optimizer, dataset, loader_kwargs, collate_fn,
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        sample_rate=sample_rate, steps=int(steps), delta=delta, target_epsilon=target_epsilon,
+        sample_rate=sample_rate, expected_batch_size=expected_batch_size, steps=int(steps),
+        delta=delta, target_epsilon=target_epsilon,
         accountant=accountant, max_physical_batch_size=max_physical_batch_size,
         generator=generator, scaler=scaler,
     )  # fmt: skip
