@@ -123,8 +123,17 @@ def test_dp_optimizer_accumulation_equals_one_physical_batch():
         lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=3),
         lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0 / (k + 1)),
         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6),
+        lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [
+                torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=1),
+                torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+            ],
+            milestones=[1],
+        ),  # fmt: skip
     ],
-    ids=["StepLR", "OneCycleLR", "LambdaLR", "CosineAnnealingLR"],
+    ids=["StepLR", "OneCycleLR", "LambdaLR", "CosineAnnealingLR", "CyclicLR", "SequentialLR"],
 )
 def test_any_lr_scheduler_drives_the_dp_optimizer(make):
     model, ref = net(), net()
@@ -136,6 +145,8 @@ def test_any_lr_scheduler_drives_the_dp_optimizer(make):
     )  # fmt: skip
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     sched, ref_sched = make(opt), make(ref_opt)
+    steps_seen = []  # (a step hook of the DPOptimizer: the wrapped optimizer runs it)
+    opt.register_step_post_hook(lambda o, args, kwargs: steps_seen.append(o))
     ref_gen = torch.Generator().manual_seed(2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (torch warns of a scheduler stepped before its optimizer)
@@ -151,6 +162,8 @@ def test_any_lr_scheduler_drives_the_dp_optimizer(make):
             ref_sched.step()
             opt.zero_grad()
             assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+            assert opt.param_groups[0].get("momentum") == ref_opt.param_groups[0].get("momentum")
+    assert steps_seen == [opt.optimizer] * 3
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         assert_close(p.detach(), r.detach(), "parameters after 3 scheduled steps")
     assert opt.state_dict()["param_groups"][0]["lr"] == ref_opt.param_groups[0]["lr"]

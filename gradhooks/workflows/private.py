@@ -199,6 +199,25 @@ class DPOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self._forget()
 
+    # (hooks of the step and of the state dict: the wrapped optimizer's, which run them)
+    def register_step_pre_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         probe = torch.optim.SGD(param_group["params"], lr=0.0)
         _check_optimizer_params(probe, self.hooks, _dp._covered_params(self.hooks))
