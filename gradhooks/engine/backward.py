@@ -69,6 +69,8 @@ class Backwards:
             bw = self._backward_state()
             bw.batched = bw.batched or f"'{target.name or '<model>'}'"
             return
+        if self._kept_backprops is not None:
+            self._kept_backprops.record(target.module, call, graph_task())
         bw = self._backward_state()
         precision = lowest_precision(state.precision, *(
             g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)

@@ -35,6 +35,7 @@ from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
 from .accumulation import GradTrail
+from .backprops import KeptBackprops
 from .backward import Backwards
 from .calls import CallLayouts
 from .capture import DetachedCalls
@@ -104,6 +105,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         max_grad1_bytes: int | str | None = "auto",
         capture: Capture = "always",
         verify: bool = True,
+        keep_backprops: bool = False,
     ) -> None:
         _torch.require()
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
@@ -190,6 +192,8 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._unheld: list = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
+        # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
+        self._kept_backprops = KeptBackprops() if keep_backprops else None
         self._direct_targets: dict[int, Target] = {}
         self._functional_targets: dict[tuple, Target] = {}
         self._target_handles: list = []
@@ -451,8 +455,48 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._missed.clear()
         self._precision = None
         self._hessian_backprops.clear()
+        if self._kept_backprops is not None:
+            self._kept_backprops.clear()
         if self._collector is not None:
             self._collector.clear()
+
+    def activations(self, module: nn.Module) -> Tensor | None:
+        """autograd-hacks' ``module.activations``: the first positional input of the last call
+        of ``module`` in the forward that the last captured backward reaching it went through,
+        detached (``None`` where that input is not a tensor). Needs ``add_hooks(..., keep_backprops=True)``; see
+        :mod:`gradhooks.engine.backprops`."""
+        return self._backprops_of(module, "activations").activations(module)
+
+    def backprops(self, module: nn.Module) -> list[Tensor | None]:
+        """autograd-hacks' ``module.backprops_list``: the gradient of the loss with respect to
+        ``module``'s (first) output, one per call of it that a captured backward reached since
+        :meth:`clear`, in that order, detached (``None`` where none flowed). For a
+        mean-reduced loss each holds the ``1/batch`` of the mean. Needs
+        ``add_hooks(..., keep_backprops=True)``."""
+        return self._backprops_of(module, "backprops").backprops(module)
+
+    def _backprops_of(self, module: nn.Module, what: str) -> KeptBackprops:
+        kept = self._kept_backprops
+        if kept is None:
+            raise RuntimeError(
+                f"Hooks.{what}: this handle keeps no layer inputs or output-gradients; add the "
+                "hooks with gradhooks.add_hooks(model, keep_backprops=True) (they then stay in "
+                "memory until h.clear())"
+            )
+        if not any(t.module is module for t in self._targets):
+            raise ValueError(
+                f"Hooks.{what}: {type(module).__qualname__} is not a module this handle hooks "
+                "(h.modules() lists them: modules with trainable parameters and a rule, or the "
+                "fallback)"
+            )
+        if not kept.reached(module):
+            name = next(t.name for t in self._targets if t.module is module)
+            raise RuntimeError(
+                f"Hooks.{what}: no captured backward reached '{name}' "
+                f"({type(module).__qualname__}) since the hooks were added or h.clear(); run "
+                "the forward and the backward first"
+            )
+        return kept
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -713,6 +757,7 @@ def add_hooks(
     max_grad1_bytes: int | str | None = "auto",
     capture: Capture = "always",
     verify: bool = True,
+    keep_backprops: bool = False,
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -759,6 +804,10 @@ def add_hooks(
             autograd computed, and raise, naming the parameters, where it does not (a use the
             hooks did not see; a loss term that is not per example, such as weight decay
             added to the loss: ``verify=False`` keeps ``grad1`` of the per-example terms).
+        keep_backprops: keep, per hooked module, the input of its last captured call and
+            the output-gradient of each captured call, for :meth:`Hooks.activations` and
+            :meth:`Hooks.backprops` (autograd-hacks' ``layer.activations`` and
+            ``layer.backprops_list``), until :meth:`Hooks.clear`: the memory of those tensors.
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -781,7 +830,7 @@ def add_hooks(
     hooks = Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
         quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
-        capture=capture, verify=verify,
+        capture=capture, verify=verify, keep_backprops=keep_backprops,
     )  # fmt: skip
     set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
     return hooks

@@ -40,6 +40,7 @@ which is not (and is 0 for an empty batch).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal, NamedTuple
 
@@ -119,6 +120,7 @@ def dp_sgd_step(
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _check_clipping(max_norm, noise_multiplier, generator)
+    check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
     if scale is not None and not finite(norms, clipped):
@@ -551,6 +553,26 @@ def _check_expected_batch_size(expected_batch_size: float | None, reduction: str
         )
     if not 0 < expected_batch_size < float("inf"):
         raise ValueError(f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}")
+
+
+def check_batch_against_expected(batch: int, expected: float | None, where: str) -> None:
+    """Refuses a step whose batch is so far from ``expected`` (more than ``7·√expected + 7``
+    examples away) that no Poisson sampler of that expected size drew it (probability below
+    1e-11 per step): the expected batch size given is not the sampler's (the sampling rate,
+    or the dataset's size, passed instead), or the batch is a piece of one (noise added per
+    micro-batch). Dividing by it would scale the step by the wrong factor, silently."""
+    if expected is None:
+        return
+    if abs(batch - expected) > 7 * math.sqrt(expected) + 7:
+        raise ValueError(
+            f"{where}: a batch of {batch} examples with expected_batch_size={expected!r}: a "
+            "Poisson-sampled batch is this far from its expected size with probability below "
+            "1e-11, so expected_batch_size is not that of the sampler that drew it (it is "
+            "sampler.expected_batch_size = sample_rate * len(dataset), not the sampling rate "
+            "or the dataset's size), or the batch is a part of one (for a logical batch in "
+            "several physical ones, use gradhooks.DPOptimizer: the noise is added once). "
+            "No gradient was written."
+        )
 
 
 def _denominator(batch: int, reduction: str, expected_batch_size: float | None) -> float:
