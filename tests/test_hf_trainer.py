@@ -260,6 +260,7 @@ def test_an_empty_physical_batch_adds_nothing(tmp_path):
     assert_update(model, before, want)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 def test_lora_only_the_adapter_changes(tmp_path):
     peft = pytest.importorskip("peft", reason="the LoRA test needs peft")
     base, data = gpt2(), Recorded(16)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -517,7 +518,10 @@ def _check_args(args: transformers.TrainingArguments) -> None:
 
 
 def _is_datasets_dataset(dataset: Any) -> bool:
-    return type(dataset).__module__.startswith("datasets.")
+    """Whether ``dataset`` is a ``datasets.Dataset`` (whose unused columns the Trainer drops
+    from the dataset itself; for another dataset, its collate function drops them)."""
+    datasets = sys.modules.get("datasets")  # (imported wherever such a dataset exists)
+    return datasets is not None and isinstance(dataset, datasets.Dataset)
 
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
