@@ -396,6 +396,16 @@ def test_refused_settings(tmp_path):
                   compute_loss_func=lambda outputs, labels, **kw: outputs.loss)  # fmt: skip
     with pytest.raises(TypeError, match="DPArguments"):
         DPTrainer(model, targs(tmp_path), train_dataset=data, dp={"max_grad_norm": 1.0})
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (data.example(i) for i in range(len(data)))
+
+        def __len__(self):
+            return len(data)
+
+    with pytest.raises(ValueError, match="map-style dataset"):
+        DPTrainer(model, targs(tmp_path), train_dataset=Stream(), dp=dp).train()
     args = targs(tmp_path, per_device_train_batch_size=16)
     with pytest.raises(ValueError, match="exceeds the 16 examples"):
         DPTrainer(model, args, train_dataset=data, dp=dp).train()
@@ -429,8 +439,8 @@ def test_refused_at_train_before_a_step(tmp_path):
 
 def test_the_callers_arguments_are_left_as_they_were(tmp_path):
     args = targs(tmp_path, max_grad_norm=1.0)
-    trainer = DPTrainer(gpt2(), args, train_dataset=Recorded(16),
-                        dp=DPArguments(max_grad_norm=0.3, delta=1e-5, noise_multiplier=1.0))  # fmt: skip
+    dp = DPArguments(max_grad_norm=0.3, delta=1e-5, noise_multiplier=1.0)
+    trainer = DPTrainer(gpt2(), args, train_dataset=Recorded(16), dp=dp)
     assert args.max_grad_norm == 1.0
     assert trainer.args.max_grad_norm == 0.0  # (the batch gradient is not clipped again)
 
@@ -474,8 +484,8 @@ def _initial(model, before):
 def _seed_with_batch_size(n: int, expected: float, size: int) -> int:
     """A sampling seed whose first Poisson batch holds ``size`` examples."""
     for seed in range(1000):
-        first = next(iter(gradhooks.PoissonSampler(n, expected,
-                                                   generator=torch.Generator().manual_seed(seed))))  # fmt: skip
+        g = torch.Generator().manual_seed(seed)
+        first = next(iter(gradhooks.PoissonSampler(n, expected, generator=g)))
         if len(first) == size:
             return seed
     raise AssertionError("no such seed")

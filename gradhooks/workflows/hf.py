@@ -249,11 +249,11 @@ class DPTrainer(transformers.Trainer):
         trainer.accountant.epsilon(1e-5)   # <= 8.0, also logged as "epsilon"
 
     Refused, before anything changes: ``fp16`` (a ``GradScaler``), several processes
-    (``torch.distributed``), ``auto_find_batch_size`` (the batch size is ``L``'s),
-    ``compute_loss_func`` (a batch loss: pass ``per_example_loss``), a dataset without a
-    length, ``train(resume_from_checkpoint=...)`` (the checkpoint lacks the accountant's
-    steps), a hyperparameter search ``trial``. ``train_sampling_strategy`` does not apply: the
-    batches are Poisson's.
+    (``torch.distributed``) or GPUs (``DataParallel``), ``auto_find_batch_size`` (the batch
+    size is ``L``'s), ``compute_loss_func`` (a batch loss: pass ``per_example_loss``), an
+    iterable dataset or one without a length, ``train(resume_from_checkpoint=...)`` (the
+    checkpoint lacks the accountant's steps), a hyperparameter search ``trial``.
+    ``train_sampling_strategy`` does not apply: the batches are Poisson's.
     """
 
     def __init__(
@@ -303,7 +303,8 @@ class DPTrainer(transformers.Trainer):
 
     def _examples(self) -> int:
         dataset = self.train_dataset
-        if dataset is None or not hasattr(dataset, "__len__"):
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        if dataset is None or iterable or not hasattr(dataset, "__len__"):
             raise ValueError(
                 "DPTrainer: train_dataset must be a map-style dataset with a length (Poisson "
                 "sampling draws each example with probability L / len(train_dataset)); got "
@@ -509,6 +510,12 @@ def _check_args(args: transformers.TrainingArguments) -> None:
         raise ValueError(
             f"DPTrainer runs in one process (world_size={args.world_size}): the noise and the "
             "clipping across processes are gradhooks.distributed.dp_sgd_step's"
+        )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"DPTrainer: the Trainer would wrap the model in DataParallel over {args.n_gpu} "
+            "GPUs, whose replicas the hooks do not follow; make one GPU visible "
+            "(CUDA_VISIBLE_DEVICES)"
         )
     if args.auto_find_batch_size:
         raise ValueError(
