@@ -364,10 +364,11 @@ def test_a_second_run_past_the_budget_is_refused(tmp_path):
 
 def test_bf16_autocast_against_the_float64_loop(tmp_path):
     """``bf16=True`` on the CPU: the forward under bfloat16 autocast, float32 parameters. The
-    update against the float64 loop of the same weights, to 5e-2 of its largest entry:
-    bfloat16 keeps 8 bits (2⁻⁸ ≈ 4e-3 per rounding), a tiny GPT-2's per-example gradients are
-    within about 5e-3 of float64 (docs/mixed-precision.md), and clipping and summing do not
-    add to the relative error; a wrong clipping factor or loss is off by far more."""
+    update against the float64 loop of the same weights, to 2e-2 of its largest entry (about
+    5 units of bfloat16's 2⁻⁸ ≈ 4e-3): a tiny GPT-2's per-example gradients are within about
+    5e-3 of float64 under bf16 autocast (docs/mixed-precision.md), and clipping and summing
+    do not add to the relative error (measured here: 3.7e-3; float32 without autocast:
+    3e-7); a wrong clipping factor or loss is off by far more."""
     model, data = gpt2().float(), Recorded(16)
     clip, lr = 3.5, 0.5
     dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=3)
@@ -379,7 +380,7 @@ def test_bf16_autocast_against_the_float64_loop(tmp_path):
     scale = max(float(w.abs().max()) for w in want.values())
     worst = max(float((p.detach().to(D) - before[n].to(D) - want[n]).abs().max())
                 for n, p in model.named_parameters())  # fmt: skip
-    assert worst < 5e-2 * scale
+    assert worst < 2e-2 * scale
     assert worst > 1e-6 * scale  # (the forward ran in bfloat16: not float32's error)
 
 
