@@ -466,6 +466,20 @@ def test_per_example_loss_by_hand():
     value = torch.randn(4, 1, dtype=D, generator=g)
     target = torch.randn(4, dtype=D, generator=g)
     torch.testing.assert_close(per_example_loss(value, target), (value[:, 0] - target) ** 2)
+    tagged = per_example_loss(logits, labels)  # (token classification: no shift)
+    for b in range(3):
+        keep = labels[b] != -100
+        want = F.cross_entropy(logits[b][keep], labels[b][keep])
+        torch.testing.assert_close(tagged[b], want)
+    multi = torch.randint(0, 2, (4, 3), generator=g).to(D)
+    torch.testing.assert_close(
+        per_example_loss(classes, multi),
+        F.binary_cross_entropy_with_logits(classes, multi, reduction="none").mean(1),
+    )
+    smooth = per_example_loss(classes, y, label_smoothing=0.1)
+    log_p = torch.log_softmax(classes, -1)
+    want = 0.9 * -log_p[torch.arange(4), y] + 0.1 * -log_p.mean(1)  # (Hugging Face's smoother)
+    torch.testing.assert_close(smooth, want)
     with pytest.raises(ValueError, match="same \\[batch, tokens\\]"):
         per_example_loss(logits, labels[:, :4])
 
