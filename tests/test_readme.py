@@ -126,7 +126,9 @@ def links(page: Path) -> list[str]:
 
 
 def test_links_are_found():
-    page = "[a](docs/a.md) `[not](a link)` [b\nc](b.md#part) [web](https://x.org)\n```\n[no](x)\n```"
+    page = (
+        "[a](docs/a.md) `[not](a link)` [b\nc](b.md#part) [web](https://x.org)\n```\n[no](x)\n```"
+    )
     assert LINK.findall(prose(page)) == ["docs/a.md", "b.md#part", "https://x.org"]
 
 
