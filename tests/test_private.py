@@ -664,3 +664,41 @@ def test_dp_optimizer_refuses_a_logical_batch_far_from_its_expected_size():
         with pytest.raises(ValueError, match="probability below"):
             opt.step()
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_make_private_steps_on_the_noise_alone_for_an_empty_logical_batch():
+    """Expected batch 0.5 of 30 examples: most logical batches are empty; each still gives a
+    physical batch of 0 rows, whose step is σ·C·z / expected batch size, exactly."""
+    model = net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = grads_at_step(inner)
+    private = gradhooks.make_private(
+        model, inner, dataset(), noise_multiplier=SIGMA, delta=1e-5, steps=10,
+        expected_batch_size=0.5, max_grad_norm=C, max_physical_batch_size=4,
+        generator=torch.Generator().manual_seed(4),
+    )  # fmt: skip
+    states, logical = [], []
+    sizes = run(private, model, noise_states=states, logical=logical)
+    empty = [k for k, b in enumerate(logical) if len(b) == 0]
+    assert len(empty) >= 2 and sizes.count(0) == len(empty), sizes
+    for k in empty:
+        noise = torch.Generator().set_state(states[k])
+        for got in seen[k]:
+            want = SIGMA * C * torch.randn(got.shape, generator=noise, dtype=got.dtype) / 0.5
+            assert torch.equal(got, want), f"logical batch {k}: the noise alone"
+    private.close()
+
+
+def test_make_private_with_the_pld_accountant_records_for_it():
+    model = net()
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), noise_multiplier=SIGMA,
+        delta=1e-5, steps=2, sample_rate=0.2, max_grad_norm=C, accountant="pld",
+    )  # fmt: skip
+    assert private.expected_batch_size == pytest.approx(6.0)
+    run(private, model)
+    want = gradhooks.PrivacyAccountant("pld")
+    want.step(noise_multiplier=SIGMA, sample_rate=0.2, steps=2)
+    assert private.accountant.method == "pld"
+    assert private.epsilon == want.epsilon(1e-5)
+    private.close()

@@ -246,7 +246,7 @@ def _by_layout_split(
         raise ValueError(
             f"fallback for {name}: an output that receives a gradient does not depend on the "
             f"examples while its inputs do ({_describe(call)}); register a rule for this module "
-            "with @gradhooks.register (see the README), or freeze its parameters."
+            "with @gradhooks.register (see docs/extending.md), or freeze its parameters."
         )
     cots = gs if info.shared else [batch_rows(g, lay, batch) for g, lay in zip(gs, outs_lay)]
 
@@ -378,7 +378,7 @@ def _per_example_vjp(
         raise ValueError(
             f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
             f"every output that receives a gradient; got {_describe(call)}. Register a rule "
-            "for this module with @gradhooks.register (see the README), or freeze its "
+            "for this module with @gradhooks.register (see docs/extending.md), or freeze its "
             "parameters."
         )
     if batch == 0:
@@ -448,7 +448,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     f"fallback for {name}: it takes dimension 0 of the inputs and outputs as the "
                     f"batch ({batch}, from the output gradients), but one example's output has "
                     f"shape {tuple(o.shape)}, not {(1, *g.shape)}; got {_describe(call)}. "
-                    "Register a rule for this module with @gradhooks.register (see the README)."
+                    "Register a rule for this module with @gradhooks.register (see "
+                    "docs/extending.md)."
                 )
         (grads,) = pullback(tuple(cast(g, o.dtype).unsqueeze(0) for g, o in zip(gs_b, outs)))
         return grads, tuple(o.squeeze(0) for o in outs)
@@ -501,7 +502,7 @@ def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Ex
         f"fallback for {name} could not recompute the module one example at a time "
         f"({_describe(call)}; {batch}): {e}\nIf the module mixes the examples of a batch "
         "(BatchNorm in training mode), it has no per-example gradients; otherwise register a "
-        "rule for it with @gradhooks.register (see the README), or freeze its parameters."
+        "rule for it with @gradhooks.register (see docs/extending.md), or freeze its parameters."
     )
 
 
@@ -544,7 +545,7 @@ def _loop(
                         f"fallback for {name}: it takes dimension 0 of the inputs and outputs "
                         f"as the batch, but one example's output has shape {tuple(o.shape)}, "
                         f"not {(1, *g.shape[1:])}. Register a rule for this module with "
-                        "@gradhooks.register (see the README)."
+                        "@gradhooks.register (see docs/extending.md)."
                     )
             grads = torch.autograd.grad(
                 [o for o in out if o.requires_grad],
