@@ -41,11 +41,15 @@ class Recorded(torch.utils.data.Dataset):
     """Token sequences of unequal lengths (right-padded, label -100 on the padding), each
     ``__getitem__`` recorded (the data loader reads a batch ahead of the one trained on)."""
 
-    def __init__(self, n: int, seed: int = 0, classes: int | None = None) -> None:
+    def __init__(
+        self, n: int, seed: int = 0, classes: int | None = None, translate: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, V, (n, T), generator=g)
         self.lengths = torch.randint(3, T + 1, (n,), generator=g)
         self.classes = None if classes is None else torch.randint(0, classes, (n,), generator=g)
+        # (a target sequence other than the input, for an encoder-decoder model)
+        self.targets = (self.ids * 3 + 1) % V if translate else self.ids
         self.seen: list[int] = []
 
     def __len__(self) -> int:
@@ -55,7 +59,7 @@ class Recorded(torch.utils.data.Dataset):
         mask = (torch.arange(T) < self.lengths[i]).long()
         item = {"input_ids": self.ids[i], "attention_mask": mask}
         if self.classes is None:
-            item["labels"] = self.ids[i].masked_fill(mask == 0, -100)
+            item["labels"] = self.targets[i].masked_fill(mask == 0, -100)
         else:
             item["labels"] = self.classes[i]
         return item
@@ -117,12 +121,15 @@ def trained(model, args, data, dp, **kwargs):
 # -- the float64 reference --------------------------------------------------------------------
 
 
-def own_loss(model, item: dict, causal: bool) -> torch.Tensor:
+def own_loss(model, item: dict, kind: str) -> torch.Tensor:
     """One example's own loss, run alone: the mean over its own labelled tokens of the
-    next-token cross-entropy (causal LM), or its cross-entropy (classifier)."""
+    next-token cross-entropy (``"causal"``), its cross-entropy (``"class"``), or the model's
+    own loss of a batch of one (``"seq2seq"``: the mean over its labelled target tokens)."""
+    if kind == "seq2seq":
+        return model(**{k: v[None] for k, v in item.items()}).loss
     inputs = {k: v[None] for k, v in item.items() if k != "labels"}
     logits = model(**inputs).logits[0]
-    if not causal:
+    if kind == "class":
         return F.cross_entropy(logits, item["labels"])
     terms = [
         -torch.log_softmax(logits[t], -1)[item["labels"][t + 1]]
@@ -132,7 +139,7 @@ def own_loss(model, item: dict, causal: bool) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-def reference_update(model, data, batch, clip, expected, lr, causal=True):
+def reference_update(model, data, batch, clip, expected, lr, kind="causal"):
     """``-lr · Σ_i min(1, C/‖g_i‖) g_i / L`` for the trainable parameters, by a loop of
     autograd over the examples one at a time (float64), and the norms ``‖g_i‖``."""
     model = copy.deepcopy(model)
@@ -140,7 +147,7 @@ def reference_update(model, data, batch, clip, expected, lr, causal=True):
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     norms = []
     for i in batch:
-        grads = torch.autograd.grad(own_loss(model, data.example(i), causal), list(params.values()))
+        grads = torch.autograd.grad(own_loss(model, data.example(i), kind), list(params.values()))
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         norms.append(float(norm))
         factor = min(1.0, clip / float(norm))
@@ -180,9 +187,7 @@ def test_a_causal_lm_step_is_the_clipped_sum_of_each_examples_own_mean_token_los
     trainer, before = trained(model, targs(tmp_path), data, dp)
     batch = drawn(trainer, data)
     assert len(batch) >= 3  # (this seed's batch: several examples, both physical batches used)
-    want, norms = reference_update(
-        _initial(model, before), data, batch, clip, expected, lr, causal=True
-    )
+    want, norms = reference_update(_initial(model, before), data, batch, clip, expected, lr)
     assert min(norms) < clip < max(norms)  # some examples clipped, some not
     assert_update(model, before, want)
     assert trainer.accountant.steps == 1
@@ -199,7 +204,7 @@ def test_the_batch_token_mean_would_weigh_an_example_by_the_others_lengths(tmp_p
     inputs = {k: torch.stack([it[k] for it in items]) for k in items[0]}
     logits = ref(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     mine = per_example_loss(logits, inputs["labels"], shift=True)
-    own = torch.stack([own_loss(ref, it, causal=True) for it in items])
+    own = torch.stack([own_loss(ref, it, "causal") for it in items])
     torch.testing.assert_close(mine, own, rtol=1e-10, atol=0)
     hf = ref(**inputs).loss.to(D)  # the batch-token mean (Hugging Face takes it in float32)
     tokens = (inputs["labels"][:, 1:] != -100).sum(1).to(D)
@@ -208,15 +213,44 @@ def test_the_batch_token_mean_would_weigh_an_example_by_the_others_lengths(tmp_p
     assert not torch.allclose(shares * len(batch), mine)  # weights set by the others' lengths
 
 
-def test_a_sequence_classifier_step(tmp_path):
+@pytest.mark.parametrize("method", [None, "ghost"], ids=["bookkeeping", "ghost"])
+def test_a_sequence_classifier_step(tmp_path, method):
     model, data = bert(), Recorded(16, classes=3)
+    backwards = []  # (ghost clipping runs two backwards per physical batch, book-keeping one)
+    model.classifier.register_full_backward_hook(lambda *args: backwards.append(1))
     clip, lr = 0.5, 0.5
-    dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=3)
+    dp = DPArguments(
+        max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=3, method=method
+    )
     trainer, before = trained(model, targs(tmp_path), data, dp)
+    assert len(backwards) == len(trainer.rows) * (2 if method == "ghost" else 1)
     batch = drawn(trainer, data)
     assert len(batch) >= 2
-    want, norms = reference_update(_initial(model, before), data, batch, clip, 4, lr, causal=False)
+    want, norms = reference_update(_initial(model, before), data, batch, clip, 4, lr, "class")
     assert max(norms) > clip
+    assert_update(model, before, want)
+
+
+def test_an_encoder_decoder_step(tmp_path):
+    """BART: the labels go into the forward (the decoder's inputs are built from them), the
+    loss is each example's mean over its own labelled target tokens, not shifted again."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=T + 2, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config).to(D)
+    data = Recorded(16, translate=True)
+    clip, lr = 2.4, 0.5
+    dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=3)
+    trainer, before = trained(model, targs(tmp_path), data, dp)
+    want, norms = reference_update(
+        _initial(model, before), data, drawn(trainer, data), clip, 4, lr, "seq2seq"
+    )
+    assert min(norms) < clip < max(norms), norms
     assert_update(model, before, want)
 
 
