@@ -397,17 +397,24 @@ def _opacus_dp(s: Setup, ghost: bool) -> Runner:
 # its hooks run eagerly, each hooked layer's call a graph break) -------------------------------------
 
 
+_COMPILED_BATCH: list = [None]  # (a weak reference to the batch of the model being compiled)
+WARM_COMPILED = 10  # untimed steps of a compiled method before its warm-up step
+
+
 def _compiled(s: Setup):
-    """``torch.compile(s.model)``. Two settings of dynamo's, for the bench's sake: it guards
-    on the modules' hooks (by default it does not, and the hooked copy of a model would reuse
-    the code compiled for the plain copy, hooks not called: gradhooks warns that it captured
-    nothing); and it keeps a compiled version for each copy of the model."""
+    """``torch.compile(s.model)``, dynamo's state started afresh at each model of a run (its
+    compiled code and its recompile counts: a model's compiled methods meet dynamo's limits as
+    in a process of their own), and guarding on the modules' hooks (by default it does not,
+    and the hooked copy of a model would reuse the code compiled for the plain copy, the hooks
+    never called: gradhooks warns that it captured nothing)."""
+    import weakref
+
     import torch._dynamo
 
-    config = torch._dynamo.config
-    config.skip_nnmodule_hook_guards = False
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 64))
+    if _COMPILED_BATCH[0] is None or _COMPILED_BATCH[0]() is not s.x:
+        torch._dynamo.reset()
+        _COMPILED_BATCH[0] = weakref.ref(s.x)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     return torch.compile(s.model)
 
 
@@ -419,18 +426,23 @@ def graph_break_kind(reason: str) -> str:
     where = re.search(r"function `([^`]+)`|builtin `([^`]+)`|built-in function (\w+)>", rest)
     name = next((g for g in where.groups() if g), "") if where else ""
     name = re.sub(r"^<function (\S+) at 0x[0-9a-f]+>$", r"\1", name)
+    name = re.sub(r"pybind11_detail\w*\.", "", name).rstrip(".")
     return f"{head.rstrip('.')} ({name})" if name else head.rstrip(".")
 
 
 def _graph_breaks(run: Callable[[], Runner]) -> Runner:
-    """``run()``'s runner, whose notes say how many graphs torch.compile made in its first step
-    and why it broke the forward between them (dynamo's counters: its compilation is done
-    once, at that step)."""
+    """``run()``'s runner, stepped :data:`WARM_COMPILED` times (untimed: dynamo compiles again
+    at some of the first steps), whose notes say how many graphs torch.compile made in those
+    steps and why it broke the forward between them (dynamo's counters)."""
     from torch._dynamo.utils import counters
 
     before = dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
     runner = run()
+    for _ in range(WARM_COMPILED):  # (past the recompilations of its first steps)
+        runner.reset()
+        runner.step()
+    runner.reset()
 
     def notes() -> str:
         kinds: dict[str, int] = {}
@@ -439,8 +451,8 @@ def _graph_breaks(run: Callable[[], Runner]) -> Runner:
                 kind = graph_break_kind(reason)
                 kinds[kind] = kinds.get(kind, 0) + n - before.get(reason, 0)
         made = counters["stats"]["unique_graphs"] - graphs
-        text = f"{made} graphs compiled, {sum(kinds.values())} graph breaks (new at its first "
-        text += "step: what an earlier method compiled is reused)"
+        text = f"{made} graphs compiled, {sum(kinds.values())} graph breaks in its first "
+        text += f"{WARM_COMPILED + 1} steps (code an earlier method compiled is reused)"
         if kinds:
             worst = sorted(kinds.items(), key=lambda kv: -kv[1])
             text += ": " + "; ".join(f"{n}x {kind}" for kind, n in worst[:5])
