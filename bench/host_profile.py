@@ -16,7 +16,7 @@ For each model, at its own batch:
 - **graph breaks** (``--explain``): ``torch._dynamo.explain`` of the hooked model (the default
   backend, not fullgraph): how many graphs and why the forward breaks, by kind and where.
 
-Writes ``bench/results/host-profile-<device>.{json,md}`` (``--out`` for another folder).
+Writes ``bench/results/host-profile-cpu.{json,md}`` (``--out`` for another folder).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Per-example gradients, side by side: gradhooks, its peers, plain training and the floor.
 
     python -m bench --suite grad1                     # one table of bench/RESULTS.md
+    python -m bench --suite host --compile            # tiny models, 1 thread; torch.compile too
     python -m bench                                   # every model and method, batch 64, CPU
     python -m bench --models mlp,simplecnn --methods plain,floor,vmap,grad1 --reps 9
     python -m bench --device cuda --batch 32,128

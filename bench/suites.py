@@ -2,6 +2,7 @@
 one JSON file and one table of ``bench/RESULTS.md``.
 
     python -m bench --suite grad1        # writes bench/results/grad1-cpu.{json,md,png}
+    python -m bench --suite host         # tiny models, each at its own batch, 1 thread
 
 A flag given on the command line overrides the suite's (``--suite dp --batch 32``).
 """
