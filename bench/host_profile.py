@@ -5,7 +5,7 @@
 For each model, at its own batch:
 
 - **calls**: torch functions in one plain forward (a counting ``TorchFunctionMode``), and how
-  many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.layout.Tracker`)
+  many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.layout.Tracker`)
   runs in one step of gradhooks' grad1 (forward and backward);
 - **time**: medians of interleaved repetitions (process CPU time) of the plain forward, the
   hooked forward, plain forward+backward and gradhooks' grad1 step;
