@@ -786,7 +786,10 @@ def add_hooks(
             sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
             rows are summed) or on another dimension (moved) is right; a layer whose input
             was computed across the batch is an error naming the layer and the shapes.
-            ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
+            Sequences packed along one dimension without padding (a ``cu_seqlens``,
+            ``cu_seq_lens_q/k`` or ``seq_idx`` input; ``position_ids`` that start again within
+            a row, with no ``attention_mask``: ``DataCollatorWithFlattening``) are refused
+            before the forward runs: give a padded batch. ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
             dimension 0.
         max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
             larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
