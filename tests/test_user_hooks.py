@@ -4,7 +4,8 @@
   ones), gradient hooks on an activation and on parameters, and post-accumulate-grad hooks fire
   exactly as often as in the same training loop without gradhooks, with ``verify`` on or off,
   with ``grad1``, norms and ``dp_sgd_step``: no check of gradhooks' runs a backward of its own
-  through them.
+  through them. A gradient hook on an activation alone (no module or parameter hook) runs again
+  in the check's own backwards of a backward that verifies, as ``add_hooks`` documents.
 - A hook on a parameter registered after ``add_hooks`` that multiplies its gradient (by a
   number, or by a factor clipping its norm): ``grad1`` is multiplied alike, so that it still
   reduces to ``.grad``; any other change (each entry clamped) is refused, ``grad1`` unwritten.
@@ -130,6 +131,24 @@ def test_hook_on_the_output_put_after_the_forward(verify):
             out.register_hook(lambda g: counts.update(["output"]))
             per_example(out, y).mean().backward()
     assert counts == {"output": 3}
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_activation_hook_runs_again_in_a_verifying_backward(verify, quantity):
+    """As add_hooks' ``verify`` says: a gradient hook on an activation runs once per backward,
+    and on a backward that verifies (the 1st, 2nd and 4th of four here) also in each of the
+    check's own backwards (two; three without grad1), so that a hook that mixes the examples
+    is refused (test_robust_input's "gradient-hook" mixings)."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    model.counts = collections.Counter()
+    with gradhooks.add_hooks(model, verify=verify, quantities=(quantity,), loss_reduction="sum"):
+        for _ in range(4):
+            per_example(model(x), y).sum().backward()
+    again = (2 if quantity == "grad1" else 3) if verify else 0
+    assert model.counts == {"activation": 4 + 3 * again}
 
 
 class _MatrixExp(nn.Module):

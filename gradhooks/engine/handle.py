@@ -807,6 +807,15 @@ def add_hooks(
             autograd computed, and raise, naming the parameters, where it does not (a use the
             hooks did not see; a loss term that is not per example, such as weight decay
             added to the loss: ``verify=False`` keeps ``grad1`` of the per-example terms).
+            The check runs backwards of autograd's own through the model's graph (two; three
+            without ``"grad1"``), from its output-gradients weighted per example, in which a
+            gradient hook put on an activation during the forward (``h.register_hook``) runs
+            again, so that what it does to the examples' gradients is checked too (a hook that
+            mixes them is refused): on a backward that verifies, such a hook runs three times
+            (four without ``"grad1"``), on every other backward once. Backward hooks of the
+            user's on modules (also global ones) and on parameters run once on every backward:
+            where there are any, that part of the check is left out. ``verify=False``: every hook
+            runs once per backward.
         keep_backprops: keep, per hooked module, the input of its last captured call and
             the output-gradient of each captured call, for :meth:`Hooks.activations` and
             :meth:`Hooks.backprops` (autograd-hacks' ``layer.activations`` and

@@ -294,7 +294,7 @@ class Verification:
         backward of the checks' own runs, for those hooks to fire exactly as often as without
         gradhooks (the checks that need none still do). A gradient hook on an activation does
         not leave the checks out: it may compute across the batch, which only they see (it
-        fires once more in a backward that verifies)."""
+        runs again in each of the probe's backwards, as :func:`gradhooks.add_hooks` says)."""
         model = self.model
         params = [p for _, p in self._params.values()]
         own = 1  # (gradhooks' own hook on each parameter)
