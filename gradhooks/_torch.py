@@ -85,7 +85,9 @@ Required (no fallback; :func:`require` refuses without them):
   parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
-  ``enable_input_require_grads`` adds, fails under ``torch.func``).
+  ``enable_input_require_grads`` adds, fails under ``torch.func``), and without the forward
+  hooks and pre-hooks of the modules inside it and the global ones
+  (:func:`forward_hooks_off_within`: a user's hooks fire as often as without gradhooks).
 - ``tensor_impl``: ``Tensor._cdata`` and ``Tensor._backward_hooks`` (:func:`tensor_impl`,
   :func:`drop_stale_hooks`): ``torch.utils.swap_tensors`` puts another C++ tensor under the
   same Python object (``model.to(...)``, ``.double()``, even ``.float()`` of a float model, do so
@@ -138,6 +140,7 @@ __all__ = [
     "disabled",
     "drop_stale_hooks",
     "first_forward_hook",
+    "forward_hooks_off_within",
     "forward_hooks_off",
     "forward_pre_hooks",
     "fsdp_module_class",
@@ -670,6 +673,31 @@ def forward_hooks_off(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module._forward_hooks = kept
+
+
+@contextlib.contextmanager
+def forward_hooks_off_within(module: nn.Module, within: bool = True) -> Iterator[None]:
+    """Within the block, ``module``'s forward hooks and pre-hooks (``_forward_hooks``,
+    ``_forward_pre_hooks``) do not run when it is called, and, ``within``, neither do those of
+    the modules inside it nor the global ones (``torch.nn.modules.module._global_forward_hooks``
+    and ``_global_forward_pre_hooks``); one registered inside the block runs. The dicts are
+    emptied in place and filled again, in their order, on exit. torch has no public way to
+    call a module without its hooks. Required (:func:`require`)."""
+    modules = module.modules() if within else (module,)
+    dicts = {id(d): d for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
+    for d in _GLOBAL_HOOKS or () if within else ():
+        dicts[id(d)] = d
+    kept = [(d, list(d.items())) for d in dicts.values() if d]
+    for d, _ in kept:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in kept:
+            added = list(d.items())
+            d.clear()
+            d.update(items)
+            d.update(added)
 
 
 def first_forward_hook(module: nn.Module) -> Any:

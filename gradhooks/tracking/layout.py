@@ -1868,6 +1868,10 @@ class Tracker(TorchFunctionMode):
         self.coupled: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # positions of rows that nonzero found in a tensor with examples (see _row_indices)
         self.row_index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the floating-point dtype that rounds the most among the tensors computed from the
+        # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
+        # of the backward judge by it (see gradhooks.engine.verify)
+        self.precision: torch.dtype | None = None
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -2047,6 +2051,7 @@ class Tracker(TorchFunctionMode):
         try:
             if not sources and not direct:
                 out = func(*args, **kwargs)
+                self._note_precision(out)
                 self.func = func
                 try:
                     self._propagate(name, args, kwargs, out)
@@ -2055,6 +2060,7 @@ class Tracker(TorchFunctionMode):
                 return out
             if layouts:
                 out = self._meeting(func, name, args, kwargs, tensors, direct)
+                self._note_precision(out)
                 self._hold(direct, args, out)
                 return out
             for p in direct:
@@ -2077,6 +2083,14 @@ class Tracker(TorchFunctionMode):
                 return out
         finally:
             self.off -= 1
+
+    def _note_precision(self, out: Any) -> None:
+        """Keep :attr:`precision` (an operation on the examples' tensors gave ``out``)."""
+        d = out.dtype if isinstance(out, Tensor) else None
+        if d is None or d is self.precision or not d.is_floating_point:
+            return
+        if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
+            self.precision = d
 
     def _covering(self, pid: int) -> int | None:
         for i in range(len(self.covered) - 1, -1, -1):
