@@ -63,7 +63,7 @@ Each internal, its name here, where it is used, and its fallback:
 Required (no fallback; :func:`require` refuses without them):
 
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
-  backward runs now (``records.py``, ``layout.py``): a backward inside another (reentrant
+  backward runs now (``records.py``, ``tracking/sources.py``): a backward inside another (reentrant
   checkpointing) or a failed one is told apart by it.
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
@@ -72,7 +72,7 @@ Required (no fallback; :func:`require` refuses without them):
 - ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
   in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
   bumps it), read under its private name: the engine refuses an input changed in place after
-  the forward (``forward.py``, ``calls.py``, ``layout.py``), ``pieces.Rows`` knows where its
+  the forward (``forward.py``, ``calls.py``, ``tracking/sources.py``), ``pieces.Rows`` knows where its
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
