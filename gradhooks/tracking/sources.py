@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import _torch, loop
 from .layout import Layout, batch_rows, example_mask
 from .ops.common import arg, is_inplace, norm_dim, out_tensors, tensor_args
-from .ops.pointwise import POINTWISE
+from .ops.pointwise import is_pointwise
 
 if TYPE_CHECKING:
     from .tracker import Tracker
@@ -40,7 +40,14 @@ class Source:
 # along the batch (elementwise, concatenation along another dimension, batched matrix products)
 SPREADS = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
 COPIES = frozenset({"contiguous", "clone"})  # (the same values: an expansion stays one)
-ROWWISE = POINTWISE | {"cat", "concat", "concatenate", "bmm", "matmul", "__matmul__", "baddbmm"}
+_ROWWISE = frozenset({"cat", "concat", "concatenate", "bmm", "matmul", "__matmul__", "baddbmm"})
+
+
+def rowwise(name: str) -> bool:
+    """Whether ``name`` uses an operand expanded to the batch row by row with it: elementwise,
+    or :data:`_ROWWISE`."""
+    return name in _ROWWISE or is_pointwise(name)
+
 
 # elementwise operations through which a batch-free operand may be expanded along the batch
 EXPANDABLE = frozenset(
@@ -58,7 +65,7 @@ def aligned_sources(
     """The sources that an elementwise operation uses as they are, row by row with the
     batch (a lookup of positions expanded to the batch before the layer, added to the
     batch): ``{source: where its output holds the examples}``."""
-    if name not in POINTWISE or len(outs) != 1 or lays[0] is None:
+    if not is_pointwise(name) or len(outs) != 1 or lays[0] is None:
         return {}
     out, lay = outs[0], lays[0]
     found = {}
@@ -149,7 +156,7 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
     operation treats them row by row with the batch, so its plain gradient of each, taken
     through an alias, holds each example's share in that example's rows; summed over the
     rows the expansion copied, it is the per-example gradient of what was expanded."""
-    if name not in ROWWISE:
+    if not rowwise(name):
         return None
     if is_inplace(name) and any(args and t is args[0] for t in tainted):
         return None  # the batch written into what was expanded
@@ -169,7 +176,7 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
             dim = arg(args, kwargs, 1, "dim", 0)
             if norm_dim(dim, t.dim()) == lay.dim:
                 return None
-        elif name not in POINTWISE and lay.dim >= t.dim() - 2:
+        elif not is_pointwise(name) and lay.dim >= t.dim() - 2:
             return None  # (a matrix product's rows or columns: not row by row)
         source, how = found
         j = lay.dim

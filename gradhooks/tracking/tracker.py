@@ -53,9 +53,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _torch
 from .aliases import aliased
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
-from .ops import FREE, LIKE, METADATA, data_args, output_layout
-from .ops.common import HANDLERS, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.pointwise import POINTWISE
+from .ops import FREE, LIKE, METADATA, data_args, handler_for, output_layout
+from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
+from .ops.pointwise import is_pointwise
 from .sources import (
     COPIES,
     SPREADS,
@@ -505,7 +505,7 @@ class Tracker(TorchFunctionMode):
             # example's computation, where the rule's dimension reads it
             result = UNKNOWN
         if result is UNKNOWN or result is None:
-            if name not in HANDLERS:
+            if handler_for(name) is None:
                 self.unknown[name] = None
             for o in outs:
                 self.layouts[o] = UNKNOWN
@@ -626,7 +626,7 @@ class Tracker(TorchFunctionMode):
                     for o in outs:
                         self.coupled[o] = f"{name} of the rows an index picked"
                     return
-        if name in _KEEPS_ROWS_INDEX or name in POINTWISE or name == "__getitem__":
+        if name in _KEEPS_ROWS_INDEX or is_pointwise(name) or name == "__getitem__":
             for o in outs:
                 if not o.is_floating_point():
                     self.row_index[o] = True
@@ -716,7 +716,7 @@ class Tracker(TorchFunctionMode):
             return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
         # (an operation without a handler along the examples' dimension: across the batch)
-        dims = _torch.dim_arguments(name, args, kwargs) if name not in HANDLERS else []
+        dims = _torch.dim_arguments(name, args, kwargs) if handler_for(name) is None else []
         for t in ins if dims else ():
             lay, n = presumed_of(t), t.dim()
             if (
@@ -798,7 +798,7 @@ class Tracker(TorchFunctionMode):
         tainted = [t for t in tainted if srcs[t]]
         if not tainted:
             return out
-        if name in POINTWISE and all(o.dim() == 0 for o in outs):
+        if is_pointwise(name) and all(o.dim() == 0 for o in outs):
             for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
                 s.uses.append(("loss", name))  # decay): no example's; not delivered
             return out

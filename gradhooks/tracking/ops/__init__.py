@@ -12,7 +12,7 @@ from ... import _torch
 from ..layout import MIXED, UNKNOWN
 from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
 from .common import HANDLERS, NeedsBatch, carries, out_tensors, tensor_args
-from .pointwise import POINTWISE
+from .pointwise import POINTWISE, is_pointwise
 from .reductions import REDUCTIONS
 
 # the operations that follow rows picked by an index (:class:`Owners`): every other one makes
@@ -113,7 +113,13 @@ FREE = """arange range zeros ones full empty eye linspace logspace rand randn ra
     randperm tensor as_tensor from_numpy zeros_like ones_like empty_like full_like rand_like
     randn_like randint_like new_zeros new_ones new_empty new_full tril_indices triu_indices
     empty_strided scalar_tensor""".split()
-HANDLERS.update({n: (lambda *a: None) for n in FREE})
+
+
+def _free(*args: Any) -> None:
+    return None
+
+
+HANDLERS.update({n: _free for n in FREE})
 
 # what reads a tensor's metadata, not its values: a parameter handed to one of these is not used
 # (by a hook reading ``p.dtype`` inside a call, or the engine reading ``p.requires_grad``)
@@ -140,14 +146,14 @@ def data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
     which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
-    only through the operations that know them (:data:`_OWNER_AWARE`), and never lost: where
+    only through the operations that know them (:func:`owner_aware`), and never lost: where
     one of these cannot say where they went, its result is mixed (refused where it is used),
     never of unknown layout (which a rule would read as the batch). (An index or mask computed
     from them, which selects only, may be of unknown layout.)"""
     lays = [lay for t in tensor_args(args, kwargs) if (lay := layout_of(t)) is not None]
     if any(lay.owners is not None for lay in lays):
         lost = MIXED if any(map(carries, out_tensors(out))) else UNKNOWN
-        if name not in _OWNER_AWARE:
+        if not owner_aware(name):
             return lost
         found = _output_layout(name, args, kwargs, out, layout_of, batch)
         if found is UNKNOWN or (isinstance(found, list) and UNKNOWN in found):
@@ -156,8 +162,22 @@ def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, bat
     return _output_layout(name, args, kwargs, out, layout_of, batch)
 
 
-def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+def handler_for(name: str) -> Any:
+    """The handler of torch function ``name``: its own, or, for an elementwise operation torch
+    tags as such, :func:`.pointwise.pointwise` (``None``: the tracker does not know it)."""
     handler = HANDLERS.get(name)
+    if handler is None and is_pointwise(name):
+        return pointwise.pointwise
+    return handler
+
+
+def owner_aware(name: str) -> bool:
+    """Whether torch function ``name`` follows rows picked by an index (:class:`Owners`)."""
+    return name in _OWNER_AWARE or (name not in HANDLERS and is_pointwise(name))
+
+
+def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    handler = handler_for(name)
     if handler is None:
         return UNKNOWN
     try:

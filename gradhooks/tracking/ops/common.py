@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ... import _torch
 from ..layout import Layout
 
 # A handler gets (args, kwargs, out, layout_of) and returns the layout of the operation's tensor
@@ -91,10 +92,21 @@ class NeedsBatch:
         self.fn = fn
 
 
+def is_inplace(name: str) -> bool:
+    """Whether torch function ``name`` changes its first argument in place and gives it back
+    (``x.add_(y)``, ``x += y``, ``x[i] = v``): as the aten operator of that name's schema
+    says (``Tensor(a!) self -> Tensor(a!)``), or, where there is none (``__setitem__``, a
+    method of Python's own) or it cannot be read, as its name does."""
+    found = _torch.writes_first(name)
+    return named_inplace(name) if found is None else found
+
+
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 
-def is_inplace(name: str) -> bool:
+def named_inplace(name: str) -> bool:
+    """Whether ``name`` is that of an in-place operation by torch's naming: a trailing
+    underscore (``add_``), Python's in-place operators (``__iadd__``), ``__setitem__``."""
     return (
         name == "__setitem__"
         or bool(_TRAILING_UNDERSCORE.match(name))

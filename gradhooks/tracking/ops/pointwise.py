@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ... import _torch
 from ..layout import MIXED, UNKNOWN
-from .common import first_tensor, handles, tensor_args
+from .common import HANDLERS, first_tensor, handles, tensor_args
 
 _POINTWISE = """
     add sub mul div true_divide floor_divide remainder fmod pow float_power atan2 hypot
@@ -32,6 +33,15 @@ _POINTWISE = """
 # in-place forms: the name with a trailing underscore
 _POINTWISE += [n + "_" for n in _POINTWISE if n.isidentifier() and not n.startswith("_")]
 POINTWISE = frozenset(_POINTWISE)
+
+
+def is_pointwise(name: str) -> bool:
+    """Whether torch function ``name`` is elementwise: in the list above, or, where no other
+    handler claims it, an aten operator torch tags ``pointwise`` (``torch.special.i1``,
+    ``torch.lcm``, ``torch.nextafter``)."""
+    return name in POINTWISE or (name not in HANDLERS and _torch.tagged(name, "pointwise"))
+
+
 # operations that make a batch-free tensor batch-sized, and those that then use it row by row
 
 
