@@ -26,6 +26,21 @@ from gradhooks.tracking.ops.common import is_inplace
 from gradhooks.tracking.ops.pointwise import is_pointwise
 
 FROZEN = json.loads((Path(__file__).with_name("tracking_table.json")).read_text())
+# decisions changed on purpose since, each a handler the OpInfo sweep found wrong (the tests in
+# tests/test_tracking_ops.py say why): the frozen handler, and the start of the new one's
+# description (``None``: no handler now)
+_PER_EXAMPLE = [n for n, h in FROZEN["handlers"].items() if h == "samplewise"]
+CHANGED = {
+    **dict.fromkeys(_PER_EXAMPLE, "per_example("),  # (unbatched inputs, weights with examples)
+    "pixel_shuffle": "pixel_shuffle",  # (a layout among the leading dimensions)
+    "pixel_unshuffle": "pixel_shuffle",
+    "squeeze_": "squeeze_in_place",  # (the shape before is gone by the time it is read)
+    "unsqueeze_": "unsqueeze_in_place",
+    "resize_": None,
+    "masked_scatter": "masked_scatter",  # (a source's entries taken in turn: not elementwise)
+    "masked_scatter_": "masked_scatter",
+    "masked_scatter__": None,  # (no such function)
+}
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 
@@ -84,18 +99,29 @@ class _nothing:
         return False
 
 
+def _expected(name: str, got: str | None) -> bool:
+    if name not in CHANGED:
+        return got == FROZEN["handlers"][name]
+    want = CHANGED[name]
+    return got is None if want is None else got is not None and got.startswith(want)
+
+
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_every_name_keeps_its_handler(off):
-    assert set(HANDLERS) == set(FROZEN["handlers"])
+    gone = {n for n, h in CHANGED.items() if h is None}
+    assert set(HANDLERS) == set(FROZEN["handlers"]) - gone
+    assert set(CHANGED) <= set(FROZEN["handlers"])
     with _schema(off):
-        got = {n: describe(handler_for(n)) for n in FROZEN["handlers"]}
-    wrong = {n: (FROZEN["handlers"][n], h) for n, h in got.items() if h != FROZEN["handlers"][n]}
+        got = {n: handler_for(n) for n in FROZEN["handlers"]}
+    got = {n: None if h is None else describe(h) for n, h in got.items()}
+    wrong = {n: (FROZEN["handlers"][n], h) for n, h in got.items() if not _expected(n, h)}
     assert not wrong, wrong
 
 
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_elementwise_and_owner_aware_names_are_kept(off):
-    pointwise, aware = set(FROZEN["pointwise"]), set(FROZEN["owner_aware"])
+    scatter = {"masked_scatter", "masked_scatter_", "masked_scatter__"}
+    pointwise, aware = set(FROZEN["pointwise"]) - scatter, set(FROZEN["owner_aware"]) - scatter
     with _schema(off):
         for n in FROZEN["handlers"]:
             assert is_pointwise(n) == (n in pointwise), n

@@ -19,6 +19,7 @@ from ..layout import (
     slice_layout,
 )
 from .common import HANDLERS, NeedsBatch, arg, first_tensor, handles, norm_dim, tensor_args
+from .pointwise import pointwise
 
 
 @handles("gather", "take_along_dim", "index_select", "scatter", "scatter_add", "scatter_reduce",
@@ -428,3 +429,15 @@ def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
         else:
             return None
     return None
+
+
+@handles("masked_scatter", "masked_scatter_")
+def _masked_scatter(args, kwargs, out, layout_of):
+    """``x.masked_scatter(mask, source)``: the entries of ``source`` taken in turn, in the order
+    of the true entries of the mask over the whole tensor. Where ``source`` holds examples,
+    which of them lands where depends on every example's mask: not followed. Else each entry
+    is ``x``'s or one of the batch-free ``source``'s: elementwise in ``x`` and ``mask``."""
+    source = arg(args, kwargs, 2, "source")
+    if isinstance(source, Tensor) and layout_of(source) is not None:
+        return UNKNOWN
+    return pointwise(args, kwargs, out, layout_of)

@@ -3,10 +3,21 @@ embeddings, normalizations, losses."""
 
 from __future__ import annotations
 
+import re
+
 from torch import Tensor
 
 from ..layout import MIXED, PACKED, UNKNOWN, Layout
-from .common import arg, first_tensor, handles, out_tensors, single_input, tensor_args
+from .common import (
+    HANDLERS,
+    Handler,
+    arg,
+    first_tensor,
+    handles,
+    out_tensors,
+    single_input,
+    tensor_args,
+)
 
 
 @handles("im2col", "col2im")
@@ -114,24 +125,69 @@ _SAMPLEWISE = """conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_tra
     adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d
     adaptive_max_pool3d adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices
     lp_pool1d lp_pool2d lp_pool3d interpolate upsample upsample_nearest upsample_bilinear
-    pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle group_norm
+    channel_shuffle native_channel_shuffle group_norm
     instance_norm local_response_norm grid_sample affine_grid fractional_max_pool2d
     fractional_max_pool3d max_unpool1d max_unpool2d max_unpool3d embedding_bag""".split()
 
 
-@handles(*_SAMPLEWISE)
-def samplewise(args, kwargs, out, layout_of):
-    found = None
-    for t in tensor_args(args, kwargs):
-        lay = layout_of(t)
-        if lay is None:
-            continue
-        if lay is UNKNOWN or lay.dim != 0:
-            return UNKNOWN
-        if found not in (None, lay):
-            return UNKNOWN
-        found = lay
-    return found
+# the number of dimensions of a batched input ``[N, C, *spatial]``: an unbatched one (``[C,
+# *spatial]``, which F.conv2d and the pooling functions also take) has its channels on dimension
+# 0, not the examples; ``None``: the operation takes batched inputs only
+def _batched_dims(name: str) -> int | None:
+    if name == "embedding_bag":
+        return 2  # ([bags, indices]; a flat input with offsets has bags of any examples)
+    found = re.search(r"([123])d(_|$)", name)
+    return int(found.group(1)) + 2 if found else None
+
+
+# the argument besides the input that holds the same examples (position, name)
+_ALONG = {
+    "grid_sample": (1, "grid"),
+    "max_unpool1d": (1, "indices"),
+    "max_unpool2d": (1, "indices"),
+    "max_unpool3d": (1, "indices"),
+    "embedding_bag": (8, "per_sample_weights"),
+}
+
+
+def _per_example(name: str) -> Handler:
+    """An operation on each example's own slice along dimension 0 of its input: the layout of
+    the input (or of :data:`_ALONG`'s argument), where it is on dimension 0 of a batched input
+    and no other argument (a convolution's weight) holds examples."""
+    batched, along = _batched_dims(name), _ALONG.get(name)
+
+    def handler(args, kwargs, out, layout_of):
+        x = arg(args, kwargs, 0, "input")
+        second = arg(args, kwargs, *along) if along is not None else None
+        found = None
+        for t in tensor_args(args, kwargs):
+            lay = layout_of(t)
+            if lay is None:
+                continue
+            if t is not x and t is not second:
+                return UNKNOWN  # (a weight that depends on the examples)
+            if lay is UNKNOWN or lay.dim != 0 or found not in (None, lay):
+                return UNKNOWN
+            found = lay
+        if found is not None and batched is not None and x.dim() != batched:
+            return UNKNOWN  # (unbatched: the channels on dimension 0)
+        return found
+
+    return handler
+
+
+for _n in _SAMPLEWISE:
+    HANDLERS[_n] = _per_example(_n)
+_in_eval = _per_example("batch_norm")
+
+
+@handles("pixel_shuffle", "pixel_unshuffle")
+def _pixel_shuffle(args, kwargs, out, layout_of):
+    """``[*, C, H, W]``: a layout among the leading dimensions stays."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN or t is not arg(args, kwargs, 0, "input"):
+        return UNKNOWN
+    return lay if lay.dim < t.dim() - 3 else UNKNOWN
 
 
 @handles("pad")
@@ -150,7 +206,7 @@ def _pad(args, kwargs, out, layout_of):
 @handles("batch_norm")
 def _batch_norm(args, kwargs, out, layout_of):
     training = arg(args, kwargs, 5, "training", False)
-    return MIXED if training else samplewise(args[:1], {}, out, layout_of)
+    return MIXED if training else _in_eval(args[:1], {}, out, layout_of)
 
 
 @handles("layer_norm", "rms_norm")

@@ -22,7 +22,7 @@ _POINTWISE = """
     contiguous clone detach requires_grad_ pin_memory conj real imag positive polar complex
     angle conj_physical resolve_conj resolve_neg
     fill_ zero_ normal_ uniform_ bernoulli bernoulli_ exponential_ random_ copy_ set_
-    masked_fill_ masked_scatter masked_scatter_ where_ clamp_ clip_ nan_to_num_
+    masked_fill_ where_ clamp_ clip_ nan_to_num_
     __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__
     __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__
     __rfloordiv__ __ifloordiv__ __mod__ __rmod__ __imod__ __pow__ __rpow__ __ipow__

@@ -56,9 +56,35 @@ def _reshape_like(args, kwargs, out, layout_of, batch):
 
 
 for _n in ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel",
-           "squeeze", "unsqueeze", "atleast_1d", "atleast_2d", "atleast_3d", "squeeze_",
-           "unsqueeze_", "resize_", "view_copy", "reshape_copy"):  # fmt: skip
+           "squeeze", "unsqueeze", "atleast_1d", "atleast_2d", "atleast_3d", "view_copy",
+           "reshape_copy"):  # fmt: skip
     HANDLERS[_n] = NeedsBatch(_reshape_like)
+
+
+# (in place, the shape before is gone by the time a handler runs: the layout of the tensor is
+# that of its shape before; resize_, which reads the storage in another shape, is not followed)
+
+
+@handles("unsqueeze_")
+def _unsqueeze_in_place(args, kwargs, out, layout_of):
+    """``x.unsqueeze_(dim)``: a dimension inserted at ``dim`` (counted in the new shape)."""
+    t, lay = single_input(args, kwargs, layout_of)
+    dim = arg(args, kwargs, 1, "dim")
+    if t is None or lay is UNKNOWN or t is not args[0] or not isinstance(dim, int):
+        return UNKNOWN
+    return lay.at(lay.dim + (norm_dim(dim, t.dim()) <= lay.dim))
+
+
+@handles("squeeze_")
+def _squeeze_in_place(args, kwargs, out, layout_of):
+    """``x.squeeze_(dim)``: a layout before ``dim`` stays, whether ``dim`` was removed or not;
+    one after it, or ``squeeze_()`` of every dimension of size 1, is not followed."""
+    t, lay = single_input(args, kwargs, layout_of)
+    dim = arg(args, kwargs, 1, "dim")
+    if t is None or lay is UNKNOWN or t is not args[0] or not isinstance(dim, int):
+        return UNKNOWN
+    # (dim counted in the shape before, of t.dim() or t.dim() + 1 dimensions)
+    return lay if (dim if dim >= 0 else dim + t.dim()) > lay.dim else UNKNOWN
 
 
 @handles("repeat_interleave")
