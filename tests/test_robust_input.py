@@ -10,7 +10,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from gradhooks.tracking.layout import MIXED, Layout, Tracker
+from gradhooks.tracking import MIXED, Layout, Tracker
 from harness import Between, assert_close, assert_matches, mlp, sq
 
 D = torch.float64

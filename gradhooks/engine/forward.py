@@ -28,7 +28,7 @@ from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
-from ..tracking.layout import PACKED, Source, Tracker
+from ..tracking import PACKED, Source, Tracker
 from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
 from .plan import Target, positional
 from .records import (

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..inert import InertHook
-from ..tracking.layout import Layout, Tracker
+from ..tracking import Layout, Tracker
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .. import _torch
 from .. import pieces as P
 from ..oracle import loop_grad
 from ..rules.registry import Call
-from ..tracking.layout import MIXED, UNKNOWN, Layout, Tracker, example_mask
+from ..tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
 from .plan import Target
 from .records import (
     Backward,

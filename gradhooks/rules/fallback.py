@@ -53,7 +53,7 @@ from ..engine.pause import paused
 from ..engine.records import autocast_as
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
-from ..tracking.layout import PACKED, Layout, batch_rows
+from ..tracking import PACKED, Layout, batch_rows
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
