@@ -18,5 +18,6 @@ class Grad1TooLarge(MemoryError):
 
 
 class PrivacyBudgetExceeded(RuntimeError):
-    """A DP-SGD step past the privacy budget that :func:`gradhooks.make_private` was given
-    (its ε, δ and number of steps are in the message); nothing was computed or changed."""
+    """A DP-SGD step, or a run, past the privacy budget that :func:`gradhooks.make_private` or
+    ``gradhooks.hf.DPTrainer`` was given (its ε, δ and number of steps are in the message);
+    nothing was computed or changed."""
