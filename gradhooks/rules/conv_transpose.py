@@ -23,6 +23,7 @@ from __future__ import annotations
 from einops import rearrange
 from torch import Tensor, nn
 
+from ..errors import UnbatchedInputError
 from ..pieces import Outer
 from .conv import im2col
 from .registry import Call, register
@@ -57,7 +58,7 @@ def conv_transpose(call: Call) -> dict[str, Outer]:
     module = call.module
     x = call.inputs[0]
     if x.dim() == len(module.kernel_size) + 1:
-        raise ValueError(
+        raise UnbatchedInputError(
             f"'{call.name}' ({type(module).__qualname__}) got an input of shape {tuple(x.shape)} "
             "without a batch dimension: per-example gradients need [batch, channels, *spatial]"
         )

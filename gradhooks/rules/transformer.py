@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .._torch import tree_flatten, tree_map
 from ..engine.pause import paused
 from ..engine.records import detach_tree
+from ..errors import UnsupportedError
 from ..pieces import Direct, Piece
 from .fallback import FALLBACK
 from .registry import REGISTRY, Call, batch_first, register
@@ -43,7 +44,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if layer.training and dropouts:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"{where} is in training mode with dropout > 0 ({', '.join(dropouts)}): its random "
             "masks cannot be replayed, so per-example gradients of this layer cannot be "
             "computed. Construct it with dropout=0, or call .eval()."
@@ -98,7 +99,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         if entry is None:
             entry = FALLBACK  # a part without a rule: torch.func, as for any module
         if name in called:
-            raise RuntimeError(f"{where}: part '{name}' was called twice; not supported")
+            raise UnsupportedError(f"{where}: part '{name}' was called twice; not supported")
         called.add(name)
         out_leaves = tree_flatten(out)[0]
         full: list[Tensor | None] = [None] * len(out_leaves)
