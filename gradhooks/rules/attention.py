@@ -41,7 +41,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
-from ..errors import UnbatchedInputError, UnsupportedError
+from ..errors import UnbatchedInputError, UnsupportedError, describe_module
 from ..pieces import Direct, Outer, Piece, cast
 from ..tuning import TUNING
 from .registry import Call, batch_first, register
@@ -292,7 +292,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     args.apply_defaults()
     args = args.arguments
     query, key, value = args["query"], args["key"], args["value"]
-    where = f"'{call.name or '<model>'}' ({type(m).__qualname__})"
+    where = describe_module(call.name, m)
     if query.dim() != 3:
         raise UnbatchedInputError(
             f"{where} got an unbatched query of shape {tuple(query.shape)}: per-example "

@@ -25,8 +25,8 @@ def prelu(call: Call) -> dict[str, Direct]:
     x = call.inputs[0]
     if x.dim() == 0 or (m.num_parameters > 1 and x.dim() < 2):
         raise UnbatchedInputError(
-            f"'{call.name}' (PReLU, num_parameters={m.num_parameters}) got an input of shape "
-            f"{tuple(x.shape)}: per-example gradients need [batch, channels, *] "
+            f"'{call.name or '<model>'}' (PReLU, num_parameters={m.num_parameters}) got an "
+            f"input of shape {tuple(x.shape)}: per-example gradients need [batch, channels, *] "
             "([batch, *] with num_parameters=1)"
         )
     contrib = (x * call.grad_output).masked_fill(x >= 0, 0)

@@ -750,7 +750,7 @@ def _fallback_splits(call: Call) -> bool:
 
 def _error(kind: type[ValueError], call: Call, what: str, todo: str) -> ValueError:
     m = call.module
-    return kind(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
+    return kind(f"'{call.name or '<model>'}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
 @register(nn.RNN, nn.GRU, batch_dim=batch_first)

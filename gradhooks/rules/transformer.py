@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .._torch import tree_flatten, tree_map
 from ..engine.pause import paused
 from ..engine.records import detach_tree
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, describe_module
 from ..pieces import Direct, Piece
 from .fallback import FALLBACK
 from .registry import REGISTRY, Call, batch_first, register
@@ -41,7 +41,7 @@ def _batch_first(tree):
 )  # fmt: skip
 def transformer_layer(call: Call) -> dict[str, Piece]:
     layer = call.module
-    where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"
+    where = describe_module(call.name, layer)
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if layer.training and dropouts:
         raise UnsupportedError(
