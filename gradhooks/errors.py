@@ -69,10 +69,10 @@ class StateError(GradhooksError, RuntimeError):
 
 
 class BatchNotFoundError(GradhooksError, RuntimeError):
-    """gradhooks cannot tell which rows of a tensor are which example's: the layers saw
-    different batch sizes, or the examples were folded into or permuted along the batch.
-    Keep the examples on dimension 0 through the model, or say where they are with
-    ``add_hooks(model, batch_dim=...)``."""
+    """gradhooks cannot tell which rows of a tensor are which example's (the hooked layers
+    saw different batch sizes in one backward; a layer got no batch dimension, see
+    :class:`UnbatchedInputError`). Keep the examples on dimension 0 through the model, or say
+    where they are with ``add_hooks(model, batch_dim=...)``."""
 
 
 class UnbatchedInputError(BatchNotFoundError, ValueError):
@@ -83,9 +83,8 @@ class UnbatchedInputError(BatchNotFoundError, ValueError):
 
 class MixedExamplesError(GradhooksError, RuntimeError):
     """Each example's output depends on the other examples of the batch (BatchNorm in
-    training mode, a loss that couples the batch), so per-example gradients do not exist at
-    all. Remove the coupling (``nn.GroupNorm`` for ``nn.BatchNorm2d``, or ``model.eval()``);
-    see the message."""
+    training mode), so per-example gradients do not exist at all. Remove the coupling
+    (``nn.GroupNorm`` for ``nn.BatchNorm2d``, or ``model.eval()``); see the message."""
 
 
 class UnsupportedError(GradhooksError, NotImplementedError):
@@ -97,9 +96,10 @@ class UnsupportedError(GradhooksError, NotImplementedError):
 
 
 class RuleError(GradhooksError, RuntimeError):
-    """A rule (a built-in one, or one given to :func:`gradhooks.register`) failed or returned
-    pieces of the wrong shape. For your own rule: check it with :func:`gradhooks.check_rule`;
-    for a built-in one, the message says which input it could not take."""
+    """A rule (a built-in one, or one given to :func:`gradhooks.register`) could not compute
+    its pieces: it read ``call.grad_output`` of an output that received no gradient. Read
+    ``call.grad_outputs`` and handle ``None``; check your rule with
+    :func:`gradhooks.check_rule`."""
 
 
 class CheckFailedError(GradhooksError, AssertionError, RuntimeError):

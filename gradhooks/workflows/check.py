@@ -50,9 +50,9 @@ def check_rule(
         registry: the registry that holds the rule under test.
 
     Returns:
-        A :class:`CheckReport`; with ``raise_on_mismatch`` (default) an ``AssertionError``
-        naming each parameter that differs, and by how much, is raised instead of returning a
-        failed report.
+        A :class:`CheckReport`; with ``raise_on_mismatch`` (default) a
+        :class:`~gradhooks.CheckFailedError` (an ``AssertionError``) naming each parameter that
+        differs, and by how much, is raised instead of returning a failed report.
 
     Example::
 
