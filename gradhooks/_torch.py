@@ -130,7 +130,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import GradhooksWarning
+from .errors import ConfigurationError, GradhooksWarning, UnsupportedError
 
 __all__ = [
     "INTERNALS",
@@ -285,7 +285,9 @@ def disabled(*names: str) -> Iterator[None]:
     block, as on a torch without them."""
     unknown = set(names) - INTERNALS.keys()
     if unknown:
-        raise ValueError(f"no torch internal named {sorted(unknown)}; known: {sorted(INTERNALS)}")
+        raise ConfigurationError(
+            f"no torch internal named {sorted(unknown)}; known: {sorted(INTERNALS)}"
+        )
     added = set(names or INTERNALS) - _off
     _off.update(added)
     try:
@@ -299,7 +301,7 @@ def require() -> None:
     lacking = [i for i in INTERNALS.values() if i.required and not available(i.name)]
     if lacking:
         names = "; ".join(f"{i.name} ({i.reads})" for i in lacking)
-        raise RuntimeError(
+        raise UnsupportedError(
             f"gradhooks needs torch internals missing here (torch {torch.__version__}): "
             f"{names}. No public torch API replaces them; use a torch version that has them "
             "(gradhooks is tested with torch >= 2.1)."
@@ -790,7 +792,7 @@ _PYTREE = _lookup("pytree", _pytree_module)
 
 def _no_pytree(*args: Any, **kwargs: Any) -> Any:
     require()
-    raise RuntimeError("torch.utils._pytree is missing")  # (require raised already)
+    raise UnsupportedError("torch.utils._pytree is missing")  # (require raised already)
 
 
 # torch.utils._pytree: the leaves of nested containers, those registered with torch included.
