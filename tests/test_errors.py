@@ -76,7 +76,8 @@ TYPED = [
     "rules/linear.py", "rules/norm.py", "rules/prelu.py", "rules/registry.py", "rules/rnn.py",
     "rules/transformer.py", "workflows/check.py", "workflows/distributed.py",
     "workflows/dp.py", "workflows/jacobian.py", "workflows/kfac.py",
-    "workflows/kfac_optimizer.py", "workflows/private.py", "compat.py", "_torch.py",
+    "workflows/kfac_optimizer.py", "workflows/private.py", "workflows/hf.py", "compat.py",
+    "_torch.py",
     "tuning.py", "loop.py",
 ]  # fmt: skip
 BARE = {

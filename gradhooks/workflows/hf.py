@@ -48,7 +48,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..engine.handle import Hooks, add_hooks
-from ..errors import PrivacyBudgetExceeded
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    PrivacyBudgetExceeded,
+    StateError,
+)
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import PoissonSampler
 from .private import DPOptimizer
@@ -93,27 +98,27 @@ class DPArguments:
 
     def __post_init__(self) -> None:
         if not 0 < self.max_grad_norm < math.inf:
-            raise ValueError(f"DPArguments: max_grad_norm must be > 0 and finite, got "
+            raise ConfigurationError(f"DPArguments: max_grad_norm must be > 0 and finite, got "
                              f"{self.max_grad_norm!r}")  # fmt: skip
         if not 0 < self.delta < 1:
-            raise ValueError(f"DPArguments: delta must be in (0, 1), got {self.delta!r}")
+            raise ConfigurationError(f"DPArguments: delta must be in (0, 1), got {self.delta!r}")
         if self.target_epsilon is None and self.noise_multiplier is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "DPArguments: give target_epsilon (the noise multiplier is then calibrated to "
                 "it), noise_multiplier, or both (the run is then refused if it would exceed "
                 "the budget)"
             )
         if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
-            raise ValueError(f"DPArguments: target_epsilon must be > 0 and finite, got "
+            raise ConfigurationError(f"DPArguments: target_epsilon must be > 0 and finite, got "
                              f"{self.target_epsilon!r}")  # fmt: skip
         if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
-            raise ValueError(f"DPArguments: noise_multiplier must be >= 0 and finite, got "
+            raise ConfigurationError(f"DPArguments: noise_multiplier must be >= 0 and finite, got "
                              f"{self.noise_multiplier!r}")  # fmt: skip
         if self.accountant not in ("rdp", "pld"):
-            raise ValueError(f"DPArguments: accountant must be 'rdp' or 'pld', got "
+            raise ConfigurationError(f"DPArguments: accountant must be 'rdp' or 'pld', got "
                              f"{self.accountant!r}")  # fmt: skip
         if self.method not in (None, "ghost", "bookkeeping"):
-            raise ValueError(f"DPArguments: method must be None, 'ghost' or 'bookkeeping', got "
+            raise ConfigurationError(f"DPArguments: method must be None, 'ghost' or 'bookkeeping', got "
                              f"{self.method!r}")  # fmt: skip
 
 
@@ -147,7 +152,7 @@ def per_example_loss(
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         if logits.shape[:2] != labels.shape:
-            raise ValueError(
+            raise ConfigurationError(
                 f"per_example_loss: logits {tuple(logits.shape)} and labels "
                 f"{tuple(labels.shape)} do not have the same [batch, tokens]"
                 + (" after the causal shift" if shift else "")
@@ -159,7 +164,7 @@ def per_example_loss(
         counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
         return tokens.sum(1) / counts.to(tokens.dtype)
     if logits.dim() != 2 or logits.shape[0] != batch:
-        raise ValueError(
+        raise ConfigurationError(
             f"per_example_loss: logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: "
             "expected [batch, T, vocab] with [batch, T] token labels, or [batch, labels] with "
             "one label (or one row of labels) per example. Pass DPTrainer(per_example_loss=) "
@@ -182,7 +187,7 @@ def per_example_loss(
         return F.binary_cross_entropy_with_logits(
             logits, labels.to(logits.dtype), reduction="none"
         ).mean(1)
-    raise ValueError(f"per_example_loss: unknown problem_type {problem_type!r}")
+    raise ConfigurationError(f"per_example_loss: unknown problem_type {problem_type!r}")
 
 
 class _Physical(Sampler[list[int]]):
@@ -266,13 +271,15 @@ class DPTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         if not isinstance(dp, DPArguments):
-            raise TypeError(f"DPTrainer: dp must be a DPArguments, got {type(dp).__qualname__}")
+            raise ConfigurationTypeError(
+                f"DPTrainer: dp must be a DPArguments, got {type(dp).__qualname__}"
+            )
         if args is not None:
             _check_args(args)
             args = copy.copy(args)  # (the caller's arguments are left as they were)
             args.max_grad_norm = 0.0  # (the batch gradient's clipping: per-example here)
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 "DPTrainer: compute_loss_func computes the batch's loss; DP-SGD needs each "
                 "example's own: pass per_example_loss=(outputs, labels) -> [batch] instead"
             )
@@ -305,7 +312,7 @@ class DPTrainer(transformers.Trainer):
         dataset = self.train_dataset
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         if dataset is None or iterable or not hasattr(dataset, "__len__"):
-            raise ValueError(
+            raise ConfigurationError(
                 "DPTrainer: train_dataset must be a map-style dataset with a length (Poisson "
                 "sampling draws each example with probability L / len(train_dataset)); got "
                 f"{type(dataset).__qualname__}"
@@ -339,7 +346,7 @@ class DPTrainer(transformers.Trainer):
         base = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
         base = _unwrapped(base)
         if self._hooks is None:
-            raise RuntimeError("DPTrainer: the optimizer is made inside train() only")
+            raise StateError("DPTrainer: the optimizer is made inside train() only")
         self._dp_optimizer = DPOptimizer(
             base, self._hooks, max_grad_norm=self.dp.max_grad_norm,
             noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
@@ -355,14 +362,14 @@ class DPTrainer(transformers.Trainer):
         ``target_epsilon``."""
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if resume not in (None, False):
-            raise ValueError(
+            raise ConfigurationError(
                 "DPTrainer: resume_from_checkpoint is not supported: the checkpoint does not "
                 "hold the privacy accountant's steps, so ε after resuming would leave out "
                 "those before (and the Poisson sampler's state). Train in one run, or with "
                 "the same trainer again (its accountant keeps every step)"
             )
         if kwargs.get("trial") is not None or len(args) > 1:
-            raise ValueError(
+            raise ConfigurationError(
                 "DPTrainer: a hyperparameter search trial changes the arguments (the batch "
                 "size, the steps) after the privacy budget was checked; search without DP, or "
                 "run one DPTrainer per setting"
@@ -383,7 +390,7 @@ class DPTrainer(transformers.Trainer):
         """``q``, ``σ`` (calibrated where not given) and the steps the budget allows."""
         n = self._examples()
         if self.expected_batch_size > n:
-            raise ValueError(
+            raise ConfigurationError(
                 f"DPTrainer: the expected logical batch L = per_device_train_batch_size × "
                 f"gradient_accumulation_steps = {self.expected_batch_size} exceeds the "
                 f"{n} examples of train_dataset"
@@ -457,7 +464,7 @@ class DPTrainer(transformers.Trainer):
         """Each example's own loss, ``[batch]``: the model run on ``inputs`` (without
         ``labels``, but for an encoder-decoder model), then ``per_example_loss``."""
         if "labels" not in inputs:
-            raise ValueError(
+            raise ConfigurationError(
                 "DPTrainer: the batch has no 'labels' (it has "
                 f"{sorted(inputs)}); each example's loss is computed from them"
             )
@@ -478,7 +485,7 @@ class DPTrainer(transformers.Trainer):
             )  # fmt: skip
         batch = labels.shape[0]
         if not isinstance(losses, Tensor) or losses.shape != (batch,):
-            raise ValueError(
+            raise ConfigurationError(
                 f"DPTrainer: the per-example losses must be a tensor of shape [{batch}] (one "
                 f"per example of the batch), got {getattr(losses, 'shape', type(losses))}"
             )
@@ -502,23 +509,23 @@ _CAUSAL_LMS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 def _check_args(args: transformers.TrainingArguments) -> None:
     """Refuses the Trainer settings DP-SGD here does not support."""
     if args.fp16:
-        raise ValueError(
+        raise ConfigurationError(
             "DPTrainer: fp16 (float16 with a GradScaler) is not supported; use bf16=True, or "
             "gradhooks.DPOptimizer(..., scaler=) in a loop of your own"
         )
     if args.world_size > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"DPTrainer runs in one process (world_size={args.world_size}): the noise and the "
             "clipping across processes are gradhooks.distributed.dp_sgd_step's"
         )
     if args.n_gpu > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"DPTrainer: the Trainer would wrap the model in DataParallel over {args.n_gpu} "
             "GPUs, whose replicas the hooks do not follow; make one GPU visible "
             "(CUDA_VISIBLE_DEVICES)"
         )
     if args.auto_find_batch_size:
-        raise ValueError(
+        raise ConfigurationError(
             "DPTrainer: auto_find_batch_size changes the batch size, and with it the sampling "
             "rate the privacy analysis uses; set per_device_train_batch_size"
         )
