@@ -56,7 +56,7 @@ class Backwards:
     ) -> None:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
         call's batch gradient of each parameter it writes ``grad1`` for."""
-        if self._removed or self._ignore_backward or state.cancelled or self._probing:
+        if self._removed or not self._mode.capture or state.cancelled or self._probing:
             return
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
         create_graph = torch.is_grad_enabled()
@@ -198,7 +198,7 @@ class Backwards:
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         formed: dict[int, Tensor] | None = None
         nested = bw is not None and bw.nested
-        if sums is not None and not self._grad1 and not self._no_param_grads and not nested:
+        if sums is not None and not self._grad1 and self._mode.param_grads and not nested:
             formed = {}
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
@@ -415,7 +415,7 @@ class Backwards:
 
     def _param_hook(self, pid: int, name: str):
         def hook(grad: Tensor | None) -> None:
-            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+            if grad is None or self._removed or not self._mode.capture or self._rerunning:
                 return  # (None: a node gave it no gradient, an empty batch's detached call)
             if not self._vmapped and _batched((grad,)):
                 bw = self._backward_state()
@@ -447,7 +447,7 @@ class Backwards:
         every hook registered on the parameter, so with the gradient ``.grad`` really gets."""
 
         def hook(grad_inputs: tuple) -> None:
-            if self._removed or self._ignore_backward or self._rerunning:
+            if self._removed or not self._mode.capture or self._rerunning:
                 return
             bw = self._tasks.get(graph_task())
             if bw is None:
@@ -514,7 +514,7 @@ class Backwards:
     def _direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
-        if self._rerunning or self._removed or self._ignore_backward:
+        if self._rerunning or self._removed or not self._mode.capture:
             return
         if not (self._capturing_backward()):
             return
@@ -620,7 +620,7 @@ class Backwards:
         kept = True
         # (a call run detached gives its parameters no gradient where the book-keeping step
         # asks for none: a backward that reached only such calls computed theirs all the same)
-        detached_only = self._no_param_grads and not bw.attached
+        detached_only = not self._mode.param_grads and not bw.attached
         if bw.reached and not bw.computed and not detached_only and not self._sharded:
             self._rollback(bw)
             if self._collector is not None and not bw.nested:

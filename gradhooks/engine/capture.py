@@ -15,7 +15,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,42 @@ class _Carried:
     kwargs: dict
     sums: _Sums
     outputs: tuple | None = None  # the call's output-gradients, once the backward has them
+
+
+@dataclass
+class DetachedCall:
+    """A call running now with its parameters detached: pushed by
+    :meth:`DetachedCalls._detach_hook` before the call, popped by :meth:`DetachedCalls._reattach`
+    at its end (or by :meth:`gradhooks.Hooks.remove` during it)."""
+
+    module: nn.Module
+    detached: dict[str, nn.Parameter]  # the parameters detached, by name in the module
+    owned: tuple[tuple, dict] | None  # (args, kwargs) where it runs with grad mode off
+    carried: _Carried | None  # where its first input carries the parameters
+    recording: tuple[Any, Any] | None  # its rule's owns_backward manager and what it gave
+    undo: Callable[[], None] | None  # puts back what hand_over did
+
+    def close(self, exc: tuple = (None, None, None)) -> Any:
+        """End what the call's start opened (the aliases handed over, grad mode, the rule's
+        recording); returns what the recording gave, or ``None``."""
+        if self.undo is not None:
+            self.undo()
+        if self.owned is not None:
+            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
+        if self.recording is None:
+            return None
+        manager, recorded = self.recording
+        manager.__exit__(*exc)
+        return recorded
+
+
+class Reattached(NamedTuple):
+    """What :meth:`DetachedCalls._reattach` gives back at the end of a call."""
+
+    detached: dict[str, nn.Parameter]
+    owned: tuple[tuple, dict] | None
+    carried: _Carried | None
+    recorded: Any  # what the rule's owns_backward recording gave
 
 
 class _Join(torch.autograd.Function):
@@ -274,7 +310,7 @@ class DetachedCalls:
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
             self._detached.setdefault(id(module), []).append(
-                (module, detached, owned, box, recording, undo)
+                DetachedCall(module, detached, owned, box, recording, undo)
             )
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
@@ -295,26 +331,19 @@ class DetachedCalls:
             for t in [*tree_leaves(args), *tree_leaves(kwargs)]
         )
 
-    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any, Any]:
+    def _reattach(self, module: nn.Module) -> Reattached:
         """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
         returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
         ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
         and what its rule's ``owns_backward`` recording gave (else ``None``), the recording now left."""
         stack = self._detached.get(id(module))
         if not stack:
-            return {}, None, None, None
-        _, detached, owned, carried, recording, undo = stack.pop()
+            return Reattached({}, None, None, None)
+        call = stack.pop()
         if not stack:
             del self._detached[id(module)]
-        if undo is not None:
-            undo()
-        if owned is not None:
-            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
-        recorded = None
-        if recording is not None:
-            manager, recorded = recording
-            manager.__exit__(*sys.exc_info())
-        return detached, owned, carried, recorded
+        recorded = call.close(sys.exc_info())
+        return Reattached(call.detached, call.owned, call.carried, recorded)
 
     def _check_aliases(
         self,
@@ -386,7 +415,7 @@ class DetachedCalls:
             filled = replace(call, grad_outputs=(g,))
             if not self._probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
                 self._on_grads(target, state, filled, args, kwargs, sums)
-                if self._no_param_grads:
+                if not self._mode.param_grads:
                     return (None,) * (len(detached) + len(inputs))
                 if len(sums) < len(detached) and not torch.is_grad_enabled():
                     # this backward writes nothing (paused, the second backward of a ghost DP
@@ -456,7 +485,7 @@ class DetachedCalls:
             filled = replace(call, grad_outputs=tuple(full), input_grads=[])
             self._on_grads(target, state, filled, args, kwargs, sums)
             found = filled.input_grads
-            incomplete = len(sums) < len(detached) and not self._no_param_grads
+            incomplete = len(sums) < len(detached) and self._mode.param_grads
             if not create_graph and (incomplete or not found):
                 # the rule did not run (paused, not capturing): run it for both
                 again = replace(filled, input_grads=[])
@@ -466,7 +495,9 @@ class DetachedCalls:
             input_grads = [None if create_graph or not found else found[i] for i in in_idx]
             # (a backward whose parameter gradients are not used, the book-keeping DP step's,
             # needs none: no rerun, whose nested backward would reach earlier calls' hooks)
-            missing = [] if self._no_param_grads else [n for n in detached if n not in param_grads]
+            missing = (
+                [n for n in detached if n not in param_grads] if self._mode.param_grads else []
+            )
             if missing or (in_idx and not found) or create_graph:
                 self._rerunning += 1  # its backwards are not the model's: not tracked
                 try:
@@ -477,7 +508,7 @@ class DetachedCalls:
                 param_grads.update(zip(missing, got))
                 if create_graph or not found:
                     input_grads = got[len(missing) :]
-            if self._no_param_grads:
+            if not self._mode.param_grads:
                 return (*(None for _ in detached), *input_grads)
             return (*(param_grads[n] for n in detached), *input_grads)
 
@@ -504,7 +535,7 @@ class DetachedCalls:
         detached = carried.detached
         outputs, carried.outputs = carried.outputs, None
         create_graph = torch.is_grad_enabled()
-        if self._no_param_grads and not create_graph:
+        if not self._mode.param_grads and not create_graph:
             return (g, *(None for _ in detached))
         grads: dict[str, Tensor | None] = {} if create_graph else dict(carried.sums)
         carried.sums.clear()

@@ -233,7 +233,7 @@ class Forwards:
                     carried.sums.clear()
                     if self._rerunning:
                         return  # the probe's: the carried parameters' gradients by a rerun
-                capturing = not (self._removed or self._ignore_backward or state.cancelled)
+                capturing = self._mode.capture and not (self._removed or state.cancelled)
                 if n_nodes and capturing and self._capturing_backward():
                     # The rule runs when the backward reaches the tapped nodes too, or, if it
                     # never does (a backward for some parameters only), at its end without them

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from ..rules.registry import REGISTRY, Registry
 from .accumulation import GradTrail
 from .backward import Backwards
 from .calls import CallLayouts
-from .capture import DetachedCalls
+from .capture import DetachedCall, DetachedCalls
 from .forward import Forwards
 from .pause import PROCESS, Pause, set_enabled
 from .plan import (
@@ -51,7 +51,7 @@ from .plan import (
     refuse_scripted,
     structure_of,
 )
-from .records import Backward, Frame, Hook, drop_box, graph_task
+from .records import Backward, BackwardMode, Frame, Hook, drop_box, graph_task
 from .verify import CheckReport, Verification, check_hooks
 
 __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
@@ -151,10 +151,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self.quantities = quantities
         self._grad1 = "grad1" in quantities
         self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
-        self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
-        # set by dp_sgd_step's book-keeping backward, whose parameter gradients are not used:
-        # calls run detached then give none (and the backward still counts as the model's)
-        self._no_param_grads = False
+        self._mode = BackwardMode()  # (a workflow's own backwards: EngineAPI.backward_mode)
         self._pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
         self._marked = 0  # depth of `with h.capturing()`
         self._frames: list[Frame] = []  # root forwards running
@@ -167,11 +164,8 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # tolerance: records.lowest_precision)
         self._precision: torch.dtype | None = None
         self._handles: list = []
-        # calls run with their parameters detached, {id(module): [(module, {name: param},
-        # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
-        # its input carries them, else None, (its rule's record, what it gave) where one is
-        # entered, else None)]}
-        self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any, Any]]] = {}
+        # calls running with their parameters detached, innermost last, by id(module)
+        self._detached: dict[int, list[DetachedCall]] = {}
         self._aliases_checked: set[int] = set()  # modules whose detached call was checked
         self._rerunning = (
             0  # inside a rerun of a detached call, or a per-example backward of the tracker's
@@ -367,7 +361,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         Fast weights ``p - lr * g`` with ``g`` detached give ``p`` the slot's own."""
 
         def hook(grad: Tensor | None) -> None:
-            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+            if grad is None or self._removed or not self._mode.capture or self._rerunning:
                 return
             t = ref()
             bw = self._tasks.get(graph_task())
@@ -640,13 +634,8 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self._frames.clear()
         self._tasks.clear()
         for stack in self._detached.values():  # removed during a forward
-            for _, _, owned, _, recording, undo in stack[::-1]:
-                if undo is not None:
-                    undo()
-                if recording is not None:
-                    recording[0].__exit__(None, None, None)
-                if owned is not None:
-                    torch.set_grad_enabled(True)
+            for call in stack[::-1]:
+                call.close()
         self._detached.clear()
         self._aliases_checked.clear()
         if self._collector is not None:
@@ -785,6 +774,11 @@ def add_hooks(
     )  # fmt: skip
     set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
     return hooks
+
+
+def active_handles() -> list[Hooks]:
+    """Every handle whose hooks are on a model now."""
+    return [h for h in list(_ACTIVE.values()) if h.active]
 
 
 def hooks_of(model: nn.Module) -> Hooks:

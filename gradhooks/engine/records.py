@@ -17,6 +17,20 @@ from ..inert import InertHook
 from ..tracking.layout import Layout, Tracker
 
 
+@dataclass(frozen=True)
+class BackwardMode:
+    """How the engine treats the backwards run now: as the model's own (the default), or as
+    one of a workflow's, set for a block by :meth:`gradhooks.engine.api.EngineAPI.backward_mode`.
+
+    ``capture=False``: the backwards write nothing (no ``grad1``, no quantity, no
+    bookkeeping), as a reweighted backward of DP's own that only wants ``.grad``.
+    ``param_grads=False``: the backwards' parameter gradients are not used (only the
+    quantities are), so calls run detached need not give theirs."""
+
+    capture: bool = True
+    param_grads: bool = True
+
+
 @dataclass
 class CallLayout:
     """Where the examples are in one captured call (from the forward's :class:`Tracker`).

@@ -302,7 +302,7 @@ class Verification:
         if (
             "edges" not in box
             or self._removed
-            or self._ignore_backward
+            or not self._mode.capture
             or self._rerunning
             or torch.is_grad_enabled()  # (a create_graph backward)
             or not self._capturing_backward()
@@ -365,7 +365,7 @@ class Verification:
         """A backward of autograd's own through the model's graph, to check against (one
         example's gradient): the hooks capture nothing, and calls run detached or owned give
         autograd's gradients by running their forward again (no rule runs)."""
-        no_param_grads, self._no_param_grads = self._no_param_grads, False
+        mode, self._mode = self._mode, replace(self._mode, param_grads=True)
         self._probing = True
         self._rerunning += 1
         try:
@@ -373,7 +373,7 @@ class Verification:
         finally:
             self._rerunning -= 1
             self._probing = False
-            self._no_param_grads = no_param_grads
+            self._mode = mode
 
     def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
