@@ -444,7 +444,7 @@ class Forwards:
         if batch == 0:
             frame.batch = 0  # (no example: nothing to follow, and every grad1 has no row)
             return
-        tracker = Tracker(batch, self._params, self)
+        tracker = Tracker(batch, self._params, self._link)
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
                 tracker.add_candidate(t, lay)

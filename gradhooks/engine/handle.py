@@ -39,6 +39,7 @@ from .backward import Backwards
 from .calls import CallLayouts
 from .capture import DetachedCall, DetachedCalls
 from .forward import Forwards
+from .link import TrackerLink
 from .pause import PROCESS, Pause, set_enabled
 from .plan import (
     Target,
@@ -182,6 +183,15 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         # sources with a problem that no autograd graph holds (found where the forward recorded
         # none): kept until a backward ends, so that the parameter's gradient reports it
         self._unheld: list = []
+        # what a forward's tracker reports, handed to the parts that act on it
+        self._link = TrackerLink(
+            is_probing=lambda: self._probing,
+            nested=self._nested,
+            direct_source=self._direct_source,
+            direct_reached=self._direct_reached,
+            unheld=self._unheld.append,
+            functional_use=self._functional_use,
+        )
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         self._direct_targets: dict[int, Target] = {}

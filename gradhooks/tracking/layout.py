@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch, loop
+from .link import EngineLink
 
 __all__ = [
     "Layout",
@@ -1815,11 +1816,16 @@ class Tracker(TorchFunctionMode):
     """Follows the batch through one forward of a hooked model (see the module docstring).
 
     ``batch``: the number of examples. ``params``: ``{id(p): (name, p)}`` of the parameters the
-    hooks cover. ``engine``: the object told about what the forward does that the engine acts
-    on (:meth:`Hooks._direct_use`); ``None`` in tests of the layouts alone.
+    hooks cover. ``engine``: the engine, told about what the forward does that it acts on
+    (:class:`gradhooks.tracking.link.EngineLink`); ``None`` in tests of the layouts alone.
     """
 
-    def __init__(self, batch: int, params: dict[int, tuple[str, Tensor]], engine: Any = None):
+    def __init__(
+        self,
+        batch: int,
+        params: dict[int, tuple[str, Tensor]],
+        engine: EngineLink | None = None,
+    ):
         super().__init__()
         self.batch = batch
         self.params = params
@@ -2089,7 +2095,7 @@ class Tracker(TorchFunctionMode):
         autograd node of its output, so that they live as long as the graph through it (a
         problem found on the way is reported at the backward, never dropped with the tracker),
         and a backward that passes through it tells the engine that these parameters'
-        gradients come from a forward the tracker followed (:meth:`Hooks._direct_reached`)."""
+        gradients come from a forward the tracker followed (:meth:`EngineLink.direct_reached`)."""
         if not direct or self.engine is None:
             return
         outs = _out_tensors(out) or [a for a in args[:1] if isinstance(a, Tensor)]
@@ -2104,7 +2110,7 @@ class Tracker(TorchFunctionMode):
         if held:
             engine, unknown = self.engine, self.unknown
             node.register_prehook(
-                lambda grad_outputs, held=tuple(held): engine._direct_reached(held, unknown)
+                lambda grad_outputs, held=tuple(held): engine.direct_reached(held, unknown)
             )
 
     def _found_source(self, p: Tensor) -> Source | None:
@@ -2128,7 +2134,7 @@ class Tracker(TorchFunctionMode):
             self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
             table[id(p)] = s
             if self.engine is not None:
-                self.engine._direct_source(s, p)
+                self.engine.direct_source(s, p)
         return s
 
     def _layout_of(self, t: Any) -> Layout | None:
@@ -2458,7 +2464,7 @@ class Tracker(TorchFunctionMode):
         for t in tensors if self.lineage else ():
             self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
         if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
-            out = self.engine._functional_use(func, name, args, kwargs, direct, self)
+            out = self.engine.functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
                 for p in direct:  # (a module without a rule that covers it leaves it to this)
                     where = self._covering(id(p))
@@ -2482,7 +2488,7 @@ class Tracker(TorchFunctionMode):
                     for s in self._sources(t):
                         s.problem = s.problem or why
                         if self.engine is not None:  # (no graph holds it: kept to be told)
-                            self.engine._unheld.append(s)
+                            self.engine.unheld(s)
                 return out
             tainted = [t for t in tainted if t.requires_grad]  # (detached: no gradient back)
             if not tainted:
@@ -2804,12 +2810,14 @@ def _out_tensors(out: Any) -> list[Tensor]:
     return []
 
 
-def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> None:
+def _deliver(
+    engine: EngineLink | None, edges: dict[Source, Any], per_example: Tensor, at_edge
+) -> None:
     """Give each source (``edges``: its tensor's gradient edge) its per-example
     output-gradients, from ``per_example`` (``[batch, *shape]``), the per-example gradient of a
     tensor derived from them (at gradient edge ``at_edge``): through the batch-free operations
     between them, by one batched backward."""
-    if engine is not None and engine._probing:
+    if engine is not None and engine.probing:
         return  # (the engine's check of one example, which captures nothing)
     task = _torch.graph_task_id()
     direct = [s for s, e in edges.items() if e == at_edge]
@@ -2818,7 +2826,7 @@ def _deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> 
         _add(s, task, per_example)
     if not through:
         return
-    ctx = engine._nested() if engine is not None else contextlib.nullcontext()
+    ctx = engine.nested() if engine is not None else contextlib.nullcontext()
     with ctx:
         try:
             grads = torch.autograd.grad(
@@ -2891,7 +2899,7 @@ class _Meeting:
                 s.problem = s.problem or f"'{self.name}' has outputs from several autograd nodes"
 
     def backward(self, grad_outputs) -> None:
-        if self.engine is not None and self.engine._probing:
+        if self.engine is not None and self.engine.probing:
             return  # (the engine's check of one example, which captures nothing)
         grads = [grad_outputs[nr] if nr < len(grad_outputs) else None for _, nr in self.nodes]
         if all(g is None for g in grads):
