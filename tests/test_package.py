@@ -103,3 +103,58 @@ def test_the_scan_sees_a_circle_and_an_inner_import(tmp_path, monkeypatch):
         assert "gradhooks.a -> gradhooks.b -> gradhooks.a" in str(e)
     else:
         raise AssertionError("the circle a -> b -> a was not found")
+
+
+# names under which code outside the engine holds a handle or the engine (a Tracker's
+# ``self.engine``, a workflow's ``hooks``/``h``)
+_HANDLE_NAMES = {"hooks", "h", "handle", "engine", "owner"}
+
+
+def _private_uses(root: Path) -> list[str]:
+    """``<handle>._<name>`` (``hooks._params``, ``self.engine._nested()``) in the modules
+    outside ``gradhooks/engine/``: each place, as ``path:line: text``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if (root / "engine") in path.parents:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__"):
+                continue
+            holder = node.value
+            name = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+            if name in _HANDLE_NAMES:
+                where = path.relative_to(root.parent)
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_engine_touches_its_private_members():
+    """The workflows (DP, K-FAC, Jacobians, distributed), the autograd-hacks layer and the
+    tracker reach a handle through its public API, ``gradhooks.engine.api.engine_of`` and
+    ``gradhooks.tracking.link.EngineLink``, never through its private members."""
+    found = _private_uses(ROOT)
+    assert not found, "private members of a handle used outside gradhooks/engine/:\n" + "\n".join(
+        found
+    )
+
+
+def test_the_private_use_scan_sees_one(tmp_path):
+    pkg = tmp_path / "gradhooks"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "handle.py").write_text("hooks._params\n")  # (the engine's own: allowed)
+    (pkg / "dp.py").write_text("def f(hooks, x):\n    x._y\n    return hooks._written\n")
+    (pkg / "t.py").write_text("class T:\n    def f(self):\n        self.engine._nested()\n")
+    assert _private_uses(pkg) == [
+        "gradhooks/dp.py:3: hooks._written",
+        "gradhooks/t.py:3: self.engine._nested",
+    ]
+
+
+def test_tracking_imports_nothing_of_the_engine():
+    graph, _ = _graph()
+    for name, imported in graph.items():
+        if name.startswith("gradhooks.tracking"):
+            assert not [m for m in imported if m.startswith("gradhooks.engine")], name
