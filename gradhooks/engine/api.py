@@ -53,7 +53,7 @@ class EngineAPI:
     @property
     def sharded(self) -> bool:
         """Whether some of the model's parameters are sharded by FSDP2 (DTensors)."""
-        return bool(self._hooks._sharded)
+        return bool(self._hooks._state.sharded)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's ``named_parameters()`` with the parameters the hooks were planned with
@@ -66,45 +66,45 @@ class EngineAPI:
 
     def covered(self) -> set[int]:
         """The ids of the parameters of the hooked modules (trainable or not)."""
-        return {id(p) for t in self._hooks._targets for p in t.params.values()}
+        return {id(p) for t in self._hooks._state.targets for p in t.params.values()}
 
     def parameters(self) -> dict[int, tuple[str, Tensor]]:
         """The trainable parameters the hooks write ``grad1`` for, ``{id: (name, param)}``."""
-        return dict(self._hooks._params)
+        return dict(self._hooks._state.params)
 
     def in_use(self, p: Tensor) -> Tensor:
         """The tensor that stands for ``p`` in the last forward (FSDP2: its unsharded
         parameter), with respect to which a backward computes ``p``'s gradient."""
-        return self._hooks._current.get(id(p), p)
+        return self._hooks._state.current.get(id(p), p)
 
     def directly_used(self) -> set[int]:
         """The ids of the hooked parameters the forwards used outside their modules' calls."""
         hooks = self._hooks
-        return {pid for pid in hooks._direct if pid in hooks._params}
+        return {pid for pid in hooks._state.direct if pid in hooks._state.params}
 
     def running(self) -> bool:
         """Whether a forward of the model is running now."""
-        return bool(self._hooks._frames)
+        return bool(self._hooks._state.frames)
 
     def tracker(self) -> Tracker | None:
         """The tracker of the forward running now (``None`` outside one, or not followed)."""
-        return self._hooks._tracker()
+        return self._hooks._forwards.tracker()
 
     # -- what the backwards left -------------------------------------------------------------
 
     def wrote(self, p: Tensor) -> bool:
         """Whether the current accumulation wrote ``p.grad1``."""
-        return id(p) in self._hooks._written
+        return id(p) in self._hooks._state.written
 
     def written(self) -> list[Tensor]:
         """The parameters whose ``grad1`` the current accumulation wrote."""
-        return list(self._hooks._written.values())
+        return list(self._hooks._state.written.values())
 
     @property
     def collector(self) -> Collector | None:
         """The collector of the quantities other than ``grad1`` (``None`` for ``grad1``
         alone)."""
-        return self._hooks._collector
+        return self._hooks._state.collector
 
     def results(self, quantity: str) -> Collector:
         """The collector, refused unless the handle computes ``quantity``."""
@@ -113,13 +113,13 @@ class EngineAPI:
     @property
     def precision(self) -> torch.dtype | None:
         """The lowest precision the calls of the backwards since ``clear()`` ran in."""
-        return self._hooks._precision
+        return self._hooks._state.precision
 
     @property
     def recomputes(self) -> bool:
         """Whether a forward ran calls with grad mode off (reentrant activation
         checkpointing), which only a backward without ``inputs`` runs again."""
-        return self._hooks._recomputes
+        return self._hooks._state.recomputes
 
     @property
     def hessian_backprops(self) -> list[dict[int, Tensor]]:
@@ -133,28 +133,28 @@ class EngineAPI:
     def unverified(self) -> bool:
         """Whether a new set of layer calls awaits its check (``verify=True``)."""
         hooks = self._hooks
-        return bool(hooks.verify and hooks._unverified)
+        return bool(hooks.verify and hooks._state.unverified)
 
     def mark_verified(self) -> None:
         """The sets of calls awaiting their check were checked (by the caller)."""
-        self._hooks._unverified.clear()
+        self._hooks._state.unverified.clear()
 
     def user_backward_hooks(self) -> bool:
         """Whether the model holds backward hooks of the user's, which a backward of the
         check's own would run."""
-        return self._hooks._user_backward_hooks()
+        return self._hooks._verifier.user_backward_hooks()
 
     def probe_precision(self) -> torch.dtype | None:
         """The precision of the forward the engine's own check is armed for (else ``None``)."""
-        box = self._hooks._probe_box
+        box = self._hooks._verifier.probe_box
         return None if box is None else box.get("precision")
 
     def drop_probe(self) -> None:
         """The caller checks this step itself: the engine's check is not needed."""
         hooks = self._hooks
-        if hooks._probe_box is not None:
-            drop_box(hooks._probe_box)
-            hooks._probe_box = None
+        if hooks._verifier.probe_box is not None:
+            drop_box(hooks._verifier.probe_box)
+            hooks._verifier.probe_box = None
 
     # -- backwards of the workflows' own -----------------------------------------------------
 
@@ -175,18 +175,18 @@ class EngineAPI:
         - ``keep``: a list the collector appends each call's ``(pieces, params, scale)`` to.
         """
         hooks = self._hooks
-        collector = hooks._collector
+        collector = hooks._state.collector
         if keep is not None and collector is None:
             raise ValueError("backward_mode(keep=...) needs a handle with quantities")
-        before = hooks._mode
+        before = hooks._state.mode
         kept = collector.keep if collector is not None else None
-        hooks._mode = BackwardMode(capture=capture, param_grads=param_grads)
+        hooks._state.mode = BackwardMode(capture=capture, param_grads=param_grads)
         if keep is not None:
             collector.keep = keep
         try:
             yield
         finally:
-            hooks._mode = before
+            hooks._state.mode = before
             if keep is not None:
                 collector.keep = kept
 
@@ -194,5 +194,5 @@ class EngineAPI:
     def standing_aside(self) -> Iterator[None]:
         """A backward of autograd's own through the model's graph, to check against: the hooks
         capture nothing, and calls run detached give autograd's gradients."""
-        with self._hooks._standing_aside():
+        with self._hooks._verifier.standing_aside():
             yield

@@ -22,6 +22,7 @@ from ..rules.registry import Call, CallBatch
 from ..tracking.layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
 from .records import CallLayout, CallState
+from .state import CaptureState
 
 
 class _Unview(torch.autograd.Function):
@@ -313,7 +314,10 @@ def _shapes(args: tuple, kwargs: dict) -> str:
 class CallLayouts:
     """The tracker's view of each call (a part of :class:`gradhooks.Hooks`)."""
 
-    def _call_layout(
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+
+    def call_layout(
         self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
     ) -> CallLayout | None:
         """Where the examples are in a captured call, from the tracker's layouts of its inputs
@@ -357,7 +361,7 @@ class CallLayouts:
                     f" The batch was taken as dimension 0 of the model's first input ({batch} "
                     "examples): if it is another dimension (a sequence-first model, [seq, "
                     "batch, ...]), say which with add_hooks(model, batch_dim=k)."
-                    if self.batch_dim == "auto"
+                    if self.state.batch_dim == "auto"
                     else ""
                 )
             )
@@ -414,7 +418,7 @@ class CallLayouts:
             layout = CallLayout("unknown", batch, first, lin, lout)
             layout.lost = tuple(tracker.unknown)
             return layout
-        frame = self._frames[-1] if self._frames else None
+        frame = self.state.frames[-1] if self.state.frames else None
         root = frame is not None and any(
             x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
         )
@@ -449,7 +453,7 @@ class CallLayouts:
             kind = "plain" if first.dim == 0 and first.plain else "moved"
             return CallLayout(kind, batch, first, lin, lout, root=root)
         if first.dim != dim and self._reseed(tracker, ins, outs, dim):
-            return self._call_layout(target, args, kwargs, output, tracker)
+            return self.call_layout(target, args, kwargs, output, tracker)
         if first.dim != dim:
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
@@ -467,8 +471,8 @@ class CallLayouts:
         where the first hooked call takes that very input and reads its batch from dimension
         ``dim`` (a sequence-first layer), the batch is dimension ``dim`` instead (once, at the
         first call of the forward)."""
-        frame = self._frames[-1] if self._frames else None
-        if self.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
+        frame = self.state.frames[-1] if self.state.frames else None
+        if self.state.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
             return False
         x = next((t for t in ins if isinstance(t, Tensor)), None)
         if x is None or not any(x is r for r in frame.roots) or x.dim() <= dim:
@@ -485,7 +489,7 @@ class CallLayouts:
         frame.roots = []
         return True
 
-    def _reseed_before(
+    def reseed_before(
         self, target: Target, module: nn.Module, args: tuple, kwargs: dict, tracker: Tracker
     ) -> None:
         """:meth:`_reseed` as the first hooked call starts (a sequence-first layer given the
@@ -500,60 +504,19 @@ class CallLayouts:
         if first is not None and first.dim >= 0 and first.dim != dim:
             self._reseed(tracker, ins, [], dim)
 
-    def _functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
-        """A parameter used directly in a torch function the registry has a rule for
-        (``F.linear``: a tied output layer): the function's call is captured as a hooked
-        module's would be. ``NotImplemented`` where that does not apply."""
-        spec = self.registry.function(name)
-        if spec is None:
-            return NotImplemented
-        entry, roles, (in_pos, in_key), applies = spec
-        if not applies(args, kwargs):
-            return NotImplemented
-        x = args[in_pos] if len(args) > in_pos else kwargs.get(in_key)
-        lay = tracker.layout(x)
-        if lay is None or lay is UNKNOWN or lay is PACKED:
-            return NotImplemented
-        named = {}
-        for role, (pos, key) in roles.items():
-            t = args[pos] if len(args) > pos else kwargs.get(key)
-            if isinstance(t, Tensor) and any(t is d for d in direct):
-                named[role] = t
-        if len(named) != len(direct):
-            return NotImplemented
-        out = func(*args, **kwargs)
-        tracker._propagate(name, args, kwargs, out)
-        if not isinstance(out, Tensor) or not out.requires_grad:
-            return out
-        key = (name, *(id(p) for p in named.values()))
-        target = self._functional_targets.get(key)
-        if target is None:
-            names = [self._params[id(p)][0] for p in named.values()]
-            owner = self._owner(names[0])
-            label = ", ".join(f"'{n}'" for n in names)
-            target = Target(f"{label} used in {name}", owner, entry, named)
-            self._functional_targets[key] = target
-        call, state = self._kept_call(target, named, (x,), {}, out, self._call_layout(
-            target, (x,), {}, out, tracker))  # fmt: skip
-        if self._collector is not None:
-            self._collector.expect(named)
-        out.register_hook(lambda g: None if self._rerunning else self._on_grads(
-            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
-        return out
-
-    def _direct_source(self, source: Source, p: nn.Parameter) -> None:
+    def direct_source(self, source: Source, p: nn.Parameter) -> None:
         """The tracker saw ``p`` used outside its module's call (a parent's
         ``F.linear(h, self.wte.weight)``, a table read as ``self.emb.weight``): its per-example
         gradients from that use are the source's, given to ``p.grad1`` when its gradient is
-        complete (:meth:`_param_hook`)."""
-        self._direct.setdefault(id(p), weakref.WeakSet()).add(source)
-        if self._collector is not None:
-            self._collector.expect({source.name: p})
+        complete (:meth:`BackwardWriter.param_hook`)."""
+        self.state.direct.setdefault(id(p), weakref.WeakSet()).add(source)
+        if self.state.collector is not None:
+            self.state.collector.expect({source.name: p})
 
-    def _plain_call(self, target: Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    def plain_call(self, target: Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether a call about to run has its examples where its rule reads them (the paths
         that run a call detached assume so); true without a tracker."""
-        tracker = self._tracker()
+        tracker = self.state.tracker()
         if tracker is None:
             return True
         first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]

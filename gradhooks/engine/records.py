@@ -61,7 +61,7 @@ class CallState:
 
     params: dict[str, nn.Parameter]
     frame: Frame | None  # the model's forward it was called in (None: outside one)
-    derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
+    derived: bool = False  # a create_graph backward went through it (see BackwardWriter.on_grads)
     cancelled: bool = False  # its forward raised: never captured
     layout: CallLayout | None = None
     versions: tuple = ()  # (tensor, version) of its kept inputs, to refuse in-place changes
@@ -89,7 +89,7 @@ class Frame:
     # checkpointing: run again at the backward): no probe (_arm_probe)
     unprobed: bool = False
     # per module without a rule running in training mode, by id: its buffers as each of its
-    # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
+    # calls (innermost last) found them, (name, buffer, version, copy) (ForwardCapture._buffers_of)
     buffers: dict[int, list] = field(default_factory=dict)
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
@@ -137,7 +137,7 @@ class Backward:
 @dataclass
 class Probe:
     """Every parameter's gradient as autograd gives it from the model's output-gradients with
-    each example's rows weighted by ``weights[i]`` (:meth:`Hooks._probe`): ``Σ_i weights[i] ·
+    each example's rows weighted by ``weights[i]`` (:meth:`Verifier._probe`): ``Σ_i weights[i] ·
     grad1[i]`` must equal it (without ``grad1``: formed from the pieces, :func:`pieces.weighted_sums`)."""
 
     frame: int  # id of the forward whose outputs it started from
@@ -221,7 +221,7 @@ def is_compiling() -> bool:
 
 
 def drop_box(box: dict) -> None:
-    """Let go of what :meth:`Hooks._arm_probe` held of a forward's graph."""
+    """Let go of what :meth:`Verifier.arm_probe` held of a forward's graph."""
     handle = box.get("handle")
     box.clear()
     if handle is not None:

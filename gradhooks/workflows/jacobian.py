@@ -203,7 +203,7 @@ class HookedForward:
 def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> HookedForward:
     """``model(*args, **kwargs)`` under the hooks ``h``, noting what :func:`jacobians` and
     :func:`gradhooks.kfac` need for their backwards."""
-    with _frame_tracker(h, model) as seen, output_edges(h) as reached:
+    with _frame_tracker(h, model) as seen, output_edges(m for _, m in h.modules()) as reached:
         out = model(*args, **kwargs)
     tracker = seen.get("tracker")
     first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
