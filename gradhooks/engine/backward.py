@@ -12,23 +12,29 @@ from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradien
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
-from .._torch import tree_flatten
 from ..errors import GradhooksWarning
 from ..rules.registry import Call, _Entry
-from .accumulation import all_zero
-from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
+from .accumulation import all_zero, sole_grad1
+from .calls import (
+    KeptCall,
+    aligned_call,
+    blank_call,
+    check_versions,
+    describe_call,
+    examples_of_empty_call,
+    rule_pieces,
+    unchanged_outputs,
+)
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
@@ -42,32 +48,6 @@ from .records import (
 )
 from .state import CaptureState
 from .verify import Verifier, per_example_outputs, rounding_tolerance
-
-
-@dataclass(eq=False)
-class KeptCall:
-    """A captured call waiting for its output-gradients: what the gradient hook on its outputs
-    hands to :meth:`BackwardWriter.output_grads` (and, for a rule with taps, the hooks on the
-    tapped nodes to :meth:`BackwardWriter.node_grads`). Holds neither the call's outputs nor its
-    nodes (a reference cycle through autograd's graph)."""
-
-    target: Target
-    state: CallState
-    call: Call
-    args: tuple  # the call's inputs as it got them
-    kwargs: dict
-    live: dict[str, nn.Parameter]  # the parameters it writes grad1 for
-    hooked: tuple[int, ...]  # which leaves of its output have the gradient hook
-    n_leaves: int  # the leaves of its output
-    carried: Any  # its capture._Carried, where its first input carries its parameters
-    n_nodes: int = 0  # the nodes its rule taps
-    # a tapped call's gradients so far: "outputs", then each node's by its index
-    pending: dict = field(default_factory=dict)
-
-    @property
-    def sums(self) -> dict[str, Tensor] | None:
-        """Where the call's parameters are carried: the batch gradients its rule gives."""
-        return self.carried.sums if self.carried is not None else None
 
 
 class BackwardWriter:
@@ -215,7 +195,7 @@ class BackwardWriter:
         layout: CallLayout | None = None,
     ) -> None:
         rule = target.entry.rule
-        empty = _examples_of_empty_call(self.state.batch_dim, call, frame, layout)
+        empty = examples_of_empty_call(self.state.batch_dim, call, frame, layout)
         try:
             if empty is not None:  # (no entry: a gradient of zeros for each example)
                 pieces = {n: P.Direct(p.new_zeros((empty, *p.shape))) for n, p in params.items()}
@@ -253,7 +233,7 @@ class BackwardWriter:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
-        if frame is not None and frame.empty is not None and batch and _blank(call):
+        if frame is not None and frame.empty is not None and batch and blank_call(call):
             raise ValueError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
                 f"first tensor input has shape {frame.empty}, with no entries. With "
@@ -365,7 +345,7 @@ class BackwardWriter:
         the caller kept (a reference, a view, a numpy array) is never changed."""
         if torch.is_grad_enabled():
             return None  # a create_graph backward: grad1 gets a graph, never written in place
-        old = _sole_grad1(p)
+        old = sole_grad1(p)
         if old is None:
             return None
         if accumulate and old.shape[0] != batch:
@@ -502,7 +482,7 @@ class BackwardWriter:
 
     def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
         """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
-        old = _sole_grad1(p)
+        old = sole_grad1(p)
         if old is not None and tuple(old.shape) == (batch, *p.shape) and old.dtype == p.dtype:
             old.zero_()
         else:
@@ -902,72 +882,3 @@ def _multiple(raw: Tensor, final: Tensor, tol: float) -> float | None:
     c = float(r @ f) / rr
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
-
-
-def _examples_of_empty_call(
-    batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
-) -> int | None:
-    """The number of examples of a call whose per-example gradients are all zeros, formed
-    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
-    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
-    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
-    and output-gradients have no entries, with the examples where its rule reads them
-    (``[batch, 0, features]``).
-    ``None`` otherwise (the rule runs)."""
-    if frame is not None and frame.batch == 0:
-        if (layout is None or layout.kind == "plain") and _first_rows(call) == 0:
-            return None  # (the rule reads 0 rows where it reads them: its pieces, empty,
-            # still say what they are of, as K-FAC's factors summed over ranks need)
-        return 0
-    if not _blank(call):
-        return None
-    if layout is not None and layout.kind in ("plain", "fold"):
-        return layout.batch  # (where the rule reads the examples: empty, each of them)
-    return None
-
-
-def _first_rows(call: Call) -> int | None:
-    """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
-    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
-    return None if first is None or first.dim() == 0 else first.shape[0]
-
-
-def _blank(call: Call) -> bool:
-    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
-    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
-    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
-    return bool(leaves) and not any(
-        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
-    )
-
-
-def _grad1_refs(owner: Any) -> int:
-    t = owner.__dict__.get("grad1")
-    return sys.getrefcount(t)
-
-
-def _sole_refs() -> int | None:
-    """What :func:`_grad1_refs` counts for a ``grad1`` that nothing else refers to, or ``None``
-    where one more reference would not show (then ``grad1`` is never written in place)."""
-    try:
-        owner = nn.Parameter(torch.zeros(2))
-        owner.grad1 = torch.zeros(1, 2)
-        alone = _grad1_refs(owner)
-        kept = owner.grad1  # noqa: F841  (one more reference)
-        return alone if _grad1_refs(owner) == alone + 1 else None
-    except Exception:
-        return None
-
-
-_SOLE_REFS = _sole_refs()
-
-
-def _sole_grad1(p: nn.Parameter) -> Tensor | None:
-    """``p.grad1`` if it is a plain contiguous tensor that only ``p`` refers to: no other
-    Python reference, no view or other tensor on its memory, not saved by autograd."""
-    if _SOLE_REFS is None or type(p.__dict__.get("grad1")) is not Tensor:
-        return None
-    if _grad1_refs(p) != _SOLE_REFS:
-        return None
-    t = p.grad1
-    return t if t.is_contiguous() and _torch.unshared(t) else None

@@ -6,7 +6,7 @@ the part of :class:`gradhooks.Hooks` that asks the tracker.
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking.layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState
+from .records import CallLayout, CallState, Frame
 from .state import CaptureState
 
 
@@ -309,6 +309,69 @@ def _shapes(args: tuple, kwargs: dict) -> str:
         str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
         for t in tree_flatten((args, kwargs))[0]
     )
+
+
+def examples_of_empty_call(
+    batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
+) -> int | None:
+    """The number of examples of a call whose per-example gradients are all zeros, formed
+    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
+    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
+    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
+    and output-gradients have no entries, with the examples where its rule reads them
+    (``[batch, 0, features]``).
+    ``None`` otherwise (the rule runs)."""
+    if frame is not None and frame.batch == 0:
+        if (layout is None or layout.kind == "plain") and _first_rows(call) == 0:
+            return None  # (the rule reads 0 rows where it reads them: its pieces, empty,
+            # still say what they are of, as K-FAC's factors summed over ranks need)
+        return 0
+    if not blank_call(call):
+        return None
+    if layout is not None and layout.kind in ("plain", "fold"):
+        return layout.batch  # (where the rule reads the examples: empty, each of them)
+    return None
+
+
+def _first_rows(call: Call) -> int | None:
+    """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
+    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
+    return None if first is None or first.dim() == 0 else first.shape[0]
+
+
+def blank_call(call: Call) -> bool:
+    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
+    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
+    return bool(leaves) and not any(
+        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
+    )
+
+
+@dataclass(eq=False)
+class KeptCall:
+    """A captured call waiting for its output-gradients: what the gradient hook on its outputs
+    hands to :meth:`BackwardWriter.output_grads` (and, for a rule with taps, the hooks on the
+    tapped nodes to :meth:`BackwardWriter.node_grads`). Holds neither the call's outputs nor its
+    nodes (a reference cycle through autograd's graph)."""
+
+    target: Target
+    state: CallState
+    call: Call
+    args: tuple  # the call's inputs as it got them
+    kwargs: dict
+    live: dict[str, nn.Parameter]  # the parameters it writes grad1 for
+    hooked: tuple[int, ...]  # which leaves of its output have the gradient hook
+    n_leaves: int  # the leaves of its output
+    carried: Any  # its capture._Carried, where its first input carries its parameters
+    n_nodes: int = 0  # the nodes its rule taps
+    # a tapped call's gradients so far: "outputs", then each node's by its index
+    pending: dict = field(default_factory=dict)
+
+    @property
+    def sums(self) -> dict[str, Tensor] | None:
+        """Where the call's parameters are carried: the batch gradients its rule gives."""
+        return self.carried.sums if self.carried is not None else None
 
 
 class CallLayouts:

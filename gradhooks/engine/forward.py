@@ -29,8 +29,8 @@ from .._torch import tree_flatten, tree_map
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
 from ..tracking.layout import PACKED, UNKNOWN, Source, Tracker
-from .backward import BackwardWriter, KeptCall
-from .calls import CallLayouts, carry_layouts, keeps_rows, own_node, root_batch, unview
+from .backward import BackwardWriter
+from .calls import CallLayouts, KeptCall, carry_layouts, keeps_rows, own_node, root_batch, unview
 from .capture import DetachedCalls
 from .plan import Target, positional
 from .records import (

@@ -248,13 +248,25 @@ class Hooks:
     def unsupported(self) -> Unsupported:
         return self._state.unsupported  # type: ignore[return-value]
 
+    @unsupported.setter
+    def unsupported(self, value: Unsupported) -> None:
+        self._state.unsupported = value
+
     @property
     def registry(self) -> Registry:
         return self._state.registry
 
+    @registry.setter
+    def registry(self, value: Registry) -> None:
+        self._state.registry = value
+
     @property
     def quantities(self) -> tuple[str, ...]:
         return self._state.quantities
+
+    @quantities.setter
+    def quantities(self, value: tuple[str, ...]) -> None:
+        self._state.quantities = value
 
     def _install(self, model: nn.Module) -> None:
         """Hook every planned module and every trainable parameter they cover."""
