@@ -96,3 +96,18 @@ def test_what_the_workflows_read():
         assert all(engine.in_use(p) is p for p in model.parameters())
         h.clear()
         assert engine.written() == []
+
+
+def test_the_handle_owns_its_parts():
+    """``Hooks`` is no mixin: its parts are objects of their own that share one
+    ``CaptureState``, and each reaches the others by name."""
+    model = _model()
+    with gradhooks.add_hooks(model) as h:
+        assert gradhooks.Hooks.__bases__ == (object,)
+        parts = [h._forwards, h._backwards, h._layouts, h._detached_calls, h._verifier]
+        assert len({type(p) for p in parts}) == 5
+        assert all(p.state is h._state for p in parts)
+        assert h._forwards.backwards is h._backwards and h._verifier.backwards is h._backwards
+        assert h._detached_calls.forwards is h._forwards and h._backwards.verifier is h._verifier
+        h.verify = False  # (the handle's settings are the state's)
+        assert h._state.verify is False and h.verify is False
