@@ -42,6 +42,7 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    HeldCall,
     autocast_off,
     graph_task,
     lowest_precision,
@@ -278,10 +279,12 @@ class BackwardWriter:
                 self.state.exempt.add(id(p))
         if not self.state.grad1 and bw is not None and bw.verify:
             # (fresh pieces: none of the columns the norms may cache)
-            bw.kept.append(({n: pieces[n].select(slice(None)) for n in live}, live, scale))
+            bw.kept.append(
+                P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
+            )
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
-                bw.held.append((target.name, {n: pieces[n] for n in live}, live, scale))
+                bw.held.append(HeldCall(target.name, {n: pieces[n] for n in live}, live, scale))
             else:
                 self.state.collector.add(
                     target.name, {n: pieces[n] for n in live}, live, scale, formed
@@ -715,8 +718,8 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
-        for args in bw.held:
-            self.state.collector.add(*args)
+        for held in bw.held:
+            self.state.collector.add(*held)
         bw.held.clear()
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
             self.verifier.verify_backward(bw)

@@ -6,7 +6,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..inert import InertHook
+from ..pieces import CallPieces
 from ..tracking.layout import Layout, Tracker
 
 
@@ -96,6 +97,16 @@ class Frame:
     empty: tuple[int, ...] | None = None
 
 
+class HeldCall(NamedTuple):
+    """A call's pieces a nested backward holds for the quantities until its end (the
+    arguments of :meth:`gradhooks.quantities.collector.Collector.add`)."""
+
+    name: str  # the call's qualified name
+    pieces: dict[str, Any]  # its pieces, by parameter name
+    params: dict[str, Tensor]  # the parameters they are of
+    scale: float
+
+
 @dataclass
 class Backward:
     """One backward pass (autograd graph task), while it runs."""
@@ -114,8 +125,8 @@ class Backward:
     grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
-    # (verify, without grad1) every call's pieces, (pieces, params, scale), for the norms' check
-    kept: list[tuple[dict, dict, float]] = field(default_factory=list)
+    # (verify, without grad1) every call's pieces, for the norms' check
+    kept: list[CallPieces] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
     capturing: bool = True  # captured (not paused; marked where capture="marked")
     # the lowest floating-point precision its calls ran in (see :func:`lowest_precision`)
@@ -124,7 +135,7 @@ class Backward:
     # taken in a custom autograd.Function's backward or a gradient hook): what it hands the
     # quantities waits in ``held`` until its end says whether it computed parameter gradients
     nested: bool = False
-    held: list[tuple] = field(default_factory=list)
+    held: list[HeldCall] = field(default_factory=list)
     attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
     accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
     # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
