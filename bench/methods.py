@@ -13,6 +13,7 @@ Adding a method is a function ``setup -> Runner`` and one line in :data:`METHODS
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,7 @@ class Method:
     peer: str | None = None  # the package it needs
     slow: bool = False  # timed with --slow-reps repetitions
     tags: tuple[str, ...] = field(default=())
+    base: str = "plain"  # the method its time is a ratio to in the tables
 
 
 def _clear(params, *attrs: str) -> None:
@@ -321,15 +323,16 @@ def _per_example_loss(s: Setup):
         raise Unavailable("unsupported", "no per-example form of this loss") from None
 
 
-def _gradhooks_dp(s: Setup, quantity: str, method: str) -> Runner:
+def _gradhooks_dp(s: Setup, quantity: str, method: str, compile: bool = False) -> Runner:
     each = _per_example_loss(s)
     hooks = gradhooks.add_hooks(s.model, quantities=(quantity,))
+    model = _compiled(s) if compile else s.model
     params = list(s.trainable().values())
     opt = torch.optim.SGD(params, lr=1e-3)
     gen = torch.Generator(device=s.x.device).manual_seed(0)
 
     def step() -> None:
-        losses = each(s.model(s.x), s.y)
+        losses = each(model(s.x), s.y)
         gradhooks.dp_sgd_step(
             hooks, losses, max_norm=MAX_NORM, noise_multiplier=NOISE, generator=gen,
             method=method,
@@ -388,6 +391,102 @@ def _opacus_dp(s: Setup, ghost: bool) -> Runner:
         _clear(params, "grad_sample", "_norm_sample")
 
     return Runner(step, lambda: None, reset=reset)
+
+
+# -- on torch.compile(model): the default backend and mode, not fullgraph (which gradhooks refuses:
+# its hooks run eagerly, each hooked layer's call a graph break) -------------------------------------
+
+
+_COMPILED_BATCH: list = [None]  # (a weak reference to the batch of the model being compiled)
+WARM_COMPILED = 10  # untimed steps of a compiled method before its warm-up step
+
+
+def _compiled(s: Setup):
+    """``torch.compile(s.model)``, dynamo's state started afresh at each model of a run (its
+    compiled code and its recompile counts: a model's compiled methods meet dynamo's limits as
+    in a process of their own), and guarding on the modules' hooks (by default it does not,
+    and the hooked copy of a model would reuse the code compiled for the plain copy, the hooks
+    never called: gradhooks warns that it captured nothing)."""
+    import weakref
+
+    import torch._dynamo
+
+    if _COMPILED_BATCH[0] is None or _COMPILED_BATCH[0]() is not s.x:
+        torch._dynamo.reset()
+        _COMPILED_BATCH[0] = weakref.ref(s.x)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    return torch.compile(s.model)
+
+
+def graph_break_kind(reason: str) -> str:
+    """One of dynamo's graph-break reasons, shortened to what broke the graph and where (the
+    function it would not trace)."""
+    text = " ".join(reason.split())
+    head, _, rest = text.partition(" Explanation:")
+    where = re.search(r"function `([^`]+)`|builtin `([^`]+)`|built-in function (\w+)>", rest)
+    name = next((g for g in where.groups() if g), "") if where else ""
+    name = re.sub(r"^<function (\S+) at 0x[0-9a-f]+>$", r"\1", name)
+    name = re.sub(r"pybind11_detail\w*\.", "", name).rstrip(".")
+    return f"{head.rstrip('.')} ({name})" if name else head.rstrip(".")
+
+
+def _graph_breaks(run: Callable[[], Runner]) -> Runner:
+    """``run()``'s runner, stepped :data:`WARM_COMPILED` times (untimed: dynamo compiles again
+    at some of the first steps), whose notes say how many graphs torch.compile made in those
+    steps and why it broke the forward between them (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    runner = run()
+    for _ in range(WARM_COMPILED):  # (past the recompilations of its first steps)
+        runner.reset()
+        runner.step()
+    runner.reset()
+
+    def notes() -> str:
+        kinds: dict[str, int] = {}
+        for reason, n in counters["graph_break"].items():
+            if n > before.get(reason, 0):
+                kind = graph_break_kind(reason)
+                kinds[kind] = kinds.get(kind, 0) + n - before.get(reason, 0)
+        made = counters["stats"]["unique_graphs"] - graphs
+        text = f"{made} graphs compiled, {sum(kinds.values())} graph breaks in its first "
+        text += f"{WARM_COMPILED + 1} steps (code an earlier method compiled is reused)"
+        if kinds:
+            worst = sorted(kinds.items(), key=lambda kv: -kv[1])
+            text += ": " + "; ".join(f"{n}x {kind}" for kind, n in worst[:5])
+        return text
+
+    runner.notes = notes
+    return runner
+
+
+def compiled_plain(s: Setup) -> Runner:
+    params = list(s.trainable().values())
+    compiled = _compiled(s)
+
+    def step() -> None:
+        s.loss(compiled(s.x), s.y).backward()
+
+    return _graph_breaks(lambda: Runner(step, lambda: None, reset=lambda: _clear(params)))
+
+
+def compiled_grad1(s: Setup) -> Runner:
+    """:func:`gradhooks_grad1` on ``torch.compile(model)`` (hooks added first)."""
+
+    def make() -> Runner:
+        runner = gradhooks_grad1(s)
+        compiled = _compiled(s)
+        runner.step = lambda: s.loss(compiled(s.x), s.y).backward()
+        return runner
+
+    return _graph_breaks(make)
+
+
+def compiled_dp(s: Setup) -> Runner:
+    """The book-keeping DP step on ``torch.compile(model)`` (hooks added first)."""
+    return _graph_breaks(lambda: _gradhooks_dp(s, "norms", "bookkeeping", compile=True))
 
 
 # -- sum of squared per-example gradients (the diagonal empirical Fisher, gradient variance) ----
@@ -593,9 +692,14 @@ METHODS: dict[str, Method] = {
         Method("kfac", "gradhooks K-FAC (exact)", "kfac", lambda s: _gradhooks_kfac(s, "exact"), tags=("gradhooks",)),
         Method("backpack-kfac", "BackPACK KFAC (MC)", "kfac", lambda s: _backpack_kfac(s, False), "backpack"),
         Method("kfac-mc", "gradhooks K-FAC (MC)", "kfac", lambda s: _gradhooks_kfac(s, "mc"), tags=("gradhooks",)),
+        Method("compile-plain", "compiled: plain fwd+bwd", "grad", compiled_plain),
+        Method("compile-grad1", "compiled: gradhooks grad1 (/ compiled plain)", "grad1", compiled_grad1, tags=("gradhooks",), base="compile-plain"),
+        Method("compile-dp", "compiled: gradhooks DP step (/ compiled plain)", "step", compiled_dp, tags=("gradhooks",), base="compile-plain"),
         Method("jacrev", "vmap(jacrev)", "jacobian", vmap_jacrev, slow=True),
         Method("jacobians", "gradhooks Jacobians", "jacobian", gradhooks_jacobians, slow=True, tags=("gradhooks",)),
     ]
 }  # fmt: skip
+
+COMPILED = "compile-plain,compile-grad1,compile-dp"  # with --compile only
 
 PEERS = ("vmap", "opacus", "backpack", "ew")  # the grad1 peers gradhooks is compared with

@@ -49,6 +49,10 @@ class Problem:
     make_batch: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]
     workload: bool = False  # a real fine-tuning workload (its own goals: bench/report.py)
+    # the batch this problem is run at where a suite asks for each model's own (``--batch
+    # own``): the host-cost models, whose sizes are part of what they measure
+    batch: int = 64
+    host: bool = False  # a tiny model of the host suite (its own goals: bench/report.py)
 
 
 def _images(shape: tuple[int, ...], classes: int = 10):
@@ -145,6 +149,61 @@ def vit() -> nn.Module:
     return HuggingFace(t.ViTForImageClassification(config), pixels=True)
 
 
+# -- tiny models: what each step costs the host (Python, hooks, kernel launches), not the maths --
+
+TINY_VOCAB, TINY_SEQ = 256, 16
+
+
+def tiny_cnn() -> nn.Module:
+    """Two 3x3 convolutions (4 and 8 channels) on 1x8x8 images, ReLU, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def tiny_gpt2() -> nn.Module:
+    """GPT-2, 2 layers of width 32, 4 heads, a vocabulary of 256 (tied output layer)."""
+    t = _transformers()
+    config = t.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=TINY_VOCAB,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return HuggingFace(t.GPT2LMHeadModel(config))
+
+
+def tiny_bert() -> nn.Module:
+    """A BERT classifier, 2 layers of width 32, 4 heads, a vocabulary of 256, 2 classes."""
+    t = _transformers()
+    config = t.BertConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=2,
+    )  # fmt: skip
+    return HuggingFace(t.BertForSequenceClassification(config))
+
+
+def tiny_llama() -> nn.Module:
+    """Llama, 2 layers of width 32, 4 heads sharing 2 key-value heads, a vocabulary of 256."""
+    t = _transformers()
+    config = t.LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return HuggingFace(t.LlamaForCausalLM(config))
+
+
+def tiny_vit() -> nn.Module:
+    """A ViT classifier, 16x16 images in 4x4 patches, 2 layers of width 32, 4 heads."""
+    t = _transformers()
+    config = t.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, num_labels=10,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return HuggingFace(t.ViTForImageClassification(config), pixels=True)
+
+
 PROBLEMS: dict[str, Problem] = {
     p.name: p
     for p in [
@@ -174,5 +233,18 @@ PROBLEMS: dict[str, Problem] = {
                 _tokens(30522, 128, classes=2), classify, True),
         Problem("vit-64", "HF ViT 4x256, 64x64 images", vit, _images((3, 64, 64)), classify,
                 True),
+        # tiny models, each at its own batch (the host suite)
+        Problem("tiny-mlp", "MLP 16-32-32-10, batch 8", lambda: models.MLP(16, 32, 32, 10),
+                _images((16,)), classify, batch=8, host=True),
+        Problem("tiny-cnn", "CNN 1x8x8 (4, 8 ch.), batch 8", tiny_cnn, _images((1, 8, 8)),
+                classify, batch=8, host=True),
+        Problem("tiny-gpt2", "HF GPT-2 2x32, seq 16, batch 4", tiny_gpt2,
+                _tokens(TINY_VOCAB, TINY_SEQ), next_token, batch=4, host=True),
+        Problem("tiny-bert", "HF BERT 2x32, seq 16, batch 4", tiny_bert,
+                _tokens(TINY_VOCAB, TINY_SEQ, classes=2), classify, batch=4, host=True),
+        Problem("tiny-llama", "HF Llama 2x32, seq 16, batch 4", tiny_llama,
+                _tokens(TINY_VOCAB, TINY_SEQ), next_token, batch=4, host=True),
+        Problem("tiny-vit", "HF ViT 2x32, 16x16 images, batch 4", tiny_vit, _images((3, 16, 16)),
+                classify, batch=4, host=True),
     ]
 }  # fmt: skip

@@ -9,11 +9,17 @@ from .methods import METHODS, PEERS
 MIB = 2**20
 
 
-def _groups(data: dict) -> dict[tuple[str, int], list[dict]]:
-    groups: dict[tuple[str, int], list[dict]] = {}
+def _groups(data: dict) -> dict[tuple[str, int | None], list[dict]]:
+    """The records by (device, batch); batch ``None`` where each model ran at its own."""
+    own = data.get("batch") == "own"
+    groups: dict[tuple[str, int | None], list[dict]] = {}
     for r in data["records"]:
-        groups.setdefault((r["device"], r["batch"]), []).append(r)
+        groups.setdefault((r["device"], None if own else r["batch"]), []).append(r)
     return groups
+
+
+def _batch(batch: int | None) -> str:
+    return "each model at its own batch" if batch is None else f"batch {batch}"
 
 
 def _ordered(records: list[dict], key: str) -> list[str]:
@@ -31,17 +37,17 @@ def _label(model: str) -> str:
 
 
 def ratios(records: list[dict], model: str, what: str) -> dict[str, float]:
-    """``{method: value / plain's value}`` for the methods of ``model`` that ran
-    (``what``: ``"median_s"`` or ``"peak_bytes"``)."""
+    """``{method: value / its base's value}`` for the methods of ``model`` that ran (``what``:
+    ``"median_s"`` or ``"peak_bytes"``); the base is plain forward+backward but for the
+    methods that name another (the compiled ones: compiled plain)."""
     mine = {r["method"]: r for r in records if r["model"] == model}
-    plain = mine.get("plain", {}).get(what)
-    if not plain:
-        return {}
-    return {
-        m: r[what] / plain
-        for m, r in mine.items()
-        if r["status"] in ("ok", "wrong") and r.get(what) is not None
-    }
+    out = {}
+    for m, r in mine.items():
+        base = METHODS[m].base if m in METHODS else "plain"
+        of = mine.get(base, {})
+        if r["status"] in ("ok", "wrong") and r.get(what) is not None and of.get(what):
+            out[m] = r[what] / of[what]
+    return out
 
 
 def target(records: list[dict], model: str) -> str:
@@ -70,6 +76,8 @@ def targets(records: list[dict], model: str) -> str:
 
     if model in PROBLEMS and PROBLEMS[model].workload:
         return workload_goals(records, model)
+    if model in PROBLEMS and PROBLEMS[model].host:
+        return host_goals(records, model)
     t = ratios(records, model, "median_s")
     mem = ratios(records, model, "peak_bytes")
     ok = {r["method"] for r in records if r["model"] == model and r["status"] == "ok"}
@@ -131,6 +139,36 @@ def workload_goals(records: list[dict], model: str) -> str:
     return "; ".join(verdicts)
 
 
+# the host goals: gradhooks' method, and Opacus' modes that compute the same or more
+HOST = {
+    "grad1": ("grad1", ("opacus",)),
+    "norms": ("norms", ("opacus", "opacus-ghost")),
+    "DP step": ("dp-bk", ("opacus-dp", "opacus-dp-ghost")),
+}
+HOST_PLAIN, HOST_OPACUS = 2.5, 0.7
+
+
+def host_goals(records: list[dict], model: str) -> str:
+    """The goals on a tiny model, where the host's per-call work is most of a step: grad1, the
+    norms and the DP step (book-keeping) each at most 2.5x plain forward+backward, and at most
+    0.7x the time of Opacus' fastest mode that runs the model and gives as much (grad1: its
+    hooks; the norms: hooks or ghost; the DP step: its hooks or ghost DP step)."""
+    t = ratios(records, model, "median_s")
+    ok = {r["method"] for r in records if r["model"] == model and r["status"] == "ok"}
+    verdicts = []
+    for name, (mine, peers) in HOST.items():
+        if mine not in ok or mine not in t:
+            continue
+        text = f"{t[mine]:.2f}x plain"
+        met = t[mine] <= HOST_PLAIN
+        opacus = [t[m] for m in peers if m in ok and m in t]
+        if opacus:
+            text += f", {t[mine] / min(opacus):.2f}x Opacus' fastest"
+            met = met and t[mine] / min(opacus) <= HOST_OPACUS
+        verdicts.append(f"{name} {'met' if met else 'missed'} ({text})")
+    return "; ".join(verdicts)
+
+
 def markdown(data: dict) -> str:
     m = data["machine"]
     lines = [
@@ -178,7 +216,7 @@ def _section(device: str, batch: int, records: list[dict]) -> list[str]:
 
     lines += [
         "",
-        f"## {device}, batch {batch}",
+        f"## {device}, {_batch(batch)}",
         "",
         "Time, as a ratio to plain forward+backward:",
         "",
@@ -218,13 +256,17 @@ def plot(data: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     groups = _groups(data)
+    rows = [("median_s", "time")]
+    if any(r.get("peak_bytes") is not None for r in data["records"]):
+        rows.append(("peak_bytes", "peak memory"))
     fig, axes = plt.subplots(
-        2, len(groups), figsize=(13 * len(groups), 9), squeeze=False, constrained_layout=True
-    )
+        len(rows), len(groups), figsize=(13 * len(groups), 4.5 * len(rows)), squeeze=False,
+        constrained_layout=True,
+    )  # fmt: skip
     for col, ((device, batch), records) in enumerate(groups.items()):
         models = _ordered(records, "model")
         methods = _ordered(records, "method")
-        for row, (what, title) in enumerate([("median_s", "time"), ("peak_bytes", "peak memory")]):
+        for row, (what, title) in enumerate(rows):
             ax = axes[row][col]
             width = 0.8 / max(len(methods), 1)
             for i, method in enumerate(methods):
@@ -236,8 +278,10 @@ def plot(data: dict, path: Path) -> Path | None:
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks([k + 0.4 - width / 2 for k in range(len(models))])
             ax.set_xticklabels([_label(mo) for mo in models], rotation=15, fontsize=8)
-            ax.set_ylabel(f"{title} / plain fwd+bwd")
-            ax.set_title(f"{title}, {device}, batch {batch} (missing bars: not run)")
+            ax.set_ylabel(f"{title} / plain fwd+bwd (compiled: / compiled plain)"
+                          if any(m.startswith("compile") for m in methods)
+                          else f"{title} / plain fwd+bwd")  # fmt: skip
+            ax.set_title(f"{title}, {device}, {_batch(batch)} (missing bars: not run)")
             ax.grid(axis="y", alpha=0.3)
         axes[0][col].legend(fontsize=8, ncol=2)
     fig.savefig(path, dpi=90)

@@ -1,6 +1,7 @@
 """Per-example gradients, side by side: gradhooks, its peers, plain training and the floor.
 
     python -m bench --suite grad1                     # one table of bench/RESULTS.md
+    python -m bench --suite host --compile            # tiny models, 1 thread; torch.compile too
     python -m bench                                   # every model and method, batch 64, CPU
     python -m bench --models mlp,simplecnn --methods plain,floor,vmap,grad1 --reps 9
     python -m bench --device cuda --batch 32,128
@@ -35,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: python bench/run.py
 import torch
 
 from bench import measure, report
-from bench.methods import METHODS
+from bench.methods import COMPILED, METHODS
 from bench.problems import PROBLEMS
 from bench.suites import SUITES
 
@@ -65,7 +66,10 @@ def parse(argv: list[str] | None):
     )  # fmt: skip
     p.add_argument("--models", default=None, help="comma-separated, or 'all' (the default)")
     p.add_argument("--methods", default=None, help="comma-separated, or 'all' (the default)")
-    p.add_argument("--batch", default=None, help="batch sizes, comma-separated (default 64)")
+    p.add_argument(
+        "--batch", default=None,
+        help="batch sizes, comma-separated (default 64), or 'own': each model's own",
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--reps", type=int, default=None, help="timed steps per method (median; 5)")
     p.add_argument("--slow-reps", type=int, default=None, help="timed steps of the slow loop (1)")
@@ -73,9 +77,14 @@ def parse(argv: list[str] | None):
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
-        default="wall",
-        help="wall: elapsed time; cpu: process CPU time (steadier on a loaded machine)",
+        default=None,
+        help="wall: elapsed time (the default); cpu: process CPU time (steadier on a loaded "
+        "machine)",
     )
+    p.add_argument(
+        "--compile", action="store_true",
+        help=f"add the methods on torch.compile(model): {COMPILED}",
+    )  # fmt: skip
     p.add_argument(
         "--settle", type=int, default=0,
         help="untimed steps of a method right before each of its timed steps (0: none)",
@@ -86,7 +95,10 @@ def parse(argv: list[str] | None):
         "blocks from the heap), so steps do not page-fault fresh buffers in again (peak memory "
         "is still measured with the default allocator)",
     )  # fmt: skip
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    p.add_argument(
+        "--no-memory", dest="memory", action="store_const", const=False, default=None,
+        help="skip the peak-memory pass",
+    )  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default=None, help="output folder (bench/out, or bench/results "
                    "with --suite)")  # fmt: skip
@@ -94,15 +106,21 @@ def parse(argv: list[str] | None):
     args = p.parse_args(argv)
     suite = SUITES.get(args.suite)
     for name, default in (("models", "all"), ("methods", "all"), ("batch", "64"),
-                          ("reps", 5), ("slow_reps", 1)):  # fmt: skip
+                          ("reps", 5), ("slow_reps", 1), ("threads", None), ("clock", "wall"),
+                          ("memory", True)):  # fmt: skip
         if getattr(args, name) is None:
             setattr(args, name, getattr(suite, name) if suite else default)
     if args.out is None:
         args.out = str(ROOT / "bench" / ("results" if suite else "out"))
     args.stem = f"{args.suite}-{args.device.split(':')[0]}" if suite else "results"
     args.models = _names(args.models, PROBLEMS, "models")
+    if args.methods == "all":  # (the methods on a compiled model only with --compile)
+        args.methods = ",".join(m for m in METHODS if m not in COMPILED.split(","))
     args.methods = _names(args.methods, METHODS, "methods")
-    args.batch = [int(b) for b in args.batch.split(",")]
+    if args.compile:
+        args.methods += [m for m in COMPILED.split(",") if m not in args.methods]
+    args.own_batch = args.batch == "own"
+    args.batch = [None] if args.own_batch else [int(b) for b in args.batch.split(",")]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     return args
@@ -257,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep_freed_memory and not keep_freed_memory():
         print("--keep-freed-memory: the C library is not glibc, nothing changed")
         args.keep_freed_memory = False
-    memory = not args.no_memory
+    memory = args.memory
     if memory and args.device == "cpu" and not measure.cpu_memory_supported():
         print("CPU peak memory needs Linux /proc (VmHWM, clear_refs): not measured here")
         memory = False
@@ -267,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     cells = len(args.batch) * len(args.models) * (per_model + memory_subprocess)
     progress = Progress(cells)
     records: list[measure.Record] = []
-    for batch in args.batch:
+    for given in args.batch:
         for model_name in args.models:
             problem = PROBLEMS[model_name]
+            batch = problem.batch if given is None else given
             mine = run_model(problem, batch, args, memory and not memory_subprocess, progress)
             if memory_subprocess:
                 for r in mine:
@@ -287,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "clock": args.clock,
     }
+    if args.own_batch:
+        meta["batch"] = "own"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.suite:

@@ -2,6 +2,7 @@
 one JSON file and one table of ``bench/RESULTS.md``.
 
     python -m bench --suite grad1        # writes bench/results/grad1-cpu.{json,md,png}
+    python -m bench --suite host         # tiny models, each at its own batch, 1 thread
 
 A flag given on the command line overrides the suite's (``--suite dp --batch 32``).
 """
@@ -21,6 +22,9 @@ class Suite:
     batch: str
     reps: int
     slow_reps: int = 1
+    threads: int | None = None  # torch.set_num_threads (None: torch's default)
+    clock: str = "wall"
+    memory: bool = True  # the peak-memory pass
 
 
 SUITES: dict[str, Suite] = {
@@ -53,5 +57,11 @@ SUITES: dict[str, Suite] = {
         "gpt2-128,gpt2-512,gpt2-lora-128,bert-128,vit-64",
         "plain,plain-sgd,norms,opacus-dp,opacus-dp-ghost,dp,dp-bk",
         "8", reps=5,
+    ),
+    "host": Suite(
+        "Host cost per step: tiny models, 1 thread",
+        "tiny-mlp,tiny-cnn,tiny-gpt2,tiny-bert,tiny-llama,tiny-vit",
+        "plain,vmap,opacus,grad1,opacus-ghost,norms,opacus-dp,opacus-dp-ghost,dp-bk",
+        "own", reps=31, threads=1, clock="cpu", memory=False,
     ),
 }  # fmt: skip

@@ -23,7 +23,7 @@ from .compat import (
 from .engine.handle import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
 from .engine.memory import set_memory_limit
 from .engine.pause import paused, set_enabled
-from .errors import Grad1TooLarge, GradhooksWarning
+from .errors import Grad1TooLarge, GradhooksWarning, PrivacyBudgetExceeded
 from .pieces import Direct, Outer, Piece, Rows
 from .privacy import audit  # noqa: F401
 from .privacy.accounting import PrivacyAccountant, noise_multiplier_for
@@ -32,10 +32,11 @@ from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
 from .workflows import distributed  # noqa: F401
 from .workflows.check import CheckReport, check_rule
-from .workflows.dp import clip_factors, dp_sgd_step
+from .workflows.dp import ClippedSum, clip_factors, clipped_sum, dp_sgd_step
 from .workflows.jacobian import jacobians
 from .workflows.kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
 from .workflows.kfac_optimizer import KFAC
+from .workflows.private import DPOptimizer, PrivateTraining, make_private
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,12 @@ __all__ = [
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",
+    "clipped_sum",
+    "ClippedSum",
+    "DPOptimizer",
+    "make_private",
+    "PrivateTraining",
+    "PrivacyBudgetExceeded",
     "PoissonSampler",
     "poisson_loader",
     "PrivacyAccountant",

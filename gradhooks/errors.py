@@ -1,11 +1,11 @@
-"""The warning and the exception of gradhooks' own (both also ``gradhooks.<name>``).
+"""The warning and the exceptions of gradhooks' own (both also ``gradhooks.<name>``).
 
 This module imports nothing from gradhooks, so that every other module can import it.
 """
 
 from __future__ import annotations
 
-__all__ = ["GradhooksWarning", "Grad1TooLarge"]
+__all__ = ["GradhooksWarning", "Grad1TooLarge", "PrivacyBudgetExceeded"]
 
 
 class GradhooksWarning(RuntimeWarning):
@@ -15,3 +15,8 @@ class GradhooksWarning(RuntimeWarning):
 class Grad1TooLarge(MemoryError):
     """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated;
     see :mod:`gradhooks.engine.memory`)."""
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """A DP-SGD step past the privacy budget that :func:`gradhooks.make_private` was given
+    (its ε, δ and number of steps are in the message); nothing was computed or changed."""

@@ -194,3 +194,124 @@ def test_fsdp_bench_times_three_methods(tmp_path, capsys):
     if by_method["opacus-ghost-fsdp"]["status"] == "ok":
         assert data["check"]["agree"] is True, data["check"]
     assert (tmp_path / "fsdp-cpu.md").read_text() in capsys.readouterr().out
+
+
+def test_host_suite_smoke(tmp_path):
+    """``--suite host`` at one step: each tiny model at its own batch, at one thread, and every
+    cell of the table either timed (gradhooks' always, checked against vmap(grad)) or a peer
+    that could not run with its reason."""
+    import torch
+
+    from bench.suites import SUITES
+
+    pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--suite", "host", "--reps", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "host-cpu.json").read_text())
+    suite = SUITES["host"]
+    assert data["batch"] == "own" and data["clock"] == "cpu"
+    cells = {(r["model"], r["method"]): r for r in data["records"]}
+    assert set(cells) == {(m, x) for m in suite.models.split(",") for x in suite.methods.split(",")}
+    for (model, method), r in cells.items():
+        assert r["batch"] == PROBLEMS[model].batch
+        if r["status"] == "ok":
+            assert len(r["times_s"]) == 1 and r["median_s"] > 0, r
+        else:
+            assert r["status"] in ("unsupported", "missing") and r["reason"], r
+            assert method.startswith("opacus") or method == "vmap", r
+        if method in ("grad1", "norms"):
+            assert r["status"] == "ok" and r["rel_err"] < 1e-4, r
+    table = (tmp_path / "host-cpu.md").read_text()
+    assert "each model at its own batch" in table
+    for model in suite.models.split(","):
+        row = next(
+            line for line in table.splitlines() if line.startswith(f"| {PROBLEMS[model].label} |")
+        )
+        assert "grad1 " in row and "norms " in row and "DP step " in row, row
+
+
+def test_host_goals_and_ratios_to_a_base():
+    """The host goals (at most 2.5x plain and 0.7x Opacus' fastest mode giving as much), and
+    the compiled methods' ratios taken to compiled plain."""
+
+    def rec(method, seconds, status="ok"):
+        return {"model": "tiny-mlp", "method": method, "status": status, "median_s": seconds}
+
+    records = [
+        rec("plain", 1.0), rec("opacus", 4.0), rec("opacus-ghost", 3.0), rec("grad1", 2.0),
+        rec("norms", 2.2), rec("opacus-dp", 5.0), rec("opacus-dp-ghost", None, "unsupported"),
+        rec("dp-bk", 3.6), rec("compile-plain", 0.5), rec("compile-grad1", 4.0),
+    ]  # fmt: skip
+    goals = report.host_goals(records, "tiny-mlp")
+    assert "grad1 met (2.00x plain, 0.50x Opacus' fastest)" in goals
+    assert "norms missed (2.20x plain, 0.73x Opacus' fastest)" in goals  # (ghost: 3.0)
+    assert "DP step missed (3.60x plain, 0.72x Opacus' fastest)" in goals
+    t = report.ratios(records, "tiny-mlp", "median_s")
+    assert t["compile-grad1"] == 8.0 and t["compile-plain"] == 0.5 and t["grad1"] == 2.0
+    assert "opacus-dp-ghost" not in t
+
+
+def test_graph_break_kinds():
+    kind = methods.graph_break_kind
+    assert (
+        kind(
+            "Attempted to inline function marked as skipped\n  Explanation: Dynamo developers have "
+            "intentionally marked that the function `WeakIdKeyDictionary.get` should not be traced."
+        )
+        == "Attempted to inline function marked as skipped (WeakIdKeyDictionary.get)"
+    )
+    assert (
+        kind(
+            "Skip calling `torch.compiler.disable()`d function Explanation: Skip calling function "
+            "`<function Forwards._on_root_pre at 0x7f0b52519ee0>` since it was wrapped"
+        )
+        == "Skip calling `torch.compiler.disable()`d function (Forwards._on_root_pre)"
+    )
+    assert kind("Read uninitialized cell. Explanation: Attempted to read") == (
+        "Read uninitialized cell"
+    )
+
+
+@pytest.mark.slow  # (compiling two models' steps: ~1 min here)
+def test_compiled_methods(tmp_path):
+    """``--compile``: grad1 and the DP step on torch.compile(model) run (grad1 checked against
+    vmap(grad)), their notes say how torch.compile broke the graph."""
+    pytest.importorskip("torch._dynamo")
+    argv = ["--models", "tiny-mlp", "--methods", "plain,grad1", "--compile", "--batch", "own"]
+    argv += ["--reps", "1", "--threads", "1", "--out", str(tmp_path), "--no-plot", "--no-memory"]
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "results.json").read_text())
+    by_method = {r["method"]: r for r in data["records"]}
+    assert set(by_method) == {"plain", "grad1", "compile-plain", "compile-grad1", "compile-dp"}
+    for r in by_method.values():
+        assert r["status"] == "ok", r
+    assert by_method["compile-grad1"]["rel_err"] < 1e-4
+    assert "graphs compiled" in by_method["compile-grad1"]["notes"]
+
+
+def test_gpu_script_without_cuda(capsys, monkeypatch):
+    """``python -m bench.gpu`` lists its stages (the host, grad1 and workloads suites on
+    cuda), and where there is no CUDA device says so and measures nothing."""
+    import torch
+
+    from bench import gpu
+
+    assert gpu.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for suite in ("host", "grad1", "workloads"):
+        assert f"--suite {suite}" in out
+    assert "tests/test_cuda.py" in out and out.count("--device cuda") == 4
+    assert sum(limit for _, _, limit in gpu.stages(gpu.ROOT)) <= 12 * 60
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main([]) == 1
+    assert gpu.NO_DEVICE in capsys.readouterr().err

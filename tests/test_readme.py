@@ -1,6 +1,7 @@
 """The manual's Python code runs as written: for README.md and for each page of docs/, every
 ```python block, in order, in one namespace, as a reader pasting them one after another would run
-them.
+them. And the manual holds together: every relative link points to a file (and a heading) that
+exists, and the README stays a product page.
 
 A block is left out only when the line right before its fence is an HTML comment that says
 why, ``<!-- not run: needs CUDA -->``. The blocks run in a fresh interpreter (a block may
@@ -77,7 +78,73 @@ def test_python_blocks_are_found_and_a_marked_block_is_left_out():
 
 def test_readme_has_code():
     blocks = python_blocks(README.read_text(encoding="utf-8"))
-    assert len(blocks) >= 5, f"only {len(blocks)} ```python blocks found in {README}"
+    assert len(blocks) >= 2, f"only {len(blocks)} ```python blocks found in {README}"
+
+
+def test_readme_is_a_product_page():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= 200, f"README.md has {lines} lines: move the detail into a page of docs/"
+
+
+# [text](target) and [text](target "title"); the text may run over lines
+LINK = re.compile(r"\[(?:[^\]]|\n)*?\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code, where brackets are code."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        out.append("" if fenced else re.sub(r"(`+).*?\1", "", line))
+    return "\n".join(out)
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub makes of a page's headings (outside code blocks): lower case,
+    punctuation and backticks dropped, spaces as hyphens, a repeated heading numbered."""
+    made, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            made.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return made
+
+
+def test_anchors_are_githubs():
+    text = "# Title\n## `grad1`'s memory, reused\n```\n# a comment\n```\n## Title"
+    assert anchors(text) == {"title", "grad1s-memory-reused", "title-1"}
+
+
+def links(page: Path) -> list[str]:
+    return LINK.findall(prose(page.read_text(encoding="utf-8")))
+
+
+def test_links_are_found():
+    page = (
+        "[a](docs/a.md) `[not](a link)` [b\nc](b.md#part) [web](https://x.org)\n```\n[no](x)\n```"
+    )
+    assert LINK.findall(prose(page)) == ["docs/a.md", "b.md#part", "https://x.org"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text("utf-8")):
+            broken.append(f"{target}: no heading #{anchor} in {file.name}")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])

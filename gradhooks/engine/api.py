@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quantities import Collector
-from ..tracking.layout import Tracker
+from ..tracking import Tracker
 from .handle import Hooks
 from .records import BackwardMode, drop_box
 

@@ -141,6 +141,8 @@ class BackwardWriter:
             bw = self.backward_state()
             bw.batched = bw.batched or f"'{target.name or '<model>'}'"
             return
+        if self.state.kept_backprops is not None:
+            self.state.kept_backprops.record(target.module, call, graph_task())
         bw = self.backward_state()
         precision = lowest_precision(state.precision, *(
             g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)

@@ -19,7 +19,7 @@ from .._torch import tree_flatten, tree_map, tree_unflatten
 from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
-from ..tracking.layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
 from .records import CallLayout, CallState, Frame
 from .state import CaptureState

@@ -38,6 +38,7 @@ from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
+from .backprops import KeptBackprops
 from .backward import BackwardWriter
 from .calls import CallLayouts
 from .capture import DetachedCalls
@@ -108,6 +109,7 @@ class Hooks:
         max_grad1_bytes: int | str | None = "auto",
         capture: Capture = "always",
         verify: bool = True,
+        keep_backprops: bool = False,
     ) -> None:
         _torch.require()
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
@@ -140,6 +142,8 @@ class Hooks:
         )  # fmt: skip
         state.shards, state.targets = shards, targets
         state.sharded = {id(p) for p in shards.values()}
+        # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
+        state.kept_backprops = KeptBackprops() if keep_backprops else None
         self._handles: list = []
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
@@ -497,8 +501,48 @@ class Hooks:
         self._state.missed.clear()
         self._state.precision = None
         self._hessian_backprops.clear()
+        if self._state.kept_backprops is not None:
+            self._state.kept_backprops.clear()
         if self._state.collector is not None:
             self._state.collector.clear()
+
+    def activations(self, module: nn.Module) -> Tensor | None:
+        """autograd-hacks' ``module.activations``: the first positional input of the last call
+        of ``module`` in the forward that the last captured backward reaching it went through,
+        detached (``None`` where that input is not a tensor). Needs ``add_hooks(..., keep_backprops=True)``; see
+        :mod:`gradhooks.engine.backprops`."""
+        return self._backprops_of(module, "activations").activations(module)
+
+    def backprops(self, module: nn.Module) -> list[Tensor | None]:
+        """autograd-hacks' ``module.backprops_list``: the gradient of the loss with respect to
+        ``module``'s (first) output, one per call of it that a captured backward reached since
+        :meth:`clear`, in that order, detached (``None`` where none flowed). For a
+        mean-reduced loss each holds the ``1/batch`` of the mean. Needs
+        ``add_hooks(..., keep_backprops=True)``."""
+        return self._backprops_of(module, "backprops").backprops(module)
+
+    def _backprops_of(self, module: nn.Module, what: str) -> KeptBackprops:
+        kept = self._state.kept_backprops
+        if kept is None:
+            raise RuntimeError(
+                f"Hooks.{what}: this handle keeps no layer inputs or output-gradients; add the "
+                "hooks with gradhooks.add_hooks(model, keep_backprops=True) (they then stay in "
+                "memory until h.clear())"
+            )
+        if not any(t.module is module for t in self._state.targets):
+            raise ValueError(
+                f"Hooks.{what}: {type(module).__qualname__} is not a module this handle hooks "
+                "(h.modules() lists them: modules with trainable parameters and a rule, or the "
+                "fallback)"
+            )
+        if not kept.reached(module):
+            name = next(t.name for t in self._state.targets if t.module is module)
+            raise RuntimeError(
+                f"Hooks.{what}: no captured backward reached '{name}' "
+                f"({type(module).__qualname__}) since the hooks were added or h.clear(); run "
+                "the forward and the backward first"
+            )
+        return kept
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -751,6 +795,7 @@ def add_hooks(
     max_grad1_bytes: int | str | None = "auto",
     capture: Capture = "always",
     verify: bool = True,
+    keep_backprops: bool = False,
 ) -> Hooks:
     """Hook ``model`` so that every ``backward()`` writes ``param.grad1``.
 
@@ -779,7 +824,10 @@ def add_hooks(
             sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
             rows are summed) or on another dimension (moved) is right; a layer whose input
             was computed across the batch is an error naming the layer and the shapes.
-            ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
+            Sequences packed along one dimension without padding (a ``cu_seqlens``,
+            ``cu_seq_lens_q/k`` or ``seq_idx`` input; ``position_ids`` that start again within
+            a row, with no ``attention_mask``: ``DataCollatorWithFlattening``) are refused
+            before the forward runs: give a padded batch. ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
             dimension 0.
         max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
             larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
@@ -797,6 +845,19 @@ def add_hooks(
             autograd computed, and raise, naming the parameters, where it does not (a use the
             hooks did not see; a loss term that is not per example, such as weight decay
             added to the loss: ``verify=False`` keeps ``grad1`` of the per-example terms).
+            The check runs backwards of autograd's own through the model's graph (two; three
+            without ``"grad1"``), from its output-gradients weighted per example, in which a
+            gradient hook put on an activation during the forward (``h.register_hook``) runs
+            again, so that what it does to the examples' gradients is checked too (a hook that
+            mixes them is refused): on a backward that verifies, such a hook runs three times
+            (four without ``"grad1"``), on every other backward once. Backward hooks of the
+            user's on modules (also global ones) and on parameters run once on every backward:
+            where there are any, that part of the check is left out. ``verify=False``: every hook
+            runs once per backward.
+        keep_backprops: keep, per hooked module, the input of its last captured call and
+            the output-gradient of each captured call, for :meth:`Hooks.activations` and
+            :meth:`Hooks.backprops` (autograd-hacks' ``layer.activations`` and
+            ``layer.backprops_list``), until :meth:`Hooks.clear`: the memory of those tensors.
 
     Returns:
         A :class:`Hooks` handle; also a context manager that removes the hooks on exit.
@@ -819,7 +880,7 @@ def add_hooks(
     hooks = Hooks(
         model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
         quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
-        capture=capture, verify=verify,
+        capture=capture, verify=verify, keep_backprops=keep_backprops,
     )  # fmt: skip
     set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
     return hooks

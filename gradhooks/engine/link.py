@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..tracking.layout import Source, Tracker
+from ..tracking import Source, Tracker
 
 __all__ = ["TrackerLink"]
 

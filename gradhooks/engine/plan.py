@@ -86,9 +86,10 @@ def plan_targets(
                 "gradhooks has no rule for these modules with trainable parameters:\n  "
                 + "\n  ".join(lines)
                 + why
-                + "\nRegister one with @gradhooks.register(ModuleType) (see the README), freeze "
-                "those parameters, pass unsupported='fallback' (the default) to compute them with "
-                "torch.func, or unsupported='skip' to leave them without grad1. Nothing was hooked."
+                + "\nRegister one with @gradhooks.register(ModuleType) (see docs/extending.md), "
+                "freeze those parameters, pass unsupported='fallback' (the default) to compute "
+                "them with torch.func, or unsupported='skip' to leave them without grad1. Nothing "
+                "was hooked."
             )
     if shards:
         for t in targets:

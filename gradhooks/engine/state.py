@@ -19,8 +19,9 @@ from torch import nn
 
 from ..quantities import Collector
 from ..rules.registry import Registry
-from ..tracking.layout import Tracker
+from ..tracking import Tracker
 from .accumulation import GradTrail
+from .backprops import KeptBackprops
 from .link import TrackerLink
 from .pause import PROCESS, Pause
 from .plan import Target
@@ -76,6 +77,8 @@ class CaptureState:
         self.hooked: dict[int, frozenset[str]] = {}  # id(module) -> its hooked parameter names
         self.current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
         self.link: TrackerLink | None = None  # what a forward's tracker reports to
+        # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
+        self.kept_backprops: KeptBackprops | None = None
 
         # -- whether and how what runs is captured ---------------------------------------------
         self.removed = False

@@ -156,6 +156,23 @@ class PrivacyAccountant:
         else:
             self.history.append((float(noise_multiplier), float(sample_rate), steps))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The method and the history, for a checkpoint (:meth:`load_state_dict`)."""
+        return {"method": self.method, "history": [list(entry) for entry in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the history by a checkpoint's (:meth:`state_dict`) of the same method."""
+        if state.get("method") != self.method:
+            raise ValueError(
+                f"this accountant's method is {self.method!r}, the checkpoint's is "
+                f"{state.get('method')!r}: ε by another accountant would not continue it"
+            )
+        history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]
+        for entry in history:
+            _check_step(*entry)
+        self.history = history
+        self._composed = None
+
     @property
     def steps(self) -> int:
         """The number of steps recorded."""

@@ -107,7 +107,7 @@ class PoissonSampler(Sampler[list[int]]):
         )
 
 
-class _EmptyAware:
+class EmptyAware:
     """A collate function that turns an empty batch into the collate of one example with
     every tensor cut to 0 rows (picklable, for ``num_workers > 0``)."""
 
@@ -150,5 +150,5 @@ def poisson_loader(
         [(2, 3), (0, 3), (2, 3)]
     """
     sampler = PoissonSampler(len(dataset), expected_batch_size, steps=steps, generator=generator)
-    collate = _EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)
+    collate = EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -53,7 +53,7 @@ from ..engine.pause import paused
 from ..engine.records import autocast_as
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
-from ..tracking.layout import PACKED, Layout, batch_rows
+from ..tracking import PACKED, Layout, batch_rows
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -81,7 +81,40 @@ def fallback(call: Call) -> dict[str, Piece | None]:
     Returns ``{name: Direct([batch, *param.shape])}`` for the module's own trainable parameters
     and for those of submodules it used without calling them, and ``{name: None}`` for the
     parameters of submodules it called (their own hooks have them).
+
+    The recomputation runs without the forward hooks and pre-hooks of the module (its captured
+    inputs are those its pre-hooks gave), of the modules inside it and the global ones, so that
+    a user's hooks fire as often as without gradhooks. Where it then fails or does not
+    reproduce the call's output, a hook inside takes part in what the module computes (it
+    changes an output): it is recomputed with those, still without the module's own; where
+    that fails too, with its pre-hooks, as before. A module inside that holds a tensor
+    requiring grad outside its parameters and buffers (set by a pre-hook from parameters, as
+    ``nn.utils.weight_norm`` and ``nn.utils.prune`` do) is recomputed with its pre-hooks at once.
     """
+    tries = () if _set_by_hooks(call.module) else (True, False)
+    for within in tries:
+        try:
+            with _torch.forward_hooks_off_within(call.module, within):
+                return _fallback(call)
+        except Exception:
+            continue  # (a hook takes part: with more of them, below, which raises if it fails)
+    return _fallback(call)
+
+
+def _set_by_hooks(module: nn.Module) -> bool:
+    """Whether a module in ``module`` holds a tensor that requires grad outside its parameters
+    and buffers: computed from its parameters by a forward pre-hook (the old
+    ``nn.utils.weight_norm``'s ``weight`` from ``weight_g`` and ``weight_v``, a pruned
+    ``weight`` from ``weight_orig``), which the recomputation must run again to use the
+    parameters it differentiates."""
+    return any(
+        isinstance(v, Tensor) and v.requires_grad
+        for m in module.modules()
+        for v in vars(m).values()
+    )
+
+
+def _fallback(call: Call) -> dict[str, Piece | None]:
     module = call.module
     own = {
         n: p
@@ -246,7 +279,7 @@ def _by_layout_split(
         raise ValueError(
             f"fallback for {name}: an output that receives a gradient does not depend on the "
             f"examples while its inputs do ({_describe(call)}); register a rule for this module "
-            "with @gradhooks.register (see the README), or freeze its parameters."
+            "with @gradhooks.register (see docs/extending.md), or freeze its parameters."
         )
     cots = gs if info.shared else [batch_rows(g, lay, batch) for g, lay in zip(gs, outs_lay)]
 
@@ -378,7 +411,7 @@ def _per_example_vjp(
         raise ValueError(
             f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
             f"every output that receives a gradient; got {_describe(call)}. Register a rule "
-            "for this module with @gradhooks.register (see the README), or freeze its "
+            "for this module with @gradhooks.register (see docs/extending.md), or freeze its "
             "parameters."
         )
     if batch == 0:
@@ -448,7 +481,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     f"fallback for {name}: it takes dimension 0 of the inputs and outputs as the "
                     f"batch ({batch}, from the output gradients), but one example's output has "
                     f"shape {tuple(o.shape)}, not {(1, *g.shape)}; got {_describe(call)}. "
-                    "Register a rule for this module with @gradhooks.register (see the README)."
+                    "Register a rule for this module with @gradhooks.register (see "
+                    "docs/extending.md)."
                 )
         (grads,) = pullback(tuple(cast(g, o.dtype).unsqueeze(0) for g, o in zip(gs_b, outs)))
         return grads, tuple(o.squeeze(0) for o in outs)
@@ -501,7 +535,7 @@ def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Ex
         f"fallback for {name} could not recompute the module one example at a time "
         f"({_describe(call)}; {batch}): {e}\nIf the module mixes the examples of a batch "
         "(BatchNorm in training mode), it has no per-example gradients; otherwise register a "
-        "rule for it with @gradhooks.register (see the README), or freeze its parameters."
+        "rule for it with @gradhooks.register (see docs/extending.md), or freeze its parameters."
     )
 
 
@@ -544,7 +578,7 @@ def _loop(
                         f"fallback for {name}: it takes dimension 0 of the inputs and outputs "
                         f"as the batch, but one example's output has shape {tuple(o.shape)}, "
                         f"not {(1, *g.shape[1:])}. Register a rule for this module with "
-                        "@gradhooks.register (see the README)."
+                        "@gradhooks.register (see docs/extending.md)."
                     )
             grads = torch.autograd.grad(
                 [o for o in out if o.requires_grad],

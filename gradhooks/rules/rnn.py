@@ -63,7 +63,7 @@ from .._torch import tree_flatten
 from ..engine.pause import paused
 from ..loop import per_example
 from ..pieces import Direct, Outer
-from ..tracking.layout import note
+from ..tracking import note
 from .fallback import fallback
 from .registry import Call, batch_first, register
 

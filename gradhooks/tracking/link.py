@@ -1,6 +1,6 @@
 """What a forward's tracker tells the engine, and asks of it.
 
-A :class:`~gradhooks.tracking.layout.Tracker` follows the batch through one forward; where the
+A :class:`~gradhooks.tracking.tracker.Tracker` follows the batch through one forward; where the
 model uses a parameter outside its module's call, or runs a torch function the registry has a
 rule for, the engine must act. The tracker reaches it only through :class:`EngineLink`, which
 the engine implements (:class:`gradhooks.engine.link.TrackerLink`); ``None`` in tests of the
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .layout import Source, Tracker
+    from .sources import Source
+    from .tracker import Tracker
 
 __all__ = ["EngineLink"]
 

@@ -40,8 +40,9 @@ which is not (and is 0 for an empty batch).
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,7 +56,7 @@ from ..engine.records import half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
 from ..errors import GradhooksWarning
 
-__all__ = ["dp_sgd_step", "clip_factors"]
+__all__ = ["dp_sgd_step", "clip_factors", "clipped_sum", "ClippedSum"]
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -120,6 +121,70 @@ def dp_sgd_step(
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _check_clipping(max_norm, noise_multiplier, generator)
+    check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
+    params = _step_params(hooks, method, scaler)
+    norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    if scale is not None and not finite(norms, clipped):
+        for p in params:  # (scaler.step sees them, and skips the step)
+            p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+        return norms.detach()
+    std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
+    _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
+    denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
+    for p, c in zip(params, clipped, strict=True):
+        if std > 0:  # (a new tensor: divided in place)
+            p.grad = torch.add(c.detach(), gaussian(p, generator), alpha=std).div_(denom)
+        else:
+            p.grad = (c / denom).detach()
+    return norms.detach()
+
+
+class ClippedSum(NamedTuple):
+    """What :func:`clipped_sum` gives: one physical batch's share of a DP-SGD step."""
+
+    params: list[torch.nn.Parameter]
+    """The trainable parameters of the hooked model, in the order the noise is drawn."""
+    sums: list[Tensor]
+    """Per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` over the batch (no noise, not divided),
+    in the parameter's dtype and shape; NaN or Inf where ``finite`` is False."""
+    norms: Tensor
+    """The per-example gradient norms before clipping (unscaled), ``[batch]``."""
+    finite: bool
+    """False where a GradScaler's scaled backward overflowed (the step must be skipped)."""
+
+
+def clipped_sum(
+    hooks: Hooks,
+    per_example_loss: Tensor,
+    *,
+    max_norm: float,
+    method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> ClippedSum:
+    """Backward of ``per_example_loss`` (``[batch]``) and the clipped sum of its examples'
+    gradients, per parameter: :func:`dp_sgd_step` without the noise and the division, and
+    without writing ``p.grad``. For a step whose batch is processed in several backwards
+    (:class:`gradhooks.DPOptimizer` adds these sums over the physical batches of a logical
+    batch, then adds the noise once).
+
+    The arguments are :func:`dp_sgd_step`'s, with the same checks. With an enabled
+    ``scaler`` the backward runs on the scaled losses (float16 autocast) and the sums are
+    returned unscaled (divided by the scale, a power of two: exact).
+    """
+    method = _checked(hooks, per_example_loss, method, "mean", None)
+    _check_clipping(max_norm, 0.0)
+    params = _step_params(hooks, method, scaler)
+    norms, sums, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    ok = scale is None or finite(norms, sums)
+    if scale is not None:
+        sums = [s.detach() / scale for s in sums]
+    return ClippedSum(params, [s.detach() for s in sums], norms.detach(), ok)
+
+
+def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parameter]:
+    """The parameters a step clips, after refusing what a step cannot be right with: a
+    scaler that is not one, parameters sharded by FSDP2, an optimizer fused into the
+    backward, and gradient hooks under ghost clipping."""
     check_scaler(scaler)
     params = _covered_params(hooks)
     if engine_of(hooks).sharded:
@@ -148,20 +213,7 @@ def dp_sgd_step(
             "would break the clipping bound). Use method='bookkeeping' or 'grad1' (they form "
             "the clipped sum from the per-example gradients themselves), or remove the hook."
         )
-    norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
-    if scale is not None and not finite(norms, clipped):
-        for p in params:  # (scaler.step sees them, and skips the step)
-            p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
-        return norms.detach()
-    std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
-    _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
-    denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
-    for p, c in zip(params, clipped, strict=True):
-        if std > 0:  # (a new tensor: divided in place)
-            p.grad = torch.add(c.detach(), gaussian(p, generator), alpha=std).div_(denom)
-        else:
-            p.grad = (c / denom).detach()
-    return norms.detach()
+    return params
 
 
 def check_scaler(scaler: Any) -> None:
@@ -215,16 +267,7 @@ def _checked(
     expected_batch_size: float | None,
 ) -> str:  # fmt: skip
     """The method to use, after checking the arguments of a DP-SGD step."""
-    if method is None:
-        method = "grad1" if "grad1" in hooks.quantities else "bookkeeping"
-    if method not in ("grad1", "ghost", "bookkeeping"):
-        raise ValueError(f"method must be 'grad1', 'ghost' or 'bookkeeping', got {method!r}")
-    needed = "grad1" if method == "grad1" else "norms"
-    if needed not in hooks.quantities:
-        raise ValueError(
-            f"dp_sgd_step(method={method!r}) needs a handle with quantities containing "
-            f"{needed!r}, this one has {hooks.quantities!r}"
-        )
+    method = _checked_method(hooks, method)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     _check_expected_batch_size(expected_batch_size, reduction)
@@ -243,6 +286,21 @@ def _checked(
         raise ValueError(
             "dp_sgd_step: these losses were already stepped on (their graph is freed, the "
             "parameters' .grad holds that step); run a new forward for the next step"
+        )
+    return method
+
+
+def _checked_method(hooks: Hooks, method: str | None) -> str:
+    """``method``, or the handle's default, after checking that the handle computes it."""
+    if method is None:
+        method = "grad1" if "grad1" in hooks.quantities else "bookkeeping"
+    if method not in ("grad1", "ghost", "bookkeeping"):
+        raise ValueError(f"method must be 'grad1', 'ghost' or 'bookkeeping', got {method!r}")
+    needed = "grad1" if method == "grad1" else "norms"
+    if needed not in hooks.quantities:
+        raise ValueError(
+            f"dp_sgd_step(method={method!r}) needs a handle with quantities containing "
+            f"{needed!r}, this one has {hooks.quantities!r}"
         )
     return method
 
@@ -487,6 +545,26 @@ def _check_expected_batch_size(expected_batch_size: float | None, reduction: str
         )
     if not 0 < expected_batch_size < float("inf"):
         raise ValueError(f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}")
+
+
+def check_batch_against_expected(batch: int, expected: float | None, where: str) -> None:
+    """Refuses a step whose batch is so far from ``expected`` (more than ``7·√expected + 7``
+    examples away) that no Poisson sampler of that expected size drew it (probability below
+    1e-11 per step): the expected batch size given is not the sampler's (the sampling rate,
+    or the dataset's size, passed instead), or the batch is a piece of one (noise added per
+    micro-batch). Dividing by it would scale the step by the wrong factor, silently."""
+    if expected is None:
+        return
+    if abs(batch - expected) > 7 * math.sqrt(expected) + 7:
+        raise ValueError(
+            f"{where}: a batch of {batch} examples with expected_batch_size={expected!r}: a "
+            "Poisson-sampled batch is this far from its expected size with probability below "
+            "1e-11, so expected_batch_size is not that of the sampler that drew it (it is "
+            "sampler.expected_batch_size = sample_rate * len(dataset), not the sampling rate "
+            "or the dataset's size), or the batch is a part of one (for a logical batch in "
+            "several physical ones, use gradhooks.DPOptimizer: the noise is added once). "
+            "No gradient was written."
+        )
 
 
 def _denominator(batch: int, reduction: str, expected_batch_size: float | None) -> float:

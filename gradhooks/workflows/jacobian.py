@@ -32,7 +32,7 @@ from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
 from ..rules.registry import REGISTRY, Registry
-from ..tracking.layout import MIXED, UNKNOWN, Tracker
+from ..tracking import MIXED, UNKNOWN, Tracker
 
 __all__ = ["jacobians"]
 

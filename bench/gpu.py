@@ -1,0 +1,86 @@
+"""On a machine with a CUDA device: the CUDA tests, then the benchmark's host, grad1 and
+workloads suites on it, in one short run (about 11 minutes at most on one H200).
+
+    python -m bench.gpu                   # results under $OUT, or bench/results/ without it
+    python -m bench.gpu --dry-run         # the commands, run nothing
+
+Each stage is a process of its own with a time limit; a stage that fails or runs out of time
+is reported in ``gpu-summary.txt`` and the next one runs. The suites use few repetitions (the
+GPU's steps are short, and the point is the ratios, not their third digit), wall clock. The
+compiled methods (``--compile``) run on the MLP and GPT-2 of the host suite, in a folder of
+their own (``compile/``), so as not to overwrite the host table. Without a CUDA device it says
+so and exits with status 1, measuring nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NO_DEVICE = "no CUDA device: nothing to measure"
+
+
+def stages(out: Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds); the limits add up to 690 s."""
+    py = sys.executable
+    bench = [py, "-m", "bench", "--device", "cuda", "--clock", "wall"]
+    return [
+        ("CUDA tests", [py, "-m", "pytest", "-q", "-x", "tests/test_cuda.py"], 120),
+        ("host suite", [*bench, "--suite", "host", "--reps", "21", "--out", str(out)], 120),
+        ("host suite, compiled", [*bench, "--suite", "host", "--models", "tiny-mlp,tiny-gpt2",
+                                  "--methods", "plain,grad1,dp-bk", "--compile", "--reps", "11",
+                                  "--out", str(out / "compile")], 150),
+        ("grad1 suite", [*bench, "--suite", "grad1", "--reps", "5", "--slow-reps", "1",
+                         "--out", str(out)], 150),
+        ("workloads suite", [*bench, "--suite", "workloads", "--reps", "3", "--out", str(out)],
+         150),
+    ]  # fmt: skip
+
+
+def run(name: str, cmd: list[str], limit: int, log) -> str:
+    log.write(f"\n==== {name}: {' '.join(cmd)} (limit {limit} s)\n")
+    log.flush()
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+        verdict = "ok" if done.returncode == 0 else f"failed (status {done.returncode})"
+    except subprocess.TimeoutExpired:
+        verdict = f"stopped after its limit of {limit} s"
+    return f"{name}: {verdict}, {time.perf_counter() - start:.0f} s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"),
+                   help="results folder ($OUT where set, else bench/results)")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    plan = stages(out)
+    if args.dry_run:
+        for name, cmd, limit in plan:
+            print(f"{name} (limit {limit} s): {' '.join(cmd)}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_DEVICE, file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"device: {torch.cuda.get_device_name()}"]
+    with open(out / "gpu-log.txt", "w") as log:
+        for name, cmd, limit in plan:
+            lines.append(run(name, cmd, limit, log))
+            print(lines[-1], flush=True)
+    (out / "gpu-summary.txt").write_text("\n".join(lines) + "\n")
+    return 0 if all(line.endswith(" s") and ": ok," in line for line in lines[1:]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Where a hooked step's host time goes, on the host suite's tiny models (1 thread).
+
+    python -m bench.host_profile --models tiny-mlp,tiny-gpt2
+
+For each model, at its own batch:
+
+- **calls**: torch functions in one plain forward (a counting ``TorchFunctionMode``), and how
+  many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.layout.Tracker`)
+  runs in one step of gradhooks' grad1 (forward and backward);
+- **time**: medians of interleaved repetitions (process CPU time) of the plain forward, the
+  hooked forward, plain forward+backward and gradhooks' grad1 step;
+- **profile**: ``cProfile`` over the same steps of grad1: the tracker's share of the step (its
+  ``__torch_function__`` inclusive of what it calls, less the torch functions it hands on: what
+  following the batch adds), the forward's share, and the gradhooks functions with the most
+  time of their own. cProfile slows Python more than C, so shares are upper bounds;
+- **graph breaks** (``--explain``): ``torch._dynamo.explain`` of the hooked model (the default
+  backend, not fullgraph): how many graphs and why the forward breaks, by kind and where.
+
+Writes ``bench/results/host-profile-cpu.{json,md}`` (``--out`` for another folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import gradhooks
+from bench import measure
+from bench.methods import graph_break_kind
+from bench.problems import PROBLEMS
+from gradhooks import layout
+
+ROOT = Path(__file__).resolve().parent.parent
+GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
+
+
+class _Count(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tracker_calls(step) -> int:
+    """How many times the tracker's ``__torch_function__`` runs in ``step()``."""
+    original = layout.Tracker.__torch_function__
+    count = [0]
+
+    def counted(self, func, types, args=(), kwargs=None):
+        count[0] += 1
+        return original(self, func, types, args, kwargs)
+
+    layout.Tracker.__torch_function__ = counted
+    try:
+        step()
+    finally:
+        layout.Tracker.__torch_function__ = original
+    return count[0]
+
+
+def _setup(name: str):
+    problem = PROBLEMS[name]
+    base, x, y = measure.instance(problem, problem.batch, "cpu")
+    plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
+    hooks = gradhooks.add_hooks(hooked, loss_reduction="mean")
+
+    def clear(model) -> None:
+        for p in model.parameters():
+            p.grad = None
+        hooks.clear()
+
+    steps = {
+        "plain forward": lambda: plain(x),
+        "hooked forward": lambda: (hooked(x), hooks.clear()),
+        "plain fwd+bwd": lambda: problem.loss(plain(x), y).backward(),
+        "grad1 fwd+bwd": lambda: problem.loss(hooked(x), y).backward(),
+    }
+    resets = {k: (lambda m=(hooked if "hooked" in k or "grad1" in k else plain): clear(m))
+              for k in steps}  # fmt: skip
+    return problem, plain, hooked, hooks, x, y, steps, resets
+
+
+def _is_torch_function(func: tuple) -> bool:
+    """A cProfile entry that is a torch function the tracker hands on (the model's operation),
+    not a helper of its own bookkeeping (``torch.utils.weak``, builtins)."""
+    file, _, name = func
+    if file == "~":
+        return "torch" in name or "TensorBase" in name
+    return file.endswith(("torch/nn/functional.py", "torch/functional.py", "torch/_tensor.py"))
+
+
+def _share(stats: pstats.Stats, total: float) -> dict:
+    """The tracker's share (its ``__torch_function__`` inclusive, less the torch functions it
+    hands on), gradhooks' share (every gradhooks function entered from outside gradhooks,
+    inclusive, less the same), and the gradhooks functions with the most time of their own."""
+    tracker = entered = handed_on = 0.0
+    own: dict[str, float] = {}
+    for func, (_, _, tt, ct, callers) in stats.stats.items():
+        file, _, fname = func
+        mine = file.startswith(GRADHOOKS)
+        if mine:
+            key = f"{Path(file).name}:{fname}"
+            own[key] = own.get(key, 0.0) + tt
+            if fname == "__torch_function__" and file.endswith("layout.py"):
+                tracker += ct
+        for caller, (_, _, _, cct) in callers.items():
+            if mine and not caller[0].startswith(GRADHOOKS):
+                entered += cct
+            if caller[2] == "__torch_function__" and caller[0].endswith("layout.py"):
+                if _is_torch_function(func):
+                    handed_on += cct
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:8]
+    return {
+        "tracker_share": (tracker - handed_on) / total,
+        "gradhooks_share": (entered - handed_on) / total,
+        "top_own": [(k, v / total) for k, v in top],
+    }
+
+
+def profile_model(name: str, reps: int, explain: bool) -> dict:
+    problem, plain, hooked, hooks, x, y, steps, resets = _setup(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, step in steps.items():  # warm-up (and the first backwards' checks)
+            for _ in range(3):
+                resets[k]()
+                step()
+        counter = _Count()
+        with torch.enable_grad(), counter:
+            plain(x)
+        resets["grad1 fwd+bwd"]()
+        tracker_step = _tracker_calls(steps["grad1 fwd+bwd"])
+        resets["grad1 fwd+bwd"]()
+        tracker_forward = _tracker_calls(steps["hooked forward"])
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(reps):
+            for k, step in steps.items():
+                resets[k]()
+                start = time.process_time()
+                step()
+                times[k].append(time.process_time() - start)
+        median = {k: statistics.median(v) for k, v in times.items()}
+        profiler = cProfile.Profile()
+        resets["grad1 fwd+bwd"]()
+        for _ in range(reps):
+            resets["grad1 fwd+bwd"]()
+            profiler.enable()
+            steps["grad1 fwd+bwd"]()
+            profiler.disable()
+        stats = pstats.Stats(profiler)
+        total = stats.total_tt
+        share = _share(stats, total)
+    out = {
+        "model": name,
+        "label": problem.label,
+        "torch_functions_plain_forward": counter.calls,
+        "tracker_calls_step": tracker_step,
+        "tracker_calls_forward": tracker_forward,
+        "median_s": median,
+        "profile": {**share, "profiled_s": total / reps},
+    }
+    if explain:
+        out["graph_breaks"] = _explain(hooked, hooks, x)
+    hooks.remove()
+    return out
+
+
+def _explain(hooked, hooks, x) -> dict:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooks.clear()
+        counters.clear()
+        result = torch._dynamo.explain(hooked)(x)
+        hooks.clear()
+    kinds: dict[str, int] = {}  # (dynamo's counters: every frame it compiled, resumed ones too)
+    for reason, n in counters["graph_break"].items():
+        kind = graph_break_kind(reason)
+        kinds[kind] = kinds.get(kind, 0) + n
+    where: dict[str, int] = {}
+    for br in result.break_reasons:
+        frame = br.user_stack[-1] if br.user_stack else None
+        if frame is not None:
+            at = f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+            where[at] = where.get(at, 0) + 1
+    return {
+        "graphs": result.graph_count,
+        "graph_breaks": result.graph_break_count,
+        "ops_in_graphs": result.op_count,
+        "kinds": sorted(kinds.items(), key=lambda kv: -kv[1]),
+        "where": sorted(where.items(), key=lambda kv: -kv[1])[:8],
+    }
+
+
+def markdown(data: dict) -> str:
+    lines = [
+        "# Where a hooked step's host time goes (tiny models, 1 thread)",
+        "",
+        f"`{data['command']}`",
+        "",
+        "| model | torch functions, plain forward | tracker calls, grad1 step (forward) "
+        "| plain fwd (ms) | hooked fwd (ms) | plain fwd+bwd (ms) | grad1 step (ms) "
+        "| hooked fwd / grad1 step | tracker / grad1 step (cProfile) "
+        "| gradhooks / grad1 step (cProfile) |",
+        "|" + " --- |" * 10,
+    ]
+    for r in data["models"]:
+        m, p = r["median_s"], r["profile"]
+        lines.append(
+            f"| {r['label']} | {r['torch_functions_plain_forward']} "
+            f"| {r['tracker_calls_step']} ({r['tracker_calls_forward']}) "
+            f"| {m['plain forward'] * 1e3:.2f} | {m['hooked forward'] * 1e3:.2f} "
+            f"| {m['plain fwd+bwd'] * 1e3:.2f} | {m['grad1 fwd+bwd'] * 1e3:.2f} "
+            f"| {m['hooked forward'] / m['grad1 fwd+bwd']:.0%} | {p['tracker_share']:.0%} "
+            f"| {p['gradhooks_share']:.0%} |"
+        )
+    for r in data["models"]:
+        top = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"]["top_own"])
+        lines += ["", f"{r['label']}, gradhooks functions by own time (cProfile): {top}"]
+        if "graph_breaks" in r:
+            g = r["graph_breaks"]
+            kinds = "; ".join(f"{n}x {k}" for k, n in g["kinds"])
+            where = "; ".join(f"{n}x {k}" for k, n in g["where"])
+            lines += [
+                "",
+                f"{r['label']}, torch._dynamo.explain of the hooked model: {g['graphs']} graphs "
+                f"({g['ops_in_graphs']} operations in them), {g['graph_breaks']} graph breaks: "
+                f"{kinds}. Where: {where}.",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.host_profile",
+                                description=__doc__.split("\n")[0])  # fmt: skip
+    p.add_argument("--models", default="tiny-mlp,tiny-gpt2")
+    p.add_argument("--reps", type=int, default=31)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--explain", action="store_true", help="the graph breaks under torch.compile")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PROBLEMS]
+    if unknown:
+        raise SystemExit(f"unknown models: {', '.join(unknown)}")
+    data = {
+        "command": "python -m bench.host_profile " + " ".join(argv or sys.argv[1:]),
+        "models": [profile_model(n, args.reps, args.explain) for n in names],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host-profile-cpu.json").write_text(json.dumps(data, indent=1))
+    text = markdown(data)
+    (out / "host-profile-cpu.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

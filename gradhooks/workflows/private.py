@@ -1,0 +1,875 @@
+"""DP-SGD training that cannot be wired wrong: :class:`DPOptimizer` and :func:`make_private`.
+
+:func:`gradhooks.dp_sgd_step`, :class:`gradhooks.PoissonSampler` and
+:class:`gradhooks.PrivacyAccountant` are right on their own; a training loop has to wire them
+together, and each wire can be forgotten without any error: dividing a Poisson batch by its own
+size instead of the expected one, never recording a step (ε stays 0.0), recording a step that a
+GradScaler skipped, adding the noise once per micro-batch instead of once per step, drawing
+fixed-size shuffled batches that the accountant does not describe. This module does the wiring
+once.
+
+- :class:`DPOptimizer` wraps any torch optimizer: ``backward(losses)`` adds one physical
+  batch's clipped per-example gradients into a buffer (as often as a logical batch needs),
+  ``step()`` adds the noise once, divides by the expected batch size, steps the optimizer and
+  records the step in the accountant.
+- :func:`make_private` returns a :class:`PrivateTraining` that owns the whole mechanism: the
+  hooks, the Poisson batches (split into physical batches), the noise generator, the
+  accountant, the privacy budget, and the checkpoint of all of it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data.dataloader import default_collate
+
+from ..engine.handle import Hooks, add_hooks
+from ..errors import PrivacyBudgetExceeded
+from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
+from ..privacy.sampling import EmptyAware, PoissonSampler
+from . import dp as _dp
+
+__all__ = ["DPOptimizer", "PrivateTraining", "make_private"]
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose steps are DP-SGD steps: per-example clipping, Gaussian noise
+    once per step, the noisy sum divided by the expected batch size.
+
+    ::
+
+        opt = gradhooks.DPOptimizer(torch.optim.AdamW(model.parameters()), hooks,
+                                    max_grad_norm=1.0, noise_multiplier=1.1,
+                                    expected_batch_size=64, sample_rate=64 / len(data),
+                                    accountant=gradhooks.PrivacyAccountant())
+        for x, y in loader:                   # one logical (Poisson) batch, in one or more
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))   # physical ones
+            opt.step()                        # after the last physical batch
+            opt.zero_grad()
+
+    Each :meth:`backward` takes one physical batch's per-example losses (``[batch]``), runs
+    the backward, clips each example's whole-model gradient to norm ``C = max_grad_norm``
+    (:func:`gradhooks.clipped_sum`) and adds the sum to a buffer. :meth:`step` then sets, for
+    every trainable parameter of the hooked model,
+
+        p.grad = (Σ_i min(1, C/‖g_i‖) · g_i  +  σ·C · N(0, I)) / expected_batch_size
+
+    (the sum over every example of every physical batch since the last step, the noise drawn
+    once, from ``generator``, parameter after parameter in the model's order), steps the
+    wrapped optimizer, records ``(noise_multiplier, sample_rate)`` in the ``accountant`` and
+    empties the buffer. ``p.grad`` is replaced: whatever a backward of the user's left there
+    is not used.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state``, ``defaults``,
+    ``state_dict()`` and ``load_state_dict()`` are the wrapped optimizer's, so any
+    ``torch.optim.lr_scheduler`` takes it (or the wrapped optimizer: they share their
+    ``param_groups``).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over (some of) the hooked model's parameters.
+        hooks: the handle of ``gradhooks.add_hooks(model, quantities=("norms",))`` (or with
+            ``"grad1"``), added before the forwards.
+        max_grad_norm: ``C``, the clipping norm of each example's whole-model gradient.
+        noise_multiplier: ``σ``; the noise std is ``σ·C``.
+        expected_batch_size: the divisor, the *expected* size of a logical batch (for Poisson
+            sampling: ``sample_rate · len(dataset)``), public, unlike a batch's own size.
+        sample_rate: the Poisson sampling rate ``q``, which the accountant records.
+        accountant: a :class:`gradhooks.PrivacyAccountant` in which each step is recorded
+            (needs ``sample_rate``).
+        generator: a ``torch.Generator`` for the noise (keep its seed secret).
+        method: :func:`gradhooks.dp_sgd_step`'s ``method``.
+        scaler: a ``torch.amp.GradScaler`` (float16 autocast): the backwards run on the scaled
+            losses, and :meth:`step` runs ``scaler.step(optimizer)`` and ``scaler.update()``
+            itself. A step in which a scaled gradient overflowed is skipped, as GradScaler
+            skips it: no noise is drawn, the optimizer does not step, the accountant records
+            nothing.
+
+    A misuse raises before anything changes: a step with no backward since the last one,
+    losses that are not ``[batch]``, a handle without ``"grad1"`` or ``"norms"``, an optimizer
+    over a parameter the hooks do not clip, an optimizer step fused into the backward.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        hooks: Hooks,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        sample_rate: float | None = None,
+        accountant: PrivacyAccountant | None = None,
+        generator: torch.Generator | None = None,
+        method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        # (torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's)
+        if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "DPOptimizer wraps a torch.optim.Optimizer (SGD, AdamW, ...), got "
+                f"{type(optimizer).__qualname__}"
+            )
+        if not isinstance(hooks, Hooks):
+            raise TypeError(
+                f"hooks must be the handle of gradhooks.add_hooks(model, quantities=('norms',)),"
+                f" got {type(hooks).__qualname__}"
+            )
+        if not ({"grad1", "norms"} & set(hooks.quantities)):
+            raise ValueError(
+                "DPOptimizer needs a handle that computes per-example norms or gradients: "
+                "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
+                f"has quantities={hooks.quantities!r}"
+            )
+        _dp._check_clipping(max_grad_norm, noise_multiplier, generator)
+        _dp._check_expected_batch_size(expected_batch_size, "mean")
+        _dp.check_scaler(scaler)
+        if method is not None:
+            _dp._checked_method(hooks, method)
+        if sample_rate is not None and not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
+                f"got {sample_rate!r}"
+            )
+        if accountant is not None:
+            if not isinstance(accountant, PrivacyAccountant):
+                raise TypeError(
+                    "accountant must be a gradhooks.PrivacyAccountant or None, got "
+                    f"{type(accountant).__qualname__}"
+                )
+            if sample_rate is None:
+                raise ValueError(
+                    "DPOptimizer(accountant=...) records each step's sampling rate: pass "
+                    "sample_rate= (expected batch size / number of examples)"
+                )
+        params = _dp._covered_params(hooks)
+        _check_optimizer_params(optimizer, hooks, params)
+        self.optimizer = optimizer
+        self.hooks = hooks
+        self.max_grad_norm = float(max_grad_norm)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.sample_rate = sample_rate
+        self.accountant = accountant
+        self.generator = generator
+        self.method = method
+        self.scaler = scaler
+        self._sums: list[Tensor] | None = None  # the clipped sum since the last step
+        self._finite = True  # no scaled backward since the last step overflowed
+        self._examples = 0  # examples in the buffer
+        self._backwards = 0  # physical batches in the buffer
+
+    # -- the wrapped optimizer's state (for LR schedulers and checkpoints) ---------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``. The clipped sum of a logical batch in
+        progress is not in it: save between steps."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``load_state_dict()``; empties the clipped-sum buffer."""
+        self.optimizer.load_state_dict(state_dict)
+        self._forget()
+
+    # (hooks of the step and of the state dict: the wrapped optimizer's, which run them)
+    def register_step_pre_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        probe = torch.optim.SGD(param_group["params"], lr=0.0)
+        _check_optimizer_params(probe, self.hooks, _dp._covered_params(self.hooks))
+        self.optimizer.add_param_group(param_group)
+
+    # -- DP-SGD ---------------------------------------------------------------------------------
+
+    @property
+    def examples(self) -> int:
+        """The number of examples whose clipped gradients the buffer holds."""
+        return self._examples
+
+    def backward(self, per_example_loss: Tensor) -> Tensor:
+        """Backward of one physical batch's per-example losses (``[batch]``): their clipped
+        gradients are added to the buffer :meth:`step` uses. Returns the per-example norms
+        before clipping, ``[batch]``. ``p.grad`` is left as it was."""
+        got = _dp.clipped_sum(
+            self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
+            scaler=self.scaler,
+        )  # fmt: skip
+        if self._sums is None:
+            self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
+        else:
+            for buf, s in zip(self._sums, got.sums, strict=True):
+                buf.add_(s)
+        self._finite = self._finite and got.finite
+        self._examples += per_example_loss.shape[0]
+        self._backwards += 1
+        return got.norms
+
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+        """Noise once, ``p.grad = (clipped sum + σ·C·N(0, I)) / expected_batch_size``, the
+        wrapped optimizer's step (through the scaler where there is one), the step recorded in
+        the accountant, the buffer emptied. Returns whether the optimizer stepped (False only
+        where a scaled backward overflowed and the step was skipped)."""
+        if closure is not None:
+            raise ValueError(
+                "DPOptimizer.step takes no closure: call backward(per_example_loss) on each "
+                "physical batch, then step()"
+            )
+        if self._sums is None:
+            raise RuntimeError(
+                "DPOptimizer.step: no backward(per_example_loss) since the last step, so "
+                "there is no clipped gradient to noise. Call opt.backward(losses) on each "
+                "physical batch of the logical batch (an empty batch too: its losses have 0 "
+                "rows), then opt.step(); a plain loss.backward() is not clipped."
+            )
+        _dp.check_batch_against_expected(
+            self._examples, self.expected_batch_size, "DPOptimizer.step"
+        )
+        params = _dp._covered_params(self.hooks)
+        if len(params) != len(self._sums):
+            raise RuntimeError(
+                "DPOptimizer.step: the hooked model's trainable parameters changed since the "
+                "backward; call zero_grad() and run the logical batch again"
+            )
+        scale = 1.0
+        if self.scaler is not None and self.scaler.is_enabled():
+            scale = float(self.scaler.get_scale())
+        if not self._finite:  # (scaler.step sees NaN, skips, and update() lowers the scale)
+            for p in params:
+                p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+        else:
+            std = self.noise_multiplier * self.max_grad_norm
+            for p, s in zip(params, self._sums, strict=True):
+                grad = s.to(p.dtype)
+                if std > 0:
+                    grad = torch.add(grad, _dp.gaussian(p, self.generator), alpha=std)
+                p.grad = grad.div_(self.expected_batch_size).mul_(scale).detach()
+        stepped = self._finite
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if stepped and self.accountant is not None:
+            assert self.sample_rate is not None
+            self.accountant.step(
+                noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
+            )
+        self._forget()
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad`` and an empty clipped-sum buffer."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._sums = None
+        self._finite = True
+        self._examples = 0
+        self._backwards = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"DPOptimizer({type(self.optimizer).__qualname__}, max_grad_norm="
+            f"{self.max_grad_norm}, noise_multiplier={self.noise_multiplier}, "
+            f"expected_batch_size={self.expected_batch_size})"
+        )
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32 for the buffer (bfloat16 parameters' sums over physical batches)."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+def _check_optimizer_params(
+    optimizer: torch.optim.Optimizer, hooks: Hooks, covered: list[torch.nn.Parameter]
+) -> None:
+    """Every trainable parameter the optimizer steps is one the hooks clip: another would be
+    stepped on a gradient that is neither clipped nor noised."""
+    ids = {id(p) for p in covered}
+    model = hooks.model
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in ids:
+                what = f"'{names[id(p)]}'" if id(p) in names else f"of shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"DPOptimizer: the optimizer steps a trainable parameter {what} that the "
+                    "hooks do not clip (not the hooked model's, or without a rule): its step "
+                    "would use a gradient with neither clipping nor noise. Give the optimizer "
+                    "the hooked model's parameters only, or freeze that one."
+                )
+
+
+class _OwnedDPOptimizer(DPOptimizer):
+    """The DPOptimizer of a :class:`PrivateTraining`: its ``backward`` and ``step`` run only
+    through the owner, which checks the batch, the logical batch's end and the budget."""
+
+    _by_owner = False
+
+    def backward(self, per_example_loss: Tensor) -> Tensor:
+        self._refuse_unless_owner("backward")
+        return super().backward(per_example_loss)
+
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+        self._refuse_unless_owner("step")
+        return super().step(closure)
+
+    def _refuse_unless_owner(self, what: str) -> None:
+        if not self._by_owner:
+            raise RuntimeError(
+                f"this DPOptimizer belongs to a gradhooks.make_private training: call "
+                f"private.{what}(...), which knows where a logical batch ends and the budget "
+                "(an LR scheduler may still take private.optimizer)"
+            )
+
+
+class PrivateTraining:
+    """A DP-SGD training run that owns its whole mechanism; made by :func:`make_private`.
+
+    Its parts are the ones a hand-written loop wires together, wired once: the hooks
+    (per-example clipping), the Poisson batches over the data (each split into physical
+    batches of at most ``max_physical_batch_size``), the :class:`DPOptimizer` (noise once per
+    logical batch, divided by the expected batch size), the :class:`PrivacyAccountant` (every
+    step recorded, no other) and the budget (a step past it raises
+    :class:`gradhooks.PrivacyBudgetExceeded`). The loop is::
+
+        for x, y in private.batches():          # physical batches, until the budget is spent
+            private.backward(F.cross_entropy(model(x), y, reduction="none"))
+            if private.step():                  # True where a logical batch ended
+                scheduler.step()                # (any torch LR scheduler of private.optimizer)
+        private.epsilon                         # the ε spent, at private.delta
+
+    The API is small so that a loop has one way to be written: the batches come only from
+    :meth:`batches` (so their sampling is the accountant's), :meth:`backward` takes one loss
+    per example of the batch it just gave, :meth:`step` is called after every physical batch
+    and steps only at a logical batch's end, and the optimizer it wraps refuses to be stepped
+    around it. :meth:`batches` runs to the end of the planned steps; called again once they
+    are all taken it raises (an epoch loop around it would otherwise train on past the
+    budget). Breaking out of it and calling it again restarts the unfinished logical batch.
+
+    Attributes:
+        model, hooks, optimizer (the :class:`DPOptimizer`, for LR schedulers), accountant,
+        noise_multiplier (σ), max_grad_norm (C), sample_rate (q), expected_batch_size (qn),
+        steps (the planned number of steps), delta, target_epsilon (or None).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        loader_kwargs: dict[str, Any],
+        collate_fn: Any,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        sample_rate: float,
+        expected_batch_size: float,
+        steps: int,
+        delta: float,
+        target_epsilon: float | None,
+        accountant: Literal["rdp", "pld"],
+        max_physical_batch_size: int | None,
+        generator: torch.Generator | None,
+        scaler: torch.amp.GradScaler | None,
+    ) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.num_examples = len(dataset)
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = float(expected_batch_size)
+        self.steps = int(steps)
+        self.delta = float(delta)
+        self.target_epsilon = target_epsilon
+        self.max_physical_batch_size = max_physical_batch_size
+        self.scaler = scaler
+        self.accountant = PrivacyAccountant(accountant)
+        self._collate = EmptyAware(dataset, collate_fn)
+        self._loader_kwargs = loader_kwargs
+        # two streams from the user's generator (or the OS's entropy): the batches' and the
+        # noise's, each saved with a checkpoint
+        if generator is None:
+            generator = torch.Generator()
+            generator.seed()
+        seeds = torch.randint(2**62, (2,), generator=generator).tolist()
+        device = next(p.device for p in model.parameters())
+        self._batch_generator = torch.Generator().manual_seed(seeds[0])
+        noise = torch.Generator(device=device).manual_seed(seeds[1])
+        self.hooks = add_hooks(model, quantities=("norms",))
+        try:
+            self.optimizer: DPOptimizer = _OwnedDPOptimizer(
+                optimizer, self.hooks, max_grad_norm=max_grad_norm,
+                noise_multiplier=noise_multiplier, expected_batch_size=self.expected_batch_size,
+                sample_rate=self.sample_rate, accountant=self.accountant, generator=noise,
+                scaler=scaler,
+            )  # fmt: skip
+        except BaseException:
+            self.hooks.remove()
+            raise
+        self._done = 0  # logical batches done (stepped, or skipped by the scaler)
+        self._states: dict[int, Tensor] = {}  # batch generator's state before logical batch k
+        self._pending: collections.deque = collections.deque()  # (k, last, size) per physical
+        self._current: _Physical | None = None
+        self._loops = 0  # loops over batches() started
+        self._closed = False
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    @property
+    def epsilon(self) -> float:
+        """The ε spent so far, at :attr:`delta`, by the accountant (0.0 before any step)."""
+        return self.accountant.epsilon(self.delta)
+
+    @property
+    def steps_taken(self) -> int:
+        """The steps taken and recorded (a step the scaler skipped is not one)."""
+        return self.accountant.steps
+
+    def batches(self) -> Iterator[Any]:
+        """The physical batches of every remaining logical batch, as the data's collate
+        function gives them, until the planned steps are all taken. Each logical batch holds
+        every example independently with probability :attr:`sample_rate`; it is split into
+        physical batches of at most ``max_physical_batch_size`` examples (one physical batch
+        with 0 rows where it is empty: run it too, it steps on the noise alone)."""
+        self._check_open()
+        if self.accountant.steps >= self.steps:
+            raise PrivacyBudgetExceeded(self._spent())
+        self._restart()
+        self._loops += 1
+        loop = self._loops  # (a loop started later takes over; this one may not go on)
+        loader = DataLoader(
+            self.dataset, batch_sampler=_Indices(self), collate_fn=self._collate,
+            **self._loader_kwargs,
+        )  # fmt: skip
+        it = iter(loader)
+        try:
+            while self.accountant.steps < self.steps:
+                batch = next(it)
+                k, last, size = self._pending.popleft()
+                self._current = _Physical(k, last, size)
+                yield batch
+                if loop != self._loops:
+                    raise RuntimeError(
+                        "private.batches(): another loop over private.batches() started since; "
+                        "it restarted the logical batch in progress, and this one cannot go on"
+                    )
+                if self._current is not None and not self._current.stepped:
+                    raise RuntimeError(
+                        "private.batches(): the last physical batch was not followed by "
+                        "private.backward(losses) and private.step(); call both for every "
+                        "batch (step() only steps at a logical batch's end)"
+                    )
+        finally:
+            if loop == self._loops:
+                self._current = None
+            del it
+
+    def backward(self, per_example_loss: Tensor) -> Tensor:
+        """Backward of the current physical batch's per-example losses (``[batch]``, one per
+        example of the batch :meth:`batches` just gave): their clipped gradients are added to
+        the logical batch's sum. Returns their norms before clipping."""
+        self._check_open()
+        now = self._current
+        if now is None:
+            raise RuntimeError(
+                "private.backward: no current batch; take the batches from private.batches() "
+                "(a batch from elsewhere is not the accountant's Poisson sample)"
+            )
+        if now.backward:
+            raise RuntimeError(
+                "private.backward was already called on this physical batch; call "
+                "private.step() next"
+            )
+        if per_example_loss.dim() != 1 or per_example_loss.shape[0] != now.size:
+            raise ValueError(
+                f"private.backward: per_example_loss has shape {tuple(per_example_loss.shape)},"
+                f" the batch private.batches() gave holds {now.size} examples: pass one loss "
+                "per example, [batch] (reduction='none')"
+            )
+        self.optimizer._by_owner = True
+        try:
+            norms = self.optimizer.backward(per_example_loss)
+        finally:
+            self.optimizer._by_owner = False
+        now.backward = True
+        return norms
+
+    def step(self) -> bool:
+        """After each physical batch's :meth:`backward`: at a logical batch's end, the DP-SGD
+        step (noise, the optimizer's step, the accountant's record) and ``zero_grad``; else
+        nothing. Returns whether a logical batch ended (a step was taken, or skipped by the
+        scaler: then the accountant records nothing and :meth:`batches` draws another)."""
+        self._check_open()
+        now = self._current
+        if now is None or not now.backward or now.stepped:
+            raise RuntimeError(
+                "private.step: call private.backward(losses) on the batch private.batches() "
+                "just gave first (once per physical batch)"
+            )
+        if not now.last:
+            now.stepped = True
+            return False
+        if self.accountant.steps >= self.steps:
+            raise PrivacyBudgetExceeded(self._spent())
+        self.optimizer._by_owner = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer._by_owner = False
+        self.optimizer.zero_grad(set_to_none=True)
+        self._states.pop(self._done, None)
+        self._done += 1
+        now.stepped = True
+        return True
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue as this one would have: the model's and
+        the optimizer's state, the scaler's, the accountant's history, both generators' states
+        and the number of logical batches done. Taken in the middle of a logical batch, it is
+        the state before that batch (which a resumed run draws and runs again). An LR
+        scheduler's state is its own ``scheduler.state_dict()``."""
+        self._check_open()
+        sampler = self._states.get(self._done, None)
+        if sampler is None:
+            sampler = self._batch_generator.get_state()
+        return {
+            "plan": self._plan(),
+            "logical_batches": self._done,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "batch_generator": sampler.clone(),
+            "noise_generator": self.optimizer.generator.get_state().clone(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a run with the same plan (σ, C, q, steps, δ,
+        accountant, physical batch size, number of examples)."""
+        self._check_open()
+        if self._current is not None:
+            raise RuntimeError(
+                "load_state_dict inside a loop over private.batches(): load the checkpoint "
+                "before the loop (a new loop then starts where the checkpoint was taken)"
+            )
+        plan = self._plan()
+        wrong = [k for k in plan if state["plan"].get(k) != plan[k]]
+        if wrong:
+            k = wrong[0]
+            raise ValueError(
+                f"load_state_dict: the checkpoint's {k} is {state['plan'].get(k)!r}, this "
+                f"run's is {plan[k]!r}: resume with make_private(...) given the same settings"
+            )
+        if (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("load_state_dict: the checkpoint and this run differ in a scaler")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant.load_state_dict(state["accountant"])
+        self._batch_generator.set_state(state["batch_generator"])
+        self.optimizer.generator.set_state(state["noise_generator"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._done = int(state["logical_batches"])
+        self._states = {}
+        self._pending.clear()
+        self._current = None
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the hooks and what the run left on the parameters (``grad1``, ``.grad``):
+        the model is as it was before :func:`make_private`, but for its trained weights.
+        Idempotent; the run can be used no more."""
+        if self._closed:
+            return
+        self._closed = True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.hooks.remove()
+        for p in self.model.parameters():
+            if hasattr(p, "grad1"):
+                del p.grad1
+
+    def __enter__(self) -> PrivateTraining:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivateTraining(steps={self.steps_taken}/{self.steps}, noise_multiplier="
+            f"{self.noise_multiplier:.4g}, sample_rate={self.sample_rate:.4g}, "
+            f"max_grad_norm={self.max_grad_norm}, delta={self.delta:g})"
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this private training was closed (its hooks are removed)")
+
+    def _plan(self) -> dict[str, Any]:
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.max_grad_norm,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+            "delta": self.delta,
+            "accountant": self.accountant.method,
+            "max_physical_batch_size": self.max_physical_batch_size,
+            "num_examples": self.num_examples,
+        }
+
+    def _restart(self) -> None:
+        """Start drawing at logical batch ``_done`` (again, if it was drawn before)."""
+        state = self._states.get(self._done)
+        if state is not None:
+            self._batch_generator.set_state(state)
+        self._states = {}
+        self._pending.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _spent(self) -> str:
+        planned = PrivacyAccountant(self.accountant.method)
+        planned.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+                     steps=self.steps)  # fmt: skip
+        target = "" if self.target_epsilon is None else f" (target ε = {self.target_epsilon})"
+        return (
+            f"the privacy budget is spent: {self.steps_taken} of {self.steps} planned steps "
+            f"are taken, at noise multiplier {self.noise_multiplier:.4g} and sampling rate "
+            f"{self.sample_rate:.4g}, which give ε = {planned.epsilon(self.delta):.4g} at "
+            f"δ = {self.delta:g}{target} by the {self.accountant.method!r} accountant; "
+            "another step would spend more. Stop here (private.epsilon is the run's ε), or "
+            "plan a longer run from the start: make_private(..., epochs= or steps=)."
+        )
+
+
+class _Physical:
+    """The physical batch :meth:`PrivateTraining.batches` gave last."""
+
+    def __init__(self, logical: int, last: bool, size: int) -> None:
+        self.logical, self.last, self.size = logical, last, size
+        self.backward = False
+        self.stepped = False
+
+
+class _Indices:
+    """A DataLoader's ``batch_sampler``: the physical batches of logical batches ``_done``,
+    ``_done + 1``, ... of a :class:`PrivateTraining`, endlessly (the owner stops). It keeps
+    the generator's state before each logical batch, and each physical batch's place, for the
+    owner to read in order (the DataLoader may draw ahead of the training)."""
+
+    def __init__(self, owner: PrivateTraining) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[list[int]]:
+        owner = self.owner
+        gen = owner._batch_generator
+        sampler = PoissonSampler(
+            owner.num_examples, owner.expected_batch_size, steps=1, generator=gen
+        )
+        size = owner.max_physical_batch_size
+        k = owner._done
+        while True:
+            owner._states[k] = gen.get_state()
+            idx = next(iter(sampler))
+            chunks = [idx[i : i + size] for i in range(0, len(idx), size)] if size else [idx]
+            chunks = chunks or [[]]
+            for i, chunk in enumerate(chunks):
+                owner._pending.append((k, i == len(chunks) - 1, len(chunk)))
+                yield chunk
+            k += 1
+
+
+def make_private(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Dataset | DataLoader,
+    *,
+    delta: float,
+    max_grad_norm: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    expected_batch_size: float | None = None,
+    sample_rate: float | None = None,
+    accountant: Literal["rdp", "pld"] = "rdp",
+    max_physical_batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> PrivateTraining:
+    """A DP-SGD training run of ``model`` by ``optimizer`` on ``data``: a
+    :class:`PrivateTraining` that owns the hooks, the Poisson batches, the noise, the
+    accountant and the budget.
+
+    ::
+
+        private = gradhooks.make_private(model, torch.optim.AdamW(model.parameters()), train_set,
+                                         target_epsilon=3.0, delta=1e-5, epochs=3,
+                                         expected_batch_size=64, max_grad_norm=1.0)
+        for x, y in private.batches():
+            private.backward(F.cross_entropy(model(x), y, reduction="none"))
+            private.step()
+        print(private.epsilon)       # <= 3.0
+        private.close()              # the hooks off the model
+
+    Args:
+        model: the model; its hooks (``quantities=("norms",)``, book-keeping clipping: no
+            ``grad1`` formed) are added here and removed by :meth:`PrivateTraining.close`.
+        optimizer: any torch optimizer over the model's parameters.
+        data: a map-style ``Dataset``, or a ``DataLoader`` over one, whose ``collate_fn``,
+            ``num_workers``, ``pin_memory`` and worker settings are kept (its batch size,
+            sampler and shuffling are replaced by Poisson sampling).
+        delta: δ of the (ε, δ) guarantee (below 1 / number of examples).
+        max_grad_norm: ``C``, the clipping norm of each example's gradient.
+        target_epsilon: the ε to spend over the planned steps: the noise multiplier is the
+            smallest whose ε is at most it (:func:`gradhooks.noise_multiplier_for`)...
+        noise_multiplier: ...or ``σ`` itself (give one of the two).
+        epochs: the length of the run in epochs of ``round(1 / sample_rate)`` steps...
+        steps: ...or in steps (logical batches; give one of the two).
+        expected_batch_size: the expected size of a logical batch...
+        sample_rate: ...or each example's probability of being in it (give one of the two).
+        accountant: ``"rdp"`` (the default) or ``"pld"`` (tighter, slower): see
+            :class:`gradhooks.PrivacyAccountant`.
+        max_physical_batch_size: split each logical batch into physical batches of at most
+            this many examples (memory), stepping once per logical batch.
+        generator: a CPU ``torch.Generator`` the batches' and the noise's seeds are drawn
+            from (keep its seed secret); by default seeded from the OS's entropy.
+        scaler: a ``torch.amp.GradScaler`` for float16 autocast (the forwards under
+            ``torch.autocast`` are the loop's): a step whose scaled gradients overflow is
+            skipped and not recorded. bfloat16 autocast needs none.
+    """
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("make_private: give target_epsilon= or noise_multiplier=, one of them")
+    if (epochs is None) == (steps is None):
+        raise ValueError("make_private: give epochs= or steps=, one of them")
+    if (expected_batch_size is None) == (sample_rate is None):
+        raise ValueError("make_private: give expected_batch_size= or sample_rate=, one of them")
+    dataset, loader_kwargs, collate_fn = _data(data)
+    n = len(dataset)
+    if n < 1:
+        raise ValueError("make_private: the dataset is empty")
+    if sample_rate is None:
+        assert expected_batch_size is not None
+        if not 0 < expected_batch_size <= n:
+            raise ValueError(
+                f"expected_batch_size must be in (0, len(dataset)={n}], got {expected_batch_size!r}"
+            )
+        sample_rate = expected_batch_size / n
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if expected_batch_size is None:
+        expected_batch_size = sample_rate * n
+    if steps is None:
+        assert epochs is not None
+        if not epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+        steps = max(1, round(epochs * max(1, round(1 / sample_rate))))
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+    if max_physical_batch_size is not None and (
+        int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1
+    ):
+        raise ValueError(
+            f"max_physical_batch_size must be a whole number >= 1 or None, got "
+            f"{max_physical_batch_size!r}"
+        )
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
+        raise TypeError("generator must be a CPU torch.Generator or None")
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    if target_epsilon is not None:
+        if not 0 < target_epsilon < float("inf"):
+            raise ValueError(f"target_epsilon must be > 0 and finite, got {target_epsilon!r}")
+        noise_multiplier = noise_multiplier_for(
+            target_epsilon, delta, sample_rate, int(steps), method=accountant
+        )
+    assert noise_multiplier is not None
+    return PrivateTraining(
+        model, optimizer, dataset, loader_kwargs, collate_fn,
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        sample_rate=sample_rate, expected_batch_size=expected_batch_size, steps=int(steps),
+        delta=delta, target_epsilon=target_epsilon,
+        accountant=accountant, max_physical_batch_size=max_physical_batch_size,
+        generator=generator, scaler=scaler,
+    )  # fmt: skip
+
+
+# the DataLoader settings make_private keeps from a user's loader (the batching is its own)
+_KEPT = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+         "persistent_workers", "pin_memory_device")  # fmt: skip
+
+
+def _data(data: Any) -> tuple[Dataset, dict[str, Any], Any]:
+    """The dataset, the DataLoader settings to keep and the collate function of ``data``."""
+    if isinstance(data, DataLoader):
+        dataset, collate = data.dataset, data.collate_fn
+        kwargs = {k: getattr(data, k) for k in _KEPT if hasattr(data, k)}
+        if data.num_workers > 0:
+            kwargs["prefetch_factor"] = data.prefetch_factor
+        else:
+            kwargs.pop("persistent_workers", None)
+    else:
+        dataset, collate, kwargs = data, default_collate, {}
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            "make_private needs a map-style Dataset (len() and [i]), or a DataLoader over one: "
+            "Poisson sampling picks each example by its index"
+        )
+    if not hasattr(dataset, "__len__"):
+        raise TypeError("make_private needs a Dataset with len()")
+    return dataset, kwargs, collate
