@@ -38,7 +38,7 @@ from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
-from .backprops import KeptBackprops
+from .backprops import KeptBackprops, kept_for
 from .backward import BackwardWriter
 from .calls import CallLayouts
 from .capture import DetachedCalls
@@ -511,7 +511,9 @@ class Hooks:
         of ``module`` in the forward that the last captured backward reaching it went through,
         detached (``None`` where that input is not a tensor). Needs ``add_hooks(..., keep_backprops=True)``; see
         :mod:`gradhooks.engine.backprops`."""
-        return self._backprops_of(module, "activations").activations(module)
+        return kept_for(
+            self._state.kept_backprops, self._state.targets, module, "activations"
+        ).activations(module)
 
     def backprops(self, module: nn.Module) -> list[Tensor | None]:
         """autograd-hacks' ``module.backprops_list``: the gradient of the loss with respect to
@@ -519,30 +521,9 @@ class Hooks:
         :meth:`clear`, in that order, detached (``None`` where none flowed). For a
         mean-reduced loss each holds the ``1/batch`` of the mean. Needs
         ``add_hooks(..., keep_backprops=True)``."""
-        return self._backprops_of(module, "backprops").backprops(module)
-
-    def _backprops_of(self, module: nn.Module, what: str) -> KeptBackprops:
-        kept = self._state.kept_backprops
-        if kept is None:
-            raise RuntimeError(
-                f"Hooks.{what}: this handle keeps no layer inputs or output-gradients; add the "
-                "hooks with gradhooks.add_hooks(model, keep_backprops=True) (they then stay in "
-                "memory until h.clear())"
-            )
-        if not any(t.module is module for t in self._state.targets):
-            raise ValueError(
-                f"Hooks.{what}: {type(module).__qualname__} is not a module this handle hooks "
-                "(h.modules() lists them: modules with trainable parameters and a rule, or the "
-                "fallback)"
-            )
-        if not kept.reached(module):
-            name = next(t.name for t in self._state.targets if t.module is module)
-            raise RuntimeError(
-                f"Hooks.{what}: no captured backward reached '{name}' "
-                f"({type(module).__qualname__}) since the hooks were added or h.clear(); run "
-                "the forward and the backward first"
-            )
-        return kept
+        return kept_for(
+            self._state.kept_backprops, self._state.targets, module, "backprops"
+        ).backprops(module)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
