@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .engine.handle import _ACTIVE, hooks_of
+from .engine.api import engine_of
+from .engine.handle import active_handles, hooks_of
 from .engine.pause import set_enabled
 from .errors import ConfigurationError, StateError
 from .rules.registry import REGISTRY
@@ -121,8 +122,9 @@ def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquar
         else:
             eye = torch.eye(classes, dtype=output.dtype, device=output.device)
             columns = eye[:, None, :].expand(classes, n, classes)
-    handles = [h for h in list(_ACTIVE.values()) if h.active]
-    kept = {id(h): {pid: getattr(p, "grad1", None) for pid, (_, p) in h._params.items()}
+    handles = active_handles()
+    params = {id(h): engine_of(h).parameters() for h in handles}
+    kept = {id(h): {pid: getattr(p, "grad1", None) for pid, (_, p) in params[id(h)].items()}
             for h in handles}  # fmt: skip
     records = {id(h): [] for h in handles}
     for column in columns:
@@ -131,14 +133,15 @@ def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquar
         output.backward(column, retain_graph=True)
         for h in handles:
             scale = n if h.loss_reduction == "mean" else 1  # (grad1 is of a sum here)
+            written = {id(q) for q in engine_of(h).written()}
             records[id(h)].append({
                 pid: p.grad1.detach() / scale
-                for pid, (_, p) in h._params.items() if id(p) in {id(q) for q in h._written.values()}
+                for pid, (_, p) in params[id(h)].items() if id(p) in written
             })  # fmt: skip
     for h in handles:
         h.clear()
-        h._hessian_backprops.extend(records[id(h)])
-        for pid, (_, p) in h._params.items():
+        engine_of(h).hessian_backprops.extend(records[id(h)])
+        for pid, (_, p) in params[id(h)].items():
             before = kept[id(h)][pid]
             if before is None:
                 if hasattr(p, "grad1"):
@@ -154,7 +157,7 @@ def compute_hess(model: nn.Module) -> None:
     piecewise-linear activations), from the per-example gradients kept since the last
     :func:`clear_backprops`."""
     hooks = hooks_of(model)
-    if not hooks._hessian_backprops:
+    if not engine_of(hooks).hessian_backprops:
         raise StateError(
             "compute_hess: no backprop_hess was run since add_hooks or clear_backprops; run the "
             "forward with the hooks on, then backprop_hess(output, hess_type)"
@@ -163,7 +166,7 @@ def compute_hess(model: nn.Module) -> None:
         if not is_supported(module):
             continue
         for p in module.parameters(recurse=False):
-            rows = [rec[id(p)] for rec in hooks._hessian_backprops if id(p) in rec]
+            rows = [rec[id(p)] for rec in engine_of(hooks).hessian_backprops if id(p) in rec]
             if not rows:
                 continue
             jac = torch.stack(rows).flatten(2)  # [columns, batch, numel]

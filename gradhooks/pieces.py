@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from einops import rearrange
@@ -864,7 +864,17 @@ def example_weights(batch: int, exact: bool = False) -> Tensor:
     return 1.0 + frac
 
 
-def weighted_sums(kept: list, weights: Tensor) -> dict[int, Tensor | None]:
+class CallPieces(NamedTuple):
+    """One call's pieces as a backward keeps them for later (a DP step's clipped sums, the
+    check of the norms): ``pieces`` and the ``params`` they are of, by the same names, and the
+    ``scale`` their batch sums are multiplied by (the batch size under a mean loss)."""
+
+    pieces: dict[str, Piece]
+    params: dict[str, Tensor]
+    scale: float
+
+
+def weighted_sums(kept: list[CallPieces], weights: Tensor) -> dict[int, Tensor | None]:
     """Per parameter id, ``Σ_b weights[b] grad1[b]`` (scaled) over a backward's calls, each
     kept as ``(pieces, params, scale)`` (:meth:`Piece.batch_sum` per piece, summed); ``None`` for a
     parameter whose layer counts its examples otherwise (bags of another number)."""

@@ -194,12 +194,12 @@ def kfac_scenario() -> None:
             hooked = DDP(model) if wrap else model
             prefix = "module." if wrap else ""
             with gradhooks.add_hooks(hooked, quantities=("kfac",)) as h:
-                h._collector.kfac.expand = expand
+                h._state.collector.kfac.expand = expand
                 F.cross_entropy(hooked(xs), ys).backward()
                 got = {r: ghd.kfac_factors(h, r) for r in ("mean", "sum")}
                 again = ghd.kfac_factors(h)  # the handle's own sums are left alone
             with gradhooks.add_hooks(ref, quantities=("kfac",)) as h:
-                h._collector.kfac.expand = expand
+                h._state.collector.kfac.expand = expand
                 F.cross_entropy(ref(x), y).backward()
                 want = {r: h.kfac_factors(r) for r in ("mean", "sum")}
             for r in ("mean", "sum"):

@@ -90,7 +90,7 @@ def test_factors_equal_their_definitions(case, reduction, expand):
     inputs, target = _double(case.inputs(4)), case.target(4) if case.target else None
     want = explicit_factors(model, case, inputs, target, expand, reduction)
     with gradhooks.add_hooks(model, reduction, quantities=("kfac",)) as h:
-        h._collector.kfac.expand = expand
+        h._state.collector.kfac.expand = expand
         out = model(inputs)
         loss = case.loss(out) if target is None else case.loss(out, target)
         (loss / 4 if reduction == "mean" else loss).backward()

@@ -39,15 +39,21 @@ def _imported(path: Path, node: ast.ImportFrom) -> list[str]:
     return found
 
 
-def _graph() -> tuple[dict[str, set[str]], list[str]]:
-    """Each module's top-level gradhooks imports, and the imports found inside functions."""
+def _graph(typing: bool = False) -> tuple[dict[str, set[str]], list[str]]:
+    """Each module's top-level gradhooks imports (with ``typing``, also those under
+    ``if TYPE_CHECKING:``), and the imports found inside functions."""
     graph: dict[str, set[str]] = {}
     inside: list[str] = []
     for path in sorted(ROOT.rglob("*.py")):
         name = _module_name(path)
         tree = ast.parse(path.read_text(), str(path))
         graph[name] = set()
-        for node in tree.body:
+        top = list(tree.body)
+        if typing:
+            for node in tree.body:
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    top.extend(node.body)
+        for node in top:
             if isinstance(node, ast.ImportFrom):
                 graph[name].update(m for m in _imported(path, node) if m != name)
         for fn in ast.walk(tree):
@@ -65,7 +71,18 @@ def test_no_import_inside_a_function():
 
 
 def test_the_imports_form_no_circle():
-    graph, _ = _graph()
+    _assert_no_circle(_graph()[0])
+
+
+def test_the_engine_imports_form_no_circle_even_for_types():
+    """Inside ``gradhooks.engine`` not even the imports made for type hints alone form a circle:
+    each part of the engine names only the parts it calls (a ``Protocol`` where a part calls
+    one that imports it)."""
+    graph, _ = _graph(typing=True)
+    _assert_no_circle({n: ms for n, ms in graph.items() if n.startswith("gradhooks.engine")})
+
+
+def _assert_no_circle(graph: dict[str, set[str]]) -> None:
     for name in graph:  # a package's __init__ imports its modules: not an edge back
         graph[name] = {m for m in graph[name] if not name.startswith(m + ".") and m in graph}
     done: set[str] = set()
@@ -158,3 +175,71 @@ def test_the_engine_check_sees_an_engine_import(tmp_path, monkeypatch):
         )
     else:
         raise AssertionError("the import of the engine through gradhooks.other was not found")
+
+
+# names under which code outside the engine holds a handle or the engine (a Tracker's
+# ``self.engine``, a workflow's ``hooks``/``h``)
+_HANDLE_NAMES = {"hooks", "h", "handle", "engine"}
+
+
+def _private_uses(root: Path) -> list[str]:
+    """``<handle>._<name>`` (``hooks._params``, ``self.engine._nested()``) in the modules
+    outside ``gradhooks/engine/``: each place, as ``path:line: text``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if (root / "engine") in path.parents:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__"):
+                continue
+            holder = node.value
+            name = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+            if name in _HANDLE_NAMES:
+                where = path.relative_to(root.parent)
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_engine_touches_its_private_members():
+    """The workflows (DP, K-FAC, Jacobians, distributed), the autograd-hacks layer and the
+    tracker reach a handle through its public API, ``gradhooks.engine.api.engine_of`` and
+    ``gradhooks.tracking.link.EngineLink``, never through its private members."""
+    found = _private_uses(ROOT)
+    assert not found, "private members of a handle used outside gradhooks/engine/:\n" + "\n".join(
+        found
+    )
+
+
+def test_the_private_use_scan_sees_one(tmp_path):
+    pkg = tmp_path / "gradhooks"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "handle.py").write_text("hooks._params\n")  # (the engine's own: allowed)
+    (pkg / "dp.py").write_text("def f(hooks, x):\n    x._y\n    return hooks._written\n")
+    (pkg / "t.py").write_text("class T:\n    def f(self):\n        self.engine._nested()\n")
+    assert _private_uses(pkg) == [
+        "gradhooks/dp.py:3: hooks._written",
+        "gradhooks/t.py:3: self.engine._nested",
+    ]
+
+
+def test_the_scan_sees_an_import_for_types(tmp_path, monkeypatch):
+    pkg = tmp_path / "gradhooks"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "a.py").write_text("from .b import f\n")
+    (pkg / "engine" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    assert _graph()[0]["gradhooks.engine.b"] == set()
+    assert _graph(typing=True)[0]["gradhooks.engine.b"] == {"gradhooks.engine.a"}
+    try:
+        test_the_engine_imports_form_no_circle_even_for_types()
+    except AssertionError as e:
+        assert "gradhooks.engine.a -> gradhooks.engine.b -> gradhooks.engine.a" in str(e)
+    else:
+        raise AssertionError("the circle a -> b -> a (for types) was not found")

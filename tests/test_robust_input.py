@@ -126,7 +126,7 @@ def test_removed_while_a_backward_is_pending():
     sq(out).backward()  # no error, nothing written
     assert all(not hasattr(p, "grad1") for p in model.parameters())
     assert all(p.grad is not None for p in model.parameters())
-    assert not h._collector._expected and not h._collector._held
+    assert not h._state.collector._expected and not h._state.collector._held
 
 
 # -- layers that see another batch, inputs without a batch dimension ------------------------------
@@ -342,7 +342,7 @@ def test_grad1_too_large_is_refused_before_allocation():
             model(x)  # batch_dim given: refused at the forward
         assert "2.0 KiB" in str(e.value) and "batch 8 × 32" in str(e.value)
         assert "quantities=('norms',)" in str(e.value) and "at most 3" in str(e.value)
-        assert not h._frames
+        assert not h._state.frames
         sq(model(x[:3])).backward()  # 768 bytes: fine
         assert model[0].weight.grad1.shape == (3, 5, 3)
     gradhooks.clear_grad1(model)
@@ -350,7 +350,7 @@ def test_grad1_too_large_is_refused_before_allocation():
         out = model(x)  # batch_dim="auto": refused at the first captured call of the backward
         with pytest.raises(gradhooks.Grad1TooLarge, match="batch 8 × 32"):
             sq(out).backward()
-        assert not h._tasks and not hasattr(model[0].weight, "grad1")
+        assert not h._state.tasks and not hasattr(model[0].weight, "grad1")
     with gradhooks.add_hooks(model, max_grad1_bytes=1000, quantities=("norms",)) as h:
         sq(model(x)).backward()  # norms never form grad1
         assert h.norms().shape == (8,)
@@ -397,7 +397,7 @@ def test_exception_in_the_forward_leaves_no_pending_capture():
         m.fail = True
         with pytest.raises(RuntimeError, match="data error"):
             m(x)
-        assert not h._collector._expected and not h._frames
+        assert not h._state.collector._expected and not h._state.frames
         m.fail = False
         sq(m(x)).backward()
         assert_matches(m, want, "after a failed forward")
@@ -452,7 +452,9 @@ def test_exception_in_the_backward_leaves_no_stale_state(where):
             with pytest.raises(RuntimeError, match="boom in backward"):
                 sq(out).backward()
         m(x)  # the next forward drops whatever a failed backward left
-        assert not h._tasks and not h._collector._held and not h._collector._queued
+        assert (
+            not h._state.tasks and not h._state.collector._held and not h._state.collector._queued
+        )
         for n, p in m.named_parameters():  # grad1 as before the failed backward
             assert_close(p.grad1, before[n], f"rolled back {n}")
         h.clear()

@@ -26,8 +26,10 @@ after ``zero_grad(set_to_none=False)``), one transfer per device.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -129,3 +131,35 @@ def all_zero(tensors: list[Tensor]) -> list[bool]:
         for (i, _), a in zip(found, anys):
             out[i] = not a
     return out
+
+
+def _grad1_refs(owner: Any) -> int:
+    t = owner.__dict__.get("grad1")
+    return sys.getrefcount(t)
+
+
+def _sole_refs() -> int | None:
+    """What :func:`_grad1_refs` counts for a ``grad1`` that nothing else refers to, or ``None``
+    where one more reference would not show (then ``grad1`` is never written in place)."""
+    try:
+        owner = nn.Parameter(torch.zeros(2))
+        owner.grad1 = torch.zeros(1, 2)
+        alone = _grad1_refs(owner)
+        kept = owner.grad1  # noqa: F841  (one more reference)
+        return alone if _grad1_refs(owner) == alone + 1 else None
+    except Exception:
+        return None
+
+
+_SOLE_REFS = _sole_refs()
+
+
+def sole_grad1(p: nn.Parameter) -> Tensor | None:
+    """``p.grad1`` if it is a plain contiguous tensor that only ``p`` refers to: no other
+    Python reference, no view or other tensor on its memory, not saved by autograd."""
+    if _SOLE_REFS is None or type(p.__dict__.get("grad1")) is not Tensor:
+        return None
+    if _grad1_refs(p) != _SOLE_REFS:
+        return None
+    t = p.grad1
+    return t if t.is_contiguous() and _torch.unshared(t) else None

@@ -3,31 +3,38 @@
 reached and computed, the parameters used outside their modules' calls, what a failed backward
 leaves to undo).
 
-:class:`Backwards` is this part of :class:`gradhooks.Hooks`. :meth:`Backwards._on_grads` is where
+:class:`BackwardWriter` is this part of a :class:`gradhooks.Hooks` handle. :meth:`BackwardWriter.on_grads` is where
 the backward reaches a kept call (from its output's gradient hook, :mod:`gradhooks.engine.forward`, or
 from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradient hook
-(:meth:`Backwards._param_hook`) records what autograd computed; a callback at the backward's end
-(:meth:`Backwards._end_backward`) verifies, warns and rolls back.
+(:meth:`BackwardWriter.param_hook`) records what autograd computed; a callback at the backward's end
+(:meth:`BackwardWriter._end_backward`) verifies, warns and rolls back.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
-from .._torch import tree_flatten
 from ..errors import GradhooksWarning
 from ..rules.registry import Call, _Entry
-from .accumulation import all_zero
-from .calls import aligned_call, check_versions, describe_call, rule_pieces, unchanged_outputs
+from .accumulation import all_zero, sole_grad1
+from .calls import (
+    KeptCall,
+    aligned_call,
+    blank_call,
+    check_versions,
+    describe_call,
+    examples_of_empty_call,
+    rule_pieces,
+    unchanged_outputs,
+)
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
@@ -35,17 +42,77 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    HeldCall,
     autocast_off,
     graph_task,
     lowest_precision,
 )
-from .verify import per_example_outputs, rounding_tolerance
+from .state import CaptureState
+from .verify import Verifier, per_example_outputs, rounding_tolerance
 
 
-class Backwards:
+class BackwardWriter:
     """The backward side of :class:`gradhooks.Hooks`: pieces into ``grad1``, and bookkeeping."""
 
-    def _on_grads(
+    # the other parts it calls, given by the handle that owns them all
+    verifier: Verifier
+
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+        # a Target per parameter used outside its modules' calls, for the fallback of its uses
+        self.direct_targets: dict[int, Target] = {}
+
+    def output_grads(self, kept: KeptCall, grads: Sequence[Tensor | None]) -> None:
+        """The backward's entry point: it has the gradients of a kept call's outputs (those of
+        ``kept.hooked``, in order). Hands the call to :meth:`on_grads`, or, for a rule with taps,
+        waits for the tapped nodes (:meth:`node_grads`) or for the backward's end."""
+        s = self.state
+        carried = kept.carried
+        if s.rerunning and not (s.probing and carried is not None):
+            return  # a backward of the engine's own
+        full: list[Tensor | None] = [None] * kept.n_leaves
+        for i, g in zip(kept.hooked, grads):
+            full[i] = g
+        if carried is not None:  # (sums a backward that never reached it left: gone)
+            carried.outputs = tuple(full)
+            carried.sums.clear()
+            if s.rerunning:
+                return  # the probe's: the carried parameters' gradients by a rerun
+        capturing = s.mode.capture and not (s.removed or kept.state.cancelled)
+        if kept.n_nodes and capturing and s.capturing_backward():
+            # The rule runs when the backward reaches the tapped nodes too, or, if it
+            # never does (a backward for some parameters only), at its end without them
+            pending = kept.pending
+            pending["outputs"] = tuple(full)
+            bw = self.backward_state()
+            bw.reached.update(id(p) for p in kept.live.values())  # before their own grads
+            bw.pending[id(pending)] = lambda: self.on_grads(
+                kept.target, kept.state, replace(kept.call, grad_outputs=pending.pop("outputs"),
+                                                 taps=None), kept.args, kept.kwargs, kept.sums,
+            )  # fmt: skip
+            return
+        filled = replace(kept.call, grad_outputs=tuple(full))
+        self.on_grads(kept.target, kept.state, filled, kept.args, kept.kwargs, kept.sums)
+
+    def node_grads(self, kept: KeptCall, i: int, grad_outputs: tuple) -> None:
+        """The backward reached node ``i`` of those a kept call's rule taps: once it has every
+        node's gradients and the outputs', the call goes to :meth:`on_grads`."""
+        pending = kept.pending
+        if "outputs" not in pending or self.state.rerunning:
+            return  # a backward not captured
+        pending[i] = tuple(grad_outputs)
+        if len(pending) < kept.n_nodes + 1:
+            return
+        tapped = tuple(pending[j] for j in range(kept.n_nodes))
+        outputs = pending.pop("outputs")
+        pending.clear()
+        bw = self.state.tasks.get(graph_task())
+        if bw is not None:
+            bw.pending.pop(id(pending), None)
+        done = replace(kept.call, grad_outputs=outputs, tap_grads=tapped)
+        self.on_grads(kept.target, kept.state, done, kept.args, kept.kwargs, kept.sums)
+
+    def on_grads(
         self,
         target: Target,
         state: CallState,
@@ -56,26 +123,31 @@ class Backwards:
     ) -> None:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
         call's batch gradient of each parameter it writes ``grad1`` for."""
-        if self._removed or self._ignore_backward or state.cancelled or self._probing:
+        if (
+            self.state.removed
+            or not self.state.mode.capture
+            or state.cancelled
+            or self.state.probing
+        ):
             return
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
         create_graph = torch.is_grad_enabled()
-        if not self._capturing_backward():
+        if not self.state.capturing_backward():
             state.derived |= create_graph
             return
-        if not self._vmapped and _batched(call.grad_outputs):
+        if not self.state.vmapped and _batched(call.grad_outputs):
             # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
             # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
-            bw = self._backward_state()
+            bw = self.backward_state()
             bw.batched = bw.batched or f"'{target.name or '<model>'}'"
             return
-        if self._kept_backprops is not None:
-            self._kept_backprops.record(target.module, call, graph_task())
-        bw = self._backward_state()
+        if self.state.kept_backprops is not None:
+            self.state.kept_backprops.record(target.module, call, graph_task())
+        bw = self.backward_state()
         precision = lowest_precision(state.precision, *(
             g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
         ))  # fmt: skip
-        self._precision = lowest_precision(self._precision, precision)
+        self.state.precision = lowest_precision(self.state.precision, precision)
         if bw is not None:
             bw.precision = lowest_precision(bw.precision, precision)
         if state.derived:
@@ -106,7 +178,9 @@ class Backwards:
                 if aligned is not None:
                     layout = aligned
                 else:
-                    call = per_example_outputs(target, layout, call, create_graph, self._precision)
+                    call = per_example_outputs(
+                        target, layout, call, create_graph, self.state.precision
+                    )
             with autocast_off():
                 self._backward(target, state.params, call, state.frame, bw, sums, layout)
         except BaseException:
@@ -124,7 +198,7 @@ class Backwards:
         layout: CallLayout | None = None,
     ) -> None:
         rule = target.entry.rule
-        empty = _examples_of_empty_call(self.batch_dim, call, frame, layout)
+        empty = examples_of_empty_call(self.state.batch_dim, call, frame, layout)
         try:
             if empty is not None:  # (no entry: a gradient of zeros for each example)
                 pieces = {n: P.Direct(p.new_zeros((empty, *p.shape))) for n, p in params.items()}
@@ -162,7 +236,7 @@ class Backwards:
             return
         first = next(iter(live))
         batch = pieces[first].batch_size
-        if frame is not None and frame.empty is not None and batch and _blank(call):
+        if frame is not None and frame.empty is not None and batch and blank_call(call):
             raise ValueError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
                 f"first tensor input has shape {frame.empty}, with no entries. With "
@@ -175,7 +249,7 @@ class Backwards:
         if (
             layout is not None
             and batch != layout.batch
-            and self.batch_dim == "auto"
+            and self.state.batch_dim == "auto"
             and (layout.root and frame is not None)
         ):
             # the model's first input was taken as the batch, and the layer that reads it
@@ -192,29 +266,33 @@ class Backwards:
                     f"{', '.join(layout.lost) or 'its own operations'}); say where the model's "
                     "batch is with add_hooks(..., batch_dim=k), or register a rule."
                 )
-        elif frame is not None and self.batch_dim is not None:
+        elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
-        if self._grad1 and bw is not None and not bw.memory_checked:
+        if self.state.grad1 and bw is not None and not bw.memory_checked:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
-            self._refuse_large(batch)
-        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+            self.refuse_large(batch)
+        scale = float(batch) if self.state.loss_reduction == "mean" else 1.0
         formed: dict[int, Tensor] | None = None
         nested = bw is not None and bw.nested
-        if sums is not None and not self._grad1 and not self._no_param_grads and not nested:
+        if sums is not None and not self.state.grad1 and self.state.mode.param_grads and not nested:
             formed = {}
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
-                self._exempt.add(id(p))
-        if not self._grad1 and bw is not None and bw.verify:
+                self.state.exempt.add(id(p))
+        if not self.state.grad1 and bw is not None and bw.verify:
             # (fresh pieces: none of the columns the norms may cache)
-            bw.kept.append(({n: pieces[n].select(slice(None)) for n in live}, live, scale))
-        if self._collector is not None:
+            bw.kept.append(
+                P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
+            )
+        if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
-                bw.held.append((target.name, {n: pieces[n] for n in live}, live, scale))
+                bw.held.append(HeldCall(target.name, {n: pieces[n] for n in live}, live, scale))
             else:
-                self._collector.add(target.name, {n: pieces[n] for n in live}, live, scale, formed)
+                self.state.collector.add(
+                    target.name, {n: pieces[n] for n in live}, live, scale, formed
+                )
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
-        if not self._grad1:
+        if not self.state.grad1:
             if formed is not None:  # a call run detached without grad1 (norms): batch gradients
                 for pname, p in live.items():  # as a by-product of the norms, else from the piece
                     if wanted is not None and pname not in wanted:
@@ -230,16 +308,16 @@ class Backwards:
             piece = pieces[pname]
             qualname = f"{target.name}.{pname}" if target.name else pname
             if bw is not None and id(p) not in bw.before:
-                if id(p) in self._written and self._new_forward(p, frame):
-                    del self._written[id(p)]  # (torch.autograd.grad of another forward)
+                if id(p) in self.state.written and self._new_forward(p, frame):
+                    del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
                 # kept for a rollback; a kept grad1 is then never written in place
-                bw.before[id(p)] = p.grad1 if id(p) in self._written else None
+                bw.before[id(p)] = p.grad1 if id(p) in self.state.written else None
                 if bw.batch is None:
                     bw.batch = piece.batch_size
-            self._stale.pop(id(p), None)
+            self.state.stale.pop(id(p), None)
             if frame is not None:
-                self._forward_of[id(p)] = weakref.ref(frame)
-            accumulate = id(p) in self._written
+                self.state.forward_of[id(p)] = weakref.ref(frame)
+            accumulate = id(p) in self.state.written
             out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
             if accumulate and summed:
@@ -259,8 +337,8 @@ class Backwards:
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
             if out is None:
-                self._accumulate(qualname, p, g1)
-            self._written[id(p)] = p
+                self.accumulate(qualname, p, g1)
+            self.state.written[id(p)] = p
 
     def _writable_grad1(
         self, qualname: str, p: nn.Parameter, batch: int, accumulate: bool
@@ -272,7 +350,7 @@ class Backwards:
         the caller kept (a reference, a view, a numpy array) is never changed."""
         if torch.is_grad_enabled():
             return None  # a create_graph backward: grad1 gets a graph, never written in place
-        old = _sole_grad1(p)
+        old = sole_grad1(p)
         if old is None:
             return None
         if accumulate and old.shape[0] != batch:
@@ -290,7 +368,7 @@ class Backwards:
         if frame.batch is not None and batch != frame.batch:
             why = (
                 f"but the model's forward got a batch of {frame.batch} (dimension "
-                f"{self.batch_dim} of its first tensor input)"
+                f"{self.state.batch_dim} of its first tensor input)"
             )
         elif other is not None:
             seen = next(b for b, n in frame.seen.items() if n == other)
@@ -318,33 +396,33 @@ class Backwards:
             "each layer's dimension 0)."
         )
 
-    def _refuse_large(self, batch: int) -> None:
-        if not self._params:
+    def refuse_large(self, batch: int) -> None:
+        if not self.state.params:
             return
-        p = next(iter(self._params.values()))[1]
-        model = self.model
+        p = next(iter(self.state.params.values()))[1]
+        model = self.state.model
         refuse_if_too_large(
             f"'{type(model).__qualname__}'" if model is not None else "the model",
-            batch, self._numel, p.element_size(), p.device, self.max_grad1_bytes,
+            batch, self.state.numel, p.element_size(), p.device, self.state.max_grad1_bytes,
         )  # fmt: skip
 
-    def _backward_state(self) -> Backward:
+    def backward_state(self) -> Backward:
         task = graph_task()
-        bw = self._tasks.get(task)
+        bw = self.state.tasks.get(task)
         if bw is None:
-            nested = bool(self._tasks)  # (a backward inside another: reentrant checkpointing)
-            bw = self._tasks[task] = Backward(set(), set(), {}, [], nested=nested)
+            nested = bool(self.state.tasks)  # (a backward inside another: reentrant checkpointing)
+            bw = self.state.tasks[task] = Backward(set(), set(), {}, [], nested=nested)
             if nested:  # their gradients are split between the two: not verified
-                for other in self._tasks.values():
+                for other in self.state.tasks.values():
                     other.verify = frozenset()
             else:
-                bw.capturing = self._capturing_backward()
+                bw.capturing = self.state.capturing_backward()
                 if bw.capturing:
                     self._restart()
                 else:
-                    self._trail.observe()
-                if self.verify and self._checks_examples and self._unverified:
-                    bw.verify = frozenset(self._unverified)
+                    self.state.trail.observe()
+                if self.state.verify and self.state.checks_examples and self.state.unverified:
+                    bw.verify = frozenset(self.state.unverified)
             _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
 
@@ -353,19 +431,19 @@ class Backwards:
         ``.grad`` was reset since the last backward (``zero_grad``: see
         :mod:`gradhooks.engine.accumulation`), ``grad1`` starts afresh (and so do the quantities that
         accumulate); a ``grad1`` deleted by the user starts afresh too."""
-        for pid, p in list(self._written.items()):
+        for pid, p in list(self.state.written.items()):
             if p.__dict__.get("grad1") is None:
-                del self._written[pid]
-                self._depth.pop(pid, None)
-        if not len(self._trail):
+                del self.state.written[pid]
+                self.state.depth.pop(pid, None)
+        if not len(self.state.trail):
             return
-        reset = self._trail.restarted()
+        reset = self.state.trail.restarted()
         for p in reset:
-            if self._written.pop(id(p), None) is not None:
-                self._stale[id(p)] = p
-            self._depth.pop(id(p), None)
-        if reset and self._collector is not None:
-            self._collector.restart(reset)
+            if self.state.written.pop(id(p), None) is not None:
+                self.state.stale[id(p)] = p
+            self.state.depth.pop(id(p), None)
+        if reset and self.state.collector is not None:
+            self.state.collector.restart(reset)
 
     def _settle(self, bw: Backward, captured: bool) -> None:
         """At the end of a backward: count it in each ``grad1`` it wrote; where it was a
@@ -375,83 +453,90 @@ class Backwards:
         the ``.grad`` every parameter was left with, for the next backward's start."""
         if captured:  # (not one rolled back, or one that was not captured)
             for pid, before in bw.before.items():
-                if pid in self._written:
-                    self._depth[pid] = self._depth.get(pid, 1) + 1 if before is not None else 1
-        if captured and self._stale:
-            stale, self._stale = self._stale, {}
+                if pid in self.state.written:
+                    self.state.depth[pid] = (
+                        self.state.depth.get(pid, 1) + 1 if before is not None else 1
+                    )
+        if captured and self.state.stale:
+            stale, self.state.stale = self.state.stale, {}
             zero = [p for p in stale.values() if p.grad is not None and bw.batch is not None]
             zero = [p for p, z in zip(zero, all_zero([p.grad for p in zero])) if z]
             for p in zero:
                 self._zero_grad1(p, bw.batch)
             for pid, p in stale.items():
-                if pid not in self._written and "grad1" in p.__dict__:
+                if pid not in self.state.written and "grad1" in p.__dict__:
                     del p.grad1
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
-        params = {pid: p for pid, p in self._written.items()}
+        params = {pid: p for pid, p in self.state.written.items()}
         for pid in bw.reached:
-            if pid in self._params:
-                params.setdefault(pid, self._params[pid][1])
-        for p in self._trail.params():
+            if pid in self.state.params:
+                params.setdefault(pid, self.state.params[pid][1])
+        for p in self.state.trail.params():
             params.setdefault(id(p), p)
-        self._trail.record(params.values())
+        self.state.trail.record(params.values())
 
     def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
         """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
         no sign (see :mod:`gradhooks.engine.accumulation`): the last backward left ``.grad`` alone
         and was of another forward."""
-        if frame is None or not self._trail.left_alone(p):
+        if frame is None or not self.state.trail.left_alone(p):
             return False
-        last = self._forward_of.get(id(p))
+        last = self.state.forward_of.get(id(p))
         return last is not None and last() is not frame
 
     def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
         """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
-        old = _sole_grad1(p)
+        old = sole_grad1(p)
         if old is not None and tuple(old.shape) == (batch, *p.shape) and old.dtype == p.dtype:
             old.zero_()
         else:
             p.grad1 = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
-        self._written[id(p)] = p
-        self._depth[id(p)] = 1
+        self.state.written[id(p)] = p
+        self.state.depth[id(p)] = 1
 
-    def _param_hook(self, pid: int, name: str):
+    def param_hook(self, pid: int, name: str):
         def hook(grad: Tensor | None) -> None:
-            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+            if (
+                grad is None
+                or self.state.removed
+                or not self.state.mode.capture
+                or self.state.rerunning
+            ):
                 return  # (None: a node gave it no gradient, an empty batch's detached call)
-            if not self._vmapped and _batched((grad,)):
-                bw = self._backward_state()
+            if not self.state.vmapped and _batched((grad,)):
+                bw = self.backward_state()
                 bw.batched = bw.batched or f"'{name}'"
                 bw.computed.add(pid)
                 return
-            if pid in self._direct and self._capturing_backward():
+            if pid in self.state.direct and self.state.capturing_backward():
                 self._direct_uses(pid, name)
-            bw = self._backward_state()
+            bw = self.backward_state()
             bw.computed.add(pid)
-            hooked = _torch.tensor_hooks(self._params[pid][1]) > 1
-            if hooked and pid in bw.reached and self._capturing_backward():
+            hooked = _torch.tensor_hooks(self.state.params[pid][1]) > 1
+            if hooked and pid in bw.reached and self.state.capturing_backward():
                 # (hooks of the user's run after this one: compared at the accumulation)
                 bw.raw[pid] = (grad, _torch.version(grad))
-            if bw.verify and self._capturing_backward():
+            if bw.verify and self.state.capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
-            if pid not in bw.reached and self._capturing_backward():
+            if pid not in bw.reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
 
         return hook
 
-    def _accumulate_hook(self, pid: int, name: str):
+    def accumulate_hook(self, pid: int, name: str):
         """A pre-hook of the parameter's ``AccumulateGrad`` node: it runs where autograd adds
         the gradient into ``.grad`` (a ``backward()``, not a ``torch.autograd.grad``), after
         every hook registered on the parameter, so with the gradient ``.grad`` really gets."""
 
         def hook(grad_inputs: tuple) -> None:
-            if self._removed or self._ignore_backward or self._rerunning:
+            if self.state.removed or not self.state.mode.capture or self.state.rerunning:
                 return
-            bw = self._tasks.get(graph_task())
+            bw = self.state.tasks.get(graph_task())
             if bw is None:
                 return
             bw.accumulated.add(pid)
@@ -461,7 +546,11 @@ class Backwards:
                 return
             # (with grad1: its batch gradient, which hooks registered before gradhooks' own
             # have not changed either)
-            base = self._grad1_total(bw, pid) if self._grad1 and pid not in self._exempt else None
+            base = (
+                self._grad1_total(bw, pid)
+                if self.state.grad1 and pid not in self.state.exempt
+                else None
+            )
             if base is None and _same(final, *raw):
                 return
             self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
@@ -470,11 +559,11 @@ class Backwards:
 
     def _grad1_total(self, bw: Backward, pid: int) -> Tensor | None:
         """The batch gradient (``.grad``'s part) of what backward ``bw`` added to ``grad1``."""
-        g1 = self._grad1_of_backward(bw, pid, self._params[pid][1])
+        g1 = self.grad1_of_backward(bw, pid, self.state.params[pid][1])
         if g1 is None:
             return None
         total = g1.sum(0)
-        return total / g1.shape[0] if self.loss_reduction == "mean" and g1.shape[0] else total
+        return total / g1.shape[0] if self.state.loss_reduction == "mean" and g1.shape[0] else total
 
     def _changed_by_hook(
         self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor
@@ -490,9 +579,9 @@ class Backwards:
         factor = _multiple(raw, final, tol)
         if factor is not None and abs(factor - 1.0) <= tol:
             return  # (a new tensor, the same gradient: a norm clip that did not clip)
-        if factor is not None and self._grad1:
-            p = self._params[pid][1]
-            if pid in self._written and pid in bw.before:
+        if factor is not None and self.state.grad1:
+            p = self.state.params[pid][1]
+            if pid in self.state.written and pid in bw.before:
                 before = bw.before[pid]
                 g1 = p.grad1.detach()
                 p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
@@ -513,14 +602,14 @@ class Backwards:
             "multiplies the gradient by a number is followed, with grad1."
         )
 
-    def _direct_reached(self, held: tuple, unknown: dict) -> None:
+    def direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""
-        if self._rerunning or self._removed or self._ignore_backward:
+        if self.state.rerunning or self.state.removed or not self.state.mode.capture:
             return
-        if not (self._capturing_backward()):
+        if not (self.state.capturing_backward()):
             return
-        bw = self._backward_state()
+        bw = self.backward_state()
         for pid, source in held:
             sources, _ = bw.direct.setdefault(pid, (set(), unknown))
             sources.add(source)
@@ -529,7 +618,7 @@ class Backwards:
         """A parameter used directly in a followed forward whose gradient this backward computed
         with no per-example gradient at all: never left without one in silence."""
         uses = {kind for s in sources for kind, _ in s.uses}
-        if "loss" in uses and not self.verify:
+        if "loss" in uses and not self.state.verify:
             return  # (a term of the loss alone: verify=False keeps the per-example terms)
         ops = ", ".join(unknown)
         self._abort_backward()
@@ -552,20 +641,22 @@ class Backwards:
         its module's call (the tracker's sources) go into ``grad1`` as one more piece."""
         task = graph_task()
         found = [
-            s for s in list(self._direct[pid]) if not s.discarded and (task in s.grads or s.problem)
+            s
+            for s in list(self.state.direct[pid])
+            if not s.discarded and (task in s.grads or s.problem)
         ]
         if not found:
             return
-        p = self._params[pid][1]
-        target = self._direct_targets.get(pid)
+        p = self.state.params[pid][1]
+        target = self.direct_targets.get(pid)
         if target is None:
             prefix, leaf = owner_name(name)
             entry = _Entry(
                 rule=lambda call, leaf=leaf: {leaf: P.Direct(call.grad_outputs[0])},
                 owns_children=False, needs_output=False,
             )  # fmt: skip
-            target = Target(prefix, self._owner(name), entry, {leaf: p})
-            self._direct_targets[pid] = target
+            target = Target(prefix, self.owner(name), entry, {leaf: p})
+            self.direct_targets[pid] = target
         problem = next((s.problem for s in found if s.problem), None)
         if problem is not None:
             self._abort_backward()
@@ -581,22 +672,22 @@ class Backwards:
             per = g if per is None else per + g
         call = Call(
             target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
-            registry=self.registry,
+            registry=self.state.registry,
         )  # fmt: skip
         state = CallState(dict(target.params), None)
-        self._on_grads(target, state, call, (), {})
+        self.on_grads(target, state, call, (), {})
 
-    def _owner(self, name: str) -> nn.Module:
+    def owner(self, name: str) -> nn.Module:
         prefix, _ = owner_name(name)
-        model = self.model
+        model = self.state.model
         return model.get_submodule(prefix) if model is not None else None
 
     def _end_backward(self, task: int) -> None:
-        waiting = self._tasks.get(task)
+        waiting = self.state.tasks.get(task)
         while waiting is not None and waiting.pending:  # taps the backward never reached
             waiting.pending.pop(next(iter(waiting.pending)))()
-        bw = self._tasks.pop(task, None)
-        if bw is None or self._removed:
+        bw = self.state.tasks.pop(task, None)
+        if bw is None or self.state.removed:
             return
         bw.raw.clear()
         if bw.batched is not None:
@@ -608,13 +699,13 @@ class Backwards:
         returned = (bw.reached & bw.computed) - bw.accumulated if inside else set()
         if returned:
             self._refuse_returned(bw, returned)
-        self._unheld.clear()
+        self.state.unheld.clear()
         if bw.reached:
-            self._backwards += 1
+            self.state.backwards += 1
         if bw.derived is not None and bw.computed:
-            self._rollback(bw)
-            if self._collector is not None:
-                self._collector.discard_backward()
+            self.rollback(bw)
+            if self.state.collector is not None:
+                self.state.collector.discard_backward()
             raise RuntimeError(higher_order(bw.derived))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
@@ -622,33 +713,33 @@ class Backwards:
         kept = True
         # (a call run detached gives its parameters no gradient where the book-keeping step
         # asks for none: a backward that reached only such calls computed theirs all the same)
-        detached_only = self._no_param_grads and not bw.attached
-        if bw.reached and not bw.computed and not detached_only and not self._sharded:
-            self._rollback(bw)
-            if self._collector is not None and not bw.nested:
-                self._collector.discard_backward()
+        detached_only = not self.state.mode.param_grads and not bw.attached
+        if bw.reached and not bw.computed and not detached_only and not self.state.sharded:
+            self.rollback(bw)
+            if self.state.collector is not None and not bw.nested:
+                self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
-        for args in bw.held:
-            self._collector.add(*args)
+        for held in bw.held:
+            self.state.collector.add(*held)
         bw.held.clear()
-        if bw.verify and bw.grads and bw.reached and self._grad1:
-            self._verify(bw)
-        elif bw.verify and not self._grad1:
+        if bw.verify and bw.grads and bw.reached and self.state.grad1:
+            self.verifier.verify_backward(bw)
+        elif bw.verify and not self.state.grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
                 # (after the collector's own callback, which forms the norms)
-                _torch.queue_backward_callback(lambda: self._verify_norms(bw, bw.probe))
-            self._unverified -= bw.verify
+                _torch.queue_backward_callback(lambda: self.verifier.verify_norms(bw, bw.probe))
+            self.state.unverified -= bw.verify
         self._settle(bw, kept and bool(bw.reached))
-        if self._collector is not None:
-            self._collector.missed = list(bw.missed)
+        if self.state.collector is not None:
+            self.state.collector.missed = list(bw.missed)
         if bw.missed:
             missed = set(bw.missed)
-            for name, p in self._params.values():
-                if name in missed and id(p) not in self._written and hasattr(p, "grad1"):
+            for name, p in self.state.params.values():
+                if name in missed and id(p) not in self.state.written and hasattr(p, "grad1"):
                     del p.grad1  # (an earlier step's, never to be read for this one's)
             for name in bw.missed:
-                self._missed[name] = None
+                self.state.missed[name] = None
             names = ", ".join(f"'{n}'" for n in bw.missed[:5])
             more = f" and {len(bw.missed) - 5} more" if len(bw.missed) > 5 else ""
             warnings.warn(
@@ -668,9 +759,9 @@ class Backwards:
         gradients is refused (each of its rows would need a ``grad1`` of its own)."""
         if not bw.computed:
             return
-        names = [name for pid, (name, _) in self._params.items() if pid in bw.computed]
-        for other in self._tasks.values():
-            self._rollback(other)
+        names = [name for pid, (name, _) in self.state.params.items() if pid in bw.computed]
+        for other in self.state.tasks.values():
+            self.rollback(other)
         raise RuntimeError(
             f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
             f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
@@ -683,18 +774,18 @@ class Backwards:
     def _undo_running(self, bw: Backward) -> None:
         """Before a refusal inside backward ``bw``: its ``grad1`` and that of every backward of
         the handle still running (an outer one) back as they were, nothing left collected."""
-        for other in (bw, *self._tasks.values()):
-            self._rollback(other)
-        self._tasks.clear()
-        if self._collector is not None:
-            self._collector.discard_backward()
+        for other in (bw, *self.state.tasks.values()):
+            self.rollback(other)
+        self.state.tasks.clear()
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
 
     def _refuse_returned(self, bw: Backward, returned: set[int]) -> None:
         """A backward inside another (taken in a custom ``autograd.Function``'s backward or a
         gradient hook) computed parameter gradients and gave them back to the code that asked,
         instead of adding them into ``.grad``: what that code does with them (an adjoint ODE
         solver sums them over its time steps, scaled by the step) is not seen per example."""
-        names = [name for pid, (name, _) in self._params.items() if pid in returned]
+        names = [name for pid, (name, _) in self.state.params.items() if pid in returned]
         self._undo_running(bw)
         raise RuntimeError(
             f"gradhooks: {_listed_names(names)}: their gradients were computed by a backward "
@@ -710,23 +801,23 @@ class Backwards:
             "solving for the adjoint), or freeze these parameters."
         )
 
-    def _grad1_of_backward(self, bw: Backward, pid: int, p: nn.Parameter) -> Tensor | None:
+    def grad1_of_backward(self, bw: Backward, pid: int, p: nn.Parameter) -> Tensor | None:
         """What backward ``bw`` added to ``p.grad1`` (``None``: nothing)."""
-        if pid not in self._written or pid not in bw.before:
+        if pid not in self.state.written or pid not in bw.before:
             return None
         g1 = p.grad1.detach()
         before = bw.before[pid]
         return g1 if before is None else g1 - before
 
-    def _rollback(self, bw: Backward) -> None:
+    def rollback(self, bw: Backward) -> None:
         """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
         so it was never written in place (``_writable_grad1`` refuses a referenced grad1)."""
         for pid, before in bw.before.items():
-            p = self._written.get(pid)
+            p = self.state.written.get(pid)
             if p is None:
                 continue
             if before is None:
-                del self._written[pid]
+                del self.state.written[pid]
                 if hasattr(p, "grad1"):
                     del p.grad1
             else:
@@ -734,25 +825,25 @@ class Backwards:
 
     def _abort_backward(self) -> None:
         """A hook of ours raised: the backward fails; leave nothing of it behind."""
-        bw = self._tasks.pop(graph_task(), None)
+        bw = self.state.tasks.pop(graph_task(), None)
         if bw is not None:
-            self._rollback(bw)
-        if self._collector is not None:
-            self._collector.discard_backward()
+            self.rollback(bw)
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
 
-    def _drop_stale(self) -> None:
+    def drop_stale(self) -> None:
         """At a forward outside any backward: a backward still recorded as running failed
         (an exception elsewhere in it); undo what it wrote."""
-        for bw in self._tasks.values():
-            self._rollback(bw)
-        self._tasks.clear()
-        if self._collector is not None and self._collector._queued:
-            self._collector.discard_backward()
+        for bw in self.state.tasks.values():
+            self.rollback(bw)
+        self.state.tasks.clear()
+        if self.state.collector is not None and self.state.collector._queued:
+            self.state.collector.discard_backward()
 
-    def _accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
+    def accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
         if g1.dtype != p.dtype:
             g1 = g1.to(p.dtype)
-        if id(p) in self._written:
+        if id(p) in self.state.written:
             old = p.grad1
             if old.shape != g1.shape:
                 raise RuntimeError(
@@ -796,72 +887,3 @@ def _multiple(raw: Tensor, final: Tensor, tol: float) -> float | None:
     c = float(r @ f) / rr
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
-
-
-def _examples_of_empty_call(
-    batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
-) -> int | None:
-    """The number of examples of a call whose per-example gradients are all zeros, formed
-    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
-    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
-    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
-    and output-gradients have no entries, with the examples where its rule reads them
-    (``[batch, 0, features]``).
-    ``None`` otherwise (the rule runs)."""
-    if frame is not None and frame.batch == 0:
-        if (layout is None or layout.kind == "plain") and _first_rows(call) == 0:
-            return None  # (the rule reads 0 rows where it reads them: its pieces, empty,
-            # still say what they are of, as K-FAC's factors summed over ranks need)
-        return 0
-    if not _blank(call):
-        return None
-    if layout is not None and layout.kind in ("plain", "fold"):
-        return layout.batch  # (where the rule reads the examples: empty, each of them)
-    return None
-
-
-def _first_rows(call: Call) -> int | None:
-    """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
-    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
-    return None if first is None or first.dim() == 0 else first.shape[0]
-
-
-def _blank(call: Call) -> bool:
-    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
-    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
-    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
-    return bool(leaves) and not any(
-        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
-    )
-
-
-def _grad1_refs(owner: Any) -> int:
-    t = owner.__dict__.get("grad1")
-    return sys.getrefcount(t)
-
-
-def _sole_refs() -> int | None:
-    """What :func:`_grad1_refs` counts for a ``grad1`` that nothing else refers to, or ``None``
-    where one more reference would not show (then ``grad1`` is never written in place)."""
-    try:
-        owner = nn.Parameter(torch.zeros(2))
-        owner.grad1 = torch.zeros(1, 2)
-        alone = _grad1_refs(owner)
-        kept = owner.grad1  # noqa: F841  (one more reference)
-        return alone if _grad1_refs(owner) == alone + 1 else None
-    except Exception:
-        return None
-
-
-_SOLE_REFS = _sole_refs()
-
-
-def _sole_grad1(p: nn.Parameter) -> Tensor | None:
-    """``p.grad1`` if it is a plain contiguous tensor that only ``p`` refers to: no other
-    Python reference, no view or other tensor on its memory, not saved by autograd."""
-    if _SOLE_REFS is None or type(p.__dict__.get("grad1")) is not Tensor:
-        return None
-    if _grad1_refs(p) != _SOLE_REFS:
-        return None
-    t = p.grad1
-    return t if t.is_contiguous() and _torch.unshared(t) else None

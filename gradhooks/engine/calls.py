@@ -6,7 +6,7 @@ the part of :class:`gradhooks.Hooks` that asks the tracker.
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState
+from .records import CallLayout, CallState, Frame
+from .state import CaptureState
 
 
 class _Unview(torch.autograd.Function):
@@ -310,10 +311,76 @@ def _shapes(args: tuple, kwargs: dict) -> str:
     )
 
 
+def examples_of_empty_call(
+    batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
+) -> int | None:
+    """The number of examples of a call whose per-example gradients are all zeros, formed
+    without its rule: a forward without examples (on an int ``batch_dim``, also other than 0,
+    where the layers may see the batch elsewhere: ``[time, 0, features]``; a call on a shared
+    input, a memory bank, in a forward whose batch is empty), or a call whose tensor inputs
+    and output-gradients have no entries, with the examples where its rule reads them
+    (``[batch, 0, features]``).
+    ``None`` otherwise (the rule runs)."""
+    if frame is not None and frame.batch == 0:
+        if (layout is None or layout.kind == "plain") and _first_rows(call) == 0:
+            return None  # (the rule reads 0 rows where it reads them: its pieces, empty,
+            # still say what they are of, as K-FAC's factors summed over ranks need)
+        return 0
+    if not blank_call(call):
+        return None
+    if layout is not None and layout.kind in ("plain", "fold"):
+        return layout.batch  # (where the rule reads the examples: empty, each of them)
+    return None
+
+
+def _first_rows(call: Call) -> int | None:
+    """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
+    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
+    return None if first is None or first.dim() == 0 else first.shape[0]
+
+
+def blank_call(call: Call) -> bool:
+    """Whether a call's tensor inputs and output-gradients have no entries (a bias with
+    nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
+    return bool(leaves) and not any(
+        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
+    )
+
+
+@dataclass(eq=False)
+class KeptCall:
+    """A captured call waiting for its output-gradients: what the gradient hook on its outputs
+    hands to :meth:`BackwardWriter.output_grads` (and, for a rule with taps, the hooks on the
+    tapped nodes to :meth:`BackwardWriter.node_grads`). Holds neither the call's outputs nor its
+    nodes (a reference cycle through autograd's graph)."""
+
+    target: Target
+    state: CallState
+    call: Call
+    args: tuple  # the call's inputs as it got them
+    kwargs: dict
+    live: dict[str, nn.Parameter]  # the parameters it writes grad1 for
+    hooked: tuple[int, ...]  # which leaves of its output have the gradient hook
+    n_leaves: int  # the leaves of its output
+    carried: Any  # its capture._Carried, where its first input carries its parameters
+    n_nodes: int = 0  # the nodes its rule taps
+    # a tapped call's gradients so far: "outputs", then each node's by its index
+    pending: dict = field(default_factory=dict)
+
+    @property
+    def sums(self) -> dict[str, Tensor] | None:
+        """Where the call's parameters are carried: the batch gradients its rule gives."""
+        return self.carried.sums if self.carried is not None else None
+
+
 class CallLayouts:
     """The tracker's view of each call (a part of :class:`gradhooks.Hooks`)."""
 
-    def _call_layout(
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+
+    def call_layout(
         self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
     ) -> CallLayout | None:
         """Where the examples are in a captured call, from the tracker's layouts of its inputs
@@ -357,7 +424,7 @@ class CallLayouts:
                     f" The batch was taken as dimension 0 of the model's first input ({batch} "
                     "examples): if it is another dimension (a sequence-first model, [seq, "
                     "batch, ...]), say which with add_hooks(model, batch_dim=k)."
-                    if self.batch_dim == "auto"
+                    if self.state.batch_dim == "auto"
                     else ""
                 )
             )
@@ -414,7 +481,7 @@ class CallLayouts:
             layout = CallLayout("unknown", batch, first, lin, lout)
             layout.lost = tuple(tracker.unknown)
             return layout
-        frame = self._frames[-1] if self._frames else None
+        frame = self.state.frames[-1] if self.state.frames else None
         root = frame is not None and any(
             x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
         )
@@ -449,7 +516,7 @@ class CallLayouts:
             kind = "plain" if first.dim == 0 and first.plain else "moved"
             return CallLayout(kind, batch, first, lin, lout, root=root)
         if first.dim != dim and self._reseed(tracker, ins, outs, dim):
-            return self._call_layout(target, args, kwargs, output, tracker)
+            return self.call_layout(target, args, kwargs, output, tracker)
         if first.dim != dim:
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
@@ -467,8 +534,8 @@ class CallLayouts:
         where the first hooked call takes that very input and reads its batch from dimension
         ``dim`` (a sequence-first layer), the batch is dimension ``dim`` instead (once, at the
         first call of the forward)."""
-        frame = self._frames[-1] if self._frames else None
-        if self.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
+        frame = self.state.frames[-1] if self.state.frames else None
+        if self.state.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
             return False
         x = next((t for t in ins if isinstance(t, Tensor)), None)
         if x is None or not any(x is r for r in frame.roots) or x.dim() <= dim:
@@ -485,7 +552,7 @@ class CallLayouts:
         frame.roots = []
         return True
 
-    def _reseed_before(
+    def reseed_before(
         self, target: Target, module: nn.Module, args: tuple, kwargs: dict, tracker: Tracker
     ) -> None:
         """:meth:`_reseed` as the first hooked call starts (a sequence-first layer given the
@@ -500,60 +567,19 @@ class CallLayouts:
         if first is not None and first.dim >= 0 and first.dim != dim:
             self._reseed(tracker, ins, [], dim)
 
-    def _functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
-        """A parameter used directly in a torch function the registry has a rule for
-        (``F.linear``: a tied output layer): the function's call is captured as a hooked
-        module's would be. ``NotImplemented`` where that does not apply."""
-        spec = self.registry.function(name)
-        if spec is None:
-            return NotImplemented
-        entry, roles, (in_pos, in_key), applies = spec
-        if not applies(args, kwargs):
-            return NotImplemented
-        x = args[in_pos] if len(args) > in_pos else kwargs.get(in_key)
-        lay = tracker.layout(x)
-        if lay is None or lay is UNKNOWN or lay is PACKED:
-            return NotImplemented
-        named = {}
-        for role, (pos, key) in roles.items():
-            t = args[pos] if len(args) > pos else kwargs.get(key)
-            if isinstance(t, Tensor) and any(t is d for d in direct):
-                named[role] = t
-        if len(named) != len(direct):
-            return NotImplemented
-        out = func(*args, **kwargs)
-        tracker.propagate(name, args, kwargs, out)
-        if not isinstance(out, Tensor) or not out.requires_grad:
-            return out
-        key = (name, *(id(p) for p in named.values()))
-        target = self._functional_targets.get(key)
-        if target is None:
-            names = [self._params[id(p)][0] for p in named.values()]
-            owner = self._owner(names[0])
-            label = ", ".join(f"'{n}'" for n in names)
-            target = Target(f"{label} used in {name}", owner, entry, named)
-            self._functional_targets[key] = target
-        call, state = self._kept_call(target, named, (x,), {}, out, self._call_layout(
-            target, (x,), {}, out, tracker))  # fmt: skip
-        if self._collector is not None:
-            self._collector.expect(named)
-        out.register_hook(lambda g: None if self._rerunning else self._on_grads(
-            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
-        return out
-
-    def _direct_source(self, source: Source, p: nn.Parameter) -> None:
+    def direct_source(self, source: Source, p: nn.Parameter) -> None:
         """The tracker saw ``p`` used outside its module's call (a parent's
         ``F.linear(h, self.wte.weight)``, a table read as ``self.emb.weight``): its per-example
         gradients from that use are the source's, given to ``p.grad1`` when its gradient is
-        complete (:meth:`_param_hook`)."""
-        self._direct.setdefault(id(p), weakref.WeakSet()).add(source)
-        if self._collector is not None:
-            self._collector.expect({source.name: p})
+        complete (:meth:`BackwardWriter.param_hook`)."""
+        self.state.direct.setdefault(id(p), weakref.WeakSet()).add(source)
+        if self.state.collector is not None:
+            self.state.collector.expect({source.name: p})
 
-    def _plain_call(self, target: Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    def plain_call(self, target: Target, module: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether a call about to run has its examples where its rule reads them (the paths
         that run a call detached assume so); true without a tracker."""
-        tracker = self._tracker()
+        tracker = self.state.tracker()
         if tracker is None:
             return True
         first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]

@@ -4,7 +4,7 @@ call detached aliases of the parameters, :attr:`gradhooks.tracking.Tracker.alias
 the call's own where no tracker follows it: :func:`hand_over`), run with
 grad mode off (a rule with ``owns_backward``,
 which gives the inputs' gradients itself), or with the parameters carried by the first input
-(a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of
+(a rule with ``taps``, which reads nodes inside the call). :class:`DetachedCalls` is the part of a
 :class:`gradhooks.Hooks` that runs them; autograd reaches the parameters again through the
 ``autograd.Function`` nodes below.
 """
@@ -15,7 +15,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,13 +24,15 @@ from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..rules.registry import Call
 from ..tracking import Aliases, Tracker
-from .calls import check_parameter_versions
+from .backward import BackwardWriter
+from .calls import CallLayouts, check_parameter_versions
 from .plan import Target
-from .records import Hook, detach_tree, is_compiling, tree_leaves
+from .records import CallState, Hook, detach_tree, is_compiling, tree_leaves
+from .state import CaptureState
 
 
 class _Sums(dict):
-    """The batch gradients a call's rule gives (:meth:`Hooks._backward` fills it), for the
+    """The batch gradients a call's rule gives (:meth:`BackwardWriter._backward` fills it), for the
     parameters in ``names`` only."""
 
     def __init__(self, names) -> None:
@@ -41,7 +43,7 @@ class _Sums(dict):
 @dataclass
 class _Carried:
     """A call run with its parameters detached whose rule has ``taps`` (see
-    :meth:`Hooks._detach_hook`): the parameters are attached to its first input through a
+    :meth:`DetachedCalls.detach_hook`): the parameters are attached to its first input through a
     :class:`_Join` node, whose backward runs after every node of the call, so after the rule.
     Never holds a tensor of the call's own graph (a cycle through autograd's graph)."""
 
@@ -54,6 +56,42 @@ class _Carried:
     outputs: tuple | None = None  # the call's output-gradients, once the backward has them
 
 
+@dataclass
+class DetachedCall:
+    """A call running now with its parameters detached: pushed by
+    :meth:`DetachedCalls.detach_hook` before the call, popped by :meth:`DetachedCalls.reattach`
+    at its end (or by :meth:`gradhooks.Hooks.remove` during it)."""
+
+    module: nn.Module
+    detached: dict[str, nn.Parameter]  # the parameters detached, by name in the module
+    owned: tuple[tuple, dict] | None  # (args, kwargs) where it runs with grad mode off
+    carried: _Carried | None  # where its first input carries the parameters
+    recording: tuple[Any, Any] | None  # its rule's owns_backward manager and what it gave
+    undo: Callable[[], None] | None  # puts back what hand_over did
+
+    def close(self, exc: tuple = (None, None, None)) -> Any:
+        """End what the call's start opened (the aliases handed over, grad mode, the rule's
+        recording); returns what the recording gave, or ``None``."""
+        if self.undo is not None:
+            self.undo()
+        if self.owned is not None:
+            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
+        if self.recording is None:
+            return None
+        manager, recorded = self.recording
+        manager.__exit__(*exc)
+        return recorded
+
+
+class Reattached(NamedTuple):
+    """What :meth:`DetachedCalls.reattach` gives back at the end of a call."""
+
+    detached: dict[str, nn.Parameter]
+    owned: tuple[tuple, dict] | None
+    carried: _Carried | None
+    recorded: Any  # what the rule's owns_backward recording gave
+
+
 class _Join(torch.autograd.Function):
     """``_Join.apply(backward, n, *tensors)``: the first ``n`` of ``tensors`` (the same memory,
     not views for autograd: an in-place ReLU may follow), joined in autograd's graph to every
@@ -61,8 +99,8 @@ class _Join(torch.autograd.Function):
     where none flowed) for the gradients of all of ``tensors``, in order.
 
     The one node by which a call whose parameters autograd does not see reaches them again:
-    after the output of a call run detached (:meth:`DetachedCalls._capture_detached`) or with
-    grad mode off (:meth:`DetachedCalls._capture_owned`), or before the first input of a
+    after the output of a call run detached (:meth:`DetachedCalls.capture_detached`) or with
+    grad mode off (:meth:`DetachedCalls.capture_owned`), or before the first input of a
     carried call (:class:`_Carried`)."""
 
     @staticmethod
@@ -133,7 +171,7 @@ def _rerun(
     bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed).
     The one rerun of a call, wherever what autograd would give is wanted and the rule did not
     give it (a ``create_graph`` backward): for a call run detached or carried
-    (:func:`_autograd_of`) or owned (:meth:`DetachedCalls._capture_owned`)."""
+    (:func:`_autograd_of`) or owned (:meth:`DetachedCalls.capture_owned`)."""
     with torch.enable_grad():
         args, kwargs = owned
         leaves = tree_flatten(module.forward(*args, **kwargs))[0]
@@ -197,19 +235,38 @@ def _sums_of_rule(target: Target, call: Call, detached: dict, sums: dict[str, Te
             sums[n] = pieces[n].in_dtype(p.dtype).batch_sum(p.shape)
 
 
+class KeepsCalls(Protocol):
+    """What :class:`DetachedCalls` asks of the forward's part
+    (:class:`~gradhooks.engine.forward.ForwardCapture`)."""
+
+    def keep_unhooked_call(
+        self, target: Target, args: tuple, kwargs: dict, output: Any
+    ) -> tuple[Call, CallState]:
+        """Start capturing a call whose parameters autograd does not see; ``(call, state)``."""
+        ...
+
+
 class DetachedCalls:
     """Calls run detached, owned or carried (a part of :class:`gradhooks.Hooks`)."""
 
-    def _detach_hook(self, target: Target, forward_hook: int):
+    # the other parts it calls, given by the handle that owns them all
+    forwards: KeepsCalls
+    backwards: BackwardWriter
+    layouts: CallLayouts
+
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+
+    def detach_hook(self, target: Target, forward_hook: int):
         """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
         so, the call runs with the module's own parameters detached (the tracker hands its
         torch functions detached aliases: autograd then computes no batch gradient for them),
-        and :meth:`_forward_hook` (handle id ``forward_hook``)
+        and :meth:`ForwardCapture.forward_hook` (handle id ``forward_hook``)
         replaces the output by one attached to them again through a :class:`_Join` node, whose
         backward gives ``.grad`` the sum of the call's ``grad1``. Not where another forward hook
         would see the output before it is attached: a loss built on that output would give
         the parameters no gradient. Where the rule's entry has ``owns_backward``, the call runs
-        with grad mode off: autograd records nothing of it (:meth:`_capture_owned`). Where it
+        with grad mode off: autograd records nothing of it (:meth:`capture_owned`). Where it
         has ``taps`` (and ``grad1`` is computed), the rule runs only once the backward has
         reached nodes inside the call, after its output: the parameters are attached to the
         call's first floating-point input instead, through a :class:`_Join` node that takes
@@ -224,9 +281,9 @@ class DetachedCalls:
                 module is not target.module
                 or _torch.first_forward_hook(module) != forward_hook
                 or _torch.global_forward_hooks()
-                or self._removed
-                or not (self._grad1 or {"norms", "sum_grad_sq"} & set(self.quantities))
-                or not self._capturing_backward()
+                or self.state.removed
+                or not (self.state.grad1 or {"norms", "sum_grad_sq"} & set(self.state.quantities))
+                or not self.state.capturing_backward()
                 or not torch.is_grad_enabled()
                 or is_compiling()
                 or _torch.in_transform(args, kwargs)
@@ -235,9 +292,9 @@ class DetachedCalls:
                 # where no tracker tells its layout as the forward's did: it must save what the
                 # forward saved, so neither runs detached)
                 or _torch.saved_tensor_hooks_active()
-                or not self._plain_call(target, module, args, kwargs)
+                or not self.layouts.plain_call(target, module, args, kwargs)
                 or (owns and self._from_sources(args, kwargs))
-                or (carries and not self._grad1)
+                or (carries and not self.state.grad1)
                 or ((owns or carries) and not _last_pre_hook(module, hook))
                 or not (owns or _first_pre_hooks_ours(module, hook))
             ):
@@ -263,7 +320,7 @@ class DetachedCalls:
                 recording = (manager, manager.__enter__())
             undo = None  # (puts back what hand_over did, in _reattach)
             if owned is None:  # (a call run with grad mode off needs no aliases)
-                undo = hand_over(self._tracker(), detached.values())
+                undo = hand_over(self.state.tracker(), detached.values())
             box = None
             if carries:
                 box = _Carried(target, detached, carried, args, kwargs, _Sums(detached))
@@ -273,8 +330,8 @@ class DetachedCalls:
                 )  # fmt: skip
                 swap = lambda t: attached if t is carried else t  # noqa: E731
                 args, kwargs = tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
-            self._detached.setdefault(id(module), []).append(
-                (module, detached, owned, box, recording, undo)
+            self.state.detached.setdefault(id(module), []).append(
+                DetachedCall(module, detached, owned, box, recording, undo)
             )
             if owned is not None:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
@@ -289,34 +346,27 @@ class DetachedCalls:
         learned initial state ``h0.expand(-1, batch, -1)``): a call run with grad mode off gives
         such an input only its batch gradient, so it runs under autograd instead, where the
         tracker splits that gradient by example."""
-        tracker = self._tracker()
+        tracker = self.state.tracker()
         return tracker is not None and any(
             isinstance(t, Tensor) and t.requires_grad and tracker.sources_of(t)
             for t in [*tree_leaves(args), *tree_leaves(kwargs)]
         )
 
-    def _reattach(self, module: nn.Module) -> tuple[dict[str, nn.Parameter], Any, Any, Any]:
-        """Put back the parameters :meth:`_detach_hook` detached for the call now ending;
+    def reattach(self, module: nn.Module) -> Reattached:
+        """Put back the parameters :meth:`detach_hook` detached for the call now ending;
         returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
         ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
         and what its rule's ``owns_backward`` recording gave (else ``None``), the recording now left."""
-        stack = self._detached.get(id(module))
+        stack = self.state.detached.get(id(module))
         if not stack:
-            return {}, None, None, None
-        _, detached, owned, carried, recording, undo = stack.pop()
+            return Reattached({}, None, None, None)
+        call = stack.pop()
         if not stack:
-            del self._detached[id(module)]
-        if undo is not None:
-            undo()
-        if owned is not None:
-            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
-        recorded = None
-        if recording is not None:
-            manager, recorded = recording
-            manager.__exit__(*sys.exc_info())
-        return detached, owned, carried, recorded
+            del self.state.detached[id(module)]
+        recorded = call.close(sys.exc_info())
+        return Reattached(call.detached, call.owned, call.carried, recorded)
 
-    def _check_aliases(
+    def check_aliases(
         self,
         target: Target,
         detached: dict[str, nn.Parameter],
@@ -329,7 +379,7 @@ class DetachedCalls:
         function received, so no alias replaced it: an ``autograd.Function``, a TorchScript
         function), which would add autograd's batch gradient to the one taken from
         ``grad1``. The walk stops at the call's inputs (at most 64 nodes)."""
-        self._aliases_checked.add(id(target.module))
+        self.state.aliases_checked.add(id(target.module))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         # (the nodes held while their ids are compared: a node's Python object may be made anew)
         held = [t.grad_fn for t in inputs if t.grad_fn is not None]
@@ -360,7 +410,7 @@ class DetachedCalls:
                     "convolutions) or register its rule without grad_from_grad1."
                 )
 
-    def _capture_detached(
+    def capture_detached(
         self,
         target: Target,
         detached: dict[str, nn.Parameter],
@@ -368,7 +418,7 @@ class DetachedCalls:
         kwargs: dict,
         output: Any,
     ) -> Tensor:
-        """Capture a call that ran with ``detached`` detached (:meth:`_detach_hook`); return
+        """Capture a call that ran with ``detached`` detached (:meth:`detach_hook`); return
         its output attached to them again (the forward hook's replacement output)."""
         module = target.module
         if not isinstance(output, Tensor):
@@ -377,16 +427,16 @@ class DetachedCalls:
                 f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
                 "modules that return one tensor"
             )
-        call, state = self._keep_unhooked_call(target, args, kwargs, output)
+        call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         leaves = [*tree_leaves(args), *tree_leaves(kwargs)]
         inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
             filled = replace(call, grad_outputs=(g,))
-            if not self._probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
-                self._on_grads(target, state, filled, args, kwargs, sums)
-                if self._no_param_grads:
+            if not self.state.probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
+                self.backwards.on_grads(target, state, filled, args, kwargs, sums)
+                if not self.state.mode.param_grads:
                     return (None,) * (len(detached) + len(inputs))
                 if len(sums) < len(detached) and not torch.is_grad_enabled():
                     # this backward writes nothing (paused, the second backward of a ghost DP
@@ -394,13 +444,13 @@ class DetachedCalls:
                     _sums_of_rule(target, filled, detached, sums)
             create_graph = torch.is_grad_enabled()
             missing = [n for n in detached if n not in sums]
-            self._rerunning += 1  # its backwards are not the model's: not tracked
+            self.state.rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 found, corrections = _autograd_of(
                     target, args, kwargs, detached, missing, [g], inputs, create_graph
                 )
             finally:
-                self._rerunning -= 1
+                self.state.rerunning -= 1
             grads = {**sums, **found}
             return (*(grads[n] for n in detached), *corrections)
 
@@ -413,7 +463,7 @@ class DetachedCalls:
         (attached,) = _Join.apply(joined, 1, output, *detached.values(), *inputs)
         return attached
 
-    def _capture_owned(
+    def capture_owned(
         self,
         target: Target,
         detached: dict[str, nn.Parameter],
@@ -432,7 +482,7 @@ class DetachedCalls:
         autograd through the call's forward run again (:func:`_rerun`). ``recorded``:
         what the rule's ``owns_backward`` recording gave at the forward (``call.recorded``)."""
         module = target.module
-        call, state = self._keep_unhooked_call(target, args, kwargs, output)
+        call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         if recorded is not None:
             call = replace(call, recorded=recorded)
         in_leaves = tree_flatten(owned)[0]
@@ -447,16 +497,16 @@ class DetachedCalls:
             full: list[Tensor | None] = [None] * n_out
             for i, g in zip(out_idx, grads):
                 full[i] = g
-            if self._probing:  # (autograd's own gradients, by a rerun: no rule runs)
+            if self.state.probing:  # (autograd's own gradients, by a rerun: no rule runs)
                 wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
-                with self._nested():
+                with self.nested():
                     return tuple(_rerun(module, owned, full, wanted, False))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = replace(call, grad_outputs=tuple(full), input_grads=[])
-            self._on_grads(target, state, filled, args, kwargs, sums)
+            self.backwards.on_grads(target, state, filled, args, kwargs, sums)
             found = filled.input_grads
-            incomplete = len(sums) < len(detached) and not self._no_param_grads
+            incomplete = len(sums) < len(detached) and self.state.mode.param_grads
             if not create_graph and (incomplete or not found):
                 # the rule did not run (paused, not capturing): run it for both
                 again = replace(filled, input_grads=[])
@@ -466,18 +516,20 @@ class DetachedCalls:
             input_grads = [None if create_graph or not found else found[i] for i in in_idx]
             # (a backward whose parameter gradients are not used, the book-keeping DP step's,
             # needs none: no rerun, whose nested backward would reach earlier calls' hooks)
-            missing = [] if self._no_param_grads else [n for n in detached if n not in param_grads]
+            missing = (
+                [n for n in detached if n not in param_grads] if self.state.mode.param_grads else []
+            )
             if missing or (in_idx and not found) or create_graph:
-                self._rerunning += 1  # its backwards are not the model's: not tracked
+                self.state.rerunning += 1  # its backwards are not the model's: not tracked
                 try:
                     wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
                     got = _rerun(module, owned, full, wanted, create_graph)
                 finally:
-                    self._rerunning -= 1
+                    self.state.rerunning -= 1
                 param_grads.update(zip(missing, got))
                 if create_graph or not found:
                     input_grads = got[len(missing) :]
-            if self._no_param_grads:
+            if not self.state.mode.param_grads:
                 return (*(None for _ in detached), *input_grads)
             return (*(param_grads[n] for n in detached), *input_grads)
 
@@ -504,31 +556,31 @@ class DetachedCalls:
         detached = carried.detached
         outputs, carried.outputs = carried.outputs, None
         create_graph = torch.is_grad_enabled()
-        if self._no_param_grads and not create_graph:
+        if not self.state.mode.param_grads and not create_graph:
             return (g, *(None for _ in detached))
         grads: dict[str, Tensor | None] = {} if create_graph else dict(carried.sums)
         carried.sums.clear()
         missing = [n for n in detached if n not in grads]
         if (missing or create_graph) and outputs is not None:
-            self._rerunning += 1  # its backwards are not the model's: not tracked
+            self.state.rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 found, (correction,) = _autograd_of(
                     carried.target, carried.args, carried.kwargs, detached, missing,
                     list(outputs), [carried.input], create_graph,
                 )  # fmt: skip
             finally:
-                self._rerunning -= 1
+                self.state.rerunning -= 1
             grads.update(found)
             if correction is not None:
                 g = correction if g is None else g + correction
         return (g, *(grads.get(n) for n in detached))
 
     @contextlib.contextmanager
-    def _nested(self) -> Iterator[None]:
+    def nested(self) -> Iterator[None]:
         """A backward the engine runs inside one of the model's (per-example gradients through
         batch-free operations): the hooks it reaches are not the model's."""
-        self._rerunning += 1
+        self.state.rerunning += 1
         try:
             yield
         finally:
-            self._rerunning -= 1
+            self.state.rerunning -= 1

@@ -1,8 +1,8 @@
 """A forward of the hooked model: its frame and the tracker that follows the batch through it,
 and, at each hooked call, what the call keeps until the backward reaches its outputs.
 
-:class:`Forwards` is this part of :class:`gradhooks.Hooks`: the forward pre- and post-hooks of
-the model (and of the modules through which it may be entered, :meth:`Forwards._entry_hooks`)
+:class:`ForwardCapture` is this part of a :class:`gradhooks.Hooks` handle: the forward pre- and post-hooks of
+the model (and of the modules through which it may be entered, :meth:`ForwardCapture.entry_hooks`)
 open and close a :class:`~gradhooks.engine.records.Frame`; every hooked module's forward hook keeps its
 call (a :class:`~gradhooks.rules.registry.Call` and its :class:`~gradhooks.engine.records.CallState`) and puts
 a gradient hook on its outputs, which hands the call, with its output-gradients, to the backward
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,8 +29,10 @@ from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
-from ..tracking import PACKED, Source, Tracker
-from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
+from ..tracking import PACKED, UNKNOWN, Source, Tracker
+from .backward import BackwardWriter
+from .calls import CallLayouts, KeptCall, carry_layouts, keeps_rows, own_node, root_batch, unview
+from .capture import DetachedCalls
 from .plan import Target, positional
 from .records import (
     CallLayout,
@@ -44,15 +47,27 @@ from .records import (
     power_of_two,
     tree_leaves,
 )
+from .state import CaptureState
+from .verify import Verifier
 
-if TYPE_CHECKING:
-    from .handle import Hooks
 
-
-class Forwards:
+class ForwardCapture:
     """The forward side of :class:`gradhooks.Hooks`: frames, the tracker, kept calls."""
 
-    def _enter_hook(self, target: Target):
+    # the other parts it calls, given by the handle that owns them all
+    layouts: CallLayouts
+    backwards: BackwardWriter
+    detached_calls: DetachedCalls
+    verifier: Verifier
+
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+        # the handle's: plan the hooks again where the model changed since (at each forward)
+        self.follow_changes: Callable[[nn.Module], None] = lambda model: None
+        # a Target per torch function and parameters captured as a call (F.linear of a tied weight)
+        self.functional_targets: dict[tuple, Target] = {}
+
+    def enter_hook(self, target: Target):
         """The forward pre-hook of every hooked module: the tracker (if this forward has one)
         learns which parameters the call covers, so that an operation using a parameter
         outside its module's call is seen as a direct use."""
@@ -61,17 +76,17 @@ class Forwards:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
-            if self._pause.on and torch.is_grad_enabled() and not self._removed:
+            if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
                 where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
                 refuse_nested(where, args, kwargs)
-                if target.entry is FALLBACK and module.training and self._frames:
+                if target.entry is FALLBACK and module.training and self.state.frames:
                     self._keep_buffers(module)
             now = own
-            if self._sharded:
+            if self.state.sharded:
                 now = self._unsharded(target)
-            tracker = self._tracker()
+            tracker = self.tracker()
             if tracker is not None:
-                self._reseed_before(target, module, args, kwargs, tracker)
+                self.layouts.reseed_before(target, module, args, kwargs, tracker)
                 tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
@@ -83,14 +98,14 @@ class Forwards:
         found = list(module.named_buffers(remove_duplicate=False))
         if found:
             kept = [(n, b, _torch.version(b), b.detach().clone()) for n, b in found]
-            self._frames[-1].buffers.setdefault(id(module), []).append(kept)
+            self.state.frames[-1].buffers.setdefault(id(module), []).append(kept)
 
     def _buffers_of(self, module: nn.Module) -> dict[str, Tensor] | None:
         """After its call: the buffers as the call found them (:meth:`_keep_buffers`), where
         its forward changed them, else ``None``."""
-        if not self._frames:
+        if not self.state.frames:
             return None
-        stack = self._frames[-1].buffers.get(id(module))
+        stack = self.state.frames[-1].buffers.get(id(module))
         if not stack:
             return None
         kept = stack.pop()
@@ -98,8 +113,8 @@ class Forwards:
             return None
         return {n: copy for n, _, _, copy in kept}
 
-    def _tracker(self) -> Tracker | None:
-        return self._frames[-1].tracker if self._frames else None
+    def tracker(self) -> Tracker | None:
+        return self.state.tracker()
 
     def _unsharded(self, target: Target) -> list[nn.Parameter]:
         """A module sharded by FSDP2 holds, while it runs, unsharded parameters in place of
@@ -112,16 +127,16 @@ class Forwards:
             current = slots.get(name, planned)
             now.append(current)
             if current is not planned:
-                self._current[id(planned)] = current
-                tracker = self._tracker()
-                if tracker is not None and id(planned) in self._params:
-                    tracker.params[id(current)] = (self._params[id(planned)][0], planned)
+                self.state.current[id(planned)] = current
+                tracker = self.tracker()
+                if tracker is not None and id(planned) in self.state.params:
+                    tracker.params[id(current)] = (self.state.params[id(planned)][0], planned)
         return now
 
-    def _forward_hook(self, target: Target):
+    def forward_hook(self, target: Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             found = self._buffers_of(module) if target.entry is FALLBACK else None
-            tracker = self._tracker()
+            tracker = self.tracker()
             if tracker is None or module is not target.module or not tracker.covered:
                 return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
@@ -131,31 +146,34 @@ class Forwards:
         def body(module, args, kwargs, output, tracker, used, found) -> Any:
             args, kwargs = positional(module, args, kwargs)
             detached, owned, carried, recorded = (
-                self._reattach(module) if self._detached else ({}, None, None, None)
+                self.detached_calls.reattach(module)
+                if self.state.detached
+                else ({}, None, None, None)
             )
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
-            if detached and owned is None and id(module) not in self._aliases_checked:
-                self._check_aliases(target, detached, args, kwargs, output)
+            if detached and owned is None and id(module) not in self.state.aliases_checked:
+                self.detached_calls.check_aliases(target, detached, args, kwargs, output)
             if owned is not None:
-                new = self._capture_owned(target, detached, owned, args, kwargs, output, recorded)
+                new = self.detached_calls.capture_owned(
+                    target, detached, owned, args, kwargs, output, recorded
+                )
                 return carry_layouts(tracker, output, new)
             if detached and carried is None:
-                new = self._capture_detached(target, detached, args, kwargs, output)
+                new = self.detached_calls.capture_detached(target, detached, args, kwargs, output)
                 return carry_layouts(tracker, output, new)
             # (a carried call goes on as any other: its rule gives the sums as well)
-            sums = carried.sums if carried is not None else None
-            if self._removed or not self._pause.on:
+            if self.state.removed or not self.state.pause.on:
                 return
             if not torch.is_grad_enabled():
-                if self._frames and self._frames[-1].grad_enabled:
+                if self.state.frames and self.state.frames[-1].grad_enabled:
                     # no_grad inside a training forward: reentrant activation checkpointing,
                     # which reruns this call during the backward. The collector then waits for
                     # the end of the backward to reduce these parameters' pieces.
-                    self._frames[-1].unprobed = True
-                    self._recomputes = True
-                    if self._collector is not None:
-                        self._collector.defer.update(id(p) for p in target.params.values())
+                    self.state.frames[-1].unprobed = True
+                    self.state.recomputes = True
+                    if self.state.collector is not None:
+                        self.state.collector.defer.update(id(p) for p in target.params.values())
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -171,7 +189,7 @@ class Forwards:
                 live = {
                     n: p
                     for n, p in live.items()
-                    if id(self._current.get(id(p), p)) in used.params
+                    if id(self.state.current.get(id(p), p)) in used.params
                     or id(p) not in tracker.param_sources
                 }
             if not live:
@@ -199,12 +217,11 @@ class Forwards:
                 output = tree_map(unview if len(hooked) == 1 else own_node, output)
                 replaced = carry_layouts(tracker, old, output)
                 leaves = tree_leaves(output)
-            layout = self._call_layout(target, args, kwargs, output, tracker)
-            call, state = self._kept_call(target, live, args, kwargs, output, layout)
+            layout = self.layouts.call_layout(target, args, kwargs, output, tracker)
+            call, state = self.kept_call(target, live, args, kwargs, output, layout)
             if found is not None:
                 call = replace(call, buffers=found)
 
-            n_leaves = len(leaves)
             # what the call's nodes hold is read only where they stand as the forward ran them
             # (not under saved-tensor hooks: reading what a node saved would rerun the call)
             readable = (
@@ -216,73 +233,31 @@ class Forwards:
             if target.entry.taps is not None and readable:
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
-            # the closures below count the nodes and never hold them (see _without_nodes)
-            n_nodes = len(nodes)
             if taps is not None:
                 call = replace(call, taps=_without_nodes(taps))
             if target.entry.saved is not None and readable:
                 call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
 
-            def on_grads(grads) -> None:
-                if self._rerunning and not (self._probing and carried is not None):
-                    return  # a backward of the engine's own
-                full: list[Tensor | None] = [None] * n_leaves
-                for i, g in zip(hooked, grads):
-                    full[i] = g
-                if carried is not None:  # (sums a backward that never reached it left: gone)
-                    carried.outputs = tuple(full)
-                    carried.sums.clear()
-                    if self._rerunning:
-                        return  # the probe's: the carried parameters' gradients by a rerun
-                capturing = not (self._removed or self._ignore_backward or state.cancelled)
-                if n_nodes and capturing and self._capturing_backward():
-                    # The rule runs when the backward reaches the tapped nodes too, or, if it
-                    # never does (a backward for some parameters only), at its end without them
-                    pending["outputs"] = tuple(full)
-                    bw = self._backward_state()
-                    bw.reached.update(id(p) for p in live.values())  # before their own grads
-                    bw.pending[id(pending)] = lambda: self._on_grads(
-                        target, state, replace(call, grad_outputs=pending.pop("outputs"),
-                                               taps=None), args, kwargs, sums,
-                    )  # fmt: skip
-                    return
-                filled = replace(call, grad_outputs=tuple(full))
-                self._on_grads(target, state, filled, args, kwargs, sums)
-
-            if nodes:
-                pending: dict[Any, Any] = {}
-
-                def on_node(i: int, grad_outputs: tuple) -> None:
-                    if "outputs" not in pending or self._rerunning:
-                        return  # a backward not captured
-                    pending[i] = tuple(grad_outputs)
-                    if len(pending) < n_nodes + 1:
-                        return
-                    tapped = tuple(pending[j] for j in range(n_nodes))
-                    outputs = pending.pop("outputs")
-                    pending.clear()
-                    bw = self._tasks.get(graph_task())
-                    if bw is not None:
-                        bw.pending.pop(id(pending), None)
-                    done = replace(call, grad_outputs=outputs, tap_grads=tapped)
-                    self._on_grads(target, state, done, args, kwargs, sums)
-
-                for i, node in enumerate(nodes):
-                    node.register_prehook(lambda grad_outputs, i=i: on_node(i, grad_outputs))
-
-            if self._collector is not None:
-                self._collector.expect(live)
+            # (counts the nodes and never holds them: see _without_nodes)
+            kept = KeptCall(target, state, call, args, kwargs, live, tuple(hooked), len(leaves),
+                            carried, len(nodes))  # fmt: skip
+            writer = self.backwards
+            for i, node in enumerate(nodes):
+                node.register_prehook(functools.partial(writer.node_grads, kept, i))
+            if self.state.collector is not None:
+                self.state.collector.expect(live)
             if len(hooked) == 1:
-                leaves[hooked[0]].register_hook(lambda g: on_grads((g,)))
+                leaves[hooked[0]].register_hook(lambda g: writer.output_grads(kept, (g,)))
             else:
                 torch.autograd.graph.register_multi_grad_hook(
-                    [leaves[i] for i in hooked], on_grads, mode="all"
-                )
+                    [leaves[i] for i in hooked], functools.partial(writer.output_grads, kept),
+                    mode="all",
+                )  # fmt: skip
             return replaced
 
         return hook
 
-    def _kept_call(
+    def kept_call(
         self,
         target: Target,
         live: dict,
@@ -300,12 +275,12 @@ class Forwards:
             output=detach_tree(output) if target.entry.needs_output else None,
             grad_outputs=(),
             name=target.name,
-            registry=self.registry,
-            hooked=self._hooked,
+            registry=self.state.registry,
+            hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast_on() else (),
         )
-        frame = self._frames[-1] if self._frames else None
+        frame = self.state.frames[-1] if self.state.frames else None
         kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
         if target.entry is not FALLBACK:
             kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
@@ -337,6 +312,47 @@ class Forwards:
         state.precision = call_precision(args, output)
         return call, state
 
+    def functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
+        """A parameter used directly in a torch function the registry has a rule for
+        (``F.linear``: a tied output layer): the function's call is captured as a hooked
+        module's would be. ``NotImplemented`` where that does not apply."""
+        spec = self.state.registry.function(name)
+        if spec is None:
+            return NotImplemented
+        entry, roles, (in_pos, in_key), applies = spec
+        if not applies(args, kwargs):
+            return NotImplemented
+        x = args[in_pos] if len(args) > in_pos else kwargs.get(in_key)
+        lay = tracker.layout(x)
+        if lay is None or lay is UNKNOWN or lay is PACKED:
+            return NotImplemented
+        named = {}
+        for role, (pos, key) in roles.items():
+            t = args[pos] if len(args) > pos else kwargs.get(key)
+            if isinstance(t, Tensor) and any(t is d for d in direct):
+                named[role] = t
+        if len(named) != len(direct):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        tracker.propagate(name, args, kwargs, out)
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return out
+        key = (name, *(id(p) for p in named.values()))
+        target = self.functional_targets.get(key)
+        if target is None:
+            names = [self.state.params[id(p)][0] for p in named.values()]
+            owner = self.backwards.owner(names[0])
+            label = ", ".join(f"'{n}'" for n in names)
+            target = Target(f"{label} used in {name}", owner, entry, named)
+            self.functional_targets[key] = target
+        call, state = self.kept_call(target, named, (x,), {}, out, self.layouts.call_layout(
+            target, (x,), {}, out, tracker))  # fmt: skip
+        if self.state.collector is not None:
+            self.state.collector.expect(named)
+        out.register_hook(lambda g: None if self.state.rerunning else self.backwards.on_grads(
+            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+        return out
+
     def _made_shared(
         self, target: Target, state: CallState, n_inputs: int, outputs: list, tracker: Tracker
     ) -> list:
@@ -356,25 +372,25 @@ class Forwards:
         state.layout = layout
         return sources
 
-    def _keep_unhooked_call(self, target: Target, args: tuple, kwargs: dict, output: Any):
+    def keep_unhooked_call(self, target: Target, args: tuple, kwargs: dict, output: Any):
         """The start of capturing a call whose parameters autograd does not see (run detached,
         or with grad mode off): its forward check, its kept call and the collector's
         expectation of its live parameters. Returns ``(call, state)``."""
         if target.entry.on_forward is not None:
             target.entry.on_forward(target.module, target.name)
         live = {n: p for n, p in target.params.items() if p.requires_grad}
-        layout = self._call_layout(target, args, kwargs, output, self._tracker())
-        call, state = self._kept_call(target, live, args, kwargs, output, layout)
-        if self._collector is not None:
-            self._collector.expect(live)
+        layout = self.layouts.call_layout(target, args, kwargs, output, self.tracker())
+        call, state = self.kept_call(target, live, args, kwargs, output, layout)
+        if self.state.collector is not None:
+            self.state.collector.expect(live)
         return call, state
 
-    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module is not self.model:
+    def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module is not self.state.model:
             return  # a copy
         self._open_frame(module, args, kwargs)
 
-    def _entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
+    def entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """The forward pre- and post-hook of a module of the model other than the root that
         holds a hooked module (or is one): where it is called outside the model's own forward
         (``model.encoder(x)``, a method such as ``get_image_features`` that calls submodules
@@ -384,34 +400,34 @@ class Forwards:
 
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
             # (not during a backward: activation checkpointing running a block again)
-            if not self._frames and m is ref() and graph_task() == -1:
+            if not self.state.frames and m is ref() and graph_task() == -1:
                 self._open_frame(m, args, kwargs)
 
         def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if m is ref():
-                self._on_root_post(m, args, kwargs, output)
+                self.on_root_post(m, args, kwargs, output)
 
         return pre, post
 
     def _open_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A forward of the model starts: ``module``'s call (the root's, or an entry's:
-        :meth:`_entry_hooks`)."""
+        :meth:`entry_hooks`)."""
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
-        self._frames.append(frame)  # first: the post-hook pops it even if this raises
-        if self._removed or not self._pause.on:
+        self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
+        if self.state.removed or not self.state.pause.on:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
         refuse_nested(f"'{type(module).__qualname__}' (the model)", args, kwargs)
-        if self.batch_dim is not None:
+        if self.state.batch_dim is not None:
             refuse_packed(module, args, kwargs)
         if graph_task() == -1:
-            self._drop_stale()
-        self._follow_changes(self.model)
+            self.backwards.drop_stale()
+        self.follow_changes(self.state.model)
         leaves = [t for t in [*tree_leaves(args), *tree_leaves(kwargs)] if isinstance(t, Tensor)]
-        if not leaves or self.batch_dim is None:
+        if not leaves or self.state.batch_dim is None:
             return
-        if self.batch_dim == "auto":
+        if self.state.batch_dim == "auto":
             frame.sizes.update(n for t in leaves for n in t.shape[:2])
             first = next((t for t in leaves if t.dim() > 0), None)
             if first is not None and first.numel() == 0 and first.shape[0] > 0:
@@ -425,29 +441,29 @@ class Forwards:
             self._start_tracker(frame, args, kwargs)
             return
         first = leaves[0]
-        if first.dim() <= self.batch_dim:
+        if first.dim() <= self.state.batch_dim:
             raise ValueError(
                 f"{type(module).__qualname__}'s first tensor input has shape "
-                f"{tuple(first.shape)}: no batch dimension {self.batch_dim}. gradhooks needs a "
+                f"{tuple(first.shape)}: no batch dimension {self.state.batch_dim}. gradhooks needs a "
                 "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
             )
-        frame.batch = first.shape[self.batch_dim]
-        if self._grad1:
-            self._refuse_large(frame.batch)  # before the forward allocates anything
+        frame.batch = first.shape[self.state.batch_dim]
+        if self.state.grad1:
+            self.backwards.refuse_large(frame.batch)  # before the forward allocates anything
         self._start_tracker(frame, args, kwargs)
 
     def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""
         if is_compiling():
             return
-        found = root_batch(args, kwargs, self.batch_dim)
+        found = root_batch(args, kwargs, self.state.batch_dim)
         if found is None:
             return
         batch, layouts = found
         if batch == 0:
             frame.batch = 0  # (no example: nothing to follow, and every grad1 has no row)
             return
-        tracker = Tracker(batch, self._params, self)
+        tracker = Tracker(batch, self.state.params, self.state.link)
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
                 tracker.add_candidate(t, lay)
@@ -457,31 +473,33 @@ class Forwards:
         frame.tracker = tracker
         tracker.__enter__()
 
-    def _stop_tracker(self, frame: Frame) -> None:
+    def stop_tracker(self, frame: Frame) -> None:
         tracker, frame.tracker = frame.tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
             tracker.finish()
 
-    def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._frames or self._frames[-1].owner is not module:
+    def on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.state.frames or self.state.frames[-1].owner is not module:
             return  # (a copy; an entry called inside the model's forward)
-        frame = self._frames.pop()
+        frame = self.state.frames.pop()
         tracker = frame.tracker
-        self._stop_tracker(frame)
+        self.stop_tracker(frame)
         if tracker is not None and sys.exc_info()[1] is None:
-            self._check_output(module, tracker, output)
+            self.verifier.check_output(module, tracker, output)
         if frame.signature:
             sig = tuple(frame.signature)
             # (verified by the next backward that captures: the first of each new set of calls,
             # and again at the 2nd, 4th, 8th... backward of the handle, where what changed since
             # without changing the calls, a hook or a loss term added later, shows)
-            if sig not in self._verified or (self.verify and power_of_two(self._backwards + 1)):
-                self._verified.add(sig)
-                self._unverified.add(sig)
+            if sig not in self.state.verified or (
+                self.state.verify and power_of_two(self.state.backwards + 1)
+            ):
+                self.state.verified.add(sig)
+                self.state.unverified.add(sig)
                 if tracker is not None and sys.exc_info()[1] is None:
-                    self._arm_probe(frame, tracker, output)
-        if self.batch_dim == "auto" and frame.sizes:
+                    self.verifier.arm_probe(frame, tracker, output)
+        if self.state.batch_dim == "auto" and frame.sizes:
             frame.sizes.update(
                 n for t in tree_leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
             )
@@ -489,8 +507,8 @@ class Forwards:
             # the forward raised: what it captured will never be backpropagated
             for state in frame.states:
                 state.cancelled = True
-                if self._collector is not None:
-                    self._collector.unexpect(state.params)
+                if self.state.collector is not None:
+                    self.state.collector.unexpect(state.params)
 
 
 def refuse_nested(where: str, *trees: Any) -> None:
@@ -644,7 +662,7 @@ class _Edges(list):
 
 
 @contextlib.contextmanager
-def output_edges(hooks: Hooks) -> Iterator[_Edges]:
+def output_edges(modules: Iterable[nn.Module]) -> Iterator[_Edges]:
     """While a forward of the hooked model runs inside: the gradient edges of every hooked
     call's output tensors that require grad, in a list (the outputs themselves are not kept
     alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
@@ -652,7 +670,7 @@ def output_edges(hooks: Hooks) -> Iterator[_Edges]:
     (for a convolution batched over several output-gradients, the largest part of the work)."""
     from torch.autograd.graph import get_gradient_edge
 
-    targets = {id(t.module) for t in hooks._targets}
+    targets = {id(module) for module in modules}
     edges = _Edges()
 
     def collect(module: nn.Module, args, output) -> None:

@@ -9,14 +9,18 @@ Pairing the gradient hook with the call it came from (rather than with the modul
 a module called twice in one forward correct; accumulating on the parameter object is what makes
 tied weights correct.
 
-:class:`Hooks` is this module's: what is hooked (installing, following changes, removing) and
-what a user reads. Its parts live beside it: :mod:`.plan` (which modules are hooked, with which
-rule), :mod:`.forward` (a forward of the model: frames, the tracker, each hooked call kept),
-:mod:`.backward` (a backward: each call's pieces into ``grad1`` and the quantities, and the
-backward's bookkeeping), :mod:`.records` (what is kept per call, forward and backward),
-:mod:`.calls` (where the examples are in each call, from the forward's tracker),
-:mod:`.capture` (calls run detached, owned or carried, for the rules that ask) and
-:mod:`.verify` (the checks of a backward against autograd, and :meth:`Hooks.check`).
+:class:`Hooks` is this module's: the handle, which plans what is hooked (installing, following
+changes, removing), owns the engine's parts and gives a user what they read. Each part is an
+object with its own methods, given the :class:`~.state.CaptureState` they share and the other
+parts it calls (:meth:`Hooks._connect`): :class:`~.forward.ForwardCapture` (a forward of the
+model: frames, the tracker, each hooked call kept), :class:`~.backward.BackwardWriter` (a
+backward: each call's pieces into ``grad1`` and the quantities, and the backward's
+bookkeeping), :class:`~.calls.CallLayouts` (where the examples are in each call, from the
+forward's tracker), :class:`~.capture.DetachedCalls` (calls run detached, owned or carried, for
+the rules that ask) and :class:`~.verify.Verifier` (the checks of a backward against autograd).
+:mod:`.plan` says which modules are hooked, with which rule; :mod:`.records` what is kept per
+call, forward and backward. The workflows reach the engine through :mod:`.api`, a forward's
+tracker through :class:`~.link.TrackerLink`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -34,15 +38,14 @@ from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
-from .accumulation import GradTrail
-from .backprops import KeptBackprops
-from .backward import Backwards
+from .backprops import KeptBackprops, kept_for
+from .backward import BackwardWriter
 from .calls import CallLayouts
 from .capture import DetachedCalls
-from .forward import Forwards
-from .pause import PROCESS, Pause, set_enabled
+from .forward import ForwardCapture
+from .link import TrackerLink
+from .pause import set_enabled
 from .plan import (
-    Target,
     Unsupported,
     entry_modules,
     fsdp_shards,
@@ -52,8 +55,9 @@ from .plan import (
     refuse_scripted,
     structure_of,
 )
-from .records import Backward, Frame, Hook, drop_box, graph_task
-from .verify import CheckReport, Verification, check_hooks
+from .records import Hook, drop_box, graph_task
+from .state import CaptureState
+from .verify import CheckReport, Verifier, check_hooks
 
 __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
 
@@ -66,7 +70,7 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary
 _HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
 
 
-class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
+class Hooks:
     """Per-example gradient hooks on one model. Returned by :func:`add_hooks`.
 
     Use it as a context manager to remove the hooks on exit::
@@ -128,79 +132,34 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             raise ValueError(
                 f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
             )
-        self.batch_dim = batch_dim
-        self.max_grad1_bytes = max_grad1_bytes
-        self.capture: Capture = capture
-        self.loss_reduction: LossReduction = loss_reduction
-        self.unsupported = unsupported
-        self.registry = registry
-        self._model_ref = weakref.ref(model)
-        # parameters sharded by FSDP2 (DTensors), by qualified name (every slot): the hooks are
-        # planned with these, whatever stand-in FSDP2 has put in their slots at the time
-        self._shards = fsdp_shards(model)
-        self._sharded = {id(p) for p in self._shards.values()}  # per-example norms, no grad1
-        self._targets = plan_targets(model, registry, unsupported, self._shards)
-        self._check_not_hooked(model)
-        # the parameters whose grad1 the next captured backward adds to (the accumulation
-        # goes on), and whose grad1 it replaces if it reaches them, else deletes or zeroes
-        # (left from before a zero_grad or clear(): stale), by id
-        self._written: dict[int, nn.Parameter] = {}
-        self._stale: dict[int, nn.Parameter] = {}
-        self._trail = GradTrail()  # the .grad the backwards left (gradhooks.engine.accumulation)
-        self._depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
-        self._forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
-        self._removed = False
-        self.quantities = quantities
-        self._grad1 = "grad1" in quantities
-        self._collector = Collector(model, quantities) if quantities != ("grad1",) else None
-        self._ignore_backward = False  # set by dp_sgd_step for its second (reweighted) backward
-        # set by dp_sgd_step's book-keeping backward, whose parameter gradients are not used:
-        # calls run detached then give none (and the backward still counts as the model's)
-        self._no_param_grads = False
-        self._pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
-        self._marked = 0  # depth of `with h.capturing()`
-        self._frames: list[Frame] = []  # root forwards running
-        self._tasks: dict[int, Backward] = {}  # backwards running, by graph task id
-        self._missed: dict[str, None] = {}  # parameters a backward computed without capture
-        # the Jacobians' and kfac()'s handles run their backwards batched under vmap themselves:
-        # a batched output-gradient there is theirs, not a user's is_grads_batched backward
-        self._vmapped = bool({"_jacobian", "_vmapped"} & set(quantities))
-        # the lowest precision the calls of the backwards since clear() ran in (the checks'
-        # tolerance: records.lowest_precision)
-        self._precision: torch.dtype | None = None
-        self._handles: list = []
-        # calls run with their parameters detached, {id(module): [(module, {name: param},
-        # (args, kwargs) where the call runs with grad mode off, else None, its _Carried where
-        # its input carries them, else None, (its rule's record, what it gave) where one is
-        # entered, else None)]}
-        self._detached: dict[int, list[tuple[nn.Module, dict, Any, Any, Any, Any]]] = {}
-        self._aliases_checked: set[int] = set()  # modules whose detached call was checked
-        self._rerunning = (
-            0  # inside a rerun of a detached call, or a per-example backward of the tracker's
-        )
-        self._probing = False  # inside _probe's backward
-        self._backwards = 0  # backwards that captured a call, since the hooks were added
-        # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
-        # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
-        # avoids)
-        self._recomputes = False
-        self._probe_box: dict | None = None  # the outputs of the forward _probe starts from
-        # parameters used outside their modules' calls, by id: the sources of their uses
-        self._direct: dict[int, weakref.WeakSet] = {}
-        # sources with a problem that no autograd graph holds (found where the forward recorded
-        # none): kept until a backward ends, so that the parameter's gradient reports it
-        self._unheld: list = []
-        # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
-        self._hessian_backprops: list[dict[int, Tensor]] = []
+        shards = fsdp_shards(model)
+        targets = plan_targets(model, registry, unsupported, shards)
+        # what the parts share (gradhooks.engine.state)
+        state = self._state = CaptureState(
+            model, loss_reduction=loss_reduction, unsupported=unsupported, registry=registry,
+            quantities=quantities, batch_dim=batch_dim, max_grad1_bytes=max_grad1_bytes,
+            capture=capture, verify=verify,
+        )  # fmt: skip
+        state.shards, state.targets = shards, targets
+        state.sharded = {id(p) for p in shards.values()}
         # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
-        self._kept_backprops = KeptBackprops() if keep_backprops else None
-        self._direct_targets: dict[int, Target] = {}
-        self._functional_targets: dict[tuple, Target] = {}
+        state.kept_backprops = KeptBackprops() if keep_backprops else None
+        self._handles: list = []
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
-        self._current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
-        if self._sharded and self._grad1:
-            name = next(n for n, p in model.named_parameters() if id(p) in self._sharded)
+        self._accumulators: list = []  # (held: a leaf's AccumulateGrad node lives while referred to)
+        # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
+        self._hessian_backprops: list[dict[int, Tensor]] = []
+        # the parts, each with the state and the others it calls
+        self._forwards = ForwardCapture(state)
+        self._backwards = BackwardWriter(state)
+        self._layouts = CallLayouts(state)
+        self._detached_calls = DetachedCalls(state)
+        self._verifier = Verifier(state)
+        self._connect()
+        self._check_not_hooked(model)
+        if state.sharded and state.grad1:
+            name = next(n for n, p in model.named_parameters() if id(p) in state.sharded)
             raise ValueError(
                 f"'{name}' is sharded by FSDP2 (a DTensor): its grad1 would be [batch, *full "
                 "shape] on every rank, which is what sharding avoids, so gradhooks does not form "
@@ -208,24 +167,17 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 "gradhooks.distributed.dp_sgd_step (per-example norms, clipping and noise, the "
                 "clipped sum sharded like the parameter)."
             )
-        # the last line of defence (_verify): signatures of the calls of a forward
-        self.verify = verify
-        self._verified: set[tuple] = set()
-        self._unverified: set[tuple] = set()
-        self._exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
-        # the quantities _probe checks one example of
-        self._checks_examples = self._grad1 or "norms" in quantities
-        refuse_scripted(model, self._targets)
+        refuse_scripted(model, targets)
         refuse_lazy(model)
         refuse_complex(model, quantities)
         try:
             self._handles.append(
-                model.register_forward_pre_hook(Hook(self._on_root_pre), with_kwargs=True)
+                model.register_forward_pre_hook(Hook(self._forwards.on_root_pre), with_kwargs=True)
             )
             self._install(model)
             self._handles.append(
                 model.register_forward_hook(
-                    Hook(self._on_root_post), with_kwargs=True, always_call=True
+                    Hook(self._forwards.on_root_post), with_kwargs=True, always_call=True
                 )
             )
         except BaseException:
@@ -233,27 +185,114 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             raise
         _ACTIVE[model] = self
 
+    def _connect(self) -> None:
+        """Give each part the others it calls, and the tracker its link to the engine."""
+        forwards, backwards, layouts = self._forwards, self._backwards, self._layouts
+        detached, verifier = self._detached_calls, self._verifier
+        forwards.follow_changes = self._follow_changes
+        forwards.layouts, forwards.backwards = layouts, backwards
+        forwards.detached_calls, forwards.verifier = detached, verifier
+        backwards.verifier = verifier
+        layouts.forwards, layouts.backwards = forwards, backwards
+        detached.forwards, detached.backwards, detached.layouts = forwards, backwards, layouts
+        verifier.backwards = backwards
+        state = self._state
+        state.link = TrackerLink(
+            is_probing=lambda: state.probing,
+            nested=detached.nested,
+            direct_source=layouts.direct_source,
+            direct_reached=backwards.direct_reached,
+            unheld=state.unheld.append,
+            functional_use=forwards.functional_use,
+        )
+
+    # -- the settings of add_hooks (read by the parts from the state) --------------------------
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self._state.loss_reduction  # type: ignore[return-value]
+
+    @loss_reduction.setter
+    def loss_reduction(self, value: LossReduction) -> None:
+        self._state.loss_reduction = value
+
+    @property
+    def batch_dim(self) -> int | str | None:
+        return self._state.batch_dim
+
+    @batch_dim.setter
+    def batch_dim(self, value: int | str | None) -> None:
+        self._state.batch_dim = value
+
+    @property
+    def max_grad1_bytes(self) -> int | str | None:
+        return self._state.max_grad1_bytes
+
+    @max_grad1_bytes.setter
+    def max_grad1_bytes(self, value: int | str | None) -> None:
+        self._state.max_grad1_bytes = value
+
+    @property
+    def capture(self) -> Capture:
+        return self._state.capture  # type: ignore[return-value]
+
+    @capture.setter
+    def capture(self, value: Capture) -> None:
+        self._state.capture = value
+
+    @property
+    def verify(self) -> bool:
+        return self._state.verify
+
+    @verify.setter
+    def verify(self, value: bool) -> None:
+        self._state.verify = value
+
+    @property
+    def unsupported(self) -> Unsupported:
+        return self._state.unsupported  # type: ignore[return-value]
+
+    @unsupported.setter
+    def unsupported(self, value: Unsupported) -> None:
+        self._state.unsupported = value
+
+    @property
+    def registry(self) -> Registry:
+        return self._state.registry
+
+    @registry.setter
+    def registry(self, value: Registry) -> None:
+        self._state.registry = value
+
+    @property
+    def quantities(self) -> tuple[str, ...]:
+        return self._state.quantities
+
+    @quantities.setter
+    def quantities(self, value: tuple[str, ...]) -> None:
+        self._state.quantities = value
+
     def _install(self, model: nn.Module) -> None:
         """Hook every planned module and every trainable parameter they cover."""
-        self._params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
-        covered = {id(q) for t in self._targets for q in t.params.values()}
+        self._state.params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
+        covered = {id(q) for t in self._state.targets for q in t.params.values()}
         for name, p in self._named_parameters(model):
-            if p.requires_grad and id(p) in covered and id(p) not in self._params:
-                self._params[id(p)] = (name, p)
+            if p.requires_grad and id(p) in covered and id(p) not in self._state.params:
+                self._state.params[id(p)] = (name, p)
         # tensors computed from parameters in the parameters' slots (torch.func.functional_call
         # with fast weights, p - lr * g): grad1 goes on, through the computation, to the
         # tensors autograd gives the gradient (_derived_hook)
-        derived = {pid: p for pid, (_, p) in self._params.items() if p.grad_fn is not None}
+        derived = {pid: p for pid, (_, p) in self._state.params.items() if p.grad_fn is not None}
         if derived:
             self._refuse_derived(derived)
             for pid, p in derived.items():
-                name = self._params[pid][0]
+                name = self._state.params[pid][0]
                 for leaf in leaves_of(p):
-                    if id(leaf) in self._params:
+                    if id(leaf) in self._state.params:
                         continue
                     known = name if leaf.shape == p.shape else f"{name} (a tensor it was made from)"
-                    self._params[id(leaf)] = (known, leaf)
-        self._numel = sum(p.numel() for _, p in self._params.values())
+                    self._state.params[id(leaf)] = (known, leaf)
+        self._state.numel = sum(p.numel() for _, p in self._state.params.values())
         handles = self._target_handles
 
         def hook(fn) -> Hook:
@@ -261,25 +300,25 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             self._module_hooks.append(made)
             return made
 
-        for target in self._targets:
+        for target in self._state.targets:
             detaches = target.entry.grad_from_grad1 is not None
             handles.append(
                 target.module.register_forward_pre_hook(
-                    hook(self._enter_hook(target)), with_kwargs=True
+                    hook(self._forwards.enter_hook(target)), with_kwargs=True
                 )
             )
             handle = target.module.register_forward_hook(
-                hook(self._forward_hook(target)), with_kwargs=True, always_call=True
+                hook(self._forwards.forward_hook(target)), with_kwargs=True, always_call=True
             )
             handles.append(handle)
             if detaches:
                 handles.append(
                     target.module.register_forward_pre_hook(
-                        hook(self._detach_hook(target, handle.id)), with_kwargs=True
+                        hook(self._detached_calls.detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
-        for entry in entry_modules(model, self._targets):
-            pre, post = self._entry_hooks(entry)
+        for entry in entry_modules(model, self._state.targets):
+            pre, post = self._forwards.entry_hooks(entry)
             handles.append(
                 entry.register_forward_pre_hook(hook(pre), with_kwargs=True, prepend=True)
             )
@@ -287,33 +326,33 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
             )
         self._accumulators = []  # (held: a leaf's AccumulateGrad node lives while referred to)
-        for pid, (name, p) in self._params.items():
-            if pid not in self._sharded:  # (FSDP2 gives them no autograd gradient)
-                handles.append(p.register_hook(self._param_hook(pid, name)))
+        for pid, (name, p) in self._state.params.items():
+            if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
+                handles.append(p.register_hook(self._backwards.param_hook(pid, name)))
                 node = torch.autograd.graph.get_gradient_edge(p).node
-                handles.append(node.register_prehook(self._accumulate_hook(pid, name)))
+                handles.append(node.register_prehook(self._backwards.accumulate_hook(pid, name)))
                 self._accumulators.append(node)
         for pid, p in derived.items():
             handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
-        for target in self._targets:
+        for target in self._state.targets:
             _HOOKED_MODULES[target.module] = self
-        self._hooked = {id(t.module): frozenset(t.params) for t in self._targets}
-        self._structure = structure_of(model, bool(self._sharded))
+        self._state.hooked = {id(t.module): frozenset(t.params) for t in self._state.targets}
+        self._structure = structure_of(model, bool(self._state.sharded))
 
     def _follow_changes(self, model: nn.Module) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``."""
-        now = structure_of(model, bool(self._sharded))
+        now = structure_of(model, bool(self._state.sharded))
         if now == self._structure:
             return
-        if not self._sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
+        if not self._state.sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
             impls = {pid: impl for _, pid, impl in self._structure[1]}
             for p in model.parameters():
                 if impls.get(id(p), _torch.tensor_impl(p)) != _torch.tensor_impl(p):
                     _torch.drop_stale_hooks(p)
-        if not self._shards and any(
+        if not self._state.shards and any(
             isinstance(m, _torch.fsdp_module_class()) for m in model.modules()
         ):
             raise RuntimeError(
@@ -321,18 +360,20 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 "planned with its parameters before sharding. Remove them and add them to the "
                 "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
             )
-        before = dict(self._params)
+        before = dict(self._state.params)
         for made in self._module_hooks:
             made.dead = True
         self._module_hooks = []
         for h in self._target_handles:
             h.remove()
         self._target_handles = []
-        for t in self._targets:
+        for t in self._state.targets:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
-        self._targets = plan_targets(model, self.registry, self.unsupported, self._shards)
-        for t in self._targets:
+        self._state.targets = plan_targets(
+            model, self.registry, self.unsupported, self._state.shards
+        )
+        for t in self._state.targets:
             other = _HOOKED_MODULES.get(t.module)
             if other is not None and other is not self:
                 raise RuntimeError(
@@ -341,20 +382,20 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                     "hooks first."
                 )
         self._install(model)
-        if self._collector is not None:
+        if self._state.collector is not None:
             for name, p in self._named_parameters(model):
-                self._collector.names.setdefault(id(p), name)
-        if not self._written:  # (cleared since the last backward)
+                self._state.collector.names.setdefault(id(p), name)
+        if not self._state.written:  # (cleared since the last backward)
             for pid, (_, p) in before.items():
-                if pid not in self._params and hasattr(p, "grad1"):
+                if pid not in self._state.params and hasattr(p, "grad1"):
                     del p.grad1
 
     def _refuse_derived(self, derived: dict[int, Tensor]) -> None:
         """Per-example gradients pass through a computation in a parameter's slot as
         ``grad1`` only: the other quantities are formed from the slot's pieces, which are
         not the gradients of the tensors it was computed from."""
-        if self.quantities != ("grad1",) or self._sharded:
-            name = self._params[next(iter(derived))][0]
+        if self.quantities != ("grad1",) or self._state.sharded:
+            name = self._state.params[next(iter(derived))][0]
             raise ValueError(
                 f"'{name}' holds a tensor computed from other tensors (torch.func.functional_call "
                 f"with weights such as p - lr * g), not a parameter: quantities "
@@ -371,19 +412,24 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         Fast weights ``p - lr * g`` with ``g`` detached give ``p`` the slot's own."""
 
         def hook(grad: Tensor | None) -> None:
-            if grad is None or self._removed or self._ignore_backward or self._rerunning:
+            if (
+                grad is None
+                or self._state.removed
+                or not self._state.mode.capture
+                or self._state.rerunning
+            ):
                 return
             t = ref()
-            bw = self._tasks.get(graph_task())
-            if t is None or bw is None or not self._capturing_backward():
+            bw = self._state.tasks.get(graph_task())
+            if t is None or bw is None or not self._state.capturing_backward():
                 return
-            g1 = self._grad1_of_backward(bw, pid, t)
+            g1 = self._backwards.grad1_of_backward(bw, pid, t)
             if g1 is None:
                 return
-            leaves = [q for q in leaves_of(t) if id(q) in self._params]
+            leaves = [q for q in leaves_of(t) if id(q) in self._state.params]
             edge = torch.autograd.graph.get_gradient_edge(t)
             create_graph = torch.is_grad_enabled()
-            with self._nested():
+            with self._detached_calls.nested():
                 try:
                     grads = torch.autograd.grad(
                         [edge], leaves, g1, retain_graph=True, allow_unused=True,
@@ -404,9 +450,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 qid = id(q)
                 bw.reached.add(qid)
                 if qid not in bw.before:
-                    bw.before[qid] = q.grad1 if qid in self._written else None
-                self._accumulate(self._params[qid][0], q, g)
-                self._written[qid] = q
+                    bw.before[qid] = q.grad1 if qid in self._state.written else None
+                self._backwards.accumulate(self._state.params[qid][0], q, g)
+                self._state.written[qid] = q
 
         return hook
 
@@ -416,27 +462,27 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         call runs, and at the root from the forward to the backward, or one resharded after
         the forward on a smaller mesh), the sharded parameter."""
         for name, p in model.named_parameters():
-            yield name, self._shards.get(name, p)
+            yield name, self._state.shards.get(name, p)
 
     # -- public -------------------------------------------------------------------------------
 
     @property
     def model(self) -> nn.Module | None:
-        return self._model_ref()
+        return self._state.model_ref()
 
     @property
     def active(self) -> bool:
-        return not self._removed
+        return not self._state.removed
 
     def modules(self) -> Iterator[tuple[str, nn.Module]]:
         """The hooked modules, by qualified name."""
-        for t in self._targets:
+        for t in self._state.targets:
             yield t.name, t.module
 
     def fallback_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """The modules without a rule whose ``grad1`` the ``torch.func`` fallback computes
         (``unsupported="fallback"``), by qualified name."""
-        for t in self._targets:
+        for t in self._state.targets:
             if t.entry is FALLBACK:
                 yield t.name, t.module
 
@@ -447,25 +493,27 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         ``grad1`` tensors stay readable until then (those of a backward that failed half way
         are put back as they were before it)."""
         if graph_task() == -1:
-            self._drop_stale()
-        self._stale.update(self._written)
-        self._written.clear()
-        self._trail.clear()
-        self._depth.clear()
-        self._missed.clear()
-        self._precision = None
+            self._backwards.drop_stale()
+        self._state.stale.update(self._state.written)
+        self._state.written.clear()
+        self._state.trail.clear()
+        self._state.depth.clear()
+        self._state.missed.clear()
+        self._state.precision = None
         self._hessian_backprops.clear()
-        if self._kept_backprops is not None:
-            self._kept_backprops.clear()
-        if self._collector is not None:
-            self._collector.clear()
+        if self._state.kept_backprops is not None:
+            self._state.kept_backprops.clear()
+        if self._state.collector is not None:
+            self._state.collector.clear()
 
     def activations(self, module: nn.Module) -> Tensor | None:
         """autograd-hacks' ``module.activations``: the first positional input of the last call
         of ``module`` in the forward that the last captured backward reaching it went through,
         detached (``None`` where that input is not a tensor). Needs ``add_hooks(..., keep_backprops=True)``; see
         :mod:`gradhooks.engine.backprops`."""
-        return self._backprops_of(module, "activations").activations(module)
+        return kept_for(
+            self._state.kept_backprops, self._state.targets, module, "activations"
+        ).activations(module)
 
     def backprops(self, module: nn.Module) -> list[Tensor | None]:
         """autograd-hacks' ``module.backprops_list``: the gradient of the loss with respect to
@@ -473,30 +521,9 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         :meth:`clear`, in that order, detached (``None`` where none flowed). For a
         mean-reduced loss each holds the ``1/batch`` of the mean. Needs
         ``add_hooks(..., keep_backprops=True)``."""
-        return self._backprops_of(module, "backprops").backprops(module)
-
-    def _backprops_of(self, module: nn.Module, what: str) -> KeptBackprops:
-        kept = self._kept_backprops
-        if kept is None:
-            raise RuntimeError(
-                f"Hooks.{what}: this handle keeps no layer inputs or output-gradients; add the "
-                "hooks with gradhooks.add_hooks(model, keep_backprops=True) (they then stay in "
-                "memory until h.clear())"
-            )
-        if not any(t.module is module for t in self._targets):
-            raise ValueError(
-                f"Hooks.{what}: {type(module).__qualname__} is not a module this handle hooks "
-                "(h.modules() lists them: modules with trainable parameters and a rule, or the "
-                "fallback)"
-            )
-        if not kept.reached(module):
-            name = next(t.name for t in self._targets if t.module is module)
-            raise RuntimeError(
-                f"Hooks.{what}: no captured backward reached '{name}' "
-                f"({type(module).__qualname__}) since the hooks were added or h.clear(); run "
-                "the forward and the backward first"
-            )
-        return kept
+        return kept_for(
+            self._state.kept_backprops, self._state.targets, module, "backprops"
+        ).backprops(module)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -504,7 +531,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         write no ``grad1`` (other handles are not affected). For backwards that are not the
         training loss: derivatives for a Laplacian or an input-gradient, or differentiating a
         function of ``grad1`` after a ``create_graph=True`` backward."""
-        with self._pause():
+        with self._state.pause():
             yield
 
     @contextlib.contextmanager
@@ -518,11 +545,11 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             with h.capturing():
                 loss_fn(out, y).backward()                                # captured
         """
-        self._marked += 1
+        self._state.marked += 1
         try:
             yield
         finally:
-            self._marked -= 1
+            self._state.marked -= 1
 
     def check(
         self, loss_fn=None, inputs=None, target=None, *, examples: int = 2,
@@ -543,7 +570,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         really used. Returns a :class:`gradhooks.CheckReport`.
         """
         return check_hooks(
-            self, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
+            self._state, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
         )
 
     def rescale(self, loss_reduction: LossReduction) -> None:
@@ -555,7 +582,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
             raise ValueError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_reduction == self.loss_reduction:
             return
-        for p in self._written.values():
+        for p in self._state.written.values():
             batch = p.grad1.shape[0]
             if loss_reduction == "sum":  # it was computed as mean (times batch): undo
                 p.grad1.div_(max(batch, 1))
@@ -566,14 +593,14 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
     @property
     def captured(self) -> bool:
         """Whether a backward has written ``grad1`` since the hooks were added or cleared."""
-        return bool(self._written)
+        return bool(self._state.written)
 
     @property
     def accumulated(self) -> int:
         """How many captured backwards ``grad1`` holds the sum of (the most over parameters;
         0 before any): 1 after each ``zero_grad()``, forward and backward, ``k`` after ``k``
         micro-batches without ``zero_grad`` (or a ``retain_graph`` backward run ``k`` times)."""
-        return max((self._depth.get(pid, 1) for pid in self._written), default=0)
+        return max((self._state.depth.get(pid, 1) for pid in self._state.written), default=0)
 
     # -- quantities other than grad1 (add_hooks(..., quantities=...)) -------------------------
     # Of the last backward (each backward replaces them), except kfac_factors, which accumulate
@@ -646,19 +673,19 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         return self._results("kfac").kfac.factors(reduction)
 
     def _results(self, quantity: str) -> Collector:
-        if self._collector is None or quantity not in self.quantities:
+        if self._state.collector is None or quantity not in self.quantities:
             raise RuntimeError(
                 f"this handle does not compute {quantity!r} (quantities={self.quantities!r}): "
                 f"add_hooks(model, quantities=({quantity!r}, ...))"
             )
-        return self._collector
+        return self._state.collector
 
     def remove(self) -> None:
         """Remove every hook. Idempotent. ``grad1`` stays on the parameters (like ``.grad``);
         :func:`clear_grad1` deletes it."""
-        if self._removed:
+        if self._state.removed:
             return
-        self._removed = True
+        self._state.removed = True
         for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
@@ -667,35 +694,30 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]
-        for t in self._targets:
+        for t in self._state.targets:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
-        self._written.clear()
-        self._stale.clear()
-        self._trail.clear()
-        self._depth.clear()
-        self._forward_of.clear()
-        self._unheld.clear()
-        if self._probe_box is not None:
-            drop_box(self._probe_box)
-            self._probe_box = None
-        for frame in self._frames[::-1]:
-            self._stop_tracker(frame)
-        self._frames.clear()
-        self._tasks.clear()
-        for stack in self._detached.values():  # removed during a forward
-            for _, _, owned, _, recording, undo in stack[::-1]:
-                if undo is not None:
-                    undo()
-                if recording is not None:
-                    recording[0].__exit__(None, None, None)
-                if owned is not None:
-                    torch.set_grad_enabled(True)
-        self._detached.clear()
-        self._aliases_checked.clear()
-        if self._collector is not None:
-            self._collector.discard_backward()
-            self._collector._expected = {}
+        self._state.written.clear()
+        self._state.stale.clear()
+        self._state.trail.clear()
+        self._state.depth.clear()
+        self._state.forward_of.clear()
+        self._state.unheld.clear()
+        if self._verifier.probe_box is not None:
+            drop_box(self._verifier.probe_box)
+            self._verifier.probe_box = None
+        for frame in self._state.frames[::-1]:
+            self._forwards.stop_tracker(frame)
+        self._state.frames.clear()
+        self._state.tasks.clear()
+        for stack in self._state.detached.values():  # removed during a forward
+            for call in stack[::-1]:
+                call.close()
+        self._state.detached.clear()
+        self._state.aliases_checked.clear()
+        if self._state.collector is not None:
+            self._state.collector.discard_backward()
+            self._state.collector._expected = {}
 
     def __enter__(self) -> Hooks:
         return self
@@ -704,7 +726,7 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
         self.remove()
 
     def __repr__(self) -> str:
-        state = "removed" if self._removed else f"{len(self._targets)} modules"
+        state = "removed" if self._state.removed else f"{len(self._state.targets)} modules"
         return f"Hooks({state}, loss_reduction={self.loss_reduction!r})"
 
     # -- internals ----------------------------------------------------------------------------
@@ -716,16 +738,13 @@ class Hooks(Forwards, Backwards, CallLayouts, DetachedCalls, Verification):
                 "adding them again would count every gradient twice. Call "
                 "gradhooks.remove_hooks(model) first, or keep using the existing handle."
             )
-        for t in self._targets:
+        for t in self._state.targets:
             if t.module in _HOOKED_MODULES:
                 raise RuntimeError(
                     f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
                     f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
                     "that contains this one; remove those hooks first."
                 )
-
-    def _capturing_backward(self) -> bool:
-        return self._pause.on and (self.capture == "always" or self._marked > 0)
 
 
 def leaves_of(t: Tensor) -> list[Tensor]:
@@ -846,6 +865,11 @@ def add_hooks(
     )  # fmt: skip
     set_enabled(True)  # (as autograd-hacks' add_hooks undoes its disable_hooks)
     return hooks
+
+
+def active_handles() -> list[Hooks]:
+    """Every handle whose hooks are on a model now."""
+    return [h for h in list(_ACTIVE.values()) if h.active]
 
 
 def hooks_of(model: nn.Module) -> Hooks:

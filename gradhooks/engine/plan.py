@@ -143,7 +143,7 @@ def refuse_lazy(model: nn.Module) -> None:
 
 def entry_modules(model: nn.Module, targets: list[Target]) -> list[nn.Module]:
     """The modules of ``model`` other than itself that hold a hooked module or are one: each
-    may be called on its own (:meth:`Hooks._entry_hooks`)."""
+    may be called on its own (:meth:`ForwardCapture.entry_hooks`)."""
     hooked = {id(t.module) for t in targets}
     found: dict[int, nn.Module] = {}
 

@@ -6,7 +6,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,22 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..inert import InertHook
+from ..pieces import CallPieces
 from ..tracking import Layout, Tracker
+
+
+@dataclass(frozen=True)
+class BackwardMode:
+    """How the engine treats the backwards run now: as the model's own (the default), or as
+    one of a workflow's, set for a block by :meth:`gradhooks.engine.api.EngineAPI.backward_mode`.
+
+    ``capture=False``: the backwards write nothing (no ``grad1``, no quantity, no
+    bookkeeping), as a reweighted backward of DP's own that only wants ``.grad``.
+    ``param_grads=False``: the backwards' parameter gradients are not used (only the
+    quantities are), so calls run detached need not give theirs."""
+
+    capture: bool = True
+    param_grads: bool = True
 
 
 @dataclass
@@ -47,7 +62,7 @@ class CallState:
 
     params: dict[str, nn.Parameter]
     frame: Frame | None  # the model's forward it was called in (None: outside one)
-    derived: bool = False  # a create_graph backward went through it (see Hooks._on_grads)
+    derived: bool = False  # a create_graph backward went through it (see BackwardWriter.on_grads)
     cancelled: bool = False  # its forward raised: never captured
     layout: CallLayout | None = None
     versions: tuple = ()  # (tensor, version) of its kept inputs, to refuse in-place changes
@@ -75,11 +90,21 @@ class Frame:
     # checkpointing: run again at the backward): no probe (_arm_probe)
     unprobed: bool = False
     # per module without a rule running in training mode, by id: its buffers as each of its
-    # calls (innermost last) found them, (name, buffer, version, copy) (Forwards._buffers_of)
+    # calls (innermost last) found them, (name, buffer, version, copy) (ForwardCapture._buffers_of)
     buffers: dict[int, list] = field(default_factory=dict)
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
     empty: tuple[int, ...] | None = None
+
+
+class HeldCall(NamedTuple):
+    """A call's pieces a nested backward holds for the quantities until its end (the
+    arguments of :meth:`gradhooks.quantities.collector.Collector.add`)."""
+
+    name: str  # the call's qualified name
+    pieces: dict[str, Any]  # its pieces, by parameter name
+    params: dict[str, Tensor]  # the parameters they are of
+    scale: float
 
 
 @dataclass
@@ -100,8 +125,8 @@ class Backward:
     grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
-    # (verify, without grad1) every call's pieces, (pieces, params, scale), for the norms' check
-    kept: list[tuple[dict, dict, float]] = field(default_factory=list)
+    # (verify, without grad1) every call's pieces, for the norms' check
+    kept: list[CallPieces] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
     capturing: bool = True  # captured (not paused; marked where capture="marked")
     # the lowest floating-point precision its calls ran in (see :func:`lowest_precision`)
@@ -110,7 +135,7 @@ class Backward:
     # taken in a custom autograd.Function's backward or a gradient hook): what it hands the
     # quantities waits in ``held`` until its end says whether it computed parameter gradients
     nested: bool = False
-    held: list[tuple] = field(default_factory=list)
+    held: list[HeldCall] = field(default_factory=list)
     attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
     accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
     # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
@@ -123,7 +148,7 @@ class Backward:
 @dataclass
 class Probe:
     """Every parameter's gradient as autograd gives it from the model's output-gradients with
-    each example's rows weighted by ``weights[i]`` (:meth:`Hooks._probe`): ``Σ_i weights[i] ·
+    each example's rows weighted by ``weights[i]`` (:meth:`Verifier._probe`): ``Σ_i weights[i] ·
     grad1[i]`` must equal it (without ``grad1``: formed from the pieces, :func:`pieces.weighted_sums`)."""
 
     frame: int  # id of the forward whose outputs it started from
@@ -210,7 +235,7 @@ def is_compiling() -> bool:
 
 
 def drop_box(box: dict) -> None:
-    """Let go of what :meth:`Hooks._arm_probe` held of a forward's graph."""
+    """Let go of what :meth:`Verifier.arm_probe` held of a forward's graph."""
     handle = box.get("handle")
     box.clear()
     if handle is not None:

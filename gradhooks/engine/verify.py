@@ -4,7 +4,7 @@ At the first backward of each new set of calls (and again at the 2nd, 4th, 8th..
 computes every parameter's gradient from the model's output-gradients with each example's rows
 weighted differently, in a second backward through the same graph (the probe); ``grad1`` weighted
 alike (or, without ``grad1``, the pieces) must match, or the backward is undone and refused,
-naming the parameters. :class:`Verification` is the part of :class:`gradhooks.Hooks` that does it.
+naming the parameters. :class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
 
 :func:`check_hooks` (what :meth:`gradhooks.Hooks.check` calls) is the same kind of check on
 demand, after a backward: ``grad1`` against autograd's ``.grad`` and, given the loss, against a
@@ -18,7 +18,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -41,9 +41,7 @@ from .records import (
     lowest_precision,
     tree_leaves,
 )
-
-if TYPE_CHECKING:
-    from .handle import Hooks
+from .state import CaptureState
 
 
 def mismatch(
@@ -222,25 +220,49 @@ def per_example_outputs(
     return replace(call, grad_outputs=tuple(grads), taps=None, saved=None)
 
 
-class Verification:
+class Backwards(Protocol):
+    """What :class:`Verifier` asks of the backward's part
+    (:class:`~gradhooks.engine.backward.BackwardWriter`)."""
+
+    def backward_state(self) -> Backward:
+        """The bookkeeping of the backward running now."""
+        ...
+
+    def grad1_of_backward(self, bw: Backward, pid: int, p: nn.Parameter) -> Tensor | None:
+        """What backward ``bw`` added to ``p.grad1``."""
+        ...
+
+    def rollback(self, bw: Backward) -> None:
+        """Put back what backward ``bw`` wrote."""
+        ...
+
+
+class Verifier:
     """The probe and the checks of a backward (a part of :class:`gradhooks.Hooks`)."""
 
-    def _arm_probe(self, frame: Frame, tracker: Tracker, output: Any) -> None:
+    # the other parts it calls, given by the handle that owns them all
+    backwards: Backwards
+
+    def __init__(self, state: CaptureState) -> None:
+        self.state = state
+        self.probe_box: dict | None = None  # the outputs of the forward the probe starts from
+
+    def arm_probe(self, frame: Frame, tracker: Tracker, output: Any) -> None:
         """Get ready to check, at the next backward that verifies, one example's ``grad1``
         against autograd's gradient of that example's rows of the model's outputs alone
         (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
         the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
         batch) shows there."""
-        if self._probe_box is not None:  # (an earlier forward never backpropagated)
-            drop_box(self._probe_box)
-            self._probe_box = None
+        if self.probe_box is not None:  # (an earlier forward never backpropagated)
+            drop_box(self.probe_box)
+            self.probe_box = None
         if (
-            not (self.verify and self._checks_examples)
-            or self._sharded
+            not (self.state.verify and self.state.checks_examples)
+            or self.state.sharded
             or frame.unprobed
             or tracker.batch < 2
             or is_compiling()
-            or self._user_backward_hooks()
+            or self.user_backward_hooks()
         ):
             return
         outs, layouts = [], []
@@ -251,7 +273,7 @@ class Verification:
             if lay is UNKNOWN:
                 # the tracker lost the examples on the way: where it presumes them, or on the
                 # model's batch dimension (a guess: wrong, the check can only refuse)
-                dim = self.batch_dim if isinstance(self.batch_dim, int) else 0
+                dim = self.state.batch_dim if isinstance(self.state.batch_dim, int) else 0
                 lay = tracker.presumed.get(t)
                 if lay is None and t.dim() > dim and t.shape[dim] == tracker.batch:
                     lay = Layout(dim)
@@ -278,7 +300,7 @@ class Verification:
             and torch.finfo(t.dtype).eps < torch.finfo(low).eps
             for t in outs
         )
-        self._probe_box = box
+        self.probe_box = box
         if len(outs) == 1:
             outs[0].register_hook(lambda g: self._probe(box, (g,)))
         else:  # (its closure holds the outputs' nodes: removed once it ran, see drop_box)
@@ -288,15 +310,15 @@ class Verification:
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
-    def _user_backward_hooks(self) -> bool:
+    def user_backward_hooks(self) -> bool:
         """Whether a backward through the model runs module or parameter hooks of the user's (a
         module's full backward hook or pre-hook, a global one, a hook on a parameter): then no
         backward of the checks' own runs, for those hooks to fire exactly as often as without
         gradhooks (the checks that need none still do). A gradient hook on an activation does
         not leave the checks out: it may compute across the batch, which only they see (it
         runs again in each of the probe's backwards, as :func:`gradhooks.add_hooks` says)."""
-        model = self.model
-        params = [p for _, p in self._params.values()]
+        model = self.state.model
+        params = [p for _, p in self.state.params.values()]
         own = 1  # (gradhooks' own hook on each parameter)
         return model is not None and _torch.user_backward_hooks(model.modules(), params, own)
 
@@ -304,24 +326,24 @@ class Verification:
         """At the start of a backward that verifies (the first of each new set of calls), with
         the model's output-gradients in hand: every parameter's gradient from them with each
         example's rows weighted (:func:`pieces.example_weights`), by a backward of autograd's own through the
-        same graph (the hooks stand aside). :meth:`_verify` compares it with ``grad1`` (or, for
+        same graph (the hooks stand aside). :meth:`verify_backward` compares it with ``grad1`` (or, for
         norms, the pieces' batch sum) weighted alike. Only where every output that has a gradient holds the examples
         where the tracker followed them, and none is computed from another (whose gradient
         would then be counted twice); an output that lost them (a loss computed inside the
         model) leaves the check out."""
         if (
             "edges" not in box
-            or self._removed
-            or self._ignore_backward
-            or self._rerunning
+            or self.state.removed
+            or not self.state.mode.capture
+            or self.state.rerunning
             or torch.is_grad_enabled()  # (a create_graph backward)
-            or not self._capturing_backward()
+            or not self.state.capturing_backward()
             or any(g is not None and _torch.is_grads_batched(g) for g in grads)
         ):
             return  # (an is_grads_batched backward: the next one is checked)
         if any((t := ref()) is not None and _torch.tensor_hooks(t) > n for ref, n in box["hooks"]):
             return  # (hooks of the user's on an output, which a backward of its own would run)
-        bw = self._backward_state()
+        bw = self.backwards.backward_state()
         if not bw.verify or bw.probe is not None:
             return
         used = [(e, g, lay) for e, g, lay in zip(box["edges"], grads, box["layouts"])
@@ -343,11 +365,11 @@ class Verification:
             w = weights.to(device=g.device, dtype=g.dtype)
             masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
             last.append(g * mask[-1].to(g.dtype))
-        pids = list(self._params)
-        params = [self._params[pid][1] for pid in pids]
+        pids = list(self.state.params)
+        params = [self.state.params[pid][1] for pid in pids]
         edges = [e for e, _, _ in used]
         try:
-            with self._standing_aside():
+            with self.standing_aside():
                 found = torch.autograd.grad(
                     edges, params, masked, retain_graph=True, allow_unused=True
                 )
@@ -355,7 +377,7 @@ class Verification:
                     edges, params, [g for _, g, _ in used], retain_graph=True, allow_unused=True
                 )
                 # (without grad1, the norms themselves are checked too: the last example's)
-                alone = None if self._grad1 else torch.autograd.grad(
+                alone = None if self.state.grad1 else torch.autograd.grad(
                     edges, params, last, retain_graph=True, allow_unused=True
                 )  # fmt: skip
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
@@ -372,21 +394,21 @@ class Verification:
                              box["precision"])  # fmt: skip
 
     @contextlib.contextmanager
-    def _standing_aside(self) -> Iterator[None]:
+    def standing_aside(self) -> Iterator[None]:
         """A backward of autograd's own through the model's graph, to check against (one
         example's gradient): the hooks capture nothing, and calls run detached or owned give
         autograd's gradients by running their forward again (no rule runs)."""
-        no_param_grads, self._no_param_grads = self._no_param_grads, False
-        self._probing = True
-        self._rerunning += 1
+        mode, self.state.mode = self.state.mode, replace(self.state.mode, param_grads=True)
+        self.state.probing = True
+        self.state.rerunning += 1
         try:
             yield
         finally:
-            self._rerunning -= 1
-            self._probing = False
-            self._no_param_grads = no_param_grads
+            self.state.rerunning -= 1
+            self.state.probing = False
+            self.state.mode = mode
 
-    def _check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
+    def check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
         was taken as the batch: a sequence-first model read batch-first), where no output keeps
         them apart."""
@@ -398,8 +420,8 @@ class Verification:
         ops = ", ".join(tracker.mixed) or "an operation across the batch"
         where = (
             "dimension 0 of its first input"
-            if self.batch_dim == "auto"
-            else (f"dimension {self.batch_dim}")
+            if self.state.batch_dim == "auto"
+            else (f"dimension {self.state.batch_dim}")
         )
         shapes = ", ".join(str(tuple(t.shape)) for t in mixed)
         raise RuntimeError(
@@ -408,7 +430,7 @@ class Verification:
             "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
         )
 
-    def _verify(self, bw: Backward) -> None:
+    def verify_backward(self, bw: Backward) -> None:
         """The last line of defence, on the first backward of each new set of calls: every
         parameter's ``grad1`` of this backward reduces to the gradient autograd computed for it
         (a use of a parameter that the hooks did not see would show here), and one example's
@@ -422,25 +444,25 @@ class Verification:
         # the model's scale, not its own rounding)
         overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
         for pid, grad in grads.items():
-            name, p = self._params[pid]
-            if pid in self._exempt:
+            name, p = self.state.params[pid]
+            if pid in self.state.exempt:
                 continue
-            g1 = self._grad1_of_backward(bw, pid, p)
+            g1 = self.backwards.grad1_of_backward(bw, pid, p)
             if g1 is None:
                 got = torch.zeros_like(grad)
             else:
-                got = g1.mean(0) if self.loss_reduction == "mean" else g1.sum(0)
+                got = g1.mean(0) if self.state.loss_reduction == "mean" else g1.sum(0)
             diff = mismatch(
                 got, grad.to(got.dtype), g1, overall, precision=bw.precision, exact=True
             )
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
-            self._rollback(bw)
-            if self._collector is not None:
-                self._collector.discard_backward()
+            self.backwards.rollback(bw)
+            if self.state.collector is not None:
+                self.state.collector.discard_backward()
             raise RuntimeError(
-                f"gradhooks: grad1 does not add up ({self.loss_reduction} over the batch) to the "
+                f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
                 f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
                 "grad1 was not written. Either a use of the parameter that the hooks did not "
                 "see (a custom operation or kernel: register a rule for the module), or a term "
@@ -452,7 +474,7 @@ class Verification:
         probe = bw.probe
         if probe is not None and bw.frames == {probe.frame}:
             self._verify_probe(bw, probe)
-        self._unverified -= bw.verify
+        self.state.unverified -= bw.verify
 
     def _through_outputs(self, bw: Backward, probe: Probe) -> set[int]:
         """The parameters whose gradient in this backward came through the model's outputs
@@ -473,19 +495,19 @@ class Verification:
         return found
 
     def _verify_probe(self, bw: Backward, probe: Probe) -> None:
-        """:meth:`_verify`'s second part: ``grad1`` of this backward, weighted over the examples
+        """:meth:`verify_backward`'s second part: ``grad1`` of this backward, weighted over the examples
         as the probe's output rows were, against autograd's gradient from those rows."""
-        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        scale = float(probe.batch) if self.state.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
         want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
                    for pid, g in probe.grads.items() if pid in through}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
         wrong = []
         for pid, want in want_of.items():
-            name, p = self._params[pid]
-            if pid in self._exempt:
+            name, p = self.state.params[pid]
+            if pid in self.state.exempt:
                 continue
-            g1 = self._grad1_of_backward(bw, pid, p)
+            g1 = self.backwards.grad1_of_backward(bw, pid, p)
             if g1 is not None and g1.shape[0] != probe.batch:
                 continue  # (a layer that counts its examples otherwise: bags)
             if g1 is None:
@@ -501,9 +523,9 @@ class Verification:
                 wrong.append(f"'{name}' ({diff})")
         if not wrong:
             return
-        self._rollback(bw)
-        if self._collector is not None:
-            self._collector.discard_backward()
+        self.backwards.rollback(bw)
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
         raise RuntimeError(
             "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
             "it is not the gradient autograd gives from the model's output-gradients with each "
@@ -511,18 +533,18 @@ class Verification:
             + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
 
-    def _verify_norms(self, bw: Backward, probe: Probe) -> None:
+    def verify_norms(self, bw: Backward, probe: Probe) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
         output rows were (:func:`pieces.weighted_sums` of the kept pieces), against autograd's gradient from those rows."""
-        collector = self._collector
+        collector = self.state.collector
         if collector is None or not collector.param_sq_norms:
             return
-        scale = float(probe.batch) if self.loss_reduction == "mean" else 1.0
+        scale = float(probe.batch) if self.state.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
         want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
                    for pid, g in probe.grads.items()
-                   if pid not in self._exempt and pid in through}  # fmt: skip
+                   if pid not in self.state.exempt and pid in through}  # fmt: skip
         overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
         weighted = P.weighted_sums(bw.kept, probe.weights)
         bw.kept = []
@@ -633,7 +655,7 @@ def _tol(
 
 
 def check_hooks(
-    hooks: Hooks,
+    state: CaptureState,
     loss_fn: Callable[..., Tensor] | None = None,
     inputs: Tensor | Sequence[Tensor] | None = None,
     target: Tensor | None = None,
@@ -642,15 +664,15 @@ def check_hooks(
     raise_on_error: bool = True,
 ) -> CheckReport:
     """See :meth:`gradhooks.Hooks.check`."""
-    model = hooks.model
+    model = state.model
     if model is None:
         raise RuntimeError("check(): the hooked model no longer exists")
     report = CheckReport(type(model).__qualname__, check="Hooks.check")
     names = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
-    written = {names.get(i, "?"): p for i, p in hooks._written.items()}
-    for name in hooks._missed:
+    written = {names.get(i, "?"): p for i, p in state.written.items()}
+    for name in state.missed:
         report.problems.append(
             f"'{name}': a backward computed its gradient but no forward call of its module was "
             "captured for it (the forward ran before add_hooks, or while capture was paused): "
@@ -660,9 +682,9 @@ def check_hooks(
         report.problems.append(
             "no backward has written grad1 since add_hooks or clear(): run the forward and the "
             "backward with the hooks on (add_hooks before the forward)"
-            + ("" if "grad1" in hooks.quantities else f" (this handle computes {hooks.quantities})")
+            + ("" if "grad1" in state.quantities else f" (this handle computes {state.quantities})")
         )
-    reduce = "mean" if hooks.loss_reduction == "mean" else "sum"
+    reduce = "mean" if state.loss_reduction == "mean" else "sum"
     for name, p in written.items():
         g1 = p.grad1.detach()
         bad = ~torch.isfinite(g1.flatten(1)).all(1) if g1.dim() > 1 else ~torch.isfinite(g1)
@@ -674,7 +696,7 @@ def check_hooks(
         want = p.grad.detach().to(got.dtype)
         if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             continue  # reported as non-finite
-        tol = _tol(got.dtype, hooks._precision, exact=True)  # (the same backward's)
+        tol = _tol(got.dtype, state.precision, exact=True)  # (the same backward's)
         scale = want.abs().max().item() + got.abs().max().item()
         diff = (got - want).abs().max().item()
         if diff > tol * max(scale, 1e-30):
@@ -699,14 +721,14 @@ def check_hooks(
     if loss_fn is not None:
         if inputs is None:
             raise ValueError("check(loss_fn, inputs, target): the inputs of the captured forward")
-        _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, report)
+        _check_reduction(state, model, written, loss_fn, inputs, target, examples, report)
     elif written:
         other = "sum" if reduce == "mean" else "mean"
         batch = next(iter(written.values())).grad1.shape[0]
         report.unchecked.append(
             f"the loss's reduction: grad1.{reduce}(0) equals .grad whatever the loss really "
             f"was, so a loss that is the {other} of the per-example losses, hooked with "
-            f"loss_reduction={hooks.loss_reduction!r}, leaves grad1 {batch}× too "
+            f"loss_reduction={state.loss_reduction!r}, leaves grad1 {batch}× too "
             f"{'large' if reduce == 'mean' else 'small'} (the batch size) unseen. Pass the "
             "loss: h.check(loss_fn, inputs, target) recomputes the first examples one at a "
             "time and says which reduction the loss used"
@@ -716,7 +738,7 @@ def check_hooks(
     return report
 
 
-def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, report) -> None:
+def _check_reduction(state, model, written, loss_fn, inputs, target, examples, report) -> None:
     """Recompute the first examples' own gradients (a batch of one each) and compare."""
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     batch = xs[0].shape[0]
@@ -754,7 +776,7 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
         )
         return
     # (against a recomputation in the model's own dtype: rounded otherwise at every layer)
-    tol = _tol(next(iter(written.values())).grad1.dtype, hooks._precision, False, factor=10)
+    tol = _tol(next(iter(written.values())).grad1.dtype, state.precision, False, factor=10)
     norm = ref.norm().item()
     if norm == 0:
         if got.norm().item() > 0:
@@ -777,15 +799,15 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
         return (got - factor * ref).norm().item() <= tol * factor * norm
 
     if close(1.0):
-        report.reduction = hooks.loss_reduction if batch > 1 else None
+        report.reduction = state.loss_reduction if batch > 1 else None
         return
-    other = "sum" if hooks.loss_reduction == "mean" else "mean"
-    factor = float(batch) if hooks.loss_reduction == "mean" else 1.0 / batch
+    other = "sum" if state.loss_reduction == "mean" else "mean"
+    factor = float(batch) if state.loss_reduction == "mean" else 1.0 / batch
     if batch > 1 and close(factor):
         report.reduction = other
         report.problems.append(
             f"the loss is the {other} of the per-example losses, but the hooks were told "
-            f"loss_reduction={hooks.loss_reduction!r}: grad1 is {factor:g}× each example's own "
+            f"loss_reduction={state.loss_reduction!r}: grad1 is {factor:g}× each example's own "
             f"gradient. Pass add_hooks(model, loss_reduction={other!r}) (or call "
             f"h.rescale({other!r}) for the grad1 computed so far)"
         )
@@ -793,7 +815,7 @@ def _check_reduction(hooks, model, written, loss_fn, inputs, target, examples, r
     ratio = (got * ref).sum().item() / (ref * ref).sum().item()
     report.problems.append(
         f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× it, "
-        f"loss_reduction={hooks.loss_reduction!r}, batch {batch}): the loss may be scaled "
+        f"loss_reduction={state.loss_reduction!r}, batch {batch}): the loss may be scaled "
         "(divided by the number of micro-batches, or a mean over more than the batch), grad1 "
         "may hold several backwards (call h.clear() between steps), the examples may not be "
         "independent (batch statistics, or a loss that couples them: contrastive, InfoNCE), "

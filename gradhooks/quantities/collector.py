@@ -83,7 +83,7 @@ class Collector:
         self.jacobian_column: int | None = None
         # while a list: every call's pieces of the backward, (pieces, params, scale), for
         # dp_sgd_step's book-keeping path (gradhooks.workflows.dp)
-        self.keep: list[tuple[dict, dict, float]] | None = None
+        self.keep: list[P.CallPieces] | None = None
 
     def clear(self) -> None:
         self._held.clear()
@@ -131,7 +131,7 @@ class Collector:
             self._queued = True
         if self.keep is not None:  # fresh pieces: none of the columns the norms may cache
             self.keep.append(
-                ({n: call_pieces[n].select(slice(None)) for n in params}, params, scale)
+                P.CallPieces({n: call_pieces[n].select(slice(None)) for n in params}, params, scale)
             )
         if self.kfac is not None:
             self.kfac.add(qualname, call_pieces, params, scale)

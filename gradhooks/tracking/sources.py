@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import _torch, loop
 from .layout import Layout, batch_rows, example_mask
+from .link import EngineLink
 from .ops.common import arg, is_inplace, norm_dim, out_tensors, tensor_args
 from .ops.pointwise import is_pointwise
 
@@ -227,12 +228,14 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
     return out
 
 
-def deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> None:
+def deliver(
+    engine: EngineLink | None, edges: dict[Source, Any], per_example: Tensor, at_edge
+) -> None:
     """Give each source (``edges``: its tensor's gradient edge) its per-example
     output-gradients, from ``per_example`` (``[batch, *shape]``), the per-example gradient of a
     tensor derived from them (at gradient edge ``at_edge``): through the batch-free operations
     between them, by one batched backward."""
-    if engine is not None and engine._probing:
+    if engine is not None and engine.probing:
         return  # (the engine's check of one example, which captures nothing)
     task = _torch.graph_task_id()
     direct = [s for s, e in edges.items() if e == at_edge]
@@ -241,7 +244,7 @@ def deliver(engine, edges: dict[Source, Any], per_example: Tensor, at_edge) -> N
         _add(s, task, per_example)
     if not through:
         return
-    ctx = engine._nested() if engine is not None else contextlib.nullcontext()
+    ctx = engine.nested() if engine is not None else contextlib.nullcontext()
     with ctx:
         try:
             grads = torch.autograd.grad(
@@ -314,7 +317,7 @@ class Meeting:
                 s.problem = s.problem or f"'{self.name}' has outputs from several autograd nodes"
 
     def backward(self, grad_outputs) -> None:
-        if self.engine is not None and self.engine._probing:
+        if self.engine is not None and self.engine.probing:
             return  # (the engine's check of one example, which captures nothing)
         grads = [grad_outputs[nr] if nr < len(grad_outputs) else None for _, nr in self.nodes]
         if all(g is None for g in grads):

@@ -53,6 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _torch
 from .aliases import aliased
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .link import EngineLink
 from .ops import FREE, LIKE, METADATA, data_args, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.pointwise import is_pointwise
@@ -107,11 +108,16 @@ class Tracker(TorchFunctionMode):
     """Follows the batch through one forward of a hooked model (see the module docstring).
 
     ``batch``: the number of examples. ``params``: ``{id(p): (name, p)}`` of the parameters the
-    hooks cover. ``engine``: the object told about what the forward does that the engine acts
-    on (:meth:`Hooks._direct_use`); ``None`` in tests of the layouts alone.
+    hooks cover. ``engine``: the engine, told about what the forward does that it acts on
+    (:class:`gradhooks.tracking.link.EngineLink`); ``None`` in tests of the layouts alone.
     """
 
-    def __init__(self, batch: int, params: dict[int, tuple[str, Tensor]], engine: Any = None):
+    def __init__(
+        self,
+        batch: int,
+        params: dict[int, tuple[str, Tensor]],
+        engine: EngineLink | None = None,
+    ):
         super().__init__()
         self.batch = batch
         self.params = params
@@ -395,7 +401,7 @@ class Tracker(TorchFunctionMode):
         autograd node of its output, so that they live as long as the graph through it (a
         problem found on the way is reported at the backward, never dropped with the tracker),
         and a backward that passes through it tells the engine that these parameters'
-        gradients come from a forward the tracker followed (:meth:`Hooks._direct_reached`)."""
+        gradients come from a forward the tracker followed (:meth:`EngineLink.direct_reached`)."""
         if not direct or self.engine is None:
             return
         outs = out_tensors(out) or [a for a in args[:1] if isinstance(a, Tensor)]
@@ -410,7 +416,7 @@ class Tracker(TorchFunctionMode):
         if held:
             engine, unknown = self.engine, self.unknown
             node.register_prehook(
-                lambda grad_outputs, held=tuple(held): engine._direct_reached(held, unknown)
+                lambda grad_outputs, held=tuple(held): engine.direct_reached(held, unknown)
             )
 
     def _found_source(self, p: Tensor) -> Source | None:
@@ -434,7 +440,7 @@ class Tracker(TorchFunctionMode):
             self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
             table[id(p)] = s
             if self.engine is not None:
-                self.engine._direct_source(s, p)
+                self.engine.direct_source(s, p)
         return s
 
     def _layout_of(self, t: Any) -> Layout | None:
@@ -764,7 +770,7 @@ class Tracker(TorchFunctionMode):
         for t in tensors if self.lineage else ():
             self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
         if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
-            out = self.engine._functional_use(func, name, args, kwargs, direct, self)
+            out = self.engine.functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
                 for p in direct:  # (a module without a rule that covers it leaves it to this)
                     where = self._covering(id(p))
@@ -788,7 +794,7 @@ class Tracker(TorchFunctionMode):
                     for s in self.all_sources(t):
                         s.problem = s.problem or why
                         if self.engine is not None:  # (no graph holds it: kept to be told)
-                            self.engine._unheld.append(s)
+                            self.engine.unheld(s)
                 return out
             tainted = [t for t in tainted if t.requires_grad]  # (detached: no gradient back)
             if not tainted:

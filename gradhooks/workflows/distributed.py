@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..engine.api import engine_of
 from ..engine.handle import Hooks
 from ..errors import ConfigurationError, StateError
 from ..quantities.kfac import KfacAccumulator, KFactors
@@ -107,7 +108,7 @@ def dp_sgd_step(
     _dp._check_clipping(max_norm, noise_multiplier, generator)
     _dp.check_scaler(scaler)
     params = _dp._covered_params(hooks)
-    if hooks._sharded and method == "ghost":
+    if engine_of(hooks).sharded and method == "ghost":
         raise ConfigurationError(
             "gradhooks.distributed.dp_sgd_step(method='ghost') on a model sharded by FSDP2: "
             "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
@@ -149,7 +150,7 @@ def _names(hooks: Hooks, params: Sequence[nn.Parameter]) -> list[str]:
     model = hooks.model
     by_id = {}
     if model is not None:
-        for n, p in hooks._named_parameters(model):
+        for n, p in engine_of(hooks).named_parameters():
             by_id.setdefault(id(p), n)
     return [by_id.get(id(p), "?") for p in params]
 
@@ -211,7 +212,7 @@ def kfac_factors(
     Returns:
         ``{weight_name: KFactors}``, the same on every rank.
     """
-    return _reduced(hooks._results("kfac").kfac, group).factors(reduction, last=True)
+    return _reduced(engine_of(hooks).results("kfac").kfac, group).factors(reduction, last=True)
 
 
 def kfac(

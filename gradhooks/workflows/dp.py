@@ -50,8 +50,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch
 from .. import pieces as P
+from ..engine.api import engine_of
 from ..engine.handle import Hooks
-from ..engine.records import drop_box, half_precision
+from ..engine.records import half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
 from ..errors import (
     CheckFailedError,
@@ -193,12 +194,12 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
     backward, and gradient hooks under ghost clipping."""
     check_scaler(scaler)
     params = _covered_params(hooks)
-    if hooks._sharded:
+    if engine_of(hooks).sharded:
         raise ConfigurationError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    fused = [n for n, p in hooks._named_parameters(hooks.model)
+    fused = [n for n, p in engine_of(hooks).named_parameters()
              if p.requires_grad and _torch.accumulate_hooks(p)]  # fmt: skip
     if fused:
         raise ConfigurationError(
@@ -209,7 +210,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             "after dp_sgd_step."
         )
     own = 1  # (gradhooks' own hook on each parameter)
-    hooked = [n for n, p in hooks._named_parameters(hooks.model)
+    hooked = [n for n, p in engine_of(hooks).named_parameters()
               if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
     if method == "ghost" and hooked:
         raise ConfigurationError(
@@ -335,7 +336,7 @@ def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) ->
     """``torch.autograd.grad(loss, wrt)``; where the forward ran calls with grad mode off
     (reentrant activation checkpointing, whose nodes run again only in a backward without
     ``inputs``), by ``loss.backward()``, ``.grad`` left as it was."""
-    if not hooks._recomputes:
+    if not engine_of(hooks).recomputes:
         return torch.autograd.grad(loss, wrt, retain_graph=retain_graph, allow_unused=True)
     kept = [p.grad for p in wrt]
     for p in wrt:
@@ -357,27 +358,25 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
     (autocast), the weights are powers of two, which the backward carries without rounding.
     ``(weights, gradients, exact)``; ``None`` where it is not checked."""
     batch = per_example_loss.shape[0]
-    if not (hooks.verify and hooks._unverified) or hooks._recomputes or hooks._sharded or batch < 2:
+    engine = engine_of(hooks)
+    if not engine.unverified or engine.recomputes or engine.sharded or batch < 2:
         return None
-    if hooks._user_backward_hooks():
+    if engine.user_backward_hooks():
         return None  # (no backward of the check's own through hooks of the user's)
-    box = hooks._probe_box
-    exact = box is not None and half_precision(box.get("precision"))
+    exact = half_precision(engine.probe_precision())
     weights = P.example_weights(batch, exact)
     w = weights.to(device=per_example_loss.device, dtype=per_example_loss.dtype)
     weighted = w * per_example_loss
-    with hooks._standing_aside():
+    with engine.standing_aside():
         grads = torch.autograd.grad(
             weighted.mean() if hooks.loss_reduction == "mean" else weighted.sum(),
             wrt, retain_graph=True, allow_unused=True,
         )  # fmt: skip
     if hooks.loss_reduction == "mean":
         grads = tuple(None if g is None else g * batch for g in grads)
-    if box is not None:  # (the hooks' own check of the examples: this one is it)
-        drop_box(box)
-        hooks._probe_box = None
-    if not hooks._grad1:
-        hooks._unverified.clear()
+    engine.drop_probe()  # (the hooks' own check of the examples: this one is it)
+    if "grad1" not in hooks.quantities:
+        engine.mark_verified()
     return weights, grads, exact
 
 
@@ -396,12 +395,11 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
         for p, g in zip(params, grads, strict=True)
     ]  # fmt: skip
     overall = max((float(w.abs().max()) for w in wants if w.numel()), default=0.0)
+    precision = engine_of(hooks).precision
     wrong = []
     for p, want, g in zip(params, wants, got, strict=True):
         g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
-        diff = mismatch(
-            g, want, None, overall, **PROBE_TOLERANCE, precision=hooks._precision, exact=exact
-        )
+        diff = mismatch(g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact)
         if diff is not None:
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
@@ -442,12 +440,13 @@ def _clipped_sums(
     batch = per_example_loss.shape[0]
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
-    wrt = [hooks._current.get(id(p), p) for p in params]
+    engine = engine_of(hooks)
+    wrt = [engine.in_use(p) for p in params]
     truth = _truth(hooks, per_example_loss, wrt, method)
     hooks.clear()
     if method == "grad1":
         grads = _grads(hooks, loss, wrt)
-        grads1 = [getattr(p, "grad1", None) if id(p) in hooks._written else None for p in params]
+        grads1 = [getattr(p, "grad1", None) if engine.wrote(p) else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
         _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
         sq = per_example_loss.new_zeros(batch)
@@ -470,13 +469,10 @@ def _clipped_sums(
             for p, g in zip(params, grads1, strict=True)
         ]  # fmt: skip
     elif method == "bookkeeping":
-        kept = hooks._collector.keep = []
-        hooks._no_param_grads = True  # this backward's own parameter gradients are not used
-        try:
+        kept: list = []
+        # (this backward's own parameter gradients are not used)
+        with engine.backward_mode(param_grads=False, keep=kept):
             grads = _grads(hooks, loss, wrt)
-        finally:
-            hooks._collector.keep = None
-            hooks._no_param_grads = False
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
@@ -491,22 +487,17 @@ def _clipped_sums(
         clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
-        kept = hooks._collector.keep = [] if truth is not None else None
-        try:
+        kept = [] if truth is not None else None
+        with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
-        finally:
-            hooks._collector.keep = None
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             del kept
         factors = clip_factors(norms / scaled_by, max_norm).detach()
-        hooks._ignore_backward = True
-        try:
+        with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
-        finally:
-            hooks._ignore_backward = False
         clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     _STEPPED[stepped] = True
     return norms / scaled_by, clipped, loss_scale
@@ -526,7 +517,8 @@ def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:
 
 def _has_norm(hooks: Hooks, p: Tensor) -> bool:
     """Whether the last backward captured ``p``'s per-example norms."""
-    return hooks._collector.names.get(id(p)) in hooks._collector.param_sq_norms
+    collector = engine_of(hooks).collector
+    return collector.names.get(id(p)) in collector.param_sq_norms
 
 
 def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[bool]) -> None:
@@ -597,7 +589,7 @@ def _denominator(batch: int, reduction: str, expected_batch_size: float | None) 
 
 def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
     """The per-example norms the last backward captured (zeros where it reached no layer)."""
-    if hooks._collector.param_sq_norms:
+    if engine_of(hooks).collector.param_sq_norms:
         norms = hooks.norms()
         _check_batch(hooks, per_example_loss, [norms.shape[0]])
         return norms
@@ -630,14 +622,15 @@ def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
     model = hooks.model
     if model is None or not hooks.active:
         raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
-    covered = {id(p) for t in hooks._targets for p in t.params.values()}
+    engine = engine_of(hooks)
+    covered = engine.covered()
     params, missing, seen = [], [], set()
-    for name, p in hooks._named_parameters(model):  # (FSDP2: the sharded parameters)
+    for name, p in engine.named_parameters():  # (FSDP2: the sharded parameters)
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         (params if id(p) in covered else missing).append(p if id(p) in covered else name)
-    complex_ = [n for n, p in hooks._named_parameters(model) if p.requires_grad and p.is_complex()]
+    complex_ = [n for n, p in engine.named_parameters() if p.requires_grad and p.is_complex()]
     if complex_:
         raise ConfigurationError(
             f"dp_sgd_step: '{complex_[0]}' is complex: the clipping is defined here for real "

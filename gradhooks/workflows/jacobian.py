@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten
+from ..engine.api import engine_of
 from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
@@ -115,7 +116,8 @@ def jacobians(
         run = hooked_forward(h, model, args, kwargs)
         out = checked_output(run, model, "jacobians", "[batch, *out]")
         batch = out.shape[0]
-        covered = {id(q) for t in h._targets for q in t.params.values()}
+        engine = engine_of(h)
+        covered = engine.covered()
         wrt = run.reached + [p for p in params if id(p) not in covered or id(p) in run.direct]
         outputs = math.prod(out.shape[1:])
         # the results, allocated once; the backward writes each parameter's block in place
@@ -129,7 +131,7 @@ def jacobians(
                 offset += p.numel()
             else:
                 block = p.new_empty(batch, outputs, *p.shape)
-            result[name] = h._collector.jacobian[id(p)] = block
+            result[name] = engine.collector.jacobian[id(p)] = block
         if batch and outputs and wrt:
             eye = torch.eye(outputs, dtype=out.dtype, device=out.device)
             # [outputs, batch, *out]: output-gradient c is one-hot at output c for every example
@@ -145,7 +147,7 @@ def jacobians(
             else:  # one output at a time, each added into its column
                 for block in result.values():
                     block.zero_()
-                collector = h._collector
+                collector = engine.collector
                 try:
                     for c in range(outputs):
                         collector.jacobian_column = c
@@ -153,8 +155,8 @@ def jacobians(
                 finally:
                     collector.jacobian_column = None
         for p in params:  # reached by no output: the Jacobian is zero
-            if id(p) not in h._collector.jacobian_written:
-                h._collector.jacobian[id(p)].zero_()
+            if id(p) not in engine.collector.jacobian_written:
+                engine.collector.jacobian[id(p)].zero_()
     return flat if flat is not None else result
 
 
@@ -202,12 +204,12 @@ class HookedForward:
 def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> HookedForward:
     """``model(*args, **kwargs)`` under the hooks ``h``, noting what :func:`jacobians` and
     :func:`gradhooks.kfac` need for their backwards."""
-    with _frame_tracker(h, model) as seen, output_edges(h) as reached:
+    with _frame_tracker(h, model) as seen, output_edges(m for _, m in h.modules()) as reached:
         out = model(*args, **kwargs)
     tracker = seen.get("tracker")
     first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
     batch = tracker.batch if tracker is not None else (first.shape[0] if first.dim() else 1)
-    direct = {pid for pid in h._direct if pid in h._params}
+    direct = engine_of(h).directly_used()
     sources = tracker is not None and bool(tracker.edges)
     return HookedForward(
         out, reached, direct, sources, tracker, batch, autocast_dtype() is not None
@@ -219,10 +221,11 @@ def _frame_tracker(h: Hooks, model: nn.Module) -> Iterator[dict]:
     """The tracker of the next forward of ``model`` (its frame is opened by the hooks' own
     forward pre-hook, which runs before this one)."""
     seen: dict = {}
+    engine = engine_of(h)
 
     def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if h._frames and "tracker" not in seen:
-            seen["tracker"] = h._frames[-1].tracker
+        if "tracker" not in seen and engine.running():
+            seen["tracker"] = engine.tracker()
 
     handle = model.register_forward_pre_hook(grab, with_kwargs=True)
     try:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _torch
+from ..engine.api import engine_of
 from ..engine.handle import add_hooks
 from ..errors import ConfigurationError, UnsupportedError
 from ..quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
@@ -287,7 +288,7 @@ def _accumulate(
     args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
     with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
-        acc = h._collector.kfac
+        acc = engine_of(h).results("kfac").kfac
         acc.expand, acc.bias = expand, bias
         run = hooked_forward(h, model, args, kwargs)
         out = checked_output(run, model, "kfac", "[batch, classes] or [batch, ..., classes]")

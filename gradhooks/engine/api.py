@@ -1,0 +1,198 @@
+"""The narrow interface through which gradhooks' workflows drive a handle's engine.
+
+The DP steps (:mod:`gradhooks.workflows.dp`, :mod:`gradhooks.workflows.distributed`), the
+Jacobians and K-FAC (:mod:`gradhooks.workflows.jacobian`, :mod:`gradhooks.workflows.kfac`) and
+the autograd-hacks layer (:mod:`gradhooks.compat`) need more of a handle than a user does: which
+parameters it covers, what the current accumulation wrote, the collector of the quantities, and
+backwards of their own that the engine must treat otherwise than the model's. They ask for it
+here, through :func:`engine_of`, and never read or set the handle's private state::
+
+    engine = engine_of(hooks)
+    with engine.backward_mode(capture=False):   # a backward that writes nothing
+        torch.autograd.grad(loss, params)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..quantities import Collector
+from ..tracking import Tracker
+from .handle import Hooks
+from .records import BackwardMode, drop_box
+
+__all__ = ["EngineAPI", "engine_of"]
+
+
+def engine_of(hooks: Hooks) -> EngineAPI:
+    """The engine of ``hooks``, as the workflows drive it."""
+    return EngineAPI(hooks)
+
+
+class EngineAPI:
+    """What the workflows may read of one handle's engine, and the backwards they may run
+    through it (:meth:`backward_mode`, :meth:`standing_aside`). Holds its handle weakly."""
+
+    def __init__(self, hooks: Hooks) -> None:
+        self._ref = weakref.ref(hooks)
+
+    @property
+    def _hooks(self) -> Hooks:
+        hooks = self._ref()
+        if hooks is None:
+            raise RuntimeError("the gradhooks handle this engine belonged to is gone")
+        return hooks
+
+    # -- what is hooked ----------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some of the model's parameters are sharded by FSDP2 (DTensors)."""
+        return bool(self._hooks._state.sharded)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's ``named_parameters()`` with the parameters the hooks were planned with
+        (FSDP2: the sharded ones, whatever stand-in is in their slots now)."""
+        hooks = self._hooks
+        model = hooks.model
+        if model is None:
+            return iter(())
+        return hooks._named_parameters(model)
+
+    def covered(self) -> set[int]:
+        """The ids of the parameters of the hooked modules (trainable or not)."""
+        return {id(p) for t in self._hooks._state.targets for p in t.params.values()}
+
+    def parameters(self) -> dict[int, tuple[str, Tensor]]:
+        """The trainable parameters the hooks write ``grad1`` for, ``{id: (name, param)}``."""
+        return dict(self._hooks._state.params)
+
+    def in_use(self, p: Tensor) -> Tensor:
+        """The tensor that stands for ``p`` in the last forward (FSDP2: its unsharded
+        parameter), with respect to which a backward computes ``p``'s gradient."""
+        return self._hooks._state.current.get(id(p), p)
+
+    def directly_used(self) -> set[int]:
+        """The ids of the hooked parameters the forwards used outside their modules' calls."""
+        hooks = self._hooks
+        return {pid for pid in hooks._state.direct if pid in hooks._state.params}
+
+    def running(self) -> bool:
+        """Whether a forward of the model is running now."""
+        return bool(self._hooks._state.frames)
+
+    def tracker(self) -> Tracker | None:
+        """The tracker of the forward running now (``None`` outside one, or not followed)."""
+        return self._hooks._forwards.tracker()
+
+    # -- what the backwards left -------------------------------------------------------------
+
+    def wrote(self, p: Tensor) -> bool:
+        """Whether the current accumulation wrote ``p.grad1``."""
+        return id(p) in self._hooks._state.written
+
+    def written(self) -> list[Tensor]:
+        """The parameters whose ``grad1`` the current accumulation wrote."""
+        return list(self._hooks._state.written.values())
+
+    @property
+    def collector(self) -> Collector | None:
+        """The collector of the quantities other than ``grad1`` (``None`` for ``grad1``
+        alone)."""
+        return self._hooks._state.collector
+
+    def results(self, quantity: str) -> Collector:
+        """The collector, refused unless the handle computes ``quantity``."""
+        return self._hooks._results(quantity)
+
+    @property
+    def precision(self) -> torch.dtype | None:
+        """The lowest precision the calls of the backwards since ``clear()`` ran in."""
+        return self._hooks._state.precision
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether a forward ran calls with grad mode off (reentrant activation
+        checkpointing), which only a backward without ``inputs`` runs again."""
+        return self._hooks._state.recomputes
+
+    @property
+    def hessian_backprops(self) -> list[dict[int, Tensor]]:
+        """autograd-hacks' ``backprop_hess`` records: per backward, ``{id(param): grad1}``
+        (emptied by ``clear()``)."""
+        return self._hooks._hessian_backprops
+
+    # -- the check of a step -----------------------------------------------------------------
+
+    @property
+    def unverified(self) -> bool:
+        """Whether a new set of layer calls awaits its check (``verify=True``)."""
+        hooks = self._hooks
+        return bool(hooks.verify and hooks._state.unverified)
+
+    def mark_verified(self) -> None:
+        """The sets of calls awaiting their check were checked (by the caller)."""
+        self._hooks._state.unverified.clear()
+
+    def user_backward_hooks(self) -> bool:
+        """Whether the model holds backward hooks of the user's, which a backward of the
+        check's own would run."""
+        return self._hooks._verifier.user_backward_hooks()
+
+    def probe_precision(self) -> torch.dtype | None:
+        """The precision of the forward the engine's own check is armed for (else ``None``)."""
+        box = self._hooks._verifier.probe_box
+        return None if box is None else box.get("precision")
+
+    def drop_probe(self) -> None:
+        """The caller checks this step itself: the engine's check is not needed."""
+        hooks = self._hooks
+        if hooks._verifier.probe_box is not None:
+            drop_box(hooks._verifier.probe_box)
+            hooks._verifier.probe_box = None
+
+    # -- backwards of the workflows' own -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def backward_mode(
+        self,
+        *,
+        capture: bool = True,
+        param_grads: bool = True,
+        keep: list | None = None,
+    ) -> Iterator[None]:
+        """Within the block, the backwards are the caller's, not the model's:
+
+        - ``capture=False``: they write nothing (no ``grad1``, no quantity): a reweighted
+          backward that only wants ``.grad``;
+        - ``param_grads=False``: their parameter gradients are not used, only the quantities,
+          so calls run detached give none;
+        - ``keep``: a list the collector appends each call's ``(pieces, params, scale)`` to.
+        """
+        hooks = self._hooks
+        collector = hooks._state.collector
+        if keep is not None and collector is None:
+            raise ValueError("backward_mode(keep=...) needs a handle with quantities")
+        before = hooks._state.mode
+        kept = collector.keep if collector is not None else None
+        hooks._state.mode = BackwardMode(capture=capture, param_grads=param_grads)
+        if keep is not None:
+            collector.keep = keep
+        try:
+            yield
+        finally:
+            hooks._state.mode = before
+            if keep is not None:
+                collector.keep = kept
+
+    @contextlib.contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """A backward of autograd's own through the model's graph, to check against: the hooks
+        capture nothing, and calls run detached give autograd's gradients."""
+        with self._hooks._verifier.standing_aside():
+            yield

@@ -1,0 +1,144 @@
+"""What the parts of one handle's engine share: :class:`CaptureState`.
+
+A :class:`gradhooks.Hooks` handle owns its parts, each an object with its own methods:
+:class:`~gradhooks.engine.forward.ForwardCapture` (a forward: frames, the tracker, the calls kept),
+:class:`~gradhooks.engine.backward.BackwardWriter` (a backward: pieces into ``grad1`` and the
+quantities, its bookkeeping), :class:`~gradhooks.engine.calls.CallLayouts` (where the examples are
+in each call), :class:`~gradhooks.engine.capture.DetachedCalls` (calls run detached, owned or
+carried) and :class:`~gradhooks.engine.verify.Verifier` (the checks of a backward). What more than
+one of them reads or writes is here, in one record they are each given, so that a reader finds
+every piece of shared state, and what it means, in one place.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..quantities import Collector
+from ..rules.registry import Registry
+from ..tracking import Tracker
+from .accumulation import GradTrail
+from .backprops import KeptBackprops
+from .link import TrackerLink
+from .pause import PROCESS, Pause
+from .plan import Target
+from .records import Backward, BackwardMode, Frame
+
+__all__ = ["CaptureState"]
+
+
+class CaptureState:
+    """The state one handle's parts share (see the module docstring). The settings are those of
+    :func:`gradhooks.add_hooks`; the rest is set as the hooks are planned and as forwards and
+    backwards run."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_reduction: str,
+        unsupported: str,
+        registry: Registry,
+        quantities: tuple[str, ...],
+        batch_dim: int | str | None,
+        max_grad1_bytes: int | str | None,
+        capture: str,
+        verify: bool,
+    ) -> None:
+        # -- the settings ---------------------------------------------------------------------
+        self.model_ref = weakref.ref(model)
+        self.loss_reduction = loss_reduction
+        self.unsupported = unsupported
+        self.registry = registry
+        self.quantities = quantities
+        self.batch_dim = batch_dim
+        self.max_grad1_bytes = max_grad1_bytes
+        self.capture = capture
+        self.verify = verify
+        self.grad1 = "grad1" in quantities
+        # the Jacobians' and kfac()'s handles run their backwards batched under vmap themselves:
+        # a batched output-gradient there is theirs, not a user's is_grads_batched backward
+        self.vmapped = bool({"_jacobian", "_vmapped"} & set(quantities))
+        # the quantities the probe (Verifier.probe) checks one example of
+        self.checks_examples = self.grad1 or "norms" in quantities
+        self.collector = Collector(model, quantities) if quantities != ("grad1",) else None
+
+        # -- what is hooked (set by the handle's planning) -------------------------------------
+        # parameters sharded by FSDP2 (DTensors), by qualified name (every slot): the hooks are
+        # planned with these, whatever stand-in FSDP2 has put in their slots at the time
+        self.shards: dict[str, nn.Parameter] = {}
+        self.sharded: set[int] = set()  # their ids: per-example norms, no grad1
+        self.targets: list[Target] = []
+        self.params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
+        self.numel = 0  # the elements of params
+        self.hooked: dict[int, frozenset[str]] = {}  # id(module) -> its hooked parameter names
+        self.current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
+        self.link: TrackerLink | None = None  # what a forward's tracker reports to
+        # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
+        self.kept_backprops: KeptBackprops | None = None
+
+        # -- whether and how what runs is captured ---------------------------------------------
+        self.removed = False
+        self.pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
+        self.marked = 0  # depth of `with h.capturing()`
+        self.mode = BackwardMode()  # (a workflow's own backwards: EngineAPI.backward_mode)
+        self.frames: list[Frame] = []  # root forwards running
+        self.tasks: dict[int, Backward] = {}  # backwards running, by graph task id
+        # inside a rerun of a detached call, or a per-example backward of the tracker's
+        self.rerunning = 0
+        self.probing = False  # inside the probe's backward
+        # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
+        # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
+        # avoids)
+        self.recomputes = False
+
+        # -- the accumulation of grad1 ---------------------------------------------------------
+        # the parameters whose grad1 the next captured backward adds to (the accumulation
+        # goes on), and whose grad1 it replaces if it reaches them, else deletes or zeroes
+        # (left from before a zero_grad or clear(): stale), by id
+        self.written: dict[int, nn.Parameter] = {}
+        self.stale: dict[int, nn.Parameter] = {}
+        self.trail = GradTrail()  # the .grad the backwards left (gradhooks.engine.accumulation)
+        self.depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
+        self.forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
+        self.missed: dict[str, None] = {}  # parameters a backward computed without capture
+        # the lowest precision the calls of the backwards since clear() ran in (the checks'
+        # tolerance: records.lowest_precision)
+        self.precision: torch.dtype | None = None
+        self.backwards = 0  # backwards that captured a call, since the hooks were added
+        self.exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
+
+        # -- the last line of defence (Verifier) -----------------------------------------------
+        self.verified: set[tuple] = set()  # signatures of the calls of a forward
+        self.unverified: set[tuple] = set()
+
+        # -- parameters used outside their modules' calls --------------------------------------
+        # by id: the sources of their uses
+        self.direct: dict[int, weakref.WeakSet] = {}
+        # sources with a problem that no autograd graph holds (found where the forward recorded
+        # none): kept until a backward ends, so that the parameter's gradient reports it
+        self.unheld: list = []
+
+        # -- calls running with their parameters detached (DetachedCalls) ----------------------
+        # innermost last, by id(module): their capture.DetachedCall records
+        self.detached: dict[int, list] = {}
+        self.aliases_checked: set[int] = set()  # modules whose detached call was checked
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self.model_ref()
+
+    def tracker(self) -> Tracker | None:
+        """The tracker of the forward running now (``None`` outside one, or not followed)."""
+        return self.frames[-1].tracker if self.frames else None
+
+    def capturing_backward(self) -> bool:
+        """Whether a backward starting now is captured (not paused, and marked where
+        ``capture="marked"``)."""
+        return self.pause.on and (self.capture == "always" or self.marked > 0)
+
+    def __repr__(self) -> str:
+        return f"CaptureState({len(self.targets)} modules)"
