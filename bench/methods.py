@@ -24,13 +24,7 @@ from torch.func import functional_call, grad, vmap
 import gradhooks
 from gradhooks.oracle import loop_grad
 
-
-class Unavailable(Exception):
-    """The method cannot run here; ``status`` is ``"missing"`` or ``"unsupported"``."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
+from .problems import PER_EXAMPLE, Unavailable
 
 
 @dataclass
@@ -315,8 +309,6 @@ MAX_NORM, NOISE = 1.0, 1.0
 
 
 def _per_example_loss(s: Setup):
-    from .problems import PER_EXAMPLE
-
     try:
         return PER_EXAMPLE[s.loss]
     except KeyError:

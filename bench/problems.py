@@ -93,12 +93,18 @@ class HuggingFace(nn.Module):
         return self.model(input_ids=x, **kw).logits
 
 
+class Unavailable(Exception):
+    """The method cannot run here; ``status`` is ``"missing"`` or ``"unsupported"``."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
 def _transformers():
     try:
         import transformers
     except ImportError as e:
-        from bench.methods import Unavailable
-
         raise Unavailable("missing", f"transformers is not installed: {e}") from e
     transformers.logging.set_verbosity_error()
     return transformers

@@ -7,6 +7,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradhooks
 
 ROOT = Path(gradhooks.__file__).parent
@@ -243,3 +245,25 @@ def test_the_scan_sees_an_import_for_types(tmp_path, monkeypatch):
         assert "gradhooks.engine.a -> gradhooks.engine.b -> gradhooks.engine.a" in str(e)
     else:
         raise AssertionError("the circle a -> b -> a (for types) was not found")
+
+
+def test_the_bench_imports_form_no_circle():
+    """``bench/``'s modules, also counting imports made inside functions."""
+    bench = ROOT.parent / "bench"
+    if not bench.is_dir():
+        pytest.skip("bench/ is not beside the installed package")
+    graph: dict[str, set[str]] = {}
+    for path in sorted(bench.glob("*.py")):
+        graph[path.stem] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench"):
+                rest = node.module.split(".")[1:]
+                names = rest[:1] if rest else [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")]
+            else:
+                continue
+            graph[path.stem].update(n.split(".")[0] for n in names if n.split(".")[0] != path.stem)
+    _assert_no_circle(graph)
