@@ -156,13 +156,10 @@ class KfacAccumulator:
             if not self.capture_a:
                 continue  # (a later backward of the same forward: the input is not read,
                 # a convolution's columns never formed again)
-            a = piece.a
-            batch = a.shape[0]
-            if not self.expand:
-                a = a.mean(-2, keepdim=True)
-            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key))
-            n_a = batch * a.shape[-2]
-            self._n_a[key] = self._n_a.get(key, 0) + n_a
+            a, count = _positions_seen(piece, self.expand)
+            batch = piece.a.shape[0]
+            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key), real_rows=count)
+            self._n_a[key] = self._n_a.get(key, 0) + count
             self._biased[key] = biased
             self._batch_now[key] = batch
             if biased:
@@ -208,13 +205,43 @@ class KfacAccumulator:
         return out
 
 
+def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int]:
+    """The inputs whose second moment is ``A`` (``[batch', *groups, shared', in]``) and how
+    many positions (or, reduced, examples) they count. Where the piece marks padding
+    (:attr:`Outer.seen`: an expert's rows padded to the most of one example), only the
+    positions seen count: ``expand``, their inputs (the padding zeroed) over their number;
+    reduced, each example's mean over its own positions, of the examples with any."""
+    a, seen = piece.a, piece.seen
+    batch, shared = a.shape[0], a.shape[-2]
+    if seen is None:
+        if not expand:
+            return a.mean(-2, keepdim=True), batch
+        return a, batch * shared
+    mask = seen.to(a.device).view(batch, *[1] * (a.dim() - 3), shared, 1)
+    a = a * mask.to(a.dtype)  # (an owned fold's padding is zero already; a rule's may not be)
+    if expand:
+        return a, int(seen.sum())
+    per_example = seen.sum(-1)  # [batch]
+    used = per_example > 0
+    mean = a.sum(-2, keepdim=True) / per_example.clamp(min=1).to(a.dtype).view(
+        batch, *[1] * (a.dim() - 1)
+    )
+    return mean[used.to(a.device)], int(used.sum())
+
+
 def second_moment(
-    t: Tensor, augment: bool = False, into: Tensor | None = None, alpha: float = 1.0
+    t: Tensor,
+    augment: bool = False,
+    into: Tensor | None = None,
+    alpha: float = 1.0,
+    real_rows: int | None = None,
 ) -> Tensor:
     """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
     added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
     a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
-    the count), written around the product rather than appended to ``t`` (a copy of it).
+    the count, ``batch · shared`` unless ``real_rows`` says how many of the rows are real, the
+    others zero padding), written around the product rather than appended to ``t`` (a copy of
+    it).
 
     Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
     (a Linear's input) or are few per example (then copied into that order: each example's
@@ -257,5 +284,5 @@ def second_moment(
         sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
         out[:, :n, n] += sums
         out[:, n, :n] += sums
-        out[:, n, n] += alpha * batch * shared
+        out[:, n, n] += alpha * (batch * shared if real_rows is None else real_rows)
     return out.view(*groups, width, width)

@@ -17,6 +17,11 @@ approximate curvature for modern neural network architectures"):
   ``A = Σ_{b,s} a aᵀ / (batch · shared)``, ``G = Σ_{b,s} g gᵀ``.
 - ``reduce``: positions are reduced first, ``ā_b = mean_s a``, ``ḡ_b = Σ_s g``:
   ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``.
+- A layer that sees a different number of positions per example (the tokens routed to an
+  expert of a mixture) counts the positions it saw: ``A`` divides by their number (expand), or
+  by the number of examples with any, each reduced to the mean of its own (reduce); ``G``
+  still divides by the batch under ``"mean"`` (an example that sent none adds a zero
+  curvature).
 - ``reduction="sum"`` keeps ``G`` a sum over examples (``kron(G, A)`` approximates the sum of
   per-example curvatures, e.g. ``Σ_b grad1[b] grad1[b]ᵀ``); ``"mean"`` divides ``G`` by the
   number of examples (the mean curvature).
