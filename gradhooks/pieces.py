@@ -149,6 +149,13 @@ class Piece:
         adding), where this piece has a form of its own; False: the generic path."""
         return False
 
+    def kfac_view(self) -> Outer | None:
+        """The :class:`Outer` whose ``a`` and ``g`` K-FAC's Kronecker factors are formed from
+        (:mod:`gradhooks.quantities.kfac`): ``g`` over the rows of the parameter as a matrix,
+        its outputs, ``a`` over its columns, what each output position reads, laid out as
+        :attr:`Outer.matrix_layout` says; ``None``: no Kronecker factors (here)."""
+        return None
+
 
 class _RowsOf(Piece):
     """:meth:`Piece.select`'s default: examples ``rows`` of ``piece``."""
@@ -192,6 +199,16 @@ class Outer(Piece):
     a: Tensor | None
     g: Tensor
     seen: Tensor | None = None
+
+    # How the parameter lies in the matrix ``[*groups, out, in]`` of ``grad1``'s rows and
+    # columns: ``"out_in"``, row-major as is; ``"in_out"``, its first two axes swapped per group
+    # (a transposed convolution's ``[in, out/groups, *kernel]``, seen by K-FAC as ``[groups,
+    # out/groups, in/groups · prod(kernel)]``: :func:`gradhooks.quantities.kfac.weight_matrix`)
+    matrix_layout: ClassVar[str] = "out_in"
+
+    def kfac_view(self) -> Outer | None:
+        """The piece itself (a bias's, with no input: ``None``)."""
+        return self if self.has_input else None
 
     @property
     def batch_size(self) -> int:

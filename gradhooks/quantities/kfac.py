@@ -19,7 +19,10 @@ from ..errors import GradhooksWarning
 from ..pieces import Outer
 from ..tuning import TUNING
 
-__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment"]
+__all__ = [
+    "KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment", "weight_matrix",
+    "weight_from_matrix",
+]  # fmt: skip
 
 
 @dataclass
@@ -38,12 +41,19 @@ class KFactors:
     ``torch.addmm(b, x, W)`` with ``W`` ``[in, out]`` (Hugging Face's ``Conv1D``) is that
     matrix as it is: ``G`` ``[in, in]`` over its rows (from the inputs, summed like an
     output-gradient's), ``A`` ``[out, out]`` over its columns (from the output-gradients,
-    averaged like an input's), and no bias column (the bias lies along the columns)."""
+    averaged like an input's), and no bias column (the bias lies along the columns).
+
+    ``layout``: ``"out_in"`` (the above); ``"in_out"`` for a weight whose first two axes are
+    its inputs and outputs (a transposed convolution's ``[in, out/groups, *kernel]``): the
+    matrix is ``[groups, out/groups, in/groups · prod(kernel)]``, those axes swapped per group,
+    so that ``G`` is over the output channels and ``A`` over the input patch each output
+    position reads (:func:`weight_matrix`)."""
 
     A: Tensor
     G: Tensor
     bias: bool
     bias_name: str | None = None
+    layout: str = "out_in"
 
     def inverse(self, damping: float) -> KFactorsInverse:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
@@ -59,7 +69,7 @@ class KFactors:
         # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
         # PSD factor's eigenvalues slightly negative: clamped
         scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
-        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping)
+        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping, self.layout)
 
 
 @dataclass
@@ -74,6 +84,7 @@ class KFactorsInverse:
     bias: bool
     bias_name: str | None
     damping: float
+    layout: str = "out_in"
 
     def apply(self, grad: Tensor) -> Tensor:
         """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
@@ -89,6 +100,27 @@ class KFactorsInverse:
             )
         rotated = self.Q_G.mT @ grad.to(self.scale.dtype) @ self.Q_A
         return (self.Q_G @ (rotated * self.scale) @ self.Q_A.mT).to(grad.dtype)
+
+
+def weight_matrix(t: Tensor, groups: tuple[int, ...], rows: int, layout: str) -> Tensor:
+    """A weight ``t`` (or its gradient, or a step) as the matrix ``[*groups, rows, cols]`` its
+    factors are of (:class:`KFactors`): ``"out_in"``, ``t`` reshaped; ``"in_out"``, ``t``
+    ``[groups · in/groups, rows, *kernel]`` with its first two axes swapped per group."""
+    if layout == "out_in":
+        return t.reshape(*groups, rows, -1)
+    kernel = math.prod(t.shape[2:])
+    swapped = t.reshape(math.prod(groups), -1, rows, kernel).transpose(1, 2)
+    return swapped.reshape(*groups, rows, -1)
+
+
+def weight_from_matrix(m: Tensor, shape: torch.Size, layout: str) -> Tensor:
+    """The inverse of :func:`weight_matrix`: the matrix ``m`` as a tensor of the weight's
+    ``shape``."""
+    if layout == "out_in":
+        return m.reshape(shape)
+    kernel = math.prod(shape[2:])
+    rows = m.shape[-2]
+    return m.reshape(-1, rows, m.shape[-1] // kernel, kernel).transpose(1, 2).reshape(shape)
 
 
 class KfacAccumulator:
@@ -108,6 +140,7 @@ class KfacAccumulator:
         self._n_g: dict[str, int] = {}
         self._biased: dict[str, bool] = {}
         self._bias_name: dict[str, str | None] = {}  # key -> the bias its A covers
+        self._layout: dict[str, str] = {}  # key -> Outer.matrix_layout of its pieces
         self._batch_now: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self.capture_a = True
@@ -117,7 +150,7 @@ class KfacAccumulator:
         afresh."""
         for key in keys:
             for sums in (self._a, self._g, self._n_a, self._n_g, self._biased, self._bias_name,
-                         self._batch_now, self._other):  # fmt: skip
+                         self._layout, self._batch_now, self._other):  # fmt: skip
                 sums.pop(key, None)
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
@@ -126,12 +159,13 @@ class KfacAccumulator:
             if n in params and isinstance(pc, Outer) and not pc.has_input
         ]  # fmt: skip
         for pname, p in params.items():
-            piece = call_pieces[pname]
             key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
-            if not isinstance(piece, Outer) or not piece.has_input:
+            piece = call_pieces[pname].kfac_view()
+            if piece is None:
                 # no Kronecker factors from this use (a bias, an embedding's rows, a norm's
                 # scale); a weight tied to a Linear gets factors of that use only: said
-                self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
+                kind = type(call_pieces[pname]).__name__
+                self._other.setdefault(key, f"'{module_name}' ({kind})")
                 continue
             # the bias is a column of the weight as a matrix [out, in] only where it lies
             # along its rows: not for torch.addmm(b, x, W) with W [in, out] (GPT-2's Conv1D),
@@ -139,6 +173,13 @@ class KfacAccumulator:
             # factors then cover the weight alone
             bias_g = call_pieces[bias_pieces[0]].g if len(bias_pieces) == 1 else None
             biased = self.bias and bias_g is not None and bias_g is not piece.a
+            layout = piece.matrix_layout
+            if self._layout.setdefault(key, layout) != layout:
+                raise RuntimeError(
+                    f"K-FAC: weight '{key}' is used by modules that lay it out differently "
+                    f"({self._layout[key]!r}, and {layout!r} in '{module_name}'): no one pair of "
+                    "Kronecker factors covers both uses"
+                )
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
                     f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
@@ -201,7 +242,8 @@ class KfacAccumulator:
             aa = aa.div_(n_a) if last else aa / n_a
             if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
                 aa, gg = aa[0], gg[0]
-            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key))
+            layout = self._layout.get(key, "out_in")
+            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key), layout)
         return out
 
 

@@ -248,6 +248,7 @@ def _reduced(acc: KfacAccumulator, group: Group) -> KfacAccumulator:
     out._g = {k: acc._g[k].clone() for k in keys}
     out._biased = {k: acc._biased[k] for k in keys}
     out._bias_name = {k: acc._bias_name.get(k) for k in keys}
+    out._layout = {k: acc._layout.get(k, "out_in") for k in keys}
     tensors = [out._a[k] for k in keys] + [out._g[k] for k in keys]
     counts = torch.tensor(
         [acc._n_a[k] for k in keys] + [acc._n_g.get(k, 0) for k in keys], dtype=torch.int64

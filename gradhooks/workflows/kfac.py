@@ -49,7 +49,13 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..engine.handle import add_hooks
-from ..quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
+from ..quantities.kfac import (
+    KfacAccumulator,
+    KFactors,
+    KFactorsInverse,
+    weight_from_matrix,
+    weight_matrix,
+)
 from ..tuning import TUNING
 from .jacobian import Inputs, checked_output, hooked_forward, model_inputs
 
@@ -192,7 +198,8 @@ def kfac_precondition(
     vec(grad)``, the damped K-FAC natural gradient, ready for an optimizer step.
 
     The weight's gradient is taken as the matrix ``[*groups, out, in]`` (a convolution's
-    ``[out, in · prod(kernel)]``), with the bias's gradient appended as a column when
+    ``[out, in · prod(kernel)]``, a transposed convolution's ``[in, out, *kernel]`` with its
+    first two axes swapped: ``f.layout``, :func:`~gradhooks.quantities.kfac.weight_matrix`), with the bias's gradient appended as a column when
     ``f.bias`` (``cat([W, b[:, None]], 1)``); see :class:`KFactors`. Parameters without factors
     keep their gradient.
 
@@ -251,12 +258,12 @@ def kfac_precondition(
                 f"does not fit the parameters ({shapes}): factors of another model, or a "
                 "layer whose weight is not [out, in, ...]"
             )
-        grad = weight.grad.reshape(*groups, rows, width)
+        grad = weight_matrix(weight.grad, tuple(groups), rows, f.layout)
         if bias is not None:
             grad = torch.cat([grad, bias.grad.reshape(*groups, rows, 1)], -1)
-        done.append((weight, bias, f.apply(grad), width))
-    for weight, bias, natural, width in done:  # (written once every weight has been checked)
-        weight.grad.copy_(natural[..., :width].reshape(weight.shape))
+        done.append((weight, bias, f.apply(grad), width, f.layout))
+    for weight, bias, natural, width, layout in done:  # (written once every weight is checked)
+        weight.grad.copy_(weight_from_matrix(natural[..., :width], weight.shape, layout))
         if bias is not None:
             bias.grad.copy_(natural[..., width].reshape(bias.shape))
 
