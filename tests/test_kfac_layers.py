@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_moe import MoE
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import gradhooks
 
@@ -236,3 +237,73 @@ def test_kfac_optimizer_on_a_transposed_convolution():
     state["factors"] = {n: f[:4] for n, f in state["factors"].items()}
     opt.load_state_dict(state)
     assert opt.factors["3.weight"].layout == "out_in"
+
+
+class Packed(nn.Module):
+    """A recurrent layer on a packed batch of sequences of different lengths; the output is a
+    head on its last states."""
+
+    def __init__(self, kind: str = "RNN", layers: int = 1, bidirectional: bool = False):
+        super().__init__()
+        rnn = getattr(nn, kind)
+        self.rnn = rnn(3, 4, layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(4 * (1 + bidirectional), 2)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, h = self.rnn(packed)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(h[-1 - self.rnn.bidirectional :].transpose(0, 1).flatten(1))
+
+
+def _squares(out):
+    return out.pow(2).sum()
+
+
+def test_packed_rnn_factors_count_only_the_steps_each_sequence_ran():
+    """A tanh RNN by hand, one example at a time over its own steps: ``A`` of ``weight_ih``
+    (``weight_hh``) the inputs (previous states) of the steps run, over their number; ``G`` the
+    gradients of the pre-activations of the example's own loss. The padded steps of shorter
+    sequences (their input zero, their state the last one carried) do not count."""
+    torch.manual_seed(0)
+    model = Packed().double()
+    x, lengths = torch.randn(4, 6, 3, dtype=D), torch.tensor([6, 2, 4, 3])
+    rnn = model.rnn
+    terms = {"ih": ([], []), "hh": ([], [])}
+    for b in range(4):
+        h, pres, prev = x.new_zeros(4), [], []
+        for t in range(int(lengths[b])):
+            pre = x[b, t] @ rnn.weight_ih_l0.T + rnn.bias_ih_l0 + h @ rnn.weight_hh_l0.T
+            pre = pre + rnn.bias_hh_l0
+            pres.append(pre)
+            prev.append(h)
+            h = torch.tanh(pre)
+        grads = torch.autograd.grad(_squares(model.head(h)), pres)
+        terms["ih"][0].append(x[b, : int(lengths[b])])
+        terms["hh"][0].append(torch.stack(prev).detach())
+        for part in ("ih", "hh"):
+            terms[part][1].append(torch.stack(grads))
+    got = gradhooks.kfac(model, (x, lengths), fisher="empirical", loss=_squares, reduction="sum")
+    for part, (a, g) in terms.items():
+        a, g = torch.cat(a), torch.cat(g)
+        f = got[f"rnn.weight_{part}_l0"]
+        torch.testing.assert_close(f.A, a.T @ a / a.shape[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(f.G, g.T @ g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+def test_packed_bidirectional_rnn_factors_are_those_of_each_sequence_alone(kind):
+    """Two bidirectional layers on a packed batch: the factors (sums over the steps run) equal
+    those of the examples run one at a time at their own length, with no padding."""
+    torch.manual_seed(0)
+    model = Packed(kind, layers=2, bidirectional=True).double()
+    x, lengths = torch.randn(4, 6, 3, dtype=D), torch.tensor([6, 2, 4, 3])
+    kw = dict(fisher="empirical", loss=_squares, reduction="sum")
+    got = gradhooks.kfac(model, (x, lengths), **kw)
+    alone = [gradhooks.kfac(model, (x[b : b + 1, :n], lengths[b : b + 1]), **kw)
+             for b, n in enumerate(lengths.tolist())]  # fmt: skip
+    for name, f in got.items():
+        if name.startswith("rnn."):
+            A = sum(p[name].A * n for p, n in zip(alone, lengths.tolist())) / int(lengths.sum())
+            torch.testing.assert_close(f.A, A, rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(f.G, sum(p[name].G for p in alone), rtol=1e-10, atol=1e-12)
