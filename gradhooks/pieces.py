@@ -190,9 +190,10 @@ class Outer(Piece):
     ``Linear.weight`` and of ``Conv.weight`` as ``[groups * out, in * kernel]``).
 
     ``seen``: ``None`` where every ``(batch, shared)`` position is one the layer saw; else a
-    ``[batch, shared]`` bool mask of those it saw, the others being padding that the layout
-    added (an example's rows of an expert, :meth:`owned`, padded to the most rows of one
-    example): their ``g`` is zero (they add nothing to ``grad1``), and K-FAC's factors count
+    ``[batch, shared]`` (or, where the groups differ, ``[batch, *groups, shared]``) bool mask of
+    those it saw, the others being padding that the layout added (an example's rows of an
+    expert, :meth:`owned`, padded to the most rows of one example; a packed sequence's steps
+    past its end; the shorter of an attention's query and key): their ``g`` is zero (they add nothing to ``grad1``), and K-FAC's factors count
     only the positions seen (:mod:`gradhooks.quantities.kfac`).
     """
 

@@ -307,3 +307,45 @@ def test_packed_bidirectional_rnn_factors_are_those_of_each_sequence_alone(kind)
             A = sum(p[name].A * n for p, n in zip(alone, lengths.tolist())) / int(lengths.sum())
             torch.testing.assert_close(f.A, A, rtol=1e-10, atol=1e-12, msg=name)
             torch.testing.assert_close(f.G, sum(p[name].G for p in alone), rtol=1e-10, atol=1e-12)
+
+
+class CrossAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, q, kv):
+        return self.head(self.att(q, kv, kv, need_weights=False)[0].mean(1))
+
+
+def test_cross_attention_projection_factors_count_each_projections_own_positions():
+    """A packed in_proj_weight seen by a query of 2 positions and a key/value of 5: the
+    rule pads the query to 5 (groups of one stacked piece); its group's A divides by the
+    query's own positions. Checked against the attention by hand, one example at a time:
+    ``A`` of each projection its input, ``G`` the gradient of its output."""
+    torch.manual_seed(0)
+    model = CrossAttention().double()
+    q, kv = torch.randn(3, 2, 4, dtype=D), torch.randn(3, 5, 4, dtype=D)
+    att = model.att
+    w_q, w_k, w_v = att.in_proj_weight.chunk(3)
+    b_q, b_k, b_v = att.in_proj_bias.chunk(3)
+    a_terms, g_terms = [[], [], []], [[], [], []]
+    for b in range(3):
+        proj = [q[b] @ w_q.T + b_q, kv[b] @ w_k.T + b_k, kv[b] @ w_v.T + b_v]
+        heads = [p.view(p.shape[0], 2, 2).transpose(0, 1) for p in proj]  # [heads, seq, 2]
+        probs = (heads[0] @ heads[1].mT / 2**0.5).softmax(-1)
+        ctx = (probs @ heads[2]).transpose(0, 1).reshape(-1, 4)
+        out = model.head((ctx @ att.out_proj.weight.T + att.out_proj.bias).mean(0, keepdim=True))
+        want_out = model(q[b : b + 1], kv[b : b + 1])
+        torch.testing.assert_close(out, want_out)  # (the attention by hand is the module's)
+        grads = torch.autograd.grad(_squares(out), proj)
+        for i, (x, g) in enumerate(zip((q[b], kv[b], kv[b]), grads)):
+            a_terms[i].append(x)
+            g_terms[i].append(g)
+    f = gradhooks.kfac(model, (q, kv), fisher="empirical", loss=_squares, reduction="sum")
+    f = f["att.in_proj_weight"]
+    for i in range(3):
+        a, g = torch.cat(a_terms[i]), torch.cat(g_terms[i])
+        torch.testing.assert_close(f.A[i], a.T @ a / a.shape[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(f.G[i], g.T @ g, rtol=1e-10, atol=1e-12)

@@ -238,7 +238,11 @@ class KfacAccumulator:
                 gg = gg.div_(n_g) if last else gg / n_g
             elif not last:
                 gg = gg.clone()  # the next backward adds to the sum in place
-            n_a = max(self._n_a[key], 1)
+            n_a = self._n_a[key]  # an int, or per group where the groups count differently
+            if isinstance(n_a, Tensor):
+                n_a = n_a.clamp(min=1).to(aa.device, aa.dtype).view(*aa.shape[:-2], 1, 1)
+            else:
+                n_a = max(n_a, 1)
             aa = aa.div_(n_a) if last else aa / n_a
             if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
                 aa, gg = aa[0], gg[0]
@@ -247,28 +251,35 @@ class KfacAccumulator:
         return out
 
 
-def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int]:
-    """The inputs whose second moment is ``A`` (``[batch', *groups, shared', in]``) and how
-    many positions (or, reduced, examples) they count. Where the piece marks padding
-    (:attr:`Outer.seen`: an expert's rows padded to the most of one example), only the
-    positions seen count: ``expand``, their inputs (the padding zeroed) over their number;
-    reduced, each example's mean over its own positions, of the examples with any."""
+def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int | Tensor]:
+    """The inputs whose second moment is ``A`` (``[batch, *groups, shared', in]``) and how many
+    positions (or, reduced, examples) they count: an ``int``, or per group (``[prod(groups)]``,
+    int64) where the groups count differently. Where the piece marks padding
+    (:attr:`Outer.seen`: an expert's rows padded to the most of one example, a packed
+    sequence's steps past its end), only the positions seen count: ``expand``, their inputs
+    (the padding zeroed) over their number; reduced, each example's mean over its own
+    positions, over the examples with any (the others' rows zero)."""
     a, seen = piece.a, piece.seen
-    batch, shared = a.shape[0], a.shape[-2]
+    batch, shared, groups = a.shape[0], a.shape[-2], a.shape[1:-2]
     if seen is None:
         if not expand:
             return a.mean(-2, keepdim=True), batch
         return a, batch * shared
-    mask = seen.to(a.device).view(batch, *[1] * (a.dim() - 3), shared, 1)
-    a = a * mask.to(a.dtype)  # (an owned fold's padding is zero already; a rule's may not be)
+    seen = seen.to(a.device)
+    if seen.dim() == 2:  # (the same for every group)
+        seen = seen.view(batch, *[1] * len(groups), shared).expand(batch, *groups, shared)
+    a = a * seen[..., None].to(a.dtype)  # (an owned fold's padding is zero already; a rule's may
+    # not be: a packed RNN's carried state)
     if expand:
-        return a, int(seen.sum())
-    per_example = seen.sum(-1)  # [batch]
-    used = per_example > 0
-    mean = a.sum(-2, keepdim=True) / per_example.clamp(min=1).to(a.dtype).view(
-        batch, *[1] * (a.dim() - 1)
-    )
-    return mean[used.to(a.device)], int(used.sum())
+        counts = seen.sum((0, -1))  # [*groups]
+    else:
+        per_example = seen.sum(-1)  # [batch, *groups]
+        a = a.sum(-2, keepdim=True) / per_example.clamp(min=1)[..., None, None].to(a.dtype)
+        counts = (per_example > 0).sum(0)
+    counts = counts.reshape(-1).cpu()
+    if bool((counts == counts[0]).all()):
+        return a, int(counts[0])
+    return a, counts
 
 
 def second_moment(
@@ -276,13 +287,13 @@ def second_moment(
     augment: bool = False,
     into: Tensor | None = None,
     alpha: float = 1.0,
-    real_rows: int | None = None,
+    real_rows: int | Tensor | None = None,
 ) -> Tensor:
     """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
     added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
     a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
     the count, ``batch · shared`` unless ``real_rows`` says how many of the rows are real, the
-    others zero padding), written around the product rather than appended to ``t`` (a copy of
+    others zero padding; per group, ``[prod(groups)]``, where they differ), written around the product rather than appended to ``t`` (a copy of
     it).
 
     Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
@@ -326,5 +337,8 @@ def second_moment(
         sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
         out[:, :n, n] += sums
         out[:, n, :n] += sums
-        out[:, n, n] += alpha * (batch * shared if real_rows is None else real_rows)
+        rows = batch * shared if real_rows is None else real_rows
+        if isinstance(rows, Tensor):
+            rows = rows.to(out.device, out.dtype)
+        out[:, n, n] += alpha * rows
     return out.view(*groups, width, width)
