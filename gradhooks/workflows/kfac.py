@@ -1,7 +1,9 @@
 """K-FAC Kronecker factors from the same :class:`~gradhooks.pieces.Outer` pieces, for every layer.
 
 For a parameter whose piece is ``Outer(a, g)`` (``a``: ``[batch, *groups, shared, in]``, ``g``:
-``[batch, *groups, shared, out]``), the weight ``W`` (``[*groups, out, in]``) gets
+``[batch, *groups, shared, out]``; more exactly, whose piece's
+:meth:`~gradhooks.pieces.Piece.kfac_view` is: a transposed convolution's is over its output
+positions and input patches, ``"in_out"``), the weight ``W`` (``[*groups, out, in]``) gets
 
 - ``A``: ``[*groups, in, in]`` (``in + 1`` when bias-augmented), the input second moment,
 - ``G``: ``[*groups, out, out]``, the output-gradient second moment,
@@ -156,7 +158,9 @@ def kfac(
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
         ``A`` ``[*groups, in(+1), in(+1)]`` and ``G`` ``[*groups, out, out]``: a Linear's
         ``[in + 1, in + 1]`` (bias-augmented) and ``[out, out]``; a convolution's ``in`` is
-        ``in_channels/groups · prod(kernel)``. A weight also used outside a Linear or
+        ``in_channels/groups · prod(kernel)``; a transposed convolution's ``G`` is over its
+        output channels and ``A`` over ``in_channels/groups · prod(kernel)`` (``f.layout ==
+        "in_out"``: its weight with the first two axes swapped). A weight also used outside a Linear or
         convolution (tied to an Embedding) gets the factors of its Kronecker-factored uses and
         a :class:`~gradhooks.GradhooksWarning` naming the others.
 
