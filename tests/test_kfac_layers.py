@@ -349,3 +349,21 @@ def test_cross_attention_projection_factors_count_each_projections_own_positions
         a, g = torch.cat(a_terms[i]), torch.cat(g_terms[i])
         torch.testing.assert_close(f.A[i], a.T @ a / a.shape[0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(f.G[i], g.T @ g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_weight_tied_between_a_convolution_and_its_transpose_is_refused():
+    """Its matrix is [out, in·K] for one use and the transpose's [in, out·K] for the other (both
+    19 x 3 here, which once summed into one pair of factors): refused, naming the weight."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Conv2d(2, 3, 3), nn.ConvTranspose2d(3, 2, 3)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            return self.dec(torch.tanh(self.enc(x))).flatten(1)
+
+    model = Tied().double()
+    with pytest.raises(RuntimeError, match="'enc.weight' is used by modules that lay it out"):
+        gradhooks.kfac(model, torch.randn(4, 2, 6, 6, dtype=D), fisher="empirical", loss=_squares)

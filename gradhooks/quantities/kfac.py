@@ -177,8 +177,9 @@ class KfacAccumulator:
             if self._layout.setdefault(key, layout) != layout:
                 raise RuntimeError(
                     f"K-FAC: weight '{key}' is used by modules that lay it out differently "
-                    f"({self._layout[key]!r}, and {layout!r} in '{module_name}'): no one pair of "
-                    "Kronecker factors covers both uses"
+                    f"({self._layout[key]!r}, and {layout!r} in '{module_name}': a weight tied "
+                    "between a convolution and its transpose): no one pair of Kronecker factors "
+                    "covers both uses; untie them for K-FAC"
                 )
             if self._biased.get(key, biased) != biased:
                 raise RuntimeError(
