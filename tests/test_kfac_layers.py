@@ -6,7 +6,10 @@ output-gradients each example's positions give the layer, one example's own loss
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
+import warnings
 
 import pytest
 import torch
@@ -367,3 +370,28 @@ def test_a_weight_tied_between_a_convolution_and_its_transpose_is_refused():
     model = Tied().double()
     with pytest.raises(RuntimeError, match="'enc.weight' is used by modules that lay it out"):
         gradhooks.kfac(model, torch.randn(4, 2, 6, 6, dtype=D), fisher="empirical", loss=_squares)
+
+
+@pytest.mark.parametrize("name", ["2d-stride2", "2d-rect"])
+def test_transposed_convolution_factors_match_backpack(name):
+    """BackPACK's KFLR (the exact GGN's factors) for a transposed convolution is over the same
+    patches and output channels, in its own scaling: its A is ``Σ_{b,p} a aᵀ / batch`` (ours,
+    expanded without the bias column, times the output positions), its G
+    ``Σ_b (Σ_p g)(Σ_p g)ᵀ / batch`` (ours reduced, mean). (BackPACK has no groups or
+    output_padding for it.)"""
+    backpack = pytest.importorskip("backpack")
+    from backpack.extensions import KFLR
+
+    model, x, y = transposed_model(name)
+    theirs = backpack.extend(copy.deepcopy(model))
+    loss = backpack.extend(nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (it warns that its factors are of weight.transpose(0, 1))
+        with backpack.backpack(KFLR()):
+            loss(theirs(x), y).backward()
+    g_bp, a_bp = theirs[0].weight.kflr
+    expanded = gradhooks.kfac(model, x, fisher="exact", bias=False)["0.weight"]
+    reduced = gradhooks.kfac(model, x, fisher="exact", bias=False, expand=False)["0.weight"]
+    positions = math.prod(model[0](x).shape[2:])
+    torch.testing.assert_close(expanded.A * positions, a_bp, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(reduced.G, g_bp, rtol=1e-10, atol=1e-12)
