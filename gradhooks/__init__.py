@@ -23,7 +23,23 @@ from .compat import (
 from .engine.handle import Hooks, add_hooks, clear_grad1, hooks_of, remove_hooks
 from .engine.memory import set_memory_limit
 from .engine.pause import paused, set_enabled
-from .errors import Grad1TooLarge, GradhooksWarning, PrivacyBudgetExceeded
+from .errors import (
+    BatchNotFoundError,
+    CheckFailedError,
+    ConfigurationError,
+    ConfigurationTypeError,
+    Grad1TooLarge,
+    GradhooksError,
+    GradhooksWarning,
+    MissingDependencyError,
+    MixedExamplesError,
+    NumericalError,
+    PrivacyBudgetExceeded,
+    RuleError,
+    StateError,
+    UnbatchedInputError,
+    UnsupportedError,
+)
 from .pieces import Direct, Outer, Piece, Rows
 from .privacy import audit  # noqa: F401
 from .privacy.accounting import PrivacyAccountant, noise_multiplier_for
@@ -51,9 +67,23 @@ __all__ = [
     "paused",
     # guards (never silently wrong)
     "set_memory_limit",
-    "Grad1TooLarge",
     "GradhooksWarning",
     "CheckReport",
+    # errors (every refusal is a GradhooksError; see gradhooks.errors)
+    "GradhooksError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
+    "StateError",
+    "BatchNotFoundError",
+    "UnbatchedInputError",
+    "MixedExamplesError",
+    "UnsupportedError",
+    "RuleError",
+    "CheckFailedError",
+    "NumericalError",
+    "MissingDependencyError",
+    "Grad1TooLarge",
+    "PrivacyBudgetExceeded",
     # more from the same hooks (add_hooks(model, quantities=...))
     "dp_sgd_step",
     "clip_factors",
@@ -62,7 +92,6 @@ __all__ = [
     "DPOptimizer",
     "make_private",
     "PrivateTraining",
-    "PrivacyBudgetExceeded",
     "PoissonSampler",
     "poisson_loader",
     "PrivacyAccountant",

@@ -63,7 +63,7 @@ Each internal, its name here, where it is used, and its fallback:
 Required (no fallback; :func:`require` refuses without them):
 
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
-  backward runs now (``records.py``, ``layout.py``): a backward inside another (reentrant
+  backward runs now (``records.py``, ``tracking/sources.py``): a backward inside another (reentrant
   checkpointing) or a failed one is told apart by it.
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
@@ -72,7 +72,7 @@ Required (no fallback; :func:`require` refuses without them):
 - ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
   in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
   bumps it), read under its private name: the engine refuses an input changed in place after
-  the forward (``forward.py``, ``calls.py``, ``layout.py``), ``pieces.Rows`` knows where its
+  the forward (``forward.py``, ``calls.py``, ``tracking/sources.py``), ``pieces.Rows`` knows where its
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
@@ -85,7 +85,9 @@ Required (no fallback; :func:`require` refuses without them):
   parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
-  ``enable_input_require_grads`` adds, fails under ``torch.func``).
+  ``enable_input_require_grads`` adds, fails under ``torch.func``), and without the forward
+  hooks and pre-hooks of the modules inside it and the global ones
+  (:func:`forward_hooks_off_within`: a user's hooks fire as often as without gradhooks).
 - ``tensor_impl``: ``Tensor._cdata`` and ``Tensor._backward_hooks`` (:func:`tensor_impl`,
   :func:`drop_stale_hooks`): ``torch.utils.swap_tensors`` puts another C++ tensor under the
   same Python object (``model.to(...)``, ``.double()``, even ``.float()`` of a float model, do so
@@ -105,7 +107,12 @@ Required (no fallback; :func:`require` refuses without them):
   and it puts arguments passed by keyword in their places (:func:`positional`,
   ``F.linear(input=x, weight=w)``) for the handlers that read them by position. Fallback:
   every integer passed by position is taken as a dimension (more refusals, none missed); the
-  keyword arguments stay where they are (the layout of such a call is then unknown).
+  keyword arguments stay where they are (the layout of such a call is then unknown). The
+  schema's alias annotations (:func:`writes_first`, ``Tensor(a!) self -> Tensor(a!)``) tell
+  the tracker which operations change their first argument in place; fallback: a name that
+  ends in ``_`` (the same decision for every public torch function). The operators' tags
+  (:func:`tagged`, ``torch.Tag.pointwise``) give the elementwise operations the tracker's
+  own list lacks (``torch.special.i1``, ``torch.lcm``); fallback: that list alone.
 - ``pytree``: ``torch.utils._pytree`` (:func:`tree_flatten`, :func:`tree_unflatten`,
   :func:`tree_map`): the tensors in a call's arguments and outputs, containers registered with
   torch included (a Hugging Face ``ModelOutput``).
@@ -123,7 +130,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import GradhooksWarning
+from .errors import ConfigurationError, GradhooksWarning, UnsupportedError
 
 __all__ = [
     "INTERNALS",
@@ -138,6 +145,7 @@ __all__ = [
     "disabled",
     "drop_stale_hooks",
     "first_forward_hook",
+    "forward_hooks_off_within",
     "forward_hooks_off",
     "forward_pre_hooks",
     "fsdp_module_class",
@@ -232,8 +240,8 @@ INTERNALS: dict[str, Internal] = {
         ),
         Internal(
             "op_schema",
-            "OpOverload._schema (an aten operator's argument names)",
-            "every integer passed by position is taken as a dimension",
+            "OpOverload._schema (an aten operator's argument names and alias annotations)",
+            "every integer passed by position is taken as a dimension; in place by the name",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
@@ -277,7 +285,9 @@ def disabled(*names: str) -> Iterator[None]:
     block, as on a torch without them."""
     unknown = set(names) - INTERNALS.keys()
     if unknown:
-        raise ValueError(f"no torch internal named {sorted(unknown)}; known: {sorted(INTERNALS)}")
+        raise ConfigurationError(
+            f"no torch internal named {sorted(unknown)}; known: {sorted(INTERNALS)}"
+        )
     added = set(names or INTERNALS) - _off
     _off.update(added)
     try:
@@ -291,7 +301,7 @@ def require() -> None:
     lacking = [i for i in INTERNALS.values() if i.required and not available(i.name)]
     if lacking:
         names = "; ".join(f"{i.name} ({i.reads})" for i in lacking)
-        raise RuntimeError(
+        raise UnsupportedError(
             f"gradhooks needs torch internals missing here (torch {torch.__version__}): "
             f"{names}. No public torch API replaces them; use a torch version that has them "
             "(gradhooks is tested with torch >= 2.1)."
@@ -672,6 +682,31 @@ def forward_hooks_off(module: nn.Module) -> Iterator[None]:
         module._forward_hooks = kept
 
 
+@contextlib.contextmanager
+def forward_hooks_off_within(module: nn.Module, within: bool = True) -> Iterator[None]:
+    """Within the block, ``module``'s forward hooks and pre-hooks (``_forward_hooks``,
+    ``_forward_pre_hooks``) do not run when it is called, and, ``within``, neither do those of
+    the modules inside it nor the global ones (``torch.nn.modules.module._global_forward_hooks``
+    and ``_global_forward_pre_hooks``); one registered inside the block runs. The dicts are
+    emptied in place and filled again, in their order, on exit. torch has no public way to
+    call a module without its hooks. Required (:func:`require`)."""
+    modules = module.modules() if within else (module,)
+    dicts = {id(d): d for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
+    for d in _GLOBAL_HOOKS or () if within else ():
+        dicts[id(d)] = d
+    kept = [(d, list(d.items())) for d in dicts.values() if d]
+    for d, _ in kept:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in kept:
+            added = list(d.items())
+            d.clear()
+            d.update(items)
+            d.update(added)
+
+
 def first_forward_hook(module: nn.Module) -> Any:
     """The forward hook ``module`` runs first (``module._forward_hooks``), or ``None``: torch
     has no public way to list a module's hooks. Required (:func:`require`)."""
@@ -757,7 +792,7 @@ _PYTREE = _lookup("pytree", _pytree_module)
 
 def _no_pytree(*args: Any, **kwargs: Any) -> Any:
     require()
-    raise RuntimeError("torch.utils._pytree is missing")  # (require raised already)
+    raise UnsupportedError("torch.utils._pytree is missing")  # (require raised already)
 
 
 # torch.utils._pytree: the leaves of nested containers, those registered with torch included.
@@ -848,3 +883,49 @@ def dim_arguments(name: str, args: tuple, kwargs: dict) -> list[int]:
         items = d if isinstance(d, (list, tuple)) else [d]
         dims += [int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)]
     return list(dict.fromkeys(dims))
+
+
+@functools.cache
+def _tensor_overloads(name: str) -> tuple:
+    """The overloads of ``aten::name`` that take a tensor first and have no ``out`` argument
+    (none where there is no such operator)."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+        found = [getattr(packet, o) for o in packet.overloads()]
+    except Exception:
+        return ()
+    keep = []
+    for ov in found:
+        args = ov._schema.arguments
+        if args and isinstance(args[0].type, torch.TensorType) and not any(a.is_out for a in args):
+            keep.append(ov)
+    return tuple(keep)
+
+
+def _writes_and_returns_first(ov: Any) -> bool:
+    first, returns = ov._schema.arguments[0], ov._schema.returns
+    written = first.alias_info is not None and first.alias_info.is_write
+    return written and bool(returns) and returns[0].alias_info is not None
+
+
+def writes_first(name: str) -> bool | None:
+    """Whether the aten operator ``name`` changes its first argument in place and returns it
+    (``add_``, ``index_put_``: ``Tensor(a!) self -> Tensor(a!)`` in one of its overloads);
+    ``None`` where there is no such operator (``__setitem__``), or without the internal."""
+    if not available("op_schema"):
+        return None
+    overloads = _tensor_overloads(name)
+    if not overloads:
+        return None
+    return any(_writes_and_returns_first(ov) for ov in overloads)
+
+
+def tagged(name: str, tag: str) -> bool:
+    """Whether every overload of the aten operator ``name`` that takes a tensor first carries
+    ``torch.Tag.<tag>`` (``"pointwise"``); false where there is no such operator, or without
+    the internal."""
+    if not available("op_schema"):
+        return False
+    overloads = _tensor_overloads(name)
+    want = getattr(torch.Tag, tag)
+    return bool(overloads) and all(want in ov.tags for ov in overloads)

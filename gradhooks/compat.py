@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .engine.handle import _ACTIVE, hooks_of
 from .engine.pause import set_enabled
+from .errors import ConfigurationError, StateError
 from .rules.registry import REGISTRY
 
 __all__ = [
@@ -58,12 +59,12 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
     """
     hooks = hooks_of(model)
     if not hooks.captured:
-        raise RuntimeError(
+        raise StateError(
             "compute_grad1: no backward pass was captured since add_hooks or clear_backprops. "
             "Run the forward and loss.backward() with the hooks on (add_hooks before the forward)."
         )
     if hooks.accumulated > 1:
-        raise RuntimeError(
+        raise StateError(
             f"compute_grad1: Multiple backprops detected: grad1 holds the sum of "
             f"{hooks.accumulated} backwards, as .grad does, with neither clear_backprops(model) "
             "nor optimizer.zero_grad() / model.zero_grad() between them. Call one of them "
@@ -102,9 +103,11 @@ def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquar
     :func:`compute_hess`. Each backward adds to ``.grad`` as autograd does; ``grad1`` is left as
     it was. :func:`clear_backprops` forgets what was kept."""
     if hess_type not in ("CrossEntropy", "LeastSquares"):
-        raise ValueError(f"hess_type must be 'CrossEntropy' or 'LeastSquares', got {hess_type!r}")
+        raise ConfigurationError(
+            f"hess_type must be 'CrossEntropy' or 'LeastSquares', got {hess_type!r}"
+        )
     if output.dim() != 2:
-        raise ValueError(
+        raise ConfigurationError(
             f"backprop_hess needs an output [batch, classes], got {tuple(output.shape)}"
         )
     n, classes = output.shape
@@ -152,7 +155,7 @@ def compute_hess(model: nn.Module) -> None:
     :func:`clear_backprops`."""
     hooks = hooks_of(model)
     if not hooks._hessian_backprops:
-        raise RuntimeError(
+        raise StateError(
             "compute_hess: no backprop_hess was run since add_hooks or clear_backprops; run the "
             "forward with the hooks on, then backprop_hess(output, hess_type)"
         )

@@ -1,22 +1,139 @@
-"""The warning and the exceptions of gradhooks' own (both also ``gradhooks.<name>``).
+"""The warning and the exceptions of gradhooks' own (all also ``gradhooks.<name>``).
+
+Every error gradhooks raises on purpose is a :class:`GradhooksError`, so one ``except``
+catches them all::
+
+    try:
+        ...
+    except gradhooks.GradhooksError as e:
+        ...
+
+Each subclass says what to do about it, and each is also the builtin exception that gradhooks
+raised there before it had its own (``ConfigurationError`` is a ``ValueError``, ...), so that
+``except ValueError`` keeps working. Nothing was changed when one is raised: the model, its
+``.grad`` and ``grad1`` are as they were before the call that raised.
 
 This module imports nothing from gradhooks, so that every other module can import it.
 """
 
 from __future__ import annotations
 
-__all__ = ["GradhooksWarning", "Grad1TooLarge", "PrivacyBudgetExceeded"]
+__all__ = [
+    "GradhooksWarning",
+    "GradhooksError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
+    "StateError",
+    "BatchNotFoundError",
+    "UnbatchedInputError",
+    "MixedExamplesError",
+    "UnsupportedError",
+    "RuleError",
+    "CheckFailedError",
+    "NumericalError",
+    "MissingDependencyError",
+    "Grad1TooLarge",
+    "PrivacyBudgetExceeded",
+    "describe_module",
+]
 
 
 class GradhooksWarning(RuntimeWarning):
     """A backward whose per-example gradients gradhooks could not capture."""
 
 
-class Grad1TooLarge(MemoryError):
+class GradhooksError(Exception):
+    """The base of every error gradhooks raises on purpose: ``except
+    gradhooks.GradhooksError`` catches gradhooks' refusals and nothing else (a bug in your
+    model or in torch still raises its own error). Its message names what was refused (the
+    module, the parameter, the shapes) and what to do."""
+
+
+class ConfigurationError(GradhooksError, ValueError):
+    """An argument, a combination of arguments or a setting that cannot work: a value out of
+    range (``max_norm=0``, ``delta=1``), options that contradict each other, a tensor of the
+    wrong shape, a module setting gradhooks cannot follow (an RNN's dropout in training mode).
+    Change the call as the message says; nothing ran."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """A :class:`ConfigurationError` where an argument has the wrong type (a generator that is
+    not a ``torch.Generator``, a class that is not an ``nn.Module`` given to ``register``);
+    also a ``TypeError``."""
+
+
+class StateError(GradhooksError, RuntimeError):
+    """A call that comes at the wrong time: ``compute_grad1`` with no backward captured, a
+    ``step`` before its ``backward``, a handle whose hooks are removed, ranks that hold
+    different models. Call what the message names first (or make a new object)."""
+
+
+class BatchNotFoundError(GradhooksError, RuntimeError):
+    """gradhooks cannot tell which rows of a tensor are which example's (the hooked layers
+    saw different batch sizes in one backward; a layer got no batch dimension, see
+    :class:`UnbatchedInputError`). Keep the examples on dimension 0 through the model, or say
+    where they are with ``add_hooks(model, batch_dim=...)``."""
+
+
+class UnbatchedInputError(BatchNotFoundError, ValueError):
+    """A layer got an input without a batch dimension (``[features]`` rather than
+    ``[batch, features]``): per-example gradients need one. Add it (``x.unsqueeze(0)`` for a
+    single example). Also a ``ValueError``."""
+
+
+class MixedExamplesError(GradhooksError, RuntimeError):
+    """Each example's output depends on the other examples of the batch (BatchNorm in
+    training mode), so per-example gradients do not exist at all. Remove the coupling
+    (``nn.GroupNorm`` for ``nn.BatchNorm2d``, or ``model.eval()``); see the message."""
+
+
+class UnsupportedError(GradhooksError, NotImplementedError):
+    """A layer, a layer setting or a torch feature gradhooks does not handle (dropout inside
+    ``nn.MultiheadAttention`` in training mode, ``EmbeddingBag(scale_grad_by_freq=True)``, a
+    torch without the internals it reads). Change the model as the message says, freeze the
+    parameters concerned, or hook with ``unsupported='skip'``. Also a ``NotImplementedError``
+    (and so a ``RuntimeError``)."""
+
+
+class RuleError(GradhooksError, RuntimeError):
+    """A rule (a built-in one, or one given to :func:`gradhooks.register`) could not compute
+    its pieces: it read ``call.grad_output`` of an output that received no gradient. Read
+    ``call.grad_outputs`` and handle ``None``; check your rule with
+    :func:`gradhooks.check_rule`."""
+
+
+class CheckFailedError(GradhooksError, AssertionError, RuntimeError):
+    """A check found per-example quantities that disagree with their reference:
+    :func:`gradhooks.check_rule` with ``raise_on_mismatch=True``, or the probe of
+    :func:`gradhooks.dp_sgd_step` (the clipped gradients would not bound each example's
+    influence). Nothing was written. An ``AssertionError``, as a failed test is, and a
+    ``RuntimeError``, as gradhooks' guards raised before."""
+
+
+class NumericalError(GradhooksError, FloatingPointError):
+    """A computation met NaN or inf, or a matrix it could not invert (the K-FAC optimizer
+    after a diverged step). Lower the learning rate or raise the damping, and restart from a
+    checkpoint. Also a ``FloatingPointError``."""
+
+
+class MissingDependencyError(GradhooksError, ImportError):
+    """An optional library that this feature needs is not installed (``dp-accounting`` for
+    the privacy accountant): ``pip install "gradhooks[dp]"``. Also an ``ImportError``."""
+
+
+class Grad1TooLarge(GradhooksError, MemoryError):
     """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated;
-    see :mod:`gradhooks.engine.memory`)."""
+    see :mod:`gradhooks.engine.memory`). Use ``quantities=('norms',)``, a smaller batch, or
+    raise the limit. Also a ``MemoryError``."""
 
 
-class PrivacyBudgetExceeded(RuntimeError):
-    """A DP-SGD step past the privacy budget that :func:`gradhooks.make_private` was given
-    (its ε, δ and number of steps are in the message); nothing was computed or changed."""
+class PrivacyBudgetExceeded(GradhooksError, RuntimeError):
+    """A DP-SGD step, or a run, past the privacy budget that :func:`gradhooks.make_private` or
+    ``gradhooks.hf.DPTrainer`` was given (its ε, δ and number of steps are in the message);
+    nothing was computed or changed."""
+
+
+def describe_module(name: str | None, module: object) -> str:
+    """How an error names a module: its qualified name in the model and its class,
+    ``'encoder.0.fc' (Linear)`` (``'<model>'`` for the model itself)."""
+    return f"'{name or '<model>'}' ({type(module).__qualname__})"

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .errors import ConfigurationTypeError
+
 __all__ = ["Tuning", "TUNING", "tuned"]
 
 
@@ -87,7 +89,7 @@ def tuned(**changes: float) -> Iterator[Tuning]:
     names = {f.name for f in dataclasses.fields(Tuning)}
     unknown = sorted(set(changes) - names)
     if unknown:
-        raise TypeError(f"gradhooks.tuned(): no threshold named {', '.join(unknown)}; "
+        raise ConfigurationTypeError(f"gradhooks.tuned(): no threshold named {', '.join(unknown)}; "
                         f"the thresholds are {', '.join(sorted(names))}")  # fmt: skip
     before = {n: getattr(TUNING, n) for n in changes}
     for n, v in changes.items():

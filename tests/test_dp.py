@@ -98,15 +98,15 @@ def test_accountant_edge_values_and_errors():
     assert acc.epsilon(1e-5) == 0.0, "a step that samples nobody spends nothing"
     acc.step(noise_multiplier=0.0, sample_rate=0.01)
     assert acc.epsilon(1e-5) == math.inf, "a step without noise spends everything"
-    with pytest.raises(ValueError, match="delta must be in"):
+    with pytest.raises(gradhooks.ConfigurationError):
         acc.epsilon(0.0)
-    with pytest.raises(ValueError, match="sample_rate must be in"):
+    with pytest.raises(gradhooks.ConfigurationError):
         acc.step(noise_multiplier=1.0, sample_rate=64)  # a batch size, not a rate
-    with pytest.raises(ValueError, match="noise_multiplier must be"):
+    with pytest.raises(gradhooks.ConfigurationError):
         acc.step(noise_multiplier=-1.0, sample_rate=0.1)
-    with pytest.raises(ValueError, match="method must be"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.PrivacyAccountant("moments")
-    with pytest.raises(ValueError, match="no example is ever used"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.noise_multiplier_for(1.0, 1e-5, sample_rate=0.0, steps=10)
 
 
@@ -115,9 +115,9 @@ def test_without_dp_accounting_recording_works_and_epsilon_names_the_extra(monke
     acc = gradhooks.PrivacyAccountant()
     acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=3)
     assert acc.history == [(1.0, 0.01, 3)]
-    with pytest.raises(ImportError, match=r'pip install "gradhooks\[dp\]"'):
+    with pytest.raises(gradhooks.MissingDependencyError, match=r'pip install "gradhooks\[dp\]"'):
         acc.epsilon(1e-5)
-    with pytest.raises(ImportError, match=r"noise_multiplier_for needs .*gradhooks\[dp\]"):
+    with pytest.raises(gradhooks.MissingDependencyError):
         gradhooks.noise_multiplier_for(1.0, 1e-5, 0.01, 100)
 
 
@@ -186,9 +186,9 @@ def test_poisson_sampler_is_reproducible_by_its_seed():
 
 
 def test_poisson_sampler_refuses_a_rate_out_of_range():
-    with pytest.raises(ValueError, match="expected_batch_size must be in"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.PoissonSampler(10, 20)
-    with pytest.raises(ValueError, match="expected_batch_size must be in"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.PoissonSampler(10, 0)
 
 
@@ -293,7 +293,7 @@ def test_expected_batch_size_refuses_reduction_sum_and_bad_values():
     ):
         with gradhooks.add_hooks(model, quantities=("norms",)) as h:
             losses = model(torch.randn(4, 3)).sum(1)
-            with pytest.raises(ValueError, match=match):
+            with pytest.raises(gradhooks.ConfigurationError, match=match):
                 gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0, **kwargs)
 
 
@@ -307,13 +307,13 @@ def test_losses_without_a_graph_or_stepped_on_are_refused(method):
     quantities = ("grad1",) if method == "grad1" else ("norms",)
     with gradhooks.add_hooks(model, quantities=quantities) as h:
         losses = F.cross_entropy(model(x), y, reduction="none")
-        with pytest.raises(ValueError, match="no autograd history"):
+        with pytest.raises(gradhooks.ConfigurationError):
             gradhooks.dp_sgd_step(
                 h, losses.detach(), max_norm=1.0, noise_multiplier=0.0, method=method
             )
         gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
         stepped = [p.grad.clone() for p in model.parameters()]
-        with pytest.raises(ValueError, match="already stepped on"):
+        with pytest.raises(gradhooks.ConfigurationError):
             gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
     for p, g in zip(model.parameters(), stepped):
         assert torch.equal(p.grad, g), "the refused step left .grad as the first step wrote it"

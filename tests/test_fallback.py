@@ -249,7 +249,7 @@ def test_batch_not_on_dim_0_is_followed():
 def test_mixing_examples_is_a_clear_error():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # training mode
     with gradhooks.add_hooks(model):
-        with pytest.raises(RuntimeError, match=r"'1' \(BatchNorm1d\)"):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'1' \(BatchNorm1d\)"):
             model(torch.randn(5, 3)).sum().backward()
 
 

@@ -213,7 +213,7 @@ def test_adaptive_damping_without_a_closure_is_refused():
     opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), adaptive=True)
     x, y = _batch(0)
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(ValueError, match="closure"):
+    with pytest.raises(gradhooks.ConfigurationError):
         opt.step(x)
 
 
@@ -227,7 +227,7 @@ def test_a_diverged_step_names_the_parameter():
     x[3, 2] = float("nan")
     F.cross_entropy(model(x), y).backward()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(FloatingPointError, match=r"'0\.weight'.*NaN or inf"):
+    with pytest.raises(gradhooks.NumericalError, match=r"'0\.weight'.*NaN or inf"):
         opt.step(x)
     for name, t in model.state_dict().items():  # no step taken
         assert torch.equal(t, before[name]), name
@@ -240,7 +240,7 @@ def test_factors_that_diverged_name_the_parameter():
     opt.factors["2.weight"].G[0, 0] = float("inf")  # as a blown-up output-gradient leaves it
     x, y = _batch(1)
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(FloatingPointError, match=r"running factor G of '2\.weight'"):
+    with pytest.raises(gradhooks.NumericalError, match=r"running factor G of '2\.weight'"):
         opt.step(x, y)
 
 
@@ -255,9 +255,9 @@ def test_factors_that_diverged_name_the_parameter():
 )
 def test_bad_settings_are_refused(kwargs, match):
     model = _mlp()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(gradhooks.ConfigurationError, match=match):
         gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
-    with pytest.raises(TypeError, match="torch optimizer"):
+    with pytest.raises(gradhooks.ConfigurationTypeError):
         gradhooks.KFAC(model, model.parameters())
 
 

@@ -232,7 +232,7 @@ def test_dropout_in_training_is_an_error():
     x = torch.randn(2, 3, 4)
     with gradhooks.add_hooks(m):
         out = m(x, x, x)[0].sum()
-        with pytest.raises(RuntimeError, match=r"dropout=0.1 .* training mode.*dropout=0"):
+        with pytest.raises(gradhooks.UnsupportedError):
             out.backward()
 
 
@@ -241,7 +241,9 @@ def test_unbatched_input_is_an_error():
     x = torch.randn(3, 4)
     with gradhooks.add_hooks(m):
         out = m(x, x, x)[0].sum()
-        with pytest.raises(ValueError, match=r"unbatched query of shape \(3, 4\)"):
+        with pytest.raises(
+            gradhooks.UnbatchedInputError, match=r"unbatched query of shape \(3, 4\)"
+        ):
             out.backward()
 
 
@@ -370,7 +372,7 @@ def test_transformer_layer_dropout_in_training_is_an_error():
     with gradhooks.add_hooks(layer, unsupported="skip"):
         out = layer(torch.randn(3, 2, 4)).sum()
         with pytest.raises(
-            RuntimeError, match=r"training mode with dropout > 0 \(dropout, dropout1"
+            gradhooks.UnsupportedError, match=r"training mode with dropout > 0 \(dropout, dropout1"
         ):
             out.backward()
 

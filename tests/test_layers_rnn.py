@@ -187,7 +187,7 @@ def _backward(model: nn.Module, *inputs: Tensor) -> None:
 def test_dropout_in_training_is_an_error():
     model = nn.Sequential()
     model.add_module("enc", nn.LSTM(2, 3, num_layers=2, dropout=0.3))
-    with pytest.raises(ValueError, match=r"'enc' \(LSTM.*dropout=0.3.*eval\(\)"):
+    with pytest.raises(gradhooks.ConfigurationError, match=r"'enc' \(LSTM.*dropout=0.3.*eval\(\)"):
         _backward(model, torch.randn(4, 2, 2))
     model.eval()  # no dropout: exact
     _backward(model, torch.randn(4, 2, 2))
@@ -195,7 +195,7 @@ def test_dropout_in_training_is_an_error():
 
 
 def test_unbatched_input_is_an_error():
-    with pytest.raises(ValueError, match=r"GRU.*shape \(4, 2\).*batch"):
+    with pytest.raises(gradhooks.UnbatchedInputError, match=r"GRU.*shape \(4, 2\).*batch"):
         _backward(nn.GRU(2, 3), torch.randn(4, 2))
 
 

@@ -103,3 +103,58 @@ def test_the_scan_sees_a_circle_and_an_inner_import(tmp_path, monkeypatch):
         assert "gradhooks.a -> gradhooks.b -> gradhooks.a" in str(e)
     else:
         raise AssertionError("the circle a -> b -> a was not found")
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others (a module imported also
+    imports its parent packages)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        for m in graph.get(name, ()):
+            parts = m.split(".")
+            for k in range(2, len(parts) + 1):
+                parent = ".".join(parts[:k])
+                if parent not in seen and parent in graph:
+                    seen.add(parent)
+                    todo.append(parent)
+    return seen
+
+
+def test_tracking_imports_nothing_from_the_engine():
+    """The batch tracker is read, and tested, without the engine: no module of
+    ``gradhooks.tracking`` imports ``gradhooks.engine``, directly or through another module."""
+    graph, _ = _graph()
+    tracking = [
+        m for m in graph if m == "gradhooks.tracking" or m.startswith("gradhooks.tracking.")
+    ]
+    assert len(tracking) > 5, tracking
+    for name in tracking:
+        bad = sorted(
+            m for m in _reached(graph, name) if m.split(".")[:2] == ["gradhooks", "engine"]
+        )
+        assert not bad, f"{name} imports {bad}"
+
+
+def test_the_engine_check_sees_an_engine_import(tmp_path, monkeypatch):
+    """The check itself: a tracking module that reaches the engine through another module."""
+    pkg = tmp_path / "gradhooks"
+    for d in ("", "tracking", "engine", "other"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text("")
+    for i in range(5):
+        (pkg / "tracking" / f"m{i}.py").write_text("")
+    (pkg / "tracking" / "m0.py").write_text("from ..other.helper import f\n")
+    (pkg / "other" / "helper.py").write_text("from ..engine.handle import g\n")
+    (pkg / "engine" / "handle.py").write_text("def g():\n    pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    try:
+        test_tracking_imports_nothing_from_the_engine()
+    except AssertionError as e:
+        assert (
+            "gradhooks.tracking.m0 imports ['gradhooks.engine', 'gradhooks.engine.handle']"
+            in str(e)
+        )
+    else:
+        raise AssertionError("the import of the engine through gradhooks.other was not found")

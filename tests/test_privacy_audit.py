@@ -118,7 +118,7 @@ def test_one_run_p_value_is_the_binomial_tail_and_grows_with_delta():
         expected = float(stats.binom.sf(correct - 1, guesses, q))
         assert one_run_p_value(1000, guesses, correct, eps, 0.0) == pytest.approx(expected)
         assert one_run_p_value(1000, guesses, correct, eps, 1e-5) >= expected
-    with pytest.raises(ValueError, match="correct <= guesses"):
+    with pytest.raises(gradhooks.ConfigurationError):
         one_run_p_value(10, 5, 6, 1.0, 0.0)
 
 
@@ -192,9 +192,9 @@ def test_one_run_audit_catches_a_broken_mechanism(mechanism, claimed_epsilon):
 
 
 def test_epsilon_lower_bound_checks_its_arguments():
-    with pytest.raises(ValueError, match="one coin per canary"):
+    with pytest.raises(gradhooks.ConfigurationError):
         epsilon_lower_bound(torch.zeros(10), torch.zeros(9, dtype=torch.bool), guesses=4, delta=0)
-    with pytest.raises(ValueError, match="guesses must be"):
+    with pytest.raises(gradhooks.ConfigurationError):
         epsilon_lower_bound(torch.zeros(10), torch.zeros(10, dtype=torch.bool), guesses=12, delta=0)
     # no signal, no bound
     coins = torch.rand(1000, generator=torch.Generator().manual_seed(0)) < 0.5

@@ -181,43 +181,43 @@ def test_dp_optimizer_refuses_misuse_and_changes_nothing():
     kwargs = dict(max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=E)
     opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks, **kwargs)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="no backward"):
+    with pytest.raises(gradhooks.StateError):
         opt.step()
     x, y = examples(4)
-    with pytest.raises(ValueError, match=r"must be \[batch\]"):
+    with pytest.raises(gradhooks.ConfigurationError):
         opt.backward(F.cross_entropy(model(x), y))  # a mean, not per-example losses
-    with pytest.raises(ValueError, match="2 entries"):
+    with pytest.raises(gradhooks.ConfigurationError):
         opt.backward(losses_of(model, x, y)[:2])  # not one loss per example of the forward
-    with pytest.raises(RuntimeError, match="no backward"):
+    with pytest.raises(gradhooks.StateError):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     other = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="do not clip"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.DPOptimizer(
             torch.optim.SGD([*model.parameters(), other.weight], lr=0.1), hooks, **kwargs
         )
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(gradhooks.ConfigurationTypeError):
         gradhooks.DPOptimizer(opt, hooks, **kwargs)
-    with pytest.raises(ValueError, match="sample_rate"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), hooks,
             accountant=gradhooks.PrivacyAccountant(), **kwargs,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="expected_batch_size"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), hooks,
             max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=0,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="closure"):
+    with pytest.raises(gradhooks.ConfigurationError):
         opt.step(lambda: None)
     hooks.remove()
     with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
-        with pytest.raises(ValueError, match="norms"):
+        with pytest.raises(gradhooks.ConfigurationError):
             gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), h, **kwargs)
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), h, **kwargs)
         handle = model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
-        with pytest.raises(ValueError, match="post-accumulate-grad"):
+        with pytest.raises(gradhooks.ConfigurationError):
             opt.backward(losses_of(model, x, y))
         handle.remove()
 
@@ -540,7 +540,7 @@ def test_make_private_refuses_a_checkpoint_of_another_plan():
         model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), noise_multiplier=1.0,
         delta=1e-5, steps=4, expected_batch_size=E, max_grad_norm=C,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="noise_multiplier"):
+    with pytest.raises(gradhooks.ConfigurationError, match="noise_multiplier"):
         b.load_state_dict(state)
     b.close()
 
@@ -569,7 +569,7 @@ def test_make_private_leaves_the_model_as_it_was_when_closed():
         assert hook_state(model) != before, "the hooks are on while it runs"
         run(private, model)
     assert hook_state(model) == before
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(gradhooks.StateError):
         next(iter(private.batches()))
     gradhooks.add_hooks(model).remove()  # (hooks can be added again)
 
@@ -578,37 +578,37 @@ def test_make_private_refuses_misuse():
     model = net()
     kwargs = dict(delta=1e-5, max_grad_norm=C, expected_batch_size=E, steps=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="target_epsilon= or noise_multiplier="):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.make_private(model, opt, dataset(), **kwargs)
-    with pytest.raises(ValueError, match="epochs= or steps="):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.make_private(model, opt, dataset(), noise_multiplier=1.0, epochs=1, **kwargs)
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(dataset())
 
-    with pytest.raises(TypeError, match="map-style"):
+    with pytest.raises(gradhooks.ConfigurationTypeError):
         gradhooks.make_private(model, opt, Stream(), noise_multiplier=1.0, **kwargs)
     private = gradhooks.make_private(model, opt, dataset(), noise_multiplier=1.0, **kwargs)
     x, y, _ = dataset().tensors
-    with pytest.raises(RuntimeError, match="no current batch"):
+    with pytest.raises(gradhooks.StateError):
         private.backward(F.cross_entropy(model(x), y, reduction="none"))
     batches = private.batches()
     xb, yb, _ = next(batches)
-    with pytest.raises(RuntimeError, match="backward"):
+    with pytest.raises(gradhooks.StateError):
         private.step()
-    with pytest.raises(ValueError, match="one loss per example"):
+    with pytest.raises(gradhooks.ConfigurationError):
         private.backward(F.cross_entropy(model(x), y, reduction="none"))
-    with pytest.raises(RuntimeError, match="private.step"):
+    with pytest.raises(gradhooks.StateError, match="private.step"):
         private.optimizer.step()  # (around the owner: no budget, no logical batch)
     private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
-    with pytest.raises(RuntimeError, match="not followed by"):
+    with pytest.raises(gradhooks.StateError):
         next(batches)  # step() forgotten
     first = private.batches()
     xb, yb, _ = next(first)
     second = private.batches()
     next(second)  # (restarts the logical batch: the first loop may not go on)
-    with pytest.raises(RuntimeError, match="another loop"):
+    with pytest.raises(gradhooks.StateError):
         next(first)
     private.close()
 
@@ -620,7 +620,7 @@ def test_accountant_state_dict_round_trips_and_refuses_another_method():
     again = gradhooks.PrivacyAccountant()
     again.load_state_dict(acc.state_dict())
     assert again.history == acc.history and again.epsilon(1e-5) == acc.epsilon(1e-5)
-    with pytest.raises(ValueError, match="'pld'"):
+    with pytest.raises(gradhooks.ConfigurationError):
         gradhooks.PrivacyAccountant("pld").load_state_dict(acc.state_dict())
 
 
@@ -636,7 +636,7 @@ def test_dp_sgd_step_refuses_a_batch_no_sampler_of_that_expected_size_draws(batc
     model = net()
     x, y = examples(batch)
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        with pytest.raises(ValueError, match="probability below"):
+        with pytest.raises(gradhooks.ConfigurationError):
             gradhooks.dp_sgd_step(
                 h, losses_of(model, x, y), max_norm=C, noise_multiplier=SIGMA,
                 expected_batch_size=expected,
@@ -661,7 +661,7 @@ def test_dp_optimizer_refuses_a_logical_batch_far_from_its_expected_size():
         for seed in range(3):  # 36 examples, where 2 are expected: 36 - 2 > 7·√2 + 7
             x, y = examples(12, seed=seed)
             opt.backward(losses_of(model, x, y))
-        with pytest.raises(ValueError, match="probability below"):
+        with pytest.raises(gradhooks.ConfigurationError):
             opt.step()
         assert all(p.grad is None for p in model.parameters())
 

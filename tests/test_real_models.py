@@ -279,6 +279,34 @@ def test_hugging_face(name, positions, size, seq, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_t5_encoder_is_verified(reduction):
+    """T5's encoder in float64, whose attention softmax runs in float32 (``.float()``, then
+    ``.type_as``), under a loss of its final RMS-normed states, whose gradient before the norm
+    is mostly cancellation: the first backward's check judges by the float32 it ran in, and
+    does not refuse; grad1 is the loop's. (Under a mean, the loop is of each example's term of
+    the mean, times the batch: the model rounds its float32 backward at the scale of the
+    output-gradient it is given, and a cancellation of terms 10⁵ times larger than the result
+    shows that rounding at 10% of it.)"""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2,
+                                vocab_size=V, dropout_rate=0.0,
+                                relative_attention_num_buckets=8)  # fmt: skip
+    model = transformers.T5EncoderModel(cfg).double().eval()
+    ids = torch.randint(0, V, (3, 7), generator=torch.Generator().manual_seed(0))
+    scale = 3 if reduction == "mean" else 1
+
+    def loss(m, b):
+        return 0.5 * m(input_ids=b["input_ids"]).last_hidden_state.pow(2).sum() / scale
+
+    want = {n: g * scale for n, g in loop_oracle(model, {"input_ids": ids}, loss, 3).items()}
+    with gradhooks.add_hooks(model, loss_reduction=reduction, verify=True):
+        loss(model, {"input_ids": ids}).backward()
+    for n, p in model.named_parameters():
+        close(p.grad1, want[n], n)
+        close(p.grad1.sum(0) / scale, p.grad, f"{n} .grad")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("kind", ["bart", "t5"])
 def test_hugging_face_classifier_pooling_end_of_sequence(kind, reduction):
     """Sequence classification by an encoder-decoder: the hidden state at each example's

@@ -54,13 +54,13 @@ def test_check_rule_reports_a_wrong_rule(registry):
         Scale(4), torch.randn(5, 4), registry=registry, raise_on_mismatch=False
     )
     assert not report.ok and "scale (sum)" in report.failures
-    with pytest.raises(AssertionError, match="scale"):
+    with pytest.raises(gradhooks.CheckFailedError, match="scale"):
         gradhooks.check_rule(Scale(4), torch.randn(5, 4), registry=registry)
 
 
 def test_registering_twice_needs_overwrite(registry):
     registry.register(Scale)(scale_rule)
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(gradhooks.ConfigurationError):
         registry.register(Scale)(scale_rule)
     registry.register(Scale, overwrite=True)(scale_rule)
 
@@ -107,9 +107,9 @@ def test_every_rule_file_registers_a_rule():
 
 
 def test_owns_backward_needs_grad_from_grad1(registry):
-    with pytest.raises(TypeError, match="needs grad_from_grad1"):
+    with pytest.raises(gradhooks.ConfigurationTypeError):
         registry.register(Scale, owns_backward=lambda m: None)(scale_rule)
-    with pytest.raises(TypeError, match="takes True or a function"):
+    with pytest.raises(gradhooks.ConfigurationTypeError):
         registry.register(Scale, grad_from_grad1=lambda m, a: True, owns_backward=1)(scale_rule)
     assert Scale not in registry
 

@@ -69,7 +69,9 @@ def test_every_threshold_at_either_extreme_gives_the_oracles_numbers(field, extr
 
 def test_tuned_refuses_an_unknown_name_and_puts_every_value_back():
     before = dataclasses.asdict(gradhooks.TUNING)
-    with pytest.raises(TypeError, match="no threshold named sum_grad1_position;"):
+    with pytest.raises(
+        gradhooks.ConfigurationTypeError, match="no threshold named sum_grad1_position;"
+    ):
         with gradhooks.tuned(sum_grad1_position=1):
             pass
     with pytest.raises(RuntimeError, match="inside"):

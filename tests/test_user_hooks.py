@@ -4,7 +4,8 @@
   ones), gradient hooks on an activation and on parameters, and post-accumulate-grad hooks fire
   exactly as often as in the same training loop without gradhooks, with ``verify`` on or off,
   with ``grad1``, norms and ``dp_sgd_step``: no check of gradhooks' runs a backward of its own
-  through them.
+  through them. A gradient hook on an activation alone (no module or parameter hook) runs again
+  in the check's own backwards of a backward that verifies, as ``add_hooks`` documents.
 - A hook on a parameter registered after ``add_hooks`` that multiplies its gradient (by a
   number, or by a factor clipping its norm): ``grad1`` is multiplied alike, so that it still
   reduces to ``.grad``; any other change (each entry clamped) is refused, ``grad1`` unwritten.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import warnings
 
 import pytest
 import torch
@@ -132,6 +134,24 @@ def test_hook_on_the_output_put_after_the_forward(verify):
     assert counts == {"output": 3}
 
 
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_activation_hook_runs_again_in_a_verifying_backward(verify, quantity):
+    """As add_hooks' ``verify`` says: a gradient hook on an activation runs once per backward,
+    and on a backward that verifies (the 1st, 2nd and 4th of four here) also in each of the
+    check's own backwards (two; three without grad1), so that a hook that mixes the examples
+    is refused (test_robust_input's "gradient-hook" mixings)."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    model.counts = collections.Counter()
+    with gradhooks.add_hooks(model, verify=verify, quantities=(quantity,), loss_reduction="sum"):
+        for _ in range(4):
+            per_example(model(x), y).sum().backward()
+    again = (2 if quantity == "grad1" else 3) if verify else 0
+    assert model.counts == {"activation": 4 + 3 * again}
+
+
 class _MatrixExp(nn.Module):
     """A layer without a rule whose parameter the tracker cannot follow: the fallback's."""
 
@@ -143,12 +163,6 @@ class _MatrixExp(nn.Module):
         return x @ torch.linalg.matrix_exp(self.w)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the torch.func fallback runs the module again per backward, with its forward "
-    "pre-hooks and the global forward hooks (its own forward hooks are switched off); a "
-    "pre-hook may be part of the computation (the old nn.utils.weight_norm), so they run",
-)
 def test_forward_hooks_of_a_fallback_module_fire_once():
     x, _ = data()
     torch.manual_seed(0)
@@ -160,6 +174,137 @@ def test_forward_hooks_of_a_fallback_module_fire_once():
         model(x).pow(2).sum().backward()
         handle.remove()
     assert counts == {"pre": 1}
+
+
+class _Block(nn.Module):
+    """A module without a rule holding one with a rule: the fallback recomputes it, calling
+    ``inner`` (whose own rule gives its gradients) per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(0.1 * torch.randn(4, 4))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x @ torch.linalg.matrix_exp(self.w))
+
+
+def _fallback_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), _Block(), nn.Linear(4, 2)).double()
+
+
+def _count_forward_hooks(model: nn.Module, counts: collections.Counter, kept: dict) -> list:
+    """Forward hooks and pre-hooks on the fallback's module and on the module inside it, and
+    global ones, each counting its calls; the inner one keeps the output it sees."""
+
+    def counter(key):
+        return lambda *args: counts.update([key])
+
+    def keep(m, args, out):
+        counts.update(["forward inner"])
+        kept["inner"] = out
+
+    g = nn.modules.module
+    return [
+        model[1].register_forward_pre_hook(counter("forward pre block")),
+        model[1].register_forward_hook(counter("forward block")),
+        model[1].inner.register_forward_pre_hook(counter("forward pre inner")),
+        model[1].inner.register_forward_hook(keep),
+        g.register_module_forward_pre_hook(counter("global forward pre")),
+        g.register_module_forward_hook(counter("global forward")),
+    ]
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_forward_hooks_inside_a_fallback_module_fire_as_often_as_without_gradhooks(verify):
+    """The fallback recomputes its module one example at a time without the forward hooks of
+    the module, of the modules inside it, and the global ones: each fires once per forward, as
+    without gradhooks, and an activation a hook keeps is the forward's (``[batch, 4]``), not
+    one example's of the recomputation. grad1 is the float64 loop's."""
+    x, y = data()
+    model = _fallback_model()
+    want_grads = loop_grad(model, per_example, x, y)
+    want, kept = collections.Counter(), {}
+    handles = _count_forward_hooks(model, want, kept)
+    for _ in range(3):
+        per_example(model(x), y).sum().backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    got, kept = collections.Counter(), {}
+    with gradhooks.add_hooks(model, verify=verify, loss_reduction="sum") as h:
+        assert [n for n, _ in h.fallback_modules()] == ["1"]
+        handles = _count_forward_hooks(model, got, kept)
+        for _ in range(3):
+            model.zero_grad()
+            per_example(model(x), y).sum().backward()
+    for handle in handles:
+        handle.remove()
+    assert want["forward pre inner"] == 3 and want["global forward"] == 15
+    assert got == want
+    assert kept["inner"].shape == (B, 4)
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want_grads[n], n)
+
+
+def test_fallback_runs_a_hook_that_changes_what_the_module_computes():
+    """A pre-hook that changes the module's input (its call's captured input is what the hook
+    gave: it does not run again) and a hook that changes the output of the module inside it:
+    the recomputation without the latter does not reproduce the call's output, so it runs
+    with it, as the forward did (it then fires again, in the backward); grad1 is the loop's,
+    which runs them too."""
+    x, y = data()
+    model = _fallback_model()
+
+    def register() -> list:
+        return [
+            model[1].register_forward_pre_hook(lambda m, args: (3.0 * args[0],)),
+            model[1].inner.register_forward_hook(lambda m, args, out: 2.0 * out + 1.0),
+        ]
+
+    handles = register()
+    want = loop_grad(model, per_example, x, y)
+    for h in handles:
+        h.remove()
+    with gradhooks.add_hooks(model, verify=False, loss_reduction="sum"):
+        handles = register()
+        per_example(model(x), y).sum().backward()
+    for h in handles:
+        h.remove()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
+@pytest.mark.parametrize("batch_dim", ["auto", None], ids=["followed", "not-followed"])
+@pytest.mark.parametrize("before", [False, True], ids=["after-add_hooks", "before-add_hooks"])
+def test_fallback_runs_old_weight_norm_pre_hook(before, batch_dim):
+    """The old ``nn.utils.weight_norm`` on a module without a rule: its pre-hook makes ``w``
+    from ``w_g`` and ``w_v``. Put on after ``add_hooks``, it runs inside the call, and the
+    recomputation, which differentiates ``w_g`` and ``w_v``, runs it too (without it ``w``
+    would be the forward's, and their grad1 zero); put on before, the tracker follows ``w``
+    from where the pre-hook makes it. Against the loop, with the check off, so that grad1
+    alone decides."""
+    x, y = data()
+    model = _fallback_model()
+    want_model = copy.deepcopy(model)
+
+    def weight_norm(m: nn.Module) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (deprecated: parametrizations)
+            nn.utils.weight_norm(m[1], "w")
+
+    weight_norm(want_model)
+    want = loop_grad(want_model, per_example, x, y)
+    assert want["1.w_v"].abs().max() > 0
+    if before:
+        weight_norm(model)
+    with gradhooks.add_hooks(model, verify=False, loss_reduction="sum", batch_dim=batch_dim):
+        if not before:
+            weight_norm(model)
+        per_example(model(x), y).sum().backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
 
 
 # -- hooks on parameters -------------------------------------------------------------------------
@@ -285,7 +430,9 @@ def test_dp_step_with_a_hook_on_a_parameter(method):
         losses = per_example(model(x), y)
         step = dict(max_norm=float(norms.median()), noise_multiplier=0.0, method=method)
         if method == "ghost":
-            with pytest.raises(ValueError, match="'b.weight' has a gradient hook"):
+            with pytest.raises(
+                gradhooks.ConfigurationError, match="'b.weight' has a gradient hook"
+            ):
                 gradhooks.dp_sgd_step(h, losses, **step)
             return
         gradhooks.dp_sgd_step(h, losses, **step)
@@ -319,7 +466,7 @@ def test_optimizer_step_fused_into_the_backward(verify):
             assert p.grad is None
             assert_close(p.grad1, want[n], n)
             assert_close(p.detach(), start[n] - 0.1 * want[n].sum(0), n)
-        with pytest.raises(ValueError, match="post-accumulate-grad hook"):
+        with pytest.raises(gradhooks.ConfigurationError):
             gradhooks.dp_sgd_step(h, per_example(model(x), y), max_norm=1.0, noise_multiplier=0.0)
         for handle in handles:
             handle.remove()

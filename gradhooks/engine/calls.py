@@ -19,7 +19,7 @@ from .._torch import tree_flatten, tree_map, tree_unflatten
 from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
-from ..tracking.layout import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
 from .records import CallLayout, CallState
 
@@ -522,7 +522,7 @@ class CallLayouts:
         if len(named) != len(direct):
             return NotImplemented
         out = func(*args, **kwargs)
-        tracker._propagate(name, args, kwargs, out)
+        tracker.propagate(name, args, kwargs, out)
         if not isinstance(out, Tensor) or not out.requires_grad:
             return out
         key = (name, *(id(p) for p in named.values()))

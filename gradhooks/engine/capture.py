@@ -1,6 +1,6 @@
 """Calls whose parameters autograd does not see: run detached (the batch gradient taken from
 ``grad1``, a rule's ``grad_from_grad1``; the forward's tracker hands each torch function of the
-call detached aliases of the parameters, :attr:`gradhooks.tracking.layout.Tracker.aliases`, or a mode of
+call detached aliases of the parameters, :attr:`gradhooks.tracking.Tracker.aliases`, or a mode of
 the call's own where no tracker follows it: :func:`hand_over`), run with
 grad mode off (a rule with ``owns_backward``,
 which gives the inputs' gradients itself), or with the parameters carried by the first input
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..rules.registry import Call
-from ..tracking.layout import Aliases, Tracker
+from ..tracking import Aliases, Tracker
 from .calls import check_parameter_versions
 from .plan import Target
 from .records import Hook, detach_tree, is_compiling, tree_leaves
@@ -79,7 +79,7 @@ class _Join(torch.autograd.Function):
 def hand_over(tracker: Tracker | None, params: Iterable[Tensor]) -> Callable[[], None]:
     """Hand every torch function of the call now starting a detached alias of each of
     ``params``: through ``tracker``'s aliases where a tracker follows the forward, else
-    through an :class:`~gradhooks.tracking.layout.Aliases` mode of the call's own (a call run again at
+    through an :class:`~gradhooks.tracking.Aliases` mode of the call's own (a call run again at
     the backward by activation checkpointing, which must save what its forward saved).
     Returns what puts things back, at the call's end."""
     aliases = {id(p): p.detach() for p in params}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import sys
 import weakref
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
-from ..tracking.layout import PACKED, Source, Tracker
+from ..tracking import PACKED, Source, Tracker
 from .calls import carry_layouts, keeps_rows, own_node, root_batch, unview
 from .plan import Target, positional
 from .records import (
@@ -402,6 +403,8 @@ class Forwards:
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
         refuse_nested(f"'{type(module).__qualname__}' (the model)", args, kwargs)
+        if self.batch_dim is not None:
+            refuse_packed(module, args, kwargs)
         if graph_task() == -1:
             self._drop_stale()
         self._follow_changes(self.model)
@@ -505,6 +508,83 @@ def refuse_nested(where: str, *trees: Any) -> None:
                 "(gradhooks.oracle.loop_grad); under `with h.paused():` the model runs on "
                 "nested tensors without per-example gradients."
             )
+
+
+# the names under which a model takes the boundaries of the sequences packed along one
+# dimension: flash-attention's varlen API, Hugging Face's padding-free path
+# (DataCollatorWithFlattening(return_flash_attn_kwargs=True) / return_seq_idx=True)
+_PACKING_NAMES = ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "cu_seq_lens_q",
+                  "cu_seq_lens_k", "seq_idx")  # fmt: skip
+
+
+def _named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's inputs by the names of ``module.forward``'s parameters (keyword arguments
+    by their own; positional ones where the signature binds them)."""
+    if not args:
+        return dict(kwargs)
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args)
+    except (TypeError, ValueError):  # (a signature torch cannot read: keywords only)
+        return dict(kwargs)
+    return {**bound.arguments, **kwargs}
+
+
+def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Sequences packed along one dimension, without padding: flash-attention's varlen inputs
+    (``x [total_tokens, ...]`` with ``cu_seqlens``) and Hugging Face's padding-free batches
+    (``DataCollatorWithFlattening``: ``input_ids [1, total_tokens]`` with ``position_ids``
+    starting again at each sequence, and no ``attention_mask``). Each sequence is an example,
+    but the batch is taken from a dimension of the input, whose entries are then tokens or a
+    whole pack of sequences: every ``grad1`` would be silently another quantity. Refused where
+    the model is entered, before its forward runs."""
+    named = _named_inputs(module, args, kwargs)
+    where = f"'{type(module).__qualname__}' (the model)"
+    remedy = (
+        "gradhooks takes the examples from a dimension of the input (each entry of it one "
+        "example), so it cannot tell the sequences apart and every grad1 would be silently "
+        "another quantity. Give the model a padded batch instead, one sequence per row "
+        "([sequences, longest, ...]) with an attention_mask (transformers: "
+        "DataCollatorWithPadding, or DataCollatorForLanguageModeling, rather than "
+        "DataCollatorWithFlattening), and mask the padding out of the loss (labels -100); or "
+        "compute the gradients one sequence at a time (gradhooks.oracle.loop_grad)."
+    )
+    for name in _PACKING_NAMES:
+        t = named.get(name)
+        if isinstance(t, Tensor):
+            raise ValueError(
+                f"{where} got {name} (shape {tuple(t.shape)}): several sequences packed "
+                f"along one dimension of its input ({_shapes_of(named)}), each sequence an "
+                f"example. {remedy}"
+            )
+    pos = named.get("position_ids")
+    if (
+        isinstance(pos, Tensor)
+        and pos.dim() >= 1
+        and pos.shape[-1] > 1
+        and not pos.is_floating_point()
+        and named.get("attention_mask") is None
+        and not is_compiling()
+    ):
+        with torch.no_grad():
+            rows = pos.reshape(-1, pos.shape[-1])
+            packs = (rows.diff(dim=-1) != 1).any(-1).nonzero()
+        if packs.numel():
+            row = rows[int(packs[0, 0])]
+            shown = row[:12].tolist()
+            raise ValueError(
+                f"{where} got position_ids (shape {tuple(pos.shape)}) that start again within "
+                f"a row ({shown}{' ...' if row.numel() > 12 else ''}) and no attention_mask: "
+                f"several sequences packed into one row of its input ({_shapes_of(named)}), "
+                "as DataCollatorWithFlattening gives them (a Hugging Face model then keeps "
+                "them apart only where it builds its attention mask from position_ids, and "
+                "otherwise attends across them). Each sequence is an example, but the row "
+                f"holds them all. {remedy} (position_ids of a padded batch come with its "
+                "attention_mask, and are then accepted.)"
+            )
+
+
+def _shapes_of(named: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in named.items() if isinstance(v, Tensor))
 
 
 def _without_nodes(taps: Any) -> Any:

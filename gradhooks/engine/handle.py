@@ -786,7 +786,10 @@ def add_hooks(
             sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
             rows are summed) or on another dimension (moved) is right; a layer whose input
             was computed across the batch is an error naming the layer and the shapes.
-            ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
+            Sequences packed along one dimension without padding (a ``cu_seqlens``,
+            ``cu_seq_lens_q/k`` or ``seq_idx`` input; ``position_ids`` that start again within
+            a row, with no ``attention_mask``: ``DataCollatorWithFlattening``) are refused
+            before the forward runs: give a padded batch. ``None``: nothing is followed, and ``grad1`` has a row per entry of each layer's
             dimension 0.
         max_grad1_bytes: refuse a ``grad1`` (batch × trainable parameters × element size)
             larger than this many bytes (:class:`gradhooks.Grad1TooLarge`, raised at the
@@ -804,6 +807,15 @@ def add_hooks(
             autograd computed, and raise, naming the parameters, where it does not (a use the
             hooks did not see; a loss term that is not per example, such as weight decay
             added to the loss: ``verify=False`` keeps ``grad1`` of the per-example terms).
+            The check runs backwards of autograd's own through the model's graph (two; three
+            without ``"grad1"``), from its output-gradients weighted per example, in which a
+            gradient hook put on an activation during the forward (``h.register_hook``) runs
+            again, so that what it does to the examples' gradients is checked too (a hook that
+            mixes them is refused): on a backward that verifies, such a hook runs three times
+            (four without ``"grad1"``), on every other backward once. Backward hooks of the
+            user's on modules (also global ones) and on parameters run once on every backward:
+            where there are any, that part of the check is left out. ``verify=False``: every hook
+            runs once per backward.
         keep_backprops: keep, per hooked module, the input of its last captured call and
             the output-gradient of each captured call, for :meth:`Hooks.activations` and
             :meth:`Hooks.backprops` (autograd-hacks' ``layer.activations`` and

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten, tree_map
 from ..inert import InertHook
-from ..tracking.layout import Layout, Tracker
+from ..tracking import Layout, Tracker
 
 
 @dataclass
@@ -136,6 +136,9 @@ class Probe:
     last: dict[int, Tensor]  # (without grad1) the last example's gradient alone
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
     exact: bool = False  # weights of powers of two (pieces.example_weights): no rounding
+    # the lowest precision the forward computed the examples' tensors in (its calls', and the
+    # operations' between them: a softmax in float32 inside a float64 model)
+    precision: torch.dtype | None = None
 
     @property
     def batch(self) -> int:

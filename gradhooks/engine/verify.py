@@ -27,7 +27,7 @@ from .. import _torch
 from .. import pieces as P
 from ..oracle import loop_grad
 from ..rules.registry import Call
-from ..tracking.layout import MIXED, UNKNOWN, Layout, Tracker, example_mask
+from ..tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
 from .plan import Target
 from .records import (
     Backward,
@@ -265,9 +265,19 @@ class Verification:
             "batch": tracker.batch,
             "frame": id(frame),
             "lost": tuple(tracker.unknown),
-            # (the precision its calls ran in: below float32, the weights are powers of two)
-            "precision": lowest_precision(*(state.precision for state in frame.states)),
         }
+        # the precision its calls and the operations between them ran in (a float64 model that
+        # takes its softmax in float32), and whether that rounds more than its outputs hold:
+        # then the weights are powers of two, by which each example's rows are carried through
+        # that rounding exactly, and the two sides of the check round alike
+        low = lowest_precision(tracker.precision, *(state.precision for state in frame.states))
+        box["precision"] = low
+        box["exact"] = half_precision(low) or any(
+            low is not None
+            and t.is_floating_point()
+            and torch.finfo(t.dtype).eps < torch.finfo(low).eps
+            for t in outs
+        )
         self._probe_box = box
         if len(outs) == 1:
             outs[0].register_hook(lambda g: self._probe(box, (g,)))
@@ -284,7 +294,7 @@ class Verification:
         backward of the checks' own runs, for those hooks to fire exactly as often as without
         gradhooks (the checks that need none still do). A gradient hook on an activation does
         not leave the checks out: it may compute across the batch, which only they see (it
-        fires once more in a backward that verifies)."""
+        runs again in each of the probe's backwards, as :func:`gradhooks.add_hooks` says)."""
         model = self.model
         params = [p for _, p in self._params.values()]
         own = 1  # (gradhooks' own hook on each parameter)
@@ -323,7 +333,7 @@ class Verification:
         ):
             return
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
-        exact = half_precision(box["precision"])
+        exact = box["exact"]
         weights = P.example_weights(batch, exact)
         masked, last = [], []
         for _, g, lay in used:
@@ -358,7 +368,8 @@ class Verification:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
             alone_of = {pid: g for pid, g in zip(pids, alone or ()) if g is not None}
-            bw.probe = Probe(box_frame, weights, grads_of, plain_of, alone_of, lost, exact)
+            bw.probe = Probe(box_frame, weights, grads_of, plain_of, alone_of, lost, exact,
+                             box["precision"])  # fmt: skip
 
     @contextlib.contextmanager
     def _standing_aside(self) -> Iterator[None]:
@@ -455,7 +466,7 @@ class Verification:
             plain = plain.to_dense() if plain.is_sparse else plain
             close = mismatch(
                 plain.to(grad.dtype), grad, None, overall, **PROBE_TOLERANCE,
-                precision=bw.precision, exact=True,
+                precision=lowest_precision(bw.precision, probe.precision), exact=True,
             )  # fmt: skip
             if close is None:
                 found.add(pid)
@@ -484,7 +495,7 @@ class Verification:
                 got = torch.einsum("b,b...->...", w, g1)
             diff = mismatch(
                 got, want.to(got.dtype), None, overall, **PROBE_TOLERANCE,
-                precision=bw.precision, exact=probe.exact,
+                precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
             )  # fmt: skip
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
@@ -529,7 +540,7 @@ class Verification:
             got = torch.zeros_like(want) + got
             diff = mismatch(
                 got.to(want.dtype), want, None, overall, **PROBE_TOLERANCE,
-                precision=bw.precision, exact=probe.exact,
+                precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
             )  # fmt: skip
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
@@ -538,7 +549,8 @@ class Verification:
             sq = collector.param_sq_norms[name]
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
             # (by the parameter's dtype: a bfloat16 parameter's norms are float32 sums)
-            tol = rounding_tolerance(want.dtype, bw.precision, probe.exact, **PROBE_TOLERANCE)
+            low = lowest_precision(bw.precision, probe.precision)
+            tol = rounding_tolerance(want.dtype, low, probe.exact, **PROBE_TOLERANCE)
             miss = abs(norm - norm_want)
             if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "

@@ -44,6 +44,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from ..errors import ConfigurationError, MissingDependencyError
+
 __all__ = ["PrivacyAccountant", "noise_multiplier_for"]
 
 Method = Literal["rdp", "pld"]
@@ -54,7 +56,7 @@ def _dp_accounting(what: str) -> Any:
     try:
         import dp_accounting
     except ImportError as e:
-        raise ImportError(
+        raise MissingDependencyError(
             f"{what} needs Google's dp-accounting library, which is not installed: "
             'pip install "gradhooks[dp]" (or pip install dp-accounting)'
         ) from e
@@ -81,19 +83,21 @@ def _quiet() -> Iterator[None]:
 
 def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None:
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+        raise ConfigurationError(
+            f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
+        )
     if not 0 <= sample_rate <= 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"sample_rate must be in [0, 1] (expected batch size / number of examples), "
             f"got {sample_rate!r}"
         )
     if int(steps) != steps or steps < 0:
-        raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
+        raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
 
 
 def _check_delta(delta: float) -> None:
     if not 0 < delta < 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"delta must be in (0, 1), got {delta!r} (usually well below 1 / number of examples)"
         )
 
@@ -103,7 +107,7 @@ def _new_accountant(dpa: Any, method: str) -> Any:
         return dpa.rdp.RdpAccountant()
     if method == "pld":
         return dpa.pld.PLDAccountant()
-    raise ValueError(f"method must be 'rdp' or 'pld', got {method!r}")
+    raise ConfigurationError(f"method must be 'rdp' or 'pld', got {method!r}")
 
 
 def _event(dpa: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
@@ -139,7 +143,7 @@ class PrivacyAccountant:
 
     def __init__(self, method: Method = "rdp") -> None:
         if method not in ("rdp", "pld"):
-            raise ValueError(f"method must be 'rdp' or 'pld', got {method!r}")
+            raise ConfigurationError(f"method must be 'rdp' or 'pld', got {method!r}")
         self.method = method
         self.history: list[tuple[float, float, int]] = []
         self._composed: tuple[list[tuple[float, float, int]], Any] | None = None
@@ -163,7 +167,7 @@ class PrivacyAccountant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the history by a checkpoint's (:meth:`state_dict`) of the same method."""
         if state.get("method") != self.method:
-            raise ValueError(
+            raise ConfigurationError(
                 f"this accountant's method is {self.method!r}, the checkpoint's is "
                 f"{state.get('method')!r}: ε by another accountant would not continue it"
             )
@@ -224,9 +228,9 @@ def noise_multiplier_for(
     _check_step(0.0, sample_rate, steps)
     _check_delta(delta)
     if not target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+        raise ConfigurationError(f"target_epsilon must be > 0, got {target_epsilon!r}")
     if steps == 0 or sample_rate == 0:
-        raise ValueError(
+        raise ConfigurationError(
             f"with steps={steps} and sample_rate={sample_rate} no example is ever used: any "
             "noise multiplier, even 0, spends no privacy"
         )

@@ -30,6 +30,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import ConfigurationError
+
 __all__ = ["one_run_p_value", "epsilon_lower_bound"]
 
 
@@ -64,12 +66,12 @@ def one_run_p_value(
     Jagielski, 2023), at most 1.
     """
     if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(
+        raise ConfigurationError(
             f"need 0 <= correct <= guesses <= canaries, got correct={correct}, "
             f"guesses={guesses}, canaries={canaries}"
         )
     if epsilon < 0 or not 0 <= delta < 1:
-        raise ValueError(f"need epsilon >= 0 and delta in [0, 1), got {epsilon}, {delta}")
+        raise ConfigurationError(f"need epsilon >= 0 and delta in [0, 1), got {epsilon}, {delta}")
     q = 1.0 / (1.0 + math.exp(-epsilon))
     beta = _binomial_tail(guesses, q, correct)
     if delta == 0:
@@ -107,14 +109,16 @@ def epsilon_lower_bound(
     included = torch.as_tensor(included).detach().flatten().bool().cpu()
     m = scores.numel()
     if included.numel() != m:
-        raise ValueError(
+        raise ConfigurationError(
             f"scores has {m} canaries and included {included.numel()}: one coin per canary"
         )
     half = guesses // 2
     if half < 1 or 2 * half > m:
-        raise ValueError(f"guesses must be in [2, {m}] (the number of canaries), got {guesses}")
+        raise ConfigurationError(
+            f"guesses must be in [2, {m}] (the number of canaries), got {guesses}"
+        )
     if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+        raise ConfigurationError(f"confidence must be in (0, 1), got {confidence}")
     order = torch.argsort(scores, descending=True, stable=True)
     correct = int(included[order[:half]].sum()) + int((~included[order[m - half :]]).sum())
     r, significance = 2 * half, 1 - confidence

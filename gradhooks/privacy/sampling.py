@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
+from ..errors import ConfigurationError
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 
@@ -66,18 +67,20 @@ class PoissonSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
     ) -> None:
         if int(num_examples) != num_examples or num_examples < 1:
-            raise ValueError(f"num_examples must be a whole number >= 1, got {num_examples!r}")
+            raise ConfigurationError(
+                f"num_examples must be a whole number >= 1, got {num_examples!r}"
+            )
         if not 0 < expected_batch_size <= num_examples:
-            raise ValueError(
+            raise ConfigurationError(
                 f"expected_batch_size must be in (0, num_examples={num_examples}], got "
                 f"{expected_batch_size!r}"
             )
         if steps is None:
             steps = max(1, round(num_examples / expected_batch_size))
         if int(steps) != steps or steps < 0:
-            raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
+            raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
         if generator is not None and generator.device.type != "cpu":
-            raise ValueError(
+            raise ConfigurationError(
                 f"generator must be a CPU torch.Generator (indices are drawn on the CPU), got "
                 f"one on {generator.device}"
             )

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .. import pieces as P
 from ..engine.records import autocast_off
+from ..errors import BatchNotFoundError, UnsupportedError
 from ..tuning import TUNING
 from .kfac import KfacAccumulator
 
@@ -203,7 +204,7 @@ class Collector:
         :meth:`add`)."""
         name = self.names.get(id(h.param), f"<param {id(h.param)}>")
         if name in self._done:
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"'{name}' received another call's gradient after its per-example quantities were "
                 "computed in this backward (a forward re-run during the backward, e.g. activation "
                 "checkpointing?): norms/sum_grad_sq cannot include that call; use grad1 instead"
@@ -256,7 +257,7 @@ class Collector:
             return
         batches = {d[0] for d in done.values()}
         if len(batches) != 1:
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"the hooked layers saw different batch sizes in one backward ({sorted(batches)}): "
                 "per-example quantities need every layer to see the same batch"
             )

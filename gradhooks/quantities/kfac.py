@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch
-from ..errors import GradhooksWarning
+from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError
 from ..pieces import Outer
 from ..tuning import TUNING
 
@@ -60,7 +60,7 @@ class KFactors:
         ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
         itself."""
         if not damping > 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
                 "(fewer examples than features, a ReLU's dead units)"
             )
@@ -91,7 +91,7 @@ class KFactorsInverse:
         as a matrix ``[*groups, out, in(+1)]`` (bias column appended when ``bias``; see
         :class:`KFactors`)."""
         if grad.shape != self.scale.shape:
-            raise ValueError(
+            raise ConfigurationError(
                 f"K-FAC: a gradient of shape {tuple(grad.shape)} given to factors of a "
                 f"{tuple(self.scale.shape)} weight matrix ([*groups, out, in"
                 f"{' + 1 (bias column)' if self.bias else ''}]): reshape the weight's gradient "
@@ -175,14 +175,14 @@ class KfacAccumulator:
             biased = self.bias and bias_g is not None and bias_g is not piece.a
             layout = piece.matrix_layout
             if self._layout.setdefault(key, layout) != layout:
-                raise RuntimeError(
+                raise UnsupportedError(
                     f"K-FAC: weight '{key}' is used by modules that lay it out differently "
                     f"({self._layout[key]!r}, and {layout!r} in '{module_name}': a weight tied "
                     "between a convolution and its transpose): no one pair of Kronecker factors "
                     "covers both uses; untie them for K-FAC"
                 )
             if self._biased.get(key, biased) != biased:
-                raise RuntimeError(
+                raise UnsupportedError(
                     f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
                     f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
                     "both: use bias=False"

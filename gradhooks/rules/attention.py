@@ -42,6 +42,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
+from ..errors import UnbatchedInputError, UnsupportedError, describe_module
 from ..pieces import Direct, Outer, Piece, cast
 from ..tuning import TUNING
 from .registry import Call, batch_first, register
@@ -303,15 +304,15 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     args.apply_defaults()
     args = args.arguments
     query, key, value = args["query"], args["key"], args["value"]
-    where = f"'{call.name or '<model>'}' ({type(m).__qualname__})"
+    where = describe_module(call.name, m)
     if query.dim() != 3:
-        raise ValueError(
+        raise UnbatchedInputError(
             f"{where} got an unbatched query of shape {tuple(query.shape)}: per-example "
             "gradients need a batch dimension ([batch, seq, E] with batch_first=True, "
             "[seq, batch, E] otherwise)"
         )
     if m.training and m.dropout > 0:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"{where} has dropout={m.dropout} inside the attention and is in training mode: "
             "its random mask is drawn inside torch's attention and cannot be reproduced, so "
             "per-example gradients of this layer cannot be computed. Construct it with "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MixedExamplesError
 from ..pieces import Direct
 from .norm import _need_batch, channel_affine
 from .registry import Call, register
@@ -41,7 +42,7 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
         if module.track_running_stats
         else "it has track_running_stats=False, so it uses batch statistics even in eval mode"
     )
-    raise RuntimeError(
+    raise MixedExamplesError(
         f"'{name or '<model>'}' ({kind}) normalizes with the statistics of the whole batch "
         f"because {why}: every example's output depends on the other examples, so per-example "
         f"gradients do not exist (for any layer of the model). Either replace it with a "

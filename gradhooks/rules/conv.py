@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .. import _torch
+from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Outer, Piece, cast
 from ..tuning import TUNING
 from .registry import Call, register
@@ -500,8 +501,8 @@ def conv(call: Call) -> dict[str, Outer]:
     (x,) = call.inputs
     unbatched = x.dim() == len(module.kernel_size) + 1
     if unbatched:
-        raise ValueError(
-            f"'{call.name}' ({type(module).__qualname__}) got an input of shape {tuple(x.shape)} "
+        raise UnbatchedInputError(
+            f"{describe_module(call.name, module)} got an input of shape {tuple(x.shape)} "
             "without a batch dimension: per-example gradients need [batch, channels, *spatial]"
         )
     bias = ConvBias(rearrange(call.grad_output, "batch out ... -> batch (...) out"))

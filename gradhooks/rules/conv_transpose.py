@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Outer, Piece, cast
 from .conv import im2col
 from .registry import Call, register
@@ -171,8 +172,8 @@ def conv_transpose(call: Call) -> dict[str, Outer]:
     module = call.module
     x = call.inputs[0]
     if x.dim() == len(module.kernel_size) + 1:
-        raise ValueError(
-            f"'{call.name}' ({type(module).__qualname__}) got an input of shape {tuple(x.shape)} "
+        raise UnbatchedInputError(
+            f"{describe_module(call.name, module)} got an input of shape {tuple(x.shape)} "
             "without a batch dimension: per-example gradients need [batch, channels, *spatial]"
         )
     g = call.grad_output

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigurationError, UnbatchedInputError, UnsupportedError, describe_module
 from ..pieces import Direct, Rows
 from .registry import Call, register
 
@@ -33,8 +34,8 @@ def embedding(call: Call) -> dict[str, Rows]:
     m: nn.Embedding = call.module
     idx = call.inputs[0]
     if idx.dim() == 0:
-        raise ValueError(
-            f"'{call.name}' (Embedding) got a 0-d input: per-example gradients need indices "
+        raise UnbatchedInputError(
+            f"{describe_module(call.name, m)} got a 0-d input: per-example gradients need indices "
             "[batch, *]"
         )
     batch, dim = idx.shape[0], m.embedding_dim
@@ -98,13 +99,13 @@ def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
     args.update(call.kwargs)
     idx, offsets, weights = args["input"], args.get("offsets"), args.get("per_sample_weights")
     if m.scale_grad_by_freq:
-        raise NotImplementedError(
-            f"'{call.name}' (EmbeddingBag) has scale_grad_by_freq=True, which gradhooks does not "
-            "support: torch scales by how often a row occurs in the whole batch, which is no "
+        raise UnsupportedError(
+            f"{describe_module(call.name, m)} has scale_grad_by_freq=True, which gradhooks does "
+            "not support: torch scales by how often a row occurs in the whole batch, which is no "
             "per-example gradient. Use scale_grad_by_freq=False, or unsupported='skip'."
         )
     if idx.dim() == 1 and offsets is None:
-        raise ValueError(f"'{call.name}' (EmbeddingBag): a 1-D input needs offsets")
+        raise ConfigurationError(f"{describe_module(call.name, m)}: a 1-D input needs offsets")
     g = call.grad_output  # [bags, dim]
     bag, flat, valid, num_bags = bags(m, idx, offsets)
     dim = m.embedding_dim

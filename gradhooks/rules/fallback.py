@@ -53,7 +53,7 @@ from ..engine.pause import paused
 from ..engine.records import autocast_as
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
-from ..tracking.layout import PACKED, Layout, batch_rows
+from ..tracking import PACKED, Layout, batch_rows
 from .registry import Call, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -81,7 +81,40 @@ def fallback(call: Call) -> dict[str, Piece | None]:
     Returns ``{name: Direct([batch, *param.shape])}`` for the module's own trainable parameters
     and for those of submodules it used without calling them, and ``{name: None}`` for the
     parameters of submodules it called (their own hooks have them).
+
+    The recomputation runs without the forward hooks and pre-hooks of the module (its captured
+    inputs are those its pre-hooks gave), of the modules inside it and the global ones, so that
+    a user's hooks fire as often as without gradhooks. Where it then fails or does not
+    reproduce the call's output, a hook inside takes part in what the module computes (it
+    changes an output): it is recomputed with those, still without the module's own; where
+    that fails too, with its pre-hooks, as before. A module inside that holds a tensor
+    requiring grad outside its parameters and buffers (set by a pre-hook from parameters, as
+    ``nn.utils.weight_norm`` and ``nn.utils.prune`` do) is recomputed with its pre-hooks at once.
     """
+    tries = () if _set_by_hooks(call.module) else (True, False)
+    for within in tries:
+        try:
+            with _torch.forward_hooks_off_within(call.module, within):
+                return _fallback(call)
+        except Exception:
+            continue  # (a hook takes part: with more of them, below, which raises if it fails)
+    return _fallback(call)
+
+
+def _set_by_hooks(module: nn.Module) -> bool:
+    """Whether a module in ``module`` holds a tensor that requires grad outside its parameters
+    and buffers: computed from its parameters by a forward pre-hook (the old
+    ``nn.utils.weight_norm``'s ``weight`` from ``weight_g`` and ``weight_v``, a pruned
+    ``weight`` from ``weight_orig``), which the recomputation must run again to use the
+    parameters it differentiates."""
+    return any(
+        isinstance(v, Tensor) and v.requires_grad
+        for m in module.modules()
+        for v in vars(m).values()
+    )
+
+
+def _fallback(call: Call) -> dict[str, Piece | None]:
     module = call.module
     own = {
         n: p

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _torch
+from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Direct
 from .registry import Call, register
 
 
 def _need_batch(call: Call, x: Tensor, unbatched_dim: int, layout: str) -> None:
     if x.dim() <= unbatched_dim:
-        raise ValueError(
-            f"'{call.name}' ({type(call.module).__qualname__}) got an input of shape "
+        raise UnbatchedInputError(
+            f"{describe_module(call.name, call.module)} got an input of shape "
             f"{tuple(x.shape)} without a batch dimension: per-example gradients need {layout}"
         )
 

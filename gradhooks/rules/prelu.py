@@ -14,6 +14,7 @@ import math
 
 from torch import nn
 
+from ..errors import UnbatchedInputError
 from ..pieces import Direct
 from .registry import Call, register
 
@@ -23,9 +24,9 @@ def prelu(call: Call) -> dict[str, Direct]:
     m: nn.PReLU = call.module
     x = call.inputs[0]
     if x.dim() == 0 or (m.num_parameters > 1 and x.dim() < 2):
-        raise ValueError(
-            f"'{call.name}' (PReLU, num_parameters={m.num_parameters}) got an input of shape "
-            f"{tuple(x.shape)}: per-example gradients need [batch, channels, *] "
+        raise UnbatchedInputError(
+            f"'{call.name or '<model>'}' (PReLU, num_parameters={m.num_parameters}) got an "
+            f"input of shape {tuple(x.shape)}: per-example gradients need [batch, channels, *] "
             "([batch, *] with num_parameters=1)"
         )
     contrib = (x * call.grad_output).masked_fill(x >= 0, 0)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigurationError, ConfigurationTypeError, RuleError, describe_module
 from ..pieces import Piece
 
 __all__ = ["Call", "CallBatch", "Registry", "Rule", "REGISTRY", "register", "batch_first"]
@@ -104,7 +105,11 @@ class Call:
         """The gradient with respect to the first output tensor."""
         g = self.grad_outputs[0]
         if g is None:
-            raise RuntimeError(f"no gradient reached the output of {self.name or self.module!r}")
+            raise RuleError(
+                f"{describe_module(self.name, self.module)}: no gradient reached its first "
+                "output, and the rule reads call.grad_output; read call.grad_outputs[0] and "
+                "handle None (an output the loss does not use)"
+            )
         return g
 
 
@@ -273,19 +278,19 @@ class Registry:
         """
         if not (callable(batch_dim) or batch_dim == "positions" or
                 (isinstance(batch_dim, int) and batch_dim >= 0)):  # fmt: skip
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"register(batch_dim=...) takes an int >= 0, a function of the module or "
                 f"'positions', got {batch_dim!r}"
             )
         if not types:
-            raise TypeError("register() needs at least one module type")
+            raise ConfigurationTypeError("register() needs at least one module type")
         if owns_backward is not False and grad_from_grad1 is None:
-            raise TypeError(
+            raise ConfigurationTypeError(
                 "register(owns_backward=...) needs grad_from_grad1: it says which calls run "
                 "with grad mode off"
             )
         if not (isinstance(owns_backward, bool) or callable(owns_backward)):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 "register(owns_backward=...) takes True or a function of the module giving a "
                 f"context manager, got {owns_backward!r}"
             )
@@ -293,10 +298,12 @@ class Registry:
         def decorate(rule: Rule) -> Rule:
             for t in types:
                 if not (isinstance(t, type) and issubclass(t, nn.Module)):
-                    raise TypeError(f"register() takes nn.Module subclasses, got {t!r}")
+                    raise ConfigurationTypeError(
+                        f"register() takes nn.Module subclasses, got {t!r}"
+                    )
                 if t in self._rules and not overwrite:
                     old = self._rules[t].rule
-                    raise ValueError(
+                    raise ConfigurationError(
                         f"a rule for {t.__qualname__} is already registered "
                         f"({old.__module__}.{old.__qualname__}); pass overwrite=True to replace it"
                     )

@@ -61,9 +61,10 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from .._torch import tree_flatten
 from ..engine.pause import paused
+from ..errors import ConfigurationError, UnbatchedInputError
 from ..loop import per_example
 from ..pieces import Direct, Outer
-from ..tracking.layout import note
+from ..tracking import note
 from .fallback import fallback
 from .registry import Call, batch_first, register
 
@@ -751,9 +752,9 @@ def _fallback_splits(call: Call) -> bool:
     )
 
 
-def _error(call: Call, what: str, todo: str) -> ValueError:
+def _error(kind: type[ValueError], call: Call, what: str, todo: str) -> ValueError:
     m = call.module
-    return ValueError(f"'{call.name}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
+    return kind(f"'{call.name or '<model>'}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
 @register(nn.RNN, nn.GRU, batch_dim=batch_first)
@@ -762,6 +763,7 @@ def rnn(call: Call) -> dict[str, Outer]:
     x, hx = call.inputs[0], _initial_state(call)
     if module.training and module.dropout > 0 and module.num_layers > 1:
         raise _error(
+            ConfigurationError,
             call,
             f"dropout={module.dropout} between layers in training mode draws a mask that "
             "gradhooks cannot see, so per-example gradients cannot be recomputed",
@@ -790,6 +792,7 @@ def rnn(call: Call) -> dict[str, Outer]:
     else:
         if x.dim() != 3:
             raise _error(
+                UnbatchedInputError,
                 call,
                 f"got an input of shape {tuple(x.shape)} without a batch dimension",
                 "per-example gradients need a batch: pass [batch, time, features] "

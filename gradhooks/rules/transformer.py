@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .._torch import tree_flatten, tree_map
 from ..engine.pause import paused
 from ..engine.records import detach_tree
+from ..errors import UnsupportedError, describe_module
 from ..pieces import Direct, Piece
 from .fallback import FALLBACK
 from .registry import REGISTRY, Call, batch_first, register
@@ -40,10 +41,10 @@ def _batch_first(tree):
 )  # fmt: skip
 def transformer_layer(call: Call) -> dict[str, Piece]:
     layer = call.module
-    where = f"'{call.name or '<model>'}' ({type(layer).__qualname__})"
+    where = describe_module(call.name, layer)
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if layer.training and dropouts:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"{where} is in training mode with dropout > 0 ({', '.join(dropouts)}): its random "
             "masks cannot be replayed, so per-example gradients of this layer cannot be "
             "computed. Construct it with dropout=0, or call .eval()."
@@ -98,7 +99,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         if entry is None:
             entry = FALLBACK  # a part without a rule: torch.func, as for any module
         if name in called:
-            raise RuntimeError(f"{where}: part '{name}' was called twice; not supported")
+            raise UnsupportedError(f"{where}: part '{name}' was called twice; not supported")
         called.add(name)
         out_leaves = tree_flatten(out)[0]
         full: list[Tensor | None] = [None] * len(out_leaves)

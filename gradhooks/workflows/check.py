@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .._torch import tree_flatten
 from ..engine.handle import add_hooks
 from ..engine.verify import CheckReport
+from ..errors import CheckFailedError
 from ..oracle import Inputs, _as_tuple, vmap_grad
 from ..rules.registry import REGISTRY, Registry
 
@@ -49,9 +50,9 @@ def check_rule(
         registry: the registry that holds the rule under test.
 
     Returns:
-        A :class:`CheckReport`; with ``raise_on_mismatch`` (default) an ``AssertionError``
-        naming each parameter that differs, and by how much, is raised instead of returning a
-        failed report.
+        A :class:`CheckReport`; with ``raise_on_mismatch`` (default) a
+        :class:`~gradhooks.CheckFailedError` (an ``AssertionError``) naming each parameter that
+        differs, and by how much, is raised instead of returning a failed report.
 
     Example::
 
@@ -87,5 +88,5 @@ def check_rule(
             del p.grad1
         model.zero_grad(set_to_none=True)
     if raise_on_mismatch and not report.ok:
-        raise AssertionError(str(report))
+        raise CheckFailedError(str(report))
     return report

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..engine.handle import Hooks
+from ..errors import ConfigurationError, StateError
 from ..quantities.kfac import KfacAccumulator, KFactors
 from . import dp as _dp
 from . import kfac as _kfac
@@ -108,7 +109,7 @@ def dp_sgd_step(
     _dp.check_scaler(scaler)
     params = _dp._covered_params(hooks)
     if hooks._sharded and method == "ghost":
-        raise ValueError(
+        raise ConfigurationError(
             "gradhooks.distributed.dp_sgd_step(method='ghost') on a model sharded by FSDP2: "
             "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
             "inputs and output-gradients)"
@@ -172,7 +173,7 @@ def _all_reduce_sums(
     world = dist.get_world_size(group)
     total, n_sum, n_sq, lay_sum, lay_sq = meta.tolist()
     if world * n_sq != n_sum * n_sum or world * lay_sq != lay_sum * lay_sum:
-        raise RuntimeError(
+        raise StateError(
             f"gradhooks.distributed.{what}: the ranks hold different tensors to reduce (this "
             f"rank, {dist.get_rank(group)}: {len(tensors)} tensors, {list(names)[:8]}...): every "
             "rank must run the same model (same parameter names, shapes and order) and the same "

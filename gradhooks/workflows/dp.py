@@ -53,7 +53,14 @@ from .. import pieces as P
 from ..engine.handle import Hooks
 from ..engine.records import drop_box, half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
-from ..errors import GradhooksWarning
+from ..errors import (
+    CheckFailedError,
+    ConfigurationError,
+    ConfigurationTypeError,
+    GradhooksWarning,
+    StateError,
+    UnsupportedError,
+)
 
 __all__ = ["dp_sgd_step", "clip_factors", "clipped_sum", "ClippedSum"]
 
@@ -187,14 +194,14 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
     check_scaler(scaler)
     params = _covered_params(hooks)
     if hooks._sharded:
-        raise ValueError(
+        raise ConfigurationError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
     fused = [n for n, p in hooks._named_parameters(hooks.model)
              if p.requires_grad and _torch.accumulate_hooks(p)]  # fmt: skip
     if fused:
-        raise ValueError(
+        raise ConfigurationError(
             f"dp_sgd_step: '{fused[0]}' has a post-accumulate-grad hook (an optimizer step "
             "fused into the backward, register_post_accumulate_grad_hook): the step writes "
             ".grad after its backward, clipped and noised, so that hook would never see it (or "
@@ -205,7 +212,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
     hooked = [n for n, p in hooks._named_parameters(hooks.model)
               if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
     if method == "ghost" and hooked:
-        raise ValueError(
+        raise ConfigurationError(
             f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook (register_hook), "
             "and ghost clipping takes the clipped sum from autograd's gradient of the "
             "parameters, which such a hook may change after the clipping (a factor above 1 "
@@ -217,7 +224,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
 
 def check_scaler(scaler: Any) -> None:
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
         )
 
@@ -268,21 +275,21 @@ def _checked(
     """The method to use, after checking the arguments of a DP-SGD step."""
     method = _checked_method(hooks, method)
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise ConfigurationError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     _check_expected_batch_size(expected_batch_size, reduction)
     if per_example_loss.dim() != 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
             "loss with reduction='none' (and sum any other dimension per example)"
         )
     if not per_example_loss.requires_grad:
-        raise ValueError(
+        raise ConfigurationError(
             "dp_sgd_step: per_example_loss has no autograd history (detached, or computed "
             "under torch.no_grad()); the step runs the backward itself: pass the losses as "
             "the hooked forward gave them"
         )
     if per_example_loss in _STEPPED:
-        raise ValueError(
+        raise ConfigurationError(
             "dp_sgd_step: these losses were already stepped on (their graph is freed, the "
             "parameters' .grad holds that step); run a new forward for the next step"
         )
@@ -294,10 +301,12 @@ def _checked_method(hooks: Hooks, method: str | None) -> str:
     if method is None:
         method = "grad1" if "grad1" in hooks.quantities else "bookkeeping"
     if method not in ("grad1", "ghost", "bookkeeping"):
-        raise ValueError(f"method must be 'grad1', 'ghost' or 'bookkeeping', got {method!r}")
+        raise ConfigurationError(
+            f"method must be 'grad1', 'ghost' or 'bookkeeping', got {method!r}"
+        )
     needed = "grad1" if method == "grad1" else "norms"
     if needed not in hooks.quantities:
-        raise ValueError(
+        raise ConfigurationError(
             f"dp_sgd_step(method={method!r}) needs a handle with quantities containing "
             f"{needed!r}, this one has {hooks.quantities!r}"
         )
@@ -306,18 +315,20 @@ def _checked_method(hooks: Hooks, method: str | None) -> str:
 
 def _check_clipping(max_norm: float, noise_multiplier: float, generator: Any = None) -> None:
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__qualname__} "
             "(torch.Generator().manual_seed(seed) for reproducible noise)"
         )
     if not 0 < max_norm < float("inf"):  # (also NaN)
-        raise ValueError(
+        raise ConfigurationError(
             f"max_norm must be > 0 and finite, got {max_norm!r}: it bounds each example's "
             "gradient norm (0 would leave the noise alone, a negative one would flip every "
             "gradient, NaN or Inf would clip nothing)"
         )
     if not 0 <= noise_multiplier < float("inf"):
-        raise ValueError(f"noise_multiplier must be >= 0 and finite, got {noise_multiplier!r}")
+        raise ConfigurationError(
+            f"noise_multiplier must be >= 0 and finite, got {noise_multiplier!r}"
+        )
 
 
 def _grads(hooks: Hooks, loss: Tensor, wrt: list, retain_graph: bool = False) -> tuple:
@@ -400,7 +411,7 @@ def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> N
         "the gradient of the examples' own losses weighted alike"
     )
     more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
-    raise RuntimeError(
+    raise CheckFailedError(
         f"dp_sgd_step: {what} (by autograd), for {', '.join(wrong[:5])}{more}. Either an "
         "example's loss depends on the other examples (a loss that couples the batch, such as "
         "a contrastive one) or on the parameters outside the model's per-example path (a "
@@ -530,7 +541,7 @@ def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[boo
     ]
     if lost:
         more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
-        raise RuntimeError(
+        raise StateError(
             f"dp_sgd_step: the backward computed the gradient of {', '.join(lost[:5])}{more} "
             "but gradhooks captured no per-example gradient for them, so they cannot be "
             "clipped (the step would give them zero, or noise alone). Run the forward after "
@@ -547,12 +558,14 @@ def _check_expected_batch_size(expected_batch_size: float | None, reduction: str
     if expected_batch_size is None:
         return
     if reduction != "mean":
-        raise ValueError(
+        raise ConfigurationError(
             f"expected_batch_size={expected_batch_size!r} divides the sum by the expected batch "
             f"size, which contradicts reduction={reduction!r}: give one or the other"
         )
     if not 0 < expected_batch_size < float("inf"):
-        raise ValueError(f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}")
+        raise ConfigurationError(
+            f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}"
+        )
 
 
 def check_batch_against_expected(batch: int, expected: float | None, where: str) -> None:
@@ -564,7 +577,7 @@ def check_batch_against_expected(batch: int, expected: float | None, where: str)
     if expected is None:
         return
     if abs(batch - expected) > 7 * math.sqrt(expected) + 7:
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}: a batch of {batch} examples with expected_batch_size={expected!r}: a "
             "Poisson-sampled batch is this far from its expected size with probability below "
             "1e-11, so expected_batch_size is not that of the sampler that drew it (it is "
@@ -595,7 +608,7 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
     """The losses are one per example of the captured batch."""
     bad = [n for n in sizes if n != per_example_loss.shape[0]]
     if bad:
-        raise ValueError(
+        raise ConfigurationError(
             f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
             "(per-token losses [batch * seq] summed or averaged per example: "
@@ -616,7 +629,7 @@ def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
 def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
     model = hooks.model
     if model is None or not hooks.active:
-        raise RuntimeError("dp_sgd_step needs an active handle (its model is gone or removed)")
+        raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
     covered = {id(p) for t in hooks._targets for p in t.params.values()}
     params, missing, seen = [], [], set()
     for name, p in hooks._named_parameters(model):  # (FSDP2: the sharded parameters)
@@ -626,12 +639,12 @@ def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
         (params if id(p) in covered else missing).append(p if id(p) in covered else name)
     complex_ = [n for n, p in hooks._named_parameters(model) if p.requires_grad and p.is_complex()]
     if complex_:
-        raise ValueError(
+        raise ConfigurationError(
             f"dp_sgd_step: '{complex_[0]}' is complex: the clipping is defined here for real "
             "parameters only (freeze it, or clip its grad1 yourself)"
         )
     if missing:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"dp_sgd_step: trainable parameters {missing} have no gradhooks rule (hooked with "
             "unsupported='skip'), so their per-example gradients cannot be clipped; freeze "
             "them or register a rule"

@@ -30,8 +30,9 @@ from .._torch import tree_flatten
 from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
+from ..errors import ConfigurationError, ConfigurationTypeError
 from ..rules.registry import REGISTRY, Registry
-from ..tracking.layout import MIXED, UNKNOWN, Tracker
+from ..tracking import MIXED, UNKNOWN, Tracker
 
 __all__ = ["jacobians"]
 
@@ -167,13 +168,13 @@ def model_inputs(
     positional inputs) and ``kwargs``; refuses a call with no tensor to take the batch from."""
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"{who}(kwargs=...) takes the model's keyword inputs as a dict, got "
             f"{type(kwargs).__name__}"
         )
     kwargs = dict(kwargs or {})
     if not any(isinstance(t, Tensor) for t in tree_flatten((args, kwargs))[0]):
-        raise ValueError(
+        raise ConfigurationError(
             f"{who}(): no tensor among the model's inputs ({len(args)} positional, keywords "
             f"{sorted(kwargs)}): the batch is dimension 0 of the first tensor input; give "
             "inputs=x or inputs=(x, ...), and the keyword inputs as kwargs={...}"
@@ -236,7 +237,7 @@ def checked_output(run: HookedForward, model: nn.Module, who: str, expected: str
     out, batch = run.output, run.batch
     name = type(model).__qualname__
     if not isinstance(out, Tensor):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"{who}(): {name} returned a {type(out).__qualname__}, not a tensor; {who} needs one "
             f"tensor {expected} with example b's outputs in row b: wrap the model in a module "
             "that returns it (a Hugging Face model's .logits)"
@@ -256,7 +257,7 @@ def checked_output(run: HookedForward, model: nn.Module, who: str, expected: str
     elif out.shape[0] != batch:
         problem = f"dimension 0 has {out.shape[0]} rows, not one per example"
     if problem is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"{who}(): {name}'s output {tuple(out.shape)} for a batch of {batch} examples "
             f"(dimension 0 of the first input): {problem}; {who} needs one tensor {expected} "
             "with example b's outputs in row b: return the per-example outputs (before any "

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..engine.handle import add_hooks
+from ..errors import ConfigurationError, UnsupportedError
 from ..quantities.kfac import (
     KfacAccumulator,
     KFactors,
@@ -229,20 +230,20 @@ def kfac_precondition(
     for name, f in factors.items():
         if isinstance(f, KFactors):
             if damping is None:
-                raise ValueError(
+                raise ConfigurationError(
                     f"kfac_precondition: KFactors of '{name}' and no damping: give damping=..., "
                     "or factors inverted once with f.inverse(damping)"
                 )
             f = f.inverse(damping)
         elif damping is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kfac_precondition: the factors of '{name}' are already inverted with damping "
                 f"{f.damping}; leave damping out (or pass the KFactors themselves)"
             )
         weight = _with_grad(params, name, name)
         bias = _with_grad(params, f.bias_name, name) if f.bias else None
         if f.bias and bias is None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kfac_precondition: the factors of '{name}' cover a bias column but name no "
                 "bias parameter (KFactors made by hand, or a weight tied across modules with "
                 "different biases): give KFactors(..., bias_name=...), or factors from "
@@ -256,7 +257,7 @@ def kfac_precondition(
         if weight.numel() != math.prod(groups) * rows * width or (
             bias is not None and bias.numel() != math.prod(groups) * rows
         ):
-            raise ValueError(
+            raise ConfigurationError(
                 f"kfac_precondition: the factors of '{name}' are of a {tuple(f.scale.shape)} "
                 f"weight matrix ([*groups, out, in{' + 1 (bias)' if f.bias else ''}]), which "
                 f"does not fit the parameters ({shapes}): factors of another model, or a "
@@ -278,13 +279,15 @@ def _with_grad(params: dict[str, nn.Parameter], name: str | None, of: str) -> Te
         return None
     p = params.get(name)
     if p is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"kfac_precondition: the factors of '{of}' refer to a parameter '{name}' that the "
             "model does not have: factors of another model (a DistributedDataParallel "
             "wrapper's names start with 'module.')"
         )
     if p.grad is None:
-        raise ValueError(f"kfac_precondition: '{name}' has no .grad: run the loss's backward first")
+        raise ConfigurationError(
+            f"kfac_precondition: '{name}' has no .grad: run the loss's backward first"
+        )
     return p
 
 
@@ -306,13 +309,13 @@ def _accumulate(
         out = checked_output(run, model, "kfac", "[batch, classes] or [batch, ..., classes]")
         reached = run.reached
         if out.dim() < 2:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kfac() expects a [batch, classes] or [batch, ..., classes] model output, got "
                 f"{tuple(out.shape)}; for other outputs use add_hooks(model, "
                 "quantities=('kfac',)), your own backward(s), and h.kfac_factors()"
             )
         if fisher == "exact" and out.dim() > 2:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
                 "GGN of a loss over several positions needs one backward per class and "
                 f"position ({math.prod(out.shape[1:])} here), and one backward per class would "
@@ -364,25 +367,25 @@ def _check_arguments(
 ) -> None:  # fmt: skip
     """Refuse what cannot work before the forward runs."""
     if fisher not in ("mc", "exact", "empirical"):
-        raise ValueError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")
+        raise ConfigurationError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")
     if not callable(loss) and loss not in _LOSSES:
-        raise ValueError(
+        raise ConfigurationError(
             f"loss must be 'cross_entropy', 'mse' or a function loss(output, target) of a "
             f"batch of one, got {loss!r}"
         )
     if sample_target is not None and output_grads is not None:
-        raise ValueError(
+        raise ConfigurationError(
             "kfac(): give sample_target (targets whose loss gradients are backpropagated) or "
             "output_grads (the gradients themselves), not both"
         )
     given = "sample_target" if sample_target is not None else "output_grads"
     if (sample_target is not None or output_grads is not None) and fisher != "mc":
-        raise ValueError(
+        raise ConfigurationError(
             f"kfac(fisher={fisher!r}, {given}=...): {given} samples the Fisher; use it with "
             "fisher='mc'"
         )
     if callable(loss) and fisher == "mc" and sample_target is None and output_grads is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"kfac(fisher='mc', loss={_name(loss)}): sampling needs the distribution the loss "
             "is the negative log-likelihood of, which a function does not tell: give "
             "sample_target=lambda output, generator: <targets drawn from it>, or your own "
@@ -390,7 +393,7 @@ def _check_arguments(
             "from the loss's Hessian) or 'empirical'"
         )
     if fisher == "empirical" and not callable(loss) and target is None:
-        raise ValueError("fisher='empirical' needs the target")
+        raise ConfigurationError("fisher='empirical' needs the target")
 
 
 def _name(loss: LossFn) -> str:
@@ -451,7 +454,7 @@ _LOSSES: dict[str, LossFn] = {
 def _checked(v: Tensor, out: Tensor) -> Tensor:
     if not isinstance(v, Tensor) or v.shape != out.shape:
         got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-        raise ValueError(
+        raise ConfigurationError(
             f"kfac(output_grads=...) returned {got}; it must return a tensor of the model "
             f"output's shape {tuple(out.shape)}, slice i example i's own output-gradient"
         )
@@ -470,7 +473,7 @@ def _per_example(transform, loss: LossFn, out: Tensor, target: Tensor | None) ->
             out, target
         )
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"kfac(loss={_name(loss)}): the loss could not be evaluated per example with "
             f"torch.func ({type(e).__name__}: {e}). It is called on a batch of one, "
             f"loss(output[i:i+1]{', target[i:i+1]' if target is not None else ''}) with output "
@@ -500,7 +503,7 @@ def _hessian_root_columns(loss: LossFn, out: Tensor, target: Tensor | None) -> l
     negative = eig < -100 * out.shape[-1] * torch.finfo(eig.dtype).eps * scale
     if negative.any():
         b, c = negative.nonzero()[0].tolist()
-        raise ValueError(
+        raise ConfigurationError(
             f"kfac(fisher='exact', loss={_name(loss)}): the loss's Hessian with respect to the "
             f"output of example {b} has a negative eigenvalue ({eig[b, c].item():.3g}; largest "
             f"magnitude {largest[b].item():.3g}): the loss is not convex in the output, so "

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigurationError, ConfigurationTypeError, NumericalError
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
 from .kfac import Fisher, LossFn, LossName, kfac, kfac_precondition
 
@@ -90,23 +91,23 @@ class KFAC:
         damping_range: tuple[float, float] = (1e-8, 1e3),
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"KFAC wraps a torch optimizer, got {type(optimizer).__qualname__}: "
                 "KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
             )
         if not (damping > 0 and math.isfinite(damping)):
-            raise ValueError(f"damping must be > 0 and finite, got {damping!r}")
+            raise ConfigurationError(f"damping must be > 0 and finite, got {damping!r}")
         if not 0 <= decay < 1:
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+            raise ConfigurationError(f"decay must be in [0, 1), got {decay!r}")
         for what, n in [
             ("factors_every", factors_every), ("inverse_every", inverse_every),
             ("adapt_every", adapt_every),
         ]:  # fmt: skip
             if int(n) != n or n < 1:
-                raise ValueError(f"{what} must be a whole number >= 1, got {n!r}")
+                raise ConfigurationError(f"{what} must be a whole number >= 1, got {n!r}")
         low, high = damping_range
         if not 0 < low <= damping <= high:
-            raise ValueError(
+            raise ConfigurationError(
                 f"damping_range must hold the damping: {low!r} <= {damping!r} <= {high!r}"
             )
         self.model, self.optimizer = model, optimizer
@@ -149,13 +150,13 @@ class KFAC:
         """
         adapt = self.adaptive and self.steps % self.adapt_every == 0
         if adapt and closure is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "KFAC(adaptive=True) adapts its damping from the loss before and after a "
                 "step: pass step(inputs, ..., closure=lambda: loss_fn(model(inputs), target))"
             )
         for name, p in self.model.named_parameters():
             if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                raise FloatingPointError(
+                raise NumericalError(
                     f"KFAC: the gradient of '{name}' {tuple(p.shape)} holds NaN or inf: the "
                     "loss or the model diverged. Lower the learning rate or raise the "
                     "damping, and restart from a checkpoint"
@@ -193,7 +194,7 @@ class KFAC:
                 self.factors[name] = f
                 continue
             if old.A.shape != f.A.shape or old.G.shape != f.G.shape:
-                raise ValueError(
+                raise ConfigurationError(
                     f"KFAC: the factors of '{name}' changed shape (A {tuple(old.A.shape)} -> "
                     f"{tuple(f.A.shape)}, G {tuple(old.G.shape)} -> {tuple(f.G.shape)}): the "
                     "layer was replaced; make a new KFAC for the new model"
@@ -208,7 +209,7 @@ class KFAC:
             try:
                 inverses[name] = f.inverse(self.damping)
             except torch.linalg.LinAlgError as e:
-                raise FloatingPointError(
+                raise NumericalError(
                     f"KFAC: the factors of '{name}' (A {tuple(f.A.shape)}, G "
                     f"{tuple(f.G.shape)}) could not be inverted at damping {self.damping:g}: "
                     f"{e}. Raise the damping, or lower the learning rate"
@@ -276,7 +277,7 @@ class KFAC:
 def _check_finite(name: str, f: KFactors, which: Literal["new", "running"]) -> None:
     bad = [what for what, t in (("A", f.A), ("G", f.G)) if not bool(torch.isfinite(t).all())]
     if bad:
-        raise FloatingPointError(
+        raise NumericalError(
             f"KFAC: the {which} factor{'s' if len(bad) > 1 else ''} {' and '.join(bad)} of "
             f"'{name}' hold NaN or inf (A {tuple(f.A.shape)}, G {tuple(f.G.shape)}): the "
             "layer's inputs or output-gradients diverged. Lower the learning rate or raise "

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
 from ..engine.handle import Hooks, add_hooks
-from ..errors import PrivacyBudgetExceeded
+from ..errors import ConfigurationError, ConfigurationTypeError, PrivacyBudgetExceeded, StateError
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import EmptyAware, PoissonSampler
 from . import dp as _dp
@@ -110,17 +110,17 @@ class DPOptimizer(torch.optim.Optimizer):
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's)
         if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 "DPOptimizer wraps a torch.optim.Optimizer (SGD, AdamW, ...), got "
                 f"{type(optimizer).__qualname__}"
             )
         if not isinstance(hooks, Hooks):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"hooks must be the handle of gradhooks.add_hooks(model, quantities=('norms',)),"
                 f" got {type(hooks).__qualname__}"
             )
         if not ({"grad1", "norms"} & set(hooks.quantities)):
-            raise ValueError(
+            raise ConfigurationError(
                 "DPOptimizer needs a handle that computes per-example norms or gradients: "
                 "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
                 f"has quantities={hooks.quantities!r}"
@@ -131,18 +131,18 @@ class DPOptimizer(torch.optim.Optimizer):
         if method is not None:
             _dp._checked_method(hooks, method)
         if sample_rate is not None and not 0 < sample_rate <= 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
                 f"got {sample_rate!r}"
             )
         if accountant is not None:
             if not isinstance(accountant, PrivacyAccountant):
-                raise TypeError(
+                raise ConfigurationTypeError(
                     "accountant must be a gradhooks.PrivacyAccountant or None, got "
                     f"{type(accountant).__qualname__}"
                 )
             if sample_rate is None:
-                raise ValueError(
+                raise ConfigurationError(
                     "DPOptimizer(accountant=...) records each step's sampling rate: pass "
                     "sample_rate= (expected batch size / number of examples)"
                 )
@@ -254,12 +254,12 @@ class DPOptimizer(torch.optim.Optimizer):
         the accountant, the buffer emptied. Returns whether the optimizer stepped (False only
         where a scaled backward overflowed and the step was skipped)."""
         if closure is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 "DPOptimizer.step takes no closure: call backward(per_example_loss) on each "
                 "physical batch, then step()"
             )
         if self._sums is None:
-            raise RuntimeError(
+            raise StateError(
                 "DPOptimizer.step: no backward(per_example_loss) since the last step, so "
                 "there is no clipped gradient to noise. Call opt.backward(losses) on each "
                 "physical batch of the logical batch (an empty batch too: its losses have 0 "
@@ -270,7 +270,7 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         params = _dp._covered_params(self.hooks)
         if len(params) != len(self._sums):
-            raise RuntimeError(
+            raise StateError(
                 "DPOptimizer.step: the hooked model's trainable parameters changed since the "
                 "backward; call zero_grad() and run the logical batch again"
             )
@@ -337,7 +337,7 @@ def _check_optimizer_params(
         for p in group["params"]:
             if p.requires_grad and id(p) not in ids:
                 what = f"'{names[id(p)]}'" if id(p) in names else f"of shape {tuple(p.shape)}"
-                raise ValueError(
+                raise ConfigurationError(
                     f"DPOptimizer: the optimizer steps a trainable parameter {what} that the "
                     "hooks do not clip (not the hooked model's, or without a rule): its step "
                     "would use a gradient with neither clipping nor noise. Give the optimizer "
@@ -361,7 +361,7 @@ class _OwnedDPOptimizer(DPOptimizer):
 
     def _refuse_unless_owner(self, what: str) -> None:
         if not self._by_owner:
-            raise RuntimeError(
+            raise StateError(
                 f"this DPOptimizer belongs to a gradhooks.make_private training: call "
                 f"private.{what}(...), which knows where a logical batch ends and the budget "
                 "(an LR scheduler may still take private.optimizer)"
@@ -496,12 +496,12 @@ class PrivateTraining:
                 self._current = _Physical(k, last, size)
                 yield batch
                 if loop != self._loops:
-                    raise RuntimeError(
+                    raise StateError(
                         "private.batches(): another loop over private.batches() started since; "
                         "it restarted the logical batch in progress, and this one cannot go on"
                     )
                 if self._current is not None and not self._current.stepped:
-                    raise RuntimeError(
+                    raise StateError(
                         "private.batches(): the last physical batch was not followed by "
                         "private.backward(losses) and private.step(); call both for every "
                         "batch (step() only steps at a logical batch's end)"
@@ -518,17 +518,17 @@ class PrivateTraining:
         self._check_open()
         now = self._current
         if now is None:
-            raise RuntimeError(
+            raise StateError(
                 "private.backward: no current batch; take the batches from private.batches() "
                 "(a batch from elsewhere is not the accountant's Poisson sample)"
             )
         if now.backward:
-            raise RuntimeError(
+            raise StateError(
                 "private.backward was already called on this physical batch; call "
                 "private.step() next"
             )
         if per_example_loss.dim() != 1 or per_example_loss.shape[0] != now.size:
-            raise ValueError(
+            raise ConfigurationError(
                 f"private.backward: per_example_loss has shape {tuple(per_example_loss.shape)},"
                 f" the batch private.batches() gave holds {now.size} examples: pass one loss "
                 "per example, [batch] (reduction='none')"
@@ -549,7 +549,7 @@ class PrivateTraining:
         self._check_open()
         now = self._current
         if now is None or not now.backward or now.stepped:
-            raise RuntimeError(
+            raise StateError(
                 "private.step: call private.backward(losses) on the batch private.batches() "
                 "just gave first (once per physical batch)"
             )
@@ -597,7 +597,7 @@ class PrivateTraining:
         accountant, physical batch size, number of examples)."""
         self._check_open()
         if self._current is not None:
-            raise RuntimeError(
+            raise StateError(
                 "load_state_dict inside a loop over private.batches(): load the checkpoint "
                 "before the loop (a new loop then starts where the checkpoint was taken)"
             )
@@ -605,12 +605,14 @@ class PrivateTraining:
         wrong = [k for k in plan if state["plan"].get(k) != plan[k]]
         if wrong:
             k = wrong[0]
-            raise ValueError(
+            raise ConfigurationError(
                 f"load_state_dict: the checkpoint's {k} is {state['plan'].get(k)!r}, this "
                 f"run's is {plan[k]!r}: resume with make_private(...) given the same settings"
             )
         if (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("load_state_dict: the checkpoint and this run differ in a scaler")
+            raise ConfigurationError(
+                "load_state_dict: the checkpoint and this run differ in a scaler"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
@@ -655,7 +657,7 @@ class PrivateTraining:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this private training was closed (its hooks are removed)")
+            raise StateError("this private training was closed (its hooks are removed)")
 
     def _plan(self) -> dict[str, Any]:
         return {
@@ -790,51 +792,57 @@ def make_private(
             skipped and not recorded. bfloat16 autocast needs none.
     """
     if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("make_private: give target_epsilon= or noise_multiplier=, one of them")
+        raise ConfigurationError(
+            "make_private: give target_epsilon= or noise_multiplier=, one of them"
+        )
     if (epochs is None) == (steps is None):
-        raise ValueError("make_private: give epochs= or steps=, one of them")
+        raise ConfigurationError("make_private: give epochs= or steps=, one of them")
     if (expected_batch_size is None) == (sample_rate is None):
-        raise ValueError("make_private: give expected_batch_size= or sample_rate=, one of them")
+        raise ConfigurationError(
+            "make_private: give expected_batch_size= or sample_rate=, one of them"
+        )
     dataset, loader_kwargs, collate_fn = _data(data)
     n = len(dataset)
     if n < 1:
-        raise ValueError("make_private: the dataset is empty")
+        raise ConfigurationError("make_private: the dataset is empty")
     if sample_rate is None:
         assert expected_batch_size is not None
         if not 0 < expected_batch_size <= n:
-            raise ValueError(
+            raise ConfigurationError(
                 f"expected_batch_size must be in (0, len(dataset)={n}], got {expected_batch_size!r}"
             )
         sample_rate = expected_batch_size / n
     if not 0 < sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        raise ConfigurationError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     if expected_batch_size is None:
         expected_batch_size = sample_rate * n
     if steps is None:
         assert epochs is not None
         if not epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+            raise ConfigurationError(f"epochs must be > 0, got {epochs!r}")
         steps = max(1, round(epochs * max(1, round(1 / sample_rate))))
     if int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+        raise ConfigurationError(f"steps must be a whole number >= 1, got {steps!r}")
     if max_physical_batch_size is not None and (
         int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"max_physical_batch_size must be a whole number >= 1 or None, got "
             f"{max_physical_batch_size!r}"
         )
     if generator is not None and (
         not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
     ):
-        raise TypeError("generator must be a CPU torch.Generator or None")
+        raise ConfigurationTypeError("generator must be a CPU torch.Generator or None")
     if accountant not in ("rdp", "pld"):
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+        raise ConfigurationError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        raise ConfigurationError(f"delta must be in (0, 1), got {delta!r}")
     if target_epsilon is not None:
         if not 0 < target_epsilon < float("inf"):
-            raise ValueError(f"target_epsilon must be > 0 and finite, got {target_epsilon!r}")
+            raise ConfigurationError(
+                f"target_epsilon must be > 0 and finite, got {target_epsilon!r}"
+            )
         noise_multiplier = noise_multiplier_for(
             target_epsilon, delta, sample_rate, int(steps), method=accountant
         )
@@ -866,10 +874,10 @@ def _data(data: Any) -> tuple[Dataset, dict[str, Any], Any]:
     else:
         dataset, collate, kwargs = data, default_collate, {}
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise TypeError(
+        raise ConfigurationTypeError(
             "make_private needs a map-style Dataset (len() and [i]), or a DataLoader over one: "
             "Poisson sampling picks each example by its index"
         )
     if not hasattr(dataset, "__len__"):
-        raise TypeError("make_private needs a Dataset with len()")
+        raise ConfigurationTypeError("make_private needs a Dataset with len()")
     return dataset, kwargs, collate

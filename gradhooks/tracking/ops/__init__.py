@@ -1,0 +1,199 @@
+"""How each torch function moves the batch: one module per family of operations, each
+registering its handlers by torch function name (:data:`~.common.HANDLERS`), and
+:func:`output_layout`, which the tracker asks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ... import _torch
+from ..layout import MIXED, UNKNOWN
+from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
+from .common import HANDLERS, NeedsBatch, carries, out_tensors, tensor_args
+from .pointwise import POINTWISE, is_pointwise
+from .reductions import REDUCTIONS
+
+# the operations that follow rows picked by an index (:class:`Owners`): every other one makes
+# them mixed (see output_layout)
+_OWNER_AWARE = (
+    (POINTWISE - {"masked_scatter", "masked_scatter_", "set_"})
+    | set(REDUCTIONS)
+    | {
+        "softmax",
+        "log_softmax",
+        "softmin",
+        "cumsum",
+        "cumprod",
+        "logcumsumexp",
+        "cummax",
+        "cummin",
+        "sort",
+        "argsort",
+        "topk",
+        "kthvalue",
+        "msort",
+        "glu",
+        "normalize",
+        "flip",
+        "roll",
+        "diff",
+        "max",
+        "min",
+        "view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "ravel",
+        "squeeze",
+        "unsqueeze",
+        "squeeze_",
+        "unsqueeze_",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "permute",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        ".T",
+        ".mT",
+        "movedim",
+        "moveaxis",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+        "mm",
+        "bmm",
+        "baddbmm",
+        "addmm",
+        "linear",
+        "__getitem__",
+        "__setitem__",
+        "unbind",
+        "stack",
+        "split",
+        "chunk",
+        "split_with_sizes",
+        "cat",
+        "concat",
+        "concatenate",
+        "layer_norm",
+        "rms_norm",
+        "embedding",
+        "one_hot",
+        "index_fill",
+        "index_fill_",
+        "masked_select",
+    }  # fmt: skip
+    | set(HANDLERS)
+    & {
+        "index_select",
+        "gather",
+        "index_add",
+        "index_add_",
+        "index_copy",
+        "index_copy_",
+        "scatter",
+        "scatter_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+    }  # fmt: skip
+)
+
+
+# operations whose outputs never depend on the examples (creation, shape queries)
+FREE = """arange range zeros ones full empty eye linspace logspace rand randn randint
+    randperm tensor as_tensor from_numpy zeros_like ones_like empty_like full_like rand_like
+    randn_like randint_like new_zeros new_ones new_empty new_full tril_indices triu_indices
+    empty_strided scalar_tensor""".split()
+
+
+def _free(*args: Any) -> None:
+    return None
+
+
+HANDLERS.update({n: _free for n in FREE})
+
+# what reads a tensor's metadata, not its values: a parameter handed to one of these is not used
+# (by a hook reading ``p.dtype`` inside a call, or the engine reading ``p.requires_grad``)
+METADATA = frozenset(
+    """.requires_grad .dtype .device .shape .ndim .is_leaf .grad_fn .layout .names .is_cuda
+    .is_sparse .is_quantized .is_meta .itemsize .nbytes dim size numel nelement
+    element_size is_floating_point is_complex is_contiguous stride storage_offset data_ptr
+    get_device""".split()
+)
+
+# operations that read only the dtype and device, or the shape, of their tensor arguments after
+# the first (``w.to(x)``, ``w.type_as(x)``, ``w.view_as(x)``): their result holds the first
+# argument's values alone, so a batch in the others is not the result's
+LIKE = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments whose values ``name`` computes with: for :data:`LIKE`, the first alone."""
+    if name in LIKE and args and isinstance(args[0], Tensor):
+        return args[:1], {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)}
+    return args, kwargs
+
+
+def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
+    which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
+    only through the operations that know them (:func:`owner_aware`), and never lost: where
+    one of these cannot say where they went, its result is mixed (refused where it is used),
+    never of unknown layout (which a rule would read as the batch). (An index or mask computed
+    from them, which selects only, may be of unknown layout.)"""
+    lays = [lay for t in tensor_args(args, kwargs) if (lay := layout_of(t)) is not None]
+    if any(lay.owners is not None for lay in lays):
+        lost = MIXED if any(map(carries, out_tensors(out))) else UNKNOWN
+        if not owner_aware(name):
+            return lost
+        found = _output_layout(name, args, kwargs, out, layout_of, batch)
+        if found is UNKNOWN or (isinstance(found, list) and UNKNOWN in found):
+            return lost
+        return found
+    return _output_layout(name, args, kwargs, out, layout_of, batch)
+
+
+def handler_for(name: str) -> Any:
+    """The handler of torch function ``name``: its own, or, for an elementwise operation torch
+    tags as such, :func:`.pointwise.pointwise` (``None``: the tracker does not know it)."""
+    handler = HANDLERS.get(name)
+    if handler is None and is_pointwise(name):
+        return pointwise.pointwise
+    return handler
+
+
+def owner_aware(name: str) -> bool:
+    """Whether torch function ``name`` follows rows picked by an index (:class:`Owners`)."""
+    return name in _OWNER_AWARE or (name not in HANDLERS and is_pointwise(name))
+
+
+def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    handler = handler_for(name)
+    if handler is None:
+        return UNKNOWN
+    try:
+        return _handle(handler, args, kwargs, out, layout_of, batch)
+    except Exception:
+        pass
+    moved = _torch.positional(name, args, kwargs)  # (F.linear(input=x, weight=w))
+    if moved[0] is not args:
+        try:
+            return _handle(handler, *moved, out, layout_of, batch)
+        except Exception:
+            pass
+    return UNKNOWN  # an argument form the handler does not know: say nothing of the layout
+
+
+def _handle(handler, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+    if isinstance(handler, NeedsBatch):
+        return handler.fn(args, kwargs, out, layout_of, batch)
+    return handler(args, kwargs, out, layout_of)

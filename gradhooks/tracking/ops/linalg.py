@@ -1,0 +1,171 @@
+"""Matrix products, einsum and operations on matrices."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..layout import MIXED, UNKNOWN, Layout
+from .common import arg, first_tensor, handles, single_input
+from .pointwise import pointwise
+
+
+@handles("tril", "triu", "tril_", "triu_", "diag_embed", "matrix_exp", "inverse",
+          "cholesky", "det", "logdet", "slogdet", "trace")  # fmt: skip
+def _matrices(args, kwargs, out, layout_of):
+    """Operations on the last two dimensions: a layout among the leading ones stays."""
+    t, lay = single_input(args, kwargs, layout_of)
+    o = first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None or lay.dim >= t.dim() - 2:
+        return UNKNOWN
+    return lay.at(lay.dim + o.dim() - t.dim())
+
+
+@handles("linalg_solve_triangular", "linalg_solve", "cholesky_solve", "triangular_solve")
+def _solves(args, kwargs, out, layout_of):
+    """Batched solves of two operands (``[..., n, n]`` and ``[..., n, k]``): a layout among the
+    leading dimensions of each, the same in both (or one operand without examples), stays."""
+    ts = [a for a in args[:2] if isinstance(a, Tensor)]
+    o = first_tensor(out)
+    lays = {layout_of(t) for t in ts} - {None}
+    if len(ts) != 2 or o is None or len(lays) != 1:
+        return UNKNOWN
+    (lay,) = lays
+    if lay is UNKNOWN or ts[0].dim() != ts[1].dim() or lay.dim >= ts[0].dim() - 2:
+        return UNKNOWN
+    return lay
+
+
+def _mm_side(lay: Layout, n: int, is_left: bool, out_n: int, other_n: int) -> Layout | None:
+    """Where a layout of one operand of ``matmul`` goes (``None``: it is contracted)."""
+    if is_left:
+        if n == 1 or lay.dim == n - 1:
+            return None
+        if lay.dim == n - 2:
+            return lay.at(out_n - (2 if other_n >= 2 else 1))
+    else:
+        if n == 1 or lay.dim == n - 2:
+            return None
+        if lay.dim == n - 1:
+            return lay.at(out_n - 1)
+    lead = n - 2  # batch dimensions of this operand, right-aligned with the output's
+    out_lead = out_n - (2 if (n >= 2 and other_n >= 2) else 1)
+    return lay.at(lay.dim + out_lead - lead)
+
+
+@handles("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "dot", "inner", "vdot")
+def matmul(args, kwargs, out, layout_of):
+    a, b = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "other")
+    if not isinstance(b, Tensor):
+        b = arg(args, kwargs, 1, "mat2")
+    o = first_tensor(out)
+    if o is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return UNKNOWN
+    found = None
+    for t, left, other in ((a, True, b), (b, False, a)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        where = _mm_side(lay, t.dim(), left, o.dim(), other.dim())
+        if where is None or found not in (None, where):
+            return MIXED  # the examples contracted, or two examples' rows multiplied
+        found = where
+    return found
+
+
+@handles("cdist")
+def _cdist(args, kwargs, out, layout_of):
+    """``cdist(x1 [*, P, M], x2 [*, R, M]) -> [*, P, R]``: as ``x1 @ x2.mT`` (the features
+    ``M`` contracted; the rows of ``x1`` on ``P``, those of ``x2`` on ``R``)."""
+    a, b = arg(args, kwargs, 0, "x1"), arg(args, kwargs, 1, "x2")
+    o = first_tensor(out)
+    if o is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return UNKNOWN
+    found = None
+    for t, row in ((a, o.dim() - 2), (b, o.dim() - 1)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        n = t.dim()
+        if lay.dim == n - 1:
+            return MIXED  # the examples among the features a distance sums over
+        where = lay.at(row if lay.dim == n - 2 else lay.dim + (o.dim() - 2) - (n - 2))
+        if found not in (None, where):
+            return MIXED  # two examples' rows compared
+        found = where
+    return found
+
+
+@handles("baddbmm", "addmm", "addmv", "addbmm", "addr")
+def _addmm(args, kwargs, out, layout_of):
+    """``input + m1 @ m2``: the product's layout, which the added input must share."""
+    o = first_tensor(out)
+    m1, m2 = arg(args, kwargs, 1, "mat1"), arg(args, kwargs, 2, "mat2")
+    if not (isinstance(m1, Tensor) and isinstance(m2, Tensor)):
+        m1, m2 = arg(args, kwargs, 1, "batch1"), arg(args, kwargs, 2, "batch2")
+    if o is None or not (isinstance(m1, Tensor) and isinstance(m2, Tensor)):
+        return UNKNOWN
+    prod = matmul((m1, m2), {}, o, layout_of)
+    base = arg(args, kwargs, 0, "input")
+    lay = layout_of(base) if isinstance(base, Tensor) else None
+    if lay is not None:
+        added = pointwise((base,), {}, o, layout_of)
+        if prod is not None and added != prod:
+            return UNKNOWN
+        return added
+    return prod
+
+
+@handles("einsum")
+def _einsum(args, kwargs, out, layout_of):
+    eq = args[0]
+    ops = args[1:]
+    if len(ops) == 1 and isinstance(ops[0], list | tuple):
+        ops = tuple(ops[0])
+    o = first_tensor(out)
+    if not isinstance(eq, str) or o is None:
+        return UNKNOWN
+    eq = eq.replace(" ", "")
+    if "->" in eq:
+        lhs, rhs = eq.split("->")
+    else:
+        lhs = eq
+        letters = [c for c in lhs if c.isalpha()]
+        rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if "..." in lhs:
+            rhs = "..." + rhs
+    terms = lhs.split(",")
+    if len(terms) != len(ops):
+        return UNKNOWN
+    ell = max((t.dim() - len(term.replace("...", "")) for term, t in zip(terms, ops)
+               if "..." in term), default=0)  # fmt: skip
+
+    def expand(term: str, ndim: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        k = ndim - len(head) - len(tail)
+        return list(head) + [f"_{ell - k + j}" for j in range(k)] + list(tail)
+
+    out_letters = expand(rhs, o.dim()) if "..." in rhs else list(rhs)
+    if "..." in rhs:
+        head, tail = rhs.split("...")
+        out_letters = list(head) + [f"_{j}" for j in range(ell)] + list(tail)
+    found = None
+    for term, t in zip(terms, ops):
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        letter = expand(term, t.dim())[lay.dim]
+        if letter not in out_letters:
+            return MIXED  # summed over the examples
+        where = lay.at(out_letters.index(letter))
+        if found not in (None, where):
+            return MIXED
+        found = where
+    return found

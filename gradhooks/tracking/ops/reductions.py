@@ -1,0 +1,78 @@
+"""Reductions along dimensions, and operations along one dimension (softmax, scans, sorts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..layout import MIXED, UNKNOWN
+from .common import HANDLERS, Handler, arg, handles, normalized_dims, single_input
+from .pointwise import pointwise
+
+
+def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
+    """A shape-keeping operation along ``dim`` (softmax, cumsum, flip): the layout stays, unless
+    it works along the batch dimension (it mixes the examples)."""
+
+    def handler(args, kwargs, out, layout_of):
+        t, lay = single_input(args, kwargs, layout_of)
+        if t is None or lay is UNKNOWN:
+            return UNKNOWN
+        dims = normalized_dims(arg(args, kwargs, pos, name, default_dim), t.dim())
+        if dims is None or lay.dim in dims:
+            return MIXED
+        return lay
+
+    return handler
+
+
+for _n in ("softmax", "log_softmax", "softmin", "cumsum", "cumprod", "logcumsumexp",
+           "cummax", "cummin", "sort", "argsort", "glu", "topk", "kthvalue", "msort"):  # fmt: skip
+    HANDLERS[_n] = _dim_op(-1 if _n in ("sort", "argsort", "glu", "topk", "kthvalue") else None)
+HANDLERS["topk"] = _dim_op(-1, pos=2)
+HANDLERS["kthvalue"] = _dim_op(-1, pos=2)
+HANDLERS["normalize"] = _dim_op(1, pos=2)
+HANDLERS["flip"] = _dim_op(None, name="dims")
+HANDLERS["roll"] = _dim_op(None, pos=2, name="dims")
+HANDLERS["diff"] = _dim_op(-1, pos=2)
+
+
+REDUCTIONS = """sum mean nansum nanmean prod amax amin max min std var std_mean var_mean
+    logsumexp all any argmax argmin median nanmedian mode count_nonzero norm vector_norm
+    aminmax""".split()
+
+
+@handles(*REDUCTIONS)
+def reduction(args, kwargs, out, layout_of):
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    n = t.dim()
+    dim = kwargs.get("dim", kwargs.get("axis"))
+    if dim is None:
+        # positional: norm(input, p, dim), vector_norm(x, ord, dim); else (input, dim)
+        for a in args[1:]:
+            if (
+                isinstance(a, int)
+                and not isinstance(a, bool)
+                or (isinstance(a, list | tuple) and a and all(isinstance(x, int) for x in a))
+            ):
+                dim = a
+                break
+    dims = normalized_dims(dim, n)
+    if dims is None or lay.dim in dims:
+        return MIXED  # a reduction over the examples
+    keepdim = kwargs.get("keepdim", False) or any(a is True for a in args[2:])
+    if keepdim:
+        return lay
+    return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
+
+
+@handles("max", "min")
+def _max_min(args, kwargs, out, layout_of):
+    """``max(a, b)`` and ``min(a, b)`` of two tensors are elementwise (``torch.maximum``, as
+    XGLM clamps its attention scores with a 0-d tensor); with a ``dim``, or none, a reduction."""
+    if isinstance(arg(args, kwargs, 1, "other"), Tensor):
+        return pointwise(args, kwargs, out, layout_of)
+    return reduction(args, kwargs, out, layout_of)

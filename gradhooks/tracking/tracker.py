@@ -1,0 +1,939 @@
+"""Where the examples are: the batch followed through a forward, one torch function at a time.
+
+A rule reads the batch from one dimension of its layer's input. In the models people train that
+is not always so: a learned position embedding is looked up with ``arange(T)`` and broadcast into
+the batch afterwards; Swin folds the windows of every image into dimension 0 (``[B * windows,
+...]``); a sequence-first model keeps the batch on dimension 1. Sizes cannot tell these apart (a
+sequence as long as the batch is large looks like a batch), so the engine follows the batch
+itself: while a hooked model's forward runs, a :class:`Tracker` (a ``TorchFunctionMode``) sees
+every torch function call and records, for each tensor that depends on the examples, a
+:class:`Layout`: the dimension that holds them and how they are laid out in it. Tensors that do
+not depend on the examples (parameters, buffers, positions from ``arange``, masks) carry none.
+
+A layout ``Layout(dim, outer, inner)`` says that dimension ``dim`` has ``outer · batch · inner``
+entries and that entry ``(a · batch + b) · inner + c`` belongs to example ``b``: ``[B, T, C]`` is
+``Layout(0)``, Swin's windows ``[B * W, N, C]`` are ``Layout(0, inner=W)``, a sequence-first
+``[T, B, C]`` is ``Layout(1)``. :data:`UNKNOWN` marks a tensor that depends on the examples
+through an operation whose effect on the layout is not known here.
+
+Batch-free inputs that meet the batch. A hooked call (or a parameter used outside its module's
+call) whose inputs carry no layout is *batch-free*: its output is the same for every example and
+is broadcast into the batch later (the position embedding). Its per-example gradient is defined,
+but autograd sums it over the batch where the broadcast happens, so the output's gradient the
+hooks see is already summed. The tracker therefore marks such outputs as *sources* and, where a
+tensor derived from them meets a tensor with a layout (the *meeting* operation), recovers each
+example's share of the gradient:
+
+- an elementwise operation that broadcasts the batch-free operand along the batch (``x + pos``,
+  ``scores + bias``) runs with that operand expanded along the batch dimension; the gradient of the
+  expanded operand is then per example, at no extra cost;
+- any other operation (``torch.bmm`` of a repeated table, ``torch.cat``) is differentiated again at
+  the backward, one example's part of the output-gradient at a time (batched with
+  ``is_grads_batched``).
+
+The per-example gradient of the meeting operand is taken back to the sources through the
+batch-free operations between them (``torch.autograd.grad`` with ``is_grads_batched``). A source's
+per-example output-gradients, summed over the examples, must equal the gradient autograd gives
+its output; where they do not (a gradient reached it without passing the batch), the engine
+raises rather than give a wrong number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _torch
+from .aliases import aliased
+from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .ops import FREE, LIKE, METADATA, data_args, handler_for, output_layout
+from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
+from .ops.pointwise import is_pointwise
+from .sources import (
+    COPIES,
+    SPREADS,
+    Meeting,
+    Source,
+    aligned_sources,
+    expanded_meeting,
+    spread_meeting,
+)
+
+# operations that take a reordered batch with the order it was put in (a PackedSequence keeps
+# its sorted_indices, and the RNN rules read them)
+TAKES_ORDER = {"_pack_padded_sequence"}
+
+
+@dataclass
+class _Use:
+    """What one hooked call's operations did: the ids of the parameters it covers that they
+    used, and the ids of the hooked modules called inside it."""
+
+    params: set[int] = field(default_factory=set)
+    called: set[int] = field(default_factory=set)
+    soft: bool = False
+    sources: dict[int, Source] = field(default_factory=dict)  # soft: per parameter id
+    functional: set[int] = field(default_factory=set)  # soft: captured as a function's call
+    # soft: the operations of its own that mixed rows of the batch (see Tracker.absorb)
+    mixing: set[str] = field(default_factory=set)
+    mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
+
+
+def _unselected(name: str, args: tuple, layouts) -> set[int]:
+    """``torch.where(cond, x, y)``: the ids of ``x`` or ``y`` where they mix the examples and
+    ``cond`` takes none of their entries (Hugging Face's time-series mean scaler: a scale
+    from the whole batch, used only for a series with no observation)."""
+    if name != "where" or len(args) < 3:
+        return set()
+    cond, x, y = args[:3]
+    if not isinstance(cond, Tensor) or cond.dtype != torch.bool:
+        return set()
+    found = set()
+    if isinstance(x, Tensor) and layouts.get(x) is MIXED and not bool(cond.any()):
+        found.add(id(x))
+    if isinstance(y, Tensor) and layouts.get(y) is MIXED and bool(cond.all()):
+        found.add(id(y))
+    return found
+
+
+class Tracker(TorchFunctionMode):
+    """Follows the batch through one forward of a hooked model (see the module docstring).
+
+    ``batch``: the number of examples. ``params``: ``{id(p): (name, p)}`` of the parameters the
+    hooks cover. ``engine``: the object told about what the forward does that the engine acts
+    on (:meth:`Hooks._direct_use`); ``None`` in tests of the layouts alone.
+    """
+
+    def __init__(self, batch: int, params: dict[int, tuple[str, Tensor]], engine: Any = None):
+        super().__init__()
+        self.batch = batch
+        self.params = params
+        self.engine = engine
+        self.layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.taints: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset[Source]
+        self.covered: list[
+            frozenset[int]
+        ] = []  # parameter ids of the calls running, innermost last
+        self.used: list[_Use] = []  # per running call
+        self.param_sources: dict[int, Source] = {}
+        self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
+        self.spread: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expanded -> (from, how)
+        self.meetings: list[Meeting] = []
+        self.unmet: set[Source] = set()  # sources used in place, as they are, with the batch
+        self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
+        self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
+        # tensors whose rows along the batch are the examples in another order (x[perm]), with
+        # the operation that reordered them
+        self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
+        self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensors every torch function gets in place of others, by the others' ids: the
+        # detached parameters of a call whose rule gives their batch gradients itself
+        self.aliases: dict[int, Tensor] = {}
+        # the model's inputs taken as holding the examples by their size alone (not its first
+        # input): an operation that would mix the examples only because of one of them, or of
+        # what was computed from them alone, takes them as shared by every example instead
+        # (:meth:`_without_candidates`)
+        self.candidates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # tensor -> the ids of the candidates its layout comes from, where it comes from them
+        # alone (a candidate itself, a hooked call on one, what was computed from those)
+        self.lineage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the hooked calls on such tensors alone, which become batch-free calls (their outputs
+        # sources) where their candidates are taken as shared (:meth:`note_call`)
+        self.pending: list[_Pending] = []
+        # tensor -> the indices in ``pending`` of the calls it was computed from
+        self.would: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the ids of candidates already combined with the examples row by row, or met by a
+        # parameter as batched: never taken as shared afterwards (the forward so far assumed
+        # they held the examples)
+        self.joined: set[int] = set()
+        self.func: Any = None  # the torch function being followed (a meeting formed later)
+        # tensors computed across the examples that carry no gradient and no values computed
+        # with (indices, masks), with the operation that did (see _coupling)
+        self.coupled: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # positions of rows that nonzero found in a tensor with examples (see _row_indices)
+        self.row_index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the floating-point dtype that rounds the most among the tensors computed from the
+        # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
+        # of the backward judge by it (see gradhooks.engine.verify)
+        self.precision: torch.dtype | None = None
+        self.off = 0
+
+    # -- what the engine asks ---------------------------------------------------------------------
+
+    def layout(self, t: Any) -> Layout | None:
+        """``t``'s layout, or ``None`` where it does not depend on the examples."""
+        if not isinstance(t, Tensor):
+            return None
+        return self.layouts.get(t)
+
+    def sources_of(self, t: Any) -> frozenset[Source]:
+        return self.taints.get(t, frozenset()) if isinstance(t, Tensor) else frozenset()
+
+    def set_layout(self, t: Tensor, layout: Layout | None) -> None:
+        if layout is None:
+            self.layouts.pop(t, None)
+        else:
+            self.layouts[t] = layout
+
+    def add_candidate(self, t: Tensor, layout: Layout) -> None:
+        """``t``, an input of the model other than its first, is taken as holding the examples
+        on ``layout`` by its size alone (:attr:`candidates`)."""
+        self.set_layout(t, layout)
+        self.candidates[t] = True
+        self.lineage[t] = frozenset({id(t)})
+
+    def note_call(self, inputs: list, outputs: list, shared: Callable[[list], list]) -> None:
+        """A hooked call whose examples are where its rule reads them: where its inputs with
+        examples come from candidates alone, it is kept, and ``shared(outputs)`` (which makes
+        the call batch-free and returns its outputs' sources) is called where those candidates
+        are taken as shared after all."""
+        if not self.lineage:
+            return
+        found = [self.lineage.get(t) for t in inputs
+                 if isinstance(t, Tensor) and self._layout_of(t) is not None]  # fmt: skip
+        every = frozenset().union(*(f for f in found if f))
+        if not every:
+            return
+        if None in found:  # (also the examples of the first input: batched for good)
+            self.joined |= every
+            return
+        key = len(self.pending)
+        outs = [o for o in outputs if isinstance(o, Tensor)]
+        self.pending.append(_Pending(every, outs, shared))
+        for o in outs:
+            if self._layout_of(o) is not None:
+                self.lineage[o] = every
+            self.would[o] = frozenset({key})
+
+    def carry(self, old: Tensor, new: Tensor) -> None:
+        """``new`` replaces ``old``, a hooked call's output: its layout, sources and lineage."""
+        self.set_layout(new, self.layout(old))
+        self.taint(new, self.sources_of(old))
+        if old in self.lineage:
+            self.lineage[new] = self.lineage[old]
+        if old in self.would:
+            self.would[new] = self.would[old]
+            for k in self.would[old]:
+                outs = self.pending[k].outputs
+                self.pending[k].outputs = [new if o is old else o for o in outs]
+
+    def add_source(self, t: Tensor, source: Source) -> None:
+        """``t`` (the output of a batch-free hooked call) is a source from now on."""
+        self.edges[source] = torch.autograd.graph.get_gradient_edge(t)
+        self.taint(t, frozenset({source}))
+
+    def taint(self, t: Tensor, sources: frozenset[Source]) -> None:
+        if sources:
+            self.taints[t] = sources | self.taints.get(t, frozenset())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The engine's own operations inside a forward are not the model's."""
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+    def enter_call(self, params: Sequence[Tensor], module: Any = None, soft: bool = False) -> None:
+        """A hooked call starts; it covers ``params``: an operation inside it (and not inside
+        an inner call that covers them) uses them as that call's own. ``soft`` (a module
+        without a rule): its parameters' uses are still followed as direct uses, and its call
+        takes over (the ``torch.func`` fallback) only those the tracker cannot handle."""
+        for record in self.used:
+            record.called.add(id(module))
+        self.covered.append(frozenset(id(p) for p in params))
+        self.used.append(_Use(soft=soft))
+
+    def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
+        """A call of a module without a rule (``used``, just left) whose own operations mixed
+        rows of the batch: rows picked by a data-dependent index and put back (a
+        mixture-of-experts layer routing each token), which the tracker cannot follow. Its
+        ``torch.func`` fallback recomputes it one example at a time (checking that this
+        reproduces its output, so a module that truly mixes the examples is an error there):
+        its outputs are taken to hold the examples as its first input with examples does,
+        where their shapes agree, and its parameters' uses go to the fallback. Returns whether
+        it did."""
+        if not used.mixing or not used.mixing <= _PICKS:
+            return False  # (a reduction or product across the batch: truly mixed)
+        if any(self._layout_of(t) is MIXED for t in inputs):
+            return False  # (mixed before the call)
+        first = next((lay for t in inputs if (lay := self.presumed_of(t)) is not None), None)
+        if first is None or first.dim < 0:
+            return False
+        size = first.size(self.batch)
+        lays = [self._layout_of(o) for o in outputs]
+        if not any(lay is MIXED for lay in lays) or any(
+            lay is MIXED and (o.dim() <= first.dim or o.shape[first.dim] != size)
+            for o, lay in zip(outputs, lays)
+        ):
+            return False
+        for o, lay in zip(outputs, lays):
+            if lay is MIXED:
+                self.layouts[o] = first
+        for s in used.sources.values():
+            s.needs_fallback = True
+        return True
+
+    def exit_call(self) -> _Use:
+        """Leave the innermost call: which of its parameters its operations used, and which
+        hooked modules it called."""
+        self.covered.pop()
+        return self.used.pop()
+
+    # -- the mode ---------------------------------------------------------------------------------
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.aliases:
+            args, kwargs = aliased(self.aliases, args, kwargs)
+        if self.off:
+            return func(*args, **kwargs)
+        tensors = tensor_args(args, kwargs)
+        if not tensors:
+            return func(*args, **kwargs)
+        if len(tensors) > 1 and op_name(func) in LIKE:
+            tensors = tensor_args(*data_args(op_name(func), args, kwargs))
+        layouts, sources, direct = [], set(), []
+        metadata = None  # (asked once a parameter is among the arguments)
+        for t in tensors:
+            lay = self.layouts.get(t)
+            if lay is not None:
+                layouts.append((t, lay))
+            s = self.taints.get(t)
+            if s:
+                sources |= s
+            if id(t) in self.params:
+                if metadata is None:
+                    metadata = op_name(func) in METADATA
+                if metadata:
+                    continue  # (reading p.dtype or p.requires_grad is no use of its values)
+                where = self._covering(id(t))
+                if where is None:
+                    direct.append(t)
+                else:
+                    self.used[where].params.add(id(t))
+                    if self.used[where].soft:
+                        direct.append(t)
+        if not layouts and not sources and not direct:
+            return func(*args, **kwargs)
+        name = op_name(func)
+        if direct and name in _MAYBE_SAME and isinstance(args[0], Tensor):
+            out = func(*args, **kwargs)
+            if out is args[0]:
+                return out  # (a parameter converted to what it is: no use of it, as module.to())
+        self.off += 1
+        try:
+            if not sources and not direct:
+                out = func(*args, **kwargs)
+                self._note_precision(out)
+                self.func = func
+                try:
+                    self.propagate(name, args, kwargs, out)
+                finally:
+                    self.func = None
+                return out
+            if layouts:
+                out = self._meeting(func, name, args, kwargs, tensors, direct)
+                self._note_precision(out)
+                self._hold(direct, args, out)
+                return out
+            for p in direct:
+                sources.add(self._param_source(p))
+            if True:  # batch-free: the sources flow on
+                out = func(*args, **kwargs)
+                self._hold(direct, args, out)
+                frozen = frozenset(sources)
+                outs = out_tensors(out)
+                if not outs and is_inplace(name) and isinstance(args[0], Tensor):
+                    outs = [args[0]]  # (M[rows, cols] = weight: M derives from the weight now)
+                for o in outs:
+                    self.taint(o, frozen)
+                if name in SPREADS and isinstance(out, Tensor) and isinstance(args[0], Tensor):
+                    self.spread[out] = (args[0], name)
+                elif name in COPIES and isinstance(out, Tensor) and args[0] in self.spread:
+                    self.spread[out] = self.spread[args[0]]  # (MPNet: expand(...).contiguous())
+                for s in sources:
+                    s.uses.append(("free", name))
+                return out
+        finally:
+            self.off -= 1
+
+    def _note_precision(self, out: Any) -> None:
+        """Keep :attr:`precision` (an operation on the examples' tensors gave ``out``)."""
+        d = out.dtype if isinstance(out, Tensor) else None
+        if d is None or d is self.precision or not d.is_floating_point:
+            return
+        if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
+            self.precision = d
+
+    def _covering(self, pid: int) -> int | None:
+        for i in range(len(self.covered) - 1, -1, -1):
+            if pid in self.covered[i]:
+                return i
+        return None
+
+    def _hold(self, direct: list[Tensor], args: tuple, out: Any) -> None:
+        """An operation used parameters directly (``direct``): their sources are tied to the
+        autograd node of its output, so that they live as long as the graph through it (a
+        problem found on the way is reported at the backward, never dropped with the tracker),
+        and a backward that passes through it tells the engine that these parameters'
+        gradients come from a forward the tracker followed (:meth:`Hooks._direct_reached`)."""
+        if not direct or self.engine is None:
+            return
+        outs = out_tensors(out) or [a for a in args[:1] if isinstance(a, Tensor)]
+        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if node is None:
+            return
+        held = []
+        for p in direct:
+            s = self._found_source(p)
+            if s is not None:
+                held.append((id(p), s))
+        if held:
+            engine, unknown = self.engine, self.unknown
+            node.register_prehook(
+                lambda grad_outputs, held=tuple(held): engine._direct_reached(held, unknown)
+            )
+
+    def _found_source(self, p: Tensor) -> Source | None:
+        """The source of ``p``'s direct uses made so far, if any (:meth:`_param_source`)."""
+        where = self._covering(id(p))
+        table = self.used[where].sources if where is not None else self.param_sources
+        return table.get(id(p))
+
+    def _param_source(self, p: Tensor) -> Source:
+        """The source of ``p``'s direct uses: one per forward, or, inside a module without a
+        rule that covers it (soft), one per call of that module."""
+        where = self._covering(id(p))
+        record = self.used[where] if where is not None else None
+        table = record.sources if record is not None else self.param_sources
+        s = table.get(id(p))
+        if s is None:
+            name, _ = self.params[id(p)]
+            s = Source(name, p.shape)
+            s.param = True  # type: ignore[attr-defined]
+            s.soft = record is not None  # type: ignore[attr-defined]
+            self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
+            table[id(p)] = s
+            if self.engine is not None:
+                self.engine._direct_source(s, p)
+        return s
+
+    def _layout_of(self, t: Any) -> Layout | None:
+        return self.layouts.get(t) if isinstance(t, Tensor) else None
+
+    def presumed_of(self, t: Any) -> Layout | None:
+        """``t``'s layout, or, where it is unknown, where its examples are presumed."""
+        lay = self._layout_of(t)
+        return self.presumed.get(t, lay) if lay is UNKNOWN else lay
+
+    def propagate(self, name: str, args, kwargs, out) -> None:
+        args, kwargs = data_args(name, args, kwargs)
+        outs = out_tensors(out)
+        if not outs and is_inplace(name) and args and isinstance(args[0], Tensor):
+            outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
+        if not outs or name in FREE:
+            return  # (a new tensor: its values do not depend on the examples)
+        ins = tensor_args(args, kwargs)
+        unselected = _unselected(name, args, self.layouts) | self._all_ones(name, ins)
+        layout_of = self._layout_of
+        if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
+            ins = [t for t in ins if id(t) not in unselected]
+
+            def layout_of(t: Any) -> Layout | None:
+                return None if id(t) in unselected else self._layout_of(t)
+
+        inherited = any(self.layouts.get(t) is MIXED for t in ins)
+        if inherited:
+            result = MIXED
+        else:
+            result = output_layout(name, args, kwargs, out, layout_of, self.batch)
+            if result is UNKNOWN:
+                result = self._presume(name, args, kwargs, out, ins, outs)
+        result = self._coupling(name, args, ins, outs, result)
+        self._row_indices(name, args, ins, outs)
+        reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
+        if result is REORDER:
+            if reordered is None and any(o.requires_grad for o in outs):
+                for o in outs:
+                    self.reordered[o] = name
+            result = UNKNOWN  # (reordered again: taken as put back in order)
+        elif reordered is not None and name not in TAKES_ORDER:
+            ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
+                       None and self._layout_of(t).dim >= 0]  # fmt: skip
+            if ordered and any(o.requires_grad for o in outs):
+                result = MIXED  # (rows of different examples combined: x[perm] + x)
+                self.mixed.setdefault(reordered, None)
+                inherited = True
+            elif any(o.requires_grad for o in outs):
+                for o in outs:
+                    self.reordered[o] = reordered
+        resolved = False
+        if result is MIXED and not inherited and self.lineage:
+            before = result
+            result = self._without_candidates(name, args, kwargs, out, ins, result)
+            resolved = result is not before
+        if result is MIXED and self.batch == 1 and not inherited:
+            # one example cannot mix with another: where two reshapes put its only entry on
+            # different dimensions (heads folded in, sequence-first), take the first input's
+            result = next((lay for t in ins if is_followed(lay := self._layout_of(t))), UNKNOWN)
+        if result is MIXED and not any(carries(o) for o in outs) and not inherited:
+            for o in outs:  # (an index or mask computed across the examples: see _coupling)
+                self.coupled[o] = name
+        if result is MIXED:
+            if any(carries(o) for o in outs):
+                if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
+                    self.mixed.setdefault(name, None)
+                for o in outs:
+                    self.layouts[o] = MIXED
+                if self.used and self.used[-1].soft:
+                    self.used[-1].mixed = True
+                    if not inherited:
+                        picked = any(
+                            lay is not None and lay.owners is not None
+                            for t in ins
+                            if (lay := self._layout_of(t)) is not None
+                        )
+                        self.used[-1].mixing.add("__getitem__" if picked else name)
+                return
+            # an index or mask computed across the examples (which experts any token picked,
+            # the longest sequence): it selects, and each row is still a constant of its
+            # example's computation, where the rule's dimension reads it
+            result = UNKNOWN
+        if result is UNKNOWN or result is None:
+            if handler_for(name) is None:
+                self.unknown[name] = None
+            for o in outs:
+                self.layouts[o] = UNKNOWN
+            return
+        if not isinstance(result, list):
+            result = [result] * len(outs)
+        for o, lay in zip(outs, result):
+            if lay is None:
+                continue
+            if lay is MIXED:  # (one of several outputs: a chunk with some of the examples)
+                if not carries(o):
+                    lay = UNKNOWN
+                else:
+                    self.mixed.setdefault(name, None)
+            if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
+                lay = UNKNOWN  # (a handler's guess that the shapes contradict)
+            self.layouts[o] = lay
+        if resolved:
+            self._meet_after(name, args, kwargs, out)
+        elif self.lineage:
+            self._inherit(ins, outs)
+
+    def _inherit(self, ins: list, outs: list) -> None:
+        """The lineage of an operation's outputs (:attr:`lineage`): its inputs' where every input
+        with examples has one; an operation that combines such an input with other examples
+        joins its candidates to the batch for good."""
+        every, would, firm = frozenset(), frozenset(), False
+        for t in ins:
+            if self._layout_of(t) is None:
+                continue
+            found = self.lineage.get(t)
+            if found is None:
+                firm = True
+                continue
+            every |= found
+            would |= self.would.get(t, frozenset())
+        if not every:
+            return
+        if firm:
+            self.joined |= every
+            return
+        for o in outs:
+            if self._layout_of(o) is not None:
+                self.lineage[o] = every
+                if would:
+                    self.would[o] = would
+
+    def _all_ones(self, name: str, ins: list) -> set[int]:
+        """The ids of the operands of a product that are a mask computed across the examples
+        (:meth:`_coupling`) whose every entry is one: multiplying by it keeps every entry, as
+        a constant would (NLLB-MoE's expert capacity where no token overflows it)."""
+        if name not in _PRODUCTS:
+            return set()
+        return {
+            id(t) for t in ins
+            if t in self.coupled and not carries(t) and bool((t == 1).all())
+        }  # fmt: skip
+
+    def _coupling(self, name: str, args, ins: list, outs: list, result: Any) -> Any:
+        """Indices and masks computed across the examples (which tokens an expert keeps under
+        a capacity counted over the whole batch, ``cumsum`` along it) are followed as
+        *coupled*: what they select for one example depends on the others. Rows picked from
+        the batch by one are refused (mixed: the per-example computation would pick other
+        rows); one that picks along another dimension (which expert, from the experts any
+        token chose) only selects, and its result is not coupled."""
+        found = [self.coupled[t] for t in ins if t in self.coupled]
+        if not found:
+            return result
+        lays = result if isinstance(result, list) else [result]
+        picks = name in _PICKS and args and isinstance(args[0], Tensor)
+        if picks:
+            x_lay = self._layout_of(args[0])
+            fresh = [
+                lay for lay in lays
+                if isinstance(lay, Layout) and lay.owners is not None
+                and (x_lay is None or x_lay.owners is None or lay.owners != x_lay.owners)
+            ]  # fmt: skip
+            index_only = args[0] not in self.coupled
+            if fresh and index_only:
+                self.mixed.setdefault(
+                    f"{name} picking rows by an index computed across the batch "
+                    f"({', '.join(dict.fromkeys(found))}: an expert capacity counted over the "
+                    "batch?)",
+                    None,
+                )
+                return MIXED
+            if index_only and all(isinstance(lay, Layout) and lay.dim >= 0 for lay in lays):
+                return result  # (a coupled index along another dimension: selects only)
+        for o in outs:
+            self.coupled[o] = found[0]
+        return result
+
+    def _row_indices(self, name: str, args, ins: list, outs: list) -> None:
+        """Follow the positions of rows that ``nonzero`` (``torch.where(mask)``) finds in a
+        tensor with examples (the tokens routed to an expert): kept through reshapes,
+        concatenation and arithmetic; a part of them taken by position (``tokens[:capacity]``,
+        ``narrow``, ``split``) is decided across the batch (the first tokens of the batch, not
+        of each example), so it is coupled (see :meth:`_coupling`)."""
+        if name in ("nonzero", "argwhere") or name == "where" and len(args) == 1:
+            if any(is_followed(self._layout_of(t)) for t in ins):
+                for o in outs:
+                    if not o.is_floating_point():
+                        self.row_index[o] = True
+            return
+        if not any(t in self.row_index for t in ins):
+            return
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is not None and x in self.row_index and name in _PART_OF:
+            index = args[1] if name == "__getitem__" and len(args) > 1 else None
+            items = index if isinstance(index, tuple) else (index,)
+            # (a mask or index of the rows' own, weights[tokens] > 0.1, picks per row; one
+            # that does not depend on them, arange(n) < capacity, by position)
+            if name != "__getitem__" or not all(
+                is_followed(self._layout_of(i)) or i in self.row_index
+                for i in items if isinstance(i, Tensor)
+            ) or not any(isinstance(i, Tensor) for i in items):  # fmt: skip
+                if any(o.numel() < x.numel() for o in outs):
+                    for o in outs:
+                        self.coupled[o] = f"{name} of the rows an index picked"
+                    return
+        if name in _KEEPS_ROWS_INDEX or is_pointwise(name) or name == "__getitem__":
+            for o in outs:
+                if not o.is_floating_point():
+                    self.row_index[o] = True
+
+    def _without_candidates(self, name: str, args, kwargs, out, ins: list, result):
+        """``result`` (mixed) of an operation on some of the model's inputs taken as batched
+        by their size alone, or on what was computed from them alone (a mask ``[T, T]``, a
+        memory bank ``[K, D]`` or the prototypes a hooked layer computed from it, as long as
+        the batch is large): where taking those inputs as shared by every example instead
+        gives a layout that keeps the examples apart, they are, from now on (the hooked calls
+        on them become batch-free, their outputs sources: :meth:`_take_as_shared`), and that
+        layout is the result. Not where the forward already combined them with the examples
+        row by row (:attr:`joined`)."""
+        found = [t for t in ins if t in self.lineage]
+        if not found:
+            return result
+        cands = frozenset().union(*(self.lineage[t] for t in found))
+        if cands & self.joined:
+            return result
+        calls = any(not p.done and p.lineage & cands for p in self.pending)
+        if calls and (self.func is None or op_name(self.func) != name):
+            return result  # (hooked calls to make batch-free, and no meeting to form here)
+
+        def layout_of(t: Any) -> Layout | None:
+            if isinstance(t, Tensor) and self.lineage.get(t, frozenset()) & cands:
+                return None
+            return self._layout_of(t)
+
+        alt = output_layout(name, args, kwargs, out, layout_of, self.batch)
+        alts = alt if isinstance(alt, list) else [alt]
+        if not alts or any(a is None or a is MIXED or a is UNKNOWN for a in alts):
+            return result
+        self._take_as_shared(cands)
+        return alt
+
+    def _take_as_shared(self, cands: frozenset[int]) -> None:
+        """The candidates ``cands`` (ids) are shared by every example: what was computed from
+        them alone has no layout, and the hooked calls on them are batch-free, their outputs
+        sources that taint what was computed from them."""
+        for t, found in list(self.lineage.items()):
+            if found & cands:
+                self.layouts.pop(t, None)
+                del self.lineage[t]
+        for t in list(self.candidates.keys()):
+            if id(t) in cands:
+                del self.candidates[t]
+        made: dict[int, frozenset[Source]] = {}
+        for k, p in enumerate(self.pending):
+            if p.done or not p.lineage & cands:
+                continue
+            p.done = True
+            made[k] = frozenset(s for s in p.shared(p.outputs) if s is not None)
+        for t, keys in list(self.would.items()):
+            srcs = frozenset().union(*(made.get(k, frozenset()) for k in keys))
+            if srcs:
+                self.taint(t, srcs)
+
+    def _meet_after(self, name: str, args, kwargs, out) -> None:
+        """The operation that took candidates as shared (:meth:`_without_candidates`) after it
+        ran: where its inputs now carry sources, it is their meeting with the batch."""
+        func = self.func
+        tainted = [t for t in tensor_args(args, kwargs) if self.taints.get(t) and t.requires_grad]
+        if func is None or op_name(func) != name or not tainted:
+            return
+        outs = out_tensors(out)
+        lays = [self.layouts.get(o) for o in outs]
+        srcs = {t: self.all_sources(t) for t in tainted}
+        if is_inplace(name):  # (no meeting can run an in-place operation again)
+            for s in set().union(*srcs.values()):
+                s.problem = s.problem or f"the in-place '{name}' writes the batch into it"
+            return
+        self.meetings.append(Meeting(self, func, name, args, kwargs, tainted, srcs, outs, lays))
+        for s in set().union(*srcs.values()):
+            s.uses.append(("meet", name))
+
+    def _presume(self, name: str, args, kwargs, out, ins: list, outs: list) -> Layout:
+        """Where the batch is not followed through an operation (one without a handler, or one
+        taking a tensor of unknown layout), a hooked layer after it reads the examples from its
+        rule's dimension, checking only the batch size. So that nothing after such an operation
+        mixes the examples unseen, they are presumed where they were (an output as long as the
+        batch on the input's batch dimension), and an operation that would mix them there (a
+        reduction, shift or product along it) counts as mixing. This only ever adds refusals:
+        a presumed layout is never handed to a rule."""
+
+        def presumed_of(t: Any) -> Layout | None:
+            lay = self._layout_of(t)
+            return self.presumed.get(t, lay) if lay is UNKNOWN else lay
+
+        # (an operation without a handler along the examples' dimension: across the batch)
+        dims = _torch.dim_arguments(name, args, kwargs) if handler_for(name) is None else []
+        for t in ins if dims else ():
+            lay, n = presumed_of(t), t.dim()
+            if (
+                lay is not None
+                and lay.dim >= 0
+                and any(-n <= d < n and norm_dim(d, n) == lay.dim for d in dims)
+            ):
+                return MIXED
+        guess = None
+        if any(self._layout_of(t) is UNKNOWN for t in ins):
+            again = output_layout(name, args, kwargs, out, presumed_of, self.batch)
+            if again is MIXED:
+                return MIXED
+            if isinstance(again, Layout) and again.dim >= 0:
+                guess = again
+        if guess is None:
+            firm = {lay for t in ins if (lay := presumed_of(t)) is not None and lay.dim >= 0}
+            guess = next(iter(firm)) if len(firm) == 1 else None
+        if guess is not None:
+            for o in outs:
+                if o.dim() > guess.dim and o.shape[guess.dim] == guess.size(self.batch):
+                    self.presumed[o] = guess
+        return UNKNOWN
+
+    # -- meetings ---------------------------------------------------------------------------------
+
+    def _meeting(self, func, name, args, kwargs, tensors, direct) -> Any:
+        """An operation where tensors derived from sources meet tensors with a layout."""
+        ids = {id(d) for d in direct}
+        tainted = list({id(t): t for t in tensors if self.taints.get(t) or id(t) in ids}.values())
+        for t in tensors if self.lineage else ():
+            self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
+        if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
+            out = self.engine._functional_use(func, name, args, kwargs, direct, self)
+            if out is not NotImplemented:
+                for p in direct:  # (a module without a rule that covers it leaves it to this)
+                    where = self._covering(id(p))
+                    if where is not None:
+                        self.used[where].functional.add(id(p))
+                return out
+        for p in direct:
+            self._param_source(p)
+        if any(not t.requires_grad for t in tainted):
+            if not torch.is_grad_enabled():
+                # (inside a custom autograd.Function's forward, whose own backward gives the
+                # sources a gradient gradhooks cannot split by example, or under no_grad)
+                out = func(*args, **kwargs)
+                self.propagate(name, args, kwargs, out)
+                why = (
+                    f"'{name}' combines it with the batch where autograd records no graph "
+                    "(inside a custom autograd.Function's forward, or under torch.no_grad), "
+                    "so gradhooks cannot follow its gradient from there"
+                )
+                for t in tainted:
+                    for s in self.all_sources(t):
+                        s.problem = s.problem or why
+                        if self.engine is not None:  # (no graph holds it: kept to be told)
+                            self.engine._unheld.append(s)
+                return out
+            tainted = [t for t in tainted if t.requires_grad]  # (detached: no gradient back)
+            if not tainted:
+                out = func(*args, **kwargs)
+                self.propagate(name, args, kwargs, out)
+                return out
+        fast = expanded_meeting(self, func, name, args, kwargs, tainted)
+        if fast is None:
+            fast = spread_meeting(self, func, name, args, kwargs, tainted)
+        if fast is not None:
+            return fast
+        out = func(*args, **kwargs)
+        self.propagate(name, args, kwargs, out)
+        outs = [o for o in out_tensors(out)]
+        lays = [self.layouts.get(o) for o in outs]
+        srcs = {t: self.all_sources(t) for t in tainted}
+        soft = {s for ss in srcs.values() for s in ss if getattr(s, "soft", False)}
+        for s in soft:  # (its module's fallback takes it over: cheaper than a masked backward)
+            s.needs_fallback = True
+        srcs = {t: ss - soft for t, ss in srcs.items()}
+        tainted = [t for t in tainted if srcs[t]]
+        if not tainted:
+            return out
+        if is_pointwise(name) and all(o.dim() == 0 for o in outs):
+            for s in set().union(*srcs.values()):  # a term added to the loss itself (weight
+                s.uses.append(("loss", name))  # decay): no example's; not delivered
+            return out
+        followed = not any(lay is None or lay.dim < 0 for lay in lays)
+        if followed and is_inplace(name) and not any(args and t is args[0] for t in tainted):
+            # added in place into the batch (TAPAS: embeddings += token_type_embeddings(ids)):
+            # as the operation out of place where each source's output is used as it is, row
+            # by row with the batch; else (no meeting can run an in-place operation again)
+            # refused below
+            aligned = aligned_sources(self, name, args, kwargs, tainted, outs, lays)
+            every = set().union(*(srcs[t] for t in tainted))
+            if every <= set(aligned):
+                for s in every:
+                    s.uses.append(("aligned", aligned[s]))
+                self.unmet |= every  # (no meeting holds them: finish still sees them)
+                return out
+        if not followed or is_inplace(name):
+            met = {*lays, *(self.layouts.get(t) for t in tensors)}
+            if is_inplace(name):
+                why = f"the in-place '{name}' writes the batch into a tensor derived from it"
+            elif PACKED in met:
+                why = (
+                    f"'{name}' combines it with the data of a PackedSequence (the examples' "
+                    "time steps packed together), whose rows gradhooks follows only into the "
+                    "recurrent layers it has rules for"
+                )
+            elif MIXED in met:
+                why = (
+                    f"'{name}' combines it with a tensor whose entries depend on several "
+                    f"examples at once ({', '.join(self.mixed) or name}), so the examples' shares "
+                    "of its gradient do not exist"
+                )
+            else:
+                lost = ", ".join(self.unknown)
+                why = f"'{name}' combines it with the batch in a way gradhooks cannot follow" + (
+                    f" (the batch was lost before it, through {lost})" if lost else ""
+                )
+            for s in set().union(*srcs.values()):
+                s.problem = s.problem or why
+            return out
+        srcs = {t: srcs[t] for t in tainted}
+        meeting = Meeting(self, func, name, args, kwargs, tainted, srcs, outs, lays)
+        self.meetings.append(meeting)
+        aligned = aligned_sources(self, name, args, kwargs, tainted, outs, lays)
+        for s in set().union(*srcs.values()):
+            s.uses.append(("aligned", aligned[s]) if s in aligned else ("meet", name))
+        return out
+
+    def all_sources(self, t: Tensor) -> frozenset[Source]:
+        s = self.taints.get(t, frozenset())
+        if id(t) in self.params:
+            where = self._covering(id(t))
+            if where is None:
+                s = s | {self.param_sources[id(t)]}
+            elif self.used[where].soft:
+                s = s | {self.used[where].sources[id(t)]}
+        return s
+
+    def finish(self) -> None:
+        """At the end of the forward: a source whose every use took it row by row with the
+        batch is *aligned* (its call's rows are examples after all: ``Source.aligned``); the
+        meetings of the others hook the backward."""
+        seen = {s for m in self.meetings for srcs in m.sources for s in srcs}
+        seen |= {s for ss in self.taints.values() for s in ss} | self.unmet
+        self.unmet = set()
+        for s in seen:
+            kinds = {u for u in s.uses}
+            if kinds and all(k == "aligned" for k, _ in kinds) and len(kinds) == 1:
+                s.aligned = next(iter(kinds))[1]
+        for m in self.meetings:
+            if not all(s.aligned is not None for srcs in m.sources for s in srcs):
+                m.arm()
+        self.meetings = []
+        self.pending = []
+
+
+@dataclass
+class _Pending:
+    """A hooked call on tensors computed from candidates alone (:meth:`Tracker.note_call`)."""
+
+    lineage: frozenset[int]  # the candidates' ids
+    outputs: list[Tensor]
+    shared: Callable[[list], list]  # makes the call batch-free: its outputs' sources
+    done: bool = False
+
+
+_ACTIVE: list[Tracker] = []
+# operations that pick or put back rows by an index: inside a module without a rule, the
+# fallback's recomputation one example at a time tells whether they kept the examples apart
+# conversions that return their tensor itself where it already is what they make
+_MAYBE_SAME = frozenset(
+    """to type type_as contiguous float double half bfloat16 cpu cuda""".split()
+)
+# operations that take a part of a tensor by position, and those that keep every entry of an
+# index of rows (see Tracker._row_indices)
+_PART_OF = frozenset(
+    """__getitem__ narrow select split chunk tensor_split split_with_sizes unsafe_split unbind
+    topk kthvalue""".split()
+)
+_KEEPS_ROWS_INDEX = frozenset(
+    """view reshape flatten ravel squeeze unsqueeze contiguous clone cat concat concatenate
+    stack expand expand_as sort msort""".split()
+)
+# products by a mask (see Tracker._all_ones)
+_PRODUCTS = frozenset(
+    """mul mul_ __mul__ __rmul__ __imul__ logical_and __and__ __rand__ __iand__
+    bitwise_and""".split()
+)
+_PICKS = frozenset(
+    """__getitem__ __setitem__ index_select index_add index_add_ index_copy index_copy_
+    index_put index_put_ gather scatter scatter_ scatter_add scatter_add_ take_along_dim
+    masked_select masked_scatter masked_scatter_""".split()
+)
+
+
+def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Tell the running forward's tracker that ``func(*args, **kwargs)`` gave ``out``: for a
+    ``TorchFunctionMode`` of a rule's own that computes a torch function another way (the
+    tracker then never sees that function, only the operations it was computed with)."""
+    if _ACTIVE and not _ACTIVE[-1].off:
+        tracker = _ACTIVE[-1]
+        layouts = [tracker.layouts.get(t) for t in tensor_args(args, kwargs or {})]
+        if any(lay is not None for lay in layouts):
+            tracker.propagate(op_name(func), args, kwargs or {}, out)

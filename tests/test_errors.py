@@ -1,0 +1,271 @@
+"""The typed errors: one hierarchy under GradhooksError, each class also the builtin its sites
+raised before, and for each class a refusal through the public API that raises exactly it."""
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradhooks
+from gradhooks import errors
+
+# Each class, with the builtin(s) that existing `except` clauses may name.
+BUILTINS = {
+    gradhooks.ConfigurationError: (ValueError,),
+    gradhooks.ConfigurationTypeError: (ValueError, TypeError),
+    gradhooks.StateError: (RuntimeError,),
+    gradhooks.BatchNotFoundError: (RuntimeError,),
+    gradhooks.UnbatchedInputError: (RuntimeError, ValueError),
+    gradhooks.MixedExamplesError: (RuntimeError,),
+    gradhooks.UnsupportedError: (NotImplementedError, RuntimeError),
+    gradhooks.RuleError: (RuntimeError,),
+    gradhooks.CheckFailedError: (AssertionError, RuntimeError),
+    gradhooks.NumericalError: (FloatingPointError,),
+    gradhooks.MissingDependencyError: (ImportError,),
+    gradhooks.Grad1TooLarge: (MemoryError,),
+    gradhooks.PrivacyBudgetExceeded: (RuntimeError,),
+}
+
+
+def _error_classes():
+    return [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, BaseException) and not issubclass(c, Warning)
+    ]
+
+
+@pytest.mark.parametrize("cls", list(BUILTINS), ids=lambda c: c.__name__)
+def test_each_error_is_a_gradhooks_error_and_its_builtin(cls):
+    assert issubclass(cls, gradhooks.GradhooksError)
+    for builtin in BUILTINS[cls]:
+        assert issubclass(cls, builtin), (cls, builtin)
+    assert cls.__doc__ and len(cls.__doc__) > 80, "says when it is raised and what to do"
+    assert cls.__name__ in gradhooks.__all__ and getattr(gradhooks, cls.__name__) is cls
+
+
+def test_every_error_class_is_listed_and_exported():
+    found = set(_error_classes())
+    assert found == {gradhooks.GradhooksError, *BUILTINS}, found ^ {
+        gradhooks.GradhooksError,
+        *BUILTINS,
+    }
+    assert gradhooks.GradhooksError.__bases__ == (Exception,)
+    assert not issubclass(gradhooks.GradhooksWarning, gradhooks.GradhooksError)
+    assert set(errors.__all__) >= {c.__name__ for c in found}
+
+
+def test_describe_module_names_the_module_and_its_class():
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert errors.describe_module("0", model[0]) == "'0' (Linear)"
+    assert errors.describe_module("", model) == "'<model>' (Sequential)"
+
+
+# -- the modules converted to typed errors raise no bare builtin --------------------------------
+
+ROOT = Path(gradhooks.__file__).parent
+TYPED = [
+    "privacy/accounting.py", "privacy/audit.py", "privacy/sampling.py",
+    "quantities/collector.py", "quantities/kfac.py", "rules/attention.py",
+    "rules/batch_norm.py", "rules/conv.py", "rules/conv_transpose.py", "rules/embedding.py",
+    "rules/linear.py", "rules/norm.py", "rules/prelu.py", "rules/registry.py", "rules/rnn.py",
+    "rules/transformer.py", "workflows/check.py", "workflows/distributed.py",
+    "workflows/dp.py", "workflows/jacobian.py", "workflows/kfac.py",
+    "workflows/kfac_optimizer.py", "workflows/private.py", "compat.py", "_torch.py",
+    "tuning.py", "loop.py",
+]  # fmt: skip
+BARE = {
+    "ValueError", "TypeError", "RuntimeError", "AssertionError", "FloatingPointError",
+    "ImportError", "MemoryError", "IndexError", "KeyError",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", TYPED)
+def test_no_bare_builtin_is_raised(path):
+    """``NotImplementedError`` stays for abstract methods (``raise NotImplementedError``
+    without a message); every other refusal is a GradhooksError."""
+    tree = ast.parse((ROOT / path).read_text())
+    bare = [
+        f"{path}:{node.lineno} raises {node.exc.func.id}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and isinstance(node.exc.func, ast.Name)
+        and (node.exc.func.id in BARE or node.exc.func.id == "NotImplementedError")
+    ]
+    assert not bare, bare
+
+
+# -- one refusal of each class, through the public API ------------------------------------------
+
+
+def test_configuration_error_leaves_the_gradients_alone():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = model(torch.randn(4, 3)).sum(1)
+        with pytest.raises(gradhooks.ConfigurationError, match="max_norm"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=0.0, noise_multiplier=1.0)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(gradhooks.ConfigurationError):
+        gradhooks.PoissonSampler(10, 20)  # expected batch size above the dataset's
+
+
+def test_configuration_type_error():
+    with pytest.raises(gradhooks.ConfigurationTypeError):
+        gradhooks.Registry().register(int)(lambda call: {})
+    with pytest.raises(gradhooks.ConfigurationTypeError):
+        with gradhooks.tuned(no_such_threshold=1):
+            pass
+
+
+def test_state_error_before_any_backward():
+    model = nn.Linear(3, 2)
+    gradhooks.add_hooks(model)
+    try:
+        with pytest.raises(gradhooks.StateError):
+            gradhooks.compute_grad1(model)
+    finally:
+        gradhooks.remove_hooks(model)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x, z):
+        return self.a(x).sum() + self.b(z).sum()
+
+
+def test_batch_not_found_when_layers_see_different_batches():
+    model = _TwoInputs()
+    with gradhooks.add_hooks(model, quantities=("norms",), batch_dim=None):
+        out = model(torch.randn(4, 3), torch.randn(6, 3))
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"\[4, 6\]"):
+            out.backward()
+
+
+def test_unbatched_input():
+    conv = nn.Conv1d(2, 3, 3)
+    with gradhooks.add_hooks(conv), pytest.raises(gradhooks.UnbatchedInputError, match="'<model>'"):
+        conv(torch.randn(2, 5)).sum().backward()  # [channels, length]: no batch
+
+
+def test_mixed_examples_by_batch_norm_in_training():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError, match="'1'"):
+        model(torch.randn(5, 3)).sum().backward()
+
+
+def test_unsupported_layer_setting():
+    bag = nn.EmbeddingBag(4, 3, scale_grad_by_freq=True)
+    with gradhooks.add_hooks(bag), pytest.raises(gradhooks.UnsupportedError):
+        bag(torch.randint(0, 4, (2, 3))).sum().backward()
+    assert not hasattr(bag.weight, "grad1")
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.w, x + self.w
+
+
+def test_rule_error_names_the_module():
+    """A rule that reads ``call.grad_output`` of an output the loss does not use."""
+    registry = gradhooks.Registry()
+
+    @registry.register(_Pair)
+    def pair(call):
+        g = call.grad_output
+        return {"w": gradhooks.Direct(g * call.inputs[0])}
+
+    model = _Pair()
+    with gradhooks.add_hooks(model, registry=registry):
+        out = model(torch.randn(4, 3))[1].sum()
+        with pytest.raises(gradhooks.RuleError, match=r"'<model>' \(_Pair\)"):
+            out.backward()
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_check_failed_for_a_wrong_rule():
+    registry = gradhooks.Registry()
+
+    @registry.register(_Scale)
+    def twice(call):  # twice the right gradient
+        return {"scale": gradhooks.Direct(2 * call.inputs[0] * call.grad_output)}
+
+    with pytest.raises(gradhooks.CheckFailedError, match="scale"):
+        gradhooks.check_rule(_Scale(), torch.randn(5, 4), registry=registry)
+
+
+def test_numerical_error_after_a_diverged_step():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    x[0, 0] = float("nan")
+    F.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(gradhooks.NumericalError, match=r"'0\.weight'"):
+        opt.step(x)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_missing_dependency(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting fails
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, steps=3)
+    with pytest.raises(gradhooks.MissingDependencyError, match="pip install"):
+        accountant.epsilon(1e-5)
+
+
+def test_grad1_too_large_is_a_gradhooks_error():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model, max_grad1_bytes=10, batch_dim=0):
+        with pytest.raises(gradhooks.GradhooksError) as refused:
+            model(torch.randn(8, 3))
+    assert type(refused.value) is gradhooks.Grad1TooLarge
+
+
+def test_privacy_budget_exceeded_is_a_gradhooks_error():
+    model = nn.Linear(3, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+        steps=1, expected_batch_size=4, max_grad_norm=1.0, delta=1e-5,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    try:
+        for x, y in private.batches():
+            private.backward(F.cross_entropy(model(x), y, reduction="none"))
+            private.step()
+        with pytest.raises(gradhooks.GradhooksError) as refused:
+            next(iter(private.batches()))
+        assert type(refused.value) is gradhooks.PrivacyBudgetExceeded
+    finally:
+        private.close()
+
+
+def test_a_torch_error_is_not_a_gradhooks_error():
+    """``except GradhooksError`` catches gradhooks' refusals only: a shape error of the model
+    itself stays torch's."""
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError) as raised:
+            model(torch.randn(4, 5))  # 5 features into a Linear(3, 2)
+    assert not isinstance(raised.value, gradhooks.GradhooksError)

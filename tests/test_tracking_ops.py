@@ -1,0 +1,276 @@
+"""The tracker's handlers against an empirical ownership oracle, over torch's OpInfo database.
+
+For an operation the tracker follows, a sample input is given the batch on dimension ``d``
+(its size there is the batch), the operation runs under a :class:`Tracker`, and an example's
+entries of the input are changed (the first two examples' and the last's, in turn): the entries of the output that change must all be
+ones the tracker's layout gives that example. An output the tracker calls batch-free must not
+change at all. (An output it calls mixed or unknown claims nothing: it is refused, or checked
+later.) Each operation is run with the batch on dimension 0 and on dimension 1, given in its
+input alone and in every floating-point argument of the input's shape along ``d``, as a
+function and in place; the first sample that has a dimension ``d`` of two or more is used.
+
+``torch.testing._internal.common_methods_invocations.op_db`` is a private testing module of
+torch's (it needs ``expecttest``): this file is skipped where it cannot be imported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
+
+try:
+    from torch.testing._internal.common_methods_invocations import op_db as _OP_DB
+except Exception as e:  # (torch's own testing helpers, or expecttest, missing)
+    _OP_DB, _WHY = [], f"torch's OpInfo database cannot be imported here: {e}"
+else:
+    _WHY = ""
+
+# operations whose outputs change for reasons other than the examples' values
+NOT_COMPARABLE = {
+    "nn.functional.rrelu": "its random slopes are drawn for negative entries only, so "
+    "changing one example shifts every later draw",
+    "empty_like": "its values are whatever the memory held",
+}
+D = torch.float64
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+def _unchanged(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_floating_point() or a.is_complex():
+        return (a == b) | (a.isnan() & b.isnan())
+    return a == b
+
+
+def _changed_example(ts: list[torch.Tensor], d: int, b: int, g: torch.Generator) -> None:
+    """Change example ``b``'s entries (index ``b`` along ``d``) of every tensor of ``ts``."""
+    for t in ts:
+        at = (slice(None),) * d + (b,)
+        if t.dtype == torch.bool:
+            t[at] = ~t[at]
+        elif t.is_floating_point() or t.is_complex():
+            t[at] += (torch.randn(t[at].shape, generator=g, dtype=D) * 2 + 1).to(t.dtype)
+        else:
+            t[at] += 1
+
+
+def ownership(fn, batched: list[torch.Tensor], d: int) -> tuple[str, list[str]]:
+    """Run ``fn(*batched)`` under a tracker, each tensor of ``batched`` with the batch on
+    dimension ``d``, and check its outputs' layouts against what changing an example does (the
+    first two and the last).
+    Returns what the tracker claimed (``"followed"``, ``"mixed"``, ``"unknown"``, or
+    ``"failed"`` where the operation raised) and the problems found."""
+    batch = batched[0].shape[d]
+    tracker = Tracker(batch, {})
+    inputs = [t.clone() for t in batched]
+    for t in inputs:
+        tracker.set_layout(t, Layout(d))
+    try:
+        with tracker:
+            torch.manual_seed(0)
+            outs = _outputs(fn(*inputs))
+    except Exception:
+        return "failed", []
+    lays = [tracker.layout(o) for o in outs]
+    claimed = [j for j, lay in enumerate(lays) if lay is None or lay.dim >= 0]
+    if not claimed:
+        return ("mixed" if MIXED in lays else "unknown"), []
+    g = torch.Generator().manual_seed(0)
+    problems = []
+    for b in sorted({0, 1, batch - 1}):  # (the first two examples, and the last)
+        changed = [t.clone() for t in batched]
+        _changed_example(changed, d, b, g)
+        torch.manual_seed(0)
+        try:
+            again = _outputs(fn(*changed))
+        except Exception:  # (the changed values out of the operation's domain)
+            continue
+        for j in claimed:
+            if again[j].shape != outs[j].shape:
+                continue  # (a shape read from the values: one_hot's number of classes)
+            moved = ~_unchanged(outs[j], again[j])
+            if lays[j] is None:
+                if moved.any():
+                    problems.append(f"output {j} called batch-free changes with example {b}")
+                continue
+            others = moved & ~example_mask(outs[j].shape, lays[j], batch, outs[j].device)[b]
+            if others.any():
+                problems.append(
+                    f"output {j} {tuple(outs[j].shape)} as {lays[j]}: changing example {b} "
+                    f"changes {int(others.sum())} entries of other examples"
+                )
+    return "followed", problems
+
+
+def _sample(info, d: int):
+    dtypes = info.supported_dtypes("cpu")
+    if not dtypes:
+        return None  # (a CUDA kernel alone)
+    dtype = D if D in dtypes else next(iter(dtypes))
+    torch.manual_seed(0)
+    # (the OpInfo's own generator: sample_inputs() wraps it in a tracker of test functions
+    # that reads the whole Python stack for every sample)
+    for k, s in enumerate(info.sample_inputs_func(info, "cpu", dtype, False)):
+        if isinstance(s.input, torch.Tensor) and s.input.dim() > d and s.input.shape[d] >= 2:
+            return s
+        if k >= 20:
+            return None
+    return None
+
+
+def _alone(op, args: list, kwargs: dict, x: torch.Tensor):
+    return op(x, *args, **kwargs)
+
+
+def _every(op, args: list, kwargs: dict, alongside: list[int], x: torch.Tensor, *more):
+    given = list(args)
+    for i, m in zip(alongside, more):
+        given[i] = m
+    return op(x, *given, **kwargs)
+
+
+@functools.cache
+def sweep(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every run of the operation of OpInfo ``key`` (cached): what the tracker claimed, and
+    the problems found."""
+    info = _BY_KEY[key]
+    claims, problems = [], []
+    for d in (0, 1):
+        sample = _sample(info, d)
+        if sample is None:
+            continue
+        x, args, kwargs = sample.input, list(sample.args), dict(sample.kwargs)
+        alongside = [
+            i for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and a.dim() == x.dim() and a.shape[d] == x.shape[d]
+        ]  # fmt: skip
+        for op in (info.op, info.inplace_variant):
+            if op is None:
+                continue
+            runs = [(functools.partial(_alone, op, args, kwargs), [x])]
+            if alongside:
+                every = functools.partial(_every, op, args, kwargs, alongside)
+                runs.append((every, [x, *(args[i] for i in alongside)]))
+            for fn, batched in runs:
+                claim, found = ownership(fn, batched, d)
+                claims.append(claim)
+                problems += [f"d={d}: {p}" for p in found]
+    return tuple(claims), tuple(problems)
+
+
+_BY_KEY = {f"{i.name}.{i.variant_test_name}".rstrip("."): i for i in _OP_DB}
+
+
+@pytest.mark.skipif(not _OP_DB, reason=_WHY or "no OpInfo database")
+@pytest.mark.parametrize("key", sorted(_BY_KEY) or ["none"])
+def test_op(key):
+    if key.split(".")[0] in NOT_COMPARABLE or key in NOT_COMPARABLE:
+        pytest.skip(NOT_COMPARABLE.get(key, ""))
+    _, problems = sweep(key)
+    assert not problems, f"{key}: " + "; ".join(problems[:4])
+
+
+@pytest.mark.skipif(not _OP_DB, reason=_WHY or "no OpInfo database")
+def test_the_sweep_covers_most_operations():
+    """The sweep checks a layout the tracker claims for most of the database's operations
+    (374 of 702 OpInfos with torch 2.13; the others have no usable sample, or the tracker
+    does not follow them)."""
+    keys = [k for k in _BY_KEY if k not in NOT_COMPARABLE]
+    followed = [k for k in keys if "followed" in sweep(k)[0]]
+    assert len(followed) >= 0.45 * len(_BY_KEY), (len(followed), len(_BY_KEY))
+
+
+# -- handlers the sweep found wrong --------------------------------------------------------------
+
+
+def _layout_of(fn, batched: list[torch.Tensor], d: int):
+    tracker = Tracker(batched[0].shape[d], {})
+    for t in batched:
+        tracker.set_layout(t, Layout(d))
+    with tracker:
+        out = fn(*batched)
+    return tracker.layout(_outputs(out)[0])
+
+
+def test_an_unbatched_convolution_input_holds_channels_on_dimension_0():
+    """``F.conv1d`` of ``[C, L]`` (unbatched): dimension 0 holds channels, which the
+    convolution mixes; not the examples' layout."""
+    w = torch.randn(3, 3, 2, dtype=D)
+    x = torch.randn(3, 6, dtype=D)
+    claim, problems = ownership(lambda x: F.conv1d(x, w), [x], 0)
+    assert not problems and claim != "followed"
+    assert _layout_of(lambda x: F.conv1d(x, w), [x], 0) is UNKNOWN
+    x = torch.randn(3, 3, 6, dtype=D)  # (batched: followed)
+    assert ownership(lambda x: F.conv1d(x, w), [x], 0) == ("followed", [])
+
+
+def test_a_convolution_weight_with_examples_is_not_the_inputs_layout():
+    """A weight whose dimension 0 holds the examples (as long as the batch): the output's
+    dimension 1 comes from it, not dimension 0."""
+    x = torch.randn(3, 2, 5, dtype=D)
+    claim, problems = ownership(lambda w: F.conv1d(x, w), [torch.randn(3, 2, 2, dtype=D)], 0)
+    assert not problems and claim == "unknown"
+
+
+def test_squeeze_in_place_before_the_batch():
+    """``x.squeeze_(0)`` of ``[1, B, B]`` with the batch on dimension 1: the batch is on
+    dimension 0 afterwards; a layout before ``dim`` stays, and unsqueeze_ shifts it."""
+    x = torch.randn(1, 3, 3, dtype=D)
+    claim, problems = ownership(lambda x: x.squeeze_(0), [x], 1)
+    assert not problems
+    y = torch.randn(3, 3, 1, dtype=D)
+    assert ownership(lambda y: y.squeeze_(2), [y], 1) == ("followed", [])
+    assert _layout_of(lambda y: y.squeeze_(-1), [y], 0) == Layout(0)
+    assert _layout_of(lambda y: y.unsqueeze_(0), [torch.randn(3, 4, dtype=D)], 0) == Layout(1)
+    assert ownership(lambda y: y.unsqueeze_(0), [torch.randn(3, 4, dtype=D)], 0)[1] == []
+
+
+def test_resize_in_place_is_not_followed():
+    x = torch.randn(2, 3, dtype=D)
+    claim, problems = ownership(lambda x: x.resize_(3, 3), [x], 1)
+    assert not problems and claim == "unknown"
+
+
+def test_masked_scatter_of_a_source_with_examples():
+    """``x.masked_scatter(mask, source)`` takes the source's entries in turn over the whole
+    tensor: where the source holds examples, one example's entries land in another's rows."""
+    torch.manual_seed(0)
+    mask = torch.rand(3, 4) > 0.5
+    x, source = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    claim, problems = ownership(lambda x, s: x.masked_scatter(mask, s), [x, source], 0)
+    assert not problems and claim == "unknown"
+    # (a batch-free source: each entry is x's or the source's, elementwise in x)
+    assert ownership(lambda x: x.masked_scatter(mask, source), [x], 0) == ("followed", [])
+
+
+def test_pixel_shuffle_keeps_a_layout_among_the_leading_dimensions():
+    """``[*, C r², H, W]``: the leading dimensions stay (a sequence-first ``[T, B, ...]``);
+    an unbatched ``[C r², H, W]`` holds channels on dimension 0."""
+    x = torch.randn(2, 3, 4, 2, 2, dtype=D)
+    assert ownership(lambda x: F.pixel_shuffle(x, 2), [x], 1) == ("followed", [])
+    assert _layout_of(lambda x: F.pixel_shuffle(x, 2), [torch.randn(4, 2, 2, dtype=D)], 0) is (
+        UNKNOWN
+    )
+
+
+def test_embedding_bag_of_a_flat_input_with_offsets():
+    """Bags given by offsets over a flat input hold indices of any rows; a ``[bags, n]`` input
+    holds one bag per row."""
+    w = torch.randn(10, 4, dtype=D)
+    flat = torch.tensor([1, 2, 3, 4, 5, 6])
+    bags = _layout_of(lambda i: F.embedding_bag(i, w, torch.tensor([0, 1, 2, 3, 4, 5])), [flat], 0)
+    assert bags is UNKNOWN
+    rows = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    assert _layout_of(lambda i: F.embedding_bag(i, w), [rows], 0) == Layout(0)
