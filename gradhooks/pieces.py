@@ -193,8 +193,9 @@ class Outer(Piece):
     ``[batch, shared]`` (or, where the groups differ, ``[batch, *groups, shared]``) bool mask of
     those it saw, the others being padding that the layout added (an example's rows of an
     expert, :meth:`owned`, padded to the most rows of one example; a packed sequence's steps
-    past its end; the shorter of an attention's query and key): their ``g`` is zero (they add nothing to ``grad1``), and K-FAC's factors count
-    only the positions seen (:mod:`gradhooks.quantities.kfac`).
+    past its end; the shorter of an attention's query and key): their ``g`` is zero (they add
+    nothing to ``grad1``), and K-FAC's factors count only the positions seen
+    (:mod:`gradhooks.quantities.kfac`).
     """
 
     a: Tensor | None

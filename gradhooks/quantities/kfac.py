@@ -294,8 +294,8 @@ def second_moment(
     added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
     a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
     the count, ``batch · shared`` unless ``real_rows`` says how many of the rows are real, the
-    others zero padding; per group, ``[prod(groups)]``, where they differ), written around the product rather than appended to ``t`` (a copy of
-    it).
+    others zero padding; per group, ``[prod(groups)]``, where they differ), written around the
+    product rather than appended to ``t`` (a copy of it).
 
     Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
     (a Linear's input) or are few per example (then copied into that order: each example's

@@ -161,9 +161,9 @@ def kfac(
         ``[in + 1, in + 1]`` (bias-augmented) and ``[out, out]``; a convolution's ``in`` is
         ``in_channels/groups · prod(kernel)``; a transposed convolution's ``G`` is over its
         output channels and ``A`` over ``in_channels/groups · prod(kernel)`` (``f.layout ==
-        "in_out"``: its weight with the first two axes swapped). A weight also used outside a Linear or
-        convolution (tied to an Embedding) gets the factors of its Kronecker-factored uses and
-        a :class:`~gradhooks.GradhooksWarning` naming the others.
+        "in_out"``: its weight with the first two axes swapped). A weight also used outside a
+        Linear or convolution (tied to an Embedding) gets the factors of its Kronecker-factored
+        uses and a :class:`~gradhooks.GradhooksWarning` naming the others.
 
     Example::
 
@@ -204,9 +204,9 @@ def kfac_precondition(
 
     The weight's gradient is taken as the matrix ``[*groups, out, in]`` (a convolution's
     ``[out, in · prod(kernel)]``, a transposed convolution's ``[in, out, *kernel]`` with its
-    first two axes swapped: ``f.layout``, :func:`~gradhooks.quantities.kfac.weight_matrix`), with the bias's gradient appended as a column when
-    ``f.bias`` (``cat([W, b[:, None]], 1)``); see :class:`KFactors`. Parameters without factors
-    keep their gradient.
+    first two axes swapped: ``f.layout``, :func:`~gradhooks.quantities.kfac.weight_matrix`),
+    with the bias's gradient appended as a column when ``f.bias`` (``cat([W, b[:, None]],
+    1)``); see :class:`KFactors`. Parameters without factors keep their gradient.
 
     Args:
         model: the model of the factors (names as in its ``named_parameters()``), after a
