@@ -149,6 +149,13 @@ class Piece:
         adding), where this piece has a form of its own; False: the generic path."""
         return False
 
+    def kfac_view(self) -> Outer | None:
+        """The :class:`Outer` whose ``a`` and ``g`` K-FAC's Kronecker factors are formed from
+        (:mod:`gradhooks.quantities.kfac`): ``g`` over the rows of the parameter as a matrix,
+        its outputs, ``a`` over its columns, what each output position reads, laid out as
+        :attr:`Outer.matrix_layout` says; ``None``: no Kronecker factors (here)."""
+        return None
+
 
 class _RowsOf(Piece):
     """:meth:`Piece.select`'s default: examples ``rows`` of ``piece``."""
@@ -181,10 +188,29 @@ class Outer(Piece):
     The result ``[batch, *groups, out, in]`` is reshaped to the parameter's shape, so the
     parameter must be laid out as ``[*groups, out, in]`` in row-major order (true of
     ``Linear.weight`` and of ``Conv.weight`` as ``[groups * out, in * kernel]``).
+
+    ``seen``: ``None`` where every ``(batch, shared)`` position is one the layer saw; else a
+    ``[batch, shared]`` (or, where the groups differ, ``[batch, *groups, shared]``) bool mask of
+    those it saw, the others being padding that the layout added (an example's rows of an
+    expert, :meth:`owned`, padded to the most rows of one example; a packed sequence's steps
+    past its end; the shorter of an attention's query and key): their ``g`` is zero (they add
+    nothing to ``grad1``), and K-FAC's factors count only the positions seen
+    (:mod:`gradhooks.quantities.kfac`).
     """
 
     a: Tensor | None
     g: Tensor
+    seen: Tensor | None = None
+
+    # How the parameter lies in the matrix ``[*groups, out, in]`` of ``grad1``'s rows and
+    # columns: ``"out_in"``, row-major as is; ``"in_out"``, its first two axes swapped per group
+    # (a transposed convolution's ``[in, out/groups, *kernel]``, seen by K-FAC as ``[groups,
+    # out/groups, in/groups · prod(kernel)]``: :func:`gradhooks.quantities.kfac.weight_matrix`)
+    matrix_layout: ClassVar[str] = "out_in"
+
+    def kfac_view(self) -> Outer | None:
+        """The piece itself (a bias's, with no input: ``None``)."""
+        return self if self.has_input else None
 
     @property
     def batch_size(self) -> int:
@@ -224,7 +250,8 @@ class Outer(Piece):
         return math.prod(self.g.shape[1:-1]) * self.in_features
 
     def select(self, rows: slice) -> Outer:
-        return Outer(None if self.a is None else self.a[rows], self.g[rows])
+        seen = None if self.seen is None else self.seen[rows]
+        return Outer(None if self.a is None else self.a[rows], self.g[rows], seen)
 
     @property
     def kept_elements(self) -> float:
@@ -285,7 +312,8 @@ class Outer(Piece):
             t = t.permute(0, *range(3, 3 + groups), 1, 2, t.dim() - 2, t.dim() - 1)
             return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
 
-        return Outer(None if self.a is None else fold(self.a), fold(self.g))
+        seen = None if self.seen is None else fold(self.seen[..., None])[..., 0]
+        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen)
 
     def owned(self, param_shape: torch.Size, owners: Tensor, batch: int) -> Piece:
         """The rows become shared positions of their examples: ``[rows, *groups, S, f]`` as
@@ -308,12 +336,18 @@ class Outer(Piece):
             out = out.movedim(1, -3)  # [B, *groups, most, S, f]
             return out.reshape(batch, *t.shape[1:-2], most * t.shape[-2], t.shape[-1])
 
-        return Outer(None if self.a is None else fold(self.a), fold(self.g))
+        # the positions seen: each example's rows (and of those, the ones their own mask kept)
+        rows = self.g.new_ones(self.g.shape[0], self.g.shape[-2], 1, dtype=torch.bool)
+        if self.seen is not None:
+            rows = self.seen[..., None].to(self.g.device)
+        seen = fold(rows)[..., 0]
+        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen)
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         if not (_other(self.g, dtype) or _other(self.a, dtype)):
             return self
-        return Outer(None if self.a is None else cast(self.a, dtype), cast(self.g, dtype))
+        a = None if self.a is None else cast(self.a, dtype)
+        return Outer(a, cast(self.g, dtype), self.seen)
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Where ``g`` is batched over the outputs (and ``a`` not): ``g ⊗ a`` straight into the

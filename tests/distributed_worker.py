@@ -222,6 +222,33 @@ def kfac_scenario() -> None:
         for k, w in want.items():
             close(got[k].A, w.A, f"kfac({fisher}) {k} A")
             close(got[k].G, w.G, f"kfac({fisher}) {k} G")
+    # a packed in-projection whose query and key lengths differ (A counted per group), and a
+    # transposed convolution (its factors laid out "in_out")
+    torch.manual_seed(0)
+    att = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    q, kv = torch.randn(8, 2, 4, dtype=torch.float64), torch.randn(8, 5, 4, dtype=torch.float64)
+    start, size = (0, 5) if RANK == 0 else (5, 3)
+    shard = slice(start, start + size)
+    model = nn.Sequential(nn.ConvTranspose1d(2, 3, 3, stride=2), nn.Flatten()).double()
+    squares = lambda out: out.pow(2).sum()
+    for m, whole in ((_Attended(att), (q, kv)), (model, q.transpose(1, 2)[:, :2])):
+        part = tuple(t[shard] for t in whole) if isinstance(whole, tuple) else whole[shard]
+        got = ghd.kfac(m, part, fisher="empirical", loss=squares)
+        want = gradhooks.kfac(m, whole, fisher="empirical", loss=squares)
+        assert set(got) == set(want)
+        for k, w in want.items():
+            close(got[k].A, w.A, f"kfac {k} A")
+            close(got[k].G, w.G, f"kfac {k} G")
+            assert got[k].layout == w.layout
+
+
+class _Attended(nn.Module):
+    def __init__(self, att: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.att = att
+
+    def forward(self, q, kv):
+        return self.att(q, kv, kv, need_weights=False)[0].flatten(1)
 
 
 def mismatch() -> None:

@@ -19,7 +19,10 @@ from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError
 from ..pieces import Outer
 from ..tuning import TUNING
 
-__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment"]
+__all__ = [
+    "KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment", "weight_matrix",
+    "weight_from_matrix",
+]  # fmt: skip
 
 
 @dataclass
@@ -38,12 +41,19 @@ class KFactors:
     ``torch.addmm(b, x, W)`` with ``W`` ``[in, out]`` (Hugging Face's ``Conv1D``) is that
     matrix as it is: ``G`` ``[in, in]`` over its rows (from the inputs, summed like an
     output-gradient's), ``A`` ``[out, out]`` over its columns (from the output-gradients,
-    averaged like an input's), and no bias column (the bias lies along the columns)."""
+    averaged like an input's), and no bias column (the bias lies along the columns).
+
+    ``layout``: ``"out_in"`` (the above); ``"in_out"`` for a weight whose first two axes are
+    its inputs and outputs (a transposed convolution's ``[in, out/groups, *kernel]``): the
+    matrix is ``[groups, out/groups, in/groups · prod(kernel)]``, those axes swapped per group,
+    so that ``G`` is over the output channels and ``A`` over the input patch each output
+    position reads (:func:`weight_matrix`)."""
 
     A: Tensor
     G: Tensor
     bias: bool
     bias_name: str | None = None
+    layout: str = "out_in"
 
     def inverse(self, damping: float) -> KFactorsInverse:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
@@ -59,7 +69,7 @@ class KFactors:
         # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
         # PSD factor's eigenvalues slightly negative: clamped
         scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
-        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping)
+        return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping, self.layout)
 
 
 @dataclass
@@ -74,6 +84,7 @@ class KFactorsInverse:
     bias: bool
     bias_name: str | None
     damping: float
+    layout: str = "out_in"
 
     def apply(self, grad: Tensor) -> Tensor:
         """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
@@ -89,6 +100,27 @@ class KFactorsInverse:
             )
         rotated = self.Q_G.mT @ grad.to(self.scale.dtype) @ self.Q_A
         return (self.Q_G @ (rotated * self.scale) @ self.Q_A.mT).to(grad.dtype)
+
+
+def weight_matrix(t: Tensor, groups: tuple[int, ...], rows: int, layout: str) -> Tensor:
+    """A weight ``t`` (or its gradient, or a step) as the matrix ``[*groups, rows, cols]`` its
+    factors are of (:class:`KFactors`): ``"out_in"``, ``t`` reshaped; ``"in_out"``, ``t``
+    ``[groups · in/groups, rows, *kernel]`` with its first two axes swapped per group."""
+    if layout == "out_in":
+        return t.reshape(*groups, rows, -1)
+    kernel = math.prod(t.shape[2:])
+    swapped = t.reshape(math.prod(groups), -1, rows, kernel).transpose(1, 2)
+    return swapped.reshape(*groups, rows, -1)
+
+
+def weight_from_matrix(m: Tensor, shape: torch.Size, layout: str) -> Tensor:
+    """The inverse of :func:`weight_matrix`: the matrix ``m`` as a tensor of the weight's
+    ``shape``."""
+    if layout == "out_in":
+        return m.reshape(shape)
+    kernel = math.prod(shape[2:])
+    rows = m.shape[-2]
+    return m.reshape(-1, rows, m.shape[-1] // kernel, kernel).transpose(1, 2).reshape(shape)
 
 
 class KfacAccumulator:
@@ -108,6 +140,7 @@ class KfacAccumulator:
         self._n_g: dict[str, int] = {}
         self._biased: dict[str, bool] = {}
         self._bias_name: dict[str, str | None] = {}  # key -> the bias its A covers
+        self._layout: dict[str, str] = {}  # key -> Outer.matrix_layout of its pieces
         self._batch_now: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self.capture_a = True
@@ -117,7 +150,7 @@ class KfacAccumulator:
         afresh."""
         for key in keys:
             for sums in (self._a, self._g, self._n_a, self._n_g, self._biased, self._bias_name,
-                         self._batch_now, self._other):  # fmt: skip
+                         self._layout, self._batch_now, self._other):  # fmt: skip
                 sums.pop(key, None)
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
@@ -126,12 +159,13 @@ class KfacAccumulator:
             if n in params and isinstance(pc, Outer) and not pc.has_input
         ]  # fmt: skip
         for pname, p in params.items():
-            piece = call_pieces[pname]
             key = self.names.get(id(p), f"{module_name}.{pname}" if module_name else pname)
-            if not isinstance(piece, Outer) or not piece.has_input:
+            piece = call_pieces[pname].kfac_view()
+            if piece is None:
                 # no Kronecker factors from this use (a bias, an embedding's rows, a norm's
                 # scale); a weight tied to a Linear gets factors of that use only: said
-                self._other.setdefault(key, f"'{module_name}' ({type(piece).__name__})")
+                kind = type(call_pieces[pname]).__name__
+                self._other.setdefault(key, f"'{module_name}' ({kind})")
                 continue
             # the bias is a column of the weight as a matrix [out, in] only where it lies
             # along its rows: not for torch.addmm(b, x, W) with W [in, out] (GPT-2's Conv1D),
@@ -139,6 +173,14 @@ class KfacAccumulator:
             # factors then cover the weight alone
             bias_g = call_pieces[bias_pieces[0]].g if len(bias_pieces) == 1 else None
             biased = self.bias and bias_g is not None and bias_g is not piece.a
+            layout = piece.matrix_layout
+            if self._layout.setdefault(key, layout) != layout:
+                raise UnsupportedError(
+                    f"K-FAC: weight '{key}' is used by modules that lay it out differently "
+                    f"({self._layout[key]!r}, and {layout!r} in '{module_name}': a weight tied "
+                    "between a convolution and its transpose): no one pair of Kronecker factors "
+                    "covers both uses; untie them for K-FAC"
+                )
             if self._biased.get(key, biased) != biased:
                 raise UnsupportedError(
                     f"K-FAC: weight '{key}' is used by modules with and without a bias (tied "
@@ -156,13 +198,10 @@ class KfacAccumulator:
             if not self.capture_a:
                 continue  # (a later backward of the same forward: the input is not read,
                 # a convolution's columns never formed again)
-            a = piece.a
-            batch = a.shape[0]
-            if not self.expand:
-                a = a.mean(-2, keepdim=True)
-            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key))
-            n_a = batch * a.shape[-2]
-            self._n_a[key] = self._n_a.get(key, 0) + n_a
+            a, count = _positions_seen(piece, self.expand)
+            batch = piece.a.shape[0]
+            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key), real_rows=count)
+            self._n_a[key] = self._n_a.get(key, 0) + count
             self._biased[key] = biased
             self._batch_now[key] = batch
             if biased:
@@ -200,21 +239,63 @@ class KfacAccumulator:
                 gg = gg.div_(n_g) if last else gg / n_g
             elif not last:
                 gg = gg.clone()  # the next backward adds to the sum in place
-            n_a = max(self._n_a[key], 1)
+            n_a = self._n_a[key]  # an int, or per group where the groups count differently
+            if isinstance(n_a, Tensor):
+                n_a = n_a.clamp(min=1).to(aa.device, aa.dtype).view(*aa.shape[:-2], 1, 1)
+            else:
+                n_a = max(n_a, 1)
             aa = aa.div_(n_a) if last else aa / n_a
             if aa.dim() == 3 and aa.shape[0] == 1:  # one group (Conv with groups=1): no axis
                 aa, gg = aa[0], gg[0]
-            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key))
+            layout = self._layout.get(key, "out_in")
+            out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key), layout)
         return out
 
 
+def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int | Tensor]:
+    """The inputs whose second moment is ``A`` (``[batch, *groups, shared', in]``) and how many
+    positions (or, reduced, examples) they count: an ``int``, or per group (``[prod(groups)]``,
+    int64) where the groups count differently. Where the piece marks padding
+    (:attr:`Outer.seen`: an expert's rows padded to the most of one example, a packed
+    sequence's steps past its end), only the positions seen count: ``expand``, their inputs
+    (the padding zeroed) over their number; reduced, each example's mean over its own
+    positions, over the examples with any (the others' rows zero)."""
+    a, seen = piece.a, piece.seen
+    batch, shared, groups = a.shape[0], a.shape[-2], a.shape[1:-2]
+    if seen is None:
+        if not expand:
+            return a.mean(-2, keepdim=True), batch
+        return a, batch * shared
+    seen = seen.to(a.device)
+    if seen.dim() == 2:  # (the same for every group)
+        seen = seen.view(batch, *[1] * len(groups), shared).expand(batch, *groups, shared)
+    a = a * seen[..., None].to(a.dtype)  # (an owned fold's padding is zero already; a rule's may
+    # not be: a packed RNN's carried state)
+    if expand:
+        counts = seen.sum((0, -1))  # [*groups]
+    else:
+        per_example = seen.sum(-1)  # [batch, *groups]
+        a = a.sum(-2, keepdim=True) / per_example.clamp(min=1)[..., None, None].to(a.dtype)
+        counts = (per_example > 0).sum(0)
+    counts = counts.reshape(-1).cpu()
+    if bool((counts == counts[0]).all()):
+        return a, int(counts[0])
+    return a, counts
+
+
 def second_moment(
-    t: Tensor, augment: bool = False, into: Tensor | None = None, alpha: float = 1.0
+    t: Tensor,
+    augment: bool = False,
+    into: Tensor | None = None,
+    alpha: float = 1.0,
+    real_rows: int | Tensor | None = None,
 ) -> Tensor:
     """``alpha · Σ_{b,s} t tᵀ`` of ``t`` ``[batch, *groups, shared, n]``: ``[*groups, n, n]``,
     added to ``into`` (the sum so far, ours to write) if given; with ``augment``, of ``t`` with
     a column of ones appended (``[*groups, n + 1, n + 1]``: the last row and column ``Σ t`` and
-    the count), written around the product rather than appended to ``t`` (a copy of it).
+    the count, ``batch · shared`` unless ``real_rows`` says how many of the rows are real, the
+    others zero padding; per group, ``[prod(groups)]``, where they differ), written around the
+    product rather than appended to ``t`` (a copy of it).
 
     Without groups: one product over all ``(batch, shared)`` rows where they lie contiguous
     (a Linear's input) or are few per example (then copied into that order: each example's
@@ -257,5 +338,8 @@ def second_moment(
         sums = flat.sum((0, 2)).mul_(alpha)  # [count, n]
         out[:, :n, n] += sums
         out[:, n, :n] += sums
-        out[:, n, n] += alpha * batch * shared
+        rows = batch * shared if real_rows is None else real_rows
+        if isinstance(rows, Tensor):
+            rows = rows.to(out.device, out.dtype)
+        out[:, n, n] += alpha * rows
     return out.view(*groups, width, width)

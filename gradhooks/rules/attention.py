@@ -14,7 +14,8 @@ Every weight is a Linear map applied at every position, so its per-example gradi
   (the module uses ``out_proj``'s parameters without calling it, so this rule owns them).
 - ``in_proj_weight`` ``[3E, E]``: one group per projection, ``Outer(stack(query, key, value),
   stack(∂q, ∂k, ∂v))`` with ``groups = 3``; when the query and key lengths differ, the shorter
-  sequence is padded with zero positions (which add nothing to a sum of outer products).
+  sequence is padded with zero positions (which add nothing to a sum of outer products), marked
+  as such (``Outer.seen``: K-FAC counts each projection's own positions).
 - ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight`` (``kdim``/``vdim`` != ``embed_dim``):
   one ``Outer`` each; ``in_proj_bias`` ``[3E]``: ``Outer(None, ·)`` of the same groups.
 - ``bias_k`` / ``bias_v`` ``[1, 1, E]``: one key/value slot per example: ``Direct``.
@@ -138,6 +139,17 @@ def _stacked(xs: list[Tensor]) -> Tensor:
     """``[batch, seq_i, f]`` tensors as ``[batch, len(xs), max seq, f]``, zero-padded."""
     longest = max(x.shape[1] for x in xs)
     return torch.stack([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs], 1)
+
+
+def _lengths(xs: list[Tensor]) -> Tensor | None:
+    """The positions of :func:`_stacked` that are not padding, ``[batch, len(xs), max seq]``
+    (bool; :attr:`gradhooks.pieces.Outer.seen`); ``None`` where the lengths are equal."""
+    sizes = [x.shape[1] for x in xs]
+    if len(set(sizes)) == 1:
+        return None
+    steps = torch.arange(max(sizes), device=xs[0].device)
+    seen = steps < torch.tensor(sizes, device=xs[0].device)[:, None]  # [len(xs), max seq]
+    return seen.expand(xs[0].shape[0], *seen.shape)
 
 
 class _Projections:
@@ -386,7 +398,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
     if _packed(m) and one_input:  # [q k v] = x W_inᵀ: one product over 3E outputs
         pieces["in_proj_weight"] = Outer(query, torch.cat(g_qkv, -1))
     elif _packed(m):
-        pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv))
+        pieces["in_proj_weight"] = Outer(_stacked(inputs), _stacked(g_qkv), _lengths(inputs))
     else:
         for name, x, g in zip(("q", "k", "v"), inputs, g_qkv, strict=True):
             pieces[f"{name}_proj_weight"] = Outer(x, g)

@@ -667,6 +667,9 @@ def backpropagate(
                 d_h0.insert(d, run.d_state0[0])
                 d_c0.insert(d, run.d_state0[1])
                 summed: dict[int, Tensor] = {}  # id(g) -> Σ_t g [batch, 1, n]
+                # the steps each example ran (a packed batch's shorter sequences skip the rest,
+                # whose g is zero: K-FAC counts only those run)
+                ran = None if run.keep is None else run.keep[..., 0].T  # [batch, time]
                 for name, (a, g) in pairs.items():
                     if a is None:  # a bias: Σ_t g once, shared by b_ih and b_hh where g is
                         if id(g) not in summed:
@@ -676,6 +679,7 @@ def backpropagate(
                     pieces[name] = Outer(
                         rearrange(a, "time batch n -> batch time n"),
                         rearrange(g, "time batch n -> batch time n"),
+                        ran,
                     )
                 if want_dx:
                     d_x = flip(dx_d) if d_x is None else d_x + flip(dx_d)

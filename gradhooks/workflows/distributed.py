@@ -29,6 +29,7 @@ one per rank, ``torch.cuda.set_device(local_rank)``) or ``"gloo"`` (CPUs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -250,16 +251,25 @@ def _reduced(acc: KfacAccumulator, group: Group) -> KfacAccumulator:
     out._g = {k: acc._g[k].clone() for k in keys}
     out._biased = {k: acc._biased[k] for k in keys}
     out._bias_name = {k: acc._bias_name.get(k) for k in keys}
+    out._layout = {k: acc._layout.get(k, "out_in") for k in keys}
     tensors = [out._a[k] for k in keys] + [out._g[k] for k in keys]
-    counts = torch.tensor(
-        [acc._n_a[k] for k in keys] + [acc._n_g.get(k, 0) for k in keys], dtype=torch.int64
-    )
+    # A's counts per group (one where the module has no groups), the same layout on every rank
+    # whether or not its groups counted alike
+    n_a = [
+        torch.as_tensor(acc._n_a[k], dtype=torch.int64)
+        .cpu()
+        .expand(math.prod(acc._a[k].shape[:-2]))
+        for k in keys
+    ]
+    sizes = [t.numel() for t in n_a]
+    n_g = torch.tensor([acc._n_g.get(k, 0) for k in keys], dtype=torch.int64)
+    counts = torch.cat([*n_a, n_g])
     if tensors:
         counts = counts.to(tensors[0].device)
     _all_reduce_sums([*tensors, counts], 0, group, "kfac_factors", keys)
-    n = len(keys)
-    out._n_a = dict(zip(keys, counts[:n].tolist()))
-    out._n_g = dict(zip(keys, counts[n:].tolist()))
+    split = counts.cpu().split([*sizes, len(keys)])
+    out._n_a = {k: t if bool((t != t[0]).any()) else int(t[0]) for k, t in zip(keys, split)}
+    out._n_g = dict(zip(keys, split[-1].tolist()))
     return out
 
 

@@ -1,7 +1,9 @@
 """K-FAC Kronecker factors from the same :class:`~gradhooks.pieces.Outer` pieces, for every layer.
 
 For a parameter whose piece is ``Outer(a, g)`` (``a``: ``[batch, *groups, shared, in]``, ``g``:
-``[batch, *groups, shared, out]``), the weight ``W`` (``[*groups, out, in]``) gets
+``[batch, *groups, shared, out]``; more exactly, whose piece's
+:meth:`~gradhooks.pieces.Piece.kfac_view` is: a transposed convolution's is over its output
+positions and input patches, ``"in_out"``), the weight ``W`` (``[*groups, out, in]``) gets
 
 - ``A``: ``[*groups, in, in]`` (``in + 1`` when bias-augmented), the input second moment,
 - ``G``: ``[*groups, out, out]``, the output-gradient second moment,
@@ -17,6 +19,11 @@ approximate curvature for modern neural network architectures"):
   ``A = Σ_{b,s} a aᵀ / (batch · shared)``, ``G = Σ_{b,s} g gᵀ``.
 - ``reduce``: positions are reduced first, ``ā_b = mean_s a``, ``ḡ_b = Σ_s g``:
   ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``.
+- A layer that sees a different number of positions per example (the tokens routed to an
+  expert of a mixture) counts the positions it saw: ``A`` divides by their number (expand), or
+  by the number of examples with any, each reduced to the mean of its own (reduce); ``G``
+  still divides by the batch under ``"mean"`` (an example that sent none adds a zero
+  curvature).
 - ``reduction="sum"`` keeps ``G`` a sum over examples (``kron(G, A)`` approximates the sum of
   per-example curvatures, e.g. ``Σ_b grad1[b] grad1[b]ᵀ``); ``"mean"`` divides ``G`` by the
   number of examples (the mean curvature).
@@ -46,7 +53,13 @@ from .. import _torch
 from ..engine.api import engine_of
 from ..engine.handle import add_hooks
 from ..errors import ConfigurationError, UnsupportedError
-from ..quantities.kfac import KfacAccumulator, KFactors, KFactorsInverse
+from ..quantities.kfac import (
+    KfacAccumulator,
+    KFactors,
+    KFactorsInverse,
+    weight_from_matrix,
+    weight_matrix,
+)
 from ..tuning import TUNING
 from .jacobian import Inputs, checked_output, hooked_forward, model_inputs
 
@@ -147,9 +160,11 @@ def kfac(
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
         ``A`` ``[*groups, in(+1), in(+1)]`` and ``G`` ``[*groups, out, out]``: a Linear's
         ``[in + 1, in + 1]`` (bias-augmented) and ``[out, out]``; a convolution's ``in`` is
-        ``in_channels/groups · prod(kernel)``. A weight also used outside a Linear or
-        convolution (tied to an Embedding) gets the factors of its Kronecker-factored uses and
-        a :class:`~gradhooks.GradhooksWarning` naming the others.
+        ``in_channels/groups · prod(kernel)``; a transposed convolution's ``G`` is over its
+        output channels and ``A`` over ``in_channels/groups · prod(kernel)`` (``f.layout ==
+        "in_out"``: its weight with the first two axes swapped). A weight also used outside a
+        Linear or convolution (tied to an Embedding) gets the factors of its Kronecker-factored
+        uses and a :class:`~gradhooks.GradhooksWarning` naming the others.
 
     Example::
 
@@ -189,9 +204,10 @@ def kfac_precondition(
     vec(grad)``, the damped K-FAC natural gradient, ready for an optimizer step.
 
     The weight's gradient is taken as the matrix ``[*groups, out, in]`` (a convolution's
-    ``[out, in · prod(kernel)]``), with the bias's gradient appended as a column when
-    ``f.bias`` (``cat([W, b[:, None]], 1)``); see :class:`KFactors`. Parameters without factors
-    keep their gradient.
+    ``[out, in · prod(kernel)]``, a transposed convolution's ``[in, out, *kernel]`` with its
+    first two axes swapped: ``f.layout``, :func:`~gradhooks.quantities.kfac.weight_matrix`),
+    with the bias's gradient appended as a column when ``f.bias`` (``cat([W, b[:, None]],
+    1)``); see :class:`KFactors`. Parameters without factors keep their gradient.
 
     Args:
         model: the model of the factors (names as in its ``named_parameters()``), after a
@@ -248,12 +264,12 @@ def kfac_precondition(
                 f"does not fit the parameters ({shapes}): factors of another model, or a "
                 "layer whose weight is not [out, in, ...]"
             )
-        grad = weight.grad.reshape(*groups, rows, width)
+        grad = weight_matrix(weight.grad, tuple(groups), rows, f.layout)
         if bias is not None:
             grad = torch.cat([grad, bias.grad.reshape(*groups, rows, 1)], -1)
-        done.append((weight, bias, f.apply(grad), width))
-    for weight, bias, natural, width in done:  # (written once every weight has been checked)
-        weight.grad.copy_(natural[..., :width].reshape(weight.shape))
+        done.append((weight, bias, f.apply(grad), width, f.layout))
+    for weight, bias, natural, width, layout in done:  # (written once every weight is checked)
+        weight.grad.copy_(weight_from_matrix(natural[..., :width], weight.shape, layout))
         if bias is not None:
             bias.grad.copy_(natural[..., width].reshape(bias.shape))
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigurationError, ConfigurationTypeError, NumericalError
-from ..quantities.kfac import KFactors, KFactorsInverse
+from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
 from .kfac import Fisher, LossFn, LossName, kfac, kfac_precondition
 
 __all__ = ["KFAC"]
@@ -227,7 +227,7 @@ class KFAC:
             weight = by_name.get(name)
             if weight is None:
                 continue
-            delta = weight.reshape(*f.G.shape[:-2], f.G.shape[-1], -1)
+            delta = weight_matrix(weight, tuple(f.G.shape[:-2]), f.G.shape[-1], f.layout)
             if f.bias and f.bias_name in by_name:
                 bias = by_name[f.bias_name].reshape(*delta.shape[:-1], 1)
                 delta = torch.cat([delta, bias], -1)
@@ -251,16 +251,18 @@ class KFAC:
         """The base optimizer's state, the running factors, the damping and the step count."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "factors": {n: (f.A, f.G, f.bias, f.bias_name) for n, f in self.factors.items()},
+            "factors": {
+                n: (f.A, f.G, f.bias, f.bias_name, f.layout) for n, f in self.factors.items()
+            },
             "damping": self.damping,
             "steps": self.steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.factors = {
-            n: KFactors(a.clone(), g.clone(), bias, bias_name)
-            for n, (a, g, bias, bias_name) in state["factors"].items()
+        self.factors = {  # (a checkpoint without the layout: "out_in", the only one then)
+            n: KFactors(a.clone(), g.clone(), bias, bias_name, *layout)
+            for n, (a, g, bias, bias_name, *layout) in state["factors"].items()
         }
         self.damping, self.steps = float(state["damping"]), int(state["steps"])
         self._inverses, self._inverted_at = {}, None
