@@ -1,5 +1,6 @@
 """The DP-SGD and K-FAC examples run and learn (skipped without scikit-learn)."""
 
+import math
 import os
 import sys
 
@@ -13,13 +14,21 @@ pytest.importorskip(
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 
-def test_dp_sgd_digits_learns_and_both_paths_agree():
+def test_dp_sgd_digits_private_run_learns_and_spends_what_its_accountant_says():
+    pytest.importorskip("dp_accounting", reason='the dp extra: pip install "gradhooks[dp]"')
     import dp_sgd_digits as ex
 
-    grad1 = ex.train(private=True, epochs=2, noise_multiplier=0.5).accuracy[-1]
-    ghost = ex.train(private=True, epochs=2, noise_multiplier=0.5, ghost=True).accuracy[-1]
-    assert grad1 > 0.5, f"DP-SGD did not learn: test accuracy {grad1:.3f}"
-    assert abs(grad1 - ghost) < 0.02, f"grad1 path {grad1:.3f} vs ghost path {ghost:.3f}"
+    run = ex.train(private=True, epochs=2, noise_multiplier=0.5, with_epsilon=True)
+    steps = 2 * round(1437 / 64)  # make_private's 2 epochs of round(1 / q) Poisson batches
+    assert run.steps == steps and run.sample_rate == 64 / 1437, (run.steps, run.sample_rate)
+    assert len(run.accuracy) == len(run.epsilon) == len(run.loss) == 2, run
+    acc = gradhooks.PrivacyAccountant()  # the steps the run took, recorded here
+    acc.step(noise_multiplier=0.5, sample_rate=64 / 1437, steps=steps // 2)
+    first = acc.epsilon(1e-5)
+    acc.step(noise_multiplier=0.5, sample_rate=64 / 1437, steps=steps // 2)
+    assert run.epsilon == pytest.approx([first, acc.epsilon(1e-5)], rel=1e-12), run.epsilon
+    assert 0 < run.epsilon[0] < run.epsilon[1] < math.inf, run.epsilon
+    assert run.accuracy[-1] > 0.5, f"DP-SGD did not learn: test accuracy {run.accuracy[-1]:.3f}"
 
 
 @pytest.mark.parametrize("accountant", ["dp-accounting", "missing"])
@@ -39,6 +48,7 @@ def test_dp_sgd_digits_quick_prints_each_epoch_epsilon_and_writes_the_plot(
     assert result["plot"] == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", text
     lines = [line for line in text.splitlines() if "epoch" in line]
     assert len(lines) == 4, f"a line per epoch of both runs:\n{text}"
+    assert result["dp"] > 0.3, f"the private run is no better than chance (0.1):\n{text}"
     if accountant == "missing":
         assert result["epsilon"] is None, result
         assert "ε will not be computed: PrivacyAccountant.epsilon needs" in text, text
@@ -47,6 +57,7 @@ def test_dp_sgd_digits_quick_prints_each_epoch_epsilon_and_writes_the_plot(
     acc = gradhooks.PrivacyAccountant()  # the steps the run took, recorded here
     acc.step(noise_multiplier=1.0, sample_rate=64 / 1437, steps=2 * round(1437 / 64))
     assert result["epsilon"] == pytest.approx(acc.epsilon(1e-5), rel=1e-12), text
+    assert 0 < result["epsilon"] < math.inf, text
     assert all("ε" in line for line in lines if "DP-SGD" in line), text
 
 
