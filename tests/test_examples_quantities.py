@@ -1,4 +1,4 @@
-"""The DP-SGD and K-FAC examples run and learn (skipped without scikit-learn)."""
+"""The DP-SGD, DPTrainer and K-FAC examples run and learn (skipped without scikit-learn)."""
 
 import math
 import os
@@ -81,3 +81,41 @@ def test_kfac_digits_beats_the_best_sgd_and_adam_reports_it_and_plots(tmp_path, 
     assert f"the best of {', '.join(map(str, ex.SGD_LEARNING_RATES))}" in printed
     assert f"the best of {', '.join(map(str, ex.ADAM_LEARNING_RATES))}" in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no PNG plot written"
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("adapter", ["whole model", "LoRA adapter"])
+def test_dp_trainer_quick_logs_the_accountants_epsilon_at_each_step(adapter, capsys):
+    transformers = pytest.importorskip(
+        "transformers", reason='the DPTrainer example needs transformers: "gradhooks[hf]"'
+    )
+    pytest.importorskip("dp_accounting", reason='the dp extra: pip install "gradhooks[dp]"')
+    argv = ["--quick"]
+    if adapter == "LoRA adapter":
+        pytest.importorskip("peft", reason='the --lora run needs peft: "gradhooks[hf]"')
+        argv.append("--lora")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    import dp_trainer as ex
+
+    result = ex.main(argv)
+    text = capsys.readouterr().out
+    q = 32 / 1024  # L = 16 x 2 gradient accumulation steps, over 1024 sequences
+    assert result["steps"] == 4 and result["sample_rate"] == q, (result, text)
+    acc = gradhooks.PrivacyAccountant()  # the budget the run was calibrated to: ε = 8 at 4 steps
+    acc.step(noise_multiplier=result["noise_multiplier"], sample_rate=q, steps=4)
+    assert 7.9 < acc.epsilon(1e-5) <= 8.0, (acc.epsilon(1e-5), text)
+    expected = []
+    acc = gradhooks.PrivacyAccountant()
+    for step in range(1, 5):
+        acc.step(noise_multiplier=result["noise_multiplier"], sample_rate=q)
+        expected.append((step, acc.epsilon(1e-5)))
+    assert [s for s, _ in result["logged"]] == [1, 2, 3, 4], (result["logged"], text)
+    assert [e for _, e in result["logged"]] == pytest.approx([e for _, e in expected], rel=1e-9)
+    assert result["epsilon"] == pytest.approx(expected[-1][1], rel=1e-12)
+    lines = [line for line in text.splitlines() if line.startswith("step ")]
+    assert len(lines) == 4 and all("loss" in line and "ε" in line for line in lines), text
+    assert f"{adapter}: 4 steps" in text and "checked:" in text, text
+    assert "{'loss'" not in text, f"the Trainer's own log dicts were printed too:\n{text}"
+    if adapter == "whole model":  # (4 noisy steps: measured 3.50 -> 3.00, seeded)
+        assert result["loss_after"] < result["loss_before"] - 0.2, (result, text)
