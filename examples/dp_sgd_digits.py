@@ -2,28 +2,32 @@
 non-private training of the same network, with the privacy spent and a plot.
 
     pip install torch==2.13.0 -e ".[examples,dp]"
-    python examples/dp_sgd_digits.py [--epochs 30] [--ghost] [--out dp_sgd_digits.png] [--quick]
+    python examples/dp_sgd_digits.py [--epochs 30] [--out dp_sgd_digits.png] [--quick]
 
-Both runs draw their batches by Poisson sampling (each training example in each batch with
-probability batch / n_train, what the privacy analysis assumes: gradhooks.PoissonSampler). The
-private run clips each example's gradient and adds Gaussian noise (gradhooks.dp_sgd_step,
-divided by the expected batch size), and gradhooks.PrivacyAccountant gives the ε spent so far at
-δ = 1e-5 (Google's dp-accounting, the ``dp`` extra; without it the run says so and goes on
-without ε). A line per epoch gives the mean training loss, the test accuracy and ε; the plot
-(``--out``) shows the private run's test accuracy against ε beside the non-private run's, and
-both against the epochs.
+The private run is one ``gradhooks.make_private(...)``: it owns the whole mechanism, so that
+nothing in the loop can be wired wrong. Its batches come from ``private.batches()``, Poisson
+sampled (each training example in each batch with probability batch / n_train, what the
+privacy analysis assumes); ``private.backward(losses)`` clips each example's gradient (by
+per-example norms: no per-example gradient is formed), ``private.step()`` adds the Gaussian
+noise once, divides by the *expected* batch size and records the step in its accountant, and
+``private.epsilon`` is the ε spent so far at δ = 1e-5 (Google's dp-accounting, the ``dp``
+extra; without it the run says so and goes on without ε). The non-private run draws its
+batches by Poisson sampling too (gradhooks.PoissonSampler) and averages over each batch. A line
+per epoch gives the mean training loss, the test accuracy and ε; the plot (``--out``) shows the
+private run's test accuracy against ε beside the non-private run's, and both against the
+epochs.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import gradhooks
 
@@ -83,55 +87,72 @@ class Run:
 
 def train(
     private: bool, epochs: int = 30, batch: int = 64, lr: float = 0.5, max_norm: float = 1.0,
-    noise_multiplier: float = 1.0, ghost: bool = False, seed: int = 0, with_epsilon: bool = False,
-    log=None,
+    noise_multiplier: float = 1.0, seed: int = 0, with_epsilon: bool = False, log=None,
 ) -> Run:  # fmt: skip
     """Train on Poisson batches of ``batch`` examples in expectation; ``log(line)`` after each
-    epoch. With ``with_epsilon`` (needs the dp extra) the private run's ε is recorded too."""
+    epoch (``round(n_train / batch)`` steps). With ``with_epsilon`` (needs the dp extra) the
+    private run's ε is recorded too."""
     torch.manual_seed(seed)
     (xtr, ytr), (xte, yte) = load_digits_tensors(seed)
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=lr)
-    sampler = gradhooks.PoissonSampler(
-        len(ytr), batch, generator=torch.Generator().manual_seed(seed + 1)
-    )
-    noise = torch.Generator().manual_seed(seed + 2)  # in earnest: a secret seed (os.urandom)
-    accountant = gradhooks.PrivacyAccountant()
-    run = Run(private=private, sample_rate=sampler.sample_rate)
-    quantities = ("norms",) if ghost else ("grad1",)
-    hooks = gradhooks.add_hooks(net, quantities=quantities) if private else contextlib.nullcontext()
-    with hooks as h:
+    run = Run(private=private)
+
+    def end_epoch(epoch: int, total: float, seen: int, epsilon: float | None) -> None:
+        run.loss.append(total / max(seen, 1))
+        run.accuracy.append(accuracy(net, xte, yte))
+        line = (
+            f"{'DP-SGD' if private else 'non-private':>11}  epoch {epoch:3d}/{epochs}  "
+            f"loss {run.loss[-1]:.3f}  test accuracy {run.accuracy[-1]:.3f}"
+        )
+        if epsilon is not None:
+            run.epsilon.append(epsilon)
+            line += f"  ε {epsilon:.2f}"
+        if log is not None:
+            log(line)
+
+    if not private:
+        sampler = gradhooks.PoissonSampler(
+            len(ytr), batch, generator=torch.Generator().manual_seed(seed + 1)
+        )
+        run.sample_rate = sampler.sample_rate
         for epoch in range(1, epochs + 1):
             total, seen = 0.0, 0
             for idx in sampler:
+                if len(idx) == 0:
+                    continue
                 opt.zero_grad(set_to_none=True)
                 losses = F.cross_entropy(net(xtr[idx]), ytr[idx], reduction="none")
-                if private:  # an empty batch too: its step is the noise alone
-                    gradhooks.dp_sgd_step(
-                        h, losses, max_norm=max_norm, noise_multiplier=noise_multiplier,
-                        generator=noise, expected_batch_size=batch,
-                    )  # fmt: skip
-                    accountant.step(
-                        noise_multiplier=noise_multiplier, sample_rate=sampler.sample_rate
-                    )
-                elif len(idx) > 0:
-                    losses.mean().backward()
-                else:
-                    continue
+                losses.mean().backward()
                 opt.step()
                 run.steps += 1
                 total, seen = total + losses.sum().item(), seen + len(idx)
-            run.loss.append(total / max(seen, 1))
-            run.accuracy.append(accuracy(net, xte, yte))
-            line = (
-                f"{'DP-SGD' if private else 'non-private':>11}  epoch {epoch:3d}/{epochs}  "
-                f"loss {run.loss[-1]:.3f}  test accuracy {run.accuracy[-1]:.3f}"
-            )
-            if private and with_epsilon:
-                run.epsilon.append(accountant.epsilon(DELTA))
-                line += f"  ε {run.epsilon[-1]:.2f}"
-            if log is not None:
-                log(line)
+            end_epoch(epoch, total, seen, None)
+        return run
+
+    # the private run: make_private owns the batches, the clipping, the noise, the division
+    # by the expected batch size, the accountant and the budget (epochs * round(n / batch)
+    # steps); the generator seeds the batches and the noise (in earnest: leave it out, and
+    # the seeds come from the OS's entropy)
+    private_run = gradhooks.make_private(
+        net, opt, TensorDataset(xtr, ytr), noise_multiplier=noise_multiplier, delta=DELTA,
+        epochs=epochs, expected_batch_size=batch, max_grad_norm=max_norm,
+        generator=torch.Generator().manual_seed(seed + 1),
+    )  # fmt: skip
+    run.sample_rate = private_run.sample_rate
+    per_epoch = private_run.steps // epochs
+    total, seen = 0.0, 0
+    with private_run:  # (close(): the hooks off the model at the end)
+        for xb, yb in private_run.batches():  # an empty batch too: its step is the noise alone
+            losses = F.cross_entropy(net(xb), yb, reduction="none")
+            private_run.backward(losses)
+            private_run.step()  # (one physical batch per logical one: a step each time)
+            total, seen = total + losses.sum().item(), seen + len(yb)
+            if private_run.steps_taken % per_epoch == 0:
+                epsilon = private_run.epsilon if with_epsilon else None
+                end_epoch(private_run.steps_taken // per_epoch, total, seen, epsilon)
+                total, seen = 0.0, 0
+        run.steps = private_run.steps_taken
     return run
 
 
@@ -196,7 +217,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=64, help="expected batch size")
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--max-norm", type=float, default=1.0)
-    parser.add_argument("--ghost", action="store_true", help="ghost clipping (never forms grad1)")
     parser.add_argument("--out", default="dp_sgd_digits.png", help="the plot (PNG)")
     parser.add_argument("--quick", action="store_true", help="2 epochs each (a smoke test)")
     args = parser.parse_args(argv)
@@ -208,7 +228,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     plain = train(private=False, epochs=epochs, batch=args.batch, lr=0.1, log=log)
     private = train(
-        private=True, epochs=epochs, batch=args.batch, ghost=args.ghost, max_norm=args.max_norm,
+        private=True, epochs=epochs, batch=args.batch, max_norm=args.max_norm,
         noise_multiplier=args.noise_multiplier, with_epsilon=why_no_epsilon is None, log=log,
     )  # fmt: skip
     print(f"non-private test accuracy: {plain.accuracy[-1]:.3f}")
