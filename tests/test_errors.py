@@ -23,6 +23,8 @@ BUILTINS = {
     gradhooks.UnbatchedInputError: (RuntimeError, ValueError),
     gradhooks.MixedExamplesError: (RuntimeError,),
     gradhooks.UnsupportedError: (NotImplementedError, RuntimeError),
+    gradhooks.UnsupportedInputError: (NotImplementedError, RuntimeError, ValueError),
+    gradhooks.UnsupportedModuleError: (NotImplementedError, RuntimeError, TypeError),
     gradhooks.RuleError: (RuntimeError,),
     gradhooks.CheckFailedError: (AssertionError, RuntimeError),
     gradhooks.NumericalError: (FloatingPointError,),
@@ -79,6 +81,10 @@ TYPED = [
     "workflows/kfac_optimizer.py", "workflows/private.py", "workflows/hf.py", "compat.py",
     "_torch.py",
     "tuning.py", "loop.py",
+    "engine/api.py", "engine/backprops.py", "engine/backward.py", "engine/calls.py",
+    "engine/capture.py", "engine/forward.py", "engine/handle.py", "engine/memory.py",
+    "engine/plan.py", "engine/records.py", "engine/verify.py", "tracking/layout.py",
+    "rules/fallback.py",
 ]  # fmt: skip
 BARE = {
     "ValueError", "TypeError", "RuntimeError", "AssertionError", "FloatingPointError",
