@@ -39,6 +39,8 @@ from .errors import (
     StateError,
     UnbatchedInputError,
     UnsupportedError,
+    UnsupportedInputError,
+    UnsupportedModuleError,
 )
 from .pieces import Direct, Outer, Piece, Rows
 from .privacy import audit  # noqa: F401
@@ -78,6 +80,8 @@ __all__ = [
     "UnbatchedInputError",
     "MixedExamplesError",
     "UnsupportedError",
+    "UnsupportedInputError",
+    "UnsupportedModuleError",
     "RuleError",
     "CheckFailedError",
     "NumericalError",

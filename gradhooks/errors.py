@@ -28,6 +28,8 @@ __all__ = [
     "UnbatchedInputError",
     "MixedExamplesError",
     "UnsupportedError",
+    "UnsupportedInputError",
+    "UnsupportedModuleError",
     "RuleError",
     "CheckFailedError",
     "NumericalError",
@@ -93,6 +95,21 @@ class UnsupportedError(GradhooksError, NotImplementedError):
     torch without the internals it reads). Change the model as the message says, freeze the
     parameters concerned, or hook with ``unsupported='skip'``. Also a ``NotImplementedError``
     (and so a ``RuntimeError``)."""
+
+
+class UnsupportedInputError(UnsupportedError, ValueError):
+    """An :class:`UnsupportedError` about what a layer was given or returns: a nested tensor,
+    several sequences packed along one dimension, rows picked from the batch by an index, an
+    output whose rows the torch.func fallback cannot match with the examples. Pad the
+    examples into one batch as the message says, or register a rule for the module. Also a
+    ``ValueError``."""
+
+
+class UnsupportedModuleError(UnsupportedError, TypeError):
+    """An :class:`UnsupportedError` about a module's type: a module with trainable parameters
+    and no rule (under ``unsupported='error'``), a TorchScript module, which takes no hooks.
+    Register a rule with ``@gradhooks.register``, hook the module before scripting it, or
+    freeze its parameters. Also a ``TypeError``."""
 
 
 class RuleError(GradhooksError, RuntimeError):

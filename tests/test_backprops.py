@@ -79,7 +79,7 @@ def test_activations_and_backprops_are_autograd_hacks(name, model, shape, reduct
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
     h.clear()  # autograd-hacks' clear_backprops
-    with pytest.raises(RuntimeError, match="no captured backward"):
+    with pytest.raises(gradhooks.StateError, match="no captured backward"):
         h.backprops(layers[0])
     h.remove()
     assert not any(hasattr(m, "activations") or hasattr(m, "backprops_list")
@@ -90,10 +90,10 @@ def test_backprops_need_keep_backprops_and_a_hooked_module():
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
     with gradhooks.add_hooks(model) as h:
         model(torch.randn(2, 4)).sum().backward()
-        with pytest.raises(RuntimeError, match="keep_backprops=True"):
+        with pytest.raises(gradhooks.StateError, match="keep_backprops=True"):
             h.activations(model[0])
     with gradhooks.add_hooks(model, keep_backprops=True) as h:
         model(torch.randn(2, 4)).sum().backward()
-        with pytest.raises(ValueError, match="not a module this handle hooks"):
+        with pytest.raises(gradhooks.ConfigurationError, match="not a module this handle hooks"):
             h.backprops(model[1])
         assert h.activations(model[0]).shape == (2, 4)

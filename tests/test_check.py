@@ -90,7 +90,9 @@ def test_check_says_which_reduction_the_loss_used(declared, real):
             report = h.check(F.cross_entropy, x, y)
             assert report.ok and report.reduction == real
         else:
-            with pytest.raises(RuntimeError, match=f"the loss is the {real} of the per-example"):
+            with pytest.raises(
+                gradhooks.CheckFailedError, match=f"the loss is the {real} of the per-example"
+            ):
                 h.check(F.cross_entropy, x, y)
             report = h.check(F.cross_entropy, x, y, raise_on_error=False)
             assert report.reduction == real
@@ -106,7 +108,7 @@ def test_check_reports_a_loss_term_that_bypasses_the_layers():
     x = torch.randn(4, 3, dtype=D)
     with gradhooks.add_hooks(model) as h:
         loss = sq(model(x)) / 4 + 0.1 * model[0].weight.pow(2).sum()  # weight decay in the loss
-        with pytest.raises(RuntimeError, match=r"'0.weight'.*weight decay"):
+        with pytest.raises(gradhooks.CheckFailedError, match=r"'0.weight'.*weight decay"):
             loss.backward()
         assert not hasattr(model[0].weight, "grad1")
     model.zero_grad()

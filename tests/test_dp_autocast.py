@@ -164,14 +164,16 @@ def test_mixing_is_refused_under_autocast(precision, how, quantity):
     x = torch.randn(4, 3)
     with gradhooks.add_hooks(model, quantities=(quantity,)):
         if how == "cdist":  # (the tracker sees it mix, at the forward)
-            with pytest.raises(RuntimeError, match=r"'l2' \(Linear\): its input .* across the"):
+            with pytest.raises(
+                gradhooks.MixedExamplesError, match=r"'l2' \(Linear\): its input .* across the"
+            ):
                 with torch.autocast("cpu", dtype=AUTOCAST[precision]):
                     model(x)
             return
         with torch.autocast("cpu", dtype=AUTOCAST[precision]):
             out = model(x)
         with pytest.raises(
-            RuntimeError,
+            gradhooks.CheckFailedError,
             match=r"(grad1 is not the examples' own|norms are not those of the examples').*"
             r"'l1\.weight'",
         ):

@@ -74,7 +74,7 @@ def test_the_kept_pieces_give_each_examples_gradient():
 def test_keep_needs_quantities():
     model = _model()
     with gradhooks.add_hooks(model) as h:
-        with pytest.raises(ValueError, match="keep"):
+        with pytest.raises(gradhooks.ConfigurationError, match="keep"):
             with engine_of(h).backward_mode(keep=[]):
                 pass
 

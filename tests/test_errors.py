@@ -23,6 +23,8 @@ BUILTINS = {
     gradhooks.UnbatchedInputError: (RuntimeError, ValueError),
     gradhooks.MixedExamplesError: (RuntimeError,),
     gradhooks.UnsupportedError: (NotImplementedError, RuntimeError),
+    gradhooks.UnsupportedInputError: (NotImplementedError, RuntimeError, ValueError),
+    gradhooks.UnsupportedModuleError: (NotImplementedError, RuntimeError, TypeError),
     gradhooks.RuleError: (RuntimeError,),
     gradhooks.CheckFailedError: (AssertionError, RuntimeError),
     gradhooks.NumericalError: (FloatingPointError,),
@@ -79,6 +81,10 @@ TYPED = [
     "workflows/kfac_optimizer.py", "workflows/private.py", "workflows/hf.py", "compat.py",
     "_torch.py",
     "tuning.py", "loop.py",
+    "engine/api.py", "engine/backprops.py", "engine/backward.py", "engine/calls.py",
+    "engine/capture.py", "engine/forward.py", "engine/handle.py", "engine/memory.py",
+    "engine/plan.py", "engine/records.py", "engine/verify.py", "tracking/layout.py",
+    "rules/fallback.py",
 ]  # fmt: skip
 BARE = {
     "ValueError", "TypeError", "RuntimeError", "AssertionError", "FloatingPointError",
@@ -270,3 +276,96 @@ def test_a_torch_error_is_not_a_gradhooks_error():
         with pytest.raises(RuntimeError) as raised:
             model(torch.randn(4, 5))  # 5 features into a Linear(3, 2)
     assert not isinstance(raised.value, gradhooks.GradhooksError)
+
+
+# -- the refusals of the hooks themselves (a forward or a backward), each its own class -----------
+
+
+class _Between(nn.Module):
+    """Two Linear layers with an operation between them."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.l1, self.l2, self.between = nn.Linear(3, 4), nn.Linear(4, 2), between
+
+    def forward(self, x):
+        return self.l2(self.between(self.l1(x)))
+
+
+def _raised(cls, fn, match=None):
+    """``fn()`` raises exactly ``cls`` (not a subclass, not a sibling)."""
+    with pytest.raises(gradhooks.GradhooksError, match=match) as refused:
+        fn()
+    assert type(refused.value) is cls, (type(refused.value), refused.value)
+    return refused.value
+
+
+def test_mixed_examples_from_an_input_centred_over_the_batch():
+    model = _Between(lambda h: h - h.mean(0))
+    with gradhooks.add_hooks(model):
+        e = _raised(
+            gradhooks.MixedExamplesError,
+            lambda: model(torch.randn(5, 3)).sum().backward(),
+            r"'l2' \(Linear\)",
+        )
+    assert isinstance(e, RuntimeError)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batch_not_found_when_the_examples_are_reordered():
+    perm = torch.tensor([2, 0, 3, 1])
+    model = _Between(lambda h: h[perm])
+    with gradhooks.add_hooks(model):
+        _raised(gradhooks.BatchNotFoundError, lambda: model(torch.randn(4, 3)), "in another order")
+
+
+def test_check_failed_when_grad1_does_not_add_up():
+    """A loss term that uses a weight alone: the verifying backward finds that grad1 does
+    not sum to the gradient autograd computed, and writes no grad1."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss = model(torch.randn(4, 3)).pow(2).sum() + model[0].weight.pow(2).sum()
+        e = _raised(gradhooks.CheckFailedError, loss.backward, "does not add up.*'0.weight'")
+    assert isinstance(e, AssertionError) and isinstance(e, RuntimeError)
+    assert not hasattr(model[0].weight, "grad1")
+
+
+def test_state_error_when_hooked_twice():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model):
+        _raised(gradhooks.StateError, lambda: gradhooks.add_hooks(model), "already has")
+
+
+def test_configuration_errors_of_add_hooks():
+    model = nn.Linear(3, 2)
+    _raised(gradhooks.ConfigurationError, lambda: gradhooks.add_hooks(model, batch_dim=-1))
+    _raised(gradhooks.ConfigurationTypeError, lambda: gradhooks.add_hooks("a model"))
+    with gradhooks.add_hooks(model):  # the refusals added no hooks
+        pass
+
+
+class _NoRule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_unsupported_module_without_a_rule():
+    e = _raised(
+        gradhooks.UnsupportedModuleError,
+        lambda: gradhooks.add_hooks(_NoRule(), unsupported="error"),
+        "no rule",
+    )
+    assert isinstance(e, TypeError) and isinstance(e, gradhooks.UnsupportedError)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_unsupported_input_nested_tensor():
+    model = nn.Linear(3, 2)
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    with gradhooks.add_hooks(model):
+        e = _raised(gradhooks.UnsupportedInputError, lambda: model(nested), "nested tensor")
+    assert isinstance(e, ValueError) and isinstance(e, gradhooks.UnsupportedError)

@@ -216,13 +216,13 @@ def test_children_are_not_captured_inside_the_fallback():
 
 def test_error_and_skip_still_work():
     model = nn.Sequential(nn.Linear(3, 4), Scale(4))
-    with pytest.raises(TypeError, match=r"'1' \(Scale\): scale"):
+    with pytest.raises(gradhooks.UnsupportedModuleError, match=r"'1' \(Scale\): scale"):
         gradhooks.add_hooks(model, unsupported="error")
     with gradhooks.add_hooks(model, unsupported="skip") as hooks:
         assert list(hooks.fallback_modules()) == []
         model(torch.randn(2, 3)).sum().backward()
     assert not hasattr(model[1].scale, "grad1")
-    with pytest.raises(ValueError, match="'fallback', 'error' or 'skip'"):
+    with pytest.raises(gradhooks.ConfigurationError, match="'fallback', 'error' or 'skip'"):
         gradhooks.add_hooks(model, unsupported="warn")
 
 
@@ -273,7 +273,9 @@ class DroppedProduct(nn.Module):
 def test_randomness_is_a_clear_error():
     model = DroppedProduct(4)
     with gradhooks.add_hooks(model):
-        with pytest.raises(RuntimeError, match=r"'<model>' \(DroppedProduct\).*random"):
+        with pytest.raises(
+            gradhooks.UnsupportedError, match=r"'<model>' \(DroppedProduct\).*random"
+        ):
             model(torch.randn(5, 4)).sum().backward()
     model.eval()
     check(
@@ -301,7 +303,7 @@ def test_a_failed_recomputation_is_a_clear_error(batch_dim):
     do; the model is left as it was."""
     model = NoSingleExamples(4)
     with gradhooks.add_hooks(model, batch_dim=batch_dim):
-        with pytest.raises(RuntimeError) as info:
+        with pytest.raises(gradhooks.RuleError) as info:
             model(torch.randn(5, 4)).sum().backward()
     message = str(info.value)
     assert "'<model>' (NoSingleExamples) could not recompute the module one example" in message

@@ -80,7 +80,9 @@ def test_complex_linear_grad1_and_what_is_refused():
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad1, want[n], rtol=1e-10, atol=1e-12, msg=n)
     gradhooks.clear_grad1(m)
-    with pytest.raises(ValueError, match="'0.weight' is complex: quantities \\('norms',\\)"):
+    with pytest.raises(
+        gradhooks.ConfigurationError, match="'0.weight' is complex: quantities \\('norms',\\)"
+    ):
         gradhooks.add_hooks(m, quantities=("norms",))
     with gradhooks.add_hooks(m, loss_reduction="sum") as h:
         with pytest.raises(

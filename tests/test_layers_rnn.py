@@ -337,7 +337,7 @@ def test_layer_on_the_data_of_a_packed_sequence_is_refused(time):
     x = torch.randn(3, time, 2, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'ih' \(Linear\): its input \(\(3, 2\)\) is the "
+        with pytest.raises(gradhooks.UnsupportedError, match=r"'ih' \(Linear\): its input \(\(3, 2\)\) is the "
                            "data of a PackedSequence"):  # fmt: skip
             model(packed)
     # without the layer on the data: the first state (zeros, the same for every example) meets
@@ -347,7 +347,7 @@ def test_layer_on_the_data_of_a_packed_sequence_is_refused(time):
     packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         out = model(packed)
-        with pytest.raises(RuntimeError, match=r"'hh' \(Linear\): its inputs do not depend on "
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'hh' \(Linear\): its inputs do not depend on "
                            r"the examples.*the data of a PackedSequence"):  # fmt: skip
             out.pow(2).sum().backward()
 
@@ -359,7 +359,9 @@ def test_opacus_rnn_on_packed_sequences_of_one_step_is_refused():
     x = torch.randn(2, 1, 5, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([1, 1]), batch_first=True)
     with gradhooks.add_hooks(rnn, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'l0\.ih' \(RNNLinear\).*PackedSequence"):
+        with pytest.raises(
+            gradhooks.UnsupportedError, match=r"'l0\.ih' \(RNNLinear\).*PackedSequence"
+        ):
             rnn(packed)
 
 
@@ -906,7 +908,7 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused(quantity):
         loss = model(x)[0].pow(2).sum()
         with torch.no_grad():
             model.weight_hh_l1.mul_(2)
-        with pytest.raises(RuntimeError, match=r"parameter 'weight_hh_l1' .*\(LSTM\)"):
+        with pytest.raises(gradhooks.StateError, match=r"parameter 'weight_hh_l1' .*\(LSTM\)"):
             loss.backward()
 
 
@@ -1041,5 +1043,8 @@ def test_a_module_without_a_rule_returning_a_packed_sequence_is_refused():
 
     m = Model().double()
     x = torch.randn(3, 5, 3, dtype=D)
-    with gradhooks.add_hooks(m), pytest.raises(ValueError, match="'packs'.*PackedSequence"):
+    with (
+        gradhooks.add_hooks(m),
+        pytest.raises(gradhooks.UnsupportedInputError, match="'packs'.*PackedSequence"),
+    ):
         m(x, torch.tensor([5, 3, 2])).sum().backward()

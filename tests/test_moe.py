@@ -149,7 +149,7 @@ def test_capacity_counted_across_the_batch_is_refused():
     m = MoE(capacity=2).double()
     x = torch.randn(3, 5, 4, dtype=D)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
                                                r"across the batch \(cumsum"):  # fmt: skip
             m(x)
     assert not any(hasattr(p, "grad1") for p in m.parameters())
@@ -187,7 +187,7 @@ def test_capacity_by_position_among_the_tokens_found_is_refused(how):
     torch.manual_seed(0)
     m = Truncated(how, capacity=2).double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'experts\.\d\.up' \(Linear\).*index computed "
                                                r"across the batch \(__getitem__ of the rows"):  # fmt: skip
             m(torch.randn(3, 5, 4, dtype=D))
 
@@ -215,7 +215,9 @@ def test_rows_picked_into_a_module_without_a_rule_are_refused():
     m = MoE().double()
     m.experts[0] = Bare().double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'experts\.0' \(.*Bare\).*cannot split"):
+        with pytest.raises(
+            gradhooks.UnsupportedError, match=r"'experts\.0' \(.*Bare\).*cannot split"
+        ):
             sq(m(torch.randn(3, 5, 4, dtype=D))).backward()
 
 
@@ -343,7 +345,7 @@ def test_nllb_moe_dropping_tokens_across_the_batch_is_refused(transformers):
     depends on the other examples, so the layer after the routing is refused, naming it."""
     m, ids = _nllb(transformers, 2), torch.randint(2, 32, (3, 6))
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.ffn\.experts\.expert_\d\.fc1' "
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'model\.layers\.0\.ffn\.experts\.expert_\d\.fc1' "
                                                r"\(Linear\).*index computed across the batch "
                                                r"\(cumsum"):  # fmt: skip
             m(ids)
@@ -424,5 +426,7 @@ def test_tokens_sorted_by_expert_across_the_batch_are_refused():
     torch.manual_seed(0)
     m = Sorted().double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(RuntimeError, match=r"'experts\.0\.up' \(Linear\).*\(argsort"):
+        with pytest.raises(
+            gradhooks.MixedExamplesError, match=r"'experts\.0\.up' \(Linear\).*\(argsort"
+        ):
             m(torch.randn(3, 5, 4, dtype=D))

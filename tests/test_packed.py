@@ -72,7 +72,9 @@ def test_varlen_input_is_refused_naming_it(how):
     torch.testing.assert_close(model(packed, cu).view(3, 4, 6), model(x))
     name = {"positional": "cu_seqlens"}.get(how, how)
     with gradhooks.add_hooks(model):
-        with pytest.raises(ValueError, match=rf"'Varlen' \(the model\) got {name} \(shape "):
+        with pytest.raises(
+            gradhooks.UnsupportedInputError, match=rf"'Varlen' \(the model\) got {name} \(shape "
+        ):
             if how == "positional":
                 model(packed, cu)
             elif how == "seq_idx":
@@ -85,7 +87,7 @@ def test_varlen_input_is_refused_naming_it(how):
 
 def test_varlen_error_says_what_to_do():
     model = Varlen()
-    with gradhooks.add_hooks(model), pytest.raises(ValueError) as e:
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.UnsupportedInputError) as e:
         model(torch.randn(5, 6, dtype=D), torch.tensor([0, 2, 5]))
     msg = str(e.value)
     assert "x (5, 6), cu_seqlens (3,)" in msg and "padded batch" in msg and "attention_mask" in msg
@@ -147,7 +149,10 @@ def test_flattened_batch_is_refused(make, use_cache):
     batch = hf("DataCollatorWithFlattening")(return_tensors="pt")([{"input_ids": s} for s in SEQS])
     assert batch["input_ids"].shape == (1, 12)
     with gradhooks.add_hooks(model):
-        with pytest.raises(ValueError, match=r"got position_ids \(shape \(1, 12\)\) that start"):
+        with pytest.raises(
+            gradhooks.UnsupportedInputError,
+            match=r"got position_ids \(shape \(1, 12\)\) that start",
+        ):
             model(**batch, use_cache=use_cache)
     assert not any(hasattr(p, "grad1") for p in model.parameters())
 

@@ -90,7 +90,10 @@ def test_an_empty_first_input_is_not_taken_for_examples(case, time):
     never ``T`` rows of zeros taken for examples."""
     make, inputs = EMPTY[case]
     m = make().double()
-    with gradhooks.add_hooks(m), pytest.raises(ValueError, match=r"no entries.*batch_dim=k"):
+    with (
+        gradhooks.add_hooks(m),
+        pytest.raises(gradhooks.UnbatchedInputError, match=r"no entries.*batch_dim=k"),
+    ):
         out = m(inputs(time))
         sq(out[0] if isinstance(out, tuple) else out).backward()
     assert all(not hasattr(p, "grad1") for p in m.parameters())

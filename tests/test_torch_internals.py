@@ -402,7 +402,9 @@ def test_op_schema(off):
         ):
             model = Between(along).double()
             with gradhooks.add_hooks(model, loss_reduction="sum"):
-                with pytest.raises(RuntimeError, match="computed across the examples"):
+                with pytest.raises(
+                    gradhooks.MixedExamplesError, match="computed across the examples"
+                ):
                     model(torch.randn(4, 3, dtype=torch.float64))
         for along in (
             lambda h: torch.special.softmax(h, dim=1),
@@ -444,7 +446,7 @@ def test_op_schema_puts_keyword_arguments_in_place(off):
     want = loop_grad(model, sum_of_squares, x)
     with switched_off("op_schema", off), gradhooks.add_hooks(model, loss_reduction="sum"):
         if off:
-            with pytest.raises(RuntimeError, match="grad1 is not the examples' own"):
+            with pytest.raises(gradhooks.CheckFailedError, match="grad1 is not the examples' own"):
                 sum_of_squares(model(x)).backward()
             return
         sum_of_squares(model(x)).backward()
@@ -467,7 +469,7 @@ def test_autograd_node(monkeypatch, off, head):
     model = ODENet(head).double()
     x = torch.randn(4, 3, dtype=torch.float64)
     with switched_off("autograd_node", off), gradhooks.add_hooks(model):
-        with pytest.raises(RuntimeError, match="inside another backward"):
+        with pytest.raises(gradhooks.UnsupportedError, match="inside another backward"):
             sum_of_squares(model(x)).backward()
     assert not any(hasattr(p, "grad1") for p in model.parameters())
     assert (True in seen) != off and (None in seen) == off, seen

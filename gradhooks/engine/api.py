@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigurationError, StateError
 from ..quantities import Collector
 from ..tracking import Tracker
 from .handle import Hooks
@@ -45,7 +46,7 @@ class EngineAPI:
     def _hooks(self) -> Hooks:
         hooks = self._ref()
         if hooks is None:
-            raise RuntimeError("the gradhooks handle this engine belonged to is gone")
+            raise StateError("the gradhooks handle this engine belonged to is gone")
         return hooks
 
     # -- what is hooked ----------------------------------------------------------------------
@@ -177,7 +178,7 @@ class EngineAPI:
         hooks = self._hooks
         collector = hooks._state.collector
         if keep is not None and collector is None:
-            raise ValueError("backward_mode(keep=...) needs a handle with quantities")
+            raise ConfigurationError("backward_mode(keep=...) needs a handle with quantities")
         before = hooks._state.mode
         kept = collector.keep if collector is not None else None
         hooks._state.mode = BackwardMode(capture=capture, param_grads=param_grads)

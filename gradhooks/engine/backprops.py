@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from ..errors import ConfigurationError, StateError
 from ..rules.registry import Call
 from .plan import Target
 
@@ -64,20 +65,20 @@ def kept_for(
     :meth:`gradhooks.Hooks.backprops` of ``module``; refused where it keeps nothing, does not
     hook ``module``, or no captured backward reached it."""
     if kept is None:
-        raise RuntimeError(
+        raise StateError(
             f"Hooks.{what}: this handle keeps no layer inputs or output-gradients; add the "
             "hooks with gradhooks.add_hooks(model, keep_backprops=True) (they then stay in "
             "memory until h.clear())"
         )
     if not any(t.module is module for t in targets):
-        raise ValueError(
+        raise ConfigurationError(
             f"Hooks.{what}: {type(module).__qualname__} is not a module this handle hooks "
             "(h.modules() lists them: modules with trainable parameters and a rule, or the "
             "fallback)"
         )
     if not kept.reached(module):
         name = next(t.name for t in targets if t.module is module)
-        raise RuntimeError(
+        raise StateError(
             f"Hooks.{what}: no captured backward reached '{name}' "
             f"({type(module).__qualname__}) since the hooks were added or h.clear(); run "
             "the forward and the backward first"

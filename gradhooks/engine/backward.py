@@ -22,7 +22,14 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
-from ..errors import GradhooksWarning
+from ..errors import (
+    BatchNotFoundError,
+    GradhooksWarning,
+    RuleError,
+    StateError,
+    UnbatchedInputError,
+    UnsupportedError,
+)
 from ..rules.registry import Call, _Entry
 from .accumulation import all_zero, sole_grad1
 from .calls import (
@@ -155,7 +162,7 @@ class BackwardWriter:
             # derivative of a Laplacian, with respect to the input): decided at its end.
             where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
             if bw is None:
-                raise RuntimeError(higher_order(where))
+                raise UnsupportedError(higher_order(where))
             bw.derived = bw.derived or where
             return
         state.derived = create_graph
@@ -209,7 +216,7 @@ class BackwardWriter:
             names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
             if msg.startswith("fallback for") or any(n in msg for n in names):
                 raise  # already names the module
-            raise RuntimeError(
+            raise RuleError(
                 f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
                 f"({type(target.module).__qualname__}) failed on {describe_call(call)}: {e}\n"
                 "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
@@ -221,7 +228,7 @@ class BackwardWriter:
             if pieces.get(pname) is not None:
                 live[pname] = p
             elif pname not in pieces:
-                raise RuntimeError(
+                raise RuleError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
                     f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}). "
                     "A parameter the rule does not know is used by something around the layer "
@@ -237,7 +244,7 @@ class BackwardWriter:
         first = next(iter(live))
         batch = pieces[first].batch_size
         if frame is not None and frame.empty is not None and batch and blank_call(call):
-            raise ValueError(
+            raise UnbatchedInputError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
                 f"first tensor input has shape {frame.empty}, with no entries. With "
                 f"batch_dim='auto' its batch is dimension 0: {frame.empty[0]} examples without "
@@ -258,7 +265,7 @@ class BackwardWriter:
             self._check_batch(target, first, call, batch, frame)
         elif layout is not None:
             if batch != layout.batch:
-                raise RuntimeError(
+                raise BatchNotFoundError(
                     f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): its "
                     f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
                     f"model's forward has {layout.batch} ({describe_call(call)}). gradhooks could "
@@ -328,7 +335,7 @@ class BackwardWriter:
                 else:
                     g1 = piece.grad1(p.shape, scale)
             except RuntimeError as e:
-                raise RuntimeError(
+                raise RuleError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
@@ -385,7 +392,7 @@ class BackwardWriter:
             f"{name} gives '{pname}' a per-example gradient for {batch} examples (dimension 0 of "
             f"what its rule sees: {describe_call(call)})"
         )
-        raise RuntimeError(
+        raise BatchNotFoundError(
             f"{what}, {why}. A layer that does not see the examples on dimension 0 (the model "
             "folds time or patches into the batch, x.view(B * T, ...), or runs a layer "
             "sequence-first, [seq, batch, ...]) would get grad1 rows that are not examples. Keep "
@@ -594,7 +601,7 @@ class BackwardWriter:
             else "otherwise than by a factor (each entry clamped, noise or another tensor added)"
         )
         self._undo_running(bw)
-        raise RuntimeError(
+        raise UnsupportedError(
             f"gradhooks: a hook registered on '{name}' (with register_hook) "
             f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
             "Its grad1 was not written. Change grad1 (or the per-example gradients) yourself "
@@ -622,7 +629,7 @@ class BackwardWriter:
             return  # (a term of the loss alone: verify=False keeps the per-example terms)
         ops = ", ".join(unknown)
         self._abort_backward()
-        raise RuntimeError(
+        raise UnsupportedError(
             f"'{name}' is used outside its module's call, and this backward computed its "
             "gradient, but no per-example gradient reached it: "
             + (
@@ -660,7 +667,7 @@ class BackwardWriter:
         problem = next((s.problem for s in found if s.problem), None)
         if problem is not None:
             self._abort_backward()
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"'{name}' is used outside its module's call, in operations that do not depend "
                 f"on the examples until they meet the batch, and {problem}: gradhooks cannot "
                 "tell each example's share of its gradient. Use it through its module, or "
@@ -706,7 +713,7 @@ class BackwardWriter:
             self.rollback(bw)
             if self.state.collector is not None:
                 self.state.collector.discard_backward()
-            raise RuntimeError(higher_order(bw.derived))
+            raise UnsupportedError(higher_order(bw.derived))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
@@ -762,7 +769,7 @@ class BackwardWriter:
         names = [name for pid, (name, _) in self.state.params.items() if pid in bw.computed]
         for other in self.state.tasks.values():
             self.rollback(other)
-        raise RuntimeError(
+        raise UnsupportedError(
             f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
             f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
             f"gradient of {_listed_names(names)}, which reached {bw.batched}; grad1 holds one "
@@ -787,7 +794,7 @@ class BackwardWriter:
         solver sums them over its time steps, scaled by the step) is not seen per example."""
         names = [name for pid, (name, _) in self.state.params.items() if pid in returned]
         self._undo_running(bw)
-        raise RuntimeError(
+        raise UnsupportedError(
             f"gradhooks: {_listed_names(names)}: their gradients were computed by a backward "
             "run inside another backward (torch.autograd.grad with respect to them, in a custom "
             "autograd.Function's backward or a gradient hook: an adjoint ODE solver, implicit "
@@ -846,7 +853,7 @@ class BackwardWriter:
         if id(p) in self.state.written:
             old = p.grad1
             if old.shape != g1.shape:
-                raise RuntimeError(
+                raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
                     f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
                     "Call clear() (autograd-hacks: clear_backprops(model)) between steps, or "

@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .. import _torch
 from .. import pieces as P
 from .._torch import tree_flatten, tree_map, tree_unflatten
+from ..errors import BatchNotFoundError, MixedExamplesError, StateError, UnsupportedError
 from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
@@ -70,7 +71,7 @@ def _changed_in_place(target: Target, what: str, t: Tensor, version: int, advice
     """Raise, in autograd's words, where ``t`` (``what`` of ``target``'s call) is no longer at
     the ``version`` its forward saw."""
     if _torch.version(t) != version:
-        raise RuntimeError(
+        raise StateError(
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: {what} of '{target.name or '<model>'}' "
             f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
@@ -158,7 +159,7 @@ def rule_pieces(
         return rule(call)
     if layout.kind == "mismatch":
         rule(call)  # (its own error, where it has one, says more: an unbatched input)
-        raise RuntimeError(layout.lost[0])
+        raise BatchNotFoundError(layout.lost[0])
     if layout.kind == "owners":
         return _owned_pieces(rule(call), params, layout)
     if target.entry.batch_dim_of(target.module) == "positions":
@@ -201,7 +202,7 @@ def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P
         if piece is None or n not in params:
             continue
         if piece.batch_size != owners.numel():
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"the rule gave {piece.batch_size} rows for '{n}' of a call on {owners.numel()} "
                 "rows picked by an index (each one example's): it cannot tell which example "
                 "each belongs to. Register a rule whose rows are its input's, or freeze the "
@@ -409,7 +410,7 @@ class CallLayouts:
         where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
         if any(lay is MIXED for lay in lin):
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
-            raise RuntimeError(
+            raise MixedExamplesError(
                 f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
                 f"examples of the batch ({ops}: a reduction, shift or product along it, "
                 "entries picked from it, rows that are not examples put among them, or a "
@@ -431,7 +432,7 @@ class CallLayouts:
         if first is PACKED:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
             if not any(isinstance(a, PackedSequence) for a in whole[0]):
-                raise RuntimeError(
+                raise UnsupportedError(
                     f"{where}: its input ({_shapes(args, kwargs)}) is the data of a "
                     "PackedSequence, or part of it (the examples' time steps packed together, "
                     "longest sequences first), taken out of the PackedSequence, so its rows are "
@@ -442,7 +443,7 @@ class CallLayouts:
         moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
                       and t in tracker.reordered), None)  # fmt: skip
         if moved is not None:
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"{where}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
                 f"another order ({moved} with a permutation of the batch), so its rule would give "
                 "each example the gradient of another. Put them back in order before the layer "
@@ -451,7 +452,7 @@ class CallLayouts:
         grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
         free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
         if first is not None and free and target.entry is not FALLBACK:
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"{where}: its input ({_shapes(args, kwargs)}) depends on the examples but "
                 "gradhooks lost them inside its forward (an operation it does not see, such as "
                 "a custom kernel), so it cannot tell which example each part of its gradient "
@@ -459,7 +460,7 @@ class CallLayouts:
             )
         if first is None or free:
             if not free:
-                raise RuntimeError(
+                raise BatchNotFoundError(
                     f"{where}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
                     "examples, but its output does: the module reads the batch from somewhere "
                     "else than its inputs (an attribute set by another module?), so its rule "
@@ -488,7 +489,7 @@ class CallLayouts:
         if target.entry is FALLBACK and any(
             lay is not None and lay.owners is not None for lay in (*lin, *lout)
         ):
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"{where}: a module without a rule given rows picked from the batch by an index "
                 f"({_shapes(args, kwargs)}: tokens routed to an expert, or unpadded), so the "
                 "examples have different numbers of rows and its torch.func fallback cannot "

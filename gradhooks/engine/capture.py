@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten, tree_map
+from ..errors import UnsupportedError
 from ..rules.registry import Call
 from ..tracking import Aliases, Tracker
 from .backward import BackwardWriter
@@ -399,7 +400,7 @@ class DetachedCalls:
                 nodes.extend(f for f, _ in node.next_functions if f is not None)
             elif id(variable) in wanted:
                 module = target.module
-                raise RuntimeError(
+                raise UnsupportedError(
                     f"gradhooks: '{target.name or '<model>'}' ({type(module).__qualname__}) "
                     f"hands its parameter '{wanted[id(variable)]}' (shape "
                     f"{tuple(variable.shape)}) to an operation no torch function call "
@@ -422,7 +423,7 @@ class DetachedCalls:
         its output attached to them again (the forward hook's replacement output)."""
         module = target.module
         if not isinstance(output, Tensor):
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"'{target.name}' ({type(module).__qualname__}) returned "
                 f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
                 "modules that return one tensor"

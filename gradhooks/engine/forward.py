@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten, tree_map
+from ..errors import UnbatchedInputError, UnsupportedError, UnsupportedInputError
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
 from ..tracking import PACKED, UNKNOWN, Source, Tracker
@@ -433,7 +434,7 @@ class ForwardCapture:
             if first is not None and first.numel() == 0 and first.shape[0] > 0:
                 frame.empty = tuple(first.shape)
             if all(t.dim() == 0 for t in leaves):
-                raise ValueError(
+                raise UnbatchedInputError(
                     f"{type(module).__qualname__}'s tensor inputs have no dimensions "
                     f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
                     "Add a batch dimension (x.unsqueeze(0) for one example)."
@@ -442,7 +443,7 @@ class ForwardCapture:
             return
         first = leaves[0]
         if first.dim() <= self.state.batch_dim:
-            raise ValueError(
+            raise UnbatchedInputError(
                 f"{type(module).__qualname__}'s first tensor input has shape "
                 f"{tuple(first.shape)}: no batch dimension {self.state.batch_dim}. gradhooks needs a "
                 "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
@@ -517,7 +518,7 @@ def refuse_nested(where: str, *trees: Any) -> None:
     would fail deep inside torch. Refused where it enters the model or a hooked call."""
     for t in tree_leaves(trees):
         if isinstance(t, Tensor) and t.is_nested:
-            raise ValueError(
+            raise UnsupportedInputError(
                 f"{where} got a nested tensor (torch.nested, layout {t.layout}, {t.dim()} "
                 "dimensions, the examples of different lengths): gradhooks computes per-example "
                 "gradients of dense tensors only. Pad the examples into one tensor "
@@ -569,7 +570,7 @@ def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
     for name in _PACKING_NAMES:
         t = named.get(name)
         if isinstance(t, Tensor):
-            raise ValueError(
+            raise UnsupportedInputError(
                 f"{where} got {name} (shape {tuple(t.shape)}): several sequences packed "
                 f"along one dimension of its input ({_shapes_of(named)}), each sequence an "
                 f"example. {remedy}"
@@ -589,7 +590,7 @@ def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if packs.numel():
             row = rows[int(packs[0, 0])]
             shown = row[:12].tolist()
-            raise ValueError(
+            raise UnsupportedInputError(
                 f"{where} got position_ids (shape {tuple(pos.shape)}) that start again within "
                 f"a row ({shown}{' ...' if row.numel() > 12 else ''}) and no attention_mask: "
                 f"several sequences packed into one row of its input ({_shapes_of(named)}), "
@@ -644,7 +645,7 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     for n in kept:
         prefix, _, _ = n.rpartition(".")
         if prefix and id(target.module.get_submodule(prefix)) in used.called:
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}) calls its "
                 f"submodule '{prefix}' and also uses its parameter '{n}' directly; its "
                 "per-example gradients cannot tell the two uses apart. Register a rule for "

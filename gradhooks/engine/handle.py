@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
+from ..errors import ConfigurationError, ConfigurationTypeError, StateError
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
@@ -115,21 +116,27 @@ class Hooks:
         quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
         if unknown or not quantities:
-            raise ValueError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
+            raise ConfigurationError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigurationError(
+                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
+            )
         if unsupported not in ("fallback", "error", "skip"):
-            raise ValueError(
+            raise ConfigurationError(
                 f"unsupported must be 'fallback', 'error' or 'skip', got {unsupported!r}"
             )
         if not isinstance(model, nn.Module):
-            raise TypeError(f"add_hooks expects an nn.Module, got {type(model).__qualname__}")
+            raise ConfigurationTypeError(
+                f"add_hooks expects an nn.Module, got {type(model).__qualname__}"
+            )
         if capture not in ("always", "marked"):
-            raise ValueError(f"capture must be 'always' or 'marked', got {capture!r}")
+            raise ConfigurationError(f"capture must be 'always' or 'marked', got {capture!r}")
         if batch_dim not in (None, "auto") and (not isinstance(batch_dim, int) or batch_dim < 0):
-            raise ValueError(f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}")
+            raise ConfigurationError(
+                f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}"
+            )
         if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
-            raise ValueError(
+            raise ConfigurationError(
                 f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
             )
         shards = fsdp_shards(model)
@@ -160,7 +167,7 @@ class Hooks:
         self._check_not_hooked(model)
         if state.sharded and state.grad1:
             name = next(n for n, p in model.named_parameters() if id(p) in state.sharded)
-            raise ValueError(
+            raise ConfigurationError(
                 f"'{name}' is sharded by FSDP2 (a DTensor): its grad1 would be [batch, *full "
                 "shape] on every rank, which is what sharding avoids, so gradhooks does not form "
                 "it. Use add_hooks(model, quantities=('norms',)) and "
@@ -355,7 +362,7 @@ class Hooks:
         if not self._state.shards and any(
             isinstance(m, _torch.fsdp_module_class()) for m in model.modules()
         ):
-            raise RuntimeError(
+            raise StateError(
                 "the model was sharded with FSDP2 (fully_shard) after add_hooks: the hooks were "
                 "planned with its parameters before sharding. Remove them and add them to the "
                 "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
@@ -376,7 +383,7 @@ class Hooks:
         for t in self._state.targets:
             other = _HOOKED_MODULES.get(t.module)
             if other is not None and other is not self:
-                raise RuntimeError(
+                raise StateError(
                     f"module '{t.name}' ({type(t.module).__qualname__}), added after add_hooks, "
                     f"is already hooked by another gradhooks handle ({other!r}); remove those "
                     "hooks first."
@@ -396,7 +403,7 @@ class Hooks:
         not the gradients of the tensors it was computed from."""
         if self.quantities != ("grad1",) or self._state.sharded:
             name = self._state.params[next(iter(derived))][0]
-            raise ValueError(
+            raise ConfigurationError(
                 f"'{name}' holds a tensor computed from other tensors (torch.func.functional_call "
                 f"with weights such as p - lr * g), not a parameter: quantities "
                 f"{self.quantities!r} of its pieces are not those of the tensors autograd gives "
@@ -435,7 +442,9 @@ class Hooks:
                         [edge], leaves, g1, retain_graph=True, allow_unused=True,
                         is_grads_batched=True, create_graph=create_graph,
                     )  # fmt: skip
-                except RuntimeError:  # (an operation vmap cannot batch): one at a time
+                except RuntimeError as e:  # (an operation vmap cannot batch): one at a time
+                    if isinstance(e, (ValueError, TypeError)):
+                        raise  # a refusal of gradhooks' own (UnsupportedInputError, ...)
 
                     def one(b: int) -> tuple:
                         return torch.autograd.grad(
@@ -579,7 +588,7 @@ class Hooks:
         what autograd-hacks' ``compute_grad1`` ``loss_type`` says), and use it for later
         backwards."""
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigurationError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_reduction == self.loss_reduction:
             return
         for p in self._state.written.values():
@@ -631,12 +640,10 @@ class Hooks:
         last backward (each backward replaces them; they do not accumulate as ``grad1``)."""
         c = self._results("norms")
         if not c.param_sq_norms:
-            raise RuntimeError(
-                "no backward has been captured since the hooks were added or cleared"
-            )
+            raise StateError("no backward has been captured since the hooks were added or cleared")
         if c.missed:
             names = ", ".join(f"'{n}'" for n in c.missed[:5])
-            raise RuntimeError(
+            raise StateError(
                 f"the last backward computed the gradient of {names} but captured no "
                 "per-example gradient for them (used outside the hooked model's modules: in "
                 "the loss, or in a method of the model other than forward outside any "
@@ -674,7 +681,7 @@ class Hooks:
 
     def _results(self, quantity: str) -> Collector:
         if self._state.collector is None or quantity not in self.quantities:
-            raise RuntimeError(
+            raise StateError(
                 f"this handle does not compute {quantity!r} (quantities={self.quantities!r}): "
                 f"add_hooks(model, quantities=({quantity!r}, ...))"
             )
@@ -733,14 +740,14 @@ class Hooks:
 
     def _check_not_hooked(self, model: nn.Module) -> None:
         if model in _ACTIVE:
-            raise RuntimeError(
+            raise StateError(
                 f"{type(model).__qualname__} already has gradhooks hooks ({_ACTIVE[model]!r}); "
                 "adding them again would count every gradient twice. Call "
                 "gradhooks.remove_hooks(model) first, or keep using the existing handle."
             )
         for t in self._state.targets:
             if t.module in _HOOKED_MODULES:
-                raise RuntimeError(
+                raise StateError(
                     f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
                     f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
                     "that contains this one; remove those hooks first."
@@ -877,7 +884,7 @@ def hooks_of(model: nn.Module) -> Hooks:
     try:
         return _ACTIVE[model]
     except KeyError:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__qualname__} has no gradhooks hooks: call gradhooks.add_hooks(model) "
             "first (or it was already removed)"
         ) from None

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..errors import Grad1TooLarge
+from ..errors import ConfigurationError, Grad1TooLarge
 
 __all__ = ["set_memory_limit", "memory_limit", "refuse_if_too_large"]
 
@@ -28,7 +28,7 @@ def set_memory_limit(limit: int | str | None) -> None:
     the parameters, total RAM for CPU) or ``None`` (no limit). ``add_hooks(...,
     max_grad1_bytes=...)`` overrides it for one handle."""
     if not (limit is None or limit == "auto" or (isinstance(limit, int) and limit >= 0)):
-        raise ValueError(
+        raise ConfigurationError(
             f"the memory limit must be bytes (int >= 0), 'auto' or None, got {limit!r}"
         )
     _LIMIT[0] = limit

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import _torch
+from ..errors import ConfigurationError, UnsupportedModuleError
 from ..rules.fallback import FALLBACK, fallback_params
 from ..rules.registry import Registry, _Entry
 
@@ -82,7 +83,7 @@ def plan_targets(
                 if tied
                 else ""
             )
-            raise TypeError(
+            raise UnsupportedModuleError(
                 "gradhooks has no rule for these modules with trainable parameters:\n  "
                 + "\n  ".join(lines)
                 + why
@@ -110,7 +111,7 @@ def refuse_scripted(model: nn.Module, targets: list[Target]) -> None:
         return
     t = scripted[0]
     params = ", ".join(f"'{n}'" for n in t.params)
-    raise TypeError(
+    raise UnsupportedModuleError(
         f"module '{t.name or '<model>'}' is a TorchScript module "
         f"({type(t.module).__qualname__}), which takes no forward or backward hooks, so "
         f"gradhooks cannot capture its calls for its trainable parameters ({params}). Hook the "
@@ -123,7 +124,7 @@ def refuse_complex(model: nn.Module, quantities: tuple) -> None:
     formed = [q for q in quantities if q != "grad1"]
     found = [n for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
     if formed and found:
-        raise ValueError(
+        raise ConfigurationError(
             f"'{found[0]}' is complex: quantities {tuple(formed)} are formed for real "
             "parameters only. Use quantities=('grad1',) and take what you need from grad1 "
             "(p.grad1.abs().pow(2) for the squares), or freeze the complex parameters."
@@ -134,7 +135,7 @@ def refuse_lazy(model: nn.Module) -> None:
     """A lazy module's parameters take their shapes at its first forward: refused before."""
     lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.UninitializedParameter)]
     if lazy:
-        raise ValueError(
+        raise ConfigurationError(
             f"'{lazy[0]}' is not initialized yet (a lazy module, nn.LazyLinear and the like, "
             "takes its shapes at its first forward): run one forward of the model (under "
             "torch.no_grad()) before add_hooks."

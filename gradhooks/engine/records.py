@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten, tree_map
+from ..errors import UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces
 from ..tracking import Layout, Tracker
@@ -216,7 +217,7 @@ class Hook:
             # (no wrapper yet: torch.compile traces this, and would trace the making of one.
             # Raised here, the frame runs eagerly, where the wrapper is made; with
             # fullgraph=True, torch.compile fails with this message)
-            raise RuntimeError(FULLGRAPH)
+            raise UnsupportedError(FULLGRAPH)
         if self._eager is None and _DYNAMO in sys.modules:
             self._eager = _eager(self.fn)
         return self.fn(*args)

@@ -25,6 +25,13 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .. import pieces as P
+from ..errors import (
+    BatchNotFoundError,
+    CheckFailedError,
+    ConfigurationError,
+    MixedExamplesError,
+    StateError,
+)
 from ..oracle import loop_grad
 from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
@@ -189,14 +196,14 @@ def per_example_outputs(
         if create_graph:
             problem = "a create_graph=True backward runs through it"
         if problem is not None:
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"{where}: its inputs do not depend on the examples (its output {shape} is "
                 f"broadcast into the batch later), and {problem}, so gradhooks cannot tell each "
                 "example's share of its gradient. Compute its input per example (expand it to "
                 "the batch before the layer), or freeze its parameters."
             )
         if per is None:
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"{where}: its inputs do not depend on the examples, and its output {shape} "
                 "received a gradient that never met the batch (the model returns it, or a loss "
                 "term uses it alone): that gradient belongs to no example. Compute that term "
@@ -208,7 +215,7 @@ def per_example_outputs(
         scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
         if not torch.isclose(total, g, rtol=tol, atol=tol * scale, equal_nan=True).all():
             diff = float((total - g).abs().nan_to_num(nan=float("inf")).max())
-            raise RuntimeError(
+            raise BatchNotFoundError(
                 f"{where}: its inputs do not depend on the examples; the per-example shares of "
                 f"its output's gradient found where it meets the batch add up to within "
                 f"{diff:.2e} of the gradient autograd gives it (largest {scale:.2e}): part of "
@@ -424,7 +431,7 @@ class Verifier:
             else (f"dimension {self.state.batch_dim}")
         )
         shapes = ", ".join(str(tuple(t.shape)) for t in mixed)
-        raise RuntimeError(
+        raise MixedExamplesError(
             f"{type(module).__qualname__}: its output ({shapes}) mixes the {tracker.batch} examples that gradhooks took from {where} "
             f"({ops}), so per-example gradients do not exist. If the model's batch is another "
             "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
@@ -461,7 +468,7 @@ class Verifier:
             self.backwards.rollback(bw)
             if self.state.collector is not None:
                 self.state.collector.discard_backward()
-            raise RuntimeError(
+            raise CheckFailedError(
                 f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
                 f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
                 "grad1 was not written. Either a use of the parameter that the hooks did not "
@@ -526,7 +533,7 @@ class Verifier:
         self.backwards.rollback(bw)
         if self.state.collector is not None:
             self.state.collector.discard_backward()
-        raise RuntimeError(
+        raise CheckFailedError(
             "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
             "it is not the gradient autograd gives from the model's output-gradients with each "
             f"example's rows weighted alike, for {_listed(wrong)}. Its grad1 was not written. "
@@ -582,7 +589,7 @@ class Verifier:
         collector.discard_backward()
         collector.param_sq_norms, collector.norm_forms = {}, {}
         collector.sum_grad_sq, collector.grad_mean = {}, {}
-        raise RuntimeError(
+        raise CheckFailedError(
             "gradhooks: the per-example norms are not those of the examples' own gradients: "
             "the gradients they were formed from, weighted over the examples, are not the "
             "gradient autograd gives from the model's output-gradients with each example's "
@@ -666,7 +673,7 @@ def check_hooks(
     """See :meth:`gradhooks.Hooks.check`."""
     model = state.model
     if model is None:
-        raise RuntimeError("check(): the hooked model no longer exists")
+        raise StateError("check(): the hooked model no longer exists")
     report = CheckReport(type(model).__qualname__, check="Hooks.check")
     names = {}
     for name, p in model.named_parameters():
@@ -720,7 +727,9 @@ def check_hooks(
         )
     if loss_fn is not None:
         if inputs is None:
-            raise ValueError("check(loss_fn, inputs, target): the inputs of the captured forward")
+            raise ConfigurationError(
+                "check(loss_fn, inputs, target): the inputs of the captured forward"
+            )
         _check_reduction(state, model, written, loss_fn, inputs, target, examples, report)
     elif written:
         other = "sum" if reduce == "mean" else "mean"
@@ -734,7 +743,7 @@ def check_hooks(
             "time and says which reduction the loss used"
         )
     if report.problems and raise_on_error:
-        raise RuntimeError("gradhooks check failed:\n  - " + "\n  - ".join(report.problems))
+        raise CheckFailedError("gradhooks check failed:\n  - " + "\n  - ".join(report.problems))
     return report
 
 

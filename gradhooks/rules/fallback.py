@@ -51,6 +51,7 @@ from .. import _torch
 from .._torch import tree_flatten, tree_unflatten
 from ..engine.pause import paused
 from ..engine.records import autocast_as
+from ..errors import MixedExamplesError, RuleError, UnsupportedError, UnsupportedInputError
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
 from ..tracking import PACKED, Layout, batch_rows
@@ -126,7 +127,7 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
     if any(isinstance(o, PackedSequence) for o in returned) or (
         call.batch is not None and PACKED in call.batch.outputs
     ):
-        raise ValueError(
+        raise UnsupportedInputError(
             f"fallback for '{call.name or '<model>'}' ({type(module).__qualname__}): it returns "
             f"a PackedSequence ({_describe(call)}), whose data packs the examples' time steps "
             "together, longest sequences first, so a recomputation one example at a time cannot "
@@ -165,7 +166,7 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
             break
         guess = uncalled  # the recomputation called other submodules than last time: redo
     else:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"fallback for '{call.name}' ({type(module).__qualname__}): the submodules its "
             "forward calls changed between two recomputations of the same call; register a rule "
             "for it with @gradhooks.register."
@@ -276,7 +277,7 @@ def _by_layout_split(
     ]
     outs_lay = [info.outputs[i] if i < len(info.outputs) else None for i in out_idx]
     if not info.shared and any(lay is None for lay in outs_lay):
-        raise ValueError(
+        raise UnsupportedInputError(
             f"fallback for {name}: an output that receives a gradient does not depend on the "
             f"examples while its inputs do ({_describe(call)}); register a rule for this module "
             "with @gradhooks.register (see docs/extending.md), or freeze its parameters."
@@ -320,8 +321,8 @@ def _by_layout_split(
                     with _torch.own_transform():
                         grads, outs = vmap(one, randomness="error")(xs, cots)
                 except RuntimeError as e:
-                    if "random operation" in str(e):
-                        raise
+                    if "random operation" in str(e) or isinstance(e, (ValueError, TypeError)):
+                        raise  # (random numbers, or a refusal of ours: not for the loop)
             if grads is None:
 
                 def example(b: int) -> list[Tensor | None]:
@@ -359,7 +360,7 @@ def _check_example_shapes(name: str, outs, cots_b, where: str | None = None) -> 
     """One example's outputs must have the shapes of their parts of the output-gradient."""
     for o, c in zip(outs, cots_b):
         if o.shape != c.shape:
-            raise ValueError(
+            raise UnsupportedInputError(
                 f"fallback for {name}: one example's output has shape {tuple(o.shape)}, its "
                 f"part of the output-gradient {tuple(c.shape)}"
                 + (f" ({where})" if where else "")
@@ -408,7 +409,7 @@ def _per_example_vjp(
         return {}, set()
     batch = gs[0].shape[0] if gs[0].dim() else -1
     if any(g.dim() == 0 or g.shape[0] != batch for g in gs):
-        raise ValueError(
+        raise UnsupportedInputError(
             f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
             f"every output that receives a gradient; got {_describe(call)}. Register a rule "
             "for this module with @gradhooks.register (see docs/extending.md), or freeze its "
@@ -477,7 +478,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
         outs, pullback = vjp(f, primals)
         for o, g in zip(outs, gs_b):
             if o.shape != (1, *g.shape):
-                raise ValueError(
+                raise UnsupportedInputError(
                     f"fallback for {name}: it takes dimension 0 of the inputs and outputs as the "
                     f"batch ({batch}, from the output gradients), but one example's output has "
                     f"shape {tuple(o.shape)}, not {(1, *g.shape)}; got {_describe(call)}. "
@@ -498,8 +499,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     with _torch.own_transform():
                         grads, outs = vmap(one, randomness="error")(xs, gs)
                 except RuntimeError as e:
-                    if "random operation" in str(e):
-                        raise
+                    if "random operation" in str(e) or isinstance(e, (ValueError, TypeError)):
+                        raise  # (random numbers, or a refusal of ours: not for the loop)
                     # Some operators cannot be vmapped (nn.LSTM in float64 on CPU writes a
                     # batched tensor into an unbatched one): one example at a time instead.
                     vmapped = False
@@ -525,13 +526,13 @@ def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Ex
     """What a per-example recomputation of ``name``'s call that failed with ``e`` raises: an
     error that says what to do."""
     if isinstance(e, RuntimeError) and "random operation" in str(e):
-        return RuntimeError(
+        return UnsupportedError(
             f"fallback for {name}: its forward draws random numbers (dropout in training "
             "mode?), which a per-example recomputation cannot reproduce. Call model.eval() "
             "or set the dropout to 0 for the backward you capture, or register a rule for "
             "this module with @gradhooks.register."
         )
-    return RuntimeError(
+    return RuleError(
         f"fallback for {name} could not recompute the module one example at a time "
         f"({_describe(call)}; {batch}): {e}\nIf the module mixes the examples of a batch "
         "(BatchNorm in training mode), it has no per-example gradients; otherwise register a "
@@ -574,7 +575,7 @@ def _loop(
             out = [out[i] for i in out_idx]
             for o, g in zip(out, gs):
                 if o.shape != (1, *g.shape[1:]):
-                    raise ValueError(
+                    raise UnsupportedInputError(
                         f"fallback for {name}: it takes dimension 0 of the inputs and outputs "
                         f"as the batch, but one example's output has shape {tuple(o.shape)}, "
                         f"not {(1, *g.shape[1:])}. Register a rule for this module with "
@@ -619,7 +620,7 @@ def _compare(name: str, call: Call, i: int, got: Tensor, want: Tensor, batch: in
     tol = min(1e3 * eps, 5e-2) * (1.0 + (finite.abs().max().item() if finite.numel() else 0))
     if not torch.isclose(got, want, rtol=0.0, atol=tol, equal_nan=True).all():
         diff = (got - want).abs().nan_to_num(nan=float("inf")).max().item()
-        raise RuntimeError(
+        raise MixedExamplesError(
             f"fallback for {name}: recomputing the module one example at a time does not "
             f"reproduce its output {i} (max difference {diff:.3e}; {_describe(call)}). "
             "The module mixes the examples of a batch (BatchNorm in training mode), changes "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import UnsupportedInputError
+
 
 class Owners:
     """The example of each entry of a layout's dimension, one by one: ``rows[r]`` (int64,
@@ -102,7 +104,7 @@ def batch_rows(t: Tensor, layout: Layout, batch: int) -> Tensor:
     dimension keeping ``outer · inner`` entries (``outer`` before ``inner``). Not for rows
     picked by an index (:class:`Owners`: the examples have different numbers of rows)."""
     if layout.owners is not None:
-        raise ValueError(
+        raise UnsupportedInputError(
             f"a tensor of shape {tuple(t.shape)} holds rows picked from the batch by an index "
             f"on dimension {layout.dim} (tokens routed to experts, unpadded tokens): the "
             "examples have different numbers of rows there, so they cannot be split along a "
