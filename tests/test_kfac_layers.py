@@ -84,7 +84,7 @@ def test_expert_factors_count_the_tokens_routed_to_them(style, reduction, expand
         )  # fmt: skip
     else:
         with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
-            h._collector.kfac.expand = expand
+            h._state.collector.kfac.expand = expand
             model(x).pow(2).sum().backward()
             got = h.kfac_factors(reduction)
     counts = [[len(t) for t in _routed(model, x, e)] for e in range(len(model.experts))]
