@@ -462,6 +462,22 @@ def test_torch_compile_fullgraph_is_refused(dynamo):
     assert_grad1(model, loop_grad(model, sq, x), "eager after the refusal")
 
 
+def test_a_model_compiled_before_add_hooks_gets_no_grad1_and_a_warning_naming_compile(dynamo):
+    """Code compiled before the hooks were added does not call them (dynamo does not guard on
+    module hooks by default): no grad1, and the warning names torch.compile and what to do."""
+    model = mlp()
+    x = x_of()
+    compiled = torch.compile(model, backend="eager")
+    sq(compiled(x)).backward()
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.warns(
+            gradhooks.GradhooksWarning, match=r"torch\.compile.*compile after add_hooks"
+        ):
+            sq(compiled(x)).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
 _FRESH = """
 import sys, torch
 from torch import nn

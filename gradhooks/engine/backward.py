@@ -754,7 +754,9 @@ class BackwardWriter:
                 "call of their modules was captured for it: the forward ran before add_hooks, "
                 "or while capture was paused, or outside the hooked model's modules (a "
                 "parameter used in the loss, or in a method of the model other than forward "
-                "outside any submodule's call). They have no grad1 from this backward. Run the "
+                "outside any submodule's call), or a torch.compile'd forward compiled before "
+                "add_hooks (its code does not call hooks added later: torch._dynamo.reset(), or "
+                "compile after add_hooks). They have no grad1 from this backward. Run the "
                 "forward after add_hooks, through the model's modules.",
                 GradhooksWarning,
                 stacklevel=2,
