@@ -462,9 +462,12 @@ def test_torch_compile_fullgraph_is_refused(dynamo):
     assert_grad1(model, loop_grad(model, sq, x), "eager after the refusal")
 
 
-def test_a_model_compiled_before_add_hooks_gets_no_grad1_and_a_warning_naming_compile(dynamo):
+def test_a_model_compiled_before_add_hooks_gets_no_grad1_and_a_warning_naming_compile(
+    dynamo, monkeypatch
+):
     """Code compiled before the hooks were added does not call them (dynamo does not guard on
     module hooks by default): no grad1, and the warning names torch.compile and what to do."""
+    monkeypatch.setattr(dynamo.config, "skip_nnmodule_hook_guards", True)  # (torch's default)
     model = mlp()
     x = x_of()
     compiled = torch.compile(model, backend="eager")

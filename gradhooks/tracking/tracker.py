@@ -56,7 +56,8 @@ from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import FREE, LIKE, METADATA, data_args, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.pointwise import is_pointwise
+from .ops.names import KEEPS_ROWS_INDEX, MAYBE_SAME, PART_OF, PICKS, PRODUCTS
+from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
     COPIES,
     SPREADS,
@@ -85,23 +86,6 @@ class _Use:
     # soft: the operations of its own that mixed rows of the batch (see Tracker.absorb)
     mixing: set[str] = field(default_factory=set)
     mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
-
-
-def _unselected(name: str, args: tuple, layouts) -> set[int]:
-    """``torch.where(cond, x, y)``: the ids of ``x`` or ``y`` where they mix the examples and
-    ``cond`` takes none of their entries (Hugging Face's time-series mean scaler: a scale
-    from the whole batch, used only for a series with no observation)."""
-    if name != "where" or len(args) < 3:
-        return set()
-    cond, x, y = args[:3]
-    if not isinstance(cond, Tensor) or cond.dtype != torch.bool:
-        return set()
-    found = set()
-    if isinstance(x, Tensor) and layouts.get(x) is MIXED and not bool(cond.any()):
-        found.add(id(x))
-    if isinstance(y, Tensor) and layouts.get(y) is MIXED and bool(cond.all()):
-        found.add(id(y))
-    return found
 
 
 class Tracker(TorchFunctionMode):
@@ -268,7 +252,7 @@ class Tracker(TorchFunctionMode):
         its outputs are taken to hold the examples as its first input with examples does,
         where their shapes agree, and its parameters' uses go to the fallback. Returns whether
         it did."""
-        if not used.mixing or not used.mixing <= _PICKS:
+        if not used.mixing or not used.mixing <= PICKS:
             return False  # (a reduction or product across the batch: truly mixed)
         if any(self._layout_of(t) is MIXED for t in inputs):
             return False  # (mixed before the call)
@@ -341,7 +325,7 @@ class Tracker(TorchFunctionMode):
         if not layouts and not sources and not direct:
             return func(*args, **kwargs)
         name = op_name(func)
-        if direct and name in _MAYBE_SAME and isinstance(args[0], Tensor):
+        if direct and name in MAYBE_SAME and isinstance(args[0], Tensor):
             out = func(*args, **kwargs)
             if out is args[0]:
                 return out  # (a parameter converted to what it is: no use of it, as module.to())
@@ -459,7 +443,7 @@ class Tracker(TorchFunctionMode):
         if not outs or name in FREE:
             return  # (a new tensor: its values do not depend on the examples)
         ins = tensor_args(args, kwargs)
-        unselected = _unselected(name, args, self.layouts) | self._all_ones(name, ins)
+        unselected = where_unselected(name, args, self.layouts) | self._all_ones(name, ins)
         layout_of = self._layout_of
         if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
             ins = [t for t in ins if id(t) not in unselected]
@@ -577,7 +561,7 @@ class Tracker(TorchFunctionMode):
         """The ids of the operands of a product that are a mask computed across the examples
         (:meth:`_coupling`) whose every entry is one: multiplying by it keeps every entry, as
         a constant would (NLLB-MoE's expert capacity where no token overflows it)."""
-        if name not in _PRODUCTS:
+        if name not in PRODUCTS:
             return set()
         return {
             id(t) for t in ins
@@ -595,7 +579,7 @@ class Tracker(TorchFunctionMode):
         if not found:
             return result
         lays = result if isinstance(result, list) else [result]
-        picks = name in _PICKS and args and isinstance(args[0], Tensor)
+        picks = name in PICKS and args and isinstance(args[0], Tensor)
         if picks:
             x_lay = self._layout_of(args[0])
             fresh = [
@@ -633,7 +617,7 @@ class Tracker(TorchFunctionMode):
         if not any(t in self.row_index for t in ins):
             return
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        if x is not None and x in self.row_index and name in _PART_OF:
+        if x is not None and x in self.row_index and name in PART_OF:
             index = args[1] if name == "__getitem__" and len(args) > 1 else None
             items = index if isinstance(index, tuple) else (index,)
             # (a mask or index of the rows' own, weights[tokens] > 0.1, picks per row; one
@@ -646,7 +630,7 @@ class Tracker(TorchFunctionMode):
                     for o in outs:
                         self.coupled[o] = f"{name} of the rows an index picked"
                     return
-        if name in _KEEPS_ROWS_INDEX or is_pointwise(name) or name == "__getitem__":
+        if name in KEEPS_ROWS_INDEX or is_pointwise(name) or name == "__getitem__":
             for o in outs:
                 if not o.is_floating_point():
                     self.row_index[o] = True
@@ -906,32 +890,6 @@ class _Pending:
 
 
 _ACTIVE: list[Tracker] = []
-# operations that pick or put back rows by an index: inside a module without a rule, the
-# fallback's recomputation one example at a time tells whether they kept the examples apart
-# conversions that return their tensor itself where it already is what they make
-_MAYBE_SAME = frozenset(
-    """to type type_as contiguous float double half bfloat16 cpu cuda""".split()
-)
-# operations that take a part of a tensor by position, and those that keep every entry of an
-# index of rows (see Tracker._row_indices)
-_PART_OF = frozenset(
-    """__getitem__ narrow select split chunk tensor_split split_with_sizes unsafe_split unbind
-    topk kthvalue""".split()
-)
-_KEEPS_ROWS_INDEX = frozenset(
-    """view reshape flatten ravel squeeze unsqueeze contiguous clone cat concat concatenate
-    stack expand expand_as sort msort""".split()
-)
-# products by a mask (see Tracker._all_ones)
-_PRODUCTS = frozenset(
-    """mul mul_ __mul__ __rmul__ __imul__ logical_and __and__ __rand__ __iand__
-    bitwise_and""".split()
-)
-_PICKS = frozenset(
-    """__getitem__ __setitem__ index_select index_add index_add_ index_copy index_copy_
-    index_put index_put_ gather scatter scatter_ scatter_add scatter_add_ take_along_dim
-    masked_select masked_scatter masked_scatter_""".split()
-)
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from ... import _torch
 from ..layout import MIXED, UNKNOWN
 from .common import HANDLERS, first_tensor, handles, tensor_args
@@ -67,3 +70,20 @@ def pointwise(args, kwargs, out, layout_of):
         elif result != cand:
             return MIXED  # two examples' entries combined
     return result
+
+
+def where_unselected(name: str, args: tuple, layouts) -> set[int]:
+    """``torch.where(cond, x, y)``: the ids of ``x`` or ``y`` where they mix the examples and
+    ``cond`` takes none of their entries (Hugging Face's time-series mean scaler: a scale
+    from the whole batch, used only for a series with no observation)."""
+    if name != "where" or len(args) < 3:
+        return set()
+    cond, x, y = args[:3]
+    if not isinstance(cond, Tensor) or cond.dtype != torch.bool:
+        return set()
+    found = set()
+    if isinstance(x, Tensor) and layouts.get(x) is MIXED and not bool(cond.any()):
+        found.add(id(x))
+    if isinstance(y, Tensor) and layouts.get(y) is MIXED and bool(cond.all()):
+        found.add(id(y))
+    return found
