@@ -123,12 +123,7 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
         e = v.expand(sizes)
         swaps[id(t)] = e
         hooks.append((e, t, tracker.all_sources(t)))
-    swap = lambda a: swaps.get(id(a), a) if isinstance(a, Tensor) else (  # noqa: E731
-        type(a)(swaps.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
-        if type(a) in (list, tuple) else a
-    )  # fmt: skip
-    new_args = tuple(swap(a) for a in args)
-    new_kwargs = {k: swap(v) for k, v in kwargs.items()}
+    new_args, new_kwargs = swapped(args, kwargs, swaps)
     out = func(*new_args, **new_kwargs)
     tracker.propagate(name, new_args, new_kwargs, out)
     batch = tracker.batch
@@ -197,12 +192,7 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
         alias = t.view_as(t)
         swaps[id(t)] = alias
         hooks.append((alias, lay, source, how, tracker.all_sources(source)))
-    swap = lambda a: swaps.get(id(a), a) if isinstance(a, Tensor) else (  # noqa: E731
-        type(a)(swaps.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
-        if type(a) in (list, tuple) else a
-    )  # fmt: skip
-    new_args = tuple(swap(a) for a in args)
-    new_kwargs = {k: swap(v) for k, v in kwargs.items()}
+    new_args, new_kwargs = swapped(args, kwargs, swaps)
     out = func(*new_args, **new_kwargs)
     tracker.propagate(name, new_args, new_kwargs, out)
     batch, engine = tracker.batch, tracker.engine
@@ -382,3 +372,17 @@ def _detached(a: Any) -> Any:
     if type(a) in (list, tuple):
         return type(a)(_detached(x) for x in a)
     return a
+
+
+def swapped(args: tuple, kwargs: dict, swaps: dict[int, Tensor]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor whose id is in ``swaps`` replaced by its swap,
+    also inside a list or tuple argument."""
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            return swaps.get(id(a), a)
+        if type(a) in (list, tuple):
+            return type(a)(swaps.get(id(x), x) if isinstance(x, Tensor) else x for x in a)
+        return a
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
