@@ -5,7 +5,7 @@
 For each model, at its own batch:
 
 - **calls**: torch functions in one plain forward (a counting ``TorchFunctionMode``), and how
-  many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.layout.Tracker`)
+  many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.tracker.Tracker`)
   runs in one step of gradhooks' grad1 (forward and backward);
 - **time**: medians of interleaved repetitions (process CPU time) of the plain forward, the
   hooked forward, plain forward+backward and gradhooks' grad1 step;
@@ -39,7 +39,7 @@ import gradhooks
 from bench import measure
 from bench.methods import graph_break_kind
 from bench.problems import PROBLEMS
-from gradhooks import layout
+from gradhooks.tracking import tracker as tracker_module
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
@@ -57,18 +57,18 @@ class _Count(TorchFunctionMode):
 
 def _tracker_calls(step) -> int:
     """How many times the tracker's ``__torch_function__`` runs in ``step()``."""
-    original = layout.Tracker.__torch_function__
+    original = tracker_module.Tracker.__torch_function__
     count = [0]
 
     def counted(self, func, types, args=(), kwargs=None):
         count[0] += 1
         return original(self, func, types, args, kwargs)
 
-    layout.Tracker.__torch_function__ = counted
+    tracker_module.Tracker.__torch_function__ = counted
     try:
         step()
     finally:
-        layout.Tracker.__torch_function__ = original
+        tracker_module.Tracker.__torch_function__ = original
     return count[0]
 
 
@@ -115,12 +115,12 @@ def _share(stats: pstats.Stats, total: float) -> dict:
         if mine:
             key = f"{Path(file).name}:{fname}"
             own[key] = own.get(key, 0.0) + tt
-            if fname == "__torch_function__" and file.endswith("layout.py"):
+            if fname == "__torch_function__" and file.endswith("tracker.py"):
                 tracker += ct
         for caller, (_, _, _, cct) in callers.items():
             if mine and not caller[0].startswith(GRADHOOKS):
                 entered += cct
-            if caller[2] == "__torch_function__" and caller[0].endswith("layout.py"):
+            if caller[2] == "__torch_function__" and caller[0].endswith("tracker.py"):
                 if _is_torch_function(func):
                     handed_on += cct
     top = sorted(own.items(), key=lambda kv: -kv[1])[:8]

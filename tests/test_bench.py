@@ -315,3 +315,23 @@ def test_gpu_script_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main([]) == 1
     assert gpu.NO_DEVICE in capsys.readouterr().err
+
+
+def test_host_profile_counts_the_tracker(tmp_path):
+    """``python -m bench.host_profile`` on the tiny MLP: the tracker's calls are counted (it
+    finds the tracker where the package keeps it) and the profile has a gradhooks share."""
+    import torch
+
+    from bench import host_profile
+
+    threads = torch.get_num_threads()
+    try:
+        assert (
+            host_profile.main(["--models", "tiny-mlp", "--reps", "2", "--out", str(tmp_path)]) == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    (model,) = json.loads((tmp_path / "host-profile-cpu.json").read_text())["models"]
+    assert model["torch_functions_plain_forward"] > 0
+    assert model["tracker_calls_forward"] > 0
+    assert 0 < model["profile"]["tracker_share"] <= model["profile"]["gradhooks_share"] <= 1
