@@ -22,7 +22,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState, Frame
+from .records import CallLayout, CallState, Frame, tree_leaves
 from .state import CaptureState
 
 
@@ -55,7 +55,7 @@ def carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
     """The layouts (and sources) of a call's outputs, for the outputs the engine replaced them
     with."""
     if tracker is not None and new is not None:
-        for a, b in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
+        for a, b in zip(tree_leaves(old), tree_leaves(new)):
             if isinstance(a, Tensor) and isinstance(b, Tensor):
                 tracker.carry(a, b)
     return new
@@ -124,7 +124,7 @@ def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout |
         return None
     (lay,) = found
     dim = target.entry.batch_dim_of(target.module)
-    leaves = tree_flatten((call.inputs, call.kwargs))[0]
+    leaves = tree_leaves((call.inputs, call.kwargs))
     first = next((i for i, t in enumerate(leaves) if isinstance(t, Tensor)), None)
     if first is None or leaves[first].dim() <= lay.dim:
         return None
@@ -275,7 +275,7 @@ def root_batch(
     batch is its first batch size."""
     dim = 0 if batch_dim == "auto" else batch_dim
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
-    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     if packed:
         batch = int(packed[0].batch_sizes[0])
         found = [(ps.data, PACKED) for ps in packed]
@@ -298,7 +298,7 @@ def describe_call(call: Call) -> str:
     def shapes(tree: Any) -> str:
         return ", ".join(
             str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-            for t in tree_flatten(tree)[0]
+            for t in tree_leaves(tree)
         )
 
     grads = ", ".join("None" if g is None else str(tuple(g.shape)) for g in call.grad_outputs)
@@ -308,7 +308,7 @@ def describe_call(call: Call) -> str:
 def _shapes(args: tuple, kwargs: dict) -> str:
     return ", ".join(
         str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-        for t in tree_flatten((args, kwargs))[0]
+        for t in tree_leaves((args, kwargs))
     )
 
 
@@ -336,14 +336,14 @@ def examples_of_empty_call(
 
 def _first_rows(call: Call) -> int | None:
     """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
-    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
+    first = next((t for t in tree_leaves(call.inputs) if isinstance(t, Tensor)), None)
     return None if first is None or first.dim() == 0 else first.shape[0]
 
 
 def blank_call(call: Call) -> bool:
     """Whether a call's tensor inputs and output-gradients have no entries (a bias with
     nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
-    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
+    leaves = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
     return bool(leaves) and not any(
         t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
     )
@@ -391,7 +391,7 @@ class CallLayouts:
         if tracker is None:
             return None
         batch = tracker.batch
-        ins, outs = tree_flatten((args, kwargs))[0], tree_flatten(output)[0]
+        ins, outs = tree_leaves((args, kwargs)), tree_leaves(output)
         # (the fallback may split where the examples are presumed: its recomputation one
         # example at a time must reproduce the call's output; a rule is never handed them)
         of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
@@ -563,7 +563,7 @@ class CallLayouts:
         dim = target.entry.batch_dim_of(module)
         if not isinstance(dim, int) or isinstance(dim, bool):
             return
-        ins = tree_flatten((args, kwargs))[0]
+        ins = tree_leaves((args, kwargs))
         first = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
         if first is not None and first.dim >= 0 and first.dim != dim:
             self._reseed(tracker, ins, [], dim)
@@ -583,7 +583,7 @@ class CallLayouts:
         tracker = self.state.tracker()
         if tracker is None:
             return True
-        first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+        first = next((tracker.layout(t) for t in tree_leaves((args, kwargs))
                       if tracker.layout(t) is not None), None)  # fmt: skip
         if first is None or first is UNKNOWN:
             return False
@@ -591,7 +591,7 @@ class CallLayouts:
             return True
         dim = target.entry.batch_dim_of(module)
         want = 0 if dim == "positions" else dim
-        if first.dim != want and self._reseed(tracker, tree_flatten((args, kwargs))[0], [], want):
-            first = next(tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+        if first.dim != want and self._reseed(tracker, tree_leaves((args, kwargs)), [], want):
+            first = next(tracker.layout(t) for t in tree_leaves((args, kwargs))
                          if tracker.layout(t) is not None)  # fmt: skip
         return first.plain and first.dim == want

@@ -175,7 +175,7 @@ def _rerun(
     (:func:`_autograd_of`) or owned (:meth:`DetachedCalls.capture_owned`)."""
     with torch.enable_grad():
         args, kwargs = owned
-        leaves = tree_flatten(module.forward(*args, **kwargs))[0]
+        leaves = tree_leaves(module.forward(*args, **kwargs))
     pairs = [
         (t, g) for t, g in zip(leaves, grads)
         if g is not None and isinstance(t, Tensor) and t.requires_grad
@@ -486,7 +486,7 @@ class DetachedCalls:
         call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         if recorded is not None:
             call = replace(call, recorded=recorded)
-        in_leaves = tree_flatten(owned)[0]
+        in_leaves = tree_leaves(owned)
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)
         out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from .._torch import tree_flatten, tree_map
+from .._torch import tree_map
 from ..errors import UnbatchedInputError, UnsupportedError, UnsupportedInputError
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
@@ -201,7 +201,7 @@ class ForwardCapture:
                 return
             if target.entry is FALLBACK and tracker is not None:
                 if used.mixed:
-                    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+                    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
                     outs = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
                     tracker.absorb(used, ins, outs)
                 live = _used_by_fallback(target, live, used, tracker, output)
@@ -296,7 +296,7 @@ class ForwardCapture:
             )
         tracker = frame.tracker if frame is not None else None
         if tracker is not None and layout is not None and layout.kind in ("plain", "fold", "moved"):
-            ins = tree_flatten((args, kwargs))[0]
+            ins = tree_leaves((args, kwargs))
             outs = tree_leaves(output)
             if target.entry is FALLBACK:  # (recomputed per example as split: never made shared)
                 tracker.joined |= frozenset().union(
@@ -470,7 +470,7 @@ class ForwardCapture:
                 tracker.add_candidate(t, lay)
             else:
                 tracker.set_layout(t, lay)
-        frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        frame.roots = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         frame.tracker = tracker
         tracker.__enter__()
 
@@ -626,7 +626,7 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     dropped). A submodule's parameter it uses directly while also calling that submodule
     cannot be told apart in the recomputation (both uses would be counted): an error."""
     escaped = set()
-    for t in tree_flatten(output)[0]:
+    for t in tree_leaves(output):
         escaped |= tracker.sources_of(t)
     kept = {}
     for n, p in live.items():
@@ -676,7 +676,7 @@ def output_edges(modules: Iterable[nn.Module]) -> Iterator[_Edges]:
 
     def collect(module: nn.Module, args, output) -> None:
         if id(module) in targets:
-            for t in tree_flatten(output)[0]:
+            for t in tree_leaves(output):
                 if isinstance(t, Tensor) and t.requires_grad:
                     edges.append(get_gradient_edge(t))
                     edges.numel += t.numel()

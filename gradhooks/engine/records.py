@@ -293,7 +293,7 @@ def call_precision(args: Any, output: Any) -> torch.dtype | None:
     gradients through it round in it too, whatever the dtypes at the call's boundary)."""
     dtypes = {
         t.dtype
-        for t in tree_flatten((args, output))[0]
+        for t in tree_leaves((args, output))
         if isinstance(t, Tensor) and t.is_floating_point()
     }
     return lowest_precision(autocast_dtype(), *dtypes)
@@ -357,23 +357,51 @@ def graph_task() -> int:
 
 
 def detach_tree(tree: Any) -> Any:
+    """``tree`` with every tensor detached (pytree's ``tree_map``, without pytree for a tensor
+    and a plain tuple or dict of leaves: :func:`tree_leaves`)."""
     if type(tree) is Tensor:
         return tree.detach()
-    if _flat(tree):
-        return tuple(t.detach() for t in tree) if type(tree) is tuple else tree
+    if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
+        return tuple(t.detach() if isinstance(t, Tensor) else t for t in tree)
+    if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
+        return {k: t.detach() if isinstance(t, Tensor) else t for k, t in tree.items()}
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
     """``tree_flatten(tree)[0]``, without pytree (which costs more per call, and leaves a
-    reference cycle for the garbage collector) for a tensor and where :func:`_flat`."""
+    reference cycle for the garbage collector) for what a call's arguments and outputs
+    usually are: tensors, numbers, strings and ``None`` in plain tuples, lists and dicts,
+    nested. Any other type (a namedtuple, a ``torch.Size``, a ``ModelOutput``, a registered
+    node or an unknown leaf) is flattened by pytree where it stands: a tree's leaves are its
+    children's, in order, so the result is pytree's, element for element."""
     if type(tree) is Tensor:
         return [tree]
-    return list(tree) if _flat(tree) else tree_flatten(tree)[0]
+    out: list[Any] = []
+    _leaves_into(tree, out)
+    return out
 
 
-def _flat(tree: Any) -> bool:
-    """A tuple of tensors or an empty dict: a call's usual args and kwargs."""
-    if type(tree) is tuple:
-        return all(type(t) is Tensor for t in tree)
-    return type(tree) is dict and not tree
+# the types pytree takes as leaves that a call's arguments usually hold (exact types: a
+# subclass may be a registered node)
+_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, complex, str, type(None)})
+
+
+def _leaves_into(tree: Any, out: list[Any]) -> None:
+    kind = type(tree)
+    if kind in _LEAF_TYPES:
+        out.append(tree)
+    elif kind is tuple or kind is list:
+        for x in tree:
+            if type(x) in _LEAF_TYPES:
+                out.append(x)
+            else:
+                _leaves_into(x, out)
+    elif kind is dict:  # (pytree flattens a dict in its keys' order, as iterated)
+        for x in tree.values():
+            if type(x) in _LEAF_TYPES:
+                out.append(x)
+            else:
+                _leaves_into(x, out)
+    else:
+        out.extend(tree_flatten(tree)[0])
