@@ -33,9 +33,7 @@ def _nodes(children):
         st.dictionaries(st.sampled_from("abcd"), children, max_size=4),
         st.tuples(children, children).map(lambda ab: _Pair(*ab)),
         st.lists(st.integers(0, 4), max_size=3).map(torch.Size),
-        st.dictionaries(st.sampled_from("xyz"), children, max_size=3).map(
-            collections.OrderedDict
-        ),
+        st.dictionaries(st.sampled_from("xyz"), children, max_size=3).map(collections.OrderedDict),
     )
 
 
