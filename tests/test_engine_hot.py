@@ -1,10 +1,12 @@
 """The engine's per-call shortcuts give exactly what the general path gives: the leaves of a
 call's arguments without pytree (:func:`gradhooks.engine.records.tree_leaves`), tensors
-detached without ``tree_map`` (:func:`~gradhooks.engine.records.detach_tree`)."""
+detached without ``tree_map`` (:func:`~gradhooks.engine.records.detach_tree`), and the hooks'
+own work kept from the forward's tracker."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -12,9 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils.rnn import pack_sequence
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import gradhooks
+from gradhooks import _torch
 from gradhooks.engine.records import detach_tree, tree_leaves
+from gradhooks.oracle import vmap_grad
+from gradhooks.tracking import tracker as tracker_module
+from harness import sum_of_squares
 
 _Pair = collections.namedtuple("_Pair", "first second")
 _X = torch.zeros(2, 3, requires_grad=True)
@@ -81,3 +89,58 @@ def test_detach_tree_is_tree_map(tree):
             assert not g.requires_grad and g.data_ptr() == w.data_ptr()
         else:
             assert g is w or g == w
+
+
+class _Names(TorchFunctionMode):
+    """The torch functions a plain forward calls, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["popped", "paused"])
+@pytest.mark.parametrize(
+    "positions, detached",
+    [(None, False), ((6,), False), ((6,), True), ((2, 3), True)],
+    ids=["rows", "positions", "positions-detached", "positions-2d-detached"],
+)
+def test_the_tracker_sees_the_models_functions_only(monkeypatch, positions, detached, off):
+    """The forward's tracker sees the model's torch functions, and not the hooks' own work
+    (their ``.dim()``, ``.detach()``, ``register_hook``, a rule's checks): taken off torch's
+    mode stack while they run (:class:`gradhooks.engine.records.OwnWork`), also around calls
+    run detached (Linear over many positions), whose detached aliases of the parameters it
+    does see made (one ``detach`` per parameter: the use of each by its call). With the
+    internal switched off the tracker stays on, paused, and sees the hooks' work pass; the
+    grad1 is the oracle's either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, *(positions or ()), 4, dtype=torch.float64)
+    plain = _Names()
+    with plain:
+        model(x)
+    seen: list[str] = []
+    original = tracker_module.Tracker.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(tracker_module.Tracker, "__torch_function__", counted)
+    internal = _torch.disabled("mode_stack") if off else contextlib.nullcontext()
+    tuning = gradhooks.tuned(sum_grad1_positions=1 if detached else 10**9)
+    with internal, tuning, gradhooks.add_hooks(model, loss_reduction="sum"):
+        sum_of_squares(model(x)).backward()
+        got = {n: p.grad1 for n, p in model.named_parameters()}
+    if off:
+        assert len(seen) > len(plain.names) + 4 * detached
+    else:
+        assert seen.count("detach") == 4 * detached  # (2 Linears, 2 parameters each)
+        assert [n for n in seen if n != "detach"] == plain.names
+    want = vmap_grad(model, sum_of_squares, (x,))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n])

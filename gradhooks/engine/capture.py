@@ -28,7 +28,7 @@ from ..tracking import Aliases, Tracker
 from .backward import BackwardWriter
 from .calls import CallLayouts, check_parameter_versions
 from .plan import Target
-from .records import CallState, Hook, detach_tree, is_compiling, tree_leaves
+from .records import CallState, Hook, OwnWork, detach_tree, is_compiling, tree_leaves
 from .state import CaptureState
 
 
@@ -277,7 +277,9 @@ class DetachedCalls:
         owns = target.entry.owns_backward is not False
         carries = target.entry.taps is not None and not owns
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        def runs_detached(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            """The parameters the call runs detached, and the input that carries them
+            (``None``: not carried); ``None`` where it runs as autograd runs it."""
             if (
                 module is not target.module
                 or _torch.first_forward_hook(module) != forward_hook
@@ -299,7 +301,7 @@ class DetachedCalls:
                 or ((owns or carries) and not _last_pre_hook(module, hook))
                 or not (owns or _first_pre_hooks_ours(module, hook))
             ):
-                return  # (a later pre-hook could change what the forward gets)
+                return None  # (a later pre-hook could change what the forward gets)
             detached = {
                 n: p
                 for n, p in target.params.items()
@@ -313,7 +315,17 @@ class DetachedCalls:
                     None,
                 )  # fmt: skip
             if not detached or (carries and carried is None):
+                return None
+            return detached, carried
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            # (whether the call runs detached, and what: the engine's own work, which the
+            # forward's tracker does not see; what the call then runs on, it does)
+            with OwnWork(self.state.tracker()):
+                found = runs_detached(module, args, kwargs)
+            if found is None:
                 return
+            detached, carried = found
             owned = (args, kwargs) if owns else None
             recording = None  # (context manager, what it gave), left in _reattach
             if owned is not None and callable(target.entry.owns_backward):

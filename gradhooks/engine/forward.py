@@ -39,6 +39,7 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    OwnWork,
     autocast_on,
     autocast_state,
     call_precision,
@@ -77,18 +78,19 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
-            if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
-                where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
-                refuse_nested(where, args, kwargs)
-                if target.entry is FALLBACK and module.training and self.state.frames:
-                    self._keep_buffers(module)
-            now = own
-            if self.state.sharded:
-                now = self._unsharded(target)
             tracker = self.tracker()
-            if tracker is not None:
-                self.layouts.reseed_before(target, module, args, kwargs, tracker)
-                tracker.enter_call(now, module, soft=target.entry is FALLBACK)
+            with OwnWork(tracker):
+                if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
+                    where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
+                    refuse_nested(where, args, kwargs)
+                    if target.entry is FALLBACK and module.training and self.state.frames:
+                        self._keep_buffers(module)
+                now = own
+                if self.state.sharded:
+                    now = self._unsharded(target)
+                if tracker is not None:
+                    self.layouts.reseed_before(target, module, args, kwargs, tracker)
+                    tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
 
@@ -141,16 +143,20 @@ class ForwardCapture:
             if tracker is None or module is not target.module or not tracker.covered:
                 return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
-            with tracker.paused():
-                return body(module, args, kwargs, output, tracker, used, found)
+            reattached = None
+            if self.state.detached:
+                # (first: a call run detached takes its aliases back, so that the work below
+                # can run with the tracker off the mode stack, OwnWork)
+                with tracker.paused():
+                    reattached = self.detached_calls.reattach(module)
+            with OwnWork(tracker):
+                return body(module, args, kwargs, output, tracker, used, found, reattached)
 
-        def body(module, args, kwargs, output, tracker, used, found) -> Any:
+        def body(module, args, kwargs, output, tracker, used, found, reattached=None) -> Any:
             args, kwargs = positional(module, args, kwargs)
-            detached, owned, carried, recorded = (
-                self.detached_calls.reattach(module)
-                if self.state.detached
-                else ({}, None, None, None)
-            )
+            if reattached is None and self.state.detached:
+                reattached = self.detached_calls.reattach(module)
+            detached, owned, carried, recorded = reattached or ({}, None, None, None)
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
             if detached and owned is None and id(module) not in self.state.aliases_checked:

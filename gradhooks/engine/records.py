@@ -368,6 +368,40 @@ def detach_tree(tree: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
+class OwnWork:
+    """``with OwnWork(tracker):`` the engine's own torch functions inside a forward (a hook's
+    ``.dim()`` and ``.detach()``, a rule's checks of a call) are not the model's: ``tracker``
+    (``None``: no forward followed) does not see them. It is taken off torch's mode stack for
+    the block (:func:`gradhooks._torch.pop_mode`), which costs them nothing; where it cannot
+    be (another mode entered inside it, the internal missing) or where it hands detached
+    aliases of parameters to every torch function (:attr:`Tracker.aliases`: a call run
+    detached is running, and the hooks of the calls inside it must see the aliases too), it
+    stays on, paused (:meth:`Tracker.paused`), and passes them on unseen."""
+
+    __slots__ = ("tracker", "popped", "paused")
+
+    def __init__(self, tracker: Tracker | None) -> None:
+        self.tracker = tracker
+        self.popped = False
+        self.paused: Any = None
+
+    def __enter__(self) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        if not tracker.aliases and _torch.pop_mode(tracker):
+            self.popped = True
+        else:
+            self.paused = tracker.paused()
+            self.paused.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.popped:
+            _torch.push_mode(self.tracker)
+        elif self.paused is not None:
+            self.paused.__exit__(*exc)
+
+
 def tree_leaves(tree: Any) -> list[Any]:
     """``tree_flatten(tree)[0]``, without pytree (which costs more per call, and leaves a
     reference cycle for the garbage collector) for what a call's arguments and outputs
