@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -19,8 +20,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import gradhooks
 from gradhooks import _torch
-from gradhooks.engine.records import detach_tree, tree_leaves
+from gradhooks.engine.records import (
+    autocast_off,
+    detach_tree,
+    lowest_precision,
+    tree_leaves,
+    with_fields,
+)
 from gradhooks.oracle import vmap_grad
+from gradhooks.rules.registry import Call
 from gradhooks.tracking import tracker as tracker_module
 from harness import sum_of_squares
 
@@ -144,3 +152,42 @@ def test_the_tracker_sees_the_models_functions_only(monkeypatch, positions, deta
     want = vmap_grad(model, sum_of_squares, (x,))
     for n in want:
         torch.testing.assert_close(got[n], want[n])
+
+
+def test_with_fields_is_dataclasses_replace():
+    """A call's record renewed field by field is ``dataclasses.replace``'s, its other fields
+    (the rule's memo among them) the very same objects; an unknown field is refused."""
+    x = torch.randn(3, 2)
+    call = Call(module=nn.Linear(2, 2), inputs=(x,), kwargs={}, output=None, grad_outputs=())
+    call.memo["kept"] = 1
+    g = torch.randn(3, 2)
+    grads = (g,)
+    got = with_fields(call, grad_outputs=grads, taps=None)
+    want = dataclasses.replace(call, grad_outputs=grads, taps=None)
+    assert got == want and got is not call
+    assert got.grad_outputs[0] is g and call.grad_outputs == ()
+    for f in dataclasses.fields(Call):
+        assert getattr(got, f.name) is getattr(want, f.name), f.name
+    with pytest.raises(TypeError, match="grad_output"):
+        with_fields(call, grad_output=g)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "bfloat16"])
+def test_autocast_off(on):
+    """The hooks' products run without autocast, also inside an autocast block (and nothing
+    changes outside one)."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    block = torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
+    with block:
+        assert (a @ b).dtype == (torch.bfloat16 if on else torch.float32)
+        with autocast_off():
+            assert (a @ b).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu") == on
+
+
+def test_lowest_precision():
+    assert lowest_precision() is None
+    assert lowest_precision(None, torch.int64, torch.complex64) is None
+    assert lowest_precision(torch.float64, torch.float32, None) is torch.float32
+    assert lowest_precision(torch.float16, torch.bfloat16, torch.float32) is torch.bfloat16
+    assert lowest_precision(torch.float32, torch.float16, torch.int8) is torch.float16

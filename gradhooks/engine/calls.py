@@ -6,7 +6,7 @@ the part of :class:`gradhooks.Hooks` that asks the tracker.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState, Frame, tree_leaves
+from .records import CallLayout, CallState, Frame, tree_leaves, with_fields
 from .state import CaptureState
 
 
@@ -112,7 +112,7 @@ def unchanged_outputs(call: Call, versions: tuple) -> Call:
     if not changed:
         return call
     kept = [None if i in changed else t for i, t in enumerate(leaves)]
-    return replace(call, output=tree_unflatten(kept, spec))
+    return with_fields(call, output=tree_unflatten(kept, spec))
 
 
 def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout | None:
@@ -154,7 +154,7 @@ def rule_pieces(
         batch = CallBatch(
             layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
         )
-        return rule(replace(call, batch=batch))
+        return rule(with_fields(call, batch=batch))
     if layout is None or layout.kind in ("plain", "unknown"):
         return rule(call)
     if layout.kind == "mismatch":
@@ -222,7 +222,7 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
         def grow(t):
             return t.unsqueeze(0).expand(batch, *t.shape) if isinstance(t, Tensor) else t
 
-        return replace(
+        return with_fields(
             call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
             taps=None, saved=None,
         )  # fmt: skip
@@ -237,7 +237,7 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
         lay = layout.outputs[i] if i < len(layout.outputs) else None
         grads.append(None if g is None else batch_rows(g, lay if _followed(lay) else layout.first,
                                                        batch))  # fmt: skip
-    return replace(
+    return with_fields(
         call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None, saved=None
     )
 
@@ -253,7 +253,7 @@ def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece
 
     def one(b: int) -> list[Tensor | None]:
         pieces = rule(
-            replace(
+            with_fields(
                 call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
             )
         )

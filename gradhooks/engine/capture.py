@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -28,7 +28,15 @@ from ..tracking import Aliases, Tracker
 from .backward import BackwardWriter
 from .calls import CallLayouts, check_parameter_versions
 from .plan import Target
-from .records import CallState, Hook, OwnWork, detach_tree, is_compiling, tree_leaves
+from .records import (
+    CallState,
+    Hook,
+    OwnWork,
+    detach_tree,
+    is_compiling,
+    tree_leaves,
+    with_fields,
+)
 from .state import CaptureState
 
 
@@ -446,7 +454,7 @@ class DetachedCalls:
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
-            filled = replace(call, grad_outputs=(g,))
+            filled = with_fields(call, grad_outputs=(g,))
             if not self.state.probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
                 self.backwards.on_grads(target, state, filled, args, kwargs, sums)
                 if not self.state.mode.param_grads:
@@ -497,7 +505,7 @@ class DetachedCalls:
         module = target.module
         call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         if recorded is not None:
-            call = replace(call, recorded=recorded)
+            call = with_fields(call, recorded=recorded)
         in_leaves = tree_leaves(owned)
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)
@@ -516,13 +524,13 @@ class DetachedCalls:
                     return tuple(_rerun(module, owned, full, wanted, False))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
-            filled = replace(call, grad_outputs=tuple(full), input_grads=[])
+            filled = with_fields(call, grad_outputs=tuple(full), input_grads=[])
             self.backwards.on_grads(target, state, filled, args, kwargs, sums)
             found = filled.input_grads
             incomplete = len(sums) < len(detached) and self.state.mode.param_grads
             if not create_graph and (incomplete or not found):
                 # the rule did not run (paused, not capturing): run it for both
-                again = replace(filled, input_grads=[])
+                again = with_fields(filled, input_grads=[])
                 _sums_of_rule(target, again, detached, sums)
                 found = again.input_grads
             param_grads = {} if create_graph else dict(sums)

@@ -19,7 +19,6 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from .records import (
     is_compiling,
     power_of_two,
     tree_leaves,
+    with_fields,
 )
 from .state import CaptureState
 from .verify import Verifier
@@ -227,7 +227,7 @@ class ForwardCapture:
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker)
             call, state = self.kept_call(target, live, args, kwargs, output, layout)
             if found is not None:
-                call = replace(call, buffers=found)
+                call = with_fields(call, buffers=found)
 
             # what the call's nodes hold is read only where they stand as the forward ran them
             # (not under saved-tensor hooks: reading what a node saved would rerun the call)
@@ -241,9 +241,9 @@ class ForwardCapture:
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
-                call = replace(call, taps=_without_nodes(taps))
+                call = with_fields(call, taps=_without_nodes(taps))
             if target.entry.saved is not None and readable:
-                call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
+                call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
 
             # (counts the nodes and never holds them: see _without_nodes)
             kept = KeptCall(target, state, call, args, kwargs, live, tuple(hooked), len(leaves),
@@ -357,7 +357,7 @@ class ForwardCapture:
         if self.state.collector is not None:
             self.state.collector.expect(named)
         out.register_hook(lambda g: None if self.state.rerunning else self.backwards.on_grads(
-            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+            target, state, with_fields(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
         return out
 
     def _made_shared(
@@ -548,10 +548,30 @@ def _named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any
     if not args:
         return dict(kwargs)
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args)
+        bound = _signature(module.forward).bind_partial(*args)
     except (TypeError, ValueError):  # (a signature torch cannot read: keywords only)
         return dict(kwargs)
     return {**bound.arguments, **kwargs}
+
+
+# the signatures of the forward methods of modules' classes, the module not among the parameters
+# (inspect.signature reads a function anew at every call, and a forward is entered at every step)
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(forward: Callable) -> inspect.Signature:
+    """``inspect.signature(forward)``, for a bound method from its function's, read once."""
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is None:
+        return inspect.signature(forward)
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = inspect.signature(forward)
+        try:
+            _SIGNATURES[func] = sig
+        except TypeError:  # (not weakly referable)
+            pass
+    return sig
 
 
 def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:

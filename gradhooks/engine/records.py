@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten, tree_map
-from ..errors import UnsupportedError
+from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces
 from ..tracking import Layout, Tracker
@@ -270,12 +270,19 @@ def lowest_precision(*dtypes: torch.dtype | None) -> torch.dtype | None:
     gradient that each rounded in bfloat16 differ by many more float32 units than two that
     stayed in float32."""
     found = None
+    low = 0.0
     for d in dtypes:
-        if d is None or not d.is_floating_point:
+        if d is None or d is found:
             continue
-        if found is None or torch.finfo(d).eps > torch.finfo(found).eps:
-            found = d
+        eps = _EPS.get(d)
+        if eps is None:
+            eps = _EPS[d] = torch.finfo(d).eps if d.is_floating_point else 0.0
+        if eps and (found is None or eps > low):
+            found, low = d, eps
     return found
+
+
+_EPS: dict[torch.dtype, float] = {}  # finfo(dtype).eps by dtype (0.0: not floating-point)
 
 
 def half_precision(dtype: torch.dtype | None) -> bool:
@@ -299,13 +306,20 @@ def call_precision(args: Any, output: Any) -> torch.dtype | None:
     return lowest_precision(autocast_dtype(), *dtypes)
 
 
-@contextlib.contextmanager
-def autocast_off() -> Iterator[None]:
+def autocast_off() -> contextlib.AbstractContextManager:
     """Autocast switched off for the devices it is on for. The hooks' own products (pieces into
     ``grad1``, norms, factors) run in the precision the engine chose for them
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
     devices = [d for d in ("cpu", "cuda") if _autocast_enabled(d)]
+    return _autocast_off(devices) if devices else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _autocast_off(devices: list[str]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for d in devices:
             stack.enter_context(torch.autocast(d, enabled=False))
@@ -354,6 +368,20 @@ def autocast_on() -> bool:
 def graph_task() -> int:
     """The id of the running backward (-1 outside any)."""
     return _torch.graph_task_id()
+
+
+def with_fields(record: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(record, **changes)`` for a dataclass without ``__post_init__``,
+    init-only or non-init fields (a :class:`~gradhooks.rules.registry.Call`): its fields copied
+    as they are, at a quarter of the cost (a call's record is renewed several times per call)."""
+    fields = type(record).__dataclass_fields__
+    unknown = changes.keys() - fields.keys()
+    if unknown:
+        raise ConfigurationTypeError(f"{type(record).__name__} has no field {sorted(unknown)}")
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def detach_tree(tree: Any) -> Any:
