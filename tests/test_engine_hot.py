@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import gradhooks
 from gradhooks import _torch
 from gradhooks.engine.records import (
+    args_leaves,
     autocast_off,
     detach_tree,
     lowest_precision,
@@ -191,3 +192,19 @@ def test_lowest_precision():
     assert lowest_precision(torch.float64, torch.float32, None) is torch.float32
     assert lowest_precision(torch.float16, torch.bfloat16, torch.float32) is torch.bfloat16
     assert lowest_precision(torch.float32, torch.float16, torch.int8) is torch.float16
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_trees, max_size=4).map(tuple), st.dictionaries(st.sampled_from("kqv"), _trees))
+def test_args_leaves_are_pytrees(args, kwargs):
+    """A call's ``(args, kwargs)`` flattened and put back as pytree does it, with each leaf
+    replaced by the one given in its place."""
+    leaves, rebuild = args_leaves(args, kwargs)
+    want, spec = tree_flatten((args, kwargs))
+    assert _same(leaves, want)
+    marks = [object() for _ in leaves]
+    got = rebuild(marks)
+    assert _same(tree_flatten(got)[0], marks)
+    assert type(got) is tuple and type(got[0]) is tuple and type(got[1]) is dict
+    again = tree_unflatten(list(leaves), spec)
+    assert tree_flatten(rebuild(list(leaves)))[1] == tree_flatten(again)[1]

@@ -22,7 +22,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState, Frame, tree_leaves, with_fields
+from .records import CallLayout, CallState, Frame, args_leaves, tree_leaves, with_fields
 from .state import CaptureState
 
 
@@ -226,12 +226,12 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
             call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
             taps=None, saved=None,
         )  # fmt: skip
-    leaves, spec = tree_flatten((call.inputs, call.kwargs))
+    leaves, rebuild = args_leaves(call.inputs, call.kwargs)
     moved = [
         batch_rows(t, lay, batch) if isinstance(t, Tensor) and _followed(lay) else t
         for t, lay in zip(leaves, layout.inputs)
     ]
-    inputs, kwargs = tree_unflatten(moved, spec)
+    inputs, kwargs = rebuild(moved)
     grads = []
     for i, g in enumerate(call.grad_outputs):
         lay = layout.outputs[i] if i < len(layout.outputs) else None

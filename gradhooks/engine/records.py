@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from .._torch import tree_flatten, tree_map
+from .._torch import tree_flatten, tree_map, tree_unflatten
 from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces
@@ -382,6 +382,25 @@ def with_fields(record: Any, **changes: Any) -> Any:
     new.__dict__.update(record.__dict__)
     new.__dict__.update(changes)
     return new
+
+
+def args_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Callable[[list], tuple]]:
+    """The leaves of a call's ``(args, kwargs)`` (``tree_flatten``'s), and what puts leaves in
+    their places again (``tree_unflatten`` with its spec: ``(args, kwargs)`` back), without
+    pytree where both are plain (:func:`tree_leaves`)."""
+    if (
+        type(args) is tuple
+        and type(kwargs) is dict
+        and all(type(a) in _LEAF_TYPES for a in args)
+        and all(type(v) in _LEAF_TYPES for v in kwargs.values())
+    ):
+        n, keys = len(args), tuple(kwargs)
+        return [*args, *kwargs.values()], lambda new: (
+            tuple(new[:n]),
+            dict(zip(keys, new[n:], strict=True)),
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, lambda new: tree_unflatten(new, spec)
 
 
 def detach_tree(tree: Any) -> Any:
