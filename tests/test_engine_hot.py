@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import gradhooks
 from gradhooks import _torch
+from gradhooks.engine.plan import structure_of
 from gradhooks.engine.records import (
     args_leaves,
     autocast_off,
@@ -208,3 +209,34 @@ def test_args_leaves_are_pytrees(args, kwargs):
     assert type(got) is tuple and type(got[0]) is tuple and type(got[1]) is dict
     again = tree_unflatten(list(leaves), spec)
     assert tree_flatten(rebuild(list(leaves)))[1] == tree_flatten(again)[1]
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.body = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 7)
+        self.head.weight = self.emb.weight  # (tied: one parameter, two modules)
+        self.again = self.body[0]  # (one module under two names)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.body[2].bias.requires_grad_(False)
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["ids", "names"])
+def test_structure_walks_as_torch_does(by_name):
+    """What the hooks were planned for, in one walk: the modules as ``modules()`` gives them,
+    the trainable parameters as ``named_parameters()`` does (a tied one once, under its first
+    name; a frozen one and a missing bias left out)."""
+    model = _Tied()
+    want = (
+        tuple(map(id, model.modules())),
+        tuple(
+            n if by_name else (n, id(p), _torch.tensor_impl(p))
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        ),
+    )
+    assert structure_of(model, by_name) == want
+    model.body[0].weight.requires_grad_(False)
+    assert structure_of(model, by_name) != want
