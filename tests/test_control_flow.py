@@ -265,7 +265,8 @@ def _modes() -> list[Step]:
 
 
 class Sources(nn.Module):
-    """Tokens ``[B, T, 3]``. ``positions``: a learned position table (batch-free) added;
+    """Tokens ``[B, T, 3]``. ``positions``: a learned position embedding added (a hooked call on
+    ``arange(T)``: batch-free, broadcast into the batch);
     ``tied``: ``mid``'s weight used outside ``mid`` (``F.linear``) instead of calling it;
     ``scaled``: the model's own ``scale`` used in its forward."""
 
@@ -273,14 +274,14 @@ class Sources(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.mid, self.out = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
-        self.pos = nn.Parameter(torch.randn(6, 4) / 2)
+        self.pos = nn.Embedding(6, 4)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
         self.positions = self.tied = self.scaled = False
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.inp(x)
         if self.positions:
-            h = h + torch.tanh(self.pos[: x.shape[1]] * 2)
+            h = h + torch.tanh(self.pos(torch.arange(x.shape[1])))
         h = torch.tanh(h)
         h = F.linear(h, self.mid.weight) if self.tied else self.mid(h)
         if self.scaled:
@@ -310,7 +311,7 @@ class GPT2(nn.Module):
         torch.manual_seed(0)
         config = transformers.GPT2Config(
             n_embd=16, n_layer=2, n_head=2, n_positions=16, vocab_size=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         self.model = transformers.GPT2LMHeadModel(config)
 
@@ -364,8 +365,8 @@ SCENARIOS = [
                         4: {f"blocks.{i}.{w}" for i in (0, 1, 2) for w in ("weight", "bias")}}),
     Scenario("dropout-train-eval", lambda: Switched(p=0.5), _modes, squares, oracle="rows"),
     Scenario("sources-some-steps", Sources, _sources, squares,
-             unreached={0: {"pos", "scale"}, 1: {"scale"}, 3: {"scale"}, 4: {"pos"},
-                        5: {"pos", "scale"}}),
+             unreached={0: {"pos.weight", "scale"}, 1: {"scale"}, 3: {"scale"}, 4: {"pos.weight"},
+                        5: {"pos.weight", "scale"}}),
     Scenario("hf-gpt2-padding-lengths", GPT2, _gpt2_steps, gpt2_losses),
 ]  # fmt: skip
 BY_ID = {s.id: s for s in SCENARIOS}
@@ -622,6 +623,7 @@ REPLAYS = [
     ("permute-batch-or-sequence", "position", AssertionError),
     ("permute-batch-or-sequence", "shapes", AssertionError),
     ("flip-batch-or-sequence", "position", gradhooks.GradhooksError),
+    ("tokens-per-expert", "shapes", gradhooks.GradhooksError),
 ]
 
 
@@ -633,7 +635,7 @@ def test_a_replayed_layout_fails_the_check(monkeypatch, name, key, caught):
     change of control flow fails the comparison with the loop (a wrong grad1, which nothing
     else would have caught), or is refused."""
     with replayed_layouts(monkeypatch, key) as memory:
-        with pytest.raises(caught, match="step 1|'mid'"):
+        with pytest.raises(caught, match="step 1|'mid'|'out'"):
             train(BY_ID[name])
     assert memory["replayed"], "the replay never ran"
 
