@@ -294,9 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                        reps=args.reps, methods=methods)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    data["command"] = "python -m bench.module_cost " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    given = sys.argv[1:] if argv is None else argv
+    data["command"] = " ".join(["python -m bench.module_cost", *given])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "module-cost-cpu.json").write_text(json.dumps(data, indent=1))
