@@ -4,17 +4,18 @@ Each scenario is a short training loop as the docs write it (``add_hooks`` once,
 ``zero_grad``, forward, backward, read the per-example quantities, an optimizer step,
 ``hooks.clear()``), on a model that does something different at every step: a branch on the
 batch's values that moves the examples to another dimension (with a sequence as long as the
-batch, so that no shape tells), rows flipped or permuted along the batch or along the sequence,
-another sequence length, another number of tokens per expert (an expert with none), a layer
-skipped or called twice, dropout switched by ``train()``/``eval()``, a batch-free source or a
-parameter used outside its module on some steps only, another batch size, and a Hugging Face
-GPT-2 with other lengths and other padding.
+batch, so that no shape tells), tokens permuted, folded or flipped along the batch or along the
+sequence, another sequence length, another number of tokens per expert (an expert with none), a
+layer skipped or called twice, dropout switched by ``train()``/``eval()``, a batch-free source
+or a parameter used outside its module on some steps only, another batch size, and Hugging Face
+GPT-2 and BERT with other lengths, other padding and other batch sizes.
 
 At every step, every parameter's ``grad1``, its per-example norm and the whole-model norm, and a
 ``dp_sgd_step`` by book-keeping (norms only, no ``grad1``) are compared in float64 with the
 per-example loop (:func:`gradhooks.oracle.loop_grad`) on an unhooked float64 twin holding the
-same parameters, to ``1e-10`` of the largest entry: the steps are tiny, so only a wrong layout,
-a stale capture or a lost term can differ by more than rounding. A parameter the step does not
+same parameters, to ``1e-10`` of the parameter's largest entry (or of ``1e-6`` of the model's,
+for a gradient that is zero but for rounding): the models are tiny, so only a wrong layout, a
+stale capture or a lost term can differ by more than rounding. A parameter the step does not
 reach has no ``grad1`` and no norm, as its ``.grad`` is ``None``.
 
 Dropout in training mode draws its mask for the whole batch, which a loop over the examples
@@ -130,12 +131,17 @@ class Detour(nn.Module):
 
 
 class Reorder(nn.Module):
-    """Where feature 0 of every token is positive, ``mid`` on the tokens with the batch moved
-    (``"permute"``: sequence-first; ``"flip"``: the examples' order reversed), else with the
-    sequence moved (``"permute"``: as it is; ``"flip"``: reversed), then put back: the same torch
-    calls on the same shapes (``T == B``) either way. A Linear whose rows are the examples in
-    another order is refused (its rule would give example ``i`` another's gradient), so the
-    flip along the batch is a step that must raise, and the steps after it be right."""
+    """Where feature 0 of every token is positive, ``mid`` on the tokens with the batch moved,
+    else with the sequence moved, then put back, by the same torch calls on the same shapes
+    (``T == B``) either way:
+
+    - ``"permute"``: sequence-first ``[T, B, C]``, or as it is;
+    - ``"fold"``: the tokens folded into one dimension sequence-first (``[T * B, C]``, the
+      examples inner) or batch-first (``[B * T, C]``, the examples outer);
+    - ``"flip"``: the examples' order reversed, or the sequence's. A Linear whose rows are the
+      examples in another order is refused (its rule would give example ``i`` another's
+      gradient), so the flip along the batch is a step that must raise, and the steps after it
+      be right."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -148,7 +154,11 @@ class Reorder(nn.Module):
         if self.how == "flip":
             d = 0 if _positive(x) else 1
             h = self.mid(h.flip(d)).flip(d)
-        else:  # permute: sequence-first where positive, as it is otherwise
+        elif self.how == "fold":
+            d = 1 if _positive(x) else 0
+            moved = h.transpose(0, d)
+            h = self.mid(moved.reshape(-1, 4)).reshape(moved.shape).transpose(0, d)
+        else:
             order = (1, 0, 2) if _positive(x) else (0, 1, 2)
             h = self.mid(h.permute(order)).permute(order)
         return self.out(torch.tanh(h))
@@ -319,6 +329,45 @@ class GPT2(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).logits
 
 
+class Bert(nn.Module):
+    """A tiny Hugging Face BERT classifier (2 layers of width 16), with an attention mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=3,
+        )  # fmt: skip
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def _classified(lengths: list[int], t: int, seed: int) -> Step:
+    """Right-padded token ids, their mask and a class per sequence."""
+    step = _padded(lengths, t, seed)
+    label = torch.randint(3, (len(lengths),), generator=_gen(100 + seed))
+    return Step(step.inputs, label)
+
+
+def _bert_steps() -> list[Step]:
+    return [
+        _classified([5, 3, 5], 5, 0),
+        _classified([7, 7, 2, 6], 7, 1),
+        _classified([4, 1, 3, 4], 4, 2),  # T == B
+        _classified([6, 6, 6, 6], 6, 3),  # no padding
+        _classified([3], 3, 4),  # one example
+    ]
+
+
+def sequence_ce(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out, target, reduction="none")
+
+
 def _padded(lengths: list[int], t: int, seed: int) -> Step:
     """Right-padded token ids ``[len(lengths), t]``, their mask, and next-token targets
     (``-100`` on padding and on the last token)."""
@@ -351,6 +400,7 @@ SCENARIOS = [
     Scenario("flip-batch-or-sequence", lambda: Reorder("flip"), lambda: _branching(refused=True),
              squares),
     Scenario("permute-batch-or-sequence", lambda: Reorder("permute"), _branching, squares),
+    Scenario("fold-batch-or-sequence", lambda: Reorder("fold"), _branching, squares),
     Scenario("sequence-length", Tokens, lambda: _ids([(4, 5), (4, 4), (4, 7), (4, 1), (4, 4)]),
              token_ce),
     Scenario("batch-size", Tokens, lambda: _ids([(4, 3), (4, 3), (3, 3), (2, 3), (1, 3)]),
@@ -368,6 +418,7 @@ SCENARIOS = [
              unreached={0: {"pos.weight", "scale"}, 1: {"scale"}, 3: {"scale"}, 4: {"pos.weight"},
                         5: {"pos.weight", "scale"}}),
     Scenario("hf-gpt2-padding-lengths", GPT2, _gpt2_steps, gpt2_losses),
+    Scenario("hf-bert-padding-lengths", Bert, _bert_steps, sequence_ce),
 ]  # fmt: skip
 BY_ID = {s.id: s for s in SCENARIOS}
 
@@ -391,11 +442,20 @@ def reference(twin: nn.Module, s: Scenario, step: Step) -> dict[str, Tensor]:
     return {n: torch.stack([r[j] for r in rows]) for j, (n, _) in enumerate(named)}
 
 
-def _close(got: Tensor, want: Tensor, tol: float, what: str) -> None:
+def _close(got: Tensor, want: Tensor, tol: float, what: str, floor: float = 0.0) -> None:
+    """``got`` within ``tol`` of the largest entry of ``want``, or of ``floor`` where that is
+    larger (a gradient that is zero but for rounding: the bias of an attention's keys)."""
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     scale = want.abs().max().item() if want.numel() else 0.0
     err = (got.double() - want).abs().max().item() if want.numel() else 0.0
-    assert err <= tol * max(scale, 1e-30), f"{what}: max abs diff {err:.3e}, largest {scale:.3e}"
+    bound = tol * max(scale, floor, 1e-30)
+    assert err <= bound, f"{what}: max abs diff {err:.3e}, largest {scale:.3e}"
+
+
+def _floor(want: dict[str, Tensor]) -> float:
+    """``1e-6`` of the largest entry of any parameter's reference: the scale below which a
+    parameter's gradient is taken as zero but for rounding."""
+    return 1e-6 * max((g.abs().max().item() for g in want.values() if g.numel()), default=0.0)
 
 
 def _twin(model: nn.Module) -> nn.Module:
@@ -469,6 +529,7 @@ def train(
 
 
 def _check_grad1(model, hooks, want, tol, what) -> None:
+    floor = _floor(want)
     norms = hooks.param_norms()
     reached = {}
     for name, p in model.named_parameters():
@@ -478,12 +539,13 @@ def _check_grad1(model, hooks, want, tol, what) -> None:
             assert name not in norms or not norms[name].any(), f"{what}: {name} keeps a norm"
             continue
         reached[name] = want[name]
-        _close(p.grad1, want[name], tol, f"{what}: {name} grad1")
-        _close(norms[name], want[name].flatten(1).norm(dim=1), tol, f"{what}: {name} norm")
+        _close(p.grad1, want[name], tol, f"{what}: {name} grad1", floor)
+        _close(norms[name], want[name].flatten(1).norm(dim=1), tol, f"{what}: {name} norm", floor)
     _close(hooks.norms(), _total(want), tol, f"{what}: whole-model norms")
 
 
 def _check_dp(model, hooks, losses, want, tol, what) -> None:
+    floor = _floor(want)
     max_norm = _clip_norm(want)
     got = gradhooks.dp_sgd_step(hooks, losses, max_norm=max_norm, noise_multiplier=0.0,
                                 reduction="sum")  # fmt: skip
@@ -495,7 +557,7 @@ def _check_dp(model, hooks, losses, want, tol, what) -> None:
         if p.grad is None:
             assert not expected.any(), f"{what}: {name} has no .grad, the reference has one"
             continue
-        _close(p.grad, expected, tol, f"{what}: {name} clipped sum")
+        _close(p.grad, expected, tol, f"{what}: {name} clipped sum", floor)
 
 
 # -- the tests -----------------------------------------------------------------------------------
@@ -622,6 +684,8 @@ REPLAYS = [
     ("seq-first-detour", "shapes", AssertionError),
     ("permute-batch-or-sequence", "position", AssertionError),
     ("permute-batch-or-sequence", "shapes", AssertionError),
+    ("fold-batch-or-sequence", "position", AssertionError),
+    ("fold-batch-or-sequence", "shapes", AssertionError),
     ("flip-batch-or-sequence", "position", gradhooks.GradhooksError),
     ("tokens-per-expert", "shapes", gradhooks.GradhooksError),
 ]
