@@ -570,7 +570,11 @@ def test_every_step_against_the_loop(s, how):
     assert train(s, how) == len(s.steps())
 
 
-@pytest.mark.parametrize("s", [BY_ID["seq-first-detour"], BY_ID["tokens-per-expert"]], ids=repr)
+VERIFIED = ["seq-first-detour", "fold-batch-or-sequence", "tokens-per-expert",
+            "layers-skipped-or-twice", "sources-some-steps"]  # fmt: skip
+
+
+@pytest.mark.parametrize("s", [BY_ID[n] for n in VERIFIED], ids=repr)
 def test_with_the_run_time_check(s):
     """As users run it (``verify=True``): the check of each new set of calls passes and the
     numbers are the same."""
@@ -678,6 +682,40 @@ def replayed_layouts(monkeypatch, key: str):
     yield memory
 
 
+@contextlib.contextmanager
+def replayed_calls(monkeypatch):
+    """The engine, but with a cache of where the examples are in each hooked call, kept from
+    the previous forward: the j-th call of a module on arguments of given shapes gets the
+    layout of the previous forward's j-th such call (a cache keyed on the module and the
+    shapes). Yields the number of call layouts replayed so far (``memory["replayed"]``)."""
+    from gradhooks.engine import calls
+    from gradhooks.tracking import tracker as tracking
+
+    real_layout, real_enter = calls.CallLayouts.call_layout, tracking.Tracker.__enter__
+    memory: dict = {"last": {}, "now": {}, "replayed": 0}
+
+    def enter(self):
+        if memory["now"]:
+            memory["last"], memory["now"] = memory["now"], {}
+        return real_enter(self)
+
+    def call_layout(self, target, args, kwargs, output, tracker):
+        shapes = tuple(tuple(t.shape) for t in tensor_args(args, kwargs))
+        seen = memory["now"].setdefault((target.name, shapes), [])
+        before = memory["last"].get((target.name, shapes), [])
+        if tracker is not None and len(seen) < len(before):
+            found = before[len(seen)]
+            memory["replayed"] += 1
+        else:
+            found = real_layout(self, target, args, kwargs, output, tracker)
+        seen.append(found)
+        return found
+
+    monkeypatch.setattr(calls.CallLayouts, "call_layout", call_layout)
+    monkeypatch.setattr(tracking.Tracker, "__enter__", enter)
+    yield memory
+
+
 # (scenario, cache key, what catches it): AssertionError, the comparison with the loop (the
 # replay gave a silently wrong grad1); GradhooksError, the engine (a step refused that is right)
 REPLAYS = [
@@ -704,13 +742,32 @@ def test_a_replayed_layout_fails_the_check(monkeypatch, name, key, caught):
     assert memory["replayed"], "the replay never ran"
 
 
-@pytest.mark.parametrize("key", ["position", "shapes"])
+CALL_REPLAYS = [
+    "seq-first-detour",
+    "permute-batch-or-sequence",
+    "fold-batch-or-sequence",
+]
+
+
+@pytest.mark.parametrize("name", CALL_REPLAYS)
+def test_a_replayed_call_layout_fails_the_check(monkeypatch, name):
+    """Likewise with the engine's layout of each hooked call replayed from the step before
+    wherever the module and the shapes are the same: step 1 gives a wrong grad1, and the
+    comparison with the loop says so."""
+    with replayed_calls(monkeypatch) as memory:
+        with pytest.raises(AssertionError, match="step 1"):
+            train(BY_ID[name])
+    assert memory["replayed"], "the replay never ran"
+
+
+@pytest.mark.parametrize("key", ["position", "shapes", "calls"])
 def test_the_replay_alone_is_harmless(monkeypatch, key):
     """The simulated cache is only wrong where the control flow changes: on steps that all take
     the same path (the same torch calls, the batch where it was) it passes, so the failures
     above are the check catching the change, not the simulation breaking everything."""
     same = Scenario("same-path", lambda: Reorder("permute"),
                     lambda: [Step((_tokens(4, 4, k, True),)) for k in range(3)], squares)  # fmt: skip
-    with replayed_layouts(monkeypatch, key) as memory:
+    replay = replayed_calls(monkeypatch) if key == "calls" else replayed_layouts(monkeypatch, key)
+    with replay as memory:
         assert train(same) == 3
     assert memory["replayed"], "the replay never ran"
