@@ -539,14 +539,12 @@ def train(
 def _check_grad1(model, hooks, want, tol, what) -> None:
     floor = _floor(want)
     norms = hooks.param_norms()
-    reached = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             assert not want[name].any(), f"{what}: {name} has no .grad, the reference has one"
             assert not hasattr(p, "grad1"), f"{what}: {name} keeps a grad1 the step did not reach"
             assert name not in norms or not norms[name].any(), f"{what}: {name} keeps a norm"
             continue
-        reached[name] = want[name]
         _close(p.grad1, want[name], tol, f"{what}: {name} grad1", floor)
         _close(norms[name], want[name].flatten(1).norm(dim=1), tol, f"{what}: {name} norm", floor)
     _close(hooks.norms(), _total(want), tol, f"{what}: whole-model norms")
