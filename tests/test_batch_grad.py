@@ -280,8 +280,8 @@ def test_a_parameter_no_torch_function_sees_is_refused_not_counted_twice():
 
 
 def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
-    """A forward hook registered before add_hooks (an activation regularizer) sees the output
-    before it could be attached: that call keeps autograd's own batch gradient."""
+    """A forward hook registered before add_hooks (an activation regularizer) still sees the
+    output attached again: the engine's forward hook runs first among a module's own."""
     torch.manual_seed(0)
     model = ConvSeq().to(D)
     x, y = torch.randn(4, 2, 40, dtype=D), torch.randint(0, 2, (4,))
@@ -295,7 +295,7 @@ def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
 
     loss(ref).backward()
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        assert attach_nodes(model, x)[0] is False  # the conv: not attached
+        assert attach_nodes(model, x)[0] is True  # the conv: attached
         model.kept.clear()
         loss(model).backward()
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):

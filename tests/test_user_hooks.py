@@ -9,6 +9,8 @@
 - A hook on a parameter registered after ``add_hooks`` that multiplies its gradient (by a
   number, or by a factor clipping its norm): ``grad1`` is multiplied alike, so that it still
   reduces to ``.grad``; any other change (each entry clamped) is refused, ``grad1`` unwritten.
+- A module's forward hook that returns a new output, registered before or after
+  ``add_hooks``: ``grad1`` is the loop's (gradhooks' forward hook runs first among the module's).
 - An optimizer step fused into the backward (``register_post_accumulate_grad_hook`` that steps
   and zeroes ``.grad``): ``grad1`` is the loop's; ``dp_sgd_step``, which writes ``.grad`` after
   its backward, refuses such a hook.
@@ -118,6 +120,38 @@ def test_hooks_fire_as_often_as_without_gradhooks(how, verify):
         h.remove()
     assert want["backward a"] == 3 and want["activation"] == 3 and want["global forward"] == 9
     assert got == want
+
+
+def _replacing(module, args, out):
+    return out * 2 + 0.5  # (an output changed by a hook: grad1 must be taken at the raw one)
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["after-add_hooks", "before-add_hooks"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_forward_hook_that_replaces_the_output(verify, before):
+    """A forward hook that returns a new output of a layer with a rule, registered before or
+    after add_hooks: grad1 is the loop's (the engine's hook runs first among the module's, so
+    it sees the output the layer computed), over several steps of a training loop."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = copy.deepcopy(model)
+    ref.a.register_forward_hook(_replacing)
+    if before:
+        model.a.register_forward_hook(_replacing)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, verify=verify, loss_reduction="sum") as hooks:
+        if not before:
+            model.a.register_forward_hook(_replacing)
+        for _ in range(3):
+            ref.load_state_dict(model.state_dict())
+            want = loop_grad(ref, lambda out, t: per_example(out, t).sum(), x, y)
+            opt.zero_grad()
+            hooks.clear()
+            per_example(model(x), y).sum().backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"{n} grad1")
+            opt.step()
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])

@@ -314,8 +314,13 @@ class Hooks:
                     hook(self._forwards.enter_hook(target)), with_kwargs=True
                 )
             )
+            # (first among the module's forward hooks: one registered before add_hooks that
+            # returns a new output must not hide the output the rule's gradient is taken at)
             handle = target.module.register_forward_hook(
-                hook(self._forwards.forward_hook(target)), with_kwargs=True, always_call=True
+                hook(self._forwards.forward_hook(target)),
+                with_kwargs=True,
+                always_call=True,
+                prepend=True,
             )
             handles.append(handle)
             if detaches:
