@@ -30,6 +30,7 @@ from gradhooks.engine.records import (
     with_fields,
 )
 from gradhooks.oracle import vmap_grad
+from gradhooks.pieces import Outer
 from gradhooks.rules.registry import Call
 from gradhooks.tracking import tracker as tracker_module
 from harness import sum_of_squares
@@ -240,3 +241,18 @@ def test_structure_walks_as_torch_does(by_name):
     assert structure_of(model, by_name) == want
     model.body[0].weight.requires_grad_(False)
     assert structure_of(model, by_name) != want
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("scale", [1.0, 8.0], ids=["sum", "mean"])
+@pytest.mark.parametrize("shared", [1, 3], ids=["one-position", "positions"])
+def test_bias_grad1_into(shared, scale, accumulate):
+    """A bias's piece written into ``grad1``: its output-gradient summed over the shared
+    positions, scaled, added to what is there when accumulating (one position: the rows
+    themselves, without a sum)."""
+    g = torch.randn(5, shared, 4, dtype=torch.float64)
+    before = torch.randn(5, 4, dtype=torch.float64)
+    out = before.clone()
+    Outer(None, g).grad1_into(out, scale, accumulate)
+    want = g.sum(1) * scale + (before if accumulate else 0.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
