@@ -343,10 +343,13 @@ def _first_rows(call: Call) -> int | None:
 def blank_call(call: Call) -> bool:
     """Whether a call's tensor inputs and output-gradients have no entries (a bias with
     nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
-    leaves = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
-    return bool(leaves) and not any(
-        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
-    )
+    found = False
+    for t in tree_leaves((call.inputs, call.kwargs)):
+        if isinstance(t, Tensor):
+            if t.numel():
+                return False  # (the usual case, told by the first input)
+            found = True
+    return found and not any(isinstance(g, Tensor) and g.numel() for g in call.grad_outputs)
 
 
 @dataclass(eq=False)

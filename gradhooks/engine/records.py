@@ -298,12 +298,8 @@ def call_precision(args: Any, output: Any) -> torch.dtype | None:
     """The lowest precision a call ran in: its floating-point inputs' and outputs' dtypes, and
     autocast's where it is on (an operation inside the call may have run in it, and the
     gradients through it round in it too, whatever the dtypes at the call's boundary)."""
-    dtypes = {
-        t.dtype
-        for t in tree_leaves((args, output))
-        if isinstance(t, Tensor) and t.is_floating_point()
-    }
-    return lowest_precision(autocast_dtype(), *dtypes)
+    dtypes = {t.dtype for t in tree_leaves((args, output)) if isinstance(t, Tensor)}
+    return lowest_precision(autocast_dtype() if autocast_on() else None, *dtypes)
 
 
 def autocast_off() -> contextlib.AbstractContextManager:
@@ -360,7 +356,7 @@ def _autocast_enabled(device: str) -> bool:
 def autocast_on() -> bool:
     """Whether autocast is on for the CPU or CUDA."""
     try:
-        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+        return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
     except TypeError:  # (torch before 2.4: no device argument)
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
