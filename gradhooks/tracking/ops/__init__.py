@@ -4,6 +4,7 @@ registering its handlers by torch function name (:data:`~.common.HANDLERS`), and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -11,7 +12,8 @@ from torch import Tensor
 from ... import _torch
 from ..layout import MIXED, UNKNOWN
 from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
-from .common import HANDLERS, NeedsBatch, carries, out_tensors, tensor_args
+from .common import HANDLERS, NeedsBatch, carries, is_inplace, op_name, out_tensors, tensor_args
+from .names import MAYBE_SAME
 from .pointwise import POINTWISE, is_pointwise
 from .reductions import REDUCTIONS
 
@@ -174,6 +176,58 @@ def handler_for(name: str) -> Any:
 def owner_aware(name: str) -> bool:
     """Whether torch function ``name`` follows rows picked by an index (:class:`Owners`)."""
     return name in _OWNER_AWARE or (name not in HANDLERS and is_pointwise(name))
+
+
+@dataclass(frozen=True, slots=True)
+class OpFacts:
+    """What the tracker asks of a torch function on every call of it, found once: its name
+    (:func:`.common.op_name`), whether it is in :data:`LIKE`, :data:`METADATA`,
+    :data:`.names.MAYBE_SAME`, :data:`FREE`, whether it works in place
+    (:func:`.common.is_inplace`) and its handler (:func:`handler_for`)."""
+
+    name: str
+    like: bool
+    metadata: bool
+    maybe_same: bool
+    free: bool
+    inplace: bool
+    handler: Any
+
+
+# per torch function (and per name), by whether torch's operator schemas are read (the
+# in-place test and the pointwise tag read them; ``_torch.disabled`` switches them off)
+_FACTS: tuple[dict[Any, OpFacts], dict[Any, OpFacts]] = ({}, {})
+_NAMED: tuple[dict[str, OpFacts], dict[str, OpFacts]] = ({}, {})
+
+
+def facts_named(name: str) -> OpFacts:
+    """The :class:`OpFacts` of the torch function named ``name``."""
+    table = _NAMED[_torch.available("op_schema")]
+    found = table.get(name)
+    if found is None:
+        found = table[name] = OpFacts(
+            name,
+            name in LIKE,
+            name in METADATA,
+            name in MAYBE_SAME,
+            name in FREE,
+            is_inplace(name),
+            handler_for(name),
+        )
+    return found
+
+
+def facts(func: Any) -> OpFacts:
+    """The :class:`OpFacts` of torch function ``func`` (what it is never changes: the handler
+    table is complete once this package is imported)."""
+    table = _FACTS[_torch.available("op_schema")]
+    try:
+        found = table.get(func)
+    except TypeError:  # (not hashable)
+        return facts_named(op_name(func))
+    if found is None:
+        found = table[func] = facts_named(op_name(func))
+    return found
 
 
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
