@@ -53,7 +53,7 @@ from .. import _torch
 from .aliases import aliased
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
-from .ops import data_args, facts, facts_named, handler_for, output_layout
+from .ops import OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS
 from .ops.pointwise import is_pointwise, where_unselected
@@ -333,10 +333,14 @@ class Tracker(TorchFunctionMode):
         try:
             if not sources and not direct:
                 out = func(*args, **kwargs)
-                self._note_precision(out)
+                if out.__class__ in _NO_TENSOR and not op.inplace:
+                    return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
+                if isinstance(out, Tensor) and out.dtype is not self.precision:
+                    self._note_precision(out)
                 self.func = func
                 try:
-                    self.propagate(name, args, kwargs, out)
+                    # (``tensors`` are the tensors whose values it computes with, as there)
+                    self._propagate(op, args, kwargs, out, tensors)
                 finally:
                     self.func = None
                 return out
@@ -436,7 +440,14 @@ class Tracker(TorchFunctionMode):
         return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
     def propagate(self, name: str, args, kwargs, out) -> None:
-        op = facts_named(name)
+        """Record the layouts of ``out``, what the torch function ``name`` gave on ``args``
+        and ``kwargs``."""
+        self._propagate(facts_named(name), args, kwargs, out)
+
+    def _propagate(self, op: OpFacts, args, kwargs, out, ins: list | None = None) -> None:
+        """:meth:`propagate`; ``ins``: the tensors among the arguments whose values it
+        computes with (:func:`data_args`), where the caller has them."""
+        name = op.name
         if op.like:
             args, kwargs = data_args(name, args, kwargs)
         outs = out_tensors(out)
@@ -444,8 +455,11 @@ class Tracker(TorchFunctionMode):
             outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
         if not outs or op.free:
             return  # (a new tensor: its values do not depend on the examples)
-        ins = tensor_args(args, kwargs)
-        unselected = where_unselected(name, args, self.layouts) | self._all_ones(name, ins)
+        if ins is None:
+            ins = tensor_args(args, kwargs)
+        unselected = where_unselected(name, args, self.layouts) if name == "where" else _NONE
+        if self.coupled and name in PRODUCTS:
+            unselected = unselected | self._all_ones(name, ins)
         layout_of = self._layout_of
         if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
             ins = [t for t in ins if id(t) not in unselected]
@@ -453,15 +467,22 @@ class Tracker(TorchFunctionMode):
             def layout_of(t: Any) -> Layout | None:
                 return None if id(t) in unselected else self._layout_of(t)
 
-        inherited = any(self.layouts.get(t) is MIXED for t in ins)
+        layouts = self.layouts
+        inherited = False
+        for t in ins:
+            if layouts.get(t) is MIXED:
+                inherited = True
+                break
         if inherited:
             result = MIXED
         else:
-            result = output_layout(name, args, kwargs, out, layout_of, self.batch)
+            result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
-        result = self._coupling(name, args, ins, outs, result)
-        self._row_indices(name, args, ins, outs)
+        if self.coupled:
+            result = self._coupling(name, args, ins, outs, result)
+        if self.row_index or name in _FINDS_ROWS:
+            self._row_indices(name, args, ins, outs)
         reordered = (
             next((self.reordered[t] for t in ins if t in self.reordered), None)
             if self.reordered
@@ -896,6 +917,11 @@ class _Pending:
 
 
 _ACTIVE: list[Tracker] = []
+
+# what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
+_NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
+_NONE: frozenset[int] = frozenset()
+_FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

@@ -145,15 +145,23 @@ def data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+def output_layout(
+    name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int, ins: list | None = None
+):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
     which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
     only through the operations that know them (:func:`owner_aware`), and never lost: where
     one of these cannot say where they went, its result is mixed (refused where it is used),
     never of unknown layout (which a rule would read as the batch). (An index or mask computed
-    from them, which selects only, may be of unknown layout.)"""
-    lays = [lay for t in tensor_args(args, kwargs) if (lay := layout_of(t)) is not None]
-    if any(lay.owners is not None for lay in lays):
+    from them, which selects only, may be of unknown layout.) ``ins``: the tensors among the
+    arguments, where the caller has them."""
+    owned = False
+    for t in tensor_args(args, kwargs) if ins is None else ins:
+        lay = layout_of(t)
+        if lay is not None and lay.owners is not None:
+            owned = True
+            break
+    if owned:
         lost = MIXED if any(map(carries, out_tensors(out))) else UNKNOWN
         if not owner_aware(name):
             return lost
@@ -231,7 +239,7 @@ def facts(func: Any) -> OpFacts:
 
 
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
-    handler = handler_for(name)
+    handler = facts_named(name).handler
     if handler is None:
         return UNKNOWN
     try:

@@ -37,12 +37,20 @@ def first_tensor(out: Any) -> Tensor | None:
 
 
 def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among ``args`` and then ``kwargs``' values, and inside a list or tuple
+    among them (``torch.cat([x, y])``), in order."""
     found = []
-    for a in (*args, *kwargs.values()):
+    for a in args:
         if isinstance(a, Tensor):
             found.append(a)
         elif type(a) in (list, tuple):
-            found.extend(x for x in a if isinstance(x, Tensor))
+            found += [x for x in a if isinstance(x, Tensor)]
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                found.append(a)
+            elif type(a) in (list, tuple):
+                found += [x for x in a if isinstance(x, Tensor)]
     return found
 
 

@@ -1,6 +1,7 @@
-"""What the tracker keeps per tensor and per torch function: :class:`TensorMap` (by identity,
-holding no tensor alive, never confusing a freed tensor with one that took its id) and
-:func:`facts` (found once per torch function, as the name-by-name answers say)."""
+"""What makes the tracker cheap per torch function, and must change none of its answers:
+:class:`TensorMap` (by identity, holding no tensor alive, never confusing a freed tensor with
+one that took its id), :func:`facts` (found once per torch function, as the name-by-name answers
+say), and the short ways through :meth:`Tracker.__torch_function__`."""
 
 from __future__ import annotations
 
@@ -114,3 +115,16 @@ def test_the_facts_follow_the_schemas_being_read():
                 with tracker:
                     y = torch.special.i1(x)
                 assert tracker.layout(y) == (UNKNOWN if off else Layout(1))
+
+
+def test_an_operation_that_returns_no_tensor_but_writes_one_is_followed():
+    """``buf[:] = x`` returns ``None``: the tracker skips what returns no tensor (a shape, a
+    dtype) except where the operation writes its first argument in place."""
+    x = torch.randn(4, 3)
+    tracker = Tracker(4, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        buf = torch.zeros(4, 3)
+        assert x.shape == (4, 3) and x.dim() == 2 and x.dtype is torch.float32
+        buf[:] = x
+    assert tracker.layout(buf) == Layout(0)
