@@ -128,3 +128,17 @@ def test_an_operation_that_returns_no_tensor_but_writes_one_is_followed():
         assert x.shape == (4, 3) and x.dim() == 2 and x.dtype is torch.float32
         buf[:] = x
     assert tracker.layout(buf) == Layout(0)
+
+
+def test_functions_made_afresh_do_not_fill_the_table():
+    """A torch function handed to the mode as a new object on each call (a closure) is
+    answered by its name, and the table keeps at most a bounded number of functions."""
+    from gradhooks.tracking.ops import _FACTS, _MAX_FUNCTIONS
+
+    for _ in range(_MAX_FUNCTIONS + 10):
+
+        def add(*args):
+            return torch.add(*args)
+
+        assert facts(add) is facts_named("add")
+    assert all(len(table) <= _MAX_FUNCTIONS for table in _FACTS)

@@ -234,8 +234,13 @@ def facts(func: Any) -> OpFacts:
     except TypeError:  # (not hashable)
         return facts_named(op_name(func))
     if found is None:
-        found = table[func] = facts_named(op_name(func))
+        found = facts_named(op_name(func))
+        if len(table) < _MAX_FUNCTIONS:  # (a function made afresh for each call is not kept)
+            table[func] = found
     return found
+
+
+_MAX_FUNCTIONS = 4096
 
 
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):

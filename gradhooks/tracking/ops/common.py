@@ -105,8 +105,16 @@ def is_inplace(name: str) -> bool:
     (``x.add_(y)``, ``x += y``, ``x[i] = v``): as the aten operator of that name's schema
     says (``Tensor(a!) self -> Tensor(a!)``), or, where there is none (``__setitem__``, a
     method of Python's own) or it cannot be read, as its name does."""
-    found = _torch.writes_first(name)
-    return named_inplace(name) if found is None else found
+    table = _INPLACE[_torch.available("op_schema")]
+    found = table.get(name)
+    if found is None:  # (reading the schemas is slow: once per name)
+        schema = _torch.writes_first(name)
+        found = table[name] = named_inplace(name) if schema is None else schema
+    return found
+
+
+# is_inplace's answers by name, with the schemas read and without (``_torch.disabled``)
+_INPLACE: tuple[dict[str, bool], dict[str, bool]] = ({}, {})
 
 
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
