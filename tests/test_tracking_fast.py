@@ -77,7 +77,7 @@ def test_a_map_drops_the_entries_of_freed_tensors_as_it_grows():
     m = TensorMap()
     for _ in range(1000):
         m[torch.zeros(1)] = 1  # (each freed at once)
-    assert len(m._data) < 100  # noqa: SLF001 (the dead entries were swept)
+    assert len(m.entries) < 100  # (the dead entries were swept)
     kept = [torch.zeros(1) for _ in range(300)]
     for t in kept:
         m[t] = 2

@@ -305,10 +305,11 @@ class Tracker(TorchFunctionMode):
             tensors = tensor_args(*data_args(op.name, args, kwargs))
         laid, sources, direct = False, set(), []
         found, taints, params = self.layouts, self.taints, self.params
+        tainted = taints.entries
         for t in tensors:
             if not laid and found.get(t) is not None:
                 laid = True
-            if taints:  # (empty until a batch-free call or a direct use of a parameter)
+            if tainted:  # (empty until a batch-free call or a direct use of a parameter)
                 s = taints.get(t)
                 if s:
                     sources |= s
@@ -458,9 +459,9 @@ class Tracker(TorchFunctionMode):
         if ins is None:
             ins = tensor_args(args, kwargs)
         unselected = where_unselected(name, args, self.layouts) if name == "where" else _NONE
-        if self.coupled and name in PRODUCTS:
+        if self.coupled.entries and name in PRODUCTS:
             unselected = unselected | self._all_ones(name, ins)
-        layout_of = self._layout_of
+        layout_of = self.layouts.get  # (as _layout_of: no tensor has no entry)
         if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
             ins = [t for t in ins if id(t) not in unselected]
 
@@ -479,13 +480,13 @@ class Tracker(TorchFunctionMode):
             result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
-        if self.coupled:
+        if self.coupled.entries:
             result = self._coupling(name, args, ins, outs, result)
-        if self.row_index or name in _FINDS_ROWS:
+        if self.row_index.entries or name in _FINDS_ROWS:
             self._row_indices(name, args, ins, outs)
         reordered = (
             next((self.reordered[t] for t in ins if t in self.reordered), None)
-            if self.reordered
+            if self.reordered.entries
             else None
         )
         if result is REORDER:
@@ -556,7 +557,7 @@ class Tracker(TorchFunctionMode):
             self.layouts[o] = lay
         if resolved:
             self._meet_after(name, args, kwargs, out)
-        elif self.lineage:
+        elif self.lineage.entries:
             self._inherit(ins, outs)
 
     def _inherit(self, ins: list, outs: list) -> None:
