@@ -142,3 +142,24 @@ def test_functions_made_afresh_do_not_fill_the_table():
 
         assert facts(add) is facts_named("add")
     assert all(len(table) <= _MAX_FUNCTIONS for table in _FACTS)
+
+
+def _closing_over(held: torch.Tensor):
+    def scaled(x):
+        return x * held
+
+    return scaled
+
+
+def test_the_table_keeps_no_closure_alive(monkeypatch):
+    """A torch function that closes over a tensor is answered, and not kept (nor its tensor)."""
+    from gradhooks.tracking import ops
+
+    monkeypatch.setattr(ops, "_FACTS", ({}, {}))  # (room left in the table)
+    held = torch.randn(3)
+    ref = weakref.ref(held)
+    scaled = _closing_over(held)
+    assert facts(scaled).name == "scaled"
+    del scaled, held
+    gc.collect()
+    assert ref() is None

@@ -235,7 +235,9 @@ def facts(func: Any) -> OpFacts:
         return facts_named(op_name(func))
     if found is None:
         found = facts_named(op_name(func))
-        if len(table) < _MAX_FUNCTIONS:  # (a function made afresh for each call is not kept)
+        # (a closure may hold tensors, and one made afresh for each call would fill the table:
+        # neither is kept)
+        if len(table) < _MAX_FUNCTIONS and getattr(func, "__closure__", None) is None:
             table[func] = found
     return found
 
