@@ -205,6 +205,24 @@ def test_one_graph_break_per_call_and_no_recompilation(dynamo, kind):
         assert breaks <= 2, f"{breaks} graph breaks in one call"
 
 
+@pytest.mark.parametrize("kind", ["mlp", "sequential"])
+def test_a_new_batch_size_at_each_step_past_the_recompile_limit(dynamo, kind):
+    """Shapes not marked dynamic: dynamo compiles again at each batch size until its recompile
+    limit (8), then runs the frame as it is, with its nested frames still compiled: the hooks
+    run for real there, and turn compilation off for the rest of the call. grad1 the loop's
+    at every size."""
+    model, _ = model_of(kind)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        compiled = torch.compile(model, dynamic=False)
+        for batch in range(1, 12):
+            x = torch.randn(batch, 3, dtype=D, generator=_generator(batch))
+            want = loop_grad(model, sq, x)
+            h.clear()
+            sq(compiled(x)).backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"{kind}, batch {batch}: {n}")
+
+
 def test_a_compiled_training_step(dynamo):
     """``torch.compile`` of a whole step (forward, loss, backward): grad1 the loop's, step
     after step; the rest of the step after the model's first hook runs eagerly."""

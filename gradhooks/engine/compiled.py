@@ -53,7 +53,7 @@ def prepare() -> None:
 def leave() -> bool:
     """In code dynamo traces: a graph break, after which the rest of the compiled call runs
     eagerly; whether it will (not where :func:`gradhooks._torch.leave_compiled` is missing or
-    off, or before :func:`prepare`). Run for real: the same, without the break."""
+    off, or before :func:`prepare`)."""
     if _BREAK[0] is None or not _torch.available("eval_frame"):
         return False
     _BREAK[0]()

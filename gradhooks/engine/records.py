@@ -217,7 +217,7 @@ class Hook:
             self._prepare()
         # (run for real in a frame dynamo would compile, one it gave up tracing: the rest of
         # the compiled call, if any, runs eagerly)
-        compiled.leave()
+        _torch.leave_compiled()
         return self.fn(*args)
 
     def __reduce__(self):
