@@ -60,6 +60,17 @@ Each internal, its name here, where it is used, and its fallback:
   parameter gradients go back to the code that asked for them (``backward.py``). Fallback: a
   backward inside another is seen only where the other reached a hooked call first.
 
+- ``eval_frame``: ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` and
+  ``set_eval_frame`` (:func:`leave_compiled`), the frame evaluation ``torch.compile`` sets for
+  the code it runs: the first hook of a hooked model that code reaches turns it off for the rest
+  of that compiled call (``engine/compiled.py``), so that the forward runs eagerly, every torch
+  function seen by the tracker, with no graph break at each; ``torch.compile``'s own wrapper
+  puts it back when the call returns. No public API turns compilation off from inside a
+  compiled call (``torch.compiler.disable`` does so only within the function it wraps).
+  Fallback: the hooks run through ``torch.compiler.disable`` and dynamo traces the forward
+  between them, a graph break at nearly every torch function the tracker sees (slower than
+  eager, the same numbers).
+
 Required (no fallback; :func:`require` refuses without them):
 
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
@@ -141,6 +152,7 @@ __all__ = [
     "conv_padding",
     "dim_arguments",
     "enclosing_backward",
+    "leave_compiled",
     "positional",
     "disabled",
     "drop_stale_hooks",
@@ -242,6 +254,11 @@ INTERNALS: dict[str, Internal] = {
             "op_schema",
             "OpOverload._schema (an aten operator's argument names and alias annotations)",
             "every integer passed by position is taken as a dimension; in place by the name",
+        ),
+        Internal(
+            "eval_frame",
+            "torch._C._dynamo.eval_frame.get_eval_frame_callback, set_eval_frame",
+            "hooks through torch.compiler.disable: a graph break at nearly every torch function",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
@@ -603,6 +620,33 @@ def drop_stale_hooks(t: Tensor) -> None:
     add to it, never to fire. Without the dict, the next ``register_hook`` registers a new
     one. Required (:func:`require`)."""
     t._backward_hooks = None
+
+
+# -- eval_frame --------------------------------------------------------------------------------
+
+
+def _eval_frame() -> tuple | None:
+    frames = torch._C._dynamo.eval_frame
+    return frames.get_eval_frame_callback, frames.set_eval_frame
+
+
+_EVAL_FRAME = _lookup("eval_frame", _eval_frame)
+
+
+def leave_compiled() -> bool:
+    """Turn off ``torch.compile``'s frame evaluation for the rest of the compiled call this
+    runs in (``torch._C._dynamo.eval_frame.set_eval_frame(None)``), where it is on; whether it
+    was. The code that call then runs, its frames and those they call, runs eagerly, as if
+    never compiled; ``torch.compile``'s wrapper of the call sets the evaluation it found again
+    when the call returns or raises. Outside a compiled call, and where missing or off: nothing
+    (``False``)."""
+    if _EVAL_FRAME is None or "eval_frame" in _off:
+        return False
+    callback, set_callback = _EVAL_FRAME
+    if callback() is None:
+        return False
+    set_callback(None)
+    return True
 
 
 # -- graph_task_id (required) ------------------------------------------------------------------
