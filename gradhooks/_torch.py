@@ -89,7 +89,8 @@ Required (no fallback; :func:`require` refuses without them):
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
-  :func:`global_forward_hooks`, :func:`forward_hooks_off`), and the backward hooks of
+  :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
+  and the backward hooks of
   modules, of every module and of tensors (:func:`user_backward_hooks`): the engine checks
   that its hooks run where it needs them (``capture.py``), runs no backward of its own
   checks through a user's backward hooks (``verify.py``, ``dp.py``), the oracle puts back
@@ -774,6 +775,25 @@ def global_forward_hooks() -> bool:
     """Whether global forward hooks (``nn.modules.module.register_module_forward_hook``) are
     registered, which run before a module's own. Required (:func:`require`)."""
     return bool(_GLOBAL_HOOKS[0]) if _GLOBAL_HOOKS is not None else True
+
+
+def global_forward_hook_count() -> int:
+    """How many global forward hooks are registered. Required (:func:`require`)."""
+    return len(_GLOBAL_HOOKS[0]) if _GLOBAL_HOOKS is not None else 0
+
+
+def first_global_forward_hook(hook: Callable, handle: Any = None) -> Any:
+    """``hook`` registered as a global forward hook that runs before every other global one
+    (and so before every module's own), or, given its ``handle``, moved back to the front if
+    others came before it since; returns the handle. ``register_module_forward_hook`` has no
+    ``prepend``: the hook is moved to the front of
+    ``torch.nn.modules.module._global_forward_hooks``. Required (:func:`require`)."""
+    hooks = _GLOBAL_HOOKS[0]
+    if handle is None:
+        handle = nn.modules.module.register_module_forward_hook(hook)
+    if next(iter(hooks), None) != handle.id:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
 
 
 def global_forward_pre_hooks() -> bool:
