@@ -201,7 +201,7 @@ def _explain(hooked, hooks, x) -> dict:
             where[at] = where.get(at, 0) + 1
     return {
         "graphs": result.graph_count,
-        "graph_breaks": result.graph_break_count,
+        "graph_breaks": len(result.break_reasons),  # (graph_break_count: graphs - 1)
         "ops_in_graphs": result.op_count,
         "kinds": sorted(kinds.items(), key=lambda kv: -kv[1]),
         "where": sorted(where.items(), key=lambda kv: -kv[1])[:8],

@@ -66,6 +66,16 @@ Each internal, its name here, where it is used, and its fallback:
   that their ``.dim()``, ``.detach()`` and rules' checks cost no trip through torch's
   override machinery. Fallback: the tracker stays on and passes them on unseen
   (:meth:`gradhooks.tracking.Tracker.paused`).
+- ``eval_frame``: ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` and
+  ``set_eval_frame`` (:func:`leave_compiled`), the frame evaluation ``torch.compile`` sets for
+  the code it runs: the first hook of a hooked model that code reaches turns it off for the rest
+  of that compiled call (``engine/compiled.py``), so that the forward runs eagerly, every torch
+  function seen by the tracker, with no graph break at each; ``torch.compile``'s own wrapper
+  puts it back when the call returns. No public API turns compilation off from inside a
+  compiled call (``torch.compiler.disable`` does so only within the function it wraps).
+  Fallback: the hooks run through ``torch.compiler.disable`` and dynamo traces the forward
+  between them, a graph break at nearly every torch function the tracker sees (slower than
+  eager, the same numbers).
 
 Required (no fallback; :func:`require` refuses without them):
 
@@ -85,7 +95,8 @@ Required (no fallback; :func:`require` refuses without them):
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
   (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
-  :func:`global_forward_hooks`, :func:`forward_hooks_off`), and the backward hooks of
+  :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
+  and the backward hooks of
   modules, of every module and of tensors (:func:`user_backward_hooks`): the engine checks
   that its hooks run where it needs them (``capture.py``), runs no backward of its own
   checks through a user's backward hooks (``verify.py``, ``dp.py``), the oracle puts back
@@ -148,6 +159,7 @@ __all__ = [
     "conv_padding",
     "dim_arguments",
     "enclosing_backward",
+    "leave_compiled",
     "positional",
     "disabled",
     "drop_stale_hooks",
@@ -257,6 +269,11 @@ INTERNALS: dict[str, Internal] = {
             "torch._C._len_torch_function_stack, _get_function_stack_at, "
             "_pop_torch_function_stack, _push_on_torch_function_stack",
             "the tracker stays on the mode stack, paused, and passes the hooks' own work on",
+        ),
+        Internal(
+            "eval_frame",
+            "torch._C._dynamo.eval_frame.get_eval_frame_callback, set_eval_frame",
+            "hooks through torch.compiler.disable: a graph break at nearly every torch function",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
@@ -653,6 +670,33 @@ def drop_stale_hooks(t: Tensor) -> None:
     t._backward_hooks = None
 
 
+# -- eval_frame --------------------------------------------------------------------------------
+
+
+def _eval_frame() -> tuple | None:
+    frames = torch._C._dynamo.eval_frame
+    return frames.get_eval_frame_callback, frames.set_eval_frame
+
+
+_EVAL_FRAME = _lookup("eval_frame", _eval_frame)
+
+
+def leave_compiled() -> bool:
+    """Turn off ``torch.compile``'s frame evaluation for the rest of the compiled call this
+    runs in (``torch._C._dynamo.eval_frame.set_eval_frame(None)``), where it is on; whether it
+    was. The code that call then runs, its frames and those they call, runs eagerly, as if
+    never compiled; ``torch.compile``'s wrapper of the call sets the evaluation it found again
+    when the call returns or raises. Outside a compiled call, and where missing or off: nothing
+    (``False``)."""
+    if _EVAL_FRAME is None or "eval_frame" in _off:
+        return False
+    callback, set_callback = _EVAL_FRAME
+    if callback() is None:
+        return False
+    set_callback(None)
+    return True
+
+
 # -- graph_task_id (required) ------------------------------------------------------------------
 
 _GRAPH_TASK_ID = _lookup("graph_task_id", lambda: torch._C._current_graph_task_id)
@@ -778,6 +822,25 @@ def global_forward_hooks() -> bool:
     """Whether global forward hooks (``nn.modules.module.register_module_forward_hook``) are
     registered, which run before a module's own. Required (:func:`require`)."""
     return bool(_GLOBAL_HOOKS[0]) if _GLOBAL_HOOKS is not None else True
+
+
+def global_forward_hook_count() -> int:
+    """How many global forward hooks are registered. Required (:func:`require`)."""
+    return len(_GLOBAL_HOOKS[0]) if _GLOBAL_HOOKS is not None else 0
+
+
+def first_global_forward_hook(hook: Callable, handle: Any = None) -> Any:
+    """``hook`` registered as a global forward hook that runs before every other global one
+    (and so before every module's own), or, given its ``handle``, moved back to the front if
+    others came before it since; returns the handle. ``register_module_forward_hook`` has no
+    ``prepend``: the hook is moved to the front of
+    ``torch.nn.modules.module._global_forward_hooks``. Required (:func:`require`)."""
+    hooks = _GLOBAL_HOOKS[0]
+    if handle is None:
+        handle = nn.modules.module.register_module_forward_hook(hook)
+    if next(iter(hooks), None) != handle.id:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
 
 
 def global_forward_pre_hooks() -> bool:

@@ -665,7 +665,7 @@ def replayed_layouts(monkeypatch, key: str):
             memory["last"], memory["now"] = memory["now"], []
         return real_enter(self)
 
-    def output_layout(name, args, kwargs, out, layout_of, batch):
+    def output_layout(name, args, kwargs, out, layout_of, batch, *rest):
         shapes = tuple(tuple(t.shape) for t in tensor_args(args, kwargs))
         this = name if key == "position" else (name, shapes)
         if key == "position":
@@ -679,7 +679,7 @@ def replayed_layouts(monkeypatch, key: str):
             result = last[i][1]
             memory["replayed"] += 1
         else:
-            result = real_layout(name, args, kwargs, out, layout_of, batch)
+            result = real_layout(name, args, kwargs, out, layout_of, batch, *rest)
         memory["now"].append((this, result))
         return result
 

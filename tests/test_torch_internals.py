@@ -489,6 +489,32 @@ def test_autograd_node(monkeypatch, off, head):
     assert (True in seen) != off and (None in seen) == off, seen
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_eval_frame(monkeypatch, off):
+    """``torch.compile(model)`` of a hooked model (the forward pre-hook of a model of its own
+    code: dynamo compiles that frame): the internal turns compilation off there, the fallback
+    runs the hooks through ``torch.compiler.disable``; grad1 the oracle's both ways, twice
+    (the code dynamo made reused)."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    seen = spy(monkeypatch, "leave_compiled")
+    torch.manual_seed(0)
+    model = Between(lambda h: h * 2 + 1)
+    x = torch.randn(4, 3)
+    want = vmap_grad(model, sum_of_squares, x)
+    dynamo.reset()
+    try:
+        with switched_off("eval_frame", off), gradhooks.add_hooks(model, loss_reduction="sum") as h:
+            compiled = torch.compile(model)
+            for step in range(2):
+                h.clear()
+                sum_of_squares(compiled(x)).backward()
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1, want[n], f"eval_frame (off: {off}), step {step}: {n}")
+    finally:
+        dynamo.reset()
+    assert (True in seen) != off, seen
+
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = [
@@ -567,6 +593,7 @@ TESTED = {
     "op_schema": test_op_schema,
     "autograd_node": test_autograd_node,
     "mode_stack": test_mode_stack,
+    "eval_frame": test_eval_frame,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }
 

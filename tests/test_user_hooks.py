@@ -9,8 +9,10 @@
 - A hook on a parameter registered after ``add_hooks`` that multiplies its gradient (by a
   number, or by a factor clipping its norm): ``grad1`` is multiplied alike, so that it still
   reduces to ``.grad``; any other change (each entry clamped) is refused, ``grad1`` unwritten.
-- A module's forward hook that returns a new output, registered before or after
-  ``add_hooks``: ``grad1`` is the loop's (gradhooks' forward hook runs first among the module's).
+- A forward hook that returns a new output (a module's or a global one), registered before
+  or after ``add_hooks``: ``grad1`` is the loop's (gradhooks' forward hook runs first among the
+  module's; a global hook of gradhooks' runs first among the global ones while others' are
+  registered, and none is left behind).
 - An optimizer step fused into the backward (``register_post_accumulate_grad_hook`` that steps
   and zeroes ``.grad``): ``grad1`` is the loop's; ``dp_sgd_step``, which writes ``.grad`` after
   its backward, refuses such a hook.
@@ -126,32 +128,70 @@ def _replacing(module, args, out):
     return out * 2 + 0.5  # (an output changed by a hook: grad1 must be taken at the raw one)
 
 
+def _replace_output(model: Net, kind: str):
+    """A forward hook returning a new output of ``model.a``: its own, or a global one."""
+    if kind == "module":
+        return model.a.register_forward_hook(_replacing)
+    return nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: _replacing(m, args, out) if m is model.a else None
+    )
+
+
+@pytest.mark.parametrize("kind", ["module", "global"])
 @pytest.mark.parametrize("before", [False, True], ids=["after-add_hooks", "before-add_hooks"])
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_forward_hook_that_replaces_the_output(verify, before):
-    """A forward hook that returns a new output of a layer with a rule, registered before or
-    after add_hooks: grad1 is the loop's (the engine's hook runs first among the module's, so
-    it sees the output the layer computed), over several steps of a training loop."""
+def test_forward_hook_that_replaces_the_output(verify, before, kind):
+    """A forward hook that returns a new output of a layer with a rule (the module's own or a
+    global one, which torch runs before every module's), registered before or after add_hooks:
+    grad1 is the loop's, over several steps of a training loop (the engine takes the gradient
+    at the output the layer computed)."""
     x, y = data()
     torch.manual_seed(0)
     model = Net().double()
     ref = copy.deepcopy(model)
-    ref.a.register_forward_hook(_replacing)
-    if before:
-        model.a.register_forward_hook(_replacing)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model, verify=verify, loss_reduction="sum") as hooks:
-        if not before:
-            model.a.register_forward_hook(_replacing)
-        for _ in range(3):
-            ref.load_state_dict(model.state_dict())
-            want = loop_grad(ref, lambda out, t: per_example(out, t).sum(), x, y)
-            opt.zero_grad()
-            hooks.clear()
-            per_example(model(x), y).sum().backward()
-            for n, p in model.named_parameters():
-                assert_close(p.grad1, want[n], f"{n} grad1")
-            opt.step()
+    handles = [_replace_output(ref, kind)]
+    try:
+        if before:
+            handles.append(_replace_output(model, kind))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gradhooks.add_hooks(model, verify=verify, loss_reduction="sum") as hooks:
+            if not before:
+                handles.append(_replace_output(model, kind))
+            for _ in range(3):
+                ref.load_state_dict(model.state_dict())
+                want = loop_grad(ref, lambda out, t: per_example(out, t).sum(), x, y)
+                opt.zero_grad()
+                hooks.clear()
+                per_example(model(x), y).sum().backward()
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1, want[n], f"{n} grad1")
+                opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_no_global_hook_of_gradhooks_left():
+    """gradhooks' own global forward hook (first of the global ones, while someone else's is
+    registered) is gone once the others are, at the next forward, and when the hooks are."""
+    x, _ = data()
+    model = Net().double()
+    global_hooks = nn.modules.module._global_forward_hooks
+    before = len(global_hooks)
+    with gradhooks.add_hooks(model):
+        model(x)
+        assert len(global_hooks) == before
+        handle = _replace_output(model, "global")
+        model(x)
+        assert len(global_hooks) == before + 2
+        handle.remove()
+        model(x)
+        assert len(global_hooks) == before
+        handle = _replace_output(model, "global")
+        model(x)
+        assert len(global_hooks) == before + 2
+    assert len(global_hooks) == before + 1
+    handle.remove()
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])

@@ -33,6 +33,7 @@ from ..tracking import PACKED, UNKNOWN, Source, Tracker
 from .backward import BackwardWriter
 from .calls import CallLayouts, KeptCall, carry_layouts, keeps_rows, own_node, root_batch, unview
 from .capture import DetachedCalls
+from .outputs import LayerOutputs
 from .plan import Target, positional
 from .records import (
     CallLayout,
@@ -68,6 +69,8 @@ class ForwardCapture:
         self.follow_changes: Callable[[nn.Module], None] = lambda model: None
         # a Target per torch function and parameters captured as a call (F.linear of a tied weight)
         self.functional_targets: dict[tuple, Target] = {}
+        # the outputs hooked calls returned, where a global forward hook of others returns another
+        self.layer_outputs = LayerOutputs(lambda module: False)
 
     def enter_hook(self, target: Target):
         """The forward pre-hook of every hooked module: the tracker (if this forward has one)
@@ -138,6 +141,7 @@ class ForwardCapture:
 
     def forward_hook(self, target: Target):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            output = self.layer_outputs.take(module, output)
             found = self._buffers_of(module) if target.entry is FALLBACK else None
             tracker = self.tracker()
             if tracker is None or module is not target.module or not tracker.covered:
@@ -421,6 +425,7 @@ class ForwardCapture:
         :meth:`entry_hooks`)."""
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
         self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
+        self.layer_outputs.follow()
         if self.state.removed or not self.state.pause.on:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):

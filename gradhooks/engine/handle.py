@@ -45,6 +45,7 @@ from .calls import CallLayouts
 from .capture import DetachedCalls
 from .forward import ForwardCapture
 from .link import TrackerLink
+from .outputs import LayerOutputs
 from .pause import set_enabled
 from .plan import (
     Unsupported,
@@ -197,6 +198,10 @@ class Hooks:
         forwards, backwards, layouts = self._forwards, self._backwards, self._layouts
         detached, verifier = self._detached_calls, self._verifier
         forwards.follow_changes = self._follow_changes
+        me = weakref.ref(self)
+        forwards.layer_outputs = LayerOutputs(
+            lambda module: (h := me()) is not None and _HOOKED_MODULES.get(module) is h
+        )
         forwards.layouts, forwards.backwards = layouts, backwards
         forwards.detached_calls, forwards.verifier = detached, verifier
         backwards.verifier = verifier
@@ -702,6 +707,7 @@ class Hooks:
             h.remove()
         self._handles.clear()
         self._target_handles.clear()
+        self._forwards.layer_outputs.remove()
         self._accumulators = []
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:

@@ -17,6 +17,8 @@ from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces
 from ..tracking import Layout, Tracker
+from . import compiled
+from .compiled import FULLGRAPH
 
 
 @dataclass(frozen=True)
@@ -171,55 +173,51 @@ class Probe:
         return self.weights.shape[0]
 
 
-FULLGRAPH = (
-    "gradhooks' hooks run eagerly (each hooked layer's call is a graph break), so a hooked "
-    "model cannot be compiled with torch.compile(..., fullgraph=True): compile it without "
-    "fullgraph=True (the layers between the hooks are compiled), or remove the hooks "
-    "(gradhooks.remove_hooks(model)) to compile the whole model as one graph without grad1"
-)
-
-
 _DYNAMO = "torch._dynamo"  # (imported by torch.compile; importing it takes seconds)
-
-
-def _eager(fn):
-    try:
-        return torch.compiler.disable(fn, reason=FULLGRAPH)
-    except TypeError:  # (a torch whose disable takes no reason)
-        return torch.compiler.disable(fn)
 
 
 class Hook:
     """A hook object (not a closure), so that a hooked model deep-copies and pickles: the copy
-    gets an inert hook. Under ``torch.compile`` it runs eagerly (a graph break), on real
-    tensors."""
+    gets an inert hook. Under ``torch.compile`` it is a graph break after which the rest of
+    the compiled call runs eagerly, on real tensors (:mod:`gradhooks.engine.compiled`)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
         # removed while its module's call runs (the hooks planned again at the root's forward
         # pre-hook): torch still calls it once, from its copy of the module's hooks
         self.dead = False
-        # fn run eagerly under torch.compile (a graph break), made outside any compilation
-        # where torch's compiler is loaded: made while torch.compile traces, fullgraph=True
-        # would fail naming torch.compiler.disable itself rather than why
+        # fn for code dynamo traces (compiled.eager), made outside any compilation where
+        # torch's compiler is loaded: made while torch.compile traces, fullgraph=True would
+        # fail naming torch.compiler.disable itself rather than why
         self._eager: Any = None
         if _DYNAMO in sys.modules:
-            self._eager = _eager(fn)
+            self._prepare()
+
+    def _prepare(self) -> None:
+        self._eager = compiled.eager(self.fn)
+        compiled.prepare()
 
     def __call__(self, *args: Any) -> Any:
         if self.dead:
             return None
         if is_compiling():
-            if self._eager is not None:
-                return self._eager(*args)
             if _DYNAMO_COMPILING is not None and not _DYNAMO_COMPILING():
                 return self.fn(*args)  # (run for real: torch.export without dynamo)
+            if self._eager is not None:
+                if compiled.leave():  # (a graph break: from here on, eager)
+                    return self.fn(*args)
+                return self._eager(*args)
             # (no wrapper yet: torch.compile traces this, and would trace the making of one.
             # Raised here, the frame runs eagerly, where the wrapper is made; with
             # fullgraph=True, torch.compile fails with this message)
             raise UnsupportedError(FULLGRAPH)
-        if self._eager is None and _DYNAMO in sys.modules:
-            self._eager = _eager(self.fn)
+        if self._eager is None:
+            if _DYNAMO not in sys.modules:
+                return self.fn(*args)
+            self._prepare()
+        # (run for real in a frame dynamo would compile, one it gave up tracing: the rest of
+        # the compiled call, if any, runs eagerly)
+        _torch.leave_compiled()
         return self.fn(*args)
 
     def __reduce__(self):

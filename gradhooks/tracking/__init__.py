@@ -8,7 +8,9 @@
   (views, elementwise, reductions, linear algebra, indexing, joins, nn, fft);
 - :mod:`.sources`: batch-free tensors whose per-example gradients are wanted, and where they
   meet the batch;
-- :mod:`.aliases`: the mode that hands every torch function a parameter's alias.
+- :mod:`.aliases`: the mode that hands every torch function a parameter's alias;
+- :mod:`.tensormap`: :class:`~.tensormap.TensorMap`, what the tracker knows of each tensor, by
+  identity, holding none alive.
 
 This package imports nothing from :mod:`gradhooks.engine`."""
 

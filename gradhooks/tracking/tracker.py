@@ -48,15 +48,14 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch
 from .aliases import aliased
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
-from .ops import FREE, LIKE, METADATA, data_args, handler_for, output_layout
+from .ops import OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.names import KEEPS_ROWS_INDEX, MAYBE_SAME, PART_OF, PICKS, PRODUCTS
+from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
     COPIES,
@@ -67,6 +66,7 @@ from .sources import (
     expanded_meeting,
     spread_meeting,
 )
+from .tensormap import TensorMap
 
 # operations that take a reordered batch with the order it was put in (a PackedSequence keeps
 # its sorted_indices, and the RNN rules read them)
@@ -106,24 +106,24 @@ class Tracker(TorchFunctionMode):
         self.batch = batch
         self.params = params
         self.engine = engine
-        self.layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.taints: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset[Source]
+        self.layouts: TensorMap = TensorMap()
+        self.taints: TensorMap = TensorMap()  # tensor -> frozenset[Source]
         self.covered: list[
             frozenset[int]
         ] = []  # parameter ids of the calls running, innermost last
         self.used: list[_Use] = []  # per running call
         self.param_sources: dict[int, Source] = {}
         self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
-        self.spread: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expanded -> (from, how)
+        self.spread: TensorMap = TensorMap()  # expanded -> (from, how)
         self.meetings: list[Meeting] = []
         self.unmet: set[Source] = set()  # sources used in place, as they are, with the batch
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
         self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
-        self.reordered: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.reordered: TensorMap = TensorMap()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
-        self.presumed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.presumed: TensorMap = TensorMap()
         # tensors every torch function gets in place of others, by the others' ids: the
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
@@ -131,15 +131,15 @@ class Tracker(TorchFunctionMode):
         # input): an operation that would mix the examples only because of one of them, or of
         # what was computed from them alone, takes them as shared by every example instead
         # (:meth:`_without_candidates`)
-        self.candidates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.candidates: TensorMap = TensorMap()
         # tensor -> the ids of the candidates its layout comes from, where it comes from them
         # alone (a candidate itself, a hooked call on one, what was computed from those)
-        self.lineage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.lineage: TensorMap = TensorMap()
         # the hooked calls on such tensors alone, which become batch-free calls (their outputs
         # sources) where their candidates are taken as shared (:meth:`note_call`)
         self.pending: list[_Pending] = []
         # tensor -> the indices in ``pending`` of the calls it was computed from
-        self.would: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.would: TensorMap = TensorMap()
         # the ids of candidates already combined with the examples row by row, or met by a
         # parameter as batched: never taken as shared afterwards (the forward so far assumed
         # they held the examples)
@@ -147,9 +147,9 @@ class Tracker(TorchFunctionMode):
         self.func: Any = None  # the torch function being followed (a meeting formed later)
         # tensors computed across the examples that carry no gradient and no values computed
         # with (indices, masks), with the operation that did (see _coupling)
-        self.coupled: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.coupled: TensorMap = TensorMap()
         # positions of rows that nonzero found in a tensor with examples (see _row_indices)
-        self.row_index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.row_index: TensorMap = TensorMap()
         # the floating-point dtype that rounds the most among the tensors computed from the
         # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
         # of the backward judge by it (see gradhooks.engine.verify)
@@ -291,7 +291,8 @@ class Tracker(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self.aliases:
             args, kwargs = aliased(self.aliases, args, kwargs)
         if self.off:
@@ -299,21 +300,21 @@ class Tracker(TorchFunctionMode):
         tensors = tensor_args(args, kwargs)
         if not tensors:
             return func(*args, **kwargs)
-        if len(tensors) > 1 and op_name(func) in LIKE:
-            tensors = tensor_args(*data_args(op_name(func), args, kwargs))
-        layouts, sources, direct = [], set(), []
-        metadata = None  # (asked once a parameter is among the arguments)
+        op = facts(func)
+        if op.like and len(tensors) > 1:
+            tensors = tensor_args(*data_args(op.name, args, kwargs))
+        laid, sources, direct = False, set(), []
+        found, taints, params = self.layouts, self.taints, self.params
+        tainted = taints.entries
         for t in tensors:
-            lay = self.layouts.get(t)
-            if lay is not None:
-                layouts.append((t, lay))
-            s = self.taints.get(t)
-            if s:
-                sources |= s
-            if id(t) in self.params:
-                if metadata is None:
-                    metadata = op_name(func) in METADATA
-                if metadata:
+            if not laid and found.get(t) is not None:
+                laid = True
+            if tainted:  # (empty until a batch-free call or a direct use of a parameter)
+                s = taints.get(t)
+                if s:
+                    sources |= s
+            if id(t) in params:
+                if op.metadata:
                     continue  # (reading p.dtype or p.requires_grad is no use of its values)
                 where = self._covering(id(t))
                 if where is None:
@@ -322,10 +323,10 @@ class Tracker(TorchFunctionMode):
                     self.used[where].params.add(id(t))
                     if self.used[where].soft:
                         direct.append(t)
-        if not layouts and not sources and not direct:
+        if not laid and not sources and not direct:
             return func(*args, **kwargs)
-        name = op_name(func)
-        if direct and name in MAYBE_SAME and isinstance(args[0], Tensor):
+        name = op.name
+        if direct and op.maybe_same and isinstance(args[0], Tensor):
             out = func(*args, **kwargs)
             if out is args[0]:
                 return out  # (a parameter converted to what it is: no use of it, as module.to())
@@ -333,14 +334,18 @@ class Tracker(TorchFunctionMode):
         try:
             if not sources and not direct:
                 out = func(*args, **kwargs)
-                self._note_precision(out)
+                if out.__class__ in _NO_TENSOR and not op.inplace:
+                    return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
+                if isinstance(out, Tensor) and out.dtype is not self.precision:
+                    self._note_precision(out)
                 self.func = func
                 try:
-                    self.propagate(name, args, kwargs, out)
+                    # (``tensors`` are the tensors whose values it computes with, as there)
+                    self._propagate(op, args, kwargs, out, tensors)
                 finally:
                     self.func = None
                 return out
-            if layouts:
+            if laid:
                 out = self._meeting(func, name, args, kwargs, tensors, direct)
                 self._note_precision(out)
                 self._hold(direct, args, out)
@@ -352,7 +357,7 @@ class Tracker(TorchFunctionMode):
                 self._hold(direct, args, out)
                 frozen = frozenset(sources)
                 outs = out_tensors(out)
-                if not outs and is_inplace(name) and isinstance(args[0], Tensor):
+                if not outs and op.inplace and isinstance(args[0], Tensor):
                     outs = [args[0]]  # (M[rows, cols] = weight: M derives from the weight now)
                 for o in outs:
                     self.taint(o, frozen)
@@ -436,31 +441,54 @@ class Tracker(TorchFunctionMode):
         return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
     def propagate(self, name: str, args, kwargs, out) -> None:
-        args, kwargs = data_args(name, args, kwargs)
+        """Record the layouts of ``out``, what the torch function ``name`` gave on ``args``
+        and ``kwargs``."""
+        self._propagate(facts_named(name), args, kwargs, out)
+
+    def _propagate(self, op: OpFacts, args, kwargs, out, ins: list | None = None) -> None:
+        """:meth:`propagate`; ``ins``: the tensors among the arguments whose values it
+        computes with (:func:`data_args`), where the caller has them."""
+        name = op.name
+        if op.like:
+            args, kwargs = data_args(name, args, kwargs)
         outs = out_tensors(out)
-        if not outs and is_inplace(name) and args and isinstance(args[0], Tensor):
+        if not outs and op.inplace and args and isinstance(args[0], Tensor):
             outs = [args[0]]  # (x[i] = v, x.add_(y): the first argument is the result)
-        if not outs or name in FREE:
+        if not outs or op.free:
             return  # (a new tensor: its values do not depend on the examples)
-        ins = tensor_args(args, kwargs)
-        unselected = where_unselected(name, args, self.layouts) | self._all_ones(name, ins)
-        layout_of = self._layout_of
+        if ins is None:
+            ins = tensor_args(args, kwargs)
+        unselected = where_unselected(name, args, self.layouts) if name == "where" else _NONE
+        if self.coupled.entries and name in PRODUCTS:
+            unselected = unselected | self._all_ones(name, ins)
+        layout_of = self.layouts.get  # (as _layout_of: no tensor has no entry)
         if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
             ins = [t for t in ins if id(t) not in unselected]
 
             def layout_of(t: Any) -> Layout | None:
                 return None if id(t) in unselected else self._layout_of(t)
 
-        inherited = any(self.layouts.get(t) is MIXED for t in ins)
+        layouts = self.layouts
+        inherited = False
+        for t in ins:
+            if layouts.get(t) is MIXED:
+                inherited = True
+                break
         if inherited:
             result = MIXED
         else:
-            result = output_layout(name, args, kwargs, out, layout_of, self.batch)
+            result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
-        result = self._coupling(name, args, ins, outs, result)
-        self._row_indices(name, args, ins, outs)
-        reordered = next((self.reordered[t] for t in ins if t in self.reordered), None)
+        if self.coupled.entries:
+            result = self._coupling(name, args, ins, outs, result)
+        if self.row_index.entries or name in _FINDS_ROWS:
+            self._row_indices(name, args, ins, outs)
+        reordered = (
+            next((self.reordered[t] for t in ins if t in self.reordered), None)
+            if self.reordered.entries
+            else None
+        )
         if result is REORDER:
             if reordered is None and any(o.requires_grad for o in outs):
                 for o in outs:
@@ -509,7 +537,7 @@ class Tracker(TorchFunctionMode):
             # example's computation, where the rule's dimension reads it
             result = UNKNOWN
         if result is UNKNOWN or result is None:
-            if handler_for(name) is None:
+            if op.handler is None:
                 self.unknown[name] = None
             for o in outs:
                 self.layouts[o] = UNKNOWN
@@ -529,7 +557,7 @@ class Tracker(TorchFunctionMode):
             self.layouts[o] = lay
         if resolved:
             self._meet_after(name, args, kwargs, out)
-        elif self.lineage:
+        elif self.lineage.entries:
             self._inherit(ins, outs)
 
     def _inherit(self, ins: list, outs: list) -> None:
@@ -575,7 +603,7 @@ class Tracker(TorchFunctionMode):
         the batch by one are refused (mixed: the per-example computation would pick other
         rows); one that picks along another dimension (which expert, from the experts any
         token chose) only selects, and its result is not coupled."""
-        found = [self.coupled[t] for t in ins if t in self.coupled]
+        found = [self.coupled[t] for t in ins if t in self.coupled] if self.coupled else []
         if not found:
             return result
         lays = result if isinstance(result, list) else [result]
@@ -614,7 +642,7 @@ class Tracker(TorchFunctionMode):
                     if not o.is_floating_point():
                         self.row_index[o] = True
             return
-        if not any(t in self.row_index for t in ins):
+        if not self.row_index or not any(t in self.row_index for t in ins):
             return
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if x is not None and x in self.row_index and name in PART_OF:
@@ -890,6 +918,11 @@ class _Pending:
 
 
 _ACTIVE: list[Tracker] = []
+
+# what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
+_NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
+_NONE: frozenset[int] = frozenset()
+_FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

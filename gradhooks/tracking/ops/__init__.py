@@ -4,6 +4,7 @@ registering its handlers by torch function name (:data:`~.common.HANDLERS`), and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -11,7 +12,8 @@ from torch import Tensor
 from ... import _torch
 from ..layout import MIXED, UNKNOWN
 from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
-from .common import HANDLERS, NeedsBatch, carries, out_tensors, tensor_args
+from .common import HANDLERS, NeedsBatch, carries, is_inplace, op_name, out_tensors, tensor_args
+from .names import MAYBE_SAME
 from .pointwise import POINTWISE, is_pointwise
 from .reductions import REDUCTIONS
 
@@ -143,15 +145,23 @@ def data_args(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
+def output_layout(
+    name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int, ins: list | None = None
+):
     """The layout(s) of ``out``, the result of the torch function ``name`` on ``args``, some of
     which have layouts (``layout_of``). Rows picked by an index (:class:`Owners`) are followed
     only through the operations that know them (:func:`owner_aware`), and never lost: where
     one of these cannot say where they went, its result is mixed (refused where it is used),
     never of unknown layout (which a rule would read as the batch). (An index or mask computed
-    from them, which selects only, may be of unknown layout.)"""
-    lays = [lay for t in tensor_args(args, kwargs) if (lay := layout_of(t)) is not None]
-    if any(lay.owners is not None for lay in lays):
+    from them, which selects only, may be of unknown layout.) ``ins``: the tensors among the
+    arguments, where the caller has them."""
+    owned = False
+    for t in tensor_args(args, kwargs) if ins is None else ins:
+        lay = layout_of(t)
+        if lay is not None and lay.owners is not None:
+            owned = True
+            break
+    if owned:
         lost = MIXED if any(map(carries, out_tensors(out))) else UNKNOWN
         if not owner_aware(name):
             return lost
@@ -176,8 +186,67 @@ def owner_aware(name: str) -> bool:
     return name in _OWNER_AWARE or (name not in HANDLERS and is_pointwise(name))
 
 
+@dataclass(frozen=True, slots=True)
+class OpFacts:
+    """What the tracker asks of a torch function on every call of it, found once: its name
+    (:func:`.common.op_name`), whether it is in :data:`LIKE`, :data:`METADATA`,
+    :data:`.names.MAYBE_SAME`, :data:`FREE`, whether it works in place
+    (:func:`.common.is_inplace`) and its handler (:func:`handler_for`)."""
+
+    name: str
+    like: bool
+    metadata: bool
+    maybe_same: bool
+    free: bool
+    inplace: bool
+    handler: Any
+
+
+# per torch function (and per name), by whether torch's operator schemas are read (the
+# in-place test and the pointwise tag read them; ``_torch.disabled`` switches them off)
+_FACTS: tuple[dict[Any, OpFacts], dict[Any, OpFacts]] = ({}, {})
+_NAMED: tuple[dict[str, OpFacts], dict[str, OpFacts]] = ({}, {})
+
+
+def facts_named(name: str) -> OpFacts:
+    """The :class:`OpFacts` of the torch function named ``name``."""
+    table = _NAMED[_torch.available("op_schema")]
+    found = table.get(name)
+    if found is None:
+        found = table[name] = OpFacts(
+            name,
+            name in LIKE,
+            name in METADATA,
+            name in MAYBE_SAME,
+            name in FREE,
+            is_inplace(name),
+            handler_for(name),
+        )
+    return found
+
+
+def facts(func: Any) -> OpFacts:
+    """The :class:`OpFacts` of torch function ``func`` (what it is never changes: the handler
+    table is complete once this package is imported)."""
+    table = _FACTS[_torch.available("op_schema")]
+    try:
+        found = table.get(func)
+    except TypeError:  # (not hashable)
+        return facts_named(op_name(func))
+    if found is None:
+        found = facts_named(op_name(func))
+        # (a closure may hold tensors, and one made afresh for each call would fill the table:
+        # neither is kept)
+        if len(table) < _MAX_FUNCTIONS and getattr(func, "__closure__", None) is None:
+            table[func] = found
+    return found
+
+
+_MAX_FUNCTIONS = 4096
+
+
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
-    handler = handler_for(name)
+    handler = facts_named(name).handler
     if handler is None:
         return UNKNOWN
     try:

@@ -37,12 +37,20 @@ def first_tensor(out: Any) -> Tensor | None:
 
 
 def tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among ``args`` and then ``kwargs``' values, and inside a list or tuple
+    among them (``torch.cat([x, y])``), in order."""
     found = []
-    for a in (*args, *kwargs.values()):
+    for a in args:
         if isinstance(a, Tensor):
             found.append(a)
         elif type(a) in (list, tuple):
-            found.extend(x for x in a if isinstance(x, Tensor))
+            found += [x for x in a if isinstance(x, Tensor)]
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                found.append(a)
+            elif type(a) in (list, tuple):
+                found += [x for x in a if isinstance(x, Tensor)]
     return found
 
 
@@ -97,8 +105,16 @@ def is_inplace(name: str) -> bool:
     (``x.add_(y)``, ``x += y``, ``x[i] = v``): as the aten operator of that name's schema
     says (``Tensor(a!) self -> Tensor(a!)``), or, where there is none (``__setitem__``, a
     method of Python's own) or it cannot be read, as its name does."""
-    found = _torch.writes_first(name)
-    return named_inplace(name) if found is None else found
+    table = _INPLACE[_torch.available("op_schema")]
+    found = table.get(name)
+    if found is None:  # (reading the schemas is slow: once per name)
+        schema = _torch.writes_first(name)
+        found = table[name] = named_inplace(name) if schema is None else schema
+    return found
+
+
+# is_inplace's answers by name, with the schemas read and without (``_torch.disabled``)
+_INPLACE: tuple[dict[str, bool], dict[str, bool]] = ({}, {})
 
 
 _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")

@@ -42,7 +42,19 @@ def is_pointwise(name: str) -> bool:
     """Whether torch function ``name`` is elementwise: in the list above, or, where no other
     handler claims it, an aten operator torch tags ``pointwise`` (``torch.special.i1``,
     ``torch.lcm``, ``torch.nextafter``)."""
-    return name in POINTWISE or (name not in HANDLERS and _torch.tagged(name, "pointwise"))
+    return name in POINTWISE or (name not in HANDLERS and _tagged(name))
+
+
+# the names torch tags ``pointwise``, by name, with the schemas read and without
+_TAGGED: tuple[dict[str, bool], dict[str, bool]] = ({}, {})
+
+
+def _tagged(name: str) -> bool:
+    table = _TAGGED[_torch.available("op_schema")]
+    found = table.get(name)
+    if found is None:  # (reading the tags is slow: once per name)
+        found = table[name] = _torch.tagged(name, "pointwise")
+    return found
 
 
 # operations that make a batch-free tensor batch-sized, and those that then use it row by row

@@ -1,0 +1,165 @@
+"""What makes the tracker cheap per torch function, and must change none of its answers:
+:class:`TensorMap` (by identity, holding no tensor alive, never confusing a freed tensor with
+one that took its id), :func:`facts` (found once per torch function, as the name-by-name answers
+say), and the short ways through :meth:`Tracker.__torch_function__`."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+
+from gradhooks import _torch
+from gradhooks.tracking import UNKNOWN, Layout, Tracker
+from gradhooks.tracking.ops import FREE, LIKE, METADATA, facts, facts_named, handler_for
+from gradhooks.tracking.ops.common import is_inplace, op_name
+from gradhooks.tracking.ops.names import MAYBE_SAME
+from gradhooks.tracking.tensormap import TensorMap
+
+
+def test_a_map_finds_tensors_by_identity_not_value():
+    m = TensorMap()
+    a, b = torch.zeros(3), torch.zeros(3)
+    m[a] = "a"
+    assert a in m and m.get(a) == "a" and m[a] == "a"
+    assert b not in m and m.get(b) is None and m.get(b, 7) == 7
+    with pytest.raises(KeyError):
+        m[b]
+    assert m.get(3) is None and 3 not in m  # (no tensor: found in no map)
+    m[b] = "b"
+    assert sorted(m.values()) == ["a", "b"] and len(m) == 2
+    assert m.pop(a) == "a" and a not in m and m.pop(a, None) is None
+    del m[b]
+    assert len(m) == 0
+    with pytest.raises(KeyError):
+        del m[b]
+
+
+def test_a_map_holds_no_tensor_alive():
+    m = TensorMap()
+    t = torch.randn(4, requires_grad=True)
+    m[t] = Layout(0)
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None
+    assert len(m) == 0 and m.items() == []
+
+
+def test_a_freed_tensors_entry_is_not_found_by_the_tensor_that_takes_its_id():
+    """CPython reuses a freed object's memory, hence its id, for the next object of its size:
+    the new tensor must not inherit the freed one's entry."""
+    m = TensorMap()
+    t = torch.randn(2)
+    old = id(t)
+    m[t] = Layout(0)
+    del t
+    new = None
+    for _ in range(1000):
+        candidate = torch.randn(2)
+        if id(candidate) == old:
+            new = candidate
+            break
+        del candidate
+    if new is None:
+        pytest.skip("no tensor took the freed id")
+    assert new not in m and m.get(new) is None
+    with pytest.raises(KeyError):
+        m[new]
+    m[new] = UNKNOWN
+    assert m[new] is UNKNOWN and len(m) == 1
+
+
+def test_a_map_drops_the_entries_of_freed_tensors_as_it_grows():
+    m = TensorMap()
+    for _ in range(1000):
+        m[torch.zeros(1)] = 1  # (each freed at once)
+    assert len(m.entries) < 100  # (the dead entries were swept)
+    kept = [torch.zeros(1) for _ in range(300)]
+    for t in kept:
+        m[t] = 2
+    assert len(m) == 300 and all(m[t] == 2 for t in kept)
+
+
+@pytest.mark.parametrize(
+    "func",
+    [torch.add, torch.Tensor.add_, torch.Tensor.to, torch.Tensor.size, torch.zeros_like,
+     torch.Tensor.__setitem__, torch.nn.functional.layer_norm, torch.Tensor.dim],
+    ids=lambda f: op_name(f),
+)  # fmt: skip
+def test_the_facts_of_a_function_are_its_names(func):
+    name = op_name(func)
+    for off in (False, True):
+        with _torch.disabled("op_schema") if off else contextlib.nullcontext():
+            f = facts(func)
+            assert f is facts(func) and f is facts_named(name)
+            assert f.name == name
+            assert f.like == (name in LIKE) and f.metadata == (name in METADATA)
+            assert f.maybe_same == (name in MAYBE_SAME) and f.free == (name in FREE)
+            assert f.inplace == is_inplace(name) and f.handler is handler_for(name)
+
+
+def test_the_facts_follow_the_schemas_being_read():
+    """An operation only the schemas' tags call elementwise has the elementwise handler while
+    they are read, and none where they are not (``_torch.disabled``), in either order."""
+    for first in (False, True):
+        for off in (first, not first):
+            with _torch.disabled("op_schema") if off else contextlib.nullcontext():
+                assert (facts(torch.special.i1).handler is None) == off
+                x = torch.randn(3, 4)
+                tracker = Tracker(4, {})
+                tracker.set_layout(x, Layout(1))
+                with tracker:
+                    y = torch.special.i1(x)
+                assert tracker.layout(y) == (UNKNOWN if off else Layout(1))
+
+
+def test_an_operation_that_returns_no_tensor_but_writes_one_is_followed():
+    """``buf[:] = x`` returns ``None``: the tracker skips what returns no tensor (a shape, a
+    dtype) except where the operation writes its first argument in place."""
+    x = torch.randn(4, 3)
+    tracker = Tracker(4, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        buf = torch.zeros(4, 3)
+        assert x.shape == (4, 3) and x.dim() == 2 and x.dtype is torch.float32
+        buf[:] = x
+    assert tracker.layout(buf) == Layout(0)
+
+
+def test_functions_made_afresh_do_not_fill_the_table():
+    """A torch function handed to the mode as a new object on each call (a closure) is
+    answered by its name, and the table keeps at most a bounded number of functions."""
+    from gradhooks.tracking.ops import _FACTS, _MAX_FUNCTIONS
+
+    for _ in range(_MAX_FUNCTIONS + 10):
+
+        def add(*args):
+            return torch.add(*args)
+
+        assert facts(add) is facts_named("add")
+    assert all(len(table) <= _MAX_FUNCTIONS for table in _FACTS)
+
+
+def _closing_over(held: torch.Tensor):
+    def scaled(x):
+        return x * held
+
+    return scaled
+
+
+def test_the_table_keeps_no_closure_alive(monkeypatch):
+    """A torch function that closes over a tensor is answered, and not kept (nor its tensor)."""
+    from gradhooks.tracking import ops
+
+    monkeypatch.setattr(ops, "_FACTS", ({}, {}))  # (room left in the table)
+    held = torch.randn(3)
+    ref = weakref.ref(held)
+    scaled = _closing_over(held)
+    assert facts(scaled).name == "scaled"
+    del scaled, held
+    gc.collect()
+    assert ref() is None
