@@ -59,7 +59,13 @@ Each internal, its name here, where it is used, and its fallback:
   or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
   parameter gradients go back to the code that asked for them (``backward.py``). Fallback: a
   backward inside another is seen only where the other reached a hooked call first.
-
+- ``mode_stack``: ``torch._C._len_torch_function_stack``, ``_get_function_stack_at``,
+  ``_pop_torch_function_stack``, ``_push_on_torch_function_stack`` (:func:`pop_mode`,
+  :func:`push_mode`): the engine takes the forward's batch tracker (a ``TorchFunctionMode``)
+  off torch's mode stack while its own hooks work (``engine/records.py`` ``OwnWork``), so
+  that their ``.dim()``, ``.detach()`` and rules' checks cost no trip through torch's
+  override machinery. Fallback: the tracker stays on and passes them on unseen
+  (:meth:`gradhooks.tracking.Tracker.paused`).
 - ``eval_frame``: ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` and
   ``set_eval_frame`` (:func:`leave_compiled`), the frame evaluation ``torch.compile`` sets for
   the code it runs: the first hook of a hooked model that code reaches turns it off for the rest
@@ -174,6 +180,8 @@ __all__ = [
     "missing",
     "own_parameters",
     "own_transform",
+    "pop_mode",
+    "push_mode",
     "python_dispatcher",
     "queue_backward_callback",
     "require",
@@ -255,6 +263,12 @@ INTERNALS: dict[str, Internal] = {
             "op_schema",
             "OpOverload._schema (an aten operator's argument names and alias annotations)",
             "every integer passed by position is taken as a dimension; in place by the name",
+        ),
+        Internal(
+            "mode_stack",
+            "torch._C._len_torch_function_stack, _get_function_stack_at, "
+            "_pop_torch_function_stack, _push_on_torch_function_stack",
+            "the tracker stays on the mode stack, paused, and passes the hooks' own work on",
         ),
         Internal(
             "eval_frame",
@@ -597,6 +611,39 @@ def is_view(t: Tensor) -> bool:
         return t._is_view()
     except AttributeError:
         return True
+
+
+# -- mode_stack --------------------------------------------------------------------------------
+
+_MODE_STACK = _lookup(
+    "mode_stack",
+    lambda: (
+        torch._C._len_torch_function_stack,
+        torch._C._get_function_stack_at,
+        torch._C._pop_torch_function_stack,
+        torch._C._push_on_torch_function_stack,
+    ),
+)
+
+
+def pop_mode(mode: Any) -> bool:
+    """Take ``mode`` off torch's stack of torch-function modes where it is the one torch
+    functions reach first (the innermost), for :func:`push_mode` to put back; whether it did.
+    ``False`` where missing or off, or where another mode was entered inside it: the caller
+    then leaves it on (its fallback)."""
+    if _MODE_STACK is None or "mode_stack" in _off:
+        return False
+    length, at, pop, _ = _MODE_STACK
+    n = length()
+    if n == 0 or at(n - 1) is not mode:
+        return False
+    pop()
+    return True
+
+
+def push_mode(mode: Any) -> None:
+    """Put back the mode :func:`pop_mode` took off."""
+    _MODE_STACK[3](mode)
 
 
 # -- tensor_impl (required) -------------------------------------------------------------------

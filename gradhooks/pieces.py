@@ -461,8 +461,14 @@ class Outer(Piece):
         shared, n_out = g.shape[-2], g.shape[-1]
         if a is None:  # a bias: sum over shared positions
             result = out.view(*g.shape[:-2], n_out)
+            # (one shared position: the sum is the rows themselves, one kernel fewer)
+            rows = g.reshape(result.shape) if shared == 1 else g.sum(-2) if accumulate else None
             if accumulate:
-                result.add_(g.sum(-2), alpha=scale)
+                result.add_(rows, alpha=scale)
+            elif rows is not None and scale != 1.0:
+                torch.mul(rows, scale, out=result)
+            elif rows is not None:
+                result.copy_(rows)
             else:
                 torch.sum(g, -2, out=result)
                 if scale != 1.0:

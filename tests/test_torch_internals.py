@@ -178,6 +178,20 @@ def test_is_view(monkeypatch):
     check_both_ways("is_view", model, torch.randn(4, 6, 3), seen=seen, used=lambda s: False in s)
 
 
+def test_mode_stack(monkeypatch):
+    """The forward's tracker is taken off torch's mode stack while the hooks work: Linears
+    over positions run detached (the tracker hands their calls detached aliases, and puts
+    itself back for them), a position table meets the batch, self-attention carries its
+    parameters on its input (the tracker follows the carrying node made in its pre-hook);
+    switched off, the tracker stays on, paused, and the numbers are the same."""
+    seen = spy(monkeypatch, "pop_mode")
+    model, x = _tokens()
+    with gradhooks.tuned(sum_grad1_positions=1):
+        check_both_ways("mode_stack", model, x, seen=seen, used=lambda s: True in s)
+    with _torch.disabled("mode_stack"):
+        assert not _torch.pop_mode(object())
+
+
 class _Mixer(nn.Module):
     """No rule: the fallback runs its forward under torch.func, its hooked Linear inside."""
 
@@ -578,6 +592,7 @@ TESTED = {
     "conv_padding": test_conv_padding,
     "op_schema": test_op_schema,
     "autograd_node": test_autograd_node,
+    "mode_stack": test_mode_stack,
     "eval_frame": test_eval_frame,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +52,7 @@ from .records import (
     autocast_off,
     graph_task,
     lowest_precision,
+    with_fields,
 )
 from .state import CaptureState
 from .verify import Verifier, per_example_outputs, rounding_tolerance
@@ -94,11 +94,11 @@ class BackwardWriter:
             bw = self.backward_state()
             bw.reached.update(id(p) for p in kept.live.values())  # before their own grads
             bw.pending[id(pending)] = lambda: self.on_grads(
-                kept.target, kept.state, replace(kept.call, grad_outputs=pending.pop("outputs"),
+                kept.target, kept.state, with_fields(kept.call, grad_outputs=pending.pop("outputs"),
                                                  taps=None), kept.args, kept.kwargs, kept.sums,
             )  # fmt: skip
             return
-        filled = replace(kept.call, grad_outputs=tuple(full))
+        filled = with_fields(kept.call, grad_outputs=tuple(full))
         self.on_grads(kept.target, kept.state, filled, kept.args, kept.kwargs, kept.sums)
 
     def node_grads(self, kept: KeptCall, i: int, grad_outputs: tuple) -> None:
@@ -116,7 +116,7 @@ class BackwardWriter:
         bw = self.state.tasks.get(graph_task())
         if bw is not None:
             bw.pending.pop(id(pending), None)
-        done = replace(kept.call, grad_outputs=outputs, tap_grads=tapped)
+        done = with_fields(kept.call, grad_outputs=outputs, tap_grads=tapped)
         self.on_grads(kept.target, kept.state, done, kept.args, kept.kwargs, kept.sums)
 
     def on_grads(
@@ -167,7 +167,7 @@ class BackwardWriter:
             return
         state.derived = create_graph
         if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
-            call = replace(call, inputs=args, kwargs=kwargs)
+            call = with_fields(call, inputs=args, kwargs=kwargs)
         if bw is not None:
             bw.reached.update(id(p) for p in state.params.values())
             if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)

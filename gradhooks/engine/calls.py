@@ -6,7 +6,7 @@ the part of :class:`gradhooks.Hooks` that asks the tracker.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
 from .plan import Target
-from .records import CallLayout, CallState, Frame
+from .records import CallLayout, CallState, Frame, args_leaves, tree_leaves, with_fields
 from .state import CaptureState
 
 
@@ -55,7 +55,7 @@ def carry_layouts(tracker: Tracker | None, old: Any, new: Any) -> Any:
     """The layouts (and sources) of a call's outputs, for the outputs the engine replaced them
     with."""
     if tracker is not None and new is not None:
-        for a, b in zip(tree_flatten(old)[0], tree_flatten(new)[0]):
+        for a, b in zip(tree_leaves(old), tree_leaves(new)):
             if isinstance(a, Tensor) and isinstance(b, Tensor):
                 tracker.carry(a, b)
     return new
@@ -112,7 +112,7 @@ def unchanged_outputs(call: Call, versions: tuple) -> Call:
     if not changed:
         return call
     kept = [None if i in changed else t for i, t in enumerate(leaves)]
-    return replace(call, output=tree_unflatten(kept, spec))
+    return with_fields(call, output=tree_unflatten(kept, spec))
 
 
 def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout | None:
@@ -124,7 +124,7 @@ def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout |
         return None
     (lay,) = found
     dim = target.entry.batch_dim_of(target.module)
-    leaves = tree_flatten((call.inputs, call.kwargs))[0]
+    leaves = tree_leaves((call.inputs, call.kwargs))
     first = next((i for i, t in enumerate(leaves) if isinstance(t, Tensor)), None)
     if first is None or leaves[first].dim() <= lay.dim:
         return None
@@ -154,7 +154,7 @@ def rule_pieces(
         batch = CallBatch(
             layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
         )
-        return rule(replace(call, batch=batch))
+        return rule(with_fields(call, batch=batch))
     if layout is None or layout.kind in ("plain", "unknown"):
         return rule(call)
     if layout.kind == "mismatch":
@@ -222,22 +222,22 @@ def _positions_call(call: Call, layout: CallLayout) -> Call:
         def grow(t):
             return t.unsqueeze(0).expand(batch, *t.shape) if isinstance(t, Tensor) else t
 
-        return replace(
+        return with_fields(
             call, inputs=tree_map(grow, call.inputs), kwargs=tree_map(grow, call.kwargs),
             taps=None, saved=None,
         )  # fmt: skip
-    leaves, spec = tree_flatten((call.inputs, call.kwargs))
+    leaves, rebuild = args_leaves(call.inputs, call.kwargs)
     moved = [
         batch_rows(t, lay, batch) if isinstance(t, Tensor) and _followed(lay) else t
         for t, lay in zip(leaves, layout.inputs)
     ]
-    inputs, kwargs = tree_unflatten(moved, spec)
+    inputs, kwargs = rebuild(moved)
     grads = []
     for i, g in enumerate(call.grad_outputs):
         lay = layout.outputs[i] if i < len(layout.outputs) else None
         grads.append(None if g is None else batch_rows(g, lay if _followed(lay) else layout.first,
                                                        batch))  # fmt: skip
-    return replace(
+    return with_fields(
         call, inputs=inputs, kwargs=kwargs, grad_outputs=tuple(grads), taps=None, saved=None
     )
 
@@ -253,7 +253,7 @@ def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece
 
     def one(b: int) -> list[Tensor | None]:
         pieces = rule(
-            replace(
+            with_fields(
                 call, grad_outputs=tuple(None if g is None else g[b] for g in call.grad_outputs)
             )
         )
@@ -275,7 +275,7 @@ def root_batch(
     batch is its first batch size."""
     dim = 0 if batch_dim == "auto" else batch_dim
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
-    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     if packed:
         batch = int(packed[0].batch_sizes[0])
         found = [(ps.data, PACKED) for ps in packed]
@@ -298,7 +298,7 @@ def describe_call(call: Call) -> str:
     def shapes(tree: Any) -> str:
         return ", ".join(
             str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-            for t in tree_flatten(tree)[0]
+            for t in tree_leaves(tree)
         )
 
     grads = ", ".join("None" if g is None else str(tuple(g.shape)) for g in call.grad_outputs)
@@ -308,7 +308,7 @@ def describe_call(call: Call) -> str:
 def _shapes(args: tuple, kwargs: dict) -> str:
     return ", ".join(
         str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-        for t in tree_flatten((args, kwargs))[0]
+        for t in tree_leaves((args, kwargs))
     )
 
 
@@ -336,17 +336,20 @@ def examples_of_empty_call(
 
 def _first_rows(call: Call) -> int | None:
     """The size of dimension 0 of a call's first tensor input (``None``: no tensor input)."""
-    first = next((t for t in tree_flatten(call.inputs)[0] if isinstance(t, Tensor)), None)
+    first = next((t for t in tree_leaves(call.inputs) if isinstance(t, Tensor)), None)
     return None if first is None or first.dim() == 0 else first.shape[0]
 
 
 def blank_call(call: Call) -> bool:
     """Whether a call's tensor inputs and output-gradients have no entries (a bias with
     nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
-    leaves = [t for t in tree_flatten((call.inputs, call.kwargs))[0] if isinstance(t, Tensor)]
-    return bool(leaves) and not any(
-        t.numel() for t in [*leaves, *call.grad_outputs] if isinstance(t, Tensor)
-    )
+    found = False
+    for t in tree_leaves((call.inputs, call.kwargs)):
+        if isinstance(t, Tensor):
+            if t.numel():
+                return False  # (the usual case, told by the first input)
+            found = True
+    return found and not any(isinstance(g, Tensor) and g.numel() for g in call.grad_outputs)
 
 
 @dataclass(eq=False)
@@ -391,7 +394,7 @@ class CallLayouts:
         if tracker is None:
             return None
         batch = tracker.batch
-        ins, outs = tree_flatten((args, kwargs))[0], tree_flatten(output)[0]
+        ins, outs = tree_leaves((args, kwargs)), tree_leaves(output)
         # (the fallback may split where the examples are presumed: its recomputation one
         # example at a time must reproduce the call's output; a rule is never handed them)
         of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
@@ -563,7 +566,7 @@ class CallLayouts:
         dim = target.entry.batch_dim_of(module)
         if not isinstance(dim, int) or isinstance(dim, bool):
             return
-        ins = tree_flatten((args, kwargs))[0]
+        ins = tree_leaves((args, kwargs))
         first = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
         if first is not None and first.dim >= 0 and first.dim != dim:
             self._reseed(tracker, ins, [], dim)
@@ -583,7 +586,7 @@ class CallLayouts:
         tracker = self.state.tracker()
         if tracker is None:
             return True
-        first = next((tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+        first = next((tracker.layout(t) for t in tree_leaves((args, kwargs))
                       if tracker.layout(t) is not None), None)  # fmt: skip
         if first is None or first is UNKNOWN:
             return False
@@ -591,7 +594,7 @@ class CallLayouts:
             return True
         dim = target.entry.batch_dim_of(module)
         want = 0 if dim == "positions" else dim
-        if first.dim != want and self._reseed(tracker, tree_flatten((args, kwargs))[0], [], want):
-            first = next(tracker.layout(t) for t in tree_flatten((args, kwargs))[0]
+        if first.dim != want and self._reseed(tracker, tree_leaves((args, kwargs)), [], want):
+            first = next(tracker.layout(t) for t in tree_leaves((args, kwargs))
                          if tracker.layout(t) is not None)  # fmt: skip
         return first.plain and first.dim == want

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -28,7 +28,15 @@ from ..tracking import Aliases, Tracker
 from .backward import BackwardWriter
 from .calls import CallLayouts, check_parameter_versions
 from .plan import Target
-from .records import CallState, Hook, detach_tree, is_compiling, tree_leaves
+from .records import (
+    CallState,
+    Hook,
+    OwnWork,
+    detach_tree,
+    is_compiling,
+    tree_leaves,
+    with_fields,
+)
 from .state import CaptureState
 
 
@@ -175,7 +183,7 @@ def _rerun(
     (:func:`_autograd_of`) or owned (:meth:`DetachedCalls.capture_owned`)."""
     with torch.enable_grad():
         args, kwargs = owned
-        leaves = tree_flatten(module.forward(*args, **kwargs))[0]
+        leaves = tree_leaves(module.forward(*args, **kwargs))
     pairs = [
         (t, g) for t, g in zip(leaves, grads)
         if g is not None and isinstance(t, Tensor) and t.requires_grad
@@ -277,7 +285,9 @@ class DetachedCalls:
         owns = target.entry.owns_backward is not False
         carries = target.entry.taps is not None and not owns
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        def runs_detached(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            """The parameters the call runs detached, and the input that carries them
+            (``None``: not carried); ``None`` where it runs as autograd runs it."""
             if (
                 module is not target.module
                 or _torch.first_forward_hook(module) != forward_hook
@@ -299,7 +309,7 @@ class DetachedCalls:
                 or ((owns or carries) and not _last_pre_hook(module, hook))
                 or not (owns or _first_pre_hooks_ours(module, hook))
             ):
-                return  # (a later pre-hook could change what the forward gets)
+                return None  # (a later pre-hook could change what the forward gets)
             detached = {
                 n: p
                 for n, p in target.params.items()
@@ -313,7 +323,17 @@ class DetachedCalls:
                     None,
                 )  # fmt: skip
             if not detached or (carries and carried is None):
+                return None
+            return detached, carried
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            # (whether the call runs detached, and what: the engine's own work, which the
+            # forward's tracker does not see; what the call then runs on, it does)
+            with OwnWork(self.state.tracker()):
+                found = runs_detached(module, args, kwargs)
+            if found is None:
                 return
+            detached, carried = found
             owned = (args, kwargs) if owns else None
             recording = None  # (context manager, what it gave), left in _reattach
             if owned is not None and callable(target.entry.owns_backward):
@@ -434,7 +454,7 @@ class DetachedCalls:
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
             sums: dict[str, Tensor] = {}
-            filled = replace(call, grad_outputs=(g,))
+            filled = with_fields(call, grad_outputs=(g,))
             if not self.state.probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
                 self.backwards.on_grads(target, state, filled, args, kwargs, sums)
                 if not self.state.mode.param_grads:
@@ -485,8 +505,8 @@ class DetachedCalls:
         module = target.module
         call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         if recorded is not None:
-            call = replace(call, recorded=recorded)
-        in_leaves = tree_flatten(owned)[0]
+            call = with_fields(call, recorded=recorded)
+        in_leaves = tree_leaves(owned)
         in_idx = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.requires_grad]
         out_leaves, spec = tree_flatten(output)
         out_idx = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
@@ -504,13 +524,13 @@ class DetachedCalls:
                     return tuple(_rerun(module, owned, full, wanted, False))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
-            filled = replace(call, grad_outputs=tuple(full), input_grads=[])
+            filled = with_fields(call, grad_outputs=tuple(full), input_grads=[])
             self.backwards.on_grads(target, state, filled, args, kwargs, sums)
             found = filled.input_grads
             incomplete = len(sums) < len(detached) and self.state.mode.param_grads
             if not create_graph and (incomplete or not found):
                 # the rule did not run (paused, not capturing): run it for both
-                again = replace(filled, input_grads=[])
+                again = with_fields(filled, input_grads=[])
                 _sums_of_rule(target, again, detached, sums)
                 found = again.input_grads
             param_grads = {} if create_graph else dict(sums)

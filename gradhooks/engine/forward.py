@@ -19,14 +19,13 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from .._torch import tree_flatten, tree_map
+from .._torch import tree_map
 from ..errors import UnbatchedInputError, UnsupportedError, UnsupportedInputError
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
@@ -40,6 +39,7 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    OwnWork,
     autocast_on,
     autocast_state,
     call_precision,
@@ -48,6 +48,7 @@ from .records import (
     is_compiling,
     power_of_two,
     tree_leaves,
+    with_fields,
 )
 from .state import CaptureState
 from .verify import Verifier
@@ -80,18 +81,19 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
-            if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
-                where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
-                refuse_nested(where, args, kwargs)
-                if target.entry is FALLBACK and module.training and self.state.frames:
-                    self._keep_buffers(module)
-            now = own
-            if self.state.sharded:
-                now = self._unsharded(target)
             tracker = self.tracker()
-            if tracker is not None:
-                self.layouts.reseed_before(target, module, args, kwargs, tracker)
-                tracker.enter_call(now, module, soft=target.entry is FALLBACK)
+            with OwnWork(tracker):
+                if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
+                    where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
+                    refuse_nested(where, args, kwargs)
+                    if target.entry is FALLBACK and module.training and self.state.frames:
+                        self._keep_buffers(module)
+                now = own
+                if self.state.sharded:
+                    now = self._unsharded(target)
+                if tracker is not None:
+                    self.layouts.reseed_before(target, module, args, kwargs, tracker)
+                    tracker.enter_call(now, module, soft=target.entry is FALLBACK)
 
         return hook
 
@@ -145,16 +147,20 @@ class ForwardCapture:
             if tracker is None or module is not target.module or not tracker.covered:
                 return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
-            with tracker.paused():
-                return body(module, args, kwargs, output, tracker, used, found)
+            reattached = None
+            if self.state.detached:
+                # (first: a call run detached takes its aliases back, so that the work below
+                # can run with the tracker off the mode stack, OwnWork)
+                with tracker.paused():
+                    reattached = self.detached_calls.reattach(module)
+            with OwnWork(tracker):
+                return body(module, args, kwargs, output, tracker, used, found, reattached)
 
-        def body(module, args, kwargs, output, tracker, used, found) -> Any:
+        def body(module, args, kwargs, output, tracker, used, found, reattached=None) -> Any:
             args, kwargs = positional(module, args, kwargs)
-            detached, owned, carried, recorded = (
-                self.detached_calls.reattach(module)
-                if self.state.detached
-                else ({}, None, None, None)
-            )
+            if reattached is None and self.state.detached:
+                reattached = self.detached_calls.reattach(module)
+            detached, owned, carried, recorded = reattached or ({}, None, None, None)
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
             if detached and owned is None and id(module) not in self.state.aliases_checked:
@@ -205,7 +211,7 @@ class ForwardCapture:
                 return
             if target.entry is FALLBACK and tracker is not None:
                 if used.mixed:
-                    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+                    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
                     outs = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
                     tracker.absorb(used, ins, outs)
                 live = _used_by_fallback(target, live, used, tracker, output)
@@ -225,7 +231,7 @@ class ForwardCapture:
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker)
             call, state = self.kept_call(target, live, args, kwargs, output, layout)
             if found is not None:
-                call = replace(call, buffers=found)
+                call = with_fields(call, buffers=found)
 
             # what the call's nodes hold is read only where they stand as the forward ran them
             # (not under saved-tensor hooks: reading what a node saved would rerun the call)
@@ -239,9 +245,9 @@ class ForwardCapture:
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
-                call = replace(call, taps=_without_nodes(taps))
+                call = with_fields(call, taps=_without_nodes(taps))
             if target.entry.saved is not None and readable:
-                call = replace(call, saved=target.entry.saved(module, args, kwargs, output))
+                call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
 
             # (counts the nodes and never holds them: see _without_nodes)
             kept = KeptCall(target, state, call, args, kwargs, live, tuple(hooked), len(leaves),
@@ -300,7 +306,7 @@ class ForwardCapture:
             )
         tracker = frame.tracker if frame is not None else None
         if tracker is not None and layout is not None and layout.kind in ("plain", "fold", "moved"):
-            ins = tree_flatten((args, kwargs))[0]
+            ins = tree_leaves((args, kwargs))
             outs = tree_leaves(output)
             if target.entry is FALLBACK:  # (recomputed per example as split: never made shared)
                 tracker.joined |= frozenset().union(
@@ -355,7 +361,7 @@ class ForwardCapture:
         if self.state.collector is not None:
             self.state.collector.expect(named)
         out.register_hook(lambda g: None if self.state.rerunning else self.backwards.on_grads(
-            target, state, replace(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+            target, state, with_fields(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
         return out
 
     def _made_shared(
@@ -475,7 +481,7 @@ class ForwardCapture:
                 tracker.add_candidate(t, lay)
             else:
                 tracker.set_layout(t, lay)
-        frame.roots = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        frame.roots = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         frame.tracker = tracker
         tracker.__enter__()
 
@@ -547,10 +553,30 @@ def _named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any
     if not args:
         return dict(kwargs)
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args)
+        bound = _signature(module.forward).bind_partial(*args)
     except (TypeError, ValueError):  # (a signature torch cannot read: keywords only)
         return dict(kwargs)
     return {**bound.arguments, **kwargs}
+
+
+# the signatures of the forward methods of modules' classes, the module not among the parameters
+# (inspect.signature reads a function anew at every call, and a forward is entered at every step)
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(forward: Callable) -> inspect.Signature:
+    """``inspect.signature(forward)``, for a bound method from its function's, read once."""
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is None:
+        return inspect.signature(forward)
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = inspect.signature(forward)
+        try:
+            _SIGNATURES[func] = sig
+        except TypeError:  # (not weakly referable)
+            pass
+    return sig
 
 
 def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -631,7 +657,7 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     dropped). A submodule's parameter it uses directly while also calling that submodule
     cannot be told apart in the recomputation (both uses would be counted): an error."""
     escaped = set()
-    for t in tree_flatten(output)[0]:
+    for t in tree_leaves(output):
         escaped |= tracker.sources_of(t)
     kept = {}
     for n, p in live.items():
@@ -681,7 +707,7 @@ def output_edges(modules: Iterable[nn.Module]) -> Iterator[_Edges]:
 
     def collect(module: nn.Module, args, output) -> None:
         if id(module) in targets:
-            for t in tree_flatten(output)[0]:
+            for t in tree_leaves(output):
                 if isinstance(t, Tensor) and t.requires_grad:
                     edges.append(get_gradient_edge(t))
                     edges.numel += t.numel()

@@ -44,6 +44,18 @@ def memory_limit(device: torch.device, override: int | str | None = "auto") -> i
 
 
 def _device_memory(device: torch.device) -> int | None:
+    """The memory of ``device`` (``None``: not known), asked once per device (a backward asks
+    at its first call)."""
+    key = (device.type, device.index)
+    if key not in _MEMORY:
+        _MEMORY[key] = _ask_device_memory(device)
+    return _MEMORY[key]
+
+
+_MEMORY: dict[tuple[str, int | None], int | None] = {}
+
+
+def _ask_device_memory(device: torch.device) -> int | None:
     try:
         if device.type == "cuda":
             return torch.cuda.get_device_properties(device).total_memory

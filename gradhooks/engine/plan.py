@@ -207,14 +207,19 @@ def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
     ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes it under the same
     Python object and drops the gradient hooks the parameter had, which are then added
     again."""
-    return (
-        tuple(map(id, model.modules())),
-        tuple(
-            n if by_name else (n, id(p), _torch.tensor_impl(p))
-            for n, p in model.named_parameters()
-            if p.requires_grad
-        ),
-    )
+    # (one walk: named_modules() as modules() walks them, and each module's own parameters
+    # as named_parameters() gives them, a parameter shared by several modules once)
+    modules, params, seen = [], [], set()
+    for prefix, module in model.named_modules():
+        modules.append(id(module))
+        for leaf, p in _torch.own_parameters(module).items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                n = f"{prefix}.{leaf}" if prefix else leaf
+                params.append(n if by_name else (n, id(p), _torch.tensor_impl(p)))
+    return tuple(modules), tuple(params)
 
 
 def fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:

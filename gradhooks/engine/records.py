@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from .._torch import tree_flatten, tree_map
-from ..errors import UnsupportedError
+from .._torch import tree_flatten, tree_map, tree_unflatten
+from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces
 from ..tracking import Layout, Tracker
@@ -268,12 +268,19 @@ def lowest_precision(*dtypes: torch.dtype | None) -> torch.dtype | None:
     gradient that each rounded in bfloat16 differ by many more float32 units than two that
     stayed in float32."""
     found = None
+    low = 0.0
     for d in dtypes:
-        if d is None or not d.is_floating_point:
+        if d is None or d is found:
             continue
-        if found is None or torch.finfo(d).eps > torch.finfo(found).eps:
-            found = d
+        eps = _EPS.get(d)
+        if eps is None:
+            eps = _EPS[d] = torch.finfo(d).eps if d.is_floating_point else 0.0
+        if eps and (found is None or eps > low):
+            found, low = d, eps
     return found
+
+
+_EPS: dict[torch.dtype, float] = {}  # finfo(dtype).eps by dtype (0.0: not floating-point)
 
 
 def half_precision(dtype: torch.dtype | None) -> bool:
@@ -289,21 +296,24 @@ def call_precision(args: Any, output: Any) -> torch.dtype | None:
     """The lowest precision a call ran in: its floating-point inputs' and outputs' dtypes, and
     autocast's where it is on (an operation inside the call may have run in it, and the
     gradients through it round in it too, whatever the dtypes at the call's boundary)."""
-    dtypes = {
-        t.dtype
-        for t in tree_flatten((args, output))[0]
-        if isinstance(t, Tensor) and t.is_floating_point()
-    }
-    return lowest_precision(autocast_dtype(), *dtypes)
+    dtypes = {t.dtype for t in tree_leaves((args, output)) if isinstance(t, Tensor)}
+    return lowest_precision(autocast_dtype() if autocast_on() else None, *dtypes)
 
 
-@contextlib.contextmanager
-def autocast_off() -> Iterator[None]:
+def autocast_off() -> contextlib.AbstractContextManager:
     """Autocast switched off for the devices it is on for. The hooks' own products (pieces into
     ``grad1``, norms, factors) run in the precision the engine chose for them
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
     devices = [d for d in ("cpu", "cuda") if _autocast_enabled(d)]
+    return _autocast_off(devices) if devices else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _autocast_off(devices: list[str]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for d in devices:
             stack.enter_context(torch.autocast(d, enabled=False))
@@ -344,7 +354,7 @@ def _autocast_enabled(device: str) -> bool:
 def autocast_on() -> bool:
     """Whether autocast is on for the CPU or CUDA."""
     try:
-        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+        return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
     except TypeError:  # (torch before 2.4: no device argument)
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
@@ -354,24 +364,119 @@ def graph_task() -> int:
     return _torch.graph_task_id()
 
 
+def with_fields(record: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(record, **changes)`` for a dataclass without ``__post_init__``,
+    init-only or non-init fields (a :class:`~gradhooks.rules.registry.Call`): its fields copied
+    as they are, at a quarter of the cost (a call's record is renewed several times per call)."""
+    fields = type(record).__dataclass_fields__
+    unknown = changes.keys() - fields.keys()
+    if unknown:
+        raise ConfigurationTypeError(f"{type(record).__name__} has no field {sorted(unknown)}")
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def args_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Callable[[list], tuple]]:
+    """The leaves of a call's ``(args, kwargs)`` (``tree_flatten``'s), and what puts leaves in
+    their places again (``tree_unflatten`` with its spec: ``(args, kwargs)`` back), without
+    pytree where both are plain (:func:`tree_leaves`)."""
+    if (
+        type(args) is tuple
+        and type(kwargs) is dict
+        and all(type(a) in _LEAF_TYPES for a in args)
+        and all(type(v) in _LEAF_TYPES for v in kwargs.values())
+    ):
+        n, keys = len(args), tuple(kwargs)
+        return [*args, *kwargs.values()], lambda new: (
+            tuple(new[:n]),
+            dict(zip(keys, new[n:], strict=True)),
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, lambda new: tree_unflatten(new, spec)
+
+
 def detach_tree(tree: Any) -> Any:
+    """``tree`` with every tensor detached (pytree's ``tree_map``, without pytree for a tensor
+    and a plain tuple or dict of leaves: :func:`tree_leaves`)."""
     if type(tree) is Tensor:
         return tree.detach()
-    if _flat(tree):
-        return tuple(t.detach() for t in tree) if type(tree) is tuple else tree
+    if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
+        return tuple(t.detach() if isinstance(t, Tensor) else t for t in tree)
+    if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
+        return {k: t.detach() if isinstance(t, Tensor) else t for k, t in tree.items()}
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+class OwnWork:
+    """``with OwnWork(tracker):`` the engine's own torch functions inside a forward (a hook's
+    ``.dim()`` and ``.detach()``, a rule's checks of a call) are not the model's: ``tracker``
+    (``None``: no forward followed) does not see them. It is taken off torch's mode stack for
+    the block (:func:`gradhooks._torch.pop_mode`), which costs them nothing; where it cannot
+    be (another mode entered inside it, the internal missing) or where it hands detached
+    aliases of parameters to every torch function (:attr:`Tracker.aliases`: a call run
+    detached is running, and the hooks of the calls inside it must see the aliases too), it
+    stays on, paused (:meth:`Tracker.paused`), and passes them on unseen."""
+
+    __slots__ = ("tracker", "popped", "paused")
+
+    def __init__(self, tracker: Tracker | None) -> None:
+        self.tracker = tracker
+        self.popped = False
+        self.paused: Any = None
+
+    def __enter__(self) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        if not tracker.aliases and _torch.pop_mode(tracker):
+            self.popped = True
+        else:
+            self.paused = tracker.paused()
+            self.paused.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.popped:
+            _torch.push_mode(self.tracker)
+        elif self.paused is not None:
+            self.paused.__exit__(*exc)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
     """``tree_flatten(tree)[0]``, without pytree (which costs more per call, and leaves a
-    reference cycle for the garbage collector) for a tensor and where :func:`_flat`."""
+    reference cycle for the garbage collector) for what a call's arguments and outputs
+    usually are: tensors, numbers, strings and ``None`` in plain tuples, lists and dicts,
+    nested. Any other type (a namedtuple, a ``torch.Size``, a ``ModelOutput``, a registered
+    node or an unknown leaf) is flattened by pytree where it stands: a tree's leaves are its
+    children's, in order, so the result is pytree's, element for element."""
     if type(tree) is Tensor:
         return [tree]
-    return list(tree) if _flat(tree) else tree_flatten(tree)[0]
+    out: list[Any] = []
+    _leaves_into(tree, out)
+    return out
 
 
-def _flat(tree: Any) -> bool:
-    """A tuple of tensors or an empty dict: a call's usual args and kwargs."""
-    if type(tree) is tuple:
-        return all(type(t) is Tensor for t in tree)
-    return type(tree) is dict and not tree
+# the types pytree takes as leaves that a call's arguments usually hold (exact types: a
+# subclass may be a registered node)
+_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, complex, str, type(None)})
+
+
+def _leaves_into(tree: Any, out: list[Any]) -> None:
+    kind = type(tree)
+    if kind in _LEAF_TYPES:
+        out.append(tree)
+    elif kind is tuple or kind is list:
+        for x in tree:
+            if type(x) in _LEAF_TYPES:
+                out.append(x)
+            else:
+                _leaves_into(x, out)
+    elif kind is dict:  # (pytree flattens a dict in its keys' order, as iterated)
+        for x in tree.values():
+            if type(x) in _LEAF_TYPES:
+                out.append(x)
+            else:
+                _leaves_into(x, out)
+    else:
+        out.extend(tree_flatten(tree)[0])

@@ -47,6 +47,7 @@ from .records import (
     is_compiling,
     lowest_precision,
     tree_leaves,
+    with_fields,
 )
 from .state import CaptureState
 
@@ -224,7 +225,7 @@ def per_example_outputs(
                 "its input per example."
             )
         grads.append(per)
-    return replace(call, grad_outputs=tuple(grads), taps=None, saved=None)
+    return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=None)
 
 
 class Backwards(Protocol):
