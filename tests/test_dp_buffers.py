@@ -81,7 +81,9 @@ def next_token(out, y):
     return each.mean(1)
 
 
-def tied_problem(batch: int = 6, seq: int = 5):
+def tied_problem(batch: int = 6, seq: int = 12):
+    """``seq`` 12: the norms of both weights are formed from ``grad1`` (materialized, cheaper
+    than Gram at more positions than features); 5: by Gram."""
     torch.manual_seed(0)
     model = TiedHead()
     x = torch.randint(23, (batch, seq))
@@ -89,9 +91,19 @@ def tied_problem(batch: int = 6, seq: int = 5):
     return model, x, y
 
 
+@pytest.mark.parametrize("seq", [5, 12], ids=["gram", "materialized"])
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
-def test_tied_head_step_is_the_float64_loops_clipped_sum_plus_the_noise(method):
-    model, x, y = tied_problem()
+def test_tied_head_step_is_the_float64_loops_clipped_sum_plus_the_noise(method, seq, monkeypatch):
+    """Book-keeping where the norms formed grad1: the clipped sum is its weighted sum (kept by
+    the collector), not a product of the pieces."""
+    from gradhooks.workflows import dp
+
+    weighted = []
+    real = dp._add_weighted
+    monkeypatch.setattr(
+        dp, "_add_weighted", lambda out, *a: weighted.append(out.shape) or real(out, *a)
+    )
+    model, x, y = tied_problem(seq=seq)
     model = model.double()
     want = loop_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
     oracle = vmap_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
@@ -106,7 +118,12 @@ def test_tied_head_step_is_the_float64_loops_clipped_sum_plus_the_noise(method):
             h, next_token(model(x), y), max_norm=max_norm, noise_multiplier=sigma,
             method=method, generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
+        forms = h.norm_forms() if quantity == "norms" else {}
     assert_close(got, norms, f"{method}: norms")
+    if method == "bookkeeping":
+        formed = {n for n, f in forms.items() if f == "materialized"}
+        assert formed == ({"emb.weight", "mix.weight"} if seq == 12 else set()), forms
+        assert sorted(weighted) == sorted(model.get_parameter(n).shape for n in formed)
     gen = torch.Generator().manual_seed(seed)
     names = [n for n, _ in model.named_parameters()]  # (the tied weight once: emb.weight)
     assert names == ["emb.weight", "mix.weight", "mix.bias"]
@@ -139,3 +156,29 @@ def test_tied_head_step_under_bf16_autocast_matches_the_float64_loop(method):
         noise = torch.randn(p.shape, generator=gen, dtype=p.dtype).double() * sigma * max_norm
         assert p.grad.dtype == torch.float32
         within(p.grad.double() * batch - noise, clipped[n], torch.bfloat16, f"{method} {n}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_collector_keeps_the_materialized_grad1_of_each_examples_own_loss(reduction):
+    """``Collector.keeping_grad1``: the slices a norm formed are each example's own gradient
+    (float64 loop), for the tied weight (embedding rows and output layer together) and the
+    Linear; none outside the block, and none for a parameter whose norm took the Gram form."""
+    from gradhooks.engine.api import engine_of
+
+    model, x, y = tied_problem()
+    model = model.double()
+    want = loop_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",), loss_reduction=reduction) as h:
+        collector = engine_of(h).collector
+        with collector.keeping_grad1() as store:
+            losses = next_token(model(x), y)
+            (losses.mean() if reduction == "mean" else losses.sum()).backward()
+        assert h.norm_forms()["emb.weight"] == "materialized"
+        for n in ("emb.weight", "mix.weight"):
+            got = torch.cat(store[id(model.get_parameter(n))])
+            assert_close(got, want[n], f"{reduction}: kept grad1 of {n}")
+        assert len(store) == 2, "the bias's norm is direct: nothing kept"
+        kept = {k: [id(t) for t in v] for k, v in store.items()}
+        h.clear()
+        next_token(model(x), y).mean().backward()
+    assert {k: [id(t) for t in v] for k, v in store.items()} == kept, "kept only within"

@@ -482,8 +482,11 @@ def _clipped_sums(
     elif method == "bookkeeping":
         kept: list = []
         # (this backward's own parameter gradients are not used)
+        # (where the norms form a parameter's grad1, kept: its clipped sum is then a weighted
+        # sum of it, not the product of its pieces again)
         with engine.backward_mode(param_grads=False, keep=kept):
-            grads = _grads(hooks, loss, wrt)
+            with engine.collector.keeping_grad1() as grad1s:
+                grads = _grads(hooks, loss, wrt)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
@@ -491,11 +494,15 @@ def _clipped_sums(
         factors = clip_factors(norms / scaled_by, max_norm).detach()
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
+        for key, slices in grad1s.items():
+            _add_weighted(built[key], slices, factors)
         while kept:  # (each call's pieces freed once added)
             pieces, live, scale = kept.pop(0)
             for pname, p in live.items():
-                pieces[pname].add_batch_sum(built[id(p)], factors * scale)
+                if id(p) not in grad1s:
+                    pieces[pname].add_batch_sum(built[id(p)], factors * scale)
             del pieces, live
+        del grad1s
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
         kept = [] if truth is not None else None
@@ -526,6 +533,22 @@ def _added(
         if s is not None:
             c.add_(s.detach())
     return out
+
+
+def _add_weighted(out: Tensor, slices: list[Tensor], weights: Tensor) -> None:
+    """``out += Σ_b weights[b] · grad1[b]``, ``grad1`` given as consecutive slices of the
+    batch (``[rows, *out.shape]`` each), freed as they are added."""
+    start, flat = 0, out.view(-1)
+    while slices:
+        g = slices.pop(0)
+        rows = g.shape[0]
+        w = weights[start : start + rows].to(device=g.device, dtype=g.dtype)
+        start += rows
+        if g.dtype == out.dtype:
+            flat.addmv_(g.reshape(rows, -1).T, w)
+        else:
+            flat.add_((g.reshape(rows, -1).T @ w).to(out.dtype))
+        del g
 
 
 def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
