@@ -182,3 +182,40 @@ def test_the_collector_keeps_the_materialized_grad1_of_each_examples_own_loss(re
         h.clear()
         next_token(model(x), y).mean().backward()
     assert {k: [id(t) for t in v] for k, v in store.items()} == kept, "kept only within"
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(method, monkeypatch):
+    """The step's (first) backward returns autograd's gradients of every parameter (for an
+    embedding a whole dense table) only to check what was captured: none of them is alive once
+    the gradients are being built."""
+    import weakref
+
+    from gradhooks.workflows import dp
+
+    refs: list = []
+    real_grads, real_noise = dp._grads, dp.noise
+
+    def grads(*args, **kwargs):
+        out = real_grads(*args, **kwargs)
+        if not refs:  # (the first backward's; ghost's second gives the clipped sums)
+            refs.extend(weakref.ref(t) for t in out if t is not None)
+        return out
+
+    alive: list[int] = []
+
+    def noise(*args):
+        alive.append(sum(r() is not None for r in refs))
+        return real_noise(*args)
+
+    monkeypatch.setattr(dp, "_grads", grads)
+    monkeypatch.setattr(dp, "noise", noise)
+    model, x, y = tied_problem()
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        for _ in range(2):  # (the first step is checked against autograd, the second not)
+            refs.clear()
+            gradhooks.dp_sgd_step(
+                h, next_token(model(x), y), max_norm=0.1, noise_multiplier=1.0, method=method
+            )
+    assert refs and alive and not any(alive), alive

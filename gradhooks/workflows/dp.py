@@ -461,6 +461,7 @@ def _clipped_sums(
         grads = _grads(hooks, loss, wrt)
         grads1 = [getattr(p, "grad1", None) if engine.wrote(p) else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
@@ -473,6 +474,7 @@ def _clipped_sums(
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
             ])  # fmt: skip
+            truth = None  # (autograd's gradients of the check, freed)
         factors = clip_factors(norms / scaled_by, max_norm)
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
@@ -481,16 +483,18 @@ def _clipped_sums(
         ))  # fmt: skip
     elif method == "bookkeeping":
         kept: list = []
-        # (this backward's own parameter gradients are not used)
-        # (where the norms form a parameter's grad1, kept: its clipped sum is then a weighted
-        # sum of it, not the product of its pieces again)
+        # (this backward's own parameter gradients are not used; where the norms form a
+        # parameter's grad1, it is kept: its clipped sum is then a weighted sum of it, not the
+        # product of its pieces again)
         with engine.backward_mode(param_grads=False, keep=kept):
             with engine.collector.keeping_grad1() as grad1s:
                 grads = _grads(hooks, loss, wrt)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
+            truth = None  # (autograd's gradients of the check, freed)
         factors = clip_factors(norms / scaled_by, max_norm).detach()
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
@@ -509,10 +513,11 @@ def _clipped_sums(
         with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
-            del kept
+            truth = kept = None  # (freed)
         factors = clip_factors(norms / scaled_by, max_norm).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
