@@ -498,15 +498,16 @@ def _clipped_sums(
         factors = clip_factors(norms / scaled_by, max_norm).detach()
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
-        for key, slices in grad1s.items():
-            _add_weighted(built[key], slices, factors)
+        summed = {key for key in grad1s if key in built}
+        for key in summed:
+            _add_weighted(built[key], grad1s[key], factors)
+        del grad1s
         while kept:  # (each call's pieces freed once added)
             pieces, live, scale = kept.pop(0)
             for pname, p in live.items():
-                if id(p) not in grad1s:
+                if id(p) not in summed:
                     pieces[pname].add_batch_sum(built[id(p)], factors * scale)
             del pieces, live
-        del grad1s
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
         kept = [] if truth is not None else None
