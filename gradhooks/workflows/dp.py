@@ -27,9 +27,18 @@ Two paths, chosen by what the handle computes:
   (Bu et al., "Differentially private optimization on large model at small cost", 2023).
   The one backward keeps every call's pieces (the layer inputs and output-gradients); the
   clipped sum is then, per parameter, the batch gradient of the pieces with example ``i``
-  weighted by ``min(1, C/‖g_i‖)`` (:meth:`gradhooks.pieces.Piece.batch_sum`): the cost of the
-  weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
-  layer are held until the step ends (about the size of the activations).
+  weighted by ``min(1, C/‖g_i‖)`` (:meth:`gradhooks.pieces.Piece.add_batch_sum`): the cost
+  of the weight gradients, not of a whole backward. Where a parameter's norms are formed from
+  its per-example gradients (``Hooks.norm_forms()`` ``"materialized"``: more positions than
+  features, as a tied output layer over a long sequence), those are kept and weighted instead
+  (no second product), when they take no more memory than its pieces. Memory: the
+  output-gradients of every hooked layer are held until the step ends (about the size of the
+  activations).
+
+The noise ``σ·C·N(0, I)`` is drawn (from ``generator``, parameter after parameter: the numbers
+of ``torch.randn``) into the tensor that becomes ``p.grad``, and the clipped sums are added to
+it in place: one tensor of each parameter's size (with a GradScaler, the noise is drawn once
+the sums are known to be finite).
 
 Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
 multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
