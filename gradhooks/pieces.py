@@ -99,6 +99,12 @@ class Piece:
             g1 = g1 * weights.to(g1.dtype).view(-1, *[1] * (g1.dim() - 1))
         return g1.sum(0)
 
+    def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
+        """``out += batch_sum(out.shape, weights)`` in ``out``'s dtype (a contiguous tensor of
+        the parameter's shape: a gradient being built). Pieces that can add in place, without
+        a temporary of the parameter's size, override this."""
+        out.add_(self.batch_sum(out.shape, weights).to(out.dtype))
+
     def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
         """``Σ_b grad1[b]²``, shape ``param_shape``, where the piece forms it without
         materializing ``grad1``; ``None`` otherwise (the caller then forms ``grad1`` a slice of
@@ -280,6 +286,18 @@ class Outer(Piece):
             flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
             return flat.reshape(param_shape)
         return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
+
+    def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
+        """No groups: one ``addmm_`` into ``out`` (the product accumulates in place)."""
+        g, a = self.g, self.a
+        if a is None or g.dim() != 3 or not out.is_contiguous() or not _same(out, g, a):
+            return super().add_batch_sum(out, weights)
+        if a.numel() < g.numel():
+            a = _weighted(a, weights)
+        else:
+            g = _weighted(g, weights)
+        flat = out.view(g.shape[-1], a.shape[-1])
+        flat.addmm_(g.reshape(-1, g.shape[-1]).T, a.reshape(-1, a.shape[-1]))
 
     def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
         """A bias: ``Σ_b (Σ_s g)²``; one shared position: ``(g²)ᵀ(a²)``."""
@@ -573,6 +591,14 @@ class Rows(Piece):
         out = self.g.new_zeros(self.num_rows, self.g.shape[-1])
         return out.index_add_(0, self.index, g).reshape(param_shape)
 
+    def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
+        """One ``index_add_`` of the rows looked up into ``out``: the other rows are not
+        touched (no table of zeros, no second pass over the table)."""
+        if not out.is_contiguous() or not _same(out, self.g):
+            return super().add_batch_sum(out, weights)
+        g = self.g if weights is None else self.g * weights.to(self.g.dtype)[self.example, None]
+        out.view(self.num_rows, g.shape[-1]).index_add_(0, self.index, g)
+
     def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
         return rows_sum_sq([(self, 1.0)], param_shape)
 
@@ -716,6 +742,13 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
         value = p.g.new_zeros(unique.numel(), p.g.shape[-1]).index_add_(0, inv, p.g)
         values.append(value if s == 1.0 else value.mul_(s))
     return unique, values
+
+
+def _same(out: Tensor, *ts: Tensor) -> bool:
+    """Whether ``ts`` are plain tensors of ``out``'s dtype and device."""
+    return type(out) is Tensor and all(
+        type(t) is Tensor and t.dtype == out.dtype and t.device == out.device for t in ts
+    )
 
 
 def _scaled(t: Tensor, scale: float) -> Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,24 @@ class Collector:
         # while a list: every call's pieces of the backward, (pieces, params, scale), for
         # dp_sgd_step's book-keeping path (gradhooks.workflows.dp)
         self.keep: list[P.CallPieces] | None = None
+        # while a dict (keeping_grad1): the per-example gradients the norms formed, kept
+        self._grad1_store: dict[int, list[Tensor]] | None = None
+
+    @contextmanager
+    def keeping_grad1(self) -> Iterator[dict[int, list[Tensor]]]:
+        """Within: where the norms of a parameter are computed from its per-example gradient,
+        formed a slice of the batch at a time (the cheapest exact form: see
+        :meth:`gradhooks.Hooks.norm_forms`, ``"materialized"``), and the whole of it takes no
+        more elements than the pieces of the parameter held for that (so no more than a
+        book-keeping step keeps of it anyway), the slices are kept in the dict yielded:
+        ``{id(param): [grad1[rows], ...]}``, the slices in the batch's order, each
+        ``[rows, *param.shape]`` (the gradient of each example's own loss). A weighted sum of
+        them is then the weighted batch gradient, without a product of the pieces again."""
+        self._grad1_store = store = {}
+        try:
+            yield store
+        finally:
+            self._grad1_store = None
 
     def clear(self) -> None:
         self._held.clear()
@@ -212,7 +231,7 @@ class Collector:
         batch = h.pieces[0][0].batch_size
         sq = None
         if "norms" in self.quantities:
-            sq, self._forms[name] = _sq_norm(h, sums)
+            sq, self._forms[name] = _sq_norm(h, sums, self._grad1_store)
         sum_sq = mean = None
         if "sum_grad_sq" in self.quantities:
             # the batch gradient (for the mean) once: a by-product of the squares or of the
@@ -280,12 +299,20 @@ def _materialized(h: _Held) -> Iterator[tuple[slice, Tensor]]:
         rows = min(rows, cache_rows)
     # no slice larger than a piece forms in one call (it would be formed in parts and copied)
     rows = min([rows] + [r for p, _ in h.pieces if (r := p.call_rows)])
+    # (a tied weight: the pieces after the first added into its grad1 in place, an embedding's
+    # by a scatter of its rows, where that grad1 is a new tensor of its own: an Outer's or Rows')
+    owned = isinstance(h.pieces[0][0], (P.Outer, P.Rows))
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         total = None
         for piece, scale in h.pieces:
-            g = piece.select(sl).grad1(h.param.shape, scale)
-            total = g if total is None else total + g
+            part = piece.select(sl)
+            if total is None:
+                total = part.grad1(h.param.shape, scale)
+            elif owned and not total.requires_grad and not _torch.in_transform(total):
+                part.grad1_into(total, scale, accumulate=True)
+            else:
+                total = total + part.grad1(h.param.shape, scale)
         yield sl, total
 
 
@@ -320,10 +347,13 @@ def _one_sq_norm(
     return sq, form
 
 
-def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, str]:
+def _sq_norm(
+    h: _Held, sums: dict[int, Tensor] | None = None, store: dict | None = None
+) -> tuple[Tensor, str]:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``, and how it
     was formed (see :meth:`gradhooks.Hooks.norm_forms`). Where that forms the per-example
-    gradient, ``sums[id(param)]`` (if given) gets its batch sum."""
+    gradient, ``sums[id(param)]`` (if given) gets its batch sum, and ``store`` (if given) its
+    slices where they take no more elements than the pieces (:meth:`Collector.keeping_grad1`)."""
     if len(h.pieces) == 1:
         single = _one_sq_norm(*h.pieces[0], h.param, sums)
         if single is not None:
@@ -358,14 +388,26 @@ def _sq_norm(h: _Held, sums: dict[int, Tensor] | None = None) -> tuple[Tensor, s
                 term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
                 total = term if total is None else total + term
         return total, "gram"
+    kept = None
+    if store is not None and h.pieces[0][0].batch_size * h.param.numel() <= _elements(h):
+        kept = []
     parts, total = [], None
     for _, g in _materialized(h):
         parts.append(torch.linalg.vector_norm(P.flat_rows(g), dim=1).square())
         if sums is not None:
             total = g.sum(0) if total is None else total + g.sum(0)
+        if kept is not None:
+            kept.append(g)
     if total is not None:
         sums[id(h.param)] = total
+    if kept is not None:
+        store[id(h.param)] = kept
     return (torch.cat(parts) if parts else h.param.new_zeros(0)), "materialized"
+
+
+def _elements(h: _Held) -> int:
+    """The elements of the tensors the parameter's pieces hold (layer inputs, output-gradients)."""
+    return sum(t.numel() for pc, _ in h.pieces for t in vars(pc).values() if isinstance(t, Tensor))
 
 
 class _Deferred:

@@ -27,9 +27,18 @@ Two paths, chosen by what the handle computes:
   (Bu et al., "Differentially private optimization on large model at small cost", 2023).
   The one backward keeps every call's pieces (the layer inputs and output-gradients); the
   clipped sum is then, per parameter, the batch gradient of the pieces with example ``i``
-  weighted by ``min(1, C/‖g_i‖)`` (:meth:`gradhooks.pieces.Piece.batch_sum`): the cost of the
-  weight gradients, not of a whole backward. Memory: the output-gradients of every hooked
-  layer are held until the step ends (about the size of the activations).
+  weighted by ``min(1, C/‖g_i‖)`` (:meth:`gradhooks.pieces.Piece.add_batch_sum`): the cost
+  of the weight gradients, not of a whole backward. Where a parameter's norms are formed from
+  its per-example gradients (``Hooks.norm_forms()`` ``"materialized"``: more positions than
+  features, as a tied output layer over a long sequence), those are kept and weighted instead
+  (no second product), when they take no more memory than its pieces. Memory: the
+  output-gradients of every hooked layer are held until the step ends (about the size of the
+  activations).
+
+The noise ``σ·C·N(0, I)`` is drawn (from ``generator``, parameter after parameter: the numbers
+of ``torch.randn``) into the tensor that becomes ``p.grad``, and the clipped sums are added to
+it in place: one tensor of each parameter's size (with a GradScaler, the noise is drawn once
+the sums are known to be finite).
 
 Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
 multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -130,19 +140,28 @@ def dp_sgd_step(
     _check_clipping(max_norm, noise_multiplier, generator)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
-    norms, clipped, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    std = noise_multiplier * max_norm
+    # Without a scaler, the noise is drawn first, into the buffers the gradients are built in,
+    # and the clipped sums are added to it (the rows of an embedding an example looked up, a
+    # layer's product accumulated in place): one tensor of each parameter's size, no second.
+    # A scaled step draws it only once the sums are known finite (a skipped step draws none).
+    noised = std > 0 and (scaler is None or not scaler.is_enabled())
+    into = (lambda: [noise(p, generator, std) for p in params]) if noised else None
+    norms, clipped, scale = _clipped_sums(
+        hooks, per_example_loss, max_norm, method, params, scaler, into=into
+    )
     if scale is not None and not finite(norms, clipped):
         for p in params:  # (scaler.step sees them, and skips the step)
             p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
         return norms.detach()
-    std = noise_multiplier * max_norm * (scale or 1.0)  # (the clipped sums are scaled by it)
+    std *= scale or 1.0  # (the clipped sums are scaled by it)
     _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     for p, c in zip(params, clipped, strict=True):
-        if std > 0:  # (a new tensor: divided in place)
-            p.grad = torch.add(c.detach(), gaussian(p, generator), alpha=std).div_(denom)
-        else:
-            p.grad = (c / denom).detach()
+        if std > 0 and not noised:
+            c = noise(p, generator, std).add_(c.detach())
+        # (with noise, a tensor of the step's own: divided in place)
+        p.grad = c.detach().div_(denom) if std > 0 else (c / denom).detach()
     return norms.detach()
 
 
@@ -427,12 +446,15 @@ def _clipped_sums(
     method: str,
     params: list,
     scaler: torch.amp.GradScaler | None = None,
+    into: Callable[[], list[Tensor]] | None = None,
 ) -> tuple[Tensor, list[Tensor], float | None]:
     """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
-    as plain tensors, also for a parameter sharded by FSDP2) of this process's examples.
-    With an enabled GradScaler, its scale ``S`` (also returned, else ``None``): the backward
-    is that of ``scaler.scale(losses)``, the norms returned and clipped are those divided by
-    ``S``, the sums ``S ·`` the clipped ones."""
+    as plain tensors of the step's own, also for a parameter sharded by FSDP2) of this
+    process's examples. With an enabled GradScaler, its scale ``S`` (also returned, else
+    ``None``): the backward is that of ``scaler.scale(losses)``, the norms returned and
+    clipped are those divided by ``S``, the sums ``S ·`` the clipped ones. ``into``: called
+    once the clipping factors are known, the tensors (one per parameter, contiguous, of its
+    full shape and dtype) the sums are added to in place and returned as (else zeros)."""
     stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
     if scaler is not None and scaler.is_enabled():
         per_example_loss = scaler.scale(per_example_loss)
@@ -448,6 +470,7 @@ def _clipped_sums(
         grads = _grads(hooks, loss, wrt)
         grads1 = [getattr(p, "grad1", None) if engine.wrote(p) else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
         sq = per_example_loss.new_zeros(batch)
         for g in grads1:
@@ -460,47 +483,87 @@ def _clipped_sums(
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
             ])  # fmt: skip
+            truth = None  # (autograd's gradients of the check, freed)
         factors = clip_factors(norms / scaled_by, max_norm)
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
-        clipped = [
-            _zeros(p) if g is None else torch.einsum(
-                "b,b...->...", *_widest(factors, g)
-            ).to(p.dtype)
+        clipped = _added(into, params, (
+            None if g is None else torch.einsum("b,b...->...", *_widest(factors, g)).to(p.dtype)
             for p, g in zip(params, grads1, strict=True)
-        ]  # fmt: skip
+        ))  # fmt: skip
     elif method == "bookkeeping":
         kept: list = []
-        # (this backward's own parameter gradients are not used)
+        # (this backward's own parameter gradients are not used; where the norms form a
+        # parameter's grad1, it is kept: its clipped sum is then a weighted sum of it, not the
+        # product of its pieces again)
         with engine.backward_mode(param_grads=False, keep=kept):
-            grads = _grads(hooks, loss, wrt)
+            with engine.collector.keeping_grad1() as grad1s:
+                grads = _grads(hooks, loss, wrt)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
+            truth = None  # (autograd's gradients of the check, freed)
         factors = clip_factors(norms / scaled_by, max_norm).detach()
-        sums: dict[int, Tensor] = {}
-        for pieces, live, scale in kept:
+        clipped = into() if into is not None else [_zeros(p) for p in params]
+        built = {id(p): c for p, c in zip(params, clipped, strict=True)}
+        summed = {key for key in grad1s if key in built}
+        for key in summed:
+            _add_weighted(built[key], grad1s[key], factors)
+        del grad1s
+        while kept:  # (each call's pieces freed once added)
+            pieces, live, scale = kept.pop(0)
             for pname, p in live.items():
-                s = pieces[pname].batch_sum(p.shape, factors * scale).to(p.dtype)
-                sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
-        del kept
-        clipped = [sums[id(p)] if id(p) in sums else _zeros(p) for p in params]
+                if id(p) not in summed:
+                    pieces[pname].add_batch_sum(built[id(p)], factors * scale)
+            del pieces, live
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
         kept = [] if truth is not None else None
         with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
         _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
-            del kept
+            truth = kept = None  # (freed)
         factors = clip_factors(norms / scaled_by, max_norm).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
-        clipped = [_zeros(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        clipped = _added(into, params, iter(grads))
     _STEPPED[stepped] = True
     return norms / scaled_by, clipped, loss_scale
+
+
+def _added(
+    into: Callable[[], list[Tensor]] | None, params: list, sums: Iterator[Tensor | None]
+) -> list[Tensor]:
+    """Per parameter, its sum (formed when reached: one at a time) added to ``into()``'s
+    tensor, or the sum itself (zeros for ``None``)."""
+    if into is None:
+        return [_zeros(p) if s is None else s for p, s in zip(params, sums, strict=True)]
+    out = into()
+    for c, s in zip(out, sums, strict=True):
+        if s is not None:
+            c.add_(s.detach())
+    return out
+
+
+def _add_weighted(out: Tensor, slices: list[Tensor], weights: Tensor) -> None:
+    """``out += Σ_b weights[b] · grad1[b]``, ``grad1`` given as consecutive slices of the
+    batch (``[rows, *out.shape]`` each), freed as they are added."""
+    start, flat = 0, out.view(-1)
+    while slices:
+        g = slices.pop(0)
+        rows = g.shape[0]
+        w = weights[start : start + rows].to(device=g.device, dtype=g.dtype)
+        start += rows
+        if g.dtype == out.dtype:
+            flat.addmv_(g.reshape(rows, -1).T, w)
+        else:
+            flat.add_((g.reshape(rows, -1).T @ w).to(out.dtype))
+        del g
 
 
 def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -611,11 +674,16 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
 def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
     """Standard normal noise of ``p``'s full shape and dtype (also for a DTensor), drawn from
     ``generator`` (one parameter after the other, in the order of :func:`_covered_params`)."""
-    noise = torch.randn(
-        p.shape, generator=generator, dtype=p.dtype,
-        device=generator.device if generator is not None else p.device,
-    )  # fmt: skip
-    return noise.to(p.device)
+    z = torch.empty(
+        p.shape, dtype=p.dtype, device=generator.device if generator is not None else p.device
+    )
+    return z.normal_(generator=generator).to(p.device)  # (the numbers of torch.randn)
+
+
+def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
+    """``std · gaussian(p, generator)`` (the same numbers), scaled in place: a new contiguous
+    tensor of ``p``'s full shape and dtype, on ``p``'s device, for a gradient to be built in."""
+    return gaussian(p, generator).mul_(std)
 
 
 def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:

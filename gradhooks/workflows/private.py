@@ -283,9 +283,8 @@ class DPOptimizer(torch.optim.Optimizer):
         else:
             std = self.noise_multiplier * self.max_grad_norm
             for p, s in zip(params, self._sums, strict=True):
-                grad = s.to(p.dtype)
-                if std > 0:
-                    grad = torch.add(grad, _dp.gaussian(p, self.generator), alpha=std)
+                # (the noise drawn into the gradient's own tensor, the sum added to it)
+                grad = _dp.noise(p, self.generator, std).add_(s) if std > 0 else s.to(p.dtype)
                 p.grad = grad.div_(self.expected_batch_size).mul_(scale).detach()
         stepped = self._finite
         if self.scaler is not None:

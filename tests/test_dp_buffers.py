@@ -1,0 +1,221 @@
+"""The DP step builds each gradient in one tensor: the noise drawn into it, the clipped sums
+added to it in place (``Piece.add_batch_sum``: an embedding's looked-up rows by one
+``index_add_``, a layer's product by one ``addmm_``). Checked against dense constructions
+from ``grad1`` and, for a model whose output layer shares the embedding's weight (a tied
+head), against the float64 per-example loop, also under bfloat16 autocast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_dp_autocast import clipped_reference, reference_median, within
+from test_pieces_rows import random_rows
+from torch import nn
+
+import gradhooks
+from gradhooks import pieces as P
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+
+def _outer(groups: bool, bias: bool) -> P.Outer:
+    gen = torch.Generator().manual_seed(7)
+    shape = (4, 2, 3) if groups else (4, 3)  # [batch, *groups, shared]
+    g = torch.randn(*shape, 5, generator=gen, dtype=torch.float64)
+    a = None if bias else torch.randn(*shape, 6, generator=gen, dtype=torch.float64)
+    return P.Outer(a, g)
+
+
+PIECES = {
+    "rows": lambda: (random_rows(4, 7, 3, 15, 1), torch.Size([7, 3])),
+    "rows-positions": lambda: (random_rows(4, 7, 3, 0, 2, positions=5), torch.Size([7, 3])),
+    "outer": lambda: (_outer(False, False), torch.Size([5, 6])),
+    "outer-groups": lambda: (_outer(True, False), torch.Size([2, 5, 6])),
+    "outer-bias": lambda: (_outer(False, True), torch.Size([5])),
+    "direct": lambda: (P.Direct(torch.randn(4, 3, 2, dtype=torch.float64)), torch.Size([3, 2])),
+}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.float32], ids=["same", "float32"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("kind", list(PIECES))
+def test_add_batch_sum_adds_the_weighted_sum_of_grad1(kind, weighted, out_dtype):
+    piece, shape = PIECES[kind]()
+    weights = torch.tensor([0.5, 1.0, 0.0, 2.0], dtype=torch.float64) if weighted else None
+    g1 = piece.grad1(shape)
+    want_sum = g1.sum(0) if weights is None else torch.einsum("b,b...->...", weights, g1)
+    start = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out = start.clone().to(out_dtype)
+    kept = out.data_ptr()
+    piece.add_batch_sum(out, weights)
+    assert out.data_ptr() == kept and out.dtype == out_dtype, "added in place"
+    if out_dtype == torch.float64:
+        assert_close(out, start + want_sum, f"{kind}: out + the batch sum")
+    else:  # (the float64 sum rounded to float32, added to a float32 start: 2 roundings)
+        want = start.float().double() + want_sum
+        diff = float((out.double() - want).abs().max())
+        assert diff <= 4 * torch.finfo(torch.float32).eps * float(want.abs().max()), (kind, diff)
+
+
+class TiedHead(nn.Module):
+    """A token embedding whose weight is also the output layer's: logits per position."""
+
+    def __init__(self, vocab: int = 23, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.out(torch.tanh(self.mix(self.emb(t))))
+
+
+def next_token(out, y):
+    """Each example's mean cross-entropy over its positions: ``[batch]``, or the batch mean
+    for one example (the oracle's loss)."""
+    each = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    return each.mean(1)
+
+
+def tied_problem(batch: int = 6, seq: int = 12):
+    """``seq`` 12: the norms of both weights are formed from ``grad1`` (materialized, cheaper
+    than Gram at more positions than features); 5: by Gram."""
+    torch.manual_seed(0)
+    model = TiedHead()
+    x = torch.randint(23, (batch, seq))
+    y = torch.randint(23, (batch, seq))
+    return model, x, y
+
+
+@pytest.mark.parametrize("seq", [5, 12], ids=["gram", "materialized"])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_tied_head_step_is_the_float64_loops_clipped_sum_plus_the_noise(method, seq, monkeypatch):
+    """Book-keeping where the norms formed grad1: the clipped sum is its weighted sum (kept by
+    the collector), not a product of the pieces."""
+    from gradhooks.workflows import dp
+
+    weighted = []
+    real = dp._add_weighted
+    monkeypatch.setattr(
+        dp, "_add_weighted", lambda out, *a: weighted.append(out.shape) or real(out, *a)
+    )
+    model, x, y = tied_problem(seq=seq)
+    model = model.double()
+    want = loop_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
+    oracle = vmap_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
+    for n in want:
+        assert_close(oracle[n], want[n], f"the two oracles agree on {n}")
+    max_norm = reference_median(want)
+    norms, clipped = clipped_reference(want, max_norm)
+    sigma, seed, batch = 0.8, 4, x.shape[0]
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        got = gradhooks.dp_sgd_step(
+            h, next_token(model(x), y), max_norm=max_norm, noise_multiplier=sigma,
+            method=method, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        forms = h.norm_forms() if quantity == "norms" else {}
+    assert_close(got, norms, f"{method}: norms")
+    if method == "bookkeeping":
+        formed = {n for n, f in forms.items() if f == "materialized"}
+        assert formed == ({"emb.weight", "mix.weight"} if seq == 12 else set()), forms
+        assert sorted(weighted) == sorted(model.get_parameter(n).shape for n in formed)
+    gen = torch.Generator().manual_seed(seed)
+    names = [n for n, _ in model.named_parameters()]  # (the tied weight once: emb.weight)
+    assert names == ["emb.weight", "mix.weight", "mix.bias"]
+    for n, p in model.named_parameters():
+        z = torch.randn(p.shape, generator=gen, dtype=p.dtype) * sigma * max_norm
+        assert_close(p.grad, (clipped[n] + z) / batch, f"{method}: {n}")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_tied_head_step_under_bf16_autocast_matches_the_float64_loop(method):
+    """Tolerance: test_dp_autocast's, 16 bfloat16 eps of the largest entry of the clipped sum
+    (the output-gradients and inputs of each layer rounded to bfloat16; the noise, drawn in
+    float32, is subtracted exactly up to float32 rounding, far below that)."""
+    model, x, y = tied_problem()
+    want = loop_grad(copy.deepcopy(model).double(), lambda o, t: next_token(o, t).mean(), x, y)
+    max_norm = reference_median(want)
+    norms, clipped = clipped_reference(want, max_norm)
+    sigma, seed, batch = 0.5, 3, x.shape[0]
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        got = gradhooks.dp_sgd_step(
+            h, next_token(out.float(), y), max_norm=max_norm, noise_multiplier=sigma,
+            method=method, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+    within(got, norms, torch.bfloat16, f"{method}: norms")
+    gen = torch.Generator().manual_seed(seed)
+    for n, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=p.dtype).double() * sigma * max_norm
+        assert p.grad.dtype == torch.float32
+        within(p.grad.double() * batch - noise, clipped[n], torch.bfloat16, f"{method} {n}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_collector_keeps_the_materialized_grad1_of_each_examples_own_loss(reduction):
+    """``Collector.keeping_grad1``: the slices a norm formed are each example's own gradient
+    (float64 loop), for the tied weight (embedding rows and output layer together) and the
+    Linear; none outside the block, and none for a parameter whose norm took the Gram form."""
+    from gradhooks.engine.api import engine_of
+
+    model, x, y = tied_problem()
+    model = model.double()
+    want = loop_grad(model, lambda o, t: next_token(o, t).mean(), x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",), loss_reduction=reduction) as h:
+        collector = engine_of(h).collector
+        with collector.keeping_grad1() as store:
+            losses = next_token(model(x), y)
+            (losses.mean() if reduction == "mean" else losses.sum()).backward()
+        assert h.norm_forms()["emb.weight"] == "materialized"
+        for n in ("emb.weight", "mix.weight"):
+            got = torch.cat(store[id(model.get_parameter(n))])
+            assert_close(got, want[n], f"{reduction}: kept grad1 of {n}")
+        assert len(store) == 2, "the bias's norm is direct: nothing kept"
+        kept = {k: [id(t) for t in v] for k, v in store.items()}
+        h.clear()
+        next_token(model(x), y).mean().backward()
+    assert {k: [id(t) for t in v] for k, v in store.items()} == kept, "kept only within"
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(method, monkeypatch):
+    """The step's (first) backward returns autograd's gradients of every parameter (for an
+    embedding a whole dense table) only to check what was captured: none of them is alive once
+    the gradients are being built."""
+    import weakref
+
+    from gradhooks.workflows import dp
+
+    refs: list = []
+    real_grads, real_noise = dp._grads, dp.noise
+
+    def grads(*args, **kwargs):
+        out = real_grads(*args, **kwargs)
+        if not refs:  # (the first backward's; ghost's second gives the clipped sums)
+            refs.extend(weakref.ref(t) for t in out if t is not None)
+        return out
+
+    alive: list[int] = []
+
+    def noise(*args):
+        alive.append(sum(r() is not None for r in refs))
+        return real_noise(*args)
+
+    monkeypatch.setattr(dp, "_grads", grads)
+    monkeypatch.setattr(dp, "noise", noise)
+    model, x, y = tied_problem()
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        for _ in range(2):  # (the first step is checked against autograd, the second not)
+            refs.clear()
+            gradhooks.dp_sgd_step(
+                h, next_token(model(x), y), max_norm=0.1, noise_multiplier=1.0, method=method
+            )
+    assert refs and alive and not any(alive), alive
