@@ -48,8 +48,8 @@ def _setup(case: Case, seed: int = 0, loop: bool = True):
     """The case's float32 model, inputs and target (seeded), and the float64 loop's
     per-example gradients (``loop``)."""
     torch.manual_seed(seed)
-    model = case.model()
-    model.zero_grad(set_to_none=True)  # (some cases build their layers once)
+    model = _float32(case)
+    model.zero_grad(set_to_none=True)
     gradhooks.clear_grad1(model)
     inputs = case.inputs(BATCH)
     target = case.target(BATCH) if case.target else None
@@ -58,6 +58,12 @@ def _setup(case: Case, seed: int = 0, loop: bool = True):
         ref_model = copy.deepcopy(model).double()
         ref = loop_grad(ref_model, case.loss, _double(inputs), target)
     return model, inputs, target, ref
+
+
+def _float32(case: Case) -> nn.Module:
+    """The case's model in float32 (some cases build their layers once, and another test may
+    have left them in float64)."""
+    return case.model().float()
 
 
 def _loss(case: Case, out, target):
@@ -93,7 +99,7 @@ def _runs(case: Case, dtype) -> bool:
     """Whether torch itself runs the case's forward and backward under autocast to ``dtype`` on
     this CPU (oneDNN has no float16 LSTM on CPUs without AVX-512 FP16)."""
     torch.manual_seed(0)
-    model, inputs = case.model(), case.inputs(2)
+    model, inputs = _float32(case), case.inputs(2)
     target = case.target(2) if case.target else None
     try:
         with torch.autocast("cpu", dtype=dtype):
@@ -196,7 +202,7 @@ def test_jacobians(case, dtype):
     if not _runs(case, dtype):
         pytest.skip(f"torch has no {dtype} kernel for this layer on this CPU")
     torch.manual_seed(0)
-    model, inputs = case.model(), case.inputs(BATCH)
+    model, inputs = _float32(case), case.inputs(BATCH)
     if isinstance(inputs, tuple):
         pytest.skip("jacobians() takes one input tensor")
     twin, twin_inputs = _float64_twin(model, inputs)
@@ -221,7 +227,7 @@ def test_kfac_function(case, dtype):
     if not _runs(case, dtype):
         pytest.skip(f"torch has no {dtype} kernel for this layer on this CPU")
     torch.manual_seed(0)
-    model, inputs = case.model(), case.inputs(BATCH)
+    model, inputs = _float32(case), case.inputs(BATCH)
     twin, twin_inputs = _float64_twin(model, inputs)
     want = gradhooks.kfac(twin, twin_inputs, fisher="exact")
     with torch.autocast("cpu", dtype=dtype):
