@@ -33,43 +33,15 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import gradhooks
 from bench import measure
 from bench.methods import graph_break_kind
+from bench.module_cost import Count, tracker_calls
 from bench.problems import PROBLEMS
-from gradhooks.tracking import tracker as tracker_module
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
-
-
-class _Count(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _tracker_calls(step) -> int:
-    """How many times the tracker's ``__torch_function__`` runs in ``step()``."""
-    original = tracker_module.Tracker.__torch_function__
-    count = [0]
-
-    def counted(self, func, types, args=(), kwargs=None):
-        count[0] += 1
-        return original(self, func, types, args, kwargs)
-
-    tracker_module.Tracker.__torch_function__ = counted
-    try:
-        step()
-    finally:
-        tracker_module.Tracker.__torch_function__ = original
-    return count[0]
 
 
 def _setup(name: str):
@@ -139,13 +111,13 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
             for _ in range(3):
                 resets[k]()
                 step()
-        counter = _Count()
+        counter = Count()
         with torch.enable_grad(), counter:
             plain(x)
         resets["grad1 fwd+bwd"]()
-        tracker_step = _tracker_calls(steps["grad1 fwd+bwd"])
+        tracker_step = tracker_calls(steps["grad1 fwd+bwd"])
         resets["grad1 fwd+bwd"]()
-        tracker_forward = _tracker_calls(steps["hooked forward"])
+        tracker_forward = tracker_calls(steps["hooked forward"])
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(reps):
             for k, step in steps.items():

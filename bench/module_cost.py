@@ -68,7 +68,9 @@ def stack(n: int, k: int, width: int = 8) -> nn.Sequential:
     return nn.Sequential(*(Block(width, k) for _ in range(n)))
 
 
-class _Count(TorchFunctionMode):
+class Count(TorchFunctionMode):
+    """Counts the torch functions called inside it."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
@@ -80,7 +82,7 @@ class _Count(TorchFunctionMode):
 
 def torch_calls(model: nn.Module, x: Tensor) -> int:
     """The torch functions one plain forward of ``model`` calls."""
-    counter = _Count()
+    counter = Count()
     with counter:
         model(x)
     return counter.calls
