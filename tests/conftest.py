@@ -21,6 +21,17 @@ if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:
     gradhooks.TUNING.sum_grad1_positions = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
 
 
+@pytest.fixture
+def dynamo():
+    """``torch._dynamo``, its compiled code and counters cleared before and after the test."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    dynamo.reset()
+    try:
+        yield dynamo
+    finally:
+        dynamo.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

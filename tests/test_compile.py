@@ -24,16 +24,6 @@ D = torch.float64
 STEPS = 3
 
 
-@pytest.fixture
-def dynamo():
-    dynamo = pytest.importorskip("torch._dynamo")
-    dynamo.reset()
-    try:
-        yield dynamo
-    finally:
-        dynamo.reset()
-
-
 class Net(nn.Module):
     """An MLP whose forward is its own code (dynamo compiles it once the hooks are gone)."""
 

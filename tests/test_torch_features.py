@@ -395,16 +395,6 @@ def test_fallback_module_changing_its_buffers():
 # -- torch.compile ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def dynamo():
-    dynamo = pytest.importorskip("torch._dynamo")
-    dynamo.reset()
-    try:
-        yield dynamo
-    finally:
-        dynamo.reset()
-
-
 class Positions(nn.Module):
     """A position embedding looked up with arange and broadcast into the batch: its grad1
     comes from the forward's tracker, which must follow the batch under torch.compile too."""
