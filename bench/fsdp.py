@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from bench import measure
 from bench.methods import MAX_NORM, NOISE, Runner, _need
-from bench.report import MIB, ratios
+from bench.report import MIB, ratios, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "HF BERT classifier 2x256"
@@ -641,13 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps, "threads": args.threads, "model": MODEL,
         "check": result["check"], "records": records,
     }  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / "fsdp-cpu"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    text = markdown(data)
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    stem = write_results(args.out, "fsdp-cpu", data, markdown(data))
     print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}")
     return 0
 

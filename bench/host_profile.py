@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import json
 import pstats
 import statistics
 import sys
@@ -39,6 +38,7 @@ from bench import measure
 from bench.methods import graph_break_kind
 from bench.module_cost import Count, tracker_calls
 from bench.problems import PROBLEMS
+from bench.report import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
@@ -236,12 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.host_profile " + " ".join(argv or sys.argv[1:]),
         "models": [profile_model(n, args.reps, args.explain) for n in names],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host-profile-cpu.json").write_text(json.dumps(data, indent=1))
-    text = markdown(data)
-    (out / "host-profile-cpu.md").write_text(text)
-    print(text)
+    write_results(args.out, "host-profile-cpu", data, markdown(data))
     return 0
 
 

@@ -27,7 +27,6 @@ Writes ``module-cost-cpu.{json,md}`` under ``--out`` (default ``bench/results``)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 import gradhooks
+from bench.report import write_results
 from gradhooks.tracking import tracker as tracker_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,12 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
     given = sys.argv[1:] if argv is None else argv
     data["command"] = " ".join(["python -m bench.module_cost", *given])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "module-cost-cpu.json").write_text(json.dumps(data, indent=1))
-    text = markdown(data)
-    (out / "module-cost-cpu.md").write_text(text)
-    print(text)
+    write_results(args.out, "module-cost-cpu", data, markdown(data))
     return 0
 
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .methods import METHODS, PEERS
 
 MIB = 2**20
+
+
+def write_results(out: str | Path, name: str, data: dict, text: str) -> Path:
+    """``data`` as ``out/name.json`` and ``text`` (its tables) as ``out/name.md``, the folder
+    made where missing, and ``text`` printed; returns ``out/name``."""
+    stem = Path(out) / name
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+    return stem
 
 
 def _groups(data: dict) -> dict[tuple[str, int | None], list[dict]]:

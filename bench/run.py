@@ -308,17 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.own_batch:
         meta["batch"] = "own"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.suite:
         meta["suite"] = args.suite
         meta["title"] = SUITES[args.suite].title
     data = {**meta, "records": [r.as_dict() for r in records]}
-    stem = out / args.stem
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    text = report.markdown(data)
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    stem = report.write_results(args.out, args.stem, data, report.markdown(data))
     print(f"written: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}", end="")
     if args.no_plot:
         print()
