@@ -355,6 +355,7 @@ def test_grad_trail_tells_a_reset_from_an_accumulation():
     assert not after(lambda: None)
     assert after(lambda: setattr(p, "grad", None))
     assert after(lambda: p.grad.zero_())
+    assert after(lambda: p.grad.data.zero_())  # no version counted
     assert after(lambda: setattr(p, "grad", torch.zeros(3)))
     assert not after(lambda: p.grad.mul_(0.5))  # clip_grad_norm_, unscale_
     assert not after(lambda: setattr(p, "grad", torch.full((3,), 2.0)))

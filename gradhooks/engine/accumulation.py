@@ -7,8 +7,7 @@ default) or zeros (``set_to_none=False``). gradhooks does not see the ``zero_gra
 its result, so :class:`GradTrail` records, at the end of every captured backward, the
 ``.grad`` each parameter was left with (the tensor and its version counter); at the start of
 the next captured backward, before autograd adds anything to it, a parameter whose ``.grad``
-is ``None`` (and was not), or was changed since and is all zeros, was reset: its ``grad1``
-starts afresh. A
+is ``None`` (and was not), or is all zeros, was reset: its ``grad1`` starts afresh. A
 ``.grad`` left as it was (gradient accumulation over micro-batches, a second backward with
 ``retain_graph``), or changed but not zeroed (``clip_grad_norm_``, a ``GradScaler``'s
 ``unscale_``, DDP's all-reduce: post-processing of the sum, not a new start; a backward that
@@ -20,8 +19,10 @@ instead of adding them up) gives no such sign: there the engine adds to ``grad1`
 backwards of one forward (several ``retain_graph`` backwards, as K-FAC's sampled labels take
 them) and starts afresh at a new forward's.
 
-Reading the values happens only for a ``.grad`` whose tensor or version changed (once per step
-after ``zero_grad(set_to_none=False)``), one transfer per device.
+The values are read (one transfer per device, at the start of each captured backward) for
+every ``.grad`` that is not ``None``: a ``.grad`` left as it was and one zeroed through
+``.data`` (``p.grad.data.zero_()``, which torch does not count as a change) look alike
+otherwise. After the default ``zero_grad()`` (``set_to_none=True``) nothing is read.
 """
 
 from __future__ import annotations
@@ -71,22 +72,25 @@ class GradTrail:
         return [p for p, _, _ in self._left.values()]
 
     def _reset(self, seen: bool) -> list[nn.Parameter]:
-        """The recorded parameters whose ``.grad`` is ``None`` now, or was changed since and
-        is all zeros (or, ``seen``, changed since a reset was seen)."""
-        reset, changed = [], []
+        """The recorded parameters whose ``.grad`` is ``None`` now, or is all zeros (or,
+        ``seen``, changed since a reset was seen). A ``.grad`` whose tensor and version are
+        those recorded is read too: ``p.grad.data.zero_()`` (the manual loops' reset) zeroes
+        it without counting a version."""
+        reset, read = [], []
         for p, ref, version in self._left.values():
             g = p.grad
             if g is None:
                 if ref is not None:  # (None then and now: a backward that leaves .grad alone)
                     reset.append(p)
-            elif ref is None or ref() is not g or _torch.version(g) != version:
-                if seen and id(p) in self._reset_seen:
-                    reset.append(p)
-                else:
-                    changed.append(p)
-        if changed:
-            zero = all_zero([p.grad for p in changed])
-            reset += [p for p, z in zip(changed, zero) if z]
+                continue
+            changed = ref is None or ref() is not g or _torch.version(g) != version
+            if changed and seen and id(p) in self._reset_seen:
+                reset.append(p)
+            else:
+                read.append(p)
+        if read:
+            zero = all_zero([p.grad for p in read])
+            reset += [p for p, z in zip(read, zero) if z]
         return reset
 
     def restarted(self) -> list[nn.Parameter]:
