@@ -139,3 +139,235 @@ def test_manual_sgd_with_the_gradients_zeroed_by_hand(zero):
                     p.grad.data.zero_()
                 else:
                     p.grad = None
+
+
+# -- the PyTorch examples' word language model ----------------------------------------------------
+
+
+class RNNModel(nn.Module):
+    """The word language model's network, shrunk: an Embedding, a 2-layer LSTM or GRU on
+    time-major input ``[T, batch]``, a decoder whose weight is tied to the embedding's."""
+
+    def __init__(self, kind: str, ntoken: int = 11, nhid: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.nhid = kind, nhid
+        self.encoder = nn.Embedding(ntoken, nhid)
+        self.rnn = getattr(nn, kind)(nhid, nhid, 2)
+        self.decoder = nn.Linear(nhid, ntoken)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, inp, hidden):
+        out, hidden = self.rnn(self.encoder(inp), hidden)
+        return self.decoder(out), hidden
+
+    def init_hidden(self, batch: int):
+        h = torch.zeros(2, batch, self.nhid, dtype=D)
+        return (h, h.clone()) if self.kind == "LSTM" else h
+
+
+def _detached(h):
+    return h.detach() if isinstance(h, torch.Tensor) else tuple(_detached(t) for t in h)
+
+
+def _column(h, i: int):
+    return h[:, i : i + 1] if isinstance(h, torch.Tensor) else tuple(_column(t, i) for t in h)
+
+
+def _time_major_loop(model, hooks, inp, target, hidden) -> dict:
+    """Each sequence's own gradient: the model on column ``i`` of the time-major batch, with
+    column ``i`` of the carried hidden state, its tokens' mean cross-entropy."""
+    params = dict(model.named_parameters())
+    rows = {n: [] for n in params}
+    with hooks.paused():
+        for i in range(inp.shape[1]):
+            out, _ = model(inp[:, i : i + 1], _column(hidden, i))
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), target[:, i])
+            for n, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+                rows[n].append(g)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_word_language_model_loop_time_major_with_the_hidden_state_carried(kind):
+    """Batches of ``[bptt, batch]`` tokens, ``batch_dim=1``; the hidden state carried from
+    batch to batch, detached (``repackage_hidden``); the loss over the flattened ``[T*B]``
+    tokens; ``clip_grad_norm_`` and the update by hand (``p.data.add_(p.grad, alpha=-lr)``)
+    after ``model.zero_grad()``. The tied encoder/decoder weight has one grad1 (its two
+    uses)."""
+    bptt, batch, model = 4, 3, RNNModel(kind).to(D)
+    data = torch.randint(11, (3 * bptt + 1, batch), generator=torch.Generator().manual_seed(0))
+    hidden = model.init_hidden(batch)
+    with gradhooks.add_hooks(model, batch_dim=1) as h:
+        for k in range(3):
+            inp, target = data[k * bptt : (k + 1) * bptt], data[k * bptt + 1 : (k + 1) * bptt + 1]
+            hidden = _detached(hidden)
+            want = _time_major_loop(model, h, inp, target, hidden)
+            model.zero_grad()
+            out, hidden = model(inp, hidden)
+            F.cross_entropy(out.view(-1, 11), target.reshape(-1)).backward()
+            assert_grad1(model, want, f"{kind} batch {k}")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-1.0)
+
+
+def test_word_language_model_without_batch_dim_is_refused_naming_the_rnn():
+    """Forgetting ``batch_dim=1`` on the time-major model: the batch is taken from dimension 0
+    (the time steps), which the LSTM's rule does not read it from: an error naming the layer
+    and the remedy, before any grad1 is written."""
+    model = RNNModel("LSTM").to(D)
+    inp = torch.randint(11, (4, 3))
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'rnn'.*batch_dim"):
+            out, _ = model(inp, model.init_hidden(3))
+            F.cross_entropy(out.view(-1, 11), inp.reshape(-1)).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+# -- the PyTorch examples' DCGAN loop ------------------------------------------------------------
+
+
+def test_dcgan_loop_two_hooked_models_and_the_generator_step_through_the_discriminator():
+    """Two handles (generator, discriminator; LayerNorm for the example's BatchNorm). The
+    discriminator step: ``netD.zero_grad()``, a backward on the real batch, then one on
+    ``netG(z).detach()``: its grad1 holds each example's real and fake terms. The generator
+    step: ``netG.zero_grad()`` only, a backward through the discriminator (whose grad1 and
+    .grad then hold the generator step's too, as .grad does, until its next zero_grad)."""
+    torch.manual_seed(0)
+    netG = nn.Sequential(nn.Linear(2, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 4)).to(D)
+    netD = nn.Sequential(nn.Linear(4, 6), nn.LeakyReLU(0.2), nn.Linear(6, 1)).to(D)
+    bce = nn.BCEWithLogitsLoss()
+    optD, optG = (torch.optim.Adam(m.parameters(), 2e-3, betas=(0.5, 0.999)) for m in (netD, netG))
+    g = torch.Generator().manual_seed(0)
+    hG, hD = gradhooks.add_hooks(netG), gradhooks.add_hooks(netD)
+
+    def own(loss_of, params) -> dict:
+        rows = []
+        with hG.paused(), hD.paused():
+            for i in range(4):
+                rows.append(torch.autograd.grad(loss_of(i), [p for _, p in params]))
+        return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(params)}
+
+    try:
+        for step in range(2):
+            real = torch.randn(4, 4, generator=g, dtype=D)
+            z = torch.randn(4, 2, generator=g, dtype=D)
+            one, zero = torch.ones(1, 1, dtype=D), torch.zeros(1, 1, dtype=D)
+            netD.zero_grad()
+            bce(netD(real), one.expand(4, 1)).backward()
+            fake = netG(z)
+            bce(netD(fake.detach()), zero.expand(4, 1)).backward()
+            fk = fake.detach()
+            wantD = own(lambda i: bce(netD(real[i : i + 1]), one) + bce(netD(fk[i : i + 1]), zero),
+                        list(netD.named_parameters()))  # fmt: skip
+            assert_grad1(netD, wantD, f"step {step}, discriminator")
+            optD.step()
+            netG.zero_grad()
+            bce(netD(fake), one.expand(4, 1)).backward()
+            wantG = own(lambda i: bce(netD(netG(z[i : i + 1])), one), list(netG.named_parameters()))
+            assert_grad1(netG, wantG, f"step {step}, generator")
+            optG.step()
+    finally:
+        hG.remove()
+        hD.remove()
+
+
+# -- nanoGPT's training loop ----------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, c: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (u.view(b, t, self.heads, c // self.heads).transpose(1, 2) for u in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model, shrunk: token and position embeddings, two blocks of causal
+    self-attention and MLP, the head's weight tied to the token embedding, and the loss
+    computed inside ``forward`` when targets are given (cross-entropy over ``[B*T]``)."""
+
+    def __init__(self, vocab: int = 13, block: int = 6, c: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(block, c)
+        self.h = nn.ModuleList([Block(c), Block(c)])
+        self.ln_f = nn.LayerNorm(c)
+        self.lm_head = nn.Linear(c, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def _lm_loss(out, targets):
+    logits = out[0]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_nanogpt_loop_accumulation_loss_inside_the_model_and_clipping():
+    """nanoGPT's loop in float64: ``gradient_accumulation_steps`` micro-batches, each
+    ``loss = loss / steps`` from the loss the model returns, backward; then
+    ``clip_grad_norm_``, AdamW over decay/no-decay parameter groups, ``zero_grad(set_to_none=
+    True)``. grad1 after the last micro-batch: each row the sum of its micro-batch rows over
+    the number of steps."""
+    model, steps = GPT().to(D), 2
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for it in range(2):
+            want = None
+            for _ in range(steps):
+                x, y = torch.randint(13, (3, 6), generator=g), torch.randint(13, (3, 6), generator=g)
+                want = added(want, scaled(loop_grad(model, _lm_loss, x, y), 1 / steps))
+                _, loss = model(x, y)
+                (loss / steps).backward()
+            assert_grad1(model, want, f"iter {it}")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_nanogpt_step_under_bfloat16_autocast():
+    """nanoGPT's ``ctx = torch.autocast(device_type, dtype=torch.bfloat16)`` around the forward
+    (float32 parameters; the scaler is off for bfloat16). grad1 against the float64 loop:
+    every Linear runs in bfloat16 (8 bits of mantissa, a relative rounding of 2^-8 = 0.4%);
+    through two blocks the errors add up to ~1% of the largest entry (seen: up to 1.2%):
+    the tolerance is 4% of each parameter's largest entry, well below the size of a wrong
+    example's gradient."""
+    model = GPT()
+    ref = copy.deepcopy(model).to(D)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for it in range(2):
+            x, y = torch.randint(13, (3, 6), generator=g), torch.randint(13, (3, 6), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            want = loop_grad(ref, _lm_loss, x, y)
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == torch.float32, n
+                err = (p.grad1.double() - want[n]).abs().max() / want[n].abs().max()
+                assert err < 0.04, f"iter {it}: {n} off by {err:.3f} of its largest entry"
+            model.zero_grad(set_to_none=True)
