@@ -259,13 +259,13 @@ def test_dcgan_loop_two_hooked_models_and_the_generator_step_through_the_discrim
             fake = netG(z)
             bce(netD(fake.detach()), zero.expand(4, 1)).backward()
             fk = fake.detach()
-            wantD = own(lambda i: bce(netD(real[i : i + 1]), one) + bce(netD(fk[i : i + 1]), zero),
+            wantD = own(lambda i: bce(netD(real[i : i + 1]), one) + bce(netD(fk[i : i + 1]), zero),  # noqa: B023
                         list(netD.named_parameters()))  # fmt: skip
             assert_grad1(netD, wantD, f"step {step}, discriminator")
             optD.step()
             netG.zero_grad()
             bce(netD(fake), one.expand(4, 1)).backward()
-            wantG = own(lambda i: bce(netD(netG(z[i : i + 1])), one), list(netG.named_parameters()))
+            wantG = own(lambda i: bce(netD(netG(z[i : i + 1])), one), list(netG.named_parameters()))  # noqa: B023
             assert_grad1(netG, wantG, f"step {step}, generator")
             optG.step()
     finally:
@@ -339,7 +339,10 @@ def test_nanogpt_loop_accumulation_loss_inside_the_model_and_clipping():
         for it in range(2):
             want = None
             for _ in range(steps):
-                x, y = torch.randint(13, (3, 6), generator=g), torch.randint(13, (3, 6), generator=g)
+                x, y = (
+                    torch.randint(13, (3, 6), generator=g),
+                    torch.randint(13, (3, 6), generator=g),
+                )
                 want = added(want, scaled(loop_grad(model, _lm_loss, x, y), 1 / steps))
                 _, loss = model(x, y)
                 (loss / steps).backward()
