@@ -374,3 +374,189 @@ def test_nanogpt_step_under_bfloat16_autocast():
                 err = (p.grad1.double() - want[n]).abs().max() / want[n].abs().max()
                 assert err < 0.04, f"iter {it}: {n} off by {err:.3f} of its largest entry"
             model.zero_grad(set_to_none=True)
+
+
+# -- a float16 loop with a GradScaler (timm's NativeScaler, nanoGPT with float16) -----------------
+
+
+def test_grad_scaler_loop_grad1_is_of_the_scaled_loss_and_an_overflow_step_is_skipped():
+    """``scaler.scale(loss).backward()``, ``scaler.unscale_(opt)``, ``clip_grad_norm_``,
+    ``scaler.step(opt)``, ``scaler.update()``, ``opt.zero_grad()``, under float16 autocast.
+    grad1 is the per-example gradient of the loss that was backpropagated, the scaled one
+    (``S`` times each example's own; ``unscale_`` and clipping change ``.grad`` only, as
+    ``docs/training.md`` says); the first step's scale overflows: grad1 holds the Inf, the
+    scaler skips the step and lowers the scale; the later steps are exact up to float16
+    (10 bits of mantissa: seen 5e-4 of the largest entry; tolerance 1e-2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-16)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x, y = torch.randn(4, 3, generator=g), torch.randint(2, (4,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(out.float(), y)).backward()
+            finite = all(torch.isfinite(p.grad1).all() for p in model.parameters())
+            if step == 0:
+                assert not finite, "the first scale was meant to overflow"
+            else:
+                want = loop_grad(ref, F.cross_entropy, x.to(D), y)
+                for n, p in model.named_parameters():
+                    err = (p.grad1.double() / scale - want[n]).abs().max() / want[n].abs().max()
+                    assert err < 1e-2, f"step {step}: {n} off by {err:.2e}"
+            scaler.unscale_(opt)
+            for n, p in model.named_parameters():  # .grad unscaled, grad1 as the backward left it
+                if finite:  # (float32 sums of float16 products, in two orders)
+                    err = (p.grad1.mean(0) / scale - p.grad).abs().max() / p.grad.abs().max()
+                    assert err < 1e-3, f"step {step}: {n} grad1.mean(0)/S vs .grad, {err:.2e}"
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            assert (scaler.get_scale() < scale) == (not finite)
+            if finite:
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    q.data.copy_(p.data)
+            opt.zero_grad()
+
+
+# -- timm's train_one_epoch ---------------------------------------------------------------------
+
+
+class SmallConvNet(nn.Module):
+    """A timm-like image classifier, shrunk: a stem convolution, GroupNorm (BatchNorm in train
+    mode mixes the examples), a second convolution, global pooling, a classifier head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.norm = nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.conv, self.head = nn.Conv2d(4, 6, 3, stride=2), nn.Linear(6, 5)
+
+    def forward(self, x):
+        x = F.silu(self.conv(F.silu(self.norm(self.stem(x)))))
+        return self.head(x.mean((2, 3)))
+
+
+def soft_target_ce(out, target):
+    return torch.sum(-target * F.log_softmax(out, dim=-1), dim=-1).mean()
+
+
+def test_timm_train_one_epoch_with_mixup_accumulation_ema_and_channels_last():
+    """timm's loop: the model and every batch ``channels_last``; mixup before the model (each
+    mixed image is an example; its soft target ``SoftTargetCrossEntropy``'s); ``accum_steps``
+    micro-batches with ``loss / accum_steps``, the update on the last (``need_update``), then
+    ``optimizer.zero_grad()``; the EMA copy (a deep copy of the hooked model, which is not
+    hooked) updated by ``torch._foreach_lerp_`` under ``no_grad`` after each update, and a
+    validation pass of the model and of the EMA in eval mode with label smoothing between
+    the epochs."""
+    model = SmallConvNet().to(D).to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    g = torch.Generator().manual_seed(0)
+    accum = 2
+    with gradhooks.add_hooks(model):
+        ema = copy.deepcopy(model).eval().requires_grad_(False)
+        for epoch in range(2):
+            model.train()
+            want = None
+            for i in range(2 * accum):
+                x = torch.randn(4, 3, 6, 6, generator=g, dtype=D)
+                y = F.one_hot(torch.randint(5, (4,), generator=g), 5).to(D)
+                lam = 0.7
+                x = (lam * x + (1 - lam) * x.flip(0)).contiguous(memory_format=torch.channels_last)
+                y = lam * y + (1 - lam) * y.flip(0)
+                twin.load_state_dict(model.state_dict())
+                want = added(want, scaled(loop_grad(twin, soft_target_ce, x, y), 1 / accum))
+                (soft_target_ce(model(x), y) / accum).backward()
+                if (i + 1) % accum == 0:  # need_update
+                    assert_grad1(model, want, f"epoch {epoch} update {i // accum}")
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                    opt.step()
+                    opt.zero_grad()
+                    want = None
+                    with torch.no_grad():
+                        torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 0.1)
+            sched.step()
+            assert not any(hasattr(p, "grad1") for p in ema.parameters())
+            model.eval()
+            with torch.no_grad():
+                xv = torch.randn(6, 3, 6, 6, generator=g, dtype=D)
+                yv = torch.randint(5, (6,), generator=g)
+                for m in (model, ema):
+                    F.cross_entropy(m(xv), yv, label_smoothing=0.1).item()
+
+
+# -- Hugging Face's fine-tuning loop without Trainer (run_glue_no_trainer) ------------------------
+
+
+def test_hf_sequence_classification_loop_with_padding_accumulation_and_warmup():
+    """A BERT classifier as ``run_glue_no_trainer`` trains it: ``outputs = model(**batch)``
+    with ``labels`` (the loss computed inside the model, the batch mean of one label per
+    example), right padding with an ``attention_mask``, ``loss / gradient_accumulation_steps``,
+    AdamW with the no-decay groups (biases and LayerNorm weights), a linear warmup schedule,
+    ``optimizer.zero_grad()`` after each update. Each example's own gradient: the model on
+    that example alone, unpadded."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.BertConfig(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).to(D)
+    no_decay = ("bias", "LayerNorm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 1, 4)
+    g = torch.Generator().manual_seed(0)
+    accum = 2
+
+    def own(ids, mask, labels) -> dict:
+        params = [p for p in model.parameters() if p.requires_grad]
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        rows = []
+        with h.paused():
+            for i in range(ids.shape[0]):
+                n = int(mask[i].sum())
+                out = model(input_ids=ids[i : i + 1, :n], labels=labels[i : i + 1])
+                rows.append(torch.autograd.grad(out.loss, params, allow_unused=True))
+        return {
+            n: torch.stack(
+                [r[k] if r[k] is not None else torch.zeros_like(params[k]) for r in rows]
+            )
+            for k, n in enumerate(names)
+        }
+
+    with gradhooks.add_hooks(model) as h:
+        model.train()
+        want = None
+        for step in range(2 * accum):
+            lengths = torch.tensor([5, 3, 4])
+            ids = torch.randint(1, 20, (3, 5), generator=g)
+            mask = (torch.arange(5)[None] < lengths[:, None]).long()
+            ids = ids * mask
+            labels = torch.randint(3, (3,), generator=g)
+            want = added(want, scaled(own(ids, mask, labels), 1 / accum))
+            outputs = model(input_ids=ids, attention_mask=mask, labels=labels)
+            (outputs.loss / accum).backward()
+            if (step + 1) % accum == 0:
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1, want[n], f"update {step // accum}: {n}")
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                want = None
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
