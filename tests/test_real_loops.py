@@ -560,3 +560,244 @@ def test_hf_sequence_classification_loop_with_padding_accumulation_and_warmup():
         model.eval()
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+
+
+# -- DP loops: Opacus' virtual steps, private-transformers' per-sequence losses -------------------
+
+
+def clipped_mean(per_example: dict, max_norm: float, divisor: float) -> dict:
+    """``Σᵢ min(1, C/‖gᵢ‖) gᵢ / divisor`` from each example's own gradients (whole-model
+    norms), what a DP-SGD step without noise puts in ``.grad``."""
+    norms = torch.cat([g.flatten(1) for g in per_example.values()], 1).norm(dim=1)
+    factors = (max_norm / norms).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) / divisor for n, g in per_example.items()}
+
+
+def test_opacus_style_virtual_steps_with_dp_optimizer():
+    """Opacus' ``BatchMemoryManager`` loop: a logical batch in physical batches of another
+    size, ``optimizer.backward`` (here ``DPOptimizer.backward``) for each, one ``step`` and
+    ``zero_grad`` per logical batch. Without noise, each step's ``.grad`` is the clipped
+    per-example gradients of every example of its physical batches, summed, over the
+    expected batch size; the parameters follow SGD on it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 3)).to(D)
+    twin = copy.deepcopy(model)
+    h = gradhooks.add_hooks(model, quantities=("norms",))
+    opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), h,
+                                max_grad_norm=0.3, noise_multiplier=0.0,
+                                expected_batch_size=7.0)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with h:
+        for step in range(2):
+            physical = [(torch.randn(b, 3, generator=g, dtype=D), torch.randint(3, (b,), generator=g))
+                        for b in (4, 3, 2)]  # fmt: skip
+            x = torch.cat([p[0] for p in physical])
+            y = torch.cat([p[1] for p in physical])
+            want = clipped_mean(loop_grad(twin, F.cross_entropy, x, y), 0.3, 7.0)
+            for xb, yb in physical:
+                opt.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+            assert opt.step()
+            for n, p in model.named_parameters():
+                assert_close(p.grad, want[n], f"step {step}: {n}")
+            opt.zero_grad()
+            with torch.no_grad():
+                for n, q in twin.named_parameters():
+                    q -= 0.5 * want[n]
+            assert_same(model, twin, f"step {step}")
+
+
+def test_private_transformers_style_per_sequence_losses_into_dp_sgd_step():
+    """private-transformers' loop: the LM's per-token losses, ``reduction="none"``, averaged
+    over each sequence's own tokens into a ``[batch]`` vector, handed to the DP step instead
+    of ``loss.backward()`` (``optimizer.step(loss=...)`` there, ``dp_sgd_step`` here); the
+    returned norms are each sequence's own gradient norm and ``.grad`` the clipped mean."""
+    model = GPT().to(D)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randint(13, (3, 6), generator=g), torch.randint(13, (3, 6), generator=g)
+            want = loop_grad(model, _lm_loss, x, y)
+            logits, _ = model(x)
+            losses = F.cross_entropy(logits.permute(0, 2, 1), y, reduction="none").mean(1)
+            norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+            assert_close(norms, torch.cat([w.flatten(1) for w in want.values()], 1).norm(dim=1),
+                         f"step {step}: norms")  # fmt: skip
+            expected = clipped_mean(want, 0.5, 3)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, expected[n], f"step {step}: {n}")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.zero_grad()
+
+
+# -- the autograd-hacks recipe ------------------------------------------------------------------
+
+
+def test_autograd_hacks_recipe_over_several_steps():
+    """autograd-hacks' README, with ``import gradhooks as autograd_hacks``: ``add_hooks``,
+    forward, backward, ``compute_grad1(model, loss_type="sum")``, read ``grad1``, then
+    ``clear_backprops`` and the optimizer's ``zero_grad`` before the next step."""
+    import gradhooks as autograd_hacks
+
+    model = MnistNet().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nll_sum = lambda out, y: F.nll_loss(out, y, reduction="sum")  # noqa: E731
+    autograd_hacks.add_hooks(model)
+    try:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = (
+                torch.randn(3, 1, 8, 8, generator=g, dtype=D),
+                torch.randint(10, (3,), generator=g),
+            )
+            want = loop_grad(model, nll_sum, x, y)
+            opt.zero_grad()
+            nll_sum(model(x), y).backward()
+            autograd_hacks.compute_grad1(model, loss_type="sum")
+            assert_grad1(model, want, f"step {step}")
+            autograd_hacks.clear_backprops(model)
+            opt.step()
+    finally:
+        autograd_hacks.remove_hooks(model)
+
+
+# -- optimizers that take several backwards per step ---------------------------------------------
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(D)
+
+
+def batch(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, generator=g, dtype=D), torch.randint(2, (n,), generator=g)
+
+
+def test_sam_two_passes_with_the_weights_perturbed_in_place_between_them():
+    """Sharpness-aware minimisation (the ``SAM`` optimizer's ``first_step`` / ``second_step``):
+    a backward at ``w``, ``p.add_(e_w)`` under ``no_grad``, ``zero_grad``, a second forward and
+    backward at ``w + e``, ``p.sub_(e_w)``, the base step. Each pass's grad1 is its own, at
+    the weights it ran at."""
+    model = mlp()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}, first pass")
+            norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            with torch.no_grad():
+                e_w = [p.grad * 0.05 / (norm + 1e-12) for p in model.parameters()]
+                for p, e in zip(model.parameters(), e_w):
+                    p.add_(e)
+            base.zero_grad()
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}, second pass")
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), e_w):
+                    p.sub_(e)
+            base.step()
+            base.zero_grad()
+
+
+def test_lbfgs_closure_evaluated_several_times_per_step():
+    """``optimizer.step(closure)`` with LBFGS: the closure zeroes, forwards and backwards
+    several times per step; after the step, grad1 is that of the last evaluation, whose
+    gradient ``.grad`` holds (grad1 reduces to it) and whose weights the oracle is run at."""
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    x, y = batch(0)
+    evaluations = []
+
+    def closure():
+        opt.zero_grad()
+        evaluations.append([p.detach().clone() for p in model.parameters()])
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with gradhooks.add_hooks(model):
+        opt.step(closure)
+        assert len(evaluations) > 1
+        at = copy.deepcopy(model)
+        for q, w in zip(at.parameters(), evaluations[-1]):
+            q.data.copy_(w)
+        assert_grad1(model, loop_grad(at, F.cross_entropy, x, y), "last evaluation")
+        for p in model.parameters():
+            assert_close(p.grad1.mean(0), p.grad, ".grad")
+
+
+# -- adversarial and domain-adversarial training -------------------------------------------------
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
+def test_pgd_adversarial_training_attack_backwards_then_zero_grad(set_to_none):
+    """Madry-style adversarial training: the attack's steps call ``loss.backward()`` on an
+    input that requires grad (filling the parameters' ``.grad`` and grad1 too), then
+    ``optimizer.zero_grad()`` and the training backward on the adversarial batch: grad1 is the
+    adversarial examples' own gradients alone."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, y = batch(step)
+            xa = x.clone().requires_grad_(True)
+            for _ in range(2):
+                F.cross_entropy(model(xa), y).backward()
+                with torch.no_grad():
+                    xa += 0.1 * xa.grad.sign()
+                xa.grad = None
+            xa = xa.detach()
+            opt.zero_grad(set_to_none=set_to_none)
+            F.cross_entropy(model(xa), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, xa, y), f"step {step}")
+            opt.step()
+
+
+class ReverseGrad(torch.autograd.Function):
+    """The gradient reversal layer: identity forward, ``-alpha`` times the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.alpha * grad, None
+
+
+class DANN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Linear(3, 6), nn.ReLU())
+        self.label = nn.Linear(6, 2)
+        self.domain = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x, alpha: float = 0.3):
+        f = self.features(x)
+        return self.label(f), self.domain(ReverseGrad.apply(f, alpha))
+
+
+def test_domain_adversarial_training_through_a_gradient_reversal_function():
+    """DANN: the features feed the label head directly and the domain head through a custom
+    ``autograd.Function`` that reverses the gradient; the loss sums both heads' losses. The
+    features' grad1 holds each example's label gradient minus ``alpha`` times its domain
+    gradient."""
+    model = DANN().to(D)
+    two = lambda out, t: F.cross_entropy(out[0], t[:, 0]) + F.cross_entropy(out[1], t[:, 1])  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            t = torch.stack([y, torch.tensor([0, 1, 0, 1])], 1)
+            want = loop_grad(model, two, x, t)
+            opt.zero_grad()
+            two(model(x), t).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
