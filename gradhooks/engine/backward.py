@@ -859,7 +859,10 @@ class BackwardWriter:
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
                     f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
                     "Call clear() (autograd-hacks: clear_backprops(model)) between steps, or "
-                    "make every hooked layer see the same batch."
+                    "make every hooked layer see the same batch; one loss over batches of "
+                    "different sizes (two datasets in one step) has no per-example rows: "
+                    "concatenate them into one forward, or backpropagate each batch's loss "
+                    "alone and read grad1 after each."
                 )
             p.grad1 = old + g1
         else:
