@@ -801,3 +801,389 @@ def test_domain_adversarial_training_through_a_gradient_reversal_function():
             two(model(x), t).backward()
             assert_grad1(model, want, f"step {step}")
             opt.step()
+
+
+# -- evaluation, skipped batches and partial backwards --------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_inference_mode_evaluation_between_steps(mode):
+    """Lightning's and many scripts' validation under ``torch.inference_mode()`` (in eval or
+    still in train mode) on another batch size between the training steps: nothing is
+    captured, the next step's grad1 is its own."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            model.train()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+            model.train(mode == "train")
+            with torch.inference_mode():
+                model(torch.randn(7, 3, dtype=D)).argmax(1)
+            assert model[0].weight.grad1.shape[0] == 4
+
+
+def test_a_batch_whose_loss_is_skipped_leaves_no_trace():
+    """``if not torch.isfinite(loss): continue`` (or any check that drops a batch after its
+    forward): the dropped forward's graph, kept alive or not, gives nothing to the next
+    batch's grad1."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = []
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x, y = batch(step, n=4 if step % 2 else 6)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if step % 2 == 0:  # skipped (its loss kept for logging at step 0)
+                if step == 0:
+                    kept.append(loss)
+                continue
+            loss.backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+
+
+def test_backward_with_inputs_limits_grad1_to_those_parameters():
+    """A GAN-style ``loss.backward(inputs=list(head.parameters()))``: only those parameters get
+    ``.grad``, and only those get grad1 (the others none, as their ``.grad`` is ``None``)."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward(inputs=list(model[2].parameters()))
+    want = loop_grad(model, F.cross_entropy, x, y)
+    for n, p in model.named_parameters():
+        if n.startswith("2."):
+            assert_close(p.grad1, want[n], n)
+        else:
+            assert p.grad is None and not hasattr(p, "grad1"), n
+
+
+def test_reinforce_vector_backward_with_the_advantages():
+    """REINFORCE as the PyTorch examples' ``reinforce.py`` weights it: the chosen actions'
+    log-probabilities ``[batch]`` backpropagated with ``-advantages`` as the gradient
+    (``logp.backward(-adv)``), a summed objective: grad1 with ``loss_reduction="sum"`` is each
+    example's ``-adv_i ∇ log π(a_i|s_i)``."""
+    model = mlp()
+    x, actions = batch(0)
+    adv = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def objective(out, t):
+        logp = F.log_softmax(out, 1).gather(1, t[:, :1].long()).squeeze(1)
+        return -(logp * t[:, 1]).sum()
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        logp = F.log_softmax(model(x), 1).gather(1, actions[:, None]).squeeze(1)
+        logp.backward(-adv)
+    assert_grad1(model, loop_grad(model, objective, x, torch.stack([actions.to(D), adv], 1)), "")
+
+
+def test_autograd_backward_of_several_roots():
+    """``torch.autograd.backward([loss_a, loss_b])`` (two losses, one call): grad1 holds each
+    example's gradient of both."""
+    model = mlp()
+    x, y = batch(0)
+    both = lambda out, y: F.cross_entropy(out, y, reduction="sum") + 0.5 * out.pow(2).sum()  # noqa: E731
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out = model(x)
+        torch.autograd.backward([F.cross_entropy(out, y, reduction="sum"), 0.5 * out.pow(2).sum()])
+    assert_grad1(model, loop_grad(model, both, x, y), "")
+
+
+# -- models as real code writes them ---------------------------------------------------------------
+
+
+class WeightDrop(nn.Module):
+    """AWD-LSTM's ``WeightDrop``: the wrapped layer's weight removed from its parameters,
+    replaced at every forward by a tensor computed from the wrapper's raw parameter (here a
+    fixed DropConnect mask, which the loop can replay)."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        super().__init__()
+        self.module = module
+        raw = module.weight
+        del module._parameters["weight"]
+        self.weight_raw = nn.Parameter(raw.detach().clone())
+        mask = (torch.rand(raw.shape, generator=torch.Generator().manual_seed(3)) > 0.3) / 0.7
+        self.register_buffer("mask", mask.to(raw.dtype))
+
+    def forward(self, x):
+        self.module.weight = self.weight_raw * self.mask
+        return self.module(x)
+
+
+def test_awd_lstm_weight_drop_sets_the_weight_at_every_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(WeightDrop(nn.Linear(3, 5)), nn.Tanh(), nn.Linear(5, 2)).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+
+
+class ODEFunc(nn.Module):
+    """torchdiffeq's ``func(t, y)``: the first argument a 0-d time, the examples in ``y``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    def forward(self, t, y):
+        return self.net(torch.cat([y, t.expand(y.shape[0], 1)], 1))
+
+
+def test_ode_function_whose_first_argument_is_the_time():
+    """Euler steps of ``func(t, y)`` inside the loss: the examples are found in ``y``, not in
+    the 0-d ``t`` that comes first."""
+    model = ODEFunc().to(D)
+    x, _ = batch(0)
+    target = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(2))
+
+    def integrate(m, y0):
+        y = y0
+        for k in range(3):
+            y = y + 0.1 * m(torch.tensor(0.1 * k, dtype=D), y)
+        return y
+
+    class Solve(nn.Module):
+        def __init__(self, func):
+            super().__init__()
+            self.func = func
+
+        def forward(self, y0):
+            return integrate(self.func, y0)
+
+    solver = Solve(model)
+    mse = lambda out, t: F.mse_loss(out, t)  # noqa: E731
+    want = loop_grad(solver, mse, x, target)
+    with gradhooks.add_hooks(model):
+        mse(integrate(model, x), target).backward()
+    assert_grad1(solver, want, "")
+
+
+def test_a_batch_dict_as_the_only_argument():
+    """Lightning- and Hugging-Face-style ``model(batch)`` with a dict of tensors: the
+    examples are found in its first tensor."""
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.head = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, batch):
+            return self.head(torch.tanh(self.body(batch["x"]))) * batch["w"]
+
+    model = Classifier().to(D)
+    x, y = batch(0)
+    w = torch.rand(4, 1, dtype=D, generator=torch.Generator().manual_seed(1))
+    want = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        out = model({"x": x[i : i + 1], "w": w[i : i + 1]})
+        grads = torch.autograd.grad(F.cross_entropy(out, y[i : i + 1]), list(model.parameters()))
+        for n, g in zip(want, grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model({"x": x, "w": w, "y": y}), y).backward()
+    assert_grad1(model, {n: torch.stack(r) for n, r in want.items()}, "")
+
+
+def test_load_state_dict_with_assign_mid_training():
+    """``model.load_state_dict(state, assign=True)`` (resuming from a checkpoint, new
+    Parameter objects): the next steps' grad1 is on the new parameters and is right."""
+    model = mlp()
+    state = {k: v.clone() * 1.1 for k, v in model.state_dict().items()}
+    with gradhooks.add_hooks(model):
+        x, y = batch(0)
+        F.cross_entropy(model(x), y).backward()
+        model.load_state_dict(state, assign=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = batch(step + 1)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+
+
+def test_checkpoint_saved_and_loaded_into_a_fresh_hooked_model():
+    """A checkpoint (model and optimizer ``state_dict``) written mid-training by
+    ``torch.save`` and loaded into a new model, hooked afresh, as a resumed run does: its
+    steps are those of the run that went on."""
+    import io
+
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        x, y = batch(5)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        went_on = grads_of(model)
+    buf.seek(0)
+    state = torch.load(buf)
+    resumed = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(D)
+    resumed.load_state_dict(state["model"])
+    opt2 = torch.optim.Adam(resumed.parameters(), lr=1e-2)
+    opt2.load_state_dict(state["opt"])
+    with gradhooks.add_hooks(resumed):
+        opt2.zero_grad()
+        F.cross_entropy(resumed(x), y).backward()
+        assert_grad1(resumed, went_on, "resumed")
+
+
+def test_data_parallel_wrapper_on_one_device():
+    """``nn.DataParallel(model)`` as scripts wrap the model whatever the device count (on the
+    CPU, or one GPU, it calls the module): hooks on the wrapper give the module's grad1."""
+    model = mlp()
+    wrapped = nn.DataParallel(model)
+    x, y = batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(wrapped):
+        F.cross_entropy(wrapped(x), y).backward()
+    assert_grad1(model, want, "")
+
+
+def test_dataloader_last_batch_smaller_and_of_one():
+    """A ``DataLoader`` without ``drop_last``: 9 examples in batches of 4, 4 and 1, a
+    ``zero_grad`` before each: every batch's grad1 has its own size and values."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = mlp()
+    x, y = batch(0, n=9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = []
+    with gradhooks.add_hooks(model):
+        for xb, yb in DataLoader(TensorDataset(x, y), batch_size=4):
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, xb, yb), f"batch of {len(xb)}")
+            sizes.append(model[0].weight.grad1.shape[0])
+            opt.step()
+    assert sizes == [4, 4, 1]
+
+
+# -- misuse: a clear error, or the documented behaviour -------------------------------------------
+
+
+def test_hooking_a_child_of_a_hooked_model_is_refused():
+    """``add_hooks(model)`` then ``add_hooks(model.encoder)`` (a second handle for a part):
+    every gradient would be counted twice; refused, naming the module, the model unchanged."""
+    model = mlp()
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.StateError, match="already hooked"):
+            gradhooks.add_hooks(model[0])
+        x, y = batch(0)
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), "after the refusal")
+
+
+def test_two_batches_of_different_sizes_in_one_loss_are_refused():
+    """Two forwards of batches of different sizes (two datasets in one step) summed into one
+    loss: no row of grad1 is one example's; refused with an error naming the sizes, and no
+    grad1 of the step is left to be read."""
+    model = mlp()
+    (xa, ya), (xb, yb) = batch(0, n=4), batch(1, n=6)
+    with gradhooks.add_hooks(model):
+        loss = F.cross_entropy(model(xa), ya) + F.cross_entropy(model(xb), yb)
+        with pytest.raises(gradhooks.StateError, match=r"\(6, .*\(4, |\(4, .*\(6, ") as e:
+            loss.backward()
+        assert "concatenate them into one forward" in str(e.value)
+        assert not any(hasattr(p, "grad1") or p.grad is not None for p in model.parameters())
+
+
+def test_hooks_removed_between_the_forward_and_the_backward():
+    """``remove()`` while a backward is pending: the backward runs as without gradhooks and
+    writes nothing; grad1 stays what the last captured backward wrote (as ``.grad`` stays
+    after the hooks go) until ``clear_grad1``."""
+    model = mlp()
+    x, y = batch(0)
+    h = gradhooks.add_hooks(model)
+    F.cross_entropy(model(x), y).backward()
+    before = grads_of(model)
+    model.zero_grad()
+    loss = F.cross_entropy(model(batch(1)[0]), batch(1)[1])
+    h.remove()
+    loss.backward()
+    assert_grad1(model, before, "untouched")
+    gradhooks.clear_grad1(model)
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+def test_a_summed_loss_under_the_default_mean_is_told_by_check_and_rescaled():
+    """The commonest misuse: ``reduction="sum"`` with ``add_hooks``' default
+    ``loss_reduction="mean"`` (grad1 ``batch`` times too large, which nothing can see without
+    the loss). ``h.check(loss_fn, x, y)`` says so, ``h.rescale("sum")`` mends it."""
+    model = mlp()
+    x, y = batch(0)
+    ce_sum = lambda out, y: F.cross_entropy(out, y, reduction="sum")  # noqa: E731
+    want = loop_grad(model, ce_sum, x, y)
+    with gradhooks.add_hooks(model) as h:
+        ce_sum(model(x), y).backward()
+        report = h.check(ce_sum, x, y, raise_on_error=False)
+        assert not report.ok and "sum" in str(report)
+        h.rescale("sum")
+        assert_grad1(model, want, "rescaled")
+        assert h.check(ce_sum, x, y, raise_on_error=False).ok
+
+
+@pytest.mark.parametrize("how", ["class-weights", "ignore-index"])
+def test_a_loss_that_is_not_a_mean_over_examples_is_told_by_check(how):
+    """Class-weighted cross-entropy (the mean divides by the batch's total weight) and token
+    labels with ``ignore_index=-100`` (the mean over the batch's labelled tokens): neither is
+    a mean of per-example losses, so grad1 is each example's share of the batch's gradient,
+    not its own; ``h.check`` with the loss says so instead of passing."""
+    torch.manual_seed(0)
+    if how == "class-weights":
+        model = mlp()
+        x, y = batch(0)
+        w = torch.tensor([1.0, 4.0], dtype=D)
+        loss = lambda out, y: F.cross_entropy(out, y, weight=w)  # noqa: E731
+    else:
+        model = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).to(D)
+        x = torch.randint(7, (3, 5), generator=torch.Generator().manual_seed(0))
+        y = x.clone()
+        y[0, 2:] = -100
+        loss = lambda out, y: F.cross_entropy(out.reshape(-1, 7), y.reshape(-1))  # noqa: E731
+    with gradhooks.add_hooks(model) as h:
+        loss(model(x), y).backward()
+        report = h.check(loss, x, y, raise_on_error=False)
+    assert not report.ok and "not their own gradient" in str(report)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a module's full backward hook (or pre-hook) of the user's that returns a gradient "
+    "computed across the batch (here divided by its batch norm) is never checked: the run-time "
+    "check runs no backward of its own through the user's module hooks, so grad1 (and "
+    "dp_sgd_step's clipping) are silently of the mixed gradient",
+)
+def test_a_module_backward_hook_that_mixes_the_examples_is_refused():
+    """A layer-wise gradient normalisation written as ``register_full_backward_hook``
+    returning ``grad_input / grad_input.norm()``: no per-example gradient gives that
+    ``.grad``; it must be refused, as a parameter hook that does so is."""
+    model = mlp()
+    model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] / gi[0].norm(),))
+    x, y = batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        try:
+            F.cross_entropy(model(x), y).backward()
+        except gradhooks.GradhooksError:
+            return
+        assert_grad1(model, want, "")
