@@ -13,6 +13,7 @@ stops with an error that says what went wrong.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -1187,3 +1188,234 @@ def test_a_module_backward_hook_that_mixes_the_examples_is_refused():
         except gradhooks.GradhooksError:
             return
         assert_grad1(model, want, "")
+
+
+# -- more of the loops' idioms ---------------------------------------------------------------------
+
+
+def test_hf_gradient_checkpointing_non_reentrant():
+    """``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+    False})`` on a BERT classifier, as memory-bound fine-tuning scripts turn it on: the layers
+    run again at the backward; grad1 counts each call once."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.BertConfig(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=12,
+        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).to(D)
+    with warnings.catch_warnings():  # (renamed activation_checkpointing_enable in 5.x)
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(1, 20, (3, 5), generator=g), torch.randint(3, (3,), generator=g)
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(model(input_ids=ids[i : i + 1], labels=labels[i : i + 1]).loss,
+                                params, allow_unused=True) for i in range(3)]  # fmt: skip
+    want = {n: torch.stack([r[k] if r[k] is not None else torch.zeros_like(p) for r in rows])
+            for k, (n, p) in enumerate(model.named_parameters())}  # fmt: skip
+    with gradhooks.add_hooks(model):
+        model(input_ids=ids, labels=labels).loss.backward()
+        assert_grad1(model, want, "")
+
+
+def test_wgan_gp_critic_loss_is_refused_pointing_to_torch_func():
+    """WGAN-GP's critic loss holds the gradient penalty, built from the input-gradient taken
+    with ``create_graph=True``: its per-example gradients have terms hooks cannot see;
+    refused, naming the layer, ``h.paused()`` and ``torch.func``, with no grad1 written."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).to(D)
+    real, fake = batch(0)[0], batch(1)[0]
+    with gradhooks.add_hooks(critic):
+        eps = torch.rand(4, 1, dtype=D)
+        mixed = (eps * real + (1 - eps) * fake).requires_grad_()
+        (g,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+        loss = critic(fake).mean() - critic(real).mean() + 10 * ((g.norm(dim=1) - 1) ** 2).mean()
+        with pytest.raises(gradhooks.UnsupportedError, match=r"create_graph=True.*torch\.func"):
+            loss.backward()
+    assert not any(hasattr(p, "grad1") for p in critic.parameters())
+
+
+def test_gradual_unfreezing_with_param_groups_added():
+    """ULMFiT's gradual unfreezing: only the head trains at first; each epoch one more layer
+    gets ``requires_grad_(True)`` and joins the optimizer through ``add_param_group`` with its
+    own learning rate. Each epoch's grad1 is on the trainable parameters alone, and right."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = model.to(D).requires_grad_(False)
+    model[4].requires_grad_(True)
+    opt = torch.optim.SGD(model[4].parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for epoch, layer in enumerate([None, 2, 0]):
+            if layer is not None:
+                model[layer].requires_grad_(True)
+                opt.add_param_group({"params": list(model[layer].parameters()), "lr": 0.01})
+            x, y = batch(epoch)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"epoch {epoch}")
+            assert all(hasattr(p, "grad1") == p.requires_grad for p in model.parameters())
+            opt.step()
+
+
+def test_bfloat16_parameters_set_after_add_hooks():
+    """``model.to(torch.bfloat16)`` after ``add_hooks`` (pure bfloat16 training): grad1 in
+    bfloat16, against the float64 loop at the same (bfloat16-rounded) weights and inputs.
+    Each entry is a few bfloat16 roundings (2^-8 each) off: seen 5e-3 of the largest
+    entry; tolerance 3e-2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    ref = copy.deepcopy(model).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        model.to(torch.bfloat16)
+        for step in range(2):
+            x, y = batch(step)
+            x = x.to(torch.bfloat16)
+            opt.zero_grad()
+            F.cross_entropy(model(x).float(), y).backward()
+            for q, p in zip(ref.parameters(), model.parameters()):
+                q.data.copy_(p.data)
+            want = loop_grad(ref, F.cross_entropy, x.to(D), y)
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == torch.bfloat16, n
+                err = (p.grad1.double() - want[n]).abs().max() / want[n].abs().max()
+                assert err < 3e-2, f"step {step}: {n} off by {err:.2e}"
+            opt.step()
+
+
+class Recurrent(nn.Module):
+    """An RNN cell written with a Linear on ``[x, h]`` and an output Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell, self.out = nn.Linear(7, 4), nn.Linear(4, 2)
+
+    def forward(self, x, h):
+        h = torch.tanh(self.cell(torch.cat([x, h], 1)))
+        return self.out(h), h
+
+
+def test_truncated_bptt_without_detach_and_retain_graph():
+    """The hidden state carried without ``detach`` and ``loss.backward(retain_graph=True)``
+    (what a script that forgot ``repackage_hidden`` does to silence autograd's error): each
+    backward goes through every earlier chunk; grad1 after ``zero_grad`` is each sequence's
+    gradient of the chunk's loss through the whole history."""
+    model = Recurrent().to(D)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 3, generator=g, dtype=D) for _ in range(3)]
+    ys = [torch.randint(2, (3,), generator=g) for _ in range(3)]
+    params = list(model.parameters())
+
+    def own(k: int) -> dict:
+        rows = []
+        for i in range(3):
+            h = torch.zeros(1, 4, dtype=D)
+            for j in range(k + 1):
+                out, h = model(xs[j][i : i + 1], h)
+            rows.append(torch.autograd.grad(F.cross_entropy(out, ys[k][i : i + 1]), params))
+        return {
+            n: torch.stack([r[q] for r in rows])
+            for q, (n, _) in enumerate(model.named_parameters())
+        }
+
+    with gradhooks.add_hooks(model) as h_:
+        h = torch.zeros(3, 4, dtype=D)
+        for k in range(3):
+            with h_.paused():
+                want = own(k)
+            model.zero_grad()
+            out, h = model(xs[k], h)
+            F.cross_entropy(out, ys[k]).backward(retain_graph=True)
+            assert_grad1(model, want, f"chunk {k}")
+
+
+def test_a_backward_run_inside_the_forward():
+    """A forward that backpropagates an auxiliary loss itself before returning (``retain_graph``;
+    the backward starts before the forward ends): grad1 after the outer backward holds each
+    example's gradient of both."""
+
+    class Aux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            (0.1 * h.pow(2).sum(1).mean()).backward(retain_graph=True)
+            return self.b(torch.tanh(h))
+
+    model = Aux().to(D)
+    x, y = batch(0)
+    rows = []
+    for i in range(4):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        rows.append([p.grad.clone() for p in model.parameters()])
+    want = {
+        n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(model.named_parameters())
+    }
+    model.zero_grad()
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, want, "")
+
+
+def test_zero_grad_between_the_forward_and_the_backward():
+    """The tutorials' other order: forward, loss, ``optimizer.zero_grad()``, backward, step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            loss.backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+
+
+def test_label_smoothing_times_a_loss_scale_and_a_gradient_scaling_hook():
+    """``F.cross_entropy(..., label_smoothing=0.1) * loss_scale`` and a hook scaling one
+    layer's gradient (a per-layer learning-rate trick, ``p.register_hook(lambda g: 0.1 *
+    g)``): both scale grad1 as they scale ``.grad``."""
+    model = mlp()
+    for p in model[0].parameters():
+        p.register_hook(lambda g: 0.1 * g)
+    smoothed = lambda out, y: 8.0 * F.cross_entropy(out, y, label_smoothing=0.1)  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            want = loop_grad(model, smoothed, x, y)  # (the loop's backwards run the hook too)
+            opt.zero_grad()
+            smoothed(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+def test_an_empty_batch_after_filtering():
+    """Every example filtered out (``x[keep]`` with no ``keep``), a summed loss of 0: grad1
+    has no rows, and the next batch is as ever."""
+    model = mlp()
+    x, y = batch(0)
+    keep = y > 5
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x[keep]), y[keep], reduction="sum").backward()
+        assert all(p.grad1.shape == (0, *p.shape) for p in model.parameters())
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), "next batch")
+
+
+def test_grad1_read_before_any_backward_is_an_attribute_error():
+    model = mlp()
+    with gradhooks.add_hooks(model):
+        model(batch(0)[0])
+        with pytest.raises(AttributeError, match="grad1"):
+            model[0].weight.grad1  # noqa: B018
