@@ -1419,3 +1419,32 @@ def test_grad1_read_before_any_backward_is_an_attribute_error():
         model(batch(0)[0])
         with pytest.raises(AttributeError, match="grad1"):
             model[0].weight.grad1  # noqa: B018
+
+
+def test_torchvision_reference_loop_with_an_averaged_model_ema():
+    """torchvision's classification reference: ``ExponentialMovingAverage``, an
+    ``AveragedModel`` (a deep copy of the hooked model, not hooked) updated by
+    ``update_parameters`` every step, evaluated under ``inference_mode``; the training steps'
+    grad1 is unaffected, and the averaged copy never gets one."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = SmallConvNet().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model) as h:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        for step in range(3):
+            x = torch.randn(4, 3, 6, 6, generator=g, dtype=D)
+            y = torch.randint(5, (4,), generator=g)
+            ce = lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1)  # noqa: E731
+            want = loop_grad(model, ce, x, y)
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+            ema.update_parameters(model)
+            with torch.inference_mode():
+                ema.eval()
+                ema(x[:2]).argmax(1)
+        assert h.accumulated == 1
+    assert not any(hasattr(p, "grad1") for p in ema.parameters())
