@@ -589,6 +589,13 @@ def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[boo
     per-example gradient of it: it would be left out of the clipping (the step would give it
     zero, or noise alone), and the model would silently not train it."""
     names = {id(p): n for n, p in hooks.model.named_parameters()}
+    if params and all(g is None for g in grads):
+        raise StateError(
+            f"dp_sgd_step: per_example_loss does not depend on any trainable parameter of the "
+            f"hooked {type(hooks.model).__qualname__} (computed from another model, or from a "
+            "detached output): the step would be noise alone. Pass the losses computed from "
+            "the hooked model's output. No gradient was written."
+        )
     lost = [
         f"'{names.get(id(p), '?')}'"
         for p, g, ok in zip(params, grads, captured, strict=True)
