@@ -1448,3 +1448,27 @@ def test_torchvision_reference_loop_with_an_averaged_model_ema():
                 ema(x[:2]).argmax(1)
         assert h.accumulated == 1
     assert not any(hasattr(p, "grad1") for p in ema.parameters())
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("source", ["another-model", "detached-output"])
+def test_dp_step_on_losses_that_do_not_reach_the_hooked_model_is_refused(source, quantity):
+    """DP losses computed from the wrong tensor: from another model (the EMA copy, the
+    teacher) or from the hooked model's output detached and made to require grad again.
+    The backward reaches no hooked parameter: the step would be noise alone, with the norms
+    all 0. Refused, with nothing written; an empty batch (a Poisson draw) is still a step."""
+    model, other = mlp(), mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        out = model(x)
+        if source == "another-model":
+            losses = F.cross_entropy(other(x), y, reduction="none")
+        else:
+            losses = F.cross_entropy(out.detach().requires_grad_(), y, reduction="none")
+        with pytest.raises(gradhooks.StateError, match="does not depend on any trainable"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0)
+        assert all(p.grad is None for p in model.parameters())
+        empty = F.cross_entropy(model(x[:0]), y[:0], reduction="none")
+        norms = gradhooks.dp_sgd_step(h, empty, max_norm=1.0, noise_multiplier=1.0,
+                                      expected_batch_size=4.0)  # fmt: skip
+        assert norms.shape == (0,) and all(p.grad is not None for p in model.parameters())
