@@ -1472,3 +1472,31 @@ def test_dp_step_on_losses_that_do_not_reach_the_hooked_model_is_refused(source,
         norms = gradhooks.dp_sgd_step(h, empty, max_norm=1.0, noise_multiplier=1.0,
                                       expected_batch_size=4.0)  # fmt: skip
         assert norms.shape == (0,) and all(p.grad is not None for p in model.parameters())
+
+
+def test_optimizer_step_fused_into_the_backward_over_steps():
+    """The PyTorch tutorial's memory-saving loop: one optimizer per parameter, stepped and
+    zeroed by a ``register_post_accumulate_grad_hook`` inside the backward; the loop itself
+    calls neither ``step`` nor ``zero_grad``. Each step's grad1 is its own (at the weights
+    its forward ran at), and the parameters follow the same loop run without gradhooks."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        opts = {p: torch.optim.SGD([p], lr=0.1) for p in m.parameters()}
+
+        def hook(p, opts=opts):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    plain = mlp()  # (the oracle's own copy: no hook steps it during the loop's backwards)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            plain.load_state_dict(model.state_dict())
+            want = loop_grad(plain, F.cross_entropy, x, y)
+            for m in (model, twin):
+                F.cross_entropy(m(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_same(model, twin, f"step {step}")
