@@ -41,6 +41,8 @@ CHANGED = {
     "masked_scatter_": "masked_scatter",
     "masked_scatter__": None,  # (no such function)
 }
+# handlers added since for operations the table lacked (tests/test_real_loops.py says why)
+ADDED = {"fused_moving_avg_obs_fake_quant"}
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 
@@ -109,7 +111,7 @@ def _expected(name: str, got: str | None) -> bool:
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_every_name_keeps_its_handler(off):
     gone = {n for n, h in CHANGED.items() if h is None}
-    assert set(HANDLERS) == set(FROZEN["handlers"]) - gone
+    assert set(HANDLERS) == (set(FROZEN["handlers"]) - gone) | ADDED
     assert set(CHANGED) <= set(FROZEN["handlers"])
     with _schema(off):
         got = {n: handler_for(n) for n in FROZEN["handlers"]}

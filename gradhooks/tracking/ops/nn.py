@@ -233,6 +233,19 @@ def _embedding(args, kwargs, out, layout_of):
     return UNKNOWN if lay is None or lay is UNKNOWN else lay
 
 
+@handles("fused_moving_avg_obs_fake_quant")
+def _observed_fake_quant(args, kwargs, out, layout_of):
+    """Quantization-aware training's ``FakeQuantize``: with its observer on, the range it
+    quantizes with is first updated from the batch's min and max, so that every example's
+    output depends on the others (``model.apply(torch.ao.quantization.disable_observer)``
+    freezes it); off, elementwise."""
+    x, observer_on = args[0], arg(args, kwargs, 1, "observer_on")
+    lay = layout_of(x)
+    if lay is None or lay is UNKNOWN:
+        return lay
+    return MIXED if isinstance(observer_on, Tensor) and bool(observer_on.any()) else lay
+
+
 @handles("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
           "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
           "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss", "multilabel_margin_loss",
