@@ -1,13 +1,15 @@
 """Training loops as real projects write them, each step checked against the float64 oracle.
 
 Each test follows the idioms of one kind of published training script (the PyTorch examples'
-MNIST, word language model and DCGAN loops, nanoGPT's accumulation loop, timm's
-``train_one_epoch``, Hugging Face's accelerate-free fine-tuning loop, Opacus' and
-private-transformers' DP loops, the autograd-hacks and BackPACK recipes) on a small model, and
-at every step compares ``grad1`` (and the norms or the DP step where the loop uses them) with
-each example's own gradient by a per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`
-or a loop written out where the examples are not on dimension 0), or checks that a misuse
-stops with an error that says what went wrong.
+MNIST, word language model and DCGAN loops and the tutorials' manual and fused-optimizer loops,
+nanoGPT's accumulation loop, timm's ``train_one_epoch`` and torchvision's reference loop,
+Hugging Face's accelerate-free fine-tuning loop, Opacus' and private-transformers' DP loops, the
+autograd-hacks recipe, SAM, AWD-LSTM's weight drop, ULMFiT's gradual unfreezing, torchdiffeq's
+``func(t, y)``, quantization-aware training) on a small model, and at every step compares
+``grad1`` (and the norms or the DP step where the loop uses them) with each example's own
+gradient by a per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`, or a loop written
+out where the examples are not on dimension 0), within a stated tolerance under mixed
+precision, or checks that a misuse stops with an error that says what went wrong.
 """
 
 from __future__ import annotations
