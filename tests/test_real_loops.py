@@ -280,9 +280,9 @@ def test_dcgan_loop_two_hooked_models_and_the_generator_step_through_the_discrim
 
 
 class Block(nn.Module):
-    def __init__(self, c: int = 8, heads: int = 2) -> None:
+    def __init__(self, c: int = 8, heads: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.p, self.drop = heads, dropout, nn.Dropout(dropout)
         self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
         self.c_attn, self.c_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
@@ -291,9 +291,10 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
         q, k, v = (u.view(b, t, self.heads, c // self.heads).transpose(1, 2) for u in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + self.drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
 
 
 class GPT(nn.Module):
@@ -301,17 +302,18 @@ class GPT(nn.Module):
     self-attention and MLP, the head's weight tied to the token embedding, and the loss
     computed inside ``forward`` when targets are given (cross-entropy over ``[B*T]``)."""
 
-    def __init__(self, vocab: int = 13, block: int = 6, c: int = 8) -> None:
+    def __init__(self, vocab: int = 13, block: int = 6, c: int = 8, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.wte, self.wpe = nn.Embedding(vocab, c), nn.Embedding(block, c)
-        self.h = nn.ModuleList([Block(c), Block(c)])
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(c, dropout=dropout), Block(c, dropout=dropout)])
         self.ln_f = nn.LayerNorm(c)
         self.lm_head = nn.Linear(c, vocab, bias=False)
         self.wte.weight = self.lm_head.weight
 
     def forward(self, idx, targets=None):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
@@ -353,6 +355,27 @@ def test_nanogpt_loop_accumulation_loss_inside_the_model_and_clipping():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+
+def test_nanogpt_finetuning_with_dropout_in_and_after_the_attention():
+    """nanoGPT's fine-tuning configs (``dropout=0.1`` and up): dropout on the embeddings, in
+    ``scaled_dot_product_attention`` (``dropout_p`` while training) and after each
+    projection. The masks drawn cannot be drawn again by a loop, so each example's gradient
+    is taken from the same forward: autograd's gradient of its own loss alone (the examples
+    are not mixed, so that is its gradient with the masks it got)."""
+    model = GPT(dropout=0.2).to(D).train()
+    params, names = list(model.parameters()), [n for n, _ in model.named_parameters()]
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model) as h:
+        for it in range(2):
+            x, y = torch.randint(13, (3, 6), generator=g), torch.randint(13, (3, 6), generator=g)
+            losses = F.cross_entropy(model(x)[0].permute(0, 2, 1), y, reduction="none").mean(1)
+            with h.paused():
+                rows = [torch.autograd.grad(losses[i], params, retain_graph=True) for i in range(3)]
+            model.zero_grad()
+            losses.mean().backward()
+            want = {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
+            assert_grad1(model, want, f"iter {it}")
 
 
 def test_nanogpt_step_under_bfloat16_autocast():
