@@ -97,9 +97,11 @@ Required (no fallback; :func:`require` refuses without them):
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
   and the backward hooks of
-  modules, of every module and of tensors (:func:`user_backward_hooks`): the engine checks
+  modules, of every module and of tensors (:func:`user_backward_hooks`,
+  :func:`module_backward_hooks`): the engine checks
   that its hooks run where it needs them (``capture.py``), runs no backward of its own
-  checks through a user's backward hooks (``verify.py``, ``dp.py``), the oracle puts back
+  checks through a user's backward hooks (``verify.py``, ``dp.py``) but puts its own around a
+  module's (``module_hooks.py``), the oracle puts back
   parameters
   that ``torch.func.functional_call`` may leave replaced (``oracle.py``); the fallback runs a module again without its
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
@@ -192,6 +194,7 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "tensor_impl",
+    "module_backward_hooks",
     "unbatched",
     "unshared",
     "user_backward_hooks",
@@ -286,7 +289,8 @@ INTERNALS: dict[str, Internal] = {
         Internal(
             "module_state",
             "nn.Module._parameters, _forward_hooks, _forward_pre_hooks, _backward_hooks, "
-            "_backward_pre_hooks, torch.nn.modules.module._global_forward_hooks, "
+            "_backward_pre_hooks, _is_full_backward_hook, "
+            "torch.nn.modules.module._global_forward_hooks, "
             "_global_forward_pre_hooks, _global_backward_hooks, _global_backward_pre_hooks, "
             "Tensor._backward_hooks, _post_accumulate_grad_hooks",
             "",
@@ -861,6 +865,15 @@ def user_backward_hooks(modules: Any, params: Any, own: int = 0) -> bool:
     if any(m._backward_hooks or m._backward_pre_hooks for m in modules):
         return True
     return any(len(p._backward_hooks or ()) > own or p._post_accumulate_grad_hooks for p in params)
+
+
+def module_backward_hooks(m: nn.Module) -> tuple[int, int]:
+    """How many full backward hooks (``register_full_backward_hook``; not the old
+    ``register_backward_hook``, which cannot share a module with them) and backward pre-hooks
+    ``m`` holds itself (``_backward_hooks``, ``_is_full_backward_hook``,
+    ``_backward_pre_hooks``). Required (:func:`require`)."""
+    full = len(m._backward_hooks or ()) if m._is_full_backward_hook else 0
+    return full, len(m._backward_pre_hooks or ())
 
 
 def accumulate_hooks(p: Tensor) -> int:

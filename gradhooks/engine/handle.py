@@ -45,6 +45,7 @@ from .calls import CallLayouts
 from .capture import DetachedCalls
 from .forward import ForwardCapture
 from .link import TrackerLink
+from .module_hooks import guard_module_backward_hooks
 from .outputs import LayerOutputs
 from .pause import set_enabled
 from .plan import (
@@ -183,6 +184,7 @@ class Hooks:
                 model.register_forward_pre_hook(Hook(self._forwards.on_root_pre), with_kwargs=True)
             )
             self._install(model)
+            self._handles += guard_module_backward_hooks(state, model)
             self._handles.append(
                 model.register_forward_hook(
                     Hook(self._forwards.on_root_post), with_kwargs=True, always_call=True

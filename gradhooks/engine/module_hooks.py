@@ -1,0 +1,99 @@
+"""A module's backward hooks of the user's that change the gradient.
+
+A full backward hook (``register_full_backward_hook``) may return a new gradient for its
+module's inputs, a backward pre-hook (``register_full_backward_pre_hook``) one for its outputs.
+No check of gradhooks' own runs a backward through them (they fire as often as without
+gradhooks: :meth:`gradhooks.engine.verify.Verifier.user_backward_hooks`), so what they do is
+checked where they run. On each module that holds such hooks when :func:`gradhooks.add_hooks`
+is called, a hook of gradhooks' put first keeps the gradients the user's hooks are given, and
+one put last compares them with what the user's hooks made of them (returned, or changed in
+place): the same, or the same multiplied by one number (a gradient reversal, or a division by
+the batch gradient's norm), and the per-example gradients follow, as for a parameter's hook;
+anything else (a clamp, a division by the batch's norm, which mixes the examples) is refused,
+since no per-example gradient gives the ``.grad`` it makes. Hooks registered after
+``add_hooks`` run after gradhooks' last one, and are not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import _torch
+from ..errors import UnsupportedError
+from .records import Hook
+from .state import CaptureState
+
+__all__ = ["guard_module_backward_hooks"]
+
+
+def guard_module_backward_hooks(state: CaptureState, model: nn.Module) -> list:
+    """Put gradhooks' first and last hooks around the backward hooks each module of ``model``
+    holds; returns their handles (removed with the others)."""
+    handles: list = []
+    kept: dict[tuple[int, str], tuple] = {}
+    for name, m in model.named_modules():
+        full, pre = _torch.module_backward_hooks(m)
+        where = f"'{name or '<model>'}' ({type(m).__qualname__})"
+        if full:
+            handles.append(m.register_full_backward_hook(
+                Hook(_keep(state, kept, (id(m), "in"), 1)), prepend=True))  # fmt: skip
+            handles.append(m.register_full_backward_hook(
+                Hook(_compare(state, kept, (id(m), "in"), 1, where, "full backward hook"))))  # fmt: skip
+        if pre:
+            handles.append(m.register_full_backward_pre_hook(
+                Hook(_keep(state, kept, (id(m), "out"), 1)), prepend=True))  # fmt: skip
+            handles.append(m.register_full_backward_pre_hook(
+                Hook(_compare(state, kept, (id(m), "out"), 1, where, "backward pre-hook"))))  # fmt: skip
+    return handles
+
+
+def _active(state: CaptureState) -> bool:
+    return not state.removed and state.mode.capture and state.capturing_backward()
+
+
+def _keep(state: CaptureState, kept: dict, key: tuple, at: int):
+    def keep(*args: Any) -> None:
+        if _active(state):  # (copies: a hook may change the tensors it is given in place)
+            kept[key] = tuple(None if g is None else g.detach().clone() for g in args[at])
+
+    return keep
+
+
+def _compare(state: CaptureState, kept: dict, key: tuple, at: int, where: str, kind: str):
+    def compare(*args: Any) -> None:
+        before = kept.pop(key, None)
+        if before is None or not _active(state):
+            return
+        after = tuple(args[at])
+        if all(_multiple(a, b) for a, b in zip(after, before, strict=True)):
+            return
+        raise UnsupportedError(
+            f"gradhooks: a {kind} of yours on {where} changed the gradient it was given "
+            "otherwise than by a factor (each entry clamped, or the batch's gradient divided "
+            "by its norm, which mixes the examples): no per-example gradient gives the .grad "
+            "it makes, and grad1 would not be the examples' own. Change grad1 or the "
+            "gradients after the backward, or remove the hook while the hooks are on; a hook "
+            "that multiplies the gradient by a number is followed."
+        )
+
+    return compare
+
+
+def _multiple(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether ``a`` is ``b`` multiplied by one number (``None`` only as ``None``)."""
+    if a is None or b is None:
+        return a is b
+    if a.shape != b.shape:
+        return False
+    a64, b64 = a.detach().double(), b.detach().double()
+    if torch.equal(a64, b64):
+        return True
+    scale = float(b64.square().sum())
+    if scale == 0.0:
+        return not bool(a64.any())
+    c = float((a64 * b64).sum()) / scale
+    tol = 8 * torch.finfo(a.dtype).eps if a.is_floating_point() else 0.0
+    return bool(torch.allclose(a64, c * b64, rtol=tol, atol=tol * float(a64.abs().max())))
