@@ -1192,27 +1192,49 @@ def test_a_loss_that_is_not_a_mean_over_examples_is_told_by_check(how):
     assert not report.ok and "not their own gradient" in str(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a module's full backward hook (or pre-hook) of the user's that returns a gradient "
-    "computed across the batch (here divided by its batch norm) is never checked: the run-time "
-    "check runs no backward of its own through the user's module hooks, so grad1 (and "
-    "dp_sgd_step's clipping) are silently of the mixed gradient",
-)
-def test_a_module_backward_hook_that_mixes_the_examples_is_refused():
-    """A layer-wise gradient normalisation written as ``register_full_backward_hook``
-    returning ``grad_input / grad_input.norm()``: no per-example gradient gives that
-    ``.grad``; it must be refused, as a parameter hook that does so is."""
+@pytest.mark.parametrize("kind", ["full", "pre"])
+def test_a_module_backward_hook_that_changes_the_gradient_otherwise_is_refused(kind):
+    """Gradient centring written as a module hook (``register_full_backward_hook`` returning
+    ``grad_input - grad_input.mean(0)``, or the pre-hook on ``grad_output``): every example's
+    gradient then depends on the others', and no per-example gradient gives the ``.grad``
+    it makes. No check of gradhooks' own runs through a module's hooks (they fire once per
+    backward); refused where the hook runs, naming the module, as a parameter hook that does
+    so is."""
     model = mlp()
-    model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] / gi[0].norm(),))
+    centre = lambda g: g - g.mean(0, keepdim=True)  # noqa: E731
+    if kind == "full":
+        model[2].register_full_backward_hook(lambda m, gi, go: (centre(gi[0]),))
+    else:
+        model[2].register_full_backward_pre_hook(lambda m, go: (centre(go[0]),))
     x, y = batch(0)
-    want = loop_grad(model, F.cross_entropy, x, y)
     with gradhooks.add_hooks(model):
-        try:
+        with pytest.raises(gradhooks.UnsupportedError, match="'2' \\(Linear\\).*by a factor"):
             F.cross_entropy(model(x), y).backward()
-        except gradhooks.GradhooksError:
-            return
-        assert_grad1(model, want, "")
+
+
+def test_a_module_backward_hook_that_reverses_the_gradient_is_followed():
+    """A gradient reversal written as a module hook (``-0.3 * grad_input``): a factor, which
+    the per-example gradients follow; the hook fires once per backward, as without
+    gradhooks."""
+    model = mlp()
+    fired = []
+
+    def reverse(m, gi, go):
+        fired.append(1)
+        return (-0.3 * gi[0],)
+
+    model[2].register_full_backward_hook(reverse)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)  # (the loop's backwards fire it too)
+            fired.clear()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert fired == [1]
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
 
 
 # -- more of the loops' idioms ---------------------------------------------------------------------
@@ -1618,3 +1640,18 @@ def test_a_batch_statistic_read_into_python_and_used_in_the_forward_is_refused()
         except gradhooks.MixedExamplesError:
             return
         assert_grad1(model, want, "")
+
+
+def test_a_module_backward_hook_that_clamps_the_gradient_in_place_is_refused():
+    """A hook that returns nothing but clamps the gradient it is given in place
+    (``grad_input[0].clamp_(-c, c)``): a change all the same, refused."""
+    model = mlp()
+
+    def clamp(m, grad_input, grad_output):
+        grad_input[0].clamp_(-1e-3, 1e-3)
+
+    model[2].register_full_backward_hook(clamp)
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.UnsupportedError, match="by a factor"):
+            F.cross_entropy(model(x), y).backward()
