@@ -107,7 +107,8 @@ Required (no fallback; :func:`require` refuses without them):
   forward hooks (``fallback.py``: a hook that calls ``output.requires_grad_()``, as Hugging Face's
   ``enable_input_require_grads`` adds, fails under ``torch.func``), and without the forward
   hooks and pre-hooks of the modules inside it and the global ones
-  (:func:`forward_hooks_off_within`: a user's hooks fire as often as without gradhooks).
+  (:func:`forward_hooks_off_within`: a user's hooks fire as often as without gradhooks), and
+  without its own backward hooks (:func:`backward_hooks_off`).
 - ``tensor_impl``: ``Tensor._cdata`` and ``Tensor._backward_hooks`` (:func:`tensor_impl`,
   :func:`drop_stale_hooks`): ``torch.utils.swap_tensors`` puts another C++ tensor under the
   same Python object (``model.to(...)``, ``.double()``, even ``.float()`` of a float model, do so
@@ -164,6 +165,7 @@ __all__ = [
     "leave_compiled",
     "positional",
     "disabled",
+    "backward_hooks_off",
     "drop_stale_hooks",
     "first_forward_hook",
     "forward_hooks_off_within",
@@ -776,6 +778,20 @@ def forward_hooks_off(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module._forward_hooks = kept
+
+
+@contextlib.contextmanager
+def backward_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s own backward hooks and pre-hooks (``_backward_hooks``,
+    ``_backward_pre_hooks``) are not set up when it is called, so that a recomputation's
+    backward does not fire them once more: torch has no public way to call a module without
+    them. Required (:func:`require`)."""
+    kept = module._backward_hooks, module._backward_pre_hooks
+    module._backward_hooks, module._backward_pre_hooks = type(kept[0])(), type(kept[1])()
+    try:
+        yield
+    finally:
+        module._backward_hooks, module._backward_pre_hooks = kept
 
 
 @contextlib.contextmanager

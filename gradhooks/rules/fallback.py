@@ -313,7 +313,8 @@ def _by_layout_split(
         # (its own forward hooks are the caller's business, not the recomputation's: a hook
         # that calls output.requires_grad_() fails under torch.func)
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
+                _torch.forward_hooks_off(module), _torch.backward_hooks_off(module), \
+                autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
             if "loop" not in call.memo:
@@ -491,7 +492,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
         with torch.set_grad_enabled(create_graph), warnings.catch_warnings(), \
-                _torch.forward_hooks_off(module), autocast_as(call.autocast):  # fmt: skip
+                _torch.forward_hooks_off(module), _torch.backward_hooks_off(module), \
+                autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             vmapped = "loop" not in call.memo
             if vmapped:
