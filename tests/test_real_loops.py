@@ -1655,3 +1655,34 @@ def test_a_module_backward_hook_that_clamps_the_gradient_in_place_is_refused():
     with gradhooks.add_hooks(model):
         with pytest.raises(gradhooks.UnsupportedError, match="by a factor"):
             F.cross_entropy(model(x), y).backward()
+
+
+class MatrixExp(nn.Module):
+    """A layer without a rule (its per-example gradients by the ``torch.func`` fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(0.3 * torch.randn(3, 3, generator=torch.Generator().manual_seed(4)))
+
+    def forward(self, x):
+        return x @ torch.matrix_exp(self.w)
+
+
+def test_backward_hooks_on_a_module_the_fallback_recomputes_fire_once():
+    """A module without a rule that holds a user's full backward hooks (one that counts, one
+    that scales the gradient it passes on): the fallback recomputes it per example, and its
+    recomputation's backward must not fire them again (a hook given a ``grad_input`` of
+    ``None`` there failed, blamed on the fallback); grad1 is the loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), MatrixExp(), nn.Tanh(), nn.Linear(3, 2)).to(D)
+    fired = []
+    model[1].register_full_backward_hook(lambda m, gi, go: fired.append(1))
+    model[1].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    x, y = batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    fired.clear()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        assert [n for n, _ in h.fallback_modules()] == ["1"]
+    assert fired == [1]
+    assert_grad1(model, want, "")
