@@ -46,7 +46,8 @@ def addmm(call: Call) -> dict[str, Outer]:
     ``Conv1D``): ``grad1[b] = Σ_s x[b, s]ᵀ g[b, s]``, ``[in, out]``."""
     (x,) = call.inputs
     g = _positions(call.grad_output)
-    return {"weight": Outer(g, _positions(x)), "bias": Outer(None, g)}
+    x = _positions(x.conj() if x.is_complex() else x)  # (mat2's gradient is mat1ᴴ g)
+    return {"weight": Outer(g, x), "bias": Outer(None, g)}
 
 
 def _plain_addmm(args: tuple, kwargs: dict) -> bool:
