@@ -18,7 +18,7 @@ keeps its ``forward``), never another class called ``Conv1D``.
 
 from __future__ import annotations
 
-from ..pieces import Outer
+from ..pieces import Piece
 from .linear import addmm, many_positions
 from .registry import Call, register
 
@@ -27,8 +27,9 @@ CONV1D = "transformers.pytorch_utils.Conv1D"
 
 
 @register(CONV1D, grad_from_grad1=many_positions, batch_dim="positions")
-def conv1d(call: Call) -> dict[str, Outer]:
+def conv1d(call: Call) -> dict[str, Piece]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
-    pieces' ``shared`` axis. ``weight`` ``[in, out]``: an :class:`Outer` whose rows (its ``g``)
-    are the input and whose columns (its ``a``) are the output-gradient."""
+    pieces' ``shared`` axis. ``weight`` ``[in, out]``: an :class:`~gradhooks.pieces.Outer` whose
+    rows (its ``g``) are the input and whose columns (its ``a``) the output-gradient; ``bias``: a
+    :class:`~gradhooks.pieces.Direct`, ``Σ_s g``."""
     return addmm(call)
