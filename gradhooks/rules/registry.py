@@ -350,10 +350,10 @@ class Registry:
         """Capture a call of the torch function ``name`` with ``rule`` where a parameter is
         passed to it directly, outside its module's call (``F.linear(h, self.wte.weight)``, a
         tied output layer; ``torch.addmm(self.bias, x, self.weight)`` in a layer without a
-        rule, written as Hugging Face's ``Conv1D`` is): ``params`` maps the rule's parameter names to the function's arguments
-        ``(position, keyword)``, ``input`` is the argument the rule receives as
-        ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a form the rule does not
-        cover. The rule is position-wise (``batch_dim="positions"``). Shared by every
+        rule, written as Hugging Face's ``Conv1D`` is): ``params`` maps the rule's parameter
+        names to the function's arguments ``(position, keyword)``, ``input`` is the argument
+        the rule receives as ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a
+        form the rule does not cover. The rule is position-wise (``batch_dim="positions"``). Shared by every
         registry."""
         entry = _Entry(rule, False, False, batch_dim="positions")
         _FUNCTIONS[name] = (entry, dict(params), input, applies)
