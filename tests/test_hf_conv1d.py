@@ -129,7 +129,7 @@ class _Head(nn.Module):
         return self.head(torch.tanh(self.layer(x).flatten(1)))
 
 
-# -- the layer alone --------------------------------------------------------------------------------
+# -- the layer alone -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -199,7 +199,7 @@ def test_complex_input():
         torch.testing.assert_close(p.grad1, want[n], msg=n)
 
 
-# -- a tiny GPT-2 -----------------------------------------------------------------------------------
+# -- a tiny GPT-2 ----------------------------------------------------------------------------------
 
 
 class LM(nn.Module):

@@ -353,8 +353,8 @@ class Registry:
         rule, written as Hugging Face's ``Conv1D`` is): ``params`` maps the rule's parameter
         names to the function's arguments ``(position, keyword)``, ``input`` is the argument
         the rule receives as ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a
-        form the rule does not cover. The rule is position-wise (``batch_dim="positions"``). Shared by every
-        registry."""
+        form the rule does not cover. The rule is position-wise (``batch_dim="positions"``).
+        Shared by every registry."""
         entry = _Entry(rule, False, False, batch_dim="positions")
         _FUNCTIONS[name] = (entry, dict(params), input, applies)
 
