@@ -212,4 +212,14 @@ CASES_BY_LAYER.update({
     nn.TransformerDecoderLayer: [Case("transformer_decoder_layer", _head(_Decoder, 4, lambda out: out.mean(1)), lambda b: torch.randn(b, 3, 4))],
 })  # fmt: skip
 
+try:  # Hugging Face's Conv1D (its rule is registered by name): where transformers imports
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover
+    Conv1D = None
+if Conv1D is not None:  # Conv1D(out, in): weight [in, out]
+    CASES_BY_LAYER[Conv1D] = [
+        Case("hf_conv1d", _head(lambda: Conv1D(5, 4), 15), lambda b: torch.randn(b, 3, 4)),
+        Case("hf_conv1d_rows", _head(lambda: Conv1D(5, 4), 5), lambda b: torch.randn(b, 4)),
+    ]
+
 CASES = [case for cases in CASES_BY_LAYER.values() for case in cases]

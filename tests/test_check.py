@@ -57,12 +57,31 @@ def _trained_bn(bn, shape):
     return bn.eval()
 
 
+# Types registered by name, by that name (their library imported in the test)
+NAMED_EXAMPLES = {
+    "transformers.pytorch_utils.Conv1D": (lambda cls: cls(5, 4), lambda: torch.randn(3, 2, 4)),
+}
+
+
 @pytest.mark.parametrize("module_type", gradhooks.REGISTRY.types(), ids=lambda t: t.__name__)
 def test_builtin_rule_passes_check_rule(module_type):
     assert module_type in EXAMPLES, f"add an example for {module_type.__name__} to EXAMPLES"
     make_module, make_input = EXAMPLES[module_type]
     torch.manual_seed(0)
     report = gradhooks.check_rule(make_module(), make_input())
+    assert report.ok and report.differences, str(report)
+
+
+@pytest.mark.parametrize("name", gradhooks.REGISTRY.names())
+def test_builtin_rule_by_name_passes_check_rule(name):
+    assert name in NAMED_EXAMPLES, f"add an example for {name} to NAMED_EXAMPLES"
+    path, _, cls_name = name.rpartition(".")
+    cls = getattr(pytest.importorskip(path), cls_name)
+    make_module, make_input = NAMED_EXAMPLES[name]
+    torch.manual_seed(0)
+    module = make_module(cls)
+    assert gradhooks.REGISTRY.lookup(module) is not None, f"{name}: its class is not found"
+    report = gradhooks.check_rule(module, make_input())
     assert report.ok and report.differences, str(report)
 
 

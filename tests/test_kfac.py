@@ -616,7 +616,7 @@ def test_bert_classifier_with_padding_mask():
 
 
 def test_gpt2_with_padding_mask():
-    """A tiny GPT-2: its Conv1D layers (``torch.addmm(b, x, W)``, no module rule) get factors
+    """A tiny GPT-2: its Conv1D layers (``torch.addmm(b, x, W)``, ``W`` ``[in, out]``) get factors
     from their input and output-gradient, its lm_head those of its use as a Linear (tied to the
     token embeddings: said), with a left-padded ``attention_mask=``, against the hand
     computation."""

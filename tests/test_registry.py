@@ -32,6 +32,7 @@ def scale_rule(call):
 def registry():
     reg = gradhooks.Registry()
     reg._rules.update(gradhooks.REGISTRY._rules)
+    reg._names.update(gradhooks.REGISTRY._names)
     return reg
 
 
@@ -100,7 +101,8 @@ def test_subclass_overriding_forward_does_not_inherit_the_rule():
 
 
 def test_every_rule_file_registers_a_rule():
-    registered = {entry.rule.__module__ for entry in gradhooks.REGISTRY._rules.values()}
+    entries = [*gradhooks.REGISTRY._rules.values(), *gradhooks.REGISTRY._names.values()]
+    registered = {entry.rule.__module__ for entry in entries}
     for name in RULE_MODULES:
         module = importlib.import_module(f"gradhooks.rules.{name}")
         assert module.__name__ in registered, f"rules/{name}.py registers no rule"
@@ -180,7 +182,7 @@ def test_registry_reads_short_in_add_hooks_signature(registry):
     """The default registry is a default argument of add_hooks: help(add_hooks) shows its repr
     in the signature, which must stay one short line, not every rule."""
     sig = str(inspect.signature(gradhooks.add_hooks))
-    n = len(gradhooks.REGISTRY.types())
+    n = len(gradhooks.REGISTRY.types()) + len(gradhooks.REGISTRY.names())
     assert f"registry: 'Registry' = Registry(rules for {n} module types)" in sig, sig
     assert len(sig) < 400, f"add_hooks' signature is {len(sig)} characters: {sig}"
     registry.register(Scale)(scale_rule)

@@ -5,7 +5,7 @@ import math
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..pieces import Outer
+from ..pieces import Direct, Outer, Piece
 from ..tuning import TUNING
 from .registry import REGISTRY, Call, register
 
@@ -41,12 +41,15 @@ def linear(call: Call) -> dict[str, Outer]:
 REGISTRY.register_function("linear", linear, {"weight": (1, "weight"), "bias": (2, "bias")})
 
 
-def addmm(call: Call) -> dict[str, Outer]:
+def addmm(call: Call) -> dict[str, Piece]:
     """``torch.addmm(bias, x, weight)``: a Linear with its weight ``[in, out]`` (Hugging Face's
-    ``Conv1D``): ``grad1[b] = Σ_s x[b, s]ᵀ g[b, s]``, ``[in, out]``."""
+    ``Conv1D``): ``grad1[b] = Σ_s x[b, s]ᵀ g[b, s]``, ``[in, out]``, an :class:`Outer` with
+    ``x`` on its rows; the bias ``Σ_s g[b, s]`` lies along the weight's columns, not its rows
+    (no column of K-FAC's bias-augmented factor): a :class:`Direct`."""
     (x,) = call.inputs
     g = _positions(call.grad_output)
-    return {"weight": Outer(g, _positions(x)), "bias": Outer(None, g)}
+    x = _positions(x.conj() if x.is_complex() else x)  # (mat2's gradient is mat1ᴴ g)
+    return {"weight": Outer(g, x), "bias": Direct(g.sum(-2))}
 
 
 def _plain_addmm(args: tuple, kwargs: dict) -> bool:

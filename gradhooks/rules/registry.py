@@ -25,12 +25,15 @@ Example, a layer that multiplies its input by a learned vector::
 
 Lookup: the module's exact type first; then its base classes, but only when the subclass does
 not override ``forward`` (a subclass that computes something else must get its own rule, never
-its parent's silently).
+its parent's silently). A class of another library may be registered by name,
+``"package.module.Class"``, without importing that library (Hugging Face's ``Conv1D``): the name
+covers the class importable under it, and no other class that happens to share its name.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -218,10 +221,13 @@ class Registry:
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
+    # rules registered by the name of a class, "package.module.Class" (its __module__ and
+    # __qualname__), for a class of a library gradhooks does not import
+    _names: dict[str, _Entry] = field(default_factory=dict)
 
     def register(
         self,
-        *types: type[nn.Module],
+        *types: type[nn.Module] | str,
         overwrite: bool = False,
         owns_children: bool = False,
         needs_output: bool = False,
@@ -238,7 +244,11 @@ class Registry:
         parameter of the module (``None`` for one the call did not use), in the canonical
         layout of :mod:`gradhooks.pieces`. A second rule for a type is refused unless
         ``overwrite=True``; a subclass inherits its parent's rule only when it does not
-        override ``forward``.
+        override ``forward``. A type may be given by its name, ``"package.module.Class"``
+        (``__module__`` and ``__qualname__``), for a class of a library that need not be
+        imported (``"transformers.pytorch_utils.Conv1D"``): the rule then covers the class
+        found under that name once its module is imported, never another class of the same
+        name.
 
         Options, what the rule needs of a call:
 
@@ -297,18 +307,27 @@ class Registry:
 
         def decorate(rule: Rule) -> Rule:
             for t in types:
-                if not (isinstance(t, type) and issubclass(t, nn.Module)):
+                if isinstance(t, str):
+                    if not _is_class_name(t):
+                        raise ConfigurationTypeError(
+                            f"register() takes a class by its name as 'package.module.Class' "
+                            f"(its __module__ and __qualname__), got {t!r}"
+                        )
+                elif not (isinstance(t, type) and issubclass(t, nn.Module)):
                     raise ConfigurationTypeError(
-                        f"register() takes nn.Module subclasses, got {t!r}"
+                        f"register() takes nn.Module subclasses or their names, got {t!r}"
                     )
-                if t in self._rules and not overwrite:
-                    old = self._rules[t].rule
+                table = self._names if isinstance(t, str) else self._rules
+                if t in table and not overwrite:
+                    old = table[t].rule
+                    shown = t if isinstance(t, str) else t.__qualname__
                     raise ConfigurationError(
-                        f"a rule for {t.__qualname__} is already registered "
+                        f"a rule for {shown} is already registered "
                         f"({old.__module__}.{old.__qualname__}); pass overwrite=True to replace it"
                     )
             for t in types:
-                self._rules[t] = _Entry(
+                table = self._names if isinstance(t, str) else self._rules
+                table[t] = _Entry(
                     rule, owns_children, needs_output, on_forward=on_forward,
                     grad_from_grad1=grad_from_grad1, taps=taps, saved=saved,
                     owns_backward=owns_backward, batch_dim=batch_dim,
@@ -317,8 +336,8 @@ class Registry:
 
         return decorate
 
-    def unregister(self, t: type[nn.Module]) -> None:
-        del self._rules[t]
+    def unregister(self, t: type[nn.Module] | str) -> None:
+        del (self._names if isinstance(t, str) else self._rules)[t]
 
     def register_function(
         self,
@@ -330,12 +349,12 @@ class Registry:
     ) -> None:
         """Capture a call of the torch function ``name`` with ``rule`` where a parameter is
         passed to it directly, outside its module's call (``F.linear(h, self.wte.weight)``, a
-        tied output layer; ``torch.addmm(self.bias, x, self.weight)``, Hugging Face's
-        ``Conv1D``): ``params`` maps the rule's parameter names to the function's arguments
-        ``(position, keyword)``, ``input`` is the argument the rule receives as
-        ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a form the rule does not
-        cover. The rule is position-wise (``batch_dim="positions"``). Shared by every
-        registry."""
+        tied output layer; ``torch.addmm(self.bias, x, self.weight)`` in a layer without a
+        rule, written as Hugging Face's ``Conv1D`` is): ``params`` maps the rule's parameter
+        names to the function's arguments ``(position, keyword)``, ``input`` is the argument
+        the rule receives as ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a
+        form the rule does not cover. The rule is position-wise (``batch_dim="positions"``).
+        Shared by every registry."""
         entry = _Entry(rule, False, False, batch_dim="positions")
         _FUNCTIONS[name] = (entry, dict(params), input, applies)
 
@@ -344,29 +363,56 @@ class Registry:
         return _FUNCTIONS.get(name)
 
     def lookup(self, module: nn.Module) -> _Entry | None:
-        """The entry for this module, or ``None`` when no rule covers it."""
+        """The entry for this module, or ``None`` when no rule covers it: its class's, else
+        the nearest base class's where the class does not override ``forward``; a class
+        registered by name counts where it is the class importable under that name."""
         cls = type(module)
         entry = self._rules.get(cls)
         if entry is not None:
             return entry
-        for base in cls.__mro__[1:]:
-            entry = self._rules.get(base)
+        for base in cls.__mro__:
+            entry = self._rules.get(base) if base is not cls else None
+            if entry is None and self._names:
+                entry = self._named(base)
             if entry is not None:
-                return entry if cls.forward is base.forward else None
+                return entry if base is cls or cls.forward is base.forward else None
         return None
 
-    def __contains__(self, t: type) -> bool:
-        return t in self._rules
+    def _named(self, cls: type) -> _Entry | None:
+        """The entry registered under ``cls``'s name, where ``cls`` is the class that name
+        finds (not another class given the same ``__module__`` and ``__qualname__``)."""
+        entry = self._names.get(f"{cls.__module__}.{cls.__qualname__}")
+        if entry is None:
+            return None
+        found: Any = sys.modules.get(cls.__module__)  # (imports nothing)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part, None)
+        return entry if found is cls else None
+
+    def __contains__(self, t: type | str) -> bool:
+        return t in (self._names if isinstance(t, str) else self._rules)
 
     def types(self) -> list[type]:
+        """The module types registered as types (see :meth:`names` for those by name)."""
         return list(self._rules)
+
+    def names(self) -> list[str]:
+        """The module types registered by name, ``"package.module.Class"``."""
+        return list(self._names)
 
     def __repr__(self) -> str:
         # Short: the default registry shows in add_hooks' signature (help(add_hooks)).
-        return f"{type(self).__name__}(rules for {len(self._rules)} module types)"
+        n = len(self._rules) + len(self._names)
+        return f"{type(self).__name__}(rules for {n} module types)"
 
 
 REGISTRY = Registry()
+
+
+def _is_class_name(name: str) -> bool:
+    """``"package.module.Class"``: dotted identifiers, at least a module and a class."""
+    parts = name.split(".")
+    return len(parts) >= 2 and all(part.isidentifier() for part in parts)
 
 
 def batch_first(module: nn.Module) -> int:
@@ -376,7 +422,7 @@ def batch_first(module: nn.Module) -> int:
 
 
 def register(
-    *types: type[nn.Module],
+    *types: type[nn.Module] | str,
     overwrite: bool = False,
     owns_children: bool = False,
     needs_output: bool = False,
