@@ -579,6 +579,43 @@ def _signature(forward: Callable) -> inspect.Signature:
     return sig
 
 
+# the inputs refuse_packed reads
+_WATCHED = frozenset((*_PACKING_NAMES, "position_ids"))
+# by forward function: the position of its first positional parameter named in _WATCHED
+# (the number of its parameters where none is)
+_FIRST_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _may_take_watched(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call may pass one of the inputs :func:`refuse_packed` reads: by keyword, or
+    by position where ``module.forward``'s signature binds one there (``True`` where the
+    signature is not known)."""
+    if any(k in _WATCHED for k in kwargs):
+        return True
+    if not args:
+        return False
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is None:
+        return True
+    first = _FIRST_WATCHED.get(func)
+    if first is None:
+        try:
+            params = list(_signature(forward).parameters.values())
+        except (TypeError, ValueError):
+            return True
+        first = next(
+            (i for i, p in enumerate(params) if p.name in _WATCHED and p.kind in _POSITIONAL),
+            len(params),
+        )
+        try:
+            _FIRST_WATCHED[func] = first
+        except TypeError:  # (not weakly referable)
+            pass
+    return len(args) > first
+
+
 def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Sequences packed along one dimension, without padding: flash-attention's varlen inputs
     (``x [total_tokens, ...]`` with ``cu_seqlens``) and Hugging Face's padding-free batches
@@ -587,6 +624,8 @@ def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
     but the batch is taken from a dimension of the input, whose entries are then tokens or a
     whole pack of sequences: every ``grad1`` would be silently another quantity. Refused where
     the model is entered, before its forward runs."""
+    if not _may_take_watched(module, args, kwargs):
+        return  # (the usual forward: none of the inputs read below)
     named = _named_inputs(module, args, kwargs)
     where = f"'{type(module).__qualname__}' (the model)"
     remedy = (
