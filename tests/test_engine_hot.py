@@ -24,6 +24,7 @@ from gradhooks.engine.plan import structure_of
 from gradhooks.engine.records import (
     args_leaves,
     autocast_off,
+    call_precision,
     detach_tree,
     lowest_precision,
     tree_leaves,
@@ -186,6 +187,27 @@ def test_autocast_off(on):
         with autocast_off():
             assert (a @ b).dtype == torch.float32
         assert torch.is_autocast_enabled("cpu") == on
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32,), (torch.float64, torch.float64), (torch.int64,), (torch.complex64,),
+     (torch.int64, torch.float16), (torch.float32, torch.bfloat16, torch.float64), ()],
+    ids=lambda d: "-".join(str(t).removeprefix("torch.") for t in d) or "none",
+)  # fmt: skip
+def test_call_precision_from_given_leaves(dtypes, autocast):
+    """A call's precision from the leaves its hook already has (one dtype: no fold) is the
+    one from its arguments and output, in an autocast block or not."""
+    args = tuple(torch.zeros(2, dtype=d) for d in dtypes[:-1]) + (3, None)
+    output = torch.zeros(2, dtype=dtypes[-1]) if dtypes else None
+    leaves = [*tree_flatten(args)[0], *tree_flatten(output)[0]]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = lowest_precision(
+            torch.bfloat16 if autocast else None, *{t.dtype for t in leaves if torch.is_tensor(t)}
+        )
+        assert call_precision(args, output) is want
+        assert call_precision(args, output, autocast, leaves) is want
 
 
 def test_lowest_precision():

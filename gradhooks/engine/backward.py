@@ -151,11 +151,14 @@ class BackwardWriter:
         if self.state.kept_backprops is not None:
             self.state.kept_backprops.record(target.module, call, graph_task())
         bw = self.backward_state()
-        precision = lowest_precision(state.precision, *(
-            g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
-        ))  # fmt: skip
-        self.state.precision = lowest_precision(self.state.precision, precision)
-        if bw is not None:
+        # (lowest_precision of them all, one at a time: most often each is the one before)
+        precision = state.precision
+        for g in call.grad_outputs:
+            if isinstance(g, Tensor) and g.dtype is not precision:
+                precision = lowest_precision(precision, g.dtype)
+        if precision is not self.state.precision:
+            self.state.precision = lowest_precision(self.state.precision, precision)
+        if bw is not None and precision is not bw.precision:
             bw.precision = lowest_precision(bw.precision, precision)
         if state.derived:
             # Wrong only if this backward computes parameter gradients (not for the next
@@ -169,9 +172,10 @@ class BackwardWriter:
         if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
             call = with_fields(call, inputs=args, kwargs=kwargs)
         if bw is not None:
-            bw.reached.update(id(p) for p in state.params.values())
+            ids = [id(p) for p in state.params.values()]
+            bw.reached.update(ids)
             if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)
-                bw.attached.update(id(p) for p in state.params.values())
+                bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
             if state.frame is not None:
                 bw.frames.add(id(state.frame))

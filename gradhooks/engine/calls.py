@@ -343,6 +343,9 @@ def _first_rows(call: Call) -> int | None:
 def blank_call(call: Call) -> bool:
     """Whether a call's tensor inputs and output-gradients have no entries (a bias with
     nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    inputs = call.inputs
+    if type(inputs) is tuple and inputs and type(inputs[0]) is Tensor and inputs[0].numel():
+        return False  # (the usual case: the first leaf, a tensor with entries)
     found = False
     for t in tree_leaves((call.inputs, call.kwargs)):
         if isinstance(t, Tensor):
@@ -385,8 +388,9 @@ class CallLayouts:
         self.state = state
 
     def call_layout(
-        self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
-    ) -> CallLayout | None:
+        self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None,
+        ins: list | None = None, outs: list | None = None,
+    ) -> CallLayout | None:  # fmt: skip
         """Where the examples are in a captured call, from the tracker's layouts of its inputs
         (``None`` without a tracker). A call on inputs that do not depend on the examples is
         ``"shared"``: its outputs become the tracker's sources. Raises where the rule would
@@ -394,7 +398,10 @@ class CallLayouts:
         if tracker is None:
             return None
         batch = tracker.batch
-        ins, outs = tree_leaves((args, kwargs)), tree_leaves(output)
+        if ins is None:  # (else given by the caller: the same)
+            ins = tree_leaves((args, kwargs))
+        if outs is None:
+            outs = tree_leaves(output)
         # (the fallback may split where the examples are presumed: its recomputation one
         # example at a time must reproduce the call's output; a rule is never handed them)
         of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout

@@ -206,6 +206,7 @@ class ForwardCapture:
             if not live:
                 return
             leaves = tree_leaves(output)
+            ins = None  # tree_leaves((args, kwargs)), where needed
             hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
@@ -228,8 +229,10 @@ class ForwardCapture:
                 output = tree_map(unview if len(hooked) == 1 else own_node, output)
                 replaced = carry_layouts(tracker, old, output)
                 leaves = tree_leaves(output)
-            layout = self.layouts.call_layout(target, args, kwargs, output, tracker)
-            call, state = self.kept_call(target, live, args, kwargs, output, layout)
+            if tracker is not None:
+                ins = tree_leaves((args, kwargs))
+            layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
+            call, state = self.kept_call(target, live, args, kwargs, output, layout, ins, leaves)
             if found is not None:
                 call = with_fields(call, buffers=found)
 
@@ -276,9 +279,13 @@ class ForwardCapture:
         kwargs: dict,
         output: Any,
         layout: CallLayout | None = None,
+        ins: list | None = None,
+        outs: list | None = None,
     ) -> tuple[Call, CallState]:
         """What a captured forward call keeps until its backward, registered with the root
-        forward it runs in."""
+        forward it runs in. ``ins``, ``outs``: ``tree_leaves((args, kwargs))`` and
+        ``tree_leaves(output)``, where the caller has them."""
+        autocast = autocast_on()
         call = Call(
             module=target.module,
             inputs=detach_tree(args),
@@ -289,12 +296,16 @@ class ForwardCapture:
             registry=self.state.registry,
             hooked=self.state.hooked,
             memo=target.memo,
-            autocast=autocast_state() if autocast_on() else (),
+            autocast=autocast_state() if autocast else (),
         )
         frame = self.state.frames[-1] if self.state.frames else None
-        kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
-        if target.entry is not FALLBACK:
-            kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
+        inputs = call.inputs
+        if target.entry is not FALLBACK and inputs and type(inputs[0]) is Tensor:
+            kept = [inputs[0]]  # (a rule computes from its first input; the fallback from all)
+        else:
+            kept = [t for t in tree_leaves((inputs, call.kwargs)) if isinstance(t, Tensor)]
+            if target.entry is not FALLBACK:
+                kept = kept[:1]
         versions = tuple((t, _torch.version(t)) for t in kept)
         state = CallState(live, frame, layout=layout, versions=versions)
         state.in_backward = graph_task() != -1
@@ -306,8 +317,10 @@ class ForwardCapture:
             )
         tracker = frame.tracker if frame is not None else None
         if tracker is not None and layout is not None and layout.kind in ("plain", "fold", "moved"):
-            ins = tree_leaves((args, kwargs))
-            outs = tree_leaves(output)
+            if ins is None:
+                ins = tree_leaves((args, kwargs))
+            if outs is None:
+                outs = tree_leaves(output)
             if target.entry is FALLBACK:  # (recomputed per example as split: never made shared)
                 tracker.joined |= frozenset().union(
                     *(tracker.lineage.get(t, frozenset()) for t in ins if isinstance(t, Tensor))
@@ -320,7 +333,9 @@ class ForwardCapture:
             frame.signature.append((id(target), None if layout is None else layout.kind))
             if not frame.unprobed and _torch.saved_tensor_hooks_active():
                 frame.unprobed = True  # (run again at the backward)
-        state.precision = call_precision(args, output)
+        # (the leaves of (args, output): those of (args, kwargs) where there is no keyword)
+        leaves = [*ins, *outs] if ins is not None and outs is not None and not kwargs else None
+        state.precision = call_precision(args, output, autocast, leaves)
         return call, state
 
     def functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
