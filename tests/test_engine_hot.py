@@ -278,3 +278,20 @@ def test_bias_grad1_into(shared, scale, accumulate):
     Outer(None, g).grad1_into(out, scale, accumulate)
     want = g.sum(1) * scale + (before if accumulate else 0.0)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("scale", [1.0, 8.0], ids=["sum", "mean"])
+@pytest.mark.parametrize("shared", [1, 3], ids=["one-position", "positions"])
+@pytest.mark.parametrize("groups", [(), (2,)], ids=["plain", "groups"])
+def test_weight_grad1_into(groups, shared, scale, accumulate):
+    """A weight's piece written into ``grad1`` in place (``[batch, *groups, out, in]``, viewed
+    only where its shape is not the one written): ``Σ_s g[b, s]ᵀ a[b, s]``, scaled, added to
+    what is there when accumulating."""
+    g = torch.randn(5, *groups, shared, 4, dtype=torch.float64)
+    a = torch.randn(5, *groups, shared, 3, dtype=torch.float64)
+    before = torch.randn(5, *groups, 4, 3, dtype=torch.float64)
+    out = before.clone()
+    Outer(a, g).grad1_into(out, scale, accumulate)
+    want = torch.einsum("b...so,b...si->b...oi", g, a) * scale + (before if accumulate else 0.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)

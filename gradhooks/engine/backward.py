@@ -520,19 +520,22 @@ class BackwardWriter:
                 bw.batched = bw.batched or f"'{name}'"
                 bw.computed.add(pid)
                 return
-            if pid in self.state.direct and self.state.capturing_backward():
+            capturing = self.state.capturing_backward()
+            if capturing and pid in self.state.direct:
                 self._direct_uses(pid, name)
             bw = self.backward_state()
             bw.computed.add(pid)
-            hooked = _torch.tensor_hooks(self.state.params[pid][1]) > 1
-            if hooked and pid in bw.reached and self.state.capturing_backward():
+            if not capturing:
+                return
+            reached = pid in bw.reached
+            if reached and _torch.tensor_hooks(self.state.params[pid][1]) > 1:
                 # (hooks of the user's run after this one: compared at the accumulation)
                 bw.raw[pid] = (grad, _torch.version(grad))
-            if bw.verify and self.state.capturing_backward():
+            if bw.verify:
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
-            if pid not in bw.reached and self.state.capturing_backward():
+            if not reached:
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)

@@ -84,8 +84,10 @@ class ForwardCapture:
             tracker = self.tracker()
             with OwnWork(tracker):
                 if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
-                    where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
-                    refuse_nested(where, args, kwargs)
+                    refuse_nested(
+                        lambda: f"'{target.name or '<model>'}' ({type(module).__qualname__})",
+                        args, kwargs,
+                    )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
                         self._keep_buffers(module)
                 now = own
@@ -538,12 +540,15 @@ class ForwardCapture:
                     self.state.collector.unexpect(state.params)
 
 
-def refuse_nested(where: str, *trees: Any) -> None:
+def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
     """A nested tensor (``torch.nested``, jagged or strided) holds its examples as rows of
     different lengths: no rule reads a per-example gradient from it, and following its batch
-    would fail deep inside torch. Refused where it enters the model or a hooked call."""
+    would fail deep inside torch. Refused where it enters the model or a hooked call
+    (``where``: the name of that, or what makes it, called only to say so)."""
     for t in tree_leaves(trees):
         if isinstance(t, Tensor) and t.is_nested:
+            if callable(where):
+                where = where()
             raise UnsupportedInputError(
                 f"{where} got a nested tensor (torch.nested, layout {t.layout}, {t.dim()} "
                 "dimensions, the examples of different lengths): gradhooks computes per-example "
