@@ -520,22 +520,25 @@ class BackwardWriter:
                 bw.batched = bw.batched or f"'{name}'"
                 bw.computed.add(pid)
                 return
-            capturing = self.state.capturing_backward()
-            if capturing and pid in self.state.direct:
+            if pid in self.state.direct and self.state.capturing_backward():
                 self._direct_uses(pid, name)
             bw = self.backward_state()
             bw.computed.add(pid)
-            if not capturing:
-                return
+            # (capturing_backward() asked last: in the usual backward, no condition before it
+            # holds)
             reached = pid in bw.reached
-            if reached and _torch.tensor_hooks(self.state.params[pid][1]) > 1:
+            if (
+                reached
+                and _torch.tensor_hooks(self.state.params[pid][1]) > 1
+                and self.state.capturing_backward()
+            ):
                 # (hooks of the user's run after this one: compared at the accumulation)
                 bw.raw[pid] = (grad, _torch.version(grad))
-            if bw.verify:
+            if bw.verify and self.state.capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
-            if not reached:
+            if not reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
