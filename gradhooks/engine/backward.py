@@ -878,7 +878,10 @@ class BackwardWriter:
 
 def _batched(grads) -> bool:
     """Whether a backward's gradients are batched by ``vmap`` (``is_grads_batched``)."""
-    return any(g is not None and _torch.is_grads_batched(g) for g in grads)
+    for g in grads:  # (a loop: this runs for every call and every parameter gradient)
+        if g is not None and _torch.is_grads_batched(g):
+            return True
+    return False
 
 
 def _listed_names(names: list[str], n: int = 5) -> str:

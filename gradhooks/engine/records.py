@@ -415,7 +415,7 @@ def detach_tree(tree: Any) -> Any:
     if type(tree) is Tensor:
         return tree.detach()
     if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
-        return tuple(t.detach() if isinstance(t, Tensor) else t for t in tree)
+        return tuple([t.detach() if isinstance(t, Tensor) else t for t in tree])
     if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
         return {k: t.detach() if isinstance(t, Tensor) else t for k, t in tree.items()}
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
