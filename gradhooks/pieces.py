@@ -478,7 +478,8 @@ class Outer(Piece):
             return super().grad1_into(out, scale, accumulate)
         shared, n_out = g.shape[-2], g.shape[-1]
         if a is None:  # a bias: sum over shared positions
-            result = out.view(*g.shape[:-2], n_out)
+            shape = (*g.shape[:-2], n_out)
+            result = out if out.shape == shape else out.view(shape)  # (no view of the same)
             # (one shared position: the sum is the rows themselves, one kernel fewer)
             rows = g.reshape(result.shape) if shared == 1 else g.sum(-2) if accumulate else None
             if accumulate:
@@ -496,11 +497,15 @@ class Outer(Piece):
         # folded into the smaller operand (or into the matmul's alpha), accumulation into the
         # matmul's beta.
         n_in = a.shape[-1]
-        result = out.view(-1, n_out, n_in)  # [batch * groups, out, in]
+        result = out  # [batch * groups, out, in] (no view of the same shape)
+        if out.dim() != 3 or out.shape[1] != n_out or out.shape[2] != n_in:
+            result = out.view(-1, n_out, n_in)
         if shared == 1:
             # One shared position: a broadcast multiply, faster than a matmul with an inner
             # dimension of one.
-            g, a = g.reshape(-1, n_out, 1), a.reshape(-1, 1, n_in)
+            g = g.reshape(-1, n_out, 1)
+            if a.dim() != 3 or a.shape[1] != 1:  # (else [batch, 1, in] already)
+                a = a.reshape(-1, 1, n_in)
             if scale != 1.0:
                 if n_out <= n_in:
                     g = g * scale

@@ -705,7 +705,7 @@ def replayed_calls(monkeypatch):
             memory["last"], memory["now"] = memory["now"], {}
         return real_enter(self)
 
-    def call_layout(self, target, args, kwargs, output, tracker):
+    def call_layout(self, target, args, kwargs, output, tracker, *leaves):
         shapes = tuple(tuple(t.shape) for t in tensor_args(args, kwargs))
         seen = memory["now"].setdefault((target.name, shapes), [])
         before = memory["last"].get((target.name, shapes), [])
@@ -713,7 +713,7 @@ def replayed_calls(monkeypatch):
             found = before[len(seen)]
             memory["replayed"] += 1
         else:
-            found = real_layout(self, target, args, kwargs, output, tracker)
+            found = real_layout(self, target, args, kwargs, output, tracker, *leaves)
         seen.append(found)
         return found
 

@@ -24,6 +24,7 @@ from gradhooks.engine.plan import structure_of
 from gradhooks.engine.records import (
     args_leaves,
     autocast_off,
+    call_precision,
     detach_tree,
     lowest_precision,
     tree_leaves,
@@ -188,6 +189,27 @@ def test_autocast_off(on):
         assert torch.is_autocast_enabled("cpu") == on
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32,), (torch.float64, torch.float64), (torch.int64,), (torch.complex64,),
+     (torch.int64, torch.float16), (torch.float32, torch.bfloat16, torch.float64), ()],
+    ids=lambda d: "-".join(str(t).removeprefix("torch.") for t in d) or "none",
+)  # fmt: skip
+def test_call_precision_from_given_leaves(dtypes, autocast):
+    """A call's precision from the leaves its hook already has (one dtype: no fold) is the
+    one from its arguments and output, in an autocast block or not."""
+    args = tuple(torch.zeros(2, dtype=d) for d in dtypes[:-1]) + (3, None)
+    output = torch.zeros(2, dtype=dtypes[-1]) if dtypes else None
+    leaves = [*tree_flatten(args)[0], *tree_flatten(output)[0]]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = lowest_precision(
+            torch.bfloat16 if autocast else None, *{t.dtype for t in leaves if torch.is_tensor(t)}
+        )
+        assert call_precision(args, output) is want
+        assert call_precision(args, output, autocast, leaves) is want
+
+
 def test_lowest_precision():
     assert lowest_precision() is None
     assert lowest_precision(None, torch.int64, torch.complex64) is None
@@ -255,4 +277,21 @@ def test_bias_grad1_into(shared, scale, accumulate):
     out = before.clone()
     Outer(None, g).grad1_into(out, scale, accumulate)
     want = g.sum(1) * scale + (before if accumulate else 0.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("scale", [1.0, 8.0], ids=["sum", "mean"])
+@pytest.mark.parametrize("shared", [1, 3], ids=["one-position", "positions"])
+@pytest.mark.parametrize("groups", [(), (2,)], ids=["plain", "groups"])
+def test_weight_grad1_into(groups, shared, scale, accumulate):
+    """A weight's piece written into ``grad1`` in place (``[batch, *groups, out, in]``, viewed
+    only where its shape is not the one written): ``Σ_s g[b, s]ᵀ a[b, s]``, scaled, added to
+    what is there when accumulating."""
+    g = torch.randn(5, *groups, shared, 4, dtype=torch.float64)
+    a = torch.randn(5, *groups, shared, 3, dtype=torch.float64)
+    before = torch.randn(5, *groups, 4, 3, dtype=torch.float64)
+    out = before.clone()
+    Outer(a, g).grad1_into(out, scale, accumulate)
+    want = torch.einsum("b...so,b...si->b...oi", g, a) * scale + (before if accumulate else 0.0)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)

@@ -119,6 +119,34 @@ def test_position_ids_counting_on_are_accepted():
         model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("passed", ["positional", "keyword"])
+def test_packed_position_ids_are_refused_however_passed(passed):
+    """``position_ids`` that start again within a row, without an attention mask, are refused
+    whether they come by keyword or by position (the signature read once per forward
+    function: a call passing none of the inputs looked at skips the binding)."""
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos, self.out = nn.Embedding(7, 4), nn.Embedding(16, 4), nn.Linear(4, 2)
+
+        def forward(self, input_ids, position_ids=None):
+            pos = torch.zeros_like(input_ids) if position_ids is None else position_ids
+            return self.out(self.emb(input_ids) + self.pos(pos))
+
+    model = Positions()
+    ids = torch.randint(7, (1, 7))
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    with gradhooks.add_hooks(model):
+        model(ids).sum().backward()  # (no position_ids: the batch read as usual)
+        assert model.out.weight.grad1.shape == (1, 2, 4)
+        with pytest.raises(gradhooks.UnsupportedInputError, match="position_ids"):
+            if passed == "positional":
+                model(ids, packed)
+            else:
+                model(ids, position_ids=packed)
+
+
 # -- Hugging Face's padding-free batches --------------------------------------------------------
 
 SEQS = [[1, 5, 7, 9], [3, 4, 2], [8, 6, 5, 4, 3]]

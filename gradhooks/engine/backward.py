@@ -151,11 +151,14 @@ class BackwardWriter:
         if self.state.kept_backprops is not None:
             self.state.kept_backprops.record(target.module, call, graph_task())
         bw = self.backward_state()
-        precision = lowest_precision(state.precision, *(
-            g.dtype for g in call.grad_outputs if isinstance(g, torch.Tensor)
-        ))  # fmt: skip
-        self.state.precision = lowest_precision(self.state.precision, precision)
-        if bw is not None:
+        # (lowest_precision of them all, one at a time: most often each is the one before)
+        precision = state.precision
+        for g in call.grad_outputs:
+            if isinstance(g, Tensor) and g.dtype is not precision:
+                precision = lowest_precision(precision, g.dtype)
+        if precision is not self.state.precision:
+            self.state.precision = lowest_precision(self.state.precision, precision)
+        if bw is not None and precision is not bw.precision:
             bw.precision = lowest_precision(bw.precision, precision)
         if state.derived:
             # Wrong only if this backward computes parameter gradients (not for the next
@@ -169,9 +172,10 @@ class BackwardWriter:
         if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
             call = with_fields(call, inputs=args, kwargs=kwargs)
         if bw is not None:
-            bw.reached.update(id(p) for p in state.params.values())
+            ids = [id(p) for p in state.params.values()]
+            bw.reached.update(ids)
             if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)
-                bw.attached.update(id(p) for p in state.params.values())
+                bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
             if state.frame is not None:
                 bw.frames.add(id(state.frame))
@@ -520,15 +524,21 @@ class BackwardWriter:
                 self._direct_uses(pid, name)
             bw = self.backward_state()
             bw.computed.add(pid)
-            hooked = _torch.tensor_hooks(self.state.params[pid][1]) > 1
-            if hooked and pid in bw.reached and self.state.capturing_backward():
+            # (capturing_backward() asked last: in the usual backward, no condition before it
+            # holds)
+            reached = pid in bw.reached
+            if (
+                reached
+                and _torch.tensor_hooks(self.state.params[pid][1]) > 1
+                and self.state.capturing_backward()
+            ):
                 # (hooks of the user's run after this one: compared at the accumulation)
                 bw.raw[pid] = (grad, _torch.version(grad))
             if bw.verify and self.state.capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = grad.detach().clone()
-            if pid not in bw.reached and self.state.capturing_backward():
+            if not reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
@@ -871,7 +881,10 @@ class BackwardWriter:
 
 def _batched(grads) -> bool:
     """Whether a backward's gradients are batched by ``vmap`` (``is_grads_batched``)."""
-    return any(g is not None and _torch.is_grads_batched(g) for g in grads)
+    for g in grads:  # (a loop: this runs for every call and every parameter gradient)
+        if g is not None and _torch.is_grads_batched(g):
+            return True
+    return False
 
 
 def _listed_names(names: list[str], n: int = 5) -> str:

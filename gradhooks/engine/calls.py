@@ -312,6 +312,11 @@ def _shapes(args: tuple, kwargs: dict) -> str:
     )
 
 
+def _where(target: Target) -> str:
+    """A hooked call's module as the errors name it: its qualified name and class."""
+    return f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+
+
 def examples_of_empty_call(
     batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
 ) -> int | None:
@@ -343,6 +348,9 @@ def _first_rows(call: Call) -> int | None:
 def blank_call(call: Call) -> bool:
     """Whether a call's tensor inputs and output-gradients have no entries (a bias with
     nothing to add to still has a gradient: ``nn.Linear(0, n)``)."""
+    inputs = call.inputs
+    if type(inputs) is tuple and inputs and type(inputs[0]) is Tensor and inputs[0].numel():
+        return False  # (the usual case: the first leaf, a tensor with entries)
     found = False
     for t in tree_leaves((call.inputs, call.kwargs)):
         if isinstance(t, Tensor):
@@ -385,8 +393,9 @@ class CallLayouts:
         self.state = state
 
     def call_layout(
-        self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None
-    ) -> CallLayout | None:
+        self, target: Target, args: tuple, kwargs: dict, output: Any, tracker: Tracker | None,
+        ins: list | None = None, outs: list | None = None,
+    ) -> CallLayout | None:  # fmt: skip
         """Where the examples are in a captured call, from the tracker's layouts of its inputs
         (``None`` without a tracker). A call on inputs that do not depend on the examples is
         ``"shared"``: its outputs become the tracker's sources. Raises where the rule would
@@ -394,13 +403,20 @@ class CallLayouts:
         if tracker is None:
             return None
         batch = tracker.batch
-        ins, outs = tree_leaves((args, kwargs)), tree_leaves(output)
+        if ins is None:  # (else given by the caller: the same)
+            ins = tree_leaves((args, kwargs))
+        if outs is None:
+            outs = tree_leaves(output)
         # (the fallback may split where the examples are presumed: its recomputation one
         # example at a time must reproduce the call's output; a rule is never handed them)
         of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
-        lin = tuple(of(t) for t in ins)
-        lout = tuple(of(t) for t in outs)
-        first = next((lay for lay in lin if lay is not None), None)
+        lin = tuple([of(t) for t in ins])
+        lout = tuple([of(t) for t in outs])
+        first = None
+        for lay in lin:
+            if lay is not None:
+                first = lay
+                break
         if target.entry is FALLBACK and first is not None and first.dim >= 0:
             # (an input whose examples were lost but whose rows line up with the first's:
             # split like it, which the recomputation checks)
@@ -410,11 +426,10 @@ class CallLayouts:
                 else lay
                 for t, lay in zip(ins, lin)
             )  # fmt: skip
-        where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
-        if any(lay is MIXED for lay in lin):
+        if any([lay is MIXED for lay in lin]):
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
             raise MixedExamplesError(
-                f"{where}: its input ({_shapes(args, kwargs)}) was computed across the "
+                f"{_where(target)}: its input ({_shapes(args, kwargs)}) was computed across the "
                 f"examples of the batch ({ops}: a reduction, shift or product along it, "
                 "entries picked from it, rows that are not examples put among them, or a "
                 "reshape that leaves no dimension holding each example whole), so its "
@@ -436,27 +451,34 @@ class CallLayouts:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
             if not any(isinstance(a, PackedSequence) for a in whole[0]):
                 raise UnsupportedError(
-                    f"{where}: its input ({_shapes(args, kwargs)}) is the data of a "
+                    f"{_where(target)}: its input ({_shapes(args, kwargs)}) is the data of a "
                     "PackedSequence, or part of it (the examples' time steps packed together, "
                     "longest sequences first), taken out of the PackedSequence, so its rows are "
                     "not one example each and its rule cannot tell which example each belongs "
                     "to. Give the layer the PackedSequence itself (a recurrent layer), or the "
                     "padded batch (pad_packed_sequence), or freeze its parameters."
                 )
-        moved = next((tracker.reordered[t] for t in ins if isinstance(t, Tensor)
-                      and t in tracker.reordered), None)  # fmt: skip
+        moved = None
+        reordered = tracker.reordered
+        if reordered:
+            moved = next((reordered[t] for t in ins if isinstance(t, Tensor)
+                          and t in reordered), None)  # fmt: skip
         if moved is not None:
             raise BatchNotFoundError(
-                f"{where}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
+                f"{_where(target)}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
                 f"another order ({moved} with a permutation of the batch), so its rule would give "
                 "each example the gradient of another. Put them back in order before the layer "
                 "(x[perm.argsort()]), or freeze its parameters."
             )
         grads = [t for t in outs if isinstance(t, Tensor) and t.requires_grad]
-        free = not any(lay is not None for t, lay in zip(outs, lout) if isinstance(t, Tensor))
+        free = True  # (no output with examples)
+        for t, lay in zip(outs, lout):
+            if lay is not None and isinstance(t, Tensor):
+                free = False
+                break
         if first is not None and free and target.entry is not FALLBACK:
             raise BatchNotFoundError(
-                f"{where}: its input ({_shapes(args, kwargs)}) depends on the examples but "
+                f"{_where(target)}: its input ({_shapes(args, kwargs)}) depends on the examples but "
                 "gradhooks lost them inside its forward (an operation it does not see, such as "
                 "a custom kernel), so it cannot tell which example each part of its gradient "
                 "belongs to. Register a rule for it, or freeze its parameters."
@@ -464,7 +486,7 @@ class CallLayouts:
         if first is None or free:
             if not free:
                 raise BatchNotFoundError(
-                    f"{where}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
+                    f"{_where(target)}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
                     "examples, but its output does: the module reads the batch from somewhere "
                     "else than its inputs (an attribute set by another module?), so its rule "
                     "cannot tell which example each part of its gradient belongs to. Pass that "
@@ -493,7 +515,7 @@ class CallLayouts:
             lay is not None and lay.owners is not None for lay in (*lin, *lout)
         ):
             raise UnsupportedError(
-                f"{where}: a module without a rule given rows picked from the batch by an index "
+                f"{_where(target)}: a module without a rule given rows picked from the batch by an index "
                 f"({_shapes(args, kwargs)}: tokens routed to an expert, or unpadded), so the "
                 "examples have different numbers of rows and its torch.func fallback cannot "
                 "split them. Make its weights nn.Linear children (each with a rule), register "
@@ -509,7 +531,7 @@ class CallLayouts:
                 return CallLayout("owners", batch, first, lin, lout, root=root)
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
-                f"{where}: its input ({_shapes(args, kwargs)}) holds rows picked from the "
+                f"{_where(target)}: its input ({_shapes(args, kwargs)}) holds rows picked from the "
                 f"batch by an index on {first.describe(batch)}, but its rule reads each "
                 f"row's example from dimension {want}, or its inputs and outputs hold "
                 "different rows. Give the layer the picked rows on dimension "
@@ -524,7 +546,7 @@ class CallLayouts:
         if first.dim != dim:
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
-                f"{where}: the examples are on {first.describe(batch)} of its input "
+                f"{_where(target)}: the examples are on {first.describe(batch)} of its input "
                 f"({_shapes(args, kwargs)}), but its rule reads them from dimension {dim}. Its "
                 "per-example gradients would mix examples. Give the layer its input with the "
                 f"batch on dimension {dim} (batch_first=..., x.transpose(...)), or say where the "

@@ -84,8 +84,10 @@ class ForwardCapture:
             tracker = self.tracker()
             with OwnWork(tracker):
                 if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
-                    where = f"'{target.name or '<model>'}' ({type(module).__qualname__})"
-                    refuse_nested(where, args, kwargs)
+                    refuse_nested(
+                        lambda: f"'{target.name or '<model>'}' ({type(module).__qualname__})",
+                        args, kwargs,
+                    )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
                         self._keep_buffers(module)
                 now = own
@@ -206,6 +208,7 @@ class ForwardCapture:
             if not live:
                 return
             leaves = tree_leaves(output)
+            ins = None  # tree_leaves((args, kwargs)), where needed
             hooked = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not hooked:
                 return
@@ -228,8 +231,10 @@ class ForwardCapture:
                 output = tree_map(unview if len(hooked) == 1 else own_node, output)
                 replaced = carry_layouts(tracker, old, output)
                 leaves = tree_leaves(output)
-            layout = self.layouts.call_layout(target, args, kwargs, output, tracker)
-            call, state = self.kept_call(target, live, args, kwargs, output, layout)
+            if tracker is not None:
+                ins = tree_leaves((args, kwargs))
+            layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
+            call, state = self.kept_call(target, live, args, kwargs, output, layout, ins, leaves)
             if found is not None:
                 call = with_fields(call, buffers=found)
 
@@ -276,9 +281,13 @@ class ForwardCapture:
         kwargs: dict,
         output: Any,
         layout: CallLayout | None = None,
+        ins: list | None = None,
+        outs: list | None = None,
     ) -> tuple[Call, CallState]:
         """What a captured forward call keeps until its backward, registered with the root
-        forward it runs in."""
+        forward it runs in. ``ins``, ``outs``: ``tree_leaves((args, kwargs))`` and
+        ``tree_leaves(output)``, where the caller has them."""
+        autocast = autocast_on()
         call = Call(
             module=target.module,
             inputs=detach_tree(args),
@@ -289,12 +298,16 @@ class ForwardCapture:
             registry=self.state.registry,
             hooked=self.state.hooked,
             memo=target.memo,
-            autocast=autocast_state() if autocast_on() else (),
+            autocast=autocast_state() if autocast else (),
         )
         frame = self.state.frames[-1] if self.state.frames else None
-        kept = [t for t in tree_leaves((call.inputs, call.kwargs)) if isinstance(t, Tensor)]
-        if target.entry is not FALLBACK:
-            kept = kept[:1]  # (a rule computes from its first input; the fallback from all)
+        inputs = call.inputs
+        if target.entry is not FALLBACK and inputs and type(inputs[0]) is Tensor:
+            kept = [inputs[0]]  # (a rule computes from its first input; the fallback from all)
+        else:
+            kept = [t for t in tree_leaves((inputs, call.kwargs)) if isinstance(t, Tensor)]
+            if target.entry is not FALLBACK:
+                kept = kept[:1]
         versions = tuple((t, _torch.version(t)) for t in kept)
         state = CallState(live, frame, layout=layout, versions=versions)
         state.in_backward = graph_task() != -1
@@ -306,8 +319,10 @@ class ForwardCapture:
             )
         tracker = frame.tracker if frame is not None else None
         if tracker is not None and layout is not None and layout.kind in ("plain", "fold", "moved"):
-            ins = tree_leaves((args, kwargs))
-            outs = tree_leaves(output)
+            if ins is None:
+                ins = tree_leaves((args, kwargs))
+            if outs is None:
+                outs = tree_leaves(output)
             if target.entry is FALLBACK:  # (recomputed per example as split: never made shared)
                 tracker.joined |= frozenset().union(
                     *(tracker.lineage.get(t, frozenset()) for t in ins if isinstance(t, Tensor))
@@ -320,7 +335,9 @@ class ForwardCapture:
             frame.signature.append((id(target), None if layout is None else layout.kind))
             if not frame.unprobed and _torch.saved_tensor_hooks_active():
                 frame.unprobed = True  # (run again at the backward)
-        state.precision = call_precision(args, output)
+        # (the leaves of (args, output): those of (args, kwargs) where there is no keyword)
+        leaves = [*ins, *outs] if ins is not None and outs is not None and not kwargs else None
+        state.precision = call_precision(args, output, autocast, leaves)
         return call, state
 
     def functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
@@ -523,12 +540,15 @@ class ForwardCapture:
                     self.state.collector.unexpect(state.params)
 
 
-def refuse_nested(where: str, *trees: Any) -> None:
+def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
     """A nested tensor (``torch.nested``, jagged or strided) holds its examples as rows of
     different lengths: no rule reads a per-example gradient from it, and following its batch
-    would fail deep inside torch. Refused where it enters the model or a hooked call."""
+    would fail deep inside torch. Refused where it enters the model or a hooked call
+    (``where``: the name of that, or what makes it, called only to say so)."""
     for t in tree_leaves(trees):
         if isinstance(t, Tensor) and t.is_nested:
+            if callable(where):
+                where = where()
             raise UnsupportedInputError(
                 f"{where} got a nested tensor (torch.nested, layout {t.layout}, {t.dim()} "
                 "dimensions, the examples of different lengths): gradhooks computes per-example "
@@ -579,6 +599,43 @@ def _signature(forward: Callable) -> inspect.Signature:
     return sig
 
 
+# the inputs refuse_packed reads
+_WATCHED = frozenset((*_PACKING_NAMES, "position_ids"))
+# by forward function: the position of its first positional parameter named in _WATCHED
+# (the number of its parameters where none is)
+_FIRST_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _may_take_watched(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call may pass one of the inputs :func:`refuse_packed` reads: by keyword, or
+    by position where ``module.forward``'s signature binds one there (``True`` where the
+    signature is not known)."""
+    if any(k in _WATCHED for k in kwargs):
+        return True
+    if not args:
+        return False
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is None:
+        return True
+    first = _FIRST_WATCHED.get(func)
+    if first is None:
+        try:
+            params = list(_signature(forward).parameters.values())
+        except (TypeError, ValueError):
+            return True
+        first = next(
+            (i for i, p in enumerate(params) if p.name in _WATCHED and p.kind in _POSITIONAL),
+            len(params),
+        )
+        try:
+            _FIRST_WATCHED[func] = first
+        except TypeError:  # (not weakly referable)
+            pass
+    return len(args) > first
+
+
 def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Sequences packed along one dimension, without padding: flash-attention's varlen inputs
     (``x [total_tokens, ...]`` with ``cu_seqlens``) and Hugging Face's padding-free batches
@@ -587,6 +644,8 @@ def refuse_packed(module: nn.Module, args: tuple, kwargs: dict) -> None:
     but the batch is taken from a dimension of the input, whose entries are then tokens or a
     whole pack of sequences: every ``grad1`` would be silently another quantity. Refused where
     the model is entered, before its forward runs."""
+    if not _may_take_watched(module, args, kwargs):
+        return  # (the usual forward: none of the inputs read below)
     named = _named_inputs(module, args, kwargs)
     where = f"'{type(module).__qualname__}' (the model)"
     remedy = (

@@ -292,12 +292,23 @@ def half_precision(dtype: torch.dtype | None) -> bool:
     )
 
 
-def call_precision(args: Any, output: Any) -> torch.dtype | None:
+def call_precision(
+    args: Any, output: Any, autocast: bool | None = None, leaves: list | None = None
+) -> torch.dtype | None:
     """The lowest precision a call ran in: its floating-point inputs' and outputs' dtypes, and
     autocast's where it is on (an operation inside the call may have run in it, and the
-    gradients through it round in it too, whatever the dtypes at the call's boundary)."""
-    dtypes = {t.dtype for t in tree_leaves((args, output)) if isinstance(t, Tensor)}
-    return lowest_precision(autocast_dtype() if autocast_on() else None, *dtypes)
+    gradients through it round in it too, whatever the dtypes at the call's boundary).
+    ``autocast``: :func:`autocast_on`, ``leaves``: ``tree_leaves((args, output))``, where the
+    caller has them."""
+    if leaves is None:
+        leaves = tree_leaves((args, output))
+    dtypes = {t.dtype for t in leaves if isinstance(t, Tensor)}
+    if autocast is None:
+        autocast = autocast_on()
+    if not autocast and len(dtypes) == 1:
+        (dtype,) = dtypes
+        return dtype if _EPS.get(dtype) else lowest_precision(dtype)
+    return lowest_precision(autocast_dtype() if autocast else None, *dtypes)
 
 
 def autocast_off() -> contextlib.AbstractContextManager:
@@ -369,9 +380,10 @@ def with_fields(record: Any, **changes: Any) -> Any:
     init-only or non-init fields (a :class:`~gradhooks.rules.registry.Call`): its fields copied
     as they are, at a quarter of the cost (a call's record is renewed several times per call)."""
     fields = type(record).__dataclass_fields__
-    unknown = changes.keys() - fields.keys()
-    if unknown:
-        raise ConfigurationTypeError(f"{type(record).__name__} has no field {sorted(unknown)}")
+    for name in changes:
+        if name not in fields:
+            unknown = sorted(changes.keys() - fields.keys())
+            raise ConfigurationTypeError(f"{type(record).__name__} has no field {unknown}")
     new = object.__new__(type(record))
     new.__dict__.update(record.__dict__)
     new.__dict__.update(changes)
@@ -403,7 +415,7 @@ def detach_tree(tree: Any) -> Any:
     if type(tree) is Tensor:
         return tree.detach()
     if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
-        return tuple(t.detach() if isinstance(t, Tensor) else t for t in tree)
+        return tuple([t.detach() if isinstance(t, Tensor) else t for t in tree])
     if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
         return {k: t.detach() if isinstance(t, Tensor) else t for k, t in tree.items()}
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
