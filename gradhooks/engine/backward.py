@@ -41,6 +41,7 @@ from .calls import (
     rule_pieces,
     unchanged_outputs,
 )
+from .compare import hold
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
@@ -527,7 +528,7 @@ class BackwardWriter:
             if bw.verify and self.state.capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
-                bw.grads[pid] = grad.detach().clone()
+                bw.grads[pid] = hold(grad, copy=True)
             if pid not in bw.reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
@@ -593,7 +594,7 @@ class BackwardWriter:
                 g1 = p.grad1.detach()
                 p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
             if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
-                bw.grads[pid] = final.detach().clone()
+                bw.grads[pid] = hold(final, copy=True)
             return
         what = (
             "by a factor, which the per-example norms cannot follow"
