@@ -288,10 +288,7 @@ class BackwardWriter:
             if not pieces[pname].sums_to_grad:
                 self.state.exempt.add(id(p))
         if not self.state.grad1 and bw is not None and bw.verify:
-            # (fresh pieces: none of the columns the norms may cache)
-            bw.kept.append(
-                P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
-            )
+            self.verifier.keep(bw, pieces, live, scale)
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
                 bw.held.append(HeldCall(target.name, {n: pieces[n] for n in live}, live, scale))

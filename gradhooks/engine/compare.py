@@ -11,7 +11,7 @@ more tensors of the parameter's size (``torch.isfinite(t).all()`` another). Here
 - :func:`largest`: ``max |t|`` (NaN where ``t`` holds one), without a copy of ``t``;
 - :func:`largest_difference`: ``max |got - want|``, a slice of rows at a time, ``want`` dense or
   held sparse;
-- :func:`norm_of`: ``‖t‖`` of a held gradient;
+- :func:`norm_of`: ``‖t‖`` of a held gradient; :func:`add_held`: the sum of two;
 - :func:`dense`: a held gradient as a plain tensor again.
 """
 
@@ -53,6 +53,16 @@ def hold(g: Tensor | None, copy: bool = False) -> Tensor | None:
     )
 
 
+def add_held(a: Tensor, b: Tensor) -> Tensor:
+    """``a + b`` of two gradients of one shape, each dense or :func:`hold`: sparse where both
+    are (coalesced), else dense."""
+    if a.is_sparse and b.is_sparse:
+        return (a + b).coalesce()
+    if a.is_sparse:
+        a, b = b, a
+    return a + b
+
+
 def dense(g: Tensor) -> Tensor:
     """A gradient :func:`hold` as a plain tensor."""
     return g.to_dense() if g.is_sparse else g
@@ -78,14 +88,14 @@ def norm_of(t: Tensor) -> float:
 
 def largest_difference(got: Tensor | None, want: Tensor) -> float:
     """``max |got - want|`` of two tensors of one shape (``None``: zeros), with no tensor of
-    their size on the way where one of them is dense: the other dense or :func:`hold` (sparse:
-    its rows against those of the dense one, the others against zero); of two sparse ones,
-    ``got`` is made dense."""
+    their size on the way: each dense or :func:`hold` (one sparse: its rows against those of
+    the dense one, the others against zero; both: the rows of either)."""
     if got is None:
         return largest(want)
     if got.is_sparse and not want.is_sparse:
         got, want = want, got  # (the same difference)
-    got = dense(got)
+    if got.is_sparse:  # (both: their difference is as sparse)
+        return largest((got.coalesce() - want.coalesce()).coalesce())
     if want.is_sparse:
         want = want.coalesce()
         if want.sparse_dim() != 1:

@@ -129,7 +129,11 @@ class Backward:
     grads: dict[int, Tensor] = field(default_factory=dict)
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
-    # (verify, without grad1) every call's pieces, for the norms' check
+    # (verify, without grad1) for the norms' check, per parameter id, its calls' pieces weighted
+    # over the examples as the probe's rows were, summed as they come (as compare.hold keeps
+    # it; None: a layer that counts its examples otherwise); the pieces of calls before the
+    # probe ran, as they are
+    weighted: dict[int, Tensor | None] = field(default_factory=dict)
     kept: list[CallPieces] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
     capturing: bool = True  # captured (not paused; marked where capture="marked")

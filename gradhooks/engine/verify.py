@@ -37,7 +37,7 @@ from ..oracle import loop_grad
 from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
-from .compare import hold, largest, largest_difference, norm_of
+from .compare import add_held, hold, largest, largest_difference, norm_of
 from .plan import Target
 from .records import (
     Backward,
@@ -246,6 +246,19 @@ def example_scales(g: Tensor, layout: Layout, weights: Tensor) -> tuple[Tensor, 
     return w * inside, (owner == batch - 1).to(g.dtype)
 
 
+def _add_weighted(sums: dict[int, Tensor | None], call: P.CallPieces, weights: Tensor) -> None:
+    """Adds a call's pieces, weighted over the examples (:func:`pieces.weighted_sum`), to
+    ``sums`` (per parameter id, as :func:`~.compare.hold` keeps them; ``None``: a layer that
+    counts its examples otherwise)."""
+    for name, p in call.params.items():
+        pid = id(p)
+        if pid in sums and sums[pid] is None:
+            continue
+        total = P.weighted_sum([P.PieceUse(call.pieces[name], p, call.scale)], weights)
+        total = None if total is None else hold(total)
+        sums[pid] = total if total is None or pid not in sums else add_held(sums[pid], total)
+
+
 class Backwards(Protocol):
     """What :class:`Verifier` asks of the backward's part
     (:class:`~gradhooks.engine.backward.BackwardWriter`)."""
@@ -335,6 +348,19 @@ class Verifier:
             )
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
+
+    def keep(self, bw: Backward, pieces: dict, live: dict, scale: float) -> None:
+        """A call's pieces, on a backward that verifies the norms (without ``grad1``), for
+        :meth:`verify_norms`: weighted over the examples as the probe's output rows were
+        (:func:`pieces.weighted_sum`) and added up per parameter as the calls come, held as
+        :func:`~.compare.hold` keeps them (not every call's pieces until the end); before the
+        probe ran, the pieces themselves."""
+        # (fresh pieces: none of the columns the norms may cache)
+        call = P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
+        if bw.probe is None:
+            bw.kept.append(call)
+        else:
+            _add_weighted(bw.weighted, call, bw.probe.weights)
 
     def user_backward_hooks(self) -> bool:
         """Whether a backward through the model runs module or parameter hooks of the user's (a
@@ -570,8 +596,8 @@ class Verifier:
     def verify_norms(self, bw: Backward, probe: Probe) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
-        output rows were (:func:`pieces.weighted_sum` of the kept pieces), against autograd's
-        gradient from those rows."""
+        output rows were (:func:`pieces.weighted_sum` of its calls' pieces, :meth:`keep`),
+        against autograd's gradient from those rows."""
         collector = self.state.collector
         if collector is None or not collector.param_sq_norms:
             return
@@ -583,20 +609,20 @@ class Verifier:
             (largest(probe.grads[pid]) for pid in compared if probe.grads[pid].numel()),
             default=0.0,
         )
-        uses = P.uses_by_parameter(bw.kept)
-        bw.kept = []
+        sums, bw.weighted = bw.weighted, {}
+        while bw.kept:  # (calls whose backward ran before the probe)
+            _add_weighted(sums, bw.kept.pop(0), probe.weights)
         alone = {pid: probe.last[pid] * scale for pid in compared if pid in probe.last}
         top = max(alone.values(), default=0.0)
         wrong = []
         for pid in compared:
             name = collector.names.get(pid)
-            its = uses.pop(pid, None)  # (its pieces freed once compared)
             if name not in collector.param_sq_norms:
                 continue  # (reached otherwise than by a captured call: collector.missed)
-            want = probe.grads[pid] * scale
-            got = None if its is None else P.weighted_sum(its, probe.weights)  # (None: zeros)
-            if its is not None and got is None:
+            if pid in sums and sums[pid] is None:
                 continue  # (a layer that counts its examples otherwise: bags)
+            got = sums.pop(pid, None)  # (None: no call of it: zeros)
+            want = probe.grads[pid] * scale
             diff = mismatch(
                 None if got is None else got.to(want.dtype), want, None, overall,
                 **PROBE_TOLERANCE, precision=lowest_precision(bw.precision, probe.precision),
