@@ -314,3 +314,16 @@ def test_weighted_sum_of_pieces_with_different_scales():
     kept[1] = P.CallPieces({"w": two}, {"w": p}, 4.0)
     got = P.weighted_sum(P.uses_by_parameter(kept)[id(p)], w)
     torch.testing.assert_close(got, 4.0 * (one.batch_sum(p.shape, w) + two.batch_sum(p.shape, w)))
+
+
+def test_a_tensor_subclass_is_held_and_compared_whole():
+    """A gradient of a tensor subclass (an FSDP2 parameter's DTensor) is held as it is and
+    compared in one piece: no sparse form of it, no slices."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    g = _rows(10, [2], 3).as_subclass(Sub)
+    h = hold(g, copy=True)
+    assert type(h) is Sub and not h.is_sparse and torch.equal(h, g)
+    assert largest_difference(torch.zeros(10, 3).as_subclass(Sub), h) == float(g.abs().max())

@@ -41,7 +41,7 @@ def hold(g: Tensor | None, copy: bool = False) -> Tensor | None:
         if g.sparse_dim() == 1:
             return g
         return hold(g.to_dense())
-    if g.dim() == 0 or g.shape[0] < 2 or g.layout != torch.strided:
+    if g.dim() == 0 or g.shape[0] < 2 or g.layout != torch.strided or not _plain(g):
         return g.clone() if copy else g
     nonzero = _row_maxima(g) != 0  # (a row that holds a NaN is kept: NaN != 0)
     if 2 * int(nonzero.sum()) > g.shape[0]:
@@ -109,7 +109,7 @@ def largest_difference(got: Tensor | None, want: Tensor) -> float:
         return rest if math.isnan(rest) or rest > inside else inside  # (NaN carried)
     if not want.numel():
         return 0.0
-    if want.dim() == 0 or got.dim() == 0:
+    if want.dim() == 0 or got.dim() == 0 or not (_plain(got) and _plain(want)):
         return float(torch.linalg.vector_norm(got - want, float("inf")))
     step = max(1, CHUNK // max(1, want[0].numel()))
     top = None
@@ -119,6 +119,12 @@ def largest_difference(got: Tensor | None, want: Tensor) -> float:
         )
         top = part if top is None else torch.maximum(top, part)  # (NaN carried)
     return float(top)
+
+
+def _plain(t: Tensor) -> bool:
+    """Whether ``t`` is a plain tensor (not a subclass: an FSDP2 parameter's ``DTensor``
+    gradient is compared as it is, whole)."""
+    return type(t) is Tensor or type(t) is torch.nn.Parameter
 
 
 def _row_maxima(t: Tensor) -> Tensor:
