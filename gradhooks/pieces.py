@@ -955,16 +955,42 @@ class CallPieces(NamedTuple):
 def weighted_sums(kept: list[CallPieces], weights: Tensor) -> dict[int, Tensor | None]:
     """Per parameter id, ``Σ_b weights[b] grad1[b]`` (scaled) over a backward's calls, each
     kept as ``(pieces, params, scale)`` (:meth:`Piece.batch_sum` per piece, summed); ``None`` for a
-    parameter whose layer counts its examples otherwise (bags of another number)."""
-    found: dict[int, Tensor | None] = {}
+    parameter whose layer counts its examples otherwise (bags of another number). All at
+    once: :func:`uses_by_parameter` and :func:`weighted_sum` form one parameter's at a time."""
+    return {pid: weighted_sum(uses, weights) for pid, uses in uses_by_parameter(kept).items()}
+
+
+class PieceUse(NamedTuple):
+    """One kept call's piece of a parameter (:func:`uses_by_parameter`)."""
+
+    piece: Piece
+    param: Tensor
+    scale: float
+
+
+def uses_by_parameter(kept: list[CallPieces]) -> dict[int, list[PieceUse]]:
+    """A backward's kept calls (:class:`CallPieces`) by parameter id: the pieces of each, in
+    the order of the calls."""
+    uses: dict[int, list[PieceUse]] = {}
     for pieces, params, scale in kept:
         for name, p in params.items():
-            piece = pieces[name]
-            if piece.batch_size != weights.shape[0]:
-                found[id(p)] = None
-            if id(p) in found and found[id(p)] is None:
-                continue
-            # (in the parameter's precision, as the norms are: pieces of a bfloat16 forward)
-            total = piece.in_dtype(p.dtype).batch_sum(p.shape, weights.to(p.device)) * scale
-            found[id(p)] = total if id(p) not in found else found[id(p)] + total
-    return found
+            uses.setdefault(id(p), []).append(PieceUse(pieces[name], p, scale))
+    return uses
+
+
+def weighted_sum(uses: list[PieceUse], weights: Tensor) -> Tensor | None:
+    """``Σ_b weights[b] grad1[b]`` (scaled) of one parameter from its pieces
+    (:func:`uses_by_parameter`), of its shape; ``None`` where a piece counts its examples
+    otherwise (bags of another number than ``weights``)."""
+    if not uses or any(use.piece.batch_size != weights.shape[0] for use in uses):
+        return None
+    p, scale = uses[0].param, uses[0].scale
+    w = weights.to(p.device)
+    # (in the parameter's precision, as the norms are: pieces of a bfloat16 forward)
+    if any(use.scale != scale for use in uses):
+        return sum(piece.in_dtype(p.dtype).batch_sum(p.shape, w) * s for piece, p, s in uses)
+    # (one tensor of the parameter's size, the pieces added into it in place)
+    found = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+    for piece, _, _ in uses:
+        piece.in_dtype(p.dtype).add_batch_sum(found, w)
+    return found.mul_(scale) if scale != 1 else found

@@ -335,3 +335,20 @@ def test_host_profile_counts_the_tracker(tmp_path):
     assert model["torch_functions_plain_forward"] > 0
     assert model["tracker_calls_forward"] > 0
     assert 0 < model["profile"]["tracker_share"] <= model["profile"]["gradhooks_share"] <= 1
+
+
+def test_check_memory_steps_and_table(capsys):
+    """``bench.check_memory``: every step's peak and time, in a fresh process per model and
+    method, with the check and without; the checked steps (1, 2, 4) marked."""
+    from bench import check_memory, measure
+
+    if not measure.cpu_memory_supported():
+        pytest.skip("CPU peak memory needs Linux /proc")
+    assert [k for k in range(1, 9) if check_memory._checked(k)] == [1, 2, 4, 8]
+    assert check_memory.main(["--models", "mlp", "--methods", "norms", "--steps", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| model | method | verify | step 1* | step 2* | step 3 |"
+    rows = [line for line in lines if line.startswith("| mlp | norms |")]
+    assert [r.split(" | ")[2] for r in rows] == ["True", "False"]
+    for r in rows:
+        assert r.count("MiB") == 3 and r.count(" s") >= 3, r

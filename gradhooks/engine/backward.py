@@ -41,6 +41,7 @@ from .calls import (
     rule_pieces,
     unchanged_outputs,
 )
+from .compare import hold
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
@@ -291,10 +292,7 @@ class BackwardWriter:
             if not pieces[pname].sums_to_grad:
                 self.state.exempt.add(id(p))
         if not self.state.grad1 and bw is not None and bw.verify:
-            # (fresh pieces: none of the columns the norms may cache)
-            bw.kept.append(
-                P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
-            )
+            self.verifier.keep(bw, pieces, live, scale)
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
                 bw.held.append(HeldCall(target.name, {n: pieces[n] for n in live}, live, scale))
@@ -537,7 +535,7 @@ class BackwardWriter:
             if bw.verify and self.state.capturing_backward():
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
-                bw.grads[pid] = grad.detach().clone()
+                bw.grads[pid] = hold(grad, copy=True)
             if not reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
@@ -603,7 +601,7 @@ class BackwardWriter:
                 g1 = p.grad1.detach()
                 p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
             if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
-                bw.grads[pid] = final.detach().clone()
+                bw.grads[pid] = hold(final, copy=True)
             return
         what = (
             "by a factor, which the per-example norms cannot follow"

@@ -125,10 +125,15 @@ class Backward:
     derived: str | None = None  # a call it reached through an earlier create_graph backward
     pending: dict[int, Any] = field(default_factory=dict)  # tapped calls still waiting
     verify: frozenset = frozenset()  # the forwards' signatures this backward verifies
-    grads: dict[int, Tensor] = field(default_factory=dict)  # (verify) each parameter's gradient
+    # (verify) each parameter's gradient, as compare.hold keeps it
+    grads: dict[int, Tensor] = field(default_factory=dict)
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
-    # (verify, without grad1) every call's pieces, for the norms' check
+    # (verify, without grad1) for the norms' check, per parameter id, its calls' pieces weighted
+    # over the examples as the probe's rows were, summed as they come (as compare.hold keeps
+    # it; None: a layer that counts its examples otherwise); the pieces of calls before the
+    # probe ran, as they are
+    weighted: dict[int, Tensor | None] = field(default_factory=dict)
     kept: list[CallPieces] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
     capturing: bool = True  # captured (not paused; marked where capture="marked")
@@ -156,12 +161,12 @@ class Probe:
 
     frame: int  # id of the forward whose outputs it started from
     weights: Tensor  # [batch]
-    grads: dict[int, Tensor]  # by parameter id
+    grads: dict[int, Tensor]  # by parameter id (as compare.hold keeps them)
     # from the output-gradients as they are: where it is not autograd's gradient of the
     # parameter in the backward itself, the loss reached it otherwise (a term on an
     # activation a hook kept), and that parameter is not compared
     plain: dict[int, Tensor]
-    last: dict[int, Tensor]  # (without grad1) the last example's gradient alone
+    last: dict[int, float]  # (without grad1) the norm of the last example's gradient alone
     lost: tuple[str, ...] = ()  # operations the forward's tracker lost the examples through
     exact: bool = False  # weights of powers of two (pieces.example_weights): no rounding
     # the lowest precision the forward computed the examples' tensors in (its calls', and the

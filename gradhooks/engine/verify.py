@@ -15,6 +15,7 @@ do (as :func:`gradhooks.check_rule` does for a rule).
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,9 @@ from ..errors import (
 )
 from ..oracle import loop_grad
 from ..rules.registry import Call
-from ..tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
+from ..tracking import MIXED, UNKNOWN, Layout, Tracker
+from ..tracking.layout import owner_map
+from .compare import add_held, hold, largest, largest_difference, norm_of
 from .plan import Target
 from .records import (
     Backward,
@@ -53,7 +56,7 @@ from .state import CaptureState
 
 
 def mismatch(
-    got: Tensor,
+    got: Tensor | None,
     want: Tensor,
     rows: Tensor | None,
     overall: float,
@@ -62,7 +65,8 @@ def mismatch(
     precision: torch.dtype | None = None,
     exact: bool = False,
 ) -> str | None:
-    """How ``got`` differs from ``want`` (``None``: within rounding). ``rows``: the per-example
+    """How ``got`` differs from ``want`` (``None``: within rounding; ``got`` ``None``: zeros;
+    ``want`` dense or :func:`~.compare.hold`). ``rows``: the per-example
     gradients ``got`` was reduced from (examples' gradients that cancel in the sum set the
     scale too); ``overall``: the largest entry of the model's gradients; ``float32``: the
     relative tolerance in float32 (the default leaves room for TF32 matrix products on a GPU);
@@ -70,13 +74,15 @@ def mismatch(
     differ by the rounding of their last products alone (:func:`rounding_tolerance`)."""
     if not want.numel():
         return None
-    if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
+    # (no tensor of their size on the way: ``want`` may be held sparse, see compare.hold)
+    top_want, top_got = largest(want), 0.0 if got is None else largest(got)
+    if not (math.isfinite(top_want) and math.isfinite(top_got)):
         return None
     tol = rounding_tolerance(want.dtype, precision, exact, float32=float32, float64=float64)
-    scale = max(float(want.abs().max()), float(got.abs().max()) if rows is None else 0.0)
+    scale = max(top_want, top_got if rows is None else 0.0)
     if rows is not None and rows.numel():
-        scale = max(scale, float(rows.abs().max()))
-    diff = float((got - want).abs().max())
+        scale = max(scale, largest(rows))
+    diff = largest_difference(got, want)
     # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
     # summed output) is not compared with its own rounding
     floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
@@ -228,6 +234,31 @@ def per_example_outputs(
     return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=None)
 
 
+def example_scales(g: Tensor, layout: Layout, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """For an output-gradient ``g`` whose examples lie as ``layout`` says, and ``[batch]``
+    ``weights``: the weight of each entry's example, and ``1`` where the entry is the last
+    example's (else ``0``), both in ``g``'s dtype and of ``g.dim()`` dimensions of size 1 but
+    the layout's (they broadcast against ``g``). An entry of no example weighs 0."""
+    batch = weights.shape[0]
+    owner = owner_map(g, layout, batch)
+    inside = (owner >= 0) & (owner < batch)
+    w = weights.to(device=g.device, dtype=g.dtype)[owner.clamp(0, batch - 1)]
+    return w * inside, (owner == batch - 1).to(g.dtype)
+
+
+def _add_weighted(sums: dict[int, Tensor | None], call: P.CallPieces, weights: Tensor) -> None:
+    """Adds a call's pieces, weighted over the examples (:func:`pieces.weighted_sum`), to
+    ``sums`` (per parameter id, as :func:`~.compare.hold` keeps them; ``None``: a layer that
+    counts its examples otherwise)."""
+    for name, p in call.params.items():
+        pid = id(p)
+        if pid in sums and sums[pid] is None:
+            continue
+        total = P.weighted_sum([P.PieceUse(call.pieces[name], p, call.scale)], weights)
+        total = None if total is None else hold(total)
+        sums[pid] = total if total is None or pid not in sums else add_held(sums[pid], total)
+
+
 class Backwards(Protocol):
     """What :class:`Verifier` asks of the backward's part
     (:class:`~gradhooks.engine.backward.BackwardWriter`)."""
@@ -318,6 +349,19 @@ class Verifier:
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
+    def keep(self, bw: Backward, pieces: dict, live: dict, scale: float) -> None:
+        """A call's pieces, on a backward that verifies the norms (without ``grad1``), for
+        :meth:`verify_norms`: weighted over the examples as the probe's output rows were
+        (:func:`pieces.weighted_sum`) and added up per parameter as the calls come, held as
+        :func:`~.compare.hold` keeps them (not every call's pieces until the end); before the
+        probe ran, the pieces themselves."""
+        # (fresh pieces: none of the columns the norms may cache)
+        call = P.CallPieces({n: pieces[n].select(slice(None)) for n in live}, live, scale)
+        if bw.probe is None:
+            bw.kept.append(call)
+        else:
+            _add_weighted(bw.weighted, call, bw.probe.weights)
+
     def user_backward_hooks(self) -> bool:
         """Whether a backward through the model runs module or parameter hooks of the user's (a
         module's full backward hook or pre-hook, a global one, a hook on a parameter): then no
@@ -365,29 +409,34 @@ class Verifier:
         batch, box_frame, lost = box["batch"], box["frame"], box["lost"]
         exact = box["exact"]
         weights = P.example_weights(batch, exact)
-        masked, last = [], []
-        for _, g, lay in used:
-            if lay.size(batch) != g.shape[lay.dim]:
-                return
-            mask = example_mask(g.shape, lay, batch, g.device)  # [batch, *shape]
-            w = weights.to(device=g.device, dtype=g.dtype)
-            masked.append(g * torch.einsum("b,b...->...", w, mask.to(g.dtype)))
-            last.append(g * mask[-1].to(g.dtype))
+        if any(lay.size(batch) != g.shape[lay.dim] for _, g, lay in used):
+            return
+        # (each entry times its example's weight: a tensor the size of the layout's dimension
+        # alone, broadcast, never one of the batch times the output's size)
+        scales = [example_scales(g, lay, weights) for _, g, lay in used]
         pids = list(self.state.params)
         params = [self.state.params[pid][1] for pid in pids]
         edges = [e for e, _, _ in used]
+
+        def grads_from(rows: Callable[[Tensor, tuple], Tensor]) -> list:
+            # (the output-gradients it is given are freed once it returns, and what it gives
+            # is held as compare.hold keeps it: one at a time, and no more than needed)
+            found = list(torch.autograd.grad(
+                edges, params, [rows(g, sc) for (_, g, _), sc in zip(used, scales)],
+                retain_graph=True, allow_unused=True,
+            ))  # fmt: skip
+            return [hold(found.pop(0)) for _ in pids]
+
         try:
             with self.standing_aside():
-                found = torch.autograd.grad(
-                    edges, params, masked, retain_graph=True, allow_unused=True
-                )
-                plain = torch.autograd.grad(
-                    edges, params, [g for _, g, _ in used], retain_graph=True, allow_unused=True
-                )
-                # (without grad1, the norms themselves are checked too: the last example's)
-                alone = None if self.state.grad1 else torch.autograd.grad(
-                    edges, params, last, retain_graph=True, allow_unused=True
-                )  # fmt: skip
+                # (without grad1, the norms themselves are checked too: the last example's, of
+                # which the norm alone is kept; first, while nothing else is held)
+                alone = None if self.state.grad1 else [
+                    None if a is None else norm_of(a)
+                    for a in grads_from(lambda g, sc: g * sc[1])
+                ]  # fmt: skip
+                found = grads_from(lambda g, sc: g * sc[0])
+                plain = grads_from(lambda g, sc: g)
         except Exception:  # (reentrant checkpointing refuses it; the backward raises the rest)
             found = plain = alone = None
         # (the graph's edges and hooks: no cycle through the hook that holds them. The box
@@ -447,22 +496,21 @@ class Verifier:
         there). A mismatch undoes the backward's ``grad1`` and raises, naming the
         parameters."""
         wrong = []
-        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
         # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
         # the model's scale, not its own rounding)
-        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
-        for pid, grad in grads.items():
+        overall = max((largest(g) for g in bw.grads.values() if g.numel()), default=0.0)
+        for pid, grad in bw.grads.items():
             name, p = self.state.params[pid]
             if pid in self.state.exempt:
                 continue
             g1 = self.backwards.grad1_of_backward(bw, pid, p)
             if g1 is None:
-                got = torch.zeros_like(grad)
+                got = None  # (zeros)
             else:
                 got = g1.mean(0) if self.state.loss_reduction == "mean" else g1.sum(0)
-            diff = mismatch(
-                got, grad.to(got.dtype), g1, overall, precision=bw.precision, exact=True
-            )
+                grad = grad.to(got.dtype)
+            diff = mismatch(got, grad, g1, overall, precision=bw.precision, exact=True)
+            del got
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
@@ -487,16 +535,14 @@ class Verifier:
     def _through_outputs(self, bw: Backward, probe: Probe) -> set[int]:
         """The parameters whose gradient in this backward came through the model's outputs
         alone: the probe's gradient from the output-gradients as they are is autograd's."""
-        grads = {pid: g.to_dense() if g.is_sparse else g for pid, g in bw.grads.items()}
-        overall = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+        overall = max((largest(g) for g in bw.grads.values() if g.numel()), default=0.0)
         found = set()
-        for pid, grad in grads.items():
+        for pid, grad in bw.grads.items():
             plain = probe.plain.get(pid)
-            plain = torch.zeros_like(grad) if plain is None else plain
-            plain = plain.to_dense() if plain.is_sparse else plain
             close = mismatch(
-                plain.to(grad.dtype), grad, None, overall, **PROBE_TOLERANCE,
-                precision=lowest_precision(bw.precision, probe.precision), exact=True,
+                None if plain is None else plain.to(grad.dtype), grad, None, overall,
+                **PROBE_TOLERANCE, precision=lowest_precision(bw.precision, probe.precision),
+                exact=True,
             )  # fmt: skip
             if close is None:
                 found.add(pid)
@@ -507,26 +553,32 @@ class Verifier:
         as the probe's output rows were, against autograd's gradient from those rows."""
         scale = float(probe.batch) if self.state.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
-        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
-                   for pid, g in probe.grads.items() if pid in through}  # fmt: skip
-        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
+        compared = [pid for pid in probe.grads if pid in through]
+        # (each parameter's gradients formed when compared, one at a time)
+        overall = scale * max(
+            (largest(probe.grads[pid]) for pid in compared if probe.grads[pid].numel()),
+            default=0.0,
+        )
         wrong = []
-        for pid, want in want_of.items():
+        for pid in compared:
             name, p = self.state.params[pid]
             if pid in self.state.exempt:
                 continue
             g1 = self.backwards.grad1_of_backward(bw, pid, p)
             if g1 is not None and g1.shape[0] != probe.batch:
                 continue  # (a layer that counts its examples otherwise: bags)
+            want = probe.grads[pid] * scale
             if g1 is None:
-                got = torch.zeros_like(want)
+                got = None  # (zeros)
             else:
                 w = probe.weights.to(device=g1.device, dtype=g1.dtype)
                 got = torch.einsum("b,b...->...", w, g1)
+                want = want.to(got.dtype)
             diff = mismatch(
-                got, want.to(got.dtype), None, overall, **PROBE_TOLERANCE,
+                got, want, None, overall, **PROBE_TOLERANCE,
                 precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
             )  # fmt: skip
+            del got, want
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if not wrong:
@@ -544,34 +596,40 @@ class Verifier:
     def verify_norms(self, bw: Backward, probe: Probe) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
-        output rows were (:func:`pieces.weighted_sums` of the kept pieces), against autograd's gradient from those rows."""
+        output rows were (:func:`pieces.weighted_sum` of its calls' pieces, :meth:`keep`),
+        against autograd's gradient from those rows."""
         collector = self.state.collector
         if collector is None or not collector.param_sq_norms:
             return
         scale = float(probe.batch) if self.state.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
-        want_of = {pid: (g.to_dense() if g.is_sparse else g) * scale
-                   for pid, g in probe.grads.items()
-                   if pid not in self.state.exempt and pid in through}  # fmt: skip
-        overall = max((float(g.abs().max()) for g in want_of.values() if g.numel()), default=0.0)
-        weighted = P.weighted_sums(bw.kept, probe.weights)
-        bw.kept = []
-        alone = {pid: float((g.to_dense() if g.is_sparse else g).norm()) * scale
-                 for pid, g in probe.last.items() if pid in want_of}  # fmt: skip
-        largest = max(alone.values(), default=0.0)
+        compared = [pid for pid in probe.grads if pid not in self.state.exempt and pid in through]
+        # (each parameter's gradients formed when compared, one at a time)
+        overall = scale * max(
+            (largest(probe.grads[pid]) for pid in compared if probe.grads[pid].numel()),
+            default=0.0,
+        )
+        sums, bw.weighted = bw.weighted, {}
+        while bw.kept:  # (calls whose backward ran before the probe)
+            _add_weighted(sums, bw.kept.pop(0), probe.weights)
+        alone = {pid: probe.last[pid] * scale for pid in compared if pid in probe.last}
+        top = max(alone.values(), default=0.0)
         wrong = []
-        for pid, want in want_of.items():
+        for pid in compared:
             name = collector.names.get(pid)
             if name not in collector.param_sq_norms:
                 continue  # (reached otherwise than by a captured call: collector.missed)
-            got = weighted.get(pid, 0)
-            if got is None:
+            if pid in sums and sums[pid] is None:
                 continue  # (a layer that counts its examples otherwise: bags)
-            got = torch.zeros_like(want) + got
+            got = sums.pop(pid, None)  # (None: no call of it: zeros)
+            want = probe.grads[pid] * scale
             diff = mismatch(
-                got.to(want.dtype), want, None, overall, **PROBE_TOLERANCE,
-                precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
+                None if got is None else got.to(want.dtype), want, None, overall,
+                **PROBE_TOLERANCE, precision=lowest_precision(bw.precision, probe.precision),
+                exact=probe.exact,
             )  # fmt: skip
+            dtype = want.dtype
+            del got, want
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
                 continue
@@ -580,9 +638,9 @@ class Verifier:
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
             # (by the parameter's dtype: a bfloat16 parameter's norms are float32 sums)
             low = lowest_precision(bw.precision, probe.precision)
-            tol = rounding_tolerance(want.dtype, low, probe.exact, **PROBE_TOLERANCE)
+            tol = rounding_tolerance(dtype, low, probe.exact, **PROBE_TOLERANCE)
             miss = abs(norm - norm_want)
-            if miss > tol * max(norm, norm_want) + 1e-3 * tol * largest and miss > 0:
+            if miss > tol * max(norm, norm_want) + 1e-3 * tol * top and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
                              f"{norm_want:.4g})")  # fmt: skip
         if not wrong:

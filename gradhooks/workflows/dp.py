@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -61,6 +61,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _torch
 from .. import pieces as P
 from ..engine.api import engine_of
+from ..engine.compare import hold, largest
 from ..engine.handle import Hooks
 from ..engine.records import half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
@@ -391,6 +392,8 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
             weighted.mean() if hooks.loss_reduction == "mean" else weighted.sum(),
             wrt, retain_graph=True, allow_unused=True,
         )  # fmt: skip
+    # (held until the step's check as compare.hold keeps them: an embedding's, its rows alone)
+    grads = tuple(hold(g) for g in grads)
     if hooks.loss_reduction == "mean":
         grads = tuple(None if g is None else g * batch for g in grads)
     engine.drop_probe()  # (the hooks' own check of the examples: this one is it)
@@ -399,26 +402,30 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
     return weights, grads, exact
 
 
-def _check_step(hooks: Hooks, params: list, truth: tuple | None, got: list) -> None:
+def _check_step(
+    hooks: Hooks, params: list, truth: tuple | None, got: Iterable[Tensor | None]
+) -> None:
     """The step's per-example gradients against autograd's of the examples' own losses
-    (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i``. A loss that depends on
-    other examples (a contrastive loss, a penalty added to each example's loss) or a model that
-    mixes them where gradhooks cannot see it shows here."""
+    (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i`` (``None``: zeros), formed as
+    it is compared, one parameter at a time. A loss that depends on other examples (a
+    contrastive loss, a penalty added to each example's loss) or a model that mixes them where
+    gradhooks cannot see it shows here."""
     if truth is None:
         return
     _, grads, exact = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
-    wants = [
-        torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
-        else (g.to_dense() if g.is_sparse else g).detach()
-        for p, g in zip(params, grads, strict=True)
-    ]  # fmt: skip
-    overall = max((float(w.abs().max()) for w in wants if w.numel()), default=0.0)
+    overall = max((largest(w) for w in grads if w is not None and w.numel()), default=0.0)
     precision = engine_of(hooks).precision
     wrong = []
-    for p, want, g in zip(params, wants, got, strict=True):
-        g = torch.zeros_like(want) if g is None else g.reshape(want.shape).to(want.dtype)
-        diff = mismatch(g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact)
+    for p, want, g in zip(params, grads, got, strict=True):
+        if g is not None:
+            g = g.reshape(p.shape).to(p.dtype if want is None else want.dtype)
+        if want is None:  # (zeros: the difference is the same either way round)
+            want, g = g, None
+        diff = None if want is None else mismatch(
+            g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact
+        )  # fmt: skip
+        del g, want
         if diff is not None:
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
@@ -479,10 +486,10 @@ def _clipped_sums(
         norms = sq.sqrt()
         if truth is not None:
             w = truth[0]
-            _check_step(hooks, params, truth, [
+            _check_step(hooks, params, truth, (
                 None if g is None else torch.einsum("b,b...->...", w.to(g.device, g.dtype), g)
                 for g in grads1
-            ])  # fmt: skip
+            ))  # fmt: skip
             truth = None  # (autograd's gradients of the check, freed)
         factors = clip_factors(norms / scaled_by, max_norm)
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
@@ -572,10 +579,13 @@ def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a.to(dtype), b.to(dtype)
 
 
-def _weighted(kept: list, weights: Tensor, params: list) -> list[Tensor | None]:
-    """Per parameter, ``Σ_i weights[i] · g_i`` from the pieces a backward kept."""
-    found = P.weighted_sums(kept, weights)
-    return [None if found.get(id(p)) is None else found[id(p)].to(p.dtype) for p in params]
+def _weighted(kept: list, weights: Tensor, params: list) -> Iterator[Tensor | None]:
+    """Per parameter, ``Σ_i weights[i] · g_i`` from the pieces a backward kept, each formed
+    when asked for (``None``: none)."""
+    uses = P.uses_by_parameter(kept)
+    for p in params:
+        found = P.weighted_sum(uses[id(p)], weights) if id(p) in uses else None
+        yield None if found is None else found.to(p.dtype)
 
 
 def _has_norm(hooks: Hooks, p: Tensor) -> bool:
