@@ -288,8 +288,14 @@ class Outer(Piece):
         return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
-        """No groups: one ``addmm_`` into ``out`` (the product accumulates in place)."""
+        """No groups: one ``addmm_`` into ``out`` (the product accumulates in place); a bias
+        weighted by example: one ``addmv_`` of its per-example sums."""
         g, a = self.g, self.a
+        if (a is None and weights is not None and g.dim() == 3 and out.is_contiguous()
+                and _same(out, g)):  # fmt: skip
+            rows = g[:, 0] if g.shape[1] == 1 else g.sum(1)  # [batch, out]
+            out.view(-1).addmv_(rows.T, weights.to(g.dtype))
+            return
         if a is None or g.dim() != 3 or not out.is_contiguous() or not _same(out, g, a):
             return super().add_batch_sum(out, weights)
         if a.numel() < g.numel():

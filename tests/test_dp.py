@@ -5,6 +5,7 @@ per-example loop with the noise drawn by hand."""
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import warnings
@@ -339,3 +340,99 @@ def test_varying_batch_sizes_without_expected_batch_size_warn_once():
         steps([4, 5, 3, 6], expected_batch_size=4.5)
         steps([4, 4, 4])
         steps([4, 5, 3], reduction="sum")
+
+
+# -- the step's plan: made once per structure of the model, re-checked at every step --------------
+
+
+def _want_step(model, x, y, max_norm, sigma, seed):
+    """The DP step by a float64 per-example loop: per trainable parameter (in
+    ``named_parameters()`` order, that of the noise), the clipped sum plus the noise drawn by
+    hand, over the batch size."""
+    loop = loop_grad(model, F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.einsum("b,b...->...", factors, g)
+               + sigma * max_norm * torch.randn(g.shape[1:], generator=gen, dtype=g.dtype))
+        / x.shape[0]
+        for name, g in loop.items()
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_a_parameter_frozen_added_replaced_or_removed_between_steps_is_seen(method):
+    """The step's parameters are planned once per structure of the model: a change between
+    two steps (a parameter frozen or unfrozen, a layer added or removed, a parameter replaced)
+    gives the next step the parameters of the model as it is then, each clipped with the
+    others and noised in the order of ``named_parameters()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(3, (6,))
+    max_norm, sigma = 0.5, 0.3
+    changes = [
+        ("as it is", lambda: None),
+        ("a weight frozen", lambda: model[0].weight.requires_grad_(False)),
+        ("a layer added", lambda: model.append(nn.Linear(3, 3).double())),
+        ("a weight replaced", lambda: setattr(
+            model[3], "weight", nn.Parameter(torch.randn(3, 3, dtype=torch.float64)))),
+        ("a layer removed", lambda: model.__delitem__(3)),
+        ("the weight unfrozen", lambda: model[0].weight.requires_grad_(True)),
+    ]  # fmt: skip
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        for seed, (what, change) in enumerate(changes):
+            change()
+            model.zero_grad(set_to_none=True)
+            want = _want_step(model, x, y, max_norm, sigma, seed)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=max_norm, noise_multiplier=sigma, method=method,
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    assert p.grad is None, f"{method}, {what}: frozen '{name}' got a gradient"
+                    continue
+                assert p.grad is not None, f"{method}, {what}: '{name}' got no gradient"
+                assert_close(p.grad, want[name], f"{method}, {what}: '{name}'")
+
+
+def test_the_noise_is_torch_randn_per_parameter_in_order_bit_for_bit():
+    """The numbers a seeded step adds are those of ``torch.randn`` of each trainable parameter's
+    shape, one after the other from the generator, times σ·C, over the batch size: exactly."""
+    model = small_net()
+    model[0].bias.requires_grad_(False)
+    x, y = torch.zeros(0, 1, 5, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    sigma, clip, expected, seed = 1.3, 0.5, 8.0, 3
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=clip,
+            noise_multiplier=sigma, generator=torch.Generator().manual_seed(seed),
+            expected_batch_size=expected,
+        )  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            z = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            assert torch.equal(p.grad, z.mul_(sigma * clip).div_(expected)), name
+        else:
+            assert p.grad is None, name
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("sigma", [0.0, 0.7])
+def test_the_step_without_foreach_functions_gives_the_same_numbers(method, sigma, monkeypatch):
+    """Where torch lacks ``torch._foreach_*``, the step loops over the parameters: the same
+    numbers, bit for bit."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 1, 5, 5, dtype=torch.float64), torch.randint(4, (6,))
+    kwargs = dict(max_norm=0.05, noise_multiplier=sigma)
+    model = small_net()
+    other = copy.deepcopy(model)
+    _, fast = dp_step(model, x, y, method, generator=torch.Generator().manual_seed(1), **kwargs)
+    for name in ("_foreach_mul_", "_foreach_div_", "_foreach_div", "_foreach_add_"):
+        monkeypatch.delattr(torch, name)
+    _, slow = dp_step(other, x, y, method, generator=torch.Generator().manual_seed(1), **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))

@@ -194,7 +194,7 @@ def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(meth
     from gradhooks.workflows import dp
 
     refs: list = []
-    real_grads, real_noise = dp._grads, dp.noise
+    real_grads, real_noises = dp._grads, dp.noises
 
     def grads(*args, **kwargs):
         out = real_grads(*args, **kwargs)
@@ -204,12 +204,12 @@ def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(meth
 
     alive: list[int] = []
 
-    def noise(*args):
+    def noises(*args):
         alive.append(sum(r() is not None for r in refs))
-        return real_noise(*args)
+        return real_noises(*args)
 
     monkeypatch.setattr(dp, "_grads", grads)
-    monkeypatch.setattr(dp, "noise", noise)
+    monkeypatch.setattr(dp, "noises", noises)
     model, x, y = tied_problem()
     quantity = "grad1" if method == "grad1" else "norms"
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:

@@ -2,6 +2,8 @@
 padding_idx, sum/mean/max), against both oracles; and is_supported for every layer with a
 built-in rule."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -48,8 +50,12 @@ def test_embedding_scale_grad_by_freq_counts_within_each_example(reduction, padd
     x = torch.randint(0, 4, (5, 6))
     want = vmap_grad(model, sum_of_squares, x)["weight"]
     assert_close(loop_grad(model, sum_of_squares, x)["weight"], want, "loop vs vmap")
+    plain = copy.deepcopy(model)
+    batch_loss = sum_of_squares(plain(x))
+    (batch_loss / x.shape[0] if reduction == "mean" else batch_loss).backward()
     run_hooked(model, Case("freq", None, None), x, None, reduction)
     assert_close(model.weight.grad1, want, f"scale_grad_by_freq ({reduction})")
+    assert_close(model.weight.grad, plain.weight.grad, ".grad: autograd's, batch-wide counts")
 
 
 @pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
@@ -89,6 +95,7 @@ def test_embedding_sparse_gives_dense_grad1():
     for m in (sparse, dense):
         run_hooked(m, Case("sparse", None, None), x, None, "mean")
         assert_close(m.weight.grad1, want, f"sparse={m.sparse}")
+    assert sparse.weight.grad.is_sparse, "sparse=True: .grad stays sparse, as autograd makes it"
     assert_close(sparse.weight.grad.to_dense(), want.mean(0), "sparse .grad")
 
 
@@ -212,3 +219,97 @@ NEW = [
 @pytest.mark.parametrize("module", NEW, ids=lambda m: type(m).__name__)
 def test_is_supported(module):
     assert gradhooks.is_supported(module)
+
+
+# -- the DP step: the table's batch gradient, which the book-keeping step does not use ------------
+
+
+class _Lookup(nn.Module):
+    """An embedding (``padding_idx`` 0) read at every position, and a Linear on the mean."""
+
+    def __init__(self, num: int, dim: int, classes: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(num, dim, padding_idx=0)
+        self.out = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.out(self.table(x).tanh().mean(1))
+
+
+def _lookup_problem():
+    torch.manual_seed(0)
+    model = _Lookup(40, 6, 3).double()
+    x, y = torch.randint(0, 40, (7, 5)), torch.randint(3, (7,))
+    x[0, :2] = 0  # (padding rows)
+    x[1] = x[2]  # (two examples on the same rows)
+    return model, x, y
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_step_with_a_lookup_equals_the_per_example_loop(method):
+    """The clipped sum plus noise of a model with an embedding, against a float64 per-example
+    loop with the same clipping and the noise drawn by hand (two steps: the first is checked
+    against autograd, the second not)."""
+    import torch.nn.functional as F
+
+    model, x, y = _lookup_problem()
+    max_norm, sigma = 0.05, 0.4
+    loop = loop_grad(model, F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    assert (norms > max_norm).all(), "every example clipped"
+    factors = max_norm / norms
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        for step in range(2):
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(model(x), y, reduction="none"), max_norm=max_norm,
+                noise_multiplier=sigma, method=method,
+                generator=torch.Generator().manual_seed(step),
+            )  # fmt: skip
+            gen = torch.Generator().manual_seed(step)
+            for (name, g), p in zip(loop.items(), model.parameters(), strict=True):
+                z = sigma * max_norm * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+                want = (torch.einsum("b,b...->...", factors, g) + z) / x.shape[0]
+                assert_close(p.grad, want, f"{method}, step {step}: {name}")
+
+
+def test_the_book_keeping_step_never_forms_the_tables_dense_gradient():
+    """Autograd's gradient of a lookup is the whole table (``embedding_dense_backward``), which
+    the book-keeping DP step does not use: the lookup runs with its table detached, so that
+    autograd has no node for it. The only table-sized sum is the step's own, the rows looked up
+    added into the noise (one ``index_add_``)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradhooks.engine.api import engine_of
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == model.table.weight.shape:
+                self.seen.append(func.__name__)
+            return out
+
+    model, x, y = _lookup_problem()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(3):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            nodes, todo = set(), [losses.grad_fn]
+            while todo:
+                node = todo.pop()
+                if node is not None and node not in nodes:
+                    nodes.add(node)
+                    todo.extend(f for f, _ in node.next_functions)
+            assert not any("Embedding" in type(n).__name__ for n in nodes), nodes
+            checked = engine_of(h).unverified
+            with Ops() as ops:
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.05, noise_multiplier=0.4)
+            if checked:  # (the step checked against autograd computes autograd's, once)
+                continue
+            assert "embedding_dense_backward.default" not in ops.seen, ops.seen
+            assert ops.seen.count("index_add_.default") == 1, ops.seen
+        assert not checked, "a step that was not checked"

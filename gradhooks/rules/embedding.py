@@ -20,7 +20,17 @@ from ..pieces import Direct, Rows
 from .registry import Call, register
 
 
-@register(nn.Embedding, batch_dim="positions")
+def sums_to_grad(module: nn.Module, args: tuple) -> bool:
+    """Whether a lookup's batch gradient is taken from its pieces (one ``index_add_`` of the rows
+    looked up) rather than from autograd: always, but where ``.grad`` is not their sum
+    (``scale_grad_by_freq``: torch counts the rows over the whole batch) or is sparse
+    (``sparse=True``). Then autograd never forms the dense gradient of the table where it is
+    not wanted: the book-keeping DP step, which uses the pieces alone (a table of a vocabulary's
+    rows: 31 MiB for BERT's 30,522 x 256)."""
+    return not (module.scale_grad_by_freq or module.sparse)
+
+
+@register(nn.Embedding, batch_dim="positions", grad_from_grad1=sums_to_grad)
 def embedding(call: Call) -> dict[str, Rows]:
     """``input``: ``[batch, *]`` indices, ``g``: ``[batch, *, dim]``; per example,
     ``grad1[b, n] = Σ_{positions p with input[b, p] = n} g[b, p]``.

@@ -78,9 +78,8 @@ __all__ = ["dp_sgd_step", "clip_factors", "clipped_sum", "ClippedSum"]
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / norms)``, ``1`` where a norm is 0; shape of ``norms``."""
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
+    """``min(1, max_norm / norms)``, ``1`` where a norm is 0 (or NaN); shape of ``norms``."""
+    return torch.where(norms > max_norm, max_norm / norms, 1.0)
 
 
 def dp_sgd_step(
@@ -147,7 +146,7 @@ def dp_sgd_step(
     # layer's product accumulated in place): one tensor of each parameter's size, no second.
     # A scaled step draws it only once the sums are known finite (a skipped step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
-    into = (lambda: [noise(p, generator, std) for p in params]) if noised else None
+    into = (lambda: noises(params, generator, std)) if noised else None
     norms, clipped, scale = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into
     )
@@ -158,11 +157,16 @@ def dp_sgd_step(
     std *= scale or 1.0  # (the clipped sums are scaled by it)
     _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
+    if std > 0 and not noised:  # (drawn now that the sums are known to be finite)
+        grads = noises(params, generator, std)
+        _foreach_add_(grads, [c.detach() for c in clipped])
+        clipped = grads
+    if std > 0:  # (the noise's tensors, the step's own: divided in place)
+        _foreach_div_(clipped, denom)
+    else:  # (autograd's gradients may be expanded views: divided out of place)
+        clipped = _foreach_div(clipped, denom)
     for p, c in zip(params, clipped, strict=True):
-        if std > 0 and not noised:
-            c = noise(p, generator, std).add_(c.detach())
-        # (with noise, a tensor of the step's own: divided in place)
-        p.grad = c.detach().div_(denom) if std > 0 else (c / denom).detach()
+        p.grad = c.detach()
     return norms.detach()
 
 
@@ -213,14 +217,14 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
     scaler that is not one, parameters sharded by FSDP2, an optimizer fused into the
     backward, and gradient hooks under ghost clipping."""
     check_scaler(scaler)
-    params = _covered_params(hooks)
+    plan = _checked_plan(hooks)
+    params, names = list(plan.params), plan.names
     if engine_of(hooks).sharded:
         raise ConfigurationError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    fused = [n for n, p in engine_of(hooks).named_parameters()
-             if p.requires_grad and _torch.accumulate_hooks(p)]  # fmt: skip
+    fused = [n for n, p in zip(names, params, strict=True) if _torch.accumulate_hooks(p)]
     if fused:
         raise ConfigurationError(
             f"dp_sgd_step: '{fused[0]}' has a post-accumulate-grad hook (an optimizer step "
@@ -230,16 +234,17 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             "after dp_sgd_step."
         )
     own = 1  # (gradhooks' own hook on each parameter)
-    hooked = [n for n, p in engine_of(hooks).named_parameters()
-              if p.requires_grad and _torch.tensor_hooks(p) > own]  # fmt: skip
-    if method == "ghost" and hooked:
-        raise ConfigurationError(
-            f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook (register_hook), "
-            "and ghost clipping takes the clipped sum from autograd's gradient of the "
-            "parameters, which such a hook may change after the clipping (a factor above 1 "
-            "would break the clipping bound). Use method='bookkeeping' or 'grad1' (they form "
-            "the clipped sum from the per-example gradients themselves), or remove the hook."
-        )
+    if method == "ghost":
+        hooked = [n for n, p in zip(names, params, strict=True) if _torch.tensor_hooks(p) > own]
+        if hooked:
+            raise ConfigurationError(
+                f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook "
+                "(register_hook), and ghost clipping takes the clipped sum from autograd's "
+                "gradient of the parameters, which such a hook may change after the clipping (a "
+                "factor above 1 would break the clipping bound). Use method='bookkeeping' or "
+                "'grad1' (they form the clipped sum from the per-example gradients themselves), "
+                "or remove the hook."
+            )
     return params
 
 
@@ -467,6 +472,7 @@ def _clipped_sums(
         per_example_loss = scaler.scale(per_example_loss)
         scaled_by = loss_scale = float(scaler.get_scale())
     batch = per_example_loss.shape[0]
+    unscaled = (lambda t: t) if scaled_by == 1.0 else (lambda t: t / scaled_by)  # noqa: E731
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
     engine = engine_of(hooks)
@@ -491,7 +497,7 @@ def _clipped_sums(
                 for g in grads1
             ))  # fmt: skip
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(norms / scaled_by, max_norm)
+        factors = clip_factors(unscaled(norms), max_norm)
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
             None if g is None else torch.einsum("b,b...->...", *_widest(factors, g)).to(p.dtype)
@@ -505,42 +511,46 @@ def _clipped_sums(
         with engine.backward_mode(param_grads=False, keep=kept):
             with engine.collector.keeping_grad1() as grad1s:
                 grads = _grads(hooks, loss, wrt)
-        _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        _check_captured(hooks, params, grads, _have_norms(hooks, params))
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(norms / scaled_by, max_norm).detach()
+        factors = clip_factors(unscaled(norms), max_norm).detach()
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
         summed = {key for key in grad1s if key in built}
         for key in summed:
             _add_weighted(built[key], grad1s[key], factors)
         del grad1s
+        weights: dict[float, Tensor] = {}  # (per scale: one call's, mostly every call's)
         while kept:  # (each call's pieces freed once added)
             pieces, live, scale = kept.pop(0)
+            w = weights.get(scale)
+            if w is None:
+                w = weights[scale] = factors * scale if scale != 1.0 else factors
             for pname, p in live.items():
                 if id(p) not in summed:
-                    pieces[pname].add_batch_sum(built[id(p)], factors * scale)
+                    pieces[pname].add_batch_sum(built[id(p)], w)
             del pieces, live
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
         kept = [] if truth is not None else None
         with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
-        _check_captured(hooks, params, grads, [_has_norm(hooks, p) for p in params])
+        _check_captured(hooks, params, grads, _have_norms(hooks, params))
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = kept = None  # (freed)
-        factors = clip_factors(norms / scaled_by, max_norm).detach()
+        factors = clip_factors(unscaled(norms), max_norm).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
         clipped = _added(into, params, iter(grads))
     _STEPPED[stepped] = True
-    return norms / scaled_by, clipped, loss_scale
+    return unscaled(norms), clipped, loss_scale
 
 
 def _added(
@@ -588,17 +598,17 @@ def _weighted(kept: list, weights: Tensor, params: list) -> Iterator[Tensor | No
         yield None if found is None else found.to(p.dtype)
 
 
-def _has_norm(hooks: Hooks, p: Tensor) -> bool:
-    """Whether the last backward captured ``p``'s per-example norms."""
+def _have_norms(hooks: Hooks, params: list) -> list[bool]:
+    """Per parameter, whether the last backward captured its per-example norms."""
     collector = engine_of(hooks).collector
-    return collector.names.get(id(p)) in collector.param_sq_norms
+    names, captured = collector.names, collector.param_sq_norms
+    return [names.get(id(p)) in captured for p in params]
 
 
 def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[bool]) -> None:
     """Refuses a step where the backward computed a parameter's gradient but captured no
     per-example gradient of it: it would be left out of the clipping (the step would give it
     zero, or noise alone), and the model would silently not train it."""
-    names = {id(p): n for n, p in hooks.model.named_parameters()}
     if params and all(g is None for g in grads):
         raise StateError(
             f"dp_sgd_step: per_example_loss does not depend on any trainable parameter of the "
@@ -606,12 +616,10 @@ def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[boo
             "detached output): the step would be noise alone. Pass the losses computed from "
             "the hooked model's output. No gradient was written."
         )
-    lost = [
-        f"'{names.get(id(p), '?')}'"
-        for p, g, ok in zip(params, grads, captured, strict=True)
-        if g is not None and not ok
-    ]
+    lost = [p for p, g, ok in zip(params, grads, captured, strict=True) if g is not None and not ok]
     if lost:
+        names = {id(p): n for n, p in hooks.model.named_parameters()}
+        lost = [f"'{names.get(id(p), '?')}'" for p in lost]
         more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
         raise StateError(
             f"dp_sgd_step: the backward computed the gradient of {', '.join(lost[:5])}{more} "
@@ -691,10 +699,9 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
 def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
     """Standard normal noise of ``p``'s full shape and dtype (also for a DTensor), drawn from
     ``generator`` (one parameter after the other, in the order of :func:`_covered_params`)."""
-    z = torch.empty(
-        p.shape, dtype=p.dtype, device=generator.device if generator is not None else p.device
-    )
-    return z.normal_(generator=generator).to(p.device)  # (the numbers of torch.randn)
+    device = p.device if generator is None else generator.device
+    z = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=device)
+    return z if z.device == p.device else z.to(p.device)
 
 
 def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
@@ -703,28 +710,138 @@ def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
     return gaussian(p, generator).mul_(std)
 
 
-def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
+def noises(params: list, generator: torch.Generator | None, std: float) -> list[Tensor]:
+    """:func:`noise` of each parameter, drawn in their order (the same numbers), scaled in one
+    call."""
+    zs = [gaussian(p, generator) for p in params]
+    _foreach_mul_(zs, std)
+    return zs
+
+
+# Per-parameter arithmetic in one call (``torch._foreach_*``, documented with the optimizers'
+# ``foreach`` implementations); a loop where a torch lacks them. The same numbers either way:
+# on CPU they run the per-tensor kernels, on CUDA the same arithmetic fused.
+def _foreach_mul_(xs: list[Tensor], factor: float) -> None:
+    if xs and hasattr(torch, "_foreach_mul_"):
+        torch._foreach_mul_(xs, factor)
+    else:
+        for x in xs:
+            x.mul_(factor)
+
+
+def _foreach_div_(xs: list[Tensor], denom: float) -> None:
+    if denom == 1:  # (exact: nothing to do)
+        return
+    if xs and hasattr(torch, "_foreach_div_"):
+        torch._foreach_div_(xs, denom)
+    else:
+        for x in xs:
+            x.div_(denom)
+
+
+def _foreach_div(xs: list[Tensor], denom: float) -> list[Tensor]:
+    if xs and hasattr(torch, "_foreach_div"):
+        return list(torch._foreach_div(xs, denom))
+    return [x / denom for x in xs]
+
+
+def _foreach_add_(xs: list[Tensor], ys: list[Tensor]) -> None:
+    if xs and hasattr(torch, "_foreach_add_"):
+        torch._foreach_add_(xs, ys)
+    else:
+        for x, y in zip(xs, ys, strict=True):
+            x.add_(y)
+
+
+class _Plan(NamedTuple):
+    """A step's parameters for one structure of the hooked model (:func:`_structure`)."""
+
+    key: tuple | None
+    """The structure it was made for (``None``: FSDP2, made again at every step)."""
+    params: list[torch.nn.Parameter]
+    """The trainable parameters of the hooked modules, in the order of
+    ``named_parameters()`` (that of the noise)."""
+    names: list[str]
+    """Their qualified names."""
+    missing: list[str]
+    """Trainable parameters of no hooked module (``unsupported="skip"``)."""
+    complex_: list[str]
+    """Trainable complex parameters."""
+
+
+# Per handle, the plan of its last step
+_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _structure(model: torch.nn.Module) -> tuple:
+    """What a step's parameters depend on, in one walk of the model: every module (a hooked
+    one added, removed or swapped), and every parameter as ``named_parameters()`` gives it,
+    with whether it is trainable and complex (a parameter added, removed, replaced, frozen
+    or unfrozen)."""
+    modules, slots, seen = [], [], set()
+    for prefix, module in model.named_modules():
+        modules.append(id(module))
+        for leaf, p in _torch.own_parameters(module).items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            slots.append((prefix, leaf, id(p), p.requires_grad, p.is_complex()))
+    return tuple(modules), tuple(slots)
+
+
+def _plan(hooks: Hooks) -> _Plan:
+    """The handle's step plan: made again where the model's structure changed since the last
+    step (one walk of the model checks it)."""
     model = hooks.model
     if model is None or not hooks.active:
         raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
     engine = engine_of(hooks)
+    key = None if engine.sharded else _structure(model)
+    plan = _PLANS.get(hooks) if key is not None else None
+    if plan is None or plan.key != key:
+        plan = _planned(hooks, key)
+        if key is not None:
+            _PLANS[hooks] = plan
+    return plan
+
+
+def _planned(hooks: Hooks, key: tuple | None) -> _Plan:
+    engine = engine_of(hooks)
     covered = engine.covered()
-    params, missing, seen = [], [], set()
+    params, names, missing, complex_, seen = [], [], [], [], set()
     for name, p in engine.named_parameters():  # (FSDP2: the sharded parameters)
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (params if id(p) in covered else missing).append(p if id(p) in covered else name)
-    complex_ = [n for n, p in engine.named_parameters() if p.requires_grad and p.is_complex()]
-    if complex_:
+        if p.is_complex():
+            complex_.append(name)
+        if id(p) in covered:
+            params.append(p)
+            names.append(name)
+        else:
+            missing.append(name)
+    return _Plan(key, params, names, missing, complex_)
+
+
+def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the hooked modules, in the order the noise is drawn, after
+    refusing a complex one and one of no hooked module."""
+    return list(_checked_plan(hooks).params)
+
+
+def _checked_plan(hooks: Hooks) -> _Plan:
+    """The handle's step plan, refused where it has a complex trainable parameter or one of
+    no hooked module."""
+    plan = _plan(hooks)
+    if plan.complex_:
         raise ConfigurationError(
-            f"dp_sgd_step: '{complex_[0]}' is complex: the clipping is defined here for real "
-            "parameters only (freeze it, or clip its grad1 yourself)"
+            f"dp_sgd_step: '{plan.complex_[0]}' is complex: the clipping is defined here for "
+            "real parameters only (freeze it, or clip its grad1 yourself)"
         )
-    if missing:
+    if plan.missing:
         raise UnsupportedError(
-            f"dp_sgd_step: trainable parameters {missing} have no gradhooks rule (hooked with "
-            "unsupported='skip'), so their per-example gradients cannot be clipped; freeze "
-            "them or register a rule"
+            f"dp_sgd_step: trainable parameters {plan.missing} have no gradhooks rule (hooked "
+            "with unsupported='skip'), so their per-example gradients cannot be clipped; "
+            "freeze them or register a rule"
         )
-    return params
+    return plan
