@@ -76,6 +76,12 @@ Each internal, its name here, where it is used, and its fallback:
   Fallback: the hooks run through ``torch.compiler.disable`` and dynamo traces the forward
   between them, a graph break at nearly every torch function the tracker sees (slower than
   eager, the same numbers).
+- ``foreach``: ``torch._foreach_mul_``, ``_foreach_div_``, ``_foreach_div``, ``_foreach_add_``
+  (:func:`foreach_mul_`, :func:`foreach_div_`, :func:`foreach_div`, :func:`foreach_add_`), the
+  per-tensor-list arithmetic torch's optimizers use for their ``foreach`` implementations: the
+  DP step scales, divides and adds its noise and sums in one call per step instead of one per
+  parameter (``workflows/dp.py``). Fallback: a loop over the tensors, the same numbers (on CPU
+  they run the same per-tensor kernels).
 
 Required (no fallback; :func:`require` refuses without them):
 
@@ -166,6 +172,10 @@ __all__ = [
     "positional",
     "disabled",
     "backward_hooks_off",
+    "foreach_add_",
+    "foreach_div",
+    "foreach_div_",
+    "foreach_mul_",
     "drop_stale_hooks",
     "first_forward_hook",
     "forward_hooks_off_within",
@@ -279,6 +289,11 @@ INTERNALS: dict[str, Internal] = {
             "eval_frame",
             "torch._C._dynamo.eval_frame.get_eval_frame_callback, set_eval_frame",
             "hooks through torch.compiler.disable: a graph break at nearly every torch function",
+        ),
+        Internal(
+            "foreach",
+            "torch._foreach_mul_, _foreach_div_, _foreach_div, _foreach_add_",
+            "a loop over the tensors, the same numbers",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
@@ -1069,3 +1084,49 @@ def tagged(name: str, tag: str) -> bool:
     overloads = _tensor_overloads(name)
     want = getattr(torch.Tag, tag)
     return bool(overloads) and all(want in ov.tags for ov in overloads)
+
+
+# -- foreach -------------------------------------------------------------------------------------
+
+_FOREACH = _lookup(
+    "foreach",
+    lambda: (torch._foreach_mul_, torch._foreach_div_, torch._foreach_div, torch._foreach_add_),
+)
+
+
+def foreach_mul_(xs: list[Tensor], factor: float) -> None:
+    """Each of ``xs`` multiplied by ``factor`` in place (``torch._foreach_mul_``; a loop
+    where missing or off)."""
+    if xs and _FOREACH is not None and "foreach" not in _off:
+        _FOREACH[0](xs, factor)
+    else:
+        for x in xs:
+            x.mul_(factor)
+
+
+def foreach_div_(xs: list[Tensor], denom: float) -> None:
+    """Each of ``xs`` divided by ``denom`` in place (``torch._foreach_div_``; a loop where
+    missing or off)."""
+    if xs and _FOREACH is not None and "foreach" not in _off:
+        _FOREACH[1](xs, denom)
+    else:
+        for x in xs:
+            x.div_(denom)
+
+
+def foreach_div(xs: list[Tensor], denom: float) -> list[Tensor]:
+    """Each of ``xs`` divided by ``denom``, new tensors (``torch._foreach_div``; a loop where
+    missing or off)."""
+    if xs and _FOREACH is not None and "foreach" not in _off:
+        return list(_FOREACH[2](xs, denom))
+    return [x / denom for x in xs]
+
+
+def foreach_add_(xs: list[Tensor], ys: list[Tensor]) -> None:
+    """Each of ``ys`` added to its ``xs`` in place (``torch._foreach_add_``; a loop where
+    missing or off)."""
+    if xs and _FOREACH is not None and "foreach" not in _off:
+        _FOREACH[3](xs, ys)
+    else:
+        for x, y in zip(xs, ys, strict=True):
+            x.add_(y)

@@ -489,6 +489,27 @@ def test_autograd_node(monkeypatch, off, head):
     assert (True in seen) != off and (None in seen) == off, seen
 
 
+def test_foreach(monkeypatch):
+    """The DP step scales its noise and divides its sums with ``torch._foreach_*``; switched
+    off, a loop over the parameters: the same numbers, bit for bit."""
+    seen = spy(monkeypatch, "foreach_mul_")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    got = []
+    for off in (False, True):
+        twin = copy.deepcopy(model)
+        with switched_off("foreach", off), gradhooks.add_hooks(twin, quantities=("norms",)) as h:
+            losses = twin(x).square().sum(1)
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=0.1, noise_multiplier=0.5, expected_batch_size=4.0,
+                generator=torch.Generator().manual_seed(3),
+            )  # fmt: skip
+        got.append([p.grad for p in twin.parameters()])
+    assert seen, "the DP step did not scale its noise through foreach_mul_"
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_eval_frame(monkeypatch, off):
     """``torch.compile(model)`` of a hooked model (the forward pre-hook of a model of its own
@@ -594,6 +615,7 @@ TESTED = {
     "autograd_node": test_autograd_node,
     "mode_stack": test_mode_stack,
     "eval_frame": test_eval_frame,
+    "foreach": test_foreach,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }
 

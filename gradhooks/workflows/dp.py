@@ -159,12 +159,12 @@ def dp_sgd_step(
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     if std > 0 and not noised:  # (drawn now that the sums are known to be finite)
         grads = noises(params, generator, std)
-        _foreach_add_(grads, [c.detach() for c in clipped])
+        _torch.foreach_add_(grads, [c.detach() for c in clipped])
         clipped = grads
     if std > 0:  # (the noise's tensors, the step's own: divided in place)
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
-        clipped = _foreach_div(clipped, denom)
+        clipped = _torch.foreach_div(clipped, denom)
     for p, c in zip(params, clipped, strict=True):
         p.grad = c.detach()
     return norms.detach()
@@ -714,43 +714,13 @@ def noises(params: list, generator: torch.Generator | None, std: float) -> list[
     """:func:`noise` of each parameter, drawn in their order (the same numbers), scaled in one
     call."""
     zs = [gaussian(p, generator) for p in params]
-    _foreach_mul_(zs, std)
+    _torch.foreach_mul_(zs, std)
     return zs
 
 
-# Per-parameter arithmetic in one call (``torch._foreach_*``, documented with the optimizers'
-# ``foreach`` implementations); a loop where a torch lacks them. The same numbers either way:
-# on CPU they run the per-tensor kernels, on CUDA the same arithmetic fused.
-def _foreach_mul_(xs: list[Tensor], factor: float) -> None:
-    if xs and hasattr(torch, "_foreach_mul_"):
-        torch._foreach_mul_(xs, factor)
-    else:
-        for x in xs:
-            x.mul_(factor)
-
-
 def _foreach_div_(xs: list[Tensor], denom: float) -> None:
-    if denom == 1:  # (exact: nothing to do)
-        return
-    if xs and hasattr(torch, "_foreach_div_"):
-        torch._foreach_div_(xs, denom)
-    else:
-        for x in xs:
-            x.div_(denom)
-
-
-def _foreach_div(xs: list[Tensor], denom: float) -> list[Tensor]:
-    if xs and hasattr(torch, "_foreach_div"):
-        return list(torch._foreach_div(xs, denom))
-    return [x / denom for x in xs]
-
-
-def _foreach_add_(xs: list[Tensor], ys: list[Tensor]) -> None:
-    if xs and hasattr(torch, "_foreach_add_"):
-        torch._foreach_add_(xs, ys)
-    else:
-        for x, y in zip(xs, ys, strict=True):
-            x.add_(y)
+    if denom != 1:  # (exact: nothing to do)
+        _torch.foreach_div_(xs, denom)
 
 
 class _Plan(NamedTuple):
