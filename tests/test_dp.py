@@ -362,6 +362,49 @@ def _want_step(model, x, y, max_norm, sigma, seed):
     }  # fmt: skip
 
 
+class _FrozenTableThenLinear(nn.Module):
+    """A LoRA-like model: the only trainable layer a Linear over the positions, behind a frozen
+    table (its calls run detached where the positions are many: autograd gives no parameter a
+    gradient in the book-keeping step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 6).requires_grad_(False)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(self.table(x)).mean(1)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_a_step_whose_every_parameter_runs_detached_is_not_refused(method):
+    """Every trainable parameter in calls run detached (a Linear over many positions, as LoRA's
+    adapters on a long sequence): the book-keeping backward gives autograd's gradient to none
+    of them, and the step is still the float64 loop's, three steps in a row. (A step whose
+    losses reach no hooked parameter at all is refused: tests/test_real_loops.py.)"""
+    torch.manual_seed(0)
+    model = _FrozenTableThenLinear().double()
+    x, y = torch.randint(0, 10, (4, 8)), torch.randint(3, (4,))
+    quantity = "grad1" if method == "grad1" else "norms"
+    with (
+        gradhooks.tuned(sum_grad1_positions=2),
+        gradhooks.add_hooks(model, quantities=(quantity,)) as h,
+    ):
+        for seed in range(3):
+            model.zero_grad(set_to_none=True)
+            want = _want_step(model, x, y, 0.5, 0.3, seed)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=0.5, noise_multiplier=0.3, method=method,
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    assert_close(p.grad, want[name], f"{method}, step {seed}: '{name}'")
+                else:
+                    assert p.grad is None, name
+
+
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 def test_a_parameter_frozen_added_replaced_or_removed_between_steps_is_seen(method):
     """The step's parameters are planned once per structure of the model: a change between

@@ -609,7 +609,7 @@ def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[boo
     """Refuses a step where the backward computed a parameter's gradient but captured no
     per-example gradient of it: it would be left out of the clipping (the step would give it
     zero, or noise alone), and the model would silently not train it."""
-    if params and all(g is None for g in grads):
+    if params and all(g is None and not ok for g, ok in zip(grads, captured, strict=True)):
         raise StateError(
             f"dp_sgd_step: per_example_loss does not depend on any trainable parameter of the "
             f"hooked {type(hooks.model).__qualname__} (computed from another model, or from a "
