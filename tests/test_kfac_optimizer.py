@@ -352,7 +352,7 @@ def test_trains_real_models(which, base):
 
 
 class _Bilinear(nn.Module):
-    """A Bilinear layer (its rule gives a dense per-example gradient: no Kronecker factors)."""
+    """A Bilinear layer (no rule: the fallback's per-example gradient, no Kronecker factors)."""
 
     def __init__(self):
         super().__init__()

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _torch
 from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError
-from ..pieces import Outer, Rows
+from ..pieces import Outer
 from ..tuning import TUNING
 
 __all__ = [
@@ -131,6 +131,9 @@ class KfacAccumulator:
         self.expand = True
         self.bias = True
         self.capture_a = True  # False: later backwards of the same forward add to G only
+        # the modules without a rule (the fallback's), by qualified name: their matrix-like
+        # weights get no factors, and are listed (``unfactored``); set by the hooks' planning
+        self.without_rule: frozenset[str] = frozenset()
         self.clear()
 
     def clear(self) -> None:
@@ -167,9 +170,9 @@ class KfacAccumulator:
                 # scale); a weight tied to a Linear gets factors of that use only: said
                 kind = type(call_pieces[pname]).__name__
                 self._other.setdefault(key, f"'{module_name}' ({kind})")
-                if _matrix_like(p) and not isinstance(call_pieces[pname], Rows):
+                if module_name in self.without_rule and _matrix_like(p):
                     self._unfactored.setdefault(
-                        key, f"'{key}' {tuple(p.shape)} (module '{module_name}', a {kind} piece)"
+                        key, f"'{key}' {tuple(p.shape)} (module '{module_name}')"
                     )
                 continue
             # the bias is a column of the weight as a matrix [out, in] only where it lies
@@ -223,12 +226,14 @@ class KfacAccumulator:
 
     @property
     def unfactored(self) -> dict[str, str]:
-        """The weights with at least two axes of size > 1 that got no factors, by name, each
-        with the call that used it: their rule gives a dense per-example gradient (a
-        ``Direct`` piece: a ``Bilinear``, a layer without a rule of its own, a weight two
-        parts of a layer add to), not the input and output-gradient K-FAC is formed from.
-        An embedding's table (a ``Rows`` piece), a norm's scale and the biases are not
-        listed: they have no Kronecker factors by construction."""
+        """The weights of layers without a rule (a ``Bilinear``, your own module whose
+        forward is not a Linear's or a convolution's), with at least two axes of size > 1,
+        that got no factors, by name, each with the call that used it: the fallback gives
+        their dense per-example gradient, not the inputs and output-gradients K-FAC is formed
+        from. Not listed: the layers whose rule has no factors by construction (a norm's
+        scale, an embedding's table, the biases), and the model's own parameters used in its
+        forward outside its layers (a positional embedding), which the fallback of the model
+        itself covers."""
         return {k: v for k, v in self._unfactored.items() if k not in self._a}
 
     def factors(
@@ -242,10 +247,11 @@ class KfacAccumulator:
         missing = self.unfactored
         if missing:
             warnings.warn(
-                f"gradhooks K-FAC: no Kronecker factors for {'; '.join(missing.values())}: "
-                "its rule gives a dense per-example gradient, not the inputs and "
-                "output-gradients K-FAC is formed from, so the factors leave it out and "
-                "preconditioning keeps its own gradient",
+                f"gradhooks K-FAC: no Kronecker factors for {'; '.join(missing.values())}: a "
+                "layer without a rule, whose dense per-example gradient (the fallback's) is not "
+                "the inputs and output-gradients K-FAC is formed from, so the factors leave it "
+                "out and preconditioning keeps its own gradient; register a rule that returns an "
+                "Outer piece for it (docs/extending.md) to have its factors",
                 GradhooksWarning,
                 stacklevel=3,
             )

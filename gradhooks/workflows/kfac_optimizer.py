@@ -11,7 +11,7 @@
 3. every weight's gradient (its bias's as the last column) is preconditioned in place
    (:func:`gradhooks.kfac_precondition`), and the base optimizer steps. Parameters without
    factors (a norm's scale, an embedding) keep their gradient. A weight that gets none because
-   its rule gives no Kronecker factors (a ``Bilinear``, a layer without a rule of its own:
+   its layer has no rule (a ``Bilinear``, your own module:
    :attr:`~gradhooks.quantities.kfac.KfacAccumulator.unfactored`) is refused, unless
    ``unfactored="keep"`` says to let it keep its gradient.
 
@@ -77,9 +77,8 @@ class KFAC:
             :meth:`step` on the steps that adapt).
         adapt_every: steps between adaptations.
         damping_range: the bounds of the adapted damping.
-        unfactored: ``"error"`` (default): refuse a weight that gets no Kronecker factors
-            (its rule gives a dense per-example gradient), which would otherwise step on its
-            own gradient unseen; ``"keep"``: let such weights keep their gradient (a warning
+        unfactored: ``"error"`` (default): refuse a weight of a layer without a rule, which
+            gets no Kronecker factors and would otherwise step on its own gradient unseen; ``"keep"``: let such weights keep their gradient (a warning
             names them).
     """
 
@@ -208,11 +207,12 @@ class KFAC:
         missing = acc.unfactored
         if missing and self.unfactored == "error":
             raise UnsupportedError(
-                f"KFAC: no Kronecker factors for {'; '.join(missing.values())}: its rule gives "
-                "a dense per-example gradient, so K-FAC would leave it out and the base "
-                "optimizer step it on its own gradient. Freeze it, give the layer a rule with "
-                "an Outer piece (docs/extending.md), or pass KFAC(..., unfactored='keep') to "
-                "step it unpreconditioned"
+                f"KFAC: no Kronecker factors for {'; '.join(missing.values())}: a layer "
+                "without a rule (its per-example gradient is the fallback's, not an input and "
+                "an output-gradient), so K-FAC would leave it out and the base optimizer step "
+                "it on its own gradient. Register a rule that returns an Outer piece for it "
+                "(docs/extending.md), freeze it, or pass KFAC(..., unfactored='keep') to step "
+                "it unpreconditioned"
             )
         new = acc.factors(reduction, last=True)
         for name, f in new.items():
