@@ -354,6 +354,41 @@ def test_a_weight_tied_to_an_embedding_gets_a_warning_naming_its_other_use():
         assert set(gradhooks.kfac(Tied(False).double(), x, fisher="mc")) == {"out.weight"}
 
 
+def test_a_weight_whose_rule_gives_no_factors_is_named_where_factors_are_read():
+    """A Bilinear (no rule: the fallback's dense per-example gradient) gets no Kronecker
+    factors: left out of the factors, and said (the warning names the weight, its shape and
+    its module), by :func:`gradhooks.kfac` and by ``Hooks.kfac_factors``; the accumulator
+    lists it. The Linear beside it gets its factors; biases, an embedding's table, a norm's
+    2-d scale and the model's own positional parameter are not listed (no factors by
+    construction)."""
+    from gradhooks import GradhooksWarning
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm = nn.Embedding(7, 4), nn.LayerNorm((3, 4))
+            self.pos = nn.Parameter(torch.randn(1, 3, 4))
+            self.bil, self.fc = nn.Bilinear(4, 4, 5), nn.Linear(5, 3)
+
+        def forward(self, t):
+            x = self.norm(self.embed(t) + self.pos).mean(1)
+            return self.fc(torch.tanh(self.bil(x, x)))
+
+    torch.manual_seed(12)
+    net, t = Net().double(), torch.randint(7, (6, 3))
+    said = r"no Kronecker factors for 'bil\.weight' \(5, 4, 4\) \(module 'bil'"
+    with pytest.warns(GradhooksWarning, match=said) as record:
+        factors = gradhooks.kfac(net, t, fisher="mc")
+    assert set(factors) == {"fc.weight"}
+    assert all(k not in str(w.message) for w in record for k in ("embed", "norm", "pos"))
+    with gradhooks.add_hooks(net, "sum", quantities=("kfac",)) as h:
+        net(t).sum().backward()
+        acc = gradhooks.engine.api.engine_of(h).results("kfac").kfac
+        assert list(acc.unfactored) == ["bil.weight"]
+        with pytest.warns(GradhooksWarning, match=said):
+            assert set(h.kfac_factors()) == {"fc.weight"}
+
+
 def test_several_backwards_of_one_forward_sum_g_and_mean_averages_them():
     """Through the hooks, two backwards of one forward: ``G`` sums them ("sum"), and "mean"
     divides by the examples of both (their average); ``A`` is the input's either way."""

@@ -175,10 +175,10 @@ def test_factors_and_inverses_are_updated_at_their_intervals(monkeypatch):
         factors_every=2, inverse_every=3,
     )  # fmt: skip
     estimates, inversions = [], []
-    kfac, invert = gradhooks.workflows.kfac_optimizer.kfac, gradhooks.KFactors.inverse
+    kfac, invert = gradhooks.workflows.kfac_optimizer._accumulate, gradhooks.KFactors.inverse
     monkeypatch.setattr(
         gradhooks.workflows.kfac_optimizer,
-        "kfac",
+        "_accumulate",
         lambda *a, **k: estimates.append(opt.steps) or kfac(*a, **k),
     )
     monkeypatch.setattr(
@@ -346,3 +346,36 @@ def test_trains_real_models(which, base):
             losses.append(loss.item())
     assert opt.factors, "no weight got factors"
     assert losses[-1] < losses[0], losses
+
+
+# -- weights without factors -------------------------------------------------------------------
+
+
+class _Bilinear(nn.Module):
+    """A Bilinear layer (no rule: the fallback's per-example gradient, no Kronecker factors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b, self.fc = nn.Bilinear(4, 4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.b(x, x)))
+
+
+def test_a_weight_without_factors_is_refused_by_the_optimizer_unless_kept():
+    torch.manual_seed(0)
+    model, x, y = _Bilinear(), torch.randn(16, 4), torch.randint(3, (16,))
+    before = copy.deepcopy(model.state_dict())
+    opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(gradhooks.UnsupportedError, match=r"'b\.weight' \(5, 4, 4\).*'b'.*keep"):
+        opt.step(x)
+    for name, t in model.state_dict().items():  # nothing stepped
+        torch.testing.assert_close(t, before[name], rtol=0, atol=0)
+    opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), unfactored="keep")
+    with pytest.warns(gradhooks.GradhooksWarning, match=r"no Kronecker factors for 'b\.weight'"):
+        opt.step(x)
+    assert set(opt.factors) == {"fc.weight"}
+    with pytest.raises(gradhooks.ConfigurationError, match="unfactored"):
+        gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), unfactored="skip")

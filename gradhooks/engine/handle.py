@@ -150,6 +150,7 @@ class Hooks:
             capture=capture, verify=verify,
         )  # fmt: skip
         state.shards, state.targets = shards, targets
+        _note_rule_less(state)
         state.sharded = {id(p) for p in shards.values()}
         # autograd-hacks' layer.activations and layer.backprops_list (keep_backprops=True)
         state.kept_backprops = KeptBackprops() if keep_backprops else None
@@ -392,6 +393,7 @@ class Hooks:
         self._state.targets = plan_targets(
             model, self.registry, self.unsupported, self._state.shards
         )
+        _note_rule_less(self._state)
         for t in self._state.targets:
             other = _HOOKED_MODULES.get(t.module)
             if other is not None and other is not self:
@@ -917,3 +919,13 @@ def clear_grad1(model: nn.Module) -> None:
     for p in model.parameters():
         if hasattr(p, "grad1"):
             del p.grad1
+
+
+def _note_rule_less(state: CaptureState) -> None:
+    """Tell K-FAC which hooked modules have no rule (the fallback's; the model itself, whose
+    own parameters it covers, aside): their weights get no factors, which it lists."""
+    kfac = None if state.collector is None else state.collector.kfac
+    if kfac is not None:
+        kfac.without_rule = frozenset(
+            t.name for t in state.targets if t.entry is FALLBACK and t.name
+        )

@@ -131,6 +131,9 @@ class KfacAccumulator:
         self.expand = True
         self.bias = True
         self.capture_a = True  # False: later backwards of the same forward add to G only
+        # the modules without a rule (the fallback's), by qualified name: their matrix-like
+        # weights get no factors, and are listed (``unfactored``); set by the hooks' planning
+        self.without_rule: frozenset[str] = frozenset()
         self.clear()
 
     def clear(self) -> None:
@@ -143,6 +146,7 @@ class KfacAccumulator:
         self._layout: dict[str, str] = {}  # key -> Outer.matrix_layout of its pieces
         self._batch_now: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
+        self._unfactored: dict[str, str] = {}  # key -> the call of a matrix-like weight without
         self.capture_a = True
 
     def restart(self, keys) -> None:
@@ -150,7 +154,7 @@ class KfacAccumulator:
         afresh."""
         for key in keys:
             for sums in (self._a, self._g, self._n_a, self._n_g, self._biased, self._bias_name,
-                         self._layout, self._batch_now, self._other):  # fmt: skip
+                         self._layout, self._batch_now, self._other, self._unfactored):  # fmt: skip
                 sums.pop(key, None)
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
@@ -166,6 +170,10 @@ class KfacAccumulator:
                 # scale); a weight tied to a Linear gets factors of that use only: said
                 kind = type(call_pieces[pname]).__name__
                 self._other.setdefault(key, f"'{module_name}' ({kind})")
+                if module_name in self.without_rule and _matrix_like(p):
+                    self._unfactored.setdefault(
+                        key, f"'{key}' {tuple(p.shape)} (module '{module_name}')"
+                    )
                 continue
             # the bias is a column of the weight as a matrix [out, in] only where it lies
             # along its rows: not for torch.addmm(b, x, W) with W [in, out] (GPT-2's Conv1D),
@@ -216,11 +224,37 @@ class KfacAccumulator:
             self._n_g[key] = self._n_g.get(key, 0) + batch
         self._batch_now = {}
 
+    @property
+    def unfactored(self) -> dict[str, str]:
+        """The weights of layers without a rule (a ``Bilinear``, your own module whose
+        forward is not a Linear's or a convolution's), with at least two axes of size > 1,
+        that got no factors, by name, each with the call that used it: the fallback gives
+        their dense per-example gradient, not the inputs and output-gradients K-FAC is formed
+        from. Not listed: the layers whose rule has no factors by construction (a norm's
+        scale, an embedding's table, the biases), and the model's own parameters used in its
+        forward outside its layers (a positional embedding), which the fallback of the model
+        itself covers."""
+        return {k: v for k, v in self._unfactored.items() if k not in self._a}
+
     def factors(
         self, reduction: Literal["mean", "sum"] = "mean", last: bool = False
     ) -> dict[str, KFactors]:
         """``last``: the sums are divided in place (nothing reads them again): no second copy
-        of each factor (for a Linear over many features, ``A`` takes hundreds of MiB)."""
+        of each factor (for a Linear over many features, ``A`` takes hundreds of MiB).
+
+        Warns (:class:`~gradhooks.errors.GradhooksWarning`) where a weight is left out
+        (:attr:`unfactored`) or covered by one use only (a tied weight)."""
+        missing = self.unfactored
+        if missing:
+            warnings.warn(
+                f"gradhooks K-FAC: no Kronecker factors for {'; '.join(missing.values())}: a "
+                "layer without a rule, whose dense per-example gradient (the fallback's) is not "
+                "the inputs and output-gradients K-FAC is formed from, so the factors leave it "
+                "out and preconditioning keeps its own gradient; register a rule that returns an "
+                "Outer piece for it (docs/extending.md) to have its factors",
+                GradhooksWarning,
+                stacklevel=3,
+            )
         partial = {k: self._other[k] for k in self._a if k in self._other}
         if partial:
             uses = "; ".join(f"'{k}' also used by {v}" for k, v in partial.items())
@@ -250,6 +284,12 @@ class KfacAccumulator:
             layout = self._layout.get(key, "out_in")
             out[key] = KFactors(aa, gg, self._biased[key], self._bias_name.get(key), layout)
         return out
+
+
+def _matrix_like(p: Tensor) -> bool:
+    """Whether a parameter has at least two axes of size > 1 (a weight K-FAC would cover,
+    not a scale or a bias)."""
+    return sum(size > 1 for size in p.shape) >= 2
 
 
 def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int | Tensor]:

@@ -18,7 +18,10 @@ approximate curvature for modern neural network architectures"):
   (tokens, pixels, the calls of a reused module) act as extra examples:
   ``A = Σ_{b,s} a aᵀ / (batch · shared)``, ``G = Σ_{b,s} g gᵀ``.
 - ``reduce``: positions are reduced first, ``ā_b = mean_s a``, ``ḡ_b = Σ_s g``:
-  ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``.
+  ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``. A module called several times per forward
+  is reduced call by call, over each call's own positions; its ``C`` calls then count as
+  ``C`` rows of each example, as under ``expand``: ``A = Σ_{b,c} ā āᵀ / (batch · C)``,
+  ``G = Σ_{b,c} ḡ ḡᵀ``.
 - A layer that sees a different number of positions per example (the tokens routed to an
   expert of a mixture) counts the positions it saw: ``A`` divides by their number (expand), or
   by the number of examples with any, each reduced to the mean of its own (reduce); ``G``
@@ -102,7 +105,8 @@ def kfac(
       would reduce over the batch;
     - ``expand=True`` (KFC): the shared positions act as extra examples, ``A = Σ_{b,s} a aᵀ /
       (batch · shared)``, ``G = Σ_{b,s} g gᵀ``; ``expand=False`` (reduce): ``ā_b = mean_s a``,
-      ``ḡ_b = Σ_s g``, ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ``;
+      ``ḡ_b = Σ_s g``, ``A = Σ_b ā āᵀ / batch``, ``G = Σ_b ḡ ḡᵀ`` (over the positions of one
+      call: a reused module's calls are reduced one by one, and count as rows, as expanded);
     - ``reduction="mean"`` divides ``G`` by ``batch`` (``kron(G, A)`` approximates the mean of
       the examples' curvatures), ``"sum"`` keeps the sum; ``A`` is always a mean;
     - ``bias=True`` appends a ones column to ``a`` where the layer has a bias: ``A`` is then

@@ -10,7 +10,10 @@
    inverted: ``(kron(G, A) + damping·I)⁻¹`` from their eigendecompositions;
 3. every weight's gradient (its bias's as the last column) is preconditioned in place
    (:func:`gradhooks.kfac_precondition`), and the base optimizer steps. Parameters without
-   factors (a norm's scale, an embedding) keep their gradient.
+   factors (a norm's scale, an embedding) keep their gradient. A weight that gets none because
+   its layer has no rule (a ``Bilinear``, your own module:
+   :attr:`~gradhooks.quantities.kfac.KfacAccumulator.unfactored`) is refused, unless
+   ``unfactored="keep"`` says to let it keep its gradient.
 
 With ``adaptive=True`` and a ``closure``, the damping follows the Levenberg-Marquardt rule of
 Martens and Grosse (2015, §6.5): every ``adapt_every`` steps the loss's actual change is
@@ -44,9 +47,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigurationError, ConfigurationTypeError, NumericalError
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    NumericalError,
+    UnsupportedError,
+)
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
-from .kfac import Fisher, LossFn, LossName, kfac, kfac_precondition
+from .kfac import Fisher, LossFn, LossName, _accumulate, kfac_precondition
 
 __all__ = ["KFAC"]
 
@@ -69,6 +77,9 @@ class KFAC:
             :meth:`step` on the steps that adapt).
         adapt_every: steps between adaptations.
         damping_range: the bounds of the adapted damping.
+        unfactored: ``"error"`` (default): refuse a weight of a layer without a rule, which
+            gets no Kronecker factors and would otherwise step on its own gradient unseen; ``"keep"``: let such weights keep their gradient (a warning
+            names them).
     """
 
     def __init__(
@@ -89,6 +100,7 @@ class KFAC:
         adaptive: bool = False,
         adapt_every: int = 5,
         damping_range: tuple[float, float] = (1e-8, 1e3),
+        unfactored: Literal["error", "keep"] = "error",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationTypeError(
@@ -105,6 +117,8 @@ class KFAC:
         ]:  # fmt: skip
             if int(n) != n or n < 1:
                 raise ConfigurationError(f"{what} must be a whole number >= 1, got {n!r}")
+        if unfactored not in ("error", "keep"):
+            raise ConfigurationError(f"unfactored must be 'error' or 'keep', got {unfactored!r}")
         low, high = damping_range
         if not 0 < low <= damping <= high:
             raise ConfigurationError(
@@ -115,6 +129,7 @@ class KFAC:
         self.factors_every, self.inverse_every = int(factors_every), int(inverse_every)
         self.adaptive, self.adapt_every = adaptive, int(adapt_every)
         self.damping_range = (float(low), float(high))
+        self.unfactored = unfactored
         self._kfac_args: dict[str, Any] = dict(
             fisher=fisher, loss=loss, reduction="mean", expand=expand, bias=bias,
             mc_samples=mc_samples, generator=generator,
@@ -182,11 +197,24 @@ class KFAC:
     def _update_factors(self, inputs: Tensor, target: Tensor | None) -> None:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         try:
-            new = kfac(self.model, inputs, target, **self._kfac_args)
+            args = dict(self._kfac_args)
+            reduction = args.pop("reduction")
+            acc = _accumulate(self.model, inputs, target, **args)
         finally:  # the factors' forward is not a training step: buffers as they were
             for name, b in self.model.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
+        missing = acc.unfactored
+        if missing and self.unfactored == "error":
+            raise UnsupportedError(
+                f"KFAC: no Kronecker factors for {'; '.join(missing.values())}: a layer "
+                "without a rule (its per-example gradient is the fallback's, not an input and "
+                "an output-gradient), so K-FAC would leave it out and the base optimizer step "
+                "it on its own gradient. Register a rule that returns an Outer piece for it "
+                "(docs/extending.md), freeze it, or pass KFAC(..., unfactored='keep') to step "
+                "it unpreconditioned"
+            )
+        new = acc.factors(reduction, last=True)
         for name, f in new.items():
             _check_finite(name, f, "new")
             old = self.factors.get(name)
