@@ -56,6 +56,7 @@ def test_norms_and_squared_sums(case, batch, reduction):
     if batch == 0 and case.id.startswith("instance_norm"):
         pytest.skip("torch's own instance_norm fails on an empty batch")
     model, inputs, target = setup(case, batch)
+    gradhooks.clear_grad1(model)  # (the cases share layers: another test's grad1 stays on them)
     loop = loop_grad(model, case.loss, inputs, target)
     with gradhooks.add_hooks(model, reduction, quantities=("norms", "sum_grad_sq")) as h:
         forward_loss(model, case, inputs, target, reduction).backward()
