@@ -782,7 +782,8 @@ def test_dp_sgd_step_clips_each_example(method):
         assert_close(p.grad, want[n] / 6, f"{method}: {n}")
 
 
-def test_dp_optimizer_physical_batches_equal_one_logical_batch():
+@pytest.mark.parametrize("quantities", [("grad1",), ("norms",)], ids=["grad1", "norms"])
+def test_dp_optimizer_physical_batches_equal_one_logical_batch(quantities):
     """A logical batch split into physical batches gives the same step as one backward:
     Opacus' virtual-step tests (``test_virtual_step``, ``BatchMemoryManager``)."""
     torch.manual_seed(0)
@@ -826,3 +827,459 @@ def test_dp_noise_has_the_promised_standard_deviation():
     want = 1.5 * 2.0 / 4
     assert abs(noise.std().item() / want - 1) < 0.03, noise.std().item()
     assert abs(noise.mean().item()) < 3 * want / noise.numel() ** 0.5
+
+
+# == More of the peers' settings =================================================================
+
+
+def test_time_major_input_with_batch_dim_1():
+    """Inputs whose batch dimension is 1 (``[T, batch, F]``): Opacus' ``batch_first=False``
+    of ``GradSampleModule`` (its RNN and transformer tests)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 3, 4, dtype=torch.float64)  # [T, batch, F]
+    want = vmap_grad(model, sq, x.transpose(0, 1))
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=1):
+        sq(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_cross_entropy_over_a_sequence(reduction):
+    """A language-model loss: cross-entropy over ``[batch · T, classes]`` logits, reduced over
+    every token: curvlinops' per-example settings with sequence losses and BackPACK's
+    ``CrossEntropyLoss`` on ``[N, C, d]`` outputs. Each example's own loss is the mean (or sum)
+    over its tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 10))
+    idx, target = torch.randint(0, 10, (4, 5)), torch.randint(0, 10, (4, 5))
+
+    def loss(out, t):
+        return F.cross_entropy(out.reshape(-1, 10), t.reshape(-1), reduction=reduction)
+
+    oracle_check(model, idx, loss=loss, target=target, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_cross_entropy_on_channels_first_outputs(reduction):
+    """Cross-entropy on ``[N, C, L]`` outputs of a Conv1d (a per-position classifier):
+    BackPACK's ``CrossEntropyLoss`` settings with extra output dimensions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 5, 1))
+    x, target = torch.randn(4, 3, 6), torch.randint(0, 5, (4, 6))
+    oracle_check(
+        model,
+        x,
+        loss=lambda out, t: F.cross_entropy(out, t, reduction=reduction),
+        target=target,
+        reduction=reduction,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_bce_with_logits(reduction):
+    """BCEWithLogitsLoss over several outputs: BackPACK's loss settings."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ELU(), nn.Linear(6, 3))
+    x, target = torch.randn(5, 4), torch.rand(5, 3).double()
+
+    def loss(out, t):
+        return F.binary_cross_entropy_with_logits(out, t, reduction=reduction)
+
+    oracle_check(model, x, loss=loss, target=target, reduction=reduction)
+
+
+def test_autograd_hacks_compute_grad1_rescales_to_its_loss_type():
+    """Hooks added for a mean loss and a sum loss backpropagated, then
+    ``compute_grad1(model, loss_type="sum")``: autograd-hacks takes the reduction from
+    ``compute_grad1``, and so does gradhooks."""
+    model = seeded(AHNet).double()
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,))
+    want = vmap_grad(model, ce("sum"), x, y)
+    gradhooks.add_hooks(model)  # loss_reduction="mean"
+    try:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        gradhooks.compute_grad1(model, loss_type="sum")
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, want[n], n)
+    finally:
+        gradhooks.remove_hooks(model)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_sgd_step_with_tied_and_reused_parameters(method):
+    """Clipping with a weight shared by two layers: the clipped norm is of the sum of both
+    uses (Opacus' ghost-clipping tests with tied embeddings)."""
+    model = seeded(Tied).double()
+    idx, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 10, (5, 3))
+
+    def loss(out, t):
+        return F.cross_entropy(out.reshape(-1, 10), t.reshape(-1), reduction="sum")
+
+    want = clipped_sum_by_oracle(vmap_grad(model, loss, idx, y), max_norm=0.3)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        out = model(idx)
+        per_example = F.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(1)
+        gradhooks.dp_sgd_step(
+            h, per_example, max_norm=0.3, noise_multiplier=0.0, method=method, reduction="sum"
+        )
+    for n, p in model.named_parameters():
+        assert_close(p.grad, want[n], f"{method}: {n}")
+
+
+def test_dp_optimizer_empty_physical_batch():
+    """A Poisson-sampled physical batch with no example: the step is the noise alone (zero
+    without noise), never an error: Opacus' ``test_empty_batch`` of its DP optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    start = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(0, 4, dtype=torch.float64), torch.randint(0, 3, (0,))
+    with gradhooks.add_hooks(model) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            h,
+            max_grad_norm=0.5,
+            noise_multiplier=0.0,
+            expected_batch_size=8,
+        )
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.step()
+    for n, p in model.named_parameters():
+        assert_close(p.detach(), start[n], f"empty step of {n}")
+
+
+def test_packed_sequence_lstm():
+    """An LSTM over a ``PackedSequence`` of sequences of unequal length: Opacus'
+    ``dp_rnn_test.py`` (``packed_input_flag``). Each example's gradient is of its own
+    sequence, up to its length."""
+    lstm = seeded(lambda: nn.LSTM(3, 4, batch_first=True)).double()
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    lengths = torch.tensor([5, 2, 4])
+    want = []
+    for i in range(3):
+        lstm.zero_grad()
+        out, _ = lstm(x[i : i + 1, : lengths[i]])
+        sq(out).backward()
+        want.append({n: p.grad.clone() for n, p in lstm.named_parameters()})
+    lstm.zero_grad()
+    with gradhooks.add_hooks(lstm, loss_reduction="sum"):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False
+        )
+        out, _ = lstm(packed)
+        sq(out.data).backward()
+    for n, p in lstm.named_parameters():
+        assert_close(p.grad1, torch.stack([w[n] for w in want]), n)
+
+
+class Calling(nn.Module):
+    """``module`` called by ``how(module, *inputs)``: a layer given keyword arguments or a
+    state, or whose output is a tuple."""
+
+    def __init__(self, module: nn.Module, how):
+        super().__init__()
+        self.module, self.how = module, how
+
+    def forward(self, *inputs):
+        return self.how(self.module, *inputs)
+
+
+def first(module, x):
+    return module(x)[0]
+
+
+MORE_LAYERS = [
+    (
+        "lstm-proj-size",
+        lambda: Calling(nn.LSTM(4, 6, 2, proj_size=3, batch_first=True), first),
+        lambda: torch.randn(3, 4, 4),
+    ),
+    (
+        "rnn-relu",
+        lambda: Calling(nn.RNN(4, 6, nonlinearity="relu", batch_first=True), first),
+        lambda: torch.randn(3, 4, 4),
+    ),
+    (
+        "gru-initial-state",
+        lambda: Calling(
+            nn.GRU(4, 6, batch_first=True), lambda m, x, h: m(x, h.transpose(0, 1).contiguous())[0]
+        ),
+        lambda: (torch.randn(3, 4, 4), torch.randn(3, 1, 6)),
+    ),
+    (
+        "mha-key-padding-mask",
+        lambda: Calling(
+            nn.MultiheadAttention(6, 2, batch_first=True),
+            lambda m, q, k, mask: m(q, k, k, key_padding_mask=mask, need_weights=False)[0],
+        ),
+        lambda: (
+            torch.randn(3, 4, 6),
+            torch.randn(3, 5, 6),
+            torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]).bool(),
+        ),
+    ),
+    (
+        "mha-causal",
+        lambda: Calling(
+            nn.MultiheadAttention(6, 2, batch_first=True),
+            lambda m, q: m(q, q, q, attn_mask=torch.ones(4, 4).triu(1).bool(), need_weights=False)[
+                0
+            ],
+        ),
+        lambda: torch.randn(3, 4, 6),
+    ),
+    (
+        "mha-sequence-first-with-weights",
+        lambda: Calling(nn.MultiheadAttention(6, 2), lambda m, q: m(*[q.transpose(0, 1)] * 3)),
+        lambda: torch.randn(3, 4, 6),
+    ),
+    (
+        "conv2d-same-even-kernel-dilated",
+        lambda: nn.Conv2d(2, 3, (2, 4), padding="same", dilation=(2, 1)),
+        lambda: torch.randn(3, 2, 6, 7),
+    ),
+    (
+        "conv2d-replicate-strided",
+        lambda: nn.Conv2d(2, 3, 3, padding=(1, 2), stride=(1, 2), padding_mode="replicate"),
+        lambda: torch.randn(3, 2, 6, 7),
+    ),
+    (
+        "conv-transpose2d-output-size",
+        lambda: Calling(
+            nn.ConvTranspose2d(2, 3, 3, stride=2), lambda m, x: m(x, output_size=[10, 10])
+        ),
+        lambda: torch.randn(3, 2, 4, 4),
+    ),
+    (
+        "conv-transpose1d-groups-dilation",
+        lambda: nn.ConvTranspose1d(
+            4, 6, 3, stride=2, padding=1, dilation=2, groups=2, output_padding=1
+        ),
+        lambda: torch.randn(3, 4, 5),
+    ),
+    (
+        "transformer-encoder-layer",
+        lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True),
+        lambda: torch.randn(3, 4, 6),
+    ),
+    (
+        "transformer-encoder-norm-first",
+        lambda: nn.TransformerEncoderLayer(
+            6, 2, 12, dropout=0.0, batch_first=True, norm_first=True
+        ),
+        lambda: torch.randn(3, 4, 6),
+    ),
+    (
+        "transformer-decoder-layer",
+        lambda: nn.TransformerDecoderLayer(6, 2, 12, dropout=0.0, batch_first=True),
+        lambda: (torch.randn(3, 4, 6), torch.randn(3, 5, 6)),
+    ),
+    (
+        "prelu-per-channel",
+        lambda: nn.Sequential(nn.Conv1d(2, 3, 1), nn.PReLU(3)),
+        lambda: torch.randn(3, 2, 5),
+    ),
+    (
+        "bilinear-by-fallback",
+        lambda: Calling(nn.Bilinear(3, 4, 2), lambda m, a, b: m(a, b)),
+        lambda: (torch.randn(5, 3), torch.randn(5, 4)),
+    ),
+    ("batch-norm1d-eval-sequence", lambda: nn.BatchNorm1d(4).eval(), lambda: torch.randn(3, 4, 5)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@pytest.mark.parametrize(
+    "factory,inputs", [m[1:] for m in MORE_LAYERS], ids=[m[0] for m in MORE_LAYERS]
+)
+def test_more_layer_settings(factory, inputs):
+    """Layer settings the peers' per-layer suites sweep: Opacus' ``dp_rnn_test.py``
+    (nonlinearity, initial states), ``multi_head_attention_test.py`` (masks, sequence-first
+    inputs), ``conv2d_test.py`` ("same" padding with even kernels, padding modes), BackPACK's
+    ConvTranspose settings (``output_size``, groups, dilation) and its BatchNorm-in-eval
+    setting; transformer layers and PReLU as Opacus' model tests use them; a Bilinear layer
+    (no rule in either peer) by the fallback."""
+    model = seeded(factory)
+    torch.manual_seed(1)
+    oracle_check(
+        model,
+        inputs(),
+        loss=lambda out, t=None: (
+            sq(out) + sum((o**3).sum() for o in (out if isinstance(out, tuple) else (out,)))
+        ),
+    )
+
+
+class Parent(nn.Module):
+    """A module with a parameter of its own and children with rules (Opacus'
+    ``test_custom_module`` with parameters and submodules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.scale = nn.Parameter(torch.randn(4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x) * self.scale))
+
+
+class TwiceUnsupported(nn.Module):
+    """A layer without a rule applied twice around a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.u, self.lin = Unsupported(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.u(self.lin(self.u(x)))
+
+
+@pytest.mark.parametrize("factory", [Parent, TwiceUnsupported], ids=lambda f: f.__name__)
+def test_custom_modules_with_own_parameters(factory):
+    """Modules holding their own parameters beside children with rules, and a module without a
+    rule used twice: Opacus' custom-module tests of ``GradSampleModule``."""
+    oracle_check(seeded(factory), torch.randn(5, 3 if factory is Parent else 4), loop=True)
+
+
+def test_embedding_max_norm_renormalizes_then_differentiates():
+    """Embedding(max_norm=...) renormalizes its looked-up rows in place during the forward;
+    each example's gradient is then that of the renormalized table (Opacus'
+    ``embedding_test.py`` sweeps ``max_norm``). Against a loop over the examples on the
+    renormalized table."""
+    model = seeded(
+        lambda: nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    ).double()
+    idx = torch.randint(0, 10, (5, 3))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference[0](idx)  # the same renormalization the hooked forward does
+    want = loop_grad(reference, sq, idx)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(idx)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+        assert_close(p.grad1.sum(0), p.grad, f"{n} reduced")
+
+
+def test_embedding_scale_grad_by_freq_counts_within_each_example():
+    """Embedding(scale_grad_by_freq=True): each example's gradient divides by the counts in
+    that example (its own loss's gradient), so ``grad1.sum(0)`` is not ``.grad``, which divides
+    by counts over the batch. Opacus' embedding grad sampler does not handle the flag."""
+    model = seeded(lambda: nn.Embedding(10, 4, scale_grad_by_freq=True)).double()
+    idx = torch.tensor([[1, 1, 2], [3, 1, 1], [4, 5, 6]])
+    want = vmap_grad(model, sq, idx)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(idx)).backward()
+    assert_close(model.weight.grad1, want["weight"], "weight")
+    assert not torch.allclose(model.weight.grad1.sum(0), model.weight.grad)
+
+
+def test_instance_norm_with_running_stats_in_train_mode():
+    """InstanceNorm(track_running_stats=True) in train mode normalizes each example by its own
+    statistics (and updates running ones): Opacus' ``instance_norm*_test.py``. vmap cannot run
+    the in-place running update, so the loop is the oracle; the running statistics are those of
+    the plain model."""
+    factory = lambda: nn.InstanceNorm1d(4, affine=True, track_running_stats=True)  # noqa: E731
+    model = seeded(factory).double()
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+
+    def loss(out, t=None):
+        return (out * w).sum()
+
+    want = loop_grad(copy.deepcopy(model), loss, x)
+    plain = seeded(factory).double()
+    plain(x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+    assert_close(model.running_mean, plain.running_mean, "running_mean")
+    assert_close(model.running_var, plain.running_var, "running_var")
+
+
+def mha_net() -> nn.Module:
+    return Calling(
+        nn.MultiheadAttention(6, 2, batch_first=True, add_bias_kv=True, kdim=4, vdim=5),
+        lambda m, q, k, v: m(q, k, v)[0],
+    )
+
+
+QUANTITY_MODELS = [
+    ("tied", Tied, lambda: torch.randint(0, 10, (4, 5))),
+    (
+        "lstm-two-layer",
+        lambda: Calling(nn.LSTM(3, 4, 2, batch_first=True), first),
+        lambda: torch.randn(3, 5, 3),
+    ),
+    ("mha", mha_net, lambda: (torch.randn(3, 4, 6), torch.randn(3, 5, 4), torch.randn(3, 5, 5))),
+    (
+        "embedding-bag",
+        lambda: nn.EmbeddingBag(10, 4, mode="mean"),
+        lambda: torch.tensor([[1, 1, 2], [3, 4, 3], [5, 5, 5]]),
+    ),
+    (
+        "conv-transpose2d",
+        lambda: nn.ConvTranspose2d(2, 3, 3, stride=2, groups=1),
+        lambda: torch.randn(3, 2, 4, 4),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "factory,inputs", [m[1:] for m in QUANTITY_MODELS], ids=[m[0] for m in QUANTITY_MODELS]
+)
+def test_norms_and_sum_grad_sq_per_layer_family(factory, inputs):
+    """Per-example norms (BackPACK's ``BatchL2Grad``, Opacus' ghost-clipping norms) and
+    ``SumGradSquared`` for tied weights, RNNs, attention, bags and transposed convolutions,
+    against the oracle's per-example gradients: BackPACK's first-order extension tests and
+    Opacus' ``test_ghost_clipping`` norms, layer by layer."""
+    model = seeded(factory).double()
+    torch.manual_seed(1)
+    x = inputs()
+    x = tuple(
+        t.double() if t.is_floating_point() else t for t in (x if isinstance(x, tuple) else (x,))
+    )
+    want = vmap_grad(model, sq, x)
+    with gradhooks.add_hooks(
+        model, loss_reduction="mean", quantities=("norms", "sum_grad_sq")
+    ) as h:
+        (sq(model(*x)) / x[0].shape[0]).backward()
+    for n, g in want.items():
+        assert_close(h.param_norms()[n], g.flatten(1).norm(dim=1), f"norms {n}")
+        assert_close(h.sum_grad_sq()[n], (g**2).sum(0), f"sum_grad_sq {n}")
+
+
+def test_dp_step_through_embedding_lstm_and_attention():
+    """Clipping a model of an Embedding, an LSTM and attention, by each method: Opacus'
+    DP-LSTM and DPMultiheadAttention end-to-end tests (``test_dp_lstm``, its text models)."""
+
+    class Text(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lstm = nn.Embedding(10, 6), nn.LSTM(6, 6, batch_first=True)
+            self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+            self.out = nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.lstm(self.emb(x))[0]
+            return self.out(self.attn(h, h, h)[0][:, -1])
+
+    model = seeded(Text).double()
+    x, y = torch.randint(0, 10, (4, 5)), torch.randint(0, 3, (4,))
+    want = clipped_sum_by_oracle(loop_grad(model, ce("sum"), x, y), max_norm=0.5)
+    for method in ("grad1", "ghost", "bookkeeping"):
+        model.zero_grad()
+        quantities = ("grad1",) if method == "grad1" else ("norms",)
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            per_example = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(
+                h, per_example, max_norm=0.5, noise_multiplier=0.0, method=method, reduction="sum"
+            )
+        for n, p in model.named_parameters():
+            assert_close(p.grad, want[n], f"{method}: {n}")
