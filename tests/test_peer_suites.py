@@ -1283,3 +1283,283 @@ def test_dp_step_through_embedding_lstm_and_attention():
             )
         for n, p in model.named_parameters():
             assert_close(p.grad, want[n], f"{method}: {n}")
+
+
+# == BackPACK's first-order settings, one by one =================================================
+
+
+class TimeMajorRNN(nn.Module):
+    """[batch, T, F] to a time-major RNN and back to [batch, hidden, T] (BackPACK's
+    ``Permute`` / ``RNN`` / ``ReduceTuple`` / ``Permute`` setting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(6, 3)
+
+    def forward(self, x):
+        return self.rnn(x.permute(1, 0, 2))[0].permute(1, 2, 0)
+
+
+def cnn_setting(conv, args, in_shape):
+    def factory():
+        return nn.Sequential(conv(*args), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))
+
+    return factory, in_shape
+
+
+def eval_with_stats(factory, in_shape):
+    """``factory()`` with its batch norms run once on other data (running statistics away
+    from their defaults), then in eval mode."""
+
+    def make():
+        model = factory()
+        with torch.no_grad():
+            model(torch.rand(8, *in_shape[1:]) * 3 + 1)
+        return model.eval()
+
+    return make
+
+
+FIRST_ORDER = [
+    (
+        "linear-one-additional-mse-mean",
+        lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)),
+        (3, 4, 5),
+        "mse",
+        "mean",
+        (3, 4, 2),
+    ),
+    (
+        "linear-two-additional-mse-mean",
+        lambda: nn.Sequential(nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2)),
+        (3, 4, 2, 5),
+        "mse",
+        "mean",
+        (3, 4, 2, 2),
+    ),
+    (
+        "linear-three-additional-mse-sum",
+        lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)),
+        (3, 4, 2, 3, 5),
+        "mse",
+        "sum",
+        (3, 4, 2, 3, 2),
+    ),
+    (
+        "linear-two-additional-flatten-ce-mean",
+        lambda: nn.Sequential(nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2), nn.Flatten()),
+        (3, 4, 2, 5),
+        "ce",
+        "mean",
+        16,
+    ),
+    (
+        "conv1d-dilation-stride",
+        *cnn_setting(nn.Conv1d, (2, 3, 2, 2, 0, 2), (3, 2, 7)),
+        "ce",
+        "mean",
+        4,
+    ),
+    (
+        "conv2d-stride-padding-dilation",
+        *cnn_setting(nn.Conv2d, (3, 6, 2, 4, 2, 3), (3, 3, 8, 8)),
+        "ce",
+        "mean",
+        4,
+    ),
+    (
+        "conv3d-no-bias",
+        *cnn_setting(nn.Conv3d, (3, 2, 2, 4, 2, 1, 1, False), (3, 3, 2, 7, 7)),
+        "ce",
+        "sum",
+        4,
+    ),
+    (
+        "conv-transpose1d-dilation",
+        *cnn_setting(nn.ConvTranspose1d, (3, 6, 2, 4, 2, 0, 1, True, 3), (3, 3, 8)),
+        "ce",
+        "mean",
+        4,
+    ),
+    (
+        "conv-transpose2d-dilation",
+        *cnn_setting(nn.ConvTranspose2d, (2, 4, 2, 1, 0, 0, 1, True, 2), (3, 2, 9, 9)),
+        "ce",
+        "mean",
+        4,
+    ),
+    (
+        "conv-transpose3d-no-bias",
+        *cnn_setting(nn.ConvTranspose3d, (3, 2, 2, 4, 2, 0, 1, False), (3, 3, 2, 7, 7)),
+        "ce",
+        "sum",
+        4,
+    ),
+    (
+        "batch-norm1d-eval-ce-over-positions",
+        eval_with_stats(lambda: nn.BatchNorm1d(3), (2, 3, 4)),
+        (2, 3, 4),
+        "ce",
+        "mean",
+        (2, 4),
+    ),
+    (
+        "batch-norm2d-eval-ce-over-positions",
+        eval_with_stats(lambda: nn.BatchNorm2d(2), (3, 2, 4, 3)),
+        (3, 2, 4, 3),
+        "ce",
+        "mean",
+        (3, 4, 3),
+    ),
+    (
+        "batch-norm3d-linear-batch-norm3d-eval",
+        eval_with_stats(
+            lambda: nn.Sequential(
+                nn.BatchNorm3d(3), nn.Linear(2, 3), nn.BatchNorm3d(3), nn.ReLU(), nn.BatchNorm3d(3)
+            ),
+            (3, 3, 4, 1, 2),
+        ),
+        (3, 3, 4, 1, 2),
+        "ce",
+        "mean",
+        (3, 4, 1, 3),
+    ),
+    ("rnn-time-major-ce-over-steps", TimeMajorRNN, (8, 5, 6), "ce", "mean", (8, 5)),
+    (
+        "rnn-time-major-flatten-mse",
+        lambda: nn.Sequential(TimeMajorRNN(), nn.Flatten()),
+        (8, 5, 6),
+        "mse",
+        "mean",
+        (8, 15),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "factory,in_shape,lossname,reduction,target",
+    [s[1:] for s in FIRST_ORDER],
+    ids=[s[0] for s in FIRST_ORDER],
+)
+def test_backpack_first_order_settings(factory, in_shape, lossname, reduction, target):
+    """BackPACK's ``firstorder_settings.py``, setting by setting: Linear with one to three
+    additional dimensions under MSELoss and CrossEntropyLoss, its Conv/ConvTranspose 1d-3d
+    hyper-parameter tuples (stride, padding, dilation, output padding, bias) behind
+    ReLU-Flatten-Linear, BatchNorm1d/2d/3d in eval mode under a cross-entropy over positions,
+    and a time-major RNN under a cross-entropy over time steps; ``grad1`` (BatchGrad) against
+    the oracle."""
+    torch.manual_seed(0)
+    model = factory()
+    x = torch.rand(*in_shape)
+    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
+        model(x)
+    torch.manual_seed(1)
+    if lossname == "ce":
+        classes = target if isinstance(target, int) else None
+        if classes is None:  # targets over positions: classes are the output's dim 1
+            with torch.no_grad():
+                classes = model(x).shape[1]
+            target = torch.randint(0, classes, target)
+        else:
+            target = torch.randint(0, classes, (in_shape[0],))
+        loss = ce(reduction)
+    else:
+        target, loss = torch.rand(*target).double(), mse(reduction)
+    oracle_check(model, x, loss=loss, target=target, reduction=reduction)
+
+
+# == Opacus' GradSampleModule: custom layers and validation ======================================
+
+
+class SimpleLinear(nn.Module):
+    """A layer written with ``F.linear`` on a parameter of its own, ``[in, out]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        return F.linear(x, self.p.T)
+
+
+def simple_linear_net():
+    return nn.Sequential(SimpleLinear(), nn.Tanh(), nn.Linear(2, 3))
+
+
+def test_rule_registered_for_a_custom_layer():
+    """A rule registered for a custom layer is used for it (no fallback) and is exact: Opacus'
+    ``test_standard_module_validation`` (``register_grad_sampler`` for ``SimpleLinear``)."""
+    registry = copy.deepcopy(gradhooks.REGISTRY)  # the built-in rules, and one more
+
+    @registry.register(SimpleLinear)
+    def simple_linear(call):
+        x, g = call.inputs[0], call.grad_output  # [batch, in], [batch, out]
+        return {"p": gradhooks.Direct(torch.einsum("bi,bo->bio", x, g))}
+
+    model = seeded(simple_linear_net).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    want = vmap_grad(model, sq, x)
+    with gradhooks.add_hooks(model, registry=registry, loss_reduction="sum") as h:
+        sq(model(x)).backward()
+    assert list(h.fallback_modules()) == []
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
+def test_wrong_custom_rule_is_caught_not_written():
+    """A rule 1% off is caught at the backward (``grad1`` does not add up to ``.grad``) and
+    its ``grad1`` is not written: the check Opacus' per-layer tests make offline
+    (``per_sample_gradients_utils``), made at run time."""
+    registry = gradhooks.Registry()
+
+    @registry.register(SimpleLinear)
+    def simple_linear(call):
+        x, g = call.inputs[0], call.grad_output
+        return {"p": gradhooks.Direct(1.01 * torch.einsum("bi,bo->bio", x, g))}
+
+    model = seeded(simple_linear_net).double()
+    with gradhooks.add_hooks(model, registry=registry, loss_reduction="sum"):
+        with pytest.raises(gradhooks.CheckFailedError, match=r"'0\.p'"):
+            sq(model(torch.randn(5, 4, dtype=torch.float64))).backward()
+    assert not hasattr(model[0].p, "grad1")
+
+
+class SampleConvNet(nn.Module):
+    """Opacus' ``SampleConvNet`` (smaller): strided convolutions, overlapping max-pools and a
+    ``view(-1, ...)`` before the linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 8, 2, padding=3), nn.Conv2d(4, 6, 4, 2)
+        self.fc1, self.fc2 = nn.Linear(6 * 4 * 4, 8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)
+        return self.fc2(F.relu(self.fc1(x.view(-1, 6 * 4 * 4))))
+
+
+def test_sample_conv_net_with_l1_loss():
+    """Opacus' ``GradSampleModule`` test model under its ``L1Loss`` (mean): every layer's
+    per-example gradient against the oracle."""
+    oracle_check(
+        seeded(SampleConvNet),
+        torch.randn(4, 3, 28, 28),
+        loss=lambda out, t=None: F.l1_loss(out, torch.zeros_like(out)),
+        reduction="mean",
+    )
+
+
+def test_state_dict_unchanged_and_hooks_not_added_twice():
+    """Hooking leaves ``state_dict`` as it was (Opacus' ``test_state_dict`` /
+    ``test_to_standard_module``), and hooking an already hooked model is refused, since it
+    would count every gradient twice."""
+    model = seeded(SampleConvNet)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with gradhooks.add_hooks(model):
+        assert list(model.state_dict()) == list(before)
+        with pytest.raises(gradhooks.StateError, match="already has gradhooks hooks"):
+            gradhooks.add_hooks(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
