@@ -1563,3 +1563,92 @@ def test_state_dict_unchanged_and_hooks_not_added_twice():
     after = model.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+class TinyNet(nn.Module):
+    """autograd-hacks' tiny LeNet for its Hessian test: pools, two convolutions, two linear
+    layers, ReLUs (piecewise linear, so the Gauss-Newton matrix is the Hessian)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 2, 2), nn.Conv2d(2, 2, 2)
+        self.fc1, self.fc2 = nn.Linear(2, 2), nn.Linear(2, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(F.max_pool2d(x, 4, 4))), 2, 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 2)
+        return self.fc2(F.relu(self.fc1(x.view(-1, 2))))
+
+
+@pytest.mark.parametrize("hess_type", ["CrossEntropy", "LeastSquares"])
+def test_autograd_hacks_hessian_of_tiny_lenet_after_clear(hess_type):
+    """``backprop_hess``, ``clear_backprops``, ``backprop_hess`` again on the same output, then
+    ``compute_hess``: every parameter's ``hess`` is autograd's Hessian of the mean loss
+    (cross-entropy, or half the squared error per example): autograd-hacks' ``test_hess`` on
+    its ``TinyNet``."""
+    model = seeded(TinyNet).double()
+    x = torch.rand(3, 1, 28, 28, dtype=torch.float64)
+    y = torch.randint(0, 10, (3,))
+    target = torch.rand(3, 10, dtype=torch.float64)
+    gradhooks.add_hooks(model)
+    try:
+        output = model(x)
+        gradhooks.backprop_hess(output, hess_type=hess_type)
+        gradhooks.clear_backprops(model)
+        gradhooks.backprop_hess(output, hess_type=hess_type)
+        gradhooks.compute_hess(model)
+    finally:
+        gradhooks.remove_hooks(model)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+
+        def loss_of(flat, name=name, p=p):
+            values = {n: q.detach() for n, q in params.items()}
+            values[name] = flat.view_as(p)
+            out = torch.func.functional_call(model, values, (x,))
+            if hess_type == "CrossEntropy":
+                return F.cross_entropy(out, y)
+            return ((out - target) ** 2).sum() / 2 / len(out)
+
+        want = torch.autograd.functional.hessian(loss_of, p.detach().flatten())
+        assert_close(p.hess, want, f"hess of {name}")
+
+
+# == Opacus' mixed-precision tests ===============================================================
+
+
+def mixed_net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 5),
+        nn.LayerNorm(5),
+        nn.Linear(5, 3),
+    )
+
+
+@pytest.mark.parametrize("how", ["bfloat16-model", "bfloat16-autocast"])
+def test_mixed_precision_against_the_float64_loop(how):
+    """Per-example gradients of a bfloat16 model, and of a float32 model under CPU bfloat16
+    autocast, against the float64 per-example loop: Opacus' ``mixed_precision_test.py``.
+    bfloat16 keeps 8 significant bits (unit roundoff 2⁻⁹ ≈ 2e-3); through seven layers and a
+    normalization the errors measured here are 1e-3 to 1.2e-2 relative (per parameter, in
+    norm), so the bound is 16 roundoffs, 16 · 2⁻⁹ ≈ 3e-2 relative (2.5 times the largest error
+    measured)."""
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    want = loop_grad(mixed_net().double(), ce("sum"), x.double(), y)
+    model = mixed_net()
+    if how == "bfloat16-model":
+        model, x = model.to(torch.bfloat16), x.bfloat16()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "bfloat16-autocast"):
+            out = model(x)
+        F.cross_entropy(out.float(), y, reduction="sum").backward()
+    for n, p in model.named_parameters():
+        assert p.grad1.dtype == p.dtype
+        err = ((p.grad1.double() - want[n]).norm() / want[n].norm()).item()
+        assert err < 3e-2, f"{how} {n}: relative error {err:.2e}"
