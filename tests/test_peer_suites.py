@@ -1652,3 +1652,59 @@ def test_mixed_precision_against_the_float64_loop(how):
         assert p.grad1.dtype == p.dtype
         err = ((p.grad1.double() - want[n]).norm() / want[n].norm()).item()
         assert err < 3e-2, f"{how} {n}: relative error {err:.2e}"
+
+
+# == Batches of one, and what has no reproducible per-example gradient ===========================
+
+
+ONE = [(m[0], m[1], m[2]) for m in MORE_LAYERS if m[0] != "bilinear-by-fallback"] + [
+    (n[0], n[1], lambda shape=n[2]: torch.randn(*shape)) for n in NORMS
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@pytest.mark.parametrize("factory,inputs", [o[1:] for o in ONE], ids=[o[0] for o in ONE])
+def test_batch_of_one(factory, inputs):
+    """A batch of one example (where a squeezed batch dimension would go unnoticed): Opacus'
+    per-layer hypothesis sweeps draw ``N`` from 1 up."""
+    torch.manual_seed(1)
+    x = inputs()
+    x = tuple(t[:1] for t in (x if isinstance(x, tuple) else (x,)))
+    oracle_check(
+        seeded(factory),
+        x,
+        loss=lambda out, t=None: (
+            sq(out) + sum((o**3).sum() for o in (out if isinstance(out, tuple) else (out,)))
+        ),
+    )
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM])
+def test_dropout_between_rnn_layers_in_training_is_refused(kind):
+    """Dropout between stacked RNN layers in training mode draws a mask inside torch's kernel
+    that no per-example recomputation can see: refused at the backward, naming the layer and
+    what to do, with neither ``.grad`` nor ``grad1`` written. (Opacus' ``DPLSTM`` re-implements
+    the layer to support it, ``dp_lstm_test.py``.)"""
+    model = seeded(lambda: Calling(kind(3, 4, 2, dropout=0.5, batch_first=True), first))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        out = model(torch.randn(3, 2, 3))
+        with pytest.raises(gradhooks.ConfigurationError, match=r"'module'.*dropout=0\.5.*eval"):
+            sq(out).backward()
+    for p in model.parameters():
+        assert p.grad is None and not hasattr(p, "grad1")
+
+
+def test_dropout_inside_attention_in_training_is_refused():
+    """MultiheadAttention with dropout in training mode draws its mask inside torch's
+    attention: refused, naming the layer and the remedy (Opacus' ``DPMultiheadAttention``
+    re-implements the layer, ``dp_multihead_attention_test.py``)."""
+    model = seeded(
+        lambda: Calling(
+            nn.MultiheadAttention(4, 2, dropout=0.3, batch_first=True), lambda m, q: m(q, q, q)[0]
+        )
+    )
+    with (
+        gradhooks.add_hooks(model, loss_reduction="sum"),
+        pytest.raises(gradhooks.UnsupportedError, match=r"'module'.*MultiheadAttention.*dropout=0"),
+    ):
+        sq(model(torch.randn(3, 2, 4))).backward()
