@@ -1708,3 +1708,60 @@ def test_dropout_inside_attention_in_training_is_refused():
         pytest.raises(gradhooks.UnsupportedError, match=r"'module'.*MultiheadAttention.*dropout=0"),
     ):
         sq(model(torch.randn(3, 2, 4))).backward()
+
+
+class MeanOfTokens(nn.Module):
+    """A text classifier whose every parameter is in a layer over many positions: an Embedding
+    and a Linear over 64 tokens, averaged (Opacus' text examples, its embedding tests in
+    ``grad_sample_module_fast_gradient_clipping_test.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(50, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(self.emb(x)).mean(1)
+
+
+@pytest.mark.parametrize("method", [None, "grad1", "ghost", "bookkeeping"])
+def test_dp_step_where_every_layer_is_over_many_positions(method):
+    """The DP-SGD step of a model whose every layer takes its batch gradient from its
+    per-example gradients (CPU, 64 positions per example): the clipped mean of the oracle's
+    per-example gradients, by every method and by ``DPOptimizer``'s default (book-keeping),
+    which once refused this model, saying the loss did not depend on its parameters."""
+    model = seeded(MeanOfTokens).double()
+    x, y = torch.randint(0, 50, (6, 64)), torch.randint(0, 3, (6,))
+    want = clipped_sum_by_oracle(vmap_grad(model, ce("sum"), x, y), max_norm=0.05)
+    start = copy.deepcopy(model.state_dict())
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            h,
+            max_grad_norm=0.05,
+            noise_multiplier=0.0,
+            expected_batch_size=6,
+            method=method,
+        )
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.step()
+    for n, p in model.named_parameters():
+        assert_close(p.detach(), start[n] - want[n] / 6, f"{method}: step of {n}")
+
+
+def test_dp_step_of_a_loss_not_from_the_model_is_still_refused():
+    """A per-example loss that does not depend on the hooked model's parameters (a detached
+    output) is refused on the book-keeping path too: the step would be noise alone."""
+    model = seeded(MeanOfTokens).double()
+    x, y = torch.randint(0, 50, (6, 64)), torch.randint(0, 3, (6,))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        out = model(x).detach().requires_grad_()
+        with pytest.raises(gradhooks.StateError, match="does not depend on any trainable"):
+            gradhooks.dp_sgd_step(
+                h,
+                F.cross_entropy(out, y, reduction="none"),
+                max_norm=1.0,
+                noise_multiplier=0.0,
+                method="bookkeeping",
+            )
+    assert all(p.grad is None for p in model.parameters())

@@ -608,8 +608,11 @@ def _have_norms(hooks: Hooks, params: list) -> list[bool]:
 def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[bool]) -> None:
     """Refuses a step where the backward computed a parameter's gradient but captured no
     per-example gradient of it: it would be left out of the clipping (the step would give it
-    zero, or noise alone), and the model would silently not train it."""
-    if params and all(g is None for g in grads):
+    zero, or noise alone), and the model would silently not train it. ``captured`` counts as
+    reaching a parameter too: a book-keeping backward leaves autograd no gradient of the
+    parameters of a layer whose batch gradient is the sum of its ``grad1`` (a Linear or
+    convolution over many positions, an Embedding), only the norms its rule captured."""
+    if params and all(g is None for g in grads) and not any(captured):
         raise StateError(
             f"dp_sgd_step: per_example_loss does not depend on any trainable parameter of the "
             f"hooked {type(hooks.model).__qualname__} (computed from another model, or from a "
