@@ -1723,15 +1723,37 @@ class MeanOfTokens(nn.Module):
         return self.lin(self.emb(x)).mean(1)
 
 
+ALL_SUMMED = [
+    ("embedding-linear-64-tokens", MeanOfTokens, lambda: torch.randint(0, 50, (6, 64))),
+    (
+        "lstm-alone",
+        lambda: Calling(nn.LSTM(3, 3, batch_first=True), lambda m, x: m(x)[0][:, -1]),
+        lambda: torch.randn(6, 5, 3),
+    ),
+    (
+        "conv2d-alone-64-positions",
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        lambda: torch.randn(6, 2, 8, 8),
+    ),
+]
+
+
 @pytest.mark.parametrize("method", [None, "grad1", "ghost", "bookkeeping"])
-def test_dp_step_where_every_layer_is_over_many_positions(method):
+@pytest.mark.parametrize(
+    "factory,inputs", [m[1:] for m in ALL_SUMMED], ids=[m[0] for m in ALL_SUMMED]
+)
+def test_dp_step_where_every_layer_sums_its_grad1(factory, inputs, method):
     """The DP-SGD step of a model whose every layer takes its batch gradient from its
-    per-example gradients (CPU, 64 positions per example): the clipped mean of the oracle's
-    per-example gradients, by every method and by ``DPOptimizer``'s default (book-keeping),
-    which once refused this model, saying the loss did not depend on its parameters."""
-    model = seeded(MeanOfTokens).double()
-    x, y = torch.randint(0, 50, (6, 64)), torch.randint(0, 3, (6,))
-    want = clipped_sum_by_oracle(vmap_grad(model, ce("sum"), x, y), max_norm=0.05)
+    per-example gradients (an Embedding, a Linear or convolution over 64 positions on CPU, an
+    LSTM): the clipped mean of the oracle's per-example gradients, by every method and by
+    ``DPOptimizer``'s default (book-keeping), which once refused these models, saying the
+    loss did not depend on their parameters. Opacus' text and convolution examples, its
+    ``DPLSTM`` tests."""
+    model = seeded(factory).double()
+    torch.manual_seed(1)
+    x, y = inputs(), torch.randint(0, 3, (6,))
+    x = x.double() if x.is_floating_point() else x
+    want = clipped_sum_by_oracle(loop_grad(model, ce("sum"), x, y), max_norm=0.05)
     start = copy.deepcopy(model.state_dict())
     quantities = ("grad1",) if method == "grad1" else ("norms",)
     with gradhooks.add_hooks(model, quantities=quantities) as h:
