@@ -1787,3 +1787,77 @@ def test_dp_step_of_a_loss_not_from_the_model_is_still_refused():
                 method="bookkeeping",
             )
     assert all(p.grad is None for p in model.parameters())
+
+
+class BatchFirst(nn.Module):
+    """``module`` (time-major, ``[T, batch, ...]``) seen batch-first, for the oracle, which
+    maps dimension 0."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.m = module
+
+    def forward(self, x):
+        out = self.m(x.transpose(0, 1))
+        return (out[0] if isinstance(out, tuple) else out).transpose(0, 1)
+
+
+TIME_MAJOR = [
+    ("linear", lambda: nn.Linear(4, 3), lambda: torch.randn(3, 5, 4)),
+    ("linear-40-positions", lambda: nn.Linear(4, 3), lambda: torch.randn(3, 40, 4)),
+    ("embedding-40-positions", lambda: nn.Embedding(10, 4), lambda: torch.randint(0, 10, (3, 40))),
+    ("layer-norm", lambda: nn.LayerNorm(4), lambda: torch.randn(3, 5, 4)),
+    ("rms-norm", lambda: nn.RMSNorm(4), lambda: torch.randn(3, 5, 4)),
+    (
+        "lstm-bidirectional",
+        lambda: nn.LSTM(4, 3, 2, bidirectional=True),
+        lambda: torch.randn(3, 5, 4),
+    ),
+    ("gru", lambda: nn.GRU(4, 3), lambda: torch.randn(3, 5, 4)),
+    (
+        "mha",
+        lambda: Calling(nn.MultiheadAttention(4, 2), lambda m, x: m(x, x, x)[0]),
+        lambda: torch.randn(3, 5, 4),
+    ),
+    (
+        "transformer-encoder-layer",
+        lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0),
+        lambda: torch.randn(3, 5, 4),
+    ),
+    (
+        "embedding-lstm",
+        lambda: nn.Sequential(nn.Embedding(10, 4), nn.LSTM(4, 4)),
+        lambda: torch.randint(0, 10, (3, 5)),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "quantities", [("grad1",), ("norms", "sum_grad_sq")], ids=["grad1", "norms"]
+)
+@pytest.mark.parametrize(
+    "factory,inputs", [m[1:] for m in TIME_MAJOR], ids=[m[0] for m in TIME_MAJOR]
+)
+def test_time_major_layers_with_batch_dim_1(factory, inputs, quantities):
+    """Time-major inputs ``[T, batch, ...]`` hooked with ``batch_dim=1``, under a mean loss:
+    Opacus' ``GradSampleModule(batch_first=False)`` in ``per_sample_gradients_utils_test.py``
+    and its RNN / attention tests. ``grad1``, or norms and squared sums, against the oracle
+    run batch-first."""
+    model = seeded(factory).double()
+    torch.manual_seed(1)
+    x = inputs()
+    x = x.double() if x.is_floating_point() else x
+
+    def loss(out, t=None):
+        return sq(out) + (out**3).sum()
+
+    want = {n.removeprefix("m."): g for n, g in vmap_grad(BatchFirst(model), loss, x).items()}
+    with gradhooks.add_hooks(model, batch_dim=1, quantities=quantities) as h:
+        out = model(x.transpose(0, 1).contiguous())
+        (loss(out[0] if isinstance(out, tuple) else out) / x.shape[0]).backward()
+    for n, p in model.named_parameters():
+        if "grad1" in quantities:
+            assert_close(p.grad1, want[n], n)
+        else:
+            assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"norms {n}")
+            assert_close(h.sum_grad_sq()[n], (want[n] ** 2).sum(0), f"sum_grad_sq {n}")
