@@ -1861,3 +1861,36 @@ def test_time_major_layers_with_batch_dim_1(factory, inputs, quantities):
         else:
             assert_close(h.param_norms()[n], want[n].flatten(1).norm(dim=1), f"norms {n}")
             assert_close(h.sum_grad_sq()[n], (want[n] ** 2).sum(0), f"sum_grad_sq {n}")
+
+
+def freq_embedding_classifier():
+    return Calling(
+        nn.ModuleList([nn.Embedding(20, 4, scale_grad_by_freq=True), nn.Linear(4, 3)]),
+        lambda m, x: m[1](m[0](x).mean(1)),
+    )
+
+
+@pytest.mark.parametrize("repeats", [True, False], ids=["rows-repeat", "rows-unique"])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_step_through_batch_counted_embedding_is_refused(method, repeats):
+    """An Embedding with ``scale_grad_by_freq=True`` divides each row's gradient by its count
+    over the whole batch: the examples are coupled there, and clipping cannot bound one's
+    influence. Every DP step is refused, naming the parameter and the option, with no ``.grad``
+    written, also when this batch happens to repeat no row across examples (where autograd's
+    check alone would have let it through). Opacus' embedding grad sampler ignores the flag."""
+    model = seeded(freq_embedding_classifier).double()
+    x = torch.randint(0, 20, (5, 40)) if repeats else torch.arange(20).view(5, 4)
+    y = torch.randint(0, 3, (5,))
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        with pytest.raises(
+            gradhooks.UnsupportedError, match=r"'module\.0\.weight'.*scale_grad_by_freq=False"
+        ):
+            gradhooks.dp_sgd_step(
+                h,
+                F.cross_entropy(model(x), y, reduction="none"),
+                max_norm=1.0,
+                noise_multiplier=0.0,
+                method=method,
+            )
+    assert all(p.grad is None for p in model.parameters())
