@@ -97,6 +97,11 @@ class EngineAPI:
         """Whether the current accumulation wrote ``p.grad1``."""
         return id(p) in self._hooks._state.written
 
+    def by_design_unsummed(self, p: Tensor) -> bool:
+        """Whether ``p``'s per-example gradients, by its rule's design, do not add up to its
+        batch gradient (:attr:`gradhooks.pieces.Piece.sums_to_grad`)."""
+        return id(p) in self._hooks._state.exempt
+
     def written(self) -> list[Tensor]:
         """The parameters whose ``grad1`` the current accumulation wrote."""
         return list(self._hooks._state.written.values())

@@ -483,6 +483,7 @@ def _clipped_sums(
         grads = _grads(hooks, loss, wrt)
         grads1 = [getattr(p, "grad1", None) if engine.wrote(p) else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
+        _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
         sq = per_example_loss.new_zeros(batch)
@@ -512,6 +513,7 @@ def _clipped_sums(
             with engine.collector.keeping_grad1() as grad1s:
                 grads = _grads(hooks, loss, wrt)
         _check_captured(hooks, params, grads, _have_norms(hooks, params))
+        _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
@@ -540,6 +542,7 @@ def _clipped_sums(
         with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
         _check_captured(hooks, params, grads, _have_norms(hooks, params))
+        _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         norms = _captured_norms(hooks, per_example_loss)
         if truth is not None:
@@ -605,11 +608,31 @@ def _have_norms(hooks: Hooks, params: list) -> list[bool]:
     return [names.get(id(p)) in captured for p in params]
 
 
+def _refuse_coupled(hooks: Hooks, params: list) -> None:
+    """Refuses, on every step, a step through a layer whose batch gradient is by design not
+    the sum of its per-example gradients: there, autograd's gradient of the clipped losses
+    (the ghost step) couples the examples, and no step can be checked against autograd."""
+    coupled = [n for n, p in names_of(hooks, params) if engine_of(hooks).by_design_unsummed(p)]
+    if coupled:
+        raise UnsupportedError(
+            f"dp_sgd_step: the batch gradient of {', '.join(coupled[:5])} is by its layer's "
+            "design not the sum of its per-example gradients (an Embedding with "
+            "scale_grad_by_freq=True divides by each row's count over the whole batch, each "
+            "example's gradient by its own count): through it an example's contribution to "
+            "autograd's gradient depends on the other examples, and the step cannot be checked "
+            "against autograd. Construct the layer without that option "
+            "(scale_grad_by_freq=False) for DP-SGD. No gradient was written."
+        )
+
+
 def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[bool]) -> None:
     """Refuses a step where the backward computed a parameter's gradient but captured no
     per-example gradient of it: it would be left out of the clipping (the step would give it
-    zero, or noise alone), and the model would silently not train it."""
-    if params and all(g is None and not ok for g, ok in zip(grads, captured, strict=True)):
+    zero, or noise alone), and the model would silently not train it. ``captured`` counts as
+    reaching a parameter too: a book-keeping backward leaves autograd no gradient of the
+    parameters of a layer whose batch gradient is the sum of its ``grad1`` (a Linear or
+    convolution over many positions, an Embedding), only the norms its rule captured."""
+    if params and all(g is None for g in grads) and not any(captured):
         raise StateError(
             f"dp_sgd_step: per_example_loss does not depend on any trainable parameter of the "
             f"hooked {type(hooks.model).__qualname__} (computed from another model, or from a "
@@ -627,6 +650,12 @@ def _check_captured(hooks: Hooks, params: list, grads: tuple, captured: list[boo
             "clipped (the step would give them zero, or noise alone). Run the forward after "
             "add_hooks, with capture on; a warning of the backward says more."
         )
+
+
+def names_of(hooks: Hooks, params: list) -> list[tuple[str, Tensor]]:
+    """``params`` with their quoted names in the hooked model."""
+    names = {id(p): n for n, p in hooks.model.named_parameters()}
+    return [(f"'{names.get(id(p), '?')}'", p) for p in params]
 
 
 def _zeros(p: Tensor) -> Tensor:
