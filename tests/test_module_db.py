@@ -1,0 +1,312 @@
+"""torch's own database of module test inputs (``common_modules.module_db``), every module with
+parameters, every sample in float64: ``grad1`` and the per-example norms against the per-example
+loop (and ``vmap(grad)`` where it runs), or a typed refusal that names the module where no
+per-example gradient exists (BatchNorm in training mode).
+
+A sample without a batch dimension is made batched as torch's ``test_expanded_weights`` does:
+the batch dimension is put where the module expects it (dimension 1 for a sequence module that
+is not ``batch_first``) and the example repeated, each copy perturbed so that the examples
+differ. The oracle sees the batch through :class:`BatchFirst`, a wrapper that takes every
+batched tensor with its batch first and puts it back where the module wants it, so that
+:func:`gradhooks.oracle.loop_grad` and ``vmap_grad`` slice the right dimension."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+common_modules = pytest.importorskip("torch.testing._internal.common_modules")
+D = torch.float64
+BATCH = 3  # the batch of an unbatched sample
+PER_ENTRY = 8  # at most this many samples of one entry (spread over its list)
+RNNS = (nn.RNNBase, nn.RNNCellBase)
+SEQUENCE = (
+    nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+HEADS = "heads"  # a mask whose dim 0 is [batch * heads]
+
+
+def _samples(info, training: bool):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(
+            info.module_inputs_func(
+                info, device="cpu", dtype=D, requires_grad=False, training=training
+            )
+        )
+
+
+def _construct(info, sample) -> nn.Module:
+    c = sample.constructor_input
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return info.module_cls(*c.args, **c.kwargs).to(D)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _cases():
+    out = []
+    for info in common_modules.module_db:
+        for training in (False, True):
+            samples = _samples(info, training)
+            keep = []
+            for i, s in enumerate(samples):
+                try:
+                    m = _construct(info, s)
+                except Exception:  # a sample torch cannot construct here; none at present
+                    continue
+                if _has_parameters(m):
+                    keep.append(i)
+            step = max(1, math.ceil(len(keep) / PER_ENTRY))
+            for i in keep[::step]:
+                desc = samples[i].desc or "plain"
+                mode = "train" if training else "eval"
+                out.append(pytest.param(info, training, i, id=f"{info.name}-{mode}-{i}-{desc}"))
+    return out
+
+
+# ---- batching a sample ----------------------------------------------------------------------
+
+
+def _heads(module) -> int:
+    if isinstance(module, nn.MultiheadAttention):
+        return module.num_heads
+    attn = next(m for m in module.modules() if isinstance(m, nn.MultiheadAttention))
+    return attn.num_heads
+
+
+def _specs(module, args, kwargs):
+    """Each tensor argument's batch dimension (an int, ``HEADS``, or None for one shared by the
+    examples), and whether the sample lacks its batch dimension."""
+    if isinstance(module, nn.RNNBase):
+        unbatched = args[0].dim() == 2
+        hx = None if len(args) < 2 else ((1, 1) if isinstance(args[1], tuple) else 1)
+        return [0 if module.batch_first else 1, hx][: len(args)], {}, unbatched
+    if isinstance(module, nn.RNNCellBase):
+        unbatched = args[0].dim() == 1
+        hx = None if len(args) < 2 else ((0, 0) if isinstance(args[1], tuple) else 0)
+        return [0, hx][: len(args)], {}, unbatched
+    if isinstance(module, SEQUENCE):
+        first = args[0]
+        unbatched = first.dim() == 2
+        seq = 0 if getattr(_batch_first_of(module), "batch_first", False) else 1
+        kw = {}
+        for k, v in kwargs.items():
+            if not isinstance(v, Tensor):
+                kw[k] = None
+            elif "key_padding" in k:
+                kw[k] = 0
+            else:  # an attention mask: [L, S] shared, or [heads(*batch), L, S]
+                kw[k] = HEADS if v.dim() == 3 else None
+        return [seq] * len(args), kw, unbatched
+    unbatched = (isinstance(module, nn.PReLU) and args[0].dim() <= 1) or (
+        isinstance(module, nn.Linear | nn.Bilinear) and args[0].dim() == 1
+    )
+    if isinstance(module, nn.modules.conv._ConvNd):
+        unbatched = args[0].dim() == len(module.kernel_size) + 1
+    return [0] * len(args), {k: 0 for k in kwargs}, unbatched
+
+
+def _batch_first_of(module):
+    if isinstance(module, nn.MultiheadAttention):
+        return module
+    if isinstance(module, nn.TransformerEncoder):
+        return module.layers[0].self_attn
+    if isinstance(module, nn.Transformer):
+        return module.encoder.layers[0].self_attn
+    return module.self_attn
+
+
+def _grow(x, spec, heads, gen):
+    """An unbatched argument made batched: the batch dimension put in and ``BATCH`` copies,
+    each floating copy perturbed."""
+    if x is None or spec is None:
+        return x
+    if isinstance(x, tuple):
+        return tuple(_grow(t, s, heads, gen) for t, s in zip(x, spec))
+    if spec == HEADS:
+        return x.repeat(BATCH, 1, 1)
+    x = x.unsqueeze(spec)
+    reps = [1] * x.dim()
+    reps[spec] = BATCH
+    x = x.repeat(*reps)
+    if x.is_floating_point():
+        x = x + 0.3 * torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    return x
+
+
+def batched(info, sample, module):
+    """``(args, kwargs, arg_specs, kwarg_specs, batch)`` of a sample, made batched if it is not."""
+    args, kwargs = tuple(sample.forward_input.args), dict(sample.forward_input.kwargs)
+    if isinstance(module, nn.Linear) and "input" in kwargs:
+        args, kwargs = (kwargs.pop("input"),), kwargs
+    aspec, kspec, unbatched = _specs(module, args, kwargs)
+    unbatched = unbatched or "no_batch_dim" in sample.desc
+    if unbatched:
+        gen = torch.Generator().manual_seed(1)
+        h = _heads(module) if isinstance(module, SEQUENCE) else 1
+        args = tuple(_grow(a, s, h, gen) for a, s in zip(args, aspec))
+        kwargs = {k: _grow(v, kspec[k], h, gen) for k, v in kwargs.items()}
+    first = args[0]
+    batch = first.shape[aspec[0]]
+    return args, kwargs, aspec, kspec, batch
+
+
+# ---- the oracle's view: every batched tensor with its batch first ---------------------------
+
+
+def _flatten(x, spec, heads, flat):
+    if isinstance(x, tuple):
+        return tuple(_flatten(t, s, heads, flat) for t, s in zip(x, spec))
+    if not isinstance(x, Tensor) or spec is None:
+        return ("const", x)
+    if spec == HEADS:
+        flat.append(x.reshape(-1, heads, *x.shape[1:]))
+    else:
+        flat.append(x.movedim(spec, 0))
+    return ("flat", len(flat) - 1, spec)
+
+
+def _rebuild(tree, flat, heads):
+    if isinstance(tree, tuple) and tree and tree[0] == "const":
+        return tree[1]
+    if isinstance(tree, tuple) and tree and tree[0] == "flat":
+        t, spec = flat[tree[1]], tree[2]
+        return t.reshape(-1, *t.shape[2:]) if spec == HEADS else t.movedim(0, spec)
+    return tuple(_rebuild(t, flat, heads) for t in tree)
+
+
+class BatchFirst(nn.Module):
+    """``module`` called on tensors each with its batch first (see the module docstring)."""
+
+    def __init__(self, module, args, kwargs, aspec, kspec, heads):
+        super().__init__()
+        self.m, self.heads, self.flat = module, heads, []
+        self.atree = tuple(_flatten(a, s, heads, self.flat) for a, s in zip(args, aspec))
+        self.ktree = {k: _flatten(v, kspec[k], heads, self.flat) for k, v in kwargs.items()}
+
+    def forward(self, *flat):
+        args = tuple(_rebuild(t, flat, self.heads) for t in self.atree)
+        kwargs = {k: _rebuild(t, flat, self.heads) for k, t in self.ktree.items()}
+        return self.m(*args, **kwargs)
+
+
+def loss_of(out) -> Tensor:
+    """Half the sum of squares of every floating tensor in the output: a sum of per-example
+    losses whatever the output's nesting (RNN ``(out, h)``, LSTM ``(out, (h, c))``, attention
+    ``(out, weights)``)."""
+    if isinstance(out, Tensor):
+        return 0.5 * (out**2).sum() if out.is_floating_point() else out.new_zeros(())
+    return sum((loss_of(o) for o in out if o is not None), torch.zeros((), dtype=D))
+
+
+def prepare(info, training, index):
+    sample = _samples(info, training)[index]
+    module = _construct(info, sample)
+    module.train(training)
+    args, kwargs, aspec, kspec, batch = batched(info, sample, module)
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+        with torch.no_grad():
+            module(*args, **kwargs)  # a lazy module takes its shapes from the input
+        module.to(D)
+    heads = _heads(module) if isinstance(module, SEQUENCE) else 1
+    return module, args, kwargs, aspec, kspec, batch, heads
+
+
+def reference(module, args, kwargs, aspec, kspec, heads, use_vmap: bool):
+    oracle = BatchFirst(copy.deepcopy(module), args, kwargs, aspec, kspec, heads)
+    want = loop_grad(oracle, loss_of, oracle.flat)
+    want = {n.removeprefix("m."): g for n, g in want.items()}
+    if use_vmap:
+        vm = vmap_grad(oracle, loss_of, oracle.flat)
+        for n, g in vm.items():
+            assert_close(g, want[n.removeprefix("m.")], f"vmap_grad vs loop_grad {n}")
+    return want
+
+
+def _mixes_examples(module) -> bool:
+    """BatchNorm normalizing by the batch's statistics: in training mode, or in eval mode
+    without running statistics."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+        for m in module.modules()
+    )
+
+
+# A loss module with a parameter: ``linear_cross_entropy`` fuses the projection with the loss,
+# and gradhooks has no rule for it (a per-example gradient exists under reduction="sum", so this
+# is a gap, not a mixing of the examples): it must refuse, naming the parameter and the op.
+REFUSED = tuple(t for t in (getattr(nn, "LinearCrossEntropyLoss", None),) if t is not None)
+
+
+def _check_refusal(module, args, kwargs):
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(gradhooks.UnsupportedError, match=r"linear\.weight.*linear_cross_entropy"):
+        with gradhooks.add_hooks(module, loss_reduction="sum"):
+            loss_of(module(*args, **kwargs)).backward()
+    for n, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert not any(hasattr(p, "grad1") for p in module.parameters())
+
+
+def _fast_path(module) -> bool:
+    """An encoder in eval mode: under ``vmap`` torch takes its nested-tensor fast path, for
+    which it has no batching rule (``aten::_nested_tensor_from_mask_left_aligned``): the loop
+    alone is the reference there."""
+    return not module.training and isinstance(module, nn.TransformerEncoder | nn.Transformer)
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("info,training,index", CASES)
+def test_grad1_and_norms(info, training, index):
+    module, args, kwargs, aspec, kspec, batch, heads = prepare(info, training, index)
+    if _mixes_examples(module):
+        # BatchNorm in training mode normalizes each example by statistics of the whole batch:
+        # example i's loss depends on every example, so no per-example gradient exists. The
+        # loop's gradients (a batch of one) are not the slices of the batch's gradient.
+        before = {n: p.detach().clone() for n, p in module.named_parameters()}
+        with pytest.raises(gradhooks.GradhooksError, match=type(module).__name__):
+            with gradhooks.add_hooks(module, loss_reduction="sum"):
+                loss_of(module(*args, **kwargs)).backward()
+        for n, p in module.named_parameters():
+            assert torch.equal(p.detach(), before[n]), n
+        return
+    if isinstance(module, REFUSED):
+        _check_refusal(module, args, kwargs)
+        return
+    use_vmap = not isinstance(module, RNNS) and batch > 1 and not _fast_path(module)
+    want = reference(module, args, kwargs, aspec, kspec, heads, use_vmap)
+
+    hooked = copy.deepcopy(module)
+    with gradhooks.add_hooks(hooked, loss_reduction="sum"):
+        loss_of(hooked(*args, **kwargs)).backward()
+    for n, p in hooked.named_parameters():
+        assert_close(p.grad1, want[n], f"{info.name} grad1 {n}")
+        assert_close(p.grad1.sum(0), p.grad, f"{info.name} grad1.sum(0) vs grad {n}")
+
+    normed = copy.deepcopy(module)
+    with gradhooks.add_hooks(normed, loss_reduction="sum", quantities=("norms",)) as h:
+        loss_of(normed(*args, **kwargs)).backward()
+        got = h.param_norms()
+    for n, g in want.items():
+        assert_close(got[n], g.flatten(1).norm(dim=1), f"{info.name} norm {n}")
