@@ -13,7 +13,6 @@ batched tensor with its batch first and puts it back where the module wants it, 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -75,8 +74,12 @@ def _cases():
                     continue
                 if _has_parameters(m):
                     keep.append(i)
-            step = max(1, math.ceil(len(keep) / PER_ENTRY))
-            for i in keep[::step]:
+            # spread evenly and at uneven strides: a list's neighbours differ in one option
+            # (hx given or not, bidirectional, batch_first), a fixed stride would keep one
+            if len(keep) > PER_ENTRY:
+                picks = {round(k * (len(keep) - 1) / (PER_ENTRY - 1)) for k in range(PER_ENTRY)}
+                keep = [keep[k] for k in sorted(picks)]
+            for i in keep:
                 desc = samples[i].desc or "plain"
                 mode = "train" if training else "eval"
                 out.append(pytest.param(info, training, i, id=f"{info.name}-{mode}-{i}-{desc}"))
