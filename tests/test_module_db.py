@@ -266,7 +266,9 @@ REFUSED = tuple(t for t in (getattr(nn, "LinearCrossEntropyLoss", None),) if t i
 
 def _check_refusal(module, args, kwargs):
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    with pytest.raises(gradhooks.UnsupportedError, match=r"linear\.weight.*linear_cross_entropy"):
+    with pytest.raises(
+        gradhooks.UnsupportedError, match=r"linear\.(weight|bias).*linear_cross_entropy"
+    ):
         with gradhooks.add_hooks(module, loss_reduction="sum"):
             loss_of(module(*args, **kwargs)).backward()
     for n, p in module.named_parameters():
