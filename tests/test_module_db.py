@@ -1,7 +1,10 @@
-"""torch's own database of module test inputs (``common_modules.module_db``), every module with
-parameters, every sample in float64: ``grad1`` and the per-example norms against the per-example
-loop (and ``vmap(grad)`` where it runs), or a typed refusal that names the module where no
-per-example gradient exists (BatchNorm in training mode).
+"""torch's own database of module test inputs (``common_modules.module_db``): every entry whose
+module has parameters, up to ``PER_ENTRY`` samples of each (spread over its list), in eval and
+training mode, float64: ``grad1`` and the per-example norms against the per-example loop (and
+``vmap(grad)`` where torch can run it), or a typed refusal that names the module where no
+per-example gradient exists (BatchNorm normalizing by the batch's statistics) or where
+gradhooks has no rule (``LinearCrossEntropyLoss``). Then options the database leaves out
+(``EXTRA``), a three-step training loop, and bfloat16 autocast.
 
 A sample without a batch dimension is made batched as torch's ``test_expanded_weights`` does:
 the batch dimension is put where the module expects it (dimension 1 for a sequence module that
