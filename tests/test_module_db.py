@@ -408,6 +408,21 @@ def _extra_cases():
     ]
 
 
+def _check_examples_mix(module, args, kwargs, aspec, kspec, heads):
+    """That refusing is right: the loop's per-example gradients (each example normalized by
+    its own statistics) do not sum to the batch's gradient, or torch itself cannot normalize
+    an example alone (one value per channel)."""
+    plain = copy.deepcopy(module)
+    loss_of(plain(*args, **kwargs)).backward()
+    try:
+        want = reference(module, args, kwargs, aspec, kspec, heads, use_vmap=False)
+    except ValueError as e:
+        assert "more than 1 value per channel" in str(e)
+        return
+    differs = [n for n, p in plain.named_parameters() if not torch.allclose(want[n].sum(0), p.grad)]
+    assert differs, "the loop sums to the batch gradient: the refusal would not be needed"
+
+
 def _vmappable(module) -> bool:
     """Whether torch's ``vmap`` runs the module: not where the forward writes in place to a
     tensor vmap does not batch (an Embedding's ``max_norm`` renormalizes its rows, an instance
@@ -437,6 +452,7 @@ def test_grad1_and_norms(info, training, index):
                 loss_of(module(*args, **kwargs)).backward()
         for n, p in module.named_parameters():
             assert torch.equal(p.detach(), before[n]), n
+        _check_examples_mix(module, args, kwargs, aspec, kspec, heads)
         return
     if isinstance(module, REFUSED):
         _check_refusal(module, args, kwargs)
