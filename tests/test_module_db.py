@@ -589,3 +589,58 @@ def test_bf16_autocast(info):
         err = float((p.grad1.double() - ref).abs().max()) / (scale or 1.0)
         tol = BF16_TOL_ATTENTION if isinstance(module, SEQUENCE) else BF16_TOL
         assert err < tol, f"{info.name} {n}: relative error {err:.3e} under bf16 autocast"
+
+
+# ---- RNNs on a PackedSequence (torch's own test asks module_db for these too) ---------------
+
+
+def _packed_samples(info):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        samples = info.module_inputs_func(
+            info,
+            device="cpu",
+            dtype=D,
+            requires_grad=False,
+            training=True,
+            with_packed_sequence=True,
+        )
+    packed = nn.utils.rnn.PackedSequence
+    return [s for s in samples if isinstance(s.forward_input.args[0], packed)]
+
+
+def _packed_cases():
+    out = []
+    for info in common_modules.module_db:
+        if info.module_cls not in (nn.RNN, nn.GRU, nn.LSTM):
+            continue
+        n = len(_packed_samples(info))
+        picks = sorted({round(k * (n - 1) / (PER_ENTRY - 1)) for k in range(PER_ENTRY)})
+        out += [pytest.param(info, i, id=f"{info.name}-packed-{i}") for i in picks if n]
+    return out
+
+
+@pytest.mark.parametrize("info,index", _packed_cases())
+def test_packed_sequence(info, index):
+    """A PackedSequence of sequences of different lengths: example ``i`` is its own sequence,
+    unpadded (``pad_packed_sequence`` then narrowed to its length), run alone."""
+    sample = _packed_samples(info)[index]
+    x, rest = sample.forward_input.args[0], sample.forward_input.args[1:]
+    module = _construct(info, sample)
+    padded, lengths = nn.utils.rnn.pad_packed_sequence(x, batch_first=True)
+    at = 0 if module.batch_first else 1
+    want = {n: [] for n, _ in module.named_parameters()}
+    ref = copy.deepcopy(module)
+    for i, length in enumerate(lengths.tolist()):
+        ref.zero_grad()
+        loss_of(ref(padded[i, :length].unsqueeze(at), *rest)[0]).backward()
+        for n, p in ref.named_parameters():
+            want[n].append(p.grad.clone())
+
+    hooked = copy.deepcopy(module)
+    with gradhooks.add_hooks(hooked, loss_reduction="sum"):
+        loss_of(hooked(x, *rest)[0].data).backward()
+    for n, p in hooked.named_parameters():
+        assert_close(p.grad1, torch.stack(want[n]), f"{info.name} packed grad1 {n}")
+        assert_close(p.grad1.sum(0), p.grad, f"{info.name} packed grad1.sum(0) vs grad {n}")
