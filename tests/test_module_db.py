@@ -533,21 +533,26 @@ def _first(names):
     return [pytest.param(infos[n], id=n) for n in names if n in infos]
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("info", _first(LOOP_ENTRIES))
-def test_training_loop(info):
+def test_training_loop(info, reduction):
     """Three SGD steps with ``zero_grad`` on the entry's first sample, training mode: each
-    step's ``grad1`` against the loop at that step's parameters."""
-    module, args, kwargs, aspec, kspec, _, heads = prepare(info, True, 0)
+    step's ``grad1`` against the loop at that step's parameters (``"mean"``: the loss divided
+    by the batch, ``grad1`` still each example's own gradient, its mean ``.grad``)."""
+    module, args, kwargs, aspec, kspec, batch, heads = prepare(info, True, 0)
     twin = copy.deepcopy(module)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    with gradhooks.add_hooks(module, loss_reduction="sum"):
+    with gradhooks.add_hooks(module, loss_reduction=reduction):
         for step in range(3):
             twin.load_state_dict(module.state_dict())
             want = reference(twin, args, kwargs, aspec, kspec, heads, use_vmap=False)
             opt.zero_grad()
-            loss_of(module(*args, **kwargs)).backward()
+            loss = loss_of(module(*args, **kwargs))
+            (loss / batch if reduction == "mean" else loss).backward()
             for n, p in module.named_parameters():
                 assert_close(p.grad1, want[n], f"{info.name} step {step} grad1 {n}")
+                reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+                assert_close(reduced, p.grad, f"{info.name} step {step} grad1 reduced {n}")
             opt.step()
 
 
