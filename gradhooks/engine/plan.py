@@ -207,8 +207,16 @@ def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
     ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes it under the same
     Python object and drops the gradient hooks the parameter had, which are then added
     again."""
-    # (one walk: named_modules() as modules() walks them, and each module's own parameters
-    # as named_parameters() gives them, a parameter shared by several modules once)
+    modules, params = modules_and_parameters(model)
+    return modules, tuple(
+        n if by_name else (n, id(p), _torch.tensor_impl(p)) for n, p in params if p.requires_grad
+    )
+
+
+def modules_and_parameters(model: nn.Module) -> tuple[tuple[int, ...], list]:
+    """One walk of ``model``: the ids of its modules as ``modules()`` gives them, and each
+    parameter once, ``(name, parameter)``, as ``named_parameters()`` gives them (a parameter
+    shared by several modules under its first name)."""
     modules, params, seen = [], [], set()
     for prefix, module in model.named_modules():
         modules.append(id(module))
@@ -216,10 +224,8 @@ def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            if p.requires_grad:
-                n = f"{prefix}.{leaf}" if prefix else leaf
-                params.append(n if by_name else (n, id(p), _torch.tensor_impl(p)))
-    return tuple(modules), tuple(params)
+            params.append((f"{prefix}.{leaf}" if prefix else leaf, p))
+    return tuple(modules), params
 
 
 def fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -63,6 +63,7 @@ from .. import pieces as P
 from ..engine.api import engine_of
 from ..engine.compare import hold, largest
 from ..engine.handle import Hooks
+from ..engine.plan import modules_and_parameters
 from ..engine.records import half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
 from ..errors import (
@@ -777,15 +778,8 @@ def _structure(model: torch.nn.Module) -> tuple:
     one added, removed or swapped), and every parameter as ``named_parameters()`` gives it,
     with whether it is trainable and complex (a parameter added, removed, replaced, frozen
     or unfrozen)."""
-    modules, slots, seen = [], [], set()
-    for prefix, module in model.named_modules():
-        modules.append(id(module))
-        for leaf, p in _torch.own_parameters(module).items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            slots.append((prefix, leaf, id(p), p.requires_grad, p.is_complex()))
-    return tuple(modules), tuple(slots)
+    modules, params = modules_and_parameters(model)
+    return modules, tuple((n, id(p), p.requires_grad, p.is_complex()) for n, p in params)
 
 
 def _plan(hooks: Hooks) -> _Plan:
