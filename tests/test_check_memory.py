@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 import gradhooks
 from gradhooks.engine.compare import CHUNK, dense, hold, largest, largest_difference, norm_of
 from gradhooks.oracle import loop_grad
+from harness import MixedBackward
 
 D = torch.float64
 
@@ -53,19 +54,6 @@ class LivePeak(TorchDispatchMode):
         self.refs.pop(key, None)
 
 
-class _MixedBackward(torch.autograd.Function):
-    """The identity forward, a backward that adds the next example's gradient: mixing that
-    only the check of the examples (the probe) can see."""
-
-    @staticmethod
-    def forward(ctx, h):
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + g.roll(1, 0)
-
-
 class WideHead(nn.Module):
     """Tokens ``[batch, positions]`` to logits over a vocabulary ``[batch, positions, vocab]``:
     the output-gradient is the step's largest tensor, as in a language model."""
@@ -78,7 +66,7 @@ class WideHead(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.l(self.emb(x)))
-        return self.head(_MixedBackward.apply(h) if self.mix else h)
+        return self.head(MixedBackward.apply(h) if self.mix else h)
 
 
 def _backward_peaks(model, x, y, quantity: str, steps: int = 3) -> list[int]:
@@ -177,7 +165,7 @@ class Table(nn.Module):
 
     def forward(self, x):
         h = self.emb(x)
-        h = _MixedBackward.apply(h) if self.mix else h
+        h = MixedBackward.apply(h) if self.mix else h
         return self.head(torch.tanh(self.l(h)).mean(1))
 
 

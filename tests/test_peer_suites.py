@@ -733,15 +733,22 @@ def test_autograd_hacks_hessian(hess_type):
         gradhooks.compute_hess(model)
     finally:
         gradhooks.remove_hooks(model)
-    for name, p in model.named_parameters():
+    if hess_type == "LeastSquares":
+        assert_hess_is_autograds(model, x, lambda out: 0.5 * (out**2).sum(1).mean())
+    else:
+        assert_hess_is_autograds(model, x, lambda out: F.cross_entropy(out, y))
+
+
+def assert_hess_is_autograds(model, x, loss) -> None:
+    """Every parameter's ``hess`` is ``torch.autograd.functional.hessian`` of ``loss(model(x))``
+    in that parameter (flattened), the others held."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
 
         def loss_of(flat, name=name, p=p):
-            params = {n: q.detach() for n, q in model.named_parameters()}
-            params[name] = flat.view_as(p)
-            out = torch.func.functional_call(model, params, (x,))
-            if hess_type == "LeastSquares":
-                return 0.5 * (out**2).sum(1).mean()
-            return F.cross_entropy(out, y)
+            values = {n: q.detach() for n, q in params.items()}
+            values[name] = flat.view_as(p)
+            return loss(torch.func.functional_call(model, values, (x,)))
 
         want = torch.autograd.functional.hessian(loss_of, p.detach().flatten())
         assert_close(p.hess, want, f"hess of {name}")
@@ -1599,19 +1606,10 @@ def test_autograd_hacks_hessian_of_tiny_lenet_after_clear(hess_type):
         gradhooks.compute_hess(model)
     finally:
         gradhooks.remove_hooks(model)
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-
-        def loss_of(flat, name=name, p=p):
-            values = {n: q.detach() for n, q in params.items()}
-            values[name] = flat.view_as(p)
-            out = torch.func.functional_call(model, values, (x,))
-            if hess_type == "CrossEntropy":
-                return F.cross_entropy(out, y)
-            return ((out - target) ** 2).sum() / 2 / len(out)
-
-        want = torch.autograd.functional.hessian(loss_of, p.detach().flatten())
-        assert_close(p.hess, want, f"hess of {name}")
+    if hess_type == "CrossEntropy":
+        assert_hess_is_autograds(model, x, lambda out: F.cross_entropy(out, y))
+    else:
+        assert_hess_is_autograds(model, x, lambda out: ((out - target) ** 2).sum() / 2 / len(out))
 
 
 # == Opacus' mixed-precision tests ===============================================================

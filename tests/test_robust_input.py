@@ -11,7 +11,7 @@ from torch import nn
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 from gradhooks.tracking import MIXED, Layout, Tracker
-from harness import Between, assert_close, assert_matches, mlp, sq
+from harness import Between, MixedBackward, assert_close, assert_matches, mlp, sq
 
 D = torch.float64
 
@@ -577,18 +577,6 @@ class _Centred(torch.autograd.Function):
         return g - g.mean(0, keepdim=True)
 
 
-class _MixedBackward(torch.autograd.Function):
-    """The identity forward, a backward that adds the next example's gradient."""
-
-    @staticmethod
-    def forward(ctx, h):
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + g.roll(1, 0)
-
-
 class _RowWise(torch.autograd.Function):
     """A custom function that keeps every example to itself (a scaled tanh)."""
 
@@ -621,7 +609,7 @@ def _pairing_hook(h):
 # autograd's gradient from that example's rows of the output alone shows it
 UNSEEN_MIXING = {
     "function": _Centred.apply,
-    "backward-only": _MixedBackward.apply,
+    "backward-only": MixedBackward.apply,
     "gradient-hook": _centring_hook,
     "gradient-hook-first-two": _pairing_hook,
     "linalg-norm": lambda h: h / torch.linalg.norm(h),
