@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradhooks import _torch
-from gradhooks.tracking import UNKNOWN, Layout, Tracker
+from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker
 from gradhooks.tracking.ops import FREE, LIKE, METADATA, facts, facts_named, handler_for
 from gradhooks.tracking.ops.common import is_inplace, op_name
 from gradhooks.tracking.ops.names import MAYBE_SAME
@@ -163,3 +163,100 @@ def test_the_table_keeps_no_closure_alive(monkeypatch):
     del scaled, held
     gc.collect()
     assert ref() is None
+
+
+# -- what the tracker keeps of a call for the next one like it (gradhooks.tracking.memo) ---------
+
+
+def _followed(fn, *tensors, batch: int = 4, dim: int = 0):
+    """The layouts a tracker gives the outputs of ``fn(*tensors)``, the first tensor with the
+    batch on dimension ``dim``."""
+    tracker = Tracker(batch, {})
+    tracker.set_layout(tensors[0], Layout(dim))
+    with tracker:
+        out = fn(*tensors)
+    outs = out if isinstance(out, tuple | list) else (out,)
+    return [tracker.layout(o) for o in outs if isinstance(o, torch.Tensor)]
+
+
+def _mixed_other(x):
+    # (the batch's sum in every row: mixed, which torch.where may leave out)
+    return x.sum(0, keepdim=True).expand_as(x)
+
+
+def _fake_quant(x, observer_on):
+    # (quantization-aware training's fused fake quantizer: its observer reads the whole batch
+    # where observer_on holds 1)
+    fq = torch.ao.quantization.FusedMovingAvgObsFakeQuantize()
+    obs = fq.activation_post_process
+    return torch.fused_moving_avg_obs_fake_quant(
+        x, observer_on, fq.fake_quant_enabled, obs.min_val, obs.max_val, fq.scale,
+        fq.zero_point, obs.averaging_constant, obs.quant_min, obs.quant_max, fq.ch_axis,
+        fq.is_per_channel, fq.is_symmetric_quant,
+    )  # fmt: skip
+
+
+# calls whose layout depends on the values of a tensor argument, each with two such tensors of
+# the same shape and dtype: the first's layout is followed (so it could be kept), the second's
+# differs
+_BY_VALUES = {
+    "torch.where taking the mixed branch nowhere, then somewhere": (
+        lambda x, c: torch.where(c, x, _mixed_other(x)), torch.ones(4, 3, dtype=torch.bool),
+        torch.tensor([[True] * 3] * 3 + [[False] * 3]),
+    ),
+    "a fake quantizer's observer off, then on": (
+        _fake_quant, torch.tensor([0]), torch.tensor([1]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_BY_VALUES))
+def test_a_call_whose_layout_depends_on_values_is_followed_afresh(case):
+    """The key a call's layouts are kept by holds its tensors' layouts, shapes and dtypes, not
+    their values: an operation whose handler reads values (an index's entries, a condition)
+    is followed afresh at every call, never given what a call on other values gave."""
+    from gradhooks.tracking import memo
+
+    fn, first, second = _BY_VALUES[case]
+    x = torch.randn(4, 3)
+    memo.clear()
+    fresh = [_followed(fn, x, v) for v in (first, second)]
+    assert fresh[0] != fresh[1] and fresh[0][0].dim >= 0  # (the values decide: it can fail)
+    memo.clear()
+    seen = [_followed(fn, x, v) for v in (first, second)]
+    assert seen == fresh
+    memo.clear()
+
+
+def test_a_call_like_one_before_is_given_its_layouts():
+    """A call with the same key as one followed before (its function, other arguments, its
+    tensors' layouts, shapes and dtypes, the batch) is given the layouts kept from it, without
+    its handler; one that differs in any of these is followed afresh."""
+    from gradhooks.tracking import memo
+
+    calls = []
+    real = Tracker._propagate
+
+    def counted(self, *args):
+        calls.append(args[0].name)
+        return real(self, *args)
+
+    def fn(x):
+        return (x.transpose(0, 1) * 2).sum(0)
+
+    memo.clear()
+    try:
+        Tracker._propagate = counted
+        first = _followed(fn, torch.randn(4, 3))
+        n = len(calls)
+        assert n == 3 and len(memo.KEPT) == 3
+        assert _followed(fn, torch.randn(4, 3)) == first == [Layout(0)]
+        assert len(calls) == n  # (all three from what was kept)
+        # another shape, another batch dimension: followed afresh, and right
+        assert _followed(fn, torch.randn(3, 4), dim=1) == [MIXED]  # (summed over the batch)
+        assert len(calls) == n + 3
+        assert _followed(fn, torch.randn(5, 3), batch=5) == [Layout(0)]
+        assert len(calls) == n + 6
+    finally:
+        Tracker._propagate = real
+        memo.clear()

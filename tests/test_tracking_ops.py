@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask
+from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker, example_mask, memo
 
 try:
     from torch.testing._internal.common_methods_invocations import op_db as _OP_DB
@@ -140,12 +140,12 @@ def _every(op, args: list, kwargs: dict, alongside: list[int], x: torch.Tensor, 
     return op(x, *given, **kwargs)
 
 
-@functools.cache
-def sweep(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Every run of the operation of OpInfo ``key`` (cached): what the tracker claimed, and
-    the problems found."""
+def _runs(key: str, other=None):
+    """The runs of OpInfo ``key``'s operation: ``(d, fn, batched)``, with the batch on
+    dimension 0 and 1, in the input alone and in every argument of its shape, as a function
+    and in place. ``other``: given, the tensors among the sample's arguments are
+    ``other(t)`` instead (other values)."""
     info = _BY_KEY[key]
-    claims, problems = [], []
     for d in (0, 1):
         sample = _sample(info, d)
         if sample is None:
@@ -156,18 +156,87 @@ def sweep(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             if isinstance(a, torch.Tensor) and a.is_floating_point()
             and a.dim() == x.dim() and a.shape[d] == x.shape[d]
         ]  # fmt: skip
+        if other is not None:
+            x = other(x)
+            args = [other(a) if isinstance(a, torch.Tensor) else a for a in args]
+            kwargs = {k: other(a) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
         for op in (info.op, info.inplace_variant):
             if op is None:
                 continue
-            runs = [(functools.partial(_alone, op, args, kwargs), [x])]
+            yield d, functools.partial(_alone, op, args, kwargs), [x]
             if alongside:
                 every = functools.partial(_every, op, args, kwargs, alongside)
-                runs.append((every, [x, *(args[i] for i in alongside)]))
-            for fn, batched in runs:
-                claim, found = ownership(fn, batched, d)
-                claims.append(claim)
-                problems += [f"d={d}: {p}" for p in found]
+                yield d, every, [x, *(args[i] for i in alongside)]
+
+
+@functools.cache
+def sweep(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every run of the operation of OpInfo ``key`` (cached): what the tracker claimed, and
+    the problems found."""
+    claims, problems = [], []
+    for d, fn, batched in _runs(key):
+        claim, found = ownership(fn, batched, d)
+        claims.append(claim)
+        problems += [f"d={d}: {p}" for p in found]
     return tuple(claims), tuple(problems)
+
+
+def _layouts(fn, batched: list[torch.Tensor], d: int) -> list | None:
+    """The layouts a tracker gives the outputs of ``fn(*batched)``, the batch on dimension
+    ``d`` of each tensor of ``batched`` (``None``: it raised)."""
+    tracker = Tracker(batched[0].shape[d], {})
+    inputs = [t.clone() for t in batched]
+    for t in inputs:
+        tracker.set_layout(t, Layout(d))
+    try:
+        with tracker:
+            torch.manual_seed(0)
+            outs = _outputs(fn(*inputs))
+    except Exception:
+        return None
+    return [tracker.layout(o) for o in outs]
+
+
+def _other_values(g: torch.Generator):
+    """A tensor of the same shape, dtype and layout with other values: floats drawn afresh,
+    flags flipped at random, integers drawn between the tensor's own least and greatest
+    (an index stays in range)."""
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        if t.is_sparse or t.numel() == 0 or t.layout != torch.strided:
+            return t
+        if t.dtype == torch.bool:
+            return torch.rand(t.shape, generator=g) < 0.5
+        if t.is_floating_point() or t.is_complex():
+            try:
+                return (torch.randn(t.shape, generator=g, dtype=D) * 2 + 1).to(t.dtype)
+            except (RuntimeError, TypeError):  # (float8: no conversion this way)
+                return t
+        lo, hi = int(t.min()), int(t.max())
+        return torch.randint(lo, hi + 1, t.shape, generator=g).to(t.dtype)
+
+    return other
+
+
+def kept_problems(key: str) -> list[str]:
+    """Every run of OpInfo ``key``'s operation, once, then with other values in every tensor
+    argument, where the tracker takes what it kept of the first
+    (:mod:`gradhooks.tracking.memo`), against the second followed afresh: a handler that
+    reads values, not kept as one, differs."""
+    problems = []
+    firsts = list(_runs(key))
+    seconds = list(_runs(key, _other_values(torch.Generator().manual_seed(1))))
+    for (d, fn, batched), (_, fn2, batched2) in zip(firsts, seconds):
+        memo.clear()
+        if _layouts(fn, batched, d) is None:
+            continue
+        kept = _layouts(fn2, batched2, d)
+        memo.clear()
+        fresh = _layouts(fn2, batched2, d)
+        if kept != fresh:
+            problems.append(f"d={d}: kept {kept}, followed afresh {fresh}")
+    memo.clear()
+    return problems
 
 
 _BY_KEY = {f"{i.name}.{i.variant_test_name}".rstrip("."): i for i in _OP_DB}
@@ -179,6 +248,17 @@ def test_op(key):
     if key.split(".")[0] in NOT_COMPARABLE or key in NOT_COMPARABLE:
         pytest.skip(NOT_COMPARABLE.get(key, ""))
     _, problems = sweep(key)
+    assert not problems, f"{key}: " + "; ".join(problems[:4])
+
+
+@pytest.mark.skipif(not _OP_DB, reason=_WHY or "no OpInfo database")
+@pytest.mark.parametrize("key", sorted(_BY_KEY) or ["none"])
+def test_what_is_kept_is_what_the_tracker_finds(key):
+    """A call like one followed before (the same arguments, layouts, shapes and dtypes, other
+    values) is given the layouts kept from it: the same as following it afresh."""
+    if key.split(".")[0] in NOT_COMPARABLE or key in NOT_COMPARABLE:
+        pytest.skip(NOT_COMPARABLE.get(key, ""))
+    problems = kept_problems(key)
     assert not problems, f"{key}: " + "; ".join(problems[:4])
 
 

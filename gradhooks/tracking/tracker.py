@@ -50,10 +50,11 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch
+from . import memo
 from .aliases import aliased
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
-from .ops import OpFacts, data_args, facts, facts_named, handler_for, output_layout
+from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS
 from .ops.pointwise import is_pointwise, where_unselected
@@ -341,7 +342,10 @@ class Tracker(TorchFunctionMode):
                 self.func = func
                 try:
                     # (``tensors`` are the tensors whose values it computes with, as there)
-                    self._propagate(op, args, kwargs, out, tensors)
+                    if op.kept:
+                        self._follow(op, args, kwargs, out, tensors)
+                    else:
+                        self._propagate(op, args, kwargs, out, tensors)
                 finally:
                     self.func = None
                 return out
@@ -439,6 +443,51 @@ class Tracker(TorchFunctionMode):
         """``t``'s layout, or, where it is unknown, where its examples are presumed."""
         lay = self._layout_of(t)
         return self.presumed.get(t, lay) if lay is UNKNOWN else lay
+
+    def _follow(self, op: OpFacts, args, kwargs, out, ins: list) -> None:
+        """:meth:`_propagate` for a call on tensors with layouts and no sources, or, where a
+        call with the same key was followed before, the layouts it gave (:mod:`.memo`)."""
+        if (
+            self.coupled.entries
+            or self.row_index.entries
+            or self.reordered.entries
+            or (op.kept == INDEX and len(args) > 1 and tensor_args(args[1:2], {}))
+            or (self.lineage.entries and any([t in self.lineage for t in ins]))
+        ):
+            return self._propagate(op, args, kwargs, out, ins)
+        layouts = self.layouts
+        found = memo.key(op, self.batch, args, kwargs, layouts.entries)
+        if found is memo.NO_KEY:
+            return self._propagate(op, args, kwargs, out, ins)
+        hit = memo.KEPT.get(found)
+        if isinstance(out, Tensor):
+            if hit is not None and len(hit[0]) == 1 and out.shape == hit[0][0]:
+                lay = hit[1][0]
+                if lay is not None:
+                    layouts[out] = lay
+                return None
+            outs = [out]
+        else:
+            outs = out_tensors(out)
+            if not outs and op.inplace and args and isinstance(args[0], Tensor):
+                outs = [args[0]]
+            if hit is not None and len(hit[0]) == len(outs):
+                shapes, lays = hit
+                same = True
+                for o, shape in zip(outs, shapes):
+                    if o.shape != shape:
+                        same = False
+                        break
+                if same:
+                    for o, lay in zip(outs, lays):
+                        if lay is not None:
+                            layouts[o] = lay
+                    return None
+        notes = len(self.unknown), len(self.mixed), len(self.presumed.entries)
+        self._propagate(op, args, kwargs, out, ins)
+        if notes == (len(self.unknown), len(self.mixed), len(self.presumed.entries)):
+            memo.keep(found, outs, layouts)
+        return None
 
     def propagate(self, name: str, args, kwargs, out) -> None:
         """Record the layouts of ``out``, what the torch function ``name`` gave on ``args``

@@ -123,6 +123,23 @@ def _free(*args: Any) -> None:
 
 HANDLERS.update({n: _free for n in FREE})
 
+
+def _module_of(handler: Any) -> str | None:
+    return getattr(getattr(handler, "fn", handler), "__module__", None)
+
+
+# the operations whose handlers read tensors' values, not only their layouts, shapes and the
+# other arguments (an index's entries, torch.where's condition, a fake quantizer's observer
+# switch), and those that find rows (nonzero): their results are never kept (:mod:`..memo`)
+READS_VALUES = frozenset(
+    {n for n, h in HANDLERS.items() if _module_of(h) == indexing.__name__}
+    | {"where", "fused_moving_avg_obs_fake_quant", "nonzero", "argwhere"}
+)
+# ... except ``x[index]`` and ``x[index] = v`` whose index holds no tensor (slices, integers,
+# None, ...), which read shapes only: kept where the index is so (OpFacts.kept: INDEX)
+INDEX = 2
+_PLAIN_INDEX = frozenset({"__getitem__", "__setitem__"})
+
 # what reads a tensor's metadata, not its values: a parameter handed to one of these is not used
 # (by a hook reading ``p.dtype`` inside a call, or the engine reading ``p.requires_grad``)
 METADATA = frozenset(
@@ -191,7 +208,9 @@ class OpFacts:
     """What the tracker asks of a torch function on every call of it, found once: its name
     (:func:`.common.op_name`), whether it is in :data:`LIKE`, :data:`METADATA`,
     :data:`.names.MAYBE_SAME`, :data:`FREE`, whether it works in place
-    (:func:`.common.is_inplace`) and its handler (:func:`handler_for`)."""
+    (:func:`.common.is_inplace`), its handler (:func:`handler_for`), and whether what its
+    handler gives may be kept for calls with the same arguments (:mod:`..memo`: a handler
+    that does not read values)."""
 
     name: str
     like: bool
@@ -200,6 +219,7 @@ class OpFacts:
     free: bool
     inplace: bool
     handler: Any
+    kept: int = 0  # (0: never, 1: always, INDEX: where the index holds no tensor)
 
 
 # per torch function (and per name), by whether torch's operator schemas are read (the
@@ -213,6 +233,7 @@ def facts_named(name: str) -> OpFacts:
     table = _NAMED[_torch.available("op_schema")]
     found = table.get(name)
     if found is None:
+        handler = handler_for(name)
         found = table[name] = OpFacts(
             name,
             name in LIKE,
@@ -220,8 +241,11 @@ def facts_named(name: str) -> OpFacts:
             name in MAYBE_SAME,
             name in FREE,
             is_inplace(name),
-            handler_for(name),
-        )
+            handler,
+            0 if handler is None or name in FREE
+            else INDEX if name in _PLAIN_INDEX
+            else int(name not in READS_VALUES),
+        )  # fmt: skip
     return found
 
 
