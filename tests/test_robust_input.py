@@ -318,6 +318,29 @@ def test_model_used_through_a_method_or_a_submodule(how, seq):
             assert_close(p.grad1, want[n], f"{how} {n}")
 
 
+def test_a_layer_called_on_its_own_that_is_refused_leaves_no_forward_open():
+    """A hooked layer called on its own whose capture is refused at its forward (batch
+    statistics of a BatchNorm in training): the refusal ends that call's forward of the model,
+    so that the next forward, of the whole model, is followed from its own inputs."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'1' \(BatchNorm1d\)"):
+            m[1](x @ torch.ones(3, 4, dtype=torch.float64))
+        m.eval()
+        z = torch.randn(5, 4, dtype=torch.float64)
+        sq(m[2](z)).backward()  # (on its own again: its input is the batch)
+        got = {n: p.grad1.clone() for n, p in m[2].named_parameters()}
+        m.zero_grad(set_to_none=True)
+        sq(m(x)).backward()
+    for n, g in loop_grad(m[2], lambda out, *_: sq(out), z).items():
+        assert_close(got[n], g, f"on its own: {n}")
+    want = loop_grad(m, lambda out, *_: sq(out), x)
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
 def test_inputs_without_a_batch_dimension():
     model = nn.Linear(3, 2)
     with gradhooks.add_hooks(model):

@@ -26,9 +26,10 @@ tracker through :class:`~.link.TrackerLink`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -315,36 +316,50 @@ class Hooks:
             self._module_hooks.append(made)
             return made
 
+        entries = entry_modules(model, self._state.targets)
+        entry_ids = {id(m) for m in entries}
+        joined: dict[int, tuple[bool, bool]] = {}  # (pre-hook, forward hook) joined with ours
         for target in self._state.targets:
+            m = target.module
             detaches = target.entry.grad_from_grad1 is not None
-            handles.append(
-                target.module.register_forward_pre_hook(
-                    hook(self._forwards.enter_hook(target)), with_kwargs=True
+            enter, forward = self._forwards.enter_hook(target), self._forwards.forward_hook(target)
+            if id(m) in entry_ids:
+                # A hooked module that may be called on its own: where no hook of its user's
+                # runs between its entry's hooks and ours, one pre-hook and one forward hook
+                # do the work of both, in the same order (a Python call fewer each)
+                pre, post = self._forwards.entry_hooks(m)
+                joined[id(m)] = (
+                    not _torch.forward_pre_hooks(m),
+                    _torch.first_forward_hook(m) is None,
                 )
-            )
+                if joined[id(m)][0]:
+                    enter = _pre_then(pre, enter)
+                if joined[id(m)][1]:
+                    forward = _forward_then(forward, post)
+            handles.append(m.register_forward_pre_hook(hook(enter), with_kwargs=True))
             # (first among the module's forward hooks: one registered before add_hooks that
             # returns a new output must not hide the output the rule's gradient is taken at)
-            handle = target.module.register_forward_hook(
-                hook(self._forwards.forward_hook(target)),
-                with_kwargs=True,
-                always_call=True,
-                prepend=True,
+            handle = m.register_forward_hook(
+                hook(forward), with_kwargs=True, always_call=True, prepend=True
             )
             handles.append(handle)
             if detaches:
                 handles.append(
-                    target.module.register_forward_pre_hook(
+                    m.register_forward_pre_hook(
                         hook(self._detached_calls.detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
-        for entry in entry_modules(model, self._state.targets):
+        for entry in entries:
+            pre_joined, post_joined = joined.get(id(entry), (False, False))
             pre, post = self._forwards.entry_hooks(entry)
-            handles.append(
-                entry.register_forward_pre_hook(hook(pre), with_kwargs=True, prepend=True)
-            )
-            handles.append(
-                entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
-            )
+            if not pre_joined:
+                handles.append(
+                    entry.register_forward_pre_hook(hook(pre), with_kwargs=True, prepend=True)
+                )
+            if not post_joined:
+                handles.append(
+                    entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
+                )
         self._accumulators = []  # (held: a leaf's AccumulateGrad node lives while referred to)
         for pid, (name, p) in self._state.params.items():
             if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
@@ -929,3 +944,33 @@ def _note_rule_less(state: CaptureState) -> None:
         kfac.without_rule = frozenset(
             t.name for t in state.targets if t.entry is FALLBACK and t.name
         )
+
+
+def _pre_then(first, then):
+    """One forward pre-hook that runs ``first``, then ``then`` (each gives ``None``)."""
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first(module, args, kwargs)
+        then(module, args, kwargs)
+
+    return pre
+
+
+def _forward_then(first, then):
+    """One forward hook (run always) that runs ``first``, then ``then`` on the output
+    ``first`` gives, as two such hooks would run: ``then`` also where ``first`` raises (torch
+    runs the remaining hooks that are run always, and turns their errors into warnings)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        try:
+            found = first(module, args, kwargs, output)
+        except BaseException:
+            try:
+                then(module, args, kwargs, output)
+            except Exception as e:
+                warnings.warn(f"forward hook failed after another hook raised: {e}", stacklevel=2)
+            raise
+        then(module, args, kwargs, output if found is None else found)
+        return found
+
+    return hook
