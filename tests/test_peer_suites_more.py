@@ -30,6 +30,7 @@ in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says otherwis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -626,3 +627,534 @@ def test_expanded_weights_rnn_on_packed_sequences(case):
         loss(model(packed).data).backward()
     for k, (n, p) in enumerate(model.named_parameters()):
         assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
+
+
+# == functorch: test/functorch/test_eager_transforms.py and the torch.func tutorial ===========
+
+
+class TutorialCNN(nn.Module):
+    """The ``torch.func`` per-sample-gradients tutorial's ``SimpleCNN`` (narrower, on 12 x 12
+    images): two convolutions, a max-pool, two linear layers, ``log_softmax``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, 1)
+        self.conv2 = nn.Conv2d(4, 8, 3, 1)
+        self.fc1 = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+@pytest.mark.parametrize("quantities", [("grad1",), ("grad1", "norms")], ids=["grad1", "norms"])
+def test_functorch_tutorial_cnn_with_nll_loss(quantities):
+    """The tutorial's ``SimpleCNN`` under ``F.nll_loss`` (mean), whose per-sample gradients
+    it computes with ``vmap(grad(compute_loss), in_dims=(None, 0, 0))`` and checks against a
+    loop: ``grad1`` and the per-example norms against both."""
+    model = seeded(TutorialCNN).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 1, 12, 12, dtype=DOUBLE), torch.randint(0, 10, (8,))
+
+    def loss(out, t):
+        return F.nll_loss(out, t, reduction="sum")
+
+    want = vmap_grad(model, loss, x, y)
+    by_loop = loop_grad(model, loss, x, y)
+    for n in want:
+        assert_close(by_loop[n], want[n], f"loop vs vmap, {n}")
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        F.nll_loss(model(x), y).backward()
+    assert_grad1(model, want, "SimpleCNN")
+    if "norms" in quantities:
+        flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+        assert_close(h.norms(), flat.norm(dim=1), "per-example norms")
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block with GroupNorm where torchvision's has BatchNorm (functorch's
+    ``convert_batchnorm_modules``: ``GroupNorm(min(32, C), C)``)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.gn1 = nn.GroupNorm(min(32, cout), cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.gn2 = nn.GroupNorm(min(32, cout), cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(min(32, cout), cout)
+            )
+
+    def forward(self, x):
+        out = self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x)))))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+def small_resnet() -> nn.Module:
+    """torchvision's ``resnet18`` layout, two stages of one block, narrow."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 7, 2, 3, bias=False),
+        nn.GroupNorm(4, 4),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+        BasicBlock(4, 4, 1),
+        BasicBlock(4, 8, 2),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def test_functorch_resnet_with_group_norm_per_sample_grads():
+    """A ResNet whose BatchNorms are GroupNorms, under ``CrossEntropyLoss`` (mean), batch 3:
+    functorch's ``test_resnet18_per_sample_grads`` (``vmap(grad)`` against a loop)."""
+    model = seeded(small_resnet).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(3, 3, 16, 16, dtype=DOUBLE), torch.randint(0, 10, (3,))
+    want = vmap_grad(model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "resnet")
+
+
+class MLPClassifier(nn.Module):
+    """functorch's ``MLPClassifier`` of ``test_ensemble_regression``."""
+
+    def __init__(self, hidden_dim=32, n_classes=2):
+        super().__init__()
+        self.fc1 = nn.Linear(2, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, n_classes)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x))), -1)
+
+
+def spirals(n: int, noise_std: float = 0.05) -> tuple[Tensor, Tensor]:
+    ts = torch.linspace(0, 1, n, dtype=DOUBLE)
+    rs, signs = ts**0.5, torch.randint(0, 2, (n,)) * 2 - 1
+    thetas = rs * 2 * torch.pi
+    xs = rs * signs * torch.cos(thetas) + torch.randn(n, dtype=DOUBLE) * noise_std
+    ys = rs * signs * torch.sin(thetas) + torch.randn(n, dtype=DOUBLE) * noise_std
+    return torch.stack([xs, ys], dim=1), (signs > 0).long()
+
+
+def test_functorch_ensemble_mlp_nll_on_spirals():
+    """functorch's ``MLPClassifier`` with ``log_softmax`` and ``NLLLoss`` (mean) on 100
+    points of two spirals (``test_ensemble_regression``): ``grad1`` of each point, and the
+    per-example norms, against the oracle."""
+    model = seeded(MLPClassifier).double()
+    torch.manual_seed(1)
+    points, labels = spirals(100)
+    want = vmap_grad(model, lambda out, t: F.nll_loss(out, t, reduction="sum"), points, labels)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        nn.NLLLoss()(model(points), labels).backward()
+    assert_grad1(model, want, "MLPClassifier")
+    for n, norm in h.param_norms().items():
+        assert_close(norm, want[n].flatten(1).norm(dim=1), f"norms of {n}")
+
+
+def lennard_jones_loss(model, drs, energies_t, forces_t):
+    """functorch's ``test_lennard_jones_batched_jacrev``: energies from the distances, forces
+    from the network's derivative with respect to its input (``create_graph=True``)."""
+    norms = drs.norm(dim=1).reshape(-1, 1).requires_grad_()
+    energies = model(norms)
+    (deriv,) = torch.autograd.grad(energies.sum(), norms, create_graph=True)
+    forces = -deriv * drs / norms
+    return ((energies - energies_t) ** 2).sum() + 0.01 * ((forces - forces_t) ** 2).sum() / 3
+
+
+def test_functorch_lennard_jones_loss_of_input_derivatives_is_refused():
+    """A loss built from the network's derivative with respect to its input (forces from an
+    energy model, functorch's ``test_lennard_jones_batched_jacrev``) has per-example
+    gradients through the double backward, which hooks do not see: refused (naming the layer
+    and ``create_graph``) with no ``grad1`` written, never a silently wrong one. The loop
+    gives the reference."""
+    model = seeded(
+        lambda: nn.Sequential(
+            nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        )
+    ).double()
+    r = torch.linspace(0.5, 1.0, 6, dtype=DOUBLE)
+    drs = torch.outer(r, torch.tensor([1.0, 0.0, 0.0], dtype=DOUBLE))
+    e_t, f_t = torch.randn(6, 1, dtype=DOUBLE), torch.randn(6, 3, dtype=DOUBLE)
+    with (
+        gradhooks.add_hooks(model, loss_reduction="sum"),
+        pytest.raises(gradhooks.UnsupportedError, match=r"(?s)Linear.*create_graph=True"),
+    ):
+        lennard_jones_loss(model, drs, e_t, f_t).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+# == Opacus: per_sample_gradients_utils_test.py, hypothesis over Conv1d and Linear ==========
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    n=st.integers(0, 4),
+    c=st.sampled_from([1, 3, 6]),
+    w=st.integers(6, 10),
+    grow=st.booleans(),
+    kernel_size=st.integers(2, 3),
+    stride=st.integers(1, 2),
+    padding=st.sampled_from([0, 1, 2, "same", "valid"]),
+    dilation=st.integers(1, 2),
+    pick=st.integers(0, 11),
+)
+def test_opacus_conv1d_settings_by_hypothesis(
+    n, c, w, grow, kernel_size, stride, padding, dilation, pick
+):
+    """Conv1d over batch size (0 to 4), channels growing or shrinking, kernel, stride,
+    padding (int, "same", "valid"), dilation and groups: Opacus'
+    ``PerSampleGradientsUtilsTest.test_conv1d``. An empty batch gives an empty ``grad1``
+    (where Opacus raises). The groups are drawn among the common divisors of the channels."""
+    out_channels = 2 * c if grow else max(c // 2, 1)
+    stride = 1 if padding == "same" else stride  # (torch refuses "same" with strides)
+    divisors = [g for g in range(1, 13) if c % g == 0 and out_channels % g == 0]
+    groups = divisors[pick % len(divisors)]
+    conv = seeded(
+        lambda: nn.Conv1d(c, out_channels, kernel_size, stride, padding, dilation, groups)
+    ).double()
+    x = torch.randn(n, c, w, dtype=DOUBLE)
+    want = vmap_grad(conv, sq, x)
+    with gradhooks.add_hooks(conv, loss_reduction="sum"):
+        sq(conv(x)).backward()
+    assert_grad1(conv, want, "conv1d")
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    n=st.integers(0, 4),
+    z=st.integers(1, 4),
+    h=st.integers(1, 3),
+    w=st.integers(3, 7),
+    input_dim=st.integers(2, 4),
+    bias=st.booleans(),
+    batch_first=st.booleans(),
+)
+def test_opacus_linear_settings_by_hypothesis(n, z, h, w, input_dim, bias, batch_first):
+    """Linear on inputs of 2 to 4 dimensions, batch-first or not (``batch_dim=1``), with and
+    without bias, batch sizes 0 to 4: Opacus' ``PerSampleGradientsUtilsTest.test_linear``
+    (``GradSampleModule(batch_first=...)``)."""
+    hypothesis.assume(batch_first or input_dim > 2)
+    shape = {2: [n, w], 3: [n, z, w], 4: [n, z, h, w]}[input_dim]
+    linear = seeded(lambda: nn.Linear(w, w + 2, bias=bias)).double()
+    x = torch.randn(*shape, dtype=DOUBLE)
+    want = vmap_grad(linear, sq, x)
+    if not batch_first:
+        x = x.transpose(0, 1)
+    with gradhooks.add_hooks(linear, loss_reduction="sum", batch_dim=0 if batch_first else 1):
+        sq(linear(x)).backward()
+    assert_grad1(linear, want, f"linear {shape}, batch_first={batch_first}")
+
+
+# == Opacus: per_sample_gradient_clip_test.py, gradient_accumulation_test.py ================
+
+
+class ClipNet(nn.Module):
+    """Opacus' ``SampleConvNet`` of its clipping and accumulation tests (narrower): a Conv2d,
+    a max-pool, the spatial positions flattened into a sequence for a Conv1d, a frozen Conv1d,
+    a Linear over the last dimension of ``[batch, channels, positions]``, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 4, 2)
+        self.conv2 = nn.Conv1d(4, 6, 3, 1)
+        self.convf = nn.Conv1d(6, 6, 1, 1)
+        self.convf.requires_grad_(False)
+        self.fc1 = nn.Linear(7, 5)
+        self.fc2 = nn.Linear(6 * 5, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 2)  # [B, 4, 3, 3]
+        x = x.view(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])  # [B, 4, 9]
+        x = self.fc1(self.convf(F.relu(self.conv2(x))))  # [B, 6, 5]
+        return self.fc2(x.view(-1, x.shape[-2] * x.shape[-1]))
+
+
+def clip_data(n: int = 8):
+    torch.manual_seed(3)
+    return torch.randn(n, 1, 14, 14, dtype=DOUBLE), torch.randint(0, 10, (n,))
+
+
+def ce_sum(out, t):
+    return F.cross_entropy(out, t, reduction="sum")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_opacus_flat_clipping_of_a_net_with_a_frozen_layer(method):
+    """Flat clipping to a small norm: each layer's clipped gradient is smaller than its
+    unclipped one and not zero, and equals the oracle's clipped mean; the frozen layer gets
+    nothing: Opacus' ``test_clipped_grad_norm_is_smaller`` / ``_not_zero`` (its
+    ``ConstantFlatClipper``)."""
+    model = seeded(ClipNet).double()
+    x, y = clip_data()
+    want = vmap_grad(model, ce_sum, x, y)
+    clipped = clipped_by_oracle(want, max_norm=1e-3)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=1e-3,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+    for n, p in trainable(model):
+        assert_close(p.grad, clipped[n] / 8, f"{method}: {n}")
+        assert 0 < p.grad.norm() < want[n].mean(0).norm(), n
+    assert model.convf.weight.grad is None and not hasattr(model.convf.weight, "grad1")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_opacus_clipping_to_a_high_value_does_nothing(method):
+    """Clipping to a norm above every example's gives the plain mean gradient: Opacus'
+    ``test_clipping_to_high_value_does_nothing``."""
+    model = seeded(ClipNet).double()
+    x, y = clip_data()
+    F.cross_entropy(model(x), y).backward()
+    plain = {n: p.grad.clone() for n, p in trainable(model)}
+    model.zero_grad()
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=1e6,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+    assert (norms < 1e6).all()
+    for n, p in trainable(model):
+        assert_close(p.grad, plain[n], f"{method}: {n}")
+
+
+def test_opacus_per_layer_clipping_from_parameter_norms():
+    """Per-layer clipping (Opacus' ``ConstantPerLayerClipper``, fastDP's
+    ``clipping_style="param-wise"``): each parameter's per-example gradient clipped to its own
+    norm, from ``Hooks.param_norms()`` and ``grad1``, equals the oracle's; with high norms it
+    does nothing (``test_clipping_to_high_value_does_nothing_per_layer``)."""
+    model = seeded(ClipNet).double()
+    x, y = clip_data()
+    want = vmap_grad(model, ce_sum, x, y)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        ce_sum(model(x), y).backward()
+    norms = h.param_norms()
+    assert set(norms) == {n for n, _ in trainable(model)}
+    for max_norm in (1e-3, 1e6):
+        for n, p in trainable(model):
+            assert_close(norms[n], want[n].flatten(1).norm(dim=1), f"norms of {n}")
+            factor = (max_norm / norms[n]).clamp(max=1.0)
+            got = torch.einsum("b,b...->...", factor, p.grad1)
+            ref = torch.einsum(
+                "b,b...->...", (max_norm / want[n].flatten(1).norm(dim=1)).clamp(max=1.0), want[n]
+            )
+            assert_close(got, ref, f"per-layer clipped {n} at {max_norm}")
+            if max_norm > 1:
+                assert_close(got, p.grad, f"unclipped {n}")
+
+
+def test_opacus_accumulation_over_a_dataset_equals_its_gradient():
+    """Clipped gradients accumulated over every physical batch of a dataset, clipping at 999
+    and no noise, are the mean gradient over the whole dataset: Opacus'
+    ``test_privacy_engine_no_poisson_accumulation`` (its ``test_grad_sample_accumulation``
+    checks the same sum)."""
+    model = seeded(ClipNet).double()
+    x, y = clip_data(16)
+    F.cross_entropy(model(x), y).backward()
+    plain = {n: p.grad.clone() for n, p in trainable(model)}
+    model.zero_grad()
+    start = copy.deepcopy(model.state_dict())
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD([p for _, p in trainable(model)], lr=1.0), h, max_grad_norm=999.0,
+            noise_multiplier=0.0, expected_batch_size=16,
+        )  # fmt: skip
+        for part in (slice(0, 4), slice(4, 5), slice(5, 12), slice(12, 16)):
+            opt.backward(F.cross_entropy(model(x[part]), y[part], reduction="none"))
+        assert opt.examples == 16
+        opt.step()
+    for n, p in trainable(model):
+        assert_close(p.detach(), start[n] - plain[n], f"step of {n}")
+
+
+def test_opacus_steps_without_zero_grad_use_their_own_batch():
+    """Two DP steps with no ``zero_grad`` between them: the second step's gradient is its own
+    batch's clipped mean, not added to the first's (Opacus refuses the missing ``zero_grad``,
+    ``test_privacy_engine_zero_grad``; gradhooks' step replaces ``p.grad``)."""
+    model = seeded(ClipNet).double()
+    x, y = clip_data(12)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD([p for _, p in trainable(model)], lr=0.5), h, max_grad_norm=0.05,
+            noise_multiplier=0.0, expected_batch_size=6,
+        )  # fmt: skip
+        opt.backward(F.cross_entropy(model(x[:6]), y[:6], reduction="none"))
+        opt.step()
+        snapshot = copy.deepcopy(model)
+        opt.backward(F.cross_entropy(model(x[6:]), y[6:], reduction="none"))
+        opt.step()
+    with gradhooks.paused():
+        want = clipped_by_oracle(vmap_grad(snapshot, ce_sum, x[6:], y[6:]), max_norm=0.05)
+    for n, p in trainable(model):
+        assert_close(p.grad, want[n] / 6, f"second step's gradient of {n}")
+        assert_close(p.detach(), snapshot.get_parameter(n).detach() - 0.5 * want[n] / 6, n)
+
+
+# == Opacus: grad_sample_module_fast_gradient_clipping_test.py ==============================
+
+
+class FastClipModule(nn.Module):
+    """Opacus' ``SampleModule`` of its fast-gradient-clipping test (hidden width 16 for its
+    1024): Linear, ReLU, LayerNorm, three Linear, a softmax over the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(2, 2)
+        self.fc3 = nn.Linear(2, 16)
+        self.fc4 = nn.Linear(16, 16)
+        self.fc5 = nn.Linear(16, 1)
+        self.layer_norm = nn.LayerNorm(2)
+
+    def forward(self, x):
+        x = self.layer_norm(F.relu(self.fc1(x)))
+        x = self.fc5(self.fc4(self.fc3(x))).flatten(start_dim=1)
+        return F.softmax(x, dim=1)
+
+
+def soft_ce(out, t):
+    """Cross-entropy with class-probability targets (float targets), summed."""
+    return F.cross_entropy(out, t, reduction="sum")
+
+
+@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_opacus_fast_gradient_clipping_norms_and_gradients(method, length):
+    """Per-parameter per-example norms (Opacus' ``_norm_sample``) and the clipped gradient of
+    its ``SampleModule`` on ``[10, length, 2]`` sequences under cross-entropy with
+    probability targets: ``test_norm_calculation_fast_gradient_clipping`` and
+    ``test_gradient_calculation_fast_gradient_clipping``, here in float64 against the oracle
+    (Opacus compares its two engines at ``atol=1e-3``)."""
+    model = seeded(FastClipModule).double()
+    torch.manual_seed(1)
+    x = torch.randn(10, length, 2, dtype=DOUBLE)
+    t = torch.randint(0, 2, (10, length)).double()
+    want = vmap_grad(model, soft_ce, x, t)
+    quantities = ("grad1", "norms") if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), t, reduction="none"), max_norm=1.0,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+        per_param = h.param_norms()
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    assert_close(norms, flat.norm(dim=1), "per-example norms")
+    for n, g in want.items():
+        assert_close(per_param[n], g.flatten(1).norm(dim=1), f"norms of {n}")
+    clipped = clipped_by_oracle(want, max_norm=1.0)
+    for n, p in trainable(model):
+        assert_close(p.grad, clipped[n] / 10, f"{method}: {n}")
+
+
+class OneDimEmbedding(nn.Module):
+    """Opacus' ``SampleEmbeddingModule``: an embedding of 3 rows of width 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(3, 1)
+        with torch.no_grad():
+            self.embedding.weight.copy_(torch.tensor([[0.1], [0.2], [0.3]]))
+
+    def forward(self, x):
+        return self.embedding(x)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_opacus_fast_clipping_embedding_with_repeated_indices(method):
+    """An embedding looked up twice at the same row within one example (``[[1, 1], [2, 0],
+    [2, 0]]``), its ``[3, 2, 1]`` output read by cross-entropy as 2 classes at 1 position:
+    the ghost norm must add the repeated row's two contributions before squaring. Opacus'
+    ``GradSampleModuleFastGradientClippingEmbeddingLayerTest`` (norms and gradients)."""
+    model = OneDimEmbedding().double()
+    x = torch.tensor([[1, 1], [2, 0], [2, 0]])
+    t = torch.tensor([[[0.1], [0.1]], [[0.2], [0.3]], [[0.2], [0.3]]], dtype=DOUBLE)
+
+    def loss(out, tt):
+        return F.cross_entropy(out, tt, reduction="none").sum()
+
+    want = vmap_grad(model, loss, x, t)
+    quantities = ("grad1", "norms") if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), t, reduction="none").sum(1), max_norm=0.02,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+    assert_close(norms, want["embedding.weight"].flatten(1).norm(dim=1), "norms")
+    assert (norms > 0.02).any(), "the case must clip"
+    clipped = clipped_by_oracle(want, max_norm=0.02)
+    assert_close(model.embedding.weight.grad, clipped["embedding.weight"] / 3, method)
+
+
+# == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
+
+
+def test_opacus_poisson_batches_sizes_and_empty_batches():
+    """Poisson sampling: each batch holds each example independently with probability ``q``
+    (sizes binomial, sorted distinct indices in range), some batches are empty, and an
+    empty batch comes out of the loader with 0 rows and the feature shape: Opacus'
+    ``PoissonSamplingTest`` and ``DPDataLoaderTest.test_collate_classes`` /
+    ``test_batch_sizes`` (an empty batch keeps its shape)."""
+    from torch.utils.data import TensorDataset
+
+    sampler = gradhooks.PoissonSampler(
+        1000, 10, steps=400, generator=torch.Generator().manual_seed(0)
+    )
+    sizes = []
+    for batch in sampler:
+        assert batch == sorted(set(batch)) and all(0 <= i < 1000 for i in batch)
+        sizes.append(len(batch))
+    sizes = torch.tensor(sizes, dtype=DOUBLE)
+    # binomial(1000, 0.01): mean 10, sd 3.15; the mean of 400 within 4 standard errors
+    assert abs(sizes.mean().item() - 10) < 4 * 3.15 / 20, sizes.mean()
+    assert abs(sizes.std().item() - 3.146) < 0.5, sizes.std()
+    data = TensorDataset(torch.randn(50, 3, 4), torch.arange(50))
+    loader = gradhooks.poisson_loader(
+        data, 0.5, steps=40, generator=torch.Generator().manual_seed(1)
+    )
+    shapes = [(tuple(x.shape), tuple(y.shape), y.dtype) for x, y in loader]
+    assert ((0, 3, 4), (0,), torch.int64) in shapes
+    assert all(s[0][1:] == (3, 4) for s in shapes)
+
+
+def test_opacus_make_private_step_is_the_clipped_mean_over_the_poisson_batch():
+    """``make_private`` without noise: each logical step moves the model by ``lr`` times the
+    clipped sum of the Poisson batch's per-example gradients over the expected batch size,
+    whatever physical batches the batch was split into: Opacus' ``PrivacyEngine`` tests with
+    ``noise_multiplier=0`` (``test_basic``, ``BatchMemoryManager``'s ``test_equivalent_to_one_batch``)."""
+    from torch.utils.data import TensorDataset
+
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))).double()
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(40, 4, dtype=DOUBLE), torch.randint(0, 3, (40,)))
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), data, delta=1e-3,
+        max_grad_norm=0.1, noise_multiplier=0.0, steps=3, expected_batch_size=8,
+        max_physical_batch_size=3, generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    try:
+        logical, before, stepped = [], copy.deepcopy(model), 0
+        for x, y in private.batches():
+            logical.append((x, y))
+            private.backward(F.cross_entropy(model(x), y, reduction="none"))
+            if private.step():
+                xs, ys = torch.cat([b[0] for b in logical]), torch.cat([b[1] for b in logical])
+                with gradhooks.paused():
+                    want = clipped_by_oracle(vmap_grad(before, ce_sum, xs, ys), max_norm=0.1)
+                for n, p in model.named_parameters():
+                    start = before.get_parameter(n).detach()
+                    assert_close(p.detach(), start - want[n] / 8, f"step {stepped}: {n}")
+                logical, before, stepped = [], copy.deepcopy(model), stepped + 1
+        assert stepped == 3
+    finally:
+        private.close()
