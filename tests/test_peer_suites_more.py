@@ -523,6 +523,21 @@ def test_expanded_weights_input_inside_a_dataclass():
         assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
 
 
+@pytest.mark.parametrize("shape", [(5,), (1, 5)], ids=["vector", "row"])
+def test_expanded_weights_second_input_without_a_batch(shape):
+    """A layer called on the batch and on a second input shared by every example (a vector,
+    or one row broadcast over the batch): each example's gradient holds both calls, the
+    shared one's through that example's loss. torch's ``call_for_per_sample_grads(model,
+    batch_size=4)(input, torch.randn(5))``, against a loop that keeps the shared input."""
+    model = seeded(TwoInputs).double()
+    a, b = torch.randn(4, 5, dtype=DOUBLE), torch.randn(*shape, dtype=DOUBLE)
+    loss = ew_loss("sum")
+    want = loop_along(model, loss, (a, b), (0, None))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(a, b)).backward()
+    assert_grad1(model, want, f"shared input {shape}")
+
+
 @pytest.mark.parametrize("bad", ["", "none", "batchmean"])
 def test_expanded_weights_loss_reduction_must_be_sum_or_mean(bad):
     """A ``loss_reduction`` other than "sum" or "mean" is refused before anything is hooked:
@@ -627,6 +642,23 @@ def test_expanded_weights_rnn_on_packed_sequences(case):
         loss(model(packed).data).backward()
     for k, (n, p) in enumerate(model.named_parameters()):
         assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM], ids=lambda k: k.__name__)
+def test_expanded_weights_rnn_state_as_long_as_the_batch(kind):
+    """A batch-first RNN of two layers on a batch of two, with an initial state
+    ``[layers=2, batch=2, hidden]``: the state's first dimension is as long as the batch
+    but is not it (torch's ``batch_hidden`` batches the state on dimension 1)."""
+    rnn = kind(4, 3, num_layers=2, batch_first=True)
+    model = seeded(lambda: LSTMWithState(rnn) if kind is nn.LSTM else RNNOutput(rnn)).double()
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 4, dtype=DOUBLE)
+    states = [torch.randn(2, 2, 3, dtype=DOUBLE) for _ in range(2 if kind is nn.LSTM else 1)]
+    loss = ew_loss("sum")
+    want = loop_along(model, loss, (x, *states), (0, *[1] * len(states)))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x, *states)).backward()
+    assert_grad1(model, want, kind.__name__)
 
 
 # == functorch: test/functorch/test_eager_transforms.py and the torch.func tutorial ===========
@@ -1158,3 +1190,356 @@ def test_opacus_make_private_step_is_the_clipped_mean_over_the_poisson_batch():
         assert stepped == 3
     finally:
         private.close()
+
+
+# == private-transformers: tests/test_privacy_engine.py; fastDP (book-keeping, LoRA) =========
+
+
+def transformers_or_skip():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+VOCAB, SEQ = 30, 6
+
+
+def tiny_classifier(kind: str) -> nn.Module:
+    """A 2-layer BERT / RoBERTa / ALBERT sequence classifier, width 8, no dropout."""
+    tf = transformers_or_skip()
+    common = dict(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=12,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=2,
+    )  # fmt: skip
+    if kind == "bert":
+        return tf.BertForSequenceClassification(tf.BertConfig(**common))
+    if kind == "roberta":
+        return tf.RobertaForSequenceClassification(tf.RobertaConfig(**common, pad_token_id=1))
+    cfg = tf.AlbertConfig(**common, embedding_size=4, classifier_dropout_prob=0.0)
+    return tf.AlbertForSequenceClassification(cfg)  # (its layers share their parameters)
+
+
+def tiny_lm(kind: str, tied: bool) -> nn.Module:
+    """A 2-layer GPT-2, OpenAI-GPT or OPT language model, width 8, no dropout, with the
+    output layer tied to the word embeddings or not."""
+    tf = transformers_or_skip()
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=16,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            tie_word_embeddings=tied)  # fmt: skip
+        return tf.GPT2LMHeadModel(cfg)
+    if kind == "openai-gpt":
+        cfg = tf.OpenAIGPTConfig(n_embd=8, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                 n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                 attn_pdrop=0.0, tie_word_embeddings=tied)  # fmt: skip
+        return tf.OpenAIGPTLMHeadModel(cfg)
+    cfg = tf.OPTConfig(hidden_size=8, num_hidden_layers=2, ffn_dim=12, num_attention_heads=2,
+                       vocab_size=VOCAB, max_position_embeddings=16, word_embed_proj_dim=8,
+                       dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                       layerdrop=0.0, do_layer_norm_before=kind == "opt", pad_token_id=1,
+                       tie_word_embeddings=tied)  # fmt: skip
+    return tf.OPTForCausalLM(cfg)
+
+
+class Logits(nn.Module):
+    """A Hugging Face model called on ``input_ids`` alone, its logits out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def lm_losses(logits: Tensor, ids: Tensor) -> Tensor:
+    """private-transformers' per-example language-model loss: the cross-entropy of each next
+    token, averaged over the sequence, ``[batch]``."""
+    shifted = logits[..., :-1, :].permute(0, 2, 1)
+    return F.cross_entropy(shifted, ids[..., 1:], reduction="none").mean(dim=1)
+
+
+def dp_step_against_the_loop(model, batches, per_example, max_norm, method, lr=1.0):
+    """DPOptimizer over ``batches`` (the physical batches of one logical batch, tuples whose
+    first tensor is the model's input), no noise, SGD with ``lr``: the per-example norms are
+    the loop's, and the parameters move by ``lr`` times the loop's clipped sum over the
+    examples divided by their number. ``per_example(output, batch)`` gives the ``[batch]``
+    losses. private-transformers' ``virtual_step`` / ``step`` against its loop that clips
+    example by example."""
+    whole = tuple(torch.cat([b[k] for b in batches]) for k in range(len(batches[0])))
+    size = whole[0].shape[0]
+    params = trainable(model)
+    rows = []
+    for i in range(size):
+        one = tuple(t[i : i + 1] for t in whole)
+        loss = per_example(model(one[0]), one).sum()
+        rows.append(torch.autograd.grad(loss, [p for _, p in params]))
+    want = {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(params)}
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    assert (flat > max_norm).any(), "the case must clip"
+    clipped = clipped_by_oracle(want, max_norm)
+    start = {n: p.detach().clone() for n, p in params}
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    norms = []
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD([p for _, p in params], lr=lr), h, max_grad_norm=max_norm,
+            noise_multiplier=0.0, expected_batch_size=size, method=method,
+        )  # fmt: skip
+        for b in batches:
+            norms.append(opt.backward(per_example(model(b[0]), b)))
+        opt.step()
+    assert_close(torch.cat(norms), flat, "per-example norms")
+    for n, p in params:
+        assert_close(p.detach(), start[n] - lr * clipped[n] / size, f"{method}: step of {n}")
+
+
+def micro_batches(count: int, size: int, labels: int | None = None):
+    torch.manual_seed(5)
+    return [
+        (torch.randint(2, VOCAB, (size, SEQ)),)
+        + (() if labels is None else (torch.randint(0, labels, (size,)),))
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "albert"])
+def test_private_transformers_classification(kind, method):
+    """A sequence classifier (BERT, RoBERTa, ALBERT whose layers share parameters) clipped
+    per example over two micro-batches and stepped once: private-transformers'
+    ``test_classification`` (``virtual_step`` then ``step``, against clipping one example at
+    a time; its ghost clipping skips ALBERT, whose shared parameters gradhooks sums)."""
+    model = seeded(lambda: Logits(tiny_classifier(kind))).double().train()
+
+    def losses(logits, b):
+        return F.cross_entropy(logits, b[1], reduction="none")
+
+    dp_step_against_the_loop(model, micro_batches(2, 2, labels=2), losses, 0.05, method)
+
+
+LMS = [("gpt2", True), ("gpt2", False), ("openai-gpt", True), ("opt", True), ("opt", False),
+       ("opt-350m-layout", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("kind,tied", LMS, ids=[f"{k}-{'tied' if t else 'untied'}" for k, t in LMS])
+def test_private_transformers_generation(kind, tied, method):
+    """A causal language model (GPT-2, OpenAI-GPT, OPT with its layer norms before or, as
+    opt-350m, after each block) with tied or untied word embeddings, the per-example loss the
+    mean next-token cross-entropy, clipped over two micro-batches: private-transformers'
+    ``test_generation`` (whose ghost clipping refuses tied embeddings)."""
+    model = seeded(lambda: Logits(tiny_lm(kind, tied))).double().train()
+    dp_step_against_the_loop(model, micro_batches(2, 2), lambda out, b: lm_losses(out, b[0]),
+                             0.5, method)  # fmt: skip
+
+
+class Seq2Seq(nn.Module):
+    """BART on ``input_ids`` and ``decoder_input_ids`` given as one ``[batch, 2, T]`` tensor."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids[:, 0], decoder_input_ids=ids[:, 1]).logits
+
+
+@pytest.mark.parametrize("method", ["ghost", "bookkeeping"])
+def test_private_transformers_bart_conditional_generation(method):
+    """BART (tied embeddings, its learned position embeddings frozen) under the decoder's
+    mean next-token loss, clipped over two micro-batches: private-transformers'
+    ``test_conditional_generation``."""
+    tf = transformers_or_skip()
+    cfg = tf.BartConfig(d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
+                        vocab_size=VOCAB, max_position_embeddings=16, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0)  # fmt: skip
+    bart = seeded(lambda: tf.BartForConditionalGeneration(cfg))
+    bart.model.encoder.embed_positions.requires_grad_(False)
+    bart.model.decoder.embed_positions.requires_grad_(False)
+    model = Seq2Seq(bart).double().train()
+    torch.manual_seed(5)
+    batches = [(torch.randint(3, VOCAB, (2, 2, SEQ)),) for _ in range(2)]
+    dp_step_against_the_loop(model, batches, lambda out, b: lm_losses(out, b[0][:, 1]), 0.5, method)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_fastdp_gpt2_lora_book_keeping_and_parameter_norms():
+    """GPT-2 with LoRA adapters (peft) on its attention, only the adapters trainable: their
+    per-example norms, parameter by parameter (fastDP's ``clipping_style="param-wise"``) and
+    by layer (``"layer-wise"``: a LoRA pair together), and the book-keeping DP step (fastDP's
+    ``clipping_mode="MixOpt"``), against the loop."""
+    peft = pytest.importorskip("peft")
+    base = seeded(lambda: tiny_lm("gpt2", True))
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
+                             fan_in_fan_out=True)  # fmt: skip
+    model = Logits(peft.get_peft_model(base, config)).double().train()
+    torch.manual_seed(6)
+    for _, p in trainable(model):  # (LoRA's B starts at zero: a gradient for A too)
+        with torch.no_grad():
+            p.normal_(0, 0.3)
+    ids = micro_batches(1, 4)[0][0]
+    params = trainable(model)
+    assert params and all("lora_" in n for n, _ in params)
+    want = loop_grad(model, lambda out, t: lm_losses(out, t).sum(), ids, ids)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("norms",)) as h:
+        lm_losses(model(ids), ids).sum().backward()
+        per_param = h.param_norms()
+    for n, g in want.items():
+        assert_close(per_param[n], g.flatten(1).norm(dim=1), f"norms of {n}")
+    layers = {n.rsplit(".lora_", 1)[0] for n in want}
+    for layer in layers:
+        pair = [g.flatten(1) for n, g in want.items() if n.startswith(layer + ".lora_")]
+        got = torch.stack([per_param[n] for n in want if n.startswith(layer + ".lora_")])
+        assert_close(got.norm(dim=0), torch.cat(pair, 1).norm(dim=1), f"layer norm of {layer}")
+    model.zero_grad()
+    dp_step_against_the_loop(model, [(ids[:2],), (ids[2:],)], lambda out, b: lm_losses(out, b[0]),
+                             0.05, "bookkeeping")  # fmt: skip
+
+
+def test_private_transformers_t5_conditional_generation():
+    """T5 (relative position biases computed once and shared by its layers, tied
+    embeddings) under the decoder's mean next-token loss, clipped over two micro-batches
+    (book-keeping): private-transformers' ``test_conditional_generation`` with ``t5-base``
+    (which it runs in float32 only; here float64)."""
+    tf = transformers_or_skip()
+    cfg = tf.T5Config(d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2, vocab_size=VOCAB,
+                      dropout_rate=0.0, relative_attention_num_buckets=8,
+                      decoder_start_token_id=0)  # fmt: skip
+    model = Seq2Seq(seeded(lambda: tf.T5ForConditionalGeneration(cfg))).double().train()
+    torch.manual_seed(5)
+    batches = [(torch.randint(3, VOCAB, (2, 2, SEQ)),) for _ in range(2)]
+    dp_step_against_the_loop(
+        model, batches, lambda out, b: lm_losses(out, b[0][:, 1]), 0.5, "bookkeeping"
+    )
+
+
+class WithMask(nn.Module):
+    """A Hugging Face classifier on ``input_ids`` and an ``attention_mask`` (padding)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
+def test_fastdp_bert_classification_with_padding(method):
+    """A BERT classifier on right-padded sequences (an ``attention_mask`` as long as the
+    batch, found as batched beside the ids), clipped over two micro-batches: fastDP's
+    ``text_classification`` example (GLUE with padding), against the loop."""
+    model = seeded(lambda: WithMask(tiny_classifier("bert"))).double().train()
+    torch.manual_seed(4)
+    ids = torch.randint(2, VOCAB, (4, SEQ))
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[1, 3:], mask[3, 5:] = 0, 0
+    y = torch.randint(0, 2, (4,))
+
+    class Pair(nn.Module):  # (the helper feeds the model one tensor: ids and mask stacked)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, both):
+            return self.inner(both[:, 0], both[:, 1])
+
+    batches = [(torch.stack([ids, mask], 1)[k : k + 2], y[k : k + 2]) for k in (0, 2)]
+    dp_step_against_the_loop(
+        Pair(model), batches, lambda out, b: F.cross_entropy(out, b[1], reduction="none"),
+        0.05, method,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_fastdp_vision_transformer(method):
+    """A vision transformer (patch-embedding convolution, class token and position
+    embeddings held as parameters of the embedding module) under cross-entropy, clipped
+    over two micro-batches: fastDP's ``CIFAR_TIMM`` examples (ViT, DeiT, BEiT), with
+    Hugging Face's ``ViTForImageClassification``."""
+    tf = transformers_or_skip()
+    cfg = tf.ViTConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=12, image_size=8, patch_size=4, num_channels=3,
+                       num_labels=3, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)  # fmt: skip
+
+    class Pixels(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(pixel_values=x).logits
+
+    model = seeded(lambda: Pixels(tf.ViTForImageClassification(cfg))).double().train()
+    torch.manual_seed(3)
+    batches = [(torch.randn(2, 3, 8, 8, dtype=DOUBLE), torch.randint(0, 3, (2,))) for _ in "ab"]
+    dp_step_against_the_loop(
+        model, batches, lambda out, b: F.cross_entropy(out, b[1], reduction="none"), 0.05, method
+    )
+
+
+# == Opacus: scheduler_test.py, randomness_test.py, privacy_engine_test.py (noise) ===========
+
+
+def test_opacus_schedulers_change_the_clipping_norm_and_the_recorded_noise():
+    """A clipping-norm schedule and a noise schedule that set the optimizer's
+    ``max_grad_norm`` and ``noise_multiplier`` between steps (Opacus' ``GradClipScheduler``
+    and ``ExponentialNoise`` / ``StepNoise``, ``scheduler_test.py``): each step clips at the
+    norm then set (against the oracle, no noise), and the accountant records each step's
+    multiplier."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 4, dtype=DOUBLE), torch.randint(0, 3, (6,))
+    accountant = gradhooks.PrivacyAccountant()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), h, max_grad_norm=1.0,
+            noise_multiplier=0.0, expected_batch_size=6, sample_rate=0.1, accountant=accountant,
+        )  # fmt: skip
+        with gradhooks.paused():
+            want = vmap_grad(model, ce_sum, x, y)
+        flat = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+        for step, gamma in enumerate([1.0, 0.5, 0.25]):
+            opt.max_grad_norm = gamma * flat.median().item()
+            opt.noise_multiplier = 0.0 if step == 0 else 1.0 - gamma
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+            noise_free = opt.noise_multiplier == 0
+            opt.step()
+            if noise_free:
+                clipped = clipped_by_oracle(want, opt.max_grad_norm)
+                for n, p in model.named_parameters():
+                    assert_close(p.grad, clipped[n] / 6, f"step {step}: {n}")
+            opt.zero_grad()
+    assert accountant.history == [(0.0, 0.1, 1), (0.5, 0.1, 1), (0.75, 0.1, 1)]
+
+
+def test_opacus_noise_is_reproducible_by_seed_and_fresh_at_each_step():
+    """The noise comes from the generator: the same seed gives the same noisy gradients,
+    another seed other ones, and two steps never draw the same noise: Opacus'
+    ``randomness_test.py`` (``secure_mode=False`` with a seed) and ``test_noise_changes_every_time``."""
+    x, y = torch.randn(6, 4, dtype=DOUBLE), torch.randint(0, 3, (6,))
+
+    def noisy_grads(seed: int, steps: int = 2) -> list[Tensor]:
+        model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
+        model = model.double()
+        out = []
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.0), h, max_grad_norm=1.0,
+                noise_multiplier=1.0, expected_batch_size=6,
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            for _ in range(steps):
+                opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+                opt.step()
+                out.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+                opt.zero_grad()
+        return out
+
+    a, b, c = noisy_grads(7), noisy_grads(7), noisy_grads(8)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert not torch.allclose(a[0], c[0]) and not torch.allclose(a[0], a[1])
