@@ -538,6 +538,50 @@ def test_expanded_weights_second_input_without_a_batch(shape):
     assert_grad1(model, want, f"shared input {shape}")
 
 
+class MHAOutput(nn.Module):
+    """Self-attention's output (``m(x, x, x)[0]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = nn.MultiheadAttention(4, 2)
+
+    def forward(self, x):
+        return self.m(x, x, x)[0]
+
+
+UNBATCHED = [
+    ("linear_rank_1", lambda: nn.Linear(10, 8), rand(10), r"\(10,\)"),
+    ("layer_norm_of_the_whole_input", lambda: nn.LayerNorm([4, 5]), rand(4, 5), r"\(4, 5\)"),
+    ("conv1d_unbatched", lambda: nn.Conv1d(4, 5, 3), rand(4, 10), r"\(4, 10\)"),
+    ("conv2d_unbatched", lambda: nn.Conv2d(3, 5, 3), rand(3, 6, 6), r"\(3, 6, 6\)"),
+    ("instance_norm_unbatched", lambda: nn.InstanceNorm1d(3, affine=True), rand(3, 7),
+     r"\(3, 7\)"),
+    ("gru_unbatched", lambda: RNNOutput(nn.GRU(4, 3)), rand(5, 4), r"\(5, 4\)"),
+    ("attention_unbatched", MHAOutput, rand(5, 4), r"\(5, 4\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "factory,inputs,shape", [u[1:] for u in UNBATCHED], ids=[u[0] for u in UNBATCHED]
+)
+def test_expanded_weights_unbatched_inputs_are_refused(factory, inputs, shape):
+    """An input without a batch dimension (a rank-1 input to Linear, torch's unbatched
+    convolution, instance norm, RNN and attention inputs, a LayerNorm over the whole input,
+    which would normalize across the examples) is refused with
+    :class:`gradhooks.UnbatchedInputError` naming the layer and the shape, and nothing is
+    written: torch's ``test_unsupported_expand_weights`` (``supported_inputs(...,
+    supported_inputs=False)``: "Expanded Weights" errors for the same inputs)."""
+    model = seeded(factory).double()
+    x = as_double(inputs())
+    with (
+        gradhooks.add_hooks(model, loss_reduction="sum"),
+        pytest.raises(gradhooks.UnbatchedInputError, match=rf"(?s){shape}.*batch dimension"),
+    ):
+        out = model(x)
+        (out * torch.randn_like(out)).sum().backward()
+    assert all(not hasattr(p, "grad1") and p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("bad", ["", "none", "batchmean"])
 def test_expanded_weights_loss_reduction_must_be_sum_or_mean(bad):
     """A ``loss_reduction`` other than "sum" or "mean" is refused before anything is hooked:
