@@ -1315,10 +1315,14 @@ def dp_step_against_the_loop(model, batches, per_example, max_norm, method, lr=1
     size = whole[0].shape[0]
     params = trainable(model)
     rows = []
-    for i in range(size):
+    for i in range(size):  # (backward, not autograd.grad: reentrant checkpointing needs it)
         one = tuple(t[i : i + 1] for t in whole)
-        loss = per_example(model(one[0]), one).sum()
-        rows.append(torch.autograd.grad(loss, [p for _, p in params]))
+        for _, p in params:
+            p.grad = None
+        per_example(model(one[0]), one).sum().backward()
+        rows.append([p.grad for _, p in params])
+    for _, p in params:
+        p.grad = None
     want = {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(params)}
     flat = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     assert (flat > max_norm).any(), "the case must clip"
@@ -1409,7 +1413,7 @@ def test_private_transformers_bart_conditional_generation(method):
     dp_step_against_the_loop(model, batches, lambda out, b: lm_losses(out, b[0][:, 1]), 0.5, method)
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_fastdp_gpt2_lora_book_keeping_and_parameter_norms():
     """GPT-2 with LoRA adapters (peft) on its attention, only the adapters trainable: their
     per-example norms, parameter by parameter (fastDP's ``clipping_style="param-wise"``) and
@@ -1587,3 +1591,174 @@ def test_opacus_noise_is_reproducible_by_seed_and_fresh_at_each_step():
     a, b, c = noisy_grads(7), noisy_grads(7), noisy_grads(8)
     assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     assert not torch.allclose(a[0], c[0]) and not torch.allclose(a[0], a[1])
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_private_transformers_gpt2_classification_on_padded_sequences(method):
+    """GPT-2 as a sequence classifier on right-padded sequences: its logits are read at each
+    sequence's last token, found from the ids (``logits[arange(batch), last]``), clipped over
+    two micro-batches: private-transformers' and fastDP's text classification with GPT-2."""
+    tf = transformers_or_skip()
+    cfg = tf.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=2,
+                        pad_token_id=0)  # fmt: skip
+    model = seeded(lambda: Logits(tf.GPT2ForSequenceClassification(cfg))).double().train()
+    torch.manual_seed(4)
+    ids, y = torch.randint(2, VOCAB, (4, SEQ)), torch.randint(0, 2, (4,))
+    ids[1, 3:], ids[3, 5:] = 0, 0
+    dp_step_against_the_loop(
+        model, [(ids[:2], y[:2]), (ids[2:], y[2:])],
+        lambda out, b: F.cross_entropy(out, b[1], reduction="none"), 0.05, method,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_fastdp_gpt2_with_gradient_checkpointing(reentrant):
+    """GPT-2 with Hugging Face's gradient checkpointing (each block's forward run again in the
+    backward), reentrant or not, clipped over two micro-batches (book-keeping): fastDP's
+    large-model examples and DP fine-tuning recipes that checkpoint to fit the batch."""
+    lm = seeded(lambda: tiny_lm("gpt2", True))
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = Logits(lm).double().train()
+    dp_step_against_the_loop(
+        model, micro_batches(2, 2), lambda out, b: lm_losses(out, b[0]), 0.5, "bookkeeping"
+    )
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_fastdp_bert_lora_with_a_trained_classifier(method):
+    """BERT with LoRA on its query and value projections and its classifier trained in full
+    (peft's ``modules_to_save``, which wraps the classifier), clipped over two micro-batches:
+    fastDP's and private-transformers' parameter-efficient classification."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query", "value"],
+                             modules_to_save=["classifier"], task_type="SEQ_CLS")  # fmt: skip
+    model = Logits(peft.get_peft_model(seeded(lambda: tiny_classifier("bert")), config))
+    model = model.double().train()
+    torch.manual_seed(6)
+    for n, p in trainable(model):  # (LoRA's B starts at zero)
+        if "lora_B" in n:
+            with torch.no_grad():
+                p.normal_(0, 0.3)
+    assert any("modules_to_save" in n for n, _ in trainable(model))
+    dp_step_against_the_loop(
+        model, micro_batches(2, 2, labels=2),
+        lambda out, b: F.cross_entropy(out, b[1], reduction="none"), 0.05, method,
+    )  # fmt: skip
+
+
+# == Opacus: models after ModuleValidator.fix, trainable sets that change, mixed precision ====
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, reduced: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(channels, reduced, 1), nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x):
+        scale = self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1))))
+        return x * F.hardsigmoid(scale)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's block with GroupNorm for BatchNorm: expansion, depthwise convolution,
+    squeeze-and-excitation, projection, a residual where the shapes allow."""
+
+    def __init__(self, cin: int, expanded: int, cout: int, stride: int):
+        super().__init__()
+        self.expand = nn.Sequential(
+            nn.Conv2d(cin, expanded, 1, bias=False), nn.GroupNorm(2, expanded), nn.Hardswish()
+        )
+        self.depthwise = nn.Sequential(
+            nn.Conv2d(expanded, expanded, 3, stride, 1, groups=expanded, bias=False),
+            nn.GroupNorm(2, expanded), nn.Hardswish(),
+        )  # fmt: skip
+        self.se = SqueezeExcite(expanded, 4)
+        self.project = nn.Sequential(
+            nn.Conv2d(expanded, cout, 1, bias=False), nn.GroupNorm(2, cout)
+        )
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = self.project(self.se(self.depthwise(self.expand(x))))
+        return x + y if self.residual else y
+
+
+def small_mobilenet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, 2, 1, bias=False), nn.GroupNorm(2, 4), nn.Hardswish(),
+        InvertedResidual(4, 8, 4, 1), InvertedResidual(4, 12, 6, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 16), nn.Hardswish(), nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+def test_opacus_mobilenet_v3_after_module_validator_fix():
+    """A MobileNetV3 (depthwise convolutions, squeeze-and-excitation, Hardswish, residuals)
+    with GroupNorm for BatchNorm, as Opacus' ``ModuleValidator.fix`` makes it: Opacus'
+    ``test_custom_module_validation`` (``mobilenet_v3_small``), every parameter by a rule."""
+    model = seeded(small_mobilenet).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 3, 16, 16, dtype=DOUBLE), torch.randint(0, 10, (4,))
+    want = vmap_grad(model, ce_sum, x, y)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "mobilenet")
+    assert not list(h.fallback_modules())
+
+
+def test_opacus_layers_frozen_and_unfrozen_after_hooking():
+    """Layers unfrozen or frozen after the hooks were added (fine-tuning that trains more of
+    the model as it goes, where Opacus asks for the model to be wrapped again): each
+    backward's ``grad1`` covers exactly the parameters trainable then, and a DP step clips
+    the new set (against the oracle)."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    model[0].requires_grad_(False)
+    torch.manual_seed(1)
+    x, y = torch.randn(5, 3, dtype=DOUBLE), torch.randint(0, 2, (5,))
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        sq(model(x)).backward()
+        assert_grad1(model, vmap_grad(model, sq, x), "first layer frozen")
+        model.zero_grad()
+        model[0].requires_grad_(True)
+        sq(model(x)).backward()
+        assert_grad1(model, vmap_grad(model, sq, x), "first layer unfrozen")
+        model.zero_grad()
+        model[2].requires_grad_(False)
+        sq(model(x)).backward()
+        assert_grad1(model, vmap_grad(model, sq, x), "last layer frozen")
+        model.zero_grad()
+        model[2].requires_grad_(True)
+        want = clipped_by_oracle(vmap_grad(model, ce_sum, x, y), max_norm=0.1)
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.1, noise_multiplier=0.0
+        )
+    for n, p in model.named_parameters():
+        assert_close(p.grad, want[n] / 5, f"DP step after unfreezing: {n}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_opacus_mixed_precision_against_the_float64_loop(dtype):
+    """A float32 model under CPU autocast to float16 or bfloat16: ``grad1`` (float32, as the
+    parameters) against the float64 loop, to 8 unit roundoffs of the autocast dtype (3.9e-3,
+    3.1e-2) relative to the largest entry (the forward and the backward each round several
+    times in half precision; measured: 6e-4 for float16, 1.4e-2 for bfloat16), and summing
+    to ``.grad``:
+    Opacus' ``mixed_precision_test.py``."""
+    model = seeded(
+        lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))
+    )
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    want = loop_grad(copy.deepcopy(model).double(), ce_sum, x.double(), y)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        ce_sum(out.float(), y).backward()
+    tol = 8 * torch.finfo(dtype).eps / 2  # (8 unit roundoffs)
+    for n, p in model.named_parameters():
+        assert p.grad1.dtype == torch.float32, n
+        err = (p.grad1.double() - want[n]).abs().max() / want[n].abs().max()
+        assert err < tol, f"{n}: relative error {err:.2e} > {tol:.2e}"
+        torch.testing.assert_close(p.grad1.sum(0), p.grad, rtol=tol, atol=tol * p.grad.abs().max())
