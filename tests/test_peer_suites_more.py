@@ -458,6 +458,91 @@ def test_expanded_weights_functional_ops_on_own_parameters(op):
     assert [n for n, _ in h.fallback_modules()] == [""]
 
 
+class OpCall(nn.Module):
+    """``op(x, *args, **kwargs)`` with the tensors of ``args`` and ``kwargs`` that require grad
+    held as this module's parameters: one of torch's op-database sample inputs as a layer."""
+
+    def __init__(self, op, args: tuple, kwargs: dict):
+        super().__init__()
+        self.op, self.args, self.kwargs = op, [], {}
+        for k, a in enumerate(args):
+            self.args.append(self._keep(f"arg{k}", a))
+        for name, a in kwargs.items():
+            self.kwargs[name] = self._keep(name, a)
+
+    def _keep(self, name: str, a):
+        if isinstance(a, Tensor) and a.requires_grad:
+            self.register_parameter(name, nn.Parameter(a.detach().clone()))
+            return _Param(name)
+        return a
+
+    def forward(self, x):
+        def get(a):
+            return getattr(self, a.name) if isinstance(a, _Param) else a
+
+        return self.op(x, *map(get, self.args), **{n: get(a) for n, a in self.kwargs.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    name: str
+
+
+def ew_supported(name: str, x: Tensor, args: tuple) -> bool:
+    """torch's ``supported_inputs``: the sample inputs that have a batch dimension and do not
+    normalize across it."""
+    if x.dim() == 0 or x.shape[0] == 0:
+        return False
+    if name == "nn.functional.linear":
+        return x.dim() > 1
+    if name == "nn.functional.layer_norm":
+        return tuple(x.shape) != tuple(args[0])
+    if name.startswith("nn.functional.conv"):
+        return x.dim() == int(name[-2]) + 2
+    if name == "nn.functional.embedding":
+        return x.dim() > 1
+    return True
+
+
+EW_OPS = ["conv1d", "conv2d", "conv3d", "group_norm", "instance_norm", "layer_norm", "linear",
+          "embedding"]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("name", EW_OPS)
+def test_expanded_weights_op_database_sample_inputs(name, reduction):
+    """Every sample input of torch's op database for the ops ExpandedWeights supports
+    (``op.supports_expanded_weight``: their weights, biases, groups, strides, padding,
+    dilation, ``eps``, ``padding_idx``, ``max_norm``...), filtered as torch's
+    ``supported_inputs`` does, each op called on a module's own parameters (the fallback):
+    ``TestExpandedWeightFunctional.test_expanded_weight_per_sample_grad_sum`` / ``_mean``,
+    against the per-example loop."""
+    methods = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+    (info,) = [o for o in methods.op_db if o.name == f"nn.functional.{name}"]
+    assert info.supports_expanded_weight
+    loss = ew_loss(reduction)
+    checked = 0
+    for sample in info.sample_inputs("cpu", DOUBLE, requires_grad=True):
+        if name == "embedding":  # (its op database entry flips the index and the weight)
+            x, args = sample.args[0], (sample.input, *sample.args[1:])
+        else:
+            x, args = sample.input, sample.args
+        if not ew_supported(info.name, x, args):
+            continue
+        op = F.embedding if name == "embedding" else info.op
+        model = OpCall(op, args, sample.kwargs)
+        if not list(model.parameters()):
+            continue
+        x = x.detach().clone()
+        want = loop_grad(model, loss, x)
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            loss(model(x)).backward()
+        assert_grad1(model, want, f"{name} on {tuple(x.shape)}, {sample.kwargs}")
+        checked += 1
+    assert checked, f"{name}: no sample input checked"
+
+
 class TwoInputs(nn.Module):
     """torch's ``CustomModule`` of ``test_per_sample_api_compute_batch_size``."""
 
