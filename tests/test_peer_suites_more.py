@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
@@ -773,6 +774,44 @@ def test_expanded_weights_rnn_on_packed_sequences(case):
         assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
 
 
+@pytest.mark.parametrize("layers", [1, 2], ids=["one-layer", "two-layers-bidirectional"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-major"])
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM], ids=lambda k: k.__name__)
+def test_expanded_weights_rnn_packed_with_initial_and_final_states(kind, batch_first, layers):
+    """An RNN on an unsorted ``PackedSequence`` with an initial state (in the batch's own
+    order, which torch permutes to the packed order), its final state in the loss too:
+    torch's ``_do_test_rnn_packed_sequence`` with the module database's ``h`` arguments, and
+    Opacus' ``dp_rnn_test.py`` (packed input, initial states), against a loop over each
+    example's own sequence and state."""
+    kw = dict(num_layers=2, bidirectional=True) if layers == 2 else {}
+    rnn = seeded(lambda: kind(4, 3, batch_first=batch_first, **kw)).double()
+    torch.manual_seed(1)
+    x, lengths = torch.randn(4, 6, 4, dtype=DOUBLE), torch.tensor([3, 6, 2, 5])
+    stacked = 4 if layers == 2 else 1  # layers × directions
+    states = [torch.randn(stacked, 4, 3, dtype=DOUBLE)]
+    if kind is nn.LSTM:
+        states.append(torch.randn_like(states[0]))
+
+    def run(seq, *state):
+        out, final = rnn(seq, tuple(state) if kind is nn.LSTM else state[0])
+        finals = final if kind is nn.LSTM else (final,)
+        return ew_loss("sum")(out.data if isinstance(out, PackedSequence) else out) + sq(finals)
+
+    rows = []
+    for i in range(4):
+        seq = x[i : i + 1, : lengths[i]]
+        one = run(seq if batch_first else seq.transpose(0, 1), *[h[:, i : i + 1] for h in states])
+        rows.append(torch.autograd.grad(one, list(rnn.parameters())))
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x if batch_first else x.transpose(0, 1), lengths, batch_first=batch_first,
+            enforce_sorted=False,
+        )  # fmt: skip
+        run(packed, *states).backward()
+    for k, (n, p) in enumerate(rnn.named_parameters()):
+        assert_close(p.grad1, torch.stack([r[k] for r in rows]), n)
+
+
 @pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM], ids=lambda k: k.__name__)
 def test_expanded_weights_rnn_state_as_long_as_the_batch(kind):
     """A batch-first RNN of two layers on a batch of two, with an initial state
@@ -1469,33 +1508,44 @@ def test_private_transformers_generation(kind, tied, method):
 
 
 class Seq2Seq(nn.Module):
-    """BART on ``input_ids`` and ``decoder_input_ids`` given as one ``[batch, 2, T]`` tensor."""
+    """An encoder-decoder on ``[batch, source + target]`` ids: the first ``source`` are the
+    encoder's ``input_ids``, the rest the ``decoder_input_ids``."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, source: int):
         super().__init__()
-        self.model = model
+        self.model, self.source = model, source
 
     def forward(self, ids):
-        return self.model(input_ids=ids[:, 0], decoder_input_ids=ids[:, 1]).logits
+        src, tgt = ids[:, : self.source], ids[:, self.source :]
+        return self.model(input_ids=src, decoder_input_ids=tgt).logits
 
 
-@pytest.mark.parametrize("method", ["ghost", "bookkeeping"])
-def test_private_transformers_bart_conditional_generation(method):
-    """BART (tied embeddings, its learned position embeddings frozen) under the decoder's
-    mean next-token loss, clipped over two micro-batches: private-transformers'
-    ``test_conditional_generation``."""
+def seq2seq_batches(source: int = 7, target: int = 4):
+    torch.manual_seed(5)
+    return [(torch.randint(3, VOCAB, (2, source + target)),) for _ in range(2)]
+
+
+@pytest.mark.parametrize("positions", ["frozen", "trained"])
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_private_transformers_bart_conditional_generation(method, positions):
+    """BART (tied embeddings, used by the encoder on 7 tokens and by the decoder on 4) under
+    the decoder's mean next-token loss, clipped over two micro-batches, its learned position
+    embeddings frozen as private-transformers' ``test_conditional_generation`` freezes them
+    (its TODO: "per-sample grad hooks ... for the learned positional embedding layer in
+    BART") or trained."""
     tf = transformers_or_skip()
     cfg = tf.BartConfig(d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                         decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
                         vocab_size=VOCAB, max_position_embeddings=16, dropout=0.0,
                         attention_dropout=0.0, activation_dropout=0.0)  # fmt: skip
     bart = seeded(lambda: tf.BartForConditionalGeneration(cfg))
-    bart.model.encoder.embed_positions.requires_grad_(False)
-    bart.model.decoder.embed_positions.requires_grad_(False)
-    model = Seq2Seq(bart).double().train()
-    torch.manual_seed(5)
-    batches = [(torch.randint(3, VOCAB, (2, 2, SEQ)),) for _ in range(2)]
-    dp_step_against_the_loop(model, batches, lambda out, b: lm_losses(out, b[0][:, 1]), 0.5, method)
+    if positions == "frozen":
+        bart.model.encoder.embed_positions.requires_grad_(False)
+        bart.model.decoder.embed_positions.requires_grad_(False)
+    model = Seq2Seq(bart, 7).double().train()
+    dp_step_against_the_loop(
+        model, seq2seq_batches(), lambda out, b: lm_losses(out, b[0][:, 7:]), 0.5, method
+    )
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -1535,17 +1585,16 @@ def test_fastdp_gpt2_lora_book_keeping_and_parameter_norms():
 def test_private_transformers_t5_conditional_generation():
     """T5 (relative position biases computed once and shared by its layers, tied
     embeddings) under the decoder's mean next-token loss, clipped over two micro-batches
-    (book-keeping): private-transformers' ``test_conditional_generation`` with ``t5-base``
-    (which it runs in float32 only; here float64)."""
+    (book-keeping), the encoder on 7 tokens and the decoder on 4: private-transformers'
+    ``test_conditional_generation`` with ``t5-base`` (which it runs in float32 only; here
+    float64)."""
     tf = transformers_or_skip()
     cfg = tf.T5Config(d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2, vocab_size=VOCAB,
                       dropout_rate=0.0, relative_attention_num_buckets=8,
                       decoder_start_token_id=0)  # fmt: skip
-    model = Seq2Seq(seeded(lambda: tf.T5ForConditionalGeneration(cfg))).double().train()
-    torch.manual_seed(5)
-    batches = [(torch.randint(3, VOCAB, (2, 2, SEQ)),) for _ in range(2)]
+    model = Seq2Seq(seeded(lambda: tf.T5ForConditionalGeneration(cfg)), 7).double().train()
     dp_step_against_the_loop(
-        model, batches, lambda out, b: lm_losses(out, b[0][:, 1]), 0.5, "bookkeeping"
+        model, seq2seq_batches(), lambda out, b: lm_losses(out, b[0][:, 7:]), 0.5, "bookkeeping"
     )
 
 
