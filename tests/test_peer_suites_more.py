@@ -1296,6 +1296,47 @@ def test_opacus_fast_clipping_embedding_with_repeated_indices(method):
     assert_close(model.embedding.weight.grad, clipped["embedding.weight"] / 3, method)
 
 
+EMBEDDING_INDICES = {
+    "two-per-example-repeated": (1, lambda: torch.tensor([[1, 1], [2, 0], [2, 0]])),
+    "one-per-example-3d": (2, lambda: torch.tensor([1, 1, 2, 0, 2, 0]).view(6, 1, 1)),
+    "six-per-example-many-repeats": (
+        1,
+        lambda: torch.tensor(
+            [[0] * 6, [1] + [0] * 5, [2, 3, 4, 5, 6, 7], [4, 3] + [0] * 4, [8, 7, 9, 6, 5, 0]]
+        ).view(5, 6, 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EMBEDDING_INDICES))
+@pytest.mark.parametrize("per_example_grads", ["varying", "constant"])
+def test_opacus_embedding_norm_sample(case, per_example_grads):
+    """Per-example norms of an embedding's weight gradient where an example looks up the same
+    row several times (up to six), with index tensors of 2 and 3 dimensions and widths 1 and
+    2: Opacus' ``embedding_norm_sample_test.py`` (``compute_embedding_norm_sample``), whose
+    output-gradients are constant within an example (so that repeated rows add up) or here
+    also varying."""
+    dim, indices = EMBEDDING_INDICES[case]
+    idx = indices()
+    model = seeded(lambda: nn.Embedding(10, dim)).double()
+    torch.manual_seed(1)
+    shape = (*idx.shape, dim)
+    if per_example_grads == "constant":
+        weights = torch.randn(idx.shape[0], dtype=DOUBLE).view(-1, *[1] * (len(shape) - 1))
+        weights = weights.expand(shape)
+    else:
+        weights = torch.randn(shape, dtype=DOUBLE)
+
+    def loss(out, w):
+        return (out * w).sum()
+
+    want = vmap_grad(model, loss, idx, weights)["weight"].flatten(1).norm(dim=1)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("norms",)) as h:
+        loss(model(idx), weights).backward()
+    assert_close(h.param_norms()["weight"], want, case)
+    assert_close(h.norms(), want, case)
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
