@@ -1337,6 +1337,68 @@ def test_opacus_embedding_norm_sample(case, per_example_grads):
     assert_close(h.norms(), want, case)
 
 
+class TimeMajorClassifier(nn.Module):
+    """A time-major body (``[T, batch, F]``) averaged over time, then a linear head."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body, self.head = body, nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.head((out[0] if isinstance(out, tuple) else out).mean(0))
+
+
+class TimeMajorSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+class SeenBatchFirst(nn.Module):
+    """The oracle's view of a time-major model: ``[batch, T, F]`` in."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, x):
+        return self.m(x.transpose(0, 1))
+
+
+TIME_MAJOR_BODIES = {
+    "lstm": lambda: nn.LSTM(4, 4),
+    "gru-two-layers-bidirectional": lambda: nn.GRU(4, 2, 2, bidirectional=True),
+    "self-attention": TimeMajorSelfAttention,
+    "transformer-encoder-layer": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("body", list(TIME_MAJOR_BODIES))
+def test_opacus_time_major_dp_step(body, method):
+    """The DP-SGD step of a time-major model (``batch_dim=1``: an LSTM, a bidirectional GRU,
+    self-attention, a transformer encoder layer, each under a linear head), by every method:
+    Opacus' ``GradSampleModule(batch_first=False)`` under its ``DPOptimizer`` (its RNN and
+    attention examples), against the clipped mean of the loop run batch-first."""
+    model = seeded(lambda: TimeMajorClassifier(TIME_MAJOR_BODIES[body]())).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(5, 6, 4, dtype=DOUBLE), torch.randint(0, 3, (6,))
+    by_loop = loop_grad(SeenBatchFirst(model), ce_sum, x.transpose(0, 1).contiguous(), y)
+    want = clipped_by_oracle({n.removeprefix("m."): g for n, g in by_loop.items()}, 0.1)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities, batch_dim=1) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.1,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+    for n, p in model.named_parameters():
+        assert_close(p.grad, want[n] / 6, f"{body} {method}: {n}")
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
