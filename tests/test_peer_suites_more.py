@@ -668,17 +668,39 @@ def test_expanded_weights_unbatched_inputs_are_refused(factory, inputs, shape):
     assert all(not hasattr(p, "grad1") and p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("bad", ["", "none", "batchmean"])
-def test_expanded_weights_loss_reduction_must_be_sum_or_mean(bad):
-    """A ``loss_reduction`` other than "sum" or "mean" is refused before anything is hooked:
-    torch's ``test_per_sample_api_failing`` ("Expected loss_reduction argument to be sum or
-    mean")."""
+BAD_ARGUMENTS = [
+    ("loss_reduction_empty", dict(loss_reduction=""), "loss_reduction"),
+    ("loss_reduction_none", dict(loss_reduction="none"), "loss_reduction"),
+    ("batch_dim_float", dict(batch_dim=6.4), "batch_dim"),
+    ("batch_dim_negative", dict(batch_dim=-64), "batch_dim"),
+    ("batch_dim_bool", dict(batch_dim=True), "batch_dim"),
+    ("max_grad1_bytes_negative", dict(max_grad1_bytes=-5), "max_grad1_bytes"),
+    ("max_grad1_bytes_bool", dict(max_grad1_bytes=True), "max_grad1_bytes"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs,what", [b[1:] for b in BAD_ARGUMENTS], ids=[b[0] for b in BAD_ARGUMENTS]
+)
+def test_expanded_weights_api_arguments_are_checked(kwargs, what):
+    """Arguments that cannot work are refused by ``add_hooks`` itself, naming the argument,
+    before anything is hooked (not at a later backward, nor as a limit of -5 bytes): torch's
+    ``test_per_sample_api_failing`` ("Batch size passed must be None or an integer", "Batch
+    size must be positive", "Expected loss_reduction argument to be sum or mean"). ``True``
+    is an ``int`` to Python, not a dimension or a number of bytes."""
     model = nn.Linear(10, 10)
-    with pytest.raises(gradhooks.ConfigurationError, match="loss_reduction"):
-        gradhooks.add_hooks(model, loss_reduction=bad)
+    with pytest.raises(gradhooks.ConfigurationError, match=what):
+        gradhooks.add_hooks(model, **kwargs)
     assert not model._forward_hooks and not model._forward_pre_hooks
     model(torch.randn(6, 10)).sum().backward()
     assert not hasattr(model.weight, "grad1")
+
+
+def test_expanded_weights_module_must_be_a_module():
+    """A model that is not an ``nn.Module`` is refused with a ``TypeError``: torch's "Module
+    passed must be nn.Module"."""
+    with pytest.raises(gradhooks.ConfigurationTypeError, match="nn.Module, got str"):
+        gradhooks.add_hooks("fail")
 
 
 class RNNOutput(nn.Module):
