@@ -1421,6 +1421,32 @@ def test_opacus_time_major_dp_step(body, method):
         assert_close(p.grad, want[n] / 6, f"{body} {method}: {n}")
 
 
+COUPLED_LOSSES = {
+    "plus-a-batch-mean-of-outputs": lambda out, loss: loss + out.mean(),
+    "centred-on-the-batch-mean": lambda out, loss: loss - loss.mean(),
+}
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("coupling", list(COUPLED_LOSSES))
+def test_opacus_per_sample_losses_that_couple_the_examples_are_refused(coupling, method):
+    """ "Per-sample" losses each of which depends on the whole batch (a batch mean added to
+    each, losses centred on their mean): clipping them cannot bound one example's influence,
+    and the hooks' rows are not their gradients. Opacus' ``DPLossFastGradientClipping`` and
+    fastDP take such a vector as it comes; every gradhooks method refuses the step
+    (:class:`gradhooks.CheckFailedError`, naming the parameters) with no ``.grad`` written."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 4, dtype=DOUBLE), torch.randint(0, 3, (6,))
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        out = model(x)
+        losses = COUPLED_LOSSES[coupling](out, F.cross_entropy(out, y, reduction="none"))
+        with pytest.raises(gradhooks.CheckFailedError, match=r"'0\.weight'"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=0.1, noise_multiplier=0.0, method=method)
+    assert all(p.grad is None for p in model.parameters())
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
