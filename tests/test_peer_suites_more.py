@@ -1447,6 +1447,49 @@ def test_opacus_per_sample_losses_that_couple_the_examples_are_refused(coupling,
     assert all(p.grad is None for p in model.parameters())
 
 
+class WithUnusedLayers(nn.Module):
+    """A model with trainable layers its forward does not use (a branch not taken)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused, self.emb = nn.Linear(4, 3), nn.Linear(4, 3), nn.Embedding(5, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_opacus_parameters_without_a_gradient_get_the_noise_alone(method):
+    """Trainable parameters the forward did not use: the clipped sum is the used layer's
+    (its norms those of the used parameters), the unused ones get a zero clipped sum and,
+    with noise, the noise alone (standard deviation σC/B), as DP-SGD's definition has it.
+    Opacus' DPOptimizer raises "Per sample gradient is not initialized" for them."""
+    model = seeded(WithUnusedLayers).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 4, dtype=DOUBLE), torch.randint(0, 3, (6,))
+    clipped = clipped_by_oracle(vmap_grad(model, ce_sum, x, y), 0.1)
+    start = copy.deepcopy(model)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.1,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+        for n, p in model.named_parameters():
+            assert_close(p.grad, clipped[n] / 6, f"{method}: {n}")
+        assert not model.unused.weight.grad.any()
+        model.zero_grad()
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), h, max_grad_norm=0.1,
+            noise_multiplier=4.0, expected_batch_size=6, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.step()
+    moved = torch.cat([(p - start.get_parameter(n)).flatten() for n, p in model.named_parameters()
+                       if not n.startswith("used.")])  # fmt: skip
+    assert 0.8 < moved.std().item() / (4.0 * 0.1 / 6) < 1.2, moved.std()  # (33 coordinates)
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
