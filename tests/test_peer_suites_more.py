@@ -1490,6 +1490,52 @@ def test_opacus_parameters_without_a_gradient_get_the_noise_alone(method):
     assert 0.8 < moved.std().item() / (4.0 * 0.1 / 6) < 1.2, moved.std()  # (33 coordinates)
 
 
+def norm_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(3, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(16, 5),
+        nn.LayerNorm(5), nn.Linear(5, 3),
+    )  # fmt: skip
+
+
+FROZEN = {
+    "conv-bias": ["0.bias"],
+    "conv-weight": ["0.weight"],
+    "group-norm-weight": ["1.weight"],
+    "linear-bias": ["4.bias"],
+    "layer-norm-weight": ["5.weight"],
+    "bitfit-biases-only": ["0.weight", "1.weight", "4.weight", "5.weight", "6.weight"],
+}
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("frozen", list(FROZEN))
+def test_fastdp_one_parameter_of_a_layer_frozen(frozen, method):
+    """A layer with one of its parameters frozen (a bias, a weight, a norm's scale), or only
+    the biases trained (fastDP's DP-BiTFiT): the per-example norms and the clipped step
+    count only what is trained, and the frozen parameters get no gradient. Opacus' frozen
+    parameter tests, fastDP's ``bias-only`` fine-tuning."""
+    model = seeded(norm_net).double()
+    for n in FROZEN[frozen]:
+        model.get_parameter(n).requires_grad_(False)
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 3, 6, dtype=DOUBLE), torch.randint(0, 3, (6,))
+    want = vmap_grad(model, ce_sum, x, y)
+    clipped = clipped_by_oracle(want, 0.05)
+    quantities = ("grad1", "norms") if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.05,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+        assert set(h.param_norms()) == set(want)
+    assert_close(norms, torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1), "norms")
+    for n, p in model.named_parameters():
+        if n in FROZEN[frozen]:
+            assert p.grad is None, n
+        else:
+            assert_close(p.grad, clipped[n] / 6, f"{method}: {n}")
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
