@@ -1536,6 +1536,75 @@ def test_fastdp_one_parameter_of_a_layer_frozen(frozen, method):
             assert_close(p.grad, clipped[n] / 6, f"{method}: {n}")
 
 
+class HeadMaskedAttention(nn.Module):
+    """Attention whose mask is per example and per head (``[batch, heads, L, S]`` folded to
+    torch's ``[batch · heads, L, S]``), its attention weights returned per head."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, q, k, mask):
+        mask = mask.reshape(-1, *mask.shape[-2:])
+        return self.m(q, k, k, attn_mask=mask, need_weights=True, average_attn_weights=False)
+
+
+class MaskedTransformer(nn.Module):
+    """``nn.Transformer`` with a causal target mask and a source padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(d_model=6, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=8, dropout=0.0, batch_first=True)  # fmt: skip
+
+    def forward(self, src, tgt, pad):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=src.dtype)
+        return self.t(src, tgt, tgt_mask=causal, src_key_padding_mask=pad,
+                      memory_key_padding_mask=pad)  # fmt: skip
+
+
+def attention_inputs(mask: str):
+    torch.manual_seed(1)
+    q, k = torch.randn(3, 4, 6, dtype=DOUBLE), torch.randn(3, 5, 6, dtype=DOUBLE)
+    if mask == "float":
+        return q, k, torch.randn(3, 2, 4, 5, dtype=DOUBLE)
+    keep = torch.rand(3, 2, 4, 5) > 0.7
+    keep[..., 0] = False  # (every query sees a key)
+    return q, k, keep
+
+
+def transformer_inputs():
+    torch.manual_seed(1)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    return torch.randn(3, 5, 6, dtype=DOUBLE), torch.randn(3, 4, 6, dtype=DOUBLE), pad
+
+
+MASKED = [
+    ("attention-float-mask-per-head", HeadMaskedAttention, lambda: attention_inputs("float")),
+    ("attention-bool-mask-per-head", HeadMaskedAttention, lambda: attention_inputs("bool")),
+    ("transformer-causal-and-padding", MaskedTransformer, transformer_inputs),
+]
+
+
+@pytest.mark.parametrize("factory,inputs", [m[1:] for m in MASKED], ids=[m[0] for m in MASKED])
+def test_opacus_attention_masks_and_weights(factory, inputs):
+    """Attention with a float or boolean mask that differs per example and per head (torch's
+    ``[batch · heads, L, S]`` layout), its per-head attention weights in the loss, and
+    ``nn.Transformer`` with causal and padding masks: Opacus' ``dp_multihead_attention_test``
+    (``attn_mask``, ``need_weights``) and its transformer tests, against the loop."""
+    model = seeded(factory).double()
+    args = inputs()
+
+    def loss(out, t=None):
+        return sq(out) + sum((o**3).sum() for o in (out if isinstance(out, tuple) else (out,)))
+
+    want = loop_grad(model, loss, args)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(*args)).backward()
+    assert_grad1(model, want, factory.__name__)
+
+
 # == Opacus: poisson_test.py, dpdataloader_test.py, privacy_engine_test.py ===================
 
 
