@@ -1012,6 +1012,40 @@ def test_functorch_lennard_jones_loss_of_input_derivatives_is_refused():
     assert not any(hasattr(p, "grad1") for p in model.parameters())
 
 
+def test_functorch_functional_call_and_vmap_grad_under_hooks():
+    """The functorch idioms on a hooked model: ``functional_call(model, params, x)`` with
+    other parameter tensors (the tutorial's ``ft_compute_grad``) gives those tensors their
+    ``grad1``; ``vmap(grad(...))`` run while the hooks are on is unaffected by them and
+    leaves no ``grad1``; a plain backward afterwards gives ``grad1`` equal to it."""
+    from torch.func import functional_call, grad, vmap
+
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, dtype=DOUBLE)
+    other = {n: (2 * p.detach()).requires_grad_() for n, p in model.named_parameters()}
+    doubled = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in doubled.named_parameters():
+            p.copy_(other[n])
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(params, xi):
+        return sq(functional_call(model, params, (xi.unsqueeze(0),)))
+
+    want = vmap(grad(one), in_dims=(None, 0))(params, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(functional_call(model, other, (x,))).backward()
+        for n, g in vmap_grad(doubled, sq, x).items():
+            assert_close(other[n].grad1, g, f"functional_call: {n}")
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        got = vmap(grad(one), in_dims=(None, 0))(params, x)
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        sq(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(got[n], want[n], f"vmap(grad) under hooks: {n}")
+        assert_close(p.grad1, want[n], f"grad1: {n}")
+
+
 # == Opacus: per_sample_gradients_utils_test.py, hypothesis over Conv1d and Linear ==========
 
 hypothesis = pytest.importorskip("hypothesis")
