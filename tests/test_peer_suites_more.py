@@ -1964,7 +1964,7 @@ def test_fastdp_bert_classification_with_padding(method):
     mask[1, 3:], mask[3, 5:] = 0, 0
     y = torch.randint(0, 2, (4,))
 
-    class Pair(nn.Module):  # (the helper feeds the model one tensor: ids and mask stacked)
+    class IdsAndMask(nn.Module):  # (dp_step_against_the_loop feeds one tensor: both stacked)
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
@@ -1974,7 +1974,7 @@ def test_fastdp_bert_classification_with_padding(method):
 
     batches = [(torch.stack([ids, mask], 1)[k : k + 2], y[k : k + 2]) for k in (0, 2)]
     dp_step_against_the_loop(
-        Pair(model), batches, lambda out, b: F.cross_entropy(out, b[1], reduction="none"),
+        IdsAndMask(model), batches, lambda out, b: F.cross_entropy(out, b[1], reduction="none"),
         0.05, method,
     )  # fmt: skip
 
