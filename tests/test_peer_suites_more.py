@@ -5,23 +5,28 @@ another dimension). :mod:`test_peer_suites` holds the first set; this one adds:
 
 - torch's ExpandedWeights tests (``test/test_expanded_weights.py``,
   ``call_for_per_sample_grads``): every module setting of its legacy module tests under a
-  ``sum`` and a ``mean`` loss (the input's gradient checked too), a module called twice in one
-  forward, RNN / LSTM / GRU from its module database (``batch_first=False``, an initial state,
-  packed sequences), its small models (a CNN, instance / group / layer norm after a
-  convolution, an embedding over ``[batch, 5, 5]`` indices), functional layers on a module's
-  own parameters, inputs given by keyword or inside a dataclass;
+  ``sum`` and a ``mean`` loss (the input's gradient checked too), every sample input of its
+  op-database ops, a module called twice in one forward, RNN / LSTM / GRU from its module
+  database (``batch_first=False``, initial states, packed sequences), its small models (a CNN,
+  instance / group / layer norm after a convolution, an embedding over ``[batch, 5, 5]``
+  indices), inputs given by keyword, inside a dataclass or shared by the batch, and the inputs
+  and arguments it refuses;
 - functorch's per-sample-gradient tests (``test/functorch/test_eager_transforms.py``:
   ``test_resnet18_per_sample_grads`` with GroupNorm for BatchNorm, ``test_ensemble_regression``,
-  ``test_lennard_jones_batched_jacrev``) and the ``torch.func`` per-sample-gradients tutorial;
+  ``test_lennard_jones_batched_jacrev``), the ``torch.func`` per-sample-gradients tutorial, and
+  ``functional_call`` / ``vmap(grad)`` on a hooked model;
 - Opacus: ``per_sample_gradients_utils_test.py`` (hypothesis over Conv1d and Linear settings,
   ``batch_first=False``, empty batches), ``per_sample_gradient_clip_test.py`` (flat and
   per-layer clipping of a net with a frozen layer), ``gradient_accumulation_test.py``,
-  ``grad_sample_module_fast_gradient_clipping_test.py`` (ghost-clipping norms and gradients,
-  an embedding with repeated indices), ``poisson_test.py`` / ``dpdataloader_test.py``;
+  ``grad_sample_module_fast_gradient_clipping_test.py`` and ``embedding_norm_sample_test.py``
+  (ghost-clipping norms and gradients, embedding rows repeated in an example),
+  ``poisson_test.py`` / ``dpdataloader_test.py``, its schedulers and noise, attention masks,
+  time-major DP steps, mixed precision, a MobileNetV3 after ``ModuleValidator.fix``;
 - private-transformers (``tests/test_privacy_engine.py``: clipped and accumulated gradients of
   BERT, RoBERTa, ALBERT classifiers, GPT-2 / OpenAI-GPT / OPT language models with tied or
-  untied embeddings, BART) and fastDP (book-keeping clipping of GPT-2 with LoRA, layer-wise
-  and parameter-wise norms), on tiny random configurations.
+  untied embeddings, BART and T5) and fastDP (book-keeping clipping of GPT-2 with LoRA,
+  layer-wise and parameter-wise norms, BiTFiT, a ViT, gradient checkpointing), on tiny random
+  configurations.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one), so
 ``grad1.sum(0)`` (sum loss) or ``grad1.mean(0)`` (mean loss) is ``.grad``. Every comparison is
