@@ -350,8 +350,9 @@ def test_inputs_without_a_batch_dimension():
             model(torch.tensor(1.0).expand(3)[0])
         out = model(torch.randn(3))  # [features]: torch accepts it, but it is no batch
         with pytest.raises(
-            gradhooks.RuleError,
-            match=r"(?s)for .<model>. \(Linear\) failed on inputs \[\(3,\)\].*unsqueeze\(0\)",
+            gradhooks.UnbatchedInputError,
+            match=r"(?s).<model>. \(Linear\) got an input of shape \(3,\) without a batch.*"
+            r"unsqueeze\(0\)",
         ):
             out.sum().backward()
 

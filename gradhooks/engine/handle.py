@@ -134,13 +134,14 @@ class Hooks:
             )
         if capture not in ("always", "marked"):
             raise ConfigurationError(f"capture must be 'always' or 'marked', got {capture!r}")
-        if batch_dim not in (None, "auto") and (not isinstance(batch_dim, int) or batch_dim < 0):
+        if batch_dim not in (None, "auto") and not _whole(batch_dim):
             raise ConfigurationError(
                 f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}"
             )
-        if not (max_grad1_bytes in (None, "auto") or isinstance(max_grad1_bytes, int)):
+        if not (max_grad1_bytes in (None, "auto") or _whole(max_grad1_bytes)):
             raise ConfigurationError(
-                f"max_grad1_bytes must be bytes, 'auto' or None, got {max_grad1_bytes!r}"
+                f"max_grad1_bytes must be bytes (an int >= 0), 'auto' or None, got "
+                f"{max_grad1_bytes!r}"
             )
         shards = fsdp_shards(model)
         targets = plan_targets(model, registry, unsupported, shards)
@@ -800,6 +801,11 @@ def leaves_of(t: Tensor) -> list[Tensor]:
             found.setdefault(id(leaf), leaf)
         stack.extend(nxt for nxt, _ in node.next_functions)
     return list(found.values())
+
+
+def _whole(value: object) -> bool:
+    """An int >= 0 that is not a bool (``True`` is an int to Python, not a dimension)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def add_hooks(

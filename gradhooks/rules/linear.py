@@ -5,6 +5,7 @@ import math
 from einops import rearrange
 from torch import Tensor, nn
 
+from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Direct, Outer, Piece
 from ..tuning import TUNING
 from .registry import REGISTRY, Call, register
@@ -33,6 +34,12 @@ def linear(call: Call) -> dict[str, Outer]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis."""
     (x,) = call.inputs
+    if x.dim() < 2:
+        raise UnbatchedInputError(
+            f"{describe_module(call.name, call.module)} got an input of shape {tuple(x.shape)} "
+            "without a batch dimension: per-example gradients need [batch, *, in_features] "
+            "(x.unsqueeze(0) for a single example)"
+        )
     g = _positions(call.grad_output)
     return {"weight": Outer(_positions(x.conj() if x.is_complex() else x), g),
             "bias": Outer(None, g)}  # fmt: skip
