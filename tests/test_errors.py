@@ -344,6 +344,25 @@ def test_configuration_errors_of_add_hooks():
         pass
 
 
+@pytest.mark.parametrize(
+    "name, bad, good",
+    [("loss_reduction", "avg", "sum"), ("batch_dim", True, 0), ("batch_dim", -1, None),
+     ("max_grad1_bytes", -5, 1 << 30), ("capture", "sometimes", "marked"),
+     ("unsupported", "ignore", "error")],
+)  # fmt: skip
+def test_a_setting_changed_on_the_handle_is_checked_as_add_hooks_checks_it(name, bad, good):
+    """A handle's settings, changed after add_hooks, are refused where add_hooks refuses them:
+    ``h.loss_reduction = "avg"`` was taken as "sum" (grad1 a batch-size factor off, no
+    error). The handle keeps its setting; a good value is taken."""
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model) as h:
+        before = getattr(h, name)
+        _raised(gradhooks.ConfigurationError, lambda: setattr(h, name, bad), name)
+        assert getattr(h, name) == before
+        setattr(h, name, good)
+        assert getattr(h, name) == good
+
+
 class _NoRule(nn.Module):
     def __init__(self):
         super().__init__()

@@ -120,29 +120,15 @@ class Hooks:
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
         if unknown or not quantities:
             raise ConfigurationError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ConfigurationError(
-                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
-            )
-        if unsupported not in ("fallback", "error", "skip"):
-            raise ConfigurationError(
-                f"unsupported must be 'fallback', 'error' or 'skip', got {unsupported!r}"
-            )
+        _checked("loss_reduction", loss_reduction)
+        _checked("unsupported", unsupported)
         if not isinstance(model, nn.Module):
             raise ConfigurationTypeError(
                 f"add_hooks expects an nn.Module, got {type(model).__qualname__}"
             )
-        if capture not in ("always", "marked"):
-            raise ConfigurationError(f"capture must be 'always' or 'marked', got {capture!r}")
-        if batch_dim not in (None, "auto") and not _whole(batch_dim):
-            raise ConfigurationError(
-                f"batch_dim must be 'auto', an int >= 0 or None, got {batch_dim!r}"
-            )
-        if not (max_grad1_bytes in (None, "auto") or _whole(max_grad1_bytes)):
-            raise ConfigurationError(
-                f"max_grad1_bytes must be bytes (an int >= 0), 'auto' or None, got "
-                f"{max_grad1_bytes!r}"
-            )
+        _checked("capture", capture)
+        _checked("batch_dim", batch_dim)
+        _checked("max_grad1_bytes", max_grad1_bytes)
         shards = fsdp_shards(model)
         targets = plan_targets(model, registry, unsupported, shards)
         # what the parts share (gradhooks.engine.state)
@@ -231,7 +217,7 @@ class Hooks:
 
     @loss_reduction.setter
     def loss_reduction(self, value: LossReduction) -> None:
-        self._state.loss_reduction = value
+        self._state.loss_reduction = _checked("loss_reduction", value)
 
     @property
     def batch_dim(self) -> int | str | None:
@@ -239,7 +225,7 @@ class Hooks:
 
     @batch_dim.setter
     def batch_dim(self, value: int | str | None) -> None:
-        self._state.batch_dim = value
+        self._state.batch_dim = _checked("batch_dim", value)
 
     @property
     def max_grad1_bytes(self) -> int | str | None:
@@ -247,7 +233,7 @@ class Hooks:
 
     @max_grad1_bytes.setter
     def max_grad1_bytes(self, value: int | str | None) -> None:
-        self._state.max_grad1_bytes = value
+        self._state.max_grad1_bytes = _checked("max_grad1_bytes", value)
 
     @property
     def capture(self) -> Capture:
@@ -255,7 +241,7 @@ class Hooks:
 
     @capture.setter
     def capture(self, value: Capture) -> None:
-        self._state.capture = value
+        self._state.capture = _checked("capture", value)
 
     @property
     def verify(self) -> bool:
@@ -271,7 +257,7 @@ class Hooks:
 
     @unsupported.setter
     def unsupported(self, value: Unsupported) -> None:
-        self._state.unsupported = value
+        self._state.unsupported = _checked("unsupported", value)
 
     @property
     def registry(self) -> Registry:
@@ -801,6 +787,27 @@ def leaves_of(t: Tensor) -> list[Tensor]:
             found.setdefault(id(leaf), leaf)
         stack.extend(nxt for nxt, _ in node.next_functions)
     return list(found.values())
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` for setting ``name`` of :func:`add_hooks` (or of a handle, later), refused where
+    it is not one the setting takes: a setting taken as another (``loss_reduction="avg"`` as
+    "sum", ``batch_dim=True`` as 1) would give grad1 silently wrong."""
+    if name == "loss_reduction" and value not in ("mean", "sum"):
+        raise ConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {value!r}")
+    if name == "unsupported" and value not in ("fallback", "error", "skip"):
+        raise ConfigurationError(
+            f"unsupported must be 'fallback', 'error' or 'skip', got {value!r}"
+        )
+    if name == "capture" and value not in ("always", "marked"):
+        raise ConfigurationError(f"capture must be 'always' or 'marked', got {value!r}")
+    if name == "batch_dim" and value not in (None, "auto") and not _whole(value):
+        raise ConfigurationError(f"batch_dim must be 'auto', an int >= 0 or None, got {value!r}")
+    if name == "max_grad1_bytes" and not (value in (None, "auto") or _whole(value)):
+        raise ConfigurationError(
+            f"max_grad1_bytes must be bytes (an int >= 0), 'auto' or None, got {value!r}"
+        )
+    return value
 
 
 def _whole(value: object) -> bool:
