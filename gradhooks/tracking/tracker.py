@@ -304,16 +304,19 @@ class Tracker(TorchFunctionMode):
         op = facts(func)
         if op.like and len(tensors) > 1:
             tensors = tensor_args(*data_args(op.name, args, kwargs))
-        laid, sources, direct = False, set(), []
-        found, taints, params = self.layouts, self.taints, self.params
+        laid, sources, direct = False, _NO_SOURCES, []
+        taints, params = self.taints, self.params
+        found = self.layouts.entries  # (TensorMap.get, inlined: once per tensor of every call)
         tainted = taints.entries
         for t in tensors:
-            if not laid and found.get(t) is not None:
-                laid = True
+            if not laid:
+                e = found.get(id(t))
+                if e is not None and e[0]() is t:
+                    laid = True
             if tainted:  # (empty until a batch-free call or a direct use of a parameter)
                 s = taints.get(t)
                 if s:
-                    sources |= s
+                    sources = sources | s
             if id(t) in params:
                 if op.metadata:
                     continue  # (reading p.dtype or p.requires_grad is no use of its values)
@@ -354,6 +357,7 @@ class Tracker(TorchFunctionMode):
                 self._note_precision(out)
                 self._hold(direct, args, out)
                 return out
+            sources = set(sources)
             for p in direct:
                 sources.add(self._param_source(p))
             if True:  # batch-free: the sources flow on
@@ -970,6 +974,7 @@ _ACTIVE: list[Tracker] = []
 
 # what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
 _NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
+_NO_SOURCES: frozenset = frozenset()
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
 
