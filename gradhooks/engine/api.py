@@ -65,6 +65,13 @@ class EngineAPI:
             return iter(())
         return hooks._named_parameters(model)
 
+    @property
+    def structure(self) -> tuple:
+        """What the hooks are planned for (:func:`~gradhooks.engine.plan.structure_of`: the
+        modules, and the trainable parameters), walked again at each forward of the model:
+        the same object as long as the walks find the model as it was planned."""
+        return self._hooks._structure
+
     def covered(self) -> set[int]:
         """The ids of the parameters of the hooked modules (trainable or not)."""
         return {id(p) for t in self._hooks._state.targets for p in t.params.values()}

@@ -63,7 +63,6 @@ from .. import pieces as P
 from ..engine.api import engine_of
 from ..engine.compare import hold, largest
 from ..engine.handle import Hooks
-from ..engine.plan import modules_and_parameters
 from ..engine.records import half_precision
 from ..engine.verify import PROBE_TOLERANCE, mismatch
 from ..errors import (
@@ -613,7 +612,10 @@ def _refuse_coupled(hooks: Hooks, params: list) -> None:
     """Refuses, on every step, a step through a layer whose batch gradient is by design not
     the sum of its per-example gradients: there, autograd's gradient of the clipped losses
     (the ghost step) couples the examples, and no step can be checked against autograd."""
-    coupled = [n for n, p in names_of(hooks, params) if engine_of(hooks).by_design_unsummed(p)]
+    engine = engine_of(hooks)
+    if not any([engine.by_design_unsummed(p) for p in params]):
+        return  # (named only where one is: naming walks the model)
+    coupled = [n for n, p in names_of(hooks, params) if engine.by_design_unsummed(p)]
     if coupled:
         raise UnsupportedError(
             f"dp_sgd_step: the batch gradient of {', '.join(coupled[:5])} is by its layer's "
@@ -754,10 +756,10 @@ def _foreach_div_(xs: list[Tensor], denom: float) -> None:
 
 
 class _Plan(NamedTuple):
-    """A step's parameters for one structure of the hooked model (:func:`_structure`)."""
+    """A step's parameters for one structure of the hooked model."""
 
     key: tuple | None
-    """The structure it was made for (``None``: FSDP2, made again at every step)."""
+    """The engine's structure it was made for (``None``: FSDP2, made again at every step)."""
     params: list[torch.nn.Parameter]
     """The trainable parameters of the hooked modules, in the order of
     ``named_parameters()`` (that of the noise)."""
@@ -767,31 +769,32 @@ class _Plan(NamedTuple):
     """Trainable parameters of no hooked module (``unsupported="skip"``)."""
     complex_: list[str]
     """Trainable complex parameters."""
+    walked: list[torch.nn.Parameter]
+    """Every parameter of the model, as ``named_parameters()`` gives them."""
+    flags: list[tuple[bool, bool]]
+    """Whether each of :attr:`walked` was trainable and complex."""
 
 
 # Per handle, the plan of its last step
 _PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _structure(model: torch.nn.Module) -> tuple:
-    """What a step's parameters depend on, in one walk of the model: every module (a hooked
-    one added, removed or swapped), and every parameter as ``named_parameters()`` gives it,
-    with whether it is trainable and complex (a parameter added, removed, replaced, frozen
-    or unfrozen)."""
-    modules, params = modules_and_parameters(model)
-    return modules, tuple((n, id(p), p.requires_grad, p.is_complex()) for n, p in params)
+def _flags(params: list[torch.nn.Parameter]) -> list[tuple[bool, bool]]:
+    return [(p.requires_grad, p.is_complex()) for p in params]
 
 
 def _plan(hooks: Hooks) -> _Plan:
     """The handle's step plan: made again where the model's structure changed since the last
-    step (one walk of the model checks it)."""
+    step. The engine walks the model at each forward (a module or a parameter added, removed,
+    swapped, frozen or unfrozen before it gives another structure); what a step reads besides
+    (a parameter frozen since the forward, made complex) is read from the parameters."""
     model = hooks.model
     if model is None or not hooks.active:
         raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
     engine = engine_of(hooks)
-    key = None if engine.sharded else _structure(model)
+    key = None if engine.sharded else engine.structure
     plan = _PLANS.get(hooks) if key is not None else None
-    if plan is None or plan.key != key:
+    if plan is None or plan.key is not key or _flags(plan.walked) != plan.flags:
         plan = _planned(hooks, key)
         if key is not None:
             _PLANS[hooks] = plan
@@ -801,8 +804,9 @@ def _plan(hooks: Hooks) -> _Plan:
 def _planned(hooks: Hooks, key: tuple | None) -> _Plan:
     engine = engine_of(hooks)
     covered = engine.covered()
-    params, names, missing, complex_, seen = [], [], [], [], set()
+    params, names, missing, complex_, seen, walked = [], [], [], [], set(), []
     for name, p in engine.named_parameters():  # (FSDP2: the sharded parameters)
+        walked.append(p)
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
@@ -813,7 +817,7 @@ def _planned(hooks: Hooks, key: tuple | None) -> _Plan:
             names.append(name)
         else:
             missing.append(name)
-    return _Plan(key, params, names, missing, complex_)
+    return _Plan(key, params, names, missing, complex_, walked, _flags(walked))
 
 
 def _covered_params(hooks: Hooks) -> list[torch.nn.Parameter]:
