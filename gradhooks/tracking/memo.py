@@ -35,7 +35,7 @@ NO_KEY: Any = object()  # (an argument a key cannot hold: the call is followed a
 # key -> (the results' shapes, their layouts); emptied when it grows past _LIMIT (a model
 # whose shapes change at every step, unpadded sequences of every length)
 KEPT: dict[tuple, tuple[tuple, tuple]] = {}
-_LIMIT = 1 << 16
+_LIMIT = 1 << 14  # (some hundred bytes each: a few MB at most)
 
 
 def _part(a: Any, entries: dict) -> Any:
