@@ -194,6 +194,12 @@ class Hooks:
         except BaseException:
             self.remove()  # (nothing left on the model)
             raise
+        # a grad1 already on a parameter (left by hooks removed since, or carried by a pickled
+        # copy) is not this handle's: the first captured backward replaces it, or deletes it
+        # where it does not reach the parameter, as after a reset
+        for pid, (_, p) in self._state.params.items():
+            if "grad1" in p.__dict__:
+                self._state.stale[pid] = p
         _ACTIVE[model] = self
 
     def _connect(self) -> None:
@@ -908,6 +914,15 @@ def hooks_of(model: nn.Module) -> Hooks:
 def remove_hooks(model: nn.Module) -> None:
     """Remove the hooks :func:`add_hooks` put on ``model``. ``grad1`` stays on the parameters."""
     hooks_of(model).remove()
+
+
+def drop_uncovered_grad1(module: nn.Module) -> None:
+    """Delete ``grad1`` from every parameter of ``module`` that no active handle covers (what
+    :class:`gradhooks.inert.InertHook` does in a copy of a hooked model)."""
+    covered = {pid for h in active_handles() for pid in h._state.params}
+    for p in module.parameters():
+        if id(p) not in covered:
+            p.__dict__.pop("grad1", None)
 
 
 def clear_grad1(model: nn.Module) -> None:

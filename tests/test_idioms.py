@@ -1,0 +1,214 @@
+"""Training-loop idioms and misuses, each step checked against the float64 oracle.
+
+Copies of a hooked model (an EMA copy, per-client copies in federated learning, a whole model
+saved with ``torch.save`` and loaded), models hooked again, backwards that do not reach the
+hooked model, and other idioms of published training code: every step's ``grad1`` is compared
+with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`), or a misuse is checked to stop with an error that names
+what went wrong and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close
+
+D = torch.float64
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; ``head`` (or the attribute ``head``) picks the one a batch goes
+    through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.b, self.c = nn.Linear(3, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+        self.head = "b"
+        self.to(D)
+
+    def forward(self, x, head: str | None = None):
+        return getattr(self, head or self.head)(torch.tanh(self.trunk(x)))
+
+
+def batch(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, generator=g, dtype=D), torch.randint(2, (n,), generator=g)
+
+
+def ce(out, y):
+    return F.cross_entropy(out, y)
+
+
+def assert_grad1(model, want: dict, what: str) -> None:
+    """Every parameter in ``want`` has that ``grad1``; every other one has none."""
+    for n, p in model.named_parameters():
+        if n in want and want[n] is not None:
+            assert hasattr(p, "grad1"), f"{what}: {n} has no grad1"
+            assert_close(p.grad1, want[n], f"{what}: {n}")
+        else:
+            assert not hasattr(p, "grad1"), f"{what}: {n} has a grad1 it should not have"
+
+
+def reached(want: dict, *prefixes: str) -> dict:
+    return {n: g for n, g in want.items() if n.startswith(prefixes)}
+
+
+def saved_and_loaded(model, how: str):
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# -- copies of a hooked model ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_loaded_copy_trained_without_hooks_never_shows_the_originals_grad1(how):
+    """A whole model pickled after a backward carries its parameters' ``grad1`` (the
+    original's, of that backward): readable as saved until the copy computes, then gone, so
+    that the copy's own training never shows the original's per-example gradients as its
+    own. The original's ``grad1`` is untouched."""
+    model = TwoHeads()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        ce(model(x), y).backward()
+        want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+        copied = saved_and_loaded(model, how)
+        assert_grad1(copied, want, "as saved")  # (before it computes anything)
+        with torch.no_grad():
+            copied(x)  # an evaluation leaves it
+        assert_grad1(copied, want, "after an evaluation")
+        x2, y2 = batch(1, 6)
+        opt = torch.optim.SGD(copied.parameters(), lr=0.1)
+        opt.zero_grad()
+        ce(copied(x2), y2).backward()  # trained without hooks
+        opt.step()
+        assert all(p.grad is not None for p in copied.trunk.parameters())
+        assert_grad1(copied, {}, "trained copy")
+        assert_grad1(model, want, "original")
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_a_copy_hooked_after_the_original_gets_its_own_grad1_and_leaves_the_originals(how):
+    """``add_hooks(copy)`` on a copy made after a backward of the hooked original: its steps
+    give the copy's own per-example gradients (a head its batch does not reach has none, not
+    the original's carried over), and the original's steps go on as before."""
+    model = TwoHeads()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model) as h:
+        want0 = reached(loop_grad(model, ce, x, y), "trunk", "b")
+        ce(model(x), y).backward()
+        copied = copy.deepcopy(model) if how == "deepcopy" else saved_and_loaded(model, how)
+        copied.head = "c"
+        opt = torch.optim.SGD(copied.parameters(), lr=0.1)
+        with gradhooks.add_hooks(copied):
+            for step in range(2):
+                x2, y2 = batch(10 + step, 6)
+                want = reached(loop_grad(copied, ce, x2, y2), "trunk", "c")
+                opt.zero_grad()
+                ce(copied(x2), y2).backward()
+                assert_grad1(copied, want, f"copy, step {step}")
+                opt.step()
+        assert_grad1(model, want0, "original")
+        x3, y3 = batch(3)
+        model.zero_grad()
+        want3 = reached(loop_grad(model, ce, x3, y3), "trunk", "b")
+        ce(model(x3), y3).backward()
+        assert_grad1(model, want3, "original, next step")
+        assert h.active
+
+
+def test_hooks_added_again_replace_a_grad1_left_by_earlier_hooks():
+    """``remove()`` leaves ``grad1`` (as ``.grad``); hooks added again start afresh: a
+    parameter their first backward does not reach loses the ``grad1`` left from before, as
+    after ``zero_grad``."""
+    model = TwoHeads()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        ce(model(x, "c"), y).backward()
+    assert hasattr(model.c.weight, "grad1")
+    model.zero_grad()
+    x2, y2 = batch(1, 6)
+    want = reached(loop_grad(model, ce, x2, y2), "trunk", "b")
+    with gradhooks.add_hooks(model):
+        ce(model(x2), y2).backward()
+    assert_grad1(model, want, "hooked again")
+
+
+def test_an_ema_copy_updated_with_lerp_and_evaluated_under_no_grad():
+    """An EMA of the weights kept as ``ema = copy.deepcopy(model)`` (not hooked), updated with
+    ``lerp_`` after every step and evaluated under ``no_grad``: the training steps' ``grad1``
+    is each example's own, the EMA's weights are what the update made them, and the EMA never
+    gets a ``grad1``."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model):
+        ema = copy.deepcopy(model).requires_grad_(False)
+        expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for step in range(3):
+            x, y = batch(step)
+            want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+            with torch.no_grad():
+                for (n, p), q in zip(model.named_parameters(), ema.parameters()):
+                    q.lerp_(p, 0.1)
+                    expected[n].lerp_(p, 0.1)
+                ema(x).argmax(1)
+        for n, q in ema.named_parameters():
+            assert_close(q, expected[n], f"ema {n}")
+            assert not hasattr(q, "grad1"), n
+
+
+def test_federated_clients_each_train_a_copy_of_the_global_model():
+    """Federated averaging with per-example gradients on the clients: each round every client
+    trains ``local = copy.deepcopy(global_model)`` hooked by its own ``add_hooks``, its
+    ``grad1`` checked against the oracle at every local step; the server averages the local
+    weights into the global model. A client that forgets ``add_hooks`` gets no ``grad1`` (an
+    ``AttributeError``), never another model's, and asking for its handle says to hook it."""
+    global_model = TwoHeads()
+    gradhooks.add_hooks(global_model)  # (hooked too: its hooks must not reach the copies)
+    try:
+        for rnd in range(2):
+            states = []
+            for client in range(2):
+                local = copy.deepcopy(global_model)
+                opt = torch.optim.SGD(local.parameters(), lr=0.1)
+                with gradhooks.add_hooks(local):
+                    for step in range(2):
+                        x, y = batch(100 * rnd + 10 * client + step)
+                        want = reached(loop_grad(local, ce, x, y), "trunk", "b")
+                        opt.zero_grad()
+                        ce(local(x), y).backward()
+                        assert_grad1(local, want, f"round {rnd} client {client} step {step}")
+                        opt.step()
+                states.append(local.state_dict())
+            with torch.no_grad():
+                for n, p in global_model.named_parameters():
+                    p.copy_(sum(s[n] for s in states) / len(states))
+        forgot = copy.deepcopy(global_model)
+        x, y = batch(7)
+        ce(forgot(x), y).backward()
+        with pytest.raises(AttributeError, match="grad1"):
+            forgot.trunk.weight.grad1  # noqa: B018
+        with pytest.raises(gradhooks.ConfigurationError, match="add_hooks"):
+            gradhooks.hooks_of(forgot)  # (what dp_sgd_step and make_private are given)
+        assert all(not hasattr(p, "grad1") for p in global_model.parameters())
+    finally:
+        gradhooks.remove_hooks(global_model)
