@@ -212,3 +212,55 @@ def test_federated_clients_each_train_a_copy_of_the_global_model():
         assert all(not hasattr(p, "grad1") for p in global_model.parameters())
     finally:
         gradhooks.remove_hooks(global_model)
+
+
+# -- loss modules with parameters ------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(nn, "LinearCrossEntropyLoss"), reason="torch without it")
+def test_linear_cross_entropy_loss_is_refused_with_advice_that_works():
+    """``nn.LinearCrossEntropyLoss`` fuses the output projection with the loss, and no rule
+    covers the fusion yet: the refusal names the parameter and the fused operation, and says to
+    compute the logits with an ``nn.Linear`` and ``F.cross_entropy`` instead (which the test
+    then does, with the same weights: ``grad1`` matches the oracle), or to freeze it. The model
+    is left as it was."""
+
+    class Model(nn.Module):
+        def __init__(self, fused: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Linear(3, 4)
+            self.fused = fused
+            if fused:
+                self.head = nn.LinearCrossEntropyLoss(4, 5, dtype=D)
+            else:
+                self.head = nn.Linear(4, 5, bias=False, dtype=D)
+            self.to(D)
+
+        def forward(self, x, y):
+            h = torch.tanh(self.body(x))
+            return self.head(h, y) if self.fused else F.cross_entropy(self.head(h), y)
+
+    fused = Model(True)
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(5, (6,))
+    before = {n: p.detach().clone() for n, p in fused.named_parameters()}
+    with gradhooks.add_hooks(fused):
+        with pytest.raises(gradhooks.UnsupportedError) as err:
+            fused(x, y).backward()
+    msg = str(err.value)
+    for part in (
+        "'head.linear.weight'", "'linear_cross_entropy' is a fused operation no rule covers yet",
+        "nn.Linear", "F.cross_entropy", "freeze it",
+    ):  # fmt: skip
+        assert part in msg, (part, msg)
+    assert "Use it through its module" not in msg
+    for n, p in fused.named_parameters():
+        assert torch.equal(p.detach(), before[n]) and not hasattr(p, "grad1"), n
+    plain = Model(False)
+    plain.load_state_dict({n.replace("head.linear.", "head."): t for n, t in before.items()})
+    with gradhooks.add_hooks(plain):
+        fused_loss = fused(x, y)
+        plain(x, y).backward()
+    torch.testing.assert_close(plain(x, y), fused_loss)
+    want = loop_grad(plain, lambda loss: loss, (x, y))
+    assert_grad1(plain, want, "unfused")

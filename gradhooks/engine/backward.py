@@ -678,8 +678,8 @@ class BackwardWriter:
             raise UnsupportedError(
                 f"'{name}' is used outside its module's call, in operations that do not depend "
                 f"on the examples until they meet the batch, and {problem}: gradhooks cannot "
-                "tell each example's share of its gradient. Use it through its module, or "
-                "freeze it."
+                "tell each example's share of its gradient. Compute it with modules that have "
+                "rules (the parameter's own module's call), or freeze it."
             )
         per = None
         for s in found:
