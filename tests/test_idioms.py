@@ -264,3 +264,40 @@ def test_linear_cross_entropy_loss_is_refused_with_advice_that_works():
     torch.testing.assert_close(plain(x, y), fused_loss)
     want = loop_grad(plain, lambda loss: loss, (x, y))
     assert_grad1(plain, want, "unfused")
+
+
+# -- losses that are not a plain mean over the examples --------------------------------------
+
+
+def test_a_weighted_cross_entropy_mean_gives_each_example_its_share_and_check_says_so():
+    """``F.cross_entropy`` with class weights and ``ignore_index`` under ``reduction="mean"``
+    divides by the batch's total weight: ``grad1[i]`` is ``B·w[y_i] / Σ_j w[y_j]`` times the
+    gradient of example ``i``'s own loss (zeros where ignored), consistent with ``.grad``;
+    ``check`` says the loss is a weighted mean. Summed ``reduction="none"`` losses give each
+    example's own (weighted) loss gradient."""
+    model = TwoHeads()
+    x, y = batch(0, 6)
+    y[1] = -100
+    w = torch.tensor([0.5, 2.0], dtype=D)
+
+    def weighted(out, t):
+        return F.cross_entropy(out, t, weight=w)
+
+    def own(out, t):  # example i's own loss, weighted: w[y_i]·ℓ_i (0 where ignored)
+        return F.cross_entropy(out, t, weight=w, reduction="sum")
+
+    per = reached(loop_grad(model, own, x, y), "trunk", "b")
+    valid = y != -100
+    share = torch.where(valid, w[y.clamp_min(0)], 0.0)
+    share = len(y) * share / share.sum() / torch.where(valid, w[y.clamp_min(0)], 1.0)
+    with gradhooks.add_hooks(model) as h:
+        weighted(model(x), y).backward()
+        want = {n: share.view(-1, *[1] * (g.dim() - 1)) * g for n, g in per.items()}
+        assert_grad1(model, want, "weighted mean")
+        report = h.check(weighted, x, y, examples=6, raise_on_error=False)
+        assert not report.ok and "weighted mean" in str(report), str(report)
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        F.cross_entropy(model(x), y, weight=w, reduction="none").sum().backward()
+        assert_grad1(model, per, "summed per-example losses")
+        assert h.check(own, x, y, examples=6).ok

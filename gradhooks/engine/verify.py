@@ -884,7 +884,10 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
     report.problems.append(
         f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× it, "
         f"loss_reduction={state.loss_reduction!r}, batch {batch}): the loss may be scaled "
-        "(divided by the number of micro-batches, or a mean over more than the batch), grad1 "
+        "(divided by the number of micro-batches, or a mean over more than the batch), or a "
+        "weighted mean (F.cross_entropy with weight= or ignore_index: each example enters it "
+        "with its weight over the batch's total; sum reduction='none' losses for each one's "
+        "own), grad1 "
         "may hold several backwards (call h.clear() between steps), the examples may not be "
         "independent (batch statistics, or a loss that couples them: contrastive, InfoNCE), "
         "the model may be random (dropout: check in eval "
