@@ -301,3 +301,46 @@ def test_a_weighted_cross_entropy_mean_gives_each_example_its_share_and_check_sa
         F.cross_entropy(model(x), y, weight=w, reduction="none").sum().backward()
         assert_grad1(model, per, "summed per-example losses")
         assert h.check(own, x, y, examples=6).ok
+
+
+# -- backwards that do not reach the hooked model --------------------------------------------
+
+
+def test_gan_steps_with_the_generator_hooked_and_a_discriminator_step_between():
+    """A GAN whose generator alone is hooked (DP on the generator): the generator's step gives
+    each example's own gradient; the discriminator's step, on the detached fake, reaches no
+    hooked parameter and is not seen by the hooks, so it leaves the generator's ``grad1`` as
+    its step left it, also after one ``zero_grad()`` over both models reset ``.grad``: then
+    ``check()`` says that ``grad1`` is of an earlier backward, and the next generator step
+    starts afresh."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).to(D)
+    disc = nn.Sequential(nn.Linear(4, 5), nn.LeakyReLU(0.2), nn.Linear(5, 1)).to(D)
+    both = nn.ModuleList([gen, disc])
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2)
+    real_of = torch.Generator().manual_seed(1)
+
+    def g_loss(fake):
+        return F.softplus(-disc(fake)).mean()
+
+    with gradhooks.add_hooks(gen) as h:
+        for step in range(3):
+            z = torch.randn(4, 3, generator=real_of, dtype=D)
+            real = torch.randn(4, 4, generator=real_of, dtype=D)
+            fake = gen(z)
+            both.zero_grad()  # (.grad of both reset)
+            d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+            d_loss.backward()
+            opt_d.step()
+            if step:
+                assert all(p.grad is None for p in gen.parameters())
+                report = h.check(raise_on_error=False)
+                assert "grad1 is of an earlier backward" in str(report.problems), str(report)
+            want = loop_grad(gen, g_loss, z)
+            both.zero_grad()
+            g_loss(fake).backward()
+            assert_grad1(gen, want, f"generator step {step}")
+            assert not h.check(raise_on_error=False).problems
+            opt_g.step()
+    assert not any(hasattr(p, "grad1") for p in disc.parameters())

@@ -103,6 +103,11 @@ class GradTrail:
             self._reset_seen.discard(id(p))
         return reset
 
+    def reset_since(self) -> list[nn.Parameter]:
+        """The recorded parameters whose ``.grad`` was reset since the last captured backward
+        (read only: nothing is forgotten), for :meth:`gradhooks.Hooks.check`."""
+        return self._reset(seen=False)
+
     def observe(self) -> None:
         """At the start of a backward that is not captured: note the resets it sees (its own
         gradient then makes ``.grad`` nonzero again; the next captured backward starts afresh

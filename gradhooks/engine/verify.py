@@ -751,11 +751,20 @@ def check_hooks(
             + ("" if "grad1" in state.quantities else f" (this handle computes {state.quantities})")
         )
     reduce = "mean" if state.loss_reduction == "mean" else "sum"
+    reset = {id(p) for p in state.trail.reset_since()} if written else set()
     for name, p in written.items():
         g1 = p.grad1.detach()
         bad = ~torch.isfinite(g1.flatten(1)).all(1) if g1.dim() > 1 else ~torch.isfinite(g1)
         if bad.any():
             report.nonfinite[name] = bad.nonzero().flatten().tolist()
+        if id(p) in reset:
+            report.problems.append(
+                f"'{name}': grad1 is of an earlier backward: .grad was reset since (zero_grad) "
+                "and no backward since reached the hooked model (a loss of other parameters "
+                "only, or of its detached output: a GAN's discriminator step), so .grad and "
+                "grad1 disagree. Read grad1 after the backward of a loss that reaches the model."
+            )
+            continue
         if p.grad is None or not g1.shape[0]:
             continue
         got = g1.mean(0) if reduce == "mean" else g1.sum(0)
