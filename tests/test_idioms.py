@@ -149,6 +149,33 @@ def test_hooks_added_again_replace_a_grad1_left_by_earlier_hooks():
     assert_grad1(model, want, "hooked again")
 
 
+@pytest.mark.parametrize("reset", ["zero_grad", "set_to_none=False", "none"])
+def test_hooks_added_around_each_micro_batch_accumulate_as_grad_does(reset):
+    """The README's ``with add_hooks(model): loss.backward()`` written inside an accumulation
+    loop, a handle per micro-batch: ``grad1`` adds up over the micro-batches as ``.grad`` does
+    (each handle goes on from the ``grad1`` the last one left), and starts afresh where
+    ``.grad`` was reset (either way) before the next step; never reset, both keep adding."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = None
+    for step in range(2):
+        if reset != "none":
+            opt.zero_grad(set_to_none=reset == "zero_grad")
+            total = None
+        for micro in range(3):
+            x, y = batch(10 * step + micro)
+            want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+            with gradhooks.add_hooks(model):
+                (ce(model(x), y) / 3).backward()
+            want = {n: g / 3 for n, g in want.items()}
+            total = want if total is None else {n: total[n] + want[n] for n in want}
+            assert_grad1(model, total, f"step {step}, micro-batch {micro}")
+            for n, p in model.named_parameters():
+                if n in total:
+                    assert_close(p.grad1.mean(0), p.grad, f"{n}: grad1.mean(0) is .grad")
+        opt.step()
+
+
 def test_an_ema_copy_updated_with_lerp_and_evaluated_under_no_grad():
     """An EMA of the weights kept as ``ema = copy.deepcopy(model)`` (not hooked), updated with
     ``lerp_`` after every step and evaluated under ``no_grad``: the training steps' ``grad1``

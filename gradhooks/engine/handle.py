@@ -39,6 +39,7 @@ from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
+from .accumulation import all_zero
 from .backprops import KeptBackprops, kept_for
 from .backward import BackwardWriter
 from .calls import CallLayouts
@@ -194,13 +195,28 @@ class Hooks:
         except BaseException:
             self.remove()  # (nothing left on the model)
             raise
-        # a grad1 already on a parameter (left by hooks removed since, or carried by a pickled
-        # copy) is not this handle's: the first captured backward replaces it, or deletes it
-        # where it does not reach the parameter, as after a reset
-        for pid, (_, p) in self._state.params.items():
-            if "grad1" in p.__dict__:
-                self._state.stale[pid] = p
+        self._adopt_grad1()
         _ACTIVE[model] = self
+
+    def _adopt_grad1(self) -> None:
+        """A ``grad1`` already on a parameter (left by hooks removed since, or carried by a
+        pickled copy) goes on as ``.grad`` does: where ``.grad`` holds a gradient (hooks added
+        around each micro-batch's backward: ``with add_hooks(model): loss.backward()`` in the
+        loop), the next captured backward adds to it unless ``.grad`` is reset before; where
+        ``.grad`` is ``None`` or zeros (reset since, or a loaded copy), the first captured
+        backward replaces it, or deletes it where it does not reach the parameter."""
+        found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
+        held = [p for p in found if p.grad is not None]
+        zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
+        adopted = []
+        for p in found:
+            if p.grad is None or id(p) in zero:
+                self._state.stale[id(p)] = p
+            else:
+                self._state.written[id(p)] = p
+                adopted.append(p)
+        if adopted:
+            self._state.trail.record(adopted)
 
     def _connect(self) -> None:
         """Give each part the others it calls, and the tracker its link to the engine."""
