@@ -176,6 +176,21 @@ def test_hooks_added_around_each_micro_batch_accumulate_as_grad_does(reset):
         opt.step()
 
 
+def test_hooks_without_grad1_added_after_hooks_with_it_drop_the_grad1_left():
+    """A handle that computes only the norms does not keep up a ``grad1`` left by earlier
+    hooks (``.grad`` not reset): its first backward deletes it rather than leave a number
+    of another backward beside the new ``.grad``."""
+    model = TwoHeads()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        ce(model(x), y).backward()
+    x2, y2 = batch(1, 6)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        ce(model(x2), y2).backward()
+        assert h.norms().shape == (6,)
+    assert_grad1(model, {}, "norms only")
+
+
 def test_an_ema_copy_updated_with_lerp_and_evaluated_under_no_grad():
     """An EMA of the weights kept as ``ema = copy.deepcopy(model)`` (not hooked), updated with
     ``lerp_`` after every step and evaluated under ``no_grad``: the training steps' ``grad1``

@@ -204,13 +204,15 @@ class Hooks:
         around each micro-batch's backward: ``with add_hooks(model): loss.backward()`` in the
         loop), the next captured backward adds to it unless ``.grad`` is reset before; where
         ``.grad`` is ``None`` or zeros (reset since, or a loaded copy), the first captured
-        backward replaces it, or deletes it where it does not reach the parameter."""
+        backward replaces it, or deletes it where it does not reach the parameter. A handle
+        that does not compute ``grad1`` deletes it at its first captured backward."""
         found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
-        held = [p for p in found if p.grad is not None]
+        held = [p for p in found if p.grad is not None and self._state.grad1]
         zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
+        kept = {id(p) for p in held} - zero
         adopted = []
         for p in found:
-            if p.grad is None or id(p) in zero:
+            if id(p) not in kept:
                 self._state.stale[id(p)] = p
             else:
                 self._state.written[id(p)] = p
