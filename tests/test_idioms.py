@@ -437,6 +437,38 @@ def test_byol_target_network_deep_copied_inside_the_hooked_forward():
                     q.lerp_(p, 0.01)
 
 
+def test_a_head_deep_copied_into_the_hooked_model_gets_its_own_grad1():
+    """Continual learning's growing heads: ``model.heads.append(copy.deepcopy(model.heads[0]))``
+    after some steps (the copy carries inert copies of the hooks, and the handle hooks it as a
+    new layer): every step after has each head's own per-example gradients."""
+
+    class Grown(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk, self.heads = nn.Linear(3, 6), nn.ModuleList([nn.Linear(6, 2)])
+            self.to(D)
+
+        def forward(self, x):
+            h = torch.tanh(self.trunk(x))
+            return torch.cat([head(h) for head in self.heads], 1)
+
+    model = Grown()
+    x, y = batch(0, 5)
+    with gradhooks.add_hooks(model):
+        ce(model(x), y).backward()
+        model.heads.append(copy.deepcopy(model.heads[0]))
+        with torch.no_grad():
+            model.heads[1].weight.mul_(0.5)
+        for step in range(2):
+            x, y = batch(step + 1, 5)
+            y = y + 2 * (y % 2)  # (labels of both heads)
+            want = loop_grad(model, ce, x, y)
+            model.zero_grad()
+            ce(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="each submodule call made by the loop is a forward of its own, followed from its "
