@@ -73,6 +73,31 @@ def saved_and_loaded(model, how: str):
     return torch.load(buf, weights_only=False)
 
 
+# -- gradients taken with torch.autograd.grad --------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["assigned", "zero_grad-then-assigned"])
+def test_autograd_grad_then_grad_assigned_by_hand_before_the_step(zero):
+    """A loop that takes the gradients with ``torch.autograd.grad`` and assigns them,
+    ``p.grad = g``, before ``optimizer.step()`` (gradient surgery, custom clipping), with or
+    without ``zero_grad``: the assignment says nothing of an accumulation, so every step's
+    ``grad1`` is that step's forward's own."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+            if zero:
+                opt.zero_grad()
+            trainable = [p for n, p in model.named_parameters() if n in want]
+            grads = torch.autograd.grad(ce(model(x), y), trainable)
+            assert_grad1(model, want, f"step {step}")
+            for p, g in zip(trainable, grads):
+                p.grad = g
+            opt.step()
+
+
 # -- copies of a hooked model ----------------------------------------------------------------
 
 

@@ -483,7 +483,7 @@ class BackwardWriter:
                 params.setdefault(pid, self.state.params[pid][1])
         for p in self.state.trail.params():
             params.setdefault(id(p), p)
-        self.state.trail.record(params.values())
+        self.state.trail.record(params.values(), bw.computed, bw.accumulated)
 
     def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
         """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
