@@ -1,18 +1,33 @@
-"""What a gradhooks hook becomes in a copy or an unpickled model.
+"""What a gradhooks hook, or handle, becomes in a copy or an unpickled model.
 
-A hooked model's hook objects pickle (and deep-copy) as :class:`InertHook`, so a saved model
-names this class by its path, ``gradhooks.inert.InertHook``: it stays here, in a module that
-imports nothing from gradhooks when it is loaded.
+A hooked model's hook objects pickle (and deep-copy) as :class:`InertHook`, and a handle the
+model holds as an attribute as :class:`InertHandle`, so a saved model names these classes by
+their path, ``gradhooks.inert.InertHook``: they stay here, in a module that imports nothing
+of gradhooks but its errors. What an inert hook deletes is said by the engine, which registers
+it with :func:`sweep_with`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["InertHook"]
+from .errors import StateError
+
+__all__ = ["InertHandle", "InertHook", "sweep_with"]
+
+# deletes the grad1 of a module's parameters that no active handle covers (the engine's)
+_sweeps: list[Callable[[nn.Module], None]] = []
+
+
+def sweep_with(sweep: Callable[[nn.Module], None]) -> None:
+    """Register what an :class:`InertHook` does at its module's first call with grad enabled
+    (:func:`gradhooks.engine.handle.drop_uncovered_grad1`)."""
+    if sweep not in _sweeps:
+        _sweeps.append(sweep)
 
 
 class InertHook:
@@ -37,10 +52,40 @@ class InertHook:
             return None
         if torch.is_grad_enabled():
             self.swept = True
-            from .engine.handle import drop_uncovered_grad1  # (not at import: see above)
-
-            drop_uncovered_grad1(args[0])
+            for sweep in _sweeps:
+                sweep(args[0])
         return None
 
     def __reduce__(self):
         return (InertHook, ())  # (each copy sweeps its own parameters afresh)
+
+
+class InertHandle:
+    """What a :class:`gradhooks.Hooks` handle held by a model (``self.hooks =
+    gradhooks.add_hooks(self)``) becomes in the model's deep copy or unpickled copy: the copy
+    is not hooked. ``active`` is ``False`` and ``remove()`` does nothing, as on a removed
+    handle; anything else raises :class:`gradhooks.StateError`, saying to hook the copy."""
+
+    active = False
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+
+    def remove(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_model":
+            raise AttributeError(name)
+        raise StateError(
+            f"this gradhooks handle was copied with the model that holds it ({self._model}): "
+            f"the copy is not hooked, so its handle has no {name!r}. Hook the copy with "
+            "gradhooks.add_hooks(copy) (and keep that handle), or keep the handle outside "
+            "the model."
+        )
+
+    def __reduce__(self):
+        return (InertHandle, (self._model,))
+
+    def __repr__(self) -> str:
+        return f"Hooks(copied with {self._model}: not hooked)"

@@ -157,6 +157,43 @@ def test_a_copy_hooked_after_the_original_gets_its_own_grad1_and_leaves_the_orig
         assert h.active
 
 
+class Holds(TwoHeads):
+    """A model that hooks itself and keeps the handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks = gradhooks.add_hooks(self)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_model_that_holds_its_own_handle_copies_and_saves(how):
+    """``self.hooks = gradhooks.add_hooks(self)`` in a model's ``__init__``: the model
+    deep-copies (an EMA) and saves whole; in the copy the handle is inert (``active`` False,
+    ``remove()`` a no-op, anything else a ``StateError`` saying to hook the copy), the copy
+    trains without ``grad1``, and the original's steps are as before."""
+    model = Holds()
+    try:
+        x, y = batch(0)
+        want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+        ce(model(x), y).backward()
+        copied = copy.deepcopy(model) if how == "deepcopy" else saved_and_loaded(model, how)
+        assert not copied.hooks.active and "not hooked" in repr(copied.hooks)
+        with pytest.raises(gradhooks.StateError, match=r"copied with.*Holds.*add_hooks\(copy\)"):
+            copied.hooks.norms()
+        copied.hooks.remove()
+        x2, y2 = batch(1, 6)
+        ce(copied(x2), y2).backward()
+        assert_grad1(copied, {}, "copy")
+        assert_grad1(model, want, "original")
+        model.zero_grad()
+        want = reached(loop_grad(model, ce, x2, y2), "trunk", "b")
+        ce(model(x2), y2).backward()
+        assert_grad1(model, want, "original, next step")
+        assert model.hooks.active
+    finally:
+        model.hooks.remove()
+
+
 def test_hooks_added_again_replace_a_grad1_left_by_earlier_hooks():
     """``remove()`` leaves ``grad1`` (as ``.grad``); hooks added again start afresh: a
     parameter their first backward does not reach loses the ``grad1`` left from before, as

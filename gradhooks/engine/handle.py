@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..errors import ConfigurationError, ConfigurationTypeError, StateError
+from ..inert import InertHandle, sweep_with
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
@@ -765,6 +766,12 @@ class Hooks:
             self._state.collector.discard_backward()
             self._state.collector._expected = {}
 
+    def __reduce__(self):
+        """A model that holds its handle as an attribute deep-copies and pickles: in the copy,
+        the handle is an :class:`~gradhooks.inert.InertHandle` (the copy is not hooked)."""
+        model = self.model
+        return (InertHandle, (type(model).__qualname__ if model is not None else "a model",))
+
     def __enter__(self) -> Hooks:
         return self
 
@@ -941,6 +948,9 @@ def drop_uncovered_grad1(module: nn.Module) -> None:
     for p in module.parameters():
         if id(p) not in covered:
             p.__dict__.pop("grad1", None)
+
+
+sweep_with(drop_uncovered_grad1)
 
 
 def clear_grad1(model: nn.Module) -> None:
