@@ -132,6 +132,11 @@ class GradTrail:
         all the same, unless ``.grad`` is put back as the last captured backward left it)."""
         self._reset_seen.update(id(p) for p in self._reset(seen=True))
 
+    def added_last(self, p: nn.Parameter) -> bool:
+        """Whether the last captured backward that computed ``p``'s gradient added it into
+        ``.grad`` (a ``backward()``, not a ``torch.autograd.grad``)."""
+        return id(p) in self._left and id(p) not in self._not_added
+
     def forget(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self._left.pop(pid, None)

@@ -73,6 +73,11 @@ Capture = Literal["always", "marked"]
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
 _HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
+# The grad1 a removed handle left on a parameter whose .grad its last backward added to: that
+# .grad, so that hooks added again go on adding to the grad1 while .grad does (_adopt_grad1).
+# By id, each entry (parameter, .grad) weak: a parameter that is garbage collected takes its
+# entry with it. (Not a WeakKeyDictionary: tensors compare elementwise.)
+_LEFT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 class Hooks:
@@ -205,10 +210,15 @@ class Hooks:
         around each micro-batch's backward: ``with add_hooks(model): loss.backward()`` in the
         loop), the next captured backward adds to it unless ``.grad`` is reset before; where
         ``.grad`` is ``None`` or zeros (reset since, or a loaded copy), the first captured
-        backward replaces it, or deletes it where it does not reach the parameter. A handle
-        that does not compute ``grad1`` deletes it at its first captured backward."""
+        backward replaces it, or deletes it where it does not reach the parameter. So does a
+        handle that does not compute ``grad1``, and one after hooks whose last backward did not
+        add to ``.grad`` (``torch.autograd.grad``, also where the loop then assigned ``p.grad =
+        g``) or after ``.grad`` was replaced by another tensor."""
         found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
-        held = [p for p in found if p.grad is not None and self._state.grad1]
+        held = [
+            p for p in found
+            if p.grad is not None and self._state.grad1 and _left_with(p) is p.grad
+        ]  # fmt: skip
         zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
         kept = {id(p) for p in held} - zero
         adopted = []
@@ -732,6 +742,9 @@ class Hooks:
         if self._state.removed:
             return
         self._state.removed = True
+        for p in self._state.written.values():
+            if p.grad is not None and self._state.trail.added_last(p):
+                _leave(p)
         for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
@@ -798,6 +811,22 @@ class Hooks:
                     f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
                     "that contains this one; remove those hooks first."
                 )
+
+
+def _leave(p: Tensor) -> None:
+    def forget(ref: weakref.ref, key: int = id(p)) -> None:
+        if _LEFT.get(key, (None,))[0] is ref:
+            del _LEFT[key]
+
+    _LEFT[id(p)] = (weakref.ref(p, forget), weakref.ref(p.grad))
+
+
+def _left_with(p: Tensor) -> Tensor | None:
+    """The ``.grad`` a removed handle left ``p`` with, after a backward that added to it."""
+    found = _LEFT.get(id(p))
+    if found is None or found[0]() is not p:
+        return None
+    return found[1]()
 
 
 def leaves_of(t: Tensor) -> list[Tensor]:
