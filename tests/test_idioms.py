@@ -273,6 +273,24 @@ def test_hooks_added_around_each_micro_batch_accumulate_as_grad_does(reset):
         opt.step()
 
 
+def test_a_handle_per_step_with_the_trunk_frozen_between_steps():
+    """Progressive freezing with a handle per step: a parameter frozen since the last handle
+    loses the ``grad1`` it had when trainable at the next step's backward, as with one
+    handle after ``zero_grad``; the others get that step's own."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        if step == 1:
+            model.trunk.requires_grad_(False)
+        x, y = batch(step)
+        want = reached(loop_grad(model, ce, x, y), "trunk", "b")
+        opt.zero_grad()
+        with gradhooks.add_hooks(model):
+            ce(model(x), y).backward()
+        assert_grad1(model, want, f"step {step}")
+        opt.step()
+
+
 def test_hooks_without_grad1_added_after_hooks_with_it_drop_the_grad1_left():
     """A handle that computes only the norms does not keep up a ``grad1`` left by earlier
     hooks (``.grad`` not reset): its first backward deletes it rather than leave a number

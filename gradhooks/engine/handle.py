@@ -230,6 +230,13 @@ class Hooks:
                 adopted.append(p)
         if adopted:
             self._state.trail.record(adopted)
+        # a frozen parameter's grad1, left from when it was trainable, goes as after a reset
+        # (unless another handle keeps it up)
+        covered = {pid for h in active_handles() for pid in h._state.params}
+        model = self.model
+        for p in [] if model is None else model.parameters():
+            if not p.requires_grad and "grad1" in p.__dict__ and id(p) not in covered:
+                self._state.stale[id(p)] = p
 
     def _connect(self) -> None:
         """Give each part the others it calls, and the tracker its link to the engine."""
