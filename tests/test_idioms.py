@@ -116,13 +116,10 @@ def test_a_handle_per_step_around_autograd_grad_then_grad_assigned_by_hand():
         opt.step()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a torch.autograd.grad backward of a new forward after a backward() that added to "
-    ".grad (no zero_grad between) adds to the grad1 that backward left: whether a backward adds "
-    "to .grad is known only when its AccumulateGrad nodes run, after grad1 is written",
-)
 def test_autograd_grad_of_a_new_forward_after_a_backward_starts_afresh():
+    """``backward()`` of one forward, then (no ``zero_grad``) ``torch.autograd.grad`` of
+    another: the latter returns its gradients and leaves ``.grad`` alone, so its ``grad1`` is
+    its own forward's, not added to the ``backward()``'s."""
     model = TwoHeads()
     with gradhooks.add_hooks(model):
         x, y = batch(0)
