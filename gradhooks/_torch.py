@@ -54,6 +54,13 @@ Each internal, its name here, where it is used, and its fallback:
 - ``is_view``: ``Tensor._is_view`` (:func:`is_view`): the engine gives a hooked output that is
   a view a node of its own, so that an in-place change after it keeps its hooks. Fallback:
   every output gets one.
+- ``engine_executes``: ``torch._C._will_engine_execute_node`` (:func:`adds_to_grad`), whether
+  the running backward adds a parameter's gradient into ``.grad`` (runs its ``AccumulateGrad``
+  node: a ``backward()``) or returns it (``torch.autograd.grad``, for whose inputs it raises,
+  naming ``autograd.grad``), known before that node runs:
+  a ``torch.autograd.grad`` backward of another forward starts ``grad1`` afresh even right
+  after a ``backward()`` that added to ``.grad`` (``backward.py``). Fallback: it adds to the
+  ``grad1`` that backward left.
 - ``autograd_node``: ``torch._C._current_autograd_node`` (:func:`enclosing_backward`),
   whether a backward ends inside another (taken in a custom ``autograd.Function``'s backward
   or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
@@ -269,6 +276,11 @@ INTERNALS: dict[str, Internal] = {
             "computed from padding, kernel_size and dilation",
         ),
         Internal("is_view", "Tensor._is_view", "every hooked output gets a node of its own"),
+        Internal(
+            "engine_executes",
+            "torch._C._will_engine_execute_node",
+            "an autograd.grad backward adds to the grad1 a backward() of another forward left",
+        ),
         Internal(
             "autograd_node",
             "torch._C._current_autograd_node",
@@ -917,6 +929,28 @@ def tensor_hooks(t: Tensor) -> int:
     """How many gradient hooks ``t`` holds (``Tensor._backward_hooks``, what
     ``t.register_hook`` adds). Required (:func:`require`)."""
     return len(t._backward_hooks or ())
+
+
+# -- engine_executes ---------------------------------------------------------------------------
+
+_WILL_EXECUTE = _lookup("engine_executes", lambda: torch._C._will_engine_execute_node)
+
+
+def adds_to_grad(p: Tensor) -> bool | None:
+    """During a backward: ``True`` where it adds ``p``'s gradient into ``p.grad`` (runs its
+    ``AccumulateGrad`` node: a ``backward()``), ``False`` where it returns it (a
+    ``torch.autograd.grad`` with ``p`` among its inputs); ``None``: neither (it does not compute
+    ``p``'s gradient), or unknown (the internal is missing)."""
+    if _WILL_EXECUTE is None or "engine_executes" in _off:
+        return None
+    try:
+        return True if _WILL_EXECUTE(torch.autograd.graph.get_gradient_edge(p).node) else None
+    except RuntimeError as e:
+        # (a leaf whose gradient the running torch.autograd.grad returns: torch refuses to say,
+        # naming autograd.grad)
+        return False if "autograd.grad" in str(e) else None
+    except (TypeError, ValueError):
+        return None
 
 
 # -- autograd_node -----------------------------------------------------------------------------

@@ -194,6 +194,32 @@ def test_dropout_in_training_is_an_error():
     assert model.enc.weight_hh_l1.grad1.shape == (2, 12, 3)
 
 
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM])
+def test_dropout_in_training_is_refused_at_the_forward(kind):
+    """The refusal comes at the forward, before a backward could run (or a loss be formed from
+    the output), with the backward's message; a forward under no_grad (an evaluation) and one
+    in eval mode run."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("enc", kind(2, 3, num_layers=2, dropout=0.3, batch_first=True).double())
+    x = torch.randn(4, 2, 2, dtype=torch.float64)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(
+            gradhooks.ConfigurationError,
+            match=rf"'enc' \({kind.__name__}, .*dropout=0.3 between layers.*model.eval\(\)",
+        ):
+            model(x)
+        with torch.no_grad():
+            model(x)
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        model.eval()
+        want = loop_grad(model, lambda out: out[0].pow(2).sum(), x)
+        model.zero_grad()
+        model(x)[0].pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
+
+
 def test_unbatched_input_is_an_error():
     with pytest.raises(gradhooks.UnbatchedInputError, match=r"GRU.*shape \(4, 2\).*batch"):
         _backward(nn.GRU(2, 3), torch.randn(4, 2))
@@ -674,7 +700,7 @@ def test_lower_layers_kept_at_the_forward_not_run_again(
 
 
 def test_where_autograd_still_runs_the_lstm():
-    """Packed sequences, dropout between layers in training (an error at the backward), no
+    """Packed sequences, dropout between layers in training (refused at the forward), no
     grad mode: not taken."""
     rnn = nn.LSTM(3, 4, batch_first=True)
     x = torch.randn(2, 5, 3)
@@ -686,7 +712,10 @@ def test_where_autograd_still_runs_the_lstm():
         assert torch.is_grad_enabled()
     drop = nn.LSTM(3, 4, 2, dropout=0.5)
     with gradhooks.add_hooks(drop):
-        assert not owned(drop(torch.randn(5, 2, 3))[0])
+        with torch.no_grad():
+            assert not owned(drop(torch.randn(5, 2, 3))[0])
+        with pytest.raises(gradhooks.ConfigurationError, match="dropout=0.5"):
+            drop(torch.randn(5, 2, 3))  # (refused at the forward)
 
 
 def test_a_later_pre_hook_keeps_autograd():

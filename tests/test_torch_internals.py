@@ -489,6 +489,25 @@ def test_autograd_node(monkeypatch, off, head):
     assert (True in seen) != off and (None in seen) == off, seen
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_engine_executes(monkeypatch, off):
+    """A ``torch.autograd.grad`` backward of a new forward, right after a ``backward()`` that
+    added to ``.grad``: with the internal, its ``grad1`` starts afresh (that forward's
+    examples' own); with the fallback, it adds to what the ``backward()`` left."""
+    seen = spy(monkeypatch, "adds_to_grad")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x1, x2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    first, second = vmap_grad(model, sum_of_squares, x1), vmap_grad(model, sum_of_squares, x2)
+    with switched_off("engine_executes", off), gradhooks.add_hooks(model, loss_reduction="sum"):
+        sum_of_squares(model(x1)).backward()
+        torch.autograd.grad(sum_of_squares(model(x2)), list(model.parameters()))
+    for n, p in model.named_parameters():
+        want = second[n] if not off else first[n] + second[n]
+        assert_close(p.grad1, want, n)
+    assert (False in seen) != off and all(s is None for s in seen) == off, seen
+
+
 def test_foreach(monkeypatch):
     """The DP step scales its noise and divides its sums with ``torch._foreach_*``; switched
     off, a loop over the parameters: the same numbers, bit for bit."""
@@ -613,6 +632,7 @@ TESTED = {
     "conv_padding": test_conv_padding,
     "op_schema": test_op_schema,
     "autograd_node": test_autograd_node,
+    "engine_executes": test_engine_executes,
     "mode_stack": test_mode_stack,
     "eval_frame": test_eval_frame,
     "foreach": test_foreach,

@@ -47,6 +47,9 @@ class GradTrail:
         # id(param) -> (param, a weak reference to its .grad or None, that .grad's version)
         self._left: dict[int, tuple[nn.Parameter, weakref.ref | None, int]] = {}
         self._reset_seen: set[int] = set()  # by a backward that was not captured
+        # computed without adding to .grad by the last captured backward that computed them
+        # (torch.autograd.grad), by id
+        self._not_added: set[int] = set()
 
     def __contains__(self, pid: int) -> bool:
         return pid in self._left
@@ -54,8 +57,19 @@ class GradTrail:
     def __len__(self) -> int:
         return len(self._left)
 
-    def record(self, params: Iterable[nn.Parameter]) -> None:
-        """At the end of a backward (every gradient accumulated): what ``.grad`` holds now."""
+    def record(
+        self, params: Iterable[nn.Parameter], computed: Iterable[int] = (),
+        added: Iterable[int] = (),
+    ) -> None:  # fmt: skip
+        """At the end of a backward (every gradient accumulated): what ``.grad`` holds now;
+        ``computed``, ``added``: the ids of the parameters whose gradient it computed, and of
+        those it added into ``.grad``."""
+        added = set(added)
+        for pid in computed:
+            if pid in added:
+                self._not_added.discard(pid)
+            else:
+                self._not_added.add(pid)
         for p in params:
             g = p.grad
             ref = None if g is None else weakref.ref(g)
@@ -63,10 +77,14 @@ class GradTrail:
             self._reset_seen.discard(id(p))
 
     def left_alone(self, p: nn.Parameter) -> bool:
-        """Whether the last captured backward left ``p.grad`` ``None`` and it still is (a
-        ``torch.autograd.grad``, which returns its gradients instead of adding them up)."""
+        """Whether the last captured backward left ``p.grad`` ``None`` and it still is, or
+        computed ``p``'s gradient without adding it into ``.grad`` (a ``torch.autograd.grad``,
+        which returns its gradients instead of adding them up, whatever the loop does with
+        ``.grad`` afterwards: ``p.grad = g`` before ``optimizer.step()``)."""
         found = self._left.get(id(p))
-        return found is not None and found[1] is None and p.grad is None
+        if found is None:
+            return False
+        return (found[1] is None and p.grad is None) or id(p) in self._not_added
 
     def params(self) -> list[nn.Parameter]:
         return [p for p, _, _ in self._left.values()]
@@ -103,20 +121,32 @@ class GradTrail:
             self._reset_seen.discard(id(p))
         return reset
 
+    def reset_since(self) -> list[nn.Parameter]:
+        """The recorded parameters whose ``.grad`` was reset since the last captured backward
+        (read only: nothing is forgotten), for :meth:`gradhooks.Hooks.check`."""
+        return self._reset(seen=False)
+
     def observe(self) -> None:
         """At the start of a backward that is not captured: note the resets it sees (its own
         gradient then makes ``.grad`` nonzero again; the next captured backward starts afresh
         all the same, unless ``.grad`` is put back as the last captured backward left it)."""
         self._reset_seen.update(id(p) for p in self._reset(seen=True))
 
+    def added_last(self, p: nn.Parameter) -> bool:
+        """Whether the last captured backward that computed ``p``'s gradient added it into
+        ``.grad`` (a ``backward()``, not a ``torch.autograd.grad``)."""
+        return id(p) in self._left and id(p) not in self._not_added
+
     def forget(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self._left.pop(pid, None)
             self._reset_seen.discard(pid)
+            self._not_added.discard(pid)
 
     def clear(self) -> None:
         self._left.clear()
         self._reset_seen.clear()
+        self._not_added.clear()
 
 
 def all_zero(tensors: list[Tensor]) -> list[bool]:

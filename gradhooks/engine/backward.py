@@ -483,16 +483,18 @@ class BackwardWriter:
                 params.setdefault(pid, self.state.params[pid][1])
         for p in self.state.trail.params():
             params.setdefault(id(p), p)
-        self.state.trail.record(params.values())
+        self.state.trail.record(params.values(), bw.computed, bw.accumulated)
 
     def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
         """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
-        no sign (see :mod:`gradhooks.engine.accumulation`): the last backward left ``.grad`` alone
-        and was of another forward."""
-        if frame is None or not self.state.trail.left_alone(p):
+        no sign (see :mod:`gradhooks.engine.accumulation`): the last backward was of another
+        forward, and it left ``.grad`` alone or this one does (``torch.autograd.grad``)."""
+        if frame is None:
             return False
         last = self.state.forward_of.get(id(p))
-        return last is not None and last() is not frame
+        if last is None or last() is frame:
+            return False
+        return self.state.trail.left_alone(p) or _torch.adds_to_grad(p) is False
 
     def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
         """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
@@ -678,8 +680,8 @@ class BackwardWriter:
             raise UnsupportedError(
                 f"'{name}' is used outside its module's call, in operations that do not depend "
                 f"on the examples until they meet the batch, and {problem}: gradhooks cannot "
-                "tell each example's share of its gradient. Use it through its module, or "
-                "freeze it."
+                "tell each example's share of its gradient. Compute it with modules that have "
+                "rules (the parameter's own module's call), or freeze it."
             )
         per = None
         for s in found:

@@ -36,10 +36,12 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..errors import ConfigurationError, ConfigurationTypeError, StateError
+from ..inert import InertHandle, sweep_with
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
+from .accumulation import all_zero
 from .backprops import KeptBackprops, kept_for
 from .backward import BackwardWriter
 from .calls import CallLayouts
@@ -72,6 +74,11 @@ Capture = Literal["always", "marked"]
 # every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
 _HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
+# The grad1 a removed handle left on a parameter whose .grad its last backward added to: that
+# .grad, so that hooks added again go on adding to the grad1 while .grad does (_adopt_grad1).
+# By id, each entry (parameter, .grad) weak: a parameter that is garbage collected takes its
+# entry with it. (Not a WeakKeyDictionary: tensors compare elementwise.)
+_LEFT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 class Hooks:
@@ -182,7 +189,42 @@ class Hooks:
         except BaseException:
             self.remove()  # (nothing left on the model)
             raise
+        self._adopt_grad1()
         _ACTIVE[model] = self
+
+    def _adopt_grad1(self) -> None:
+        """A ``grad1`` already on a parameter (left by hooks removed since, or carried by a
+        pickled copy) goes on as ``.grad`` does: where ``.grad`` holds a gradient (hooks added
+        around each micro-batch's backward: ``with add_hooks(model): loss.backward()`` in the
+        loop), the next captured backward adds to it unless ``.grad`` is reset before; where
+        ``.grad`` is ``None`` or zeros (reset since, or a loaded copy), the first captured
+        backward replaces it, or deletes it where it does not reach the parameter. So does a
+        handle that does not compute ``grad1``, and one after hooks whose last backward did not
+        add to ``.grad`` (``torch.autograd.grad``, also where the loop then assigned ``p.grad =
+        g``) or after ``.grad`` was replaced by another tensor."""
+        found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
+        held = [
+            p for p in found
+            if p.grad is not None and self._state.grad1 and _left_with(p) is p.grad
+        ]  # fmt: skip
+        zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
+        kept = {id(p) for p in held} - zero
+        adopted = []
+        for p in found:
+            if id(p) not in kept:
+                self._state.stale[id(p)] = p
+            else:
+                self._state.written[id(p)] = p
+                adopted.append(p)
+        if adopted:
+            self._state.trail.record(adopted)
+        # a frozen parameter's grad1, left from when it was trainable, goes as after a reset
+        # (unless another handle keeps it up)
+        covered = {pid for h in active_handles() for pid in h._state.params}
+        model = self.model
+        for p in [] if model is None else model.parameters():
+            if not p.requires_grad and "grad1" in p.__dict__ and id(p) not in covered:
+                self._state.stale[id(p)] = p
 
     def _connect(self) -> None:
         """Give each part the others it calls, and the tracker its link to the engine."""
@@ -709,6 +751,9 @@ class Hooks:
         if self._state.removed:
             return
         self._state.removed = True
+        for p in self._state.written.values():
+            if p.grad is not None and self._state.trail.added_last(p):
+                _leave(p)
         for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
@@ -743,6 +788,12 @@ class Hooks:
             self._state.collector.discard_backward()
             self._state.collector._expected = {}
 
+    def __reduce__(self):
+        """A model that holds its handle as an attribute deep-copies and pickles: in the copy,
+        the handle is an :class:`~gradhooks.inert.InertHandle` (the copy is not hooked)."""
+        model = self.model
+        return (InertHandle, (type(model).__qualname__ if model is not None else "a model",))
+
     def __enter__(self) -> Hooks:
         return self
 
@@ -769,6 +820,22 @@ class Hooks:
                     f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
                     "that contains this one; remove those hooks first."
                 )
+
+
+def _leave(p: Tensor) -> None:
+    def forget(ref: weakref.ref, key: int = id(p)) -> None:
+        if _LEFT.get(key, (None,))[0] is ref:
+            del _LEFT[key]
+
+    _LEFT[id(p)] = (weakref.ref(p, forget), weakref.ref(p.grad))
+
+
+def _left_with(p: Tensor) -> Tensor | None:
+    """The ``.grad`` a removed handle left ``p`` with, after a backward that added to it."""
+    found = _LEFT.get(id(p))
+    if found is None or found[0]() is not p:
+        return None
+    return found[1]()
 
 
 def leaves_of(t: Tensor) -> list[Tensor]:
@@ -936,6 +1003,18 @@ def hooks_of(model: nn.Module) -> Hooks:
 def remove_hooks(model: nn.Module) -> None:
     """Remove the hooks :func:`add_hooks` put on ``model``. ``grad1`` stays on the parameters."""
     hooks_of(model).remove()
+
+
+def drop_uncovered_grad1(module: nn.Module) -> None:
+    """Delete ``grad1`` from every parameter of ``module`` that no active handle covers (what
+    :class:`gradhooks.inert.InertHook` does in a copy of a hooked model)."""
+    covered = {pid for h in active_handles() for pid in h._state.params}
+    for p in module.parameters():
+        if id(p) not in covered:
+            p.__dict__.pop("grad1", None)
+
+
+sweep_with(drop_uncovered_grad1)
 
 
 def clear_grad1(model: nn.Module) -> None:

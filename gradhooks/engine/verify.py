@@ -751,11 +751,20 @@ def check_hooks(
             + ("" if "grad1" in state.quantities else f" (this handle computes {state.quantities})")
         )
     reduce = "mean" if state.loss_reduction == "mean" else "sum"
+    reset = {id(p) for p in state.trail.reset_since()} if written else set()
     for name, p in written.items():
         g1 = p.grad1.detach()
         bad = ~torch.isfinite(g1.flatten(1)).all(1) if g1.dim() > 1 else ~torch.isfinite(g1)
         if bad.any():
             report.nonfinite[name] = bad.nonzero().flatten().tolist()
+        if id(p) in reset:
+            report.problems.append(
+                f"'{name}': grad1 is of an earlier backward: .grad was reset since (zero_grad) "
+                "and no backward since reached the hooked model (a loss of other parameters "
+                "only, or of its detached output: a GAN's discriminator step), so .grad and "
+                "grad1 disagree. Read grad1 after the backward of a loss that reaches the model."
+            )
+            continue
         if p.grad is None or not g1.shape[0]:
             continue
         got = g1.mean(0) if reduce == "mean" else g1.sum(0)
@@ -884,7 +893,10 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
     report.problems.append(
         f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× it, "
         f"loss_reduction={state.loss_reduction!r}, batch {batch}): the loss may be scaled "
-        "(divided by the number of micro-batches, or a mean over more than the batch), grad1 "
+        "(divided by the number of micro-batches, or a mean over more than the batch), or a "
+        "weighted mean (F.cross_entropy with weight= or ignore_index: each example enters it "
+        "with its weight over the batch's total; sum reduction='none' losses for each one's "
+        "own), grad1 "
         "may hold several backwards (call h.clear() between steps), the examples may not be "
         "independent (batch statistics, or a loss that couples them: contrastive, InfoNCE), "
         "the model may be random (dropout: check in eval "

@@ -753,22 +753,34 @@ def _fallback_splits(call: Call) -> bool:
 
 
 def _error(kind: type[ValueError], call: Call, what: str, todo: str) -> ValueError:
-    m = call.module
-    return kind(f"'{call.name or '<model>'}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
+    return _named_error(kind, call.module, call.name, what, todo)
 
 
-@register(nn.RNN, nn.GRU, batch_dim=batch_first)
-def rnn(call: Call) -> dict[str, Outer]:
-    module: nn.RNNBase = call.module
-    x, hx = call.inputs[0], _initial_state(call)
+def _named_error(
+    kind: type[ValueError], m: nn.RNNBase, name: str | None, what: str, todo: str
+) -> ValueError:
+    return kind(f"'{name or '<model>'}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
+
+
+def refuse_dropout(module: nn.RNNBase, name: str | None) -> None:
+    """At the forward (and again in the rule): dropout between layers in training mode draws a
+    mask inside torch's kernel, which the rule cannot replay."""
     if module.training and module.dropout > 0 and module.num_layers > 1:
-        raise _error(
+        raise _named_error(
             ConfigurationError,
-            call,
+            module,
+            name,
             f"dropout={module.dropout} between layers in training mode draws a mask that "
             "gradhooks cannot see, so per-example gradients cannot be recomputed",
             "set dropout=0, call model.eval(), or apply nn.Dropout between single-layer RNNs",
         )
+
+
+@register(nn.RNN, nn.GRU, batch_dim=batch_first, on_forward=refuse_dropout)
+def rnn(call: Call) -> dict[str, Outer]:
+    module: nn.RNNBase = call.module
+    x, hx = call.inputs[0], _initial_state(call)
+    refuse_dropout(module, call.name)
     packed = isinstance(x, PackedSequence)
     if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed(call.grad_outputs):
         # A create_graph backward: the backward through time below has no graph, so the
@@ -845,5 +857,5 @@ def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
 # needs_output: the last layer's states are not recomputed
 register(
     nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, owns_backward=_record_layers,
-    batch_dim=batch_first,
+    batch_dim=batch_first, on_forward=refuse_dropout,
 )(rnn)  # fmt: skip

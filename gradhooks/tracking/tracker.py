@@ -56,7 +56,7 @@ from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS
+from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
     COPIES,
@@ -916,6 +916,8 @@ class Tracker(TorchFunctionMode):
                     f"examples at once ({', '.join(self.mixed) or name}), so the examples' shares "
                     "of its gradient do not exist"
                 )
+            elif name in UNFUSED:
+                why = f"'{name}' is a fused operation no rule covers yet: {UNFUSED[name]}"
             else:
                 lost = ", ".join(self.unknown)
                 why = f"'{name}' combines it with the batch in a way gradhooks cannot follow" + (

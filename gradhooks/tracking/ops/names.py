@@ -1,6 +1,6 @@
 """Groups of torch function names that the tracker treats alike beyond their handlers: where
 a conversion may return its input, where a part or an index of rows is kept, products by a
-mask, picks of rows by an index (see :class:`gradhooks.tracking.tracker.Tracker`)."""
+mask, picks of rows by an index, fused operations without a rule (see :class:`gradhooks.tracking.tracker.Tracker`)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,9 @@ PICKS = frozenset(
     index_put index_put_ gather scatter scatter_ scatter_add scatter_add_ take_along_dim
     masked_select masked_scatter masked_scatter_""".split()
 )
+# fused operations no rule covers yet, each with the unfused computation that rules cover (said
+# where a parameter meets the batch in one)
+UNFUSED = {
+    "linear_cross_entropy": "compute the logits with an nn.Linear and the loss with "
+    "F.cross_entropy on them instead (the same numbers)",
+}
