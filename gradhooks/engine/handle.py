@@ -76,9 +76,10 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary
 _HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
 # The grad1 a removed handle left on a parameter whose .grad its last backward added to: that
 # .grad, so that hooks added again go on adding to the grad1 while .grad does (_adopt_grad1).
-# By id, each entry (parameter, .grad) weak: a parameter that is garbage collected takes its
-# entry with it. (Not a WeakKeyDictionary: tensors compare elementwise.)
-_LEFT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# By id, each entry (parameter, .grad) weak, with the settings that give grad1's rows their
+# meaning (batch_dim, loss_reduction): a parameter that is garbage collected takes its entry with
+# it. (Not a WeakKeyDictionary: tensors compare elementwise.)
+_LEFT: dict[int, tuple[weakref.ref, weakref.ref, tuple]] = {}
 
 
 class Hooks:
@@ -192,6 +193,11 @@ class Hooks:
         self._adopt_grad1()
         _ACTIVE[model] = self
 
+    def _rows(self) -> tuple:
+        """What the rows of this handle's ``grad1`` mean: its ``batch_dim`` and
+        ``loss_reduction``."""
+        return (self._state.batch_dim, self._state.loss_reduction)
+
     def _adopt_grad1(self) -> None:
         """A ``grad1`` already on a parameter (left by hooks removed since, or carried by a
         pickled copy) goes on as ``.grad`` does: where ``.grad`` holds a gradient (hooks added
@@ -205,7 +211,7 @@ class Hooks:
         found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
         held = [
             p for p in found
-            if p.grad is not None and self._state.grad1 and _left_with(p) is p.grad
+            if p.grad is not None and self._state.grad1 and _left_with(p, self._rows()) is p.grad
         ]  # fmt: skip
         zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
         kept = {id(p) for p in held} - zero
@@ -753,7 +759,7 @@ class Hooks:
         self._state.removed = True
         for p in self._state.written.values():
             if p.grad is not None and self._state.trail.added_last(p):
-                _leave(p)
+                _leave(p, self._rows())
         for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
@@ -822,18 +828,21 @@ class Hooks:
                 )
 
 
-def _leave(p: Tensor) -> None:
+def _leave(p: Tensor, rows: tuple) -> None:
     def forget(ref: weakref.ref, key: int = id(p)) -> None:
         if _LEFT.get(key, (None,))[0] is ref:
             del _LEFT[key]
 
-    _LEFT[id(p)] = (weakref.ref(p, forget), weakref.ref(p.grad))
+    _LEFT[id(p)] = (weakref.ref(p, forget), weakref.ref(p.grad), rows)
 
 
-def _left_with(p: Tensor) -> Tensor | None:
-    """The ``.grad`` a removed handle left ``p`` with, after a backward that added to it."""
+def _left_with(p: Tensor, rows: tuple) -> Tensor | None:
+    """The ``.grad`` a removed handle left ``p`` with, after a backward that added to it, where
+    its ``grad1``'s rows mean what they mean to a handle of settings ``rows`` (another
+    ``batch_dim`` reads other rows, another ``loss_reduction`` scales them otherwise: such a
+    ``grad1`` is never added to)."""
     found = _LEFT.get(id(p))
-    if found is None or found[0]() is not p:
+    if found is None or found[0]() is not p or found[2] != rows:
         return None
     return found[1]()
 
