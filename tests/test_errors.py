@@ -363,6 +363,21 @@ def test_a_setting_changed_on_the_handle_is_checked_as_add_hooks_checks_it(name,
         assert getattr(h, name) == good
 
 
+def test_a_parameter_added_to_a_layer_and_unused_is_named_with_what_to_do():
+    """A trainable parameter added to a layer with a rule, which the layer's forward never
+    uses: the rule gives it no piece, and the refusal names it and says both ways it can come
+    about (unused: freeze or delete it; used around the layer: parametrizations), leaving the
+    gradients unwritten."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    model[0].extra = nn.Parameter(torch.zeros(4))
+    with gradhooks.add_hooks(model):
+        e = _raised(
+            gradhooks.RuleError, lambda: model(torch.randn(5, 3)).sum().backward(), "'extra'"
+        )
+    assert "does not use it (freeze it" in str(e) and "parametrizations" in str(e)
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+
+
 class _NoRule(nn.Module):
     def __init__(self):
         super().__init__()

@@ -235,13 +235,14 @@ class BackwardWriter:
             elif pname not in pieces:
                 raise RuleError(
                     f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
-                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}). "
-                    "A parameter the rule does not know is used by something around the layer "
-                    "(a forward pre-hook that makes its weight from it, as the old "
-                    "torch.nn.utils.weight_norm does), which gradhooks follows only while it "
-                    "tracks the batch (batch_dim not None): use "
+                    f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}): "
+                    "the rule does not know it. Either it was added to the layer and its forward "
+                    "does not use it (freeze it, requires_grad_(False), or delete it), or "
+                    "something around the layer uses it (a forward pre-hook that makes the "
+                    "weight from it, as the old torch.nn.utils.weight_norm does), which "
+                    "gradhooks follows only while it tracks the batch (batch_dim not None): use "
                     "torch.nn.utils.parametrizations.weight_norm, or register a rule for "
-                    "the layer."
+                    "the layer that covers it."
                 )
             # else: None, the rule says this call's gradient for it is computed elsewhere
         if not live:
