@@ -65,14 +65,11 @@ def _changed_example(ts: list[torch.Tensor], d: int, b: int, g: torch.Generator)
             t[at] += 1
 
 
-def ownership(fn, batched: list[torch.Tensor], d: int) -> tuple[str, list[str]]:
-    """Run ``fn(*batched)`` under a tracker, each tensor of ``batched`` with the batch on
-    dimension ``d``, and check its outputs' layouts against what changing an example does (the
-    first two and the last).
-    Returns what the tracker claimed (``"followed"``, ``"mixed"``, ``"unknown"``, or
-    ``"failed"`` where the operation raised) and the problems found."""
-    batch = batched[0].shape[d]
-    tracker = Tracker(batch, {})
+def _tracked(fn, batched: list[torch.Tensor], d: int) -> tuple[list, list] | None:
+    """``fn(*batched)`` run under a tracker, each tensor of ``batched`` (cloned) with the batch
+    on dimension ``d``: its outputs and the layouts the tracker gives them (``None``: it
+    raised)."""
+    tracker = Tracker(batched[0].shape[d], {})
     inputs = [t.clone() for t in batched]
     for t in inputs:
         tracker.set_layout(t, Layout(d))
@@ -81,8 +78,21 @@ def ownership(fn, batched: list[torch.Tensor], d: int) -> tuple[str, list[str]]:
             torch.manual_seed(0)
             outs = _outputs(fn(*inputs))
     except Exception:
+        return None
+    return outs, [tracker.layout(o) for o in outs]
+
+
+def ownership(fn, batched: list[torch.Tensor], d: int) -> tuple[str, list[str]]:
+    """Run ``fn(*batched)`` under a tracker, each tensor of ``batched`` with the batch on
+    dimension ``d``, and check its outputs' layouts against what changing an example does (the
+    first two and the last).
+    Returns what the tracker claimed (``"followed"``, ``"mixed"``, ``"unknown"``, or
+    ``"failed"`` where the operation raised) and the problems found."""
+    batch = batched[0].shape[d]
+    found = _tracked(fn, batched, d)
+    if found is None:
         return "failed", []
-    lays = [tracker.layout(o) for o in outs]
+    outs, lays = found
     claimed = [j for j, lay in enumerate(lays) if lay is None or lay.dim >= 0]
     if not claimed:
         return ("mixed" if MIXED in lays else "unknown"), []
@@ -182,19 +192,9 @@ def sweep(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _layouts(fn, batched: list[torch.Tensor], d: int) -> list | None:
-    """The layouts a tracker gives the outputs of ``fn(*batched)``, the batch on dimension
-    ``d`` of each tensor of ``batched`` (``None``: it raised)."""
-    tracker = Tracker(batched[0].shape[d], {})
-    inputs = [t.clone() for t in batched]
-    for t in inputs:
-        tracker.set_layout(t, Layout(d))
-    try:
-        with tracker:
-            torch.manual_seed(0)
-            outs = _outputs(fn(*inputs))
-    except Exception:
-        return None
-    return [tracker.layout(o) for o in outs]
+    """The layouts a tracker gives the outputs of ``fn(*batched)`` (:func:`_tracked`)."""
+    found = _tracked(fn, batched, d)
+    return None if found is None else found[1]
 
 
 def _other_values(g: torch.Generator):
