@@ -260,3 +260,13 @@ def test_a_call_like_one_before_is_given_its_layouts():
     finally:
         Tracker._propagate = real
         memo.clear()
+
+
+def test_an_index_holding_a_tensor_at_any_depth_is_read_afresh():
+    """``x[index]`` is kept only where its index holds no tensor, however deep (a tensor in a
+    tuple in a tuple): the handler reads an index tensor's values."""
+    from gradhooks.tracking import memo
+
+    t = torch.tensor([0, 1])
+    assert memo.holds_tensor(((slice(None), (t,)),)) and memo.holds_tensor(slice(t, None))
+    assert not memo.holds_tensor((slice(None, 2), None, Ellipsis, [0, 1]))

@@ -68,6 +68,18 @@ def _part(a: Any, entries: dict) -> Any:
     return NO_KEY
 
 
+def holds_tensor(a: Any) -> bool:
+    """Whether ``a`` is a tensor or holds one, at any depth of lists, tuples and slices (an
+    index whose entries a handler reads)."""
+    if isinstance(a, Tensor):
+        return True
+    if isinstance(a, list | tuple):
+        return any([holds_tensor(x) for x in a])
+    if isinstance(a, slice):
+        return holds_tensor(a.start) or holds_tensor(a.stop) or holds_tensor(a.step)
+    return False
+
+
 def key(op: Any, batch: int, args: tuple, kwargs: dict, entries: dict) -> tuple | Any:
     """What a handler's result depends on, for torch function ``op`` (its
     :class:`~.ops.OpFacts`, one object per function) on ``args`` and ``kwargs`` with the

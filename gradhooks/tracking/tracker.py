@@ -455,7 +455,7 @@ class Tracker(TorchFunctionMode):
             self.coupled.entries
             or self.row_index.entries
             or self.reordered.entries
-            or (op.kept == INDEX and len(args) > 1 and tensor_args(args[1:2], {}))
+            or (op.kept == INDEX and len(args) > 1 and memo.holds_tensor(args[1]))
             or (self.lineage.entries and any([t in self.lineage for t in ins]))
         ):
             return self._propagate(op, args, kwargs, out, ins)
