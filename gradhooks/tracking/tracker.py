@@ -455,6 +455,9 @@ class Tracker(TorchFunctionMode):
             self.coupled.entries
             or self.row_index.entries
             or self.reordered.entries
+            # (traced by torch.compile, where the hooks cannot leave compiled code: dynamo
+            # would guard on the kept table, as large as every model's calls so far)
+            or _COMPILING()
             or (op.kept == INDEX and len(args) > 1 and memo.holds_tensor(args[1]))
             or (self.lineage.entries and any([t in self.lineage for t in ins]))
         ):
@@ -977,6 +980,7 @@ _ACTIVE: list[Tracker] = []
 # what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
 _NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
 _NO_SOURCES: frozenset = frozenset()
+_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
 
