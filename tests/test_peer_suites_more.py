@@ -1410,15 +1410,6 @@ class TimeMajorClassifier(nn.Module):
         return self.head((out[0] if isinstance(out, tuple) else out).mean(0))
 
 
-class TimeMajorSelfAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(4, 2)
-
-    def forward(self, x):
-        return self.attn(x, x, x)[0]
-
-
 class SeenBatchFirst(nn.Module):
     """The oracle's view of a time-major model: ``[batch, T, F]`` in."""
 
@@ -1433,7 +1424,7 @@ class SeenBatchFirst(nn.Module):
 TIME_MAJOR_BODIES = {
     "lstm": lambda: nn.LSTM(4, 4),
     "gru-two-layers-bidirectional": lambda: nn.GRU(4, 2, 2, bidirectional=True),
-    "self-attention": TimeMajorSelfAttention,
+    "self-attention": MHAOutput,  # (time-major: nn.MultiheadAttention's default)
     "transformer-encoder-layer": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0),
 }
 
