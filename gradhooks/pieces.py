@@ -624,7 +624,11 @@ class Rows(Piece):
         keys = self.keys()  # [lookups]
         lookups, table = keys.numel(), self.batch * self.num_rows
         shared = None
-        if lookups >= TUNING.rows_counted_min_lookups and 2 * table <= lookups * self.g.shape[-1]:
+        if (
+            lookups >= TUNING.rows_counted_min_lookups
+            and 2 * table <= lookups * self.g.shape[-1]
+            and reads_are_free(keys)  # (the count decides)
+        ):
             shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
             if int(shared.sum()) > TUNING.rows_counted_max_shared * lookups:
                 shared = None
@@ -742,17 +746,40 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
     ``(keys, values)`` with ``keys`` ``[rows]`` the distinct ``example * num_rows + index`` and
     ``values[j]`` ``[rows, dim]`` piece ``j``'s (scaled) gradient in those rows. Every row of
     ``grad1`` not in ``keys`` is zero, so norms, inner products and squared sums of ``grad1``
-    are those of the compact rows: ``O(entries · dim)``, never ``batch · num_rows · dim``."""
+    are those of the compact rows: ``O(entries · dim)``, never ``batch · num_rows · dim``.
+
+    Off the CPU, where ``torch.unique`` would wait for the device to count the distinct rows,
+    there is a slot per entry: the distinct rows first, then rows of zeros under key 0, which
+    add nothing wherever they are summed (no shape depends on the values)."""
     keys = [p.keys() for p, _ in pieces]
-    unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+    every = keys[0] if len(keys) == 1 else torch.cat(keys)
+    if reads_are_free(every):
+        unique, inverse = torch.unique(every, return_inverse=True)
+        rows = unique.numel()
+    else:
+        rows = every.numel()
+        ordered, order = torch.sort(every)
+        new = torch.ones_like(ordered, dtype=torch.bool)
+        if rows > 1:
+            torch.ne(ordered[1:], ordered[:-1], out=new[1:])
+        slot = torch.cumsum(new, 0) - 1  # each sorted entry's distinct row
+        inverse = torch.empty_like(slot).scatter_(0, order, slot)
+        unique = torch.zeros_like(every).scatter_(0, slot, ordered)
     values, start = [], 0
     for (p, s), k in zip(pieces, keys, strict=True):
         inv = inverse[start : start + k.numel()]
         start += k.numel()
         # the scale after the scatter: index_add_'s alpha is slower (single-threaded on CPU)
-        value = p.g.new_zeros(unique.numel(), p.g.shape[-1]).index_add_(0, inv, p.g)
+        value = p.g.new_zeros(rows, p.g.shape[-1]).index_add_(0, inv, p.g)
         values.append(value if s == 1.0 else value.mul_(s))
     return unique, values
+
+
+def reads_are_free(t: Tensor) -> bool:
+    """Whether a value of ``t`` read back on the host (a count, a flag) costs no wait for its
+    device: on the CPU. Elsewhere a step's work takes shapes and branches that do not depend
+    on values (each read would let the device run dry while the host waits)."""
+    return t.device.type == "cpu"
 
 
 def _same(out: Tensor, *ts: Tensor) -> bool:
@@ -807,8 +834,12 @@ _ROWS_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _every_row_once_in_order(keys: Tensor, rows: int) -> bool:
-    """``keys`` is ``0, 1, ..., rows - 1``."""
-    return keys.numel() == rows and torch.equal(keys, torch.arange(rows, device=keys.device))
+    """``keys`` is ``0, 1, ..., rows - 1`` (asked where reading the answer back is free)."""
+    return (
+        keys.numel() == rows
+        and reads_are_free(keys)
+        and torch.equal(keys, torch.arange(rows, device=keys.device))
+    )
 
 
 def _rows_written(out: Tensor) -> Tensor | None:

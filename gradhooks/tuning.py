@@ -45,7 +45,8 @@ class Tuning:
     rows_counted_min_lookups: int = 1024
     """An Embedding's squared norms count the rows its lookups share (rather than compacting
     every lookup) from this many lookups on; below, the compaction's fewer operations cost
-    less (EmbedBlock, 64 x 64 lookups of 1,000 rows: about 2x faster counted)."""
+    less (EmbedBlock, 64 x 64 lookups of 1,000 rows: about 2x faster counted). On CPU only:
+    deciding by the count would read it back from another device."""
     rows_counted_max_shared: float = 0.25
     """... and while at most this share of the lookups hit a row another lookup of the same
     example hits (else compacting all of them is cheaper)."""
