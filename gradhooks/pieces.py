@@ -664,9 +664,18 @@ class Rows(Piece):
                     self.positions)  # fmt: skip
 
     def select(self, rows: slice) -> Rows:
-        """(A slice with step 1.)"""
+        """(A slice with step 1.) Where every example's entries lie together in order
+        (:attr:`positions`), or the slice takes them all, a slice of the entries: no mask,
+        whose number of entries a device would have to count for the host."""
         start, stop, _ = rows.indices(self.batch)
         stop = max(start, stop)
+        if start == 0 and stop == self.batch:
+            return Rows(self.example, self.index, self.g, self.batch, self.num_rows,
+                        self.positions)  # fmt: skip
+        if self.positions is not None:
+            entries = slice(start * self.positions, stop * self.positions)
+            return Rows(self.example[entries] - start, self.index[entries], self.g[entries],
+                        stop - start, self.num_rows, self.positions)  # fmt: skip
         keep = (self.example >= start) & (self.example < stop)
         return Rows(
             self.example[keep] - start,

@@ -66,6 +66,8 @@ class Reads:
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
         for name in TORCH_READS:
             monkeypatch.setattr(torch, name, self._counted(getattr(torch, name)))
+        for name in ("__getitem__", "__setitem__"):  # (a boolean mask: its entries counted)
+            monkeypatch.setattr(torch.Tensor, name, self._masked(getattr(torch.Tensor, name)))
 
     def _counted(self, fn):
         @functools.wraps(fn)
@@ -75,6 +77,22 @@ class Reads:
             return fn(*args, **kwargs)
 
         return counted
+
+    def _masked(self, fn):
+        @functools.wraps(fn)
+        def counted(t, index, *rest):
+            if self.on and _mask_in(index) and _ours():
+                self.where.append(f"{fn.__name__} with a mask at {_innermost()}")
+            return fn(t, index, *rest)
+
+        return counted
+
+
+def _mask_in(index) -> bool:
+    """Whether an index holds a boolean tensor (its entries decide the result's size)."""
+    if isinstance(index, torch.Tensor):
+        return index.dtype == torch.bool
+    return isinstance(index, tuple | list) and any(_mask_in(i) for i in index)
 
 
 def _innermost() -> str:

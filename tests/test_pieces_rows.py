@@ -47,8 +47,18 @@ def dense(piece: P.Rows) -> torch.Tensor:
     seed=st.integers(0, 100),
     scale=st.sampled_from([1.0, 2.5]),
 )
-def test_rows_methods_against_dense(batch, rows, dim, entries, seed, scale):
-    p = random_rows(batch, rows, dim, entries, seed)
+@pytest.mark.parametrize("free", [True, False], ids=["cpu", "device-like"])
+@pytest.mark.parametrize("positions", [None, 3], ids=["scattered", "positions"])
+def test_rows_methods_against_dense(free, positions, batch, rows, dim, entries, seed, scale):
+    """Also as on a device whose values cost a wait to read back (:func:`P.reads_are_free`),
+    and with every example's entries together, in order (``positions``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(P, "reads_are_free", lambda t: free)
+        _rows_methods_against_dense(batch, rows, dim, entries, seed, scale, positions)
+
+
+def _rows_methods_against_dense(batch, rows, dim, entries, seed, scale, positions):
+    p = random_rows(batch, rows, dim, entries, seed, positions)
     q = random_rows(batch, rows, dim, entries + 3, seed + 1)
     shape = torch.Size([rows, dim])
     want = dense(p)
