@@ -237,3 +237,33 @@ def test_non_finite_gradients_of_a_shared_call_are_carried_through():
     assert torch.isnan(g1[1]).any() and not torch.isnan(g1[0]).any()
     assert torch.equal(torch.isnan(g1.sum(0)), torch.isnan(model.positions.weight.grad))
     hooks.remove()
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_hugging_face_models_of_the_host_suite(monkeypatch, device_like, name):
+    """The DP step on the host suite's tiny Hugging Face models: GPT-2 looks its positions up
+    once for the whole batch (one check a step), Llama (rotary positions) does not. (BERT
+    and ViT, and grad1 and the norms, read as these do: ``python -m bench.host_profile``'s
+    models, counted once.)"""
+    pytest.importorskip("transformers")
+    from bench import measure
+    from bench.problems import PROBLEMS
+
+    problem = PROBLEMS[name]
+
+    class Logits(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            out = self.model(x)
+            return out.logits if hasattr(out, "logits") else out
+
+    def make():
+        model, x, y = measure.instance(problem, problem.batch, "cpu")
+        return Logits(model), x, y
+
+    reads = Reads(monkeypatch)
+    _steps(make, "dp-bookkeeping", reads)
+    assert len(reads.where) == (3 if name == "tiny-gpt2" else 0), reads.where
