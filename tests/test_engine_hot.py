@@ -244,6 +244,8 @@ class _Tied(nn.Module):
         self.again = self.body[0]  # (one module under two names)
         self.scale = nn.Parameter(torch.ones(1))
         self.body[2].bias.requires_grad_(False)
+        self.register_module("absent", None)  # (a child slot holding nothing)
+        self.body.append(nn.Sequential(self.again, nn.Linear(4, 4)))  # (shared deeper down)
 
 
 @pytest.mark.parametrize("by_name", [False, True], ids=["ids", "names"])
