@@ -13,7 +13,6 @@ from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradien
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -314,9 +313,9 @@ class BackwardWriter:
                         total = pieces[pname].batch_sum(p.shape)
                     sums[pname] = total.to(p.dtype)
             return
+        frame_ref = None if frame is None else frame.ref()
         for pname, p in live.items():
             piece = pieces[pname]
-            qualname = f"{target.name}.{pname}" if target.name else pname
             if bw is not None and id(p) not in bw.before:
                 if id(p) in self.state.written and self._new_forward(p, frame):
                     del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
@@ -325,10 +324,10 @@ class BackwardWriter:
                 if bw.batch is None:
                     bw.batch = piece.batch_size
             self.state.stale.pop(id(p), None)
-            if frame is not None:
-                self.state.forward_of[id(p)] = weakref.ref(frame)
+            if frame_ref is not None:
+                self.state.forward_of[id(p)] = frame_ref
             accumulate = id(p) in self.state.written
-            out = self._writable_grad1(qualname, p, piece.batch_size, accumulate)
+            out = self._writable_grad1(p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
             if accumulate and summed:
                 out = None  # this call's own grad1 is summed below: not added in place
@@ -347,12 +346,10 @@ class BackwardWriter:
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
             if out is None:
-                self.accumulate(qualname, p, g1)
+                self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
             self.state.written[id(p)] = p
 
-    def _writable_grad1(
-        self, qualname: str, p: nn.Parameter, batch: int, accumulate: bool
-    ) -> Tensor | None:
+    def _writable_grad1(self, p: nn.Parameter, batch: int, accumulate: bool) -> Tensor | None:
         """``p.grad1``, if this call's gradient can be written into its memory: it has the
         right shape, dtype and device, and nothing but ``p`` refers to it or to its memory (the
         test autograd makes before reusing ``.grad``). Writing in place skips a fresh

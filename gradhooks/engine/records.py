@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -98,6 +99,13 @@ class Frame:
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
     empty: tuple[int, ...] | None = None
+    _ref: Any = field(default=None, repr=False, compare=False)  # (see ref)
+
+    def ref(self) -> weakref.ref:
+        """A weak reference to this frame (one for all who ask)."""
+        if self._ref is None:
+            self._ref = weakref.ref(self)
+        return self._ref
 
 
 class HeldCall(NamedTuple):
