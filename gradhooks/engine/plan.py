@@ -216,28 +216,15 @@ def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
 def modules_and_parameters(model: nn.Module) -> tuple[tuple[int, ...], list]:
     """One walk of ``model``: the ids of its modules as ``modules()`` gives them, and each
     parameter once, ``(name, parameter)``, as ``named_parameters()`` gives them (a parameter
-    shared by several modules under its first name). (The walk of ``named_modules()``,
-    depth first, each module once, without its generator per module: it runs at every
-    forward.)"""
-    modules, params, seen, visited = [], [], set(), set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        prefix, module = stack.pop()
-        if id(module) in visited:
-            continue
-        visited.add(id(module))
+    shared by several modules under its first name)."""
+    modules, params, seen = [], [], set()
+    for prefix, module in model.named_modules():
         modules.append(id(module))
         for leaf, p in _torch.own_parameters(module).items():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
             params.append((f"{prefix}.{leaf}" if prefix else leaf, p))
-        children = module._modules
-        if children:
-            stack.extend(
-                [(f"{prefix}.{n}" if prefix else n, c) for n, c in reversed(children.items())
-                 if c is not None]
-            )  # fmt: skip
     return tuple(modules), params
 
 
