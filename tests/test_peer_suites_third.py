@@ -1,0 +1,473 @@
+"""A third set of the cases that other per-example-gradient and curvature projects check in
+their own test suites, written in gradhooks' terms and compared with float64 references
+(``torch.func`` ``vmap(grad)`` / ``vmap(jacrev)`` and per-example loops). The first two sets
+are :mod:`test_peer_suites` and :mod:`test_peer_suites_more`; this one adds:
+
+- nngeometry (``tests/test_jacobian.py``, ``tests/tasks.py``, ``tests/test_m2gradients.py``):
+  per-example Jacobians of its task networks (linear and non-linear; BatchNorm in eval,
+  GroupNorm, its ``Cosine1d``, ``WeightNorm1d/2d`` and ``Affine1d`` layers, a skip
+  connection), the dense Fisher (``FIM``), the Gram matrix (``FMatDense``) and the second
+  moment of the gradients built from them;
+- ASDL (``tests/test_unit_wise.py``, ``tests/test_fisher*.py``): batch gradients, the
+  empirical Fisher (full, diagonal, unit-wise) and its accumulation over a data loader;
+- BackPACK (``test/extensions/firstorder``): ``BatchL2Grad``, ``SumGradSquared`` and
+  ``Variance`` on transposed convolutions, BatchNorm in eval, Embedding and its custom modules
+  (``ScaleModule``, ``Permute``, ``Pad``, ``Slicing``, ``Branch`` / ``SumModule``), and
+  ``BatchGrad`` with ``subsampling``;
+- dp-transformers (``tests/test_grad_sample/*``, ``data_collators.py``): BART's learned
+  positional embedding, T5's layer norm, a merged LoRA layer over part of ``q, k, v``, GPT-2
+  with the ``position_ids`` of its private collator, and one ``DPTrainer`` step with them;
+- Opacus (``tests/grad_samples/``, ``privacy_engine_test.py``, ``accountants_test.py``):
+  its ``DPLSTM`` / ``DPGRU`` style recurrent layers built from Linear cells, instance norm,
+  RMSNorm, noise and clipping of a step, ``make_private_with_epsilon``, and the accountants
+  against the analytic Gaussian mechanism;
+- curvlinops (``test/test_ggn.py``, per-example gradients) and functorch's per-sample
+  gradients with ``randomness="different"`` (dropout drawn per example).
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one),
+so ``grad1.sum(0)`` (sum loss) or ``grad1.mean(0)`` (mean loss) is ``.grad``. Every comparison
+is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vmap
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close
+
+D = torch.float64
+
+
+def sq(out, target=None) -> Tensor:
+    """Half the sum of squares: a sum of per-example losses."""
+    leaves = out if isinstance(out, tuple | list) else (out,)
+    return sum(0.5 * (t**2).sum() for t in leaves if isinstance(t, Tensor))
+
+
+def seeded(factory, seed: int = 0):
+    torch.manual_seed(seed)
+    return factory()
+
+
+def as_double(t):
+    return t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def hooked(model, inputs, loss=sq, target=None, reduction="sum", quantities=("grad1",)):
+    """One forward and backward of ``loss`` under ``add_hooks``; the (removed) handle."""
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=quantities) as h:
+        out = model(*inputs)
+        (loss(out) if target is None else loss(out, target)).backward()
+    return h
+
+
+def oracle_check(model, inputs, loss=sq, target=None, reduction="sum", loop=False):
+    """``model`` (made float64) under gradhooks: every trainable parameter's ``grad1`` equals
+    ``vmap(grad)`` (and the per-example loop with ``loop=True``) and reduces to ``.grad``.
+    Returns the oracle's per-example gradients."""
+    model = model.double()
+    inputs = tuple(as_double(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,)))
+    want = vmap_grad(model, loss, inputs, target)
+    if loop:
+        by_loop = loop_grad(model, loss, inputs, target)
+        for n in want:
+            assert_close(by_loop[n], want[n], f"loop vs vmap, {n}")
+    hooked(model, inputs, loss, target, reduction)
+    checked = 0
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, "grad1"), f"frozen {n} got a grad1"
+            continue
+        assert_close(p.grad1, want[n], f"{type(model).__name__} ({reduction}): {n}")
+        reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+        assert_close(reduced, p.grad, f"grad1 reduced vs .grad, {n}")
+        checked += 1
+    assert checked, "no trainable parameter was checked"
+    return want
+
+
+def jacobians_by_jacrev(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """``{name: [batch, outputs, *p.shape]}``: each example's Jacobian of its flattened output
+    with respect to every trainable parameter, by ``vmap(jacrev)`` of a batch of one."""
+    params = {n: p.detach() for n, p in trainable(model).items()}
+    rest = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    rest.update(dict(model.named_buffers()))
+
+    def one(p, xi):
+        return functional_call(model, (p, rest), (xi.unsqueeze(0),)).reshape(-1)
+
+    with gradhooks.paused():
+        return vmap(jacrev(one), in_dims=(None, 0))(params, x)
+
+
+def flat(jac: dict[str, Tensor], model: nn.Module) -> Tensor:
+    """``[batch, outputs, P]``, the parameters in ``named_parameters()`` order."""
+    return torch.cat([jac[n].flatten(2) for n in trainable(model)], 2)
+
+
+# == nngeometry: tests/test_jacobian.py over the networks of tests/tasks.py ======================
+# Its tasks run in eval mode on float64 (on the CPU); the layers are Linear, Conv2d, BatchNorm
+# (eval), GroupNorm and its own Cosine1d, WeightNorm1d/2d and Affine1d (below: its definitions,
+# rewritten). Smaller images here (the networks' shapes kept where they matter).
+
+
+class Cosine1d(nn.Linear):
+    """The cosine between each row of the weight and the input (nngeometry's layer)."""
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__(fan_in, fan_out, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(
+            x / x.norm(dim=1, keepdim=True), self.weight / self.weight.norm(dim=1, keepdim=True)
+        )
+
+
+class WeightNorm1d(nn.Linear):
+    """A Linear whose weight rows are normalized to norm 1 (nngeometry's layer)."""
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__(fan_in, fan_out, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight / self.weight.norm(dim=1, keepdim=True))
+
+
+class WeightNorm2d(nn.Conv2d):
+    """A Conv2d whose kernels are normalized to norm 1 per output channel (nngeometry's)."""
+
+    def __init__(self, *args):
+        super().__init__(*args, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        norms = self.weight.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        return self._conv_forward(x, self.weight / norms, None)
+
+
+class Affine1d(nn.Module):
+    """``x * weight + bias``, elementwise (nngeometry's layer)."""
+
+    def __init__(self, features: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
+        self.bias = nn.Parameter(0.1 * torch.randn(features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x * self.weight.unsqueeze(0)
+        return out if self.bias is None else out + self.bias
+
+
+class FCNet(nn.Module):
+    """nngeometry's ``FCNet``: a crop of the image, then three layers of the chosen kind."""
+
+    def __init__(self, normalization: str = "none", out: int = 3):
+        super().__init__()
+        layers: list[nn.Module] = []
+        sizes = [8 * 8, 10, 10, out]
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            if normalization == "weight_norm":
+                layers.append(WeightNorm1d(a, b))
+            elif normalization == "cosine":
+                layers.append(Cosine1d(a, b))
+            else:
+                layers.append(nn.Linear(a, b, bias=normalization == "none"))
+            if normalization == "batch_norm":
+                layers.append(nn.BatchNorm1d(b))
+            elif normalization == "affine":
+                layers.append(Affine1d(b, bias=i % 2 == 0))
+            layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers[:-1])
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[:, :, 3:-3, 3:-3].contiguous()
+        return self.net(x.view(x.size(0), -1))
+
+
+class ConvNet(nn.Module):
+    """nngeometry's ``ConvNet`` on 28x28 images: conv (or WeightNorm2d) - norm - pool - conv -
+    pool - conv - Linear (or WeightNorm1d) - norm - Linear."""
+
+    def __init__(self, normalization: str = "none"):
+        super().__init__()
+        self.normalization = normalization
+        wn = normalization == "weight_norm"
+        self.conv1 = (
+            WeightNorm2d(1, 6, 3, 2) if wn else nn.Conv2d(1, 6, 3, 2, bias=normalization == "none")
+        )
+        self.norm1 = {"batch_norm": nn.BatchNorm2d(6), "group_norm": nn.GroupNorm(2, 6)}.get(
+            normalization, nn.Identity()
+        )
+        self.conv2 = nn.Conv2d(6, 5, 4, 1)
+        self.conv3 = nn.Conv2d(5, 7, 3, 1, 1)
+        self.fc1 = WeightNorm1d(7, 4) if wn else nn.Linear(7, 4)
+        self.norm2 = nn.BatchNorm1d(4) if normalization == "batch_norm" else nn.Identity()
+        self.fc2 = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.norm1(self.conv1(x))), 2, 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 2)
+        x = F.relu(self.conv3(x)).view(-1, 7)
+        return self.fc2(F.relu(self.norm2(self.fc1(x))))
+
+
+class SmallConvNet(nn.Module):
+    """nngeometry's ``SmallConvNet``: two WeightNorm2d layers, the output summed over space."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = WeightNorm2d(1, 6, 3, 2), WeightNorm2d(6, 3, 2, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.l2(F.relu(self.l1(x)))).sum(dim=(2, 3))
+
+
+class LinearFCNet(nn.Module):
+    """nngeometry's ``LinearFCNet``: two Linear heads on the same image, each summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(14 * 14, 3), nn.Linear(14 * 14, 7, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.view(x.size(0), -1)
+        return torch.stack([self.fc1(x).sum(1), self.fc2(x).sum(1)], dim=1)
+
+
+class LinearConvNet(nn.Module):
+    """nngeometry's ``LinearConvNet``: two Conv2d heads on the same image, each summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 5, 3, 1), nn.Conv2d(1, 3, 2, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.stack([self.conv1(x).sum((1, 2, 3)), self.conv2(x).sum((1, 2, 3))], dim=1)
+
+
+class BatchNormFCLinearNet(nn.Module):
+    """nngeometry's ``BatchNormFCLinearNet`` (eval): BatchNorm1d of ``x`` and of ``-x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.bn1, self.bn2 = (
+            nn.Linear(14 * 14, 20),
+            nn.BatchNorm1d(20),
+            nn.BatchNorm1d(20),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.fc0(x.view(x.size(0), -1))
+        return torch.stack([self.bn1(x).sum(1), self.bn2(-x).sum(1)], dim=1)
+
+
+class BatchNormConvLinearNet(nn.Module):
+    """nngeometry's ``BatchNormConvLinearNet`` (eval): BatchNorm2d of ``h`` and of ``-h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.bn1, self.bn2 = nn.Conv2d(1, 5, 3, 3), nn.BatchNorm2d(5), nn.BatchNorm2d(5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv0(x)
+        return torch.stack([self.bn1(h).sum((1, 2, 3)), self.bn2(-h).sum((1, 2, 3))], dim=1)
+
+
+class BatchNormNonLinearNet(nn.Module):
+    """nngeometry's ``BatchNormNonLinearNet`` (eval): BatchNorm2d of the image and its
+    transpose, BatchNorm1d of the flat image, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.bnconv, self.bnfc = nn.BatchNorm2d(2), nn.BatchNorm1d(14 * 14)
+        self.fc = nn.Linear(3 * 14 * 14, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = x.size(0)
+        two = self.bnconv(torch.cat([x, x.permute(0, 1, 3, 2)], dim=1))
+        return self.fc(torch.cat([two.view(b, -1), self.bnfc(x.view(b, -1))], dim=1))
+
+
+class ConvNetWithSkipConnection(nn.Module):
+    """nngeometry's ``ConvNetWithSkipConnection``: four 3x3 convolutions, one skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 2, 3, 1, 1), nn.Conv2d(2, 2, 3, 1, 1)
+        self.conv3, self.conv4 = nn.Conv2d(2, 2, 3, 1, 1), nn.Conv2d(2, 3, 3, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        before = F.relu(self.conv1(x))
+        after = F.relu(self.conv3(F.relu(self.conv2(before))))
+        return F.relu(self.conv4(after + before)).sum(dim=(2, 3))
+
+
+class EmbeddingLayerNorm(nn.Module):
+    """An Embedding, a LayerNorm and a Linear over a sequence (nngeometry's layer collection
+    holds Embedding and LayerNorm layers; its ``tests/test_tasks/layernorm.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln, self.fc = nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.fc(self.ln(self.emb(idx))).mean(1)
+
+
+class TransposeGroupNorm(nn.Module):
+    """A ConvTranspose2d, a GroupNorm and a Linear (nngeometry's ConvTranspose2d layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.gn = nn.ConvTranspose2d(2, 4, 3, stride=2), nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(F.relu(self.gn(self.up(x))).mean((2, 3)))
+
+
+def image(size: int):
+    return lambda b: torch.rand(b, 1, size, size)
+
+
+NNGEOMETRY_TASKS = {
+    "linear_fc": (LinearFCNet, image(14)),
+    "linear_conv": (LinearConvNet, image(14)),
+    "batchnorm_fc_linear": (BatchNormFCLinearNet, image(14)),
+    "batchnorm_conv_linear": (BatchNormConvLinearNet, image(14)),
+    "batchnorm_nonlinear": (BatchNormNonLinearNet, image(14)),
+    "fullyconnect": (FCNet, image(14)),
+    "fullyconnect_bn": (lambda: FCNet("batch_norm"), image(14)),
+    "fullyconnect_wn": (lambda: FCNet("weight_norm"), image(14)),
+    "fullyconnect_cosine": (lambda: FCNet("cosine"), image(14)),
+    "fullyconnect_affine": (lambda: FCNet("affine"), image(14)),
+    "conv": (ConvNet, image(28)),
+    "conv_bn": (lambda: ConvNet("batch_norm"), image(28)),
+    "conv_gn": (lambda: ConvNet("group_norm"), image(28)),
+    "conv_wn": (lambda: ConvNet("weight_norm"), image(28)),
+    "small_conv_wn": (SmallConvNet, image(14)),
+    "conv_skip": (ConvNetWithSkipConnection, image(8)),
+    "embedding_layernorm": (EmbeddingLayerNorm, lambda b: torch.randint(0, 11, (b, 5))),
+    "conv_transpose_gn": (TransposeGroupNorm, lambda b: torch.randn(b, 2, 3, 3)),
+}
+
+
+def nngeometry_task(name: str, batch: int = 5):
+    """The task's network in eval mode and float64 (BatchNorm with non-trivial running
+    statistics and affine parameters, as after training), and its inputs."""
+    factory, inputs = NNGEOMETRY_TASKS[name]
+    model = seeded(factory).double().eval()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return model, as_double(seeded(lambda: inputs(batch), seed=1))
+
+
+@pytest.mark.parametrize("task", list(NNGEOMETRY_TASKS))
+def test_nngeometry_per_example_jacobians(task):
+    """The Jacobian of each example's output with respect to every parameter
+    (``Jacobian.get_jacobian`` / ``PushForwardDense.get_dense_tensor``, ``[outputs, n, P]``
+    there) on nngeometry's task networks: its ``test_jacobian.py`` over ``linear_tasks`` and
+    ``nonlinear_tasks`` (and ``test_torch_hooks.py``, the same by hooks)."""
+    model, x = nngeometry_task(task)
+    want = jacobians_by_jacrev(model, x)
+    got = gradhooks.jacobians(model, x)
+    assert set(got) == set(want)
+    for n in want:
+        assert_close(got[n], want[n], f"{task}: {n}")
+    assert_close(gradhooks.jacobians(model, x, flatten=True), flat(want, model), f"{task}: flat")
+
+
+@pytest.mark.parametrize("task", ["linear_fc", "fullyconnect_cosine", "fullyconnect_affine",
+                                  "conv_bn", "conv_wn", "conv_skip", "embedding_layernorm",
+                                  "conv_transpose_gn"])  # fmt: skip
+def test_nngeometry_per_example_gradients_of_the_cross_entropy(task):
+    """Per-example gradients of a mean cross-entropy on the task networks (the rows whose
+    second moment nngeometry's ``FIM_MonteCarlo`` / ``test_m2gradients.py`` builds)."""
+    model, x = nngeometry_task(task)
+    y = torch.randint(0, 2 if task.startswith(("linear", "batchnorm")) else 3, (x.shape[0],))
+    oracle_check(model, x, lambda out, t: F.cross_entropy(out, t, reduction="sum"), y,
+                 reduction="sum", loop=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["fullyconnect", "fullyconnect_wn", "conv_gn", "conv_skip"])
+def test_nngeometry_fim_of_a_classifier_from_the_jacobians(task):
+    """nngeometry's ``FIM(..., variant="classif_logits")`` (``PMatDense``): ``F = 1/n Σ_i
+    Σ_y p(y|x_i) ∇log p(y|x_i) ∇log p(y|x_i)ᵀ``, here ``1/n Σ_i J_iᵀ (diag p_i - p_i p_iᵀ) J_i``
+    from gradhooks' per-example Jacobians of the logits, against the sum over every class of
+    every example, one autograd gradient at a time (its ``test_fim``/``test_pdense`` checks,
+    and trace and diagonal of the same matrix)."""
+    model, x = nngeometry_task(task, batch=4)
+    J = gradhooks.jacobians(model, x, flatten=True)  # [n, C, P]
+    with torch.no_grad():
+        p = model(x).softmax(-1)
+    middle = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)
+    fim = torch.einsum("ncp,ncd,ndq->pq", J, middle, J) / x.shape[0]
+    params = list(trainable(model).values())
+    want = torch.zeros_like(fim)
+    for i in range(x.shape[0]):
+        logp = model(x[i : i + 1]).log_softmax(-1)[0]
+        for c in range(logp.shape[0]):
+            g = torch.cat(
+                [t.flatten() for t in torch.autograd.grad(logp[c], params, retain_graph=True)]
+            )
+            want += logp[c].exp().detach() * torch.outer(g, g)
+    want /= x.shape[0]
+    assert_close(fim, want, f"{task}: FIM")
+    assert_close(fim.diagonal(), want.diagonal(), f"{task}: diagonal")
+    assert math.isclose(float(fim.trace()), float(want.trace()), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("task", ["linear_conv", "fullyconnect_affine", "small_conv_wn"])
+def test_nngeometry_gram_matrix_of_the_jacobians(task):
+    """nngeometry's ``FMatDense`` (the Gram matrix ``[n, outputs, n, outputs]`` of the
+    per-example Jacobians, ``test_jacobian_fdense_vs_pullback``), its ``vTMv`` and Frobenius
+    norm, from gradhooks' Jacobians against those of ``vmap(jacrev)``."""
+    model, x = nngeometry_task(task, batch=4)
+    J = gradhooks.jacobians(model, x, flatten=True)
+    Jw = flat(jacobians_by_jacrev(model, x), model)
+    gram, want = torch.einsum("icp,jdp->icjd", J, J), torch.einsum("icp,jdp->icjd", Jw, Jw)
+    assert_close(gram, want, f"{task}: Gram")
+    v = seeded(lambda: torch.randn(J.shape[0], J.shape[1], dtype=D))
+    vJ = torch.einsum("ic,icp->p", v, J)
+    assert math.isclose(
+        float(vJ @ vJ), float(torch.einsum("ic,icjd,jd->", v, want, v)), rel_tol=1e-9
+    )
+    assert math.isclose(float(gram.norm()), float(want.norm()), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("task", ["fullyconnect", "conv", "embedding_layernorm"])
+def test_nngeometry_second_moment_of_the_gradients(task):
+    """nngeometry's ``test_m2gradients.py``: the second moment ``1/n Σ_i g_i g_iᵀ`` of the
+    per-example gradients of the loss, dense from ``grad1`` and its diagonal from the
+    ``"sum_grad_sq"`` quantity (never forming ``grad1``), against the oracle's rows."""
+    model, x = nngeometry_task(task)
+    y = torch.randint(0, 3, (x.shape[0],))
+
+    def loss(out, t):
+        return F.cross_entropy(out, t, reduction="sum")
+
+    want = vmap_grad(model, loss, (x,), y)
+    hooked(model, x, loss, y, quantities=("grad1",))
+    G = torch.cat([p.grad1.flatten(1) for p in trainable(model).values()], 1)
+    Gw = torch.cat([want[n].flatten(1) for n in trainable(model)], 1)
+    assert_close(G.T @ G / len(x), Gw.T @ Gw / len(x), f"{task}: second moment")
+    model.zero_grad()
+    h = hooked(model, x, loss, y, quantities=("sum_grad_sq",))
+    for n, s in h.sum_grad_sq().items():
+        assert_close(s, want[n].pow(2).sum(0), f"{task}: sum_grad_sq {n}")
