@@ -471,3 +471,319 @@ def test_nngeometry_second_moment_of_the_gradients(task):
     h = hooked(model, x, loss, y, quantities=("sum_grad_sq",))
     for n, s in h.sum_grad_sq().items():
         assert_close(s, want[n].pow(2).sum(0), f"{task}: sum_grad_sq {n}")
+
+
+# == ASDL: tests/test_unit_wise.py, test_fisher*.py, batch_grads / sum_grad_sqr / data_size ====
+
+
+def ce_sum(out, t):
+    return F.cross_entropy(out, t, reduction="sum")
+
+
+def unit_wise(weight: Tensor, bias: Tensor) -> Tensor:
+    """``[n, out, in + 1]``: each output unit's row of the weight with its bias appended."""
+    return torch.cat([weight, bias.unsqueeze(-1)], -1)
+
+
+@pytest.mark.parametrize("same_inputs", [True, False], ids=["repeated-input", "distinct"])
+def test_asdl_unit_wise_empirical_fisher_of_a_linear(same_inputs):
+    """ASDL's ``test_unit_wise.py`` (``fisher_for_cross_entropy`` with ``FISHER_EMP`` and
+    ``SHAPE_UNIT_WISE``): for each output unit ``j`` of a Linear, the ``[in+1, in+1]`` mean of
+    ``u_ij u_ijᵀ`` over the examples, ``u_ij`` being unit ``j``'s weight row and bias of
+    example ``i``'s gradient. From ``grad1``, against the same from the per-example loop
+    (ASDL's test hard-codes the matrix of two equal inputs; both settings here)."""
+    layer = seeded(lambda: nn.Linear(2, 2)).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, 2.0], [4.0, 3.0]]))
+        layer.bias.copy_(torch.tensor([0.1, -0.1]))
+    x = torch.tensor([[-0.5, 0.6]] * 2 if same_inputs else [[-0.5, 0.6], [0.3, -1.2]], dtype=D)
+    y = torch.tensor([0, 0] if same_inputs else [0, 1])
+    want = loop_grad(layer, ce_sum, (x,), y)
+    with gradhooks.add_hooks(layer, loss_reduction="mean"):
+        F.cross_entropy(layer(x), y).backward()
+    u = unit_wise(layer.weight.grad1, layer.bias.grad1)
+    w = unit_wise(want["weight"], want["bias"])
+    got = torch.einsum("nja,njb->jab", u, u) / len(x)
+    assert_close(got, torch.einsum("nja,njb->jab", w, w) / len(x), "unit-wise Fisher")
+    if same_inputs:  # (two equal examples: the mean is either one's outer product)
+        assert_close(got, torch.einsum("ja,jb->jab", w[0], w[0]), "one example's")
+
+
+class AsdlBias(nn.Module):
+    """ASDL's ``Bias`` module: ``x + bias`` (a trainable vector, no rule of its own)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.weight
+
+
+class AsdlScale(nn.Module):
+    """ASDL's ``Scale`` module: ``x * scale`` (a trainable vector, no rule of its own)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+ASDL_MODELS = {
+    "linear": (lambda: nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), (6,)),
+    "conv2d": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 3)),
+        (2, 4, 4),
+    ),
+    "batchnorm_eval": (
+        lambda: nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).eval(),
+        (6,),
+    ),
+    "layernorm": (lambda: nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3)), (6,)),
+    "bias_scale": (
+        lambda: nn.Sequential(
+            nn.Linear(6, 5), AsdlBias(5), AsdlScale(5), nn.Tanh(), nn.Linear(5, 3)
+        ),
+        (6,),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(ASDL_MODELS))
+def test_asdl_batch_grads_of_each_module_kind(name):
+    """ASDL's ``batch_gradient`` / ``save_batch_grads`` (``op_results["batch_grads"]``) over
+    its supported modules (Linear, Conv2d, BatchNorm, LayerNorm, its ``Bias`` and ``Scale``),
+    under the mean cross-entropy ASDL's Fisher tests use: ``grad1`` against both oracles."""
+    factory, shape = ASDL_MODELS[name]
+    model = seeded(factory)
+    x, y = seeded(lambda: (torch.randn(5, *shape), torch.randint(0, 3, (5,))), seed=2)
+    oracle_check(model, x, lambda out, t: F.cross_entropy(out, t), y, reduction="mean", loop=True)
+
+
+@pytest.mark.parametrize("sizes", [(4, 4, 2), (1, 6, 3)], ids=["4-4-2", "1-6-3"])
+def test_asdl_fisher_over_a_data_loader_equals_the_full_batch(sizes):
+    """ASDL's ``test_fisher_dataloader.py`` (and ``data_size``): the empirical Fisher's
+    diagonal (``sum_grad_sqr``) accumulated over the batches of a loader, each under a mean
+    loss of its own size, divided by the number of examples, equals the one of the whole data
+    set; and the batch gradients' full empirical Fisher too. Against the oracle's rows."""
+    model = seeded(ASDL_MODELS["conv2d"][0]).double()
+    n = sum(sizes)
+    x, y = seeded(lambda: (torch.randn(n, 2, 4, 4, dtype=D), torch.randint(0, 3, (n,))), seed=3)
+    want = vmap_grad(model, ce_sum, (x,), y)
+    total = {name: torch.zeros_like(p) for name, p in trainable(model).items()}
+    rows = []
+    start = 0
+    for size in sizes:
+        xb, yb = x[start : start + size], y[start : start + size]
+        start += size
+        h = hooked(model, xb, lambda out, t: F.cross_entropy(out, t), yb, "mean",
+                   quantities=("grad1", "sum_grad_sq"))  # fmt: skip
+        for name, s in h.sum_grad_sq().items():
+            total[name] += s
+        rows.append(torch.cat([p.grad1.flatten(1) for p in trainable(model).values()], 1))
+        model.zero_grad(set_to_none=True)
+    for name in total:
+        assert_close(total[name] / n, want[name].pow(2).mean(0), f"diagonal {name}")
+    G = torch.cat(rows)
+    Gw = torch.cat([want[name].flatten(1) for name in trainable(model)], 1)
+    assert_close(G.T @ G / n, Gw.T @ Gw / n, "empirical Fisher")
+
+
+# == BackPACK: BatchL2Grad, SumGradSquared, Variance on more modules; custom modules ===========
+
+
+class ScaleModule(nn.Module):
+    """BackPACK's ``custom_module.scale_module.ScaleModule``: ``x * weight``, a constant."""
+
+    def __init__(self, weight: float = 2.0):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class TrainableScale(nn.Module):
+    """A custom module with a trainable scalar (BackPACK's "extend your own module" example,
+    ``ScaleModule`` whose weight is a parameter): no rule, so gradhooks' ``torch.func``
+    fallback recomputes it per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+BACKPACK_MODULES = {
+    "conv_transpose1d": (lambda: nn.Sequential(nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1),
+                                               nn.Flatten(), nn.Linear(63, 4)), (2, 11)),
+    "conv_transpose2d": (lambda: nn.Sequential(nn.ConvTranspose2d(2, 3, 2, stride=2, groups=1,
+                                                                  dilation=1), nn.ReLU(),
+                                               nn.Flatten(), nn.Linear(3 * 36, 4)), (2, 3, 3)),
+    "conv_transpose2d_groups_dilation": (
+        lambda: nn.Sequential(nn.ConvTranspose2d(4, 2, 3, stride=1, padding=1, groups=2,
+                                                 dilation=2), nn.Flatten(), nn.Linear(50, 4)),
+        (4, 3, 3)),
+    "conv_transpose3d": (lambda: nn.Sequential(nn.ConvTranspose3d(2, 2, 2, stride=2),
+                                               nn.Flatten(), nn.Linear(2 * 64, 4)), (2, 2, 2, 2)),
+    "batchnorm1d_eval": (lambda: nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(),
+                                               nn.Linear(6, 4)).eval(), (5,)),
+    "batchnorm2d_eval": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3),
+                                               nn.Flatten(), nn.Linear(27, 4)).eval(), (2, 4, 4)),
+    "batchnorm3d_eval": (lambda: nn.Sequential(nn.BatchNorm3d(2), nn.Flatten(),
+                                               nn.Linear(2 * 27, 4)).eval(), (2, 3, 3, 3)),
+    "scale_module": (lambda: nn.Sequential(nn.Linear(5, 6), ScaleModule(0.5), nn.Sigmoid(),
+                                           nn.Linear(6, 4)), (5,)),
+    "trainable_scale": (lambda: nn.Sequential(nn.Linear(5, 6), TrainableScale(), nn.Tanh(),
+                                              nn.Linear(6, 4)), (5,)),
+}  # fmt: skip
+
+
+class EmbeddingClassifier(nn.Module):
+    """BackPACK's ``Embedding`` setting: an Embedding over a sequence, summed, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 5, padding_idx=0), nn.Linear(5, 4)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.fc(self.emb(idx).sum(1))
+
+
+def backpack_problem(name: str, batch: int = 5):
+    if name == "embedding":
+        model = seeded(EmbeddingClassifier).double()
+        x = seeded(lambda: torch.randint(0, 10, (batch, 6)), seed=1)
+    else:
+        factory, shape = BACKPACK_MODULES[name]
+        model = seeded(factory).double()
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+        x = seeded(lambda: torch.randn(batch, *shape, dtype=D), seed=1)
+    return model, x
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", [*BACKPACK_MODULES, "embedding"])
+def test_backpack_batch_l2_sum_grad_squared_and_variance(name, reduction):
+    """BackPACK's ``BatchL2Grad``, ``SumGradSquared`` and ``Variance`` (``test/extensions/
+    firstorder/{batch_l2_grad,sum_grad_squared,variance}``) on ConvTranspose1d/2d/3d,
+    BatchNorm in eval mode, Embedding and custom modules, under a cross-entropy with
+    ``reduction="mean"`` and ``"sum"``; the norms and squared sums computed without forming
+    ``grad1``. gradhooks' quantities are of each example's own loss whatever the reduction
+    (BackPACK's carry ``1/N²`` under a mean); ``grad_variance`` is the population variance."""
+    model, x = backpack_problem(name)
+    y = seeded(lambda: torch.randint(0, 4, (x.shape[0],)), seed=2)
+    want = vmap_grad(model, ce_sum, (x,), y)
+    h = hooked(model, x, lambda out, t: F.cross_entropy(out, t, reduction=reduction), y,
+               reduction, quantities=("norms", "sum_grad_sq"))  # fmt: skip
+    norms, sgs, var = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    assert set(norms) == set(sgs) == set(var) == set(want)
+    for n, g in want.items():
+        assert_close(norms[n] ** 2, g.reshape(len(g), -1).pow(2).sum(1), f"{name} BatchL2Grad {n}")
+        assert_close(sgs[n], g.pow(2).sum(0), f"{name} SumGradSquared {n}")
+        assert_close(var[n], g.pow(2).mean(0) - g.mean(0) ** 2, f"{name} Variance {n}")
+    total = torch.cat([g.reshape(len(g), -1) for g in want.values()], 1).norm(dim=1)
+    assert_close(h.norms(), total, f"{name}: whole-model norms")
+
+
+class Permute(nn.Module):
+    """BackPACK's ``custom_module.permute.Permute``."""
+
+    def __init__(self, *dims: int):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.permute(*self.dims)
+
+
+class Pad(nn.Module):
+    """BackPACK's ``custom_module.pad.Pad`` (``F.pad`` with a mode and value)."""
+
+    def __init__(self, pad, mode="constant", value=0.0):
+        super().__init__()
+        self.pad, self.mode, self.value = pad, mode, value
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.pad(x, self.pad, mode=self.mode, value=self.value)
+
+
+class Slicing(nn.Module):
+    """BackPACK's ``custom_module.slicing.Slicing`` (an index tuple)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[self.index]
+
+
+class Branch(nn.Module):
+    """BackPACK's ``custom_module.branching.Parallel``: the input through each branch, the
+    outputs added (its ``SumModule``)."""
+
+    def __init__(self, *branches: nn.Module):
+        super().__init__()
+        self.branches = nn.ModuleList(branches)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return sum(b(x) for b in self.branches)
+
+
+CUSTOM_MODULE_MODELS = {
+    "permute": lambda: nn.Sequential(nn.Conv1d(2, 3, 2), Permute(0, 2, 1), nn.Linear(3, 4),
+                                     Permute(0, 2, 1), nn.Flatten(), nn.Linear(4 * 5, 3)),
+    "pad": lambda: nn.Sequential(nn.Conv2d(2, 3, 2), Pad((1, 1, 2, 0), value=0.5),
+                                 nn.Conv2d(3, 2, 2), nn.Flatten(), nn.Linear(2 * 5 * 5, 3)),
+    "pad_reflect": lambda: nn.Sequential(nn.Conv1d(2, 3, 2), Pad((2, 1), mode="reflect"),
+                                         nn.Flatten(), nn.Linear(3 * 8, 3)),
+    "slicing": lambda: nn.Sequential(nn.Conv2d(2, 3, 2), Slicing((slice(None), slice(1, 3),
+                                                                   slice(None, None, 2))),
+                                     nn.Flatten(), nn.Linear(2 * 2 * 7, 3)),
+    "branch_sum": lambda: nn.Sequential(nn.Linear(6, 4), Branch(nn.Identity(), ScaleModule(0.3),
+                                                                nn.Sequential(nn.Tanh(),
+                                                                              nn.Linear(4, 4))),
+                                        nn.Linear(4, 3)),
+}  # fmt: skip
+
+CUSTOM_MODULE_INPUTS = {"permute": (2, 6), "pad": (2, 5, 5), "pad_reflect": (2, 6),
+                        "slicing": (2, 5, 8), "branch_sum": (6,)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CUSTOM_MODULE_MODELS))
+def test_backpack_custom_modules_between_hooked_layers(name):
+    """Networks with BackPACK's custom modules (``Permute``, ``Pad``, ``Slicing``, the
+    ``Parallel`` branch summed by ``SumModule``, ``ScaleModule``) between Linear and
+    convolution layers: its ``test/extensions/firstorder/batch_grad`` settings with these
+    modules (``BatchGrad``), and the same model's norms (``BatchL2Grad``)."""
+    model = seeded(CUSTOM_MODULE_MODELS[name])
+    x = seeded(lambda: torch.randn(4, *CUSTOM_MODULE_INPUTS[name]), seed=1)
+    y = seeded(lambda: torch.randint(0, 3, (4,)), seed=2)
+    want = oracle_check(model, x, ce_sum, y, reduction="sum")
+    h = hooked(model, as_double(x), ce_sum, y, quantities=("norms",))
+    for n, g in want.items():
+        assert_close(h.param_norms()[n], g.reshape(len(g), -1).norm(dim=1), f"{name}: norms {n}")
+
+
+@pytest.mark.parametrize("subsampling", [[0], [1, 3], [4, 0, 2]], ids=str)
+def test_backpack_batch_grad_with_subsampling(subsampling):
+    """BackPACK's ``BatchGrad(subsampling=...)`` (``test/extensions/firstorder/batch_grad/
+    test_batch_grad.py`` with ``subsampling``): the per-example gradients of the chosen
+    examples only, in the chosen order, from one backward of the whole batch. In gradhooks,
+    rows of ``grad1``: each equal to the oracle run on the chosen examples alone (the others
+    change nothing in them)."""
+    model, x = backpack_problem("conv_transpose2d")
+    y = seeded(lambda: torch.randint(0, 4, (x.shape[0],)), seed=2)
+    hooked(model, x, lambda out, t: F.cross_entropy(out, t), y, "mean")
+    chosen = torch.tensor(subsampling)
+    want = vmap_grad(model, ce_sum, (x[chosen],), y[chosen])
+    for n, p in trainable(model).items():
+        assert_close(p.grad1[chosen], want[n], f"subsampling {subsampling}: {n}")
