@@ -787,3 +787,364 @@ def test_backpack_batch_grad_with_subsampling(subsampling):
     want = vmap_grad(model, ce_sum, (x[chosen],), y[chosen])
     for n, p in trainable(model).items():
         assert_close(p.grad1[chosen], want[n], f"subsampling {subsampling}: {n}")
+
+
+# == Opacus: grad_samples/ for its DP layers, instance norm, RMSNorm ============================
+
+
+class DPRNNLayer(nn.Module):
+    """Opacus' ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` (``opacus/layers/dp_rnn.py``), rewritten:
+    one direction of one layer, its cell made of two ``Linear`` (``ih``, ``hh``) called once
+    per time step, ``[T, B, H]`` in and out (time-major)."""
+
+    def __init__(self, kind: str, fan_in: int, hidden: int, bias: bool, reverse: bool):
+        super().__init__()
+        gates = {"lstm": 4, "gru": 3, "rnn": 1}[kind]
+        self.kind, self.hidden, self.reverse = kind, hidden, reverse
+        self.ih = nn.Linear(fan_in, gates * hidden, bias=bias)
+        self.hh = nn.Linear(hidden, gates * hidden, bias=bias)
+
+    def forward(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
+        h, c = state
+        outs = []
+        steps = range(x.shape[0] - 1, -1, -1) if self.reverse else range(x.shape[0])
+        for t in steps:
+            a, b = self.ih(x[t]), self.hh(h)
+            if self.kind == "lstm":
+                i, f, g, o = (a + b).chunk(4, -1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+            elif self.kind == "gru":
+                ar, az, an = a.chunk(3, -1)
+                br, bz, bn = b.chunk(3, -1)
+                r, z = torch.sigmoid(ar + br), torch.sigmoid(az + bz)
+                h = (1 - z) * torch.tanh(an + r * bn) + z * h
+            else:
+                h = torch.tanh(a + b)
+            outs.append(h)
+        return torch.stack(outs[::-1] if self.reverse else outs)
+
+
+class DPRNN(nn.Module):
+    """Layers of :class:`DPRNNLayer`, optionally bidirectional, with an initial state and
+    ``batch_first``; the output of every step."""
+
+    def __init__(self, kind, fan_in, hidden, layers=1, bidirectional=False, bias=True,
+                 batch_first=False):  # fmt: skip
+        super().__init__()
+        self.batch_first, self.hidden = batch_first, hidden
+        dirs = 2 if bidirectional else 1
+        self.cells = nn.ModuleList(
+            DPRNNLayer(kind, fan_in if layer == 0 else dirs * hidden, hidden, bias, bool(d))
+            for layer in range(layers)
+            for d in range(dirs)
+        )
+        self.dirs = dirs
+
+    def forward(self, x: Tensor, h0: Tensor) -> Tensor:
+        if self.batch_first:
+            x = x.transpose(0, 1)
+        for k in range(0, len(self.cells), self.dirs):
+            x = torch.cat(
+                [cell(x, (h0[k + d], torch.tanh(h0[k + d]))) for d, cell in
+                 enumerate(self.cells[k : k + self.dirs])], -1)  # fmt: skip
+        return x.transpose(0, 1) if self.batch_first else x
+
+
+class BatchFirst(nn.Module):
+    """The examples on dimension 0 of every input and of the output (for the oracle's
+    ``vmap``), moved to dimension 1 where the wrapped time-major module wants them (``moved``
+    says which inputs; ``extra`` are passed after them as they are)."""
+
+    def __init__(self, inner: nn.Module, moved: tuple[bool, ...], *extra: Tensor):
+        super().__init__()
+        self.inner, self.moved, self.extra = inner, moved, extra
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        xs = tuple(x.transpose(0, 1) if m else x for x, m in zip(xs, self.moved, strict=True))
+        out = self.inner(*xs, *(e.to(xs[0].dtype) for e in self.extra))
+        return out if getattr(self.inner, "batch_first", False) else out.transpose(0, 1)
+
+
+DP_RNN_SETTINGS = [
+    ("lstm", dict()),
+    ("lstm", dict(layers=2, bidirectional=True)),
+    ("gru", dict(bias=False)),
+    ("gru", dict(layers=2)),
+    ("rnn", dict(bidirectional=True)),
+    ("lstm", dict(batch_first=True)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", DP_RNN_SETTINGS, ids=lambda v: str(v))
+def test_opacus_dp_rnn_layers_built_from_linear_cells(kind, kw):
+    """Opacus' ``tests/grad_samples/dp_rnn_test.py`` and ``dp_layers/dp_rnn_test.py``:
+    ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` over layers, directions, bias, ``batch_first`` and an
+    initial state, each cell's ``Linear`` called at every time step (a module reused T times
+    in one forward), against the oracle (the examples of a time-major run on dimension 1)."""
+    rnn = seeded(lambda: DPRNN(kind, 3, 4, **kw))
+    dirs = 2 if kw.get("bidirectional") else 1
+    layers = kw.get("layers", 1)
+    x = seeded(lambda: torch.randn(3, 5, 3), seed=1)  # [B, T, F]
+    h0 = seeded(lambda: torch.randn(3, layers * dirs, 4), seed=2)  # [B, L·D, H]
+    model = BatchFirst(rnn, (not kw.get("batch_first"), True))
+    oracle_check(model, (x, h0), loop=True)
+
+
+class DPMultiheadAttention(nn.Module):
+    """Opacus' ``DPMultiheadAttention`` (``opacus/layers/dp_multihead_attention.py``),
+    rewritten: separate ``Linear`` for q, k, v and the output, ``add_bias_kv`` (a key and a
+    value appended to every sequence), ``add_zero_attn`` (a zero key and value appended),
+    ``kdim`` / ``vdim``; time-major ``[T, B, E]``."""
+
+    def __init__(self, embed, heads, kdim=None, vdim=None, add_bias_kv=False, add_zero_attn=False):
+        super().__init__()
+        self.embed, self.heads, self.add_zero_attn = embed, heads, add_zero_attn
+        self.qlinear = nn.Linear(embed, embed)
+        self.klinear = nn.Linear(kdim or embed, embed)
+        self.vlinear = nn.Linear(vdim or embed, embed)
+        self.out_proj = nn.Linear(embed, embed)
+        if add_bias_kv:
+            self.seq_bias_k = nn.Linear(1, embed, bias=False)  # (Opacus' SequenceBias)
+            self.seq_bias_v = nn.Linear(1, embed, bias=False)
+        self.add_bias_kv = add_bias_kv
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        T, B, E = q.shape
+        q, k, v = self.qlinear(q), self.klinear(k), self.vlinear(v)
+        if self.add_bias_kv:
+            one = q.new_ones(1, B, 1)
+            k = torch.cat([k, self.seq_bias_k(one)])
+            v = torch.cat([v, self.seq_bias_v(one)])
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(1, B, E)])
+            v = torch.cat([v, v.new_zeros(1, B, E)])
+        head = E // self.heads
+
+        def split(t):
+            return t.reshape(t.shape[0], B * self.heads, head).transpose(0, 1)
+
+        scores = split(q) @ split(k).transpose(1, 2) / math.sqrt(head)
+        if mask is not None:
+            pad = scores.shape[-1] - mask.shape[-1]
+            scores = scores + F.pad(mask, (0, pad))
+        out = (scores.softmax(-1) @ split(v)).transpose(0, 1).reshape(T, B, E)
+        return self.out_proj(out)
+
+
+MHA_SETTINGS = [
+    dict(),
+    dict(add_bias_kv=True),
+    dict(add_zero_attn=True),
+    dict(add_bias_kv=True, add_zero_attn=True),
+    dict(kdim=3, vdim=5),
+]
+
+
+@pytest.mark.parametrize("kw", MHA_SETTINGS, ids=lambda kw: ",".join(kw) or "plain")
+def test_opacus_dp_multihead_attention(kw):
+    """Opacus' ``tests/grad_samples/dp_multihead_attention_test.py`` over ``add_bias_kv``,
+    ``add_zero_attn``, ``kdim`` / ``vdim`` (and a causal mask), on time-major inputs."""
+    mha = seeded(lambda: DPMultiheadAttention(4, 2, **kw))
+    S = 3
+    q = seeded(lambda: torch.randn(3, S, 4), seed=1)
+    k = seeded(lambda: torch.randn(3, S + 1, kw.get("kdim", 4)), seed=2)
+    v = seeded(lambda: torch.randn(3, S + 1, kw.get("vdim", 4)), seed=3)
+    mask = torch.zeros(S, S + 1).masked_fill(torch.ones(S, S + 1).triu(2).bool(), float("-inf"))
+    model = BatchFirst(mha, (True, True, True), mask)
+    oracle_check(model, (q, k, v), loop=True)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("affine", [True, False])
+def test_opacus_instance_norm(dims, affine):
+    """Opacus' ``tests/grad_samples/instance_norm{1,2,3}d_test.py`` (statistics of each
+    example's own channels, so training mode is per-example), with a convolution before it
+    for the ``affine=False`` case to have a parameter."""
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    norm = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[dims - 1]
+    model = seeded(lambda: nn.Sequential(conv(2, 4, 2), norm(4, affine=affine)))
+    if affine:
+        nn.init.uniform_(model[1].weight, 0.5, 1.5)
+        nn.init.uniform_(model[1].bias, -0.5, 0.5)
+    x = seeded(lambda: torch.randn(3, 2, *([5, 4, 3][:dims])), seed=1)
+    oracle_check(model.train(), x, loss=lambda out: (out[:, :1] ** 3).sum())
+
+
+@pytest.mark.parametrize("shape,normalized", [((4, 6), 6), ((3, 5, 6), (5, 6)),
+                                              ((3, 2, 2, 6), 6)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("eps", [None, 1e-3])
+def test_opacus_rms_norm(shape, normalized, eps):
+    """Opacus' ``tests/grad_samples/rms_norm_test.py``: ``nn.RMSNorm`` over one or two
+    trailing dimensions, with and without ``eps``, its weight per example."""
+    model = seeded(lambda: nn.RMSNorm(normalized, eps=eps))
+    nn.init.uniform_(model.weight, 0.5, 1.5)
+    x = seeded(lambda: torch.randn(*shape), seed=1)
+    oracle_check(model, x, loss=lambda out: (out.sin() * out).sum())
+
+
+# == dp-transformers: tests/test_grad_sample/*, its private collator, DPTrainer ==================
+
+transformers_models = pytest.importorskip  # (resolved per test: transformers is optional)
+
+
+def bart_positions():
+    from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding
+
+    return BartLearnedPositionalEmbedding
+
+
+class TokensWithPositions(nn.Module):
+    """Token embeddings plus BART's learned positional embeddings, then a Linear: the
+    positions given (``position_ids`` ``[T]``, shared by every example: an output ``[1, T,
+    E]`` broadcast over the batch) or made by the layer (``arange(T).expand(B, -1)``)."""
+
+    def __init__(self, given: bool):
+        super().__init__()
+        self.tok = nn.Embedding(12, 4)
+        self.pos = bart_positions()(10, 4)
+        self.fc = nn.Linear(4, 3)
+        self.given = given
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1]) if self.given else None
+        return self.fc(torch.tanh(self.tok(ids) + self.pos(ids, position_ids=positions)))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dp_transformers_bart_learned_positional_embedding_alone_is_refused(batch):
+    """dp-transformers' ``test_transformers_pos_emb.py`` runs BART's learned positional
+    embedding alone (an Embedding subclass whose forward makes the positions from the
+    input's shape, ``arange(T).expand(B, -1)``, plus an offset) and takes row ``i`` of its
+    output as example ``i``'s. Its output is made from no example's values: gradhooks cannot
+    tell that row ``i`` is example ``i``'s rather than a term shared by all, and refuses by
+    name, leaving no ``grad1`` (inside a model, where the output meets the tokens, the next
+    test gets each example's gradient)."""
+    pytest.importorskip("transformers")
+    layer = seeded(lambda: bart_positions()(10, 3)).double()
+    x = seeded(lambda: torch.randint(0, 9, (batch, 3)), seed=1)
+    with gradhooks.add_hooks(layer, loss_reduction="sum"):
+        with pytest.raises(gradhooks.BatchNotFoundError, match="BartLearnedPositionalEmbedding"):
+            sq(layer(x)).backward()
+    assert not hasattr(layer.weight, "grad1") and layer.weight.grad is None
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["made", "given"])
+def test_dp_transformers_positional_embedding_inside_a_model(given):
+    """The same layer inside a model, its positions made from the input or given once for
+    every example (an output of one row, broadcast over the batch: each example's gradient
+    is its own share of it)."""
+    pytest.importorskip("transformers")
+    model = seeded(lambda: TokensWithPositions(given))
+    x = seeded(lambda: torch.randint(0, 12, (4, 5)), seed=1)
+    y = seeded(lambda: torch.randint(0, 3, (4, 5)), seed=2)
+    oracle_check(model, x, lambda out, t: F.cross_entropy(out.transpose(1, 2), t, reduction="sum"),
+                 y, loop=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (24, 16, 8)], ids=["1x16", "24x16x8"])
+def test_dp_transformers_t5_layer_norm(shape):
+    """dp-transformers' ``test_transformers_t5_layer_norm.py``: T5's layer norm (a scale
+    only, the variance without the mean) on ``[1, 16]`` and ``[24, 16, 8]``."""
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    layer = seeded(lambda: T5LayerNorm(shape[-1]))
+    nn.init.uniform_(layer.weight, 0.5, 1.5)
+    x = seeded(lambda: torch.randn(*shape), seed=1)
+    oracle_check(layer, x, loss=lambda out: (out.sin() * out).sum())
+
+
+class MergedLoRA(nn.Module):
+    """dp-transformers' ``DPMergedLinear`` (``layers/dp_merged_linear.py``), rewritten: a
+    frozen ``Linear(in, 3·out)`` for q, k, v, and a LoRA update of the parts ``enable_lora``
+    picks: ``lora_A`` a ``Linear(in, r·k)``, ``lora_B`` its ``Conv1DZeroInit`` (a grouped
+    ``Conv1d`` of kernel 1, one group per enabled part), the update scattered into the
+    enabled parts and scaled by ``alpha / r``."""
+
+    def __init__(self, fan_in, out, r, alpha, enable_lora, train_base=False):
+        super().__init__()
+        k = sum(enable_lora)
+        self.linear = nn.Linear(fan_in, out, bias=True)
+        self.linear.weight.requires_grad_(train_base)
+        self.lora_A = nn.Linear(fan_in, r * k, bias=False)
+        self.lora_B = nn.Conv1d(r * k, out // len(enable_lora) * k, 1, groups=k, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.1)  # (zero at first in earnest)
+        part = out // len(enable_lora)
+        idx = torch.cat([torch.arange(i * part, (i + 1) * part)
+                         for i, on in enumerate(enable_lora) if on])  # fmt: skip
+        self.register_buffer("idx", idx)
+        self.out, self.scaling = out, alpha / r
+
+    def forward(self, x: Tensor) -> Tensor:
+        after_a = self.lora_A(x)  # [B, T, r·k]
+        after_b = self.lora_B(after_a.transpose(1, 2)).transpose(1, 2)  # [B, T, part·k]
+        update = x.new_zeros(*x.shape[:-1], self.out).index_copy(-1, self.idx, after_b)
+        return self.linear(x) + self.scaling * update
+
+
+@pytest.mark.parametrize("enable_lora", [[True, False, False], [True, False, True],
+                                         [True, True, True]], ids=str)  # fmt: skip
+@pytest.mark.parametrize("train_base", [False, True], ids=["base-frozen", "base-trained"])
+def test_dp_transformers_merged_lora_linear(enable_lora, train_base):
+    """dp-transformers' ``test_lora_conv_1d_zero_init.py``: ``Conv1DZeroInit`` and
+    ``DPMergedLinear`` over ``enable_lora`` (LoRA on q only, on q and v, on all three), with
+    the base weight frozen (its fine-tuning setting) or trained (its test's)."""
+    model = seeded(lambda: MergedLoRA(6, 12, 2, 4, enable_lora, train_base))
+    x = seeded(lambda: torch.randn(3, 5, 6), seed=1)
+    oracle_check(model, x, loss=lambda out: (out.tanh() * out).sum())
+
+
+def test_dp_transformers_conv1d_zero_init_alone():
+    """``Conv1DZeroInit`` alone: a grouped kernel-1 ``Conv1d`` on ``[B, r·k, T]``, batches of
+    1 and 8 (dp-transformers' test over ``batch_size`` and ``seq_len``)."""
+    for batch in (1, 8):
+        conv = seeded(lambda: nn.Conv1d(2 * 3, 4 * 3, 1, groups=3, bias=False))
+        x = seeded(lambda b=batch: torch.randn(b, 6, 7), seed=1)
+        oracle_check(conv, x)
+
+
+def tiny_gpt2(lora: bool):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    if lora:
+        peft = pytest.importorskip("peft")
+        lora_config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, fan_in_fan_out=True,
+                                      target_modules=["c_attn"], init_lora_weights=False)  # fmt: skip
+        model = peft.get_peft_model(model, lora_config)
+    return model.double()
+
+
+class PrivateCollatorLM(nn.Module):
+    """A causal LM called as dp-transformers' ``DataCollatorForPrivateCausalLanguageModeling``
+    feeds it: ``position_ids`` ``arange(T).repeat(B, 1)``, one row per example; each
+    example's loss its mean next-token cross-entropy."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+        return self.lm(input_ids=ids, position_ids=positions).logits
+
+
+def causal_lm_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    """The sum over the examples of each one's mean next-token cross-entropy."""
+    per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    return per_token.mean(1).sum()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dp_transformers_gpt2_with_the_private_collators_position_ids(lora):
+    """GPT-2 (fully trained, or its LoRA adapter on ``c_attn`` as in dp-transformers'
+    ``fine-tune-dp.py``) with the ``position_ids`` of its private collator: per-example
+    gradients against the oracle."""
+    model = PrivateCollatorLM(tiny_gpt2(lora))
+    ids = seeded(lambda: torch.randint(0, 16, (3, 6)), seed=1)
+    oracle_check(model, ids, causal_lm_loss, ids)
