@@ -31,6 +31,7 @@ is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says other
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -1148,3 +1149,87 @@ def test_dp_transformers_gpt2_with_the_private_collators_position_ids(lora):
     model = PrivateCollatorLM(tiny_gpt2(lora))
     ids = seeded(lambda: torch.randint(0, 16, (3, 6)), seed=1)
     oracle_check(model, ids, causal_lm_loss, ids)
+
+
+class PrivateCollator:
+    """dp-transformers' ``DataCollatorForPrivateCausalLanguageModeling``, rewritten: the
+    examples stacked, ``labels`` the tokens (``-100`` on the padding), and ``position_ids``
+    ``arange(T).repeat(B, 1)``."""
+
+    def __call__(self, items: list[dict]) -> dict[str, Tensor]:
+        ids = torch.stack([it["input_ids"] for it in items])
+        mask = torch.stack([it["attention_mask"] for it in items])
+        positions = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "position_ids": positions}  # fmt: skip
+
+
+class Padded(torch.utils.data.Dataset):
+    """Token sequences of unequal lengths, right-padded."""
+
+    def __init__(self, n: int, length: int = 6):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 16, (n, length), generator=g)
+        self.lengths = torch.randint(3, length + 1, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        mask = (torch.arange(self.ids.shape[1]) < self.lengths[i]).long()
+        return {"input_ids": self.ids[i], "attention_mask": mask}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+def test_dp_transformers_trainer_step_of_gpt2_lora_with_its_collator(tmp_path):
+    """dp-transformers' ``fine-tune-dp.py`` (``OpacusDPTrainer`` with its private collator,
+    GPT-2 with a LoRA adapter) as gradhooks' ``DPTrainer``: one step, without noise, is
+    ``-lr · Σ_i min(1, C/‖g_i‖) g_i / L`` over the examples drawn, ``g_i`` the gradient of
+    example ``i``'s own mean token loss run alone, in float64; the frozen weights unchanged."""
+    pytest.importorskip("dp_accounting")
+    transformers = pytest.importorskip("transformers")
+    from gradhooks.hf import DPArguments, DPTrainer
+
+    model, data, collate = tiny_gpt2(lora=True), Padded(16), PrivateCollator()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model)
+    drawn: list[Tensor] = []
+
+    class Recording(DPTrainer):
+        def per_example_losses(self, model, inputs):
+            drawn.extend(inputs["input_ids"])
+            return super().per_example_losses(model, inputs)
+
+    clip, lr, expected = 0.05, 0.5, 4
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=expected, max_steps=1, optim="sgd",
+        learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True,
+        report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+        remove_unused_columns=False,
+    )  # fmt: skip
+    dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=1)
+    Recording(model, args, train_dataset=data, data_collator=collate, dp=dp).train()
+    rows = [next(i for i in range(len(data)) if torch.equal(data.ids[i], r)) for r in drawn]
+    assert len(rows) >= 2, rows
+    params = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for i in rows:
+        batch = collate([data[i]])
+        logits = reference(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+        labels = batch["labels"][0]
+        keep = labels[1:] != -100
+        loss = F.cross_entropy(logits[:-1][keep], labels[1:][keep])
+        grads = torch.autograd.grad(loss, list(params.values()))
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        norms.append(norm)
+        for n, g in zip(params, grads, strict=True):
+            total[n] += min(1.0, clip / norm) * g
+    assert min(norms) < clip < max(norms), norms  # (some clipped, some not)
+    for n, p in model.named_parameters():
+        if n in params:
+            torch.testing.assert_close(p.detach() - before[n], -lr * total[n] / expected,
+                                       rtol=1e-7, atol=1e-12, msg=n)  # fmt: skip
+        else:
+            assert torch.equal(p.detach(), before[n]), f"frozen {n} changed"
