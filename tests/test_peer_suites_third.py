@@ -1233,3 +1233,259 @@ def test_dp_transformers_trainer_step_of_gpt2_lora_with_its_collator(tmp_path):
                                        rtol=1e-7, atol=1e-12, msg=n)  # fmt: skip
         else:
             assert torch.equal(p.detach(), before[n]), f"frozen {n} changed"
+
+
+# == Opacus: privacy_engine_test.py (against vanilla training), accountants_test.py ============
+
+
+class SampleConvNet(nn.Module):
+    """Opacus' ``SampleConvNet`` of its privacy-engine tests, smaller: Conv2d, GroupNorm,
+    pooling, Conv2d, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.gn = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)
+        self.conv2, self.fc = nn.Conv2d(4, 4, 2), nn.Linear(36, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.gn(self.conv1(x))), 2)
+        return self.fc(F.relu(self.conv2(x)).flatten(1))
+
+
+class SampleLSTMNet(nn.Module):
+    """An Embedding, an LSTM and a Linear (Opacus' privacy-engine test of its DPLSTM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(10, 4), nn.LSTM(4, 5, batch_first=True)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.fc(self.lstm(self.emb(idx))[0][:, -1])
+
+
+PRIVACY_ENGINE_NETS = {
+    "conv": (SampleConvNet, lambda g: torch.randn(6, 1, 10, 10, generator=g, dtype=D)),
+    "lstm": (SampleLSTMNet, lambda g: torch.randint(0, 10, (6, 4), generator=g)),
+}
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("net", list(PRIVACY_ENGINE_NETS))
+def test_opacus_dp_optimizer_without_noise_or_clipping_is_vanilla_training(net, method):
+    """Opacus' ``privacy_engine_test.py`` ``test_compare_to_vanilla``: with no noise and a
+    clipping norm no gradient reaches, three DP steps of AdamW over fixed batches are the
+    vanilla steps of the batch's mean loss (``DPOptimizer`` with ``expected_batch_size`` the
+    batch's size), for each way of clipping."""
+    factory, inputs = PRIVACY_ENGINE_NETS[net]
+    dp_model, plain = seeded(factory).double(), seeded(factory).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(inputs(g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    h = gradhooks.add_hooks(dp_model, quantities=quantities)
+    opt = gradhooks.DPOptimizer(torch.optim.AdamW(dp_model.parameters(), lr=0.05), h,
+                                max_grad_norm=1e6, noise_multiplier=0.0, expected_batch_size=6,
+                                method=method)  # fmt: skip
+    vanilla = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for x, y in batches:
+        opt.backward(F.cross_entropy(dp_model(x), y, reduction="none"))
+        opt.step()
+        opt.zero_grad()
+        vanilla.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        vanilla.step()
+    h.remove()
+    for (n, a), b in zip(dp_model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def gaussian_delta(epsilon: float, sigma: float) -> float:
+    """δ(ε) of the Gaussian mechanism of sensitivity 1 and noise ``σ``, exactly (Balle and
+    Wang 2018, Theorem 8): ``Φ(1/(2σ) - εσ) - e^ε Φ(-1/(2σ) - εσ)``."""
+
+    def phi(t: float) -> float:
+        return 0.5 * math.erfc(-t / math.sqrt(2))
+
+    return phi(0.5 / sigma - epsilon * sigma) - math.exp(epsilon) * phi(
+        -0.5 / sigma - epsilon * sigma
+    )
+
+
+def gaussian_epsilon(delta: float, sigma: float) -> float:
+    """The exact ε of the Gaussian mechanism at ``δ``, by bisection of :func:`gaussian_delta`
+    (decreasing in ε)."""
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gaussian_delta(mid, sigma) > delta else (lo, mid)
+    return hi
+
+
+@pytest.mark.parametrize("sigma,steps", [(1.0, 1), (2.0, 16), (0.8, 4), (5.0, 100)])
+def test_opacus_accountants_against_the_exact_gaussian_mechanism(sigma, steps):
+    """Opacus' ``accountants_test.py`` checks its RDP and PRV accountants against each other
+    and against known values; here both of gradhooks' (dp-accounting's RDP and PLD) against
+    the exact ε of the Gaussian mechanism: ``steps`` full-batch steps (``q = 1``) of noise
+    ``σ`` compose to one Gaussian mechanism of noise ``σ/√steps``. PLD is tight (within 1%,
+    never below), RDP an upper bound (not below, within 35%)."""
+    pytest.importorskip("dp_accounting")
+    delta = 1e-5
+    exact = gaussian_epsilon(delta, sigma / math.sqrt(steps))
+    got = {}
+    for method in ("pld", "rdp"):
+        acc = gradhooks.PrivacyAccountant(method)
+        acc.step(noise_multiplier=sigma, sample_rate=1.0, steps=steps)
+        got[method] = acc.epsilon(delta)
+    assert exact * (1 - 1e-6) <= got["pld"] <= exact * 1.01, (exact, got)
+    assert exact <= got["rdp"] <= exact * 1.35, (exact, got)
+
+
+def test_opacus_accountants_subsampling_amplifies_and_pld_is_tighter():
+    """Opacus' ``accountants_test.py`` (``test_rdp_accountant``, ``test_prv_accountant``):
+    under Poisson sampling ε grows with the steps, shrinks with the sampling rate, and the
+    tighter accountant (PLD here, PRV there) is below RDP; every ε is below the unsampled
+    Gaussian mechanism's of the same steps."""
+    pytest.importorskip("dp_accounting")
+    delta, sigma = 1e-5, 1.2
+
+    def eps(method, q, steps):
+        acc = gradhooks.PrivacyAccountant(method)
+        acc.step(noise_multiplier=sigma, sample_rate=q, steps=steps)
+        return acc.epsilon(delta)
+
+    rdp = [eps("rdp", 0.01, s) for s in (100, 400, 1600)]
+    assert rdp == sorted(rdp) and len(set(rdp)) == 3
+    assert eps("rdp", 0.005, 400) < rdp[1] < eps("rdp", 0.02, 400)
+    pld = eps("pld", 0.01, 400)
+    assert pld < rdp[1]
+    assert rdp[1] < gaussian_epsilon(delta, sigma / math.sqrt(400))
+
+
+def test_opacus_make_private_with_epsilon_spends_close_to_the_target():
+    """Opacus' ``test_make_private_with_epsilon``: the noise calibrated to a target ε over
+    the planned epochs spends at most the target once every planned step is taken, and
+    not much less (within 5%: the smallest noise within the budget)."""
+    pytest.importorskip("dp_accounting")
+    model = seeded(lambda: nn.Linear(4, 2)).double()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4, dtype=D), torch.randint(0, 2, (40,)))
+    private = gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                                     target_epsilon=2.0, delta=1e-5, epochs=2,
+                                     expected_batch_size=8, max_grad_norm=1.0, generator=g)  # fmt: skip
+    steps = 0
+    for x, y in private.batches():
+        private.backward(F.cross_entropy(model(x), y, reduction="none"))
+        private.step()
+        steps += 1
+    private.close()
+    assert steps == 10  # (2 epochs of 40 / 8 steps)
+    assert 0.95 * 2.0 <= private.epsilon <= 2.0
+
+
+# == curvlinops: test/test_ggn.py, test_ef.py; functorch: per-sample grads with randomness ====
+
+
+def ggn_by_products(model: nn.Module, x: Tensor, hessian_of_output) -> Tensor:
+    """The GGN ``Σ_i J_iᵀ H_i J_i`` as curvlinops' ``GGNLinearOperator`` multiplies by it:
+    ``vjp(H · jvp(v))`` of the batch's output for every column ``v`` of the identity."""
+    params = {n: p.detach() for n, p in trainable(model).items()}
+    sizes = [p.numel() for p in params.values()]
+
+    def out(flat_params):
+        ps = dict(zip(params, (t.view_as(p) for t, p in
+                               zip(flat_params.split(sizes), params.values()))))  # fmt: skip
+        return functional_call(model, ps, (x,))
+
+    theta = torch.cat([p.flatten() for p in params.values()])
+    with gradhooks.paused():
+        f = out(theta)
+        H = hessian_of_output(f.detach())  # [B, C, C]
+
+        def product(v):
+            _, jv = torch.func.jvp(out, (theta,), (v,))
+            _, pull = torch.func.vjp(out, theta)
+            return pull(torch.einsum("bcd,bd->bc", H, jv))[0]
+
+        return vmap(product)(torch.eye(len(theta), dtype=theta.dtype))
+
+
+def ce_hessian(f: Tensor) -> Tensor:
+    p = f.softmax(-1)
+    return torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)
+
+
+def mse_hessian(f: Tensor) -> Tensor:  # (of the sum of squared errors)
+    return 2 * torch.eye(f.shape[-1], dtype=f.dtype).expand(f.shape[0], -1, -1)
+
+
+# (torch's forward-mode AD loads its decompositions by torch.jit.script, which warns)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("net", ["mlp", "cnn"])
+def test_curvlinops_ggn_from_per_example_jacobians(net, loss):
+    """curvlinops' ``test_ggn.py``: the GGN of a summed loss, ``Σ_i J_iᵀ H_i J_i``, from
+    gradhooks' per-example Jacobians and the loss's Hessian in the output, against
+    curvlinops' way of multiplying by it (a ``jvp`` then a ``vjp`` of the whole batch)."""
+    if net == "mlp":
+        model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
+        x = seeded(lambda: torch.randn(5, 4), seed=1)
+    else:
+        model = seeded(lambda: nn.Sequential(nn.Conv2d(1, 2, 2), nn.Sigmoid(), nn.Flatten(),
+                                             nn.Linear(8, 3)))  # fmt: skip
+        x = seeded(lambda: torch.randn(5, 1, 3, 3), seed=1)
+    model, x = model.double(), x.double()
+    H = ce_hessian if loss == "cross_entropy" else mse_hessian
+    J = gradhooks.jacobians(model, x, flatten=True)
+    with torch.no_grad():
+        ggn = torch.einsum("bcp,bcd,bdq->pq", J, H(model(x)), J)
+    assert_close(ggn, ggn_by_products(model, x, H), f"{net} {loss}: GGN")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_curvlinops_empirical_fisher_from_grad1(reduction):
+    """curvlinops' ``EFLinearOperator`` (``test_ef.py``): ``Σ_i ∇ℓ_i ∇ℓ_iᵀ`` for a summed
+    loss, ``1/N Σ_i ∇ℓ_i ∇ℓ_iᵀ`` for a mean (its scaling), from ``grad1``, against the
+    per-example loop."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))).double()
+    x, y = seeded(lambda: (torch.randn(6, 4, dtype=D), torch.randint(0, 3, (6,))), seed=1)
+    want = loop_grad(model, ce_sum, (x,), y)
+    hooked(model, x, lambda out, t: F.cross_entropy(out, t, reduction=reduction), y, reduction)
+    G = torch.cat([p.grad1.flatten(1) for p in model.parameters()], 1)
+    Gw = torch.cat([w.flatten(1) for w in want.values()], 1)
+    scale = 1.0 if reduction == "sum" else 1 / len(x)
+    assert_close(scale * G.T @ G, scale * Gw.T @ Gw, f"EF ({reduction})")
+
+
+class DropoutNet(nn.Module):
+    """Linear - Tanh - Dropout - Linear: a mask drawn per example in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(4, 6), nn.Dropout(0.4), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def test_functorch_per_sample_grads_with_dropout_drawn_per_example():
+    """functorch's per-sample-gradient tests with ``vmap(..., randomness="different")``
+    (``test/functorch/test_vmap.py``, the random ops; the ``torch.func`` tutorial's dropout):
+    in training mode each example draws its own dropout mask. gradhooks' rows are each
+    example's gradient under the mask its row of the batch drew: against a loop over the
+    examples that multiplies by that same mask."""
+    model = seeded(DropoutNet).double().train()
+    x, y = seeded(lambda: (torch.randn(5, 4, dtype=D), torch.randint(0, 3, (5,))), seed=1)
+    masks = []
+    model.drop.register_forward_hook(lambda m, inp, out: masks.append((out / inp[0]).detach()))
+    torch.manual_seed(7)
+    hooked(model, x, ce_sum, y)
+    (mask,) = masks
+    kept = (mask - 1 / 0.6).abs() < 1e-12
+    assert (kept | (mask == 0)).all() and kept.any() and not kept.all()
+    assert not all(torch.equal(mask[0], m) for m in mask[1:])  # (different per example)
+    params = list(model.parameters())
+    for i in range(len(x)):
+        h = torch.tanh(model.fc1(x[i : i + 1])) * mask[i]
+        grads = torch.autograd.grad(ce_sum(model.fc2(h), y[i : i + 1]), params)
+        for p, g in zip(params, grads, strict=True):
+            assert_close(p.grad1[i], g, f"example {i}")
