@@ -315,6 +315,20 @@ class ConvNetWithSkipConnection(nn.Module):
         return F.relu(self.conv4(after + before)).sum(dim=(2, 3))
 
 
+class FCNetSegmentation(nn.Module):
+    """nngeometry's ``FCNetSegmentation``: an output per class and pixel, ``[B, 3, 4, 4]``."""
+
+    def __init__(self, out: int = 3):
+        super().__init__()
+        self.out = out
+        self.net = nn.Sequential(nn.Linear(8 * 8, 10), nn.ReLU(), nn.Linear(10, 10), nn.ReLU(),
+                                 nn.Linear(10, 4 * 4 * out))  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[:, :, 3:-3, 3:-3].contiguous()
+        return self.net(x.view(x.size(0), -1)).view(-1, self.out, 4, 4)
+
+
 class EmbeddingLayerNorm(nn.Module):
     """An Embedding, a LayerNorm and a Linear over a sequence (nngeometry's layer collection
     holds Embedding and LayerNorm layers; its ``tests/test_tasks/layernorm.py``)."""
@@ -362,6 +376,7 @@ NNGEOMETRY_TASKS = {
     "conv_skip": (ConvNetWithSkipConnection, image(8)),
     "embedding_layernorm": (EmbeddingLayerNorm, lambda b: torch.randint(0, 11, (b, 5))),
     "conv_transpose_gn": (TransposeGroupNorm, lambda b: torch.randn(b, 2, 3, 3)),
+    "fullyconnect_segm": (FCNetSegmentation, image(14)),
 }
 
 
@@ -392,6 +407,41 @@ def test_nngeometry_per_example_jacobians(task):
     for n in want:
         assert_close(got[n], want[n], f"{task}: {n}")
     assert_close(gradhooks.jacobians(model, x, flatten=True), flat(want, model), f"{task}: flat")
+
+
+# the parameters in which each linear task's output is linear (nngeometry's layer collections)
+LINEAR_IN = {
+    "linear_fc": lambda model: list(model.parameters()),
+    "linear_conv": lambda model: list(model.parameters()),
+    "batchnorm_fc_linear": lambda model: [*model.bn1.parameters(), *model.bn2.parameters()],
+    "batchnorm_conv_linear": lambda model: [*model.bn1.parameters(), *model.bn2.parameters()],
+    "fullyconnect_onlylast": lambda model: list(model.net[-1].parameters()),
+}
+
+
+@pytest.mark.parametrize("task", list(LINEAR_IN))
+def test_nngeometry_push_forward_of_a_linear_model_is_the_change_of_its_output(task):
+    """nngeometry's ``test_jacobian_pushforward_dense_linear``: where the output is linear in
+    the parameters (the others frozen, as its layer collections keep only these), the
+    per-example Jacobian times a step ``dw`` is exactly the change of the output when the
+    parameters move by ``dw``."""
+    name = "fullyconnect" if task == "fullyconnect_onlylast" else task
+    model, x = nngeometry_task(name)
+    kept = {id(p) for p in LINEAR_IN[task](model)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in kept)
+    J = gradhooks.jacobians(model, x, flatten=True)  # [n, outputs, P]
+    dw = seeded(lambda: torch.randn(J.shape[-1], dtype=D), seed=4)
+    with torch.no_grad():
+        before = model(x)
+        offset = 0
+        for p in model.parameters():
+            if p.requires_grad:
+                p += dw[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        assert offset == len(dw)
+        after = model(x)
+    assert_close(J @ dw, (after - before).reshape(len(x), -1), f"{task}: push-forward")
 
 
 @pytest.mark.parametrize("task", ["linear_fc", "fullyconnect_cosine", "fullyconnect_affine",
