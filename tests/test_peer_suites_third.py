@@ -1539,3 +1539,74 @@ def test_functorch_per_sample_grads_with_dropout_drawn_per_example():
         grads = torch.autograd.grad(ce_sum(model.fc2(h), y[i : i + 1]), params)
         for p, g in zip(params, grads, strict=True):
             assert_close(p.grad1[i], g, f"example {i}")
+
+
+# == every set above: the DP step (Opacus' fast gradient clipping, fastDP's book-keeping) =====
+
+DP_STEP_MODELS = {
+    "fc_cosine": (lambda: FCNet("cosine"), lambda g: (torch.rand(4, 1, 14, 14, generator=g),)),
+    "dp_lstm_2_layers_bidirectional": (
+        lambda: BatchFirst(DPRNN("lstm", 3, 4, layers=2, bidirectional=True), (True, True)),
+        lambda g: (torch.randn(4, 5, 3, generator=g), torch.randn(4, 4, 4, generator=g)),
+    ),
+    "dp_multihead_attention": (
+        lambda: BatchFirst(
+            DPMultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True), (True, True, True)
+        ),
+        lambda g: tuple(torch.randn(4, s, 4, generator=g) for s in (3, 4, 4)),
+    ),  # fmt: skip
+    "merged_lora": (
+        lambda: MergedLoRA(6, 12, 2, 4, [True, False, True], train_base=True),
+        lambda g: (torch.randn(4, 5, 6, generator=g),),
+    ),
+    "bart_positions_in_a_model": (
+        lambda: TokensWithPositions(given=False),
+        lambda g: (torch.randint(0, 12, (4, 5), generator=g),),
+    ),
+    "conv_transpose_groups_dilation": (
+        BACKPACK_MODULES["conv_transpose2d_groups_dilation"][0],
+        lambda g: (torch.randn(4, 4, 3, 3, generator=g),),
+    ),
+    "trainable_scale": (
+        BACKPACK_MODULES["trainable_scale"][0],
+        lambda g: (torch.randn(4, 5, generator=g),),
+    ),
+    "slicing": (
+        CUSTOM_MODULE_MODELS["slicing"],
+        lambda g: (torch.randn(4, 2, 5, 8, generator=g),),
+    ),
+}
+
+
+def per_example_losses(out: Tensor) -> Tensor:
+    """``[batch]``: a loss of each example's output that is not a plain square."""
+    flat_out = out.reshape(out.shape[0], -1)
+    return (flat_out.sin() * flat_out).sum(1) + 0.3 * flat_out.sum(1)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("name", list(DP_STEP_MODELS))
+def test_dp_step_over_the_layers_of_these_suites(name, method):
+    """A DP-SGD step without noise (``dp_sgd_step``) through the layers of the suites above
+    (nngeometry's Cosine1d, Opacus' DPLSTM and DPMultiheadAttention, dp-transformers' merged
+    LoRA and BART positions, BackPACK's transposed convolution and custom modules), for each
+    way of clipping: Opacus' ``grad_sample_module_fast_gradient_clipping_test.py`` and
+    fastDP's book-keeping. The norms before clipping and the clipped sum against the oracle's
+    rows, the clipping norm at their median (half the examples clipped)."""
+    factory, inputs = DP_STEP_MODELS[name]
+    model = seeded(factory).double()
+    x = tuple(as_double(t) for t in inputs(torch.Generator().manual_seed(1)))
+    want = vmap_grad(model, lambda out: per_example_losses(out).sum(), x)
+    rows = torch.cat([g.reshape(len(g), -1) for g in want.values()], 1)
+    norms = rows.norm(dim=1)
+    clip = float(norms.median())
+    factor = (clip / norms).clamp(max=1.0)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        got = gradhooks.dp_sgd_step(h, per_example_losses(model(*x)), max_norm=clip,
+                                    noise_multiplier=0.0, reduction="sum", method=method)  # fmt: skip
+    assert_close(got, norms, f"{name} ({method}): norms")
+    for n, p in trainable(model).items():
+        assert_close(
+            p.grad, torch.einsum("b,b...->...", factor, want[n]), f"{name} ({method}): {n}"
+        )
