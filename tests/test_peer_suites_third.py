@@ -1610,3 +1610,73 @@ def test_dp_step_over_the_layers_of_these_suites(name, method):
         assert_close(
             p.grad, torch.einsum("b,b...->...", factor, want[n]), f"{name} ({method}): {n}"
         )
+
+
+# == a backward that starts at a layer's own output ============================================
+
+
+class FirstOutput(nn.Module):
+    """A layer that returns several tensors (RNN: output and state; attention: output and
+    weights), the model's output its first, as it is: no operation after the layer."""
+
+    def __init__(self, layer: nn.Module, attention: bool = False):
+        super().__init__()
+        self.layer, self.attention = layer, attention
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (self.layer(x, x, x) if self.attention else self.layer(x))[0]
+
+
+ENDING_IN_A_LAYER = {
+    "rnn": (lambda: FirstOutput(nn.RNN(3, 2, batch_first=True)), (3, 4, 3)),
+    "gru": (lambda: FirstOutput(nn.GRU(3, 2, batch_first=True)), (3, 4, 3)),
+    "lstm": (lambda: FirstOutput(nn.LSTM(3, 2, batch_first=True)), (3, 4, 3)),
+    "attention": (
+        lambda: FirstOutput(nn.MultiheadAttention(4, 2, batch_first=True), True),
+        (3, 2, 4),
+    ),  # fmt: skip
+}
+
+
+def loop_jacobians(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """``{name: [batch, outputs, *p.shape]}`` by one autograd backward per example and output."""
+    params = trainable(model)
+    rows = []
+    for i in range(len(x)):
+        out = model(x[i : i + 1]).reshape(-1)
+        rows.append([torch.autograd.grad(o, list(params.values()), retain_graph=True) for o in out])
+    return {n: torch.stack([torch.stack([r[k] for r in row]) for row in rows])
+            for k, n in enumerate(params)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ENDING_IN_A_LAYER))
+def test_nngeometry_jacobians_of_a_network_ending_in_a_recurrent_or_attention_layer(name):
+    """nngeometry's ``Jacobian`` (and curvlinops' ``JacobianLinearOperator``) of a network
+    whose output is a recurrent or attention layer's own output: the backward of the
+    Jacobians starts at that layer's output. Against a loop of autograd over every example
+    and output."""
+    factory, shape = ENDING_IN_A_LAYER[name]
+    model = seeded(factory).double()
+    x = seeded(lambda: torch.randn(*shape, dtype=D), seed=1)
+    want = loop_jacobians(model, x)
+    got = gradhooks.jacobians(model, x)
+    for n in want:
+        assert_close(got[n], want[n], f"{name}: {n}")
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+@pytest.mark.parametrize("name", list(ENDING_IN_A_LAYER))
+def test_functorch_vjp_of_a_layer_output_under_hooks(name, verify):
+    """A backward started at the model's output with a given output-gradient,
+    ``out.backward(v)`` (functorch's ``vjp`` tests, BackPACK's and Opacus' tests of one layer
+    alone): each example's gradient of ``<out_i, v_i>``, with the run-time check on and off."""
+    factory, shape = ENDING_IN_A_LAYER[name]
+    model = seeded(factory).double()
+    x = seeded(lambda: torch.randn(*shape, dtype=D), seed=1)
+    v = seeded(lambda: torch.randn_like(model(x)), seed=2)
+    want = vmap_grad(model, lambda out, t: (out * t).sum(), (x,), v)
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+        model(x).backward(v)
+    for n, p in trainable(model).items():
+        assert hasattr(p, "grad1"), f"{name}: {n} has no grad1"
+        assert_close(p.grad1, want[n], f"{name}: {n}")
