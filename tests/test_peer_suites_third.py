@@ -1680,3 +1680,35 @@ def test_functorch_vjp_of_a_layer_output_under_hooks(name, verify):
     for n, p in trainable(model).items():
         assert hasattr(p, "grad1"), f"{name}: {n} has no grad1"
         assert_close(p.grad1, want[n], f"{name}: {n}")
+
+
+class OutputAndState(nn.Module):
+    """An RNN's output and its last state, both returned (the state batch first)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = kind(3, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        out, state = self.rnn(x)
+        state = state[0] if isinstance(state, tuple) else state
+        return out, state.transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM], ids=lambda k: k.__name__)
+def test_functorch_vjp_of_both_outputs_of_a_recurrent_layer(kind):
+    """``torch.autograd.backward([out, state], [v, w])``, a backward of two roots, both a
+    recurrent layer's (functorch's ``vjp`` of a function of several outputs): each example's
+    gradient of ``<out_i, v_i> + <state_i, w_i>``."""
+    model = seeded(lambda: OutputAndState(kind)).double()
+    x = seeded(lambda: torch.randn(3, 4, 3, dtype=D), seed=1)
+    v, w = seeded(lambda: (torch.randn(3, 4, 2, dtype=D), torch.randn(3, 1, 2, dtype=D)), seed=2)
+
+    def loss(outs, t):
+        return (outs[0] * t[:, :8].view(-1, 4, 2)).sum() + (outs[1] * t[:, 8:].view(-1, 1, 2)).sum()
+
+    want = loop_grad(model, loss, (x,), torch.cat([v.flatten(1), w.flatten(1)], 1))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        torch.autograd.backward(list(model(x)), [v, w])
+    for n, p in trainable(model).items():
+        assert_close(p.grad1, want[n], f"{kind.__name__}: {n}")
