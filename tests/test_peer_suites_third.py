@@ -1712,3 +1712,34 @@ def test_functorch_vjp_of_both_outputs_of_a_recurrent_layer(kind):
         torch.autograd.backward(list(model(x)), [v, w])
     for n, p in trainable(model).items():
         assert_close(p.grad1, want[n], f"{kind.__name__}: {n}")
+
+
+class SequenceClassifier(nn.Module):
+    """Linear - Tanh - Linear over every position of a sequence, ``[B, T, C]`` logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_curvlinops_per_example_gradients_of_a_loss_over_flattened_positions(reduction):
+    """curvlinops' tests of models with a sequence dimension flatten the batch and sequence
+    dimensions into one before the loss (``CrossEntropyLoss`` on ``[B·T, C]``): a mean over
+    ``B·T`` terms. Each example's own loss is then its mean over its ``T`` positions (its
+    batch of one), and ``grad1`` its gradient; ``grad1`` reduces to ``.grad``."""
+    model = seeded(SequenceClassifier).double()
+    x = seeded(lambda: torch.randn(5, 7, 4, dtype=D), seed=1)
+    y = seeded(lambda: torch.randint(0, 3, (5, 7)), seed=2)
+
+    def loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction=reduction)
+
+    want = vmap_grad(model, loss, (x,), y)
+    hooked(model, x, loss, y, reduction)
+    for n, p in trainable(model).items():
+        assert_close(p.grad1, want[n], f"{reduction}: {n}")
+        assert_close(p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0), p.grad, n)
