@@ -1664,6 +1664,36 @@ def test_nngeometry_jacobians_of_a_network_ending_in_a_recurrent_or_attention_la
         assert_close(got[n], want[n], f"{name}: {n}")
 
 
+class ThenIdentity(nn.Module):
+    """The wrapped model's output through one more operation that changes nothing."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * 1.0
+
+
+@pytest.mark.parametrize("name", list(ENDING_IN_A_LAYER))
+def test_curvlinops_kfac_of_a_network_ending_in_a_recurrent_or_attention_layer(name):
+    """curvlinops' and ASDL's K-FAC of a network whose output is a recurrent or attention
+    layer's own output (gradhooks' ``kfac`` runs its backward from the loss's
+    output-gradients, rooted at that output): the same factors as with one more operation
+    after the layer, and a factor for every weight the layer's rule gives one."""
+    factory, shape = ENDING_IN_A_LAYER[name]
+    model = seeded(factory).double()
+    x = seeded(lambda: torch.randn(*shape, dtype=D), seed=1)
+    y = seeded(lambda: torch.randn_like(model(x)), seed=2)
+    got = gradhooks.kfac(model, x, y, fisher="empirical", loss="mse", reduction="sum")
+    want = gradhooks.kfac(ThenIdentity(model), x, y, fisher="empirical", loss="mse",
+                          reduction="sum")  # fmt: skip
+    assert want and [f"inner.{n}" for n in got] == list(want), (list(got), list(want))
+    for n, f in got.items():
+        assert_close(f.A, want[f"inner.{n}"].A, f"{name}: A of {n}")
+        assert_close(f.G, want[f"inner.{n}"].G, f"{name}: G of {n}")
+
+
 @pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
 @pytest.mark.parametrize("name", list(ENDING_IN_A_LAYER))
 def test_functorch_vjp_of_a_layer_output_under_hooks(name, verify):
