@@ -12,7 +12,7 @@ are :mod:`test_peer_suites` and :mod:`test_peer_suites_more`; this one adds:
   empirical Fisher (full, diagonal, unit-wise) and its accumulation over a data loader;
 - BackPACK (``test/extensions/firstorder``): ``BatchL2Grad``, ``SumGradSquared`` and
   ``Variance`` on transposed convolutions, BatchNorm in eval, Embedding and its custom modules
-  (``ScaleModule``, ``Permute``, ``Pad``, ``Slicing``, ``Branch`` / ``SumModule``), and
+  (``ScaleModule``, ``Permute``, ``Pad``, ``Slicing``, ``Branch`` / ``Merge``), and
   ``BatchGrad`` with ``subsampling``;
 - dp-transformers (``tests/test_grad_sample/*``, ``data_collators.py``): BART's learned
   positional embedding, T5's layer norm, a merged LoRA layer over part of ``q, k, v``, GPT-2
@@ -778,15 +778,27 @@ class Slicing(nn.Module):
 
 
 class Branch(nn.Module):
-    """BackPACK's ``custom_module.branching.Parallel``: the input through each branch, the
-    outputs added (its ``SumModule``)."""
+    """BackPACK's ``custom_module.branching.Branch``: the input through each child, a tuple of
+    their outputs."""
 
     def __init__(self, *branches: nn.Module):
         super().__init__()
         self.branches = nn.ModuleList(branches)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return sum(b(x) for b in self.branches)
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(b(x) for b in self.branches)
+
+
+class Merge(nn.Module):
+    """BackPACK's ``custom_module.branching.Merge``: the sum of a tuple of tensors."""
+
+    def forward(self, xs: tuple[Tensor, ...]) -> Tensor:
+        return sum(xs)
+
+
+def parallel(*branches: nn.Module) -> nn.Sequential:
+    """BackPACK's ``custom_module.branching.Parallel``: ``Branch`` then ``Merge``."""
+    return nn.Sequential(Branch(*branches), Merge())
 
 
 CUSTOM_MODULE_MODELS = {
@@ -799,7 +811,7 @@ CUSTOM_MODULE_MODELS = {
     "slicing": lambda: nn.Sequential(nn.Conv2d(2, 3, 2), Slicing((slice(None), slice(1, 3),
                                                                    slice(None, None, 2))),
                                      nn.Flatten(), nn.Linear(2 * 2 * 7, 3)),
-    "branch_sum": lambda: nn.Sequential(nn.Linear(6, 4), Branch(nn.Identity(), ScaleModule(0.3),
+    "branch_sum": lambda: nn.Sequential(nn.Linear(6, 4), parallel(nn.Identity(), ScaleModule(0.3),
                                                                 nn.Sequential(nn.Tanh(),
                                                                               nn.Linear(4, 4))),
                                         nn.Linear(4, 3)),
@@ -811,8 +823,8 @@ CUSTOM_MODULE_INPUTS = {"permute": (2, 6), "pad": (2, 5, 5), "pad_reflect": (2, 
 
 @pytest.mark.parametrize("name", list(CUSTOM_MODULE_MODELS))
 def test_backpack_custom_modules_between_hooked_layers(name):
-    """Networks with BackPACK's custom modules (``Permute``, ``Pad``, ``Slicing``, the
-    ``Parallel`` branch summed by ``SumModule``, ``ScaleModule``) between Linear and
+    """Networks with BackPACK's custom modules (``Permute``, ``Pad``, ``Slicing``, ``Parallel``: a
+    ``Branch`` into a tuple summed by ``Merge``, ``ScaleModule``) between Linear and
     convolution layers: its ``test/extensions/firstorder/batch_grad`` settings with these
     modules (``BatchGrad``), and the same model's norms (``BatchL2Grad``)."""
     model = seeded(CUSTOM_MODULE_MODELS[name])
