@@ -17,12 +17,17 @@ are :mod:`test_peer_suites` and :mod:`test_peer_suites_more`; this one adds:
 - dp-transformers (``tests/test_grad_sample/*``, ``data_collators.py``): BART's learned
   positional embedding, T5's layer norm, a merged LoRA layer over part of ``q, k, v``, GPT-2
   with the ``position_ids`` of its private collator, and one ``DPTrainer`` step with them;
-- Opacus (``tests/grad_samples/``, ``privacy_engine_test.py``, ``accountants_test.py``):
-  its ``DPLSTM`` / ``DPGRU`` style recurrent layers built from Linear cells, instance norm,
-  RMSNorm, noise and clipping of a step, ``make_private_with_epsilon``, and the accountants
-  against the analytic Gaussian mechanism;
-- curvlinops (``test/test_ggn.py``, per-example gradients) and functorch's per-sample
-  gradients with ``randomness="different"`` (dropout drawn per example).
+- Opacus (``tests/grad_samples/``, ``tests/dp_layers/``, ``privacy_engine_test.py``,
+  ``accountants_test.py``): its ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` and
+  ``DPMultiheadAttention`` (layers built from Linear cells), instance norm, RMSNorm, DP steps
+  against vanilla training, ``make_private_with_epsilon``, and the accountants against the
+  exact Gaussian mechanism;
+- curvlinops (``test/test_ggn.py``, ``test_ef.py``, losses over flattened positions) and
+  functorch's per-sample gradients with ``randomness="different"`` (dropout drawn per
+  example) and ``vjp``;
+- every set: the DP step (grad1, ghost clipping, book-keeping) through their layers, and the
+  Jacobians, K-FAC factors and ``out.backward(v)`` of networks whose output is a recurrent
+  or attention layer's own (the backward rooted at one of a call's several outputs).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one),
 so ``grad1.sum(0)`` (sum loss) or ``grad1.mean(0)`` (mean loss) is ``.grad``. Every comparison
@@ -1047,8 +1052,6 @@ def test_opacus_rms_norm(shape, normalized, eps):
 
 
 # == dp-transformers: tests/test_grad_sample/*, its private collator, DPTrainer ==================
-
-transformers_models = pytest.importorskip  # (resolved per test: transformers is optional)
 
 
 def bart_positions():
