@@ -60,7 +60,11 @@ Each internal, its name here, where it is used, and its fallback:
   naming ``autograd.grad``), known before that node runs:
   a ``torch.autograd.grad`` backward of another forward starts ``grad1`` afresh even right
   after a ``backward()`` that added to ``.grad`` (``backward.py``). Fallback: it adds to the
-  ``grad1`` that backward left.
+  ``grad1`` that backward left. Also :func:`all_grads_hook`, torch's
+  ``register_multi_grad_hook(mode="all")`` counting the backward's root among the tensors
+  whose gradients it waits for (torch's does not, and never fires where a call's outputs are
+  hooked together and one of them is the root: ``out.backward(v)`` on an RNN's or an
+  attention's output, the Jacobians' backwards). Fallback: torch's own.
 - ``autograd_node``: ``torch._C._current_autograd_node`` (:func:`enclosing_backward`),
   whether a backward ends inside another (taken in a custom ``autograd.Function``'s backward
   or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
@@ -156,6 +160,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -170,6 +175,7 @@ __all__ = [
     "INTERNALS",
     "Internal",
     "accumulate_hooks",
+    "all_grads_hook",
     "available",
     "batched_backwards",
     "conv_padding",
@@ -951,6 +957,58 @@ def adds_to_grad(p: Tensor) -> bool | None:
         return False if "autograd.grad" in str(e) else None
     except (TypeError, ValueError):
         return None
+
+
+def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], None]) -> Any:
+    """``torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="all")``: ``fn`` of
+    the gradients of ``tensors`` (non-leaf; ``None`` for those the backward does not reach),
+    once per backward, when the last it reaches has its gradient. Returns the handle.
+
+    torch's counts the tensors whose nodes ``torch._C._will_engine_execute_node`` says will
+    run; for the root of a backward of one root (``out.backward(v)``), which torch runs as the
+    graph's first node, it says no, so that where ``out`` is one of ``tensors`` the hook never
+    fires. The root's hook is the first to run: a tensor whose hook runs is counted here."""
+    if (
+        _WILL_EXECUTE is None
+        or "engine_executes" in _off
+        or any(t.grad_fn is None for t in tensors)
+    ):
+        return torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="all")
+    nodes = [t.grad_fn for t in tensors]
+    waiting: dict[int, list] = {}  # backward id -> [gradients still to come, the gradients]
+    lock = threading.Lock()
+
+    def hook_of(i: int) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            task = graph_task_id()
+            with lock:
+                if task not in waiting:
+                    runs = sum(k == i or bool(_WILL_EXECUTE(node)) for k, node in enumerate(nodes))
+                    waiting[task] = [runs, [None] * len(nodes)]
+                entry = waiting[task]
+                entry[1][i] = grad
+                entry[0] -= 1
+                done = entry[0] == 0
+                if done:
+                    del waiting[task]
+            if done:
+                fn(entry[1])
+
+        return hook
+
+    handles = [t.register_hook(hook_of(i)) for i, t in enumerate(tensors)]
+    return _Handles(handles)
+
+
+class _Handles:
+    """The handles of :func:`all_grads_hook`'s hooks, removed together."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 # -- autograd_node -----------------------------------------------------------------------------

@@ -508,6 +508,42 @@ def test_engine_executes(monkeypatch, off):
     assert (False in seen) != off and all(s is None for s in seen) == off, seen
 
 
+class _RNNOutput(nn.Module):
+    """An RNN's output (of its two, output and state), as the model's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(3, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_engine_executes_for_a_backward_rooted_at_a_calls_output(off):
+    """``out.backward(v)`` where ``out`` is one of a hooked call's several outputs: with the
+    internal, :func:`gradhooks._torch.all_grads_hook` counts the backward's root and the call
+    gets its gradients (``grad1`` is the oracle's); with the fallback, torch's
+    ``register_multi_grad_hook`` waits for the root forever: no ``grad1``, and a warning that
+    no call was captured for those parameters."""
+    torch.manual_seed(0)
+    model = _RNNOutput().double()
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    v = torch.randn(3, 4, 2, dtype=torch.float64)
+    want = vmap_grad(model, lambda out, t: (out * t).sum(), (x,), v)
+    with switched_off("engine_executes", off), gradhooks.add_hooks(model, loss_reduction="sum"):
+        if off:
+            with pytest.warns(gradhooks.GradhooksWarning, match="no forward call"):
+                model(x).backward(v)
+        else:
+            model(x).backward(v)
+    for n, p in model.named_parameters():
+        if off:
+            assert not hasattr(p, "grad1"), n
+        else:
+            assert_close(p.grad1, want[n], n)
+
+
 def test_foreach(monkeypatch):
     """The DP step scales its noise and divides its sums with ``torch._foreach_*``; switched
     off, a loop over the parameters: the same numbers, bit for bit."""

@@ -265,10 +265,9 @@ class ForwardCapture:
             if len(hooked) == 1:
                 leaves[hooked[0]].register_hook(lambda g: writer.output_grads(kept, (g,)))
             else:
-                torch.autograd.graph.register_multi_grad_hook(
-                    [leaves[i] for i in hooked], functools.partial(writer.output_grads, kept),
-                    mode="all",
-                )  # fmt: skip
+                _torch.all_grads_hook(  # (torch's misses a backward rooted at one of them)
+                    [leaves[i] for i in hooked], functools.partial(writer.output_grads, kept)
+                )
             return replaced
 
         return hook

@@ -351,9 +351,7 @@ class Verifier:
         if len(outs) == 1:
             outs[0].register_hook(lambda g: self._probe(box, (g,)))
         else:  # (its closure holds the outputs' nodes: removed once it ran, see drop_box)
-            box["handle"] = torch.autograd.graph.register_multi_grad_hook(
-                outs, lambda grads: self._probe(box, grads), mode="all"
-            )
+            box["handle"] = _torch.all_grads_hook(outs, lambda grads: self._probe(box, grads))
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
