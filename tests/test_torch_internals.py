@@ -544,6 +544,33 @@ def test_engine_executes_for_a_backward_rooted_at_a_calls_output(off):
             assert_close(p.grad1, want[n], n)
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_jacobians_of_a_model_returning_a_calls_output(off):
+    """``gradhooks.jacobians`` of a model that returns an RNN's output as it is: each
+    backward is rooted at that output. With the internal, the Jacobians are the oracle's; with
+    the fallback, whose hook never fires, the hooks write none for the RNN, and autograd
+    still finds a path to its parameters: refused, not zeros."""
+    torch.manual_seed(0)
+    model = _RNNOutput().double()
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    want = {n: torch.zeros(3, 4, 2, *p.shape, dtype=torch.float64)
+            for n, p in model.named_parameters()}  # fmt: skip
+    for i in range(3):
+        jac = torch.func.jacrev(
+            lambda params, i=i: torch.func.functional_call(model, params, x[i : i + 1])[0]
+        )(dict(model.named_parameters()))
+        for n in want:
+            want[n][i] = jac[n]
+    with switched_off("engine_executes", off):
+        if off:
+            with pytest.raises(gradhooks.CheckFailedError, match=r"depend on 'rnn\.weight_ih_l0'"):
+                gradhooks.jacobians(model, x)
+        else:
+            got = gradhooks.jacobians(model, x)
+            for n in want:
+                assert_close(got[n], want[n].flatten(1, 2), n)
+
+
 def test_foreach(monkeypatch):
     """The DP step scales its noise and divides its sums with ``torch._foreach_*``; switched
     off, a loop over the parameters: the same numbers, bit for bit."""

@@ -31,7 +31,7 @@ from ..engine.api import engine_of
 from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
-from ..errors import ConfigurationError, ConfigurationTypeError
+from ..errors import CheckFailedError, ConfigurationError, ConfigurationTypeError
 from ..rules.registry import REGISTRY, Registry
 from ..tracking import MIXED, UNKNOWN, Tracker
 
@@ -154,10 +154,33 @@ def jacobians(
                         backward(vs[c])
                 finally:
                     collector.jacobian_column = None
-        for p in params:  # reached by no output: the Jacobian is zero
-            if id(p) not in engine.collector.jacobian_written:
-                engine.collector.jacobian[id(p)].zero_()
+        unwritten = {
+            n: p for n, p in named.items() if id(p) not in engine.collector.jacobian_written
+        }
+        if unwritten and batch and outputs and out.requires_grad:
+            _refuse_missed(h, out, unwritten)
+        for p in unwritten.values():  # reached by no output: the Jacobian is zero
+            engine.collector.jacobian[id(p)].zero_()
     return flat if flat is not None else result
+
+
+def _refuse_missed(h: Hooks, out: Tensor, unwritten: dict[str, nn.Parameter]) -> None:
+    """Parameters no hook wrote a Jacobian for must be those the outputs do not depend on
+    (their Jacobian is zero): autograd, asked for their gradient, finds no path to them. One
+    it reaches was missed by the hooks, and a zero block would be wrong."""
+    with h.paused():
+        grads = torch.autograd.grad(
+            out, list(unwritten.values()), torch.ones_like(out), retain_graph=True,
+            allow_unused=True,
+        )  # fmt: skip
+    missed = [n for n, g in zip(unwritten, grads, strict=True) if g is not None]
+    if missed:
+        raise CheckFailedError(
+            f"jacobians: the outputs depend on {', '.join(repr(n) for n in missed)}, but no "
+            "hooked call gave a Jacobian for it (a backward the hooks did not see through the "
+            "layer that uses it): its block would be zeros. Compute it with "
+            "torch.func.jacrev, or report the model."
+        )
 
 
 # -- what jacobians() and kfac() share ---------------------------------------------------------
