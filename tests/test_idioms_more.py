@@ -195,6 +195,22 @@ def test_output_backward_with_a_per_example_gradient_under_the_mean():
     assert_grad1(model, want, "")
 
 
+def test_backward_with_inputs_of_a_weight_and_the_input():
+    """``loss.backward(inputs=[first.weight, x])``: the weight gets grad1, its bias and the
+    other layer neither ``.grad`` nor grad1, and the input its ``.grad``."""
+    model = mlp()
+    x, y = batch(0)
+    x.requires_grad_(True)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward(inputs=[model[0].weight, x])
+    want = loop_grad(model, F.cross_entropy, x.detach(), y)
+    assert_close(model[0].weight.grad1, want["0.weight"], "0.weight")
+    for n, p in model.named_parameters():
+        if n != "0.weight":
+            assert p.grad is None and not hasattr(p, "grad1"), n
+    assert x.grad is not None
+
+
 # -- losses that couple the examples -------------------------------------------------------------
 
 

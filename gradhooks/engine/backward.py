@@ -738,6 +738,10 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
+        if kept and bw.computed and self.state.grad1:  # (backward(inputs=[a layer's weight]):
+            # its other parameters get no .grad, so no grad1)
+            ours = self.state.params.keys() - self.state.sharded
+            self.rollback(bw, {q for q in bw.before if q in ours and q not in bw.computed})
         for held in bw.held:
             self.state.collector.add(*held)
         bw.held.clear()
@@ -829,12 +833,13 @@ class BackwardWriter:
         before = bw.before[pid]
         return g1 if before is None else g1 - before
 
-    def rollback(self, bw: Backward) -> None:
-        """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
-        so it was never written in place (``_writable_grad1`` refuses a referenced grad1)."""
+    def rollback(self, bw: Backward, only: set[int] | None = None) -> None:
+        """Put back the grad1 a backward started from (of the parameters ``only``, or all).
+        ``bw.before`` holds a reference to it, so it was never written in place
+        (``_writable_grad1`` refuses a referenced grad1)."""
         for pid, before in bw.before.items():
             p = self.state.written.get(pid)
-            if p is None:
+            if p is None or (only is not None and pid not in only):
                 continue
             if before is None:
                 del self.state.written[pid]
