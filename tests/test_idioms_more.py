@@ -621,7 +621,8 @@ def test_stateless_functional_call_with_fast_weights_over_meta_steps():
     """``torch.nn.utils.stateless.functional_call`` (the older spelling, as ``higher``-style
     code calls it) with first-order fast weights ``p - lr * g`` from a support batch, the
     meta-optimizer stepping the model's parameters: grad1 of the parameters is each query
-    example's gradient through the fast weights, step after step."""
+    example's gradient through the fast weights, step after step, and gradhooks reads no
+    ``.grad`` of the fast weights (torch warns on reading a non-leaf tensor's)."""
     import warnings
 
     from torch.nn.utils import stateless
@@ -636,8 +637,8 @@ def test_stateless_functional_call_with_fast_weights_over_meta_steps():
             grads = torch.autograd.grad(loss, list(own.values()))
         return {n: p - 0.3 * g.detach() for (n, p), g in zip(own.items(), grads)}
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # (stateless is deprecated)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with gradhooks.add_hooks(model, loss_reduction="sum"):
             for step in range(2):
                 support, query = batch(step, n=6)[0], batch(50 + step)[0]
@@ -654,6 +655,8 @@ def test_stateless_functional_call_with_fast_weights_over_meta_steps():
                 (0.5 * stateless.functional_call(model, weights, (query,)).pow(2).sum()).backward()
                 assert_grad1(model, want, f"meta step {step}")
                 meta.step()
+    leaf = [str(w.message) for w in caught if "not a leaf" in str(w.message)]
+    assert not leaf, leaf[0]
 
 
 # -- hooks on parameters, parametrizations, surgery -----------------------------------------------

@@ -30,7 +30,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..rules.registry import Call, _Entry
-from .accumulation import all_zero, sole_grad1
+from .accumulation import all_zero, grad_of, sole_grad1
 from .calls import (
     KeptCall,
     aligned_call,
@@ -469,7 +469,7 @@ class BackwardWriter:
                     )
         if captured and self.state.stale:
             stale, self.state.stale = self.state.stale, {}
-            zero = [p for p in stale.values() if p.grad is not None and bw.batch is not None]
+            zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
             zero = [p for p, z in zip(zero, all_zero([p.grad for p in zero])) if z]
             for p in zero:
                 self._zero_grad1(p, bw.batch)
