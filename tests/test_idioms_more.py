@@ -901,3 +901,88 @@ def test_torch_compile_with_frozen_parameters_toggled_between_steps():
             F.cross_entropy(compiled(x), y).backward()
             assert_grad1(model, want, f"step {step}")
             opt.step()
+
+
+def test_float16_grad_scaler_with_accumulation_and_a_skipped_step():
+    """float16 autocast, ``GradScaler("cpu")``, two micro-batches per step (each loss halved):
+    grad1 is the scaled loss's, ``S`` times the two micro-batches' per-example gradients
+    added row by row as ``.grad`` adds them; at step 0 the second micro-batch overflows (a
+    huge input), the scaler skips the step and lowers the scale, and the next steps are exact
+    up to float16 (10 bits of mantissa in the forward: tolerance 1e-2 of the largest entry)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            total: dict = {}
+            scale = scaler.get_scale()
+            for micro in range(2):
+                x, y = batch(10 * step + micro, dtype=torch.float32)
+                if step == 0 and micro == 1:
+                    x = x * 1e30  # (an overflow: inf in the forward)
+                else:
+                    want = loop_grad(ref, F.cross_entropy, x.to(D), y)
+                    total = {n: total.get(n, 0) + g / 2 for n, g in want.items()}
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                scaler.scale(F.cross_entropy(out.float(), y) / 2).backward()
+            finite = all(torch.isfinite(p.grad1).all() for p in model.parameters())
+            assert finite == (step != 0), f"step {step}"
+            if finite:
+                for n, p in model.named_parameters():
+                    err = relative_error(p.grad1.double() / scale, total[n])
+                    assert err < 1e-2, f"step {step}: {n} off by {err:.2e}"
+            scaler.step(opt)
+            scaler.update()
+            assert (scaler.get_scale() < scale) == (not finite)
+            ref.load_state_dict({n: t.to(D) for n, t in model.state_dict().items()})
+            opt.zero_grad()
+
+
+class TwoTasks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.h1, self.h2 = nn.Linear(3, 5), nn.Linear(5, 2), nn.Linear(5, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.h1(h), self.h2(h)
+
+
+def task1(out, t):
+    return F.cross_entropy(out[0], t[:, 0].long())
+
+
+def task2(out, t):
+    return F.mse_loss(out[1].squeeze(1), t[:, 1])
+
+
+def test_pcgrad_task_gradients_by_autograd_grad_with_clear_between_them():
+    """PCGrad-style gradient surgery: each task's gradient of the shared trunk by
+    ``torch.autograd.grad(..., retain_graph=True)`` from one forward, projected, and assigned
+    to ``.grad`` before the step. ``torch.autograd.grad`` adds to grad1 over the backwards of
+    one forward (``docs/training.md``), so ``h.clear()`` before each task's backward gives
+    each task's per-example gradients, step after step."""
+    model = TwoTasks().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = list(model.trunk.parameters())
+    with gradhooks.add_hooks(model) as h:
+        for step in range(2):
+            x = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(step))
+            t = torch.stack([torch.tensor([0.0, 1, 1, 0]), torch.randn(4).to(D)], 1)
+            opt.zero_grad()
+            out = model(x)
+            grads = []
+            for task in (task1, task2):
+                want = loop_grad(model, task, x, t)
+                h.clear()
+                grads.append(torch.autograd.grad(task(out, t), shared, retain_graph=True))
+                for n, p in model.trunk.named_parameters():
+                    assert_close(p.grad1, want[f"trunk.{n}"], f"step {step}, {task.__name__}")
+            for p, g1, g2 in zip(shared, *grads):  # (the projection of PCGrad, simplified)
+                dot = (g1 * g2).sum()
+                p.grad = g1 + g2 - (dot.clamp(max=0) / g2.pow(2).sum()) * g2
+            opt.step()
