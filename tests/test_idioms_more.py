@@ -157,6 +157,38 @@ def test_trades_two_forwards_of_one_batch_in_one_loss():
             opt.step()
 
 
+def trades_rows(outs, y):
+    """TRADES' loss, each example's own: ``[batch]``."""
+    clean, adv = outs
+    kl = F.kl_div(F.log_softmax(adv, 1), F.softmax(clean, 1), reduction="none").sum(1)
+    return F.cross_entropy(clean, y, reduction="none") + 6.0 * kl
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_trades_losses_into_the_dp_step(method):
+    """DP adversarial training: TRADES' ``[batch]`` losses, each from the example's clean and
+    adversarial forwards, into ``dp_sgd_step`` (noise 0): ``.grad`` is the mean of the
+    examples' gradients through both forwards, each clipped to ``C`` as a whole, by every
+    method (the ghost and book-keeping norms of a layer called twice include the cross
+    terms of its two calls)."""
+    x, y = batch(3, n=5)
+    xa = x + 0.1 * torch.randn(5, 3, dtype=D, generator=torch.Generator().manual_seed(4))
+    model = mlp()
+    want = prefixed(loop_grad(Pair(model), lambda o, t: trades_rows(o, t).sum(), (x, xa), y), "m.")
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    factor = (0.5 / norms).clamp(max=1.0)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        got = gradhooks.dp_sgd_step(
+            h, trades_rows((model(x), model(xa)), y), max_norm=0.5, noise_multiplier=0.0,
+            method=method,
+        )  # fmt: skip
+    assert_close(got, norms, "norms")
+    for n, p in model.named_parameters():
+        clipped = (factor.view(-1, *[1] * (want[n].dim() - 1)) * want[n]).sum(0) / 5
+        assert_close(p.grad, clipped, f"{method}: .grad of {n}")
+
+
 # -- backwards with explicit gradients -----------------------------------------------------------
 
 
