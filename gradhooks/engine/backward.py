@@ -738,8 +738,9 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
-        if kept and bw.computed and self.state.grad1:  # (backward(inputs=[a layer's weight]):
-            # its other parameters get no .grad, so no grad1)
+        if kept and bw.computed and self.state.grad1 and self.state.mode.param_grads:
+            # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
+            # grad1; not where calls run detached by design, the book-keeping step)
             ours = self.state.params.keys() - self.state.sharded
             self.rollback(bw, {q for q in bw.before if q in ours and q not in bw.computed})
         for held in bw.held:
