@@ -738,14 +738,19 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
-        if kept and bw.computed and self.state.grad1 and self.state.mode.param_grads:
+        left_out: set[int] = set()
+        if kept and bw.computed and self.state.mode.param_grads:
             # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
-            # grad1; not where calls run detached by design, the book-keeping step)
+            # grad1 or norms; not where calls run detached by design, the book-keeping step)
             ours = self.state.params.keys() - self.state.sharded
-            self.rollback(bw, {q for q in bw.before if q in ours and q not in bw.computed})
+            left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            if self.state.grad1:
+                self.rollback(bw, left_out)
         for held in bw.held:
             self.state.collector.add(*held)
         bw.held.clear()
+        if left_out and self.state.collector is not None:
+            self.state.collector.drop(left_out)
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
             self.verifier.verify_backward(bw)
         elif bw.verify and not self.state.grad1:
