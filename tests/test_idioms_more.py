@@ -97,6 +97,26 @@ def test_fgsm_by_autograd_grad_on_the_input_in_eval_mode_then_the_training_step(
             opt.step()
 
 
+def test_pgd_steps_by_backward_with_inputs_of_the_perturbed_batch_leave_grad1_and_norms():
+    """An attack whose steps call ``loss.backward(inputs=[x_adv])`` after the training
+    backward (the adversarial batch scored for logging, no ``zero_grad``): they compute no
+    parameter's gradient, so grad1 and the norms stay the training backward's."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        F.cross_entropy(model(x), y).backward()
+        want = loop_grad(model, F.cross_entropy, x, y)
+        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+        xa = x.clone().requires_grad_(True)
+        for _ in range(2):
+            F.cross_entropy(model(xa), y).backward(inputs=[xa])
+            with torch.no_grad():
+                xa += 0.1 * xa.grad.sign()
+            xa.grad = None
+        assert_grad1(model, want, "after the attack")
+        assert_close(h.norms(), norms, "norms after the attack")
+
+
 def test_free_adversarial_training_one_backward_for_the_weights_and_the_input():
     """Shafahi et al.'s "free" adversarial training: each minibatch replayed ``m`` times, one
     backward giving both the parameters' gradients (an optimizer step) and the perturbation's
