@@ -71,7 +71,7 @@ class GradTrail:
             else:
                 self._not_added.add(pid)
         for p in params:
-            g = p.grad
+            g = grad_of(p)
             ref = None if g is None else weakref.ref(g)
             self._left[id(p)] = (p, ref, -1 if g is None else _torch.version(g))
             self._reset_seen.discard(id(p))
@@ -84,7 +84,7 @@ class GradTrail:
         found = self._left.get(id(p))
         if found is None:
             return False
-        return (found[1] is None and p.grad is None) or id(p) in self._not_added
+        return (found[1] is None and grad_of(p) is None) or id(p) in self._not_added
 
     def params(self) -> list[nn.Parameter]:
         return [p for p, _, _ in self._left.values()]
@@ -96,7 +96,7 @@ class GradTrail:
         it without counting a version."""
         reset, read = [], []
         for p, ref, version in self._left.values():
-            g = p.grad
+            g = grad_of(p)
             if g is None:
                 if ref is not None:  # (None then and now: a backward that leaves .grad alone)
                     reset.append(p)
@@ -147,6 +147,13 @@ class GradTrail:
         self._left.clear()
         self._reset_seen.clear()
         self._not_added.clear()
+
+
+def grad_of(t: Tensor) -> Tensor | None:
+    """``t.grad``, without torch's warning for a tensor computed from the parameters that
+    holds a ``grad1`` (MAML's fast weights): autograd gives such a tensor no ``.grad`` unless
+    it retains it."""
+    return t.grad if t.is_leaf or t.retains_grad else None
 
 
 def all_zero(tensors: list[Tensor]) -> list[bool]:

@@ -29,7 +29,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..rules.registry import Call, _Entry
-from .accumulation import all_zero, sole_grad1
+from .accumulation import all_zero, grad_of, sole_grad1
 from .calls import (
     KeptCall,
     aligned_call,
@@ -466,7 +466,7 @@ class BackwardWriter:
                     )
         if captured and self.state.stale:
             stale, self.state.stale = self.state.stale, {}
-            zero = [p for p in stale.values() if p.grad is not None and bw.batch is not None]
+            zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
             zero = [p for p, z in zip(zero, all_zero([p.grad for p in zero])) if z]
             for p in zero:
                 self._zero_grad1(p, bw.batch)
@@ -735,9 +735,19 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
+        left_out: set[int] = set()
+        if kept and bw.computed and self.state.mode.param_grads:
+            # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
+            # grad1 or norms; not where calls run detached by design, the book-keeping step)
+            ours = self.state.params.keys() - self.state.sharded
+            left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            if self.state.grad1:
+                self.rollback(bw, left_out)
         for held in bw.held:
             self.state.collector.add(*held)
         bw.held.clear()
+        if left_out and self.state.collector is not None:
+            self.state.collector.drop(left_out)
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
             self.verifier.verify_backward(bw)
         elif bw.verify and not self.state.grad1:
@@ -826,12 +836,13 @@ class BackwardWriter:
         before = bw.before[pid]
         return g1 if before is None else g1 - before
 
-    def rollback(self, bw: Backward) -> None:
-        """Put back the grad1 a backward started from. ``bw.before`` holds a reference to it,
-        so it was never written in place (``_writable_grad1`` refuses a referenced grad1)."""
+    def rollback(self, bw: Backward, only: set[int] | None = None) -> None:
+        """Put back the grad1 a backward started from (of the parameters ``only``, or all).
+        ``bw.before`` holds a reference to it, so it was never written in place
+        (``_writable_grad1`` refuses a referenced grad1)."""
         for pid, before in bw.before.items():
             p = self.state.written.get(pid)
-            if p is None:
+            if p is None or (only is not None and pid not in only):
                 continue
             if before is None:
                 del self.state.written[pid]

@@ -41,7 +41,7 @@ from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
-from .accumulation import all_zero
+from .accumulation import all_zero, grad_of
 from .backprops import KeptBackprops, kept_for
 from .backward import BackwardWriter
 from .calls import CallLayouts
@@ -758,7 +758,7 @@ class Hooks:
             return
         self._state.removed = True
         for p in self._state.written.values():
-            if p.grad is not None and self._state.trail.added_last(p):
+            if grad_of(p) is not None and self._state.trail.added_last(p):
                 _leave(p, self._rows())
         for h in (*self._handles, *self._target_handles):
             h.remove()

@@ -180,6 +180,13 @@ class Collector:
                 if not self._expected[id(p)]:
                     del self._expected[id(p)]
 
+    def drop(self, pids: set[int]) -> None:
+        """Forget what the running backward gave for the parameters of these ids: autograd
+        computed no gradient for them (a ``backward(inputs=...)`` that left them out)."""
+        for pid in pids:
+            self._held.pop(pid, None)
+            self._done.pop(self.names.get(pid, f"<param {pid}>"), None)
+
     def discard_backward(self) -> None:
         """Forget what the running backward gave (it failed, or computed no parameter's
         gradient); the results of earlier backwards stay."""

@@ -545,8 +545,8 @@ class Tracker(TorchFunctionMode):
             if self.reordered.entries
             else None
         )
-        if result is REORDER:
-            if reordered is None and any(o.requires_grad for o in outs):
+        if result is REORDER:  # (of data too: a layer on x[order] is refused, not misread)
+            if reordered is None:
                 for o in outs:
                     self.reordered[o] = name
             result = UNKNOWN  # (reordered again: taken as put back in order)
