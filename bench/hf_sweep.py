@@ -55,6 +55,7 @@ SEQ = 6
 VOCAB = 99
 IMAGE = 32
 CLASSES = 3
+PADDING = (0, 2, 1)  # tokens of padding of each example, with --padded
 MAX_PARAMS = 3_000_000
 RTOL = 1e-7
 # A model that computes in float32 inside (a router's softmax, a norm) gives a batch of one
@@ -311,6 +312,8 @@ def tiny_config(family: str):
         and getattr(config, "decoder_start_token_id", None) is None
     ):
         config.decoder_start_token_id = 0
+    if getattr(config, "pad_token_id", 0) is None:
+        config.pad_token_id = 0  # (sequence classifiers find each example's last token by it)
     config._experts_implementation = "eager"  # (grouped_mm takes no float64 on CPU)
     for name, value in list(vars(config).items()):
         if isinstance(value, float) and any(w in name for w in RANDOM_FLOATS):
@@ -355,8 +358,9 @@ def build(family: str, task: str | None):
     return name, model, config
 
 
-def inputs(model, config, task: str) -> dict:
-    """A batch of ``BATCH`` examples for ``model``'s main input (and an all-ones mask)."""
+def inputs(model, config, task: str, padded: bool = False) -> dict:
+    """A batch of ``BATCH`` examples for ``model``'s main input (and an all-ones mask; with
+    ``padded``, token ids padded on the right to different lengths, as a collator pads them)."""
     g = torch.Generator().manual_seed(0)
     main = getattr(model, "main_input_name", "input_ids")
     accepted = inspect.signature(model.forward).parameters
@@ -365,11 +369,19 @@ def inputs(model, config, task: str) -> dict:
         vocab = getattr(config, "vocab_size", VOCAB) or VOCAB
         ids = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ), generator=g)
         eos = getattr(config, "eos_token_id", None)
-        if isinstance(eos, int) and eos < vocab:
-            ids[:, -1] = eos  # some models pool at the end-of-sequence token
+        lengths = [SEQ - p for p in PADDING] if padded else [SEQ] * BATCH
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(lengths):
+            mask[b, :n] = 1
+            if isinstance(eos, int) and eos < vocab:
+                ids[b, n - 1] = eos  # some models pool at the end-of-sequence token
+            pad = getattr(config, "pad_token_id", None)
+            ids[b, n:] = pad if isinstance(pad, int) and pad < vocab else 0
         batch["input_ids"] = ids
         if "attention_mask" in accepted:
-            batch["attention_mask"] = torch.ones_like(ids)
+            batch["attention_mask"] = mask
+        elif padded:
+            raise Skip("takes no attention_mask: no padded batch")
     elif main == "pixel_values":
         channels = getattr(config, "num_channels", 3)
         size = getattr(config, "image_size", IMAGE)
@@ -427,14 +439,16 @@ def _is_gradhooks_frame(tb) -> bool:
     return any(f.filename.startswith(root) for f in traceback.extract_tb(tb))
 
 
-def check(family: str, task: str | None = None, limit: float = 60.0) -> Result:
+def check(
+    family: str, task: str | None = None, limit: float = 60.0, padded: bool = False
+) -> Result:
     """One architecture through the sweep: its :class:`Result`."""
     res = Result(family)
     start = time.perf_counter()
     try:
         with time_limit(limit), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", gradhooks.GradhooksWarning)
-            _check(res, family, task)
+            _check(res, family, task, padded)
         res.warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                if issubclass(w.category, gradhooks.GradhooksWarning)})  # fmt: skip
     except Skip as e:
@@ -445,11 +459,11 @@ def check(family: str, task: str | None = None, limit: float = 60.0) -> Result:
     return res
 
 
-def _check(res: Result, family: str, task: str | None) -> None:
+def _check(res: Result, family: str, task: str | None, padded: bool) -> None:
     res.task, model, config = build(family, task)
     res.model = type(model).__name__
     res.params = sum(p.numel() for p in model.parameters())
-    batch = inputs(model, config, res.task)
+    batch = inputs(model, config, res.task, padded)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     try:
         with torch.no_grad():
@@ -540,11 +554,13 @@ def _check(res: Result, family: str, task: str | None) -> None:
 # -- the sweep and its report -------------------------------------------------------------------
 
 
-def families(selection: str | None, popular: bool) -> list[str]:
+def families(selection: str | None, popular: bool, task: str | None = None) -> list[str]:
     from transformers.models.auto import modeling_auto
 
     swept = []
-    for mapping, _ in TASKS:
+    for mapping, name in TASKS:
+        if task is not None and name != task:
+            continue
         for family in getattr(modeling_auto, mapping):
             if family not in swept:
                 swept.append(family)
@@ -614,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default=None, help="model types, comma-separated (default: all)")
     p.add_argument("--popular", action="store_true", help="only the widely used architectures")
     p.add_argument("--task", default=None, choices=[t for _, t in TASKS], help="one task only")
+    p.add_argument(
+        "--padded", action="store_true", help="token ids padded on the right, with their mask"
+    )
     p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
     args = p.parse_args(argv)
@@ -622,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    names = families(args.families, args.popular)
+    names = families(args.families, args.popular, args.task)
     command = "python -m bench.hf_sweep" + (" " + " ".join(sys.argv[1:] if argv is None else argv)
                                             if (sys.argv[1:] if argv is None else argv) else "")  # fmt: skip
     results = []
@@ -632,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i + 1}/{len(names)}] {family}", file=sys.stderr, flush=True)
         else:
             bar.set_postfix_str(family)
-        results.append(check(family, args.task, args.limit))
+        results.append(check(family, args.task, args.limit, args.padded))
         if bar is not None:
             bar.update(1)
     if bar is not None:
