@@ -4,6 +4,9 @@
     python -m bench.hf_sweep --families llama,bert,vit      # some (model types of transformers)
     python -m bench.hf_sweep --popular                      # the widely used ones first, only
     python -m bench.hf_sweep --out /tmp/sweep --limit 60
+    python -m bench.hf_sweep --task sequence-classification --padded   # right-padded batches
+    python -m bench.hf_sweep --own-loss      # the model's own (averaged) loss of its labels
+    python -m bench.hf_sweep --router-loss   # mixtures of experts with their balancing loss
 
 For each model type of transformers' auto mappings (masked LM, causal LM, sequence
 classification, image classification, audio classification: the first of those the type has),
@@ -338,8 +341,12 @@ def model_class(family: str, task: str | None):
     raise Skip(f"no model class of the swept tasks{'' if task is None else f' ({task})'}")
 
 
-def build(family: str, task: str | None):
+def build(family: str, task: str | None, router_loss: bool = False):
     config = tiny_config(family)
+    if router_loss:
+        if not hasattr(config, "output_router_logits"):
+            raise Skip("no router: no load-balancing loss")
+        config.output_router_logits = True  # its own loss adds the load-balancing term
     name, cls = model_class(family, task)
     torch.manual_seed(0)
     try:
@@ -418,15 +425,27 @@ def _rows(batch: dict, b: int) -> dict:
     return {k: v[b : b + 1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def loop_grads(model, batch, labels, params):
+def summed_loss(model, batch, labels, own: bool):
+    """A cross-entropy of the logits summed over positions and examples, or with ``own`` the
+    model's own loss of ``labels`` (which averages them)."""
+    if own:
+        kw = {**batch, "labels": labels if task_of(model) != "lm" else batch["input_ids"]}
+        return model(**kw).loss
+    logits = _logits(model, batch)
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum")
+
+
+def task_of(model) -> str:
+    name = type(model).__name__
+    return "lm" if name.endswith(("LM", "LMHeadModel", "ForCausalLM")) else "classification"
+
+
+def loop_grads(model, batch, labels, params, own: bool = False):
     """Each example's own gradient: a forward and backward of a batch of one at a time."""
     rows = []
     with gradhooks.paused():
         for b in range(BATCH):
-            loss = F.cross_entropy(
-                _logits(model, _rows(batch, b)).flatten(0, -2), labels[b : b + 1].flatten(),
-                reduction="sum",
-            )  # fmt: skip
+            loss = summed_loss(model, _rows(batch, b), labels[b : b + 1], own)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             rows.append(
                 [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
@@ -440,7 +459,12 @@ def _is_gradhooks_frame(tb) -> bool:
 
 
 def check(
-    family: str, task: str | None = None, limit: float = 60.0, padded: bool = False
+    family: str,
+    task: str | None = None,
+    limit: float = 60.0,
+    padded: bool = False,
+    own_loss: bool = False,
+    router_loss: bool = False,
 ) -> Result:
     """One architecture through the sweep: its :class:`Result`."""
     res = Result(family)
@@ -448,7 +472,7 @@ def check(
     try:
         with time_limit(limit), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", gradhooks.GradhooksWarning)
-            _check(res, family, task, padded)
+            _check(res, family, task, padded, own_loss or router_loss, router_loss)
         res.warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                if issubclass(w.category, gradhooks.GradhooksWarning)})  # fmt: skip
     except Skip as e:
@@ -459,8 +483,10 @@ def check(
     return res
 
 
-def _check(res: Result, family: str, task: str | None, padded: bool) -> None:
-    res.task, model, config = build(family, task)
+def _check(
+    res: Result, family: str, task: str | None, padded: bool, own_loss: bool, router_loss: bool
+) -> None:
+    res.task, model, config = build(family, task, router_loss)
     res.model = type(model).__name__
     res.params = sum(p.numel() for p in model.parameters())
     batch = inputs(model, config, res.task, padded)
@@ -486,17 +512,21 @@ def _check(res: Result, family: str, task: str | None, padded: bool) -> None:
     g = torch.Generator().manual_seed(1)
     classes = first.shape[-1]
     labels = torch.randint(0, classes, first.shape[:-1], generator=g)
+    if own_loss and task_of(model) == "classification":
+        labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    if own_loss:
+        with torch.no_grad(), gradhooks.paused():
+            dtype = summed_loss(model, batch, labels, own_loss).dtype
+        if dtype != torch.float64:  # (Hugging Face's language-model losses upcast to float32)
+            rtol, res.detail = FLOAT32_RTOL, f"its own loss in {dtype}"
     try:
-        want = loop_grads(model, batch, labels, params)
+        want = loop_grads(model, batch, labels, params, own_loss)
     except Exception as e:
         raise Skip(f"the loop of batches of one fails: {_first_line(e)}") from e
     model.zero_grad(set_to_none=True)
     try:
-        with gradhooks.add_hooks(model, loss_reduction="sum"):
-            loss = F.cross_entropy(
-                _logits(model, batch).flatten(0, -2), labels.flatten(), reduction="sum"
-            )
-            loss.backward()
+        with gradhooks.add_hooks(model, loss_reduction="mean" if own_loss else "sum"):
+            summed_loss(model, batch, labels, own_loss).backward()
     except gradhooks.GradhooksError as e:
         res.outcome, res.detail = "refused", _first_line(e)
         return
@@ -541,14 +571,16 @@ def _check(res: Result, family: str, task: str | None, padded: bool) -> None:
         res.max_abs_error, res.max_rel_error = worst[0], worst[1]
         res.detail = (
             f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest entry)"
-        )
+        ) + ("; " + res.detail if res.detail else "")
     else:
         res.outcome = "match"
-    if rtol != RTOL:
+    if res.batch_vs_one > ROUNDED:
         res.detail = (res.detail + "; " if res.detail else "") + (
             f"float32 inside (logits of a batch of one differ by {res.batch_vs_one:.1g} of the "
-            f"largest): compared at rtol={rtol:g}"
+            f"largest)"
         )
+    if rtol != RTOL:
+        res.detail += f": compared at rtol={rtol:g}"
 
 
 # -- the sweep and its report -------------------------------------------------------------------
@@ -633,6 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--padded", action="store_true", help="token ids padded on the right, with their mask"
     )
+    p.add_argument(
+        "--own-loss", action="store_true",
+        help="the model's own loss of labels (a mean: add_hooks(loss_reduction='mean'))",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-loss", action="store_true",
+        help="mixtures of experts only, with output_router_logits=True: their own loss with "
+        "its load-balancing term (implies --own-loss)",
+    )  # fmt: skip
     p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
     args = p.parse_args(argv)
@@ -651,7 +692,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i + 1}/{len(names)}] {family}", file=sys.stderr, flush=True)
         else:
             bar.set_postfix_str(family)
-        results.append(check(family, args.task, args.limit, args.padded))
+        results.append(
+            check(family, args.task, args.limit, args.padded, args.own_loss, args.router_loss)
+        )
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -72,6 +72,24 @@ def test_padded_batch_matches_the_loop():
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
+def test_own_loss_matches_the_loop():
+    """The model's own loss of its labels (an average, computed by Hugging Face in float32)."""
+    res = hf_sweep.check("phi3", limit=0, own_loss=True)
+    assert res.outcome == "match", (res.outcome, res.detail)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the load-balancing loss of a mixture of experts (output_router_logits=True) is a "
+    "product of two averages over every token of the batch: no sum of per-example losses, so "
+    "no per-example gradients, yet grad1 of the routers is written without a refusal",
+)
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_router_balancing_loss_is_refused_or_right(family):
+    res = hf_sweep.check(family, limit=0, router_loss=True)
+    assert res.outcome in ("match", "refused"), (res.outcome, res.detail)
+
+
 def _corrupting(real):
     """``add_hooks`` whose ``grad1`` of one parameter has two examples swapped."""
 
