@@ -25,7 +25,8 @@ batches of one. Each architecture is then one of:
 - **skipped**: the configuration, the model or its inputs could not be made, the model does
   not run, draws random numbers in training mode, or took longer than ``--limit`` seconds.
 
-Writes ``<out>/hf-sweep.json`` and ``<out>/hf-sweep.md`` (``<out>`` is ``bench/results``).
+Writes ``<out>/hf-sweep.json`` and ``<out>/hf-sweep.md`` (``<out>`` is ``bench/results``; with
+``--padded``, ``--own-loss``, ``--router-loss`` or ``--task``, ``hf-sweep-<those>.*``).
 """
 
 from __future__ import annotations
@@ -609,14 +610,20 @@ def families(selection: str | None, popular: bool, task: str | None = None) -> l
 OUTCOMES = ("match", "refused", "mismatch", "crash", "skipped")
 
 
-def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
+def write(
+    results: list[Result],
+    out: Path,
+    command: str,
+    name: str = "hf-sweep",
+    loss: str = "a summed cross-entropy of the logits",
+) -> tuple[Path, Path]:
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     meta = {"command": command, "torch": torch.__version__, "transformers": transformers.__version__,
             "batch": BATCH, "sequence": SEQ, "rtol": RTOL, "counts": counts}  # fmt: skip
-    js = out / "hf-sweep.json"
+    js = out / f"{name}.json"
     js.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
     lines = [
         "# Hugging Face architectures against the per-example loop",
@@ -625,8 +632,8 @@ def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}; tiny random "
         f"configurations in float64, training mode without dropout, batch {BATCH}, "
-        f"sequence {SEQ}, a summed cross-entropy; `grad1` of every trainable parameter against "
-        f"a loop of batches of one, `rtol={RTOL:g}`.",
+        f"sequence {SEQ}, {loss}; `grad1` of every trainable parameter against "
+        f"a loop of batches of one, `rtol={RTOL:g}` (`{FLOAT32_RTOL:g}` where a row says so).",
         "",
         "| outcome | architectures |",
         "| --- | --- |",
@@ -644,7 +651,7 @@ def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
             )
         lines.append(f"| {r.family} | {r.task} | {r.model} | {r.params:,} | {r.outcome} | "
                      f"{detail} | {r.seconds:.1f} |")  # fmt: skip
-    md = out / "hf-sweep.md"
+    md = out / f"{name}.md"
     md.write_text("\n".join(lines) + "\n")
     return js, md
 
@@ -699,7 +706,17 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
     if bar is not None:
         bar.close()
-    js, md = write(results, Path(args.out), command)
+    modes = [args.task or "", "padded" * args.padded, "own-loss" * args.own_loss,
+             "router-loss" * args.router_loss]  # fmt: skip
+    name = "-".join(["hf-sweep", *(m for m in modes if m)])
+    loss = "a summed cross-entropy of the logits"
+    if args.own_loss or args.router_loss:
+        loss = "the model's own loss of its labels (averaged: loss_reduction='mean')"
+    if args.router_loss:
+        loss += " with its load-balancing term (output_router_logits=True)"
+    if args.padded:
+        loss += ", token ids padded on the right by 0, 2 and 1 tokens"
+    js, md = write(results, Path(args.out), command, name, loss)
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     print(", ".join(f"{n} {o}" for o, n in counts.items()))
     for r in results:
