@@ -49,7 +49,6 @@ FAMILIES = [
     "olmo2",  # norms after attention and MLP
     "electra",  # generator head with its own embedding projection
     "modernbert",  # alternating global and local attention, unpadding
-    "mobilebert",  # bottlenecks, NoNorm
     "convnext",  # depthwise convolutions, LayerNorm over channels
     "dinov2",  # layer scale, mask token
     "segformer",  # overlapping patch merging, efficient attention
