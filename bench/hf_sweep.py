@@ -1,0 +1,756 @@
+"""Hugging Face architectures, each tiny and random, against the per-example loop.
+
+    python -m bench.hf_sweep                                # every architecture it can build
+    python -m bench.hf_sweep --families llama,bert,vit      # some (model types of transformers)
+    python -m bench.hf_sweep --popular                      # the widely used ones first, only
+    python -m bench.hf_sweep --out /tmp/sweep --limit 60
+    python -m bench.hf_sweep --task sequence-classification --padded   # right-padded batches
+    python -m bench.hf_sweep --own-loss      # the model's own (averaged) loss of its labels
+    python -m bench.hf_sweep --router-loss   # mixtures of experts with their balancing loss
+
+For each model type of transformers' auto mappings (masked LM, causal LM, sequence
+classification, image classification, audio classification: the first of those the type has),
+a tiny random configuration (hidden size 32, 2 layers, 4 heads, vocabulary 99; the size
+attributes the configuration has are set, lists of stage sizes shrunk), in float64, in training
+mode with every dropout at 0, a batch of 3. The loss is a cross-entropy of the logits with
+``reduction="sum"``; ``add_hooks(model, loss_reduction="sum")`` and one ``backward()`` give
+``grad1``, compared parameter by parameter with each example's own gradient by a loop of
+batches of one. Each architecture is then one of:
+
+- **match**: every trainable parameter within ``rtol=1e-7`` (and ``1e-7`` of its largest entry;
+  ``1e-4`` where the model computes in float32 inside, its logits of a batch of one differing
+  from its rows of the batch, or where its own loss is taken in float32, as the row says; plus
+  ten times the difference, without gradhooks, between autograd's batched gradient and the
+  loop's, where the model's backward rounds differently for a batch and for one example, up
+  to 1e-6 of the model's largest gradient entry);
+- **refused**: gradhooks raised one of its own errors (its first line is kept);
+- **mismatch**: a silently wrong ``grad1`` (the parameter, the largest absolute and relative
+  error are kept), the worst outcome;
+- **crash**: another exception raised from inside gradhooks;
+- **skipped**: the configuration, the model or its inputs could not be made, the model does
+  not run, draws random numbers in training mode, or took longer than ``--limit`` seconds.
+
+Writes ``<out>/hf-sweep.json`` and ``<out>/hf-sweep.md`` (``<out>`` is ``bench/results``; with
+``--padded``, ``--own-loss``, ``--router-loss`` or ``--task``, ``hf-sweep-<those>.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/hf_sweep.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 3
+SEQ = 6
+VOCAB = 99
+IMAGE = 32
+CLASSES = 3
+PADDING = (0, 2, 1)  # tokens of padding of each example, with --padded
+MAX_PARAMS = 3_000_000
+RTOL = 1e-7
+# A model that computes in float32 inside (a router's softmax, a norm) gives a batch of one
+# logits that differ from its row of the batch by float32 rounding, and so gradients that
+# differ as much from the loop's, whoever computes them: such a model ("float32 inside", the
+# logits' relative difference above ROUNDED) is compared at FLOAT32_RTOL, 1e3 float32 epsilons.
+ROUNDED = 1e-12
+FLOAT32_RTOL = 1e-4
+
+# The widely used architectures, swept first (and alone with --popular).
+POPULAR = (
+    "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 falcon gpt_neox gptj bloom "
+    "codegen stablelm olmo olmo2 mpt gpt2 opt distilbert bert roberta deberta deberta-v2 electra "
+    "xlm-roberta modernbert mobilebert longformer big_bird albert reformer whisper wav2vec2 "
+    "hubert clip vit swin convnext resnet deit beit dinov2 segformer mobilevit efficientnet "
+    "regnet mamba mamba2 rwkv t5 bart mixtral qwen2_moe granite cohere starcoder2 persimmon "
+    "gpt_bigcode xglm biogpt camembert funnel xlnet ctrl squeezebert layoutlm nystromformer"
+).split()
+
+# (mapping name in transformers.models.auto.modeling_auto, task), in the order tried.
+TASKS = (
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-lm"),
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence-classification"),
+    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
+    ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "audio-classification"),
+)
+
+# Size attributes of configurations, and the tiny value each is given where a config has it.
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, HEAD_DIM = 32, 2, 4, 2, 64, 8
+TINY_INTS = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "n_embed", "dim", "model_dim"), HIDDEN),
+    **dict.fromkeys(("embed_dim", "word_embed_proj_dim", "projection_dim"), HIDDEN),
+    **dict.fromkeys(
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "n_layers",
+            "num_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "num_encoder_layers",
+            "num_hidden_groups_layers",
+        ),
+        LAYERS,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "num_heads",
+            "attention_heads",
+        ),
+        HEADS,
+    ),  # fmt: skip
+    **dict.fromkeys(("num_key_value_heads", "multi_query_group_num", "n_kv_heads"), KV_HEADS),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "d_ff",
+            "n_inner",
+            "ffn_hidden_size",
+            "inner_hidden_size",
+            "d_inner",
+            "mlp_dim",
+            "ff_dim",
+        ),
+        FFN,
+    ),  # fmt: skip
+    **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size"), HEAD_DIM),
+    **dict.fromkeys(("vocab_size",), VOCAB),
+    **dict.fromkeys(
+        (
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "max_seq_len",
+            "seq_length",
+            "max_sequence_length",
+            "block_size",
+        ),
+        64,
+    ),  # fmt: skip
+    **dict.fromkeys(("embedding_size", "embedding_dim"), 16),
+    **dict.fromkeys(("image_size",), IMAGE),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k"), 2),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size"), 16),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 4),
+    **dict.fromkeys(("v_head_dim",), HEAD_DIM),
+    **dict.fromkeys(("rotary_dim",), 4),
+    **dict.fromkeys(("num_labels",), CLASSES),
+    **dict.fromkeys(("state_size", "d_state"), 8),
+    **dict.fromkeys(("num_mel_bins",), 16),
+    **dict.fromkeys(("max_source_positions", "max_target_positions"), 16),
+    **dict.fromkeys(("num_conv_pos_embeddings",), 8),
+    **dict.fromkeys(("num_conv_pos_embedding_groups",), 2),
+    **dict.fromkeys(("attention_window",), 4),
+    **dict.fromkeys(("sliding_window",), 4),
+    **dict.fromkeys(("codevector_dim", "proj_codevector_dim", "classifier_proj_size"), 16),
+    **dict.fromkeys(("first_k_dense_replace",), 1),
+    **dict.fromkeys(("pad_token_id",), 0),
+    **dict.fromkeys(("bos_token_id",), 1),
+    **dict.fromkeys(("eos_token_id",), 2),
+    **dict.fromkeys(("decoder_start_token_id",), 0),
+    **dict.fromkeys(("type_vocab_size",), 2),
+}
+TINY_LISTS = {  # a list attribute: a function of its length
+    "depths": lambda n: [1] * n,
+    "hidden_sizes": lambda n: [8 * (i + 1) for i in range(n)],
+    "embed_dims": lambda n: [8 * (i + 1) for i in range(n)],
+    "num_heads": lambda n: [1] * n,
+    "num_attention_heads": lambda n: [1] * n,
+    "conv_dim": lambda n: [16] * n,
+    "encoder_hidden_sizes": lambda n: [8 * (i + 1) for i in range(n)],
+    "decoder_hidden_sizes": lambda n: [8 * (i + 1) for i in range(n)],
+    "num_layers": lambda n: [1] * n,
+    "block_repeats": lambda n: [1] * n,
+    "num_channels_list": lambda n: [8] * n,
+    "attention_window": lambda n: [4] * n,
+    "attn_layers": None,  # handled with the layer count (reformer); kept as its default
+}
+NO_RANDOMNESS = 0.0  # what every dropout-like float is set to
+# Floats that switch on randomness in training mode: dropout, layer drop, stochastic depth,
+# router jitter, SpecAugment's masks.
+RANDOM_FLOATS = ("drop", "jitter", "mask_time_prob", "mask_feature_prob", "noise")
+# The few configurations whose sizes are tied together beyond the attributes above.
+OVERRIDES = {
+    "mamba2": {"head_dim": 16, "n_groups": 1},
+    "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [8, 8]},
+    "efficientnet": {"width_coefficient": 0.1, "depth_coefficient": 0.1, "hidden_dim": 32},
+    "swin": {"window_size": 2, "image_size": 64},
+    "swinv2": {"window_size": 2, "image_size": 64},
+    "donut-swin": {"window_size": 2, "image_size": 64},
+}
+
+
+@dataclass
+class Result:
+    family: str
+    task: str = ""
+    model: str = ""
+    outcome: str = "skipped"
+    detail: str = ""
+    params: int = 0
+    parameter: str = ""
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    batch_vs_one: float = 0.0
+    loop_vs_batch: float = 0.0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+class Skip(Exception):
+    """The model or its inputs could not be made, or it does not run without gradhooks."""
+
+
+class TimeLimit(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    def stop(signum, frame):
+        raise TimeLimit(f"took longer than {seconds:g} s")
+
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# -- the configuration, the model, the inputs ---------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _tiny_kwargs(config) -> dict:
+    """The tiny values of the size attributes ``config`` has, of the type it has them in."""
+    kw = {}
+    for name, value in vars(config).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and name in TINY_INTS:
+            kw[name] = TINY_INTS[name]
+        elif isinstance(value, float) and any(w in name for w in RANDOM_FLOATS):
+            kw[name] = NO_RANDOMNESS
+        elif isinstance(value, (list, tuple)) and TINY_LISTS.get(name) and value:
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                kw[name] = TINY_LISTS[name](len(value))
+        elif name.endswith("_config") and hasattr(value, "to_dict"):
+            sub = value.to_dict()
+            sub.update(_tiny_kwargs(value))
+            kw[name] = sub
+    if "hidden_size" in kw and "head_dim" in vars(config) and vars(config)["head_dim"] is None:
+        kw["head_dim"] = HEAD_DIM
+    if "patch_size" in vars(config) and isinstance(config.patch_size, int):
+        kw["patch_size"] = 8 if config.patch_size >= 8 else config.patch_size
+    embedding = vars(config).get("embedding_size")
+    if isinstance(embedding, int) and embedding == vars(config).get("hidden_size"):
+        kw["embedding_size"] = HIDDEN  # kept equal where the default has them equal
+    if "window_size" in vars(config) and isinstance(config.window_size, int):
+        kw["window_size"] = min(config.window_size, 4)
+    if "layer_types" in vars(config):
+        kw["layer_types"] = None  # computed again from the layer count where the config can
+    return kw
+
+
+def tiny_config(family: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family]
+    try:
+        default = cls()
+    except Exception as e:
+        raise Skip(f"default config: {_first_line(e)}") from e
+    kw = {**_tiny_kwargs(default), **OVERRIDES.get(family, {})}
+    try:
+        config = cls(**kw)
+    except Exception:
+        kw.pop("layer_types", None)
+        try:
+            config = cls(**kw)
+        except Exception as e:
+            raise Skip(f"tiny config: {_first_line(e)}") from e
+    layer_types = getattr(config, "layer_types", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) != layers:
+        config.layer_types = list(layer_types[:layers])
+    with contextlib.suppress(Exception):
+        config.num_labels = CLASSES
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        and getattr(config, "decoder_start_token_id", None) is None
+    ):
+        config.decoder_start_token_id = 0
+    if getattr(config, "pad_token_id", 0) is None:
+        config.pad_token_id = 0  # (sequence classifiers find each example's last token by it)
+    config._experts_implementation = "eager"  # (grouped_mm takes no float64 on CPU)
+    for name, value in list(vars(config).items()):
+        if isinstance(value, float) and any(w in name for w in RANDOM_FLOATS):
+            setattr(config, name, NO_RANDOMNESS)
+    return config
+
+
+def model_class(family: str, task: str | None):
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    for mapping, name in TASKS:
+        if task is not None and name != task:
+            continue
+        classes = getattr(modeling_auto, mapping).get(family)
+        if classes is None:
+            continue
+        cls_name = classes[0] if isinstance(classes, (list, tuple)) else classes
+        cls = getattr(transformers, cls_name, None)
+        if cls is not None:
+            return name, cls
+    raise Skip(f"no model class of the swept tasks{'' if task is None else f' ({task})'}")
+
+
+def build(family: str, task: str | None, router_loss: bool = False):
+    config = tiny_config(family)
+    if router_loss:
+        if not hasattr(config, "output_router_logits"):
+            raise Skip("no router: no load-balancing loss")
+        config.output_router_logits = True  # its own loss adds the load-balancing term
+    name, cls = model_class(family, task)
+    torch.manual_seed(0)
+    try:
+        model = cls(config)
+    except Exception as e:
+        raise Skip(f"{cls.__name__}(tiny config): {_first_line(e)}") from e
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMS:
+        raise Skip(f"{cls.__name__}: {size:,} parameters at the tiniest config made")
+    model = model.double().train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()  # in training mode it mixes the examples: fine-tuned with frozen statistics
+    return name, model, config
+
+
+def inputs(model, config, task: str, padded: bool = False) -> dict:
+    """A batch of ``BATCH`` examples for ``model``'s main input (and an all-ones mask; with
+    ``padded``, token ids padded on the right to different lengths, as a collator pads them)."""
+    g = torch.Generator().manual_seed(0)
+    main = getattr(model, "main_input_name", "input_ids")
+    accepted = inspect.signature(model.forward).parameters
+    batch = {}
+    if main == "input_ids":
+        vocab = getattr(config, "vocab_size", VOCAB) or VOCAB
+        ids = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ), generator=g)
+        eos = getattr(config, "eos_token_id", None)
+        lengths = [SEQ - p for p in PADDING] if padded else [SEQ] * BATCH
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(lengths):
+            mask[b, :n] = 1
+            if isinstance(eos, int) and eos < vocab:
+                ids[b, n - 1] = eos  # some models pool at the end-of-sequence token
+            pad = getattr(config, "pad_token_id", None)
+            ids[b, n:] = pad if isinstance(pad, int) and pad < vocab else 0
+        batch["input_ids"] = ids
+        if "attention_mask" in accepted:
+            batch["attention_mask"] = mask
+        elif padded:
+            raise Skip("takes no attention_mask: no padded batch")
+    elif main == "pixel_values":
+        channels = getattr(config, "num_channels", 3)
+        size = getattr(config, "image_size", IMAGE)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        batch["pixel_values"] = torch.randn(
+            BATCH, channels, size, size, generator=g, dtype=torch.float64
+        )
+    elif main == "input_values":
+        if hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):  # spectrogram
+            shape = (BATCH, config.max_length, config.num_mel_bins)
+        else:  # a waveform
+            shape = (BATCH, 4000)
+        batch["input_values"] = torch.randn(*shape, generator=g, dtype=torch.float64)
+    elif main == "input_features":
+        bins = getattr(config, "num_mel_bins", 16)
+        frames = 2 * getattr(config, "max_source_positions", 16)
+        batch["input_features"] = torch.randn(BATCH, bins, frames, generator=g, dtype=torch.float64)
+    else:
+        raise Skip(f"main input {main!r} is not one the sweep makes")
+    if "use_cache" in accepted:
+        batch["use_cache"] = False  # as in training: no cache built
+    return batch
+
+
+def _logits(model, batch):
+    out = model(**batch)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if not isinstance(logits, torch.Tensor):
+        raise Skip(f"{type(model).__name__} returns no logits tensor")
+    return logits
+
+
+def _rows(batch: dict, b: int) -> dict:
+    return {k: v[b : b + 1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def summed_loss(model, batch, labels, own: bool):
+    """A cross-entropy of the logits summed over positions and examples, or with ``own`` the
+    model's own loss of ``labels`` (which averages them)."""
+    if own:
+        kw = {**batch, "labels": labels if task_of(model) != "lm" else batch["input_ids"]}
+        return model(**kw).loss
+    logits = _logits(model, batch)
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum")
+
+
+def task_of(model) -> str:
+    name = type(model).__name__
+    return "lm" if name.endswith(("LM", "LMHeadModel", "ForCausalLM")) else "classification"
+
+
+def loop_grads(model, batch, labels, params, own: bool = False):
+    """Each example's own gradient: a forward and backward of a batch of one at a time."""
+    rows = []
+    with gradhooks.paused():
+        for b in range(BATCH):
+            loss = summed_loss(model, _rows(batch, b), labels[b : b + 1], own)
+            grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            rows.append(
+                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
+            )
+    return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
+
+
+def _is_gradhooks_frame(tb) -> bool:
+    root = str(Path(gradhooks.__file__).parent)
+    return any(f.filename.startswith(root) for f in traceback.extract_tb(tb))
+
+
+def check(
+    family: str,
+    task: str | None = None,
+    limit: float = 60.0,
+    padded: bool = False,
+    own_loss: bool = False,
+    router_loss: bool = False,
+) -> Result:
+    """One architecture through the sweep: its :class:`Result`."""
+    res = Result(family)
+    start = time.perf_counter()
+    try:
+        with time_limit(limit), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", gradhooks.GradhooksWarning)
+            _check(res, family, task, padded, own_loss or router_loss, router_loss)
+        res.warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught
+                               if issubclass(w.category, gradhooks.GradhooksWarning)})  # fmt: skip
+    except Skip as e:
+        res.outcome, res.detail = "skipped", str(e)
+    except TimeLimit as e:
+        res.outcome, res.detail = "skipped", str(e)
+    res.seconds = round(time.perf_counter() - start, 2)
+    return res
+
+
+def _check(
+    res: Result, family: str, task: str | None, padded: bool, own_loss: bool, router_loss: bool
+) -> None:
+    res.task, model, config = build(family, task, router_loss)
+    res.model = type(model).__name__
+    res.params = sum(p.numel() for p in model.parameters())
+    batch = inputs(model, config, res.task, padded)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    try:
+        with torch.no_grad():
+            first = _logits(model, batch)
+            again = _logits(model, batch)
+    except Skip:
+        raise
+    except Exception as e:
+        raise Skip(f"does not run: {_first_line(e)}") from e
+    if not torch.equal(first, again):
+        raise Skip("its training-mode forward draws random numbers")
+    with torch.no_grad(), gradhooks.paused():
+        ones = torch.cat([_logits(model, _rows(batch, b)) for b in range(BATCH)])
+    if ones.shape != first.shape:
+        raise Skip(
+            f"logits of a batch of one {tuple(ones.shape)} are not rows of {tuple(first.shape)}"
+        )
+    res.batch_vs_one = float((ones - first).abs().max() / first.abs().max().clamp_min(1e-300))
+    rtol = FLOAT32_RTOL if res.batch_vs_one > ROUNDED else RTOL
+    g = torch.Generator().manual_seed(1)
+    classes = first.shape[-1]
+    labels = torch.randint(0, classes, first.shape[:-1], generator=g)
+    if own_loss and task_of(model) == "classification":
+        labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    if own_loss:
+        try:
+            with torch.no_grad(), gradhooks.paused():
+                dtype = summed_loss(model, batch, labels, own_loss).dtype
+        except Exception as e:
+            raise Skip(f"its own loss fails: {_first_line(e)}") from e
+        if dtype != torch.float64:  # (Hugging Face's language-model losses upcast to float32)
+            rtol, res.detail = FLOAT32_RTOL, f"its own loss in {dtype}"
+    try:
+        want = loop_grads(model, batch, labels, params, own_loss)
+    except Exception as e:
+        raise Skip(f"the loop of batches of one fails: {_first_line(e)}") from e
+    model.zero_grad(set_to_none=True)
+    try:
+        with gradhooks.add_hooks(model, loss_reduction="mean" if own_loss else "sum"):
+            summed_loss(model, batch, labels, own_loss).backward()
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", _first_line(e)
+        return
+    except TimeLimit:
+        raise
+    except Exception as e:
+        inside = _is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = (
+            _first_line(e) if inside else f"fails under hooks, outside gradhooks: {_first_line(e)}"
+        )
+        return
+    worst = (0.0, 0.0, "")
+    missing = []
+    # A gradient that is zero in exact arithmetic (a key's bias, which softmax cancels) is
+    # rounding noise on both sides: measured against the model's largest gradient entry.
+    largest = max(float(w.abs().max()) for w in want.values() if w.numel())
+    floor = 1e-12 * largest
+    for n, p in params:
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                missing.append(n)
+            continue
+        if got.shape != want[n].shape:
+            missing.append(f"{n} (grad1 {tuple(got.shape)}, want {tuple(want[n].shape)})")
+            continue
+        scale = float(want[n].abs().max())
+        err = (got - want[n]).abs()
+        # The model's own rounding between its batched backward and the loop (autograd's
+        # .grad against the loop's sum or mean: nothing of gradhooks in it), ten times over;
+        # only where it is rounding (within 1e-6 of the model's largest gradient entry), not a
+        # loss that is no sum of per-example losses
+        noise = 0.0
+        if p.grad is not None:
+            total = want[n].mean(0) if own_loss else want[n].sum(0)
+            noise = float((p.grad - total).abs().max())
+            if noise > 1e-6 * largest:
+                noise = 0.0
+            res.loop_vs_batch = max(res.loop_vs_batch, noise / max(scale, floor or 1e-300))
+        bad = err > rtol * want[n].abs() + rtol * scale + floor + 10 * noise
+        if bool(bad.any()):
+            rel = float(err.max()) / (scale or 1.0)
+            if rel > worst[1]:
+                worst = (float(err.max()), rel, n)
+    for p in model.parameters():
+        if hasattr(p, "grad1"):
+            del p.grad1
+    if missing:
+        res.outcome, res.parameter = "mismatch", missing[0]
+        res.detail = f"no grad1 where the loop gives a gradient: {', '.join(missing[:3])}"
+    elif worst[2]:
+        res.outcome, res.parameter = "mismatch", worst[2]
+        res.max_abs_error, res.max_rel_error = worst[0], worst[1]
+        res.detail = (
+            f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest entry)"
+        ) + ("; " + res.detail if res.detail else "")
+    else:
+        res.outcome = "match"
+    if res.batch_vs_one > ROUNDED:
+        res.detail = (res.detail + "; " if res.detail else "") + (
+            f"float32 inside (logits of a batch of one differ by {res.batch_vs_one:.1g} of the "
+            f"largest)"
+        )
+    if rtol != RTOL:
+        res.detail += f": compared at rtol={rtol:g}"
+    if res.loop_vs_batch > rtol:
+        res.detail = (res.detail + "; " if res.detail else "") + (
+            f"its batched gradient differs from the loop's by {res.loop_vs_batch:.1g} of a "
+            "parameter's largest entry without gradhooks: allowed ten times that"
+        )
+
+
+# -- the sweep and its report -------------------------------------------------------------------
+
+
+def families(selection: str | None, popular: bool, task: str | None = None) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    swept = []
+    for mapping, name in TASKS:
+        if task is not None and name != task:
+            continue
+        for family in getattr(modeling_auto, mapping):
+            if family not in swept:
+                swept.append(family)
+    if selection:
+        names = [n.strip() for n in selection.split(",") if n.strip()]
+        unknown = [n for n in names if n not in swept]
+        if unknown:
+            raise SystemExit(f"not a model type of the swept tasks: {', '.join(unknown)}")
+        return names
+    first = [f for f in POPULAR if f in swept]
+    return first if popular else first + [f for f in swept if f not in first]
+
+
+OUTCOMES = ("match", "refused", "mismatch", "crash", "skipped")
+
+
+def write(
+    results: list[Result],
+    out: Path,
+    command: str,
+    name: str = "hf-sweep",
+    loss: str = "a summed cross-entropy of the logits",
+) -> tuple[Path, Path]:
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    meta = {"command": command, "torch": torch.__version__, "transformers": transformers.__version__,
+            "batch": BATCH, "sequence": SEQ, "rtol": RTOL, "counts": counts}  # fmt: skip
+    js = out / f"{name}.json"
+    js.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    lines = [
+        "# Hugging Face architectures against the per-example loop",
+        "",
+        f"`{command}`",
+        "",
+        f"torch {torch.__version__}, transformers {transformers.__version__}; tiny random "
+        f"configurations in float64, training mode without dropout, batch {BATCH}, "
+        f"sequence {SEQ}, {loss}; `grad1` of every trainable parameter against "
+        f"a loop of batches of one, `rtol={RTOL:g}` (`{FLOAT32_RTOL:g}` where a row says so).",
+        "",
+        "| outcome | architectures |",
+        "| --- | --- |",
+        *(f"| {o} | {counts[o]} |" for o in OUTCOMES),
+        "",
+        "| architecture | task | model | parameters | outcome | detail | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    order = {o: i for i, o in enumerate(("mismatch", "crash", "refused", "match", "skipped"))}
+    for r in sorted(results, key=lambda r: (order[r.outcome], r.family)):
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")
+        if r.warnings:
+            detail += (
+                (" " if detail else "") + "warned: " + "; ".join(r.warnings).replace("|", "\\|")
+            )
+        lines.append(f"| {r.family} | {r.task} | {r.model} | {r.params:,} | {r.outcome} | "
+                     f"{detail} | {r.seconds:.1f} |")  # fmt: skip
+    md = out / f"{name}.md"
+    md.write_text("\n".join(lines) + "\n")
+    return js, md
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(items, unit="model", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hf_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--families", default=None, help="model types, comma-separated (default: all)")
+    p.add_argument("--popular", action="store_true", help="only the widely used architectures")
+    p.add_argument("--task", default=None, choices=[t for _, t in TASKS], help="one task only")
+    p.add_argument(
+        "--padded", action="store_true", help="token ids padded on the right, with their mask"
+    )
+    p.add_argument(
+        "--own-loss", action="store_true",
+        help="the model's own loss of labels (a mean: add_hooks(loss_reduction='mean'))",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-loss", action="store_true",
+        help="mixtures of experts only, with output_router_logits=True: their own loss with "
+        "its load-balancing term (implies --own-loss)",
+    )  # fmt: skip
+    p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
+    args = p.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    names = families(args.families, args.popular, args.task)
+    command = "python -m bench.hf_sweep" + (" " + " ".join(sys.argv[1:] if argv is None else argv)
+                                            if (sys.argv[1:] if argv is None else argv) else "")  # fmt: skip
+    results = []
+    bar = _progress(names)
+    for i, family in enumerate(names):
+        if bar is None:
+            print(f"[{i + 1}/{len(names)}] {family}", file=sys.stderr, flush=True)
+        else:
+            bar.set_postfix_str(family)
+        results.append(
+            check(family, args.task, args.limit, args.padded, args.own_loss, args.router_loss)
+        )
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    modes = [args.task or "", "padded" * args.padded, "own-loss" * args.own_loss,
+             "router-loss" * args.router_loss]  # fmt: skip
+    name = "-".join(["hf-sweep", *(m for m in modes if m)])
+    loss = "a summed cross-entropy of the logits"
+    if args.own_loss or args.router_loss:
+        loss = "the model's own loss of its labels (averaged: loss_reduction='mean')"
+    if args.router_loss:
+        loss += " with its load-balancing term (output_router_logits=True)"
+    if args.padded:
+        loss += ", token ids padded on the right by 0, 2 and 1 tokens"
+    js, md = write(results, Path(args.out), command, name, loss)
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    print(", ".join(f"{n} {o}" for o, n in counts.items()))
+    for r in results:
+        if r.outcome in ("mismatch", "crash"):
+            print(f"{r.outcome}: {r.family} ({r.model}): {r.detail}")
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
