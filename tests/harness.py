@@ -105,6 +105,38 @@ def assert_matches(model, want: dict, what: str = "", **tol) -> None:
             assert_close(p.grad1, want[n], f"{what} {n}")
 
 
+def assert_grad1(model, want: dict, what: str, frozen_clean: bool = False, **tol) -> None:
+    """Every trainable parameter's ``grad1`` is ``want[name]`` (the float64 tolerances of
+    :func:`assert_close`, or ``torch.testing.assert_close`` with ``tol``); at least one is
+    checked; with ``frozen_clean``, a frozen parameter has no ``grad1``."""
+    checked = 0
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            if frozen_clean:
+                assert not hasattr(p, "grad1"), f"{what}: frozen {n} has a grad1"
+            continue
+        assert hasattr(p, "grad1"), f"{what}: {n} has no grad1"
+        if tol:
+            torch.testing.assert_close(
+                p.grad1.to(want[n].dtype), want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
+            )
+        else:
+            assert_close(p.grad1, want[n], f"{what}: {n}")
+        checked += 1
+    assert checked, what
+
+
+def seeded(factory, seed: int = 0):
+    """``factory()`` after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return factory()
+
+
+def as_double(t):
+    """``t`` in float64 where it is a floating tensor, else as it is."""
+    return t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
+
+
 def run_hooked(model, case, inputs, target, reduction: str, **hook_kwargs):
     batch = (inputs[0] if isinstance(inputs, tuple) else inputs).shape[0]
     args = inputs if isinstance(inputs, tuple) else (inputs,)

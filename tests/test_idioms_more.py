@@ -14,6 +14,7 @@ that says what to do and leaves the model as it was.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -21,8 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+import harness
 from gradhooks.oracle import loop_grad
 from harness import assert_close
+
+# (every check here also asks that a frozen parameter has no grad1)
+assert_grad1 = functools.partial(harness.assert_grad1, frozen_clean=True)
 
 D = torch.float64
 
@@ -35,25 +40,6 @@ def mlp(dtype: torch.dtype = D) -> nn.Sequential:
 def batch(seed: int, n: int = 4, dtype: torch.dtype = D):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, generator=g, dtype=dtype), torch.randint(2, (n,), generator=g)
-
-
-def assert_grad1(model: nn.Module, want: dict, what: str, **tol) -> None:
-    """Every trainable parameter's ``grad1`` is ``want[name]`` (the harness' float64
-    tolerances, or ``torch.testing.assert_close`` with ``tol``)."""
-    checked = 0
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            assert not hasattr(p, "grad1"), f"{what}: frozen {n} has a grad1"
-            continue
-        assert hasattr(p, "grad1"), f"{what}: {n} has no grad1"
-        if tol:
-            torch.testing.assert_close(
-                p.grad1.to(want[n].dtype), want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
-            )
-        else:
-            assert_close(p.grad1, want[n], f"{what}: {n}")
-        checked += 1
-    assert checked, what
 
 
 def prefixed(want: dict, prefix: str) -> dict:

@@ -46,24 +46,10 @@ from torch.nn.utils.rnn import PackedSequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import assert_close
+from harness import as_double, assert_close, seeded
+from harness import sum_of_squares as sq
 
 DOUBLE = torch.float64
-
-
-def sq(out, target=None) -> Tensor:
-    """Half the sum of squares: a sum of per-example losses."""
-    leaves = out if isinstance(out, tuple | list) else (out,)
-    return sum(0.5 * (t**2).sum() for t in leaves if isinstance(t, Tensor))
-
-
-def seeded(factory, seed: int = 0):
-    torch.manual_seed(seed)
-    return factory()
-
-
-def as_double(t):
-    return t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -24,31 +24,13 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close
+from harness import assert_close, assert_grad1
 
 D = torch.float64
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad1.clone() for n, p in model.named_parameters() if hasattr(p, "grad1")}
-
-
-def assert_grad1(model, want: dict, what: str, **tol) -> None:
-    """Every trainable parameter's ``grad1`` is ``want[name]`` (float64 tolerances of the
-    harness, or ``torch.testing.assert_close`` with ``tol``)."""
-    checked = 0
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        assert hasattr(p, "grad1"), f"{what}: {n} has no grad1"
-        if tol:
-            torch.testing.assert_close(
-                p.grad1.to(want[n].dtype), want[n], **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
-            )
-        else:
-            assert_close(p.grad1, want[n], f"{what}: {n}")
-        checked += 1
-    assert checked, what
 
 
 def assert_same(model, twin, what: str) -> None:
