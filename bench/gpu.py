@@ -1,8 +1,16 @@
 """On a machine with a CUDA device: the CUDA tests, then the benchmark's host, grad1 and
 workloads suites on it, in one short run (about 11 minutes at most on one H200).
 
-    python -m bench.gpu                   # results under $OUT, or bench/results/ without it
+    python -m bench.gpu --fetch-wheels    # here, before: the peers' wheels into .whl/
+    python -m bench.gpu                   # there: results under $OUT, or bench/results/
     python -m bench.gpu --dry-run         # the commands, run nothing
+
+The device machine's Python has torch, transformers, peft, timm and einops, but not the peers
+the suites compare with (Opacus, BackPACK), and nothing can be fetched there. ``--fetch-wheels``
+downloads their wheels (pure Python, for the device's Python 3.12) into ``.whl/`` at the
+repository's root (ignored by git: name it in the device tool's ``carry``); on the device,
+``python -m bench.gpu`` installs what ``.whl/`` holds into a folder of its own and puts it on
+the stages' ``PYTHONPATH``. A peer still missing is reported by the suites as unavailable.
 
 Each stage is a process of its own with a time limit; a stage that fails or runs out of time
 is reported in ``gpu-summary.txt`` and the next one runs. The suites use few repetitions (the
@@ -24,6 +32,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 NO_DEVICE = "no CUDA device: nothing to measure"
+WHEELS = ROOT / ".whl"
+# the peers' wheels (pure Python; their other needs are on the device machine)
+PEER_WHEELS = ("opacus==1.6.0", "backpack-for-pytorch==1.7.1", "unfoldNd==0.2.3")
+DEVICE_PYTHON = "3.12"
+
+
+def fetch_wheels_command(into: Path = WHEELS) -> list[str]:
+    """pip's download of :data:`PEER_WHEELS` for the device machine's Python, without their
+    dependencies (torch and numpy are there)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", DEVICE_PYTHON, "--implementation", "cp",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+            "-d", str(into), *PEER_WHEELS]  # fmt: skip
+
+
+def install_wheels(wheels: Path, site: Path) -> dict[str, str]:
+    """Install the wheels in ``wheels`` (if any) into ``site``; the environment for the stages,
+    with ``site`` first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        return env
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+         "--upgrade", "--target", str(site), *map(str, found)],
+        check=True,
+    )  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return env
 
 
 def stages(out: Path) -> list[tuple[str, list[str], int]]:
@@ -43,12 +80,14 @@ def stages(out: Path) -> list[tuple[str, list[str], int]]:
     ]  # fmt: skip
 
 
-def run(name: str, cmd: list[str], limit: int, log) -> str:
+def run(name: str, cmd: list[str], limit: int, log, env: dict | None = None) -> str:
     log.write(f"\n==== {name}: {' '.join(cmd)} (limit {limit} s)\n")
     log.flush()
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+        done = subprocess.run(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit, env=env
+        )
         verdict = "ok" if done.returncode == 0 else f"failed (status {done.returncode})"
     except subprocess.TimeoutExpired:
         verdict = f"stopped after its limit of {limit} s"
@@ -60,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"),
                    help="results folder ($OUT where set, else bench/results)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--fetch-wheels", action="store_true",
+                   help=f"download the peers' wheels into {WHEELS.name}/ (run where pip can)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.fetch_wheels:
+        return subprocess.run(fetch_wheels_command()).returncode
     out = Path(args.out)
     plan = stages(out)
     if args.dry_run:
@@ -73,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_DEVICE, file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
+    env = install_wheels(WHEELS, Path(os.environ.get("TMPDIR", "/tmp")) / "gradhooks-peers")
     lines = [f"device: {torch.cuda.get_device_name()}"]
     with open(out / "gpu-log.txt", "w") as log:
         for name, cmd, limit in plan:
-            lines.append(run(name, cmd, limit, log))
+            lines.append(run(name, cmd, limit, log, env))
             print(lines[-1], flush=True)
     (out / "gpu-summary.txt").write_text("\n".join(lines) + "\n")
     return 0 if all(line.endswith(" s") and ": ok," in line for line in lines[1:]) else 1

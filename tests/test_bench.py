@@ -2,6 +2,7 @@
 cannot run instead of crashing. No timings are asserted."""
 
 import json
+import os
 
 import pytest
 
@@ -315,6 +316,48 @@ def test_gpu_script_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main([]) == 1
     assert gpu.NO_DEVICE in capsys.readouterr().err
+
+
+def _tiny_wheel(folder, name: str = "gh_peer_probe") -> None:
+    """A wheel of one module, ``name``, with ``VALUE = 7``, written by hand (no build)."""
+    import zipfile
+
+    info = f"{name}-0.1.dist-info"
+    files = {
+        f"{name}.py": "VALUE = 7\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+
+
+def test_gpu_script_installs_the_carried_wheels(tmp_path):
+    """On the device machine the peers come as wheels in ``.whl/``: installed into a folder of
+    their own, first on the stages' ``PYTHONPATH``; without wheels the environment is as it
+    was. ``--fetch-wheels`` asks pip for the peers, for the device's Python, without their
+    dependencies."""
+    import subprocess
+    import sys
+
+    from bench import gpu
+
+    assert gpu.install_wheels(tmp_path / "none", tmp_path / "site") == dict(os.environ)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _tiny_wheel(wheels)
+    env = gpu.install_wheels(wheels, tmp_path / "site")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")
+    out = subprocess.run([sys.executable, "-c", "import gh_peer_probe as m; print(m.VALUE)"],
+                         env=env, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.strip() == "7"
+    cmd = gpu.fetch_wheels_command(tmp_path)
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == gpu.DEVICE_PYTHON
+    assert any(w.startswith("opacus==") for w in cmd)
 
 
 def test_host_profile_counts_the_tracker(tmp_path):
