@@ -50,6 +50,7 @@ from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
 from .workflows import distributed  # noqa: F401
 from .workflows.check import CheckReport, check_rule
+from .workflows.convert import convert_batch_norm
 from .workflows.dp import ClippedSum, clip_factors, clipped_sum, dp_sgd_step
 from .workflows.jacobian import jacobians
 from .workflows.kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
@@ -101,6 +102,7 @@ __all__ = [
     "PrivacyAccountant",
     "noise_multiplier_for",
     "audit",
+    "convert_batch_norm",
     "kfac",
     "KFactors",
     "KFactorsInverse",

@@ -47,7 +47,8 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
         f"because {why}: every example's output depends on the other examples, so per-example "
         f"gradients do not exist (for any layer of the model). Either replace it with a "
         f"per-example normalization, e.g. nn.GroupNorm(num_groups, {module.num_features}) "
-        "(what Opacus' ModuleValidator.fix does), or put it in eval mode (model.eval(), or "
+        "(model = gradhooks.convert_batch_norm(model) replaces every batch norm so, as "
+        "Opacus' ModuleValidator.fix does), or put it in eval mode (model.eval(), or "
         "module.eval() on the batch-norm layers) so that it uses its running statistics."
     )
 
