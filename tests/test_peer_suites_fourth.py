@@ -972,3 +972,383 @@ def test_opacus_virtual_steps_draw_the_noise_once(method):
         opt.step()
     for (n, p), q in zip(one.named_parameters(), three.parameters()):
         assert_close(q.grad, p.grad, f"{method}: {n}")
+
+
+# == private-vision: mixed ghost clipping of CNNs ================================================
+
+
+class MixedCNN(nn.Module):
+    """A CNN whose layers' cheaper norm differs (private-vision's "mixed ghost clipping"): a
+    first convolution over 1024 positions with few features (its per-example gradient is
+    cheaper than the ``T²`` Gram matrices), a last one over 64 positions with many (the Gram
+    form is cheaper), GroupNorm between them, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 2, 3, padding=1)
+        self.c2 = nn.Conv2d(2, 32, 3, stride=2, padding=1)
+        self.gn = nn.GroupNorm(4, 32)
+        self.c3 = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.relu(self.c2(F.relu(self.c1(x))))
+        return self.fc(F.relu(self.c3(self.gn(x))).mean((2, 3)))
+
+
+class ResidualCNN(nn.Module):
+    """A small ResNet (private-vision's CIFAR ResNets with GroupNorm): a stem, one basic block
+    with a skip connection, a pooled Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.gn0 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.GroupNorm(2, 8)
+        self.conv1, self.gn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.GroupNorm(2, 8)
+        self.conv2, self.gn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.gn0(self.stem(x)))
+        x = F.relu(x + self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x))))))
+        return self.fc(x.mean((2, 3)))
+
+
+VISION_MODELS = {
+    "mixed_cnn": (MixedCNN, lambda b: torch.randn(b, 1, 32, 32)),
+    "resnet_block": (ResidualCNN, lambda b: torch.randn(b, 3, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("method", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("name", list(VISION_MODELS))
+def test_private_vision_mixed_ghost_clipping_of_cnns(name, method):
+    """private-vision's ``PrivacyEngine(clipping_mode="MixGhostClip")`` on CNNs: per layer, the
+    per-example norm by whichever of the Gram ("ghost") and the materialized forms is cheaper,
+    the clipped mean gradient as the per-example loop's. Here both forms occur in one model
+    (``Hooks.norm_forms``) and every parameter's norm is the oracle's."""
+    factory, inputs = VISION_MODELS[name]
+    model = seeded(factory).double()
+    x = seeded(lambda: inputs(4), 1).double()
+    y = seeded(lambda: torch.randint(10, (4,)), 2)
+    want = vmap_grad(model, ce_sum, x, y)
+    C = flat_oracle(want, model).norm(dim=1).median().item()
+    norms, sums = oracle_clipped(want, C)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=0.0, method=method)
+        forms = h.norm_forms()
+        for n, v in param_norms_of(want).items():
+            assert_close(h.param_norms()[n], v, f"{name} ({method}, {forms[n]}): {n}")
+    if name == "mixed_cnn":
+        assert {"gram", "materialized"} <= set(forms.values()), forms
+    assert_close(got, norms, f"{name} ({method}): norms")
+    for n, p in trainable(model).items():
+        assert_close(p.grad, sums[n] / 4, f"{name} ({method}): clipped mean of {n}")
+
+
+# == pyvacy: DP-SGD as a per-example loop =========================================================
+
+
+def pyvacy_step(model, x, y, max_norm, sigma, generator, microbatch: int = 1) -> dict[str, Tensor]:
+    """pyvacy's ``DPSGD`` step, as its loop runs it: for each micro-batch (of ``microbatch``
+    examples), the gradient of its summed loss clipped to ``max_norm`` as a whole, added up;
+    then per parameter, in order, ``σ·C·N(0, I)`` drawn from ``generator``; the sum divided
+    by the minibatch size. Returns ``{name: gradient}``."""
+    params = trainable(model)
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    with gradhooks.paused():
+        for s in range(0, x.shape[0], microbatch):
+            model.zero_grad()
+            ce_sum(model(x[s : s + microbatch]), y[s : s + microbatch]).backward()
+            norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params.values()))
+            factor = min(1.0, max_norm / (norm.item() + 1e-300))
+            for n, p in params.items():
+                total[n] += factor * p.grad
+    model.zero_grad()
+    for n, p in params.items():
+        z = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+        total[n] = (total[n] + sigma * max_norm * z) / x.shape[0]
+    return total
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_pyvacy_per_example_loop_step_with_its_noise(method):
+    """pyvacy's ``optim.DPSGD`` (``microbatch_size=1``): a loop over the examples, each
+    gradient clipped, summed, Gaussian noise ``σ·C`` added per parameter, divided by the
+    minibatch size. :func:`gradhooks.dp_sgd_step` with the same generator seed draws the same
+    noise, parameter after parameter, so the whole step, noise included, is the loop's."""
+    model = seeded(conv_classifier).double()
+    x = seeded(lambda: torch.randn(6, 1, 7, 7), 1).double()
+    y = seeded(lambda: torch.randint(3, (6,)), 2)
+    want = pyvacy_step(model, x, y, 0.05, 1.1, torch.Generator().manual_seed(9))
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.05,
+            noise_multiplier=1.1, method=method, generator=torch.Generator().manual_seed(9),
+        )  # fmt: skip
+    for n, p in trainable(model).items():
+        assert_close(p.grad, want[n], f"{method}: {n}")
+
+
+@pytest.mark.parametrize("microbatch", [2, 3])
+def test_pyvacy_microbatch_clipping_from_grad1(microbatch):
+    """pyvacy's ``microbatch_size > 1``: the unit clipped is a micro-batch's summed gradient.
+    gradhooks has no micro-batch clipping; ``grad1`` summed within each micro-batch, clipped
+    and summed, with the noise of the same generator, is pyvacy's step."""
+    model = seeded(classifier).double()
+    x = seeded(lambda: torch.randn(6, 4), 1).double()
+    y = seeded(lambda: torch.randint(3, (6,)), 2)
+    want = pyvacy_step(model, x, y, 0.3, 0.8, torch.Generator().manual_seed(4), microbatch)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        ce_sum(model(x), y).backward()
+    params = trainable(model)
+    groups = {n: p.grad1.view(-1, microbatch, *p.shape).sum(1) for n, p in params.items()}
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in groups.values()]).sum(0).sqrt()
+    factors = gradhooks.clip_factors(norms, 0.3)
+    g = torch.Generator().manual_seed(4)
+    for n, p in params.items():
+        z = torch.randn(p.shape, generator=g, dtype=D)
+        step = (torch.einsum("m,m...->...", factors, groups[n]) + 0.8 * 0.3 * z) / 6
+        assert_close(step, want[n], f"micro-batches of {microbatch}: {n}")
+
+
+# == data attribution: TRAK, torch-influence, the gradient noise scale ============================
+
+
+def margin_sum(out: Tensor, y: Tensor) -> Tensor:
+    """TRAK's model output function for classification, summed over the batch: the margin
+    ``f = logit_y - logsumexp(other logits)`` of each example."""
+    correct = out.gather(1, y[:, None])[:, 0]
+    others = out.masked_fill(torch.arange(out.shape[1]) == y[:, None], float("-inf"))
+    return (correct - others.logsumexp(1)).sum()
+
+
+def projector(P: int, k: int, kind: str) -> Tensor:
+    """TRAK's ``BasicProjector``: a ``[P, k]`` Gaussian or Rademacher matrix scaled by
+    ``1/√k``, from a fixed seed."""
+    g = torch.Generator().manual_seed(17)
+    if kind == "normal":
+        M = torch.randn(P, k, generator=g, dtype=D)
+    else:
+        M = torch.randint(0, 2, (P, k), generator=g).to(D) * 2 - 1
+    return M / math.sqrt(k)
+
+
+@pytest.mark.parametrize("proj", ["normal", "rademacher"])
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_trak_projected_per_example_gradients(kind, proj):
+    """TRAK's ``featurize``: the per-example gradients of the margin (``vmap(grad)`` of
+    ``functional_call`` there) projected to ``k`` dimensions (``trak/tests/test_projectors.py``
+    and ``test_gradient_computers.py``): ``grad1`` of the summed margins (``loss_reduction=
+    "sum"``), flattened and projected, against the oracle's."""
+    model = seeded(classifier if kind == "mlp" else conv_classifier).double()
+    x, y = classification_data(kind, 8, 1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        margin_sum(model(x), y).backward()
+    P = sum(p.numel() for p in model.parameters())
+    M = projector(P, 16, proj)
+    want = flat_oracle(vmap_grad(model, margin_sum, x, y), model)
+    assert_close(flat_grad1(model) @ M, want @ M, f"TRAK features ({kind}, {proj})")
+
+
+def test_trak_scores_from_the_features():
+    """TRAK's scores (``TRAKer.score`` of one model): ``φ_test (ΦᵀΦ)⁻¹ Φᵀ Q``, with ``Φ`` the
+    training examples' projected margin gradients and ``Q = diag(1 - p_y)`` (its
+    ``out_to_loss``), from gradhooks' features against the oracle's."""
+    model = seeded(classifier).double()
+    x, y = classification_data("mlp", 24, 1)
+    xt, yt = classification_data("mlp", 4, 2)
+    P = sum(p.numel() for p in model.parameters())
+    M = projector(P, 12, "normal")
+
+    def features(xs, ys):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            margin_sum(model(xs), ys).backward()
+        out = flat_grad1(model) @ M
+        gradhooks.clear_grad1(model)
+        model.zero_grad()
+        return out
+
+    def scores(phi, phi_t):
+        with torch.no_grad():
+            q = 1 - model(x).softmax(1).gather(1, y[:, None])[:, 0]
+        return phi_t @ torch.linalg.solve(phi.T @ phi, phi.T) * q
+
+    got = scores(features(x, y), features(xt, yt))
+    want_phi = flat_oracle(vmap_grad(model, margin_sum, x, y), model) @ M
+    want_phi_t = flat_oracle(vmap_grad(model, margin_sum, xt, yt), model) @ M
+    assert_close(got, scores(want_phi, want_phi_t), "TRAK scores")
+
+
+def bce_sum(out: Tensor, y: Tensor) -> Tensor:
+    return F.binary_cross_entropy_with_logits(out[:, 0], y, reduction="sum")
+
+
+def influence_problem(kind: str):
+    """A logistic (``Linear(5, 1)``, BCE) or softmax (``Linear(5, 3)``, CE) regression with
+    its data: torch-influence's convex test problems."""
+    torch.manual_seed(3)
+    x, xt = torch.randn(30, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    if kind == "logistic":
+        model, loss = nn.Linear(5, 1).double(), bce_sum
+        y, yt = torch.randint(2, (30,)).double(), torch.randint(2, (4,)).double()
+    else:
+        model, loss = nn.Linear(5, 3).double(), ce_sum
+        y, yt = torch.randint(3, (30,)), torch.randint(3, (4,))
+    return model, loss, x, y, xt, yt
+
+
+def per_example_losses(out: Tensor, y: Tensor) -> Tensor:
+    """``[batch]``: the BCE (one logit) or cross-entropy of each example."""
+    if out.shape[1] == 1:
+        return F.binary_cross_entropy_with_logits(out[:, 0], y, reduction="none")
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def regularized(model, x, y, damping, weights=None):
+    """``θ ↦ (1/n) Σᵢ wᵢ ℓᵢ(θ) + damping/2 ‖θ‖²`` of the flattened parameters (``wᵢ = 1``)."""
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def f(theta):
+        params, at = {}, 0
+        for n, s in shapes.items():
+            params[n] = theta[at : at + math.prod(s)].view(s)
+            at += math.prod(s)
+        losses = per_example_losses(functional_call(model, params, (x,)), y)
+        value = losses.sum() if weights is None else (weights * losses).sum()
+        return value / x.shape[0] + 0.5 * damping * theta.pow(2).sum()
+
+    return f
+
+
+def hessian(f):
+    """``f``'s Hessian by reverse over reverse (no forward-mode decompositions)."""
+    return torch.func.jacrev(torch.func.grad(f))
+
+
+def newton(f, theta, steps: int = 12):
+    for _ in range(steps):
+        g = torch.func.grad(f)(theta)
+        theta = theta - torch.linalg.solve(hessian(f)(theta), g)
+    return theta
+
+
+@pytest.mark.parametrize("kind", ["logistic", "softmax"])
+def test_torch_influence_of_up_weighting_a_training_example(kind):
+    """torch-influence's ``AutogradInfluenceModule.influences(train_idxs, test_idxs)``:
+    ``I(z_i, z_test) = -∇L_testᵀ (H + λI)⁻¹ ∇ℓ_i`` at the optimum of a convex regression
+    (its ``tests/test_influence.py`` on logistic regression). The training examples' gradients
+    from ``grad1`` against the oracle's, and the influences against the derivative of the
+    test loss when example ``i``'s weight is raised by ``ε`` and the model re-trained
+    (central differences)."""
+    model, loss, x, y, xt, yt = influence_problem(kind)
+    damping, n = 0.01, x.shape[0]
+    theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+    f = regularized(model, x, y, damping)
+    with gradhooks.paused():
+        theta = newton(f, theta)
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(theta, model.parameters())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x), y).backward()
+    G = flat_grad1(model)
+    assert_close(G, flat_oracle(vmap_grad(model, loss, x, y), model), f"{kind}: train gradients")
+    with gradhooks.paused():
+        H = hessian(f)(theta)
+        test_loss = regularized(model, xt, yt, 0.0)
+        g_test = torch.func.grad(test_loss)(theta)
+    influences = -(G / n) @ torch.linalg.solve(H, g_test)
+    eps = 1e-4
+    for i in (0, 7):
+        moved = []
+        for sign in (1, -1):
+            w = torch.ones(n, dtype=D)
+            w[i] += sign * eps
+            with gradhooks.paused():
+                moved.append(test_loss(newton(regularized(model, x, y, damping, w), theta, 4)))
+        by_retraining = (moved[0] - moved[1]) / (2 * eps)
+        torch.testing.assert_close(influences[i], by_retraining, rtol=1e-6, atol=1e-10)
+
+
+def noise_scale_oracle(want: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(tr Σ, ‖G‖², B_simple)`` from per-example gradients: the unbiased trace of their
+    covariance, the squared norm of their mean, and the ratio."""
+    g = torch.cat([v.flatten(1) for v in want.values()], 1)
+    B = g.shape[0]
+    mean = g.mean(0)
+    trace = (g - mean).pow(2).sum() / (B - 1)
+    return trace, mean.pow(2).sum(), trace / mean.pow(2).sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("quantity", ["norms", "sum_grad_sq"])
+def test_gradient_noise_scale_from_per_example_norms(quantity, reduction):
+    """McCandlish et al.'s simple noise scale ``B_simple = tr Σ / ‖G‖²``, with ``tr Σ`` the
+    unbiased ``(Σᵢ‖gᵢ‖² - B‖ḡ‖²)/(B-1)``: ``Σᵢ‖gᵢ‖²`` from the per-example norms
+    (``Hooks.norms``) or from ``Hooks.sum_grad_sq``, ``ḡ`` from ``.grad`` (divided by ``B``
+    under a sum), never forming ``grad1``."""
+    model = seeded(conv_classifier).double()
+    x, y = classification_data("conv", 10, 1)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=(quantity,)) as h:
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        if quantity == "norms":
+            sq = h.norms().pow(2).sum()
+        else:
+            sq = sum(v.sum() for v in h.sum_grad_sq().values())
+    B = 10
+    mean = torch.cat([p.grad.flatten() for p in model.parameters()]) / (
+        B if reduction == "sum" else 1
+    )
+    trace = (sq - B * mean.pow(2).sum()) / (B - 1)
+    want_trace, want_g2, want_simple = noise_scale_oracle(vmap_grad(model, ce_sum, x, y))
+    assert not hasattr(model[0].weight, "grad1")
+    assert_close(trace, want_trace, "tr Σ")
+    assert_close(mean.pow(2).sum(), want_g2, "‖G‖²")
+    assert_close(trace / mean.pow(2).sum(), want_simple, "B_simple")
+
+
+def test_gradient_noise_scale_two_batch_estimators_and_per_layer_variance():
+    """McCandlish et al.'s Appendix A estimators from two batch sizes, ``|G|² ≈ (B_big‖G_big‖² -
+    B_small‖G_small‖²)/(B_big - B_small)`` and ``S ≈ (‖G_small‖² - ‖G_big‖²)/(1/B_small -
+    1/B_big)``: with ``B_small = 1`` (the per-example gradients, their squared norms
+    averaged) they are the unbiased ``‖ḡ‖² - tr Σ/B`` and ``tr Σ``. And per layer,
+    ``Hooks.grad_variance`` (the population variance) summed and scaled by ``B/(B-1)`` is
+    each layer's ``tr Σ``."""
+    model = seeded(classifier).double()
+    x, y = classification_data("mlp", 12, 1)
+    B = 12
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as h:
+        F.cross_entropy(model(x), y).backward()
+        small = h.norms().pow(2).mean()
+        variance = h.grad_variance()
+    big = sum(p.grad.pow(2).sum() for p in model.parameters())
+    g2 = (B * big - small) / (B - 1)
+    S = (small - big) / (1 - 1 / B)
+    want = vmap_grad(model, ce_sum, x, y)
+    want_trace, want_g2, _ = noise_scale_oracle(want)
+    assert_close(S, want_trace, "S")
+    assert_close(g2, want_g2 - want_trace / B, "|G|²")
+    for n, g in want.items():
+        layer_trace, _, _ = noise_scale_oracle({n: g})
+        assert_close(variance[n].sum() * B / (B - 1), layer_trace, f"tr Σ of {n}")
+
+
+@pytest.mark.parametrize("use", ["tracin", "trak", "noise_scale", "laplace_jacobians"])
+def test_attribution_with_batch_norm_in_training_is_refused(use):
+    """With BatchNorm in train mode no example has a gradient of its own (each output depends
+    on the whole batch): TracIn's and TRAK's per-example gradients, the noise scale's norms
+    and laplace's Jacobians are refused with :class:`gradhooks.MixedExamplesError` naming the
+    layer, not computed from the batch's shares."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)))
+    model = model.double().train()
+    x, y = classification_data("mlp", 8, 1)
+    with pytest.raises(gradhooks.MixedExamplesError, match="BatchNorm1d"):
+        if use == "laplace_jacobians":
+            gradhooks.jacobians(model, x)
+        else:
+            quantities = ("norms",) if use == "noise_scale" else ("grad1",)
+            with gradhooks.add_hooks(model, loss_reduction="sum", quantities=quantities):
+                out = model(x)
+                (margin_sum(out, y) if use == "trak" else ce_sum(out, y)).backward()
+    assert all(not hasattr(p, "grad1") for p in model.parameters())
