@@ -1352,3 +1352,136 @@ def test_attribution_with_batch_norm_in_training_is_refused(use):
                 out = model(x)
                 (margin_sum(out, y) if use == "trak" else ce_sum(out, y)).backward()
     assert all(not hasattr(p, "grad1") for p in model.parameters())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(FAST_CLIPPING_MODELS))
+def test_gradient_noise_scale_per_layer_from_grad_variance(name, reduction):
+    """The per-layer noise scale (the gradient noise scale of each parameter, as training
+    monitors log it): ``Hooks.grad_variance`` (``mean_i grad1[i]² - (mean_i grad1[i])²``,
+    elementwise, the mean formed from the layer's kept inputs where that is cheaper) and
+    ``Hooks.sum_grad_sq`` on the Linear (over a sequence), Conv, Embedding, LayerNorm and
+    GroupNorm models, under either loss reduction, against the oracle's."""
+    factory, inputs = FAST_CLIPPING_MODELS[name]
+    model = seeded(factory).double()
+    x = as_double(seeded(lambda: inputs(8), 1))
+    y = seeded(lambda: torch.randint(3, (8,)), 2)
+    want = vmap_grad(model, ce_sum, x, y)
+    with gradhooks.add_hooks(model, loss_reduction=reduction, quantities=("sum_grad_sq",)) as h:
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        variance, sq = h.grad_variance(), h.sum_grad_sq()
+    for n, g in want.items():
+        assert_close(sq[n], g.pow(2).sum(0), f"{name} ({reduction}): sum_grad_sq of {n}")
+        population = (g.pow(2).mean(0) - g.mean(0).pow(2)).clamp_min(0)
+        assert_close(variance[n], population, f"{name} ({reduction}): variance of {n}")
+
+
+CONV_KINDS = {
+    "depthwise": (lambda: nn.Conv2d(8, 8, 3, groups=8, padding=1), (4, 8, 6, 6)),
+    "grouped_strided": (lambda: nn.Conv2d(8, 12, 3, groups=4, stride=2), (4, 8, 9, 9)),
+    "circular_padding": (
+        lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"),
+        (4, 3, 6, 6),
+    ),
+    "reflect_dilated": (
+        lambda: nn.Conv2d(3, 4, 3, padding=2, padding_mode="reflect", dilation=2),
+        (4, 3, 7, 7),
+    ),  # fmt: skip
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, stride=2), (4, 2, 4, 4, 4)),
+    "transposed": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1), (4, 3, 4, 4)),
+    "transposed_grouped": (lambda: nn.ConvTranspose1d(4, 6, 3, groups=2, dilation=2), (4, 4, 7)),
+}
+
+
+class ConvHead(nn.Module):
+    def __init__(self, conv: nn.Module, features: int):
+        super().__init__()
+        self.conv, self.fc = conv, nn.Linear(features, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("form", ["gram", "materialized"])
+@pytest.mark.parametrize("kind", list(CONV_KINDS))
+def test_private_vision_conv_layers_under_either_norm_form(kind, form):
+    """private-vision's ghost norms of the convolutions of its CNNs (depthwise and grouped as
+    in MobileNet / EfficientNet, non-zero padding modes, 3-d, transposed), each under the
+    Gram and the materialized form (forced by :func:`gradhooks.tuned`: only the cost decides
+    between them): norms per parameter and the clipped sum, by ghost clipping and by
+    book-keeping, against the loop's."""
+    conv, shape = CONV_KINDS[kind]
+    torch.manual_seed(0)
+    layer = conv().double()
+    x = torch.randn(*shape, dtype=D)
+    model = ConvHead(layer, layer(x).flatten(1).shape[1]).double()
+    y = torch.randint(3, (shape[0],))
+    want = vmap_grad(model, ce_sum, x, y)
+    norms, sums = oracle_clipped(want, 0.1)
+    for method in ("ghost", "bookkeeping"):
+        with gradhooks.tuned(pass_macs=10**9 if form == "gram" else 0):
+            with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                result = gradhooks.clipped_sum(h, losses, max_norm=0.1, method=method)
+                assert h.norm_forms()["conv.weight"] == form
+                for n, v in param_norms_of(want).items():
+                    assert_close(h.param_norms()[n], v, f"{kind} ({form}, {method}): {n}")
+        assert_close(result.norms, norms, f"{kind} ({form}, {method}): norms")
+        for (n, _), s in zip(trainable(model).items(), result.sums):
+            assert_close(s, sums[n], f"{kind} ({form}, {method}): clipped sum of {n}")
+
+
+@pytest.mark.parametrize("wrt", ["2.weight,2.bias", "0.weight", "0.bias,2.weight"])
+def test_torch_influence_gradients_of_chosen_parameters(wrt):
+    """torch-influence's ``BaseInfluenceModule(params_filter=...)`` and Captum's
+    ``TracInCP(layers=...)`` take the gradients of some parameters only, by
+    ``torch.autograd.grad(loss, chosen)``: under the hooks, exactly the chosen parameters get a
+    ``grad1`` (the oracle's), the others none, and no ``.grad`` is written."""
+    model = seeded(classifier).double()
+    x, y = classification_data("mlp", 8, 1)
+    want = vmap_grad(model, ce_sum, x, y)
+    chosen = wrt.split(",")
+    params = dict(model.named_parameters())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        grads = torch.autograd.grad(ce_sum(model(x), y), [params[n] for n in chosen])
+    for n, p in params.items():
+        assert p.grad is None
+        if n in chosen:
+            assert_close(p.grad1, want[n], f"{wrt}: {n}")
+            assert_close(grads[chosen.index(n)], want[n].sum(0), f"{wrt}: autograd's {n}")
+        else:
+            assert not hasattr(p, "grad1"), f"{wrt}: {n} was not asked for"
+
+
+def test_torch_influence_hessian_vector_products_under_the_hooks():
+    """torch-influence's ``CGInfluenceModule`` / ``LiSSAInfluenceModule``: Hessian-vector
+    products by double backward (``create_graph=True``). Under the hooks the second backward is
+    refused (:class:`gradhooks.UnsupportedError`, saying to pause): its per-example gradients
+    would miss the double backward's terms. Under ``h.paused()`` it runs, equals
+    ``torch.func``'s product, and the ``grad1`` of the first backward is kept."""
+    model = seeded(classifier).double()
+    x, y = classification_data("mlp", 8, 1)
+    want = vmap_grad(model, ce_sum, x, y)
+    params = list(model.parameters())
+    v = [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=D)
+        for i, p in enumerate(params)
+    ]
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        grads = torch.autograd.grad(ce_sum(model(x), y), params, create_graph=True)
+        dot = sum((g * u).sum() for g, u in zip(grads, v))
+        with pytest.raises(gradhooks.UnsupportedError, match="paused"):
+            torch.autograd.grad(dot, params, retain_graph=True)
+        with h.paused():
+            hvp = torch.autograd.grad(dot, params)
+    assert_grad1(model, want, "grad1 of the first backward")
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss_of(flat_params):
+        return ce_sum(functional_call(model, dict(zip(names, flat_params)), (x,)), y)
+
+    with gradhooks.paused():
+        _, vjp = torch.func.vjp(torch.func.grad(loss_of), tuple(p.detach() for p in params))
+        (want_hvp,) = vjp(tuple(v))  # (the Hessian is symmetric: vᵀH = Hv)
+    for n, a, b in zip(names, hvp, want_hvp):
+        assert_close(a, b, f"Hv of {n}")
