@@ -508,6 +508,27 @@ def test_laplace_jacobians_against_jacrev(net):
     assert_close(J, jacobians_by_jacrev(model, x), net)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_laplace_jacobians_and_kron_under_no_grad(mode):
+    """laplace's predictive is evaluated under ``torch.no_grad()`` (its backends take the
+    Jacobians under ``torch.enable_grad()`` inside: ``BaseLaplace._glm_predictive_distribution``,
+    ``test_baselaplace.py``'s predictive tests). :func:`gradhooks.jacobians` and
+    :func:`gradhooks.kfac` called under ``torch.no_grad()`` or ``torch.inference_mode()`` give
+    the same numbers as outside (not zeros from a forward that recorded nothing)."""
+    model = laplace_model(2, tanh=True)
+    x = laplace_x(20)
+    y = laplace_targets("classification", 20)
+    want = jacobians_by_jacrev(model, x)
+    outside = gradhooks.kfac(model, x, y, fisher="exact")
+    with getattr(torch, mode)():
+        J = gradhooks.jacobians(model, x, flatten=True)
+        inside = gradhooks.kfac(model, x, y, fisher="exact")
+    assert_close(J, want, f"jacobians under {mode}")
+    for name, f in outside.items():
+        assert_close(inside[name].A, f.A, f"{name}: A under {mode}")
+        assert_close(inside[name].G, f.G, f"{name}: G under {mode}")
+
+
 @pytest.mark.parametrize("outputs", [1, 2])
 def test_laplace_last_layer_jacobians(outputs):
     """``backend.last_layer_jacobians(X)`` (laplace's ``FeatureExtractor`` and

@@ -81,7 +81,9 @@ def jacobians(
         gets the sum over its uses, the derivative of the output as the model computes it
         (``vmap(jacrev)`` of ``torch.func.functional_call``); frozen parameters are left out.
         Under ``torch.autocast`` the Jacobians are in the parameters' dtype, of the
-        computation autocast ran.
+        computation autocast ran. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they
+        are the same (the forward and backward record and run regardless); they are values,
+        not differentiable with respect to the inputs.
 
     Example::
 
@@ -108,7 +110,10 @@ def jacobians(
         if p.requires_grad and all(q is not p for q in named.values()):
             named[name] = p
     params = list(named.values())
-    with add_hooks(model, loss_reduction="sum", registry=registry, quantities=("_jacobian",)) as h:
+    with (
+        recording(),
+        add_hooks(model, loss_reduction="sum", registry=registry, quantities=("_jacobian",)) as h,
+    ):
         # The backward is taken with respect to the hooked calls' outputs (and the parameters
         # no hooked module covers, or used outside their modules' calls), not the parameters:
         # autograd then never forms the others' own gradients (batched over the outputs, for
@@ -184,6 +189,16 @@ def _refuse_missed(h: Hooks, out: Tensor, unwritten: dict[str, nn.Parameter]) ->
 
 
 # -- what jacobians() and kfac() share ---------------------------------------------------------
+
+
+@contextmanager
+def recording() -> Iterator[None]:
+    """Autograd recording on, whatever the caller's mode: the Jacobians and K-FAC factors are
+    derivatives of the model's output, and a forward under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` (an evaluation loop, a predictive) records nothing for their
+    backwards to run through: they would be zeros."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def model_inputs(
