@@ -1506,3 +1506,90 @@ def test_torch_influence_hessian_vector_products_under_the_hooks():
         (want_hvp,) = vjp(tuple(v))  # (the Hessian is symmetric: vᵀH = Hv)
     for n, a, b in zip(names, hvp, want_hvp):
         assert_close(a, b, f"Hv of {n}")
+
+
+class EmbeddingSum(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(7, 4, **kw), nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx)).sum(1)
+
+
+class BagHead(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.emb, self.fc = nn.EmbeddingBag(7, 4, **kw), nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx))
+
+
+EMBEDDINGS = {
+    "padding_idx": lambda: EmbeddingSum(padding_idx=0),
+    "sparse": lambda: EmbeddingSum(sparse=True),
+    "sparse_padding_idx": lambda: EmbeddingSum(sparse=True, padding_idx=2),
+    "bag_mean": lambda: BagHead(mode="mean"),
+    "bag_max": lambda: BagHead(mode="max"),
+    "bag_sum_padding_idx": lambda: BagHead(mode="sum", padding_idx=1),
+    "bag_sparse": lambda: BagHead(mode="sum", sparse=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(EMBEDDINGS))
+def test_opacus_embedding_layers_dp_step_by_every_method(kind):
+    """Opacus' ``embedding_test.py``, ``embedding_bag_test.py`` and the Embedding case of its
+    fast-clipping test: a DP step (no noise, clipping at the median norm) through Embedding
+    with ``padding_idx`` and ``sparse=True`` and EmbeddingBag (mean, max, sum with a padding
+    index, sparse), by ``grad1``, ghost clipping and book-keeping, against the loop's clipped
+    mean (a sparse ``.grad`` compared densified)."""
+    model = seeded(EMBEDDINGS[kind]).double()
+    idx = seeded(lambda: torch.randint(0, 7, (6, 5)), 1)
+    y = seeded(lambda: torch.randint(3, (6,)), 2)
+    want = loop_grad(model, ce_sum, idx, y)
+    C = flat_oracle(want, model).norm(dim=1).median().item()
+    _, sums = oracle_clipped(want, C)
+    for method in ("grad1", "ghost", "bookkeeping"):
+        quantities = ("grad1",) if method == "grad1" else ("norms",)
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            losses = F.cross_entropy(model(idx), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=0.0, method=method)
+        for n, p in trainable(model).items():
+            assert_close(p.grad.to_dense(), sums[n] / 6, f"{kind} ({method}): {n}")
+            p.grad = None
+        gradhooks.clear_grad1(model)
+
+
+BF16_RTOL = 4 * 2.0**-8
+"""bfloat16 keeps 8 significant bits (a rounding is within 2^-9 of the value); the inputs, the
+outputs and the output-gradients of each layer are rounded, a few roundings in all: 4·2^-8
+relative (measured: at most 5.4e-3 on these models)."""
+
+
+@pytest.mark.parametrize("name", list(FAST_CLIPPING_MODELS))
+def test_gradient_noise_scale_under_bf16_autocast(name):
+    """The noise scale's inputs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, as
+    training monitors measure it in mixed-precision runs: the per-example norms and
+    ``sum_grad_sq`` (float32 results of bfloat16 products) against the float64 loop: the
+    norms within :data:`BF16_RTOL` per example, each parameter's squared sums within twice
+    that as a whole (a first layer's output-gradients come through the bfloat16 backward of
+    every layer after it: autograd's own ``.grad`` of ``conv2d``'s first weight is off by
+    3.5% here, its squared sums by 1.6%)."""
+    factory, inputs = FAST_CLIPPING_MODELS[name]
+    model = seeded(factory)
+    x = seeded(lambda: inputs(8), 1)
+    y = seeded(lambda: torch.randint(3, (8,)), 2)
+    want = vmap_grad(copy.deepcopy(model).double(), ce_sum, as_double(x), y)
+    norms = flat_oracle(want, model).norm(dim=1)
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        got, sq = h.norms(), h.sum_grad_sq()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), norms, rtol=BF16_RTOL, atol=0)
+    for n, g in want.items():
+        ref = g.pow(2).sum(0)
+        rel = ((sq[n].double() - ref).norm() / ref.norm()).item()
+        assert rel < 2 * BF16_RTOL, f"{name}: sum_grad_sq of {n} off by {rel:.2e} relative"
