@@ -530,6 +530,24 @@ def test_laplace_jacobians_and_kron_under_no_grad(mode):
 
 
 @pytest.mark.parametrize("outputs", [1, 2])
+def test_laplace_backprop_jacobians_are_refused_not_detached(outputs):
+    """laplace's ``backend.jacobians(X, enable_backprop=True)`` (``test_backprop_jacobians_*``):
+    Jacobians that a loss can be differentiated through, with respect to ``X``. gradhooks'
+    Jacobians are values without autograd history, so an input that requires grad is refused
+    (:class:`gradhooks.UnsupportedInputError`, naming ``torch.func``) rather than answered with
+    Jacobians whose contribution to a loss's gradient would silently be zero; detached, or
+    under ``torch.no_grad()``, the same input gives the values."""
+    model = laplace_model(outputs)
+    x = laplace_x(30).requires_grad_()
+    with pytest.raises(gradhooks.UnsupportedInputError, match="torch.func"):
+        gradhooks.jacobians(model, x)
+    want = jacobians_by_jacrev(model, x.detach())
+    assert_close(gradhooks.jacobians(model, x.detach(), flatten=True), want, "detached")
+    with torch.no_grad():
+        assert_close(gradhooks.jacobians(model, x, flatten=True), want, "under no_grad")
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
 def test_laplace_last_layer_jacobians(outputs):
     """``backend.last_layer_jacobians(X)`` (laplace's ``FeatureExtractor`` and
     ``test_last_layer_jacobians_*``): the Jacobians of the last layer at the features ``phi``,

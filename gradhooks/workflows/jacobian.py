@@ -31,7 +31,12 @@ from ..engine.api import engine_of
 from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
-from ..errors import CheckFailedError, ConfigurationError, ConfigurationTypeError
+from ..errors import (
+    CheckFailedError,
+    ConfigurationError,
+    ConfigurationTypeError,
+    UnsupportedInputError,
+)
 from ..rules.registry import REGISTRY, Registry
 from ..tracking import MIXED, UNKNOWN, Tracker
 
@@ -82,8 +87,9 @@ def jacobians(
         (``vmap(jacrev)`` of ``torch.func.functional_call``); frozen parameters are left out.
         Under ``torch.autocast`` the Jacobians are in the parameters' dtype, of the
         computation autocast ran. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they
-        are the same (the forward and backward record and run regardless); they are values,
-        not differentiable with respect to the inputs.
+        are the same (the forward and backward record and run regardless). They are values,
+        with no autograd history: an input that requires grad (with grad mode on) is refused,
+        since a loss built from the Jacobians would get no gradient through them.
 
     Example::
 
@@ -105,6 +111,7 @@ def jacobians(
         torch.Size([5, 2, 2, 4])
     """
     args, kwargs = model_inputs(inputs, kwargs, "jacobians")
+    _refuse_differentiable_inputs(args, kwargs)
     named: dict[str, nn.Parameter] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and all(q is not p for q in named.values()):
@@ -167,6 +174,25 @@ def jacobians(
         for p in unwritten.values():  # reached by no output: the Jacobian is zero
             engine.collector.jacobian[id(p)].zero_()
     return flat if flat is not None else result
+
+
+def _refuse_differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> None:
+    """The Jacobians are values the hooks write, with no autograd history: a loss built from
+    them (a predictive variance ``J Σ Jᵀ`` trained through, laplace's ``enable_backprop``)
+    would get no gradient through them, and no error would say so. An input that requires
+    grad, with grad mode on, asks for that: refuse it."""
+    if not torch.is_grad_enabled():
+        return
+    leaves = tree_flatten((args, kwargs))[0]
+    wanting = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+    if wanting:
+        raise UnsupportedInputError(
+            f"jacobians(): an input of shape {tuple(wanting[0].shape)} requires grad, but the "
+            "Jacobians are returned as values, with no autograd history: a loss built from "
+            "them would get no gradient through them. For Jacobians to differentiate, use "
+            "torch.func.vmap(torch.func.jacrev(...)); for their values, pass the input "
+            "detached (x.detach()) or call jacobians() under torch.no_grad()"
+        )
 
 
 def _refuse_missed(h: Hooks, out: Tensor, unwritten: dict[str, nn.Parameter]) -> None:
