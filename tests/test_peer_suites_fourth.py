@@ -561,6 +561,9 @@ def test_laplace_last_layer_jacobians(outputs):
         p.requires_grad_(False)
     frozen_body = gradhooks.jacobians(model, x, flatten=True)
     want = jacobians_by_jacrev(model[-1], phi)
+    eye = torch.eye(outputs, dtype=D).expand(50, -1, -1)
+    closed = torch.cat([torch.einsum("bco,bi->bcoi", eye, phi).flatten(2), eye], 2)
+    assert_close(want, closed, "jacrev vs the closed form [δ ⊗ phi, δ]")
     assert_close(on_phi, want, "last layer on phi")
     assert_close(frozen_body, want, "whole model, body frozen")
 
@@ -1189,6 +1192,30 @@ def test_trak_projected_per_example_gradients(kind, proj):
     M = projector(P, 16, proj)
     want = flat_oracle(vmap_grad(model, margin_sum, x, y), model)
     assert_close(flat_grad1(model) @ M, want @ M, f"TRAK features ({kind}, {proj})")
+
+
+def test_trak_per_example_gradients_at_checkpoint_weights_by_functional_call():
+    """TRAK featurizes each checkpoint by ``torch.func.functional_call(model, weights, x)``
+    with the checkpoint's weights, not the module's own (``FunctionalGradientComputer``).
+    Under the hooks, ``grad1`` goes to the tensors the call used (the oracle's gradients at
+    those weights), and the module's own parameters, unused, get none."""
+    model = seeded(classifier).double()
+    x, y = classification_data("mlp", 8, 1)
+    g = torch.Generator().manual_seed(5)
+    weights = {
+        n: (p.detach() + 0.5 * torch.randn(p.shape, generator=g, dtype=D)).requires_grad_()
+        for n, p in model.named_parameters()
+    }
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        margin_sum(functional_call(model, weights, (x,)), y).backward()
+    at = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in at.named_parameters():
+            p.copy_(weights[n])
+    want = vmap_grad(at, margin_sum, x, y)
+    for n, w in weights.items():
+        assert_close(w.grad1, want[n], f"checkpoint weight {n}")
+        assert not hasattr(dict(model.named_parameters())[n], "grad1"), n
 
 
 def test_trak_scores_from_the_features():
