@@ -1091,11 +1091,14 @@ def test_private_vision_mixed_ghost_clipping_of_cnns(name, method):
 # == pyvacy: DP-SGD as a per-example loop =========================================================
 
 
-def pyvacy_step(model, x, y, max_norm, sigma, generator, microbatch: int = 1) -> dict[str, Tensor]:
+def pyvacy_step(
+    model, x, y, max_norm, sigma, generator, microbatch: int = 1, minibatch: int | None = None
+) -> dict[str, Tensor]:
     """pyvacy's ``DPSGD`` step, as its loop runs it: for each micro-batch (of ``microbatch``
     examples), the gradient of its summed loss clipped to ``max_norm`` as a whole, added up;
     then per parameter, in order, ``σ·C·N(0, I)`` drawn from ``generator``; the sum divided
-    by the minibatch size. Returns ``{name: gradient}``."""
+    by the minibatch size (``minibatch``, the expected size of its Poisson-sampled batches;
+    by default the batch's own). Returns ``{name: gradient}``."""
     params = trainable(model)
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     with gradhooks.paused():
@@ -1109,25 +1112,29 @@ def pyvacy_step(model, x, y, max_norm, sigma, generator, microbatch: int = 1) ->
     model.zero_grad()
     for n, p in params.items():
         z = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-        total[n] = (total[n] + sigma * max_norm * z) / x.shape[0]
+        total[n] = (total[n] + sigma * max_norm * z) / (minibatch or x.shape[0])
     return total
 
 
+@pytest.mark.parametrize("expected", [None, 8], ids=["own_size", "expected_size"])
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
-def test_pyvacy_per_example_loop_step_with_its_noise(method):
+def test_pyvacy_per_example_loop_step_with_its_noise(method, expected):
     """pyvacy's ``optim.DPSGD`` (``microbatch_size=1``): a loop over the examples, each
     gradient clipped, summed, Gaussian noise ``σ·C`` added per parameter, divided by the
-    minibatch size. :func:`gradhooks.dp_sgd_step` with the same generator seed draws the same
-    noise, parameter after parameter, so the whole step, noise included, is the loop's."""
+    minibatch size (its ``IIDBatchSampler`` draws Poisson batches, whose own size varies:
+    the divisor is then the expected size, ``expected_batch_size=``).
+    :func:`gradhooks.dp_sgd_step` with the same generator seed draws the same noise,
+    parameter after parameter, so the whole step, noise included, is the loop's."""
     model = seeded(conv_classifier).double()
     x = seeded(lambda: torch.randn(6, 1, 7, 7), 1).double()
     y = seeded(lambda: torch.randint(3, (6,)), 2)
-    want = pyvacy_step(model, x, y, 0.05, 1.1, torch.Generator().manual_seed(9))
+    want = pyvacy_step(model, x, y, 0.05, 1.1, torch.Generator().manual_seed(9), 1, expected)
     quantities = ("grad1",) if method == "grad1" else ("norms",)
     with gradhooks.add_hooks(model, quantities=quantities) as h:
         gradhooks.dp_sgd_step(
             h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.05,
             noise_multiplier=1.1, method=method, generator=torch.Generator().manual_seed(9),
+            expected_batch_size=expected,
         )  # fmt: skip
     for n, p in trainable(model).items():
         assert_close(p.grad, want[n], f"{method}: {n}")
@@ -1216,6 +1223,53 @@ def test_trak_per_example_gradients_at_checkpoint_weights_by_functional_call():
     for n, w in weights.items():
         assert_close(w.grad1, want[n], f"checkpoint weight {n}")
         assert not hasattr(dict(model.named_parameters())[n], "grad1"), n
+
+
+class TinyCausalLM(nn.Module):
+    """A two-layer causal Transformer language model (token and learned position embeddings,
+    ``nn.TransformerEncoder`` with a causal mask and a padding mask, a vocabulary head): the
+    kind of model TRAK attributes text generation with."""
+
+    def __init__(self, norm_first: bool):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(11, 8), nn.Parameter(0.1 * torch.randn(6, 8))
+        layer = nn.TransformerEncoderLayer(
+            8, 2, 16, dropout=0.0, batch_first=True, norm_first=norm_first
+        )
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, idx: Tensor, pad: Tensor) -> Tensor:
+        T = idx.shape[1]
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        h = self.emb(idx) + self.pos[:T]
+        return self.head(self.enc(h, mask=causal, src_key_padding_mask=pad, is_causal=True))
+
+
+def token_margins_sum(out: Tensor, y: Tensor) -> Tensor:
+    """TRAK's ``TextClassificationModelOutput`` margin, per token, summed over each example's
+    tokens and the batch."""
+    correct = out.gather(2, y[..., None])[..., 0]
+    others = out.masked_fill(torch.arange(out.shape[2]) == y[..., None], float("-inf"))
+    return (correct - others.logsumexp(2)).sum()
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_trak_margin_gradients_of_a_causal_language_model(norm_first):
+    """TRAK on a language model (its ``LanguageModelingModelOutput`` and text examples): the
+    per-example gradients of the token margins of a causal Transformer with padded examples
+    (eval mode, as TRAK featurizes), every parameter, against the per-example loop, and their
+    projected features."""
+    model = seeded(lambda: TinyCausalLM(norm_first)).double().eval()
+    idx, y = seeded(lambda: (torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))), 1)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[1, 4:], pad[3, 5:] = True, True
+    want = loop_grad(model, token_margins_sum, (idx, pad), y)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        token_margins_sum(model(idx, pad), y).backward()
+    assert_grad1(model, want, f"causal LM (norm_first={norm_first})")
+    M = projector(sum(p.numel() for p in model.parameters()), 32, "rademacher")
+    assert_close(flat_grad1(model) @ M, flat_oracle(want, model) @ M, "projected")
 
 
 def test_trak_scores_from_the_features():
