@@ -15,7 +15,8 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
   ``tests/test_baselaplace.py``): its backends' ``jacobians(x)`` ``[batch, outputs, params]``
   (a linear model's are its inputs), last-layer Jacobians, ``functional_variance``, the full
   and diagonal GGN and empirical Fisher, ``gradients(x, y)``, and Kronecker factors exact for
-  one example and growing with repeated examples;
+  one example and growing with repeated examples; Jacobians and factors taken under
+  ``torch.no_grad()`` (its predictive), and its ``enable_backprop`` Jacobians refused;
 - Opacus (``grad_sample_module_fast_gradient_clipping_test.py``,
   ``per_sample_gradient_clip_test.py``, ``batch_memory_manager_test.py``,
   ``poisson_test.py``, ``virtual_step_test.py``): ghost norms against the materialized ones
@@ -24,12 +25,15 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
   of a Poisson batch, the sampler's inclusion rate and seeding, the noise drawn once per
   logical batch;
 - private-vision (mixed ghost clipping of CNNs: each layer's norm by the cheaper of the Gram
-  and the materialized forms) and pyvacy (DP-SGD as a per-example loop, with its noise and its
-  micro-batches);
-- data attribution: TRAK (per-example gradients of the margin, randomly projected, and its
+  and the materialized forms, on depthwise, grouped, padded, 3-d and transposed convolutions)
+  and pyvacy (DP-SGD as a per-example loop, with its noise, its expected batch size and its
+  micro-batches); Opacus' Embedding and EmbeddingBag variants by every clipping method;
+- data attribution: TRAK (per-example gradients of the margin, randomly projected, at
+  checkpoint weights given to ``functional_call``, of a causal language model, and its
   scores), torch-influence (``-∇L_testᵀ H⁻¹ ∇ℓ_i``, checked against re-training with the
-  example up-weighted), and the gradient noise scale of McCandlish et al. (``B_simple`` from
-  per-example norms and the batch gradient).
+  example up-weighted; gradients of chosen parameters; Hessian-vector products by double
+  backward), and the gradient noise scale of McCandlish et al. (``B_simple`` from per-example
+  norms and the batch gradient, per layer from ``grad_variance``, under bfloat16 autocast).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -55,7 +59,7 @@ from harness import as_double, assert_close, assert_grad1, seeded
 D = torch.float64
 
 
-# -- shared helpers -----------------------------------------------------------------------------
+# -- shared functions ---------------------------------------------------------------------------
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -102,7 +106,7 @@ def param_norms_of(want: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 # == Captum: SampleGradientWrapper (tests/utils/test_sample_gradient.py) =========================
-# Its basic models (tests/helpers/basic_models.py), rewritten: fixed weights that put many of the
+# Its basic models (its tests' basic_models.py), rewritten: fixed weights that put many of the
 # ReLUs at zero, large inputs, optional in-place ReLUs.
 
 
