@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -98,8 +99,8 @@ def loop_grad(
         loss.backward()
         return [None if p.grad is None else p.grad.to_dense() for p in params]
 
-    try:
-        with paused():
+    try:  # (recording whatever the caller's grad mode)
+        with paused(), torch.inference_mode(False), torch.enable_grad():
             grads = per_example(inputs[0].shape[0], one, like=params)
     finally:
         for p, g in zip(params, kept):

@@ -155,3 +155,18 @@ def test_one_report_for_both_checks():
     text = str(report)
     assert text.startswith("Hooks.check(Sequential): FAILED\n  the loss's reduction: sum\n")
     assert all(f"  - {p}" in text for p in report.problems) and report.problems
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_check_rule_and_the_loop_oracle_under_no_grad(mode):
+    """check_rule and the per-example loop compute gradients whatever the caller's grad mode
+    (under torch.no_grad() a forward records nothing: they raised torch's "does not require
+    grad", or an AttributeError under inference_mode)."""
+    model = mlp()
+    x = torch.randn(5, 3, dtype=D)
+    want = gradhooks.oracle.vmap_grad(model, lambda o: o.pow(2).sum(), x)
+    with getattr(torch, mode)():
+        assert gradhooks.check_rule(nn.Linear(3, 2), torch.randn(4, 3)).ok
+        got = gradhooks.oracle.loop_grad(model, lambda o: o.pow(2).sum(), x)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)

@@ -60,6 +60,15 @@ def check_rule(
         >>> print(gradhooks.check_rule(torch.nn.Linear(3, 2), torch.randn(4, 3)).ok)
         True
     """
+    # (gradients whatever the caller's grad mode: under torch.no_grad() nothing would record)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _check_rule(module, inputs, loss_fn, registry, rtol, atol, raise_on_mismatch)
+
+
+def _check_rule(
+    module: nn.Module, inputs: Inputs, loss_fn: Callable[..., Tensor] | None,
+    registry: Registry, rtol: float, atol: float, raise_on_mismatch: bool,
+) -> CheckReport:  # fmt: skip
     loss_fn = loss_fn or _default_loss
     model = copy.deepcopy(module).double()
     xs = tuple(x.double() if x.is_floating_point() else x for x in _as_tuple(inputs))

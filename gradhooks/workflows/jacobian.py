@@ -31,7 +31,12 @@ from ..engine.api import engine_of
 from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks
 from ..engine.records import autocast_dtype
-from ..errors import CheckFailedError, ConfigurationError, ConfigurationTypeError
+from ..errors import (
+    CheckFailedError,
+    ConfigurationError,
+    ConfigurationTypeError,
+    UnsupportedInputError,
+)
 from ..rules.registry import REGISTRY, Registry
 from ..tracking import MIXED, UNKNOWN, Tracker
 
@@ -81,7 +86,10 @@ def jacobians(
         gets the sum over its uses, the derivative of the output as the model computes it
         (``vmap(jacrev)`` of ``torch.func.functional_call``); frozen parameters are left out.
         Under ``torch.autocast`` the Jacobians are in the parameters' dtype, of the
-        computation autocast ran.
+        computation autocast ran. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they
+        are the same (the forward and backward record and run regardless). They are values,
+        with no autograd history: an input that requires grad (with grad mode on) is refused,
+        since a loss built from the Jacobians would get no gradient through them.
 
     Example::
 
@@ -103,12 +111,16 @@ def jacobians(
         torch.Size([5, 2, 2, 4])
     """
     args, kwargs = model_inputs(inputs, kwargs, "jacobians")
+    _refuse_differentiable_inputs(args, kwargs)
     named: dict[str, nn.Parameter] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and all(q is not p for q in named.values()):
             named[name] = p
     params = list(named.values())
-    with add_hooks(model, loss_reduction="sum", registry=registry, quantities=("_jacobian",)) as h:
+    with (
+        recording(),
+        add_hooks(model, loss_reduction="sum", registry=registry, quantities=("_jacobian",)) as h,
+    ):
         # The backward is taken with respect to the hooked calls' outputs (and the parameters
         # no hooked module covers, or used outside their modules' calls), not the parameters:
         # autograd then never forms the others' own gradients (batched over the outputs, for
@@ -164,6 +176,25 @@ def jacobians(
     return flat if flat is not None else result
 
 
+def _refuse_differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> None:
+    """The Jacobians are values the hooks write, with no autograd history: a loss built from
+    them (a predictive variance ``J Σ Jᵀ`` trained through, laplace's ``enable_backprop``)
+    would get no gradient through them, and no error would say so. An input that requires
+    grad, with grad mode on, asks for that: refuse it."""
+    if not torch.is_grad_enabled():
+        return
+    leaves = tree_flatten((args, kwargs))[0]
+    wanting = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+    if wanting:
+        raise UnsupportedInputError(
+            f"jacobians(): an input of shape {tuple(wanting[0].shape)} requires grad, but the "
+            "Jacobians are returned as values, with no autograd history: a loss built from "
+            "them would get no gradient through them. For Jacobians to differentiate, use "
+            "torch.func.vmap(torch.func.jacrev(...)); for their values, pass the input "
+            "detached (x.detach()) or call jacobians() under torch.no_grad()"
+        )
+
+
 def _refuse_missed(h: Hooks, out: Tensor, unwritten: dict[str, nn.Parameter]) -> None:
     """Parameters no hook wrote a Jacobian for must be those the outputs do not depend on
     (their Jacobian is zero): autograd, asked for their gradient, finds no path to them. One
@@ -184,6 +215,16 @@ def _refuse_missed(h: Hooks, out: Tensor, unwritten: dict[str, nn.Parameter]) ->
 
 
 # -- what jacobians() and kfac() share ---------------------------------------------------------
+
+
+@contextmanager
+def recording() -> Iterator[None]:
+    """Autograd recording on, whatever the caller's mode: the Jacobians and K-FAC factors are
+    derivatives of the model's output, and a forward under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` (an evaluation loop, a predictive) records nothing for their
+    backwards to run through: they would be zeros."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def model_inputs(

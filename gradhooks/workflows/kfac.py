@@ -64,7 +64,7 @@ from ..quantities.kfac import (
     weight_matrix,
 )
 from ..tuning import TUNING
-from .jacobian import Inputs, checked_output, hooked_forward, model_inputs
+from .jacobian import Inputs, checked_output, hooked_forward, model_inputs, recording
 
 __all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
 
@@ -307,7 +307,7 @@ def _accumulate(
     _check_arguments(fisher, loss, target, sample_target, output_grads)
     args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
-    with add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
+    with recording(), add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
         acc = engine_of(h).results("kfac").kfac
         acc.expand, acc.bias = expand, bias
         run = hooked_forward(h, model, args, kwargs)
