@@ -46,6 +46,7 @@ from .pieces import Direct, Outer, Piece, Rows
 from .privacy import audit  # noqa: F401
 from .privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from .privacy.sampling import PoissonSampler, poisson_loader
+from .quantities.noise import NoiseScale
 from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
 from .workflows import distributed  # noqa: F401
@@ -103,6 +104,7 @@ __all__ = [
     "noise_multiplier_for",
     "audit",
     "convert_batch_norm",
+    "NoiseScale",
     "kfac",
     "KFactors",
     "KFactorsInverse",

@@ -73,6 +73,25 @@ def test_norms_and_squared_sums(case, batch, reduction):
     if batch:
         total = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
         assert_close(h.norms(), total, f"{case.id}: total norm")
+    if batch > 1:
+        want = oracle_noise_scale(loop)
+        got = h.noise_scale()
+        assert_close(got.trace, want.trace, f"{case.id}: tr(Σ)")
+        # (|G|² is a difference of two terms of the trace's order: compared on their scale)
+        scale = float(want.trace) / batch + float(want.grad_sq.abs())
+        assert abs(float(got.grad_sq - want.grad_sq)) <= 1e-9 * scale, f"{case.id}: |G|²"
+    elif batch == 1:
+        with pytest.raises(gradhooks.StateError, match="at least 2"):
+            h.noise_scale()
+
+
+def oracle_noise_scale(per_example: dict) -> gradhooks.NoiseScale:
+    """The noise scale's estimates from the oracle's per-example gradients: the unbiased
+    variance over the batch, summed over every entry of every parameter, and ``|mean|² - S/B``."""
+    g = torch.cat([v.flatten(1) for v in per_example.values()], 1).double()
+    trace = g.var(0, unbiased=True).sum()
+    grad_sq = g.mean(0).square().sum() - trace / g.shape[0]
+    return gradhooks.NoiseScale(trace, grad_sq, trace / grad_sq)
 
 
 def test_norms_of_a_direct_piece_tied_to_an_outer_one():
@@ -554,3 +573,37 @@ def test_dp_refuses_mixing_of_two_examples_the_tracker_cannot_see(method):
             gradhooks.dp_sgd_step(h, forward(x).pow(2).sum(1), max_norm=1.0,
                                   noise_multiplier=0.0, method=method)  # fmt: skip
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_noise_scale_in_a_training_loop_and_under_bf16_autocast():
+    """Each step's noise scale, with zero_grad and SGD between steps, against the float64
+    loop's; under bf16 autocast within bfloat16's rounding (8 significant bits: the trace, a
+    sum of squares, to 5e-2); asked of a handle without "sum_grad_sq", or before a backward,
+    refused."""
+    torch.manual_seed(0)
+    model = SimpleCNN().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ce = torch.nn.functional.cross_entropy
+    with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
+        with pytest.raises(gradhooks.StateError, match="no backward"):
+            h.noise_scale()
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(6, 1, 28, 28, dtype=torch.float64, generator=gen)
+            y = torch.randint(10, (6,), generator=gen)
+            want = oracle_noise_scale(loop_grad(model, ce, x, y))
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            got = h.noise_scale()
+            assert_close(got.trace, want.trace, f"step {step}: tr(Σ)")
+            assert_close(got.simple, want.simple, f"step {step}: B_simple")
+            opt.step()
+        ref = oracle_noise_scale(loop_grad(model, ce, x, y))
+        model.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ce(model(x.float()), y)
+        loss.backward()
+        got = h.noise_scale()
+        assert abs(float(got.trace / ref.trace) - 1) < 5e-2
+    with gradhooks.add_hooks(model) as h, pytest.raises(gradhooks.StateError, match="sum_grad_sq"):
+        h.noise_scale()

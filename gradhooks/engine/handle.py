@@ -39,6 +39,7 @@ from ..errors import ConfigurationError, ConfigurationTypeError, StateError
 from ..inert import InertHandle, sweep_with
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
+from ..quantities.noise import NoiseScale, noise_scale
 from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
 from .accumulation import all_zero, grad_of
@@ -733,6 +734,18 @@ class Hooks:
         batch = max(c.batch or 0, 1)
         means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}  # (formed now)
         return {n: (sq / batch - means[n] ** 2).clamp_min(0) for n, sq in c.sum_grad_sq.items()}
+
+    def noise_scale(self) -> NoiseScale:
+        """The gradient noise scale of the last backward's batch (``"sum_grad_sq"``):
+        unbiased estimates of the trace of the per-example gradients' covariance ``tr(Σ)``,
+        of the true gradient's squared norm ``|G|²`` and their ratio ``B_simple`` (McCandlish
+        et al., 2018), over every parameter; see :mod:`gradhooks.quantities.noise`. Average
+        ``trace`` and ``grad_sq`` over steps before dividing."""
+        c = self._results("sum_grad_sq")
+        if not c.sum_grad_sq:
+            raise StateError("no backward has been captured since the hooks were added or cleared")
+        means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}
+        return noise_scale(c.sum_grad_sq, means, c.batch or 0)
 
     def kfac_factors(self, reduction: LossReduction = "mean") -> dict:
         """K-FAC factors ``{weight_name: KFactors(A, G, bias)}`` accumulated since the last
