@@ -271,6 +271,44 @@ def test_step_with_expected_batch_size_equals_clipped_sum_plus_noise_over_it(met
 
 
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_automatic_clipping_normalizes_every_example_within_the_bound(method):
+    """clipping="automatic" (AUTO-S, Bu et al. 2023; fastDP's default): each example's gradient
+    times C/(‖g_i‖ + 0.01), against the float64 loop, the noise as for flat clipping; every
+    clipped norm stays below C (the same sensitivity), small gradients are scaled up; under
+    bf16 autocast within bfloat16's rounding of the float64 sum."""
+    torch.manual_seed(0)
+    model = small_net()
+    x = torch.randn(6, 1, 5, 5, dtype=torch.float64)
+    y = torch.randint(4, (6,))
+    loop = loop_grad(model, F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+    max_norm, sigma, seed = norms.median().item(), 0.5, 3
+    factors = max_norm / (norms + 0.01)
+    assert (factors > 1).any() and (factors * norms < max_norm).all()
+    got_norms, grads = dp_step(
+        model, x, y, method, max_norm=max_norm, noise_multiplier=sigma, clipping="automatic",
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    assert_close(got_norms, norms, f"{method}: norms")
+    noise = hand_noise(model, seed, sigma * max_norm)
+    for (name, g), z, got in zip(loop.items(), noise, grads, strict=True):
+        want = (torch.einsum("b,b...->...", factors, g) + z) / 6
+        assert_close(got, want, f"{method}: automatic clipping, {name}")
+    low = copy.deepcopy(model).float()
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(low, quantities=(quantity,)) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = F.cross_entropy(low(x.float()), y, reduction="none")
+        gradhooks.dp_sgd_step(h, losses.float(), max_norm=max_norm, noise_multiplier=0.0,
+                              method=method, clipping="automatic")  # fmt: skip
+    want = torch.cat([torch.einsum("b,b...->...", factors, g).flatten() / 6 for g in loop.values()])
+    got = torch.cat([p.grad.double().flatten() for p in low.parameters()])
+    assert (got - want).abs().max() / want.abs().max() < 5e-2, "bf16 (8 significant bits)"
+    with pytest.raises(gradhooks.ConfigurationError, match="clipping must be one of"):
+        dp_step(model, x, y, method, max_norm=1.0, noise_multiplier=0.0, clipping="adaptive")
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 def test_step_on_an_empty_batch_gives_the_noise_alone(method):
     model = small_net()
     x, y = torch.zeros(0, 1, 5, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long)

@@ -35,12 +35,13 @@ def losses_of(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def reference_grads(model, x, y, noise_gen, *, clip=C, sigma=SIGMA, expected=E):
-    """(Σ_i min(1, C/‖g_i‖) g_i + σ·C·z) / E per parameter, g_i by the per-example loop,
-    z drawn from ``noise_gen`` parameter after parameter."""
+def reference_grads(model, x, y, noise_gen, *, clip=C, sigma=SIGMA, expected=E, automatic=False):
+    """(Σ_i min(1, C/‖g_i‖) g_i + σ·C·z) / E per parameter (``automatic``: C/(‖g_i‖ + 0.01)
+    in place of the min), g_i by the per-example loop, z drawn from ``noise_gen`` parameter
+    after parameter."""
     loop = loop_grad(model, F.cross_entropy, x, y)
     norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
-    factors = torch.clamp(clip / norms, max=1.0)
+    factors = clip / (norms + 0.01) if automatic else torch.clamp(clip / norms, max=1.0)
     out = {}
     for (name, g), p in zip(loop.items(), model.parameters(), strict=True):
         z = torch.randn(p.shape, generator=noise_gen, dtype=p.dtype)
@@ -702,3 +703,50 @@ def test_make_private_with_the_pld_accountant_records_for_it():
     assert private.accountant.method == "pld"
     assert private.epsilon == want.epsilon(1e-5)
     private.close()
+
+
+def test_automatic_clipping_over_physical_batches_and_its_checkpoint():
+    """make_private(clipping="automatic") (AUTO-S, fastDP's default): each logical batch's
+    p.grad is (Σ_i C/(‖g_i‖ + 0.01)·g_i + σ·C·z) / E over its physical batches, against the
+    float64 loop, over several SGD steps; a checkpoint of it does not resume a flat-clipping
+    run, and one from before the choice resumes as flat."""
+    model, ref = net(), net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.3)
+    seen = grads_at_step(inner)
+    private = gradhooks.make_private(
+        model, inner, dataset(), noise_multiplier=SIGMA, delta=1e-5, steps=3,
+        expected_batch_size=E, max_grad_norm=C, max_physical_batch_size=4,
+        generator=torch.Generator().manual_seed(0), clipping="automatic",
+    )  # fmt: skip
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    states, logical = [], []
+    run(private, model, noise_states=states, logical=logical)
+    x_all, y_all, _ = dataset().tensors
+    for step, idx in enumerate(logical):
+        want, norms = reference_grads(
+            ref, x_all[idx], y_all[idx], torch.Generator().set_state(states[step]),
+            automatic=True,
+        )  # fmt: skip
+        assert (norms > 0.1).all(), "flat clipping's factors differ from these by 1e-3 or more"
+        for (name, r), got in zip(ref.named_parameters(), seen[step], strict=True):
+            assert_close(got, want[name], f"step {step}: p.grad of {name}")
+            r.grad = want[name]
+        ref_opt.step()
+    state = private.state_dict()
+    private.close()
+    other = net()
+    flat = gradhooks.make_private(
+        other, torch.optim.SGD(other.parameters(), lr=0.3), dataset(), noise_multiplier=SIGMA,
+        delta=1e-5, steps=3, expected_batch_size=E, max_grad_norm=C, max_physical_batch_size=4,
+    )  # fmt: skip
+    with pytest.raises(gradhooks.ConfigurationError, match="clipping is 'automatic'"):
+        flat.load_state_dict(state)
+    del state["plan"]["clipping"]
+    flat.load_state_dict(state)
+    flat.close()
+    with pytest.raises(gradhooks.ConfigurationError, match="clipping must be one of"):
+        gradhooks.make_private(
+            other, torch.optim.SGD(other.parameters(), lr=0.3), dataset(),
+            noise_multiplier=SIGMA, delta=1e-5, steps=3, expected_batch_size=E,
+            max_grad_norm=C, clipping="per_layer",
+        )  # fmt: skip

@@ -62,6 +62,7 @@ def dp_sgd_step(
     expected_batch_size: float | None = None,
     group: Group = None,
     scaler: torch.amp.GradScaler | None = None,
+    clipping: Literal["flat", "automatic"] = "flat",
 ) -> Tensor:
     """:func:`gradhooks.dp_sgd_step` with the batch split across the ranks of ``group``.
 
@@ -88,6 +89,7 @@ def dp_sgd_step(
             NaN and every rank's ``scaler.step`` skips the step (rank 0 may have drawn its noise
             for it: discarded). Whether the step was skipped is the same on every rank:
             ``scaler.get_scale()`` went down at ``scaler.update()``.
+        clipping: as for :func:`gradhooks.dp_sgd_step` (``"flat"`` or ``"automatic"``).
 
     A model sharded with FSDP2 (``fully_shard``: the root, and any of its modules before it;
     hook it, once sharded, with ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
@@ -106,7 +108,7 @@ def dp_sgd_step(
         optimizer.step()                                  # the same step on every rank
     """
     method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _dp._check_clipping(max_norm, noise_multiplier, generator)
+    _dp._check_clipping(max_norm, noise_multiplier, generator, clipping)
     _dp.check_scaler(scaler)
     params = _dp._covered_params(hooks)
     if engine_of(hooks).sharded and method == "ghost":
@@ -116,7 +118,7 @@ def dp_sgd_step(
             "inputs and output-gradients)"
         )
     norms, grads, scale = _dp._clipped_sums(
-        hooks, per_example_loss, max_norm, method, params, scaler
+        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping
     )
     overflow = scale is not None and not _dp.finite(norms, grads)
     if overflow:  # (NaN in the sum: every rank's p.grad, and every rank's scaler skips)

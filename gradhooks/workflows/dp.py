@@ -77,8 +77,21 @@ from ..errors import (
 __all__ = ["dp_sgd_step", "clip_factors", "clipped_sum", "ClippedSum"]
 
 
-def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / norms)``, ``1`` where a norm is 0 (or NaN); shape of ``norms``."""
+# Automatic clipping's stability constant γ (Bu et al., 2023; fastDP's ``clipping_fn="automatic"``)
+AUTOMATIC_GAMMA = 0.01
+CLIPPINGS = ("flat", "automatic")
+
+
+def clip_factors(norms: Tensor, max_norm: float, clipping: str = "flat") -> Tensor:
+    """Each example's factor, shape of ``norms``: with ``clipping="flat"`` (Abadi et al.,
+    Opacus' default) ``min(1, max_norm / norms)``, ``1`` where a norm is 0 (or NaN); with
+    ``"automatic"`` (AUTO-S, Bu et al., *Automatic Clipping*, 2023; fastDP's default)
+    ``max_norm / (norms + 0.01)``, every example's gradient normalized, so that the clipped
+    norm ``max_norm · ‖g‖ / (‖g‖ + 0.01)`` stays below ``max_norm`` as flat clipping's does (the
+    same noise gives the same privacy); the learning rate then needs no tuning against
+    ``max_norm``."""
+    if clipping == "automatic":
+        return max_norm / (norms + AUTOMATIC_GAMMA)
     return torch.where(norms > max_norm, max_norm / norms, 1.0)
 
 
@@ -93,6 +106,7 @@ def dp_sgd_step(
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     expected_batch_size: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    clipping: Literal["flat", "automatic"] = "flat",
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -120,6 +134,9 @@ def dp_sgd_step(
             ones: ``scaler.step`` skips the step and ``scaler.update`` lowers the scale, as
             without DP. A skipped step released nothing: do not record it in the
             :class:`~gradhooks.PrivacyAccountant` (see ``docs/mixed-precision.md``).
+        clipping: ``"flat"`` (each gradient scaled by ``min(1, C/‖g_i‖)``) or ``"automatic"``
+            (by ``C/(‖g_i‖ + 0.01)``: every gradient normalized, fastDP's default), both
+            bounding each example's contribution by ``C``: :func:`clip_factors`.
 
     Returns:
         The per-example gradient norms before clipping (unscaled), ``[batch]``.
@@ -137,7 +154,7 @@ def dp_sgd_step(
         (torch.Size([8]), torch.Size([3, 4]))
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _check_clipping(max_norm, noise_multiplier, generator)
+    _check_clipping(max_norm, noise_multiplier, generator, clipping)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     std = noise_multiplier * max_norm
@@ -148,7 +165,7 @@ def dp_sgd_step(
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
     into = (lambda: noises(params, generator, std)) if noised else None
     norms, clipped, scale = _clipped_sums(
-        hooks, per_example_loss, max_norm, method, params, scaler, into=into
+        hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping
     )
     if scale is not None and not finite(norms, clipped):
         for p in params:  # (scaler.step sees them, and skips the step)
@@ -176,7 +193,8 @@ class ClippedSum(NamedTuple):
     params: list[torch.nn.Parameter]
     """The trainable parameters of the hooked model, in the order the noise is drawn."""
     sums: list[Tensor]
-    """Per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` over the batch (no noise, not divided),
+    """Per parameter, ``Σ_i f_i · g_i`` over the batch, ``f_i`` the clipping factor
+    (:func:`clip_factors`: ``min(1, C/‖g_i‖)``, flat) (no noise, not divided),
     in the parameter's dtype and shape; NaN or Inf where ``finite`` is False."""
     norms: Tensor
     """The per-example gradient norms before clipping (unscaled), ``[batch]``."""
@@ -191,6 +209,7 @@ def clipped_sum(
     max_norm: float,
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    clipping: Literal["flat", "automatic"] = "flat",
 ) -> ClippedSum:
     """Backward of ``per_example_loss`` (``[batch]``) and the clipped sum of its examples'
     gradients, per parameter: :func:`dp_sgd_step` without the noise and the division, and
@@ -203,9 +222,11 @@ def clipped_sum(
     returned unscaled (divided by the scale, a power of two: exact).
     """
     method = _checked(hooks, per_example_loss, method, "mean", None)
-    _check_clipping(max_norm, 0.0)
+    _check_clipping(max_norm, 0.0, clipping=clipping)
     params = _step_params(hooks, method, scaler)
-    norms, sums, scale = _clipped_sums(hooks, per_example_loss, max_norm, method, params, scaler)
+    norms, sums, scale = _clipped_sums(
+        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping
+    )
     ok = scale is None or finite(norms, sums)
     if scale is not None:
         sums = [s.detach() / scale for s in sums]
@@ -339,7 +360,14 @@ def _checked_method(hooks: Hooks, method: str | None) -> str:
     return method
 
 
-def _check_clipping(max_norm: float, noise_multiplier: float, generator: Any = None) -> None:
+def _check_clipping(
+    max_norm: float, noise_multiplier: float, generator: Any = None, clipping: str = "flat"
+) -> None:
+    if clipping not in CLIPPINGS:
+        raise ConfigurationError(
+            f"clipping must be one of {CLIPPINGS}, got {clipping!r}: 'flat' scales each "
+            "example's gradient by min(1, C/norm), 'automatic' by C/(norm + 0.01)"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ConfigurationTypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__qualname__} "
@@ -459,8 +487,10 @@ def _clipped_sums(
     params: list,
     scaler: torch.amp.GradScaler | None = None,
     into: Callable[[], list[Tensor]] | None = None,
+    clipping: str = "flat",
 ) -> tuple[Tensor, list[Tensor], float | None]:
-    """The per-example norms and, per parameter, ``Σ_i min(1, C/‖g_i‖) · g_i`` (full-sized,
+    """The per-example norms and, per parameter, ``Σ_i f_i · g_i`` (``f_i``: ``clipping``'s
+    factor, :func:`clip_factors`; full-sized,
     as plain tensors of the step's own, also for a parameter sharded by FSDP2) of this
     process's examples. With an enabled GradScaler, its scale ``S`` (also returned, else
     ``None``): the backward is that of ``scaler.scale(losses)``, the norms returned and
@@ -498,7 +528,7 @@ def _clipped_sums(
                 for g in grads1
             ))  # fmt: skip
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(unscaled(norms), max_norm)
+        factors = clip_factors(unscaled(norms), max_norm, clipping)
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
             None if g is None else torch.einsum("b,b...->...", *_widest(factors, g)).to(p.dtype)
@@ -519,7 +549,7 @@ def _clipped_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(unscaled(norms), max_norm).detach()
+        factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
         summed = {key for key in grad1s if key in built}
@@ -548,7 +578,7 @@ def _clipped_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = kept = None  # (freed)
-        factors = clip_factors(unscaled(norms), max_norm).detach()
+        factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
         clipped = _added(into, params, iter(grads))

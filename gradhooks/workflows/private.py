@@ -88,6 +88,8 @@ class DPOptimizer(torch.optim.Optimizer):
             itself. A step in which a scaled gradient overflowed is skipped, as GradScaler
             skips it: no noise is drawn, the optimizer does not step, the accountant records
             nothing.
+        clipping: :func:`gradhooks.dp_sgd_step`'s ``clipping``: ``"flat"`` (``min(1, C/‖g_i‖)``)
+            or ``"automatic"`` (``C/(‖g_i‖ + 0.01)``).
 
     A misuse raises before anything changes: a step with no backward since the last one,
     losses that are not ``[batch]``, a handle without ``"grad1"`` or ``"norms"``, an optimizer
@@ -107,6 +109,7 @@ class DPOptimizer(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        clipping: Literal["flat", "automatic"] = "flat",
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's)
         if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
@@ -125,7 +128,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
                 f"has quantities={hooks.quantities!r}"
             )
-        _dp._check_clipping(max_grad_norm, noise_multiplier, generator)
+        _dp._check_clipping(max_grad_norm, noise_multiplier, generator, clipping)
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
         if method is not None:
@@ -158,6 +161,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.method = method
         self.scaler = scaler
+        self.clipping = clipping
         self._sums: list[Tensor] | None = None  # the clipped sum since the last step
         self._finite = True  # no scaled backward since the last step overflowed
         self._examples = 0  # examples in the buffer
@@ -236,7 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
         got = _dp.clipped_sum(
             self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
-            scaler=self.scaler,
+            scaler=self.scaler, clipping=self.clipping,
         )  # fmt: skip
         if self._sums is None:
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
@@ -416,12 +420,14 @@ class PrivateTraining:
         max_physical_batch_size: int | None,
         generator: torch.Generator | None,
         scaler: torch.amp.GradScaler | None,
+        clipping: Literal["flat", "automatic"] = "flat",
     ) -> None:
         self.model = model
         self.dataset = dataset
         self.num_examples = len(dataset)
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
+        self.clipping = clipping
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = float(expected_batch_size)
         self.steps = int(steps)
@@ -447,7 +453,7 @@ class PrivateTraining:
                 optimizer, self.hooks, max_grad_norm=max_grad_norm,
                 noise_multiplier=noise_multiplier, expected_batch_size=self.expected_batch_size,
                 sample_rate=self.sample_rate, accountant=self.accountant, generator=noise,
-                scaler=scaler,
+                scaler=scaler, clipping=clipping,
             )  # fmt: skip
         except BaseException:
             self.hooks.remove()
@@ -601,11 +607,12 @@ class PrivateTraining:
                 "before the loop (a new loop then starts where the checkpoint was taken)"
             )
         plan = self._plan()
-        wrong = [k for k in plan if state["plan"].get(k) != plan[k]]
+        saved = {"clipping": "flat", **state["plan"]}  # (a checkpoint from before the choice)
+        wrong = [k for k in plan if saved.get(k) != plan[k]]
         if wrong:
             k = wrong[0]
             raise ConfigurationError(
-                f"load_state_dict: the checkpoint's {k} is {state['plan'].get(k)!r}, this "
+                f"load_state_dict: the checkpoint's {k} is {saved.get(k)!r}, this "
                 f"run's is {plan[k]!r}: resume with make_private(...) given the same settings"
             )
         if (state["scaler"] is None) != (self.scaler is None):
@@ -662,6 +669,7 @@ class PrivateTraining:
         return {
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
+            "clipping": self.clipping,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
             "delta": self.delta,
@@ -748,6 +756,7 @@ def make_private(
     max_physical_batch_size: int | None = None,
     generator: torch.Generator | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    clipping: Literal["flat", "automatic"] = "flat",
 ) -> PrivateTraining:
     """A DP-SGD training run of ``model`` by ``optimizer`` on ``data``: a
     :class:`PrivateTraining` that owns the hooks, the Poisson batches, the noise, the
@@ -789,6 +798,9 @@ def make_private(
         scaler: a ``torch.amp.GradScaler`` for float16 autocast (the forwards under
             ``torch.autocast`` are the loop's): a step whose scaled gradients overflow is
             skipped and not recorded. bfloat16 autocast needs none.
+        clipping: ``"flat"`` (each example's gradient scaled by ``min(1, C/‖g_i‖)``, the
+            default) or ``"automatic"`` (by ``C/(‖g_i‖ + 0.01)``, fastDP's default: see
+            :func:`gradhooks.clip_factors`); the same noise, the same ε.
     """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigurationError(
@@ -852,7 +864,7 @@ def make_private(
         sample_rate=sample_rate, expected_batch_size=expected_batch_size, steps=int(steps),
         delta=delta, target_epsilon=target_epsilon,
         accountant=accountant, max_physical_batch_size=max_physical_batch_size,
-        generator=generator, scaler=scaler,
+        generator=generator, scaler=scaler, clipping=clipping,
     )  # fmt: skip
 
 
