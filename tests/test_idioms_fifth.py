@@ -54,3 +54,39 @@ def test_a_forward_hook_put_first_after_add_hooks_does_not_hide_the_layers_outpu
             F.cross_entropy(model(x), y).backward()
             assert_grad1(model, want, f"step {step}")
         handle.remove()
+
+
+# -- freezing and unfreezing ---------------------------------------------------------------------
+
+
+def test_a_layer_frozen_between_the_forward_and_the_backward_gets_no_grad1_as_no_grad():
+    """``requires_grad_(False)`` after the forward: autograd still computes the layer's
+    gradient but leaves ``.grad`` as it was, so ``grad1`` is left as it was too (none after a
+    reset, the earlier micro-batch's in an accumulation); the norms cover the parameters that
+    get a gradient. Unfrozen again, the layer's next step has its ``grad1``."""
+    model = mlp()
+    (x, y), (x2, y2) = batch(0), batch(1)
+    first, second = (
+        loop_grad(model, F.cross_entropy, x, y),
+        loop_grad(model, F.cross_entropy, x2, y2),
+    )
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        out = model(x)
+        model[0].requires_grad_(False)
+        F.cross_entropy(out, y).backward()
+        assert model[0].weight.grad is None and not hasattr(model[0].weight, "grad1")
+        assert_grad1(model, first, "frozen after the forward")
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        want = sum(first[n].flatten(1).square().sum(1) for n in trainable).sqrt()
+        torch.testing.assert_close(h.norms(), want)
+
+        model.zero_grad()
+        model[0].requires_grad_(True)
+        F.cross_entropy(model(x), y).backward()  # a micro-batch, all trainable
+        out = model(x2)
+        model[0].requires_grad_(False)
+        F.cross_entropy(out, y2).backward()  # the next, frozen after its forward
+        model[0].requires_grad_(True)
+        want = {n: first[n] if n.startswith("0.") else first[n] + second[n] for n in first}
+        assert_grad1(model, want, "accumulated, the layer frozen for the second")
+        torch.testing.assert_close(model[0].weight.grad1.mean(0), model[0].weight.grad)
