@@ -56,6 +56,35 @@ def test_a_forward_hook_put_first_after_add_hooks_does_not_hide_the_layers_outpu
         handle.remove()
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_hooks_added_from_a_forward_hook_while_the_forward_runs(verify):
+    """``add_hooks`` called from a forward hook of the first layer (lazily, on the first
+    forward): that layer's call ran before the hooks, the next one's after. The backward warns
+    that the first layer's call was not captured, as for hooks added after the whole forward,
+    and gives it no ``grad1``; the layer after it has its own (with the run-time check too,
+    which has no ``grad1`` of the first layer to compare). The next step captures both."""
+    model = mlp()
+    x, y = batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    made = []
+
+    def hook_lazily(module, args, output):
+        if not made:
+            made.append(gradhooks.add_hooks(model, verify=verify))
+
+    handle = model[0].register_forward_hook(hook_lazily)
+    out = model(x)
+    with pytest.warns(gradhooks.GradhooksWarning, match="'0.bias', '0.weight' but no forward"):
+        F.cross_entropy(out, y).backward()
+    assert not hasattr(model[0].weight, "grad1") and not hasattr(model[0].bias, "grad1")
+    torch.testing.assert_close(model[2].weight.grad1, want["2.weight"], rtol=1e-7, atol=1e-9)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "the next step")
+    handle.remove()
+    made[0].remove()
+
+
 # -- freezing and unfreezing ---------------------------------------------------------------------
 
 

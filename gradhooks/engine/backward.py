@@ -540,6 +540,7 @@ class BackwardWriter:
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
+                bw.grads.pop(pid, None)  # (no grad1 to check: it warns at the end instead)
 
         return hook
 
