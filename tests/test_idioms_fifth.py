@@ -13,9 +13,12 @@ was, or has the documented meaning.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
@@ -119,3 +122,263 @@ def test_a_layer_frozen_between_the_forward_and_the_backward_gets_no_grad1_as_no
         want = {n: first[n] if n.startswith("0.") else first[n] + second[n] for n in first}
         assert_grad1(model, want, "accumulated, the layer frozen for the second")
         torch.testing.assert_close(model[0].weight.grad1.mean(0), model[0].weight.grad)
+
+
+# -- Hugging Face accelerate ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def accelerate():
+    """The accelerate module, its process-wide state reset before and after the test (an
+    ``Accelerator`` of another mixed precision is refused while one exists)."""
+    module = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield module
+    AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("hooked", ["before", "after"], ids=["hooks-before-prepare", "after"])
+def test_accelerate_accumulate_backward_and_clip_grad_norm(accelerate, hooked):
+    """``Accelerator(gradient_accumulation_steps=2).prepare(model, opt, loader)``, then per
+    batch ``with accelerator.accumulate(model)``: ``accelerator.backward`` (which divides the
+    loss by 2), ``accelerator.clip_grad_norm_`` where it syncs, ``opt.step()`` and
+    ``opt.zero_grad()`` (which act only where it syncs): 10 examples in batches of 4, 4 and 2.
+    ``grad1`` holds each example's gradient over 2 through the accumulation, afresh after each
+    real step, and the weights follow a twin trained without hooks, with ``add_hooks`` before
+    or after ``prepare``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = mlp()
+    twin, (x, y) = copy.deepcopy(model), batch(0, n=10)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    h = gradhooks.add_hooks(model) if hooked == "before" else None
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    prepared, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    h = h or gradhooks.add_hooks(prepared)
+    held, syncs = None, 0
+    for i, (xb, yb) in enumerate(loader):
+        with acc.accumulate(prepared):
+            own = {n: g / 2 for n, g in loop_grad(twin, F.cross_entropy, xb, yb).items()}
+            held = own if held is None else added(held, own)
+            acc.backward(F.cross_entropy(prepared(xb), yb))
+            (F.cross_entropy(twin(xb), yb) / 2).backward()
+            assert_grad1(prepared, held, f"batch {i}")
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(prepared.parameters(), 0.1)
+                torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+                twin_opt.step()
+                twin_opt.zero_grad()
+                held, syncs = None, syncs + 1
+            opt.step()
+            opt.zero_grad()
+    assert syncs == 2  # (after 2 batches, and at the loader's end)
+    for (n, p), q in zip(prepared.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=n)
+    h.remove()
+
+
+def test_accelerate_bf16_mixed_precision_against_the_float64_loop(accelerate):
+    """``Accelerator(mixed_precision="bf16")`` wraps the prepared model's forward in bfloat16
+    autocast (replacing ``forward`` on the instance). ``grad1`` of the float32 model, over
+    steps, against the float64 loop: within 3e-2 of the largest entry (bfloat16 keeps 8
+    significant bits, a relative rounding of 2^-8 = 3.9e-3 per product, over a 3-5-2 MLP with
+    its inputs, weights and output-gradients each rounded)."""
+    model = mlp(torch.float32)
+    twin = copy.deepcopy(model).double()
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    with gradhooks.add_hooks(model):
+        prepared, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(2):
+            x, y = batch(step, dtype=torch.float32)
+            opt.zero_grad()
+            acc.backward(F.cross_entropy(prepared(x), y))
+            want = loop_grad(twin, F.cross_entropy, x.double(), y)
+            for n, p in prepared.named_parameters():
+                scale = want[n].abs().max().item()
+                torch.testing.assert_close(p.grad1.double(), want[n], rtol=0, atol=3e-2 * scale)
+            opt.step()
+            twin.load_state_dict({k: v.double() for k, v in prepared.state_dict().items()})
+
+
+def test_make_private_on_a_model_and_optimizer_prepared_by_accelerate(accelerate):
+    """``make_private`` given what ``accelerator.prepare`` returned (the model, an
+    ``AcceleratedOptimizer``) takes the same DP-SGD steps, bit for bit, as on the plain
+    model and optimizer, and records the same ε."""
+    from torch.utils.data import TensorDataset
+
+    x, y = batch(0, n=40, dtype=torch.float32)
+    runs = []
+    for prepare in (False, True):
+        model = mlp(torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if prepare:
+            model, opt = accelerate.Accelerator(cpu=True).prepare(model, opt)
+        private = gradhooks.make_private(
+            model, opt, TensorDataset(x, y), noise_multiplier=1.0, delta=1e-5, steps=3,
+            expected_batch_size=8, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        for xb, yb in private.batches():
+            private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+            private.step()
+        private.close()
+        runs.append(([p.detach().clone() for p in model.parameters()], private.epsilon))
+    (plain, eps), (prepared, eps_prepared) = runs
+    assert eps_prepared == eps and private.steps_taken == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, prepared))
+
+
+# -- copies, clipping, pairs, unrolled recurrences -----------------------------------------------
+
+
+def test_swa_averaged_model_of_a_hooked_model():
+    """``torch.optim.swa_utils.AveragedModel`` (an EMA) of a hooked model: a deep copy, not
+    hooked, with no ``grad1`` even after a backward through it; the hooked model's ``grad1`` is
+    each step's own, and the average is the EMA of the weights."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        want_ema = [p.detach().clone() for p in model.parameters()]
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+            ema.update_parameters(model)
+            if step:  # (the first update copies the weights)
+                for w, p in zip(want_ema, model.parameters()):
+                    w.lerp_(p.detach(), 0.1)
+            else:
+                want_ema = [p.detach().clone() for p in model.parameters()]
+            F.cross_entropy(ema(x), y).backward()  # through the average: no grad1 there
+            assert not any(hasattr(p, "grad1") for p in ema.parameters())
+    for w, p in zip(want_ema, ema.module.parameters()):
+        torch.testing.assert_close(p.detach(), w)
+
+
+def test_clip_grad_value_between_micro_batches_leaves_grad1_unclipped():
+    """``clip_grad_value_`` after the first micro-batch's backward changes ``.grad`` in place
+    (post-processing, not a reset): the second micro-batch adds to ``grad1``, which holds the
+    examples' gradients never clipped (docs/training.md)."""
+    model = mlp()
+    (x, y), (x2, y2) = batch(0), batch(1)
+    want = added(loop_grad(model, F.cross_entropy, x, y), loop_grad(model, F.cross_entropy, x2, y2))
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        F.cross_entropy(model(x2), y2).backward()
+        assert h.accumulated == 2
+        assert_grad1(model, want, "two micro-batches, clipped between")
+    assert model[0].weight.grad.abs().max() <= 0.01 + want["0.weight"].abs().max()
+
+
+class Pair(nn.Module):
+    """One example of a siamese loss: the model on both sides of the pair."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, a, b):
+        return self.loss(self.model(a), self.model(b))
+
+
+def cosine(za, zb):
+    return F.cosine_similarity(za, zb)
+
+
+def test_siamese_model_called_twice_per_step_with_a_loss_per_pair():
+    """One model on two batches per step, a loss per pair ``(a[i], b[i])`` (a regression of
+    the cosine similarity), Adam over steps: ``grad1[i]`` is pair ``i``'s gradient through
+    both calls; and the DP step's norms are the pairs' own."""
+    model = mlp()
+    pair = Pair(model, cosine)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss = lambda sim, t: (sim - t).square().mean()  # noqa: E731
+    with gradhooks.add_hooks(model) as h:
+        for step in range(2):
+            (a, _), (b, _) = batch(step), batch(step + 10)
+            target = torch.rand(4, dtype=D, generator=torch.Generator().manual_seed(step))
+            want = {n[len("model.") :]: g for n, g in loop_grad(pair, loss, (a, b), target).items()}
+            opt.zero_grad()
+            loss(cosine(model(a), model(b)), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+        (a, _), (b, _) = batch(5), batch(6)
+        target = torch.rand(4, dtype=D, generator=torch.Generator().manual_seed(5))
+        per = loop_grad(pair, loss, (a, b), target)
+        norms = gradhooks.dp_sgd_step(
+            h, (cosine(model(a), model(b)) - target).square(), max_norm=0.1, noise_multiplier=0.0
+        )
+        want = sum(g.flatten(1).square().sum(1) for g in per.values()).sqrt()
+        torch.testing.assert_close(norms, want, rtol=1e-7, atol=1e-9)
+
+
+class Unrolled(nn.Module):
+    """A cell called once per time step, as many times as the input is long."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.cell, self.out = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # [batch, time, 3]
+        h = x.new_zeros(x.shape[0], 4)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(h) + self.inp(x[:, t]))
+        return self.out(h)
+
+
+def test_a_cell_called_as_many_times_as_the_input_is_long_over_steps():
+    """A recurrence unrolled in Python to each batch's length (3, 5, then 1 steps): ``grad1``
+    sums each example's gradient over every call of the cell, step after step."""
+    model = Unrolled().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step, length in enumerate((3, 5, 1)):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, length, 3, generator=g, dtype=D), torch.randint(2, (4,))
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"length {length}")
+            opt.step()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), self.a(x), use_reentrant=True)
+        return self.c(h)
+
+
+def test_reentrant_checkpointing_with_two_forwards_pending_then_both_backwards():
+    """``checkpoint(..., use_reentrant=True)`` (older code's default), which runs the block
+    again inside the backward: two micro-batches' forwards first, then their two backwards,
+    then a new step; ``grad1`` holds each example's sum over both, then the step's own."""
+    model = Checkpointed().double()
+    (x, y), (x2, y2) = batch(0), batch(1)
+    first, second = (
+        loop_grad(model, F.cross_entropy, x, y),
+        loop_grad(model, F.cross_entropy, x2, y2),
+    )
+    with gradhooks.add_hooks(model) as h:
+        out, out2 = model(x), model(x2)
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(out2, y2).backward()
+        assert h.accumulated == 2
+        assert_grad1(model, added(first, second), "two pending forwards")
+        model.zero_grad()
+        F.cross_entropy(model(x2), y2).backward()
+        assert_grad1(model, second, "the next step")
