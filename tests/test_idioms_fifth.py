@@ -382,3 +382,232 @@ def test_reentrant_checkpointing_with_two_forwards_pending_then_both_backwards()
         model.zero_grad()
         F.cross_entropy(model(x2), y2).backward()
         assert_grad1(model, second, "the next step")
+
+
+# -- data pipelines ------------------------------------------------------------------------------
+
+
+class PackedGRU(nn.Module):
+    """Variable-length sequences through ``pack_padded_sequence`` (unsorted) into a GRU; the
+    head reads the last state."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.head = (
+            nn.Linear(3, 4),
+            nn.GRU(4, 5, batch_first=True),
+            nn.Linear(5, 2),
+        )
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        packed = pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][-1])
+
+
+def test_packed_sequences_across_steps_with_different_lengths():
+    """Padded batches of other lengths at each step, packed inside the model: each example's
+    ``grad1`` is its gradient alone, without its padding (the loop runs each sequence at its
+    own length)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    model = PackedGRU().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step, lengths in enumerate(([3, 5, 2, 4], [1, 2, 2], [6, 1, 3, 3, 2])):
+            g = torch.Generator().manual_seed(step)
+            seqs = [torch.randn(n, 3, generator=g, dtype=D) for n in lengths]
+            y = torch.randint(2, (len(lengths),), generator=g)
+            own = [
+                loop_grad(model, F.cross_entropy, (s[None], torch.tensor([n])), y[i : i + 1])
+                for i, (s, n) in enumerate(zip(seqs, lengths))
+            ]
+            want = {name: torch.cat([o[name] for o in own]) for name in own[0]}
+            opt.zero_grad()
+            x = pad_sequence(seqs, batch_first=True)
+            F.cross_entropy(model(x, torch.tensor(lengths)), y).backward()
+            assert_grad1(model, want, f"lengths {lengths}")
+            opt.step()
+
+
+class Bag(nn.Module):
+    """Token embeddings averaged under the attention mask, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(11, 4), nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask):
+        e = self.emb(input_ids) * attention_mask[..., None]
+        return self.head(e.sum(1) / attention_mask.sum(1, keepdim=True))
+
+
+def test_a_collate_fn_returning_a_batch_encoding_passed_as_keywords():
+    """A ``DataLoader`` whose ``collate_fn`` returns a Hugging Face ``BatchEncoding`` (the
+    labels popped, the rest passed as ``model(**batch)``), the last batch short."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import DataLoader
+
+    model = Bag().double()
+    rows = [
+        {
+            "input_ids": torch.randint(1, 11, (5,), generator=torch.Generator().manual_seed(i)),
+            "attention_mask": (torch.arange(5) < 2 + i % 3).double(),
+            "labels": torch.tensor(i % 2),
+        }
+        for i in range(7)
+    ]
+
+    def collate(items):
+        return transformers.BatchEncoding(
+            {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        )
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = []
+    with gradhooks.add_hooks(model):
+        for b in DataLoader(rows, batch_size=3, collate_fn=collate):
+            labels = b.pop("labels")
+            want = loop_grad(model, F.cross_entropy, (b["input_ids"], b["attention_mask"]), labels)
+            opt.zero_grad()
+            F.cross_entropy(model(**b), labels).backward()
+            assert_grad1(model, want, f"a batch of {len(labels)}")
+            sizes.append(len(labels))
+            opt.step()
+    assert sizes == [3, 3, 1]
+
+
+def test_non_contiguous_inputs():
+    """Inputs that are views: transposed (``x.t()``), strided along the features and along
+    the batch, expanded from one row, and a convolution's input permuted from NHWC, to a model
+    in both memory formats: each the contiguous copy's ``grad1``."""
+    model = mlp()
+    y = torch.randint(2, (4,), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    views = {
+        "x.t()": torch.randn(3, 4, generator=g, dtype=D).t(),
+        "x[:, ::2]": torch.randn(4, 6, generator=g, dtype=D)[:, ::2],
+        "x[::2]": torch.randn(8, 3, generator=g, dtype=D)[::2],
+        "expand": torch.randn(3, generator=g, dtype=D).expand(4, 3),
+    }
+    with gradhooks.add_hooks(model):
+        for what, x in views.items():
+            assert not x.is_contiguous()
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x.contiguous(), y), what)
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)).double()
+    x = torch.randn(4, 6, 6, 3, generator=g, dtype=D).permute(0, 3, 1, 2)
+    want = loop_grad(cnn, F.cross_entropy, x.contiguous(), y)
+    with gradhooks.add_hooks(cnn):
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            cnn.to(memory_format=fmt).zero_grad()
+            F.cross_entropy(cnn(x), y).backward()
+            assert_grad1(cnn, want, f"NHWC permuted, the model in {fmt}")
+
+
+# -- misuse: a clear error, or the documented meaning ---------------------------------------------
+
+
+def test_train_and_eval_switched_between_the_forward_and_the_backward():
+    """What a layer computes is fixed at its forward: a dropout forward in eval mode, then
+    ``train()`` before the backward, is the eval model's gradient; a BatchNorm forward in eval
+    mode (running statistics) likewise; a BatchNorm forward in train mode (batch statistics)
+    is refused at once, naming the layer, and leaves nothing behind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.5), nn.BatchNorm1d(5), nn.Linear(5, 2))
+    model = model.double()
+    x, y = batch(0, n=8)
+    with torch.no_grad():
+        model(x)  # (running statistics other than the initial ones)
+    model.eval()
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        model.train()
+        F.cross_entropy(out, y).backward()
+        assert_grad1(model, want, "an eval forward, a backward in train mode")
+        model.zero_grad()
+        stats = copy.deepcopy(dict(model.named_buffers()))
+        with pytest.raises(gradhooks.MixedExamplesError, match="'2' \\(BatchNorm1d\\)"):
+            model(x)  # in train mode
+        for name, kept in stats.items():  # (refused before the layer updated them)
+            assert torch.equal(dict(model.named_buffers())[name], kept), name
+        model.eval()
+        F.cross_entropy(model(x), y).backward()  # nothing left of the refused forward
+        assert_grad1(model, want, "the next forward, in eval mode")
+
+
+def test_grad1_written_by_hand_is_added_to_as_grad_is():
+    """``grad1`` changed by hand (``p.grad1 = 2 * p.grad1``, or in place) after a backward:
+    the next backward of the accumulation adds to what is there, as autograd adds to a
+    ``.grad`` written by hand; ``check()`` then reports that ``grad1`` no longer reduces to
+    ``.grad``. ``del p.grad1`` starts it afresh (docs/training.md)."""
+    model = mlp()
+    (x, y), (x2, y2) = batch(0), batch(1)
+    a, b = loop_grad(model, F.cross_entropy, x, y), loop_grad(model, F.cross_entropy, x2, y2)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():
+            if n.endswith("weight"):
+                p.grad1 = 2 * p.grad1
+            else:
+                p.grad1.mul_(2)
+        F.cross_entropy(model(x2), y2).backward()
+        assert_grad1(model, added(b, a, 2.0), "twice the first plus the second")
+        report = h.check(raise_on_error=False)
+        assert not report.ok and "differs from .grad" in str(report)
+        for p in model.parameters():
+            del p.grad1
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, a, "afresh after del")
+
+
+def test_float64_inputs_to_a_float32_model_fail_in_torch_and_leave_nothing():
+    """A float64 batch to a float32 model: torch's own dtype error at the first layer, the
+    model as it was, and the next (float32) step's ``grad1`` its own."""
+    model = mlp(torch.float32)
+    before = copy.deepcopy(model.state_dict())
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(RuntimeError, match="dtype"):
+            F.cross_entropy(model(x), y).backward()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert not any(hasattr(p, "grad1") or p.grad is not None for p in model.parameters())
+        F.cross_entropy(model(x.float()), y).backward()
+        want = loop_grad(copy.deepcopy(model).double(), F.cross_entropy, x, y)
+        assert_grad1(model, want, "float32 step", rtol=1e-4, atol=1e-6)
+
+
+def test_batch_dim_one_declared_on_batch_first_data_is_refused_naming_the_layer():
+    """``add_hooks(model, batch_dim=1)`` on ``[batch, features]`` data: the features are no
+    examples; refused at the backward, naming the layer, the sizes and ``batch_dim``."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model, batch_dim=1):
+        with pytest.raises(gradhooks.BatchNotFoundError, match="'2' \\(Linear\\).*batch_dim"):
+            F.cross_entropy(model(x), y).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+def test_hooks_on_submodules_and_a_backward_of_the_whole_model():
+    """``add_hooks(model[2])`` (the head alone) and a backward of the whole model: the head's
+    parameters get ``grad1``, the others none; one handle on each of two sibling layers gives
+    every parameter its own, over steps of other sizes."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model[2]):
+        F.cross_entropy(model(x), y).backward()
+    want = loop_grad(model, F.cross_entropy, x, y)
+    assert not hasattr(model[0].weight, "grad1")
+    assert_grad1(model[2], {n[2:]: g for n, g in want.items() if n.startswith("2.")}, "head")
+    with gradhooks.add_hooks(model[0]), gradhooks.add_hooks(model[2]):
+        for n in (4, 3):
+            x, y = batch(n, n=n)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"two handles, {n}")
