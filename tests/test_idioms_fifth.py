@@ -611,3 +611,46 @@ def test_hooks_on_submodules_and_a_backward_of_the_whole_model():
             model.zero_grad()
             F.cross_entropy(model(x), y).backward()
             assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"two handles, {n}")
+
+
+class Masked(nn.Module):
+    """Two Linear layers with ``how`` (a mask of the data against a statistic of the batch)
+    on the input."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.l1, self.l2 = how, nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(self.how(x))))
+
+
+MASKS = {
+    "x * (x > x.mean())": lambda x: x * (x > x.mean()),
+    "float mask": lambda x: x * (x > x.mean()).to(x.dtype),
+    "where x > median": lambda x: torch.where(x > x.median(), x, 0 * x),
+    "where x > mean(0)": lambda x: torch.where(x > x.mean(0), x, 0 * x),
+    "masked_fill": lambda x: x.masked_fill(x < x.mean(), 0.0),
+    "top-k threshold": lambda x: x * (x >= x.flatten().topk(3).values[-1]),
+}
+
+
+@pytest.mark.parametrize("how", MASKS.values(), ids=MASKS.keys())
+def test_a_mask_of_the_data_against_a_statistic_of_the_batch_is_refused(how):
+    """``x * (x > x.mean())``: which entries of an example the mask keeps depends on the other
+    examples' values, so its gradient alone (the loop over batches of one) is not the batched
+    forward's row, as for ``x - x.mean(0).detach()``. Refused at the forward, naming the
+    layer, with or without the run-time check (which sees only the backward)."""
+    model = Masked(how).double()
+    x = torch.randn(6, 3, dtype=D, generator=torch.Generator().manual_seed(1))
+    rows = loop_grad(model, lambda out: out.square().sum(), x)
+    with gradhooks.paused():
+        model(x).square().sum().backward()  # (the batched forward's rows differ)
+    assert not torch.allclose(rows["l1.weight"].sum(0), model.l1.weight.grad)
+    model.zero_grad()
+    for verify in (True, False):
+        with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+            with pytest.raises(gradhooks.MixedExamplesError, match="'l1' \\(Linear\\).* across"):
+                model(x)
+    assert not any(hasattr(p, "grad1") or p.grad is not None for p in model.parameters())

@@ -588,6 +588,12 @@ class Tracker(TorchFunctionMode):
                         )
                         self.used[-1].mixing.add("__getitem__" if picked else name)
                 return
+            if inherited and any(carries(t) and layouts.get(t) is MIXED for t in ins):
+                # (a mask of values against a statistic of the batch, x > x.mean(): which
+                # entries it keeps depends on the other examples' values)
+                for o in outs:
+                    self.layouts[o] = MIXED
+                return
             # an index or mask computed across the examples (which experts any token picked,
             # the longest sequence): it selects, and each row is still a constant of its
             # example's computation, where the rule's dimension reads it
