@@ -633,6 +633,7 @@ MASKS = {
     "where x > mean(0)": lambda x: torch.where(x > x.mean(0), x, 0 * x),
     "masked_fill": lambda x: x.masked_fill(x < x.mean(), 0.0),
     "top-k threshold": lambda x: x * (x >= x.flatten().topk(3).values[-1]),
+    "median by quantile": lambda x: x * (x > torch.quantile(x, 0.5)),
     # (masks from indices computed across the batch, one entry per example)
     "capacity by cumsum": lambda x: x * ((x[:, :1] > 0).long().cumsum(0) <= 1),
     "the largest example": lambda x: x * (torch.arange(len(x))[:, None] == x[:, 0].argmax()),
