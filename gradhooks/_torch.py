@@ -110,7 +110,8 @@ Required (no fallback; :func:`require` refuses without them):
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
-  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`last_forward_pre_hook`,
+  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
+  :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
   and the backward hooks of
@@ -191,6 +192,7 @@ __all__ = [
     "foreach_mul_",
     "drop_stale_hooks",
     "first_forward_hook",
+    "put_forward_hook_first",
     "forward_hooks_off_within",
     "forward_hooks_off",
     "forward_pre_hooks",
@@ -856,6 +858,15 @@ def first_forward_hook(module: nn.Module) -> Any:
     """The forward hook ``module`` runs first (``module._forward_hooks``), or ``None``: torch
     has no public way to list a module's hooks. Required (:func:`require`)."""
     return next(iter(module._forward_hooks), None)
+
+
+def put_forward_hook_first(module: nn.Module, hook_id: int) -> None:
+    """Run the forward hook ``hook_id`` of ``module`` first again, where one registered later
+    with ``prepend=True`` went in front of it (``module._forward_hooks``, an ordered dict):
+    torch has no public way to reorder a module's hooks. Required (:func:`require`)."""
+    hooks = module._forward_hooks
+    if hooks and next(iter(hooks)) != hook_id and hook_id in hooks:
+        hooks.move_to_end(hook_id, last=False)
 
 
 def last_forward_pre_hook(module: nn.Module) -> Any:

@@ -41,8 +41,9 @@ CHANGED = {
     "masked_scatter_": "masked_scatter",
     "masked_scatter__": None,  # (no such function)
 }
-# handlers added since for operations the table lacked (tests/test_real_loops.py says why)
-ADDED = {"fused_moving_avg_obs_fake_quant"}
+# handlers added since for operations the table lacked (tests/test_real_loops.py and
+# tests/test_idioms_fifth.py say why)
+ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile"}
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 

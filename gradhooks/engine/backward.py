@@ -540,6 +540,7 @@ class BackwardWriter:
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
                 bw.missed.append(name)
+                bw.grads.pop(pid, None)  # (no grad1 to check: it warns at the end instead)
 
         return hook
 
@@ -741,6 +742,11 @@ class BackwardWriter:
             # grad1 or norms; not where calls run detached by design, the book-keeping step)
             ours = self.state.params.keys() - self.state.sharded
             left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            # (frozen between the forward and the backward: autograd computes its gradient,
+            # then leaves .grad as it was)
+            for q in [q for q in bw.computed if not self.state.params[q][1].requires_grad]:
+                left_out.add(q)
+                bw.grads.pop(q, None)
             if self.state.grad1:
                 self.rollback(bw, left_out)
         for held in bw.held:

@@ -83,7 +83,10 @@ class ForwardCapture:
                 return
             tracker = self.tracker()
             with OwnWork(tracker):
-                if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
+                capturing = (
+                    self.state.pause.on and torch.is_grad_enabled() and not self.state.removed
+                )
+                if capturing:
                     refuse_nested(
                         lambda: f"'{target.name or '<model>'}' ({type(module).__qualname__})",
                         args, kwargs,
@@ -96,6 +99,10 @@ class ForwardCapture:
                 if tracker is not None:
                     self.layouts.reseed_before(target, module, args, kwargs, tracker)
                     tracker.enter_call(now, module, soft=target.entry is FALLBACK)
+                if capturing and target.entry.on_forward is not None:
+                    if not _torch.in_transform(args, kwargs):
+                        # (before the call: a refused BatchNorm leaves its running statistics)
+                        target.entry.on_forward(module, target.name)
 
         return hook
 

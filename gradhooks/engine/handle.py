@@ -346,6 +346,7 @@ class Hooks:
                     self._state.params[id(leaf)] = (known, leaf)
         self._state.numel = sum(p.numel() for _, p in self._state.params.values())
         handles = self._target_handles
+        self._first_hooks: list[tuple[nn.Module, int]] = []  # (module, our forward hook's id)
 
         def hook(fn) -> Hook:
             made = Hook(fn)
@@ -379,6 +380,7 @@ class Hooks:
                 hook(forward), with_kwargs=True, always_call=True, prepend=True
             )
             handles.append(handle)
+            self._first_hooks.append((m, handle.id))
             if detaches:
                 handles.append(
                     m.register_forward_pre_hook(
@@ -414,7 +416,10 @@ class Hooks:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
-        ``grad1``."""
+        ``grad1``. A forward hook registered since with ``prepend=True`` runs after ours: it
+        may return a new output, and the rule's output-gradient is the layer's own."""
+        for m, hook_id in self._first_hooks:
+            _torch.put_forward_hook_first(m, hook_id)
         now = structure_of(model, bool(self._state.sharded))
         if now == self._structure:
             return

@@ -588,6 +588,12 @@ class Tracker(TorchFunctionMode):
                         )
                         self.used[-1].mixing.add("__getitem__" if picked else name)
                 return
+            if inherited and any(carries(t) and layouts.get(t) is MIXED for t in ins):
+                # (a mask of values against a statistic of the batch, x > x.mean(): which
+                # entries it keeps depends on the other examples' values)
+                for o in outs:
+                    self.layouts[o] = MIXED
+                return
             # an index or mask computed across the examples (which experts any token picked,
             # the longest sequence): it selects, and each row is still a constant of its
             # example's computation, where the rule's dimension reads it
@@ -682,9 +688,32 @@ class Tracker(TorchFunctionMode):
                 return MIXED
             if index_only and all(isinstance(lay, Layout) and lay.dim >= 0 for lay in lays):
                 return result  # (a coupled index along another dimension: selects only)
+        elif is_pointwise(name) and any(carries(o) for o in outs) and self._masks_rows(ins, outs):
+            self.mixed.setdefault(
+                f"{name} picking rows by a mask computed across the batch ({found[0]})", None
+            )
+            return MIXED
         for o in outs:
             self.coupled[o] = found[0]
         return result
+
+    def _masks_rows(self, ins: list, outs: list) -> bool:
+        """Whether an elementwise operation applies a coupled mask (:meth:`_coupling`) along
+        the examples of an operand: one entry per example, which of them it keeps decided
+        across the batch (the tokens an expert keeps under a capacity counted over it, the
+        example with the largest score)."""
+        o = outs[0]
+        for x in ins:
+            lay = self._layout_of(x)
+            if not is_followed(lay) or x in self.coupled or lay.size(self.batch) < 2:
+                continue
+            d = lay.dim + o.dim() - x.dim()  # (the examples' dimension in the output)
+            for t in ins:
+                k = d - o.dim() + t.dim()
+                if t in self.coupled and not is_followed(self._layout_of(t)) and k >= 0:
+                    if t.shape[k] == o.shape[d]:
+                        return True
+        return False
 
     def _row_indices(self, name: str, args, ins: list, outs: list) -> None:
         """Follow the positions of rows that ``nonzero`` (``torch.where(mask)``) finds in a

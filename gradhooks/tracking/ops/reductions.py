@@ -76,3 +76,15 @@ def _max_min(args, kwargs, out, layout_of):
     if isinstance(arg(args, kwargs, 1, "other"), Tensor):
         return pointwise(args, kwargs, out, layout_of)
     return reduction(args, kwargs, out, layout_of)
+
+
+@handles("quantile", "nanquantile")
+def _quantile(args, kwargs, out, layout_of):
+    """``quantile(x, q, dim)``: a reduction along ``dim`` (of every entry without one, a
+    threshold from the whole batch); a ``q`` of several values puts them on a new first
+    dimension."""
+    lay = reduction(args, kwargs, out, layout_of)
+    q = arg(args, kwargs, 1, "q")
+    if lay is MIXED or lay is UNKNOWN or not (isinstance(q, Tensor) and q.dim() > 0):
+        return lay
+    return lay.at(lay.dim + 1)
