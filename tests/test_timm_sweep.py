@@ -90,6 +90,56 @@ def test_recurrent_cell_on_folded_rows_matches_the_loop(cell, reduction):
     check(case, batch=3, reduction=reduction)
 
 
+# -- a fallback on rows in both layouts at once ----------------------------------------------------
+
+CHANNELS_LAST_ROWS = """
+import torch, gradhooks
+import torch.nn.functional as F
+from torch import nn
+from gradhooks.oracle import loop_grad
+
+class GroupNorm1NoBias(nn.GroupNorm):  # (timm's metaformer: a forward of its own, no rule)
+    def __init__(self, channels):
+        super().__init__(1, channels)
+        self.bias = None
+
+    def forward(self, x):
+        return F.group_norm(x, 1, self.weight, None, self.eps)
+
+class Head(nn.Module):  # a pooled [batch, 1, 1, features] made channels-first by a permute
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.out = nn.Linear(4, 8), GroupNorm1NoBias(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.norm(self.lin(x).permute(0, 3, 1, 2)).flatten(1))
+
+torch.manual_seed(0)
+model = Head().double()
+x, y = torch.randn(3, 1, 1, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+loss = lambda out, y: F.cross_entropy(out, y, reduction="sum")
+want = loop_grad(model, loss, x, y)
+with gradhooks.add_hooks(model, loss_reduction="sum"):
+    loss(model(x), y).backward()
+print(max(float((p.grad1 - want[n]).abs().max()) for n, p in model.named_parameters()))
+"""
+
+
+def test_fallback_on_rows_of_a_channels_last_batch_runs():
+    """The fallback's loop runs each example's row of ``[batch, C, 1, 1]`` in channels-last
+    strides, which is both layouts at once: torch's group_norm backward read it wrong, to a
+    segmentation fault (in a child process here, so that it cannot end the tests)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-c", CHANNELS_LAST_ROWS], capture_output=True,
+                          text=True, timeout=300, cwd=root)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert float(done.stdout.split()[-1]) < 1e-12
+
+
 # -- the sweep's reference -----------------------------------------------------------------------
 
 
