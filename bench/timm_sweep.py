@@ -406,11 +406,40 @@ def write(
     return js, md
 
 
-def _modes(check_in) -> list[SweepResult]:
+def _modes(check_in, isolated: bool = False) -> list[SweepResult]:
     """The train row, and the bn-eval row where the model has BatchNorm (without, it would say
-    no more than the train row)."""
-    train = check_in("train")
-    return [train, check_in("bn-eval")] if train.batchnorm else [train]
+    no more than the train row); with ``isolated``, each in a child process of its own."""
+    run = _isolated if isolated else (lambda f, mode: f(mode))
+    train = run(check_in, "train")
+    return [train, run(check_in, "bn-eval")] if train.batchnorm else [train]
+
+
+def _isolated(check_in, mode: str) -> SweepResult:
+    """``check_in(mode)`` in a forked child: a segmentation fault inside torch ends the child,
+    and is a crash of this model, not the end of the sweep."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child():
+        send.send(check_in(mode))
+        send.close()
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    send.close()
+    try:
+        res = receive.recv()
+    except EOFError:
+        res = None
+    proc.join()
+    if res is None:
+        code = proc.exitcode or 0
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        res = SweepResult("", task=mode, outcome="crash", detail=f"the process ended by {why}")
+    return res
 
 
 def _version(library: str) -> str:
@@ -439,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch's threads (1: tiny models gain nothing from more, on a shared machine they "
         "lose much)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-isolate", dest="isolate", action="store_false",
+        help="run every model in this process (by default each runs in a forked child, so that "
+        "a segmentation fault is one model's crash)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -460,14 +494,23 @@ def main(argv: list[str] | None = None) -> int:
         else:
             bar.set_postfix_str(label)
         if args.library != "timm":
-            results += _modes(lambda mode: check_other(args.library, name, mode, args.limit))  # noqa: B023
+            results += _modes(
+                lambda mode: check_other(args.library, name, mode, args.limit),  # noqa: B023
+                args.isolate,
+            )
         elif not name:
             try:
                 name, _ = smallest(module)
             except Skip as e:
                 results.append(SweepResult(module, task="train", detail=str(e)))
         if name and args.library == "timm":
-            results += _modes(lambda mode: check(name, mode, args.limit, module))  # noqa: B023
+            results += _modes(
+                lambda mode: check(name, mode, args.limit, module),  # noqa: B023
+                args.isolate,
+            )
+        for r in results:
+            if not r.model:  # (a child that died said nothing)
+                r.family, r.model = module, name
         if bar is not None:
             bar.update(1)
         write(results, Path(args.out), command, stem, args.library)  # so far, kept if stopped

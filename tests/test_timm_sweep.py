@@ -268,3 +268,18 @@ def test_other_library_matches_the_loop(library, name, one_thread):
     res = timm_sweep._modes(lambda mode: timm_sweep.check_other(library, name, mode, limit=0))
     want = ["refused", "match"] if len(res) == 2 else ["match"]
     assert [r.outcome for r in res] == want, [(r.outcome, r.detail) for r in res]
+
+
+def test_sweep_counts_a_segmentation_fault_as_one_models_crash():
+    """Each model runs in a forked child: one that ends by a signal is a crash, and the sweep
+    goes on."""
+    import os
+    import signal
+
+    def dies(mode):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    (res,) = timm_sweep._modes(dies, isolated=True)
+    assert (res.outcome, res.detail) == ("crash", "the process ended by signal SIGSEGV")
+    ok = timm_sweep._modes(lambda mode: timm_sweep.SweepResult("f", mode, "m", "match"), True)
+    assert [(r.task, r.outcome) for r in ok] == [("train", "match")]
