@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import Case, check, cross_entropy_sum
+from harness import Case, check, cross_entropy_sum
 
 timm_sweep = pytest.importorskip("bench.timm_sweep")
 
