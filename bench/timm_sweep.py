@@ -263,7 +263,7 @@ def check(
     """``name`` (a timm model, made with ``kw``) through the sweep in ``mode``: its
     :class:`SweepResult`."""
     res = SweepResult(module or _module_of(name), task=mode, model=name)
-    return _timed(res, limit, lambda: (*build(name, **kw), "timm"))
+    return _timed(res, limit, lambda: build(name, **kw))
 
 
 def _timed(res: SweepResult, limit: float, make) -> SweepResult:
@@ -280,7 +280,7 @@ def _timed(res: SweepResult, limit: float, make) -> SweepResult:
     return res
 
 
-def _check(res: SweepResult, model: nn.Module, side: int, _library: str) -> None:
+def _check(res: SweepResult, model: nn.Module, side: int) -> None:
     res.input = side
     res.params = sum(p.numel() for p in model.parameters())
     norms = batchnorms(model)
@@ -600,7 +600,7 @@ def check_other(library: str, name: str, mode: str, limit: float = 120.0) -> Swe
             raise
         except Exception as e:
             raise Skip(f"cannot be made: {first_line(e)}") from e
-        return _quiet(model).double().train(), side, library
+        return _quiet(model).double().train(), side
 
     return _timed(SweepResult(library, task=mode, model=name), limit, built)
 
