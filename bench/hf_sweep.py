@@ -40,12 +40,10 @@ import argparse
 import contextlib
 import inspect
 import json
-import signal
 import sys
 import time
-import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python bench/hf_sweep.py
@@ -58,6 +56,24 @@ from torch import nn
 
 import gradhooks
 
+from .sweep import (
+    FLOAT32_RTOL,
+    OUTCOMES,
+    REPORT_ORDER,
+    ROUNDED,
+    RTOL,
+    Result,
+    Skip,
+    TimeLimit,
+    compare,
+    counts,
+    detail_cell,
+    first_line,
+    hooked_backward,
+    progress,
+    time_limit,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 3
 SEQ = 6
@@ -66,13 +82,6 @@ IMAGE = 32
 CLASSES = 3
 PADDING = (0, 2, 1)  # tokens of padding of each example, with --padded
 MAX_PARAMS = 3_000_000
-RTOL = 1e-7
-# A model that computes in float32 inside (a router's softmax, a norm) gives a batch of one
-# logits that differ from its row of the batch by float32 rounding, and so gradients that
-# differ as much from the loop's, whoever computes them: such a model ("float32 inside", the
-# logits' relative difference above ROUNDED) is compared at FLOAT32_RTOL, 1e3 float32 epsilons.
-ROUNDED = 1e-12
-FLOAT32_RTOL = 1e-4
 
 # The widely used architectures, swept first (and alone with --popular).
 POPULAR = (
@@ -211,54 +220,7 @@ OVERRIDES = {
 }
 
 
-@dataclass
-class Result:
-    family: str
-    task: str = ""
-    model: str = ""
-    outcome: str = "skipped"
-    detail: str = ""
-    params: int = 0
-    parameter: str = ""
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
-    batch_vs_one: float = 0.0
-    loop_vs_batch: float = 0.0
-    seconds: float = 0.0
-    warnings: list[str] = field(default_factory=list)
-
-
-class Skip(Exception):
-    """The model or its inputs could not be made, or it does not run without gradhooks."""
-
-
-class TimeLimit(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def stop(signum, frame):
-        raise TimeLimit(f"took longer than {seconds:g} s")
-
-    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 # -- the configuration, the model, the inputs ---------------------------------------------------
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _tiny_kwargs(config) -> dict:
@@ -301,7 +263,7 @@ def tiny_config(family: str):
     try:
         default = cls()
     except Exception as e:
-        raise Skip(f"default config: {_first_line(e)}") from e
+        raise Skip(f"default config: {first_line(e)}") from e
     kw = {**_tiny_kwargs(default), **OVERRIDES.get(family, {})}
     try:
         config = cls(**kw)
@@ -310,7 +272,7 @@ def tiny_config(family: str):
         try:
             config = cls(**kw)
         except Exception as e:
-            raise Skip(f"tiny config: {_first_line(e)}") from e
+            raise Skip(f"tiny config: {first_line(e)}") from e
     layer_types = getattr(config, "layer_types", None)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) != layers:
@@ -359,7 +321,7 @@ def build(family: str, task: str | None, router_loss: bool = False):
     try:
         model = cls(config)
     except Exception as e:
-        raise Skip(f"{cls.__name__}(tiny config): {_first_line(e)}") from e
+        raise Skip(f"{cls.__name__}(tiny config): {first_line(e)}") from e
     size = sum(p.numel() for p in model.parameters())
     if size > MAX_PARAMS:
         raise Skip(f"{cls.__name__}: {size:,} parameters at the tiniest config made")
@@ -460,11 +422,6 @@ def loop_grads(model, batch, labels, params, own: bool = False):
     return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
 
 
-def _is_gradhooks_frame(tb) -> bool:
-    root = str(Path(gradhooks.__file__).parent)
-    return any(f.filename.startswith(root) for f in traceback.extract_tb(tb))
-
-
 def check(
     family: str,
     task: str | None = None,
@@ -505,7 +462,7 @@ def _check(
     except Skip:
         raise
     except Exception as e:
-        raise Skip(f"does not run: {_first_line(e)}") from e
+        raise Skip(f"does not run: {first_line(e)}") from e
     if not torch.equal(first, again):
         raise Skip("its training-mode forward draws random numbers")
     with torch.no_grad(), gradhooks.paused():
@@ -526,88 +483,17 @@ def _check(
             with torch.no_grad(), gradhooks.paused():
                 dtype = summed_loss(model, batch, labels, own_loss).dtype
         except Exception as e:
-            raise Skip(f"its own loss fails: {_first_line(e)}") from e
+            raise Skip(f"its own loss fails: {first_line(e)}") from e
         if dtype != torch.float64:  # (Hugging Face's language-model losses upcast to float32)
             rtol, res.detail = FLOAT32_RTOL, f"its own loss in {dtype}"
     try:
         want = loop_grads(model, batch, labels, params, own_loss)
     except Exception as e:
-        raise Skip(f"the loop of batches of one fails: {_first_line(e)}") from e
+        raise Skip(f"the loop of batches of one fails: {first_line(e)}") from e
     model.zero_grad(set_to_none=True)
-    try:
-        with gradhooks.add_hooks(model, loss_reduction="mean" if own_loss else "sum"):
-            summed_loss(model, batch, labels, own_loss).backward()
-    except gradhooks.GradhooksError as e:
-        res.outcome, res.detail = "refused", _first_line(e)
-        return
-    except TimeLimit:
-        raise
-    except Exception as e:
-        inside = _is_gradhooks_frame(e.__traceback__)
-        res.outcome = "crash" if inside else "skipped"
-        res.detail = (
-            _first_line(e) if inside else f"fails under hooks, outside gradhooks: {_first_line(e)}"
-        )
-        return
-    worst = (0.0, 0.0, "")
-    missing = []
-    # A gradient that is zero in exact arithmetic (a key's bias, which softmax cancels) is
-    # rounding noise on both sides: measured against the model's largest gradient entry.
-    largest = max(float(w.abs().max()) for w in want.values() if w.numel())
-    floor = 1e-12 * largest
-    for n, p in params:
-        got = getattr(p, "grad1", None)
-        if got is None:
-            if want[n].abs().max() > 0:
-                missing.append(n)
-            continue
-        if got.shape != want[n].shape:
-            missing.append(f"{n} (grad1 {tuple(got.shape)}, want {tuple(want[n].shape)})")
-            continue
-        scale = float(want[n].abs().max())
-        err = (got - want[n]).abs()
-        # The model's own rounding between its batched backward and the loop (autograd's
-        # .grad against the loop's sum or mean: nothing of gradhooks in it), ten times over;
-        # only where it is rounding (within 1e-6 of the model's largest gradient entry), not a
-        # loss that is no sum of per-example losses
-        noise = 0.0
-        if p.grad is not None:
-            total = want[n].mean(0) if own_loss else want[n].sum(0)
-            noise = float((p.grad - total).abs().max())
-            if noise > 1e-6 * largest:
-                noise = 0.0
-            res.loop_vs_batch = max(res.loop_vs_batch, noise / max(scale, floor or 1e-300))
-        bad = err > rtol * want[n].abs() + rtol * scale + floor + 10 * noise
-        if bool(bad.any()):
-            rel = float(err.max()) / (scale or 1.0)
-            if rel > worst[1]:
-                worst = (float(err.max()), rel, n)
-    for p in model.parameters():
-        if hasattr(p, "grad1"):
-            del p.grad1
-    if missing:
-        res.outcome, res.parameter = "mismatch", missing[0]
-        res.detail = f"no grad1 where the loop gives a gradient: {', '.join(missing[:3])}"
-    elif worst[2]:
-        res.outcome, res.parameter = "mismatch", worst[2]
-        res.max_abs_error, res.max_rel_error = worst[0], worst[1]
-        res.detail = (
-            f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest entry)"
-        ) + ("; " + res.detail if res.detail else "")
-    else:
-        res.outcome = "match"
-    if res.batch_vs_one > ROUNDED:
-        res.detail = (res.detail + "; " if res.detail else "") + (
-            f"float32 inside (logits of a batch of one differ by {res.batch_vs_one:.1g} of the "
-            f"largest)"
-        )
-    if rtol != RTOL:
-        res.detail += f": compared at rtol={rtol:g}"
-    if res.loop_vs_batch > rtol:
-        res.detail = (res.detail + "; " if res.detail else "") + (
-            f"its batched gradient differs from the loop's by {res.loop_vs_batch:.1g} of a "
-            "parameter's largest entry without gradhooks: allowed ten times that"
-        )
+    reduction = "mean" if own_loss else "sum"
+    if hooked_backward(res, model, lambda: summed_loss(model, batch, labels, own_loss), reduction):
+        compare(res, params, want, rtol, mean=own_loss)
 
 
 # -- the sweep and its report -------------------------------------------------------------------
@@ -633,9 +519,6 @@ def families(selection: str | None, popular: bool, task: str | None = None) -> l
     return first if popular else first + [f for f in swept if f not in first]
 
 
-OUTCOMES = ("match", "refused", "mismatch", "crash", "skipped")
-
-
 def write(
     results: list[Result],
     out: Path,
@@ -646,9 +529,9 @@ def write(
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    counted = counts(results)
     meta = {"command": command, "torch": torch.__version__, "transformers": transformers.__version__,
-            "batch": BATCH, "sequence": SEQ, "rtol": RTOL, "counts": counts}  # fmt: skip
+            "batch": BATCH, "sequence": SEQ, "rtol": RTOL, "counts": counted}  # fmt: skip
     js = out / f"{name}.json"
     js.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
     lines = [
@@ -663,31 +546,19 @@ def write(
         "",
         "| outcome | architectures |",
         "| --- | --- |",
-        *(f"| {o} | {counts[o]} |" for o in OUTCOMES),
+        *(f"| {o} | {counted[o]} |" for o in OUTCOMES),
         "",
         "| architecture | task | model | parameters | outcome | detail | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    order = {o: i for i, o in enumerate(("mismatch", "crash", "refused", "match", "skipped"))}
+    order = {o: i for i, o in enumerate(REPORT_ORDER)}
     for r in sorted(results, key=lambda r: (order[r.outcome], r.family)):
-        detail = r.detail.replace("|", "\\|").replace("\n", " ")
-        if r.warnings:
-            detail += (
-                (" " if detail else "") + "warned: " + "; ".join(r.warnings).replace("|", "\\|")
-            )
+        detail = detail_cell(r)
         lines.append(f"| {r.family} | {r.task} | {r.model} | {r.params:,} | {r.outcome} | "
                      f"{detail} | {r.seconds:.1f} |")  # fmt: skip
     md = out / f"{name}.md"
     md.write_text("\n".join(lines) + "\n")
     return js, md
-
-
-def _progress(items):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(items, unit="model", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -719,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.hf_sweep" + (" " + " ".join(sys.argv[1:] if argv is None else argv)
                                             if (sys.argv[1:] if argv is None else argv) else "")  # fmt: skip
     results = []
-    bar = _progress(names)
+    bar = progress(names)
     for i, family in enumerate(names):
         if bar is None:
             print(f"[{i + 1}/{len(names)}] {family}", file=sys.stderr, flush=True)
@@ -743,8 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.padded:
         loss += ", token ids padded on the right by 0, 2 and 1 tokens"
     js, md = write(results, Path(args.out), command, name, loss)
-    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
-    print(", ".join(f"{n} {o}" for o, n in counts.items()))
+    print(", ".join(f"{n} {o}" for o, n in counts(results).items()))
     for r in results:
         if r.outcome in ("mismatch", "crash"):
             print(f"{r.outcome}: {r.family} ({r.model}): {r.detail}")

@@ -328,9 +328,12 @@ def _by_layout_split(
 
                 def example(b: int) -> list[Tensor | None]:
                     # (by autograd, not torch.func: some operations cannot run on the tensors
-                    # torch.func wraps even one example at a time, such as packing sequences)
+                    # torch.func wraps even one example at a time, such as packing sequences.
+                    # Each example's inputs in the standard layout: a row of a channels-last
+                    # [batch, C, 1, 1] is both layouts at once, which torch 2.13's CPU
+                    # group_norm backward reads wrong, to a segmentation fault)
                     with torch.enable_grad(), paused():
-                        return _autograd_one(name, one_out, primals, [x[b] for x in xs],
+                        return _autograd_one(name, one_out, primals, [_standard(x[b]) for x in xs],
                                              [c[b] for c in cots], create_graph)  # fmt: skip
 
                 rows = per_example(batch, example, like=[*primals.values(), *[None] * len(out_idx)])
@@ -367,6 +370,19 @@ def _check_example_shapes(name: str, outs, cots_b, where: str | None = None) -> 
                 + (f" ({where})" if where else "")
                 + "; register a rule for this module with @gradhooks.register."
             )
+
+
+def _standard(t: Tensor) -> Tensor:
+    """``t`` in the standard (row-major) layout, copied where its strides are others."""
+    if not isinstance(t, Tensor) or t.layout != torch.strided:
+        return t
+    standard, step = [], 1
+    for size in reversed(t.shape):
+        standard.append(step)
+        step *= max(size, 1)
+    if t.stride() == tuple(reversed(standard)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _autograd_one(

@@ -101,6 +101,24 @@ def _rnn(args, kwargs, out, layout_of):
     return [lay] + [lay.at(1) for _ in outs[1:]]
 
 
+@handles("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")
+def _rnn_cell(args, kwargs, out, layout_of):
+    """torch's recurrent cells (``nn.GRUCell``, ``LSTMCell``, ``RNNCell``): ``(input, hx,
+    w_ih, w_hh, ...)``, the input ``[rows, features]`` whose rows each run alone with the same
+    rows of the state (``hx``, or ``(h, c)``); the outputs' rows are the input's (also the
+    examples folded with other rows, ``[(batch tokens), features]``, as a gated residual
+    folds them)."""
+    x = args[0]
+    lay = layout_of(x)
+    if lay is None or lay is UNKNOWN or x.dim() != 2 or lay.dim != 0:
+        return UNKNOWN
+    hx = args[1] if len(args) > 1 else None
+    for h in hx if isinstance(hx, list | tuple) else (hx,):
+        if isinstance(h, Tensor) and layout_of(h) not in (None, lay):
+            return UNKNOWN  # (a state whose rows are not the input's)
+    return [lay for _ in out_tensors(out)]
+
+
 @handles("_pack_padded_sequence")
 def _pack(args, kwargs, out, layout_of):
     x, batch_first = args[0], bool(arg(args, kwargs, 2, "batch_first"))

@@ -1,0 +1,205 @@
+"""What the architecture sweeps share: one model's ``grad1`` against each example's own gradient.
+
+``bench.hf_sweep`` (Hugging Face) and ``bench.timm_sweep`` (timm, vit-pytorch, x-transformers)
+build their models and inputs each in its own way; the rest is here. A model ends as one of
+:data:`OUTCOMES`:
+
+- **match**: every trainable parameter's ``grad1`` within ``rtol`` of the loop's gradient (and
+  ``rtol`` of its largest entry, plus ten times the model's own rounding between its batched
+  gradient and the loop's, where that is rounding);
+- **refused**: gradhooks raised one of its own errors (its first line is kept);
+- **mismatch**: a silently wrong ``grad1`` (the parameter, the largest absolute and relative
+  error are kept), or none where the loop gives a gradient: the worst outcome;
+- **crash**: another exception raised from inside gradhooks;
+- **skipped**: the model or its inputs could not be made, it does not run, or it took too long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import gradhooks
+
+OUTCOMES = ("match", "refused", "mismatch", "crash", "skipped")
+# The order of a report's rows: the worst first.
+REPORT_ORDER = ("mismatch", "crash", "refused", "match", "skipped")
+RTOL = 1e-7
+# A model that computes in float32 inside gives a batch of one logits that differ from its row
+# of the batch by float32 rounding, and so gradients that differ as much from the loop's,
+# whoever computes them: such a model ("float32 inside", the logits' relative difference above
+# ROUNDED) is compared at FLOAT32_RTOL, 1e3 float32 epsilons.
+ROUNDED = 1e-12
+FLOAT32_RTOL = 1e-4
+
+
+@dataclass
+class Result:
+    family: str
+    task: str = ""
+    model: str = ""
+    outcome: str = "skipped"
+    detail: str = ""
+    params: int = 0
+    parameter: str = ""
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    batch_vs_one: float = 0.0
+    loop_vs_batch: float = 0.0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+class Skip(Exception):
+    """The model or its inputs could not be made, or it does not run without gradhooks."""
+
+
+class TimeLimit(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    def stop(signum, frame):
+        raise TimeLimit(f"took longer than {seconds:g} s")
+
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def is_gradhooks_frame(tb) -> bool:
+    root = str(Path(gradhooks.__file__).parent)
+    return any(f.filename.startswith(root) for f in traceback.extract_tb(tb))
+
+
+def hooked_backward(res: Result, model, loss: Callable[[], torch.Tensor], reduction: str) -> bool:
+    """``loss().backward()`` under ``add_hooks(model)``; False, with ``res`` classified as
+    refused, crash or skipped, where it raised."""
+    try:
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            loss().backward()
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", first_line(e)
+        return False
+    except TimeLimit:
+        raise
+    except Exception as e:
+        inside = is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = (
+            first_line(e) if inside else f"fails under hooks, outside gradhooks: {first_line(e)}"
+        )
+        return False
+    return True
+
+
+def compare(
+    res: Result, params: list, want: dict[str, torch.Tensor], rtol: float, mean: bool = False
+) -> None:
+    """Classify ``res`` as match or mismatch: each of ``params``' ``grad1`` (then deleted)
+    against ``want``, the loop's per-example gradients by name (``[batch, *shape]``). ``mean``:
+    the loss averages the examples (``.grad`` is then the loop's mean, not its sum)."""
+    worst = (0.0, 0.0, "")
+    missing = []
+    # A gradient that is zero in exact arithmetic (a key's bias, which softmax cancels) is
+    # rounding noise on both sides: measured against the model's largest gradient entry.
+    largest = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+    floor = 1e-12 * largest
+    for n, p in params:
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                missing.append(n)
+            continue
+        if got.shape != want[n].shape:
+            missing.append(f"{n} (grad1 {tuple(got.shape)}, want {tuple(want[n].shape)})")
+            continue
+        scale = float(want[n].abs().max())
+        err = (got - want[n]).abs()
+        # The model's own rounding between its batched backward and the loop (autograd's
+        # .grad against the loop's sum or mean: nothing of gradhooks in it), ten times over;
+        # only where it is rounding (within 1e-6 of the model's largest gradient entry), not a
+        # loss that is no sum of per-example losses
+        noise = 0.0
+        if p.grad is not None:
+            total = want[n].mean(0) if mean else want[n].sum(0)
+            noise = float((p.grad - total).abs().max())
+            if noise > 1e-6 * largest:
+                noise = 0.0
+            res.loop_vs_batch = max(res.loop_vs_batch, noise / max(scale, floor or 1e-300))
+        bad = err > rtol * want[n].abs() + rtol * scale + floor + 10 * noise
+        if bool(bad.any()):
+            rel = float(err.max()) / (scale or 1.0)
+            if rel > worst[1]:
+                worst = (float(err.max()), rel, n)
+    for _, p in params:
+        if hasattr(p, "grad1"):
+            del p.grad1
+    if missing:
+        res.outcome, res.parameter = "mismatch", missing[0]
+        res.detail = f"no grad1 where the loop gives a gradient: {', '.join(missing[:3])}"
+    elif worst[2]:
+        res.outcome, res.parameter = "mismatch", worst[2]
+        res.max_abs_error, res.max_rel_error = worst[0], worst[1]
+        res.detail = (
+            f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest entry)"
+        ) + ("; " + res.detail if res.detail else "")
+    else:
+        res.outcome = "match"
+    if res.batch_vs_one > ROUNDED:
+        res.detail = (res.detail + "; " if res.detail else "") + (
+            f"float32 inside (logits of a batch of one differ by {res.batch_vs_one:.1g} of the "
+            f"largest)"
+        )
+    if rtol != RTOL:
+        res.detail += f": compared at rtol={rtol:g}"
+    if res.loop_vs_batch > rtol:
+        res.detail = (res.detail + "; " if res.detail else "") + (
+            f"its batched gradient differs from the loop's by {res.loop_vs_batch:.1g} of a "
+            "parameter's largest entry without gradhooks: allowed ten times that"
+        )
+
+
+def counts(results: list[Result]) -> dict[str, int]:
+    return {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+
+
+def cell(text: str) -> str:
+    """``text`` as one cell of a Markdown table."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def detail_cell(r: Result) -> str:
+    detail = cell(r.detail)
+    if r.warnings:
+        detail += (" " if detail else "") + "warned: " + cell("; ".join(r.warnings))
+    return detail
+
+
+def progress(items):
+    """A tqdm bar over ``items`` on stderr, or None where tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(items, unit="model", file=sys.stderr)
