@@ -52,6 +52,8 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from . import memo
 from .aliases import aliased
+from .couplings import POWERS, arm, coupling
+from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
@@ -532,6 +534,15 @@ class Tracker(TorchFunctionMode):
                 break
         if inherited:
             result = MIXED
+            if (
+                self.engine is not None
+                and (name in PRODUCTS_OF or name in POWERS)
+                and not any(u.soft for u in self.used)
+            ):  # (a product after a reduction over the batch: refused if a backward reaches
+                # it; inside a module without a rule, its fallback recomputes it per example)
+                why = coupling(name, args, ins, layout_of, self.mixed)
+                if why is not None:
+                    arm(self.engine, outs, why)
         else:
             result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
