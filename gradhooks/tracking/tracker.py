@@ -58,6 +58,7 @@ from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
+from .ops.indexing import puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
@@ -125,6 +126,9 @@ class Tracker(TorchFunctionMode):
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
+        # ... and the dimension and permutation each was reordered by (x[perm]: put back in
+        # order by x[perm][perm.argsort()])
+        self.orders: TensorMap = TensorMap()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: TensorMap = TensorMap()
         # tensors every torch function gets in place of others, by the others' ids: the
@@ -558,8 +562,11 @@ class Tracker(TorchFunctionMode):
         )
         if result is REORDER:  # (of data too: a layer on x[order] is refused, not misread)
             if reordered is None:
+                order = reorder_of(name, args, kwargs)
                 for o in outs:
                     self.reordered[o] = name
+                    if order is not None:
+                        self.orders[o] = order
             result = UNKNOWN  # (reordered again: taken as put back in order)
         elif reordered is not None and name not in TAKES_ORDER:
             ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
@@ -568,9 +575,15 @@ class Tracker(TorchFunctionMode):
                 result = MIXED  # (rows of different examples combined: x[perm] + x)
                 self.mixed.setdefault(reordered, None)
                 inherited = True
-            elif any(o.requires_grad for o in outs):
-                for o in outs:
-                    self.reordered[o] = reordered
+            elif not ordered:  # (with ordered rows and no gradient: mixed before the model)
+                # (x[order] * 2: still in that order, with a gradient or not, until put back)
+                order = self.orders.get(args[0]) if args and isinstance(args[0], Tensor) else None
+                if order is None or not puts_back(order, name, args, kwargs):
+                    order = order or next((self.orders[t] for t in ins if t in self.orders), None)
+                    for o in outs:
+                        self.reordered[o] = reordered
+                        if order is not None:
+                            self.orders[o] = order
         resolved = False
         if result is MIXED and not inherited and self.lineage:
             before = result
