@@ -161,6 +161,10 @@ class Tracker(TorchFunctionMode):
         # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
         # of the backward judge by it (see gradhooks.engine.verify)
         self.precision: torch.dtype | None = None
+        # the floating-point numbers read into Python from tensors computed across the
+        # examples (float(h.abs().max()), .item()), with the operation that read each: an
+        # operation given one back as an argument mixes the examples (see _read_back)
+        self.read: dict[float, str] = {}
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -345,6 +349,8 @@ class Tracker(TorchFunctionMode):
             if not sources and not direct:
                 out = func(*args, **kwargs)
                 if out.__class__ in _NO_TENSOR and not op.inplace:
+                    if out.__class__ is float and self.layouts.get(tensors[0]) is MIXED:
+                        _note_read(self.read, out, name)  # (a statistic of the batch)
                     return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
                 if isinstance(out, Tensor) and out.dtype is not self.precision:
                     self._note_precision(out)
@@ -459,6 +465,7 @@ class Tracker(TorchFunctionMode):
         call with the same key was followed before, the layouts it gave (:mod:`.memo`)."""
         if (
             self.coupled.entries
+            or self.read
             or self.row_index.entries
             or self.reordered.entries
             # (traced by torch.compile, where the hooks cannot leave compiled code: dynamo
@@ -551,6 +558,9 @@ class Tracker(TorchFunctionMode):
             result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
+        if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
+            result = MIXED  # (h / float(h.abs().max()): every example's rows scaled by all)
+            self.mixed.setdefault(f"{got} of a reduction over the batch, read into Python", None)
         if self.coupled.entries:
             result = self._coupling(name, args, ins, outs, result)
         if self.row_index.entries or name in _FINDS_ROWS:
@@ -1007,6 +1017,24 @@ _NO_SOURCES: frozenset = frozenset()
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
+
+
+def _note_read(read: dict[float, str], value: float, name: str) -> None:
+    """Keep ``value``, read into Python by ``name`` from a tensor computed across the examples,
+    unless it is a whole number (a count of the batch's tokens, a mask's largest entry, 0: what
+    is read to trim padding or to divide a loss by, and what literals in the model's code
+    hold)."""
+    if not value.is_integer():
+        read[value] = name
+
+
+def _read_back(read: dict[float, str], args: tuple, kwargs: dict) -> str | None:
+    """The operation that read a number of ``read`` into Python where one is an argument
+    (``h / s``, ``clamp(h, max=s)``): the same double, so the same value, not a coincidence."""
+    for a in (*args, *kwargs.values()):
+        if a.__class__ is float and a in read:
+            return read[a]
+    return None
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
