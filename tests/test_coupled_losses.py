@@ -159,3 +159,18 @@ def test_a_coupled_term_computed_but_not_backpropagated_is_not_refused():
         with h.paused():
             loss.backward()
         assert_grad1(model, want, "after a paused backward")
+
+
+def test_a_backward_to_the_input_alone_through_the_coupled_term_is_not_refused():
+    """``torch.autograd.grad(loss, x)`` (saliency) through the load-balancing loss computes no
+    parameter's gradient: no grad1, no refusal; the input's gradient is autograd's."""
+    model = Routed("batch").to(D)
+    x, y, mask = batch()
+    x.requires_grad_()
+    _, loss = model(x, y, mask)
+    (want,) = torch.autograd.grad(loss, x, retain_graph=True)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        _, loss = model(x, y, mask)
+        (got,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(got, want)
+    assert all(not hasattr(p, "grad1") for p in model.parameters())

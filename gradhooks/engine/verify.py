@@ -949,7 +949,7 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
 
 def _nearest_params(after: tuple, params: dict, most: int = 3, limit: int = 1 << 16) -> list[str]:
     """The names of the parameters of ``params`` (``{id: (name, p)}``) whose gradients the
-    autograd nodes ``after`` lead to, nearest first (breadth first, at most ``most``, through
+    autograd nodes ``after`` lead to and the running backward computes, nearest first (breadth first, at most ``most``, through
     at most ``limit`` nodes)."""
     names: list[str] = []
     seen = {id(n) for n in after}
@@ -959,7 +959,9 @@ def _nearest_params(after: tuple, params: dict, most: int = 3, limit: int = 1 <<
             break
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in params:
-            names.append(params[id(variable)][0])
+            # (where this backward computes its gradient: not an autograd.grad of the input)
+            if _torch.adds_to_grad(variable) is not None or not _torch.available("engine_executes"):
+                names.append(params[id(variable)][0])
             continue
         for nxt, _ in node.next_functions:
             if nxt is not None and id(nxt) not in seen:
