@@ -508,18 +508,41 @@ class SortedThenScaled(SortedByKey):
         return self.b(torch.tanh(self.a(x[order] * 2)))[order.argsort()]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the reordering of a tensor without a gradient is followed to the next operation "
-    "only: its result's layout is unknown, and carrying the mark further without one kept "
-    "MoCo's shuffled key encoder (x[idx] there, put back after) from being seen back in "
-    "order. verify=True catches it (CheckFailedError); with verify=False grad1 of 'a' gives "
-    "each example another's gradient",
-)
-def test_a_layer_on_the_sorted_input_after_an_operation_is_refused_without_verify():
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_layer_on_the_sorted_input_after_an_operation_is_refused_without_verify(verify):
+    """``a(x[order] * 2)``: the mark of a reordering of a tensor without a gradient is carried
+    through the operations after it until the rows are put back in order. Before, it was
+    carried to the next operation only, and with ``verify=False`` grad1 of ``a`` gave each
+    example another's gradient."""
     model = SortedThenScaled().to(D)
     x, y = batch(0, n=5)
-    with gradhooks.add_hooks(model, verify=False):
+    with gradhooks.add_hooks(model, verify=verify):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'a' \(Linear\).*another order"):
+            F.cross_entropy(model(x), y).backward()
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+
+
+class SortedScaledPutBack(SortedByKey):
+    def forward(self, x):
+        order = torch.argsort(x[:, 0])
+        h = torch.tanh(x[order] * 2)
+        back = order.argsort() if self.back else order.flip(0)
+        return self.b(torch.tanh(self.a(h[back])))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_sorted_input_put_back_in_order_before_the_layer_matches_the_loop(verify):
+    """``x[order] * 2``, then ``[order.argsort()]`` before the layer: the rows are put back in
+    order (the two permutations compose to the identity), so the layer is not refused and
+    grad1 is the loop's; put back by another permutation, the layer is refused."""
+    model = SortedScaledPutBack().to(D)
+    x, y = batch(0, n=5)
+    model.back = True
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model, verify=verify):
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, want, "put back")
+        model.back = False
         with pytest.raises(gradhooks.BatchNotFoundError, match=r"'a' \(Linear\).*another order"):
             F.cross_entropy(model(x), y).backward()
 

@@ -1594,34 +1594,59 @@ def test_quantization_aware_training_with_observers_on_is_refused():
     assert not any(hasattr(p, "grad1") for p in model.parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a statistic of the batch read into Python (float(h.abs().max()), .item()) and "
-    "used in the forward leaves the tracker: the layers after it get rows that depend on "
-    "every example, unseen (the run-time check's gradients are of the same forward, and "
-    "agree). Reading such values is common and harmless where they only trim padding or "
-    "are logged, so refusing every read would refuse working models",
-)
-def test_a_batch_statistic_read_into_python_and_used_in_the_forward_is_refused():
-    class MaxScaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.l1, self.l2 = nn.Linear(3, 5), nn.Linear(5, 2)
+class MaxScaled(nn.Module):
+    """``h / float(h.abs().max())`` before a layer (``how="scale"``: the batch's largest
+    activation read into Python and used), or read and only logged (``"log"``), or the count
+    of the batch's entries read and used (``"count"``, a whole number: what is read to trim
+    padding or divide a loss by); an int: ``h`` divided by it."""
 
-        def forward(self, x):
-            h = self.l1(x)
-            return self.l2(torch.tanh(h / float(h.detach().abs().max())))
+    def __init__(self, how="scale") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.read = how, []
+        self.l1, self.l2 = nn.Linear(3, 5), nn.Linear(5, 2)
 
+    def forward(self, x):
+        h = self.l1(x)
+        if self.how == "scale":
+            h = h / float(h.detach().abs().max())
+        elif self.how == "log":
+            self.read.append(float(h.detach().abs().max()))
+        elif self.how == "count":
+            h = h / float(torch.ones_like(h).sum()) * 5
+        elif isinstance(self.how, int):  # (a divisor given)
+            h = h / self.how
+        return self.l2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_batch_statistic_read_into_python_and_used_in_the_forward_is_refused(verify):
+    """``float(h.abs().max())`` leaves the tracker as a Python number; given back to an
+    operation (``h / s``: the same double), what it computes depends on every example, and the
+    layer after it is refused, naming it. Before, the layer's grad1 was written in silence (the
+    run-time check's gradients are of the same forward, and agree)."""
     model = MaxScaled().to(D)
     x, y = batch(0)
-    want = loop_grad(model, F.cross_entropy, x, y)
-    with gradhooks.add_hooks(model):
-        try:
+    with gradhooks.add_hooks(model, verify=verify):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'l2'.*read into Python"):
             F.cross_entropy(model(x), y).backward()
-        except gradhooks.MixedExamplesError:
-            return
-        assert_grad1(model, want, "")
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["log", "count"])
+def test_a_batch_statistic_read_and_logged_or_a_count_matches_the_loop(how):
+    """The same statistic read and only logged, or a whole number read and used (the batch's
+    count of entries, as a padding length or a loss's divisor is read): not refused; grad1 is
+    the loop's (the count is the batch's in the loop too: scaled back by the batch size)."""
+    model = MaxScaled(how).to(D)
+    x, y = batch(0)
+    # (the count is the batch's: the loop's forward divides by it as a constant)
+    same = MaxScaled("log" if how == "log" else x.shape[0]).to(D)
+    want = loop_grad(same, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, how)
+    assert model.read or how == "count"
 
 
 def test_a_module_backward_hook_that_clamps_the_gradient_in_place_is_refused():

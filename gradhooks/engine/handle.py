@@ -255,6 +255,7 @@ class Hooks:
             direct_source=layouts.direct_source,
             direct_reached=backwards.direct_reached,
             unheld=state.unheld.append,
+            coupled_reached=verifier.coupled_reached,
             functional_use=forwards.functional_use,
         )
 

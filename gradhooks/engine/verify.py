@@ -38,7 +38,7 @@ from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
 from .compare import add_held, hold, largest, largest_difference, norm_of
-from .plan import Target
+from .plan import Target, owner_name
 from .records import (
     Backward,
     CallLayout,
@@ -493,6 +493,43 @@ class Verifier:
             "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
         )
 
+    def coupled_reached(self, why: str, after: tuple) -> None:
+        """A backward reaches a product that couples the examples' gradients (``why``; see
+        :mod:`gradhooks.tracking.couplings`), whose autograd node passes to the nodes
+        ``after``: a backward that writes ``grad1`` of a parameter before it is refused, and
+        what it wrote so far is undone, naming the parameters nearest to the product."""
+        state = self.state
+        if state.probing or state.rerunning or state.removed or not state.mode.capture:
+            return
+        bw = self.backwards.backward_state()
+        if not bw.capturing:
+            return
+        names = _nearest_params(after, state.params)
+        if not names:
+            return  # (no parameter of the hooks before it: no grad1 of it)
+        state.tasks.pop(graph_task(), None)
+        self.backwards.rollback(bw)
+        if state.collector is not None:
+            state.collector.discard_backward()
+        prefix, _ = owner_name(names[0])
+        model = state.model
+        module = model.get_submodule(prefix) if model is not None else None
+        where = f"'{prefix or '<model>'}'" + (
+            f" ({type(module).__qualname__})" if module is not None else ""
+        )
+        raise MixedExamplesError(
+            f"{where}: the gradient of its parameter '{names[0]}' "
+            + (f"(and of {_listed([repr(n) for n in names[1:]])}) " if names[1:] else "")
+            + f"passes through a term of the loss that couples the examples: {why}. Such a "
+            "loss is no sum of per-example losses (not even up to a factor common to every "
+            "example), so these parameters have no per-example gradients; their grad1 would be "
+            "each example's share of the batch's gradient. Nothing was written. Leave that "
+            "term out of the loss whose per-example gradients you want (a mixture of experts' "
+            "load-balancing loss: compute the loss from the logits, with output_router_logits="
+            "False, as DPTrainer does), compute it per example (its reductions over each "
+            "example's own tokens), or freeze these parameters."
+        )
+
     def verify_backward(self, bw: Backward) -> None:
         """The last line of defence, on the first backward of each new set of calls: every
         parameter's ``grad1`` of this backward reduces to the gradient autograd computed for it
@@ -908,3 +945,26 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         "the model may be random (dropout: check in eval "
         "mode), or loss_fn / inputs differ from those of the captured backward"
     )
+
+
+def _nearest_params(after: tuple, params: dict, most: int = 3, limit: int = 1 << 16) -> list[str]:
+    """The names of the parameters of ``params`` (``{id: (name, p)}``) whose gradients the
+    autograd nodes ``after`` lead to and the running backward computes, nearest first (breadth first, at most ``most``, through
+    at most ``limit`` nodes)."""
+    names: list[str] = []
+    seen = {id(n) for n in after}
+    queue = list(after)
+    for node in queue:
+        if len(names) >= most or len(seen) > limit:
+            break
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in params:
+            # (where this backward computes its gradient: not an autograd.grad of the input)
+            if _torch.adds_to_grad(variable) is not None or not _torch.available("engine_executes"):
+                names.append(params[id(variable)][0])
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                queue.append(nxt)
+    return names

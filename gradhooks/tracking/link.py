@@ -51,6 +51,12 @@ class EngineLink(Protocol):
         ends, so that the parameter's gradient reports it."""
         ...
 
+    def coupled_reached(self, why: str, after: tuple) -> None:
+        """A backward reaches a product that couples the examples' gradients (``why``, see
+        :mod:`gradhooks.tracking.couplings`); ``after``: the autograd nodes it passes to
+        next. The engine refuses a backward that writes ``grad1``."""
+        ...
+
     def functional_use(
         self,
         func: Callable,

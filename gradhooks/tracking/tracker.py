@@ -52,10 +52,13 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from . import memo
 from .aliases import aliased
+from .couplings import POWERS, arm, coupling
+from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
+from .ops.indexing import puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
@@ -123,6 +126,9 @@ class Tracker(TorchFunctionMode):
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
+        # ... and the dimension and permutation each was reordered by (x[perm]: put back in
+        # order by x[perm][perm.argsort()])
+        self.orders: TensorMap = TensorMap()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: TensorMap = TensorMap()
         # tensors every torch function gets in place of others, by the others' ids: the
@@ -155,6 +161,10 @@ class Tracker(TorchFunctionMode):
         # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
         # of the backward judge by it (see gradhooks.engine.verify)
         self.precision: torch.dtype | None = None
+        # the floating-point numbers read into Python from tensors computed across the
+        # examples (float(h.abs().max()), .item()), with the operation that read each: an
+        # operation given one back as an argument mixes the examples (see _read_back)
+        self.read: dict[float, str] = {}
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -339,6 +349,8 @@ class Tracker(TorchFunctionMode):
             if not sources and not direct:
                 out = func(*args, **kwargs)
                 if out.__class__ in _NO_TENSOR and not op.inplace:
+                    if out.__class__ is float and self.layouts.get(tensors[0]) is MIXED:
+                        _note_read(self.read, out, name)  # (a statistic of the batch)
                     return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
                 if isinstance(out, Tensor) and out.dtype is not self.precision:
                     self._note_precision(out)
@@ -453,6 +465,7 @@ class Tracker(TorchFunctionMode):
         call with the same key was followed before, the layouts it gave (:mod:`.memo`)."""
         if (
             self.coupled.entries
+            or self.read
             or self.row_index.entries
             or self.reordered.entries
             # (traced by torch.compile, where the hooks cannot leave compiled code: dynamo
@@ -532,10 +545,22 @@ class Tracker(TorchFunctionMode):
                 break
         if inherited:
             result = MIXED
+            if (
+                self.engine is not None
+                and (name in PRODUCTS_OF or name in POWERS)
+                and not any(u.soft for u in self.used)
+            ):  # (a product after a reduction over the batch: refused if a backward reaches
+                # it; inside a module without a rule, its fallback recomputes it per example)
+                why = coupling(name, args, ins, layout_of, self.mixed)
+                if why is not None:
+                    arm(self.engine, outs, why)
         else:
             result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
+        if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
+            result = MIXED  # (h / float(h.abs().max()): every example's rows scaled by all)
+            self.mixed.setdefault(f"{got} of a reduction over the batch, read into Python", None)
         if self.coupled.entries:
             result = self._coupling(name, args, ins, outs, result)
         if self.row_index.entries or name in _FINDS_ROWS:
@@ -547,8 +572,11 @@ class Tracker(TorchFunctionMode):
         )
         if result is REORDER:  # (of data too: a layer on x[order] is refused, not misread)
             if reordered is None:
+                order = reorder_of(name, args, kwargs)
                 for o in outs:
                     self.reordered[o] = name
+                    if order is not None:
+                        self.orders[o] = order
             result = UNKNOWN  # (reordered again: taken as put back in order)
         elif reordered is not None and name not in TAKES_ORDER:
             ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
@@ -557,9 +585,15 @@ class Tracker(TorchFunctionMode):
                 result = MIXED  # (rows of different examples combined: x[perm] + x)
                 self.mixed.setdefault(reordered, None)
                 inherited = True
-            elif any(o.requires_grad for o in outs):
-                for o in outs:
-                    self.reordered[o] = reordered
+            elif not ordered:  # (with ordered rows and no gradient: mixed before the model)
+                # (x[order] * 2: still in that order, with a gradient or not, until put back)
+                order = self.orders.get(args[0]) if args and isinstance(args[0], Tensor) else None
+                if order is None or not puts_back(order, name, args, kwargs):
+                    order = order or next((self.orders[t] for t in ins if t in self.orders), None)
+                    for o in outs:
+                        self.reordered[o] = reordered
+                        if order is not None:
+                            self.orders[o] = order
         resolved = False
         if result is MIXED and not inherited and self.lineage:
             before = result
@@ -1012,6 +1046,24 @@ _NO_SOURCES: frozenset = frozenset()
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
+
+
+def _note_read(read: dict[float, str], value: float, name: str) -> None:
+    """Keep ``value``, read into Python by ``name`` from a tensor computed across the examples,
+    unless it is a whole number (a count of the batch's tokens, a mask's largest entry, 0: what
+    is read to trim padding or to divide a loss by, and what literals in the model's code
+    hold)."""
+    if not value.is_integer():
+        read[value] = name
+
+
+def _read_back(read: dict[float, str], args: tuple, kwargs: dict) -> str | None:
+    """The operation that read a number of ``read`` into Python where one is an argument
+    (``h / s``, ``clamp(h, max=s)``): the same double, so the same value, not a coincidence."""
+    for a in (*args, *kwargs.values()):
+        if a.__class__ is float and a in read:
+            return read[a]
+    return None
 
 
 def note(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

@@ -65,6 +65,34 @@ def is_permutation(index: Any, size: int) -> bool:
     return torch.equal(index.sort().values, torch.arange(size, device=index.device))
 
 
+def reorder_of(name: str, args: tuple, kwargs: dict) -> tuple[int, Tensor] | None:
+    """The dimension and the index of ``x[index]`` (dimension 0) or ``index_select(x, dim,
+    index)``, the operations that reorder the examples by a permutation; ``None`` for
+    another."""
+    if name == "__getitem__" and len(args) > 1:
+        index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        return (0, index) if isinstance(index, Tensor) else None
+    if name == "index_select" and args and isinstance(args[0], Tensor):
+        dim, index = arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index")
+        if isinstance(dim, int) and isinstance(index, Tensor):
+            return norm_dim(dim, args[0].dim()), index
+    return None
+
+
+def puts_back(order: tuple[int, Tensor], name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether ``name`` on ``args`` puts the rows of ``args[0]``, reordered along dimension
+    ``order[0]`` by the permutation ``order[1]`` (``x[perm]``), back in their order:
+    ``x[perm][perm.argsort()]``, the composition of the two the identity."""
+    found = reorder_of(name, args, kwargs)
+    if found is None or found[0] != order[0]:
+        return False
+    (dim, index), perm, x = found, order[1], args[0]
+    if x.dim() <= dim or x.shape[dim] != perm.numel() or not is_permutation(index, perm.numel()):
+        return False
+    arange = torch.arange(perm.numel(), device=index.device)
+    return torch.equal(perm.to(index.device)[index], arange)
+
+
 def _permutes(args, kwargs, size: int) -> bool:
     """``index_select(x, dim, index)`` (three arguments: nothing written) with ``index`` a
     permutation of the batch."""
