@@ -41,8 +41,10 @@ CHANGED = {
     "masked_scatter_": "masked_scatter",
     "masked_scatter__": None,  # (no such function)
 }
-# handlers added since for operations the table lacked (tests/test_real_loops.py says why)
-ADDED = {"fused_moving_avg_obs_fake_quant"}
+# handlers added since for operations the table lacked (tests/test_real_loops.py and, for the
+# recurrent cells, tests/test_lib_sweep.py say why)
+ADDED = {"fused_moving_avg_obs_fake_quant", "gru_cell", "lstm_cell", "rnn_tanh_cell",
+         "rnn_relu_cell"}  # fmt: skip
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 

@@ -101,6 +101,33 @@ def _rnn(args, kwargs, out, layout_of):
     return [lay] + [lay.at(1) for _ in outs[1:]]
 
 
+@handles("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")
+def _rnn_cell(args, kwargs, out, layout_of):
+    """torch's recurrent cells (``nn.GRUCell``, ``nn.LSTMCell``, ``nn.RNNCell``): ``(input,
+    hx, w_ih, w_hh[, b_ih, b_hh])``, ``input`` ``[rows, in]`` and the state ``[rows, hidden]``
+    (a pair for the LSTM's); each row runs alone, so the outputs (``h'``, or ``(h', c')``) keep
+    the rows' layout, also rows folded with other dimensions (``[batch * time, in]``, as in
+    x-transformers' GRU gating)."""
+    if len(args) < 2 or kwargs:
+        return UNKNOWN
+    hx = args[1] if isinstance(args[1], tuple | list) else (args[1],)
+    rows = [args[0], *(h for h in hx if isinstance(h, Tensor))]
+    if any(layout_of(w) is not None for w in tensor_args(args[2:], {})):
+        return UNKNOWN  # (a weight holding examples)
+    found = None
+    for t in rows:
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN or t.dim() != 2 or lay.dim != 0 or found not in (None, lay):
+            return UNKNOWN  # (an unbatched cell, or input and state of other layouts)
+        found = lay
+    if found is None:
+        return None
+    outs = out_tensors(out)
+    return found if len(outs) == 1 else [found for _ in outs]
+
+
 @handles("_pack_padded_sequence")
 def _pack(args, kwargs, out, layout_of):
     x, batch_first = args[0], bool(arg(args, kwargs, 2, "batch_first"))
