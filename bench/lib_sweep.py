@@ -20,12 +20,18 @@ the parameter and its error), crash (another exception from inside gradhooks), s
 library is not installed, the model does not build or run, draws random numbers in training
 mode, or took longer than ``--limit`` seconds).
 
+With ``--settings default`` (or a list of models), some of them also run in a training loop (3
+SGD steps), under bfloat16 autocast (against the float64 loop, at a tolerance of 5e-2: about 16
+units of bfloat16's rounding) and in ``gradhooks.dp_sgd_step`` (book-keeping, against the
+loop's clipped sum).
+
 Writes ``<out>/lib-sweep.json`` and ``<out>/lib-sweep.md`` (``<out>`` is ``bench/results``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import sys
@@ -667,6 +673,59 @@ def _unet1d() -> Example:
     return Example(model, (noisy, t), mse, (noise,), "mean", call=lambda m, x, t: m(x, t).sample)
 
 
+# -- sentence-transformers ----------------------------------------------------------------------
+
+
+@case("sentence-transformer", "sentence_transformers", "tiny BERT, mean pooling of padded pairs")
+def _sentence_transformer() -> Example:
+    """``SentenceTransformer([Transformer, Pooling("mean")])`` of a tiny random BERT written to
+    a temporary folder (it loads by path), trained with ``CosineSimilarityLoss``: the squared
+    difference between the cosine of a pair's embeddings and its label, averaged."""
+    import tempfile
+
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as folder:
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(94))]
+        vocab = Path(folder) / "vocab.txt"
+        vocab.write_text("\n".join(words) + "\n")
+        transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        transformers.BertModel(config).save_pretrained(folder)
+        encoder = Transformer(folder)
+    model = SentenceTransformer(
+        modules=[encoder, Pooling(encoder.get_word_embedding_dimension(), "mean")], device="cpu"
+    )
+
+    def padded(seed: int) -> tuple[Tensor, Tensor]:
+        ids = torch.randint(5, VOCAB, (BATCH, SEQ), generator=_gen(seed))
+        mask = torch.ones_like(ids)
+        for b, pad in enumerate((0, 2, 3)):
+            if pad:
+                ids[b, -pad:], mask[b, -pad:] = 0, 0
+        return ids, mask
+
+    def call(m, ids_a, mask_a, ids_b, mask_b):
+        a = m({"input_ids": ids_a, "attention_mask": mask_a})["sentence_embedding"]
+        b = m({"input_ids": ids_b, "attention_mask": mask_b})["sentence_embedding"]
+        return F.cosine_similarity(a, b)
+
+    labels = torch.rand(BATCH, generator=_gen(6), dtype=torch.float64)
+    return Example(
+        model, (*padded(1), *padded(2)), lambda cos, y: (cos - y) ** 2, (labels,), "mean",
+        call=call,
+    )  # fmt: skip
+
+
 # -- the check ----------------------------------------------------------------------------------
 
 
@@ -842,6 +901,148 @@ def check(name: str, limit: float = 60.0) -> Result:
     return res
 
 
+# -- the same models in a training loop, under autocast, in a DP step --------------------------
+
+STEPS = 3
+# bfloat16 keeps 8 significant bits (unit roundoff 2**-9, about 2e-3); a few layers' roundings
+# of each output-gradient, summed over positions whose errors do not cancel: about 16 units
+# (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
+BF16_TOL = 5e-2
+# The models run in the other settings (each of another library or kind).
+SETTINGS_MODELS = ("xt-rotary", "xt-gate-residual", "perceiver", "mlp-mixer", "unet2d", "dit")
+
+
+def _setting(name: str, setting: str, run: Callable[[Example, Result], None], limit: float):
+    res = Result(name, task=setting)
+    start = time.perf_counter()
+    try:
+        with time_limit(limit):
+            ex = build(name)
+            res.model = type(ex.model).__name__
+            res.params = sum(p.numel() for p in ex.model.parameters())
+            run(ex, res)
+    except (Skip, TimeLimit) as e:
+        res.outcome, res.detail = "skipped", str(e)
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", _first_line(e)
+    except Exception as e:
+        inside = _is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = _first_line(e) if inside else f"fails outside gradhooks: {_first_line(e)}"
+    res.seconds = round(time.perf_counter() - start, 2)
+    return res
+
+
+def _training(ex: Example, res: Result) -> None:
+    """``STEPS`` SGD steps under one ``add_hooks``, ``zero_grad`` before each backward:
+    ``grad1`` of every step against the loop at that step's parameters."""
+    opt = torch.optim.SGD(ex.model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
+        for step in range(STEPS):
+            want = own_gradients(ex)
+            opt.zero_grad()
+            total_loss(ex).backward()
+            compare(res, ex, want, RTOL)
+            if res.outcome != "match":
+                res.detail = f"step {step + 1}: {res.detail}"
+                return
+            opt.step()
+    res.detail = f"{STEPS} steps"
+
+
+def _autocast(ex: Example, res: Result) -> None:
+    """The model in float32 under CPU bfloat16 autocast (the loss in float32): ``grad1``
+    against the float64 loop, relative error per parameter below ``BF16_TOL``."""
+    want = own_gradients(ex)
+    model = ex.model
+    low = Example(copy.deepcopy(model).float(), ex.inputs, ex.losses, ex.targets, ex.reduction,
+                  ex.call)  # fmt: skip
+    low.inputs = tuple(t.float() if t.is_floating_point() else t for t in ex.inputs)
+    low.targets = tuple(t.float() if t.is_floating_point() else t for t in ex.targets)
+    call = low.call or (lambda m, *xs: m(*xs))
+    low.call = lambda m, *xs: _floated(call(m, *xs))
+    with gradhooks.add_hooks(low.model, loss_reduction=ex.reduction):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = total_loss(low)
+        loss.backward()
+    worst, largest = (0.0, ""), _largest(want)
+    for n, p in low.model.named_parameters():
+        if not p.requires_grad:
+            continue
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                res.outcome, res.parameter, res.detail = "mismatch", n, f"no grad1: {n}"
+                return
+            continue
+        err = _relative(got.double(), want[n], largest)
+        if err > worst[0]:
+            worst = (err, n)
+    res.max_rel_error, res.parameter = worst
+    res.outcome = "match" if worst[0] <= BF16_TOL else "mismatch"
+    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}), allowed {BF16_TOL:g}"
+
+
+def _largest(want: dict[str, Tensor]) -> float:
+    return max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+
+
+def _relative(got: Tensor, want: Tensor, largest: float) -> float:
+    """``max|got - want| / max|want|``; for a gradient that is zero in exact arithmetic (below
+    ``1e-9`` of the model's largest entry: a bias that a norm after it cancels), whose entries
+    are rounding noise on both sides, relative to the model's largest gradient entry."""
+    scale = float(want.abs().max())
+    if scale < 1e-9 * largest:
+        scale = largest
+    return float((got - want).abs().max()) / (scale or 1.0)
+
+
+def _floated(out):
+    if isinstance(out, tuple | list):
+        return type(out)(_floated(t) for t in out)
+    if hasattr(out, "sample") and isinstance(out.sample, Tensor):
+        return out.sample.float()
+    return out.float() if isinstance(out, Tensor) and out.is_floating_point() else out
+
+
+def _dp_step(ex: Example, res: Result) -> None:
+    """``gradhooks.dp_sgd_step`` by book-keeping, without noise, its clipping norm the median
+    of the examples' gradient norms: ``p.grad`` against the loop's clipped sum
+    ``Σ_i min(1, C / ‖g_i‖) g_i``, and the norms it returns against the loop's."""
+    want = own_gradients(ex)
+    names = list(want)
+    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / norms).clamp(max=1.0)
+    ex.model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(ex.model, quantities=("norms",)) as hooks:
+        losses = ex.losses(_output(ex, ex.inputs), *ex.targets)
+        got_norms = gradhooks.dp_sgd_step(
+            hooks, losses, max_norm=clip, noise_multiplier=0.0, reduction="sum",
+            method="bookkeeping",
+        )  # fmt: skip
+    params, largest = dict(ex.model.named_parameters()), _largest(want)
+    worst = (float((got_norms - norms).abs().max() / norms.max()), "the norms")
+    for n in names:
+        clipped = torch.einsum("b,b...->...", factors, want[n])
+        got = params[n].grad
+        err = _relative(torch.zeros_like(clipped) if got is None else got, clipped, largest)
+        if err > worst[0]:
+            worst = (err, n)
+    res.max_rel_error, res.parameter = worst
+    res.outcome = "match" if worst[0] <= 1e-6 else "mismatch"
+    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}); clipped at the median norm"
+
+
+SETTINGS = {"training": _training, "bf16-autocast": _autocast, "dp-step": _dp_step}
+
+
+def check_setting(name: str, setting: str, limit: float = 60.0) -> Result:
+    """Model ``name`` in ``setting`` (a key of :data:`SETTINGS`): its result (``task`` is the
+    setting)."""
+    return _setting(name, setting, SETTINGS[setting], limit)
+
+
 # -- the sweep and its report -------------------------------------------------------------------
 
 
@@ -854,7 +1055,9 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
+def write(
+    results: list[Result], out: Path, command: str, settings: list[Result] = ()
+) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     libraries = sorted({CASES[r.family].library for r in results})
@@ -862,7 +1065,8 @@ def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
     meta = {"command": command, "torch": torch.__version__, "libraries": versions,
             "batch": BATCH, "rtol": RTOL, "counts": counts}  # fmt: skip
     js = out / "lib-sweep.json"
-    js.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    rows = {"results": [asdict(r) for r in results], "settings": [asdict(r) for r in settings]}
+    js.write_text(json.dumps({**meta, **rows}, indent=1) + "\n")
     lines = [
         "# Models of pure-Python libraries against the per-example loop",
         "",
@@ -890,6 +1094,25 @@ def write(results: list[Result], out: Path, command: str) -> tuple[Path, Path]:
             detail += "; warned: " + "; ".join(r.warnings).replace("|", "\\|")
         lines.append(f"| {r.family} | {r.task.replace('_', '-')} | {r.model} | {r.params:,} | "
                      f"{r.outcome} | {detail} | {r.seconds:.1f} |")  # fmt: skip
+    if settings:
+        lines += [
+            "",
+            "## Other settings",
+            "",
+            f"`training`: {STEPS} SGD steps under one `add_hooks`, `zero_grad` before each "
+            "backward, `grad1` of each step against the loop (`rtol=1e-7`). `bf16-autocast`: "
+            "the model in float32 under CPU bfloat16 autocast, `grad1` against the float64 "
+            f"loop, largest relative error per parameter at most {BF16_TOL:g} (bfloat16's "
+            "unit roundoff is 2e-3). `dp-step`: `dp_sgd_step` by book-keeping without noise, "
+            "clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
+            "sum (relative error at most 1e-6).",
+            "",
+            "| model | setting | outcome | detail | seconds |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in settings:
+            detail = r.detail.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r.family} | {r.task} | {r.outcome} | {detail} | {r.seconds:.1f} |")
     md = out / "lib-sweep.md"
     md.write_text("\n".join(lines) + "\n")
     return js, md
@@ -915,6 +1138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=None, help="model names, comma-separated (default: all)")
     p.add_argument("--libraries", default=None, help="only these libraries' models")
     p.add_argument("--list", action="store_true", help="print the model names and exit")
+    p.add_argument(
+        "--settings", default=None,
+        help="also run these models (comma-separated, 'default' for "
+        f"{','.join(SETTINGS_MODELS)}) in a training loop, under bfloat16 autocast and in "
+        "a DP step",
+    )  # fmt: skip
     p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
     args = p.parse_args(argv)
@@ -940,12 +1169,19 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
     if bar is not None:
         bar.close()
-    js, md = write(results, Path(args.out), command)
+    settings = []
+    if args.settings:
+        chosen = SETTINGS_MODELS if args.settings == "default" else select(args.settings, None)
+        for name in chosen:
+            for setting in SETTINGS:
+                print(f"{name}: {setting}", file=sys.stderr, flush=True)
+                settings.append(check_setting(name, setting, args.limit))
+    js, md = write(results, Path(args.out), command, settings)
     counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     print(", ".join(f"{n} {o}" for o, n in counts.items()))
-    for r in results:
+    for r in [*results, *settings]:
         if r.outcome in ("mismatch", "crash"):
-            print(f"{r.outcome}: {r.family} ({r.model}): {r.detail}")
+            print(f"{r.outcome}: {r.family} ({r.model}, {r.task}): {r.detail}")
     print(f"wrote {js} and {md}")
     return 0
 
