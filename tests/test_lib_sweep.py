@@ -97,17 +97,11 @@ def test_recurrent_cell_with_a_state_from_other_rows_is_refused():
         model(x).sum().backward()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no rule for nn.GRUCell / nn.LSTMCell: the fallback recomputes the cell one example "
-    "at a time, and under bfloat16 autocast, on rows folded from batch and time after another "
-    "cell, that recomputation differs from the forward by more than float32's tolerance "
-    "(MixedExamplesError: a false refusal, no wrong number). Loosening the check to bfloat16's "
-    "rounding is no fix: Funnel's relative attention then passes it with the wrong split of "
-    "its inputs; a rule for the cells (the gates' closed-form derivatives) is",
-)
-@pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell, nn.RNNCell], ids=lambda c: c.__name__)
 def test_recurrent_cell_on_folded_rows_under_bf16_autocast(cell):
+    """The cells' own rule: the fallback, recomputing a cell one example at a time, found that
+    under bfloat16 autocast (bfloat16 matmuls, a float32 output) a batch and one example round
+    apart by more than float32's tolerance, and refused (MixedExamplesError)."""
     torch.manual_seed(0)
     model = GatedResidual(cell)
     x = torch.randn(3, 5, 4)
