@@ -79,6 +79,36 @@ def test_recurrent_cell_on_folded_rows_matches_the_loop(cell):
     )
 
 
+class FoldedWithInitialState(nn.Module):
+    """A cell on folded rows whose state holds no example: zeros made for the rows, and a
+    learned initial state expanded to them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cell = nn.Linear(4, 4), nn.GRUCell(4, 4)
+        self.h0 = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        rows = rearrange(self.lin(x), "b n d -> (b n) d")
+        zeros = torch.zeros(rows.shape[0], 4, dtype=x.dtype)
+        learned = self.h0.expand(rows.shape[0], 4)
+        return (self.cell(rows, zeros) + self.cell(rows, learned)).reshape_as(x)
+
+
+def test_recurrent_cell_on_folded_rows_with_a_state_of_no_example():
+    """The rule's input comes regrouped ``[batch, time, in]``, its state as given: the same
+    for every row, it is broadcast to them. (Against the loop only: under vmap the zeros would
+    be made for one example's rows.)"""
+    torch.manual_seed(0)
+    model = FoldedWithInitialState().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
 def test_recurrent_cell_with_a_state_from_other_rows_is_refused():
     """A state whose rows are not the input's (the batch reversed): no layout is claimed."""
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.records import autocast_as
-from ..errors import UnbatchedInputError, describe_module
+from ..errors import UnbatchedInputError, UnsupportedInputError, describe_module
 from ..pieces import Outer
 from .registry import Call, register
 
@@ -41,10 +41,27 @@ def _rows(call: Call, hidden: int, states: int) -> tuple[Tensor, list[Tensor]]:
     hx = call.inputs[1] if len(call.inputs) > 1 else call.kwargs.get("hx")
     given = list(hx) if isinstance(hx, tuple | list) else [hx]
     dtype = m.weight_ih.dtype
-    zeros = x.new_zeros((*x.shape[:-1], hidden), dtype=dtype)
-    states_ = [zeros if h is None else h.to(dtype) for h in given]
-    states_ += [zeros] * (states - len(states_))
-    return x.to(dtype), states_
+    shape = (*x.shape[:-1], hidden)
+    zeros = x.new_zeros(shape, dtype=dtype)
+    found = [zeros if h is None else _like_rows(call, h, shape).to(dtype) for h in given]
+    return x.to(dtype), found + [zeros] * (states - len(found))
+
+
+def _like_rows(call: Call, h: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The state as the input's rows: as given where the engine gave it so; a state the same
+    for every row (zeros, a learned initial state expanded) beside an input whose rows the
+    engine regrouped (batch and time folded, ``[batch * time, in]`` made ``[batch, time, in]``)
+    broadcast to them; any other state, whose rows could not be matched, refused."""
+    if tuple(h.shape) == shape:
+        return h
+    if h.dim() == 2 and h.shape[-1] == shape[-1] and bool((h == h[:1]).all()):
+        return h[0].expand(shape)
+    raise UnsupportedInputError(
+        f"{describe_module(call.name, call.module)}: its state {tuple(h.shape)} does not hold "
+        f"the examples while its input's rows do, {shape[:-1]} here, and its rows differ: "
+        "per-example gradients cannot match them with the input's. Compute the state from "
+        "the batch (e.g. from the input), or pass the same state for every row."
+    )
 
 
 def _pre(m: nn.Module, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
