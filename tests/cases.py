@@ -155,6 +155,11 @@ def _head(make_layer, features, pool=lambda out: out.flatten(1)):
     return lambda: _Head(make_layer(), features, pool)
 
 
+def _sum_of_pair(out):
+    """An LSTMCell's ``(h', c')``: both reach the loss."""
+    return out[0] + out[1]
+
+
 def _eval_bn(bn):
     with torch.no_grad():
         bn.running_mean.uniform_(-1, 1)
@@ -208,6 +213,9 @@ CASES_BY_LAYER.update({
     nn.RNN: [Case("rnn", _head(lambda: nn.RNN(3, 4, batch_first=True), 4, _last_step), lambda b: torch.randn(b, 3, 3))],
     nn.LSTM: [Case("lstm", _head(lambda: nn.LSTM(3, 4, batch_first=True), 4, _last_step), lambda b: torch.randn(b, 3, 3))],
     nn.GRU: [Case("gru", _head(lambda: nn.GRU(3, 4, batch_first=True), 4, _last_step), lambda b: torch.randn(b, 3, 3))],
+    nn.RNNCell: [Case("rnn_cell", _head(lambda: nn.RNNCell(3, 4), 4), lambda b: torch.randn(b, 3))],
+    nn.LSTMCell: [Case("lstm_cell", _head(lambda: nn.LSTMCell(3, 4), 4, _sum_of_pair), lambda b: torch.randn(b, 3))],
+    nn.GRUCell: [Case("gru_cell", _head(lambda: nn.GRUCell(3, 4), 4), lambda b: torch.randn(b, 3))],
     nn.TransformerEncoderLayer: [Case("transformer_encoder_layer", _head(lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True), 4, lambda out: out.mean(1)), lambda b: torch.randn(b, 3, 4))],
     nn.TransformerDecoderLayer: [Case("transformer_decoder_layer", _head(_Decoder, 4, lambda out: out.mean(1)), lambda b: torch.randn(b, 3, 4))],
 })  # fmt: skip

@@ -42,8 +42,8 @@ CHANGED = {
     "masked_scatter__": None,  # (no such function)
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
-# tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py, a gated
-# residual that folds tokens into rows)
+# tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and
+# tests/test_lib_sweep.py, a gated residual that folds tokens into rows)
 ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell", "lstm_cell",
          "rnn_tanh_cell", "rnn_relu_cell"}  # fmt: skip
 # elementwise aten operators torch tags as such that the hand-written table lacked

@@ -103,20 +103,29 @@ def _rnn(args, kwargs, out, layout_of):
 
 @handles("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")
 def _rnn_cell(args, kwargs, out, layout_of):
-    """torch's recurrent cells (``nn.GRUCell``, ``LSTMCell``, ``RNNCell``): ``(input, hx,
-    w_ih, w_hh, ...)``, the input ``[rows, features]`` whose rows each run alone with the same
-    rows of the state (``hx``, or ``(h, c)``); the outputs' rows are the input's (also the
-    examples folded with other rows, ``[(batch tokens), features]``, as a gated residual
-    folds them)."""
-    x = args[0]
-    lay = layout_of(x)
-    if lay is None or lay is UNKNOWN or x.dim() != 2 or lay.dim != 0:
+    """torch's recurrent cells (``nn.GRUCell``, ``nn.LSTMCell``, ``nn.RNNCell``): ``(input,
+    hx, w_ih, w_hh[, b_ih, b_hh])``, ``input`` ``[rows, in]`` and the state ``[rows, hidden]``
+    (a pair for the LSTM's); each row runs alone, so the outputs (``h'``, or ``(h', c')``) keep
+    the rows' layout, also rows folded with other dimensions (``[batch * time, in]``, as in
+    x-transformers' GRU gating)."""
+    if len(args) < 2 or kwargs:
         return UNKNOWN
-    hx = args[1] if len(args) > 1 else None
-    for h in hx if isinstance(hx, list | tuple) else (hx,):
-        if isinstance(h, Tensor) and layout_of(h) not in (None, lay):
-            return UNKNOWN  # (a state whose rows are not the input's)
-    return [lay for _ in out_tensors(out)]
+    hx = args[1] if isinstance(args[1], tuple | list) else (args[1],)
+    rows = [args[0], *(h for h in hx if isinstance(h, Tensor))]
+    if any(layout_of(w) is not None for w in tensor_args(args[2:], {})):
+        return UNKNOWN  # (a weight holding examples)
+    found = None
+    for t in rows:
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN or t.dim() != 2 or lay.dim != 0 or found not in (None, lay):
+            return UNKNOWN  # (an unbatched cell, or input and state of other layouts)
+        found = lay
+    if found is None:
+        return None
+    outs = out_tensors(out)
+    return found if len(outs) == 1 else [found for _ in outs]
 
 
 @handles("_pack_padded_sequence")

@@ -1,0 +1,1190 @@
+"""Models of pure-Python libraries (x-transformers, diffusers, perceiver-pytorch, ...) against
+the per-example loop.
+
+    python -m bench.lib_sweep                                  # every model it can build
+    python -m bench.lib_sweep --models xt-rotary,unet2d        # some, by name
+    python -m bench.lib_sweep --libraries diffusers            # one library's
+    python -m bench.lib_sweep --out /tmp/sweep --limit 60
+
+Each model is built as its library's users build it, at a tiny configuration, in float64, in
+training mode with every dropout at 0, and given a batch of 3; its loss is the one its users
+write (a language model's summed token cross-entropy, a classifier's cross-entropy, the DDPM
+loss: the mean squared error between the predicted and the true noise of each example, at a
+timestep of its own), summed or averaged over the batch as the row says.
+``add_hooks(model, loss_reduction=...)`` and one ``backward()`` give ``grad1``, compared
+parameter by parameter with each example's own gradient (:func:`gradhooks.oracle.loop_grad`:
+one forward and backward per example). The outcomes are those of ``bench.hf_sweep``: match
+(within ``rtol=1e-7``, or ``1e-4`` where the model computes in float32 inside, as the row
+says), refused (gradhooks' own error, its first line), mismatch (a silently wrong ``grad1``:
+the parameter and its error), crash (another exception from inside gradhooks), skipped (the
+library is not installed, the model does not build or run, draws random numbers in training
+mode, or took longer than ``--limit`` seconds).
+
+With ``--settings default`` (or a list of models), some of them also run in a training loop (3
+SGD steps), under bfloat16 autocast (against the float64 loop, at a tolerance of 5e-2: about 16
+units of bfloat16's rounding) and in ``gradhooks.dp_sgd_step`` (book-keeping, against the
+loop's clipped sum).
+
+Writes ``<out>/lib-sweep.json`` and ``<out>/lib-sweep.md`` (``<out>`` is ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/lib_sweep.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+from .hf_sweep import (
+    FLOAT32_RTOL,
+    OUTCOMES,
+    ROUNDED,
+    RTOL,
+    Result,
+    Skip,
+    TimeLimit,
+    _first_line,
+    _is_gradhooks_frame,
+    _progress,
+    time_limit,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 3
+SEQ = 8
+VOCAB = 99
+DIM = 32
+CLASSES = 3
+
+
+@dataclass
+class Example:
+    """A model, a batch and its users' loss.
+
+    ``losses(out, *targets)`` gives each example's own loss, ``[batch]``; the sweep sums or
+    averages them (``reduction``). ``inputs`` go to the model, ``targets`` only to the loss;
+    both are batched along dimension 0 and sliced together for the loop.
+    """
+
+    model: nn.Module
+    inputs: tuple[Tensor, ...]
+    losses: Callable[..., Tensor]
+    targets: tuple[Tensor, ...] = ()
+    reduction: str = "sum"
+    call: Callable[..., object] | None = None  # model(*inputs) by default
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    library: str  # the module imported (skipped when it is not installed)
+    build: Callable[[], Example]
+    note: str = ""
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name: str, library: str, note: str = ""):
+    def register(build: Callable[[], Example]) -> Callable[[], Example]:
+        if name in CASES:
+            raise ValueError(f"case {name!r} registered twice")
+        CASES[name] = Case(name, library, build, note)
+        return build
+
+    return register
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _tokens(seq: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> Tensor:
+    return torch.randint(0, vocab, (BATCH, seq), generator=_gen(seed))
+
+
+def _randn(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
+
+
+def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each example's summed token cross-entropy, ``[batch]``."""
+    ce = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
+    return ce.view(labels.shape[0], -1).sum(1)
+
+
+def class_ce(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+def mse(pred: Tensor, target: Tensor) -> Tensor:
+    """Each example's mean squared error, ``[batch]`` (``F.mse_loss`` of a batch of one)."""
+    return (pred - target).pow(2).flatten(1).mean(1)
+
+
+def _labels(classes: int = CLASSES, seed: int = 1) -> Tensor:
+    return torch.randint(0, classes, (BATCH,), generator=_gen(seed))
+
+
+# -- x-transformers -----------------------------------------------------------------------------
+
+
+def _xt_lm(layers: str = "Decoder", wrapper: dict | None = None, **attn) -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    cls = getattr(xt, layers)
+    kw = {"dim": DIM, "depth": 2, "heads": 4, "attn_dim_head": 8, **attn}
+    model = xt.TransformerWrapper(
+        num_tokens=VOCAB, max_seq_len=16, attn_layers=cls(**kw), **(wrapper or {})
+    )
+    ids = _tokens()
+    return Example(model, (ids,), token_ce, (_tokens(seed=1),))
+
+
+XT_DECODERS = {
+    "xt-decoder": {},
+    "xt-rotary": {"rotary_pos_emb": True},
+    "xt-rotary-xpos": {"rotary_pos_emb": True, "rotary_xpos": True},
+    "xt-alibi": {"alibi_pos_bias": True, "alibi_num_heads": 2},
+    "xt-rel-pos-bias": {"rel_pos_bias": True},
+    "xt-dynamic-pos-bias": {"dynamic_pos_bias": True},
+    "xt-glu-ff": {"ff_glu": True, "ff_swish": True},
+    "xt-residual-attn": {"residual_attn": True},
+    "xt-ff-no-bias": {"ff_no_bias": True, "attn_gate_values": True},
+    "xt-rmsnorm": {"use_rmsnorm": True},
+    "xt-scalenorm": {"use_scalenorm": True},
+    "xt-sandwich-norm": {"sandwich_norm": True},
+    "xt-post-norm": {"pre_norm": False},
+    "xt-gqa": {"attn_kv_heads": 2},
+    "xt-one-kv-head": {"attn_one_kv_head": True},
+    "xt-qk-norm": {"attn_qk_norm": True},
+    "xt-talking-heads": {"attn_pre_talking_heads": True, "attn_post_talking_heads": True},
+    "xt-shift-tokens": {"shift_tokens": 1},
+    "xt-macaron": {"macaron": True},
+    "xt-gate-residual": {"gate_residual": True},
+    "xt-value-residual": {"add_value_residual": True},
+    "xt-memory-kv": {"attn_num_mem_kv": 2},
+    "xt-layerscale": {"use_layerscale": True, "layerscale_init_value": 0.1},
+    "xt-hyper-connections": {"num_residual_streams": 2},
+    "xt-weight-tied-layers": {"weight_tie_layers": True},
+    "xt-sparse-topk": {"attn_sparse_topk": 3},
+    "xt-softclamp-logits": {"attn_softclamp_logits": True},
+}
+for _name, _kw in XT_DECODERS.items():
+    case(_name, "x_transformers")(lambda _kw=_kw: _xt_lm("Decoder", **_kw))
+
+case("xt-memory-tokens", "x_transformers")(
+    lambda: _xt_lm("Decoder", {"num_memory_tokens": 2}, rotary_pos_emb=True)
+)
+case("xt-tied-embedding", "x_transformers")(
+    lambda: _xt_lm("Decoder", {"tie_embedding": True}, attn_flash=False)
+)
+case("xt-encoder", "x_transformers")(lambda: _xt_lm("Encoder", ff_glu=True))
+case("xt-l2norm-embed", "x_transformers")(
+    lambda: _xt_lm("Decoder", {"l2norm_embed": True, "post_emb_norm": True})
+)
+
+
+@case("xt-encoder-classifier", "x_transformers", "average-pooled encoder, a linear head")
+def _xt_classifier() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=16,
+        logits_dim=CLASSES,
+        average_pool_embed=True,
+        attn_layers=xt.Encoder(dim=DIM, depth=2, heads=4, attn_dim_head=8),
+    )
+    return Example(model, (_tokens(),), class_ce, (_labels(),), reduction="mean")
+
+
+@case("xt-continuous", "x_transformers", "ContinuousTransformerWrapper, a regression")
+def _xt_continuous() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    model = xt.ContinuousTransformerWrapper(
+        dim_in=5,
+        dim_out=3,
+        max_seq_len=16,
+        attn_layers=xt.Encoder(dim=DIM, depth=2, heads=4, attn_dim_head=8, rotary_pos_emb=True),
+    )
+    return Example(model, (_randn(BATCH, SEQ, 5),), mse, (_randn(BATCH, SEQ, 3, seed=1),), "mean")
+
+
+@case("xt-cross-attend", "x_transformers", "a decoder attending to a per-example context")
+def _xt_cross() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=16,
+        attn_layers=xt.Decoder(dim=DIM, depth=2, heads=4, attn_dim_head=8, cross_attend=True),
+    )
+    context = _randn(BATCH, 5, DIM, seed=2)
+    return Example(
+        model,
+        (_tokens(), context),
+        token_ce,
+        (_tokens(seed=1),),
+        call=lambda m, ids, ctx: m(ids, context=ctx),
+    )
+
+
+@case("xt-xtransformer", "x_transformers", "XTransformer encoder-decoder")
+def _xt_encdec() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    model = xt.XTransformer(
+        dim=DIM,
+        enc_num_tokens=VOCAB,
+        enc_depth=1,
+        enc_heads=4,
+        enc_max_seq_len=16,
+        dec_num_tokens=VOCAB,
+        dec_depth=1,
+        dec_heads=4,
+        dec_max_seq_len=16,
+        tie_token_emb=True,
+    )
+    src, tgt = _tokens(), _tokens(seed=1)
+
+    def call(m, src, tgt):  # the decoder's logits of the target (teacher forcing)
+        enc = m.encoder(src, return_embeddings=True)
+        return m.decoder.net(tgt[:, :-1], context=enc)
+
+    return Example(model, (src, tgt), token_ce, (tgt[:, 1:],), call=call)
+
+
+@case("xt-vit", "x_transformers", "ViTransformerWrapper")
+def _xt_vit() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    model = xt.ViTransformerWrapper(
+        image_size=16,
+        patch_size=4,
+        num_classes=CLASSES,
+        attn_layers=xt.Encoder(dim=DIM, depth=2, heads=4, attn_dim_head=8),
+    )
+    return Example(model, (_randn(BATCH, 3, 16, 16),), class_ce, (_labels(),), "mean")
+
+
+# -- other lucidrains packages ------------------------------------------------------------------
+
+
+@case("perceiver", "perceiver_pytorch", "Perceiver on images, Fourier-encoded positions")
+def _perceiver() -> Example:
+    from perceiver_pytorch import Perceiver
+
+    torch.manual_seed(0)
+    model = Perceiver(
+        input_channels=3,
+        input_axis=2,
+        num_freq_bands=4,
+        max_freq=10.0,
+        depth=2,
+        num_latents=8,
+        latent_dim=DIM,
+        cross_heads=1,
+        latent_heads=4,
+        cross_dim_head=8,
+        latent_dim_head=8,
+        num_classes=CLASSES,
+        attn_dropout=0.0,
+        ff_dropout=0.0,
+        weight_tie_layers=False,
+    )
+    return Example(model, (_randn(BATCH, 8, 8, 3),), class_ce, (_labels(),), "mean")
+
+
+@case("perceiver-io", "perceiver_pytorch", "PerceiverIO with per-example queries")
+def _perceiver_io() -> Example:
+    from perceiver_pytorch import PerceiverIO
+
+    torch.manual_seed(0)
+    model = PerceiverIO(
+        dim=5,
+        queries_dim=DIM,
+        logits_dim=VOCAB,
+        depth=2,
+        num_latents=8,
+        latent_dim=DIM,
+        cross_heads=1,
+        latent_heads=4,
+        cross_dim_head=8,
+        latent_dim_head=8,
+    )
+    data, queries = _randn(BATCH, 6, 5), _randn(BATCH, SEQ, DIM, seed=2)
+    return Example(
+        model,
+        (data, queries),
+        token_ce,
+        (_tokens(seed=1),),
+        call=lambda m, x, q: m(x, queries=q),
+    )
+
+
+@case("perceiver-lm", "perceiver_pytorch", "PerceiverLM")
+def _perceiver_lm() -> Example:
+    from perceiver_pytorch.perceiver_io import PerceiverLM
+
+    torch.manual_seed(0)
+    model = PerceiverLM(
+        num_tokens=VOCAB,
+        dim=DIM,
+        depth=2,
+        max_seq_len=16,
+        num_latents=8,
+        latent_dim=DIM,
+        cross_heads=1,
+        latent_heads=4,
+        cross_dim_head=8,
+        latent_dim_head=8,
+    )
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("performer-lm", "performer_pytorch", "PerformerLM, its random features drawn once")
+def _performer() -> Example:
+    from performer_pytorch import PerformerLM
+
+    torch.manual_seed(0)
+    model = PerformerLM(
+        num_tokens=VOCAB,
+        max_seq_len=16,
+        dim=DIM,
+        depth=2,
+        heads=4,
+        dim_head=8,
+        causal=True,
+        nb_features=16,
+        feature_redraw_interval=None,
+        generalized_attention=False,
+        ff_glu=True,
+        rotary_position_emb=True,
+    )
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("linear-attention-lm", "linear_attention_transformer", "LinearAttentionTransformerLM")
+def _linear_attention() -> Example:
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(
+        num_tokens=VOCAB,
+        dim=DIM,
+        heads=4,
+        depth=2,
+        max_seq_len=16,
+        causal=True,
+        ff_dropout=0.0,
+        attn_layer_dropout=0.0,
+        attn_dropout=0.0,
+        emb_dim=16,
+        dim_head=8,
+        blindspot_size=2,
+        n_local_attn_heads=2,
+        local_attn_window_size=4,
+    )
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("mlp-mixer", "mlp_mixer_pytorch", "MLPMixer on images")
+def _mlp_mixer() -> Example:
+    from mlp_mixer_pytorch import MLPMixer
+
+    torch.manual_seed(0)
+    model = MLPMixer(image_size=16, channels=3, patch_size=4, dim=DIM, depth=2, num_classes=CLASSES)
+    return Example(model, (_randn(BATCH, 3, 16, 16),), class_ce, (_labels(),), "mean")
+
+
+class RotaryAttentionLM(nn.Module):
+    """A small causal language model with ``rotary_embedding_torch`` as its README uses it:
+    ``rotate_queries_or_keys`` on the heads of ``q`` and ``k``."""
+
+    def __init__(self, rotary_cls, heads: int = 4, dim_head: int = 8, **rotary):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.rotary = rotary_cls(dim=dim_head // 2, **rotary)
+        self.qkv = nn.Linear(DIM, 3 * heads * dim_head, bias=False)
+        self.out = nn.Linear(heads * dim_head, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if getattr(self.rotary, "use_xpos", False):
+            q, k = self.rotary.rotate_queries_and_keys(q, k)
+        else:
+            q, k = self.rotary.rotate_queries_or_keys(q), self.rotary.rotate_queries_or_keys(k)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(att.transpose(1, 2).reshape(b, n, -1))
+        return self.head(self.norm(x))
+
+
+@case("rotary-embedding", "rotary_embedding_torch", "RotaryEmbedding in a hand-written LM")
+def _rotary() -> Example:
+    from rotary_embedding_torch import RotaryEmbedding
+
+    torch.manual_seed(0)
+    model = RotaryAttentionLM(RotaryEmbedding)
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("rotary-embedding-xpos", "rotary_embedding_torch", "xpos, learned frequencies")
+def _rotary_xpos() -> Example:
+    from rotary_embedding_torch import RotaryEmbedding
+
+    torch.manual_seed(0)
+    model = RotaryAttentionLM(RotaryEmbedding, use_xpos=True, learned_freq=True)
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("local-attention-lm", "local_attention", "LocalTransformer")
+def _local_attention() -> Example:
+    from local_attention import LocalTransformer
+
+    torch.manual_seed(0)
+    model = LocalTransformer(
+        num_tokens=VOCAB,
+        dim=DIM,
+        depth=2,
+        heads=4,
+        dim_head=8,
+        max_seq_len=16,
+        causal=True,
+        local_attn_window_size=4,
+    )
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+# -- diffusers ----------------------------------------------------------------------------------
+
+IMG = 16
+
+
+def _ddpm(model: nn.Module, channels: int, call=None, extra: tuple[Tensor, ...] = ()) -> Example:
+    """The DDPM training loss: noise, a timestep per example, the scheduler's noisy images, the
+    mean squared error between the model's predicted noise and the true noise."""
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler(num_train_timesteps=100)
+    g = _gen(3)
+    clean = torch.randn(BATCH, channels, IMG, IMG, generator=g, dtype=torch.float64)
+    noise = torch.randn(clean.shape, generator=g, dtype=torch.float64)
+    timesteps = torch.randint(0, 100, (BATCH,), generator=g)
+    noisy = scheduler.add_noise(clean, noise, timesteps)
+    if call is None:
+
+        def call(m, x, t, *rest):
+            return m(x, t, *rest).sample
+
+    return Example(model, (noisy, timesteps, *extra), mse, (noise,), "mean", call=call)
+
+
+@case("unet2d", "diffusers", "UNet2DModel, DDPM loss")
+def _unet2d() -> Example:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=IMG,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    return _ddpm(model, 3)
+
+
+@case("unet2d-class-conditional", "diffusers", "UNet2DModel with class labels")
+def _unet2d_classes() -> Example:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=IMG,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        num_class_embeds=CLASSES,
+        time_embedding_type="fourier",
+    )
+    return _ddpm(
+        model,
+        3,
+        call=lambda m, x, t, y: m(x, t, class_labels=y).sample,
+        extra=(_labels(),),
+    )
+
+
+@case("unet2d-condition", "diffusers", "UNet2DConditionModel, text-like context")
+def _unet2d_condition() -> Example:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(
+        sample_size=IMG,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=DIM,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    )
+    context = _randn(BATCH, 5, DIM, seed=4)
+    return _ddpm(
+        model,
+        4,
+        call=lambda m, x, t, c: m(x, t, encoder_hidden_states=c).sample,
+        extra=(context,),
+    )
+
+
+@case("dit", "diffusers", "DiTTransformer2DModel, class-conditional")
+def _dit() -> Example:
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        sample_size=IMG,
+        patch_size=4,
+        num_embeds_ada_norm=CLASSES,
+        norm_num_groups=8,
+    )
+    return _ddpm(
+        model,
+        4,
+        call=lambda m, x, t, y: m(x, timestep=t, class_labels=y).sample,
+        extra=(_labels(),),
+    )
+
+
+@case("transformer2d", "diffusers", "Transformer2DModel on latents (continuous input)")
+def _transformer2d() -> Example:
+    from diffusers import Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Transformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=16,
+        num_layers=2,
+        norm_num_groups=8,
+        cross_attention_dim=DIM,
+    )
+    context = _randn(BATCH, 5, DIM, seed=4)
+    return _ddpm(
+        model,
+        16,
+        call=lambda m, x, t, c: m(x, encoder_hidden_states=c).sample,
+        extra=(context,),
+    )
+
+
+@case("autoencoder-kl", "diffusers", "AutoencoderKL reconstruction (posterior mode)")
+def _autoencoder() -> Example:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    model = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=IMG,
+    )
+    x = _randn(BATCH, 3, IMG, IMG, seed=5)
+    return Example(model, (x,), mse, (x,), "mean", call=lambda m, x: m(x).sample)
+
+
+@case("unet1d", "diffusers", "UNet1DModel (temporal residual blocks), DDPM loss on sequences")
+def _unet1d() -> Example:
+    from diffusers import DDPMScheduler, UNet1DModel
+
+    torch.manual_seed(0)
+    model = UNet1DModel(
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16, 16, 32),
+        time_embedding_type="positional",
+        use_timestep_embedding=True,
+        flip_sin_to_cos=False,
+        freq_shift=1.0,
+        out_block_type="OutConv1DBlock",
+        mid_block_type="MidResTemporalBlock1D",
+        down_block_types=("DownResnetBlock1D",) * 4,
+        up_block_types=("UpResnetBlock1D",) * 3,
+        act_fn="swish",
+        layers_per_block=1,
+    )
+    scheduler = DDPMScheduler(num_train_timesteps=100)
+    g = _gen(3)
+    clean = torch.randn(BATCH, 4, 16, generator=g, dtype=torch.float64)
+    noise = torch.randn(clean.shape, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 100, (BATCH,), generator=g)
+    noisy = scheduler.add_noise(clean, noise, t)
+    return Example(model, (noisy, t), mse, (noise,), "mean", call=lambda m, x, t: m(x, t).sample)
+
+
+# -- sentence-transformers ----------------------------------------------------------------------
+
+
+@case("sentence-transformer", "sentence_transformers", "tiny BERT, mean pooling of padded pairs")
+def _sentence_transformer() -> Example:
+    """``SentenceTransformer([Transformer, Pooling("mean")])`` of a tiny random BERT written to
+    a temporary folder (it loads by path), trained with ``CosineSimilarityLoss``: the squared
+    difference between the cosine of a pair's embeddings and its label, averaged."""
+    import tempfile
+
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as folder:
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(94))]
+        vocab = Path(folder) / "vocab.txt"
+        vocab.write_text("\n".join(words) + "\n")
+        transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        transformers.BertModel(config).save_pretrained(folder)
+        encoder = Transformer(folder)
+    model = SentenceTransformer(
+        modules=[encoder, Pooling(encoder.get_word_embedding_dimension(), "mean")], device="cpu"
+    )
+
+    def padded(seed: int) -> tuple[Tensor, Tensor]:
+        ids = torch.randint(5, VOCAB, (BATCH, SEQ), generator=_gen(seed))
+        mask = torch.ones_like(ids)
+        for b, pad in enumerate((0, 2, 3)):
+            if pad:
+                ids[b, -pad:], mask[b, -pad:] = 0, 0
+        return ids, mask
+
+    def call(m, ids_a, mask_a, ids_b, mask_b):
+        a = m({"input_ids": ids_a, "attention_mask": mask_a})["sentence_embedding"]
+        b = m({"input_ids": ids_b, "attention_mask": mask_b})["sentence_embedding"]
+        return F.cosine_similarity(a, b)
+
+    labels = torch.rand(BATCH, generator=_gen(6), dtype=torch.float64)
+    return Example(
+        model, (*padded(1), *padded(2)), lambda cos, y: (cos - y) ** 2, (labels,), "mean",
+        call=call,
+    )  # fmt: skip
+
+
+# -- the check ----------------------------------------------------------------------------------
+
+
+def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
+    return tuple(t[b : b + 1] for t in tensors)
+
+
+def _output(ex: Example, inputs: tuple[Tensor, ...]) -> Tensor:
+    out = ex.model(*inputs) if ex.call is None else ex.call(ex.model, *inputs)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, Tensor):
+        raise Skip(f"{type(ex.model).__name__} returns no tensor: {type(out).__name__}")
+    return out
+
+
+def total_loss(ex: Example, inputs=None, targets=None) -> Tensor:
+    inputs = ex.inputs if inputs is None else inputs
+    targets = ex.targets if targets is None else targets
+    losses = ex.losses(_output(ex, inputs), *targets)
+    return losses.sum() if ex.reduction == "sum" else losses.mean()
+
+
+def prepare(model: nn.Module) -> nn.Module:
+    model = model.double().train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(getattr(m, "dropout_prob", None), float):
+            m.dropout_prob = 0.0  # (diffusers' label dropout, for classifier-free guidance)
+    return model
+
+
+def own_gradients(ex: Example) -> dict[str, Tensor]:
+    """Each example's own gradient, ``{name: [batch, *shape]}``, by the oracle's loop."""
+    n = len(ex.inputs)
+    everything = (*ex.inputs, *ex.targets)
+
+    class Whole(nn.Module):  # the loop slices every tensor, the model's and the loss's
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *tensors):
+            return total_loss(ex, tensors[:n], tensors[n:])
+
+    grads = loop_grad(Whole(ex.model), lambda loss: loss, everything)
+    return {name.removeprefix("model."): g for name, g in grads.items()}
+
+
+def compare(res: Result, ex: Example, want: dict[str, Tensor], rtol: float) -> None:
+    """Sets ``res.outcome`` to match or mismatch from ``p.grad1`` against ``want``."""
+    params = [(n, p) for n, p in ex.model.named_parameters() if p.requires_grad]
+    largest = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+    floor = 1e-12 * largest
+    worst, missing = (0.0, 0.0, ""), []
+    for n, p in params:
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                missing.append(n)
+            continue
+        if got.shape != want[n].shape:
+            missing.append(f"{n} (grad1 {tuple(got.shape)}, want {tuple(want[n].shape)})")
+            continue
+        scale = float(want[n].abs().max())
+        err = (got.to(want[n].dtype) - want[n]).abs()
+        noise = 0.0  # the model's own rounding between its batched backward and the loop
+        if p.grad is not None:
+            total = want[n].mean(0) if ex.reduction == "mean" else want[n].sum(0)
+            noise = float((p.grad - total).abs().max())
+            if noise > 1e-6 * largest:
+                noise = 0.0
+            res.loop_vs_batch = max(res.loop_vs_batch, noise / max(scale, floor or 1e-300))
+        bad = err > rtol * want[n].abs() + rtol * scale + floor + 10 * noise
+        if bool(bad.any()):
+            rel = float(err.max()) / (scale or 1.0)
+            if rel > worst[1]:
+                worst = (float(err.max()), rel, n)
+    if missing:
+        res.outcome, res.parameter = "mismatch", missing[0]
+        res.detail = f"no grad1 where the loop gives a gradient: {', '.join(missing[:3])}"
+    elif worst[2]:
+        res.outcome, res.parameter = "mismatch", worst[2]
+        res.max_abs_error, res.max_rel_error = worst[0], worst[1]
+        res.detail = f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest)"
+    else:
+        res.outcome = "match"
+
+
+def build(name: str) -> Example:
+    c = CASES[name]
+    try:
+        importlib.import_module(c.library)
+    except Exception as e:
+        raise Skip(f"{c.library} is not installed: {_first_line(e)}") from e
+    try:
+        ex = c.build()
+    except Skip:
+        raise
+    except Exception as e:
+        raise Skip(f"does not build: {_first_line(e)}") from e
+    ex.model = prepare(ex.model)
+    return ex
+
+
+def _check(res: Result, name: str) -> None:
+    ex = build(name)
+    res.model = type(ex.model).__name__
+    res.params = sum(p.numel() for p in ex.model.parameters())
+    try:
+        with torch.no_grad():
+            first, again = _output(ex, ex.inputs), _output(ex, ex.inputs)
+    except Skip:
+        raise
+    except Exception as e:
+        raise Skip(f"does not run: {_first_line(e)}") from e
+    if not torch.equal(first, again):
+        raise Skip("its training-mode forward draws random numbers")
+    with torch.no_grad(), gradhooks.paused():
+        ones = torch.cat([_output(ex, _rows(ex.inputs, b)) for b in range(BATCH)])
+    if ones.shape != first.shape:
+        raise Skip(f"outputs of a batch of one {tuple(ones.shape)} are no rows of {first.shape}")
+    res.batch_vs_one = float((ones - first).abs().max() / first.abs().max().clamp_min(1e-300))
+    rtol = FLOAT32_RTOL if res.batch_vs_one > ROUNDED else RTOL
+    try:
+        want = own_gradients(ex)
+    except Exception as e:
+        raise Skip(f"the loop of batches of one fails: {_first_line(e)}") from e
+    ex.model.zero_grad(set_to_none=True)
+    try:
+        with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
+            total_loss(ex).backward()
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", _first_line(e)
+        return
+    except TimeLimit:
+        raise
+    except Exception as e:
+        inside = _is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = (
+            _first_line(e) if inside else f"fails under hooks, outside gradhooks: {_first_line(e)}"
+        )
+        return
+    try:
+        compare(res, ex, want, rtol)
+    finally:
+        for p in ex.model.parameters():
+            if hasattr(p, "grad1"):
+                del p.grad1
+    if res.batch_vs_one > ROUNDED:
+        res.detail = (res.detail + "; " if res.detail else "") + (
+            f"float32 inside (outputs of a batch of one differ by {res.batch_vs_one:.1g} of "
+            f"the largest): compared at rtol={rtol:g}"
+        )
+
+
+def check(name: str, limit: float = 60.0) -> Result:
+    """One model through the sweep: its :class:`~bench.hf_sweep.Result` (``family`` is the
+    case's name, ``task`` its library)."""
+    res = Result(name, task=CASES[name].library)
+    start = time.perf_counter()
+    try:
+        with time_limit(limit), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", gradhooks.GradhooksWarning)
+            _check(res, name)
+        res.warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught
+                               if issubclass(w.category, gradhooks.GradhooksWarning)})  # fmt: skip
+    except (Skip, TimeLimit) as e:
+        res.outcome, res.detail = "skipped", str(e)
+    res.seconds = round(time.perf_counter() - start, 2)
+    return res
+
+
+# -- the same models in a training loop, under autocast, in a DP step --------------------------
+
+STEPS = 3
+# bfloat16 keeps 8 significant bits (unit roundoff 2**-9, about 2e-3); a few layers' roundings
+# of each output-gradient, summed over positions whose errors do not cancel: about 16 units
+# (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
+BF16_TOL = 5e-2
+# The models run in the other settings (each of another library or kind).
+SETTINGS_MODELS = ("xt-rotary", "xt-gate-residual", "perceiver", "mlp-mixer", "unet2d", "dit")
+
+
+def _setting(name: str, setting: str, run: Callable[[Example, Result], None], limit: float):
+    res = Result(name, task=setting)
+    start = time.perf_counter()
+    try:
+        with time_limit(limit):
+            ex = build(name)
+            res.model = type(ex.model).__name__
+            res.params = sum(p.numel() for p in ex.model.parameters())
+            run(ex, res)
+    except (Skip, TimeLimit) as e:
+        res.outcome, res.detail = "skipped", str(e)
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", _first_line(e)
+    except Exception as e:
+        inside = _is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = _first_line(e) if inside else f"fails outside gradhooks: {_first_line(e)}"
+    res.seconds = round(time.perf_counter() - start, 2)
+    return res
+
+
+def _training(ex: Example, res: Result) -> None:
+    """``STEPS`` SGD steps under one ``add_hooks``, ``zero_grad`` before each backward:
+    ``grad1`` of every step against the loop at that step's parameters."""
+    opt = torch.optim.SGD(ex.model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
+        for step in range(STEPS):
+            want = own_gradients(ex)
+            opt.zero_grad()
+            total_loss(ex).backward()
+            compare(res, ex, want, RTOL)
+            if res.outcome != "match":
+                res.detail = f"step {step + 1}: {res.detail}"
+                return
+            opt.step()
+    res.detail = f"{STEPS} steps"
+
+
+def _autocast(ex: Example, res: Result) -> None:
+    """The model in float32 under CPU bfloat16 autocast (the loss in float32): ``grad1``
+    against the float64 loop, relative error per parameter below ``BF16_TOL``."""
+    want = own_gradients(ex)
+    model = ex.model
+    low = Example(copy.deepcopy(model).float(), ex.inputs, ex.losses, ex.targets, ex.reduction,
+                  ex.call)  # fmt: skip
+    low.inputs = tuple(t.float() if t.is_floating_point() else t for t in ex.inputs)
+    low.targets = tuple(t.float() if t.is_floating_point() else t for t in ex.targets)
+    call = low.call or (lambda m, *xs: m(*xs))
+    low.call = lambda m, *xs: _floated(call(m, *xs))
+    with gradhooks.add_hooks(low.model, loss_reduction=ex.reduction):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = total_loss(low)
+        loss.backward()
+    worst, largest = (0.0, ""), _largest(want)
+    for n, p in low.model.named_parameters():
+        if not p.requires_grad:
+            continue
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                res.outcome, res.parameter, res.detail = "mismatch", n, f"no grad1: {n}"
+                return
+            continue
+        err = _relative(got.double(), want[n], largest)
+        if err > worst[0]:
+            worst = (err, n)
+    res.max_rel_error, res.parameter = worst
+    res.outcome = "match" if worst[0] <= BF16_TOL else "mismatch"
+    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}), allowed {BF16_TOL:g}"
+
+
+def _largest(want: dict[str, Tensor]) -> float:
+    return max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+
+
+def _relative(got: Tensor, want: Tensor, largest: float) -> float:
+    """``max|got - want| / max|want|``; for a gradient that is zero in exact arithmetic (below
+    ``1e-9`` of the model's largest entry: a bias that a norm after it cancels), whose entries
+    are rounding noise on both sides, relative to the model's largest gradient entry."""
+    scale = float(want.abs().max())
+    if scale < 1e-9 * largest:
+        scale = largest
+    return float((got - want).abs().max()) / (scale or 1.0)
+
+
+def _floated(out):
+    if isinstance(out, tuple | list):
+        return type(out)(_floated(t) for t in out)
+    if hasattr(out, "sample") and isinstance(out.sample, Tensor):
+        return out.sample.float()
+    return out.float() if isinstance(out, Tensor) and out.is_floating_point() else out
+
+
+def _dp_step(ex: Example, res: Result) -> None:
+    """``gradhooks.dp_sgd_step`` by book-keeping, without noise, its clipping norm the median
+    of the examples' gradient norms: ``p.grad`` against the loop's clipped sum
+    ``Σ_i min(1, C / ‖g_i‖) g_i``, and the norms it returns against the loop's."""
+    want = own_gradients(ex)
+    names = list(want)
+    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / norms).clamp(max=1.0)
+    ex.model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(ex.model, quantities=("norms",)) as hooks:
+        losses = ex.losses(_output(ex, ex.inputs), *ex.targets)
+        got_norms = gradhooks.dp_sgd_step(
+            hooks, losses, max_norm=clip, noise_multiplier=0.0, reduction="sum",
+            method="bookkeeping",
+        )  # fmt: skip
+    params, largest = dict(ex.model.named_parameters()), _largest(want)
+    worst = (float((got_norms - norms).abs().max() / norms.max()), "the norms")
+    for n in names:
+        clipped = torch.einsum("b,b...->...", factors, want[n])
+        got = params[n].grad
+        err = _relative(torch.zeros_like(clipped) if got is None else got, clipped, largest)
+        if err > worst[0]:
+            worst = (err, n)
+    res.max_rel_error, res.parameter = worst
+    res.outcome = "match" if worst[0] <= 1e-6 else "mismatch"
+    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}); clipped at the median norm"
+
+
+SETTINGS = {"training": _training, "bf16-autocast": _autocast, "dp-step": _dp_step}
+
+
+def check_setting(name: str, setting: str, limit: float = 60.0) -> Result:
+    """Model ``name`` in ``setting`` (a key of :data:`SETTINGS`): its result (``task`` is the
+    setting)."""
+    return _setting(name, setting, SETTINGS[setting], limit)
+
+
+# -- the sweep and its report -------------------------------------------------------------------
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module.replace("_", "-"))
+    except Exception:
+        return "not installed"
+
+
+def write(
+    results: list[Result], out: Path, command: str, settings: list[Result] = ()
+) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    libraries = sorted({CASES[r.family].library for r in results})
+    versions = {lib: _version(lib) for lib in libraries}
+    meta = {"command": command, "torch": torch.__version__, "libraries": versions,
+            "batch": BATCH, "rtol": RTOL, "counts": counts}  # fmt: skip
+    js = out / "lib-sweep.json"
+    rows = {"results": [asdict(r) for r in results], "settings": [asdict(r) for r in settings]}
+    js.write_text(json.dumps({**meta, **rows}, indent=1) + "\n")
+    lines = [
+        "# Models of pure-Python libraries against the per-example loop",
+        "",
+        f"`{command}`",
+        "",
+        f"torch {torch.__version__}; "
+        + ", ".join(f"{lib.replace('_', '-')} {v}" for lib, v in versions.items())
+        + f". Tiny configurations in float64, training mode without dropout, batch {BATCH}, "
+        "each with its users' loss; `grad1` of every trainable parameter against a loop of "
+        f"batches of one, `rtol={RTOL:g}` (`{FLOAT32_RTOL:g}` where a row says so).",
+        "",
+        "| outcome | models |",
+        "| --- | --- |",
+        *(f"| {o} | {counts[o]} |" for o in OUTCOMES),
+        "",
+        "| model | library | class | parameters | outcome | detail | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    order = {o: i for i, o in enumerate(("mismatch", "crash", "refused", "match", "skipped"))}
+    for r in sorted(results, key=lambda r: (order[r.outcome], r.task, r.family)):
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")
+        if CASES[r.family].note:
+            detail = CASES[r.family].note + ("; " + detail if detail else "")
+        if r.warnings:
+            detail += "; warned: " + "; ".join(r.warnings).replace("|", "\\|")
+        lines.append(f"| {r.family} | {r.task.replace('_', '-')} | {r.model} | {r.params:,} | "
+                     f"{r.outcome} | {detail} | {r.seconds:.1f} |")  # fmt: skip
+    if settings:
+        lines += [
+            "",
+            "## Other settings",
+            "",
+            f"`training`: {STEPS} SGD steps under one `add_hooks`, `zero_grad` before each "
+            "backward, `grad1` of each step against the loop (`rtol=1e-7`). `bf16-autocast`: "
+            "the model in float32 under CPU bfloat16 autocast, `grad1` against the float64 "
+            f"loop, largest relative error per parameter at most {BF16_TOL:g} (bfloat16's "
+            "unit roundoff is 2e-3). `dp-step`: `dp_sgd_step` by book-keeping without noise, "
+            "clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
+            "sum (relative error at most 1e-6).",
+            "",
+            "| model | setting | outcome | detail | seconds |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in settings:
+            detail = r.detail.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r.family} | {r.task} | {r.outcome} | {detail} | {r.seconds:.1f} |")
+    md = out / "lib-sweep.md"
+    md.write_text("\n".join(lines) + "\n")
+    return js, md
+
+
+def select(models: str | None, libraries: str | None) -> list[str]:
+    names = list(CASES)
+    if models:
+        names = [n.strip() for n in models.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CASES]
+        if unknown:
+            raise SystemExit(f"no such model: {', '.join(unknown)} (see --list)")
+    if libraries:
+        wanted = {lib.strip().replace("-", "_") for lib in libraries.split(",")}
+        names = [n for n in names if CASES[n].library in wanted]
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.lib_sweep", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--models", default=None, help="model names, comma-separated (default: all)")
+    p.add_argument("--libraries", default=None, help="only these libraries' models")
+    p.add_argument("--list", action="store_true", help="print the model names and exit")
+    p.add_argument(
+        "--settings", default=None,
+        help="also run these models (comma-separated, 'default' for "
+        f"{','.join(SETTINGS_MODELS)}) in a training loop, under bfloat16 autocast and in "
+        "a DP step",
+    )  # fmt: skip
+    p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
+    args = p.parse_args(argv)
+    if args.list:
+        for n, c in CASES.items():
+            print(f"{n:28} {c.library:30} {c.note}")
+        return 0
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    names = select(args.models, args.libraries)
+    given = sys.argv[1:] if argv is None else argv
+    command = "python -m bench.lib_sweep" + (" " + " ".join(given) if given else "")
+    results = []
+    bar = _progress(names)
+    for i, name in enumerate(names):
+        if bar is None:
+            print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
+        else:
+            bar.set_postfix_str(name)
+        results.append(check(name, args.limit))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    settings = []
+    if args.settings:
+        chosen = SETTINGS_MODELS if args.settings == "default" else select(args.settings, None)
+        for name in chosen:
+            for setting in SETTINGS:
+                print(f"{name}: {setting}", file=sys.stderr, flush=True)
+                settings.append(check_setting(name, setting, args.limit))
+    js, md = write(results, Path(args.out), command, settings)
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    print(", ".join(f"{n} {o}" for o, n in counts.items()))
+    for r in [*results, *settings]:
+        if r.outcome in ("mismatch", "crash"):
+            print(f"{r.outcome}: {r.family} ({r.model}, {r.task}): {r.detail}")
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Models of pure-Python libraries (x-transformers, diffusers, perceiver-pytorch, ...) against
+the per-example loop, through ``bench.lib_sweep``: each built as its users build it, tiny, in
+float64 and training mode (dropout 0), whose ``grad1`` must equal, parameter by parameter,
+each example's own gradient by a loop of batches of one (``rtol=1e-7``). A model whose library
+is not installed is skipped. Also the layers these libraries use in ways the other tests do
+not (recurrent cells on rows folded from batch and time), in plain torch."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import warnings
+
+import pytest
+import torch
+from einops import rearrange
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import Case, check
+
+lib_sweep = pytest.importorskip("bench.lib_sweep")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def _needs(name: str):
+    library = lib_sweep.CASES[name].library
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
+
+
+def _swept(name: str):
+    _needs(name)
+    res = lib_sweep.check(name, limit=0)
+    if res.outcome == "skipped":
+        pytest.skip(res.detail)
+    return res
+
+
+# -- recurrent cells on folded rows -------------------------------------------------------------
+
+
+class GatedResidual(nn.Module):
+    """x-transformers' ``GRUGating``: a cell over every position, batch and time folded into
+    the cell's rows (``b n d -> (b n) d``), after a Linear, twice: the second cell's input is
+    the first's output."""
+
+    def __init__(self, cell: type[nn.RNNCellBase]):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.first, self.second = cell(4, 4), cell(4, 4)
+
+    def _cell(self, cell, x, state):
+        rows = rearrange(x, "b n d -> (b n) d")
+        h = rearrange(state, "b n d -> (b n) d")
+        out = cell(rows, (h, h) if isinstance(cell, nn.LSTMCell) else h)
+        return (out[0] if isinstance(out, tuple) else out).reshape_as(x)
+
+    def forward(self, x):
+        y = self._cell(self.first, self.lin(x), x)
+        return self._cell(self.second, self.lin(y), y)
+
+
+@pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell, nn.RNNCell], ids=lambda c: c.__name__)
+def test_recurrent_cell_on_folded_rows_matches_the_loop(cell):
+    """The output of a cell keeps its rows' layout: the next layer finds the batch in it."""
+    check(
+        Case(f"folded-{cell.__name__}", lambda: GatedResidual(cell), lambda b: torch.randn(b, 5, 4))
+    )
+
+
+class FoldedWithInitialState(nn.Module):
+    """A cell on folded rows whose state holds no example: zeros made for the rows, and a
+    learned initial state expanded to them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cell = nn.Linear(4, 4), nn.GRUCell(4, 4)
+        self.h0 = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        rows = rearrange(self.lin(x), "b n d -> (b n) d")
+        zeros = torch.zeros(rows.shape[0], 4, dtype=x.dtype)
+        learned = self.h0.expand(rows.shape[0], 4)
+        return (self.cell(rows, zeros) + self.cell(rows, learned)).reshape_as(x)
+
+
+def test_recurrent_cell_on_folded_rows_with_a_state_of_no_example():
+    """The rule's input comes regrouped ``[batch, time, in]``, its state as given: the same
+    for every row, it is broadcast to them. (Against the loop only: under vmap the zeros would
+    be made for one example's rows.)"""
+    torch.manual_seed(0)
+    model = FoldedWithInitialState().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
+def test_recurrent_cell_with_a_state_from_other_rows_is_refused():
+    """A state whose rows are not the input's (the batch reversed): no layout is claimed."""
+
+    class Crossed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.cell = nn.Linear(4, 4), nn.GRUCell(4, 4)
+
+        def forward(self, x):
+            h = self.cell(x, x.flip(0))
+            return self.lin(h)
+
+    model = Crossed().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(gradhooks.GradhooksError), gradhooks.add_hooks(model):
+        model(x).sum().backward()
+
+
+@pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell, nn.RNNCell], ids=lambda c: c.__name__)
+def test_recurrent_cell_on_folded_rows_under_bf16_autocast(cell):
+    """The cells' own rule: the fallback, recomputing a cell one example at a time, found that
+    under bfloat16 autocast (bfloat16 matmuls, a float32 output) a batch and one example round
+    apart by more than float32's tolerance, and refused (MixedExamplesError)."""
+    torch.manual_seed(0)
+    model = GatedResidual(cell)
+    x = torch.randn(3, 5, 4)
+    want = loop_grad(model.double(), lambda out: out.pow(2).sum(), x.double())
+    model.float()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        err = (p.grad1.double() - want[name]).abs().max() / want[name].abs().max()
+        assert err < lib_sweep.BF16_TOL, (name, float(err))
+
+
+# -- models of the libraries --------------------------------------------------------------------
+
+# One model per kind, each of a kind the hand-written tests do not build.
+MODELS = [
+    "xt-rotary",  # x-transformers: rotary positions
+    "xt-alibi",  # ALiBi biases
+    "xt-gate-residual",  # GRU gating of the residual (a GRUCell over batch * time rows)
+    "xt-memory-tokens",  # memory tokens concatenated to every example
+    "xt-continuous",  # ContinuousTransformerWrapper, a regression
+    "xt-xtransformer",  # encoder-decoder, tied token embeddings
+    "perceiver",  # cross-attention to Fourier-encoded pixels, latents shared by the batch
+    "performer-lm",  # FAVOR+ random features (a buffer)
+    "mlp-mixer",  # token-mixing Linear across patches
+    "rotary-embedding-xpos",  # learned rotary frequencies, xpos scales
+    "unet2d",  # diffusers: DDPM loss, a timestep per example, GroupNorm, attention
+    "dit",  # adaptive LayerNorm from timestep and class embeddings
+]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_library_model_matches_the_loop(name):
+    res = _swept(name)
+    assert res.outcome == "match", (res.outcome, res.detail)
+    assert res.params > 0 and not res.warnings
+
+
+@pytest.mark.parametrize(
+    "name, setting",
+    [("mlp-mixer", "training"), ("dit", "bf16-autocast"), ("perceiver", "dp-step")],
+)
+def test_library_model_in_another_setting(name, setting):
+    """3 SGD steps (grad1 of each against the loop), bfloat16 autocast (against the float64
+    loop, relative error at most 5e-2), a DP step (p.grad against the loop's clipped sum)."""
+    _needs(name)
+    res = lib_sweep.check_setting(name, setting, limit=0)
+    assert res.outcome == "match", (res.outcome, res.detail)
+
+
+def _corrupting(real):
+    """``add_hooks`` whose ``grad1`` of one parameter has two examples swapped."""
+
+    @contextlib.contextmanager
+    def add_hooks(model, **kwargs):
+        with real(model, **kwargs) as hooks:
+            yield hooks
+        p = next(p for p in model.parameters() if getattr(p, "grad1", None) is not None)
+        p.grad1 = p.grad1[[1, 0, 2]]
+
+    return add_hooks
+
+
+def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
+    _needs("mlp-mixer")
+    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", _corrupting(gradhooks.add_hooks))
+    res = lib_sweep.check("mlp-mixer", limit=0)
+    assert res.outcome == "mismatch"
+    assert res.parameter and res.max_rel_error > 1e-3
+
+
+def test_sweep_runs_and_writes_its_table(tmp_path, capsys):
+    for name in ("mlp-mixer", "rotary-embedding"):
+        _needs(name)
+    assert lib_sweep.main(["--models", "mlp-mixer,rotary-embedding", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "lib-sweep.json").read_text())
+    assert data["counts"] == {"match": 2, "refused": 0, "mismatch": 0, "crash": 0, "skipped": 0}
+    table = (tmp_path / "lib-sweep.md").read_text()
+    assert "| mlp-mixer | mlp-mixer-pytorch | Sequential |" in table
+    assert "2 match" in capsys.readouterr().out
