@@ -13,7 +13,7 @@ loss: the mean squared error between the predicted and the true noise of each ex
 timestep of its own), summed or averaged over the batch as the row says.
 ``add_hooks(model, loss_reduction=...)`` and one ``backward()`` give ``grad1``, compared
 parameter by parameter with each example's own gradient (:func:`gradhooks.oracle.loop_grad`:
-one forward and backward per example). The outcomes are those of ``bench.hf_sweep``: match
+one forward and backward per example). The outcomes are those of ``bench.sweep`` (the Hugging Face sweep's): match
 (within ``rtol=1e-7``, or ``1e-4`` where the model computes in float32 inside, as the row
 says), refused (gradhooks' own error, its first line), mismatch (a silently wrong ``grad1``:
 the parameter and its error), crash (another exception from inside gradhooks), skipped (the
@@ -52,7 +52,7 @@ from torch import Tensor, nn
 import gradhooks
 from gradhooks.oracle import loop_grad
 
-from .hf_sweep import (
+from .sweep import (
     FLOAT32_RTOL,
     OUTCOMES,
     ROUNDED,
@@ -60,9 +60,9 @@ from .hf_sweep import (
     Result,
     Skip,
     TimeLimit,
-    _first_line,
-    _is_gradhooks_frame,
-    _progress,
+    first_line,
+    is_gradhooks_frame,
+    progress,
     time_limit,
 )
 
@@ -821,13 +821,13 @@ def build(name: str) -> Example:
     try:
         importlib.import_module(c.library)
     except Exception as e:
-        raise Skip(f"{c.library} is not installed: {_first_line(e)}") from e
+        raise Skip(f"{c.library} is not installed: {first_line(e)}") from e
     try:
         ex = c.build()
     except Skip:
         raise
     except Exception as e:
-        raise Skip(f"does not build: {_first_line(e)}") from e
+        raise Skip(f"does not build: {first_line(e)}") from e
     ex.model = prepare(ex.model)
     return ex
 
@@ -842,7 +842,7 @@ def _check(res: Result, name: str) -> None:
     except Skip:
         raise
     except Exception as e:
-        raise Skip(f"does not run: {_first_line(e)}") from e
+        raise Skip(f"does not run: {first_line(e)}") from e
     if not torch.equal(first, again):
         raise Skip("its training-mode forward draws random numbers")
     with torch.no_grad(), gradhooks.paused():
@@ -854,21 +854,21 @@ def _check(res: Result, name: str) -> None:
     try:
         want = own_gradients(ex)
     except Exception as e:
-        raise Skip(f"the loop of batches of one fails: {_first_line(e)}") from e
+        raise Skip(f"the loop of batches of one fails: {first_line(e)}") from e
     ex.model.zero_grad(set_to_none=True)
     try:
         with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
             total_loss(ex).backward()
     except gradhooks.GradhooksError as e:
-        res.outcome, res.detail = "refused", _first_line(e)
+        res.outcome, res.detail = "refused", first_line(e)
         return
     except TimeLimit:
         raise
     except Exception as e:
-        inside = _is_gradhooks_frame(e.__traceback__)
+        inside = is_gradhooks_frame(e.__traceback__)
         res.outcome = "crash" if inside else "skipped"
         res.detail = (
-            _first_line(e) if inside else f"fails under hooks, outside gradhooks: {_first_line(e)}"
+            first_line(e) if inside else f"fails under hooks, outside gradhooks: {first_line(e)}"
         )
         return
     try:
@@ -885,7 +885,7 @@ def _check(res: Result, name: str) -> None:
 
 
 def check(name: str, limit: float = 60.0) -> Result:
-    """One model through the sweep: its :class:`~bench.hf_sweep.Result` (``family`` is the
+    """One model through the sweep: its :class:`~bench.sweep.Result` (``family`` is the
     case's name, ``task`` its library)."""
     res = Result(name, task=CASES[name].library)
     start = time.perf_counter()
@@ -924,11 +924,11 @@ def _setting(name: str, setting: str, run: Callable[[Example, Result], None], li
     except (Skip, TimeLimit) as e:
         res.outcome, res.detail = "skipped", str(e)
     except gradhooks.GradhooksError as e:
-        res.outcome, res.detail = "refused", _first_line(e)
+        res.outcome, res.detail = "refused", first_line(e)
     except Exception as e:
-        inside = _is_gradhooks_frame(e.__traceback__)
+        inside = is_gradhooks_frame(e.__traceback__)
         res.outcome = "crash" if inside else "skipped"
-        res.detail = _first_line(e) if inside else f"fails outside gradhooks: {_first_line(e)}"
+        res.detail = first_line(e) if inside else f"fails outside gradhooks: {first_line(e)}"
     res.seconds = round(time.perf_counter() - start, 2)
     return res
 
@@ -1158,7 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     command = "python -m bench.lib_sweep" + (" " + " ".join(given) if given else "")
     results = []
-    bar = _progress(names)
+    bar = progress(names)
     for i, name in enumerate(names):
         if bar is None:
             print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)

@@ -62,7 +62,8 @@ def vmap_grad(
         return loop_grad(model, loss_fn, inputs, target)
 
     def one_loss(params, xs, y):
-        xs = tuple(x.unsqueeze(0) for x in xs)
+        # (nested inputs too: an LSTMCell's state (h, c))
+        xs = _torch.tree_map(lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, xs)
         out = functional_call(model, (params, rest), xs)
         return loss_fn(out) if y is None else loss_fn(out, y.unsqueeze(0))
 
@@ -94,7 +95,9 @@ def loop_grad(
     def one(i: int) -> list[Tensor | None]:
         for p in params:
             p.grad = None
-        out = model(*(x[i : i + 1] for x in inputs))
+        out = model(
+            *_torch.tree_map(lambda x: x[i : i + 1] if isinstance(x, Tensor) else x, inputs)
+        )
         loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
         loss.backward()
         return [None if p.grad is None else p.grad.to_dense() for p in params]

@@ -45,6 +45,9 @@ EXAMPLES = {
     nn.RNN: (lambda: nn.RNN(3, 4, 2, batch_first=True), lambda: torch.randn(3, 5, 3)),
     nn.LSTM: (lambda: nn.LSTM(3, 4, batch_first=True, bidirectional=True), lambda: torch.randn(3, 5, 3)),
     nn.GRU: (lambda: nn.GRU(3, 4, 2, batch_first=True), lambda: torch.randn(3, 5, 3)),
+    nn.RNNCell: (lambda: nn.RNNCell(3, 4, nonlinearity="relu"), lambda: (torch.randn(3, 3), torch.randn(3, 4))),
+    nn.LSTMCell: (lambda: nn.LSTMCell(3, 4), lambda: (torch.randn(3, 3), (torch.randn(3, 4), torch.randn(3, 4)))),
+    nn.GRUCell: (lambda: nn.GRUCell(3, 4), lambda: (torch.randn(3, 3), torch.randn(3, 4))),
     nn.TransformerEncoderLayer: (lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True), lambda: torch.randn(3, 5, 4)),
     nn.TransformerDecoderLayer: (lambda: nn.TransformerDecoderLayer(4, 2, 8, dropout=0.0, batch_first=True), lambda: (torch.randn(3, 5, 4), torch.randn(3, 6, 4))),
 }  # fmt: skip

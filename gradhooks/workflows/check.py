@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .._torch import tree_flatten
+from .._torch import tree_flatten, tree_map
 from ..engine.handle import add_hooks
 from ..engine.verify import CheckReport
 from ..errors import CheckFailedError
@@ -71,7 +71,11 @@ def _check_rule(
 ) -> CheckReport:  # fmt: skip
     loss_fn = loss_fn or _default_loss
     model = copy.deepcopy(module).double()
-    xs = tuple(x.double() if x.is_floating_point() else x for x in _as_tuple(inputs))
+    # (nested inputs too: an LSTMCell's state (h, c))
+    xs = tree_map(
+        lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x,
+        _as_tuple(inputs),
+    )
     batch = xs[0].shape[0]
     name = type(module).__qualname__
     report = CheckReport(name, check="check_rule")
