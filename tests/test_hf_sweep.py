@@ -158,3 +158,12 @@ def test_sweep_tiny_config_sets_the_sizes_the_config_has():
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (32, 2, 99)
     assert config.attention_dropout == 0.0
     assert torch.get_default_dtype() == torch.float32  # nothing global changed
+
+
+def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
+    """AFMoE's experts: in a tiny batch one expert is routed every token, so the rows it
+    computed (with a gradient) are the batch's in order, and their product with the router's
+    scores looks like a mask laid along the examples; a mask has no gradient, and this is no
+    mask (it was refused as mixing the examples)."""
+    res = hf_sweep.check("afmoe", limit=0)
+    assert res.outcome == "match", (res.outcome, res.detail)

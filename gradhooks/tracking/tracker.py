@@ -732,10 +732,12 @@ class Tracker(TorchFunctionMode):
         return result
 
     def _masks_rows(self, ins: list, outs: list) -> bool:
-        """Whether an elementwise operation applies a coupled mask (:meth:`_coupling`) along
-        the examples of an operand: one entry per example, which of them it keeps decided
-        across the batch (the tokens an expert keeps under a capacity counted over it, the
-        example with the largest score)."""
+        """Whether an elementwise operation applies a coupled mask (:meth:`_coupling`, without
+        a gradient) along the examples of an operand: one entry per example, which of them it
+        keeps decided across the batch (the tokens an expert keeps under a capacity counted
+        over it, the example with the largest score). An operand with a gradient is no mask:
+        the rows an expert computed from the tokens routed to it, weighted by their router
+        scores."""
         o = outs[0]
         for x in ins:
             lay = self._layout_of(x)
@@ -744,7 +746,12 @@ class Tracker(TorchFunctionMode):
             d = lay.dim + o.dim() - x.dim()  # (the examples' dimension in the output)
             for t in ins:
                 k = d - o.dim() + t.dim()
-                if t in self.coupled and not is_followed(self._layout_of(t)) and k >= 0:
+                if (
+                    t in self.coupled
+                    and not t.requires_grad  # (a mask: the rows an expert computed are not)
+                    and not is_followed(self._layout_of(t))
+                    and k >= 0
+                ):
                     if t.shape[k] == o.shape[d]:
                         return True
         return False
