@@ -52,6 +52,7 @@ from torch import Tensor, nn
 import gradhooks
 from gradhooks.oracle import loop_grad
 
+from . import sweep
 from .sweep import (
     FLOAT32_RTOL,
     OUTCOMES,
@@ -777,43 +778,10 @@ def own_gradients(ex: Example) -> dict[str, Tensor]:
 
 
 def compare(res: Result, ex: Example, want: dict[str, Tensor], rtol: float) -> None:
-    """Sets ``res.outcome`` to match or mismatch from ``p.grad1`` against ``want``."""
+    """:func:`bench.sweep.compare` of the case's trainable parameters (their ``grad1``
+    deleted), with its loss's reduction."""
     params = [(n, p) for n, p in ex.model.named_parameters() if p.requires_grad]
-    largest = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
-    floor = 1e-12 * largest
-    worst, missing = (0.0, 0.0, ""), []
-    for n, p in params:
-        got = getattr(p, "grad1", None)
-        if got is None:
-            if want[n].abs().max() > 0:
-                missing.append(n)
-            continue
-        if got.shape != want[n].shape:
-            missing.append(f"{n} (grad1 {tuple(got.shape)}, want {tuple(want[n].shape)})")
-            continue
-        scale = float(want[n].abs().max())
-        err = (got.to(want[n].dtype) - want[n]).abs()
-        noise = 0.0  # the model's own rounding between its batched backward and the loop
-        if p.grad is not None:
-            total = want[n].mean(0) if ex.reduction == "mean" else want[n].sum(0)
-            noise = float((p.grad - total).abs().max())
-            if noise > 1e-6 * largest:
-                noise = 0.0
-            res.loop_vs_batch = max(res.loop_vs_batch, noise / max(scale, floor or 1e-300))
-        bad = err > rtol * want[n].abs() + rtol * scale + floor + 10 * noise
-        if bool(bad.any()):
-            rel = float(err.max()) / (scale or 1.0)
-            if rel > worst[1]:
-                worst = (float(err.max()), rel, n)
-    if missing:
-        res.outcome, res.parameter = "mismatch", missing[0]
-        res.detail = f"no grad1 where the loop gives a gradient: {', '.join(missing[:3])}"
-    elif worst[2]:
-        res.outcome, res.parameter = "mismatch", worst[2]
-        res.max_abs_error, res.max_rel_error = worst[0], worst[1]
-        res.detail = f"{worst[2]}: max abs error {worst[0]:.3g} ({worst[1]:.3g} of its largest)"
-    else:
-        res.outcome = "match"
+    sweep.compare(res, params, want, rtol, mean=ex.reduction == "mean")
 
 
 def build(name: str) -> Example:
@@ -872,16 +840,11 @@ def _check(res: Result, name: str) -> None:
         )
         return
     try:
-        compare(res, ex, want, rtol)
+        compare(res, ex, want, rtol)  # (with the notes: float32 inside, the tolerance)
     finally:
         for p in ex.model.parameters():
             if hasattr(p, "grad1"):
                 del p.grad1
-    if res.batch_vs_one > ROUNDED:
-        res.detail = (res.detail + "; " if res.detail else "") + (
-            f"float32 inside (outputs of a batch of one differ by {res.batch_vs_one:.1g} of "
-            f"the largest): compared at rtol={rtol:g}"
-        )
 
 
 def check(name: str, limit: float = 60.0) -> Result:
@@ -942,6 +905,7 @@ def _training(ex: Example, res: Result) -> None:
             want = own_gradients(ex)
             opt.zero_grad()
             total_loss(ex).backward()
+            res.detail = ""
             compare(res, ex, want, RTOL)
             if res.outcome != "match":
                 res.detail = f"step {step + 1}: {res.detail}"
