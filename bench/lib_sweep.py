@@ -62,6 +62,7 @@ from .sweep import (
     Skip,
     TimeLimit,
     first_line,
+    hooked_backward,
     is_gradhooks_frame,
     progress,
     time_limit,
@@ -824,20 +825,7 @@ def _check(res: Result, name: str) -> None:
     except Exception as e:
         raise Skip(f"the loop of batches of one fails: {first_line(e)}") from e
     ex.model.zero_grad(set_to_none=True)
-    try:
-        with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
-            total_loss(ex).backward()
-    except gradhooks.GradhooksError as e:
-        res.outcome, res.detail = "refused", first_line(e)
-        return
-    except TimeLimit:
-        raise
-    except Exception as e:
-        inside = is_gradhooks_frame(e.__traceback__)
-        res.outcome = "crash" if inside else "skipped"
-        res.detail = (
-            first_line(e) if inside else f"fails under hooks, outside gradhooks: {first_line(e)}"
-        )
+    if not hooked_backward(res, ex.model, lambda: total_loss(ex), ex.reduction):
         return
     try:
         compare(res, ex, want, rtol)  # (with the notes: float32 inside, the tolerance)

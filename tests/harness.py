@@ -7,6 +7,7 @@ per-example loop) and asserts that all three agree, and that ``grad1`` reduces t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -199,3 +200,19 @@ class Logits(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         return logits[:, -1] if self.last else logits
+
+
+def corrupting(add_hooks):
+    """``add_hooks`` whose ``grad1`` of one parameter has its first two examples swapped: a
+    silently wrong number, which a sweep must report as a mismatch."""
+
+    @contextlib.contextmanager
+    def wrong(model, **kwargs):
+        with add_hooks(model, **kwargs) as hooks:
+            yield hooks
+        p = next(p for p in model.parameters() if getattr(p, "grad1", None) is not None)
+        order = list(range(p.grad1.shape[0]))
+        order[:2] = [1, 0]
+        p.grad1 = p.grad1[order]
+
+    return wrong

@@ -7,7 +7,6 @@ refusal apart from a match, and to write its table."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import warnings
 
@@ -18,6 +17,7 @@ pytest.importorskip("transformers", reason="the sweep needs transformers")
 hf_sweep = pytest.importorskip("bench.hf_sweep")
 
 import gradhooks  # noqa: E402
+from harness import corrupting  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -96,21 +96,8 @@ def test_router_without_its_balancing_loss_matches_the_loop(family):
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
-def _corrupting(real):
-    """``add_hooks`` whose ``grad1`` of one parameter has two examples swapped."""
-
-    @contextlib.contextmanager
-    def add_hooks(model, **kwargs):
-        with real(model, **kwargs) as hooks:
-            yield hooks
-        p = next(p for p in model.parameters() if getattr(p, "grad1", None) is not None)
-        p.grad1 = p.grad1[[1, 0, 2]]
-
-    return add_hooks
-
-
 def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
-    monkeypatch.setattr(hf_sweep.gradhooks, "add_hooks", _corrupting(gradhooks.add_hooks))
+    monkeypatch.setattr(hf_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
     res = hf_sweep.check("gpt2", limit=0)
     assert res.outcome == "mismatch"
     assert res.parameter and res.max_rel_error > 1e-3

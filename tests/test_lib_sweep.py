@@ -7,7 +7,6 @@ not (recurrent cells on rows folded from batch and time), in plain torch."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import warnings
@@ -19,7 +18,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import Case, check
+from harness import Case, check, corrupting
 
 lib_sweep = pytest.importorskip("bench.lib_sweep")
 
@@ -184,22 +183,9 @@ def test_library_model_in_another_setting(name, setting):
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
-def _corrupting(real):
-    """``add_hooks`` whose ``grad1`` of one parameter has two examples swapped."""
-
-    @contextlib.contextmanager
-    def add_hooks(model, **kwargs):
-        with real(model, **kwargs) as hooks:
-            yield hooks
-        p = next(p for p in model.parameters() if getattr(p, "grad1", None) is not None)
-        p.grad1 = p.grad1[[1, 0, 2]]
-
-    return add_hooks
-
-
 def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
     _needs("mlp-mixer")
-    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", _corrupting(gradhooks.add_hooks))
+    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
     res = lib_sweep.check("mlp-mixer", limit=0)
     assert res.outcome == "mismatch"
     assert res.parameter and res.max_rel_error > 1e-3
