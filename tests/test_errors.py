@@ -3,6 +3,7 @@ raised before, and for each class a refusal through the public API that raises e
 
 import ast
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -403,3 +404,34 @@ def test_unsupported_input_nested_tensor():
     with gradhooks.add_hooks(model):
         e = _raised(gradhooks.UnsupportedInputError, lambda: model(nested), "nested tensor")
     assert isinstance(e, ValueError) and isinstance(e, gradhooks.UnsupportedError)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda m, x: gradhooks.kfac(m, x, torch.randint(0, 3, (4,)), fisher="empirical"),
+         "target has shape (4,), but the model's output (5, 3) has a batch of 5"),
+        (lambda m, x: gradhooks.kfac(m, x, torch.randint(0, 3, (7,)), fisher="mc"),
+         "target has shape (7,)"),
+        (lambda m, x: gradhooks.kfac(m, x, torch.randn(5, 2), fisher="empirical", loss="mse"),
+         "target has shape (5, 2), the model's output (5, 3)"),
+        (lambda m, x: gradhooks.convert_batch_norm(5), "takes an nn.Module, got int"),
+        (lambda m, x: gradhooks.check_rule(nn.Linear, x), "module instance"),
+        (lambda m, x: gradhooks.set_enabled("no"), "True or False, got str 'no'"),
+    ],
+    ids=["kfac-target-rows", "kfac-target-unused-rows", "kfac-mse-shape", "convert-type",
+         "check-rule-class", "set-enabled-str"],
+)  # fmt: skip
+def test_misused_arguments_are_named_and_leave_the_model_alone(call, says):
+    """A target of another batch, a class for an instance, a string for a flag: each stops
+    with what was given and what is wanted, before anything changes."""
+    model, x = _mlp(), torch.randn(5, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(gradhooks.ConfigurationError, match=re.escape(says)):
+        call(model, x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from ..errors import ConfigurationTypeError
+
 __all__ = ["Pause", "PROCESS", "paused", "set_enabled"]
 
 
@@ -48,6 +50,10 @@ PROCESS = Pause()
 
 def set_enabled(enabled: bool) -> None:
     """Switch capture on or off for every hooked model (autograd-hacks' enable/disable)."""
+    if enabled is None or isinstance(enabled, (str, bytes)):
+        raise ConfigurationTypeError(
+            f"set_enabled takes True or False, got {type(enabled).__qualname__} {enabled!r}"
+        )
     PROCESS.switch(bool(enabled))
 
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .._torch import tree_flatten, tree_map
 from ..engine.handle import add_hooks
 from ..engine.verify import CheckReport
-from ..errors import CheckFailedError
+from ..errors import CheckFailedError, ConfigurationTypeError
 from ..oracle import Inputs, _as_tuple, vmap_grad
 from ..rules.registry import REGISTRY, Registry
 
@@ -60,6 +60,12 @@ def check_rule(
         >>> print(gradhooks.check_rule(torch.nn.Linear(3, 2), torch.randn(4, 3)).ok)
         True
     """
+    if not isinstance(module, nn.Module):
+        what = "the class" if isinstance(module, type) else type(module).__qualname__
+        raise ConfigurationTypeError(
+            f"check_rule takes a module instance (torch.nn.Linear(3, 2)), got {what} "
+            f"{getattr(module, '__qualname__', '')}".rstrip()
+        )
     # (gradients whatever the caller's grad mode: under torch.no_grad() nothing would record)
     with torch.inference_mode(False), torch.enable_grad():
         return _check_rule(module, inputs, loss_fn, registry, rtol, atol, raise_on_mismatch)

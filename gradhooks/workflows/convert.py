@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError, UnsupportedModuleError
+from ..errors import ConfigurationError, ConfigurationTypeError, UnsupportedModuleError
 
 __all__ = ["convert_batch_norm"]
 
@@ -41,6 +41,10 @@ def convert_batch_norm(module: nn.Module, num_groups: int | None = None) -> nn.M
     ``BatchNormAct2d`` applies an activation too; build the model with another ``norm_layer``,
     or replace it yourself), a lazy one not yet initialized (run one forward first), or
     ``num_groups`` that does not divide its channels."""
+    if not isinstance(module, nn.Module):
+        raise ConfigurationTypeError(
+            f"convert_batch_norm takes an nn.Module, got {type(module).__qualname__}"
+        )
     if num_groups is not None and (not isinstance(num_groups, int) or num_groups < 1):
         raise ConfigurationError(
             f"convert_batch_norm: num_groups must be a positive int or None, got {num_groups!r}"

@@ -319,6 +319,17 @@ def _accumulate(
                 f"{tuple(out.shape)}; for other outputs use add_hooks(model, "
                 "quantities=('kfac',)), your own backward(s), and h.kfac_factors()"
             )
+        if isinstance(target, Tensor) and (target.dim() == 0 or target.shape[0] != out.shape[0]):
+            raise ConfigurationError(
+                f"kfac(): target has shape {tuple(target.shape)}, but the model's output "
+                f"{tuple(out.shape)} has a batch of {out.shape[0]}: give one target per example "
+                "(labels [batch, ...] for cross_entropy, the output's shape for mse)"
+            )
+        if isinstance(target, Tensor) and loss == "mse" and target.shape != out.shape:
+            raise ConfigurationError(
+                f"kfac(loss='mse'): target has shape {tuple(target.shape)}, the model's output "
+                f"{tuple(out.shape)}: the squared error takes a target of the output's shape"
+            )
         if fisher == "exact" and out.dim() > 2:
             raise ConfigurationError(
                 f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
