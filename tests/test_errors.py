@@ -435,3 +435,26 @@ def test_misused_arguments_are_named_and_leave_the_model_alone(call, says):
         call(model, x)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, says",
+    [
+        ({"examples": 0}, gradhooks.ConfigurationError, "an int >= 1, got 0"),
+        ({"examples": -1}, gradhooks.ConfigurationError, "an int >= 1, got -1"),
+        ({"loss": "cross_entropy"}, gradhooks.ConfigurationTypeError, "got str 'cross_entropy'"),
+        ({"rows": 3}, gradhooks.CheckFailedError, "the target has shape (3,), the inputs a batch of 5"),
+    ],
+    ids=["examples-0", "examples-negative", "loss-a-string", "target-rows"],
+)  # fmt: skip
+def test_check_with_misused_arguments_says_what_it_wants(kwargs, error, says):
+    """``h.check(loss_fn, inputs, target)`` with a target of another batch (it compared the
+    first examples with whatever rows the target had), no example to recompute, or a loss
+    given by name: each stops naming it."""
+    model, x, y = _mlp(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    h = gradhooks.add_hooks(model)
+    F.cross_entropy(model(x), y).backward()
+    loss = kwargs.get("loss", F.cross_entropy)
+    with pytest.raises(error, match=re.escape(says)):
+        h.check(loss, x, y[: kwargs.get("rows", 5)], examples=kwargs.get("examples", 2))
+    assert h.check(F.cross_entropy, x, y).ok

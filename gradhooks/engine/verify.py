@@ -30,6 +30,7 @@ from ..errors import (
     BatchNotFoundError,
     CheckFailedError,
     ConfigurationError,
+    ConfigurationTypeError,
     MixedExamplesError,
     StateError,
 )
@@ -776,6 +777,16 @@ def check_hooks(
     model = state.model
     if model is None:
         raise StateError("check(): the hooked model no longer exists")
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise ConfigurationError(
+            f"check(): examples is how many of the batch's first examples are recomputed one "
+            f"at a time, an int >= 1, got {examples!r}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigurationTypeError(
+            f"check(): loss_fn must be a function loss_fn(output, target) (or "
+            f"loss_fn(output)), got {type(loss_fn).__qualname__} {loss_fn!r}"
+        )
     report = CheckReport(type(model).__qualname__, check="Hooks.check")
     names = {}
     for name, p in model.named_parameters():
@@ -869,6 +880,12 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         report.problems.append(
             f"check(): grad1 has {g1_batch} examples, the inputs given have {batch}: pass the "
             "inputs of the captured forward"
+        )
+        return
+    if isinstance(target, Tensor) and (target.dim() == 0 or target.shape[0] != batch):
+        report.problems.append(
+            f"check(): the target has shape {tuple(target.shape)}, the inputs a batch of "
+            f"{batch}: pass the target of the captured forward, one row per example"
         )
         return
     k = min(examples, batch)
