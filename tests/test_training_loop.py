@@ -606,3 +606,33 @@ def test_kfac_factors_start_afresh_with_zero_grad():
         assert_close(after[name].A, f.A, f"A of {name}")
         assert_close(after[name].G, f.G, f"G of {name}")
         assert not torch.allclose(both[name].A, f.A), "the first step's factors were not in"
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [lambda m: m.double(), lambda m: m.to(torch.float64), lambda m: m.to(torch.bfloat16)],
+    ids=["double", "to-float64", "to-bfloat16"],
+)
+def test_accumulation_after_the_model_is_converted_after_add_hooks(convert):
+    """``add_hooks(model)`` then ``model.double()`` (or ``.to(dtype)``, ``.to(device)``, as
+    PyTorch Lightning's precision plugins and ``model.cuda()`` do): torch gives each parameter a
+    new ``AccumulateGrad`` node, so the hooks that saw a backward add into ``.grad`` are planned
+    again, and micro-batches still add up in grad1 as in ``.grad`` (grad1 started afresh at
+    each one, silently, before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    h = gradhooks.add_hooks(model)
+    convert(model)
+    dtype = next(model.parameters()).dtype
+    xs = [torch.randn(5, 6, dtype=dtype) for _ in range(3)]
+    ys = [torch.randint(0, 3, (5,)) for _ in range(3)]
+    ref = copy.deepcopy(model).double()
+    want = None
+    for x, y in zip(xs, ys):
+        ce(model(x), y).backward()
+        one = loop_grad(ref, ce, x.double(), y)
+        want = one if want is None else {n: want[n] + one[n] for n in one}
+    tol = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else {"rtol": 5e-2, "atol": 5e-2}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1.double(), want[n], **tol)
+    assert h.accumulated == 3

@@ -425,7 +425,7 @@ class Hooks:
         if now == self._structure:
             return
         if not self._state.sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
-            impls = {pid: impl for _, pid, impl in self._structure[1]}
+            impls = {pid: impl for _, pid, impl, *_ in self._structure[1]}
             for p in model.parameters():
                 if impls.get(id(p), _torch.tensor_impl(p)) != _torch.tensor_impl(p):
                     _torch.drop_stale_hooks(p)

@@ -202,14 +202,18 @@ def higher_order(module: str) -> str:
 def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
     """What the hooks were planned for: the modules, and which parameters are trainable (by
     name where FSDP2 shards them: it swaps a module's parameters for unsharded ones while it
-    runs), each with the C++ tensor under it: ``torch.utils.swap_tensors`` (``model.to(...)``,
-    ``.double()``, ``.float()`` under
-    ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes it under the same
-    Python object and drops the gradient hooks the parameter had, which are then added
-    again."""
+    runs), each with the C++ tensor under it, its dtype and device: ``torch.utils.swap_tensors``
+    (``model.to(...)``, ``.double()``, ``.float()`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes the tensor under the
+    same Python object and drops the gradient hooks the parameter had; by default those
+    conversions set ``p.data`` instead, which keeps the tensor but, where the dtype or device
+    changes, gives the parameter a new ``AccumulateGrad`` node, without the hook that tells
+    gradhooks a backward added into ``.grad``. Either way the hooks are then added again."""
     modules, params = modules_and_parameters(model)
     return modules, tuple(
-        n if by_name else (n, id(p), _torch.tensor_impl(p)) for n, p in params if p.requires_grad
+        n if by_name else (n, id(p), _torch.tensor_impl(p), p.dtype, p.device)
+        for n, p in params
+        if p.requires_grad
     )
 
 
