@@ -6,6 +6,7 @@ step on it is that of the same torch optimizer given that gradient."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -209,8 +210,8 @@ def test_dp_optimizer_refuses_misuse_and_changes_nothing():
             torch.optim.SGD(model.parameters(), lr=0.1), hooks,
             max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=0,
         )  # fmt: skip
-    with pytest.raises(gradhooks.ConfigurationError):
-        opt.step(lambda: None)
+    with pytest.raises(gradhooks.StateError, match="no backward"):
+        opt.step(lambda: None)  # (a closure that runs no backward(losses): nothing to step)
     hooks.remove()
     with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
         with pytest.raises(gradhooks.ConfigurationError):
@@ -750,3 +751,23 @@ def test_automatic_clipping_over_physical_batches_and_its_checkpoint():
             noise_multiplier=SIGMA, delta=1e-5, steps=3, expected_batch_size=E,
             max_grad_norm=C, clipping="per_layer",
         )  # fmt: skip
+
+
+def test_dp_optimizer_step_runs_a_closure_that_backpropagates_the_losses():
+    """``opt.step(closure)`` as torch's optimizers take it (PyTorch Lightning's manual
+    optimization passes one): the closure runs first, with gradients enabled, and its
+    ``opt.backward(losses)`` is the step's; the gradient the wrapped optimizer steps with is
+    the clipped, noised sum, as without a closure."""
+    model = net()
+    x, y = examples(5)
+    want, _ = reference_grads(copy.deepcopy(model), x, y, torch.Generator().manual_seed(3))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=C,
+            noise_multiplier=SIGMA, expected_batch_size=E,
+            generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+        with torch.no_grad():  # (an optimizer's step runs without gradients)
+            assert opt.step(lambda: opt.backward(losses_of(model, x, y)))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12)

@@ -20,7 +20,7 @@ once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -252,16 +252,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._backwards += 1
         return got.norms
 
-    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
         """Noise once, ``p.grad = (clipped sum + σ·C·N(0, I)) / expected_batch_size``, the
         wrapped optimizer's step (through the scaler where there is one), the step recorded in
         the accountant, the buffer emptied. Returns whether the optimizer stepped (False only
-        where a scaled backward overflowed and the step was skipped)."""
+        where a scaled backward overflowed and the step was skipped).
+
+        ``closure``: as torch's optimizers take one (PyTorch Lightning's manual optimization
+        passes one that does nothing), called first, with gradients enabled; it may run the
+        forward and :meth:`backward` of the last physical batch."""
         if closure is not None:
-            raise ConfigurationError(
-                "DPOptimizer.step takes no closure: call backward(per_example_loss) on each "
-                "physical batch, then step()"
-            )
+            with torch.enable_grad():
+                closure()
         if self._sums is None:
             raise StateError(
                 "DPOptimizer.step: no backward(per_example_loss) since the last step, so "
@@ -358,7 +360,7 @@ class _OwnedDPOptimizer(DPOptimizer):
         self._refuse_unless_owner("backward")
         return super().backward(per_example_loss)
 
-    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
         self._refuse_unless_owner("step")
         return super().step(closure)
 
