@@ -277,3 +277,36 @@ def test_ignite_supervised_trainer(accumulation):
             for n, g in grad1.items():
                 torch.testing.assert_close(g, total[n], rtol=1e-9, atol=1e-11)
     assert h.accumulated == accumulation
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-mixed"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lightning_fabric_setup_and_backward(when, precision):
+    """Lightning Fabric: ``fabric.setup(model, opt)`` wraps the model (and converts it to the
+    precision's dtype) and ``fabric.backward(loss)`` runs the backward; the hooks added to the
+    model before ``setup`` or to the wrapper after it. Fabric hands the loss a float32 output
+    under ``"64-true"``, so grad1 is compared within float32's rounding there (bf16's under
+    ``"bf16-mixed"``), each of three SGD steps at its own parameters."""
+    from lightning.fabric import Fabric
+
+    model = net()
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    if when == "before":
+        gradhooks.add_hooks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped, opt = fabric.setup(model, opt)
+    if when == "after":
+        gradhooks.add_hooks(wrapped)
+    tol = 1e-5 if precision == "64-true" else 3e-2
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        want = loop_grad(copy.deepcopy(model).double(), F.cross_entropy, x.double(), y)
+        opt.zero_grad()
+        fabric.backward(F.cross_entropy(wrapped(x), y))
+        for n, p in model.named_parameters():
+            err = (p.grad1.double() - want[n]).norm() / want[n].norm()
+            assert err < tol, f"step {step}, {n}: relative error {err:.3g}"
+        opt.step()
