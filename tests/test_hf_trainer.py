@@ -457,7 +457,7 @@ def test_refused_at_train_before_a_step(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0)
     trainer = DPTrainer(model, targs(tmp_path), train_dataset=data, dp=dp)
-    with pytest.raises(ValueError, match="resume_from_checkpoint"):
+    with pytest.raises(ValueError, match="resume_from_checkpoint=True, but .* holds no checkpoint"):
         trainer.train(resume_from_checkpoint=True)
     with pytest.raises(ValueError, match="trial"):
         trainer.train(trial={"learning_rate": 0.1})
@@ -538,3 +538,76 @@ def _seed_with_batch_size(n: int, expected: float, size: int) -> int:
         if len(first) == size:
             return seed
     raise AssertionError("no such seed")
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def _saving(tmp_path, steps: int, **kwargs):
+    return targs(tmp_path, max_steps=steps, save_strategy="steps", save_steps=2, **kwargs)
+
+
+def test_a_resumed_run_counts_the_steps_before_and_continues_the_noise(tmp_path):
+    """A run of 4 steps, checkpointed every 2, resumed from step 2 by a new trainer: ε is the
+    accountant's of all 4 steps (as one run's), the calibrated σ is the checkpoint's, and the
+    seeded noise and sampling generators continue from their checkpointed states instead of
+    starting their sequences again (which would add the same noise twice)."""
+    data = Recorded(16)
+    dp = DPArguments(max_grad_norm=1.0, delta=1e-5, target_epsilon=4.0, noise_seed=1,
+                     sampling_seed=2)  # fmt: skip
+    first, _ = trained(gpt2(), _saving(tmp_path, 4), data, dp)
+    sigma = first.noise_multiplier
+    assert first.accountant.history == [(sigma, 4 / 16, 4)]
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "dp_state.pt", weights_only=True)
+    assert saved["accountant"]["history"] == [[sigma, 4 / 16, 2]]
+    assert not torch.equal(saved["noise_generator"], torch.Generator().manual_seed(1).get_state())
+
+    model = gpt2()
+    resumed = Recording(model, _saving(tmp_path, 4), train_dataset=data, dp=dp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.noise_multiplier == sigma
+    assert resumed.accountant.history == [(sigma, 4 / 16, 4)]  # (2 before, 2 after)
+    assert resumed.accountant.epsilon(1e-5) == pytest.approx(first.accountant.epsilon(1e-5))
+    # (steps 3 and 4 drew the noise the uninterrupted run drew there: the same state after)
+    assert torch.equal(resumed._noise.get_state(), first._noise.get_state())
+    assert len(resumed.rows) == 4  # (2 steps of 2 physical batches after the checkpoint)
+
+
+def test_resuming_past_the_budget_or_with_other_settings_is_refused(tmp_path):
+    """The budget is checked for the steps left after the checkpoint's; a checkpoint of
+    other settings (another C, another batch), of a seeded run resumed unseeded, or one a
+    plain Trainer wrote (no privacy state) is refused, before any step."""
+    data = Recorded(16)
+    dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0, sampling_seed=2)
+    first, _ = trained(gpt2(), _saving(tmp_path, 2), data, dp)
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    eps_two = first.accountant.epsilon(1e-5)
+    model = gpt2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def resume(dp, args, path=checkpoint):
+        trainer = DPTrainer(model, args, train_dataset=data, dp=dp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            trainer.train(resume_from_checkpoint=path)
+        return trainer
+
+    tight = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0, sampling_seed=2,
+                        target_epsilon=eps_two * 1.01)  # fmt: skip
+    with pytest.raises(PrivacyBudgetExceeded, match=r"after the 2 steps already taken"):
+        resume(tight, _saving(tmp_path, 6))
+    other = DPArguments(max_grad_norm=2.0, delta=1e-5, noise_multiplier=1.0, sampling_seed=2)
+    with pytest.raises(ValueError, match="max_grad_norm=1.0, this run has 2.0"):
+        resume(other, _saving(tmp_path, 4))
+    with pytest.raises(ValueError, match="sample_rate=0.25, this run has 0.375"):
+        resume(dp, _saving(tmp_path, 4, per_device_train_batch_size=3))
+    unseeded = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="sampling_seed"):
+        resume(unseeded, _saving(tmp_path, 4))
+    (tmp_path / "out" / "checkpoint-2" / "dp_state.pt").unlink()
+    with pytest.raises(ValueError, match="holds no privacy state"):
+        resume(dp, _saving(tmp_path, 4))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -256,9 +258,16 @@ class DPTrainer(transformers.Trainer):
     Refused, before anything changes: ``fp16`` (a ``GradScaler``), several processes
     (``torch.distributed``) or GPUs (``DataParallel``), ``auto_find_batch_size`` (the batch
     size is ``L``'s), ``compute_loss_func`` (a batch loss: pass ``per_example_loss``), an
-    iterable dataset or one without a length, ``train(resume_from_checkpoint=...)`` (the
-    checkpoint lacks the accountant's steps), a hyperparameter search ``trial``.
+    iterable dataset or one without a length, a hyperparameter search ``trial``.
     ``train_sampling_strategy`` does not apply: the batches are Poisson's.
+
+    Checkpoints: each checkpoint the Trainer saves holds the privacy state too
+    (``dp_state.pt``: the accountant's steps, σ, q, C, L and both generators' states), and
+    ``train(resume_from_checkpoint=...)`` continues from it: ε counts the steps before, the
+    budget is checked for the steps left, a calibrated σ is the checkpoint's, and the seeded
+    noise and sampling continue their sequences instead of repeating them (the same noise on
+    two steps would break the analysis). A checkpoint without it, or of other settings, is
+    refused.
     """
 
     def __init__(
@@ -300,6 +309,7 @@ class DPTrainer(transformers.Trainer):
         )
         self._hooks: Hooks | None = None
         self._dp_optimizer: DPOptimizer | None = None
+        self.add_callback(_SaveDPState(self))
 
     # -- the logical batch -----------------------------------------------------------------------
 
@@ -361,20 +371,16 @@ class DPTrainer(transformers.Trainer):
         refused before the first step if the steps taken and the planned run together exceed
         ``target_epsilon``."""
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if resume not in (None, False):
-            raise ConfigurationError(
-                "DPTrainer: resume_from_checkpoint is not supported: the checkpoint does not "
-                "hold the privacy accountant's steps, so ε after resuming would leave out "
-                "those before (and the Poisson sampler's state). Train in one run, or with "
-                "the same trainer again (its accountant keeps every step)"
-            )
         if kwargs.get("trial") is not None or len(args) > 1:
             raise ConfigurationError(
                 "DPTrainer: a hyperparameter search trial changes the arguments (the batch "
                 "size, the steps) after the privacy budget was checked; search without DP, or "
                 "run one DPTrainer per setting"
             )
-        self._plan()
+        taken = 0
+        if resume not in (None, False):
+            taken = self._resume(resume)
+        self._plan(taken)
         model = self.model
         with add_hooks(model, quantities=("norms",)) as hooks:
             self._hooks = hooks
@@ -386,8 +392,74 @@ class DPTrainer(transformers.Trainer):
                     self.optimizer = _unwrapped(self.optimizer)
                 self._dp_optimizer = None
 
-    def _plan(self) -> None:
-        """``q``, ``σ`` (calibrated where not given) and the steps the budget allows."""
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _dp_plan(self) -> dict[str, Any]:
+        """The settings a checkpoint's privacy state holds only for (:meth:`_resume`)."""
+        return {
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size, "examples": self._examples(),
+            "max_grad_norm": self.dp.max_grad_norm, "delta": self.dp.delta,
+            "accountant": self.dp.accountant, "method": self.dp.method,
+        }  # fmt: skip
+
+    def dp_state_dict(self) -> dict[str, Any]:
+        """The privacy state a checkpoint holds beside the Trainer's (``dp_state.pt``): the
+        settings, the accountant's steps and both generators' states."""
+        return {
+            "plan": self._dp_plan(),
+            "accountant": self.accountant.state_dict(),
+            "noise_generator": None if self._noise is None else self._noise.get_state(),
+            "sampling_generator": None if self._sampling is None else self._sampling.get_state(),
+        }
+
+    def _resume(self, resume: Any) -> int:
+        """Load the privacy state of the checkpoint ``train(resume_from_checkpoint=resume)``
+        resumes from (``True``: the last in ``output_dir``); returns the steps it had taken."""
+        from transformers.trainer_utils import get_last_checkpoint
+
+        path = get_last_checkpoint(self.args.output_dir) if resume is True else str(resume)
+        if path is None:
+            raise ConfigurationError(
+                f"DPTrainer: resume_from_checkpoint=True, but {self.args.output_dir} holds no "
+                "checkpoint (checkpoint-<step> folders, saved with save_strategy)"
+            )
+        found = os.path.join(path, DP_STATE_NAME)
+        if not os.path.isfile(found):
+            raise ConfigurationError(
+                f"DPTrainer: the checkpoint {path} holds no privacy state ({DP_STATE_NAME}: the "
+                "accountant's steps, σ and the generators), so ε after resuming would leave out "
+                "the steps before it. Resume from a checkpoint a DPTrainer saved"
+            )
+        state = torch.load(found, weights_only=True)
+        saved = state["plan"]
+        self.sample_rate = self.expected_batch_size / self._examples()
+        if self.dp.noise_multiplier is None:  # (calibrated for the run it resumes)
+            self.noise_multiplier = saved["noise_multiplier"]
+        now = self._dp_plan()
+        wrong = [k for k in now if saved.get(k) != now[k]]
+        if wrong:
+            k = wrong[0]
+            raise ConfigurationError(
+                f"DPTrainer: the checkpoint {path} was taken with {k}={saved.get(k)!r}, this "
+                f"run has {now[k]!r}: resume with the same DPArguments, batch sizes and "
+                "dataset (ε would not describe a run whose settings changed in silence)"
+            )
+        for name, generator in (("noise", self._noise), ("sampling", self._sampling)):
+            kept = state[f"{name}_generator"]
+            if (kept is None) != (generator is None):
+                raise ConfigurationError(
+                    f"DPTrainer: the checkpoint {path} and this run differ in {name}_seed (one "
+                    "seeded, one not): resume with the same DPArguments"
+                )
+            if generator is not None:
+                generator.set_state(kept)
+        self.accountant.load_state_dict(state["accountant"])
+        return self.accountant.steps
+
+    def _plan(self, taken: int = 0) -> None:
+        """``q``, ``σ`` (calibrated where not given) and the steps the budget allows (``taken``
+        of the planned ones already, by the checkpoint resumed from)."""
         n = self._examples()
         if self.expected_batch_size > n:
             raise ConfigurationError(
@@ -401,6 +473,7 @@ class DPTrainer(transformers.Trainer):
             planned = self.args.max_steps
         else:
             planned = math.ceil(self.args.num_train_epochs * per_epoch)
+        planned = max(planned - taken, 0)
         target = self.dp.target_epsilon
         if self.noise_multiplier is None:
             assert target is not None
@@ -504,6 +577,25 @@ class DPTrainer(transformers.Trainer):
 
 
 _CAUSAL_LMS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+DP_STATE_NAME = "dp_state.pt"  # (in each checkpoint, beside the Trainer's files)
+
+
+class _SaveDPState(transformers.TrainerCallback):
+    """Writes the trainer's privacy state into each checkpoint the Trainer saves."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        self.trainer = weakref.ref(trainer)
+
+    def on_save(self, args, state, control, **kwargs):
+        trainer = self.trainer()
+        if trainer is not None and state.is_world_process_zero:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if os.path.isdir(folder):
+                torch.save(trainer.dp_state_dict(), os.path.join(folder, DP_STATE_NAME))
+        return control
 
 
 def _check_args(args: transformers.TrainingArguments) -> None:
