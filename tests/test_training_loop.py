@@ -608,17 +608,27 @@ def test_kfac_factors_start_afresh_with_zero_grad():
         assert not torch.allclose(both[name].A, f.A), "the first step's factors were not in"
 
 
+F64, F32 = torch.float64, torch.float32
+
+
 @pytest.mark.parametrize(
     "convert",
-    [lambda m: m.double(), lambda m: m.to(torch.float64), lambda m: m.to(torch.bfloat16)],
-    ids=["double", "to-float64", "to-bfloat16"],
+    [
+        lambda m: m.double(),
+        lambda m: m.to(torch.float64),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half().float(),
+        lambda m: [setattr(m[0].weight, "data", m[0].weight.data.to(t)) for t in (F64, F32)],
+    ],
+    ids=["double", "to-float64", "to-bfloat16", "half-and-back", "one-parameter-and-back"],
 )
 def test_accumulation_after_the_model_is_converted_after_add_hooks(convert):
     """``add_hooks(model)`` then ``model.double()`` (or ``.to(dtype)``, ``.to(device)``, as
     PyTorch Lightning's precision plugins and ``model.cuda()`` do): torch gives each parameter a
-    new ``AccumulateGrad`` node, so the hooks that saw a backward add into ``.grad`` are planned
-    again, and micro-batches still add up in grad1 as in ``.grad`` (grad1 started afresh at
-    each one, silently, before)."""
+    new ``AccumulateGrad`` node, so the hook that saw a backward add into ``.grad`` is put on
+    the new one, and micro-batches still add up in grad1 as in ``.grad`` (grad1 started afresh
+    at each one, silently, before). Also after a conversion there and back, whose data may
+    land where it was."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     h = gradhooks.add_hooks(model)

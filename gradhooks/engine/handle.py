@@ -60,7 +60,8 @@ from .plan import (
     refuse_complex,
     refuse_lazy,
     refuse_scripted,
-    structure_of,
+    storages_of,
+    structure_and_parameters,
 )
 from .records import Hook, drop_box, graph_task
 from .state import CaptureState
@@ -154,7 +155,8 @@ class Hooks:
         self._handles: list = []
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
-        self._accumulators: list = []  # (held: a leaf's AccumulateGrad node lives while referred to)
+        self._accumulators: dict[int, tuple[Any, Any]] = {}  # (id: node, handle; see _install)
+        self._storages: list[int] = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         # the parts, each with the state and the others it calls
@@ -399,19 +401,52 @@ class Hooks:
                 handles.append(
                     entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
                 )
-        self._accumulators = []  # (held: a leaf's AccumulateGrad node lives while referred to)
+        # (held: a leaf's AccumulateGrad node lives while referred to)
+        self._accumulators: dict[int, tuple[Any, Any]] = {}
         for pid, (name, p) in self._state.params.items():
             if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
                 handles.append(p.register_hook(self._backwards.param_hook(pid, name)))
-                node = torch.autograd.graph.get_gradient_edge(p).node
-                handles.append(node.register_prehook(self._backwards.accumulate_hook(pid, name)))
-                self._accumulators.append(node)
+                self._hook_accumulator(pid, name, p)
         for pid, p in derived.items():
             handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))
         for target in self._state.targets:
             _HOOKED_MODULES[target.module] = self
         self._state.hooked = {id(t.module): frozenset(t.params) for t in self._state.targets}
-        self._structure = structure_of(model, bool(self._state.sharded))
+        self._structure, trainable = structure_and_parameters(model, bool(self._state.sharded))
+        self._storages = storages_of(trainable)
+
+    def _hook_accumulator(self, pid: int, name: str, p: nn.Parameter) -> None:
+        """The pre-hook on ``p``'s ``AccumulateGrad`` node (it tells a backward that adds
+        into ``.grad`` from one that returns the gradient), in place of the one on its node
+        before, if any."""
+        node = torch.autograd.graph.get_gradient_edge(p).node
+        before = self._accumulators.get(pid)
+        if before is not None:
+            if before[0] is node:
+                return
+            before[1].remove()
+        handle = node.register_prehook(self._backwards.accumulate_hook(pid, name))
+        self._target_handles.append(handle)
+        self._accumulators[pid] = (node, handle)
+
+    def _follow_storages(self, params: list[nn.Parameter]) -> None:
+        """Where a parameter's ``AccumulateGrad`` node may be new since the last forward, it is
+        hooked again: its data moved (``p.data`` set: a dtype or device conversion,
+        :func:`~gradhooks.engine.plan.storages_of`), or the first parameter's node is not the
+        one hooked (a conversion there and back, ``model.half()`` then ``.float()``, whose
+        data may land where it was)."""
+        now = storages_of(params)
+        first = next(iter(self._accumulators.items()), None)
+        if now == self._storages and (
+            first is None
+            or torch.autograd.graph.get_gradient_edge(self._state.params[first[0]][1]).node
+            is first[1][0]
+        ):
+            return
+        for pid in list(self._accumulators):
+            name, p = self._state.params[pid]
+            self._hook_accumulator(pid, name, p)
+        self._storages = now
 
     def _follow_changes(self, model: nn.Module) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
@@ -421,11 +456,13 @@ class Hooks:
         may return a new output, and the rule's output-gradient is the layer's own."""
         for m, hook_id in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
-        now = structure_of(model, bool(self._state.sharded))
+        now, trainable = structure_and_parameters(model, bool(self._state.sharded))
         if now == self._structure:
+            if not self._state.sharded:
+                self._follow_storages(trainable)
             return
         if not self._state.sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
-            impls = {pid: impl for _, pid, impl, *_ in self._structure[1]}
+            impls = {pid: impl for _, pid, impl in self._structure[1]}
             for p in model.parameters():
                 if impls.get(id(p), _torch.tensor_impl(p)) != _torch.tensor_impl(p):
                     _torch.drop_stale_hooks(p)
@@ -784,7 +821,7 @@ class Hooks:
         self._handles.clear()
         self._target_handles.clear()
         self._forwards.layer_outputs.remove()
-        self._accumulators = []
+        self._accumulators = {}
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]

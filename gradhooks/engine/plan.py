@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .. import _torch
 from ..errors import ConfigurationError, UnsupportedModuleError
@@ -202,19 +202,31 @@ def higher_order(module: str) -> str:
 def structure_of(model: nn.Module, by_name: bool = False) -> tuple:
     """What the hooks were planned for: the modules, and which parameters are trainable (by
     name where FSDP2 shards them: it swaps a module's parameters for unsharded ones while it
-    runs), each with the C++ tensor under it, its dtype and device: ``torch.utils.swap_tensors``
-    (``model.to(...)``, ``.double()``, ``.float()`` under
-    ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes the tensor under the
-    same Python object and drops the gradient hooks the parameter had; by default those
-    conversions set ``p.data`` instead, which keeps the tensor but, where the dtype or device
-    changes, gives the parameter a new ``AccumulateGrad`` node, without the hook that tells
-    gradhooks a backward added into ``.grad``. Either way the hooks are then added again."""
+    runs), each with the C++ tensor under it: ``torch.utils.swap_tensors`` (``model.to(...)``,
+    ``.double()``, ``.float()`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) changes it under the same
+    Python object and drops the gradient hooks the parameter had, which are then added
+    again. (By default those conversions set ``p.data`` instead: the same tensor, followed by
+    :func:`storages_of`.)"""
+    return structure_and_parameters(model, by_name)[0]
+
+
+def structure_and_parameters(model: nn.Module, by_name: bool = False) -> tuple[tuple, list]:
+    """:func:`structure_of`, and the trainable parameters it lists, from one walk."""
     modules, params = modules_and_parameters(model)
-    return modules, tuple(
-        n if by_name else (n, id(p), _torch.tensor_impl(p), p.dtype, p.device)
-        for n, p in params
-        if p.requires_grad
-    )
+    trainable = [p for _, p in params if p.requires_grad]
+    return (modules, tuple(
+        n if by_name else (n, id(p), _torch.tensor_impl(p)) for n, p in params if p.requires_grad
+    )), trainable  # fmt: skip
+
+
+def storages_of(params: list[Tensor]) -> list[int]:
+    """Where each parameter's data is (``data_ptr``). Setting ``p.data`` to a tensor of another
+    dtype or device (``model.double()``, ``.half()`` then ``.float()``, ``.to(device)``: what
+    torch's conversions do by default, and Lightning's precision plugins) gives the parameter a
+    new ``AccumulateGrad`` node without the hooks registered on the one before; such a change
+    moves the data, and the hooks check the node of a parameter whose data moved."""
+    return [p.data_ptr() for p in params]
 
 
 def modules_and_parameters(model: nn.Module) -> tuple[tuple[int, ...], list]:
