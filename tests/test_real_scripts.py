@@ -1,0 +1,573 @@
+"""Published training scripts, rewritten small, each step checked against the float64 oracle.
+
+Each test follows one script of a public repository (cited in its docstring: repository and
+path): its model and its training loop as written there, at tiny sizes, on synthetic data, in
+float64. At every step ``grad1`` (or the DP-SGD step, where private training is the point) is
+compared with each example's own gradient at that step's parameters, by a per-example loop
+(:func:`gradhooks.oracle.loop_grad`, or a loop written out where the script's loss is not a
+plain mean over examples); where no per-example gradient exists (a graph whose nodes are the
+examples, batch norm in training mode), or the script cannot be hooked as written, the test
+checks that gradhooks refuses with an error naming the module and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close, assert_grad1
+
+D = torch.float64
+
+
+def per_example(model, hooks, batch: int, loss_of) -> dict[str, torch.Tensor]:
+    """``{name: [batch, *shape]}``: the gradient of ``loss_of(i)`` (example ``i``'s own loss,
+    computed from a batch of one) for every trainable parameter, with capture paused."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
+    with hooks.paused():
+        for i in range(batch):
+            grads = torch.autograd.grad(loss_of(i), [p for _, p in named], allow_unused=True)
+            rows.append(
+                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, named)]
+            )
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
+def assert_untouched(model, what: str) -> None:
+    """No parameter holds a ``grad1`` after a refusal."""
+    for n, p in model.named_parameters():
+        assert not hasattr(p, "grad1"), f"{what}: {n} kept a grad1"
+
+
+def clipped_mean(per_ex: dict, max_norm: float, divisor: float) -> dict:
+    """``Σᵢ min(1, C/‖gᵢ‖) gᵢ / divisor`` (whole-model norms): a noiseless DP-SGD step's
+    ``.grad``."""
+    norms = torch.cat([g.flatten(1) for g in per_ex.values()], 1).norm(dim=1)
+    factors = (max_norm / norms).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) / divisor for n, g in per_ex.items()}
+
+
+# -- pytorch/examples vae/main.py ------------------------------------------------------------------
+
+
+class VAE(nn.Module):
+    """pytorch/examples ``vae/main.py``'s VAE, 784-400-20 shrunk to 16-8-3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc21, self.fc22 = nn.Linear(16, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.fc3, self.fc4 = nn.Linear(3, 8), nn.Linear(8, 16)
+
+    def encode(self, x):
+        h1 = F.relu(self.fc1(x))
+        return self.fc21(h1), self.fc22(h1)
+
+    def reparameterize(self, mu, logvar):
+        std = torch.exp(0.5 * logvar)
+        eps = torch.randn_like(std)
+        return mu + eps * std
+
+    def decode(self, z):
+        return torch.sigmoid(self.fc4(F.relu(self.fc3(z))))
+
+    def forward(self, x):
+        mu, logvar = self.encode(x.view(-1, 16))
+        z = self.reparameterize(mu, logvar)
+        return self.decode(z), mu, logvar
+
+
+def vae_loss(recon_x, x, mu, logvar):
+    bce = F.binary_cross_entropy(recon_x, x.view(-1, 16), reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def test_vae_example_reparameterized_with_the_kl_term_summed_over_the_batch(monkeypatch):
+    """pytorch/examples ``vae/main.py``: ``torch.randn_like`` noise drawn inside the forward,
+    a loss summed over the batch (binary cross-entropy plus the KL term), Adam, and a test pass
+    and ``model.decode`` of a sample under ``no_grad`` between epochs. ``grad1[i]`` is example
+    ``i``'s own loss's gradient with its own noise (the loop replays row ``i`` of the noise the
+    batch drew), under ``loss_reduction="sum"``."""
+    torch.manual_seed(0)
+    model = VAE().to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    real_randn_like = torch.randn_like
+    drawn: list[torch.Tensor] = []
+    replay: list[torch.Tensor] = []
+
+    def randn_like(t, *args, **kwargs):  # records the batch's noise, replays one row of it
+        if replay:
+            return replay.pop()
+        drawn.append(real_randn_like(t, *args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(torch, "randn_like", randn_like)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for epoch in range(2):
+            model.train()
+            for step in range(2):
+                data = torch.rand(5, 1, 4, 4, generator=g, dtype=D)
+                drawn.clear()
+                opt.zero_grad()
+                recon, mu, logvar = model(data)
+                loss = vae_loss(recon, data, mu, logvar)
+                loss.backward()
+                (eps,) = drawn
+
+                def own(i, data=data, eps=eps):
+                    replay.append(eps[i : i + 1])
+                    recon, mu, logvar = model(data[i : i + 1])
+                    return vae_loss(recon, data[i : i + 1], mu, logvar)
+
+                assert_grad1(model, per_example(model, h, 5, own), f"epoch {epoch} step {step}")
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                data = torch.rand(7, 1, 4, 4, generator=g, dtype=D)
+                recon, mu, logvar = model(data)
+                vae_loss(recon, data, mu, logvar).item()
+                model.decode(torch.randn(4, 3, generator=g, dtype=D))
+            assert model.fc1.weight.grad1.shape[0] == 5  # nothing captured under no_grad
+
+
+# -- pytorch/examples siamese_network/main.py ------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock`` (what ``resnet18`` stacks), with its BatchNorms."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class SiameseNetwork(nn.Module):
+    """pytorch/examples ``siamese_network/main.py``: a ResNet without its ``fc`` (here a stem
+    and two basic blocks, 1-channel input) run on each image, the two feature vectors
+    concatenated, an MLP head and a sigmoid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnet = nn.Sequential(
+            nn.Conv2d(1, 4, 3, 2, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+            BasicBlock(4, 4, 1), BasicBlock(4, 6, 2), nn.AdaptiveAvgPool2d((1, 1)),
+        )  # fmt: skip
+        self.fc = nn.Sequential(nn.Linear(12, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+        self.sigmoid = nn.Sigmoid()
+        for m in self.fc:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                m.bias.data.fill_(0.01)
+
+    def forward_once(self, x):
+        output = self.resnet(x)
+        return output.view(output.size()[0], -1)
+
+    def forward(self, input1, input2):
+        output = torch.cat((self.forward_once(input1), self.forward_once(input2)), 1)
+        return self.sigmoid(self.fc(output))
+
+
+def test_siamese_network_with_batch_norm_is_refused_naming_it_and_trains_once_converted():
+    """pytorch/examples ``siamese_network/main.py``: the ResNet's BatchNorm in training mode
+    normalizes each image with the batch's statistics: refused, naming the layer, no grad1
+    left. After :func:`gradhooks.convert_batch_norm`, the script's loop (two calls of the
+    tower per step, ``BCELoss`` on ``outputs.squeeze()``, Adadelta, StepLR) has each pair's own
+    gradient in grad1, and the test pass in eval mode captures nothing."""
+    torch.manual_seed(0)
+    model = SiameseNetwork().to(D)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.rand(4, 1, 8, 8, generator=g, dtype=D) for _ in range(2))
+    targets = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=D)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"resnet\.1.*BatchNorm2d"):
+            nn.BCELoss()(model(a, b).squeeze(), targets).backward()
+    assert_untouched(model, "refused")
+    model = gradhooks.convert_batch_norm(model)
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    criterion = nn.BCELoss()
+    with gradhooks.add_hooks(model) as h:
+        for epoch in range(2):
+            model.train()
+            for step in range(2):
+                a, b = (torch.rand(4, 1, 8, 8, generator=g, dtype=D) for _ in range(2))
+                opt.zero_grad()
+                criterion(model(a, b).squeeze(), targets).backward()
+                want = per_example(
+                    model, h, 4,
+                    lambda i, a=a, b=b: criterion(model(a[i : i + 1], b[i : i + 1]).view(1),
+                                                  targets[i : i + 1]),
+                )  # fmt: skip
+                assert_grad1(model, want, f"epoch {epoch} step {step}")
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                criterion(model(a[:3], b[:3]).squeeze(), targets[:3]).item()
+            assert model.fc[0].weight.grad1.shape[0] == 4
+            sched.step()
+
+
+# -- pytorch/examples reinforcement_learning/reinforce.py and actor_critic.py ----------------------
+
+
+class Policy(nn.Module):
+    """pytorch/examples ``reinforcement_learning/reinforce.py``'s policy (128 hidden units
+    shrunk to 8), its dropout included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.affine1 = nn.Linear(4, 8)
+        self.dropout = nn.Dropout(p=0.6)
+        self.affine2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return F.softmax(self.affine2(F.relu(self.dropout(self.affine1(x)))), dim=1)
+
+
+def _episode(policy, states, gamma: float = 0.99):
+    """``select_action`` at every state (a batch of one, ``state.unsqueeze(0)``), rewards of
+    1, then ``finish_episode``'s loss: the returns, normalized over the episode, weighting
+    ``-log_prob`` of each action taken, ``torch.cat(...).sum()``."""
+    saved_log_probs, rewards = [], []
+    for state in states:
+        m = torch.distributions.Categorical(policy(state.unsqueeze(0)))
+        action = m.sample()
+        saved_log_probs.append(m.log_prob(action))
+        rewards.append(1.0)
+    R, returns = 0.0, deque()
+    for r in rewards[::-1]:
+        R = r + gamma * R
+        returns.appendleft(R)
+    returns = torch.tensor(returns, dtype=D)
+    returns = (returns - returns.mean()) / (returns.std() + torch.finfo(torch.float32).eps)
+    return torch.cat([-log_prob * R for log_prob, R in zip(saved_log_probs, returns)]).sum()
+
+
+def test_reinforce_episode_of_single_state_calls_is_one_example():
+    """pytorch/examples ``reinforcement_learning/reinforce.py``: the policy is called once per
+    time step on a batch of one, the episode's loss sums the steps, one backward per episode,
+    Adam. Every call has one row, so grad1 has one: the episode's gradient, equal to that of
+    an unhooked twin replaying the same dropout masks and action samples."""
+    torch.manual_seed(0)
+    policy = Policy().to(D)
+    twin = copy.deepcopy(policy)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (policy, twin)]
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(policy, loss_reduction="sum"):
+        for episode in range(3):
+            states = torch.randn(4 + episode, 4, generator=g, dtype=D)
+            for m, o in ((policy, opts[0]), (twin, opts[1])):
+                torch.manual_seed(100 + episode)
+                o.zero_grad()
+                _episode(m, states).backward()
+            want = {n: q.grad.unsqueeze(0) for n, q in twin.named_parameters()}
+            assert_grad1(policy, want, f"episode {episode}")
+            for o in opts:
+                o.step()
+
+
+class ActorCritic(nn.Module):
+    """pytorch/examples ``reinforcement_learning/actor_critic.py``'s model: one trunk, an
+    action head and a value head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.affine1 = nn.Linear(4, 8)
+        self.action_head, self.value_head = nn.Linear(8, 2), nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = F.relu(self.affine1(x))
+        return F.softmax(self.action_head(x), dim=-1), self.value_head(x)
+
+
+def test_actor_critic_on_states_without_a_batch_dimension_is_refused_naming_the_layer():
+    """pytorch/examples ``reinforcement_learning/actor_critic.py`` calls the model on each
+    state as it comes, ``[4]``, without a batch dimension: there are no examples to tell
+    apart, and the backward is refused naming a head and the shape, leaving no grad1."""
+    torch.manual_seed(0)
+    model = ActorCritic().to(D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        policy_losses, value_losses = [], []
+        for _ in range(3):
+            probs, value = model(torch.randn(4, dtype=D))
+            m = torch.distributions.Categorical(probs)
+            action = m.sample()
+            policy_losses.append(-m.log_prob(action) * (0.5 - value.item()))
+            value_losses.append(F.smooth_l1_loss(value, torch.tensor([0.5], dtype=D)))
+        loss = torch.stack(policy_losses).sum() + torch.stack(value_losses).sum()
+        with pytest.raises(gradhooks.UnbatchedInputError, match=r"'(action|value)_head'.*\(8,\)"):
+            loss.backward()
+    assert_untouched(model, "refused")
+
+
+# -- pytorch/examples super_resolution -------------------------------------------------------------
+
+
+class SuperResolutionNet(nn.Module):
+    """pytorch/examples ``super_resolution/model.py``: four convolutions, the last to
+    ``upscale_factor ** 2`` channels, then ``nn.PixelShuffle``; orthogonal initialization."""
+
+    def __init__(self, upscale_factor: int) -> None:
+        super().__init__()
+        self.relu = nn.ReLU()
+        self.conv1 = nn.Conv2d(1, 6, (5, 5), (1, 1), (2, 2))
+        self.conv2 = nn.Conv2d(6, 6, (3, 3), (1, 1), (1, 1))
+        self.conv3 = nn.Conv2d(6, 4, (3, 3), (1, 1), (1, 1))
+        self.conv4 = nn.Conv2d(4, upscale_factor**2, (3, 3), (1, 1), (1, 1))
+        self.pixel_shuffle = nn.PixelShuffle(upscale_factor)
+        for c, gain in ((self.conv1, 2**0.5), (self.conv2, 2**0.5), (self.conv3, 2**0.5)):
+            nn.init.orthogonal_(c.weight, gain)
+        nn.init.orthogonal_(self.conv4.weight)
+
+    def forward(self, x):
+        x = self.relu(self.conv1(x))
+        x = self.relu(self.conv2(x))
+        x = self.relu(self.conv3(x))
+        return self.pixel_shuffle(self.conv4(x))
+
+
+def test_super_resolution_with_pixel_shuffle_and_a_psnr_test_pass():
+    """pytorch/examples ``super_resolution/main.py``: ``MSELoss`` between the upscaled
+    output and the target, Adam, then the PSNR of a test batch under ``no_grad``."""
+    torch.manual_seed(0)
+    model = SuperResolutionNet(upscale_factor=3).to(D)
+    criterion = nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x = torch.rand(3, 1, 5, 5, generator=g, dtype=D)
+            target = torch.rand(3, 1, 15, 15, generator=g, dtype=D)
+            want = loop_grad(model, criterion, x, target)
+            opt.zero_grad()
+            criterion(model(x), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+            with torch.no_grad():
+                mse = criterion(model(x[:2]), target[:2])
+                assert math.isfinite(10 * math.log10(1 / mse.item()))
+
+
+# -- pytorch/examples mnist_rnn/main.py ------------------------------------------------------------
+
+
+class MnistRNN(nn.Module):
+    """pytorch/examples ``mnist_rnn/main.py``: an LSTM over the image's rows (batch first),
+    its last output, BatchNorm1d, Dropout2d, two Linear layers, log_softmax (28x28 images and
+    64 hidden units shrunk to 6x6 and 8)."""
+
+    def __init__(self, p1: float = 0.25, p2: float = 0.5) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(input_size=6, hidden_size=8, batch_first=True)
+        self.batchnorm = nn.BatchNorm1d(8)
+        self.dropout1, self.dropout2 = nn.Dropout2d(p1), nn.Dropout2d(p2)
+        self.fc1, self.fc2 = nn.Linear(8, 5), nn.Linear(5, 10)
+
+    def forward(self, input):
+        output, hidden = self.rnn(input.reshape(-1, 6, 6))
+        output = self.batchnorm(output[:, -1, :])
+        output = F.relu(self.fc1(self.dropout1(output)))
+        return F.log_softmax(self.fc2(self.dropout2(output)), dim=1)
+
+
+def test_mnist_rnn_batch_norm_in_training_is_refused_and_its_running_statistics_are_not():
+    """pytorch/examples ``mnist_rnn/main.py``: in training mode the BatchNorm1d after the
+    LSTM mixes the batch: refused naming ``batchnorm``, no grad1 left. With the norm in eval
+    mode (its running statistics: fine-tuning with the statistics frozen) and the dropouts
+    off, the loop (``nll_loss``, Adadelta, StepLR) gives each image's own gradient, the
+    LSTM's included."""
+    torch.manual_seed(0)
+    model = MnistRNN().to(D)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 1, 6, 6, generator=g, dtype=D), torch.randint(10, (4,), generator=g)
+    with gradhooks.add_hooks(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Dropout2d on [batch, features] warns)
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'batchnorm' \(BatchNorm1d\)"):
+            F.nll_loss(model(x), y).backward()
+    assert_untouched(model, "refused")
+    torch.manual_seed(0)
+    model = MnistRNN(0.0, 0.0).to(D)
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    with gradhooks.add_hooks(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for epoch in range(2):
+            model.train()
+            model.batchnorm.eval()
+            x, y = (
+                torch.randn(4, 1, 6, 6, generator=g, dtype=D),
+                torch.randint(10, (4,), generator=g),
+            )
+            want = loop_grad(model, F.nll_loss, x, y)
+            opt.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            assert_grad1(model, want, f"epoch {epoch}")
+            opt.step()
+            sched.step()
+
+
+# -- pytorch/examples mnist_forward_forward/main.py ------------------------------------------------
+
+
+class FFLayer(nn.Linear):
+    """pytorch/examples ``mnist_forward_forward/main.py``'s ``Layer``: an ``nn.Linear`` whose
+    ``forward`` normalizes each input row, with its own Adam and its own ``train(x_pos,
+    x_neg)`` (shadowing ``nn.Module.train``). ``via_call``: the layer is called as
+    ``self(x)`` where the script writes ``self.forward(x)``."""
+
+    def __init__(self, in_features: int, out_features: int, via_call: bool) -> None:
+        super().__init__(in_features, out_features, dtype=D)
+        self.relu = nn.ReLU()
+        self.opt = torch.optim.Adam(self.parameters(), lr=0.03)
+        self.threshold, self.num_epochs, self.via_call = 2.0, 2, via_call
+
+    def forward(self, x):
+        x_direction = x / (x.norm(2, 1, keepdim=True) + 1e-4)
+        return self.relu(torch.mm(x_direction, self.weight.T) + self.bias.unsqueeze(0))
+
+    def goodness_loss(self, x_pos, x_neg):
+        run = self if self.via_call else self.forward
+        g_pos, g_neg = run(x_pos).pow(2).mean(1), run(x_neg).pow(2).mean(1)
+        return torch.log1p(
+            torch.exp(torch.cat([-g_pos + self.threshold, g_neg - self.threshold]))
+        ).mean()
+
+    def train(self, x_pos, x_neg, hooks=None):
+        for i in range(self.num_epochs):
+            loss = self.goodness_loss(x_pos, x_neg)
+            self.opt.zero_grad()
+            loss.backward()
+            if hooks is not None:  # the pair (x_pos[i], x_neg[i]) is example i
+                want = per_example(
+                    self, hooks, x_pos.shape[0],
+                    lambda k: self.goodness_loss(x_pos[k : k + 1], x_neg[k : k + 1]),
+                )  # fmt: skip
+                assert_grad1(self, want, f"epoch {i}")
+            self.opt.step()
+        return self.forward(x_pos).detach(), self.forward(x_neg).detach()
+
+
+def _overlay_y_on_x(x, y):
+    x_ = x.clone()
+    x_[:, :10] *= 0.0
+    x_[range(x.shape[0]), y] = x.max()
+    return x_
+
+
+def test_forward_forward_layer_local_losses_several_backwards_per_layer():
+    """pytorch/examples ``mnist_forward_forward/main.py``: the layers live in a Python list
+    (not submodules), each is trained alone on its own goodness loss over the positive and the
+    negative batch concatenated, with its own optimizer, then feeds the next one detached. Each
+    layer is hooked. Called as the script does, ``self.forward(x)``, no hook runs: a warning
+    says so and no grad1 is written. Called as ``self(x)``, grad1[i] is the gradient of pair
+    ``i``'s share of the loss (its positive and its negative term), at every backward."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 14, generator=g, dtype=D), torch.randint(10, (5,), generator=g)
+    y_neg = (y + torch.randint(1, 10, (5,), generator=g)) % 10
+    x_pos, x_neg = _overlay_y_on_x(x, y), _overlay_y_on_x(x, y_neg)
+
+    torch.manual_seed(0)
+    layer = FFLayer(14, 8, via_call=False)
+    with gradhooks.add_hooks(layer), pytest.warns(gradhooks.GradhooksWarning, match="no forward"):
+        layer.train(x_pos, x_neg)
+    assert_untouched(layer, "called through forward")
+
+    torch.manual_seed(0)
+    layers = [FFLayer(14, 8, via_call=True), FFLayer(8, 8, via_call=True)]
+    h_pos, h_neg = x_pos, x_neg
+    for k, layer in enumerate(layers):
+        with gradhooks.add_hooks(layer) as h:
+            h_pos, h_neg = layer.train(h_pos, h_neg, hooks=h)
+        assert layer.weight.grad1.shape == (5, 8, layer.in_features), f"layer {k}"
+
+
+# -- pytorch/examples gcn/main.py ------------------------------------------------------------------
+
+
+class GraphConv(nn.Module):
+    """pytorch/examples ``gcn/main.py``'s ``GraphConv``: ``adj @ (x @ kernel) + bias`` by
+    ``torch.mm`` and ``torch.spmm``."""
+
+    def __init__(self, input_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.empty(input_dim, output_dim, dtype=D))
+        nn.init.xavier_normal_(self.kernel)
+        self.bias = nn.Parameter(torch.zeros(output_dim, dtype=D))
+
+    def forward(self, input_tensor, adj_mat):
+        return torch.spmm(adj_mat, torch.mm(input_tensor, self.kernel)) + self.bias
+
+
+class GCN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc1, self.gc2 = GraphConv(6, 5), GraphConv(5, 3)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, input_tensor, adj_mat):
+        x = self.dropout(F.relu(self.gc1(input_tensor, adj_mat)))
+        return F.log_softmax(self.gc2(x, adj_mat), dim=1)
+
+
+def _cora_like(nodes: int = 7):
+    """Sparse node features and the renormalized adjacency ``D^-1/2 (A + I) D^-1/2``, sparse,
+    as ``load_cora`` builds them."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).to(D)
+    a = ((a + a.T) > 0).to(D) + torch.eye(nodes, dtype=D)
+    d = a.sum(1).rsqrt()
+    features = (torch.rand(nodes, 6, generator=g) < 0.4).to(D)
+    return (
+        features.to_sparse(),
+        (d[:, None] * a * d[None]).to_sparse(),
+        torch.randint(3, (nodes,), generator=g),
+    )
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize("frozen", [None, "gc2"])
+def test_gcn_the_nodes_are_not_examples_refused_naming_the_layer(sparse, frozen):
+    """pytorch/examples ``gcn/main.py``: the batch dimension of the features is the graph's
+    nodes, and ``spmm(adj, ...)`` makes each node's output depend on its neighbours': a node
+    has no gradient of its own. The step (``nll_loss`` on the training mask) is refused with a
+    ``MixedExamplesError`` naming the layer whose input mixes the nodes (the whole model when
+    the layer that mixes them is the only one trained), whether the tensors are sparse or
+    dense; no grad1 is left."""
+    features, adj, labels = _cora_like()
+    if not sparse:
+        features, adj = features.to_dense(), adj.to_dense()
+    torch.manual_seed(0)
+    model = GCN()
+    if frozen:
+        model.gc2.requires_grad_(False)
+    mask = torch.arange(7) < 5
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match="'gc2'" if not frozen else "GCN"):
+            F.nll_loss(model(features, adj)[mask], labels[mask]).backward()
+    assert_untouched(model, "refused")
