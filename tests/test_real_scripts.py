@@ -571,3 +571,377 @@ def test_gcn_the_nodes_are_not_examples_refused_naming_the_layer(sparse, frozen)
         with pytest.raises(gradhooks.MixedExamplesError, match="'gc2'" if not frozen else "GCN"):
             F.nll_loss(model(features, adj)[mask], labels[mask]).backward()
     assert_untouched(model, "refused")
+
+
+# -- pytorch/examples language_translation ---------------------------------------------------------
+
+
+class PositionalEncoding(nn.Module):
+    def __init__(self, emb_size: int, dropout: float, maxlen: int = 32) -> None:
+        super().__init__()
+        den = torch.exp(-torch.arange(0, emb_size, 2) * math.log(10000) / emb_size)
+        pos = torch.arange(0, maxlen).reshape(maxlen, 1)
+        pos_embedding = torch.zeros((maxlen, emb_size))
+        pos_embedding[:, 0::2] = torch.sin(pos * den)
+        pos_embedding[:, 1::2] = torch.cos(pos * den)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("pos_embedding", pos_embedding.unsqueeze(-2))
+
+    def forward(self, token_embedding):
+        return self.dropout(token_embedding + self.pos_embedding[: token_embedding.size(0), :])
+
+
+class Translator(nn.Module):
+    """pytorch/examples ``language_translation/src/model.py``: two embeddings, a sinusoidal
+    positional encoding, ``nn.Transformer`` (sequence first), a Linear to the target
+    vocabulary; xavier-uniform initialization of every matrix."""
+
+    def __init__(self, vocab: int = 11, embed_size: int = 8) -> None:
+        super().__init__()
+        self.src_embedding = nn.Embedding(vocab, embed_size)
+        self.tgt_embedding = nn.Embedding(vocab, embed_size)
+        self.pos_enc = PositionalEncoding(embed_size, 0.0)
+        self.transformer = nn.Transformer(
+            d_model=embed_size, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+            dim_feedforward=12, dropout=0.0,
+        )  # fmt: skip
+        self.ff = nn.Linear(embed_size, vocab)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    def forward(self, src, trg, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask, mem_mask):
+        src_emb = self.pos_enc(self.src_embedding(src))
+        tgt_emb = self.pos_enc(self.tgt_embedding(trg))
+        outs = self.transformer(
+            src_emb, tgt_emb, src_mask, tgt_mask, None, src_padding_mask, tgt_padding_mask,
+            mem_mask,
+        )  # fmt: skip
+        return self.ff(outs)
+
+
+PAD = 1
+
+
+def _create_mask(src, tgt):
+    """``language_translation/src/data.py``'s ``create_mask``."""
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[0], dtype=D)
+    src_mask = torch.zeros((src.shape[0], src.shape[0])).type(torch.bool)
+    return src_mask, tgt_mask, (src == PAD).transpose(0, 1), (tgt == PAD).transpose(0, 1)
+
+
+def _translate(model, src, tgt):
+    tgt_input = tgt[:-1, :]
+    src_mask, tgt_mask, src_padding_mask, tgt_padding_mask = _create_mask(src, tgt_input)
+    logits = model(src, tgt_input, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask,
+                   src_padding_mask)  # fmt: skip
+    return logits, tgt[1:, :]
+
+
+@pytest.mark.parametrize("batch,src_len,tgt_len", [(3, 5, 6), (5, 5, 6)], ids=["B3", "B=S=T-1"])
+def test_language_translation_transformer_sequence_first_with_masks_and_ignore_index(
+    batch, src_len, tgt_len
+):
+    """pytorch/examples ``language_translation/main.py``'s ``train``: ``[seq, batch]`` token
+    batches (``batch_dim=1``), the causal target mask, boolean padding masks ``[batch, seq]``
+    built outside the model, ``CrossEntropyLoss(ignore_index=PAD)`` over the flattened tokens
+    (a mean over the batch's non-pad tokens: example ``i``'s share is its tokens' summed loss
+    over that count, times the batch size under ``loss_reduction="mean"``), Adam with the
+    script's betas and eps. Also with batch, source length and target length equal, where
+    the square masks are as long as the batch."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: nested tensors need batch_first)
+        model = Translator().to(D)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=PAD)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, batch_dim=1) as h, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: a bool padding mask beside a float attn mask)
+        for step in range(2):
+            src = torch.randint(2, 11, (src_len, batch), generator=g)
+            tgt = torch.randint(2, 11, (tgt_len, batch), generator=g)
+            src[src_len - 1 - step :, 0] = PAD
+            tgt[tgt_len - 2 :, 1] = PAD
+            logits, tgt_out = _translate(model, src, tgt)
+            opt.zero_grad()
+            loss_fn(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1)).backward()
+            tokens = (tgt_out != PAD).sum()
+
+            def own(i, src=src, tgt=tgt, tokens=tokens):
+                lg, out = _translate(model, src[:, i : i + 1], tgt[:, i : i + 1])
+                total = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), out.reshape(-1),
+                                        ignore_index=PAD, reduction="sum")  # fmt: skip
+                return total * batch / tokens
+
+            assert_grad1(model, per_example(model, h, batch, own), f"step {step}")
+            opt.step()
+
+
+# -- pytorch/examples time_sequence_prediction/train.py --------------------------------------------
+
+
+class Sequence(nn.Module):
+    """pytorch/examples ``time_sequence_prediction/train.py``: two stacked ``LSTMCell``s
+    stepped over ``input.split(1, dim=1)``, zero initial states of the batch's size, then
+    ``future`` steps fed back their own output (51 hidden units shrunk to 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm1, self.lstm2 = nn.LSTMCell(1, 5), nn.LSTMCell(5, 5)
+        self.linear = nn.Linear(5, 1)
+
+    def forward(self, input, future: int = 0):
+        outputs = []
+        h_t, c_t, h_t2, c_t2 = (torch.zeros(input.size(0), 5, dtype=D) for _ in range(4))
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        for _ in range(future):
+            h_t, c_t = self.lstm1(output, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        return torch.cat(outputs, dim=1)
+
+
+def test_time_sequence_prediction_lstm_cells_under_lbfgs():
+    """pytorch/examples ``time_sequence_prediction/train.py``: sine waves, ``MSELoss`` of the
+    next value, LBFGS whose closure runs the forward and backward several times per step;
+    every closure's grad1 is each wave's own gradient at the parameters it ran at; then the
+    ``no_grad`` prediction of ``future`` steps captures nothing."""
+    torch.manual_seed(0)
+    seq = Sequence().double()
+    t = torch.arange(9, dtype=D)
+    data = torch.sin(t[None] / 2.0 + torch.tensor([[0.0], [0.7], [1.9], [2.6], [4.0]], dtype=D))
+    input, target = data[1:, :-1], data[1:, 1:]
+    test_input = data[:1, :-1]
+    criterion = nn.MSELoss()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8, max_iter=3)
+    closures = []
+    with gradhooks.add_hooks(seq):
+        for i in range(2):
+
+            def closure():
+                want = loop_grad(seq, criterion, input, target)
+                optimizer.zero_grad()
+                loss = criterion(seq(input), target)
+                loss.backward()
+                assert_grad1(seq, want, f"step {i}, closure {len(closures)}")  # noqa: B023
+                closures.append(loss.item())
+                return loss
+
+            optimizer.step(closure)
+            with torch.no_grad():
+                pred = seq(test_input, future=4)
+                assert pred.shape == (1, 12)
+            assert seq.linear.weight.grad1.shape[0] == 4
+    assert len(closures) > 2
+
+
+# -- karpathy/makemore makemore.py -----------------------------------------------------------------
+
+MAKEMORE = SimpleNamespace(vocab_size=7, block_size=6, n_embd=4, n_embd2=5)
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+class MakemoreBigram(nn.Module):
+    """makemore's ``Bigram``: a table of next-character logits, a parameter of the model
+    itself, indexed by the input; the loss computed in the forward when targets are given."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros((config.vocab_size, config.vocab_size)))
+
+    def forward(self, idx, targets=None):
+        logits = self.logits[idx]
+        return logits, None if targets is None else _lm_loss(logits, targets)
+
+
+class MakemoreMLP(nn.Module):
+    """makemore's ``MLP`` (Bengio et al. 2003): the previous ``block_size`` tokens' embeddings
+    by ``torch.roll`` along the sequence with a blank token written in place, concatenated."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.block_size, self.vocab_size = config.block_size, config.vocab_size
+        self.wte = nn.Embedding(config.vocab_size + 1, config.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.block_size * config.n_embd, config.n_embd2), nn.Tanh(),
+            nn.Linear(config.n_embd2, self.vocab_size),
+        )  # fmt: skip
+
+    def forward(self, idx, targets=None):
+        embs = []
+        for _ in range(self.block_size):
+            embs.append(self.wte(idx))
+            idx = torch.roll(idx, 1, 1)
+            idx[:, 0] = self.vocab_size
+        logits = self.mlp(torch.cat(embs, -1))
+        return logits, None if targets is None else _lm_loss(logits, targets)
+
+
+class CausalBoW(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                1, config.block_size, config.block_size
+            ),
+        )
+
+    def forward(self, x):
+        B, T, C = x.size()
+        att = torch.zeros((B, T, T), device=x.device)
+        att = att.masked_fill(self.bias[:, :T, :T] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ x
+
+
+class BoWBlock(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.cbow = CausalBoW(config)
+        self.mlp = nn.ModuleDict(dict(
+            c_fc=nn.Linear(config.n_embd, config.n_embd2),
+            c_proj=nn.Linear(config.n_embd2, config.n_embd),
+        ))  # fmt: skip
+        m = self.mlp
+        self.mlpf = lambda x: m.c_proj(F.tanh(m.c_fc(x)))
+
+    def forward(self, x):
+        x = x + self.cbow(x)
+        return x + self.mlpf(x)
+
+
+class MakemoreBoW(nn.Module):
+    """makemore's ``BoW``: token and position embeddings, a causal bag of words (a uniform
+    causal attention built from ``torch.zeros((B, T, T))``), an MLP through a lambda."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.context_block = BoWBlock(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device).unsqueeze(0)
+        x = self.context_block(self.wte(idx) + self.wpe(pos))
+        logits = self.lm_head(x)
+        return logits, None if targets is None else _lm_loss(logits, targets)
+
+
+class MakemoreRNNCell(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.xh_to_h = nn.Linear(config.n_embd + config.n_embd2, config.n_embd2)
+
+    def forward(self, xt, hprev):
+        return F.tanh(self.xh_to_h(torch.cat([xt, hprev], dim=1)))
+
+
+class MakemoreGRUCell(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        n = config.n_embd + config.n_embd2
+        self.xh_to_z, self.xh_to_r = nn.Linear(n, config.n_embd2), nn.Linear(n, config.n_embd2)
+        self.xh_to_hbar = nn.Linear(n, config.n_embd2)
+
+    def forward(self, xt, hprev):
+        xh = torch.cat([xt, hprev], dim=1)
+        r = F.sigmoid(self.xh_to_r(xh))
+        hbar = F.tanh(self.xh_to_hbar(torch.cat([xt, r * hprev], dim=1)))
+        z = F.sigmoid(self.xh_to_z(xh))
+        return (1 - z) * hprev + z * hbar
+
+
+class MakemoreRNN(nn.Module):
+    """makemore's ``RNN``: a learned start state, a parameter of the model itself expanded
+    to the batch (``self.start.expand((b, -1))``), a cell (its own RNN or GRU, built of
+    Linear layers) stepped over the sequence, the hidden states stacked."""
+
+    def __init__(self, config, cell_type: str) -> None:
+        super().__init__()
+        self.start = nn.Parameter(torch.zeros(1, config.n_embd2))
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.cell = (MakemoreRNNCell if cell_type == "rnn" else MakemoreGRUCell)(config)
+        self.lm_head = nn.Linear(config.n_embd2, config.vocab_size)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        emb = self.wte(idx)
+        hprev = self.start.expand((b, -1))
+        hiddens = []
+        for i in range(t):
+            hprev = self.cell(emb[:, i, :], hprev)
+            hiddens.append(hprev)
+        logits = self.lm_head(torch.stack(hiddens, 1))
+        return logits, None if targets is None else _lm_loss(logits, targets)
+
+
+def _names(batch: int, g, config=MAKEMORE):
+    """``CharDataset.__getitem__``'s pairs: ``x`` a 0 then the word's characters, ``y`` the
+    characters, a 0, then -1 (masked out of the loss) to the block's end."""
+    X = torch.zeros(batch, config.block_size, dtype=torch.long)
+    Y = torch.zeros_like(X)
+    for i in range(batch):
+        n = int(torch.randint(1, config.block_size - 1, (1,), generator=g))
+        ix = torch.randint(1, config.vocab_size, (n,), generator=g)
+        X[i, 1 : 1 + n], Y[i, :n], Y[i, n + 1 :] = ix, ix, -1
+    return X, Y
+
+
+@pytest.fixture
+def float64_default():
+    """The default dtype float64 (makemore's ``torch.zeros`` in the forward follows it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(D)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+MAKEMORE_MODELS = {
+    "mlp": lambda: MakemoreMLP(MAKEMORE),
+    "bow": lambda: MakemoreBoW(MAKEMORE),
+    "rnn": lambda: MakemoreRNN(MAKEMORE, "rnn"),
+    "gru": lambda: MakemoreRNN(MAKEMORE, "gru"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKEMORE_MODELS))
+def test_makemore_models_loss_inside_with_ignore_index(kind, float64_default):
+    """karpathy/makemore ``makemore.py``'s training loop: ``logits, loss = model(X, Y)`` (the
+    loss computed in the forward, ``ignore_index=-1`` masking each name's padding, so a mean
+    over the batch's unmasked characters), ``model.zero_grad(set_to_none=True)``, backward,
+    AdamW with the script's betas. Example ``i``'s share: its characters' summed loss over
+    the batch's count, times the batch size."""
+    torch.manual_seed(0)
+    model = MAKEMORE_MODELS[kind]()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01, betas=(0.9, 0.99),
+                            eps=1e-8)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model) as h:
+        for step in range(3):
+            X, Y = _names(4, g)
+            logits, loss = model(X, Y)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            count = (Y != -1).sum()
+
+            def own(i, X=X, Y=Y, count=count):
+                lg, _ = model(X[i : i + 1])
+                per_char = F.cross_entropy(lg.view(-1, lg.size(-1)), Y[i], ignore_index=-1,
+                                           reduction="sum")  # fmt: skip
+                return per_char * 4 / count
+
+            assert_grad1(model, per_example(model, h, 4, own), f"{kind} step {step}")
+            opt.step()
