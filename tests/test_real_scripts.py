@@ -945,3 +945,35 @@ def test_makemore_models_loss_inside_with_ignore_index(kind, float64_default):
 
             assert_grad1(model, per_example(model, h, 4, own), f"{kind} step {step}")
             opt.step()
+
+
+def test_makemore_bigram_table_indexed_by_the_input(float64_default):
+    """makemore's ``Bigram``: its table is a parameter of the model itself, so the whole
+    model is recomputed per example (the fallback). With the logits returned and the loss
+    taken outside, each name's own gradient. With the loss computed in the forward, as the
+    script's training loop does, the fallback cannot split a batch's loss into examples:
+    refused, naming the model and saying to take the loss outside, no grad1 left."""
+    torch.manual_seed(0)
+    model = MakemoreBigram(MAKEMORE)
+    g = torch.Generator().manual_seed(0)
+    X, Y = _names(4, g)
+    with gradhooks.add_hooks(model):
+        _, loss = model(X, Y)
+        with pytest.raises(gradhooks.UnsupportedInputError, match=r"Bigram.*outside"):
+            loss.backward()
+    assert_untouched(model, "refused")
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
+    with gradhooks.add_hooks(model) as h:
+        for step in range(2):
+            X, Y = _names(4, g)
+            logits, _ = model(X)
+            model.zero_grad(set_to_none=True)
+            _lm_loss(logits, Y).backward()
+            count = (Y != -1).sum()
+
+            def own(i, X=X, Y=Y, count=count):
+                lg, _ = model(X[i : i + 1])
+                return F.cross_entropy(lg[0], Y[i], ignore_index=-1, reduction="sum") * 4 / count
+
+            assert_grad1(model, per_example(model, h, 4, own), f"step {step}")
+            opt.step()
