@@ -977,3 +977,305 @@ def test_makemore_bigram_table_indexed_by_the_input(float64_default):
 
             assert_grad1(model, per_example(model, h, 4, own), f"step {step}")
             opt.step()
+
+
+# -- Opacus' examples, with make_private in place of Opacus' PrivacyEngine -------------------------
+
+
+def _sgd_step_is_the_clipped_mean(model, before, want, lr, what: str) -> None:
+    """After an SGD step (no momentum) on a noiseless DP-SGD gradient, every parameter moved
+    by ``-lr`` times the clipped mean ``want``."""
+    for n, p in model.named_parameters():
+        assert_close(p.detach(), before[n] - lr * want[n], f"{what}: {n}")
+
+
+def _run_private(model, private, loss_of, lr, expected_batch_size, max_norm):
+    """The script's loop over ``private.batches()``: each batch's per-example losses to
+    ``private.backward``, ``private.step()``; each step checked against the clipped mean of
+    the batch's own per-example gradients by the loop, at the step's parameters."""
+    steps = 0
+    for batch in private.batches():
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        size = batch[0].shape[0]
+        with gradhooks.paused():
+            rows = [
+                torch.autograd.grad(
+                    loss_of(model, *(t[i : i + 1] for t in batch)).sum(), list(model.parameters())
+                )
+                for i in range(size)
+            ]
+        names = [n for n, _ in model.named_parameters()]
+        want = {
+            n: torch.stack([r[k] for r in rows])
+            if rows
+            else before[n].new_zeros((0, *before[n].shape))
+            for k, n in enumerate(names)
+        }
+        private.backward(loss_of(model, *batch))
+        assert private.step()
+        _sgd_step_is_the_clipped_mean(model, before, clipped_mean(want, max_norm, expected_batch_size),
+                                      lr, f"step {steps} (batch of {size})")  # fmt: skip
+        steps += 1
+    return steps
+
+
+class SampleConvNet(nn.Module):
+    """Opacus ``examples/mnist.py``'s ``SampleConvNet`` (16 and 32 channels shrunk to 3 and 4,
+    28x28 images kept so that its shapes are the script's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(3, 4, 4, 2)
+        self.fc1, self.fc2 = nn.Linear(4 * 4 * 4, 8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)  # -> [B, 3, 13, 13]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)  # -> [B, 4, 4, 4]
+        x = x.view(-1, 4 * 4 * 4)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def test_opacus_mnist_example_with_make_private():
+    """Opacus ``examples/mnist.py`` (``SampleConvNet``, ``CrossEntropyLoss``, SGD) with
+    ``gradhooks.make_private`` where the script calls ``PrivacyEngine.make_private``: Poisson
+    batches of the dataset, every step the clipped per-example gradients' sum over the
+    expected batch size (noise off, to compare), applied by SGD."""
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = SampleConvNet().to(D)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(24, 1, 28, 28, generator=g, dtype=D), torch.randint(10, (24,), generator=g)
+    )
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-5, max_grad_norm=1.0,
+        noise_multiplier=0.0, steps=3, expected_batch_size=4, generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+
+    def losses(m, x, y):
+        return F.cross_entropy(m(x), y, reduction="none")
+
+    try:
+        assert _run_private(model, private, losses, 0.1, 4, 1.0) == 3
+    finally:
+        private.close()
+
+
+class CharNNClassifier(nn.Module):
+    """Opacus ``examples/char-lstm-classification.py``'s classifier: an Embedding, an LSTM
+    (``DPLSTM`` there; ``nn.LSTM`` here, which gradhooks hooks as it is), batch first, the last
+    time step's output (padding included, as the script takes it), a Linear."""
+
+    def __init__(self, vocab: int = 9, embedding_size: int = 4, hidden_size: int = 5, out: int = 3):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embedding_size)
+        self.rnn = nn.LSTM(embedding_size, hidden_size, num_layers=1, batch_first=True)
+        self.out_layer = nn.Linear(hidden_size, out)
+
+    def forward(self, x, hidden=None):
+        x, _ = self.rnn(self.embedding(x), hidden)
+        return self.out_layer(x[:, -1, :])
+
+
+def padded_collate(batch, padding_idx=0):
+    """The Opacus examples' ``padded_collate``: names of different lengths padded."""
+    x = nn.utils.rnn.pad_sequence(
+        [e[0] for e in batch], batch_first=True, padding_value=padding_idx
+    )
+    return x, torch.stack([e[1] for e in batch]).long()
+
+
+class Names(torch.utils.data.Dataset):
+    def __init__(self, n: int, vocab: int, classes: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = [
+            (torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g),
+             torch.randint(classes, (), generator=g))
+            for _ in range(n)
+        ]  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_opacus_char_lstm_classification_with_make_private_and_padded_collate():
+    """Opacus ``examples/char-lstm-classification.py``: names padded by the loader's
+    ``padded_collate`` (kept by ``make_private``), an LSTM classifier, SGD; each step's update
+    is the clipped per-example gradients' mean over the expected batch size (noise off)."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    model = CharNNClassifier().to(D)
+    loader = DataLoader(Names(30, 9, 3), batch_size=8, collate_fn=padded_collate)
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), loader, delta=1e-5, max_grad_norm=0.2,
+        noise_multiplier=0.0, steps=3, expected_batch_size=5, generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+
+    def losses(m, x, y):
+        return F.cross_entropy(m(x), y, reduction="none")
+
+    try:
+        assert _run_private(model, private, losses, 0.5, 5, 0.2) == 3
+    finally:
+        private.close()
+
+
+class SampleNet(nn.Module):
+    """Opacus ``examples/imdb.py``'s ``SampleNet``: an Embedding, averaged over the tokens by
+    ``AdaptiveAvgPool1d`` on the transposed embeddings, ``squeeze()``, two Linear layers."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 6)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.fc1, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        x = self.pool(self.emb(x).transpose(1, 2)).squeeze()
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def test_opacus_imdb_example_embedding_mean_pooled_with_make_private():
+    """Opacus ``examples/imdb.py``: token ids padded by ``padded_collate``, an Embedding
+    mean-pooled by ``AdaptiveAvgPool1d``, Adam in the script (SGD here, to check the update),
+    each step the clipped per-example gradients' mean (noise off). A batch of one, which
+    Poisson sampling draws, loses its batch dimension to the model's ``squeeze()``: refused
+    with an error naming the layer and the shape."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    model = SampleNet(9).to(D)
+    loader = DataLoader(Names(30, 9, 2, seed=1), batch_size=8, collate_fn=padded_collate)
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), loader, delta=1e-5, max_grad_norm=0.1,
+        noise_multiplier=0.0, steps=3, expected_batch_size=6, generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+
+    def losses(m, x, y):
+        return F.cross_entropy(m(x).view(-1, 2), y, reduction="none")
+
+    try:
+        assert _run_private(model, private, losses, 0.5, 6, 0.1) == 3
+    finally:
+        private.close()
+    # The script's squeeze() takes the batch dimension away from a (Poisson) batch of one:
+    # refused, naming the layer that got no batch dimension.
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        x, y = padded_collate([Names(1, 9, 2, seed=4)[0]])
+        with pytest.raises(gradhooks.UnbatchedInputError, match=r"'fc2' \(Linear\).*\(6,\)"):
+            gradhooks.dp_sgd_step(h, losses(model, x, y), max_norm=0.1, noise_multiplier=0.0)
+
+
+NZ, NGF, NDF = 3, 2, 2
+
+
+class DCGANGenerator(nn.Module):
+    """Opacus ``examples/dcgan.py``'s generator: five transposed convolutions from a ``[nz,
+    1, 1]`` noise to a 64x64 image, GroupNorm (the script's) between them (``ngf``, ``ndf``
+    shrunk to 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.ConvTranspose2d(NZ, NGF * 8, 4, 1, 0, bias=False),
+            nn.GroupNorm(min(32, NDF * 8), NDF * 8), nn.ReLU(True),
+            nn.ConvTranspose2d(NGF * 8, NGF * 4, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF * 4), NDF * 4), nn.ReLU(True),
+            nn.ConvTranspose2d(NGF * 4, NGF * 2, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF * 2), NDF * 2), nn.ReLU(True),
+            nn.ConvTranspose2d(NGF * 2, NGF, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF), NDF), nn.ReLU(True),
+            nn.ConvTranspose2d(NGF, 1, 4, 2, 1, bias=False), nn.Tanh(),
+        )  # fmt: skip
+
+    def forward(self, input):
+        return self.main(input)
+
+
+class DCGANDiscriminator(nn.Module):
+    """Opacus ``examples/dcgan.py``'s discriminator: five strided convolutions to one
+    probability per image, GroupNorm in place of the PyTorch example's BatchNorm;
+    ``output.view(-1, 1).squeeze(1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.Conv2d(1, NDF, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF, NDF * 2, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF * 2), NDF * 2), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF * 2, NDF * 4, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF * 4), NDF * 4), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF * 4, NDF * 8, 4, 2, 1, bias=False),
+            nn.GroupNorm(min(32, NDF * 8), NDF * 8), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF * 8, 1, 4, 1, 0, bias=False), nn.Sigmoid(),
+        )  # fmt: skip
+
+    def forward(self, input):
+        return self.main(input).view(-1, 1).squeeze(1)
+
+
+def _weights_init(m):
+    if "Conv" in type(m).__name__:
+        nn.init.normal_(m.weight, 0.0, 0.02)
+    elif "GroupNorm" in type(m).__name__:
+        nn.init.normal_(m.weight, 1.0, 0.02)
+        nn.init.zeros_(m.bias)
+
+
+def test_opacus_dcgan_private_discriminator_and_the_generator_step_through_it():
+    """Opacus ``examples/dcgan.py``: only the discriminator is private (``make_private`` on
+    it, Poisson batches of real images). Its step: a forward on the real batch and one on
+    ``netG(noise).detach()``, the per-example losses ``BCE(real_i, 1) + BCE(fake_i, 0)`` (the
+    script's ``errD_real + errD_fake`` per example), ``private.backward``, ``private.step``:
+    the update is the clipped mean of each pair's own gradient (noise off). Then the
+    generator's step backpropagates through the hooked discriminator (``errG.backward()``,
+    Adam on the generator): the discriminator's next private step is still its own batch's."""
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    netG, netD = DCGANGenerator().to(D), DCGANDiscriminator().to(D)
+    netG.apply(_weights_init)
+    netD.apply(_weights_init)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(12, 1, 64, 64, generator=g, dtype=D) * 2 - 1)
+    private = gradhooks.make_private(
+        netD, torch.optim.SGD(netD.parameters(), lr=0.5), data, delta=1e-5, max_grad_norm=0.05,
+        noise_multiplier=0.0, steps=3, expected_batch_size=3, generator=torch.Generator().manual_seed(5),
+    )  # fmt: skip
+    optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+    def errD(m, real, fake):
+        bce = nn.BCELoss(reduction="none")
+        out_real, out_fake = m(real), m(fake)
+        return bce(out_real, torch.ones_like(out_real)) + bce(out_fake, torch.zeros_like(out_fake))
+
+    steps = 0
+    try:
+        for (real,) in private.batches():
+            fake = netG(torch.randn(real.shape[0], NZ, 1, 1, generator=g, dtype=D))
+            batch = (real, fake.detach())
+            before = {n: p.detach().clone() for n, p in netD.named_parameters()}
+            with gradhooks.paused():
+                rows = [torch.autograd.grad(errD(netD, *(t[i : i + 1] for t in batch)).sum(),
+                                            list(netD.parameters()))
+                        for i in range(real.shape[0])]  # fmt: skip
+            want = {n: (torch.stack([r[k] for r in rows]) if rows else p.new_zeros((0, *p.shape)))
+                    for k, (n, p) in enumerate(before.items())}  # fmt: skip
+            private.backward(errD(netD, *batch))
+            assert private.step()
+            _sgd_step_is_the_clipped_mean(netD, before, clipped_mean(want, 0.05, 3), 0.5,
+                                          f"discriminator step {steps}")  # fmt: skip
+            optimizerG.zero_grad()
+            output_g = netD(fake)
+            nn.BCELoss()(output_g, torch.ones_like(output_g)).backward()
+            optimizerG.step()
+            steps += 1
+    finally:
+        private.close()
+    assert steps == 3
