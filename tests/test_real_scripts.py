@@ -30,6 +30,18 @@ from harness import assert_close, assert_grad1
 D = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny, and two threads on a shared machine spend
+    more time waiting for each other than computing (8x slower here under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def per_example(model, hooks, batch: int, loss_of) -> dict[str, torch.Tensor]:
     """``{name: [batch, *shape]}``: the gradient of ``loss_of(i)`` (example ``i``'s own loss,
     computed from a batch of one) for every trainable parameter, with capture paused."""
@@ -1279,3 +1291,149 @@ def test_opacus_dcgan_private_discriminator_and_the_generator_step_through_it():
     finally:
         private.close()
     assert steps == 3
+
+
+# -- pytorch/examples fast_neural_style ------------------------------------------------------------
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        self.reflection_pad = nn.ReflectionPad2d(kernel_size // 2)
+        self.conv2d = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x):
+        return self.conv2d(self.reflection_pad(x))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in1 = nn.InstanceNorm2d(channels, affine=True)
+        self.conv2 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in2 = nn.InstanceNorm2d(channels, affine=True)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.in2(self.conv2(self.relu(self.in1(self.conv1(x))))) + x
+
+
+class UpsampleConvLayer(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride, upsample=None):
+        super().__init__()
+        self.upsample = upsample
+        self.reflection_pad = nn.ReflectionPad2d(kernel_size // 2)
+        self.conv2d = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x):
+        if self.upsample:
+            x = F.interpolate(x, mode="nearest", scale_factor=self.upsample)
+        return self.conv2d(self.reflection_pad(x))
+
+
+class TransformerNet(nn.Module):
+    """pytorch/examples ``fast_neural_style/neural_style/transformer_net.py``: reflection-
+    padded convolutions, affine InstanceNorm, residual blocks (five there, two here), nearest
+    upsampling then convolution (32-64-128 channels shrunk to 3-4-4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = ConvLayer(3, 3, kernel_size=9, stride=1)
+        self.in1 = nn.InstanceNorm2d(3, affine=True)
+        self.conv2 = ConvLayer(3, 4, kernel_size=3, stride=2)
+        self.in2 = nn.InstanceNorm2d(4, affine=True)
+        self.conv3 = ConvLayer(4, 4, kernel_size=3, stride=2)
+        self.in3 = nn.InstanceNorm2d(4, affine=True)
+        self.res1, self.res2 = ResidualBlock(4), ResidualBlock(4)
+        self.deconv1 = UpsampleConvLayer(4, 4, kernel_size=3, stride=1, upsample=2)
+        self.in4 = nn.InstanceNorm2d(4, affine=True)
+        self.deconv2 = UpsampleConvLayer(4, 3, kernel_size=3, stride=1, upsample=2)
+        self.in5 = nn.InstanceNorm2d(3, affine=True)
+        self.deconv3 = ConvLayer(3, 3, kernel_size=9, stride=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, X):
+        y = self.relu(self.in1(self.conv1(X)))
+        y = self.relu(self.in2(self.conv2(y)))
+        y = self.relu(self.in3(self.conv3(y)))
+        y = self.res2(self.res1(y))
+        y = self.relu(self.in4(self.deconv1(y)))
+        y = self.relu(self.in5(self.deconv2(y)))
+        return self.deconv3(y)
+
+
+class Vgg16(nn.Module):
+    """``fast_neural_style/neural_style/vgg.py``'s frozen feature extractor, a namedtuple of
+    four ReLU outputs of successive slices (VGG-16's pretrained weights replaced by a small
+    random network)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = lambda i, o: nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.ReLU())  # noqa: E731
+        self.slice1 = conv(3, 3)
+        self.slice2 = nn.Sequential(nn.MaxPool2d(2), conv(3, 4))
+        self.slice3 = nn.Sequential(nn.MaxPool2d(2), conv(4, 4))
+        self.slice4 = nn.Sequential(nn.MaxPool2d(2), conv(4, 5))
+        for p in self.parameters():
+            p.requires_grad = False
+
+    def forward(self, X):
+        h1 = self.slice1(X)
+        h2 = self.slice2(h1)
+        h3 = self.slice3(h2)
+        return SimpleNamespace(relu1_2=h1, relu2_2=h2, relu3_3=h3, relu4_3=self.slice4(h3))
+
+
+def gram_matrix(y):
+    (b, ch, h, w) = y.size()
+    features = y.view(b, ch, w * h)
+    return features.bmm(features.transpose(1, 2)) / (ch * h * w)
+
+
+def normalize_batch(batch):
+    """``utils.normalize_batch``: divides ``batch`` by 255 in place, then normalizes."""
+    mean = batch.new_tensor([0.485, 0.456, 0.406]).view(-1, 1, 1)
+    std = batch.new_tensor([0.229, 0.224, 0.225]).view(-1, 1, 1)
+    batch = batch.div_(255.0)
+    return (batch - mean) / std
+
+
+def test_fast_neural_style_perceptual_loss_through_a_frozen_network():
+    """pytorch/examples ``fast_neural_style/neural_style/neural_style.py``'s ``train``: the
+    transformer's output and its input each normalized *in place* (``div_(255)``), both
+    through a frozen VGG, a content loss on one feature map and a style loss between Gram
+    matrices and the style image's, weighted 1e5 and 1e10, Adam. grad1 is each image's own
+    gradient (to 1e-12 of the largest: a convolution's bias before an InstanceNorm has a
+    gradient of zero, left as rounding of the 1e10-weighted terms); the frozen VGG has none."""
+    torch.manual_seed(0)
+    transformer, vgg = TransformerNet().to(D), Vgg16().to(D)
+    g = torch.Generator().manual_seed(0)
+    style = (torch.rand(1, 3, 8, 8, generator=g, dtype=D) * 255).repeat(4, 1, 1, 1)
+    f = vgg(normalize_batch(style))
+    gram_style = [gram_matrix(y) for y in (f.relu1_2, f.relu2_2, f.relu3_3, f.relu4_3)]
+    mse_loss = nn.MSELoss()
+    optimizer = torch.optim.Adam(transformer.parameters(), 1e-3)
+
+    def total_loss(x):
+        n_batch = len(x)
+        y = normalize_batch(transformer(x))
+        x = normalize_batch(x)
+        features_y, features_x = vgg(y), vgg(x)
+        content_loss = 1e5 * mse_loss(features_y.relu2_2, features_x.relu2_2)
+        style_loss = 0.0
+        fy = (features_y.relu1_2, features_y.relu2_2, features_y.relu3_3, features_y.relu4_3)
+        for ft_y, gm_s in zip(fy, gram_style):
+            style_loss += mse_loss(gram_matrix(ft_y), gm_s[:n_batch, :, :])
+        return content_loss + 1e10 * style_loss
+
+    with gradhooks.add_hooks(transformer) as h:
+        for step in range(2):
+            x = torch.rand(3, 3, 8, 8, generator=g, dtype=D) * 255
+            want = per_example(transformer, h, 3, lambda i, x=x: total_loss(x[i : i + 1].clone()))
+            optimizer.zero_grad()
+            total_loss(x).backward()
+            scale = max(w.abs().max().item() for w in want.values())
+            assert_grad1(transformer, want, f"step {step}", rtol=1e-7, atol=1e-12 * scale)
+            optimizer.step()
+    assert all(not hasattr(p, "grad1") for p in vgg.parameters())
