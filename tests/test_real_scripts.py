@@ -1437,3 +1437,59 @@ def test_fast_neural_style_perceptual_loss_through_a_frozen_network():
             assert_grad1(transformer, want, f"step {step}", rtol=1e-7, atol=1e-12 * scale)
             optimizer.step()
     assert all(not hasattr(p, "grad1") for p in vgg.parameters())
+
+
+# -- lucidrains/x-transformers train_enwik8.py -----------------------------------------------------
+
+
+def test_x_transformers_enwik8_autoregressive_wrapper_with_accumulation_and_generation():
+    """lucidrains/x-transformers ``train_enwik8.py``: a ``TransformerWrapper`` decoder with
+    rotary embeddings and orthogonally projected values in an ``AutoregressiveWrapper``,
+    whose forward takes the sequences and returns the next-token loss; ``(loss /
+    GRADIENT_ACCUMULATE_EVERY).backward()`` over micro-batches, ``clip_grad_norm_(0.5)``,
+    Adam, a validation loss under ``no_grad`` in eval mode, and ``model.generate`` with the
+    KV cache between steps. After the micro-batches, each grad1 row is the sum of that
+    row's own gradients over them, divided by their number. Tolerance: x-transformers applies
+    the rotary embedding in float32 (``t.float()``), so an example alone and the same
+    example in a batch differ by float32 rounding: 1e-6 of the largest gradient."""
+    xt = pytest.importorskip("x_transformers")
+    from x_transformers.autoregressive_wrapper import AutoregressiveWrapper
+
+    torch.manual_seed(0)
+    net = xt.TransformerWrapper(
+        num_tokens=11, max_seq_len=8,
+        attn_layers=xt.Decoder(dim=8, depth=1, heads=2, rotary_pos_emb=True,
+                               attn_orthog_projected_values=True,
+                               attn_orthog_projected_values_per_head=True),
+    )  # fmt: skip
+    model = AutoregressiveWrapper(net).to(D)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    accumulate = 2
+    g = torch.Generator().manual_seed(0)
+
+    def own_loss(i, x):
+        logits = net(x[i : i + 1])[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), x[i : i + 1, 1:]) / accumulate
+
+    with gradhooks.add_hooks(model) as h:
+        for i in range(2):
+            model.train()
+            want = None
+            for _ in range(accumulate):
+                x = torch.randint(0, 11, (3, 7), generator=g)
+                rows = per_example(model, h, 3, lambda k, x=x: own_loss(k, x))
+                want = rows if want is None else {n: want[n] + rows[n] for n in rows}
+                loss = model(x)
+                (loss / accumulate).backward()
+            scale = max(w.abs().max().item() for w in want.values())
+            assert_grad1(model, want, f"batch {i}", rtol=1e-6, atol=1e-6 * scale)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optim.step()
+            optim.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randint(0, 11, (2, 7), generator=g)).item()
+            sample = model.generate(prompts=torch.randint(0, 11, (3,), generator=g), seq_len=4,
+                                    cache_kv=True)  # fmt: skip
+            assert sample.shape == (4,)
+            assert model.net.to_logits.weight.grad1.shape[0] == 3  # generation captured nothing
