@@ -1493,3 +1493,66 @@ def test_x_transformers_enwik8_autoregressive_wrapper_with_accumulation_and_gene
                                     cache_kv=True)  # fmt: skip
             assert sample.shape == (4,)
             assert model.net.to_logits.weight.grad1.shape[0] == 3  # generation captured nothing
+
+
+# -- pytorch/examples word_language_model, the Transformer model -----------------------------------
+
+
+class TransformerModel(nn.Transformer):
+    """pytorch/examples ``word_language_model/model.py``'s ``TransformerModel``: a subclass of
+    ``nn.Transformer`` with its own ``forward`` (only the encoder used, its ``decoder``
+    attribute replaced by a Linear to the vocabulary), the causal mask ``log(tril(ones))``
+    cached on the module and rebuilt when the sequence length changes, the embedding scaled
+    by ``sqrt(ninp)``, log_softmax. The dropouts (0.1 in ``nn.Transformer``, 0.5 in the
+    positional encoding) are 0: their masks cannot be drawn again by a loop."""
+
+    def __init__(self, ntoken: int = 11, ninp: int = 8, nhead: int = 2, nhid: int = 12) -> None:
+        super().__init__(d_model=ninp, nhead=nhead, dim_feedforward=nhid, num_encoder_layers=1,
+                         num_decoder_layers=1, dropout=0.0)  # fmt: skip
+        self.src_mask = None
+        self.pos_encoder = PositionalEncoding(ninp, 0.0)
+        self.input_emb = nn.Embedding(ntoken, ninp)
+        self.ninp = ninp
+        self.decoder = nn.Linear(ninp, ntoken)
+        nn.init.uniform_(self.input_emb.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+
+    def forward(self, src, has_mask=True):
+        if has_mask:
+            if self.src_mask is None or self.src_mask.size(0) != len(src):
+                self.src_mask = torch.log(torch.tril(torch.ones(len(src), len(src), dtype=D)))
+        else:
+            self.src_mask = None
+        src = self.pos_encoder(self.input_emb(src) * math.sqrt(self.ninp))
+        return F.log_softmax(self.decoder(self.encoder(src, mask=self.src_mask)), dim=-1)
+
+
+def test_word_language_model_transformer_subclass_with_a_cached_mask():
+    """pytorch/examples ``word_language_model/main.py`` with ``--model Transformer``:
+    ``[bptt, batch]`` batches (``batch_dim=1``) from ``get_batch``, the last one shorter
+    (the cached mask rebuilt), ``model.zero_grad()``, ``NLLLoss`` on ``output.view(-1,
+    ntokens)``, ``clip_grad_norm_``, the update by hand. Each sequence's own gradient."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: nested tensors need batch_first)
+        model = TransformerModel().to(D)
+    criterion = nn.NLLLoss()
+    data = torch.randint(11, (10, 3), generator=torch.Generator().manual_seed(0))
+    bptt, lr = 4, 0.5
+    with gradhooks.add_hooks(model, batch_dim=1) as h:
+        for batch, i in enumerate(range(0, data.size(0) - 1, bptt)):
+            seq_len = min(bptt, len(data) - 1 - i)
+            x, targets = data[i : i + seq_len], data[i + 1 : i + 1 + seq_len]
+            model.zero_grad()
+            output = model(x).view(-1, 11)
+            criterion(output, targets.reshape(-1)).backward()
+
+            def own(k, x=x, targets=targets):
+                return criterion(model(x[:, k : k + 1]).view(-1, 11), targets[:, k])
+
+            assert_grad1(model, per_example(model, h, 3, own), f"batch {batch} (length {seq_len})")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-lr)
