@@ -1556,3 +1556,129 @@ def test_word_language_model_transformer_subclass_with_a_cached_mask():
             for p in model.parameters():
                 if p.grad is not None:
                     p.data.add_(p.grad, alpha=-lr)
+
+
+# -- pytorch/examples legacy/snli ------------------------------------------------------------------
+
+
+class Bottle(nn.Module):
+    def forward(self, input):
+        if len(input.size()) <= 2:
+            return super().forward(input)
+        size = input.size()[:2]
+        out = super().forward(input.view(size[0] * size[1], -1))
+        return out.view(size[0], size[1], -1)
+
+
+class BottleLinear(Bottle, nn.Linear):
+    """``legacy/snli/model.py``'s ``Linear(Bottle, nn.Linear)``: an ``nn.Linear`` whose
+    forward (``Bottle``'s) folds ``[seq, batch]`` into one dimension and back."""
+
+
+class SNLIEncoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.rnn = nn.LSTM(input_size=config.d_proj, hidden_size=config.d_hidden,
+                           num_layers=config.n_layers, bidirectional=config.birnn)  # fmt: skip
+
+    def forward(self, inputs):
+        batch_size = inputs.size()[1]
+        h0 = c0 = inputs.new_zeros((self.config.n_cells, batch_size, self.config.d_hidden))
+        outputs, (ht, ct) = self.rnn(inputs, (h0, c0))
+        if not self.config.birnn:
+            return ht[-1]
+        return ht[-2:].transpose(0, 1).contiguous().view(batch_size, -1)
+
+
+class SNLIClassifier(nn.Module):
+    """pytorch/examples ``legacy/snli/model.py``: the forward takes the torchtext batch (an
+    object whose attributes ``premise`` and ``hypothesis`` are ``[seq, batch]`` token ids),
+    embeds both (``fix_emb``: detached), projects them with a ``Bottle`` Linear, encodes
+    each with the same LSTM (bidirectional: both directions' last states side by side), and
+    classifies the pair through a Sequential of ``Bottle`` Linear layers."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.n_embed, config.d_embed)
+        self.projection = BottleLinear(config.d_embed, config.d_proj)
+        self.encoder = SNLIEncoder(config)
+        self.dropout, self.relu = nn.Dropout(p=config.dp_ratio), nn.ReLU()
+        seq_in_size = 2 * config.d_hidden * (2 if config.birnn else 1)
+        self.out = nn.Sequential(
+            BottleLinear(seq_in_size, seq_in_size), self.relu, self.dropout,
+            BottleLinear(seq_in_size, seq_in_size), self.relu, self.dropout,
+            BottleLinear(seq_in_size, config.d_out),
+        )  # fmt: skip
+
+    def forward(self, batch):
+        prem_embed, hypo_embed = self.embed(batch.premise), self.embed(batch.hypothesis)
+        if self.config.fix_emb:
+            prem_embed, hypo_embed = prem_embed.detach(), hypo_embed.detach()
+        prem_embed = self.relu(self.projection(prem_embed))
+        hypo_embed = self.relu(self.projection(hypo_embed))
+        premise, hypothesis = self.encoder(prem_embed), self.encoder(hypo_embed)
+        return self.out(torch.cat([premise, hypothesis], 1))
+
+
+@pytest.mark.parametrize("birnn", [False, True], ids=["lstm", "bilstm"])
+@pytest.mark.parametrize("fix_emb", [False, True], ids=["emb", "fixed-emb"])
+def test_snli_classifier_given_the_torchtext_batch_object(birnn, fix_emb):
+    """pytorch/examples ``legacy/snli/train.py``: ``answer = model(batch)`` with the batch
+    object itself, ``CrossEntropyLoss`` against ``batch.label``, Adam; sequence first
+    (``batch_dim=1``), premise and hypothesis of different lengths. The batch is followed
+    from the tensors the object holds: each pair's own gradient (the Bottle Linear layers
+    recomputed per example, the LSTM by its rule, run twice)."""
+    config = SimpleNamespace(n_embed=11, d_embed=4, d_proj=5, d_hidden=3, n_layers=1,
+                             birnn=birnn, n_cells=2 if birnn else 1, d_out=3, dp_ratio=0.0,
+                             fix_emb=fix_emb)  # fmt: skip
+    torch.manual_seed(0)
+    model = SNLIClassifier(config).to(D)
+    if fix_emb:
+        model.embed.weight.requires_grad = False
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, batch_dim=1) as h:
+        for step in range(2):
+            batch = SimpleNamespace(premise=torch.randint(11, (5, 3), generator=g),
+                                    hypothesis=torch.randint(11, (4, 3), generator=g),
+                                    label=torch.randint(3, (3,), generator=g))  # fmt: skip
+            opt.zero_grad()
+            criterion(model(batch), batch.label).backward()
+
+            def own(i, b=batch):
+                one = SimpleNamespace(premise=b.premise[:, i : i + 1],
+                                      hypothesis=b.hypothesis[:, i : i + 1])  # fmt: skip
+                return criterion(model(one), b.label[i : i + 1])
+
+            assert_grad1(model, per_example(model, h, 3, own), f"step {step}", frozen_clean=True)
+            opt.step()
+
+
+class MeanCentred(nn.Module):
+    """Two Linear layers with the batch mean subtracted between them, given its input as an
+    attribute of an object: what mixes the examples is refused as for a tensor input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, batch):
+        h = torch.tanh(self.l1(batch.x))
+        return self.l2(h - h.mean(0))
+
+
+def test_a_batch_mixed_after_coming_in_an_object_attribute_is_refused():
+    """The examples reach the model inside an object (``batch.x``): the batch is followed from
+    there, so the mean over it is refused (``MixedExamplesError`` naming the layer after it),
+    where grad1 was silently wrong (nonzero where each example's own gradient, its centred
+    activation being zero, is zero); no grad1 is left."""
+    torch.manual_seed(0)
+    model = MeanCentred().to(D)
+    batch = SimpleNamespace(x=torch.randn(5, 3, dtype=D))
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'l2' \(Linear\)"):
+            F.cross_entropy(model(batch), torch.randint(2, (5,))).backward()
+    assert_untouched(model, "refused")
