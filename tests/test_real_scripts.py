@@ -1682,3 +1682,82 @@ def test_a_batch_mixed_after_coming_in_an_object_attribute_is_refused():
         with pytest.raises(gradhooks.MixedExamplesError, match=r"'l2' \(Linear\)"):
             F.cross_entropy(model(batch), torch.randint(2, (5,))).backward()
     assert_untouched(model, "refused")
+
+
+# -- pytorch/tutorials intermediate_source/reinforcement_q_learning.py ------------------------------
+
+
+class DQN(nn.Module):
+    """pytorch/tutorials ``intermediate_source/reinforcement_q_learning.py``'s Q-network on
+    screen differences: three strided convolutions with BatchNorm2d, a Linear head (16 and 32
+    channels shrunk to 4, 40x90 screens to 37x37)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, kernel_size=5, stride=2), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, kernel_size=5, stride=2), nn.BatchNorm2d(4)
+        self.conv3, self.bn3 = nn.Conv2d(4, 4, kernel_size=5, stride=2), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 2 * 2, 2)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        x = F.relu(self.bn3(self.conv3(x)))
+        return self.head(x.view(x.size(0), -1))
+
+
+def test_dqn_tutorial_batch_norm_refused_then_replay_steps_with_a_target_network():
+    """pytorch/tutorials ``intermediate_source/reinforcement_q_learning.py``'s
+    ``optimize_model``: a replay batch, ``policy_net(state_batch).gather(1, action_batch)``,
+    the next states' values from the unhooked target network (zero where the episode ended,
+    written through a boolean mask), ``smooth_l1_loss``, ``param.grad.data.clamp_(-1, 1)``,
+    RMSprop; ``select_action`` runs the policy on one screen under ``no_grad`` in training
+    mode. Its BatchNorm in training mode is refused naming ``bn1``. With the batch norms
+    converted (``convert_batch_norm``, the target network loaded from the policy), each
+    transition's own gradient; the clamp changes ``.grad``, not grad1."""
+    torch.manual_seed(0)
+    policy_net = DQN().to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def replay(batch: int = 4):
+        states = torch.randn(batch, 3, 37, 37, generator=g, dtype=D)
+        actions = torch.randint(2, (batch, 1), generator=g)
+        rewards = torch.ones(batch, dtype=D)
+        non_final_mask = torch.tensor([True, False, True, True][:batch])
+        next_states = torch.randn(int(non_final_mask.sum()), 3, 37, 37, generator=g, dtype=D)
+        return states, actions, rewards, non_final_mask, next_states
+
+    states, actions, *_ = replay()
+    with gradhooks.add_hooks(policy_net):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'bn1' \(BatchNorm2d\)"):
+            policy_net(states).gather(1, actions).sum().backward()
+    assert_untouched(policy_net, "refused")
+
+    policy_net = gradhooks.convert_batch_norm(policy_net)
+    target_net = gradhooks.convert_batch_norm(DQN().to(D))
+    target_net.load_state_dict(policy_net.state_dict())
+    target_net.eval()
+    optimizer = torch.optim.RMSprop(policy_net.parameters())
+    with gradhooks.add_hooks(policy_net) as h:
+        for step in range(3):
+            with torch.no_grad():
+                policy_net(torch.randn(1, 3, 37, 37, generator=g, dtype=D)).max(1)[1].view(1, 1)
+            state_batch, action_batch, reward_batch, non_final_mask, non_final_next = replay()
+            state_action_values = policy_net(state_batch).gather(1, action_batch)
+            next_state_values = torch.zeros(4, dtype=D)
+            next_state_values[non_final_mask] = target_net(non_final_next).max(1)[0].detach()
+            expected = (next_state_values * 0.999) + reward_batch
+            loss = F.smooth_l1_loss(state_action_values, expected.unsqueeze(1))
+            optimizer.zero_grad()
+            loss.backward()
+            want = per_example(
+                policy_net, h, 4,
+                lambda i, s=state_batch, a=action_batch, e=expected: F.smooth_l1_loss(
+                    policy_net(s[i : i + 1]).gather(1, a[i : i + 1]), e[i : i + 1].unsqueeze(1)),
+            )  # fmt: skip
+            assert_grad1(policy_net, want, f"step {step}")
+            for param in policy_net.parameters():
+                param.grad.data.clamp_(-1, 1)
+            optimizer.step()
+            if step == 1:
+                target_net.load_state_dict(policy_net.state_dict())
