@@ -1761,3 +1761,41 @@ def test_dqn_tutorial_batch_norm_refused_then_replay_steps_with_a_target_network
             optimizer.step()
             if step == 1:
                 target_net.load_state_dict(policy_net.state_dict())
+
+
+# -- pytorch/examples regression/main.py -----------------------------------------------------------
+
+
+def test_regression_example_a_bare_linear_fitted_until_its_loss_is_small():
+    """pytorch/examples ``regression/main.py``: the model is one ``nn.Linear`` (hooked
+    itself), polynomial features ``[x, x^2, x^3, x^4]``, ``fc.zero_grad()``,
+    ``smooth_l1_loss``, the update by hand, until the loss is below 1e-3 (here, or 200
+    batches); each batch's grad1 is its examples' own gradients (checked every 20th)."""
+    torch.manual_seed(0)
+    W_target, b_target = torch.randn(4, 1, dtype=D) * 5, torch.randn(1, dtype=D) * 5
+    fc = nn.Linear(4, 1).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def get_batch(batch_size=8):
+        x = torch.randn(batch_size, generator=g, dtype=D).unsqueeze(1)
+        x = torch.cat([x**i for i in range(1, 5)], 1)
+        return x, x.mm(W_target) + b_target.item()
+
+    checked = 0
+    with gradhooks.add_hooks(fc):
+        for batch_idx in range(1, 201):
+            batch_x, batch_y = get_batch()
+            fc.zero_grad()
+            output = F.smooth_l1_loss(fc(batch_x), batch_y)
+            loss = output.item()
+            if batch_idx % 20 == 1:
+                want = loop_grad(fc, F.smooth_l1_loss, batch_x, batch_y)
+            output.backward()
+            if batch_idx % 20 == 1:
+                assert_grad1(fc, want, f"batch {batch_idx}")
+                checked += 1
+            for param in fc.parameters():
+                param.data.add_(-0.1 * param.grad)
+            if loss < 1e-3:
+                break
+    assert checked >= 2
