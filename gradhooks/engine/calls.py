@@ -266,6 +266,18 @@ def _one_by_one(rule, call: Call, params: dict, batch: int) -> dict[str, P.Piece
     return {n: None if r is None else P.Direct(r) for n, r in zip(params, rows)}
 
 
+def input_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The model's tensor inputs: the tensors among its arguments (and in their tuples, lists
+    and dicts), or where there are none, those an argument holds as attributes (a torchtext
+    ``Batch``, a ``SimpleNamespace``): the batch is followed from them as from any input."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    if leaves:
+        return leaves
+    held = [a for a in (*args, *kwargs.values()) if hasattr(a, "__dict__")]
+    held = [vars(a) for a in held if not isinstance(a, nn.Module)]
+    return [t for d in held for t in d.values() if isinstance(t, Tensor)]
+
+
 def root_batch(
     args: tuple, kwargs: dict, batch_dim
 ) -> tuple[int, list[tuple[Tensor, Layout]]] | None:
@@ -275,7 +287,7 @@ def root_batch(
     batch is its first batch size."""
     dim = 0 if batch_dim == "auto" else batch_dim
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
-    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    leaves = input_tensors(args, kwargs)
     if packed:
         batch = int(packed[0].batch_sizes[0])
         found = [(ps.data, PACKED) for ps in packed]

@@ -31,7 +31,16 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
 from ..tracking import PACKED, UNKNOWN, Source, Tracker
 from .backward import BackwardWriter
-from .calls import CallLayouts, KeptCall, carry_layouts, keeps_rows, own_node, root_batch, unview
+from .calls import (
+    CallLayouts,
+    KeptCall,
+    carry_layouts,
+    input_tensors,
+    keeps_rows,
+    own_node,
+    root_batch,
+    unview,
+)
 from .capture import DetachedCalls
 from .outputs import LayerOutputs
 from .plan import Target, positional
@@ -459,7 +468,7 @@ class ForwardCapture:
         if graph_task() == -1:
             self.backwards.drop_stale()
         self.follow_changes(self.state.model)
-        leaves = [t for t in [*tree_leaves(args), *tree_leaves(kwargs)] if isinstance(t, Tensor)]
+        leaves = input_tensors(args, kwargs)
         if not leaves or self.state.batch_dim is None:
             return
         if self.state.batch_dim == "auto":
@@ -504,7 +513,7 @@ class ForwardCapture:
                 tracker.add_candidate(t, lay)
             else:
                 tracker.set_layout(t, lay)
-        frame.roots = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        frame.roots = input_tensors(args, kwargs)
         frame.tracker = tracker
         tracker.__enter__()
 

@@ -426,7 +426,16 @@ def _per_example_vjp(
     if not gs:
         return {}, set()
     batch = gs[0].shape[0] if gs[0].dim() else -1
-    if any(g.dim() == 0 or g.shape[0] != batch for g in gs):
+    if any(g.dim() == 0 for g in gs):
+        raise UnsupportedInputError(
+            f"fallback for {name}: an output of shape () receives a gradient ({_describe(call)})"
+            ": a loss computed in the module's forward from the whole batch, which the "
+            "per-example fallback, recomputing the module one example at a time, cannot split "
+            "into examples. Return the per-example outputs (the logits) and compute the loss "
+            "outside the module, or register a rule for it with @gradhooks.register (see "
+            "docs/extending.md), or freeze its parameters."
+        )
+    if any(g.shape[0] != batch for g in gs):
         raise UnsupportedInputError(
             f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
             f"every output that receives a gradient; got {_describe(call)}. Register a rule "
