@@ -156,7 +156,7 @@ class Hooks:
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
         self._accumulators: dict[int, tuple[Any, Any]] = {}  # (id: node, handle; see _install)
-        self._storages: list[int] = []
+        self._storages: list[int | None] = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         # the parts, each with the state and the others it calls

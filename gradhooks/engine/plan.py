@@ -220,13 +220,17 @@ def structure_and_parameters(model: nn.Module, by_name: bool = False) -> tuple[t
     )), trainable  # fmt: skip
 
 
-def storages_of(params: list[Tensor]) -> list[int]:
+def storages_of(params: list[Tensor]) -> list[int | None]:
     """Where each parameter's data is (``data_ptr``). Setting ``p.data`` to a tensor of another
     dtype or device (``model.double()``, ``.half()`` then ``.float()``, ``.to(device)``: what
     torch's conversions do by default, and Lightning's precision plugins) gives the parameter a
     new ``AccumulateGrad`` node without the hooks registered on the one before; such a change
-    moves the data, and the hooks check the node of a parameter whose data moved."""
-    return [p.data_ptr() for p in params]
+    moves the data, and the hooks check the node of a parameter whose data moved. (``None``
+    for all where one has no data: the fake parameters of ``torch.export``'s tracing.)"""
+    try:
+        return [p.data_ptr() for p in params]
+    except RuntimeError:
+        return [None] * len(params)
 
 
 def modules_and_parameters(model: nn.Module) -> tuple[tuple[int, ...], list]:
