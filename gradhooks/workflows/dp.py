@@ -84,17 +84,20 @@ AUTOMATIC_GAMMA = 0.01
 CLIPPINGS = ("flat", "automatic")
 
 
-def clip_factors(norms: Tensor, max_norm: float, clipping: str = "flat") -> Tensor:
+def clip_factors(norms: Tensor, max_norm: float | Tensor, clipping: str = "flat") -> Tensor:
     """Each example's factor, shape of ``norms``: with ``clipping="flat"`` (Abadi et al.,
     Opacus' default) ``min(1, max_norm / norms)``, ``1`` where a norm is 0 (or NaN); with
     ``"automatic"`` (AUTO-S, Bu et al., *Automatic Clipping*, 2023; fastDP's default)
     ``max_norm / (norms + 0.01)``, every example's gradient normalized, so that the clipped
     norm ``max_norm · ‖g‖ / (‖g‖ + 0.01)`` stays below ``max_norm`` as flat clipping's does (the
     same noise gives the same privacy); the learning rate then needs no tuning against
-    ``max_norm``."""
+    ``max_norm``. ``max_norm`` may be a tensor that broadcasts against ``norms`` (a bound per
+    clipping group, ``[groups, 1]`` against norms ``[groups, batch]``)."""
+    # (``x.reciprocal() * C`` is what ``C / x`` computes for a float C: written so, a tensor
+    # of bounds, one per clipping group, gives the same numbers as each bound given alone)
     if clipping == "automatic":
-        return max_norm / (norms + AUTOMATIC_GAMMA)
-    return torch.where(norms > max_norm, max_norm / norms, 1.0)
+        return (norms + AUTOMATIC_GAMMA).reciprocal() * max_norm
+    return torch.where(norms > max_norm, norms.reciprocal() * max_norm, 1.0)
 
 
 def dp_sgd_step(
