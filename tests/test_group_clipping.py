@@ -254,6 +254,36 @@ def test_bf16_autocast_within_bfloat16s_rounding_of_the_float64_loop(method):
         assert err < 5e-2, f"{method}: {n} off by {err:.3g} (bf16: 8 significant bits)"
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_float16_with_a_grad_scaler_clips_the_unscaled_group_norms(method):
+    """float16 autocast with a GradScaler (scale 2¹⁰): the group norms and factors are those
+    of the unscaled gradients, p.grad is written scaled, the noise drawn on the total bound:
+    within 16 float16 epsilons (11 significant bits) of the float64 oracle's largest entry."""
+    x, y = data("mlp", 8, seed=4)
+    model64 = mlp()
+    named = named_groups(model64, "layer")
+    _, bounds = bounds_for(model64, classify, x, y, named, True)
+    sigma, seed = 0.5, 5
+    want = oracle(model64, classify, x, y, named, bounds, "flat", 0.0, None)
+    model = mlp().float()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with gradhooks.add_hooks(model, quantities=(quantity(method),)) as h:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x.float())
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(out.float(), y, reduction="none"), max_norm=bounds,
+            noise_multiplier=sigma, method=method, clipping_groups="layer", scaler=scaler,
+            generator=torch.Generator().manual_seed(seed), expected_batch_size=E,
+        )  # fmt: skip
+    noise = torch.Generator().manual_seed(seed)
+    total = math.hypot(*bounds)
+    for n, p in model.named_parameters():
+        z = torch.randn(p.shape, generator=noise).double() * sigma * total / E
+        got = p.grad.double() / 2.0**10 - z
+        bound = 16 * torch.finfo(torch.float16).eps * float(want[n].abs().max())
+        assert float((got - want[n]).abs().max()) <= bound, f"{method}: {n}"
+
+
 def test_distributed_step_on_one_rank_is_the_grouped_step(tmp_path):
     """gradhooks.distributed.dp_sgd_step with clipping_groups, on a one-process gloo group:
     the grouped step of one process, the noise scaled to the total bound."""
