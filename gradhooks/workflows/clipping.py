@@ -97,13 +97,10 @@ class GroupedBounds(NamedTuple):
                 sums.append(total)
         return torch.stack(sums)
 
-    def factors(self, norms: Tensor, clipping: str) -> Tensor:
-        """Per group and example, the clipping factor, ``[groups, batch]``, from the group
-        norms ``[groups, batch]`` (:func:`gradhooks.clip_factors` with each group's bound)."""
-        from .dp import clip_factors
-
-        bounds = torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)
-        return clip_factors(norms, bounds[:, None], clipping)
+    def column(self, norms: Tensor) -> Tensor:
+        """The bounds as a ``[groups, 1]`` tensor of ``norms``' dtype and device, for
+        :func:`gradhooks.clip_factors` of the group norms ``[groups, batch]``."""
+        return torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)[:, None]
 
 
 def check_bounds(max_norm: Any, clipping_groups: ClippingGroups, where: str) -> None:

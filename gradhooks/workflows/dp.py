@@ -592,7 +592,8 @@ def _clipped_sums(
         if groups is None:
             per_param = [clip_factors(unscaled(norms), max_norm, clipping)] * len(params)
         else:
-            factors = groups.factors(unscaled(group_sq.sqrt()), clipping)
+            group_norms = unscaled(group_sq.sqrt())
+            factors = clip_factors(group_norms, groups.column(group_norms), clipping)
             per_param = [factors[k] for k in groups.index]
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
@@ -618,8 +619,8 @@ def _clipped_sums(
             factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
             group_of: dict[int, int] = {}  # (every parameter: factors itself)
         else:
-            group_norms = _captured_group_norms(hooks, per_example_loss, params, groups)
-            factors = groups.factors(unscaled(group_norms), clipping).detach()
+            group_norms = unscaled(_captured_group_norms(hooks, per_example_loss, params, groups))
+            factors = clip_factors(group_norms, groups.column(group_norms), clipping).detach()
             group_of = {id(p): k for p, k in zip(params, groups.index, strict=True)}
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
