@@ -88,7 +88,9 @@ class GroupedBounds(NamedTuple):
             members[self.index[j]].append(s)
         sums = []
         for ms in members:
-            if stacked:
+            if stacked and len(ms) == 1:  # (a sum of one, exactly: a parameter on its own)
+                sums.append(ms[0])
+            elif stacked:
                 sums.append(torch.stack(ms).sum(0) if ms else zeros)
             else:
                 total = zeros
