@@ -284,6 +284,23 @@ def test_float16_with_a_grad_scaler_clips_the_unscaled_group_norms(method):
         assert float((got - want[n]).abs().max()) <= bound, f"{method}: {n}"
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_an_empty_batch_steps_on_the_noise_of_the_total_bound(method):
+    model = mlp()
+    x, y = data("mlp", 0, seed=1)
+    with gradhooks.add_hooks(model, quantities=(quantity(method),)) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, per_example(model, classify, x, y), max_norm=[1.0, 2.0], noise_multiplier=SIGMA,
+            method=method, clipping_groups="layer", expected_batch_size=E,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+    assert norms.shape == (0,)
+    noise = torch.Generator().manual_seed(0)
+    for n, p in model.named_parameters():
+        z = torch.randn(p.shape, generator=noise, dtype=p.dtype)
+        assert_close(p.grad, SIGMA * math.sqrt(5.0) * z / E, f"{method}: noise alone, {n}")
+
+
 def test_distributed_step_on_one_rank_is_the_grouped_step(tmp_path):
     """gradhooks.distributed.dp_sgd_step with clipping_groups, on a one-process gloo group:
     the grouped step of one process, the noise scaled to the total bound."""
@@ -415,6 +432,14 @@ def test_dp_optimizer_refuses_bad_groups_at_construction():
                                   expected_batch_size=E, method="ghost", clipping_groups="layer")  # fmt: skip
 
 
+def hooks_on(model):
+    """The hooks a model's modules and parameters hold."""
+    return [
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    ] + [len(p._backward_hooks or {}) for p in model.parameters()]
+
+
 def dataset(n=24):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
@@ -425,6 +450,16 @@ def test_make_private_keeps_the_groups_in_its_checkpoint_plan():
     """The plan of a checkpoint holds the bounds and the groups (parameters by their names):
     a run with the same resumes, one with other groups or bounds is refused; the accountant
     records σ alone, relative to the total bound (ε as for one bound)."""
+
+    model = mlp()
+    before = hooks_on(model)
+    with pytest.raises(gradhooks.ConfigurationError, match=r"'0\.bias' .* in no clipping group"):
+        gradhooks.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset(), noise_multiplier=1.0,
+            delta=1e-5, steps=3, expected_batch_size=E, max_grad_norm=[1.0, 1.0],
+            clipping_groups=[["0.weight"], ["2.weight", "2.bias"]],
+        )  # fmt: skip
+    assert hooks_on(model) == before, "a refused run leaves no hook on the model"
 
     def run(model=None, **kwargs):
         model = mlp() if model is None else model
