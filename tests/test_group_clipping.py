@@ -334,6 +334,37 @@ def test_distributed_step_on_one_rank_is_the_grouped_step(tmp_path):
         assert_close(p.grad, want[n], f"distributed: {n}")
 
 
+def test_opacus_per_layer_clipping_is_the_parameter_groups_step():
+    """Opacus' make_private(clipping="per_layer", max_grad_norm=[...]) and
+    clipping_groups="parameter" with the same bounds give the same clipped mean, but for
+    Opacus' 1e-6 added to each norm (its factor C/(‖g‖ + 1e-6)): relatively 1e-6/‖g‖ at most."""
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = data("mlp", 6, seed=1)
+    model = mlp()
+    named = named_groups(model, "parameter")
+    bounds, _ = bounds_for(model, classify, x, y, named, True)
+    smallest = group_norms(loop_grad(model, classify, x, y), named).min().item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Opacus' notes: secure_mode off, ...)
+        private, opt, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=0.0,
+            max_grad_norm=bounds, clipping="per_layer", poisson_sampling=False,
+        )  # fmt: skip
+        F.cross_entropy(private(x), y).backward()
+        opt.pre_step()  # (the clipping, the noise and the division, without the step)
+    ours = mlp()
+    with gradhooks.add_hooks(ours, quantities=("norms",)) as h:
+        gradhooks.dp_sgd_step(h, F.cross_entropy(ours(x), y, reduction="none"), max_norm=bounds,
+                              noise_multiplier=0.0, clipping_groups="parameter")  # fmt: skip
+    for (n, p), theirs in zip(ours.named_parameters(), opt.params, strict=True):
+        err = ((p.grad - theirs.grad).abs().max() / theirs.grad.abs().max()).item()
+        assert err <= 2e-6 / smallest, f"{n}: {err:.2e} from Opacus' per-layer step"
+
+
 # -- what is refused ------------------------------------------------------------------------------
 
 
