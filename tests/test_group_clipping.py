@@ -19,6 +19,7 @@ from torch import nn
 
 import gradhooks
 import gradhooks.distributed
+import gradhooks.pieces
 from gradhooks.oracle import loop_grad
 from harness import assert_close
 
@@ -299,6 +300,29 @@ def test_an_empty_batch_steps_on_the_noise_of_the_total_bound(method):
     for n, p in model.named_parameters():
         z = torch.randn(p.shape, generator=noise, dtype=p.dtype)
         assert_close(p.grad, SIGMA * math.sqrt(5.0) * z / E, f"{method}: noise alone, {n}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_grouped_step_reads_nothing_back_from_the_device(monkeypatch, method):
+    """Steady-state grouped steps (the 5th to 7th) read no value back to the host, as the
+    flat step does not (tests/test_host_syncs.py's count, the CPU taken for a device)."""
+    from test_host_syncs import Reads
+
+    monkeypatch.setattr(gradhooks.pieces, "reads_are_free", lambda t: False)
+    reads = Reads(monkeypatch)
+    model = mlp().float()
+    x, y = data("mlp", 5, seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradhooks.add_hooks(model, quantities=(quantity(method),)) as h:
+        for step in range(1, 9):
+            reads.on = 5 <= step <= 7
+            gradhooks.dp_sgd_step(
+                h, per_example(model, classify, x.float(), y), max_norm=[0.5, 0.1, 0.3, 0.2],
+                noise_multiplier=1.0, method=method, clipping_groups="parameter",
+            )  # fmt: skip
+            opt.step()
+    reads.on = False
+    assert reads.where == []
 
 
 def test_distributed_step_on_one_rank_is_the_grouped_step(tmp_path):

@@ -101,8 +101,21 @@ class GroupedBounds(NamedTuple):
 
     def column(self, norms: Tensor) -> Tensor:
         """The bounds as a ``[groups, 1]`` tensor of ``norms``' dtype and device, for
-        :func:`gradhooks.clip_factors` of the group norms ``[groups, batch]``."""
-        return torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)[:, None]
+        :func:`gradhooks.clip_factors` of the group norms ``[groups, batch]``: made once per
+        bounds, dtype and device (a copy to a GPU from the host waits for the device)."""
+        key = (tuple(self.bounds), norms.dtype, norms.device)
+        column = _COLUMNS.get(key)
+        if column is None:
+            if len(_COLUMNS) >= 64:
+                _COLUMNS.clear()
+            column = _COLUMNS[key] = torch.tensor(
+                self.bounds, dtype=norms.dtype, device=norms.device
+            )[:, None]
+        return column
+
+
+# The bounds of the steps so far as tensors, by (bounds, dtype, device): GroupedBounds.column
+_COLUMNS: dict[tuple, Tensor] = {}
 
 
 def check_bounds(max_norm: Any, clipping_groups: ClippingGroups, where: str) -> None:
