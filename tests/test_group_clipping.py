@@ -482,6 +482,9 @@ def test_dp_optimizer_refuses_bad_groups_at_construction():
         with pytest.raises(gradhooks.ConfigurationError, match="in no clipping group"):
             gradhooks.DPOptimizer(opt, h, max_grad_norm=1.0, noise_multiplier=1.0,
                                   expected_batch_size=E, clipping_groups=[[model[0].weight]])  # fmt: skip
+        with pytest.raises(gradhooks.ConfigurationError, match="max_grad_norm has 1 bounds but"):
+            gradhooks.DPOptimizer(opt, h, max_grad_norm=[1.0], noise_multiplier=1.0,
+                                  expected_batch_size=E, clipping_groups="parameter")  # fmt: skip
         with pytest.raises(gradhooks.ConfigurationError, match="method='bookkeeping'"):
             gradhooks.DPOptimizer(opt, h, max_grad_norm=[1.0, 1.0], noise_multiplier=1.0,
                                   expected_batch_size=E, method="ghost", clipping_groups="layer")  # fmt: skip

@@ -482,7 +482,7 @@ def test_refused_settings(tmp_path):
         DPArguments(max_grad_norm=1.0, delta=1e-5)
     with pytest.raises(ValueError, match="max_grad_norm"):
         DPArguments(max_grad_norm=0.0, delta=1e-5, noise_multiplier=1.0)
-    with pytest.raises(ValueError, match=r"max_norm\[1\] = -1"):
+    with pytest.raises(ValueError, match=r"max_grad_norm\[1\] = -1"):
         DPArguments(max_grad_norm=[1.0, -1.0], delta=1e-5, noise_multiplier=1.0,
                     clipping_groups="layer")  # fmt: skip
     with pytest.raises(ValueError, match="in no clipping group"):  # (at train: the model's)

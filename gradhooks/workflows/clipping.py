@@ -118,9 +118,12 @@ class GroupedBounds(NamedTuple):
 _COLUMNS: dict[tuple, Tensor] = {}
 
 
-def check_bounds(max_norm: Any, clipping_groups: ClippingGroups, where: str) -> None:
+def check_bounds(
+    max_norm: Any, clipping_groups: ClippingGroups, where: str, arg: str = "max_norm"
+) -> None:
     """Refuses the bounds and groups that are wrong whatever the model: a bound that is not a
-    number > 0 and finite, a list of bounds without groups, groups of the wrong type."""
+    number > 0 and finite, a list of bounds without groups, groups of the wrong type. ``arg``:
+    the bounds' argument's name in ``where``."""
     if isinstance(clipping_groups, str):
         if clipping_groups not in GROUPINGS:
             raise ConfigurationError(
@@ -137,7 +140,7 @@ def check_bounds(max_norm: Any, clipping_groups: ClippingGroups, where: str) -> 
         return  # (one bound: checked with the other arguments)
     if clipping_groups is None:
         raise ConfigurationError(
-            f"{where}: max_norm is a list of {len(max_norm)} bounds, one per clipping group, "
+            f"{where}: {arg} is a list of {len(max_norm)} bounds, one per clipping group, "
             "but no clipping_groups were given (the whole model is one group): give "
             "clipping_groups='parameter' (one bound per trainable parameter, in "
             "named_parameters() order, as Opacus' clipping='per_layer'), 'layer', or the "
@@ -146,12 +149,12 @@ def check_bounds(max_norm: Any, clipping_groups: ClippingGroups, where: str) -> 
     for k, c in enumerate(max_norm):
         if not _is_number(c):
             raise ConfigurationTypeError(
-                f"{where}: max_norm[{k}] is a {type(c).__qualname__}, not a number: give one "
+                f"{where}: {arg}[{k}] is a {type(c).__qualname__}, not a number: give one "
                 "float per clipping group"
             )
         if not 0 < c < math.inf:  # (also NaN)
             raise ConfigurationError(
-                f"{where}: max_norm[{k}] = {c!r}, the bound of clipping group {k}: each bound "
+                f"{where}: {arg}[{k}] = {c!r}, the bound of clipping group {k}: each bound "
                 "must be > 0 and finite (0 would leave the group's gradient out, a negative "
                 "one would flip it, NaN or Inf would clip nothing)"
             )
@@ -171,12 +174,14 @@ def grouped(
     max_norm: float | Sequence[float],
     clipping_groups: ClippingGroups,
     where: str,
+    arg: str = "max_norm",
 ) -> GroupedBounds | None:
     """The groups of ``params`` (the step's trainable parameters, ``names`` theirs) and their
     bounds, after refusing a group list that misses a trainable parameter, names one twice or
     names what is no parameter of ``model``, and a count of bounds that is not that of the
-    groups. ``None`` for ``clipping_groups=None`` (one bound over the whole model)."""
-    check_bounds(max_norm, clipping_groups, where)
+    groups. ``None`` for ``clipping_groups=None`` (one bound over the whole model). ``arg``:
+    the bounds' argument's name in ``where``."""
+    check_bounds(max_norm, clipping_groups, where, arg)
     if clipping_groups is None:
         return None
     if clipping_groups == "parameter":
@@ -205,7 +210,7 @@ def grouped(
                 for k, g in enumerate(groups[:6])
             )
             raise ConfigurationError(
-                f"{where}: max_norm has {len(bounds)} bounds but clipping_groups="
+                f"{where}: {arg} has {len(bounds)} bounds but clipping_groups="
                 f"{_short(clipping_groups)} makes {count} groups of the hooked model's trainable "
                 f"parameters ({listed}{'; ...' if count > 6 else ''}): give one bound per "
                 "group, in that order, or one float C (each group then gets C / sqrt(groups))"

@@ -297,7 +297,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
 
 def grouped(
     hooks: Hooks, method: str, params: list, max_norm: Any, clipping_groups: ClippingGroups,
-    where: str,
+    where: str, arg: str = "max_norm",
 ) -> GroupedBounds | None:  # fmt: skip
     """The step's clipping groups and bounds (:func:`gradhooks.workflows.clipping.grouped`;
     ``None`` for one bound over the whole model), after refusing ghost clipping with more
@@ -305,7 +305,7 @@ def grouped(
     if clipping_groups is None:
         return None
     groups = _clip.grouped(
-        hooks.model, params, _plan(hooks).names, max_norm, clipping_groups, where
+        hooks.model, params, _plan(hooks).names, max_norm, clipping_groups, where, arg
     )
     if method == "ghost" and groups is not None and len(groups.bounds) > 1:
         raise ConfigurationError(

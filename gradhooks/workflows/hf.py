@@ -105,7 +105,7 @@ class DPArguments:
     clipping_groups: Literal["parameter", "layer"] | list[list[str]] | None = None
 
     def __post_init__(self) -> None:
-        _clip.check_bounds(self.max_grad_norm, self.clipping_groups, "DPArguments")
+        _clip.check_bounds(self.max_grad_norm, self.clipping_groups, "DPArguments", "max_grad_norm")
         if not 0 < _clip.total_bound(self.max_grad_norm) < math.inf:
             raise ConfigurationError(f"DPArguments: max_grad_norm must be > 0 and finite, got "
                              f"{self.max_grad_norm!r}")  # fmt: skip

@@ -137,7 +137,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
                 f"has quantities={hooks.quantities!r}"
             )
-        _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer")
+        _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer", "max_grad_norm")
         _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
@@ -161,7 +161,10 @@ class DPOptimizer(torch.optim.Optimizer):
         params = _dp._covered_params(hooks)
         _check_optimizer_params(optimizer, hooks, params)
         # (the groups refused now, as each backward would refuse them)
-        _dp.grouped(hooks, resolved, params, max_grad_norm, clipping_groups, "DPOptimizer")
+        _dp.grouped(
+            hooks, resolved, params, max_grad_norm, clipping_groups, "DPOptimizer",
+            "max_grad_norm",
+        )  # fmt: skip
         self.optimizer = optimizer
         self.hooks = hooks
         self.max_grad_norm: float | list[float] = (
