@@ -455,6 +455,73 @@ def dp_sgd_autocast() -> None:
                         all_ranks_equal(p.grad, f"{what}: p.grad")
 
 
+def dp_sgd_groups() -> None:
+    """Group-wise clipping across ranks (shards 5, 3): per-layer bounds by grad1 and
+    book-keeping, per-parameter bounds of a model sharded by FSDP2 (every layer on its own):
+    each rank's p.grad equals one process's grouped step on the whole batch (the noise of the
+    total bound, from rank 0's generator), over two optimizer steps for FSDP2; ghost clipping
+    with groups is refused on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    sizes = [5, 3]
+    x, y, xs, ys = data(sizes)
+    layers = [0.5, 0.3, 0.2, 0.4]  # Conv1d, Linear, LayerNorm, Linear
+    for method, quantities in (("grad1", ("grad1",)), ("bookkeeping", ("norms",))):
+        model, ref = net(), net()
+        what = f"groups {method}"
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            gen = torch.Generator().manual_seed(7 if RANK == 0 else 100 + RANK)
+            ghd.dp_sgd_step(
+                h, F.cross_entropy(model(xs), ys, reduction="none"), max_norm=layers,
+                noise_multiplier=1.3, generator=gen, method=method, clipping_groups="layer",
+            )  # fmt: skip
+        with gradhooks.add_hooks(ref, quantities=quantities) as h:
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(ref(x), y, reduction="none"), max_norm=layers,
+                noise_multiplier=1.3, generator=torch.Generator().manual_seed(7), method=method,
+                clipping_groups="layer",
+            )  # fmt: skip
+        for p, r in zip(params(model), params(ref), strict=True):
+            close(p.grad, r.grad, f"{what}: p.grad vs one process")
+            all_ranks_equal(p.grad, f"{what}: p.grad")
+    model = net()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        try:
+            ghd.dp_sgd_step(h, F.cross_entropy(model(xs), ys, reduction="none"),
+                            max_norm=layers, noise_multiplier=1.0, method="ghost",
+                            clipping_groups="layer")  # fmt: skip
+        except ValueError as e:
+            assert "method='bookkeeping'" in str(e), e
+        else:
+            raise AssertionError("ghost clipping with groups must be refused")
+    model, ref = net(), net()
+    for m in reversed(list(model.modules())[1:]):
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    bounds = [0.6, 0.1, 0.5, 0.1, 0.2, 0.1, 0.3, 0.1]  # one per parameter
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        ref_h = gradhooks.add_hooks(ref, quantities=("norms",))
+        for step in range(2):
+            what = f"groups FSDP2 step {step}"
+            gen = torch.Generator().manual_seed(step if RANK == 0 else 50 + RANK)
+            ghd.dp_sgd_step(h, F.cross_entropy(model(xs), ys, reduction="none"),
+                            max_norm=bounds, noise_multiplier=1.1, generator=gen,
+                            clipping_groups="parameter")  # fmt: skip
+            gradhooks.dp_sgd_step(
+                ref_h, F.cross_entropy(ref(x), y, reduction="none"), max_norm=bounds,
+                noise_multiplier=1.1, generator=torch.Generator().manual_seed(step),
+                clipping_groups="parameter",
+            )  # fmt: skip
+            for p, r in zip(params(model), params(ref), strict=True):
+                close(p.grad.full_tensor(), r.grad, f"{what}: sharded p.grad vs one process")
+            opt.step()
+            ref_opt.step()
+        ref_h.remove()
+
+
 SCENARIOS = {
     "ddp_grad1": lambda: (
         ddp_grad1("wrapper"),
@@ -468,6 +535,7 @@ SCENARIOS = {
     "kfac": kfac_scenario,
     "mismatch": mismatch,
     "fsdp": fsdp,
+    "dp_sgd_groups": dp_sgd_groups,
 }
 
 if __name__ == "__main__":

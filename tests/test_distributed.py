@@ -132,6 +132,10 @@ def test_fsdp2_dp_step_equals_one_process(tmp_path):
     run("fsdp", tmp_path)
 
 
+def test_group_clipped_dp_sgd_across_ranks_and_fsdp2_equals_one_process(tmp_path):
+    run("dp_sgd_groups", tmp_path)
+
+
 def test_different_models_on_ranks_raise(tmp_path):
     run("mismatch", tmp_path)
 

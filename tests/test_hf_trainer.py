@@ -193,6 +193,40 @@ def test_a_causal_lm_step_is_the_clipped_sum_of_each_examples_own_mean_token_los
     assert trainer.accountant.steps == 1
 
 
+def test_a_layer_wise_clipped_step_clips_each_layer_of_each_example(tmp_path):
+    """DPArguments(clipping_groups="layer"): each module's part of each example's gradient
+    clipped to C/√K (K modules with trainable parameters), against the float64 loop; the
+    update is not the flat one's."""
+    model, data = gpt2(), Recorded(16)
+    clip, lr, expected = 3.5, 0.5, 4
+    dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=3,
+                     clipping_groups="layer")  # fmt: skip
+    trainer, before = trained(model, targs(tmp_path), data, dp)
+    batch = drawn(trainer, data)
+    initial = _initial(model, before)
+    params = {n: p for n, p in initial.named_parameters() if p.requires_grad}
+    owners: dict[str, list[str]] = {}
+    for n in params:
+        owners.setdefault(n.rpartition(".")[0], []).append(n)
+    bound = clip / math.sqrt(len(owners))
+    want = {n: torch.zeros_like(p) for n, p in params.items()}
+    clipped = 0
+    for i in batch:
+        grads = torch.autograd.grad(
+            own_loss(initial, data.example(i), "causal"), list(params.values())
+        )
+        by_name = dict(zip(params, grads, strict=True))
+        for names in owners.values():
+            norm = float(torch.sqrt(sum(by_name[n].pow(2).sum() for n in names)))
+            clipped += norm > bound
+            for n in names:
+                want[n] -= lr * min(1.0, bound / norm) * by_name[n] / expected
+    assert 0 < clipped < len(batch) * len(owners)  # some layers clipped, some not
+    assert_update(model, before, want)
+    flat, _ = reference_update(initial, data, batch, clip, expected, lr)
+    assert max(float((flat[n] - want[n]).abs().max()) for n in want) > 1e-4
+
+
 def test_the_batch_token_mean_would_weigh_an_example_by_the_others_lengths(tmp_path):
     """The loss of the check above is each example's own mean: Hugging Face's batch-token mean
     (an example's token sum over the batch's token count) gives another update here."""
@@ -448,6 +482,13 @@ def test_refused_settings(tmp_path):
         DPArguments(max_grad_norm=1.0, delta=1e-5)
     with pytest.raises(ValueError, match="max_grad_norm"):
         DPArguments(max_grad_norm=0.0, delta=1e-5, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"max_grad_norm\[1\] = -1"):
+        DPArguments(max_grad_norm=[1.0, -1.0], delta=1e-5, noise_multiplier=1.0,
+                    clipping_groups="layer")  # fmt: skip
+    with pytest.raises(ValueError, match="in no clipping group"):  # (at train: the model's)
+        DPTrainer(model, targs(tmp_path), train_dataset=data, dp=DPArguments(
+            max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0,
+            clipping_groups=[["transformer.wte.weight"]])).train()  # fmt: skip
     with pytest.raises(ValueError, match="delta"):
         DPArguments(max_grad_norm=1.0, delta=1.0, noise_multiplier=1.0)
 

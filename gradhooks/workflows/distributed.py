@@ -41,6 +41,7 @@ from ..engine.api import engine_of
 from ..engine.handle import Hooks
 from ..errors import ConfigurationError, StateError
 from ..quantities.kfac import KfacAccumulator, KFactors
+from . import clipping as _clip
 from . import dp as _dp
 from . import kfac as _kfac
 
@@ -54,7 +55,7 @@ def dp_sgd_step(
     hooks: Hooks,
     per_example_loss: Tensor,
     *,
-    max_norm: float,
+    max_norm: float | Sequence[float],
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
@@ -63,6 +64,7 @@ def dp_sgd_step(
     group: Group = None,
     scaler: torch.amp.GradScaler | None = None,
     clipping: Literal["flat", "automatic"] = "flat",
+    clipping_groups: _clip.ClippingGroups = None,
 ) -> Tensor:
     """:func:`gradhooks.dp_sgd_step` with the batch split across the ranks of ``group``.
 
@@ -90,6 +92,9 @@ def dp_sgd_step(
             for it: discarded). Whether the step was skipped is the same on every rank:
             ``scaler.get_scale()`` went down at ``scaler.update()``.
         clipping: as for :func:`gradhooks.dp_sgd_step` (``"flat"`` or ``"automatic"``).
+        clipping_groups: as for :func:`gradhooks.dp_sgd_step`: each rank clips each group of
+            its own examples' gradients to the group's bound; the noise std is ``σ`` times the
+            total bound ``√(Σ_k C_k²)``.
 
     A model sharded with FSDP2 (``fully_shard``: the root, and any of its modules before it;
     hook it, once sharded, with ``quantities=("norms",)``) works the same with ``method="bookkeeping"``: the norms are
@@ -108,7 +113,9 @@ def dp_sgd_step(
         optimizer.step()                                  # the same step on every rank
     """
     method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _dp._check_clipping(max_norm, noise_multiplier, generator, clipping)
+    _clip.check_bounds(max_norm, clipping_groups, "gradhooks.distributed.dp_sgd_step")
+    total = _clip.total_bound(max_norm)
+    _dp._check_clipping(total, noise_multiplier, generator, clipping)
     _dp.check_scaler(scaler)
     params = _dp._covered_params(hooks)
     if engine_of(hooks).sharded and method == "ghost":
@@ -117,14 +124,18 @@ def dp_sgd_step(
             "use method='bookkeeping' (one backward, the clipped sums from the kept layer "
             "inputs and output-gradients)"
         )
-    norms, grads, scale = _dp._clipped_sums(
-        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping
+    groups = _dp.grouped(
+        hooks, method, params, max_norm, clipping_groups, "gradhooks.distributed.dp_sgd_step"
     )
+    norms, grads, scale = _dp._clipped_sums(
+        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping,
+        groups=groups,
+    )  # fmt: skip
     overflow = scale is not None and not _dp.finite(norms, grads)
     if overflow:  # (NaN in the sum: every rank's p.grad, and every rank's scaler skips)
         for g in grads:
             g.fill_(float("nan"))
-    std = noise_multiplier * max_norm * (scale or 1.0)  # (the sums are scaled by it)
+    std = noise_multiplier * total * (scale or 1.0)  # (the sums are scaled by it)
     if std > 0 and not overflow and dist.get_rank(group) == 0:  # once, before the sum
         for p, g in zip(params, grads, strict=True):
             g.add_(_dp.gaussian(p, generator), alpha=std)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -73,6 +73,8 @@ from ..errors import (
     StateError,
     UnsupportedError,
 )
+from . import clipping as _clip
+from .clipping import ClippingGroups, GroupedBounds
 
 __all__ = ["dp_sgd_step", "clip_factors", "clipped_sum", "ClippedSum"]
 
@@ -82,24 +84,27 @@ AUTOMATIC_GAMMA = 0.01
 CLIPPINGS = ("flat", "automatic")
 
 
-def clip_factors(norms: Tensor, max_norm: float, clipping: str = "flat") -> Tensor:
+def clip_factors(norms: Tensor, max_norm: float | Tensor, clipping: str = "flat") -> Tensor:
     """Each example's factor, shape of ``norms``: with ``clipping="flat"`` (Abadi et al.,
     Opacus' default) ``min(1, max_norm / norms)``, ``1`` where a norm is 0 (or NaN); with
     ``"automatic"`` (AUTO-S, Bu et al., *Automatic Clipping*, 2023; fastDP's default)
     ``max_norm / (norms + 0.01)``, every example's gradient normalized, so that the clipped
     norm ``max_norm · ‖g‖ / (‖g‖ + 0.01)`` stays below ``max_norm`` as flat clipping's does (the
     same noise gives the same privacy); the learning rate then needs no tuning against
-    ``max_norm``."""
+    ``max_norm``. ``max_norm`` may be a tensor that broadcasts against ``norms`` (a bound per
+    clipping group, ``[groups, 1]`` against norms ``[groups, batch]``)."""
+    # (``x.reciprocal() * C`` is what ``C / x`` computes for a float C: written so, a tensor
+    # of bounds, one per clipping group, gives the same numbers as each bound given alone)
     if clipping == "automatic":
-        return max_norm / (norms + AUTOMATIC_GAMMA)
-    return torch.where(norms > max_norm, max_norm / norms, 1.0)
+        return (norms + AUTOMATIC_GAMMA).reciprocal() * max_norm
+    return torch.where(norms > max_norm, norms.reciprocal() * max_norm, 1.0)
 
 
 def dp_sgd_step(
     hooks: Hooks,
     per_example_loss: Tensor,
     *,
-    max_norm: float,
+    max_norm: float | Sequence[float],
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     reduction: Literal["mean", "sum"] = "mean",
@@ -107,6 +112,7 @@ def dp_sgd_step(
     expected_batch_size: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
     clipping: Literal["flat", "automatic"] = "flat",
+    clipping_groups: ClippingGroups = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
@@ -116,8 +122,11 @@ def dp_sgd_step(
             or ``quantities=("norms",)`` (book-keeping by default, or ghost clipping: never
             forms ``grad1``), added before the forward. Its ``loss_reduction`` does not matter here.
         per_example_loss: each example's own loss, ``[batch]`` (e.g. ``reduction="none"``).
-        max_norm: ``C``, the clipping norm of each example's whole-model gradient.
-        noise_multiplier: ``σ``; the noise std is ``σ·C``. ``0`` for clipping only.
+        max_norm: ``C``, the clipping norm of each example's whole-model gradient; with
+            ``clipping_groups``, a float ``C`` (each of ``K`` groups clipped to ``C/√K``) or
+            one bound per group ``[C_1, ..., C_K]`` (total ``C = √(Σ_k C_k²)``).
+        noise_multiplier: ``σ``; the noise std is ``σ·C`` (``C`` the total bound). ``0`` for
+            clipping only.
         generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
         reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
         method: ``"grad1"``, ``"ghost"`` or ``"bookkeeping"``; by default ``"grad1"`` for a
@@ -137,9 +146,17 @@ def dp_sgd_step(
         clipping: ``"flat"`` (each gradient scaled by ``min(1, C/‖g_i‖)``) or ``"automatic"``
             (by ``C/(‖g_i‖ + 0.01)``: every gradient normalized, fastDP's default), both
             bounding each example's contribution by ``C``: :func:`clip_factors`.
+        clipping_groups: ``None`` (one bound over the whole model), ``"parameter"`` (every
+            trainable parameter clipped on its own: Opacus' ``clipping="per_layer"``),
+            ``"layer"`` (each module's parameters together) or a list of groups (each a list
+            of parameters or of their names; an optimizer's ``param_groups``): each example's
+            gradient of each group clipped to that group's bound (:mod:`~gradhooks.workflows.
+            clipping`); ``"flat"`` or ``"automatic"`` within each group. Methods ``"grad1"``
+            and ``"bookkeeping"``; ``"ghost"`` with one group only.
 
     Returns:
-        The per-example gradient norms before clipping (unscaled), ``[batch]``.
+        The per-example gradient norms before clipping (unscaled), ``[batch]`` (of the whole
+        model's gradient, also with ``clipping_groups``).
 
     Example::
 
@@ -154,10 +171,12 @@ def dp_sgd_step(
         (torch.Size([8]), torch.Size([3, 4]))
     """
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
-    _check_clipping(max_norm, noise_multiplier, generator, clipping)
+    _clip.check_bounds(max_norm, clipping_groups, "dp_sgd_step")
+    _check_clipping(_clip.total_bound(max_norm), noise_multiplier, generator, clipping)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
-    std = noise_multiplier * max_norm
+    groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
+    std = noise_multiplier * _clip.total_bound(max_norm)
     # Without a scaler, the noise is drawn first, into the buffers the gradients are built in,
     # and the clipped sums are added to it (the rows of an embedding an example looked up, a
     # layer's product accumulated in place): one tensor of each parameter's size, no second.
@@ -165,8 +184,9 @@ def dp_sgd_step(
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
     into = (lambda: noises(params, generator, std)) if noised else None
     norms, clipped, scale = _clipped_sums(
-        hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping
-    )
+        hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
+        groups=groups,
+    )  # fmt: skip
     if scale is not None and not finite(norms, clipped):
         for p in params:  # (scaler.step sees them, and skips the step)
             p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
@@ -194,7 +214,8 @@ class ClippedSum(NamedTuple):
     """The trainable parameters of the hooked model, in the order the noise is drawn."""
     sums: list[Tensor]
     """Per parameter, ``Σ_i f_i · g_i`` over the batch, ``f_i`` the clipping factor
-    (:func:`clip_factors`: ``min(1, C/‖g_i‖)``, flat) (no noise, not divided),
+    (:func:`clip_factors`: ``min(1, C/‖g_i‖)``, flat; with ``clipping_groups``, that of the
+    parameter's group) (no noise, not divided),
     in the parameter's dtype and shape; NaN or Inf where ``finite`` is False."""
     norms: Tensor
     """The per-example gradient norms before clipping (unscaled), ``[batch]``."""
@@ -206,10 +227,11 @@ def clipped_sum(
     hooks: Hooks,
     per_example_loss: Tensor,
     *,
-    max_norm: float,
+    max_norm: float | Sequence[float],
     method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     clipping: Literal["flat", "automatic"] = "flat",
+    clipping_groups: ClippingGroups = None,
 ) -> ClippedSum:
     """Backward of ``per_example_loss`` (``[batch]``) and the clipped sum of its examples'
     gradients, per parameter: :func:`dp_sgd_step` without the noise and the division, and
@@ -217,16 +239,20 @@ def clipped_sum(
     (:class:`gradhooks.DPOptimizer` adds these sums over the physical batches of a logical
     batch, then adds the noise once).
 
-    The arguments are :func:`dp_sgd_step`'s, with the same checks. With an enabled
+    The arguments are :func:`dp_sgd_step`'s, with the same checks (with ``clipping_groups``,
+    ``f_i`` is the factor of each parameter's group). With an enabled
     ``scaler`` the backward runs on the scaled losses (float16 autocast) and the sums are
     returned unscaled (divided by the scale, a power of two: exact).
     """
     method = _checked(hooks, per_example_loss, method, "mean", None)
-    _check_clipping(max_norm, 0.0, clipping=clipping)
+    _clip.check_bounds(max_norm, clipping_groups, "clipped_sum")
+    _check_clipping(_clip.total_bound(max_norm), 0.0, clipping=clipping)
     params = _step_params(hooks, method, scaler)
+    groups = grouped(hooks, method, params, max_norm, clipping_groups, "clipped_sum")
     norms, sums, scale = _clipped_sums(
-        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping
-    )
+        hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping,
+        groups=groups,
+    )  # fmt: skip
     ok = scale is None or finite(norms, sums)
     if scale is not None:
         sums = [s.detach() / scale for s in sums]
@@ -267,6 +293,30 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
                 "or remove the hook."
             )
     return params
+
+
+def grouped(
+    hooks: Hooks, method: str, params: list, max_norm: Any, clipping_groups: ClippingGroups,
+    where: str, arg: str = "max_norm",
+) -> GroupedBounds | None:  # fmt: skip
+    """The step's clipping groups and bounds (:func:`gradhooks.workflows.clipping.grouped`;
+    ``None`` for one bound over the whole model), after refusing ghost clipping with more
+    than one group."""
+    if clipping_groups is None:
+        return None
+    groups = _clip.grouped(
+        hooks.model, params, _plan(hooks).names, max_norm, clipping_groups, where, arg
+    )
+    if method == "ghost" and groups is not None and len(groups.bounds) > 1:
+        raise ConfigurationError(
+            f"{where}(method='ghost') with {len(groups.bounds)} clipping groups: ghost clipping "
+            "takes the clipped sum from autograd's gradient of Σ_i f_i · loss_i, one factor "
+            "per example for every parameter, and group-wise clipping needs a factor per "
+            "example and group. Use method='bookkeeping' (one backward, the group norms from "
+            "the per-parameter norms; the handle's quantities=('norms',) serves it) or "
+            "'grad1' (a handle with 'grad1'). No gradient was written."
+        )
+    return groups
 
 
 def check_scaler(scaler: Any) -> None:
@@ -488,6 +538,7 @@ def _clipped_sums(
     scaler: torch.amp.GradScaler | None = None,
     into: Callable[[], list[Tensor]] | None = None,
     clipping: str = "flat",
+    groups: GroupedBounds | None = None,
 ) -> tuple[Tensor, list[Tensor], float | None]:
     """The per-example norms and, per parameter, ``Σ_i f_i · g_i`` (``f_i``: ``clipping``'s
     factor, :func:`clip_factors`; full-sized,
@@ -496,7 +547,11 @@ def _clipped_sums(
     ``None``): the backward is that of ``scaler.scale(losses)``, the norms returned and
     clipped are those divided by ``S``, the sums ``S ·`` the clipped ones. ``into``: called
     once the clipping factors are known, the tensors (one per parameter, contiguous, of its
-    full shape and dtype) the sums are added to in place and returned as (else zeros)."""
+    full shape and dtype) the sums are added to in place and returned as (else zeros).
+    ``groups``: each parameter's ``f_i`` is that of its group, of the group's norms and bound
+    (:mod:`gradhooks.workflows.clipping`); ``max_norm`` is then not used."""
+    if groups is not None and method == "ghost":  # (one group: grouped refuses more)
+        max_norm, groups = groups.bounds[0], None
     stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
     if scaler is not None and scaler.is_enabled():
         per_example_loss = scaler.scale(per_example_loss)
@@ -516,10 +571,16 @@ def _clipped_sums(
         _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
         _check_batch(hooks, per_example_loss, [g.shape[0] for g in grads1 if g is not None])
-        sq = per_example_loss.new_zeros(batch)
-        for g in grads1:
-            if g is not None:
-                sq = sq + P.flat_rows(g).pow(2).sum(1)
+        if groups is None:
+            sq = per_example_loss.new_zeros(batch)
+            for g in grads1:
+                if g is not None:
+                    sq = sq + P.flat_rows(g).pow(2).sum(1)
+        else:  # (per group, the same sums in the same order)
+            group_sq = groups.group_sq((
+                (j, P.flat_rows(g).pow(2).sum(1)) for j, g in enumerate(grads1) if g is not None
+            ), per_example_loss.new_zeros(batch), stacked=False)  # fmt: skip
+            sq = group_sq.sum(0)
         norms = sq.sqrt()
         if truth is not None:
             w = truth[0]
@@ -528,11 +589,16 @@ def _clipped_sums(
                 for g in grads1
             ))  # fmt: skip
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(unscaled(norms), max_norm, clipping)
+        if groups is None:
+            per_param = [clip_factors(unscaled(norms), max_norm, clipping)] * len(params)
+        else:
+            group_norms = unscaled(group_sq.sqrt())
+            factors = clip_factors(group_norms, groups.column(group_norms), clipping)
+            per_param = [factors[k] for k in groups.index]
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
-            None if g is None else torch.einsum("b,b...->...", *_widest(factors, g)).to(p.dtype)
-            for p, g in zip(params, grads1, strict=True)
+            None if g is None else torch.einsum("b,b...->...", *_widest(f, g)).to(p.dtype)
+            for p, g, f in zip(params, grads1, per_param, strict=True)
         ))  # fmt: skip
     elif method == "bookkeeping":
         kept: list = []
@@ -549,21 +615,29 @@ def _clipped_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = None  # (autograd's gradients of the check, freed)
-        factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
+        if groups is None:
+            factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
+            group_of: dict[int, int] = {}  # (every parameter: factors itself)
+        else:
+            group_norms = unscaled(_captured_group_norms(hooks, per_example_loss, params, groups))
+            factors = clip_factors(group_norms, groups.column(group_norms), clipping).detach()
+            group_of = {id(p): k for p, k in zip(params, groups.index, strict=True)}
         clipped = into() if into is not None else [_zeros(p) for p in params]
         built = {id(p): c for p, c in zip(params, clipped, strict=True)}
         summed = {key for key in grad1s if key in built}
         for key in summed:
-            _add_weighted(built[key], grad1s[key], factors)
+            _add_weighted(built[key], grad1s[key], _of(factors, group_of.get(key)))
         del grad1s
-        weights: dict[float, Tensor] = {}  # (per scale: one call's, mostly every call's)
+        weights: dict[tuple, Tensor] = {}  # (per scale: one call's, mostly every call's)
         while kept:  # (each call's pieces freed once added)
             pieces, live, scale = kept.pop(0)
-            w = weights.get(scale)
-            if w is None:
-                w = weights[scale] = factors * scale if scale != 1.0 else factors
             for pname, p in live.items():
                 if id(p) not in summed:
+                    k = group_of.get(id(p))
+                    w = weights.get((scale, k))
+                    if w is None:
+                        f = _of(factors, k)
+                        w = weights[(scale, k)] = f * scale if scale != 1.0 else f
                     pieces[pname].add_batch_sum(built[id(p)], w)
             del pieces, live
     else:
@@ -584,6 +658,34 @@ def _clipped_sums(
         clipped = _added(into, params, iter(grads))
     _STEPPED[stepped] = True
     return unscaled(norms), clipped, loss_scale
+
+
+def _of(factors: Tensor, group: int | None) -> Tensor:
+    """A parameter's clipping factors, ``[batch]``: those of its group (``factors``
+    ``[groups, batch]``), or ``factors`` itself (one bound, ``group`` ``None``)."""
+    return factors if group is None else factors[group]
+
+
+def _captured_group_norms(
+    hooks: Hooks, per_example_loss: Tensor, params: list, groups: GroupedBounds
+) -> Tensor:
+    """Per group, the per-example norm of its parameters' gradient together, ``[groups,
+    batch]``, from the per-parameter squared norms the last backward captured (summed as
+    :meth:`Hooks.norms` sums them all); zeros where it reached no parameter of a group."""
+    captured = engine_of(hooks).collector.param_sq_norms
+    names = engine_of(hooks).collector.names
+    position = {names.get(id(p)): j for j, p in enumerate(params)}
+    stray = [n for n in captured if n not in position]
+    if stray:
+        raise StateError(
+            f"dp_sgd_step: the backward captured the per-example norms of {stray[:5]}, which "
+            "are not among the step's trainable parameters (frozen, or swapped, since the "
+            "forward?), so they would be in no clipping group. Run the forward again after "
+            "changing the model. No gradient was written."
+        )
+    like = next(iter(captured.values()), per_example_loss)
+    zeros = like.new_zeros(per_example_loss.shape[0])
+    return groups.group_sq(((position[n], sq) for n, sq in captured.items()), zeros, True).sqrt()
 
 
 def _added(

@@ -58,6 +58,7 @@ from ..errors import (
 )
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import PoissonSampler
+from . import clipping as _clip
 from .private import DPOptimizer
 
 __all__ = ["DPArguments", "DPTrainer", "per_example_loss"]
@@ -72,7 +73,9 @@ class DPArguments:
     Args:
         max_grad_norm: ``C``, the clipping norm of each example's gradient (of every trainable
             parameter together). Replaces the Trainer's own ``args.max_grad_norm``, which
-            clips the batch gradient and is turned off.
+            clips the batch gradient and is turned off. With ``clipping_groups``, a float
+            ``C`` (each of ``K`` groups clipped to ``C/√K``) or one bound per group (the noise
+            then scaled to the total bound ``√(Σ_k C_k²)``).
         delta: the δ at which ε is reported and the budget is held (usually well below
             ``1 / len(train_dataset)``).
         target_epsilon: the privacy budget ε. Without ``noise_multiplier``, the noise
@@ -87,9 +90,13 @@ class DPArguments:
         noise_seed: seeds the noise's generator (a secret in earnest); ``None``: torch's
             global generator (seeded by the Trainer's ``args.seed``).
         sampling_seed: seeds the Poisson sampler's generator; ``None``: torch's global one.
+        clipping_groups: ``None`` (one bound over every trainable parameter), ``"parameter"``
+            (each trainable parameter clipped on its own), ``"layer"`` (each module's), or a
+            list of groups of parameter names (of the model as trained: a PEFT model's
+            names): :func:`gradhooks.dp_sgd_step`'s ``clipping_groups``.
     """
 
-    max_grad_norm: float
+    max_grad_norm: float | list[float]
     delta: float
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -97,9 +104,11 @@ class DPArguments:
     method: Literal["ghost", "bookkeeping"] | None = None
     noise_seed: int | None = None
     sampling_seed: int | None = None
+    clipping_groups: Literal["parameter", "layer"] | list[list[str]] | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.max_grad_norm < math.inf:
+        _clip.check_bounds(self.max_grad_norm, self.clipping_groups, "DPArguments", "max_grad_norm")
+        if not 0 < _clip.total_bound(self.max_grad_norm) < math.inf:
             raise ConfigurationError(f"DPArguments: max_grad_norm must be > 0 and finite, got "
                              f"{self.max_grad_norm!r}")  # fmt: skip
         if not 0 < self.delta < 1:
@@ -361,7 +370,7 @@ class DPTrainer(transformers.Trainer):
             base, self._hooks, max_grad_norm=self.dp.max_grad_norm,
             noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate, accountant=self.accountant, generator=self._noise,
-            method=self.dp.method,
+            method=self.dp.method, clipping_groups=self.dp.clipping_groups,
         )  # fmt: skip
         self.optimizer = self._dp_optimizer
         return self.optimizer
@@ -401,6 +410,7 @@ class DPTrainer(transformers.Trainer):
             "expected_batch_size": self.expected_batch_size, "examples": self._examples(),
             "max_grad_norm": self.dp.max_grad_norm, "delta": self.dp.delta,
             "accountant": self.dp.accountant, "method": self.dp.method,
+            "clipping_groups": self.dp.clipping_groups,
         }  # fmt: skip
 
     def dp_state_dict(self) -> dict[str, Any]:

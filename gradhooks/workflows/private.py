@@ -20,7 +20,7 @@ once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -32,6 +32,7 @@ from ..engine.handle import Hooks, add_hooks
 from ..errors import ConfigurationError, ConfigurationTypeError, PrivacyBudgetExceeded, StateError
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import EmptyAware, PoissonSampler
+from . import clipping as _clip
 from . import dp as _dp
 
 __all__ = ["DPOptimizer", "PrivateTraining", "make_private"]
@@ -74,8 +75,11 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer: any ``torch.optim.Optimizer`` over (some of) the hooked model's parameters.
         hooks: the handle of ``gradhooks.add_hooks(model, quantities=("norms",))`` (or with
             ``"grad1"``), added before the forwards.
-        max_grad_norm: ``C``, the clipping norm of each example's whole-model gradient.
-        noise_multiplier: ``σ``; the noise std is ``σ·C``.
+        max_grad_norm: ``C``, the clipping norm of each example's whole-model gradient; with
+            ``clipping_groups``, a float ``C`` (each of ``K`` groups clipped to ``C/√K``) or
+            one bound per group (total ``C = √(Σ_k C_k²)``).
+        noise_multiplier: ``σ``; the noise std is ``σ·C`` (``C`` the total bound, so the
+            accountant's ``σ`` is relative to it).
         expected_batch_size: the divisor, the *expected* size of a logical batch (for Poisson
             sampling: ``sample_rate · len(dataset)``), public, unlike a batch's own size.
         sample_rate: the Poisson sampling rate ``q``, which the accountant records.
@@ -90,6 +94,10 @@ class DPOptimizer(torch.optim.Optimizer):
             nothing.
         clipping: :func:`gradhooks.dp_sgd_step`'s ``clipping``: ``"flat"`` (``min(1, C/‖g_i‖)``)
             or ``"automatic"`` (``C/(‖g_i‖ + 0.01)``).
+        clipping_groups: :func:`gradhooks.dp_sgd_step`'s ``clipping_groups``: ``None`` (one
+            bound), ``"parameter"`` (Opacus' per-layer clipping), ``"layer"``, or a list of
+            groups of parameters or names (the wrapped optimizer's ``param_groups`` too);
+            resolved against the hooked model at every backward.
 
     A misuse raises before anything changes: a step with no backward since the last one,
     losses that are not ``[batch]``, a handle without ``"grad1"`` or ``"norms"``, an optimizer
@@ -101,7 +109,7 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         hooks: Hooks,
         *,
-        max_grad_norm: float,
+        max_grad_norm: float | Sequence[float],
         noise_multiplier: float,
         expected_batch_size: float,
         sample_rate: float | None = None,
@@ -110,6 +118,7 @@ class DPOptimizer(torch.optim.Optimizer):
         method: Literal["grad1", "ghost", "bookkeeping"] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         clipping: Literal["flat", "automatic"] = "flat",
+        clipping_groups: _clip.ClippingGroups = None,
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's)
         if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
@@ -128,11 +137,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
                 f"has quantities={hooks.quantities!r}"
             )
-        _dp._check_clipping(max_grad_norm, noise_multiplier, generator, clipping)
+        _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer", "max_grad_norm")
+        _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
-        if method is not None:
-            _dp._checked_method(hooks, method)
+        resolved = _dp._checked_method(hooks, method)
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ConfigurationError(
                 f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
@@ -151,9 +160,19 @@ class DPOptimizer(torch.optim.Optimizer):
                 )
         params = _dp._covered_params(hooks)
         _check_optimizer_params(optimizer, hooks, params)
+        # (the groups refused now, as each backward would refuse them)
+        _dp.grouped(
+            hooks, resolved, params, max_grad_norm, clipping_groups, "DPOptimizer",
+            "max_grad_norm",
+        )  # fmt: skip
         self.optimizer = optimizer
         self.hooks = hooks
-        self.max_grad_norm = float(max_grad_norm)
+        self.max_grad_norm: float | list[float] = (
+            [float(c) for c in max_grad_norm]
+            if isinstance(max_grad_norm, Sequence)
+            else float(max_grad_norm)
+        )
+        self.clipping_groups = clipping_groups
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = expected_batch_size
         self.sample_rate = sample_rate
@@ -240,7 +259,7 @@ class DPOptimizer(torch.optim.Optimizer):
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
         got = _dp.clipped_sum(
             self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
-            scaler=self.scaler, clipping=self.clipping,
+            scaler=self.scaler, clipping=self.clipping, clipping_groups=self.clipping_groups,
         )  # fmt: skip
         if self._sums is None:
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
@@ -253,10 +272,10 @@ class DPOptimizer(torch.optim.Optimizer):
         return got.norms
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
-        """Noise once, ``p.grad = (clipped sum + σ·C·N(0, I)) / expected_batch_size``, the
-        wrapped optimizer's step (through the scaler where there is one), the step recorded in
-        the accountant, the buffer emptied. Returns whether the optimizer stepped (False only
-        where a scaled backward overflowed and the step was skipped).
+        """Noise once, ``p.grad = (clipped sum + σ·C·N(0, I)) / expected_batch_size`` (``C`` the
+        total bound), the wrapped optimizer's step (through the scaler where there is one), the
+        step recorded in the accountant, the buffer emptied. Returns whether the optimizer
+        stepped (False only where a scaled backward overflowed and the step was skipped).
 
         ``closure``: as torch's optimizers take one (PyTorch Lightning's manual optimization
         passes one that does nothing), called first, with gradients enabled; it may run the
@@ -287,7 +306,7 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
         else:
-            std = self.noise_multiplier * self.max_grad_norm
+            std = self.noise_multiplier * _clip.total_bound(self.max_grad_norm)
             for p, s in zip(params, self._sums, strict=True):
                 # (the noise drawn into the gradient's own tensor, the sum added to it)
                 grad = _dp.noise(p, self.generator, std).add_(s) if std > 0 else s.to(p.dtype)
@@ -412,7 +431,7 @@ class PrivateTraining:
         collate_fn: Any,
         *,
         noise_multiplier: float,
-        max_grad_norm: float,
+        max_grad_norm: float | Sequence[float],
         sample_rate: float,
         expected_batch_size: float,
         steps: int,
@@ -423,13 +442,14 @@ class PrivateTraining:
         generator: torch.Generator | None,
         scaler: torch.amp.GradScaler | None,
         clipping: Literal["flat", "automatic"] = "flat",
+        clipping_groups: _clip.ClippingGroups = None,
     ) -> None:
         self.model = model
         self.dataset = dataset
         self.num_examples = len(dataset)
         self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
         self.clipping = clipping
+        self.clipping_groups = clipping_groups
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = float(expected_batch_size)
         self.steps = int(steps)
@@ -455,11 +475,12 @@ class PrivateTraining:
                 optimizer, self.hooks, max_grad_norm=max_grad_norm,
                 noise_multiplier=noise_multiplier, expected_batch_size=self.expected_batch_size,
                 sample_rate=self.sample_rate, accountant=self.accountant, generator=noise,
-                scaler=scaler, clipping=clipping,
+                scaler=scaler, clipping=clipping, clipping_groups=clipping_groups,
             )  # fmt: skip
         except BaseException:
             self.hooks.remove()
             raise
+        self.max_grad_norm = self.optimizer.max_grad_norm
         self._done = 0  # logical batches done (stepped, or skipped by the scaler)
         self._states: dict[int, Tensor] = {}  # batch generator's state before logical batch k
         self._pending: collections.deque = collections.deque()  # (k, last, size) per physical
@@ -609,7 +630,8 @@ class PrivateTraining:
                 "before the loop (a new loop then starts where the checkpoint was taken)"
             )
         plan = self._plan()
-        saved = {"clipping": "flat", **state["plan"]}  # (a checkpoint from before the choice)
+        # (a checkpoint from before the choices)
+        saved = {"clipping": "flat", "clipping_groups": None, **state["plan"]}
         wrong = [k for k in plan if saved.get(k) != plan[k]]
         if wrong:
             k = wrong[0]
@@ -672,6 +694,7 @@ class PrivateTraining:
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
             "clipping": self.clipping,
+            "clipping_groups": _clip.describe(self.clipping_groups, self.model),
             "sample_rate": self.sample_rate,
             "steps": self.steps,
             "delta": self.delta,
@@ -747,7 +770,7 @@ def make_private(
     data: Dataset | DataLoader,
     *,
     delta: float,
-    max_grad_norm: float,
+    max_grad_norm: float | Sequence[float],
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
     epochs: float | None = None,
@@ -759,6 +782,7 @@ def make_private(
     generator: torch.Generator | None = None,
     scaler: torch.amp.GradScaler | None = None,
     clipping: Literal["flat", "automatic"] = "flat",
+    clipping_groups: _clip.ClippingGroups = None,
 ) -> PrivateTraining:
     """A DP-SGD training run of ``model`` by ``optimizer`` on ``data``: a
     :class:`PrivateTraining` that owns the hooks, the Poisson batches, the noise, the
@@ -783,7 +807,9 @@ def make_private(
             ``num_workers``, ``pin_memory`` and worker settings are kept (its batch size,
             sampler and shuffling are replaced by Poisson sampling).
         delta: δ of the (ε, δ) guarantee (below 1 / number of examples).
-        max_grad_norm: ``C``, the clipping norm of each example's gradient.
+        max_grad_norm: ``C``, the clipping norm of each example's gradient; with
+            ``clipping_groups``, a float (each of ``K`` groups clipped to ``C/√K``) or one
+            bound per group (total ``√(Σ_k C_k²)``, which the noise is scaled to).
         target_epsilon: the ε to spend over the planned steps: the noise multiplier is the
             smallest whose ε is at most it (:func:`gradhooks.noise_multiplier_for`)...
         noise_multiplier: ...or ``σ`` itself (give one of the two).
@@ -803,6 +829,11 @@ def make_private(
         clipping: ``"flat"`` (each example's gradient scaled by ``min(1, C/‖g_i‖)``, the
             default) or ``"automatic"`` (by ``C/(‖g_i‖ + 0.01)``, fastDP's default: see
             :func:`gradhooks.clip_factors`); the same noise, the same ε.
+        clipping_groups: ``None`` (one bound over the whole model), ``"parameter"``,
+            ``"layer"`` or a list of groups of parameters or names: each group of each
+            example's gradient clipped to its own bound (:func:`gradhooks.dp_sgd_step`); the
+            noise is scaled to the total bound, so ε is the same for the same ``σ``. Kept in
+            the checkpoint's plan.
     """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigurationError(
@@ -866,7 +897,7 @@ def make_private(
         sample_rate=sample_rate, expected_batch_size=expected_batch_size, steps=int(steps),
         delta=delta, target_epsilon=target_epsilon,
         accountant=accountant, max_physical_batch_size=max_physical_batch_size,
-        generator=generator, scaler=scaler, clipping=clipping,
+        generator=generator, scaler=scaler, clipping=clipping, clipping_groups=clipping_groups,
     )  # fmt: skip
 
 
