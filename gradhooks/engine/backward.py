@@ -690,6 +690,13 @@ class BackwardWriter:
             target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
             registry=self.state.registry,
         )  # fmt: skip
+        # (of another forward than p's last grad1, with .grad left alone: afresh, as _backward)
+        ref = next((r for r in map(self.state.source_frames.get, found) if r), None)
+        frame, bw = None if ref is None else ref(), self.backward_state()
+        if frame is not None and pid not in bw.before:
+            if pid in self.state.written and self._new_forward(p, frame):
+                del self.state.written[pid]
+            self.state.forward_of[pid] = ref
         state = CallState(dict(target.params), None)
         self.on_grads(target, state, call, (), {})
 
