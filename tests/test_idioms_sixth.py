@@ -310,23 +310,7 @@ RECOMPUTING = {
 }
 
 
-FUSED_GAP = (
-    "after backwards with an optimizer step fused in (p.grad set to None at each), the next "
-    "plain backward adds to MultiheadAttention's in_proj_bias and out_proj grad1 instead of "
-    "starting afresh after zero_grad (in_proj_weight is right)"
-)
-
-
-@pytest.mark.parametrize(
-    "factory",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=FUSED_GAP))
-        if n == "multihead attention"
-        else f
-        for n, f in RECOMPUTING.items()
-    ],
-    ids=list(RECOMPUTING),
-)
+@pytest.mark.parametrize("factory", list(RECOMPUTING.values()), ids=list(RECOMPUTING))
 def test_optimizer_fused_into_the_backward_of_layers_recomputed_from_their_weights(factory):
     """``register_post_accumulate_grad_hook`` steps each parameter in place as soon as its
     ``.grad`` is accumulated, in the middle of the backward. The fallback, RNNs and
