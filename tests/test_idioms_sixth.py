@@ -9,7 +9,7 @@ a float32 island; parametrizations, weight and spectral norms and pruning put on
 a compiled loss and a compiled optimizer step; module surgery after ``add_hooks`` (a head
 replaced or wrapped, weights tied, a conversion, ``load_state_dict(strict=False)``,
 ``reset_parameters``, ``apply``, ``ModuleList.append``, ``ModuleDict.update``); weighted,
-masked and multi-head losses. Each is compared with each example's own gradient by a
+masked, token and multi-head losses, a vector loss's backward with its gradient. Each is compared with each example's own gradient by a
 per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out where
 an example is not one row of one input), within a stated tolerance under mixed precision. The
 misuse cases check that the mistake stops with an error that names what went wrong and leaves
@@ -19,6 +19,7 @@ the model as it was, or has the documented meaning.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -629,3 +630,428 @@ def test_a_directly_used_parameter_starts_afresh_at_each_forward_when_grad_is_le
                 opt.step()
     for h in handles:
         h.remove()
+
+
+# -- module surgery after add_hooks ------------------------------------------------------------
+
+
+def _replace_head(m):
+    m[2] = nn.Linear(5, 2).to(D)
+
+
+def _wrap_head(m):
+    m[2] = nn.Sequential(nn.Dropout(0.0), m[2], nn.Identity())
+
+
+def _load_partial(m):
+    state = {k: v + 0.5 for k, v in m.state_dict().items() if k.startswith("0.")}
+    missing, _ = m.load_state_dict(state, strict=False)
+    assert missing == ["2.weight", "2.bias"]
+
+
+def _reset(m):
+    m[0].reset_parameters()
+
+
+def _apply_init(m):
+    def init(module):
+        if isinstance(module, nn.Linear):
+            nn.init.orthogonal_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    m.apply(init)
+
+
+def _float_then_double(m):
+    m.float()
+    m.double()
+
+
+SURGERY = {
+    "head replaced": _replace_head,
+    "head wrapped": _wrap_head,
+    "load_state_dict(strict=False)": _load_partial,
+    "reset_parameters": _reset,
+    "apply(init)": _apply_init,
+    ".float().double()": _float_then_double,
+}
+
+
+@pytest.mark.parametrize("change", list(SURGERY.values()), ids=list(SURGERY))
+def test_module_surgery_after_add_hooks(change):
+    """A step, then the model changed in place with the hooks on: the next steps' ``grad1`` is
+    the loop's of the changed model, every parameter (new ones too)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        x, y = batch(9)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        change(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+def test_weights_tied_after_add_hooks():
+    """An output layer's weight tied to the first layer's after ``add_hooks`` (3 -> 3 -> 3):
+    the shared parameter's ``grad1`` holds both uses, as the loop's ``.grad`` does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).to(D)
+    with gradhooks.add_hooks(model):
+        x, y = batch(9)
+        F.cross_entropy(model(x), y).backward()
+        model[2].weight = model[0].weight
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(3, 2)})
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return sum(head(x) for head in self.heads.values())
+
+
+def test_module_list_append_and_module_dict_update_after_add_hooks():
+    """A layer appended to an ``nn.ModuleList`` and a head added (and one replaced) in an
+    ``nn.ModuleDict`` between steps: each step's ``grad1`` is the loop's."""
+    torch.manual_seed(0)
+    model = Stack().to(D)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            if step == 1:
+                model.layers.append(nn.Linear(3, 3).to(D))
+            if step == 2:
+                model.heads.update({"b": nn.Linear(3, 2).to(D), "a": nn.Linear(3, 2).to(D)})
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_hooked_model_trains_on_its_own(how, tmp_path):
+    """A hooked model copied mid-training (``copy.deepcopy``, ``pickle``, ``torch.save`` of
+    the whole model): the copy is not hooked (its backward writes no ``grad1``, and the
+    ``grad1`` it carried is dropped), ``add_hooks(copy)`` gives it its own, the loop's; the
+    original's ``grad1`` is untouched by the copy's steps."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        if how == "deepcopy":
+            twin = copy.deepcopy(model)
+        elif how == "pickle":
+            twin = pickle.loads(pickle.dumps(model))
+        else:
+            torch.save(model, tmp_path / "model.pt")
+            twin = torch.load(tmp_path / "model.pt", weights_only=False)
+        twin.zero_grad()
+        x2, y2 = batch(1)
+        F.cross_entropy(twin(x2), y2).backward()
+        assert not any(hasattr(p, "grad1") for p in twin.parameters())
+        opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+        with gradhooks.add_hooks(twin):
+            for step in range(2):
+                x2, y2 = batch(step + 1)
+                want = loop_grad(twin, F.cross_entropy, x2, y2)
+                opt.zero_grad()
+                F.cross_entropy(twin(x2), y2).backward()
+                assert_grad1(twin, want, f"{how} step {step}")
+                opt.step()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad1, kept[n]), n
+
+
+# -- loss idioms -------------------------------------------------------------------------------
+
+
+def _rows(model, want: dict, w: torch.Tensor) -> dict:
+    """``want`` with each example's row multiplied by ``w[i]``."""
+    return {n: g * w.view(-1, *[1] * (g.dim() - 1)) for n, g in want.items()}
+
+
+def test_a_weighted_mean_of_unreduced_losses_is_carried_by_grad1_and_told_by_check():
+    """``(F.cross_entropy(..., reduction="none") * w).mean()`` under the default
+    ``loss_reduction="mean"``: ``grad1[i]`` is ``w[i]`` times example ``i``'s own gradient
+    (its share of the loss: ``grad1.mean(0)`` is ``.grad``), over steps; ``check`` of that
+    loss says the rows are not the examples' own gradients and names a weighted mean."""
+    model = mlp()
+    w = torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def weighted(out, y):
+        return (F.cross_entropy(out, y, reduction="none") * w[: len(y)]).mean()
+
+    with gradhooks.add_hooks(model) as h:
+        for step in range(2):
+            x, y = batch(step)
+            want = _rows(model, loop_grad(model, F.cross_entropy, x, y), w)
+            opt.zero_grad()
+            weighted(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            for p in model.parameters():
+                torch.testing.assert_close(p.grad1.mean(0), p.grad)
+            opt.step()
+        with pytest.raises(gradhooks.CheckFailedError, match="weighted mean"):
+            h.check(weighted, x, y)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_loss_over_a_subset_of_the_batch(reduction):
+    """``loss[mask].sum()`` (or ``.mean()`` over the kept examples): the examples left out have
+    ``grad1`` rows of zeros, the kept ones their own gradient (times ``B / k`` for a mean over
+    ``k`` of ``B`` under ``loss_reduction="mean"``: their share), over steps."""
+    model = mlp()
+    mask = torch.tensor([True, False, True, True])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        for step in range(2):
+            x, y = batch(step)
+            losses = F.cross_entropy(model(x), y, reduction="none")[mask]
+            factor = 1.0 if reduction == "sum" else 4 / 3
+            want = _rows(model, loop_grad(model, F.cross_entropy, x, y), mask.to(D) * factor)
+            opt.zero_grad()
+            (losses.sum() if reduction == "sum" else losses.mean()).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+def test_ignore_index_leaving_an_example_without_tokens():
+    """Token losses with ``ignore_index``: an example whose every target is ignored has a
+    ``grad1`` row of zeros, one partly ignored the gradient of its counted tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Tanh(), nn.Linear(4, 5)).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(2):
+            x, y = torch.randint(5, (4, 6), generator=g), torch.randint(5, (4, 6), generator=g)
+            y[1] = -100
+            y[2, :3] = -100
+            want = loop_grad(model, loss, x, y)
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert all(not p.grad1[1].any() for p in model.parameters())
+            opt.step()
+
+
+class TwoHeads(nn.Module):
+    """A trunk, two heads, and an auxiliary loss the forward stores (``self.aux_loss``: the
+    mean over the batch of each example's activation penalty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.cls, self.reg = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        self.aux_loss = 0.1 * h.pow(2).sum(1).mean()
+        return self.cls(h), self.reg(h)
+
+
+def test_two_heads_weighted_and_an_auxiliary_loss_stored_by_the_model():
+    """``ce + 0.3 * mse + model.aux_loss``: each a mean over the batch, so each example's own
+    loss is the same sum over its own terms: ``grad1`` is the loop's of that loss."""
+    torch.manual_seed(0)
+    model = TwoHeads().to(D)
+
+    def loss(out, y):
+        return F.cross_entropy(out[0], y) + 0.3 * out[1].pow(2).mean() + model.aux_loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, loss, x, y)
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+def test_backward_of_a_vector_loss_with_its_gradient():
+    """``losses.backward(gradient=v)`` of the unreduced losses: the sum of ``v[i] * loss_i``,
+    so ``grad1[i]`` is ``v[i]`` times example ``i``'s gradient under ``loss_reduction="sum"``."""
+    model = mlp()
+    v = torch.tensor([1.0, -0.5, 0.0, 2.0], dtype=D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(2):
+            x, y = batch(step)
+            want = _rows(model, loop_grad(model, F.cross_entropy, x, y), v)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y, reduction="none").backward(gradient=v)
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- misuse ------------------------------------------------------------------------------------
+
+
+def _hook_counts(model: nn.Module) -> list[tuple[int, int, int]]:
+    return [
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    ]
+
+
+def test_add_hooks_again_on_the_model_a_wrapper_a_child_or_a_sharer_is_refused():
+    """``add_hooks`` on a model already hooked, on a wrapper around it, on one of its layers,
+    and on another model that shares a layer with it: each is a ``StateError`` that names the
+    module already hooked and says to remove those hooks first; nothing more is hooked, and a
+    step after gives the loop's ``grad1`` (counted once)."""
+    model = mlp()
+    torch.manual_seed(1)
+    wrapper = nn.Sequential(model, nn.Tanh(), nn.Linear(2, 2)).to(D)
+    sharer = nn.Sequential(model[0], nn.ReLU(), nn.Linear(5, 2)).to(D)
+    with gradhooks.add_hooks(model):
+        before = [_hook_counts(m) for m in (model, wrapper, sharer)]
+        for other, named in [(model, "Sequential"), (wrapper, "'0.0'"), (model[0], ""),
+                             (sharer, "'0'")]:  # fmt: skip
+            with pytest.raises(gradhooks.StateError, match=f"{named}.*already.*hooks") as e:
+                gradhooks.add_hooks(other)
+            assert "remove" in str(e.value), str(e.value)
+        assert [_hook_counts(m) for m in (model, wrapper, sharer)] == before
+        x, y = batch(0)
+        want = loop_grad(model, F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "after the refusals")
+
+
+def test_add_hooks_between_the_forward_and_its_backward_warns_and_the_next_step_is_right():
+    """The forward ran before ``add_hooks``: its backward warns that no forward call was
+    captured and writes no ``grad1`` (no number rather than a wrong one); the next step is
+    the loop's."""
+    model = mlp()
+    x, y = batch(0)
+    out = model(x)
+    with gradhooks.add_hooks(model):
+        with pytest.warns(gradhooks.GradhooksWarning, match="no forward call"):
+            F.cross_entropy(out, y).backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        model.zero_grad()
+        x, y = batch(1)
+        want = loop_grad(model, F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "next step")
+
+
+def test_zero_grad_forgotten_accumulates_as_grad_does_and_a_new_batch_size_is_refused():
+    """No ``zero_grad`` between steps: ``grad1`` adds each step's rows (each at the weights of
+    its step) as ``.grad`` adds them; then a batch of another size cannot be added row by row:
+    a ``StateError`` that names the parameter and both shapes and says to call ``clear()``;
+    ``grad1`` stays as it was."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    total: dict = {}
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            total = {n: total.get(n, 0) + g for n, g in want.items()}
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, total, f"step {step}")
+            for p in model.parameters():
+                torch.testing.assert_close(p.grad1.mean(0), p.grad)
+            opt.step()
+        kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        x, y = batch(2, n=3)
+        with pytest.raises(
+            gradhooks.StateError, match=r"'2.weight'.*\(4, 2, 5\).*\(3, 2, 5\).*clear\(\)"
+        ):
+            F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad1, kept[n]), n
+
+
+def test_batch_dim_that_is_not_the_datas_is_refused_naming_the_layer_and_shapes():
+    """``batch_dim=1`` on batch-first data: a ``BatchNotFoundError`` naming the layer, the
+    parameter and the shapes, saying to pass ``batch_dim``; no ``grad1`` is written, and the
+    right ``batch_dim`` afterwards gives the loop's."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model, batch_dim=1):
+        with pytest.raises(
+            gradhooks.BatchNotFoundError, match=r"'2' \(Linear\).*'weight'.*batch_dim"
+        ):
+            F.cross_entropy(model(x), y).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    model.zero_grad()
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model, batch_dim=0):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "batch_dim=0")
+
+
+def test_a_second_model_sharing_a_layer_with_the_hooked_one():
+    """An unhooked model built around the hooked model's first layer: the shared layer's calls
+    are captured wherever they run. One loss over both models' outputs for a batch each of
+    the same size gives the shared layer each pair's gradient ``(x[i], x2[i])``, the loop's;
+    batches of different sizes in one loss are refused, naming the shared parameter, and
+    leave no ``grad1``."""
+    model = mlp()
+    torch.manual_seed(1)
+    other = nn.Sequential(model[0], nn.ReLU(), nn.Linear(5, 2)).to(D)
+    shared = [model[0].weight, model[0].bias]
+
+    def loss(i=None):
+        s = slice(None) if i is None else slice(i, i + 1)
+        return F.cross_entropy(model(x[s]), y[s]) + F.cross_entropy(other(x2[s]), y2[s])
+
+    with gradhooks.add_hooks(model):
+        x, y = batch(0)
+        x2, y2 = batch(1)
+        want = _per_example(loss, shared, 4)
+        loss().backward()
+        for p, w in zip(shared, want):
+            torch.testing.assert_close(p.grad1, w, rtol=1e-10, atol=1e-12)
+        model.zero_grad()
+        x2, y2 = batch(1, n=3)
+        with pytest.raises(gradhooks.StateError, match=r"'0.weight'.*batches of different sizes"):
+            loss().backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+def test_the_input_changed_in_place_before_the_backward_is_refused():
+    """``x.mul_(2)`` between the forward and the backward: autograd's own check, with what
+    gradhooks adds to it (the layer, the shape, and to change a copy); no ``grad1`` written;
+    the next step is the loop's."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        x.mul_(2)
+        with pytest.raises(gradhooks.StateError, match=r"'0' \(Linear\).*\(4, 3\).*clone"):
+            F.cross_entropy(out, y).backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        model.zero_grad()
+        want = loop_grad(model, F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "next step")
