@@ -1055,3 +1055,27 @@ def test_the_input_changed_in_place_before_the_backward_is_refused():
         want = loop_grad(model, F.cross_entropy, x, y)
         F.cross_entropy(model(x), y).backward()
     assert_grad1(model, want, "next step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_conversion_in_the_middle_of_an_accumulation(dtype):
+    """A float32 model's micro-batch backward, then ``model.to(dtype)`` (``.grad`` converted
+    with it, as ``Module._apply`` does), then the next micro-batch's backward without
+    ``zero_grad``: ``grad1`` has the parameter's dtype, as ``.grad`` does, and holds the two
+    micro-batches' rows added, to the precision of ``dtype`` (``1e-2`` of the largest entry
+    for float16, ``5e-2`` for bfloat16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float64: 1e-6}[dtype]
+    with gradhooks.add_hooks(model):
+        x, y = batch(0, dtype=torch.float32)
+        total = loop_grad(copy.deepcopy(model).to(D), F.cross_entropy, x.to(D), y)
+        F.cross_entropy(model(x), y).backward()
+        model.to(dtype)
+        x, y = batch(1, dtype=dtype)
+        want = loop_grad(copy.deepcopy(model).to(D), F.cross_entropy, x.to(D), y)
+        total = {n: total[n] + want[n] for n in want}
+        F.cross_entropy(model(x).float(), y).backward()
+        for p in model.parameters():
+            assert p.grad.dtype == dtype
+        assert_relative(model, total, tol, f"{dtype}")

@@ -896,6 +896,8 @@ class BackwardWriter:
                     "concatenate them into one forward, or backpropagate each batch's loss "
                     "alone and read grad1 after each."
                 )
+            if old.dtype != g1.dtype:  # (converted since: model.half(), as .grad was)
+                old = old.to(g1.dtype)
             p.grad1 = old + g1
         else:
             p.grad1 = g1
