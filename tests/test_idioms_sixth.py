@@ -469,6 +469,51 @@ def test_an_ensemble_vmapped_over_stacked_states_writes_no_grad1():
             assert p.grad is not None and not hasattr(p, "grad1"), n
 
 
+@pytest.mark.parametrize("support", [4, 6], ids=["support as large as the query", "support of 6"])
+@pytest.mark.parametrize("outer", ["backward", "autograd.grad"])
+def test_first_order_maml_with_the_inner_step_not_paused(outer, support):
+    """First-order MAML as written without gradhooks in mind: the inner step's
+    ``torch.autograd.grad`` on the support batch runs with capture on (it writes the support
+    examples' ``grad1``), then the query loss through the fast weights ``p - lr * g`` (``g``
+    detached) is backpropagated by ``backward()`` or by ``torch.autograd.grad`` assigned to
+    ``.grad``. The query forward is another forward than the inner step's, and the inner step
+    left ``.grad`` alone: ``grad1`` is the query examples' own, each at its fast weights.
+    Before, the query rows were added to the inner step's (silently, off by up to 0.14, where
+    the support batch was as large as the query; a ``StateError`` where not)."""
+    model = mlp()
+    own = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def fast(sx, sy):
+        loss = F.cross_entropy(functional_call(model, own, (sx,)), sy)
+        g = torch.autograd.grad(loss, list(own.values()))
+        return {n: p - 0.3 * gi for (n, p), gi in zip(own.items(), g)}
+
+    def query_loss(weights, qx, qy):
+        return F.cross_entropy(functional_call(model, weights, (qx,)), qy, reduction="sum")
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(STEPS):
+            sx, sy = batch(10 + step, n=support)
+            qx, qy = batch(step)
+            with gradhooks.paused():
+                weights = {n: t.detach() for n, t in fast(sx, sy).items()}
+                ref = mlp()
+                ref.load_state_dict(weights)
+                want = loop_grad(ref, lambda o, t: F.cross_entropy(o, t, reduction="sum"), qx, qy)
+            weights = fast(sx, sy)  # (captured: grad1 of the support examples)
+            weights = {n: own[n] + (t - own[n]).detach() for n, t in weights.items()}
+            loss = query_loss(weights, qx, qy)
+            if outer == "backward":
+                opt.zero_grad()
+                loss.backward()
+            else:
+                for p, g in zip(own.values(), torch.autograd.grad(loss, list(own.values()))):
+                    p.grad = g
+            assert_grad1(model, want, f"{outer} step {step}")
+            opt.step()
+
+
 # -- torch.compile -----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradien
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -494,6 +495,17 @@ class BackwardWriter:
             return False
         return self.state.trail.left_alone(p) or _torch.adds_to_grad(p) is False
 
+    def restart_for_forward(self, bw: Backward, p: nn.Parameter, ref: weakref.ref | None) -> None:
+        """Before ``bw`` first gives ``p`` a ``grad1`` from a call of the forward ``ref`` refers
+        to, written other than by :meth:`_backward` (a use the tracker followed, a tensor
+        computed from ``p`` in a slot): ``p.grad1`` starts afresh as there (:meth:`_new_forward`)."""
+        frame = None if ref is None else ref()
+        if frame is None or id(p) in bw.before:
+            return
+        if id(p) in self.state.written and self._new_forward(p, frame):
+            del self.state.written[id(p)]
+        self.state.forward_of[id(p)] = ref
+
     def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
         """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
         old = sole_grad1(p)
@@ -690,13 +702,8 @@ class BackwardWriter:
             target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
             registry=self.state.registry,
         )  # fmt: skip
-        # (of another forward than p's last grad1, with .grad left alone: afresh, as _backward)
         ref = next((r for r in map(self.state.source_frames.get, found) if r), None)
-        frame, bw = None if ref is None else ref(), self.backward_state()
-        if frame is not None and pid not in bw.before:
-            if pid in self.state.written and self._new_forward(p, frame):
-                del self.state.written[pid]
-            self.state.forward_of[pid] = ref
+        self.restart_for_forward(self.backward_state(), p, ref)
         state = CallState(dict(target.params), None)
         self.on_grads(target, state, call, (), {})
 
