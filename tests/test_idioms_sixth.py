@@ -225,6 +225,26 @@ def _pruned_then_removed(m):
     prune.remove(m[0], "weight")
 
 
+class LowRank(nn.Module):
+    """``W + B @ A``: a LoRA adapter as a parametrization (minLoRA), its own parameters."""
+
+    def __init__(self, fan_out: int, fan_in: int, rank: int = 2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(fan_out)
+        self.A = nn.Parameter(0.3 * torch.randn(rank, fan_in, generator=g, dtype=D))
+        self.B = nn.Parameter(0.3 * torch.randn(fan_out, rank, generator=g, dtype=D))
+
+    def forward(self, w):
+        return w + self.B @ self.A
+
+
+def _low_rank(m):
+    parametrize.register_parametrization(m[0], "weight", LowRank(3, 3))
+    parametrize.register_parametrization(m[2], "weight", LowRank(2, 3))
+    for name, p in m.named_parameters():
+        p.requires_grad_(name.endswith((".A", ".B")))
+
+
 AFTER = {
     "parametrization": _symmetric,
     "weight_norm": _weight_norm,
@@ -233,6 +253,7 @@ AFTER = {
     "old spectral_norm": _old_spectral_norm,
     "pruning": _pruned,
     "pruning then removed": _pruned_then_removed,
+    "LoRA parametrization, the rest frozen": _low_rank,
 }
 
 
@@ -250,7 +271,7 @@ def test_reparametrizations_put_on_after_add_hooks(put_on):
         F.cross_entropy(model(x), y).backward()
         opt.step()
         put_on(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         for step in range(2):
             x, y = batch(step)
             want = loop_grad(model, F.cross_entropy, x, y)
@@ -270,6 +291,37 @@ def test_a_cached_parametrization():
         with parametrize.cached():
             F.cross_entropy(model(x), y).backward()
     assert_grad1(model, want, "cached")
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_gradient_hooks_on_a_parameter_registered_after_add_hooks(verify):
+    """``p.register_hook`` put on after ``add_hooks``: a hook that scales the gradient (by
+    0.5, or by 0: replaced by zeros) gives ``grad1`` the same factor, the loop's with the hook
+    on; one that clamps each entry has no per-example form: an ``UnsupportedError`` naming the
+    parameter and ``register_hook``, no ``grad1`` of that backward written (what is left is the
+    last step's); without the hook the next step is the loop's."""
+    model = mlp()
+    x, y = batch(0)
+    with gradhooks.add_hooks(model, verify=verify):
+        for factor in (0.5, 0.0):
+            handle = model[2].weight.register_hook(lambda g, f=factor: g * f)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"times {factor}")
+            handle.remove()
+        handle = model[2].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        model.zero_grad()
+        kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        with pytest.raises(gradhooks.UnsupportedError, match="'2.weight'.*register_hook"):
+            F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():  # (none of this backward's)
+            assert not hasattr(p, "grad1") or torch.equal(p.grad1, kept[n]), n
+        handle.remove()
+        model.zero_grad()
+        want = loop_grad(model, F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "hook removed")
 
 
 class Scale(nn.Module):
