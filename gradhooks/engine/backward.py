@@ -794,7 +794,8 @@ class BackwardWriter:
                 "parameter used in the loss, or in a method of the model other than forward "
                 "outside any submodule's call), or a torch.compile'd forward compiled before "
                 "add_hooks (its code does not call hooks added later: torch._dynamo.reset(), or "
-                "compile after add_hooks). They have no grad1 from this backward. Run the "
+                "compile after add_hooks), or under torch.func.vmap, which the hooks do not "
+                "capture. They have no grad1 from this backward. Run the "
                 "forward after add_hooks, through the model's modules.",
                 GradhooksWarning,
                 stacklevel=2,
