@@ -699,11 +699,33 @@ class Tokens(nn.Module):
         return self.head(torch.tanh(t)[:, 0] + torch.tanh(t).mean(1))
 
 
+class FrequencyFilter(nn.Module):
+    """A learned filter applied in the frequency domain (FNet, GFNet): a module without a rule
+    that the ``torch.func`` fallback computes per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filt = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return torch.fft.irfft(torch.fft.rfft(x) * self.filt, n=x.shape[-1])
+
+
+class Filtered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = nn.Linear(3, 4), FrequencyFilter(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.mid(self.a(torch.stack([x, 2 * x, -x], 1))).mean(1))
+
+
 DIRECT = {
     "layer scale": lambda: nn.Sequential(
         nn.Linear(3, 5), LayerScale(5), nn.Tanh(), nn.Linear(5, 2)
     ),
     "class token and position embedding": Tokens,
+    "frequency filter by the fallback": Filtered,
 }
 
 
