@@ -50,6 +50,8 @@ class GradTrail:
         # computed without adding to .grad by the last captured backward that computed them
         # (torch.autograd.grad), by id
         self._not_added: set[int] = set()
+        # left None by the last captured backward and still None at this one's start, by id
+        self._alone: set[int] = set()
 
     def __contains__(self, pid: int) -> bool:
         return pid in self._left
@@ -80,11 +82,13 @@ class GradTrail:
         """Whether the last captured backward left ``p.grad`` ``None`` and it still is, or
         computed ``p``'s gradient without adding it into ``.grad`` (a ``torch.autograd.grad``,
         which returns its gradients instead of adding them up, whatever the loop does with
-        ``.grad`` afterwards: ``p.grad = g`` before ``optimizer.step()``)."""
+        ``.grad`` afterwards: ``p.grad = g`` before ``optimizer.step()``). ``.grad`` as this
+        backward found it at its start (:meth:`restarted`): autograd may have added to it
+        since, before the call that asks (a bias accumulated before its layer's backward hook)."""
         found = self._left.get(id(p))
         if found is None:
             return False
-        return (found[1] is None and grad_of(p) is None) or id(p) in self._not_added
+        return id(p) in self._alone or id(p) in self._not_added
 
     def params(self) -> list[nn.Parameter]:
         return [p for p, _, _ in self._left.values()]
@@ -119,6 +123,9 @@ class GradTrail:
         for p in reset:
             del self._left[id(p)]
             self._reset_seen.discard(id(p))
+        self._alone = {
+            id(p) for p, ref, _ in self._left.values() if ref is None and grad_of(p) is None
+        }
         return reset
 
     def reset_since(self) -> list[nn.Parameter]:
@@ -147,6 +154,7 @@ class GradTrail:
         self._left.clear()
         self._reset_seen.clear()
         self._not_added.clear()
+        self._alone.clear()
 
 
 def grad_of(t: Tensor) -> Tensor | None:

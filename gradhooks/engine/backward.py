@@ -13,6 +13,7 @@ from a :class:`~gradhooks.engine.capture._Join` node); a parameter's own gradien
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -494,6 +495,17 @@ class BackwardWriter:
             return False
         return self.state.trail.left_alone(p) or _torch.adds_to_grad(p) is False
 
+    def restart_for_forward(self, bw: Backward, p: nn.Parameter, ref: weakref.ref | None) -> None:
+        """Before ``bw`` first gives ``p`` a ``grad1`` from a call of the forward ``ref`` refers
+        to, written other than by :meth:`_backward` (a use the tracker followed, a tensor
+        computed from ``p`` in a slot): ``p.grad1`` starts afresh as there (:meth:`_new_forward`)."""
+        frame = None if ref is None else ref()
+        if frame is None or id(p) in bw.before:
+            return
+        if id(p) in self.state.written and self._new_forward(p, frame):
+            del self.state.written[id(p)]
+        self.state.forward_of[id(p)] = ref
+
     def _zero_grad1(self, p: nn.Parameter, batch: int) -> None:
         """``p.grad1`` of zeros, ``[batch, *p.shape]`` (its memory reused where it can be)."""
         old = sole_grad1(p)
@@ -690,6 +702,8 @@ class BackwardWriter:
             target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
             registry=self.state.registry,
         )  # fmt: skip
+        ref = next((r for r in map(self.state.source_frames.get, found) if r), None)
+        self.restart_for_forward(self.backward_state(), p, ref)
         state = CallState(dict(target.params), None)
         self.on_grads(target, state, call, (), {})
 
@@ -780,7 +794,8 @@ class BackwardWriter:
                 "parameter used in the loss, or in a method of the model other than forward "
                 "outside any submodule's call), or a torch.compile'd forward compiled before "
                 "add_hooks (its code does not call hooks added later: torch._dynamo.reset(), or "
-                "compile after add_hooks). They have no grad1 from this backward. Run the "
+                "compile after add_hooks), or under torch.func.vmap, which the hooks do not "
+                "capture. They have no grad1 from this backward. Run the "
                 "forward after add_hooks, through the model's modules.",
                 GradhooksWarning,
                 stacklevel=2,
@@ -889,6 +904,8 @@ class BackwardWriter:
                     "concatenate them into one forward, or backpropagate each batch's loss "
                     "alone and read grad1 after each."
                 )
+            if old.dtype != g1.dtype:  # (converted since: model.half(), as .grad was)
+                old = old.to(g1.dtype)
             p.grad1 = old + g1
         else:
             p.grad1 = g1

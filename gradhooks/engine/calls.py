@@ -611,6 +611,8 @@ class CallLayouts:
         gradients from that use are the source's, given to ``p.grad1`` when its gradient is
         complete (:meth:`BackwardWriter.param_hook`)."""
         self.state.direct.setdefault(id(p), weakref.WeakSet()).add(source)
+        if self.state.frames:
+            self.state.source_frames[source] = self.state.frames[-1].ref()
         if self.state.collector is not None:
             self.state.collector.expect({source.name: p})
 

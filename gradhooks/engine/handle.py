@@ -566,6 +566,7 @@ class Hooks:
                     continue
                 qid = id(q)
                 bw.reached.add(qid)
+                self._backwards.restart_for_forward(bw, q, self._state.forward_of.get(pid))
                 if qid not in bw.before:
                     bw.before[qid] = q.grad1 if qid in self._state.written else None
                 self._backwards.accumulate(self._state.params[qid][0], q, g)

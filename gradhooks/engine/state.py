@@ -118,6 +118,8 @@ class CaptureState:
         # -- parameters used outside their modules' calls --------------------------------------
         # by id: the sources of their uses
         self.direct: dict[int, weakref.WeakSet] = {}
+        # source -> a weak reference to the forward it was seen in (for forward_of)
+        self.source_frames: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # sources with a problem that no autograd graph holds (found where the forward recorded
         # none): kept until a backward ends, so that the parameter's gradient reports it
         self.unheld: list = []
