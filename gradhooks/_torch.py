@@ -163,6 +163,7 @@ import contextlib
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -985,16 +986,23 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
         or any(t.grad_fn is None for t in tensors)
     ):
         return torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="all")
-    nodes = [t.grad_fn for t in tensors]
+    # (each hook is held by a node, so the hooks hold the nodes weakly where they can, a
+    # custom Function's: a node that held itself through its hook would outlive the graph,
+    # with every tensor the hook's owner keeps; torch's own nodes take no weak reference)
+    nodes = [_weak_or_strong(t.grad_fn) for t in tensors]
     waiting: dict[int, list] = {}  # backward id -> [gradients still to come, the gradients]
     lock = threading.Lock()
+
+    def will_run(node: Any) -> bool:
+        node = node() if isinstance(node, weakref.ref) else node
+        return node is not None and bool(_WILL_EXECUTE(node))
 
     def hook_of(i: int) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             task = graph_task_id()
             with lock:
                 if task not in waiting:
-                    runs = sum(k == i or bool(_WILL_EXECUTE(node)) for k, node in enumerate(nodes))
+                    runs = sum(k == i or will_run(node) for k, node in enumerate(nodes))
                     waiting[task] = [runs, [None] * len(nodes)]
                 entry = waiting[task]
                 entry[1][i] = grad
@@ -1009,6 +1017,13 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
 
     handles = [t.register_hook(hook_of(i)) for i, t in enumerate(tensors)]
     return _Handles(handles)
+
+
+def _weak_or_strong(node: Any) -> Any:
+    try:
+        return weakref.ref(node)
+    except TypeError:
+        return node
 
 
 class _Handles:

@@ -201,6 +201,33 @@ def test_an_owned_call_leaves_no_graph_behind(quantity):
     assert after == before, f"{after - before} tensors of the steps' graphs alive after 3 steps"
 
 
+@pytest.mark.parametrize("kind", ["linear", "lstm-cell"])
+def test_a_module_called_on_its_own_outputs_leaves_no_graph_behind(kind):
+    """A module called again on its last output (a Linear as the model, stepped over time;
+    an LSTMCell's two outputs, each with a node of its own): nothing of the steps' graphs
+    stays alive after them. Each call's forward once kept its inputs (the last step's
+    outputs) after it ended, and the hook that waits for both of a call's outputs held
+    their nodes: cycles through autograd's nodes that the garbage collector cannot see,
+    one step's tensors more at every step."""
+    torch.manual_seed(0)
+    cell = nn.Linear(4, 4) if kind == "linear" else nn.LSTMCell(4, 4)
+    before = _graph_tensors()
+    with gradhooks.add_hooks(cell) as h:
+        for _ in range(3):
+            h.clear()
+            state = torch.randn(2, 4) if kind == "linear" else (torch.randn(2, 4),) * 2
+            outs = []
+            for _ in range(4):
+                state = (
+                    torch.tanh(cell(state)) if kind == "linear" else cell(torch.randn(2, 4), state)
+                )
+                outs.append(state if kind == "linear" else state[0])
+            torch.stack(outs).pow(2).sum().backward()
+            del outs, state
+        after = _graph_tensors()
+    assert after == before, f"{after - before} tensors of the steps' graphs alive after 3 steps"
+
+
 def test_a_layer_added_or_swapped_after_add_hooks_gets_grad1():
     """The hooks follow the model: a layer swapped in, and one added, after add_hooks."""
     from gradhooks.oracle import vmap_grad

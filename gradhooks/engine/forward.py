@@ -529,6 +529,7 @@ class ForwardCapture:
         frame = self.state.frames.pop()
         tracker = frame.tracker
         self.stop_tracker(frame)
+        frame.roots = []  # (read while the forward runs; kept, they would hold its inputs' graph)
         if tracker is not None and sys.exc_info()[1] is None:
             self.verifier.check_output(module, tracker, output)
         if frame.signature:
