@@ -59,7 +59,7 @@ from ..errors import (
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import PoissonSampler
 from . import clipping as _clip
-from .private import DPOptimizer
+from .private import DPOptimizer, changed_setting
 
 __all__ = ["DPArguments", "DPTrainer", "per_example_loss"]
 
@@ -447,9 +447,8 @@ class DPTrainer(transformers.Trainer):
         if self.dp.noise_multiplier is None:  # (calibrated for the run it resumes)
             self.noise_multiplier = saved["noise_multiplier"]
         now = self._dp_plan()
-        wrong = [k for k in now if saved.get(k) != now[k]]
-        if wrong:
-            k = wrong[0]
+        k = changed_setting(saved, now)
+        if k is not None:
             raise ConfigurationError(
                 f"DPTrainer: the checkpoint {path} was taken with {k}={saved.get(k)!r}, this "
                 f"run has {now[k]!r}: resume with the same DPArguments, batch sizes and "

@@ -392,6 +392,11 @@ class _OwnedDPOptimizer(DPOptimizer):
             )
 
 
+def changed_setting(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first of a run's settings ``now`` that a checkpoint's ``saved`` differs in."""
+    return next((k for k in now if saved.get(k) != now[k]), None)
+
+
 class PrivateTraining:
     """A DP-SGD training run that owns its whole mechanism; made by :func:`make_private`.
 
@@ -632,9 +637,8 @@ class PrivateTraining:
         plan = self._plan()
         # (a checkpoint from before the choices)
         saved = {"clipping": "flat", "clipping_groups": None, **state["plan"]}
-        wrong = [k for k in plan if saved.get(k) != plan[k]]
-        if wrong:
-            k = wrong[0]
+        k = changed_setting(saved, plan)
+        if k is not None:
             raise ConfigurationError(
                 f"load_state_dict: the checkpoint's {k} is {saved.get(k)!r}, this "
                 f"run's is {plan[k]!r}: resume with make_private(...) given the same settings"
