@@ -30,6 +30,9 @@ def sweep_with(sweep: Callable[[nn.Module], None]) -> None:
         _sweeps.append(sweep)
 
 
+_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 class InertHook:
     """What a gradhooks hook becomes in a copy or an unpickled model: it computes nothing (the
     copy is not hooked; hook it with ``add_hooks``).
@@ -41,7 +44,9 @@ class InertHook:
     that, it is the original's, as saved). Where an active handle covers them
     (``add_hooks(copy)``), that handle's first backward replaces the ``grad1`` it carries, or
     deletes it where the backward does not reach the parameter. A deep copy carries no
-    ``grad1`` (``Parameter.__deepcopy__`` copies the data alone).
+    ``grad1`` (``Parameter.__deepcopy__`` copies the data alone). Inside ``torch.compile``'s
+    tracing (a copy compiled, an EMA of a compiled model) it does nothing: an eager call of
+    the module sweeps.
     """
 
     def __init__(self) -> None:
@@ -50,6 +55,8 @@ class InertHook:
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.swept or not args or not isinstance(args[0], nn.Module):
             return None
+        if _COMPILING is not None and _COMPILING():
+            return None  # (traced by torch.compile, which cannot run the sweep: an eager call's)
         if torch.is_grad_enabled():
             self.swept = True
             for sweep in _sweeps:

@@ -270,3 +270,31 @@ def test_without_leaving_compilation_the_hooks_run_through_disable(dynamo):
                 for n, p in model.named_parameters():
                     assert_close(p.grad1, want[n], f"fallback, step {step}: {n}")
     assert counts()[2] - breaks > 2, "the fallback broke the graph only at the hooks"
+
+
+@pytest.mark.parametrize("what", ["compiled-copy", "copy-compiled"])
+def test_a_compiled_copy_of_a_hooked_model_trains(dynamo, what):
+    """An EMA or teacher copy of a hooked model, compiled (``copy.deepcopy`` of the compiled
+    model, or ``torch.compile`` of the copy): the copy is not hooked, and its compiled
+    forward traced the hook its modules carry from the original (which deletes a copied
+    ``grad1``) into a dynamo internal error. It now runs, gives the eager copy's ``.grad``
+    and no ``grad1``, and the original's ``grad1`` is still the loop's."""
+    model, x = model_of("mlp")
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        compiled = torch.compile(model)
+        sq(compiled(x)).backward()
+        eager = copy.deepcopy(model)
+        if what == "compiled-copy":
+            copied = copy.deepcopy(compiled)
+        else:
+            copied = torch.compile(copy.deepcopy(model))
+        inner = getattr(copied, "_orig_mod", copied)
+        sq(copied(x)).backward()
+        with gradhooks.paused():
+            sq(eager(x)).backward()
+        for (n, p), q in zip(inner.named_parameters(), eager.parameters(), strict=True):
+            assert not hasattr(p, "grad1"), n
+            assert_close(p.grad, q.grad, f"the copy's .grad: {n}")
+        want = loop_grad(model, sq, x)
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, want[n], f"the original's grad1: {n}")
