@@ -51,6 +51,7 @@ from .rules.registry import REGISTRY, Call, Registry, register
 from .tuning import TUNING, Tuning, tuned
 from .workflows import distributed  # noqa: F401
 from .workflows.check import CheckReport, check_rule
+from .workflows.clipping import AdaptiveClipping
 from .workflows.convert import convert_batch_norm
 from .workflows.dp import ClippedSum, clip_factors, clipped_sum, dp_sgd_step
 from .workflows.jacobian import jacobians
@@ -96,6 +97,7 @@ __all__ = [
     "clipped_sum",
     "ClippedSum",
     "DPOptimizer",
+    "AdaptiveClipping",
     "make_private",
     "PrivateTraining",
     "PoissonSampler",

@@ -1,4 +1,5 @@
-"""Group-wise clipping for DP-SGD: a clipping bound per group of parameters.
+"""Clipping bounds for DP-SGD: a bound per group of parameters, and a bound that adapts
+(:class:`AdaptiveClipping`, at the end).
 
 With ``clipping_groups=`` (on :func:`gradhooks.dp_sgd_step`, :func:`gradhooks.clipped_sum`,
 :class:`gradhooks.DPOptimizer`, :func:`gradhooks.make_private` and
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Literal, NamedTuple
 
@@ -56,7 +58,15 @@ from torch import Tensor
 
 from ..errors import ConfigurationError, ConfigurationTypeError
 
-__all__ = ["GroupedBounds", "ClippingGroups", "grouped", "total_bound", "describe", "GROUPINGS"]
+__all__ = [
+    "AdaptiveClipping",
+    "GroupedBounds",
+    "ClippingGroups",
+    "grouped",
+    "total_bound",
+    "describe",
+    "GROUPINGS",
+]
 
 GROUPINGS = ("parameter", "layer")
 
@@ -335,3 +345,156 @@ def _is_list(x: Any) -> bool:
 
 def _short(groups: ClippingGroups) -> str:
     return repr(groups) if groups is None or isinstance(groups, str) else "[...]"
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """A clipping bound that follows a quantile of the per-example gradient norms, learnt
+    privately as training goes (Andrew, Thakkar, McMahan and Ramaswamy, "Differentially
+    Private Learning with Adaptive Clipping", NeurIPS 2021; Opacus' ``AdaClipDPOptimizer``).
+
+    Given to :class:`gradhooks.DPOptimizer` or :func:`gradhooks.make_private`
+    (``adaptive_clipping=``). At each step, besides the clipped sum, the optimizer counts the
+    examples whose gradient norm was at most the bound ``C`` (not clipped), adds Gaussian noise
+    of standard deviation ``σ_b`` (``count_noise``) to the count, and moves the bound
+    geometrically towards the ``target_quantile`` of the norms:
+
+        b = (count + σ_b · N(0, 1)) / expected_batch_size
+        C ← clamp(C · exp(-learning_rate · (b - target_quantile)), min_bound, max_bound)
+
+    The new bound clips the next step's examples. Releasing the count costs privacy too: the
+    step with noise multiplier ``σ`` (the one the accountant records, and that
+    ``target_epsilon`` is met with) draws the gradient's noise with the larger multiplier
+
+        σ_g = (σ⁻² - (2 σ_b)⁻²)^(-1/2),
+
+    which needs ``2 σ_b > σ`` (the paper's Theorem 1: the two Gaussian releases together are
+    one Gaussian mechanism of multiplier ``σ``). The fraction is taken over the *expected*
+    batch size, which is public, as the gradient's divisor is (Opacus divides by the batch's
+    own size, which Poisson sampling makes private).
+
+    Only with one bound over the whole model and flat clipping (``clipping="flat"``, no
+    ``clipping_groups``), as in the paper and in Opacus.
+
+    Args:
+        target_quantile: ``γ`` in [0, 1], the fraction of examples the bound should leave
+            unclipped (0.5: the median norm, the paper's default).
+        learning_rate: ``η > 0``, the step of the geometric update (0.2 in the paper).
+        count_noise: ``σ_b > 0``, the standard deviation of the noise on the count; ``None``:
+            ``expected_batch_size / 20``, the paper's choice.
+        min_bound, max_bound: the bound is kept in ``[min_bound, max_bound]``
+            (``0 <= min_bound < max_bound``; the initial bound, ``max_grad_norm``, must lie
+            there too).
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_noise: float | None = None
+    min_bound: float = 0.0
+    max_bound: float = math.inf
+
+    def count_std(self, expected_batch_size: float) -> float:
+        """``σ_b``: :attr:`count_noise`, or ``expected_batch_size / 20``."""
+        if self.count_noise is None:
+            return float(expected_batch_size) / 20.0
+        return float(self.count_noise)
+
+    def gradient_noise_multiplier(
+        self, noise_multiplier: float, expected_batch_size: float
+    ) -> float:
+        """``σ_g = (σ⁻² - (2 σ_b)⁻²)^(-1/2)``, the gradient noise's multiplier for a step of
+        multiplier ``σ`` (0 for ``σ = 0``)."""
+        if noise_multiplier == 0:
+            return 0.0
+        sigma_b = self.count_std(expected_batch_size)
+        return (noise_multiplier**-2 - (2.0 * sigma_b) ** -2) ** -0.5
+
+    def updated(self, bound: float, count: float, expected_batch_size: float) -> float:
+        """The bound after a step whose noised count of unclipped examples is ``count``."""
+        fraction = count / float(expected_batch_size)
+        new = bound * math.exp(-self.learning_rate * (fraction - self.target_quantile))
+        return min(max(new, self.min_bound), self.max_bound)
+
+    def check(
+        self,
+        max_grad_norm: Any,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        clipping: str,
+        clipping_groups: ClippingGroups,
+        where: str,
+    ) -> None:
+        """Refuses settings that adaptive clipping cannot follow, before anything changes."""
+        numbers = {
+            "target_quantile": self.target_quantile,
+            "learning_rate": self.learning_rate,
+            "min_bound": self.min_bound,
+            "max_bound": self.max_bound,
+        }
+        if self.count_noise is not None:
+            numbers["count_noise"] = self.count_noise
+        for name, value in numbers.items():
+            if not _is_number(value):
+                raise ConfigurationTypeError(
+                    f"{where}: AdaptiveClipping.{name} must be a number, got "
+                    f"{type(value).__qualname__}"
+                )
+        if not 0 <= self.target_quantile <= 1:
+            raise ConfigurationError(
+                f"{where}: AdaptiveClipping.target_quantile = {self.target_quantile!r}: the "
+                "fraction of examples left unclipped must be in [0, 1] (0.5: the median norm)"
+            )
+        if not 0 < self.learning_rate < math.inf:
+            raise ConfigurationError(
+                f"{where}: AdaptiveClipping.learning_rate = {self.learning_rate!r}: it must be "
+                "> 0 and finite (0.2 in the paper)"
+            )
+        if self.count_noise is not None and not 0 < self.count_noise < math.inf:
+            raise ConfigurationError(
+                f"{where}: AdaptiveClipping.count_noise = {self.count_noise!r}: the noise on "
+                "the count of unclipped examples must be > 0 and finite (None: "
+                "expected_batch_size / 20); without it, the count would be released exactly"
+            )
+        if not 0 <= self.min_bound < self.max_bound:
+            raise ConfigurationError(
+                f"{where}: AdaptiveClipping's bounds [min_bound, max_bound] = "
+                f"[{self.min_bound!r}, {self.max_bound!r}]: they need 0 <= min_bound < "
+                "max_bound"
+            )
+        if clipping != "flat":
+            raise ConfigurationError(
+                f"{where}: adaptive clipping follows the fraction of examples the bound leaves "
+                f"unclipped, which clipping={clipping!r} has none of (every gradient is "
+                "scaled): use clipping='flat'"
+            )
+        if clipping_groups is not None or _is_list(max_grad_norm):
+            raise ConfigurationError(
+                f"{where}: adaptive clipping adapts one bound over the whole model; got "
+                f"clipping_groups={_short(clipping_groups)} and max_grad_norm={max_grad_norm!r}. "
+                "Give one float max_grad_norm (the initial bound) and no clipping_groups"
+            )
+        bound = float(max_grad_norm)
+        if not self.min_bound <= bound <= self.max_bound:
+            raise ConfigurationError(
+                f"{where}: the initial bound max_grad_norm = {bound!r} is outside "
+                f"AdaptiveClipping's [min_bound, max_bound] = [{self.min_bound!r}, "
+                f"{self.max_bound!r}]"
+            )
+        sigma_b = self.count_std(expected_batch_size)
+        if noise_multiplier > 0 and not 2 * sigma_b > noise_multiplier:
+            raise ConfigurationError(
+                f"{where}: noise_multiplier = {noise_multiplier!r} with adaptive clipping needs "
+                f"2 · count_noise > noise_multiplier, but count_noise is {sigma_b!r} (the "
+                "gradient's own noise multiplier, (σ⁻² - (2 σ_b)⁻²)^(-1/2), would not exist): "
+                "give AdaptiveClipping(count_noise=...) larger than noise_multiplier / 2"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """Its settings, as a checkpoint's plan keeps them."""
+        return {
+            "target_quantile": self.target_quantile,
+            "learning_rate": self.learning_rate,
+            "count_noise": self.count_noise,
+            "min_bound": self.min_bound,
+            "max_bound": self.max_bound,
+        }

@@ -98,6 +98,12 @@ class DPOptimizer(torch.optim.Optimizer):
             bound), ``"parameter"`` (Opacus' per-layer clipping), ``"layer"``, or a list of
             groups of parameters or names (the wrapped optimizer's ``param_groups`` too);
             resolved against the hooked model at every backward.
+        adaptive_clipping: a :class:`gradhooks.AdaptiveClipping`: the bound ``C`` starts at
+            ``max_grad_norm`` and follows a quantile of the norms, updated at each step from
+            a noised count of the examples it left unclipped (:attr:`max_grad_norm` is the
+            bound now; :meth:`state_dict` keeps it). The accountant records
+            ``noise_multiplier``; the gradient's noise is drawn with the larger multiplier
+            that leaves room for the count's.
 
     A misuse raises before anything changes: a step with no backward since the last one,
     losses that are not ``[batch]``, a handle without ``"grad1"`` or ``"norms"``, an optimizer
@@ -119,6 +125,7 @@ class DPOptimizer(torch.optim.Optimizer):
         scaler: torch.amp.GradScaler | None = None,
         clipping: Literal["flat", "automatic"] = "flat",
         clipping_groups: _clip.ClippingGroups = None,
+        adaptive_clipping: _clip.AdaptiveClipping | None = None,
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's)
         if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
@@ -142,6 +149,16 @@ class DPOptimizer(torch.optim.Optimizer):
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
         resolved = _dp._checked_method(hooks, method)
+        if adaptive_clipping is not None:
+            if not isinstance(adaptive_clipping, _clip.AdaptiveClipping):
+                raise ConfigurationTypeError(
+                    "adaptive_clipping must be a gradhooks.AdaptiveClipping or None, got "
+                    f"{type(adaptive_clipping).__qualname__}"
+                )
+            adaptive_clipping.check(
+                max_grad_norm, noise_multiplier, expected_batch_size, clipping, clipping_groups,
+                "DPOptimizer",
+            )  # fmt: skip
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ConfigurationError(
                 f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
@@ -181,7 +198,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.method = method
         self.scaler = scaler
         self.clipping = clipping
+        self.adaptive_clipping = adaptive_clipping
         self._sums: list[Tensor] | None = None  # the clipped sum since the last step
+        self._unclipped: Tensor | None = None  # (adaptive) examples not clipped since then
         self._finite = True  # no scaled backward since the last step overflowed
         self._examples = 0  # examples in the buffer
         self._backwards = 0  # physical batches in the buffer
@@ -213,13 +232,29 @@ class DPOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()``. The clipped sum of a logical batch in
-        progress is not in it: save between steps."""
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's ``state_dict()`` (with adaptive clipping, and the bound now
+        under ``"adaptive_clipping_bound"``). The clipped sum of a logical batch in progress is
+        not in it: save between steps."""
+        state = self.optimizer.state_dict()
+        if self.adaptive_clipping is not None:
+            state = {**state, _BOUND_KEY: self.max_grad_norm}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The wrapped optimizer's ``load_state_dict()``; empties the clipped-sum buffer."""
-        self.optimizer.load_state_dict(state_dict)
+        """The wrapped optimizer's ``load_state_dict()`` (and the adaptive bound, where
+        saved); empties the clipped-sum buffer."""
+        bound = state_dict.get(_BOUND_KEY)
+        if (bound is None) != (self.adaptive_clipping is None):
+            raise ConfigurationError(
+                "DPOptimizer.load_state_dict: "
+                + ("the state has an adaptive clipping bound and this optimizer has no "
+                   "adaptive_clipping" if bound is not None else
+                   "this optimizer has adaptive_clipping and the state has no bound to resume "
+                   "from (a state of an optimizer without it)")
+            )  # fmt: skip
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != _BOUND_KEY})
+        if bound is not None:
+            self.max_grad_norm = float(bound)
         self._forget()
 
     # (hooks of the step and of the state dict: the wrapped optimizer's, which run them)
@@ -266,6 +301,9 @@ class DPOptimizer(torch.optim.Optimizer):
         else:
             for buf, s in zip(self._sums, got.sums, strict=True):
                 buf.add_(s)
+        if self.adaptive_clipping is not None:  # (a tensor: read once, at the step)
+            count = (got.norms <= self.max_grad_norm).sum()
+            self._unclipped = count if self._unclipped is None else self._unclipped + count
         self._finite = self._finite and got.finite
         self._examples += per_example_loss.shape[0]
         self._backwards += 1
@@ -306,12 +344,19 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
         else:
-            std = self.noise_multiplier * _clip.total_bound(self.max_grad_norm)
+            multiplier = self.noise_multiplier
+            if self.adaptive_clipping is not None:
+                multiplier = self.adaptive_clipping.gradient_noise_multiplier(
+                    multiplier, self.expected_batch_size
+                )
+            std = multiplier * _clip.total_bound(self.max_grad_norm)
             for p, s in zip(params, self._sums, strict=True):
                 # (the noise drawn into the gradient's own tensor, the sum added to it)
                 grad = _dp.noise(p, self.generator, std).add_(s) if std > 0 else s.to(p.dtype)
                 p.grad = grad.div_(self.expected_batch_size).mul_(scale).detach()
         stepped = self._finite
+        if stepped and self.adaptive_clipping is not None:
+            self._adapt_bound(params[0].device if params else torch.device("cpu"))
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -330,18 +375,40 @@ class DPOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._forget()
 
+    def _adapt_bound(self, device: torch.device) -> None:
+        """The next step's bound, from this step's count of unclipped examples and the
+        count's noise (drawn after the gradient's, from the same generator)."""
+        adaptive = self.adaptive_clipping
+        assert adaptive is not None
+        if self.generator is not None:
+            device = self.generator.device
+        z = torch.randn((), generator=self.generator, dtype=torch.float64, device=device)
+        count = self._unclipped
+        noisy = (0.0 if count is None else float(count)) + adaptive.count_std(
+            self.expected_batch_size
+        ) * float(z)
+        bound = self.max_grad_norm
+        assert isinstance(bound, float)  # (one bound: AdaptiveClipping.check)
+        self.max_grad_norm = adaptive.updated(bound, noisy, self.expected_batch_size)
+
     def _forget(self) -> None:
+        self._unclipped = None
         self._sums = None
         self._finite = True
         self._examples = 0
         self._backwards = 0
 
     def __repr__(self) -> str:
+        adaptive = "" if self.adaptive_clipping is None else f", {self.adaptive_clipping}"
         return (
             f"DPOptimizer({type(self.optimizer).__qualname__}, max_grad_norm="
             f"{self.max_grad_norm}, noise_multiplier={self.noise_multiplier}, "
-            f"expected_batch_size={self.expected_batch_size})"
+            f"expected_batch_size={self.expected_batch_size}{adaptive})"
         )
+
+
+# (DPOptimizer.state_dict's key for the adaptive bound now)
+_BOUND_KEY = "adaptive_clipping_bound"
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -423,7 +490,8 @@ class PrivateTraining:
 
     Attributes:
         model, hooks, optimizer (the :class:`DPOptimizer`, for LR schedulers), accountant,
-        noise_multiplier (σ), max_grad_norm (C), sample_rate (q), expected_batch_size (qn),
+        noise_multiplier (σ), max_grad_norm (C; with adaptive clipping, the bound now),
+        sample_rate (q), expected_batch_size (qn),
         steps (the planned number of steps), delta, target_epsilon (or None).
     """
 
@@ -448,6 +516,7 @@ class PrivateTraining:
         scaler: torch.amp.GradScaler | None,
         clipping: Literal["flat", "automatic"] = "flat",
         clipping_groups: _clip.ClippingGroups = None,
+        adaptive_clipping: _clip.AdaptiveClipping | None = None,
     ) -> None:
         self.model = model
         self.dataset = dataset
@@ -455,6 +524,7 @@ class PrivateTraining:
         self.noise_multiplier = float(noise_multiplier)
         self.clipping = clipping
         self.clipping_groups = clipping_groups
+        self.adaptive_clipping = adaptive_clipping
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = float(expected_batch_size)
         self.steps = int(steps)
@@ -481,11 +551,12 @@ class PrivateTraining:
                 noise_multiplier=noise_multiplier, expected_batch_size=self.expected_batch_size,
                 sample_rate=self.sample_rate, accountant=self.accountant, generator=noise,
                 scaler=scaler, clipping=clipping, clipping_groups=clipping_groups,
+                adaptive_clipping=adaptive_clipping,
             )  # fmt: skip
         except BaseException:
             self.hooks.remove()
             raise
-        self.max_grad_norm = self.optimizer.max_grad_norm
+        self._initial_bound = self.optimizer.max_grad_norm  # (the plan's)
         self._done = 0  # logical batches done (stepped, or skipped by the scaler)
         self._states: dict[int, Tensor] = {}  # batch generator's state before logical batch k
         self._pending: collections.deque = collections.deque()  # (k, last, size) per physical
@@ -494,6 +565,11 @@ class PrivateTraining:
         self._closed = False
 
     # -- the loop ------------------------------------------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> float | list[float]:
+        """``C``, the clipping bound (with adaptive clipping, the bound now)."""
+        return self.optimizer.max_grad_norm
 
     @property
     def epsilon(self) -> float:
@@ -636,7 +712,8 @@ class PrivateTraining:
             )
         plan = self._plan()
         # (a checkpoint from before the choices)
-        saved = {"clipping": "flat", "clipping_groups": None, **state["plan"]}
+        saved = {"clipping": "flat", "clipping_groups": None, "adaptive_clipping": None,
+                 **state["plan"]}  # fmt: skip
         k = changed_setting(saved, plan)
         if k is not None:
             raise ConfigurationError(
@@ -696,8 +773,11 @@ class PrivateTraining:
     def _plan(self) -> dict[str, Any]:
         return {
             "noise_multiplier": self.noise_multiplier,
-            "max_grad_norm": self.max_grad_norm,
+            "max_grad_norm": self._initial_bound,
             "clipping": self.clipping,
+            "adaptive_clipping": (
+                None if self.adaptive_clipping is None else self.adaptive_clipping.describe()
+            ),
             "clipping_groups": _clip.describe(self.clipping_groups, self.model),
             "sample_rate": self.sample_rate,
             "steps": self.steps,
@@ -787,6 +867,7 @@ def make_private(
     scaler: torch.amp.GradScaler | None = None,
     clipping: Literal["flat", "automatic"] = "flat",
     clipping_groups: _clip.ClippingGroups = None,
+    adaptive_clipping: _clip.AdaptiveClipping | None = None,
 ) -> PrivateTraining:
     """A DP-SGD training run of ``model`` by ``optimizer`` on ``data``: a
     :class:`PrivateTraining` that owns the hooks, the Poisson batches, the noise, the
@@ -838,6 +919,10 @@ def make_private(
             example's gradient clipped to its own bound (:func:`gradhooks.dp_sgd_step`); the
             noise is scaled to the total bound, so ε is the same for the same ``σ``. Kept in
             the checkpoint's plan.
+        adaptive_clipping: a :class:`gradhooks.AdaptiveClipping`: the bound starts at
+            ``max_grad_norm`` and follows a quantile of the per-example norms (one bound, flat
+            clipping); the ε is that of ``σ``, which covers the count's release too. The
+            bound now is ``private.max_grad_norm``, kept in checkpoints.
     """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigurationError(
@@ -902,6 +987,7 @@ def make_private(
         delta=delta, target_epsilon=target_epsilon,
         accountant=accountant, max_physical_batch_size=max_physical_batch_size,
         generator=generator, scaler=scaler, clipping=clipping, clipping_groups=clipping_groups,
+        adaptive_clipping=adaptive_clipping,
     )  # fmt: skip
 
 
