@@ -41,11 +41,12 @@ def losses_of(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def reference_run(model, steps, bound, adaptive, seed):
+def reference_run(model, steps, bound, adaptive, seed, noise_dtype=None):
     """The paper's DP-SGD with adaptive clipping, written out in float64: per-example gradients
     by the loop, ``min(1, C/‖g_i‖)``, the gradient's noise with ``σ_g = (σ⁻² - (2σ_b)⁻²)^-½``,
-    then the count's noise, from one generator; SGD by hand. Returns the bounds used at each
-    step and the parameters after each."""
+    then the count's noise, from one generator (the gradient's drawn in ``noise_dtype``, by
+    default the parameters', as the optimizer draws it in its model's); SGD by hand. Returns
+    the bounds used at each step and the parameters after each."""
     gen = torch.Generator().manual_seed(seed)
     sigma_b = adaptive.count_noise if adaptive.count_noise is not None else B / 20
     sigma_g = (SIGMA**-2 - (2 * sigma_b) ** -2) ** -0.5
@@ -57,7 +58,7 @@ def reference_run(model, steps, bound, adaptive, seed):
         factors = torch.clamp(bound / norms, max=1.0)
         grads = []
         for g, p in zip(loop.values(), model.parameters(), strict=True):
-            z = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            z = torch.randn(p.shape, generator=gen, dtype=noise_dtype or p.dtype).to(p.dtype)
             grads.append((torch.einsum("b,b...->...", factors, g) + sigma_g * bound * z) / B)
         z_b = float(torch.randn((), generator=gen, dtype=torch.float64))
         count = float((norms <= bound).sum()) + sigma_b * z_b
@@ -388,3 +389,45 @@ def test_settings_it_cannot_follow_are_refused(kwargs, match):
             noise_multiplier=SIGMA, delta=1e-5, steps=2, expected_batch_size=B, **kwargs,
         )  # fmt: skip
     assert hooks_left(model) == before == 0
+
+
+def test_under_bfloat16_autocast_the_bound_and_weights_follow_the_float64_reference():
+    """The model in float32 under CPU bfloat16 autocast: the same counts as the float64
+    reference (no norm within 2% of the bound, ten times bfloat16's roundoff: checked), so the same bounds to
+    float32 rounding, and weights within 5e-2 of the reference's change (bfloat16's unit
+    roundoff is 2e-3, over a few layers)."""
+    adaptive = AdaptiveClipping(target_quantile=0.6, count_noise=1.0)
+    want_bounds, want_params, _ = reference_run(
+        net(), 4, 1.5, adaptive, seed=2, noise_dtype=torch.float32
+    )
+    # (the reference's norms at each step, against its bound: a margin bfloat16 cannot cross)
+    model = net()
+    for step, (bound, params) in enumerate(zip(want_bounds, [None, *want_params[:-1]])):
+        if params is not None:
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), params, strict=True):
+                    p.copy_(w)
+        loop = loop_grad(model, F.cross_entropy, *batch(step))
+        norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+        assert float(((norms - bound).abs() / bound).min()) > 0.02, f"step {step}"
+    start = [p.detach().clone() for p in net().parameters()]
+    model = net(torch.float32)
+    bounds = []
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), h, max_grad_norm=1.5,
+            noise_multiplier=SIGMA, expected_batch_size=B, adaptive_clipping=adaptive,
+            generator=torch.Generator().manual_seed(2),
+        )  # fmt: skip
+        for step in range(4):
+            x, y = batch(step, dtype=torch.float32)
+            bounds.append(opt.max_grad_norm)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(x)
+            opt.backward(F.cross_entropy(logits.float(), y, reduction="none"))
+            opt.step()
+            opt.zero_grad()
+    assert bounds == pytest.approx(want_bounds, rel=1e-5)
+    for p, w, s in zip(model.parameters(), want_params[-1], start, strict=True):
+        change = (w - s).abs().max()
+        assert float((p.detach().double() - w).abs().max()) <= 5e-2 * float(change)
