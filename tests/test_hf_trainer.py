@@ -652,3 +652,47 @@ def test_resuming_past_the_budget_or_with_other_settings_is_refused(tmp_path):
         resume(dp, _saving(tmp_path, 4))
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+class BoundRecording(Recording):
+    """Records the clipping bound in use at every physical batch."""
+
+    def per_example_losses(self, model, inputs):
+        self.bounds = getattr(self, "bounds", []) + [self._dp_optimizer.max_grad_norm]
+        return super().per_example_losses(model, inputs)
+
+
+def test_adaptive_clipping_moves_the_bound_and_resumes_with_it(tmp_path):
+    """DPArguments(adaptive_clipping=...): the bound moves from max_grad_norm step after step,
+    each checkpoint's optimizer state holds the bound then in use, and a run resumed from it
+    clips its first step with that bound (not max_grad_norm again); a checkpoint of other
+    adaptive settings is refused."""
+    data = Recorded(16)
+    adaptive = gradhooks.AdaptiveClipping(target_quantile=0.5, learning_rate=0.5, count_noise=2.0)
+    dp = DPArguments(max_grad_norm=5.0, delta=1e-5, noise_multiplier=1.0, noise_seed=1,
+                     sampling_seed=2, adaptive_clipping=adaptive)  # fmt: skip
+    first = BoundRecording(gpt2(), _saving(tmp_path, 4), train_dataset=data, dp=dp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        first.train()
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    bound = saved["adaptive_clipping_bound"]
+    assert bound in first.bounds and bound != 5.0
+    assert len(set(first.bounds)) > 2, first.bounds
+
+    resumed = BoundRecording(gpt2(), _saving(tmp_path, 4), train_dataset=data, dp=dp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.bounds[0] == bound
+    assert resumed.accountant.history == [(1.0, 4 / 16, 4)]
+
+    other = DPArguments(max_grad_norm=5.0, delta=1e-5, noise_multiplier=1.0, noise_seed=1,
+                        sampling_seed=2, adaptive_clipping=gradhooks.AdaptiveClipping(
+                            count_noise=2.0))  # fmt: skip
+    refused = DPTrainer(gpt2(), _saving(tmp_path, 4), train_dataset=data, dp=other)
+    with pytest.raises(ValueError, match="adaptive_clipping"):
+        refused.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    with pytest.raises(TypeError, match="AdaptiveClipping"):
+        DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0,
+                    adaptive_clipping={"target_quantile": 0.5})  # fmt: skip

@@ -94,6 +94,10 @@ class DPArguments:
             (each trainable parameter clipped on its own), ``"layer"`` (each module's), or a
             list of groups of parameter names (of the model as trained: a PEFT model's
             names): :func:`gradhooks.dp_sgd_step`'s ``clipping_groups``.
+        adaptive_clipping: a :class:`gradhooks.AdaptiveClipping`: the bound starts at
+            ``max_grad_norm`` and follows a quantile of the per-example norms
+            (:class:`gradhooks.DPOptimizer`'s ``adaptive_clipping``); the bound in use is
+            saved with the optimizer's state in each checkpoint.
     """
 
     max_grad_norm: float | list[float]
@@ -105,6 +109,7 @@ class DPArguments:
     noise_seed: int | None = None
     sampling_seed: int | None = None
     clipping_groups: Literal["parameter", "layer"] | list[list[str]] | None = None
+    adaptive_clipping: _clip.AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
         _clip.check_bounds(self.max_grad_norm, self.clipping_groups, "DPArguments", "max_grad_norm")
@@ -128,6 +133,13 @@ class DPArguments:
         if self.accountant not in ("rdp", "pld"):
             raise ConfigurationError(f"DPArguments: accountant must be 'rdp' or 'pld', got "
                              f"{self.accountant!r}")  # fmt: skip
+        if self.adaptive_clipping is not None and not isinstance(
+            self.adaptive_clipping, _clip.AdaptiveClipping
+        ):
+            raise ConfigurationTypeError(
+                "DPArguments: adaptive_clipping must be a gradhooks.AdaptiveClipping or None, "
+                f"got {type(self.adaptive_clipping).__qualname__}"
+            )
         if self.method not in (None, "ghost", "bookkeeping"):
             raise ConfigurationError(f"DPArguments: method must be None, 'ghost' or 'bookkeeping', got "
                              f"{self.method!r}")  # fmt: skip
@@ -371,6 +383,7 @@ class DPTrainer(transformers.Trainer):
             noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate, accountant=self.accountant, generator=self._noise,
             method=self.dp.method, clipping_groups=self.dp.clipping_groups,
+            adaptive_clipping=self.dp.adaptive_clipping,
         )  # fmt: skip
         self.optimizer = self._dp_optimizer
         return self.optimizer
@@ -411,6 +424,9 @@ class DPTrainer(transformers.Trainer):
             "max_grad_norm": self.dp.max_grad_norm, "delta": self.dp.delta,
             "accountant": self.dp.accountant, "method": self.dp.method,
             "clipping_groups": self.dp.clipping_groups,
+            "adaptive_clipping": (
+                None if self.dp.adaptive_clipping is None else self.dp.adaptive_clipping.describe()
+            ),
         }  # fmt: skip
 
     def dp_state_dict(self) -> dict[str, Any]:
