@@ -696,3 +696,31 @@ def test_adaptive_clipping_moves_the_bound_and_resumes_with_it(tmp_path):
     with pytest.raises(TypeError, match="AdaptiveClipping"):
         DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0,
                     adaptive_clipping={"target_quantile": 0.5})  # fmt: skip
+
+
+def test_a_run_resumed_inside_an_epoch_trains_on_the_uninterrupted_runs_batches(tmp_path):
+    """Resumed from a checkpoint inside an epoch (and from one at an epoch's end), the Trainer
+    skips the batches trained on by drawing the epoch again from where it started: every batch
+    after the checkpoint is the uninterrupted run's, and so are the weights at the end (the
+    noise continues too). (The epoch's start is kept, not the generator's state at the
+    checkpoint, which a loader's workers may have drawn ahead of.)"""
+    data = Recorded(16)
+    dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0, noise_seed=1,
+                     sampling_seed=2)  # fmt: skip
+
+    def args(out, steps):
+        return targs(tmp_path / out, max_steps=steps, save_strategy="steps", save_steps=2)
+
+    whole, _ = trained(gpt2(), args("whole", 6), data, dp)  # (4 steps an epoch: 2 in, 1 out)
+    for checkpoint, done in (("checkpoint-2", 2), ("checkpoint-4", 4)):
+        model = gpt2()
+        first, _ = trained(model, args(checkpoint, done), data, dp)
+        resumed = Recording(model, args(checkpoint, 6), train_dataset=data, dp=dp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            resumed.train(resume_from_checkpoint=str(tmp_path / checkpoint / "out" / checkpoint))
+        after = 2 * (6 - done)  # (2 physical batches a step)
+        for got, want in zip(resumed.rows, whole.rows[-after:], strict=True):
+            assert torch.equal(got, want), checkpoint
+        for (n, p), q in zip(model.named_parameters(), whole.model.parameters(), strict=True):
+            assert torch.equal(p, q), (checkpoint, n)

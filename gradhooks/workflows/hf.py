@@ -221,11 +221,15 @@ class _Physical(Sampler[list[int]]):
     def __init__(self, sampler: PoissonSampler, parts: int) -> None:
         self.sampler = sampler
         self.parts = parts
+        # the seeded generator's state where the epoch now drawn started (DPTrainer._resume)
+        self.epoch_start: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sampler) * self.parts
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.sampler.generator is not None:
+            self.epoch_start = self.sampler.generator.get_state()
         for idx in self.sampler:
             n = len(idx)
             for k in range(self.parts):
@@ -330,6 +334,7 @@ class DPTrainer(transformers.Trainer):
         )
         self._hooks: Hooks | None = None
         self._dp_optimizer: DPOptimizer | None = None
+        self._physical: _Physical | None = None  # (the batches of the last dataloader made)
         self.add_callback(_SaveDPState(self))
 
     # -- the logical batch -----------------------------------------------------------------------
@@ -360,9 +365,10 @@ class DPTrainer(transformers.Trainer):
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
         sampler = PoissonSampler(n, self.expected_batch_size, generator=self._sampling)
+        self._physical = _Physical(sampler, self.args.gradient_accumulation_steps)
         loader = DataLoader(
             dataset,
-            batch_sampler=_Physical(sampler, self.args.gradient_accumulation_steps),
+            batch_sampler=self._physical,
             collate_fn=_Collate(dataset, collate),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
@@ -431,12 +437,18 @@ class DPTrainer(transformers.Trainer):
 
     def dp_state_dict(self) -> dict[str, Any]:
         """The privacy state a checkpoint holds beside the Trainer's (``dp_state.pt``): the
-        settings, the accountant's steps and both generators' states."""
+        settings, the accountant's steps, both generators' states, and the sampling
+        generator's where the epoch in progress started, with the logical batches of an epoch
+        (which a resumed run draws again up to the checkpoint, as the Trainer skips them)."""
+        physical = self._physical
+        start = None if physical is None else physical.epoch_start
         return {
             "plan": self._dp_plan(),
             "accountant": self.accountant.state_dict(),
             "noise_generator": None if self._noise is None else self._noise.get_state(),
             "sampling_generator": None if self._sampling is None else self._sampling.get_state(),
+            "sampling_epoch_start": None if start is None else start.clone(),
+            "steps_per_epoch": None if physical is None else len(physical.sampler),
         }
 
     def _resume(self, resume: Any) -> int:
@@ -479,8 +491,28 @@ class DPTrainer(transformers.Trainer):
                 )
             if generator is not None:
                 generator.set_state(kept)
+        self._rewind_sampling(path, state)
         self.accountant.load_state_dict(state["accountant"])
         return self.accountant.steps
+
+    def _rewind_sampling(self, path: str, state: dict[str, Any]) -> None:
+        """Where the checkpoint was taken inside an epoch, the Trainer resumes by drawing that
+        epoch's batches again and skipping those trained on: the sampling generator starts
+        where that epoch started, so that the skipped draws are the ones before the checkpoint
+        and every batch after it is the one an uninterrupted run trains on. (At an epoch's end,
+        or with ``ignore_data_skip``, the Trainer skips nothing: the generator goes on from the
+        checkpoint's state, so that no batch is drawn twice.)"""
+        start, per_epoch = state.get("sampling_epoch_start"), state.get("steps_per_epoch")
+        if self._sampling is None or start is None or not per_epoch or self.args.ignore_data_skip:
+            return
+        from transformers import TrainerState
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        found = os.path.join(path, TRAINER_STATE_NAME)
+        if not os.path.isfile(found):
+            return
+        if TrainerState.load_from_json(found).global_step % per_epoch:
+            self._sampling.set_state(start)
 
     def _plan(self, taken: int = 0) -> None:
         """``q``, ``σ`` (calibrated where not given) and the steps the budget allows (``taken``
