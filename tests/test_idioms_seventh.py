@@ -1,0 +1,389 @@
+"""Published training loops, a seventh set, each step checked against the float64 oracle.
+
+Each test writes again, on a small model, the idioms of one published loop that the earlier
+sets do not run: fairseq's summed loss with ``optimizer.multiply_grads(1 / ntokens)``,
+``--update-freq`` accumulation, its zeroed dummy batch and clipping over part of the model;
+torchtune's output projection tied to the embedding through ``F.linear`` (``TiedLinear``),
+applied to chunks of the sequence, with the gradients scaled by the token count; the SAM
+repository's ``first_step`` / ``second_step`` (and ASAM) restoring the weights through
+``p.data``; AdaHessian's ``backward(create_graph=True)`` and Hutchinson's Hessian-vector
+products; GradNorm's task weights learned from the norms of the tasks' gradients; a penalty on
+the gradient's norm; timm's ``train_one_epoch`` with its ``NativeScaler``, adaptive gradient
+clipping, mixup's soft targets with ``SoftTargetCrossEntropy``, ``accum_steps`` and
+``ModelEmaV3``; timm's ``Lookahead`` around a LAMB with gradient centralization and
+``ReduceLROnPlateau``; Sophia's Gauss-Newton-Bartlett estimate from sampled labels. Each is
+compared with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what went
+wrong and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close, assert_grad1, mlp
+
+D = torch.float64
+
+
+def batch(seed: int, n: int = 4):
+    """``n`` examples of 3 features and their labels (2 classes), float64."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, generator=g, dtype=D), torch.randint(2, (n,), generator=g)
+
+
+def added(a: dict, b: dict) -> dict:
+    return {n: a[n] + b[n] for n in b}
+
+
+def summed_ce(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_unchanged(model: nn.Module, before: list[torch.Tensor], what: str) -> None:
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert_close(p.detach(), q, f"{what}: a parameter changed")
+
+
+# -- fairseq: summed loss, multiply_grads(1 / ntokens), update_freq, the dummy batch ------------
+
+
+def test_fairseq_summed_loss_grads_multiplied_by_one_over_the_sample_size():
+    """fairseq's ``Trainer.train_step``: the criterion returns the loss *summed* over the batch
+    and its sample size; ``--update-freq 2`` backwards two samples (the first under
+    ``model.no_sync()``), then a zeroed dummy batch (``ignore_grad``: ``loss *= 0``, fairseq's
+    stand-in for an empty shard), then ``optimizer.multiply_grads(1 / sample_size)`` (in place
+    on ``.grad``), ``clip_grad_norm_`` over the encoder's parameters only, Adam's step, and
+    ``zero_grad`` (``p.grad = None``). With ``loss_reduction="sum"``, grad1 is, row by row, the
+    sum of each sample's examples' own summed-loss gradients, neither divided nor clipped."""
+    model = mlp()
+    encoder = list(model[0].parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as hooks:
+        for step in range(3):
+            want, sample_size = None, 0
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                got = loop_grad(model, summed_ce, x, y)
+                want = got if want is None else added(want, got)
+                summed_ce(model(x), y).backward()
+                sample_size += len(y)
+            x, y = batch(99)
+            (summed_ce(model(x), y) * 0.0).backward()  # the dummy batch
+            assert hooks.accumulated == 3
+            assert_grad1(model, want, f"step {step}")
+            for p in model.parameters():  # optimizer.multiply_grads
+                p.grad.mul_(1 / sample_size)
+            torch.nn.utils.clip_grad_norm_(encoder, 0.05)
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"step {step}: {n} after the clipping")
+            optimizer.step()
+            for p in model.parameters():  # fairseq's zero_grad
+                p.grad = None
+
+
+def test_fairseq_dummy_batch_of_another_size_is_refused_leaving_grad1():
+    """fairseq's dummy batch is the first batch it saw, whatever the size of the samples it
+    stands in for: in an accumulation, a zeroed backward of a batch of 3 after one of 4 has no
+    rows to add to. Refused (naming the parameter and both shapes, saying what to do), with grad1
+    left as the first backward wrote it and the parameters unchanged."""
+    model = mlp()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        x, y = batch(0)
+        want = loop_grad(model, summed_ce, x, y)
+        summed_ce(model(x), y).backward()
+        before = snapshot(model)
+        with pytest.raises(
+            gradhooks.StateError, match=r"'2\.weight'.*\(4, 2, 5\).*\(3, 2, 5\).*clear\(\)"
+        ):
+            (summed_ce(model(x[:3]), y[:3]) * 0.0).backward()
+        assert_grad1(model, want, "after the refused dummy batch")
+        assert_unchanged(model, before, "the refused dummy batch")
+
+
+# -- torchtune: a tied output projection by F.linear, chunked, scaled by the token count -------
+
+
+class TiedLinear:
+    """torchtune's ``TiedLinear``: not a module; ``F.linear`` with the embedding's weight."""
+
+    def __init__(self, tied: nn.Module):
+        self.tied = tied
+
+    def __call__(self, x):
+        return F.linear(x, self.tied.weight)
+
+
+class TunedDecoder(nn.Module):
+    """torchtune's ``TransformerDecoder`` shrunk: token embedding, a layer, RMSNorm, and the
+    output projection tied to the embedding, applied to ``chunks`` pieces of the sequence
+    (``num_output_chunks``, for ``CEWithChunkedOutputLoss``)."""
+
+    def __init__(self, chunks: int, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layer = nn.Linear(dim, dim)
+        self.norm = nn.RMSNorm(dim)
+        self.output = TiedLinear(self.tok_embeddings)
+        self.chunks = chunks
+
+    def forward(self, tokens):
+        h = self.norm(torch.tanh(self.layer(self.tok_embeddings(tokens))))
+        return [self.output(c) for c in h.chunk(self.chunks, dim=1)]
+
+
+def chunked_token_losses(logits: list, labels):
+    """``CEWithChunkedOutputLoss`` without its division: each sequence's summed token loss,
+    ``[batch]`` (``ignore_index=-100``)."""
+    pieces = labels.chunk(len(logits), dim=1)
+    return sum(
+        F.cross_entropy(lg.transpose(1, 2), lb, ignore_index=-100, reduction="none").sum(1)
+        for lg, lb in zip(logits, pieces, strict=True)
+    )
+
+
+def tokens(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = torch.randint(11, (3, 8), generator=g), torch.randint(11, (3, 8), generator=g)
+    labels[0, 5:] = -100  # a padded sequence
+    return ids, labels
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_torchtune_chunked_tied_output_with_gradients_scaled_by_the_token_count(chunks):
+    """torchtune's ``full_finetune_single_device`` recipe: over ``gradient_accumulation_steps``
+    the loss is the token mean times this micro-batch's token count (a token sum), the counts
+    add up, then ``training.scale_grads(model, 1 / num_tokens)``, ``clip_grad_norm_``, AdamW,
+    ``zero_grad(set_to_none=True)``. The embedding's weight gets its gradient twice, through the
+    embedding and through ``F.linear`` on every chunk: grad1 holds both, row by row summed
+    over the micro-batches, against the loop of each sequence's own summed token loss."""
+    model = TunedDecoder(chunks).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def loss_fn(out, labels):
+        return chunked_token_losses(out, labels).sum()
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            want, num_tokens = None, 0
+            for micro in range(2):
+                ids, labels = tokens(10 * step + micro)
+                got = loop_grad(model, loss_fn, ids, labels)
+                want = got if want is None else added(want, got)
+                count = (labels != -100).sum()
+                token_mean = loss_fn(model(ids), labels) / count
+                (token_mean * count).backward()
+                num_tokens += int(count)
+            assert_grad1(model, want, f"step {step}")
+            for p in model.parameters():  # training.scale_grads
+                p.grad.mul_(1 / num_tokens)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_torchtune_chunked_tied_output_in_the_dp_step(method):
+    """The same model's per-sequence losses into ``dp_sgd_step`` (no noise): ``.grad`` is the
+    sum of each sequence's gradient clipped to 0.5, its gradient through the embedding and the
+    tied projection together, and the norms are the loop's, at every step."""
+    model = TunedDecoder(4).double()
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as hooks:
+        for step in range(2):
+            ids, labels = tokens(step)
+            want = loop_grad(model, lambda o, t: chunked_token_losses(o, t).sum(), ids, labels)
+            norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+            factors = (0.5 / norms).clamp(max=1.0)
+            model.zero_grad()
+            got = gradhooks.dp_sgd_step(
+                hooks, chunked_token_losses(model(ids), labels), max_norm=0.5,
+                noise_multiplier=0.0, reduction="sum", method=method,
+            )  # fmt: skip
+            assert_close(got, norms, f"step {step}: norms")
+            for n, p in model.named_parameters():
+                clipped = torch.einsum("b,b...->...", factors, want[n])
+                assert_close(p.grad, clipped, f"step {step}: {n}")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.5 * p.grad
+
+
+# -- SAM and ASAM: the weights restored through p.data ------------------------------------------
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_sam_first_and_second_step_restore_the_weights_through_data(adaptive):
+    """The SAM repository's optimizer (davda54/sam): ``first_step`` keeps ``p.data.clone()`` in
+    the optimizer's state and moves to ``w + e(w)`` in place (ASAM: ``e`` scaled by ``p²``),
+    ``zero_grad``; the second forward and backward; ``second_step`` puts the weights back by
+    *assigning* ``p.data = old_p`` (a new tensor under the same parameter), then the base
+    optimizer steps. Each pass's grad1 is its own, at the weights it ran at."""
+    model = mlp()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rho = 0.5 if adaptive else 0.05
+    old = {}
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}, first pass")
+            scale = lambda p: p.pow(2) if adaptive else 1.0  # noqa: E731
+            norm = torch.stack([(scale(p) * p.grad).norm() for p in model.parameters()]).norm()
+            with torch.no_grad():  # first_step(zero_grad=True)
+                for p in model.parameters():
+                    old[p] = p.data.clone()
+                    p.add_(scale(p) * p.grad * rho / (norm + 1e-12))
+            base.zero_grad()
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}, second pass")
+            for p in model.parameters():  # second_step(zero_grad=True)
+                p.data = old[p]
+            base.step()
+            base.zero_grad()
+
+
+# -- AdaHessian, GradNorm, a gradient-norm penalty: create_graph=True --------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_adahessian_hutchinson_products_under_pause_leave_grad1():
+    """AdaHessian's loop: ``loss.backward(create_graph=True)``, then Hutchinson's estimate of
+    the Hessian's diagonal, ``z * torch.autograd.grad(grads, params, grad_outputs=z)`` with
+    Rademacher ``z``, then the step and ``zero_grad(set_to_none=True)`` (which breaks the
+    gradient's reference cycle). grad1 of the create_graph backward is the loop's; the
+    Hessian-vector products, taken under ``h.paused()`` (they differentiate the gradient),
+    leave it so. Not paused, they are refused naming the layer and ``h.paused()``, with grad1
+    and the parameters as they were."""
+    model = mlp()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    with gradhooks.add_hooks(model) as hooks:
+        for step in range(3):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward(create_graph=True)
+            assert_grad1(model, want, f"step {step}")
+            zs = [torch.randint(0, 2, p.shape, generator=g).to(D) * 2 - 1 for p in params]
+            grads = [p.grad for p in params]
+            if step == 1:
+                before = snapshot(model)
+                with pytest.raises(gradhooks.UnsupportedError, match=r"'\d' \(Linear\).*h\.paused"):
+                    torch.autograd.grad(grads, params, grad_outputs=zs, retain_graph=True)
+                assert_grad1(model, want, f"step {step}, after the refused product")
+                assert_unchanged(model, before, "the refused product")
+            with hooks.paused():
+                hvs = torch.autograd.grad(grads, params, grad_outputs=zs)
+            assert_grad1(model, want, f"step {step}, after the products")
+            with torch.no_grad():
+                diag = [z * hv for z, hv in zip(zs, hvs, strict=True)]
+                for p, d in zip(params, diag, strict=True):
+                    p.grad = p.grad.detach() / (d.abs() + 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+class TwoTasks(nn.Module):
+    """A shared trunk whose last layer ``shared`` is GradNorm's ``W``, and two task heads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.shared = nn.Linear(3, 5), nn.Linear(5, 5)
+        self.head1, self.head2 = nn.Linear(5, 2), nn.Linear(5, 1)
+
+    def forward(self, x):
+        z = torch.tanh(self.shared(torch.tanh(self.trunk(x))))
+        return self.head1(z), self.head2(z)
+
+
+def two_task_batch(seed: int):
+    x, y = batch(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    return x, torch.cat([y[:, None].to(D), torch.randn(4, 1, generator=g, dtype=D)], 1)
+
+
+def task_losses(out, target):
+    return torch.stack(
+        [F.cross_entropy(out[0], target[:, 0].long()), F.mse_loss(out[1], target[:, 1:])]
+    )
+
+
+def gradnorm_weights_gradient(model, hooks, weights, losses, initial, alpha=1.5):
+    """GradNorm's loss on the task weights (Chen et al., 2018): the norms of each weighted
+    task loss's gradient at the shared layer, taken with ``create_graph=True`` (under
+    ``h.paused()``: they are no example's gradient), pulled towards their mean times each task's
+    relative inverse training rate; its gradient with respect to the weights alone."""
+    with hooks.paused():
+        norms = torch.stack([
+            torch.autograd.grad(weights[i] * losses[i], model.shared.weight,
+                                retain_graph=True, create_graph=True)[0].norm()
+            for i in range(len(losses))
+        ])  # fmt: skip
+        rate = losses.detach() / initial
+        target = (norms.mean() * (rate / rate.mean()) ** alpha).detach()
+        return torch.autograd.grad((norms - target).abs().sum(), weights, retain_graph=True)[0]
+
+
+def test_gradnorm_task_weights_learned_from_their_gradient_norms():
+    """GradNorm's training loop (as in pytorch-grad-norm's ``train.py``): the weighted sum of
+    the task losses backwarded first (``retain_graph=True``), then, under ``h.paused()``, the
+    norms of each weighted task loss's gradient at the shared layer by
+    ``torch.autograd.grad(..., create_graph=True)`` and GradNorm's loss differentiated with
+    respect to the task weights alone, written into ``weights.grad``; the step, and the weights
+    renormalised to sum to the number of tasks. grad1 is each example's gradient of the
+    weighted sum of its own task losses, at every step."""
+    model = TwoTasks().double()
+    weights = torch.ones(2, dtype=D, requires_grad=True)
+    optimizer = torch.optim.SGD([*model.parameters(), weights], lr=0.05)
+    initial = None
+    with gradhooks.add_hooks(model) as hooks:
+        for step in range(3):
+            x, target = two_task_batch(step)
+            w = weights.detach().clone()
+            want = loop_grad(model, lambda out, t, w=w: (w * task_losses(out, t)).sum(), x, target)
+            losses = task_losses(model(x), target)
+            initial = losses.detach() if initial is None else initial
+            optimizer.zero_grad()
+            (weights * losses).sum().backward(retain_graph=True)
+            assert_grad1(model, want, f"step {step}")
+            weights.grad = gradnorm_weights_gradient(model, hooks, weights, losses, initial)
+            assert_grad1(model, want, f"step {step}, after GradNorm's derivatives")
+            optimizer.step()
+            with torch.no_grad():
+                weights.mul_(2 / weights.sum())
+    assert not torch.equal(weights.detach(), torch.ones(2, dtype=D))
+
+
+def test_a_penalty_on_the_gradients_norm_is_refused_pointing_to_torch_func():
+    """A gradient-norm penalty (``loss + λ‖∇θ loss‖²``: "Penalizing Gradient Norm", the AMP
+    recipe's gradient penalty): the penalty's gradient runs through the double backward, and
+    the batch gradient inside it couples the examples. Refused, naming the layer and pointing
+    to torch.func; grad1 is left as the ``create_graph=True`` gradient wrote it (the loss's
+    own, with a graph) and the parameters as they were."""
+    model = mlp()
+    params = list(model.parameters())
+    before = snapshot(model)
+    with gradhooks.add_hooks(model):
+        x, y = batch(0)
+        want = loop_grad(model, F.cross_entropy, x, y)
+        loss = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        with pytest.raises(gradhooks.UnsupportedError, match=r"create_graph=True.*torch\.func"):
+            (loss + 0.1 * penalty).backward()
+        assert_grad1(model, want, "as the create_graph=True gradient wrote it")
+    assert_unchanged(model, before, "the refused backward")
