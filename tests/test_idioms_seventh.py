@@ -368,6 +368,25 @@ def test_gradnorm_task_weights_learned_from_their_gradient_norms():
     assert not torch.equal(weights.detach(), torch.ones(2, dtype=D))
 
 
+def test_gradnorm_with_the_loss_backwarded_after_the_derivatives_is_refused_saying_how():
+    """GradNorm written the other way round: the norms' derivatives first, then the weighted
+    task losses' backward. That loss holds no derivative, but it runs through the calls the
+    ``create_graph=True`` backwards went through, where the hooks cannot tell it from a loss
+    built from those derivatives: refused, naming the layer and saying to run the loss's
+    backward first; no grad1 is written and the parameters are as they were."""
+    model = TwoTasks().double()
+    weights = torch.ones(2, dtype=D, requires_grad=True)
+    with gradhooks.add_hooks(model) as hooks:
+        x, target = two_task_batch(0)
+        losses = task_losses(model(x), target)
+        weights.grad = gradnorm_weights_gradient(model, hooks, weights, losses, losses.detach())
+        before = snapshot(model)
+        with pytest.raises(gradhooks.UnsupportedError, match=r"\(Linear\).*before"):
+            (weights * losses).sum().backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    assert_unchanged(model, before, "the refused backward")
+
+
 def test_a_penalty_on_the_gradients_norm_is_refused_pointing_to_torch_func():
     """A gradient-norm penalty (``loss + λ‖∇θ loss‖²``: "Penalizing Gradient Norm", the AMP
     recipe's gradient penalty): the penalty's gradient runs through the double backward, and
