@@ -19,6 +19,8 @@ wrong and leaves the model as it was.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -406,3 +408,215 @@ def test_a_penalty_on_the_gradients_norm_is_refused_pointing_to_torch_func():
             (loss + 0.1 * penalty).backward()
         assert_grad1(model, want, "as the create_graph=True gradient wrote it")
     assert_unchanged(model, before, "the refused backward")
+
+
+# -- timm's train_one_epoch: NativeScaler, adaptive clipping, soft targets, accum_steps, EMA ---
+
+
+def unitwise_norm(x):
+    """timm's ``unitwise_norm``: the norm of each output unit (row) of a weight, of a bias
+    whole."""
+    return x.norm() if x.dim() <= 1 else x.norm(dim=tuple(range(1, x.dim())), keepdim=True)
+
+
+def adaptive_clip_grad(parameters, clip_factor: float, eps: float = 1e-3):
+    """timm's ``adaptive_clip_grad`` (AGC, Brock et al., 2021), written into ``.grad`` in place
+    with ``p.grad.detach().copy_``."""
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad.detach()
+        max_norm = unitwise_norm(p.detach()).clamp(min=eps) * clip_factor
+        g_norm = unitwise_norm(g)
+        clipped = g * (max_norm / g_norm.clamp(min=1e-6))
+        g.copy_(torch.where(g_norm < max_norm, g, clipped))
+
+
+class NativeScaler:
+    """timm's ``NativeScaler``: the scaled loss's backward, and where ``need_update``,
+    ``unscale_``, the clipping (``dispatch_clip_grad``, mode ``"agc"`` here), the scaler's step
+    and update."""
+
+    def __init__(self):
+        self._scaler = torch.amp.GradScaler("cpu")
+
+    def __call__(self, loss, optimizer, clip_grad, parameters, need_update: bool):
+        self._scaler.scale(loss).backward()
+        if need_update:
+            self._scaler.unscale_(optimizer)
+            adaptive_clip_grad(parameters, clip_grad)
+            self._scaler.step(optimizer)
+            self._scaler.update()
+
+    def get_scale(self) -> float:
+        return self._scaler.get_scale()
+
+
+def soft_target_cross_entropy(out, target):
+    """timm's ``SoftTargetCrossEntropy``: ``Σ -target · log_softmax``, averaged over the batch."""
+    return torch.sum(-target * F.log_softmax(out, dim=-1), dim=-1).mean()
+
+
+def mixup(x, y, lam: float, classes: int = 2, smoothing: float = 0.1):
+    """timm's ``Mixup`` in ``"batch"`` mode: the batch mixed with itself flipped
+    (``x.mul_(lam).add_(x.flip(0).mul_(1 - lam))``, in place) and the label-smoothed one-hot
+    targets alike (``mixup_target``)."""
+    off, on = smoothing / classes, 1 - smoothing + smoothing / classes
+    y1 = torch.full((len(y), classes), off, dtype=D).scatter_(1, y[:, None], on)
+    target = y1 * lam + y1.flip(0) * (1 - lam)
+    x.mul_(lam).add_(x.flip(0).mul_(1 - lam))
+    return x, target
+
+
+def test_timm_train_one_epoch_native_scaler_agc_soft_targets_accum_steps_and_ema():
+    """timm's ``train_one_epoch``: mixup's soft targets with ``SoftTargetCrossEntropy``,
+    ``accum_steps=2`` (``loss /= accum_steps``; ``need_update`` at the last), the
+    ``NativeScaler`` (its ``GradScaler`` on float64 parameters, scale 2¹⁶) with ``unscale_``
+    and adaptive gradient clipping, ``zero_grad`` after an update, and ``ModelEmaV3`` (a deep
+    copy, updated by ``torch._foreach_lerp_``). grad1 is what the docs say: the per-example
+    gradients of the *scaled* loss, summed over the micro-batches, neither unscaled nor
+    clipped (grad1 / scale is the loop's, exactly: the scale is a power of two); the EMA copy
+    holds no grad1."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loss_scaler, accum_steps = NativeScaler(), 2
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    with gradhooks.add_hooks(model):
+        for update in range(3):
+            want = None
+            for micro in range(accum_steps):
+                x, y = batch(10 * update + micro)
+                x, target = mixup(x, y, lam=0.7)
+                got = loop_grad(model, soft_target_cross_entropy, x, target)
+                got = {n: g / accum_steps for n, g in got.items()}
+                want = got if want is None else added(want, got)
+                scale = loss_scaler.get_scale()
+                loss = soft_target_cross_entropy(model(x), target) / accum_steps
+                need_update = micro == accum_steps - 1
+                loss_scaler(loss, optimizer, 0.01, model.parameters(), need_update)
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1 / scale, want[n], f"update {update}, micro {micro}: {n}")
+            optimizer.zero_grad()
+            with torch.no_grad():  # ModelEmaV3.update
+                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 0.1)
+    assert scale == 2.0**16
+    assert not any(hasattr(p, "grad1") for p in ema.parameters())
+    x, y = batch(50)
+    with torch.no_grad():
+        assert ema(x).shape == (4, 2)
+
+
+# -- timm's Lookahead around a LAMB with gradient centralization -------------------------------
+
+
+class CentralizedLamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2020; timm's ``Lamb``) with gradient centralization (Ranger's,
+    ``grad.add_(-grad.mean(dims, keepdim=True))``) and decoupled weight decay written into
+    ``.grad`` in place, as such optimizers do, then each layer's step scaled by the trust ratio
+    ``‖p‖ / ‖update‖``."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.dim() > 1:
+                    grad.add_(-grad.mean(dim=tuple(range(1, grad.dim())), keepdim=True))
+                grad.add_(p, alpha=group["weight_decay"])
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                update = state["m"] / (state["v"].sqrt() + group["eps"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update, alpha=-group["lr"] * float(trust))
+
+
+class Lookahead:
+    """timm's ``Lookahead``: every ``k`` steps the slow weights move ``alpha`` of the way to the
+    fast ones, which are then set to them (``fast_p.copy_(slow)``)."""
+
+    def __init__(self, base: torch.optim.Optimizer, alpha: float = 0.5, k: int = 2):
+        self.base, self.alpha, self.k, self.steps = base, alpha, k, 0
+        self.slow = [p.detach().clone() for g in base.param_groups for p in g["params"]]
+
+    def step(self):
+        self.base.step()
+        self.steps += 1
+        if self.steps % self.k == 0:
+            with torch.no_grad():
+                fast = [p for g in self.base.param_groups for p in g["params"]]
+                for p, slow in zip(fast, self.slow, strict=True):
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.base.zero_grad(set_to_none=set_to_none)
+
+
+def test_lookahead_lamb_with_gradient_centralization_and_reduce_lr_on_plateau():
+    """A Ranger-style loop: timm's ``Lookahead`` around a LAMB that centralizes the gradient
+    and adds the weight decay into ``.grad`` in place, ``zero_grad(set_to_none=False)`` (the
+    zeros start grad1 afresh), a validation loss under ``no_grad`` in eval mode between steps
+    feeding ``ReduceLROnPlateau``. grad1 is each example's own gradient at every step, never
+    centralized or decayed, whatever the optimizer did to ``.grad``."""
+    model = mlp()
+    base = CentralizedLamb(model.parameters())
+    optimizer = Lookahead(base)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(base, factor=0.5, patience=0)
+    x_val, y_val = batch(77, n=8)
+    with gradhooks.add_hooks(model):
+        for step in range(5):
+            model.train()
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            optimizer.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            optimizer.step()
+            assert_grad1(model, want, f"step {step}, after the centralizing step")
+            model.eval()
+            with torch.no_grad():
+                plateau.step(F.cross_entropy(model(x_val), y_val))
+
+
+# -- Sophia: the Gauss-Newton-Bartlett estimate from sampled labels ----------------------------
+
+
+def test_sophia_hessian_estimate_from_labels_sampled_every_k_steps():
+    """Sophia's ``train_sophiag.py``: the step on the batch (``zero_grad(set_to_none=True)``
+    after it), and every ``k`` steps a new forward of the same batch, labels sampled from the
+    model's own distribution (``Categorical(logits=...).sample()``), that loss's backward,
+    ``update_hessian`` reading ``.grad`` (``β₂·h + (1-β₂)·B·g²``), and ``zero_grad`` again.
+    grad1 after each backward is each example's own gradient: of the true labels' loss after
+    the training backward, of the sampled labels' loss after the estimate's."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hessian = [torch.zeros_like(p) for p in model.parameters()]
+    g = torch.Generator().manual_seed(3)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % 2 == 1:
+                logits = model(x)
+                probs = F.softmax(logits.detach(), -1)
+                sampled = torch.multinomial(probs, 1, generator=g)[:, 0]
+                want = loop_grad(model, F.cross_entropy, x, sampled)
+                F.cross_entropy(logits, sampled).backward()
+                assert_grad1(model, want, f"step {step}, the estimate")
+                for h, p in zip(hessian, model.parameters(), strict=True):
+                    h.mul_(0.99).addcmul_(p.grad, p.grad, value=0.01 * len(x))
+                optimizer.zero_grad(set_to_none=True)
