@@ -620,3 +620,51 @@ def test_sophia_hessian_estimate_from_labels_sampled_every_k_steps():
                 for h, p in zip(hessian, model.parameters(), strict=True):
                     h.mul_(0.99).addcmul_(p.grad, p.grad, value=0.01 * len(x))
                 optimizer.zero_grad(set_to_none=True)
+
+
+# -- PEFT's recipe: LoRA, enable_input_require_grads, reentrant gradient checkpointing ---------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (transformers' renamed methods)
+def test_lora_with_input_require_grads_and_reentrant_gradient_checkpointing():
+    """The PEFT / TRL fine-tuning recipe (``prepare_model_for_kbit_training``'s steps on an
+    unquantized model): ``gradient_checkpointing_enable(use_reentrant=True)``,
+    ``enable_input_require_grads()`` (a forward hook making the frozen embedding's output
+    require grad, so that the reentrant checkpoints have an input that does), LoRA on the
+    attention's query and value projections, two micro-batches per step, ``clip_grad_norm_``,
+    AdamW. grad1 of every adapter weight is the loop's at every step (the loop backwards each
+    example: ``torch.autograd.grad`` would not run the reentrant checkpoints again)."""
+    peft = pytest.importorskip("peft")
+    from test_real_models import llama, lm_loss, text
+
+    torch.manual_seed(0)
+    base = llama().double()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    base.enable_input_require_grads()
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "v_proj"])  # fmt: skip
+    model = peft.get_peft_model(base, config).train()
+    with torch.no_grad():  # (LoRA's B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=0.01)
+
+    def loss_fn(out, labels):
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), labels.reshape(-1),
+                               reduction="sum")  # fmt: skip
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(2):
+            want = None
+            for micro in range(2):
+                batch = text(3, 5, seed=10 * step + micro)
+                ids, labels = batch["input_ids"], batch["labels"]
+                got = loop_grad(model, loss_fn, ids, labels)
+                want = got if want is None else added(want, got)
+                lm_loss(model, batch).backward()
+            assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
