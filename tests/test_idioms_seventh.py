@@ -733,3 +733,265 @@ def test_a_method_that_reshapes_the_batch_between_submodule_calls(how, fold):
         assert re.search(r"'head' \(Linear\), for 'weight', .*for 3\b", message)
     assert not any(hasattr(p, "grad1") for p in model.parameters())
     assert_unchanged(model, before, "the refused backward")
+
+
+# -- self-supervised pretraining: DINO's multi-crop student, MAE's masking ---------------------
+
+
+class Backbone(nn.Module):
+    """A convolution, averaged over the image, and a projection: the same for any crop size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).mean((2, 3)))
+
+
+class MultiCropWrapper(nn.Module):
+    """DINO's ``MultiCropWrapper``: the crops of each resolution concatenated along the batch
+    (``torch.cat(x[start:end])``) for one backbone call each, the outputs concatenated, one
+    head call on them all."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone, self.head = Backbone(), nn.Linear(6, 5)
+
+    def forward(self, x: list):
+        sizes = torch.tensor([inp.shape[-1] for inp in x])
+        idx_crops = torch.cumsum(torch.unique_consecutive(sizes, return_counts=True)[1], 0)
+        start, output = 0, torch.empty(0, dtype=x[0].dtype)
+        for end in idx_crops:
+            output = torch.cat((output, self.backbone(torch.cat(x[start:end]))))
+            start = end
+        return self.head(output)
+
+
+def dino_losses(student_out, teacher_out, center, crops: int):
+    """DINOLoss: for each global crop's sharpened, centred teacher distribution and each other
+    crop of the student, the cross-entropy, averaged over the pairs; one loss per image."""
+    student = (student_out / 0.1).chunk(crops)
+    teacher = F.softmax((teacher_out - center) / 0.04, dim=-1).detach().chunk(2)
+    pairs = [(q, v) for q in range(2) for v in range(crops) if v != q]
+    return sum(
+        torch.sum(-teacher[q] * F.log_softmax(student[v], dim=-1), dim=-1) for q, v in pairs
+    ) / len(pairs)
+
+
+def test_dino_multi_crop_student_against_an_ema_teacher():
+    """DINO's ``train_one_epoch``: 2 global and 3 local crops per image, the teacher (a deep
+    copy, no grad) on the global crops, the student on all, through ``MultiCropWrapper``'s
+    concatenations; the loss averaged over the images; the student's step, the teacher's EMA
+    and the centre's update (from the teacher's batch mean, used at the next step). grad1 is
+    each image's own gradient, over all its crops, at every step (the loop runs the student on
+    that image's crops alone)."""
+    student, b = MultiCropWrapper().double(), 3
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    center = torch.zeros(1, 5, dtype=D)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    params = list(student.parameters())
+    with gradhooks.add_hooks(student):
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            crops = [torch.randn(b, 3, 8, 8, generator=g, dtype=D) for _ in range(2)]
+            crops += [torch.randn(b, 3, 4, 4, generator=g, dtype=D) for _ in range(3)]
+            with torch.no_grad():
+                teacher_out = teacher(crops[:2])
+            rows = []
+            with gradhooks.paused():
+                for i in range(b):
+                    own = dino_losses(
+                        student([c[i : i + 1] for c in crops]), teacher_out[i::b], center, 5
+                    )
+                    rows.append(torch.autograd.grad(own.sum(), params))
+            want = {n: torch.stack([r[k] for r in rows]) for k, (n, _) in
+                    enumerate(student.named_parameters())}  # fmt: skip
+            optimizer.zero_grad()
+            dino_losses(student(crops), teacher_out, center, 5).mean().backward()
+            assert_grad1(student, want, f"step {step}")
+            optimizer.step()
+            with torch.no_grad():
+                for ps, pt in zip(student.parameters(), teacher.parameters(), strict=True):
+                    pt.mul_(0.9).add_(ps.detach(), alpha=0.1)
+                center = center * 0.9 + teacher_out.mean(0, keepdim=True) * 0.1
+
+
+class MaskedAutoencoder(nn.Module):
+    """MAE's ``MaskedAutoencoderViT``, shrunk: patch embedding, fixed position embedding, the
+    ``random_masking`` of 50% of the patches by ``argsort`` of per-example noise and
+    ``torch.gather``, the class token (``expand``), an encoder block, the decoder's mask tokens
+    (``repeat``) put back in place by ``gather`` with ``ids_restore``, its learned position
+    embedding, a decoder block and the pixel prediction. The noise is an input (MAE draws it
+    inside), so that the loop can give each example its own."""
+
+    def __init__(self, patches: int = 8, pixels: int = 6, dim: int = 8, ddim: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch_embed = nn.Linear(pixels, dim)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, patches + 1, dim), requires_grad=False)
+        self.block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+        self.norm = nn.LayerNorm(dim)
+        self.decoder_embed = nn.Linear(dim, ddim)
+        self.mask_token = nn.Parameter(torch.randn(1, 1, ddim) * 0.02)
+        self.decoder_pos_embed = nn.Parameter(torch.randn(1, patches + 1, ddim) * 0.1)
+        self.decoder_block = nn.Sequential(nn.LayerNorm(ddim), nn.Linear(ddim, ddim), nn.GELU())
+        self.decoder_pred = nn.Linear(ddim, pixels)
+
+    @staticmethod
+    def random_masking(x, noise, ratio: float = 0.5):
+        n, length, d = x.shape
+        keep = int(length * (1 - ratio))
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        x_masked = torch.gather(x, 1, ids_shuffle[:, :keep].unsqueeze(-1).repeat(1, 1, d))
+        mask = torch.ones(n, length, dtype=x.dtype)
+        mask[:, :keep] = 0
+        return x_masked, torch.gather(mask, 1, ids_restore), ids_restore
+
+    def forward(self, patches, noise):
+        x = self.patch_embed(patches) + self.pos_embed[:, 1:, :]
+        x, mask, ids_restore = self.random_masking(x, noise)
+        cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
+        x = torch.cat((cls, x), dim=1)
+        x = self.norm(x + self.block(x))
+        x = self.decoder_embed(x)
+        tokens = self.mask_token.repeat(x.shape[0], ids_restore.shape[1] + 1 - x.shape[1], 1)
+        x_ = torch.cat([x[:, 1:, :], tokens], dim=1)
+        x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).repeat(1, 1, x.shape[2]))
+        x = torch.cat([x[:, :1, :], x_], dim=1) + self.decoder_pos_embed
+        return self.decoder_pred(x + self.decoder_block(x))[:, 1:, :], mask
+
+
+def mae_loss(out, target):
+    """MAE's ``forward_loss`` with ``norm_pix_loss``: each patch's target normalized, the
+    squared error averaged over the pixels, then over the masked patches of the batch (as
+    many for each example)."""
+    pred, mask = out
+    mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+    loss = ((pred - (target - mean) / (var + 1e-6) ** 0.5) ** 2).mean(dim=-1)
+    return (loss * mask).sum() / mask.sum()
+
+
+def test_mae_pretraining_with_accumulation_and_weight_decay_groups():
+    """MAE's ``engine_pretrain.train_one_epoch``: ``accum_iter=2`` (``loss /= accum_iter``, the
+    step and ``zero_grad`` every second iteration), AdamW with ``betas=(0.9, 0.95)`` over
+    timm's ``param_groups_weight_decay`` (no decay for the tokens, the position embedding and
+    the 1-d parameters), the frozen sin-cos position embedding. grad1 holds each example's own
+    gradient, through the gathers and the mask tokens, summed over the micro-batches."""
+    model = MaskedAutoencoder().double()
+    no_decay = lambda n, p: p.ndim <= 1 or "token" in n or "pos" in n  # noqa: E731
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": 0.05},
+         {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}],
+        lr=0.01, betas=(0.9, 0.95),
+    )  # fmt: skip
+    accum_iter, want = 2, None
+    with gradhooks.add_hooks(model):
+        for it in range(4):
+            g = torch.Generator().manual_seed(it)
+            patches = torch.randn(3, 8, 6, generator=g, dtype=D)
+            noise = torch.rand(3, 8, generator=g, dtype=D)
+            got = loop_grad(model, mae_loss, (patches, noise), patches)
+            got = {n: w / accum_iter for n, w in got.items()}
+            want = got if it % accum_iter == 0 else added(want, got)
+            (mae_loss(model(patches, noise), patches) / accum_iter).backward()
+            assert_grad1(model, want, f"iteration {it}")
+            if (it + 1) % accum_iter == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+# -- Stable-Baselines3's PPO: minibatch epochs over a rollout, a state-independent log_std ---
+
+
+class ActorCritic(nn.Module):
+    """SB3's ``ActorCriticPolicy`` for a continuous action, shrunk: separate policy and value
+    MLPs, ``action_net``, ``value_net`` and the state-independent ``log_std`` parameter
+    (``DiagGaussianDistribution``: ``std = ones_like(mean) * log_std.exp()``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp_pi, self.mlp_vf = (nn.Sequential(nn.Linear(4, 8), nn.Tanh()) for _ in range(2))
+        self.action_net, self.value_net = nn.Linear(8, 2), nn.Linear(8, 1)
+        self.log_std = nn.Parameter(torch.zeros(2))
+
+    def evaluate_actions(self, obs, actions):
+        mean = self.action_net(self.mlp_pi(obs))
+        dist = torch.distributions.Normal(mean, torch.ones_like(mean) * self.log_std.exp())
+        values = self.value_net(self.mlp_vf(obs)).flatten()
+        return values, dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
+
+    def forward(self, obs, actions):
+        return self.evaluate_actions(obs, actions)
+
+
+def ppo_losses(out, rollout):
+    """PPO's objective per sample: the clipped surrogate, the entropy bonus (0.01) and the
+    value loss (0.5); ``rollout`` holds the old log-probability, the advantage (normalized
+    over the minibatch, as SB3 does: constants of the loss) and the return."""
+    values, log_prob, entropy = out
+    old_log_prob, advantages, returns = rollout.unbind(1)
+    ratio = torch.exp(log_prob - old_log_prob)
+    surrogate = torch.min(advantages * ratio, advantages * torch.clamp(ratio, 0.8, 1.2))
+    return -surrogate - 0.01 * entropy + 0.5 * (returns - values) ** 2
+
+
+def test_ppo_minibatch_epochs_over_a_rollout():
+    """SB3's ``PPO.train``: 2 epochs over a rollout of 12 samples in shuffled minibatches of 4,
+    the advantages normalized per minibatch, the loss averaged, ``zero_grad``,
+    ``clip_grad_norm_(0.5)``, Adam. Through ``policy(obs, actions)``, grad1 of every parameter,
+    ``log_std`` included (used outside any layer), is each sample's own. SB3 calls
+    ``policy.evaluate_actions`` itself, a method: then ``log_std`` is used outside any captured
+    call; the backward warns naming it and gives it no grad1 (the layers' grad1 is right), and
+    the DP step refuses to run without it."""
+    policy = ActorCritic().double()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3, eps=1e-5)
+    g = torch.Generator().manual_seed(0)
+    obs, actions = (
+        torch.randn(12, 4, generator=g, dtype=D),
+        torch.randn(12, 2, generator=g, dtype=D),
+    )
+    with torch.no_grad():
+        old_log_prob = policy.evaluate_actions(obs, actions)[1]
+    advantages, returns = (
+        torch.randn(12, generator=g, dtype=D),
+        torch.randn(12, generator=g, dtype=D),
+    )
+
+    def minibatch(idx):
+        adv = advantages[idx]
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        return obs[idx], actions[idx], torch.stack([old_log_prob[idx], adv, returns[idx]], 1)
+
+    def loss_fn(out, rollout):
+        return ppo_losses(out, rollout).mean()
+
+    with gradhooks.add_hooks(policy):
+        for epoch in range(2):
+            for idx in torch.randperm(12, generator=g).split(4):
+                o, a, rollout = minibatch(idx)
+                want = loop_grad(policy, loss_fn, (o, a), rollout)
+                optimizer.zero_grad()
+                loss_fn(policy(o, a), rollout).backward()
+                assert_grad1(policy, want, f"epoch {epoch}")
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 0.5)
+                optimizer.step()
+        o, a, rollout = minibatch(torch.arange(4))
+        want = loop_grad(policy, loss_fn, (o, a), rollout)
+        optimizer.zero_grad()
+        with pytest.warns(gradhooks.GradhooksWarning, match=r"'log_std'.*method of the model"):
+            loss_fn(policy.evaluate_actions(o, a), rollout).backward()
+        assert not hasattr(policy.log_std, "grad1")
+        for n, p in policy.named_parameters():
+            if n != "log_std":
+                assert_close(p.grad1, want[n], f"through the method: {n}")
+    with gradhooks.add_hooks(policy, quantities=("norms",)) as hooks:
+        with pytest.warns(gradhooks.GradhooksWarning):
+            with pytest.raises(gradhooks.StateError, match=r"'log_std'.*cannot be clipped"):
+                losses = ppo_losses(policy.evaluate_actions(o, a), rollout)
+                gradhooks.dp_sgd_step(hooks, losses, max_norm=1.0, noise_multiplier=0.0)
