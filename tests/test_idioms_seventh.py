@@ -677,24 +677,29 @@ def test_lora_with_input_require_grads_and_reentrant_gradient_checkpointing():
 class TextTower(nn.Module):
     """OpenAI CLIP's text side, shrunk: ``encode_text`` (a method, not ``forward``) embeds the
     tokens, adds the position embedding, permutes to sequence-first (``NLD -> LND``) for its
-    ``transformer`` submodule, permutes back and pools at the end-of-text token. ``fold``: a
+    ``transformer`` submodule, permutes back and pools at the end-of-text token. ``"folded"``: a
     video model's feature extractor instead, which folds the frames into the batch
-    (``x.view(B * T, ...)``) for its frame encoder, then averages them."""
+    (``x.view(B * T, ...)``) for its frame encoder, then averages them. ``"positions"``: the
+    positions looked up in an ``nn.Embedding`` by ``torch.arange(T)`` in the method itself."""
 
-    def __init__(self, fold: bool = False):
+    def __init__(self, how: str = "sequence-first"):
         super().__init__()
         torch.manual_seed(0)
-        self.fold = fold
+        self.how = how
         self.token_embedding = nn.Embedding(11, 6)
+        if how == "positions":
+            self.positional_embedding = nn.Embedding(5, 6)
         self.transformer = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
         self.ln_final = nn.LayerNorm(6)
         self.head = nn.Linear(6, 2)
 
     def encode_text(self, text):
         x = self.token_embedding(text)
-        if self.fold:  # [B, T, 6] -> [B*T, 6] -> [B, T, 6]
+        if self.how == "folded":  # [B, T, 6] -> [B*T, 6] -> [B, T, 6]
             b, t, d = x.shape
             x = self.transformer(x.reshape(b * t, d)).view(b, t, d)
+        elif self.how == "positions":
+            x = self.transformer(x + self.positional_embedding(torch.arange(text.shape[1])))
         else:  # NLD -> LND -> NLD
             x = self.transformer(x.permute(1, 0, 2)).permute(1, 0, 2)
         x = self.ln_final(x)
@@ -704,18 +709,19 @@ class TextTower(nn.Module):
         return self.encode_text(text)
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["sequence-first", "folded"])
+@pytest.mark.parametrize("kind", ["sequence-first", "folded", "positions"])
 @pytest.mark.parametrize("how", ["forward", "method"])
-def test_a_method_that_reshapes_the_batch_between_submodule_calls(how, fold):
+def test_a_method_that_reshapes_the_batch_between_submodule_calls(how, kind):
     """CLIP's ``model.encode_text(text)`` (and a video model's ``x.view(B * T, ...)``), called
     as its training code calls it, not through ``model(...)``: each submodule call is then a
     forward of its own, its batch read from its own input, and the ``transformer`` gets the
-    5 positions (or the 3·5 frames) as its batch. Called as ``model(text)``, the forward is
+    5 positions (or the 3·5 frames; the position embedding its 5 positions) as its batch.
+    Called as ``model(text)``, the forward is
     followed and grad1 is each example's. Called through the method, the layers of one backward
     see batches of different sizes: refused, naming the layers and both sizes, with no grad1
     and the parameters as they were (before, the transformer's grad1 had a row per position,
     in silence)."""
-    model = TextTower(fold).double()
+    model = TextTower(kind).double()
     g = torch.Generator().manual_seed(0)
     text, y = torch.randint(11, (3, 5), generator=g), torch.randint(2, (3,), generator=g)
     with gradhooks.add_hooks(model):
@@ -727,10 +733,14 @@ def test_a_method_that_reshapes_the_batch_between_submodule_calls(how, fold):
         before = snapshot(model)
         with pytest.raises(gradhooks.BatchNotFoundError, match="call the model itself") as e:
             F.cross_entropy(model.encode_text(text), y).backward()
-        rows = 15 if fold else 5
+        layer, rows = {
+            "sequence-first": (r"transformer\.\d' \(Linear", 5),
+            "folded": (r"transformer\.\d' \(Linear", 15),
+            "positions": (r"positional_embedding' \(Embedding", 5),
+        }[kind]
         message = str(e.value)
-        assert re.search(rf"'transformer\.\d' \(Linear\), for 'weight', .*for {rows}\b", message)
-        assert re.search(r"'head' \(Linear\), for 'weight', .*for 3\b", message)
+        assert re.search(rf"'{layer}\), for 'weight', .*for {rows}\b", message)
+        assert re.search(r"'(head|token_embedding)' \(\w+\), for 'weight', .*for 3\b", message)
     assert not any(hasattr(p, "grad1") for p in model.parameters())
     assert_unchanged(model, before, "the refused backward")
 
