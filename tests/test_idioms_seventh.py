@@ -11,10 +11,13 @@ products; GradNorm's task weights learned from the norms of the tasks' gradients
 the gradient's norm; timm's ``train_one_epoch`` with its ``NativeScaler``, adaptive gradient
 clipping, mixup's soft targets with ``SoftTargetCrossEntropy``, ``accum_steps`` and
 ``ModelEmaV3``; timm's ``Lookahead`` around a LAMB with gradient centralization and
-``ReduceLROnPlateau``; Sophia's Gauss-Newton-Bartlett estimate from sampled labels. Each is
-compared with each example's own gradient by a per-example loop in float64
-(:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what went
-wrong and leaves the model as it was.
+``ReduceLROnPlateau``; Sophia's Gauss-Newton-Bartlett estimate from sampled labels; PEFT's
+LoRA recipe with ``enable_input_require_grads`` and reentrant gradient checkpointing; a model
+used through a method (CLIP's ``encode_text``) that reshapes the batch between its
+submodules' calls; DINO's multi-crop student, MAE's masking and Stable-Baselines3's PPO
+minibatches. Each is compared with each example's own gradient by a per-example loop in
+float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out), or checked to stop with
+an error that says what went wrong and leaves the model as it was.
 """
 
 from __future__ import annotations
