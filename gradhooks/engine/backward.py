@@ -281,6 +281,9 @@ class BackwardWriter:
                 )
         elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
+        if bw is not None and frame is not None and batch not in bw.rows:
+            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            bw.rows[batch] = (f"{where}, for '{first}',", frame.owner is not self.state.model)
         if self.state.grad1 and bw is not None and not bw.memory_checked:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
             self.refuse_large(batch)
@@ -737,6 +740,12 @@ class BackwardWriter:
             if self.state.collector is not None:
                 self.state.collector.discard_backward()
             raise UnsupportedError(higher_order(bw.derived))
+        if len(bw.rows) > 1 and self.state.batch_dim is not None:
+            if any(entry for _, entry in bw.rows.values()):
+                self.rollback(bw)
+                if self.state.collector is not None:
+                    self.state.collector.discard_backward()
+                raise BatchNotFoundError(different_batches(bw.rows))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
         # leaves grad1 and the other quantities as they were.
@@ -909,6 +918,22 @@ class BackwardWriter:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def different_batches(rows: dict[int, tuple[str, bool]]) -> str:
+    """The refusal of a backward whose calls gave different numbers of examples, one of them
+    in a forward of a submodule called on its own."""
+    (n, (a, _)), (m, (b, _)) = list(rows.items())[:2]
+    return (
+        f"gradhooks: in one backward, {a} gave a per-example gradient for {n} examples and "
+        f"{b} for {m}: their rows are not the same examples, and no grad1 was written. Where "
+        "the model's submodules are called outside its forward (a method such as CLIP's "
+        "encode_text, or model.forward(x) called directly), each call takes its batch from its "
+        "own input, and what the code does between them (x.permute(1, 0, 2), x.view(B * T, "
+        "...)) is not followed: call the model itself, model(x), or move that code into a "
+        "submodule's forward. One loss over batches of different sizes (two datasets in one "
+        "step) has no per-example rows: backpropagate each alone."
+    )
 
 
 def _batched(grads) -> bool:

@@ -195,7 +195,10 @@ def higher_order(module: str) -> str:
         "written). To differentiate grad1 or those derivatives on purpose, run this backward "
         "under `with h.paused():`; for per-example gradients of such a loss use torch.func "
         "(gradhooks.oracle.vmap_grad); if the derivatives are not part of this loss, compute "
-        "them without create_graph=True (or detach them)."
+        "them without create_graph=True (or detach them). A loss that holds none of them but "
+        "runs through the same calls (GradNorm's weighted task losses, after the norms of "
+        "their gradients were taken) is refused too, as the hooks cannot tell it apart: run "
+        "its backward before the create_graph=True one (with retain_graph=True)."
     )
 
 

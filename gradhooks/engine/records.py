@@ -144,6 +144,9 @@ class Backward:
     weighted: dict[int, Tensor | None] = field(default_factory=dict)
     kept: list[CallPieces] = field(default_factory=list)
     batch: int | None = None  # the examples of the grad1 it wrote
+    # the batch sizes its calls gave -> (the first call of each, whether its forward was an
+    # entry's: a submodule called outside the model's forward)
+    rows: dict[int, tuple[str, bool]] = field(default_factory=dict)
     capturing: bool = True  # captured (not paused; marked where capture="marked")
     # the lowest floating-point precision its calls ran in (see :func:`lowest_precision`)
     precision: torch.dtype | None = None
