@@ -310,3 +310,30 @@ def test_the_checked_bookkeeping_step_sees_a_wrong_embedding_gradient_in_its_row
                 method="bookkeeping",
             )  # fmt: skip
     assert emb.weight.grad is None
+
+
+@pytest.mark.parametrize("shape", [(5,), (40, 7)], ids=["scalar-path", "vectorized"])
+def test_the_noise_is_drawn_scaled_in_one_pass(shape):
+    """``dp.noise``: ``std`` times the numbers ``torch.randn`` draws from the same generator
+    (within one rounding of float32: the product is rounded once), written by one kernel,
+    with no second pass over the tensor to scale it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradhooks.workflows import dp
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    p = torch.zeros(shape)
+    with Ops() as seen:
+        got = dp.noise(p, torch.Generator().manual_seed(4), 1.3)
+    want = torch.randn(shape, generator=torch.Generator().manual_seed(4)).double() * 1.3
+    assert got.shape == p.shape and got.dtype == p.dtype and got.is_contiguous()
+    assert float((got.double() - want).abs().max()) <= 2 * 2**-24 * float(want.abs().max())
+    assert [op for op in seen.ops if op not in ("empty", "empty_strided")] == ["normal_"], seen.ops

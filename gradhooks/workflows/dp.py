@@ -940,9 +940,14 @@ def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
-    """``std · gaussian(p, generator)`` (the same numbers), scaled in place: a new contiguous
-    tensor of ``p``'s full shape and dtype, on ``p``'s device, for a gradient to be built in."""
-    return gaussian(p, generator).mul_(std)
+    """``std · gaussian(p, generator)``: a new contiguous tensor of ``p``'s full shape and
+    dtype, on ``p``'s device, for a gradient to be built in. Drawn scaled (``normal_(0,
+    std)``: the same standard normal numbers, each times ``std`` as it is drawn, rounded
+    once), not scaled in a second pass over the tensor (for an embedding's table, a pass of
+    its size)."""
+    device = p.device if generator is None else generator.device
+    z = torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, std, generator=generator)
+    return z if z.device == p.device else z.to(p.device)
 
 
 def _foreach_div_(xs: list[Tensor], denom: float) -> None:
