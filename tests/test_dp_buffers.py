@@ -337,3 +337,42 @@ def test_the_noise_is_drawn_scaled_in_one_pass(shape):
     assert got.shape == p.shape and got.dtype == p.dtype and got.is_contiguous()
     assert float((got.double() - want).abs().max()) <= 2 * 2**-24 * float(want.abs().max())
     assert [op for op in seen.ops if op not in ("empty", "empty_strided")] == ["normal_"], seen.ops
+
+
+def test_ghost_frees_each_clipped_gradient_once_added_to_its_noise(monkeypatch):
+    """Ghost clipping's second backward gives autograd's clipped sums of every parameter at
+    once; each is freed once added to its noise, before the next parameter's noise is drawn
+    (not all held until the last one's)."""
+    import weakref
+
+    from gradhooks.workflows import dp
+
+    backwards: list[list] = []
+    real_grads, real_noise = dp._grads, dp.noise
+
+    def grads(*args, **kwargs):
+        out = real_grads(*args, **kwargs)
+        backwards.append([None if t is None else weakref.ref(t) for t in out])
+        return out
+
+    alive: list[int] = []
+
+    def noise(*args):
+        drawn = len(alive)  # (the parameters whose noise was drawn, and their sums added)
+        alive.append(sum(r is not None and r() is not None for r in backwards[-1][:drawn]))
+        return real_noise(*args)
+
+    monkeypatch.setattr(dp, "_grads", grads)
+    monkeypatch.setattr(dp, "noise", noise)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(5, 6), torch.randint(4, (5,))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(2):
+            backwards.clear()
+            alive.clear()
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.1,
+                noise_multiplier=1.0, method="ghost",
+            )  # fmt: skip
+            assert len(backwards) == 2 and len(alive) == 4 and not any(alive), alive

@@ -642,9 +642,8 @@ def _clipped_sums(
             truth = kept = None  # (freed)
         factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
-            grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
-        clipped = _added(into, params, _popped(list(grads)))
-        del grads
+            grads = list(_grads(hooks, (factors * per_example_loss).sum(), wrt))
+        clipped = _added(into, params, _popped(grads))  # (each freed once added)
     _STEPPED[stepped] = True
     return unscaled(norms), clipped, loss_scale
 
