@@ -1,6 +1,7 @@
 """The DP step builds each gradient in one tensor: the noise drawn into it, the clipped sums
 added to it in place (``Piece.add_batch_sum``: an embedding's looked-up rows by one
-``index_add_``, a layer's product by one ``addmm_``). Checked against dense constructions
+``index_add_``; a layer's product by one ``addmm_``, formed before the noise is drawn, from
+pieces then freed). Checked against dense constructions
 from ``grad1`` and, for a model whose output layer shares the embedding's weight (a tied
 head), against the float64 per-example loop, also under bfloat16 autocast."""
 

@@ -32,13 +32,15 @@ Two paths, chosen by what the handle computes:
   its per-example gradients (``Hooks.norm_forms()`` ``"materialized"``: more positions than
   features, as a tied output layer over a long sequence), those are kept and weighted instead
   (no second product), when they take no more memory than its pieces. Memory: the
-  output-gradients of every hooked layer are held until the step ends (about the size of the
-  activations).
+  output-gradients of every hooked layer are held until the clipped sums are formed (about the
+  size of the activations); they are used up, call by call, before any noise is drawn, so
+  that the two are not held together.
 
 The noise ``σ·C·N(0, I)`` is drawn (from ``generator``, parameter after parameter: the numbers
-of ``torch.randn``) into the tensor that becomes ``p.grad``, and the clipped sums are added to
-it in place: one tensor of each parameter's size (with a GradScaler, the noise is drawn once
-the sums are known to be finite).
+of ``torch.randn``, each times ``σ·C``) into the tensor that becomes ``p.grad``, and the
+parameter's clipped sum is added to it in place (an embedding's looked-up rows by one
+``index_add_``): one tensor of each parameter's size (with a GradScaler, the noise is drawn
+once the sums are known to be finite).
 
 Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
 multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
@@ -177,10 +179,11 @@ def dp_sgd_step(
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
     std = noise_multiplier * _clip.total_bound(max_norm)
-    # Without a scaler, the noise is drawn first, into the buffers the gradients are built in,
-    # and the clipped sums are added to it (the rows of an embedding an example looked up, a
-    # layer's product accumulated in place): one tensor of each parameter's size, no second.
-    # A scaled step draws it only once the sums are known finite (a skipped step draws none).
+    # Without a scaler, the noise is drawn parameter after parameter (in their order) into the
+    # tensor its gradient is built in, once its clipped sum is at hand, which is added to it
+    # (the rows of an embedding an example looked up in place): one tensor of each parameter's
+    # size, no second. A scaled step draws it only once the sums are known finite (a skipped
+    # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
     into = (lambda p: noise(p, generator, std)) if noised else None
     norms, clipped, scale = _clipped_sums(
