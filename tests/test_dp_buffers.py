@@ -377,3 +377,38 @@ def test_ghost_frees_each_clipped_gradient_once_added_to_its_noise(monkeypatch):
                 noise_multiplier=1.0, method="ghost",
             )  # fmt: skip
             assert len(backwards) == 2 and len(alive) == 4 and not any(alive), alive
+
+
+@pytest.mark.parametrize("groups", [None, "parameter"], ids=["one-bound", "per-parameter"])
+def test_bookkeeping_clipped_sum_of_an_embedding_model_is_the_float64_loops(groups):
+    """``clipped_sum`` (no noise: an embedding's looked-up rows added into zeros once the other
+    sums are formed), one bound or one per parameter, against the float64 per-example loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = model.double()
+    x, y = torch.randint(30, (5, 7)), torch.randint(4, (5, 7))
+
+    def loss(out, t):
+        return (
+            F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="none").view(t.shape).mean(1)
+        )
+
+    want = loop_grad(model, lambda o, t: loss(o, t).mean(), x, y)
+    max_norm = reference_median(want) if groups is None else 0.05
+    if groups is None:
+        _, clipped = clipped_reference(want, max_norm)
+    else:  # (each parameter clipped to C/√K on its own)
+        bound = max_norm / len(want) ** 0.5
+        clipped = {}
+        for n, g in want.items():
+            f = torch.clamp(bound / g.flatten(1).norm(dim=1), max=1.0)
+            clipped[n] = torch.einsum("b,b...->...", f, g)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(2):  # (the first step checked, the second not)
+            got = gradhooks.clipped_sum(
+                h, loss(model(x), y), max_norm=max_norm, method="bookkeeping",
+                clipping_groups=groups,
+            )  # fmt: skip
+            names = {id(p): n for n, p in model.named_parameters()}
+            for p, s in zip(got.params, got.sums, strict=True):
+                assert_close(s, clipped[names[id(p)]], f"{groups}: {names[id(p)]}")
