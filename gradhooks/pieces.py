@@ -86,6 +86,11 @@ class Piece:
         keep it rather than the sum)."""
         return math.inf
 
+    # Whether :meth:`add_batch_sum` adds into a few rows of the parameter alone (an
+    # embedding's looked-up rows), in place: the piece is then smaller than its sum, which
+    # is better formed straight in the gradient's own tensor than in a tensor of its own.
+    adds_rows: ClassVar[bool] = False
+
     def select(self, rows: slice) -> Piece:
         """The same piece restricted to the examples ``rows`` (a slice of the batch). Here the
         rows of ``grad1``, formed when asked for."""
@@ -597,6 +602,8 @@ class Rows(Piece):
         """One scatter of its lookups' gradients gives the batch sum."""
         return self.g.numel() + 2 * self.index.numel()
 
+    adds_rows: ClassVar[bool] = True
+
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         g = self.g if weights is None else self.g * weights.to(self.g.dtype)[self.example, None]
         out = self.g.new_zeros(self.num_rows, self.g.shape[-1])
@@ -1022,6 +1029,36 @@ def uses_by_parameter(kept: list[CallPieces]) -> dict[int, list[PieceUse]]:
         for name, p in params.items():
             uses.setdefault(id(p), []).append(PieceUse(pieces[name], p, scale))
     return uses
+
+
+def weighted_rows(uses: list[PieceUse], weights: Tensor) -> Tensor | None:
+    """:func:`weighted_sum` of a ``[num_rows, dim]`` parameter whose pieces are all
+    :class:`Rows` (an embedding's), as a sparse COO tensor of the rows looked up alone
+    (coalesced, one sparse dimension: as :func:`gradhooks.engine.compare.hold` holds a
+    gradient), never a table of the parameter's size; ``None`` where the pieces are not all
+    :class:`Rows` of such a parameter, or count their examples otherwise."""
+    if not uses or any(use.piece.batch_size != weights.shape[0] for use in uses):
+        return None
+    p = uses[0].param
+    if not all(type(use.piece) is Rows for use in uses) or p.dim() != 2:
+        return None
+    if any(use.piece.num_rows != p.shape[0] or use.piece.g.shape[-1] != p.shape[1]
+           for use in uses):  # fmt: skip
+        return None
+    w = weights.to(p.device)
+    index, values = [], []
+    for piece, _, scale in uses:
+        rows = piece.in_dtype(p.dtype)
+        value = rows.g * w.to(rows.g.dtype)[rows.example, None]
+        index.append(rows.index)
+        values.append(value * scale if scale != 1.0 else value)
+    index = index[0] if len(index) == 1 else torch.cat(index)
+    value = values[0] if len(values) == 1 else torch.cat(values)
+    unique, inverse = torch.unique(index, return_inverse=True)
+    summed = value.new_zeros(unique.numel(), p.shape[1]).index_add_(0, inverse, value)
+    return torch.sparse_coo_tensor(
+        unique[None], summed, p.shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def weighted_sum(uses: list[PieceUse], weights: Tensor) -> Tensor | None:

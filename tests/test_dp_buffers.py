@@ -1,6 +1,7 @@
 """The DP step builds each gradient in one tensor: the noise drawn into it, the clipped sums
 added to it in place (``Piece.add_batch_sum``: an embedding's looked-up rows by one
-``index_add_``, a layer's product by one ``addmm_``). Checked against dense constructions
+``index_add_``; a layer's product by one ``addmm_``, formed before the noise is drawn, from
+pieces then freed). Checked against dense constructions
 from ``grad1`` and, for a model whose output layer shares the embedding's weight (a tied
 head), against the float64 per-example loop, also under bfloat16 autocast."""
 
@@ -194,7 +195,7 @@ def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(meth
     from gradhooks.workflows import dp
 
     refs: list = []
-    real_grads, real_noises = dp._grads, dp.noises
+    real_grads, real_noise = dp._grads, dp.noise
 
     def grads(*args, **kwargs):
         out = real_grads(*args, **kwargs)
@@ -204,12 +205,12 @@ def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(meth
 
     alive: list[int] = []
 
-    def noises(*args):
+    def noise(*args):
         alive.append(sum(r() is not None for r in refs))
-        return real_noises(*args)
+        return real_noise(*args)
 
     monkeypatch.setattr(dp, "_grads", grads)
-    monkeypatch.setattr(dp, "noises", noises)
+    monkeypatch.setattr(dp, "noise", noise)
     model, x, y = tied_problem()
     quantity = "grad1" if method == "grad1" else "norms"
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
@@ -219,3 +220,195 @@ def test_the_backwards_unused_gradients_are_freed_before_the_noise_is_drawn(meth
                 h, next_token(model(x), y), max_norm=0.1, noise_multiplier=1.0, method=method
             )
     assert refs and alive and not any(alive), alive
+
+
+def test_weighted_rows_is_the_dense_weighted_sum_held_as_its_rows():
+    """``weighted_rows``: two calls of an embedding (different scales, rows looked up by both
+    and more than once) give ``Σ_b w_b grad1[b]`` (from grad1, float64) as a sparse tensor of
+    the rows looked up alone; not for pieces other than Rows."""
+    from gradhooks.engine.compare import dense
+
+    param = torch.zeros(7, 3, dtype=torch.float64)
+    first, second = random_rows(4, 7, 3, 15, 1), random_rows(4, 7, 3, 9, 2)
+    weights = torch.tensor([0.5, 1.0, 0.0, 2.0], dtype=torch.float64)
+    uses = [P.PieceUse(first, param, 4.0), P.PieceUse(second, param, 4.0)]
+    got = P.weighted_rows(uses, weights)
+    want = sum(torch.einsum("b,b...->...", weights, p.grad1(param.shape)) for p in (first, second))
+    assert got.is_sparse and got.shape == param.shape
+    rows = torch.cat([first.index, second.index]).unique()
+    assert torch.equal(got.indices()[0], rows), "the rows looked up, each once"
+    assert_close(dense(got), want * 4.0, "weighted rows")
+    assert_close(dense(got), P.weighted_sum(uses, weights), "as weighted_sum")
+    mixed = uses + [P.PieceUse(P.Direct(torch.randn(4, 7, 3, dtype=torch.float64)), param, 4.0)]
+    assert P.weighted_rows(mixed, weights) is None
+
+
+def test_bookkeeping_uses_the_pieces_up_before_drawing_the_noise(monkeypatch):
+    """A book-keeping step holds the calls' pieces (layer inputs and output-gradients, about
+    the activations) and the gradients (the noise, a whole table for an embedding) one after
+    the other, not together: every product of pieces is formed before the first noise is
+    drawn, and an embedding's looked-up rows are added into its noise's own tensor after it
+    is drawn (no table of its own). The result is the float64 loop's clipped sum plus the
+    noise (the other tests of this file)."""
+    from gradhooks.workflows import dp
+
+    events: list[tuple[str, int]] = []
+    real_noise = dp.noise
+    real_outer, real_rows = P.Outer.add_batch_sum, P.Rows.add_batch_sum
+
+    def noise(p, *args):
+        out = real_noise(p, *args)
+        events.append(("noise", out.data_ptr()))
+        return out
+
+    def outer(self, out, *args):
+        events.append(("outer", out.data_ptr()))
+        return real_outer(self, out, *args)
+
+    def rows(self, out, *args):
+        events.append(("rows", out.data_ptr()))
+        return real_rows(self, out, *args)
+
+    monkeypatch.setattr(dp, "noise", noise)
+    monkeypatch.setattr(P.Outer, "add_batch_sum", outer)
+    monkeypatch.setattr(P.Rows, "add_batch_sum", rows)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randint(30, (5, 7)), torch.randint(4, (5, 7))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(2):  # (the first step checked against autograd, the second not)
+            events.clear()
+            out = model(x)
+            losses = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+            gradhooks.dp_sgd_step(
+                h, losses.view(5, 7).mean(1), max_norm=0.1, noise_multiplier=1.0,
+                generator=torch.Generator().manual_seed(0), method="bookkeeping",
+            )  # fmt: skip
+            kinds = [k for k, _ in events]
+            first = kinds.index("noise")
+            assert "outer" in kinds and "outer" not in kinds[first:], kinds
+            table = next(ptr for k, ptr in events if k == "noise")  # (the embedding's, first)
+            assert ("rows", table) in events[first:], "the rows added into the noise's tensor"
+            assert model[0].weight.grad.data_ptr() == table
+
+
+def test_the_checked_bookkeeping_step_sees_a_wrong_embedding_gradient_in_its_rows():
+    """The step's check compares an embedding's weighted pieces as its rows alone
+    (``weighted_rows``) with autograd's: a loss that couples the examples only through the
+    embedding's output is refused, naming the embedding alone, and nothing is written."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(30, 8), nn.Linear(8, 4)
+    head.requires_grad_(False)
+    model = nn.Sequential(emb, head)
+    x, y = torch.randint(30, (5, 7)), torch.randint(4, (5, 7))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        e = emb(x)
+        out = head(e + 0.5 * e.mean(0, keepdim=True))  # (each example sees the others' rows)
+        losses = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+        with pytest.raises(gradhooks.CheckFailedError, match=r"for '0\.weight' \(differs"):
+            gradhooks.dp_sgd_step(
+                h, losses.view(5, 7).mean(1), max_norm=0.1, noise_multiplier=1.0,
+                method="bookkeeping",
+            )  # fmt: skip
+    assert emb.weight.grad is None
+
+
+@pytest.mark.parametrize("shape", [(5,), (40, 7)], ids=["scalar-path", "vectorized"])
+def test_the_noise_is_drawn_scaled_in_one_pass(shape):
+    """``dp.noise``: ``std`` times the numbers ``torch.randn`` draws from the same generator
+    (within one rounding of float32: the product is rounded once), written by one kernel,
+    with no second pass over the tensor to scale it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradhooks.workflows import dp
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    p = torch.zeros(shape)
+    with Ops() as seen:
+        got = dp.noise(p, torch.Generator().manual_seed(4), 1.3)
+    want = torch.randn(shape, generator=torch.Generator().manual_seed(4)).double() * 1.3
+    assert got.shape == p.shape and got.dtype == p.dtype and got.is_contiguous()
+    assert float((got.double() - want).abs().max()) <= 2 * 2**-24 * float(want.abs().max())
+    assert [op for op in seen.ops if op not in ("empty", "empty_strided")] == ["normal_"], seen.ops
+
+
+def test_ghost_frees_each_clipped_gradient_once_added_to_its_noise(monkeypatch):
+    """Ghost clipping's second backward gives autograd's clipped sums of every parameter at
+    once; each is freed once added to its noise, before the next parameter's noise is drawn
+    (not all held until the last one's)."""
+    import weakref
+
+    from gradhooks.workflows import dp
+
+    backwards: list[list] = []
+    real_grads, real_noise = dp._grads, dp.noise
+
+    def grads(*args, **kwargs):
+        out = real_grads(*args, **kwargs)
+        backwards.append([None if t is None else weakref.ref(t) for t in out])
+        return out
+
+    alive: list[int] = []
+
+    def noise(*args):
+        drawn = len(alive)  # (the parameters whose noise was drawn, and their sums added)
+        alive.append(sum(r is not None and r() is not None for r in backwards[-1][:drawn]))
+        return real_noise(*args)
+
+    monkeypatch.setattr(dp, "_grads", grads)
+    monkeypatch.setattr(dp, "noise", noise)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(5, 6), torch.randint(4, (5,))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(2):
+            backwards.clear()
+            alive.clear()
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.1,
+                noise_multiplier=1.0, method="ghost",
+            )  # fmt: skip
+            assert len(backwards) == 2 and len(alive) == 4 and not any(alive), alive
+
+
+@pytest.mark.parametrize("groups", [None, "parameter"], ids=["one-bound", "per-parameter"])
+def test_bookkeeping_clipped_sum_of_an_embedding_model_is_the_float64_loops(groups):
+    """``clipped_sum`` (no noise: an embedding's looked-up rows added into zeros once the other
+    sums are formed), one bound or one per parameter, against the float64 per-example loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = model.double()
+    x, y = torch.randint(30, (5, 7)), torch.randint(4, (5, 7))
+
+    def loss(out, t):
+        return (
+            F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="none").view(t.shape).mean(1)
+        )
+
+    want = loop_grad(model, lambda o, t: loss(o, t).mean(), x, y)
+    max_norm = reference_median(want) if groups is None else 0.05
+    if groups is None:
+        _, clipped = clipped_reference(want, max_norm)
+    else:  # (each parameter clipped to C/√K on its own)
+        bound = max_norm / len(want) ** 0.5
+        clipped = {}
+        for n, g in want.items():
+            f = torch.clamp(bound / g.flatten(1).norm(dim=1), max=1.0)
+            clipped[n] = torch.einsum("b,b...->...", f, g)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(2):  # (the first step checked, the second not)
+            got = gradhooks.clipped_sum(
+                h, loss(model(x), y), max_norm=max_norm, method="bookkeeping",
+                clipping_groups=groups,
+            )  # fmt: skip
+            names = {id(p): n for n, p in model.named_parameters()}
+            for p, s in zip(got.params, got.sums, strict=True):
+                assert_close(s, clipped[names[id(p)]], f"{groups}: {names[id(p)]}")

@@ -32,13 +32,15 @@ Two paths, chosen by what the handle computes:
   its per-example gradients (``Hooks.norm_forms()`` ``"materialized"``: more positions than
   features, as a tied output layer over a long sequence), those are kept and weighted instead
   (no second product), when they take no more memory than its pieces. Memory: the
-  output-gradients of every hooked layer are held until the step ends (about the size of the
-  activations).
+  output-gradients of every hooked layer are held until the clipped sums are formed (about the
+  size of the activations); they are used up, call by call, before any noise is drawn, so
+  that the two are not held together.
 
 The noise ``σ·C·N(0, I)`` is drawn (from ``generator``, parameter after parameter: the numbers
-of ``torch.randn``) into the tensor that becomes ``p.grad``, and the clipped sums are added to
-it in place: one tensor of each parameter's size (with a GradScaler, the noise is drawn once
-the sums are known to be finite).
+of ``torch.randn``, each times ``σ·C``) into the tensor that becomes ``p.grad``, and the
+parameter's clipped sum is added to it in place (an embedding's looked-up rows by one
+``index_add_``): one tensor of each parameter's size (with a GradScaler, the noise is drawn
+once the sums are known to be finite).
 
 Privacy accounting is :class:`gradhooks.PrivacyAccountant`'s: record each step's noise
 multiplier and sampling rate there. Its analysis assumes Poisson-sampled batches
@@ -177,12 +179,13 @@ def dp_sgd_step(
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
     std = noise_multiplier * _clip.total_bound(max_norm)
-    # Without a scaler, the noise is drawn first, into the buffers the gradients are built in,
-    # and the clipped sums are added to it (the rows of an embedding an example looked up, a
-    # layer's product accumulated in place): one tensor of each parameter's size, no second.
-    # A scaled step draws it only once the sums are known finite (a skipped step draws none).
+    # Without a scaler, the noise is drawn parameter after parameter (in their order) into the
+    # tensor its gradient is built in, once its clipped sum is at hand, which is added to it
+    # (the rows of an embedding an example looked up in place): one tensor of each parameter's
+    # size, no second. A scaled step draws it only once the sums are known finite (a skipped
+    # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
-    into = (lambda: noises(params, generator, std)) if noised else None
+    into = (lambda p: noise(p, generator, std)) if noised else None
     norms, clipped, scale = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
         groups=groups,
@@ -195,9 +198,7 @@ def dp_sgd_step(
     _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     if std > 0 and not noised:  # (drawn now that the sums are known to be finite)
-        grads = noises(params, generator, std)
-        _torch.foreach_add_(grads, [c.detach() for c in clipped])
-        clipped = grads
+        clipped = _added(lambda p: noise(p, generator, std), params, _popped(clipped))
     if std > 0:  # (the noise's tensors, the step's own: divided in place)
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
@@ -475,10 +476,15 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
             weighted.mean() if hooks.loss_reduction == "mean" else weighted.sum(),
             wrt, retain_graph=True, allow_unused=True,
         )  # fmt: skip
-    # (held until the step's check as compare.hold keeps them: an embedding's, its rows alone)
-    grads = tuple(hold(g) for g in grads)
-    if hooks.loss_reduction == "mean":
-        grads = tuple(None if g is None else g * batch for g in grads)
+    # (held until the step's check as compare.hold keeps them: an embedding's, its rows alone;
+    # each replaced in the list as it is held and scaled, never two copies of all of them)
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        g = grads[i] = hold(g)
+        if g is not None and hooks.loss_reduction == "mean":
+            grads[i] = g * batch
+        del g
+    grads = tuple(grads)
     engine.drop_probe()  # (the hooks' own check of the examples: this one is it)
     if "grad1" not in hooks.quantities:
         engine.mark_verified()
@@ -501,8 +507,9 @@ def _check_step(
     precision = engine_of(hooks).precision
     wrong = []
     for p, want, g in zip(params, grads, got, strict=True):
-        if g is not None:
-            g = g.reshape(p.shape).to(p.dtype if want is None else want.dtype)
+        if g is not None:  # (a sparse one: the rows of an embedding, of its shape)
+            g = g if g.is_sparse else g.reshape(p.shape)
+            g = g.to(p.dtype if want is None else want.dtype)
         if want is None:  # (zeros: the difference is the same either way round)
             want, g = g, None
         diff = None if want is None else mismatch(
@@ -622,24 +629,8 @@ def _clipped_sums(
             group_norms = unscaled(_captured_group_norms(hooks, per_example_loss, params, groups))
             factors = clip_factors(group_norms, groups.column(group_norms), clipping).detach()
             group_of = {id(p): k for p, k in zip(params, groups.index, strict=True)}
-        clipped = into() if into is not None else [_zeros(p) for p in params]
-        built = {id(p): c for p, c in zip(params, clipped, strict=True)}
-        summed = {key for key in grad1s if key in built}
-        for key in summed:
-            _add_weighted(built[key], grad1s[key], _of(factors, group_of.get(key)))
+        clipped = _kept_sums(params, kept, grad1s, factors, group_of, into)
         del grad1s
-        weights: dict[tuple, Tensor] = {}  # (per scale: one call's, mostly every call's)
-        while kept:  # (each call's pieces freed once added)
-            pieces, live, scale = kept.pop(0)
-            for pname, p in live.items():
-                if id(p) not in summed:
-                    k = group_of.get(id(p))
-                    w = weights.get((scale, k))
-                    if w is None:
-                        f = _of(factors, k)
-                        w = weights[(scale, k)] = f * scale if scale != 1.0 else f
-                    pieces[pname].add_batch_sum(built[id(p)], w)
-            del pieces, live
     else:
         # (the step that is checked keeps the pieces the norms come from, to weigh them)
         kept = [] if truth is not None else None
@@ -654,8 +645,8 @@ def _clipped_sums(
             truth = kept = None  # (freed)
         factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
-            grads = _grads(hooks, (factors * per_example_loss).sum(), wrt)
-        clipped = _added(into, params, iter(grads))
+            grads = list(_grads(hooks, (factors * per_example_loss).sum(), wrt))
+        clipped = _added(into, params, _popped(grads))  # (each freed once added)
     _STEPPED[stepped] = True
     return unscaled(norms), clipped, loss_scale
 
@@ -689,17 +680,96 @@ def _captured_group_norms(
 
 
 def _added(
-    into: Callable[[], list[Tensor]] | None, params: list, sums: Iterator[Tensor | None]
+    into: Callable[[Tensor], Tensor] | None, params: list, sums: Iterator[Tensor | None]
 ) -> list[Tensor]:
-    """Per parameter, its sum (formed when reached: one at a time) added to ``into()``'s
-    tensor, or the sum itself (zeros for ``None``)."""
+    """Per parameter, its sum (formed when reached: one at a time) added to ``into(p)``'s
+    tensor (called in the order of ``params``: the noise is drawn parameter after parameter,
+    each when its sum is at hand), or the sum itself (zeros for ``None``)."""
     if into is None:
         return [_zeros(p) if s is None else s for p, s in zip(params, sums, strict=True)]
-    out = into()
-    for c, s in zip(out, sums, strict=True):
+    out = []
+    for p, s in zip(params, sums, strict=True):
+        c = into(p)
         if s is not None:
             c.add_(s.detach())
+        del s  # (a sum is freed once added)
+        out.append(c)
     return out
+
+
+def _popped(items: list) -> Iterator:
+    """The items of ``items``, each taken out of the list as it is given (so that the list
+    does not keep it alive once used)."""
+    items.reverse()
+    while items:
+        yield items.pop()
+
+
+def _kept_sums(
+    params: list,
+    kept: list,
+    grad1s: dict[int, list[Tensor]],
+    factors: Tensor,
+    group_of: dict[int, int],
+    into: Callable[[Tensor], Tensor] | None,
+) -> list[Tensor]:
+    """Per parameter, ``Σ_i f_i · g_i`` from what a book-keeping backward kept: ``grad1s``
+    (a parameter's per-example gradients, by slices of the batch) and ``kept`` (every call's
+    pieces), each freed once used; ``f_i`` the factors of the parameter's group
+    (``group_of``; ``factors`` itself for one bound). With ``into`` (a parameter's noise,
+    drawn when called, in the order of ``params``) the sums are added to its tensors.
+
+    What was kept is used up before any noise is drawn, so that the two are never held
+    together: the per-example gradients and the calls' pieces (in the backward's order, each
+    call freed once added) are summed into a tensor per parameter, except the calls whose
+    pieces add into a few rows of their parameters (:attr:`Piece.adds_rows`: an embedding's
+    lookups, against its whole table), which wait. Then, parameter after parameter, its noise
+    is drawn, its sum added to it and freed, and its waiting pieces added in place. The peak
+    is about the larger of what was kept and the gradients, where it was their sum."""
+    by_id = {id(p): p for p in params}
+    sums: dict[int, Tensor] = {}
+    for key in [key for key in grad1s if key in by_id]:
+        out = sums[key] = _zeros(by_id[key])
+        _add_weighted(out, grad1s.pop(key), _of(factors, group_of.get(key)))
+    weights: dict[tuple, Tensor] = {}  # (per scale: one call's, mostly every call's)
+
+    def weight(p: Tensor, scale: float) -> Tensor:
+        k = group_of.get(id(p))
+        w = weights.get((scale, k))
+        if w is None:
+            f = _of(factors, k)
+            w = weights[(scale, k)] = f * scale if scale != 1.0 else f
+        return w
+
+    summed = set(sums)  # (a parameter whose grad1 was kept: its pieces are not used)
+    waiting: dict[int, list[tuple[P.Piece, Tensor]]] = {}
+    while kept:  # (each call's pieces freed once added)
+        pieces, live, scale = kept.pop(0)
+        used = {n: p for n, p in live.items() if id(p) not in summed}
+        if all(pieces[n].adds_rows for n in used):
+            for n, p in used.items():
+                waiting.setdefault(id(p), []).append((pieces[n], weight(p, scale)))
+        else:
+            for n, p in used.items():
+                out = sums.get(id(p))
+                if out is None:
+                    out = sums[id(p)] = _zeros(p)
+                pieces[n].add_batch_sum(out, weight(p, scale))
+        del pieces, live, used
+    clipped = []
+    for p in params:
+        total = sums.pop(id(p), None)
+        if into is not None:
+            c = into(p)
+            if total is not None:
+                c.add_(total)
+        else:
+            c = _zeros(p) if total is None else total
+        del total
+        for piece, w in waiting.pop(id(p), ()):
+            piece.add_batch_sum(c, w)
+        clipped.append(c)
+    return clipped
 
 
 def _add_weighted(out: Tensor, slices: list[Tensor], weights: Tensor) -> None:
@@ -729,7 +799,10 @@ def _weighted(kept: list, weights: Tensor, params: list) -> Iterator[Tensor | No
     when asked for (``None``: none)."""
     uses = P.uses_by_parameter(kept)
     for p in params:
-        found = P.weighted_sum(uses[id(p)], weights) if id(p) in uses else None
+        # (an embedding's: its rows looked up alone, not a table, while every piece is kept)
+        found = P.weighted_rows(uses[id(p)], weights) if id(p) in uses else None
+        if found is None and id(p) in uses:
+            found = P.weighted_sum(uses[id(p)], weights)
         yield None if found is None else found.to(p.dtype)
 
 
@@ -869,17 +942,14 @@ def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
-    """``std · gaussian(p, generator)`` (the same numbers), scaled in place: a new contiguous
-    tensor of ``p``'s full shape and dtype, on ``p``'s device, for a gradient to be built in."""
-    return gaussian(p, generator).mul_(std)
-
-
-def noises(params: list, generator: torch.Generator | None, std: float) -> list[Tensor]:
-    """:func:`noise` of each parameter, drawn in their order (the same numbers), scaled in one
-    call."""
-    zs = [gaussian(p, generator) for p in params]
-    _torch.foreach_mul_(zs, std)
-    return zs
+    """``std · gaussian(p, generator)``: a new contiguous tensor of ``p``'s full shape and
+    dtype, on ``p``'s device, for a gradient to be built in. Drawn scaled (``normal_(0,
+    std)``: the same standard normal numbers, each times ``std`` as it is drawn, rounded
+    once), not scaled in a second pass over the tensor (for an embedding's table, a pass of
+    its size)."""
+    device = p.device if generator is None else generator.device
+    z = torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, std, generator=generator)
+    return z if z.device == p.device else z.to(p.device)
 
 
 def _foreach_div_(xs: list[Tensor], denom: float) -> None:
