@@ -87,11 +87,10 @@ Each internal, its name here, where it is used, and its fallback:
   Fallback: the hooks run through ``torch.compiler.disable`` and dynamo traces the forward
   between them, a graph break at nearly every torch function the tracker sees (slower than
   eager, the same numbers).
-- ``foreach``: ``torch._foreach_mul_``, ``_foreach_div_``, ``_foreach_div``, ``_foreach_add_``
-  (:func:`foreach_mul_`, :func:`foreach_div_`, :func:`foreach_div`, :func:`foreach_add_`), the
-  per-tensor-list arithmetic torch's optimizers use for their ``foreach`` implementations: the
-  DP step scales, divides and adds its noise and sums in one call per step instead of one per
-  parameter (``workflows/dp.py``). Fallback: a loop over the tensors, the same numbers (on CPU
+- ``foreach``: ``torch._foreach_div_``, ``_foreach_div`` (:func:`foreach_div_`,
+  :func:`foreach_div`), the per-tensor-list arithmetic torch's optimizers use for their
+  ``foreach`` implementations: the DP step divides its noised sums by the batch in one call per
+  step instead of one per parameter (``workflows/dp.py``). Fallback: a loop over the tensors, the same numbers (on CPU
   they run the same per-tensor kernels).
 
 Required (no fallback; :func:`require` refuses without them):
@@ -99,6 +98,13 @@ Required (no fallback; :func:`require` refuses without them):
 - ``graph_task_id``: ``torch._C._current_graph_task_id`` (:func:`graph_task_id`), which
   backward runs now (``records.py``, ``tracking/sources.py``): a backward inside another (reentrant
   checkpointing) or a failed one is told apart by it.
+- ``keep_graph``: ``torch._C._autograd._get_current_graph_task_keep_graph``
+  (:func:`backward_keeps_graph`), whether the running backward keeps its graph
+  (``retain_graph=True``, ``create_graph=True``). After one that does not, autograd has freed
+  what its nodes saved, and the engine lets go of what its calls kept for it at the next
+  forward (``backward.py``, ``capture.py``, ``forward.py``): a loss kept until the next step's
+  forward no longer keeps the step's inputs alive. Fallback: every backward is taken as keeping
+  its graph, and a call's inputs live as long as the graph does.
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
   engine verifies and reduces what it captured (``backward.py``, ``verify.py``,
@@ -187,10 +193,8 @@ __all__ = [
     "positional",
     "disabled",
     "backward_hooks_off",
-    "foreach_add_",
     "foreach_div",
     "foreach_div_",
-    "foreach_mul_",
     "drop_stale_hooks",
     "first_forward_hook",
     "put_forward_hook_first",
@@ -202,6 +206,7 @@ __all__ = [
     "global_forward_hooks",
     "global_forward_pre_hooks",
     "graph_task_id",
+    "backward_keeps_graph",
     "in_transform",
     "is_batched",
     "is_grads_batched",
@@ -313,10 +318,15 @@ INTERNALS: dict[str, Internal] = {
         ),
         Internal(
             "foreach",
-            "torch._foreach_mul_, _foreach_div_, _foreach_div, _foreach_add_",
+            "torch._foreach_div_, _foreach_div",
             "a loop over the tensors, the same numbers",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
+        Internal(
+            "keep_graph",
+            "torch._C._autograd._get_current_graph_task_keep_graph",
+            "every backward is taken as keeping its graph: a call's inputs live with the graph",
+        ),
         Internal(
             "backward_callback",
             "torch.autograd.Variable._execution_engine.queue_callback",
@@ -750,6 +760,23 @@ def graph_task_id() -> int:
     torch has no public way to tell one backward from another running inside it (reentrant
     checkpointing). Required (:func:`require`); 0 where missing."""
     return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else 0
+
+
+# -- keep_graph ---------------------------------------------------------------------------------
+
+_KEEP_GRAPH = _lookup("keep_graph", lambda: torch._C._autograd._get_current_graph_task_keep_graph)
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps its graph for another (``retain_graph=True``, or
+    ``create_graph=True``), as ``torch._C._autograd._get_current_graph_task_keep_graph`` says;
+    torch has no public way to ask. Without it: True (nothing is let go of early)."""
+    if _KEEP_GRAPH is None or "keep_graph" in _off:
+        return True
+    try:
+        return bool(_KEEP_GRAPH())
+    except RuntimeError:
+        return True
 
 
 # -- backward_callback (required) --------------------------------------------------------------
@@ -1208,25 +1235,15 @@ def tagged(name: str, tag: str) -> bool:
 
 _FOREACH = _lookup(
     "foreach",
-    lambda: (torch._foreach_mul_, torch._foreach_div_, torch._foreach_div, torch._foreach_add_),
+    lambda: (torch._foreach_div_, torch._foreach_div),
 )
-
-
-def foreach_mul_(xs: list[Tensor], factor: float) -> None:
-    """Each of ``xs`` multiplied by ``factor`` in place (``torch._foreach_mul_``; a loop
-    where missing or off)."""
-    if xs and _FOREACH is not None and "foreach" not in _off:
-        _FOREACH[0](xs, factor)
-    else:
-        for x in xs:
-            x.mul_(factor)
 
 
 def foreach_div_(xs: list[Tensor], denom: float) -> None:
     """Each of ``xs`` divided by ``denom`` in place (``torch._foreach_div_``; a loop where
     missing or off)."""
     if xs and _FOREACH is not None and "foreach" not in _off:
-        _FOREACH[1](xs, denom)
+        _FOREACH[0](xs, denom)
     else:
         for x in xs:
             x.div_(denom)
@@ -1236,15 +1253,5 @@ def foreach_div(xs: list[Tensor], denom: float) -> list[Tensor]:
     """Each of ``xs`` divided by ``denom``, new tensors (``torch._foreach_div``; a loop where
     missing or off)."""
     if xs and _FOREACH is not None and "foreach" not in _off:
-        return list(_FOREACH[2](xs, denom))
+        return list(_FOREACH[1](xs, denom))
     return [x / denom for x in xs]
-
-
-def foreach_add_(xs: list[Tensor], ys: list[Tensor]) -> None:
-    """Each of ``ys`` added to its ``xs`` in place (``torch._foreach_add_``; a loop where
-    missing or off)."""
-    if xs and _FOREACH is not None and "foreach" not in _off:
-        _FOREACH[3](xs, ys)
-    else:
-        for x, y in zip(xs, ys, strict=True):
-            x.add_(y)

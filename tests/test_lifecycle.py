@@ -422,3 +422,79 @@ def test_a_parameter_the_next_backward_does_not_reach_loses_its_grad1(reset):
         model["a"](x).sum().backward()
         assert not hasattr(model["b"].weight, "grad1")
         assert model["a"].weight.grad1.shape == (4, 2, 3)
+
+
+class _Watched(nn.Module):
+    """Two Linears and a head tied to the first's weight (``F.linear``: a torch function of a
+    parameter); weak references to the activations of its last forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.seen: list = []
+
+    def forward(self, x):
+        h1 = torch.tanh(self.a(x))
+        h2 = torch.tanh(self.b(h1))
+        self.seen = [weakref.ref(h1), weakref.ref(h2)]
+        return nn.functional.linear(h2, self.a.weight)
+
+
+@pytest.mark.parametrize(
+    "quantity, positions",
+    [("grad1", 1), ("grad1", 40), ("norms", 1)],
+    ids=["grad1", "grad1 run detached", "DP step"],
+)
+def test_a_loss_kept_until_the_next_forward_keeps_no_inputs_of_its_step(quantity, positions):
+    """The usual loop keeps the last step's loss until the next forward has run (``loss =
+    ...`` is reassigned after it). Autograd freed what that step's graph saved at its
+    backward; the hooks let go of what each call kept (its inputs) when the next forward
+    starts, so the model's activations of the step before are not alive during it. (Before,
+    they lived as long as the loss: a second copy of the activations at the forward's peak.)
+    40 positions: each Linear runs detached (its batch gradient from grad1, on the CPU)."""
+    model = _Watched()
+    shape = (4, 8) if positions == 1 else (4, positions, 8)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        loss, seen = None, []
+        for step in range(3):
+            x = torch.randn(*shape)
+            out = model(x)
+            if step:
+                assert all(r() is None for r in seen), f"step {step - 1}'s activations alive"
+            seen = model.seen
+            if quantity == "grad1":
+                loss = out.square().sum()
+                loss.backward()
+            else:
+                loss = out.square().flatten(1).sum(1)
+                gradhooks.dp_sgd_step(h, loss, max_norm=1.0, noise_multiplier=0.0)
+            assert all(r() is not None for r in seen) or quantity != "grad1"
+        del loss, out
+
+
+def test_a_backward_through_a_released_forward_is_refused_and_writes_nothing():
+    """A backward that did not keep its graph, another forward, then a backward through the
+    first graph that reaches a hooked call before any node whose saved tensors autograd freed
+    (``loss = out.sum()``): its inputs were let go of at the second forward, so the backward is
+    refused, naming the call, and grad1 stays as the first backward left it. With
+    ``retain_graph=True`` the first time, the same order runs as before."""
+    model = _Watched()
+    x = torch.randn(4, 8)
+    with gradhooks.add_hooks(model):
+        loss = model(x).sum()
+        loss.backward()
+        kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        model(torch.randn(4, 8))
+        with pytest.raises(gradhooks.StateError, match=r"'a.weight' used in linear.*retain_graph"):
+            loss.backward()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad1, kept[n]), n
+        model.zero_grad()
+        loss = model(x).sum()
+        loss.backward(retain_graph=True)
+        first = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        model(torch.randn(4, 8))
+        loss.backward()  # (the graph was kept: its calls too)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, 2 * first[n])

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import tokenize
+import weakref
 
 import pytest
 import torch
@@ -572,9 +573,9 @@ def test_jacobians_of_a_model_returning_a_calls_output(off):
 
 
 def test_foreach(monkeypatch):
-    """The DP step scales its noise and divides its sums with ``torch._foreach_*``; switched
-    off, a loop over the parameters: the same numbers, bit for bit."""
-    seen = spy(monkeypatch, "foreach_mul_")
+    """The DP step divides its noised sums with ``torch._foreach_div_``; switched off, a loop
+    over the parameters: the same numbers, bit for bit."""
+    seen = spy(monkeypatch, "foreach_div_")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     x = torch.randn(5, 3)
@@ -588,7 +589,7 @@ def test_foreach(monkeypatch):
                 generator=torch.Generator().manual_seed(3),
             )  # fmt: skip
         got.append([p.grad for p in twin.parameters()])
-    assert seen, "the DP step did not scale its noise through foreach_mul_"
+    assert seen, "the DP step did not divide its sums through foreach_div_"
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
@@ -681,6 +682,37 @@ def test_a_torch_without_internals(tmp_path):
     assert "graph_task_id (torch._C._current_graph_task_id)" in refused
 
 
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_keep_graph(off):
+    """A training loop that keeps its last loss until the next forward (three steps, SGD):
+    with the internal, each step's hooked inputs are let go of at the next forward, the
+    backward having not kept its graph; with the fallback, they live as long as the loss. The
+    same grad1, the oracle's, both ways."""
+    from gradhooks.oracle import loop_grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with switched_off("keep_graph", off), gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss, last = None, None
+        for step in range(3):
+            x = torch.randn(5, 3, dtype=torch.float64)
+            want = loop_grad(model, sum_of_squares, x)
+            model.zero_grad()
+            out = model(x)
+            if step:
+                assert (last() is None) != off, (
+                    f"step {step - 1}'s input alive: {last() is not None}"
+                )
+            last = weakref.ref(x)
+            loss = sum_of_squares(out)
+            loss.backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"step {step}, {n}")
+            opt.step()
+        del loss, out
+
+
 # -- the list itself ---------------------------------------------------------------------------
 
 TESTED = {
@@ -698,6 +730,7 @@ TESTED = {
     "engine_executes": test_engine_executes,
     "mode_stack": test_mode_stack,
     "eval_frame": test_eval_frame,
+    "keep_graph": test_keep_graph,
     "foreach": test_foreach,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }

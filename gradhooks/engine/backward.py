@@ -32,12 +32,14 @@ from ..errors import (
 from ..rules.registry import Call, _Entry
 from .accumulation import all_zero, grad_of, sole_grad1
 from .calls import (
+    Held,
     KeptCall,
     aligned_call,
     blank_call,
     check_versions,
     describe_call,
     examples_of_empty_call,
+    released_call,
     rule_pieces,
     unchanged_outputs,
 )
@@ -86,6 +88,9 @@ class BackwardWriter:
             carried.sums.clear()
             if s.rerunning:
                 return  # the probe's: the carried parameters' gradients by a rerun
+        if kept.released:
+            self.released(kept.target, kept.state)
+            return
         capturing = s.mode.capture and not (s.removed or kept.state.cancelled)
         if kept.n_nodes and capturing and s.capturing_backward():
             # The rule runs when the backward reaches the tapped nodes too, or, if it
@@ -98,9 +103,36 @@ class BackwardWriter:
                 kept.target, kept.state, with_fields(kept.call, grad_outputs=pending.pop("outputs"),
                                                  taps=None), kept.args, kept.kwargs, kept.sums,
             )  # fmt: skip
+            self.spend(kept)
             return
         filled = with_fields(kept.call, grad_outputs=tuple(full))
-        self.on_grads(kept.target, kept.state, filled, kept.args, kept.kwargs, kept.sums)
+        if self.on_grads(kept.target, kept.state, filled, kept.args, kept.kwargs, kept.sums):
+            self.spend(kept)
+
+    def spend(self, held: KeptCall | Held) -> None:
+        """A backward that does not keep its graph ran a call's rule: autograd frees what the
+        graph saved, and what the call kept goes at the next forward
+        (:meth:`~gradhooks.engine.forward.ForwardCapture.release_spent`); kept while the
+        graph is (``retain_graph``: another backward may go through it)."""
+        if not _torch.backward_keeps_graph():
+            self.state.spent.append(weakref.ref(held))
+
+    def released(self, target: Target, state: CallState) -> None:
+        """A backward reached a call whose inputs were let go of (:meth:`KeptCall.release`):
+        refused where it would have captured the call (a backward it does not capture needs
+        nothing of it)."""
+        s = self.state
+        if s.removed or not s.mode.capture or state.cancelled or s.probing:
+            return
+        if not s.capturing_backward():
+            state.derived |= torch.is_grad_enabled()
+            return
+        self.refuse_released(target)
+
+    def refuse_released(self, target: Target) -> None:
+        """Refuse the backward (leaving nothing of it behind): it reached a released call."""
+        self._abort_backward()
+        raise StateError(released_call(target.name, target.module))
 
     def node_grads(self, kept: KeptCall, i: int, grad_outputs: tuple) -> None:
         """The backward reached node ``i`` of those a kept call's rule taps: once it has every
@@ -128,27 +160,28 @@ class BackwardWriter:
         args,
         kwargs,
         sums: dict[str, Tensor] | None = None,
-    ) -> None:
+    ) -> bool:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
-        call's batch gradient of each parameter it writes ``grad1`` for."""
+        call's batch gradient of each parameter it writes ``grad1`` for. Returns whether the
+        call's rule ran (what the call keeps may then go at the next forward)."""
         if (
             self.state.removed
             or not self.state.mode.capture
             or state.cancelled
             or self.state.probing
         ):
-            return
+            return False
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
         create_graph = torch.is_grad_enabled()
         if not self.state.capturing_backward():
             state.derived |= create_graph
-            return
+            return False
         if not self.state.vmapped and _batched(call.grad_outputs):
             # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
             # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
             bw = self.backward_state()
             bw.batched = bw.batched or f"'{target.name or '<model>'}'"
-            return
+            return False
         if self.state.kept_backprops is not None:
             self.state.kept_backprops.record(target.module, call, graph_task())
         bw = self.backward_state()
@@ -168,7 +201,7 @@ class BackwardWriter:
             if bw is None:
                 raise UnsupportedError(higher_order(where))
             bw.derived = bw.derived or where
-            return
+            return False
         state.derived = create_graph
         if create_graph:  # grad1 gets a graph: through the inputs too, so not detached
             call = with_fields(call, inputs=args, kwargs=kwargs)
@@ -198,6 +231,7 @@ class BackwardWriter:
         except BaseException:
             self._abort_backward()
             raise
+        return True
 
     def _backward(
         self,

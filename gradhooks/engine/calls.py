@@ -391,11 +391,56 @@ class KeptCall:
     n_nodes: int = 0  # the nodes its rule taps
     # a tapped call's gradients so far: "outputs", then each node's by its index
     pending: dict = field(default_factory=dict)
+    released: bool = False  # (release: its inputs let go of)
 
     @property
     def sums(self) -> dict[str, Tensor] | None:
         """Where the call's parameters are carried: the batch gradients its rule gives."""
         return self.carried.sums if self.carried is not None else None
+
+    def release(self) -> None:
+        """Let go of the call's inputs (its backward has run and another forward started), as
+        autograd frees what it saved once a backward is through: a graph kept alive by a loss
+        from an earlier step (``loss = model(x)...`` reassigned only after the next forward)
+        would otherwise keep every hooked call's inputs of that step too."""
+        self.call = None  # type: ignore[assignment]
+        self.args, self.kwargs = (), {}
+        self.state.versions = ()
+        self.pending.clear()
+        self.released = True
+
+
+@dataclass(eq=False)
+class Held:
+    """What the backward of a call captured otherwise than by a :class:`KeptCall` (a call run
+    detached, a torch function of a parameter) keeps from its forward, until
+    :meth:`release` (as :meth:`KeptCall.release`)."""
+
+    call: Call | None
+    args: tuple
+    kwargs: dict
+    inputs: list
+    state: CallState
+    released: bool = False
+
+    def release(self) -> None:
+        self.call, self.args, self.kwargs, self.inputs = None, (), {}, []
+        self.state.versions = ()
+        self.released = True
+
+
+def released_call(name: str, module: nn.Module) -> str:
+    """The refusal of a backward that reaches a call whose inputs were let go of."""
+    where = name if name.startswith("'") else f"'{name or '<model>'}'"  # (a function's use)
+    return (
+        f"{where} ({type(module).__qualname__}): this backward goes through a "
+        "forward of the model whose backward has already run without keeping its graph, and "
+        "after which the model ran another forward; gradhooks let go of that forward's inputs then (as autograd frees "
+        "what it saved after a backward), so this call's per-example gradients cannot be "
+        "formed. Pass retain_graph=True to the backward before (as autograd needs for a second "
+        "backward through a graph), or detach what a later step takes from this one "
+        "(h = h.detach(), as in truncated backpropagation through time)."
+    )
 
 
 class CallLayouts:

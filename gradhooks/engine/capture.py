@@ -26,7 +26,7 @@ from ..errors import UnsupportedError
 from ..rules.registry import Call
 from ..tracking import Aliases, Tracker
 from .backward import BackwardWriter
-from .calls import CallLayouts, check_parameter_versions
+from .calls import CallLayouts, Held, check_parameter_versions
 from .plan import Target
 from .records import (
     CallState,
@@ -451,12 +451,20 @@ class DetachedCalls:
         call, state = self.forwards.keep_unhooked_call(target, args, kwargs, output)
         leaves = [*tree_leaves(args), *tree_leaves(kwargs)]
         inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+        n_inputs = len(inputs)
+        # (what the backward needs of the forward, let go of at the next forward once it ran)
+        held = Held(call, args, kwargs, inputs, state)
+        del call, args, kwargs, inputs
 
         def backward(g: Tensor) -> tuple[Tensor | None, ...]:
+            if held.released:  # (its parameters' gradients are this node's to give: none left)
+                self.backwards.refuse_released(target)
+            call, args, kwargs, inputs = held.call, held.args, held.kwargs, held.inputs
             sums: dict[str, Tensor] = {}
             filled = with_fields(call, grad_outputs=(g,))
             if not self.state.probing:  # (the probe's: autograd's own, by a rerun; no rule runs)
-                self.backwards.on_grads(target, state, filled, args, kwargs, sums)
+                if self.backwards.on_grads(target, state, filled, args, kwargs, sums):
+                    self.backwards.spend(held)
                 if not self.state.mode.param_grads:
                     return (None,) * (len(detached) + len(inputs))
                 if len(sums) < len(detached) and not torch.is_grad_enabled():
@@ -478,10 +486,10 @@ class DetachedCalls:
         def joined(grads: tuple[Tensor | None]) -> tuple[Tensor | None, ...]:
             (g,) = grads
             if g is None:
-                return (None,) * (1 + len(detached) + len(inputs))
+                return (None,) * (1 + len(detached) + n_inputs)
             return (g, *backward(g))  # (the output's gradient on, through the call's own nodes)
 
-        (attached,) = _Join.apply(joined, 1, output, *detached.values(), *inputs)
+        (attached,) = _Join.apply(joined, 1, output, *detached.values(), *held.inputs)
         return attached
 
     def capture_owned(

@@ -33,6 +33,7 @@ from ..tracking import PACKED, UNKNOWN, Source, Tracker
 from .backward import BackwardWriter
 from .calls import (
     CallLayouts,
+    Held,
     KeptCall,
     carry_layouts,
     input_tensors,
@@ -392,8 +393,18 @@ class ForwardCapture:
             target, (x,), {}, out, tracker))  # fmt: skip
         if self.state.collector is not None:
             self.state.collector.expect(named)
-        out.register_hook(lambda g: None if self.state.rerunning else self.backwards.on_grads(
-            target, state, with_fields(call, grad_outputs=(g,)), (x,), {}))  # fmt: skip
+        held = Held(call, (x,), {}, [], state)
+
+        def hook(g: Tensor) -> None:
+            if self.state.rerunning:
+                return
+            if held.released:
+                return self.backwards.released(target, state)
+            filled = with_fields(held.call, grad_outputs=(g,))
+            if self.backwards.on_grads(target, state, filled, held.args, {}):
+                self.backwards.spend(held)
+
+        out.register_hook(hook)
         return out
 
     def _made_shared(
@@ -455,6 +466,8 @@ class ForwardCapture:
     def _open_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A forward of the model starts: ``module``'s call (the root's, or an entry's:
         :meth:`entry_hooks`)."""
+        if self.state.spent and graph_task() == -1:
+            self.release_spent()
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
         self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
         self.layer_outputs.follow()
@@ -495,6 +508,17 @@ class ForwardCapture:
         if self.state.grad1:
             self.backwards.refuse_large(frame.batch)  # before the forward allocates anything
         self._start_tracker(frame, args, kwargs)
+
+    def release_spent(self) -> None:
+        """A forward starts outside any backward: the calls of earlier forwards whose backward
+        has run without keeping its graph let go of their inputs
+        (:meth:`~gradhooks.engine.calls.KeptCall.release`), as autograd let go of what it
+        saved for them then (a backward through them again is refused)."""
+        spent, self.state.spent = self.state.spent, []
+        for ref in spent:
+            held = ref()
+            if held is not None:
+                held.release()
 
     def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""
@@ -554,6 +578,9 @@ class ForwardCapture:
                 state.cancelled = True
                 if self.state.collector is not None:
                     self.state.collector.unexpect(state.params)
+        # (read while the forward ends; kept, each call's state and the frame would refer to
+        # each other, held until Python's cyclic garbage collector runs)
+        frame.states = []
 
 
 def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:

@@ -87,6 +87,9 @@ class CaptureState:
         self.mode = BackwardMode()  # (a workflow's own backwards: EngineAPI.backward_mode)
         self.frames: list[Frame] = []  # root forwards running
         self.tasks: dict[int, Backward] = {}  # backwards running, by graph task id
+        # what the calls of forwards whose backward has run keep for it (weak references to
+        # KeptCall or Held): let go of at the next forward (ForwardCapture.release_spent)
+        self.spent: list = []
         # inside a rerun of a detached call, or a per-example backward of the tracker's
         self.rerunning = 0
         self.probing = False  # inside the probe's backward
