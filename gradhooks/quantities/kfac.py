@@ -242,8 +242,16 @@ class KfacAccumulator:
         """``last``: the sums are divided in place (nothing reads them again): no second copy
         of each factor (for a Linear over many features, ``A`` takes hundreds of MiB).
 
+        ``reduction`` other than ``"mean"`` or ``"sum"`` is refused (taken as ``"sum"``, it
+        gave ``G`` ``batch`` times too large).
+
         Warns (:class:`~gradhooks.errors.GradhooksWarning`) where a weight is left out
         (:attr:`unfactored`) or covered by one use only (a tied weight)."""
+        if reduction not in ("mean", "sum"):
+            raise ConfigurationError(
+                f"K-FAC factors: reduction must be 'mean' (G divided by the examples) or 'sum', "
+                f"got {reduction!r}"
+            )
         missing = self.unfactored
         if missing:
             warnings.warn(

@@ -54,7 +54,15 @@ from ..errors import (
     UnsupportedError,
 )
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
-from .kfac import Fisher, LossFn, LossName, _accumulate, kfac_precondition
+from .kfac import (
+    Fisher,
+    LossFn,
+    LossName,
+    _accumulate,
+    _check_model,
+    check_fisher_and_loss,
+    kfac_precondition,
+)
 
 __all__ = ["KFAC"]
 
@@ -106,6 +114,15 @@ class KFAC:
             raise ConfigurationTypeError(
                 f"KFAC wraps a torch optimizer, got {type(optimizer).__qualname__}: "
                 "KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
+            )
+        _check_model(model, "KFAC")
+        check_fisher_and_loss(fisher, loss)
+        owned = {id(p) for p in model.parameters()}
+        if not any(id(p) in owned for g in optimizer.param_groups for p in g["params"]):
+            raise ConfigurationError(
+                f"KFAC: the optimizer steps no parameter of the model ({type(model).__qualname__}"
+                "): the preconditioned gradients would never be used. Give it the model's "
+                "parameters: KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
             )
         if not (damping > 0 and math.isfinite(damping)):
             raise ConfigurationError(f"damping must be > 0 and finite, got {damping!r}")
