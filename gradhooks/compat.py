@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .engine.api import engine_of
-from .engine.handle import active_handles, hooks_of
+from .engine.handle import active_handles, hooks_of, require_module
 from .engine.pause import set_enabled
 from .errors import ConfigurationError, StateError
 from .rules.registry import REGISTRY
@@ -58,6 +58,7 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
     holds more than one backward: a second backward with neither :func:`clear_backprops` nor
     ``zero_grad()`` since the first.
     """
+    require_module(model, "compute_grad1")
     hooks = hooks_of(model)
     if not hooks.captured:
         raise StateError(
@@ -78,6 +79,7 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
 def clear_backprops(model: nn.Module) -> None:
     """End the current accumulation: the next backward replaces ``grad1`` instead of adding
     (and the backprops :func:`backprop_hess` kept are forgotten)."""
+    require_module(model, "clear_backprops")
     hooks_of(model).clear()
 
 
@@ -156,6 +158,7 @@ def compute_hess(model: nn.Module) -> None:
     ``Σ_{example, column} g gᵀ / batch``, which is the Hessian for a layer followed by
     piecewise-linear activations), from the per-example gradients kept since the last
     :func:`clear_backprops`."""
+    require_module(model, "compute_hess")
     hooks = hooks_of(model)
     if not engine_of(hooks).hessian_backprops:
         raise StateError(

@@ -110,3 +110,124 @@ def test_kfac_arguments_are_checked_when_given(make, error, says):
     before = _snapshot(model)
     raised(error, says, lambda: make(model))
     assert_left_alone(model, before)
+
+
+# -- the handle ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "read, quantity",
+    [
+        (lambda h: h.param_norms(), "norms"),
+        (lambda h: h.sum_grad_sq(), "sum_grad_sq"),
+        (lambda h: h.grad_variance(), "sum_grad_sq"),
+        (lambda h: h.kfac_factors(), "kfac"),
+    ],
+    ids=["param_norms", "sum_grad_sq", "grad_variance", "kfac_factors"],
+)
+def test_results_read_before_a_backward_are_refused(read, quantity):
+    """Read before the backward (or after ``clear()``) these gave ``{}``, which a loop over
+    them takes for "no parameter to report"; ``norms()`` already refused. Now each says that
+    no backward was captured; after one, each gives every parameter."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        raised(gradhooks.StateError, "no backward has been captured", lambda: read(h))
+        F.cross_entropy(model(x), y).backward()
+        assert read(h)
+        h.clear()
+        raised(gradhooks.StateError, f"no {quantity!r} to read", lambda: read(h))
+
+
+def test_rescale_after_remove_is_refused():
+    """``h.rescale("sum")`` after ``remove()`` changed the setting and left the ``grad1`` on
+    the parameters as it was (what the backward wrote is forgotten at removal): a factor of
+    ``batch`` off, silently."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    kept = model[0].weight.grad1.clone()
+    raised(
+        gradhooks.StateError,
+        "call rescale (or compute_grad1) before remove()",
+        lambda: h.rescale("sum"),
+    )
+    assert torch.equal(model[0].weight.grad1, kept) and h.loss_reduction == "mean"
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"registry": "default"}, "registry must be a gradhooks.Registry"),
+        ({"registry": None}, "got NoneType"),
+        ({"quantities": None}, "quantities takes a name or a tuple of names"),
+        ({"quantities": 2}, "got int 2"),
+        ({"verify": "no"}, "verify takes True or False, got str 'no'"),
+        ({"verify": None}, "verify takes True or False, got NoneType None"),
+        ({"keep_backprops": "yes"}, "keep_backprops takes True or False"),
+    ],
+    ids=["registry-str", "registry-none", "quantities-none", "quantities-int", "verify-str",
+         "verify-none", "keep-backprops-str"],
+)  # fmt: skip
+def test_add_hooks_settings_of_the_wrong_type(kwargs, says):
+    """A string for a flag was taken by its truth (``verify="no"`` verified); a registry or
+    quantities of the wrong type failed inside the planning with an ``AttributeError`` or a
+    ``TypeError`` naming neither."""
+    model = _mlp()
+    before = _snapshot(model)
+    raised(gradhooks.ConfigurationTypeError, says, lambda: gradhooks.add_hooks(model, **kwargs))
+    assert_left_alone(model, before)
+
+
+def test_settings_changed_on_the_handle_are_checked():
+    """``h.verify``, ``h.registry`` and ``h.quantities`` were set unchecked: ``h.quantities``
+    changed the name and not what the hooks compute (``h.norms()`` then said the handle did not
+    compute norms, with ``quantities=('norms',)`` in the message)."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "verify takes True or False",
+            lambda: setattr(h, "verify", "no"),
+        )
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "registry must be",
+            lambda: setattr(h, "registry", None),
+        )
+        raised(
+            gradhooks.ConfigurationError,
+            "quantities are chosen when the hooks are added",
+            lambda: setattr(h, "quantities", ("norms",)),
+        )
+        h.quantities = "grad1"  # (the same: nothing to change)
+        h.verify = False
+        assert h.verify is False and h.quantities == ("grad1",)
+        F.cross_entropy(model(x), y).backward()
+        assert h.check(F.cross_entropy, x, y).ok
+
+
+@pytest.mark.parametrize(
+    "call, where",
+    [
+        (gradhooks.hooks_of, "hooks_of"),
+        (gradhooks.remove_hooks, "remove_hooks"),
+        (gradhooks.clear_grad1, "clear_grad1"),
+        (gradhooks.compute_grad1, "compute_grad1"),
+        (gradhooks.clear_backprops, "clear_backprops"),
+        (gradhooks.compute_hess, "compute_hess"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_functions_of_the_model_given_its_parameters(call, where):
+    """Given ``model.parameters()`` as a list (or a name) these failed in ``weakref`` ("cannot
+    create weak reference to 'list' object"), naming nothing of gradhooks'."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        raised(
+            gradhooks.ConfigurationTypeError,
+            f"{where} takes the hooked model (an nn.Module), got list",
+            lambda: call(list(model.parameters())),
+        )
+        raised(gradhooks.ConfigurationTypeError, "got str", lambda: call("model"))
+        assert h.active and h.check(F.cross_entropy, x, y).ok
