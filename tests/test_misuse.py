@@ -231,3 +231,130 @@ def test_functions_of_the_model_given_its_parameters(call, where):
         )
         raised(gradhooks.ConfigurationTypeError, "got str", lambda: call("model"))
         assert h.active and h.check(F.cross_entropy, x, y).ok
+
+
+# -- DP-SGD and privacy ---------------------------------------------------------------------------
+
+
+def _losses(model, n: int = 5):
+    x, y = _batch(n)
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda h, m: gradhooks.dp_sgd_step(h, _losses(m), max_norm="1.0", noise_multiplier=1.0),
+         "dp_sgd_step: max_norm must be a number, got str '1.0'"),
+        (lambda h, m: gradhooks.dp_sgd_step(h, _losses(m), max_norm=None, noise_multiplier=1.0),
+         "max_norm must be a number, got NoneType"),
+        (lambda h, m: gradhooks.dp_sgd_step(h, _losses(m), max_norm=1.0, noise_multiplier=None),
+         "noise_multiplier must be a number, got NoneType"),
+        (lambda h, m: gradhooks.dp_sgd_step(h, _losses(m), max_norm=1.0, noise_multiplier=1.0,
+                                            expected_batch_size="5"),
+         "expected_batch_size must be a number, got str '5'"),
+        (lambda h, m: gradhooks.dp_sgd_step(h, "losses", max_norm=1.0, noise_multiplier=1.0),
+         "per_example_loss must be a tensor [batch]"),
+        (lambda h, m: gradhooks.dp_sgd_step(m, _losses(m), max_norm=1.0, noise_multiplier=1.0),
+         "hooks must be the handle of gradhooks.add_hooks(model"),
+        (lambda h, m: gradhooks.clipped_sum(None, _losses(m), max_norm=1.0),
+         "got NoneType"),
+        (lambda h, m: gradhooks.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), h,
+                                            max_grad_norm=1.0, noise_multiplier=1.0,
+                                            expected_batch_size=5, sample_rate="0.1"),
+         "DPOptimizer: sample_rate must be a number, got str '0.1'"),
+        (lambda h, m: gradhooks.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), h,
+                                            max_grad_norm=1.0, noise_multiplier=1.0,
+                                            expected_batch_size=5).backward(None),
+         "per_example_loss must be a tensor [batch]"),
+    ],
+    ids=["max-norm-str", "max-norm-none", "noise-none", "expected-batch-str", "losses-str",
+         "model-for-handle", "clipped-sum-none", "dpoptimizer-rate-str", "dpoptimizer-losses-none"],
+)  # fmt: skip
+def test_dp_step_arguments_of_the_wrong_type(call, says):
+    """Each failed deep inside (``'>' not supported between 'Tensor' and 'str'`` in the
+    clipping, ``'str' object has no attribute 'dim'``, ``'Sequential' object has no attribute
+    'quantities'``), naming neither the argument nor the call."""
+    model = _mlp()
+    before = _snapshot(model)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        raised(gradhooks.ConfigurationTypeError, says, lambda: call(h, model))
+        assert all(p.grad is None for p in model.parameters())
+    assert_left_alone(model, before)
+
+
+def _kfac(**kwargs):
+    model = _mlp()
+    return gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: gradhooks.PrivacyAccountant().step(noise_multiplier="1.0", sample_rate=0.1),
+         "noise_multiplier must be a number, got str '1.0'"),
+        (lambda: gradhooks.PrivacyAccountant().step(noise_multiplier=None, sample_rate=0.1),
+         "noise_multiplier must be a number, got NoneType"),
+        (lambda: gradhooks.PrivacyAccountant().epsilon("1e-5"), "delta must be a number, got str"),
+        (lambda: gradhooks.noise_multiplier_for("3", 1e-5, 0.1, 100),
+         "noise_multiplier_for: target_epsilon must be a number, got str '3'"),
+        (lambda: gradhooks.PoissonSampler(50, "5"),
+         "PoissonSampler: expected_batch_size must be a number, got str '5'"),
+        (lambda: gradhooks.PoissonSampler(50, 5, generator=0),
+         "generator must be a CPU torch.Generator or None, got int"),
+        (lambda: _kfac(damping="x"),
+         "KFAC: damping must be a number, got str 'x'"),
+    ],
+    ids=["accountant-noise-str", "accountant-noise-none", "epsilon-delta-str", "nmf-epsilon-str",
+         "sampler-batch-str", "sampler-generator-int", "kfac-damping-str"],
+)  # fmt: skip
+def test_privacy_numbers_of_the_wrong_type(call, says):
+    """A string or ``None`` for a number failed in a comparison (``'<' not supported between
+    'int' and 'str'``) or in ``generator.device``, naming nothing."""
+    raised(gradhooks.ConfigurationTypeError, says, call)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"delta": "1e-5"}, "make_private: delta must be a number, got str '1e-5'"),
+        ({"noise_multiplier": None, "target_epsilon": "3"}, "target_epsilon must be a number"),
+        ({"expected_batch_size": "5"}, "expected_batch_size must be a number"),
+        ({"model": [nn.Linear(4, 3)]}, "make_private takes the model (an nn.Module), got list"),
+    ],
+    ids=["delta-str", "epsilon-str", "batch-str", "model-list"],
+)
+def test_make_private_arguments_of_the_wrong_type(kwargs, says):
+    """``make_private(delta="1e-5")`` failed in a comparison; given a list for the model, in
+    ``.parameters()``."""
+    model = _mlp()
+    before = _snapshot(model)
+    data = torch.utils.data.TensorDataset(*_batch(50))
+    args = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+                delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=5,
+                steps=10)  # fmt: skip
+    args.update(kwargs)
+    raised(gradhooks.ConfigurationTypeError, says, lambda: gradhooks.make_private(**args))
+    assert_left_alone(model, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, says",
+    [
+        ({"max_norm": 0.0}, gradhooks.ConfigurationError, "max_norm must be > 0 and finite, got 0.0"),
+        ({"max_norm": -1.0}, gradhooks.ConfigurationError, "got -1.0"),
+        ({"clipping": "per_layer"}, gradhooks.ConfigurationError, "clipping must be one of ('flat', 'automatic'), got 'per_layer'"),
+        ({"norms": [0.5, 2.0]}, gradhooks.ConfigurationTypeError, "norms must be a tensor"),
+        ({"max_norm": "1"}, gradhooks.ConfigurationTypeError, "max_norm must be a number"),
+    ],
+    ids=["max-norm-0", "max-norm-negative", "clipping-unknown", "norms-list", "max-norm-str"],
+)  # fmt: skip
+def test_clip_factors_refuses_what_would_give_wrong_factors(kwargs, error, says):
+    """``clip_factors(norms, 0)`` gave factors of 0 (every gradient dropped), a negative bound
+    negative factors, and an unknown ``clipping`` was taken as ``"flat"``: numbers, silently."""
+    args = {"norms": torch.tensor([0.5, 2.0]), "max_norm": 1.0, "clipping": "flat"}
+    args.update(kwargs)
+    raised(error, says, lambda: gradhooks.clip_factors(**args))
+    assert torch.equal(
+        gradhooks.clip_factors(torch.tensor([0.5, 2.0]), 1.0), torch.tensor([1.0, 0.5])
+    )

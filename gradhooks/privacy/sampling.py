@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ConfigurationTypeError, require_number
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 
@@ -69,6 +69,12 @@ class PoissonSampler(Sampler[list[int]]):
         if int(num_examples) != num_examples or num_examples < 1:
             raise ConfigurationError(
                 f"num_examples must be a whole number >= 1, got {num_examples!r}"
+            )
+        require_number("expected_batch_size", expected_batch_size, "PoissonSampler")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ConfigurationTypeError(
+                f"generator must be a CPU torch.Generator or None, got "
+                f"{type(generator).__qualname__} (torch.Generator().manual_seed(seed))"
             )
         if not 0 < expected_batch_size <= num_examples:
             raise ConfigurationError(

@@ -52,6 +52,7 @@ from ..errors import (
     ConfigurationTypeError,
     NumericalError,
     UnsupportedError,
+    require_number,
 )
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
 from .kfac import (
@@ -124,6 +125,8 @@ class KFAC:
                 "): the preconditioned gradients would never be used. Give it the model's "
                 "parameters: KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
             )
+        require_number("damping", damping, "KFAC")
+        require_number("decay", decay, "KFAC")
         if not (damping > 0 and math.isfinite(damping)):
             raise ConfigurationError(f"damping must be > 0 and finite, got {damping!r}")
         if not 0 <= decay < 1:

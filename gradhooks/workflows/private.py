@@ -29,7 +29,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
 from ..engine.handle import Hooks, add_hooks
-from ..errors import ConfigurationError, ConfigurationTypeError, PrivacyBudgetExceeded, StateError
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    PrivacyBudgetExceeded,
+    StateError,
+    require_number,
+)
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import EmptyAware, PoissonSampler
 from . import clipping as _clip
@@ -142,6 +148,8 @@ class DPOptimizer(torch.optim.Optimizer):
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
         resolved = _dp._checked_method(hooks, method)
+        if sample_rate is not None:
+            require_number("sample_rate", sample_rate, "DPOptimizer")
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ConfigurationError(
                 f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
@@ -839,6 +847,17 @@ def make_private(
             noise is scaled to the total bound, so ε is the same for the same ``σ``. Kept in
             the checkpoint's plan.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationTypeError(
+            f"make_private takes the model (an nn.Module), got {type(model).__qualname__}"
+        )
+    for name, value in [
+        ("delta", delta), ("target_epsilon", target_epsilon),
+        ("noise_multiplier", noise_multiplier), ("epochs", epochs), ("steps", steps),
+        ("expected_batch_size", expected_batch_size), ("sample_rate", sample_rate),
+    ]:  # fmt: skip
+        if value is not None or name == "delta":
+            require_number(name, value, "make_private")
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigurationError(
             "make_private: give target_epsilon= or noise_multiplier=, one of them"
