@@ -226,7 +226,7 @@ def test_functions_of_the_model_given_its_parameters(call, where):
         F.cross_entropy(model(x), y).backward()
         raised(
             gradhooks.ConfigurationTypeError,
-            f"{where} takes the hooked model (an nn.Module), got list",
+            f"{where} takes the model (an nn.Module), got list",
             lambda: call(list(model.parameters())),
         )
         raised(gradhooks.ConfigurationTypeError, "got str", lambda: call("model"))
@@ -358,3 +358,132 @@ def test_clip_factors_refuses_what_would_give_wrong_factors(kwargs, error, says)
     assert torch.equal(
         gradhooks.clip_factors(torch.tensor([0.5, 2.0]), 1.0), torch.tensor([1.0, 0.5])
     )
+
+
+# -- autograd-hacks, checks, Jacobians, rules -----------------------------------------------------
+
+
+def test_backprop_hess_of_an_empty_batch_is_refused_rather_than_nan():
+    """``backprop_hess`` of a batch of 0 ran, and ``compute_hess`` then set every
+    ``param.hess`` to NaN (a mean over no example): silently. A detached output, or a string,
+    failed in torch or with an ``AttributeError``."""
+    model = _mlp()
+    before = _snapshot(model)
+    with gradhooks.add_hooks(model):
+        empty = model(torch.randn(0, 4))
+        raised(
+            gradhooks.ConfigurationError,
+            "holds no example",
+            lambda: gradhooks.backprop_hess(empty, "CrossEntropy"),
+        )
+        raised(
+            gradhooks.StateError, "no backprop_hess was run", lambda: gradhooks.compute_hess(model)
+        )
+        out = model(_batch()[0])
+        raised(
+            gradhooks.ConfigurationError,
+            "no autograd history",
+            lambda: gradhooks.backprop_hess(out.detach(), "CrossEntropy"),
+        )
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "takes the network's output [batch, classes], got str",
+            lambda: gradhooks.backprop_hess("out", "CrossEntropy"),
+        )
+        gradhooks.backprop_hess(out, "CrossEntropy")
+        gradhooks.compute_hess(model)
+        assert all(torch.isfinite(p.hess).all() for p in model.parameters())
+    for p in model.parameters():
+        del p.hess
+    model.zero_grad(set_to_none=True)
+    assert_left_alone(model, before)
+
+
+@pytest.mark.parametrize(
+    "given, says",
+    [(nn.Linear, "got the class Linear"), ("Linear", "got str 'Linear'"), (None, "got NoneType")],
+    ids=["class", "name", "none"],
+)
+def test_is_supported_takes_a_module(given, says):
+    """``is_supported(nn.Linear)`` said ``False``: Linear has a rule; it was asked of a class,
+    which no rule covers. Now a module instance is asked for."""
+    raised(gradhooks.ConfigurationTypeError, says, lambda: gradhooks.is_supported(given))
+    assert gradhooks.is_supported(nn.Linear(2, 2)) and not gradhooks.is_supported(nn.ReLU())
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda h, m, x, y: h.check(F.cross_entropy, x.tolist(), y),
+         "check(loss_fn, inputs, target): inputs must be the tensor the captured forward took"),
+        (lambda h, m, x, y: gradhooks.check_rule(nn.Linear(4, 3), "x"),
+         "check_rule: inputs must be a tensor [batch, ...]"),
+        (lambda h, m, x, y: gradhooks.jacobians(list(m.parameters()), x),
+         "jacobians takes the model (an nn.Module), got list"),
+        (lambda h, m, x, y: gradhooks.kfac_precondition(m, [("2.weight", None)], damping=1e-3),
+         "kfac_precondition: factors must be {weight name: KFactors}"),
+    ],
+    ids=["check-inputs-list", "check-rule-inputs-str", "jacobians-parameter-list",
+         "kfac-precondition-factors-list"],
+)  # fmt: skip
+def test_checks_and_curvature_given_the_wrong_type(call, says):
+    """Each failed with an ``AttributeError`` (``'list' object has no attribute 'shape'``,
+    ``... 'named_parameters'``, ``... 'items'``) naming neither the argument nor the call."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        raised(gradhooks.ConfigurationTypeError, says, lambda: call(h, model, x, y))
+        assert h.check(F.cross_entropy, x, y).ok
+
+
+@pytest.mark.parametrize("rule", [None, "linear_rule"], ids=["none", "name"])
+def test_register_refuses_what_is_not_a_rule(rule):
+    """``registry.register(MyLinear)(None)`` stored ``None`` as the rule: hooking then went
+    through, and the first backward failed calling it."""
+    registry = gradhooks.Registry()
+
+    class MyLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    raised(
+        gradhooks.ConfigurationTypeError,
+        "decorates a rule, a function rule(call)",
+        lambda: registry.register(MyLinear)(rule),
+    )
+    assert MyLinear not in registry
+
+
+def test_a_private_run_refuses_a_checkpoint_that_is_not_its_own():
+    """``private.load_state_dict(model.state_dict())`` failed with ``KeyError: 'plan'``; a
+    checkpoint lacking a later key loaded the model and the optimizer first, then failed,
+    leaving the run half resumed."""
+    model = _mlp()
+    data = torch.utils.data.TensorDataset(*_batch(50))
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-5,
+        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=5, steps=10,
+    )  # fmt: skip
+    try:
+        state = private.state_dict()
+        before = _snapshot(model)
+        raised(
+            gradhooks.ConfigurationError,
+            "the checkpoint lacks ['plan'",
+            lambda: private.load_state_dict(model.state_dict()),
+        )
+        changed = {**state, "model": {k: v + 1 for k, v in state["model"].items()}}
+        del changed["noise_generator"]
+        raised(
+            gradhooks.ConfigurationError,
+            "lacks ['noise_generator']",
+            lambda: private.load_state_dict(changed),
+        )
+        raised(
+            gradhooks.ConfigurationTypeError, "got str", lambda: private.load_state_dict("ckpt.pt")
+        )
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        private.load_state_dict(state)
+    finally:
+        private.close()
+    assert_left_alone(model, before)

@@ -1118,7 +1118,7 @@ def require_module(model: Any, where: str) -> None:
     """Refuse what is not a model (a parameter list, a name, a handle) given to ``where``."""
     if not isinstance(model, nn.Module):
         raise ConfigurationTypeError(
-            f"{where} takes the hooked model (an nn.Module), got {type(model).__qualname__}"
+            f"{where} takes the model (an nn.Module), got {type(model).__qualname__}"
         )
 
 

@@ -872,6 +872,11 @@ def check_hooks(
 def _check_reduction(state, model, written, loss_fn, inputs, target, examples, report) -> None:
     """Recompute the first examples' own gradients (a batch of one each) and compare."""
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if not xs or not isinstance(xs[0], Tensor):
+        raise ConfigurationTypeError(
+            f"check(loss_fn, inputs, target): inputs must be the tensor the captured forward "
+            f"took (or a tuple of inputs, the first a tensor), got {type(inputs).__qualname__}"
+        )
     batch = xs[0].shape[0]
     if not written:
         return

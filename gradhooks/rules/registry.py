@@ -306,6 +306,11 @@ class Registry:
             )
 
         def decorate(rule: Rule) -> Rule:
+            if not callable(rule):
+                raise ConfigurationTypeError(
+                    f"register(...) decorates a rule, a function rule(call) -> {{name: Piece}}, "
+                    f"got {type(rule).__qualname__} {rule!r}"
+                )
             for t in types:
                 if isinstance(t, str):
                     if not _is_class_name(t):

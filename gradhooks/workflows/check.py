@@ -82,6 +82,11 @@ def _check_rule(
         lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x,
         _as_tuple(inputs),
     )
+    if not xs or not isinstance(xs[0], Tensor):
+        raise ConfigurationTypeError(
+            f"check_rule: inputs must be a tensor [batch, ...] (or a tuple of inputs, the first "
+            f"a tensor), got {type(inputs).__qualname__}"
+        )
     batch = xs[0].shape[0]
     name = type(module).__qualname__
     report = CheckReport(name, check="check_rule")

@@ -232,6 +232,12 @@ def kfac_precondition(
         >>> torch.nn.functional.cross_entropy(net(x), y).backward()
         >>> gradhooks.kfac_precondition(net, factors, damping=1e-3)  # then optimizer.step()
     """
+    _check_model(model, "kfac_precondition")
+    if not isinstance(factors, Mapping):
+        raise ConfigurationTypeError(
+            f"kfac_precondition: factors must be {{weight name: KFactors}} (gradhooks.kfac, "
+            f"h.kfac_factors()), got {type(factors).__qualname__}"
+        )
     params = dict(model.named_parameters())
     done = []
     for name, f in factors.items():

@@ -20,7 +20,7 @@ once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -641,6 +641,19 @@ class PrivateTraining:
             raise StateError(
                 "load_state_dict inside a loop over private.batches(): load the checkpoint "
                 "before the loop (a new loop then starts where the checkpoint was taken)"
+            )
+        keys = ("plan", "logical_batches", "model", "optimizer", "accountant",
+                "batch_generator", "noise_generator", "scaler")  # fmt: skip
+        if not isinstance(state, Mapping):
+            raise ConfigurationTypeError(
+                f"load_state_dict takes what private.state_dict() returned (a dict), got "
+                f"{type(state).__qualname__}"
+            )
+        missing = [k for k in keys if k not in state]
+        if missing:  # (refused before the model or the optimizer is loaded)
+            raise ConfigurationError(
+                f"load_state_dict: the checkpoint lacks {missing}: it is not a "
+                "private.state_dict() (a model's state_dict goes to model.load_state_dict)"
             )
         plan = self._plan()
         # (a checkpoint from before the choices)
