@@ -487,3 +487,63 @@ def test_a_private_run_refuses_a_checkpoint_that_is_not_its_own():
     finally:
         private.close()
     assert_left_alone(model, before)
+
+
+# -- Hugging Face, memory -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"delta": "1e-5"}, "DPArguments: delta must be a number, got str '1e-5'"),
+        ({"target_epsilon": "3"}, "DPArguments: target_epsilon must be a number"),
+        ({"noise_multiplier": "1.0"}, "DPArguments: noise_multiplier must be a number"),
+        ({"noise_seed": "secret"}, "DPArguments: noise_seed must be an int or None, got str"),
+    ],
+    ids=["delta-str", "epsilon-str", "noise-str", "seed-str"],
+)
+def test_dp_arguments_of_the_wrong_type(kwargs, says):
+    """Failed in a comparison (``'<' not supported between 'int' and 'str'``); a string seed
+    was kept, to fail at the first step in ``torch.Generator.manual_seed``."""
+    pytest.importorskip("transformers")
+    from gradhooks.workflows.hf import DPArguments
+
+    args = {"max_grad_norm": 1.0, "delta": 1e-5, "target_epsilon": 3.0, **kwargs}
+    raised(gradhooks.ConfigurationTypeError, says, lambda: DPArguments(**args))
+
+
+@pytest.mark.parametrize(
+    "logits, labels, says",
+    [
+        (torch.randn(3, 1), torch.randn(3, 2), "(regression): labels (3, 2) hold 2 values per example"),
+        (torch.randn(3, 4), torch.randint(0, 4, (3, 2)), "(single_label_classification): labels (3, 2)"),
+        ("logits", torch.zeros(3), "logits must be a tensor, got str"),
+    ],
+    ids=["regression-broadcast", "single-label-two-per-example", "logits-str"],
+)  # fmt: skip
+def test_per_example_loss_refuses_labels_of_another_shape(logits, labels, says):
+    """One regression output against two labels per example broadcast into a loss over both
+    (a number, silently); two class indices per example failed in ``reshape``."""
+    pytest.importorskip("transformers")
+    from gradhooks.workflows.hf import per_example_loss
+
+    error = (
+        gradhooks.ConfigurationTypeError
+        if isinstance(logits, str)
+        else gradhooks.ConfigurationError
+    )
+    raised(error, says, lambda: per_example_loss(logits, labels))
+    assert per_example_loss(
+        torch.randn(3, 2), torch.randn(3, 2), problem_type="regression"
+    ).shape == (3,)
+    assert per_example_loss(torch.randn(3, 4), torch.randint(0, 4, (3, 1))).shape == (3,)
+
+
+def test_a_memory_limit_of_true_is_refused():
+    """``set_memory_limit(True)`` set a limit of 1 byte (``True`` is the int 1): every later
+    backward refused its grad1 as too large."""
+    raised(gradhooks.ConfigurationError, "got True", lambda: gradhooks.set_memory_limit(True))
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        assert h.check(F.cross_entropy, x, y).ok
