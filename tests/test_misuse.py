@@ -547,3 +547,80 @@ def test_a_memory_limit_of_true_is_refused():
     with gradhooks.add_hooks(model) as h:
         F.cross_entropy(model(x), y).backward()
         assert h.check(F.cross_entropy, x, y).ok
+
+
+# -- flags, tolerances and samples ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, error, says",
+    [
+        (lambda m, x, y: gradhooks.kfac(m, x, y, mc_samples=0), gradhooks.ConfigurationError,
+         "mc_samples must be a whole number >= 1, got 0"),
+        (lambda m, x, y: gradhooks.kfac(m, x, y, mc_samples=2.5), gradhooks.ConfigurationError,
+         "got 2.5"),
+        (lambda m, x, y: gradhooks.kfac(m, x, y, generator=0), gradhooks.ConfigurationTypeError,
+         "generator must be a torch.Generator or None, got int"),
+        (lambda m, x, y: gradhooks.kfac(m, x, y, expand="no"), gradhooks.ConfigurationTypeError,
+         "expand takes True or False, got str 'no'"),
+        (lambda m, x, y: gradhooks.kfac(m, x, y)["2.weight"].inverse("1e-3"),
+         gradhooks.ConfigurationTypeError, "damping must be a number, got str '1e-3'"),
+        (lambda m, x, y: gradhooks.jacobians(m, x, flatten="yes"), gradhooks.ConfigurationTypeError,
+         "jacobians: flatten takes True or False"),
+        (lambda m, x, y: gradhooks.check_rule(nn.Linear(4, 3), x, rtol=-1.0),
+         gradhooks.ConfigurationError, "check_rule: rtol must be >= 0, got -1.0"),
+        (lambda m, x, y: gradhooks.check_rule(nn.Linear(4, 3), x, loss_fn="mse"),
+         gradhooks.ConfigurationTypeError, "check_rule: loss_fn must be a function"),
+        (lambda m, x, y: gradhooks.tuned(chunk_elements="big").__enter__(),
+         gradhooks.ConfigurationTypeError, "gradhooks.tuned(): chunk_elements must be a number"),
+    ],
+    ids=["kfac-samples-0", "kfac-samples-float", "kfac-generator-int", "kfac-expand-str",
+         "inverse-damping-str", "jacobians-flatten-str", "check-rule-rtol-negative",
+         "check-rule-loss-str", "tuned-str"],
+)  # fmt: skip
+def test_samples_flags_and_tolerances_are_checked(call, error, says):
+    """``mc_samples=0`` failed in ``torch.stack`` ("expects a non-empty TensorList"), 2.5 in
+    ``range``; a string for a flag was taken by its truth (``expand="no"`` expanded,
+    ``flatten="yes"``); a negative tolerance failed in ``torch.allclose``, a loss named by a
+    string in the oracle (``'str' object is not callable``); a string threshold was set, to
+    fail in the next backward's rule."""
+    model, (x, y) = _mlp(), _batch()
+    before = _snapshot(model)
+    raised(error, says, lambda: call(model, x, y))
+    assert gradhooks.TUNING.chunk_elements == gradhooks.Tuning().chunk_elements
+    assert_left_alone(model, before)
+
+
+def test_check_refuses_a_string_for_raise_on_error():
+    """``h.check(raise_on_error="no")`` raised: the string was taken by its truth."""
+    model, (x, y) = _mlp(), _batch()
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "raise_on_error takes True or False, got str 'no'",
+            lambda: h.check(raise_on_error="no"),
+        )
+
+
+def test_an_audit_refuses_coins_that_are_not_coins():
+    """``epsilon_lower_bound(scores, included=probabilities)`` took every nonzero value as
+    "included" (``0.3`` as ``True``), and audited a run against coins it never tossed; a string
+    ε failed in a comparison."""
+    from gradhooks.privacy import audit
+
+    scores = torch.arange(8.0)
+    raised(
+        gradhooks.ConfigurationError,
+        "included must hold booleans (or 0 and 1)",
+        lambda: audit.epsilon_lower_bound(scores, torch.full((8,), 0.3), guesses=4, delta=1e-5),
+    )
+    raised(
+        gradhooks.ConfigurationTypeError,
+        "one_run_p_value: epsilon must be a number, got str",
+        lambda: audit.one_run_p_value(8, 4, 3, "1.0", 1e-5),
+    )
+    coins = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0])
+    assert audit.epsilon_lower_bound(
+        scores.flip(0), coins, guesses=4, delta=1e-5
+    ) == audit.epsilon_lower_bound(scores.flip(0), coins.bool(), guesses=4, delta=1e-5)

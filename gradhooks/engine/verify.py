@@ -782,6 +782,11 @@ def check_hooks(
             f"check(): examples is how many of the batch's first examples are recomputed one "
             f"at a time, an int >= 1, got {examples!r}"
         )
+    if not isinstance(raise_on_error, bool):
+        raise ConfigurationTypeError(
+            f"check(): raise_on_error takes True or False, got {type(raise_on_error).__qualname__} "
+            f"{raise_on_error!r}"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigurationTypeError(
             f"check(): loss_fn must be a function loss_fn(output, target) (or "

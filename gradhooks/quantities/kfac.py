@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch
-from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError
+from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError, require_number
 from ..pieces import Outer
 from ..tuning import TUNING
 
@@ -59,6 +59,7 @@ class KFactors:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
         ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
         itself."""
+        require_number("damping", damping)
         if not damping > 0:
             raise ConfigurationError(
                 f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "

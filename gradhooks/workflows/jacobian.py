@@ -111,6 +111,10 @@ def jacobians(
         torch.Size([5, 2, 2, 4])
     """
     require_module(model, "jacobians")
+    if not isinstance(flatten, bool):
+        raise ConfigurationTypeError(
+            f"jacobians: flatten takes True or False, got {type(flatten).__qualname__} {flatten!r}"
+        )
     args, kwargs = model_inputs(inputs, kwargs, "jacobians")
     _refuse_differentiable_inputs(args, kwargs)
     named: dict[str, nn.Parameter] = {}

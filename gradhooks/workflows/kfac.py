@@ -313,6 +313,7 @@ def _accumulate(
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
     _check_arguments(fisher, loss, target, sample_target, output_grads)
+    check_sampling(mc_samples, generator, expand, bias)
     _check_model(model, "kfac()")
     args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
@@ -409,6 +410,22 @@ def check_fisher_and_loss(fisher: Fisher, loss: LossName | LossFn) -> None:
             f"loss must be 'cross_entropy', 'mse' or a function loss(output, target) of a "
             f"batch of one, got {loss!r}"
         )
+
+
+def check_sampling(mc_samples: Any, generator: Any, expand: Any, bias: Any) -> None:
+    """Refuse a number of samples that is not a whole number >= 1 (0 failed in torch.stack), a
+    generator that is not one, and a string for a flag (taken by its truth)."""
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ConfigurationError(f"mc_samples must be a whole number >= 1, got {mc_samples!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigurationTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__qualname__}"
+        )
+    for name, flag in (("expand", expand), ("bias", bias)):
+        if not isinstance(flag, bool):
+            raise ConfigurationTypeError(
+                f"{name} takes True or False, got {type(flag).__qualname__} {flag!r}"
+            )
 
 
 def _check_arguments(

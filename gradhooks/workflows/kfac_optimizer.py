@@ -62,6 +62,7 @@ from .kfac import (
     _accumulate,
     _check_model,
     check_fisher_and_loss,
+    check_sampling,
     kfac_precondition,
 )
 
@@ -118,6 +119,7 @@ class KFAC:
             )
         _check_model(model, "KFAC")
         check_fisher_and_loss(fisher, loss)
+        check_sampling(mc_samples, generator, expand, bias)
         owned = {id(p) for p in model.parameters()}
         if not any(id(p) in owned for g in optimizer.param_groups for p in g["params"]):
             raise ConfigurationError(
