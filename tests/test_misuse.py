@@ -624,3 +624,45 @@ def test_an_audit_refuses_coins_that_are_not_coins():
     assert audit.epsilon_lower_bound(
         scores.flip(0), coins, guesses=4, delta=1e-5
     ) == audit.epsilon_lower_bound(scores.flip(0), coins.bool(), guesses=4, delta=1e-5)
+
+
+# -- distributed ----------------------------------------------------------------------------------
+
+
+def test_collective_calls_without_a_process_group_stop_before_the_backward():
+    """Without ``init_process_group`` these failed at the first all-reduce, in torch, after
+    the step's backward had run: the losses' graph freed, the step lost. Now they stop first,
+    and the same losses still take a single-process step."""
+    from gradhooks import distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized")
+    model = _mlp()
+    before = _snapshot(model)
+    with gradhooks.add_hooks(model, quantities=("norms", "kfac")) as h:
+        losses = _losses(model)
+        raised(
+            gradhooks.ConfigurationError,
+            "call dist.init_process_group(...) on every rank first",
+            lambda: distributed.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert all(p.grad is None for p in model.parameters())
+        raised(
+            gradhooks.ConfigurationError,
+            "gradhooks.distributed.broadcast_parameters is collective",
+            lambda: distributed.broadcast_parameters(model),
+        )
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+        assert norms.shape == (5,) and all(p.grad is not None for p in model.parameters())
+        raised(
+            gradhooks.ConfigurationError,
+            "or use h.kfac_factors() in a single process",
+            lambda: distributed.kfac_factors(h),
+        )
+        raised(
+            gradhooks.ConfigurationError,
+            "or use gradhooks.kfac in a single process",
+            lambda: distributed.kfac(model, _batch()[0]),
+        )
+    model.zero_grad(set_to_none=True)
+    assert_left_alone(model, before)
