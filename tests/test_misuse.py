@@ -666,3 +666,36 @@ def test_collective_calls_without_a_process_group_stop_before_the_backward():
         )
     model.zero_grad(set_to_none=True)
     assert_left_alone(model, before)
+
+
+def test_a_dp_optimizer_needs_its_divisor():
+    """``DPOptimizer(expected_batch_size=None)`` was accepted; its first ``step()`` then failed
+    in ``div_`` after the backward had filled the buffer."""
+    model = _mlp()
+    before = _snapshot(model)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        make = lambda: gradhooks.DPOptimizer(  # noqa: E731
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=1.0,
+            noise_multiplier=1.0, expected_batch_size=None,
+        )  # fmt: skip
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "DPOptimizer: expected_batch_size must be a number, got NoneType",
+            make,
+        )
+    assert_left_alone(model, before)
+
+
+def test_a_dp_trainer_refuses_a_loss_given_by_name():
+    """``DPTrainer(..., per_example_loss="cross_entropy")`` was kept, to fail at the first
+    training step (``'str' object is not callable``), after the hooks and the sampler were set
+    up; refused at construction now."""
+    pytest.importorskip("transformers")
+    from gradhooks.workflows.hf import DPArguments, DPTrainer
+
+    dp = DPArguments(max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0)
+    raised(
+        gradhooks.ConfigurationTypeError,
+        "per_example_loss must be a function (outputs, labels) -> [batch]",
+        lambda: DPTrainer(_mlp(), None, dp=dp, per_example_loss="cross_entropy"),
+    )

@@ -319,6 +319,12 @@ class DPTrainer(transformers.Trainer):
             raise ConfigurationTypeError(
                 f"DPTrainer: dp must be a DPArguments, got {type(dp).__qualname__}"
             )
+        if per_example_loss is not None and not callable(per_example_loss):
+            raise ConfigurationTypeError(
+                "DPTrainer: per_example_loss must be a function (outputs, labels) -> [batch] "
+                f"(gradhooks.hf.per_example_loss is the default), got "
+                f"{type(per_example_loss).__qualname__} {per_example_loss!r}"
+            )
         if args is not None:
             _check_args(args)
             args = copy.copy(args)  # (the caller's arguments are left as they were)

@@ -145,6 +145,8 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer", "max_grad_norm")
         _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
+        # (required: None would divide by the batch's own size, or fail at the step)
+        require_number("expected_batch_size", expected_batch_size, "DPOptimizer")
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
         resolved = _dp._checked_method(hooks, method)
