@@ -454,6 +454,37 @@ def test_register_refuses_what_is_not_a_rule(rule):
     assert MyLinear not in registry
 
 
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        ({"on_forward": "check"}, "register(on_forward=...) takes a function or None, got str"),
+        ({"grad_from_grad1": True}, "register(grad_from_grad1=...) takes a function or None"),
+        ({"taps": 1}, "register(taps=...) takes a function or None, got int"),
+        ({"saved": "mean"}, "register(saved=...) takes a function or None"),
+        ({"owns_children": "yes"}, "register(owns_children=...) takes True or False, got str"),
+        ({"needs_output": "no"}, "register(needs_output=...) takes True or False, got str"),
+    ],
+    ids=["on-forward-str", "grad-from-grad1-bool", "taps-int", "saved-str", "owns-children-str",
+         "needs-output-str"],
+)  # fmt: skip
+def test_register_refuses_options_of_the_wrong_kind(option, says):
+    """An option that is called (``on_forward``, ``grad_from_grad1``, ``taps``, ``saved``) given
+    something else was stored, and the first forward or backward of a hooked model failed in
+    the engine (``'str' object is not callable``); a string for a flag was taken by its
+    truth."""
+    registry = gradhooks.Registry()
+
+    class MyLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    rule = gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule
+    raised(
+        gradhooks.ConfigurationTypeError, says, lambda: registry.register(MyLinear, **option)(rule)
+    )
+    assert MyLinear not in registry
+
+
 def test_a_private_run_refuses_a_checkpoint_that_is_not_its_own():
     """``private.load_state_dict(model.state_dict())`` failed with ``KeyError: 'plan'``; a
     checkpoint lacking a later key loaded the model and the optimizer first, then failed,

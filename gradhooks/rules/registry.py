@@ -294,6 +294,19 @@ class Registry:
             )
         if not types:
             raise ConfigurationTypeError("register() needs at least one module type")
+        for name, fn in (("on_forward", on_forward), ("grad_from_grad1", grad_from_grad1),
+                         ("taps", taps), ("saved", saved)):  # fmt: skip
+            if fn is not None and not callable(fn):  # (else a TypeError in the first forward)
+                raise ConfigurationTypeError(
+                    f"register({name}=...) takes a function or None, got "
+                    f"{type(fn).__qualname__} {fn!r}"
+                )
+        for name, flag in (("owns_children", owns_children), ("needs_output", needs_output)):
+            if not isinstance(flag, bool):  # (a string taken by its truth)
+                raise ConfigurationTypeError(
+                    f"register({name}=...) takes True or False, got {type(flag).__qualname__} "
+                    f"{flag!r}"
+                )
         if owns_backward is not False and grad_from_grad1 is None:
             raise ConfigurationTypeError(
                 "register(owns_backward=...) needs grad_from_grad1: it says which calls run "
