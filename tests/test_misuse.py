@@ -730,3 +730,30 @@ def test_a_dp_trainer_refuses_a_loss_given_by_name():
         "per_example_loss must be a function (outputs, labels) -> [batch]",
         lambda: DPTrainer(_mlp(), None, dp=dp, per_example_loss="cross_entropy"),
     )
+
+
+# -- the meta device ------------------------------------------------------------------------------
+
+
+def test_a_backward_on_the_meta_device_says_to_turn_verification_off():
+    """A model on the meta device hooks (it may be materialized later, ``to_empty``), but its
+    first verified backward failed inside torch ("Tensor.item() cannot be called on meta
+    tensors"). Now it says why and what to do; with ``verify=False`` it gives ``grad1`` of the
+    right shapes, on the meta device."""
+    with torch.device("meta"):
+        model = _mlp()
+    x = torch.randn(5, 4, device="meta")
+    with gradhooks.add_hooks(model):
+        raised(
+            gradhooks.UnsupportedInputError,
+            "add_hooks(model, verify=False)",
+            lambda: model(x).sum().backward(),
+        )
+    gradhooks.clear_grad1(model)
+    with gradhooks.add_hooks(model, verify=False):
+        model(x).sum().backward()
+    assert [tuple(p.grad1.shape) for p in model.parameters()] == [
+        (5, *p.shape) for p in model.parameters()
+    ]
+    assert all(p.grad1.is_meta for p in model.parameters())
+    assert not any(getattr(m, kind) for m in model.modules() for kind in HOOKS)
