@@ -757,3 +757,17 @@ def test_a_backward_on_the_meta_device_says_to_turn_verification_off():
     ]
     assert all(p.grad1.is_meta for p in model.parameters())
     assert not any(getattr(m, kind) for m in model.modules() for kind in HOOKS)
+
+
+@pytest.mark.parametrize("option", [{"batch_size": 64}, {"shuffle": True}, {"drop_last": True}])
+def test_a_poisson_loader_refuses_options_that_replace_its_batches(option):
+    """``poisson_loader(data, 8, batch_size=64)`` failed in ``DataLoader`` ("batch_sampler
+    option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"), naming
+    neither the loader nor what to pass instead."""
+    data = torch.utils.data.TensorDataset(*_batch(50))
+    raised(
+        gradhooks.ConfigurationError,
+        f"poisson_loader: {next(iter(option))} would replace the Poisson batches",
+        lambda: gradhooks.poisson_loader(data, 8, **option),
+    )
+    assert len(gradhooks.poisson_loader(data, 8, num_workers=0)) >= 1

@@ -158,6 +158,16 @@ def poisson_loader(
         >>> [tuple(x.shape) for x, y in loader][:3]  # an empty batch: [0, 3]
         [(2, 3), (0, 3), (2, 3)]
     """
+    replaced = sorted(
+        {"batch_size", "shuffle", "sampler", "drop_last", "batch_sampler"} & set(loader_kwargs)
+    )
+    if replaced:  # (else DataLoader's "batch_sampler option is mutually exclusive ...")
+        raise ConfigurationError(
+            f"poisson_loader: {', '.join(replaced)} would replace the Poisson batches (each "
+            "example drawn independently, with probability expected_batch_size / len(dataset)), "
+            "which the privacy accounting assumes: give expected_batch_size instead, and leave "
+            "the batches to the sampler"
+        )
     sampler = PoissonSampler(len(dataset), expected_batch_size, steps=steps, generator=generator)
     collate = EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
