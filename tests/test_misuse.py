@@ -771,3 +771,43 @@ def test_a_poisson_loader_refuses_options_that_replace_its_batches(option):
         lambda: gradhooks.poisson_loader(data, 8, **option),
     )
     assert len(gradhooks.poisson_loader(data, 8, num_workers=0)) >= 1
+
+
+def test_check_of_a_sequence_first_model_says_what_it_cannot_tell():
+    """With ``add_hooks(model, batch_dim=1)`` (a sequence-first model, done right),
+    ``h.check(loss_fn, x, y)`` compared grad1's 4 examples with the 6 rows of ``x``'s dimension
+    0 and raised "pass the inputs of the captured forward": the inputs it was given. Now it
+    leaves the reduction unchecked and says why; grad1 itself is the per-example loop's."""
+    torch.manual_seed(0)
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):  # x [time, batch, features]
+            return self.fc(x).mean(0)
+
+    model, x, y = (
+        SeqFirst().double(),
+        torch.randn(6, 4, 3, dtype=torch.float64),
+        torch.tensor([0, 1, 1, 0]),
+    )
+    with gradhooks.add_hooks(model, batch_dim=1) as h:
+        F.cross_entropy(model(x), y).backward()
+        report = h.check(F.cross_entropy, x, y)
+    assert not report.problems and any("dimension 1" in u for u in report.unchecked)
+    want = gradhooks.oracle.loop_grad(_BatchFirst(model), F.cross_entropy, (x.transpose(0, 1),), y)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad1, want[f"model.{name}"]), name
+
+
+class _BatchFirst(nn.Module):
+    """``model`` called with its inputs' dimension 0 moved to 1 (for the per-example loop)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x.transpose(0, 1))

@@ -882,6 +882,14 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
             f"check(loss_fn, inputs, target): inputs must be the tensor the captured forward "
             f"took (or a tuple of inputs, the first a tensor), got {type(inputs).__qualname__}"
         )
+    dim = state.batch_dim
+    if isinstance(dim, int) and dim != 0:  # (the rows compared below are along dimension 0)
+        report.unchecked.append(
+            f"the loss's reduction: the examples are on dimension {dim} of the inputs "
+            f"(batch_dim={dim}), and check() recomputes them one at a time along dimension 0, "
+            "so it cannot tell: check the reduction of a batch-first call of the loss"
+        )
+        return
     batch = xs[0].shape[0]
     if not written:
         return
