@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .engine.api import engine_of
-from .engine.handle import active_handles, hooks_of
+from .engine.handle import active_handles, hooks_of, require_module
 from .engine.pause import set_enabled
-from .errors import ConfigurationError, StateError
+from .errors import ConfigurationError, ConfigurationTypeError, StateError
 from .rules.registry import REGISTRY
 
 __all__ = [
@@ -58,6 +58,7 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
     holds more than one backward: a second backward with neither :func:`clear_backprops` nor
     ``zero_grad()`` since the first.
     """
+    require_module(model, "compute_grad1")
     hooks = hooks_of(model)
     if not hooks.captured:
         raise StateError(
@@ -78,6 +79,7 @@ def compute_grad1(model: nn.Module, loss_type: Literal["mean", "sum"] = "mean") 
 def clear_backprops(model: nn.Module) -> None:
     """End the current accumulation: the next backward replaces ``grad1`` instead of adding
     (and the backprops :func:`backprop_hess` kept are forgotten)."""
+    require_module(model, "clear_backprops")
     hooks_of(model).clear()
 
 
@@ -92,7 +94,14 @@ def enable_hooks() -> None:
 
 
 def is_supported(layer: nn.Module) -> bool:
-    """Whether a rule in the default registry covers ``layer``."""
+    """Whether a rule in the default registry covers ``layer`` (a module instance)."""
+    if not isinstance(layer, nn.Module):  # (a class, or a name: False, whatever it is)
+        what = f"the class {layer.__qualname__}" if isinstance(layer, type) else (
+            f"{type(layer).__qualname__} {layer!r}"
+        )  # fmt: skip
+        raise ConfigurationTypeError(
+            f"is_supported takes a module instance (torch.nn.Linear(3, 2)), got {what}"
+        )
     return REGISTRY.lookup(layer) is not None
 
 
@@ -106,6 +115,21 @@ def backprop_hess(output: Tensor, hess_type: Literal["CrossEntropy", "LeastSquar
     if hess_type not in ("CrossEntropy", "LeastSquares"):
         raise ConfigurationError(
             f"hess_type must be 'CrossEntropy' or 'LeastSquares', got {hess_type!r}"
+        )
+    if not isinstance(output, Tensor):
+        raise ConfigurationTypeError(
+            f"backprop_hess takes the network's output [batch, classes], got "
+            f"{type(output).__qualname__}"
+        )
+    if not output.requires_grad:
+        raise ConfigurationError(
+            "backprop_hess: the output has no autograd history (detached, or computed under "
+            "torch.no_grad()): pass the hooked model's output itself"
+        )
+    if output.dim() == 2 and output.shape[0] == 0:
+        raise ConfigurationError(
+            f"backprop_hess: the output {tuple(output.shape)} holds no example: the Hessian, "
+            "a mean over the examples, would be 0/0 (NaN)"
         )
     if output.dim() != 2:
         raise ConfigurationError(
@@ -156,6 +180,7 @@ def compute_hess(model: nn.Module) -> None:
     ``Σ_{example, column} g gᵀ / batch``, which is the Hessian for a layer followed by
     piecewise-linear activations), from the per-example gradients kept since the last
     :func:`clear_backprops`."""
+    require_module(model, "compute_hess")
     hooks = hooks_of(model)
     if not engine_of(hooks).hessian_backprops:
         raise StateError(

@@ -18,6 +18,8 @@ This module imports nothing from gradhooks, so that every other module can impor
 
 from __future__ import annotations
 
+from numbers import Real
+
 __all__ = [
     "GradhooksWarning",
     "GradhooksError",
@@ -37,6 +39,7 @@ __all__ = [
     "Grad1TooLarge",
     "PrivacyBudgetExceeded",
     "describe_module",
+    "require_number",
 ]
 
 
@@ -154,3 +157,18 @@ def describe_module(name: str | None, module: object) -> str:
     """How an error names a module: its qualified name in the model and its class,
     ``'encoder.0.fc' (Linear)`` (``'<model>'`` for the model itself)."""
     return f"'{name or '<model>'}' ({type(module).__qualname__})"
+
+
+def require_number(name: str, value: object, where: str | None = None) -> None:
+    """Refuse ``value`` given as the number ``name`` (of ``where``) where it is not one: a
+    string, ``None`` or a bool compared with a bound fails with a ``TypeError`` that names
+    neither the argument nor the call. A one-element tensor counts as a number."""
+    numel = getattr(value, "numel", None)
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return
+    if callable(numel) and not isinstance(value, type) and numel() == 1:
+        return
+    raise ConfigurationTypeError(
+        f"{where + ': ' if where else ''}{name} must be a number, got "
+        f"{type(value).__qualname__} {value!r}"
+    )

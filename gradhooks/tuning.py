@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .errors import ConfigurationTypeError
+from .errors import ConfigurationTypeError, require_number
 
 __all__ = ["Tuning", "TUNING", "tuned"]
 
@@ -92,6 +92,8 @@ def tuned(**changes: float) -> Iterator[Tuning]:
     if unknown:
         raise ConfigurationTypeError(f"gradhooks.tuned(): no threshold named {', '.join(unknown)}; "
                         f"the thresholds are {', '.join(sorted(names))}")  # fmt: skip
+    for n, v in changes.items():  # (a string compared with a size fails deep in a rule)
+        require_number(n, v, "gradhooks.tuned()")
     before = {n: getattr(TUNING, n) for n in changes}
     for n, v in changes.items():
         setattr(TUNING, n, v)

@@ -22,6 +22,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import UnsupportedInputError
+
 # the entries one step of largest_difference subtracts at a time (4 MiB of float32)
 CHUNK = 1 << 20
 
@@ -36,6 +38,14 @@ def hold(g: Tensor | None, copy: bool = False) -> Tensor | None:
     if g is None:
         return None
     g = g.detach()
+    if g.is_meta:  # (else torch's "Tensor.item() cannot be called on meta tensors", below)
+        raise UnsupportedInputError(
+            f"gradhooks cannot verify a backward on the meta device: its gradients (here one "
+            f"of shape {tuple(g.shape)}) hold no values to compare. For a forward and backward "
+            "of shapes only, add the hooks with add_hooks(model, verify=False) (grad1 is then "
+            "on the meta device too, of the right shape); to train, materialize the model first "
+            "(model.to_empty(device=...), then load or initialize its weights)"
+        )
     if g.is_sparse:
         g = g.coalesce()
         if g.sparse_dim() == 1:

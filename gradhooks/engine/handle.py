@@ -126,12 +126,15 @@ class Hooks:
         keep_backprops: bool = False,
     ) -> None:
         _torch.require()
-        quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
+        quantities = _quantities(quantities)
         unknown = [q for q in quantities if q not in QUANTITIES + _INTERNAL]
         if unknown or not quantities:
             raise ConfigurationError(f"quantities must be some of {QUANTITIES}, got {quantities!r}")
         _checked("loss_reduction", loss_reduction)
         _checked("unsupported", unsupported)
+        _checked("registry", registry)
+        _checked("verify", verify)
+        _checked("keep_backprops", keep_backprops)
         if not isinstance(model, nn.Module):
             raise ConfigurationTypeError(
                 f"add_hooks expects an nn.Module, got {type(model).__qualname__}"
@@ -301,7 +304,7 @@ class Hooks:
 
     @verify.setter
     def verify(self, value: bool) -> None:
-        self._state.verify = value
+        self._state.verify = _checked("verify", value)
 
     @property
     def unsupported(self) -> Unsupported:
@@ -317,7 +320,7 @@ class Hooks:
 
     @registry.setter
     def registry(self, value: Registry) -> None:
-        self._state.registry = value
+        self._state.registry = _checked("registry", value)
 
     @property
     def quantities(self) -> tuple[str, ...]:
@@ -325,7 +328,12 @@ class Hooks:
 
     @quantities.setter
     def quantities(self, value: tuple[str, ...]) -> None:
-        self._state.quantities = value
+        if _quantities(value) != self._state.quantities:
+            raise ConfigurationError(
+                f"quantities are chosen when the hooks are added (this handle computes "
+                f"{self._state.quantities!r}, not {value!r}): remove the hooks and add them "
+                "again with gradhooks.add_hooks(model, quantities=...)"
+            )
 
     def _install(self, model: nn.Module) -> None:
         """Hook every planned module and every trainable parameter they cover."""
@@ -698,6 +706,12 @@ class Hooks:
         backwards."""
         if loss_reduction not in ("mean", "sum"):
             raise ConfigurationError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
+        if self._state.removed:
+            raise StateError(
+                "rescale: the hooks are removed, and with them what the last backward wrote, so "
+                "the grad1 left on the parameters would stay as it is: call rescale (or "
+                "compute_grad1) before remove()"
+            )
         if loss_reduction == self.loss_reduction:
             return
         for p in self._state.written.values():
@@ -728,7 +742,9 @@ class Hooks:
         """Per-example gradient norms per parameter, ``{name: [batch]}`` (``"norms"``).
         ``norms[name][i] == p.grad1[i].norm()``, computed without forming ``grad1``; a reused
         module's calls and a tied weight's users are summed before the norm is taken."""
-        return {n: v.sqrt() for n, v in self._results("norms").param_sq_norms.items()}
+        return {
+            n: v.sqrt() for n, v in self._results("norms", published=True).param_sq_norms.items()
+        }
 
     def norm_forms(self) -> dict[str, str]:
         """How the last backward formed each parameter's per-example norm (``"norms"``),
@@ -742,12 +758,12 @@ class Hooks:
         - ``"direct"``: the rule gives ``grad1`` itself (a bias, a norm layer's scale);
         - ``"rows"``: an embedding's looked-up rows, never the whole table.
         """
-        return dict(self._results("norms").norm_forms)
+        return dict(self._results("norms", published=True).norm_forms)
 
     def norms(self) -> Tensor:
         """Per-example norm of the whole model's gradient, ``[batch]`` (``"norms"``), of the
         last backward (each backward replaces them; they do not accumulate as ``grad1``)."""
-        c = self._results("norms")
+        c = self._results("norms", published=True)
         if not c.param_sq_norms:
             raise StateError("no backward has been captured since the hooks were added or cleared")
         if c.missed:
@@ -765,7 +781,7 @@ class Hooks:
         """``Σ_i grad1[i]²`` per parameter, ``{name: [*p.shape]}`` (``"sum_grad_sq"``): the
         diagonal of the empirical Fisher, summed over examples (BackPACK's SumGradSquared for a
         sum-reduced loss)."""
-        return dict(self._results("sum_grad_sq").sum_grad_sq)
+        return dict(self._results("sum_grad_sq", published=True).sum_grad_sq)
 
     def grad_variance(self) -> dict[str, Tensor]:
         """Per-example gradient variance per parameter, ``{name: [*p.shape]}``
@@ -774,7 +790,7 @@ class Hooks:
         its input and output-gradient (its lookups' gradients) take no more memory than the
         mean, is formed by the first call, from those kept until then; only
         :meth:`sum_grad_sq` asked for, it is never formed."""
-        c = self._results("sum_grad_sq")
+        c = self._results("sum_grad_sq", published=True)
         batch = max(c.batch or 0, 1)
         means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}  # (formed now)
         return {n: (sq / batch - means[n] ** 2).clamp_min(0) for n, sq in c.sum_grad_sq.items()}
@@ -785,7 +801,7 @@ class Hooks:
         of the true gradient's squared norm ``|G|²`` and their ratio ``B_simple`` (McCandlish
         et al., 2018), over every parameter; see :mod:`gradhooks.quantities.noise`. Average
         ``trace`` and ``grad_sq`` over steps before dividing."""
-        c = self._results("sum_grad_sq")
+        c = self._results("sum_grad_sq", published=True)
         if not c.sum_grad_sq:
             raise StateError("no backward has been captured since the hooks were added or cleared")
         means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}
@@ -798,13 +814,22 @@ class Hooks:
         square root), ``G`` sums them; ``"mean"`` then divides by the examples of every
         backward, which averages over the backwards (right for samples; for columns, multiply
         by their number, or use :func:`gradhooks.kfac`, which sums them)."""
-        return self._results("kfac").kfac.factors(reduction)
+        return self._results("kfac", published=True).kfac.factors(reduction)
 
-    def _results(self, quantity: str) -> Collector:
+    def _results(self, quantity: str, published: bool = False) -> Collector:
+        """The collector of ``quantity``; with ``published`` (what the public readers ask),
+        refused where it holds no backward's results (read before the backward, or after
+        :meth:`clear`: an empty dict read as "nothing to report")."""
         if self._state.collector is None or quantity not in self.quantities:
             raise StateError(
                 f"this handle does not compute {quantity!r} (quantities={self.quantities!r}): "
                 f"add_hooks(model, quantities=({quantity!r}, ...))"
+            )
+        if published and not self._state.collector.published:
+            raise StateError(
+                f"no backward has been captured since the hooks were added or cleared, so there "
+                f"is no {quantity!r} to read: run the forward and the backward with the hooks on "
+                "first"
             )
         return self._state.collector
 
@@ -936,11 +961,33 @@ def _checked(name: str, value: Any) -> Any:
         raise ConfigurationError(f"capture must be 'always' or 'marked', got {value!r}")
     if name == "batch_dim" and value not in (None, "auto") and not _whole(value):
         raise ConfigurationError(f"batch_dim must be 'auto', an int >= 0 or None, got {value!r}")
+    if name in ("verify", "keep_backprops") and not isinstance(value, bool):
+        raise ConfigurationTypeError(
+            f"{name} takes True or False, got {type(value).__qualname__} {value!r}"
+        )
+    if name == "registry" and not isinstance(value, Registry):
+        raise ConfigurationTypeError(
+            f"registry must be a gradhooks.Registry (gradhooks.REGISTRY, or one of your own), "
+            f"got {type(value).__qualname__}"
+        )
     if name == "max_grad1_bytes" and not (value in (None, "auto") or _whole(value)):
         raise ConfigurationError(
             f"max_grad1_bytes must be bytes (an int >= 0), 'auto' or None, got {value!r}"
         )
     return value
+
+
+def _quantities(value: Any) -> tuple[str, ...]:
+    """``add_hooks``' ``quantities`` as a tuple: one name, or an iterable of names."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ConfigurationTypeError(
+            f"quantities takes a name or a tuple of names of {QUANTITIES}, got "
+            f"{type(value).__qualname__} {value!r}"
+        ) from None
 
 
 def _whole(value: object) -> bool:
@@ -1057,6 +1104,7 @@ def active_handles() -> list[Hooks]:
 
 def hooks_of(model: nn.Module) -> Hooks:
     """The active handle of a hooked model (raises if it has none)."""
+    require_module(model, "hooks_of")
     try:
         return _ACTIVE[model]
     except KeyError:
@@ -1066,8 +1114,17 @@ def hooks_of(model: nn.Module) -> Hooks:
         ) from None
 
 
+def require_module(model: Any, where: str) -> None:
+    """Refuse what is not a model (a parameter list, a name, a handle) given to ``where``."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationTypeError(
+            f"{where} takes the model (an nn.Module), got {type(model).__qualname__}"
+        )
+
+
 def remove_hooks(model: nn.Module) -> None:
     """Remove the hooks :func:`add_hooks` put on ``model``. ``grad1`` stays on the parameters."""
+    require_module(model, "remove_hooks")
     hooks_of(model).remove()
 
 
@@ -1086,6 +1143,7 @@ sweep_with(drop_uncovered_grad1)
 def clear_grad1(model: nn.Module) -> None:
     """Delete ``grad1`` from every parameter of ``model`` (a handle on it then starts afresh,
     as after :meth:`Hooks.clear`)."""
+    require_module(model, "clear_grad1")
     hooks = _ACTIVE.get(model)
     if hooks is not None:
         hooks.clear()

@@ -27,7 +27,8 @@ def set_memory_limit(limit: int | str | None) -> None:
     forward may lead to: an int, ``"auto"`` (default: half of the memory of the device holding
     the parameters, total RAM for CPU) or ``None`` (no limit). ``add_hooks(...,
     max_grad1_bytes=...)`` overrides it for one handle."""
-    if not (limit is None or limit == "auto" or (isinstance(limit, int) and limit >= 0)):
+    whole = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+    if not (limit is None or limit == "auto" or whole):  # (True: 1 byte, every grad1 refused)
         raise ConfigurationError(
             f"the memory limit must be bytes (int >= 0), 'auto' or None, got {limit!r}"
         )

@@ -782,6 +782,11 @@ def check_hooks(
             f"check(): examples is how many of the batch's first examples are recomputed one "
             f"at a time, an int >= 1, got {examples!r}"
         )
+    if not isinstance(raise_on_error, bool):
+        raise ConfigurationTypeError(
+            f"check(): raise_on_error takes True or False, got {type(raise_on_error).__qualname__} "
+            f"{raise_on_error!r}"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigurationTypeError(
             f"check(): loss_fn must be a function loss_fn(output, target) (or "
@@ -872,6 +877,19 @@ def check_hooks(
 def _check_reduction(state, model, written, loss_fn, inputs, target, examples, report) -> None:
     """Recompute the first examples' own gradients (a batch of one each) and compare."""
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if not xs or not isinstance(xs[0], Tensor):
+        raise ConfigurationTypeError(
+            f"check(loss_fn, inputs, target): inputs must be the tensor the captured forward "
+            f"took (or a tuple of inputs, the first a tensor), got {type(inputs).__qualname__}"
+        )
+    dim = state.batch_dim
+    if isinstance(dim, int) and dim != 0:  # (the rows compared below are along dimension 0)
+        report.unchecked.append(
+            f"the loss's reduction: the examples are on dimension {dim} of the inputs "
+            f"(batch_dim={dim}), and check() recomputes them one at a time along dimension 0, "
+            "so it cannot tell: check the reduction of a batch-first call of the loss"
+        )
+        return
     batch = xs[0].shape[0]
     if not written:
         return

@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from ..errors import ConfigurationError, MissingDependencyError
+from ..errors import ConfigurationError, MissingDependencyError, require_number
 
 __all__ = ["PrivacyAccountant", "noise_multiplier_for"]
 
@@ -82,6 +82,12 @@ def _quiet() -> Iterator[None]:
 
 
 def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None:
+    for name, value in [
+        ("noise_multiplier", noise_multiplier),
+        ("sample_rate", sample_rate),
+        ("steps", steps),
+    ]:
+        require_number(name, value)
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise ConfigurationError(
             f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
@@ -96,6 +102,7 @@ def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None
 
 
 def _check_delta(delta: float) -> None:
+    require_number("delta", delta)
     if not 0 < delta < 1:
         raise ConfigurationError(
             f"delta must be in (0, 1), got {delta!r} (usually well below 1 / number of examples)"
@@ -227,6 +234,7 @@ def noise_multiplier_for(
     """
     _check_step(0.0, sample_rate, steps)
     _check_delta(delta)
+    require_number("target_epsilon", target_epsilon, "noise_multiplier_for")
     if not target_epsilon > 0:
         raise ConfigurationError(f"target_epsilon must be > 0, got {target_epsilon!r}")
     if steps == 0 or sample_rate == 0:

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, require_number
 
 __all__ = ["one_run_p_value", "epsilon_lower_bound"]
 
@@ -65,6 +65,9 @@ def one_run_p_value(
     ``α = max_{1<=i<=correct} (P[Binomial >= correct - i] - β) / i`` (Steinke, Nasr and
     Jagielski, 2023), at most 1.
     """
+    for name, value in (("canaries", canaries), ("guesses", guesses), ("correct", correct),
+                        ("epsilon", epsilon), ("delta", delta)):  # fmt: skip
+        require_number(name, value, "one_run_p_value")
     if not 0 <= correct <= guesses <= canaries:
         raise ConfigurationError(
             f"need 0 <= correct <= guesses <= canaries, got correct={correct}, "
@@ -105,8 +108,17 @@ def epsilon_lower_bound(
         confidence: the probability, for a run that is (ε, δ)-DP, that the bound returned is
             at most ε (so ``1 - confidence`` is the false-alarm rate of "not private").
     """
+    for name, value in (("guesses", guesses), ("delta", delta), ("confidence", confidence)):
+        require_number(name, value, "epsilon_lower_bound")
     scores = torch.as_tensor(scores).detach().flatten().double().cpu()
-    included = torch.as_tensor(included).detach().flatten().bool().cpu()
+    coins = torch.as_tensor(included).detach().flatten().cpu()
+    if coins.dtype != torch.bool and not bool(((coins == 0) | (coins == 1)).all()):
+        raise ConfigurationError(
+            "epsilon_lower_bound: included must hold booleans (or 0 and 1), one fair coin per "
+            f"canary; got values such as {coins[(coins != 0) & (coins != 1)][:3].tolist()} "
+            "(taken as True, silently, before)"
+        )
+    included = coins.bool()
     m = scores.numel()
     if included.numel() != m:
         raise ConfigurationError(

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ConfigurationTypeError, require_number
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 
@@ -69,6 +69,12 @@ class PoissonSampler(Sampler[list[int]]):
         if int(num_examples) != num_examples or num_examples < 1:
             raise ConfigurationError(
                 f"num_examples must be a whole number >= 1, got {num_examples!r}"
+            )
+        require_number("expected_batch_size", expected_batch_size, "PoissonSampler")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ConfigurationTypeError(
+                f"generator must be a CPU torch.Generator or None, got "
+                f"{type(generator).__qualname__} (torch.Generator().manual_seed(seed))"
             )
         if not 0 < expected_batch_size <= num_examples:
             raise ConfigurationError(
@@ -152,6 +158,16 @@ def poisson_loader(
         >>> [tuple(x.shape) for x, y in loader][:3]  # an empty batch: [0, 3]
         [(2, 3), (0, 3), (2, 3)]
     """
+    replaced = sorted(
+        {"batch_size", "shuffle", "sampler", "drop_last", "batch_sampler"} & set(loader_kwargs)
+    )
+    if replaced:  # (else DataLoader's "batch_sampler option is mutually exclusive ...")
+        raise ConfigurationError(
+            f"poisson_loader: {', '.join(replaced)} would replace the Poisson batches (each "
+            "example drawn independently, with probability expected_batch_size / len(dataset)), "
+            "which the privacy accounting assumes: give expected_batch_size instead, and leave "
+            "the batches to the sampler"
+        )
     sampler = PoissonSampler(len(dataset), expected_batch_size, steps=steps, generator=generator)
     collate = EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -76,6 +76,8 @@ class Collector:
         self.sum_grad_sq: dict[str, Tensor] = {}
         self.grad_mean: dict[str, Tensor | _Deferred] = {}  # a _Deferred: formed when asked
         self.batch: int | None = None
+        # whether a backward's results were published since the hooks were added or cleared
+        self.published = False
         self.kfac = KfacAccumulator(self.names) if "kfac" in quantities else None
         self.jacobian: dict[int, Tensor] = {}  # id(param) -> [batch, outputs, *shape], preset
         self.jacobian_written: set[int] = set()
@@ -113,6 +115,7 @@ class Collector:
         self.sum_grad_sq = {}
         self.grad_mean = {}
         self.batch = None
+        self.published = False
         self.jacobian_written = set()
         if self.kfac is not None:
             self.kfac.clear()
@@ -272,6 +275,7 @@ class Collector:
 
     def _finish_backward(self) -> None:
         self._queued = False
+        self.published = True
         held, self._held = self._held, {}
         self._expected = {}  # the forward's calls are consumed by this backward
         if self.kfac is not None:

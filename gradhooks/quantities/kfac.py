@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch
-from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError
+from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError, require_number
 from ..pieces import Outer
 from ..tuning import TUNING
 
@@ -59,6 +59,7 @@ class KFactors:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
         ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
         itself."""
+        require_number("damping", damping)
         if not damping > 0:
             raise ConfigurationError(
                 f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
@@ -242,8 +243,16 @@ class KfacAccumulator:
         """``last``: the sums are divided in place (nothing reads them again): no second copy
         of each factor (for a Linear over many features, ``A`` takes hundreds of MiB).
 
+        ``reduction`` other than ``"mean"`` or ``"sum"`` is refused (taken as ``"sum"``, it
+        gave ``G`` ``batch`` times too large).
+
         Warns (:class:`~gradhooks.errors.GradhooksWarning`) where a weight is left out
         (:attr:`unfactored`) or covered by one use only (a tied weight)."""
+        if reduction not in ("mean", "sum"):
+            raise ConfigurationError(
+                f"K-FAC factors: reduction must be 'mean' (G divided by the examples) or 'sum', "
+                f"got {reduction!r}"
+            )
         missing = self.unfactored
         if missing:
             warnings.warn(

@@ -294,6 +294,19 @@ class Registry:
             )
         if not types:
             raise ConfigurationTypeError("register() needs at least one module type")
+        for name, fn in (("on_forward", on_forward), ("grad_from_grad1", grad_from_grad1),
+                         ("taps", taps), ("saved", saved)):  # fmt: skip
+            if fn is not None and not callable(fn):  # (else a TypeError in the first forward)
+                raise ConfigurationTypeError(
+                    f"register({name}=...) takes a function or None, got "
+                    f"{type(fn).__qualname__} {fn!r}"
+                )
+        for name, flag in (("owns_children", owns_children), ("needs_output", needs_output)):
+            if not isinstance(flag, bool):  # (a string taken by its truth)
+                raise ConfigurationTypeError(
+                    f"register({name}=...) takes True or False, got {type(flag).__qualname__} "
+                    f"{flag!r}"
+                )
         if owns_backward is not False and grad_from_grad1 is None:
             raise ConfigurationTypeError(
                 "register(owns_backward=...) needs grad_from_grad1: it says which calls run "
@@ -306,6 +319,11 @@ class Registry:
             )
 
         def decorate(rule: Rule) -> Rule:
+            if not callable(rule):
+                raise ConfigurationTypeError(
+                    f"register(...) decorates a rule, a function rule(call) -> {{name: Piece}}, "
+                    f"got {type(rule).__qualname__} {rule!r}"
+                )
             for t in types:
                 if isinstance(t, str):
                     if not _is_class_name(t):

@@ -15,7 +15,12 @@ from torch import Tensor, nn
 from .._torch import tree_flatten, tree_map
 from ..engine.handle import add_hooks
 from ..engine.verify import CheckReport
-from ..errors import CheckFailedError, ConfigurationTypeError
+from ..errors import (
+    CheckFailedError,
+    ConfigurationError,
+    ConfigurationTypeError,
+    require_number,
+)
 from ..oracle import Inputs, _as_tuple, vmap_grad
 from ..rules.registry import REGISTRY, Registry
 
@@ -66,6 +71,19 @@ def check_rule(
             f"check_rule takes a module instance (torch.nn.Linear(3, 2)), got {what} "
             f"{getattr(module, '__qualname__', '')}".rstrip()
         )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigurationTypeError(
+            f"check_rule: loss_fn must be a function loss_fn(output) -> scalar or None, got "
+            f"{type(loss_fn).__qualname__} {loss_fn!r}"
+        )
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        require_number(name, tol, "check_rule")
+        if not tol >= 0:
+            raise ConfigurationError(f"check_rule: {name} must be >= 0, got {tol!r}")
+    if not isinstance(raise_on_mismatch, bool):
+        raise ConfigurationTypeError(
+            f"check_rule: raise_on_mismatch takes True or False, got {raise_on_mismatch!r}"
+        )
     # (gradients whatever the caller's grad mode: under torch.no_grad() nothing would record)
     with torch.inference_mode(False), torch.enable_grad():
         return _check_rule(module, inputs, loss_fn, registry, rtol, atol, raise_on_mismatch)
@@ -82,6 +100,11 @@ def _check_rule(
         lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x,
         _as_tuple(inputs),
     )
+    if not xs or not isinstance(xs[0], Tensor):
+        raise ConfigurationTypeError(
+            f"check_rule: inputs must be a tensor [batch, ...] (or a tuple of inputs, the first "
+            f"a tensor), got {type(inputs).__qualname__}"
+        )
     batch = xs[0].shape[0]
     name = type(module).__qualname__
     report = CheckReport(name, check="check_rule")

@@ -56,7 +56,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from ..errors import ConfigurationError, ConfigurationTypeError
+from ..errors import ConfigurationError, ConfigurationTypeError, require_number
 
 __all__ = [
     "AdaptiveClipping",
@@ -147,7 +147,8 @@ def check_bounds(
             f"{type(clipping_groups).__qualname__}"
         )
     if not _is_list(max_norm):
-        return  # (one bound: checked with the other arguments)
+        require_number(arg, max_norm, where)
+        return  # (one bound: its value checked with the other arguments)
     if clipping_groups is None:
         raise ConfigurationError(
             f"{where}: {arg} is a list of {len(max_norm)} bounds, one per clipping group, "

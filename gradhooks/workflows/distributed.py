@@ -113,6 +113,7 @@ def dp_sgd_step(
         optimizer.step()                                  # the same step on every rank
     """
     method = _dp._checked(hooks, per_example_loss, method, reduction, expected_batch_size)
+    _require_process_group("dp_sgd_step", "gradhooks.dp_sgd_step")
     _clip.check_bounds(max_norm, clipping_groups, "gradhooks.distributed.dp_sgd_step")
     total = _clip.total_bound(max_norm)
     _dp._check_clipping(total, noise_multiplier, generator, clipping)
@@ -226,6 +227,7 @@ def kfac_factors(
     Returns:
         ``{weight_name: KFactors}``, the same on every rank.
     """
+    _require_process_group("kfac_factors", "h.kfac_factors()")
     return _reduced(engine_of(hooks).results("kfac").kfac, group).factors(reduction, last=True)
 
 
@@ -248,11 +250,24 @@ def kfac(
     """:func:`gradhooks.kfac` with ``inputs`` (and ``target``) this rank's shard: the factors of
     the whole batch, the same on every rank. For ``fisher="mc"``, give each rank a differently
     seeded ``generator`` (the same seed on every rank samples correlated labels)."""
+    _require_process_group("kfac", "gradhooks.kfac")
     acc = _kfac._accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
         sample_target, output_grads,
     )  # fmt: skip
     return _reduced(acc, group).factors(reduction, last=True)
+
+
+def _require_process_group(name: str, alone: str | None) -> None:
+    """Refuse a collective call without ``torch.distributed`` initialized (before any backward
+    runs: torch's own refusal came at the first all-reduce, after the step's backward)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigurationError(
+            f"gradhooks.distributed.{name} is collective over the ranks of a process group, and "
+            "torch.distributed is not initialized: call dist.init_process_group(...) on every "
+            "rank first (under torchrun)"
+            + (f", or use {alone} in a single process" if alone else "")
+        )
 
 
 def _reduced(acc: KfacAccumulator, group: Group) -> KfacAccumulator:
@@ -291,5 +306,6 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group: Group = None) ->
     """Copy ``src``'s parameters and buffers to every rank of ``group`` (in place), so that the
     replicas of a model that is not wrapped in ``DistributedDataParallel`` start identical
     (DDP does this itself when it wraps the model). ``src`` is a global rank."""
+    _require_process_group("broadcast_parameters", None)
     for t in [*model.parameters(), *model.buffers()]:
         dist.broadcast(t.data, src=src, group=group)

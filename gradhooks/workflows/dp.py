@@ -74,6 +74,7 @@ from ..errors import (
     GradhooksWarning,
     StateError,
     UnsupportedError,
+    require_number,
 )
 from . import clipping as _clip
 from .clipping import ClippingGroups, GroupedBounds
@@ -97,6 +98,22 @@ def clip_factors(norms: Tensor, max_norm: float | Tensor, clipping: str = "flat"
     clipping group, ``[groups, 1]`` against norms ``[groups, batch]``)."""
     # (``x.reciprocal() * C`` is what ``C / x`` computes for a float C: written so, a tensor
     # of bounds, one per clipping group, gives the same numbers as each bound given alone)
+    if clipping not in CLIPPINGS:  # (taken as "flat", silently)
+        raise ConfigurationError(
+            f"clip_factors: clipping must be one of {CLIPPINGS}, got {clipping!r}"
+        )
+    if not isinstance(norms, Tensor):
+        raise ConfigurationTypeError(
+            f"clip_factors: norms must be a tensor of per-example norms, got "
+            f"{type(norms).__qualname__}"
+        )
+    if not isinstance(max_norm, Tensor):  # (a tensor of bounds: checked where it is formed)
+        require_number("max_norm", max_norm, "clip_factors")
+        if not 0 < max_norm < float("inf"):
+            raise ConfigurationError(
+                f"clip_factors: max_norm must be > 0 and finite, got {max_norm!r} (0 would "
+                "zero every gradient, a negative one flip it)"
+            )
     if clipping == "automatic":
         return (norms + AUTOMATIC_GAMMA).reciprocal() * max_norm
     return torch.where(norms > max_norm, norms.reciprocal() * max_norm, 1.0)
@@ -371,6 +388,16 @@ def _checked(
     expected_batch_size: float | None,
 ) -> str:  # fmt: skip
     """The method to use, after checking the arguments of a DP-SGD step."""
+    if not isinstance(hooks, Hooks):
+        raise ConfigurationTypeError(
+            f"hooks must be the handle of gradhooks.add_hooks(model, quantities=('norms',)) "
+            f"(or ('grad1',)), got {type(hooks).__qualname__}"
+        )
+    if not isinstance(per_example_loss, Tensor):
+        raise ConfigurationTypeError(
+            f"per_example_loss must be a tensor [batch] (the loss with reduction='none'), got "
+            f"{type(per_example_loss).__qualname__}"
+        )
     method = _checked_method(hooks, method)
     if reduction not in ("mean", "sum"):
         raise ConfigurationError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -430,6 +457,7 @@ def _check_clipping(
             "gradient norm (0 would leave the noise alone, a negative one would flip every "
             "gradient, NaN or Inf would clip nothing)"
         )
+    require_number("noise_multiplier", noise_multiplier)
     if not 0 <= noise_multiplier < float("inf"):
         raise ConfigurationError(
             f"noise_multiplier must be >= 0 and finite, got {noise_multiplier!r}"
@@ -879,6 +907,7 @@ def _check_expected_batch_size(expected_batch_size: float | None, reduction: str
             f"expected_batch_size={expected_batch_size!r} divides the sum by the expected batch "
             f"size, which contradicts reduction={reduction!r}: give one or the other"
         )
+    require_number("expected_batch_size", expected_batch_size)
     if not 0 < expected_batch_size < float("inf"):
         raise ConfigurationError(
             f"expected_batch_size must be > 0 and finite, got {expected_batch_size!r}"

@@ -55,6 +55,7 @@ from ..errors import (
     ConfigurationTypeError,
     PrivacyBudgetExceeded,
     StateError,
+    require_number,
 )
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import PoissonSampler
@@ -113,6 +114,17 @@ class DPArguments:
 
     def __post_init__(self) -> None:
         _clip.check_bounds(self.max_grad_norm, self.clipping_groups, "DPArguments", "max_grad_norm")
+        for name in ("delta", "target_epsilon", "noise_multiplier"):
+            value = getattr(self, name)
+            if value is not None or name == "delta":
+                require_number(name, value, "DPArguments")
+        for name in ("noise_seed", "sampling_seed"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigurationTypeError(
+                    f"DPArguments: {name} must be an int or None, got {type(value).__qualname__} "
+                    f"{value!r}"
+                )
         if not 0 < _clip.total_bound(self.max_grad_norm) < math.inf:
             raise ConfigurationError(f"DPArguments: max_grad_norm must be > 0 and finite, got "
                              f"{self.max_grad_norm!r}")  # fmt: skip
@@ -169,6 +181,12 @@ def per_example_loss(
 
     The logits are taken in at least float32 (as Hugging Face's losses take them).
     """
+    for name, value in (("logits", logits), ("labels", labels)):
+        if not isinstance(value, Tensor):
+            raise ConfigurationTypeError(
+                f"per_example_loss: {name} must be a tensor, got {type(value).__qualname__} (the "
+                "model's output.logits and the batch's labels)"
+            )
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     batch = labels.shape[0]
     if logits.dim() == 3 and labels.dim() == 2:
@@ -200,6 +218,15 @@ def per_example_loss(
             problem_type = "single_label_classification"
         else:
             problem_type = "multi_label_classification"
+    wanted = {"regression": logits.shape[1], "single_label_classification": 1}.get(problem_type)
+    per_example = labels[0].numel() if batch else wanted
+    if wanted is not None and per_example != wanted:  # (broadcast, or a reshape that fails)
+        raise ConfigurationError(
+            f"per_example_loss ({problem_type}): labels {tuple(labels.shape)} hold "
+            f"{per_example} values per example, logits {tuple(logits.shape)} want {wanted}: "
+            "give one label per output (one class index per example for single-label "
+            "classification)"
+        )
     if problem_type == "regression":
         diff = logits.reshape(batch, -1) - labels.reshape(batch, -1).to(logits.dtype)
         return diff.pow(2).mean(1)
@@ -307,6 +334,12 @@ class DPTrainer(transformers.Trainer):
         if not isinstance(dp, DPArguments):
             raise ConfigurationTypeError(
                 f"DPTrainer: dp must be a DPArguments, got {type(dp).__qualname__}"
+            )
+        if per_example_loss is not None and not callable(per_example_loss):
+            raise ConfigurationTypeError(
+                "DPTrainer: per_example_loss must be a function (outputs, labels) -> [batch] "
+                f"(gradhooks.hf.per_example_loss is the default), got "
+                f"{type(per_example_loss).__qualname__} {per_example_loss!r}"
             )
         if args is not None:
             _check_args(args)

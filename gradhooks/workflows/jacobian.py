@@ -29,7 +29,7 @@ from .. import _torch
 from .._torch import tree_flatten
 from ..engine.api import engine_of
 from ..engine.forward import output_edges
-from ..engine.handle import Hooks, add_hooks
+from ..engine.handle import Hooks, add_hooks, require_module
 from ..engine.records import autocast_dtype
 from ..errors import (
     CheckFailedError,
@@ -110,6 +110,11 @@ def jacobians(
         >>> gradhooks.jacobians(Scaled(), (x, y), kwargs={"scale": 2.0})["fc.weight"].shape
         torch.Size([5, 2, 2, 4])
     """
+    require_module(model, "jacobians")
+    if not isinstance(flatten, bool):
+        raise ConfigurationTypeError(
+            f"jacobians: flatten takes True or False, got {type(flatten).__qualname__} {flatten!r}"
+        )
     args, kwargs = model_inputs(inputs, kwargs, "jacobians")
     _refuse_differentiable_inputs(args, kwargs)
     named: dict[str, nn.Parameter] = {}

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from .. import _torch
 from ..engine.api import engine_of
 from ..engine.handle import add_hooks
-from ..errors import ConfigurationError, UnsupportedError
+from ..errors import ConfigurationError, ConfigurationTypeError, UnsupportedError
 from ..quantities.kfac import (
     KfacAccumulator,
     KFactors,
@@ -191,6 +191,8 @@ def kfac(
         >>> f["fc.weight"].A.shape
         torch.Size([5, 5])
     """
+    if reduction not in ("mean", "sum"):
+        raise ConfigurationError(f"kfac(): reduction must be 'mean' or 'sum', got {reduction!r}")
     acc = _accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
         sample_target, output_grads, kwargs,
@@ -230,6 +232,12 @@ def kfac_precondition(
         >>> torch.nn.functional.cross_entropy(net(x), y).backward()
         >>> gradhooks.kfac_precondition(net, factors, damping=1e-3)  # then optimizer.step()
     """
+    _check_model(model, "kfac_precondition")
+    if not isinstance(factors, Mapping):
+        raise ConfigurationTypeError(
+            f"kfac_precondition: factors must be {{weight name: KFactors}} (gradhooks.kfac, "
+            f"h.kfac_factors()), got {type(factors).__qualname__}"
+        )
     params = dict(model.named_parameters())
     done = []
     for name, f in factors.items():
@@ -305,6 +313,8 @@ def _accumulate(
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing)."""
     _check_arguments(fisher, loss, target, sample_target, output_grads)
+    check_sampling(mc_samples, generator, expand, bias)
+    _check_model(model, "kfac()")
     args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
     with recording(), add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
@@ -377,11 +387,22 @@ def _accumulate(
         return acc
 
 
-def _check_arguments(
-    fisher: Fisher, loss: LossName | LossFn, target: Tensor | None,
-    sample_target: Sampler | None, output_grads: Sampler | None,
-) -> None:  # fmt: skip
-    """Refuse what cannot work before the forward runs."""
+def _check_model(model: Any, where: str) -> None:
+    """Refuse what is not a model with a trainable parameter (a parameter list, a frozen
+    model: its factors' backward would have nothing to differentiate)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationTypeError(
+            f"{where} takes the model (an nn.Module), got {type(model).__qualname__}"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigurationError(
+            f"{where}: {type(model).__qualname__} has no trainable parameter (all frozen, or "
+            "none): there is no weight to factor; unfreeze the layers to precondition"
+        )
+
+
+def check_fisher_and_loss(fisher: Fisher, loss: LossName | LossFn) -> None:
+    """Refuse a Fisher or a loss that :func:`kfac` does not know."""
     if fisher not in ("mc", "exact", "empirical"):
         raise ConfigurationError(f"fisher must be 'mc', 'exact' or 'empirical', got {fisher!r}")
     if not callable(loss) and loss not in _LOSSES:
@@ -389,6 +410,30 @@ def _check_arguments(
             f"loss must be 'cross_entropy', 'mse' or a function loss(output, target) of a "
             f"batch of one, got {loss!r}"
         )
+
+
+def check_sampling(mc_samples: Any, generator: Any, expand: Any, bias: Any) -> None:
+    """Refuse a number of samples that is not a whole number >= 1 (0 failed in torch.stack), a
+    generator that is not one, and a string for a flag (taken by its truth)."""
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ConfigurationError(f"mc_samples must be a whole number >= 1, got {mc_samples!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigurationTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__qualname__}"
+        )
+    for name, flag in (("expand", expand), ("bias", bias)):
+        if not isinstance(flag, bool):
+            raise ConfigurationTypeError(
+                f"{name} takes True or False, got {type(flag).__qualname__} {flag!r}"
+            )
+
+
+def _check_arguments(
+    fisher: Fisher, loss: LossName | LossFn, target: Tensor | None,
+    sample_target: Sampler | None, output_grads: Sampler | None,
+) -> None:  # fmt: skip
+    """Refuse what cannot work before the forward runs."""
+    check_fisher_and_loss(fisher, loss)
     if sample_target is not None and output_grads is not None:
         raise ConfigurationError(
             "kfac(): give sample_target (targets whose loss gradients are backpropagated) or "

@@ -52,9 +52,19 @@ from ..errors import (
     ConfigurationTypeError,
     NumericalError,
     UnsupportedError,
+    require_number,
 )
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
-from .kfac import Fisher, LossFn, LossName, _accumulate, kfac_precondition
+from .kfac import (
+    Fisher,
+    LossFn,
+    LossName,
+    _accumulate,
+    _check_model,
+    check_fisher_and_loss,
+    check_sampling,
+    kfac_precondition,
+)
 
 __all__ = ["KFAC"]
 
@@ -107,6 +117,18 @@ class KFAC:
                 f"KFAC wraps a torch optimizer, got {type(optimizer).__qualname__}: "
                 "KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
             )
+        _check_model(model, "KFAC")
+        check_fisher_and_loss(fisher, loss)
+        check_sampling(mc_samples, generator, expand, bias)
+        owned = {id(p) for p in model.parameters()}
+        if not any(id(p) in owned for g in optimizer.param_groups for p in g["params"]):
+            raise ConfigurationError(
+                f"KFAC: the optimizer steps no parameter of the model ({type(model).__qualname__}"
+                "): the preconditioned gradients would never be used. Give it the model's "
+                "parameters: KFAC(model, torch.optim.SGD(model.parameters(), lr=...))"
+            )
+        require_number("damping", damping, "KFAC")
+        require_number("decay", decay, "KFAC")
         if not (damping > 0 and math.isfinite(damping)):
             raise ConfigurationError(f"damping must be > 0 and finite, got {damping!r}")
         if not 0 <= decay < 1:

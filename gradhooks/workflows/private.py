@@ -20,7 +20,7 @@ once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -29,7 +29,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
 from ..engine.handle import Hooks, add_hooks
-from ..errors import ConfigurationError, ConfigurationTypeError, PrivacyBudgetExceeded, StateError
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    PrivacyBudgetExceeded,
+    StateError,
+    require_number,
+)
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
 from ..privacy.sampling import EmptyAware, PoissonSampler
 from . import clipping as _clip
@@ -146,9 +152,13 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer", "max_grad_norm")
         _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
+        # (required: None would divide by the batch's own size, or fail at the step)
+        require_number("expected_batch_size", expected_batch_size, "DPOptimizer")
         _dp._check_expected_batch_size(expected_batch_size, "mean")
         _dp.check_scaler(scaler)
         resolved = _dp._checked_method(hooks, method)
+        if sample_rate is not None:
+            require_number("sample_rate", sample_rate, "DPOptimizer")
         if adaptive_clipping is not None:
             if not isinstance(adaptive_clipping, _clip.AdaptiveClipping):
                 raise ConfigurationTypeError(
@@ -710,6 +720,19 @@ class PrivateTraining:
                 "load_state_dict inside a loop over private.batches(): load the checkpoint "
                 "before the loop (a new loop then starts where the checkpoint was taken)"
             )
+        keys = ("plan", "logical_batches", "model", "optimizer", "accountant",
+                "batch_generator", "noise_generator", "scaler")  # fmt: skip
+        if not isinstance(state, Mapping):
+            raise ConfigurationTypeError(
+                f"load_state_dict takes what private.state_dict() returned (a dict), got "
+                f"{type(state).__qualname__}"
+            )
+        missing = [k for k in keys if k not in state]
+        if missing:  # (refused before the model or the optimizer is loaded)
+            raise ConfigurationError(
+                f"load_state_dict: the checkpoint lacks {missing}: it is not a "
+                "private.state_dict() (a model's state_dict goes to model.load_state_dict)"
+            )
         plan = self._plan()
         # (a checkpoint from before the choices)
         saved = {"clipping": "flat", "clipping_groups": None, "adaptive_clipping": None,
@@ -924,6 +947,17 @@ def make_private(
             clipping); the ε is that of ``σ``, which covers the count's release too. The
             bound now is ``private.max_grad_norm``, kept in checkpoints.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationTypeError(
+            f"make_private takes the model (an nn.Module), got {type(model).__qualname__}"
+        )
+    for name, value in [
+        ("delta", delta), ("target_epsilon", target_epsilon),
+        ("noise_multiplier", noise_multiplier), ("epochs", epochs), ("steps", steps),
+        ("expected_batch_size", expected_batch_size), ("sample_rate", sample_rate),
+    ]:  # fmt: skip
+        if value is not None or name == "delta":
+            require_number(name, value, "make_private")
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigurationError(
             "make_private: give target_epsilon= or noise_multiplier=, one of them"
