@@ -446,13 +446,14 @@ class _Watched(nn.Module):
     [("grad1", 1), ("grad1", 40), ("norms", 1)],
     ids=["grad1", "grad1 run detached", "DP step"],
 )
-def test_a_loss_kept_until_the_next_forward_keeps_no_inputs_of_its_step(quantity, positions):
+def test_a_loss_kept_after_its_backward_keeps_no_inputs_of_its_step(quantity, positions):
     """The usual loop keeps the last step's loss until the next forward has run (``loss =
-    ...`` is reassigned after it). Autograd freed what that step's graph saved at its
-    backward; the hooks let go of what each call kept (its inputs) when the next forward
-    starts, so the model's activations of the step before are not alive during it. (Before,
-    they lived as long as the loss: a second copy of the activations at the forward's peak.)
-    40 positions: each Linear runs detached (its batch gradient from grad1, on the CPU)."""
+    ...`` is reassigned after it). Autograd frees what that step's graph saved at its
+    backward; the hooks let go of what each call kept (its inputs) when that backward ends,
+    so the model's activations of the step are alive neither after it nor during the next
+    forward. (Before, they lived as long as the loss: a second copy of the activations at the
+    next forward's peak, and the DP step's noise drawn beside them.) 40 positions: each
+    Linear runs detached (its batch gradient from grad1, on the CPU)."""
     model = _Watched()
     shape = (4, 8) if positions == 1 else (4, positions, 8)
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
@@ -469,16 +470,17 @@ def test_a_loss_kept_until_the_next_forward_keeps_no_inputs_of_its_step(quantity
             else:
                 loss = out.square().flatten(1).sum(1)
                 gradhooks.dp_sgd_step(h, loss, max_norm=1.0, noise_multiplier=0.0)
-            assert all(r() is not None for r in seen) or quantity != "grad1"
+            assert all(r() is None for r in seen), "the step's activations alive after it"
         del loss, out
 
 
 def test_a_backward_through_a_released_forward_is_refused_and_writes_nothing():
-    """A backward that did not keep its graph, another forward, then a backward through the
-    first graph that reaches a hooked call before any node whose saved tensors autograd freed
-    (``loss = out.sum()``): its inputs were let go of at the second forward, so the backward is
+    """A backward that did not keep its graph, then a backward through the same graph that
+    reaches a hooked call before any node whose saved tensors autograd freed (``loss =
+    out.sum()``): the calls' inputs were let go of when the first ended, so the second is
     refused, naming the call, and grad1 stays as the first backward left it. With
-    ``retain_graph=True`` the first time, the same order runs as before."""
+    ``retain_graph=True`` the first time, the same order runs as before, another forward in
+    between or not."""
     model = _Watched()
     x = torch.randn(4, 8)
     with gradhooks.add_hooks(model):

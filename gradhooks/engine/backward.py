@@ -39,6 +39,7 @@ from .calls import (
     check_versions,
     describe_call,
     examples_of_empty_call,
+    release_spent,
     released_call,
     rule_pieces,
     unchanged_outputs,
@@ -111,11 +112,15 @@ class BackwardWriter:
 
     def spend(self, held: KeptCall | Held) -> None:
         """A backward that does not keep its graph ran a call's rule: autograd frees what the
-        graph saved, and what the call kept goes at the next forward
-        (:meth:`~gradhooks.engine.forward.ForwardCapture.release_spent`); kept while the
-        graph is (``retain_graph``: another backward may go through it)."""
-        if not _torch.backward_keeps_graph():
-            self.state.spent.append(weakref.ref(held))
+        graph saved, and what the call kept goes when that backward ends
+        (:func:`~gradhooks.engine.calls.release_spent`); kept while the graph is
+        (``retain_graph``: another backward may go through it)."""
+        if _torch.backward_keeps_graph():
+            return
+        s = self.state
+        if not s.spent:  # (the first since the last release: at this backward's end)
+            _torch.queue_backward_callback(lambda: release_spent(s))
+        s.spent.append(weakref.ref(held))
 
     def released(self, target: Target, state: CallState) -> None:
         """A backward reached a call whose inputs were let go of (:meth:`KeptCall.release`):

@@ -429,6 +429,18 @@ class Held:
         self.released = True
 
 
+def release_spent(state: CaptureState) -> None:
+    """The calls whose rule ran in a backward that did not keep its graph let go of their
+    inputs (:meth:`KeptCall.release`), as autograd let go of what it saved for them: at that
+    backward's end, and at the next forward for any left (a backward that failed on the way).
+    A backward through them again is refused."""
+    spent, state.spent = state.spent, []
+    for ref in spent:
+        held = ref()
+        if held is not None:
+            held.release()
+
+
 def released_call(name: str, module: nn.Module) -> str:
     """The refusal of a backward that reaches a call whose inputs were let go of."""
     where = name if name.startswith("'") else f"'{name or '<model>'}'"  # (a function's use)

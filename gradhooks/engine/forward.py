@@ -39,6 +39,7 @@ from .calls import (
     input_tensors,
     keeps_rows,
     own_node,
+    release_spent,
     root_batch,
     unview,
 )
@@ -467,7 +468,7 @@ class ForwardCapture:
         """A forward of the model starts: ``module``'s call (the root's, or an entry's:
         :meth:`entry_hooks`)."""
         if self.state.spent and graph_task() == -1:
-            self.release_spent()
+            release_spent(self.state)  # (what a backward that failed on the way left)
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
         self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
         self.layer_outputs.follow()
@@ -508,17 +509,6 @@ class ForwardCapture:
         if self.state.grad1:
             self.backwards.refuse_large(frame.batch)  # before the forward allocates anything
         self._start_tracker(frame, args, kwargs)
-
-    def release_spent(self) -> None:
-        """A forward starts outside any backward: the calls of earlier forwards whose backward
-        has run without keeping its graph let go of their inputs
-        (:meth:`~gradhooks.engine.calls.KeptCall.release`), as autograd let go of what it
-        saved for them then (a backward through them again is refused)."""
-        spent, self.state.spent = self.state.spent, []
-        for ref in spent:
-            held = ref()
-            if held is not None:
-                held.release()
 
     def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""

@@ -88,7 +88,7 @@ class CaptureState:
         self.frames: list[Frame] = []  # root forwards running
         self.tasks: dict[int, Backward] = {}  # backwards running, by graph task id
         # what the calls of forwards whose backward has run keep for it (weak references to
-        # KeptCall or Held): let go of at the next forward (ForwardCapture.release_spent)
+        # KeptCall or Held): let go of at its end (calls.release_spent)
         self.spent: list = []
         # inside a rerun of a detached call, or a per-example backward of the tracker's
         self.rerunning = 0
