@@ -72,6 +72,15 @@ def reference_run(model, steps, bound, adaptive, seed, noise_dtype=None):
     return bounds, params, bound
 
 
+def adaptive_optimizer(model, hooks, adaptive, seed, **kwargs):
+    """A DPOptimizer over SGD with the tests' settings (σ, B, LR, bound 1.5) and ``adaptive``."""
+    return gradhooks.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), hooks, max_grad_norm=1.5,
+        noise_multiplier=SIGMA, expected_batch_size=B, adaptive_clipping=adaptive,
+        generator=torch.Generator().manual_seed(seed), **kwargs,
+    )  # fmt: skip
+
+
 def dp_run(model, steps, bound, adaptive, seed, accountant=None):
     """The same with gradhooks' DPOptimizer; the bound used at each step and the parameters
     after each."""
@@ -233,11 +242,7 @@ def test_physical_batches_count_together():
     for split in (False, True):
         model = net()
         with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-            opt = gradhooks.DPOptimizer(
-                torch.optim.SGD(model.parameters(), lr=LR), h, max_grad_norm=1.5,
-                noise_multiplier=SIGMA, expected_batch_size=B, adaptive_clipping=adaptive,
-                generator=torch.Generator().manual_seed(5),
-            )  # fmt: skip
+            opt = adaptive_optimizer(model, h, adaptive, seed=5)
             for step in range(3):
                 x, y = batch(step)
                 parts = [(x[:2], y[:2]), (x[2:], y[2:])] if split else [(x, y)]
@@ -414,11 +419,7 @@ def test_under_bfloat16_autocast_the_bound_and_weights_follow_the_float64_refere
     model = net(torch.float32)
     bounds = []
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        opt = gradhooks.DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=LR), h, max_grad_norm=1.5,
-            noise_multiplier=SIGMA, expected_batch_size=B, adaptive_clipping=adaptive,
-            generator=torch.Generator().manual_seed(2),
-        )  # fmt: skip
+        opt = adaptive_optimizer(model, h, adaptive, seed=2)
         for step in range(4):
             x, y = batch(step, dtype=torch.float32)
             bounds.append(opt.max_grad_norm)
