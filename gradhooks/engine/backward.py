@@ -168,7 +168,7 @@ class BackwardWriter:
     ) -> bool:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
         call's batch gradient of each parameter it writes ``grad1`` for. Returns whether the
-        call's rule ran (what the call keeps may then go at the next forward)."""
+        call's rule ran (what the call keeps may then go: :meth:`spend`)."""
         if (
             self.state.removed
             or not self.state.mode.capture

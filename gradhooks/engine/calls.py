@@ -399,10 +399,10 @@ class KeptCall:
         return self.carried.sums if self.carried is not None else None
 
     def release(self) -> None:
-        """Let go of the call's inputs (its backward has run and another forward started), as
-        autograd frees what it saved once a backward is through: a graph kept alive by a loss
-        from an earlier step (``loss = model(x)...`` reassigned only after the next forward)
-        would otherwise keep every hooked call's inputs of that step too."""
+        """Let go of the call's inputs (a backward that did not keep its graph ran its rule), as
+        autograd frees what it saved once such a backward is through: a graph kept alive by a
+        loss from an earlier step (``loss = model(x)...`` reassigned only after the next
+        forward) would otherwise keep every hooked call's inputs of that step too."""
         self.call = None  # type: ignore[assignment]
         self.args, self.kwargs = (), {}
         self.state.versions = ()
@@ -445,11 +445,10 @@ def released_call(name: str, module: nn.Module) -> str:
     """The refusal of a backward that reaches a call whose inputs were let go of."""
     where = name if name.startswith("'") else f"'{name or '<model>'}'"  # (a function's use)
     return (
-        f"{where} ({type(module).__qualname__}): this backward goes through a "
-        "forward of the model whose backward has already run without keeping its graph, and "
-        "after which the model ran another forward; gradhooks let go of that forward's inputs then (as autograd frees "
-        "what it saved after a backward), so this call's per-example gradients cannot be "
-        "formed. Pass retain_graph=True to the backward before (as autograd needs for a second "
+        f"{where} ({type(module).__qualname__}): this backward goes through a call whose "
+        "backward has already run without keeping its graph; gradhooks let go of the call's "
+        "inputs when that backward ended (as autograd frees what it saved), so its "
+        "per-example gradients cannot be formed. Pass retain_graph=True to the backward before (as autograd needs for a second "
         "backward through a graph), or detach what a later step takes from this one "
         "(h = h.detach(), as in truncated backpropagation through time)."
     )

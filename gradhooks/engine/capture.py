@@ -452,7 +452,8 @@ class DetachedCalls:
         leaves = [*tree_leaves(args), *tree_leaves(kwargs)]
         inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
         n_inputs = len(inputs)
-        # (what the backward needs of the forward, let go of at the next forward once it ran)
+        # (what the backward needs of the forward, let go of once a backward that does not
+        # keep its graph ran the rule: BackwardWriter.spend)
         held = Held(call, args, kwargs, inputs, state)
         del call, args, kwargs, inputs
 
