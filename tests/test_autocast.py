@@ -37,9 +37,10 @@ def _floated(out):
     return out.float() if isinstance(out, Tensor) and out.is_floating_point() else out
 
 
-def rel_err(got: Tensor, ref: Tensor) -> float:
-    """``max|got - ref| / max|ref|`` in float64."""
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
+def rel_err(got: Tensor, ref: Tensor, scale: float | None = None) -> float:
+    """``max|got - ref| / max|ref|`` in float64 (or over ``scale``)."""
+    if scale is None:
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
     diff = float((got.double() - ref.double()).abs().max()) if ref.numel() else 0.0
     return diff / scale if scale else diff
 
@@ -88,11 +89,22 @@ def hooked(
     return h
 
 
-def _assert_rel(got: Tensor, ref: Tensor, tol: float, what: str) -> None:
+def _assert_rel(
+    got: Tensor, ref: Tensor, tol: float, what: str, scale: float | None = None
+) -> None:
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(got).all(), f"{what}: not finite"
-    err = rel_err(got, ref)
+    err = rel_err(got, ref, scale)
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def _assert_batch_grad(got: Tensor, per_example: Tensor, tol: float, what: str) -> None:
+    """``got`` against the sum of ``per_example`` over the examples. A sum's rounding scales
+    with its terms, not with what is left of them where they cancel (the inputs are drawn
+    differently on different processors, and some draws cancel to a twentieth): the error is
+    measured against the largest sum of the terms' magnitudes."""
+    scale = float(per_example.abs().sum(0).max()) if per_example.numel() else 0.0
+    _assert_rel(got, per_example.sum(0), tol, what, scale)
 
 
 def _runs(case: Case, dtype) -> bool:
@@ -133,6 +145,30 @@ def _case(case_id: str) -> Case:
 
 
 _REFERENCES: dict[str, tuple] = {}
+_TOLERANCES: dict[tuple[str, torch.dtype], dict[str, float]] = {}
+
+
+def _tolerances(case: Case, dtype: torch.dtype) -> dict[str, float]:
+    """Per parameter, the tolerance of the case's seeded draw under autocast to ``dtype``:
+    ``TOL``, or three times torch's own error if that is larger. Where the terms of a gradient
+    cancel (over the examples, the positions, or a LayerNorm's features upstream), the
+    roundings of the output-gradients in the half precision leave more of the result than
+    ``TOL`` allows: the relative error of plain autograd's ``.grad`` (no hooks) against the
+    float64 loop's sum reached 8% in float16 on some draws of a Transformer layer. The inputs
+    are drawn differently on different processors, so which draw a test gets is not fixed."""
+    key = (case.id, dtype)
+    if key not in _TOLERANCES:
+        ref, _ = _reference(case)
+        model, inputs, target, _ = _setup(case, loop=False)
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+        _loss(case, out, target).backward()
+        _TOLERANCES[key] = {
+            name: max(TOL[dtype], 3 * rel_err(p.grad, ref[name].sum(0)))
+            for name, p in model.named_parameters()
+        }
+    return _TOLERANCES[key]
+
 
 
 def _reference(case: Case):
@@ -162,26 +198,28 @@ def test_quantities(case, dtype, quantities):
     if not _runs(case, dtype):
         pytest.skip(f"torch has no {dtype} kernel for this layer on this CPU")
     ref, factors = _reference(case)
+    tols = _tolerances(case, dtype)  # (first: a case may build its model once)
     model, inputs, target, _ = _setup(case, loop=False)
     h = hooked(case, model, inputs, target, dtype, quantities)
-    tol = TOL[dtype]
     for name, p in model.named_parameters():
         # .grad: as autograd computes it, or from the pieces for a detached call
-        _assert_rel(p.grad, ref[name].sum(0), tol, f"{case.id} .grad of {name}")
+        _assert_batch_grad(p.grad, ref[name], tols[name], f"{case.id} .grad of {name}")
     if "grad1" in quantities:
         for name, p in model.named_parameters():
             assert p.grad1.dtype == p.dtype == torch.float32, name
-            _assert_rel(p.grad1, ref[name], tol, f"{case.id} {name}")
+            _assert_rel(p.grad1, ref[name], tols[name], f"{case.id} {name}")
         return
     norms = h.param_norms()
     total = sum(r.flatten(1).pow(2).sum(1) for r in ref.values()).sqrt()
     sq, var = h.sum_grad_sq(), h.grad_variance()
     for name, r in ref.items():
         assert norms[name].dtype == sq[name].dtype == var[name].dtype == torch.float32, name
+        tol = tols[name]
         _assert_rel(norms[name], r.flatten(1).norm(dim=1), tol, f"{case.id} norm of {name}")
         # a square doubles the relative error; the variance, a difference, more
         _assert_rel(sq[name], r.pow(2).sum(0), 2 * tol, f"{case.id} sum_grad_sq {name}")
         _assert_rel(var[name], r.var(0, unbiased=False), 4 * tol, f"{case.id} variance {name}")
+    tol = max(tols.values())
     _assert_rel(h.norms(), total, tol, f"{case.id} total norm")
     got = h.kfac_factors()
     assert got.keys() == factors.keys() and got
@@ -238,10 +276,11 @@ def test_kfac_function(case, dtype):
         _assert_rel(got[name].G, f.G, 2 * TOL[dtype], f"{case.id} G of {name}")
 
 
-def _check_grad1_and_norms(case: Case, model, ref: dict, tol: float) -> None:
+def _check_grad1_and_norms(case: Case, model, ref: dict, tol: float | dict[str, float]) -> None:
     for name, p in model.named_parameters():
         assert p.grad1.dtype == p.dtype, name
-        _assert_rel(p.grad1, ref[name], tol, f"{case.id} {name}")
+        t = tol[name] if isinstance(tol, dict) else tol
+        _assert_rel(p.grad1, ref[name], t, f"{case.id} {name}")
 
 
 @pytest.mark.parametrize("with_autocast", [False, True], ids=["plain", "autocast"])
@@ -277,12 +316,13 @@ def test_backward_inside_autocast(case, dtype):
     if not _runs(case, dtype):
         pytest.skip(f"torch has no {dtype} kernel for this layer on this CPU")
     ref, _ = _reference(case)
+    tols = _tolerances(case, dtype)  # (first: a case may build its model once)
     model, inputs, target, _ = _setup(case, loop=False)
     h = hooked(case, model, inputs, target, dtype, ("grad1", "norms"), backward_inside=True)
-    _check_grad1_and_norms(case, model, ref, TOL[dtype])
+    _check_grad1_and_norms(case, model, ref, tols)
     for name, n in h.param_norms().items():
         assert n.dtype == torch.float32, name
-        _assert_rel(n, ref[name].flatten(1).norm(dim=1), TOL[dtype], f"{case.id} norm {name}")
+        _assert_rel(n, ref[name].flatten(1).norm(dim=1), tols[name], f"{case.id} norm {name}")
 
 
 @pytest.mark.parametrize("quantities", [("grad1",), ("norms",)])
@@ -295,16 +335,17 @@ def test_batch_gradient_from_pieces(case, dtype, quantities, monkeypatch):
     monkeypatch.setattr(gradhooks.TUNING, "sum_grad1_positions", 1)
     case = _case(case)
     ref, _ = _reference(case)
+    tols = _tolerances(case, dtype)  # (first: a case may build its model once)
     model, inputs, target, _ = _setup(case, loop=False)
     h = hooked(case, model, inputs, target, dtype, quantities)
     for name, p in model.named_parameters():
         assert p.grad.dtype == torch.float32, name
-        _assert_rel(p.grad, ref[name].sum(0), TOL[dtype], f"{case.id} .grad of {name}")
+        _assert_batch_grad(p.grad, ref[name], tols[name], f"{case.id} .grad of {name}")
     if "grad1" in quantities:
-        _check_grad1_and_norms(case, model, ref, TOL[dtype])
+        _check_grad1_and_norms(case, model, ref, tols)
     else:
         for name, n in h.param_norms().items():
-            _assert_rel(n, ref[name].flatten(1).norm(dim=1), TOL[dtype], f"{case.id} {name}")
+            _assert_rel(n, ref[name].flatten(1).norm(dim=1), tols[name], f"{case.id} {name}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,6 +357,36 @@ def test_fallback(case, dtype):
     h = hooked(case, model, inputs, target, dtype, ("grad1",), registry=_only(nn.Linear))
     assert h.fallback_modules()
     _check_grad1_and_norms(case, model, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+@pytest.mark.parametrize("layer", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer],
+                         ids=["encoder", "decoder"])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transformer_layer_parts_rounded_as_they_ran(dtype, layer, batch_first, norm_first):
+    """The Transformer layers' rule reruns the layer to find its parts' output-gradients: under
+    the forward's autocast, so that they are autograd's own. Rerun in float32 they differed from
+    autograd's by the half precision's rounding upstream (up to 23 of its units of the largest
+    entry, seen on these layers), grad1 did not add up to ``.grad`` and the run-time check
+    raised in an ordinary autocast step. Now they add up to within the last products'
+    rounding."""
+    if not _runs(_case("transformer_encoder_layer"), dtype):
+        pytest.skip(f"torch has no {dtype} kernel for this layer on this CPU")
+    eps = torch.finfo(dtype).eps
+    for seed in range(3):
+        torch.manual_seed(seed)
+        module = layer(8, 2, 16, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
+        x = torch.randn(4, 5, 8) if batch_first else torch.randn(5, 4, 8)
+        args = (x,) if layer is nn.TransformerEncoderLayer else (x, torch.randn_like(x))
+        with gradhooks.add_hooks(module, loss_reduction="sum"):  # (checked: would raise)
+            with torch.autocast("cpu", dtype=dtype):
+                out = module(*args)
+            (out.float() * torch.linspace(-1, 2, 8)).sum().backward()
+        for name, p in module.named_parameters():
+            diff = float((p.grad1.sum(0).double() - p.grad.double()).abs().max())
+            scale = float(p.grad1.abs().max())
+            assert diff <= 4 * eps * scale, f"seed {seed} {name}: {diff / scale / eps:.1f} units"
 
 
 # -- real models: tiny Hugging Face configurations (tests/test_real_models.py) ------------------

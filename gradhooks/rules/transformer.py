@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_map
 from ..engine.pause import paused
-from ..engine.records import detach_tree
+from ..engine.records import autocast_as, detach_tree
 from ..errors import UnsupportedError, describe_module
 from ..pieces import Direct, Piece
 from .fallback import FALLBACK
@@ -62,7 +62,9 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
 
     handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
     try:
-        with torch.enable_grad(), paused():
+        # under the autocast the forward ran under: the parts' output-gradients are then
+        # autograd's own, rounded as they were
+        with torch.enable_grad(), paused(), autocast_as(call.autocast):
             output = layer.forward(*call.inputs, **call.kwargs)
     finally:
         for h in handles:
