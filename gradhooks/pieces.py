@@ -526,6 +526,15 @@ class Outer(Piece):
                 result.addcmul_(g, a)
             else:
                 torch.mul(g, a, out=result)
+        elif n_in <= TUNING.narrow_in_features < n_out and out.device.type == "cpu":
+            # (a narrow input, TUNING.narrow_in_features: the transposed product, copied)
+            t = torch.bmm(a.reshape(-1, shared, n_in).transpose(1, 2), g.reshape(-1, shared, n_out))
+            if accumulate:
+                result.add_(t.transpose(1, 2), alpha=scale)
+            else:
+                result.copy_(t.transpose(1, 2))
+                if scale != 1.0:
+                    result.mul_(scale)
         else:
             g_t = g.reshape(-1, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
             a = a.reshape(-1, shared, n_in)

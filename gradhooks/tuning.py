@@ -58,6 +58,14 @@ class Tuning:
     of its ``grad1`` rather than by autograd: the sum reads batch x parameters floats,
     autograd's product costs 2 x batch x positions x parameters flops."""
 
+    # -- Linear ------------------------------------------------------------------------------------
+    narrow_in_features: int = 8
+    """A CPU Linear over positions with at most this many input features and more outputs (a
+    LoRA adapter's B, whose inputs are the adapter's rank) forms ``grad1`` as the transposed
+    product ``[batch, in, out]``, copied into place: the batched matmul runs a right operand
+    this narrow 3-7x slower (768 to 1024 outputs, 128 positions; at 16 features the two
+    tie)."""
+
     # -- convolutions ------------------------------------------------------------------------------
     conv_grouped_min_columns: int = 64
     """The fewest columns (``in_channels / groups * prod(kernel)``) for which a convolution

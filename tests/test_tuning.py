@@ -79,3 +79,36 @@ def test_tuned_refuses_an_unknown_name_and_puts_every_value_back():
             assert tuning.sum_grad1_positions == 1 and tuning.chunk_elements == 7
             raise RuntimeError("inside")
     assert dataclasses.asdict(gradhooks.TUNING) == before
+
+
+class LowRank(nn.Module):
+    """A LoRA-like pair over positions: 16 features down to a rank of 4 and up to 24, the up
+    projection used twice (its second use adds into grad1 already written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.up = nn.Linear(16, 4, bias=False), nn.Linear(4, 24)
+
+    def forward(self, x):
+        h = self.down(x)
+        return (self.up(h) + self.up(torch.tanh(h))).mean(1)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("narrow", [0, 8], ids=["batched matmul", "transposed product"])
+def test_narrow_inputs_both_ways_and_added_into(narrow, reduction):
+    """``narrow_in_features``: the up projection's grad1 (4 inputs, 24 outputs, 10 positions)
+    formed either way, and added into by a second backward of the same examples (gradient
+    accumulation), is the oracle's."""
+    torch.manual_seed(0)
+    model = LowRank().to(D)
+    x, y = torch.randn(3, 10, 16, dtype=D), torch.randn(3, 24, dtype=D)
+    loss = lambda out, y: (out - y).square().sum()  # noqa: E731
+    want = vmap_grad(model, loss, x, y)
+    scale = 3 if reduction == "mean" else 1
+    with gradhooks.tuned(narrow_in_features=narrow):
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            for _ in range(2):
+                (loss(model(x), y) / scale).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, 2 * want[name], f"narrow={narrow}: grad1 of {name}")
