@@ -168,6 +168,34 @@ def test_the_update_is_the_dense_damped_solve():
         torch.testing.assert_close(moved.bias, layer.bias - step[:, -1])
 
 
+def test_a_factor_whose_float32_eigendecomposition_fails_is_inverted_in_float64(monkeypatch):
+    """LAPACK's float32 ``eigh`` fails to converge on some factors with many repeated
+    eigenvalues (fewer examples than features), on some processors' kernels: the inverse is
+    then taken from the float64 decomposition, in the factors' dtype, and is the dense damped
+    solve's."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 3)
+    g = torch.randn(4, 2)
+    f = gradhooks.KFactors(a @ a.T, g @ g.T, False, None)  # ranks 3 and 2: repeated zeros
+    plain = torch.linalg.eigh
+    tried = []
+
+    def eigh(m, *args, **kwargs):
+        tried.append(m.dtype)
+        if m.dtype != torch.float64:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return plain(m, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    inverse = f.inverse(0.1)
+    assert tried == [torch.float32, torch.float64] * 2
+    assert inverse.Q_A.dtype == inverse.scale.dtype == torch.float32
+    grad = torch.randn(4, 6)
+    dense = torch.kron(f.G, f.A).double() + 0.1 * torch.eye(24, dtype=D)
+    want = torch.linalg.solve(dense, grad.double().flatten()).view_as(grad)
+    torch.testing.assert_close(inverse.apply(grad), want.float(), rtol=1e-4, atol=1e-5)
+
+
 def test_factors_and_inverses_are_updated_at_their_intervals(monkeypatch):
     model = _mlp()
     opt = gradhooks.KFAC(

@@ -20,8 +20,8 @@ from ..pieces import Outer
 from ..tuning import TUNING
 
 __all__ = [
-    "KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment", "weight_matrix",
-    "weight_from_matrix",
+    "KFactors", "KFactorsInverse", "KfacAccumulator", "second_moment", "symmetric_eigh",
+    "weight_matrix", "weight_from_matrix",
 ]  # fmt: skip
 
 
@@ -65,12 +65,26 @@ class KFactors:
                 f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
                 "(fewer examples than features, a ReLU's dead units)"
             )
-        eig_a, q_a = torch.linalg.eigh(self.A)
-        eig_g, q_g = torch.linalg.eigh(self.G)
+        eig_a, q_a = symmetric_eigh(self.A)
+        eig_g, q_g = symmetric_eigh(self.G)
         # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
         # PSD factor's eigenvalues slightly negative: clamped
         scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
         return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping, self.layout)
+
+
+def symmetric_eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh(m)``, in float64 where it fails in a lower precision: LAPACK's
+    float32 solver fails to converge on some matrices with many repeated eigenvalues (a
+    factor of fewer examples than features: its zero eigenvalues; a softmax's Hessian at
+    equal probabilities), depending on the processor's kernels; in float64 it converges."""
+    try:
+        return torch.linalg.eigh(m)
+    except torch.linalg.LinAlgError:
+        if m.dtype == torch.float64:
+            raise
+        values, vectors = torch.linalg.eigh(m.double())
+        return values.to(m.dtype), vectors.to(m.dtype)
 
 
 @dataclass

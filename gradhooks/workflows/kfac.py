@@ -60,6 +60,7 @@ from ..quantities.kfac import (
     KfacAccumulator,
     KFactors,
     KFactorsInverse,
+    symmetric_eigh,
     weight_from_matrix,
     weight_matrix,
 )
@@ -554,7 +555,7 @@ def _hessian_root_columns(loss: LossFn, out: Tensor, target: Tensor | None) -> l
     # (reverse over reverse: more losses' operations have it than forward-mode derivatives)
     hessian = lambda f: torch.func.jacrev(torch.func.grad(f))
     hess = _per_example(hessian, loss, out, target)  # [batch, classes, classes]
-    eig, vec = torch.linalg.eigh((hess + hess.mT) / 2)
+    eig, vec = symmetric_eigh((hess + hess.mT) / 2)
     # Rounding leaves eigenvalues of about eps times the terms the Hessian is computed from,
     # which can be far larger than the Hessian itself (a saturated softmax's, about 1e-14 in
     # float64, from probabilities of about 1): negative ones are refused only beyond that,
