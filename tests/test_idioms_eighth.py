@@ -21,7 +21,6 @@ stop with an error that says what went wrong and leaves the model as it was.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -54,25 +53,25 @@ def assert_unchanged(model: nn.Module, before: list[torch.Tensor], what: str) ->
         assert_close(p.detach(), q, f"{what}: a parameter changed")
 
 
-def rows_of(model: nn.Module, one) -> dict[str, torch.Tensor]:
-    """The per-example loop written out: ``one(i)`` runs example ``i``'s forward and backward
-    (under ``gradhooks.paused()``); each parameter's gradient (zeros where it got none), row by
-    row."""
+def rows_of(model: nn.Module, n: int, loss_of) -> dict[str, torch.Tensor]:
+    """The per-example loop written out: ``loss_of(i)`` is example ``i``'s own loss (its
+    forward run again, under ``gradhooks.paused()``); each parameter's gradient of it (zeros
+    where it got none), row by row. ``.grad`` is put back as it was."""
     params = dict(model.named_parameters())
-    got: dict[str, list[torch.Tensor]] = {n: [] for n in params}
-    i = 0
-    with gradhooks.paused():
-        while True:
-            for p in params.values():
-                p.grad = None
-            if not one(i):
-                break
-            for n, p in params.items():
-                got[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
-            i += 1
-    for p in params.values():
-        p.grad = None
-    return {n: torch.stack(v) for n, v in got.items()}
+    kept = {k: p.grad for k, p in params.items()}
+    got: dict[str, list[torch.Tensor]] = {k: [] for k in params}
+    try:
+        with gradhooks.paused():
+            for i in range(n):
+                for p in params.values():
+                    p.grad = None
+                loss_of(i).backward()
+                for k, p in params.items():
+                    got[k].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    finally:
+        for k, p in params.items():
+            p.grad = kept[k]
+    return {k: torch.stack(v) for k, v in got.items()}
 
 
 # -- DP: a layer unfrozen in the middle of a logical batch ---------------------------------------
@@ -136,3 +135,250 @@ def test_dp_optimizer_refuses_a_layer_unfrozen_in_the_middle_of_a_logical_batch(
                 assert_close(p.detach(), sgd[n] - 0.1 * want[n].mean(0), f"{n} stepped")
             else:
                 assert p.grad is None and torch.equal(p.detach(), sgd[n]), n
+
+
+# -- FixMatch: interleaved labelled and unlabelled batches, pseudo-labels from the weak view -----
+
+
+def _interleave(x: torch.Tensor, size: int) -> torch.Tensor:
+    s = list(x.shape)
+    return x.reshape([-1, size] + s[1:]).transpose(0, 1).reshape([-1] + s[1:])
+
+
+def _de_interleave(x: torch.Tensor, size: int) -> torch.Tensor:
+    s = list(x.shape)
+    return x.reshape([size, -1] + s[1:]).transpose(0, 1).reshape([-1] + s[1:])
+
+
+def test_fixmatch_interleaved_views_with_pseudo_labels_from_the_weak_logits():
+    """The FixMatch reference code (kekmodel/FixMatch-pytorch ``train``): the labelled batch,
+    the weak and the strong views of ``mu`` times as many unlabelled images are concatenated and
+    ``interleave``-d before one forward (so that BatchNorm would see each kind in every
+    stretch; here no BatchNorm), the logits ``de_interleave``-d and split; the pseudo-labels
+    and the confidence mask come from the *detached* weak logits; the loss is the labelled
+    cross-entropy plus the masked cross-entropy of the strong views. Each row of the model's
+    input is one example: its grad1 row is the gradient of that row's own term (zero for a
+    weak view, whose logits only feed detached targets), in the interleaved order, over steps
+    of SGD."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    b, mu = 2, 2
+    size = 2 * mu + 1
+    kept = 0
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            xl = torch.randn(b, 3, generator=g, dtype=D)
+            yl = torch.randint(2, (b,), generator=g)
+            weak = torch.randn(mu * b, 3, generator=g, dtype=D)
+            strong = weak + 0.5 * torch.randn(mu * b, 3, generator=g, dtype=D)
+            inputs = _interleave(torch.cat((xl, weak, strong)), size)
+            opt.zero_grad()
+            logits = _de_interleave(model(inputs), size)
+            lx, (lw, ls) = logits[:b], logits[b:].chunk(2)
+            conf, pseudo = torch.softmax(lw.detach(), -1).max(-1)
+            mask = conf.ge(0.66).to(D)
+            kept += int(mask.sum())
+            loss = F.cross_entropy(lx, yl, reduction="sum")
+            loss = loss + (F.cross_entropy(ls, pseudo, reduction="none") * mask).sum()
+            loss.backward()
+            # each input row's own term: the labelled ones, the weak ones (none), the strong
+            targets = torch.cat([yl, pseudo, pseudo])
+            weights = torch.cat([torch.ones(b, dtype=D), torch.zeros(mu * b, dtype=D), mask])
+            at = _de_interleave(torch.arange(len(inputs)), size)  # logits' row j: input at[j]
+            row_target, row_weight = torch.empty_like(targets), torch.empty_like(weights)
+            row_target[at], row_weight[at] = targets, weights
+
+            def own(i, inputs=inputs, target=row_target, weight=row_weight):
+                return F.cross_entropy(model(inputs[i : i + 1]), target[i : i + 1]) * weight[i]
+
+            assert_grad1(model, rows_of(model, len(inputs), own), f"step {step}")
+            opt.step()
+    assert 0 < kept < 3 * mu * b, "the threshold keeps some pseudo-labels and drops some"
+
+
+# -- timm's DropPath: a per-example mask drawn inside the forward --------------------------------
+
+
+class _DropPath(nn.Module):
+    """timm's ``drop_path``: ``x.new_empty((B, 1, ...)).bernoulli_(keep).div_(keep)`` times
+    ``x``; keeps the last mask, and multiplies by ``replay`` instead where it is set (for the
+    per-example loop)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p, self.last, self.replay = p, None, None
+
+    def forward(self, x):
+        if self.replay is not None:
+            return x * self.replay
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
+        self.last = mask
+        return x * mask
+
+
+class _ResidualBlocks(nn.Module):
+    """Two pre-norm residual MLP blocks with stochastic depth (timm's ``Block``), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(2))
+        self.fc1 = nn.ModuleList(nn.Linear(4, 6) for _ in range(2))
+        self.fc2 = nn.ModuleList(nn.Linear(6, 4) for _ in range(2))
+        self.drops = nn.ModuleList(_DropPath(p) for p in (0.3, 0.6))
+        self.embed, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.embed(x).unsqueeze(1).expand(-1, 2, -1)  # two tokens per example
+        for norm, fc1, fc2, drop in zip(self.norms, self.fc1, self.fc2, self.drops, strict=True):
+            h = h + drop(fc2(F.gelu(fc1(norm(h)))))
+        return self.head(h.mean(1))
+
+
+def test_timm_drop_path_masks_drawn_in_the_forward_over_steps():
+    """timm's stochastic depth in a ViT-like stack (``drop_path_rate`` rising with depth): each
+    example's residual branch is kept or dropped by a Bernoulli draw inside the forward, the
+    kept ones scaled by ``1 / keep``. Each example's gradient is that of its own draw: the loop
+    replays each example's mask. Over steps of AdamW, with some branches dropped."""
+    torch.manual_seed(0)
+    model = _ResidualBlocks().to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dropped = 0
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x, y = batch(step, 6)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            masks = [d.last for d in model.drops]
+            dropped += sum(int((m == 0).sum()) for m in masks)
+
+            def own(i, x=x, y=y, masks=masks):
+                for d, m in zip(model.drops, masks, strict=True):
+                    d.replay = m[i : i + 1]
+                return F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+
+            try:
+                want = rows_of(model, len(x), own)
+            finally:
+                for d in model.drops:
+                    d.replay = None
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+    assert dropped, "no branch was dropped"
+
+
+# -- insightface's ArcFace head, the labels passed to the forward --------------------------------
+
+
+class _ArcMargin(nn.Module):
+    """insightface's ``ArcMarginProduct``: cosines of the normalized features and weights,
+    ``cos(θ + m)`` at the label (``torch.where`` past ``π - m``), the one-hot of the labels
+    built inside the forward (``torch.zeros(cosine.size())`` then ``scatter_``), scaled."""
+
+    def __init__(self, features: int, classes: int, s: float = 8.0, m: float = 0.5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(classes, features))
+        nn.init.xavier_uniform_(self.weight)
+        self.s, self.cos_m, self.sin_m = s, math.cos(m), math.sin(m)
+        self.th, self.mm = math.cos(math.pi - m), math.sin(math.pi - m) * m
+
+    def forward(self, x, label):
+        cosine = F.linear(F.normalize(x), F.normalize(self.weight))
+        sine = torch.sqrt((1.0 - cosine.pow(2)).clamp(0, 1))
+        phi = cosine * self.cos_m - sine * self.sin_m
+        phi = torch.where(cosine > self.th, phi, cosine - self.mm)
+        one_hot = torch.zeros(cosine.size(), dtype=cosine.dtype)
+        one_hot.scatter_(1, label.view(-1, 1).long(), 1)
+        return self.s * (one_hot * phi + (1.0 - one_hot) * cosine)
+
+
+class _FaceModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4))
+        self.head = _ArcMargin(4, 3)
+
+    def forward(self, x, label):
+        return self.head(self.body(x), label)
+
+
+def test_arcface_margin_head_given_the_labels_in_the_forward():
+    """insightface's recognition loop (``arcface_torch``'s margin head): the backbone's
+    features and the labels go into the head, whose weight is normalized (an operation of a
+    parameter alone) and whose one-hot is built from the labels inside the forward. The mean
+    cross-entropy of the margin logits; grad1 against the loop over steps of SGD with
+    momentum, and ``check`` finds the loss a mean."""
+    torch.manual_seed(0)
+    model = _FaceModel().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model) as hooks:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(5, 3, generator=g, dtype=D), torch.randint(3, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, (x, y), y)
+            opt.zero_grad()
+            F.cross_entropy(model(x, y), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            if step == 0:
+                report = hooks.check(lambda out, t: F.cross_entropy(out, t), (x, y), y)
+                assert report.ok, report
+            opt.step()
+
+
+# -- a center loss with its own optimizer ---------------------------------------------------------
+
+
+class _CenterLoss(nn.Module):
+    """The center loss (Wen et al., as in the popular ``CenterLoss`` module): half the squared
+    distance of each feature to its class's center, the centers a parameter of their own."""
+
+    def __init__(self, classes: int, features: int) -> None:
+        super().__init__()
+        self.centers = nn.Parameter(torch.randn(classes, features))
+
+    def forward(self, features, labels):
+        return 0.5 * (features - self.centers[labels]).pow(2).sum(1)
+
+
+def test_center_loss_with_its_own_optimizer_both_hooked():
+    """The center-loss recipe: ``loss = ce + λ·center_loss(features, labels)``, the model and
+    the center-loss module each hooked (two handles), two optimizers, and the centers'
+    gradient rescaled by ``1/λ`` before their step (``param.grad.data *= 1 / λ``). Each
+    example's gradient is right for the model's parameters and for the centers (only its
+    class's row), and stays so after the rescaling, over steps."""
+    model = mlp()
+    centers = _CenterLoss(3, 2).to(D)
+    lam = 0.1
+    opts = (torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.optim.SGD(centers.parameters(), lr=0.5))  # fmt: skip
+
+    def total(out, labels):
+        return summed_ce(out, labels % 2) + lam * centers(out, labels).sum()
+
+    with (
+        gradhooks.add_hooks(model, loss_reduction="sum"),
+        gradhooks.add_hooks(centers, loss_reduction="sum"),
+    ):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(5, 3, generator=g, dtype=D), torch.randint(3, (5,), generator=g)
+
+            def own(i, x=x, y=y):
+                return total(model(x[i : i + 1]), y[i : i + 1])
+
+            want_model, want_centers = rows_of(model, len(x), own), rows_of(centers, len(x), own)
+            for o in opts:
+                o.zero_grad()
+            total(model(x), y).backward()
+            assert_grad1(model, want_model, f"step {step}")
+            assert_grad1(centers, want_centers, f"step {step}: centers")
+            for i, label in enumerate(y.tolist()):  # one row of the centers per example
+                others = [c for c in range(3) if c != label]
+                assert not centers.centers.grad1[i, others].any()
+            centers.centers.grad.mul_(1 / lam)
+            assert_close(centers.centers.grad1, want_centers["centers"], "after the rescaling")
+            for o in opts:
+                o.step()
