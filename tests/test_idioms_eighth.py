@@ -382,3 +382,214 @@ def test_center_loss_with_its_own_optimizer_both_hooked():
             assert_close(centers.centers.grad1, want_centers["centers"], "after the rescaling")
             for o in opts:
                 o.step()
+
+
+# -- a hypernetwork generating each example's weights from its task id ---------------------------
+
+
+class _Hyper(nn.Module):
+    """A task-conditioned hypernetwork (von Oswald et al.'s continual-learning hypernetwork):
+    a task embedding generates the target layer's weight, per example (``torch.bmm``), and a
+    shared chunk generated from the first task's embedding row alone (``F.linear`` of a weight
+    computed from a parameter: the same for every example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task = nn.Embedding(3, 4)
+        self.gen = nn.Linear(4, 2 * 3)
+        self.shared = nn.Linear(4, 2 * 3)
+
+    def forward(self, x, task):
+        w = self.gen(self.task(task)).view(-1, 2, 3)
+        out = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+        return out + F.linear(x, self.shared(self.task.weight[0]).view(2, 3))
+
+
+def test_hypernetwork_generating_each_examples_weights_from_its_task():
+    """The hypernetwork's parameters get each example's gradient through the weights it
+    generated for that example, and through the shared chunk every example used; over steps
+    of Adam, tasks mixed within the batch."""
+    torch.manual_seed(0)
+    model = _Hyper().to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            x, y = batch(step)
+            task = torch.tensor([0, 1, 2, 1]).roll(step)
+            want = loop_grad(model, summed_ce, (x, task), y)
+            opt.zero_grad()
+            summed_ce(model(x, task), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- the original K-FAC code's module hooks beside gradhooks' ------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")
+def test_kfac_non_full_backward_hooks_see_what_they_see_without_gradhooks():
+    """alecwangcq/KFAC-Pytorch's ``KFACOptimizer``: a forward pre-hook saves each Linear's input
+    (for ``A``), a non-full ``register_backward_hook`` its output-gradient times the batch size
+    (for ``G``), and the step preconditions ``.grad`` in place before SGD. With gradhooks on
+    the same layers: the hooks fire once per step and see the same tensors as on a twin
+    without gradhooks, and grad1 is the raw per-example gradient, which the in-place
+    preconditioning of ``.grad`` leaves alone."""
+    model = mlp()
+    twin = mlp()
+    seen: dict[str, list] = {"model": [], "twin": []}
+    handles = []
+    for key, m in (("model", model), ("twin", twin)):
+        for layer in (m[0], m[2]):
+            handles.append(layer.register_forward_pre_hook(
+                lambda mod, inp, key=key: seen[key].append(("a", inp[0].detach().clone()))
+            ))  # fmt: skip
+            handles.append(layer.register_backward_hook(
+                lambda mod, gin, gout, key=key: seen[key].append(
+                    ("g", gout[0].detach() * gout[0].shape[0])
+                )
+            ))  # fmt: skip
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    try:
+        with gradhooks.add_hooks(model):
+            for step in range(3):
+                x, y = batch(step)
+                want = loop_grad(twin, F.cross_entropy, x, y)
+                for key in seen:
+                    seen[key].clear()
+                for m, opt in zip((model, twin), opts, strict=True):
+                    opt.zero_grad()
+                    F.cross_entropy(m(x), y).backward()
+                assert [k for k, _ in seen["model"]] == ["a", "a", "g", "g"]
+                for (_, got), (_, w) in zip(seen["model"], seen["twin"], strict=True):
+                    assert_close(got, w, f"step {step}: what a hook saw")
+                assert_grad1(model, want, f"step {step}")
+                for m in (model, twin):  # the preconditioning, in place on .grad
+                    for layer in (m[0], m[2]):
+                        layer.weight.grad.mul_(0.5).add_(layer.weight.detach(), alpha=0.01)
+                assert_grad1(model, want, f"step {step}, after the preconditioning")
+                for opt in opts:
+                    opt.step()
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                    assert_close(p.detach(), q.detach(), f"step {step}: the twins' weights")
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- activation offloading, anomaly detection, checkpoint_sequential ----------------------------
+
+
+class _Offload(torch.autograd.graph.saved_tensors_hooks):
+    """torchtune's ``OffloadActivations`` in miniature: each saved tensor goes to a store
+    under a key at the forward and comes back at the backward."""
+
+    def __init__(self) -> None:
+        self.store: dict[int, torch.Tensor] = {}
+
+        def pack(t):
+            key = len(self.store)
+            self.store[key] = t.detach().clone()
+            return key
+
+        super().__init__(pack, lambda key: self.store.pop(key))
+
+
+def _step_in(context: str, model: nn.Module, x, y) -> None:
+    if context == "offloaded":
+        with _Offload():
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    elif context == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    elif context == "detect_anomaly":
+        with pytest.warns(UserWarning, match="Anomaly Detection"):
+            with torch.autograd.detect_anomaly():
+                F.cross_entropy(model(x), y).backward()
+    else:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        reentrant = context == "checkpoint_sequential reentrant"
+        x = x.requires_grad_(reentrant)
+        out = checkpoint_sequential(model, 2, x, use_reentrant=reentrant)
+        F.cross_entropy(out, y).backward()
+
+
+@pytest.mark.parametrize(
+    "context",
+    ["offloaded", "save_on_cpu", "detect_anomaly", "checkpoint_sequential",
+     "checkpoint_sequential reentrant"],
+)  # fmt: skip
+def test_saved_tensors_offloaded_anomaly_mode_and_checkpoint_sequential(context):
+    """torchtune's activation offloading (``saved_tensors_hooks`` around the forward: the
+    tensors autograd saves go elsewhere and come back at the backward), torch's
+    ``save_on_cpu``, a step under ``detect_anomaly`` (a debugging run), and
+    ``checkpoint_sequential`` of the model in two segments (both kinds). grad1 against the
+    loop over steps of SGD."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2)
+    ).to(D)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            _step_in(context, model, x, y)
+            assert_grad1(model, want, f"{context}, step {step}")
+            opt.step()
+
+
+# -- DeepSpeech-style CTC on time-major log-probabilities, in the DP step ------------------------
+
+
+class _Speech(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 6, batch_first=True)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+def test_ctc_loss_on_time_major_log_probs_per_utterance_into_the_dp_step():
+    """A speech loop (DeepSpeech.pytorch's ``train``): the model's ``[N, T, C]`` logits are
+    ``log_softmax``-ed and transposed to ``[T, N, C]`` for ``F.ctc_loss`` with each
+    utterance's target length (``zero_infinity=True``). Summed, grad1 is each utterance's own
+    CTC gradient; the per-utterance losses (``reduction="none"``) go into ``dp_sgd_step``
+    without noise, whose ``.grad`` is the mean of the clipped per-utterance gradients."""
+    torch.manual_seed(0)
+    model = _Speech().to(D)
+    n, t = 4, 8
+    lengths = torch.tensor([3, 2, 4, 1])
+    frames = torch.full((n,), t, dtype=torch.long)
+
+    def ctc(out, idx, reduction="sum"):
+        log_probs = out.log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets[idx], frames[idx], lengths[idx],
+                          reduction=reduction, zero_infinity=True)  # fmt: skip
+
+    with gradhooks.add_hooks(model, loss_reduction="sum") as hooks:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(n, t, 3, generator=g, dtype=D)
+            targets = torch.randint(1, 5, (n, 4), generator=g)
+            want = loop_grad(model, ctc, x, torch.arange(n))
+            model.zero_grad()
+            ctc(model(x), torch.arange(n)).backward()
+            assert_grad1(model, want, f"step {step}")
+    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+        model.zero_grad()
+        norms = gradhooks.dp_sgd_step(
+            hooks, ctc(model(x), torch.arange(n), reduction="none"), max_norm=1.0,
+            noise_multiplier=0.0,
+        )  # fmt: skip
+        flat = torch.cat([w.flatten(1) for w in want.values()], 1)
+        assert_close(norms, flat.norm(dim=1), "the norms")
+        factors = (1.0 / flat.norm(dim=1)).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            clipped = (want[name] * factors.view(-1, *[1] * p.dim())).mean(0)
+            assert_close(p.grad, clipped, f"{name}: the DP step's gradient")
