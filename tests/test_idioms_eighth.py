@@ -20,6 +20,7 @@ stop with an error that says what went wrong and leaves the model as it was.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -776,3 +777,132 @@ def test_multi_task_rows_routed_to_their_heads_by_a_mask_of_the_task_ids():
         want = loop_grad(model, summed_ce, (x, task), y)
         summed_ce(model(x, task), y).backward()
         assert_grad1(model, want, "routed by a mask")
+
+
+# -- VQ-VAE with an EMA codebook that makes its parameters anew at every forward -----------------
+
+
+class _VectorQuantizerEMA(nn.Module):
+    """The ``VectorQuantizerEMA`` of the widely copied VQ-VAE notebook
+    (zalandoresearch/pytorch-vq-vae): nearest codes by distances to the codebook, the one-hot
+    encodings by ``scatter_``, the commitment loss computed inside (a mean over the whole
+    batch), the straight-through estimator, the perplexity of the batch's codes; in training,
+    the EMA of the cluster sizes and of the codes' sums, and the codebook made anew as
+    ``nn.Parameter``s at every forward (``trainable=False``: made with
+    ``requires_grad=False``, the one change that the error below asks for)."""
+
+    def __init__(self, codes: int, dim: int, trainable: bool = True) -> None:
+        super().__init__()
+        self.codes, self.dim, self.trainable = codes, dim, trainable
+        self.commitment, self.decay, self.eps = 0.25, 0.9, 1e-5
+        self._embedding = nn.Embedding(codes, dim)
+        self._embedding.weight.data.normal_()
+        self._embedding.weight.requires_grad_(trainable)
+        self.register_buffer("_ema_cluster_size", torch.zeros(codes))
+        self._ema_w = nn.Parameter(torch.randn(codes, dim), requires_grad=trainable)
+
+    def forward(self, inputs):
+        inputs = inputs.permute(0, 2, 3, 1).contiguous()
+        flat = inputs.view(-1, self.dim)
+        w = self._embedding.weight
+        distances = flat.pow(2).sum(1, keepdim=True) + w.pow(2).sum(1) - 2 * flat @ w.t()
+        index = distances.argmin(1).unsqueeze(1)
+        encodings = torch.zeros(index.shape[0], self.codes, dtype=inputs.dtype)
+        encodings.scatter_(1, index, 1)
+        quantized = (encodings @ w).view(inputs.shape)
+        if self.training:
+            size = self._ema_cluster_size * self.decay + (1 - self.decay) * encodings.sum(0)
+            n = size.sum()
+            self._ema_cluster_size = (size + self.eps) / (n + self.codes * self.eps) * n
+            dw = encodings.t() @ flat
+            self._ema_w = nn.Parameter(
+                self._ema_w * self.decay + (1 - self.decay) * dw, requires_grad=self.trainable
+            )
+            self._embedding.weight = nn.Parameter(
+                self._ema_w / self._ema_cluster_size.unsqueeze(1), requires_grad=self.trainable
+            )
+        loss = self.commitment * F.mse_loss(quantized.detach(), inputs)
+        quantized = inputs + (quantized - inputs).detach()
+        avg = encodings.mean(0)
+        perplexity = torch.exp(-(avg * torch.log(avg + 1e-10)).sum())
+        return loss, quantized.permute(0, 3, 1, 2).contiguous(), perplexity
+
+
+class _VQVAE(nn.Module):
+    def __init__(self, trainable: bool = True) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
+        self.vq = _VectorQuantizerEMA(5, 2, trainable)
+        self.decoder = nn.Sequential(
+            nn.ConvTranspose2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 1, 1)
+        )
+
+    def forward(self, x):
+        vq_loss, quantized, perplexity = self.vq(self.encoder(x))
+        return vq_loss, self.decoder(quantized), perplexity
+
+
+def _vq_loss(out, x):
+    vq_loss, recon, _ = out
+    return F.mse_loss(recon, x) + vq_loss
+
+
+def test_vq_vae_ema_codebook_made_anew_at_each_forward_is_refused_naming_its_parameters():
+    """The notebook's loop as published, with ``model.vq.requires_grad_(False)`` before
+    training: the first forward makes the codebook anew as trainable ``nn.Parameter``s, so
+    from the second step on the quantizer has trainable parameters and the torch.func
+    fallback would have to split the commitment loss, a mean over the batch computed inside
+    the module. Refused at that step's backward, naming the module, the shapes and both
+    parameters as trainable at that backward, and saying how they became so; no grad1
+    written by it. (The first step is right: its quantizer had no trainable parameter.)"""
+    torch.manual_seed(0)
+    model = _VQVAE().to(D)
+    model.vq.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model):
+        x = torch.randn(4, 1, 5, 5, dtype=D, generator=torch.Generator().manual_seed(0))
+        before = copy.deepcopy(model)
+        before.vq.eval()
+        want = loop_grad(before, _vq_loss, x, x)
+        _vq_loss(model(x), x).backward()
+        for n, p in model.named_parameters():
+            if not n.startswith("vq"):
+                assert_close(p.grad1, want[n], f"the first step: {n}")
+        opt.step()
+        opt.zero_grad()
+        kept = {n: p.grad1.clone() for n, p in model.named_parameters() if hasattr(p, "grad1")}
+        assert model.vq._ema_w.requires_grad, "made anew, trainable"
+        loss = _vq_loss(model(x), x)
+        message = (
+            r"'vq' \(_VectorQuantizerEMA\): an output of shape \(\) receives a gradient "
+            r"\(inputs \(4, 2, 5, 5\).*'_ema_w' \(5, 2\), '_embedding\.weight' \(5, 2\), "
+            r"trainable at this backward.*requires_grad=False"
+        )
+        with pytest.raises(gradhooks.UnsupportedInputError, match=message):
+            loss.backward()
+        for n, p in model.named_parameters():  # (nothing written: what is left, the first's)
+            if hasattr(p, "grad1"):
+                assert torch.equal(p.grad1, kept[n]), n
+
+
+def test_vq_vae_ema_codebook_made_untrainable_trains_against_the_loop():
+    """The same loop with the codebook made with ``requires_grad=False``: the encoder gets each
+    example's gradient of the reconstruction and of the commitment loss (the mean over the
+    batch inside the quantizer, whose straight-through estimator passes the decoder's
+    gradient on), over steps of Adam, while the EMA updates the codebook from the batch's
+    codes. The loop runs on a copy taken before each step's forward, its quantizer in
+    ``eval()`` (the codebook that step's forward used, without the update)."""
+    torch.manual_seed(0)
+    model = _VQVAE(trainable=False).to(D)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x = torch.randn(4, 1, 5, 5, dtype=D, generator=torch.Generator().manual_seed(step))
+            before = copy.deepcopy(model)
+            before.vq.eval()
+            want = loop_grad(before, _vq_loss, x, x)
+            opt.zero_grad()
+            _vq_loss(model(x), x).backward()
+            assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+            assert not torch.equal(before.vq._ema_w, model.vq._ema_w), "the EMA moved"
