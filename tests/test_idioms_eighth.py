@@ -906,3 +906,67 @@ def test_vq_vae_ema_codebook_made_untrainable_trains_against_the_loop():
             assert_grad1(model, want, f"step {step}", frozen_clean=True)
             opt.step()
             assert not torch.equal(before.vq._ema_w, model.vq._ema_w), "the EMA moved"
+
+
+# -- K-FAC and grad1 in one loop ------------------------------------------------------------------
+
+
+def test_kfac_optimizer_step_on_a_hooked_model_is_refused_saying_how_to_have_both():
+    """A loop that keeps grad1 (per-example norms logged, say) and steps ``gradhooks.KFAC``:
+    the optimizer's factor update runs a forward and a backward with hooks of its own, which
+    cannot come on top of the user's. Refused (before: 'already has gradhooks hooks ... keep
+    using the existing handle', about an ``add_hooks`` the loop never called twice), naming
+    ``kfac()`` and ``KFAC.step``, the model and the handle, and giving the recipe that works;
+    ``.grad``, grad1 and the weights as they were."""
+    model = mlp()
+    opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=1e-2)
+    with gradhooks.add_hooks(model) as hooks:
+        x, y = batch(0, 8)
+        F.cross_entropy(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        grad1 = [p.grad1.clone() for p in model.parameters()]
+        before = snapshot(model)
+        message = (
+            r"kfac\(\) \(which KFAC\.step calls for new factors\): Sequential is hooked by "
+            r"gradhooks\.add_hooks \(Hooks\(2 modules.*quantities=\('grad1', 'kfac'\).*"
+            r"h\.kfac_factors\(\).*kfac_precondition"
+        )
+        with pytest.raises(gradhooks.StateError, match=message):
+            opt.step(x)
+        assert_unchanged(model, before, "the refused step")
+        for p, g, g1 in zip(model.parameters(), grads, grad1, strict=True):
+            assert torch.equal(p.grad, g) and torch.equal(p.grad1, g1)
+        assert opt.steps == 0 and hooks.accumulated == 1
+
+
+def test_grad1_and_kfac_factors_of_the_same_backward_precondition_the_step():
+    """The recipe the refusal gives: one handle with ``("grad1", "kfac")``; each step's
+    backward gives grad1 (against the loop) and the empirical Fisher's factors
+    (``h.kfac_factors()``, equal to ``gradhooks.kfac(..., fisher="empirical")`` of the same
+    batch), which precondition ``.grad`` (``kfac_precondition``) before SGD; ``h.clear()``
+    after the step. The weights follow a twin preconditioned by ``gradhooks.kfac``'s factors,
+    and the preconditioning leaves grad1 alone."""
+    model, twin = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    with gradhooks.add_hooks(model, quantities=("grad1", "kfac")) as hooks:
+        for step in range(3):
+            x, y = batch(step, 8)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            factors_twin = gradhooks.kfac(twin, x, y, fisher="empirical")
+            for opt in opts:
+                opt.zero_grad()
+            for m in (model, twin):
+                F.cross_entropy(m(x), y).backward()
+            factors = hooks.kfac_factors()
+            assert factors.keys() == factors_twin.keys() == {"0.weight", "2.weight"}
+            for n, f in factors.items():
+                assert_close(f.A, factors_twin[n].A, f"step {step}: A of {n}")
+                assert_close(f.G, factors_twin[n].G, f"step {step}: G of {n}")
+            gradhooks.kfac_precondition(model, factors, damping=1e-2)
+            gradhooks.kfac_precondition(twin, factors_twin, damping=1e-2)
+            assert_grad1(model, want, f"step {step}")
+            for opt in opts:
+                opt.step()
+            hooks.clear()
+            for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                assert_close(p.detach(), q.detach(), f"step {step}: the twins' weights")
