@@ -95,7 +95,8 @@ def test_dp_optimizer_refuses_a_layer_unfrozen_in_the_middle_of_a_logical_batch(
     first backward; before, layer 4's were added to layer 2's gradient without a word (and a
     change of shapes failed inside torch). Refused, naming both layers and their shapes,
     before anything runs: ``.grad``, the parameters and the buffer as they were; after
-    ``zero_grad()`` the logical batch runs again and the step is that of its clipped sums."""
+    ``zero_grad(discard=True)`` the logical batch runs again and the step is that of its
+    clipped sums."""
     model = _deep()
     model[2].requires_grad_(False)
     with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
@@ -112,7 +113,7 @@ def test_dp_optimizer_refuses_a_layer_unfrozen_in_the_middle_of_a_logical_batch(
         message = (
             r"DPOptimizer\.(backward|step).*trainable now and not then: '2\.weight' \(4, 4\), "
             r"'2\.bias' \(4,\); trainable then and not now: '4\.weight' \(4, 4\), "
-            r"'4\.bias' \(4,\).*zero_grad\(\)"
+            r"'4\.bias' \(4,\).*zero_grad\(discard=True\)"
         )
         with pytest.raises(gradhooks.StateError, match=message):
             if when == "between physical batches":
@@ -123,7 +124,7 @@ def test_dp_optimizer_refuses_a_layer_unfrozen_in_the_middle_of_a_logical_batch(
         assert opt.examples == 4
         assert_unchanged(model, before, "the refused call")
         # run again: the step is the mean of the two batches' gradients (none clipped at 100)
-        opt.zero_grad()
+        opt.zero_grad(discard=True)
         xs, ys = torch.cat([x, x2]), torch.cat([y, y2])
         want = loop_grad(model, F.cross_entropy, xs, ys)
         for xb, yb in ((x, y), (x2, y2)):
@@ -136,6 +137,44 @@ def test_dp_optimizer_refuses_a_layer_unfrozen_in_the_middle_of_a_logical_batch(
                 assert_close(p.detach(), sgd[n] - 0.1 * want[n].mean(0), f"{n} stepped")
             else:
                 assert p.grad is None and torch.equal(p.detach(), sgd[n]), n
+
+
+def test_dp_optimizer_zero_grad_before_every_physical_batch_is_refused():
+    """Opacus' ``BatchMemoryManager`` loop calls ``optimizer.zero_grad()`` before every
+    physical batch (Opacus keeps the summed gradients of a skipped step). Ported to
+    ``DPOptimizer`` as it is, each ``zero_grad()`` emptied the buffer, and the step at the
+    logical batch's end was of its last physical batch alone, divided by the expected batch
+    size, without an error (4 of 8 examples: well within a Poisson batch's spread). Refused
+    while the buffer holds a logical batch not stepped yet, saying what the loop must do;
+    ``zero_grad(discard=True)`` drops it on purpose; the loop without the call per physical
+    batch steps on all of them."""
+    model = mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), hooks, max_grad_norm=100.0,
+            noise_multiplier=0.0, expected_batch_size=8,
+        )  # fmt: skip
+        physical = [batch(0), batch(1)]
+        opt.zero_grad()  # (an empty buffer: nothing to drop)
+        opt.backward(F.cross_entropy(model(physical[0][0]), physical[0][1], reduction="none"))
+        message = (
+            r"DPOptimizer\.zero_grad: the buffer holds the clipped gradients of 1 physical "
+            r"batch\(es\) \(4 examples\).*BatchMemoryManager.*zero_grad\(discard=True\)"
+        )
+        with pytest.raises(gradhooks.StateError, match=message):
+            opt.zero_grad()
+        assert opt.examples == 4
+        opt.backward(F.cross_entropy(model(physical[1][0]), physical[1][1], reduction="none"))
+        xs = torch.cat([x for x, _ in physical])
+        ys = torch.cat([y for _, y in physical])
+        want = loop_grad(model, F.cross_entropy, xs, ys)
+        opt.step()
+        for n, p in model.named_parameters():
+            assert_close(p.grad, want[n].mean(0), f"{n}: the step of both physical batches")
+        opt.zero_grad()  # (after the step: nothing to drop)
+        opt.backward(F.cross_entropy(model(physical[0][0]), physical[0][1], reduction="none"))
+        opt.zero_grad(discard=True)
+        assert opt.examples == 0
 
 
 # -- FixMatch: interleaved labelled and unlabelled batches, pseudo-labels from the weak view -----

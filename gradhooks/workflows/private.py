@@ -382,8 +382,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self._forget()
         return stepped
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad`` and an empty clipped-sum buffer."""
+    def zero_grad(self, set_to_none: bool = True, *, discard: bool = False) -> None:
+        """The wrapped optimizer's ``zero_grad`` and an empty clipped-sum buffer; called once
+        per logical batch, after :meth:`step` (or before its first :meth:`backward`). Refused
+        while the buffer holds physical batches of a logical batch not stepped yet (Opacus'
+        ``BatchMemoryManager`` loops call ``zero_grad()`` before every physical batch: here
+        that would drop the ones before, and the step would be of the last alone), unless
+        ``discard=True`` says to drop them."""
+        if self._backwards and not discard:
+            raise StateError(
+                f"DPOptimizer.zero_grad: the buffer holds the clipped gradients of "
+                f"{self._backwards} physical batch(es) ({self._examples} examples) of a logical "
+                "batch not stepped yet, which zero_grad() would drop: the step would be of the "
+                "physical batches after it alone, divided by expected_batch_size="
+                f"{self.expected_batch_size!r}. Call zero_grad() once per logical batch, after "
+                "step() (an Opacus BatchMemoryManager loop calls it before every physical "
+                "batch: leave that call out, and call step() at the logical batch's end only); "
+                "or zero_grad(discard=True) to drop them on purpose. Nothing was changed."
+            )
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._forget()
 
@@ -433,8 +449,8 @@ class DPOptimizer(torch.optim.Optimizer):
             f"{self._examples} examples, in the buffer): {what}. The buffer holds the clipped "
             "sums of the parameters as they were, which would go to other parameters' "
             "gradients. Change requires_grad (or the model's layers) between steps, after "
-            "opt.step(); or call opt.zero_grad() to drop the batches so far and run the logical "
-            "batch again. Nothing was changed by this call."
+            "opt.step(); or call opt.zero_grad(discard=True) to drop the batches so far and run "
+            "the logical batch again. Nothing was changed by this call."
         )
 
     def _forget(self) -> None:
@@ -805,7 +821,7 @@ class PrivateTraining:
         if self._closed:
             return
         self._closed = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True, discard=True)
         self.hooks.remove()
         for p in self.model.parameters():
             if hasattr(p, "grad1"):
@@ -854,7 +870,7 @@ class PrivateTraining:
             self._batch_generator.set_state(state)
         self._states = {}
         self._pending.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True, discard=True)
 
     def _spent(self) -> str:
         planned = PrivacyAccountant(self.accountant.method)
