@@ -1009,3 +1009,37 @@ def test_grad1_and_kfac_factors_of_the_same_backward_precondition_the_step():
             hooks.clear()
             for p, q in zip(model.parameters(), twin.parameters(), strict=True):
                 assert_close(p.detach(), q.detach(), f"step {step}: the twins' weights")
+
+
+def test_dp_optimizer_over_task_batches_noises_a_head_no_batch_reached():
+    """MT-DNN's task batches under DP: a logical batch of two physical batches, each one task's
+    (its head picked by name). The step is the clipped per-example gradients (trunk and the
+    reached head together, per example) of both, over the expected batch size; a logical batch
+    of task ``a`` alone still noises head ``b`` (whether a head was reached depends on the
+    data: without noise there, a step would tell)."""
+    torch.manual_seed(0)
+    model = _MultiTask().to(D)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+        for sigma in (0.0, 1.0):
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), hooks, max_grad_norm=0.5,
+                noise_multiplier=sigma, expected_batch_size=8,
+                generator=torch.Generator().manual_seed(0),
+            )  # fmt: skip
+            for step, tasks in enumerate([("a", "b"), ("a", "a")]):
+                want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+                for k, task in enumerate(tasks):
+                    x, y = batch(10 * step + k)
+                    got = loop_grad(model, F.cross_entropy, (x, task), y)
+                    norms = torch.cat([g.flatten(1) for g in got.values()], 1).norm(dim=1)
+                    factors = (0.5 / norms).clamp(max=1.0)
+                    for n, g in got.items():
+                        want[n] += (g * factors.view(-1, *[1] * (g.dim() - 1))).sum(0)
+                    opt.backward(F.cross_entropy(model(x, task), y, reduction="none"))
+                opt.step()
+                for n, p in model.named_parameters():
+                    if sigma == 0.0:
+                        assert_close(p.grad, want[n] / 8, f"step {step}: {n}")
+                    else:
+                        assert p.grad is not None and p.grad.abs().min() > 0, f"{n}: no noise"
+                opt.zero_grad()
