@@ -1043,3 +1043,79 @@ def test_dp_optimizer_over_task_batches_noises_a_head_no_batch_reached():
                     else:
                         assert p.grad is not None and p.grad.abs().min() > 0, f"{n}: no noise"
                 opt.zero_grad()
+
+
+# -- DPO: the reference by the same model with its adapter disabled, pairs concatenated ----------
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj, self.head = nn.Embedding(7, 6), nn.Linear(6, 6), nn.Linear(6, 7)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.emb(ids))))
+
+
+class _Pairs(nn.Module):
+    """TRL's ``concatenated_forward``, inside the model: the chosen and the rejected sequences
+    of each pair in one batch (``torch.cat``), each sequence's summed log-probability of its
+    own next tokens, the two halves side by side: ``[pairs, 2]``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, chosen, rejected):
+        ids = torch.cat([chosen, rejected])
+        logp = self.lm(ids)[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        logp = logp.sum(-1)
+        return torch.stack([logp[: len(chosen)], logp[len(chosen) :]], 1)
+
+
+def _dpo(policy, reference, beta=0.5):
+    margin = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+    return -F.logsigmoid(beta * margin)
+
+
+def test_dpo_with_the_reference_from_the_adapter_disabled_under_no_grad():
+    """TRL's ``DPOTrainer`` with a PEFT model and no separate reference: the reference
+    log-probabilities come from the same hooked model with its LoRA adapter disabled
+    (``with model.disable_adapter(), torch.no_grad()``), the policy's from its forward with
+    the adapter on; each pair's chosen and rejected sequences go through in one concatenated
+    batch. Each pair is one example: grad1 has a row per pair (the halves of the concatenation
+    summed), against the per-pair loop over steps of AdamW; the per-pair losses go into
+    ``dp_sgd_step`` whose norms are the pairs' own."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    lm = peft.get_peft_model(
+        _TinyLM().to(D),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=["proj", "head"], lora_dropout=0.0),
+    )
+    for n, p in lm.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.1)  # (zeros at first: no gradient through lora_A)
+    model = _Pairs(lm)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            chosen, rejected = (
+                torch.randint(7, (4, 5), generator=g),
+                torch.randint(7, (4, 5), generator=g),
+            )
+            with lm.disable_adapter(), torch.no_grad():
+                reference = model(chosen, rejected)
+            want = loop_grad(model, lambda out, ref: _dpo(out, ref).sum(), (chosen, rejected),
+                             reference)  # fmt: skip
+            opt.zero_grad()
+            _dpo(model(chosen, rejected), reference).sum().backward()
+            assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+        losses = _dpo(model(chosen, rejected), reference)
+        norms = gradhooks.dp_sgd_step(hooks, losses, max_norm=1.0, noise_multiplier=0.0)
+        want = loop_grad(model, lambda out, ref: _dpo(out, ref).sum(), (chosen, rejected),
+                         reference)  # fmt: skip
+        assert_close(norms, torch.cat([w.flatten(1) for w in want.values()], 1).norm(dim=1),
+                     "the pairs' norms")  # fmt: skip
