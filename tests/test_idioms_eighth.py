@@ -1,21 +1,25 @@
 """Published training loops, an eighth set, each step checked against the float64 oracle.
 
 Each test writes again, on a small model, the idioms of one published loop that the earlier
-sets do not run: a DP training loop that unfreezes a layer in the middle of a logical batch
-(the physical batches of Opacus' ``BatchMemoryManager`` counted as steps); the FixMatch
-reference code's ``interleave`` / ``de_interleave`` of labelled, weakly and strongly augmented
-batches in one forward, with pseudo-labels from the detached weak logits; timm's ``DropPath``
-(stochastic depth, a per-example mask drawn inside the forward); insightface's ``ArcFace``
-margin head given the labels and building their one-hot inside the forward; a center loss
-whose centers are trained by their own optimizer; DeepSpeech-style CTC on time-major log
-probabilities; a hypernetwork generating each example's weights from its task id; the
-original K-FAC code's non-full ``register_backward_hook`` beside the hooks; torchtune's
-activation offloading (``saved_tensors_hooks``, ``save_on_cpu``), ``detect_anomaly`` and
-``checkpoint_sequential``; the elastic weight consolidation loop (a Fisher from ``grad1`` on
-one task, its penalty on the next); a multi-task loop accumulating one task's batch after
-another's into one step. Each is compared with each example's own gradient by a per-example
-loop in float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out), or checked to
-stop with an error that says what went wrong and leaves the model as it was.
+sets do not run: DP training loops that change the trainable layers in the middle of a
+logical batch, or keep Opacus' ``BatchMemoryManager`` habit of ``zero_grad()`` before every
+physical batch, with :class:`gradhooks.DPOptimizer`; MT-DNN's task batches under DP; the
+FixMatch reference code's ``interleave`` / ``de_interleave`` of labelled, weakly and strongly
+augmented batches in one forward, with pseudo-labels from the detached weak logits; timm's
+``DropPath`` (a per-example mask drawn inside the forward); insightface's ``ArcFace`` margin
+head given the labels and building their one-hot inside the forward; a center loss trained by
+its own optimizer; a task-conditioned hypernetwork; the original K-FAC code's non-full
+``register_backward_hook`` beside the hooks; ``gradhooks.KFAC`` and grad1 in one loop;
+torchtune's activation offloading (``saved_tensors_hooks``, ``save_on_cpu``),
+``detect_anomaly`` and ``checkpoint_sequential``; DeepSpeech-style CTC on time-major
+log-probabilities; elastic weight consolidation (a Fisher from ``grad1``, its penalty on the
+next task); multi-task heads picked by the batch's task, by each example's (``torch.where``),
+or by a mask of the task ids; the VQ-VAE notebook's EMA codebook, made anew as parameters at
+every forward; TRL's DPO with the reference from the PEFT adapter disabled under
+``no_grad``. Each is compared with each example's own gradient by a per-example loop in
+float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out), or checked to stop
+with an error that says what went wrong and leaves the model as it was; what is not right
+yet is a strict xfail saying why.
 """
 
 from __future__ import annotations
