@@ -800,26 +800,68 @@ def test_multi_task_heads_picked_per_example_by_torch_where():
             opt.step()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.MixedExamplesError,
-    reason="whole examples picked by a boolean mask over the batch (h[task == t]) are taken "
-    "for rows mixed across the examples (tracking/ops/indexing.py _picked: 'the batch itself "
-    "changed'), and refused saying per-example gradients do not exist; each row is one "
-    "example's, as with the tokens an expert gets",
-)
 def test_multi_task_rows_routed_to_their_heads_by_a_mask_of_the_task_ids():
-    """Each example's rows routed to its task's head by a boolean mask
-    (``out[task == t] = heads[t](h[task == t])``, as a mixture of experts routes tokens):
-    each head's grad1 row is the example's own gradient, zero for the other task's."""
+    """Each example's rows routed to its task's head by a boolean mask of the task ids
+    (``out[task == t] = heads[t](h[task == t])``, as a mixture of experts routes tokens): each
+    picked row is one example's, so each head's grad1 row is the example's own gradient, zero
+    for the other task's; over steps, with a batch of one task only (the other head gets no
+    rows). Before, whole examples picked by a mask were refused as mixed across the batch."""
     torch.manual_seed(0)
     model = _MultiTask("mask").to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        x, y = batch(0)
-        task = torch.tensor([0, 1, 0, 1])
-        want = loop_grad(model, summed_ce, (x, task), y)
-        summed_ce(model(x, task), y).backward()
-        assert_grad1(model, want, "routed by a mask")
+        for step, task in enumerate([[0, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0]]):
+            x, y = batch(step)
+            task = torch.tensor(task)
+            want = loop_grad(model, summed_ce, (x, task), y)
+            opt.zero_grad()
+            summed_ce(model(x, task), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert not model.heads["a"].weight.grad1[task == 1].any()
+            opt.step()
+
+
+class _RoutedByStatistic(nn.Module):
+    """Rows routed to one of two heads by a mask ``statistic(feature)`` that is not each
+    example's own: compared with a statistic of the batch, or of fixed positions."""
+
+    def __init__(self, statistic) -> None:
+        super().__init__()
+        self.statistic = statistic
+        self.trunk, self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        mask = self.statistic(h[:, 0])
+        out = h.new_zeros(h.shape[0], 2)
+        out[mask] = self.a(h[mask])
+        out[~mask] = self.b(h[~mask])
+        return out
+
+
+@pytest.mark.parametrize(
+    "statistic",
+    [
+        lambda v: v > v.mean(),
+        lambda v: v.detach() > v.detach().median(),
+        lambda v: torch.tensor([True, False, True, True, False, True]),
+    ],
+    ids=["mean", "detached median", "fixed positions"],
+)
+def test_rows_routed_by_a_mask_against_a_statistic_of_the_batch_are_refused(statistic):
+    """The same routing by a mask decided across the batch (an example alone would go to
+    another head), or by fixed positions in the batch (an example's head depends on where it
+    is, not on what it is). Refused at the forward, naming the layer that got the rows;
+    nothing written."""
+    torch.manual_seed(0)
+    model = _RoutedByStatistic(statistic).to(D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        x, y = batch(0, 6)
+        with pytest.raises(
+            gradhooks.MixedExamplesError, match=r"'[ab]' \(Linear\): its input \(\(\d, 5\)\)"
+        ):
+            summed_ce(model(x), y).backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
 
 
 # -- VQ-VAE with an EMA codebook that makes its parameters anew at every forward -----------------
