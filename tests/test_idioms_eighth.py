@@ -821,6 +821,29 @@ def test_multi_task_rows_routed_to_their_heads_by_a_mask_of_the_task_ids():
             opt.step()
 
 
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_multi_task_rows_routed_by_a_mask_in_the_dp_step(method):
+    """The mask-routed heads in ``dp_sgd_step`` by each method: the norms are each example's
+    own (trunk and its head), and ``.grad`` is the mean of the clipped gradients."""
+    torch.manual_seed(0)
+    model = _MultiTask("mask").to(D)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as hooks:
+        x, y = batch(0, 6)
+        task = torch.tensor([0, 1, 1, 0, 1, 0])
+        want = loop_grad(model, summed_ce, (x, task), y)
+        norms = gradhooks.dp_sgd_step(
+            hooks, F.cross_entropy(model(x, task), y, reduction="none"), max_norm=0.5,
+            noise_multiplier=0.0, method=method,
+        )  # fmt: skip
+        own = torch.cat([w.flatten(1) for w in want.values()], 1).norm(dim=1)
+        assert_close(norms, own, "the norms")
+        factors = (0.5 / own).clamp(max=1.0)
+        for n, p in model.named_parameters():
+            clipped = (want[n] * factors.view(-1, *[1] * p.dim())).mean(0)
+            assert_close(p.grad, clipped, f"{n}: the DP step's gradient")
+
+
 class _RoutedByStatistic(nn.Module):
     """Rows routed to one of two heads by a mask ``statistic(feature)`` that is not each
     example's own: compared with a statistic of the batch, or of fixed positions."""
