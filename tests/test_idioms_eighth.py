@@ -1188,3 +1188,71 @@ def test_dpo_with_the_reference_from_the_adapter_disabled_under_no_grad():
                          reference)  # fmt: skip
         assert_close(norms, torch.cat([w.flatten(1) for w in want.values()], 1).norm(dim=1),
                      "the pairs' norms")  # fmt: skip
+
+
+# -- a Lightning GAN: one hooked module holding both nets, toggle_optimizer between steps --------
+
+
+def test_gan_in_one_hooked_module_with_lightning_toggle_optimizer():
+    """Lightning's GAN example under manual optimization: one module holds the generator and
+    the discriminator (hooked once, as a whole), and ``toggle_optimizer`` freezes every
+    parameter outside the optimizer about to step (``requires_grad_(False)``) and
+    ``untoggle_optimizer`` thaws them. The generator's step backpropagates through the frozen
+    discriminator; the discriminator's sums a real and a detached fake batch (example ``i``:
+    the pair). Each step's grad1 is right for the toggled net, over three rounds of Adam; the
+    frozen net keeps the grad1 of its own last step, as it keeps its ``.grad``."""
+    torch.manual_seed(0)
+    gan = nn.ModuleDict({
+        "G": nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)),
+        "D": nn.Sequential(nn.Linear(3, 4), nn.LeakyReLU(0.2), nn.Linear(4, 1)),
+    }).to(D)  # fmt: skip
+    opts = {k: torch.optim.Adam(gan[k].parameters(), lr=1e-2) for k in ("G", "D")}
+
+    def bce(out, target):
+        return F.binary_cross_entropy_with_logits(out, target, reduction="sum")
+
+    def toggle(active):
+        for n, p in gan.named_parameters():
+            p.requires_grad_(n.startswith(active))
+
+    def untoggle():
+        for p in gan.parameters():
+            p.requires_grad_(True)
+
+    with gradhooks.add_hooks(gan, loss_reduction="sum"):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            z = torch.randn(4, 2, generator=g, dtype=D)
+            real = torch.randn(4, 3, generator=g, dtype=D)
+            ones, zeros = torch.ones(4, 1, dtype=D), torch.zeros(4, 1, dtype=D)
+            toggle("G")
+
+            def g_loss(i, z=z, ones=ones):
+                return bce(gan["D"](gan["G"](z[i : i + 1])), ones[i : i + 1])
+
+            want = rows_of(gan, 4, g_loss)
+            opts["G"].zero_grad()
+            bce(gan["D"](gan["G"](z)), ones).backward()
+            assert_grad1(gan, want, f"step {step}, the generator's")
+            for n, p in gan.named_parameters():  # (the frozen net's, of its own last step)
+                if hasattr(p, "grad1"):
+                    assert_close(p.grad1.sum(0), p.grad, f"step {step}: {n} sums to .grad")
+            opts["G"].step()
+            untoggle()
+            toggle("D")
+            fake = gan["G"](z).detach()
+
+            def d_loss(i, real=real, fake=fake, ones=ones, zeros=zeros):
+                return bce(gan["D"](real[i : i + 1]), ones[i : i + 1]) + bce(
+                    gan["D"](fake[i : i + 1]), zeros[i : i + 1]
+                )
+
+            want = rows_of(gan, 4, d_loss)
+            opts["D"].zero_grad()
+            (bce(gan["D"](real), ones) + bce(gan["D"](fake), zeros)).backward()
+            assert_grad1(gan, want, f"step {step}, the discriminator's")
+            for n, p in gan.named_parameters():
+                if hasattr(p, "grad1"):
+                    assert_close(p.grad1.sum(0), p.grad, f"step {step}: {n} sums to .grad")
+            opts["D"].step()
+            untoggle()
