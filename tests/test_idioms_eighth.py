@@ -16,7 +16,7 @@ log-probabilities; elastic weight consolidation (a Fisher from ``grad1``, its pe
 next task); multi-task heads picked by the batch's task, by each example's (``torch.where``),
 or by a mask of the task ids; the VQ-VAE notebook's EMA codebook, made anew as parameters at
 every forward; TRL's DPO with the reference from the PEFT adapter disabled under
-``no_grad``. Each is compared with each example's own gradient by a per-example loop in
+``no_grad``; a Lightning GAN in one hooked module, ``toggle_optimizer`` between its steps. Each is compared with each example's own gradient by a per-example loop in
 float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out), or checked to stop
 with an error that says what went wrong and leaves the model as it was; what is not right
 yet is a strict xfail saying why.
