@@ -415,6 +415,13 @@ def _describe(call: Call) -> str:
     return f"inputs {shapes(call.inputs)}{kwargs}; output gradients {grads}"
 
 
+def _trainable(module: nn.Module) -> str:
+    """The module's trainable parameters, named, with their shapes."""
+    return ", ".join(
+        f"'{n}' {tuple(p.shape)}" for n, p in module.named_parameters() if p.requires_grad
+    )
+
+
 def _per_example_vjp(
     call: Call, wrt: Mapping[str, nn.Parameter]
 ) -> tuple[dict[str, Tensor], set[int]]:
@@ -433,7 +440,11 @@ def _per_example_vjp(
             "per-example fallback, recomputing the module one example at a time, cannot split "
             "into examples. Return the per-example outputs (the logits) and compute the loss "
             "outside the module, or register a rule for it with @gradhooks.register (see "
-            "docs/extending.md), or freeze its parameters."
+            "docs/extending.md), or freeze its parameters "
+            f"({_trainable(call.module)}, trainable at "
+            "this backward: a forward that makes them anew, nn.Parameter(...) at each call as "
+            "an EMA codebook does, makes them trainable again unless it passes "
+            "requires_grad=False)."
         )
     if any(g.shape[0] != batch for g in gs):
         raise UnsupportedInputError(

@@ -54,8 +54,8 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..engine.api import engine_of
-from ..engine.handle import add_hooks
-from ..errors import ConfigurationError, ConfigurationTypeError, UnsupportedError
+from ..engine.handle import add_hooks, hooks_of
+from ..errors import ConfigurationError, ConfigurationTypeError, StateError, UnsupportedError
 from ..quantities.kfac import (
     KfacAccumulator,
     KFactors,
@@ -316,6 +316,7 @@ def _accumulate(
     _check_arguments(fisher, loss, target, sample_target, output_grads)
     check_sampling(mc_samples, generator, expand, bias)
     _check_model(model, "kfac()")
+    _check_unhooked(model)
     args, kwargs = model_inputs(inputs, kwargs, "kfac")
 
     with recording(), add_hooks(model, loss_reduction="sum", quantities=("kfac", "_vmapped")) as h:
@@ -400,6 +401,26 @@ def _check_model(model: Any, where: str) -> None:
             f"{where}: {type(model).__qualname__} has no trainable parameter (all frozen, or "
             "none): there is no weight to factor; unfreeze the layers to precondition"
         )
+
+
+def _check_unhooked(model: nn.Module) -> None:
+    """Refuse a model hooked by the user's ``add_hooks``: the factors' forward and backward
+    take hooks of their own, which would come on top of those."""
+    try:
+        h = hooks_of(model)
+    except ConfigurationError:
+        return
+    raise StateError(
+        f"kfac() (which KFAC.step calls for new factors): {type(model).__qualname__} is hooked "
+        f"by gradhooks.add_hooks ({h!r}), and the factors are computed by a forward and a "
+        "backward with hooks of their own, which would come on top of those. Call it where "
+        "the model is not hooked (outside the `with gradhooks.add_hooks(...)` block, or after "
+        "h.remove()); or, to keep grad1 and K-FAC in one loop, take the factors of your own "
+        "backward from your handle: add_hooks(model, quantities=('grad1', 'kfac')), the "
+        "backward, factors = h.kfac_factors() (the empirical Fisher), "
+        "gradhooks.kfac_precondition(model, factors, damping=...), the optimizer's step, "
+        "h.clear(). Nothing was changed."
+    )
 
 
 def check_fisher_and_loss(fisher: Fisher, loss: LossName | LossFn) -> None:

@@ -210,6 +210,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipping = clipping
         self.adaptive_clipping = adaptive_clipping
         self._sums: list[Tensor] | None = None  # the clipped sum since the last step
+        # (name, parameter) of each of the buffer's sums: the trainable parameters the first
+        # backward since the last step clipped, in the order of the sums
+        self._held: list[tuple[str, torch.nn.Parameter]] = []
         self._unclipped: Tensor | None = None  # (adaptive) examples not clipped since then
         self._finite = True  # no scaled backward since the last step overflowed
         self._examples = 0  # examples in the buffer
@@ -302,12 +305,16 @@ class DPOptimizer(torch.optim.Optimizer):
         """Backward of one physical batch's per-example losses (``[batch]``): their clipped
         gradients are added to the buffer :meth:`step` uses. Returns the per-example norms
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
+        if self._sums is not None:  # (before the backward: a refusal changes nothing)
+            self._same_params("DPOptimizer.backward")
         got = _dp.clipped_sum(
             self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
             scaler=self.scaler, clipping=self.clipping, clipping_groups=self.clipping_groups,
         )  # fmt: skip
         if self._sums is None:
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
+            plan = _dp._checked_plan(self.hooks)
+            self._held = list(zip(plan.names, got.params, strict=True))
         else:
             for buf, s in zip(self._sums, got.sums, strict=True):
                 buf.add_(s)
@@ -341,12 +348,7 @@ class DPOptimizer(torch.optim.Optimizer):
         _dp.check_batch_against_expected(
             self._examples, self.expected_batch_size, "DPOptimizer.step"
         )
-        params = _dp._covered_params(self.hooks)
-        if len(params) != len(self._sums):
-            raise StateError(
-                "DPOptimizer.step: the hooked model's trainable parameters changed since the "
-                "backward; call zero_grad() and run the logical batch again"
-            )
+        params = self._same_params("DPOptimizer.step")
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.get_scale())
@@ -380,8 +382,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self._forget()
         return stepped
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad`` and an empty clipped-sum buffer."""
+    def zero_grad(self, set_to_none: bool = True, *, discard: bool = False) -> None:
+        """The wrapped optimizer's ``zero_grad`` and an empty clipped-sum buffer; called once
+        per logical batch, after :meth:`step` (or before its first :meth:`backward`). Refused
+        while the buffer holds physical batches of a logical batch not stepped yet (Opacus'
+        ``BatchMemoryManager`` loops call ``zero_grad()`` before every physical batch: here
+        that would drop the ones before, and the step would be of the last alone), unless
+        ``discard=True`` says to drop them."""
+        if self._backwards and not discard:
+            raise StateError(
+                f"DPOptimizer.zero_grad: the buffer holds the clipped gradients of "
+                f"{self._backwards} physical batch(es) ({self._examples} examples) of a logical "
+                "batch not stepped yet, which zero_grad() would drop: the step would be of the "
+                "physical batches after it alone, divided by expected_batch_size="
+                f"{self.expected_batch_size!r}. Call zero_grad() once per logical batch, after "
+                "step() (an Opacus BatchMemoryManager loop calls it before every physical "
+                "batch: leave that call out, and call step() at the logical batch's end only); "
+                "or zero_grad(discard=True) to drop them on purpose. Nothing was changed."
+            )
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._forget()
 
@@ -401,9 +419,44 @@ class DPOptimizer(torch.optim.Optimizer):
         assert isinstance(bound, float)  # (one bound: AdaptiveClipping.check)
         self.max_grad_norm = adaptive.updated(bound, noisy, self.expected_batch_size)
 
+    def _same_params(self, where: str) -> list[torch.nn.Parameter]:
+        """The hooked model's trainable parameters now, after refusing a change since the
+        buffer's first backward (a layer frozen or unfrozen between the physical batches of a
+        logical batch): its sums are of the parameters as they were then, in their order, and
+        would be added to, or noised as, the gradients of others."""
+        plan = _dp._checked_plan(self.hooks)
+        held = [p for _, p in self._held]
+        if [id(p) for p in plan.params] == [id(p) for p in held]:
+            return list(plan.params)
+        now = {id(p) for p in plan.params}
+        was = {id(p) for p in held}
+        joined = [
+            f"'{n}' {tuple(p.shape)}"
+            for n, p in zip(plan.names, plan.params, strict=True)
+            if id(p) not in was
+        ]
+        left = [f"'{n}' {tuple(p.shape)}" for n, p in self._held if id(p) not in now]
+        what = "; ".join(
+            part for part in (
+                f"trainable now and not then: {', '.join(joined)}" if joined else "",
+                f"trainable then and not now: {', '.join(left)}" if left else "",
+                "the same parameters in another order" if not joined and not left else "",
+            ) if part
+        )  # fmt: skip
+        raise StateError(
+            f"{where}: the hooked model's trainable parameters changed since the first "
+            f"backward of this logical batch ({self._backwards} physical batch(es), "
+            f"{self._examples} examples, in the buffer): {what}. The buffer holds the clipped "
+            "sums of the parameters as they were, which would go to other parameters' "
+            "gradients. Change requires_grad (or the model's layers) between steps, after "
+            "opt.step(); or call opt.zero_grad(discard=True) to drop the batches so far and run "
+            "the logical batch again. Nothing was changed by this call."
+        )
+
     def _forget(self) -> None:
         self._unclipped = None
         self._sums = None
+        self._held = []
         self._finite = True
         self._examples = 0
         self._backwards = 0
@@ -768,7 +821,7 @@ class PrivateTraining:
         if self._closed:
             return
         self._closed = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True, discard=True)
         self.hooks.remove()
         for p in self.model.parameters():
             if hasattr(p, "grad1"):
@@ -817,7 +870,7 @@ class PrivateTraining:
             self._batch_generator.set_state(state)
         self._states = {}
         self._pending.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True, discard=True)
 
     def _spent(self) -> str:
         planned = PrivacyAccountant(self.accountant.method)

@@ -131,7 +131,7 @@ def _getitem(args, kwargs, out, layout_of, batch):
     ):
         return REORDER  # (the examples reordered: x[perm])
     if where is None:
-        where = _picked(x, lay, index, o, batch)
+        where = _picked(x, lay, index, o, batch, _example_masks(index, layout_of))
     return where if where is not None else MIXED
 
 
@@ -166,14 +166,35 @@ def _tensor_dims(items: list, n: int) -> set[int]:
     return found
 
 
-def _picked(x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int) -> Layout | None:
+def _example_masks(index: Any, layout_of) -> bool:
+    """Whether ``index`` is, or holds, boolean masks only, each computed from the examples
+    themselves (its entries on dimension 0 the batch's: ``task == 0`` of a task-id input),
+    not fixed positions in the batch."""
+    items = index if isinstance(index, tuple) else (index,)
+    masks = [i for i in items if isinstance(i, Tensor)]
+    return bool(masks) and all(
+        m.dtype == torch.bool and (lay := layout_of(m)) is not None and lay.dim == 0 and lay.plain
+        for m in masks
+    )
+
+
+def _picked(
+    x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int, example_masks: bool = False
+) -> Layout | None:
     """``x[index]`` where the index picks entries along the examples' dimension (rows routed to
     an expert, ``h[top_x]``, ``h[None, top_x]``, ``h[mask]``): where every row of the result
-    belongs to one example, an :class:`Owners` layout saying which (``None`` otherwise)."""
+    belongs to one example, an :class:`Owners` layout saying which (``None`` otherwise).
+    Whole examples are picked only by ``example_masks`` (rows routed to a task's head by a
+    mask of the task ids): a batch cut to fixed positions or an index is another batch."""
     items = _index_items(index)
     if items is None or not any(isinstance(i, Tensor) for i in items):
         return None
-    if lay.owners is None and lay.inner == 1 and _tensor_dims(items, x.dim()) == {lay.dim}:
+    if (
+        lay.owners is None
+        and lay.inner == 1
+        and _tensor_dims(items, x.dim()) == {lay.dim}
+        and not example_masks
+    ):
         return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
     while items and (
         items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)
