@@ -41,9 +41,17 @@ class Piece:
     ``sums_to_grad``: the per-example gradients add up to the call's share of ``.grad`` (false
     only where a layer defines them otherwise: an Embedding that scales by each example's own
     counts, ``scale_grad_by_freq``); the engine's check of ``grad1`` against ``.grad`` skips
-    the parameter otherwise."""
+    the parameter otherwise.
+
+    ``rounded_terms``: how many terms autograd's own kernel adds one by one in a half precision
+    (bfloat16, float16), rounding every partial sum, to form the call's share of ``.grad``
+    (0: it accumulates in float32 or wider, as torch's matrix products and reductions do; set
+    by a rule whose layer's kernel does otherwise, torch's LayerNorm on a CPU). The engine's
+    checks against autograd allow that sum's rounding (:func:`gradhooks.engine.verify.
+    rounding_tolerance`)."""
 
     sums_to_grad: ClassVar[bool] = True
+    rounded_terms: ClassVar[int] = 0
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,75 @@
+"""Models under mixed precision with the run-time check on (the default ``verify``): no false
+alarm, and ``grad1`` within what the precision justifies of the float64 per-example loop.
+
+Each test loops over a few seeds or constructs its draw: the inputs are drawn differently on
+different processors, so one seed passing on one machine proves little.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+BF16, FP16 = torch.bfloat16, torch.float16
+DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16")]
+# grad1 against the float64 loop, relative to the largest entry (tests/test_autocast.py's TOL)
+TOL = {BF16: 5e-2, FP16: 1e-2}
+
+
+class NormedRows(nn.Module):
+    """Linear, ``how`` (the identity, or an operation across the batch), LayerNorm, Linear, on
+    ``[batch, rows, 16]``: a LayerNorm of many rows, as a transformer's on long sequences."""
+
+    def __init__(self, how=None) -> None:
+        super().__init__()
+        self.how = how
+        self.l1, self.norm, self.l2 = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        if self.how is not None:
+            h = self.how(h)
+        return self.l2(self.norm(h))
+
+
+def _loss(out: Tensor) -> Tensor:
+    # (the offset keeps the LayerNorm's output-gradients of one sign: its parameters' gradients
+    # are long sums that do not cancel, where a sum rounded term by term stops growing)
+    return (out.float() + 1).pow(2).sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
+    """torch's CPU LayerNorm backward of a half-precision input adds its rows' terms of the
+    weight's and the bias's gradient one by one in that precision: over 4096 rows, ``.grad``
+    is off by far more than the check's rounding room (which it raised on, with ``grad1``
+    right). Now the check allows that sum's rounding for these two parameters; ``grad1`` of
+    every parameter is within the precision's tolerance of the float64 loop."""
+    eps = torch.finfo(dtype).eps
+    worst_torch = 0.0
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = NormedRows()
+        x = torch.randn(4, 1024, 16)
+        ref = loop_grad(copy.deepcopy(model).double(), _loss, x.double())
+        with gradhooks.add_hooks(model, loss_reduction="sum"):  # (checked: raised before)
+            with torch.autocast("cpu", dtype=dtype):
+                out = model(x)
+            _loss(out).backward()
+        for name, p in model.named_parameters():
+            scale = float(ref[name].abs().max())
+            err = float((p.grad1.double() - ref[name]).abs().max()) / scale
+            assert err <= TOL[dtype], f"seed {seed} {name}: grad1 relative error {err:.2e}"
+        for p in model.norm.parameters():
+            total = p.grad1.double().sum(0)
+            off = float((p.grad.double() - total).abs().max() / total.abs().max())
+            worst_torch = max(worst_torch, off / eps)
+    # the draws are ones where torch's .grad is off grad1's sum beyond the check's former room
+    # (8 units of the largest entry)
+    assert worst_torch > 8, f"torch's LayerNorm .grad off by {worst_torch:.1f} units only"
