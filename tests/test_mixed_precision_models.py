@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from test_robust_input import UNSEEN_MIXING
 from torch import Tensor, nn
 
 import gradhooks
@@ -73,3 +74,27 @@ def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
     # the draws are ones where torch's .grad is off grad1's sum beyond the check's former room
     # (8 units of the largest entry)
     assert worst_torch > 8, f"torch's LayerNorm .grad off by {worst_torch:.1f} units only"
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_of_many_rows_still_refuses_mixing(dtype, quantity):
+    """A mixing of the examples (a backward that adds the next example's gradient) before a
+    LayerNorm of many rows under autocast is refused, naming the Linear before it: the room the
+    check leaves for torch's LayerNorm kernel is its own parameters'. Over this many positions
+    the Linears run detached (their batch gradient from grad1), and the probe's backward runs
+    them again: under the forward's autocast (in float32, their bfloat16 output-gradient met a
+    float32 product, the probe failed and the mixing went unseen)."""
+    torch.manual_seed(0)
+    model = NormedRows(UNSEEN_MIXING["backward-only"])
+    x = torch.randn(4, 512, 16)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=(quantity,)):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        with pytest.raises(
+            gradhooks.CheckFailedError,
+            match=r"(grad1 is not the examples' own|norms are not those of the examples').*"
+            r"'l1\.weight'",
+        ):
+            _loss(out).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
