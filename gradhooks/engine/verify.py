@@ -105,12 +105,14 @@ def mismatch(
 # exact=True)) or none, the layers carry the weighted rows without rounding and the two differ
 # by the rounding of the last products: measured, up to 2.3 units (12 residual blocks);
 # allowed: 8. The mixings the probe's tests use show there as 8% to 130% of the largest entry.
-# Where autograd's own kernel adds a gradient's n terms one by one in the half precision
-# (pieces.Piece.rounded_terms: torch's CPU LayerNorm), its rounding grows with n, past any
-# fixed number of units (49 at 4096 rows in bfloat16, 609 at 65536 in float16): such a
-# gradient is compared within n units, the bound of a sum rounded term by term (n·eps/2 of
-# the terms' magnitudes, twice that), so not at all where n·eps reaches 1 (128 terms in
-# bfloat16, 1024 in float16); the model's other parameters are still compared as above.
+# Where autograd's own kernels round a gradient's n terms in the half precision one by one
+# (pieces.Piece.rounded_terms: torch's CPU LayerNorm sums its rows so; an RNN or GRU under
+# autocast rounds each time step's share, which its rule computes in float32), the rounding
+# grows with n, past any fixed number of units (49 at 4096 rows in bfloat16, 609 at 65536
+# in float16; 12 over 256 time steps): such a gradient is compared within n units, the
+# bound of n roundings (n·eps/2 of the terms' magnitudes, twice that), so not at all where
+# n·eps reaches 1 (128 terms in bfloat16, 1024 in float16); the model's other parameters
+# are still compared as above.
 HALF_ROUNDING_UNITS = 16
 EXACT_ROUNDING_UNITS = 8
 
