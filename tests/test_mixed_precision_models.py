@@ -50,8 +50,9 @@ def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
     """torch's CPU LayerNorm backward of a half-precision input adds its rows' terms of the
     weight's and the bias's gradient one by one in that precision: over 4096 rows, ``.grad``
     is off by far more than the check's rounding room (which it raised on, with ``grad1``
-    right). Now the check allows that sum's rounding for these two parameters; ``grad1`` of
-    every parameter is within the precision's tolerance of the float64 loop."""
+    right), and so did ``Hooks.check``. Now both allow that sum's rounding for these two
+    parameters; ``grad1`` of every parameter is within the precision's tolerance of the
+    float64 loop."""
     eps = torch.finfo(dtype).eps
     worst_torch = 0.0
     for seed in range(3):
@@ -59,10 +60,11 @@ def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
         model = NormedRows()
         x = torch.randn(4, 1024, 16)
         ref = loop_grad(copy.deepcopy(model).double(), _loss, x.double())
-        with gradhooks.add_hooks(model, loss_reduction="sum"):  # (checked: raised before)
+        with gradhooks.add_hooks(model, loss_reduction="sum") as h:  # (checked: raised before)
             with torch.autocast("cpu", dtype=dtype):
                 out = model(x)
             _loss(out).backward()
+            assert not h.check(raise_on_error=False).problems  # (and so did this)
         for name, p in model.named_parameters():
             scale = float(ref[name].abs().max())
             err = float((p.grad1.double() - ref[name]).abs().max()) / scale

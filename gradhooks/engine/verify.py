@@ -778,11 +778,17 @@ class CheckReport:
 
 
 def _tol(
-    dtype: torch.dtype, precision: torch.dtype | None, exact: bool, factor: float = 1.0
+    dtype: torch.dtype,
+    precision: torch.dtype | None,
+    exact: bool,
+    factor: float = 1.0,
+    terms: int = 0,
 ) -> float:
     """The relative tolerance of :func:`check_hooks` for ``grad1`` of ``dtype`` from calls that
-    ran in ``precision`` (autocast: :func:`rounding_tolerance`)."""
-    return rounding_tolerance(dtype, precision, exact, float32=factor * 1e-3, float64=factor * 1e-6)
+    ran in ``precision`` (autocast: :func:`rounding_tolerance`, with its ``terms``)."""
+    return rounding_tolerance(
+        dtype, precision, exact, float32=factor * 1e-3, float64=factor * 1e-6, terms=terms
+    )
 
 
 def check_hooks(
@@ -851,7 +857,8 @@ def check_hooks(
         want = p.grad.detach().to(got.dtype)
         if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             continue  # reported as non-finite
-        tol = _tol(got.dtype, state.precision, exact=True)  # (the same backward's)
+        # (the same backward's)
+        tol = _tol(got.dtype, state.precision, exact=True, terms=state.rounded.get(id(p), 0))
         scale = want.abs().max().item() + got.abs().max().item()
         diff = (got - want).abs().max().item()
         if diff > tol * max(scale, 1e-30):
