@@ -135,3 +135,48 @@ def test_recurrent_layers_of_many_steps_are_no_false_alarm(kind):
             off = float((p.grad.double() - total).abs().max() / total.abs().max())
             worst_torch = max(worst_torch, off / eps)
     assert worst_torch > 8, f"torch's .grad off grad1's sum by {worst_torch:.1f} units only"
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dp_step_over_a_layer_norm_of_many_rows(dtype, method):
+    """dp_sgd_step's own check of the per-example gradients against autograd's gradient of the
+    examples' losses (weighted) met the same LayerNorm kernel and raised on every method; now
+    it allows the same room. The norms are within the precision's tolerance of the float64
+    loop's, and so is the clipped sum (clipped at the median of the examples' norms, no
+    noise) of grad1 and book-keeping; ghost clipping's, autograd's own, as torch's (16% off in
+    bfloat16 for the LayerNorm's weight, torch's kernel's rounding)."""
+    torch.manual_seed(0)
+    model = NormedRows()
+    x = torch.randn(4, 1024, 16)
+
+    def losses(out: Tensor) -> Tensor:
+        return (out.float() + 1).pow(2).flatten(1).sum(1)
+
+    ref = loop_grad(copy.deepcopy(model).double(), lambda o: losses(o).sum(), x.double())
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    clip = float(norms.median())
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:  # (checked: raised before)
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        got = gradhooks.dp_sgd_step(
+            h, losses(out), max_norm=clip, noise_multiplier=0.0, reduction="sum", method=method
+        )
+    err = float((got.double() - norms).abs().max() / norms.max())
+    assert err <= TOL[dtype], f"norms: relative error {err:.2e}"
+    factors = (clip / norms).clamp(max=1.0)
+    # (ghost clipping's clipped sum is autograd's, by a second backward reweighted by the
+    # clipping factors: as far off as torch's own, which is allowed three times)
+    plain = copy.deepcopy(model)
+    plain.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = plain(x)
+    (factors.float() * losses(out)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        want = torch.einsum("b,b...->...", factors, ref[name])
+        scale = float(want.abs().max())
+        torch_err = float((q.grad.double() - want).abs().max()) / scale
+        err = float((p.grad.double() - want).abs().max()) / scale
+        tol = max(TOL[dtype], 3 * torch_err)
+        assert err <= tol, f"{name}: clipped sum's relative error {err:.2e} > {tol:.2e}"
