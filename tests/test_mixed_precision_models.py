@@ -48,13 +48,12 @@ def _loss(out: Tensor) -> Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
     """torch's CPU LayerNorm backward of a half-precision input adds its rows' terms of the
-    weight's and the bias's gradient one by one in that precision: over 4096 rows, ``.grad``
-    is off by far more than the check's rounding room (which it raised on, with ``grad1``
-    right), and so did ``Hooks.check``. Now both allow that sum's rounding for these two
-    parameters; ``grad1`` of every parameter is within the precision's tolerance of the
-    float64 loop."""
-    eps = torch.finfo(dtype).eps
-    worst_torch = 0.0
+    weight's and the bias's gradient one by one in that precision: over these 4096 rows,
+    ``.grad`` was off grad1's sum by far more than the check's rounding room, and the check
+    raised on every seed (grad1 right), and so did ``Hooks.check``. Now both allow that sum's
+    rounding for these two parameters; ``grad1`` of every parameter is within the precision's
+    tolerance of the float64 loop. (No assertion on torch's own error: a processor whose
+    kernel accumulates otherwise passes either way.)"""
     for seed in range(3):
         torch.manual_seed(seed)
         model = NormedRows()
@@ -69,13 +68,6 @@ def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
             scale = float(ref[name].abs().max())
             err = float((p.grad1.double() - ref[name]).abs().max()) / scale
             assert err <= TOL[dtype], f"seed {seed} {name}: grad1 relative error {err:.2e}"
-        for p in model.norm.parameters():
-            total = p.grad1.double().sum(0)
-            off = float((p.grad.double() - total).abs().max() / total.abs().max())
-            worst_torch = max(worst_torch, off / eps)
-    # the draws are ones where torch's .grad is off grad1's sum beyond the check's former room
-    # (8 units of the largest entry)
-    assert worst_torch > 8, f"torch's LayerNorm .grad off by {worst_torch:.1f} units only"
 
 
 @pytest.mark.parametrize("quantity", ["grad1", "norms"])
@@ -109,12 +101,10 @@ STEPS = 160
 def test_recurrent_layers_of_many_steps_are_no_false_alarm(kind):
     """Under autocast torch's RNN and GRU round each time step's share of their parameters'
     gradients to the half precision; the rule recomputes in float32. Over 160 steps the two
-    differed by more than the check's room in bfloat16 (it raised on every seed; in float16 by
-    5 units); now the check allows one unit per step for these parameters, and grad1 is within
-    the precision's tolerance of the float64 loop."""
+    differed by more than the check's room in bfloat16 (it raised on every seed; in float16
+    they differ by 5 units); now the check allows one unit per step for these parameters, and
+    grad1 is within the precision's tolerance of the float64 loop."""
     dtype = BF16
-    eps = torch.finfo(dtype).eps
-    worst_torch = 0.0
     weights = torch.linspace(-1, 2, 16)
     for seed in range(2):
         torch.manual_seed(seed)
@@ -131,10 +121,6 @@ def test_recurrent_layers_of_many_steps_are_no_false_alarm(kind):
             scale = float(ref[name].abs().max())
             err = float((p.grad1.double() - ref[name]).abs().max()) / scale
             assert err <= TOL[dtype], f"seed {seed} {name}: grad1 relative error {err:.2e}"
-            total = p.grad1.double().sum(0)
-            off = float((p.grad.double() - total).abs().max() / total.abs().max())
-            worst_torch = max(worst_torch, off / eps)
-    assert worst_torch > 8, f"torch's .grad off grad1's sum by {worst_torch:.1f} units only"
 
 
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
