@@ -41,9 +41,18 @@ class Piece:
     ``sums_to_grad``: the per-example gradients add up to the call's share of ``.grad`` (false
     only where a layer defines them otherwise: an Embedding that scales by each example's own
     counts, ``scale_grad_by_freq``); the engine's check of ``grad1`` against ``.grad`` skips
-    the parameter otherwise."""
+    the parameter otherwise.
+
+    ``rounded_terms``: how many terms of the call's share of ``.grad`` autograd's own kernels
+    round in a half precision (bfloat16, float16): a sum rounded term by term (torch's
+    LayerNorm on a CPU), or terms each rounded before a float32 sum (an RNN's time steps under
+    autocast, where the rule computes in float32); 0: one rounding of the whole, as torch's
+    matrix products and reductions do. Set by the rule of such a layer; the engine's checks
+    against autograd allow that many units of the half precision
+    (:func:`gradhooks.engine.verify.rounding_tolerance`)."""
 
     sums_to_grad: ClassVar[bool] = True
+    rounded_terms: ClassVar[int] = 0
 
     @property
     def batch_size(self) -> int:

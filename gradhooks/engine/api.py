@@ -109,6 +109,12 @@ class EngineAPI:
         batch gradient (:attr:`gradhooks.pieces.Piece.sums_to_grad`)."""
         return id(p) in self._hooks._state.exempt
 
+    def rounded_terms(self, p: Tensor) -> int:
+        """The most terms of ``p``'s gradient autograd's kernels rounded one by one in a half
+        precision in one backward since ``clear()`` (:attr:`gradhooks.pieces.Piece.
+        rounded_terms`: the checks against autograd allow that many units)."""
+        return self._hooks._state.rounded.get(id(p), 0)
+
     def written(self) -> list[Tensor]:
         """The parameters whose ``grad1`` the current accumulation wrote."""
         return list(self._hooks._state.written.values())

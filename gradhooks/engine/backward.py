@@ -334,6 +334,9 @@ class BackwardWriter:
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
                 self.state.exempt.add(id(p))
+            if pieces[pname].rounded_terms and bw is not None:
+                terms = bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
+                self.state.rounded[id(p)] = max(self.state.rounded.get(id(p), 0), terms)
         if not self.state.grad1 and bw is not None and bw.verify:
             self.verifier.keep(bw, pieces, live, scale)
         if self.state.collector is not None:

@@ -172,7 +172,8 @@ def rule_pieces(
             return pieces  # the rule's rows are not its input's (bags): checked by the caller
         for n, piece in pieces.items():
             if piece is not None and n in params:
-                pieces[n] = piece.merged(params[n].shape, first.outer, layout.batch, first.inner)
+                merged = piece.merged(params[n].shape, first.outer, layout.batch, first.inner)
+                pieces[n] = _carried(merged, piece)
         return pieces
     return _one_by_one(rule, call, params, layout.batch)
 
@@ -185,11 +186,19 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter]):
     def cast(call: Call) -> dict[str, P.Piece | None]:
         pieces = rule(call)
         return {
-            n: pc if pc is None or n not in params else pc.in_dtype(params[n].dtype)
+            n: pc if pc is None or n not in params else _carried(pc.in_dtype(params[n].dtype), pc)
             for n, pc in pieces.items()
         }
 
     return cast
+
+
+def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
+    """``new``, a form of ``old``, with what ``old``'s rule said of autograd's own kernel
+    (:attr:`gradhooks.pieces.Piece.rounded_terms`)."""
+    if old.rounded_terms and new is not old:
+        new.rounded_terms = old.rounded_terms
+    return new
 
 
 def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P.Piece | None]:
@@ -208,7 +217,7 @@ def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P
                 "each belongs to. Register a rule whose rows are its input's, or freeze the "
                 "parameter."
             )
-        found[n] = piece.owned(params[n].shape, owners, layout.batch)
+        found[n] = _carried(piece.owned(params[n].shape, owners, layout.batch), piece)
     return found
 
 

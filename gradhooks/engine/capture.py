@@ -32,6 +32,7 @@ from .records import (
     CallState,
     Hook,
     OwnWork,
+    autocast_as,
     detach_tree,
     is_compiling,
     tree_leaves,
@@ -174,14 +175,18 @@ def _rerun(
     grads: list,
     wanted: list[Tensor],
     create_graph: bool,
+    autocast: tuple = (),
 ) -> list[Tensor | None]:
     """The gradients of ``wanted`` (parameters, inputs) through ``module``'s forward run again
     on the ``(args, kwargs)`` of a call (``owned``, as called: inputs attached), hooks
     bypassed, against ``grads`` (one per leaf of the output, ``None`` where none flowed).
     The one rerun of a call, wherever what autograd would give is wanted and the rule did not
     give it (a ``create_graph`` backward): for a call run detached or carried
-    (:func:`_autograd_of`) or owned (:meth:`DetachedCalls.capture_owned`)."""
-    with torch.enable_grad():
+    (:func:`_autograd_of`) or owned (:meth:`DetachedCalls.capture_owned`). ``autocast``: the
+    call's (:attr:`Call.autocast`), under which it runs again: its gradients are then those
+    autograd gives through the call as it ran (run in float32, a bfloat16 output's gradient
+    meets a float32 product no kernel takes)."""
+    with torch.enable_grad(), autocast_as(autocast):
         args, kwargs = owned
         leaves = tree_leaves(module.forward(*args, **kwargs))
     pairs = [
@@ -203,6 +208,7 @@ def _autograd_of(
     outputs: list,
     inputs: list[Tensor],
     create_graph: bool,
+    autocast: tuple = (),
 ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
     """What a :class:`_Join` node needs of autograd through the forward, run again (hooks
     bypassed), of a call that ran with ``detached`` detached, against the call's
@@ -211,12 +217,12 @@ def _autograd_of(
     ``inputs``. Their gradients as the call's own nodes computed them have no graph through
     the detached parameters; the corrections carry exactly that part: the forward runs on
     fresh leaves for the inputs, against detached output-gradients, with every other tensor and
-    parameter of the call detached."""
+    parameter of the call detached. ``autocast``: the call's, under which it runs again."""
     module = target.module
     found: dict[str, Tensor | None] = {}
     if missing:
         call = (args, kwargs) if create_graph else detach_tree((args, kwargs))
-        got = _rerun(module, call, outputs, [detached[n] for n in missing], create_graph)
+        got = _rerun(module, call, outputs, [detached[n] for n in missing], create_graph, autocast)
         found = dict(zip(missing, got))
     corrections: list[Tensor | None] = [None] * len(inputs)
     if create_graph and inputs:
@@ -229,7 +235,7 @@ def _autograd_of(
         others = {id(p): p.detach() for p in target.params.values() if id(p) not in attached}
         with Aliases(others):
             got = _rerun(module, call, [None if g is None else g.detach() for g in outputs],
-                         leaves, True)  # fmt: skip
+                         leaves, True, autocast)  # fmt: skip
         corrections = [None if c is None else c - c.detach() for c in got]
     return found, corrections
 
@@ -477,8 +483,9 @@ class DetachedCalls:
             self.state.rerunning += 1  # its backwards are not the model's: not tracked
             try:
                 found, corrections = _autograd_of(
-                    target, args, kwargs, detached, missing, [g], inputs, create_graph
-                )
+                    target, args, kwargs, detached, missing, [g], inputs, create_graph,
+                    call.autocast,
+                )  # fmt: skip
             finally:
                 self.state.rerunning -= 1
             grads = {**sums, **found}
@@ -530,7 +537,7 @@ class DetachedCalls:
             if self.state.probing:  # (autograd's own gradients, by a rerun: no rule runs)
                 wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
                 with self.nested():
-                    return tuple(_rerun(module, owned, full, wanted, False))
+                    return tuple(_rerun(module, owned, full, wanted, False, call.autocast))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = with_fields(call, grad_outputs=tuple(full), input_grads=[])
@@ -553,7 +560,7 @@ class DetachedCalls:
                 self.state.rerunning += 1  # its backwards are not the model's: not tracked
                 try:
                     wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
-                    got = _rerun(module, owned, full, wanted, create_graph)
+                    got = _rerun(module, owned, full, wanted, create_graph, call.autocast)
                 finally:
                     self.state.rerunning -= 1
                 param_grads.update(zip(missing, got))

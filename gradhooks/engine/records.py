@@ -143,6 +143,9 @@ class Backward:
     # probe ran, as they are
     weighted: dict[int, Tensor | None] = field(default_factory=dict)
     kept: list[CallPieces] = field(default_factory=list)
+    # per parameter id, the terms autograd's kernels added one by one in a half precision to
+    # form its gradient, over this backward's calls (pieces.Piece.rounded_terms)
+    rounded: dict[int, int] = field(default_factory=dict)
     batch: int | None = None  # the examples of the grad1 it wrote
     # the batch sizes its calls gave -> (the first call of each, whether its forward was an
     # entry's: a submodule called outside the model's forward)

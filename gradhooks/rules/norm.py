@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _torch
+from ..engine.records import half_precision
 from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Direct
 from .registry import Call, register
@@ -127,7 +128,18 @@ def layer_norm(call: Call) -> dict[str, Direct]:
         # fast with a weight as without.
         ones = x.new_ones(m.normalized_shape)
         xhat = F.layer_norm(x, m.normalized_shape, ones, None, m.eps)
-    return trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
+    pieces = trailing_affine(xhat, call.grad_output, len(m.normalized_shape))
+    if half_precision(x.dtype) and x.device.type == "cpu":
+        # torch's CPU LayerNorm backward of a bfloat16 / float16 input adds the rows' terms of
+        # the weight's and the bias's gradient one by one in that precision: .grad is off by
+        # up to 49 of its units (eps) of its largest entry at 4096 rows of 32 to 64 features, 609
+        # at 65536 rows in float16 (where a partial sum stops growing), while Linear, Conv,
+        # GroupNorm and RMSNorm accumulate in float32 (under 1 unit). grad1 is summed in
+        # float32 (one rounding); the check against .grad allows the kernel's rounding.
+        rows = call.grad_output.numel() // max(1, math.prod(m.normalized_shape))
+        for piece in pieces.values():
+            piece.rounded_terms = rows
+    return pieces
 
 
 @register(nn.RMSNorm, batch_dim="positions")

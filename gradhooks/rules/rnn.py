@@ -61,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from .._torch import tree_flatten
 from ..engine.pause import paused
+from ..engine.records import half_precision
 from ..errors import ConfigurationError, UnbatchedInputError
 from ..loop import per_example
 from ..pieces import Direct, Outer
@@ -829,6 +830,18 @@ def rnn(call: Call) -> dict[str, Outer]:
     with torch.autocast(x_pad.device.type, enabled=False):
         _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower)
         pieces = backpropagate(module, layers, grads, found)
+    device = x_pad.device.type
+    if call.input_grads is None and any(
+        d == device and half_precision(t) for d, t in call.autocast
+    ):
+        # autograd's own backward of the call (not this rule's: see _owns_backward) ran under
+        # the forward's autocast: torch's RNN and GRU round each time step's share of the
+        # parameters' gradients to its precision, up to 11 bfloat16 units of the largest entry
+        # over 64 steps and 12 over 256 against the float32 recomputation here, which the
+        # check of grad1 against .grad allows (pieces.Piece.rounded_terms).
+        for piece in pieces.values():
+            if piece is not None:
+                piece.rounded_terms = x_pad.shape[1]
     if found:  # the call ran without autograd (_owns_backward): the inputs' gradients too
         d_x, d_h0, d_c0 = found
         if not module.batch_first:

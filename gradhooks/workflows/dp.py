@@ -532,7 +532,8 @@ def _check_step(
     _, grads, exact = truth
     names = {id(p): n for n, p in hooks.model.named_parameters()}
     overall = max((largest(w) for w in grads if w is not None and w.numel()), default=0.0)
-    precision = engine_of(hooks).precision
+    engine = engine_of(hooks)
+    precision = engine.precision
     wrong = []
     for p, want, g in zip(params, grads, got, strict=True):
         if g is not None:  # (a sparse one: the rows of an embedding, of its shape)
@@ -541,7 +542,8 @@ def _check_step(
         if want is None:  # (zeros: the difference is the same either way round)
             want, g = g, None
         diff = None if want is None else mismatch(
-            g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact
+            g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact,
+            terms=engine.rounded_terms(p),
         )  # fmt: skip
         del g, want
         if diff is not None:
