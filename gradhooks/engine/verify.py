@@ -869,9 +869,11 @@ def check_hooks(
                 "without optimizer.zero_grad(); zero_grad() alone is enough), of a backward "
                 "that was not captured (paused, or of a forward run before add_hooks), a term "
                 "of the loss that does not go through a hooked layer's output (weight decay "
-                "added to the loss: add its gradient to grad1 yourself, or use the optimizer's "
-                "weight_decay), a loss built from derivatives of the model (gradient "
-                "penalties), or .grad changed in place after the backward (clip_grad_norm_, "
+                "or a penalty on the parameters added to the loss, which is no example's: leave "
+                "it out of the loss and add its gradient to .grad yourself after the check, or "
+                "use the optimizer's weight_decay), a loss built from derivatives of the model "
+                "(gradient penalties), or .grad changed in place after the backward "
+                "(clip_grad_norm_, "
                 "a GradScaler's unscale_, DDP's all-reduce: check before those)"
             )
     for name, rows in report.nonfinite.items():
