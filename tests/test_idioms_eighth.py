@@ -30,6 +30,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_idioms_seventh import assert_unchanged, snapshot, summed_ce
 from torch import nn
 
 import gradhooks
@@ -43,19 +44,6 @@ def batch(seed: int, n: int = 4):
     """``n`` examples of 3 features and their labels (2 classes), float64."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, generator=g, dtype=D), torch.randint(2, (n,), generator=g)
-
-
-def summed_ce(out, y):
-    return F.cross_entropy(out, y, reduction="sum")
-
-
-def snapshot(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_unchanged(model: nn.Module, before: list[torch.Tensor], what: str) -> None:
-    for p, q in zip(model.parameters(), before, strict=True):
-        assert_close(p.detach(), q, f"{what}: a parameter changed")
 
 
 def rows_of(model: nn.Module, n: int, loss_of) -> dict[str, torch.Tensor]:
@@ -781,43 +769,31 @@ def test_multi_task_batches_of_each_task_accumulated_into_one_step():
             opt.step()
 
 
-def test_multi_task_heads_picked_per_example_by_torch_where():
-    """Each example's task id picks its head's output inside the forward (``torch.where``;
-    both heads run on every example): each head's grad1 row is the example's own gradient,
-    zero for an example of the other task. Over steps, with a batch of one task only."""
-    torch.manual_seed(0)
-    model = _MultiTask("where").to(D)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model, loss_reduction="sum"):
-        for step, task in enumerate([[0, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]]):
-            x, y = batch(step)
-            task = torch.tensor(task)
-            want = loop_grad(model, summed_ce, (x, task), y)
-            opt.zero_grad()
-            summed_ce(model(x, task), y).backward()
-            assert_grad1(model, want, f"step {step}")
-            assert not model.heads["b"].weight.grad1[task == 0].any()
-            opt.step()
-
-
-def test_multi_task_rows_routed_to_their_heads_by_a_mask_of_the_task_ids():
-    """Each example's rows routed to its task's head by a boolean mask of the task ids
-    (``out[task == t] = heads[t](h[task == t])``, as a mixture of experts routes tokens): each
-    picked row is one example's, so each head's grad1 row is the example's own gradient, zero
-    for the other task's; over steps, with a batch of one task only (the other head gets no
+@pytest.mark.parametrize(
+    "routing, tasks, head, other",
+    [("where", [[0, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]], "b", 0),
+     ("mask", [[0, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0]], "a", 1)],
+    ids=["torch.where", "a mask of the task ids"],
+)  # fmt: skip
+def test_multi_task_heads_picked_per_example(routing, tasks, head, other):
+    """Each example's task id picks its head: ``torch.where`` over both heads' outputs (both
+    run on every example), or its rows routed to its task's head by a boolean mask of the task
+    ids (``out[task == t] = heads[t](h[task == t])``, as a mixture of experts routes tokens).
+    Each head's grad1 row is the example's own gradient, zero for an example of the other
+    task; over steps, with a batch of one task only (with the mask, the other head gets no
     rows). Before, whole examples picked by a mask were refused as mixed across the batch."""
     torch.manual_seed(0)
-    model = _MultiTask("mask").to(D)
+    model = _MultiTask(routing).to(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        for step, task in enumerate([[0, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0]]):
+        for step, task in enumerate(tasks):
             x, y = batch(step)
             task = torch.tensor(task)
             want = loop_grad(model, summed_ce, (x, task), y)
             opt.zero_grad()
             summed_ce(model(x, task), y).backward()
             assert_grad1(model, want, f"step {step}")
-            assert not model.heads["a"].weight.grad1[task == 1].any()
+            assert not model.heads[head].weight.grad1[task == other].any()
             opt.step()
 
 
