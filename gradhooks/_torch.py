@@ -167,6 +167,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -1116,9 +1117,16 @@ if _missing - {n for n, i in INTERNALS.items() if i.required}:
     )
 
 
+# where FSDP2's module class lives (the second: torch < 2.6)
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
 def fsdp_module_class() -> type | tuple:
     """FSDP2's ``FSDPModule`` (the class ``fully_shard`` gives a module), or ``()`` (no class:
-    ``isinstance`` is then false) where this torch has none."""
+    ``isinstance`` is then false) where this torch has none, or where no module has imported
+    it yet (no module can be one then: importing it costs about half a second)."""
+    if not any(name in sys.modules for name in _FSDP_MODULES):
+        return ()
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

@@ -4,6 +4,7 @@ hook is added (TorchScript, complex parameters, lazy modules)."""
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -259,7 +260,10 @@ def fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
     of every module not sharded on its own live) stays unsharded from the forward to the
     backward, or after a forward under ``no_grad``. Its modules are resharded first
     (``FSDPModule.reshard``: local, it frees the gathered copies, which the next forward gathers
-    again), so that the sharded parameters are those found."""
+    again), so that the sharded parameters are those found. Where no module has imported
+    distributed tensors, no parameter is one (and importing them costs about half a second)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return {}
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # (a torch without distributed tensors)
