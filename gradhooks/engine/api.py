@@ -115,6 +115,19 @@ class EngineAPI:
         rounded_terms`: the checks against autograd allow that many units)."""
         return self._hooks._state.rounded.get(id(p), 0)
 
+    def discard_written(self) -> None:
+        """A step refused after its backward: the ``grad1`` that backward wrote is deleted and
+        the quantities it collected are dropped, so that no number of the refused step is left
+        to read (the backward started them afresh, reusing the memory of those before)."""
+        state = self._hooks._state
+        for p in state.written.values():
+            if "grad1" in p.__dict__:
+                del p.grad1
+        state.written.clear()
+        state.depth.clear()
+        if state.collector is not None:
+            state.collector.clear()
+
     def written(self) -> list[Tensor]:
         """The parameters whose ``grad1`` the current accumulation wrote."""
         return list(self._hooks._state.written.values())

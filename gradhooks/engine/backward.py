@@ -615,18 +615,23 @@ class BackwardWriter:
             bw.accumulated.add(pid)
             raw = bw.raw.pop(pid, None)
             final = grad_inputs[0] if grad_inputs else None
-            if raw is None or final is None:
+            if final is None:
                 return
-            # (with grad1: its batch gradient, which hooks registered before gradhooks' own
-            # have not changed either)
-            base = (
-                self._grad1_total(bw, pid)
-                if self.state.grad1 and pid not in self.state.exempt
-                else None
-            )
-            if base is None and _same(final, *raw):
-                return
-            self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
+            if raw is not None:
+                # (with grad1: its batch gradient, which hooks registered before gradhooks'
+                # own have not changed either)
+                base = (
+                    self._grad1_total(bw, pid)
+                    if self.state.grad1 and pid not in self.state.exempt
+                    else None
+                )
+                if base is not None or not _same(final, *raw):
+                    self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
+            if pid not in bw.added:
+                # what autograd adds to .grad now (not refused), for a later refusal to undo:
+                # no reference to the gradient where .grad is None (autograd takes it as is)
+                old = self.state.params[pid][1].grad
+                bw.added[pid] = (None, None) if old is None else (old, final)
 
         return hook
 
@@ -778,15 +783,11 @@ class BackwardWriter:
         if bw.reached:
             self.state.backwards += 1
         if bw.derived is not None and bw.computed:
-            self.rollback(bw)
-            if self.state.collector is not None:
-                self.state.collector.discard_backward()
+            self.refuse(bw)
             raise UnsupportedError(higher_order(bw.derived))
         if len(bw.rows) > 1 and self.state.batch_dim is not None:
             if any(entry for _, entry in bw.rows.values()):
-                self.rollback(bw)
-                if self.state.collector is not None:
-                    self.state.collector.discard_backward()
+                self.refuse(bw)
                 raise BatchNotFoundError(different_batches(bw.rows))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
@@ -859,8 +860,9 @@ class BackwardWriter:
         if not bw.computed:
             return
         names = [name for pid, (name, _) in self.state.params.items() if pid in bw.computed]
-        for other in self.state.tasks.values():
+        for other in list(self.state.tasks.values())[::-1]:
             self.rollback(other)
+            self.undo_grads(other)
         raise UnsupportedError(
             f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
             f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
@@ -871,10 +873,13 @@ class BackwardWriter:
         )
 
     def _undo_running(self, bw: Backward) -> None:
-        """Before a refusal inside backward ``bw``: its ``grad1`` and that of every backward of
-        the handle still running (an outer one) back as they were, nothing left collected."""
-        for other in (bw, *self.state.tasks.values()):
+        """Before a refusal inside backward ``bw``: its ``grad1`` and ``.grad`` and those of
+        every backward of the handle still running (an outer one) back as they were, nothing
+        left collected (the latest first: an outer backward's ``.grad`` is put back last)."""
+        outer = [t for t in self.state.tasks.values() if t is not bw]
+        for other in (bw, *outer[::-1]):
             self.rollback(other)
+            self.undo_grads(other)
         self.state.tasks.clear()
         if self.state.collector is not None:
             self.state.collector.discard_backward()
@@ -923,11 +928,41 @@ class BackwardWriter:
             else:
                 p.grad1 = before
 
+    def undo_grads(self, bw: Backward) -> None:
+        """Before a refusal of backward ``bw``: each ``.grad`` it added to back as it was.
+        ``None`` where it was ``None``; a ``.grad`` autograd replaced (a ``create_graph``
+        backward adds out of place) is the tensor kept, unchanged; one it added into in place
+        (an earlier micro-batch's sum, or zeros after ``zero_grad(set_to_none=False)``) gets
+        the gradient it was given subtracted: zeros exactly, a sum to the rounding of that one
+        addition. Nothing is copied in a backward that is not refused."""
+        added, bw.added = bw.added, {}
+        with torch.no_grad():
+            for pid, (old, new) in added.items():
+                found = self.state.params.get(pid)
+                if found is None:
+                    continue
+                p = found[1]
+                if old is None:
+                    p.grad = None
+                elif p.grad is old and new is not None:
+                    old.sub_(new.to(old.dtype) if new.dtype != old.dtype else new)
+                else:
+                    p.grad = old
+
+    def refuse(self, bw: Backward) -> None:
+        """Before a refusal of backward ``bw``: its ``grad1`` and its additions to ``.grad``
+        undone, nothing of it left collected."""
+        self.rollback(bw)
+        self.undo_grads(bw)
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
+
     def _abort_backward(self) -> None:
         """A hook of ours raised: the backward fails; leave nothing of it behind."""
         bw = self.state.tasks.pop(graph_task(), None)
         if bw is not None:
             self.rollback(bw)
+            self.undo_grads(bw)
         if self.state.collector is not None:
             self.state.collector.discard_backward()
 
