@@ -110,9 +110,10 @@ class EngineAPI:
         return id(p) in self._hooks._state.exempt
 
     def rounded_terms(self, p: Tensor) -> int:
-        """The most terms of ``p``'s gradient autograd's kernels rounded one by one in a half
-        precision in one backward since ``clear()`` (:attr:`gradhooks.pieces.Piece.
-        rounded_terms`: the checks against autograd allow that many units)."""
+        """The terms of ``p``'s gradient autograd's kernels rounded one by one in a half
+        precision (:attr:`gradhooks.pieces.Piece.rounded_terms`: the checks against autograd
+        allow that many units): over the backwards accumulated into ``p.grad1`` since it last
+        started afresh (without ``grad1``: the most in one backward since ``clear()``)."""
         return self._hooks._state.rounded.get(id(p), 0)
 
     def discard_written(self) -> None:

@@ -334,9 +334,8 @@ class BackwardWriter:
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
                 self.state.exempt.add(id(p))
-            if pieces[pname].rounded_terms and bw is not None:
-                terms = bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
-                self.state.rounded[id(p)] = max(self.state.rounded.get(id(p), 0), terms)
+            if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
+                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
         if not self.state.grad1 and bw is not None and bw.verify:
             self.verifier.keep(bw, pieces, live, scale)
         if self.state.collector is not None:
@@ -504,12 +503,24 @@ class BackwardWriter:
         reach goes as ``.grad`` went: deleted where ``.grad`` is ``None`` (or holds a gradient
         this backward computed without capture), zeros where ``.grad`` is zeros; then record
         the ``.grad`` every parameter was left with, for the next backward's start."""
+        rounded = self.state.rounded
         if captured:  # (not one rolled back, or one that was not captured)
             for pid, before in bw.before.items():
                 if pid in self.state.written:
                     self.state.depth[pid] = (
                         self.state.depth.get(pid, 1) + 1 if before is not None else 1
                     )
+                    # the terms rounded one by one in what grad1 holds: those of every
+                    # backward accumulated into it since it last started afresh
+                    terms = bw.rounded.get(pid, 0)
+                    terms += rounded.get(pid, 0) if before is not None else 0
+                    if terms:
+                        rounded[pid] = terms
+                    else:
+                        rounded.pop(pid, None)
+            if not self.state.grad1:  # (no accumulation: the most in one backward)
+                for pid, terms in bw.rounded.items():
+                    rounded[pid] = max(rounded.get(pid, 0), terms)
         if captured and self.state.stale:
             stale, self.state.stale = self.state.stale, {}
             zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
@@ -560,6 +571,7 @@ class BackwardWriter:
             p.grad1 = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
         self.state.written[id(p)] = p
         self.state.depth[id(p)] = 1
+        self.state.rounded.pop(id(p), None)
 
     def param_hook(self, pid: int, name: str):
         def hook(grad: Tensor | None) -> None:
