@@ -629,16 +629,11 @@ class BackwardWriter:
             final = grad_inputs[0] if grad_inputs else None
             if final is None:
                 return
-            if raw is not None:
-                # (with grad1: its batch gradient, which hooks registered before gradhooks'
-                # own have not changed either)
-                base = (
-                    self._grad1_total(bw, pid)
-                    if self.state.grad1 and pid not in self.state.exempt
-                    else None
-                )
-                if base is not None or not _same(final, *raw):
-                    self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
+            if raw is not None and not _same(final, *raw):
+                # (raw: autograd's own gradient, gradhooks' hook runs before the user's,
+                # _torch.put_tensor_hook_first: the factor of a hook that scales it is exact,
+                # whatever rounding autograd's kernel left in it)
+                self._changed_by_hook(bw, pid, name, raw[0], final)
             if pid not in bw.added:
                 # what autograd adds to .grad now (not refused), for a later refusal to undo:
                 # no reference to the gradient where .grad is None (autograd takes it as is)
@@ -646,14 +641,6 @@ class BackwardWriter:
                 bw.added[pid] = (None, None) if old is None else (old, final)
 
         return hook
-
-    def _grad1_total(self, bw: Backward, pid: int) -> Tensor | None:
-        """The batch gradient (``.grad``'s part) of what backward ``bw`` added to ``grad1``."""
-        g1 = self.grad1_of_backward(bw, pid, self.state.params[pid][1])
-        if g1 is None:
-            return None
-        total = g1.sum(0)
-        return total / g1.shape[0] if self.state.loss_reduction == "mean" and g1.shape[0] else total
 
     def _changed_by_hook(
         self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor
