@@ -230,3 +230,30 @@ def test_a_refused_dp_step_leaves_grad_and_grad1(method):
     for n, p in model.named_parameters():
         clipped = torch.einsum("b,b...->...", factors, want[n]) / 6
         assert_close(p.grad, clipped, f"DPOptimizer after a refused backward: {n}")
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_a_refused_step_after_zero_grad(cls):
+    """A step, ``zero_grad()``, a refused step: ``.grad`` is ``None`` again; each ``grad1`` is
+    the earlier step's, untouched (a layer the refused backward did not reach), or deleted (one
+    it was writing afresh, in the earlier ``grad1``'s memory): none holds a number of the
+    refused backward. The next step's are the float64 loop's."""
+    model = _model(cls)
+    torch.manual_seed(1)
+    x1, x2, x3 = (torch.randn(6, 3, dtype=torch.float64) for _ in range(3))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x1)).backward()
+        first = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        error = _refuse(model)
+        with pytest.raises(error):
+            sq(model(x2)).backward()
+        for n, p in model.named_parameters():
+            assert p.grad is None, n
+            assert not hasattr(p, "grad1") or torch.equal(p.grad1, first[n]), n
+        _accept(model)
+        sq(model(x3)).backward()
+    want = loop_grad(model, sq, x3)
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"the next step: {n}.grad1")
+        assert_close(p.grad, want[n].sum(0), f"the next step: {n}.grad")
