@@ -637,7 +637,7 @@ class BackwardWriter:
             if pid not in bw.added:
                 # what autograd adds to .grad now (not refused), for a later refusal to undo:
                 # no reference to the gradient where .grad is None (autograd takes it as is)
-                old = self.state.params[pid][1].grad
+                old = grad_of(self.state.params[pid][1])
                 bw.added[pid] = (None, None) if old is None else (old, final)
 
         return hook
@@ -943,7 +943,7 @@ class BackwardWriter:
                 p = found[1]
                 if old is None:
                     p.grad = None
-                elif p.grad is old and new is not None:
+                elif grad_of(p) is old and new is not None:
                     old.sub_(new.to(old.dtype) if new.dtype != old.dtype else new)
                 else:
                     p.grad = old
