@@ -18,17 +18,12 @@ from harness import MixedBackward, assert_close, sq
 class _Clamped(nn.Module):
     """Three Linear layers (3 to 5 to 5 to 2); while ``clamp`` is set, a hook of the user's
     on the middle layer's weight clamps each entry of its gradient (refused: no per-example
-    gradient gives that), after autograd has accumulated the last layer's ``.grad``.
-    ``hooked=False``: the hook is left to the test (:meth:`hook`)."""
+    gradient gives that), after autograd has accumulated the last layer's ``.grad``."""
 
-    def __init__(self, hooked: bool = True):
+    def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
         self.clamp = False
-        if hooked:
-            self.hook()
-
-    def hook(self) -> None:
         self.b.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3) if self.clamp else g)
 
     def forward(self, x):
@@ -49,9 +44,9 @@ class _Mixing(nn.Module):
         return self.c(MixedBackward.apply(h) if self.mix else h)
 
 
-def _model(cls, *args):
+def _model(cls):
     torch.manual_seed(0)
-    return cls(*args).double()
+    return cls().double()
 
 
 def _refuse(model) -> type[Exception]:
@@ -159,20 +154,20 @@ def test_a_refused_backward_leaves_zeros_exactly():
         assert not p.grad.any(), f"{n}.grad not zeros"
 
 
-def test_a_refused_backward_leaves_the_norms():
-    """Without ``grad1``: the per-example norms of the accepted backward stay, those of the
-    refused one are not collected, and ``.grad`` is back to ``None``."""
-    model = _model(_Clamped, False)
+@pytest.mark.parametrize("cls", MODELS)
+def test_a_refused_backward_leaves_the_norms(cls):
+    """Without ``grad1``: the per-example norms of the accepted backward stay (also where the
+    check that refuses comes after they were formed, at the backward's end), those of the
+    refused one are not kept, and ``.grad`` is back to ``None``."""
+    model = _model(cls)
     torch.manual_seed(1)
     x1, x2 = (torch.randn(6, 3, dtype=torch.float64) for _ in range(2))
     with gradhooks.add_hooks(model, quantities=("norms",), loss_reduction="sum") as h:
-        # (without grad1, a hook registered after gradhooks' own is seen changing the gradient)
-        model.hook()
         sq(model(x1)).backward()
         norms = h.norms().clone()
         model.zero_grad()
-        _refuse(model)
-        with pytest.raises(gradhooks.UnsupportedError):
+        error = _refuse(model)
+        with pytest.raises(error):
             sq(model(x2)).backward()
         assert all(p.grad is None for p in model.parameters())
         assert torch.equal(h.norms(), norms)

@@ -824,7 +824,10 @@ class BackwardWriter:
         elif bw.verify and not self.state.grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
                 # (after the collector's own callback, which forms the norms)
-                _torch.queue_backward_callback(lambda: self.verifier.verify_norms(bw, bw.probe))
+                kept = self.state.collector.results() if self.state.collector else None
+                _torch.queue_backward_callback(
+                    lambda: self.verifier.verify_norms(bw, bw.probe, kept)
+                )
             self.state.unverified -= bw.verify
         self._settle(bw, kept and bool(bw.reached))
         if self.state.collector is not None:

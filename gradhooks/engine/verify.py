@@ -655,7 +655,7 @@ class Verifier:
             + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
 
-    def verify_norms(self, bw: Backward, probe: Probe) -> None:
+    def verify_norms(self, bw: Backward, probe: Probe, kept: tuple | None = None) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
         output rows were (:func:`pieces.weighted_sum` of its calls' pieces, :meth:`keep`),
@@ -710,8 +710,11 @@ class Verifier:
         if not wrong:
             return
         self.backwards.refuse(bw)
-        collector.param_sq_norms, collector.norm_forms = {}, {}
-        collector.sum_grad_sq, collector.grad_mean = {}, {}
+        if kept is not None:  # (the results of the backward before, published again)
+            collector.restore(kept)
+        else:
+            collector.param_sq_norms, collector.norm_forms = {}, {}
+            collector.sum_grad_sq, collector.grad_mean = {}, {}
         raise CheckFailedError(
             "gradhooks: the per-example norms are not those of the examples' own gradients: "
             "the gradients they were formed from, weighted over the examples, are not the "
