@@ -141,7 +141,10 @@ Required (no fallback; :func:`require` refuses without them):
   Python object but is no longer registered with autograd, so no hook added to it later fires
   either. The engine (``plan.py``, ``engine.py``) sees the swap by the address ``_cdata`` and
   drops the stale dict before hooking the parameter again. No public API shows the swap or
-  undoes it.
+  undoes it. The same dict orders the hooks (:func:`put_tensor_hook_first`): autograd runs
+  them in the order of the dict's own entries, so the engine's hook on a parameter is put
+  first, in front of those the user registered before ``add_hooks``, and sees the gradient
+  autograd computed (``backward.py``: a hook that scales it is followed by its factor).
 - ``fsdp_module``: ``torch.distributed._composable.fsdp.FSDPModule`` (:func:`fsdp_module_class`),
   the class ``fully_shard`` gives a module, public as ``torch.distributed.fsdp.FSDPModule``
   from torch 2.6; read under the private name before. Without either, no module is taken as
@@ -197,6 +200,7 @@ __all__ = [
     "foreach_div",
     "foreach_div_",
     "drop_stale_hooks",
+    "put_tensor_hook_first",
     "first_forward_hook",
     "put_forward_hook_first",
     "forward_hooks_off_within",
@@ -721,6 +725,22 @@ def drop_stale_hooks(t: Tensor) -> None:
     add to it, never to fire. Without the dict, the next ``register_hook`` registers a new
     one. Required (:func:`require`)."""
     t._backward_hooks = None
+
+
+def put_tensor_hook_first(t: Tensor, hook_id: int) -> None:
+    """Run the gradient hook ``hook_id`` of ``t`` (from ``t.register_hook``) before the others
+    (``Tensor._backward_hooks``, an ordered dict, rebuilt: autograd walks the entries in the
+    order they were put in, which ``move_to_end`` does not change). Required
+    (:func:`require`)."""
+    hooks = t._backward_hooks
+    if not hooks or next(iter(hooks)) == hook_id or hook_id not in hooks:
+        return
+    entries = list(hooks.items())
+    hooks.clear()
+    hooks[hook_id] = dict(entries)[hook_id]
+    for key, hook in entries:
+        if key != hook_id:
+            hooks[key] = hook
 
 
 # -- eval_frame --------------------------------------------------------------------------------

@@ -70,6 +70,38 @@ def test_layer_norm_of_many_rows_is_no_false_alarm(dtype):
             assert err <= TOL[dtype], f"seed {seed} {name}: grad1 relative error {err:.2e}"
 
 
+def test_layer_norm_micro_batches_are_no_false_alarm():
+    """``Hooks.check`` after micro-batches accumulated into one ``grad1``: its room for the
+    terms torch's CPU LayerNorm kernel rounds one by one in bfloat16 is that of every
+    micro-batch since ``grad1`` started afresh, not of one. The draw makes the kernel's
+    rounding add up: each micro-batch of 8 examples (one row each, the same row) has one row
+    whose output-gradient is +-1, alternately, and 7 just under half a unit of 1, which a sum
+    rounded in bfloat16 drops; over 31 micro-batches ``.grad`` is off ``grad1``'s sum by
+    about 20 units of its largest entry, past the room of one micro-batch's 8 terms (it
+    raised), within that of all 248. ``grad1`` is within bfloat16's tolerance of the float64
+    loop, micro-batch by micro-batch summed. (A processor whose kernel accumulates otherwise
+    passes either way.)"""
+    torch.manual_seed(0)
+    model = nn.LayerNorm(32)
+    x = torch.randn(32).expand(8, 32).bfloat16()  # (values of bfloat16, also for the loop)
+    twin = copy.deepcopy(model).double()
+    ref = None
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for i in range(31):
+            a = torch.full((8, 1), 0.99 * 2.0**-8)
+            a[0] = 1.0 if i % 2 == 0 else -1.0
+            with torch.autocast("cpu", dtype=BF16):
+                out = model(x)
+            (out.float() * a).sum().backward()
+            one = loop_grad(twin, lambda out, w: (out * w).sum(), x.double(), a.double())
+            ref = one if ref is None else {n: ref[n] + g for n, g in one.items()}
+        assert not h.check(raise_on_error=False).problems
+    for name, p in model.named_parameters():
+        scale = float(ref[name].abs().max())
+        err = float((p.grad1.double() - ref[name]).abs().max()) / scale
+        assert err <= TOL[BF16], f"{name}: grad1 relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("quantity", ["grad1", "norms"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_of_many_rows_still_refuses_mixing(dtype, quantity):

@@ -619,6 +619,26 @@ def test_eval_frame(monkeypatch, off):
     assert (True in seen) != off, seen
 
 
+def test_put_tensor_hook_first():
+    """A gradient hook put first runs before those registered earlier (autograd walks the
+    dict's entries in the order they were put in), sees autograd's own gradient, and still
+    comes off with its handle; the others run as before, in their order."""
+    p = nn.Parameter(torch.ones(3))
+    seen = []
+    p.register_hook(lambda g: seen.append(("a", g.clone())) or g * 0.5)
+    p.register_hook(lambda g: seen.append(("b", g.clone())))
+    ours = p.register_hook(lambda g: seen.append(("ours", g.clone())))
+    _torch.put_tensor_hook_first(p, ours.id)
+    (2 * p).sum().backward()
+    assert [k for k, _ in seen] == ["ours", "a", "b"]
+    assert torch.equal(seen[0][1], torch.full((3,), 2.0))
+    assert torch.equal(seen[2][1], torch.ones(3)) and torch.equal(p.grad, torch.ones(3))
+    ours.remove()
+    seen.clear()
+    (2 * p).sum().backward()
+    assert [k for k, _ in seen] == ["a", "b"]
+
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = [

@@ -110,10 +110,24 @@ class EngineAPI:
         return id(p) in self._hooks._state.exempt
 
     def rounded_terms(self, p: Tensor) -> int:
-        """The most terms of ``p``'s gradient autograd's kernels rounded one by one in a half
-        precision in one backward since ``clear()`` (:attr:`gradhooks.pieces.Piece.
-        rounded_terms`: the checks against autograd allow that many units)."""
+        """The terms of ``p``'s gradient autograd's kernels rounded one by one in a half
+        precision (:attr:`gradhooks.pieces.Piece.rounded_terms`: the checks against autograd
+        allow that many units): over the backwards accumulated into ``p.grad1`` since it last
+        started afresh (without ``grad1``: the most in one backward since ``clear()``)."""
         return self._hooks._state.rounded.get(id(p), 0)
+
+    def discard_written(self) -> None:
+        """A step refused after its backward: the ``grad1`` that backward wrote is deleted and
+        the quantities it collected are dropped, so that no number of the refused step is left
+        to read (the backward started them afresh, reusing the memory of those before)."""
+        state = self._hooks._state
+        for p in state.written.values():
+            if "grad1" in p.__dict__:
+                del p.grad1
+        state.written.clear()
+        state.depth.clear()
+        if state.collector is not None:
+            state.collector.clear()
 
     def written(self) -> list[Tensor]:
         """The parameters whose ``grad1`` the current accumulation wrote."""

@@ -334,9 +334,8 @@ class BackwardWriter:
         for pname, p in live.items():
             if not pieces[pname].sums_to_grad:
                 self.state.exempt.add(id(p))
-            if pieces[pname].rounded_terms and bw is not None:
-                terms = bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
-                self.state.rounded[id(p)] = max(self.state.rounded.get(id(p), 0), terms)
+            if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
+                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
         if not self.state.grad1 and bw is not None and bw.verify:
             self.verifier.keep(bw, pieces, live, scale)
         if self.state.collector is not None:
@@ -504,12 +503,24 @@ class BackwardWriter:
         reach goes as ``.grad`` went: deleted where ``.grad`` is ``None`` (or holds a gradient
         this backward computed without capture), zeros where ``.grad`` is zeros; then record
         the ``.grad`` every parameter was left with, for the next backward's start."""
+        rounded = self.state.rounded
         if captured:  # (not one rolled back, or one that was not captured)
             for pid, before in bw.before.items():
                 if pid in self.state.written:
                     self.state.depth[pid] = (
                         self.state.depth.get(pid, 1) + 1 if before is not None else 1
                     )
+                    # the terms rounded one by one in what grad1 holds: those of every
+                    # backward accumulated into it since it last started afresh
+                    terms = bw.rounded.get(pid, 0)
+                    terms += rounded.get(pid, 0) if before is not None else 0
+                    if terms:
+                        rounded[pid] = terms
+                    else:
+                        rounded.pop(pid, None)
+            if not self.state.grad1:  # (no accumulation: the most in one backward)
+                for pid, terms in bw.rounded.items():
+                    rounded[pid] = max(rounded.get(pid, 0), terms)
         if captured and self.state.stale:
             stale, self.state.stale = self.state.stale, {}
             zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
@@ -560,6 +571,7 @@ class BackwardWriter:
             p.grad1 = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
         self.state.written[id(p)] = p
         self.state.depth[id(p)] = 1
+        self.state.rounded.pop(id(p), None)
 
     def param_hook(self, pid: int, name: str):
         def hook(grad: Tensor | None) -> None:
@@ -615,28 +627,20 @@ class BackwardWriter:
             bw.accumulated.add(pid)
             raw = bw.raw.pop(pid, None)
             final = grad_inputs[0] if grad_inputs else None
-            if raw is None or final is None:
+            if final is None:
                 return
-            # (with grad1: its batch gradient, which hooks registered before gradhooks' own
-            # have not changed either)
-            base = (
-                self._grad1_total(bw, pid)
-                if self.state.grad1 and pid not in self.state.exempt
-                else None
-            )
-            if base is None and _same(final, *raw):
-                return
-            self._changed_by_hook(bw, pid, name, raw[0] if base is None else base, final)
+            if raw is not None and not _same(final, *raw):
+                # (raw: autograd's own gradient, gradhooks' hook runs before the user's,
+                # _torch.put_tensor_hook_first: the factor of a hook that scales it is exact,
+                # whatever rounding autograd's kernel left in it)
+                self._changed_by_hook(bw, pid, name, raw[0], final)
+            if pid not in bw.added:
+                # what autograd adds to .grad now (not refused), for a later refusal to undo:
+                # no reference to the gradient where .grad is None (autograd takes it as is)
+                old = grad_of(self.state.params[pid][1])
+                bw.added[pid] = (None, None) if old is None else (old, final)
 
         return hook
-
-    def _grad1_total(self, bw: Backward, pid: int) -> Tensor | None:
-        """The batch gradient (``.grad``'s part) of what backward ``bw`` added to ``grad1``."""
-        g1 = self.grad1_of_backward(bw, pid, self.state.params[pid][1])
-        if g1 is None:
-            return None
-        total = g1.sum(0)
-        return total / g1.shape[0] if self.state.loss_reduction == "mean" and g1.shape[0] else total
 
     def _changed_by_hook(
         self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor
@@ -778,15 +782,11 @@ class BackwardWriter:
         if bw.reached:
             self.state.backwards += 1
         if bw.derived is not None and bw.computed:
-            self.rollback(bw)
-            if self.state.collector is not None:
-                self.state.collector.discard_backward()
+            self.refuse(bw)
             raise UnsupportedError(higher_order(bw.derived))
         if len(bw.rows) > 1 and self.state.batch_dim is not None:
             if any(entry for _, entry in bw.rows.values()):
-                self.rollback(bw)
-                if self.state.collector is not None:
-                    self.state.collector.discard_backward()
+                self.refuse(bw)
                 raise BatchNotFoundError(different_batches(bw.rows))
         # A backward that computes the gradient of none of the model's parameters
         # (torch.autograd.grad with respect to the inputs: an input-gradient, a Laplacian)
@@ -824,7 +824,10 @@ class BackwardWriter:
         elif bw.verify and not self.state.grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
                 # (after the collector's own callback, which forms the norms)
-                _torch.queue_backward_callback(lambda: self.verifier.verify_norms(bw, bw.probe))
+                kept = self.state.collector.results() if self.state.collector else None
+                _torch.queue_backward_callback(
+                    lambda: self.verifier.verify_norms(bw, bw.probe, kept)
+                )
             self.state.unverified -= bw.verify
         self._settle(bw, kept and bool(bw.reached))
         if self.state.collector is not None:
@@ -859,8 +862,9 @@ class BackwardWriter:
         if not bw.computed:
             return
         names = [name for pid, (name, _) in self.state.params.items() if pid in bw.computed]
-        for other in self.state.tasks.values():
+        for other in list(self.state.tasks.values())[::-1]:
             self.rollback(other)
+            self.undo_grads(other)
         raise UnsupportedError(
             f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
             f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
@@ -871,10 +875,13 @@ class BackwardWriter:
         )
 
     def _undo_running(self, bw: Backward) -> None:
-        """Before a refusal inside backward ``bw``: its ``grad1`` and that of every backward of
-        the handle still running (an outer one) back as they were, nothing left collected."""
-        for other in (bw, *self.state.tasks.values()):
+        """Before a refusal inside backward ``bw``: its ``grad1`` and ``.grad`` and those of
+        every backward of the handle still running (an outer one) back as they were, nothing
+        left collected (the latest first: an outer backward's ``.grad`` is put back last)."""
+        outer = [t for t in self.state.tasks.values() if t is not bw]
+        for other in (bw, *outer[::-1]):
             self.rollback(other)
+            self.undo_grads(other)
         self.state.tasks.clear()
         if self.state.collector is not None:
             self.state.collector.discard_backward()
@@ -923,11 +930,41 @@ class BackwardWriter:
             else:
                 p.grad1 = before
 
+    def undo_grads(self, bw: Backward) -> None:
+        """Before a refusal of backward ``bw``: each ``.grad`` it added to back as it was.
+        ``None`` where it was ``None``; a ``.grad`` autograd replaced (a ``create_graph``
+        backward adds out of place) is the tensor kept, unchanged; one it added into in place
+        (an earlier micro-batch's sum, or zeros after ``zero_grad(set_to_none=False)``) gets
+        the gradient it was given subtracted: zeros exactly, a sum to the rounding of that one
+        addition. Nothing is copied in a backward that is not refused."""
+        added, bw.added = bw.added, {}
+        with torch.no_grad():
+            for pid, (old, new) in added.items():
+                found = self.state.params.get(pid)
+                if found is None:
+                    continue
+                p = found[1]
+                if old is None:
+                    p.grad = None
+                elif grad_of(p) is old and new is not None:
+                    old.sub_(new.to(old.dtype) if new.dtype != old.dtype else new)
+                else:
+                    p.grad = old
+
+    def refuse(self, bw: Backward) -> None:
+        """Before a refusal of backward ``bw``: its ``grad1`` and its additions to ``.grad``
+        undone, nothing of it left collected."""
+        self.rollback(bw)
+        self.undo_grads(bw)
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
+
     def _abort_backward(self) -> None:
         """A hook of ours raised: the backward fails; leave nothing of it behind."""
         bw = self.state.tasks.pop(graph_task(), None)
         if bw is not None:
             self.rollback(bw)
+            self.undo_grads(bw)
         if self.state.collector is not None:
             self.state.collector.discard_backward()
 

@@ -413,7 +413,10 @@ class Hooks:
         self._accumulators: dict[int, tuple[Any, Any]] = {}
         for pid, (name, p) in self._state.params.items():
             if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
-                handles.append(p.register_hook(self._backwards.param_hook(pid, name)))
+                handle = p.register_hook(self._backwards.param_hook(pid, name))
+                # (before the user's hooks: it sees autograd's gradient, which they may scale)
+                _torch.put_tensor_hook_first(p, handle.id)
+                handles.append(handle)
                 self._hook_accumulator(pid, name, p)
         for pid, p in derived.items():
             handles.append(p.register_hook(self._derived_hook(pid, weakref.ref(p))))

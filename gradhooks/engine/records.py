@@ -160,6 +160,9 @@ class Backward:
     held: list[HeldCall] = field(default_factory=list)
     attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
     accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
+    # per parameter id, what it did to .grad, for a refusal to undo (BackwardWriter.undo_grads):
+    # (.grad before it, the gradient autograd added into that .grad; None, None: .grad was None)
+    added: dict[int, tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
     # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
     # the parameter's accumulation, where a hook of the user's may have changed it
     raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)

@@ -111,8 +111,10 @@ class CaptureState:
         # the lowest precision the calls of the backwards since clear() ran in (the checks'
         # tolerance: records.lowest_precision)
         self.precision: torch.dtype | None = None
-        # per parameter id, the most terms autograd's kernels rounded one by one in a half
-        # precision in one backward since clear() (pieces.Piece.rounded_terms: the checks' room)
+        # per parameter id, the terms autograd's kernels rounded one by one in a half precision
+        # (pieces.Piece.rounded_terms: the checks' room) in the backwards accumulated into its
+        # grad1 since it last started afresh (without grad1: the most in one backward since
+        # clear())
         self.rounded: dict[int, int] = {}
         self.backwards = 0  # backwards that captured a call, since the hooks were added
         self.exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design

@@ -299,6 +299,11 @@ class Backwards(Protocol):
         """Put back what backward ``bw`` wrote."""
         ...
 
+    def refuse(self, bw: Backward) -> None:
+        """Before a refusal of backward ``bw``: its ``grad1`` and its additions to ``.grad``
+        undone, nothing of it left collected."""
+        ...
+
 
 class Verifier:
     """The probe and the checks of a backward (a part of :class:`gradhooks.Hooks`)."""
@@ -524,9 +529,7 @@ class Verifier:
         if not names:
             return  # (no parameter of the hooks before it: no grad1 of it)
         state.tasks.pop(graph_task(), None)
-        self.backwards.rollback(bw)
-        if state.collector is not None:
-            state.collector.discard_backward()
+        self.backwards.refuse(bw)
         prefix, _ = owner_name(names[0])
         model = state.model
         module = model.get_submodule(prefix) if model is not None else None
@@ -576,9 +579,7 @@ class Verifier:
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
-            self.backwards.rollback(bw)
-            if self.state.collector is not None:
-                self.state.collector.discard_backward()
+            self.backwards.refuse(bw)
             raise CheckFailedError(
                 f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
                 f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
@@ -646,9 +647,7 @@ class Verifier:
                 wrong.append(f"'{name}' ({diff})")
         if not wrong:
             return
-        self.backwards.rollback(bw)
-        if self.state.collector is not None:
-            self.state.collector.discard_backward()
+        self.backwards.refuse(bw)
         raise CheckFailedError(
             "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
             "it is not the gradient autograd gives from the model's output-gradients with each "
@@ -656,7 +655,7 @@ class Verifier:
             + _EXAMPLES_NOT_APART.format(lost=_lost(probe))
         )
 
-    def verify_norms(self, bw: Backward, probe: Probe) -> None:
+    def verify_norms(self, bw: Backward, probe: Probe, kept: tuple | None = None) -> None:
         """:meth:`_verify_probe` for a handle without ``grad1``: the per-example gradients the
         norms of this backward were formed from, weighted over the examples as the probe's
         output rows were (:func:`pieces.weighted_sum` of its calls' pieces, :meth:`keep`),
@@ -710,9 +709,12 @@ class Verifier:
                              f"{norm_want:.4g})")  # fmt: skip
         if not wrong:
             return
-        collector.discard_backward()
-        collector.param_sq_norms, collector.norm_forms = {}, {}
-        collector.sum_grad_sq, collector.grad_mean = {}, {}
+        self.backwards.refuse(bw)
+        if kept is not None:  # (the results of the backward before, published again)
+            collector.restore(kept)
+        else:
+            collector.param_sq_norms, collector.norm_forms = {}, {}
+            collector.sum_grad_sq, collector.grad_mean = {}, {}
         raise CheckFailedError(
             "gradhooks: the per-example norms are not those of the examples' own gradients: "
             "the gradients they were formed from, weighted over the examples, are not the "

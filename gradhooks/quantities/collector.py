@@ -120,6 +120,21 @@ class Collector:
         if self.kfac is not None:
             self.kfac.clear()
 
+    def results(self) -> tuple:
+        """The results published now (for :meth:`restore`: the dicts themselves, which a
+        backward's end replaces, never changes)."""
+        return (
+            self.param_sq_norms, self.norm_forms, self.sum_grad_sq, self.grad_mean,
+            self.batch, self.published,
+        )  # fmt: skip
+
+    def restore(self, results: tuple) -> None:
+        """Publish again what :meth:`results` gave (a later backward's were refused)."""
+        (
+            self.param_sq_norms, self.norm_forms, self.sum_grad_sq, self.grad_mean,
+            self.batch, self.published,
+        ) = results  # fmt: skip
+
     def restart(self, params: list[nn.Parameter]) -> None:
         """These parameters' ``.grad`` was reset (``zero_grad``) since the last backward: what
         accumulates over backwards (the K-FAC factors) starts afresh for them. The other

@@ -566,7 +566,18 @@ def _check_step(
     )
 
 
-def _clipped_sums(
+def _clipped_sums(hooks: Hooks, *args, **kwargs) -> tuple[Tensor, list[Tensor], float | None]:
+    """:func:`_step_sums`; refused (a check of the step's after its backward: the examples
+    mixed, the batch not found), no ``grad1`` or quantity of the step is left to read, and
+    ``.grad`` is as it was (the step's backward returns its gradients instead of adding them)."""
+    try:
+        return _step_sums(hooks, *args, **kwargs)
+    except BaseException:
+        engine_of(hooks).discard_written()
+        raise
+
+
+def _step_sums(
     hooks: Hooks,
     per_example_loss: Tensor,
     max_norm: float,
