@@ -596,7 +596,7 @@ class BackwardWriter:
                 # all-reduces in place)
                 bw.grads[pid] = hold(grad, copy=True)
             elif bw.spot == pid and not grad.is_sparse:
-                bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid])
+                bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid][1])
             if not reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])

@@ -123,7 +123,7 @@ class CaptureState:
         # the spot check of the backwards in between (Verifier.spot_check): the position,
         # among params, of the parameter the next one compares; the entries compared, by id
         self.spot_next = 0
-        self.spot_entries: dict[int, Tensor] = {}
+        self.spot_entries: dict[int, tuple[int, Tensor]] = {}  # (its numel then, entries)
 
         # -- parameters used outside their modules' calls --------------------------------------
         # by id: the sources of their uses

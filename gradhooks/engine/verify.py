@@ -18,6 +18,7 @@ do (as :func:`gradhooks.check_rule` does for a rule).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -157,6 +158,18 @@ PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
 # how many entries of a parameter's gradient the spot check compares (Verifier.spot_check),
 # spread evenly over it
 SPOT_ENTRIES = 32
+
+
+@functools.lru_cache(maxsize=64)
+def _spot_tolerance(
+    dtype: torch.dtype, precision: torch.dtype | None, since: torch.dtype | None
+) -> float | None:
+    """:func:`rounding_tolerance` of the spot check (``None``: no check, under a half precision
+    in this backward, ``precision``, or since the last ``clear()``, ``since``)."""
+    low = lowest_precision(lowest_precision(dtype, precision), since)
+    if low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps:
+        return None
+    return rounding_tolerance(dtype, precision, True)
 
 
 def _dependent(edges: list) -> bool:
@@ -628,11 +641,11 @@ class Verifier:
             ):
                 continue
             self.state.spot_next = (self.state.spot_next + k + 1) % n
-            entries = self.state.spot_entries.get(pid)
-            if entries is None or int(entries[-1]) >= p.numel():
+            found = self.state.spot_entries.get(pid)
+            if found is None or found[0] != p.numel():
                 step = max(1, p.numel() // SPOT_ENTRIES)
                 entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES]
-                self.state.spot_entries[pid] = entries
+                self.state.spot_entries[pid] = (p.numel(), entries)
             return pid
         return None
 
@@ -646,13 +659,13 @@ class Verifier:
         it touches in turn. Not under a half precision, whose rounding the entries alone cannot
         bound. (A few kernels and one read: it runs at nearly every step.)"""
         pid = bw.spot
-        low = lowest_precision(bw.precision, self.state.precision)
-        if pid is None or pid in self.state.exempt or (
-            low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps
-        ):
+        if pid is None or pid in self.state.exempt:
+            return
+        tol = _spot_tolerance(bw.spot_grad.dtype, bw.precision, self.state.precision)
+        if tol is None:
             return
         name, p = self.state.params[pid]
-        entries = self.state.spot_entries[pid]
+        entries = self.state.spot_entries[pid][1]
         want = bw.spot_grad
         if pid in self.state.written and pid in bw.before:
             g1 = p.grad1.detach()
@@ -660,18 +673,20 @@ class Verifier:
             before = bw.before[pid]
             if before is not None:
                 rows = rows - before.reshape(before.shape[0], -1).index_select(1, entries)
-            got = rows.sum(0)
-            if self.state.loss_reduction == "mean" and rows.shape[0]:
-                got = got / rows.shape[0]
-            want = want.to(got.dtype)
-            diff, scale = torch.stack(
-                [(got - want).abs().max(), torch.cat([want, rows.reshape(-1)]).abs().max()]
-            ).tolist()
+            want = want.to(rows.dtype)
+            # (the mean's difference as the sum's, over the batch: one kernel fewer)
+            mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
+            batch = rows.shape[0] if mean else 1
+            inf = float("inf")
+            diff, scale = torch.stack([
+                torch.linalg.vector_norm(rows.sum(0).sub_(want, alpha=batch), inf),
+                torch.linalg.vector_norm(torch.cat([want, rows.reshape(-1)]), inf),
+            ]).tolist()  # fmt: skip
+            diff /= batch
         else:
-            diff = scale = float(want.abs().max())
+            diff = scale = float(torch.linalg.vector_norm(want, float("inf")))
         if not (math.isfinite(diff) and math.isfinite(scale)):
             return  # (an overflow: the scaler's step, skipped)
-        tol = rounding_tolerance(want.dtype, bw.precision, True)
         floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
         if diff > tol * scale + 1e-3 * tol * max(self.overall, scale) + floor and diff > 0:
             self._refuse_sums(
