@@ -468,6 +468,7 @@ class BackwardWriter:
             if nested:  # their gradients are split between the two: not verified
                 for other in self.state.tasks.values():
                     other.verify = frozenset()
+                    other.spot, other.spot_grad = None, None
             else:
                 bw.capturing = self.state.capturing_backward()
                 if bw.capturing:
