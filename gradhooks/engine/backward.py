@@ -467,6 +467,7 @@ class BackwardWriter:
             if nested:  # their gradients are split between the two: not verified
                 for other in self.state.tasks.values():
                     other.verify = frozenset()
+                    other.spot, other.spot_grad = None, None
             else:
                 bw.capturing = self.state.capturing_backward()
                 if bw.capturing:
@@ -475,6 +476,8 @@ class BackwardWriter:
                     self.state.trail.observe()
                 if self.state.verify and self.state.checks_examples and self.state.unverified:
                     bw.verify = frozenset(self.state.unverified)
+                elif self.state.verify and self.state.grad1 and bw.capturing:
+                    bw.spot = self.verifier.spot_of()
             _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
 
@@ -605,6 +608,8 @@ class BackwardWriter:
                 # (a copy: autograd may take this very tensor as .grad, which DDP then
                 # all-reduces in place)
                 bw.grads[pid] = hold(grad, copy=True)
+            elif bw.spot == pid and not grad.is_sparse:
+                bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid][1])
             if not reached and self.state.capturing_backward():
                 if pid in bw.direct:
                     self._lost(pid, name, *bw.direct[pid])
@@ -664,6 +669,9 @@ class BackwardWriter:
                 p.grad1 = g1 * factor if before is None else before + (g1 - before) * factor
             if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
                 bw.grads[pid] = hold(final, copy=True)
+            elif bw.spot == pid and bw.spot_grad is not None and not final.is_sparse:
+                entries = self.state.spot_entries[pid][1]
+                bw.spot_grad = final.reshape(-1).index_select(0, entries)
             return
         what = (
             "by a factor, which the per-example norms cannot follow"
@@ -821,6 +829,8 @@ class BackwardWriter:
             self.state.collector.drop(left_out)
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
             self.verifier.verify_backward(bw)
+        elif bw.spot_grad is not None and kept and bw.spot in bw.reached and bw.spot not in left_out:
+            self.verifier.spot_check(bw)
         elif bw.verify and not self.state.grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
                 # (after the collector's own callback, which forms the norms)

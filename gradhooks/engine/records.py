@@ -137,6 +137,10 @@ class Backward:
     grads: dict[int, Tensor] = field(default_factory=dict)
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
+    # (not verify) the parameter the spot check compares (Verifier.spot_check): its id, and
+    # its gradient's entries that it compares, as autograd gave them
+    spot: int | None = None
+    spot_grad: Tensor | None = None
     # (verify, without grad1) for the norms' check, per parameter id, its calls' pieces weighted
     # over the examples as the probe's rows were, summed as they come (as compare.hold keeps
     # it; None: a layer that counts its examples otherwise); the pieces of calls before the

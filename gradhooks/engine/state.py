@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..quantities import Collector
 from ..rules.registry import Registry
@@ -122,6 +122,10 @@ class CaptureState:
         # -- the last line of defence (Verifier) -----------------------------------------------
         self.verified: set[tuple] = set()  # signatures of the calls of a forward
         self.unverified: set[tuple] = set()
+        # the spot check of the backwards in between (Verifier.spot_check): the position,
+        # among params, of the parameter the next one compares; the entries compared, by id
+        self.spot_next = 0
+        self.spot_entries: dict[int, tuple[int, Tensor]] = {}  # (its numel then, entries)
 
         # -- parameters used outside their modules' calls --------------------------------------
         # by id: the sources of their uses

@@ -5,6 +5,9 @@ computes every parameter's gradient from the model's output-gradients with each 
 weighted differently, in a second backward through the same graph (the probe); ``grad1`` weighted
 alike (or, without ``grad1``, the pieces) must match, or the backward is undone and refused,
 naming the parameters. :class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
+On the CPU, where reading a value back costs nothing, each backward in between compares some
+entries of one parameter's ``grad1`` with autograd's (:meth:`Verifier.spot_check`), a parameter
+after another, so that a loss term on the parameters that starts later is refused where it starts.
 
 :func:`check_hooks` (what :meth:`gradhooks.Hooks.check` calls) is the same kind of check on
 demand, after a backward: ``grad1`` against autograd's ``.grad`` and, given the loss, against a
@@ -15,6 +18,7 @@ do (as :func:`gradhooks.check_rule` does for a rule).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -150,6 +154,22 @@ def rounding_tolerance(
 # parts inside a float64 one (Hugging Face's norms and softmax), and, in float32, for TF32
 # convolutions on a GPU; under autocast, rounding_tolerance's room for its precision.
 PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
+
+# how many entries of a parameter's gradient the spot check compares (Verifier.spot_check),
+# spread evenly over it
+SPOT_ENTRIES = 32
+
+
+@functools.lru_cache(maxsize=64)
+def _spot_tolerance(
+    dtype: torch.dtype, precision: torch.dtype | None, since: torch.dtype | None
+) -> float | None:
+    """:func:`rounding_tolerance` of the spot check (``None``: no check, under a half precision
+    in this backward, ``precision``, or since the last ``clear()``, ``since``)."""
+    low = lowest_precision(lowest_precision(dtype, precision), since)
+    if low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps:
+        return None
+    return rounding_tolerance(dtype, precision, True)
 
 
 def _dependent(edges: list) -> bool:
@@ -314,6 +334,9 @@ class Verifier:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         self.probe_box: dict | None = None  # the outputs of the forward the probe starts from
+        # the largest entry of the model's gradients at the last full check (verify_backward):
+        # the scale the spot check compares a gradient that is zero by symmetry against
+        self.overall = 0.0
 
     def arm_probe(self, frame: Frame, tracker: Tracker, output: Any) -> None:
         """Get ready to check, at the next backward that verifies, one example's ``grad1``
@@ -561,6 +584,7 @@ class Verifier:
         # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
         # the model's scale, not its own rounding)
         overall = max((largest(g) for g in bw.grads.values() if g.numel()), default=0.0)
+        self.overall = overall
         for pid, grad in bw.grads.items():
             name, p = self.state.params[pid]
             if pid in self.state.exempt:
@@ -579,21 +603,99 @@ class Verifier:
             if diff is not None:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
-            self.backwards.refuse(bw)
-            raise CheckFailedError(
-                f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
-                f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
-                "grad1 was not written. Either a use of the parameter that the hooks did not "
-                "see (a custom operation or kernel: register a rule for the module), or a term "
-                "of the loss that does not come from the examples (weight decay or a penalty "
-                "added to the loss: add its gradient to .grad yourself, or pass add_hooks(..., "
-                "verify=False) to keep grad1 of the per-example terms alone). This is checked "
-                "on the first backward of each new set of layer calls."
+            self._refuse_sums(
+                bw, wrong, "This is checked on the first backward of each new set of layer calls."
             )
         probe = bw.probe
         if probe is not None and bw.frames == {probe.frame}:
             self._verify_probe(bw, probe)
         self.state.unverified -= bw.verify
+
+    def _refuse_sums(self, bw: Backward, wrong: list[str], when: str) -> None:
+        """Undo backward ``bw``'s ``grad1`` and refuse it: ``grad1`` of the parameters ``wrong``
+        does not add up to autograd's gradient."""
+        self.backwards.refuse(bw)
+        raise CheckFailedError(
+            f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
+            f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
+            "grad1 was not written. Either a use of the parameter that the hooks did not "
+            "see (a custom operation or kernel: register a rule for the module), or a term "
+            "of the loss that does not come from the examples (weight decay or a penalty "
+            "added to the loss: add its gradient to .grad yourself, or pass add_hooks(..., "
+            f"verify=False) to keep grad1 of the per-example terms alone). {when}"
+        )
+
+    def spot_of(self) -> int | None:
+        """The parameter (id) whose ``grad1`` the spot check of the backward starting now
+        compares (:meth:`spot_check`): the next of the handle's parameters in turn that is on
+        the CPU, in single or double precision, and sums to its ``.grad`` (``None``: none is)."""
+        ids = list(self.state.params)
+        n = len(ids)
+        for k in range(n):
+            pid = ids[(self.state.spot_next + k) % n]
+            p = self.state.params[pid][1]
+            if (
+                pid in self.state.exempt
+                or pid in self.state.sharded
+                or not P.reads_are_free(p)
+                or p.dtype not in (torch.float32, torch.float64)
+            ):
+                continue
+            self.state.spot_next = (self.state.spot_next + k + 1) % n
+            found = self.state.spot_entries.get(pid)
+            if found is None or found[0] != p.numel():
+                step = max(1, p.numel() // SPOT_ENTRIES)
+                entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES]
+                self.state.spot_entries[pid] = (p.numel(), entries)
+            return pid
+        return None
+
+    def spot_check(self, bw: Backward) -> None:
+        """A backward that :meth:`verify_backward` leaves alone, on the CPU: some entries of one
+        parameter's ``grad1`` of this backward (:meth:`spot_of`), reduced over the examples,
+        against autograd's gradient (``bw.spot_grad``, kept by the parameter's hook), as
+        :func:`mismatch` compares them (with the model's scale at the last full check). What
+        starts between two full checks and is no example's (a penalty on the parameters whose
+        weight is ramped up from 0) shows at the first backward it reaches, on every parameter
+        it touches in turn. Not under a half precision, whose rounding the entries alone cannot
+        bound. (A few kernels and one read: it runs at nearly every step.)"""
+        pid = bw.spot
+        if pid is None or pid in self.state.exempt:
+            return
+        tol = _spot_tolerance(bw.spot_grad.dtype, bw.precision, self.state.precision)
+        if tol is None:
+            return
+        name, p = self.state.params[pid]
+        entries = self.state.spot_entries[pid][1]
+        want = bw.spot_grad
+        if pid in self.state.written and pid in bw.before:
+            g1 = p.grad1.detach()
+            rows = g1.reshape(g1.shape[0], -1).index_select(1, entries)
+            before = bw.before[pid]
+            if before is not None:
+                rows = rows - before.reshape(before.shape[0], -1).index_select(1, entries)
+            want = want.to(rows.dtype)
+            # (the mean's difference as the sum's, over the batch: one kernel fewer)
+            mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
+            batch = rows.shape[0] if mean else 1
+            inf = float("inf")
+            diff, scale = torch.stack([
+                torch.linalg.vector_norm(rows.sum(0).sub_(want, alpha=batch), inf),
+                torch.linalg.vector_norm(torch.cat([want, rows.reshape(-1)]), inf),
+            ]).tolist()  # fmt: skip
+            diff /= batch
+        else:
+            diff = scale = float(torch.linalg.vector_norm(want, float("inf")))
+        if not (math.isfinite(diff) and math.isfinite(scale)):
+            return  # (an overflow: the scaler's step, skipped)
+        floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
+        if diff > tol * scale + 1e-3 * tol * max(self.overall, scale) + floor and diff > 0:
+            self._refuse_sums(
+                bw, [f"'{name}' (differs by {diff:.2e}, largest {scale:.2e}, over "
+                     f"{len(entries)} of its entries)"],
+                "On the CPU, each backward between the full checks compares some entries of "
+                "one parameter's grad1, a parameter after another: this one's did not add up.",
+            )  # fmt: skip
 
     def _through_outputs(self, bw: Backward, probe: Probe) -> set[int]:
         """The parameters whose gradient in this backward came through the model's outputs
