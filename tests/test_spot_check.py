@@ -122,3 +122,26 @@ def test_an_ordinary_float32_training_loop_is_never_refused():
     want = loop_grad(model.double(), F.cross_entropy, tokens, y)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad1.double(), want[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_scaling_hook_of_the_users_is_followed_at_every_step(order):
+    """A hook that halves one weight's gradient, registered before or after ``add_hooks``:
+    ``grad1`` is halved as ``.grad`` is, and the spot check compares it with the gradient
+    ``.grad`` gets, at each of ten backwards (no false alarm)."""
+    model = _mlp()
+    first = model[0].weight
+    if order == "before":
+        first.register_hook(lambda g: g * 0.5)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        if order == "after":
+            first.register_hook(lambda g: g * 0.5)
+        for step in range(1, 11):
+            x, y = _batch(step)
+            model.zero_grad()
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            # (the loop's backwards run the hook too: its rows are halved)
+            want = loop_grad(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)
+            torch.testing.assert_close(first.grad1.sum(0), first.grad, rtol=1e-7, atol=1e-9)
