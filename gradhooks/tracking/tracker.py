@@ -907,7 +907,13 @@ class Tracker(TorchFunctionMode):
         tainted = list({id(t): t for t in tensors if self.taints.get(t) or id(t) in ids}.values())
         for t in tensors if self.lineage else ():
             self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
-        if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
+        graph = torch.is_grad_enabled()
+        if (
+            self.engine is not None
+            and direct
+            and graph
+            and not any(self.taints.get(t) for t in tensors)
+        ):
             out = self.engine.functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
                 for p in direct:  # (a module without a rule that covers it leaves it to this)
@@ -917,8 +923,8 @@ class Tracker(TorchFunctionMode):
                 return out
         for p in direct:
             self._param_source(p)
-        if any(not t.requires_grad for t in tainted):
-            if not torch.is_grad_enabled():
+        if not graph or any(not t.requires_grad for t in tainted):
+            if not graph:
                 # (inside a custom autograd.Function's forward, whose own backward gives the
                 # sources a gradient gradhooks cannot split by example, or under no_grad)
                 out = func(*args, **kwargs)
