@@ -253,3 +253,106 @@ def test_stylegan2_lazy_r1_regularization_refused_then_run_paused_as_advised():
                     r1 = torch.zeros_like(p) if q.grad is None else q.grad  # (the last bias)
                     torch.testing.assert_close(p.grad, dmain_grad[n] + r1, msg=n)
             opt.step()
+
+
+# -- a forward replaced on the module itself: Liger-Kernel's patches, accelerate's hooks ---------
+
+
+def _masked_forward(self, x):
+    """A sparse-training (or DropConnect) forward put on one ``nn.Linear``: its weight times a
+    fixed 0/1 mask, the output scaled by 2: not what ``nn.Linear`` computes."""
+    return F.linear(x, self.weight * self.mask, self.bias) * 2.0
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Liger-Kernel's ``LigerLayerNormFunction``: the layer norm and its affine part in one
+    kernel, the backward written by hand."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        centred = x - x.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+        normed = centred * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        return normed * weight + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        normed, rstd, weight = ctx.saved_tensors
+        rows = g.reshape(-1, g.shape[-1])
+        g_normed = g * weight
+        g_x = rstd * (
+            g_normed
+            - g_normed.mean(-1, keepdim=True)
+            - normed * (g_normed * normed).mean(-1, keepdim=True)
+        )
+        return g_x, (rows * normed.reshape(rows.shape)).sum(0), rows.sum(0), None
+
+
+def _layer_norm_function_forward(self, x):
+    """Liger-Kernel's ``_patch_layer_norm_module``: an ``nn.LayerNorm``'s forward replaced by
+    one through its fused Function (the same computation)."""
+    return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
+
+
+def _patch(model: nn.Sequential, how: str) -> None:
+    import types
+
+    if how == "masked linear":
+        layer = model[0]
+        layer.mask = (
+            torch.rand(layer.weight.shape, generator=torch.Generator().manual_seed(5)) > 0.5
+        ).to(D)
+        layer.forward = types.MethodType(_masked_forward, layer)
+    elif how == "liger layer norm":
+        model[2].forward = types.MethodType(_layer_norm_function_forward, model[2])
+    else:  # accelerate's hooks wrap the forward (the same computation)
+        from accelerate.hooks import ModelHook, add_hook_to_module
+
+        add_hook_to_module(model[0], ModelHook())
+
+
+@pytest.mark.parametrize("when", ["before add_hooks", "at the third step"])
+@pytest.mark.parametrize("how", ["masked linear", "liger layer norm", "accelerate hook"])
+def test_a_forward_replaced_on_the_module_itself(how, when):
+    """``module.forward = MethodType(f, module)`` on one layer: Liger-Kernel's
+    ``apply_liger_kernel_to_*(model=...)`` patches the norms of a built model so,
+    ``accelerate.hooks.add_hook_to_module`` wraps a forward so, and sparse-training and
+    DropConnect code put a masked forward on a layer. The layer then computes what that
+    function does, not what its class's rule assumes: before, a masked Linear kept the
+    Linear rule, refused by the run-time check where it ran, and silently wrong at the third
+    backward, which the check does not run (grad1 without the mask and the factor 2). Now a
+    module whose forward was replaced on it has no rule of its class (the fallback
+    recomputes it), also where the forward is replaced after ``add_hooks``: grad1 is the
+    float64 loop's at each of five SGD steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 2)).to(D)
+    with torch.no_grad():
+        model[2].weight.add_(0.3 * torch.randn(6, dtype=D))
+    if when == "before add_hooks":
+        _patch(model, how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(model):
+        for step in range(5):
+            if step == 2 and when != "before add_hooks":
+                _patch(model, how)
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+def test_a_forward_replaced_on_a_module_is_named_where_fallback_is_off():
+    """With ``unsupported="error"`` such a layer is refused before anything is hooked, the
+    message saying its forward was replaced (an ``nn.Linear`` without a rule would puzzle)."""
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 2)).to(D)
+    _patch(model, "masked linear")
+    with pytest.raises(
+        gradhooks.UnsupportedModuleError,
+        match=r"'0' \(Linear, its forward replaced on the module\)",
+    ):
+        gradhooks.add_hooks(model, unsupported="error")
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
