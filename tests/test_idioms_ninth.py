@@ -194,6 +194,60 @@ def test_fused_layers_in_the_dp_step():
         torch.testing.assert_close(p.grad, clipped, rtol=1e-9, atol=1e-12, msg=n)
 
 
+class ScaledBlock(nn.Module):
+    """A block with parameters of its own used directly (a module without a rule: the
+    tracker follows ``* scale + shift``) around a Linear."""
+
+    def __init__(self, dim: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.scale, self.shift = nn.Parameter(torch.randn(dim)), nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * self.scale + self.shift
+
+
+class Checkpointed(nn.Module):
+    """Megatron-LM's ``--recompute-granularity full`` in small: the block under
+    ``torch.utils.checkpoint`` in training, its first forward without a graph, run again in
+    the backward; a second head tied to the block's Linear, used by ``F.linear``."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(3, 6), ScaledBlock(), nn.Linear(6, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.training:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        else:
+            h = self.block(h)
+        return self.out(h) + F.linear(h, self.block.fc.weight[:2])
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_of_a_block_using_its_parameters_directly(reentrant):
+    """The forward without a graph of a custom Function (reentrant checkpointing) is not one
+    whose parameters get their gradient from a hand-written backward: the block is run again
+    with a graph in the backward, and followed there. grad1 is the float64 loop's (in eval
+    mode, without checkpointing) at each of three SGD steps."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(6)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            model.eval()
+            want = loop_grad(model, F.cross_entropy, x, y)
+            model.train()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
 # -- StyleGAN2-ADA: lazy R1 regularization every few steps -------------------------------------
 
 
