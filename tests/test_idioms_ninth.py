@@ -410,3 +410,75 @@ def test_a_forward_replaced_on_a_module_is_named_where_fallback_is_off():
     ):
         gradhooks.add_hooks(model, unsupported="error")
     assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+# -- Hugging Face's flash_attention_2 path: unpad by the mask, varlen attention, pad back -------
+
+
+class VarlenAttention(nn.Module):
+    """transformers' ``_flash_attention_forward`` on a padded batch, with torch's ops in
+    place of flash-attn's kernels: ``_upad_input`` gathers the real tokens of every sequence
+    from ``[batch * seq, heads, dim]`` by the mask's ``nonzero`` indices, the varlen kernel
+    attends within each sequence of ``cu_seqlens`` (a causal SDPA per ``split``), and
+    ``pad_input`` scatters the tokens back into zeros and reshapes to ``[batch, seq, ...]``."""
+
+    def __init__(self, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.qkv, self.o, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+
+    def forward(self, x, mask):
+        batch, seq, dim = x.shape
+        indices = torch.nonzero(mask.flatten()).flatten()
+        lengths = mask.sum(1).tolist()
+        q, k, v = (
+            t.reshape(batch * seq, self.heads, dim // self.heads)[indices]
+            for t in self.qkv(x).chunk(3, -1)
+        )
+        attended = torch.cat([
+            F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True
+            ).transpose(0, 1)
+            for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
+        ])  # fmt: skip
+        out = torch.zeros(batch * seq, self.heads, dim // self.heads, dtype=attended.dtype)
+        out[indices] = attended
+        return self.o(out.reshape(batch, seq, dim))
+
+
+class VarlenLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Embedding(11, 8), VarlenAttention(), nn.Linear(8, 11)
+
+    def forward(self, idx, mask):
+        h = self.emb(idx)
+        return self.head(h + self.attn(h, mask))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.MixedExamplesError,
+    reason="the tracker loses the examples in the unpadded [tokens, ...] tensor gathered from "
+    "the flattened batch (x.reshape(batch * seq, ...)[nonzero(mask)]) and split by sequence "
+    "lengths, so the output projection is refused as mixing them, though each sequence "
+    "attends to itself alone (a false refusal: pad the batch and use SDPA with the mask)",
+)
+def test_flash_attention_2_unpad_varlen_pad_over_a_padded_batch():
+    """A padded batch through the flash_attention_2 path (sequences of 6, 4, 6 and 2 real
+    tokens, the padding's targets -100): grad1 is each sequence's own gradient, by the
+    per-example loop (each sequence alone, with its own mask)."""
+    torch.manual_seed(0)
+    model = VarlenLM().to(D)
+    idx, y = tokens(torch.Generator().manual_seed(7), length=6)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    y = y.masked_fill(mask == 0, -100)
+
+    def summed(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
+
+    want = loop_grad(model, summed, (idx, mask), y)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        summed(model(idx, mask), y).backward()
+        assert_grad1(model, want, "the padded batch")
