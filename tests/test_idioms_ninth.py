@@ -248,6 +248,96 @@ def test_activation_checkpointing_of_a_block_using_its_parameters_directly(reent
             opt.step()
 
 
+class ReversibleFunction(torch.autograd.Function):
+    """reformer_pytorch's / RevViT's reversible residual block ``y1 = x1 + f(x2)``,
+    ``y2 = x2 + g(y1)``: the forward without a graph, keeping only the output; the backward
+    rebuilds the inputs from it, runs ``g`` and ``f`` again with a graph and
+    ``torch.autograd.backward`` through each (their parameters' ``.grad`` filled there)."""
+
+    @staticmethod
+    def forward(ctx, x, f, g):
+        x1, x2 = x.chunk(2, -1)
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            y2 = x2 + g(y1)
+        y = torch.cat([y1, y2], -1)
+        ctx.f, ctx.g = f, g
+        ctx.save_for_backward(y.detach())
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        (y1, y2), (dy1, dy2) = y.chunk(2, -1), dy.chunk(2, -1)
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_(True)
+            gy1 = ctx.g(y1)
+            torch.autograd.backward(gy1, dy2)
+        with torch.no_grad():
+            x2, dx1 = y2 - gy1, dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_(True)
+            torch.autograd.backward(ctx.f(x2), dx1)
+        return torch.cat([dx1, dy2 + x2.grad], -1), None, None
+
+
+class Reversible(nn.Module):
+    """A reversible block between two Linears; in eval mode the same block run plainly."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 8), nn.Linear(8, 2)
+        self.f = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.g = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.training:
+            h = ReversibleFunction.apply(h, self.f, self.g)
+        else:
+            x1, x2 = h.chunk(2, -1)
+            y1 = x1 + self.f(x2)
+            h = torch.cat([y1, x2 + self.g(y1)], -1)
+        return self.out(h)
+
+
+def test_reversible_residual_blocks_rebuilt_in_the_backward():
+    """Reformer's / RevViT's memory-saving reversible layers: grad1 of the blocks' Linears,
+    called only inside the custom backward, and of the layers around them is the float64
+    loop's (the plain block, eval mode) at each of three SGD steps; then the DP step's norms
+    (ghost and book-keeping methods, which also see the inner backwards) are the loop's."""
+    torch.manual_seed(0)
+    model = Reversible().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(8)
+
+    def reference(x, y):
+        model.eval()
+        try:
+            return loop_grad(model, F.cross_entropy, x, y)
+        finally:
+            model.train()
+
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            want = reference(x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+    gradhooks.clear_grad1(model)
+    x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+    norms = torch.sqrt(sum(w.flatten(1).pow(2).sum(1) for w in reference(x, y).values()))
+    for method in ("ghost", "bookkeeping"):
+        with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            got = gradhooks.dp_sgd_step(
+                hooks, losses, max_norm=0.3, noise_multiplier=0.0, method=method
+            )
+        torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12, msg=method)
+
+
 # -- StyleGAN2-ADA: lazy R1 regularization every few steps -------------------------------------
 
 
