@@ -338,6 +338,77 @@ def test_reversible_residual_blocks_rebuilt_in_the_backward():
         torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12, msg=method)
 
 
+class BiasGeLUFunction(torch.autograd.Function):
+    """Megatron-LM's ``bias_gelu_impl``: ``gelu(x + bias)`` in one kernel, the bias's
+    gradient summed over every row by the hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)
+        return F.gelu(x + bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, bias = ctx.saved_tensors
+        with torch.enable_grad():
+            z = (x + bias).detach().requires_grad_()
+            (gz,) = torch.autograd.grad(F.gelu(z), z, g)
+        return gz, gz.reshape(-1, gz.shape[-1]).sum(0)
+
+
+class SkipBiasLinear(nn.Linear):
+    """Megatron-LM's ``ColumnParallelLinear(skip_bias_add=True)``: returns the product and
+    its bias, for the caller to fuse the bias into what follows."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias
+
+
+class MegatronMLP(nn.Module):
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.up, self.down, self.fused = SkipBiasLinear(4, 8), nn.Linear(8, 4), fused
+
+    def forward(self, x):
+        h, bias = self.up(x)
+        h = BiasGeLUFunction.apply(h, bias) if self.fused else F.gelu(h + bias)
+        return self.down(h)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["bias added", "bias_gelu fused"])
+def test_megatron_skip_bias_add_then_the_bias_fused_into_the_gelu(fused):
+    """Megatron-LM's MLP: the first Linear skips its bias and hands it back; the MLP adds it
+    (grad1 of every parameter the float64 loop's, over three SGD steps), or fuses it into
+    ``bias_gelu_impl``, a custom Function whose backward sums the bias's gradient over the
+    batch: that use of the bias, outside its module and without a graph, cannot be split
+    by example. Before, its grad1 was missing with a warning that no forward was captured;
+    now it is refused at the backward, naming the bias and the operation and saying what to
+    do, with the weights as they were and no grad1 written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), MegatronMLP(fused), nn.Linear(4, 2)).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(9)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            if fused:
+                before = snapshot(model)
+                message = (
+                    r"'1\.up\.bias' is used outside its module's call.*'add' combines it with "
+                    r"the batch where autograd records no graph.*or freeze it"
+                )
+                with pytest.raises(gradhooks.UnsupportedError, match=message):
+                    F.cross_entropy(model(x), y).backward()
+                assert not any(hasattr(p, "grad1") for p in model.parameters())
+                assert_unchanged(model, before, "the refused backward")
+                return
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
 # -- StyleGAN2-ADA: lazy R1 regularization every few steps -------------------------------------
 
 
