@@ -643,3 +643,163 @@ def test_flash_attention_2_unpad_varlen_pad_over_a_padded_batch():
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         summed(model(idx, mask), y).backward()
         assert_grad1(model, want, "the padded batch")
+
+
+# -- litgpt's pretraining loop on Lightning Fabric: 16-mixed, no_backward_sync, chunked loss ----
+
+
+class TinyGPT(nn.Module):
+    """A one-block language model with its output layer tied to the embedding (nanoGPT,
+    litgpt); ``forward(idx, targets)`` returns the logits and nanoGPT's loss."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8):
+        super().__init__()
+        self.wte, self.fc, self.ln = (
+            nn.Embedding(vocab, dim),
+            nn.Linear(dim, dim),
+            nn.LayerNorm(dim),
+        )
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        h = self.wte(idx)
+        logits = self.head(self.ln(h + torch.tanh(self.fc(h))))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def chunked_cross_entropy(logits, targets, chunk_size: int = 2):
+    """litgpt's ``chunked_cross_entropy``: the logits split along the sequence, each chunk's
+    unreduced token losses, their sum over the count of targets not ignored."""
+    losses = [
+        F.cross_entropy(
+            lc.reshape(-1, lc.shape[-1]), tc.reshape(-1), ignore_index=-100, reduction="none"
+        )
+        for lc, tc in zip(logits.split(chunk_size, 1), targets.split(chunk_size, 1), strict=True)
+    ]
+    return torch.cat(losses).sum() / (targets != -100).sum().clamp(min=1)
+
+
+def test_litgpt_fabric_loop_16_mixed_no_backward_sync_and_a_chunked_loss():
+    """litgpt's ``pretrain.fit``: Fabric with ``precision="16-mixed"`` (on a GPU a
+    ``MixedPrecision`` plugin whose ``GradScaler`` ``fabric.backward`` scales the loss by;
+    on the CPU, given explicitly), two micro-batches per step under
+    ``fabric.no_backward_sync(model, enabled=is_accumulating)``, ``fabric.backward(loss /
+    accum)`` of ``chunked_cross_entropy`` (targets partly -100), ``fabric.clip_gradients``
+    and the step. As for any ``GradScaler``, grad1 is the scale ``S`` (the plugin's
+    ``scaler.get_scale()`` before the step) times the per-example gradients, summed over the
+    micro-batches: ``grad1 / S`` is the float64 loop's within float16's rounding (1e-2 of
+    the largest entry, docs/mixed-precision.md), at each micro-batch of three steps."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=plugin)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Fabric's notes about the CPU)
+        wrapped, opt = fabric.setup(model, opt)
+    accum, want = 2, {}
+    g = torch.Generator().manual_seed(10)
+    with gradhooks.add_hooks(wrapped, loss_reduction="sum"):
+        for it in range(3 * accum):
+            x, y = tokens(g)
+            y[it % 4, 3:] = -100
+            is_accumulating = (it + 1) % accum != 0
+            count = (y != -100).sum()
+
+            def loss(out, t, count=count):
+                ce = F.cross_entropy(
+                    out.flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum"
+                )
+                return ce / count / accum
+
+            mine = loop_grad(copy.deepcopy(model).double(), loss, x, y)
+            if it % accum == 0:
+                want = {}
+            want = {n: want[n] + mine[n] if want else mine[n] for n in mine}
+            scale = plugin.scaler.get_scale()
+            with fabric.no_backward_sync(wrapped, enabled=is_accumulating):
+                logits = wrapped(x)
+                fabric.backward(chunked_cross_entropy(logits, y) / accum)
+            err = relative_error(model, want, scale)
+            assert err < 1e-2, f"micro-batch {it}: relative error {err:.3g}"
+            if not is_accumulating:
+                fabric.clip_gradients(wrapped, opt, max_norm=1.0)
+                opt.step()
+                opt.zero_grad()
+
+
+# -- nanoGPT's train.py: compiled, float16 autocast, GradScaler, accumulation, clipping ---------
+
+
+def test_nanogpt_compiled_float16_grad_scaler_with_accumulation_and_clipping():
+    """nanoGPT's ``train.py`` with ``dtype='float16'``: ``model = torch.compile(model)``, the
+    loss from the model under ``torch.autocast``, divided by the accumulation steps,
+    ``scaler.scale(loss).backward()`` per micro-step (the next batch fetched in between),
+    then ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``, ``scaler.update`` and
+    ``zero_grad(set_to_none=True)``. ``grad1 / scaler.get_scale()`` is the float64 loop's
+    (summed over the micro-steps) within float16's 1e-2, at every micro-step of three steps;
+    ``clip_grad_norm_`` after ``unscale_`` leaves grad1 alone."""
+    torch.manual_seed(0)
+    raw = TinyGPT()
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    accum, want = 2, {}
+    g = torch.Generator().manual_seed(11)
+    with gradhooks.add_hooks(raw):
+        model = torch.compile(raw)
+        x, y = tokens(g)
+        for step in range(3):
+            for micro in range(accum):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    _, loss = model(x, y)
+                    loss = loss / accum
+                mine = loop_grad(
+                    copy.deepcopy(raw).double(), lambda out, t: token_ce(out, t) / accum, x, y
+                )
+                x, y = tokens(g)  # (prefetched while the backward runs, on a GPU)
+                if micro == 0:
+                    want = {}
+                want = {n: want[n] + mine[n] if want else mine[n] for n in mine}
+                scale = scaler.get_scale()
+                scaler.scale(loss).backward()
+                err = relative_error(raw, want, scale)
+                assert err < 1e-2, f"step {step}, micro-step {micro}: relative error {err:.3g}"
+            kept = {n: p.grad1.clone() for n, p in raw.named_parameters()}
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), 0.01)
+            for n, p in raw.named_parameters():
+                assert torch.equal(p.grad1, kept[n]), f"{n}: clipping changed grad1"
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+
+# -- CUDA graphs' static buffers: one input tensor, refilled in place at every step -----------
+
+
+def test_static_input_buffers_refilled_in_place_at_every_step():
+    """The "whole network capture" recipe of torch's CUDA graphs notes, without the graph:
+    ``static_input.copy_(data)`` and ``static_target.copy_(target)`` before each step, the
+    forward on the same tensors every time, ``zero_grad(set_to_none=True)``. grad1 is each
+    step's own batch's, by the float64 loop, at each of four steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    static_x, static_y = torch.zeros(4, 3, dtype=D), torch.zeros(4, dtype=torch.long)
+    g = torch.Generator().manual_seed(12)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(static_x), static_y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
