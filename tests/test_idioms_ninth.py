@@ -510,6 +510,13 @@ def _layer_norm_function_forward(self, x):
     return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
 
 
+class MaskedLinear(nn.Linear):
+    """A class put on a built ``nn.Linear`` by ``layer.__class__ = MaskedLinear`` (as
+    quantization-aware and sparse-training code does): the masked forward."""
+
+    forward = _masked_forward
+
+
 def _patch(model: nn.Sequential, how: str) -> None:
     import types
 
@@ -519,6 +526,10 @@ def _patch(model: nn.Sequential, how: str) -> None:
             torch.rand(layer.weight.shape, generator=torch.Generator().manual_seed(5)) > 0.5
         ).to(D)
         layer.forward = types.MethodType(_masked_forward, layer)
+    elif how == "class swapped":
+        layer = model[0]
+        layer.mask = torch.ones_like(layer.weight).tril()
+        layer.__class__ = MaskedLinear
     elif how == "liger layer norm":
         model[2].forward = types.MethodType(_layer_norm_function_forward, model[2])
     else:  # accelerate's hooks wrap the forward (the same computation)
@@ -528,7 +539,9 @@ def _patch(model: nn.Sequential, how: str) -> None:
 
 
 @pytest.mark.parametrize("when", ["before add_hooks", "at the third step"])
-@pytest.mark.parametrize("how", ["masked linear", "liger layer norm", "accelerate hook"])
+@pytest.mark.parametrize(
+    "how", ["masked linear", "class swapped", "liger layer norm", "accelerate hook"]
+)
 def test_a_forward_replaced_on_the_module_itself(how, when):
     """``module.forward = MethodType(f, module)`` on one layer: Liger-Kernel's
     ``apply_liger_kernel_to_*(model=...)`` patches the norms of a built model so,
@@ -536,10 +549,11 @@ def test_a_forward_replaced_on_the_module_itself(how, when):
     DropConnect code put a masked forward on a layer. The layer then computes what that
     function does, not what its class's rule assumes: before, a masked Linear kept the
     Linear rule, refused by the run-time check where it ran, and silently wrong at the third
-    backward, which the check does not run (grad1 without the mask and the factor 2). Now a
-    module whose forward was replaced on it has no rule of its class (the fallback
-    recomputes it), also where the forward is replaced after ``add_hooks``: grad1 is the
-    float64 loop's at each of five SGD steps."""
+    backward, which the check does not run (grad1 without the mask and the factor 2); so was
+    a Linear whose class was swapped for a subclass after ``add_hooks``. Now a module whose
+    forward was replaced on it has no rule of its class (the fallback recomputes it), and
+    the hooks are planned again where a forward is replaced or a class swapped after
+    ``add_hooks``: grad1 is the float64 loop's at each of five SGD steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 2)).to(D)
     with torch.no_grad():
