@@ -2,11 +2,19 @@
 
 Each test writes again, on a small model, the idioms of one published loop that the earlier
 sets do not run: fused layers written as custom ``torch.autograd.Function`` s (apex's
-``FusedDense``, Megatron-LM's linear layers, Liger-Kernel's ``LigerRMSNormFunction``), with
-``torch.amp.custom_fwd`` under autocast; ... Each is compared with each example's own gradient by
-a per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an
-error that says what went wrong and leaves the model as it was; what is not right yet is a
-strict xfail saying why.
+``FusedDense``, Liger-Kernel's RMSNorm and LayerNorm, with ``torch.amp.custom_fwd`` under
+autocast, and in the DP step); Megatron-LM's ``skip_bias_add`` with the bias fused into
+``bias_gelu``; a layer's forward replaced on the module itself or its class swapped (Liger's
+patches of a built model, ``accelerate``'s hooks, a masked sparse-training forward), before
+``add_hooks`` or after it; activation checkpointing of a block that uses its parameters
+directly; reformer's reversible residual blocks rebuilt in a custom backward; StyleGAN2-ADA's
+lazy R1 regularization; transformers' flash_attention_2 path (unpad, varlen attention, pad);
+litgpt's loop on Lightning Fabric (``16-mixed``, ``no_backward_sync``, a chunked loss);
+nanoGPT's compiled float16 loop with a ``GradScaler``, accumulation and clipping; CUDA graphs'
+static input buffers. Each is compared with each example's own gradient by a per-example loop
+in float64 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says
+what went wrong and leaves the model as it was; what is not right yet is a strict xfail saying
+why.
 """
 
 from __future__ import annotations
