@@ -20,6 +20,7 @@ why.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -415,6 +416,83 @@ def test_megatron_skip_bias_add_then_the_bias_fused_into_the_gelu(fused):
             F.cross_entropy(model(x), y).backward()
             assert_grad1(model, want, f"step {step}")
             opt.step()
+
+
+class FusedBlock(nn.Module):
+    """A pre-norm residual block of Liger's RMSNorm and apex's FusedDense."""
+
+    def __init__(self, dim: int = 6):
+        super().__init__()
+        self.norm, self.up, self.down = (
+            LigerRMSNorm(dim),
+            FusedDense(dim, 2 * dim),
+            nn.Linear(2 * dim, dim),
+        )
+        with torch.no_grad():
+            self.norm.weight.add_(0.3 * torch.randn(dim))
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """torchtitan's selective activation checkpointing policy: keep the matrix products,
+    recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two fused blocks, each under ``torch.utils.checkpoint`` in training: reentrant,
+    non-reentrant, or non-reentrant with torchtitan's selective policy (``context_fn``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.blocks = nn.ModuleList([FusedBlock(), FusedBlock()])
+        self.how = how
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        h = self.inp(x)
+        for block in self.blocks:
+            if not self.training:
+                h = block(h)
+            elif self.how == "reentrant":
+                h = checkpoint(block, h, use_reentrant=True)
+            elif self.how == "non-reentrant":
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                h = checkpoint(block, h, use_reentrant=False, context_fn=context)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "selective"])
+def test_checkpointed_blocks_of_fused_custom_function_layers(how):
+    """Blocks of fused custom-Function layers under activation checkpointing, as torchtitan
+    and litgpt train large models (``--activation-checkpoint.mode selective``): the blocks'
+    Functions run in the forward and again in the backward's recomputation. grad1 is the
+    float64 loop's (eval mode, nothing checkpointed) at each of three AdamW steps."""
+    torch.manual_seed(0)
+    model = CheckpointedBlocks(how).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.GradhooksWarning)
+        with gradhooks.add_hooks(model):
+            for step in range(3):
+                x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+                model.eval()
+                want = loop_grad(model, F.cross_entropy, x, y)
+                model.train()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                assert_grad1(model, want, f"step {step}")
+                opt.step()
 
 
 # -- StyleGAN2-ADA: lazy R1 regularization every few steps -------------------------------------
