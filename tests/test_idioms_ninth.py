@@ -903,3 +903,50 @@ def test_static_input_buffers_refilled_in_place_at_every_step():
             F.cross_entropy(model(static_x), static_y).backward()
             assert_grad1(model, want, f"step {step}")
             opt.step()
+
+
+# -- PEFT's DoRA: a magnitude vector over the weight's column norms, detached ----------------
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(6, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
+def test_peft_dora_adapter_trained_and_in_the_dp_step():
+    """PEFT's DoRA (``LoraConfig(use_dora=True)``), the recipe for fine-tuning in little GPU
+    memory: beside ``lora_A``/``lora_B``, a ``lora_magnitude_vector`` scales the output by
+    ``magnitude / ‖W + s·B·A‖`` (the norm detached, as the paper says), which reads the
+    adapter's weights outside their modules' calls. grad1 of the three trainable parameters
+    is the float64 loop's at each of three AdamW steps, and the DP step's norms are."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=2, lora_alpha=4, target_modules=["fc"], use_dora=True, init_lora_weights=False
+    )
+    model = get_peft_model(TwoLayer(), config).to(D)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == 3
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    g = torch.Generator().manual_seed(14)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = torch.randn(4, 6, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+    gradhooks.clear_grad1(model)
+    x, y = torch.randn(4, 6, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    norms = torch.sqrt(sum(w.flatten(1).pow(2).sum(1) for w in want.values()))
+    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        got = gradhooks.dp_sgd_step(hooks, losses, max_norm=0.1, noise_multiplier=0.0)
+    torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
