@@ -950,3 +950,52 @@ def test_peft_dora_adapter_trained_and_in_the_dp_step():
         losses = F.cross_entropy(model(x), y, reduction="none")
         got = gradhooks.dp_sgd_step(hooks, losses, max_norm=0.1, noise_multiplier=0.0)
     torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
+
+
+# -- Liger-Kernel's apply_liger_kernel_to_llama(model=...) on a Hugging Face Llama ---------------
+
+
+def _liger_rms_norm_forward(self, hidden_states):
+    """Liger's ``LigerRMSNorm.forward`` as ``_patch_rms_norm_module`` puts it on each
+    ``LlamaRMSNorm`` of a built model."""
+    return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+
+
+def test_liger_kernel_patches_the_rms_norms_of_a_built_llama():
+    """``apply_liger_kernel_to_llama(model=model)`` replaces the forward of every
+    ``LlamaRMSNorm`` instance of a built tiny Llama (two layers, grouped-query attention)
+    by Liger's fused Function. Before, the norms' weights, used inside that Function, had
+    no grad1 and a warning said no forward was captured; grad1 of every parameter is now
+    the float64 loop's at each of two AdamW steps."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=50, max_position_embeddings=32,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(D)
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 5
+    for norm in norms:
+        norm.forward = types.MethodType(_liger_rms_norm_forward, norm)
+        with torch.no_grad():
+            norm.weight.add_(0.2 * torch.randn_like(norm.weight))
+
+    def next_token(out, ids):
+        return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.GradhooksWarning)
+        with gradhooks.add_hooks(model):
+            for step in range(2):
+                ids = torch.randint(50, (3, 7), generator=g)
+                want = loop_grad(model, next_token, ids, ids)
+                opt.zero_grad()
+                next_token(model(ids), ids).backward()
+                assert_grad1(model, want, f"step {step}", rtol=1e-9, atol=1e-12)
+                opt.step()
