@@ -999,3 +999,57 @@ def test_liger_kernel_patches_the_rms_norms_of_a_built_llama():
                 next_token(model(ids), ids).backward()
                 assert_grad1(model, want, f"step {step}", rtol=1e-9, atol=1e-12)
                 opt.step()
+
+
+# -- a running statistic kept in a buffer under no_grad, by a layer without a rule --------------
+
+
+class MonitoredScale(nn.Module):
+    """A learned per-feature scale that keeps, under ``no_grad``, a running mean of the
+    square of what it outputs (as activation monitors and AutoClip-style statistics do),
+    or of its input times the scale's magnitude."""
+
+    def __init__(self, dim: int, statistic: str):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.register_buffer("running", torch.zeros(dim))
+        self.statistic = statistic
+
+    def observed(self, x):
+        scale = self.scale if self.statistic == "of its output" else self.scale.abs()
+        return (x * scale).pow(2).mean(0)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * self.observed(x))
+        return x * self.scale
+
+
+@pytest.mark.parametrize("statistic", ["of its output", "with the scale's magnitude"])
+def test_a_running_statistic_updated_once_per_forward_by_a_layer_the_fallback_recomputes(
+    statistic,
+):
+    """The parameter used under ``no_grad`` with the batch sends the layer to the
+    ``torch.func`` fallback, which recomputes it one example at a time (``torch.func``
+    cannot update one buffer from a batch of examples). That loop ran the layer's forward
+    on its live buffers: the running statistic was updated once more per example, silently
+    (five updates in place of one, with four examples). It now starts each recomputation from copies of the
+    buffers as the call found them, as the vmapped path did: the buffer is updated once per
+    forward, as without hooks, and grad1 is the float64 loop's, at each of three steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), MonitoredScale(5, statistic), nn.Tanh(), nn.Linear(5, 2))
+    model = model.to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(16)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            plain = copy.deepcopy(model)  # (the loop runs its forwards on a copy)
+            want = loop_grad(plain, F.cross_entropy, x, y)
+            with torch.no_grad():
+                running = 0.9 * model[1].running + 0.1 * model[1].observed(model[0](x))
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            torch.testing.assert_close(model[1].running, running, msg=f"step {step}")
+            opt.step()
