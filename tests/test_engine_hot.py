@@ -250,12 +250,12 @@ class _Tied(nn.Module):
 
 @pytest.mark.parametrize("by_name", [False, True], ids=["ids", "names"])
 def test_structure_walks_as_torch_does(by_name):
-    """What the hooks were planned for, in one walk: the modules as ``modules()`` gives them,
-    the trainable parameters as ``named_parameters()`` does (a tied one once, under its first
+    """What the hooks were planned for, in one walk: the modules as ``modules()`` gives them
+    (with their classes, and a forward replaced on one), the trainable parameters as ``named_parameters()`` does (a tied one once, under its first
     name; a frozen one and a missing bias left out)."""
     model = _Tied()
     want = (
-        tuple(map(id, model.modules())),
+        tuple(i for m in model.modules() for i in (id(m), id(type(m)))),
         tuple(
             n if by_name else (n, id(p), _torch.tensor_impl(p))
             for n, p in model.named_parameters()
@@ -264,6 +264,13 @@ def test_structure_walks_as_torch_does(by_name):
     )
     assert structure_of(model, by_name) == want
     model.body[0].weight.requires_grad_(False)
+    assert structure_of(model, by_name) != want
+    model.body[0].weight.requires_grad_(True)
+    assert structure_of(model, by_name) == want
+    model.head.forward = model.head.forward  # (a forward set on the module itself)
+    assert structure_of(model, by_name) != want
+    del model.head.forward
+    model.head.__class__ = type("Swapped", (nn.Linear,), {})  # (its class swapped)
     assert structure_of(model, by_name) != want
 
 

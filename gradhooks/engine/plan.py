@@ -66,7 +66,9 @@ def plan_targets(
             covered.update(id(p) for p in own.values())
     if uncovered:
         lines = [
-            f"'{name or '<model>'}' ({type(m).__qualname__}): {', '.join(ps)}"
+            f"'{name or '<model>'}' ({type(m).__qualname__}"
+            + (", its forward replaced on the module" if "forward" in m.__dict__ else "")
+            + f"): {', '.join(ps)}"
             for name, m, ps in uncovered
         ]
         # Skipping a parameter that a covered module also uses (tied) would make its grad1 hold
@@ -238,12 +240,19 @@ def storages_of(params: list[Tensor]) -> list[int | None]:
 
 
 def modules_and_parameters(model: nn.Module) -> tuple[tuple[int, ...], list]:
-    """One walk of ``model``: the ids of its modules as ``modules()`` gives them, and each
+    """One walk of ``model``: the ids of its modules as ``modules()`` gives them, each
+    followed by the id of its class and by that of the ``forward`` set on the module itself
+    (``module.forward = ...``) where there is one (a class swapped, ``module.__class__ = ...``,
+    or a forward replaced changes what the module computes, and so its rule), and each
     parameter once, ``(name, parameter)``, as ``named_parameters()`` gives them (a parameter
     shared by several modules under its first name)."""
     modules, params, seen = [], [], set()
     for prefix, module in model.named_modules():
         modules.append(id(module))
+        modules.append(id(module.__class__))  # (its class swapped: planned again)
+        replaced = module.__dict__.get("forward")
+        if replaced is not None:  # (a forward set on the module itself: planned again)
+            modules.append(id(replaced))
         for leaf, p in _torch.own_parameters(module).items():
             if p is None or id(p) in seen:
                 continue

@@ -305,7 +305,8 @@ def _by_layout_split(
 
     def one_out(xs_b, params) -> list[Tensor]:
         args, kwargs = args_of(xs_b)
-        out = functional_call(module, {**fixed, **params}, args, kwargs, tie_weights=False)
+        state = {**fixed, **buffers(), **params}  # (the buffers as the call found them)
+        out = functional_call(module, state, args, kwargs, tie_weights=False)
         out = tree_flatten(out)[0]
         return [out[i] for i in out_idx]
 

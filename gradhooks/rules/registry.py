@@ -383,7 +383,12 @@ class Registry:
     def lookup(self, module: nn.Module) -> _Entry | None:
         """The entry for this module, or ``None`` when no rule covers it: its class's, else
         the nearest base class's where the class does not override ``forward``; a class
-        registered by name counts where it is the class importable under that name."""
+        registered by name counts where it is the class importable under that name. A module
+        whose ``forward`` was replaced on the module itself (``module.forward = ...``, a
+        patch of Liger-Kernel's or a user's) computes what that function does: no rule of
+        its class covers it."""
+        if "forward" in module.__dict__:
+            return None
         cls = type(module)
         entry = self._rules.get(cls)
         if entry is not None:

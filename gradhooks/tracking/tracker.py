@@ -90,6 +90,7 @@ class _Use:
     # soft: the operations of its own that mixed rows of the batch (see Tracker.absorb)
     mixing: set[str] = field(default_factory=set)
     mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
+    graph: bool = True  # autograd recorded a graph where the call started
 
 
 class Tracker(TorchFunctionMode):
@@ -116,6 +117,7 @@ class Tracker(TorchFunctionMode):
             frozenset[int]
         ] = []  # parameter ids of the calls running, innermost last
         self.used: list[_Use] = []  # per running call
+        self.graph = torch.is_grad_enabled()  # (where the model's forward started)
         self.param_sources: dict[int, Source] = {}
         self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
         self.spread: TensorMap = TensorMap()  # expanded -> (from, how)
@@ -252,7 +254,7 @@ class Tracker(TorchFunctionMode):
         for record in self.used:
             record.called.add(id(module))
         self.covered.append(frozenset(id(p) for p in params))
-        self.used.append(_Use(soft=soft))
+        self.used.append(_Use(soft=soft, graph=torch.is_grad_enabled()))
 
     def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
         """A call of a module without a rule (``used``, just left) whose own operations mixed
@@ -398,6 +400,15 @@ class Tracker(TorchFunctionMode):
             return
         if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
             self.precision = d
+
+    def _graph_where_called(self) -> bool:
+        """Whether autograd recorded a graph where the innermost running call (or the
+        model's forward) started. Turned off inside it since (a custom ``autograd.Function``'s
+        forward, a ``no_grad`` block of the forward), a parameter's gradient from there comes
+        from a backward written by hand, which the tracker cannot split by example; off
+        already (reentrant checkpointing's first forward), the call is run again, with a
+        graph, in the backward, and followed there."""
+        return self.used[-1].graph if self.used else self.graph
 
     def _covering(self, pid: int) -> int | None:
         for i in range(len(self.covered) - 1, -1, -1):
@@ -907,7 +918,15 @@ class Tracker(TorchFunctionMode):
         tainted = list({id(t): t for t in tensors if self.taints.get(t) or id(t) in ids}.values())
         for t in tensors if self.lineage else ():
             self.joined |= self.lineage.get(t, frozenset())  # (met as batched)
-        if self.engine is not None and direct and not any(self.taints.get(t) for t in tensors):
+        # (the graph turned off inside the call: its parameters' gradients from here come
+        # from a backward written by hand)
+        lost = not torch.is_grad_enabled() and self._graph_where_called()
+        if (
+            self.engine is not None
+            and direct
+            and not lost
+            and not any(self.taints.get(t) for t in tensors)
+        ):
             out = self.engine.functional_use(func, name, args, kwargs, direct, self)
             if out is not NotImplemented:
                 for p in direct:  # (a module without a rule that covers it leaves it to this)
@@ -917,7 +936,7 @@ class Tracker(TorchFunctionMode):
                 return out
         for p in direct:
             self._param_source(p)
-        if any(not t.requires_grad for t in tainted):
+        if lost or any(not t.requires_grad for t in tainted):
             if not torch.is_grad_enabled():
                 # (inside a custom autograd.Function's forward, whose own backward gives the
                 # sources a gradient gradhooks cannot split by example, or under no_grad)
