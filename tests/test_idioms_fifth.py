@@ -638,15 +638,10 @@ MASKS = {
     "capacity by cumsum": lambda x: x * ((x[:, :1] > 0).long().cumsum(0) <= 1),
     "the largest example": lambda x: x * (torch.arange(len(x))[:, None] == x[:, 0].argmax()),
     "rank below 3": lambda x: x * (x[:, 0].argsort().argsort()[:, None] < 3),
-    "count-based switch": pytest.param(
-        lambda x: x * ((x > 0).sum() > 5),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="a mask of one entry for the whole batch, decided across it (here from a "
-            "count of the batch's positive entries), is taken as selecting only, as the "
-            "longest sequence's length is: grad1 holds the batched forward's rows",
-        ),
-    ),
+    # (one switch for the whole batch, decided across it: on for the batch, where an example
+    # alone may not reach the count)
+    "count-based switch": lambda x: x * ((x > 0).sum() > 5),
+    "switch on the largest entry": lambda x: x * (x.abs().max() > 1.5),
 }
 
 
@@ -670,3 +665,16 @@ def test_a_mask_of_the_data_against_a_statistic_of_the_batch_is_refused(how):
             with pytest.raises(gradhooks.MixedExamplesError, match="'l1' \\(Linear\\).* across"):
                 model(x)
     assert not any(hasattr(p, "grad1") or p.grad is not None for p in model.parameters())
+
+
+def test_a_guard_that_holds_for_the_whole_batch_is_no_mixing():
+    """``x * torch.isfinite(x).all()`` (a guard of the batch against overflow): where every
+    entry of the batch is finite, so is every example's, and the guard keeps every entry, as a
+    constant would: grad1 is the loop's."""
+    model = Masked(lambda x: x * torch.isfinite(x).all()).double()
+    x = torch.randn(6, 3, dtype=D, generator=torch.Generator().manual_seed(1))
+    want = loop_grad(model, lambda out: out.square().sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).square().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)

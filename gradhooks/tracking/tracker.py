@@ -694,13 +694,19 @@ class Tracker(TorchFunctionMode):
 
     def _all_ones(self, name: str, ins: list) -> set[int]:
         """The ids of the operands of a product that are a mask computed across the examples
-        (:meth:`_coupling`) whose every entry is one: multiplying by it keeps every entry, as
-        a constant would (NLLB-MoE's expert capacity where no token overflows it)."""
+        (:meth:`_coupling`) from a running count along them (``cumsum``: NLLB-MoE's expert
+        capacity) or from ``all`` (every entry finite) whose every entry is one: no token
+        overflows the capacity, so none would for an example alone, whose counts are no
+        larger, and what holds for the whole batch holds for each example; multiplying by it
+        keeps every entry, as a constant would. Not a mask from another statistic of the batch
+        (a count over it against a threshold, ``(x > 0).sum() > 5``), which an example alone
+        may not pass."""
         if name not in PRODUCTS:
             return set()
         return {
             id(t) for t in ins
-            if t in self.coupled and not carries(t) and bool((t == 1).all())
+            if t in self.coupled and self.coupled[t] in _RUNNING_COUNTS and not carries(t)
+            and bool((t == 1).all())
         }  # fmt: skip
 
     def _coupling(self, name: str, args, ins: list, outs: list, result: Any) -> Any:
@@ -746,7 +752,8 @@ class Tracker(TorchFunctionMode):
         """Whether an elementwise operation applies a coupled mask (:meth:`_coupling`, without
         a gradient) along the examples of an operand: one entry per example, which of them it
         keeps decided across the batch (the tokens an expert keeps under a capacity counted
-        over it, the example with the largest score). An operand with a gradient is no mask:
+        over it, the example with the largest score), or one for the whole batch (a count over
+        it against a threshold). An operand with a gradient is no mask:
         the rows an expert computed from the tokens routed to it, weighted by their router
         scores."""
         o = outs[0]
@@ -761,9 +768,12 @@ class Tracker(TorchFunctionMode):
                     t in self.coupled
                     and not t.requires_grad  # (a mask: the rows an expert computed are not)
                     and not is_followed(self._layout_of(t))
-                    and k >= 0
                 ):
-                    if t.shape[k] == o.shape[d]:
+                    if k >= 0 and t.shape[k] == o.shape[d]:
+                        return True
+                    if t.numel() == 1 and not t.is_floating_point():
+                        # (one switch for the whole batch, decided across it: it keeps every
+                        # example or none, where an example alone would decide for itself)
                         return True
         return False
 
@@ -1071,7 +1081,10 @@ _NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dty
 _NO_SOURCES: frozenset = frozenset()
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
-_FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})  # (see Tracker._row_indices)
+_FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})
+# the operations whose masks computed across the examples keep, where all ones, every entry for
+# an example alone too (see Tracker._all_ones)
+_RUNNING_COUNTS = frozenset({"cumsum", "all"})  # (see Tracker._row_indices)
 
 
 def _note_read(read: dict[float, str], value: float, name: str) -> None:
