@@ -161,6 +161,16 @@ MODELS = [
     "rotary-embedding-xpos",  # learned rotary frequencies, xpos scales
     "unet2d",  # diffusers: DDPM loss, a timestep per example, GroupNorm, attention
     "dit",  # adaptive LayerNorm from timestep and class embeddings
+    "tab-ft-transformer",  # tabular: categorical and numeric tokens, hyper-connections
+    "rtdl-ft-linformer",  # a Linear along the tokens (Linformer key compression)
+    "linformer-lm",  # parameters used directly in an einsum along the sequence
+    "reformer-lm",  # LSH attention, reversible layers recomputed in the backward
+    "mamba-pscan",  # a selective scan in an autograd.Function of its own
+    "vq-vae-ema",  # an EMA codebook updated in the forward, the library's commitment loss
+    "zuko-nsf",  # a normalizing flow: rational-quadratic splines, searchsorted
+    "kan",  # pykan: B-spline activations on every edge
+    "neural-ode-rk4",  # torchdiffeq, fixed steps
+    "conformer-causal",  # depthwise convolutions without BatchNorm
 ]
 
 
@@ -169,6 +179,27 @@ def test_library_model_matches_the_loop(name):
     res = _swept(name)
     assert res.outcome == "match", (res.outcome, res.detail)
     assert res.params > 0 and not res.warnings
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("conformer", gradhooks.MixedExamplesError),  # BatchNorm1d in training mode
+        ("rtdl-resnet", gradhooks.MixedExamplesError),  # (its batch of one cannot even run)
+        ("nystromformer", gradhooks.MixedExamplesError),  # the pseudo-inverse's max over the batch
+        ("neural-ode-dopri5", gradhooks.MixedExamplesError),  # steps chosen by the batch's error
+        ("neural-ode-adjoint", gradhooks.UnsupportedError),  # gradients by a nested backward
+        ("axial-image-transformer", gradhooks.BatchNotFoundError),  # folded rows, rerun
+    ],
+)
+def test_library_model_refused(name, error):
+    """Models whose examples meet (a statistic of the batch, a step size chosen for all of
+    them) or whose gradients gradhooks cannot split by example: refused, by gradhooks' own
+    error, naming the layer, never a grad1."""
+    res = _swept(name)
+    assert res.outcome == "refused", (res.outcome, res.detail)
+    assert res.detail.startswith(error.__name__ + ":"), res.detail
+    assert "'" in res.detail  # (the layer or parameters, named)
 
 
 @pytest.mark.parametrize(
@@ -187,6 +218,15 @@ def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
     _needs("mlp-mixer")
     monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
     res = lib_sweep.check("mlp-mixer", limit=0)
+    assert res.outcome == "mismatch"
+    assert res.parameter and res.max_rel_error > 1e-3
+
+
+def test_sweep_reports_a_wrong_grad1_of_a_batch_loss_as_mismatch(monkeypatch):
+    """A model that returns the batch's loss itself (the VQ-VAE's commitment loss)."""
+    _needs("vq-vae-ema")
+    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
+    res = lib_sweep.check("vq-vae-ema", limit=0)
     assert res.outcome == "mismatch"
     assert res.parameter and res.max_rel_error > 1e-3
 
