@@ -231,6 +231,24 @@ def test_sweep_reports_a_wrong_grad1_of_a_batch_loss_as_mismatch(monkeypatch):
     assert res.parameter and res.max_rel_error > 1e-3
 
 
+def test_float32_inside_is_rounding_of_the_mean(monkeypatch):
+    """tab-transformer-pytorch's hyper-connections cast the float64 activations to float32:
+    averaged over the batch, each example's gradient passes through float32 scaled by
+    1/batch, and a parameter whose gradient is near zero (8e-8 of the largest) differs from
+    the loop's by float32 rounding. Summed, there is no such scale: gradhooks then equals
+    the loop within the float64 floor (1e-12 of the largest entry)."""
+    _needs("tab-transformer")
+    ex = lib_sweep.build("tab-transformer")
+    assert lib_sweep._low_precision(ex) == {"float32"}
+    ex.reduction = "sum"
+    want = lib_sweep.own_gradients(ex)
+    with gradhooks.add_hooks(ex.model, loss_reduction="sum"):
+        lib_sweep.total_loss(ex).backward()
+    res = lib_sweep.Result("tab-transformer")
+    lib_sweep.compare(res, ex, want, lib_sweep.RTOL, zero=1e-12)
+    assert res.outcome == "match", res.detail
+
+
 def test_sweep_runs_and_writes_its_table(tmp_path, capsys):
     for name in ("mlp-mixer", "rotary-embedding"):
         _needs(name)
