@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import json
 import sys
@@ -1595,11 +1596,20 @@ def check_setting(name: str, setting: str, limit: float = 60.0) -> Result:
 # -- the sweep and its report -------------------------------------------------------------------
 
 
+@functools.cache
+def _distribution(module: str) -> str:
+    """The name of the distribution that installs ``module`` (``kan``: pykan)."""
+    from importlib.metadata import packages_distributions
+
+    found = packages_distributions().get(module)
+    return found[0] if found else module.replace("_", "-")
+
+
 def _version(module: str) -> str:
     try:
         from importlib.metadata import version
 
-        return version(module.replace("_", "-"))
+        return version(_distribution(module))
     except Exception:
         return "not installed"
 
@@ -1622,7 +1632,7 @@ def write(
         f"`{command}`",
         "",
         f"torch {torch.__version__}; "
-        + ", ".join(f"{lib.replace('_', '-')} {v}" for lib, v in versions.items())
+        + ", ".join(f"{_distribution(lib)} {v}" for lib, v in versions.items())
         + f". Tiny configurations in float64, training mode without dropout, batch {BATCH}, "
         "each with its users' loss; `grad1` of every trainable parameter against a loop of "
         f"batches of one, `rtol={RTOL:g}` (`{FLOAT32_RTOL:g}` where a row says so).",
@@ -1641,7 +1651,7 @@ def write(
             detail = CASES[r.family].note + ("; " + detail if detail else "")
         if r.warnings:
             detail += "; warned: " + "; ".join(r.warnings).replace("|", "\\|")
-        lines.append(f"| {r.family} | {r.task.replace('_', '-')} | {r.model} | {r.params:,} | "
+        lines.append(f"| {r.family} | {_distribution(r.task)} | {r.model} | {r.params:,} | "
                      f"{r.outcome} | {detail} | {r.seconds:.1f} |")  # fmt: skip
     if settings:
         lines += [
