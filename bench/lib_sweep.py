@@ -1256,6 +1256,66 @@ case("fsq", "vector_quantize_pytorch", "FSQ: finite scalar quantization, straigh
 )
 
 
+# -- routing-transformer, nflows, e3nn ----------------------------------------------------------
+
+
+@case("routing-lm", "routing_transformer", "RoutingTransformerLM: k-means routed attention")
+def _routing() -> Example:
+    """Its k-means centroids are set from the first batch it sees and moved by the user's
+    ``update_kmeans()`` after a backward (not by a backward hook here: the loop's backwards
+    would move them between examples); its commitment loss, a mean over the batch, is left
+    out."""
+    from routing_transformer import RoutingTransformerLM
+
+    torch.manual_seed(0)
+    model = RoutingTransformerLM(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ, heads=4,
+                                 dim_head=8, window_size=4, causal=True, n_local_attn_heads=2,
+                                 _register_kmeans_update=False)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("nflows-maf", "nflows", "MaskedAutoregressiveFlow, negative log-likelihood")
+def _nflows() -> Example:
+    from nflows.flows import MaskedAutoregressiveFlow
+
+    torch.manual_seed(0)
+    flow = MaskedAutoregressiveFlow(features=3, hidden_features=16, num_layers=2,
+                                    num_blocks_per_layer=1)  # fmt: skip
+    return Example(flow, (_randn(BATCH, 3),), lambda log_p: -log_p, (), "mean",
+                   call=lambda m, x: m.log_prob(x))  # fmt: skip
+
+
+class EquivariantNet(nn.Module):
+    """An e3nn message from each point's neighbours: spherical harmonics of the relative
+    positions, a fully connected tensor product with the features, summed over the points,
+    an equivariant linear map to scalars; a point cloud per example."""
+
+    def __init__(self):
+        from e3nn import o3
+
+        super().__init__()
+        self.irreps_sh = o3.Irreps.spherical_harmonics(2)
+        self.tp = o3.FullyConnectedTensorProduct("4x0e + 2x1o", self.irreps_sh, "8x0e + 4x1o")
+        self.out = o3.Linear("8x0e + 4x1o", "1x0e")
+
+    def forward(self, features: Tensor, positions: Tensor) -> Tensor:
+        from e3nn import o3
+
+        rel = positions[:, :, None] - positions[:, None, :]  # [batch, n, n, 3]
+        sh = o3.spherical_harmonics(self.irreps_sh, rel, normalize=True, normalization="component")
+        n = features.shape[1]
+        messages = self.tp(features[:, None].expand(-1, n, -1, -1), sh)
+        return self.out(messages.sum(2)).sum(1)  # [batch, 1]
+
+
+@case("e3nn-tensor-product", "e3nn", "o3.FullyConnectedTensorProduct and o3.Linear (codegen)")
+def _e3nn() -> Example:
+    torch.manual_seed(0)
+    model = EquivariantNet()
+    features, positions = _randn(BATCH, 5, 10), _randn(BATCH, 5, 3, seed=1)
+    return Example(model, (features, positions), mse, (_randn(BATCH, 1, seed=2),), "mean")
+
+
 # -- the check ----------------------------------------------------------------------------------
 
 

@@ -171,6 +171,8 @@ MODELS = [
     "kan",  # pykan: B-spline activations on every edge
     "neural-ode-rk4",  # torchdiffeq, fixed steps
     "conformer-causal",  # depthwise convolutions without BatchNorm
+    "routing-lm",  # k-means routing; memory slots of no entries (num_mem_kv=0)
+    "e3nn-tensor-product",  # equivariant tensor products of generated code
 ]
 
 
