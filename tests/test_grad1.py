@@ -84,6 +84,29 @@ def test_empty_parameters_get_empty_grad1():
     )
 
 
+class ScaledLinear(nn.Module):
+    """A parameter of no dimensions (a learned scale, as local-attention's and
+    tab-transformer-pytorch's), used directly by the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(3, 2), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_parameter_of_no_dimensions():
+    torch.manual_seed(0)
+    model = ScaledLinear().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-12)
+
+
 def test_real_mean_loss_matches_the_tutorial_oracle():
     """The user's code path: F.cross_entropy with its default mean reduction."""
     import torch.nn.functional as F
