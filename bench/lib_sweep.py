@@ -1518,7 +1518,10 @@ STEPS = 3
 # (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
 BF16_TOL = 5e-2
 # The models run in the other settings (each of another library or kind).
-SETTINGS_MODELS = ("xt-rotary", "xt-gate-residual", "perceiver", "mlp-mixer", "unet2d", "dit")
+SETTINGS_MODELS = (
+    "xt-rotary", "xt-gate-residual", "perceiver", "mlp-mixer", "unet2d", "dit", "linformer-lm",
+    "mamba-pscan",
+)  # fmt: skip
 
 
 def _setting(name: str, setting: str, run: Callable[[Example, Result], None], limit: float):

@@ -206,7 +206,13 @@ def test_library_model_refused(name, error):
 
 @pytest.mark.parametrize(
     "name, setting",
-    [("mlp-mixer", "training"), ("dit", "bf16-autocast"), ("perceiver", "dp-step")],
+    [
+        ("mlp-mixer", "training"),
+        ("dit", "bf16-autocast"),
+        ("perceiver", "dp-step"),
+        ("mamba-pscan", "bf16-autocast"),  # the parallel scan's own autograd.Function
+        ("mamba-pscan", "dp-step"),
+    ],
 )
 def test_library_model_in_another_setting(name, setting):
     """3 SGD steps (grad1 of each against the loop), bfloat16 autocast (against the float64
