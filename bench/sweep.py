@@ -114,19 +114,27 @@ def hooked_backward(res: Result, model, loss: Callable[[], torch.Tensor], reduct
 
 
 def compare(
-    res: Result, params: list, want: dict[str, torch.Tensor], rtol: float, mean: bool = False
+    res: Result,
+    params: list,
+    want: dict[str, torch.Tensor],
+    rtol: float,
+    mean: bool = False,
+    zero: float = 1e-12,
 ) -> None:
     """Classify ``res`` as match or mismatch: each of ``params``' ``grad1`` (then deleted)
     against ``want``, the loop's per-example gradients by name (``[batch, *shape]``). ``mean``:
-    the loss averages the examples (``.grad`` is then the loop's mean, not its sum)."""
+    the loss averages the examples (``.grad`` is then the loop's mean, not its sum). ``zero``:
+    below what fraction of the model's largest gradient entry an error is rounding."""
     worst = (0.0, 0.0, "")
     missing = []
     # A gradient that is zero in exact arithmetic (a key's bias, which softmax cancels) is
     # rounding noise on both sides: measured against the model's largest gradient entry.
     largest = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
-    floor = 1e-12 * largest
+    floor = zero * largest
     for n, p in params:
         got = getattr(p, "grad1", None)
+        if not want[n].numel() and (got is None or got.shape == want[n].shape):
+            continue  # (an empty parameter: no entry to compare)
         if got is None:
             if want[n].abs().max() > 0:
                 missing.append(n)

@@ -490,9 +490,9 @@ class CheckpointedLayouts(nn.Module):
     not on dimension 0: folded with the positions (OPT's ``[batch * time, features]``), or
     sequence-first (``[time, batch, channels, features]``)."""
 
-    def __init__(self, layout):
+    def __init__(self, layout, reentrant=False):
         super().__init__()
-        self.layout, self.fc = layout, nn.Linear(8, 8)
+        self.layout, self.fc, self.reentrant = layout, nn.Linear(8, 8), reentrant
 
     def block(self, x):
         if self.layout == "folded":
@@ -501,7 +501,7 @@ class CheckpointedLayouts(nn.Module):
         return self.fc(x.transpose(0, 1)).transpose(0, 1)
 
     def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
 
 
 @pytest.mark.parametrize("layout", ["folded", "sequence-first"])
@@ -521,3 +521,26 @@ def test_checkpointed_calls_with_their_examples_elsewhere(threshold, layout):
     for n, p in model.named_parameters():
         assert_close(p.grad1, want[n], f"{n} grad1 vs the loop")
         assert_close(p.grad, want[n].sum(0), f"{n} .grad vs the sum of the per-example gradients")
+
+
+@pytest.mark.parametrize("layout", ["folded", "sequence-first"])
+def test_reentrant_checkpoint_of_calls_with_their_examples_elsewhere(layout):
+    """A reentrant checkpoint runs the call under no_grad in the forward and again during the
+    backward, where no tracker follows the batch: the rule would read dimension 0 (12 rows
+    folded, 4 time steps sequence-first) as the examples. Refused, naming the layer, with
+    nothing written; the same model without the recomputation then matches the loop."""
+    torch.manual_seed(0)
+    model = CheckpointedLayouts(layout, reentrant=True).to(D)
+    shape = (3, 4, 8) if layout == "folded" else (3, 4, 16, 8)
+    x = torch.randn(*shape, dtype=D, requires_grad=True)
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'fc' \(Linear\).*use_reentrant"):
+            loss_fn(model(x)).backward()
+        assert all(not hasattr(p, "grad1") for p in model.parameters())
+        model.reentrant = False
+        want = loop_grad(model, loss_fn, x.detach())
+        model.zero_grad()
+        loss_fn(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"{n} grad1 vs the loop")

@@ -161,6 +161,18 @@ MODELS = [
     "rotary-embedding-xpos",  # learned rotary frequencies, xpos scales
     "unet2d",  # diffusers: DDPM loss, a timestep per example, GroupNorm, attention
     "dit",  # adaptive LayerNorm from timestep and class embeddings
+    "tab-ft-transformer",  # tabular: categorical and numeric tokens, hyper-connections
+    "rtdl-ft-linformer",  # a Linear along the tokens (Linformer key compression)
+    "linformer-lm",  # parameters used directly in an einsum along the sequence
+    "reformer-lm",  # LSH attention, reversible layers recomputed in the backward
+    "mamba-pscan",  # a selective scan in an autograd.Function of its own
+    "vq-vae-ema",  # an EMA codebook updated in the forward, the library's commitment loss
+    "zuko-nsf",  # a normalizing flow: rational-quadratic splines, searchsorted
+    "kan",  # pykan: B-spline activations on every edge
+    "neural-ode-rk4",  # torchdiffeq, fixed steps
+    "conformer-causal",  # depthwise convolutions without BatchNorm
+    "routing-lm",  # k-means routing; memory slots of no entries (num_mem_kv=0)
+    "e3nn-tensor-product",  # equivariant tensor products of generated code
 ]
 
 
@@ -172,8 +184,35 @@ def test_library_model_matches_the_loop(name):
 
 
 @pytest.mark.parametrize(
+    "name, error",
+    [
+        ("conformer", gradhooks.MixedExamplesError),  # BatchNorm1d in training mode
+        ("rtdl-resnet", gradhooks.MixedExamplesError),  # (its batch of one cannot even run)
+        ("nystromformer", gradhooks.MixedExamplesError),  # the pseudo-inverse's max over the batch
+        ("neural-ode-dopri5", gradhooks.MixedExamplesError),  # steps chosen by the batch's error
+        ("neural-ode-adjoint", gradhooks.UnsupportedError),  # gradients by a nested backward
+        ("axial-image-transformer", gradhooks.BatchNotFoundError),  # folded rows, rerun
+    ],
+)
+def test_library_model_refused(name, error):
+    """Models whose examples meet (a statistic of the batch, a step size chosen for all of
+    them) or whose gradients gradhooks cannot split by example: refused, by gradhooks' own
+    error, naming the layer, never a grad1."""
+    res = _swept(name)
+    assert res.outcome == "refused", (res.outcome, res.detail)
+    assert res.detail.startswith(error.__name__ + ":"), res.detail
+    assert "'" in res.detail  # (the layer or parameters, named)
+
+
+@pytest.mark.parametrize(
     "name, setting",
-    [("mlp-mixer", "training"), ("dit", "bf16-autocast"), ("perceiver", "dp-step")],
+    [
+        ("mlp-mixer", "training"),
+        ("dit", "bf16-autocast"),
+        ("perceiver", "dp-step"),
+        ("mamba-pscan", "bf16-autocast"),  # the parallel scan's own autograd.Function
+        ("mamba-pscan", "dp-step"),
+    ],
 )
 def test_library_model_in_another_setting(name, setting):
     """3 SGD steps (grad1 of each against the loop), bfloat16 autocast (against the float64
@@ -189,6 +228,33 @@ def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
     res = lib_sweep.check("mlp-mixer", limit=0)
     assert res.outcome == "mismatch"
     assert res.parameter and res.max_rel_error > 1e-3
+
+
+def test_sweep_reports_a_wrong_grad1_of_a_batch_loss_as_mismatch(monkeypatch):
+    """A model that returns the batch's loss itself (the VQ-VAE's commitment loss)."""
+    _needs("vq-vae-ema")
+    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
+    res = lib_sweep.check("vq-vae-ema", limit=0)
+    assert res.outcome == "mismatch"
+    assert res.parameter and res.max_rel_error > 1e-3
+
+
+def test_float32_inside_is_rounding_of_the_mean(monkeypatch):
+    """tab-transformer-pytorch's hyper-connections cast the float64 activations to float32:
+    averaged over the batch, each example's gradient passes through float32 scaled by
+    1/batch, and a parameter whose gradient is near zero (8e-8 of the largest) differs from
+    the loop's by float32 rounding. Summed, there is no such scale: gradhooks then equals
+    the loop within the float64 floor (1e-12 of the largest entry)."""
+    _needs("tab-transformer")
+    ex = lib_sweep.build("tab-transformer")
+    assert lib_sweep._low_precision(ex) == {"float32"}
+    ex.reduction = "sum"
+    want = lib_sweep.own_gradients(ex)
+    with gradhooks.add_hooks(ex.model, loss_reduction="sum"):
+        lib_sweep.total_loss(ex).backward()
+    res = lib_sweep.Result("tab-transformer")
+    lib_sweep.compare(res, ex, want, lib_sweep.RTOL, zero=1e-12)
+    assert res.outcome == "match", res.detail
 
 
 def test_sweep_runs_and_writes_its_table(tmp_path, capsys):

@@ -336,14 +336,17 @@ class BackwardWriter:
                 self.state.exempt.add(id(p))
             if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
                 bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
+        # (an empty parameter's gradients are empty: the quantities have nothing of it to
+        # add, and a rule's reshape of its pieces cannot infer the batch)
+        full = {n: p for n, p in live.items() if p.numel()}
         if not self.state.grad1 and bw is not None and bw.verify:
-            self.verifier.keep(bw, pieces, live, scale)
+            self.verifier.keep(bw, pieces, full, scale)
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
-                bw.held.append(HeldCall(target.name, {n: pieces[n] for n in live}, live, scale))
+                bw.held.append(HeldCall(target.name, {n: pieces[n] for n in full}, full, scale))
             else:
                 self.state.collector.add(
-                    target.name, {n: pieces[n] for n in live}, live, scale, formed
+                    target.name, {n: pieces[n] for n in full}, full, scale, formed
                 )
         wanted = getattr(sums, "names", None)  # (a _Sums: for these parameters only)
         if not self.state.grad1:
@@ -377,7 +380,9 @@ class BackwardWriter:
             if accumulate and summed:
                 out = None  # this call's own grad1 is summed below: not added in place
             try:
-                if out is not None:
+                if p.numel() == 0:  # (an empty parameter: a rule's reshape cannot infer it)
+                    out, g1 = None, p.new_zeros((piece.batch_size, *p.shape))
+                elif out is not None:
                     piece.grad1_into(out, scale, accumulate)
                 else:
                     g1 = piece.grad1(p.shape, scale)

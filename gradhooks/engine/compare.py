@@ -51,7 +51,13 @@ def hold(g: Tensor | None, copy: bool = False) -> Tensor | None:
         if g.sparse_dim() == 1:
             return g
         return hold(g.to_dense())
-    if g.dim() == 0 or g.shape[0] < 2 or g.layout != torch.strided or not _plain(g):
+    if (
+        g.dim() == 0
+        or not g.numel()
+        or g.shape[0] < 2
+        or g.layout != torch.strided
+        or not _plain(g)
+    ):
         return g.clone() if copy else g
     nonzero = _row_maxima(g) != 0  # (a row that holds a NaN is kept: NaN != 0)
     if 2 * int(nonzero.sum()) > g.shape[0]:

@@ -26,7 +26,12 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_map
-from ..errors import UnbatchedInputError, UnsupportedError, UnsupportedInputError
+from ..errors import (
+    BatchNotFoundError,
+    UnbatchedInputError,
+    UnsupportedError,
+    UnsupportedInputError,
+)
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
 from ..tracking import PACKED, UNKNOWN, Source, Tracker
@@ -35,6 +40,7 @@ from .calls import (
     CallLayouts,
     Held,
     KeptCall,
+    _shapes,
     carry_layouts,
     input_tensors,
     keeps_rows,
@@ -183,6 +189,9 @@ class ForwardCapture:
             detached, owned, carried, recorded = reattached or ({}, None, None, None)
             if output is None and sys.exc_info()[1] is not None:
                 return  # the forward raised (an always_call hook, for _reattach)
+            if tracker is None and self.state.reruns and graph_task() != -1:
+                if self.state.pause.on and torch.is_grad_enabled() and not self.state.removed:
+                    self._check_rerun(target, args, kwargs)  # (a call run again, before capture)
             if detached and owned is None and id(module) not in self.state.aliases_checked:
                 self.detached_calls.check_aliases(target, detached, args, kwargs, output)
             if owned is not None:
@@ -205,6 +214,7 @@ class ForwardCapture:
                     self.state.recomputes = True
                     if self.state.collector is not None:
                         self.state.collector.defer.update(id(p) for p in target.params.values())
+                    self._note_rerun(target, args, kwargs, tracker)
                 return
             if module is not target.module:
                 return  # a deep copy of a hooked module carries our hook: the copy is not hooked
@@ -289,6 +299,62 @@ class ForwardCapture:
             return replaced
 
         return hook
+
+    def _rule_dim(self, target: Target) -> int:
+        if target.entry is FALLBACK:
+            return 0
+        dim = target.entry.batch_dim_of(target.module)
+        return 0 if dim == "positions" else dim
+
+    def _note_rerun(self, target: Target, args: tuple, kwargs: dict, tracker) -> None:
+        """A call run with grad mode off inside a training forward (reentrant activation
+        checkpointing; a reversible layer's own autograd.Function, which recomputes its blocks
+        from their outputs) runs again during the backward, where no tracker follows the batch
+        and the rule reads the examples from its dimension as given: noted here, where the
+        tracker sees what that dimension holds, for :meth:`_check_rerun`."""
+        if tracker is None:
+            return
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        lay = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
+        dim = self._rule_dim(target)
+        if lay is None:
+            found = "no dimension (its inputs do not depend on them)"
+        elif lay is PACKED or (lay.dim == dim and lay.plain):
+            found = None
+        else:
+            found = lay.describe(tracker.batch)
+        noted = self.state.reruns.get(id(target.module))
+        if noted is None or noted[0] is None:
+            self.state.reruns[id(target.module)] = (found, tracker.batch)
+
+    def _check_rerun(self, target: Target, args: tuple, kwargs: dict) -> None:
+        """Refuses a call run again during the backward (:meth:`_note_rerun`) whose rule would
+        read the examples from a dimension that does not hold them, one each."""
+        noted = self.state.reruns.get(id(target.module))
+        if noted is None:
+            return
+        found, batch = noted
+        dim = self._rule_dim(target)
+        first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)), None)
+        rows = first.shape[dim] if first is not None and first.dim() > dim else None
+        if found is None and rows in (None, batch):
+            return
+        held = (
+            f"its input held the examples of the batch of {batch} on {found}"
+            if found is not None
+            else f"its input has {rows} rows on dimension {dim}"
+        )
+        raise BatchNotFoundError(
+            f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): it ran under "
+            "torch.no_grad() in the forward and runs again during the backward (reentrant "
+            "activation checkpointing, or a reversible layer's own autograd.Function, which "
+            "recomputes its blocks), where gradhooks cannot follow the batch; in the forward, "
+            f"{held}, but its rule reads one example per row of dimension {dim} of its "
+            f"input ({_shapes(args, kwargs)}): each example's gradient would be split among rows "
+            "or mixed with others'. Use torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False), run the layers without the recomputation (reversible=False), "
+            "or freeze this layer's parameters."
+        )
 
     def kept_call(
         self,
@@ -471,6 +537,8 @@ class ForwardCapture:
             release_spent(self.state)  # (what a backward that failed on the way left)
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
         self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
+        if len(self.state.frames) == 1 and graph_task() == -1:
+            self.state.reruns.clear()  # (noted again by this forward's calls)
         self.layer_outputs.follow()
         if self.state.removed or not self.state.pause.on:
             return

@@ -97,6 +97,10 @@ class CaptureState:
         # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
         # avoids)
         self.recomputes = False
+        # where such a call's input held the examples, by id of its module, for its rerun
+        # during the backward (ForwardCapture.note_rerun): None where on the rule's dimension
+        # as given, else that layout in words; and the batch
+        self.reruns: dict[int, tuple[str | None, int]] = {}
 
         # -- the accumulation of grad1 ---------------------------------------------------------
         # the parameters whose grad1 the next captured backward adds to (the accumulation

@@ -310,7 +310,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
                 "'grad1' (they form the clipped sum from the per-example gradients themselves), "
                 "or remove the hook."
             )
-    return params
+    return [p for p in params if p.numel()]  # (an empty parameter: nothing to clip or noise)
 
 
 def grouped(
