@@ -63,7 +63,9 @@ def test_without_verify_nothing_is_compared():
         for step in range(1, 6):
             x, y = _batch(step)
             model.zero_grad()
-            (F.cross_entropy(model(x), y) + sum((p**2).sum() for p in model.parameters())).backward()
+            (
+                F.cross_entropy(model(x), y) + sum((p**2).sum() for p in model.parameters())
+            ).backward()
     want = loop_grad(model, F.cross_entropy, x, y)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)
@@ -145,3 +147,24 @@ def test_a_scaling_hook_of_the_users_is_followed_at_every_step(order):
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)
             torch.testing.assert_close(first.grad1.sum(0), first.grad, rtol=1e-7, atol=1e-9)
+
+
+def test_an_empty_parameter_is_passed_over():
+    """A parameter with no entries (``nn.Linear(6, 0)`` beside the head) has nothing to
+    compare: ten backwards run, the spot check taking the others in turn."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"body": nn.Linear(4, 6), "empty": nn.Linear(6, 0), "head": nn.Linear(6, 3)}
+    )
+    model = model.double()
+
+    def run(x):
+        h = torch.tanh(model["body"](x))
+        return model["head"](h) + model["empty"](h).sum(-1, keepdim=True)
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(1, 11):
+            x, y = _batch(step)
+            model.zero_grad()
+            F.cross_entropy(run(x), y, reduction="sum").backward()
+    assert model["empty"].weight.grad1.shape == (5, 0, 6)

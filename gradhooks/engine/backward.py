@@ -834,7 +834,9 @@ class BackwardWriter:
             self.state.collector.drop(left_out)
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
             self.verifier.verify_backward(bw)
-        elif bw.spot_grad is not None and kept and bw.spot in bw.reached and bw.spot not in left_out:
+        elif (
+            bw.spot_grad is not None and kept and bw.spot in bw.reached and bw.spot not in left_out
+        ):
             self.verifier.spot_check(bw)
         elif bw.verify and not self.state.grad1:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:

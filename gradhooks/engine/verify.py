@@ -639,6 +639,7 @@ class Verifier:
                 or pid in self.state.sharded
                 or not P.reads_are_free(p)
                 or p.dtype not in (torch.float32, torch.float64)
+                or not p.numel()
             ):
                 continue
             self.state.spot_next = (self.state.spot_next + k + 1) % n
