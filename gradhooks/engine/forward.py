@@ -318,13 +318,20 @@ class ForwardCapture:
         lay = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
         dim = self._rule_dim(target)
         if lay is None:
-            found = "no dimension (its inputs do not depend on them)"
+            found = _NO_EXAMPLES
         elif lay is PACKED or (lay.dim == dim and lay.plain):
             found = None
         else:
             found = lay.describe(tracker.batch)
         noted = self.state.reruns.get(id(target.module))
-        if noted is None or noted[0] is None:
+        # (the examples elsewhere than the rule reads them, at any call, are kept; a call
+        # without them, as a fixed-point iteration's first from zeros, gives way to one with
+        # them)
+        if (
+            noted is None
+            or noted[0] is None
+            or (noted[0] is _NO_EXAMPLES and found is not _NO_EXAMPLES)
+        ):
             self.state.reruns[id(target.module)] = (found, tracker.batch)
 
     def _check_rerun(self, target: Target, args: tuple, kwargs: dict) -> None:
@@ -639,6 +646,10 @@ class ForwardCapture:
         # (read while the forward ends; kept, each call's state and the frame would refer to
         # each other, held until Python's cyclic garbage collector runs)
         frame.states = []
+
+
+# what _note_rerun notes of a call whose inputs do not depend on the examples
+_NO_EXAMPLES = "no dimension (its inputs do not depend on them)"
 
 
 def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
