@@ -92,12 +92,21 @@ def mismatch(
     if rows is not None and rows.numel():
         scale = max(scale, largest(rows))
     diff = largest_difference(got, want)
-    # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
-    # summed output) is not compared with its own rounding
-    floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
-    if diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0:
+    if beyond_rounding(diff, scale, overall, tol, want.dtype):
         return f"differs by {diff:.2e}, largest {scale:.2e}"
     return None
+
+
+def beyond_rounding(
+    diff: float, scale: float, overall: float, tol: float, dtype: torch.dtype
+) -> bool:
+    """Whether two gradients of dtype ``dtype`` that differ by ``diff`` at most differ by more
+    than rounding (:func:`mismatch`): ``tol`` relative to ``scale``, their largest entry, and
+    ``1e-3 · tol`` of ``overall``, the model's (a gradient zero by symmetry)."""
+    # float64: a gradient that is zero but for rounding (an InstanceNorm's scale under a
+    # summed output) is not compared with its own rounding
+    floor = 64 * torch.finfo(dtype).eps if dtype == torch.float64 else 0.0
+    return diff > tol * scale + 1e-3 * tol * overall + floor and diff > 0
 
 
 # Two computations of one gradient (gradhooks' per-example gradients weighted over the
@@ -654,8 +663,9 @@ class Verifier:
     def spot_check(self, bw: Backward) -> None:
         """A backward that :meth:`verify_backward` leaves alone, on the CPU: some entries of one
         parameter's ``grad1`` of this backward (:meth:`spot_of`), reduced over the examples,
-        against autograd's gradient (``bw.spot_grad``, kept by the parameter's hook), as
-        :func:`mismatch` compares them (with the model's scale at the last full check). What
+        against autograd's gradient (``bw.spot_grad``, kept by the parameter's hook), within
+        :func:`beyond_rounding` as :func:`mismatch` (with the model's scale at the last full
+        check), its reductions taken in one stack of kernels and one read. What
         starts between two full checks and is no example's (a penalty on the parameters whose
         weight is ramped up from 0) shows at the first backward it reaches, on every parameter
         it touches in turn. Not under a half precision, whose rounding the entries alone cannot
@@ -689,8 +699,7 @@ class Verifier:
             diff = scale = float(torch.linalg.vector_norm(want, float("inf")))
         if not (math.isfinite(diff) and math.isfinite(scale)):
             return  # (an overflow: the scaler's step, skipped)
-        floor = 64 * torch.finfo(want.dtype).eps if want.dtype == torch.float64 else 0.0
-        if diff > tol * scale + 1e-3 * tol * max(self.overall, scale) + floor and diff > 0:
+        if beyond_rounding(diff, scale, max(self.overall, scale), tol, want.dtype):
             self._refuse_sums(
                 bw, [f"'{name}' (differs by {diff:.2e}, largest {scale:.2e}, over "
                      f"{len(entries)} of its entries)"],
