@@ -988,28 +988,26 @@ def _coca() -> Example:
     return Example(model, (ids, _randn(BATCH, 6, 16, seed=2)), caption_ce, (labels,), call=call)
 
 
-@case("axial-image-transformer", "axial_attention", "AxialImageTransformer, reversible layers")
-def _axial() -> Example:
+def _axial_image(reversible: bool) -> Example:
+    """AxialImageTransformer with a 1x1 convolution head, its layers reversible or not."""
     from axial_attention import AxialImageTransformer
 
     torch.manual_seed(0)
-    encoder = AxialImageTransformer(dim=8, depth=2, heads=2, reversible=True,
+    encoder = AxialImageTransformer(dim=8, depth=2, heads=2, reversible=reversible,
                                     axial_pos_emb_shape=(6, 6))  # fmt: skip
     model = nn.Sequential(encoder, nn.Conv2d(8, 3, 1))
     x = _randn(BATCH, 8, 6, 6)
     return Example(model, (x,), mse, (_randn(BATCH, 3, 6, 6, seed=1),), "mean")
+
+
+@case("axial-image-transformer", "axial_attention", "AxialImageTransformer, reversible layers")
+def _axial() -> Example:
+    return _axial_image(reversible=True)
 
 
 @case("axial-image-transformer-plain", "axial_attention", "AxialImageTransformer, reversible=False")
 def _axial_plain() -> Example:
-    from axial_attention import AxialImageTransformer
-
-    torch.manual_seed(0)
-    encoder = AxialImageTransformer(dim=8, depth=2, heads=2, reversible=False,
-                                    axial_pos_emb_shape=(6, 6))  # fmt: skip
-    model = nn.Sequential(encoder, nn.Conv2d(8, 3, 1))
-    x = _randn(BATCH, 8, 6, 6)
-    return Example(model, (x,), mse, (_randn(BATCH, 3, 6, 6, seed=1),), "mean")
+    return _axial_image(reversible=False)
 
 
 @case("axial-attention", "axial_attention", "AxialAttention on channels-last images")
