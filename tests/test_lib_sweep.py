@@ -222,19 +222,13 @@ def test_library_model_in_another_setting(name, setting):
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
-def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch):
-    _needs("mlp-mixer")
+@pytest.mark.parametrize("name", ["mlp-mixer", "vq-vae-ema"], ids=["loss", "batch loss"])
+def test_sweep_reports_a_wrong_grad1_as_mismatch(monkeypatch, name):
+    """Under the sweep's own loss, and for a model that returns the batch's loss itself (the
+    VQ-VAE's commitment loss)."""
+    _needs(name)
     monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
-    res = lib_sweep.check("mlp-mixer", limit=0)
-    assert res.outcome == "mismatch"
-    assert res.parameter and res.max_rel_error > 1e-3
-
-
-def test_sweep_reports_a_wrong_grad1_of_a_batch_loss_as_mismatch(monkeypatch):
-    """A model that returns the batch's loss itself (the VQ-VAE's commitment loss)."""
-    _needs("vq-vae-ema")
-    monkeypatch.setattr(lib_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
-    res = lib_sweep.check("vq-vae-ema", limit=0)
+    res = lib_sweep.check(name, limit=0)
     assert res.outcome == "mismatch"
     assert res.parameter and res.max_rel_error > 1e-3
 
