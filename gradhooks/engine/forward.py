@@ -256,9 +256,15 @@ class ForwardCapture:
                 # is computed from another inside the call (LSTMCell's h' from c'), the gradient
                 # reaching the other would include what flowed in through the first.
                 old = output
-                output = tree_map(unview if len(hooked) == 1 else own_node, output)
-                replaced = carry_layouts(tracker, old, output)
-                leaves = tree_leaves(output)
+                if type(output) is Tensor:  # (the usual one tensor: no tree to walk)
+                    output = unview(output)
+                    if tracker is not None:
+                        tracker.carry(old, output)
+                    replaced, leaves = output, [output]
+                else:
+                    output = tree_map(unview if len(hooked) == 1 else own_node, output)
+                    replaced = carry_layouts(tracker, old, output)
+                    leaves = tree_leaves(output)
             if tracker is not None:
                 ins = tree_leaves((args, kwargs))
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
