@@ -11,6 +11,7 @@ from ..layout import MIXED, PACKED, UNKNOWN, Layout
 from .common import (
     HANDLERS,
     Handler,
+    NeedsBatch,
     arg,
     first_tensor,
     handles,
@@ -30,17 +31,27 @@ def _patches(args, kwargs, out, layout_of):
     return lay
 
 
-@handles("linear", "bilinear")
-def _linear(args, kwargs, out, layout_of):
+def _linear(args, kwargs, out, layout_of, batch):
+    """``F.linear(x, w)`` contracts ``x``'s last dimension: a layout on another dimension
+    stays. On the last one (the features of a batch of one, its batch dimension squeezed away:
+    ``pool(h).squeeze()`` of ``[1, C, 1, 1]`` is ``[C]``), the output is that one example's
+    whole, on a dimension 0 of its own; with more examples, not followed."""
     x = args[0]
     o = first_tensor(out)
     w = arg(args, kwargs, 1, "weight")
     if o is None or (isinstance(w, Tensor) and layout_of(w) is not None):
         return UNKNOWN
     lay = layout_of(x)
-    if lay is None or lay is UNKNOWN or lay.dim == x.dim() - 1:
+    if lay is None or lay is UNKNOWN:
+        return UNKNOWN
+    if lay.dim == x.dim() - 1:
+        if batch == 1 and lay.owners is None and o.dim() >= 1:
+            return Layout(0, 1, o.shape[0])
         return UNKNOWN
     return lay
+
+
+HANDLERS["linear"] = HANDLERS["bilinear"] = NeedsBatch(_linear)
 
 
 @handles("scaled_dot_product_attention")
