@@ -2,7 +2,8 @@
 
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
 step), an idiom the earlier sets do not run: a classifier that flattens its pooled features
-with ``.squeeze()``, given a last batch of one; ``clip_grad_norm_(foreach=True)`` and
+with ``.squeeze()``, given a last batch of one; the gradient's norm logged by
+``torch.autograd.grad`` before the loss's ``backward()``; ``clip_grad_norm_(foreach=True)`` and
 its two halves, ``get_total_norm`` and ``clip_grads_with_norm_``; SWA's ``update_bn`` on the
 averaged copy and on the hooked model, whose BatchNorm trains frozen; parameters written back
 from one flat vector (``vector_to_parameters``); features computed under ``inference_mode``
@@ -99,6 +100,41 @@ def test_a_batch_of_one_squeezed_into_the_classifier_heads_features():
         losses = F.cross_entropy(model(x).reshape(1, -1), y, reduction="none")
         got = gradhooks.dp_sgd_step(hooks, losses, max_norm=0.1, noise_multiplier=0.0)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+# -- the gradient's norm logged by torch.autograd.grad before the backward ---------------------
+
+
+def test_the_gradients_norm_logged_by_autograd_grad_before_the_losss_backward():
+    """A loop that logs the gradient's norm before stepping takes it with
+    ``torch.autograd.grad(loss, params, retain_graph=True)``, then calls ``loss.backward()``
+    (two micro-batches per step, Adam). ``torch.autograd.grad`` leaves ``.grad`` alone and
+    writes grad1 (docs/training.md); before, the backward after it added to that grad1: each
+    example's gradient was in grad1 twice, and in the second micro-batch the first's rows were
+    dropped, while ``.grad`` held each once. The backward now puts back the grad1 that was
+    ``.grad``'s rows before the ``torch.autograd.grad``: grad1 is the float64 loop's sum over
+    the step's micro-batches, ``hooks.check()`` finds it reduces to ``.grad``, and
+    ``hooks.accumulated`` counts the backwards into ``.grad``."""
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=0.01)
+    with gradhooks.add_hooks(model) as hooks:
+        for step in range(2):
+            opt.zero_grad()
+            want = None
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                got = loop_grad(model, F.cross_entropy, x, y)
+                want = got if want is None else added(want, got)
+                loss = F.cross_entropy(model(x), y)
+                grads = torch.autograd.grad(loss, params, retain_graph=True)
+                norm = torch.sqrt(sum(g.square().sum() for g in grads))
+                assert math.isfinite(norm.item())
+                loss.backward()
+                assert_grad1(model, want, f"step {step}, micro-batch {micro}")
+                assert hooks.accumulated == micro + 1
+            hooks.check()
+            opt.step()
 
 
 # -- clipping: foreach, and the total norm taken apart ------------------------------------------
