@@ -1031,6 +1031,11 @@ class BackwardWriter:
             g1 = g1.to(p.dtype)
         if id(p) in self.state.written:
             old = p.grad1
+            if old.shape[1:] == g1.shape[1:] and 0 in (old.shape[0], g1.shape[0]):
+                # (a micro-batch without examples: it adds nothing to any example's gradient,
+                # as its .grad of zeros adds nothing to .grad)
+                p.grad1 = g1 if old.shape[0] == 0 else old
+                return
             if old.shape != g1.shape:
                 raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
