@@ -105,7 +105,34 @@ def test_a_batch_of_one_squeezed_into_the_classifier_heads_features():
 # -- the gradient's norm logged by torch.autograd.grad before the backward ---------------------
 
 
-def test_the_gradients_norm_logged_by_autograd_grad_before_the_losss_backward():
+class _TiedLM(nn.Module):
+    """A language model whose output projection is its embedding's weight, used through
+    ``F.linear`` in its own forward (nanoGPT's ``lm_head`` tied to ``wte``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.fc = nn.Embedding(11, 4), nn.Linear(4, 4)
+
+    def forward(self, idx):
+        return F.linear(torch.tanh(self.fc(self.emb(idx))), self.emb.weight)
+
+
+def _token_ce(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _problem(kind: str, seed: int):
+    """A model's batch and loss: the MLP's, or the tied language model's (token ids)."""
+    if kind == "mlp":
+        return batch(seed), F.cross_entropy
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(11, (4, 5), generator=g), torch.randint(11, (4, 5), generator=g)
+    return tokens, _token_ce
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tied embedding"])
+def test_the_gradients_norm_logged_by_autograd_grad_before_the_losss_backward(kind):
     """A loop that logs the gradient's norm before stepping takes it with
     ``torch.autograd.grad(loss, params, retain_graph=True)``, then calls ``loss.backward()``
     (two micro-batches per step, Adam). ``torch.autograd.grad`` leaves ``.grad`` alone and
@@ -113,9 +140,10 @@ def test_the_gradients_norm_logged_by_autograd_grad_before_the_losss_backward():
     example's gradient was in grad1 twice, and in the second micro-batch the first's rows were
     dropped, while ``.grad`` held each once. The backward now puts back the grad1 that was
     ``.grad``'s rows before the ``torch.autograd.grad``: grad1 is the float64 loop's sum over
-    the step's micro-batches, ``hooks.check()`` finds it reduces to ``.grad``, and
+    the step's micro-batches (of a layer's parameters, and of an embedding also used by the
+    model's own ``F.linear``), ``hooks.check()`` finds it reduces to ``.grad``, and
     ``hooks.accumulated`` counts the backwards into ``.grad``."""
-    model = mlp()
+    model = mlp() if kind == "mlp" else _TiedLM().double()
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=0.01)
     with gradhooks.add_hooks(model) as hooks:
@@ -123,10 +151,10 @@ def test_the_gradients_norm_logged_by_autograd_grad_before_the_losss_backward():
             opt.zero_grad()
             want = None
             for micro in range(2):
-                x, y = batch(10 * step + micro)
-                got = loop_grad(model, F.cross_entropy, x, y)
+                (x, y), loss_fn = _problem(kind, 10 * step + micro)
+                got = loop_grad(model, loss_fn, x, y)
                 want = got if want is None else added(want, got)
-                loss = F.cross_entropy(model(x), y)
+                loss = loss_fn(model(x), y)
                 grads = torch.autograd.grad(loss, params, retain_graph=True)
                 norm = torch.sqrt(sum(g.square().sum() for g in grads))
                 assert math.isfinite(norm.item())
