@@ -1,23 +1,24 @@
 """Training-loop idioms, a tenth set: what loops do around the step, and how they misuse it.
 
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
-step), an idiom the earlier sets do not run: a classifier that flattens its pooled features
-with ``.squeeze()``, given a last batch of one; the gradient's norm logged by
-``torch.autograd.grad`` before the loss's ``backward()``; ``clip_grad_norm_(foreach=True)`` and
-its two halves, ``get_total_norm`` and ``clip_grads_with_norm_``; SWA's ``update_bn`` on the
-averaged copy and on the hooked model, whose BatchNorm trains frozen; parameters written back
-from one flat vector (``vector_to_parameters``); features computed under ``inference_mode``
-for a linear probe; an empty micro-batch in an accumulation; deep mutual learning (two hooked
-students, one loss); SimSiam's stop-gradient; a deep copy and a whole-model save between the
-forward and the backward; ``model.apply(init)`` and ``reset_parameters`` between steps; a
-weight-norm parametrization removed mid-training; a forward that runs out of memory half way,
-then the batch in halves; a ``Sequential`` sliced into features and head; a loss scaled by
+step), an idiom the earlier sets do not run: a classifier that flattens its pooled features with
+``.squeeze()``, given a last batch of one; the gradient's norm logged by ``torch.autograd.grad``
+before the loss's ``backward()``; ``clip_grad_norm_(foreach=True)`` and its two halves,
+``get_total_norm`` and ``clip_grads_with_norm_``; SWA's ``update_bn`` on the averaged copy and
+on the hooked model, whose BatchNorm trains frozen; parameters written back from one flat vector
+(``vector_to_parameters``); features computed under ``inference_mode`` for a linear probe; an
+empty micro-batch in an accumulation; deep mutual learning (two hooked students, one loss);
+SimSiam's stop-gradient; a deep copy and a whole-model save between the forward and the
+backward; ``model.apply(init)`` and ``reset_parameters`` between steps; a weight-norm
+parametrization removed mid-training; a forward that runs out of memory half way, then the batch
+in halves; a ``Sequential`` sliced into features and head; a loss scaled by
 ``backward(gradient=...)``; one submodule's ``zero_grad``; a forward for logging, with grad
-enabled, between a forward and its backward; a pipeline's schedule (every micro-batch forward,
-then the backwards in reverse); a batch chunked through the model and concatenated; hooks
-added between two micro-batches. Each is compared with each example's own gradient by a
-per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an
-error that says what went wrong and leaves the model as it was.
+enabled, between a forward and its backward; examples reweighted by their gradients' norms in a
+second forward; a pipeline's schedule (every micro-batch forward, then the backwards in
+reverse); a batch chunked through the model and concatenated; hooks added between two
+micro-batches. Each is compared with each example's own gradient by a per-example loop in
+float64 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what
+went wrong and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -669,6 +670,33 @@ def test_micro_batches_all_forwarded_then_backwarded_in_reverse():
                 loss.backward()
             assert_grad1(model, want, f"step {step}")
             assert hooks.accumulated == 3
+            opt.step()
+
+
+# -- examples reweighted by their gradients' norms, a second forward of the batch ---------------
+
+
+def test_examples_reweighted_by_their_gradient_norms_in_a_second_forward():
+    """Importance sampling by the gradient's norm (Katharopoulos and Fleuret's "Not all samples
+    are created equal"): a first forward and backward of the batch for the per-example norms,
+    ``zero_grad``, then a second forward whose per-example losses are weighted by the norms
+    (normalised to average 1) for the step. The norms are the float64 loop's, and after the
+    second backward grad1's row ``i`` is the loop's times weight ``i``, at each step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(2):
+            x, y = batch(step, n=8)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            norms = hooks.norms()
+            torch.testing.assert_close(norms, norms_of(want), rtol=1e-9, atol=1e-12)
+            weights = norms / norms.mean()
+            opt.zero_grad()
+            (F.cross_entropy(model(x), y, reduction="none") * weights).mean().backward()
+            weighted = {n: g * weights.view(-1, *[1] * (g.dim() - 1)) for n, g in want.items()}
+            assert_grad1(model, weighted, f"step {step}")
             opt.step()
 
 
