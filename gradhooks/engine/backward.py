@@ -1034,7 +1034,7 @@ class BackwardWriter:
             if old.shape[1:] == g1.shape[1:] and 0 in (old.shape[0], g1.shape[0]):
                 # (a micro-batch without examples: it adds nothing to any example's gradient,
                 # as its .grad of zeros adds nothing to .grad)
-                p.grad1 = g1 if old.shape[0] == 0 else old
+                p.grad1 = g1 if old.shape[0] == 0 else old.to(g1.dtype)
                 return
             if old.shape != g1.shape:
                 raise StateError(
