@@ -57,12 +57,15 @@ def norms_of(want: dict) -> torch.Tensor:
 class _PooledClassifier(nn.Module):
     """A small CNN whose pooled features are flattened by ``.squeeze()`` (as many older scripts
     do, rather than ``flatten(1)``): ``[batch, C, 1, 1]`` becomes ``[batch, C]``, and, on a batch
-    of one, ``[C]``: the head gets its one example's features without a batch dimension."""
+    of one, ``[C]``: the head (a Linear, or a LayerNorm then a Linear) gets its one example's
+    features without a batch dimension."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: str) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 3, 3)
         self.fc = nn.Linear(3, 2)
+        if head == "norm":
+            self.fc = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2))
 
     def forward(self, x):
         return self.fc(F.adaptive_avg_pool2d(torch.tanh(self.conv(x)), 1).squeeze())
@@ -73,15 +76,17 @@ def _rows_ce(out, y):
     return F.cross_entropy(out.reshape(len(y), -1), y)
 
 
-def test_a_batch_of_one_squeezed_into_the_classifier_heads_features():
+@pytest.mark.parametrize("head", ["linear", "norm"], ids=["Linear", "LayerNorm, Linear"])
+def test_a_batch_of_one_squeezed_into_the_classifier_heads_features(head):
     """Seven images in batches of three (``DataLoader``, ``drop_last=False``): the last batch is
     one image, whose pooled features ``.squeeze()`` makes ``[3]``, and whose logits are ``[2]``.
-    Before, the tracker lost the example at the head (a Linear contracting the dimension that
-    held it) and the head's rule failed with a RuleError about an ``unflatten``; with one
-    example the head's output is that example's whole. grad1 is the float64 loop's at every
-    step of two epochs, the batch of one included, and so is the DP step's norm on it."""
+    Before, the tracker lost the example at the head (a Linear contracting, or a LayerNorm
+    normalizing, the dimension that held it): the Linear's rule failed with a RuleError about
+    an ``unflatten``, or was given the ``[3]`` as it was (an UnbatchedInputError). With one
+    example, their output is that example's whole. grad1 is the float64 loop's at every step
+    of two epochs, the batch of one included, and so is the DP step's norm on it."""
     torch.manual_seed(0)
-    model = _PooledClassifier().to(D)
+    model = _PooledClassifier(head).to(D)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(7, 2, 5, 5, dtype=D, generator=g), torch.randint(2, (7,), generator=g)
