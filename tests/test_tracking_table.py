@@ -40,6 +40,10 @@ CHANGED = {
     "masked_scatter": "masked_scatter",  # (a source's entries taken in turn: not elementwise)
     "masked_scatter_": "masked_scatter",
     "masked_scatter__": None,  # (no such function)
+    "linear": "needs_batch:linear",  # (a batch of one squeezed into the features it contracts)
+    "bilinear": "needs_batch:linear",
+    "layer_norm": "needs_batch:layer_norm",
+    "rms_norm": "needs_batch:layer_norm",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and

@@ -17,7 +17,9 @@ captured saw it reset at its own start (``zero_grad``, then a paused backward).
 A backward that leaves ``.grad`` alone (``torch.autograd.grad``, which returns its gradients
 instead of adding them up) gives no such sign: there the engine adds to ``grad1`` over the
 backwards of one forward (several ``retain_graph`` backwards, as K-FAC's sampled labels take
-them) and starts afresh at a new forward's.
+them) and starts afresh at a new forward's. The ``grad1`` such a backward found, where it was
+``.grad``'s rows, is set aside: a backward that adds into ``.grad`` after it puts it back
+before adding (``BackwardWriter.set_aside``), so that ``grad1`` is ``.grad``'s rows again.
 
 The values are read (one transfer per device, at the start of each captured backward) for
 every ``.grad`` that is not ``None``: a ``.grad`` left as it was and one zeroed through

@@ -365,6 +365,7 @@ class BackwardWriter:
         for pname, p in live.items():
             piece = pieces[pname]
             if bw is not None and id(p) not in bw.before:
+                self.set_aside(p)
                 if id(p) in self.state.written and self._new_forward(p, frame):
                     del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
                 # kept for a rollback; a kept grad1 is then never written in place
@@ -495,10 +496,12 @@ class BackwardWriter:
             if p.__dict__.get("grad1") is None:
                 del self.state.written[pid]
                 self.state.depth.pop(pid, None)
+                self.state.aside.pop(pid, None)
         if not len(self.state.trail):
             return
         reset = self.state.trail.restarted()
         for p in reset:
+            self.state.aside.pop(id(p), None)
             if self.state.written.pop(id(p), None) is not None:
                 self.state.stale[id(p)] = p
             self.state.depth.pop(id(p), None)
@@ -548,6 +551,34 @@ class BackwardWriter:
             params.setdefault(id(p), p)
         self.state.trail.record(params.values(), bw.computed, bw.accumulated)
 
+    def set_aside(self, p: nn.Parameter) -> None:
+        """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
+        returns ``p``'s gradient, where ``grad1`` is ``.grad``'s rows (a backward added into
+        ``.grad`` last, or it was reset), sets that ``grad1`` aside, and adds to ``grad1`` as
+        it does (see :mod:`gradhooks.engine.accumulation`); the next backward that adds into
+        ``.grad`` puts it back before adding, so that ``grad1`` is ``.grad``'s rows again (the
+        loss's ``backward()`` after a ``torch.autograd.grad`` of it for a gradient's norm)."""
+        adds = _torch.adds_to_grad(p)
+        pid, state = id(p), self.state
+        if adds is False:
+            if pid not in state.aside and (pid not in state.written or state.trail.added_last(p)):
+                kept = p.__dict__.get("grad1") if pid in state.written else None
+                state.aside[pid] = (kept, state.depth.get(pid), state.rounded.get(pid))
+            return
+        if adds is None or pid not in state.aside:
+            return
+        kept, depth, rounded = state.aside.pop(pid)
+        for found, value in ((state.depth, depth), (state.rounded, rounded)):
+            if value is None:
+                found.pop(pid, None)
+            else:
+                found[pid] = value
+        if kept is None:
+            state.written.pop(pid, None)  # (the grad1 written now replaces the passes')
+        else:
+            p.grad1 = kept
+            state.written[pid] = p
+
     def _new_forward(self, p: nn.Parameter, frame: Frame | None) -> bool:
         """Whether this backward, of ``frame``, starts ``p.grad1`` afresh where ``.grad`` gives
         no sign (see :mod:`gradhooks.engine.accumulation`): the last backward was of another
@@ -566,6 +597,7 @@ class BackwardWriter:
         frame = None if ref is None else ref()
         if frame is None or id(p) in bw.before:
             return
+        self.set_aside(p)
         if id(p) in self.state.written and self._new_forward(p, frame):
             del self.state.written[id(p)]
         self.state.forward_of[id(p)] = ref
@@ -999,6 +1031,11 @@ class BackwardWriter:
             g1 = g1.to(p.dtype)
         if id(p) in self.state.written:
             old = p.grad1
+            if old.shape[1:] == g1.shape[1:] and 0 in (old.shape[0], g1.shape[0]):
+                # (a micro-batch without examples: it adds nothing to any example's gradient,
+                # as its .grad of zeros adds nothing to .grad)
+                p.grad1 = g1 if old.shape[0] == 0 else old.to(g1.dtype)
+                return
             if old.shape != g1.shape:
                 raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "

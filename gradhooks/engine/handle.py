@@ -627,6 +627,7 @@ class Hooks:
         self._state.written.clear()
         self._state.trail.clear()
         self._state.depth.clear()
+        self._state.aside.clear()
         self._state.missed.clear()
         self._state.precision = None
         self._state.rounded.clear()

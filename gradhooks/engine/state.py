@@ -111,6 +111,10 @@ class CaptureState:
         self.trail = GradTrail()  # the .grad the backwards left (gradhooks.engine.accumulation)
         self.depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
         self.forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
+        # set aside while torch.autograd.grad passes add to grad1 what they return: the grad1
+        # that .grad's rows were (None: none), with its depth and rounded terms, which the
+        # next backward adding into .grad puts back before adding (BackwardWriter.set_aside)
+        self.aside: dict[int, tuple[Tensor | None, int | None, int | None]] = {}
         self.missed: dict[str, None] = {}  # parameters a backward computed without capture
         # the lowest precision the calls of the backwards since clear() ran in (the checks'
         # tolerance: records.lowest_precision)

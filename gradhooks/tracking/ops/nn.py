@@ -11,6 +11,7 @@ from ..layout import MIXED, PACKED, UNKNOWN, Layout
 from .common import (
     HANDLERS,
     Handler,
+    NeedsBatch,
     arg,
     first_tensor,
     handles,
@@ -30,17 +31,33 @@ def _patches(args, kwargs, out, layout_of):
     return lay
 
 
-@handles("linear", "bilinear")
-def _linear(args, kwargs, out, layout_of):
+def _one_example(lay: Layout, out, batch: int) -> Layout:
+    """The layout of the output of an operation across the dimension that holds the examples
+    (a Linear's features, a LayerNorm's normalized dimensions): with one example (a batch of
+    one whose batch dimension was squeezed away: ``pool(h).squeeze()`` of ``[1, C, 1, 1]`` is
+    ``[C]``) it is that example's whole, on a dimension 0 of its own; with more, not
+    followed."""
+    o = first_tensor(out)
+    if batch == 1 and lay.owners is None and o is not None and o.dim() >= 1:
+        return Layout(0, 1, o.shape[0])
+    return UNKNOWN
+
+
+def _linear(args, kwargs, out, layout_of, batch):
+    """``F.linear(x, w)`` contracts ``x``'s last dimension: a layout on another dimension
+    stays; one on the last, :func:`_one_example`."""
     x = args[0]
     o = first_tensor(out)
     w = arg(args, kwargs, 1, "weight")
     if o is None or (isinstance(w, Tensor) and layout_of(w) is not None):
         return UNKNOWN
     lay = layout_of(x)
-    if lay is None or lay is UNKNOWN or lay.dim == x.dim() - 1:
+    if lay is None or lay is UNKNOWN:
         return UNKNOWN
-    return lay
+    return _one_example(lay, out, batch) if lay.dim == x.dim() - 1 else lay
+
+
+HANDLERS["linear"] = HANDLERS["bilinear"] = NeedsBatch(_linear)
 
 
 @handles("scaled_dot_product_attention")
@@ -236,8 +253,9 @@ def _batch_norm(args, kwargs, out, layout_of):
     return MIXED if training else _in_eval(args[:1], {}, out, layout_of)
 
 
-@handles("layer_norm", "rms_norm")
-def _layer_norm(args, kwargs, out, layout_of):
+def _layer_norm(args, kwargs, out, layout_of, batch):
+    """``F.layer_norm`` / ``F.rms_norm`` over ``x``'s last dimensions: a layout before them
+    stays; one among them, :func:`_one_example`."""
     x = args[0]
     shape = arg(args, kwargs, 1, "normalized_shape")
     lay = layout_of(x)
@@ -247,7 +265,10 @@ def _layer_norm(args, kwargs, out, layout_of):
     if lay is None or lay is UNKNOWN:
         return UNKNOWN
     k = 1 if isinstance(shape, int) else len(shape)
-    return UNKNOWN if lay.dim >= x.dim() - k else lay
+    return _one_example(lay, out, batch) if lay.dim >= x.dim() - k else lay
+
+
+HANDLERS["layer_norm"] = HANDLERS["rms_norm"] = NeedsBatch(_layer_norm)
 
 
 @handles("embedding", "one_hot")
