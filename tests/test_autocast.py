@@ -436,3 +436,35 @@ def test_precision_bench_measures_against_the_loop():
     exact, _ = precision.measure(make, x, y, torch.float32, None, seed=0)
     low, autograd = precision.measure(make, x, y, torch.float32, BF16, seed=0)
     assert exact < 1e-5 and 1e-5 < low < TOL[BF16] and autograd < TOL[BF16]
+
+
+class _NormedConv(nn.Module):
+    """A Linear, then a weight-normed grouped convolution over the sequence (Wav2Vec2's
+    positional convolution): the convolution's weight, computed from the parametrization's
+    parameters, meets the batch in ``conv1d``, which the tracker runs again at the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        conv = nn.Conv1d(4, 4, 3, padding=1, groups=2)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, dim=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(self.proj(x).transpose(1, 2))
+
+
+def test_operation_run_again_at_the_backward_under_its_forwards_autocast():
+    """Under autocast the convolution ran on the Linear's bfloat16 output with float32
+    parameters, autocast casting them to bfloat16; run again at the backward without autocast,
+    it refused the mixed dtypes (``Input type (c10::BFloat16) and bias type (float)``, a
+    crash of Hugging Face's Wav2Vec2 and HuBERT). Now it runs under the forward's autocast."""
+    torch.manual_seed(0)
+    model = _NormedConv()
+    x = torch.randn(BATCH, 8, 4)
+    ref = loop_grad(copy.deepcopy(model).double(), lambda out: out.square().sum(), x.double())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=BF16):
+            out = model(x)
+        out.float().square().sum().backward()
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad1, ref[n]) <= TOL[BF16], n
