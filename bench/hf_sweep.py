@@ -7,6 +7,7 @@
     python -m bench.hf_sweep --task sequence-classification --padded   # right-padded batches
     python -m bench.hf_sweep --own-loss      # the model's own (averaged) loss of its labels
     python -m bench.hf_sweep --router-loss   # mixtures of experts with their balancing loss
+    python -m bench.hf_sweep --popular --settings training,bf16-autocast   # as users train
 
 For each model type of transformers' auto mappings (masked LM, causal LM, sequence
 classification, image classification, audio classification: the first of those the type has),
@@ -30,20 +31,32 @@ batches of one. Each architecture is then one of:
 - **skipped**: the configuration, the model or its inputs could not be made, the model does
   not run, draws random numbers in training mode, or took longer than ``--limit`` seconds.
 
+With ``--settings`` (``training``, ``bf16-autocast``, ``dp-step``, or ``all``), each
+architecture that matches is also run, built afresh, in the settings of ``bench.sweep`` that
+the library sweep runs too: 3 SGD steps under one ``add_hooks`` with ``zero_grad`` before each
+backward, each step's ``grad1`` (left for ``zero_grad`` to reset) against the loop at that
+step's parameters; the model in float32 under CPU bfloat16 autocast, ``grad1`` against the
+float64 loop within 5e-2 of each parameter's largest entry (or, where the model's own bfloat16
+loop without gradhooks is further off, 5e-2 plus twice its error); ``dp_sgd_step`` by
+book-keeping without noise, ``p.grad`` against the loop's clipped sum (within 1e-6 of its
+largest term, or ten times autograd's own error there). Each gives one of the outcomes above.
+
 Writes ``<out>/hf-sweep.json`` and ``<out>/hf-sweep.md`` (``<out>`` is ``bench/results``; with
-``--padded``, ``--own-loss``, ``--router-loss`` or ``--task``, ``hf-sweep-<those>.*``).
+``--padded``, ``--own-loss``, ``--router-loss``, ``--task`` or ``--settings``,
+``hf-sweep-<those>.*``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import json
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python bench/hf_sweep.py
@@ -62,8 +75,11 @@ from .sweep import (
     REPORT_ORDER,
     ROUNDED,
     RTOL,
+    SETTINGS,
+    SETTINGS_NOTE,
     Result,
     Skip,
+    Subject,
     TimeLimit,
     compare,
     counts,
@@ -71,6 +87,7 @@ from .sweep import (
     first_line,
     hooked_backward,
     progress,
+    run_setting,
     time_limit,
 )
 
@@ -387,6 +404,8 @@ def _logits(model, batch):
     logits = out.logits if hasattr(out, "logits") else out[0]
     if not isinstance(logits, torch.Tensor):
         raise Skip(f"{type(model).__name__} returns no logits tensor")
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()  # (under autocast: the loss in float32, as users take it)
     return logits
 
 
@@ -402,6 +421,15 @@ def summed_loss(model, batch, labels, own: bool):
         return model(**kw).loss
     logits = _logits(model, batch)
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum")
+
+
+def example_losses(model, batch, labels, own: bool) -> torch.Tensor:
+    """Each example's cross-entropy of the logits summed over its positions, ``[batch]``."""
+    if own:
+        raise Skip("its own loss is the batch's mean, not each example's loss")
+    logits = _logits(model, batch)
+    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
+    return losses.reshape(labels.shape[0], -1).sum(1)
 
 
 def task_of(model) -> str:
@@ -422,6 +450,17 @@ def loop_grads(model, batch, labels, params, own: bool = False):
     return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
 
 
+@dataclass
+class Built:
+    """A model of the sweep with its batch, its labels and its tolerance."""
+
+    model: nn.Module
+    batch: dict
+    labels: torch.Tensor
+    rtol: float
+    own_loss: bool
+
+
 def check(
     family: str,
     task: str | None = None,
@@ -429,14 +468,22 @@ def check(
     padded: bool = False,
     own_loss: bool = False,
     router_loss: bool = False,
+    setting: str | None = None,
 ) -> Result:
-    """One architecture through the sweep: its :class:`Result`."""
+    """One architecture through the sweep: its :class:`Result`; with ``setting`` (a key of
+    :data:`bench.sweep.SETTINGS`), run in that setting instead of one backward (its ``task``
+    is then the setting)."""
     res = Result(family)
     start = time.perf_counter()
     try:
         with time_limit(limit), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", gradhooks.GradhooksWarning)
-            _check(res, family, task, padded, own_loss or router_loss, router_loss)
+            if setting is None:
+                _check(res, family, task, padded, own_loss or router_loss, router_loss)
+            else:
+                own = own_loss or router_loss
+                run_setting(res, setting, lambda: subject(
+                    _built(res, family, task, padded, own, router_loss)))  # fmt: skip
         res.warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                if issubclass(w.category, gradhooks.GradhooksWarning)})  # fmt: skip
     except Skip as e:
@@ -447,14 +494,15 @@ def check(
     return res
 
 
-def _check(
+def _built(
     res: Result, family: str, task: str | None, padded: bool, own_loss: bool, router_loss: bool
-) -> None:
+) -> Built:
+    """The model of ``family``, checked to run the same twice and to give rows of its batch
+    for a batch of one (``res`` notes its task, class, size, and how a batch of one differs)."""
     res.task, model, config = build(family, task, router_loss)
     res.model = type(model).__name__
     res.params = sum(p.numel() for p in model.parameters())
     batch = inputs(model, config, res.task, padded)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     try:
         with torch.no_grad():
             first = _logits(model, batch)
@@ -486,14 +534,51 @@ def _check(
             raise Skip(f"its own loss fails: {first_line(e)}") from e
         if dtype != torch.float64:  # (Hugging Face's language-model losses upcast to float32)
             rtol, res.detail = FLOAT32_RTOL, f"its own loss in {dtype}"
+    return Built(model, batch, labels, rtol, own_loss)
+
+
+def _check(
+    res: Result, family: str, task: str | None, padded: bool, own_loss: bool, router_loss: bool
+) -> None:
+    b = _built(res, family, task, padded, own_loss, router_loss)
+    params = [(n, p) for n, p in b.model.named_parameters() if p.requires_grad]
     try:
-        want = loop_grads(model, batch, labels, params, own_loss)
+        want = loop_grads(b.model, b.batch, b.labels, params, own_loss)
     except Exception as e:
         raise Skip(f"the loop of batches of one fails: {first_line(e)}") from e
-    model.zero_grad(set_to_none=True)
+    b.model.zero_grad(set_to_none=True)
     reduction = "mean" if own_loss else "sum"
-    if hooked_backward(res, model, lambda: summed_loss(model, batch, labels, own_loss), reduction):
-        compare(res, params, want, rtol, mean=own_loss)
+    loss = lambda: summed_loss(b.model, b.batch, b.labels, own_loss)  # noqa: E731
+    if hooked_backward(res, b.model, loss, reduction):
+        compare(res, params, want, b.rtol, mean=own_loss)
+
+
+def subject(b: Built) -> Subject:
+    """``b`` as the settings of :mod:`bench.sweep` run it (the loop's failure a skip)."""
+    model, batch, labels, own = b.model, b.batch, b.labels, b.own_loss
+
+    def own_gradients() -> dict[str, torch.Tensor]:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        try:
+            return loop_grads(model, batch, labels, params, own)
+        except Exception as e:
+            raise Skip(f"the loop of batches of one fails: {first_line(e)}") from e
+
+    def lowered() -> Subject:
+        low = copy.deepcopy(model).float()
+        floats = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                  for k, v in batch.items()}  # fmt: skip
+        return subject(Built(low, floats, labels, b.rtol, own))
+
+    return Subject(
+        model,
+        loss=lambda: summed_loss(model, batch, labels, own),
+        losses=lambda: example_losses(model, batch, labels, own),
+        own_gradients=own_gradients,
+        lowered=lowered,
+        reduction="mean" if own else "sum",
+        rtol=b.rtol,
+    )
 
 
 # -- the sweep and its report -------------------------------------------------------------------
@@ -525,6 +610,7 @@ def write(
     command: str,
     name: str = "hf-sweep",
     loss: str = "a summed cross-entropy of the logits",
+    settings: list[Result] = (),
 ) -> tuple[Path, Path]:
     import transformers
 
@@ -533,7 +619,12 @@ def write(
     meta = {"command": command, "torch": torch.__version__, "transformers": transformers.__version__,
             "batch": BATCH, "sequence": SEQ, "rtol": RTOL, "counts": counted}  # fmt: skip
     js = out / f"{name}.json"
-    js.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    rows = {"results": [asdict(r) for r in results]}
+    if settings:
+        ran = [t for t in SETTINGS if any(r.task == t for r in settings)]
+        meta["settings_counts"] = {t: counts([r for r in settings if r.task == t]) for t in ran}
+        rows["settings"] = [asdict(r) for r in settings]
+    js.write_text(json.dumps({**meta, **rows}, indent=1) + "\n")
     lines = [
         "# Hugging Face architectures against the per-example loop",
         "",
@@ -556,6 +647,25 @@ def write(
         detail = detail_cell(r)
         lines.append(f"| {r.family} | {r.task} | {r.model} | {r.params:,} | {r.outcome} | "
                      f"{detail} | {r.seconds:.1f} |")  # fmt: skip
+    if settings:
+        chosen = meta["settings_counts"]
+        lines += [
+            "",
+            "## Other settings",
+            "",
+            "The architectures that match above, each in these settings. " + SETTINGS_NOTE,
+            "",
+            "| outcome | " + " | ".join(chosen) + " |",
+            "| --- | " + " | ".join("---" for _ in chosen) + " |",
+            *(f"| {o} | " + " | ".join(str(c[o]) for c in chosen.values()) + " |"
+              for o in OUTCOMES),
+            "",
+            "| architecture | setting | model | outcome | detail | seconds |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        for r in sorted(settings, key=lambda r: (order[r.outcome], r.family, r.task)):
+            lines.append(f"| {r.family} | {r.task} | {r.model} | {r.outcome} | "
+                         f"{detail_cell(r)} | {r.seconds:.1f} |")  # fmt: skip
     md = out / f"{name}.md"
     md.write_text("\n".join(lines) + "\n")
     return js, md
@@ -578,9 +688,20 @@ def main(argv: list[str] | None = None) -> int:
         help="mixtures of experts only, with output_router_logits=True: their own loss with "
         "its load-balancing term (implies --own-loss)",
     )  # fmt: skip
+    p.add_argument(
+        "--settings", default=None,
+        help=f"also run each architecture that matches in these settings, comma-separated "
+        f"({', '.join(SETTINGS)}, or all)",
+    )  # fmt: skip
     p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")
     args = p.parse_args(argv)
+    chosen = []
+    if args.settings:
+        chosen = list(SETTINGS) if args.settings == "all" else args.settings.split(",")
+        unknown = [c for c in chosen if c not in SETTINGS]
+        if unknown:
+            p.error(f"no such setting: {', '.join(unknown)} (there are: {', '.join(SETTINGS)})")
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -589,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     names = families(args.families, args.popular, args.task)
     command = "python -m bench.hf_sweep" + (" " + " ".join(sys.argv[1:] if argv is None else argv)
                                             if (sys.argv[1:] if argv is None else argv) else "")  # fmt: skip
-    results = []
+    results, settings = [], []
     bar = progress(names)
     for i, family in enumerate(names):
         if bar is None:
@@ -599,12 +720,15 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             check(family, args.task, args.limit, args.padded, args.own_loss, args.router_loss)
         )
+        if results[-1].outcome == "match":
+            settings += [check(family, args.task, args.limit, args.padded, args.own_loss,
+                               args.router_loss, setting=c) for c in chosen]  # fmt: skip
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     modes = [args.task or "", "padded" * args.padded, "own-loss" * args.own_loss,
-             "router-loss" * args.router_loss]  # fmt: skip
+             "router-loss" * args.router_loss, "settings" * bool(chosen)]  # fmt: skip
     name = "-".join(["hf-sweep", *(m for m in modes if m)])
     loss = "a summed cross-entropy of the logits"
     if args.own_loss or args.router_loss:
@@ -613,11 +737,14 @@ def main(argv: list[str] | None = None) -> int:
         loss += " with its load-balancing term (output_router_logits=True)"
     if args.padded:
         loss += ", token ids padded on the right by 0, 2 and 1 tokens"
-    js, md = write(results, Path(args.out), command, name, loss)
+    js, md = write(results, Path(args.out), command, name, loss, settings)
     print(", ".join(f"{n} {o}" for o, n in counts(results).items()))
-    for r in results:
+    for c in chosen:
+        counted = counts([r for r in settings if r.task == c])
+        print(f"{c}: " + ", ".join(f"{n} {o}" for o, n in counted.items()))
+    for r in [*results, *settings]:
         if r.outcome in ("mismatch", "crash"):
-            print(f"{r.outcome}: {r.family} ({r.model}): {r.detail}")
+            print(f"{r.outcome}: {r.family} ({r.model}, {r.task}): {r.detail}")
     print(f"wrote {js} and {md}")
     return 0
 

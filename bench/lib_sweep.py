@@ -65,7 +65,6 @@ from .sweep import (
     TimeLimit,
     first_line,
     hooked_backward,
-    is_gradhooks_frame,
     progress,
     time_limit,
 )
@@ -1510,148 +1509,52 @@ def check(name: str, limit: float = 60.0) -> Result:
 
 # -- the same models in a training loop, under autocast, in a DP step --------------------------
 
-STEPS = 3
-# bfloat16 keeps 8 significant bits (unit roundoff 2**-9, about 2e-3); a few layers' roundings
-# of each output-gradient, summed over positions whose errors do not cancel: about 16 units
-# (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
-BF16_TOL = 5e-2
 # The models run in the other settings (each of another library or kind).
 SETTINGS_MODELS = (
     "xt-rotary", "xt-gate-residual", "perceiver", "mlp-mixer", "unet2d", "dit", "linformer-lm",
     "mamba-pscan",
 )  # fmt: skip
+SETTINGS = sweep.SETTINGS
 
 
-def _setting(name: str, setting: str, run: Callable[[Example, Result], None], limit: float):
+def subject(ex: Example) -> sweep.Subject:
+    """``ex`` as the settings of :mod:`bench.sweep` run it."""
+
+    def lowered() -> sweep.Subject:
+        low = Example(copy.deepcopy(ex.model).float(), ex.inputs, ex.losses, ex.targets,
+                      ex.reduction, ex.call)  # fmt: skip
+        low.inputs = tuple(t.float() if t.is_floating_point() else t for t in ex.inputs)
+        low.targets = tuple(t.float() if t.is_floating_point() else t for t in ex.targets)
+        call = ex.call or (lambda m, *xs: m(*xs))
+        low.call = lambda m, *xs: sweep.floated(call(m, *xs))
+        return subject(low)
+
+    return sweep.Subject(
+        ex.model,
+        loss=lambda: total_loss(ex),
+        losses=lambda: ex.losses(_output(ex, ex.inputs), *ex.targets),
+        own_gradients=lambda: own_gradients(ex),
+        lowered=lowered,
+        reduction=ex.reduction,
+    )
+
+
+def _setting(name: str, setting: str, limit: float) -> Result:
     res = Result(name, task=setting)
     start = time.perf_counter()
     try:
         with time_limit(limit):
-            ex = build(name)
-            res.model = type(ex.model).__name__
-            res.params = sum(p.numel() for p in ex.model.parameters())
-            run(ex, res)
+            sweep.run_setting(res, setting, lambda: subject(build(name)))
     except (Skip, TimeLimit) as e:
         res.outcome, res.detail = "skipped", str(e)
-    except gradhooks.GradhooksError as e:
-        res.outcome, res.detail = "refused", first_line(e)
-    except Exception as e:
-        inside = is_gradhooks_frame(e.__traceback__)
-        res.outcome = "crash" if inside else "skipped"
-        res.detail = first_line(e) if inside else f"fails outside gradhooks: {first_line(e)}"
     res.seconds = round(time.perf_counter() - start, 2)
     return res
-
-
-def _training(ex: Example, res: Result) -> None:
-    """``STEPS`` SGD steps under one ``add_hooks``, ``zero_grad`` before each backward:
-    ``grad1`` of every step against the loop at that step's parameters."""
-    opt = torch.optim.SGD(ex.model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(ex.model, loss_reduction=ex.reduction):
-        for step in range(STEPS):
-            want = own_gradients(ex)
-            opt.zero_grad()
-            total_loss(ex).backward()
-            res.detail = ""
-            compare(res, ex, want, RTOL)
-            if res.outcome != "match":
-                res.detail = f"step {step + 1}: {res.detail}"
-                return
-            opt.step()
-    res.detail = f"{STEPS} steps"
-
-
-def _autocast(ex: Example, res: Result) -> None:
-    """The model in float32 under CPU bfloat16 autocast (the loss in float32): ``grad1``
-    against the float64 loop, relative error per parameter below ``BF16_TOL``."""
-    want = own_gradients(ex)
-    model = ex.model
-    low = Example(copy.deepcopy(model).float(), ex.inputs, ex.losses, ex.targets, ex.reduction,
-                  ex.call)  # fmt: skip
-    low.inputs = tuple(t.float() if t.is_floating_point() else t for t in ex.inputs)
-    low.targets = tuple(t.float() if t.is_floating_point() else t for t in ex.targets)
-    call = low.call or (lambda m, *xs: m(*xs))
-    low.call = lambda m, *xs: _floated(call(m, *xs))
-    with gradhooks.add_hooks(low.model, loss_reduction=ex.reduction):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = total_loss(low)
-        loss.backward()
-    worst, largest = (0.0, ""), _largest(want)
-    for n, p in low.model.named_parameters():
-        if not p.requires_grad:
-            continue
-        got = getattr(p, "grad1", None)
-        if got is None:
-            if want[n].abs().max() > 0:
-                res.outcome, res.parameter, res.detail = "mismatch", n, f"no grad1: {n}"
-                return
-            continue
-        err = _relative(got.double(), want[n], largest)
-        if err > worst[0]:
-            worst = (err, n)
-    res.max_rel_error, res.parameter = worst
-    res.outcome = "match" if worst[0] <= BF16_TOL else "mismatch"
-    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}), allowed {BF16_TOL:g}"
-
-
-def _largest(want: dict[str, Tensor]) -> float:
-    return max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
-
-
-def _relative(got: Tensor, want: Tensor, largest: float) -> float:
-    """``max|got - want| / max|want|``; for a gradient that is zero in exact arithmetic (below
-    ``1e-9`` of the model's largest entry: a bias that a norm after it cancels), whose entries
-    are rounding noise on both sides, relative to the model's largest gradient entry."""
-    scale = float(want.abs().max())
-    if scale < 1e-9 * largest:
-        scale = largest
-    return float((got - want).abs().max()) / (scale or 1.0)
-
-
-def _floated(out):
-    if isinstance(out, tuple | list):
-        return type(out)(_floated(t) for t in out)
-    if hasattr(out, "sample") and isinstance(out.sample, Tensor):
-        return out.sample.float()
-    return out.float() if isinstance(out, Tensor) and out.is_floating_point() else out
-
-
-def _dp_step(ex: Example, res: Result) -> None:
-    """``gradhooks.dp_sgd_step`` by book-keeping, without noise, its clipping norm the median
-    of the examples' gradient norms: ``p.grad`` against the loop's clipped sum
-    ``Σ_i min(1, C / ‖g_i‖) g_i``, and the norms it returns against the loop's."""
-    want = own_gradients(ex)
-    names = list(want)
-    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
-    clip = float(norms.median())
-    factors = (clip / norms).clamp(max=1.0)
-    ex.model.zero_grad(set_to_none=True)
-    with gradhooks.add_hooks(ex.model, quantities=("norms",)) as hooks:
-        losses = ex.losses(_output(ex, ex.inputs), *ex.targets)
-        got_norms = gradhooks.dp_sgd_step(
-            hooks, losses, max_norm=clip, noise_multiplier=0.0, reduction="sum",
-            method="bookkeeping",
-        )  # fmt: skip
-    params, largest = dict(ex.model.named_parameters()), _largest(want)
-    worst = (float((got_norms - norms).abs().max() / norms.max()), "the norms")
-    for n in names:
-        clipped = torch.einsum("b,b...->...", factors, want[n])
-        got = params[n].grad
-        err = _relative(torch.zeros_like(clipped) if got is None else got, clipped, largest)
-        if err > worst[0]:
-            worst = (err, n)
-    res.max_rel_error, res.parameter = worst
-    res.outcome = "match" if worst[0] <= 1e-6 else "mismatch"
-    res.detail = f"largest relative error {worst[0]:.2g} ({worst[1]}); clipped at the median norm"
-
-
-SETTINGS = {"training": _training, "bf16-autocast": _autocast, "dp-step": _dp_step}
 
 
 def check_setting(name: str, setting: str, limit: float = 60.0) -> Result:
     """Model ``name`` in ``setting`` (a key of :data:`SETTINGS`): its result (``task`` is the
     setting)."""
-    return _setting(name, setting, SETTINGS[setting], limit)
+    return _setting(name, setting, limit)
 
 
 # -- the sweep and its report -------------------------------------------------------------------
@@ -1719,13 +1622,7 @@ def write(
             "",
             "## Other settings",
             "",
-            f"`training`: {STEPS} SGD steps under one `add_hooks`, `zero_grad` before each "
-            "backward, `grad1` of each step against the loop (`rtol=1e-7`). `bf16-autocast`: "
-            "the model in float32 under CPU bfloat16 autocast, `grad1` against the float64 "
-            f"loop, largest relative error per parameter at most {BF16_TOL:g} (bfloat16's "
-            "unit roundoff is 2e-3). `dp-step`: `dp_sgd_step` by book-keeping without noise, "
-            "clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
-            "sum (relative error at most 1e-6).",
+            sweep.SETTINGS_NOTE,
             "",
             "| model | setting | outcome | detail | seconds |",
             "| --- | --- | --- | --- | --- |",

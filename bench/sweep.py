@@ -12,6 +12,9 @@ build their models and inputs each in its own way; the rest is here. A model end
   error are kept), or none where the loop gives a gradient: the worst outcome;
 - **crash**: another exception raised from inside gradhooks;
 - **skipped**: the model or its inputs could not be made, it does not run, or it took too long.
+
+Both sweeps also run a model in the settings users train in (:data:`SETTINGS`): a training
+loop, bfloat16 autocast, a DP step. Each sweep describes its model as a :class:`Subject`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
 
 import gradhooks
 
@@ -120,11 +124,13 @@ def compare(
     rtol: float,
     mean: bool = False,
     zero: float = 1e-12,
+    keep: bool = False,
 ) -> None:
-    """Classify ``res`` as match or mismatch: each of ``params``' ``grad1`` (then deleted)
-    against ``want``, the loop's per-example gradients by name (``[batch, *shape]``). ``mean``:
-    the loss averages the examples (``.grad`` is then the loop's mean, not its sum). ``zero``:
-    below what fraction of the model's largest gradient entry an error is rounding."""
+    """Classify ``res`` as match or mismatch: each of ``params``' ``grad1`` (then deleted,
+    unless ``keep``) against ``want``, the loop's per-example gradients by name
+    (``[batch, *shape]``). ``mean``: the loss averages the examples (``.grad`` is then the
+    loop's mean, not its sum). ``zero``: below what fraction of the model's largest gradient
+    entry an error is rounding."""
     worst = (0.0, 0.0, "")
     missing = []
     # A gradient that is zero in exact arithmetic (a key's bias, which softmax cancels) is
@@ -161,7 +167,7 @@ def compare(
             if rel > worst[1]:
                 worst = (float(err.max()), rel, n)
     for _, p in params:
-        if hasattr(p, "grad1"):
+        if hasattr(p, "grad1") and not keep:
             del p.grad1
     if missing:
         res.outcome, res.parameter = "mismatch", missing[0]
@@ -186,6 +192,227 @@ def compare(
             f"its batched gradient differs from the loop's by {res.loop_vs_batch:.1g} of a "
             "parameter's largest entry without gradhooks: allowed ten times that"
         )
+
+
+# -- the settings users train in ----------------------------------------------------------------
+
+STEPS = 3
+# bfloat16 keeps 8 significant bits (unit roundoff 2**-9, about 2e-3); a few layers' roundings
+# of each output-gradient, summed over positions whose errors do not cancel: about 16 units
+# (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
+BF16_TOL = 5e-2
+
+
+@dataclass
+class Subject:
+    """A model, its batch and its loss, as the settings run it.
+
+    ``loss()``: the batch's loss of ``model``, the examples' losses summed or averaged
+    (``reduction``); ``losses()``: each example's, ``[batch]``; ``own_gradients()``: each
+    example's gradient at ``model``'s current parameters by a float64 loop of batches of one,
+    ``{name: [batch, *shape]}``; ``lowered()``: the same with a float32 copy of the model, its
+    floating inputs in float32 and its output in float32 for the loss (whatever autocast gave).
+    ``rtol``: the tolerance of a float64 comparison (:data:`FLOAT32_RTOL` for a model that
+    computes in float32 inside).
+    """
+
+    model: nn.Module
+    loss: Callable[[], Tensor]
+    losses: Callable[[], Tensor]
+    own_gradients: Callable[[], dict[str, Tensor]]
+    lowered: Callable[[], Subject]
+    reduction: str = "sum"
+    rtol: float = RTOL
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def training(s: Subject, res: Result) -> None:
+    """``STEPS`` SGD steps under one ``add_hooks``, ``zero_grad`` before each backward:
+    ``grad1`` of every step (left where the backward wrote it, for ``zero_grad`` to reset)
+    against the loop at that step's parameters."""
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.1)
+    params = trainable(s.model)
+    with gradhooks.add_hooks(s.model, loss_reduction=s.reduction):
+        for step in range(STEPS):
+            want = s.own_gradients()
+            opt.zero_grad()
+            s.loss().backward()
+            res.detail = ""
+            compare(res, params, want, s.rtol, mean=s.reduction == "mean", keep=True)
+            if res.outcome != "match":
+                res.detail = f"step {step + 1}: {res.detail}"
+                return
+            opt.step()
+    res.detail = f"{STEPS} steps" + (f" at rtol={s.rtol:g}" if s.rtol != RTOL else "")
+
+
+def bf16_autocast(s: Subject, res: Result) -> None:
+    """The model in float32 under CPU bfloat16 autocast (the loss in float32): ``grad1``
+    against the float64 loop, relative error per parameter at most :data:`BF16_TOL`, or, where
+    the model's own bfloat16 loop (without gradhooks) is further off the float64 loop there,
+    :data:`BF16_TOL` plus twice that (the model's sensitivity to bfloat16, not gradhooks')."""
+    want = s.own_gradients()
+    low = s.lowered()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            low.loss()
+    except Exception as e:
+        raise Skip(f"does not run under bfloat16 autocast: {first_line(e)}") from e
+    with gradhooks.add_hooks(low.model, loss_reduction=s.reduction):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = low.loss()
+        loss.backward()
+    largest = _largest(want)
+    errors = {}
+    for n, p in trainable(low.model):
+        got = getattr(p, "grad1", None)
+        if got is None:
+            if want[n].abs().max() > 0:
+                res.outcome, res.parameter, res.detail = "mismatch", n, f"no grad1: {n}"
+                return
+            continue
+        errors[n] = relative(got.double(), want[n], largest)
+    own = dict.fromkeys(errors, 0.0)
+    if any(e > BF16_TOL for e in errors.values()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded = low.own_gradients()
+        own = {n: relative(rounded[n].double(), want[n], largest) for n in errors}
+    allowed = {n: BF16_TOL + 2 * own[n] if own[n] > BF16_TOL else BF16_TOL for n in errors}
+    n = max(errors, key=lambda n: errors[n] / allowed[n], default="")
+    worst = (errors.get(n, 0.0), n)
+    res.max_rel_error, res.parameter = worst
+    res.outcome = "match" if not n or worst[0] <= allowed[n] else "mismatch"
+    res.detail = f"largest relative error {worst[0]:.2g} ({n}), allowed {allowed.get(n, 0):.2g}"
+    if res.outcome == "mismatch" and own[n] <= BF16_TOL:
+        res.detail += f"; a bfloat16 loop without gradhooks is off by {own[n]:.2g} there"
+    elif any(e > BF16_TOL for e in own.values()):
+        top = max(own, key=own.get)
+        res.detail += (
+            f"; a bfloat16 loop without gradhooks is off by {own[top]:.2g} ({top}), "
+            f"{own[n]:.2g} at {n}"
+        )
+
+
+def dp_step(s: Subject, res: Result) -> None:
+    """``gradhooks.dp_sgd_step`` by book-keeping, without noise, its clipping norm the median
+    of the examples' gradient norms: ``p.grad`` against the loop's clipped sum
+    ``Σ_i min(1, C / ‖g_i‖) g_i``, relative to the largest of its terms (a sum whose terms
+    cancel keeps their rounding), within 1e-6 or ten times autograd's own error (the clipped
+    sum's backward without gradhooks against the loop's), and the norms it returns against
+    the loop's."""
+    want = s.own_gradients()
+    names = list(want)
+    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / norms).clamp(max=1.0)
+    s.model.zero_grad(set_to_none=True)
+    with gradhooks.add_hooks(s.model, quantities=("norms",)) as hooks:
+        got_norms = gradhooks.dp_sgd_step(
+            hooks, s.losses(), max_norm=clip, noise_multiplier=0.0, reduction="sum",
+            method="bookkeeping",
+        )  # fmt: skip
+    params, largest = dict(s.model.named_parameters()), _largest(want)
+    terms = {n: torch.einsum("b,b...->b...", factors, want[n]) for n in names}
+
+    def error(n: str, got: Tensor | None) -> float:
+        """``got`` against the clipped sum of ``n``, relative to its largest term."""
+        if not terms[n].numel():
+            return 0.0
+        clipped = terms[n].sum(0)
+        got = torch.zeros_like(clipped) if got is None else got
+        scale = float(terms[n].abs().max())
+        if scale < 1e-9 * largest:
+            scale = largest  # (a gradient zero in exact arithmetic: rounding on both sides)
+        return float((got - clipped).abs().max()) / scale
+
+    errors = {n: error(n, params[n].grad) for n in names}
+    # (a model that computes in float32 inside: its norms and sums carry float32 rounding)
+    tol = 1e-6 if s.rtol == RTOL else 10 * s.rtol
+    allowed = dict.fromkeys(names, tol)
+    if any(e > tol for e in errors.values()):
+        # the model's own rounding: autograd's clipped sum, without gradhooks, against the loop
+        # (a batched backward that rounds otherwise than a batch of one), ten times over
+        s.model.zero_grad(set_to_none=True)
+        with gradhooks.paused():
+            (s.losses() * factors).sum().backward()
+        allowed = {n: tol + 10 * error(n, params[n].grad) for n in names}
+    n = max(names, key=lambda n: errors[n] / allowed[n])
+    worst = (errors[n], n, allowed[n])
+    off = float((got_norms - norms).abs().max() / norms.max())
+    if off > tol:
+        worst = (off, "the norms", tol)
+    res.max_rel_error, res.parameter = worst[:2]
+    res.outcome = "match" if worst[0] <= worst[2] else "mismatch"
+    res.detail = (
+        f"largest relative error {worst[0]:.2g} ({worst[1]}), allowed {worst[2]:.2g}; clipped "
+        "at the median norm"
+    )
+    if worst[2] > tol:
+        res.detail += "; allowed ten times autograd's own error without gradhooks"
+
+
+SETTINGS: dict[str, Callable[[Subject, Result], None]] = {
+    "training": training,
+    "bf16-autocast": bf16_autocast,
+    "dp-step": dp_step,
+}
+SETTINGS_NOTE = (
+    f"`training`: {STEPS} SGD steps under one `add_hooks`, `zero_grad` before each backward, "
+    "`grad1` of each step against the loop at that step's parameters (at the model's `rtol`). "
+    "`bf16-autocast`: the model in float32 under CPU bfloat16 autocast, `grad1` against the "
+    f"float64 loop, largest relative error per parameter at most {BF16_TOL:g} (bfloat16's unit "
+    "roundoff is 2e-3), or where the model's own bfloat16 loop without gradhooks is further off, "
+    f"{BF16_TOL:g} plus twice its error. `dp-step`: `dp_sgd_step` by book-keeping without "
+    "noise, clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
+    "sum (relative to its largest term, at most 1e-6; ten times the model's `rtol` where it "
+    "computes in float32 inside)."
+)
+
+
+def run_setting(res: Result, setting: str, subject: Callable[[], Subject]) -> None:
+    """``res`` (its ``task`` the setting) classified by running ``subject()`` in ``setting``:
+    refused, crash or skipped where it raised."""
+    try:
+        s = subject()
+        res.model = type(s.model).__name__
+        res.params = sum(p.numel() for p in s.model.parameters())
+        SETTINGS[setting](s, res)
+    except (Skip, TimeLimit):
+        raise
+    except gradhooks.GradhooksError as e:
+        res.outcome, res.detail = "refused", first_line(e)
+    except Exception as e:
+        inside = is_gradhooks_frame(e.__traceback__)
+        res.outcome = "crash" if inside else "skipped"
+        res.detail = first_line(e) if inside else f"fails outside gradhooks: {first_line(e)}"
+    finally:
+        res.task = setting  # (whatever the subject's making noted)
+
+
+def _largest(want: dict[str, Tensor]) -> float:
+    return max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+
+
+def relative(got: Tensor, want: Tensor, largest: float) -> float:
+    """``max|got - want| / max|want|``; for a gradient that is zero in exact arithmetic (below
+    ``1e-9`` of the model's largest entry: a bias that a norm after it cancels), whose entries
+    are rounding noise on both sides, relative to the model's largest gradient entry."""
+    scale = float(want.abs().max())
+    if scale < 1e-9 * largest:
+        scale = largest
+    return float((got - want).abs().max()) / (scale or 1.0)
+
+
+def floated(out):
+    """A model's output with its floating tensors in float32 (a diffusers output's sample)."""
+    if isinstance(out, tuple | list):
+        return type(out)(floated(t) for t in out)
+    if hasattr(out, "sample") and isinstance(out.sample, Tensor):
+        return out.sample.float()
+    return out.float() if isinstance(out, Tensor) and out.is_floating_point() else out
 
 
 def counts(results: list[Result]) -> dict[str, int]:

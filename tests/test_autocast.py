@@ -436,3 +436,73 @@ def test_precision_bench_measures_against_the_loop():
     exact, _ = precision.measure(make, x, y, torch.float32, None, seed=0)
     low, autograd = precision.measure(make, x, y, torch.float32, BF16, seed=0)
     assert exact < 1e-5 and 1e-5 < low < TOL[BF16] and autograd < TOL[BF16]
+
+
+class _NormedConv(nn.Module):
+    """A Linear, then a weight-normed grouped convolution over the sequence (Wav2Vec2's
+    positional convolution): the convolution's weight, computed from the parametrization's
+    parameters, meets the batch in ``conv1d``, which the tracker runs again at the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        conv = nn.Conv1d(4, 4, 3, padding=1, groups=2)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, dim=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(self.proj(x).transpose(1, 2))
+
+
+def test_operation_run_again_at_the_backward_under_its_forwards_autocast():
+    """Under autocast the convolution ran on the Linear's bfloat16 output with float32
+    parameters, autocast casting them to bfloat16; run again at the backward without autocast,
+    it refused the mixed dtypes (``Input type (c10::BFloat16) and bias type (float)``, a
+    crash of Hugging Face's Wav2Vec2 and HuBERT). Now it runs under the forward's autocast."""
+    torch.manual_seed(0)
+    model = _NormedConv()
+    x = torch.randn(BATCH, 8, 4)
+    ref = loop_grad(copy.deepcopy(model).double(), lambda out: out.square().sum(), x.double())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=BF16):
+            out = model(x)
+        out.float().square().sum().backward()
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad1, ref[n]) <= TOL[BF16], n
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="under bfloat16 autocast, a Segformer (or PVT) stage whose sequence reduction "
+    "leaves keys and values one token long gives a wrong grad1 to the value and output "
+    "projections, the sequence reduction and the norm before the attention (relative error "
+    "0.2 to 3, while their batch sums agree with autograd and a bfloat16 loop without gradhooks "
+    "is within 1e-2); float32 and float64 without autocast, a 16-pixel image (the same one "
+    "token) and a longer reduced sequence are right. Not yet reduced below the stage.",
+)
+def test_segformer_stage_reduced_to_one_token_under_bfloat16_autocast():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SegformerConfig(
+        num_channels=3, num_encoder_blocks=1, depths=[1], sr_ratios=[8], hidden_sizes=[8],
+        patch_sizes=[7], strides=[4], num_attention_heads=[1], mlp_ratios=[4],
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.SegformerModel(config).train()
+    x = torch.randn(BATCH, 3, 32, 32)  # 8 x 8 patches, reduced by 8: keys of one token
+    r = torch.randn(8, 1, 1)
+
+    def loss(out):
+        return (out.last_hidden_state.float().sin() * r.to(out.last_hidden_state)).sum()
+
+    ref = loop_grad(copy.deepcopy(model).double(), loss, x.double())
+    with torch.autocast("cpu", dtype=BF16):
+        rounded = loop_grad(model, loss, x)  # the model's own bfloat16 rounding, per example
+    largest = max(float(g.abs().max()) for g in ref.values())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=BF16):
+            out = model(x)
+        loss(out).backward()
+    for n, p in model.named_parameters():
+        scale = max(float(ref[n].abs().max()), 1e-2 * largest)
+        own = rel_err(rounded[n], ref[n], scale)
+        assert rel_err(p.grad1, ref[n], scale) <= TOL[BF16] + 2 * own, n

@@ -154,3 +154,57 @@ def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
     mask (it was refused as mixing the examples)."""
     res = hf_sweep.check("afmoe", limit=0)
     assert res.outcome == "match", (res.outcome, res.detail)
+
+
+@pytest.mark.parametrize("setting", ["training", "bf16-autocast", "dp-step"])
+def test_architecture_in_another_setting(setting):
+    """3 SGD steps (grad1 of each against the loop at that step's parameters), bfloat16
+    autocast (against the float64 loop, relative error at most 5e-2), a DP step (p.grad
+    against the loop's clipped sum)."""
+    res = hf_sweep.check("llama", limit=0, setting=setting)
+    assert (res.task, res.model) == (setting, "LlamaForCausalLM")
+    assert res.outcome == "match", (res.outcome, res.detail)
+
+
+@pytest.mark.parametrize(
+    "family, setting",
+    [("opt", "bf16-autocast"), ("qwen3_next", "dp-step")],
+)
+def test_setting_allows_the_models_own_rounding(family, setting):
+    """OPT under bfloat16 autocast: its own bfloat16 loop, without gradhooks, is off the
+    float64 loop by 0.15 at a weight, which is allowed 5e-2 plus twice that. Qwen3-Next's
+    gated delta rule rounds in float32 inside: autograd's clipped sum, without gradhooks, is
+    off the loop by 2.5e-5 of its largest term, which is allowed ten times over."""
+    res = hf_sweep.check(family, limit=0, setting=setting)
+    assert res.outcome == "match", (res.outcome, res.detail)
+    assert "without gradhooks" in res.detail
+
+
+def test_training_setting_reports_a_grad1_that_zero_grad_did_not_reset(monkeypatch):
+    """The training setting leaves each step's grad1 where the backward wrote it: a grad1
+    that goes on accumulating after zero_grad is wrong at the second step."""
+    from gradhooks.engine import accumulation
+
+    monkeypatch.setattr(accumulation.GradTrail, "restarted", lambda self: [])
+    res = hf_sweep.check("llama", limit=0, setting="training")
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
+    assert res.detail.startswith("step 2:")
+
+
+def test_settings_report_a_wrong_grad1_as_mismatch(monkeypatch):
+    monkeypatch.setattr(hf_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
+    res = hf_sweep.check("gpt2", limit=0, setting="bf16-autocast")
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
+
+
+def test_sweep_in_settings_writes_its_counts(tmp_path, capsys):
+    argv = ["--families", "vit", "--settings", "training,dp-step", "--out", str(tmp_path)]
+    assert hf_sweep.main(argv) == 0
+    data = json.loads((tmp_path / "hf-sweep-settings.json").read_text())
+    assert data["counts"]["match"] == 1
+    assert set(data["settings_counts"]) == {"training", "dp-step"}
+    assert all(c["match"] == 1 for c in data["settings_counts"].values())
+    assert [r["task"] for r in data["settings"]] == ["training", "dp-step"]
+    table = (tmp_path / "hf-sweep-settings.md").read_text()
+    assert "| vit | training | ViTForImageClassification | match |" in table
+    assert "training: 1 match" in capsys.readouterr().out

@@ -142,7 +142,7 @@ def test_recurrent_cell_on_folded_rows_under_bf16_autocast(cell):
         out.float().pow(2).sum().backward()
     for name, p in model.named_parameters():
         err = (p.grad1.double() - want[name]).abs().max() / want[name].abs().max()
-        assert err < lib_sweep.BF16_TOL, (name, float(err))
+        assert err < lib_sweep.sweep.BF16_TOL, (name, float(err))
 
 
 # -- models of the libraries --------------------------------------------------------------------

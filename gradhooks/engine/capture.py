@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_flatten, tree_map
+from ..autocast import autocast_as
 from ..errors import UnsupportedError
 from ..rules.registry import Call
 from ..tracking import Aliases, Tracker
@@ -32,7 +33,6 @@ from .records import (
     CallState,
     Hook,
     OwnWork,
-    autocast_as,
     detach_tree,
     is_compiling,
     tree_leaves,

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_map
+from ..autocast import autocast_state
 from ..errors import (
     BatchNotFoundError,
     UnbatchedInputError,
@@ -58,7 +59,6 @@ from .records import (
     Frame,
     OwnWork,
     autocast_on,
-    autocast_state,
     call_precision,
     detach_tree,
     graph_task,

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
+from ..autocast import autocast_enabled
 from .._torch import tree_flatten, tree_map, tree_unflatten
 from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
@@ -342,7 +343,7 @@ def autocast_off() -> contextlib.AbstractContextManager:
     ``grad1``, norms, factors) run in the precision the engine chose for them
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
-    devices = [d for d in ("cpu", "cuda") if _autocast_enabled(d)]
+    devices = [d for d in ("cpu", "cuda") if autocast_enabled(d)]
     return _autocast_off(devices) if devices else _NOTHING
 
 
@@ -355,37 +356,6 @@ def _autocast_off(devices: list[str]) -> Iterator[None]:
         for d in devices:
             stack.enter_context(torch.autocast(d, enabled=False))
         yield
-
-
-def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """The autocast on now: ``((device, dtype), ...)`` for each device it is on for."""
-    state = []
-    for d in ("cpu", "cuda"):
-        if _autocast_enabled(d):
-            try:
-                dtype = torch.get_autocast_dtype(d)
-            except AttributeError:  # (torch before 2.4)
-                dtype = (
-                    torch.get_autocast_cpu_dtype() if d == "cpu" else torch.get_autocast_gpu_dtype()
-                )
-            state.append((d, dtype))
-    return tuple(state)
-
-
-@contextlib.contextmanager
-def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    """Autocast on as :func:`autocast_state` found it (nothing, for an empty state)."""
-    with contextlib.ExitStack() as stack:
-        for d, dtype in state:
-            stack.enter_context(torch.autocast(d, dtype=dtype))
-        yield
-
-
-def _autocast_enabled(device: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device)
-    except TypeError:  # (torch before 2.4: no device argument)
-        return torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
 
 
 def autocast_on() -> bool:

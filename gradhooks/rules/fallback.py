@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from .._torch import tree_flatten, tree_unflatten
 from ..engine.pause import paused
-from ..engine.records import autocast_as
+from ..autocast import autocast_as
 from ..errors import MixedExamplesError, RuleError, UnsupportedError, UnsupportedInputError
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..engine.records import autocast_as
+from ..autocast import autocast_as
 from ..errors import UnbatchedInputError, UnsupportedInputError, describe_module
 from ..pieces import Outer
 from .registry import Call, register

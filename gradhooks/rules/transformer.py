@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_map
 from ..engine.pause import paused
-from ..engine.records import autocast_as, detach_tree
+from ..autocast import autocast_as
+from ..engine.records import detach_tree
 from ..errors import UnsupportedError, describe_module
 from ..pieces import Direct, Piece
 from .fallback import FALLBACK

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch, loop
+from ..autocast import autocast_as, autocast_state
 from .layout import Layout, batch_rows, example_mask
 from .link import EngineLink
 from .ops.common import arg, is_inplace, norm_dim, out_tensors, tensor_args
@@ -293,6 +294,9 @@ class Meeting:
         self.nodes = [(o.grad_fn, o.output_nr) for o in outs]
         self.layouts = layouts
         self.shapes = [o.shape for o in outs]
+        # run again at the backward, outside the forward's autocast: under it again, which
+        # gives the operation its forward's dtypes (a bfloat16 input, float32 parameters)
+        self.autocast = autocast_state()
 
     def arm(self) -> None:
         if not self.nodes:
@@ -327,7 +331,7 @@ class Meeting:
     def _per_example(self, grads) -> list[Tensor]:
         batch = self.batch
 
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast_as(self.autocast):
             leaves = []
             args, kwargs = list(self.args), dict(self.kwargs)
             for places in self.positions:
