@@ -390,6 +390,66 @@ for _n, _kind in (("index_select", "select"), ("gather", "gather"), ("index_add"
     HANDLERS[_n] = _rows_then(_kind)
 
 
+def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -> Layout | None:
+    """Rows picked along the examples' dimension by an index of positions that each example's
+    own mask found (``idx = mask.nonzero().squeeze()``, then ``h.index_select(0, idx)``,
+    ``h[idx]``, ``h.gather(0, ...)``, ``h.index_fill_(0, idx, v)``: the targets of one cluster
+    of an adaptive softmax, the real tokens of a padded batch): each row is its example's, and
+    an example alone would pick the same rows, so they are followed as an :class:`Owners`
+    layout (the tensor itself, for ``index_fill``). ``base_of(t)``: the layout of the dimension
+    whose positions the index ``t`` holds, or ``None`` for another index. ``None``: not such an
+    operation (the other handlers decide, and whole examples picked by another index are
+    refused there)."""
+    x = args[0] if args else None
+    o = first_tensor(out)
+    if not isinstance(x, Tensor) or o is None:
+        return None
+    lay = layout_of(x)
+    if lay is None or lay.dim < 0 or lay.owners is not None:
+        return None
+    if name == "__getitem__":
+        items = _index_items(args[1]) if len(args) > 1 else None
+        if items is None:
+            return None
+        tensors = [i for i in items if isinstance(i, Tensor)]
+        if (
+            len(tensors) != 1
+            or tensors[0].dtype == torch.bool
+            or not _same_rows(base_of(tensors[0]), lay)
+            or _tensor_dims(items, x.dim()) != {lay.dim}
+        ):
+            return None
+        return _picked(x, lay, args[1], o, batch, example_masks=True) or MIXED
+    if name not in ("index_select", "gather", "index_fill", "index_fill_"):
+        return None
+    dim, index = arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index")
+    if not isinstance(dim, int) or not isinstance(index, Tensor):
+        return None
+    if norm_dim(dim, x.dim()) != lay.dim or not _same_rows(base_of(index), lay):
+        return None
+    with torch.no_grad():
+        if name == "index_select":
+            rows = owner_vector(lay, batch, x.device)[index.reshape(-1)]
+            return owned(lay.dim, rows, lay, batch)
+        if name == "gather":
+            owners = owner_map(x, lay, batch).expand(x.shape).gather(lay.dim, index)
+            return owner_dim(owners, o, lay, batch) or MIXED
+    value = arg(args, kwargs, 3, "value")
+    if isinstance(value, Tensor) and layout_of(value) is not None:
+        return None  # (values of the examples written: the other handlers decide)
+    return lay  # (a constant written at positions of each example's own)
+
+
+def _same_rows(base: Layout | None, lay: Layout) -> bool:
+    """Whether positions along a dimension laid out as ``base`` are positions of the same
+    examples along one laid out as ``lay``."""
+    return (
+        base is not None
+        and base.owners is None
+        and (base.outer, base.inner) == (lay.outer, lay.inner)
+    )
+
+
 def _arange_dim(t: Tensor, size: int) -> int | None:
     """The dimension of index tensor ``t`` along which it is ``0, 1, ..., size - 1`` (every
     other dimension of size 1): an index that keeps each example in its place."""
