@@ -97,6 +97,26 @@ def test_examples_picked_by_nonzero_of_a_mask_computed_from_them(pick):
     check(Flagged("nonzero().squeeze(1)", pick, computed=True).to(D), flagged_inputs(), pick)
 
 
+def test_the_layout_of_examples_picked_by_positions():
+    """Under a tracker: the rows an index of positions picks are owned by the flagged
+    examples, a constant written at them keeps the batch where it was; a part of the index
+    (its first two, of the batch) picks rows that are mixed."""
+    from gradhooks.tracking import MIXED, Layout, Tracker
+
+    x, flag = flagged_inputs()
+    x.requires_grad_()
+    tracker = Tracker(5, {})
+    tracker.set_layout(x, Layout(0))
+    tracker.set_layout(flag, Layout(0))
+    with tracker:
+        idx = (flag > 0).nonzero().squeeze(1)
+        picked, cut = x.index_select(0, idx), x.index_select(0, idx[:2])
+        filled = x.detach().index_fill(0, idx, 0.0)
+    assert torch.equal(tracker.layout(picked).owners.rows, torch.tensor([0, 2, 3]))
+    assert tracker.layout(cut) is MIXED
+    assert tracker.layout(filled) == Layout(0)
+
+
 # -- the real tokens of a padded batch: Hugging Face's unpadding for flash-attention ------------
 
 

@@ -400,6 +400,8 @@ def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -
     whose positions the index ``t`` holds, or ``None`` for another index. ``None``: not such an
     operation (the other handlers decide, and whole examples picked by another index are
     refused there)."""
+    if name not in _PICKS_AT_POSITIONS:
+        return None
     x = args[0] if args else None
     o = first_tensor(out)
     if not isinstance(x, Tensor) or o is None:
@@ -415,13 +417,11 @@ def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -
         if (
             len(tensors) != 1
             or tensors[0].dtype == torch.bool
-            or not _same_rows(base_of(tensors[0]), lay)
             or _tensor_dims(items, x.dim()) != {lay.dim}
+            or not _same_rows(base_of(tensors[0]), lay)
         ):
             return None
         return _picked(x, lay, args[1], o, batch, example_masks=True) or MIXED
-    if name not in ("index_select", "gather", "index_fill", "index_fill_"):
-        return None
     dim, index = arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index")
     if not isinstance(dim, int) or not isinstance(index, Tensor):
         return None
@@ -438,6 +438,11 @@ def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -
     if isinstance(value, Tensor) and layout_of(value) is not None:
         return None  # (values of the examples written: the other handlers decide)
     return lay  # (a constant written at positions of each example's own)
+
+
+_PICKS_AT_POSITIONS = frozenset(
+    {"__getitem__", "index_select", "gather", "index_fill", "index_fill_"}
+)
 
 
 def _same_rows(base: Layout | None, lay: Layout) -> bool:
