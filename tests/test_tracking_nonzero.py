@@ -97,6 +97,18 @@ def test_examples_picked_by_nonzero_of_a_mask_computed_from_them(pick):
     check(Flagged("nonzero().squeeze(1)", pick, computed=True).to(D), flagged_inputs(), pick)
 
 
+@pytest.mark.parametrize("pick", PICKS)
+@pytest.mark.parametrize(
+    "flags", [[0, 0, 0, 0, 0], [0, 0, 1, 0, 0], [1, 1, 1, 1, 1]], ids=["none", "one", "all"]
+)
+def test_no_example_one_or_every_example_flagged(flags, pick):
+    """No row picked, one (``gather``'s rows then as long as one, its features longer), every
+    example in its place."""
+    torch.manual_seed(0)
+    x, _ = flagged_inputs()
+    check(Flagged("nonzero().view(-1)", pick).to(D), (x, torch.tensor(flags)), f"{flags}, {pick}")
+
+
 def test_the_layout_of_examples_picked_by_positions():
     """Under a tracker: the rows an index of positions picks are owned by the flagged
     examples, a constant written at them keeps the batch where it was; a part of the index

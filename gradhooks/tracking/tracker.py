@@ -572,9 +572,12 @@ class Tracker(TorchFunctionMode):
         else:
             result = None
             if self.positions.entries:
-                result = by_positions(
-                    name, args, kwargs, out, layout_of, self.batch, self._positions_base
-                )
+                try:
+                    result = by_positions(
+                        name, args, kwargs, out, layout_of, self.batch, self._positions_base
+                    )
+                except Exception:  # (an argument form it does not know: the handlers decide)
+                    result = None
             if result is None:
                 result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
@@ -587,7 +590,7 @@ class Tracker(TorchFunctionMode):
         if self.row_index.entries or name in _FINDS_ROWS:
             self._row_indices(name, args, ins, outs)
         if self.positions.entries or name in _FINDS_ROWS:
-            self._positions(name, args, kwargs, outs)
+            self._positions(name, args, kwargs, outs, op.inplace or "out" in kwargs)
         reordered = (
             next((self.reordered[t] for t in ins if t in self.reordered), None)
             if self.reordered.entries
@@ -789,7 +792,7 @@ class Tracker(TorchFunctionMode):
                         return True
         return False
 
-    def _positions(self, name: str, args, kwargs, outs: list) -> None:
+    def _positions(self, name: str, args, kwargs, outs: list, writes: bool) -> None:
         """Follow indices of positions along the examples' dimension that each example's own
         mask found: ``nonzero`` (``argwhere``, ``torch.where(mask)``) of a 1-D mask laid out
         as the batch (a flag per example; a ``[batch * seq]`` mask flattened), kept through
@@ -798,7 +801,9 @@ class Tracker(TorchFunctionMode):
         finds the same positions of its own, so rows picked by such an index are its rows
         (:func:`.ops.indexing.by_positions`). Not a mask computed across the batch (coupled,
         mixed, reordered), and not an index that any other operation made (``idx[:k]``,
-        ``idx.flip(0)``, ``argsort`` of scores): rows picked by those stay refused."""
+        ``idx.flip(0)``, ``argsort`` of scores): rows picked by those stay refused.
+        ``writes``: whether the operation writes into a tensor it is given (in place, ``out=``),
+        which then, with every view of it, holds positions no more."""
         if name in _FINDS_ROWS:
             mask = args[0] if args else kwargs.get("input")
             lay = self._layout_of(mask)
@@ -830,12 +835,11 @@ class Tracker(TorchFunctionMode):
                 ):
                     self.positions[o] = found
             return
-        given = tensor_args(args, kwargs)
-        written = [o for o in outs if o.dtype in _INDEX_DTYPES and any(o is t for t in given)]
+        written = [o for o in outs if o.dtype in _INDEX_DTYPES and o.numel()] if writes else ()
         if written:  # (idx.add_(1), idx[0] = 3: it and every view of it hold other values)
             ptrs = {o.untyped_storage().data_ptr() for o in written}
             for t, _ in self.positions.items():
-                if t.untyped_storage().data_ptr() in ptrs:
+                if t.numel() and t.untyped_storage().data_ptr() in ptrs:
                     del self.positions[t]
 
     def _positions_base(self, t: Any) -> Layout | None:

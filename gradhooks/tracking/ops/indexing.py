@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -431,9 +432,15 @@ def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -
         if name == "index_select":
             rows = owner_vector(lay, batch, x.device)[index.reshape(-1)]
             return owned(lay.dim, rows, lay, batch)
-        if name == "gather":
+        if name == "gather":  # (the rows along the layout's dimension, even where one)
             owners = owner_map(x, lay, batch).expand(x.shape).gather(lay.dim, index)
-            return owner_dim(owners, o, lay, batch) or MIXED
+            rest = math.prod(n for j, n in enumerate(owners.shape) if j != lay.dim)
+            flat = owners.movedim(lay.dim, 0).reshape(owners.shape[lay.dim], rest)
+            if o.shape != index.shape or rest == 0:
+                return None
+            if not bool((flat == flat[:, :1]).all()):
+                return MIXED  # (entries of a row from several examples)
+            return owned(lay.dim, flat[:, 0], lay, batch)
     value = arg(args, kwargs, 3, "value")
     if isinstance(value, Tensor) and layout_of(value) is not None:
         return None  # (values of the examples written: the other handlers decide)
