@@ -719,10 +719,13 @@ class VarlenLM(nn.Module):
 @pytest.mark.xfail(
     strict=True,
     raises=gradhooks.MixedExamplesError,
-    reason="the tracker loses the examples in the unpadded [tokens, ...] tensor gathered from "
-    "the flattened batch (x.reshape(batch * seq, ...)[nonzero(mask)]) and split by sequence "
-    "lengths, so the output projection is refused as mixing them, though each sequence "
-    "attends to itself alone (a false refusal: pad the batch and use SDPA with the mask)",
+    reason="the unpadded [tokens, ...] rows gathered from the flattened batch "
+    "(x.reshape(batch * seq, ...)[nonzero(mask)]) are followed, but not their split by the "
+    "sequence lengths: a part of rows picked by an index, taken by position, holds one example "
+    "here but could hold the first tokens of the batch, and no layout says that a part holds "
+    "one example alone (attention along its rows); so the output projection is refused as "
+    "mixing them, though each sequence attends to itself alone (a false refusal: pad the batch "
+    "and use SDPA with the mask)",
 )
 def test_flash_attention_2_unpad_varlen_pad_over_a_padded_batch():
     """A padded batch through the flash_attention_2 path (sequences of 6, 4, 6 and 2 real

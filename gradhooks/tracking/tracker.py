@@ -58,7 +58,7 @@ from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.indexing import puts_back, reorder_of
+from .ops.indexing import by_positions, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
@@ -159,6 +159,9 @@ class Tracker(TorchFunctionMode):
         self.coupled: TensorMap = TensorMap()
         # positions of rows that nonzero found in a tensor with examples (see _row_indices)
         self.row_index: TensorMap = TensorMap()
+        # indices whose every entry is a position along the examples' dimension that each
+        # example's own mask found, with that dimension's layout (see _positions)
+        self.positions: TensorMap = TensorMap()
         # the floating-point dtype that rounds the most among the tensors computed from the
         # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
         # of the backward judge by it (see gradhooks.engine.verify)
@@ -478,6 +481,7 @@ class Tracker(TorchFunctionMode):
             self.coupled.entries
             or self.read
             or self.row_index.entries
+            or self.positions.entries
             or self.reordered.entries
             # (traced by torch.compile, where the hooks cannot leave compiled code: dynamo
             # would guard on the kept table, as large as every model's calls so far)
@@ -566,7 +570,16 @@ class Tracker(TorchFunctionMode):
                 if why is not None:
                     arm(self.engine, outs, why)
         else:
-            result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
+            result = None
+            if self.positions.entries:
+                try:
+                    result = by_positions(
+                        name, args, kwargs, out, layout_of, self.batch, self._positions_base
+                    )
+                except Exception:  # (an argument form it does not know: the handlers decide)
+                    result = None
+            if result is None:
+                result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
@@ -576,6 +589,8 @@ class Tracker(TorchFunctionMode):
             result = self._coupling(name, args, ins, outs, result)
         if self.row_index.entries or name in _FINDS_ROWS:
             self._row_indices(name, args, ins, outs)
+        if self.positions.entries or name in _FINDS_ROWS:
+            self._positions(name, args, kwargs, outs, op.inplace or "out" in kwargs)
         reordered = (
             next((self.reordered[t] for t in ins if t in self.reordered), None)
             if self.reordered.entries
@@ -776,6 +791,66 @@ class Tracker(TorchFunctionMode):
                         # example or none, where an example alone would decide for itself)
                         return True
         return False
+
+    def _positions(self, name: str, args, kwargs, outs: list, writes: bool) -> None:
+        """Follow indices of positions along the examples' dimension that each example's own
+        mask found: ``nonzero`` (``argwhere``, ``torch.where(mask)``) of a 1-D mask laid out
+        as the batch (a flag per example; a ``[batch * seq]`` mask flattened), kept through
+        operations that only reshape it (``squeeze``, ``view(-1)``, ``flatten``, ``[:, 0]``,
+        ``unsqueeze``, ``expand``) or convert it to another integer type. An example alone
+        finds the same positions of its own, so rows picked by such an index are its rows
+        (:func:`.ops.indexing.by_positions`). Not a mask computed across the batch (coupled,
+        mixed, reordered), and not an index that any other operation made (``idx[:k]``,
+        ``idx.flip(0)``, ``argsort`` of scores): rows picked by those stay refused.
+        ``writes``: whether the operation writes into a tensor it is given (in place, ``out=``),
+        which then, with every view of it, holds positions no more."""
+        if name in _FINDS_ROWS:
+            mask = args[0] if args else kwargs.get("input")
+            lay = self._layout_of(mask)
+            if (
+                (name != "where" or len(args) == 1)
+                and isinstance(mask, Tensor)
+                and mask.dim() == 1
+                and lay is not None
+                and lay.dim == 0
+                and lay.owners is None
+                and mask not in self.coupled
+                and mask not in self.reordered
+            ):
+                found = _Positions(lay, self.lineage.get(mask, frozenset()))
+                for o in outs:
+                    if o.dtype in _INDEX_DTYPES:
+                        self.positions[o] = found
+            return
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        found = self.positions.get(x) if x is not None and name in _RESHAPES_POSITIONS else None
+        if found is not None and name == "__getitem__":
+            items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:]
+            if not all(i is None or i is Ellipsis or isinstance(i, int | slice) for i in items):
+                found = None
+        if found is not None:
+            for o in outs:
+                if o.dtype in _INDEX_DTYPES and (
+                    o.numel() == x.numel() or name in ("expand", "expand_as")
+                ):
+                    self.positions[o] = found
+            return
+        written = [o for o in outs if o.dtype in _INDEX_DTYPES and o.numel()] if writes else ()
+        if written:  # (idx.add_(1), idx[0] = 3: it and every view of it hold other values)
+            ptrs = {o.untyped_storage().data_ptr() for o in written}
+            for t, _ in self.positions.items():
+                if t.numel() and t.untyped_storage().data_ptr() in ptrs:
+                    del self.positions[t]
+
+    def _positions_base(self, t: Any) -> Layout | None:
+        """The layout of the dimension whose positions the index ``t`` holds (:meth:`_positions`),
+        or ``None``. Where its mask came from inputs taken as holding the examples by their
+        size alone (:attr:`candidates`), those are held so from now on (:attr:`joined`)."""
+        found = self.positions.get(t) if isinstance(t, Tensor) else None
+        if found is None or any(c not in self.candidates.entries for c in found.lineage):
+            return None  # (none, or a mask of inputs taken as shared since: fixed positions)
+        self.joined |= found.lineage
+        return found.base
 
     def _row_indices(self, name: str, args, ins: list, outs: list) -> None:
         """Follow the positions of rows that ``nonzero`` (``torch.where(mask)``) finds in a
@@ -1064,6 +1139,17 @@ class Tracker(TorchFunctionMode):
         self.pending = []
 
 
+@dataclass(frozen=True)
+class _Positions:
+    """An index of positions along the examples' dimension that each example's own mask
+    found (:meth:`Tracker._positions`): ``base``, the layout of the dimension it indexes;
+    ``lineage``, the ids of the inputs taken as holding the examples by their size alone that
+    the mask came from (:attr:`Tracker.lineage`)."""
+
+    base: Layout
+    lineage: frozenset[int]
+
+
 @dataclass
 class _Pending:
     """A hooked call on tensors computed from candidates alone (:meth:`Tracker.note_call`)."""
@@ -1082,6 +1168,13 @@ _NO_SOURCES: frozenset = frozenset()
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})
+# what keeps every entry of an index of positions, and only those (see Tracker._positions)
+_RESHAPES_POSITIONS = frozenset(
+    """view reshape flatten ravel squeeze unsqueeze contiguous clone detach expand expand_as
+    __getitem__ to long int""".split()
+)
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32})
+
 # the operations whose masks computed across the examples keep, where all ones, every entry for
 # an example alone too (see Tracker._all_ones)
 _RUNNING_COUNTS = frozenset({"cumsum", "all"})  # (see Tracker._row_indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -388,6 +389,77 @@ for _n, _kind in (("index_select", "select"), ("gather", "gather"), ("index_add"
                   ("scatter_add_", "scatter"), ("index_put", "put"),
                   ("index_put_", "put")):  # fmt: skip
     HANDLERS[_n] = _rows_then(_kind)
+
+
+def by_positions(name: str, args, kwargs, out, layout_of, batch: int, base_of) -> Layout | None:
+    """Rows picked along the examples' dimension by an index of positions that each example's
+    own mask found (``idx = mask.nonzero().squeeze()``, then ``h.index_select(0, idx)``,
+    ``h[idx]``, ``h.gather(0, ...)``, ``h.index_fill_(0, idx, v)``: the targets of one cluster
+    of an adaptive softmax, the real tokens of a padded batch): each row is its example's, and
+    an example alone would pick the same rows, so they are followed as an :class:`Owners`
+    layout (the tensor itself, for ``index_fill``). ``base_of(t)``: the layout of the dimension
+    whose positions the index ``t`` holds, or ``None`` for another index. ``None``: not such an
+    operation (the other handlers decide, and whole examples picked by another index are
+    refused there)."""
+    if name not in _PICKS_AT_POSITIONS:
+        return None
+    x = args[0] if args else None
+    o = first_tensor(out)
+    if not isinstance(x, Tensor) or o is None:
+        return None
+    lay = layout_of(x)
+    if lay is None or lay.dim < 0 or lay.owners is not None:
+        return None
+    if name == "__getitem__":
+        items = _index_items(args[1]) if len(args) > 1 else None
+        if items is None:
+            return None
+        tensors = [i for i in items if isinstance(i, Tensor)]
+        if (
+            len(tensors) != 1
+            or tensors[0].dtype == torch.bool
+            or _tensor_dims(items, x.dim()) != {lay.dim}
+            or not _same_rows(base_of(tensors[0]), lay)
+        ):
+            return None
+        return _picked(x, lay, args[1], o, batch, example_masks=True) or MIXED
+    dim, index = arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index")
+    if not isinstance(dim, int) or not isinstance(index, Tensor):
+        return None
+    if norm_dim(dim, x.dim()) != lay.dim or not _same_rows(base_of(index), lay):
+        return None
+    with torch.no_grad():
+        if name == "index_select":
+            rows = owner_vector(lay, batch, x.device)[index.reshape(-1)]
+            return owned(lay.dim, rows, lay, batch)
+        if name == "gather":  # (the rows along the layout's dimension, even where one)
+            owners = owner_map(x, lay, batch).expand(x.shape).gather(lay.dim, index)
+            rest = math.prod(n for j, n in enumerate(owners.shape) if j != lay.dim)
+            flat = owners.movedim(lay.dim, 0).reshape(owners.shape[lay.dim], rest)
+            if o.shape != index.shape or rest == 0:
+                return None
+            if not bool((flat == flat[:, :1]).all()):
+                return MIXED  # (entries of a row from several examples)
+            return owned(lay.dim, flat[:, 0], lay, batch)
+    value = arg(args, kwargs, 3, "value")
+    if isinstance(value, Tensor) and layout_of(value) is not None:
+        return None  # (values of the examples written: the other handlers decide)
+    return lay  # (a constant written at positions of each example's own)
+
+
+_PICKS_AT_POSITIONS = frozenset(
+    {"__getitem__", "index_select", "gather", "index_fill", "index_fill_"}
+)
+
+
+def _same_rows(base: Layout | None, lay: Layout) -> bool:
+    """Whether positions along a dimension laid out as ``base`` are positions of the same
+    examples along one laid out as ``lay``."""
+    return (
+        base is not None
+        and base.owners is None
+        and (base.outer, base.inner) == (lay.outer, lay.inner)
+    )
 
 
 def _arange_dim(t: Tensor, size: int) -> int | None:
