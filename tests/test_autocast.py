@@ -470,16 +470,31 @@ def test_operation_run_again_at_the_backward_under_its_forwards_autocast():
         assert rel_err(p.grad1, ref[n]) <= TOL[BF16], n
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under bfloat16 autocast, a Segformer (or PVT) stage whose sequence reduction "
-    "leaves keys and values one token long gives a wrong grad1 to the value and output "
-    "projections, the sequence reduction and the norm before the attention (relative error "
-    "0.2 to 3, while their batch sums agree with autograd and a bfloat16 loop without gradhooks "
-    "is within 1e-2); float32 and float64 without autocast, a 16-pixel image (the same one "
-    "token) and a longer reduced sequence are right. Not yet reduced below the stage.",
-)
+def _batched_as_per_example(model: nn.Module, x: Tensor, name: str) -> bool:
+    """Whether module ``name`` of ``model`` gives the batch under bfloat16 autocast what it
+    gives each example alone (within a tenth of its largest entry)."""
+    module = model.get_submodule(name)
+    seen: list[Tensor] = []
+    handle = module.register_forward_hook(lambda m, i, o: seen.append(o.detach().float()))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+            model(x)
+            for b in range(x.shape[0]):
+                model(x[b : b + 1])
+    finally:
+        handle.remove()
+    batched, alone = seen[0], torch.cat(seen[1:])
+    return float((batched - alone).abs().max()) <= 0.1 * float(alone.abs().max())
+
+
 def test_segformer_stage_reduced_to_one_token_under_bfloat16_autocast():
+    """A Segformer stage whose sequence reduction leaves keys and values one token long. Its
+    reduction convolution reads a channels-last view (``transpose(1, 2).reshape(...)``), on
+    which torch's CPU bfloat16 convolution gives the batch other numbers than each example
+    alone on some machines (an error of the size of the output itself): the model's batched
+    forward is then not its per-example one, and no per-example gradient of it is the loop's
+    (``grad1`` still sums to ``.grad``). On a contiguous input both agree, and so do
+    ``grad1`` and the loop."""
     transformers = pytest.importorskip("transformers")
     config = transformers.SegformerConfig(
         num_channels=3, num_encoder_blocks=1, depths=[1], sr_ratios=[8], hidden_sizes=[8],
@@ -498,6 +513,13 @@ def test_segformer_stage_reduced_to_one_token_under_bfloat16_autocast():
     with torch.autocast("cpu", dtype=BF16):
         rounded = loop_grad(model, loss, x)  # the model's own bfloat16 rounding, per example
     largest = max(float(g.abs().max()) for g in ref.values())
+    reduction = "stages.0.blocks.0.attention.sequence_reduction.sequence_reduction"
+    if not _batched_as_per_example(model, x, reduction):
+        pytest.skip(
+            "torch's CPU bfloat16 convolution of the channels-last view the sequence "
+            "reduction reads gives the batch other numbers than each example alone on this "
+            "machine: the loop is not the batched model's per-example reference"
+        )
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         with torch.autocast("cpu", dtype=BF16):
             out = model(x)
