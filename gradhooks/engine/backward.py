@@ -365,7 +365,7 @@ class BackwardWriter:
         for pname, p in live.items():
             piece = pieces[pname]
             if bw is not None and id(p) not in bw.before:
-                self.set_aside(p)
+                self.set_aside(p, bw)
                 if id(p) in self.state.written and self._new_forward(p, frame):
                     del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
                 # kept for a rollback; a kept grad1 is then never written in place
@@ -551,15 +551,21 @@ class BackwardWriter:
             params.setdefault(id(p), p)
         self.state.trail.record(params.values(), bw.computed, bw.accumulated)
 
-    def set_aside(self, p: nn.Parameter) -> None:
+    def set_aside(self, p: nn.Parameter, bw: Backward) -> None:
         """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
         returns ``p``'s gradient, where ``grad1`` is ``.grad``'s rows (a backward added into
         ``.grad`` last, or it was reset), sets that ``grad1`` aside, and adds to ``grad1`` as
         it does (see :mod:`gradhooks.engine.accumulation`); the next backward that adds into
         ``.grad`` puts it back before adding, so that ``grad1`` is ``.grad``'s rows again (the
-        loss's ``backward()`` after a ``torch.autograd.grad`` of it for a gradient's norm)."""
-        adds = _torch.adds_to_grad(p)
+        loss's ``backward()`` after a ``torch.autograd.grad`` of it for a gradient's norm).
+        A backward seen to add into ``.grad`` at one parameter returns none (only a
+        ``torch.autograd.grad`` does): then only a ``grad1`` set aside is looked at."""
         pid, state = id(p), self.state
+        if bw.adds and pid not in state.aside:
+            return  # (a backward(), and nothing of p set aside: the usual step)
+        adds = _torch.adds_to_grad(p)
+        if adds:
+            bw.adds = True
         if adds is False:
             if pid not in state.aside and (pid not in state.written or state.trail.added_last(p)):
                 kept = p.__dict__.get("grad1") if pid in state.written else None
@@ -597,7 +603,7 @@ class BackwardWriter:
         frame = None if ref is None else ref()
         if frame is None or id(p) in bw.before:
             return
-        self.set_aside(p)
+        self.set_aside(p, bw)
         if id(p) in self.state.written and self._new_forward(p, frame):
             del self.state.written[id(p)]
         self.state.forward_of[id(p)] = ref

@@ -165,6 +165,9 @@ class Backward:
     held: list[HeldCall] = field(default_factory=list)
     attached: set[int] = field(default_factory=set)  # reached through calls autograd runs
     accumulated: set[int] = field(default_factory=set)  # parameters whose .grad it accumulated
+    # it adds into .grad (a backward(), not a torch.autograd.grad): seen at a parameter whose
+    # AccumulateGrad node it runs (BackwardWriter.set_aside)
+    adds: bool = False
     # per parameter id, what it did to .grad, for a refusal to undo (BackwardWriter.undo_grads):
     # (.grad before it, the gradient autograd added into that .grad; None, None: .grad was None)
     added: dict[int, tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
