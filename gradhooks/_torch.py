@@ -54,6 +54,11 @@ Each internal, its name here, where it is used, and its fallback:
 - ``is_view``: ``Tensor._is_view`` (:func:`is_view`): the engine gives a hooked output that is
   a view a node of its own, so that an in-place change after it keeps its hooks. Fallback:
   every output gets one.
+- ``view_base``: ``Tensor._base`` (:func:`view_base`), the tensor whose memory a view shares:
+  where two forwards of one backward read different examples of one tensor (``x.chunk(2)``),
+  the engine refuses (``engine/calls.py`` ``rows_in_memory``). Fallback: the view's own
+  strides, which cannot tell a chunk of the batch from a step along a dimension before it: an
+  RNN cell stepped over a sequence-first tensor (``x[t]``) is refused too.
 - ``engine_executes``: ``torch._C._will_engine_execute_node`` (:func:`adds_to_grad`), whether
   the running backward adds a parameter's gradient into ``.grad`` (runs its ``AccumulateGrad``
   node: a ``backward()``) or returns it (``torch.autograd.grad``, for whose inputs it raises,
@@ -295,6 +300,11 @@ INTERNALS: dict[str, Internal] = {
             "computed from padding, kernel_size and dilation",
         ),
         Internal("is_view", "Tensor._is_view", "every hooked output gets a node of its own"),
+        Internal(
+            "view_base",
+            "Tensor._base",
+            "forwards on x[t] of a sequence-first x in one backward are refused as chunks",
+        ),
         Internal(
             "engine_executes",
             "torch._C._will_engine_execute_node",
@@ -668,6 +678,18 @@ def is_view(t: Tensor) -> bool:
         return t._is_view()
     except AttributeError:
         return True
+
+
+# -- view_base ---------------------------------------------------------------------------------
+
+
+def view_base(t: Tensor) -> Tensor | None:
+    """The tensor whose memory ``t`` views (``Tensor._base``: the tensor views notes name it,
+    with no public accessor), or ``None``: ``t`` is no view, or the attribute is missing or
+    off."""
+    if "view_base" in _off:
+        return None
+    return getattr(t, "_base", None)
 
 
 # -- mode_stack --------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ in halves; a ``Sequential`` sliced into features and head; a loss scaled by
 ``backward(gradient=...)``; one submodule's ``zero_grad``; a forward for logging, with grad
 enabled, between a forward and its backward; examples reweighted by their gradients' norms in a
 second forward; a pipeline's schedule (every micro-batch forward, then the backwards in
-reverse); a batch chunked through the model and concatenated; hooks added between two
-micro-batches. Each is compared with each example's own gradient by a per-example loop in
+reverse); a batch chunked through the model in one backward, and forwards on the same rows of
+one tensor; hooks added between two micro-batches. Each is compared with each example's own gradient by a per-example loop in
 float64 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what
 went wrong and leaves the model as it was.
 """
@@ -708,20 +708,93 @@ def test_examples_reweighted_by_their_gradient_norms_in_a_second_forward():
 # -- a batch chunked through the model and concatenated -----------------------------------------
 
 
-def test_a_batch_chunked_through_the_model_and_concatenated_is_refused_by_the_dp_step():
-    """A batch run through the model in two chunks to save memory, the logits concatenated
-    (``torch.cat([model(c) for c in x.chunk(2)])``) and one loss per example: the hooks see two
-    forwards of 2 examples, which they cannot tell from two views of 2 examples (row ``i`` of
-    each forward is example ``i``). The DP step, given 4 losses, refuses with a
-    ConfigurationError naming both counts, and writes no gradient."""
+def _chunked(model, x, y, how):
+    """Each example's loss, the batch run through the model in two halves: the logits
+    concatenated (``torch.cat([model(c) for c in x.chunk(2)])``), or the losses of ``x[:2]``
+    and ``x[2:]``."""
+    if how == "cat":
+        return F.cross_entropy(torch.cat([model(c) for c in x.chunk(2)]), y, reduction="none")
+    h = len(x) // 2
+    halves = [
+        F.cross_entropy(model(x[a:b]), y[a:b], reduction="none") for a, b in ((0, h), (h, None))
+    ]
+    return torch.cat(halves)
+
+
+@pytest.mark.parametrize("how", ["cat", "halves"])
+@pytest.mark.parametrize("step", ["grad1", "dp"])
+def test_a_batch_chunked_through_the_model_in_one_backward_is_refused(how, step):
+    """A batch run through the model in two chunks to save memory, in one backward: the hooks
+    see two forwards of 2 examples each, whose row ``i`` would be taken for the same example
+    (as two views of 2 examples are). Their inputs are other rows of one tensor, so the
+    backward stops with a MixedExamplesError naming the rows and the tensor's shape, and writes
+    no gradient, for grad1 as for the DP step; the next step, on the whole batch, is the
+    loop's."""
     model = mlp()
     x, y = batch(0)
-    with gradhooks.add_hooks(model, quantities=("norms",)) as hooks:
-        out = torch.cat([model(c) for c in x.chunk(2)])
-        losses = F.cross_entropy(out, y, reduction="none")
-        with pytest.raises(gradhooks.ConfigurationError, match="4 entries.*batch of 2"):
-            gradhooks.dp_sgd_step(hooks, losses, max_norm=1.0, noise_multiplier=0.0)
-    assert all(p.grad is None for p in model.parameters())
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        losses = _chunked(model, x, y, how)
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"rows 2 to 3.*shape \(4, 3\)"):
+            if step == "dp":
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+            else:
+                losses.sum().backward()
+        assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+        x, y = batch(1)
+        want = loop_grad(model, summed_ce, x, y)
+        summed_ce(model(x), y).backward()
+        assert_grad1(model, want, "the whole batch after")
+
+
+class _TwoViews(nn.Module):
+    """An encoder run on the two views of each example that the batch holds side by side
+    (``x[:, 0]`` and ``x[:, 1]``, a siamese network's pairs), their outputs compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = mlp()
+
+    def forward(self, x):
+        return (self.enc(x[:, 0]) * self.enc(x[:, 1])).sum(1)
+
+
+def test_forwards_on_the_same_rows_of_one_tensor_are_the_same_examples():
+    """Two forwards of the hooked encoder in one backward on views of one tensor that hold
+    the same examples (each example's two views, ``x[:, 0]`` and ``x[:, 1]``), and an RNN cell
+    stepped over a sequence-first tensor (``x[t]``: the same examples at each time step) are not
+    refused: grad1 is the loop's, over a few SGD steps."""
+    pairs = _TwoViews()
+    cell = nn.RNNCell(3, 4).to(D)
+
+    def over_time(xs):
+        h = torch.zeros(xs.shape[1], 4, dtype=D)
+        for t in range(len(xs)):
+            h = cell(xs[t], h)
+        return h
+
+    class _Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = cell
+
+        def forward(self, xs):
+            return over_time(xs.transpose(0, 1))
+
+    for hooked, whole, make in (
+        (pairs.enc, pairs, lambda g: torch.randn(4, 2, 3, generator=g, dtype=D)),
+        (cell, _Seq(), lambda g: torch.randn(5, 4, 3, generator=g, dtype=D)),
+    ):
+        opt = torch.optim.SGD(hooked.parameters(), lr=0.1)
+        with gradhooks.add_hooks(hooked, loss_reduction="sum"):
+            for step in range(3):
+                x = make(torch.Generator().manual_seed(step))
+                batch_first = x if whole is pairs else x.transpose(0, 1)
+                want = loop_grad(whole, lambda out: out.square().sum(), batch_first)
+                want = {n.split(".", 1)[1]: g for n, g in want.items()}
+                opt.zero_grad()
+                (pairs(x) if whole is pairs else over_time(x)).square().sum().backward()
+                assert_grad1(hooked, want, f"{type(hooked).__name__}, step {step}")
+                opt.step()
 
 
 # -- hooks added between the micro-batches of an accumulation -----------------------------------

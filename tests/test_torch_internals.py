@@ -179,6 +179,54 @@ def test_is_view(monkeypatch):
     check_both_ways("is_view", model, torch.randn(4, 6, 3), seen=seen, used=lambda s: False in s)
 
 
+def test_view_base(monkeypatch):
+    """An RNN cell stepped over a sequence-first tensor (``x[t]``, the same examples at every
+    step) gives the loop's grad1 with the internal; switched off, the views' own strides take
+    the steps for other rows of one batch, and the backward is refused. A batch in two chunks
+    in one backward is refused both ways."""
+    seen = spy(monkeypatch, "view_base")
+    torch.manual_seed(0)
+    cell = nn.RNNCell(3, 4)
+    xs = torch.randn(5, 4, 3)
+
+    def over_time(xs):
+        h = torch.zeros(xs.shape[1], 4)
+        for x in xs:
+            h = cell(x, h)
+        return h.square().sum()
+
+    class Steps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = cell
+
+        def forward(self, x):  # (batch first, as the loop runs it)
+            return over_time(x.transpose(0, 1))
+
+    want = {
+        n.split(".", 1)[1]: g
+        for n, g in loop_grad(Steps(), lambda out: out, xs.transpose(0, 1)).items()
+    }
+    for off in (False, True):
+        seen.clear()
+        gradhooks.clear_grad1(cell)
+        with switched_off("view_base", off), gradhooks.add_hooks(cell, loss_reduction="sum"):
+            if off:
+                with pytest.raises(gradhooks.MixedExamplesError, match="other examples"):
+                    over_time(xs).backward()
+                assert not hasattr(cell.weight_ih, "grad1")
+            else:
+                over_time(xs).backward()
+                for n, p in cell.named_parameters():
+                    assert_close(p.grad1, want[n], f"view_base: {n}")
+        assert any(b is not None for b in seen) != off, seen
+        lin, x = nn.Linear(3, 2), torch.randn(6, 3)
+        with switched_off("view_base", off), gradhooks.add_hooks(lin):
+            with pytest.raises(gradhooks.MixedExamplesError, match="rows 3 to 5"):
+                torch.cat([lin(c) for c in x.chunk(2)]).square().sum().backward()
+            assert lin.weight.grad is None and not hasattr(lin.weight, "grad1")
+
+
 def test_mode_stack(monkeypatch):
     """The forward's tracker is taken off torch's mode stack while the hooks work: Linears
     over positions run detached (the tracker hands their calls detached aliases, and puts
@@ -749,6 +797,7 @@ TESTED = {
     "autograd_node": test_autograd_node,
     "engine_executes": test_engine_executes,
     "mode_stack": test_mode_stack,
+    "view_base": test_view_base,
     "eval_frame": test_eval_frame,
     "keep_graph": test_keep_graph,
     "foreach": test_foreach,

@@ -24,6 +24,7 @@ from .. import pieces as P
 from ..errors import (
     BatchNotFoundError,
     GradhooksWarning,
+    MixedExamplesError,
     RuleError,
     StateError,
     UnbatchedInputError,
@@ -39,6 +40,7 @@ from .calls import (
     check_versions,
     describe_call,
     examples_of_empty_call,
+    other_rows,
     release_spent,
     released_call,
     rule_pieces,
@@ -216,9 +218,17 @@ class BackwardWriter:
             if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)
                 bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
-            if state.frame is not None:
-                bw.frames.add(id(state.frame))
+        frame = state.frame
+        new_rows = False
+        if bw is not None and frame is not None and id(frame) not in bw.frames:
+            bw.frames.add(id(frame))
+            if frame.rows is not None:
+                where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+                bw.rows_of.append((frame.rows, where))
+                new_rows = len(bw.rows_of) > 1
         try:
+            if new_rows:
+                self._check_rows(bw)
             check_versions(target, state)
             if state.out_versions:
                 call = unchanged_outputs(call, state.out_versions)
@@ -416,6 +426,27 @@ class BackwardWriter:
         if tuple(old.shape) != (batch, *p.shape) or old.dtype != p.dtype or old.device != p.device:
             return None
         return old
+
+    def _check_rows(self, bw: Backward) -> None:
+        """Refuse a backward that reached forwards on other examples of one tensor (the batch
+        split into chunks, run through the model one chunk at a time and the outputs put
+        together: ``torch.cat([model(c) for c in x.chunk(2)])``): each forward's rows count from
+        0, so ``grad1`` would add the examples of one chunk to those of the other."""
+        b, second = bw.rows_of[-1]
+        a, first = next(((a, n) for a, n in bw.rows_of[:-1] if other_rows(a, b)), (None, ""))
+        if a is None:
+            return
+        of = "" if a.shape is None else f" of one tensor of shape {a.shape}"
+        raise MixedExamplesError(
+            "gradhooks: one backward reached two forwards of the model on other examples of "
+            f"one batch: the call of {first} in the one on rows {a.first} to "
+            f"{a.first + a.count - 1}, of {second} in the one on rows {b.first} to "
+            f"{b.first + b.count - 1}{of} (x.chunk(2), x[:n] and x[n:]). Row i of each forward "
+            "is taken for the same example, so grad1 would add the chunks' examples together; "
+            "no grad1 was written. Run the model on the whole batch, or take one backward per "
+            "chunk and read grad1 after each (h.clear() then, and torch.cat the grad1s: "
+            "grad1 adds up over backwards as .grad does)."
+        )
 
     def _check_batch(self, target, pname, call, batch: int, frame: Frame) -> None:
         """Every hooked layer of one forward of the model must see its batch on dimension 0."""

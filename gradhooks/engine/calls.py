@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -313,6 +313,58 @@ def root_batch(
     # batched is all that makes an operation mix the examples)
     found += [(t, Layout(dim)) for t in leaves if t.dim() > dim and t.shape[dim] == batch]
     return batch, found
+
+
+class Rows(NamedTuple):
+    """Where a forward's examples lie in the memory its first batched input shares
+    (:func:`rows_in_memory`)."""
+
+    memory: tuple  # the tensor it views: (address, dtype, strides, the batch's stride)
+    first: int  # the index of its first example on that tensor's batch dimension
+    count: int  # its examples
+    shape: tuple[int, ...] | None  # that tensor's shape, where it is a view
+
+
+def rows_in_memory(t: Tensor, dim: int) -> Rows | None:
+    """Which examples of the tensor whose memory ``t`` views ``t`` holds on its dimension
+    ``dim``: two forwards of one backward whose inputs view one tensor at other indices of its
+    batch dimension hold other examples of one batch (``x.chunk(2)``, ``x[:4]`` and ``x[4:]``),
+    where two on the same rows (``x[:, 0]`` and ``x[:, 1]``: two views of each example) hold the
+    same ones. ``None`` where that cannot be told: an empty ``t``, a batch without a stride of
+    its own, memory that overlaps, a tensor without strides or memory (sparse, fake)."""
+    if t.layout is not torch.strided or type(t) is not Tensor and not isinstance(t, nn.Parameter):
+        return None
+    step = t.stride(dim)
+    if t.numel() == 0 or step == 0:
+        return None
+    base = _torch.view_base(t)
+    ref = t if base is None else base
+    try:
+        start = ref.data_ptr() - (ref.storage_offset() if base is None else 0) * t.element_size()
+        offset, rest = divmod(t.data_ptr() - start, t.element_size())
+    except RuntimeError:  # (no memory: a tensor of torch.export's tracing)
+        return None
+    if rest:
+        return None
+    first = None
+    strides = sorted((s for s, n in zip(ref.stride(), ref.shape) if n > 1), reverse=True)
+    for i, s in enumerate(strides):  # (the largest first)
+        if s == 0 or (i and s == strides[i - 1]):
+            return None  # (memory that overlaps: no one index per entry)
+        index, offset = divmod(offset, s)
+        if s == step:
+            first = index
+    if offset or first is None:
+        return None
+    shape = None if base is None else tuple(base.shape)
+    return Rows((start, t.dtype, ref.stride(), step), first, t.shape[dim], shape)
+
+
+def other_rows(a: Rows, b: Rows) -> bool:
+    """Whether two forwards' rows are other examples of one batch (:func:`rows_in_memory`).
+    Not where each has one row: a policy called on each state of an episode (``states[t :
+    t + 1]``), whose gradients add up to the episode's, one example."""
+    return a.memory == b.memory and a.first != b.first and (a.count > 1 or b.count > 1)
 
 
 def describe_call(call: Call) -> str:

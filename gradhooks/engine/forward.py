@@ -48,6 +48,7 @@ from .calls import (
     own_node,
     release_spent,
     root_batch,
+    rows_in_memory,
     unview,
 )
 from .capture import DetachedCalls
@@ -609,6 +610,8 @@ class ForwardCapture:
             else:
                 tracker.set_layout(t, lay)
         frame.roots = input_tensors(args, kwargs)
+        if layouts[0][1] is not PACKED:
+            frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
         frame.tracker = tracker
         tracker.__enter__()
 

@@ -100,6 +100,8 @@ class Frame:
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
     empty: tuple[int, ...] | None = None
+    # where its examples lie in the memory its first batched input shares (calls.Rows)
+    rows: Any = None
     _ref: Any = field(default=None, repr=False, compare=False)  # (see ref)
 
     def ref(self) -> weakref.ref:
@@ -137,6 +139,8 @@ class Backward:
     # (verify) each parameter's gradient, as compare.hold keeps it
     grads: dict[int, Tensor] = field(default_factory=dict)
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
+    # where the examples of those forwards lie in memory (Frame.rows), and a call of each
+    rows_of: list[tuple[Any, str]] = field(default_factory=list)
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone
     # (not verify) the parameter the spot check compares (Verifier.spot_check): its id, and
     # its gradient's entries that it compares, as autograd gave them
