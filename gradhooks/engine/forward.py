@@ -832,10 +832,10 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     inside its hooked submodules' calls) that the fallback differentiates: those the tracker
     could not follow to where they met the batch cheaply (its sources for them are then
     dropped). A submodule's parameter it uses directly while also calling that submodule (or
-    one that holds it) cannot be told apart in the recomputation (both uses would be counted) where that
-    submodule's call gives a gradient for it too: an error. (Where it does not, as where the
-    parameter is used in a method of the submodule the module calls besides its forward, the
-    recomputation's gradient is that of the direct uses alone.)"""
+    one that holds it) cannot be told apart in the recomputation (both uses would be counted)
+    where that submodule's call gives a gradient for it too: an error. (Where it does not, as
+    where the parameter is used in a method of the submodule the module calls besides its
+    forward, the recomputation's gradient is that of the direct uses alone.)"""
     escaped = set()
     for t in tree_leaves(output):
         escaped |= tracker.sources_of(t)
@@ -857,9 +857,9 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
         if id(p) not in used.claimed:
             continue
         parts = n.split(".")
-        called = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+        holders = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
         prefix = next(
-            (m for m in called if id(target.module.get_submodule(m)) in used.called), None
+            (m for m in holders if id(target.module.get_submodule(m)) in used.called), None
         )
         if prefix is not None:
             raise UnsupportedError(
