@@ -125,6 +125,79 @@ class UsesChildWeight(nn.Module):
         return F.linear(x, self.proj.weight, self.proj.bias) * self.gain
 
 
+class Streams(nn.Module):
+    """A residual over several streams (x-transformers' hyper-connections): ``prepare``, a
+    method besides its forward, mixes the streams with weights computed from its parameters
+    (a product of the batch with a matrix and with a vector); its forward, which combines the
+    branch's output with them, uses none of its own."""
+
+    def __init__(self, n=4, streams=2):
+        super().__init__()
+        self.streams = streams
+        self.norm = nn.LayerNorm(n)
+        self.alpha = nn.Parameter(torch.randn(n, streams + 1) / 4)
+        self.beta = nn.Parameter(torch.randn(n) / 4)
+        self.static_alpha = nn.Parameter(torch.randn(streams, streams + 1))
+
+    def prepare(self, x):
+        b, n, d = x.shape
+        residuals = x.reshape(b // self.streams, self.streams, n, d).transpose(1, 2)
+        normed = self.norm(residuals)
+        alpha = (normed @ self.alpha + self.static_alpha).softmax(-1)
+        beta = (normed @ self.beta).sigmoid()
+        mixed = torch.einsum("bnst,bnsd->bntd", alpha, residuals)
+        return mixed[..., 0, :], mixed[..., 1:, :], beta
+
+    def forward(self, out, residuals, beta):
+        residuals = residuals + torch.einsum("bnd,bns->bnsd", out, beta)
+        return residuals.transpose(1, 2).flatten(0, 1)
+
+
+class StreamsModel(nn.Module):
+    """Calls the residual ``res`` and, before it, ``res.prepare``: a use of its parameters
+    outside its call, inside the model's (which has a parameter of its own, and no rule), whose
+    fallback differentiates them (``res``'s call, which uses none of them, gives them
+    nothing)."""
+
+    def __init__(self, n=4, streams=2):
+        super().__init__()
+        self.streams = streams
+        self.res = Streams(n, streams)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.branch = nn.Linear(n, n)
+        self.head = nn.Linear(n, 2)
+
+    def forward(self, x):
+        x = x.repeat_interleave(self.streams, 0) * self.gain
+        branch_input, residuals, beta = self.res.prepare(x)
+        x = self.res(self.branch(branch_input), residuals, beta)
+        return self.head(x.unflatten(0, (-1, self.streams)).sum(1))
+
+
+class StreamsStrided(StreamsModel):
+    """Its output through ``as_strided``, where the tracker does not follow the batch: the
+    fallback then tells which submodules' parameters are its own to differentiate from the
+    submodules the recomputation calls, and the engine's account of the call's own uses."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out.as_strided(out.shape, out.stride())
+
+
+class UsesCalledChildWeight(nn.Module):
+    """Calls ``proj`` (a Linear, which has a rule, or a custom layer, which has none) and also
+    uses its parameter directly: the two uses cannot be told apart in the recomputation."""
+
+    def __init__(self, n=4, rule=True):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False) if rule else Scale(n)
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        weight = self.proj.weight.T if isinstance(self.proj, nn.Linear) else self.proj.scale.diag()
+        return self.proj(x) * self.gain + x @ weight
+
+
 class MHA(nn.Module):
     def __init__(self, n=4, heads=2):
         super().__init__()
@@ -158,6 +231,8 @@ CASES = [
     Case("tied_to_rule", TiedToRule, lambda b: torch.randint(7, (b, 3))),
     Case("uses_child_weight", lambda: nn.Sequential(UsesChildWeight(), nn.Linear(4, 2)), lambda b: torch.randn(b, 4)),
     Case("multihead_attention", MHA, lambda b: torch.randn(b, 3, 4)),
+    Case("child_method_uses_its_parameters", StreamsModel, lambda b: torch.randn(b, 3, 4)),
+    Case("child_method_output_not_followed", StreamsStrided, lambda b: torch.randn(b, 3, 4)),
 ]  # fmt: skip
 
 
@@ -174,6 +249,19 @@ def _only(*module_types):
     reg = gradhooks.Registry()
     reg._rules.update({t: gradhooks.REGISTRY._rules[t] for t in module_types})
     return reg
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["rule", "fallback"])
+def test_a_called_childs_parameter_used_directly_too_is_refused(rule):
+    """``proj``'s call and the model's own operations both use ``proj``'s parameter: the
+    model's recomputation would count the first use again, so neither is taken."""
+    model = UsesCalledChildWeight(rule=rule).double()
+    ((name, param),) = model.proj.named_parameters()
+    x = torch.randn(3, 4, dtype=torch.double)
+    with gradhooks.add_hooks(model, registry=_only(nn.Linear)):
+        with pytest.raises(gradhooks.UnsupportedError, match=f"proj.{name}"):
+            model(x).sum().backward()
+    assert not hasattr(param, "grad1")
 
 
 def test_check_rule_on_a_custom_layer():

@@ -154,6 +154,7 @@ MODELS = [
     "xt-gate-residual",  # GRU gating of the residual (a GRUCell over batch * time rows)
     "xt-memory-tokens",  # memory tokens concatenated to every example
     "xt-continuous",  # ContinuousTransformerWrapper, a regression
+    "xt-hyper-connections",  # parameters used in a method of a residual besides its forward
     "xt-xtransformer",  # encoder-decoder, tied token embeddings
     "perceiver",  # cross-attention to Fourier-encoded pixels, latents shared by the batch
     "performer-lm",  # FAVOR+ random features (a buffer)

@@ -834,8 +834,11 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     """The parameters a call of a module without a rule used in operations of its own (not
     inside its hooked submodules' calls) that the fallback differentiates: those the tracker
     could not follow to where they met the batch cheaply (its sources for them are then
-    dropped). A submodule's parameter it uses directly while also calling that submodule
-    cannot be told apart in the recomputation (both uses would be counted): an error."""
+    dropped). A submodule's parameter it uses directly while also calling that submodule (or
+    one that holds it) cannot be told apart in the recomputation (both uses would be counted)
+    where that submodule's call gives a gradient for it too: an error. (Where it does not, as
+    where the parameter is used in a method of the submodule the module calls besides its
+    forward, the recomputation's gradient is that of the direct uses alone.)"""
     escaped = set()
     for t in tree_leaves(output):
         escaped |= tracker.sources_of(t)
@@ -853,9 +856,15 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
         if source is not None:
             source.discarded = True
         kept[n] = p
-    for n in kept:
-        prefix, _, _ = n.rpartition(".")
-        if prefix and id(target.module.get_submodule(prefix)) in used.called:
+    for n, p in kept.items():
+        if id(p) not in used.claimed:
+            continue
+        parts = n.split(".")
+        holders = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+        prefix = next(
+            (m for m in holders if id(target.module.get_submodule(m)) in used.called), None
+        )
+        if prefix is not None:
             raise UnsupportedError(
                 f"'{target.name or '<model>'}' ({type(target.module).__qualname__}) calls its "
                 f"submodule '{prefix}' and also uses its parameter '{n}' directly; its "

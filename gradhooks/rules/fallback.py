@@ -158,11 +158,15 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
                 return True
         return False
 
+    # (a called submodule's parameter that operations of the call's own used, and the
+    # submodule's call did not: the engine leaves it to this call, as in a method of the
+    # submodule the module calls besides its forward)
+    direct = call.batch.params if call.batch is not None else frozenset()
     guess = call.memo.get("uncalled", frozenset()) & nested.keys()
     for _ in range(2):
         wrt = {**own, **{n: nested[n] for n in sorted(guess)}}
         grads, called = _per_example_vjp(call, wrt)
-        uncalled = frozenset(n for n in nested if not handled(n, called))
+        uncalled = frozenset(n for n in nested if n in direct or not handled(n, called))
         if uncalled == guess:
             break
         guess = uncalled  # the recomputation called other submodules than last time: redo

@@ -80,10 +80,13 @@ TAKES_ORDER = {"_pack_padded_sequence"}
 @dataclass
 class _Use:
     """What one hooked call's operations did: the ids of the parameters it covers that they
-    used, and the ids of the hooked modules called inside it."""
+    used, the ids of the hooked modules called inside it, and the ids of the parameters those
+    calls give gradients for (``claimed``: all a call with a rule covers; those a call without
+    one used in operations of its own)."""
 
     params: set[int] = field(default_factory=set)
     called: set[int] = field(default_factory=set)
+    claimed: set[int] = field(default_factory=set)
     soft: bool = False
     sources: dict[int, Source] = field(default_factory=dict)  # soft: per parameter id
     functional: set[int] = field(default_factory=set)  # soft: captured as a function's call
@@ -254,9 +257,12 @@ class Tracker(TorchFunctionMode):
         an inner call that covers them) uses them as that call's own. ``soft`` (a module
         without a rule): its parameters' uses are still followed as direct uses, and its call
         takes over (the ``torch.func`` fallback) only those the tracker cannot handle."""
+        covers = frozenset(id(p) for p in params)
         for record in self.used:
             record.called.add(id(module))
-        self.covered.append(frozenset(id(p) for p in params))
+            if not soft:
+                record.claimed |= covers
+        self.covered.append(covers)
         self.used.append(_Use(soft=soft, graph=torch.is_grad_enabled()))
 
     def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
@@ -293,7 +299,11 @@ class Tracker(TorchFunctionMode):
         """Leave the innermost call: which of its parameters its operations used, and which
         hooked modules it called."""
         self.covered.pop()
-        return self.used.pop()
+        used = self.used.pop()
+        if used.soft:
+            for record in self.used:
+                record.claimed |= used.params
+        return used
 
     # -- the mode ---------------------------------------------------------------------------------
 
