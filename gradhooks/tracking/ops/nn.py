@@ -84,13 +84,23 @@ def _sdpa(args, kwargs, out, layout_of):
 @handles("multi_head_attention_forward")
 def _mha(args, kwargs, out, layout_of):
     """``nn.MultiheadAttention``'s functional form: sequence-first ``[L, N, E]`` (or unbatched
-    ``[L, E]``); the output ``[L, N, E]`` and the weights ``[N, (H,) L, S]``."""
-    q = args[0]
-    lay = layout_of(q)
-    if lay is None or lay is UNKNOWN or q.dim() != 3 or lay.dim != 1:
+    ``[L, E]``); the output ``[L, N, E]`` and the weights ``[N, (H,) L, S]``. Each of the ``N``
+    rows attends alone, so the examples are where the query, the key or the value holds them
+    (the others batch-free: learned queries expanded to the batch, DETR's object queries and
+    a Perceiver's latents, attending to each example's features)."""
+    found = None
+    for i, name in enumerate(("query", "key", "value")):
+        t = arg(args, kwargs, i, name)
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            continue
+        if lay is UNKNOWN or t.dim() != 3 or lay.dim != 1 or found not in (None, lay):
+            return UNKNOWN
+        found = lay
+    if found is None:
         return UNKNOWN
     outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, Tensor)]
-    return [lay] + [lay.at(0) for _ in outs[1:]]
+    return [found] + [found.at(0) for _ in outs[1:]]
 
 
 @handles("lstm", "gru", "rnn_tanh", "rnn_relu")
