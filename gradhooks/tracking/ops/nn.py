@@ -111,7 +111,7 @@ def _rnn(args, kwargs, out, layout_of):
     x = args[0]
     lay = layout_of(x)
     outs = out_tensors(out)
-    if lay is None or not outs:
+    if not outs:
         return UNKNOWN
     packed = isinstance(args[1], Tensor) and isinstance(args[3], list | tuple)
     if packed:
@@ -121,6 +121,15 @@ def _rnn(args, kwargs, out, layout_of):
         # undoes with an index_select along the batch where the sequences were not sorted
         return [PACKED] + [UNKNOWN for _ in outs[1:]]
     batch_first = bool(args[-1])
+    if lay is None and x.dim() == 3:
+        # a batch-free input (a decoder's first step: the start token's embedding) run from
+        # each example's state: the examples are where the states hold them
+        hx = args[1] if isinstance(args[1], list | tuple) else (args[1],)
+        found = {layout_of(h) for h in hx if isinstance(h, Tensor)} - {None}
+        if len(found) == 1 and next(iter(found)).dim == 1:
+            lay = next(iter(found)).at(0 if batch_first else 1)
+    if lay is None:
+        return UNKNOWN
     if lay is UNKNOWN or lay.dim != (0 if batch_first else 1):
         return UNKNOWN
     # (each row of the batch dimension runs alone: the examples stay where they were, also
