@@ -1,10 +1,19 @@
-"""Training-loop idioms, an eleventh set: learned queries, odd batches, and misuse.
+"""Training-loop idioms, an eleventh set: learned queries, decoders, odd batches, misuse.
 
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
 step), an idiom the earlier sets do not run: DETR's object queries (an ``nn.Embedding``'s
-weight repeated along the batch and attending, through ``nn.MultiheadAttention``, to each
-image's features, matched to the targets by the Hungarian algorithm) and a Perceiver's latents
-expanded to the batch.
+weight repeated along the batch, decoded against each image's features, matched by the
+Hungarian algorithm) and a Perceiver's latents expanded to the batch, as the attention's query;
+the PyTorch seq2seq tutorial's decoder, started from a start token the same for every example;
+a diffusion step (a timestep embedding, a learned null condition for classifier-free guidance,
+min-SNR weights, an EMA copy); several noise samples per example by repeating the batch inside
+the model; hard examples mined by the top-k of their focal losses; grad1 read after the
+optimizer's step (Adam with ``amsgrad`` and ``foreach``, an embedding renormalized in place by
+``max_norm``); a batch given as a dataclass or a namedtuple; a forward pre-hook of the user's
+that changes a layer's input; a cosine or distance classifier over learned prototypes. And
+misuse: reentrant checkpointing of an input that does not require grad, a backward of the
+regulariser alone, graphs batched as one tensor of nodes, Glow's ActNorm initialized from the
+first batch inside the hooked forward, a batch given as a list of examples.
 Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what went
 wrong and leaves the model as it was.
@@ -543,6 +552,56 @@ def test_a_batch_given_as_a_dataclass_or_a_namedtuple(kind):
             opt.step()
 
 
+# -- a forward pre-hook of the user's that changes a layer's input ------------------------------
+
+
+def _standardize(module, args, kwargs=None):
+    """An input normalization put on a layer as a forward pre-hook: its first input, shifted
+    and scaled (also given as a keyword hook, ``with_kwargs=True``)."""
+    new = (2.0 * args[0] + 1.0, *args[1:])
+    return new if kwargs is None else (new, kwargs)
+
+
+@pytest.mark.parametrize(
+    "when, prepend, with_kwargs",
+    [("before", False, False), ("before", True, False), ("after", False, False),
+     ("after", True, True)],
+    ids=["before add_hooks", "before, prepended", "after add_hooks", "after, prepended, kwargs"],
+)  # fmt: skip
+def test_a_forward_pre_hook_that_changes_a_layers_input(when, prepend, with_kwargs):
+    """A pre-hook on a Linear and one on a Conv1d (layers with rules, not recomputed by the
+    fallback), put on before or after ``add_hooks``, first or last among the module's
+    pre-hooks: the rules are given the input the layer computed with, the hook's. grad1 is
+    the float64 loop's (the loop's forwards run the hooks too) over three SGD steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(9, 4), nn.Tanh(), nn.Linear(4, 2)
+    ).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def put_on():
+        return [
+            model[i].register_forward_pre_hook(
+                _standardize, prepend=prepend, with_kwargs=with_kwargs
+            )
+            for i in (0, 3)
+        ]
+
+    handles = put_on() if when == "before" else []
+    with gradhooks.add_hooks(model):
+        handles = handles or put_on()
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(5, 2, 5, generator=g, dtype=D), torch.randint(2, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+    for h in handles:
+        h.remove()
+
+
 # -- misuse --------------------------------------------------------------------------------------
 
 
@@ -759,3 +818,46 @@ def test_a_batch_given_as_a_list_of_examples_stacked_in_the_forward():
         except gradhooks.GradhooksError:
             return
     assert_grad1(model, want, "a list of examples")
+
+
+# -- a cosine or distance classifier over learned prototypes ----------------------------------
+
+
+class _PrototypeHead(nn.Module):
+    """A classifier scoring each example's features against learned class prototypes (an
+    ``nn.Embedding``'s weight, used directly): ``scale · cos(h, p_c)`` by
+    ``F.cosine_similarity(h.unsqueeze(1), protos.unsqueeze(0), dim=-1)``, or ``-‖h - p_c‖`` by
+    ``F.pairwise_distance`` broadcast the same way."""
+
+    def __init__(self, score: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 4))
+        self.protos = nn.Embedding(5, 4)
+        self.score = score
+
+    def forward(self, x):
+        h, p = self.enc(x).unsqueeze(1), self.protos.weight.unsqueeze(0)
+        if self.score == "cosine":
+            return 10.0 * F.cosine_similarity(h, p, dim=-1)
+        return -F.pairwise_distance(h, p)
+
+
+@pytest.mark.parametrize("score", ["cosine", "distance"])
+def test_a_cosine_or_distance_classifier_over_learned_prototypes(score):
+    """Three Adam steps: grad1 (the prototypes' each example's share included) is the float64
+    loop's, and so are the norms. Before, the tracker had no handler for
+    ``cosine_similarity`` or ``pairwise_distance``: the prototypes were refused
+    ('cosine_similarity' combines it with the batch in a way gradhooks cannot follow)."""
+    model = _PrototypeHead(score).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 3, generator=g, dtype=D), torch.randint(5, (6,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            torch.testing.assert_close(hooks.norms(), norms_of(want), rtol=1e-9, atol=1e-12)
+            opt.step()
