@@ -13,7 +13,8 @@ optimizer's step (Adam with ``amsgrad`` and ``foreach``, an embedding renormaliz
 that changes a layer's input; a cosine or distance classifier over learned prototypes. And
 misuse: reentrant checkpointing of an input that does not require grad, a backward of the
 regulariser alone, graphs batched as one tensor of nodes, Glow's ActNorm initialized from the
-first batch inside the hooked forward, a batch given as a list of examples.
+first batch inside the hooked forward, a batch given as a list of examples, a layer run on
+each example in a Python loop over the batch.
 Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what went
 wrong and leaves the model as it was.
@@ -861,3 +862,42 @@ def test_a_cosine_or_distance_classifier_over_learned_prototypes(score):
             assert_grad1(model, want, f"step {step}")
             torch.testing.assert_close(hooks.norms(), norms_of(want), rtol=1e-9, atol=1e-12)
             opt.step()
+
+
+class _RowByRow(nn.Module):
+    """A forward that runs its first layer on each example alone, in a Python loop over the
+    batch (``for row in x``, or ``x.split(1)``), and puts the rows back together."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "iterate":
+            h = torch.stack([self.a(row) for row in x])
+        else:
+            h = torch.cat([self.a(row) for row in x.split(1)])
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.MixedExamplesError,
+    reason="a false refusal: the tracker follows a tensor's examples along one of its "
+    "dimensions; an example taken out of the batch alone by x[i] or unbind has no dimension "
+    "that holds it, and a chunk of split(1) is taken as a part of the batch dimension with some "
+    "of the examples, so either is 'entries picked from the batch', and the layer given it is "
+    "refused as mixing the examples (a MixedExamplesError that says per-example gradients do "
+    "not exist), though each call sees one example alone",
+)
+@pytest.mark.parametrize("how", ["iterate", "split"])
+def test_a_layer_run_on_each_example_in_a_python_loop_over_the_batch(how):
+    """grad1 should be the float64 loop's: each call of ``a`` is one example's."""
+    model = _RowByRow(how).to(D)
+    x, y = torch.randn(4, 3, dtype=D), torch.tensor([0, 1, 1, 0])
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, how)
