@@ -247,12 +247,13 @@ def _nll(out, target):
 _OWNED_LSTM_CHECK = pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
-    reason="the run-time check's backward (verify=True) fails in torch ('Trying to "
-    "backward through the graph a second time'): an LSTM (whose call gradhooks "
-    "owns: run without autograd, joined back) given, at two steps or more, a first "
-    "input from a batch-free call (the start token's embedding) makes the check's "
-    "reruns free part of the forward's graph; the same with attention, where the "
-    "start token's embedding reaches the LSTM concatenated with the batch; "
+    reason="an LSTM decoder run for two steps or more whose first step's input comes from a "
+    "batch-free call (the start token's embedding): the run-time check's backward "
+    "(verify=True) fails in torch ('Trying to backward through the graph a second time'), "
+    "the check's error swallowed and the backward's own raised. The first call runs under "
+    "autograd (its input from a source: DetachedCalls._from_sources), the later ones owned "
+    "(without autograd, the check running them again, capture._rerun). The same with "
+    "attention (the embedding concatenated with the context), before these changes too; "
     "verify=False gives the loop's numbers",
 )
 
