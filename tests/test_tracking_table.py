@@ -47,9 +47,10 @@ CHANGED = {
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and
-# tests/test_lib_sweep.py, a gated residual that folds tokens into rows)
+# tests/test_lib_sweep.py, a gated residual that folds tokens into rows; the similarity and the
+# distance of two tensors broadcast: tests/test_idioms_eleventh.py, prototypes)
 ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell", "lstm_cell",
-         "rnn_tanh_cell", "rnn_relu_cell"}  # fmt: skip
+         "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance"}  # fmt: skip
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 

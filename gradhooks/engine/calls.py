@@ -670,6 +670,8 @@ class CallLayouts:
         if dim == "positions":
             kind = "plain" if first.dim == 0 and first.plain else "moved"
             return CallLayout(kind, batch, first, lin, lout, root=root)
+        if first.dim != dim:
+            first = self._aligned_first(ins, lin, first, dim, batch)
         if first.dim != dim and self._reseed(tracker, ins, outs, dim):
             return self.call_layout(target, args, kwargs, output, tracker)
         if first.dim != dim:
@@ -683,6 +685,21 @@ class CallLayouts:
             )
             return layout
         return CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
+
+    @staticmethod
+    def _aligned_first(ins: list, lin: tuple, first: Layout, dim: int, batch: int) -> Layout:
+        """Where the call's first input does not depend on the examples but has as many rows as
+        the batch on dimension ``dim``, and another input holds the examples elsewhere (a
+        recurrent layer's batch-free first step, a start token's embedding, run from each
+        example's state ``[layers, batch, hidden]``): the module takes that input's rows with
+        the examples', so the examples are on ``dim``. Else ``first``."""
+        x = next(((t, lay) for t, lay in zip(ins, lin) if isinstance(t, Tensor)), None)
+        if x is None or x[1] is not None or first.dim < 0 or first.owners is not None:
+            return first
+        t = x[0]
+        if t.dim() <= dim or t.shape[dim] != first.size(batch):
+            return first
+        return first.at(dim)
 
     def _reseed(self, tracker: Tracker, ins: list, outs: list, dim: int) -> bool:
         """``batch_dim="auto"`` takes dimension 0 of the model's first input as the batch;

@@ -169,6 +169,26 @@ def _last_pre_hook(module: nn.Module, fn: Any) -> bool:
     return getattr(last, "fn", None) is fn and not _torch.global_forward_pre_hooks()
 
 
+def _rerun_alone(
+    module: nn.Module,
+    owned: tuple[tuple, dict],
+    grads: list,
+    params: list[Tensor],
+    inputs: list[Tensor],
+    autocast: tuple = (),
+) -> list[Tensor | None]:
+    """:func:`_rerun` for the gradients of ``params`` and ``inputs`` through this call alone:
+    the inputs replaced by fresh leaves, so that autograd does not go on through them to an
+    earlier call that used the same parameters under autograd (an LSTM decoder's first step,
+    its input from a batch-free call, run so; the next steps owned): that call's share would be
+    counted in this one's, and the forward's graph through it freed. Not for a
+    ``create_graph`` backward, whose input-gradients keep their graph."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    swap = dict(zip(map(id, inputs), leaves))
+    call = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, Tensor) else t, owned)
+    return _rerun(module, call, grads, [*params, *leaves], False, autocast)
+
+
 def _rerun(
     module: nn.Module,
     owned: tuple[tuple, dict],
@@ -535,9 +555,13 @@ class DetachedCalls:
             for i, g in zip(out_idx, grads):
                 full[i] = g
             if self.state.probing:  # (autograd's own gradients, by a rerun: no rule runs)
-                wanted = [*detached.values(), *(in_leaves[i] for i in in_idx)]
+                inputs = [in_leaves[i] for i in in_idx]
                 with self.nested():
-                    return tuple(_rerun(module, owned, full, wanted, False, call.autocast))
+                    return tuple(
+                        _rerun_alone(
+                            module, owned, full, [*detached.values()], inputs, call.autocast
+                        )
+                    )
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = with_fields(call, grad_outputs=tuple(full), input_grads=[])
@@ -559,8 +583,12 @@ class DetachedCalls:
             if missing or (in_idx and not found) or create_graph:
                 self.state.rerunning += 1  # its backwards are not the model's: not tracked
                 try:
-                    wanted = [detached[n] for n in missing] + [in_leaves[i] for i in in_idx]
-                    got = _rerun(module, owned, full, wanted, create_graph, call.autocast)
+                    params = [detached[n] for n in missing]
+                    inputs = [in_leaves[i] for i in in_idx]
+                    if create_graph:
+                        got = _rerun(module, owned, full, params + inputs, True, call.autocast)
+                    else:
+                        got = _rerun_alone(module, owned, full, params, inputs, call.autocast)
                 finally:
                     self.state.rerunning -= 1
                 param_grads.update(zip(missing, got))

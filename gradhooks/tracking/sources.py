@@ -299,21 +299,20 @@ class Meeting:
         self.autocast = autocast_state()
 
     def arm(self) -> None:
-        if not self.nodes:
-            return  # (no output that a gradient reaches)
-        node, nr = self.nodes[0]
-        if node is None:
-            return
-        if len(self.nodes) == 1 or all(n is node for n, _ in self.nodes):
-            node.register_prehook(lambda grad_outputs: self.backward(grad_outputs))
-        else:  # (outputs from several nodes: not met in practice)
-            for s in {x for srcs in self.sources for x in srcs}:
-                s.problem = s.problem or f"'{self.name}' has outputs from several autograd nodes"
+        """Hook the autograd node of each output. Outputs from several nodes
+        (``multi_head_attention_forward``'s output and its attention weights) are differentiated
+        again at each node's backward with that node's gradients alone: the per-example
+        gradients are linear in the output-gradients, so their sum is the whole's."""
+        for node in {id(n): n for n, _ in self.nodes if n is not None}.values():
+            node.register_prehook(lambda grad_outputs, node=node: self.backward(grad_outputs, node))
 
-    def backward(self, grad_outputs) -> None:
+    def backward(self, grad_outputs, node) -> None:
         if self.engine is not None and self.engine.probing:
             return  # (the engine's check of one example, which captures nothing)
-        grads = [grad_outputs[nr] if nr < len(grad_outputs) else None for _, nr in self.nodes]
+        grads = [
+            grad_outputs[nr] if n is node and nr < len(grad_outputs) else None
+            for n, nr in self.nodes
+        ]
         if all(g is None for g in grads):
             return
         for t, v in self.versions:

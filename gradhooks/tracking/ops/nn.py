@@ -84,13 +84,23 @@ def _sdpa(args, kwargs, out, layout_of):
 @handles("multi_head_attention_forward")
 def _mha(args, kwargs, out, layout_of):
     """``nn.MultiheadAttention``'s functional form: sequence-first ``[L, N, E]`` (or unbatched
-    ``[L, E]``); the output ``[L, N, E]`` and the weights ``[N, (H,) L, S]``."""
-    q = args[0]
-    lay = layout_of(q)
-    if lay is None or lay is UNKNOWN or q.dim() != 3 or lay.dim != 1:
+    ``[L, E]``); the output ``[L, N, E]`` and the weights ``[N, (H,) L, S]``. Each of the ``N``
+    rows attends alone, so the examples are where the query, the key or the value holds them
+    (the others batch-free: learned queries expanded to the batch, DETR's object queries and
+    a Perceiver's latents, attending to each example's features)."""
+    found = None
+    for i, name in enumerate(("query", "key", "value")):
+        t = arg(args, kwargs, i, name)
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            continue
+        if lay is UNKNOWN or t.dim() != 3 or lay.dim != 1 or found not in (None, lay):
+            return UNKNOWN
+        found = lay
+    if found is None:
         return UNKNOWN
     outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, Tensor)]
-    return [lay] + [lay.at(0) for _ in outs[1:]]
+    return [found] + [found.at(0) for _ in outs[1:]]
 
 
 @handles("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -101,7 +111,7 @@ def _rnn(args, kwargs, out, layout_of):
     x = args[0]
     lay = layout_of(x)
     outs = out_tensors(out)
-    if lay is None or not outs:
+    if not outs:
         return UNKNOWN
     packed = isinstance(args[1], Tensor) and isinstance(args[3], list | tuple)
     if packed:
@@ -111,6 +121,15 @@ def _rnn(args, kwargs, out, layout_of):
         # undoes with an index_select along the batch where the sequences were not sorted
         return [PACKED] + [UNKNOWN for _ in outs[1:]]
     batch_first = bool(args[-1])
+    if lay is None and x.dim() == 3:
+        # a batch-free input (a decoder's first step: the start token's embedding) run from
+        # each example's state: the examples are where the states hold them
+        hx = args[1] if isinstance(args[1], list | tuple) else (args[1],)
+        found = {layout_of(h) for h in hx if isinstance(h, Tensor)} - {None}
+        if len(found) == 1 and next(iter(found)).dim == 1:
+            lay = next(iter(found)).at(0 if batch_first else 1)
+    if lay is None:
+        return UNKNOWN
     if lay is UNKNOWN or lay.dim != (0 if batch_first else 1):
         return UNKNOWN
     # (each row of the batch dimension runs alone: the examples stay where they were, also

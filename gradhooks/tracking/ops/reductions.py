@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..layout import MIXED, UNKNOWN
-from .common import HANDLERS, Handler, arg, handles, normalized_dims, single_input
+from .common import HANDLERS, Handler, arg, handles, norm_dim, normalized_dims, single_input
 from .pointwise import pointwise
 
 
@@ -88,3 +89,49 @@ def _quantile(args, kwargs, out, layout_of):
     if lay is MIXED or lay is UNKNOWN or not (isinstance(q, Tensor) and q.dim() > 0):
         return lay
     return lay.at(lay.dim + 1)
+
+
+def _broadcast_reduced(x1: Any, x2: Any, dim: int, keepdim: bool, layout_of) -> Any:
+    """The layout of an elementwise operation of ``x1`` and ``x2`` (broadcast: a batch against
+    a table) followed by a reduction along ``dim`` of the broadcast shape."""
+    if not (isinstance(x1, Tensor) and isinstance(x2, Tensor)):
+        return UNKNOWN
+    try:
+        shape = torch.broadcast_shapes(x1.shape, x2.shape)
+    except RuntimeError:
+        return UNKNOWN
+    n, found = len(shape), None
+    for t in (x1, x2):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        d = lay.dim + n - t.dim()
+        if d < 0 or shape[d] != t.shape[lay.dim]:
+            return UNKNOWN
+        if found not in (None, lay.at(d)):
+            return MIXED  # (two examples' entries combined)
+        found = lay.at(d)
+    if found is None:
+        return None
+    dim = norm_dim(dim, n)
+    if found.dim == dim:
+        return MIXED  # a reduction over the examples
+    return found if keepdim or dim > found.dim else found.at(found.dim - 1)
+
+
+@handles("cosine_similarity")
+def _cosine_similarity(args, kwargs, out, layout_of):
+    """``F.cosine_similarity(x1, x2, dim=1)``: along ``dim`` of ``x1`` and ``x2`` broadcast
+    (each example's features against a table of prototypes or class vectors)."""
+    x1, x2 = arg(args, kwargs, 0, "x1"), arg(args, kwargs, 1, "x2")
+    return _broadcast_reduced(x1, x2, arg(args, kwargs, 2, "dim", 1), False, layout_of)
+
+
+@handles("pairwise_distance")
+def _pairwise_distance(args, kwargs, out, layout_of):
+    """``F.pairwise_distance(x1, x2, p, eps, keepdim)``: along the last dimension of ``x1``
+    and ``x2`` broadcast."""
+    x1, x2 = arg(args, kwargs, 0, "x1"), arg(args, kwargs, 1, "x2")
+    return _broadcast_reduced(x1, x2, -1, bool(arg(args, kwargs, 4, "keepdim", False)), layout_of)

@@ -1,0 +1,897 @@
+"""Training-loop idioms, an eleventh set: learned queries, decoders, odd batches, misuse.
+
+Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
+step), an idiom the earlier sets do not run: DETR's object queries (an ``nn.Embedding``'s
+weight repeated along the batch, decoded against each image's features, matched by the
+Hungarian algorithm) and a Perceiver's latents expanded to the batch, as the attention's query;
+the PyTorch seq2seq tutorial's decoder, started from a start token the same for every example;
+a diffusion step (a timestep embedding, a learned null condition for classifier-free guidance,
+min-SNR weights, an EMA copy); several noise samples per example by repeating the batch inside
+the model; hard examples mined by the top-k of their focal losses; grad1 read after the
+optimizer's step (Adam with ``amsgrad`` and ``foreach``, an embedding renormalized in place by
+``max_norm``); a batch given as a dataclass or a namedtuple; a forward pre-hook of the user's
+that changes a layer's input; a cosine or distance classifier over learned prototypes. And
+misuse: reentrant checkpointing of an input that does not require grad, a backward of the
+regulariser alone, graphs batched as one tensor of nodes, Glow's ActNorm initialized from the
+first batch inside the hooked forward, a batch given as a list of examples, a layer run on
+each example in a Python loop over the batch.
+Each is compared with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`), or checked to stop with an error that says what went
+wrong and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close, assert_grad1
+
+D = torch.float64
+
+
+def norms_of(want: dict) -> torch.Tensor:
+    """Each example's gradient norm over every parameter of ``want`` (the loop's rows)."""
+    return torch.sqrt(sum(g.flatten(1).square().sum(1) for g in want.values()))
+
+
+# -- learned queries expanded to the batch, attending to each example --------------------------
+
+
+class _DETR(nn.Module):
+    """DETR's head on a small backbone: the image's features, sequence-first ``[HW, B, C]``
+    with DETR's learned positions (two ``nn.Embedding`` called on ``arange``) added; ``query_embed.weight.unsqueeze(1).repeat(1, bs, 1)``
+    (the object queries, the same for every image) added to a zero target, decoded by an
+    ``nn.TransformerDecoderLayer`` against the features (its padded positions masked), then
+    a class head and a box head per query."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Conv2d(2, 8, 3, padding=1)
+        self.row_embed, self.col_embed = nn.Embedding(4, 4), nn.Embedding(4, 4)
+        self.query_embed = nn.Embedding(3, 8)
+        self.decoder = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0)
+        self.class_embed = nn.Linear(8, 3)  # two classes and "no object"
+        self.bbox_embed = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, img, mask):
+        h, w = img.shape[-2:]
+        pos = torch.cat(  # DETR's PositionEmbeddingLearned, [H, W, C]
+            [
+                self.col_embed(torch.arange(w)).unsqueeze(0).expand(h, -1, -1),
+                self.row_embed(torch.arange(h)).unsqueeze(1).expand(-1, w, -1),
+            ],
+            -1,
+        )
+        src = self.backbone(img).flatten(2).permute(2, 0, 1) + pos.flatten(0, 1).unsqueeze(1)
+        query = self.query_embed.weight.unsqueeze(1).repeat(1, img.shape[0], 1)
+        h = self.decoder(torch.zeros_like(query) + query, src, memory_key_padding_mask=mask)
+        h = h.transpose(0, 1)  # [B, queries, C]
+        return torch.cat([self.class_embed(h), self.bbox_embed(h).sigmoid()], -1)
+
+
+def _detr_loss(out, target):
+    """DETR's set loss, per image: each query matched to a target box or to "no object" by the
+    Hungarian algorithm on the detached costs (one image's matching reads only its own
+    outputs), then cross-entropy over the queries' classes and L1 over the matched boxes; the
+    mean over the images."""
+    logits, boxes = out[..., :3], out[..., 3:]
+    losses = []
+    for b in range(out.shape[0]):
+        labels, tboxes = target[b, :, 0].long(), target[b, :, 1:]
+        cost = torch.cdist(boxes[b], tboxes, p=1) - logits[b].softmax(-1)[:, labels]
+        rows, cols = linear_sum_assignment(cost.detach().numpy())
+        classes = torch.full((out.shape[1],), 2)
+        classes[rows] = labels[cols]
+        l1 = (boxes[b, rows] - tboxes[cols]).abs().sum() / len(cols)
+        losses.append(F.cross_entropy(logits[b], classes) + l1)
+    return torch.stack(losses).mean()
+
+
+def _images(step: int):
+    g = torch.Generator().manual_seed(step)
+    img = torch.randn(3, 2, 4, 4, generator=g, dtype=D)
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[step % 3, -4:] = True  # one image padded by its last row
+    target = torch.cat(
+        [torch.randint(2, (3, 2, 1), generator=g).to(D), torch.rand(3, 2, 2, generator=g, dtype=D)],
+        -1,
+    )
+    return img, mask, target
+
+
+def test_detr_object_queries_repeated_along_the_batch_through_the_decoder():
+    """DETR's training loop: AdamW, ``clip_grad_norm_(0.1)``, three steps. The object queries
+    (an ``nn.Embedding`` whose weight is used directly, never called) are repeated along the
+    sequence-first batch, so the decoder's self-attention sees a batch-free query and its
+    cross-attention a batch-free query against each image's features. Before, the tracker did
+    not follow ``multi_head_attention_forward`` past a batch-free query: the class head's rule
+    was given the queries as examples (a BatchNotFoundError naming it, advising ``batch_dim``),
+    and batch first, the queries' weight was refused. grad1 (the queries' weight's included:
+    each image's share of their gradient) is the float64 loop's, and so are the norms."""
+    model = _DETR().to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(3):
+            img, mask, target = _images(step)
+            want = loop_grad(model, _detr_loss, (img, mask), target)
+            opt.zero_grad()
+            _detr_loss(model(img, mask), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            torch.testing.assert_close(hooks.norms(), norms_of(want), rtol=1e-9, atol=1e-12)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+
+
+class _Perceiver(nn.Module):
+    """A Perceiver's cross-attention: learned latents (a submodule's parameter) expanded to the
+    batch, ``latents.expand(B, -1, -1)``, as the query against each example's projected
+    inputs, batch first or sequence first."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.latents = nn.ParameterDict({"z": nn.Parameter(torch.randn(3, 8))})
+        self.inp = nn.Linear(2, 8)
+        self.cross = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.head = nn.Linear(8, 2)
+        self.batch_first = batch_first
+
+    def forward(self, x):
+        kv = self.inp(x)  # [B, S, C]
+        z = self.latents["z"]
+        if self.batch_first:
+            q = z.expand(x.shape[0], -1, -1)
+            h, _ = self.cross(q, kv, kv, need_weights=False)
+            return self.head((h + q).mean(1))
+        kv = kv.transpose(0, 1)
+        q = z.unsqueeze(1).expand(-1, x.shape[0], -1)
+        h, _ = self.cross(q, kv, kv)
+        return self.head((h + q).mean(0))
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch first", "sequence first"])
+def test_perceiver_latents_expanded_to_the_batch_as_the_attentions_query(batch_first):
+    """Three steps of Adam on batches of 4, 5 and 4: grad1 (the latents' each example's share)
+    is the float64 loop's. Before, the latents were refused ('multi_head_attention_forward'
+    combines it with the batch in a way gradhooks cannot follow), or, sequence first, the head
+    was given the latents as examples."""
+    model = _Perceiver(batch_first).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model):
+        for step, n in enumerate((4, 5, 4)):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(n, 6, 2, generator=g, dtype=D), torch.randint(2, (n,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- a decoder's first step: the start token's embedding, batch-free, from each example's state
+
+
+_SOS, _VOCAB, _HIDDEN, _STEPS = 0, 7, 6, 4
+
+
+class _Attention(nn.Module):
+    """The tutorial's ``BahdanauAttention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.Wa, self.Ua = nn.Linear(_HIDDEN, _HIDDEN), nn.Linear(_HIDDEN, _HIDDEN)
+        self.Va = nn.Linear(_HIDDEN, 1)
+
+    def forward(self, query, keys):
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys))).squeeze(2).unsqueeze(1)
+        return torch.bmm(F.softmax(scores, dim=-1), keys)
+
+
+class _Seq2Seq(nn.Module):
+    """PyTorch's tutorial "Translation with a Sequence to Sequence Network and Attention"
+    (batched): an ``EncoderRNN`` (Embedding, GRU, batch first) and a ``DecoderRNN`` that
+    starts from ``torch.empty(batch, 1, dtype=torch.long).fill_(SOS_token)`` (the same for
+    every example) and the encoder's last state, then feeds the target's token (teacher
+    forcing) or its own detached ``topk`` choice back, one step at a time; with ``attention``,
+    ``AttnDecoderRNN``. ``cell``: the recurrent layer (an LSTM's state is a pair)."""
+
+    def __init__(self, cell: str, attention: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        rnn = getattr(nn, cell)
+        self.enc_emb, self.enc_rnn = (
+            nn.Embedding(_VOCAB, _HIDDEN),
+            rnn(_HIDDEN, _HIDDEN, batch_first=True),
+        )
+        self.dec_emb = nn.Embedding(_VOCAB, _HIDDEN)
+        width = 2 * _HIDDEN if attention else _HIDDEN
+        self.dec_rnn = rnn(width, _HIDDEN, batch_first=True)
+        self.attention = _Attention() if attention else None
+        self.out = nn.Linear(_HIDDEN, _VOCAB)
+
+    def forward(self, x, target=None):
+        keys, state = self.enc_rnn(self.enc_emb(x))
+        dec_in = torch.empty(x.shape[0], 1, dtype=torch.long).fill_(_SOS)
+        outs = []
+        for i in range(_STEPS):
+            e = F.relu(self.dec_emb(dec_in))
+            if self.attention is not None:
+                h = state[0] if isinstance(state, tuple) else state
+                e = torch.cat([e, self.attention(h.permute(1, 0, 2), keys)], dim=2)
+            o, state = self.dec_rnn(e, state)
+            o = self.out(o)
+            outs.append(o)
+            if target is not None:
+                dec_in = target[:, i].unsqueeze(1)
+            else:
+                dec_in = o.topk(1)[1].squeeze(-1).detach()
+        return F.log_softmax(torch.cat(outs, 1), dim=-1)
+
+
+def _nll(out, target):
+    return F.nll_loss(out.reshape(-1, _VOCAB), target.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "cell, attention, forcing",
+    [
+        ("GRU", False, True),
+        ("GRU", False, False),
+        ("LSTM", False, False),
+        ("LSTM", False, True),
+        ("GRU", True, False),
+        ("LSTM", True, False),
+    ],
+    ids=[
+        "GRU, teacher forcing",
+        "GRU, greedy",
+        "LSTM, greedy",
+        "LSTM, teacher forcing",
+        "attention, greedy",
+        "LSTM, attention, greedy",
+    ],
+)
+def test_seq2seq_tutorial_decoder_started_from_a_start_token_the_same_for_every_example(
+    cell, attention, forcing
+):
+    """Two steps of Adam: grad1 of every parameter, the decoder's embedding's included (each
+    example's share of the start token's gradient), is the float64 loop's. Before, without
+    attention (whose context, concatenated, brings the examples into the first step's input),
+    the decoder's recurrent layer was refused: its first step's input holds no examples, and
+    the tracker took them from the state, on dimension 1, where a batch-first layer does not
+    read them (a BatchNotFoundError), and the ``gru`` operation was not followed past a
+    batch-free input (the embedding refused). With an LSTM (attention or not), the run-time
+    check's backward failed in torch ('Trying to backward through the graph a second time'):
+    the first step, its input from a batch-free call, runs under autograd, the next ones
+    owned (without autograd), and the check's rerun of an owned step, differentiating with
+    respect to the LSTM's parameters, went on through its inputs into the first step (whose
+    share it would have counted again), freeing the forward's graph there."""
+    model = _Seq2Seq(cell, attention).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(1, _VOCAB, (3, 5), generator=g)
+            target = torch.randint(1, _VOCAB, (3, _STEPS), generator=g)
+            inputs = (x, target) if forcing else (x,)
+            want = loop_grad(model, _nll, inputs, target)
+            opt.zero_grad()
+            _nll(model(*inputs), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- diffusion: noised inputs, a timestep embedding, a learned null condition, min-SNR weights --
+
+
+class _Denoiser(nn.Module):
+    """A conditional noise predictor, as diffusers' ``train_text_to_image.py`` trains a UNet:
+    the sinusoidal embedding of each example's timestep through an MLP; the class embedding,
+    replaced by a learned null embedding (a parameter of the model's own, broadcast by
+    ``torch.where``) for the examples whose condition is dropped (classifier-free guidance)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.time_mlp = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 8))
+        self.class_emb = nn.Embedding(5, 8)
+        self.null = nn.Parameter(0.1 * torch.randn(8))
+        self.net = nn.Sequential(nn.Linear(3 + 8, 16), nn.SiLU(), nn.Linear(16, 3))
+
+    def forward(self, x_t, t, c, drop):
+        freqs = torch.exp(-torch.arange(2, dtype=x_t.dtype) * 2.0)
+        angles = t[:, None].to(x_t.dtype) * freqs
+        emb = self.time_mlp(torch.cat([angles.sin(), angles.cos()], -1))
+        cond = torch.where(drop[:, None], self.null, self.class_emb(c))
+        return self.net(torch.cat([x_t, emb + cond], -1))
+
+
+def _weighted_mse(out, target):
+    """diffusers' min-SNR loss: each example's mean squared error times its weight (the last
+    column of ``target``), averaged over the batch."""
+    noise, weight = target[:, :-1], target[:, -1]
+    return (F.mse_loss(out, noise, reduction="none").mean(1) * weight).mean()
+
+
+def test_diffusion_step_with_a_learned_null_condition_and_min_snr_weights():
+    """Three steps of AdamW with an EMA copy: each example's timestep and noise drawn, the
+    noised input ``sqrt(ᾱ_t) x₀ + sqrt(1 - ᾱ_t) ε`` formed outside the model, 30% of the
+    conditions dropped to the null embedding, the loss weighted by ``min(SNR, 5) / SNR``.
+    grad1 (the null embedding's: nonzero for the dropped examples alone) is the float64
+    loop's, each row with its example's weight."""
+    model = _Denoiser().to(D)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    alpha_bar = torch.linspace(0.99, 0.05, 10, dtype=D)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x0, noise = (
+                torch.randn(6, 3, generator=g, dtype=D),
+                torch.randn(6, 3, generator=g, dtype=D),
+            )
+            t, c = torch.randint(10, (6,), generator=g), torch.randint(5, (6,), generator=g)
+            drop = torch.rand(6, generator=g) < 0.3
+            drop[step] = True  # (at least one)
+            a = alpha_bar[t]
+            x_t = a.sqrt()[:, None] * x0 + (1 - a).sqrt()[:, None] * noise
+            snr = a / (1 - a)
+            target = torch.cat([noise, (snr.clamp(max=5.0) / snr)[:, None]], -1)
+            want = loop_grad(model, _weighted_mse, (x_t, t, c, drop), target)
+            opt.zero_grad()
+            _weighted_mse(model(x_t, t, c, drop), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert model.null.grad1[~drop].abs().max() == 0
+            opt.step()
+            ema.update_parameters(model)
+
+
+# -- several samples per example: the batch repeated inside the model --------------------------
+
+
+class _Importance(nn.Module):
+    """An IWAE-like model: each example's code perturbed by ``K`` noise samples, decoded, and
+    the ``K`` results combined by ``logsumexp``. The batch is repeated three ways:
+    ``repeat_interleave(K, 0)`` (each example's samples together), ``repeat(K, 1)`` (the batch
+    ``K`` times over) or ``unsqueeze(1).expand(-1, K, -1)`` then ``reshape``."""
+
+    def __init__(self, how: str, k: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.dec = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.how, self.k = how, k
+
+    def forward(self, x, eps):  # eps [B, K, 4]
+        h, b, k = self.enc(x), x.shape[0], self.k
+        if self.how == "repeat_interleave":
+            z = h.repeat_interleave(k, dim=0) + eps.reshape(b * k, 4)
+            out = self.dec(torch.tanh(z)).view(b, k, 2)
+        elif self.how == "repeat":
+            z = h.repeat(k, 1) + eps.transpose(0, 1).reshape(k * b, 4)
+            out = self.dec(torch.tanh(z)).view(k, b, 2).transpose(0, 1)
+        else:
+            z = h.unsqueeze(1).expand(-1, k, -1) + eps
+            out = self.dec(torch.tanh(z.reshape(b * k, 4))).view(b, k, 2)
+        return torch.logsumexp(out, 1)
+
+
+@pytest.mark.parametrize("how", ["repeat_interleave", "repeat", "expand"])
+def test_several_noise_samples_per_example_by_repeating_the_batch(how):
+    """Batches of 4, 5 and 4 over three SGD steps: grad1 is the float64 loop's, each
+    example's samples summed into its row."""
+    model = _Importance(how).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model):
+        for step, n in enumerate((4, 5, 4)):
+            g = torch.Generator().manual_seed(step)
+            x, eps = (
+                torch.randn(n, 3, generator=g, dtype=D),
+                torch.randn(n, 3, 4, generator=g, dtype=D),
+            )
+            y = torch.randint(2, (n,), generator=g)
+            want = loop_grad(model, F.cross_entropy, (x, eps), y)
+            opt.zero_grad()
+            F.cross_entropy(model(x, eps), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- online hard example mining over a focal loss ----------------------------------------------
+
+
+def _focal(out, y, gamma: float = 2.0):
+    """The focal loss per example, ``(1 - p_y)^γ · CE``."""
+    ce = F.cross_entropy(out, y, reduction="none", label_smoothing=0.05)
+    return (1 - torch.exp(-ce)) ** gamma * ce
+
+
+def test_hard_examples_mined_by_top_k_of_their_focal_losses():
+    """OHEM: each step keeps the ``k = 3`` of 8 examples with the largest focal loss
+    (``losses.topk(k).indices``, read from the batch's own losses) and backwards their mean.
+    grad1 follows the batched model: the unselected examples' rows are zero, the selected
+    ones are their own loss's gradient times ``8 / 3`` (``loss_reduction="mean"`` over 8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3)).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 3, generator=g, dtype=D), torch.randint(3, (8,), generator=g)
+            per = loop_grad(model, lambda o, t: _focal(o, t).sum(), x, y)
+            opt.zero_grad()
+            losses = _focal(model(x), y)
+            hard = losses.topk(3).indices
+            losses[hard].mean().backward()
+            weight = torch.zeros(8, dtype=D)
+            weight[hard] = 8 / 3
+            want = {n: v * weight.view(-1, *[1] * (v.dim() - 1)) for n, v in per.items()}
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- grad1 read after the optimizer's step ------------------------------------------------------
+
+
+class _Tagger(nn.Module):
+    """An embedding whose rows are renormalized in place at each forward (``max_norm``), a
+    convolution, a LayerNorm, a GRU and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)  # (rows longer than max_norm: renormalized when used)
+        self.conv, self.norm = nn.Conv1d(4, 4, 3, padding=1), nn.LayerNorm(4)
+        self.gru, self.head = nn.GRU(4, 4, batch_first=True), nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        h = self.conv(self.emb(tokens).transpose(1, 2)).transpose(1, 2)
+        return self.head(self.gru(self.norm(h))[0][:, -1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(amsgrad=True, foreach=True), dict(foreach=False, weight_decay=0.1)],
+    ids=["amsgrad, foreach", "for loop, weight decay"],
+)
+def test_grad1_read_after_the_optimizers_step_is_the_gradient_the_step_used(options):
+    """A logger that reads grad1 after ``optimizer.step()`` (which rewrote every parameter in
+    place) and before the next ``zero_grad``: it is the gradient at the weights the step
+    started from, the float64 loop's of the batch, as ``.grad`` is; the embedding's rows
+    renormalized in place by ``max_norm`` at each forward change nothing of that."""
+    model = _Tagger().to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, **options)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            tokens, y = torch.randint(10, (5, 6), generator=g), torch.randint(3, (5,), generator=g)
+            model(tokens)  # (the rows it uses renormalized first, as the loop's forwards will)
+            want = loop_grad(model, F.cross_entropy, tokens, y)
+            opt.zero_grad()
+            F.cross_entropy(model(tokens), y).backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+            assert_grad1(model, want, f"step {step}, after the step")
+            for p in model.parameters():
+                torch.testing.assert_close(p.grad1.sum(0) / 5, p.grad, rtol=1e-10, atol=1e-12)
+
+
+# -- a batch in a dataclass or a namedtuple ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Batch:
+    features: torch.Tensor
+    mask: torch.Tensor
+
+
+_Pair = collections.namedtuple("_Pair", "features mask")
+
+
+class _Masked(nn.Module):
+    """A model given its batch as one object (``batch.features``, ``batch.mask``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.b(torch.tanh(self.a(batch.features)) * batch.mask)
+
+
+class _Unpacked(nn.Module):
+    """The loop's view of the same model: the batch's fields as tensors, for ``loop_grad``."""
+
+    def __init__(self, model: nn.Module, kind: type) -> None:
+        super().__init__()
+        self.model, self.kind = model, kind
+
+    def forward(self, features, mask):
+        return self.model(self.kind(features, mask))
+
+
+@pytest.mark.parametrize("kind", [_Batch, _Pair], ids=["dataclass", "namedtuple"])
+def test_a_batch_given_as_a_dataclass_or_a_namedtuple(kind):
+    """A collate function that returns a dataclass (or a namedtuple) of the batch's tensors,
+    passed whole to the model: three SGD steps, batches of 5, 3 and 5; grad1 is the float64
+    loop's."""
+    model = _Masked().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step, n in enumerate((5, 3, 5)):
+            g = torch.Generator().manual_seed(step)
+            features = torch.randn(n, 3, generator=g, dtype=D)
+            mask = (torch.rand(n, 4, generator=g) > 0.3).to(D)
+            y = torch.randint(2, (n,), generator=g)
+            want = loop_grad(_Unpacked(model, kind), F.cross_entropy, (features, mask), y)
+            opt.zero_grad()
+            F.cross_entropy(model(kind(features, mask)), y).backward()
+            assert_grad1(model, {n[len("model.") :]: v for n, v in want.items()}, f"step {step}")
+            opt.step()
+
+
+# -- a forward pre-hook of the user's that changes a layer's input ------------------------------
+
+
+def _standardize(module, args, kwargs=None):
+    """An input normalization put on a layer as a forward pre-hook: its first input, shifted
+    and scaled (also given as a keyword hook, ``with_kwargs=True``)."""
+    new = (2.0 * args[0] + 1.0, *args[1:])
+    return new if kwargs is None else (new, kwargs)
+
+
+@pytest.mark.parametrize(
+    "when, prepend, with_kwargs",
+    [("before", False, False), ("before", True, False), ("after", False, False),
+     ("after", True, True)],
+    ids=["before add_hooks", "before, prepended", "after add_hooks", "after, prepended, kwargs"],
+)  # fmt: skip
+def test_a_forward_pre_hook_that_changes_a_layers_input(when, prepend, with_kwargs):
+    """A pre-hook on a Linear and one on a Conv1d (layers with rules, not recomputed by the
+    fallback), put on before or after ``add_hooks``, first or last among the module's
+    pre-hooks: the rules are given the input the layer computed with, the hook's. grad1 is
+    the float64 loop's (the loop's forwards run the hooks too) over three SGD steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(9, 4), nn.Tanh(), nn.Linear(4, 2)
+    ).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def put_on():
+        return [
+            model[i].register_forward_pre_hook(
+                _standardize, prepend=prepend, with_kwargs=with_kwargs
+            )
+            for i in (0, 3)
+        ]
+
+    handles = put_on() if when == "before" else []
+    with gradhooks.add_hooks(model):
+        handles = handles or put_on()
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(5, 2, 5, generator=g, dtype=D), torch.randint(2, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+    for h in handles:
+        h.remove()
+
+
+# -- misuse --------------------------------------------------------------------------------------
+
+
+class _Checkpointed(nn.Module):
+    """A block run through ``torch.utils.checkpoint`` on the model's input itself, which does
+    not require grad, then a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+        self.head = nn.Linear(4, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_reentrant_checkpointing_of_an_input_without_grad_leaves_the_block_without_grad1(
+    reentrant,
+):
+    """The known trap of reentrant checkpointing: with no input that requires grad, the
+    checkpointed block's parameters get no gradient at all (torch warns, ``.grad`` stays
+    ``None``), step after step with ``zero_grad(set_to_none=False)``. gradhooks follows the
+    batched model: the block's parameters get no grad1 either, the head's is the float64
+    loop's; non-reentrant, every parameter's is the loop's."""
+    model = _Checkpointed(reentrant).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(5, 3, generator=g, dtype=D), torch.randint(2, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            for n, p in model.named_parameters():
+                if reentrant and n.startswith("block"):
+                    assert p.grad is None and not hasattr(p, "grad1"), n
+                else:
+                    assert_close(p.grad1, want[n], f"step {step}: {n}")
+            opt.step()
+
+
+def test_a_backward_of_the_regulariser_alone_warns_and_writes_no_grad1():
+    """A loop that, for one step, backwards only its L2 penalty (the batch's loss forgotten,
+    the forward run for nothing): autograd gives every parameter a gradient, which no example
+    owns. gradhooks warns (a GradhooksWarning naming the parameters) and writes no grad1; the
+    next step's grad1 is the float64 loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            opt.zero_grad()
+            out = model(x)
+            if step == 1:
+                penalty = 1e-2 * sum(p.square().sum() for p in model.parameters())
+                with pytest.warns(gradhooks.GradhooksWarning, match="0.weight"):
+                    penalty.backward()
+                assert all(p.grad is not None for p in model.parameters())
+                assert not any(hasattr(p, "grad1") for p in model.parameters())
+            else:
+                want = loop_grad(model, F.cross_entropy, x, y)
+                F.cross_entropy(out, y).backward()
+                assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+class _GraphClassifier(nn.Module):
+    """Graph classification batched as PyTorch Geometric does: every graph's nodes stacked in
+    one ``[nodes, features]`` tensor, a ``batch`` vector giving each node's graph, a
+    node-wise layer, then a sum pool per graph (``index_add``) and a head over the graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.node, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, batch, graphs: int):
+        h = torch.tanh(self.node(x))
+        return self.head(torch.zeros(graphs, 4, dtype=h.dtype).index_add(0, batch, h))
+
+
+def test_graphs_batched_as_one_tensor_of_nodes_are_refused_naming_the_head():
+    """The batch gradhooks finds is the model's first input's dimension 0: the nodes, not the
+    graphs. The pool sums nodes into graphs, so the head's input mixes those "examples": the
+    backward is refused with a MixedExamplesError naming the head and ``index_add``, leaving
+    ``.grad`` and grad1 as they were (``None``) and the parameters untouched."""
+    model = _GraphClassifier().to(D)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = torch.repeat_interleave(torch.arange(3), torch.tensor([3, 2, 4]))
+    x, y = torch.randn(9, 3, dtype=D), torch.tensor([0, 1, 1])
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'head'.*index_add"):
+            F.cross_entropy(model(x, batch, 3), y).backward()
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert p.grad is None and not hasattr(p, "grad1")
+        assert torch.equal(p.detach(), q)
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: at its first forward in training, its shift and log-scale are set from
+    the batch's statistics (``loc.data.copy_(-x.mean(0))``, under ``no_grad``), once; a flag
+    (a buffer, as glow-pytorch keeps it, or a plain attribute) says it is done."""
+
+    def __init__(self, features: int, flag: str) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(1, features))
+        self.logs = nn.Parameter(torch.zeros(1, features))
+        self.flag = flag
+        if flag == "buffer":
+            self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+        else:
+            self.initialized = False
+
+    def forward(self, x):
+        if not bool(self.initialized):
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0, keepdim=True))
+                self.logs.data.copy_(-torch.log(x.std(0, keepdim=True) + 1e-6))
+            if self.flag == "buffer":
+                self.initialized.fill_(1)
+            else:
+                self.initialized = True
+        return (x + self.loc) * torch.exp(self.logs)
+
+
+class _Flow(nn.Module):
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.lin, self.out = _ActNorm(3, flag), nn.Linear(3, 3), _ActNorm(3, flag)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(self.norm(x))))
+
+
+def _energy(out):
+    return 0.5 * out.square().sum()
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # (the recomputation's one example)
+@pytest.mark.parametrize("flag", ["buffer", "attribute"])
+def test_actnorm_initialized_from_the_first_batch_inside_the_hooked_forward(flag):
+    """Glow's data-dependent initialization, run by the first hooked forward. The ActNorms
+    have no rule: the fallback recomputes them per example at the backward, from the buffers
+    as they were at the forward. With the flag a buffer, that recomputation initializes again
+    from one example and does not reproduce the forward's output: the first backward is
+    refused (a MixedExamplesError naming the ActNorm), leaving ``.grad`` and grad1 as they
+    were; with the flag an attribute, it is not. From then on (or from the start), grad1 is
+    the float64 loop's (``loss_reduction="sum"``)."""
+    model = _Flow(flag).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            x = torch.randn(6, 3, generator=torch.Generator().manual_seed(step), dtype=D) * 3 + 1
+            opt.zero_grad()
+            out = model(x)
+            if step == 0 and flag == "buffer":
+                with pytest.raises(gradhooks.MixedExamplesError, match="ActNorm"):
+                    _energy(out).backward()
+                assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+                continue  # (skip the batch, as the refusal says one can)
+            want = loop_grad(model, _energy, x)
+            _energy(out).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+class _Stacker(nn.Module):
+    """A token tagger given its batch as a list of examples, ``[tokens, features]`` each,
+    stacked in its forward (a ``collate_fn`` that returns the list as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, examples: list):
+        return self.b(torch.tanh(self.a(torch.stack(list(examples)))))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="gradhooks takes the batch from dimension 0 of the model's first tensor input: in "
+    "a list of examples, the first example's tokens, so every example is followed as a batch "
+    "of 4 and grad1 has a row per token position, summed over the examples, with no error. A "
+    "list of examples cannot be told from a list of batched inputs (two views of one batch) "
+    "by their shapes, and batch_dim cannot say 'the list's index'",
+)
+def test_a_batch_given_as_a_list_of_examples_stacked_in_the_forward():
+    """Five sequences of 4 tokens each, in a list: grad1 should have 5 rows (the float64
+    loop's, one per sequence), or the backward be refused."""
+    model = _Stacker().to(D)
+    examples = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=D)
+                for i in range(5)]  # fmt: skip
+    y = torch.randint(2, (5, 4), generator=torch.Generator().manual_seed(9))
+
+    def tagging(out, target):
+        return F.cross_entropy(out.reshape(-1, 2), target.reshape(-1))
+
+    rows = []
+    for e, t in zip(examples, y, strict=True):
+        rows.append(loop_grad(model, tagging, e[None], t[None]))  # (a list of one)
+    want = {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
+    with gradhooks.add_hooks(model):
+        try:
+            tagging(model(examples), y).backward()
+        except gradhooks.GradhooksError:
+            return
+    assert_grad1(model, want, "a list of examples")
+
+
+# -- a cosine or distance classifier over learned prototypes ----------------------------------
+
+
+class _PrototypeHead(nn.Module):
+    """A classifier scoring each example's features against learned class prototypes (an
+    ``nn.Embedding``'s weight, used directly): ``scale · cos(h, p_c)`` by
+    ``F.cosine_similarity(h.unsqueeze(1), protos.unsqueeze(0), dim=-1)``, or ``-‖h - p_c‖`` by
+    ``F.pairwise_distance`` broadcast the same way."""
+
+    def __init__(self, score: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 4))
+        self.protos = nn.Embedding(5, 4)
+        self.score = score
+
+    def forward(self, x):
+        h, p = self.enc(x).unsqueeze(1), self.protos.weight.unsqueeze(0)
+        if self.score == "cosine":
+            return 10.0 * F.cosine_similarity(h, p, dim=-1)
+        return -F.pairwise_distance(h, p)
+
+
+@pytest.mark.parametrize("score", ["cosine", "distance"])
+def test_a_cosine_or_distance_classifier_over_learned_prototypes(score):
+    """Three Adam steps: grad1 (the prototypes' each example's share included) is the float64
+    loop's, and so are the norms. Before, the tracker had no handler for
+    ``cosine_similarity`` or ``pairwise_distance``: the prototypes were refused
+    ('cosine_similarity' combines it with the batch in a way gradhooks cannot follow)."""
+    model = _PrototypeHead(score).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 3, generator=g, dtype=D), torch.randint(5, (6,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            torch.testing.assert_close(hooks.norms(), norms_of(want), rtol=1e-9, atol=1e-12)
+            opt.step()
+
+
+class _RowByRow(nn.Module):
+    """A forward that runs its first layer on each example alone, in a Python loop over the
+    batch (``for row in x``, or ``x.split(1)``), and puts the rows back together."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "iterate":
+            h = torch.stack([self.a(row) for row in x])
+        else:
+            h = torch.cat([self.a(row) for row in x.split(1)])
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.MixedExamplesError,
+    reason="a false refusal: the tracker follows a tensor's examples along one of its "
+    "dimensions; an example taken out of the batch alone by x[i] or unbind has no dimension "
+    "that holds it, and a chunk of split(1) is taken as a part of the batch dimension with some "
+    "of the examples, so either is 'entries picked from the batch', and the layer given it is "
+    "refused as mixing the examples (a MixedExamplesError that says per-example gradients do "
+    "not exist), though each call sees one example alone",
+)
+@pytest.mark.parametrize("how", ["iterate", "split"])
+def test_a_layer_run_on_each_example_in_a_python_loop_over_the_batch(how):
+    """grad1 should be the float64 loop's: each call of ``a`` is one example's."""
+    model = _RowByRow(how).to(D)
+    x, y = torch.randn(4, 3, dtype=D), torch.tensor([0, 1, 1, 0])
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, how)
