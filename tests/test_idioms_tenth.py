@@ -797,6 +797,29 @@ def test_forwards_on_the_same_rows_of_one_tensor_are_the_same_examples():
                 opt.step()
 
 
+def test_pairs_stored_in_two_halves_of_one_tensor_given_as_a_copy():
+    """Each example a pair, the batch's first members in the first half of one tensor and the
+    second members in the other: ``enc(x[:n])`` and ``enc(x[n:])`` are refused as chunks of one
+    batch, and with the second half copied (``x[n:].clone()``, as the refusal advises) row
+    ``i`` of each call is pair ``i``: grad1 is the loop's over the pairs."""
+    pairs = _TwoViews()
+    opt = torch.optim.SGD(pairs.parameters(), lr=0.1)
+    with gradhooks.add_hooks(pairs.enc, loss_reduction="sum"):
+        for step in range(3):
+            p = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(step), dtype=D)
+            want = loop_grad(pairs, lambda out: out.square().sum(), p)
+            want = {n.split(".", 1)[1]: g for n, g in want.items()}
+            x, n = torch.cat([p[:, 0], p[:, 1]]), len(p)
+            opt.zero_grad()
+            if step == 0:
+                with pytest.raises(gradhooks.MixedExamplesError, match=r"x\[n:\]\.clone\(\)"):
+                    (pairs.enc(x[:n]) * pairs.enc(x[n:])).sum(1).square().sum().backward()
+                opt.zero_grad()
+            (pairs.enc(x[:n]) * pairs.enc(x[n:].clone())).sum(1).square().sum().backward()
+            assert_grad1(pairs.enc, want, f"step {step}")
+            opt.step()
+
+
 # -- hooks added between the micro-batches of an accumulation -----------------------------------
 
 

@@ -445,7 +445,9 @@ class BackwardWriter:
             "is taken for the same example, so grad1 would add the chunks' examples together; "
             "no grad1 was written. Run the model on the whole batch, or take one backward per "
             "chunk and read grad1 after each (h.clear() then, and torch.cat the grad1s: "
-            "grad1 adds up over backwards as .grad does)."
+            "grad1 adds up over backwards as .grad does). Where the rows do hold the same "
+            "examples (each example's pair stored in the other half), give the model copies "
+            "(x[n:].clone()): row i of each call is then example i."
         )
 
     def _check_batch(self, target, pname, call, batch: int, frame: Frame) -> None:
