@@ -229,12 +229,32 @@ class EmaBefore(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("module", [Counted, EmaBefore], ids=lambda m: m.__name__)
+class Usage(nn.Module):
+    """Keeps how often each feature is positive, updated through ``.data`` (which leaves no
+    trace in the buffer's version) and not used in the output."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.register_buffer("usage", torch.zeros(n))
+
+    def forward(self, x):
+        self.usage.data.mul_(0.9).add_(0.1 * (x > 0).to(x.dtype).mean(0))
+        return torch.tanh(x @ torch.diag(self.weight))
+
+
+@pytest.mark.parametrize("module", [Counted, EmaBefore, Usage], ids=lambda m: m.__name__)
 def test_state_changed_in_the_forward_and_not_from_other_examples(module):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), module(4)).double()
+    untouched = copy.deepcopy(model)
     x = data((5, 4))
-    train(model, x, lambda out: out.pow(2).sum(1), steps=3, hooked=True, reference="before")
+    loss_of = lambda out: out.pow(2).sum(1)  # noqa: E731
+    trained = train(model, x, loss_of, steps=3, hooked=True, reference="before")
+    # the recomputations changed no buffer of the model: it moved as without hooks
+    plain = train(untouched, x, loss_of, steps=3, hooked=False)
+    for (n, b), c in zip(trained.named_buffers(), plain.buffers()):
+        assert_close(b, c, f"buffer {n}")
 
 
 class EmaAfter(EmaBefore):
@@ -294,3 +314,24 @@ def test_state_from_the_batch_in_the_output_stays_refused(make, shape):
     x = data(shape)
     with gradhooks.add_hooks(model), pytest.raises(MixedExamplesError):
         model(x).pow(2).sum().backward()
+
+
+def test_nflows_actnorm_first_step():
+    """nflows' ActNorm (its buffer set through ``.data``) between its other transforms, from
+    the first step; its log-determinant, an output the examples share, is not used here."""
+    nflows = pytest.importorskip("nflows.transforms")
+
+    class Flow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nflows.normalization.ActNorm(4)
+            self.made = nflows.MaskedAffineAutoregressiveTransform(4, 8)
+            self.norm2 = nflows.normalization.ActNorm(4)
+
+        def forward(self, x):
+            z, _ = self.norm1(x)
+            z, logdet = self.made(z)
+            return 0.5 * self.norm2(z)[0].pow(2).sum(1) - logdet
+
+    torch.manual_seed(0)
+    train(Flow().double(), data((7, 4)), lambda losses: losses, steps=2, hooked=True)

@@ -630,13 +630,15 @@ def _holder(call: Call, create_graph: bool):
 
 def _buffers(call: Call):
     """What the recomputations of ``call`` take for the module's buffers, a function giving a
-    dict: the buffers themselves, or, where the call's forward changed them in place
-    (:attr:`Call.buffers`), fresh copies of them as the call found them, for each
-    recomputation (which changes them as the forward did, and must start where it started)."""
+    dict: fresh copies, for each recomputation (which changes them as the forward did, and
+    must start where it started), of the buffers as the call found them where its forward
+    changed them in place (:attr:`Call.buffers`), else of the buffers as they are. (Copies
+    there too: a forward that writes a buffer through ``.data``, a usage count updated by
+    ``buffer.data.mul_(decay).add_(...)``, changes it without a trace in its version, and its
+    recomputations must not write into the module's.)"""
     before = call.buffers
     if before is None:
-        live = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
-        return lambda: live
+        before = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
     return lambda: {n: b.clone() for n, b in before.items()}
 
 
