@@ -335,3 +335,19 @@ def test_nflows_actnorm_first_step():
 
     torch.manual_seed(0)
     train(Flow().double(), data((7, 4)), lambda losses: losses, steps=2, hooked=True)
+
+
+@pytest.mark.parametrize("actnorm", [ActNorm, checked(ActNorm)], ids=["vmap", "loop"])
+def test_actnorm_first_step_with_create_graph(actnorm):
+    """grad1 with a graph at the first step (recomputed from copies of the parameters, which
+    keep it)."""
+    torch.manual_seed(0)
+    model = Glow(actnorm=actnorm).double()
+    x = data((4, 4, 3, 3))
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        want = loop_reference(model, x, image_nll)
+        torch.autograd.grad(image_nll(out).mean(), list(model.parameters()), create_graph=True)
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, want[n], n)
+        assert model.norm1.scale.grad1.requires_grad
