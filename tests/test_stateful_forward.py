@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.errors import MixedExamplesError
+from gradhooks.errors import MixedExamplesError, UnsupportedInputError
 
 logabs = lambda x: torch.log(torch.abs(x))  # noqa: E731
 
@@ -351,3 +351,34 @@ def test_actnorm_first_step_with_create_graph(actnorm):
         for n, p in model.named_parameters():
             assert_close(p.grad1, want[n], n)
         assert model.norm1.scale.grad1.requires_grad
+
+
+class LogdetActNorm(ActNorm):
+    """rosinality's ActNorm with its log-determinant: a scalar output beside the batched one."""
+
+    def forward(self, input):
+        _, _, height, width = input.shape
+        return super().forward(input), height * width * torch.sum(logabs(self.scale))
+
+
+@pytest.mark.xfail(
+    raises=UnsupportedInputError,
+    strict=True,
+    reason="an output shared by the examples beside a batched one (a flow's log-determinant, "
+    "a scalar or expanded to the batch) is refused by the fallback at every step: each "
+    "example's share of its gradient is not followed",
+)
+@pytest.mark.parametrize("step", [1, 2])
+def test_actnorm_with_its_log_determinant(step):
+    torch.manual_seed(0)
+    norm = LogdetActNorm(3).double()
+    x = data((5, 3, 2, 2))
+    if step == 2:
+        with torch.no_grad():
+            norm(x)
+    with gradhooks.add_hooks(norm):
+        out, logdet = norm(x)
+        want = loop_reference(norm, x, lambda o: image_nll(o[0]) - o[1])
+        (image_nll(out) - logdet).mean().backward()
+    for n, p in norm.named_parameters():
+        assert_close(p.grad1, want[n], n)
