@@ -55,6 +55,7 @@ from .capture import DetachedCalls
 from .outputs import LayerOutputs
 from .plan import Target, positional
 from .records import (
+    BufferStates,
     CallLayout,
     CallState,
     Frame,
@@ -133,9 +134,9 @@ class ForwardCapture:
             kept = [(n, b, _torch.version(b), b.detach().clone()) for n, b in found]
             self.state.frames[-1].buffers.setdefault(id(module), []).append(kept)
 
-    def _buffers_of(self, module: nn.Module) -> dict[str, Tensor] | None:
-        """After its call: the buffers as the call found them (:meth:`_keep_buffers`), where
-        its forward changed them, else ``None``."""
+    def _buffers_of(self, module: nn.Module) -> BufferStates | None:
+        """After its call: the buffers as the call found them (:meth:`_keep_buffers`) and as
+        it left them, where its forward changed them, else ``None``."""
         if not self.state.frames:
             return None
         stack = self.state.frames[-1].buffers.get(id(module))
@@ -144,7 +145,10 @@ class ForwardCapture:
         kept = stack.pop()
         if all(_torch.version(b) == v for _, b, v, _ in kept):
             return None
-        return {n: copy for n, _, _, copy in kept}
+        return BufferStates(
+            found={n: copy for n, _, _, copy in kept},
+            left={n: b.detach().clone() for n, b, _, _ in kept},
+        )
 
     def tracker(self) -> Tracker | None:
         return self.state.tracker()
@@ -271,7 +275,7 @@ class ForwardCapture:
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
             call, state = self.kept_call(target, live, args, kwargs, output, layout, ins, leaves)
             if found is not None:
-                call = with_fields(call, buffers=found)
+                call = with_fields(call, buffers=found.found, buffers_left=found.left)
 
             # what the call's nodes hold is read only where they stand as the forward ran them
             # (not under saved-tensor hooks: reading what a node saved would rerun the call)

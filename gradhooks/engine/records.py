@@ -77,6 +77,14 @@ class CallState:
     in_backward: bool = False  # its forward ran while a backward ran (a backward's own forward)
 
 
+class BufferStates(NamedTuple):
+    """The buffers of a call whose forward changed them in place, copied as the call found
+    them and as it left them (``{name: tensor}``, ``named_buffers(remove_duplicate=False)``)."""
+
+    found: dict[str, Tensor]
+    left: dict[str, Tensor]
+
+
 @dataclass
 class Frame:
     """One root forward of the model (kept by its calls until their backward)."""

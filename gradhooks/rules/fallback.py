@@ -23,9 +23,12 @@ Assumptions, all checked (a clear error otherwise):
   tensor input (an attention mask ``[seq, seq]``) is shared by every example. When a shared
   tensor's dimension 0 happens to equal ``B``, the first recomputation fails or differs and the
   fallback retries with that tensor shared.
-- The module does not mix examples, draw random numbers or depend on state it changes in its
-  forward: the per-example recomputation must reproduce the batched output (compared, so that a
-  violated assumption is an error, never a silently wrong ``grad1``).
+- The module does not mix examples or draw random numbers: the per-example recomputation must
+  reproduce the batched output (compared, so that a violated assumption is an error, never a
+  silently wrong ``grad1``). A module that changes its buffers in its forward is recomputed
+  from them as its call found them (a counter, a running mean updated after its use), else as
+  its call left them (Glow's ActNorm, which initialises its parameters from its first batch and
+  marks it in a buffer): where neither reproduces the output, it is refused.
 
 Not detected: a module that both calls a hooked submodule and uses that submodule's parameter
 directly (``self.proj(x) + F.linear(y, self.proj.weight)``) misses the direct use; write a rule.
@@ -37,6 +40,7 @@ vmapped over the batch, per call.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Mapping
@@ -117,6 +121,35 @@ def _set_by_hooks(module: nn.Module) -> bool:
 
 
 def _fallback(call: Call) -> dict[str, Piece | None]:
+    """The pieces of ``call``, recomputed from the buffers as the call found them; where that
+    fails or does not reproduce the output of a call that changed its buffers, from the
+    buffers as it left them (with the parameters as they are: as the call left them).
+
+    The second serves a module that initialises itself from its first batch (Glow's ActNorm:
+    in its first call it sets its parameters from the batch's statistics, marks an
+    ``initialized`` buffer, then computes its output as an affine layer with those
+    parameters). Recomputed from where it started, each example would initialise it from
+    itself; from where it ended, the recomputation is the affine layer the output came from.
+    The output check guards both: a module that mixes the examples (a batch's statistics in
+    the output) reproduces from neither, and stays refused with the first error."""
+    if call.buffers_left is None:
+        return _from_state(call)
+    memo = dict(call.memo)
+    try:
+        return _from_state(call)
+    except Exception as e:
+        first = e
+    call.memo.clear()
+    call.memo.update(memo)  # (what the failed recomputation learnt is not this one's)
+    try:
+        return _from_state(dataclasses.replace(call, buffers=call.buffers_left))
+    except Exception:
+        call.memo.clear()
+        call.memo.update(memo)
+        raise first from None
+
+
+def _from_state(call: Call) -> dict[str, Piece | None]:
     module = call.module
     own = {
         n: p
@@ -267,7 +300,7 @@ def _by_layout_split(
     if batch == 0:
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}
     create_graph = torch.is_grad_enabled()
-    own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
+    own = _holder(call, create_graph)
     fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
@@ -496,7 +529,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     # A create_graph backward: the per-example gradients keep the graph through the parameters,
     # inputs and output-gradients (torch.func composes with autograd outside it).
     create_graph = torch.is_grad_enabled()
-    own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
+    own = _holder(call, create_graph)
     xs = [t for t, b in zip(leaves, batched) if b]
     fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
     buffers = _buffers(call)
@@ -584,15 +617,28 @@ def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Ex
     )
 
 
+def _holder(call: Call, create_graph: bool):
+    """How a recomputation of ``call`` holds the module's parameters: as they are (under
+    ``create_graph``, for a graph through them) or detached; copied where the call changed its
+    buffers in its forward, whose recomputation may change its parameters as the forward did
+    (an ActNorm initialising itself writes into ``param.data``) and must not write into the
+    module's own."""
+    if call.buffers is not None:
+        return Tensor.clone if create_graph else lambda t: t.detach().clone()
+    return (lambda t: t) if create_graph else Tensor.detach
+
+
 def _buffers(call: Call):
     """What the recomputations of ``call`` take for the module's buffers, a function giving a
-    dict: the buffers themselves, or, where the call's forward changed them in place
-    (:attr:`Call.buffers`), fresh copies of them as the call found them, for each
-    recomputation (which changes them as the forward did, and must start where it started)."""
+    dict: fresh copies, for each recomputation (which changes them as the forward did, and
+    must start where it started), of the buffers as the call found them where its forward
+    changed them in place (:attr:`Call.buffers`), else of the buffers as they are. (Copies
+    there too: a forward that writes a buffer through ``.data``, a usage count updated by
+    ``buffer.data.mul_(decay).add_(...)``, changes it without a trace in its version, and its
+    recomputations must not write into the module's.)"""
     before = call.buffers
     if before is None:
-        live = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
-        return lambda: live
+        before = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
     return lambda: {n: b.clone() for n, b in before.items()}
 
 
@@ -713,7 +759,8 @@ def _inner_eps(call: Call) -> float:
     forward by more than the rounding of the call's tensors: never on the common path); 0
     where it cannot run."""
     module = call.module
-    state = {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False)}
+    own = _holder(call, create_graph=False)
+    state = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False)}
     state.update(_buffers(call)())
     mode = _Rounding()
     try:

@@ -81,6 +81,11 @@ class Call:
     found them, ``{name: tensor}`` (``named_buffers(remove_duplicate=False)``); else ``None``.
     The fallback recomputes the call from copies of these, so that it reproduces the call and
     the module's own buffers change once, by its forward, as without hooks.
+    ``buffers_left``: for the same calls, copies of the buffers as the call left them (else
+    ``None``): the state of a module that initialises itself from its first batch (Glow's
+    ActNorm sets its parameters and an ``initialized`` buffer, then computes its output with
+    them), which the fallback recomputes the call from where the state it found does not
+    reproduce the output.
     ``autocast``: the ``torch.autocast`` the forward ran under, ``((device, dtype), ...)`` for
     each device it was on for (empty: none), for a rule that recomputes the call as it ran.
     """
@@ -101,6 +106,7 @@ class Call:
     hooked: Mapping[int, frozenset[str]] | None = None
     memo: dict[str, Any] = field(default_factory=dict)
     buffers: Mapping[str, Tensor] | None = None
+    buffers_left: Mapping[str, Tensor] | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     @property
