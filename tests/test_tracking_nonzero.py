@@ -278,3 +278,47 @@ def test_an_index_that_mixes_the_examples_is_refused(index, pick):
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         with pytest.raises(gradhooks.MixedExamplesError):
             F.mse_loss(model(x, flag), torch.zeros(1, dtype=D), reduction="sum").backward()
+
+
+# -- parts of the batch by position: rows of their examples ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "part, rows",
+    [
+        pytest.param(lambda x: x.split(1)[2], [2], id="split"),
+        pytest.param(lambda x: x.chunk(5)[4], [4], id="chunk"),
+        pytest.param(lambda x: x.tensor_split(2)[1], [3, 4], id="tensor_split"),
+        pytest.param(lambda x: x[1:3], [1, 2], id="slice"),
+        pytest.param(lambda x: x[::2], [0, 2, 4], id="step"),
+        pytest.param(lambda x: x.narrow(0, -2, 2), [3, 4], id="narrow"),
+        pytest.param(lambda x: x.split([3, 2])[1][1:], [4], id="part-of-a-part"),
+        pytest.param(lambda x: x.repeat(2, 1)[4:6], [4, 0], id="part-of-a-repeat"),
+    ],
+)
+def test_a_part_of_the_batch_by_position_holds_the_rows_of_its_examples(part, rows):
+    """A part of the batch dimension taken by position is laid out as the rows it picks, as an
+    index of those positions would give."""
+    from gradhooks.tracking import Layout, Tracker
+
+    x = torch.randn(5, 3, requires_grad=True)
+    tracker = Tracker(5, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        got = tracker.layout(part(x))
+    assert got.dim == 0 and got.owners.rows.tolist() == rows
+
+
+@pytest.mark.parametrize(
+    "alone", [lambda x: x[1], lambda x: x.unbind()[1], lambda x: x.select(0, 1)], ids=str
+)
+def test_one_example_taken_out_alone_is_mixed(alone):
+    """``x[i]``: no dimension holds the example, so no layout follows it."""
+    from gradhooks.tracking import MIXED, Layout, Tracker
+
+    x = torch.randn(5, 3, requires_grad=True)
+    tracker = Tracker(5, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        got = tracker.layout(alone(x))
+    assert got is MIXED

@@ -195,3 +195,14 @@ def slice_layout(lay: Layout, size: int, start: int, stop: int, step: int) -> La
     if step != 1 or lay.outer == 1 or start % block or stop % block or stop <= start:
         return None
     return Layout(lay.dim, (stop - start) // block, lay.inner)
+
+
+def slice_rows(lay: Layout, size: int, start: int, stop: int, step: int, device) -> Layout:
+    """The layout of entries ``start:stop:step`` of a dimension of ``size`` entries laid out as
+    ``lay``, where :func:`slice_layout` has none (the slice picks some examples: a chunk of
+    ``x.split(1)``, ``x[1:3]``): the rows it picks, as :class:`Owners`, which is what an index
+    of those positions (``x[torch.arange(start, stop, step)]``) gives."""
+    if lay.owners is not None:
+        return Layout(lay.dim, owners=Owners(lay.owners.rows[start:stop:step], lay.owners.base))
+    rows = owner_vector(lay, size // (lay.outer * lay.inner), device)[start:stop:step]
+    return Layout(lay.dim, owners=Owners(rows, lay))

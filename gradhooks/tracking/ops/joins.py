@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import MIXED, UNKNOWN, Layout, Owners, slice_layout
+from ..layout import MIXED, UNKNOWN, Layout, Owners, slice_layout, slice_rows
 from .common import arg, first_tensor, handles, norm_dim, out_tensors, single_input
 
 
@@ -21,7 +21,11 @@ def _split(args, kwargs, out, layout_of):
     found, start = [], 0
     for o in out_tensors(out):
         n = o.shape[dim]
-        found.append(slice_layout(lay, t.shape[dim], start, start + n, 1) or MIXED)
+        size, stop = t.shape[dim], start + n
+        found.append(
+            slice_layout(lay, size, start, stop, 1)
+            or slice_rows(lay, size, start, stop, 1, t.device)
+        )
         start += n
     return found
 
