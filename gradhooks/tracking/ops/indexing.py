@@ -548,7 +548,7 @@ def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
                 blocks = slice_layout(lay, x.shape[src], *span)
                 if blocks is None:  # (some of the examples: the rows it picks, x[1:3])
                     blocks = slice_rows(lay, x.shape[src], *span, x.device)
-                return blocks.at(dst + shift)
+                return None if blocks is MIXED else blocks.at(dst + shift)
             src += 1
             dst += 1
         else:
