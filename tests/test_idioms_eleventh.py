@@ -854,7 +854,8 @@ def test_a_cosine_or_distance_classifier_over_learned_prototypes(score):
 
 class _RowByRow(nn.Module):
     """A forward that runs its first layer on each example alone, in a Python loop over the
-    batch (``for row in x``, or ``x.split(1)``), and puts the rows back together."""
+    batch (``for row in x``, ``x.split(1)``, ``x.chunk(len(x))``, ``x[i : i + 1]``,
+    ``x.narrow(0, i, 1)``), and puts the rows back together."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -862,30 +863,194 @@ class _RowByRow(nn.Module):
         self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
         self.how = how
 
+    def rows(self, x) -> list:
+        n = len(x)
+        return {
+            "iterate": lambda: list(x),
+            "unbind": lambda: list(x.unbind()),
+            "index": lambda: [x[i] for i in range(n)],
+            "split": lambda: list(x.split(1)),
+            "chunk": lambda: list(x.chunk(n)),
+            "slice": lambda: [x[i : i + 1] for i in range(n)],
+            "narrow": lambda: [x.narrow(0, i, 1) for i in range(n)],
+        }[self.how]()
+
     def forward(self, x):
-        if self.how == "iterate":
-            h = torch.stack([self.a(row) for row in x])
-        else:
-            h = torch.cat([self.a(row) for row in x.split(1)])
+        outs = [self.a(row) for row in self.rows(x)]
+        h = torch.stack(outs) if outs[0].dim() == 1 else torch.cat(outs)
         return self.b(torch.tanh(h))
 
 
-@pytest.mark.xfail(
+_ALONE = pytest.mark.xfail(
     strict=True,
     raises=gradhooks.MixedExamplesError,
-    reason="a false refusal: the tracker follows a tensor's examples along one of its "
-    "dimensions; an example taken out of the batch alone by x[i] or unbind has no dimension "
-    "that holds it, and a chunk of split(1) is taken as a part of the batch dimension with some "
-    "of the examples, so either is 'entries picked from the batch', and the layer given it is "
-    "refused as mixing the examples (a MixedExamplesError that says per-example gradients do "
-    "not exist), though each call sees one example alone",
+    reason="a refusal, not a wrong number: an example taken out of the batch alone by x[i], "
+    "unbind or iteration has no dimension that holds it (a layout says which dimension holds "
+    "the examples; for x[i] none does), so the layer given it is refused as mixing the "
+    "examples, though each call sees one example alone. A part of the batch dimension "
+    "(split(1), chunk, x[i:i+1], narrow) is followed: rows picked from the batch, as by an index",
 )
-@pytest.mark.parametrize("how", ["iterate", "split"])
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("iterate", marks=_ALONE),
+        pytest.param("unbind", marks=_ALONE),
+        pytest.param("index", marks=_ALONE),
+        "split",
+        "chunk",
+        "slice",
+        "narrow",
+    ],
+)
 def test_a_layer_run_on_each_example_in_a_python_loop_over_the_batch(how):
-    """grad1 should be the float64 loop's: each call of ``a`` is one example's."""
+    """grad1 is the float64 loop's: each call of ``a`` is one example's."""
     model = _RowByRow(how).to(D)
     x, y = torch.randn(4, 3, dtype=D), torch.tensor([0, 1, 1, 0])
     want = loop_grad(model, F.cross_entropy, x, y)
     with gradhooks.add_hooks(model):
         F.cross_entropy(model(x), y).backward()
     assert_grad1(model, want, how)
+
+
+class _Shuffled(nn.Module):
+    """The row-by-row loop over the examples in a random order (each run draws its own), put
+    back in order by the inverse permutation before the next layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        order = torch.randperm(len(x), generator=self.g)
+        h = torch.cat([self.a(x[j : j + 1]) for j in order.tolist()])
+        return self.b(torch.tanh(h[order.argsort()]))
+
+
+def test_the_row_loop_in_another_order_put_back_by_the_inverse_permutation():
+    """Each call of ``a`` sees one example, in a shuffled order; the rows, indexed back into
+    order, are the batch again: grad1 is the loop's."""
+    model = _Shuffled().to(D)
+    x, y = torch.randn(5, 3, dtype=D), torch.tensor([0, 1, 1, 0, 1])
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+    assert_grad1(model, want, "shuffled")
+
+
+class _Permuted(nn.Module):
+    """The rows kept in a permuted order (``x[perm[i] : perm[i] + 1]``), not put back."""
+
+    def __init__(self, perm: list[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.perm = nn.Linear(3, 2), perm
+
+    def forward(self, x):
+        return torch.cat([self.a(x[j : j + 1]) for j in self.perm])
+
+
+def test_the_row_loop_in_a_permuted_order_gives_each_example_its_own_row():
+    """The rows stay in the permuted order to the loss: row ``r`` is example ``perm[r]``'s, and
+    each example's grad1 is its own row's gradient, whatever the order (the loss of the
+    permuted rows summed, so each example's is its row's alone)."""
+    perm = [2, 0, 3, 1]
+    model = _Permuted(perm).to(D)
+    x = torch.randn(4, 3, dtype=D)
+    w = torch.randn(4, 2, dtype=D)  # (a weight per row of the output, to tell them apart)
+    want = {n: torch.zeros(4, *p.shape, dtype=D) for n, p in model.named_parameters()}
+    for r, j in enumerate(perm):
+        grads = torch.autograd.grad((model.a(x[j : j + 1]) * w[r]).sum(), list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), grads, strict=True):
+            want[n][j] = g
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        (model(x) * w).sum().backward()
+    assert_grad1(model, want, "permuted")
+
+
+def test_an_example_taken_by_a_tensor_index_alone_is_refused():
+    """``x[perm[i]]`` (a tensor index of no dimension) takes one example out of the batch
+    alone: no dimension holds it, and the layer given it is refused, never misread."""
+    model = _Permuted([0]).to(D)
+    perm = torch.tensor([2, 0, 3, 1])
+
+    def forward(x):
+        return torch.stack([model.a(x[perm[i]]) for i in range(len(x))])
+
+    model.forward = forward
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError):
+        model(torch.randn(4, 3, dtype=D)).sum().backward()
+
+
+class _Dropping(nn.Module):
+    """The row-by-row loop over all examples but the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, keep: int):
+        h = torch.cat([self.a(r) for r in x.split(1)[:keep]])
+        return self.b(torch.tanh(h))
+
+
+def test_the_row_loop_that_drops_an_example_gives_it_a_zero_row():
+    """The last example never reaches the loss: its grad1 is zero; the others' are the loop's
+    (each example run alone, kept)."""
+    model = _Dropping().to(D)
+    x = torch.randn(4, 3, dtype=D)
+    kept = nn.Module()
+    kept.a, kept.b = model.a, model.b
+    kept.forward = lambda x: model(x, len(x))
+    want = loop_grad(kept, lambda out: out.sum(), x)
+    for g in want.values():
+        g[3] = 0
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x, 3).sum().backward()
+    assert_grad1(model, want, "dropped")
+
+
+@pytest.mark.parametrize("how", ["split", "chunk"])
+def test_the_row_loop_over_several_training_steps(how):
+    """Three SGD steps of the row-by-row loop: at every step grad1 is the loop's at that
+    step's weights."""
+    model = _RowByRow(how).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(5)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x = torch.randn(4, 3, dtype=D, generator=gen)
+            y = torch.randint(0, 2, (4,), generator=gen)
+            with gradhooks.paused():
+                want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"{how}, step {step}")
+            opt.step()
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        pytest.param(lambda p, x: p[0] + p[1], id="two-examples-added"),
+        pytest.param(lambda p, x: p[0] * x, id="one-example-broadcast-to-all"),
+        pytest.param(lambda p, x: p[0].sum(0, keepdim=True) + p[1], id="a-sum-added"),
+        pytest.param(lambda p, x: torch.cat(p[:2]).sum(0, keepdim=True), id="two-summed"),
+    ],
+)
+def test_rows_of_different_examples_combined_are_refused(mix):
+    """Parts of the batch followed as rows of their examples: combining two examples' rows,
+    or one example's with the whole batch, is refused at the layer that reads them."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2).to(D)
+    x = torch.randn(4, 3, dtype=D)
+    model = nn.Module()
+    model.lin = lin
+    model.forward = lambda x: lin(mix(x.split(1), x))
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError):
+        model(x).sum().backward()

@@ -683,14 +683,17 @@ class VarlenAttention(nn.Module):
     attends within each sequence of ``cu_seqlens`` (a causal SDPA per ``split``), and
     ``pad_input`` scatters the tokens back into zeros and reshapes to ``[batch, seq, ...]``."""
 
-    def __init__(self, dim: int = 8, heads: int = 2):
+    def __init__(self, dim: int = 8, heads: int = 2, off_by: int = 0):
         super().__init__()
         self.qkv, self.o, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+        self.off_by = off_by  # (tokens moved from the second sequence to the first: a wrong split)
 
     def forward(self, x, mask):
         batch, seq, dim = x.shape
         indices = torch.nonzero(mask.flatten()).flatten()
         lengths = mask.sum(1).tolist()
+        if self.off_by:
+            lengths[0], lengths[1] = lengths[0] + self.off_by, lengths[1] - self.off_by
         q, k, v = (
             t.reshape(batch * seq, self.heads, dim // self.heads)[indices]
             for t in self.qkv(x).chunk(3, -1)
@@ -707,26 +710,16 @@ class VarlenAttention(nn.Module):
 
 
 class VarlenLM(nn.Module):
-    def __init__(self):
+    def __init__(self, off_by: int = 0):
         super().__init__()
-        self.emb, self.attn, self.head = nn.Embedding(11, 8), VarlenAttention(), nn.Linear(8, 11)
+        self.emb, self.head = nn.Embedding(11, 8), nn.Linear(8, 11)
+        self.attn = VarlenAttention(off_by=off_by)
 
     def forward(self, idx, mask):
         h = self.emb(idx)
         return self.head(h + self.attn(h, mask))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.MixedExamplesError,
-    reason="the unpadded [tokens, ...] rows gathered from the flattened batch "
-    "(x.reshape(batch * seq, ...)[nonzero(mask)]) are followed, but not their split by the "
-    "sequence lengths: a part of rows picked by an index, taken by position, holds one example "
-    "here but could hold the first tokens of the batch, and no layout says that a part holds "
-    "one example alone (attention along its rows); so the output projection is refused as "
-    "mixing them, though each sequence attends to itself alone (a false refusal: pad the batch "
-    "and use SDPA with the mask)",
-)
 def test_flash_attention_2_unpad_varlen_pad_over_a_padded_batch():
     """A padded batch through the flash_attention_2 path (sequences of 6, 4, 6 and 2 real
     tokens, the padding's targets -100): grad1 is each sequence's own gradient, by the
@@ -746,6 +739,19 @@ def test_flash_attention_2_unpad_varlen_pad_over_a_padded_batch():
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         summed(model(idx, mask), y).backward()
         assert_grad1(model, want, "the padded batch")
+
+
+@pytest.mark.parametrize("off_by", [1, -1])
+def test_flash_attention_2_unpad_varlen_split_across_two_sequences_is_refused(off_by):
+    """The varlen path with the unpadded rows split by wrong lengths: one part holds tokens of
+    two sequences, and attention along it mixes them; refused, never misread."""
+    torch.manual_seed(0)
+    model = VarlenLM(off_by).to(D)
+    idx, y = tokens(torch.Generator().manual_seed(7), length=6)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError):
+        F.cross_entropy(model(idx, mask).flatten(0, 1), y.flatten()).backward()
 
 
 # -- litgpt's pretraining loop on Lightning Fabric: 16-mixed, no_backward_sync, chunked loss ----

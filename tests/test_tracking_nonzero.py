@@ -278,3 +278,96 @@ def test_an_index_that_mixes_the_examples_is_refused(index, pick):
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         with pytest.raises(gradhooks.MixedExamplesError):
             F.mse_loss(model(x, flag), torch.zeros(1, dtype=D), reduction="sum").backward()
+
+
+# -- parts of the batch by position: rows of their examples ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "part, rows",
+    [
+        pytest.param(lambda x: x.split(1)[2], [2], id="split"),
+        pytest.param(lambda x: x.chunk(5)[4], [4], id="chunk"),
+        pytest.param(lambda x: x.tensor_split(2)[1], [3, 4], id="tensor_split"),
+        pytest.param(lambda x: x[1:3], [1, 2], id="slice"),
+        pytest.param(lambda x: x[::2], [0, 2, 4], id="step"),
+        pytest.param(lambda x: x.narrow(0, -2, 2), [3, 4], id="narrow"),
+        pytest.param(lambda x: x.repeat(2, 1)[4:6], [4, 0], id="part-of-a-repeat"),
+    ],
+)
+def test_a_part_of_the_batch_by_position_holds_the_rows_of_its_examples(part, rows):
+    """A part of the batch dimension taken by position is laid out as the rows it picks, as an
+    index of those positions would give. (A part of such a part, ``x[2:][1:]``, is mixed, as
+    any part of rows picked by an index cut by position.)"""
+    from gradhooks.tracking import Layout, Tracker
+
+    x = torch.randn(5, 3, requires_grad=True)
+    tracker = Tracker(5, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        got = tracker.layout(part(x))
+    assert got.dim == 0 and got.owners.rows.tolist() == rows
+
+
+@pytest.mark.parametrize(
+    "alone", [lambda x: x[1], lambda x: x.unbind()[1], lambda x: x.select(0, 1)], ids=str
+)
+def test_one_example_taken_out_alone_is_mixed(alone):
+    """``x[i]``: no dimension holds the example, so no layout follows it."""
+    from gradhooks.tracking import MIXED, Layout, Tracker
+
+    x = torch.randn(5, 3, requires_grad=True)
+    tracker = Tracker(5, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        got = tracker.layout(alone(x))
+    assert got is MIXED
+
+
+@pytest.mark.parametrize(
+    "sizes, rows",
+    [
+        pytest.param([2, 2, 1], [[0, 0], [1, 1], [2]], id="into-its-examples"),
+        pytest.param([2, 0, 2, 1], [[0, 0], [], [1, 1], [2]], id="with-an-empty-part"),
+        pytest.param([3, 2], None, id="one-example-and-a-part-of-another"),
+        pytest.param([2, 3], None, id="two-examples-in-a-part"),
+        pytest.param([1, 4], None, id="a-part-of-one"),
+    ],
+)
+def test_rows_picked_by_an_index_split_into_their_examples_are_followed(sizes, rows):
+    """Tokens picked by an index (of examples 0, 0, 1, 1, 2), split by position: into parts
+    that each hold every row of one example (a varlen batch split by its lengths), each part
+    is that example's; split elsewhere, or cut by a slice, every part is mixed, since where
+    the cut falls depends on the other examples' rows (the first rows an expert gets)."""
+    from gradhooks.tracking import MIXED, Layout, Tracker
+
+    x = torch.randn(3, 2, 3, requires_grad=True)
+    tracker = Tracker(3, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        picked = x.flatten(0, 1)[torch.tensor([0, 1, 2, 3, 4])]
+        assert tracker.layout(picked).owners.rows.tolist() == [0, 0, 1, 1, 2]
+        got = [tracker.layout(p) for p in picked.split(sizes)]
+        assert tracker.layout(picked[:2]) is MIXED
+        assert tracker.layout(picked.narrow(0, 2, 2)) is MIXED
+    if rows is None:
+        assert all(lay is MIXED for lay in got)
+    else:
+        assert [lay.owners.rows.tolist() for lay in got] == rows
+
+
+def test_attention_between_the_rows_of_two_examples_is_mixed():
+    """SDPA along the rows of one example alone is followed; a query of one example's rows with
+    keys of another's is not."""
+    from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker
+
+    x = torch.randn(2, 6, 4, requires_grad=True)
+    tracker = Tracker(2, {})
+    tracker.set_layout(x, Layout(0))
+    with tracker:
+        rows = x.flatten(0, 1)[torch.arange(12)].unflatten(-1, (1, 4)).transpose(0, 1)
+        first, second = rows[:, :6], rows[:, 6:]
+        alone = F.scaled_dot_product_attention(first, first, first)
+        across = F.scaled_dot_product_attention(first, second, second)
+    assert tracker.layout(alone).owners.rows.tolist() == [0] * 6
+    assert tracker.layout(across) in (MIXED, UNKNOWN)

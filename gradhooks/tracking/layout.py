@@ -195,3 +195,32 @@ def slice_layout(lay: Layout, size: int, start: int, stop: int, step: int) -> La
     if step != 1 or lay.outer == 1 or start % block or stop % block or stop <= start:
         return None
     return Layout(lay.dim, (stop - start) // block, lay.inner)
+
+
+def slice_rows(lay: Layout, size: int, start: int, stop: int, step: int, device) -> Layout:
+    """The layout of entries ``start:stop:step`` of a dimension of ``size`` entries laid out as
+    ``lay``, where :func:`slice_layout` has none (the slice picks some examples: a chunk of
+    ``x.split(1)``, ``x[1:3]``): the rows it picks, as :class:`Owners`, which is what an index
+    of those positions (``x[torch.arange(start, stop, step)]``) gives. Rows picked by an index
+    cut by position are :data:`MIXED` (``h[token][:capacity]``: where the cut falls depends
+    on the other examples' rows; :func:`split_rows` follows a split into whole examples)."""
+    if lay.owners is not None:
+        return MIXED
+    rows = owner_vector(lay, size // (lay.outer * lay.inner), device)[start:stop:step]
+    return Layout(lay.dim, owners=Owners(rows, lay))
+
+
+def split_rows(lay: Layout, sizes: Sequence[int]) -> list[Layout]:
+    """The layouts of the parts of ``sizes`` rows, in turn, that rows picked by an index
+    (``lay``, with :class:`Owners`) are split into: each part's rows where every part holds
+    every row of one example (a varlen batch split by its sequences' lengths), else every part
+    :data:`MIXED` (a split elsewhere cuts an example's rows, or groups examples by where the
+    other examples' rows fall)."""
+    every, found, start = lay.owners.rows, [], 0
+    for n in sizes:
+        rows = every[start : start + n]
+        start += n
+        if n and (not bool((rows == rows[0]).all()) or int((every == rows[0]).sum()) != n):
+            return [MIXED] * len(sizes)
+        found.append(Layout(lay.dim, owners=Owners(rows, lay.owners.base)))
+    return found

@@ -38,6 +38,7 @@ _OWNER_AWARE = (
         "msort",
         "glu",
         "normalize",
+        "scaled_dot_product_attention",
         "flip",
         "roll",
         "diff",

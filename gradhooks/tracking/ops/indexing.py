@@ -18,6 +18,7 @@ from ..layout import (
     owner_map,
     owner_vector,
     slice_layout,
+    slice_rows,
 )
 from .common import HANDLERS, NeedsBatch, arg, first_tensor, handles, norm_dim, tensor_args
 from .pointwise import pointwise
@@ -543,8 +544,11 @@ def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
         elif isinstance(i, slice):
             if src == lay.dim:
                 shift = len(bshape) if adv and not adjacent else 0
-                blocks = slice_layout(lay, x.shape[src], *i.indices(x.shape[src]))
-                return None if blocks is None else blocks.at(dst + shift)
+                span = i.indices(x.shape[src])
+                blocks = slice_layout(lay, x.shape[src], *span)
+                if blocks is None:  # (some of the examples: the rows it picks, x[1:3])
+                    blocks = slice_rows(lay, x.shape[src], *span, x.device)
+                return None if blocks is MIXED else blocks.at(dst + shift)
             src += 1
             dst += 1
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import MIXED, UNKNOWN, Layout, Owners, slice_layout
+from ..layout import MIXED, UNKNOWN, Layout, Owners, slice_layout, slice_rows, split_rows
 from .common import arg, first_tensor, handles, norm_dim, out_tensors, single_input
 
 
@@ -18,10 +18,17 @@ def _split(args, kwargs, out, layout_of):
     dim = norm_dim(int(arg(args, kwargs, 2, "dim", 0)), t.dim())
     if dim != lay.dim:
         return lay
+    sizes = [o.shape[dim] for o in out_tensors(out)]
+    if lay.owners is not None and len(sizes) > 1:
+        return split_rows(lay, sizes)
     found, start = [], 0
     for o in out_tensors(out):
         n = o.shape[dim]
-        found.append(slice_layout(lay, t.shape[dim], start, start + n, 1) or MIXED)
+        size, stop = t.shape[dim], start + n
+        found.append(
+            slice_layout(lay, size, start, stop, 1)
+            or slice_rows(lay, size, start, stop, 1, t.device)
+        )
         start += n
     return found
 

@@ -72,13 +72,42 @@ def _sdpa(args, kwargs, out, layout_of):
         lay = layout_of(t) if isinstance(t, Tensor) else None
         if lay is None:
             continue
-        if lay is UNKNOWN or lay.dim >= t.dim() - 2:
+        if lay is UNKNOWN or lay.dim > t.dim() - 2:
             return UNKNOWN
+        if lay.dim == t.dim() - 2:
+            return _sdpa_alone(args, kwargs, o, layout_of)
         where = lay.at(lay.dim + o.dim() - t.dim())
         if found not in (None, where):
             return UNKNOWN
         found = where
     return found
+
+
+def _sdpa_alone(args, kwargs, o: Tensor, layout_of) -> Layout:
+    """Attention along the dimension of rows picked from the batch (the unpadded tokens of one
+    sequence, ``q[start:stop]`` of a varlen batch): followed where the query, the key and the
+    value each hold rows of one and the same example along their sequences, and the mask none
+    (each example attends to itself alone, its rows stay the query's)."""
+    one, query = None, None
+    for i, name in enumerate(("query", "key", "value", "attn_mask")):
+        t = arg(args, kwargs, i, name)
+        lay = layout_of(t) if isinstance(t, Tensor) else None
+        if lay is None:
+            if name == "query":
+                return UNKNOWN
+            continue
+        if name == "attn_mask" or lay.owners is None or lay.dim != t.dim() - 2:
+            return UNKNOWN
+        rows = lay.owners.rows
+        if rows.numel() == 0 or not bool((rows == rows[0]).all()):
+            return UNKNOWN
+        if one is None:
+            one = rows[0]
+        elif bool(rows[0] != one):
+            return UNKNOWN
+        if name == "query":
+            query = lay
+    return query.at(o.dim() - 2)
 
 
 @handles("multi_head_attention_forward")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..layout import MIXED, UNKNOWN, Layout, owned
+from ..layout import MIXED, UNKNOWN, Layout, owned, slice_rows
 from .common import HANDLERS, NeedsBatch, arg, first_tensor, handles, norm_dim, single_input
 
 
@@ -210,7 +210,10 @@ def _select(args, kwargs, out, layout_of):
         dim = kwargs.get("dimension", 0)
     dim = norm_dim(int(dim), n)
     if dim == lay.dim:
-        return MIXED  # (some examples picked out of the batch)
+        if o.dim() != n:  # (one example taken out of the batch alone, x.select(0, i): no
+            return MIXED  # dimension holds it; unfold's windows: several examples each)
+        start = int(arg(args, kwargs, 2, "start")) % max(t.shape[dim], 1)  # narrow: its rows
+        return slice_rows(lay, t.shape[dim], start, start + o.shape[dim], 1, t.device)
     if o.dim() == n - 1:  # select removes the dimension
         return lay.at(lay.dim - (dim < lay.dim))
     return lay
