@@ -233,6 +233,7 @@ CASES = [
     Case("multihead_attention", MHA, lambda b: torch.randn(b, 3, 4)),
     Case("child_method_uses_its_parameters", StreamsModel, lambda b: torch.randn(b, 3, 4)),
     Case("child_method_output_not_followed", StreamsStrided, lambda b: torch.randn(b, 3, 4)),
+    Case("layer_norm_after_linear", lambda: nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), lambda b: torch.randn(b, 2, 3)),
 ]  # fmt: skip
 
 

@@ -65,8 +65,9 @@ def test_derivative_of_a_function_of_grad1(case):
 @pytest.mark.parametrize("loop", [False, True], ids=["vmap", "loop"])
 @pytest.mark.parametrize("case", FALLBACK_CASES, ids=repr)
 def test_derivative_of_a_function_of_grad1_by_the_fallback(case, loop, monkeypatch):
-    """Every layer but Linear through the torch.func fallback, vmapped or one example at a
-    time (where torch.func cannot vmap a module)."""
+    """Every layer but Linear through the torch.func fallback, which differentiates a
+    create_graph backward one example at a time by autograd (under vmap, torch drops the graph
+    from layer_norm's gradients to its input: the LayerNorm case), also where vmap fails."""
     _check(case, loop=loop, monkeypatch=monkeypatch, registry=_only(nn.Linear))
 
 

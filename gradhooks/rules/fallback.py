@@ -356,7 +356,7 @@ def _by_layout_split(
                 autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = outs = None
-            if "loop" not in call.memo:
+            if "loop" not in call.memo and not create_graph:  # (see _attempt)
                 try:
                     with _torch.own_transform():
                         grads, outs = vmap(one, randomness="error")(xs, cots)
@@ -527,7 +527,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     """One recomputation, with the tensor inputs flagged in ``batched`` split over examples."""
     module = call.module
     # A create_graph backward: the per-example gradients keep the graph through the parameters,
-    # inputs and output-gradients (torch.func composes with autograd outside it).
+    # inputs and output-gradients (autograd, one example at a time: below).
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
     xs = [t for t, b in zip(leaves, batched) if b]
@@ -570,7 +570,10 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                 _torch.forward_hooks_off(module), _torch.backward_hooks_off(module), \
                 autocast_as(call.autocast):  # fmt: skip
             warnings.filterwarnings("ignore", message="There is a performance drop")
-            vmapped = "loop" not in call.memo
+            # (a create_graph backward by autograd, one example at a time: under vmap, torch
+            # 2.13 drops the graph from some operations' gradients to their inputs, such as
+            # layer_norm's, and a derivative of grad1 through them would miss those terms)
+            vmapped = "loop" not in call.memo and not create_graph
             if vmapped:
                 try:
                     with _torch.own_transform():
