@@ -74,7 +74,7 @@ from .sweep import (
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 3
 CLASSES = 3
-SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
+SIZES = (32, 64, 96, 128, 160, 192, 224, 240, 256)  # 240: crossvit (two patch sizes)
 MAX_PARAMS = 30_000_000
 MODES = ("train", "bn-eval")
 # The families people fine-tune most, swept first (timm module names).
@@ -567,6 +567,47 @@ def _vit_pytorch(kind: str) -> tuple[nn.Module, int]:
                           padding=1, num_layers=2, num_heads=2, mlp_ratio=2.0,
                           num_classes=CLASSES, positional_embedding="learnable",
                           attention_dropout=0.0, stochastic_depth_rate=0.0), 32  # fmt: skip
+    small = {**common, "dim_head": 8}
+    if kind == "CrossViT":
+        return of("cross_vit").CrossViT(image_size=32, num_classes=CLASSES, sm_dim=16, lg_dim=32,
+                                     sm_patch_size=8, lg_patch_size=16, sm_enc_heads=2,
+                                     sm_enc_mlp_dim=32, sm_enc_dim_head=8, lg_enc_depth=1,
+                                     lg_enc_heads=2, lg_enc_mlp_dim=32, lg_enc_dim_head=8,
+                                     cross_attn_depth=1, cross_attn_heads=2,
+                                     cross_attn_dim_head=8, depth=1, dropout=0.0,
+                                     emb_dropout=0.0), 32  # fmt: skip
+    if kind == "T2TViT":
+        return of("t2t").T2TViT(image_size=32, num_classes=CLASSES, dim=32, depth=1, heads=2,
+                             mlp_dim=32, dim_head=8), 32  # fmt: skip
+    if kind == "NesT":
+        return of("nest").NesT(image_size=32, patch_size=4, num_classes=CLASSES, dim=16, heads=2,
+                            num_hierarchies=2, block_repeats=(1, 1), dim_head=8), 32  # fmt: skip
+    if kind == "XCiT":
+        return of("xcit").XCiT(**small, cls_depth=1), 32
+    modules = {"SmallDataViT": "vit_for_small_dataset", "ParallelViT": "parallel_vit",
+               "RegisterViT": "simple_vit_with_register_tokens",
+               "QKNormViT": "simple_vit_with_qk_norm",
+               "ValueResidualViT": "simple_vit_with_value_residual"}  # fmt: skip
+    if kind in modules:
+        module = of(modules[kind])
+        return (getattr(module, "ViT", None) or module.SimpleViT)(**small), 32
+    if kind == "RvT":
+        return of("rvt").RvT(**small), 32
+    if kind == "ScalableViT":
+        return of("scalable_vit").ScalableViT(num_classes=CLASSES, dim=16, depth=(1, 1, 1, 1),
+                                           heads=(1, 1, 1, 1), reduction_factor=(2, 2, 1, 1),
+                                           window_size=(2, 2, 1, 1), iwsa_dim_key=8,
+                                           iwsa_dim_value=8, ssa_dim_key=8, ssa_dim_value=8,
+                                           ff_expansion_factor=2), 64  # fmt: skip
+    if kind == "TwinsSVT":
+        return of("twins_svt").TwinsSVT(num_classes=CLASSES, s1_emb_dim=8, s1_local_patch_size=2,
+                                     s1_global_k=2, s2_emb_dim=8, s2_local_patch_size=2,
+                                     s2_global_k=2, s3_emb_dim=8, s3_local_patch_size=2,
+                                     s3_global_k=2, s3_depth=1, s4_emb_dim=8,
+                                     s4_local_patch_size=1, s4_global_k=1, s4_depth=1), 64  # fmt: skip
+    if kind == "RegionViT":
+        return of("regionvit").RegionViT(dim=(8, 16, 16, 16), depth=(1, 1, 1, 1), window_size=2,
+                                      num_classes=CLASSES), 64  # fmt: skip
     raise Skip(f"no recipe for {kind}")
 
 
@@ -583,7 +624,11 @@ def _x_transformers(kind: str) -> tuple[nn.Module, int]:
 
 
 LIBRARIES = {
-    "vit-pytorch": tuple("ViT SimpleViT CaiT DeepViT PiT CvT LeViT MaxViT MobileViT CCT".split()),
+    "vit-pytorch": tuple(
+        "ViT SimpleViT CaiT DeepViT PiT CvT LeViT MaxViT MobileViT CCT CrossViT T2TViT NesT XCiT "
+        "SmallDataViT ParallelViT RegisterViT QKNormViT ValueResidualViT RvT ScalableViT "
+        "TwinsSVT RegionViT".split()
+    ),
     "x-transformers": ("ViTransformerWrapper", "rotary+gated", "residual+sandwich"),
 }
 

@@ -261,7 +261,8 @@ def test_sweep_runs_and_writes_its_table(tmp_path, capsys):
 @pytest.mark.parametrize(
     "library, name",
     [("vit-pytorch", "SimpleViT"), ("vit-pytorch", "CvT"), ("vit-pytorch", "LeViT"),
-     ("x-transformers", "rotary+gated"), ("x-transformers", "residual+sandwich")],
+     ("vit-pytorch", "XCiT"), ("x-transformers", "rotary+gated"),
+     ("x-transformers", "residual+sandwich")],
 )  # fmt: skip
 def test_other_library_matches_the_loop(library, name, one_thread):
     _library(library.replace("-", "_"))
