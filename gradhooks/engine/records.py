@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from ..autocast import autocast_enabled
 from .._torch import tree_flatten, tree_map, tree_unflatten
+from ..autocast import autocast_enabled
 from ..errors import ConfigurationTypeError, UnsupportedError
 from ..inert import InertHook
 from ..pieces import CallPieces

@@ -54,8 +54,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch
 from .._torch import tree_flatten, tree_unflatten
-from ..engine.pause import paused
 from ..autocast import autocast_as
+from ..engine.pause import paused
 from ..errors import MixedExamplesError, RuleError, UnsupportedError, UnsupportedInputError
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_map
-from ..engine.pause import paused
 from ..autocast import autocast_as
+from ..engine.pause import paused
 from ..engine.records import detach_tree
 from ..errors import UnsupportedError, describe_module
 from ..pieces import Direct, Piece
