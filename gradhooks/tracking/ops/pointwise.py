@@ -66,15 +66,21 @@ def pointwise(args, kwargs, out, layout_of):
     o = first_tensor(out)
     if o is None:
         return None
-    n, result = o.dim(), None
-    for t in tensor_args(args, kwargs):
+    return broadcast(tensor_args(args, kwargs), o.shape, layout_of)
+
+
+def broadcast(tensors, shape, layout_of):
+    """The layout of an elementwise operation of ``tensors`` broadcast to ``shape``: each
+    one's layout keeps its dimension counted from the right."""
+    n, result = len(shape), None
+    for t in tensors:
         lay = layout_of(t)
         if lay is None:
             continue
         if lay is UNKNOWN:
             return UNKNOWN
         d = lay.dim + n - t.dim()
-        if d < 0 or o.shape[d] != t.shape[lay.dim]:
+        if d < 0 or shape[d] != t.shape[lay.dim]:
             return UNKNOWN
         cand = lay.at(d)
         if result is None:

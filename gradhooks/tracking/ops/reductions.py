@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..layout import MIXED, UNKNOWN
 from .common import HANDLERS, Handler, arg, handles, norm_dim, normalized_dims, single_input
-from .pointwise import pointwise
+from .pointwise import broadcast, pointwise
 
 
 def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
@@ -100,22 +100,10 @@ def _broadcast_reduced(x1: Any, x2: Any, dim: int, keepdim: bool, layout_of) -> 
         shape = torch.broadcast_shapes(x1.shape, x2.shape)
     except RuntimeError:
         return UNKNOWN
-    n, found = len(shape), None
-    for t in (x1, x2):
-        lay = layout_of(t)
-        if lay is None:
-            continue
-        if lay is UNKNOWN:
-            return UNKNOWN
-        d = lay.dim + n - t.dim()
-        if d < 0 or shape[d] != t.shape[lay.dim]:
-            return UNKNOWN
-        if found not in (None, lay.at(d)):
-            return MIXED  # (two examples' entries combined)
-        found = lay.at(d)
-    if found is None:
-        return None
-    dim = norm_dim(dim, n)
+    found = broadcast((x1, x2), shape, layout_of)
+    if found is None or found is UNKNOWN or found is MIXED:
+        return found
+    dim = norm_dim(dim, len(shape))
     if found.dim == dim:
         return MIXED  # a reduction over the examples
     return found if keepdim or dim > found.dim else found.at(found.dim - 1)
