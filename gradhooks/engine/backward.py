@@ -204,7 +204,7 @@ class BackwardWriter:
         if state.derived:
             # Wrong only if this backward computes parameter gradients (not for the next
             # derivative of a Laplacian, with respect to the input): decided at its end.
-            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            where = target.where
             if bw is None:
                 raise UnsupportedError(higher_order(where))
             bw.derived = bw.derived or where
@@ -223,7 +223,7 @@ class BackwardWriter:
         if bw is not None and frame is not None and id(frame) not in bw.frames:
             bw.frames.add(id(frame))
             if frame.rows is not None:
-                where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+                where = target.where
                 bw.rows_of.append((frame.rows, where))
                 new_rows = len(bw.rows_of) > 1
         try:
@@ -300,7 +300,7 @@ class BackwardWriter:
         batch = pieces[first].batch_size
         if frame is not None and frame.empty is not None and batch and blank_call(call):
             raise UnbatchedInputError(
-                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): the model's "
+                f"{target.where}: the model's "
                 f"first tensor input has shape {frame.empty}, with no entries. With "
                 f"batch_dim='auto' its batch is dimension 0: {frame.empty[0]} examples without "
                 f"entries, and '{first}' would get a per-example gradient for each; if the batch "
@@ -321,7 +321,7 @@ class BackwardWriter:
         elif layout is not None:
             if batch != layout.batch:
                 raise BatchNotFoundError(
-                    f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): its "
+                    f"{target.where}: its "
                     f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
                     f"model's forward has {layout.batch} ({describe_call(call)}). gradhooks could "
                     f"not follow the batch to this layer (through: "
@@ -331,7 +331,7 @@ class BackwardWriter:
         elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
         if bw is not None and frame is not None and batch not in bw.rows:
-            where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+            where = target.where
             bw.rows[batch] = (f"{where}, for '{first}',", frame.owner is not self.state.model)
         if self.state.grad1 and bw is not None and not bw.memory_checked:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
@@ -454,7 +454,7 @@ class BackwardWriter:
         """Every hooked layer of one forward of the model must see its batch on dimension 0."""
         if len(frame.seen) == 1 and batch in frame.seen:
             return  # the usual case, checked once per forward: as the layers before it
-        name = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+        name = target.where
         other = next((n for b, n in frame.seen.items() if b != batch), None)
         if frame.batch is not None and batch != frame.batch:
             why = (

@@ -385,11 +385,6 @@ def _shapes(args: tuple, kwargs: dict) -> str:
     )
 
 
-def _where(target: Target) -> str:
-    """A hooked call's module as the errors name it: its qualified name and class."""
-    return f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
-
-
 def examples_of_empty_call(
     batch_dim, call: Call, frame: Frame | None, layout: CallLayout | None
 ) -> int | None:
@@ -558,7 +553,7 @@ class CallLayouts:
         if any([lay is MIXED for lay in lin]):
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
             raise MixedExamplesError(
-                f"{_where(target)}: its input ({_shapes(args, kwargs)}) was computed across the "
+                f"{target.where}: its input ({_shapes(args, kwargs)}) was computed across the "
                 f"examples of the batch ({ops}: a reduction, shift or product along it, "
                 "entries picked from it, rows that are not examples put among them, or a "
                 "reshape that leaves no dimension holding each example whole), so its "
@@ -580,7 +575,7 @@ class CallLayouts:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
             if not any(isinstance(a, PackedSequence) for a in whole[0]):
                 raise UnsupportedError(
-                    f"{_where(target)}: its input ({_shapes(args, kwargs)}) is the data of a "
+                    f"{target.where}: its input ({_shapes(args, kwargs)}) is the data of a "
                     "PackedSequence, or part of it (the examples' time steps packed together, "
                     "longest sequences first), taken out of the PackedSequence, so its rows are "
                     "not one example each and its rule cannot tell which example each belongs "
@@ -594,7 +589,7 @@ class CallLayouts:
                           and t in reordered), None)  # fmt: skip
         if moved is not None:
             raise BatchNotFoundError(
-                f"{_where(target)}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
+                f"{target.where}: its input ({_shapes(args, kwargs)}) has the examples of the batch in "
                 f"another order ({moved} with a permutation of the batch), so its rule would give "
                 "each example the gradient of another. Put them back in order before the layer "
                 "(x[perm.argsort()]), or freeze its parameters."
@@ -607,7 +602,7 @@ class CallLayouts:
                 break
         if first is not None and free and target.entry is not FALLBACK:
             raise BatchNotFoundError(
-                f"{_where(target)}: its input ({_shapes(args, kwargs)}) depends on the examples but "
+                f"{target.where}: its input ({_shapes(args, kwargs)}) depends on the examples but "
                 "gradhooks lost them inside its forward (an operation it does not see, such as "
                 "a custom kernel), so it cannot tell which example each part of its gradient "
                 "belongs to. Register a rule for it, or freeze its parameters."
@@ -615,7 +610,7 @@ class CallLayouts:
         if first is None or free:
             if not free:
                 raise BatchNotFoundError(
-                    f"{_where(target)}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
+                    f"{target.where}: its inputs ({_shapes(args, kwargs)}) do not depend on the "
                     "examples, but its output does: the module reads the batch from somewhere "
                     "else than its inputs (an attribute set by another module?), so its rule "
                     "cannot tell which example each part of its gradient belongs to. Pass that "
@@ -644,7 +639,7 @@ class CallLayouts:
             lay is not None and lay.owners is not None for lay in (*lin, *lout)
         ):
             raise UnsupportedError(
-                f"{_where(target)}: a module without a rule given rows picked from the batch by an index "
+                f"{target.where}: a module without a rule given rows picked from the batch by an index "
                 f"({_shapes(args, kwargs)}: tokens routed to an expert, or unpadded), so the "
                 "examples have different numbers of rows and its torch.func fallback cannot "
                 "split them. Make its weights nn.Linear children (each with a rule), register "
@@ -660,7 +655,7 @@ class CallLayouts:
                 return CallLayout("owners", batch, first, lin, lout, root=root)
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
-                f"{_where(target)}: its input ({_shapes(args, kwargs)}) holds rows picked from the "
+                f"{target.where}: its input ({_shapes(args, kwargs)}) holds rows picked from the "
                 f"batch by an index on {first.describe(batch)}, but its rule reads each "
                 f"row's example from dimension {want}, or its inputs and outputs hold "
                 "different rows. Give the layer the picked rows on dimension "
@@ -677,7 +672,7 @@ class CallLayouts:
         if first.dim != dim:
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (
-                f"{_where(target)}: the examples are on {first.describe(batch)} of its input "
+                f"{target.where}: the examples are on {first.describe(batch)} of its input "
                 f"({_shapes(args, kwargs)}), but its rule reads them from dimension {dim}. Its "
                 "per-example gradients would mix examples. Give the layer its input with the "
                 f"batch on dimension {dim} (batch_first=..., x.transpose(...)), or say where the "

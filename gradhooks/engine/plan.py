@@ -30,6 +30,11 @@ class Target:
     params: dict[str, nn.Parameter]
     memo: dict[str, Any] = field(default_factory=dict)  # the rule's, between calls
 
+    @property
+    def where(self) -> str:
+        """The module as the errors name it: its qualified name and class."""
+        return f"'{self.name or '<model>'}' ({type(self.module).__qualname__})"
+
 
 def plan_targets(
     model: nn.Module, registry: Registry, unsupported: Unsupported,

@@ -235,7 +235,7 @@ def per_example_outputs(
     where its outputs met the batch (the tracker's sources), checked against autograd's, to
     the rounding of ``precision``, the lowest the backward's calls ran in (where they meet the
     batch under autocast, the shares are products of bfloat16 or float16 operations)."""
-    where = f"'{target.name or '<model>'}' ({type(target.module).__qualname__})"
+    where = target.where
     task = graph_task()
     grads = []
     for g, source in zip(call.grad_outputs, layout.sources):
