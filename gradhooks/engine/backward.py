@@ -223,8 +223,7 @@ class BackwardWriter:
         if bw is not None and frame is not None and id(frame) not in bw.frames:
             bw.frames.add(id(frame))
             if frame.rows is not None:
-                where = target.where
-                bw.rows_of.append((frame.rows, where))
+                bw.rows_of.append((frame.rows, target.where))
                 new_rows = len(bw.rows_of) > 1
         try:
             if new_rows:
