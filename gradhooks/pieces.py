@@ -488,13 +488,13 @@ class Outer(Piece):
             else:
                 out = torch.matmul(g.transpose(-1, -2), a)
             return (out * scale if scale != 1.0 else out).reshape(self.batch_size, *param_shape)
-        out = g.new_empty((self.batch_size, *param_shape), dtype=torch.result_type(g, a))
+        out = g.new_empty((self.batch_size, *param_shape), dtype=_result_dtype(g, a))
         self.grad1_into(out, scale)
         return out
 
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
         a, g = self.a, self.g
-        if out.dtype != torch.result_type(g, g if a is None else a) or not out.is_contiguous():
+        if out.dtype != _result_dtype(g, g if a is None else a) or not out.is_contiguous():
             return super().grad1_into(out, scale, accumulate)
         shared, n_out = g.shape[-2], g.shape[-1]
         if a is None:  # a bias: sum over shared positions
@@ -839,6 +839,12 @@ def _from_grad1(
     rows = flat_rows(g1)
     total = rows.sum(0).reshape(param_shape) if with_sum else None
     return torch.linalg.vector_norm(rows, dim=1).square(), "direct", total
+
+
+def _result_dtype(g: Tensor, a: Tensor) -> torch.dtype:
+    """``torch.result_type(g, a)``, without the call through torch's dispatcher where both
+    have one dtype (a product's operands, nearly always)."""
+    return g.dtype if a.dtype is g.dtype else torch.result_type(g, a)
 
 
 def _other(t: Tensor | None, dtype: torch.dtype) -> bool:
