@@ -54,6 +54,7 @@ from .outputs import LayerOutputs
 from .pause import set_enabled
 from .plan import (
     Unsupported,
+    accumulator_of,
     entry_modules,
     fsdp_shards,
     plan_targets,
@@ -430,7 +431,7 @@ class Hooks:
         """The pre-hook on ``p``'s ``AccumulateGrad`` node (it tells a backward that adds
         into ``.grad`` from one that returns the gradient), in place of the one on its node
         before, if any."""
-        node = torch.autograd.graph.get_gradient_edge(p).node
+        node = accumulator_of(p)
         before = self._accumulators.get(pid)
         if before is not None:
             if before[0] is node:
@@ -450,8 +451,7 @@ class Hooks:
         first = next(iter(self._accumulators.items()), None)
         if now == self._storages and (
             first is None
-            or torch.autograd.graph.get_gradient_edge(self._state.params[first[0]][1]).node
-            is first[1][0]
+            or accumulator_of(self._state.params[first[0]][1]) is first[1][0]
         ):
             return
         for pid in list(self._accumulators):
