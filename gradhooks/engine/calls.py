@@ -334,10 +334,15 @@ def rows_in_memory(t: Tensor, dim: int) -> Rows | None:
     its own, memory that overlaps, a tensor without strides or memory (sparse, fake)."""
     if t.layout is not torch.strided or type(t) is not Tensor and not isinstance(t, nn.Parameter):
         return None
-    step = t.stride(dim)
+    strides = t.stride()
+    step = strides[dim]
     if t.numel() == 0 or step == 0:
         return None
     base = _torch.view_base(t)
+    if base is None and t.shape[dim] > 1 and t.storage_offset() == 0 and t.is_contiguous():
+        # (the usual batch: a tensor of its own, from its memory's start, its examples the
+        # first index of each stride; as the walk below finds, at a third of the cost)
+        return Rows((t.data_ptr(), t.dtype, strides, step), 0, t.shape[dim], None)
     ref = t if base is None else base
     try:
         start = ref.data_ptr() - (ref.storage_offset() if base is None else 0) * t.element_size()
