@@ -4,9 +4,12 @@
 
 For each model, at its own batch:
 
-- **calls**: torch functions in one plain forward (a counting ``TorchFunctionMode``), and how
+- **calls**: torch functions in one plain forward (a counting ``TorchFunctionMode``), how
   many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.tracker.Tracker`)
-  runs in one step of gradhooks' grad1 (forward and backward);
+  runs in one step of gradhooks' grad1 (forward and backward), and the operations through
+  torch's dispatcher in one step of plain forward+backward and of grad1 (``torch.profiler``,
+  those no other operation calls, by name): the host work a GPU pays per kernel launched, a
+  count the machine's load does not change;
 - **time**: medians of interleaved repetitions (process CPU time) of the plain forward, the
   hooked forward, plain forward+backward and gradhooks' grad1 step;
 - **profile**: ``cProfile`` over the same steps of grad1: the tracker's share of the step (its
@@ -103,6 +106,23 @@ def _share(stats: pstats.Stats, total: float) -> dict:
     }
 
 
+def dispatched(step, reset) -> dict[str, int]:
+    """The operations through torch's dispatcher in one ``step`` (after ``reset``), by name:
+    those ``torch.profiler`` records outside any other operation (the autograd engine's
+    included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    found: dict[str, int] = {}
+    for e in prof.events():
+        parent = e.cpu_parent
+        if e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+            found[e.name] = found.get(e.name, 0) + 1
+    return dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def profile_model(name: str, reps: int, explain: bool) -> dict:
     problem, plain, hooked, hooks, x, y, steps, resets = _setup(name)
     with warnings.catch_warnings():
@@ -118,6 +138,10 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
         tracker_step = tracker_calls(steps["grad1 fwd+bwd"])
         resets["grad1 fwd+bwd"]()
         tracker_forward = tracker_calls(steps["hooked forward"])
+        for _ in range(len(list(hooked.parameters()))):  # (the spot check's first round:
+            resets["grad1 fwd+bwd"]()  # each parameter's entries chosen once)
+            steps["grad1 fwd+bwd"]()
+        ops = {k: dispatched(steps[k], resets[k]) for k in ("plain fwd+bwd", "grad1 fwd+bwd")}
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(reps):
             for k, step in steps.items():
@@ -142,6 +166,7 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
         "torch_functions_plain_forward": counter.calls,
         "tracker_calls_step": tracker_step,
         "tracker_calls_forward": tracker_forward,
+        "dispatched_ops": ops,
         "median_s": median,
         "profile": {**share, "profiled_s": total / reps},
     }
@@ -187,16 +212,17 @@ def markdown(data: dict) -> str:
         f"`{data['command']}`",
         "",
         "| model | torch functions, plain forward | tracker calls, grad1 step (forward) "
-        "| plain fwd (ms) | hooked fwd (ms) | plain fwd+bwd (ms) | grad1 step (ms) "
+        "| dispatched operations, plain fwd+bwd / grad1 step | plain fwd (ms) | hooked fwd (ms) | plain fwd+bwd (ms) | grad1 step (ms) "
         "| hooked fwd / grad1 step | tracker / grad1 step (cProfile) "
         "| gradhooks / grad1 step (cProfile) |",
-        "|" + " --- |" * 10,
+        "|" + " --- |" * 11,
     ]
     for r in data["models"]:
-        m, p = r["median_s"], r["profile"]
+        m, p, ops = r["median_s"], r["profile"], r["dispatched_ops"]
         lines.append(
             f"| {r['label']} | {r['torch_functions_plain_forward']} "
             f"| {r['tracker_calls_step']} ({r['tracker_calls_forward']}) "
+            f"| {sum(ops['plain fwd+bwd'].values())} / {sum(ops['grad1 fwd+bwd'].values())} "
             f"| {m['plain forward'] * 1e3:.2f} | {m['hooked forward'] * 1e3:.2f} "
             f"| {m['plain fwd+bwd'] * 1e3:.2f} | {m['grad1 fwd+bwd'] * 1e3:.2f} "
             f"| {m['hooked forward'] / m['grad1 fwd+bwd']:.0%} | {p['tracker_share']:.0%} "
@@ -205,6 +231,10 @@ def markdown(data: dict) -> str:
     for r in data["models"]:
         top = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"]["top_own"])
         lines += ["", f"{r['label']}, gradhooks functions by own time (cProfile): {top}"]
+        plain, hooked = r["dispatched_ops"]["plain fwd+bwd"], r["dispatched_ops"]["grad1 fwd+bwd"]
+        more = {k: n - plain.get(k, 0) for k, n in hooked.items() if n > plain.get(k, 0)}
+        listed = ", ".join(f"{n}x {k.removeprefix('aten::')}" for k, n in more.items())
+        lines += ["", f"{r['label']}, operations a grad1 step dispatches beyond plain's: {listed}"]
         if "graph_breaks" in r:
             g = r["graph_breaks"]
             kinds = "; ".join(f"{n}x {k}" for k, n in g["kinds"])
