@@ -546,10 +546,11 @@ class Verifier:
             )
         raise BatchNotFoundError(
             f"{where} was given its first input in a list (or tuple) with other tensors of "
-            f"its size, and its forward joins {join.count} of them (or what it computed from "
-            f"each, {join.shape}) with torch.{join.op} along a dimension in front of the one "
-            f"gradhooks takes the examples from by default (dimension 0 of the first input, "
-            f"{tracker.batch} entries). Were each tensor of the list one example, every grad1 "
+            f"its size, and its forward joins {join.count} tensors of shape {join.shape} (the "
+            f"list's, or computed from each alone) with torch.{join.op} along a dimension in "
+            "front of the one gradhooks takes the examples from by default (dimension 0 of "
+            f"the first input, {tracker.batch} entries). Were each tensor of the list one "
+            "example, every grad1 "
             "would have a row per entry of that dimension, summed over the list; were each a "
             "batch of the same examples (two views of one batch), it would be right, and "
             "their shapes cannot tell which. If each is one example, stack them before the "

@@ -747,11 +747,12 @@ class Tracker(TorchFunctionMode):
         ]  # fmt: skip
         if not laid:
             return
-        t, lay = laid[0]
         if name == "pad_sequence":
-            if lay.dim == 0:
+            t = next((u for u, lay in laid if lay.dim == 0), None)
+            if t is not None:
                 self.listed_joins.append(ListedJoin(name, len(ins), tuple(t.shape), True))
             return
+        t, lay = laid[0]
         listed = [
             u for u, _ in laid if (lin := self.lineage.get(u)) is not None and lin <= self.listed
         ]
