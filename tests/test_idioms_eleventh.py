@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 from torch import nn
+from torch.nn.utils.rnn import pack_sequence, pad_sequence
 from torch.utils.checkpoint import checkpoint
 
 import gradhooks
@@ -766,47 +767,212 @@ def test_actnorm_initialized_from_the_first_batch_inside_the_hooked_forward(flag
 
 class _Stacker(nn.Module):
     """A token tagger given its batch as a list of examples, ``[tokens, features]`` each,
-    stacked in its forward (a ``collate_fn`` that returns the list as it is)."""
+    joined in its forward (a ``collate_fn`` that returns the list as it is): stacked, each
+    given a dimension of one and concatenated, or each run through the layers and the results
+    stacked. A tensor (the examples already stacked) is taken as it is."""
+
+    def __init__(self, join: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.join = join
+
+    def layers(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+    def forward(self, examples):
+        if isinstance(examples, torch.Tensor):
+            return self.layers(examples)
+        if self.join == "stack":
+            return self.layers(torch.stack(list(examples)))
+        if self.join == "cat":
+            return self.layers(torch.cat([e[None] for e in examples]))
+        return torch.stack([self.layers(e) for e in examples])
+
+
+def _tagging(out, target):
+    return F.cross_entropy(out.reshape(-1, 2), target.reshape(-1))
+
+
+@pytest.mark.parametrize("join", ["stack", "cat", "each"])
+def test_a_batch_given_as_a_list_of_examples_joined_in_the_forward(join):
+    """Five sequences of 4 tokens each, in a list: the batch is taken from dimension 0 of the
+    first (its 4 tokens), and the join puts the list's index in front of it. Before, every
+    grad1 had a row per token position, summed over the examples, with no error; the forward
+    is now refused, naming the model and the join, and leaves no grad1. The same handle then
+    gives the examples stacked before the call the float64 loop's grad1 (one row per
+    sequence)."""
+    model = _Stacker(join).to(D)
+    examples = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=D)
+                for i in range(5)]  # fmt: skip
+    y = torch.randint(2, (5, 4), generator=torch.Generator().manual_seed(9))
+    batch = torch.stack(examples)
+    want = loop_grad(model, _tagging, batch, y)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'_Stacker'.*torch\.(stack|cat)"):
+            model(examples)
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        _tagging(model(batch), y).backward()
+        assert_grad1(model, want, "the examples stacked before the call")
+
+
+class _Padder(nn.Module):
+    """A tagger given a list of sequences of different lengths, ``[length, features]`` each,
+    padded in its forward by ``pad_sequence`` (``batch_first`` or time-first, turned to
+    batch-first), or packed by ``pack_sequence`` after each is run through a Linear on its own
+    and given to an LSTM (the common form of this idiom). A tensor (padded before the call) is
+    taken as it is."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.rnn = nn.LSTM(4, 4, batch_first=True) if how == "packed" else None
+        self.how = how
+
+    def forward(self, seqs):
+        if isinstance(seqs, torch.Tensor):
+            return self.b(torch.tanh(self.a(seqs)))
+        if self.how == "batch_first":
+            x = pad_sequence(list(seqs), batch_first=True)
+        elif self.how == "time_first":
+            x = pad_sequence(list(seqs)).transpose(0, 1)
+        else:
+            packed = pack_sequence([self.a(s) for s in seqs], enforce_sorted=False)
+            return self.b(self.rnn(packed)[1][0][-1])
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("lengths", [(4, 4, 4, 4, 4), (4, 2, 3, 4, 1), (5, 2, 3, 4, 1)])
+@pytest.mark.parametrize("how", ["batch_first", "time_first", "packed"])
+def test_a_list_of_sequences_padded_in_the_forward(how, lengths):
+    """A list of 5 sequences padded (or packed) inside the forward: the batch is taken from the
+    first sequence's length. Before, a first sequence as long as the list and shorter others
+    gave grad1 rows that were no example's, with no error (all as long as the list: right by
+    that coincidence); other lengths an error that pointed to batch_dim, where no batch_dim
+    helps. Now refused at the forward whatever the lengths, naming the model and
+    pad_sequence, with no grad1 left; the sequences padded before the call (one length) then
+    give the float64 loop's grad1."""
+    model = _Padder(how).to(D)
+    seqs = [torch.randn(n, 3, generator=torch.Generator().manual_seed(i), dtype=D)
+            for i, n in enumerate(lengths)]  # fmt: skip
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.UnsupportedInputError, match=r"'_Padder'.*pad_sequence"):
+            model(seqs)
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+        if how == "packed":
+            return
+        batch = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(7), dtype=D)
+        y = torch.randint(2, (5, 4), generator=torch.Generator().manual_seed(9))
+        want = loop_grad(model, _tagging, batch, y)
+        _tagging(model(batch), y).backward()
+        assert_grad1(model, want, "the sequences padded before the call")
+
+
+class _Views(nn.Module):
+    """An encoder given several views of each example of one batch (augmentations, crops),
+    each ``[batch, features]``, in a list: run on them concatenated along the batch (SimCLR's
+    and DINO's ``torch.cat(views)``), stacked behind the batch (``torch.stack(views, 1)``),
+    each on its own (its outputs a tuple, or stacked behind the batch), stacked in front of
+    the batch (``torch.stack(views)``), or on their sum over a last dimension they are stacked
+    along. A tensor ``[batch, views, features]`` is taken as its views (the loop's input)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+        self.how = how
+
+    def forward(self, views):
+        if isinstance(views, torch.Tensor):
+            views = list(views.unbind(1))
+        if self.how == "cat":
+            return self.enc(torch.cat(views))
+        if self.how == "stack_behind":
+            return self.enc(torch.stack(views, 1))
+        if self.how == "each":
+            return tuple(self.enc(v) for v in views)
+        if self.how == "each_stacked_behind":
+            return torch.stack([self.enc(v) for v in views], 1)
+        if self.how == "stack_last":
+            return self.enc(torch.stack(views, -1).sum(-1))
+        return self.enc(torch.stack(views))
+
+
+def _energy_of_all(out):
+    return sum(0.5 * o.square().sum() for o in (out if isinstance(out, tuple) else (out,)))
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+@pytest.mark.parametrize(
+    "how", ["cat", "stack_behind", "each", "each_stacked_behind", "stack_last"]
+)
+@pytest.mark.parametrize("box", [list, tuple])
+def test_a_list_of_views_of_one_batch(box, how, batch):
+    """Three views of each of the batch's examples in a list (or a tuple), each ``[batch,
+    features]``, as self-supervised methods give them: joined along the batch or behind it, or
+    run one by one, grad1 is the float64 loop's over the examples (each example's views
+    together), for a batch of one too."""
+    model = _Views(how).to(D)
+    x = torch.randn(batch, 3, 3, generator=torch.Generator().manual_seed(1), dtype=D)
+    want = loop_grad(model, _energy_of_all, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        _energy_of_all(model(box(x.unbind(1)))).backward()
+    assert_grad1(model, want, f"{how}, {box.__name__}")
+
+
+def test_a_list_of_views_stacked_in_front_of_the_batch():
+    """``torch.stack(views)`` (``[views, batch, features]``) looks as a list of examples
+    stacked does: refused under the default batch_dim; with ``batch_dim=0`` said, grad1 is the
+    float64 loop's."""
+    model = _Views("stack_front").to(D)
+    x = torch.randn(4, 3, 3, generator=torch.Generator().manual_seed(1), dtype=D)
+    want = loop_grad(model, _energy_of_all, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.BatchNotFoundError, match="batch_dim=0"):
+            model(list(x.unbind(1)))
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=0):
+        _energy_of_all(model(list(x.unbind(1)))).backward()
+    assert_grad1(model, want, "batch_dim=0")
+
+
+class _Pair(nn.Module):
+    """A siamese encoder given two inputs as arguments (``model(a, b)``), its two embeddings
+    stacked in front of the batch, or a list of feature maps of other sizes
+    (``[batch, positions, features]`` each, an FPN's levels) pooled and added."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.enc = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
 
-    def forward(self, examples: list):
-        return self.b(torch.tanh(self.a(torch.stack(list(examples)))))
+    def forward(self, a, b=None):
+        if b is not None:
+            return torch.stack([self.enc(a), self.enc(b)])
+        return sum(self.enc(level).sum(1) for level in a)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gradhooks takes the batch from dimension 0 of the model's first tensor input: in "
-    "a list of examples, the first example's tokens, so every example is followed as a batch "
-    "of 4 and grad1 has a row per token position, summed over the examples, with no error. A "
-    "list of examples cannot be told from a list of batched inputs (two views of one batch) "
-    "by their shapes, and batch_dim cannot say 'the list's index'",
-)
-def test_a_batch_given_as_a_list_of_examples_stacked_in_the_forward():
-    """Five sequences of 4 tokens each, in a list: grad1 should have 5 rows (the float64
-    loop's, one per sequence), or the backward be refused."""
-    model = _Stacker().to(D)
-    examples = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=D)
-                for i in range(5)]  # fmt: skip
-    y = torch.randint(2, (5, 4), generator=torch.Generator().manual_seed(9))
-
-    def tagging(out, target):
-        return F.cross_entropy(out.reshape(-1, 2), target.reshape(-1))
-
+def test_siamese_inputs_and_a_list_of_feature_maps():
+    """``model(a, b)`` stacked in front of the batch, and a list of feature maps: grad1 is the
+    float64 loop's (the arguments are no list)."""
+    model = _Pair().to(D)
+    a, b = (torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=D) for i in (1, 2))
+    want = loop_grad(model, _energy_of_all, (a, b))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        _energy_of_all(model(a, b)).backward()
+    assert_grad1(model, want, "siamese")
+    levels = [torch.randn(4, n, 3, generator=torch.Generator().manual_seed(n), dtype=D)
+              for n in (7, 5)]  # fmt: skip
     rows = []
-    for e, t in zip(examples, y, strict=True):
-        rows.append(loop_grad(model, tagging, e[None], t[None]))  # (a list of one)
-    want = {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
-    with gradhooks.add_hooks(model):
-        try:
-            tagging(model(examples), y).backward()
-        except gradhooks.GradhooksError:
-            return
-    assert_grad1(model, want, "a list of examples")
+    for i in range(4):  # (the loop by hand: loop_grad takes the batch from a first tensor)
+        model.zero_grad()
+        _energy_of_all(model([level[i : i + 1] for level in levels])).backward()
+        rows.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    want = {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        _energy_of_all(model(levels)).backward()
+    assert_grad1(model, want, "feature maps")
 
 
 # -- a cosine or distance classifier over learned prototypes ----------------------------------

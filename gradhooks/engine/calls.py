@@ -315,6 +315,33 @@ def root_batch(
     return batch, found
 
 
+def listed_with(first: Tensor, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors held with ``first`` in one list or tuple among the model's arguments
+    (``model([x1, x2])``, ``model(batch)`` with ``batch`` a list), ``first`` included; none
+    where it is an argument itself (``model(a, b)``) or a field of a named record."""
+
+    def find(tree: Any) -> list[Tensor] | None:
+        if type(tree) in (list, tuple):
+            if any(x is first for x in tree):
+                return [x for x in tree if isinstance(x, Tensor)]
+            children = tree
+        elif type(tree) is dict:
+            children = tree.values()
+        else:
+            return None
+        for x in children:
+            found = find(x)
+            if found is not None:
+                return found
+        return None
+
+    for a in (*args, *kwargs.values()):
+        found = find(a)
+        if found is not None:
+            return found
+    return []
+
+
 class Rows(NamedTuple):
     """Where a forward's examples lie in the memory its first batched input shares
     (:func:`rows_in_memory`)."""

@@ -45,6 +45,7 @@ from .calls import (
     carry_layouts,
     input_tensors,
     keeps_rows,
+    listed_with,
     own_node,
     release_spent,
     root_batch,
@@ -613,6 +614,8 @@ class ForwardCapture:
                 tracker.add_candidate(t, lay)
             else:
                 tracker.set_layout(t, lay)
+        if self.state.batch_dim == "auto" and layouts[0][1] is not PACKED:
+            tracker.note_listed(listed_with(layouts[0][0], args, kwargs))
         frame.roots = input_tensors(args, kwargs)
         if layouts[0][1] is not PACKED:
             frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
@@ -633,6 +636,7 @@ class ForwardCapture:
         self.stop_tracker(frame)
         frame.roots = []  # (read while the forward runs; kept, they would hold its inputs' graph)
         if tracker is not None and sys.exc_info()[1] is None:
+            self.verifier.check_listed(module, tracker)
             self.verifier.check_output(module, tracker, output)
         if frame.signature:
             sig = tuple(frame.signature)

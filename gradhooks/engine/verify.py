@@ -37,6 +37,7 @@ from ..errors import (
     ConfigurationTypeError,
     MixedExamplesError,
     StateError,
+    UnsupportedInputError,
 )
 from ..oracle import loop_grad
 from ..rules.registry import Call
@@ -523,6 +524,40 @@ class Verifier:
             self.state.rerunning -= 1
             self.state.probing = False
             self.state.mode = mode
+
+    def check_listed(self, module: nn.Module, tracker: Tracker) -> None:
+        """Refuses a forward that joined the tensors of a list as the examples, one each, where
+        the batch was taken from a dimension of one of them (:attr:`Tracker.listed_joins`):
+        every grad1 would have a row per entry of that dimension, summed over the list."""
+        if not tracker.listed_joins:
+            return
+        join = tracker.listed_joins[0]
+        where = f"'{type(module).__qualname__}' (the model)"
+        if join.padded:
+            raise UnsupportedInputError(
+                f"{where}: its forward pads {join.count} sequences with pad_sequence, and "
+                f"gradhooks took the examples from dimension 0 of one of them ({join.shape}), "
+                "its length: the model was given a list of sequences, one per example, and "
+                "gradhooks takes the examples from a dimension of a tensor, so every grad1 "
+                "would have a row per time step. Pad the sequences before the call (a "
+                "DataLoader's collate_fn: pad_sequence(batch, batch_first=True), with their "
+                "lengths or a mask) and give the model the padded batch, or compute the "
+                "gradients one sequence at a time (gradhooks.oracle.loop_grad)."
+            )
+        raise BatchNotFoundError(
+            f"{where} was given its first input in a list (or tuple) with other tensors of "
+            f"its size, and its forward joins {join.count} tensors of shape {join.shape} (the "
+            f"list's, or computed from each alone) with torch.{join.op} along a dimension in "
+            "front of the one gradhooks takes the examples from by default (dimension 0 of "
+            f"the first input, {tracker.batch} entries). Were each tensor of the list one "
+            "example, every grad1 "
+            "would have a row per entry of that dimension, summed over the list; were each a "
+            "batch of the same examples (two views of one batch), it would be right, and "
+            "their shapes cannot tell which. If each is one example, stack them before the "
+            "call (as a DataLoader's default collate_fn does) and give the model the batch; "
+            "if each holds the same examples on its dimension 0, say so with "
+            "add_hooks(model, batch_dim=0)."
+        )
 
     def check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what

@@ -57,7 +57,7 @@ from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
-from .ops.common import carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
+from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
@@ -173,6 +173,11 @@ class Tracker(TorchFunctionMode):
         # examples (float(h.abs().max()), .item()), with the operation that read each: an
         # operation given one back as an argument mixes the examples (see _read_back)
         self.read: dict[float, str] = {}
+        # the ids of the candidates held with the model's first input in one list or tuple,
+        # where the engine takes the batch from dimension 0 of the first by its guess (see
+        # note_listed), and the joins of the forward that treated them as the examples
+        self.listed: set[int] = set()
+        self.listed_joins: list[ListedJoin] = []
         self.off = 0
 
     # -- what the engine asks ---------------------------------------------------------------------
@@ -198,6 +203,14 @@ class Tracker(TorchFunctionMode):
         self.set_layout(t, layout)
         self.candidates[t] = True
         self.lineage[t] = frozenset({id(t)})
+
+    def note_listed(self, tensors: Sequence[Tensor]) -> None:
+        """``tensors``: the model's inputs held with its first in one list or tuple, the batch
+        taken from dimension 0 of the first by the default guess. Where the list's index is
+        put beside that dimension by a join (:meth:`_listed_join`), its tensors may each be
+        one example as well as each a batch of the same examples (two views of one batch):
+        the join is kept in :attr:`listed_joins` for the engine to refuse."""
+        self.listed = {id(t) for t in tensors if t in self.candidates}
 
     def note_call(self, inputs: list, outputs: list, shared: Callable[[list], list]) -> None:
         """A hooked call whose examples are where its rule reads them: where its inputs with
@@ -552,6 +565,8 @@ class Tracker(TorchFunctionMode):
             return  # (a new tensor: its values do not depend on the examples)
         if ins is None:
             ins = tensor_args(args, kwargs)
+        if name in _LIST_JOINS and (self.listed or name == "pad_sequence"):
+            self._listed_join(name, args, kwargs, outs[0], ins)
         unselected = where_unselected(name, args, self.layouts) if name == "where" else _NONE
         if self.coupled.entries and name in PRODUCTS:
             unselected = unselected | self._all_ones(name, ins)
@@ -716,6 +731,37 @@ class Tracker(TorchFunctionMode):
                 self.lineage[o] = every
                 if would:
                     self.would[o] = would
+
+    def _listed_join(self, name: str, args, kwargs, out: Tensor, ins: list) -> None:
+        """Keep in :attr:`listed_joins` a join that takes its tensors as the examples, one
+        each, where the batch was taken from a dimension of one of them: ``pad_sequence`` of
+        sequences whose dimension 0, their length, holds it (each sequence is an example:
+        the batch is their list); ``stack`` (or ``cat``) of the model's inputs held with its
+        first in one list, or of what was computed from each of them alone, along a dimension
+        in front of the batch's (``torch.stack(examples)``, ``torch.cat([e[None] for e in
+        examples])``). A stack behind it (``torch.stack(views, 1)``) or a cat along it
+        (``torch.cat(views)``: the views of one batch) is taken as a list of batches."""
+        laid = [
+            (t, lay) for t in ins
+            if is_followed(lay := self._layout_of(t)) and lay.owners is None
+        ]  # fmt: skip
+        if not laid:
+            return
+        if name == "pad_sequence":
+            t = next((u for u, lay in laid if lay.dim == 0), None)
+            if t is not None:
+                self.listed_joins.append(ListedJoin(name, len(ins), tuple(t.shape), True))
+            return
+        t, lay = laid[0]
+        listed = [
+            u for u, _ in laid if (lin := self.lineage.get(u)) is not None and lin <= self.listed
+        ]
+        if len(ins) < 2 or not listed:
+            return
+        d = norm_dim(int(arg(args, kwargs, 1, "dim", kwargs.get("axis", 0))), out.dim())
+        in_front = d <= lay.dim if name == "stack" else d < lay.dim  # (of the batch's, in out)
+        if in_front:
+            self.listed_joins.append(ListedJoin(name, len(ins), tuple(t.shape), False))
 
     def _all_ones(self, name: str, ins: list) -> set[int]:
         """The ids of the operands of a product that are a mask computed across the examples
@@ -1160,6 +1206,17 @@ class _Positions:
     lineage: frozenset[int]
 
 
+@dataclass(frozen=True)
+class ListedJoin:
+    """A join of the forward that took its tensors as the examples, one each, where the batch
+    was taken from a dimension of one of them (:meth:`Tracker._listed_join`)."""
+
+    op: str  # the torch function: stack, cat, pad_sequence
+    count: int  # the tensors it joined
+    shape: tuple[int, ...]  # the shape of the first of them with the examples
+    padded: bool  # pad_sequence: its tensors are sequences along the batch's dimension
+
+
 @dataclass
 class _Pending:
     """A hooked call on tensors computed from candidates alone (:meth:`Tracker.note_call`)."""
@@ -1178,6 +1235,8 @@ _NO_SOURCES: frozenset = frozenset()
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})
+# the joins that may take their tensors as the examples, one each (see Tracker._listed_join)
+_LIST_JOINS = frozenset({"stack", "cat", "concat", "concatenate", "pad_sequence"})
 # what keeps every entry of an index of positions, and only those (see Tracker._positions)
 _RESHAPES_POSITIONS = frozenset(
     """view reshape flatten ravel squeeze unsqueeze contiguous clone detach expand expand_as
