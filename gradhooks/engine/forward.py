@@ -278,19 +278,23 @@ class ForwardCapture:
                 call = with_fields(call, buffers=found.found, buffers_left=found.left)
 
             # what the call's nodes hold is read only where they stand as the forward ran them
-            # (not under saved-tensor hooks: reading what a node saved would rerun the call)
-            readable = (
-                (target.entry.taps is not None or target.entry.saved is not None)
-                and keeps_rows(layout)
-                and not _torch.saved_tensor_hooks_active()
-            )
+            # (taps not under saved-tensor hooks: reading what a node saved would rerun the
+            # call; a rule's ``saved`` function, which may read the module's state instead,
+            # looks for them itself)
+            rows_kept = (
+                target.entry.taps is not None or target.entry.saved is not None
+            ) and keeps_rows(layout)
             taps = None
-            if target.entry.taps is not None and readable:
+            if (
+                target.entry.taps is not None
+                and rows_kept
+                and not _torch.saved_tensor_hooks_active()
+            ):
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
                 call = with_fields(call, taps=_without_nodes(taps))
-            if target.entry.saved is not None and readable:
+            if target.entry.saved is not None and rows_kept:
                 call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
 
             # (counts the nodes and never holds them: see _without_nodes)

@@ -221,9 +221,12 @@ class Registry:
     With no ``nodes``, the rule runs as usual, with ``call.taps`` only.
     ``saved``: ``saved(module, args, kwargs, output)``, asked after a captured forward call:
     what the call's own autograd nodes saved for their backward that the rule would otherwise
-    recompute (a LayerNorm's mean and 1/std), or ``None``; the rule reads it as
-    ``call.saved``. Not asked where saved-tensor hooks are on (reading it would run the
-    forward again) or where the rule gets the call in another layout than it ran in.
+    recompute (a LayerNorm's mean and 1/std), or the state of the module the call ran with (a
+    batch norm's running statistics, which ``torch.func.functional_call`` may have replaced
+    for the call), or ``None``; the rule reads it as ``call.saved``. Not asked where the rule
+    gets the call in another layout than it ran in. Asked under saved-tensor hooks too, where
+    reading what a node saved would run the forward again: a function that reads nodes
+    returns ``None`` where :func:`gradhooks._torch.saved_tensor_hooks_active`.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -269,8 +272,9 @@ class Registry:
         - ``on_forward``: ``check(module, name)``, called at each forward call; raise there to
           refuse the call (BatchNorm in train mode does).
         - ``saved``: ``read(module, args, kwargs, output)`` returns what the call's own nodes
-          saved for their backward (a norm's mean and 1/std), read in ``call.saved``
-          (``None`` where saved-tensor hooks are on).
+          saved for their backward (a norm's mean and 1/std) or the module's state it ran
+          with (a batch norm's running statistics), read in ``call.saved`` (a ``read`` of
+          nodes returns ``None`` where saved-tensor hooks are on).
         - ``taps``: ``find(module, args, kwargs, output)`` returns an object whose ``nodes``
           are autograd nodes inside the call; the rule runs once the backward has reached
           them and reads their output-gradients in ``call.tap_grads``.
