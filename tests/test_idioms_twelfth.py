@@ -62,6 +62,119 @@ def assert_within(model: nn.Module, want: dict, rel: float, what: str) -> None:
         assert err < rel, f"{what} {n}: {err:.2e} of the largest entry"
 
 
+# -- bfloat16 autocast entered otherwise, and a model of mixed dtypes --------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _DecoratedNet(_Net):
+    """``torch.autocast`` as a decorator on ``forward``, as its docstring shows
+    (pytorch/pytorch, ``torch/amp/autocast_mode.py``)."""
+
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def forward(self, x):
+        return super().forward(x)
+
+
+@contextlib.contextmanager
+def _autocast_by_hand():
+    """Autocast switched on and off with ``torch.set_autocast_enabled`` and
+    ``torch.set_autocast_dtype`` (what ``torch.autocast.__enter__`` does, written out by a loop
+    that keeps one switch for the whole run), its cache cleared on the way out."""
+    enabled, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cpu", enabled)
+        torch.set_autocast_dtype("cpu", dtype)
+        torch.clear_autocast_cache()
+
+
+_AUTOCAST = {
+    "decorator": contextlib.nullcontext,
+    "set_autocast": _autocast_by_hand,
+    "uncached": lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_AUTOCAST))
+def test_bfloat16_autocast_as_a_decorator_set_by_hand_or_without_its_cache(how):
+    """bfloat16 autocast entered three ways the earlier sets do not: as a decorator on
+    ``forward``, by ``torch.set_autocast_enabled`` / ``set_autocast_dtype``, and as a context
+    without its weight cache (``cache_enabled=False``: every Linear casts its weight afresh).
+    The output is bfloat16; ``grad1`` (float32, the parameters' dtype) and the norms are
+    within bfloat16's rounding of the float64 loop of the same model without autocast, at
+    every step of SGD."""
+    torch.manual_seed(0)
+    model = _DecoratedNet() if how == "decorator" else _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(STEPS):
+            x, y = batch(step, dtype=torch.float32)
+            reference = _Net().to(D)
+            reference.load_state_dict(model.state_dict())
+            want = loop_grad(reference, F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            with _AUTOCAST[how]():
+                out = model(x)
+            assert out.dtype == torch.bfloat16
+            F.cross_entropy(out.float(), y).backward()
+            assert model.a.weight.grad1.dtype == torch.float32
+            assert_within(model, want, 5e-2, f"{how}, step {step}")
+            torch.testing.assert_close(hooks.norms().to(D), norms_of(want), rtol=5e-2, atol=0)
+            opt.step()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class _HalfHead(nn.Module):
+    """A float32 trunk and a head cast to bfloat16 on its own (``model.head.to(bfloat16)``),
+    its input cast to the head's dtype in ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.LayerNorm(8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.trunk(x.to(self.trunk[0].weight.dtype))
+        return self.head(h.to(self.head.weight.dtype)).float()
+
+
+def test_one_submodule_cast_to_bfloat16_the_rest_in_float32():
+    """Parameters of two dtypes in one model, no autocast: each ``grad1`` has its
+    parameter's dtype (the head's bfloat16, the trunk's float32); every one is within
+    bfloat16's rounding of the float64 loop (the trunk's output-gradients come back through the
+    bfloat16 head), the trunk's reduces to its float32 ``.grad`` within float32's rounding, and
+    the norms follow the loop, over AdamW steps."""
+    model = _HalfHead()
+    model.head.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(STEPS):
+            x, y = batch(step, dtype=torch.float32)
+            want = loop_grad(copy.deepcopy(model).to(D), F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == p.dtype, n
+            for n, p in model.trunk.named_parameters(prefix="trunk"):
+                torch.testing.assert_close(p.grad1.mean(0), p.grad, msg=n)
+            assert_within(model, want, 5e-2, f"step {step}")
+            torch.testing.assert_close(hooks.norms().to(D), norms_of(want), rtol=5e-2, atol=0)
+            opt.step()
+
+
 # -- functional_call with a batch norm's running statistics replaced ---------------------------
 
 
@@ -121,3 +234,300 @@ def test_functional_call_with_the_norms_running_statistics_replaced_at_each_step
             opt.step()
     for n, b in model.named_buffers():
         assert torch.equal(b, own[n]), n
+
+
+def _perturbed(model: nn.Module, step: int) -> dict:
+    """Other leaf tensors in place of each of ``model``'s parameters (an ensemble member's,
+    fast weights of a first-order meta-learner), which get the ``grad1``."""
+    g = torch.Generator().manual_seed(200 + step)
+    return {
+        n: (p.detach() + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)).requires_grad_()
+        for n, p in model.named_parameters()
+    }
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.layer(self.a(x)).mean(1))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.CheckFailedError,
+    reason="the Transformer layer's rule runs the layer's forward again at the backward with "
+    "the module's own parameters, not the tensors functional_call handed the call: the guard "
+    "refuses the grad1 it gives (without it, it would be wrong). A fix reruns the layer with "
+    "the call's tensors, kept at its forward.",
+)
+def test_functional_call_with_other_tensors_through_a_transformer_layer():
+    """``functional_call(model, other, (x,))`` with leaf tensors in place of every parameter,
+    through an ``nn.TransformerEncoderLayer``: each tensor's grad1 is the float64 loop's of the
+    model loaded with them (as it is for the Linear layers and ``nn.MultiheadAttention``)."""
+    model = _Encoder().to(D)
+    with gradhooks.add_hooks(model) as hooks:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 5, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            other = _perturbed(model, step)
+            reference = copy.deepcopy(model)
+            reference.load_state_dict({n: t.detach() for n, t in other.items()})
+            want = loop_grad(reference, F.cross_entropy, x, y)
+            F.cross_entropy(torch.func.functional_call(model, other, (x,)), y).backward()
+            for n, t in other.items():
+                torch.testing.assert_close(t.grad1, want[n], msg=n)
+            hooks.clear()
+
+
+class _Tied(nn.Module):
+    """A language model's head tied to its embedding (``head.weight = emb.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.emb(tokens)).mean(1))
+
+
+def test_functional_call_with_tie_weights_false_replaces_one_use_of_a_tied_weight():
+    """``functional_call(model, {"emb.weight": w}, (t,), tie_weights=False)``: the embedding
+    looks its rows up in ``w`` while the head keeps the model's own (tied) weight. Each gets
+    the grad1 of its own use: ``w`` the embedding's, the model's weight the head's, each the
+    float64 loop's of the untied model; the next step after ``zero_grad`` starts afresh."""
+    model = _Tied().to(D)
+    untied = nn.ModuleDict({"emb": nn.Embedding(7, 4), "head": nn.Linear(4, 7, bias=False)})
+    untied = untied.to(D)
+    untied.forward = lambda tokens: untied.head(torch.tanh(untied.emb(tokens)).mean(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            tokens, y = torch.randint(7, (4, 3), generator=g), torch.randint(7, (4,), generator=g)
+            w = (model.emb.weight.detach() + 0.1).requires_grad_()
+            with torch.no_grad():
+                untied.emb.weight.copy_(w)
+                untied.head.weight.copy_(model.head.weight)
+            want = loop_grad(untied, F.cross_entropy, tokens, y)
+            opt.zero_grad()
+            out = torch.func.functional_call(model, {"emb.weight": w}, (tokens,), tie_weights=False)
+            F.cross_entropy(out, y).backward()
+            torch.testing.assert_close(w.grad1, want["emb.weight"])
+            torch.testing.assert_close(model.emb.weight.grad1, want["head.weight"])
+            opt.step()
+
+
+# -- the loop's habits --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [7, 5], ids=["other_size", "same_size"])
+def test_a_forward_never_backpropagated_before_the_steps_own(size):
+    """An evaluation forward written without ``torch.no_grad()`` (its output kept for logging
+    while the step runs), of a batch of another size or of the same size, then the step's own
+    forward and backward: grad1 and the norms are the step's examples' alone (the float64
+    loop's), and the graph the first forward left is never backpropagated."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            logged = model(batch(100 + step, n=size)[0])  # requires grad; never backpropagated
+            F.cross_entropy(model(x), y).backward()
+            assert logged.requires_grad
+            assert_grad1(model, want, f"step {step}")
+            torch.testing.assert_close(hooks.norms(), norms_of(want))
+            opt.step()
+
+
+def test_backward_twice_without_retain_graph_is_torchs_error_and_leaves_grad1():
+    """``loss.backward()`` a second time on a graph whose first backward freed it: autograd
+    refuses it (its RuntimeError, raised at the loss's own node, before any hooked layer), and
+    ``grad1`` and ``.grad`` stay as the first backward left them, the float64 loop's; the next
+    steps run as usual."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                loss.backward()
+            assert_grad1(model, want, f"step {step}")
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad, grads[n]), n
+            opt.step()
+
+
+def test_micro_batches_of_unequal_sizes_read_and_cleared_one_by_one():
+    """A logical batch of 10 split into micro-batches of 4, 4 and 2 (the last one partial),
+    each loss summed and divided by the logical batch's size, ``loss_reduction="sum"``:
+    ``grad1`` and the norms are read after each micro-batch's backward and ``hooks.clear()``
+    starts ``grad1`` afresh (``.grad`` goes on adding), so the sizes may differ. The rows put
+    together are the float64 loop's over the whole batch (divided by 10), and their mean is
+    ``.grad``."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0, n=10)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms"), loss_reduction="sum") as hooks:
+        for step in range(STEPS):
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            rows, norms = {n: [] for n in want}, []
+            for xb, yb in zip(x.split(4), y.split(4)):
+                (F.cross_entropy(model(xb), yb, reduction="sum") / len(x)).backward()
+                for n, p in model.named_parameters():
+                    rows[n].append(p.grad1)
+                norms.append(hooks.norms())
+                hooks.clear()
+            for n, p in model.named_parameters():
+                got = torch.cat(rows[n])
+                torch.testing.assert_close(got, want[n] / len(x), msg=n)
+                torch.testing.assert_close(got.sum(0), p.grad, msg=n)
+            torch.testing.assert_close(torch.cat(norms), norms_of(want) / len(x))
+            opt.step()
+            x, y = batch(step + 1, n=10)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["copied", "bucket_view"])
+def test_ddp_in_one_process_accumulating_under_no_sync(bucket_view, tmp_path):
+    """A ``DistributedDataParallel`` model (one process, gloo), three micro-batches per step,
+    the first two under ``ddp.no_sync()`` and the last one synchronizing, ``loss / 3`` (what
+    ``Accelerator.accumulate`` enters: huggingface/accelerate, ``src/accelerate/accelerator.py``),
+    with and without ``gradient_as_bucket_view`` (DDP then makes each ``.grad`` a view of its
+    bucket): grad1 adds up over the micro-batches as ``.grad`` does, the mean of the float64
+    loop's of each, and ``grad1.mean(0)`` is ``.grad``."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, and no process group of another test's")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gradhooks.add_hooks(model):
+            ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+            for step in range(STEPS):
+                micro = [batch(10 * step + k) for k in range(3)]
+                each = [loop_grad(model, F.cross_entropy, xb, yb) for xb, yb in micro]
+                want = {n: sum(w[n] for w in each) / 3 for n in each[0]}
+                opt.zero_grad()
+                for k, (xb, yb) in enumerate(micro):
+                    with ddp.no_sync() if k < 2 else contextlib.nullcontext():
+                        (F.cross_entropy(ddp(xb), yb) / 3).backward()
+                assert_grad1(model, want, f"step {step}")
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(p.grad1.mean(0), p.grad, msg=n)
+                opt.step()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def test_a_universal_perturbation_that_requires_grad_updated_from_its_grad():
+    """Free adversarial training with one perturbation for every example (``delta``,
+    ``[1, features]``, ``requires_grad``, broadcast onto the batch): each minibatch replayed
+    twice, one backward giving both the parameters' gradients and ``delta.grad``, then
+    ``delta += eps * delta.grad.sign()``. grad1 and the norms are the float64 loop's at the
+    perturbed inputs, and ``delta.grad`` (no per-example gradient: not a parameter) is what
+    autograd gives an unhooked twin."""
+    model, twin = mlp(), mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    delta = torch.zeros(1, 3, dtype=D, requires_grad=True)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(2):
+            x, y = batch(step)
+            for replay in range(2):
+                want = loop_grad(model, F.cross_entropy, x + delta.detach(), y)
+                twin_delta = delta.detach().clone().requires_grad_()
+                for m, o, d in ((model, opt, delta), (twin, twin_opt, twin_delta)):
+                    o.zero_grad()
+                    d.grad = None
+                    F.cross_entropy(m(x + d), y).backward()
+                assert_grad1(model, want, f"step {step}, replay {replay}")
+                torch.testing.assert_close(hooks.norms(), norms_of(want))
+                torch.testing.assert_close(delta.grad, twin_delta.grad)
+                assert not hasattr(delta, "grad1")
+                opt.step()
+                twin_opt.step()
+                with torch.no_grad():
+                    delta += 0.1 * delta.grad.sign()
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+def test_batches_of_one_example_through_the_norms_and_the_dp_step(quantity):
+    """Batches of a single example at every step: ``grad1[0]`` is ``.grad``, the norm is that
+    of the float64 loop's row, and ``dp_sgd_step`` without noise writes ``min(1, C/‖g‖)·g``
+    (clipped at the second step, where the bound is below the norm), by ``grad1`` or by the
+    book-keeping of the norms."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as hooks:
+        for step in range(STEPS):
+            x, y = batch(step, n=1)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            norm = norms_of(want)
+            if quantity == "grad1":
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                assert_grad1(model, want, f"step {step}")
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(p.grad1[0], p.grad, msg=n)
+            bound = float(norm[0]) * (0.5 if step == 1 else 2.0)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            got = gradhooks.dp_sgd_step(hooks, losses, max_norm=bound, noise_multiplier=0.0)
+            torch.testing.assert_close(got, norm)
+            factor = min(1.0, bound / float(norm[0]))
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, factor * want[n][0], msg=n)
+            opt.step()
+
+
+# -- misuse ---------------------------------------------------------------------------------------
+
+
+def test_hooks_removed_in_the_middle_of_an_accumulation_and_added_again():
+    """Three micro-batches of one step: the first backward hooked, the hooks removed (the
+    second runs without them), then added again for the third. grad1 holds what the hooks
+    saw, the first and the third micro-batches' rows (the float64 loop's), while ``.grad``
+    holds all three; ``hooks.check()`` says so (a CheckFailedError: ``.grad`` holds a backward
+    that was not captured). After the next ``zero_grad`` the two agree again."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = [batch(k) for k in range(3)]
+    each = [loop_grad(model, F.cross_entropy, xb, yb) for xb, yb in micro]
+    hooks = gradhooks.add_hooks(model)
+    opt.zero_grad()
+    for k, (xb, yb) in enumerate(micro):
+        if k == 2:
+            hooks = gradhooks.add_hooks(model)
+        (F.cross_entropy(model(xb), yb) / 3).backward()
+        if k == 0:
+            hooks.remove()
+    assert_grad1(model, {n: (each[0][n] + each[2][n]) / 3 for n in each[0]}, "hooked two")
+    with pytest.raises(gradhooks.CheckFailedError, match="not captured"):
+        hooks.check()
+    opt.step()
+    opt.zero_grad()
+    x, y = batch(5)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "the next step")
+    hooks.check()
+    hooks.remove()
