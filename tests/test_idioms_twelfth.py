@@ -5,8 +5,10 @@ step), an idiom the earlier sets do not run: bfloat16 autocast entered as a deco
 ``forward``, switched on by ``torch.set_autocast_enabled`` / ``set_autocast_dtype`` by hand, or
 without its weight cache (``cache_enabled=False``); one submodule cast to bfloat16 while the rest
 stays in float32; ``torch.func.functional_call`` with a batch norm's running statistics
-replaced at every step (``strict=True``; also under ``save_on_cpu``) and with
-``tie_weights=False`` splitting a tied weight; a forward whose output is never backpropagated
+replaced at every step (``strict=True``; also under ``save_on_cpu``), with other tensors in
+place of the parameters of layers whose rules recompute the call (a Transformer layer, an LSTM,
+a GRU, a GRU cell, a cross-attention), and with ``tie_weights=False`` splitting a tied weight;
+a forward whose output is never backpropagated
 before the step's own; micro-batches of unequal sizes read and cleared one by one; a
 ``DistributedDataParallel`` model in one process accumulating under ``no_sync()``; an input
 that requires grad (a universal adversarial perturbation updated from its ``.grad``); batches
@@ -246,43 +248,65 @@ def _perturbed(model: nn.Module, step: int) -> dict:
     }
 
 
-class _Encoder(nn.Module):
-    def __init__(self) -> None:
+class _Recomputed(nn.Module):
+    """A Linear at each of 5 positions, then a layer whose rule reads its parameters' values
+    at the backward (it recomputes the call: a Transformer layer's parts, an LSTM's or GRU's
+    recurrence, a GRU cell's gates, a cross-attention), a mean over the positions, a Linear."""
+
+    def __init__(self, kind: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a = nn.Linear(3, 8)
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        self.b = nn.Linear(8, 2)
+        self.kind, self.a, self.b = kind, nn.Linear(3, 8), nn.Linear(8, 2)
+        self.layer = {
+            "transformer": lambda: nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True),
+            "lstm": lambda: nn.LSTM(8, 8, batch_first=True),
+            "gru": lambda: nn.GRU(8, 8, batch_first=True),
+            "gru_cell": lambda: nn.GRUCell(8, 8),
+            "cross_attention": lambda: nn.MultiheadAttention(8, 2, batch_first=True),
+        }[kind]()
 
     def forward(self, x):
-        return self.b(self.layer(self.a(x)).mean(1))
+        h = self.a(x)
+        if self.kind == "transformer":
+            h = self.layer(h)
+        elif self.kind in ("lstm", "gru"):
+            h = self.layer(h)[0]
+        elif self.kind == "gru_cell":
+            h = self.layer(h[:, 1], torch.tanh(h[:, 0]))[:, None]
+        else:
+            h = self.layer(h, h.flip(1), h.flip(1), need_weights=False)[0]
+        return self.b(h.mean(1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.CheckFailedError,
-    reason="the Transformer layer's rule runs the layer's forward again at the backward with "
-    "the module's own parameters, not the tensors functional_call handed the call: the guard "
-    "refuses the grad1 it gives (without it, it would be wrong). A fix reruns the layer with "
-    "the call's tensors, kept at its forward.",
-)
-def test_functional_call_with_other_tensors_through_a_transformer_layer():
-    """``functional_call(model, other, (x,))`` with leaf tensors in place of every parameter,
-    through an ``nn.TransformerEncoderLayer``: each tensor's grad1 is the float64 loop's of the
-    model loaded with them (as it is for the Linear layers and ``nn.MultiheadAttention``)."""
-    model = _Encoder().to(D)
+@pytest.mark.parametrize("kind", ["transformer", "lstm", "gru", "gru_cell", "cross_attention"])
+def test_functional_call_with_other_tensors_through_a_layer_that_recomputes(kind):
+    """``functional_call(model, other, (x,))`` with leaf tensors in place of every parameter
+    (an ensemble member's, first-order fast weights), through a layer whose rule recomputes
+    the call: each tensor's grad1 is the float64 loop's of the model loaded with them, and its
+    ``.grad`` is what autograd gives without hooks. Before, those rules read the module's own
+    parameters at the backward (functional_call has put them back by then): the guard refused
+    the step (a CheckFailedError), and for the LSTM, whose rule also gives autograd the
+    gradients of the call (it runs without autograd), ``.grad`` itself was wrong, the input
+    Linear's too, with no error."""
+    model = _Recomputed(kind).to(D)
+    twin = copy.deepcopy(model)
     with gradhooks.add_hooks(model) as hooks:
         for step in range(2):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(4, 5, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
             other = _perturbed(model, step)
+            plain = {n: t.detach().clone().requires_grad_() for n, t in other.items()}
             reference = copy.deepcopy(model)
             reference.load_state_dict({n: t.detach() for n, t in other.items()})
             want = loop_grad(reference, F.cross_entropy, x, y)
             F.cross_entropy(torch.func.functional_call(model, other, (x,)), y).backward()
+            F.cross_entropy(torch.func.functional_call(twin, plain, (x,)), y).backward()
             for n, t in other.items():
                 torch.testing.assert_close(t.grad1, want[n], msg=n)
+                torch.testing.assert_close(t.grad, plain[n].grad, msg=n)
             hooks.clear()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert p.grad is None and not hasattr(p, "grad1") and torch.equal(p, q), n
 
 
 class _Tied(nn.Module):

@@ -404,6 +404,9 @@ class ForwardCapture:
             hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast else (),
+            # (a new dict where the parameters are planned again; FSDP2's sharded ones are
+            # not what the call ran with: the rule reads the module's)
+            params=None if self.state.sharded else target.params,
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs

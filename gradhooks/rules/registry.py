@@ -88,6 +88,11 @@ class Call:
     reproduce the output.
     ``autocast``: the ``torch.autocast`` the forward ran under, ``((device, dtype), ...)`` for
     each device it was on for (empty: none), for a rule that recomputes the call as it ran.
+    ``params``: the tensors the call ran with in the slots of the parameters the rule computes,
+    by their names relative to the module (``None``: not known, a call built by hand): the
+    module's own parameters, or the tensors ``torch.func.functional_call`` put in their place
+    for that call alone (back on the module by the backward). A rule that reads a
+    parameter's value reads :meth:`parameter`.
     """
 
     module: nn.Module
@@ -108,6 +113,16 @@ class Call:
     buffers: Mapping[str, Tensor] | None = None
     buffers_left: Mapping[str, Tensor] | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    params: Mapping[str, Tensor] | None = None
+
+    def parameter(self, name: str) -> Tensor | None:
+        """The tensor the call ran with for the module's parameter ``name`` (``"weight"``,
+        ``"out_proj.weight"``): the one in ``params``, else the module's own now."""
+        if self.params is not None and name in self.params:
+            return self.params[name]
+        owner, _, leaf = name.rpartition(".")
+        module = self.module.get_submodule(owner) if owner else self.module
+        return getattr(module, leaf)
 
     @property
     def grad_output(self) -> Tensor:
