@@ -4,20 +4,23 @@ Each test writes again, on a small model and over several steps (``zero_grad``, 
 step), an idiom the earlier sets do not run: bfloat16 autocast entered as a decorator on
 ``forward``, switched on by ``torch.set_autocast_enabled`` / ``set_autocast_dtype`` by hand, or
 without its weight cache (``cache_enabled=False``); one submodule cast to bfloat16 while the rest
-stays in float32; ``torch.func.functional_call`` with a batch norm's running statistics
+stays in float32; the norms and squared sums under a float16 ``GradScaler`` that grows,
+overflows and shrinks; ``torch.func.functional_call`` with a batch norm's running statistics
 replaced at every step (``strict=True``; also under ``save_on_cpu``), with other tensors in
 place of the parameters of layers whose rules recompute the call (a Transformer layer, an LSTM,
 a GRU, a GRU cell, a cross-attention), and with ``tie_weights=False`` splitting a tied weight;
-a forward whose output is never backpropagated
-before the step's own; micro-batches of unequal sizes read and cleared one by one; a
-``DistributedDataParallel`` model in one process accumulating under ``no_sync()``; an input
-that requires grad (a universal adversarial perturbation updated from its ``.grad``); batches
-of one example through the norms and the DP step. And misuse: ``backward()`` twice without
-``retain_graph``, hooks removed in the middle of an accumulation and added again.
+a forward whose output is never backpropagated before the step's own, and an evaluation
+forward between two micro-batches of an accumulation (with grad, under ``no_grad``, under
+``inference_mode``); a parametrization cached for the forward (``parametrize.cached()``);
+micro-batches of unequal sizes read and cleared one by one; a ``DistributedDataParallel``
+model in one process accumulating under ``no_sync()``; an input that requires grad (a
+universal adversarial perturbation updated from its ``.grad``); batches of one example
+through the norms and the DP step. And misuse: ``backward()`` twice without ``retain_graph``,
+hooks removed in the middle of an accumulation and added again.
 Each is compared with each example's own gradient by a per-example loop in float64
-(:func:`gradhooks.oracle.loop_grad`), within bfloat16's rounding where the model ran in it, or
-checked to stop with an error that says what went wrong and leaves the model as it was.
-"""
+(:func:`gradhooks.oracle.loop_grad`), within bfloat16's or float16's rounding where the model
+ran in it, or checked to stop with an error that says what went wrong and leaves the model as
+it was."""
 
 from __future__ import annotations
 
@@ -427,6 +430,75 @@ def test_micro_batches_of_unequal_sizes_read_and_cleared_one_by_one():
             x, y = batch(step + 1, n=10)
 
 
+_EVALUATION = {
+    "grad": torch.enable_grad,
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_EVALUATION))
+def test_an_evaluation_forward_between_two_micro_batches_of_an_accumulation(mode):
+    """An evaluation in the middle of a step's accumulation (a validation loss logged every
+    so many micro-batches): ``model.eval()``, a forward of a batch of another size (with grad
+    on and never backpropagated, under ``no_grad`` or under ``inference_mode``),
+    ``model.train()``, then the step's last micro-batch. grad1 is the three micro-batches'
+    sum, the mean of the float64 loop's of each, with no refusal of the evaluation batch's
+    other size; the norms are the last micro-batch's own."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(2):
+            micro = [batch(10 * step + k) for k in range(3)]
+            each = [loop_grad(model, F.cross_entropy, xb, yb) for xb, yb in micro]
+            opt.zero_grad()
+            for k, (xb, yb) in enumerate(micro):
+                (F.cross_entropy(model(xb), yb) / 3).backward()
+                if k == 1:
+                    model.eval()
+                    with _EVALUATION[mode]():
+                        logged = model(batch(100 + step, n=7)[0])
+                    model.train()
+            assert logged.requires_grad == (mode == "grad")
+            assert_grad1(model, {n: sum(w[n] for w in each) / 3 for n in each[0]}, f"step {step}")
+            torch.testing.assert_close(hooks.norms(), norms_of(each[2]) / 3)
+            opt.step()
+
+
+class _WeightNormed(nn.Module):
+    """A weight-normalized Linear (``parametrizations.weight_norm``) called twice per forward,
+    on the input and on its negation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 2)
+        nn.utils.parametrizations.weight_norm(self.a)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) + torch.tanh(self.a(-x)))
+
+
+def test_a_parametrization_cached_for_the_forward():
+    """``with torch.nn.utils.parametrize.cached(): out = model(x)``, the parametrizations'
+    documented way to compute a parametrized weight once per forward however often it is
+    used: the weight-normalized layer's two calls share one ``weight`` tensor, and grad1 of
+    ``original0`` (the norm) and ``original1`` (the direction) is the float64 loop's, which
+    runs without the cache, at every step of SGD."""
+    model = _WeightNormed().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            with torch.nn.utils.parametrize.cached():
+                out = model(x)
+            F.cross_entropy(out, y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["copied", "bucket_view"])
 def test_ddp_in_one_process_accumulating_under_no_sync(bucket_view, tmp_path):
     """A ``DistributedDataParallel`` model (one process, gloo), three micro-batches per step,
@@ -458,6 +530,49 @@ def test_ddp_in_one_process_accumulating_under_no_sync(bucket_view, tmp_path):
                 opt.step()
     finally:
         dist.destroy_process_group()
+
+
+def test_float16_grad_scaler_norms_and_squared_sums_are_of_the_scaled_loss():
+    """The PyTorch AMP recipe on the CPU (pytorch/tutorials,
+    ``recipes_source/recipes/amp_recipe.py``): float16 autocast, ``scaler.scale(loss)
+    .backward()``, ``unscale_``, ``clip_grad_norm_``, ``scaler.step``, ``scaler.update()``,
+    growing the scale at every step (``growth_interval=1``), with an overflow at the third
+    step (an input of 1e30). As ``grad1``, the norms and squared sums are those of the scaled
+    loss: ``norms / S`` and ``sum_grad_sq / S²`` (``S`` read before ``update``) are within
+    float16's rounding of the float64 loop's at every finite step; the overflow's norms are
+    not finite, the scaler skips that step (the parameters stay) and halves ``S``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as hooks:
+        for step in range(4):
+            x, y = batch(step, dtype=torch.float32)
+            if step == 2:
+                x = x * 1e30
+            want = loop_grad(copy.deepcopy(model).to(D), F.cross_entropy, x.to(D), y)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            norms, squares = hooks.norms(), hooks.sum_grad_sq()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            if step == 2:
+                assert not torch.isfinite(norms).all()
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+                assert scaler.get_scale() == scale / 2
+                continue
+            assert scaler.get_scale() == scale * 2
+            torch.testing.assert_close(norms.to(D) / scale, norms_of(want), rtol=1e-2, atol=0)
+            for n, sq in squares.items():
+                ref = want[n].square().sum(0)
+                err = (sq.to(D) / scale**2 - ref).abs().max() / ref.abs().max()
+                assert err < 2e-2, f"step {step} {n}: {err:.2e} of the largest entry"
 
 
 # -- inputs ---------------------------------------------------------------------------------------
