@@ -312,6 +312,51 @@ def test_functional_call_with_other_tensors_through_a_layer_that_recomputes(kind
         assert p.grad is None and not hasattr(p, "grad1") and torch.equal(p, q), n
 
 
+_FROZEN = {
+    "transformer": "layer.linear1.weight",
+    "lstm": "layer.weight_hh_l0",
+    "gru_cell": "layer.weight_hh",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_FROZEN))
+def test_functional_call_replacing_only_a_frozen_weight_of_a_layer_that_recomputes(kind):
+    """A frozen weight of the layer (a pretrained part kept fixed) replaced alone,
+    ``functional_call(model, {name: w}, (x,))``, the trainable parameters the model's own:
+    grad1 of every trainable parameter is the float64 loop's of the model loaded with ``w``,
+    and ``.grad`` is what autograd gives without hooks. Before, the engine did not plan the
+    hooks again for a frozen tensor replaced (it does for a trainable one), so the rules read
+    the module's own frozen weight: for the LSTM, whose rule gives autograd the gradients of
+    the call, ``.grad`` was wrong (the input Linear's off by about 1e-3) with no error; the
+    others' steps were refused by the guard."""
+    model = _Recomputed(kind).to(D)
+    frozen = _FROZEN[kind]
+    model.get_parameter(frozen).requires_grad_(False)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    twin_opt = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 5, 3, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+            w = model.get_parameter(frozen).detach() + 0.3 * torch.randn(
+                model.get_parameter(frozen).shape, generator=g, dtype=D
+            )
+            reference = copy.deepcopy(model)
+            reference.get_parameter(frozen).data.copy_(w)
+            want = loop_grad(reference, F.cross_entropy, x, y)
+            for m, o in ((model, opt), (twin, twin_opt)):
+                o.zero_grad()
+                out = torch.func.functional_call(m, {frozen: w}, (x,))
+                F.cross_entropy(out, y).backward()
+            assert_grad1(model, want, f"step {step}")
+            for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad, q.grad, msg=n)
+            opt.step()
+            twin_opt.step()
+
+
 class _Tied(nn.Module):
     """A language model's head tied to its embedding (``head.weight = emb.weight``)."""
 

@@ -404,9 +404,8 @@ class ForwardCapture:
             hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast else (),
-            # (a new dict where the parameters are planned again; FSDP2's sharded ones are
-            # not what the call ran with: the rule reads the module's)
-            params=None if self.state.sharded else target.params,
+            # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
+            params=None if self.state.sharded else _in_slots(target),
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs
@@ -839,6 +838,18 @@ def _without_nodes(taps: Any) -> Any:
     kept = copy.copy(taps)
     kept.nodes = ()
     return kept
+
+
+def _in_slots(target: Target) -> dict[str, Tensor]:
+    """The tensors in the slots of ``target``'s parameters as its call runs: its planned
+    parameters, or what ``torch.func.functional_call`` put in their place for the call (the
+    engine plans again where a trainable one was replaced, not where only a frozen one was)."""
+    module = target.module
+    found = {}
+    for name, planned in target.params.items():
+        owner, _, leaf = name.rpartition(".")
+        found[name] = getattr(module.get_submodule(owner) if owner else module, leaf, planned)
+    return found
 
 
 def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output) -> dict:
