@@ -279,19 +279,23 @@ class ForwardCapture:
                 call = with_fields(call, buffers=found.found, buffers_left=found.left)
 
             # what the call's nodes hold is read only where they stand as the forward ran them
-            # (not under saved-tensor hooks: reading what a node saved would rerun the call)
-            readable = (
-                (target.entry.taps is not None or target.entry.saved is not None)
-                and keeps_rows(layout)
-                and not _torch.saved_tensor_hooks_active()
-            )
+            # (taps not under saved-tensor hooks: reading what a node saved would rerun the
+            # call; a rule's ``saved`` function, which may read the module's state instead,
+            # looks for them itself)
+            rows_kept = (
+                target.entry.taps is not None or target.entry.saved is not None
+            ) and keeps_rows(layout)
             taps = None
-            if target.entry.taps is not None and readable:
+            if (
+                target.entry.taps is not None
+                and rows_kept
+                and not _torch.saved_tensor_hooks_active()
+            ):
                 taps = target.entry.taps(module, args, kwargs, output)
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
                 call = with_fields(call, taps=_without_nodes(taps))
-            if target.entry.saved is not None and readable:
+            if target.entry.saved is not None and rows_kept:
                 call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
 
             # (counts the nodes and never holds them: see _without_nodes)
@@ -401,6 +405,8 @@ class ForwardCapture:
             hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast else (),
+            # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
+            params=None if self.state.sharded else _in_slots(target),
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs
@@ -836,6 +842,18 @@ def _without_nodes(taps: Any) -> Any:
     kept = copy.copy(taps)
     kept.nodes = ()
     return kept
+
+
+def _in_slots(target: Target) -> dict[str, Tensor]:
+    """The tensors in the slots of ``target``'s parameters as its call runs: its planned
+    parameters, or what ``torch.func.functional_call`` put in their place for the call (the
+    engine plans again where a trainable one was replaced, not where only a frozen one was)."""
+    module = target.module
+    found = {}
+    for name, planned in target.params.items():
+        owner, _, leaf = name.rpartition(".")
+        found[name] = getattr(module.get_submodule(owner) if owner else module, leaf, planned)
+    return found
 
 
 def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output) -> dict:

@@ -335,20 +335,21 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         if pieces is not None:
             return pieces
     own = (lambda t: t) if create_graph else Tensor.detach  # noqa: E731
+    w = call.parameter  # (what the call ran with: functional_call may have replaced them)
     # recomputed in the parameters' dtype: under autocast the call ran in a lower precision,
     # and its inputs (a previous layer's output) and output-gradients may be bfloat16
-    dtype = m.out_proj.weight.dtype
+    dtype = w("out_proj.weight").dtype
     query, key, value, g_out, g_probs = (
         None if t is None else cast(t, dtype) for t in (query, key, value, g_out, g_probs)
     )
 
     if _packed(m):
-        w_q, w_k, w_v = own(m.in_proj_weight).chunk(3)
+        w_q, w_k, w_v = own(w("in_proj_weight")).chunk(3)
     else:
-        w_q, w_k, w_v = (own(w) for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
+        w_q, w_k, w_v = (own(w(f"{n}_proj_weight")) for n in "qkv")
     b_q = b_k = b_v = None
     if m.in_proj_bias is not None:
-        b_q, b_k, b_v = own(m.in_proj_bias).chunk(3)
+        b_q, b_k, b_v = own(w("in_proj_bias")).chunk(3)
     inputs = [query, key, value]
     with torch.enable_grad():
         projections = [
@@ -360,7 +361,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
             batch = query.shape[0]
             biases_kv = [
                 _probed(own(b).reshape(1, 1, -1).expand(batch, 1, -1), create_graph)
-                for b in (m.bias_k, m.bias_v)
+                for b in (w("bias_k"), w("bias_v"))
             ]
         values = [v for v, _ in projections + biases_kv]
         # (the explicit softmax in a create_graph backward: torch's fused attention has no
@@ -372,7 +373,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
         outputs, grads = [], []
         if g_out is not None:
             outputs.append(ctx)
-            grads.append(g_out @ own(m.out_proj.weight))
+            grads.append(g_out @ own(w("out_proj.weight")))
         if g_probs is not None:
             outputs.append(probs.mean(1) if args["average_attn_weights"] else probs)
             grads.append(g_probs)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import MixedExamplesError
 from ..pieces import Direct
-from .norm import _need_batch, channel_affine
+from .norm import RunningStatistics, _need_batch, channel_affine, running_statistics
 from .registry import Call, register
 
 TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -53,14 +53,19 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
     )
 
 
-@register(*TYPES, on_forward=refuse_batch_statistics)
+@register(*TYPES, on_forward=refuse_batch_statistics, saved=running_statistics)
 def batch_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, channels, *spatial]`` (``[batch, channels]`` for BatchNorm1d);
-    weight, bias: ``[channels]``."""
+    weight, bias: ``[channels]``. Normalized with the running statistics the call ran with
+    (``call.saved``: ``torch.func.functional_call`` may have handed it others than the
+    module's own)."""
     m = call.module
-    if m.running_mean is None or m.running_var is None:  # on_forward has refused it already
+    stats = call.saved  # (none where the call came in another layout: the module's own)
+    if not isinstance(stats, RunningStatistics):
+        stats = RunningStatistics(m.running_mean, m.running_var)
+    if stats.mean is None or stats.var is None:  # on_forward has refused it already
         refuse_batch_statistics(m, call.name)
     x = call.inputs[0]
     _need_batch(call, x, 1, "[batch, channels, *spatial]")
-    xhat = F.batch_norm(x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
+    xhat = F.batch_norm(x, stats.mean, stats.var, None, None, False, 0.0, m.eps)
     return channel_affine(xhat, call.grad_output)

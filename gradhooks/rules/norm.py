@@ -18,6 +18,7 @@ GroupNorm / InstanceNorm (parameters ``[channels]``). Elementwise products, so t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,8 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
     """The mean and 1/std torch's forward saved for its backward, read off the output's node
     (they live as long as the graph does); ``None`` where the node is not torch's own
     normalization of this very input (autocast casts it first, a subclass may transform it)."""
+    if _torch.saved_tensor_hooks_active():  # (reading them would run the forward again)
+        return None
     node = getattr(output, "grad_fn", None)
     kind = type(node).__name__
     if kind not in _SAVES_STATISTICS or not args or not isinstance(args[0], Tensor):
@@ -104,6 +107,25 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
     if mean is None or rstd is None:
         return None
     return _Statistics(mean.detach(), rstd.detach())
+
+
+@dataclass(frozen=True)
+class RunningStatistics:
+    """The running mean and variance a batch or instance norm's call normalized with, as the
+    module held them at the forward (``torch.func.functional_call`` may have handed it others
+    for that call alone), ``[channels]``; both ``None`` where the call used its own
+    statistics (an instance norm in training mode or without ``track_running_stats``)."""
+
+    mean: Tensor | None
+    var: Tensor | None
+
+
+def running_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> RunningStatistics:
+    """The rule's ``saved`` of a batch or instance norm: the running statistics its call used
+    (references: in eval mode the forward does not change them)."""
+    if module.training or module.running_mean is None or module.running_var is None:
+        return RunningStatistics(None, None)
+    return RunningStatistics(module.running_mean.detach(), module.running_var.detach())
 
 
 def _from_statistics(call: Call, x: Tensor) -> Tensor | None:
@@ -189,7 +211,7 @@ def _group_norm_from_statistics(call: Call, x: Tensor) -> dict[str, Direct] | No
 _INSTANCE_UNBATCHED = {nn.InstanceNorm1d: 2, nn.InstanceNorm2d: 3, nn.InstanceNorm3d: 4}
 
 
-@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, saved=running_statistics)
 def instance_norm(call: Call) -> dict[str, Direct]:
     """``x``: ``[batch, channels, *spatial]``; weight, bias: ``[channels]``. Normalized with each
     example's own statistics, or with the running statistics in eval mode when
@@ -198,8 +220,11 @@ def instance_norm(call: Call) -> dict[str, Direct]:
     x = call.inputs[0]
     unbatched = next((d for k, d in _INSTANCE_UNBATCHED.items() if isinstance(m, k)), 2)
     _need_batch(call, x, unbatched, "[batch, channels, *spatial]")
-    if m.training or not m.track_running_stats:
+    stats = call.saved  # (none where the call came in another layout: the module's own)
+    if not isinstance(stats, RunningStatistics):
+        stats = running_statistics(m, call.inputs, call.kwargs, None)
+    if stats.mean is None:
         xhat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
     else:
-        xhat = F.instance_norm(x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
+        xhat = F.instance_norm(x, stats.mean, stats.var, None, None, False, 0.0, m.eps)
     return channel_affine(xhat, call.grad_output)

@@ -88,6 +88,11 @@ class Call:
     reproduce the output.
     ``autocast``: the ``torch.autocast`` the forward ran under, ``((device, dtype), ...)`` for
     each device it was on for (empty: none), for a rule that recomputes the call as it ran.
+    ``params``: the tensors the call ran with in the slots of the parameters the rule computes,
+    by their names relative to the module (``None``: not known, a call built by hand): the
+    module's own parameters, or the tensors ``torch.func.functional_call`` put in their place
+    for that call alone (back on the module by the backward). A rule that reads a
+    parameter's value reads :meth:`parameter`.
     """
 
     module: nn.Module
@@ -108,6 +113,16 @@ class Call:
     buffers: Mapping[str, Tensor] | None = None
     buffers_left: Mapping[str, Tensor] | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    params: Mapping[str, Tensor] | None = None
+
+    def parameter(self, name: str) -> Tensor | None:
+        """The tensor the call ran with for the module's parameter ``name`` (``"weight"``,
+        ``"out_proj.weight"``): the one in ``params``, else the module's own now."""
+        if self.params is not None and name in self.params:
+            return self.params[name]
+        owner, _, leaf = name.rpartition(".")
+        module = self.module.get_submodule(owner) if owner else self.module
+        return getattr(module, leaf)
 
     @property
     def grad_output(self) -> Tensor:
@@ -221,9 +236,12 @@ class Registry:
     With no ``nodes``, the rule runs as usual, with ``call.taps`` only.
     ``saved``: ``saved(module, args, kwargs, output)``, asked after a captured forward call:
     what the call's own autograd nodes saved for their backward that the rule would otherwise
-    recompute (a LayerNorm's mean and 1/std), or ``None``; the rule reads it as
-    ``call.saved``. Not asked where saved-tensor hooks are on (reading it would run the
-    forward again) or where the rule gets the call in another layout than it ran in.
+    recompute (a LayerNorm's mean and 1/std), or the state of the module the call ran with (a
+    batch norm's running statistics, which ``torch.func.functional_call`` may have replaced
+    for the call), or ``None``; the rule reads it as ``call.saved``. Not asked where the rule
+    gets the call in another layout than it ran in. Asked under saved-tensor hooks too, where
+    reading what a node saved would run the forward again: a function that reads nodes
+    returns ``None`` where :func:`gradhooks._torch.saved_tensor_hooks_active`.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
@@ -269,8 +287,9 @@ class Registry:
         - ``on_forward``: ``check(module, name)``, called at each forward call; raise there to
           refuse the call (BatchNorm in train mode does).
         - ``saved``: ``read(module, args, kwargs, output)`` returns what the call's own nodes
-          saved for their backward (a norm's mean and 1/std), read in ``call.saved``
-          (``None`` where saved-tensor hooks are on).
+          saved for their backward (a norm's mean and 1/std) or the module's state it ran
+          with (a batch norm's running statistics), read in ``call.saved`` (a ``read`` of
+          nodes returns ``None`` where saved-tensor hooks are on).
         - ``taps``: ``find(module, args, kwargs, output)`` returns an object whose ``nodes``
           are autograd nodes inside the call; the rule runs once the backward has reached
           them and reads their output-gradients in ``call.tap_grads``.

@@ -48,6 +48,7 @@ example at a time, each example's gradients taken by autograd with their graph
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 
@@ -124,9 +125,9 @@ class _Direction:
     output state (``proj_size`` or ``H``).
     """
 
-    def __init__(self, module: nn.RNNBase, sfx: str) -> None:
+    def __init__(self, module: nn.RNNBase, sfx: str, weight: Callable[[str], Tensor]) -> None:
         def get(name: str) -> Tensor:
-            return getattr(module, name + sfx).detach()
+            return weight(name + sfx).detach()
 
         self.mode, self.sfx, self.hidden = module.mode, sfx, module.hidden_size
         self.d_state0: tuple[Tensor | None, Tensor | None] = (None, None)  # d h0, d c0
@@ -451,11 +452,14 @@ class _Direction:
         return g_ih, g_hh, {}
 
 
-def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tensor) -> Tensor | None:
+def _lstm_layer(
+    module: nn.RNNBase, weight: Callable[[str], Tensor], layer: int, x: Tensor, h0: Tensor,
+    c0: Tensor,
+) -> Tensor | None:  # fmt: skip
     """torch's own (fused) forward of one layer of an LSTM, both directions, without autograd:
     ``x`` ``[T, B, in]``, ``h0`` ``[dirs, B, P]``, ``c0`` ``[dirs, B, H]`` -> the layer's
     output ``[T, B, dirs * P]``; ``None`` where torch's fused LSTM is not reachable
-    (:func:`gradhooks._torch.fused_lstm`)."""
+    (:func:`gradhooks._torch.fused_lstm`). ``weight(name)``: the parameter the call ran with."""
     lstm = _torch.fused_lstm()
     if lstm is None:
         return None
@@ -463,7 +467,7 @@ def _lstm_layer(module: nn.RNNBase, layer: int, x: Tensor, h0: Tensor, c0: Tenso
     names += ["bias_ih", "bias_hh"] if module.bias else []
     names += ["weight_hr"] if module.proj_size > 0 else []
     sfxs = [f"_l{layer}", f"_l{layer}_reverse"][: 2 if module.bidirectional else 1]
-    weights = [getattr(module, n + s).detach() for s in sfxs for n in names]
+    weights = [weight(n + s).detach() for s in sfxs for n in names]
     out, _, _ = lstm(  # (input, hx, weights, bias, layers, dropout, train, bidir, batch_first)
         x, (h0, c0), weights, module.bias, 1, 0.0, False, module.bidirectional, False
     )
@@ -538,6 +542,7 @@ def recompute(
     output: Tensor | None = None,
     fast: bool = True,
     lower: list[Tensor] | None = None,
+    weight: Callable[[str], Tensor] | None = None,
 ) -> tuple[tuple[Tensor, ...], list[list[_Direction]]]:
     """Re-run ``module`` without autograd on a batch-first padded ``x`` ``[batch, time, in]``
     with per-example ``lengths`` ``[batch]`` and an optional initial state (torch's layout,
@@ -548,7 +553,8 @@ def recompute(
     the module's output if given, is the last layer's; ``lower``, the earlier layers'
     time-major outputs if the forward kept them, :class:`_LayerOutputs`), then
     :meth:`_Direction.forward_lstm_from` the gates and cell states with no recurrence over
-    ``h``. Otherwise the recurrence is run step by step.
+    ``h``. Otherwise the recurrence is run step by step. ``weight(name)``: the parameter the
+    call ran with (:meth:`Call.parameter`; by default the module's own).
 
     Returns ``(outputs, layers)``: ``outputs`` = ``(output [batch, time, dirs * hidden_out],
     h_n [layers * dirs, batch, hidden_out][, c_n])``, the output zero past each length;
@@ -561,7 +567,9 @@ def recompute(
     h_size = module.proj_size or module.hidden_size
     # in the parameters' dtype: under autocast the call ran in a lower precision, and its
     # outputs (the states read below) are in that one
-    dtype = module.weight_ih_l0.dtype
+    if weight is None:
+        weight = partial(getattr, module)
+    dtype = weight("weight_ih_l0").dtype
     x = x.to(dtype)
     if output is not None:
         output = output.to(dtype)
@@ -591,10 +599,10 @@ def recompute(
                 elif lower is not None and layer < len(lower):
                     states = lower[layer]
                 else:
-                    states = _lstm_layer(module, layer, layer_in, h0[ks], c0[ks])
+                    states = _lstm_layer(module, weight, layer, layer_in, h0[ks], c0[ks])
             for d in range(dirs):
                 k = layer * dirs + d
-                run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""))
+                run = _Direction(module, f"_l{layer}" + ("_reverse" if d else ""), weight)
                 flip = (lambda t: t.flip(0)) if d else (lambda t: t)
                 if states is not None:
                     own = states[..., d * h_size : (d + 1) * h_size] if dirs > 1 else states
@@ -693,8 +701,9 @@ def backpropagate(
 
 
 def _example_by_example(
-    module: nn.RNNBase, x: Tensor, lengths: Tensor, hx, grads: tuple[Tensor | None, ...]
-) -> dict[str, Direct]:
+    module: nn.RNNBase, weight: Callable[[str], Tensor], x: Tensor, lengths: Tensor, hx,
+    grads: tuple[Tensor | None, ...],
+) -> dict[str, Direct]:  # fmt: skip
     """The pieces of a call in a ``create_graph`` backward that the fallback cannot split into
     examples (a ``PackedSequence``, a time-major input, an initial state): each example's
     gradients by autograd, with their graph, through the module's forward run again on that
@@ -703,7 +712,7 @@ def _example_by_example(
     batch-first, then ``h_n``'s (and ``c_n``'s) in torch's layout, as for :func:`backpropagate`.
     A forward and a backward per example: slower than the backward through time, and only
     taken in this mode, whose derivatives that backward could not give."""
-    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    named = {n: weight(n) for n, p in module.named_parameters() if p.requires_grad}
     lstm = module.mode == "LSTM"
     g_out, g_h, g_c = (*grads, None)[:3]
 
@@ -819,7 +828,7 @@ def rnn(call: Call) -> dict[str, Outer]:
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
     if torch.is_grad_enabled() and not _transformed(grads):
         # A create_graph backward the fallback cannot split into examples
-        return _example_by_example(module, x_pad, lengths, hx, grads)
+        return _example_by_example(module, call.parameter, x_pad, lengths, hx, grads)
     output = None
     if not packed and call.output is not None:
         output = call.output[0]
@@ -828,7 +837,8 @@ def rnn(call: Call) -> dict[str, Outer]:
     found: list[Tensor] | None = None if call.input_grads is None else []
     # in the parameters' dtype, also where the backward runs under autocast
     with torch.autocast(x_pad.device.type, enabled=False):
-        _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower)
+        _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower,
+                              weight=call.parameter)  # fmt: skip
         pieces = backpropagate(module, layers, grads, found)
     device = x_pad.device.type
     if call.input_grads is None and any(

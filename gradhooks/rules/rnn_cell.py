@@ -40,7 +40,7 @@ def _rows(call: Call, hidden: int, states: int) -> tuple[Tensor, list[Tensor]]:
         )
     hx = call.inputs[1] if len(call.inputs) > 1 else call.kwargs.get("hx")
     given = list(hx) if isinstance(hx, tuple | list) else [hx]
-    dtype = m.weight_ih.dtype
+    dtype = call.parameter("weight_ih").dtype
     shape = (*x.shape[:-1], hidden)
     zeros = x.new_zeros(shape, dtype=dtype)
     found = [zeros if h is None else _like_rows(call, h, shape).to(dtype) for h in given]
@@ -64,9 +64,12 @@ def _like_rows(call: Call, h: Tensor, shape: tuple[int, ...]) -> Tensor:
     )
 
 
-def _pre(m: nn.Module, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    gi = torch.nn.functional.linear(x, m.weight_ih, m.bias_ih)
-    gh = torch.nn.functional.linear(h, m.weight_hh, m.bias_hh)
+def _pre(call: Call, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """The two pre-activations, with the parameters the call ran with."""
+    w = call.parameter
+    bias = call.module.bias
+    gi = torch.nn.functional.linear(x, w("weight_ih"), w("bias_ih") if bias else None)
+    gh = torch.nn.functional.linear(h, w("weight_hh"), w("bias_hh") if bias else None)
     return gi, gh
 
 
@@ -92,7 +95,7 @@ def rnn_cell(call: Call) -> dict[str, Outer]:
     m: nn.RNNCell = call.module
     x, (h,) = _rows(call, m.hidden_size, 1)
     with autocast_as(call.autocast):
-        gi, gh = _pre(m, x, h)
+        gi, gh = _pre(call, x, h)
         pre = (gi + gh).to(x.dtype)
         out = torch.tanh(pre) if m.nonlinearity == "tanh" else torch.relu(pre)
         g = _grad(call, 0, out)
@@ -108,7 +111,7 @@ def lstm_cell(call: Call) -> dict[str, Outer]:
     m: nn.LSTMCell = call.module
     x, (h, c) = _rows(call, m.hidden_size, 2)
     with autocast_as(call.autocast):
-        gi, gh = _pre(m, x, h)
+        gi, gh = _pre(call, x, h)
         i, f, g, o = (gi + gh).to(x.dtype).chunk(4, -1)
         i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
         c1 = f * c + i * g
@@ -130,7 +133,7 @@ def gru_cell(call: Call) -> dict[str, Outer]:
     m: nn.GRUCell = call.module
     x, (h,) = _rows(call, m.hidden_size, 1)
     with autocast_as(call.autocast):
-        gi, gh = _pre(m, x, h)
+        gi, gh = _pre(call, x, h)
         gi, gh = gi.to(x.dtype), gh.to(x.dtype)
         ir, iz, i_n = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)

@@ -8,7 +8,9 @@ output-gradient (one ``torch.autograd.grad`` from the layer's output-gradient), 
 position-wise parts' tensors batch first, and hands each call to that part's own rule. The pieces
 are the parts' own (:class:`Outer` for the Linear maps and attention projections), under the
 layer's parameter names (``linear1.weight``, ``self_attn.in_proj_weight``, ...). The attention
-(``nn.MultiheadAttention``) knows its own layout and gets its call as it was.
+(``nn.MultiheadAttention``) knows its own layout and gets its call as it was. A call that ran
+with other tensors in place of the layer's parameters (``torch.func.functional_call``) is rerun
+with them, the same way, and its parts' calls are handed them.
 
 Scaling: none here; the engine scales for mean-reduced losses. Dropout (``dropout > 0`` in
 training mode) cannot be replayed: an error (construct the layer with ``dropout=0``, or call
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from .._torch import tree_flatten, tree_map
 from ..autocast import autocast_as
@@ -61,12 +64,17 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
     def record(module, args, kwargs, output):
         records.append((names[module], module, args, kwargs, output))
 
+    own = dict(layer.named_parameters(remove_duplicate=False))
+    replaced = {n: t for n, t in (call.params or {}).items() if own.get(n) is not t}
     handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
     try:
         # under the autocast the forward ran under: the parts' output-gradients are then
         # autograd's own, rounded as they were
         with torch.enable_grad(), paused(), autocast_as(call.autocast):
-            output = layer.forward(*call.inputs, **call.kwargs)
+            if replaced:  # with the tensors the call ran with, as it ran
+                output = functional_call(layer, replaced, call.inputs, call.kwargs)
+            else:
+                output = layer.forward(*call.inputs, **call.kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -110,6 +118,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
         for i, t in enumerate(out_leaves):
             if isinstance(t, Tensor) and t.requires_grad:
                 full[i] = next(it)
+        prefix = f"{name}."
         part = Call(
             module=module,
             inputs=keep(args),
@@ -118,6 +127,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
             grad_outputs=tuple(full),
             name=f"{call.name}.{name}" if call.name else name,
             registry=registry,
+            params={n[len(prefix) :]: t for n, t in replaced.items() if n.startswith(prefix)},
         )
         if not layer.self_attn.batch_first and not isinstance(module, nn.MultiheadAttention):
             # A position-wise part: [seq, batch, ...] -> [batch, seq, ...].
@@ -129,6 +139,7 @@ def transformer_layer(call: Call) -> dict[str, Piece]:
                 grad_outputs=_batch_first(part.grad_outputs),
                 name=part.name,
                 registry=registry,
+                params=part.params,
             )
         for pname, piece in entry.rule(part).items():
             if pname in params:
