@@ -42,10 +42,28 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _torch
 from ..errors import ConfigurationError, ConfigurationTypeError, RuleError, describe_module
 from ..pieces import Piece
 
-__all__ = ["Call", "CallBatch", "Registry", "Rule", "REGISTRY", "register", "batch_first"]
+__all__ = [
+    "Call",
+    "CallBatch",
+    "Registry",
+    "Rule",
+    "REGISTRY",
+    "register",
+    "batch_first",
+    "saved_tensor_hooks_active",
+]
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether the tensors autograd saves for the backward go through saved-tensor hooks now
+    (non-reentrant activation checkpointing, offloading to the CPU): a rule's ``saved``
+    function that reads what a call's nodes saved returns ``None`` then, since reading it
+    would run the forward again. (Where torch cannot tell, ``True``.)"""
+    return _torch.saved_tensor_hooks_active()
 
 
 @dataclass
@@ -241,7 +259,7 @@ class Registry:
     for the call), or ``None``; the rule reads it as ``call.saved``. Not asked where the rule
     gets the call in another layout than it ran in. Asked under saved-tensor hooks too, where
     reading what a node saved would run the forward again: a function that reads nodes
-    returns ``None`` where :func:`gradhooks._torch.saved_tensor_hooks_active`.
+    returns ``None`` where :func:`saved_tensor_hooks_active`.
     """
 
     _rules: dict[type, _Entry] = field(default_factory=dict)
