@@ -73,10 +73,44 @@ __all__ = ["Hooks", "add_hooks", "remove_hooks", "hooks_of", "clear_grad1"]
 LossReduction = Literal["mean", "sum"]
 Capture = Literal["always", "marked"]
 
+
+class _HandlesOf:
+    """``{module: handle}``, holding neither (a handle refers to the modules it hooks: held
+    here, it would keep them alive, and they it). A handle lives as long as one of the modules
+    it hooks does, whose hooks refer to it (:attr:`Hook.owner`)."""
+
+    def __init__(self) -> None:
+        self._refs: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+    def get(self, module: nn.Module, default: Any = None) -> Any:
+        ref = self._refs.get(module)
+        found = None if ref is None else ref()
+        return default if found is None else found
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return self.get(module) is not None
+
+    def __getitem__(self, module: nn.Module) -> Hooks:
+        found = self.get(module)
+        if found is None:
+            raise KeyError(module)
+        return found
+
+    def __setitem__(self, module: nn.Module, handle: Hooks) -> None:
+        self._refs[module] = weakref.ref(handle)
+
+    def __delitem__(self, module: nn.Module) -> None:
+        del self._refs[module]
+
+    def values(self) -> list[Hooks]:
+        return [h for ref in list(self._refs.values()) if (h := ref()) is not None]
+
+
 # Models and modules currently hooked, so that hooks are never added twice (which would count
-# every gradient twice). Weak: a model that is garbage collected leaves nothing behind here.
-_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
-_HOOKED_MODULES: weakref.WeakKeyDictionary[nn.Module, Hooks] = weakref.WeakKeyDictionary()
+# every gradient twice). Weak both ways: a model dropped with its hooks on (no remove()) is
+# garbage collected with its handle, its grad1 and what its calls kept.
+_ACTIVE = _HandlesOf()
+_HOOKED_MODULES = _HandlesOf()
 # The grad1 a removed handle left on a parameter whose .grad its last backward added to: that
 # .grad, so that hooks added again go on adding to the grad1 while .grad does (_adopt_grad1).
 # By id, each entry (parameter, .grad) weak, with the settings that give grad1's rows their
@@ -185,13 +219,17 @@ class Hooks:
         refuse_complex(model, quantities)
         try:
             self._handles.append(
-                model.register_forward_pre_hook(Hook(self._forwards.on_root_pre), with_kwargs=True)
+                model.register_forward_pre_hook(
+                    Hook(self._forwards.on_root_pre, owner=self), with_kwargs=True
+                )
             )
             self._install(model)
             self._handles += guard_module_backward_hooks(state, model)
             self._handles.append(
                 model.register_forward_hook(
-                    Hook(self._forwards.on_root_post), with_kwargs=True, always_call=True
+                    Hook(self._forwards.on_root_post, owner=self),
+                    with_kwargs=True,
+                    always_call=True,
                 )
             )
         except BaseException:
@@ -361,7 +399,7 @@ class Hooks:
         self._first_hooks: list[tuple[nn.Module, int]] = []  # (module, our forward hook's id)
 
         def hook(fn) -> Hook:
-            made = Hook(fn)
+            made = Hook(fn, owner=self)
             self._module_hooks.append(made)
             return made
 
@@ -450,8 +488,7 @@ class Hooks:
         now = storages_of(params)
         first = next(iter(self._accumulators.items()), None)
         if now == self._storages and (
-            first is None
-            or accumulator_of(self._state.params[first[0]][1]) is first[1][0]
+            first is None or accumulator_of(self._state.params[first[0]][1]) is first[1][0]
         ):
             return
         for pid in list(self._accumulators):

@@ -223,8 +223,11 @@ class Hook:
     gets an inert hook. Under ``torch.compile`` it is a graph break after which the rest of
     the compiled call runs eagerly, on real tensors (:mod:`gradhooks.engine.compiled`)."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, owner: Any = None) -> None:
         self.fn = fn
+        # the handle whose hook it is: kept alive by its modules' hooks, as long as they are
+        # (the registries of hooked modules hold it weakly)
+        self.owner = owner
         # removed while its module's call runs (the hooks planned again at the root's forward
         # pre-hook): torch still calls it once, from its copy of the module's hooks
         self.dead = False
