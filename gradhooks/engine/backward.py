@@ -652,75 +652,91 @@ class BackwardWriter:
         self.state.rounded.pop(id(p), None)
 
     def param_hook(self, pid: int, name: str):
+        me = weakref.ref(self)  # (torch holds the hook, where the garbage collector cannot
+        # see it: a strong reference would keep the model alive with its hooks)
+
         def hook(grad: Tensor | None) -> None:
-            if (
-                grad is None
-                or self.state.removed
-                or not self.state.mode.capture
-                or self.state.rerunning
-            ):
-                return  # (None: a node gave it no gradient, an empty batch's detached call)
-            if not self.state.vmapped and _batched((grad,)):
-                bw = self.backward_state()
-                bw.batched = bw.batched or f"'{name}'"
-                bw.computed.add(pid)
-                return
-            if pid in self.state.direct and self.state.capturing_backward():
-                self._direct_uses(pid, name)
-            bw = self.backward_state()
-            bw.computed.add(pid)
-            # (capturing_backward() asked last: in the usual backward, no condition before it
-            # holds)
-            reached = pid in bw.reached
-            if (
-                reached
-                and _torch.tensor_hooks(self.state.params[pid][1]) > 1
-                and self.state.capturing_backward()
-            ):
-                # (hooks of the user's run after this one: compared at the accumulation)
-                bw.raw[pid] = (grad, _torch.version(grad))
-            if bw.verify and self.state.capturing_backward():
-                # (a copy: autograd may take this very tensor as .grad, which DDP then
-                # all-reduces in place)
-                bw.grads[pid] = hold(grad, copy=True)
-            elif bw.spot == pid and not grad.is_sparse:
-                bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid][1])
-            if not reached and self.state.capturing_backward():
-                if pid in bw.direct:
-                    self._lost(pid, name, *bw.direct[pid])
-                bw.missed.append(name)
-                bw.grads.pop(pid, None)  # (no grad1 to check: it warns at the end instead)
+            writer = me()
+            if writer is not None:
+                writer._param_grad(pid, name, grad)
 
         return hook
+
+    def _param_grad(self, pid: int, name: str, grad: Tensor | None) -> None:
+        if (
+            grad is None
+            or self.state.removed
+            or not self.state.mode.capture
+            or self.state.rerunning
+        ):
+            return  # (None: a node gave it no gradient, an empty batch's detached call)
+        if not self.state.vmapped and _batched((grad,)):
+            bw = self.backward_state()
+            bw.batched = bw.batched or f"'{name}'"
+            bw.computed.add(pid)
+            return
+        if pid in self.state.direct and self.state.capturing_backward():
+            self._direct_uses(pid, name)
+        bw = self.backward_state()
+        bw.computed.add(pid)
+        # (capturing_backward() asked last: in the usual backward, no condition before it
+        # holds)
+        reached = pid in bw.reached
+        if (
+            reached
+            and _torch.tensor_hooks(self.state.params[pid][1]) > 1
+            and self.state.capturing_backward()
+        ):
+            # (hooks of the user's run after this one: compared at the accumulation)
+            bw.raw[pid] = (grad, _torch.version(grad))
+        if bw.verify and self.state.capturing_backward():
+            # (a copy: autograd may take this very tensor as .grad, which DDP then
+            # all-reduces in place)
+            bw.grads[pid] = hold(grad, copy=True)
+        elif bw.spot == pid and not grad.is_sparse:
+            bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid][1])
+        if not reached and self.state.capturing_backward():
+            if pid in bw.direct:
+                self._lost(pid, name, *bw.direct[pid])
+            bw.missed.append(name)
+            bw.grads.pop(pid, None)  # (no grad1 to check: it warns at the end instead)
 
     def accumulate_hook(self, pid: int, name: str):
         """A pre-hook of the parameter's ``AccumulateGrad`` node: it runs where autograd adds
         the gradient into ``.grad`` (a ``backward()``, not a ``torch.autograd.grad``), after
         every hook registered on the parameter, so with the gradient ``.grad`` really gets."""
 
+        me = weakref.ref(self)  # (torch holds the hook, where the garbage collector cannot
+        # see it: a strong reference would keep the model alive with its hooks)
+
         def hook(grad_inputs: tuple) -> None:
-            if self.state.removed or not self.state.mode.capture or self.state.rerunning:
-                return
-            bw = self.state.tasks.get(graph_task())
-            if bw is None:
-                return
-            bw.accumulated.add(pid)
-            raw = bw.raw.pop(pid, None)
-            final = grad_inputs[0] if grad_inputs else None
-            if final is None:
-                return
-            if raw is not None and not _same(final, *raw):
-                # (raw: autograd's own gradient, gradhooks' hook runs before the user's,
-                # _torch.put_tensor_hook_first: the factor of a hook that scales it is exact,
-                # whatever rounding autograd's kernel left in it)
-                self._changed_by_hook(bw, pid, name, raw[0], final)
-            if pid not in bw.added:
-                # what autograd adds to .grad now (not refused), for a later refusal to undo:
-                # no reference to the gradient where .grad is None (autograd takes it as is)
-                old = grad_of(self.state.params[pid][1])
-                bw.added[pid] = (None, None) if old is None else (old, final)
+            writer = me()
+            if writer is not None:
+                writer._accumulated(pid, name, grad_inputs)
 
         return hook
+
+    def _accumulated(self, pid: int, name: str, grad_inputs: tuple) -> None:
+        if self.state.removed or not self.state.mode.capture or self.state.rerunning:
+            return
+        bw = self.state.tasks.get(graph_task())
+        if bw is None:
+            return
+        bw.accumulated.add(pid)
+        raw = bw.raw.pop(pid, None)
+        final = grad_inputs[0] if grad_inputs else None
+        if final is None:
+            return
+        if raw is not None and not _same(final, *raw):
+            # (raw: autograd's own gradient, gradhooks' hook runs before the user's,
+            # _torch.put_tensor_hook_first: the factor of a hook that scales it is exact,
+            # whatever rounding autograd's kernel left in it)
+            self._changed_by_hook(bw, pid, name, raw[0], final)
+        if pid not in bw.added:
+            # what autograd adds to .grad now (not refused), for a later refusal to undo:
+            # no reference to the gradient where .grad is None (autograd takes it as is)
+            old = grad_of(self.state.params[pid][1])
+            bw.added[pid] = (None, None) if old is None else (old, final)
 
     def _changed_by_hook(
         self, bw: Backward, pid: int, name: str, raw: Tensor, final: Tensor

@@ -182,6 +182,16 @@ def _spot_tolerance(
     return rounding_tolerance(dtype, precision, True)
 
 
+def _probe_from(verifier: weakref.ref, token: object, grads: tuple) -> None:
+    """The probe's hook on the outputs of the forward whose box holds ``token``: where that box
+    is still the verifier's (a forward since, or the handle's removal, dropped it),
+    :meth:`Verifier._probe` with it."""
+    v = verifier()
+    box = None if v is None else v.probe_box
+    if box is not None and box.get("token") is token:
+        v._probe(box, grads)
+
+
 def _dependent(edges: list) -> bool:
     """Whether one of the outputs (their gradient edges) is computed from another: the
     gradient reaching the other then holds what flowed in through the first."""
@@ -402,10 +412,16 @@ class Verifier:
             for t in outs
         )
         self.probe_box = box
+        # (the hook, which torch keeps on the outputs' nodes, reaches the box through the
+        # verifier, weakly: holding either, it would make a cycle through those nodes that the
+        # garbage collector cannot see, keeping a model dropped with its hooks on alive with
+        # this forward's graph)
+        token = box["token"] = object()
+        probe = functools.partial(_probe_from, weakref.ref(self), token)
         if len(outs) == 1:
-            outs[0].register_hook(lambda g: self._probe(box, (g,)))
+            outs[0].register_hook(lambda g: probe((g,)))
         else:  # (its closure holds the outputs' nodes: removed once it ran, see drop_box)
-            box["handle"] = _torch.all_grads_hook(outs, lambda grads: self._probe(box, grads))
+            box["handle"] = _torch.all_grads_hook(outs, probe)
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
 
