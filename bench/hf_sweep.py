@@ -37,7 +37,9 @@ the library sweep runs too: 3 SGD steps under one ``add_hooks`` with ``zero_grad
 backward, each step's ``grad1`` (left for ``zero_grad`` to reset) against the loop at that
 step's parameters; the model in float32 under CPU bfloat16 autocast, ``grad1`` against the
 float64 loop within 5e-2 of each parameter's largest entry (or, where the model's own bfloat16
-loop without gradhooks is further off, 5e-2 plus twice its error); ``dp_sgd_step`` by
+loop without gradhooks is further off, 5e-2 plus twice its error; where autograd's own
+per-example gradients of the batched bfloat16 forward are off the loop beyond that, the batch
+computed otherwise than each example alone, against those instead); ``dp_sgd_step`` by
 book-keeping without noise, ``p.grad`` against the loop's clipped sum (within 1e-6 of its
 largest term, or ten times autograd's own error there). Each gives one of the outcomes above.
 

@@ -7,11 +7,14 @@ refusal apart from a match, and to write its table."""
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 pytest.importorskip("transformers", reason="the sweep needs transformers")
 hf_sweep = pytest.importorskip("bench.hf_sweep")
@@ -178,6 +181,75 @@ def test_setting_allows_the_models_own_rounding(family, setting):
     res = hf_sweep.check(family, limit=0, setting=setting)
     assert res.outcome == "match", (res.outcome, res.detail)
     assert "without gradhooks" in res.detail
+
+
+class BatchedOtherwise(nn.Module):
+    """A Linear, tanh, a Linear; a batch of more than one example has its hidden layer scaled
+    by 1.5, no gradient of its own: a batch computed otherwise than each example alone, as
+    torch's CPU bfloat16 convolution of the channels-last view that Segformer's and PVT's
+    sequence reductions read does on some machines."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h * 1.5 if x.shape[0] > 1 else h)
+
+
+def _subject(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """``model`` on ``x`` with a summed cross-entropy of ``y``, as the settings run it."""
+    from bench import sweep
+
+    def losses():
+        return F.cross_entropy(model(x).float(), y, reduction="none")
+
+    def own_gradients():
+        params = [p for _, p in sweep.trainable(model)]
+        rows = [torch.autograd.grad(losses_of(b), params) for b in range(len(x))]
+        return {n: torch.stack([r[i] for r in rows])
+                for i, (n, _) in enumerate(sweep.trainable(model))}  # fmt: skip
+
+    def losses_of(b):
+        return F.cross_entropy(model(x[b : b + 1]).float(), y[b : b + 1], reduction="sum")
+
+    return sweep.Subject(
+        model,
+        loss=lambda: losses().sum(),
+        losses=losses,
+        own_gradients=own_gradients,
+        lowered=lambda: _subject(copy.deepcopy(model).float(), x.float(), y),
+    )
+
+
+def _batched_otherwise():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    return _subject(BatchedOtherwise().double(), x, torch.tensor([0, 2, 1]))
+
+
+def test_bf16_setting_tells_a_batch_computed_otherwise_from_a_wrong_grad1():
+    """The model's batched forward is not each example's alone: grad1 is off the float64
+    loop by far more than bfloat16 allows, and so are autograd's own per-example gradients
+    of the batched forward, without gradhooks; grad1 is compared with those, and matches."""
+    from bench import sweep
+
+    res = sweep.Result("batched-otherwise")
+    sweep.bf16_autocast(_batched_otherwise(), res)
+    assert res.outcome == "match", (res.outcome, res.detail)
+    assert "batched bfloat16 forward" in res.detail and res.max_rel_error <= sweep.BF16_TOL
+
+
+def test_bf16_setting_reports_a_wrong_grad1_of_a_batch_computed_otherwise(monkeypatch):
+    """The same model with two examples' grad1 swapped: wrong against autograd's per-example
+    gradients of the batched forward too."""
+    from bench import sweep
+
+    monkeypatch.setattr(sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
+    res = sweep.Result("batched-otherwise")
+    sweep.bf16_autocast(_batched_otherwise(), res)
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
 
 
 def test_training_setting_reports_a_grad1_that_zero_grad_did_not_reset(monkeypatch):
