@@ -150,6 +150,25 @@ def test_sweep_tiny_config_sets_the_sizes_the_config_has():
     assert torch.get_default_dtype() == torch.float32  # nothing global changed
 
 
+def test_sweep_counts_a_model_too_large_before_making_it(monkeypatch):
+    """A model above the sweep's size is counted on the meta device and skipped without its
+    memory taken (T5Gemma's tiniest configuration makes 5.6 billion parameters)."""
+    import transformers
+
+    devices = []
+    init = transformers.LlamaForCausalLM.__init__
+
+    def spied(self, config):
+        devices.append(torch.empty(()).device.type)  # the device it is made on
+        init(self, config)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", spied)
+    monkeypatch.setattr(hf_sweep, "MAX_PARAMS", 1000)
+    res = hf_sweep.check("llama", limit=0)
+    assert res.outcome == "skipped" and "parameters at the tiniest config" in res.detail
+    assert devices == ["meta"]
+
+
 def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
     """AFMoE's experts: in a tiny batch one expert is routed every token, so the rows it
     computed (with a gradient) are the batch's in order, and their product with the router's
