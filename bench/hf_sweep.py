@@ -37,7 +37,9 @@ the library sweep runs too: 3 SGD steps under one ``add_hooks`` with ``zero_grad
 backward, each step's ``grad1`` (left for ``zero_grad`` to reset) against the loop at that
 step's parameters; the model in float32 under CPU bfloat16 autocast, ``grad1`` against the
 float64 loop within 5e-2 of each parameter's largest entry (or, where the model's own bfloat16
-loop without gradhooks is further off, 5e-2 plus twice its error); ``dp_sgd_step`` by
+loop without gradhooks is further off, 5e-2 plus twice its error; where autograd's own
+per-example gradients of the batched bfloat16 forward are off the loop beyond that, the batch
+computed otherwise than each example alone, against those instead); ``dp_sgd_step`` by
 book-keeping without noise, ``p.grad`` against the loop's clipped sum (within 1e-6 of its
 largest term, or ten times autograd's own error there). Each gives one of the outcomes above.
 
@@ -327,6 +329,16 @@ def model_class(family: str, task: str | None):
     raise Skip(f"no model class of the swept tasks{'' if task is None else f' ({task})'}")
 
 
+def _meta_size(cls, config) -> int:
+    """The number of parameters of ``cls(config)``, made on the meta device (no memory, no
+    random numbers drawn); 0 where it cannot be made there (it is counted once made)."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in cls(config).parameters())
+    except Exception:
+        return 0
+
+
 def build(family: str, task: str | None, router_loss: bool = False):
     config = tiny_config(family)
     if router_loss:
@@ -334,12 +346,13 @@ def build(family: str, task: str | None, router_loss: bool = False):
             raise Skip("no router: no load-balancing loss")
         config.output_router_logits = True  # its own loss adds the load-balancing term
     name, cls = model_class(family, task)
+    counted = _meta_size(cls, config)  # (before its memory is taken: T5Gemma's are 5.6 billion)
     torch.manual_seed(0)
     try:
-        model = cls(config)
+        model = cls(config) if counted <= MAX_PARAMS else None
     except Exception as e:
         raise Skip(f"{cls.__name__}(tiny config): {first_line(e)}") from e
-    size = sum(p.numel() for p in model.parameters())
+    size = counted if model is None else sum(p.numel() for p in model.parameters())
     if size > MAX_PARAMS:
         raise Skip(f"{cls.__name__}: {size:,} parameters at the tiniest config made")
     model = model.double().train()

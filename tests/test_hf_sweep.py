@@ -7,11 +7,14 @@ refusal apart from a match, and to write its table."""
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 pytest.importorskip("transformers", reason="the sweep needs transformers")
 hf_sweep = pytest.importorskip("bench.hf_sweep")
@@ -147,6 +150,25 @@ def test_sweep_tiny_config_sets_the_sizes_the_config_has():
     assert torch.get_default_dtype() == torch.float32  # nothing global changed
 
 
+def test_sweep_counts_a_model_too_large_before_making_it(monkeypatch):
+    """A model above the sweep's size is counted on the meta device and skipped without its
+    memory taken (T5Gemma's tiniest configuration makes 5.6 billion parameters)."""
+    import transformers
+
+    devices = []
+    init = transformers.LlamaForCausalLM.__init__
+
+    def spied(self, config):
+        devices.append(torch.empty(()).device.type)  # the device it is made on
+        init(self, config)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", spied)
+    monkeypatch.setattr(hf_sweep, "MAX_PARAMS", 1000)
+    res = hf_sweep.check("llama", limit=0)
+    assert res.outcome == "skipped" and "parameters at the tiniest config" in res.detail
+    assert devices == ["meta"]
+
+
 def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
     """AFMoE's experts: in a tiny batch one expert is routed every token, so the rows it
     computed (with a gradient) are the batch's in order, and their product with the router's
@@ -178,6 +200,75 @@ def test_setting_allows_the_models_own_rounding(family, setting):
     res = hf_sweep.check(family, limit=0, setting=setting)
     assert res.outcome == "match", (res.outcome, res.detail)
     assert "without gradhooks" in res.detail
+
+
+class BatchedOtherwise(nn.Module):
+    """A Linear, tanh, a Linear; a batch of more than one example has its hidden layer scaled
+    by 1.5, no gradient of its own: a batch computed otherwise than each example alone, as
+    torch's CPU bfloat16 convolution of the channels-last view that Segformer's and PVT's
+    sequence reductions read does on some machines."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h * 1.5 if x.shape[0] > 1 else h)
+
+
+def _subject(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """``model`` on ``x`` with a summed cross-entropy of ``y``, as the settings run it."""
+    from bench import sweep
+
+    def losses():
+        return F.cross_entropy(model(x).float(), y, reduction="none")
+
+    def own_gradients():
+        params = [p for _, p in sweep.trainable(model)]
+        rows = [torch.autograd.grad(losses_of(b), params) for b in range(len(x))]
+        return {n: torch.stack([r[i] for r in rows])
+                for i, (n, _) in enumerate(sweep.trainable(model))}  # fmt: skip
+
+    def losses_of(b):
+        return F.cross_entropy(model(x[b : b + 1]).float(), y[b : b + 1], reduction="sum")
+
+    return sweep.Subject(
+        model,
+        loss=lambda: losses().sum(),
+        losses=losses,
+        own_gradients=own_gradients,
+        lowered=lambda: _subject(copy.deepcopy(model).float(), x.float(), y),
+    )
+
+
+def _batched_otherwise():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    return _subject(BatchedOtherwise().double(), x, torch.tensor([0, 2, 1]))
+
+
+def test_bf16_setting_tells_a_batch_computed_otherwise_from_a_wrong_grad1():
+    """The model's batched forward is not each example's alone: grad1 is off the float64
+    loop by far more than bfloat16 allows, and so are autograd's own per-example gradients
+    of the batched forward, without gradhooks; grad1 is compared with those, and matches."""
+    from bench import sweep
+
+    res = sweep.Result("batched-otherwise")
+    sweep.bf16_autocast(_batched_otherwise(), res)
+    assert res.outcome == "match", (res.outcome, res.detail)
+    assert "batched bfloat16 forward" in res.detail and res.max_rel_error <= sweep.BF16_TOL
+
+
+def test_bf16_setting_reports_a_wrong_grad1_of_a_batch_computed_otherwise(monkeypatch):
+    """The same model with two examples' grad1 swapped: wrong against autograd's per-example
+    gradients of the batched forward too."""
+    from bench import sweep
+
+    monkeypatch.setattr(sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
+    res = sweep.Result("batched-otherwise")
+    sweep.bf16_autocast(_batched_otherwise(), res)
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
 
 
 def test_training_setting_reports_a_grad1_that_zero_grad_did_not_reset(monkeypatch):
