@@ -318,27 +318,18 @@ def root_batch(
 def listed_with(first: Tensor, args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors held with ``first`` in one list or tuple among the model's arguments
     (``model([x1, x2])``, ``model(batch)`` with ``batch`` a list), ``first`` included; none
-    where it is an argument itself (``model(a, b)``) or a field of a named record."""
-
-    def find(tree: Any) -> list[Tensor] | None:
+    where it is an argument itself (``model(a, b)``) or a field of a named record. (A walk by
+    hand, depth first in order: a nested function that calls itself would hold ``first`` in
+    a reference cycle, kept until the garbage collector runs.)"""
+    todo: list[Any] = list(reversed((*args, *kwargs.values())))
+    while todo:
+        tree = todo.pop()
         if type(tree) in (list, tuple):
             if any(x is first for x in tree):
                 return [x for x in tree if isinstance(x, Tensor)]
-            children = tree
+            todo.extend(reversed(tree))
         elif type(tree) is dict:
-            children = tree.values()
-        else:
-            return None
-        for x in children:
-            found = find(x)
-            if found is not None:
-                return found
-        return None
-
-    for a in (*args, *kwargs.values()):
-        found = find(a)
-        if found is not None:
-            return found
+            todo.extend(reversed(list(tree.values())))
     return []
 
 
