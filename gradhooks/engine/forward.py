@@ -407,6 +407,7 @@ class ForwardCapture:
             autocast=autocast_state() if autocast else (),
             # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
             params=None if self.state.sharded else _in_slots(target),
+            modes=tuple(m.training for m in target.module.modules()),
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs

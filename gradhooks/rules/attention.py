@@ -311,7 +311,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
             "gradients need a batch dimension ([batch, seq, E] with batch_first=True, "
             "[seq, batch, E] otherwise)"
         )
-    if m.training and m.dropout > 0:
+    if call.training and m.dropout > 0:  # (the mode it ran in: a loop may have switched it)
         raise UnsupportedError(
             f"{where} has dropout={m.dropout} inside the attention and is in training mode: "
             "its random mask is drawn inside torch's attention and cannot be reproduced, so "

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,11 @@ class Call:
     module's own parameters, or the tensors ``torch.func.functional_call`` put in their place
     for that call alone (back on the module by the backward). A rule that reads a
     parameter's value reads :meth:`parameter`.
+    ``modes``: the ``training`` flag of each of ``module.modules()`` at the forward, in that
+    order (``None``: not known, a call built by hand). A loop may switch the model between
+    ``train()`` and ``eval()`` after the forward and before the backward: a rule that asks
+    whether the call ran in training mode reads :attr:`training`, and one that runs the
+    module's forward again does so under :meth:`modes_at_forward`.
     """
 
     module: nn.Module
@@ -132,6 +137,31 @@ class Call:
     buffers_left: Mapping[str, Tensor] | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     params: Mapping[str, Tensor] | None = None
+    modes: tuple[bool, ...] | None = None
+
+    @property
+    def training(self) -> bool:
+        """Whether the module was in training mode at the call's forward (where not known,
+        whether it is now)."""
+        return self.modes[0] if self.modes else self.module.training
+
+    @contextmanager
+    def modes_at_forward(self) -> Iterator[None]:
+        """Within: every submodule of the module in the mode it had at the call's forward
+        (:attr:`modes`), each set back on the way out; nothing changes where the modes are not
+        known or the module's submodules are no longer those of the forward."""
+        now = list(self.module.modules())
+        if self.modes is None or len(now) != len(self.modes):
+            yield
+            return
+        changed = [(m, m.training) for m, was in zip(now, self.modes) if m.training != was]
+        for m, is_training in changed:
+            m.training = not is_training
+        try:
+            yield
+        finally:
+            for m, is_training in changed:
+                m.training = is_training
 
     def parameter(self, name: str) -> Tensor | None:
         """The tensor the call ran with for the module's parameter ``name`` (``"weight"``,

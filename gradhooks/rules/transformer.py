@@ -44,6 +44,13 @@ def _batch_first(tree):
     batch_dim=lambda layer: batch_first(layer.self_attn),
 )  # fmt: skip
 def transformer_layer(call: Call) -> dict[str, Piece]:
+    # rerun, and its parts' rules run, in the modes of the forward (a loop may have switched
+    # the model between train() and eval() before the backward)
+    with call.modes_at_forward():
+        return _transformer_layer(call)
+
+
+def _transformer_layer(call: Call) -> dict[str, Piece]:
     layer = call.module
     where = describe_module(call.name, layer)
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]

@@ -1,0 +1,133 @@
+"""What a loop changes on the model between a forward and its backward.
+
+A rule runs at the backward, from what its call kept at the forward; whatever it reads of the
+live module instead is read after the loop has had its say. Each test writes an idiom that
+changes such state in between, on a small model in float64: ``model.eval()`` / ``model.train()``
+switched after the loss is computed (a loop that logs in eval mode before ``backward()`` and
+forgets ``model.train()``, one that computes the loss in eval mode for the dropout-free
+gradient and switches back to train mode first) around attention, a Transformer layer and
+stacked RNNs with dropout. Each is
+compared with each example's own gradient by a per-example loop in float64 of the model as the
+forward ran (:func:`gradhooks.oracle.loop_grad`), and ``.grad`` with autograd's, or checked to
+stop with gradhooks' typed error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+D = torch.float64
+
+
+def sq(out) -> torch.Tensor:
+    """A loss of every entry of the first output (attention and RNNs return tuples)."""
+    return (out[0] if isinstance(out, tuple) else out).square().sum()
+
+
+def inputs(step: int, shape=(3, 5, 4)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(step), dtype=D)
+
+
+def assert_as_ran(model: nn.Module, want: dict, what: str) -> None:
+    """``grad1`` of every trainable parameter is the loop's, and ``.grad`` its sum."""
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[n], msg=f"{what}: {n} grad1")
+        torch.testing.assert_close(p.grad, want[n].sum(0), msg=f"{what}: {n} grad")
+
+
+class _Attention(nn.Module):
+    """Self-attention (the rule reads the projections' gradients off the backward) or
+    cross-attention (the rule recomputes the attention), with dropout inside."""
+
+    def __init__(self, cross: bool) -> None:
+        super().__init__()
+        self.cross = cross
+        self.attn = nn.MultiheadAttention(4, 2, dropout=0.3, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x.flip(1) if self.cross else x, x)[0]
+
+
+class _Decoder(nn.Module):
+    """A Transformer decoder layer sequence-first (torch's default), its memory the input
+    reversed in time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(4, 2, 6, dropout=0.3)
+
+    def forward(self, x):
+        x = x.transpose(0, 1)  # [seq, batch, E]
+        return self.layer(x, x.flip(0)).transpose(0, 1)
+
+
+_WITH_DROPOUT = {
+    "self_attention": lambda: _Attention(cross=False),
+    "cross_attention": lambda: _Attention(cross=True),
+    "encoder_layer": lambda: nn.TransformerEncoderLayer(4, 2, 6, dropout=0.3, batch_first=True),
+    "decoder_layer_seq_first": _Decoder,
+    "lstm": lambda: nn.LSTM(4, 3, num_layers=2, dropout=0.3, batch_first=True),
+    "gru": lambda: nn.GRU(4, 3, num_layers=2, dropout=0.3, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WITH_DROPOUT))
+def test_eval_at_the_forward_and_train_at_the_backward(kind):
+    """The loss computed in eval mode (no dropout: a deterministic gradient, as for a DP
+    fine-tuning step), the model put back in train mode before ``backward()``, at every step of
+    SGD. The forward drew no mask: ``grad1`` and ``.grad`` are the loop's of the model in eval
+    mode. Before, the rules asked the module's mode at the backward: the attention, the
+    Transformer layer and the RNNs refused the step as if dropout had been drawn."""
+    torch.manual_seed(0)
+    model = _WITH_DROPOUT[kind]().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(2):
+            x = inputs(step)
+            model.eval()
+            reference = copy.deepcopy(model)
+            want = loop_grad(reference, sq, x)
+            loss = sq(model(x))
+            model.train()
+            loss.backward()
+            assert_as_ran(model, want, f"{kind}, step {step}")
+            opt.step()
+            opt.zero_grad()
+
+
+_REFUSED = {  # the error, and whether the forward refuses already (the RNNs' kernel draws it)
+    "self_attention": (gradhooks.UnsupportedError, False),
+    "cross_attention": (gradhooks.UnsupportedError, False),
+    "encoder_layer": (gradhooks.UnsupportedError, False),
+    "decoder_layer_seq_first": (gradhooks.UnsupportedError, False),
+    "lstm": (gradhooks.ConfigurationError, True),
+    "gru": (gradhooks.ConfigurationError, True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WITH_DROPOUT))
+def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
+    """The loss computed in train mode, with dropout drawn inside the layer, then the model
+    put in eval mode before ``backward()`` (an evaluation logged in between, ``model.train()``
+    forgotten): the masks were drawn, and cannot be replayed, so the step is refused with the
+    layer's typed error, as in train mode throughout; ``grad1`` is not written. (The guard
+    against autograd is off: the refusal is the rule's.) Before, the attention's and the
+    Transformer layers' rules asked the module's mode at the backward, recomputed the layer
+    without dropout and wrote a wrong ``grad1`` with no error."""
+    torch.manual_seed(0)
+    model = _WITH_DROPOUT[kind]().to(D)
+    error, at_forward = _REFUSED[kind]
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
+        with pytest.raises(error, match="dropout"):
+            loss = sq(model(inputs(0)))
+            assert not at_forward
+            model.eval()
+            loss.backward()
+    for p in model.parameters():
+        assert not hasattr(p, "grad1")
