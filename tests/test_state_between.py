@@ -6,7 +6,8 @@ changes such state in between, on a small model in float64: ``model.eval()`` / `
 switched after the loss is computed (a loop that logs in eval mode before ``backward()`` and
 forgets ``model.train()``, one that computes the loss in eval mode for the dropout-free
 gradient and switches back to train mode first) around attention, a Transformer layer and
-stacked RNNs with dropout. Each is
+stacked RNNs with dropout; ``torch.func.functional_call`` with other tensors in place of an
+``nn.EmbeddingBag``'s table. Each is
 compared with each example's own gradient by a per-example loop in float64 of the model as the
 forward ran (:func:`gradhooks.oracle.loop_grad`), and ``.grad`` with autograd's, or checked to
 stop with gradhooks' typed error."""
@@ -131,3 +132,34 @@ def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
             loss.backward()
     for p in model.parameters():
         assert not hasattr(p, "grad1")
+
+
+class _Bags(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.bags = nn.EmbeddingBag(10, 4, mode=mode)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.head(self.bags(idx))
+
+
+@pytest.mark.parametrize("mode", ["max", "mean", "sum"])
+def test_functional_call_with_another_table_of_an_embedding_bag(mode):
+    """``functional_call(model, other, (idx,))`` with leaf tensors in place of an
+    ``nn.EmbeddingBag``'s table and of the head's parameters (an ensemble member's): each
+    tensor's ``grad1`` is the float64 loop's of the model loaded with them. Before, the rule
+    of max mode found each bag's maximum in the module's own table, read at the backward: the
+    rows of other maxima got the gradient, with no error where the guard was off."""
+    torch.manual_seed(0)
+    model = _Bags(mode).to(D)
+    idx = torch.randint(10, (5, 3), generator=torch.Generator().manual_seed(1))
+    other = {n: torch.randn_like(p).requires_grad_() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model)
+    reference.load_state_dict({n: t.detach() for n, t in other.items()})
+    want = loop_grad(reference, sq, idx)
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
+        sq(torch.func.functional_call(model, other, (idx,))).backward()
+    for n, t in other.items():
+        torch.testing.assert_close(t.grad1, want[n], msg=n)
+        torch.testing.assert_close(t.grad, want[n].sum(0), msg=n)
