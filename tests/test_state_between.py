@@ -7,7 +7,8 @@ switched after the loss is computed (a loop that logs in eval mode before ``back
 forgets ``model.train()``, one that computes the loss in eval mode for the dropout-free
 gradient and switches back to train mode first) around attention, a Transformer layer and
 stacked RNNs with dropout; ``torch.func.functional_call`` with other tensors in place of an
-``nn.EmbeddingBag``'s table. Each is
+``nn.EmbeddingBag``'s table; an optimizer's step between two backwards of a retained graph
+through a recurrent cell, whose weights autograd does not keep. Each is
 compared with each example's own gradient by a per-example loop in float64 of the model as the
 forward ran (:func:`gradhooks.oracle.loop_grad`), and ``.grad`` with autograd's, or checked to
 stop with gradhooks' typed error."""
@@ -163,3 +164,37 @@ def test_functional_call_with_another_table_of_an_embedding_bag(mode):
     for n, t in other.items():
         torch.testing.assert_close(t.grad1, want[n], msg=n)
         torch.testing.assert_close(t.grad, want[n].sum(0), msg=n)
+
+
+_CELLS = {
+    "rnn_cell": lambda: nn.RNNCell(4, 3),
+    "lstm_cell": lambda: nn.LSTMCell(4, 3),
+    "gru_cell": lambda: nn.GRUCell(4, 3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_CELLS))
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "unverified"])
+def test_step_between_two_backwards_through_a_recurrent_cell(kind, verify):
+    """Two losses of one forward through a recurrent cell's first step (no state), the first
+    backward with ``retain_graph=True``, the optimizer's step between them (alternating
+    updates). Autograd keeps no weight of that step (its input and state do not require
+    grad): its second ``.grad`` is that of the forward as it ran. The cell's rule recomputes
+    the gates from the weights, now changed: refused, naming the parameter, as autograd
+    refuses a saved tensor changed in place; ``grad1`` of the first backward is the loop's.
+    Before, the second ``grad1`` was computed from the stepped weights: wrong with no error
+    where the guard was off, a ``CheckFailedError`` suggesting an unseen use where it was on."""
+    torch.manual_seed(0)
+    model = _CELLS[kind]().to(D)
+    x = inputs(0, (6, 4))
+    want = loop_grad(copy.deepcopy(model), sq, x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+        out = model(x)
+        first, second = sq(out), (out[0] if isinstance(out, tuple) else out).sum()
+        first.backward(retain_graph=True)
+        assert_as_ran(model, want, kind)
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(gradhooks.StateError, match=r"parameter 'weight_ih' of .*version"):
+            second.backward()

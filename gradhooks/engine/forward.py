@@ -394,6 +394,8 @@ class ForwardCapture:
         forward it runs in. ``ins``, ``outs``: ``tree_leaves((args, kwargs))`` and
         ``tree_leaves(output)``, where the caller has them."""
         autocast = autocast_on()
+        # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
+        slots = None if self.state.sharded else _in_slots(target)
         call = Call(
             module=target.module,
             inputs=detach_tree(args),
@@ -405,8 +407,8 @@ class ForwardCapture:
             hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast else (),
-            # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
-            params=None if self.state.sharded else _in_slots(target),
+            params=slots,
+            versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
             modes=tuple(m.training for m in target.module.modules()),
         )
         frame = self.state.frames[-1] if self.state.frames else None
