@@ -8,7 +8,8 @@ forgets ``model.train()``, one that computes the loss in eval mode for the dropo
 gradient and switches back to train mode first) around attention, a Transformer layer and
 stacked RNNs with dropout; ``torch.func.functional_call`` with other tensors in place of an
 ``nn.EmbeddingBag``'s table; an optimizer's step between two backwards of a retained graph
-through a recurrent cell, whose weights autograd does not keep. Each is
+through a recurrent cell, whose weights autograd does not keep; ``functional_call`` on the
+hooked layer itself. Each is
 compared with each example's own gradient by a per-example loop in float64 of the model as the
 forward ran (:func:`gradhooks.oracle.loop_grad`), and ``.grad`` with autograd's, or checked to
 stop with gradhooks' typed error."""
@@ -103,13 +104,13 @@ def test_eval_at_the_forward_and_train_at_the_backward(kind):
             opt.zero_grad()
 
 
-_REFUSED = {  # the error, and whether the forward refuses already (the RNNs' kernel draws it)
-    "self_attention": (gradhooks.UnsupportedError, False),
-    "cross_attention": (gradhooks.UnsupportedError, False),
-    "encoder_layer": (gradhooks.UnsupportedError, False),
-    "decoder_layer_seq_first": (gradhooks.UnsupportedError, False),
-    "lstm": (gradhooks.ConfigurationError, True),
-    "gru": (gradhooks.ConfigurationError, True),
+_REFUSED = {  # the layer's error
+    "self_attention": gradhooks.UnsupportedError,
+    "cross_attention": gradhooks.UnsupportedError,
+    "encoder_layer": gradhooks.UnsupportedError,
+    "decoder_layer_seq_first": gradhooks.UnsupportedError,
+    "lstm": gradhooks.ConfigurationError,
+    "gru": gradhooks.ConfigurationError,
 }
 
 
@@ -118,17 +119,16 @@ def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
     """The loss computed in train mode, with dropout drawn inside the layer, then the model
     put in eval mode before ``backward()`` (an evaluation logged in between, ``model.train()``
     forgotten): the masks were drawn, and cannot be replayed, so the step is refused with the
-    layer's typed error, as in train mode throughout; ``grad1`` is not written. (The guard
-    against autograd is off: the refusal is the rule's.) Before, the attention's and the
-    Transformer layers' rules asked the module's mode at the backward, recomputed the layer
-    without dropout and wrote a wrong ``grad1`` with no error."""
+    layer's typed error, as in train mode throughout; ``grad1`` is not written. (The guard against autograd is off: the refusal is the layer's.)
+    Before, the attention's and the Transformer layers' rules asked the module's mode at the
+    backward, recomputed the layer without dropout and wrote a wrong ``grad1`` with no
+    error."""
     torch.manual_seed(0)
     model = _WITH_DROPOUT[kind]().to(D)
-    error, at_forward = _REFUSED[kind]
+    error = _REFUSED[kind]
     with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
         with pytest.raises(error, match="dropout"):
             loss = sq(model(inputs(0)))
-            assert not at_forward
             model.eval()
             loss.backward()
     for p in model.parameters():
@@ -198,3 +198,68 @@ def test_step_between_two_backwards_through_a_recurrent_cell(kind, verify):
         opt.zero_grad()
         with pytest.raises(gradhooks.StateError, match=r"parameter 'weight_ih' of .*version"):
             second.backward()
+
+
+class _Free(nn.Module):
+    """A layer without a rule (the torch.func fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w).cumsum(1)
+
+
+_ROOTS = {  # the model is the layer itself: (layer, input shape)
+    "linear": (lambda: nn.Linear(4, 3), (5, 4)),
+    "linear_many_positions": (lambda: nn.Linear(4, 3), (3, 80, 4)),
+    "conv": (lambda: nn.Conv1d(5, 3, 2), (3, 5, 4)),
+    "layer_norm": (lambda: nn.LayerNorm(4), (3, 5, 4)),
+    "embedding_bag": (lambda: nn.EmbeddingBag(10, 4, mode="max"), None),
+    "self_attention": (lambda: nn.MultiheadAttention(4, 2, batch_first=True), (3, 5, 4)),
+    "lstm": (lambda: nn.LSTM(4, 3, batch_first=True), (3, 5, 4)),
+    "gru_cell": (lambda: nn.GRUCell(4, 3), (5, 4)),
+    "encoder_layer": (
+        lambda: nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True),
+        (3, 5, 4),
+    ),
+    "fallback": (_Free, (3, 5, 4)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_ROOTS))
+def test_functional_call_on_the_hooked_layer_itself(kind):
+    """``functional_call(layer, other, args, strict=True)`` where the hooked model is the layer
+    itself (an ensemble of one layer, a hypernetwork's target), at two steps, a plain call of
+    the layer between them: each tensor's ``grad1`` is the float64 loop's of the layer loaded
+    with them, and ``.grad`` their sum. Before, the hooks planned again at the root's forward
+    pre-hook missed that very call (torch runs a copy of the hooks it had), so the tracker took
+    the call's own uses of the tensors for uses outside it: ``grad1`` was wrong with no error
+    where the guard was off (Linear's twice the gradient), and the fallback refused the call as
+    mixing the examples."""
+    make, shape = _ROOTS[kind]
+    torch.manual_seed(0)
+    model = make().to(D)
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False) as hooks:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = inputs(step, shape) if shape else torch.randint(10, (5, 3), generator=g)
+            args = (x, x, x) if isinstance(model, nn.MultiheadAttention) else (x,)
+            other = {
+                n: (p + 0.1 * torch.randn(p.shape, generator=g, dtype=D)).detach().requires_grad_()
+                for n, p in model.named_parameters()
+            }
+            reference = copy.deepcopy(model)
+            reference.load_state_dict({n: t.detach() for n, t in other.items()})
+            want = loop_grad(reference, sq, args)
+            sq(torch.func.functional_call(model, other, args, strict=True)).backward()
+            for n, t in other.items():
+                torch.testing.assert_close(t.grad1, want[n], msg=f"step {step}: {n}")
+                torch.testing.assert_close(t.grad, want[n].sum(0), msg=f"step {step}: {n}")
+            hooks.clear()
+            sq(model(*args)).backward()  # (the layer's own parameters: planned again)
+            want = loop_grad(model, sq, args)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, want[n], msg=f"step {step}, own: {n}")
+            model.zero_grad()
