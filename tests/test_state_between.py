@@ -104,7 +104,7 @@ def test_eval_at_the_forward_and_train_at_the_backward(kind):
             opt.zero_grad()
 
 
-_REFUSED = {  # the layer's error
+_REFUSED = {  # the layer's error, raised at the forward, which draws the masks
     "self_attention": gradhooks.UnsupportedError,
     "cross_attention": gradhooks.UnsupportedError,
     "encoder_layer": gradhooks.UnsupportedError,
@@ -119,7 +119,8 @@ def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
     """The loss computed in train mode, with dropout drawn inside the layer, then the model
     put in eval mode before ``backward()`` (an evaluation logged in between, ``model.train()``
     forgotten): the masks were drawn, and cannot be replayed, so the step is refused with the
-    layer's typed error, as in train mode throughout; ``grad1`` is not written. (The guard against autograd is off: the refusal is the layer's.)
+    layer's typed error (at the forward, which draws them), as in train mode throughout;
+    ``grad1`` is not written. (The guard against autograd is off: the refusal is the layer's.)
     Before, the attention's and the Transformer layers' rules asked the module's mode at the
     backward, recomputed the layer without dropout and wrote a wrong ``grad1`` with no
     error."""
@@ -130,6 +131,35 @@ def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
         with pytest.raises(error, match="dropout"):
             loss = sq(model(inputs(0)))
             model.eval()
+            loss.backward()
+    for p in model.parameters():
+        assert not hasattr(p, "grad1")
+
+
+def _anneal(model: nn.Module, rate: float) -> None:
+    """Every dropout rate of the model set to ``rate`` (a schedule's step)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = rate
+        elif isinstance(m, nn.MultiheadAttention | nn.RNNBase):
+            m.dropout = rate
+
+
+@pytest.mark.parametrize("kind", sorted(_WITH_DROPOUT))
+def test_dropout_annealed_between_the_forward_and_the_backward(kind):
+    """Dropout annealed by a schedule stepped after the loss is computed and before
+    ``backward()``, down to 0 at this step: the forward drew its masks at the old rate, so the
+    step is refused, at the forward, with the layer's typed error. Before, the attention's and
+    the Transformer layers' rules read the rate at the backward, found none, recomputed the
+    layer without dropout and wrote a wrong ``grad1`` with no error where the guard was
+    off."""
+    torch.manual_seed(0)
+    model = _WITH_DROPOUT[kind]().to(D)
+    error = _REFUSED[kind]
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
+        with pytest.raises(error, match="dropout"):
+            loss = sq(model(inputs(0)))
+            _anneal(model, 0.0)
             loss.backward()
     for p in model.parameters():
         assert not hasattr(p, "grad1")
