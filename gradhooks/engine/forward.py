@@ -60,6 +60,7 @@ from .records import (
     CallLayout,
     CallState,
     Frame,
+    Hook,
     OwnWork,
     autocast_on,
     call_precision,
@@ -394,6 +395,8 @@ class ForwardCapture:
         forward it runs in. ``ins``, ``outs``: ``tree_leaves((args, kwargs))`` and
         ``tree_leaves(output)``, where the caller has them."""
         autocast = autocast_on()
+        # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
+        slots = None if self.state.sharded else _in_slots(target)
         call = Call(
             module=target.module,
             inputs=detach_tree(args),
@@ -405,8 +408,9 @@ class ForwardCapture:
             hooked=self.state.hooked,
             memo=target.memo,
             autocast=autocast_state() if autocast else (),
-            # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
-            params=None if self.state.sharded else _in_slots(target),
+            params=slots,
+            versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
+            modes=tuple(m.training for m in target.module.modules()),
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs
@@ -531,10 +535,26 @@ class ForwardCapture:
             self.state.collector.expect(live)
         return call, state
 
-    def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if module is not self.state.model:
-            return  # a copy
+            return None  # a copy
+        before = _torch.forward_pre_hooks(module)
         self._open_frame(module, args, kwargs)
+        # Where the hooks were planned again here (torch.func.functional_call put other tensors
+        # in the root's parameter slots), torch runs the root's pre-hooks from its copy taken
+        # before: the root's new ones would miss this call (its tracker would take the call's
+        # own uses of the parameters for uses outside it, and count them twice). They run here,
+        # in the place of the old ones, which are dead.
+        new = [
+            h for h in _torch.forward_pre_hooks(module)
+            if isinstance(h, Hook) and not any(h is b for b in before)
+        ]  # fmt: skip
+        given = None
+        for h in new:
+            out = h(module, args, kwargs)
+            if out is not None:
+                args, kwargs = given = out
+        return given
 
     def entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """The forward pre- and post-hook of a module of the model other than the root that

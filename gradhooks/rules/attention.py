@@ -28,7 +28,7 @@ loss uses them, the returned attention weights). No example sees another, so the
 per-example gradients. Scaling: none here; the engine scales for mean-reduced losses.
 
 Dropout inside the attention (``dropout > 0`` in training mode) draws a random mask this rule
-cannot reproduce: it raises instead of being silently wrong (use ``dropout=0`` or ``eval()``).
+cannot reproduce: the forward raises instead (use ``dropout=0`` or ``eval()``).
 """
 
 from __future__ import annotations
@@ -291,8 +291,23 @@ def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
     )
 
 
+def refuse_dropout(m: nn.MultiheadAttention, name: str, training: bool | None = None) -> None:
+    """At the forward (a loop may change the rate before the backward: dropout annealed from
+    step to step), and again in the rule, ``training`` the mode the call ran in: dropout in
+    training mode draws a mask inside torch's attention that the rule cannot replay."""
+    if (m.training if training is None else training) and m.dropout > 0:
+        raise UnsupportedError(
+            f"{describe_module(name, m)} has dropout={m.dropout} inside the attention and is in "
+            "training mode: its random mask is drawn inside torch's attention and cannot be "
+            "reproduced, so per-example gradients of this layer cannot be computed. Construct "
+            "it with dropout=0 (nn.TransformerEncoderLayer/DecoderLayer pass their dropout to "
+            "it), or call .eval()."
+        )
+
+
 @register(
     nn.MultiheadAttention,
+    on_forward=refuse_dropout,
     owns_children=True,
     taps=projection_taps,
     grad_from_grad1=self_attention_positions,
@@ -311,14 +326,7 @@ def multihead_attention(call: Call) -> dict[str, Piece]:
             "gradients need a batch dimension ([batch, seq, E] with batch_first=True, "
             "[seq, batch, E] otherwise)"
         )
-    if m.training and m.dropout > 0:
-        raise UnsupportedError(
-            f"{where} has dropout={m.dropout} inside the attention and is in training mode: "
-            "its random mask is drawn inside torch's attention and cannot be reproduced, so "
-            "per-example gradients of this layer cannot be computed. Construct it with "
-            "dropout=0 (nn.TransformerEncoderLayer/DecoderLayer pass their dropout to it), "
-            "or call .eval()."
-        )
+    refuse_dropout(m, call.name, call.training)  # (the mode it ran in: a loop may switch it)
     # self-attention: one input for the three projections (as the taps' pieces take it)
     one_input = _same(query, key) and _same(query, value)
     if not m.batch_first:  # [seq, batch, E] -> [batch, seq, E]

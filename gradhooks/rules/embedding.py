@@ -130,7 +130,9 @@ def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
             - (torch.cumsum(counts, 0) - counts)[valid_bag]
         )
         rows = g.new_full((num_bags, length, dim), -math.inf)
-        rows[valid_bag, slot] = m.weight.detach()[valid_idx].to(g.dtype)
+        # (the weight the call ran with: functional_call may have replaced it for the call)
+        weight = call.parameter("weight").detach()
+        rows[valid_bag, slot] = weight[valid_idx].to(g.dtype)
         index = torch.zeros(num_bags, length, dtype=flat.dtype, device=g.device)
         index[valid_bag, slot] = valid_idx
         if length:

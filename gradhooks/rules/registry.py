@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,13 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from ..errors import ConfigurationError, ConfigurationTypeError, RuleError, describe_module
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    RuleError,
+    StateError,
+    describe_module,
+)
 from ..pieces import Piece
 
 __all__ = [
@@ -111,6 +117,14 @@ class Call:
     module's own parameters, or the tensors ``torch.func.functional_call`` put in their place
     for that call alone (back on the module by the backward). A rule that reads a
     parameter's value reads :meth:`parameter`.
+    ``versions``: the version counter of each tensor of ``params`` at the forward (``None``:
+    not known): :meth:`parameter` refuses one changed in place since, as autograd refuses a
+    saved tensor changed so.
+    ``modes``: the ``training`` flag of each of ``module.modules()`` at the forward, in that
+    order (``None``: not known, a call built by hand). A loop may switch the model between
+    ``train()`` and ``eval()`` after the forward and before the backward: a rule that asks
+    whether the call ran in training mode reads :attr:`training`, and one that runs the
+    module's forward again does so under :meth:`modes_at_forward`.
     """
 
     module: nn.Module
@@ -132,12 +146,55 @@ class Call:
     buffers_left: Mapping[str, Tensor] | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     params: Mapping[str, Tensor] | None = None
+    versions: Mapping[str, int] | None = None
+    modes: tuple[bool, ...] | None = None
+
+    @property
+    def training(self) -> bool:
+        """Whether the module was in training mode at the call's forward (where not known,
+        whether it is now)."""
+        return self.modes[0] if self.modes else self.module.training
+
+    @contextmanager
+    def modes_at_forward(self) -> Iterator[None]:
+        """Within: every submodule of the module in the mode it had at the call's forward
+        (:attr:`modes`), each set back on the way out; nothing changes where the modes are not
+        known or the module's submodules are no longer those of the forward."""
+        now = list(self.module.modules())
+        if self.modes is None or len(now) != len(self.modes):
+            yield
+            return
+        changed = [(m, m.training) for m, was in zip(now, self.modes) if m.training != was]
+        for m, is_training in changed:
+            m.training = not is_training
+        try:
+            yield
+        finally:
+            for m, is_training in changed:
+                m.training = is_training
 
     def parameter(self, name: str) -> Tensor | None:
         """The tensor the call ran with for the module's parameter ``name`` (``"weight"``,
-        ``"out_proj.weight"``): the one in ``params``, else the module's own now."""
+        ``"out_proj.weight"``): the one in ``params``, else the module's own now. Refused
+        where it was changed in place since the forward (an optimizer's step, or an average of
+        the weights, between two backwards of a retained graph): a rule that reads it would
+        compute with values the call did not run with, where autograd, which may not have
+        kept the parameter (a recurrent cell's weights at a first step), gives the gradient
+        of the forward as it ran."""
         if self.params is not None and name in self.params:
-            return self.params[name]
+            t = self.params[name]
+            kept = None if self.versions is None else self.versions.get(name)
+            if kept is not None and _torch.version(t) != kept:
+                raise StateError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: parameter '{name}' of "
+                    f"{describe_module(self.name, self.module)} of shape {tuple(t.shape)} is "
+                    f"at version {_torch.version(t)}; expected version {kept} instead. Its "
+                    "rule computes from the parameter's values at the call: change parameters "
+                    "after the backward (optimizer.step() after loss.backward()), or take the "
+                    "graph's second backward before the step."
+                )
+            return t
         owner, _, leaf = name.rpartition(".")
         module = self.module.get_submodule(owner) if owner else self.module
         return getattr(module, leaf)

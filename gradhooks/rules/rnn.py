@@ -772,10 +772,12 @@ def _named_error(
     return kind(f"'{name or '<model>'}' ({type(m).__qualname__}, {m.mode}): {what}; {todo}")
 
 
-def refuse_dropout(module: nn.RNNBase, name: str | None) -> None:
-    """At the forward (and again in the rule): dropout between layers in training mode draws a
-    mask inside torch's kernel, which the rule cannot replay."""
-    if module.training and module.dropout > 0 and module.num_layers > 1:
+def refuse_dropout(module: nn.RNNBase, name: str | None, training: bool | None = None) -> None:
+    """At the forward (and again in the rule, with ``training`` the mode the call ran in):
+    dropout between layers in training mode draws a mask inside torch's kernel, which the rule
+    cannot replay."""
+    training = module.training if training is None else training
+    if training and module.dropout > 0 and module.num_layers > 1:
         raise _named_error(
             ConfigurationError,
             module,
@@ -790,7 +792,7 @@ def refuse_dropout(module: nn.RNNBase, name: str | None) -> None:
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
     x, hx = call.inputs[0], _initial_state(call)
-    refuse_dropout(module, call.name)
+    refuse_dropout(module, call.name, call.training)
     packed = isinstance(x, PackedSequence)
     if torch.is_grad_enabled() and _fallback_splits(call) and not _transformed(call.grad_outputs):
         # A create_graph backward: the backward through time below has no graph, so the

@@ -13,8 +13,8 @@ with other tensors in place of the layer's parameters (``torch.func.functional_c
 with them, the same way, and its parts' calls are handed them.
 
 Scaling: none here; the engine scales for mean-reduced losses. Dropout (``dropout > 0`` in
-training mode) cannot be replayed: an error (construct the layer with ``dropout=0``, or call
-``eval()``). Parts are looked up in the handle's registry (``call.registry``).
+training mode) cannot be replayed: an error at the forward (construct the layer with
+``dropout=0``, or call ``eval()``). Parts are looked up in the handle's registry (``call.registry``).
 """
 
 from __future__ import annotations
@@ -39,20 +39,35 @@ def _batch_first(tree):
     )
 
 
-@register(
-    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True,
-    batch_dim=lambda layer: batch_first(layer.self_attn),
-)  # fmt: skip
-def transformer_layer(call: Call) -> dict[str, Piece]:
-    layer = call.module
-    where = describe_module(call.name, layer)
+def refuse_dropout(layer: nn.Module, name: str) -> None:
+    """At the forward (and again in the rule, in the modes of the forward): dropout in
+    training mode draws masks the rerun cannot replay. At the forward, since a loop may change
+    the rates before the backward (dropout annealed from step to step)."""
     dropouts = [n for n, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if layer.training and dropouts:
         raise UnsupportedError(
-            f"{where} is in training mode with dropout > 0 ({', '.join(dropouts)}): its random "
-            "masks cannot be replayed, so per-example gradients of this layer cannot be "
-            "computed. Construct it with dropout=0, or call .eval()."
+            f"{describe_module(name, layer)} is in training mode with dropout > 0 "
+            f"({', '.join(dropouts)}): its random masks cannot be replayed, so per-example "
+            "gradients of this layer cannot be computed. Construct it with dropout=0, or call "
+            ".eval()."
         )
+
+
+@register(
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True,
+    batch_dim=lambda layer: batch_first(layer.self_attn), on_forward=refuse_dropout,
+)  # fmt: skip
+def transformer_layer(call: Call) -> dict[str, Piece]:
+    # rerun, and its parts' rules run, in the modes of the forward (a loop may have switched
+    # the model between train() and eval() before the backward)
+    with call.modes_at_forward():
+        return _transformer_layer(call)
+
+
+def _transformer_layer(call: Call) -> dict[str, Piece]:
+    layer = call.module
+    where = describe_module(call.name, layer)
+    refuse_dropout(layer, call.name)
     # A create_graph backward: the parts' calls keep the graph of the rerun (through the
     # parameters too), and so do their pieces.
     create_graph = torch.is_grad_enabled()
