@@ -316,8 +316,6 @@ class DetachedCalls:
             (``None``: not carried); ``None`` where it runs as autograd runs it."""
             if (
                 module is not target.module
-                # (first: the rule's own test, cheap and most often false, a small layer's)
-                or not target.entry.grad_from_grad1(module, args)
                 or _torch.first_forward_hook(module) != forward_hook
                 or _torch.global_forward_hooks()
                 or self.state.removed
@@ -326,6 +324,7 @@ class DetachedCalls:
                 or not torch.is_grad_enabled()
                 or is_compiling()
                 or _torch.in_transform(args, kwargs)
+                or not target.entry.grad_from_grad1(module, args)
                 # (non-reentrant activation checkpointing runs the call again at the backward,
                 # where no tracker tells its layout as the forward's did: it must save what the
                 # forward saved, so neither runs detached)
