@@ -90,12 +90,6 @@ class _HandlesOf:
     def __contains__(self, module: nn.Module) -> bool:
         return self.get(module) is not None
 
-    def __getitem__(self, module: nn.Module) -> Hooks:
-        found = self.get(module)
-        if found is None:
-            raise KeyError(module)
-        return found
-
     def __setitem__(self, module: nn.Module, handle: Hooks) -> None:
         self._refs[module] = weakref.ref(handle)
 
@@ -939,7 +933,7 @@ class Hooks:
     def _check_not_hooked(self, model: nn.Module) -> None:
         if model in _ACTIVE:
             raise StateError(
-                f"{type(model).__qualname__} already has gradhooks hooks ({_ACTIVE[model]!r}); "
+                f"{type(model).__qualname__} already has gradhooks hooks ({_ACTIVE.get(model)!r}); "
                 "adding them again would count every gradient twice. Call "
                 "gradhooks.remove_hooks(model) first, or keep using the existing handle."
             )
@@ -947,7 +941,7 @@ class Hooks:
             if t.module in _HOOKED_MODULES:
                 raise StateError(
                     f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
-                    f"another gradhooks handle ({_HOOKED_MODULES[t.module]!r}), e.g. on a model "
+                    f"another gradhooks handle ({_HOOKED_MODULES.get(t.module)!r}), e.g. on a model "
                     "that contains this one; remove those hooks first."
                 )
 
@@ -1147,13 +1141,13 @@ def active_handles() -> list[Hooks]:
 def hooks_of(model: nn.Module) -> Hooks:
     """The active handle of a hooked model (raises if it has none)."""
     require_module(model, "hooks_of")
-    try:
-        return _ACTIVE[model]
-    except KeyError:
+    found = _ACTIVE.get(model)
+    if found is None:
         raise ConfigurationError(
             f"{type(model).__qualname__} has no gradhooks hooks: call gradhooks.add_hooks(model) "
             "first (or it was already removed)"
-        ) from None
+        )
+    return found
 
 
 def require_module(model: Any, where: str) -> None:
