@@ -410,7 +410,7 @@ class ForwardCapture:
             autocast=autocast_state() if autocast else (),
             params=slots,
             versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
-            modes=tuple(m.training for m in target.module.modules()),
+            modes=tuple(m.training for m in target.modules),
         )
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs

@@ -3,6 +3,7 @@ hook is added (TorchScript, complex parameters, lazy modules)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import weakref
@@ -34,6 +35,12 @@ class Target:
     def where(self) -> str:
         """The module as the errors name it: its qualified name and class."""
         return f"'{self.name or '<model>'}' ({type(self.module).__qualname__})"
+
+    @functools.cached_property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """``module.modules()``, walked once: a module added or removed below it changes the
+        model's structure, for which the hooks are planned again (new targets)."""
+        return tuple(self.module.modules())
 
 
 def plan_targets(
