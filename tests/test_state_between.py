@@ -124,13 +124,18 @@ def test_dropout_at_the_forward_is_refused_though_eval_at_the_backward(kind):
     Before, the attention's and the Transformer layers' rules asked the module's mode at the
     backward, recomputed the layer without dropout and wrote a wrong ``grad1`` with no
     error."""
+    _refused_with_dropout(kind, lambda model: model.eval())
+
+
+def _refused_with_dropout(kind: str, between) -> None:
+    """A step of ``kind``'s model whose forward drew dropout, ``between(model)`` run before
+    ``backward()``: refused with the layer's typed error, no ``grad1`` written."""
     torch.manual_seed(0)
     model = _WITH_DROPOUT[kind]().to(D)
-    error = _REFUSED[kind]
     with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
-        with pytest.raises(error, match="dropout"):
+        with pytest.raises(_REFUSED[kind], match="dropout"):
             loss = sq(model(inputs(0)))
-            model.eval()
+            between(model)
             loss.backward()
     for p in model.parameters():
         assert not hasattr(p, "grad1")
@@ -153,16 +158,7 @@ def test_dropout_annealed_between_the_forward_and_the_backward(kind):
     the Transformer layers' rules read the rate at the backward, found none, recomputed the
     layer without dropout and wrote a wrong ``grad1`` with no error where the guard was
     off."""
-    torch.manual_seed(0)
-    model = _WITH_DROPOUT[kind]().to(D)
-    error = _REFUSED[kind]
-    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
-        with pytest.raises(error, match="dropout"):
-            loss = sq(model(inputs(0)))
-            _anneal(model, 0.0)
-            loss.backward()
-    for p in model.parameters():
-        assert not hasattr(p, "grad1")
+    _refused_with_dropout(kind, lambda model: _anneal(model, 0.0))
 
 
 class _Bags(nn.Module):
