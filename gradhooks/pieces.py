@@ -270,6 +270,8 @@ class Outer(Piece):
         return math.prod(self.g.shape[1:-1]) * self.in_features
 
     def select(self, rows: slice) -> Outer:
+        if rows == _ALL:  # (a piece of its own on the same tensors: nothing to slice)
+            return Outer(self.a, self.g, self.seen)
         seen = None if self.seen is None else self.seen[rows]
         return Outer(None if self.a is None else self.a[rows], self.g[rows], seen)
 
@@ -308,7 +310,8 @@ class Outer(Piece):
         if (a is None and weights is not None and g.dim() == 3 and out.is_contiguous()
                 and _same(out, g)):  # fmt: skip
             rows = g[:, 0] if g.shape[1] == 1 else g.sum(1)  # [batch, out]
-            out.view(-1).addmv_(rows.T, weights.to(g.dtype))
+            w = weights if weights.dtype is g.dtype else weights.to(g.dtype)
+            out.view(-1).addmv_(rows.T, w)
             return
         if a is None or g.dim() != 3 or not out.is_contiguous() or not _same(out, g, a):
             return super().add_batch_sum(out, weights)
@@ -331,13 +334,24 @@ class Outer(Piece):
     def sq_norm(
         self, param_shape: torch.Size, scale: float, with_sum: bool = False
     ) -> tuple[Tensor, str, Tensor | None] | None:
-        """One shared position: ``‖g aᵀ‖ = ‖g‖ ‖a‖`` (Goodfellow); a bias: from ``grad1``."""
+        """One shared position: ``‖g aᵀ‖ = ‖g‖ ‖a‖`` (Goodfellow); a bias: the norm of ``Σ_s g``
+        (``grad1`` itself, not formed where its sum is not wanted)."""
+        g = self.g
         if not self.has_input:
-            return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
-        if self.g.shape[-2] == 1 and not with_sum:
-            sq = self.a.square().sum(-1) * self.g.square().sum(-1)  # [batch, *groups, 1]
-            return sq.flatten(1).sum(1) * scale**2, "outer", None
-        return None
+            if with_sum:
+                return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
+            rows = g if g.shape[-2] == 1 else g.sum(-2)  # (a shared axis of one: in the norm)
+            norm = torch.linalg.vector_norm(rows, dim=tuple(range(1, rows.dim())))
+            return _scaled(norm, scale).square(), "direct", None
+        if g.shape[-2] != 1 or with_sum:
+            return None
+        if g.dim() == 3:  # (no groups: a norm of each, over the example's whole piece)
+            norm = torch.linalg.vector_norm(self.a, dim=(1, 2)) * torch.linalg.vector_norm(
+                g, dim=(1, 2)
+            )
+            return _scaled(norm, scale).square(), "outer", None
+        sq = self.a.square().sum(-1) * g.square().sum(-1)  # [batch, *groups, 1]
+        return sq.flatten(1).sum(1) * scale**2, "outer", None
 
     def merged(self, param_shape: torch.Size, outer: int, batch: int, inner: int) -> Piece:
         """The parts become shared positions."""
@@ -562,7 +576,7 @@ class Direct(Piece):
         return self.value.shape[0]
 
     def select(self, rows: slice) -> Direct:
-        return Direct(self.value[rows])
+        return Direct(self.value if rows == _ALL else self.value[rows])
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
@@ -823,13 +837,20 @@ def _same(out: Tensor, *ts: Tensor) -> bool:
     )
 
 
+# the slice of every example (``select(_ALL)``: the piece over the whole batch)
+_ALL = slice(None)
+
+
 def _scaled(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else t * scale
 
 
 def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
     """``t`` ``[batch, ...]`` with example ``b``'s rows times ``weights[b]``."""
-    return t if weights is None else t * weights.view(-1, *[1] * (t.dim() - 1)).to(t.dtype)
+    if weights is None:
+        return t
+    w = weights.view(-1, *[1] * (t.dim() - 1))
+    return t * (w if w.dtype is t.dtype else w.to(t.dtype))
 
 
 def _from_grad1(
@@ -863,8 +884,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     a whole parameter in bfloat16 or float16 would lose the norm's low digits (bfloat16 keeps
     8 bits) or overflow (float16 above 65504); in float32 it costs one conversion of the
     pieces."""
-    if not dtype.is_floating_point:
-        return dtype
+    if dtype is torch.float32 or dtype is torch.float64 or not dtype.is_floating_point:
+        return dtype  # (without a call through torch's dispatcher, for the usual two)
     return torch.promote_types(dtype, torch.float32)
 
 

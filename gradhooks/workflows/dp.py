@@ -221,7 +221,7 @@ def dp_sgd_step(
     else:  # (autograd's gradients may be expanded views: divided out of place)
         clipped = _torch.foreach_div(clipped, denom)
     for p, c in zip(params, clipped, strict=True):
-        p.grad = c.detach()
+        p.grad = c.detach() if c.requires_grad else c
     return norms.detach()
 
 
@@ -985,12 +985,12 @@ def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
 
 def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
     """``std · gaussian(p, generator)``: a new contiguous tensor of ``p``'s full shape and
-    dtype, on ``p``'s device, for a gradient to be built in. Drawn scaled (``normal_(0,
+    dtype, on ``p``'s device, for a gradient to be built in. Drawn scaled (``normal(0,
     std)``: the same standard normal numbers, each times ``std`` as it is drawn, rounded
     once), not scaled in a second pass over the tensor (for an embedding's table, a pass of
     its size)."""
     device = p.device if generator is None else generator.device
-    z = torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, std, generator=generator)
+    z = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype, device=device)
     return z if z.device == p.device else z.to(p.device)
 
 
