@@ -1024,15 +1024,18 @@ def tensor_hooks(t: Tensor) -> int:
 _WILL_EXECUTE = _lookup("engine_executes", lambda: torch._C._will_engine_execute_node)
 
 
-def adds_to_grad(p: Tensor) -> bool | None:
+def adds_to_grad(p: Tensor, node: Any = None) -> bool | None:
     """During a backward: ``True`` where it adds ``p``'s gradient into ``p.grad`` (runs its
     ``AccumulateGrad`` node: a ``backward()``), ``False`` where it returns it (a
     ``torch.autograd.grad`` with ``p`` among its inputs); ``None``: neither (it does not compute
-    ``p``'s gradient), or unknown (the internal is missing)."""
+    ``p``'s gradient), or unknown (the internal is missing). ``node``: ``p``'s ``AccumulateGrad``
+    node where the caller holds it (else found through two views of ``p``)."""
     if _WILL_EXECUTE is None or "engine_executes" in _off:
         return None
     try:
-        return True if _WILL_EXECUTE(torch.autograd.graph.get_gradient_edge(p).node) else None
+        if node is None:
+            node = torch.autograd.graph.get_gradient_edge(p).node
+        return True if _WILL_EXECUTE(node) else None
     except RuntimeError as e:
         # (a leaf whose gradient the running torch.autograd.grad returns: torch refuses to say,
         # naming autograd.grad)

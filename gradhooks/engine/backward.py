@@ -595,7 +595,8 @@ class BackwardWriter:
         pid, state = id(p), self.state
         if bw.adds and pid not in state.aside:
             return  # (a backward(), and nothing of p set aside: the usual step)
-        adds = _torch.adds_to_grad(p)
+        held = state.accumulators.get(pid)
+        adds = _torch.adds_to_grad(p, None if held is None else held[0])
         if adds:
             bw.adds = True
         if adds is False:

@@ -187,7 +187,8 @@ class Hooks:
         self._handles: list = []
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
-        self._accumulators: dict[int, tuple[Any, Any]] = {}  # (id: node, handle; see _install)
+        # (id: node, handle; see _install), shared with the backward (state.accumulators)
+        self._accumulators: dict[int, tuple[Any, Any]] = state.accumulators
         self._storages: list[int | None] = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
@@ -443,7 +444,7 @@ class Hooks:
                     entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
                 )
         # (held: a leaf's AccumulateGrad node lives while referred to)
-        self._accumulators: dict[int, tuple[Any, Any]] = {}
+        self._accumulators.clear()
         for pid, (name, p) in self._state.params.items():
             if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
                 handle = p.register_hook(self._backwards.param_hook(pid, name))
@@ -883,7 +884,7 @@ class Hooks:
         self._handles.clear()
         self._target_handles.clear()
         self._forwards.layer_outputs.remove()
-        self._accumulators = {}
+        self._accumulators.clear()
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]

@@ -15,7 +15,7 @@ def many_positions(module: nn.Module, args: tuple) -> bool:
     """Whether a Linear call's batch gradient is better taken as the sum of its ``grad1`` (on
     CPU, at least ``TUNING.sum_grad1_positions`` positions per example)."""
     x = args[0] if args else None
-    if not isinstance(x, Tensor) or x.device.type != "cpu" or x.dim() < 2:
+    if not isinstance(x, Tensor) or x.dim() < 2 or not x.is_cpu:
         return False
     return math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
 
@@ -24,7 +24,10 @@ def _positions(t: Tensor) -> Tensor:
     """``[batch, *, features]`` as ``[batch, positions, features]``: einops'
     ``"batch ... f -> batch (...) f"``, as a plain reshape (einops costs a few µs more per call,
     which a small layer called often feels). Other shapes go to einops, for its error."""
-    if t.dim() < 2:
+    dim = t.dim()
+    if dim == 2:
+        return t.unsqueeze(1)  # (one position: the cheapest view)
+    if dim < 2:
         return rearrange(t, "batch ... f -> batch (...) f")
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
