@@ -8,8 +8,9 @@ For each model, at its own batch:
   many times the batch tracker's ``__torch_function__`` (:class:`gradhooks.tracking.tracker.Tracker`)
   runs in one step of gradhooks' grad1 (forward and backward), and the operations through
   torch's dispatcher in one step of plain forward+backward and of grad1 (``torch.profiler``,
-  those no other operation calls, by name): the host work a GPU pays per kernel launched, a
-  count the machine's load does not change;
+  those no other operation calls, by name), and in one book-keeping DP step (the norms, with
+  an SGD update): the host work a GPU pays per kernel launched, a count the machine's load
+  does not change;
 - **time**: medians of interleaved repetitions (process CPU time) of the plain forward, the
   hooked forward, plain forward+backward and gradhooks' grad1 step;
 - **profile**: ``cProfile`` over the same steps of grad1: the tracker's share of the step (its
@@ -123,6 +124,36 @@ def dispatched(step, reset) -> dict[str, int]:
     return dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def _dp_ops(problem, base, x, y) -> dict[str, int]:
+    """:func:`dispatched` for one book-keeping DP step (``dp_sgd_step`` with the norms, an SGD
+    update: the host suite's), past the steps the run-time check verifies."""
+    from bench.methods import PER_EXAMPLE
+
+    model = copy.deepcopy(base)
+    hooks = gradhooks.add_hooks(model, quantities=("norms",))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    each = PER_EXAMPLE[problem.loss]
+
+    def step() -> None:
+        losses = each(model(x), y)
+        gradhooks.dp_sgd_step(hooks, losses, max_norm=1.0, noise_multiplier=1.0, generator=gen)
+        opt.step()
+
+    def reset() -> None:
+        hooks.clear()
+        for p in params:
+            p.grad = None
+
+    for _ in range(9):  # (the 1st, 2nd, 4th and 8th backwards are checked)
+        reset()
+        step()
+    found = dispatched(step, reset)
+    hooks.remove()
+    return found
+
+
 def profile_model(name: str, reps: int, explain: bool) -> dict:
     problem, plain, hooked, hooks, x, y, steps, resets = _setup(name)
     with warnings.catch_warnings():
@@ -142,6 +173,7 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
             resets["grad1 fwd+bwd"]()  # each parameter's entries chosen once)
             steps["grad1 fwd+bwd"]()
         ops = {k: dispatched(steps[k], resets[k]) for k in ("plain fwd+bwd", "grad1 fwd+bwd")}
+        ops["dp step"] = _dp_ops(problem, plain, x, y)
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(reps):
             for k, step in steps.items():
@@ -212,7 +244,7 @@ def markdown(data: dict) -> str:
         f"`{data['command']}`",
         "",
         "| model | torch functions, plain forward | tracker calls, grad1 step (forward) "
-        "| dispatched operations, plain fwd+bwd / grad1 step | plain fwd (ms) | hooked fwd (ms) | plain fwd+bwd (ms) | grad1 step (ms) "
+        "| dispatched operations, plain fwd+bwd / grad1 step / DP step | plain fwd (ms) | hooked fwd (ms) | plain fwd+bwd (ms) | grad1 step (ms) "
         "| hooked fwd / grad1 step | tracker / grad1 step (cProfile) "
         "| gradhooks / grad1 step (cProfile) |",
         "|" + " --- |" * 11,
@@ -222,7 +254,8 @@ def markdown(data: dict) -> str:
         lines.append(
             f"| {r['label']} | {r['torch_functions_plain_forward']} "
             f"| {r['tracker_calls_step']} ({r['tracker_calls_forward']}) "
-            f"| {sum(ops['plain fwd+bwd'].values())} / {sum(ops['grad1 fwd+bwd'].values())} "
+            f"| {sum(ops['plain fwd+bwd'].values())} / {sum(ops['grad1 fwd+bwd'].values())} / "
+            f"{sum(ops['dp step'].values())} "
             f"| {m['plain forward'] * 1e3:.2f} | {m['hooked forward'] * 1e3:.2f} "
             f"| {m['plain fwd+bwd'] * 1e3:.2f} | {m['grad1 fwd+bwd'] * 1e3:.2f} "
             f"| {m['hooked forward'] / m['grad1 fwd+bwd']:.0%} | {p['tracker_share']:.0%} "
@@ -235,6 +268,9 @@ def markdown(data: dict) -> str:
         more = {k: n - plain.get(k, 0) for k, n in hooked.items() if n > plain.get(k, 0)}
         listed = ", ".join(f"{n}x {k.removeprefix('aten::')}" for k, n in more.items())
         lines += ["", f"{r['label']}, operations a grad1 step dispatches beyond plain's: {listed}"]
+        dp = r["dispatched_ops"]["dp step"]
+        listed = ", ".join(f"{n}x {k.removeprefix('aten::')}" for k, n in dp.items())
+        lines += ["", f"{r['label']}, operations of a DP step (book-keeping, SGD update): {listed}"]
         if "graph_breaks" in r:
             g = r["graph_breaks"]
             kinds = "; ".join(f"{n}x {k}" for k, n in g["kinds"])

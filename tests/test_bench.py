@@ -363,7 +363,7 @@ def test_gpu_script_installs_the_carried_wheels(tmp_path):
 def test_host_profile_counts_the_tracker(tmp_path):
     """``python -m bench.host_profile`` on the tiny MLP: the tracker's calls are counted (it
     finds the tracker where the package keeps it), the dispatched operations are counted (the
-    backward's among them), and the profile has a gradhooks share."""
+    backward's among them, and a DP step's), and the profile has a gradhooks share."""
     import torch
 
     from bench import host_profile
@@ -381,6 +381,7 @@ def test_host_profile_counts_the_tracker(tmp_path):
     ops = model["dispatched_ops"]
     assert ops["plain fwd+bwd"]["aten::mm"] > 0  # (the backward's, by the autograd engine)
     assert sum(ops["grad1 fwd+bwd"].values()) > sum(ops["plain fwd+bwd"].values())
+    assert ops["dp step"]["aten::normal"] > 0  # (the DP step's noise: one draw per parameter)
     assert 0 < model["profile"]["tracker_share"] <= model["profile"]["gradhooks_share"] <= 1
 
 
