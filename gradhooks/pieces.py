@@ -584,6 +584,14 @@ class Direct(Piece):
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         return _weighted(self.value, weights).sum(0).reshape(param_shape)
 
+    def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
+        """Weighted by example: one ``addmv_`` of the rows into ``out``."""
+        v = self.value
+        if weights is None or not out.is_contiguous() or not _same(out, v):
+            return super().add_batch_sum(out, weights)
+        w = weights if weights.dtype is v.dtype else weights.to(v.dtype)
+        out.view(-1).addmv_(v.reshape(v.shape[0], -1).T, w)
+
     def sum_sq(self, param_shape: torch.Size) -> Tensor | None:
         return (self.value**2).sum(0).reshape(param_shape)
 

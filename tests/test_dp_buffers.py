@@ -337,7 +337,9 @@ def test_the_noise_is_drawn_scaled_in_one_pass(shape):
     want = torch.randn(shape, generator=torch.Generator().manual_seed(4)).double() * 1.3
     assert got.shape == p.shape and got.dtype == p.dtype and got.is_contiguous()
     assert float((got.double() - want).abs().max()) <= 2 * 2**-24 * float(want.abs().max())
-    assert [op for op in seen.ops if op not in ("empty", "empty_strided")] == ["normal_"], seen.ops
+    # (torch.normal of a size: one operation that allocates and draws, as empty().normal_())
+    drawn = [op for op in seen.ops if op not in ("empty", "empty_strided")]
+    assert drawn in (["normal"], ["normal_"]), seen.ops
 
 
 def test_ghost_frees_each_clipped_gradient_once_added_to_its_noise(monkeypatch):
