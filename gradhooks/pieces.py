@@ -598,7 +598,13 @@ class Direct(Piece):
     def sq_norm(
         self, param_shape: torch.Size, scale: float, with_sum: bool = False
     ) -> tuple[Tensor, str, Tensor | None] | None:
-        return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
+        """The rows' norms (``grad1`` itself: not reshaped and scaled first where its sum is
+        not wanted)."""
+        v = self.value
+        if with_sum or v.dim() < 2:
+            return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
+        norm = torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim())))
+        return _scaled(norm, scale).square(), "direct", None
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         return Direct(cast(self.value, dtype)) if _other(self.value, dtype) else self
