@@ -519,7 +519,7 @@ class Outer(Piece):
             if accumulate:
                 result.add_(rows, alpha=scale)
             elif rows is not None and scale != 1.0:
-                torch.mul(rows, scale, out=result)
+                torch.mul(rows, as_scale(scale, rows), out=result)
             elif rows is not None:
                 result.copy_(rows)
             else:
@@ -542,9 +542,9 @@ class Outer(Piece):
                 a = a.reshape(-1, 1, n_in)
             if scale != 1.0:
                 if n_out <= n_in:
-                    g = g * scale
+                    g = g * as_scale(scale, g)
                 else:
-                    a = a * scale
+                    a = a * as_scale(scale, a)
             if accumulate:
                 result.addcmul_(g, a)
             else:
@@ -856,7 +856,29 @@ _ALL = slice(None)
 
 
 def _scaled(t: Tensor, scale: float) -> Tensor:
-    return t if scale == 1.0 else t * scale
+    return t if scale == 1.0 else t * as_scale(scale, t)
+
+
+# the scales multiplied by, as 0-dim float64 tensors on the CPU, by value (see as_scale)
+_SCALES: dict[float, Tensor] = {}
+
+
+def as_scale(scale: float, t: Tensor) -> Tensor | float:
+    """``scale``, to multiply ``t`` by, as a 0-dim float64 tensor on the CPU made once per
+    value, where ``t`` is on the CPU or a CUDA device (else the number itself): torch
+    multiplies by it with the same result as by the Python number (a 0-dim tensor changes
+    neither the result's dtype nor its device, and its value is rounded to the result's dtype
+    as a number's is) in about half the host time (a Python number is wrapped into a tensor
+    anew at each call). Made outside inference mode, so that autograd may save it."""
+    if not (t.is_cpu or t.is_cuda):
+        return scale
+    found = _SCALES.get(scale)
+    if found is None:
+        with torch.inference_mode(False):
+            found = torch.tensor(scale, dtype=torch.float64)
+        if len(_SCALES) < 256:
+            _SCALES[scale] = found
+    return found
 
 
 def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
