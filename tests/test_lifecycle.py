@@ -223,6 +223,35 @@ def test_a_model_dropped_after_a_forward_never_backpropagated_is_collected_unche
     assert model() is None and hooks() is None
 
 
+def test_a_model_trained_through_fast_weights_and_dropped_is_collected():
+    """First-order MAML through ``functional_call`` with fast weights ``p - lr * g`` in the
+    parameters' slots, three steps, then the model let go of with its hooks on: its handle goes
+    too. The hook on each fast tensor (which takes its ``grad1`` back to the parameter) held
+    the handle where the garbage collector cannot see it: the handle, its state and what it
+    kept stayed for good."""
+    from torch.func import functional_call
+
+    def trained():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        hooks = gradhooks.add_hooks(model, loss_reduction="sum")
+        own = dict(model.named_parameters())
+        x, support = torch.randn(5, 3), torch.randn(6, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = functional_call(model, own, (support,)).pow(2).sum()
+            g = torch.autograd.grad(loss, list(own.values()))
+            fast = {n: p - 0.3 * gi.detach() for (n, p), gi in zip(own.items(), g)}
+            opt.zero_grad()
+            functional_call(model, fast, (x,)).pow(2).sum().backward()
+            opt.step()
+        return weakref.ref(model), weakref.ref(hooks)
+
+    model, hooks = trained()
+    gc.collect()
+    assert model() is None and hooks() is None
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="the run-time check keeps the outputs' gradient edges of a forward it will check "

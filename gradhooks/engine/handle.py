@@ -568,54 +568,62 @@ class Hooks:
         ``grad1`` of this backward, is taken back through the computation to the tensors it
         was computed from (one batched backward, ``is_grads_batched``): their ``grad1``.
         Fast weights ``p - lr * g`` with ``g`` detached give ``p`` the slot's own."""
+        me = weakref.ref(self)  # (torch holds the hook, where the garbage collector cannot
+        # see it: a strong reference would keep the model alive with its hooks)
 
         def hook(grad: Tensor | None) -> None:
-            if (
-                grad is None
-                or self._state.removed
-                or not self._state.mode.capture
-                or self._state.rerunning
-            ):
-                return
-            t = ref()
-            bw = self._state.tasks.get(graph_task())
-            if t is None or bw is None or not self._state.capturing_backward():
-                return
-            g1 = self._backwards.grad1_of_backward(bw, pid, t)
-            if g1 is None:
-                return
-            leaves = [q for q in leaves_of(t) if id(q) in self._state.params]
-            edge = torch.autograd.graph.get_gradient_edge(t)
-            create_graph = torch.is_grad_enabled()
-            with self._detached_calls.nested():
-                try:
-                    grads = torch.autograd.grad(
-                        [edge], leaves, g1, retain_graph=True, allow_unused=True,
-                        is_grads_batched=True, create_graph=create_graph,
-                    )  # fmt: skip
-                except RuntimeError as e:  # (an operation vmap cannot batch): one at a time
-                    if isinstance(e, (ValueError, TypeError)):
-                        raise  # a refusal of gradhooks' own (UnsupportedInputError, ...)
-
-                    def one(b: int) -> tuple:
-                        return torch.autograd.grad(
-                            [edge], leaves, g1[b], retain_graph=True, allow_unused=True,
-                            create_graph=create_graph,
-                        )  # fmt: skip
-
-                    grads = tuple(per_example(g1.shape[0], one, like=leaves))
-            for q, g in zip(leaves, grads):
-                if g is None:
-                    continue
-                qid = id(q)
-                bw.reached.add(qid)
-                self._backwards.restart_for_forward(bw, q, self._state.forward_of.get(pid))
-                if qid not in bw.before:
-                    bw.before[qid] = q.grad1 if qid in self._state.written else None
-                self._backwards.accumulate(self._state.params[qid][0], q, g)
-                self._state.written[qid] = q
+            handle = me()
+            if handle is not None:
+                handle._derived_grad(pid, ref, grad)
 
         return hook
+
+    def _derived_grad(self, pid: int, ref: weakref.ref, grad: Tensor | None) -> None:
+        """:meth:`_derived_hook`'s work, for the handle whose hook it is."""
+        if (
+            grad is None
+            or self._state.removed
+            or not self._state.mode.capture
+            or self._state.rerunning
+        ):
+            return
+        t = ref()
+        bw = self._state.tasks.get(graph_task())
+        if t is None or bw is None or not self._state.capturing_backward():
+            return
+        g1 = self._backwards.grad1_of_backward(bw, pid, t)
+        if g1 is None:
+            return
+        leaves = [q for q in leaves_of(t) if id(q) in self._state.params]
+        edge = torch.autograd.graph.get_gradient_edge(t)
+        create_graph = torch.is_grad_enabled()
+        with self._detached_calls.nested():
+            try:
+                grads = torch.autograd.grad(
+                    [edge], leaves, g1, retain_graph=True, allow_unused=True,
+                    is_grads_batched=True, create_graph=create_graph,
+                )  # fmt: skip
+            except RuntimeError as e:  # (an operation vmap cannot batch): one at a time
+                if isinstance(e, (ValueError, TypeError)):
+                    raise  # a refusal of gradhooks' own (UnsupportedInputError, ...)
+
+                def one(b: int) -> tuple:
+                    return torch.autograd.grad(
+                        [edge], leaves, g1[b], retain_graph=True, allow_unused=True,
+                        create_graph=create_graph,
+                    )  # fmt: skip
+
+                grads = tuple(per_example(g1.shape[0], one, like=leaves))
+        for q, g in zip(leaves, grads):
+            if g is None:
+                continue
+            qid = id(q)
+            bw.reached.add(qid)
+            self._backwards.restart_for_forward(bw, q, self._state.forward_of.get(pid))
+            if qid not in bw.before:
+                bw.before[qid] = q.grad1 if qid in self._state.written else None
+            self._backwards.accumulate(self._state.params[qid][0], q, g)
+            self._state.written[qid] = q
 
     def _named_parameters(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """``model.named_parameters()`` with the parameters the hooks were planned with: where
