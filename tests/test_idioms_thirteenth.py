@@ -192,51 +192,52 @@ def test_the_hooked_model_as_its_own_teacher_between_the_students_forward_and_ba
             opt.step()
 
 
-REPLANNED = (
-    "functional_call with other tensors, with grad enabled, plans the hooks again for them and "
-    "drops the model's own parameters' hooks: the student's backward, after it, writes no grad1"
-)
-
-
 def _lerp_into(average: dict, model: nn.Module, decay: float) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
             average[n].lerp_(p, 1 - decay)
 
 
-@pytest.mark.parametrize(
-    "grad_mode",
-    [
-        "no_grad",
-        pytest.param("enabled", marks=pytest.mark.xfail(strict=True, reason=REPLANNED)),
-    ],
-)
-def test_mean_teacher_by_functional_call_of_the_hooked_model_between_forward_and_backward(
-    grad_mode,
-):
+@pytest.mark.parametrize("how", ["no_grad", "grad enabled", "grad enabled, dp step"])
+def test_mean_teacher_by_functional_call_of_the_hooked_model_between_forward_and_backward(how):
     """A mean teacher kept as a dict of tensors (an exponential moving average of the weights,
     updated by ``lerp_`` after each step) and run through the hooked model itself by
     ``torch.func.functional_call(model, average, x)``, between the student's forward and its
     backward, its logits detached (under ``no_grad``, or with grad enabled and ``.detach()``,
     as mean-teacher code often writes it). The student's grad1 is the loop's, with the
-    teacher's logits a fixed target."""
+    teacher's logits a fixed target; so are the DP step's norms and clipped sum.
+
+    With grad enabled, the teacher's forward planned the hooks for the average's tensors in
+    the parameters' slots, and dropped the parameters' own: the student's backward wrote no
+    grad1, silently, and the DP step refused the parameters as having no rule. The backward
+    (and the step) now plan them again first."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     average = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with gradhooks.add_hooks(model):
+    dp = how.endswith("dp step")
+    with gradhooks.add_hooks(model, quantities=("norms",) if dp else ("grad1",)) as hooks:
         for step in range(STEPS):
             x, y = batch(step)
             opt.zero_grad()
             out = model(x)
-            if grad_mode == "no_grad":
+            if how == "no_grad":
                 with torch.no_grad():
                     teacher = functional_call(model, average, (x + 0.1,))
             else:
                 teacher = functional_call(model, average, (x + 0.1,)).detach()
             target = _with_labels(y, teacher)
             want = loop_grad(model, _distill, x, target)
-            _distill(out, target).backward()
-            assert_grad1(model, want, f"step {step}")
+            if dp:
+                losses = torch.stack(
+                    [_distill(out[i : i + 1], target[i : i + 1]) for i in range(len(x))]
+                )
+                norms = gradhooks.dp_sgd_step(hooks, losses, max_norm=0.5, noise_multiplier=0.0)
+                assert_close(norms, norms_of(want), f"step {step}: norms")
+                for n, p in model.named_parameters():
+                    assert_close(p.grad, clipped_sum(want, n, 0.5) / len(x), f"step {step}: {n}")
+            else:
+                _distill(out, target).backward()
+                assert_grad1(model, want, f"step {step}")
             opt.step()
             _lerp_into(average, model, 0.9)
 

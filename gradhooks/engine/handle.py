@@ -275,7 +275,7 @@ class Hooks:
         """Give each part the others it calls, and the tracker its link to the engine."""
         forwards, backwards, layouts = self._forwards, self._backwards, self._layouts
         detached, verifier = self._detached_calls, self._verifier
-        forwards.follow_changes = self._follow_changes
+        forwards.follow_changes = backwards.follow_changes = self._follow_changes
         me = weakref.ref(self)
         forwards.layer_outputs = LayerOutputs(
             lambda module: (h := me()) is not None and _HOOKED_MODULES.get(module) is h
@@ -539,6 +539,7 @@ class Hooks:
                     "hooks first."
                 )
         self._install(model)
+        self._state.dropped = frozenset(before.keys() - self._state.params.keys())
         if self._state.collector is not None:
             for name, p in self._named_parameters(model):
                 self._state.collector.names.setdefault(id(p), name)

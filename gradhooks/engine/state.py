@@ -101,6 +101,12 @@ class CaptureState:
         # during the backward (ForwardCapture.note_rerun): None where on the rule's dimension
         # as given, else that layout in words; and the batch
         self.reruns: dict[int, tuple[str | None, int]] = {}
+        # the trainable parameters the last planning left out that the one before covered,
+        # by id: a forward through torch.func.functional_call with other tensors in their
+        # slots plans the hooks for those, and a backward of an earlier forward that reaches
+        # calls of these parameters (a student's, after its teacher's functional_call) plans
+        # them again first (BackwardWriter.output_grads)
+        self.dropped: frozenset[int] = frozenset()
 
         # -- the accumulation of grad1 ---------------------------------------------------------
         # the parameters whose grad1 the next captured backward adds to (the accumulation
