@@ -568,13 +568,6 @@ def test_a_model_converted_to_float32_mid_training_with_its_optimizer_built_befo
         assert opt.state[model[0].weight]["momentum_buffer"].dtype == D
 
 
-STALE_IN_HOOK = (
-    "grad1 left from before zero_grad stays on the parameter until the backward writes the "
-    "new one: a hook that runs earlier in the backward reads the last step's"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=STALE_IN_HOOK)
 def test_grad1_of_another_parameter_read_in_a_post_accumulate_grad_hook():
     """A hook fused into the backward (``register_post_accumulate_grad_hook`` on the output
     layer's weight, which autograd accumulates first) that reads the *first* layer's
