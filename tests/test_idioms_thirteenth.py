@@ -3,19 +3,21 @@ the backward and the optimizer's step.
 
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
 step), a recipe the earlier sets do not run: sharpness-aware minimisation with its first pass
-under ``hooks.paused()`` and the weights moved by ``torch._foreach_add_``, and its
-differentially private form (two DP steps per step, the second at weights the first one's noisy
-gradient moved); the hooked model as its own teacher under ``no_grad`` or ``inference_mode``
-between the student's forward and its backward, or through ``torch.func.functional_call`` with
-an exponential moving average of its weights; an ``AveragedModel`` teacher evaluated in that
-same place; a teacher head that shares the student's trunk; two augmented views of each example
-in one forward with a consistency loss per pair, in the DP step; peft's ``merge_adapter`` /
-``unmerge_adapter`` for an evaluation between steps and two adapters trained in turn by
-``set_adapter``; chain-thaw (layers unfrozen and frozen again, each with its own learning rate);
-a sequence length that grows from step to step; a batch size that grows from epoch to epoch
-through the DP step, each epoch's last batch smaller. And misuse: a model converted to another
-dtype mid-training with its optimizer built before, and ``grad1`` of another parameter read
-from a ``register_post_accumulate_grad_hook``.
+under ``hooks.paused()`` and the weights moved by ``torch._foreach_add_``, in its closure form
+(the second pass inside the optimizer's ``step``), and differentially private (two DP steps per
+step, the second at the weights the first one's noisy gradient moved); the hooked model as its
+own teacher under ``no_grad`` or ``inference_mode`` between the student's forward and its
+backward, or through ``torch.func.functional_call`` with an exponential moving average of its
+weights; an ``AveragedModel`` teacher evaluated in that same place; a teacher head that shares
+the student's trunk; two augmented views of each example in one forward with a consistency
+loss per pair, in the DP step; virtual adversarial training, its power iteration taken by
+``torch.autograd.grad``; peft's ``merge_adapter`` / ``unmerge_adapter`` for an evaluation
+between steps and two adapters trained in turn by ``set_adapter``; chain-thaw (layers unfrozen
+and frozen again, each with its own learning rate); a sequence length, and an image size, that
+grow from step to step; a batch size that grows from epoch to epoch through the DP step, each
+epoch's last batch smaller. And misuse: a model converted to another dtype mid-training with
+its optimizer built before, and ``grad1`` of another parameter read from a
+``register_post_accumulate_grad_hook``.
 Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), or with the DP step's clipped sum of those, or checked to
 stop with an error that says what went wrong."""
@@ -147,6 +149,64 @@ def test_dp_sam_two_dp_steps_per_step_the_second_at_the_weights_the_first_moved(
                 for p, e in zip(params, moves, strict=True):
                     p.sub_(e)
             opt.step()
+
+
+class _ClosureSAM(torch.optim.Optimizer):
+    """SAM in the SAM repository's closure form (davda54/sam, ``sam.py``: ``step`` runs under
+    ``torch.no_grad()``, wraps the closure in ``torch.enable_grad()``, moves the weights by
+    ``e(w)`` and zeroes the gradients, calls the closure for the second pass, moves the
+    weights back and steps the base optimizer, which shares its parameter groups)."""
+
+    def __init__(self, params, base: type, rho: float = 0.05, **kwargs) -> None:
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base = base(self.param_groups, **kwargs)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure):
+        closure = torch.enable_grad()(closure)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.stack([g.norm() for g in grads]).norm()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["e_w"] = p.grad * (group["rho"] / (norm + 1e-12))
+                    p.add_(self.state[p]["e_w"])
+        self.zero_grad()
+        closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "e_w" in self.state[p]:
+                    p.sub_(self.state[p].pop("e_w"))
+        self.base.step()
+
+
+def test_sam_in_its_closure_form_the_second_pass_inside_the_optimizers_step():
+    """SAM driven as ``optimizer.step(closure)``: the first pass in the loop, the second
+    forward and backward inside the optimizer's ``step``, under its ``no_grad`` with the
+    closure's ``enable_grad``. Each pass's grad1 is the loop's at the weights it ran at (the
+    second read inside the closure, after its backward)."""
+    model = mlp()
+    opt = _ClosureSAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    second = []
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+
+            def closure(x=x, y=y, step=step):
+                want = loop_grad(model, F.cross_entropy, x, y)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                assert_grad1(model, want, f"step {step}, second pass")
+                second.append(step)
+                return loss
+
+            want = loop_grad(model, F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}, first pass")
+            opt.step(closure)
+            opt.zero_grad()
+    assert second == list(range(STEPS))
 
 
 # -- teachers: the hooked model itself, its average, a head on the student's trunk -------------
@@ -369,6 +429,60 @@ def test_two_views_in_one_forward_with_a_consistency_loss_per_pair_in_the_dp_ste
         assert all(p.grad is None for p in model.parameters())
 
 
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per example, from logits."""
+    return (p_logits.softmax(-1) * (p_logits.log_softmax(-1) - q_logits.log_softmax(-1))).sum(-1)
+
+
+class _CleanAndPerturbed(nn.Module):
+    """The network on each example's clean input and on its perturbed one (``[batch, 2,
+    features]``), in two calls: what the VAT loss below runs, for the per-example loop."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pair):
+        return torch.stack([self.net(pair[:, 0]), self.net(pair[:, 1])], 1)
+
+
+def _vat_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the clean input plus the KL divergence from the clean prediction (a
+    fixed target: column 1 on of ``target``) to the perturbed one's."""
+    y, clean = target[:, 0].long(), target[:, 1:]
+    return F.cross_entropy(out[:, 0], y) + _kl(clean, out[:, 1]).mean()
+
+
+def test_virtual_adversarial_training_with_its_power_iteration_taken_by_autograd_grad():
+    """Virtual adversarial training (Miyato et al.): the clean prediction under ``no_grad``,
+    one power iteration (a random direction ``d`` that requires grad, the hooked model on
+    ``x + ξd``, ``torch.autograd.grad`` of the KL divergence with respect to ``d`` alone,
+    hooks not paused), the adversarial perturbation ``ε·g/‖g‖`` per example, then the loss:
+    cross-entropy on ``x`` and the KL divergence at ``x + r_adv``. The iteration writes no
+    grad1 and no ``.grad``; each example's grad1 is its gradient through both calls of the
+    loss, the loop's, over SGD steps."""
+    model = mlp()
+    pair = _CleanAndPerturbed(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            with torch.no_grad():
+                clean = model(x)
+            d = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + step), dtype=D)
+            d = (0.1 * d / d.norm(dim=1, keepdim=True)).requires_grad_()
+            (g,) = torch.autograd.grad(_kl(clean, model(x + d)).sum(), [d])
+            assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+            r_adv = 0.5 * g / g.norm(dim=1, keepdim=True)
+            target = _with_labels(y, clean)
+            want = loop_grad(pair, _vat_loss, torch.stack([x, x + r_adv], 1), target)
+            loss = F.cross_entropy(model(x), y) + _kl(clean, model(x + r_adv)).mean()
+            loss.backward()
+            assert_grad1(model, {n[len("net.") :]: w for n, w in want.items()}, f"step {step}")
+            opt.step()
+
+
 # -- peft: adapters merged for an evaluation, two adapters in turn ------------------------------
 
 
@@ -507,6 +621,37 @@ def test_sequence_length_warm_up_on_a_causal_decoder():
             opt.zero_grad()
             _next_token(model(ids), ids).backward()
             assert_grad1(model, want, f"length {length}")
+            opt.step()
+
+
+class _ConvNet(nn.Module):
+    """A convolution, an adaptive average pool (any image size), a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, images):
+        return self.head(F.adaptive_avg_pool2d(torch.tanh(self.conv(images)), 1).flatten(1))
+
+
+def test_progressive_resizing_of_the_images_from_epoch_to_epoch():
+    """Progressive resizing (fastai's and the fast ImageNet schedules: small images first,
+    larger later), here 4, 6 then 9 pixels a side through a convolution and an adaptive pool:
+    at each size the convolution's grad1, summed over more positions, and the head's are the
+    loop's, over momentum SGD steps."""
+    model = _ConvNet().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradhooks.add_hooks(model):
+        for step, size in enumerate([4, 6, 9]):
+            g = torch.Generator().manual_seed(step)
+            images = torch.randn(4, 3, size, size, generator=g, dtype=D)
+            y = torch.randint(2, (4,), generator=g)
+            want = loop_grad(model, F.cross_entropy, images, y)
+            opt.zero_grad()
+            F.cross_entropy(model(images), y).backward()
+            assert_grad1(model, want, f"{size} pixels")
             opt.step()
 
 
