@@ -302,6 +302,47 @@ def test_mean_teacher_by_functional_call_of_the_hooked_model_between_forward_and
             _lerp_into(average, model, 0.9)
 
 
+def _mutual(out: torch.Tensor, peer: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Deep mutual learning's loss for two networks: each one's cross-entropy and its KL
+    divergence to the other's detached prediction, averaged over the batch."""
+    ce = F.cross_entropy(out, y) + F.cross_entropy(peer, y)
+    return ce + (_kl(peer.detach(), out) + _kl(out.detach(), peer)).mean()
+
+
+def test_a_peers_weights_run_through_the_hooked_model_by_functional_call_in_the_same_loss():
+    """Two networks of one architecture trained together on one loss (deep mutual learning),
+    the peer's weights kept as leaf tensors of their own and run through the hooked model by
+    ``functional_call`` after the model's own forward: one backward reaches the calls of both
+    plans, the model's parameters' (dropped by the peer's forward) and the peer's tensors'.
+    Each gets its own grad1, each example's gradient by a per-example loop in float64, over
+    SGD steps of both."""
+    model = mlp()
+    peer = {n: (p.detach() + 0.05).requires_grad_() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD([*model.parameters(), *peer.values()], lr=0.1)
+
+    def loss_fn(net_out_and_peer, y):
+        return _mutual(net_out_and_peer[:, 0], net_out_and_peer[:, 1], y)
+
+    def both(x):
+        return torch.stack([model(x), functional_call(model, peer, (x,))], 1)
+
+    tensors = {**dict(model.named_parameters()), **{f"peer {n}": t for n, t in peer.items()}}
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            rows = {n: [] for n in tensors}
+            with gradhooks.paused():  # the loop: each example's own loss
+                for i in range(len(x)):
+                    loss = loss_fn(both(x[i : i + 1]), y[i : i + 1])
+                    for n, g in zip(tensors, torch.autograd.grad(loss, list(tensors.values()))):
+                        rows[n].append(g)
+            opt.zero_grad()
+            loss_fn(both(x), y).backward()
+            for n, t in tensors.items():
+                assert_close(t.grad1, torch.stack(rows[n]), f"step {step}: {n}")
+            opt.step()
+
+
 def test_an_averaged_model_teacher_evaluated_between_forward_and_backward():
     """``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn`` (pytorch/pytorch,
     ``torch/optim/swa_utils.py``: a deep copy of the hooked model, which is not hooked) as a

@@ -79,7 +79,7 @@ class EngineAPI:
         forward would: a step between the two reads the plan."""
         hooks = self._hooks
         model = hooks.model
-        if hooks._state.dropped and model is not None:
+        if (hooks._state.dropped or hooks._state.rehooked) and model is not None:
             hooks._follow_changes(model)
 
     def covered(self) -> set[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -72,8 +72,8 @@ class BackwardWriter:
 
     def __init__(self, state: CaptureState) -> None:
         self.state = state
-        # the handle's planning of the hooks again where the model changed (Hooks._follow_changes)
-        self.follow_changes: Callable[[nn.Module], None] = lambda model: None
+        # the handle's hooking again of parameters its last planning dropped (Hooks._hook_dropped)
+        self.hook_dropped: Callable[[Iterable[int]], None] = lambda pids: None
         # a Target per parameter used outside its modules' calls, for the fallback of its uses
         self.direct_targets: dict[int, Target] = {}
 
@@ -86,7 +86,7 @@ class BackwardWriter:
         if s.rerunning and not (s.probing and carried is not None):
             return  # a backward of the engine's own
         if s.dropped and any(id(p) in s.dropped for p in kept.live.values()):
-            self._plan_again()
+            self.hook_dropped([id(p) for p in kept.live.values()])
         full: list[Tensor | None] = [None] * kept.n_leaves
         for i, g in zip(kept.hooked, grads):
             full[i] = g
@@ -115,17 +115,6 @@ class BackwardWriter:
         filled = with_fields(kept.call, grad_outputs=tuple(full))
         if self.on_grads(kept.target, kept.state, filled, kept.args, kept.kwargs, kept.sums):
             self.spend(kept)
-
-    def _plan_again(self) -> None:
-        """The backward reached a call of parameters the hooks were last planned without: a
-        forward since this call's planned them for other tensors in their slots (a teacher's
-        ``torch.func.functional_call(model, average, x)`` between the student's forward and
-        its backward), and dropped the parameters' own hooks, which write no ``grad1``
-        unless put back. The slots hold the parameters again (``functional_call`` has
-        returned): planned again before autograd reaches them, as the next forward would."""
-        model = self.state.model
-        if model is not None:
-            self.follow_changes(model)
 
     def spend(self, held: KeptCall | Held) -> None:
         """A backward that does not keep its graph ran a call's rule: autograd frees what the

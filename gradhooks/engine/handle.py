@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -275,7 +275,8 @@ class Hooks:
         """Give each part the others it calls, and the tracker its link to the engine."""
         forwards, backwards, layouts = self._forwards, self._backwards, self._layouts
         detached, verifier = self._detached_calls, self._verifier
-        forwards.follow_changes = backwards.follow_changes = self._follow_changes
+        forwards.follow_changes = self._follow_changes
+        backwards.hook_dropped = self._hook_dropped
         me = weakref.ref(self)
         forwards.layer_outputs = LayerOutputs(
             lambda module: (h := me()) is not None and _HOOKED_MODULES.get(module) is h
@@ -459,6 +460,27 @@ class Hooks:
         self._structure, trainable = structure_and_parameters(model, bool(self._state.sharded))
         self._storages = storages_of(trainable)
 
+    def _hook_dropped(self, pids: Iterable[int]) -> None:
+        """A backward reached calls of parameters the last planning dropped (a forward since
+        theirs put other tensors in their slots: a teacher's ``torch.func.functional_call``
+        between the student's forward and its backward), whose own hooks went with the plan
+        before: hooked again now, before autograd reaches them, alongside the plan's (whose
+        calls the same backward may reach too); the next forward plans for the model as it
+        then is."""
+        state = self._state
+        for pid in pids:
+            found = state.dropped.pop(pid, None)
+            if found is None or pid in state.params or pid in state.sharded:
+                continue
+            name, p = found
+            state.params[pid] = found
+            state.numel += p.numel()
+            state.rehooked.add(pid)
+            handle = p.register_hook(self._backwards.param_hook(pid, name))
+            _torch.put_tensor_hook_first(p, handle.id)
+            self._target_handles.append(handle)
+            self._hook_accumulator(pid, name, p)
+
     def _hook_accumulator(self, pid: int, name: str, p: nn.Parameter) -> None:
         """The pre-hook on ``p``'s ``AccumulateGrad`` node (it tells a backward that adds
         into ``.grad`` from one that returns the gradient), in place of the one on its node
@@ -539,7 +561,9 @@ class Hooks:
                     "hooks first."
                 )
         self._install(model)
-        self._state.dropped = frozenset(before.keys() - self._state.params.keys())
+        params = self._state.params
+        self._state.dropped = {pid: e for pid, e in before.items() if pid not in params}
+        self._state.rehooked = set()
         if self._state.collector is not None:
             for name, p in self._named_parameters(model):
                 self._state.collector.names.setdefault(id(p), name)

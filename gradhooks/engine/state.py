@@ -102,11 +102,13 @@ class CaptureState:
         # as given, else that layout in words; and the batch
         self.reruns: dict[int, tuple[str | None, int]] = {}
         # the trainable parameters the last planning left out that the one before covered,
-        # by id: a forward through torch.func.functional_call with other tensors in their
-        # slots plans the hooks for those, and a backward of an earlier forward that reaches
-        # calls of these parameters (a student's, after its teacher's functional_call) plans
-        # them again first (BackwardWriter.output_grads)
-        self.dropped: frozenset[int] = frozenset()
+        # {id: (name, parameter)}: a forward through torch.func.functional_call with other
+        # tensors in their slots plans the hooks for those; a backward of an earlier forward
+        # that reaches calls of these parameters (a student's, after its teacher's
+        # functional_call) hooks them again, alongside the plan's (Hooks._hook_dropped), and
+        # notes them in ``rehooked``, until the next planning
+        self.dropped: dict[int, tuple[str, nn.Parameter]] = {}
+        self.rehooked: set[int] = set()
 
         # -- the accumulation of grad1 ---------------------------------------------------------
         # the parameters whose grad1 the next captured backward adds to (the accumulation
