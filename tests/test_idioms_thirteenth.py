@@ -15,9 +15,10 @@ loss per pair, in the DP step; virtual adversarial training, its power iteration
 between steps and two adapters trained in turn by ``set_adapter``; chain-thaw (layers unfrozen
 and frozen again, each with its own learning rate); a sequence length, and an image size, that
 grow from step to step; a batch size that grows from epoch to epoch through the DP step, each
-epoch's last batch smaller. And misuse: a model converted to another dtype mid-training with
-its optimizer built before, and ``grad1`` of another parameter read from a
-``register_post_accumulate_grad_hook``.
+epoch's last batch smaller; DP fine-tuning whose trainable layers change between steps; a
+peer's weights run through the hooked model by ``functional_call`` and trained on one loss
+with it. And misuse: a model converted to another dtype mid-training with its optimizer built
+before, and ``grad1`` of another parameter read from a ``register_post_accumulate_grad_hook``.
 Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), or with the DP step's clipped sum of those, or checked to
 stop with an error that says what went wrong."""
@@ -622,6 +623,44 @@ def test_chain_thaw_layers_unfrozen_and_frozen_again_with_layer_wise_learning_ra
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_dp_fine_tuning_whose_trainable_layers_change_between_steps(method):
+    """DP fine-tuning with gradual unfreezing, then the lower layers frozen again: the head,
+    then the head and the middle layer, then all three, then the head alone. Each DP step
+    clips over the parameters trainable at that step (the norms are the loop's over those)
+    and draws its noise for those alone, in order (``torch.randn`` of each one's shape from
+    the seeded generator, times σ·C, over the batch size); a frozen layer's ``.grad`` stays
+    ``None``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = model.to(D)
+    layers = [model[0], model[2], model[4]]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as hooks:
+        for step, thawed in enumerate([[2], [1, 2], [0, 1, 2], [2]]):
+            for i, m in enumerate(layers):
+                m.requires_grad_(i in thawed)
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            norms = gradhooks.dp_sgd_step(
+                hooks, F.cross_entropy(model(x), y, reduction="none"), max_norm=0.5,
+                noise_multiplier=1.0, generator=torch.Generator().manual_seed(step),
+                method=method,
+            )  # fmt: skip
+            assert_close(norms, norms_of(want), f"step {step}: norms")
+            g = torch.Generator().manual_seed(step)
+            for n, p in model.named_parameters():
+                if not p.requires_grad:
+                    assert p.grad is None, f"step {step}: frozen {n} got a .grad"
+                    continue
+                noise = 0.5 * torch.randn(p.shape, generator=g, dtype=D)
+                want_grad = (clipped_sum(want, n, 0.5) + noise) / len(x)
+                assert_close(p.grad, want_grad, f"step {step}: {n}")
             opt.step()
 
 
