@@ -17,7 +17,8 @@ and frozen again, each with its own learning rate); a sequence length, and an im
 grow from step to step; a batch size that grows from epoch to epoch through the DP step, each
 epoch's last batch smaller; DP fine-tuning whose trainable layers change between steps; a
 peer's weights run through the hooked model by ``functional_call`` and trained on one loss
-with it. And misuse: a model converted to another dtype mid-training with its optimizer built
+with it; StyleGAN2's path length penalty (a gradient penalty through ``w``), refused, then run
+paused. And misuse: a model converted to another dtype mid-training with its optimizer built
 before, and ``grad1`` of another parameter read from a ``register_post_accumulate_grad_hook``.
 Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), or with the DP step's clipped sum of those, or checked to
@@ -763,6 +764,67 @@ def test_a_batch_size_schedule_through_the_dp_step_with_each_epochs_last_batch_s
     assert sizes == [2] * 5 + [1] + [4, 4, 3] + [8, 3]
 
 
+# -- gradient penalties ------------------------------------------------------------------------
+
+
+class _Generator(nn.Module):
+    """A mapping network (``z`` to ``w``) and a synthesis network (``w`` to an image), as a
+    StyleGAN generator is split; returns both the image and ``w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mapping = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+        self.synthesis = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5))
+
+    def forward(self, z):
+        w = self.mapping(z)
+        return self.synthesis(w), w
+
+
+def _path_length_penalty(outputs, noise: torch.Tensor) -> torch.Tensor:
+    """StyleGAN2's path length regularisation (NVlabs/stylegan2-ada-pytorch,
+    ``training/loss.py``): the gradient of ``(image · noise).sum()`` with respect to ``w``, by
+    ``torch.autograd.grad(create_graph=True)``, its norm per example pulled towards 1."""
+    image, w = outputs
+    (g,) = torch.autograd.grad((image * noise).sum(), w, create_graph=True)
+    return (g.square().sum(-1).sqrt() - 1.0).square().mean()
+
+
+def test_stylegan2_path_length_penalty_refused_then_run_paused():
+    """The generator's path length penalty differentiates the synthesis network's
+    input-gradient with respect to its weights (a double backward the hooks do not see), so
+    its per-example gradients would be wrong: its backward is refused, naming a synthesis
+    layer and ``create_graph=True``, with no ``.grad`` and no grad1 written. Run under
+    ``hooks.paused()`` (a regulariser step, as the lazy R1 of the ninth set), it gives
+    autograd's ``.grad`` and still no grad1; the next plain step's grad1 is the loop's."""
+    model = _Generator().to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    noise = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=D)
+
+    def image_loss(outputs, y):
+        return F.cross_entropy(outputs[0], y)
+
+    twin = copy.deepcopy(model)
+    with gradhooks.add_hooks(model) as hooks:
+        z = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=D)
+        with pytest.raises(gradhooks.UnsupportedError, match=r"'synthesis\.\d'.*create_graph=True"):
+            _path_length_penalty(model(z), noise).backward()
+        assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+        with hooks.paused():
+            _path_length_penalty(model(z), noise).backward()
+        _path_length_penalty(twin(z), noise).backward()
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert not hasattr(p, "grad1"), n
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
+        opt.step()
+        y = torch.randint(5, (4,), generator=torch.Generator().manual_seed(2))
+        want = loop_grad(model, image_loss, z, y)
+        opt.zero_grad()
+        image_loss(model(z), y).backward()
+        assert_grad1(model, want, "the next step")
+
+
 # -- misuse -------------------------------------------------------------------------------------
 
 
@@ -799,7 +861,9 @@ def test_grad1_of_another_parameter_read_in_a_post_accumulate_grad_hook():
     ``grad1`` (a per-layer statistic computed as soon as one gradient is ready), after
     ``zero_grad()``: the first layer's gradient of this step is not there yet, so its grad1
     must not be read as this step's. Its hook finds none (``hasattr`` is false), at every
-    step, rather than the last step's; after the backward it is this step's, the loop's."""
+    step, rather than the last step's; after the backward it is this step's, the loop's. In an
+    accumulation (a second micro-batch, no ``zero_grad``) the hook finds the sum so far, the
+    first micro-batch's, as ``.grad`` holds it then (docs/training.md)."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
@@ -818,4 +882,7 @@ def test_grad1_of_another_parameter_read_in_a_post_accumulate_grad_hook():
             assert seen[-1] is None, f"step {step}: the hook read a grad1 of another step"
             assert_grad1(model, want, f"step {step}")
             opt.step()
+        x, y = batch(STEPS)
+        F.cross_entropy(model(x), y).backward()  # a second micro-batch of the last step
+        assert_close(seen[-1], want["0.weight"], "the sum so far, in the second micro-batch")
     handle.remove()
