@@ -397,6 +397,29 @@ def _shared_distill(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _distill(out[:, 0], _with_labels(y, out[:, 1]))
 
 
+def test_a_layer_frozen_and_a_forward_with_grad_between_the_students_forward_and_backward():
+    """Between the student's forward and its backward, the first layer frozen
+    (``requires_grad_(False)``, a teacher's or an evaluation's setting) and another forward
+    with grad on a few of the examples, never backpropagated: that forward plans the hooks
+    without the frozen layer. The backward runs (the dropped parameters, frozen, are not hooked
+    again: autograd leaves their ``.grad`` as it was), and the trainable layer's grad1 is the
+    loop's, at every step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            model.requires_grad_(True)
+            opt.zero_grad()
+            out = model(x)
+            model[0].requires_grad_(False)
+            model(x[:2])
+            F.cross_entropy(out, y).backward()
+            assert model[0].weight.grad is None
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
+            opt.step()
+
+
 def test_a_teacher_head_that_shares_the_students_trunk():
     """Distillation from a frozen teacher head on the student's own trunk: the trunk runs twice
     per forward, once for each head, and the backward reaches only the student's call. The

@@ -473,6 +473,8 @@ class Hooks:
             if found is None or pid in state.params or pid in state.sharded:
                 continue
             name, p = found
+            if not p.requires_grad:
+                continue  # (dropped as frozen since: autograd leaves its .grad as it was)
             state.params[pid] = found
             state.numel += p.numel()
             state.rehooked.add(pid)
