@@ -73,7 +73,7 @@ class BackwardWriter:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         # the handle's hooking again of parameters its last planning dropped (Hooks._hook_dropped)
-        self.hook_dropped: Callable[[Iterable[int]], None] = lambda pids: None
+        self.hook_dropped: Callable[[Iterable[int]], set[int]] = lambda pids: set()
         # a Target per parameter used outside its modules' calls, for the fallback of its uses
         self.direct_targets: dict[int, Target] = {}
 
@@ -86,7 +86,9 @@ class BackwardWriter:
         if s.rerunning and not (s.probing and carried is not None):
             return  # a backward of the engine's own
         if s.dropped and any(id(p) in s.dropped for p in kept.live.values()):
-            self.hook_dropped([id(p) for p in kept.live.values()])
+            frozen = self.hook_dropped([id(p) for p in kept.live.values()])
+            if frozen:
+                self.backward_state().frozen.update(frozen)
         full: list[Tensor | None] = [None] * kept.n_leaves
         for i, g in zip(kept.hooked, grads):
             full[i] = g
@@ -953,6 +955,7 @@ class BackwardWriter:
             # grad1 or norms; not where calls run detached by design, the book-keeping step)
             ours = self.state.params.keys() - self.state.sharded
             left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            left_out |= bw.frozen  # (frozen since a planning dropped them: never computed)
             # (frozen between the forward and the backward: autograd computes its gradient,
             # then leaves .grad as it was)
             for q in [q for q in bw.computed if not self.state.params[q][1].requires_grad]:

@@ -460,21 +460,23 @@ class Hooks:
         self._structure, trainable = structure_and_parameters(model, bool(self._state.sharded))
         self._storages = storages_of(trainable)
 
-    def _hook_dropped(self, pids: Iterable[int]) -> None:
+    def _hook_dropped(self, pids: Iterable[int]) -> set[int]:
         """A backward reached calls of parameters the last planning dropped (a forward since
         theirs put other tensors in their slots: a teacher's ``torch.func.functional_call``
         between the student's forward and its backward), whose own hooks went with the plan
         before: hooked again now, before autograd reaches them, alongside the plan's (whose
         calls the same backward may reach too); the next forward plans for the model as it
-        then is."""
-        state = self._state
+        then is. Returns the ids of those frozen since, which are not hooked: autograd
+        leaves their ``.grad`` as it was, and so the backward leaves their ``grad1``."""
+        state, frozen = self._state, set()
         for pid in pids:
             found = state.dropped.pop(pid, None)
             if found is None or pid in state.params or pid in state.sharded:
                 continue
             name, p = found
             if not p.requires_grad:
-                continue  # (dropped as frozen since: autograd leaves its .grad as it was)
+                frozen.add(pid)
+                continue
             state.params[pid] = found
             state.numel += p.numel()
             state.rehooked.add(pid)
@@ -482,6 +484,7 @@ class Hooks:
             _torch.put_tensor_hook_first(p, handle.id)
             self._target_handles.append(handle)
             self._hook_accumulator(pid, name, p)
+        return frozen
 
     def _hook_accumulator(self, pid: int, name: str, p: nn.Parameter) -> None:
         """The pre-hook on ``p``'s ``AccumulateGrad`` node (it tells a backward that adds
