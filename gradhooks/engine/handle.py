@@ -473,11 +473,13 @@ class Hooks:
             found = state.dropped.pop(pid, None)
             if found is None or pid in state.params or pid in state.sharded:
                 continue
-            name, p = found
+            name, p = found[0], found[1]()
+            if p is None:
+                continue
             if not p.requires_grad:
                 frozen.add(pid)
                 continue
-            state.params[pid] = found
+            state.params[pid] = (name, p)
             state.numel += p.numel()
             state.rehooked.add(pid)
             handle = p.register_hook(self._backwards.param_hook(pid, name))
@@ -567,7 +569,9 @@ class Hooks:
                 )
         self._install(model)
         params = self._state.params
-        self._state.dropped = {pid: e for pid, e in before.items() if pid not in params}
+        self._state.dropped = {
+            pid: (name, weakref.ref(p)) for pid, (name, p) in before.items() if pid not in params
+        }  # (weakly: a layer swapped out goes with its parameters)
         self._state.rehooked = set()
         if self._state.collector is not None:
             for name, p in self._named_parameters(model):

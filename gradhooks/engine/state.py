@@ -102,12 +102,12 @@ class CaptureState:
         # as given, else that layout in words; and the batch
         self.reruns: dict[int, tuple[str | None, int]] = {}
         # the trainable parameters the last planning left out that the one before covered,
-        # {id: (name, parameter)}: a forward through torch.func.functional_call with other
+        # {id: (name, weak reference to the parameter)}: a forward through torch.func.functional_call with other
         # tensors in their slots plans the hooks for those; a backward of an earlier forward
         # that reaches calls of these parameters (a student's, after its teacher's
         # functional_call) hooks them again, alongside the plan's (Hooks._hook_dropped), and
         # notes them in ``rehooked``, until the next planning
-        self.dropped: dict[int, tuple[str, nn.Parameter]] = {}
+        self.dropped: dict[int, tuple[str, weakref.ref]] = {}
         self.rehooked: set[int] = set()
 
         # -- the accumulation of grad1 ---------------------------------------------------------
