@@ -1231,7 +1231,7 @@ def test_a_conversion_in_the_middle_of_an_accumulation(dtype):
 READ_IN_HOOK_GAP = (
     "grad1 is complete when the backward returns: autograd accumulates MultiheadAttention's "
     "in_proj_bias and out_proj before the layer's rule runs, so a post-accumulate-grad hook "
-    "that reads their grad1 finds the last step's (none at the first step)"
+    "that reads their grad1 finds none yet (the last step's is off the parameter until then)"
 )
 
 

@@ -72,6 +72,16 @@ class EngineAPI:
         the same object as long as the walks find the model as it was planned."""
         return self._hooks._structure
 
+    def follow_dropped(self) -> None:
+        """Where the hooks were last planned without trainable parameters the plan before
+        covered (a forward through ``torch.func.functional_call`` with other tensors in their
+        slots, since returned), plan them again for the model as it is now, as its next
+        forward would: a step between the two reads the plan."""
+        hooks = self._hooks
+        model = hooks.model
+        if (hooks._state.dropped or hooks._state.rehooked) and model is not None:
+            hooks._follow_changes(model)
+
     def covered(self) -> set[int]:
         """The ids of the parameters of the hooked modules (trainable or not)."""
         return {id(p) for t in self._hooks._state.targets for p in t.params.values()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -72,6 +72,8 @@ class BackwardWriter:
 
     def __init__(self, state: CaptureState) -> None:
         self.state = state
+        # the handle's hooking again of parameters its last planning dropped (Hooks._hook_dropped)
+        self.hook_dropped: Callable[[Iterable[int]], set[int]] = lambda pids: set()
         # a Target per parameter used outside its modules' calls, for the fallback of its uses
         self.direct_targets: dict[int, Target] = {}
 
@@ -83,6 +85,10 @@ class BackwardWriter:
         carried = kept.carried
         if s.rerunning and not (s.probing and carried is not None):
             return  # a backward of the engine's own
+        if s.dropped and any(id(p) in s.dropped for p in kept.live.values()):
+            frozen = self.hook_dropped([id(p) for p in kept.live.values()])
+            if frozen:
+                self.backward_state().frozen.update(frozen)
         full: list[Tensor | None] = [None] * kept.n_leaves
         for i, g in zip(kept.hooked, grads):
             full[i] = g
@@ -385,6 +391,7 @@ class BackwardWriter:
             if frame_ref is not None:
                 self.state.forward_of[id(p)] = frame_ref
             accumulate = id(p) in self.state.written
+            self._unhide(bw, p)
             out = self._writable_grad1(p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
             if accumulate and summed:
@@ -509,7 +516,7 @@ class BackwardWriter:
             else:
                 bw.capturing = self.state.capturing_backward()
                 if bw.capturing:
-                    self._restart()
+                    self._restart(bw)
                 else:
                     self.state.trail.observe()
                 if self.state.verify and self.state.checks_examples and self.state.unverified:
@@ -519,11 +526,12 @@ class BackwardWriter:
             _torch.queue_backward_callback(lambda: self._end_backward(task))
         return bw
 
-    def _restart(self) -> None:
+    def _restart(self, bw: Backward) -> None:
         """At the start of a backward, before autograd adds anything to ``.grad``: where
         ``.grad`` was reset since the last backward (``zero_grad``: see
         :mod:`gradhooks.engine.accumulation`), ``grad1`` starts afresh (and so do the quantities that
-        accumulate); a ``grad1`` deleted by the user starts afresh too."""
+        accumulate); a ``grad1`` deleted by the user starts afresh too. A ``grad1`` left from
+        before the reset is taken off its parameter while the backward runs (:meth:`_hide`)."""
         for pid, p in list(self.state.written.items()):
             if p.__dict__.get("grad1") is None:
                 del self.state.written[pid]
@@ -539,6 +547,36 @@ class BackwardWriter:
             self.state.depth.pop(id(p), None)
         if reset and self.state.collector is not None:
             self.state.collector.restart(reset)
+        self._hide(bw)
+
+    def _hide(self, bw: Backward) -> None:
+        """Take each stale ``grad1`` (left from before a reset, which this backward replaces,
+        deletes or zeroes) off its parameter until the backward is through: a hook that runs
+        during it (``register_post_accumulate_grad_hook`` of another parameter) finds no
+        ``grad1`` where this backward has not written one yet, rather than an earlier step's.
+        The tensor is kept: written into where its memory can be reused (:meth:`_unhide`),
+        put back where the backward leaves ``grad1`` as it was (:meth:`_put_back`)."""
+        for pid, p in self.state.stale.items():
+            found = p.__dict__.pop("grad1", None)
+            if found is not None:
+                bw.hidden[pid] = (p, found)
+
+    def _unhide(self, bw: Backward | None, p: nn.Parameter) -> None:
+        """Before ``p.grad1`` is first written by ``bw``: the stale ``grad1`` hidden from it
+        back on ``p``, so that its memory is reused (``sole_grad1``) and then written over."""
+        if bw is None or not bw.hidden:
+            return
+        found = bw.hidden.pop(id(p), None)
+        if found is not None and "grad1" not in p.__dict__:
+            p.__dict__["grad1"] = found[1]
+
+    def _put_back(self, bw: Backward) -> None:
+        """Where ``bw`` ends without having replaced them (a backward not captured after all,
+        a refusal): each hidden ``grad1`` back on its parameter, as the backward found it."""
+        hidden, bw.hidden = bw.hidden, {}
+        for p, found in hidden.values():
+            if "grad1" not in p.__dict__:
+                p.__dict__["grad1"] = found
 
     def _settle(self, bw: Backward, captured: bool) -> None:
         """At the end of a backward: count it in each ``grad1`` it wrote; where it was a
@@ -569,10 +607,13 @@ class BackwardWriter:
             zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
             zero = [p for p, z in zip(zero, all_zero([p.grad for p in zero])) if z]
             for p in zero:
+                self._unhide(bw, p)
                 self._zero_grad1(p, bw.batch)
             for pid, p in stale.items():
+                bw.hidden.pop(pid, None)
                 if pid not in self.state.written and "grad1" in p.__dict__:
                     del p.grad1
+        self._put_back(bw)
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
         params = {pid: p for pid, p in self.state.written.items()}
@@ -866,7 +907,15 @@ class BackwardWriter:
         while waiting is not None and waiting.pending:  # taps the backward never reached
             waiting.pending.pop(next(iter(waiting.pending)))()
         bw = self.state.tasks.pop(task, None)
-        if bw is None or self.state.removed:
+        if bw is None:
+            return
+        try:
+            self._finish_backward(bw)
+        finally:
+            self._put_back(bw)  # (nothing hidden is left after _settle)
+
+    def _finish_backward(self, bw: Backward) -> None:
+        if self.state.removed:
             return
         bw.raw.clear()
         if bw.batched is not None:
@@ -907,6 +956,7 @@ class BackwardWriter:
             # grad1 or norms; not where calls run detached by design, the book-keeping step)
             ours = self.state.params.keys() - self.state.sharded
             left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            left_out |= bw.frozen  # (frozen since a planning dropped them: never computed)
             # (frozen between the forward and the backward: autograd computes its gradient,
             # then leaves .grad as it was)
             for q in [q for q in bw.computed if not self.state.params[q][1].requires_grad]:
@@ -1069,6 +1119,7 @@ class BackwardWriter:
         if bw is not None:
             self.rollback(bw)
             self.undo_grads(bw)
+            self._put_back(bw)
         if self.state.collector is not None:
             self.state.collector.discard_backward()
 
@@ -1077,6 +1128,7 @@ class BackwardWriter:
         (an exception elsewhere in it); undo what it wrote."""
         for bw in self.state.tasks.values():
             self.rollback(bw)
+            self._put_back(bw)
         self.state.tasks.clear()
         if self.state.collector is not None and self.state.collector._queued:
             self.state.collector.discard_backward()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -277,6 +277,7 @@ class Hooks:
         forwards, backwards, layouts = self._forwards, self._backwards, self._layouts
         detached, verifier = self._detached_calls, self._verifier
         forwards.follow_changes = self._follow_changes
+        backwards.hook_dropped = self._hook_dropped
         me = weakref.ref(self)
         forwards.layer_outputs = LayerOutputs(
             lambda module: (h := me()) is not None and _HOOKED_MODULES.get(module) is h
@@ -460,6 +461,34 @@ class Hooks:
         self._structure, trainable = structure_and_parameters(model, bool(self._state.sharded))
         self._storages = storages_of(trainable)
 
+    def _hook_dropped(self, pids: Iterable[int]) -> set[int]:
+        """A backward reached calls of parameters the last planning dropped (a forward since
+        theirs put other tensors in their slots: a teacher's ``torch.func.functional_call``
+        between the student's forward and its backward), whose own hooks went with the plan
+        before: hooked again now, before autograd reaches them, alongside the plan's (whose
+        calls the same backward may reach too); the next forward plans for the model as it
+        then is. Returns the ids of those frozen since, which are not hooked: autograd
+        leaves their ``.grad`` as it was, and so the backward leaves their ``grad1``."""
+        state, frozen = self._state, set()
+        for pid in pids:
+            found = state.dropped.pop(pid, None)
+            if found is None or pid in state.params or pid in state.sharded:
+                continue
+            name, p = found[0], found[1]()
+            if p is None:
+                continue
+            if not p.requires_grad:
+                frozen.add(pid)
+                continue
+            state.params[pid] = (name, p)
+            state.numel += p.numel()
+            state.rehooked.add(pid)
+            handle = p.register_hook(self._backwards.param_hook(pid, name))
+            _torch.put_tensor_hook_first(p, handle.id)
+            self._target_handles.append(handle)
+            self._hook_accumulator(pid, name, p)
+        return frozen
+
     def _hook_accumulator(self, pid: int, name: str, p: nn.Parameter) -> None:
         """The pre-hook on ``p``'s ``AccumulateGrad`` node (it tells a backward that adds
         into ``.grad`` from one that returns the gradient), in place of the one on its node
@@ -540,6 +569,11 @@ class Hooks:
                     "hooks first."
                 )
         self._install(model)
+        params = self._state.params
+        self._state.dropped = {
+            pid: (name, weakref.ref(p)) for pid, (name, p) in before.items() if pid not in params
+        }  # (weakly: a layer swapped out goes with its parameters)
+        self._state.rehooked = set()
         if self._state.collector is not None:
             for name, p in self._named_parameters(model):
                 self._state.collector.names.setdefault(id(p), name)

@@ -137,6 +137,12 @@ class Backward:
     computed: set[int]  # ids of parameters whose gradient this backward computes
     before: dict[int, Tensor | None]  # grad1 before this backward first wrote it (rollback)
     missed: list[str]  # parameters it computed without a captured call
+    # (by id) the parameter and the grad1 it held from before a reset, off the parameter
+    # while this backward runs, since it is not this backward's (BackwardWriter._restart)
+    hidden: dict[int, tuple[nn.Parameter, Tensor]] = field(default_factory=dict)
+    # ids of parameters its calls reached that a planning since their forward dropped and
+    # that are frozen now (Hooks._hook_dropped): their grad1 is left as autograd leaves .grad
+    frozen: set[int] = field(default_factory=set)
     # parameters it reached through their direct uses in a followed forward: (id) -> (sources,
     # the operations whose effect on the batch that forward did not know)
     direct: dict[int, tuple[set, dict]] = field(default_factory=dict)

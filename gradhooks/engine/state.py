@@ -105,6 +105,14 @@ class CaptureState:
         # during the backward (ForwardCapture.note_rerun): None where on the rule's dimension
         # as given, else that layout in words; and the batch
         self.reruns: dict[int, tuple[str | None, int]] = {}
+        # the trainable parameters the last planning left out that the one before covered,
+        # {id: (name, weak reference to the parameter)}: a forward through torch.func.functional_call with other
+        # tensors in their slots plans the hooks for those; a backward of an earlier forward
+        # that reaches calls of these parameters (a student's, after its teacher's
+        # functional_call) hooks them again, alongside the plan's (Hooks._hook_dropped), and
+        # notes them in ``rehooked``, until the next planning
+        self.dropped: dict[int, tuple[str, weakref.ref]] = {}
+        self.rehooked: set[int] = set()
 
         # -- the accumulation of grad1 ---------------------------------------------------------
         # the parameters whose grad1 the next captured backward adds to (the accumulation

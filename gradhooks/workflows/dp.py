@@ -1044,6 +1044,7 @@ def _plan(hooks: Hooks) -> _Plan:
     if model is None or not hooks.active:
         raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
     engine = engine_of(hooks)
+    engine.follow_dropped()
     key = None if engine.sharded else engine.structure
     plan = _PLANS.get(hooks) if key is not None else None
     if plan is None or plan.key is not key or _flags(plan.walked) != plan.flags:
