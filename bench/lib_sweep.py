@@ -34,6 +34,7 @@ import argparse
 import copy
 import functools
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -1374,9 +1375,22 @@ def compare(
     sweep.compare(res, params, want, rtol, mean=ex.reduction == "mean", zero=zero)
 
 
+@functools.cache
+def _import_torchvision() -> None:
+    """Import torchvision where it is installed, as :func:`bench.timm_sweep.import_vision`
+    does: transformers imports it (through diffusers' and sentence-transformers' models, and
+    Enformer's), and the PyPI wheel, built against CUDA torch, fails to import beside a
+    CPU-only torch unless its two operators are declared first."""
+    if importlib.util.find_spec("torchvision") is not None:
+        from .timm_sweep import import_vision
+
+        import_vision("torchvision")
+
+
 def build(name: str) -> Example:
     c = CASES[name]
     try:
+        _import_torchvision()
         importlib.import_module(c.library)
     except Exception as e:
         raise Skip(f"{c.library} is not installed: {first_line(e)}") from e
