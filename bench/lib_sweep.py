@@ -1809,6 +1809,67 @@ case("tcn-skip", "pytorch_tcn", "TCN, skip connections, layer norm, gated activa
 )
 
 
+# -- memories and routers: product-key-memory, colt5-attention, gateloop-transformer ----------
+
+
+class ResidualLM(nn.Module):
+    """Token embeddings, ``x + layer(norm(x))``, a head: a language model around one layer."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.embed, self.norm, self.layer = nn.Embedding(VOCAB, DIM), nn.LayerNorm(DIM), layer
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.layer(self.norm(x)))
+
+
+@case("pkm", "product_key_memory", "product-key memory: top-k keys, an EmbeddingBag of values")
+def _pkm() -> Example:
+    from product_key_memory import PKM
+
+    torch.manual_seed(0)
+    pkm = PKM(dim=DIM, heads=2, num_keys=8, topk=4, dim_head=8)
+    return Example(ResidualLM(pkm), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("colt5-routed-ff", "colt5_attention", "CoLT5's routed feedforward: coordinate descent")
+def _colt5() -> Example:
+    from colt5_attention import ConditionalRoutedFeedForward
+
+    torch.manual_seed(0)
+    ff = ConditionalRoutedFeedForward(dim=DIM, num_heavy_tokens=4, light_ff_mult=0.5,
+                                      heavy_ff_mult=2)  # fmt: skip
+    return Example(ResidualLM(ff), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+def _gateloop(checkpoint: bool) -> Example:
+    from gateloop_transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(dim=DIM, num_tokens=VOCAB, depth=2, dim_head=8, heads=4,
+                        checkpoint_gate_looped_attn=checkpoint)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+case("gateloop-lm", "gateloop_transformer", "GateLoop: a gated linear recurrence, a scan")(
+    lambda: _gateloop(False)
+)
+case("gateloop-lm-checkpointed", "gateloop_transformer", "the same, its scan checkpointed")(
+    lambda: _gateloop(True)
+)
+
+
+@case("x-mlps-nff", "x_mlps_pytorch", "nFeedforwards: weights l2-normalized by a parametrization")
+def _nff() -> Example:
+    from x_mlps_pytorch import nFeedforwards
+
+    torch.manual_seed(0)
+    model = nFeedforwards(dim=16, depth=2, dim_in=6, dim_out=CLASSES)
+    return Example(model, (_randn(BATCH, 6),), class_ce, (_labels(),), "mean")
+
+
 # -- the check ----------------------------------------------------------------------------------
 
 
