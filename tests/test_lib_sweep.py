@@ -181,6 +181,8 @@ MODELS = [
     "pyg-dense-gcn",  # graphs padded to one size, dense adjacency and node mask
     "ncps-ltc",  # liquid time-constant cells, a sparse wiring mask
     "tcn",  # weight_norm parametrizations, causal dilated convolutions
+    "normflows-realnvp-module",  # ActNorm's log-determinant added in place into log_q
+    "pkm",  # product keys: top-k, an EmbeddingBag with per-sample weights
 ]
 
 
@@ -201,6 +203,7 @@ def test_library_model_matches_the_loop(name):
         ("neural-ode-adjoint", gradhooks.UnsupportedError),  # gradients by a nested backward
         ("axial-image-transformer", gradhooks.BatchNotFoundError),  # folded rows, rerun
         ("pyg-gcn", gradhooks.MixedExamplesError),  # graphs' nodes concatenated: no batch
+        ("normflows-nsf", gradhooks.UnsupportedInputError),  # a log-determinant of no example
     ],
 )
 def test_library_model_refused(name, error):
