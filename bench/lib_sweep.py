@@ -34,6 +34,7 @@ import argparse
 import copy
 import functools
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -1313,6 +1314,562 @@ def _e3nn() -> Example:
     return Example(model, (features, positions), mse, (_randn(BATCH, 1, seed=2),), "mean")
 
 
+# -- medical and segmentation networks: monai, segmentation-models-pytorch -----------------------
+
+
+def pixel_ce(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each image's mean cross-entropy over its pixels, ``[batch]``."""
+    return F.cross_entropy(logits, labels, reduction="none").flatten(1).mean(1)
+
+
+def _segmentation(model: nn.Module, channels: int = 1, side: int = 16) -> Example:
+    x = _randn(BATCH, channels, side, side)
+    labels = torch.randint(0, 2, (BATCH, side, side), generator=_gen(1))
+    return Example(model, (x,), pixel_ce, (labels,), "mean")
+
+
+@case("monai-unet", "monai", "UNet, residual units, InstanceNorm, segmentation")
+def _monai_unet() -> Example:
+    from monai.networks.nets import UNet
+
+    torch.manual_seed(0)
+    model = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16),
+                 strides=(2, 2), num_res_units=1)  # fmt: skip
+    return _segmentation(model)
+
+
+@case("monai-basic-unet", "monai", "BasicUNet (InstanceNorm, LeakyReLU)")
+def _monai_basic_unet() -> Example:
+    from monai.networks.nets import BasicUNet
+
+    torch.manual_seed(0)
+    model = BasicUNet(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4))
+    return _segmentation(model, side=32)  # (InstanceNorm needs 2 pixels at the bottom)
+
+
+@case("monai-segresnet", "monai", "SegResNet (GroupNorm)")
+def _monai_segresnet() -> Example:
+    from monai.networks.nets import SegResNet
+
+    torch.manual_seed(0)
+    model = SegResNet(spatial_dims=2, init_filters=8, in_channels=1, out_channels=2,
+                      blocks_down=(1, 1), blocks_up=(1,), norm=("group", {"num_groups": 4}))  # fmt: skip
+    return _segmentation(model)
+
+
+@case("monai-unetr", "monai", "UNETR: a ViT encoder, a convolutional decoder")
+def _monai_unetr() -> Example:
+    from monai.networks.nets import UNETR
+
+    torch.manual_seed(0)
+    model = UNETR(in_channels=1, out_channels=2, img_size=(16, 16), feature_size=4,
+                  hidden_size=DIM, mlp_dim=64, num_heads=4, spatial_dims=2)  # fmt: skip
+    return _segmentation(model)
+
+
+@case("monai-swin-unetr", "monai", "SwinUNETR: shifted windows, relative position bias")
+def _monai_swin_unetr() -> Example:
+    from monai.networks.nets import SwinUNETR
+
+    torch.manual_seed(0)
+    model = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, depths=(1, 1, 1, 1),
+                      num_heads=(1, 1, 2, 2), spatial_dims=2, window_size=4,
+                      use_v2=True)  # fmt: skip
+    return _segmentation(model, side=64)
+
+
+@case("monai-densenet", "monai", "DenseNet121-like classifier (BatchNorm)")
+def _monai_densenet() -> Example:
+    from monai.networks.nets import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet(spatial_dims=2, in_channels=1, out_channels=CLASSES, init_features=8,
+                     growth_rate=4, block_config=(2, 2), bn_size=2)  # fmt: skip
+    return Example(model, (_randn(BATCH, 1, 16, 16),), class_ce, (_labels(),), "mean")
+
+
+def _smp(arch: str, **kw) -> Example:
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    model = getattr(smp, arch)(encoder_weights=None, in_channels=1, classes=2, **kw)
+    for m in model.modules():  # (the mit encoders' stochastic depth, as dropout: off)
+        if isinstance(getattr(m, "drop_prob", None), float):
+            m.drop_prob = 0.0
+    return _segmentation(model, side=32)
+
+
+case("smp-unet-resnet", "segmentation_models_pytorch", "Unet, resnet18 encoder (BatchNorm)")(
+    lambda: _smp("Unet", encoder_name="resnet18", encoder_depth=3, decoder_channels=(16, 8, 4))
+)
+
+
+@case("smp-unet-resnet-gn", "segmentation_models_pytorch",
+      "Unet, resnet18 encoder, its BatchNorm made GroupNorm by Opacus' ModuleValidator.fix")  # fmt: skip
+def _smp_group_norm() -> Example:
+    from opacus.validators import ModuleValidator
+
+    ex = _smp("Unet", encoder_name="resnet18", encoder_depth=3, decoder_channels=(16, 8, 4))
+    ex.model = ModuleValidator.fix(ex.model)
+    return ex
+
+
+# -- diffusion and flows: denoising-diffusion-pytorch, normflows ---------------------------------
+
+
+class Float64(nn.Module):
+    """``x.double()``, as a module."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.double()
+
+
+def _gaussian_diffusion(one_d: bool) -> Example:
+    """lucidrains' ``GaussianDiffusion.p_losses`` at a given timestep and noise per example (its
+    forward draws them): the mean, over the batch, of each example's weighted mean squared
+    error."""
+    import denoising_diffusion_pytorch as ddp
+
+    torch.manual_seed(0)
+    if one_d:
+        unet = ddp.Unet1D(dim=8, dim_mults=(1, 2), channels=2)
+        diffusion = ddp.GaussianDiffusion1D(unet, seq_length=16, timesteps=100)
+        shape = (BATCH, 2, 16)
+    else:
+        unet = ddp.Unet(dim=8, dim_mults=(1, 2), channels=3, flash_attn=False)
+        diffusion = ddp.GaussianDiffusion(unet, image_size=IMG, timesteps=100)
+        shape = (BATCH, 3, IMG, IMG)
+    # its sinusoidal time embedding is float32 whatever the model's dtype: made float64 here
+    unet.time_mlp = nn.Sequential(unet.time_mlp[0], Float64(), *unet.time_mlp[1:])
+    g = _gen(3)
+    clean = torch.randn(*shape, generator=g, dtype=torch.float64)
+    noise = torch.randn(*shape, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 100, (BATCH,), generator=g)
+    return Example(diffusion, (clean, t, noise), lambda loss: loss, (), "mean", batch_loss=True,
+                   call=lambda m, x, t, n: m.p_losses(x, t, noise=n))  # fmt: skip
+
+
+case("ddpm-unet", "denoising_diffusion_pytorch", "GaussianDiffusion of a Unet, p_losses")(
+    lambda: _gaussian_diffusion(False)
+)
+case("ddpm-unet1d", "denoising_diffusion_pytorch", "GaussianDiffusion1D of a Unet1D, p_losses")(
+    lambda: _gaussian_diffusion(True)
+)
+
+
+class FlowNLL(nn.Module):
+    """A flow's negative log-likelihood as a module's forward (what gradhooks' warning asks
+    for where the flow's ``log_prob`` is called directly)."""
+
+    def __init__(self, flow: nn.Module):
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, x: Tensor) -> Tensor:
+        return -self.flow.log_prob(x)
+
+
+def _normflow(kind: str, module: bool = False) -> Example:
+    """normflows' RealNVP (masked affine couplings and ActNorm) or neural spline flow, its
+    negative log-likelihood by ``log_prob``, called as its users call it, or (``module``)
+    from a module's forward."""
+    import normflows as nf
+
+    torch.manual_seed(0)
+    flows = []
+    for i in range(2):
+        if kind == "realnvp":
+            mask = torch.tensor([(i + j) % 2 for j in range(4)], dtype=torch.float64)
+            scale = nf.nets.MLP([4, 16, 4], init_zeros=True)
+            shift = nf.nets.MLP([4, 16, 4], init_zeros=True)
+            flows += [nf.flows.MaskedAffineFlow(mask, shift, scale), nf.flows.ActNorm(4)]
+        else:
+            flows += [nf.flows.AutoregressiveRationalQuadraticSpline(4, 1, 16),
+                      nf.flows.LULinearPermute(4)]  # fmt: skip
+    model = nf.NormalizingFlow(nf.distributions.DiagGaussian(4), flows)
+    if module:
+        return Example(FlowNLL(model), (_randn(BATCH, 4),), lambda nll: nll, (), "mean")
+    return Example(model, (_randn(BATCH, 4),), lambda log_p: -log_p, (), "mean",
+                   call=lambda m, x: m.log_prob(x))  # fmt: skip
+
+
+case("normflows-realnvp", "normflows", "RealNVP: masked affine couplings, ActNorm; log_prob")(
+    lambda: _normflow("realnvp")
+)
+case("normflows-realnvp-module", "normflows", "the same, log_prob in a module's forward")(
+    lambda: _normflow("realnvp", module=True)
+)
+case("normflows-nsf", "normflows", "autoregressive rational-quadratic splines, LU permutations")(
+    lambda: _normflow("nsf")
+)
+
+
+# -- spiking and liquid networks: snntorch, ncps --------------------------------------------------
+
+
+class SpikingNet(nn.Module):
+    """snntorch's tutorial network: Linear, a Leaky neuron with a learned decay and threshold
+    (or a Synaptic one, with learned decays), Linear, a Leaky output neuron, stepped over time;
+    the output's spike counts and membrane potentials summed over the steps as logits. The
+    spikes come out in float32 (its surrogate's ``.float()``): cast back to the input's."""
+
+    def __init__(self, synaptic: bool = False, steps: int = 6):
+        import snntorch as snn
+        from snntorch import surrogate
+
+        super().__init__()
+        self.steps = steps
+        grad = surrogate.fast_sigmoid(slope=25)
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, CLASSES)
+        if synaptic:
+            self.lif1 = snn.Synaptic(alpha=0.8, beta=0.9, spike_grad=grad, learn_alpha=True,
+                                     learn_beta=True)  # fmt: skip
+        else:
+            self.lif1 = snn.Leaky(beta=0.9, spike_grad=grad, learn_beta=True,
+                                  learn_threshold=True)  # fmt: skip
+        self.lif2 = snn.Leaky(beta=0.8, spike_grad=grad, learn_beta=True)
+        self.synaptic = synaptic
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.synaptic:
+            syn1, mem1 = self.lif1.init_synaptic()
+        else:
+            mem1 = self.lif1.init_leaky()
+        mem2, total = self.lif2.init_leaky(), 0
+        for _ in range(self.steps):
+            if self.synaptic:
+                spk1, syn1, mem1 = self.lif1(self.fc1(x), syn1, mem1)
+            else:
+                spk1, mem1 = self.lif1(self.fc1(x), mem1)
+            spk2, mem2 = self.lif2(self.fc2(spk1.to(x.dtype)), mem2)  # (spikes: float32)
+            # (the membrane too: a gradient where no spike comes)
+            total = total + spk2.to(x.dtype) + mem2
+        return total
+
+
+case("snn-leaky", "snntorch", "Leaky neurons, learned decay and threshold, surrogate gradient")(
+    lambda: _snn(False)
+)
+case("snn-synaptic", "snntorch", "Synaptic neurons: learned synaptic and membrane decays")(
+    lambda: _snn(True)
+)
+
+
+def _snn(synaptic: bool) -> Example:
+    torch.manual_seed(0)
+    x = _randn(BATCH, 4) * 2
+    return Example(SpikingNet(synaptic), (x,), class_ce, (_labels(),), "mean")
+
+
+class LiquidRegressor(nn.Module):
+    """An ncps sequence model (``CfC`` or ``LTC``) on ``[batch, time, features]``, its last
+    output regressed."""
+
+    def __init__(self, kind: str):
+        from ncps.torch import LTC, CfC
+        from ncps.wirings import AutoNCP
+
+        super().__init__()
+        if kind == "ltc":
+            self.rnn = LTC(3, AutoNCP(8, 2, seed=0), ode_unfolds=3)
+        else:
+            self.rnn = CfC(3, 8, proj_size=2, mode=kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x)
+        return out[:, -1]
+
+
+def _liquid(kind: str) -> Example:
+    torch.manual_seed(0)
+    return Example(LiquidRegressor(kind), (_randn(BATCH, 5, 3),), mse,
+                   (_randn(BATCH, 2, seed=1),), "mean")  # fmt: skip
+
+
+case("ncps-cfc", "ncps", "CfC: closed-form continuous-time cells")(lambda: _liquid("default"))
+case("ncps-ltc", "ncps", "LTC: liquid time-constant cells, an NCP wiring")(lambda: _liquid("ltc"))
+
+
+# -- graphs and point clouds: torch_geometric, egnn-pytorch --------------------------------------
+
+
+class DenseGraphNet(nn.Module):
+    """torch_geometric's dense layers on a batch of graphs padded to one size: node features
+    ``[batch, nodes, features]``, adjacency ``[batch, nodes, nodes]``, a mask of real nodes;
+    a masked mean over the nodes, a linear head."""
+
+    def __init__(self, kind: str):
+        import torch_geometric.nn as gnn
+
+        super().__init__()
+        if kind == "gcn":
+            self.conv1, self.conv2 = gnn.DenseGCNConv(4, 16), gnn.DenseGCNConv(16, 16)
+        else:
+            self.conv1, self.conv2 = gnn.DenseSAGEConv(4, 16), gnn.DenseGraphConv(16, 16)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: Tensor, adj: Tensor, mask: Tensor) -> Tensor:
+        x = self.conv1(x, adj, mask).relu()
+        x = self.conv2(x, adj, mask).relu()
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return self.head(pooled)
+
+
+class SparseGraphNet(nn.Module):
+    """torch_geometric's message passing as its users batch graphs: the graphs' nodes
+    concatenated into one ``[nodes, features]`` table, their edges into one edge index, a
+    ``batch`` vector naming each node's graph (``Batch.from_data_list``), ``global_mean_pool``
+    per graph. Built here from the padded dense batch, so that a batch of one is a graph."""
+
+    def __init__(self, kind: str):
+        import torch_geometric.nn as gnn
+
+        super().__init__()
+        conv = {"gcn": gnn.GCNConv, "gat": lambda i, o: gnn.GATConv(i, o, heads=2, concat=False),
+                "gin": lambda i, o: gnn.GINConv(nn.Sequential(nn.Linear(i, o), nn.ReLU(),
+                                                              nn.Linear(o, o)))}[kind]  # fmt: skip
+        self.conv1, self.conv2 = conv(4, 16), conv(16, 16)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: Tensor, adj: Tensor, mask: Tensor) -> Tensor:
+        from torch_geometric.data import Batch, Data
+        from torch_geometric.nn import global_mean_pool
+
+        graphs = []
+        for b in range(x.shape[0]):
+            n = int(mask[b].sum())
+            graphs.append(Data(x=x[b, :n], edge_index=adj[b, :n, :n].nonzero().t()))
+        batch = Batch.from_data_list(graphs)
+        h = self.conv1(batch.x, batch.edge_index).relu()
+        h = self.conv2(h, batch.edge_index).relu()
+        return self.head(global_mean_pool(h, batch.batch))
+
+
+def _graphs() -> tuple[Tensor, Tensor, Tensor]:
+    """A batch of 3 random undirected graphs of 5, 4 and 6 nodes, padded to 6."""
+    nodes = 6
+    x = _randn(BATCH, nodes, 4)
+    upper = torch.rand(BATCH, nodes, nodes, generator=_gen(7)) < 0.5
+    adj = (upper.triu(1) | upper.triu(1).transpose(1, 2)).double()
+    mask = torch.zeros(BATCH, nodes, dtype=torch.bool)
+    for b, n in enumerate((5, 4, 6)):
+        mask[b, :n] = True
+    adj = adj * mask[:, :, None] * mask[:, None, :]
+    return x * mask[..., None], adj, mask
+
+
+def _graph(model_cls, kind: str) -> Example:
+    torch.manual_seed(0)
+    return Example(model_cls(kind), _graphs(), class_ce, (_labels(),), "mean")
+
+
+case("pyg-dense-gcn", "torch_geometric", "DenseGCNConv on a padded batch of graphs")(
+    lambda: _graph(DenseGraphNet, "gcn")
+)
+case("pyg-dense-sage", "torch_geometric", "DenseSAGEConv, DenseGraphConv, padded graphs")(
+    lambda: _graph(DenseGraphNet, "sage")
+)
+case("pyg-gcn", "torch_geometric", "GCNConv on graphs batched as one (Batch.from_data_list)")(
+    lambda: _graph(SparseGraphNet, "gcn")
+)
+case("pyg-gat", "torch_geometric", "GATConv on graphs batched as one")(
+    lambda: _graph(SparseGraphNet, "gat")
+)
+case("pyg-gin", "torch_geometric", "GINConv (an MLP per node) on graphs batched as one")(
+    lambda: _graph(SparseGraphNet, "gin")
+)
+
+
+@case("egnn", "egnn_pytorch", "EGNN_Network: coordinates and features, E(n)-equivariant")
+def _egnn() -> Example:
+    from egnn_pytorch import EGNN_Network
+
+    torch.manual_seed(0)
+    net = EGNN_Network(num_tokens=10, dim=8, depth=2, num_nearest_neighbors=3, m_dim=8)
+    feats = torch.randint(0, 10, (BATCH, 6), generator=_gen(0))
+    coors = _randn(BATCH, 6, 3, seed=1)
+
+    def call(m, feats, coors):
+        h, x = m(feats, coors)
+        return torch.cat([h.sum(1), x.flatten(1)], -1)
+
+    target = _randn(BATCH, 8 + 18, seed=2)
+    return Example(net, (feats, coors), mse, (target,), "mean", call=call)
+
+
+# -- vision: kornia -------------------------------------------------------------------------------
+
+
+@case("kornia-vit", "kornia", "kornia.models.VisionTransformer, a linear head on its class token")
+def _kornia_vit() -> Example:
+    from kornia.models.vit import VisionTransformer
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vit = VisionTransformer(image_size=16, patch_size=4, embed_dim=DIM, depth=2,
+                                         num_heads=4)  # fmt: skip
+            self.head = nn.Linear(DIM, CLASSES)
+
+        def forward(self, x):
+            return self.head(self.vit(x)[:, 0])
+
+    torch.manual_seed(0)
+    return Example(Classifier(), (_randn(BATCH, 3, 16, 16),), class_ce, (_labels(),), "mean")
+
+
+class SpatialTransformer(nn.Module):
+    """A spatial transformer network: a small CNN predicts each image's affine transform,
+    ``kornia.geometry.transform.warp_affine`` resamples the image with it, a CNN classifies."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * 7 * 7, 6))  # fmt: skip
+        with torch.no_grad():
+            self.loc[-1].weight.mul_(0.1)
+            self.loc[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0, 1, 0]))
+        self.cls = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(2),
+                                 nn.Flatten(), nn.Linear(16, CLASSES))  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        from kornia.geometry.transform import warp_affine
+
+        theta = self.loc(x).view(-1, 2, 3)
+        return self.cls(warp_affine(x, theta, dsize=(16, 16), align_corners=True))
+
+
+@case("kornia-stn", "kornia", "a spatial transformer: predicted affine warps (warp_affine)")
+def _kornia_stn() -> Example:
+    torch.manual_seed(0)
+    return Example(SpatialTransformer(), (_randn(BATCH, 1, 16, 16),), class_ce, (_labels(),),
+                   "mean")  # fmt: skip
+
+
+# -- lucidrains' sequence models: soft-moe-pytorch, minGRU-pytorch, iTransformer; pytorch-tcn -----
+
+
+@case("soft-moe", "soft_moe_pytorch", "SoftMoE: slots mixed from each sequence's tokens")
+def _soft_moe() -> Example:
+    from soft_moe_pytorch import SoftMoE
+
+    class MoELM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm = nn.Embedding(VOCAB, DIM), nn.LayerNorm(DIM)
+            self.moe = SoftMoE(dim=DIM, num_experts=4, num_slots=2)
+            self.head = nn.Linear(DIM, VOCAB)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            return self.head(self.norm(x + self.moe(x)))
+
+    torch.manual_seed(0)
+    return Example(MoELM(), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+def _min_lm(lstm: bool) -> Example:
+    from minGRU_pytorch.minLM import minLM
+
+    torch.manual_seed(0)
+    model = minLM(num_tokens=VOCAB, dim=DIM, depth=2, use_lstm=lstm, enable_conv=True)
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+case("mingru-lm", "minGRU_pytorch", "minLM of minGRU layers: a log-space parallel scan")(
+    lambda: _min_lm(False)
+)
+case("minlstm-lm", "minGRU_pytorch", "minLM of minLSTM layers")(lambda: _min_lm(True))
+
+
+@case("itransformer", "iTransformer", "iTransformer: variates as tokens, a forecast")
+def _itransformer() -> Example:
+    from iTransformer import iTransformer
+
+    torch.manual_seed(0)
+    model = iTransformer(num_variates=4, lookback_len=16, dim=DIM, depth=2, heads=4, dim_head=8,
+                         pred_length=4, num_mem_tokens=2, num_residual_streams=1,
+                         use_reversible_instance_norm=True, flash_attn=False)  # fmt: skip
+    return Example(model, (_randn(BATCH, 16, 4),), mse, (_randn(BATCH, 4, 4, seed=1),), "mean",
+                   call=lambda m, x: m(x)[4] if isinstance(m(x), dict) else m(x))  # fmt: skip
+
+
+def _tcn(**kw) -> Example:
+    from pytorch_tcn import TCN
+
+    torch.manual_seed(0)
+    model = TCN(num_inputs=3, num_channels=[8, 8], kernel_size=3, dropout=0.0,
+                output_projection=2, **kw)  # fmt: skip
+    return Example(model, (_randn(BATCH, 3, 12),), mse, (_randn(BATCH, 2, 12, seed=1),), "mean")
+
+
+case("tcn", "pytorch_tcn", "TCN: causal dilated convolutions, weight_norm (its default)")(_tcn)
+case("tcn-skip", "pytorch_tcn", "TCN, skip connections, layer norm, gated activations")(
+    lambda: _tcn(use_norm="layer_norm", use_skip_connections=True, use_gate=True)
+)
+
+
+# -- memories and routers: product-key-memory, colt5-attention, gateloop-transformer ----------
+
+
+class ResidualLM(nn.Module):
+    """Token embeddings, ``x + layer(norm(x))``, a head: a language model around one layer."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.embed, self.norm, self.layer = nn.Embedding(VOCAB, DIM), nn.LayerNorm(DIM), layer
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.layer(self.norm(x)))
+
+
+@case("pkm", "product_key_memory", "product-key memory: top-k keys, an EmbeddingBag of values")
+def _pkm() -> Example:
+    from product_key_memory import PKM
+
+    torch.manual_seed(0)
+    pkm = PKM(dim=DIM, heads=2, num_keys=8, topk=4, dim_head=8)
+    return Example(ResidualLM(pkm), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("colt5-routed-ff", "colt5_attention", "CoLT5's routed feedforward: coordinate descent")
+def _colt5() -> Example:
+    from colt5_attention import ConditionalRoutedFeedForward
+
+    torch.manual_seed(0)
+    ff = ConditionalRoutedFeedForward(dim=DIM, num_heavy_tokens=4, light_ff_mult=0.5,
+                                      heavy_ff_mult=2)  # fmt: skip
+    return Example(ResidualLM(ff), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+def _gateloop(checkpoint: bool) -> Example:
+    from gateloop_transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(dim=DIM, num_tokens=VOCAB, depth=2, dim_head=8, heads=4,
+                        checkpoint_gate_looped_attn=checkpoint)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+case("gateloop-lm", "gateloop_transformer", "GateLoop: a gated linear recurrence, a scan")(
+    lambda: _gateloop(False)
+)
+case("gateloop-lm-checkpointed", "gateloop_transformer", "the same, its scan checkpointed")(
+    lambda: _gateloop(True)
+)
+
+
+@case("x-mlps-nff", "x_mlps_pytorch", "nFeedforwards: weights l2-normalized by a parametrization")
+def _nff() -> Example:
+    from x_mlps_pytorch import nFeedforwards
+
+    torch.manual_seed(0)
+    model = nFeedforwards(dim=16, depth=2, dim_in=6, dim_out=CLASSES)
+    return Example(model, (_randn(BATCH, 6),), class_ce, (_labels(),), "mean")
+
+
 # -- the check ----------------------------------------------------------------------------------
 
 
@@ -1374,9 +1931,22 @@ def compare(
     sweep.compare(res, params, want, rtol, mean=ex.reduction == "mean", zero=zero)
 
 
+@functools.cache
+def _import_torchvision() -> None:
+    """Import torchvision where it is installed, as :func:`bench.timm_sweep.import_vision`
+    does: transformers imports it (through diffusers' and sentence-transformers' models, and
+    Enformer's), and the PyPI wheel, built against CUDA torch, fails to import beside a
+    CPU-only torch unless its two operators are declared first."""
+    if importlib.util.find_spec("torchvision") is not None:
+        from .timm_sweep import import_vision
+
+        import_vision("torchvision")
+
+
 def build(name: str) -> Example:
     c = CASES[name]
     try:
+        _import_torchvision()
         importlib.import_module(c.library)
     except Exception as e:
         raise Skip(f"{c.library} is not installed: {first_line(e)}") from e

@@ -696,3 +696,38 @@ def test_the_recomputation_is_judged_by_the_rounding_the_module_computes_in():
         else:
             with pytest.raises(gradhooks.MixedExamplesError, match="does not reproduce"):
                 _compare("'inner'", call, 0, got, want, 7)
+
+
+class MovesItsExperts(nn.Module):
+    """Soft mixture of experts that moves its experts where they already are on every call
+    (``expert.to(device)``, as soft-moe-pytorch does), with slot embeddings of its own: the
+    fallback recomputes it, and ``.to`` sets each expert parameter's ``.data`` to itself."""
+
+    def __init__(self, n=4, experts=2):
+        super().__init__()
+        self.slots = nn.Parameter(torch.randn(experts, n))
+        self.experts = nn.ModuleList([nn.Linear(n, n) for _ in range(experts)])
+
+    def forward(self, x):  # [batch, seq, n]
+        for expert in self.experts:
+            expert.to(x.device)
+        weights = torch.einsum("bsn,en->bse", x, self.slots).softmax(1)
+        slots = torch.einsum("bsn,bse->ebn", x, weights)
+        out = torch.stack([expert(s) for expert, s in zip(self.experts, slots)])
+        return torch.einsum("ebn,bse->bsn", out, weights)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_module_that_moves_its_submodules_in_its_forward(reduction):
+    """Under torch.func, the assignment ``.to`` makes to each parameter's ``.data`` crashed the
+    process (torch 2.13); the recomputation runs one example at a time by autograd instead.
+    Against the loop only: ``vmap_grad`` runs the same forward under torch.func."""
+    torch.manual_seed(0)
+    model = MovesItsExperts().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), (x,))
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        losses = model(x).pow(2).flatten(1).sum(1)
+        (losses.mean() if reduction == "mean" else losses.sum()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], msg=name)

@@ -174,6 +174,15 @@ MODELS = [
     "conformer-causal",  # depthwise convolutions without BatchNorm
     "routing-lm",  # k-means routing; memory slots of no entries (num_mem_kv=0)
     "e3nn-tensor-product",  # equivariant tensor products of generated code
+    "soft-moe",  # experts moved to their device (module.to) in every forward
+    "monai-unetr",  # InstanceNorm, a ViT encoder's tokens to a convolutional decoder
+    "ddpm-unet",  # GaussianDiffusion.p_losses, the batch's loss returned by the library
+    "kornia-stn",  # affine warps predicted per example (grid sampling)
+    "pyg-dense-gcn",  # graphs padded to one size, dense adjacency and node mask
+    "ncps-ltc",  # liquid time-constant cells, a sparse wiring mask
+    "tcn",  # weight_norm parametrizations, causal dilated convolutions
+    "normflows-realnvp-module",  # ActNorm's log-determinant added in place into log_q
+    "pkm",  # product keys: top-k, an EmbeddingBag with per-sample weights
 ]
 
 
@@ -193,6 +202,8 @@ def test_library_model_matches_the_loop(name):
         ("neural-ode-dopri5", gradhooks.MixedExamplesError),  # steps chosen by the batch's error
         ("neural-ode-adjoint", gradhooks.UnsupportedError),  # gradients by a nested backward
         ("axial-image-transformer", gradhooks.BatchNotFoundError),  # folded rows, rerun
+        ("pyg-gcn", gradhooks.MixedExamplesError),  # graphs' nodes concatenated: no batch
+        ("normflows-nsf", gradhooks.UnsupportedInputError),  # a log-determinant of no example
     ],
 )
 def test_library_model_refused(name, error):

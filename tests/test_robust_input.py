@@ -1636,26 +1636,89 @@ def test_layers_without_the_examples_added_in_place_into_the_batch(seq, reductio
     assert_matches(m, want, "added in place")
 
 
-def test_batch_added_in_place_into_a_layer_without_the_examples_is_refused():
-    """The other way round: the batch written into the lookup's output (``table(ids) += h``)
-    is still refused, naming the layer."""
+class _Into(nn.Module):
+    """The other way round: the batch written into the lookup's output (``table(ids) += h``)."""
 
-    class Into(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.pos, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 2)
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 2)
 
-        def forward(self, x):
-            p = self.pos(torch.arange(x.shape[1])).expand(x.shape[0], -1, -1).contiguous()
-            p += self.tok(x)
-            return self.head(p)
+    def forward(self, x):
+        p = self.pos(torch.arange(x.shape[1])).expand(x.shape[0], -1, -1).contiguous()
+        p += self.tok(x)
+        return self.head(p)
 
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq=batch", "seq>batch"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_batch_added_in_place_into_a_layer_without_the_examples(seq, reduction):
+    """Each example's share of the lookup's output is its rows of the result's gradient (the
+    gradient of ``p`` before ``+=`` is the result's): refused before, now the loop's."""
     torch.manual_seed(0)
-    m = Into().double()
+    m = _Into().double()
+    x = torch.randint(0, 10, (3, seq))
+    want = loop_grad(m, sq, x)
+    with gradhooks.add_hooks(m, loss_reduction=reduction):
+        sq(m(x)).div(3 if reduction == "mean" else 1).backward()
+    assert_matches(m, want, "the batch added in place")
+
+
+class _ActNorm(nn.Module):
+    """normflows' ActNorm, inverted: its parameters used in a method besides its forward, its
+    log-determinant a number of no example."""
+
+    def __init__(self):
+        super().__init__()
+        self.s, self.t = nn.Parameter(torch.randn(1, 4)), nn.Parameter(torch.randn(1, 4))
+
+    def inverse(self, z):
+        return (z - self.t) * torch.exp(-self.s), -self.s.sum()
+
+
+class _Coupling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+
+    def inverse(self, z):
+        h = self.net(z)
+        return z + h, h.sum(1)
+
+
+class _LogDensity(nn.Module):
+    """A normalizing flow's log-density as normflows sums it: ``log_q = zeros(len(x))``, each
+    layer's log-determinant added in place (``a``: an ActNorm, ``c``: a coupling)."""
+
+    def __init__(self, order: str, subtract: bool = False):
+        super().__init__()
+        self.subtract = subtract
+        self.flows = nn.ModuleList([_ActNorm() if k == "a" else _Coupling() for k in order])
+
+    def forward(self, x):
+        log_q, z = torch.zeros(len(x), dtype=x.dtype), x
+        for flow in self.flows:
+            z, log_det = flow.inverse(z)
+            if self.subtract:
+                log_q -= -log_det
+            else:
+                log_q += log_det
+        return log_q - 0.5 * z.pow(2).sum(1)
+
+
+@pytest.mark.parametrize("order", ["ac", "ca", "aca", "caac"])
+@pytest.mark.parametrize("subtract", [False, True], ids=["+=", "-="])
+def test_the_batch_added_in_place_into_a_sum_of_a_parameter(order, subtract):
+    """With an ActNorm first, ``log_q`` holds a number computed from its parameter alone when
+    the batch is added into it in place (``+=`` or ``-=``): refused before ("the in-place
+    'add_' writes the batch into a tensor derived from it"), now the loop's. With a coupling
+    first, the ActNorm's number is added into the batch (as before)."""
+    torch.manual_seed(0)
+    m = _LogDensity(order, subtract).double()
+    x = torch.randn(3, 4, dtype=D)
+    want = loop_grad(m, sq, x)
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(gradhooks.BatchNotFoundError, match="'pos'"):
-            sq(m(torch.randint(0, 10, (3, 5)))).backward()
-    assert not any(hasattr(p, "grad1") for p in m.parameters())
+        sq(m(x)).backward()
+    assert_matches(m, want, order)
 
 
 class _PositionsExpandedFirst(nn.Module):

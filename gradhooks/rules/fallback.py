@@ -41,6 +41,7 @@ vmapped over the batch, per call.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import warnings
 from collections.abc import Mapping
@@ -358,7 +359,7 @@ def _by_layout_split(
             grads = outs = None
             if "loop" not in call.memo and not create_graph:  # (see _attempt)
                 try:
-                    with _torch.own_transform():
+                    with _torch.own_transform(), _NoDataAssignment():
                         grads, outs = vmap(one, randomness="error")(xs, cots)
                 except RuntimeError as e:
                     if "random operation" in str(e) or isinstance(e, (ValueError, TypeError)):
@@ -576,7 +577,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             vmapped = "loop" not in call.memo and not create_graph
             if vmapped:
                 try:
-                    with _torch.own_transform():
+                    with _torch.own_transform(), _NoDataAssignment():
                         grads, outs = vmap(one, randomness="error")(xs, gs)
                 except RuntimeError as e:
                     if "random operation" in str(e) or isinstance(e, (ValueError, TypeError)):
@@ -741,6 +742,28 @@ def _eps_of(tensors) -> float:
     """The coarsest rounding (machine epsilon) among the floating-point ``tensors`` (0: none)."""
     found = {t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()}
     return max((torch.finfo(d).eps for d in found), default=0.0)
+
+
+_DATA = inspect.getattr_static(torch.Tensor, "data")  # (the property, whose setter is refused)
+
+
+class _DataAssignment(RuntimeError):
+    """An assignment to ``.data`` met in a ``torch.func`` recomputation: a ``RuntimeError``, as
+    torch's own refusals there are, so that it goes the way of an operation ``vmap`` cannot
+    run (to the loop)."""
+
+
+class _NoDataAssignment(TorchFunctionMode):
+    """Refuses an assignment to a tensor's ``.data`` in a ``torch.func`` recomputation, which
+    then runs one example at a time by autograd. A forward that moves its modules where they
+    already are (``module.to(device)`` on every call, as soft-moe-pytorch's experts do) sets
+    each parameter's ``.data`` to itself; under ``torch.func.vjp`` that crashes the process
+    (torch 2.13, a segmentation fault in the next operation on the parameter)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+            raise _DataAssignment("an assignment to .data cannot run under torch.func")
+        return func(*args, **(kwargs or {}))
 
 
 class _Rounding(TorchFunctionMode):

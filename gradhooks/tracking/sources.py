@@ -147,6 +147,56 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
     return out
 
 
+# in-place operations whose result's gradient is its first operand's (``self``'s)
+INTO_SELF = frozenset({"add_", "sub_", "__iadd__", "__isub__"})
+
+
+def into_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
+    """The batch added in place into a batch-free tensor derived from sources (normalizing
+    flows: ``log_q = torch.zeros(len(x))``, then ``log_q += log_det``, a number of no example,
+    then ``log_q += the batch's``). The tensor's gradient is the result's, so each example's
+    share of it is the example's rows of the result's gradient; from then on the tensor holds
+    the batch, and is no longer derived from the sources (what reaches them through it has
+    been given here)."""
+    t = args[0] if args else None
+    if name not in INTO_SELF or len(tainted) != 1 or tainted[0] is not t:
+        return None
+    if tracker.batch * t.numel() > Meeting.CHUNK:
+        return None  # (its examples' gradients, [batch, *shape], would not fit: refused)
+    others = [o for o in tensor_args(args, kwargs) if o is not t]
+    lays = [tracker.layouts.get(o) for o in others]
+    if not others or any(lay is None or lay.dim < 0 or lay.owners is not None for lay in lays):
+        return None  # (a batch-free operand, or one of unknown, mixed or picked rows)
+    n = t.dim()
+    found = {lay.at(lay.dim + n - o.dim()) for o, lay in zip(others, lays)}
+    if len(found) != 1:
+        return None
+    (lay,) = found
+    if lay.dim < 0 or t.shape[lay.dim] != lay.size(tracker.batch):
+        return None
+    srcs = tracker.all_sources(t)
+    if any(getattr(s, "soft", False) for s in srcs):
+        return None  # (its module's fallback takes it over: the general meeting)
+    before = torch.autograd.graph.get_gradient_edge(t)
+    out = func(*args, **kwargs)
+    tracker.propagate(name, args, kwargs, out)
+    if t in tracker.taints:
+        del tracker.taints[t]
+    for s in srcs:
+        s.uses.append(("meet", name))
+    edges = {s: tracker.edges[s] for s in srcs}
+    batch, engine = tracker.batch, tracker.engine
+
+    def hook(grad_outputs, lay=lay, edges=edges, before=before, engine=engine):
+        g = grad_outputs[0]
+        if g is not None:
+            per = g.unsqueeze(0) * example_mask(g.shape, lay, batch, g.device)
+            deliver(engine, edges, per, before)
+
+    t.grad_fn.register_prehook(hook)
+    return out
+
+
 def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
     """A meeting whose batch-free operands were expanded (or repeated) to the batch before
     it (a class token, ``cls.expand(batch, -1, -1)``, concatenated with the patches): the

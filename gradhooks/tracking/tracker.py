@@ -68,6 +68,7 @@ from .sources import (
     Source,
     aligned_sources,
     expanded_meeting,
+    into_meeting,
     spread_meeting,
 )
 from .tensormap import TensorMap
@@ -1100,6 +1101,8 @@ class Tracker(TorchFunctionMode):
                 self.propagate(name, args, kwargs, out)
                 return out
         fast = expanded_meeting(self, func, name, args, kwargs, tainted)
+        if fast is None:
+            fast = into_meeting(self, func, name, args, kwargs, tainted)
         if fast is None:
             fast = spread_meeting(self, func, name, args, kwargs, tainted)
         if fast is not None:
