@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import gradhooks.devices
+from harness import DEVICE_LIKE
 
 settings.register_profile(
     "default",
@@ -23,21 +24,12 @@ if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:
     gradhooks.TUNING.sum_grad1_positions = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
 
 
-DEVICE_LIKE = os.environ.get("GRADHOOKS_TEST_DEVICE_LIKE", "") not in ("", "0")
-
-
 @pytest.fixture(autouse=DEVICE_LIKE)
 def device_like(monkeypatch):
     """The CPU taken for a GPU (:func:`gradhooks.devices.on_cpu`): values cost a wait to read
     back, and gradhooks takes, on CPU tensors, every path it takes on a CUDA tensor. For every
     test with ``GRADHOOKS_TEST_DEVICE_LIKE=1``; else for the tests that ask for it."""
     monkeypatch.setattr(gradhooks.devices, "on_cpu", lambda t: False)
-
-
-def cpu_only(reason: str):
-    """A mark for a test that asserts what gradhooks does on the CPU alone (a path measured
-    faster there, the spot check's reads): skipped with ``GRADHOOKS_TEST_DEVICE_LIKE=1``."""
-    return pytest.mark.skipif(DEVICE_LIKE, reason=f"CPU only: {reason}")
 
 
 @pytest.fixture

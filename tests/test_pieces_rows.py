@@ -260,7 +260,9 @@ def test_positions_over_the_full_table_then_fewer(monkeypatch):
                 (loss / 5 if reduction == "mean" else loss).backward()
                 want = vmap_grad(model, sum_of_squares, x)["pos.weight"]
                 torch.testing.assert_close(model.pos.weight.grad1, want)
-                assert bool(scatters) == (seq < 6), (seq, scatters)
+                # (off the CPU, where the order cannot be read back: always a scatter)
+                full = seq == 6 and gradhooks.devices.reads_are_free(x)
+                assert bool(scatters) != full, (seq, scatters)
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.5])
