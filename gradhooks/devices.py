@@ -12,9 +12,10 @@ Two questions, with the same answer today (the CPU or not), asked for different 
   path gives the same numbers; this chooses the faster one.
 
 Both ask :func:`on_cpu`. Replacing it with ``lambda t: False`` makes gradhooks take, on CPU
-tensors, every path it takes on a GPU (the tests do so with ``GRADHOOKS_TEST_DEVICE_LIKE=1``,
-``docs/development.md``). A question about what actually ran (the rounding of
-torch's CPU LayerNorm kernel, a device's free memory) is not one of these: it asks the tensor.
+tensors, every path it takes on a GPU (the tests do so with ``GRADHOOKS_TEST_DEVICE_LIKE=1``:
+``docs/development.md``). A question of fact about what ran (the rounding of torch's CPU
+LayerNorm kernel, a device's memory, a generator's device) is not one of these: it asks the
+tensor itself.
 """
 
 from __future__ import annotations
