@@ -29,7 +29,7 @@ from einops import rearrange
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch
+from . import _torch, devices
 from .tuning import TUNING
 
 __all__ = ["Piece", "Outer", "Direct", "Rows", "accumulation_dtype"]
@@ -549,7 +549,7 @@ class Outer(Piece):
                 result.addcmul_(g, a)
             else:
                 torch.mul(g, a, out=result)
-        elif n_in <= TUNING.narrow_in_features < n_out and out.device.type == "cpu":
+        elif n_in <= TUNING.narrow_in_features < n_out and devices.cpu_trade_offs(out):
             # (a narrow input, TUNING.narrow_in_features: the transposed product, copied)
             t = torch.bmm(a.reshape(-1, shared, n_in).transpose(1, 2), g.reshape(-1, shared, n_out))
             if accumulate:
@@ -680,7 +680,7 @@ class Rows(Piece):
         if (
             lookups >= TUNING.rows_counted_min_lookups
             and 2 * table <= lookups * self.g.shape[-1]
-            and reads_are_free(keys)  # (the count decides)
+            and devices.reads_are_free(keys)  # (the count decides)
         ):
             shared = torch.bincount(keys, minlength=table)[keys] > 1  # [lookups]
             if int(shared.sum()) > TUNING.rows_counted_max_shared * lookups:
@@ -815,7 +815,7 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
     add nothing wherever they are summed (no shape depends on the values)."""
     keys = [p.keys() for p, _ in pieces]
     every = keys[0] if len(keys) == 1 else torch.cat(keys)
-    if reads_are_free(every):
+    if devices.reads_are_free(every):
         unique, inverse = torch.unique(every, return_inverse=True)
         rows = unique.numel()
     else:
@@ -835,13 +835,6 @@ def rows_compact(pieces: list[tuple[Rows, float]]) -> tuple[Tensor, list[Tensor]
         value = p.g.new_zeros(rows, p.g.shape[-1]).index_add_(0, inv, p.g)
         values.append(value if s == 1.0 else value.mul_(s))
     return unique, values
-
-
-def reads_are_free(t: Tensor) -> bool:
-    """Whether a value of ``t`` read back on the host (a count, a flag) costs no wait for its
-    device: on the CPU. Elsewhere a step's work takes shapes and branches that do not depend
-    on values (each read would let the device run dry while the host waits)."""
-    return t.device.type == "cpu"
 
 
 def _same(out: Tensor, *ts: Tensor) -> bool:
@@ -934,7 +927,7 @@ def _every_row_once_in_order(keys: Tensor, rows: int) -> bool:
     """``keys`` is ``0, 1, ..., rows - 1`` (asked where reading the answer back is free)."""
     return (
         keys.numel() == rows
-        and reads_are_free(keys)
+        and devices.reads_are_free(keys)
         and torch.equal(keys, torch.arange(rows, device=keys.device))
     )
 

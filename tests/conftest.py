@@ -4,6 +4,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import gradhooks.devices
+from harness import DEVICE_LIKE
+
 settings.register_profile(
     "default",
     max_examples=int(os.environ.get("GRADHOOKS_EXAMPLES", "40")),
@@ -19,6 +22,14 @@ if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:
     import gradhooks
 
     gradhooks.TUNING.sum_grad1_positions = int(os.environ["GRADHOOKS_SUM_GRAD1_POSITIONS"])
+
+
+@pytest.fixture(autouse=DEVICE_LIKE)
+def device_like(monkeypatch):
+    """The CPU taken for a GPU (:func:`gradhooks.devices.on_cpu`): values cost a wait to read
+    back, and gradhooks takes, on CPU tensors, every path it takes on a CUDA tensor. For every
+    test with ``GRADHOOKS_TEST_DEVICE_LIKE=1``; else for the tests that ask for it."""
+    monkeypatch.setattr(gradhooks.devices, "on_cpu", lambda t: False)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ per-example loop) and asserts that all three agree, and that ``grad1`` reduces t
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,16 @@ import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 
 RTOL, ATOL = 1e-7, 1e-9
+
+# GRADHOOKS_TEST_DEVICE_LIKE=1: every test takes the paths gradhooks takes on a GPU
+# (conftest.py's device_like fixture, autouse then)
+DEVICE_LIKE = os.environ.get("GRADHOOKS_TEST_DEVICE_LIKE", "") not in ("", "0")
+
+
+def cpu_only(reason: str) -> pytest.MarkDecorator:
+    """A mark for a test of what gradhooks does on the CPU alone (a path measured faster there,
+    the spot check): skipped with ``GRADHOOKS_TEST_DEVICE_LIKE=1``."""
+    return pytest.mark.skipif(DEVICE_LIKE, reason=f"CPU only: {reason}")
 
 
 def sum_of_squares(out, target=None) -> Tensor:

@@ -14,9 +14,10 @@ from torch import nn
 import gradhooks
 from gradhooks.models import CifarCNN, TinyGPT
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import assert_close
+from harness import assert_close, cpu_only
 
 D = torch.float64
+DETACHED = cpu_only("a call runs detached (its batch gradient from grad1) on the CPU alone")
 
 
 @pytest.fixture(params=[1, None], ids=["every-call", "default-threshold"])
@@ -75,6 +76,7 @@ def plain_grads(model, loss_fn, x, y):
     return {n: p.grad for n, p in ref.named_parameters()}
 
 
+@DETACHED
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("quantity", ["grad1", "norms", "sum_grad_sq"])
 def test_grad_and_grad1_against_oracles(threshold, reduction, quantity):
@@ -106,6 +108,7 @@ def test_grad_and_grad1_against_oracles(threshold, reduction, quantity):
             assert_close(h.grad_variance()[n], variance, f"{n} gradient variance")
 
 
+@DETACHED
 @pytest.mark.parametrize("make", [lambda: CifarCNN(width=4), lambda: TinyGPT(layers=1)])
 def test_in_tree_models(threshold, make):
     torch.manual_seed(0)
@@ -205,6 +208,7 @@ def test_parameters_are_restored_after_every_forward(threshold):
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
 
+@DETACHED
 def test_nothing_is_swapped_on_the_module_during_its_call(threshold):
     """The call gets its detached parameters from the forward's tracker, at each torch
     function: a pre-hook that runs after gradhooks' still finds the module's own parameters."""
@@ -279,6 +283,7 @@ def test_a_parameter_no_torch_function_sees_is_refused_not_counted_twice():
     assert_close(model[0].w.grad, (x * 1.0).sum((0, 1)), "w .grad")
 
 
+@DETACHED
 def test_output_seen_by_an_earlier_hook_keeps_its_weight_gradient(threshold):
     """A forward hook registered before add_hooks (an activation regularizer) still sees the
     output attached again: the engine's forward hook runs first among a module's own."""
@@ -357,6 +362,7 @@ def carried(model, x) -> bool:
     return seen == [True]
 
 
+@DETACHED
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("layout", ["batch_first", "seq_first", "input_first"])
 def test_carried_attention_against_oracles(threshold, reduction, layout):
@@ -381,6 +387,7 @@ def test_carried_attention_against_oracles(threshold, reduction, layout):
         assert_close(p.grad1, loop[n], f"{n} grad1 vs loop")
 
 
+@DETACHED
 def test_carried_attention_only_where_it_pays(threshold):
     """Not with fewer positions than the threshold, not with norms only (the sum of grad1 is
     what replaces autograd's batch gradient), not for cross-attention."""
@@ -397,6 +404,7 @@ def test_carried_attention_only_where_it_pays(threshold):
         assert not joins(seen[0], model.attn.in_proj_weight)
 
 
+@DETACHED
 @pytest.mark.parametrize("first", [False, True])
 def test_carried_attention_input_gradient_penalty(threshold, first):
     """‖∂out/∂x‖² through a create_graph backward, differentiated with respect to the

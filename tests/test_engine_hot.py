@@ -34,7 +34,7 @@ from gradhooks.oracle import vmap_grad
 from gradhooks.pieces import Outer
 from gradhooks.rules.registry import Call
 from gradhooks.tracking import tracker as tracker_module
-from harness import sum_of_squares
+from harness import cpu_only, sum_of_squares
 
 _Pair = collections.namedtuple("_Pair", "first second")
 _X = torch.zeros(2, 3, requires_grad=True)
@@ -118,7 +118,12 @@ class _Names(TorchFunctionMode):
 @pytest.mark.parametrize("off", [False, True], ids=["popped", "paused"])
 @pytest.mark.parametrize(
     "positions, detached",
-    [(None, False), ((6,), False), ((6,), True), ((2, 3), True)],
+    [
+        (None, False),
+        ((6,), False),
+        pytest.param((6,), True, marks=cpu_only("a Linear runs detached on the CPU alone")),
+        pytest.param((2, 3), True, marks=cpu_only("a Linear runs detached on the CPU alone")),
+    ],
     ids=["rows", "positions", "positions-detached", "positions-2d-detached"],
 )
 def test_the_tracker_sees_the_models_functions_only(monkeypatch, positions, detached, off):

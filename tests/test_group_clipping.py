@@ -308,7 +308,7 @@ def test_a_grouped_step_reads_nothing_back_from_the_device(monkeypatch, method):
     flat step does not (tests/test_host_syncs.py's count, the CPU taken for a device)."""
     from test_host_syncs import Reads
 
-    monkeypatch.setattr(gradhooks.pieces, "reads_are_free", lambda t: False)
+    monkeypatch.setattr(gradhooks.devices, "on_cpu", lambda t: False)
     reads = Reads(monkeypatch)
     model = mlp().float()
     x, y = data("mlp", 5, seed=3)

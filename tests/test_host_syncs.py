@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import gradhooks.pieces
+import gradhooks.devices
 from gradhooks.oracle import loop_grad
 from harness import assert_close
 
@@ -36,13 +36,6 @@ PACKAGE = str(Path(gradhooks.__file__).resolve().parent)
 TENSOR_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy",
                 "nonzero", "unique")  # fmt: skip
 TORCH_READS = ("unique", "nonzero", "masked_select", "argwhere", "allclose", "equal")
-
-
-@pytest.fixture
-def device_like(monkeypatch):
-    """The CPU taken for a device whose values cost a wait to read back
-    (:func:`gradhooks.pieces.reads_are_free`): the step takes the paths it takes on a GPU."""
-    monkeypatch.setattr(gradhooks.pieces, "reads_are_free", lambda t: False)
 
 
 def _ours() -> bool:
@@ -188,7 +181,7 @@ def test_the_paths_that_read_nothing_back_give_the_loops_numbers(monkeypatch, fr
     """grad1 and the norms of the embeddings (rows hit several times by an example, every
     position once in order) by the paths a device takes, against a per-example loop in
     float64."""
-    monkeypatch.setattr(gradhooks.pieces, "reads_are_free", lambda t: free)
+    monkeypatch.setattr(gradhooks.devices, "reads_are_free", lambda t: free)
     model, ids, y = _positions()
     model = model.double()
     want = loop_grad(model, lambda out, t: _loss(out, t, "none").sum(), ids, y)

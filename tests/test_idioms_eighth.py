@@ -35,7 +35,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, assert_grad1, mlp
+from harness import assert_close, assert_grad1, cpu_only, mlp
 
 D = torch.float64
 
@@ -681,6 +681,7 @@ def test_ewc_fisher_from_grad1_then_its_penalty_added_to_grad_by_hand():
         assert not report.ok and "a term of the loss" in str(report), report
 
 
+@cpu_only("the spot check between the full checks runs on the CPU alone")
 def test_ewc_penalty_ramped_up_in_the_loss_is_refused_at_the_first_step_it_counts():
     """EWC with the penalty kept in the loss and its weight ramped up from 0 (steps 1 and 2
     contribute nothing). From step 3 on the penalty's gradient is no example's: grad1 cannot

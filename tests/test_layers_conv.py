@@ -9,7 +9,9 @@ from torch import nn
 
 import gradhooks
 from gradhooks.rules import conv as conv_rules
-from harness import Case, check
+from harness import Case, check, cpu_only
+
+GROUPED = cpu_only("a convolution's grouped form is taken on the CPU alone")
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -109,7 +111,7 @@ def test_conv2d_named(kwargs, batch, form):
         check(case, batch=batch)
 
 
-@pytest.mark.parametrize("channels, grouped", [(3, False), (8, True)])
+@pytest.mark.parametrize("channels, grouped", [(3, False), pytest.param(8, True, marks=GROUPED)])
 def test_conv_grad1_form_by_columns(channels, grouped):
     """A 3x3 convolution over 3 channels (27 columns) takes grad1 by the columns, over 8 (72)
     by the grouped convolution."""
@@ -149,7 +151,9 @@ def test_conv_jacobians_sweep(dims, data, batch):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("size, grouped", [(7, True), (5, False), (3, False)])
+@pytest.mark.parametrize(
+    "size, grouped", [pytest.param(7, True, marks=GROUPED), (5, False), (3, False)]
+)
 def test_conv_jacobians_choose_the_form(size, grouped, groups, monkeypatch):
     """Conv2d(2, 6, 3) with a 2-output head: 25 output positions (> 2 outputs x 6 channels) take
     the grouped-convolution form; 9 (more than the channels, not than their rows for all
@@ -170,6 +174,7 @@ def test_conv_jacobians_choose_the_form(size, grouped, groups, monkeypatch):
     assert used and all(u == grouped for u in used)
 
 
+@GROUPED
 @pytest.mark.parametrize("groups", [1, 3])
 def test_conv_jacobians_grouped_form_of_a_reused_conv(groups, monkeypatch):
     """A convolution called twice (its second call's Jacobian added to the first's) by the
@@ -209,6 +214,7 @@ class _ConvTwice(nn.Module):
         return self.head(self.conv(torch.tanh(self.conv(x))).flatten(1))
 
 
+@GROUPED
 @pytest.mark.parametrize("form", ["grouped", "grouped-slices"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("groups", [1, 2])
@@ -252,6 +258,7 @@ def _frozen_bias(model: _ConvTwice) -> _ConvTwice:
     return model
 
 
+@GROUPED
 @pytest.mark.parametrize("groups", [1, 2])
 def test_conv_jacobians_bias_from_the_grouped_backward(groups, monkeypatch):
     """The Jacobians of a reused convolution's bias come from its weight's grouped convolution

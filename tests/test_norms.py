@@ -16,7 +16,7 @@ from gradhooks import pieces as P
 from gradhooks.models import EmbedBlock
 from gradhooks.oracle import loop_grad, vmap_grad
 from gradhooks.quantities import collector as Q
-from harness import assert_close
+from harness import assert_close, cpu_only
 
 D = torch.float64
 POSITIONS = 32  # TUNING.sum_grad1_positions: these calls run detached
@@ -155,6 +155,7 @@ class ConvMap(nn.Module):
     [(16, 64, True), (16, 16, False)],
     ids=["gram-from-positions-and-conv-backward", "grad1-slices"],
 )
+@cpu_only("a convolution runs detached on the CPU alone")
 def test_detached_conv_norms(cin, cout, gram, batch, reduction):
     """A convolution run detached with few output positions: its norms from the Gram form
     (the input's Gram over positions) and ``.grad`` from one convolution backward where the

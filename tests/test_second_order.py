@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradhooks
 from gradhooks.rules import fallback
-from harness import _double, assert_close
+from harness import _double, assert_close, cpu_only
 
 BATCH = 3
 NO_DOUBLE_BACKWARD = {"embedding_bag"}  # torch has no derivative of its backward
@@ -119,6 +119,7 @@ def _check(case: Case, loop: bool = False, monkeypatch=None, **hook_kwargs) -> N
         assert_close(g, w, f"{case.id}: d Σ_b w_b ‖grad1_b‖² / d parameter {i}")
 
 
+@cpu_only("a call runs detached (its batch gradient from grad1) on the CPU alone")
 @pytest.mark.parametrize("case", MANY_POSITIONS, ids=repr)
 def test_many_positions_cases_take_their_paths(case):
     """The MANY_POSITIONS cases' first layer runs its parameters detached (else they test

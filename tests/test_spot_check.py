@@ -13,6 +13,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
+from harness import cpu_only
 
 
 def _mlp(dtype=torch.float64) -> nn.Module:
@@ -25,6 +26,7 @@ def _batch(step: int, dtype=torch.float64, n: int = 5):
     return torch.randn(n, 4, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
 
 
+@cpu_only("the spot check between the full checks runs on the CPU alone")
 def test_a_penalty_on_one_parameter_from_the_ninth_step_is_refused_at_its_turn():
     """A penalty on the last layer's bias alone, from the 9th backward on: the full checks run
     at the 1st, 2nd, 4th, 8th and 16th; every backward in between compares one parameter in
@@ -71,6 +73,7 @@ def test_without_verify_nothing_is_compared():
         torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-9)
 
 
+@cpu_only("the spot check between the full checks runs on the CPU alone")
 def test_micro_batches_accumulated_in_grad1_are_compared_by_what_each_added():
     """``grad1`` summed over micro-batches (no ``zero_grad`` between them): the spot check
     compares what the backward added, not the sum so far. Ten micro-batches pass; a penalty on

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .. import _torch
+from .. import _torch, devices
 from .. import pieces as P
 from ..errors import (
     BatchNotFoundError,
@@ -697,7 +697,7 @@ class Verifier:
             if (
                 pid in self.state.exempt
                 or pid in self.state.sharded
-                or not P.reads_are_free(p)
+                or not devices.reads_are_free(p)
                 or p.dtype not in (torch.float32, torch.float64)
                 or not p.numel()
             ):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .. import _torch
+from .. import _torch, devices
 from ..errors import UnbatchedInputError, UnsupportedError, describe_module
 from ..pieces import Direct, Outer, Piece, cast
 from ..tuning import TUNING
@@ -283,7 +283,7 @@ def self_attention_positions(m: nn.MultiheadAttention, args: tuple) -> bool:
     return (
         args[1] is query
         and args[2] is query
-        and query.device.type == "cpu"
+        and devices.cpu_trade_offs(query)
         and _packed(m)
         and m.bias_k is None
         and not (m.training and m.dropout > 0)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .. import _torch
+from .. import _torch, devices
 from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Outer, Piece, cast
 from ..tuning import TUNING
@@ -150,7 +150,7 @@ class ConvWeight(Outer):
         # too little work per group.
         positions = math.prod(self.grad_output.shape[2:])
         return (
-            self.x.device.type == "cpu"
+            devices.cpu_trade_offs(self.x)
             and self.x.shape[0] > 0
             and positions > self.module.out_channels
             and self.in_features >= TUNING.conv_grouped_min_columns
@@ -203,7 +203,7 @@ class ConvWeight(Outer):
         input batched too, no more output positions than output channels times outputs: there
         the columns and a matmul were measured faster)."""
         m = self.module
-        if self.x.device.type != "cpu" or _torch.is_batched(self.x):
+        if not devices.cpu_trade_offs(self.x) or _torch.is_batched(self.x):
             return False
         go = _torch.unbatched(self.grad_output)
         if go is None:
@@ -477,7 +477,7 @@ def many_positions(module: _Conv, args: tuple) -> bool:
     example (as :func:`gradhooks.rules.linear.many_positions`)."""
     x = args[0] if args else None
     nd = len(module.kernel_size)
-    if not isinstance(x, Tensor) or x.device.type != "cpu" or x.dim() != nd + 2:
+    if not isinstance(x, Tensor) or not devices.cpu_trade_offs(x) or x.dim() != nd + 2:
         return False
     if isinstance(module.padding, str):
         padding = (0,) * nd if module.padding == "valid" else None

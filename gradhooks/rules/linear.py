@@ -5,6 +5,7 @@ import math
 from einops import rearrange
 from torch import Tensor, nn
 
+from .. import devices
 from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Direct, Outer, Piece
 from ..tuning import TUNING
@@ -15,7 +16,7 @@ def many_positions(module: nn.Module, args: tuple) -> bool:
     """Whether a Linear call's batch gradient is better taken as the sum of its ``grad1`` (on
     CPU, at least ``TUNING.sum_grad1_positions`` positions per example)."""
     x = args[0] if args else None
-    if not isinstance(x, Tensor) or x.dim() < 2 or not x.is_cpu:
+    if not isinstance(x, Tensor) or x.dim() < 2 or not devices.cpu_trade_offs(x):
         return False
     return math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
 

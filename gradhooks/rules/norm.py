@@ -157,7 +157,8 @@ def layer_norm(call: Call) -> dict[str, Direct]:
         # up to 49 of its units (eps) of its largest entry at 4096 rows of 32 to 64 features, 609
         # at 65536 rows in float16 (where a partial sum stops growing), while Linear, Conv,
         # GroupNorm and RMSNorm accumulate in float32 (under 1 unit). grad1 is summed in
-        # float32 (one rounding); the check against .grad allows the kernel's rounding.
+        # float32 (one rounding); the check against .grad allows the kernel's rounding. (The
+        # kernel that ran, not a path chosen: asked of the tensor, not gradhooks.devices.)
         rows = call.grad_output.numel() // max(1, math.prod(m.normalized_shape))
         for piece in pieces.values():
             piece.rounded_terms = rows
