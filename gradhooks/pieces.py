@@ -341,8 +341,7 @@ class Outer(Piece):
             if with_sum:
                 return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
             rows = g if g.shape[-2] == 1 else g.sum(-2)  # (a shared axis of one: in the norm)
-            norm = torch.linalg.vector_norm(rows, dim=tuple(range(1, rows.dim())))
-            return _scaled(norm, scale).square(), "direct", None
+            return _sq_row_norms(rows, scale), "direct", None
         if g.shape[-2] != 1 or with_sum:
             return None
         if g.dim() == 3:  # (no groups: a norm of each, over the example's whole piece)
@@ -603,8 +602,7 @@ class Direct(Piece):
         v = self.value
         if with_sum or v.dim() < 2:
             return _from_grad1(self.grad1(param_shape, scale), param_shape, with_sum)
-        norm = torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim())))
-        return _scaled(norm, scale).square(), "direct", None
+        return _sq_row_norms(v, scale), "direct", None
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         return Direct(cast(self.value, dtype)) if _other(self.value, dtype) else self
@@ -880,6 +878,13 @@ def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
         return t
     w = weights.view(-1, *[1] * (t.dim() - 1))
     return t * (w if w.dtype is t.dtype else w.to(t.dtype))
+
+
+def _sq_row_norms(rows: Tensor, scale: float) -> Tensor:
+    """``‖scale · rows[b]‖²`` for each example ``b`` of ``rows`` ``[batch, ...]`` (two or more
+    dimensions), ``[batch]``: one norm over each example's entries, scaled after."""
+    norm = torch.linalg.vector_norm(rows, dim=tuple(range(1, rows.dim())))
+    return _scaled(norm, scale).square()
 
 
 def _from_grad1(

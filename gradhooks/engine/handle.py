@@ -187,8 +187,6 @@ class Hooks:
         self._handles: list = []
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
-        # (id: node, handle; see _install), shared with the backward (state.accumulators)
-        self._accumulators: dict[int, tuple[Any, Any]] = state.accumulators
         self._storages: list[int | None] = []
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
@@ -445,7 +443,7 @@ class Hooks:
                     entry.register_forward_hook(hook(post), with_kwargs=True, always_call=True)
                 )
         # (held: a leaf's AccumulateGrad node lives while referred to)
-        self._accumulators.clear()
+        self._state.accumulators.clear()
         for pid, (name, p) in self._state.params.items():
             if pid not in self._state.sharded:  # (FSDP2 gives them no autograd gradient)
                 handle = p.register_hook(self._backwards.param_hook(pid, name))
@@ -494,14 +492,14 @@ class Hooks:
         into ``.grad`` from one that returns the gradient), in place of the one on its node
         before, if any."""
         node = accumulator_of(p)
-        before = self._accumulators.get(pid)
+        before = self._state.accumulators.get(pid)
         if before is not None:
             if before[0] is node:
                 return
             before[1].remove()
         handle = node.register_prehook(self._backwards.accumulate_hook(pid, name))
         self._target_handles.append(handle)
-        self._accumulators[pid] = (node, handle)
+        self._state.accumulators[pid] = (node, handle)
 
     def _follow_storages(self, params: list[nn.Parameter]) -> None:
         """Where a parameter's ``AccumulateGrad`` node may be new since the last forward, it is
@@ -510,12 +508,12 @@ class Hooks:
         one hooked (a conversion there and back, ``model.half()`` then ``.float()``, whose
         data may land where it was)."""
         now = storages_of(params)
-        first = next(iter(self._accumulators.items()), None)
+        first = next(iter(self._state.accumulators.items()), None)
         if now == self._storages and (
             first is None or accumulator_of(self._state.params[first[0]][1]) is first[1][0]
         ):
             return
-        for pid in list(self._accumulators):
+        for pid in list(self._state.accumulators):
             name, p = self._state.params[pid]
             self._hook_accumulator(pid, name, p)
         self._storages = now
@@ -926,7 +924,7 @@ class Hooks:
         self._handles.clear()
         self._target_handles.clear()
         self._forwards.layer_outputs.remove()
-        self._accumulators.clear()
+        self._state.accumulators.clear()
         model = self.model
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]

@@ -792,18 +792,18 @@ def _kept_sums(
                 waiting.setdefault(id(p), []).append((pieces[n], weight(p, scale)))
         else:
             for n, p in used.items():
-                out = sums.get(id(p))
-                if out is None and P.accumulation_dtype(p.dtype) is p.dtype:
+                out, w = sums.get(id(p)), weight(p, scale)
+                if out is not None:
+                    pieces[n].add_batch_sum(out, w)
+                elif P.accumulation_dtype(p.dtype) is p.dtype:
                     # (the first piece of a parameter whose pieces are of its dtype: its sum,
                     # a tensor of its own, is where the others add)
-                    first = pieces[n].batch_sum(p.shape, weight(p, scale))
+                    first = pieces[n].batch_sum(p.shape, w)
                     if first.dtype != p.dtype or type(first) is not Tensor:
                         first = _zeros(p).add_(first)
                     sums[id(p)] = first
-                    continue
-                if out is None:
-                    out = sums[id(p)] = _zeros(p)
-                pieces[n].add_batch_sum(out, weight(p, scale))
+                else:
+                    pieces[n].add_batch_sum(sums.setdefault(id(p), _zeros(p)), w)
         del pieces, live, used
     clipped = []
     for p in params:
