@@ -21,12 +21,24 @@ module, a tracker that sees every torch function pays per call. The torch functi
 forward (a counting ``TorchFunctionMode``) and the batch tracker's calls in one grad1 step are
 counted for each configuration too.
 
+Besides gradhooks' methods, for comparison (``--methods``):
+
+- ``opacus``: Opacus' ``GradSampleModule`` (hooks; its per-example gradients in
+  ``grad_sample``), where Opacus is installed;
+- ``floor``: the least a design by hooks does per hooked Linear (:class:`Floor`): a forward hook
+  keeps the input and puts a gradient hook on the output, which forms the weight's and the
+  bias's per-example gradients; no check, no following of the batch;
+- ``floor+mode``: the same, with a ``TorchFunctionMode`` that does nothing but pass each torch
+  function on, entered for the model's forward: what seeing every torch function of the
+  forward costs by itself, as a batch tracker must.
+
 Writes ``module-cost-cpu.{json,md}`` under ``--out`` (default ``bench/results``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -45,6 +57,8 @@ from gradhooks.tracking import tracker as tracker_module
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "grad1", "norms")
+# measured for comparison, where asked for (see the module's docstring)
+COMPARED = ("floor", "floor+mode", "opacus")
 
 
 class Block(nn.Module):
@@ -77,6 +91,52 @@ class Count(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Floor:
+    """The least a design by hooks does per hooked ``nn.Linear``, for comparison: its forward
+    hook keeps the input, detached, and puts a hook on the output's gradient that writes
+    ``grad1`` of the weight and the bias (``batch ·`` the outer products: the loss is a mean
+    over the examples). ``mode``: a :class:`Passing` mode is entered for the model's forward."""
+
+    def __init__(self, model: nn.Module, mode: bool) -> None:
+        self.handles = [
+            m.register_forward_hook(self._forward)
+            for m in model.modules()
+            if isinstance(m, nn.Linear)
+        ]
+        if mode:
+            self.mode = Passing()
+            self.handles.append(model.register_forward_pre_hook(self._enter))
+            self.handles.append(model.register_forward_hook(self._exit))
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.mode.__enter__()  # (it returns the mode: never the pre-hook's result)
+
+    def _exit(self, module: nn.Module, args: tuple, output: Tensor) -> None:
+        self.mode.__exit__(None, None, None)
+
+    @staticmethod
+    def _forward(module: nn.Linear, args: tuple, output: Tensor) -> None:
+        a = args[0].detach()
+
+        def backward(g: Tensor) -> None:
+            g = g * a.shape[0]
+            module.weight.grad1 = torch.mul(g.unsqueeze(2), a.unsqueeze(1))
+            module.bias.grad1 = g
+
+        output.register_hook(backward)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Passing(TorchFunctionMode):
+    """Passes every torch function on, unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
@@ -117,11 +177,16 @@ class Config:
         self.n, self.k = n, k
         self.x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
         self.models = {m: stack(n, k, width) for m in methods}
-        self.hooks = {
-            m: gradhooks.add_hooks(model, quantities=(m,))
-            for m, model in self.models.items()
-            if m != "plain"
-        }
+        self.hooks = {}
+        for m, model in self.models.items():
+            if m in METHODS and m != "plain":
+                self.hooks[m] = gradhooks.add_hooks(model, quantities=(m,))
+            elif m in ("floor", "floor+mode"):
+                self.hooks[m] = Floor(model, mode=m == "floor+mode")
+            elif m == "opacus":
+                from opacus import GradSampleModule
+
+                self.models[m] = GradSampleModule(model)
 
     def step(self, method: str) -> None:
         _loss(self.models[method](self.x)).backward()
@@ -129,12 +194,47 @@ class Config:
     def reset(self, method: str) -> None:
         for p in self.models[method].parameters():
             p.grad = None
-        if method in self.hooks:
+            if method == "opacus":
+                p.grad_sample = None
+            elif method in ("floor", "floor+mode"):
+                p.__dict__.pop("grad1", None)
+        if method in METHODS and method in self.hooks:
             self.hooks[method].clear()
+
+    def per_example(self, method: str) -> list[Tensor]:
+        """Each parameter's per-example gradients after a step of ``method``."""
+        attr = "grad_sample" if method == "opacus" else "grad1"
+        return [getattr(p, attr) for p in self.models[method].parameters()]
 
     def close(self) -> None:
         for h in self.hooks.values():
             h.remove()
+        if "opacus" in self.models:
+            self.models["opacus"].remove_hooks()
+
+
+def check(config: Config, methods: tuple[str, ...]) -> None:
+    """The per-example gradients of the methods compared, after their last step, against
+    gradhooks' ``grad1`` (or the per-example loop where grad1 is not measured): each measured
+    method computes what the others do."""
+    compared = [m for m in methods if m in COMPARED]
+    if not compared:
+        return
+    if "grad1" in methods:
+        want = config.per_example("grad1")
+    else:
+        model = config.models[methods[0]]
+        want = [
+            torch.stack(list(g))
+            for g in zip(*(
+                torch.autograd.grad(_loss(model(config.x[i : i + 1])), list(model.parameters()))
+                for i in range(config.x.shape[0])
+            ))
+        ]  # fmt: skip
+    for m in compared:
+        for got, expected in zip(config.per_example(m), want):
+            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-6):
+                raise RuntimeError(f"{m}'s per-example gradients differ from grad1's")
 
 
 def fit(rows: list[dict], method: str) -> dict:
@@ -180,6 +280,7 @@ def measure(
                     for _ in range(warmup):
                         c.reset(m)
                         c.step(m)
+                check(c, methods)
             for _ in range(rounds):
                 for i, c in enumerate(configs):
                     for m in methods:
@@ -283,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + COMPARED]
     if unknown:
-        raise SystemExit(f"unknown methods: {', '.join(unknown)} (known: {', '.join(METHODS)})")
+        known = ", ".join(METHODS + COMPARED)
+        raise SystemExit(f"unknown methods: {', '.join(unknown)} (known: {known})")
+    if "opacus" in methods and importlib.util.find_spec("opacus") is None:
+        raise SystemExit("--methods opacus needs Opacus (pip install opacus)")
     ns, ks = _ints(args.ns), _ints(args.ks)
     if len(set(ns)) < 2 or len(set(ks)) < 2:
         raise SystemExit("the fit needs at least two values of --ns and two of --ks")

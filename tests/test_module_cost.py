@@ -59,4 +59,50 @@ def test_refuses_a_fit_it_cannot_make(tmp_path):
     with pytest.raises(SystemExit, match="two values"):
         module_cost.main(["--ns", "2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown methods"):
-        module_cost.main(["--methods", "plain,opacus", "--out", str(tmp_path)])
+        module_cost.main(["--methods", "plain,backpack", "--out", str(tmp_path)])
+
+
+def test_the_compared_designs_run_and_agree_with_grad1(tmp_path):
+    """The floor of a design by hooks, with and without a mode that sees every torch function,
+    and Opacus' hooks where installed: each measured after its per-example gradients were
+    checked against grad1's."""
+    methods = ["plain", "floor", "floor+mode", "grad1"]
+    try:
+        import opacus  # noqa: F401
+
+        methods.append("opacus")
+    except ImportError:
+        pass
+    argv = ["--ns", "1,2", "--ks", "0,2", "--rounds", "1", "--reps", "1",
+            "--methods", ",".join(methods), "--out", str(tmp_path)]  # fmt: skip
+    assert module_cost.main(argv) == 0
+    data = json.loads((tmp_path / "module-cost-cpu.json").read_text())
+    for r in data["rows"]:
+        assert set(r["median_us"]) == set(methods)
+    assert {"floor - plain", "floor+mode - plain"} <= set(data["fit"])
+
+
+def test_a_compared_design_that_differs_from_grad1_is_not_measured(monkeypatch):
+    """The check before the timing fails where the floor's gradients are not grad1's."""
+    forward = module_cost.Floor._forward
+
+    def doubled(module, args, output):
+        forward(module, (args[0] * 2,), output)
+
+    monkeypatch.setattr(module_cost.Floor, "_forward", staticmethod(doubled))
+    with pytest.raises(RuntimeError, match="floor's per-example gradients differ"):
+        module_cost.measure([1, 2], [0, 1], rounds=1, reps=1, methods=("plain", "floor", "grad1"))
+
+
+def test_the_check_without_grad1_uses_the_loop():
+    """Without grad1 among the methods, the floor is checked against a per-example loop."""
+    config = module_cost.Config(2, 1, 8, 4, ("plain", "floor"))
+    try:
+        config.reset("floor")
+        config.step("floor")
+        module_cost.check(config, ("plain", "floor"))
+        config.models["floor"][0].linear.weight.grad1 *= 2
+        with pytest.raises(RuntimeError, match="floor's"):
+            module_cost.check(config, ("plain", "floor"))
+    finally:
+        config.close()
