@@ -31,7 +31,7 @@ batches of one. Each architecture is then one of:
 - **skipped**: the configuration, the model or its inputs could not be made, the model does
   not run, draws random numbers in training mode, or took longer than ``--limit`` seconds.
 
-With ``--settings`` (``training``, ``bf16-autocast``, ``dp-step``, or ``all``), each
+With ``--settings`` (``training``, ``bf16-autocast``, ``fp16-scaler``, ``dp-step``, or ``all``), each
 architecture that matches is also run, built afresh, in the settings of ``bench.sweep`` that
 the library sweep runs too: 3 SGD steps under one ``add_hooks`` with ``zero_grad`` before each
 backward, each step's ``grad1`` (left for ``zero_grad`` to reset) against the loop at that
@@ -39,7 +39,8 @@ step's parameters; the model in float32 under CPU bfloat16 autocast, ``grad1`` a
 float64 loop within 5e-2 of each parameter's largest entry (or, where the model's own bfloat16
 loop without gradhooks is further off, 5e-2 plus twice its error; where autograd's own
 per-example gradients of the batched bfloat16 forward are off the loop beyond that, the batch
-computed otherwise than each example alone, against those instead); ``dp_sgd_step`` by
+computed otherwise than each example alone, against those instead); the same under float16
+autocast with a ``GradScaler`` (``grad1`` divided by its scale, within 1e-2); ``dp_sgd_step`` by
 book-keeping without noise, ``p.grad`` against the loop's clipped sum (within 1e-6 of its
 largest term, or ten times autograd's own error there). Each gives one of the outcomes above.
 

@@ -22,8 +22,9 @@ mode, or took longer than ``--limit`` seconds).
 
 With ``--settings default`` (or a list of models), some of them also run in a training loop (3
 SGD steps), under bfloat16 autocast (against the float64 loop, at a tolerance of 5e-2: about 16
-units of bfloat16's rounding) and in ``gradhooks.dp_sgd_step`` (book-keeping, against the
-loop's clipped sum).
+units of bfloat16's rounding), under float16 autocast with a ``GradScaler`` (``grad1`` divided
+by its scale, at 1e-2) and in ``gradhooks.dp_sgd_step`` (book-keeping, against the loop's
+clipped sum).
 
 Writes ``<out>/lib-sweep.json`` and ``<out>/lib-sweep.md`` (``<out>`` is ``bench/results``).
 """
@@ -2228,8 +2229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--settings", default=None,
         help="also run these models (comma-separated, 'default' for "
-        f"{','.join(SETTINGS_MODELS)}) in a training loop, under bfloat16 autocast and in "
-        "a DP step",
+        f"{','.join(SETTINGS_MODELS)}) in a training loop, under bfloat16 autocast, under "
+        "float16 autocast with a GradScaler and in a DP step",
     )  # fmt: skip
     p.add_argument("--limit", type=float, default=60.0, help="seconds per model before skipping")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the results")

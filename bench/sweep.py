@@ -14,7 +14,7 @@ build their models and inputs each in its own way; the rest is here. A model end
 - **skipped**: the model or its inputs could not be made, it does not run, or it took too long.
 
 Both sweeps also run a model in the settings users train in (:data:`SETTINGS`): a training
-loop, bfloat16 autocast, a DP step. Each sweep describes its model as a :class:`Subject`.
+loop, bfloat16 autocast, float16 autocast with a ``GradScaler``, a DP step. Each sweep describes its model as a :class:`Subject`.
 """
 
 from __future__ import annotations
@@ -201,6 +201,13 @@ STEPS = 3
 # of each output-gradient, summed over positions whose errors do not cancel: about 16 units
 # (as tests/test_autocast.py allows). A wrong example, scale or product is of order 1.
 BF16_TOL = 5e-2
+# float16 keeps 11 significant bits (unit roundoff 2**-11, about 5e-4), three more than
+# bfloat16: a fifth of BF16_TOL (a wrong example, scale or product is still of order 1)
+FP16_TOL = 1e-2
+# the GradScaler's scale: a power of two (the division back is exact), large enough that small
+# gradients keep their bits in float16, small enough that tiny models do not overflow
+FP16_SCALE = 2.0**10
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass
@@ -259,17 +266,38 @@ def bf16_autocast(s: Subject, res: Result) -> None:
     forward is not each example's alone (torch's CPU bfloat16 kernels can compute a batch
     otherwise than one example): ``grad1`` is then compared with those, at the same allowance,
     and the detail says so."""
+    _autocast(s, res, torch.bfloat16, BF16_TOL)
+
+
+def fp16_scaler(s: Subject, res: Result) -> None:
+    """The model in float32 under CPU float16 autocast, trained as float16 is, with a
+    ``torch.amp.GradScaler`` (:func:`_scaled_step`, from a scale of :data:`FP16_SCALE`): the
+    backward is that of ``scaler.scale(loss)``, so ``grad1`` is the scale times each example's
+    gradient (as ``.grad`` is before ``scaler.unscale_``); ``grad1`` divided by the scale
+    against the float64 loop, as :func:`bf16_autocast` compares, at :data:`FP16_TOL`."""
+    _autocast(s, res, torch.float16, FP16_TOL, FP16_SCALE)
+
+
+def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: float = 1.0) -> None:
+    """:func:`bf16_autocast` and :func:`fp16_scaler`: under CPU autocast to ``dtype``, the loss
+    multiplied by ``scale`` by a ``GradScaler`` where it is not 1."""
+    name = _NAMES[dtype]
     want = s.own_gradients()
     low = s.lowered()
     try:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
             low.loss()
     except Exception as e:
-        raise Skip(f"does not run under bfloat16 autocast: {first_line(e)}") from e
-    with gradhooks.add_hooks(low.model, loss_reduction=s.reduction):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = low.loss()
-        loss.backward()
+        raise Skip(f"does not run under {name} autocast: {first_line(e)}") from e
+    if scale == 1.0:
+        with gradhooks.add_hooks(low.model, loss_reduction=s.reduction):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = low.loss()
+            loss.backward()
+    else:
+        scale, skipped = _scaled_step(low, res, dtype, scale, s.reduction)
+        if skipped is None:
+            return
     largest = _largest(want)
     errors, grad1 = {}, {}
     for n, p in trainable(low.model):
@@ -279,39 +307,90 @@ def bf16_autocast(s: Subject, res: Result) -> None:
                 res.outcome, res.parameter, res.detail = "mismatch", n, f"no grad1: {n}"
                 return
             continue
-        grad1[n] = got.double()
+        grad1[n] = got.double() / scale
         errors[n] = relative(grad1[n], want[n], largest)
     own = dict.fromkeys(errors, 0.0)
-    if any(e > BF16_TOL for e in errors.values()):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    if any(e > tol for e in errors.values()):
+        with torch.autocast("cpu", dtype=dtype):
             rounded = low.own_gradients()
         own = {n: relative(rounded[n].double(), want[n], largest) for n in errors}
-    allowed = {n: BF16_TOL + 2 * own[n] if own[n] > BF16_TOL else BF16_TOL for n in errors}
+    allowed = {n: tol + 2 * own[n] if own[n] > tol else tol for n in errors}
     n = max(errors, key=lambda n: errors[n] / allowed[n], default="")
     worst = (errors.get(n, 0.0), n)
     res.max_rel_error, res.parameter = worst
     res.outcome = "match" if not n or worst[0] <= allowed[n] else "mismatch"
     res.detail = f"largest relative error {worst[0]:.2g} ({n}), allowed {allowed.get(n, 0):.2g}"
-    if res.outcome == "mismatch" and _batched_forward_explains(low, res, grad1, want, allowed):
+    if scale != 1.0:
+        res.detail += f"; grad1 divided by the scaler's scale {scale:g}"
+        if skipped:
+            res.detail += (
+                f" (after {skipped} step(s) the scaler skipped for an overflow, with Inf or NaN "
+                "in grad1 as in .grad)"
+            )
+    if res.outcome == "mismatch" and _batched_forward_explains(
+        low, res, grad1, want, allowed, dtype
+    ):
         return
-    if res.outcome == "mismatch" and own[n] <= BF16_TOL:
-        res.detail += f"; a bfloat16 loop without gradhooks is off by {own[n]:.2g} there"
-    elif any(e > BF16_TOL for e in own.values()):
+    if res.outcome == "mismatch" and own[n] <= tol:
+        res.detail += f"; a {name} loop without gradhooks is off by {own[n]:.2g} there"
+    elif any(e > tol for e in own.values()):
         top = max(own, key=own.get)
         res.detail += (
-            f"; a bfloat16 loop without gradhooks is off by {own[top]:.2g} ({top}), "
+            f"; a {name} loop without gradhooks is off by {own[top]:.2g} ({top}), "
             f"{own[n]:.2g} at {n}"
         )
 
 
-def batched_per_example(s: Subject) -> dict[str, Tensor]:
-    """Each example's gradient through the batched forward under bfloat16 autocast, by
+def _scaled_step(low: Subject, res: Result, dtype: torch.dtype, scale: float, reduction: str):
+    """The float16 training step of :func:`fp16_scaler` under ``add_hooks``: the backward of
+    ``scaler.scale(loss)``, then ``scaler.step`` (an SGD of learning rate 0: the weights stay
+    those of the loop) and ``scaler.update``, ``zero_grad`` before each. A step the scaler
+    skips (an overflow in ``.grad``) must have Inf or NaN in ``grad1`` too, then the scaler
+    lowers its scale for the next, as in training. Returns the scale of the step taken and how
+    many were skipped before it; ``(scale, None)`` where ``res`` is already a mismatch."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    params = trainable(low.model)
+    opt = torch.optim.SGD([p for _, p in params], lr=0.0)
+    skipped = 0
+    with gradhooks.add_hooks(low.model, loss_reduction=reduction):
+        while True:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = low.loss()
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            finite = {
+                n: bool(torch.isfinite(p.grad).all()) for n, p in params if p.grad is not None
+            }
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() >= scale:
+                return scale, skipped  # (taken)
+            overflowed = [n for n, ok in finite.items() if not ok]
+            seen = [
+                n for n, p in params
+                if getattr(p, "grad1", None) is not None and not bool(torch.isfinite(p.grad1).all())
+            ]  # fmt: skip
+            if overflowed and not seen:
+                res.outcome, res.parameter = "mismatch", overflowed[0]
+                res.detail = (
+                    f"the scaler skipped a step for an overflow in .grad ({overflowed[0]}), "
+                    "but every grad1 is finite"
+                )
+                return scale, None
+            skipped += 1
+            if skipped > 20:
+                raise Skip(f"overflows in float16 at every scale down to {scale:g}")
+
+
+def batched_per_example(s: Subject, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
+    """Each example's gradient through the batched forward under autocast to ``dtype``, by
     autograd without gradhooks: the gradient of ``s.losses()[b]`` for each example ``b``,
     ``{name: [batch, *shape]}`` in float64."""
     params = trainable(s.model)
     rows = []
     with gradhooks.paused():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             losses = s.losses()
         for b in range(losses.shape[0]):
             grads = torch.autograd.grad(
@@ -329,13 +408,14 @@ def _batched_forward_explains(
     grad1: dict[str, Tensor],
     want: dict[str, Tensor],
     allowed: dict[str, float],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> bool:
     """Whether ``grad1``, off the float64 loop ``want``, is within ``allowed`` of autograd's
-    per-example gradients of the batched bfloat16 forward, which are themselves off the loop
-    beyond ``allowed``: the batch computed otherwise than each example alone, by the model
-    or by torch, not by gradhooks. If so, ``res`` is a match that says so."""
+    per-example gradients of the batched forward under autocast to ``dtype``, which are
+    themselves off the loop beyond ``allowed``: the batch computed otherwise than each example
+    alone, by the model or by torch, not by gradhooks. If so, ``res`` is a match that says so."""
     try:
-        batched = batched_per_example(low)
+        batched = batched_per_example(low, dtype)
     except Skip:
         return False  # (a loss that is no sum of the examples' own)
     largest, own_largest = _largest(want), _largest(batched)
@@ -347,7 +427,7 @@ def _batched_forward_explains(
         return False
     res.outcome, res.max_rel_error, res.parameter = "match", off[worst], worst
     res.detail += (
-        f"; autograd's per-example gradients of the batched bfloat16 forward, without "
+        f"; autograd's per-example gradients of the batched {_NAMES[dtype]} forward, without "
         f"gradhooks, are off the loop by {apart[far]:.2g} ({far}): the batch is computed "
         f"otherwise than each example alone; against them, largest relative error "
         f"{off[worst]:.2g} ({worst}), allowed {allowed[worst]:.2g}"
@@ -416,6 +496,7 @@ def dp_step(s: Subject, res: Result) -> None:
 SETTINGS: dict[str, Callable[[Subject, Result], None]] = {
     "training": training,
     "bf16-autocast": bf16_autocast,
+    "fp16-scaler": fp16_scaler,
     "dp-step": dp_step,
 }
 SETTINGS_NOTE = (
@@ -426,7 +507,10 @@ SETTINGS_NOTE = (
     "roundoff is 2e-3), or where the model's own bfloat16 loop without gradhooks is further off, "
     f"{BF16_TOL:g} plus twice its error; where the batched bfloat16 forward is itself not "
     "each example's alone (autograd's per-example gradients of it, without gradhooks, off the "
-    "loop beyond that), against those gradients instead, as the row says. `dp-step`: `dp_sgd_step` by book-keeping without "
+    "loop beyond that), against those gradients instead, as the row says. `fp16-scaler`: the "
+    "same under float16 autocast, the backward that of a `GradScaler`'s scaled loss (scale "
+    f"{FP16_SCALE:g}), `grad1` divided by the scale, at most {FP16_TOL:g} (float16's unit "
+    "roundoff is 5e-4). `dp-step`: `dp_sgd_step` by book-keeping without "
     "noise, clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
     "sum (relative to its largest term, at most 1e-6; ten times the model's `rtol` where it "
     "computes in float32 inside)."

@@ -178,14 +178,17 @@ def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
-@pytest.mark.parametrize("setting", ["training", "bf16-autocast", "dp-step"])
+@pytest.mark.parametrize("setting", ["training", "bf16-autocast", "fp16-scaler", "dp-step"])
 def test_architecture_in_another_setting(setting):
     """3 SGD steps (grad1 of each against the loop at that step's parameters), bfloat16
-    autocast (against the float64 loop, relative error at most 5e-2), a DP step (p.grad
-    against the loop's clipped sum)."""
+    autocast (against the float64 loop, relative error at most 5e-2), float16 autocast with a
+    GradScaler (grad1 divided by its scale, at most 1e-2), a DP step (p.grad against the loop's
+    clipped sum)."""
     res = hf_sweep.check("llama", limit=0, setting=setting)
     assert (res.task, res.model) == (setting, "LlamaForCausalLM")
     assert res.outcome == "match", (res.outcome, res.detail)
+    if setting == "fp16-scaler":
+        assert "divided by the scaler's scale" in res.detail
 
 
 @pytest.mark.parametrize(
@@ -285,6 +288,23 @@ def test_training_setting_reports_a_grad1_that_zero_grad_did_not_reset(monkeypat
 def test_settings_report_a_wrong_grad1_as_mismatch(monkeypatch):
     monkeypatch.setattr(hf_sweep.gradhooks, "add_hooks", corrupting(gradhooks.add_hooks))
     res = hf_sweep.check("gpt2", limit=0, setting="bf16-autocast")
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
+
+
+def test_fp16_setting_divides_grad1_by_the_scale(monkeypatch):
+    """grad1 under the scaler is the scale times each example's gradient, and the setting
+    compares it divided by that scale (which matches: the architectures' test above): a
+    backward scaled by twice the scale the scaler says is a mismatch."""
+    from bench import sweep
+
+    real = torch.amp.GradScaler
+
+    class Twice(real):
+        def scale(self, outputs):
+            return super().scale(outputs) * 2
+
+    monkeypatch.setattr(sweep.torch.amp, "GradScaler", Twice)
+    res = hf_sweep.check("gpt2", limit=0, setting="fp16-scaler")
     assert res.outcome == "mismatch", (res.outcome, res.detail)
 
 
