@@ -493,11 +493,100 @@ def dp_step(s: Subject, res: Result) -> None:
         res.detail += "; allowed ten times autograd's own error without gradhooks"
 
 
+def dp_fp16_scaler(s: Subject, res: Result) -> None:
+    """:func:`dp_step` as float16 trains: the model in float32 under CPU float16 autocast,
+    ``dp_sgd_step(..., scaler=scaler)`` (its backward that of the scaled losses, its norms and
+    clipping of the unscaled gradients), then ``scaler.step`` (an SGD of learning rate 0) and
+    ``scaler.update``. A step the scaler skips (``p.grad`` NaN: an overflow) is taken again at
+    the lower scale, as in training. ``p.grad`` divided by the scale against the float64 loop's
+    clipped sum, relative to its largest term, within :data:`FP16_TOL`, or the float16 error
+    of autograd's own clipped sum (its backward without gradhooks) plus that; the returned
+    norms against the loop's within :data:`FP16_TOL`."""
+    want = s.own_gradients()
+    names = list(want)
+    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / norms).clamp(max=1.0)
+    low = s.lowered()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            low.loss()
+    except Exception as e:
+        raise Skip(f"does not run under float16 autocast: {first_line(e)}") from e
+    params = dict(low.model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
+    opt = torch.optim.SGD([p for p in params.values() if p.requires_grad], lr=0.0)
+    skipped = 0
+    with gradhooks.add_hooks(low.model, quantities=("norms",)) as hooks:
+        while True:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = low.losses()
+            scale = scaler.get_scale()
+            got_norms = gradhooks.dp_sgd_step(
+                hooks, losses.float(), max_norm=clip, noise_multiplier=0.0, reduction="sum",
+                method="bookkeeping", scaler=scaler,
+            )  # fmt: skip
+            got = {n: None if params[n].grad is None else params[n].grad.double() / scale
+                   for n in names}  # fmt: skip
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() >= scale:
+                break
+            skipped += 1
+            if skipped > 20:
+                raise Skip(f"overflows in float16 at every scale down to {scale:g}")
+    largest = _largest(want)
+    terms = {n: torch.einsum("b,b...->b...", factors, want[n]) for n in names}
+
+    def error(n: str, grad: Tensor | None) -> float:
+        if not terms[n].numel():
+            return 0.0
+        clipped = terms[n].sum(0)
+        grad = torch.zeros_like(clipped) if grad is None else grad
+        top = float(terms[n].abs().max())
+        if top < 1e-9 * largest:
+            top = largest  # (a gradient zero in exact arithmetic: rounding on both sides)
+        return float((grad - clipped).abs().max()) / top
+
+    errors = {n: error(n, got[n]) for n in names}
+    allowed = dict.fromkeys(names, FP16_TOL)
+    if any(not e <= FP16_TOL for e in errors.values()):
+        # the model's own float16 rounding: autograd's clipped sum, without gradhooks, against
+        # the loop, twice over
+        own = s.lowered()
+        with gradhooks.paused(), torch.autocast("cpu", dtype=torch.float16):
+            mine = own.losses()
+        own_params = dict(own.model.named_parameters())
+        (mine.float() * factors.float()).sum().backward()
+        allowed = {
+            n: FP16_TOL + 2 * error(n, None if own_params[n].grad is None
+                                    else own_params[n].grad.double())
+            for n in names
+        }  # fmt: skip
+    n = max(names, key=lambda n: errors[n] / allowed[n])
+    worst = (errors[n], n, allowed[n])
+    off = float((got_norms.double() - norms).abs().max() / norms.max())
+    if not off <= FP16_TOL:
+        worst = (off, "the norms", FP16_TOL)
+    res.max_rel_error, res.parameter = worst[:2]
+    res.outcome = "match" if worst[0] <= worst[2] else "mismatch"
+    res.detail = (
+        f"largest relative error {worst[0]:.2g} ({worst[1]}), allowed {worst[2]:.2g}; clipped "
+        f"at the median norm; p.grad divided by the scaler's scale {scale:g}"
+    )
+    if skipped:
+        res.detail += f" (after {skipped} step(s) the scaler skipped for an overflow)"
+    if worst[2] > FP16_TOL:
+        res.detail += "; allowed twice autograd's own float16 error without gradhooks"
+
+
 SETTINGS: dict[str, Callable[[Subject, Result], None]] = {
     "training": training,
     "bf16-autocast": bf16_autocast,
     "fp16-scaler": fp16_scaler,
     "dp-step": dp_step,
+    "dp-fp16-scaler": dp_fp16_scaler,
 }
 SETTINGS_NOTE = (
     f"`training`: {STEPS} SGD steps under one `add_hooks`, `zero_grad` before each backward, "
@@ -513,7 +602,9 @@ SETTINGS_NOTE = (
     "roundoff is 5e-4). `dp-step`: `dp_sgd_step` by book-keeping without "
     "noise, clipped at the median of the examples' norms, `p.grad` against the loop's clipped "
     "sum (relative to its largest term, at most 1e-6; ten times the model's `rtol` where it "
-    "computes in float32 inside)."
+    "computes in float32 inside). `dp-fp16-scaler`: the same step under float16 autocast "
+    "with a `GradScaler` passed to it, `p.grad` divided by the scale, within "
+    f"{FP16_TOL:g} (or twice autograd's own float16 error plus that)."
 )
 
 

@@ -178,16 +178,18 @@ def test_an_expert_that_takes_every_token_weighted_by_its_scores_matches():
     assert res.outcome == "match", (res.outcome, res.detail)
 
 
-@pytest.mark.parametrize("setting", ["training", "bf16-autocast", "fp16-scaler", "dp-step"])
+@pytest.mark.parametrize(
+    "setting", ["training", "bf16-autocast", "fp16-scaler", "dp-step", "dp-fp16-scaler"]
+)
 def test_architecture_in_another_setting(setting):
     """3 SGD steps (grad1 of each against the loop at that step's parameters), bfloat16
     autocast (against the float64 loop, relative error at most 5e-2), float16 autocast with a
     GradScaler (grad1 divided by its scale, at most 1e-2), a DP step (p.grad against the loop's
-    clipped sum)."""
+    clipped sum), and the DP step under float16 autocast with the scaler passed to it."""
     res = hf_sweep.check("llama", limit=0, setting=setting)
     assert (res.task, res.model) == (setting, "LlamaForCausalLM")
     assert res.outcome == "match", (res.outcome, res.detail)
-    if setting == "fp16-scaler":
+    if "fp16" in setting:
         assert "divided by the scaler's scale" in res.detail
 
 
@@ -319,3 +321,19 @@ def test_sweep_in_settings_writes_its_counts(tmp_path, capsys):
     table = (tmp_path / "hf-sweep-settings.md").read_text()
     assert "| vit | training | ViTForImageClassification | match |" in table
     assert "training: 1 match" in capsys.readouterr().out
+
+
+def test_dp_fp16_setting_reports_a_clipped_sum_left_scaled(monkeypatch):
+    """The DP step's p.grad is written scaled for scaler.step to unscale: compared as if the
+    scale were twice what it was, it is a mismatch."""
+    from bench import sweep
+
+    real = torch.amp.GradScaler
+
+    class Halved(real):
+        def get_scale(self):
+            return super().get_scale() * 2
+
+    monkeypatch.setattr(sweep.torch.amp, "GradScaler", Halved)
+    res = hf_sweep.check("gpt2", limit=0, setting="dp-fp16-scaler")
+    assert res.outcome == "mismatch", (res.outcome, res.detail)
