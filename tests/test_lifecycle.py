@@ -557,6 +557,21 @@ def test_a_loss_kept_after_its_backward_keeps_no_inputs_of_its_step(quantity, po
         del loss, out
 
 
+def test_a_parameter_used_in_a_torch_function_is_named_once_quoted():
+    """A call of a torch function on a parameter (the head tied through ``F.linear``) is named
+    by its parameter in the errors, quoted once: its input changed in place between the
+    forward and the backward is refused naming ``'a.weight' used in linear``."""
+    model = _Watched()
+    with gradhooks.add_hooks(model):
+        loss = model(torch.randn(4, 8)).sum()
+        with torch.no_grad():
+            model.seen[1]().mul_(2)
+        with pytest.raises(gradhooks.StateError, match="inplace operation") as raised:
+            loss.backward()
+    message = str(raised.value)
+    assert "'a.weight' used in linear (" in message and "''" not in message, message
+
+
 def test_a_backward_through_a_released_forward_is_refused_and_writes_nothing():
     """A backward that did not keep its graph, then a backward through the same graph that
     reaches a hooked call before any node whose saved tensors autograd freed (``loss =

@@ -193,7 +193,7 @@ class BackwardWriter:
             # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
             # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
             bw = self.backward_state()
-            bw.batched = bw.batched or f"'{target.name or '<model>'}'"
+            bw.batched = bw.batched or target.quoted
             return False
         if self.state.kept_backprops is not None:
             self.state.kept_backprops.record(target.module, call, graph_task())
@@ -272,12 +272,11 @@ class BackwardWriter:
                 pieces = rule_pieces(target, params, call, layout)
         except Exception as e:
             msg = str(e)
-            names = (f"'{target.name}'", f"'{target.name or '<model>'}'")
-            if msg.startswith("fallback for") or any(n in msg for n in names):
+            if msg.startswith("fallback for") or target.quoted in msg:
                 raise  # already names the module
             raise RuleError(
-                f"rule {rule.__qualname__} for '{target.name or '<model>'}' "
-                f"({type(target.module).__qualname__}) failed on {describe_call(call)}: {e}\n"
+                f"rule {rule.__qualname__} for {target.where} failed on {describe_call(call)}: "
+                f"{e}\n"
                 "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
                 "an input without a batch dimension (x of shape [features] rather than "
                 "[batch, features]) needs one: x.unsqueeze(0)."
@@ -288,7 +287,7 @@ class BackwardWriter:
                 live[pname] = p
             elif pname not in pieces:
                 raise RuleError(
-                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}) "
+                    f"rule {rule.__qualname__} for {target.where} "
                     f"returned no piece for trainable parameter '{pname}' (got {sorted(pieces)}): "
                     "the rule does not know it. Either it was added to the layer and its forward "
                     "does not use it (freeze it, requires_grad_(False), or delete it), or "
@@ -405,7 +404,7 @@ class BackwardWriter:
                     g1 = piece.grad1(p.shape, scale)
             except RuntimeError as e:
                 raise RuleError(
-                    f"rule {rule.__qualname__} for '{target.name}' ({type(target.module).__qualname__}): "
+                    f"rule {rule.__qualname__} for {target.where}: "
                     f"its piece for '{pname}' does not give a [batch, *{tuple(p.shape)}] gradient: {e}"
                 ) from e
             if summed:

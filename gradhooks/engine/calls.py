@@ -73,8 +73,7 @@ def _changed_in_place(target: Target, what: str, t: Tensor, version: int, advice
     if _torch.version(t) != version:
         raise StateError(
             "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: {what} of '{target.name or '<model>'}' "
-            f"({type(target.module).__qualname__}) of shape {tuple(t.shape)} is at version "
+            f"inplace operation: {what} of {target.where} of shape {tuple(t.shape)} is at version "
             f"{_torch.version(t)}; expected version {version} instead. {advice}"
         )
 

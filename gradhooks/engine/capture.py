@@ -447,7 +447,7 @@ class DetachedCalls:
             elif id(variable) in wanted:
                 module = target.module
                 raise UnsupportedError(
-                    f"gradhooks: '{target.name or '<model>'}' ({type(module).__qualname__}) "
+                    f"gradhooks: {target.quoted} ({type(module).__qualname__}) "
                     f"hands its parameter '{wanted[id(variable)]}' (shape "
                     f"{tuple(variable.shape)}) to an operation no torch function call "
                     "shows (an autograd.Function, a TorchScript function), so the call "
@@ -470,7 +470,7 @@ class DetachedCalls:
         module = target.module
         if not isinstance(output, Tensor):
             raise UnsupportedError(
-                f"'{target.name}' ({type(module).__qualname__}) returned "
+                f"{target.quoted} ({type(module).__qualname__}) returned "
                 f"{type(output).__qualname__}, but its rule's grad_from_grad1 is only for "
                 "modules that return one tensor"
             )

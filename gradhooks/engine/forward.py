@@ -109,7 +109,7 @@ class ForwardCapture:
                 )
                 if capturing:
                     refuse_nested(
-                        lambda: f"'{target.name or '<model>'}' ({type(module).__qualname__})",
+                        lambda: f"{target.quoted} ({type(module).__qualname__})",
                         args, kwargs,
                     )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
@@ -369,7 +369,7 @@ class ForwardCapture:
             else f"its input has {rows} rows on dimension {dim}"
         )
         raise BatchNotFoundError(
-            f"'{target.name or '<model>'}' ({type(target.module).__qualname__}): it ran under "
+            f"{target.where}: it ran under "
             "torch.no_grad() in the forward and runs again during the backward (reentrant "
             "activation checkpointing, or a reversible layer's own autograd.Function, which "
             "recomputes its blocks), where gradhooks cannot follow the batch; in the forward, "
@@ -912,7 +912,7 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
         )
         if prefix is not None:
             raise UnsupportedError(
-                f"'{target.name or '<model>'}' ({type(target.module).__qualname__}) calls its "
+                f"{target.where} calls its "
                 f"submodule '{prefix}' and also uses its parameter '{n}' directly; its "
                 "per-example gradients cannot tell the two uses apart. Register a rule for "
                 f"{type(target.module).__qualname__} with @gradhooks.register, or use the "

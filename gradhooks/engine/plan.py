@@ -32,9 +32,16 @@ class Target:
     memo: dict[str, Any] = field(default_factory=dict)  # the rule's, between calls
 
     @property
+    def quoted(self) -> str:
+        """The module's qualified name as the errors quote it (``'<model>'`` for the root); a
+        parameter's use in a torch function is named by its quoted parameters already."""
+        name = self.name or "<model>"
+        return name if name.startswith("'") else f"'{name}'"
+
+    @property
     def where(self) -> str:
         """The module as the errors name it: its qualified name and class."""
-        return f"'{self.name or '<model>'}' ({type(self.module).__qualname__})"
+        return f"{self.quoted} ({type(self.module).__qualname__})"
 
     @functools.cached_property
     def modules(self) -> tuple[nn.Module, ...]:
