@@ -631,3 +631,31 @@ def test_loss_reduction_sum_declared_for_a_mean_loss():
             assert_grad1(model, want, f"step {step}")
             assert h.check(F.cross_entropy, x, y).ok
             opt.step()
+
+
+def test_backwards_after_hooks_remove_leave_grad1_and_check_says_the_hooks_are_gone():
+    """Training goes on after ``hooks.remove()``: the next backwards write ``.grad`` and no
+    grad1; grad1 stays the last captured backward's, as documented, for the step before the
+    removal. ``h.check()`` then reported "no backward has written grad1 since add_hooks",
+    also right after the ``with`` block of a captured backward; it now raises a
+    ``StateError`` saying that the hooks are removed, with or without ``raise_on_error``."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    h = gradhooks.add_hooks(model)
+    x, y = batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    h.remove()
+    for step in range(1, STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert_grad1(model, want, f"step {step}: the last captured backward's")
+        for kwargs in ({}, {"raise_on_error": False}):
+            with pytest.raises(gradhooks.StateError, match="removed"):
+                h.check(**kwargs)
+            with pytest.raises(gradhooks.StateError, match="removed"):
+                h.check(F.cross_entropy, x, y, **kwargs)
