@@ -201,6 +201,29 @@ def test_torchs_apply_optimizer_in_backward_on_the_accumulate_grad_node():
             assert_grad1(model, want, f"step {step}")
 
 
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
+def test_the_dp_step_refuses_torchs_optimizer_in_backward(method):
+    """The DP step with parameters stepped by ``_apply_optimizer_in_backward``: its backward
+    returns the gradients (``torch.autograd.grad``), so the optimizer on the
+    ``AccumulateGrad`` node never ran, and the clipped, noised ``.grad`` it wrote was stepped
+    by nobody: the model stayed where it was, step after step, in silence. Refused now, as a
+    ``register_post_accumulate_grad_hook`` already was, naming the parameter, before any
+    backward: no ``.grad`` written, the weights as they were."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model = mlp()
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.5})
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        x, y = batch(0)
+        before = copy.deepcopy(model.state_dict())
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with pytest.raises(gradhooks.ConfigurationError, match="'0.weight'.*in the backward"):
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0, method=method)
+        for n, p in model.named_parameters():
+            assert p.grad is None and torch.equal(p, before[n]), n
+
+
 # -- LBFGS, and a hook that masks the gradient ---------------------------------------------------
 
 

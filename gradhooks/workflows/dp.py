@@ -298,6 +298,15 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
             "after dp_sgd_step."
         )
+    fused = [n for n, p in zip(names, params, strict=True) if _torch.backward_optimizers(p)]
+    if fused:
+        raise ConfigurationError(
+            f"dp_sgd_step: '{fused[0]}' is stepped in the backward by an optimizer of "
+            "torch.distributed.optim._apply_optimizer_in_backward, which steps from autograd's "
+            "accumulation of .grad: the step writes .grad after its backward, clipped and "
+            "noised, so that optimizer would never step on it. Build a plain optimizer over "
+            "the parameters instead, and call its step() after dp_sgd_step."
+        )
     own = 1  # (gradhooks' own hook on each parameter)
     if method == "ghost":
         hooked = [n for n, p in zip(names, params, strict=True) if _torch.tensor_hooks(p) > own]
