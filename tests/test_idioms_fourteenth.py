@@ -602,6 +602,84 @@ def test_sparse_embedding_bag_with_per_sample_weights_trained_by_sparse_adam():
             dense.step()
 
 
+def _sparse_model(sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(), nn.Linear(12, 2))
+    return model.to(D)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_dp_step_on_a_sparse_embedding_trains_with_sparse_adam(method):
+    """The DP step on ``nn.Embedding(sparse=True)`` trained by ``SparseAdam``: it wrote a
+    dense ``.grad`` (noise on every row, as it must be), and ``SparseAdam.step()`` then failed
+    ("SparseAdam does not support dense gradients") after the step's backward. Now ``.grad``
+    takes the layout autograd gives the table, sparse: with noise every row is in it, and it
+    is the dense twin's (``sparse=False``, the same seeded noise) row for row; without noise
+    it holds the looked-up rows alone, the clipped sum of the loop's. ``SparseAdam`` steps."""
+    model, twin = _sparse_model(True), _sparse_model(False)
+    table = model[0].weight
+    opts = [torch.optim.SparseAdam([table], lr=0.1), torch.optim.Adam(model[2].parameters())]
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    hooks = gradhooks.add_hooks(model, quantities=quantities)
+    twin_hooks = gradhooks.add_hooks(twin, quantities=quantities)
+    for step in range(STEPS + 1):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randint(10, (5, 3), generator=g), torch.randint(2, (5,), generator=g)
+        twin.load_state_dict(model.state_dict())
+        twin.zero_grad()
+        for o in opts:
+            o.zero_grad()
+        noise = 0.0 if step == STEPS else 1.0
+        for m, h in ((model, hooks), (twin, twin_hooks)):
+            losses = F.cross_entropy(m(x), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=noise, method=method,
+                                  reduction="sum", generator=torch.Generator().manual_seed(step))  # fmt: skip
+        assert table.grad.is_sparse, f"step {step}"
+        rows = table.grad.coalesce().indices()[0]
+        if noise:
+            assert rows.numel() == 10, f"step {step}: noise on {rows.numel()} rows of 10"
+            for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+                assert_close(p.grad.to_dense(), q.grad, f"step {step}: {n} against the twin")
+        else:
+            assert set(rows.tolist()) <= set(x.flatten().tolist())
+            assert_dp_sum(model, loop_grad(model, F.cross_entropy, x, y), 0.5, "no noise")
+        for o in opts:
+            o.step()
+    hooks.remove()
+    twin_hooks.remove()
+
+
+def test_a_dp_optimizer_over_sparse_adam_on_the_embeddings_alone():
+    """Only the embeddings trained (the head frozen), by ``DPOptimizer(SparseAdam(...))``
+    over two physical batches per step: its ``step()`` wrote a dense ``.grad`` and the wrapped
+    ``SparseAdam`` refused it. Now the noised gradient is sparse, every row in it, and equal to
+    that of a ``sparse=False`` twin's ``DPOptimizer`` with the same seeded noise."""
+    model, twin = _sparse_model(True), _sparse_model(False)
+    for m in (model, twin):
+        m[2].requires_grad_(False)
+    table = model[0].weight
+    opts = []
+    for m, inner in ((model, torch.optim.SparseAdam), (twin, torch.optim.Adam)):
+        hooks = gradhooks.add_hooks(m)
+        opts.append(gradhooks.DPOptimizer(
+            inner([m[0].weight], lr=0.1), hooks, max_grad_norm=0.5, noise_multiplier=1.0,
+            expected_batch_size=10, generator=torch.Generator().manual_seed(0),
+        ))  # fmt: skip
+    for step in range(STEPS):
+        twin.load_state_dict(model.state_dict())
+        for half in range(2):
+            g = torch.Generator().manual_seed(10 * step + half)
+            x, y = torch.randint(10, (5, 3), generator=g), torch.randint(2, (5,), generator=g)
+            for m, opt in zip((model, twin), opts, strict=True):
+                opt.backward(F.cross_entropy(m(x), y, reduction="none"))
+        for opt in opts:
+            opt.step()
+        assert table.grad.is_sparse and table.grad.coalesce().indices().shape[1] == 10
+        assert_close(table.grad.to_dense(), twin[0].weight.grad, f"step {step}")
+        for opt in opts:
+            opt.zero_grad()
+
+
 # -- misuse --------------------------------------------------------------------------------------
 
 
