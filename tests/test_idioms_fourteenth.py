@@ -760,3 +760,37 @@ def test_backwards_after_hooks_remove_leave_grad1_and_check_says_the_hooks_are_g
                 h.check(**kwargs)
             with pytest.raises(gradhooks.StateError, match="removed"):
                 h.check(F.cross_entropy, x, y, **kwargs)
+
+
+class ClipRows(torch.autograd.Function):
+    """The identity forward; a backward that clips each row's gradient to norm ``0.01``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return grad * (0.01 / grad.norm(dim=1, keepdim=True)).clamp(max=1.0)
+
+
+def test_a_custom_backward_that_clips_each_rows_gradient_is_refused_saying_so():
+    """Activation-gradient clipping written as a custom ``autograd.Function`` (each row's
+    gradient clipped in its backward, ``@once_differentiable``): no example is mixed with
+    another, but the backward is not linear in its gradient, so example ``i``'s share depends
+    on the loss's scale (under the batch mean, ``clip(g_i / B)``, not the loop's
+    ``clip(g_i)``). The run-time check refuses the backward with a ``CheckFailedError``, grad1
+    unwritten, and its message now names this case (it spoke only of examples mixed across
+    the batch, or read from the wrong place)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).to(D)
+    inner = model[1].forward
+    model[1].forward = lambda h: ClipRows.apply(inner(h))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        x, y = batch(0)
+        opt.zero_grad()
+        with pytest.raises(gradhooks.CheckFailedError, match="not linear in the gradient"):
+            F.cross_entropy(model(x), y).backward()
+        assert not hasattr(model[0].weight, "grad1")
