@@ -6,19 +6,22 @@ run: the optimizer step fused into the backward as torch's tutorial writes it (A
 parameter) at layers whose rules read what the forward saw (a Transformer layer, an
 ``LSTMCell`` stepped in time, a ``weight_norm`` parametrization, a parameter used in the
 parent's forward, a block under activation checkpointing), and as torch's own
-``_apply_optimizer_in_backward`` does it, on the ``AccumulateGrad`` node; LBFGS with its
-strong-Wolfe line search, whose closure runs at trial weights; a hook that masks an
-embedding's gradient to train only new tokens; losses whose ``mean`` is a mean over elements
-(Gaussian and Poisson NLL, the margin and soft-margin losses, ``BCEWithLogitsLoss`` with
-``pos_weight``, ...), ``CTCLoss``'s mean over target lengths, and losses of pairs over two
-forwards (``MarginRankingLoss``, ``CosineEmbeddingLoss``), also in the DP step; DANN's
-gradient reversal in the DP step; sparse gradients (``Embedding`` and ``EmbeddingBag`` with
-``sparse=True`` trained by ``SparseAdam``, and the DP step on them). And misuse:
-``optimizer.step()`` before the backward, backwards after ``hooks.remove()``, and
-``loss_reduction="sum"`` declared for a mean loss. Each is compared with each example's own
-gradient by a per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`), or with the DP
-step's clipped sum of those, or checked to stop with a typed error that says what went
-wrong."""
+``_apply_optimizer_in_backward`` does it, on the ``AccumulateGrad`` node (which the DP step
+now refuses, as it refused the tensor hook); LBFGS with its strong-Wolfe line search, whose
+closure runs at trial weights; a hook that masks an embedding's gradient to train only new
+tokens; losses whose ``mean`` is a mean over elements (Gaussian and Poisson NLL, the margin
+and soft-margin losses, ``BCEWithLogitsLoss`` with ``pos_weight``, ...), ``CTCLoss``'s mean
+over target lengths, and losses of pairs over two forwards (``MarginRankingLoss``,
+``CosineEmbeddingLoss``), also in the DP step; DANN's gradient reversal in the DP step; a
+custom backward that clips each row's gradient (refused, its message now naming it); sparse
+gradients (``Embedding`` and ``EmbeddingBag`` with ``sparse=True`` trained by ``SparseAdam``,
+and the DP step and ``DPOptimizer`` on them, whose ``.grad`` is now sparse too). And misuse:
+``optimizer.step()`` before the backward, backwards after ``hooks.remove()`` (``check()`` now
+says the hooks are removed), ``loss_reduction="sum"`` declared for a mean loss, and a
+functional loop whose unused head keeps an older step's grad1 (a strict xfail). Each is
+compared with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`), or with the DP step's clipped sum of those, or checked
+to stop with a typed error that says what went wrong."""
 
 from __future__ import annotations
 
