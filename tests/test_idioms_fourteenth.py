@@ -39,6 +39,8 @@ from harness import assert_close, assert_grad1
 
 D = torch.float64
 STEPS = 3
+# (importing torch.distributed.optim scripts modules, each with a deprecation notice)
+JIT_NOTICES = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
 
 def batch(step: int, n: int = 5, features: int = 3, classes: int = 2):
@@ -76,8 +78,8 @@ class Encoder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.out = nn.Linear(3, 8), nn.Linear(8, 2)
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.layer = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
 
     def forward(self, x):
         h = self.inp(x).unsqueeze(1) * torch.arange(1.0, 4.0, dtype=x.dtype).view(1, 3, 1)
@@ -184,6 +186,7 @@ def test_the_tutorials_adam_fused_into_the_backward_at_layers_that_read_the_forw
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=n)
 
 
+@JIT_NOTICES
 def test_torchs_apply_optimizer_in_backward_on_the_accumulate_grad_node():
     """``torch.distributed.optim._apply_optimizer_in_backward`` (torch's own optimizer in
     the backward, as TorchRec and FSDP use it) hooks each parameter's ``AccumulateGrad`` node,
@@ -204,6 +207,7 @@ def test_torchs_apply_optimizer_in_backward_on_the_accumulate_grad_node():
             assert_grad1(model, want, f"step {step}")
 
 
+@JIT_NOTICES
 @pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
 def test_the_dp_step_refuses_torchs_optimizer_in_backward(method):
     """The DP step with parameters stepped by ``_apply_optimizer_in_backward``: its backward
