@@ -137,7 +137,11 @@ Required (no fallback; :func:`require` refuses without them):
   ``enable_input_require_grads`` adds, fails under ``torch.func``), and without the forward
   hooks and pre-hooks of the modules inside it and the global ones
   (:func:`forward_hooks_off_within`: a user's hooks fire as often as without gradhooks), and
-  without its own backward hooks (:func:`backward_hooks_off`).
+  without its own backward hooks (:func:`backward_hooks_off`). The DP step refuses an
+  optimizer fused into the backward (:func:`accumulate_hooks`; :func:`backward_optimizers`,
+  the optimizers ``torch.distributed.optim._apply_optimizer_in_backward`` keeps on a
+  parameter as ``_in_backward_optimizers``, an attribute read with a default: where a later
+  torch drops it, such an optimizer is not seen, as before).
 - ``tensor_impl``: ``Tensor._cdata`` and ``Tensor._backward_hooks`` (:func:`tensor_impl`,
   :func:`drop_stale_hooks`): ``torch.utils.swap_tensors`` puts another C++ tensor under the
   same Python object (``model.to(...)``, ``.double()``, even ``.float()`` of a float model, do so
@@ -194,6 +198,7 @@ __all__ = [
     "accumulate_hooks",
     "all_grads_hook",
     "available",
+    "backward_optimizers",
     "batched_backwards",
     "conv_padding",
     "dim_arguments",
@@ -1011,6 +1016,14 @@ def accumulate_hooks(p: Tensor) -> int:
     """How many post-accumulate-grad hooks ``p`` holds (``Tensor._post_accumulate_grad_hooks``).
     Required (:func:`require`)."""
     return len(p._post_accumulate_grad_hooks or ())
+
+
+def backward_optimizers(p: Tensor) -> int:
+    """How many optimizers torch's ``torch.distributed.optim._apply_optimizer_in_backward``
+    steps in ``p``'s backward (``Parameter._in_backward_optimizers``, the list it keeps on the
+    parameter, which its ``_get_in_backward_optimizers`` reads): they step from a hook on the
+    ``AccumulateGrad`` node, which no tensor attribute shows. ``0`` where torch set none."""
+    return len(getattr(p, "_in_backward_optimizers", None) or ())
 
 
 def tensor_hooks(t: Tensor) -> int:

@@ -770,8 +770,16 @@ class Hooks:
         reduction itself needs the loss: with ``loss_fn(model(x[i:i+1]), target[i:i+1])``
         (and the ``inputs``/``target`` of the captured forward), the first ``examples``
         examples are recomputed one at a time and the report says which reduction the loss
-        really used. Returns a :class:`gradhooks.CheckReport`.
+        really used. Returns a :class:`gradhooks.CheckReport`. After :meth:`remove`, a
+        ``StateError``: what the hooks captured went with them.
         """
+        if self._state.removed:
+            raise StateError(
+                "check: the hooks are removed, and with them what their last backward captured "
+                "(a backward since, if any, wrote no grad1: the grad1 on the parameters is "
+                "still that of the last backward before remove()): call check before remove(), "
+                "or add the hooks again before the next forward"
+            )
         return check_hooks(
             self._state, loss_fn, inputs, target, examples=examples, raise_on_error=raise_on_error
         )

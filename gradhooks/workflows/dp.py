@@ -203,7 +203,7 @@ def dp_sgd_step(
     # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
     into = (lambda p: noise(p, generator, std)) if noised else None
-    norms, clipped, scale = _clipped_sums(
+    norms, clipped, scale, sparse = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
         groups=groups,
     )  # fmt: skip
@@ -220,8 +220,8 @@ def dp_sgd_step(
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
         clipped = _torch.foreach_div(clipped, denom)
-    for p, c in zip(params, clipped, strict=True):
-        p.grad = c.detach() if c.requires_grad else c
+    for p, c, layout in zip(params, clipped, sparse, strict=True):
+        p.grad = as_grad(c, layout)
     return norms.detach()
 
 
@@ -239,6 +239,10 @@ class ClippedSum(NamedTuple):
     """The per-example gradient norms before clipping (unscaled), ``[batch]``."""
     finite: bool
     """False where a GradScaler's scaled backward overflowed (the step must be skipped)."""
+    sparse: list[bool] = []
+    """Per parameter, whether autograd gives its gradient as a sparse tensor
+    (``nn.Embedding(sparse=True)``): the noised sum is then written to ``.grad`` sparse, as
+    :func:`dp_sgd_step` writes it, for ``SparseAdam``."""
 
 
 def clipped_sum(
@@ -267,14 +271,14 @@ def clipped_sum(
     _check_clipping(_clip.total_bound(max_norm), 0.0, clipping=clipping)
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "clipped_sum")
-    norms, sums, scale = _clipped_sums(
+    norms, sums, scale, sparse = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping,
         groups=groups,
     )  # fmt: skip
     ok = scale is None or finite(norms, sums)
     if scale is not None:
         sums = [s.detach() / scale for s in sums]
-    return ClippedSum(params, [s.detach() for s in sums], norms.detach(), ok)
+    return ClippedSum(params, [s.detach() for s in sums], norms.detach(), ok, sparse)
 
 
 def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parameter]:
@@ -297,6 +301,15 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             ".grad after its backward, clipped and noised, so that hook would never see it (or "
             "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
             "after dp_sgd_step."
+        )
+    fused = [n for n, p in zip(names, params, strict=True) if _torch.backward_optimizers(p)]
+    if fused:
+        raise ConfigurationError(
+            f"dp_sgd_step: '{fused[0]}' is stepped in the backward by an optimizer of "
+            "torch.distributed.optim._apply_optimizer_in_backward, which steps from autograd's "
+            "accumulation of .grad: the step writes .grad after its backward, clipped and "
+            "noised, so that optimizer would never step on it. Build a plain optimizer over "
+            "the parameters instead, and call its step() after dp_sgd_step."
         )
     own = 1  # (gradhooks' own hook on each parameter)
     if method == "ghost":
@@ -566,7 +579,36 @@ def _check_step(
     )
 
 
-def _clipped_sums(hooks: Hooks, *args, **kwargs) -> tuple[Tensor, list[Tensor], float | None]:
+class StepSums(NamedTuple):
+    """What :func:`_step_sums` gives."""
+
+    norms: Tensor
+    """The per-example gradient norms before clipping (unscaled), ``[batch]``."""
+    sums: list[Tensor]
+    """Per parameter, ``Σ_i f_i · g_i`` (dense, of its full shape)."""
+    scale: float | None
+    """An enabled GradScaler's scale ``S`` (the sums are ``S ·`` the clipped ones), else
+    ``None``."""
+    sparse: list[bool]
+    """Per parameter, whether autograd's gradient of it is a sparse tensor
+    (``nn.Embedding(sparse=True)``'s): its ``.grad`` is written sparse too (:func:`as_grad`)."""
+
+
+def _sparse(grads: Iterable[Tensor | None]) -> list[bool]:
+    """Per gradient, whether autograd gave it as a sparse tensor."""
+    return [g is not None and g.is_sparse for g in grads]
+
+
+def as_grad(value: Tensor, sparse: bool) -> Tensor:
+    """``value`` (a dense gradient) in the layout autograd gives the parameter: where that is
+    sparse, a sparse tensor of the rows that hold a nonzero (every row, once noised; those of
+    the examples' lookups without noise), so that the optimizer the model trains with without
+    the DP step (``SparseAdam``) takes the DP step's gradient too."""
+    value = value.detach() if value.requires_grad else value
+    return value.to_sparse(sparse_dim=1) if sparse else value
+
+
+def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:
     """:func:`_step_sums`; refused (a check of the step's after its backward: the examples
     mixed, the batch not found), no ``grad1`` or quantity of the step is left to read, and
     ``.grad`` is as it was (the step's backward returns its gradients instead of adding them)."""
@@ -587,7 +629,7 @@ def _step_sums(
     into: Callable[[], list[Tensor]] | None = None,
     clipping: str = "flat",
     groups: GroupedBounds | None = None,
-) -> tuple[Tensor, list[Tensor], float | None]:
+) -> StepSums:
     """The per-example norms and, per parameter, ``Σ_i f_i · g_i`` (``f_i``: ``clipping``'s
     factor, :func:`clip_factors`; full-sized,
     as plain tensors of the step's own, also for a parameter sharded by FSDP2) of this
@@ -614,6 +656,7 @@ def _step_sums(
     hooks.clear()
     if method == "grad1":
         grads = _grads(hooks, loss, wrt)
+        sparse = _sparse(grads)
         grads1 = [getattr(p, "grad1", None) if engine.wrote(p) else None for p in params]
         _check_captured(hooks, params, grads, [g is not None for g in grads1])
         _refuse_coupled(hooks, params)
@@ -656,6 +699,7 @@ def _step_sums(
         with engine.backward_mode(param_grads=False, keep=kept):
             with engine.collector.keeping_grad1() as grad1s:
                 grads = _grads(hooks, loss, wrt)
+        sparse = _sparse(grads)
         _check_captured(hooks, params, grads, _have_norms(hooks, params))
         _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
@@ -677,6 +721,7 @@ def _step_sums(
         kept = [] if truth is not None else None
         with engine.backward_mode(keep=kept):
             grads = _grads(hooks, loss, wrt, retain_graph=True)
+        sparse = _sparse(grads)
         _check_captured(hooks, params, grads, _have_norms(hooks, params))
         _refuse_coupled(hooks, params)
         del grads  # (autograd's unused gradients: an embedding's is a whole table)
@@ -689,7 +734,7 @@ def _step_sums(
             grads = list(_grads(hooks, (factors * per_example_loss).sum(), wrt))
         clipped = _added(into, params, _popped(grads))  # (each freed once added)
     _STEPPED[stepped] = True
-    return unscaled(norms), clipped, loss_scale
+    return StepSums(unscaled(norms), clipped, loss_scale, sparse)
 
 
 def _of(factors: Tensor, group: int | None) -> Tensor:

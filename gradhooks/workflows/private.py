@@ -315,6 +315,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
             plan = _dp._checked_plan(self.hooks)
             self._held = list(zip(plan.names, got.params, strict=True))
+            self._sparse = got.sparse
         else:
             for buf, s in zip(self._sums, got.sums, strict=True):
                 buf.add_(s)
@@ -362,10 +363,10 @@ class DPOptimizer(torch.optim.Optimizer):
                     multiplier, self.expected_batch_size
                 )
             std = multiplier * _clip.total_bound(self.max_grad_norm)
-            for p, s in zip(params, self._sums, strict=True):
+            for p, s, sparse in zip(params, self._sums, self._sparse, strict=True):
                 # (the noise drawn into the gradient's own tensor, the sum added to it)
                 grad = _dp.noise(p, self.generator, std).add_(s) if std > 0 else s.to(p.dtype)
-                p.grad = grad.div_(self.expected_batch_size).mul_(scale).detach()
+                p.grad = _dp.as_grad(grad.div_(self.expected_batch_size).mul_(scale), sparse)
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
@@ -457,6 +458,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._unclipped = None
         self._sums = None
         self._held = []
+        self._sparse: list[bool] = []
         self._finite = True
         self._examples = 0
         self._backwards = 0
