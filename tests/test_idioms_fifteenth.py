@@ -7,7 +7,8 @@ BatchNorm in eval, GroupNorm, ConvTranspose2d) fed ``uint8`` channels_last image
 forward, by SGD and through the DP step; a ``torch.fx`` GraphModule, as traced and after a pass
 that rewrites its Linear calls into ``F.linear`` on the weights it fetches, and one whose
 convolution and batch norm an fx pass fused; ``fuse_conv_bn_eval`` applied between steps;
-``parametrize`` with ``unsafe=True`` (a flat original reshaped, a low-rank pair); a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
+``parametrize`` with ``unsafe=True`` (a flat original reshaped, a low-rank pair); a frozen
+TorchScript backbone (scripted or traced) under a trained head; a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
 is not tensors; an ``nn.ModuleDict`` routed by the batch's modality; bucketed batches padded to
 another length at each step, through the DP step; a batch in which one example appears twice
 (indexed, concatenated, or rows that overlap in memory). And misuse: a batch sliced from the
@@ -22,6 +23,7 @@ what went wrong."""
 from __future__ import annotations
 
 import collections.abc
+import copy
 
 import pytest
 import torch
@@ -34,6 +36,12 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import assert_close, assert_grad1
+
+# (torch 2.13 deprecates TorchScript, which the tests of a model holding it run)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+]
 
 D = torch.float64
 STEPS = 3
@@ -376,6 +384,70 @@ def test_a_module_dict_routed_by_the_modality_of_each_batch():
                 else:
                     assert_close(p.grad1, want[n], f"step {step}: {n}")
             opt.step()
+
+
+# -- TorchScript inside the hooked model -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_frozen_torchscript_backbone_under_a_trained_head(how):
+    """A linear probe on a feature extractor that comes as TorchScript (``torch.jit.script``
+    or ``torch.jit.trace``, as ``torch.jit.load`` gives it), frozen, under a trained head. The
+    tracker cannot see inside TorchScript, so it checks that the backbone keeps the examples
+    apart (each example alone gives its row) and follows the batch through it: grad1 and the
+    norms are the loop's over Adam steps."""
+    torch.manual_seed(0)
+    x, _ = batch(0)
+    backbone = nn.Sequential(nn.Linear(3, 6), nn.Tanh()).to(D)
+    backbone = torch.jit.script(backbone) if how == "script" else torch.jit.trace(backbone, x)
+    for p in backbone.parameters():  # (a ScriptModule has no requires_grad_)
+        p.requires_grad_(False)
+    model = nn.Sequential(backbone, nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"{how}, step {step}", frozen_clean=True)
+            assert_close(hooks.norms(), norms_of(want), f"{how}, step {step}: norms")
+            opt.step()
+
+
+class Centre(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h - h.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("mix", ["centre", "batch norm"])
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_frozen_torchscript_backbone_that_mixes_the_examples_is_refused_naming_it(how, mix):
+    """The same frozen backbone ending in a centring over the batch, or in a BatchNorm in
+    training mode: each example's features depend on the others', so the loop's gradients
+    are not the batch's rows. Refused at the forward, naming the TorchScript module; nothing
+    written; the norm's running statistics are those of one forward, as without gradhooks
+    (the check's runs of one example leave them as they were)."""
+    torch.manual_seed(0)
+    x, _ = batch(0)
+    last = Centre() if mix == "centre" else nn.BatchNorm1d(6)
+    backbone = nn.Sequential(nn.Linear(3, 6), last).to(D)
+    twin = copy.deepcopy(backbone)
+    backbone = torch.jit.script(backbone) if how == "script" else torch.jit.trace(backbone, x)
+    for p in backbone.parameters():  # (a ScriptModule has no requires_grad_)
+        p.requires_grad_(False)
+    model = nn.Sequential(backbone, nn.Linear(6, 2)).to(D)
+    before = {n: b.clone() for n, b in backbone.named_buffers()}
+    with gradhooks.add_hooks(model):
+        with pytest.raises(
+            gradhooks.MixedExamplesError, match=r"'1' \(Linear\).*TorchScript module '0'"
+        ):
+            model(x)
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+    twin.load_state_dict(before, strict=False)  # (tracing ran it, and checked it, too)
+    twin(x)
+    for (n, b), want in zip(backbone.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, want, rtol=0, atol=1e-12, msg=n)
 
 
 # -- batches in form -------------------------------------------------------------------------------

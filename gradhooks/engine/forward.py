@@ -53,6 +53,7 @@ from .calls import (
     unview,
 )
 from .capture import DetachedCalls
+from .opaque import follow_scripted
 from .outputs import LayerOutputs
 from .plan import Target, positional
 from .records import (
@@ -647,9 +648,13 @@ class ForwardCapture:
             frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
         frame.tracker = tracker
         tracker.__enter__()
+        frame.scripted = follow_scripted(tracker, self.state.scripted)
 
     def stop_tracker(self, frame: Frame) -> None:
         tracker, frame.tracker = frame.tracker, None
+        if frame.scripted is not None:
+            frame.scripted.remove()
+            frame.scripted = None
         if tracker is not None:
             tracker.__exit__(None, None, None)
             tracker.finish()
