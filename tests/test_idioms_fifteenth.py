@@ -8,7 +8,8 @@ forward, by SGD and through the DP step; a ``torch.fx`` GraphModule, as traced a
 that rewrites its Linear calls into ``F.linear`` on the weights it fetches, and one whose
 convolution and batch norm an fx pass fused; ``fuse_conv_bn_eval`` applied between steps;
 ``parametrize`` with ``unsafe=True`` (a flat original reshaped, a low-rank pair); a frozen
-TorchScript backbone (scripted or traced) under a trained head; a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
+TorchScript backbone (scripted or traced) under a trained head, and a scripted function between
+layers; a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
 is not tensors; an ``nn.ModuleDict`` routed by the batch's modality; bucketed batches padded to
 another length at each step, through the DP step; a batch in which one example appears twice
 (indexed, concatenated, or rows that overlap in memory). And misuse: a batch sliced from the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections.abc
 import copy
+import warnings
 
 import pytest
 import torch
@@ -448,6 +450,44 @@ def test_a_frozen_torchscript_backbone_that_mixes_the_examples_is_refused_naming
     twin(x)
     for (n, b), want in zip(backbone.named_buffers(), twin.buffers(), strict=True):
         torch.testing.assert_close(b, want, rtol=0, atol=1e-12, msg=n)
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    @torch.jit.script
+    def bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Megatron-LM's fused bias + tanh-GELU (NVIDIA/Megatron-LM,
+        ``megatron/core/fusions/fused_bias_gelu.py``, compiled by ``torch.jit.script``)."""
+        x = bias + y
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+class BiasGeluMLP(nn.Module):
+    """Megatron's MLP: the first projection without its bias (``skip_bias_add``), the bias
+    added inside the scripted GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(3, 6, bias=False), nn.Linear(6, 2)
+        self.bias = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(bias_gelu(self.bias, self.fc1(x)))
+
+
+def test_a_torchscript_function_between_layers_is_refused_saying_so():
+    """A ``torch.jit.script`` function called between two layers: no torch function inside it
+    reaches the tracker, so the layer after it seems to get an input without the examples.
+    Refused with a typed error that names that layer and says that something it cannot see
+    into (a TorchScript function) may have made its input; nothing is written."""
+    model = BiasGeluMLP().to(D)
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'fc2' \(Linear\).*TorchScript"):
+            F.cross_entropy(model(x), y).backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
 
 
 # -- batches in form -------------------------------------------------------------------------------
