@@ -708,12 +708,13 @@ def test_a_nested_batch_whose_first_tensor_is_metadata_is_refused():
     """A nested dict whose first tensor is not the batch (a temperature of shape ``(1,)``
     ahead of the inputs): gradhooks takes the batch from the first tensor, so it counts one
     example and finds the layers' inputs without it. Refused with a typed error at the
-    backward; nothing is written; the batch put first trains."""
+    backward, after a warning; nothing is written; the batch put first trains."""
     model = DictModel().to(D)
     y = batch(0)[1]
     with gradhooks.add_hooks(model):
-        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'head' \(Linear\)"):
-            F.cross_entropy(model(_metadata_first()), y).backward()
+        with pytest.warns(gradhooks.GradhooksWarning):  # (the next test's)
+            with pytest.raises(gradhooks.BatchNotFoundError, match=r"'head' \(Linear\)"):
+                F.cross_entropy(model(_metadata_first()), y).backward()
         assert not any(hasattr(p, "grad1") for p in model.parameters())
         first = _metadata_first()
         first = {"inputs": first["inputs"], "meta": first["meta"]}
@@ -723,15 +724,19 @@ def test_a_nested_batch_whose_first_tensor_is_metadata_is_refused():
     assert_grad1(model, want, "the batch first")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the refusal names the layer, not where the batch was taken from: root_batch "
-    "does not keep the path of the first tensor (batch['meta']['temperature']) for messages",
-)
-def test_the_refusal_of_a_batch_taken_from_metadata_says_where_it_was_taken_from():
-    """The error above should say that the batch of 1 was taken from dimension 0 of
-    ``batch['meta']['temperature']``, of shape ``(1,)``."""
+def test_a_batch_taken_from_metadata_is_told_where_it_was_taken_from():
+    """Before the refusal above, a ``GradhooksWarning`` at the forward says that the batch of
+    1 was taken from dimension 0 of ``batch['meta']['temperature']``, of shape ``(1,)``, while
+    the other tensors have 5 rows; a batch whose other tensors share its rows (here, a batch of
+    one) is not warned about."""
     model = DictModel().to(D)
     with gradhooks.add_hooks(model):
-        with pytest.raises(gradhooks.BatchNotFoundError, match=r"temperature.*\(1,\)"):
-            F.cross_entropy(model(_metadata_first()), batch(0)[1]).backward()
+        with pytest.warns(gradhooks.GradhooksWarning, match=r"\['temperature'\] \(1,\).*5 rows"):
+            with pytest.raises(gradhooks.BatchNotFoundError):
+                F.cross_entropy(model(_metadata_first()), batch(0)[1]).backward()
+        x, y = batch(0, n=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gradhooks.GradhooksWarning)
+            one = {"inputs": {"x": x, "weight": torch.ones(1, 1, dtype=D)},
+                   "meta": {"temperature": torch.tensor([2.0], dtype=D)}}  # fmt: skip
+            F.cross_entropy(model(one), y).backward()
