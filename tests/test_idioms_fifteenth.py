@@ -12,7 +12,8 @@ TorchScript backbone (scripted or traced) under a trained head, and a scripted f
 layers; a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
 is not tensors; an ``nn.ModuleDict`` routed by the batch's modality; bucketed batches padded to
 another length at each step, through the DP step; a batch in which one example appears twice
-(indexed, concatenated, or rows that overlap in memory). And misuse: a batch sliced from the
+(indexed, concatenated, or rows that overlap in memory); a time-major dict batch
+(``batch_dim=1``) with its lengths first. And misuse: a batch sliced from the
 model's own weight, a list of inputs of different batch sizes, the next batch loaded into the
 other half of a static buffer between the forward and its backward, ``load_state_dict(...,
 assign=True)`` between the forward and its backward, and a nested batch whose first tensor is
@@ -590,6 +591,48 @@ def test_bucketed_batches_padded_to_another_length_at_each_step(method):
             assert_close(norms, norms_of(want), f"length {longest}: norms")
             for n, p in model.named_parameters():
                 assert_close(p.grad, clipped_sum(want, n, 0.5) / 4, f"length {longest}: {n}")
+            opt.step()
+
+
+class TimeMajor(nn.Module):
+    """Token ids ``[time, batch]`` through an embedding and a GRU (time-major, as torch's word
+    language model), the output at each sequence's last token classified."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.out = nn.Embedding(20, 4), nn.GRU(4, 5), nn.Linear(5, 2)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(batch["tokens"]))
+        return self.out(h[batch["lengths"] - 1, torch.arange(h.shape[1])])
+
+
+@pytest.mark.parametrize("first", ["tokens", "lengths"])
+def test_a_time_major_batch_dict_with_its_lengths_first_or_last(first):
+    """``add_hooks(model, batch_dim=1)`` and a dict batch of ``[time, batch]`` tokens with the
+    ``[batch]`` lengths (a torchtext-style batch), either first: the batch is the first tensor
+    that has a dimension 1 (before, lengths first were refused as "no batch dimension 1",
+    with the advice to add one). grad1 is the loop's over SGD steps."""
+    model = TimeMajor().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    with gradhooks.add_hooks(model, batch_dim=1):
+        for step in range(STEPS):
+            tokens = torch.randint(20, (6, 4), generator=g)
+            lengths, y = torch.randint(1, 7, (4,), generator=g), torch.randint(2, (4,), generator=g)
+
+            def of(tokens, lengths):
+                if first == "lengths":
+                    return {"lengths": lengths, "tokens": tokens}
+                return {"tokens": tokens, "lengths": lengths}
+
+            want = loop_over(
+                model, [of(tokens[:, i : i + 1], lengths[i : i + 1]) for i in range(4)], y
+            )
+            opt.zero_grad()
+            F.cross_entropy(model(of(tokens, lengths)), y).backward()
+            assert_grad1(model, want, f"step {step}")
             opt.step()
 
 

@@ -617,12 +617,14 @@ class ForwardCapture:
                 _warn_batch_taken_alone(module, args, kwargs, first, leaves)
             self._start_tracker(frame, args, kwargs)
             return
-        first = leaves[0]
-        if first.dim() <= self.state.batch_dim:
+        # (the first with that dimension: a time-major batch's lengths, [batch], may come first)
+        first = next((t for t in leaves if t.dim() > self.state.batch_dim), None)
+        if first is None:
             raise UnbatchedInputError(
-                f"{type(module).__qualname__}'s first tensor input has shape "
-                f"{tuple(first.shape)}: no batch dimension {self.state.batch_dim}. gradhooks needs a "
-                "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
+                f"{type(module).__qualname__}'s tensor inputs have shapes "
+                f"{', '.join(str(tuple(t.shape)) for t in leaves)}: none has a batch dimension "
+                f"{self.state.batch_dim}. gradhooks needs a batch of examples; for one example "
+                "add the batch dimension (x.unsqueeze(0))."
             )
         frame.batch = first.shape[self.state.batch_dim]
         if self.state.grad1:
