@@ -4,23 +4,24 @@ in form.
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
 step), a form the earlier sets do not train: a CNN converted to ``channels_last`` (Conv2d,
 BatchNorm in eval, GroupNorm, ConvTranspose2d) fed ``uint8`` channels_last images cast in the
-forward, by SGD and through the DP step; a ``torch.fx`` GraphModule, as traced and after a pass
-that rewrites its Linear calls into ``F.linear`` on the weights it fetches, and one whose
-convolution and batch norm an fx pass fused; ``fuse_conv_bn_eval`` applied between steps;
+forward, by SGD and through the DP step, and volumes in ``channels_last_3d``; a batch given as
+a tensor subclass (torchvision's ``tv_tensors``); a ``torch.fx`` GraphModule, as traced and
+after a pass that rewrites its Linear calls into ``F.linear`` on the weights it fetches, and one
+whose convolution and batch norm an fx pass fused; ``fuse_conv_bn_eval`` applied between steps;
 ``parametrize`` with ``unsafe=True`` (a flat original reshaped, a low-rank pair); a frozen
 TorchScript backbone (scripted or traced) under a trained head, and a scripted function between
 layers; a batch given as a Mapping that is not a dict, and as a nested dict with metadata that
 is not tensors; an ``nn.ModuleDict`` routed by the batch's modality; bucketed batches padded to
 another length at each step, through the DP step; a batch in which one example appears twice
 (indexed, concatenated, or rows that overlap in memory); a time-major dict batch
-(``batch_dim=1``) with its lengths first. And misuse: a batch sliced from the
-model's own weight, a list of inputs of different batch sizes, the next batch loaded into the
-other half of a static buffer between the forward and its backward, ``load_state_dict(...,
-assign=True)`` between the forward and its backward, and a nested batch whose first tensor is
-metadata. Each is compared with each example's own gradient by a per-example loop in float64
-(:func:`gradhooks.oracle.loop_grad`, or a loop written out where the batch is not a tensor),
-or with the DP step's clipped sum of those, or checked to stop with a typed error that names
-what went wrong."""
+(``batch_dim=1``) with its lengths first. And misuse: a batch sliced from the model's own
+weight, a list of inputs of different batch sizes, the next batch loaded into the other half of
+a static buffer between the forward and its backward, ``load_state_dict(..., assign=True)``
+between the forward and its backward, and a nested batch whose first tensor is metadata. Each
+is compared with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`, or a loop written out where the batch is not a tensor), or
+with the DP step's clipped sum of those, or checked to stop with a typed error that names what
+went wrong."""
 
 from __future__ import annotations
 
@@ -164,6 +165,63 @@ def test_a_channels_last_cnn_in_the_dp_step(method):
             assert_close(norms, norms_of(want), f"step {step}: norms")
             for n, p in model.named_parameters():
                 assert_close(p.grad, clipped_sum(want, n, 0.1) / len(x), f"step {step}: {n}")
+            opt.step()
+
+
+def test_a_channels_last_3d_volume_net():
+    """Volumes in ``channels_last_3d`` (Conv3d, GroupNorm, ConvTranspose3d, the model and
+    the batches converted): grad1 and the norms are the loop's over SGD steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv3d(2, 3, 2), nn.GroupNorm(1, 3), nn.ConvTranspose3d(3, 2, 2), nn.Flatten(),
+        nn.Linear(54, 2),
+    ).to(D).to(memory_format=torch.channels_last_3d)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(6)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(2):
+            x = torch.randn(4, 2, 3, 3, 3, generator=g, dtype=D)
+            x, y = (
+                x.contiguous(memory_format=torch.channels_last_3d),
+                torch.randint(2, (4,), generator=g),
+            )
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_close(hooks.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+
+
+class Image(torch.Tensor):
+    """A tensor subclass as torchvision's ``tv_tensors.Image`` (pytorch/vision,
+    ``torchvision/tv_tensors/_tv_tensor.py``): a torch function on it returns a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) if isinstance(out, cls) else out
+
+
+def test_a_batch_given_as_a_tensor_subclass():
+    """A batch of images given as that subclass (``x.as_subclass(Image)``, what a v2
+    transforms pipeline hands the model): grad1 and the norms are those of the plain
+    tensor's, by the loop, over SGD steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
+        for step in range(2):
+            x, y = (
+                torch.randn(5, 3, 4, 4, generator=g, dtype=D),
+                torch.randint(2, (5,), generator=g),
+            )
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x.as_subclass(Image)), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_close(hooks.norms(), norms_of(want), f"step {step}: norms")
             opt.step()
 
 
