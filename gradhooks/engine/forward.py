@@ -12,11 +12,13 @@ a gradient hook on its outputs, which hands the call, with its output-gradients,
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import copy
 import functools
 import inspect
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -29,6 +31,7 @@ from .._torch import tree_map
 from ..autocast import autocast_state
 from ..errors import (
     BatchNotFoundError,
+    GradhooksWarning,
     UnbatchedInputError,
     UnsupportedError,
     UnsupportedInputError,
@@ -53,6 +56,7 @@ from .calls import (
     unview,
 )
 from .capture import DetachedCalls
+from .opaque import follow_scripted
 from .outputs import LayerOutputs
 from .plan import Target, positional
 from .records import (
@@ -609,14 +613,18 @@ class ForwardCapture:
                     f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
                     "Add a batch dimension (x.unsqueeze(0) for one example)."
                 )
+            if first is not None and len(leaves) > 2:
+                _warn_batch_taken_alone(module, args, kwargs, first, leaves)
             self._start_tracker(frame, args, kwargs)
             return
-        first = leaves[0]
-        if first.dim() <= self.state.batch_dim:
+        # (the first with that dimension: a time-major batch's lengths, [batch], may come first)
+        first = next((t for t in leaves if t.dim() > self.state.batch_dim), None)
+        if first is None:
             raise UnbatchedInputError(
-                f"{type(module).__qualname__}'s first tensor input has shape "
-                f"{tuple(first.shape)}: no batch dimension {self.state.batch_dim}. gradhooks needs a "
-                "batch of examples; for one example add the batch dimension (x.unsqueeze(0))."
+                f"{type(module).__qualname__}'s tensor inputs have shapes "
+                f"{', '.join(str(tuple(t.shape)) for t in leaves)}: none has a batch dimension "
+                f"{self.state.batch_dim}. gradhooks needs a batch of examples; for one example "
+                "add the batch dimension (x.unsqueeze(0))."
             )
         frame.batch = first.shape[self.state.batch_dim]
         if self.state.grad1:
@@ -647,9 +655,13 @@ class ForwardCapture:
             frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
         frame.tracker = tracker
         tracker.__enter__()
+        frame.scripted = follow_scripted(tracker, self.state.scripted)
 
     def stop_tracker(self, frame: Frame) -> None:
         tracker, frame.tracker = frame.tracker, None
+        if frame.scripted is not None:
+            frame.scripted.remove()
+            frame.scripted = None
         if tracker is not None:
             tracker.__exit__(None, None, None)
             tracker.finish()
@@ -720,6 +732,57 @@ def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
 # (DataCollatorWithFlattening(return_flash_attn_kwargs=True) / return_seq_idx=True)
 _PACKING_NAMES = ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "cu_seq_lens_q",
                   "cu_seq_lens_k", "seq_idx")  # fmt: skip
+
+
+def _warn_batch_taken_alone(
+    module: nn.Module, args: tuple, kwargs: dict, first: Tensor, leaves: list[Tensor]
+) -> None:
+    """The batch is dimension 0 of the model's first tensor input. Where that tensor is held
+    in a container (not an argument itself), at least two others agree on another count on
+    dimension 0, and none has its count on another dimension (a batch-first LSTM's state
+    ``[layers, batch, hidden]`` has) or, for a count of 1 (which broadcast dimensions have),
+    it holds one number (a batch whose first tensor is metadata: ``{"meta": {"temperature":
+    t}, "x": x, "y": y}``), the layers will find their inputs without the examples: say where
+    the batch was taken from, before the error that follows does not."""
+    if any(a is first for a in (*args, *kwargs.values())):
+        return
+    count = first.shape[0]
+    others = [t for t in leaves if t is not first and t.dim() > 0]
+    rows = {t.shape[0] for t in others}
+    if len(others) < 2 or len(rows) != 1 or count in rows:
+        return
+    if first.numel() != 1 if count == 1 else any(count in t.shape[1:] for t in others):
+        return
+    paths = _paths_of(_named_inputs(module, args, kwargs))
+
+    def named(t: Tensor) -> str:
+        return f"{paths.get(id(t), 'a tensor')} {tuple(t.shape)}"
+
+    shown = ", ".join(named(t) for t in others[:3]) + (", ..." if len(others) > 3 else "")
+    warnings.warn(
+        f"{type(module).__qualname__}: the batch was taken from dimension 0 of its first tensor "
+        f"input, {named(first)}: {count} example{'s' if count != 1 else ''}; its other tensor "
+        f"inputs ({shown}) all have {rows.pop()} rows there. If those rows are the examples, "
+        "put a tensor that holds them first among the model's inputs.",
+        GradhooksWarning,
+        stacklevel=2,
+    )
+
+
+def _paths_of(named: dict[str, Any]) -> dict[int, str]:
+    """Where each tensor among a call's named inputs is, as Python would index it
+    (``batch['meta']['temperature']``), by id."""
+    found: dict[int, str] = {}
+    todo: list[tuple[str, Any]] = list(named.items())
+    while todo:
+        path, tree = todo.pop()
+        if isinstance(tree, Tensor):
+            found.setdefault(id(tree), path)
+        elif isinstance(tree, collections.abc.Mapping):
+            todo.extend((f"{path}[{k!r}]", v) for k, v in tree.items())
+        elif type(tree) in (list, tuple):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(tree))
+    return found
 
 
 def _named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

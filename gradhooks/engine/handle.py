@@ -61,6 +61,7 @@ from .plan import (
     refuse_complex,
     refuse_lazy,
     refuse_scripted,
+    scripted_modules,
     storages_of,
     structure_and_parameters,
 )
@@ -389,6 +390,7 @@ class Hooks:
                     known = name if leaf.shape == p.shape else f"{name} (a tensor it was made from)"
                     self._state.params[id(leaf)] = (known, leaf)
         self._state.numel = sum(p.numel() for _, p in self._state.params.values())
+        self._state.scripted = scripted_modules(model)
         handles = self._target_handles
         self._first_hooks: list[tuple[nn.Module, int]] = []  # (module, our forward hook's id)
 

@@ -141,6 +141,16 @@ def refuse_scripted(model: nn.Module, targets: list[Target]) -> None:
     )
 
 
+def scripted_modules(model: nn.Module) -> dict[int, str]:
+    """The TorchScript modules of ``model`` (frozen: :func:`refuse_scripted` refuses the
+    others), by id, with their qualified names (``'<model>'`` for the model itself)."""
+    return {
+        id(m): n or "<model>"
+        for n, m in model.named_modules()
+        if isinstance(m, torch.jit.ScriptModule)
+    }
+
+
 def refuse_complex(model: nn.Module, quantities: tuple) -> None:
     """Norms, squared sums and curvature are formed for real parameters only."""
     formed = [q for q in quantities if q != "grad1"]

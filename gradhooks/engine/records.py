@@ -110,6 +110,8 @@ class Frame:
     empty: tuple[int, ...] | None = None
     # where its examples lie in the memory its first batched input shares (calls.Rows)
     rows: Any = None
+    # the forward hook that follows the batch through its TorchScript calls (opaque.py)
+    scripted: Any = None
     _ref: Any = field(default=None, repr=False, compare=False)  # (see ref)
 
     def ref(self) -> weakref.ref:

@@ -78,6 +78,9 @@ class CaptureState:
         self.targets: list[Target] = []
         self.params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
         self.numel = 0  # the elements of params
+        # the TorchScript modules of the model, by id, with their qualified names: no torch
+        # function they run reaches the tracker (see :mod:`.opaque`)
+        self.scripted: dict[int, str] = {}
         self.hooked: dict[int, frozenset[str]] = {}  # id(module) -> its hooked parameter names
         self.current: dict[int, nn.Parameter] = {}  # sharded id -> its unsharded parameter
         self.link: TrackerLink | None = None  # what a forward's tracker reports to

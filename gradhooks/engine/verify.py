@@ -275,7 +275,12 @@ def per_example_outputs(
                 f"{where}: its inputs do not depend on the examples, and its output {shape} "
                 "received a gradient that never met the batch (the model returns it, or a loss "
                 "term uses it alone): that gradient belongs to no example. Compute that term "
-                "from per-example outputs, or freeze the layer's parameters."
+                "from per-example outputs, or freeze the layer's parameters. If its input does "
+                "depend on the examples, gradhooks could not follow them to it: something it "
+                "cannot see into computed it (a TorchScript function, made by torch.jit.script "
+                "or torch.jit.trace, or an extension's operator called directly: run that "
+                "function as Python instead), or it was given to the model with another number "
+                "of rows than the batch taken from its first input."
             )
         total = per.sum(0)
         tol = rounding_tolerance(g.dtype, precision, float32=1e-4, float64=1e-7)

@@ -198,6 +198,13 @@ class Tracker(TorchFunctionMode):
         else:
             self.layouts[t] = layout
 
+    def mark_mixed(self, outs: Sequence[Tensor], why: str) -> None:
+        """``outs`` mix the examples, for ``why`` (named where a layer reading them is
+        refused): what the engine found of a call the mode does not see into."""
+        self.mixed.setdefault(why, None)
+        for o in outs:
+            self.layouts[o] = MIXED
+
     def add_candidate(self, t: Tensor, layout: Layout) -> None:
         """``t``, an input of the model other than its first, is taken as holding the examples
         on ``layout`` by its size alone (:attr:`candidates`)."""
