@@ -170,7 +170,6 @@ def _tolerances(case: Case, dtype: torch.dtype) -> dict[str, float]:
     return _TOLERANCES[key]
 
 
-
 def _reference(case: Case):
     """The float64 loop's per-example gradients of the case's float32 model (seeded), and the
     K-FAC factors of its float64 twin (themselves checked against their definitions in
