@@ -1,5 +1,8 @@
-"""One rank of a tests/test_distributed.py scenario: ``python distributed_worker.py <scenario>``
-with the environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""One rank of tests/test_distributed.py's scenarios: ``python distributed_worker.py <scenario>
+...`` with the environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The
+scenarios run one after the other in one process group, each from the global random state a
+fresh process starts with; each passed prints ``rank <rank>: <scenario> OK``, and the first to
+fail ends the process.
 
 Every rank builds the same model and the same global batch from a fixed seed, works on its own
 shard, and checks its results itself against the references computed locally: the oracles on
@@ -539,13 +542,16 @@ SCENARIOS = {
 }
 
 if __name__ == "__main__":
+    seed = torch.initial_seed()  # (a fresh process's)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     try:
-        SCENARIOS[sys.argv[1]]()
-        dist.barrier()
+        for scenario in sys.argv[1:]:
+            torch.manual_seed(seed)
+            SCENARIOS[scenario]()
+            dist.barrier()
+            print(f"rank {RANK}: {scenario} OK", flush=True)
     finally:
         dist.destroy_process_group()
-    print(f"rank {RANK}: {sys.argv[1]} OK", flush=True)
     # Skip the interpreter's teardown: torch 2.13's gloo threads now and then abort it
     # ("terminate called without an active exception", ~1 run in 15, after everything passed
     # and the process group was destroyed), which would make the test flaky.

@@ -1,9 +1,10 @@
 """torch.distributed: DDP on hooked models, DP-SGD and K-FAC across ranks.
 
-Each test starts two processes of ``distributed_worker.py`` with the environment torchrun
-would give them (gloo backend, 127.0.0.1, a free port), waits at most ``TIMEOUT`` seconds (then
-kills both) and asserts that both ranks passed their own checks (the worker's docstrings say
-which)."""
+The tests share two launches of two processes of ``distributed_worker.py`` each, with the
+environment torchrun would give them (gloo backend, 127.0.0.1, a free port): each launch runs
+its scenarios one after the other (each process pays the imports once), waits at most
+``TIMEOUT`` seconds a scenario (then kills both), and each test asserts that both ranks passed
+its scenario's own checks (the worker's docstrings say which)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, tmp_path: Path) -> list[tuple[int | None, str]]:
-    """Run ``scenario`` on WORLD ranks; (exit status, or None when killed at the deadline,
+# The scenarios of each launch, and what it adds to the environment. FSDP's scenarios run last:
+# they import FSDP2, and gradhooks looks for FSDP's modules only once they are imported
+LAUNCHES = {
+    "plain": (
+        ["ddp_grad1", "dp_sgd", "dp_sgd_autocast", "dp_sgd_noise", "kfac", "mismatch", "fsdp",
+         "dp_sgd_groups"],
+        {},
+    ),
+    # every Linear and Conv1d call takes its batch gradient from grad1 (a _Join node)
+    "grad1-positions": (["ddp_grad1", "dp_sgd"], {"GRADHOOKS_SUM_GRAD1_POSITIONS": "1"}),
+}  # fmt: skip
+
+
+def launch(scenarios: list[str], extra_env: dict, tmp_path: Path) -> list[tuple[int | None, str]]:
+    """Run ``scenarios`` on WORLD ranks; (exit status, or None when killed at the deadline,
     output) per rank."""
     port = free_port()
     procs, logs = [], []
     for rank in range(WORLD):
         env = {
             **os.environ,
+            **extra_env,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": str(WORLD),
@@ -52,11 +67,11 @@ def launch(scenario: str, tmp_path: Path) -> list[tuple[int | None, str]]:
         }
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-        log = open(tmp_path / f"{scenario}.rank{rank}.log", "w+")
+        log = open(tmp_path / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario],
+                [sys.executable, str(WORKER), *scenarios],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -64,7 +79,7 @@ def launch(scenario: str, tmp_path: Path) -> list[tuple[int | None, str]]:
             )
         )
     results, killed = [], set()
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + TIMEOUT * len(scenarios)
     try:
         for p in procs:
             try:
@@ -84,60 +99,78 @@ def launch(scenario: str, tmp_path: Path) -> list[tuple[int | None, str]]:
     return results
 
 
-def run(scenario: str, tmp_path: Path) -> None:
-    results = launch(scenario, tmp_path)
-    if any("address already in use" in out.lower() for _, out in results):
-        results = launch(scenario, tmp_path)  # the free port was taken meanwhile: once more
-    for rank, (code, out) in enumerate(results):
-        assert code is not None, f"rank {rank} killed after {TIMEOUT} s:\n{out[-3000:]}"
-        assert code == 0, f"rank {rank} failed (exit {code}):\n{out[-3000:]}"
-        assert f"{scenario} OK" in out, out[-3000:]
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(name)``: the ranks' results of the launch ``name`` of LAUNCHES, run on first
+    use."""
+    done: dict[str, list[tuple[int | None, str]]] = {}
+
+    def results(name: str) -> list[tuple[int | None, str]]:
+        if name not in done:
+            scenarios, extra_env = LAUNCHES[name]
+            done[name] = launch(scenarios, extra_env, tmp_path_factory.mktemp(name))
+            if any("address already in use" in out.lower() for _, out in done[name]):
+                # the free port was taken meanwhile: once more
+                done[name] = launch(scenarios, extra_env, tmp_path_factory.mktemp(name))
+        return done[name]
+
+    return results
 
 
-def test_ddp_grad1_per_shard_and_allreduce_untouched(tmp_path):
+def run(scenario: str, launches, name: str = "plain") -> None:
+    assert scenario in LAUNCHES[name][0]
+    for rank, (code, out) in enumerate(launches(name)):
+        if all(f"rank {rank}: {s} OK" in out for s in LAUNCHES[name][0]):
+            assert code == 0, f"rank {rank} failed after its checks (exit {code}):\n{out[-3000:]}"
+        if f"rank {rank}: {scenario} OK" in out:
+            continue
+        assert code is not None, f"rank {rank} killed before {scenario} passed:\n{out[-3000:]}"
+        raise AssertionError(
+            f"rank {rank} ended (exit {code}) before {scenario} passed:\n{out[-3000:]}"
+        )
+
+
+def test_ddp_grad1_per_shard_and_allreduce_untouched(launches):
     """Hooks on the DDP wrapper, then on the inner module (one launch for both)."""
-    run("ddp_grad1", tmp_path)
+    run("ddp_grad1", launches)
 
 
-def test_ddp_with_batch_gradients_from_grad1(tmp_path, monkeypatch):
+def test_ddp_with_batch_gradients_from_grad1(launches):
     """Every Linear and Conv1d call takes its batch gradient from grad1 (a _Join node):
     DDP's all-reduce still sees every parameter's gradient and p.grad stays the full-batch
     gradient."""
-    monkeypatch.setenv("GRADHOOKS_SUM_GRAD1_POSITIONS", "1")
-    run("ddp_grad1", tmp_path)
+    run("ddp_grad1", launches, "grad1-positions")
 
 
 @pytest.mark.parametrize("detached", [False, True], ids=["", "detached"])
-def test_dp_sgd_across_ranks_equals_one_process(tmp_path, monkeypatch, detached):
+def test_dp_sgd_across_ranks_equals_one_process(launches, detached):
     """``detached``: every Linear call takes its batch gradient from grad1, also on the rank
     with no examples (whose parameters then get no gradient from the call's node)."""
-    if detached:
-        monkeypatch.setenv("GRADHOOKS_SUM_GRAD1_POSITIONS", "1")
-    run("dp_sgd", tmp_path)
+    run("dp_sgd", launches, "grad1-positions" if detached else "plain")
 
 
-def test_dp_sgd_under_autocast_and_grad_scaler(tmp_path):
-    run("dp_sgd_autocast", tmp_path)
+def test_dp_sgd_under_autocast_and_grad_scaler(launches):
+    run("dp_sgd_autocast", launches)
 
 
-def test_dp_sgd_noise_added_once(tmp_path):
-    run("dp_sgd_noise", tmp_path)
+def test_dp_sgd_noise_added_once(launches):
+    run("dp_sgd_noise", launches)
 
 
-def test_kfac_factors_reduced_across_ranks(tmp_path):
-    run("kfac", tmp_path)
+def test_kfac_factors_reduced_across_ranks(launches):
+    run("kfac", launches)
 
 
-def test_fsdp2_dp_step_equals_one_process(tmp_path):
-    run("fsdp", tmp_path)
+def test_fsdp2_dp_step_equals_one_process(launches):
+    run("fsdp", launches)
 
 
-def test_group_clipped_dp_sgd_across_ranks_and_fsdp2_equals_one_process(tmp_path):
-    run("dp_sgd_groups", tmp_path)
+def test_group_clipped_dp_sgd_across_ranks_and_fsdp2_equals_one_process(launches):
+    run("dp_sgd_groups", launches)
 
 
-def test_different_models_on_ranks_raise(tmp_path):
-    run("mismatch", tmp_path)
+def test_different_models_on_ranks_raise(launches):
+    run("mismatch", launches)
 
 
 def test_torchrun_example(tmp_path):

@@ -4,6 +4,7 @@ between them form no circle (a module can be read, and changed, after those it i
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def _imported(path: Path, node: ast.ImportFrom) -> list[str]:
     return found
 
 
+@functools.cache
+def _parsed(text: str, filename: str) -> ast.Module:
+    """``text`` parsed, once for the scans below (which only read the tree)."""
+    return ast.parse(text, filename)
+
+
 def _graph(typing: bool = False) -> tuple[dict[str, set[str]], list[str]]:
     """Each module's top-level gradhooks imports (with ``typing``, also those under
     ``if TYPE_CHECKING:``), and the imports found inside functions."""
@@ -48,7 +55,7 @@ def _graph(typing: bool = False) -> tuple[dict[str, set[str]], list[str]]:
     inside: list[str] = []
     for path in sorted(ROOT.rglob("*.py")):
         name = _module_name(path)
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path.read_text(), str(path))
         graph[name] = set()
         top = list(tree.body)
         if typing:
@@ -191,7 +198,7 @@ def _private_uses(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         if (root / "engine") in path.parents:
             continue
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path.read_text(), str(path))
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
                 continue

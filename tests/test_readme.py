@@ -4,10 +4,12 @@ them. And the manual holds together: every relative link points to a file (and a
 exists, and the README stays a product page.
 
 A block is left out only when the line right before its fence is an HTML comment that says
-why, ``<!-- not run: needs CUDA -->``. The blocks run in a fresh interpreter (a block may
-register rules or change settings for good), with ``GradhooksWarning`` an error, and must
-print nothing to stderr: no warning reaches the reader, torch's own included (without NumPy,
-``import torch`` warns).
+why, ``<!-- not run: needs CUDA -->``. Each page's blocks run in a process of their own (a
+block may register rules or change settings for good), with ``GradhooksWarning`` an error, and
+must print nothing to stderr: no warning reaches the reader, torch's own included (without
+NumPy, ``import torch`` warns). On Linux one interpreter imports gradhooks, and nothing else,
+and forks a child per page, so the pages share the cost of importing torch; elsewhere each page
+has a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -28,21 +30,56 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*\S.*-->\s*$")
+PAGE_TIMEOUT = 300  # seconds
+# fork after importing torch, safe on Linux; macOS may crash a forked child, Windows has no fork
+FORK = sys.platform == "linux"
 
-# Runs in the fresh interpreter: the blocks come as JSON [[first line, code], ...] on stdin;
-# each is compiled as README.md at its own lines, so a traceback points at the README
-RUNNER = """
-import json, sys, warnings
+# What every page's process runs before its blocks. run_page runs a page's blocks,
+# [[first line, code], ...], in order in one namespace, each compiled as the page at its own
+# lines, so a traceback points at the page; an error ends the process as a script's would
+SETUP = """
+import json, os, sys, time, warnings
 import gradhooks
 warnings.simplefilter("error", gradhooks.GradhooksWarning)
 # (a library's notice of its own deprecations, not the README's code: peft calls an API of
 # transformers' that warns so)
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\\.")
-namespace = {"__name__": "__main__"}
-name, blocks = json.load(sys.stdin)
-for line, code in blocks:
-    exec(compile("\\n" * (line - 1) + code, name, "exec"), namespace)
+
+def run_page(name, blocks):
+    namespace = {"__name__": "__main__"}
+    for line, code in blocks:
+        exec(compile("\\n" * (line - 1) + code, name, "exec"), namespace)
 """
+
+# One page in a fresh interpreter: [name, blocks] as JSON on stdin
+RUNNER = SETUP + "run_page(*json.load(sys.stdin))\n"
+
+# The pages in children forked from one interpreter that has imported gradhooks and nothing
+# else: [[name, blocks, file for its stderr], ...] as JSON on stdin; prints the children's exit
+# codes as JSON (None: killed past the timeout)
+FORKING_RUNNER = (
+    SETUP
+    + f"""
+exits = []
+for name, blocks, stderr in json.load(sys.stdin):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        run_page(name, blocks)
+        sys.exit(0)
+    deadline = time.monotonic() + {PAGE_TIMEOUT}
+    while not (status := os.waitpid(child, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not status[0]:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    exits.append(os.waitstatus_to_exitcode(status[1]) if status[0] else None)
+print(json.dumps(exits))
+"""
+)
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -147,22 +184,66 @@ def test_relative_links_resolve(page: Path):
     assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
-def test_page_code_runs_in_order(page: Path):
-    blocks = python_blocks(page.read_text(encoding="utf-8"))
-    name = page.relative_to(ROOT).as_posix()
+def run(runner: str, stdin: object, timeout: float) -> subprocess.CompletedProcess:
     root = str(Path(gradhooks.__file__).resolve().parents[1])  # this checkout's gradhooks
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=json.dumps([name, blocks]),
+    return subprocess.run(
+        [sys.executable, "-c", runner],
+        input=json.dumps(stdin),
         capture_output=True,
         text=True,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": path},
-        timeout=300,
+        timeout=timeout,
     )
-    if run.returncode != 0:
-        pytest.fail(f"{name}'s code failed:\n{run.stderr}", pytrace=False)
-    if run.stderr:
-        pytest.fail(f"{name}'s code ran but printed to stderr:\n{run.stderr}", pytrace=False)
+
+
+def name_of(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
+    """Each page's exit code and stderr, for the pages whose test was collected; on Linux from
+    one forking interpreter, elsewhere from one fresh interpreter per page."""
+    pages = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_page_code_runs_in_order"
+        and item.module is request.module
+    ]
+    runs = {}
+    if not FORK:
+        for page in pages:
+            try:
+                done = run(
+                    RUNNER, [name_of(page), python_blocks(page.read_text("utf-8"))], PAGE_TIMEOUT
+                )
+            except subprocess.TimeoutExpired:
+                runs[name_of(page)] = (None, "")
+            else:
+                runs[name_of(page)] = (done.returncode, done.stderr)
+        return runs
+    stderrs = tmp_path_factory.mktemp("stderr")
+    jobs = [
+        [name_of(page), python_blocks(page.read_text("utf-8")), str(stderrs / f"{i}.txt")]
+        for i, page in enumerate(pages)
+    ]
+    done = run(FORKING_RUNNER, jobs, PAGE_TIMEOUT * (len(jobs) + 1))
+    assert done.returncode == 0, f"the forking interpreter failed:\n{done.stderr}"
+    for (name, _, stderr), code in zip(jobs, json.loads(done.stdout), strict=True):
+        # (what the parent printed, importing gradhooks, each page's own interpreter would have)
+        runs[name] = (code, done.stderr + Path(stderr).read_text("utf-8"))
+    return runs
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[name_of(p) for p in PAGES])
+def test_page_code_runs_in_order(page: Path, page_runs):
+    name = name_of(page)
+    code, stderr = page_runs[name]
+    if code is None:
+        pytest.fail(f"{name}'s code ran past {PAGE_TIMEOUT} s", pytrace=False)
+    if code != 0:
+        pytest.fail(f"{name}'s code failed:\n{stderr}", pytrace=False)
+    if stderr:
+        pytest.fail(f"{name}'s code ran but printed to stderr:\n{stderr}", pytrace=False)
