@@ -295,7 +295,7 @@ def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: fl
                 loss = low.loss()
             loss.backward()
     else:
-        scale, skipped = _scaled_step(low, res, dtype, scale, s.reduction)
+        scale, skipped, finite_right = _scaled_step(low, res, dtype, scale, s.reduction, want, tol)
         if skipped is None:
             return
     largest = _largest(want)
@@ -325,7 +325,14 @@ def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: fl
         if skipped:
             res.detail += (
                 f" (after {skipped} step(s) the scaler skipped for an overflow, with Inf or NaN "
-                "in grad1 as in .grad)"
+                "in grad1 as in .grad"
+                + (
+                    f", or, for {', '.join(finite_right[:2])}, a grad1 finite and right where "
+                    "autograd's batch sum overflowed"
+                    if finite_right
+                    else ""
+                )
+                + ")"
             )
     if res.outcome == "mismatch" and _batched_forward_explains(
         low, res, grad1, want, allowed, dtype
@@ -341,17 +348,25 @@ def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: fl
         )
 
 
-def _scaled_step(low: Subject, res: Result, dtype: torch.dtype, scale: float, reduction: str):
+def _scaled_step(
+    low: Subject, res: Result, dtype: torch.dtype, scale: float, reduction: str,
+    want: dict[str, Tensor], tol: float,
+) -> tuple[float, int | None, list[str]]:  # fmt: skip
     """The float16 training step of :func:`fp16_scaler` under ``add_hooks``: the backward of
     ``scaler.scale(loss)``, then ``scaler.step`` (an SGD of learning rate 0: the weights stay
-    those of the loop) and ``scaler.update``, ``zero_grad`` before each. A step the scaler
-    skips (an overflow in ``.grad``) must have Inf or NaN in ``grad1`` too, then the scaler
-    lowers its scale for the next, as in training. Returns the scale of the step taken and how
-    many were skipped before it; ``(scale, None)`` where ``res`` is already a mismatch."""
+    those of the loop) and ``scaler.update``, ``zero_grad`` before each. On a step the scaler
+    skips (an overflow in ``.grad``), each parameter whose ``.grad`` overflowed has Inf or NaN in
+    its ``grad1`` too, or a finite ``grad1`` that is right (divided by the scale, within ``tol``
+    of ``want``: autograd added the batch in float16, where the examples' own gradients did not
+    overflow); then the scaler lowers its scale for the next step, as in training. Returns the
+    scale of the step taken, how many were skipped before it (``None`` where ``res`` is already
+    a mismatch) and the parameters whose ``grad1`` was finite and right where ``.grad``
+    overflowed."""
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
     params = trainable(low.model)
     opt = torch.optim.SGD([p for _, p in params], lr=0.0)
-    skipped = 0
+    largest = _largest(want)
+    skipped, finite_right = 0, []
     with gradhooks.add_hooks(low.model, loss_reduction=reduction):
         while True:
             opt.zero_grad(set_to_none=True)
@@ -359,25 +374,28 @@ def _scaled_step(low: Subject, res: Result, dtype: torch.dtype, scale: float, re
                 loss = low.loss()
             scale = scaler.get_scale()
             scaler.scale(loss).backward()
-            finite = {
-                n: bool(torch.isfinite(p.grad).all()) for n, p in params if p.grad is not None
-            }
+            overflowed = [
+                (n, p) for n, p in params
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]  # fmt: skip
             scaler.step(opt)
             scaler.update()
             if scaler.get_scale() >= scale:
-                return scale, skipped  # (taken)
-            overflowed = [n for n, ok in finite.items() if not ok]
-            seen = [
-                n for n, p in params
-                if getattr(p, "grad1", None) is not None and not bool(torch.isfinite(p.grad1).all())
-            ]  # fmt: skip
-            if overflowed and not seen:
-                res.outcome, res.parameter = "mismatch", overflowed[0]
-                res.detail = (
-                    f"the scaler skipped a step for an overflow in .grad ({overflowed[0]}), "
-                    "but every grad1 is finite"
-                )
-                return scale, None
+                return scale, skipped, finite_right  # (taken)
+            for n, p in overflowed:
+                g1 = getattr(p, "grad1", None)
+                if g1 is None or not bool(torch.isfinite(g1).all()):
+                    continue
+                err = relative(g1.double() / scale, want[n], largest)
+                if not err <= tol:
+                    res.outcome, res.parameter, res.max_rel_error = "mismatch", n, err
+                    res.detail = (
+                        f"the scaler skipped a step for an overflow in .grad ({n}), where grad1 "
+                        f"is finite and off the loop by {err:.2g} (allowed {tol:g})"
+                    )
+                    return scale, None, finite_right
+                if n not in finite_right:
+                    finite_right.append(n)
             skipped += 1
             if skipped > 20:
                 raise Skip(f"overflows in float16 at every scale down to {scale:g}")
