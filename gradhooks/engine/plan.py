@@ -259,8 +259,9 @@ def accumulator_of(p: Tensor) -> Any:
     """The ``AccumulateGrad`` node of the trainable leaf ``p``, where autograd adds its
     gradient into ``.grad``: ``torch.autograd.graph.get_gradient_edge(p).node``, found through
     one view of ``p`` where that function makes two (a view costs about 10 µs of host time,
-    and the node of the first parameter is looked at every forward)."""
-    with torch.enable_grad():
+    and the node of the first parameter is looked at every forward). Under
+    ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it."""
+    with torch.inference_mode(False), torch.enable_grad():
         return p.view_as(p).grad_fn.next_functions[0][0]
 
 
