@@ -298,6 +298,58 @@ def test_norms_after_a_paused_backward_are_the_last_captured():
 # -- the batch in the wrong layout -----------------------------------------------------------------
 
 
+def _time_major() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 5, 4, generator=g, dtype=torch.float64)  # [time, batch, features]
+    return _mlp(), x, torch.randint(0, 3, (5,), generator=g)
+
+
+def _over_time(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.mean(0), target)
+
+
+def test_time_major_input_with_the_default_batch_dim_check_names_batch_dim():
+    """A time-major batch ``[seq, batch, features]`` with the default ``batch_dim``: grad1
+    holds a row per time step. ``h.check`` said only "pass the target of the captured
+    forward"; it now names the dimension the target's length matches and ``batch_dim=1``.
+    With ``batch_dim=1`` grad1 is the loop's."""
+    model, x, y = _time_major()
+    with gradhooks.add_hooks(model) as h:
+        _over_time(model(x), y).backward()
+        assert model[0].weight.grad1.shape[0] == 7
+        raised(gradhooks.CheckFailedError, "add_hooks(model, batch_dim=1)",
+               lambda: h.check(_over_time, x, y))  # fmt: skip
+    model.zero_grad()
+    with gradhooks.add_hooks(model, batch_dim=1):
+        _over_time(model(x), y).backward()
+
+    class BatchFirst(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, xb):
+            return self.inner(xb.transpose(0, 1))
+
+    want = loop_grad(BatchFirst(model), _over_time, (x.transpose(0, 1),), y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[f"inner.{name}"], msg=name)
+
+
+def test_time_major_input_in_the_dp_step_names_batch_dim():
+    """The same time-major batch in a DP step: the 5 losses do not match the 7 rows the
+    hooks took for examples. The refusal spoke of per-token losses only; it now also says to
+    give ``batch_dim=1``, and writes no gradient."""
+    model, x, y = _time_major()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        raised(gradhooks.ConfigurationError, "add_hooks(model, batch_dim=1)",
+               lambda: gradhooks.dp_sgd_step(
+                   h, F.cross_entropy(model(x).mean(0), y, reduction="none"), max_norm=1.0,
+                   noise_multiplier=0.0))  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
+    assert_unhooked(model)
+
+
 def test_a_batch_of_one_through_squeeze():
     """A model ending in ``.squeeze()`` (a scalar regression head) given the last batch of one
     example: its output loses the batch dimension, and ``grad1`` is still the loop's, one row."""

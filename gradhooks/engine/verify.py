@@ -1106,9 +1106,19 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         )
         return
     if isinstance(target, Tensor) and (target.dim() == 0 or target.shape[0] != batch):
+        rows = target.shape[0] if target.dim() else None
+        elsewhere = [k for k in range(1, xs[0].dim()) if xs[0].shape[k] == rows]
         report.problems.append(
             f"check(): the target has shape {tuple(target.shape)}, the inputs a batch of "
             f"{batch}: pass the target of the captured forward, one row per example"
+            + (
+                f"; the inputs' dimension {elsewhere[0]} has {rows} entries, as many as the "
+                "target: if the examples are there (a time-major [seq, batch, ...] input), "
+                f"grad1 holds a row per entry of dimension 0 instead: add_hooks(model, "
+                f"batch_dim={elsewhere[0]})"
+                if elsewhere
+                else ""
+            )
         )
         return
     k = min(examples, batch)

@@ -1024,7 +1024,9 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
             f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
             "(per-token losses [batch * seq] summed or averaged per example: "
-            "losses.view(batch, -1).sum(1)). No gradient was written."
+            "losses.view(batch, -1).sum(1)); if the examples are not on dimension 0 of the "
+            "model's input (a time-major [seq, batch, ...] batch), say where they are: "
+            "add_hooks(model, batch_dim=1). No gradient was written."
         )
 
 
