@@ -295,6 +295,54 @@ def test_norms_after_a_paused_backward_are_the_last_captured():
     torch.testing.assert_close(norms, _loop_norms(x, y))
 
 
+def test_a_dp_optimizer_stepped_after_a_plain_backward_is_refused():
+    """Opacus' loop kept with gradhooks' ``DPOptimizer``: ``loss.backward()`` then
+    ``opt.step()``, instead of ``opt.backward(losses)``. The gradient is unclipped and
+    un-noised; the step refuses it, saying to call ``opt.backward(losses)``, and the weights
+    stay as they were."""
+    model = _mlp()
+    (x, y), *_ = _batches(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), h,
+                                    max_grad_norm=1.0, noise_multiplier=1.0,
+                                    expected_batch_size=5)  # fmt: skip
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raised(gradhooks.StateError, "Call opt.backward(losses)", opt.step)
+        for p, was in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), was)
+        opt.zero_grad()
+        opt.backward(_losses(model, x, y))
+        opt.step()
+    assert not all(torch.equal(p.detach(), was) for p, was in zip(model.parameters(), before))
+
+
+def test_check_of_a_handle_without_grad1_says_to_add_it():
+    """A summed loss with the default ``loss_reduction="mean"``: with ``grad1`` hooked,
+    ``h.check`` names the sum at the first step. A handle of norms alone has no ``grad1`` to
+    check, and said "no backward has written grad1 ... run the forward and the backward",
+    which the loop had done; it now says the handle computes no ``grad1`` and how to hook it
+    for the steps to check."""
+    model = _mlp()
+    (x, y), *_ = _batches(1)
+
+    def summed(out, target):
+        return F.cross_entropy(out, target, reduction="sum")
+
+    with gradhooks.add_hooks(model) as h:
+        summed(model(x), y).backward()
+        raised(gradhooks.CheckFailedError, "loss_reduction='mean'", lambda: h.check(summed, x, y))
+        h.rescale("sum")
+        assert h.check(summed, x, y).ok
+        assert_grad1_is_the_loop(model, x, y)
+    model.zero_grad()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        summed(model(x), y).backward()
+        raised(gradhooks.CheckFailedError, "add_hooks(model, quantities=('grad1', 'norms'))",
+               lambda: h.check(summed, x, y))  # fmt: skip
+
+
 # -- the batch in the wrong layout -----------------------------------------------------------------
 
 

@@ -1005,11 +1005,17 @@ def check_hooks(
             "captured for it (the forward ran before add_hooks, or while capture was paused): "
             "its grad1 is missing or from another backward. Run the forward after add_hooks."
         )
-    if not written:
+    if not written and "grad1" not in state.quantities:
+        report.problems.append(
+            f"check() compares grad1 with a recomputation, and this handle computes "
+            f"{state.quantities} without it, so there is nothing to check, the loss's "
+            "reduction included: for the steps to check, hook with "
+            f"add_hooks(model, quantities=('grad1', {', '.join(map(repr, state.quantities))}))"
+        )
+    elif not written:
         report.problems.append(
             "no backward has written grad1 since add_hooks or clear(): run the forward and the "
             "backward with the hooks on (add_hooks before the forward)"
-            + ("" if "grad1" in state.quantities else f" (this handle computes {state.quantities})")
         )
     reduce = "mean" if state.loss_reduction == "mean" else "sum"
     reset = {id(p) for p in state.trail.reset_since()} if written else set()
