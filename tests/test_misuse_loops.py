@@ -227,6 +227,29 @@ def test_dp_steps_without_zero_grad_do_not_add_up():
             opt.step()
 
 
+@pytest.mark.parametrize("validation", ["before", "after"])
+def test_a_validation_forward_with_grad_on_beside_the_dp_step(validation):
+    """A validation batch of another size run through the model without ``torch.no_grad()``,
+    before or after the training forward, and before ``dp_sgd_step`` on the training losses:
+    the step clips the training batch's own examples (the validation forward's capture does
+    not enter it), as the per-example loop does."""
+    model = _mlp()
+    (x, y), (xv, yv) = _batches(2)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        if validation == "before":
+            F.cross_entropy(model(xv[:3]), yv[:3])
+        losses = _losses(model, x, y)
+        if validation == "after":
+            F.cross_entropy(model(xv[:3]), yv[:3])
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.05, noise_multiplier=0.0)
+    torch.testing.assert_close(norms, _loop_norms(x, y))
+    factors = (0.05 / norms).clamp(max=1.0)
+    want = loop_grad(_mlp(), F.cross_entropy, (x,), y)
+    for name, p in model.named_parameters():
+        clipped = torch.einsum("b,b...->...", factors, want[name]) / len(x)
+        torch.testing.assert_close(p.grad, clipped, msg=name)
+
+
 def test_a_nan_loss_in_the_dp_step_is_shown_in_the_norms():
     """One example's loss is NaN (a bad input): as documented, its norm is NaN and the
     others' are the loop's, so ``torch.isfinite(norms)`` tells the loop to skip the step;
