@@ -20,6 +20,7 @@ loop, bfloat16 autocast, float16 autocast with a ``GradScaler``, a DP step. Each
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import sys
 import traceback
@@ -311,10 +312,14 @@ def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: fl
         errors[n] = relative(grad1[n], want[n], largest)
     own = dict.fromkeys(errors, 0.0)
     if any(e > tol for e in errors.values()):
-        with torch.autocast("cpu", dtype=dtype):
-            rounded = low.own_gradients()
+        if scale == 1.0:
+            with torch.autocast("cpu", dtype=dtype):
+                rounded = low.own_gradients()
+        else:  # (a loop of unscaled float16 losses underflows: the model's error, scaled too)
+            rounded = batched_per_example(low, dtype, scale)
         own = {n: relative(rounded[n].double(), want[n], largest) for n in errors}
-    allowed = {n: tol + 2 * own[n] if own[n] > tol else tol for n in errors}
+    # (an error that is no number, an overflow of the model's own, allows nothing more)
+    allowed = {n: tol + 2 * own[n] if tol < own[n] < math.inf else tol for n in errors}
     n = max(errors, key=lambda n: errors[n] / allowed[n], default="")
     worst = (errors.get(n, 0.0), n)
     res.max_rel_error, res.parameter = worst
@@ -335,7 +340,7 @@ def _autocast(s: Subject, res: Result, dtype: torch.dtype, tol: float, scale: fl
                 + ")"
             )
     if res.outcome == "mismatch" and _batched_forward_explains(
-        low, res, grad1, want, allowed, dtype
+        low, res, grad1, want, allowed, dtype, scale
     ):
         return
     if res.outcome == "mismatch" and own[n] <= tol:
@@ -401,10 +406,13 @@ def _scaled_step(
                 raise Skip(f"overflows in float16 at every scale down to {scale:g}")
 
 
-def batched_per_example(s: Subject, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
+def batched_per_example(
+    s: Subject, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0
+) -> dict[str, Tensor]:
     """Each example's gradient through the batched forward under autocast to ``dtype``, by
-    autograd without gradhooks: the gradient of ``s.losses()[b]`` for each example ``b``,
-    ``{name: [batch, *shape]}`` in float64."""
+    autograd without gradhooks: the gradient of ``s.losses()[b]`` for each example ``b``
+    (of ``scale`` times it, divided back: a ``GradScaler``'s), ``{name: [batch, *shape]}`` in
+    float64."""
     params = trainable(s.model)
     rows = []
     with gradhooks.paused():
@@ -412,12 +420,14 @@ def batched_per_example(s: Subject, dtype: torch.dtype = torch.bfloat16) -> dict
             losses = s.losses()
         for b in range(losses.shape[0]):
             grads = torch.autograd.grad(
-                losses[b], [p for _, p in params], retain_graph=True, allow_unused=True
+                losses[b] * scale, [p for _, p in params], retain_graph=True, allow_unused=True
             )
             rows.append(
                 [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
             )
-    return {n: torch.stack([r[i] for r in rows]).double() for i, (n, _) in enumerate(params)}
+    return {
+        n: torch.stack([r[i] for r in rows]).double() / scale for i, (n, _) in enumerate(params)
+    }
 
 
 def _batched_forward_explains(
@@ -427,13 +437,14 @@ def _batched_forward_explains(
     want: dict[str, Tensor],
     allowed: dict[str, float],
     dtype: torch.dtype = torch.bfloat16,
+    scale: float = 1.0,
 ) -> bool:
     """Whether ``grad1``, off the float64 loop ``want``, is within ``allowed`` of autograd's
     per-example gradients of the batched forward under autocast to ``dtype``, which are
     themselves off the loop beyond ``allowed``: the batch computed otherwise than each example
     alone, by the model or by torch, not by gradhooks. If so, ``res`` is a match that says so."""
     try:
-        batched = batched_per_example(low, dtype)
+        batched = batched_per_example(low, dtype, scale)
     except Skip:
         return False  # (a loss that is no sum of the examples' own)
     largest, own_largest = _largest(want), _largest(batched)
@@ -576,12 +587,13 @@ def dp_fp16_scaler(s: Subject, res: Result) -> None:
         with gradhooks.paused(), torch.autocast("cpu", dtype=torch.float16):
             mine = own.losses()
         own_params = dict(own.model.named_parameters())
-        (mine.float() * factors.float()).sum().backward()
-        allowed = {
-            n: FP16_TOL + 2 * error(n, None if own_params[n].grad is None
-                                    else own_params[n].grad.double())
+        ((mine.float() * factors.float()).sum() * scale).backward()  # (scaled, as the step)
+        owned = {
+            n: error(n, None if own_params[n].grad is None else own_params[n].grad.double() / scale)
             for n in names
         }  # fmt: skip
+        # (an error that is no number, an overflow of autograd's own, allows nothing more)
+        allowed = {n: FP16_TOL + 2 * e if math.isfinite(e) else FP16_TOL for n, e in owned.items()}
     n = max(names, key=lambda n: errors[n] / allowed[n])
     worst = (errors[n], n, allowed[n])
     off = float((got_norms.double() - norms).abs().max() / norms.max())
