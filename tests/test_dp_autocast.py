@@ -267,3 +267,26 @@ def test_scaler_must_be_a_grad_scaler():
         losses = F.cross_entropy(model(x), y, reduction="none")
         with pytest.raises(gradhooks.ConfigurationTypeError):
             gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, scaler=2.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_step_backpropagates_the_sum_whatever_the_handles_reduction(method):
+    """The step's backward is of the losses' sum under a handle declared ``"mean"`` too: the
+    mean's ``1 / batch`` would round every float16 output-gradient, and the small ones lose
+    their bits (a tiny ConvNeXt's LayerNorm bias: 0.17 of its largest term off the loop's
+    clipped sum, against 0.042 by the sum). Both handles give one ``.grad``, bit for bit, and
+    the handle keeps its reduction."""
+    grads = {}
+    for reduction in ("mean", "sum"):
+        model, x, y = problem("layernorm")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        quantity = "grad1" if method == "grad1" else "norms"
+        with gradhooks.add_hooks(model, quantities=(quantity,), loss_reduction=reduction) as h:
+            losses = autocast_losses(model, x, y, torch.float16)
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=1.0, noise_multiplier=0.0, method=method, scaler=scaler
+            )
+            assert h.loss_reduction == reduction
+        grads[reduction] = [p.grad.clone() for p in model.parameters()]
+    for mean, total in zip(grads["mean"], grads["sum"], strict=True):
+        assert torch.equal(mean, total)

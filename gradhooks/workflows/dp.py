@@ -139,7 +139,8 @@ def dp_sgd_step(
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
             or ``quantities=("norms",)`` (book-keeping by default, or ghost clipping: never
-            forms ``grad1``), added before the forward. Its ``loss_reduction`` does not matter here.
+            forms ``grad1``), added before the forward. Its ``loss_reduction`` does not matter here
+            (the step backpropagates the losses' sum).
         per_example_loss: each example's own loss, ``[batch]`` (e.g. ``reduction="none"``).
         max_norm: ``C``, the clipping norm of each example's whole-model gradient; with
             ``clipping_groups``, a float ``C`` (each of ``K`` groups clipped to ``C/√K``) or
@@ -611,12 +612,19 @@ def as_grad(value: Tensor, sparse: bool) -> Tensor:
 def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:
     """:func:`_step_sums`; refused (a check of the step's after its backward: the examples
     mixed, the batch not found), no ``grad1`` or quantity of the step is left to read, and
-    ``.grad`` is as it was (the step's backward returns its gradients instead of adding them)."""
+    ``.grad`` is as it was (the step's backward returns its gradients instead of adding them).
+    The step's backwards are of the losses' sum, whatever the handle's ``loss_reduction``
+    (set back after): the mean's ``1 / batch``, which each example's gradient is scaled back
+    from, would cost float16's small output-gradients their bits."""
+    reduction = hooks.loss_reduction
+    hooks.loss_reduction = "sum"
     try:
         return _step_sums(hooks, *args, **kwargs)
     except BaseException:
         engine_of(hooks).discard_written()
         raise
+    finally:
+        hooks.loss_reduction = reduction
 
 
 def _step_sums(
