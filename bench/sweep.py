@@ -464,6 +464,29 @@ def _batched_forward_explains(
     return True
 
 
+def _clipped_error(
+    want: dict[str, Tensor], factors: Tensor
+) -> Callable[[str, Tensor | None], float]:
+    """For the DP settings: ``error(n, got)``, ``got`` (``None``: zeros) against the loop's
+    clipped sum of ``n``, ``Σ_i factors[i] · want[n][i]``, relative to its largest term (to the
+    model's largest entry where the terms are zero in exact arithmetic: rounding on both
+    sides)."""
+    largest = _largest(want)
+    terms = {n: torch.einsum("b,b...->b...", factors, w) for n, w in want.items()}
+
+    def error(n: str, got: Tensor | None) -> float:
+        if not terms[n].numel():
+            return 0.0
+        clipped = terms[n].sum(0)
+        got = torch.zeros_like(clipped) if got is None else got
+        top = float(terms[n].abs().max())
+        if top < 1e-9 * largest:
+            top = largest
+        return float((got - clipped).abs().max()) / top
+
+    return error
+
+
 def dp_step(s: Subject, res: Result) -> None:
     """``gradhooks.dp_sgd_step`` by book-keeping, without noise, its clipping norm the median
     of the examples' gradient norms: ``p.grad`` against the loop's clipped sum
@@ -482,19 +505,8 @@ def dp_step(s: Subject, res: Result) -> None:
             hooks, s.losses(), max_norm=clip, noise_multiplier=0.0, reduction="sum",
             method="bookkeeping",
         )  # fmt: skip
-    params, largest = dict(s.model.named_parameters()), _largest(want)
-    terms = {n: torch.einsum("b,b...->b...", factors, want[n]) for n in names}
-
-    def error(n: str, got: Tensor | None) -> float:
-        """``got`` against the clipped sum of ``n``, relative to its largest term."""
-        if not terms[n].numel():
-            return 0.0
-        clipped = terms[n].sum(0)
-        got = torch.zeros_like(clipped) if got is None else got
-        scale = float(terms[n].abs().max())
-        if scale < 1e-9 * largest:
-            scale = largest  # (a gradient zero in exact arithmetic: rounding on both sides)
-        return float((got - clipped).abs().max()) / scale
+    params = dict(s.model.named_parameters())
+    error = _clipped_error(want, factors)
 
     errors = {n: error(n, params[n].grad) for n in names}
     # (a model that computes in float32 inside: its norms and sums carry float32 rounding)
@@ -565,18 +577,7 @@ def dp_fp16_scaler(s: Subject, res: Result) -> None:
             skipped += 1
             if skipped > 20:
                 raise Skip(f"overflows in float16 at every scale down to {scale:g}")
-    largest = _largest(want)
-    terms = {n: torch.einsum("b,b...->b...", factors, want[n]) for n in names}
-
-    def error(n: str, grad: Tensor | None) -> float:
-        if not terms[n].numel():
-            return 0.0
-        clipped = terms[n].sum(0)
-        grad = torch.zeros_like(clipped) if grad is None else grad
-        top = float(terms[n].abs().max())
-        if top < 1e-9 * largest:
-            top = largest  # (a gradient zero in exact arithmetic: rounding on both sides)
-        return float((grad - clipped).abs().max()) / top
+    error = _clipped_error(want, factors)
 
     errors = {n: error(n, got[n]) for n in names}
     allowed = dict.fromkeys(names, FP16_TOL)
