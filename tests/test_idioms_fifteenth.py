@@ -67,6 +67,17 @@ def norms_of(want: dict) -> torch.Tensor:
     return torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
 
 
+def step_against_the_loop(model, hooks, opt, x, y, where: str, given=None, **check) -> None:
+    """One SGD step of a cross-entropy of ``model(given)`` (``given``: ``x`` unless another form
+    of it): ``grad1`` and the norms against the float64 loop over ``x``, then the step."""
+    want = loop_grad(model, F.cross_entropy, x, y)
+    opt.zero_grad()
+    F.cross_entropy(model(x if given is None else given), y).backward()
+    assert_grad1(model, want, where, **check)
+    assert_close(hooks.norms(), norms_of(want), f"{where}: norms")
+    opt.step()
+
+
 def clipped_sum(want: dict, name: str, max_norm: float) -> torch.Tensor:
     """The sum over the examples of parameter ``name``'s rows of ``want``, each example's
     gradient clipped to ``max_norm`` over all parameters (the DP step's sum before the noise)."""
@@ -137,12 +148,7 @@ def test_a_channels_last_cnn_fed_uint8_channels_last_images_cast_in_the_forward(
     with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
         for step in range(STEPS):
             x, y = images(step)
-            want = loop_grad(model, F.cross_entropy, x, y)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            assert_grad1(model, want, f"step {step}")
-            assert_close(hooks.norms(), norms_of(want), f"step {step}: norms")
-            opt.step()
+            step_against_the_loop(model, hooks, opt, x, y, f"step {step}")
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -185,12 +191,7 @@ def test_a_channels_last_3d_volume_net():
                 x.contiguous(memory_format=torch.channels_last_3d),
                 torch.randint(2, (4,), generator=g),
             )
-            want = loop_grad(model, F.cross_entropy, x, y)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            assert_grad1(model, want, f"step {step}")
-            assert_close(hooks.norms(), norms_of(want), f"step {step}: norms")
-            opt.step()
+            step_against_the_loop(model, hooks, opt, x, y, f"step {step}")
 
 
 class Image(torch.Tensor):
@@ -217,12 +218,9 @@ def test_a_batch_given_as_a_tensor_subclass():
                 torch.randn(5, 3, 4, 4, generator=g, dtype=D),
                 torch.randint(2, (5,), generator=g),
             )
-            want = loop_grad(model, F.cross_entropy, x, y)
-            opt.zero_grad()
-            F.cross_entropy(model(x.as_subclass(Image)), y).backward()
-            assert_grad1(model, want, f"step {step}")
-            assert_close(hooks.norms(), norms_of(want), f"step {step}: norms")
-            opt.step()
+            step_against_the_loop(
+                model, hooks, opt, x, y, f"step {step}", given=x.as_subclass(Image)
+            )
 
 
 def test_a_batch_with_one_example_twice():
@@ -285,12 +283,7 @@ def test_a_graph_module_from_symbolic_trace_and_after_a_pass(form):
     with gradhooks.add_hooks(gm, quantities=("grad1", "norms")) as hooks:
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop_grad(gm, F.cross_entropy, x, y)
-            opt.zero_grad()
-            F.cross_entropy(gm(x), y).backward()
-            assert_grad1(gm, want, f"{form}, step {step}")
-            assert_close(hooks.norms(), norms_of(want), f"{form}, step {step}: norms")
-            opt.step()
+            step_against_the_loop(gm, hooks, opt, x, y, f"{form}, step {step}")
 
 
 def _conv_bn() -> nn.Sequential:
@@ -468,12 +461,7 @@ def test_a_frozen_torchscript_backbone_under_a_trained_head(how):
     with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as hooks:
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop_grad(model, F.cross_entropy, x, y)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            assert_grad1(model, want, f"{how}, step {step}", frozen_clean=True)
-            assert_close(hooks.norms(), norms_of(want), f"{how}, step {step}: norms")
-            opt.step()
+            step_against_the_loop(model, hooks, opt, x, y, f"{how}, step {step}", frozen_clean=True)
 
 
 class Centre(nn.Module):
