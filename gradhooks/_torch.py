@@ -119,9 +119,9 @@ Required (no fallback; :func:`require` refuses without them):
   bumps it), read under its private name: the engine refuses an input changed in place after
   the forward (``forward.py``, ``calls.py``, ``tracking/sources.py``), ``pieces.Rows`` knows where its
   ``grad1`` is zero.
-- ``module_state``: ``nn.Module._parameters``, ``_forward_hooks``, ``_forward_pre_hooks`` and
+- ``module_state``: ``nn.Module._parameters``, ``_modules``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
-  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
+  (:func:`own_parameters`, :func:`own_children`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
   :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
@@ -228,6 +228,7 @@ __all__ = [
     "is_view",
     "last_forward_pre_hook",
     "missing",
+    "own_children",
     "own_parameters",
     "own_transform",
     "pop_mode",
@@ -861,13 +862,21 @@ def version(t: Tensor) -> int:
 def _module_state():
     """The global hook dicts, once a module is seen to have the attributes read below."""
     m = nn.Module()
-    for name in ("_parameters", "_forward_hooks", "_forward_pre_hooks"):
+    for name in ("_parameters", "_modules", "_forward_hooks", "_forward_pre_hooks"):
         if not isinstance(getattr(m, name), dict):
             return None
     return nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks
 
 
 _GLOBAL_HOOKS = _lookup("module_state", _module_state)
+
+
+def own_children(module: nn.Module) -> dict[str, Any]:
+    """``module._modules``: its own submodules by name (``None`` where a slot is empty), the
+    dict ``named_children()`` walks, read without the generator and the names it builds for
+    each module below (:func:`gradhooks.engine.plan.state_key`, at every forward). Required
+    (:func:`require`)."""
+    return module._modules
 
 
 def own_parameters(module: nn.Module) -> dict[str, Any]:

@@ -735,7 +735,7 @@ class BackwardWriter:
             # all-reduces in place)
             bw.grads[pid] = hold(grad, copy=True)
         elif bw.spot == pid and not grad.is_sparse:
-            bw.spot_grad = grad.reshape(-1).index_select(0, self.state.spot_entries[pid][1])
+            bw.spot_grad = torch.take(grad, self.state.spot_entries[pid][1])
         if not reached and self.state.capturing_backward():
             if pid in bw.direct:
                 self._lost(pid, name, *bw.direct[pid])
@@ -802,8 +802,7 @@ class BackwardWriter:
             if pid in bw.grads:  # (verify: grad1 against the gradient .grad gets)
                 bw.grads[pid] = hold(final, copy=True)
             elif bw.spot == pid and bw.spot_grad is not None and not final.is_sparse:
-                entries = self.state.spot_entries[pid][1]
-                bw.spot_grad = final.reshape(-1).index_select(0, entries)
+                bw.spot_grad = torch.take(final, self.state.spot_entries[pid][1])
             return
         what = (
             "by a factor, which the per-example norms cannot follow"

@@ -62,6 +62,7 @@ from .plan import (
     refuse_lazy,
     refuse_scripted,
     scripted_modules,
+    state_key,
     storages_of,
     structure_and_parameters,
 )
@@ -189,6 +190,7 @@ class Hooks:
         self._target_handles: list = []
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
         self._storages: list[int | None] = []
+        self._key: tuple | None = None  # (the model's state_key when last followed)
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         # the parts, each with the state and the others it calls
@@ -510,15 +512,23 @@ class Hooks:
         one hooked (a conversion there and back, ``model.half()`` then ``.float()``, whose
         data may land where it was)."""
         now = storages_of(params)
-        first = next(iter(self._state.accumulators.items()), None)
-        if now == self._storages and (
-            first is None or accumulator_of(self._state.params[first[0]][1]) is first[1][0]
-        ):
+        if now == self._storages:
+            self._follow_accumulator()
             return
+        self._hook_accumulators()
+        self._storages = now
+
+    def _follow_accumulator(self) -> None:
+        """The parameters' data where it was (:meth:`_follow_storages`): hooked again where the
+        first parameter's ``AccumulateGrad`` node is not the one hooked."""
+        first = next(iter(self._state.accumulators.items()), None)
+        if first is not None and accumulator_of(self._state.params[first[0]][1]) is not first[1][0]:
+            self._hook_accumulators()
+
+    def _hook_accumulators(self) -> None:
         for pid in list(self._state.accumulators):
             name, p = self._state.params[pid]
             self._hook_accumulator(pid, name, p)
-        self._storages = now
 
     def _follow_changes(self, model: nn.Module) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
@@ -528,10 +538,15 @@ class Hooks:
         may return a new output, and the rule's output-gradient is the layer's own."""
         for m, hook_id in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
+        key = None if self._state.sharded else state_key(model)
+        if key is not None and key == self._key:
+            self._follow_accumulator()
+            return
         now, trainable = structure_and_parameters(model, bool(self._state.sharded))
         if now == self._structure:
             if not self._state.sharded:
                 self._follow_storages(trainable)
+            self._key = key
             return
         if not self._state.sharded:  # parameters swapped (torch.utils.swap_tensors): hooks dropped
             impls = {pid: impl for _, pid, impl in self._structure[1]}
@@ -581,6 +596,7 @@ class Hooks:
             for pid, (_, p) in before.items():
                 if pid not in self._state.params and hasattr(p, "grad1"):
                     del p.grad1
+        self._key = key
 
     def _refuse_derived(self, derived: dict[int, Tensor]) -> None:
         """Per-example gradients pass through a computation in a parameter's slot as

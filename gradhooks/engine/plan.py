@@ -255,12 +255,56 @@ def structure_and_parameters(model: nn.Module, by_name: bool = False) -> tuple[t
     )), trainable  # fmt: skip
 
 
+def state_key(model: nn.Module) -> tuple | None:
+    """Everything :func:`structure_and_parameters` and :func:`storages_of` read of ``model``,
+    from one walk that builds no names: each module's id, class and ``forward`` set on itself,
+    its parameters' slot names, ids, ``requires_grad``, C++ tensors and data, and its children's
+    slot names and ids. Equal keys at two forwards mean that neither changed between them; the
+    hooks compare it at every forward, and walk the model again by name only where it differs
+    (a third of the time on a GPT-2 of 35 modules). ``None`` where a parameter has no data
+    (the fake parameters of ``torch.export``'s tracing): then always walked by name."""
+    key: list = []
+    add = key.append
+    seen = {id(model)}
+    stack = [model]
+    try:
+        while stack:
+            module = stack.pop()
+            add(id(module))
+            add(id(type(module)))
+            add(id(module.__dict__.get("forward")))
+            params = _torch.own_parameters(module)
+            add(len(params))
+            for leaf, p in params.items():
+                add(leaf)
+                if p is not None:
+                    add(id(p))
+                    add(p.requires_grad)
+                    add(_torch.tensor_impl(p))
+                    add(p.data_ptr())
+            children = _torch.own_children(module)
+            add(len(children))
+            for leaf, child in children.items():
+                add(leaf)
+                add(id(child))
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append(child)
+    except RuntimeError:
+        return None
+    return tuple(key)
+
+
 def accumulator_of(p: Tensor) -> Any:
     """The ``AccumulateGrad`` node of the trainable leaf ``p``, where autograd adds its
     gradient into ``.grad``: ``torch.autograd.graph.get_gradient_edge(p).node``, found through
     one view of ``p`` where that function makes two (a view costs about 10 µs of host time,
     and the node of the first parameter is looked at every forward). Under
-    ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it."""
+    ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it (and with
+    gradients on: where both already hold, as in a training forward, without the two context
+    managers, which cost more than the view)."""
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        return p.view_as(p).grad_fn.next_functions[0][0]
     with torch.inference_mode(False), torch.enable_grad():
         return p.view_as(p).grad_fn.next_functions[0][0]
 

@@ -148,7 +148,8 @@ class CaptureState:
         # the spot check of the backwards in between (Verifier.spot_check): the position,
         # among params, of the parameter the next one compares; the entries compared, by id
         self.spot_next = 0
-        self.spot_entries: dict[int, tuple[int, Tensor]] = {}  # (its numel then, entries)
+        # (its numel then, the entries, their flat indices in a grad1 of each batch)
+        self.spot_entries: dict[int, list] = {}
 
         # -- parameters used outside their modules' calls --------------------------------------
         # by id: the sources of their uses

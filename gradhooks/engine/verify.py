@@ -170,6 +170,17 @@ PROBE_TOLERANCE = {"float64": 1e-5, "float32": 5e-3}
 SPOT_ENTRIES = 32
 
 
+def _flat_entries(found: list, batch: int) -> Tensor:
+    """The flat indices ``[batch, entries]`` of a spot check's entries in each example's row of
+    a ``grad1`` of ``batch`` examples (``torch.take``), kept in ``found`` (the parameter's
+    ``[numel, entries, {batch: indices}]``) for the next backward of that batch."""
+    numel, entries, by_batch = found
+    at = by_batch.get(batch)
+    if at is None:
+        at = by_batch[batch] = entries + numel * torch.arange(batch)[:, None]
+    return at
+
+
 @functools.lru_cache(maxsize=64)
 def _spot_tolerance(
     dtype: torch.dtype, precision: torch.dtype | None, since: torch.dtype | None
@@ -717,7 +728,7 @@ class Verifier:
             if found is None or found[0] != p.numel():
                 step = max(1, p.numel() // SPOT_ENTRIES)
                 entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES]
-                self.state.spot_entries[pid] = (p.numel(), entries)
+                self.state.spot_entries[pid] = [p.numel(), entries, {}]
             return pid
         return None
 
@@ -741,21 +752,26 @@ class Verifier:
         entries = self.state.spot_entries[pid][1]
         want = bw.spot_grad
         if pid in self.state.written and pid in bw.before:
-            g1 = p.grad1.detach()
-            rows = g1.reshape(g1.shape[0], -1).index_select(1, entries)
+            g1 = p.grad1
+            if g1.requires_grad:
+                g1 = g1.detach()
+            # (the entries of every example, one index into the flat grad1)
+            at = _flat_entries(self.state.spot_entries[pid], g1.shape[0])
+            rows = torch.take(g1, at)
             before = bw.before[pid]
             if before is not None:
-                rows = rows - before.reshape(before.shape[0], -1).index_select(1, entries)
-            want = want.to(rows.dtype)
+                rows = rows - torch.take(before, at)
+            if want.dtype != rows.dtype:
+                want = want.to(rows.dtype)
             # (the mean's difference as the sum's, over the batch: one kernel fewer)
             mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
             batch = rows.shape[0] if mean else 1
-            inf = float("inf")
-            diff, scale = torch.stack([
-                torch.linalg.vector_norm(rows.sum(0).sub_(want, alpha=batch), inf),
-                torch.linalg.vector_norm(torch.cat([want, rows.reshape(-1)]), inf),
-            ]).tolist()  # fmt: skip
-            diff /= batch
+            # each row's largest entry: the difference's, autograd's, each example's
+            largest_of = torch.linalg.vector_norm(
+                torch.cat([rows.sum(0).sub_(want, alpha=batch)[None], want[None], rows]),
+                float("inf"), dim=1,
+            ).tolist()  # fmt: skip
+            diff, scale = largest_of[0] / batch, max(largest_of[1:])
         else:
             diff = scale = float(torch.linalg.vector_norm(want, float("inf")))
         if not (math.isfinite(diff) and math.isfinite(scale)):
