@@ -15,7 +15,9 @@ over target lengths, and losses of pairs over two forwards (``MarginRankingLoss`
 ``CosineEmbeddingLoss``), also in the DP step; DANN's gradient reversal in the DP step; a
 custom backward that clips each row's gradient (refused, its message now naming it); sparse
 gradients (``Embedding`` and ``EmbeddingBag`` with ``sparse=True`` trained by ``SparseAdam``,
-and the DP step and ``DPOptimizer`` on them, whose ``.grad`` is now sparse too). And misuse:
+and the DP step and ``DPOptimizer`` on them, whose ``.grad`` is now sparse too); the DP step
+across ranks (one rank, in this process) on a sparse table, and refusing an optimizer fused
+into the backward as the step of one process does. And misuse:
 ``optimizer.step()`` before the backward, backwards after ``hooks.remove()`` (``check()`` now
 says the hooks are removed), ``loss_reduction="sum"`` declared for a mean loss, and a
 functional loop whose unused head keeps an older step's grad1 (a strict xfail). Each is
@@ -846,3 +848,87 @@ def test_a_functional_loop_leaves_no_grad1_on_the_head_a_step_does_not_use():
             assert unused.weight.grad is None
             assert not hasattr(unused.weight, "grad1"), f"step {step}: an earlier step's grad1"
             opt.step()
+
+
+# -- the DP step across ranks, in one process ----------------------------------------------------
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of one rank (gloo), destroyed after the test."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, and no process group of another test's")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", ["post-accumulate hook", "optimizer in backward"])
+def test_the_dp_step_across_ranks_refuses_an_optimizer_fused_into_the_backward(fused, one_rank):
+    """``gradhooks.distributed.dp_sgd_step`` with an optimizer fused into the backward (a
+    ``register_post_accumulate_grad_hook`` step, or torch's ``_apply_optimizer_in_backward``):
+    its backward returns the gradients, so that optimizer never steps on the clipped, noised
+    ``.grad``, and the model stayed where it was in silence (the step of one process refused
+    both already). Refused now as there, naming the parameter and the step across ranks:
+    no ``.grad`` written, the weights as they were."""
+    model = mlp()
+    if fused == "post-accumulate hook":
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step_now(p: torch.Tensor) -> None:
+            opt.step()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+        match = "distributed.dp_sgd_step: '0.weight' has a post-accumulate-grad hook"
+    else:
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.5})
+        match = "distributed.dp_sgd_step: '0.weight' is stepped in the backward"
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        x, y = batch(0)
+        before = copy.deepcopy(model.state_dict())
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with pytest.raises(gradhooks.ConfigurationError, match=match):
+            gradhooks.distributed.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0)
+        for n, p in model.named_parameters():
+            assert p.grad is None and torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("method", ["ghost", "bookkeeping"])
+def test_the_dp_step_across_ranks_on_a_sparse_embedding_trains_with_sparse_adam(method, one_rank):
+    """``gradhooks.distributed.dp_sgd_step`` on ``nn.Embedding(sparse=True)`` trained by
+    ``SparseAdam``: it wrote a dense ``.grad``, which ``SparseAdam.step()`` refuses ("does not
+    support dense gradients"). Now, as the step of one process, ``.grad`` takes the layout
+    autograd gives the table: without noise the clipped sum of the float64 loop's rows (the
+    looked-up rows alone), with noise every row, the same as the step of one process with the
+    same seeded noise; ``SparseAdam`` steps, for several steps."""
+    model = _sparse_model(True)
+    table = model[0].weight
+    opts = [torch.optim.SparseAdam([table], lr=0.1), torch.optim.Adam(model[2].parameters())]
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randint(10, (5, 3), generator=g), torch.randint(2, (5,), generator=g)
+            noise = 0.0 if step == STEPS else 1.0
+            want = loop_grad(model, F.cross_entropy, x, y)
+            grads = []
+            for step_of in (gradhooks.distributed.dp_sgd_step, gradhooks.dp_sgd_step):
+                for o in opts:
+                    o.zero_grad()
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                step_of(h, losses, max_norm=0.5, noise_multiplier=noise, method=method,
+                        reduction="sum", generator=torch.Generator().manual_seed(step))  # fmt: skip
+                assert table.grad.is_sparse, f"step {step}: {step_of.__module__}"
+                grads.append([p.grad.to_dense() for p in model.parameters()])
+            if noise:
+                for (n, _), a, b in zip(model.named_parameters(), *grads, strict=True):
+                    assert_close(a, b, f"step {step}: {n} across ranks and in one process")
+            else:
+                assert_dp_sum(model, want, 0.5, "no noise")
+            for o in opts:
+                o.step()

@@ -118,7 +118,7 @@ def dp_sgd_step(
     total = _clip.total_bound(max_norm)
     _dp._check_clipping(total, noise_multiplier, generator, clipping)
     _dp.check_scaler(scaler)
-    params = _dp._covered_params(hooks)
+    params = _dp.steppable_params(hooks, method, "gradhooks.distributed.dp_sgd_step")
     if engine_of(hooks).sharded and method == "ghost":
         raise ConfigurationError(
             "gradhooks.distributed.dp_sgd_step(method='ghost') on a model sharded by FSDP2: "
@@ -128,10 +128,13 @@ def dp_sgd_step(
     groups = _dp.grouped(
         hooks, method, params, max_norm, clipping_groups, "gradhooks.distributed.dp_sgd_step"
     )
-    norms, grads, scale, _ = _dp._clipped_sums(
+    norms, grads, scale, sparse = _dp._clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping,
         groups=groups,
     )  # fmt: skip
+    # (autograd's clipped sum of a sparse table, under ghost clipping: dense for the noise and
+    # the sum over the ranks, sparse again in .grad)
+    grads = [g.to_dense() if g.is_sparse else g for g in grads]
     overflow = scale is not None and not _dp.finite(norms, grads)
     if overflow:  # (NaN in the sum: every rank's p.grad, and every rank's scaler skips)
         for g in grads:
@@ -144,8 +147,8 @@ def dp_sgd_step(
         grads, per_example_loss.shape[0], group, "dp_sgd_step", _names(hooks, params)
     )
     denom = _dp._denominator(total_batch, reduction, expected_batch_size)
-    for p, g in zip(params, grads, strict=True):
-        p.grad = _like(p, (g / denom).detach())
+    for p, g, layout in zip(params, grads, sparse, strict=True):
+        p.grad = _like(p, _dp.as_grad((g / denom).detach(), layout))
     return norms.detach()
 
 

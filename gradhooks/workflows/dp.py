@@ -284,20 +284,26 @@ def clipped_sum(
 
 def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parameter]:
     """The parameters a step clips, after refusing what a step cannot be right with: a
-    scaler that is not one, parameters sharded by FSDP2, an optimizer fused into the
-    backward, and gradient hooks under ghost clipping."""
+    scaler that is not one, parameters sharded by FSDP2, and :func:`steppable_params`'."""
     check_scaler(scaler)
-    plan = _checked_plan(hooks)
-    params, names = list(plan.params), plan.names
     if engine_of(hooks).sharded:
         raise ConfigurationError(
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
+    return steppable_params(hooks, method, "dp_sgd_step")
+
+
+def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Parameter]:
+    """The parameters a step clips (every one but the empty), after refusing an optimizer
+    fused into the backward and, under ghost clipping, gradient hooks: by the step of one
+    process and by that across ranks (``where``: which)."""
+    plan = _checked_plan(hooks)
+    params, names = list(plan.params), plan.names
     fused = [n for n, p in zip(names, params, strict=True) if _torch.accumulate_hooks(p)]
     if fused:
         raise ConfigurationError(
-            f"dp_sgd_step: '{fused[0]}' has a post-accumulate-grad hook (an optimizer step "
+            f"{where}: '{fused[0]}' has a post-accumulate-grad hook (an optimizer step "
             "fused into the backward, register_post_accumulate_grad_hook): the step writes "
             ".grad after its backward, clipped and noised, so that hook would never see it (or "
             "would step on the unclipped gradient). Remove the hook and call optimizer.step() "
@@ -306,7 +312,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
     fused = [n for n, p in zip(names, params, strict=True) if _torch.backward_optimizers(p)]
     if fused:
         raise ConfigurationError(
-            f"dp_sgd_step: '{fused[0]}' is stepped in the backward by an optimizer of "
+            f"{where}: '{fused[0]}' is stepped in the backward by an optimizer of "
             "torch.distributed.optim._apply_optimizer_in_backward, which steps from autograd's "
             "accumulation of .grad: the step writes .grad after its backward, clipped and "
             "noised, so that optimizer would never step on it. Build a plain optimizer over "
@@ -317,7 +323,7 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
         hooked = [n for n, p in zip(names, params, strict=True) if _torch.tensor_hooks(p) > own]
         if hooked:
             raise ConfigurationError(
-                f"dp_sgd_step(method='ghost'): '{hooked[0]}' has a gradient hook "
+                f"{where}(method='ghost'): '{hooked[0]}' has a gradient hook "
                 "(register_hook), and ghost clipping takes the clipped sum from autograd's "
                 "gradient of the parameters, which such a hook may change after the clipping (a "
                 "factor above 1 would break the clipping bound). Use method='bookkeeping' or "
