@@ -357,7 +357,7 @@ INTERNALS: dict[str, Internal] = {
         Internal("version_counter", "Tensor._version", "", required=True),
         Internal(
             "module_state",
-            "nn.Module._parameters, _forward_hooks, _forward_pre_hooks, _backward_hooks, "
+            "nn.Module._parameters, _modules, _forward_hooks, _forward_pre_hooks, _backward_hooks, "
             "_backward_pre_hooks, _is_full_backward_hook, "
             "torch.nn.modules.module._global_forward_hooks, "
             "_global_forward_pre_hooks, _global_backward_hooks, _global_backward_pre_hooks, "
