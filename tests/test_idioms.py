@@ -581,15 +581,12 @@ def test_a_head_deep_copied_into_the_hooked_model_gets_its_own_grad1():
             assert_grad1(model, want, f"step {step}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each submodule call made by the loop is a forward of its own, followed from its "
-    "inputs: what the loop computes across the batch between two of them (here centering the "
-    "features) is not seen, and the run-time check leaves out outputs computed from another "
-    "output, so the encoder's grad1 is formed from mixed output-gradients in silence "
-    "(docs/guarantees.md, 'Examples mixed outside the model')",
-)
 def test_features_mixed_by_the_loop_between_two_submodule_calls_are_refused():
+    """Each submodule call made by the loop is a forward of its own, followed from its inputs:
+    what the loop computes across the batch between two of them (here centering the features)
+    is not seen by the tracker, and the trunk's grad1 was formed from mixed output-gradients
+    in silence. The run-time check now compares the trunk's grad1 against autograd's gradient
+    from the head's output rows (docs/guarantees.md, 'Examples mixed outside the model')."""
     model = TwoHeads()
     x, y = batch(0)
     with gradhooks.add_hooks(model):
@@ -597,3 +594,35 @@ def test_features_mixed_by_the_loop_between_two_submodule_calls_are_refused():
         h = h - h.mean(0)  # across the examples
         with pytest.raises(gradhooks.GradhooksError, match="trunk"):
             ce(model.b(h), y).backward()
+        for n, p in model.named_parameters():
+            assert p.grad is None and not hasattr(p, "grad1"), n
+
+
+class _RowNormedHead(nn.Module):
+    """What the loop below computes, as one forward (for the per-example loop)."""
+
+    def __init__(self, model: TwoHeads) -> None:
+        super().__init__()
+        self.trunk, self.b = model.trunk, model.b
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.b(h / h.norm(dim=1, keepdim=True))
+
+
+def test_features_changed_row_by_row_between_two_submodule_calls_are_the_loops():
+    """The same loop with an operation on each example's row alone between the two calls (each
+    row scaled to norm 1): the check passes, and grad1 of both calls is the float64 loop's, at
+    every step of SGD."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            with gradhooks.paused():
+                want = loop_grad(_RowNormedHead(model), ce, x, y)
+            opt.zero_grad()
+            h = torch.tanh(model.trunk(x))
+            ce(model.b(h / h.norm(dim=1, keepdim=True)), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()

@@ -225,8 +225,9 @@ def _dependent(edges: list) -> bool:
 _EXAMPLES_NOT_APART = (
     "Either the model mixes the examples of the batch between these parameters and its output "
     "(an operation, custom autograd.Function or kernel that computes across the rows of the "
-    "batch, in its forward or its backward; or a layer that computes a parameter's use once "
-    "and keeps it): one example's loss then depends on the others' and per-example gradients "
+    "batch, in its forward or its backward, or in the code between two calls of its modules "
+    "made outside its forward; or a layer that computes a parameter's use once and keeps "
+    "it): one example's loss then depends on the others' and per-example gradients "
     "do not exist; keep the examples apart (compute what needs the whole batch outside the "
     "model, or use running statistics) or freeze these parameters. Or a custom "
     "autograd.Function's backward is not linear in the gradient it is given (it clips or "
@@ -688,7 +689,7 @@ class Verifier:
                 bw, wrong, "This is checked on the first backward of each new set of layer calls."
             )
         probe = bw.probe
-        if probe is not None and bw.frames == {probe.frame}:
+        if probe is not None and probe.frame in bw.frames:
             self._verify_probe(bw, probe)
         self.state.unverified -= bw.verify
 
