@@ -1,0 +1,238 @@
+"""Misuse of the public API beyond ``add_hooks`` and ``grad1``: the DP step, its optimizer and
+accountant, the quantities and curvature (norms, noise scale, Jacobians, K-FAC), the registry
+of rules, and a handle's life. Each mistake, written as a user writes it, stops with the
+gradhooks error of its kind, whose message names the call, the module, the parameter, the
+shapes or the value at fault, and leaves the model as it was: the same parameters, hooks,
+``.grad`` and ``grad1`` (``tests/test_misuse.py`` holds the arguments of the wrong type,
+``tests/test_misuse_loops.py`` the mistakes of a training loop)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _losses(model: nn.Module, n: int = 5) -> torch.Tensor:
+    x, y = _batch(n)
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _state(model: nn.Module) -> dict:
+    """What a refused call must leave as it was: parameters, ``.grad``, ``grad1``, hooks."""
+    return {
+        "params": {n: _clone(p) for n, p in model.named_parameters()},
+        "grad": {n: _clone(p.grad) for n, p in model.named_parameters()},
+        "grad1": {n: _clone(p.__dict__.get("grad1")) for n, p in model.named_parameters()},
+        "hooks": [(n, [len(getattr(m, kind)) for kind in HOOKS]) for n, m in model.named_modules()],
+    }
+
+
+def assert_untouched(model: nn.Module, before: dict) -> None:
+    now = _state(model)
+    assert now["hooks"] == before["hooks"], "the hooks changed"
+    for what in ("params", "grad", "grad1"):
+        for name, was in before[what].items():
+            got = now[what][name]
+            same = got is None if was is None else got is not None and torch.equal(got, was)
+            assert same, f"{what} of {name} changed"
+
+
+def raised(error: type[Exception], says: str | list[str], call) -> Exception:
+    """``call()`` raises exactly ``error`` (not a subclass of it that means something else),
+    a gradhooks error whose message holds each of ``says``."""
+    with pytest.raises(gradhooks.GradhooksError) as info:
+        call()
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    for part in [says] if isinstance(says, str) else says:
+        assert re.search(re.escape(part), str(info.value)), (part, str(info.value))
+    return info.value
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+class MyLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _registry(rule) -> gradhooks.Registry:
+    registry = gradhooks.Registry()
+    registry.register(MyLinear)(rule)
+    registry.register(nn.Linear)(gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule)
+    return registry
+
+
+def _model_with_my_linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(MyLinear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _backward(model: nn.Module) -> None:
+    x, y = _batch()
+    F.cross_entropy(model(x), y).backward()
+
+
+def _dp_backward(model: nn.Module, h) -> None:
+    gradhooks.dp_sgd_step(h, _losses(model), max_norm=1.0, noise_multiplier=0.0)
+
+
+def three_by_three(call):
+    """A rule for an ``[8, 4]`` weight whose piece is ``[batch, 3, 3]``."""
+    g = call.grad_outputs[0]
+    return {"weight": gradhooks.Direct(g.new_zeros(g.shape[0], 3, 3)), "bias": gradhooks.Direct(g)}
+
+
+@pytest.mark.parametrize(
+    "quantity, run",
+    [("grad1", _backward), ("norms", _backward), ("sum_grad_sq", _backward), ("kfac", _backward),
+     ("norms", _dp_backward)],
+    ids=["grad1", "norms", "sum_grad_sq", "kfac", "dp-step"],
+)  # fmt: skip
+def test_a_rule_whose_piece_has_the_wrong_size(quantity, run):
+    """A rule giving a ``[batch, 3, 3]`` piece for an ``[8, 4]`` weight: ``grad1`` was refused,
+    but the norms, the squared sums and the DP step failed inside torch ("size mismatch, got
+    input (32), mat (9x5)"), and K-FAC left the weight out without a word. Now every quantity
+    refuses it, naming the rule, the module, the parameter and both sizes."""
+    model = _model_with_my_linear()
+    before = _state(model)
+    with gradhooks.add_hooks(
+        model, registry=_registry(three_by_three), quantities=(quantity,)
+    ) as h:
+        raised(
+            gradhooks.RuleError,
+            ["rule three_by_three for '0' (MyLinear)", "piece for 'weight' (Direct)",
+             "a gradient of 9 entries", "'weight' has shape (8, 4) (32 entries)"],
+            lambda: run(model) if run is _backward else run(model, h),
+        )  # fmt: skip
+    assert_untouched(model, before)
+
+
+def no_shared_axis(call):
+    """Linear's rule without the shared axis: ``a`` ``[batch, in]``, ``g`` ``[batch, out]``."""
+    a, g = call.inputs[0], call.grad_outputs[0]
+    return {"weight": gradhooks.Outer(a, g), "bias": gradhooks.Direct(g)}
+
+
+def test_an_outer_piece_without_its_shared_axis():
+    """``Outer(x, g)`` of ``[batch, features]`` tensors has the right size per example, but
+    its batch is read as the shared positions too: with ``verify=False`` the norms were
+    numbers of the examples summed together, silently. Refused where the piece is made."""
+    model = _model_with_my_linear()
+    registry = _registry(no_shared_axis)
+    with gradhooks.add_hooks(model, registry=registry, quantities=("norms",), verify=False):
+        raised(
+            gradhooks.RuleError,
+            ["rule no_shared_axis for '0' (MyLinear)", "Outer(a=...) of shape (5, 4)",
+             "a[:, None]"],
+            lambda: _backward(model),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rule, says",
+    [
+        (lambda call: None, "returned NoneType, not {parameter name: Piece}"),
+        (lambda call: [gradhooks.Direct(call.grad_outputs[0])], "returned list"),
+        (lambda call: {"weight": call.grad_outputs[0][:, :, None] * call.inputs[0][:, None],
+                       "bias": gradhooks.Direct(call.grad_outputs[0])},
+         "its piece for 'weight' is a Tensor, not a gradhooks.Piece: wrap a per-example gradient [batch, *(8, 4)]"),
+    ],
+    ids=["none", "list", "bare-tensor"],
+)  # fmt: skip
+def test_a_rule_that_returns_no_pieces(rule, says):
+    """A rule returning ``None``, a list or a bare tensor failed with an ``AttributeError``
+    quoted in the error (``'Tensor' object has no attribute 'in_dtype'``)."""
+    model = _model_with_my_linear()
+    with gradhooks.add_hooks(model, registry=_registry(rule)):
+        raised(gradhooks.RuleError, ["for '0' (MyLinear)", says], lambda: _backward(model))
+
+
+def test_a_rule_with_the_wrong_signature_is_refused_when_registered():
+    """``@register(MyLinear) def rule(module, x, g)`` was accepted, and every backward of a
+    hooked model then failed calling it."""
+    registry = gradhooks.Registry()
+
+    def rule(module, x, g):
+        return {}
+
+    raised(
+        gradhooks.ConfigurationTypeError,
+        "decorates a rule called as rule(call)",
+        lambda: registry.register(MyLinear)(rule),
+    )
+    assert MyLinear not in registry
+
+
+def test_registry_lookup_and_unregister_misused():
+    """``registry.lookup("Linear")`` failed with an ``AttributeError``, ``lookup(nn.Linear)``
+    answered ``None`` as if Linear had no rule; ``unregister`` of a type without a rule was a
+    ``KeyError``. The registry is as it was after each."""
+    registry = gradhooks.Registry()
+    raised(gradhooks.ConfigurationTypeError, "got str 'Linear'",
+           lambda: registry.lookup("Linear"))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "got the class Linear",
+           lambda: gradhooks.REGISTRY.lookup(nn.Linear))  # fmt: skip
+    raised(gradhooks.ConfigurationError, "no rule is registered for MyLinear",
+           lambda: registry.unregister(MyLinear))  # fmt: skip
+    assert registry.types() == [] and gradhooks.REGISTRY.lookup(nn.Linear(2, 2)) is not None
+
+
+def test_a_builtin_type_registered_again():
+    """``@gradhooks.register(nn.Linear)`` a second rule for a built-in type: refused, naming
+    the rule in place, which keeps serving."""
+    before = gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule
+    raised(
+        gradhooks.ConfigurationError,
+        "a rule for Linear is already registered (gradhooks.rules.linear.linear)",
+        lambda: gradhooks.register(nn.Linear)(three_by_three),
+    )
+    assert gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule is before
+
+
+def test_a_wrong_rule_for_a_subclass_shadows_the_builtin_and_is_caught():
+    """A rule registered for a subclass that keeps Linear's ``forward`` serves the subclass
+    alone (Linear keeps its own); where it is wrong (its input and output-gradient swapped,
+    on a square layer: the right shape, transposed values), the first backward's check
+    against autograd refuses it, writing no ``grad1``."""
+
+    class Sub(nn.Linear):
+        pass
+
+    def swapped(call):
+        a, g = call.inputs[0][:, None], call.grad_outputs[0][:, None]
+        return {"weight": gradhooks.Outer(g, a), "bias": gradhooks.Direct(g[:, 0])}
+
+    registry = gradhooks.Registry()
+    registry.register(nn.Linear)(gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule)
+    registry.register(Sub)(swapped)
+    assert registry.lookup(Sub(2, 2)).rule is swapped
+    assert registry.lookup(nn.Linear(2, 2)).rule is not swapped
+    torch.manual_seed(0)
+    model = nn.Sequential(Sub(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    before = _state(model)
+    with gradhooks.add_hooks(model, registry=registry):
+        raised(gradhooks.CheckFailedError, "'0.weight'", lambda: _backward(model))
+    assert_untouched(model, before)
