@@ -70,6 +70,158 @@ def raised(error: type[Exception], says: str | list[str], call) -> Exception:
     return info.value
 
 
+# -- the DP step ----------------------------------------------------------------------------------
+
+
+def _step(**kwargs):
+    def call(h, model):
+        args = {"max_norm": 1.0, "noise_multiplier": 1.0, **kwargs}
+        return gradhooks.dp_sgd_step(h, _losses(model), **args)
+
+    return call
+
+
+def _other_model_groups(h, model):
+    groups = [list(_mlp().parameters())]
+    return gradhooks.dp_sgd_step(
+        h, _losses(model), max_norm=1.0, noise_multiplier=1.0, clipping_groups=groups
+    )
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (_step(max_norm=float("nan")), "max_norm must be > 0 and finite, got nan"),
+        (_step(noise_multiplier=float("nan")), "noise_multiplier must be >= 0 and finite, got nan"),
+        (_step(noise_multiplier=-1.0), "got -1.0"),
+        (_step(noise_multiplier=float("inf")), "got inf"),
+        (_step(expected_batch_size=0), "expected_batch_size must be > 0 and finite, got 0"),
+        (_step(max_norm=[1.0, float("nan")], clipping_groups="layer"),
+         "max_norm[1] = nan, the bound of clipping group 1"),
+        (_step(max_norm=[1.0, 1.0, 1.0], clipping_groups="layer"),
+         "max_norm has 3 bounds but clipping_groups='layer' makes 2 groups"),
+        (_other_model_groups, "clipping group 0 holds a parameter of shape (8, 4) that is not the hooked Sequential's"),
+        (_step(expected_batch_size=5, reduction="sum"), "contradicts reduction='sum'"),
+        (_step(method="ghost", clipping_groups="layer"), "ghost"),
+    ],
+    ids=["max-norm-nan", "noise-nan", "noise-negative", "noise-inf", "expected-batch-0",
+         "group-bound-nan", "bounds-per-group-count", "groups-of-another-model",
+         "expected-batch-with-sum", "ghost-with-groups"],
+)  # fmt: skip
+def test_dp_step_numbers_and_groups_that_cannot_work(call, says):
+    """A bound or multiplier that is NaN, negative or infinite, a divisor of 0, bounds that do
+    not match the groups, groups of another model, options that contradict each other: each
+    refused before the step's backward, naming the value, with no ``.grad`` written."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        before = _state(model)
+        raised(gradhooks.ConfigurationError, says, lambda: call(h, model))
+        assert_untouched(model, before)
+        assert gradhooks.dp_sgd_step(
+            h, _losses(model), max_norm=1.0, noise_multiplier=0.0
+        ).shape == (5,)
+
+
+@pytest.mark.parametrize(
+    "losses, says",
+    [
+        (lambda m: _losses(m).mean(), "per_example_loss must be [batch], got ()"),
+        (lambda m: F.cross_entropy(m(_batch()[0]), _batch()[1], reduction="none")[:3],
+         "per_example_loss has 3 entries, but the hooked forward had a batch of 5 examples"),
+    ],
+    ids=["mean-loss", "fewer-losses-than-examples"],
+)  # fmt: skip
+def test_dp_step_of_losses_that_are_not_one_per_example(losses, says):
+    """The mean loss (``reduction`` left at its default) or losses of some examples only:
+    refused, naming the shapes, before any backward."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        before = _state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            says,
+            lambda: gradhooks.dp_sgd_step(h, losses(model), max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert_untouched(model, before)
+
+
+def test_dp_step_twice_for_one_forward():
+    """The same losses stepped on twice (a loop that forgot its forward): the second step would
+    have found their graph freed, or, kept, stepped on the same batch again; refused, and the
+    first step's gradients stay as they were."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = _losses(model)
+        gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+        before = _state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            "these losses were already stepped on",
+            lambda: gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0),
+        )
+        assert_untouched(model, before)
+
+
+def test_dp_step_with_the_handle_of_another_model():
+    """Two hooked models, the step given the other's handle: the losses reach none of its
+    parameters, so the step would be noise alone; refused, and neither model is changed."""
+    model, other = _mlp(), _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)), \
+            gradhooks.add_hooks(other, quantities=("norms",)) as wrong:  # fmt: skip
+        losses = _losses(model)
+        before, before_other = _state(model), _state(other)
+        raised(
+            gradhooks.StateError,
+            "per_example_loss does not depend on any trainable parameter of the hooked Sequential",
+            lambda: gradhooks.dp_sgd_step(wrong, losses, max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert_untouched(model, before)
+        assert_untouched(other, before_other)
+
+
+def test_dp_step_after_a_backward_of_their_own():
+    """``losses.sum().backward()`` and then the step on the same losses: the step's backward
+    failed inside torch ("Trying to backward through the graph a second time"), naming
+    neither the step nor what to do. Now a ``StateError`` says it; ``.grad`` holds the
+    user's own backward as it was, and the next step works."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = _losses(model)
+        losses.sum().backward()
+        before = _state(model)
+        raised(
+            gradhooks.StateError,
+            ["a backward of your own ran on these losses", "no gradient of the step"],
+            lambda: gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert_untouched(model, before)
+        norms = gradhooks.dp_sgd_step(h, _losses(model), max_norm=1.0, noise_multiplier=0.0)
+    assert torch.isfinite(norms).all() and norms.shape == (5,)
+
+
+@pytest.mark.parametrize(
+    "bound, says",
+    [
+        (torch.tensor(0.0), "max_norm must be > 0 and finite, got a tensor () holding 0.0"),
+        (torch.tensor(-1.0), "holding -1.0"),
+        (torch.tensor([[1.0], [float("nan")]]), "got a tensor (2, 1) holding nan"),
+        (torch.tensor([1.0, 2.0, 3.0]), "max_norm of shape (3,) does not broadcast against norms of shape (2,)"),
+        (torch.tensor([[1.0], [2.0]]), "max_norm of shape (2, 1) does not broadcast against norms of shape (2,)"),
+    ],
+    ids=["zero", "negative", "group-nan", "three-bounds-two-norms", "column-against-a-row"],
+)  # fmt: skip
+def test_clip_factors_given_a_tensor_bound(bound, says):
+    """A bound given as a tensor skipped every check: ``tensor(0.)`` gave factors of 0 (the
+    noise alone), ``tensor(-1.)`` negative ones (every gradient flipped), a bound per group
+    against one row of norms a ``[2, 2]`` matrix of factors, three bounds for two norms a
+    torch size error."""
+    norms = torch.tensor([0.5, 2.0])
+    raised(gradhooks.ConfigurationError, says, lambda: gradhooks.clip_factors(norms, bound))
+    assert torch.equal(gradhooks.clip_factors(norms, torch.tensor(1.0)), torch.tensor([1.0, 0.5]))
+    grouped = gradhooks.clip_factors(norms.expand(2, 2), torch.tensor([[1.0], [4.0]]))
+    assert torch.equal(grouped, torch.tensor([[1.0, 0.5], [1.0, 1.0]]))
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 
