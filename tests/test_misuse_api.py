@@ -222,6 +222,107 @@ def test_clip_factors_given_a_tensor_bound(bound, says):
     assert torch.equal(grouped, torch.tensor([[1.0, 0.5], [1.0, 1.0]]))
 
 
+# -- the DP optimizer and the accountant ----------------------------------------------------------
+
+
+def _dp_optimizer(model, h, optimizer=None, **kwargs):
+    args = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 5, **kwargs}
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+    return gradhooks.DPOptimizer(optimizer, h, **args)
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda m, h: _dp_optimizer(m, h, torch.optim.SGD(_mlp().parameters(), lr=0.1)),
+         "the optimizer steps a trainable parameter of shape (8, 4) that the hooks do not clip"),
+        (lambda m, h: _dp_optimizer(m, h, torch.optim.SGD([*m.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)),
+         "parameter of shape (3,) that the hooks do not clip"),
+        (lambda m, h: _dp_optimizer(m, h, sample_rate=1.5, accountant=gradhooks.PrivacyAccountant()),
+         "sample_rate must be in (0, 1]"),
+        (lambda m, h: _dp_optimizer(m, h, accountant=gradhooks.PrivacyAccountant()),
+         "records each step's sampling rate: pass sample_rate="),
+        (lambda m, h: _dp_optimizer(m, h, max_grad_norm=float("nan")), "got nan"),
+        (lambda m, h: _dp_optimizer(m, h, expected_batch_size=0), "expected_batch_size must be > 0"),
+        (lambda m, h: _dp_optimizer(m, h, adaptive_clipping=gradhooks.AdaptiveClipping(target_quantile=1.5)),
+         "AdaptiveClipping.target_quantile = 1.5"),
+        (lambda m, h: _dp_optimizer(m, h, clipping="automatic", adaptive_clipping=gradhooks.AdaptiveClipping()),
+         "clipping='automatic' has none of"),
+    ],
+    ids=["optimizer-of-another-model", "optimizer-with-a-foreign-parameter", "sample-rate-above-1",
+         "accountant-without-sample-rate", "max-norm-nan", "expected-batch-0",
+         "adaptive-quantile-above-1", "adaptive-with-automatic-clipping"],
+)  # fmt: skip
+def test_dp_optimizer_settings_that_cannot_work(make, says):
+    """An optimizer over parameters that are not (all) the hooked model's would step them on
+    a gradient with neither clipping nor noise; a rate above 1, an accountant without a rate,
+    an adaptive bound that cannot adapt: each refused when the optimizer is made."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        before = _state(model)
+        raised(gradhooks.ConfigurationError, says, lambda: make(model, h))
+        assert_untouched(model, before)
+
+
+def test_dp_optimizer_stepped_without_a_backward_or_twice():
+    """``opt.step()`` with no ``opt.backward(losses)`` since the last step (at the start, or a
+    second time for one logical batch) would step on the noise alone: refused, the parameters
+    as they were."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = _dp_optimizer(model, h)
+        before = _state(model)
+        raised(gradhooks.StateError, "DPOptimizer.step: no backward(per_example_loss)", opt.step)
+        assert_untouched(model, before)
+        opt.backward(_losses(model))
+        assert opt.step()
+        before = _state(model)
+        raised(gradhooks.StateError, "no backward(per_example_loss) since the last step", opt.step)
+        assert_untouched(model, before)
+
+
+def test_dp_optimizer_zero_grad_given_a_string_for_discard():
+    """``opt.zero_grad(discard="no")`` dropped the physical batches already clipped (the string
+    taken by its truth): the step was then of the later batches alone, silently."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = _dp_optimizer(model, h, noise_multiplier=0.0)
+        opt.backward(_losses(model))
+        raised(
+            gradhooks.ConfigurationTypeError,
+            "DPOptimizer.zero_grad: discard takes True or False, got str 'no'",
+            lambda: opt.zero_grad(discard="no"),
+        )
+        assert opt.examples == 5
+        before = _state(model)
+        assert opt.step()
+    assert not all(torch.equal(before["params"][n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda a: a.step(noise_multiplier=1.0, sample_rate=1.5), "sample_rate must be in [0, 1]"),
+        (lambda a: a.step(noise_multiplier=float("nan"), sample_rate=0.1), "noise_multiplier must be finite and >= 0, got nan"),
+        (lambda a: a.step(noise_multiplier=1.0, sample_rate=0.1, steps=2.5), "steps must be a whole number >= 0, got 2.5"),
+        (lambda a: a.epsilon(0.0), "delta must be in (0, 1), got 0.0"),
+        (lambda a: a.epsilon(1.0), "got 1.0"),
+        (lambda a: gradhooks.noise_multiplier_for(3.0, 0.0, 0.1, 100), "delta must be in (0, 1), got 0.0"),
+        (lambda a: gradhooks.noise_multiplier_for(-1.0, 1e-5, 0.1, 100), "target_epsilon must be > 0, got -1.0"),
+    ],
+    ids=["rate-above-1", "noise-nan", "steps-fraction", "epsilon-delta-0", "epsilon-delta-1",
+         "noise-for-delta-0", "noise-for-negative-epsilon"],
+)  # fmt: skip
+def test_accountant_asked_what_has_no_answer(call, says):
+    """Each refused, naming the value, and the accountant keeps what it had recorded."""
+    pytest.importorskip("dp_accounting")
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.1, steps=10)
+    epsilon = accountant.epsilon(1e-5)
+    raised(gradhooks.ConfigurationError, says, lambda: call(accountant))
+    assert accountant.steps == 10 and accountant.epsilon(1e-5) == epsilon
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 
