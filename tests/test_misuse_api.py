@@ -323,6 +323,122 @@ def test_accountant_asked_what_has_no_answer(call, says):
     assert accountant.steps == 10 and accountant.epsilon(1e-5) == epsilon
 
 
+# -- quantities and curvature ---------------------------------------------------------------------
+
+
+def test_noise_scale_of_a_single_example():
+    """The noise scale's ``tr(Σ)`` divides by ``batch - 1``: refused for one example rather
+    than an inf or a NaN."""
+    model = _mlp()
+    with gradhooks.add_hooks(model, quantities=("sum_grad_sq",)) as h:
+        x, y = _batch(1)
+        F.cross_entropy(model(x), y).backward()
+        raised(gradhooks.StateError, "the last backward had 1 example(s)", h.noise_scale)
+        assert set(h.grad_variance()) == {n for n, _ in model.named_parameters()}
+
+
+def test_kfac_damping_of_inf():
+    """``f.inverse(float("inf"))`` and ``kfac_precondition(..., damping=inf)`` preconditioned
+    every gradient to 0, silently (the optimizer's own damping already had to be finite)."""
+    model, (x, y) = _mlp(), _batch()
+    factors = gradhooks.kfac(model, x)
+    raised(gradhooks.ConfigurationError, "damping must be > 0 and finite, got inf",
+           lambda: factors["0.weight"].inverse(float("inf")))  # fmt: skip
+    F.cross_entropy(model(x), y).backward()
+    before = _state(model)
+    raised(
+        gradhooks.ConfigurationError,
+        "got inf",
+        lambda: gradhooks.kfac_precondition(model, factors, damping=float("inf")),
+    )
+    assert_untouched(model, before)
+
+
+def test_kfac_precondition_with_a_parameter_frozen_since_the_factors():
+    """Factors of a weight frozen since: refused, naming it, before any gradient is written
+    (the other weights' gradients stay as the backward left them)."""
+    model, (x, y) = _mlp(), _batch()
+    factors = gradhooks.kfac(model, x)
+    model[0].weight.requires_grad_(False)
+    F.cross_entropy(model(x), y).backward()
+    before = _state(model)
+    raised(
+        gradhooks.ConfigurationError,
+        "kfac_precondition: '0.weight' has no .grad",
+        lambda: gradhooks.kfac_precondition(model, factors, damping=1e-3),
+    )
+    assert_untouched(model, before)
+
+
+def test_kfac_inverse_applied_to_a_gradient_of_another_shape():
+    """An inverse applied to the weight's gradient without its bias column, or to another
+    layer's: refused, naming both shapes."""
+    model, (x, _) = _mlp(), _batch()
+    inverse = gradhooks.kfac(model, x)["0.weight"].inverse(1e-3)
+    for grad in (torch.randn(8, 4), torch.randn(3, 9)):
+        raised(
+            gradhooks.ConfigurationError,
+            [f"a gradient of shape {tuple(grad.shape)}", "factors of a (8, 5) weight matrix"],
+            lambda grad=grad: inverse.apply(grad),
+        )
+    assert inverse.apply(torch.randn(8, 5)).shape == (8, 5)
+
+
+def test_kfac_of_an_empty_batch():
+    """``kfac(model, x[:0])`` gave factors of zeros (the mean over no example), and a gradient
+    preconditioned with them came out as the gradient divided by the damping."""
+    model, (x, _) = _mlp(), _batch()
+    before = _state(model)
+    raised(gradhooks.ConfigurationError, "the model's output (0, 3) holds no example",
+           lambda: gradhooks.kfac(model, x[:0]))  # fmt: skip
+    assert_untouched(model, before)
+
+
+def test_kfac_optimizer_given_a_string_for_adaptive():
+    """``KFAC(..., adaptive="no")`` adapted the damping (the string taken by its truth), and
+    then asked every few steps for a closure the user never meant to give."""
+    model = _mlp()
+    raised(
+        gradhooks.ConfigurationTypeError,
+        "KFAC: adaptive takes True or False, got str 'no'",
+        lambda: gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), adaptive="no"),
+    )
+
+
+def test_kfac_optimizer_given_a_checkpoint_that_is_not_its_own():
+    """``kfac.load_state_dict(optimizer.state_dict())`` failed with ``KeyError: 'factors'``
+    after loading the optimizer part; a string failed in ``__getitem__``. Refused before
+    anything is loaded."""
+    model, (x, y) = _mlp(), _batch()
+    kfac = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    F.cross_entropy(model(x), y).backward()
+    kfac.step(x)
+    saved = kfac.state_dict()
+    other = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9).state_dict()
+    raised(gradhooks.ConfigurationError, "the checkpoint lacks ['optimizer', 'factors', "
+           "'damping', 'steps']", lambda: kfac.load_state_dict(other))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "got str", lambda: kfac.load_state_dict("kfac.pt"))
+    assert kfac.optimizer.param_groups[0]["lr"] == 0.1 and kfac.steps == 1
+    kfac.load_state_dict(saved)
+    assert kfac.steps == 1 and set(kfac.factors) == {"0.weight", "2.weight"}
+
+
+@pytest.mark.parametrize(
+    "module, inputs, says",
+    [
+        (nn.ReLU(), torch.randn(3, 4), "check_rule: ReLU has no trainable parameter"),
+        (nn.Linear(4, 3).requires_grad_(False), torch.randn(3, 4), "Linear has no trainable parameter"),
+        (nn.Linear(4, 3), torch.randn(0, 4), "inputs of shape (0, 4) hold no example"),
+    ],
+    ids=["no-parameter", "frozen", "empty-batch"],
+)  # fmt: skip
+def test_check_rule_of_nothing_to_check(module, inputs, says):
+    """A layer without trainable parameters failed inside autograd ("element 0 of tensors
+    does not require grad"); a batch of 0 passed, every difference 0.0 (a check that could
+    not fail)."""
+    raised(gradhooks.ConfigurationError, says, lambda: gradhooks.check_rule(module, inputs))
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 
