@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.oracle import loop_grad
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -318,9 +319,9 @@ def test_accountant_asked_what_has_no_answer(call, says):
     pytest.importorskip("dp_accounting")
     accountant = gradhooks.PrivacyAccountant()
     accountant.step(noise_multiplier=1.0, sample_rate=0.1, steps=10)
-    epsilon = accountant.epsilon(1e-5)
+    before = accountant.state_dict()
     raised(gradhooks.ConfigurationError, says, lambda: call(accountant))
-    assert accountant.steps == 10 and accountant.epsilon(1e-5) == epsilon
+    assert accountant.state_dict() == before
 
 
 # -- quantities and curvature ---------------------------------------------------------------------
@@ -605,3 +606,63 @@ def test_a_wrong_rule_for_a_subclass_shadows_the_builtin_and_is_caught():
     with gradhooks.add_hooks(model, registry=registry):
         raised(gradhooks.CheckFailedError, "'0.weight'", lambda: _backward(model))
     assert_untouched(model, before)
+
+
+# -- a handle's life ------------------------------------------------------------------------------
+
+
+def test_a_handle_reused_as_a_context_manager_after_its_block():
+    """``h = add_hooks(model)``, ``with h:`` a step, then ``with h:`` the next: the first block
+    removed the hooks, so the second captured nothing and the ``grad1`` of the first step was
+    read as the second's, silently. Now the second ``with`` says so."""
+    model = _mlp()
+    h = gradhooks.add_hooks(model)
+    with h:
+        _backward(model)
+    before = _state(model)
+    raised(gradhooks.StateError, "this handle's hooks were removed", lambda: h.__enter__())
+    assert_untouched(model, before)
+    with pytest.raises(gradhooks.StateError):
+        with h:
+            raise AssertionError("the block must not run")
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"batch_dim": "0"}, "batch_dim must be 'auto', an int >= 0 or None, got '0'"),
+        ({"batch_dim": 1.0}, "got 1.0"),
+        ({"loss_reduction": ("norms",)}, "loss_reduction must be 'mean' or 'sum', got ('norms',)"),
+        ({"unsupported": None}, "unsupported must be 'fallback', 'error' or 'skip', got None"),
+        ({"quantities": ()}, "quantities must be some of"),
+    ],
+    ids=["batch-dim-str", "batch-dim-float", "quantities-where-loss-reduction-goes",
+         "unsupported-none", "quantities-empty"],
+)  # fmt: skip
+def test_add_hooks_arguments_of_the_wrong_kind(kwargs, says):
+    """Each refused before anything is hooked (``add_hooks(model, ("norms",))`` puts the
+    quantities where ``loss_reduction`` goes)."""
+    model = _mlp()
+    before = _state(model)
+    raised(gradhooks.ConfigurationError, says, lambda: gradhooks.add_hooks(model, **kwargs))
+    assert_untouched(model, before)
+
+
+def test_a_module_list_hooked_instead_of_a_model():
+    """An ``nn.ModuleList`` has no forward of its own; its layers called one after the other
+    are hooked as a model's are, and give the per-example loop's gradients."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]).double()
+    x, y = _batch()
+    x = x.double()
+
+    def run(inputs):
+        for layer in layers:
+            inputs = layer(inputs)
+        return inputs
+
+    with gradhooks.add_hooks(layers):
+        F.cross_entropy(run(x), y).backward()
+    want = loop_grad(nn.Sequential(*layers), F.cross_entropy, (x,), y)
+    for name, p in layers.named_parameters():
+        assert torch.allclose(p.grad1, want[name]), name
