@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch, devices
+from .errors import RuleError
 from .tuning import TUNING
 
 __all__ = ["Piece", "Outer", "Direct", "Rows", "accumulation_dtype"]
@@ -61,6 +62,13 @@ class Piece:
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         """Per-example gradient, shape ``[batch, *param_shape]``, multiplied by ``scale``."""
         raise NotImplementedError
+
+    @property
+    def example_elements(self) -> int | None:
+        """How many entries one example's gradient has, from the piece's shapes alone (the
+        parameter's ``numel()`` for a piece of it); ``None`` where only forming ``grad1`` would
+        tell."""
+        return None
 
     def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
         """Write ``grad1(out.shape[1:], scale)`` into ``out`` (contiguous), or add it to ``out``
@@ -190,6 +198,10 @@ class _RowsOf(Piece):
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return self.piece.grad1(param_shape, scale)[self.rows]
 
+    @property
+    def example_elements(self) -> int | None:
+        return self.piece.example_elements
+
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         return _RowsOf(self.piece.in_dtype(dtype), self.rows)
 
@@ -228,6 +240,17 @@ class Outer(Piece):
     # out/groups, in/groups · prod(kernel)]``: :func:`gradhooks.quantities.kfac.weight_matrix`)
     matrix_layout: ClassVar[str] = "out_in"
 
+    def __post_init__(self) -> None:
+        # (a [batch, out] output-gradient reads its batch as the shared positions too: every
+        # quantity but grad1, which cannot reshape, would sum over the examples)
+        for what, t in (("a", self.a), ("g", self.g)):
+            if t is not None and t.dim() < 3:
+                raise RuleError(
+                    f"Outer({what}=...) of shape {tuple(t.shape)}: a and g are [batch, *groups, "
+                    f"shared, features], at least 3 dimensions; a layer that sees one position "
+                    f"per example gives {what}[:, None] ([batch, 1, features])"
+                )
+
     def kfac_view(self) -> Outer | None:
         """The piece itself (a bias's, with no input: ``None``)."""
         return self if self.has_input else None
@@ -246,6 +269,12 @@ class Outer(Piece):
     def in_features(self) -> int:
         """The size of ``a``'s last axis (0 for a bias), without building ``a``."""
         return 0 if self.a is None else self.a.shape[-1]
+
+    @property
+    def example_elements(self) -> int | None:
+        """``groups · out · in`` (``groups · out`` for a bias)."""
+        width = self.in_features if self.has_input else 1
+        return math.prod(self.g.shape[1:-2]) * self.g.shape[-1] * width
 
     @property
     def gram_macs(self) -> int:
@@ -577,6 +606,10 @@ class Direct(Piece):
     def select(self, rows: slice) -> Direct:
         return Direct(self.value if rows == _ALL else self.value[rows])
 
+    @property
+    def example_elements(self) -> int | None:
+        return math.prod(self.value.shape[1:])
+
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
         return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
 
@@ -636,6 +669,10 @@ class Rows(Piece):
     @property
     def batch_size(self) -> int:
         return self.batch
+
+    @property
+    def example_elements(self) -> int | None:
+        return self.num_rows * self.g.shape[-1]
 
     def keys(self) -> Tensor:
         """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)``."""

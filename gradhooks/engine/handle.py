@@ -986,6 +986,12 @@ class Hooks:
         return (InertHandle, (type(model).__qualname__ if model is not None else "a model",))
 
     def __enter__(self) -> Hooks:
+        if self._state.removed:  # (its block would capture nothing, and say nothing)
+            raise StateError(
+                "this handle's hooks were removed (at the end of its with block, or by "
+                "remove()), so a with block on it would capture nothing and leave the grad1 "
+                "of before: add them again, with gradhooks.add_hooks(model) as h: ..."
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -60,10 +60,10 @@ class KFactors:
         ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
         itself."""
         require_number("damping", damping)
-        if not damping > 0:
+        if not 0 < damping < math.inf:  # (inf: every gradient preconditioned to 0)
             raise ConfigurationError(
-                f"damping must be > 0, got {damping!r}: K-FAC factors are often singular "
-                "(fewer examples than features, a ReLU's dead units)"
+                f"damping must be > 0 and finite, got {damping!r}: K-FAC factors are often "
+                "singular (fewer examples than features, a ReLU's dead units)"
             )
         eig_a, q_a = symmetric_eigh(self.A)
         eig_g, q_g = symmetric_eigh(self.G)

@@ -424,6 +424,7 @@ class Registry:
                     f"register(...) decorates a rule, a function rule(call) -> {{name: Piece}}, "
                     f"got {type(rule).__qualname__} {rule!r}"
                 )
+            _check_signature(rule)
             for t in types:
                 if isinstance(t, str):
                     if not _is_class_name(t):
@@ -455,7 +456,16 @@ class Registry:
         return decorate
 
     def unregister(self, t: type[nn.Module] | str) -> None:
-        del (self._names if isinstance(t, str) else self._rules)[t]
+        """Remove the rule registered for ``t`` (a type, or a name as registered)."""
+        table = self._names if isinstance(t, str) else self._rules
+        if t not in table:
+            shown = t if isinstance(t, str) else getattr(t, "__qualname__", repr(t))
+            raise ConfigurationError(
+                f"unregister: no rule is registered for {shown} in this registry (a subclass "
+                "uses its parent's rule without one of its own: registry.lookup(module) finds "
+                "it; types() and names() list what is registered)"
+            )
+        del table[t]
 
     def register_function(
         self,
@@ -487,6 +497,14 @@ class Registry:
         whose ``forward`` was replaced on the module itself (``module.forward = ...``, a
         patch of Liger-Kernel's or a user's) computes what that function does: no rule of
         its class covers it."""
+        if not isinstance(module, nn.Module):
+            what = f"{type(module).__qualname__} {module!r}"
+            if isinstance(module, type):
+                what = f"the class {module.__qualname__}"
+            raise ConfigurationTypeError(
+                f"lookup takes a module instance (torch.nn.Linear(3, 2)), got {what}: for a "
+                "class, `cls in registry` says whether it has a rule of its own"
+            )
         if "forward" in module.__dict__:
             return None
         cls = type(module)
@@ -530,6 +548,22 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def _check_signature(rule: Rule) -> None:
+    """Refuse a rule that cannot be called as ``rule(call)`` (else its first backward fails)."""
+    try:
+        signature = inspect.signature(rule)
+    except (TypeError, ValueError):  # (a builtin without one: called as it is)
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        name = getattr(rule, "__qualname__", type(rule).__qualname__)
+        raise ConfigurationTypeError(
+            f"register(...) decorates a rule called as rule(call), with the layer's Call (its "
+            f"module, inputs and output-gradients), but {name} takes {signature}"
+        ) from None
 
 
 def _is_class_name(name: str) -> bool:

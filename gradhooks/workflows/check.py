@@ -71,6 +71,12 @@ def check_rule(
             f"check_rule takes a module instance (torch.nn.Linear(3, 2)), got {what} "
             f"{getattr(module, '__qualname__', '')}".rstrip()
         )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ConfigurationError(
+            f"check_rule: {type(module).__qualname__} has no trainable parameter, so no rule "
+            "of it computes anything to check (a frozen copy? check the module with "
+            "requires_grad_(True))"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigurationTypeError(
             f"check_rule: loss_fn must be a function loss_fn(output) -> scalar or None, got "
@@ -106,6 +112,12 @@ def _check_rule(
             f"a tensor), got {type(inputs).__qualname__}"
         )
     batch = xs[0].shape[0]
+    if not batch:  # (every comparison of no example passes)
+        raise ConfigurationError(
+            f"check_rule: inputs of shape {tuple(xs[0].shape)} hold no example, so nothing "
+            "would be compared: give a batch of at least one (two or more test the examples "
+            "apart)"
+        )
     name = type(module).__qualname__
     report = CheckReport(name, check="check_rule")
     for reduction in ("sum", "mean"):

@@ -107,13 +107,38 @@ def clip_factors(norms: Tensor, max_norm: float | Tensor, clipping: str = "flat"
             f"clip_factors: norms must be a tensor of per-example norms, got "
             f"{type(norms).__qualname__}"
         )
-    if not isinstance(max_norm, Tensor):  # (a tensor of bounds: checked where it is formed)
+    if isinstance(max_norm, Tensor):
+        # (a host sync, the caller's; the DP step's own bounds are checked where formed)
+        bad = ~(max_norm > 0) | max_norm.isinf()
+        if bool(bad.any()):
+            raise ConfigurationError(
+                f"clip_factors: max_norm must be > 0 and finite, got a tensor "
+                f"{tuple(max_norm.shape)} holding {max_norm[bad].flatten()[0].item()!r} (0 "
+                "would zero every gradient, a negative one flip it)"
+            )
+        try:
+            fits = torch.broadcast_shapes(max_norm.shape, norms.shape) == norms.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ConfigurationError(
+                f"clip_factors: max_norm of shape {tuple(max_norm.shape)} does not broadcast "
+                f"against norms of shape {tuple(norms.shape)} (one bound, or one per clipping "
+                "group [groups, 1] against norms [groups, batch])"
+            )
+    else:
         require_number("max_norm", max_norm, "clip_factors")
         if not 0 < max_norm < float("inf"):
             raise ConfigurationError(
                 f"clip_factors: max_norm must be > 0 and finite, got {max_norm!r} (0 would "
                 "zero every gradient, a negative one flip it)"
             )
+    return clipping_factors(norms, max_norm, clipping)
+
+
+def clipping_factors(norms: Tensor, max_norm: float | Tensor, clipping: str) -> Tensor:
+    """:func:`clip_factors` of bounds checked where they were formed (the DP step's), with no
+    host sync."""
     if clipping == "automatic":
         return (norms + AUTOMATIC_GAMMA).reciprocal() * max_norm
     return torch.where(norms > max_norm, norms.reciprocal() * max_norm, 1.0)
@@ -626,6 +651,16 @@ def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:
     hooks.loss_reduction = "sum"
     try:
         return _step_sums(hooks, *args, **kwargs)
+    except RuntimeError as e:
+        engine_of(hooks).discard_written()
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise StateError(
+            "the step's backward found the losses' graph freed: a backward of your own ran on "
+            "these losses (or a loss computed from them) before the step. The step runs the "
+            "backward itself, the clipped one: pass the losses of a new forward without "
+            "calling backward on them; no gradient of the step was written"
+        ) from e
     except BaseException:
         engine_of(hooks).discard_written()
         raise
@@ -695,10 +730,10 @@ def _step_sums(
             ))  # fmt: skip
             truth = None  # (autograd's gradients of the check, freed)
         if groups is None:
-            per_param = [clip_factors(unscaled(norms), max_norm, clipping)] * len(params)
+            per_param = [clipping_factors(unscaled(norms), max_norm, clipping)] * len(params)
         else:
             group_norms = unscaled(group_sq.sqrt())
-            factors = clip_factors(group_norms, groups.column(group_norms), clipping)
+            factors = clipping_factors(group_norms, groups.column(group_norms), clipping)
             per_param = [factors[k] for k in groups.index]
         # (in the higher of the two precisions: bfloat16 parameters have float32 norms)
         clipped = _added(into, params, (
@@ -722,11 +757,11 @@ def _step_sums(
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = None  # (autograd's gradients of the check, freed)
         if groups is None:
-            factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
+            factors = clipping_factors(unscaled(norms), max_norm, clipping).detach()
             group_of: dict[int, int] = {}  # (every parameter: factors itself)
         else:
             group_norms = unscaled(_captured_group_norms(hooks, per_example_loss, params, groups))
-            factors = clip_factors(group_norms, groups.column(group_norms), clipping).detach()
+            factors = clipping_factors(group_norms, groups.column(group_norms), clipping).detach()
             group_of = {id(p): k for p, k in zip(params, groups.index, strict=True)}
         clipped = _kept_sums(params, kept, grad1s, factors, group_of, into)
         del grad1s
@@ -743,7 +778,7 @@ def _step_sums(
         if truth is not None:
             _check_step(hooks, params, truth, _weighted(kept, truth[0], params))
             truth = kept = None  # (freed)
-        factors = clip_factors(unscaled(norms), max_norm, clipping).detach()
+        factors = clipping_factors(unscaled(norms), max_norm, clipping).detach()
         with engine.backward_mode(capture=False):  # (a reweighted backward: .grad only)
             grads = list(_grads(hooks, (factors * per_example_loss).sum(), wrt))
         clipped = _added(into, params, _popped(grads))  # (each freed once added)

@@ -331,6 +331,12 @@ def _accumulate(
                 f"{tuple(out.shape)}; for other outputs use add_hooks(model, "
                 "quantities=('kfac',)), your own backward(s), and h.kfac_factors()"
             )
+        if out.shape[0] == 0:  # (the factors of no example: 0, and G's mean 0 / 0)
+            raise ConfigurationError(
+                f"kfac(): the model's output {tuple(out.shape)} holds no example: its factors "
+                "would be zero, and the gradient preconditioned with them the gradient / "
+                "damping. Give a batch of at least one example"
+            )
         if isinstance(target, Tensor) and (target.dim() == 0 or target.shape[0] != out.shape[0]):
             raise ConfigurationError(
                 f"kfac(): target has shape {tuple(target.shape)}, but the model's output "

@@ -139,6 +139,11 @@ class KFAC:
         ]:  # fmt: skip
             if int(n) != n or n < 1:
                 raise ConfigurationError(f"{what} must be a whole number >= 1, got {n!r}")
+        if not isinstance(adaptive, bool):  # (a string taken by its truth)
+            raise ConfigurationTypeError(
+                f"KFAC: adaptive takes True or False, got {type(adaptive).__qualname__} "
+                f"{adaptive!r}"
+            )
         if unfactored not in ("error", "keep"):
             raise ConfigurationError(f"unfactored must be 'error' or 'keep', got {unfactored!r}")
         low, high = damping_range
@@ -309,6 +314,20 @@ class KFAC:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; a checkpoint that is not one is refused before
+        anything is loaded."""
+        if not isinstance(state, dict):
+            raise ConfigurationTypeError(
+                f"KFAC.load_state_dict takes the dict of KFAC.state_dict(), got "
+                f"{type(state).__qualname__}"
+            )
+        missing = [k for k in ("optimizer", "factors", "damping", "steps") if k not in state]
+        if missing:
+            raise ConfigurationError(
+                f"KFAC.load_state_dict: the checkpoint lacks {missing} (it has "
+                f"{sorted(map(str, state))}): not a KFAC.state_dict() (the base optimizer's "
+                "own goes to kfac.optimizer.load_state_dict)"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.factors = {  # (a checkpoint without the layout: "out_in", the only one then)
             n: KFactors(a.clone(), g.clone(), bias, bias_name, *layout)

@@ -390,6 +390,11 @@ class DPOptimizer(torch.optim.Optimizer):
         ``BatchMemoryManager`` loops call ``zero_grad()`` before every physical batch: here
         that would drop the ones before, and the step would be of the last alone), unless
         ``discard=True`` says to drop them."""
+        if not isinstance(discard, bool):  # (discard="no" dropped them, by its truth)
+            raise ConfigurationTypeError(
+                f"DPOptimizer.zero_grad: discard takes True or False, got "
+                f"{type(discard).__qualname__} {discard!r}"
+            )
         if self._backwards and not discard:
             raise StateError(
                 f"DPOptimizer.zero_grad: the buffer holds the clipped gradients of "
