@@ -542,13 +542,22 @@ class ForwardCapture:
     def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if module is not self.state.model:
             return None  # a copy
+        return self._open_planned(module, args, kwargs)[1]
+
+    def _open_planned(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[bool, tuple | None]:
+        """:meth:`_open_frame` for ``module``'s call, and the hooks planned again there run
+        in the place of the dead ones. Returns whether they were planned again, and the
+        ``(args, kwargs)`` a new hook gave (``None`` where none did)."""
         before = _torch.forward_pre_hooks(module)
         self._open_frame(module, args, kwargs)
         # Where the hooks were planned again here (torch.func.functional_call put other tensors
-        # in the root's parameter slots), torch runs the root's pre-hooks from its copy taken
-        # before: the root's new ones would miss this call (its tracker would take the call's
-        # own uses of the parameters for uses outside it, and count them twice). They run here,
-        # in the place of the old ones, which are dead.
+        # in the parameter slots of the module it calls: the root, or a submodule called on its
+        # own), torch runs the module's pre-hooks from its copy taken before: the module's new
+        # ones would miss this call (its tracker would take the call's own uses of the
+        # parameters for uses outside it, and count them twice). They run here, in the place of
+        # the old ones, which are dead.
         new = [
             h for h in _torch.forward_pre_hooks(module)
             if isinstance(h, Hook) and not any(h is b for b in before)
@@ -558,7 +567,7 @@ class ForwardCapture:
             out = h(module, args, kwargs)
             if out is not None:
                 args, kwargs = given = out
-        return given
+        return bool(new), given
 
     def entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """The forward pre- and post-hook of a module of the model other than the root that
@@ -568,10 +577,13 @@ class ForwardCapture:
         from its inputs, as the root's would be."""
         ref = weakref.ref(module)
 
-        def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             # (not during a backward: activation checkpointing running a block again)
             if not self.state.frames and m is ref() and graph_task() == -1:
-                self._open_frame(m, args, kwargs)
+                replanned, given = self._open_planned(m, args, kwargs)
+                if replanned:  # (the module's other hooks of ours are dead: _pre_then)
+                    return (args, kwargs) if given is None else given
+            return None
 
         def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if m is ref():

@@ -1250,11 +1250,16 @@ def _note_rule_less(state: CaptureState) -> None:
 
 
 def _pre_then(first, then):
-    """One forward pre-hook that runs ``first``, then ``then`` (each gives ``None``)."""
+    """One forward pre-hook that runs ``first``, then ``then`` (which gives ``None``); not
+    ``then`` where ``first`` gives the call's arguments: the hooks were planned again in it,
+    ``then`` is dead and ``first`` ran its successor (:meth:`ForwardCapture.entry_hooks`)."""
 
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first(module, args, kwargs)
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        given = first(module, args, kwargs)
+        if given is not None:
+            return given
         then(module, args, kwargs)
+        return None
 
     return pre
 
