@@ -71,6 +71,7 @@ from .records import (
     detach_tree,
     graph_task,
     is_compiling,
+    leaves_of,
     power_of_two,
     tree_leaves,
     with_fields,
@@ -228,7 +229,9 @@ class ForwardCapture:
                     self._note_rerun(target, args, kwargs, tracker)
                 return
             if module is not target.module:
-                return  # a deep copy of a hooked module carries our hook: the copy is not hooked
+                # a shallow copy, which shares the module's hooks (a deep copy's are inert)
+                _refuse_shallow_copy(target, module, self.state.params)
+                return
             if _torch.in_transform(args, kwargs, output):
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
             if target.entry.on_forward is not None:
@@ -937,6 +940,38 @@ def _without_nodes(taps: Any) -> Any:
     kept = copy.copy(taps)
     kept.nodes = ()
     return kept
+
+
+def _refuse_shallow_copy(target: Target, copied: nn.Module, hooked: dict) -> None:
+    """A shallow copy of a hooked module (learn2learn's ``clone_module``, ``copy.copy``)
+    shares the module's hooks, which were planned for the module, not for the copy: its calls
+    are not captured. Where its parameter slots hold hooked parameters, or tensors computed
+    from them (``p.clone()``, then ``p - lr * g``), a backward through its call would give
+    them a gradient without ``grad1``: refused at the call, before a backward can reach it.
+    (A copy whose slots hold tensors of its own is not the hooked model: left alone.)"""
+    for slot, t in _torch.own_parameters(copied).items():
+        if t is None or not t.requires_grad:
+            continue
+        found = [t] if id(t) in hooked else []
+        if not found and t.grad_fn is not None:
+            found = [q for q in leaves_of(t) if id(q) in hooked]
+        if found:
+            name = hooked[id(found[0])][0]
+            held = (
+                f"the hooked parameter '{name}'"
+                if found[0] is t
+                else f"a tensor computed from the hooked parameter '{name}'"
+            )
+            raise UnsupportedError(
+                f"'{target.name}' ({type(copied).__qualname__}) was called through a shallow "
+                "copy of it (learn2learn's clone_module, copy.copy), which shares its hooks "
+                f"but not its identity: the copy's calls are not captured, and its '{slot}' "
+                f"holds {held} {tuple(t.shape)}, which a backward through this call would "
+                "give a gradient without grad1. Call the hooked model itself with other "
+                "weights, torch.func.functional_call(model, {name: tensor}, x) (fast weights "
+                "such as p - lr * g get grad1 through them), or run the copy under `with "
+                "h.paused():`."
+            )
 
 
 def _in_slots(target: Target) -> dict[str, Tensor]:

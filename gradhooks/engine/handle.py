@@ -65,7 +65,7 @@ from .plan import (
     storages_of,
     structure_and_parameters,
 )
-from .records import Hook, drop_box, graph_task
+from .records import Hook, drop_box, graph_task, leaves_of
 from .state import CaptureState
 from .verify import CheckReport, Verifier, check_hooks
 
@@ -1014,24 +1014,6 @@ def _left_with(p: Tensor, rows: tuple) -> Tensor | None:
     if found is None or found[0]() is not p or found[2] != rows:
         return None
     return found[1]()
-
-
-def leaves_of(t: Tensor) -> list[Tensor]:
-    """The tensors requiring grad that autograd gives ``t``'s gradient to: the leaves of the
-    graph that computed it, in the order first reached."""
-    found: dict[int, Tensor] = {}
-    seen: set[int] = set()
-    stack = [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        leaf = getattr(node, "variable", None)  # (AccumulateGrad)
-        if isinstance(leaf, Tensor) and leaf.requires_grad:
-            found.setdefault(id(leaf), leaf)
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return list(found.values())
 
 
 def _checked(name: str, value: Any) -> Any:
