@@ -92,7 +92,7 @@ class ForwardCapture:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         # the handle's: plan the hooks again where the model changed since (at each forward)
-        self.follow_changes: Callable[[nn.Module], None] = lambda model: None
+        self.follow_changes: Callable[[nn.Module | None], None] = lambda model: None
         # a Target per torch function and parameters captured as a call (F.linear of a tied weight)
         self.functional_targets: dict[tuple, Target] = {}
         # the outputs hooked calls returned, where a global forward hook of others returns another

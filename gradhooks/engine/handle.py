@@ -520,7 +520,7 @@ class Hooks:
             self._hook_accumulator(pid, name, p)
         self._storages = now
 
-    def _follow_changes(self, model: nn.Module) -> None:
+    def _follow_changes(self, model: nn.Module | None) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
@@ -528,6 +528,11 @@ class Hooks:
         may return a new output, and the rule's output-gradient is the layer's own."""
         for m, hook_id in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
+        if model is None:
+            # the root is gone (a container made in the call, add_hooks(nn.ModuleList([net,
+            # head])), held by nothing else), its modules still hooked and called: they keep
+            # their plan, which no root is left to change
+            return
         now, trainable = structure_and_parameters(model, bool(self._state.sharded))
         if now == self._structure:
             if not self._state.sharded:
