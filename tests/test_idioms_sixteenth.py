@@ -9,7 +9,8 @@ backward and put back after the optimizer's step; Jacobian regularization by ran
 projections, in the training backward (refused) and in a backward of its own under
 ``h.paused()``. Meta-learning: Reptile, its inner steps on the hooked model or on a deep copy
 and the meta-update interpolated in place; ANIL, only the head adapted by
-``torch.func.functional_call`` on the head submodule itself; learn2learn's ``clone_module``
+``torch.func.functional_call`` on the head submodule itself; a hypernetwork shifting a head's
+weight by ``functional_call`` inside the forward; learn2learn's ``clone_module``
 (refused, naming the layer) and the same MAML step by ``functional_call``; "learning to
 reweight", the examples' weights from a meta step through the hooked model. Teacher-student and
 semi-supervised: FitNets' hint through a connector trained beside the student, with a frozen
@@ -363,6 +364,41 @@ def test_anil_adapts_the_head_alone_by_functional_call_on_the_head(order, inner)
             opt.zero_grad()
             F.cross_entropy(query_logits(h, sx, sy, qx), qy, reduction="sum").backward()
             assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+class TaskConditioned(nn.Module):
+    """A head whose weight a hypernetwork shifts by a task's code (CAVIA- and FiLM-like
+    conditioning of meta-learning), inside the forward: ``functional_call`` on the head with
+    ``weight + 0.1 * delta(code)``, the code looked up in a table of one task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+        self.delta = nn.Linear(4, 12)
+        self.codes = nn.Embedding(1, 4)
+
+    def forward(self, x):
+        shift = self.delta(self.codes(torch.zeros(1, dtype=torch.long))).view(2, 6)
+        fast = {"weight": self.head.weight + 0.1 * shift, "bias": self.head.bias}
+        return functional_call(self.head, fast, (self.body(x),))
+
+
+def test_a_hypernetwork_shifts_a_heads_weight_by_functional_call_inside_the_forward():
+    """The shifted weight is a tensor computed from the head's weight and the hypernetwork's
+    parameters (shared by every example), put in the head's slot for one call inside the
+    model's forward: grad1 of the head, the hypernetwork and the task code is each example's
+    gradient through the shift."""
+    torch.manual_seed(0)
+    model = TaskConditioned().to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, loop_grad(model, F.cross_entropy, x, y), f"step {step}")
             opt.step()
 
 
