@@ -71,6 +71,7 @@ from .records import (
     detach_tree,
     graph_task,
     is_compiling,
+    leaves_of,
     power_of_two,
     tree_leaves,
     with_fields,
@@ -91,7 +92,7 @@ class ForwardCapture:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         # the handle's: plan the hooks again where the model changed since (at each forward)
-        self.follow_changes: Callable[[nn.Module], None] = lambda model: None
+        self.follow_changes: Callable[[nn.Module | None], None] = lambda model: None
         # a Target per torch function and parameters captured as a call (F.linear of a tied weight)
         self.functional_targets: dict[tuple, Target] = {}
         # the outputs hooked calls returned, where a global forward hook of others returns another
@@ -228,7 +229,9 @@ class ForwardCapture:
                     self._note_rerun(target, args, kwargs, tracker)
                 return
             if module is not target.module:
-                return  # a deep copy of a hooked module carries our hook: the copy is not hooked
+                # a shallow copy, which shares the module's hooks (a deep copy's are inert)
+                _refuse_shallow_copy(target, module, self.state.params)
+                return
             if _torch.in_transform(args, kwargs, output):
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
             if target.entry.on_forward is not None:
@@ -542,13 +545,22 @@ class ForwardCapture:
     def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if module is not self.state.model:
             return None  # a copy
+        return self._open_planned(module, args, kwargs)[1]
+
+    def _open_planned(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[bool, tuple | None]:
+        """:meth:`_open_frame` for ``module``'s call, and the hooks planned again there run
+        in the place of the dead ones. Returns whether they were planned again, and the
+        ``(args, kwargs)`` a new hook gave (``None`` where none did)."""
         before = _torch.forward_pre_hooks(module)
         self._open_frame(module, args, kwargs)
         # Where the hooks were planned again here (torch.func.functional_call put other tensors
-        # in the root's parameter slots), torch runs the root's pre-hooks from its copy taken
-        # before: the root's new ones would miss this call (its tracker would take the call's
-        # own uses of the parameters for uses outside it, and count them twice). They run here,
-        # in the place of the old ones, which are dead.
+        # in the parameter slots of the module it calls: the root, or a submodule called on its
+        # own), torch runs the module's pre-hooks from its copy taken before: the module's new
+        # ones would miss this call (its tracker would take the call's own uses of the
+        # parameters for uses outside it, and count them twice). They run here, in the place of
+        # the old ones, which are dead.
         new = [
             h for h in _torch.forward_pre_hooks(module)
             if isinstance(h, Hook) and not any(h is b for b in before)
@@ -558,7 +570,7 @@ class ForwardCapture:
             out = h(module, args, kwargs)
             if out is not None:
                 args, kwargs = given = out
-        return given
+        return bool(new), given
 
     def entry_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """The forward pre- and post-hook of a module of the model other than the root that
@@ -568,10 +580,13 @@ class ForwardCapture:
         from its inputs, as the root's would be."""
         ref = weakref.ref(module)
 
-        def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             # (not during a backward: activation checkpointing running a block again)
             if not self.state.frames and m is ref() and graph_task() == -1:
-                self._open_frame(m, args, kwargs)
+                replanned, given = self._open_planned(m, args, kwargs)
+                if replanned:  # (the module's other hooks of ours are dead: _pre_then)
+                    return (args, kwargs) if given is None else given
+            return None
 
         def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if m is ref():
@@ -925,6 +940,38 @@ def _without_nodes(taps: Any) -> Any:
     kept = copy.copy(taps)
     kept.nodes = ()
     return kept
+
+
+def _refuse_shallow_copy(target: Target, copied: nn.Module, hooked: dict) -> None:
+    """A shallow copy of a hooked module (learn2learn's ``clone_module``, ``copy.copy``)
+    shares the module's hooks, which were planned for the module, not for the copy: its calls
+    are not captured. Where its parameter slots hold hooked parameters, or tensors computed
+    from them (``p.clone()``, then ``p - lr * g``), a backward through its call would give
+    them a gradient without ``grad1``: refused at the call, before a backward can reach it.
+    (A copy whose slots hold tensors of its own is not the hooked model: left alone.)"""
+    for slot, t in _torch.own_parameters(copied).items():
+        if t is None or not t.requires_grad:
+            continue
+        found = [t] if id(t) in hooked else []
+        if not found and t.grad_fn is not None:
+            found = [q for q in leaves_of(t) if id(q) in hooked]
+        if found:
+            name = hooked[id(found[0])][0]
+            held = (
+                f"the hooked parameter '{name}'"
+                if found[0] is t
+                else f"a tensor computed from the hooked parameter '{name}'"
+            )
+            raise UnsupportedError(
+                f"'{target.name}' ({type(copied).__qualname__}) was called through a shallow "
+                "copy of it (learn2learn's clone_module, copy.copy), which shares its hooks "
+                f"but not its identity: the copy's calls are not captured, and its '{slot}' "
+                f"holds {held} {tuple(t.shape)}, which a backward through this call would "
+                "give a gradient without grad1. Call the hooked model itself with other "
+                "weights, torch.func.functional_call(model, {name: tensor}, x) (fast weights "
+                "such as p - lr * g get grad1 through them), or run the copy under `with "
+                "h.paused():`."
+            )
 
 
 def _in_slots(target: Target) -> dict[str, Tensor]:

@@ -66,7 +66,7 @@ from .plan import (
     storages_of,
     structure_and_parameters,
 )
-from .records import Hook, drop_box, graph_task
+from .records import Hook, drop_box, graph_task, leaves_of
 from .state import CaptureState
 from .verify import CheckReport, Verifier, check_hooks
 
@@ -530,7 +530,7 @@ class Hooks:
             name, p = self._state.params[pid]
             self._hook_accumulator(pid, name, p)
 
-    def _follow_changes(self, model: nn.Module) -> None:
+    def _follow_changes(self, model: nn.Module | None) -> None:
         """At each forward: where modules were added, swapped or removed, or parameters frozen
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
@@ -538,6 +538,11 @@ class Hooks:
         may return a new output, and the rule's output-gradient is the layer's own."""
         for m, hook_id in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
+        if model is None:
+            # the root is gone (a container made in the call, add_hooks(nn.ModuleList([net,
+            # head])), held by nothing else), its modules still hooked and called: they keep
+            # their plan, which no root is left to change
+            return
         key = None if self._state.sharded else state_key(model)
         if key is not None and key == self._key:
             self._follow_accumulator()
@@ -1038,24 +1043,6 @@ def _left_with(p: Tensor, rows: tuple) -> Tensor | None:
     return found[1]()
 
 
-def leaves_of(t: Tensor) -> list[Tensor]:
-    """The tensors requiring grad that autograd gives ``t``'s gradient to: the leaves of the
-    graph that computed it, in the order first reached."""
-    found: dict[int, Tensor] = {}
-    seen: set[int] = set()
-    stack = [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        leaf = getattr(node, "variable", None)  # (AccumulateGrad)
-        if isinstance(leaf, Tensor) and leaf.requires_grad:
-            found.setdefault(id(leaf), leaf)
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return list(found.values())
-
-
 def _checked(name: str, value: Any) -> Any:
     """``value`` for setting ``name`` of :func:`add_hooks` (or of a handle, later), refused where
     it is not one the setting takes: a setting taken as another (``loss_reduction="avg"`` as
@@ -1272,11 +1259,16 @@ def _note_rule_less(state: CaptureState) -> None:
 
 
 def _pre_then(first, then):
-    """One forward pre-hook that runs ``first``, then ``then`` (each gives ``None``)."""
+    """One forward pre-hook that runs ``first``, then ``then`` (which gives ``None``); not
+    ``then`` where ``first`` gives the call's arguments: the hooks were planned again in it,
+    ``then`` is dead and ``first`` ran its successor (:meth:`ForwardCapture.entry_hooks`)."""
 
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first(module, args, kwargs)
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        given = first(module, args, kwargs)
+        if given is not None:
+            return given
         then(module, args, kwargs)
+        return None
 
     return pre
 

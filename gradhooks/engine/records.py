@@ -397,6 +397,24 @@ def graph_task() -> int:
     return _torch.graph_task_id()
 
 
+def leaves_of(t: Tensor) -> list[Tensor]:
+    """The tensors requiring grad that autograd gives ``t``'s gradient to: the leaves of the
+    graph that computed it, in the order first reached."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # (AccumulateGrad)
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            found.setdefault(id(leaf), leaf)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return list(found.values())
+
+
 def with_fields(record: Any, **changes: Any) -> Any:
     """``dataclasses.replace(record, **changes)`` for a dataclass without ``__post_init__``,
     init-only or non-init fields (a :class:`~gradhooks.rules.registry.Call`): its fields copied
