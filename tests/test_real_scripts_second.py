@@ -163,3 +163,167 @@ def test_examples_vit_attention_across_the_batch_is_refused_then_trains_once_bat
             model.eval()
             criterion(model(torch.randn(5, 1, 4, 4, generator=g, dtype=D)), y.new_zeros(5)).item()
             assert model.embedding.class_token.grad1.shape[0] == 4
+
+
+def batch_rows(model, hooks, forward, losses_of) -> dict[str, torch.Tensor]:
+    """``{name: [batch, *shape]}``: the gradient of each example's own loss, ``losses_of(out)[i]``,
+    through one forward of the whole batch (``forward()``, run again with capture paused after
+    the caller reseeded the generator, so that it draws the hooked forward's dropout masks).
+    Autograd's exact derivative of row ``i``: where the examples mix, it differs from
+    ``grad1``."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with hooks.paused():
+        losses = losses_of(forward())
+        rows = []
+        for i in range(losses.shape[0]):
+            grads = torch.autograd.grad(
+                losses[i], [p for _, p in named], retain_graph=True, allow_unused=True
+            )
+            rows.append([torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, named)])
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
+# -- karpathy/minGPT mingpt/model.py and mingpt/trainer.py, projects/adder/adder.py ---------------
+
+
+class NewGELU(nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+class MinGPTAttention(nn.Module):
+    """minGPT's ``CausalSelfAttention``: one ``c_attn`` for q, k and v, the causal mask a
+    ``bias`` buffer, ``masked_fill`` then softmax, attention and residual dropout."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, pdrop: float) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(pdrop), nn.Dropout(pdrop)
+        mask = torch.tril(torch.ones(block_size, block_size))
+        self.register_buffer("bias", mask.view(1, 1, block_size, block_size))
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MinGPTBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, pdrop: float) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = MinGPTAttention(n_embd, n_head, block_size, pdrop)
+        self.mlp = nn.ModuleDict(dict(
+            c_fc=nn.Linear(n_embd, 4 * n_embd), c_proj=nn.Linear(4 * n_embd, n_embd),
+            act=NewGELU(), dropout=nn.Dropout(pdrop),
+        ))  # fmt: skip
+        m = self.mlp
+        self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlpf(self.ln_2(x))
+
+
+class MinGPT(nn.Module):
+    """minGPT's ``GPT`` (its ``gpt-nano`` shrunk: 2 layers, 2 heads, 8 features), the loss
+    computed inside with ``ignore_index=-1``, and its ``configure_optimizers``: AdamW, decay on
+    the Linear weights only."""
+
+    def __init__(self, vocab: int = 3, block_size: int = 5, pdrop: float = 0.1) -> None:
+        super().__init__()
+        n_layer, n_embd = 2, 8
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(pdrop), ln_f=nn.LayerNorm(n_embd),
+            h=nn.ModuleList([MinGPTBlock(n_embd, 2, block_size, pdrop) for _ in range(n_layer)]),
+        ))  # fmt: skip
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        for n, p in self.named_parameters():
+            if n.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def configure_optimizers(self, lr: float, weight_decay: float):
+        decay = {f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, nn.Linear)}
+        params = dict(self.named_parameters())
+        groups = [
+            {"params": [params[n] for n in sorted(decay)], "weight_decay": weight_decay},
+            {"params": [params[n] for n in sorted(set(params) - decay)], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device).unsqueeze(0)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        return logits, loss
+
+
+def _adder_batch(g, batch: int, ndigit: int = 1):
+    """``projects/adder/adder.py``'s ``AdditionDataset`` at one digit: ``a b`` then the sum's
+    digits reversed, ``x = dix[:-1]``, ``y = dix[1:]`` with the prompt's targets set to -1
+    (the same count in every example: the mean over the batch's tokens is the mean over
+    examples of each one's own mean)."""
+    a, b = torch.randint(3, (batch,), generator=g), torch.randint(3, (batch,), generator=g)
+    c = a + b
+    digits = torch.stack([a, b, c % 10, c // 10], 1) % 3  # a vocabulary of 3 at these sizes
+    x, y = digits[:, :-1].clone(), digits[:, 1:].clone()
+    y[:, : ndigit * 2 - 1] = -1
+    return x, y
+
+
+def test_mingpt_trainer_adder_with_masked_prompt_targets_dropout_and_clipping():
+    """karpathy/minGPT ``mingpt/trainer.py`` running ``projects/adder/adder.py``'s model:
+    ``model(x, y)`` returns ``(logits, loss)`` with the loss inside (``ignore_index=-1`` on the
+    prompt), ``model.zero_grad(set_to_none=True)``, ``clip_grad_norm_`` at 1.0, AdamW from
+    ``configure_optimizers`` (two weight-decay groups), dropout 0.1 everywhere (the loop
+    replays the step's masks by reseeding: the examples do not mix, so each row's gradient
+    through the batch's own forward is that example's)."""
+    torch.manual_seed(0)
+    model = MinGPT().to(D)
+    opt = model.configure_optimizers(lr=5e-4, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+
+    def losses_of(x, y):
+        def each(out):
+            logits, _ = out
+            ce = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-1, reduction="none")
+            return ce.sum(1) / (y != -1).sum(1)
+
+        return each
+
+    with gradhooks.add_hooks(model) as h:
+        model.train()
+        for step in range(3):
+            x, y = _adder_batch(g, 4)
+            torch.manual_seed(10 + step)
+            logits, loss = model(x, y)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.manual_seed(10 + step)
+            want = batch_rows(model, h, lambda x=x, y=y: model(x, y), losses_of(x, y))
+            assert_grad1(model, want, f"step {step}")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
