@@ -165,14 +165,14 @@ def test_examples_vit_attention_across_the_batch_is_refused_then_trains_once_bat
             assert model.embedding.class_token.grad1.shape[0] == 4
 
 
-def batch_rows(model, hooks, forward, losses_of) -> dict[str, torch.Tensor]:
+def batch_rows(model, forward, losses_of) -> dict[str, torch.Tensor]:
     """``{name: [batch, *shape]}``: the gradient of each example's own loss, ``losses_of(out)[i]``,
     through one forward of the whole batch (``forward()``, run again with capture paused after
     the caller reseeded the generator, so that it draws the hooked forward's dropout masks).
     Autograd's exact derivative of row ``i``: where the examples mix, it differs from
     ``grad1``."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with hooks.paused():
+    with gradhooks.paused():
         losses = losses_of(forward())
         rows = []
         for i in range(losses.shape[0]):
@@ -323,7 +323,78 @@ def test_mingpt_trainer_adder_with_masked_prompt_targets_dropout_and_clipping():
             model.zero_grad(set_to_none=True)
             loss.backward()
             torch.manual_seed(10 + step)
-            want = batch_rows(model, h, lambda x=x, y=y: model(x, y), losses_of(x, y))
+            want = batch_rows(model, lambda x=x, y=y: model(x, y), losses_of(x, y))
             assert_grad1(model, want, f"step {step}")
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+
+
+# -- pytorch/tutorials intermediate_source/spatial_transformer_tutorial.py -------------------------
+
+
+class STNNet(nn.Module):
+    """pytorch/tutorials ``intermediate_source/spatial_transformer_tutorial.py``'s ``Net``, its
+    channels and hidden units shrunk (28x28 inputs kept, so its shapes are the script's): a
+    localization network regressing an affine ``theta`` (the last layer initialised to the
+    identity), ``F.affine_grid`` and ``F.grid_sample`` warping the input, then a classifier
+    with ``Dropout2d`` and ``F.dropout``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 2, 5), nn.Conv2d(2, 3, 5)
+        self.conv2_drop = nn.Dropout2d()
+        self.fc1, self.fc2 = nn.Linear(48, 6), nn.Linear(6, 10)
+        self.localization = nn.Sequential(
+            nn.Conv2d(1, 2, 7), nn.MaxPool2d(2, 2), nn.ReLU(True),
+            nn.Conv2d(2, 2, 5), nn.MaxPool2d(2, 2), nn.ReLU(True),
+        )  # fmt: skip
+        self.fc_loc = nn.Sequential(nn.Linear(2 * 3 * 3, 4), nn.ReLU(True), nn.Linear(4, 3 * 2))
+        self.fc_loc[2].weight.data.zero_()
+        self.fc_loc[2].bias.data.copy_(torch.tensor([1, 0, 0, 0, 1, 0], dtype=torch.float))
+
+    def stn(self, x):
+        xs = self.localization(x).view(-1, 2 * 3 * 3)
+        theta = self.fc_loc(xs).view(-1, 2, 3)
+        grid = F.affine_grid(theta, x.size(), align_corners=False)
+        return F.grid_sample(x, grid, align_corners=False)
+
+    def forward(self, x):
+        x = self.stn(x)
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = F.relu(self.fc1(x.view(-1, 48)))
+        x = F.dropout(x, training=self.training)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def test_spatial_transformer_affine_grid_and_grid_sample_with_dropout():
+    """The spatial transformer tutorial's ``train``: SGD at 0.01, ``F.nll_loss`` on the
+    log-softmax, ``model.train()`` (both dropouts drawing masks; the loop replays them by
+    reseeding), a ``no_grad`` test pass summing the loss between epochs. The warp's gradient
+    reaches the localization network through ``grid_sample``; after the first step its last
+    layer is no longer the identity, and each example's theta its own."""
+    torch.manual_seed(0)
+    model = STNNet().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model) as h:
+        for epoch in range(2):
+            model.train()
+            for step in range(2):
+                data = torch.randn(3, 1, 28, 28, generator=g, dtype=D)
+                target = torch.randint(10, (3,), generator=g)
+                opt.zero_grad()
+                torch.manual_seed(20 + step)
+                F.nll_loss(model(data), target).backward()
+                torch.manual_seed(20 + step)
+                want = batch_rows(
+                    model, lambda d=data: model(d),
+                    lambda out, t=target: F.nll_loss(out, t, reduction="none"),
+                )  # fmt: skip
+                assert_grad1(model, want, f"epoch {epoch} step {step}")
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                data = torch.randn(4, 1, 28, 28, generator=g, dtype=D)
+                F.nll_loss(model(data), torch.zeros(4, dtype=torch.long), reduction="sum").item()
+    assert model.fc_loc[2].weight.abs().sum() > 0
