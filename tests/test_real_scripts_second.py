@@ -398,3 +398,136 @@ def test_spatial_transformer_affine_grid_and_grid_sample_with_dropout():
                 data = torch.randn(4, 1, 28, 28, generator=g, dtype=D)
                 F.nll_loss(model(data), torch.zeros(4, dtype=torch.long), reduction="sum").item()
     assert model.fc_loc[2].weight.abs().sum() > 0
+
+
+# -- pytorch/tutorials intermediate_source/seq2seq_translation_tutorial.py -------------------------
+
+SOS_token, EOS_token, MAX_LENGTH = 0, 1, 4
+
+
+class EncoderRNN(nn.Module):
+    def __init__(self, input_size: int, hidden_size: int, dropout_p: float = 0.1) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(input_size, hidden_size)
+        self.gru = nn.GRU(hidden_size, hidden_size, batch_first=True)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, input):
+        return self.gru(self.dropout(self.embedding(input)))
+
+
+class BahdanauAttention(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.Wa, self.Ua = nn.Linear(hidden_size, hidden_size), nn.Linear(hidden_size, hidden_size)
+        self.Va = nn.Linear(hidden_size, 1)
+
+    def forward(self, query, keys):
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys)))
+        weights = F.softmax(scores.squeeze(2).unsqueeze(1), dim=-1)
+        return torch.bmm(weights, keys), weights
+
+
+class AttnDecoderRNN(nn.Module):
+    """The tutorial's ``AttnDecoderRNN``: ``MAX_LENGTH`` steps from ``SOS``, each step's input
+    the target's previous token (teacher forcing) or the argmax of its own output, a Bahdanau
+    attention over the encoder's outputs, the step's outputs concatenated, log-softmax."""
+
+    def __init__(self, hidden_size: int, output_size: int, dropout_p: float = 0.1) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(output_size, hidden_size)
+        self.attention = BahdanauAttention(hidden_size)
+        self.gru = nn.GRU(2 * hidden_size, hidden_size, batch_first=True)
+        self.out = nn.Linear(hidden_size, output_size)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, encoder_outputs, encoder_hidden, target_tensor=None):
+        batch_size = encoder_outputs.size(0)
+        decoder_input = torch.empty(batch_size, 1, dtype=torch.long).fill_(SOS_token)
+        decoder_hidden, decoder_outputs, attentions = encoder_hidden, [], []
+        for i in range(MAX_LENGTH):
+            decoder_output, decoder_hidden, attn_weights = self.forward_step(
+                decoder_input, decoder_hidden, encoder_outputs
+            )
+            decoder_outputs.append(decoder_output)
+            attentions.append(attn_weights)
+            if target_tensor is not None:
+                decoder_input = target_tensor[:, i].unsqueeze(1)
+            else:
+                _, topi = decoder_output.topk(1)
+                decoder_input = topi.squeeze(-1).detach()
+        decoder_outputs = F.log_softmax(torch.cat(decoder_outputs, dim=1), dim=-1)
+        return decoder_outputs, decoder_hidden, torch.cat(attentions, dim=1)
+
+    def forward_step(self, input, hidden, encoder_outputs):
+        embedded = self.dropout(self.embedding(input))
+        query = hidden.permute(1, 0, 2)
+        context, attn_weights = self.attention(query, encoder_outputs)
+        output, hidden = self.gru(torch.cat((embedded, context), dim=2), hidden)
+        return self.out(output), hidden, attn_weights
+
+
+class Seq2Seq(nn.Module):
+    """Only to name both models' parameters for the per-example loop."""
+
+    def __init__(self, encoder, decoder) -> None:
+        super().__init__()
+        self.encoder, self.decoder = encoder, decoder
+
+    def forward(self, input_tensor, target_tensor=None):
+        encoder_outputs, encoder_hidden = self.encoder(input_tensor)
+        return self.decoder(encoder_outputs, encoder_hidden, target_tensor)[0]
+
+
+def _pairs(g, batch: int, vocab: int):
+    """The tutorial's ``get_dataloader`` arrays: token ids, ``EOS`` appended, zero-padded to
+    ``MAX_LENGTH`` (0 is also ``SOS``, and the loss is not told to ignore it)."""
+    ids = torch.zeros(2, batch, MAX_LENGTH, dtype=torch.long)
+    for k in range(2):
+        for b in range(batch):
+            n = int(torch.randint(1, MAX_LENGTH, (1,), generator=g))
+            ids[k, b, :n] = torch.randint(2, vocab, (n,), generator=g)
+            ids[k, b, n] = EOS_token
+    return ids[0], ids[1]
+
+
+def test_seq2seq_tutorial_two_hooked_models_with_teacher_forcing():
+    """pytorch/tutorials ``intermediate_source/seq2seq_translation_tutorial.py``'s
+    ``train_epoch``: the encoder and the decoder are two models, each hooked and each with its
+    own Adam; ``NLLLoss`` over ``decoder_outputs.view(-1, vocab)`` (every sentence padded to
+    the same length, so the mean over tokens is the mean over sentences); dropout on both
+    embeddings (the loop replays the masks by reseeding); then ``evaluate`` without targets,
+    the decoder feeding back its own argmax, under ``no_grad``."""
+    torch.manual_seed(0)
+    encoder, decoder = EncoderRNN(7, 4).to(D), AttnDecoderRNN(4, 6).to(D)
+    both = Seq2Seq(encoder, decoder)
+    encoder_optimizer = torch.optim.Adam(encoder.parameters(), lr=0.001)
+    decoder_optimizer = torch.optim.Adam(decoder.parameters(), lr=0.001)
+    criterion = nn.NLLLoss()
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(encoder), gradhooks.add_hooks(decoder):
+        for step in range(3):
+            input_tensor, target_tensor = _pairs(g, 3, 6)
+            encoder_optimizer.zero_grad()
+            decoder_optimizer.zero_grad()
+            torch.manual_seed(30 + step)
+            encoder_outputs, encoder_hidden = encoder(input_tensor)
+            decoder_outputs, _, _ = decoder(encoder_outputs, encoder_hidden, target_tensor)
+            loss = criterion(
+                decoder_outputs.view(-1, decoder_outputs.size(-1)), target_tensor.view(-1)
+            )
+            loss.backward()
+            torch.manual_seed(30 + step)
+            want = batch_rows(
+                both, lambda i=input_tensor, t=target_tensor: both(i, t),
+                lambda out, t=target_tensor: F.nll_loss(out.transpose(1, 2), t, reduction="none").mean(1),
+            )  # fmt: skip
+            for name, model in (("encoder", encoder), ("decoder", decoder)):
+                own = {n[len(name) + 1 :]: w for n, w in want.items() if n.startswith(name + ".")}
+                assert_grad1(model, own, f"step {step} {name}")
+            encoder_optimizer.step()
+            decoder_optimizer.step()
+            with torch.no_grad():
+                encoder.eval(), decoder.eval()
+                both(input_tensor[:1]).topk(1)
+                encoder.train(), decoder.train()
