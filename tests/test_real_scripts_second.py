@@ -49,9 +49,9 @@ def per_example(model, hooks, batch: int, loss_of) -> dict[str, torch.Tensor]:
     with hooks.paused():
         for i in range(batch):
             grads = torch.autograd.grad(loss_of(i), [p for _, p in named], allow_unused=True)
-            rows.append(
-                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, named)]
-            )
+            rows.append([
+                torch.zeros_like(p) if g is None else g.to_dense() for g, (_, p) in zip(grads, named)
+            ])  # fmt: skip
     return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
 
 
@@ -531,3 +531,84 @@ def test_seq2seq_tutorial_two_hooked_models_with_teacher_forcing():
                 encoder.eval(), decoder.eval()
                 both(input_tensor[:1]).topk(1)
                 encoder.train(), decoder.train()
+
+
+# -- pytorch/tutorials beginner_source/text_sentiment_ngrams_tutorial.py ---------------------------
+
+
+class TextSentiment(nn.Module):
+    """The text classification tutorial's model: a sparse ``nn.EmbeddingBag`` (mean mode) over
+    one flat tensor of every text's tokens, each text starting at its offset, then a Linear;
+    weights uniform in [-0.5, 0.5], bias zero."""
+
+    def __init__(self, vocab_size: int, embed_dim: int, num_class: int) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(vocab_size, embed_dim, sparse=True)
+        self.fc = nn.Linear(embed_dim, num_class)
+        self.embedding.weight.data.uniform_(-0.5, 0.5)
+        self.fc.weight.data.uniform_(-0.5, 0.5)
+        self.fc.bias.data.zero_()
+
+    def forward(self, text, offsets):
+        return self.fc(self.embedding(text, offsets))
+
+
+def generate_batch(batch):
+    """The tutorial's ``collate_fn``: texts concatenated, offsets the cumulative lengths."""
+    label = torch.tensor([entry[0] for entry in batch])
+    text = [entry[1] for entry in batch]
+    offsets = torch.tensor([0] + [len(entry) for entry in text][:-1]).cumsum(dim=0)
+    return torch.cat(text), offsets, label
+
+
+def test_text_sentiment_embedding_bag_with_offsets_sparse_sgd_and_steplr():
+    """pytorch/tutorials ``beginner_source/text_sentiment_ngrams_tutorial.py``: the examples
+    are not on a dimension of the input but cut out of one flat token tensor by ``offsets``;
+    a sparse EmbeddingBag trained by SGD at lr 4.0 with ``StepLR`` per epoch, and a
+    ``no_grad`` evaluation. With ``batch_dim="auto"`` gradhooks takes the flat tokens for the
+    batch and cannot follow it through the bags: the backward is refused naming the Linear
+    after the bag, and the model is left as it was. With ``batch_dim=None`` (every hooked
+    layer's rows are its examples: the bag's rule counts one per bag), each text's grad1 is
+    its own, by the loop over the texts (each its tokens and offset ``[0]``, as the tutorial's
+    ``predict`` calls the model)."""
+    torch.manual_seed(0)
+    model = TextSentiment(12, 4, 3).to(D)
+    before = snapshot(model)
+    text, offsets, cls = generate_batch([(0, torch.tensor([1, 2, 3])), (2, torch.tensor([4]))])
+    with gradhooks.add_hooks(model):
+        loss = F.cross_entropy(model(text, offsets), cls)
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'fc'.*'weight'.*\(2, 4\)"):
+            loss.backward()
+    assert_untouched(model, before, "batch_dim='auto'")
+
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=4.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)
+    g = torch.Generator().manual_seed(0)
+
+    def entries(n):
+        return [
+            (int(torch.randint(3, (1,), generator=g)),
+             torch.randint(12, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g))
+            for _ in range(n)
+        ]  # fmt: skip
+
+    with gradhooks.add_hooks(model, batch_dim=None) as h:
+        for epoch in range(2):
+            for step in range(2):
+                batch = entries(4)
+                text, offsets, cls = generate_batch(batch)
+                optimizer.zero_grad()
+                output = model(text, offsets)
+                loss = criterion(output, cls)
+                loss.backward()
+                want = per_example(
+                    model, h, 4,
+                    lambda i, b=batch: criterion(model(b[i][1], torch.tensor([0])), torch.tensor([b[i][0]])),
+                )  # fmt: skip
+                assert_grad1(model, want, f"epoch {epoch} step {step}")
+                optimizer.step()
+            scheduler.step()
+            with torch.no_grad():
+                text, offsets, cls = generate_batch(entries(3))
+                criterion(model(text, offsets), cls).item()
