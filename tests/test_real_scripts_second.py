@@ -612,3 +612,111 @@ def test_text_sentiment_embedding_bag_with_offsets_sparse_sgd_and_steplr():
             with torch.no_grad():
                 text, offsets, cls = generate_batch(entries(3))
                 criterion(model(text, offsets), cls).item()
+
+
+# -- pytorch/tutorials beginner_source/transfer_learning_tutorial.py -------------------------------
+
+
+class Block(nn.Module):
+    """torchvision's ResNet ``BasicBlock`` with its BatchNorms."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class TinyResNet(nn.Module):
+    """``resnet18`` in miniature: stem, two basic blocks, global pooling, ``fc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, 2, 1, bias=False), nn.BatchNorm2d(4)
+        self.layer1, self.layer2 = Block(4, 4, 1), Block(4, 6, 2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x)))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _train_model(model, criterion, optimizer, scheduler, g, epochs: int):
+    """The tutorial's ``train_model``: per epoch a ``train`` phase (``model.train()``, grad
+    enabled, backward and step) and a ``val`` phase (``model.eval()``, grad disabled), the
+    scheduler stepped after the train phase; each train step's grad1 against the loop, and
+    no frozen parameter given one."""
+    for epoch in range(epochs):
+        for phase in ["train", "val"]:
+            model.train() if phase == "train" else model.eval()
+            for step in range(2):
+                inputs = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+                labels = torch.randint(2, (4,), generator=g)
+                optimizer.zero_grad()
+                with torch.set_grad_enabled(phase == "train"):
+                    outputs = model(inputs)
+                    _, preds = torch.max(outputs, 1)
+                    loss = criterion(outputs, labels)
+                    if phase == "train":
+                        loss.backward()
+                        want = loop_grad(model, criterion, inputs, labels)
+                        assert_grad1(model, want, f"epoch {epoch} step {step}", frozen_clean=True)
+                        optimizer.step()
+                (preds == labels).sum().item()
+            if phase == "train":
+                scheduler.step()
+
+
+def test_transfer_learning_fixed_feature_extractor_batch_norm_statistics_are_refused():
+    """pytorch/tutorials ``beginner_source/transfer_learning_tutorial.py``, "ConvNet as fixed
+    feature extractor": every parameter of the ResNet frozen, a new ``fc`` the only trainable
+    layer, SGD with momentum on ``model_conv.fc.parameters()``, ``StepLR``. The train phase
+    runs ``model.train()``: the frozen BatchNorms still normalize by the batch's statistics,
+    so ``fc``'s input depends on every image of the batch and no per-example gradient exists;
+    gradhooks refuses at the forward naming the first BatchNorm, its running statistics and
+    the parameters as they were. With the backbone's
+    BatchNorms kept in eval mode (``model.train()`` then ``.eval()`` on each frozen
+    BatchNorm), the script's two phases match the loop at every train step."""
+    torch.manual_seed(0)
+    model_conv = TinyResNet().to(D)
+    for param in model_conv.parameters():
+        param.requires_grad = False
+    model_conv.fc = nn.Linear(model_conv.fc.in_features, 2).to(D)
+    before = snapshot(model_conv)
+    criterion = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    buffers = {n: b.clone() for n, b in model_conv.named_buffers()}
+    with gradhooks.add_hooks(model_conv):
+        model_conv.train()
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'bn1' \(BatchNorm2d\)"):
+            model_conv(torch.randn(4, 3, 8, 8, generator=g, dtype=D))
+    assert_untouched(model_conv, before, "frozen batch norms in training mode")
+    for n, b in model_conv.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+
+    optimizer_conv = torch.optim.SGD(model_conv.fc.parameters(), lr=0.001, momentum=0.9)
+    exp_lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer_conv, step_size=1, gamma=0.1)
+    train = model_conv.train
+
+    def train_with_frozen_statistics(mode: bool = True):
+        train(mode)
+        for m in model_conv.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return model_conv
+
+    model_conv.train = train_with_frozen_statistics
+    with gradhooks.add_hooks(model_conv):
+        _train_model(model_conv, criterion, optimizer_conv, exp_lr_scheduler, g, epochs=2)
