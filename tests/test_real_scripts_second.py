@@ -720,3 +720,97 @@ def test_transfer_learning_fixed_feature_extractor_batch_norm_statistics_are_ref
     model_conv.train = train_with_frozen_statistics
     with gradhooks.add_hooks(model_conv):
         _train_model(model_conv, criterion, optimizer_conv, exp_lr_scheduler, g, epochs=2)
+
+
+# -- pytorch/tutorials beginner_source/knowledge_distillation_tutorial.py --------------------------
+
+
+class LightNN(nn.Module):
+    """The distillation tutorial's student, ``LightNN`` (16 channels shrunk to 3, 32x32 images
+    to 8x8); with ``hidden`` it is ``ModifiedLightNNCosine``, returning the flattened
+    features average-pooled to the teacher's width besides the logits."""
+
+    def __init__(self, hidden: bool = False) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Linear(16, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5))
+        self.hidden = hidden
+
+    def forward(self, x):
+        x = torch.flatten(self.features(x), 1)
+        if not self.hidden:
+            return self.classifier(x)
+        return self.classifier(x), F.avg_pool1d(x, 2)
+
+
+class DeepNN(nn.Module):
+    """The tutorial's teacher, ``DeepNN`` shrunk; with ``hidden`` its cosine variant."""
+
+    def __init__(self, hidden: bool = False) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2, 2), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(4, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5))
+        self.hidden = hidden
+
+    def forward(self, x):
+        x = torch.flatten(self.features(x), 1)
+        return (self.classifier(x), x) if self.hidden else self.classifier(x)
+
+
+@pytest.mark.parametrize("variant", ["soft_targets", "cosine"])
+def test_knowledge_distillation_student_hooked_teacher_under_no_grad(variant):
+    """pytorch/tutorials ``beginner_source/knowledge_distillation_tutorial.py``: the teacher in
+    eval mode under ``no_grad``, the student hooked and trained by Adam. ``soft_targets``
+    (``train_knowledge_distillation``): ``sum(p_t * (log p_t - log p_s)) / batch * T**2``
+    weighted with the cross-entropy; ``cosine`` (``train_cosine_loss``): the teacher's and the
+    student's hidden representations through ``CosineEmbeddingLoss`` with target ones, plus
+    the cross-entropy. The student's dropout is replayed by reseeding; each example's loss
+    is its own row of both terms."""
+    torch.manual_seed(0)
+    hidden = variant == "cosine"
+    teacher, student = DeepNN(hidden).to(D), LightNN(hidden).to(D)
+    ce_loss, cosine_loss = nn.CrossEntropyLoss(), nn.CosineEmbeddingLoss()
+    optimizer = torch.optim.Adam(student.parameters(), lr=0.001)
+    T, soft_target_loss_weight, ce_loss_weight = 2.0, 0.25, 0.75
+    g = torch.Generator().manual_seed(0)
+
+    def losses(out, teacher_out, labels, reduce: bool):
+        if variant == "soft_targets":
+            soft_targets = F.softmax(teacher_out / T, dim=-1)
+            soft_prob = F.log_softmax(out / T, dim=-1)
+            rows = torch.sum(soft_targets * (soft_targets.log() - soft_prob), -1) * T**2
+            soft = rows.sum() / soft_prob.size()[0] if reduce else rows
+            label = ce_loss(out, labels) if reduce else F.cross_entropy(out, labels, reduction="none")
+            return soft_target_loss_weight * soft + ce_loss_weight * label
+        (logits, student_hidden), (_, teacher_hidden) = out, teacher_out
+        ones = torch.ones(labels.size(0), dtype=D)
+        if reduce:
+            return 0.25 * cosine_loss(student_hidden, teacher_hidden, target=ones) + 0.75 * ce_loss(logits, labels)
+        cos = F.cosine_embedding_loss(student_hidden, teacher_hidden, ones, reduction="none")
+        return 0.25 * cos + 0.75 * F.cross_entropy(logits, labels, reduction="none")
+
+    teacher.eval()
+    student.train()
+    with gradhooks.add_hooks(student):
+        for step in range(3):
+            inputs = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+            labels = torch.randint(5, (4,), generator=g)
+            optimizer.zero_grad()
+            with torch.no_grad():
+                teacher_out = teacher(inputs)
+            torch.manual_seed(40 + step)
+            losses(student(inputs), teacher_out, labels, reduce=True).backward()
+            torch.manual_seed(40 + step)
+            want = batch_rows(
+                student, lambda x=inputs: student(x),
+                lambda out, t=teacher_out, y=labels: losses(out, t, y, reduce=False),
+            )  # fmt: skip
+            assert_grad1(student, want, f"{variant} step {step}")
+            optimizer.step()
