@@ -814,3 +814,79 @@ def test_knowledge_distillation_student_hooked_teacher_under_no_grad(variant):
             )  # fmt: skip
             assert_grad1(student, want, f"{variant} step {step}")
             optimizer.step()
+
+
+# -- huggingface/transformers examples/pytorch/language-modeling/run_clm_no_trainer.py -------------
+
+
+def _group_texts(g, texts: int, block_size: int, vocab: int):
+    """The script's ``group_texts``: the tokenized texts concatenated and cut into blocks of
+    ``block_size`` (the remainder dropped), ``labels`` a copy of ``input_ids``; the default
+    collator adds an all-ones ``attention_mask``."""
+    ids = torch.cat([torch.randint(4, vocab, (int(torch.randint(3, 9, (1,), generator=g)),),
+                                   generator=g) for _ in range(texts)])  # fmt: skip
+    total = (len(ids) // block_size) * block_size
+    blocks = ids[:total].view(-1, block_size)
+    return dict(input_ids=blocks, attention_mask=torch.ones_like(blocks), labels=blocks.clone())
+
+
+def test_run_clm_no_trainer_opt_with_accumulation_warmup_and_dropout():
+    """huggingface/transformers ``examples/pytorch/language-modeling/run_clm_no_trainer.py``
+    on a tiny ``OPTForCausalLM`` (positions from the attention mask's cumulative sum, dropout
+    0.1 kept): ``outputs = model(**batch)``, ``loss = outputs.loss`` (labels shifted inside,
+    the mean over the batch's tokens, each block as long as the others), what
+    ``accelerator.accumulate`` does at two steps (the loss halved, the optimizer, scheduler and
+    ``zero_grad`` run every second micro-batch), AdamW over the script's no-decay groups
+    (``bias``, ``layer_norm.weight``), ``get_scheduler("linear", ...)`` with warmup, then the
+    evaluation's perplexity under ``no_grad``. grad1 after each update's two micro-batches,
+    within float32's precision (the loss is computed in float32 inside the model):
+    each row the halved sum of that row's gradients, each through its micro-batch's forward
+    with the same dropout masks."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.OPTConfig(
+        vocab_size=24, hidden_size=8, num_hidden_layers=1, ffn_dim=12, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=8, pad_token_id=1, bos_token_id=2,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).to(D)
+    no_decay = ["bias", "layer_norm.weight"]
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ], lr=1e-3)  # fmt: skip
+    accumulation = 2
+    lr_scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=4)
+    g = torch.Generator().manual_seed(0)
+
+    def rows(out, batch):
+        logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+
+    with gradhooks.add_hooks(model):
+        model.train()
+        want = None
+        for step in range(2 * accumulation):
+            batch = _group_texts(g, 4, 5, 24)
+            batch = {k: v[:3] for k, v in batch.items()}
+            torch.manual_seed(50 + step)
+            outputs = model(**batch)
+            (outputs.loss / accumulation).backward()
+            torch.manual_seed(50 + step)
+            own = batch_rows(model, lambda b=batch: model(**b), lambda out, b=batch: rows(out, b))
+            want = {n: w / accumulation + (0 if want is None else want[n]) for n, w in own.items()}
+            if (step + 1) % accumulation == 0:
+                # (Hugging Face's causal-LM loss casts the logits to float32: its gradient is
+                # float32's, rounded otherwise than each row's float64 loss)
+                assert_grad1(model, want, f"update {step // accumulation}", rtol=1e-5, atol=1e-6)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+                want = None
+        model.eval()
+        with torch.no_grad():
+            batch = _group_texts(g, 3, 5, 24)
+            math.exp(model(**batch).loss.item())
