@@ -890,3 +890,56 @@ def test_run_clm_no_trainer_opt_with_accumulation_warmup_and_dropout():
         with torch.no_grad():
             batch = _group_texts(g, 3, 5, 24)
             math.exp(model(**batch).loss.item())
+
+
+# -- karpathy/micrograd demo.ipynb, its MLP written in torch ---------------------------------------
+
+
+def test_micrograd_demo_max_margin_loss_with_an_l2_penalty_in_the_loss():
+    """karpathy/micrograd ``demo.ipynb``: ``MLP(2, [16, 16, 1])`` (here ``[4, 4, 1]``; ReLU
+    neurons, the last linear; weights uniform in [-1, 1], biases zero), the SVM max-margin loss
+    ``relu(1 - y * score)`` averaged, plus ``alpha * sum(p * p)`` over the parameters, then
+    ``model.zero_grad()``, backward and ``p.data -= lr * p.grad`` with the learning rate decayed
+    by ``1 - 0.9 * k / 100``. The penalty is no example's: as written, the first backward is
+    refused (grad1 would not add up to ``.grad``) and no grad1 is written. With
+    ``verify=False`` (as the error says), grad1 holds each example's data term, and ``.grad``
+    its mean plus the penalty's ``2 * alpha * p``, at every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model = model.to(D)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            nn.init.uniform_(m.weight, -1, 1)
+            nn.init.zeros_(m.bias)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 2, generator=g, dtype=D)
+    y = torch.randint(2, (6,), generator=g).to(D) * 2 - 1
+    alpha = 1e-4
+
+    def loss():
+        scores = model(X).squeeze(1)
+        losses = (1 + -y * scores).relu()
+        data_loss = losses.sum() * (1.0 / losses.numel())
+        reg_loss = alpha * sum((p * p).sum() for p in model.parameters())
+        return data_loss + reg_loss
+
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.CheckFailedError):
+            loss().backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+    def hinge(out, target):
+        return (1 + -target * out.squeeze(1)).relu().mean()
+
+    with gradhooks.add_hooks(model, verify=False):
+        for k in range(4):
+            want = loop_grad(model, hinge, X, y)
+            total_loss = loss()
+            model.zero_grad()
+            total_loss.backward()
+            assert_grad1(model, want, f"step {k}")
+            for n, p in model.named_parameters():
+                assert_close(p.grad, p.grad1.mean(0) + 2 * alpha * p.detach(), f"step {k} .grad {n}")
+            learning_rate = 1.0 - 0.9 * k / 100
+            for p in model.parameters():
+                p.data -= learning_rate * p.grad
