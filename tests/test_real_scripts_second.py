@@ -943,3 +943,85 @@ def test_micrograd_demo_max_margin_loss_with_an_l2_penalty_in_the_loss():
             learning_rate = 1.0 - 0.9 * k / 100
             for p in model.parameters():
                 p.data -= learning_rate * p.grad
+
+
+# -- pytorch/opacus examples/cifar10.py ------------------------------------------------------------
+
+
+def opacus_convnet(num_classes: int = 10) -> nn.Sequential:
+    """Opacus ``examples/cifar10.py``'s ``convnet``: four 3x3 convolutions with ReLU and
+    average pooling (32, 64, 64, 128 channels shrunk to 4; 32x32 images to 8x8), global
+    average pooling, ``Flatten``, a Linear."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, kernel_size=3, stride=1, padding=1), nn.ReLU(), nn.AvgPool2d(2, 2),
+        nn.Conv2d(4, 4, kernel_size=3, stride=1, padding=1), nn.ReLU(), nn.AvgPool2d(2, 2),
+        nn.Conv2d(4, 4, kernel_size=3, stride=1, padding=1), nn.ReLU(), nn.AvgPool2d(2, 2),
+        nn.Conv2d(4, 4, kernel_size=3, stride=1, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(start_dim=1, end_dim=-1),
+        nn.Linear(4, num_classes, bias=True),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("clip_per_layer", [False, True], ids=["flat", "per_layer"])
+def test_opacus_cifar10_example_momentum_cosine_lr_and_per_layer_clipping(clip_per_layer):
+    """Opacus ``examples/cifar10.py`` with ``gradhooks.make_private`` where the script calls
+    ``make_private`` (one bound ``C``) or ``make_private_per_layer`` (``--clip-per-layer``:
+    every parameter its own bound ``C / sqrt(n_params)``, here ``clipping_groups=
+    "parameter"``): SGD with momentum 0.9, the cosine learning rate written into the
+    optimizer's groups at each epoch, ``CrossEntropyLoss`` per example, a ``no_grad`` test
+    pass. Noise off, each step's update is an unhooked twin's, SGD with the same momentum and
+    learning rate, fed the clipped sum of the batch's per-example gradients (by the loop, at
+    the step's parameters) over the expected batch size."""
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = opacus_convnet().to(D)
+    twin = copy.deepcopy(model)
+    lr, momentum, C, epochs = 0.1, 0.9, 1.0, 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=lr, momentum=momentum)
+    names = [n for n, _ in model.named_parameters()]
+    bounds = {n: C / math.sqrt(len(names)) if clip_per_layer else C for n in names}
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(16, 3, 8, 8, generator=g, dtype=D), torch.randint(10, (16,), generator=g)
+    )
+    private = gradhooks.make_private(
+        model, optimizer, data, delta=1e-5, noise_multiplier=0.0, steps=4, expected_batch_size=4,
+        max_grad_norm=[bounds[n] for n in names] if clip_per_layer else C,
+        clipping_groups="parameter" if clip_per_layer else None,
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    steps = 0
+    try:
+        batches = private.batches()
+        for epoch in range(1, epochs + 1):
+            epoch_lr = lr * 0.5 * (1 + math.cos(math.pi * epoch / (epochs + 1)))
+            for o in (optimizer, twin_optimizer):
+                for param_group in o.param_groups:
+                    param_group["lr"] = epoch_lr
+            model.train()
+            for _ in range(2):
+                images, target = next(batches)
+                rows = loop_grad(model, lambda out, y: criterion(out, y).sum(), images, target)
+                if clip_per_layer:
+                    factors = {n: (bounds[n] / rows[n].flatten(1).norm(dim=1)).clamp(max=1.0)
+                               for n in names}  # fmt: skip
+                else:
+                    norms = torch.cat([rows[n].flatten(1) for n in names], 1).norm(dim=1)
+                    factors = dict.fromkeys(names, (C / norms).clamp(max=1.0))
+                for n, q in twin.named_parameters():
+                    q.grad = torch.einsum("b,b...->...", factors[n], rows[n]) / 4
+                private.backward(criterion(model(images), target))
+                assert private.step()
+                twin_optimizer.step()
+                for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+                    assert_close(p.detach(), q.detach(), f"epoch {epoch} step {steps}: {n}")
+                steps += 1
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(5, 3, 8, 8, generator=g, dtype=D)).argmax(1)
+    finally:
+        private.close()
+    assert steps == 4
