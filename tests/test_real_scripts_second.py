@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 
 import pytest
 import torch
@@ -1025,3 +1026,69 @@ def test_opacus_cifar10_example_momentum_cosine_lr_and_per_layer_clipping(clip_p
     finally:
         private.close()
     assert steps == 4
+
+
+# -- pytorch/tutorials beginner_source/examples_nn/dynamic_net.py ----------------------------------
+
+
+class DynamicNet(nn.Module):
+    """The tutorial's ``DynamicNet``: five scalar parameters used directly in the forward (no
+    child module), a cubic plus ``e * x**4`` and ``e * x**5`` for a number of terms drawn by
+    ``random.randint(4, 6)`` at each forward (none, one or both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Parameter(torch.randn(())) for _ in range(5))
+
+    def forward(self, x):
+        y = self.a + self.b * x + self.c * x**2 + self.d * x**3
+        for exp in range(4, random.randint(4, 6)):
+            y = y + self.e * x**exp
+        return y
+
+
+def test_dynamic_net_parameters_used_directly_with_a_random_depth():
+    """pytorch/tutorials ``beginner_source/examples_nn/dynamic_net.py``: each point of
+    ``x = linspace(-pi, pi, n)`` is an example of a 1-D input; ``MSELoss(reduction="sum")``,
+    SGD with momentum 0.9. The loop replays each step's draw of Python's ``random`` (the
+    hooks draw none: the script's stream is the same as without them); where the draw leaves
+    ``e`` out, ``e`` has neither ``.grad`` nor ``grad1``."""
+    torch.manual_seed(0)
+    model = DynamicNet().to(D)
+    criterion = nn.MSELoss(reduction="sum")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x = torch.linspace(-math.pi, math.pi, 9, dtype=D)
+    y = torch.sin(x)
+    drawn, skipped = set(), 0
+    state = random.getstate()
+    try:
+        random.seed(0)
+        with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+            for t in range(8):
+                before = random.getstate()
+                y_pred = model(x)
+                after = random.getstate()
+                random.setstate(before)
+                drawn.add(random.randint(4, 6))
+                assert random.getstate() == after
+                loss = criterion(y_pred, y)
+                optimizer.zero_grad()
+                loss.backward()
+                assert random.getstate() == after
+
+                def own(i, before=before):
+                    random.setstate(before)
+                    return criterion(model(x[i : i + 1]), y[i : i + 1])
+
+                want = per_example(model, h, len(x), own)
+                random.setstate(after)
+                for n, p in model.named_parameters():
+                    if p.grad is None:
+                        assert not hasattr(p, "grad1"), f"step {t}: {n}"
+                        skipped += 1
+                    else:
+                        assert_close(p.grad1, want[n], f"step {t}: {n}")
+                optimizer.step()
+    finally:
+        random.setstate(state)
+    assert drawn == {4, 5, 6} and skipped
