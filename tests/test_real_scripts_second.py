@@ -1092,3 +1092,66 @@ def test_dynamic_net_parameters_used_directly_with_a_random_depth():
     finally:
         random.setstate(state)
     assert drawn == {4, 5, 6} and skipped
+
+
+# -- pytorch/tutorials intermediate_source/pruning_tutorial.py -------------------------------------
+
+
+class LeNet(nn.Module):
+    """The pruning tutorial's ``LeNet`` (6 and 16 channels, 120 and 84 units shrunk; 14x14
+    inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 2, 3), nn.Conv2d(2, 3, 3)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(3 * 2 * 2, 8), nn.Linear(8, 6), nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), (2, 2))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = x.view(-1, int(x.nelement() / x.shape[0]))
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def test_pruning_tutorial_masks_iterative_pruning_and_remove_while_training():
+    """pytorch/tutorials ``intermediate_source/pruning_tutorial.py``'s pruning calls on a
+    hooked LeNet trained by SGD between them: ``random_unstructured`` and ``l1_unstructured``
+    (the weight and the bias of ``conv1``: ``weight_orig`` and ``weight_mask`` with a forward
+    pre-hook writing ``weight``), ``ln_structured`` on ``conv2``, ``global_unstructured`` over
+    several layers, then iterative pruning (a ``PruningContainer``) and ``prune.remove`` (the
+    parameter is ``weight`` again). At every step each trainable parameter's grad1 (of
+    ``weight_orig`` while pruned: zero where masked) is the loop's."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = LeNet().to(D)
+    prune.random_unstructured(model.conv1, name="weight", amount=0.3)
+    prune.l1_unstructured(model.conv1, name="bias", amount=1)
+    prune.ln_structured(model.conv2, name="weight", amount=0.5, n=2, dim=0)
+    parameters_to_prune = ((model.fc1, "weight"), (model.fc2, "weight"), (model.fc3, "weight"))
+    prune.global_unstructured(parameters_to_prune, pruning_method=prune.L1Unstructured, amount=0.2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+
+    def train(what: str, steps: int = 2):
+        for step in range(steps):
+            x, y = torch.randn(4, 1, 14, 14, generator=g, dtype=D), torch.randint(10, (4,), generator=g)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"{what} step {step}")
+            optimizer.step()
+
+    with gradhooks.add_hooks(model):
+        train("pruned")
+        assert (model.conv1.weight_orig.grad1 * (1 - model.conv1.weight_mask)).abs().max() == 0
+        prune.ln_structured(model.conv1, name="weight", amount=0.5, n=2, dim=0)
+        hooks = model.conv1._forward_pre_hooks.values()
+        assert any(isinstance(k, prune.PruningContainer) for k in hooks)
+        train("pruned again")
+        for module in (model.conv1, model.fc1):
+            prune.remove(module, "weight")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train("removed")
+    assert "conv1.weight" in dict(model.named_parameters())
+

@@ -392,7 +392,8 @@ class Hooks:
         self._state.numel = sum(p.numel() for _, p in self._state.params.values())
         self._state.scripted = scripted_modules(model)
         handles = self._target_handles
-        self._first_hooks: list[tuple[nn.Module, int]] = []  # (module, our forward hook's id)
+        # (module, our forward hook's id, our forward pre-hooks' ids, to run last)
+        self._first_hooks: list[tuple[nn.Module, int, tuple[int, ...]]] = []
 
         def hook(fn) -> Hook:
             made = Hook(fn, owner=self)
@@ -419,20 +420,25 @@ class Hooks:
                     enter = _pre_then(pre, enter)
                 if joined[id(m)][1]:
                     forward = _forward_then(forward, post)
-            handles.append(m.register_forward_pre_hook(hook(enter), with_kwargs=True))
+            pre_handles = [m.register_forward_pre_hook(hook(enter), with_kwargs=True)]
             # (first among the module's forward hooks: one registered before add_hooks that
             # returns a new output must not hide the output the rule's gradient is taken at)
             handle = m.register_forward_hook(
                 hook(forward), with_kwargs=True, always_call=True, prepend=True
             )
             handles.append(handle)
-            self._first_hooks.append((m, handle.id))
             if detaches:
-                handles.append(
+                pre_handles.append(
                     m.register_forward_pre_hook(
                         hook(self._detached_calls.detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
+            handles.extend(pre_handles)
+            # (our pre-hooks last: one registered since, nn.utils.prune's applied again, makes
+            # the weight from its parameters before the call, where the tracker sees it; not
+            # where ours opens the forward of an entry module)
+            last = () if id(m) in joined and joined[id(m)][0] else tuple(h.id for h in pre_handles)
+            self._first_hooks.append((m, handle.id, last))
         for entry in entries:
             pre_joined, post_joined = joined.get(id(entry), (False, False))
             pre, post = self._forwards.entry_hooks(entry)
@@ -525,9 +531,13 @@ class Hooks:
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``. A forward hook registered since with ``prepend=True`` runs after ours: it
-        may return a new output, and the rule's output-gradient is the layer's own."""
-        for m, hook_id in self._first_hooks:
+        may return a new output, and the rule's output-gradient is the layer's own; a forward
+        pre-hook registered since runs before ours: it may make the weight the call uses from
+        the module's parameters (``nn.utils.prune`` applied again), which the tracker follows
+        only outside the call."""
+        for m, hook_id, pre_ids in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
+            _torch.put_forward_pre_hooks_last(m, pre_ids)
         now, trainable = structure_and_parameters(model, bool(self._state.sharded))
         if now == self._structure:
             if not self._state.sharded:
