@@ -1155,3 +1155,62 @@ def test_pruning_tutorial_masks_iterative_pruning_and_remove_while_training():
         train("removed")
     assert "conv1.weight" in dict(model.named_parameters())
 
+
+# -- pytorch/tutorials intermediate_source/per_sample_grads.py -------------------------------------
+
+
+class SimpleCNN(nn.Module):
+    """The per-sample-gradients tutorial's ``SimpleCNN`` (32 and 64 channels, 128 units shrunk;
+    8x8 images), its output a log-softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 2, 3, 1), nn.Conv2d(2, 3, 3, 1)
+        self.fc1, self.fc2 = nn.Linear(3 * 2 * 2, 5), nn.Linear(5, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = torch.flatten(F.max_pool2d(x, 2), 1)
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x))), dim=1)
+
+
+def test_per_sample_grads_tutorial_its_two_methods_on_the_hooked_model_then_grad1():
+    """pytorch/tutorials ``intermediate_source/per_sample_grads.py`` run on a hooked model: its
+    loop (``torch.autograd.grad`` of each sample's ``nll_loss``, a batch of one each), then its
+    ``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))`` over ``functional_call`` with the
+    detached parameters and buffers; then one backward of the batch's mean loss. Both of the
+    tutorial's results are as without hooks (an unhooked twin's), and grad1 equals them."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = SimpleCNN().to(D)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    data, targets = torch.randn(4, 1, 8, 8, generator=g, dtype=D), torch.randint(10, (4,), generator=g)
+
+    def tutorial(m):
+        def compute_grad(sample, target):
+            loss = F.nll_loss(m(sample.unsqueeze(0)), target.unsqueeze(0))
+            return torch.autograd.grad(loss, list(m.parameters()))
+
+        per_sample_grads = [compute_grad(data[i], targets[i]) for i in range(4)]
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        buffers = {k: v.detach() for k, v in m.named_buffers()}
+
+        def compute_loss(params, buffers, sample, target):
+            predictions = functional_call(m, (params, buffers), (sample.unsqueeze(0),))
+            return F.nll_loss(predictions, target.unsqueeze(0))
+
+        ft = vmap(grad(compute_loss), in_dims=(None, None, 0, 0))(params, buffers, data, targets)
+        loop = {n: torch.stack([r[k] for r in per_sample_grads]) for k, n in enumerate(params)}
+        return loop, ft
+
+    want_loop, want_ft = tutorial(twin)
+    with gradhooks.add_hooks(model):
+        loop, ft = tutorial(model)
+        F.nll_loss(model(data), targets).backward()
+    for n in want_loop:
+        assert_close(loop[n], want_loop[n], f"the tutorial's loop: {n}")
+        assert_close(ft[n], want_ft[n], f"the tutorial's vmap: {n}")
+        assert_close(ft[n], loop[n], f"vmap against the loop: {n}")
+    assert_grad1(model, want_ft, "one backward")
