@@ -1214,3 +1214,63 @@ def test_per_sample_grads_tutorial_its_two_methods_on_the_hooked_model_then_grad
         assert_close(ft[n], want_ft[n], f"the tutorial's vmap: {n}")
         assert_close(ft[n], loop[n], f"vmap against the loop: {n}")
     assert_grad1(model, want_ft, "one backward")
+
+
+# -- pytorch/tutorials intermediate_source/char_rnn_classification_tutorial.py ---------------------
+
+
+class CharRNN(nn.Module):
+    """The char-RNN classification tutorial's ``RNN``: ``i2h`` and ``i2o`` on the letter's
+    one-hot vector concatenated with the hidden state, a log-softmax; called once per letter
+    on a batch of one (``line_tensor[i]``, ``[1, n_letters]``)."""
+
+    def __init__(self, input_size: int, hidden_size: int, output_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.i2h = nn.Linear(input_size + hidden_size, hidden_size)
+        self.i2o = nn.Linear(input_size + hidden_size, output_size)
+        self.softmax = nn.LogSoftmax(dim=1)
+
+    def forward(self, input, hidden):
+        combined = torch.cat((input, hidden), 1)
+        return self.softmax(self.i2o(combined)), self.i2h(combined)
+
+    def initHidden(self):
+        return torch.zeros(1, self.hidden_size, dtype=D)
+
+
+def test_char_rnn_classification_one_name_per_backward_letter_by_letter():
+    """pytorch/tutorials ``intermediate_source/char_rnn_classification_tutorial.py``'s
+    ``train``: ``rnn.zero_grad()``, the RNN called once per letter of one name (a batch of one,
+    the hidden state carried), ``NLLLoss`` of the last output, backward, then
+    ``p.data.add_(p.grad.data, alpha=-learning_rate)`` by hand. Each backward has one example,
+    the name: grad1 has one row, its gradient (an unhooked twin's ``.grad``), every step."""
+    torch.manual_seed(0)
+    rnn = CharRNN(6, 4, 3).to(D)
+    twin = copy.deepcopy(rnn)
+    criterion = nn.NLLLoss()
+    learning_rate = 0.005
+    g = torch.Generator().manual_seed(0)
+
+    def train(m, category_tensor, line_tensor):
+        hidden = m.initHidden()
+        m.zero_grad()
+        for i in range(line_tensor.size()[0]):
+            output, hidden = m(line_tensor[i], hidden)
+        loss = criterion(output, category_tensor)
+        loss.backward()
+        for p in m.parameters():
+            p.data.add_(p.grad.data, alpha=-learning_rate)
+        return output, loss.item()
+
+    with gradhooks.add_hooks(rnn):
+        for step in range(4):
+            letters = torch.randint(6, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+            line_tensor = F.one_hot(letters, 6).to(D).unsqueeze(1)  # [len, 1, n_letters]
+            category_tensor = torch.randint(3, (1,), generator=g)
+            train(twin, category_tensor, line_tensor)
+            train(rnn, category_tensor, line_tensor)
+            want = {n: q.grad.unsqueeze(0) for n, q in twin.named_parameters()}
+            assert_grad1(rnn, want, f"name {step}")
+            for (n, p), q in zip(rnn.named_parameters(), twin.parameters()):
+                assert_close(p.detach(), q.detach(), f"name {step}: {n}")
