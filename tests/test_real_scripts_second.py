@@ -1274,3 +1274,115 @@ def test_char_rnn_classification_one_name_per_backward_letter_by_letter():
             assert_grad1(rnn, want, f"name {step}")
             for (n, p), q in zip(rnn.named_parameters(), twin.parameters()):
                 assert_close(p.detach(), q.detach(), f"name {step}: {n}")
+
+
+# -- pytorch/torchtune recipes/lora_finetune_single_device.py, in miniature ------------------------
+
+
+class LoRALinear(nn.Module):
+    """torchtune's ``LoRALinear``: the frozen ``weight`` and ``bias`` used by ``F.linear``, plus
+    ``(alpha / rank) * lora_b(lora_a(dropout(x)))`` (``lora_b`` zero-initialised)."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int = 2, alpha: float = 4.0) -> None:
+        super().__init__()
+        self.rank, self.alpha = rank, alpha
+        self.weight = nn.Parameter(torch.randn(out_dim, in_dim) / math.sqrt(in_dim))
+        self.bias = nn.Parameter(torch.zeros(out_dim))
+        self.dropout = nn.Dropout(0.05)
+        self.lora_a, self.lora_b = nn.Linear(in_dim, rank, bias=False), nn.Linear(rank, out_dim, bias=False)
+        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        return out + (self.alpha / self.rank) * self.lora_b(self.lora_a(self.dropout(x)))
+
+
+class TinyDecoder(nn.Module):
+    """A torchtune ``TransformerDecoder`` shrunk to one layer: token embedding, RMSNorm,
+    causal attention with LoRA on ``q_proj`` and ``v_proj`` (``lora_attn_modules``), an MLP,
+    the final norm and the output projection."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.sa_norm, self.mlp_norm, self.norm = nn.RMSNorm(dim), nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q_proj, self.v_proj = LoRALinear(dim, dim), LoRALinear(dim, dim)
+        self.k_proj, self.output_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.w1, self.w2 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        h = self.tok_embeddings(tokens)
+        x = self.sa_norm(h)
+        q, k, v = (u.view(b, t, self.heads, -1).transpose(1, 2)
+                   for u in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.output_proj(y.transpose(1, 2).reshape(b, t, -1))
+        h = h + self.w2(F.silu(self.w1(self.mlp_norm(h))))
+        return self.output(self.norm(h))
+
+
+def test_torchtune_lora_recipe_token_sum_losses_and_grads_scaled_after_accumulation():
+    """pytorch/torchtune ``recipes/lora_finetune_single_device.py`` in miniature:
+    ``set_trainable_params(model, get_adapter_params(model))`` (only ``lora_a``/``lora_b``
+    trainable), labels shifted by ``hstack`` with the ignore cache, ``current_loss = loss *
+    current_num_tokens`` (each micro-batch's token sum; padding ignored at -100) backward per
+    micro-batch, then ``scale_grads(model, 1 / num_tokens)``, ``clip_grad_norm_``, AdamW, a
+    cosine schedule with warmup, ``zero_grad(set_to_none=True)``. Under
+    ``loss_reduction="sum"`` grad1 after each update's two micro-batches is each row's token
+    sum's gradient, added over the micro-batches (dropout replayed by reseeding), the frozen
+    weights have none, and the scaled ``.grad`` is grad1's sum over the token count."""
+    torch.manual_seed(0)
+    model = TinyDecoder().to(D)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
+    warmup, total = 1, 4  # (torchtune's get_cosine_schedule_with_warmup)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: step / warmup if step < warmup
+        else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))),
+    )  # fmt: skip
+    ignore_index, accumulation = -100, 2
+    ignore_labels_cache = torch.full((3, 1), ignore_index)
+    g = torch.Generator().manual_seed(0)
+
+    def micro_batch():
+        tokens = torch.randint(11, (3, 6), generator=g)
+        labels = tokens.clone()
+        labels[0, 4:], labels[2, 3:] = ignore_index, ignore_index  # (padded)
+        return tokens, torch.hstack((labels[..., 1:], ignore_labels_cache[: labels.shape[0]]))
+
+    def token_sums(logits, labels):
+        ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none")
+        return ce.sum(1)
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model.train()
+        for update in range(2):
+            num_tokens, want = 0, None
+            for micro in range(accumulation):
+                tokens, labels = micro_batch()
+                current_num_tokens = (labels != ignore_index).sum()
+                num_tokens += current_num_tokens
+                torch.manual_seed(60 + micro)
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index)
+                (loss * current_num_tokens).backward()
+                torch.manual_seed(60 + micro)
+                rows = batch_rows(model, lambda t=tokens: model(t), lambda out, y=labels: token_sums(out, y))
+                want = rows if want is None else {n: want[n] + w for n, w in rows.items()}
+            assert_grad1(model, want, f"update {update}", frozen_clean=True)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad *= 1 / num_tokens
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    assert_close(p.grad, p.grad1.sum(0) / num_tokens, f"update {update} .grad {n}")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr_scheduler.step()
