@@ -56,6 +56,26 @@ def per_example(model, hooks, batch: int, loss_of) -> dict[str, torch.Tensor]:
     return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
 
 
+def batch_rows(model, forward, losses_of) -> dict[str, torch.Tensor]:
+    """``{name: [batch, *shape]}``: the gradient of each example's own loss, ``losses_of(out)[i]``,
+    through one forward of the whole batch (``forward()``, run again with capture paused after
+    the caller reseeded the generator, so that it draws the hooked forward's dropout masks).
+    Autograd's exact derivative of row ``i``: where the examples mix, it differs from
+    ``grad1``."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with gradhooks.paused():
+        losses = losses_of(forward())
+        rows = []
+        for i in range(losses.shape[0]):
+            grads = torch.autograd.grad(
+                losses[i], [p for _, p in named], retain_graph=True, allow_unused=True
+            )
+            rows.append(
+                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, named)]
+            )
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
 def assert_untouched(model, before: dict, what: str) -> None:
     """No parameter holds a ``grad1`` after a refusal, and every parameter is as it was."""
     for n, p in model.named_parameters():
@@ -164,24 +184,6 @@ def test_examples_vit_attention_across_the_batch_is_refused_then_trains_once_bat
             model.eval()
             criterion(model(torch.randn(5, 1, 4, 4, generator=g, dtype=D)), y.new_zeros(5)).item()
             assert model.embedding.class_token.grad1.shape[0] == 4
-
-
-def batch_rows(model, forward, losses_of) -> dict[str, torch.Tensor]:
-    """``{name: [batch, *shape]}``: the gradient of each example's own loss, ``losses_of(out)[i]``,
-    through one forward of the whole batch (``forward()``, run again with capture paused after
-    the caller reseeded the generator, so that it draws the hooked forward's dropout masks).
-    Autograd's exact derivative of row ``i``: where the examples mix, it differs from
-    ``grad1``."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with gradhooks.paused():
-        losses = losses_of(forward())
-        rows = []
-        for i in range(losses.shape[0]):
-            grads = torch.autograd.grad(
-                losses[i], [p for _, p in named], retain_graph=True, allow_unused=True
-            )
-            rows.append([torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, named)])
-    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
 
 
 # -- karpathy/minGPT mingpt/model.py and mingpt/trainer.py, projects/adder/adder.py ---------------
@@ -315,7 +317,7 @@ def test_mingpt_trainer_adder_with_masked_prompt_targets_dropout_and_clipping():
 
         return each
 
-    with gradhooks.add_hooks(model) as h:
+    with gradhooks.add_hooks(model):
         model.train()
         for step in range(3):
             x, y = _adder_batch(g, 4)
@@ -378,7 +380,7 @@ def test_spatial_transformer_affine_grid_and_grid_sample_with_dropout():
     model = STNNet().to(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
-    with gradhooks.add_hooks(model) as h:
+    with gradhooks.add_hooks(model):
         for epoch in range(2):
             model.train()
             for step in range(2):
@@ -737,7 +739,9 @@ class LightNN(nn.Module):
             nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
             nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
         )  # fmt: skip
-        self.classifier = nn.Sequential(nn.Linear(16, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5))
+        self.classifier = nn.Sequential(
+            nn.Linear(16, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5)
+        )
         self.hidden = hidden
 
     def forward(self, x):
@@ -757,7 +761,9 @@ class DeepNN(nn.Module):
             nn.MaxPool2d(2, 2), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
             nn.Conv2d(4, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
         )  # fmt: skip
-        self.classifier = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5))
+        self.classifier = nn.Sequential(
+            nn.Linear(8, 6), nn.ReLU(), nn.Dropout(0.1), nn.Linear(6, 5)
+        )
         self.hidden = hidden
 
     def forward(self, x):
@@ -788,12 +794,16 @@ def test_knowledge_distillation_student_hooked_teacher_under_no_grad(variant):
             soft_prob = F.log_softmax(out / T, dim=-1)
             rows = torch.sum(soft_targets * (soft_targets.log() - soft_prob), -1) * T**2
             soft = rows.sum() / soft_prob.size()[0] if reduce else rows
-            label = ce_loss(out, labels) if reduce else F.cross_entropy(out, labels, reduction="none")
+            label = (
+                ce_loss(out, labels) if reduce else F.cross_entropy(out, labels, reduction="none")
+            )
             return soft_target_loss_weight * soft + ce_loss_weight * label
         (logits, student_hidden), (_, teacher_hidden) = out, teacher_out
         ones = torch.ones(labels.size(0), dtype=D)
         if reduce:
-            return 0.25 * cosine_loss(student_hidden, teacher_hidden, target=ones) + 0.75 * ce_loss(logits, labels)
+            return 0.25 * cosine_loss(student_hidden, teacher_hidden, target=ones) + 0.75 * ce_loss(
+                logits, labels
+            )
         cos = F.cosine_embedding_loss(student_hidden, teacher_hidden, ones, reduction="none")
         return 0.25 * cos + 0.75 * F.cross_entropy(logits, labels, reduction="none")
 
@@ -860,7 +870,9 @@ def test_run_clm_no_trainer_opt_with_accumulation_warmup_and_dropout():
          "weight_decay": 0.0},
     ], lr=1e-3)  # fmt: skip
     accumulation = 2
-    lr_scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=4)
+    lr_scheduler = transformers.get_scheduler(
+        "linear", optimizer, num_warmup_steps=1, num_training_steps=4
+    )
     g = torch.Generator().manual_seed(0)
 
     def rows(out, batch):
@@ -940,7 +952,9 @@ def test_micrograd_demo_max_margin_loss_with_an_l2_penalty_in_the_loss():
             total_loss.backward()
             assert_grad1(model, want, f"step {k}")
             for n, p in model.named_parameters():
-                assert_close(p.grad, p.grad1.mean(0) + 2 * alpha * p.detach(), f"step {k} .grad {n}")
+                assert_close(
+                    p.grad, p.grad1.mean(0) + 2 * alpha * p.detach(), f"step {k} .grad {n}"
+                )
             learning_rate = 1.0 - 0.9 * k / 100
             for p in model.parameters():
                 p.data -= learning_rate * p.grad
@@ -1135,7 +1149,10 @@ def test_pruning_tutorial_masks_iterative_pruning_and_remove_while_training():
 
     def train(what: str, steps: int = 2):
         for step in range(steps):
-            x, y = torch.randn(4, 1, 14, 14, generator=g, dtype=D), torch.randint(10, (4,), generator=g)
+            x, y = (
+                torch.randn(4, 1, 14, 14, generator=g, dtype=D),
+                torch.randint(10, (4,), generator=g),
+            )
             want = loop_grad(model, F.cross_entropy, x, y)
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -1186,7 +1203,10 @@ def test_per_sample_grads_tutorial_its_two_methods_on_the_hooked_model_then_grad
     model = SimpleCNN().to(D)
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
-    data, targets = torch.randn(4, 1, 8, 8, generator=g, dtype=D), torch.randint(10, (4,), generator=g)
+    data, targets = (
+        torch.randn(4, 1, 8, 8, generator=g, dtype=D),
+        torch.randint(10, (4,), generator=g),
+    )
 
     def tutorial(m):
         def compute_grad(sample, target):
@@ -1289,7 +1309,10 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.randn(out_dim, in_dim) / math.sqrt(in_dim))
         self.bias = nn.Parameter(torch.zeros(out_dim))
         self.dropout = nn.Dropout(0.05)
-        self.lora_a, self.lora_b = nn.Linear(in_dim, rank, bias=False), nn.Linear(rank, out_dim, bias=False)
+        self.lora_a, self.lora_b = (
+            nn.Linear(in_dim, rank, bias=False),
+            nn.Linear(rank, out_dim, bias=False),
+        )
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
 
@@ -1309,7 +1332,10 @@ class TinyDecoder(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.sa_norm, self.mlp_norm, self.norm = nn.RMSNorm(dim), nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.q_proj, self.v_proj = LoRALinear(dim, dim), LoRALinear(dim, dim)
-        self.k_proj, self.output_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.k_proj, self.output_proj = (
+            nn.Linear(dim, dim, bias=False),
+            nn.Linear(dim, dim, bias=False),
+        )
         self.w1, self.w2 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -1357,7 +1383,9 @@ def test_torchtune_lora_recipe_token_sum_losses_and_grads_scaled_after_accumulat
         return tokens, torch.hstack((labels[..., 1:], ignore_labels_cache[: labels.shape[0]]))
 
     def token_sums(logits, labels):
-        ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none")
+        ce = F.cross_entropy(
+            logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none"
+        )
         return ce.sum(1)
 
     with gradhooks.add_hooks(model, loss_reduction="sum"):
@@ -1373,7 +1401,9 @@ def test_torchtune_lora_recipe_token_sum_losses_and_grads_scaled_after_accumulat
                 loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index)
                 (loss * current_num_tokens).backward()
                 torch.manual_seed(60 + micro)
-                rows = batch_rows(model, lambda t=tokens: model(t), lambda out, y=labels: token_sums(out, y))
+                rows = batch_rows(
+                    model, lambda t=tokens: model(t), lambda out, y=labels: token_sums(out, y)
+                )
                 want = rows if want is None else {n: want[n] + w for n, w in rows.items()}
             assert_grad1(model, want, f"update {update}", frozen_clean=True)
             for p in model.parameters():
