@@ -1126,7 +1126,9 @@ def add_hooks(
         batch_dim: where the examples are. ``"auto"`` (default): dimension 0 of the model's
             first tensor input (a ``PackedSequence``: its first batch size), and of every
             other tensor input of that size unless only that would make it mix the examples
-            (a mask as long as the batch); an int ``k``: dimension ``k`` of the first tensor
+            (a mask as long as the batch); a 1-D first input that the first hooked layer
+            cuts into examples itself (``nn.EmbeddingBag``'s tokens and ``offsets``): the rows
+            of that layer's output; an int ``k``: dimension ``k`` of the first tensor
             input (a sequence-first model: ``batch_dim=1``; also checks the memory limit at
             the forward). From there the batch is followed through the forward: a layer that
             sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
