@@ -121,7 +121,12 @@ Required (no fallback; :func:`require` refuses without them):
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_modules``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
+<<<<<<< HEAD
   (:func:`own_parameters`, :func:`own_children`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
+=======
+  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
+  :func:`put_forward_pre_hooks_last`,
+>>>>>>> h/scripts2
   :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),
@@ -213,6 +218,7 @@ __all__ = [
     "put_tensor_hook_first",
     "first_forward_hook",
     "put_forward_hook_first",
+    "put_forward_pre_hooks_last",
     "forward_hooks_off_within",
     "forward_hooks_off",
     "forward_pre_hooks",
@@ -952,6 +958,18 @@ def put_forward_hook_first(module: nn.Module, hook_id: int) -> None:
     hooks = module._forward_hooks
     if hooks and next(iter(hooks)) != hook_id and hook_id in hooks:
         hooks.move_to_end(hook_id, last=False)
+
+
+def put_forward_pre_hooks_last(module: nn.Module, hook_ids: tuple[int, ...]) -> None:
+    """Run the forward pre-hooks ``hook_ids`` of ``module`` last again, in that order, where
+    others were registered after them (``module._forward_pre_hooks``, an ordered dict): torch
+    has no public way to reorder a module's hooks. Required (:func:`require`)."""
+    hooks = module._forward_pre_hooks
+    if not hook_ids or not hooks or next(reversed(hooks)) == hook_ids[-1]:
+        return
+    for hook_id in hook_ids:
+        if hook_id in hooks:
+            hooks.move_to_end(hook_id)
 
 
 def last_forward_pre_hook(module: nn.Module) -> Any:

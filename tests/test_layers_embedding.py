@@ -172,6 +172,59 @@ def test_embedding_bag_ragged_and_empty_bags(mode, include_last_offset):
     assert_close(bag.weight.grad1.sum(0), bag.weight.grad, "grad1 sums to .grad")
 
 
+class FlatBags(nn.Module):
+    """An EmbeddingBag given the model's own first input, every example's tokens in one flat
+    tensor cut into bags by ``offsets`` (the PyTorch text classification tutorial), then a
+    Linear; ``mix``: the bags centred over the batch after the bag."""
+
+    def __init__(self, mode: str, include_last_offset: bool, mix: bool = False) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(6, 3, mode=mode, include_last_offset=include_last_offset)
+        self.out, self.mix = nn.Linear(3, 2), mix
+
+    def forward(self, text, offsets):
+        h = self.bag(text, offsets)
+        return self.out(h - h.mean(0) if self.mix else h)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_embedding_bag_on_the_models_flat_input_under_auto(mode, include_last_offset):
+    """Under ``batch_dim="auto"`` the model's 1-D first input would make each token an
+    example; the bag reading it makes each bag one, and the layers after it are followed
+    with the bags as the batch: grad1 and the norms of every layer are each bag's own."""
+    torch.manual_seed(0)
+    model = FlatBags(mode, include_last_offset).double()
+    lengths = [3, 1, 2, 4]
+    text = torch.randint(0, 6, (sum(lengths),))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    offsets = torch.cat([starts, torch.tensor([len(text)])]) if include_last_offset else starts
+    want = []
+    for s, n in zip(starts.tolist(), lengths, strict=True):
+        one = torch.tensor([0, n] if include_last_offset else [0])
+        out = model(text[s : s + n], one)
+        want.append(torch.autograd.grad(sum_of_squares(out), list(model.parameters())))
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        sum_of_squares(model(text, offsets)).backward()
+        norms = h.norms()
+    for k, (n, p) in enumerate(model.named_parameters()):
+        assert_close(p.grad1, torch.stack([w[k] for w in want]), f"{mode}: {n}")
+    whole = torch.stack([torch.cat([g.flatten() for g in w]).norm() for w in want])
+    assert_close(norms, whole, f"{mode}: norms")
+
+
+def test_embedding_bag_on_the_models_flat_input_then_mixed_is_refused():
+    """The bags are the batch from the bag on: centring them over the batch after it mixes
+    the examples, and the Linear that reads the result is refused."""
+    torch.manual_seed(0)
+    model = FlatBags("mean", False, mix=True).double()
+    text, offsets = torch.randint(0, 6, (7,)), torch.tensor([0, 3, 4])
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match="'out'"):
+            sum_of_squares(model(text, offsets)).backward()
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
 def test_embedding_bag_scale_grad_by_freq_is_a_clear_error():
     bag = nn.EmbeddingBag(4, 3, scale_grad_by_freq=True)
     with gradhooks.add_hooks(bag), pytest.raises(gradhooks.UnsupportedError):

@@ -710,6 +710,8 @@ class CallLayouts:
                 "split them. Make its weights nn.Linear children (each with a rule), register "
                 "a rule for it with @gradhooks.register, or freeze its parameters."
             )
+        if root and lout and self._reseed_from_output(target, ins, outs, lout, tracker):
+            lout = tuple([tracker.layout(t) for t in outs])
         if first is PACKED or target.entry is FALLBACK:
             return CallLayout("plain", batch, first, lin, lout, root=root)
         dim = target.entry.batch_dim_of(target.module)
@@ -781,6 +783,37 @@ class CallLayouts:
         for t in outs:  # (computed under the other reading: not followed further)
             if isinstance(t, Tensor):
                 tracker.set_layout(t, UNKNOWN)
+        frame.roots = []
+        return True
+
+    def _reseed_from_output(
+        self, target: Target, ins: list, outs: list, lout: tuple, tracker: Tracker
+    ) -> bool:
+        """``batch_dim="auto"`` takes each entry of a 1-D first input for an example; where the
+        first hooked call takes that very input, its rule reads the examples from dimension 0
+        of the output, and the tracker lost them inside the call (``nn.EmbeddingBag`` given
+        every example's tokens in one flat tensor, cut into bags by ``offsets``), the rows of
+        the output are the examples instead (once, at the first call of the forward). The
+        layer's own count is checked at the backward (as without the tracker)."""
+        frame = self.state.frames[-1] if self.state.frames else None
+        if (
+            self.state.batch_dim != "auto" or frame is None or frame.signature or not frame.roots
+            or target.entry is FALLBACK or target.entry.batch_dim_of(target.module) != 0
+        ):  # fmt: skip
+            return False
+        x = next((t for t in ins if isinstance(t, Tensor)), None)
+        if x is None or x.dim() != 1 or not any(x is r for r in frame.roots):
+            return False
+        found = [t for t in outs if isinstance(t, Tensor)]
+        if not found or any(lay is not UNKNOWN for lay in lout) or found[0].dim() == 0:
+            return False
+        rows = found[0].shape[0]
+        if rows == tracker.batch or any(t.dim() == 0 or t.shape[0] != rows for t in found):
+            return False
+        tracker.batch = rows
+        tracker.layouts.clear()
+        for t in found:
+            tracker.set_layout(t, Layout(0))
         frame.roots = []
         return True
 

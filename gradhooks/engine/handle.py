@@ -394,7 +394,8 @@ class Hooks:
         self._state.numel = sum(p.numel() for _, p in self._state.params.values())
         self._state.scripted = scripted_modules(model)
         handles = self._target_handles
-        self._first_hooks: list[tuple[nn.Module, int]] = []  # (module, our forward hook's id)
+        # (module, our forward hook's id, our forward pre-hooks' ids, to run last)
+        self._first_hooks: list[tuple[nn.Module, int, tuple[int, ...]]] = []
 
         def hook(fn) -> Hook:
             made = Hook(fn, owner=self)
@@ -421,20 +422,25 @@ class Hooks:
                     enter = _pre_then(pre, enter)
                 if joined[id(m)][1]:
                     forward = _forward_then(forward, post)
-            handles.append(m.register_forward_pre_hook(hook(enter), with_kwargs=True))
+            pre_handles = [m.register_forward_pre_hook(hook(enter), with_kwargs=True)]
             # (first among the module's forward hooks: one registered before add_hooks that
             # returns a new output must not hide the output the rule's gradient is taken at)
             handle = m.register_forward_hook(
                 hook(forward), with_kwargs=True, always_call=True, prepend=True
             )
             handles.append(handle)
-            self._first_hooks.append((m, handle.id))
             if detaches:
-                handles.append(
+                pre_handles.append(
                     m.register_forward_pre_hook(
                         hook(self._detached_calls.detach_hook(target, handle.id)), with_kwargs=True
                     )
                 )
+            handles.extend(pre_handles)
+            # (our pre-hooks last: one registered since, nn.utils.prune's applied again, makes
+            # the weight from its parameters before the call, where the tracker sees it; not
+            # where ours opens the forward of an entry module)
+            last = () if id(m) in joined and joined[id(m)][0] else tuple(h.id for h in pre_handles)
+            self._first_hooks.append((m, handle.id, last))
         for entry in entries:
             pre_joined, post_joined = joined.get(id(entry), (False, False))
             pre, post = self._forwards.entry_hooks(entry)
@@ -535,9 +541,13 @@ class Hooks:
         or unfrozen since the hooks were planned, plan them again (a new layer gets ``grad1``
         too); after :meth:`clear`, a parameter that is no longer trainable loses its
         ``grad1``. A forward hook registered since with ``prepend=True`` runs after ours: it
-        may return a new output, and the rule's output-gradient is the layer's own."""
-        for m, hook_id in self._first_hooks:
+        may return a new output, and the rule's output-gradient is the layer's own; a forward
+        pre-hook registered since runs before ours: it may make the weight the call uses from
+        the module's parameters (``nn.utils.prune`` applied again), which the tracker follows
+        only outside the call."""
+        for m, hook_id, pre_ids in self._first_hooks:
             _torch.put_forward_hook_first(m, hook_id)
+            _torch.put_forward_pre_hooks_last(m, pre_ids)
         if model is None:
             # the root is gone (a container made in the call, add_hooks(nn.ModuleList([net,
             # head])), held by nothing else), its modules still hooked and called: they keep
@@ -1125,7 +1135,9 @@ def add_hooks(
         batch_dim: where the examples are. ``"auto"`` (default): dimension 0 of the model's
             first tensor input (a ``PackedSequence``: its first batch size), and of every
             other tensor input of that size unless only that would make it mix the examples
-            (a mask as long as the batch); an int ``k``: dimension ``k`` of the first tensor
+            (a mask as long as the batch); a 1-D first input that the first hooked layer
+            cuts into examples itself (``nn.EmbeddingBag``'s tokens and ``offsets``): the rows
+            of that layer's output; an int ``k``: dimension ``k`` of the first tensor
             input (a sequence-first model: ``batch_dim=1``; also checks the memory limit at
             the forward). From there the batch is followed through the forward: a layer that
             sees the examples folded into its batch (``x.view(B * T, ...)``: each example's
