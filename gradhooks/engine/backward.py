@@ -226,6 +226,9 @@ class BackwardWriter:
             bw.inside = bw.inside or state.in_backward
         frame = state.frame
         new_rows = False
+        if bw is not None and frame is not None:
+            for pid in ids:
+                bw.frames_of.setdefault(pid, set()).add(id(frame))
         if bw is not None and frame is not None and id(frame) not in bw.frames:
             bw.frames.add(id(frame))
             if frame.rows is not None:

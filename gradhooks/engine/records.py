@@ -155,6 +155,8 @@ class Backward:
     # (verify) each parameter's gradient, as compare.hold keeps it
     grads: dict[int, Tensor] = field(default_factory=dict)
     frames: set[int] = field(default_factory=set)  # ids of the forwards whose calls it reached
+    # each parameter's forwards among those (ids): whose calls of it the backward reached
+    frames_of: dict[int, set[int]] = field(default_factory=dict)
     # where the examples of those forwards lie in memory (Frame.rows), and a call of each
     rows_of: list[tuple[Any, str]] = field(default_factory=list)
     probe: Probe | None = None  # (verify) one example's gradient, by autograd alone

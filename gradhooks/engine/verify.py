@@ -801,11 +801,31 @@ class Verifier:
                 found.add(pid)
         return found
 
+    @staticmethod
+    def _probe_tells(bw: Backward, probe: Probe, pid: int) -> bool:
+        """In a backward that reached several forwards, whether the probe's forward tells a
+        parameter whose gradient came through its outputs alone (:meth:`_through_outputs`)
+        apart: one whose calls were all the probe's forward's (as in a backward of one), or
+        all of others before it whose outputs reach its outputs (a submodule called by the
+        training loop before the last one, ``head(mix(trunk(x)))``), with a gradient through
+        them (an earlier forward's share that sums to zero over the batch, a bias under a
+        loss of two forwards' difference, leaves the probe's share alone equal to the whole
+        without being the whole: left out, as a parameter of both is)."""
+        frames = bw.frames_of.get(pid)
+        if not frames:
+            return False
+        if frames == {probe.frame}:
+            return True
+        plain = probe.plain.get(pid)
+        return probe.frame not in frames and plain is not None and largest(plain) > 0
+
     def _verify_probe(self, bw: Backward, probe: Probe) -> None:
         """:meth:`verify_backward`'s second part: ``grad1`` of this backward, weighted over the examples
         as the probe's output rows were, against autograd's gradient from those rows."""
         scale = float(probe.batch) if self.state.loss_reduction == "mean" else 1.0
         through = self._through_outputs(bw, probe)
+        if len(bw.frames) > 1:
+            through = {pid for pid in through if self._probe_tells(bw, probe, pid)}
         compared = [pid for pid in probe.grads if pid in through]
         # (each parameter's gradients formed when compared, one at a time)
         overall = scale * max(

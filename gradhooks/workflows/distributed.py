@@ -256,7 +256,7 @@ def kfac(
     _require_process_group("kfac", "gradhooks.kfac")
     acc = _kfac._accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
-        sample_target, output_grads,
+        sample_target, output_grads, shard=True,
     )  # fmt: skip
     return _reduced(acc, group).factors(reduction, last=True)
 

@@ -310,9 +310,10 @@ def _accumulate(
     loss: LossName | LossFn, expand: bool, bias: bool, mc_samples: int,
     generator: torch.Generator | None, sample_target: Sampler | None = None,
     output_grads: Sampler | None = None, kwargs: Mapping[str, Any] | None = None,
+    shard: bool = False,
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
-    across ranks before dividing)."""
+    across ranks before dividing: ``shard``, one rank's examples, which may be none)."""
     _check_arguments(fisher, loss, target, sample_target, output_grads)
     check_sampling(mc_samples, generator, expand, bias)
     _check_model(model, "kfac()")
@@ -331,7 +332,7 @@ def _accumulate(
                 f"{tuple(out.shape)}; for other outputs use add_hooks(model, "
                 "quantities=('kfac',)), your own backward(s), and h.kfac_factors()"
             )
-        if out.shape[0] == 0:  # (the factors of no example: 0, and G's mean 0 / 0)
+        if out.shape[0] == 0 and not shard:  # (the factors of no example: 0, G's mean 0 / 0)
             raise ConfigurationError(
                 f"kfac(): the model's output {tuple(out.shape)} holds no example: its factors "
                 "would be zero, and the gradient preconditioned with them the gradient / "
