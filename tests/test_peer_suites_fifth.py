@@ -1,0 +1,704 @@
+"""A fifth set of the cases that other projects check in their own test suites, written in
+gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(grad)`` /
+``jacrev`` and per-example loops). The first four sets are :mod:`test_peer_suites`,
+:mod:`test_peer_suites_more`, :mod:`test_peer_suites_third` and
+:mod:`test_peer_suites_fourth`; this one adds:
+
+- Opacus (``tests/grad_samples/input_projection_test.py``, ``tests/per_sample_gradient_test.py``,
+  ``tests/privacy_engine_test.py``): the input projections of its current
+  ``DPMultiheadAttention`` (raw weights, one per query / key / value or one packed weight cut
+  in three, applied by ``F.linear`` to slices of one concatenated time-major input), that
+  attention with a key and value shorter or longer than the query (padded to the query's
+  length, cut back after the projection), the per-layer checks of its clipper under its
+  ``L1Loss`` (``mean`` and ``sum``) on the squeezed output, and the privacy engine's own
+  models: the text model (an embedding, that attention, a Linear, time-major), the model of
+  custom layers (``F.linear`` on ``_weight``, a parameter multiplied in a parent's and in the
+  root's ``forward``) and the model whose embedding is tied to its output Linear, each by a
+  DP step by every clipping method, and its flat clipping of a batch of one;
+- curvlinops (``test/test_kfac.py``): K-FAC of a weight tied between two Linears (one bias
+  tied too, biases on one use only, two different biases), of a network with in-place
+  activations (exact for one datum), of outputs with several leading dimensions against the
+  same positions as a batch, and factors computed without touching ``.grad``;
+- BackPACK (``test/extensions/secondorder/diag_ggn``, ``sqrt_ggn``): ``DiagGGNExact``,
+  ``BatchDiagGGNExact`` and ``SqrtGGNExact`` of its second-order problem networks (convolutions,
+  a transposed one, pooling, its activations) under ``mean`` and ``sum``, from gradhooks'
+  per-example Jacobians.
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
+Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close, assert_grad1, seeded
+
+D = torch.float64
+
+
+# -- shared functions ---------------------------------------------------------------------------
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def ce_sum(out: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def half_sq(out: Tensor, target: Tensor | None = None) -> Tensor:
+    return 0.5 * out.pow(2).sum()
+
+
+class BatchFirst(nn.Module):
+    """A time-major ``model`` seen batch-first, for the oracle (which takes the examples on
+    dimension 0): every input ``[batch, T, ...]`` is handed on as ``[T, batch, ...]``, and a
+    ``[T, batch, ...]`` output given back as ``[batch, T, ...]`` (``out_time_major``).
+    Parameter names gain the prefix ``m.``."""
+
+    def __init__(self, model: nn.Module, out_time_major: bool = True):
+        super().__init__()
+        self.m, self.out_time_major = model, out_time_major
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        out = self.m(*[x.transpose(0, 1) for x in xs])
+        return out.transpose(0, 1) if self.out_time_major else out
+
+
+def unprefixed(want: dict[str, Tensor], prefix: str = "m.") -> dict[str, Tensor]:
+    return {n.removeprefix(prefix): g for n, g in want.items()}
+
+
+def dp_step_against_the_loop(model, inputs, y, want, batch_dim: int = 0) -> None:
+    """A DP step (no noise, clipping at the median of the loop's per-example norms) by
+    ``grad1``, ghost clipping and book-keeping: every ``.grad`` against the loop's clipped
+    mean."""
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
+    C = norms.median().item()
+    factors = (C / norms).clamp(max=1.0)
+    batch = y.shape[0]
+    for method in ("grad1", "ghost", "bookkeeping"):
+        quantities = ("grad1",) if method == "grad1" else ("norms",)
+        with gradhooks.add_hooks(model, quantities=quantities, batch_dim=batch_dim) as h:
+            losses = F.cross_entropy(model(*inputs), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=0.0, method=method)
+        for n, p in trainable(model).items():
+            clipped = torch.einsum("b,b...->...", factors, want[n]) / batch
+            assert_close(p.grad, clipped, f"DP step ({method}): {n}")
+            p.grad = None
+        gradhooks.clear_grad1(model)
+
+
+# == Opacus: input projections (tests/grad_samples/input_projection_test.py) ======================
+# Its current DPMultiheadAttention projects query, key and value in one module that takes them
+# concatenated on the last dimension, time-major ([T, batch, E + kdim + vdim]), with weights of
+# its own: three matrices (key and value dimensions of their own) or one packed [3E, E] matrix,
+# applied by F.linear to slices of the input, the three results stacked on a new last axis.
+
+
+class InputProjection(nn.Module):
+    """Three projection matrices ``[E, E]``, ``[E, kdim]``, ``[E, vdim]`` and one bias
+    ``[3E]`` cut in three; ``[T, batch, E + kdim + vdim]`` to ``[T, batch, E, 3]``."""
+
+    def __init__(self, embed_dim: int, kdim: int, vdim: int, bias: bool):
+        super().__init__()
+        self.ends = (embed_dim, embed_dim + kdim)
+        self.q_weight = nn.Parameter(torch.randn(embed_dim, embed_dim) / embed_dim**0.5)
+        self.k_weight = nn.Parameter(torch.randn(embed_dim, kdim) / kdim**0.5)
+        self.v_weight = nn.Parameter(torch.randn(embed_dim, vdim) / vdim**0.5)
+        self.bias = nn.Parameter(torch.randn(3 * embed_dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (
+            x[..., : self.ends[0]],
+            x[..., self.ends[0] : self.ends[1]],
+            x[..., self.ends[1] :],
+        )
+        biases = self.bias.chunk(3) if self.bias is not None else (None, None, None)
+        weights = (self.q_weight, self.k_weight, self.v_weight)
+        return torch.stack([F.linear(t, w, b) for t, w, b in zip((q, k, v), weights, biases)], -1)
+
+
+class PackedInputProjection(nn.Module):
+    """One packed weight ``[3E, E]`` (and bias ``[3E]``) cut in three, one third per slice of
+    ``[T, batch, 3E]``; ``[T, batch, E, 3]``."""
+
+    def __init__(self, embed_dim: int, bias: bool):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.weight = nn.Parameter(torch.randn(3 * embed_dim, embed_dim) / embed_dim**0.5)
+        self.bias = nn.Parameter(torch.randn(3 * embed_dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = x.split(self.embed_dim, -1)
+        biases = self.bias.chunk(3) if self.bias is not None else (None, None, None)
+        weights = self.weight.chunk(3)
+        return torch.stack([F.linear(t, w, b) for t, w, b in zip((q, k, v), weights, biases)], -1)
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "time_major"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("kind", ["separate", "packed"])
+def test_opacus_input_projection(kind, bias, batch_first):
+    """Opacus' ``InputProjection_test`` / ``PackedInputProjection_test``: the projection's
+    per-example gradients, batch-first or time-major (``batch_dim=1``), with and without its
+    bias, under a sum and a mean loss, against ``vmap(grad)``."""
+    model = seeded(
+        lambda: (
+            InputProjection(3, 2, 4, bias) if kind == "separate" else PackedInputProjection(3, bias)
+        )
+    ).double()
+    x = seeded(lambda: torch.randn(5, 4, 9, dtype=D), 1)  # [batch, T, E + kdim + vdim]
+    oracle_model = model if batch_first else BatchFirst(model)
+    want = unprefixed(vmap_grad(oracle_model, half_sq, x))
+    for reduction in ("sum", "mean"):
+        with gradhooks.add_hooks(
+            model, loss_reduction=reduction, batch_dim=0 if batch_first else 1
+        ):
+            loss = half_sq(model(x if batch_first else x.transpose(0, 1)))
+            (loss if reduction == "sum" else loss / 5).backward()
+        assert_grad1(model, want, f"{kind}, {reduction}")
+        gradhooks.clear_grad1(model)
+        model.zero_grad(set_to_none=True)
+
+
+class ProjectedAttention(nn.Module):
+    """Opacus' ``DPMultiheadAttention`` (no dropout, no masks), time-major: the key and value
+    are padded (or the query) to a common length so that the three concatenate, projected
+    together by :class:`InputProjection` (or :class:`PackedInputProjection` where the
+    dimensions agree), cut back, then scaled dot-product attention per head and ``out_proj``.
+    ``forward(query [T, batch, E], key [S, batch, kdim], value [S, batch, vdim])``."""
+
+    def __init__(
+        self, embed_dim: int, heads: int, kdim: int | None = None, vdim: int | None = None
+    ):
+        super().__init__()
+        self.heads = heads
+        kdim, vdim = kdim or embed_dim, vdim or embed_dim
+        if kdim == vdim == embed_dim:
+            self.in_proj = PackedInputProjection(embed_dim, bias=True)
+        else:
+            self.in_proj = InputProjection(embed_dim, kdim, vdim, bias=True)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        T, batch, E = query.shape
+        pad = T - key.shape[0]
+        if pad > 0:
+            key, value = F.pad(key, (0, 0, 0, 0, 0, pad)), F.pad(value, (0, 0, 0, 0, 0, pad))
+        elif pad < 0:
+            query = F.pad(query, (0, 0, 0, 0, 0, -pad))
+        q, k, v = self.in_proj(torch.cat((query, key, value), -1)).unbind(-1)
+        if pad > 0:
+            k, v = k[:-pad], v[:-pad]
+        elif pad < 0:
+            q = q[:pad]
+        head_dim = E // self.heads
+        q = (q * head_dim**-0.5).contiguous().view(T, batch * self.heads, head_dim).transpose(0, 1)
+        k = k.contiguous().view(-1, batch * self.heads, head_dim).transpose(0, 1)
+        v = v.contiguous().view(-1, batch * self.heads, head_dim).transpose(0, 1)
+        weights = torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1)
+        out = torch.bmm(weights, v).transpose(0, 1).contiguous().view(T, batch, E)
+        return self.out_proj(out)
+
+
+class CrossAttention(nn.Module):
+    """``forward(query [T, batch, 4], memory [S, batch, kdim + vdim])``: the memory split into
+    key and value."""
+
+    def __init__(self, kdim: int, vdim: int):
+        super().__init__()
+        self.kdim = kdim
+        self.attn = ProjectedAttention(4, 2, kdim, vdim)
+
+    def forward(self, query: Tensor, memory: Tensor) -> Tensor:
+        return self.attn(query, memory[..., : self.kdim], memory[..., self.kdim :])
+
+
+@pytest.mark.parametrize(
+    "T, S, kdim, vdim",
+    [(3, 5, 4, 4), (5, 3, 4, 4), (3, 5, 2, 3), (5, 2, 3, 2)],
+    ids=["packed_short_query", "packed_long_query", "separate_short_query", "separate_long_query"],
+)
+def test_opacus_attention_through_its_input_projection(T, S, kdim, vdim):
+    """Opacus' ``dp_multihead_attention_test.py`` with its current projection: cross-attention
+    whose key and value are shorter or longer than the query (the padding to a common length
+    and the cut after the projection), time-major; ``grad1`` against ``vmap(grad)``."""
+    model = seeded(lambda: CrossAttention(kdim, vdim)).double()
+    q = seeded(lambda: torch.randn(4, T, 4, dtype=D), 1)
+    memory = seeded(lambda: torch.randn(4, S, kdim + vdim, dtype=D), 2)
+    want = unprefixed(vmap_grad(BatchFirst(model), half_sq, (q, memory)))
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=1):
+        half_sq(model(q.transpose(0, 1), memory.transpose(0, 1))).backward()
+    assert_grad1(model, want, f"T={T}, S={S}")
+
+
+# == Opacus: the privacy engine's models (tests/privacy_engine_test.py) ===========================
+
+
+class SampleAttnNet(nn.Module):
+    """Its text model, time-major: ``[T, batch]`` tokens, an embedding, self-attention through
+    :class:`ProjectedAttention`, a Linear to one score per position, the scores of the ``T``
+    positions as ``[batch, T]`` class logits. Every parameter uniform in ``[0, 1)``, as there."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.attn = ProjectedAttention(8, 1)
+        self.fc = nn.Linear(8, 1)
+        for p in self.parameters():
+            nn.init.uniform_(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.emb(x)
+        h = self.fc(self.attn(h, h, h))
+        h = h.permute(1, 0, 2)
+        return h.reshape(h.shape[0], -1)
+
+
+class CustomLinear(nn.Module):
+    """``F.linear`` on parameters of its own, ``_weight`` and ``_bias`` (its
+    ``CustomLinearModule``)."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self._weight = nn.Parameter(torch.randn(outputs, inputs))
+        self._bias = nn.Parameter(torch.randn(outputs))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self._weight, self._bias)
+
+
+class LinearWithExtraParam(nn.Module):
+    """A Linear, then a parameter of the parent's own by ``matmul``."""
+
+    def __init__(self, inputs: int, outputs: int, hidden: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(inputs, hidden)
+        self.extra_param = nn.Parameter(torch.randn(hidden, outputs))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x).matmul(self.extra_param)
+
+
+class ModelWithCustomLinear(nn.Module):
+    """The two layers above, then a parameter of the root module by ``matmul``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = CustomLinear(4, 8)
+        self.fc2 = LinearWithExtraParam(8, 4)
+        self.extra_param = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(x)).matmul(self.extra_param)
+
+
+class SampleTiedWeights(nn.Module):
+    """One ``[30, 8]`` parameter, uniform in ``[-100, 100]``, both the embedding's table and the
+    output Linear's weight; a token per example seen as a sequence of one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 30)
+        tied = nn.Parameter(torch.empty(30, 8).uniform_(-100, 100))
+        self.emb.weight = self.fc2.weight = tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(self.emb(x.unsqueeze(1)))).squeeze(1)
+
+
+def privacy_engine_model(name: str, batch: int):
+    """``(model, inputs, labels, batch_dim, oracle_model)`` of one of its models."""
+    torch.manual_seed(0)
+    if name == "text":
+        model = SampleAttnNet().double()
+        x = torch.randint(0, 30, (6, batch))  # [T, batch]
+        return model, x, torch.randint(0, 6, (batch,)), 1, BatchFirst(model, False)
+    if name == "custom":
+        model = ModelWithCustomLinear().double()
+        return model, torch.randn(batch, 4, dtype=D), torch.randint(0, 3, (batch,)), 0, model
+    model = SampleTiedWeights().double()
+    return model, torch.randint(0, 30, (batch,)), torch.randint(0, 30, (batch,)), 0, model
+
+
+@pytest.mark.parametrize("name", ["text", "custom", "tied"])
+def test_opacus_privacy_engine_models_dp_step(name):
+    """``PrivacyEngineTextTest``, ``PrivacyEngineCustomLayerTest`` and
+    ``PrivacyEngineTiedWeightsTest`` (and their ``functorch`` variants, which Opacus runs for
+    layers without a grad sampler: here every layer goes through its rule, ``F.linear`` on a
+    module's own parameters included): ``grad1`` against the per-example loop, then a DP
+    step by every clipping method against the loop's clipped mean. The tied model's logits
+    are in the thousands (its weights in ``[-100, 100]``): the softmax saturates."""
+    model, x, y, batch_dim, oracle_model = privacy_engine_model(name, 6)
+    oracle_x = x.T if batch_dim == 1 else x
+    want = unprefixed(loop_grad(oracle_model, ce_sum, oracle_x, y))
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=batch_dim):
+        ce_sum(model(x), y).backward()
+    assert_grad1(model, want, name)
+    gradhooks.clear_grad1(model)
+    model.zero_grad(set_to_none=True)
+    dp_step_against_the_loop(model, x, y, want, batch_dim)
+
+
+@pytest.mark.parametrize("name", ["text", "custom", "tied"])
+def test_opacus_flat_clipping_of_a_batch_of_one(name):
+    """``test_flat_clipping``: with one example and no noise, the clipped gradient is the
+    example's own gradient scaled to norm ``C`` where it is longer (``C`` below the loop's
+    norm here: the norm is ``C`` itself), the same direction."""
+    model, x, y, batch_dim, oracle_model = privacy_engine_model(name, 1)
+    want = unprefixed(loop_grad(oracle_model, ce_sum, x.T if batch_dim == 1 else x, y))
+    norm = torch.cat([g.flatten() for g in want.values()]).norm().item()
+    C = norm / 3
+    with gradhooks.add_hooks(model, quantities=("norms",), batch_dim=batch_dim) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=0.0)
+    got = torch.cat([p.grad.flatten() for p in trainable(model).values()])
+    assert abs(got.norm().item() - C) <= 1e-9 * C, f"{name}: norm {got.norm().item()} != {C}"
+    for n, p in trainable(model).items():
+        assert_close(p.grad, want[n][0] * (C / norm), f"{name}: {n}")
+
+
+# == Opacus: per-layer checks of its clipper (tests/per_sample_gradient_test.py) ==================
+# Each layer alone, its output squeezed, an L1 loss against zeros (mean and sum over every
+# element); the examples on dimension 0 except for SequenceBias (time-major, batch_dim=1).
+
+
+class TimeMajorSequenceBias(nn.Module):
+    """Opacus' ``SequenceBias`` as it is used in its attention: ``[T, batch, F]`` to
+    ``[T + 1, batch, F]``, a learned vector appended to every sequence."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, self.bias.repeat(1, x.shape[1], 1)])
+
+
+def _ints(*shape):
+    return lambda: torch.randint(0, 20, shape)
+
+
+def _floats(*shape):
+    return lambda: torch.randn(*shape, dtype=D)
+
+
+CLIPPER_LAYERS = {
+    "conv1d": (lambda: nn.Conv1d(4, 6, 3), _floats(5, 4, 9)),
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3), _floats(5, 4, 6, 6)),
+    "linear": (lambda: nn.Linear(8, 4), _floats(5, 8)),
+    "linear_3d": (lambda: nn.Linear(8, 4), _floats(5, 3, 8)),
+    "layer_norm_1": (lambda: nn.LayerNorm(6), _floats(5, 4, 3, 6)),
+    "layer_norm_2": (lambda: nn.LayerNorm((3, 6)), _floats(5, 4, 3, 6)),
+    "layer_norm_3": (lambda: nn.LayerNorm((4, 3, 6)), _floats(5, 4, 3, 6)),
+    "group_norm_1d": (lambda: nn.GroupNorm(2, 4), _floats(5, 4, 6)),
+    "group_norm_2d": (lambda: nn.GroupNorm(2, 4), _floats(5, 4, 6, 5)),
+    "group_norm_3d": (lambda: nn.GroupNorm(2, 4), _floats(5, 4, 3, 4, 5)),
+    "instance_norm_1d": (lambda: nn.InstanceNorm1d(4, affine=True), _floats(5, 4, 6)),
+    "instance_norm_2d": (lambda: nn.InstanceNorm2d(4, affine=True), _floats(5, 4, 6, 5)),
+    "instance_norm_3d": (lambda: nn.InstanceNorm3d(4, affine=True), _floats(5, 4, 3, 4, 5)),
+    "embedding_2d": (lambda: nn.Embedding(20, 6), _ints(5, 7)),
+    "embedding_3d": (lambda: nn.Embedding(20, 6), _ints(5, 4, 3)),
+    "sequence_bias": (lambda: TimeMajorSequenceBias(2), _floats(4, 5, 2)),  # [T, batch, F]
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(CLIPPER_LAYERS))
+def test_opacus_clipper_layers_under_l1_loss(name, reduction):
+    """Opacus' ``PerSampleGradientTest``: every layer's ``grad1`` under ``L1Loss`` (``mean``:
+    example ``i``'s loss is the mean of its own entries; ``sum``) against the per-example
+    loop; the affine parameters of instance norm, which normalizes each example alone, are
+    per-example too."""
+    factory, inputs = CLIPPER_LAYERS[name]
+    model = seeded(factory).double()
+    x = seeded(inputs, 1)
+    time_major = name == "sequence_bias"
+
+    def l1(out: Tensor, target: Tensor | None = None) -> Tensor:
+        out = out.squeeze()
+        return F.l1_loss(out, torch.zeros_like(out), reduction=reduction)
+
+    oracle_model = BatchFirst(model) if time_major else model
+    want = unprefixed(loop_grad(oracle_model, l1, x.transpose(0, 1) if time_major else x))
+    with gradhooks.add_hooks(model, loss_reduction=reduction, batch_dim=1 if time_major else 0):
+        l1(model(x)).backward()
+    assert_grad1(model, want, f"{name}, {reduction}")
+
+
+# == curvlinops: K-FAC (test/test_kfac.py) ========================================================
+
+
+def ggn_of_one_example(model: nn.Module, x: Tensor, loss_hessian: Tensor) -> dict[str, Tensor]:
+    """``{name: Jᵀ H J}`` of one example ``x`` ``[1, ...]``: ``J`` the Jacobian of the
+    flattened output with respect to the parameter (``jacrev``), ``H`` the loss's Hessian with
+    respect to that output; the diagonal blocks of the GGN, one per parameter."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with gradhooks.paused():
+        J = jacrev(lambda p: functional_call(model, p, (x,)).reshape(-1))(params)
+    return {n: J[n].flatten(1).T @ loss_hessian @ J[n].flatten(1) for n in J}, J
+
+
+class WeightTiedSplitConcat(nn.Module):
+    """curvlinops' ``WeightTiedSplitConcatModel``: ``[batch, 2D]`` split in halves, each through
+    its own Linear, the two weights tied; ``biases``: ``"tied"`` (both Linears share one
+    bias too), ``"first"`` (only the first has one), ``"both"`` (two different biases)."""
+
+    def __init__(self, d: int, biases: str):
+        super().__init__()
+        self.d = d
+        self.linear1 = nn.Linear(d, d)
+        self.linear2 = nn.Linear(d, d, bias=biases != "first")
+        self.linear2.weight = self.linear1.weight
+        if biases == "tied":
+            self.linear2.bias = self.linear1.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = x.split(self.d, -1)
+        return torch.cat([self.linear1(a), self.linear2(b)], -1)
+
+
+@pytest.mark.parametrize("biases", ["tied", "first", "both"])
+def test_curvlinops_kfac_of_a_weight_tied_between_two_linears(biases):
+    """``test_kfac_type2_weight_tying`` / ``test_kfac_type2_mixed_bias_weight_tying`` /
+    ``test_kfac_type2_multi_module_conflicting_biases``: one example under MSE (loss Hessian
+    ``2·I``), the two uses of the weight independent, so K-FAC (expand, ``fisher="exact"``) is
+    the GGN's block of the weight, exactly.
+
+    - ``tied``: the bias is tied too; the bias-augmented factors are the GGN of ``[W, b]``.
+    - ``first``: curvlinops pads the second use's input with a zero for the missing bias;
+      gradhooks refuses the bias-augmented factors (``UnsupportedError``: the weight is used
+      with and without a bias) and gives the weight's own with ``bias=False``.
+    - ``both``: curvlinops refuses (two biases, no one column); gradhooks gives factors whose
+      bias column names no bias (``bias_name`` ``None``): the weight's block of them is
+      exact, and preconditioning with them is refused (``ConfigurationError``)."""
+    model = seeded(lambda: WeightTiedSplitConcat(3, biases)).double()
+    x = seeded(lambda: torch.rand(1, 6, dtype=D), 1)
+    ggn, J = ggn_of_one_example(model, x, 2 * torch.eye(6, dtype=D))
+    if biases == "first":
+        with pytest.raises(gradhooks.UnsupportedError, match="linear1.weight"):
+            gradhooks.kfac(model, x, fisher="exact", loss="mse", reduction="sum")
+        f = gradhooks.kfac(model, x, fisher="exact", loss="mse", reduction="sum", bias=False)
+        assert_close(
+            torch.kron(f["linear1.weight"].G, f["linear1.weight"].A), ggn["linear1.weight"], "W"
+        )
+        return
+    f = gradhooks.kfac(model, x, fisher="exact", loss="mse", reduction="sum")["linear1.weight"]
+    assert f.bias
+    if biases == "tied":
+        assert f.bias_name == "linear1.bias"
+        Jwb = torch.cat([J["linear1.weight"], J["linear1.bias"][..., None]], -1).flatten(1)
+        assert_close(torch.kron(f.G, f.A), 2 * Jwb.T @ Jwb, "[W, b]")
+        return
+    assert f.bias_name is None
+    assert_close(torch.kron(f.G, f.A[:-1, :-1]), ggn["linear1.weight"], "W of [W, b]")
+    model.zero_grad()
+    half_sq(model(x)).backward()
+    with pytest.raises(gradhooks.ConfigurationError, match="name no bias"):
+        gradhooks.kfac_precondition(model, {"linear1.weight": f}, damping=1e-3)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "not_inplace"])
+def test_curvlinops_kfac_with_inplace_activations(inplace):
+    """``test_kfac_inplace_activations``: ``Linear - ReLU(inplace) - Linear`` on one datum,
+    MSE: K-FAC (``fisher="exact"``, bias-augmented) is each layer's GGN block of ``[W, b]``
+    (one example, one position per weight), in-place ReLU or not."""
+    model = seeded(
+        lambda: nn.Sequential(nn.Linear(6, 3), nn.ReLU(inplace=inplace), nn.Linear(3, 2))
+    ).double()
+    x = seeded(lambda: torch.rand(1, 6, dtype=D), 1)
+    with torch.no_grad():  # a unit of the hidden layer inactive, one active at least
+        model[0].bias.copy_(torch.tensor([5.0, -50.0, 5.0], dtype=D))
+    _, J = ggn_of_one_example(model, x, 2 * torch.eye(2, dtype=D))
+    factors = gradhooks.kfac(model, x, fisher="exact", loss="mse", reduction="sum")
+    for layer in ("0", "2"):
+        f = factors[f"{layer}.weight"]
+        Jwb = torch.cat([J[f"{layer}.weight"], J[f"{layer}.bias"][..., None]], -1).flatten(1)
+        assert_close(torch.kron(f.G, f.A), 2 * Jwb.T @ Jwb, f"layer {layer}")
+
+
+def _bce_sum(out: Tensor, target: Tensor) -> Tensor:
+    return F.binary_cross_entropy_with_logits(out, target, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "bce"])
+def test_curvlinops_kfac_of_multi_dimensional_outputs(loss, reduction):
+    """``test_multi_dim_output``: a deep linear network on ``[N, 7, 5, 5]`` inputs, output
+    ``[N, 7, 5, 3]`` (classes last), against the same network on the ``N·35`` positions as a
+    batch ``[N·35, 5]``. Expand K-FAC: ``A`` is the same; ``G`` sums each position's
+    ``g gᵀ``, so under ``sum`` it is the same, under ``mean`` it is divided by ``N`` against
+    ``N·35``. Empirical (true labels) and MC (sampled output-gradients given per position by
+    ``output_grads``, the same for both). ``fisher="exact"`` on the 4-d output is refused
+    (``ConfigurationError``): one backward per class would add terms between positions;
+    curvlinops backpropagates every class at every position."""
+    x = seeded(lambda: torch.rand(3, 7, 5, 5, dtype=D), 1)
+    if loss == "cross_entropy":
+        y = seeded(lambda: torch.randint(3, (3, 7, 5)), 2)
+        flat_y = y.reshape(-1)
+    else:
+        y = seeded(lambda: torch.rand(3, 7, 5, 3, dtype=D), 2)
+        flat_y = y.reshape(-1, 3)
+    v = seeded(lambda: torch.randn(3, 7, 5, 3, dtype=D), 3)
+    model = seeded(lambda: nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))).double()
+    loss_fn = _bce_sum if loss == "bce" else loss
+    scale = 35 if reduction == "mean" else 1
+    runs = {
+        "empirical": (dict(target=y), dict(target=flat_y)),
+        "mc": (
+            dict(fisher="mc", output_grads=lambda out, g: v),
+            dict(fisher="mc", output_grads=lambda out, g: v.reshape(-1, 3)),
+        ),
+    }
+    for fisher, (four_kw, flat_kw) in runs.items():
+        four_kw.setdefault("fisher", fisher)
+        flat_kw.setdefault("fisher", fisher)
+        four = gradhooks.kfac(model, x, loss=loss_fn, reduction=reduction, **four_kw)
+        flat = gradhooks.kfac(model, x.reshape(-1, 5), loss=loss_fn, reduction=reduction, **flat_kw)
+        for n in four:
+            assert_close(four[n].A, flat[n].A, f"{fisher} A {n}")
+            assert_close(four[n].G, scale * flat[n].G, f"{fisher} G {n}")
+    with pytest.raises(gradhooks.ConfigurationError, match="exact"):
+        gradhooks.kfac(model, x, y, fisher="exact", loss=loss_fn, reduction=reduction)
+
+
+def test_curvlinops_kfac_does_not_affect_grad():
+    """``test_kfac_does_not_affect_grad``: computing the factors (each ``fisher``) leaves the
+    parameters' ``.grad`` as they were (one set, the others ``None``), adds no ``grad1`` and
+    leaves no hooks."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), 1)
+    y = seeded(lambda: torch.randint(2, (5,)), 2)
+    before = seeded(lambda: torch.randn(4, 3, dtype=D), 3)
+    model[0].weight.grad = before.clone()
+    for fisher in ("mc", "exact", "empirical"):
+        gradhooks.kfac(model, x, y if fisher == "empirical" else None, fisher=fisher)
+        assert torch.equal(model[0].weight.grad, before), fisher
+        for n, p in model.named_parameters():
+            assert not hasattr(p, "grad1"), f"{fisher}: {n} has a grad1"
+            if n != "0.weight":
+                assert p.grad is None, f"{fisher}: {n} got a .grad"
+        with pytest.raises(gradhooks.ConfigurationError):
+            gradhooks.hooks_of(model)  # no hooks left behind
+
+
+# == BackPACK: DiagGGN, BatchDiagGGN, SqrtGGN (test/extensions/secondorder) ======================
+# BackPACK's second-order extensions backpropagate the square root S of each example's loss
+# Hessian with respect to its output (CrossEntropy: diag(p) - p pᵀ; MSE, sum over outputs:
+# 2·I), scaled by 1/N under a mean loss: SqrtGGNExact is Jᵢᵀ Sᵢ per example and class,
+# BatchDiagGGNExact each example's diag(Jᵢᵀ Hᵢ Jᵢ), DiagGGNExact their sum. Here Jᵢ comes from
+# gradhooks.jacobians, the reference from jacrev and torch.func.hessian, one example at a time.
+
+
+SECOND_ORDER_NETS = {
+    "conv_sigmoid_maxpool": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 2, padding=1),
+            nn.Sigmoid(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(12, 3),
+        ),
+        (2, 4, 4),
+    ),
+    "convtranspose_tanh_avgpool": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose2d(2, 2, 2, stride=1),
+            nn.Tanh(),
+            nn.AvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8, 3),
+        ),
+        (2, 3, 3),
+    ),
+    "conv1d_elu_adaptive": (
+        lambda: nn.Sequential(
+            nn.Conv1d(2, 3, 3, dilation=2),
+            nn.ELU(),
+            nn.AdaptiveAvgPool1d(2),
+            nn.Flatten(),
+            nn.Linear(6, 3),
+        ),
+        (2, 8),
+    ),
+    "mlp_leaky_logsigmoid": (
+        lambda: nn.Sequential(
+            nn.Linear(5, 4), nn.LeakyReLU(0.1), nn.Linear(4, 4), nn.LogSigmoid(), nn.Linear(4, 3)
+        ),
+        (5,),
+    ),
+}
+
+
+def _loss_of_one(loss: str):
+    if loss == "cross_entropy":
+        return lambda out, y: F.cross_entropy(out, y, reduction="sum")
+    return lambda out, y: F.mse_loss(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("net", list(SECOND_ORDER_NETS))
+def test_backpack_diag_ggn_from_per_example_jacobians(net, loss, reduction):
+    """BackPACK's ``DiagGGNExact`` / ``BatchDiagGGNExact`` / ``SqrtGGNExact`` on its problem
+    networks: from ``gradhooks.jacobians`` and the closed-form loss Hessians, against the
+    per-example loop (``jacrev`` of a batch of one, ``torch.func.hessian`` of its loss), every
+    parameter, ``1/N`` under ``mean``."""
+    factory, shape = SECOND_ORDER_NETS[net]
+    model = seeded(factory).double()
+    N = 4
+    x = seeded(lambda: torch.randn(N, *shape, dtype=D), 1)
+    y = seeded(
+        lambda: torch.randint(3, (N,)) if loss == "cross_entropy" else torch.randn(N, 3, dtype=D),
+        2,
+    )
+    scale = 1 / N if reduction == "mean" else 1.0
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    loss_of_one = _loss_of_one(loss)
+
+    J = gradhooks.jacobians(model, x)  # {name: [N, 3, *p.shape]}
+    with gradhooks.paused():
+        out = model(x).detach()
+    if loss == "cross_entropy":
+        p = out.softmax(-1)
+        H = torch.diag_embed(p) - torch.einsum("nc,nd->ncd", p, p)
+    else:
+        H = 2 * torch.eye(3, dtype=D).expand(N, 3, 3)
+    batch_diag = {
+        n: scale * torch.einsum("nc...,ncd,nd...->n...", Jn, H, Jn) for n, Jn in J.items()
+    }
+    # the square root of each Hessian: S Sᵀ = H
+    eigvals, eigvecs = torch.linalg.eigh(H)
+    S = eigvecs * eigvals.clamp(min=0).sqrt()[:, None, :]
+    sqrt_ggn = {n: scale**0.5 * torch.einsum("nc...,ncd->dn...", Jn, S) for n, Jn in J.items()}
+
+    diag_ggn = {n: torch.zeros_like(q) for n, q in params.items()}
+    for i in range(N):
+        xi, yi = x[i : i + 1], y[i : i + 1]
+        with gradhooks.paused():
+            Ji = jacrev(lambda q, xi=xi: functional_call(model, q, (xi,)).reshape(-1))(params)
+            out_i = functional_call(model, params, (xi,)).reshape(-1)
+            Hi = hessian(lambda o, yi=yi: loss_of_one(o.view(1, 3), yi))(out_i)
+        for n in params:
+            Jin = Ji[n].flatten(1)
+            ggn_i = scale * Jin.T @ Hi @ Jin
+            want = ggn_i.diagonal().view_as(params[n])
+            diag_ggn[n] += want
+            assert_close(batch_diag[n][i], want, f"BatchDiagGGN {n}, example {i}")
+            root = sqrt_ggn[n][:, i].flatten(1)
+            assert_close(root.T @ root, ggn_i, f"SqrtGGN {n}, example {i}")
+    for n in params:
+        assert_close(batch_diag[n].sum(0), diag_ggn[n], f"DiagGGN {n}")
