@@ -575,6 +575,57 @@ def test_curvlinops_kfac_of_multi_dimensional_outputs(loss, reduction):
         gradhooks.kfac(model, x, y, fisher="exact", loss=loss_fn, reduction=reduction)
 
 
+class ClassesFirst(nn.Module):
+    """curvlinops' cross-entropy model of ``test_multi_dim_output``: the deep linear network,
+    then its ``Rearrange("batch ... c -> batch c ...")``: ``[batch, 3, 7, 5]``, the classes on
+    dimension 1 as ``F.cross_entropy`` takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).movedim(-1, 1)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["labels_of_classes_first", "probabilities", "a_trailing_axis"],
+)
+def test_curvlinops_classes_first_output_with_the_named_cross_entropy(target):
+    """``test_multi_dim_output``'s cross-entropy model keeps the classes on dimension 1.
+    gradhooks' named ``"cross_entropy"`` takes them last, one integer label per row: with the
+    classes first, labels ``[batch, 7, 5]`` (not the output's ``[batch, 3, 7]``), with
+    probabilities as targets, or with labels ``[batch, 7, 5, 1]``, the target is refused
+    (``ConfigurationError`` naming both shapes, where it was a bare broadcasting error). The
+    loss given as a function, ``F.cross_entropy(..., reduction="sum")``, takes the classes
+    first, and its factors are the named loss's on the classes-last model."""
+    model = seeded(ClassesFirst).double()
+    x = seeded(lambda: torch.rand(2, 7, 5, 5, dtype=D), 1)
+    labels = seeded(lambda: torch.randint(3, (2, 7, 5)), 2)
+    if target == "labels_of_classes_first":
+        y = labels
+    elif target == "probabilities":
+        y = seeded(lambda: torch.rand(2, 3, 7, 5, dtype=D).softmax(1), 3)
+    else:
+        y = labels[..., None]
+    with pytest.raises(gradhooks.ConfigurationError, match=r"target has shape \(2, "):
+        gradhooks.kfac(model, x, y, fisher="empirical")
+    if target != "labels_of_classes_first":
+        return
+    by_function = gradhooks.kfac(
+        model,
+        x,
+        labels,
+        fisher="empirical",
+        loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"),
+    )
+    classes_last = gradhooks.kfac(model.net, x, labels, fisher="empirical")
+    for n, f in classes_last.items():
+        assert_close(by_function[f"net.{n}"].A, f.A, f"A {n}")
+        assert_close(by_function[f"net.{n}"].G, f.G, f"G {n}")
+
+
 def test_curvlinops_kfac_does_not_affect_grad():
     """``test_kfac_does_not_affect_grad``: computing the factors (each ``fisher``) leaves the
     parameters' ``.grad`` as they were (one set, the others ``None``), adds no ``grad1`` and

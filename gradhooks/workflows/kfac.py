@@ -342,6 +342,20 @@ def _accumulate(
                 f"kfac(loss='mse'): target has shape {tuple(target.shape)}, the model's output "
                 f"{tuple(out.shape)}: the squared error takes a target of the output's shape"
             )
+        if (
+            isinstance(target, Tensor)
+            and loss == "cross_entropy"
+            and (target.is_floating_point() or target.shape != out.shape[:-1])
+        ):
+            raise ConfigurationError(
+                f"kfac(loss='cross_entropy'): target has shape {tuple(target.shape)} "
+                f"({target.dtype}), the model's output {tuple(out.shape)}: the named loss takes "
+                "the classes on the output's last dimension and one integer label per row, a "
+                f"target of shape {tuple(out.shape[:-1])}. For classes on dimension 1 (a "
+                "[batch, classes, positions] output) or probabilities as targets, pass the "
+                "loss as a function, loss=lambda out, y: F.cross_entropy(out, y, "
+                "reduction='sum') (summed over positions, as the named loss is)"
+            )
         if fisher == "exact" and out.dim() > 2:
             raise ConfigurationError(
                 f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
