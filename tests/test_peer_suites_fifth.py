@@ -31,6 +31,8 @@ otherwise.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -700,8 +702,7 @@ def _loss_of_one(loss: str):
     return lambda out, y: F.mse_loss(out, y, reduction="sum")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("loss, reduction", [("cross_entropy", "mean"), ("mse", "sum")])
 @pytest.mark.parametrize("net", list(SECOND_ORDER_NETS))
 def test_backpack_diag_ggn_from_per_example_jacobians(net, loss, reduction):
     """BackPACK's ``DiagGGNExact`` / ``BatchDiagGGNExact`` / ``SqrtGGNExact`` on its problem
@@ -753,3 +754,221 @@ def test_backpack_diag_ggn_from_per_example_jacobians(net, loss, reduction):
             assert_close(root.T @ root, ggn_i, f"SqrtGGN {n}, example {i}")
     for n in params:
         assert_close(batch_diag[n].sum(0), diag_ggn[n], f"DiagGGN {n}")
+
+
+# == nngeometry: per-example Jacobians of its newer tasks (tests/tasks.py) =======================
+# Its tasks' networks on inputs of the shapes it uses (MNIST crops, small random tensors),
+# gradhooks.jacobians against vmap(jacrev) of a batch of one.
+
+
+class Conv1dNet(nn.Module):
+    """Three strided 1-d convolutions (one without bias) over a flattened image, a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv1d(1, 6, 3, 3)
+        self.conv2 = nn.Conv1d(6, 5, 4, 8, bias=False)
+        self.conv3 = nn.Conv1d(5, 2, 4, 4)
+        self.fc1 = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.reshape(x.size(0), x.size(1), -1)
+        x = F.relu(self.conv3(F.relu(self.conv2(F.relu(self.conv1(x))))))
+        return self.fc1(x.view(x.size(0), -1))
+
+
+class LayerNormNet(nn.Module):
+    """The centre crop of an image flattened, a Linear, a LayerNorm (with or without bias) or
+    an RMSNorm."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.linear1 = nn.Linear(18 * 18, 3)
+        self.layer_norm1 = _norm(norm, (3,))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[:, :, 5:-5, 5:-5].contiguous()
+        return self.layer_norm1(self.linear1(x.view(x.size(0), -1)))
+
+
+class LayerNormConvNet(nn.Module):
+    """A strided convolution of the crop, a norm over ``(channels, height, width)``, the sum
+    over the positions."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.layer = nn.Conv2d(1, 3, (3, 2), 2)
+        self.layer_norm = _norm(norm, (3, 8, 9))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer_norm(self.layer(x[:, :, 5:-5, 5:-5])).sum(dim=(2, 3))
+
+
+class SumOverPositions(nn.Module):
+    """Its ``Linear3D`` / ``LayerNorm3D``: a layer on ``[batch, 5, 4]``, summed over the 5."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x).sum(dim=1)
+
+
+def _norm(kind: str, shape: tuple[int, ...]) -> nn.Module:
+    if kind == "rms":
+        return nn.RMSNorm(shape)
+    return nn.LayerNorm(shape, bias=kind == "layer_norm")
+
+
+NNGEOMETRY_TASKS = {
+    "conv1d": (Conv1dNet, (1, 28, 28)),
+    "layernorm": (lambda: LayerNormNet("layer_norm"), (1, 28, 28)),
+    "layernorm_no_bias": (lambda: LayerNormNet("no_bias"), (1, 28, 28)),
+    "rmsnorm": (lambda: LayerNormNet("rms"), (1, 28, 28)),
+    "layernorm_conv": (lambda: LayerNormConvNet("layer_norm"), (1, 28, 28)),
+    "layernorm_conv_no_bias": (lambda: LayerNormConvNet("no_bias"), (1, 28, 28)),
+    "rmsnorm_conv": (lambda: LayerNormConvNet("rms"), (1, 28, 28)),
+    "linear_3d": (lambda: SumOverPositions(nn.Linear(4, 3)), (5, 4)),
+    "layernorm_3d": (lambda: SumOverPositions(nn.LayerNorm(4)), (5, 4)),
+    "layernorm_3d_no_bias": (lambda: SumOverPositions(nn.LayerNorm(4, bias=False)), (5, 4)),
+    "rmsnorm_3d": (lambda: SumOverPositions(nn.RMSNorm(4)), (5, 4)),
+    # its test_shared_parameters: one Linear used twice, which nngeometry refuses
+    "shared_parameters": (lambda: nn.Sequential(*[nn.Linear(4, 4)] * 2), (4,)),
+}
+
+
+@pytest.mark.parametrize("task", list(NNGEOMETRY_TASKS))
+def test_nngeometry_jacobians_of_its_newer_tasks(task):
+    """nngeometry's ``get_conv1d_task``, ``get_layernorm_task`` / ``get_layernorm_conv_task`` /
+    ``get_layernorm_3d_task`` (bias or not, or RMSNorm) and ``get_linear_3d_task``: the
+    per-example Jacobians ``[batch, outputs, *p.shape]`` of every parameter against
+    ``vmap(jacrev)``. Its ``test_shared_parameters`` expects a refusal for a Linear used twice;
+    gradhooks accepts it and sums the two uses, the derivative of the output as computed."""
+    factory, shape = NNGEOMETRY_TASKS[task]
+    model = seeded(factory).double()
+    x = seeded(lambda: torch.rand(6, *shape, dtype=D), 1)
+    # (a copy: functional_call leaves a module that appears under two names with tensors of
+    # its own in place of its parameters)
+    ref = copy.deepcopy(model)
+    params = {n: p.detach() for n, p in ref.named_parameters()}
+
+    def one(p, xi):
+        return functional_call(ref, p, (xi.unsqueeze(0),)).reshape(-1)
+
+    with gradhooks.paused():
+        want = torch.vmap(jacrev(one), in_dims=(None, 0))(params, x)
+    got = gradhooks.jacobians(model, x)
+    assert set(got) == set(want), task
+    for n in want:
+        assert_close(got[n], want[n], f"{task}: {n}")
+
+
+# == functorch: per-sample gradients of its TestVmapOfGrad (test/functorch/test_eager_transforms.py)
+
+
+class InplaceView(nn.Module):
+    """``test_per_sample_grads_inplace_view``: ``x.mm(weight)`` then an in-place ``squeeze_``
+    of the size-1 axis, written for the batch: ``[batch, 1, 16] @ [16, 2]``, ``squeeze_(1)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.matmul(self.weight).squeeze_(1)
+
+
+class OneExampleAtATime(InplaceView):
+    """The same, written as functorch's per-example function is: each example taken out of
+    the batch (``unbind``), ``mm``, ``squeeze_(0)``, stacked back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.stack([xi.mm(self.weight).squeeze_(0) for xi in x.unbind(0)])
+
+
+class Materialized(nn.Module):
+    """``test_new_zeros_materializes_tensor`` / ``test_new_empty_materializes_tensor``: a
+    tensor made by ``x.new_zeros`` (or ``new_empty``), filled in place by ``copy_`` from a
+    Linear's output, then used."""
+
+    def __init__(self, empty: bool):
+        super().__init__()
+        self.lin, self.empty = nn.Linear(3, 5), empty
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = (x.shape[0], 5)
+        out = x.new_empty(shape) if self.empty else x.new_zeros(shape)
+        out.copy_(self.lin(x))
+        return out.tanh()
+
+
+class EmbeddingNet(nn.Module):
+    """``test_per_sample_grads_embeddingnet``'s ``SampleNet``: an embedding, its transpose
+    averaged over the words, two Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.mean(torch.transpose(self.emb(x), -1, -2), -1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _regression(out: Tensor, t: Tensor) -> Tensor:
+    return ((out - t) ** 2).sum()
+
+
+FUNCTORCH_CASES = {
+    "inplace_view": (InplaceView, lambda: torch.randn(6, 1, 16, dtype=D), (6, 2), _regression),
+    "new_zeros": (
+        lambda: Materialized(False),
+        lambda: torch.randn(6, 3, dtype=D),
+        (6, 5),
+        _regression,
+    ),
+    "new_empty": (
+        lambda: Materialized(True),
+        lambda: torch.randn(6, 3, dtype=D),
+        (6, 5),
+        _regression,
+    ),
+    "embeddingnet": (EmbeddingNet, lambda: torch.randint(0, 50, (6, 5)), None, ce_sum),
+}
+
+
+@pytest.mark.parametrize("case", list(FUNCTORCH_CASES))
+def test_functorch_vmap_of_grad_modules(case):
+    """functorch's ``TestVmapOfGrad`` per-sample gradients, each function written as a module
+    over the batch: ``grad1`` against the per-example loop, under a sum and a mean loss."""
+    factory, inputs, target_shape, loss = FUNCTORCH_CASES[case]
+    model = seeded(factory).double()
+    x = seeded(inputs, 1)
+    if target_shape is None:
+        t = seeded(lambda: torch.randint(0, 2, (6,)), 2)
+    else:
+        t = seeded(lambda: torch.randn(*target_shape, dtype=D), 2)
+    want = loop_grad(model, loss, x, t)
+    for reduction in ("sum", "mean"):
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            value = loss(model(x), t)
+            (value if reduction == "sum" else value / 6).backward()
+        assert_grad1(model, want, f"{case}, {reduction}")
+        gradhooks.clear_grad1(model)
+        model.zero_grad(set_to_none=True)
+
+
+def test_functorch_examples_taken_out_of_the_batch_are_refused():
+    """The per-example function of ``test_per_sample_grads_inplace_view`` run on each example
+    taken out of the batch by ``unbind`` (a loop over the examples inside ``forward``): the
+    tracker follows the examples along a dimension, and a tensor of one example without it is
+    not followed, so gradhooks refuses (``MixedExamplesError`` naming the module and
+    ``unbind``) rather than guess; the batched form (:class:`InplaceView`) is the supported
+    one, and slices that keep the dimension (``x[i:i+1]``, ``x.split(1)``) are followed."""
+    model = seeded(OneExampleAtATime).double()
+    x = seeded(lambda: torch.randn(6, 1, 16, dtype=D), 1)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match="unbind"):
+            model(x)
