@@ -864,6 +864,35 @@ def test_nngeometry_jacobians_of_its_newer_tasks(task):
         assert_close(got[n], want[n], f"{task}: {n}")
 
 
+def test_nngeometry_shared_layer_after_functional_call_is_refused_by_name():
+    """A hand-written ``vmap(jacrev(functional_call))`` reference, as nngeometry's
+    ``TorchFuncJacobianBackend`` and the data-attribution tools run, on a model that lists one
+    Linear under two names: ``functional_call`` leaves tensors of its own on the module in
+    place of its parameters, through which autograd records nothing (a plain backward fails
+    too). Hooking that model is refused with a ``ConfigurationError`` naming the parameter,
+    where it was an ``AttributeError`` from inside the hooks; nothing is left on the model.
+    :func:`gradhooks.oracle.vmap_grad` puts the parameters back, so the model it was given
+    stays as it was."""
+    model = seeded(lambda: nn.Sequential(*[nn.Linear(4, 4)] * 2)).double()
+    x = seeded(lambda: torch.rand(6, 4, dtype=D), 1)
+    weight = model[0].weight
+    vmap_grad(model, half_sq, x)
+    assert model[0].weight is weight and model[1].weight is weight, "the oracle changed the model"
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with gradhooks.paused():
+        torch.vmap(
+            jacrev(lambda p, xi: functional_call(model, p, (xi[None],)).reshape(-1)),
+            in_dims=(None, 0),
+        )(params, x)
+    assert not isinstance(model[0].weight, nn.Parameter)  # (what functional_call left)
+    with pytest.raises(gradhooks.ConfigurationError, match=r"parameter '0\.weight'"):
+        gradhooks.add_hooks(model)
+    with pytest.raises(gradhooks.ConfigurationError, match=r"parameter '0\.weight'"):
+        gradhooks.jacobians(model, x)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not any(getattr(p, "_backward_hooks", None) for p in model.parameters())
+
+
 # == functorch: per-sample gradients of its TestVmapOfGrad (test/functorch/test_eager_transforms.py)
 
 

@@ -260,9 +260,12 @@ def accumulator_of(p: Tensor) -> Any:
     gradient into ``.grad``: ``torch.autograd.graph.get_gradient_edge(p).node``, found through
     one view of ``p`` where that function makes two (a view costs about 10 µs of host time,
     and the node of the first parameter is looked at every forward). Under
-    ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it."""
+    ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it.
+    ``None`` where autograd records nothing through ``p`` (a tensor left behind by a
+    ``torch.func`` transform in place of a parameter)."""
     with torch.inference_mode(False), torch.enable_grad():
-        return p.view_as(p).grad_fn.next_functions[0][0]
+        fn = p.view_as(p).grad_fn
+    return None if fn is None else fn.next_functions[0][0]
 
 
 def storages_of(params: list[Tensor]) -> list[int | None]:
