@@ -628,6 +628,32 @@ def test_curvlinops_classes_first_output_with_the_named_cross_entropy(target):
         assert_close(by_function[f"net.{n}"].G, f.G, f"G {n}")
 
 
+def test_curvlinops_empirical_factors_of_labels_with_padding():
+    """curvlinops' empirical Fisher (``fisher_type="empirical"``) of a language model's output
+    ``[batch, T, vocab]`` with the labels a Hugging Face collator makes (dp-transformers' and
+    private-transformers' pad them with ``-100``, ``F.cross_entropy``'s ``ignore_index``) and
+    in ``int32``: the named ``"cross_entropy"`` ignores those positions as ``F.cross_entropy``
+    does, its factors those of the function form (which was the only one that ran: the named
+    loss failed in ``F.one_hot``)."""
+    model = seeded(lambda: nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 6))).double()
+    tokens = seeded(lambda: torch.randint(0, 11, (3, 5)), 1)
+    labels = seeded(lambda: torch.randint(0, 6, (3, 5)), 2)
+    labels[0, 3:], labels[2, 1:] = -100, -100
+    by_function = gradhooks.kfac(
+        model,
+        tokens,
+        labels,
+        fisher="empirical",
+        loss=lambda out, t: F.cross_entropy(out.flatten(0, -2), t.flatten(), reduction="sum"),
+    )["1.weight"]
+    for dtype in (torch.int64, torch.int32):
+        named = gradhooks.kfac(model, tokens, labels.to(dtype), fisher="empirical")["1.weight"]
+        assert_close(named.A, by_function.A, f"A, {dtype}")
+        assert_close(named.G, by_function.G, f"G, {dtype}")
+    unpadded = gradhooks.kfac(model, tokens, labels.clamp(min=0), fisher="empirical")["1.weight"]
+    assert not torch.allclose(unpadded.G, by_function.G), "the ignored positions counted"
+
+
 def test_curvlinops_kfac_does_not_affect_grad():
     """``test_kfac_does_not_affect_grad``: computing the factors (each ``fisher``) leaves the
     parameters' ``.grad`` as they were (one set, the others ``None``), adds no ``grad1`` and
