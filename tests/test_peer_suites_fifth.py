@@ -9,7 +9,8 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
   ``DPMultiheadAttention`` (raw weights, one per query / key / value or one packed weight cut
   in three, applied by ``F.linear`` to slices of one concatenated time-major input), that
   attention with a key and value shorter or longer than the query (padded to the query's
-  length, cut back after the projection), the per-layer checks of its clipper under its
+  length, cut back after the projection) and with its options (``add_bias_kv``,
+  ``add_zero_attn``, ``key_padding_mask``), the per-layer checks of its clipper under its
   ``L1Loss`` (``mean`` and ``sum``) on the squeezed output, and the privacy engine's own
   models: the text model (an embedding, that attention, a Linear, time-major), the model of
   custom layers (``F.linear`` on ``_weight``, a parameter multiplied in a parent's and in the
@@ -18,11 +19,20 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
 - curvlinops (``test/test_kfac.py``): K-FAC of a weight tied between two Linears (one bias
   tied too, biases on one use only, two different biases), of a network with in-place
   activations (exact for one datum), of outputs with several leading dimensions against the
-  same positions as a batch, and factors computed without touching ``.grad``;
+  same positions as a batch (and its classes-first cross-entropy model, whose labels the
+  named loss refuses), and factors computed without touching ``.grad``;
 - BackPACK (``test/extensions/secondorder/diag_ggn``, ``sqrt_ggn``): ``DiagGGNExact``,
   ``BatchDiagGGNExact`` and ``SqrtGGNExact`` of its second-order problem networks (convolutions,
   a transposed one, pooling, its activations) under ``mean`` and ``sum``, from gradhooks'
-  per-example Jacobians.
+  per-example Jacobians;
+- nngeometry (``tests/tasks.py``, ``tests/test_torch_hooks.py``): per-example Jacobians of its
+  newer tasks (strided 1-d convolutions, LayerNorm without bias and RMSNorm after a Linear and
+  a convolution, layers on ``[batch, 5, 4]`` summed over positions, one Linear used twice),
+  and a model left holding ``functional_call``'s tensors refused by name;
+- functorch (``test/functorch/test_eager_transforms.py``, ``TestVmapOfGrad``): its
+  per-sample-gradient functions written as modules over the batch (an in-place ``squeeze_``
+  of a view, ``new_zeros`` / ``new_empty`` filled by ``copy_``, its embedding net), and the
+  per-example function run on examples taken out of the batch, refused.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -245,6 +255,88 @@ def test_opacus_attention_through_its_input_projection(T, S, kdim, vdim):
     assert_grad1(model, want, f"T={T}, S={S}")
 
 
+class TimeMajorSequenceBias(nn.Module):
+    """Opacus' ``SequenceBias`` as its attention uses it: ``[T, batch, F]`` to
+    ``[T + 1, batch, F]``, a learned vector appended to every sequence."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, self.bias.repeat(1, x.shape[1], 1)])
+
+
+class AttentionWithOptions(nn.Module):
+    """:class:`ProjectedAttention`'s self-attention with the options of Opacus'
+    ``DPMultiheadAttention``: ``add_bias_kv`` (a learned key and value appended to every
+    sequence, :class:`TimeMajorSequenceBias`), ``add_zero_attn`` (a zero key and value
+    appended per head) and a ``key_padding_mask`` ``[batch, T]`` (padded up with the
+    appended positions). ``forward(x [T, batch, E], mask [batch, T])``."""
+
+    def __init__(self, bias_kv: bool, zero_attn: bool, masked: bool):
+        super().__init__()
+        self.attn = ProjectedAttention(4, 2)
+        self.zero_attn, self.masked = zero_attn, masked
+        self.bias_k = TimeMajorSequenceBias(4) if bias_kv else None
+        self.bias_v = TimeMajorSequenceBias(4) if bias_kv else None
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        T, batch, E = x.shape
+        heads, head_dim = self.attn.heads, E // self.attn.heads
+        mask = mask if self.masked else None
+        q, k, v = self.attn.in_proj(torch.cat((x, x, x), -1)).unbind(-1)
+        if self.bias_k is not None:
+            k, v = self.bias_k(k), self.bias_v(v)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+        q = (q * head_dim**-0.5).contiguous().view(T, batch * heads, head_dim).transpose(0, 1)
+        k = k.contiguous().view(-1, batch * heads, head_dim).transpose(0, 1)
+        v = v.contiguous().view(-1, batch * heads, head_dim).transpose(0, 1)
+        if self.zero_attn:
+            zeros = k.new_zeros(k.shape[0], 1, head_dim)
+            k, v = torch.cat([k, zeros], 1), torch.cat([v, zeros], 1)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+        scores = torch.bmm(q, k.transpose(1, 2))
+        if mask is not None:
+            S = k.shape[1]
+            scores = scores.view(batch, heads, T, S).masked_fill(mask[:, None, None], float("-inf"))
+            scores = scores.view(batch * heads, T, S)
+        out = torch.bmm(scores.softmax(-1), v).transpose(0, 1).contiguous().view(T, batch, E)
+        return self.attn.out_proj(out)
+
+
+class MaskBatchFirst(nn.Module):
+    """For the oracle: ``x`` ``[batch, T, E]`` and the mask ``[batch, T]`` to the time-major
+    model, the output back batch-first."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.m(x.transpose(0, 1), mask).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "bias_kv, zero_attn, masked",
+    [(False, False, True), (True, False, False), (False, True, False), (True, True, True)],
+    ids=["key_padding_mask", "add_bias_kv", "add_zero_attn", "all"],
+)
+def test_opacus_attention_options_through_its_input_projection(bias_kv, zero_attn, masked):
+    """Opacus' ``dp_multihead_attention_test.py`` options (``add_bias_kv``, ``add_zero_attn``,
+    ``key_padding_mask``) with its current packed projection, time-major: ``grad1`` of the
+    projection, the appended biases and ``out_proj`` against the per-example loop; two
+    sequences padded at the end."""
+    model = seeded(lambda: AttentionWithOptions(bias_kv, zero_attn, masked)).double()
+    x = seeded(lambda: torch.randn(3, 5, 4, dtype=D), 1)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:], mask[2, 4:] = True, True
+    want = unprefixed(loop_grad(MaskBatchFirst(model), half_sq, (x, mask)))
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=1):
+        half_sq(model(x.transpose(0, 1), mask)).backward()
+    assert_grad1(model, want, f"bias_kv={bias_kv}, zero_attn={zero_attn}, masked={masked}")
+
+
 # == Opacus: the privacy engine's models (tests/privacy_engine_test.py) ===========================
 
 
@@ -376,18 +468,6 @@ def test_opacus_flat_clipping_of_a_batch_of_one(name):
 # == Opacus: per-layer checks of its clipper (tests/per_sample_gradient_test.py) ==================
 # Each layer alone, its output squeezed, an L1 loss against zeros (mean and sum over every
 # element); the examples on dimension 0 except for SequenceBias (time-major, batch_dim=1).
-
-
-class TimeMajorSequenceBias(nn.Module):
-    """Opacus' ``SequenceBias`` as it is used in its attention: ``[T, batch, F]`` to
-    ``[T + 1, batch, F]``, a learned vector appended to every sequence."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.bias = nn.Parameter(torch.randn(features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([x, self.bias.repeat(1, x.shape[1], 1)])
 
 
 def _ints(*shape):
@@ -530,6 +610,46 @@ def test_curvlinops_kfac_with_inplace_activations(inplace):
         f = factors[f"{layer}.weight"]
         Jwb = torch.cat([J[f"{layer}.weight"], J[f"{layer}.bias"][..., None]], -1).flatten(1)
         assert_close(torch.kron(f.G, f.A), 2 * Jwb.T @ Jwb, f"layer {layer}")
+
+
+class Conv2dModel(nn.Module):
+    """curvlinops' ``Conv2dModel``: one ``Conv2d(3, 2, 4, padding=2)``, its output either
+    rearranged ``batch c h w -> batch (h w c)`` (``"expand-flatten"``: a loss at every pixel)
+    or averaged over the pixels (``"reduce"``: ``AdaptiveAvgPool2d(1)``, flattened)."""
+
+    def __init__(self, setting: str):
+        super().__init__()
+        self.conv, self.setting = nn.Conv2d(3, 2, 4, padding=2), setting
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.conv(x)
+        if self.setting == "reduce":
+            return F.adaptive_avg_pool2d(out, 1).flatten(1)
+        return out.permute(0, 2, 3, 1).flatten(1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("setting", ["expand-flatten", "reduce"])
+def test_curvlinops_kfac_of_a_convolution_is_its_ggn(setting, reduction):
+    """``test_kfac_type2_weight_sharing`` on its ``Conv2dModel``: a single convolution under
+    MSE, where K-FAC is exact in the setting it is made for: expand (``fisher="exact"``, one
+    backward per output entry, the pixels as positions) when the loss is at every pixel,
+    reduce (``expand=False``: the patches averaged, the output-gradients summed over the
+    pixels) when the pixels are averaged before the loss. ``kron(G, A)`` (bias-augmented) is
+    the GGN block of ``[W, b]``, summed over the examples (divided by their number under
+    ``mean``)."""
+    model = seeded(lambda: Conv2dModel(setting)).double()
+    x = seeded(lambda: torch.randn(3, 3, 5, 5, dtype=D), 1)
+    f = gradhooks.kfac(
+        model, x, fisher="exact", loss="mse", reduction=reduction, expand=setting != "reduce"
+    )["conv.weight"]
+    ggn = 0
+    for i in range(3):
+        outputs = model(x[i : i + 1]).numel()
+        _, J = ggn_of_one_example(model, x[i : i + 1], 2 * torch.eye(outputs, dtype=D))
+        Jwb = torch.cat([J["conv.weight"].flatten(2), J["conv.bias"][..., None]], -1).flatten(1)
+        ggn = ggn + 2 * Jwb.T @ Jwb
+    assert_close(torch.kron(f.G, f.A), ggn / (3 if reduction == "mean" else 1), setting)
 
 
 def _bce_sum(out: Tensor, target: Tensor) -> Tensor:
@@ -1027,3 +1147,52 @@ def test_functorch_examples_taken_out_of_the_batch_are_refused():
     with gradhooks.add_hooks(model):
         with pytest.raises(gradhooks.MixedExamplesError, match="unbind"):
             model(x)
+
+
+# == ASDL: empirical natural gradient (tests/test_empirical_ngd.py) ================================
+
+
+def _asdl_net() -> nn.Sequential:
+    """Its network: ``Linear(2, 2)`` and ``BatchNorm1d(2)``, twice."""
+    return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+
+def test_asdl_empirical_natural_gradient_from_grad1():
+    """ASDL's ``test_empirical_ngd``: the natural gradient of the full empirical Fisher
+    ``F = (1/N) Σ gᵢ gᵢᵀ`` (``SHAPE_FULL``), ``(F + λI)⁻¹ ḡ``, against its Sherman-Morrison-
+    Woodbury form from the per-example gradients ``U`` ``[N, P]``:
+    ``(ḡ - Uᵀ (λN·I + U Uᵀ)⁻¹ U ḡ) / λ``. Here the SMW form is built from gradhooks' ``grad1``
+    and the dense solve from the per-example loop's gradients, for each batch of two of its
+    ten examples (all of class 0). ASDL runs the net with BatchNorm in training mode, whose
+    batch statistics couple the examples; gradhooks refuses that (``MixedExamplesError``), so
+    the BatchNorms run in eval mode, on running statistics of the whole data set."""
+    model = seeded(_asdl_net).double()
+    data = seeded(lambda: torch.randn(10, 2, dtype=D), 1)
+    targets = torch.zeros(10, dtype=torch.long)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match="BatchNorm1d"):
+            model(data[:2])
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.momentum = None  # a cumulative average
+        model(data)  # running statistics
+    model.eval()
+    damping = 1e-2
+    for start in range(0, 10, 2):
+        x, t = data[start : start + 2], targets[start : start + 2]
+        N = x.shape[0]
+        want = loop_grad(model, ce_sum, x, t)
+        U_loop = torch.cat([want[n].flatten(1) for n in trainable(model)], 1)
+        g = U_loop.mean(0)
+        fisher = U_loop.T @ U_loop / N
+        dense = torch.linalg.solve(fisher + damping * torch.eye(g.numel(), dtype=D), g)
+        with gradhooks.add_hooks(model):
+            F.cross_entropy(model(x), t).backward()
+        U = torch.cat([p.grad1.flatten(1) for p in trainable(model).values()], 1)
+        gbar = torch.cat([p.grad.flatten() for p in trainable(model).values()])
+        inner = torch.linalg.solve(damping * N * torch.eye(N, dtype=D) + U @ U.T, U @ gbar)
+        smw = (gbar - U.T @ inner) / damping
+        assert_close(smw, dense, f"examples {start}-{start + 1}")
+        model.zero_grad(set_to_none=True)
+        gradhooks.clear_grad1(model)
