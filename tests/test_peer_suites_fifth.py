@@ -465,6 +465,56 @@ def test_opacus_flat_clipping_of_a_batch_of_one(name):
         assert_close(p.grad, want[n][0] * (C / norm), f"{name}: {n}")
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["no_clipping", "clipping"])
+def test_opacus_compare_to_vanilla_with_a_closure(clip):
+    """``test_compare_to_vanilla`` with ``use_closure=True`` and three steps: the custom-layer
+    model trained by ``DPOptimizer.step(closure)`` (the closure runs the forward and
+    ``opt.backward`` of the per-example losses), no noise, against SGD on the loop's
+    gradients: without clipping (``C`` far above every norm) the mean gradient, vanilla
+    training; with ``C`` at the median norm, the loop's clipped mean. Opacus' closure calls a
+    plain ``loss.backward()``; gradhooks refuses that step (``StateError``: nothing was
+    clipped), rather than step on an unclipped gradient."""
+    model, x, y, _, _ = privacy_engine_model("custom", 6)
+    reference = copy.deepcopy(model)
+    hooks = gradhooks.add_hooks(model, quantities=("norms",))
+    opt = gradhooks.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        hooks,
+        max_grad_norm=1e12,
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+    )
+
+    def closure():
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        opt.backward(losses)
+        return losses.mean()
+
+    for step in range(3):
+        want = loop_grad(reference, ce_sum, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
+        C = norms.median().item() if clip else 1e12
+        factors = (C / norms).clamp(max=1.0)
+        opt.max_grad_norm = C
+        opt.step(closure)
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                p -= 0.1 * torch.einsum("b,b...->...", factors, want[n]) / 6
+        for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.detach(), q.detach(), f"step {step}: {n}")
+
+    def plain_closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(gradhooks.StateError, match="no backward"):
+        opt.step(plain_closure)
+    hooks.remove()
+
+
 # == Opacus: per-layer checks of its clipper (tests/per_sample_gradient_test.py) ==================
 # Each layer alone, its output squeezed, an L1 loss against zeros (mean and sum over every
 # element); the examples on dimension 0 except for SequenceBias (time-major, batch_dim=1).
@@ -1162,8 +1212,8 @@ def test_asdl_empirical_natural_gradient_from_grad1():
     ``F = (1/N) Σ gᵢ gᵢᵀ`` (``SHAPE_FULL``), ``(F + λI)⁻¹ ḡ``, against its Sherman-Morrison-
     Woodbury form from the per-example gradients ``U`` ``[N, P]``:
     ``(ḡ - Uᵀ (λN·I + U Uᵀ)⁻¹ U ḡ) / λ``. Here the SMW form is built from gradhooks' ``grad1``
-    and the dense solve from the per-example loop's gradients, for each batch of two of its
-    ten examples (all of class 0). ASDL runs the net with BatchNorm in training mode, whose
+    and the dense solve from the per-example loop's gradients, for two of its batches of two
+    of its ten examples (all of class 0). ASDL runs the net with BatchNorm in training mode, whose
     batch statistics couple the examples; gradhooks refuses that (``MixedExamplesError``), so
     the BatchNorms run in eval mode, on running statistics of the whole data set."""
     model = seeded(_asdl_net).double()
@@ -1179,7 +1229,7 @@ def test_asdl_empirical_natural_gradient_from_grad1():
         model(data)  # running statistics
     model.eval()
     damping = 1e-2
-    for start in range(0, 10, 2):
+    for start in (0, 6):  # two of its five batches
         x, t = data[start : start + 2], targets[start : start + 2]
         N = x.shape[0]
         want = loop_grad(model, ce_sum, x, t)
