@@ -15,7 +15,9 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
   models: the text model (an embedding, that attention, a Linear, time-major), the model of
   custom layers (``F.linear`` on ``_weight``, a parameter multiplied in a parent's and in the
   root's ``forward``) and the model whose embedding is tied to its output Linear, each by a
-  DP step by every clipping method, and its flat clipping of a batch of one;
+  DP step by every clipping method, its flat clipping of a batch of one and its comparison
+  with vanilla training through ``step(closure)``; and its attention swapped into an
+  ``nn.TransformerEncoderLayer`` (refused, with the remedy checked);
 - curvlinops (``test/test_kfac.py``): K-FAC of a weight tied between two Linears (one bias
   tied too, biases on one use only, two different biases), of a network with in-place
   activations (exact for one datum), of outputs with several leading dimensions against the
@@ -569,6 +571,107 @@ def test_opacus_clipper_layers_under_l1_loss(name, reduction):
     with gradhooks.add_hooks(model, loss_reduction=reduction, batch_dim=1 if time_major else 0):
         l1(model(x)).backward()
     assert_grad1(model, want, f"{name}, {reduction}")
+
+
+class LinearsAttention(nn.Module):
+    """Opacus' ``DPMultiheadAttention`` as its current version is (three Linears for query, key
+    and value, ``out_proj``, ``batch_first``, the signature ``nn.TransformerEncoderLayer``
+    calls, ``is_causal`` included; ``_qkv_same_embed_dim = False`` and no ``in_proj_weight``,
+    so that the layer takes no fast path), without its options."""
+
+    def __init__(self, embed_dim: int, heads: int, batch_first: bool):
+        super().__init__()
+        self.embed_dim, self.num_heads, self.batch_first = embed_dim, heads, batch_first
+        self._qkv_same_embed_dim = False
+        self.in_proj_weight = self.in_proj_bias = None
+        self.qlinear, self.klinear = (
+            nn.Linear(embed_dim, embed_dim),
+            nn.Linear(embed_dim, embed_dim),
+        )
+        self.vlinear, self.out_proj = (
+            nn.Linear(embed_dim, embed_dim),
+            nn.Linear(embed_dim, embed_dim),
+        )
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, is_causal=False):  # fmt: skip
+        if self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        T, batch, E = query.shape
+        head_dim = E // self.num_heads
+        q = (self.qlinear(query) * head_dim**-0.5).contiguous()
+        q = q.view(T, batch * self.num_heads, head_dim).transpose(0, 1)
+        k = (
+            self.klinear(key)
+            .contiguous()
+            .view(-1, batch * self.num_heads, head_dim)
+            .transpose(0, 1)
+        )
+        v = (
+            self.vlinear(value)
+            .contiguous()
+            .view(-1, batch * self.num_heads, head_dim)
+            .transpose(0, 1)
+        )
+        weights = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        out = self.out_proj(torch.bmm(weights, v).transpose(0, 1).contiguous().view(T, batch, E))
+        return (out.transpose(0, 1) if self.batch_first else out), None
+
+
+class OwnForwardEncoderLayer(nn.TransformerEncoderLayer):
+    """The remedy the refusal names: the layer with a forward of its own, so that it does not
+    take ``nn.TransformerEncoderLayer``'s rule and its parts are hooked one by one."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class OwnForwardAttention(nn.MultiheadAttention):
+    """An ``nn.MultiheadAttention`` subclass with a forward of its own (so without the
+    attention's rule: the registry does not hand a rule to a subclass that overrides
+    ``forward``)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+SWAPPED_ATTENTION = {
+    "opacus": lambda batch_first: LinearsAttention(8, 2, batch_first),
+    "mha_subclass": lambda batch_first: OwnForwardAttention(8, 2, batch_first=batch_first),
+}
+
+
+@pytest.mark.parametrize("attention", list(SWAPPED_ATTENTION))
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "time_major"])
+def test_opacus_dp_attention_inside_a_transformer_encoder_layer(batch_first, attention):
+    """Opacus' ``ModuleValidator.fix`` swaps an ``nn.TransformerEncoderLayer``'s
+    ``nn.MultiheadAttention`` for its ``DPMultiheadAttention`` (its ``is_causal`` argument and
+    ``in_proj_weight = None`` exist for that layer). gradhooks' rule for the layer hands its
+    parts to their own rules in the layout of torch's parts; the swapped-in attention's
+    Linears were left out (a ``RuleError`` at the backward, "returned no piece"), or, with a
+    parameter of its own and time-major, read batch-first (a ``MixedExamplesError`` from the
+    fallback). So was an ``nn.MultiheadAttention`` subclass with a forward of its own. Both are
+    now refused at the forward (``UnsupportedError`` naming the part and the remedies); with
+    the remedy it names, a forward of the layer's own, every parameter's ``grad1`` matches the
+    per-example loop, batch-first or time-major."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    layer.self_attn = SWAPPED_ATTENTION[attention](batch_first)
+    layer = layer.double()
+    x = seeded(lambda: torch.randn(3, 5, 8, dtype=D), 1)  # [batch, T, E]
+    given = x if batch_first else x.transpose(0, 1)
+    batch_dim = 0 if batch_first else 1
+    with gradhooks.add_hooks(layer, batch_dim=batch_dim):
+        with pytest.raises(gradhooks.UnsupportedError, match="'self_attn' is a"):
+            layer(given)
+    own = OwnForwardEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    own.self_attn = SWAPPED_ATTENTION[attention](batch_first)
+    own = own.double()
+    own.load_state_dict(layer.state_dict())
+    want = unprefixed(loop_grad(BatchFirst(own) if not batch_first else own, half_sq, x))
+    with gradhooks.add_hooks(own, loss_reduction="sum", batch_dim=batch_dim):
+        half_sq(own(given)).backward()
+    assert_grad1(own, want, "own forward")
 
 
 # == curvlinops: K-FAC (test/test_kfac.py) ========================================================
