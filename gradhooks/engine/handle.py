@@ -502,6 +502,15 @@ class Hooks:
         into ``.grad`` from one that returns the gradient), in place of the one on its node
         before, if any."""
         node = accumulator_of(p)
+        if node is None:
+            raise ConfigurationError(
+                f"parameter '{name}' ({type(p).__name__} {tuple(p.shape)}) requires grad, but "
+                "autograd records nothing through it: it is a tensor left behind by a torch.func "
+                "transform (torch.func.functional_call leaves one in place of the parameter of a "
+                "module listed under several names, nn.Sequential(*[layer] * 2)), and a backward "
+                "of the model fails without gradhooks too. Put the module's nn.Parameter back, "
+                "or call functional_call on a copy of the model"
+            )
         before = self._state.accumulators.get(pid)
         if before is not None:
             if before[0] is node:

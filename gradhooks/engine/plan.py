@@ -302,11 +302,14 @@ def accumulator_of(p: Tensor) -> Any:
     and the node of the first parameter is looked at every forward). Under
     ``torch.inference_mode()`` a view has no ``grad_fn``, so it is taken outside it (and with
     gradients on: where both already hold, as in a training forward, without the two context
-    managers, which cost more than the view)."""
+    managers, which cost more than the view). ``None`` where autograd records nothing through
+    ``p`` (a tensor left behind by a ``torch.func`` transform in place of a parameter)."""
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-        return p.view_as(p).grad_fn.next_functions[0][0]
+        fn = p.view_as(p).grad_fn
+        return None if fn is None else fn.next_functions[0][0]
     with torch.inference_mode(False), torch.enable_grad():
-        return p.view_as(p).grad_fn.next_functions[0][0]
+        fn = p.view_as(p).grad_fn
+    return None if fn is None else fn.next_functions[0][0]
 
 
 def storages_of(params: list[Tensor]) -> list[int | None]:

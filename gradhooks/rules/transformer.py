@@ -14,7 +14,8 @@ with them, the same way, and its parts' calls are handed them.
 
 Scaling: none here; the engine scales for mean-reduced losses. Dropout (``dropout > 0`` in
 training mode) cannot be replayed: an error at the forward (construct the layer with
-``dropout=0``, or call ``eval()``). Parts are looked up in the handle's registry (``call.registry``).
+``dropout=0``, or call ``eval()``); so is an attention part that is not an
+``nn.MultiheadAttention``. Parts are looked up in the handle's registry (``call.registry``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,44 @@ def refuse_dropout(layer: nn.Module, name: str) -> None:
         )
 
 
+def refuse_custom_attention(layer: nn.Module, name: str) -> None:
+    """At the forward: an attention part that is not an ``nn.MultiheadAttention`` running its
+    own forward (Opacus' ``ModuleValidator.fix`` swaps in its ``DPMultiheadAttention``, with
+    Linear submodules and a layout of its own; a subclass overriding ``forward`` has no rule).
+    This rule hands each part to its own rule in the layout torch's parts have, and a part
+    without one to the fallback with its own parameters only: the custom attention's
+    submodules would be left without gradients, or read in the wrong layout."""
+    for part in ("self_attn", "multihead_attn"):
+        attn = getattr(layer, part, None)
+        if attn is None or type(attn).forward is nn.MultiheadAttention.forward:
+            continue
+        what = (
+            "with a forward of its own"
+            if isinstance(attn, nn.MultiheadAttention)
+            else "not an nn.MultiheadAttention"
+        )
+        raise UnsupportedError(
+            f"{describe_module(name, layer)}: its attention part '{part}' is a "
+            f"{type(attn).__qualname__}, {what}. This layer's rule "
+            "reruns it and hands each part to its own rule in the layout of torch's parts, "
+            "which another attention module (its own submodules and layout) does not "
+            "follow. gradhooks computes nn.MultiheadAttention's per-example gradients "
+            "itself: keep it (Opacus' ModuleValidator.fix swaps it for DPMultiheadAttention, "
+            "which gradhooks does not need), or give the layer a forward of its own, "
+            f"class Layer({type(layer).__qualname__}): def forward(self, *args, **kwargs): "
+            "return super().forward(*args, **kwargs), whose parts are then hooked one by "
+            "one."
+        )
+
+
+def _refuse_at_forward(layer: nn.Module, name: str) -> None:
+    refuse_custom_attention(layer, name)
+    refuse_dropout(layer, name)
+
+
 @register(
     nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, owns_children=True,
-    batch_dim=lambda layer: batch_first(layer.self_attn), on_forward=refuse_dropout,
+    batch_dim=lambda layer: batch_first(layer.self_attn), on_forward=_refuse_at_forward,
 )  # fmt: skip
 def transformer_layer(call: Call) -> dict[str, Piece]:
     # rerun, and its parts' rules run, in the modes of the forward (a loop may have switched

@@ -125,7 +125,8 @@ def kfac(
             among them (then among ``kwargs``), as for :func:`gradhooks.add_hooks`.
         kwargs: the model's keyword inputs (``{"attention_mask": mask}``), per example
             ``[batch, ...]`` or shared.
-        target: labels ``[batch, ...]`` (``cross_entropy``) or the output's shape (``mse``),
+        target: labels ``[batch, ...]`` (``cross_entropy``; ``-100``, ``F.cross_entropy``'s
+            ``ignore_index``, marks a position without a loss) or the output's shape (``mse``),
             or what your ``loss`` takes; needed for ``fisher="empirical"`` with a named loss.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
             model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
@@ -349,6 +350,20 @@ def _accumulate(
                 f"kfac(loss='mse'): target has shape {tuple(target.shape)}, the model's output "
                 f"{tuple(out.shape)}: the squared error takes a target of the output's shape"
             )
+        if (
+            isinstance(target, Tensor)
+            and loss == "cross_entropy"
+            and (target.is_floating_point() or target.shape != out.shape[:-1])
+        ):
+            raise ConfigurationError(
+                f"kfac(loss='cross_entropy'): target has shape {tuple(target.shape)} "
+                f"({target.dtype}), the model's output {tuple(out.shape)}: the named loss takes "
+                "the classes on the output's last dimension and one integer label per row, a "
+                f"target of shape {tuple(out.shape[:-1])}. For classes on dimension 1 (a "
+                "[batch, classes, positions] output) or probabilities as targets, pass the "
+                "loss as a function, loss=lambda out, y: F.cross_entropy(out, y, "
+                "reduction='sum') (summed over positions, as the named loss is)"
+            )
         if fisher == "exact" and out.dim() > 2:
             raise ConfigurationError(
                 f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
@@ -507,8 +522,10 @@ def _output_vectors(
             return [_loss_grads(loss, out, target)]
         return _hessian_root_columns(loss, out, target)
     if fisher == "empirical":
-        if loss == "cross_entropy":
-            return [torch.softmax(out, -1) - F.one_hot(target, out.shape[-1]).to(out.dtype)]
+        if loss == "cross_entropy":  # (F.cross_entropy's: a label of -100 adds nothing)
+            kept = target != _IGNORE_INDEX
+            labels = F.one_hot(target.long().clamp(min=0), out.shape[-1]).to(out.dtype)
+            return [(torch.softmax(out, -1) - labels) * kept.unsqueeze(-1)]
         return [2 * (out - target)]
     if fisher == "mc":
         vs = []
@@ -530,6 +547,9 @@ def _output_vectors(
     probs = torch.softmax(out, -1)
     return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(classes)]
 
+
+# F.cross_entropy's default ignore_index: the positions so labelled have no loss (padding)
+_IGNORE_INDEX = -100
 
 # The named losses as functions of a batch of one (each example's loss summed over its
 # positions), for sample_target
