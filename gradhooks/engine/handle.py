@@ -438,8 +438,17 @@ class Hooks:
             handles.extend(pre_handles)
             # (our pre-hooks last: one registered since, nn.utils.prune's applied again, makes
             # the weight from its parameters before the call, where the tracker sees it; not
-            # where ours opens the forward of an entry module)
-            last = () if id(m) in joined and joined[id(m)][0] else tuple(h.id for h in pre_handles)
+            # where ours opens the forward of an entry module, nor where the call may be run by
+            # the rule itself, which it is only where no pre-hook of the user's runs after ours:
+            # moved after one, ours would run it on what that one changed, outside its graph)
+            owned = detaches and (
+                target.entry.owns_backward is not False or target.entry.taps is not None
+            )
+            last = (
+                ()
+                if (id(m) in joined and joined[id(m)][0]) or owned
+                else tuple(h.id for h in pre_handles)
+            )
             self._first_hooks.append((m, handle.id, last))
         for entry in entries:
             pre_joined, post_joined = joined.get(id(entry), (False, False))
