@@ -458,3 +458,59 @@ def test_check_with_misused_arguments_says_what_it_wants(kwargs, error, says):
     with pytest.raises(error, match=re.escape(says)):
         h.check(loss, x, y[: kwargs.get("rows", 5)], examples=kwargs.get("examples", 2))
     assert h.check(F.cross_entropy, x, y).ok
+
+
+# -- advice that fits the case: each refusal says what applies to it ----------------------------
+
+
+def _untouched(model: nn.Module) -> bool:
+    return all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+
+
+class _WithTable(nn.Module):
+    """``x * w``, plus a table of its own size (not the batch's) that the output uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, table):
+        return x * self.w + table.sum()
+
+
+def _scale_rule(call):  # right on a batch [batch, 4]; fails on one example [4]
+    return {"w": gradhooks.Direct(torch.einsum("bf,bf->bf", call.inputs[0], call.grad_output))}
+
+
+def _outer_of_2d(call):  # a rule's own bug: Outer takes [batch, shared, features]
+    return {"w": gradhooks.Outer(call.inputs[0], call.grad_output)}
+
+
+def _table_rule(call):  # reads the table, which has another dimension 0 than the batch
+    return {"w": gradhooks.Direct(torch.einsum("bf,bf->bf", call.inputs[1], call.grad_output))}
+
+
+@pytest.mark.parametrize(
+    "rule, inputs, batched",
+    [
+        (_outer_of_2d, (torch.randn(5, 4), torch.randn(5, 4)), True),
+        (_scale_rule, (torch.randn(4), torch.randn(2, 4)), False),
+        (_table_rule, (torch.randn(5, 4), torch.randn(6, 4)), False),
+    ],
+    ids=["rule-bug-on-a-batch", "one-example-without-batch", "batch-sizes-differ"],
+)
+def test_a_failed_rule_is_told_to_add_a_batch_only_where_one_may_lack(rule, inputs, batched):
+    """A rule that fails on a call whose tensors agree on dimension 0 failed for a reason of
+    its own (the advice to add a batch dimension sent its author to the input); the advice
+    stays where it can apply: an input of fewer than 2 dimensions, or dimensions 0 that
+    differ."""
+    registry = gradhooks.Registry()
+    registry.register(_WithTable)(rule)
+    model = _WithTable()
+    with gradhooks.add_hooks(model, registry=registry, batch_dim=None):
+        out = model(*inputs).sum()
+        e = _raised(gradhooks.RuleError, out.backward, r"'<model>' \(_WithTable\)")
+    unsqueeze = "x.unsqueeze(0)" in str(e)
+    assert unsqueeze is not batched, str(e)
+    assert (f"the rule's own: fix {rule.__module__}.{rule.__qualname__}" in str(e)) is batched
+    assert _untouched(model)

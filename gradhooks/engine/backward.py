@@ -40,6 +40,7 @@ from .calls import (
     check_versions,
     describe_call,
     examples_of_empty_call,
+    may_lack_batch,
     other_rows,
     release_spent,
     released_call,
@@ -277,12 +278,22 @@ class BackwardWriter:
             msg = str(e)
             if msg.startswith("fallback for") or target.quoted in msg:
                 raise  # already names the module
+            if may_lack_batch(call):
+                advice = (
+                    "Rules take dimension 0 of the layer's input and output-gradient as the "
+                    "batch; an input without a batch dimension (x of shape [features] rather "
+                    "than [batch, features]) needs one: x.unsqueeze(0)."
+                )
+            else:
+                advice = (
+                    "The call's tensors agree on dimension 0, the batch, where rules read it, "
+                    f"so the failure is the rule's own: fix {rule.__module__}."
+                    f"{rule.__qualname__}, and compare it with torch.func on a batch of "
+                    "inputs: gradhooks.check_rule(layer, x, registry=...)."
+                )
             raise RuleError(
                 f"rule {rule.__qualname__} for {target.where} failed on {describe_call(call)}: "
-                f"{e}\n"
-                "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
-                "an input without a batch dimension (x of shape [features] rather than "
-                "[batch, features]) needs one: x.unsqueeze(0)."
+                f"{e}\n{advice}"
             ) from e
         live: dict[str, nn.Parameter] = {}
         for pname, p in params.items():

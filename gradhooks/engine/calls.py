@@ -443,6 +443,17 @@ def describe_call(call: Call) -> str:
     return f"inputs [{shapes(call.inputs)}], output-gradients [{grads}]"
 
 
+def may_lack_batch(call: Call) -> bool:
+    """Whether a call's tensors may lack the batch dimension its rule reads as dimension 0: a
+    tensor input of fewer than 2 dimensions (``[features]`` for ``[batch, features]``), or
+    tensor inputs and output-gradients whose dimensions 0 differ."""
+    tensors = [t for t in tree_leaves(call.inputs) if isinstance(t, Tensor)]
+    if any(t.dim() < 2 for t in tensors):
+        return True
+    tensors += [g for g in call.grad_outputs if isinstance(g, Tensor) and g.dim() > 0]
+    return len({t.shape[0] for t in tensors}) > 1
+
+
 def _shapes(args: tuple, kwargs: dict) -> str:
     return ", ".join(
         str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
