@@ -514,3 +514,51 @@ def test_a_failed_rule_is_told_to_add_a_batch_only_where_one_may_lack(rule, inpu
     assert unsqueeze is not batched, str(e)
     assert (f"the rule's own: fix {rule.__module__}.{rule.__qualname__}" in str(e)) is batched
     assert _untouched(model)
+
+
+class _EachRow(nn.Module):
+    """Its first layer run on each example alone, in a loop over the batch."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.a, self.b, self.rows = nn.Linear(3, 4), nn.Linear(4, 2), rows
+
+    def forward(self, x):
+        outs = [self.a(row) for row in self.rows(x)]
+        return self.b(torch.stack(outs) if outs[0].dim() == 1 else torch.cat(outs))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [lambda x: [x[i] for i in range(len(x))], lambda x: list(x.unbind(0)), list],
+    ids=["index", "unbind", "iterate"],
+)
+def test_one_example_taken_out_of_the_batch_alone_is_told_to_keep_the_batch_dimension(rows):
+    """``x[i]``, ``x.unbind(0)``, ``for xi in x``: each call of the layer sees one example,
+    so "per-example gradients do not exist" was the wrong advice; the refusal says the
+    example lost its batch dimension and how to keep it (``x[i : i + 1]``, which is
+    followed: grad1 is then each example's)."""
+    model = _EachRow(rows)
+    x = torch.randn(4, 3)
+    with gradhooks.add_hooks(model):
+        e = _raised(gradhooks.MixedExamplesError, lambda: model(x), r"'a' \(Linear\)")
+    assert "one example taken out of the batch alone" in str(e)
+    assert "x[i : i + 1] or x.split(1)" in str(e) and "do not exist" not in str(e)
+    assert _untouched(model)
+    kept = _EachRow(lambda x: list(x.split(1)))
+    with gradhooks.add_hooks(kept, loss_reduction="sum"):
+        kept(x).sum().backward()
+    assert kept.a.weight.grad1.shape == (4, 4, 3)
+
+
+@pytest.mark.parametrize(
+    "between", [lambda x: x[0] + x[1], lambda x: x - x.mean(0)], ids=["two-added", "centred"]
+)
+def test_examples_combined_are_still_told_that_per_example_gradients_do_not_exist(between):
+    """Where rows of several examples are combined (two examples taken out and added, a
+    mean over the batch), the refusal keeps saying so."""
+    model = _EachRow(lambda x: [between(x)])
+    with gradhooks.add_hooks(model):
+        e = _raised(gradhooks.MixedExamplesError, lambda: model(torch.randn(4, 3)))
+    assert "do not exist" in str(e) and "taken out of the batch alone" not in str(e)
+    assert _untouched(model)
