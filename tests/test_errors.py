@@ -562,3 +562,31 @@ def test_examples_combined_are_still_told_that_per_example_gradients_do_not_exis
         e = _raised(gradhooks.MixedExamplesError, lambda: model(torch.randn(4, 3)))
     assert "do not exist" in str(e) and "taken out of the batch alone" not in str(e)
     assert _untouched(model)
+
+
+class _Strided(nn.Module):
+    """A layer given rows made by an operation the tracker does not follow (``as_strided``):
+    ``rows`` of them from a batch of 4."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.l, self.rows = nn.Linear(3, 2), rows
+
+    def forward(self, x):
+        return self.l(x.as_strided((self.rows, 3), (3, 1)))
+
+
+def test_batch_lost_through_an_unknown_operation_also_offers_batch_dim_none():
+    """A layer that sees another number of rows than the model's batch, after an operation
+    gradhooks does not follow: its rows may be the examples elsewhere (``batch_dim=k``) or
+    not examples at all (bags cut from a flat tensor): then ``batch_dim=None``, which gives
+    one row per entry of the layer's dimension 0, as it says."""
+    model = _Strided(2)
+    with gradhooks.add_hooks(model):
+        out = model(torch.randn(4, 6)).sum()
+        e = _raised(gradhooks.BatchNotFoundError, out.backward, r"'l' \(Linear\).*as_strided")
+    assert "batch_dim=k" in str(e) and "batch_dim=None" in str(e)
+    assert _untouched(model)
+    with gradhooks.add_hooks(model, batch_dim=None):
+        model(torch.randn(4, 6)).sum().backward()
+    assert model.l.weight.grad1.shape == (2, 2, 3)

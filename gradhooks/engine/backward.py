@@ -343,8 +343,12 @@ class BackwardWriter:
                     f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
                     f"model's forward has {layout.batch} ({describe_call(call)}). gradhooks could "
                     f"not follow the batch to this layer (through: "
-                    f"{', '.join(layout.lost) or 'its own operations'}); say where the model's "
-                    "batch is with add_hooks(..., batch_dim=k), or register a rule."
+                    f"{', '.join(layout.lost) or 'its own operations'}). If the model's batch "
+                    "is dimension k of its first input, say so with add_hooks(..., "
+                    "batch_dim=k). If this layer's rows are not the model's examples (bags "
+                    "cut from a flat tensor, rows the forward builds otherwise), "
+                    "add_hooks(..., batch_dim=None) follows nothing: grad1 then has one row per "
+                    "entry of each layer's dimension 0. Or register a rule."
                 )
         elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
