@@ -590,3 +590,50 @@ def test_batch_lost_through_an_unknown_operation_also_offers_batch_dim_none():
     with gradhooks.add_hooks(model, batch_dim=None):
         model(torch.randn(4, 6)).sum().backward()
     assert model.l.weight.grad1.shape == (2, 2, 3)
+
+
+class _Anil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+
+def _anil_query_loss(model, h, support, query, paused):
+    """ANIL's second-order step: the head adapted on the support features by a
+    ``create_graph=True`` gradient, then called with its fast weights on the query's."""
+    (sx, sy), (qx, qy) = support, query
+    with h.paused() if paused else torch.enable_grad():
+        head = dict(model.head.named_parameters())
+        loss = F.cross_entropy(model.head(model.body(sx)), sy)
+        g = torch.autograd.grad(loss, list(head.values()), create_graph=True)
+    fast = {n: p - 0.5 * gi for (n, p), gi in zip(head.items(), g, strict=True)}
+    logits = torch.func.functional_call(model.head, fast, (model.body(qx),))
+    return F.cross_entropy(logits, qy, reduction="sum")
+
+
+def test_a_captured_inner_step_of_a_second_order_step_is_told_to_pause_it():
+    """Support and query batches of different sizes, the inner step captured: the rows that
+    clash come from the double backward, so "concatenate the batches" did not apply; the
+    refusal names the double backward and says to run the inner step under ``h.paused()``,
+    which gives grad1 with the query's rows."""
+    model = _Anil()
+    support = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    query = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        loss = _anil_query_loss(model, h, support, query, paused=False)
+        e = _raised(gradhooks.StateError, loss.backward, r"'body\.0\.weight'")
+        assert "double backward" in str(e) and "h.paused()" in str(e)
+        assert "concatenate" not in str(e)
+        assert _untouched(model)
+        _anil_query_loss(model, h, support, query, paused=True).backward()
+    assert model.head.weight.grad1.shape == (5, 2, 6)
+
+
+def test_two_batches_of_different_sizes_in_one_loss_are_still_told_to_concatenate():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model):
+        loss = model(torch.randn(4, 3)).sum() + model(torch.randn(6, 3)).sum()
+        e = _raised(gradhooks.StateError, loss.backward, "batch size changed")
+    assert "concatenate them into one forward" in str(e) and "double backward" not in str(e)
+    assert _untouched(model)

@@ -430,7 +430,7 @@ class BackwardWriter:
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
             if out is None:
-                self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
+                self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1, bw)
             self.state.written[id(p)] = p
 
     def _writable_grad1(self, p: nn.Parameter, batch: int, accumulate: bool) -> Tensor | None:
@@ -1149,7 +1149,11 @@ class BackwardWriter:
         if self.state.collector is not None and self.state.collector._queued:
             self.state.collector.discard_backward()
 
-    def accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
+    def accumulate(
+        self, qualname: str, p: nn.Parameter, g1: Tensor, bw: Backward | None = None
+    ) -> None:
+        """Add ``g1``, one call's per-example gradient of ``p``, to ``p.grad1``; ``bw``: the
+        backward that formed it, where there is one."""
         if g1.dtype != p.dtype:
             g1 = g1.to(p.dtype)
         if id(p) in self.state.written:
@@ -1160,6 +1164,9 @@ class BackwardWriter:
                 p.grad1 = g1 if old.shape[0] == 0 else old.to(g1.dtype)
                 return
             if old.shape != g1.shape:
+                double = bw.derived if bw is not None else None
+                if double is not None or old.requires_grad or g1.requires_grad:
+                    raise StateError(_through_double_backward(qualname, old, g1, double))
                 raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
                     f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
@@ -1174,6 +1181,25 @@ class BackwardWriter:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def _through_double_backward(qualname: str, old: Tensor, g1: Tensor, where: str | None) -> str:
+    """The refusal of rows of another batch added to ``grad1`` where a ``create_graph=True``
+    backward is involved: a second-order step whose inner step was captured (MAML, ANIL, with
+    a support batch of another size than the query's), not batches to concatenate."""
+    through = f", reached at {where}" if where is not None else ""
+    return (
+        f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call, this call gives "
+        f"{tuple(g1.shape)}: a double backward is involved (this backward goes through the "
+        f"graph of an earlier torch.autograd.grad(..., create_graph=True){through}, or one "
+        "of them ran with create_graph=True: the inner step of a second-order meta-learning step, MAML "
+        "or ANIL, on a support batch of another size than the query's). Per-example gradients "
+        "through a double backward are not formed by hooks, and the support's rows are not "
+        "the query's examples. Run the inner step (its forward and its torch.autograd.grad) "
+        "under `with h.paused():`: grad1 is then each query example's gradient through the "
+        "adaptation. For per-example gradients of the inner step itself, use torch.func "
+        "(gradhooks.oracle.vmap_grad)."
+    )
 
 
 def different_batches(rows: dict[int, tuple[str, bool]]) -> str:
