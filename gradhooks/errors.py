@@ -89,7 +89,9 @@ class UnbatchedInputError(BatchNotFoundError, ValueError):
 class MixedExamplesError(GradhooksError, RuntimeError):
     """Each example's output depends on the other examples of the batch (BatchNorm in
     training mode), so per-example gradients do not exist at all. Remove the coupling
-    (``nn.GroupNorm`` for ``nn.BatchNorm2d``, or ``model.eval()``); see the message."""
+    (``nn.GroupNorm`` for ``nn.BatchNorm2d``, or ``model.eval()``); see the message. Also a
+    layer given one example taken out of the batch alone (``x[i]``, ``for xi in x``), whose
+    input has no batch dimension left: keep it (``x[i : i + 1]``, ``x.split(1)``)."""
 
 
 class UnsupportedError(GradhooksError, NotImplementedError):

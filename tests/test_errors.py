@@ -458,3 +458,182 @@ def test_check_with_misused_arguments_says_what_it_wants(kwargs, error, says):
     with pytest.raises(error, match=re.escape(says)):
         h.check(loss, x, y[: kwargs.get("rows", 5)], examples=kwargs.get("examples", 2))
     assert h.check(F.cross_entropy, x, y).ok
+
+
+# -- advice that fits the case: each refusal says what applies to it ----------------------------
+
+
+def _untouched(model: nn.Module) -> bool:
+    return all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+
+
+class _WithTable(nn.Module):
+    """``x * w``, plus a table of its own size (not the batch's) that the output uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, table):
+        return x * self.w + table.sum()
+
+
+def _scale_rule(call):  # right on a batch [batch, 4]; fails on one example [4]
+    return {"w": gradhooks.Direct(torch.einsum("bf,bf->bf", call.inputs[0], call.grad_output))}
+
+
+def _outer_of_2d(call):  # a rule's own bug: Outer takes [batch, shared, features]
+    return {"w": gradhooks.Outer(call.inputs[0], call.grad_output)}
+
+
+def _table_rule(call):  # reads the table, which has another dimension 0 than the batch
+    return {"w": gradhooks.Direct(torch.einsum("bf,bf->bf", call.inputs[1], call.grad_output))}
+
+
+@pytest.mark.parametrize(
+    "rule, inputs, batched",
+    [
+        (_outer_of_2d, (torch.randn(5, 4), torch.randn(5, 4)), True),
+        (_scale_rule, (torch.randn(4), torch.randn(2, 4)), False),
+        (_table_rule, (torch.randn(5, 4), torch.randn(6, 4)), False),
+    ],
+    ids=["rule-bug-on-a-batch", "one-example-without-batch", "batch-sizes-differ"],
+)
+def test_a_failed_rule_is_told_to_add_a_batch_only_where_one_may_lack(rule, inputs, batched):
+    """A rule that fails on a call whose tensors agree on dimension 0 failed for a reason of
+    its own (the advice to add a batch dimension sent its author to the input); the advice
+    stays where it can apply: an input of fewer than 2 dimensions, or dimensions 0 that
+    differ."""
+    registry = gradhooks.Registry()
+    registry.register(_WithTable)(rule)
+    model = _WithTable()
+    with gradhooks.add_hooks(model, registry=registry, batch_dim=None):
+        out = model(*inputs).sum()
+        e = _raised(gradhooks.RuleError, out.backward, r"'<model>' \(_WithTable\)")
+    unsqueeze = "x.unsqueeze(0)" in str(e)
+    assert unsqueeze is not batched, str(e)
+    assert (f"the rule's own: fix {rule.__module__}.{rule.__qualname__}" in str(e)) is batched
+    assert _untouched(model)
+
+
+class _EachRow(nn.Module):
+    """Its first layer run on each example alone, in a loop over the batch."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.a, self.b, self.rows = nn.Linear(3, 4), nn.Linear(4, 2), rows
+
+    def forward(self, x):
+        outs = [self.a(row) for row in self.rows(x)]
+        return self.b(torch.stack(outs) if outs[0].dim() == 1 else torch.cat(outs))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [lambda x: [x[i] for i in range(len(x))], lambda x: list(x.unbind(0)), list],
+    ids=["index", "unbind", "iterate"],
+)
+def test_one_example_taken_out_of_the_batch_alone_is_told_to_keep_the_batch_dimension(rows):
+    """``x[i]``, ``x.unbind(0)``, ``for xi in x``: each call of the layer sees one example,
+    so "per-example gradients do not exist" was the wrong advice; the refusal says the
+    example lost its batch dimension and how to keep it (``x[i : i + 1]``, which is
+    followed: grad1 is then each example's)."""
+    model = _EachRow(rows)
+    x = torch.randn(4, 3)
+    with gradhooks.add_hooks(model):
+        e = _raised(gradhooks.MixedExamplesError, lambda: model(x), r"'a' \(Linear\)")
+    assert "one example taken out of the batch alone" in str(e)
+    assert "x[i : i + 1] or x.split(1)" in str(e) and "do not exist" not in str(e)
+    assert _untouched(model)
+    kept = _EachRow(lambda x: list(x.split(1)))
+    with gradhooks.add_hooks(kept, loss_reduction="sum"):
+        kept(x).sum().backward()
+    assert kept.a.weight.grad1.shape == (4, 4, 3)
+
+
+@pytest.mark.parametrize(
+    "between", [lambda x: x[0] + x[1], lambda x: x - x.mean(0)], ids=["two-added", "centred"]
+)
+def test_examples_combined_are_still_told_that_per_example_gradients_do_not_exist(between):
+    """Where rows of several examples are combined (two examples taken out and added, a
+    mean over the batch), the refusal keeps saying so."""
+    model = _EachRow(lambda x: [between(x)])
+    with gradhooks.add_hooks(model):
+        e = _raised(gradhooks.MixedExamplesError, lambda: model(torch.randn(4, 3)))
+    assert "do not exist" in str(e) and "taken out of the batch alone" not in str(e)
+    assert _untouched(model)
+
+
+class _Strided(nn.Module):
+    """A layer given rows made by an operation the tracker does not follow (``as_strided``):
+    ``rows`` of them from a batch of 4."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.l, self.rows = nn.Linear(3, 2), rows
+
+    def forward(self, x):
+        return self.l(x.as_strided((self.rows, 3), (3, 1)))
+
+
+def test_batch_lost_through_an_unknown_operation_also_offers_batch_dim_none():
+    """A layer that sees another number of rows than the model's batch, after an operation
+    gradhooks does not follow: its rows may be the examples elsewhere (``batch_dim=k``) or
+    not examples at all (bags cut from a flat tensor): then ``batch_dim=None``, which gives
+    one row per entry of the layer's dimension 0, as it says."""
+    model = _Strided(2)
+    with gradhooks.add_hooks(model):
+        out = model(torch.randn(4, 6)).sum()
+        e = _raised(gradhooks.BatchNotFoundError, out.backward, r"'l' \(Linear\).*as_strided")
+    assert "batch_dim=k" in str(e) and "batch_dim=None" in str(e)
+    assert _untouched(model)
+    with gradhooks.add_hooks(model, batch_dim=None):
+        model(torch.randn(4, 6)).sum().backward()
+    assert model.l.weight.grad1.shape == (2, 2, 3)
+
+
+class _Anil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+
+def _anil_query_loss(model, h, support, query, paused):
+    """ANIL's second-order step: the head adapted on the support features by a
+    ``create_graph=True`` gradient, then called with its fast weights on the query's."""
+    (sx, sy), (qx, qy) = support, query
+    with h.paused() if paused else torch.enable_grad():
+        head = dict(model.head.named_parameters())
+        loss = F.cross_entropy(model.head(model.body(sx)), sy)
+        g = torch.autograd.grad(loss, list(head.values()), create_graph=True)
+    fast = {n: p - 0.5 * gi for (n, p), gi in zip(head.items(), g, strict=True)}
+    logits = torch.func.functional_call(model.head, fast, (model.body(qx),))
+    return F.cross_entropy(logits, qy, reduction="sum")
+
+
+def test_a_captured_inner_step_of_a_second_order_step_is_told_to_pause_it():
+    """Support and query batches of different sizes, the inner step captured: the rows that
+    clash come from the double backward, so "concatenate the batches" did not apply; the
+    refusal names the double backward and says to run the inner step under ``h.paused()``,
+    which gives grad1 with the query's rows."""
+    model = _Anil()
+    support = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    query = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        loss = _anil_query_loss(model, h, support, query, paused=False)
+        e = _raised(gradhooks.StateError, loss.backward, r"'body\.0\.weight'")
+        assert "double backward" in str(e) and "h.paused()" in str(e)
+        assert "concatenate" not in str(e)
+        assert _untouched(model)
+        _anil_query_loss(model, h, support, query, paused=True).backward()
+    assert model.head.weight.grad1.shape == (5, 2, 6)
+
+
+def test_two_batches_of_different_sizes_in_one_loss_are_still_told_to_concatenate():
+    model = nn.Linear(3, 2)
+    with gradhooks.add_hooks(model):
+        loss = model(torch.randn(4, 3)).sum() + model(torch.randn(6, 3)).sum()
+        e = _raised(gradhooks.StateError, loss.backward, "batch size changed")
+    assert "concatenate them into one forward" in str(e) and "double backward" not in str(e)
+    assert _untouched(model)

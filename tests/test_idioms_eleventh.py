@@ -1052,8 +1052,8 @@ _ALONE = pytest.mark.xfail(
     raises=gradhooks.MixedExamplesError,
     reason="a refusal, not a wrong number: an example taken out of the batch alone by x[i], "
     "unbind or iteration has no dimension that holds it (a layout says which dimension holds "
-    "the examples; for x[i] none does), so the layer given it is refused as mixing the "
-    "examples, though each call sees one example alone. A part of the batch dimension "
+    "the examples; for x[i] none does), so the layer given it is refused (saying that it is "
+    "one example taken out alone, and to keep its batch dimension). A part of the batch dimension "
     "(split(1), chunk, x[i:i+1], narrow) is followed: rows picked from the batch, as by an index",
 )
 

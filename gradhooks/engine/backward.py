@@ -40,6 +40,7 @@ from .calls import (
     check_versions,
     describe_call,
     examples_of_empty_call,
+    may_lack_batch,
     other_rows,
     release_spent,
     released_call,
@@ -277,12 +278,22 @@ class BackwardWriter:
             msg = str(e)
             if msg.startswith("fallback for") or target.quoted in msg:
                 raise  # already names the module
+            if may_lack_batch(call):
+                advice = (
+                    "Rules take dimension 0 of the layer's input and output-gradient as the "
+                    "batch; an input without a batch dimension (x of shape [features] rather "
+                    "than [batch, features]) needs one: x.unsqueeze(0)."
+                )
+            else:
+                advice = (
+                    "The call's tensors agree on dimension 0, the batch, where rules read it, "
+                    f"so the failure is the rule's own: fix {rule.__module__}."
+                    f"{rule.__qualname__}, and compare it with torch.func on a batch of "
+                    "inputs: gradhooks.check_rule(layer, x, registry=...)."
+                )
             raise RuleError(
                 f"rule {rule.__qualname__} for {target.where} failed on {describe_call(call)}: "
-                f"{e}\n"
-                "Rules take dimension 0 of the layer's input and output-gradient as the batch; "
-                "an input without a batch dimension (x of shape [features] rather than "
-                "[batch, features]) needs one: x.unsqueeze(0)."
+                f"{e}\n{advice}"
             ) from e
         live: dict[str, nn.Parameter] = {}
         for pname, p in params.items():
@@ -332,8 +343,12 @@ class BackwardWriter:
                     f"rule gives '{first}' a per-example gradient for {batch} examples, but the "
                     f"model's forward has {layout.batch} ({describe_call(call)}). gradhooks could "
                     f"not follow the batch to this layer (through: "
-                    f"{', '.join(layout.lost) or 'its own operations'}); say where the model's "
-                    "batch is with add_hooks(..., batch_dim=k), or register a rule."
+                    f"{', '.join(layout.lost) or 'its own operations'}). If the model's batch "
+                    "is dimension k of its first input, say so with add_hooks(..., "
+                    "batch_dim=k). If this layer's rows are not the model's examples (bags "
+                    "cut from a flat tensor, rows the forward builds otherwise), "
+                    "add_hooks(..., batch_dim=None) follows nothing: grad1 then has one row per "
+                    "entry of each layer's dimension 0. Or register a rule."
                 )
         elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
@@ -415,7 +430,7 @@ class BackwardWriter:
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
             if out is None:
-                self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1)
+                self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1, bw)
             self.state.written[id(p)] = p
 
     def _writable_grad1(self, p: nn.Parameter, batch: int, accumulate: bool) -> Tensor | None:
@@ -1134,7 +1149,11 @@ class BackwardWriter:
         if self.state.collector is not None and self.state.collector._queued:
             self.state.collector.discard_backward()
 
-    def accumulate(self, qualname: str, p: nn.Parameter, g1: Tensor) -> None:
+    def accumulate(
+        self, qualname: str, p: nn.Parameter, g1: Tensor, bw: Backward | None = None
+    ) -> None:
+        """Add ``g1``, one call's per-example gradient of ``p``, to ``p.grad1``; ``bw``: the
+        backward that formed it, where there is one."""
         if g1.dtype != p.dtype:
             g1 = g1.to(p.dtype)
         if id(p) in self.state.written:
@@ -1145,6 +1164,9 @@ class BackwardWriter:
                 p.grad1 = g1 if old.shape[0] == 0 else old.to(g1.dtype)
                 return
             if old.shape != g1.shape:
+                double = bw.derived if bw is not None else None
+                if double is not None or old.requires_grad or g1.requires_grad:
+                    raise StateError(_through_double_backward(qualname, old, g1, double))
                 raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
                     f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
@@ -1159,6 +1181,25 @@ class BackwardWriter:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def _through_double_backward(qualname: str, old: Tensor, g1: Tensor, where: str | None) -> str:
+    """The refusal of rows of another batch added to ``grad1`` where a ``create_graph=True``
+    backward is involved: a second-order step whose inner step was captured (MAML, ANIL, with
+    a support batch of another size than the query's), not batches to concatenate."""
+    through = f", reached at {where}" if where is not None else ""
+    return (
+        f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call, this call gives "
+        f"{tuple(g1.shape)}: a double backward is involved (this backward goes through the "
+        f"graph of an earlier torch.autograd.grad(..., create_graph=True){through}, or one "
+        "of them ran with create_graph=True: the inner step of a second-order meta-learning step, MAML "
+        "or ANIL, on a support batch of another size than the query's). Per-example gradients "
+        "through a double backward are not formed by hooks, and the support's rows are not "
+        "the query's examples. Run the inner step (its forward and its torch.autograd.grad) "
+        "under `with h.paused():`: grad1 is then each query example's gradient through the "
+        "adaptation. For per-example gradients of the inner step itself, use torch.func "
+        "(gradhooks.oracle.vmap_grad)."
+    )
 
 
 def different_batches(rows: dict[int, tuple[str, bool]]) -> str:

@@ -443,6 +443,17 @@ def describe_call(call: Call) -> str:
     return f"inputs [{shapes(call.inputs)}], output-gradients [{grads}]"
 
 
+def may_lack_batch(call: Call) -> bool:
+    """Whether a call's tensors may lack the batch dimension its rule reads as dimension 0: a
+    tensor input of fewer than 2 dimensions (``[features]`` for ``[batch, features]``), or
+    tensor inputs and output-gradients whose dimensions 0 differ."""
+    tensors = [t for t in tree_leaves(call.inputs) if isinstance(t, Tensor)]
+    if any(t.dim() < 2 for t in tensors):
+        return True
+    tensors += [g for g in call.grad_outputs if isinstance(g, Tensor) and g.dim() > 0]
+    return len({t.shape[0] for t in tensors}) > 1
+
+
 def _shapes(args: tuple, kwargs: dict) -> str:
     return ", ".join(
         str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
@@ -616,6 +627,9 @@ class CallLayouts:
                 for t, lay in zip(ins, lin)
             )  # fmt: skip
         if any([lay is MIXED for lay in lin]):
+            alone = [tracker.alone.get(t) for t, lay in zip(ins, lin) if lay is MIXED]
+            if all(alone):
+                raise MixedExamplesError(self._one_example(target, args, kwargs, alone[0], batch))
             ops = ", ".join(tracker.mixed) or "an operation across the batch"
             raise MixedExamplesError(
                 f"{target.where}: its input ({_shapes(args, kwargs)}) was computed across the "
@@ -747,6 +761,36 @@ class CallLayouts:
             )
             return layout
         return CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
+
+    def _one_example(
+        self, target: Target, args: tuple, kwargs: dict, alone: tuple[str, int], batch: int
+    ) -> str:
+        """The refusal of a call given one example taken out of the batch alone (``x[i]``,
+        ``x.unbind(0)``, ``for xi in x``): each such call sees one example, but no dimension of
+        its input holds the batch, where the rules read each row's example."""
+        op, dim = alone
+        before = ":, " * dim
+        if dim == 0:
+            pick, keep = "x[i], x.unbind(0) or for xi in x", "x[i : i + 1] or x.split(1)"
+        else:
+            pick = f"x[{before}i] or x.unbind({dim})"
+            keep = f"x.transpose(0, {dim})[i : i + 1] or x.transpose(0, {dim}).split(1)"
+        return (
+            f"{target.where}: its input ({_shapes(args, kwargs)}) is one example taken out of "
+            f"the batch alone (by {op}: {pick}, on the batch's dimension {dim}). Each such call "
+            "sees one example, but its input has no batch dimension left, where the rule reads "
+            f"which example each row is. Keep that dimension, of size 1, first: {keep} gives "
+            "each call its example as a batch of one, which gradhooks follows (join the "
+            "outputs with torch.cat, not torch.stack)."
+            + (
+                f" The batch was taken as dimension 0 of the model's first input ({batch} "
+                "examples): if it is another dimension (a sequence-first input looped over "
+                "its time steps, [seq, batch, ...]), say which with add_hooks(model, "
+                "batch_dim=k)."
+                if self.state.batch_dim == "auto"
+                else ""
+            )
+        )
 
     @staticmethod
     def _aligned_first(ins: list, lin: tuple, first: Layout, dim: int, batch: int) -> Layout:

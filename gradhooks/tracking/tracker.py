@@ -58,7 +58,7 @@ from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.indexing import by_positions, puts_back, reorder_of
+from .ops.indexing import by_positions, one_example, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
@@ -129,6 +129,9 @@ class Tracker(TorchFunctionMode):
         self.unmet: set[Source] = set()  # sources used in place, as they are, with the batch
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
         self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
+        # tensors (mixed) that are one example taken out of the batch alone, x[i] or
+        # x.unbind(0), with the operation and the batch dimension it dropped, for messages
+        self.alone: TensorMap = TensorMap()
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
@@ -669,6 +672,13 @@ class Tracker(TorchFunctionMode):
             if any(carries(o) for o in outs):
                 if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
                     self.mixed.setdefault(name, None)
+                if (
+                    not inherited
+                    and args
+                    and one_example(name, args, kwargs, lay := self._layout_of(args[0]))
+                ):
+                    for o in outs:
+                        self.alone[o] = (name, lay.dim)
                 for o in outs:
                     self.layouts[o] = MIXED
                 if self.used and self.used[-1].soft:

@@ -481,6 +481,29 @@ def _arange_dim(t: Tensor, size: int) -> int | None:
     return dims[0]
 
 
+def one_example(name: str, args: tuple, kwargs: dict, lay: Layout | None) -> bool:
+    """Whether ``name`` on ``args`` takes one example out of the batch alone, the batch
+    dimension ``lay`` (plain) dropped: ``x[i]``, ``x.select(dim, i)``, ``x.unbind(dim)``
+    (iteration, ``for xi in x``). Not a slice of the batch (``x[i : i + 1]``, ``split``),
+    which keeps the dimension."""
+    if lay is None or lay.dim < 0 or not lay.plain or not args or not isinstance(args[0], Tensor):
+        return False
+    n = args[0].dim()
+    if name == "unbind":
+        return norm_dim(int(arg(args, kwargs, 1, "dim", 0)), n) == lay.dim
+    if name in ("select", "select_copy"):
+        return norm_dim(int(arg(args, kwargs, 1, "dim")), n) == lay.dim
+    if name != "__getitem__" or len(args) < 2:
+        return False
+    items = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if len(items) <= lay.dim or not all(isinstance(i, slice) for i in items[: lay.dim]):
+        return False  # (an index before it moves the dimension: not told apart here)
+    i = items[lay.dim]
+    if isinstance(i, Tensor):
+        return i.dim() == 0 and not i.is_floating_point() and i.dtype is not torch.bool
+    return isinstance(i, int | torch.SymInt) and not isinstance(i, bool)
+
+
 def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
     """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: the index picks or
     reorders examples)."""
