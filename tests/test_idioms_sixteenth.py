@@ -367,6 +367,26 @@ def test_anil_adapts_the_head_alone_by_functional_call_on_the_head(order, inner)
             opt.step()
 
 
+def test_anil_second_order_with_the_inner_step_captured_says_to_pause_it():
+    """The same second-order step with its inner step captured (support and query of one
+    size): the outer backward runs through a call an earlier ``create_graph=True`` backward
+    went through, and is refused (``UnsupportedError``) naming the layer and saying to run
+    the inner step under ``h.paused()``, which the test above shows gives the loop's grad1;
+    nothing is written."""
+    model = Body().to(D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        (sx, sy), (qx, qy) = batch(10), batch(0)
+        head = dict(model.head.named_parameters())
+        loss = F.cross_entropy(model.head(model.body(sx)), sy)
+        g = torch.autograd.grad(loss, list(head.values()), create_graph=True)
+        fast = {n: p - 0.5 * gi for (n, p), gi in zip(head.items(), g)}
+        out = functional_call(model.head, fast, (model.body(qx),))
+        with pytest.raises(gradhooks.UnsupportedError, match=r"inner step.*h\.paused\(\)"):
+            F.cross_entropy(out, qy, reduction="sum").backward()
+    for n, p in model.named_parameters():
+        assert p.grad is None and not hasattr(p, "grad1"), n
+
+
 class TaskConditioned(nn.Module):
     """A head whose weight a hypernetwork shifts by a task's code (CAVIA- and FiLM-like
     conditioning of meta-learning), inside the forward: ``functional_call`` on the head with
