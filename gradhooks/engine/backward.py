@@ -227,7 +227,7 @@ class BackwardWriter:
             bw.inside = bw.inside or state.in_backward
         frame = state.frame
         new_rows = False
-        if bw is not None and frame is not None:
+        if bw is not None and frame is not None and bw.verify:  # (for the probe's check)
             for pid in ids:
                 bw.frames_of.setdefault(pid, set()).add(id(frame))
         if bw is not None and frame is not None and id(frame) not in bw.frames:
