@@ -152,7 +152,7 @@ def rule_pieces(
     example summed (folded), or the rule run one example at a time (a call that does not
     depend on the examples, of a layer that reads its batch from a fixed dimension). Every
     piece in its parameter's dtype (:meth:`gradhooks.pieces.Piece.in_dtype`)."""
-    rule = in_params_dtype(target.entry.rule, params, target.where)
+    rule = in_params_dtype(target.entry.rule, params, target)
     if target.entry is FALLBACK:
         if layout is None:
             return rule(call)
@@ -183,7 +183,7 @@ def rule_pieces(
     return _one_by_one(rule, call, params, layout.batch)
 
 
-def in_params_dtype(rule, params: dict[str, nn.Parameter], where: str):
+def in_params_dtype(rule, params: dict[str, nn.Parameter], target: Target):
     """``rule`` with each piece it gives checked against its parameter (:func:`check_pieces`)
     and brought to the parameter's dtype: a layer run in a lower precision than its
     parameters (autocast) gives a lower-precision output-gradient beside the input it was
@@ -191,7 +191,7 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter], where: str):
 
     def cast(call: Call) -> dict[str, P.Piece | None]:
         pieces = rule(call)
-        check_pieces(rule, where, pieces, params)
+        check_pieces(rule, target, pieces, params)
         return {
             n: pc if pc is None or n not in params else _carried(pc.in_dtype(params[n].dtype), pc)
             for n, pc in pieces.items()
@@ -200,16 +200,16 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter], where: str):
     return cast
 
 
-def check_pieces(rule, where: str, pieces: Any, params: dict[str, nn.Parameter]) -> None:
-    """Refuse what a rule returned where it is not ``{name: Piece}`` or where a piece's
-    gradient has not as many entries per example as its parameter: a ``grad1`` would fail
-    to reshape, and the norms, squared sums and DP sums, which never form it, inside torch
-    (or, where the sizes happen to broadcast, give numbers)."""
-    name = getattr(rule, "__qualname__", type(rule).__qualname__)
+def check_pieces(rule, target: Target, pieces: Any, params: dict[str, nn.Parameter]) -> None:
+    """Refuse what a rule returned for a call of ``target`` where it is not ``{name: Piece}``
+    or where a piece's gradient has not as many entries per example as its parameter: a
+    ``grad1`` would fail to reshape, and the norms, squared sums and DP sums, which never form
+    it, inside torch (or, where the sizes happen to broadcast, give numbers). (The names in
+    the messages are made only for them: this runs at every call of every backward.)"""
     if not isinstance(pieces, dict):
         raise RuleError(
-            f"rule {name} for {where} returned {type(pieces).__qualname__}, not "
-            "{parameter name: Piece} (gradhooks.Outer, Direct or Rows; None for a parameter "
+            f"rule {_rule_name(rule)} for {target.where} returned {type(pieces).__qualname__}, "
+            "not {parameter name: Piece} (gradhooks.Outer, Direct or Rows; None for a parameter "
             "whose gradient this call does not give)"
         )
     for n, piece in pieces.items():
@@ -218,21 +218,26 @@ def check_pieces(rule, where: str, pieces: Any, params: dict[str, nn.Parameter])
         p = params[n]
         if not isinstance(piece, P.Piece):
             raise RuleError(
-                f"rule {name} for {where}: its piece for '{n}' is a "
+                f"rule {_rule_name(rule)} for {target.where}: its piece for '{n}' is a "
                 f"{type(piece).__qualname__}, not a gradhooks.Piece: wrap a per-example "
                 f"gradient [batch, *{tuple(p.shape)}] in gradhooks.Direct(...), or return "
                 "gradhooks.Outer(a, g) for a layer's input and output-gradient"
             )
         elements = piece.example_elements
-        if p.numel() and elements is not None and elements != p.numel():
+        if elements is not None and elements != p.numel() and p.numel():
             raise RuleError(
-                f"rule {name} for {where}: its piece for '{n}' ({type(piece).__name__}) gives "
-                f"each of its {piece.batch_size} examples a gradient of {elements} entries, but "
-                f"'{n}' has shape {tuple(p.shape)} ({p.numel()} entries): a Direct piece holds "
-                f"[batch, *{tuple(p.shape)}]; an Outer piece a [batch, *groups, shared, in] "
-                "input and a [batch, *groups, shared, out] output-gradient, for a parameter "
-                "[*groups, out, in] (check the rule with gradhooks.check_rule)"
+                f"rule {_rule_name(rule)} for {target.where}: its piece for '{n}' "
+                f"({type(piece).__name__}) gives each of its {piece.batch_size} examples a "
+                f"gradient of {elements} entries, but '{n}' has shape {tuple(p.shape)} "
+                f"({p.numel()} entries): a Direct piece holds [batch, *{tuple(p.shape)}]; an "
+                "Outer piece a [batch, *groups, shared, in] input and a [batch, *groups, shared, "
+                "out] output-gradient, for a parameter [*groups, out, in] (check the rule with "
+                "gradhooks.check_rule)"
             )
+
+
+def _rule_name(rule) -> str:
+    return getattr(rule, "__qualname__", type(rule).__qualname__)
 
 
 def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
