@@ -100,6 +100,20 @@ def mlp(dtype: torch.dtype = torch.float64) -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(dtype)
 
 
+def labelled_batch(step: int, n: int = 5, features: int = 3, classes: int = 2):
+    """``n`` float64 examples of ``features`` and their labels, drawn from a generator seeded
+    with ``step`` (the idiom sets' batch of each step)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, features, generator=g, dtype=torch.float64)
+    return x, torch.randint(classes, (n,), generator=g)
+
+
+def wide_mlp(out: int = 2) -> nn.Sequential:
+    """A Linear-Tanh-Linear model (3 -> 6 -> ``out``) in float64, seeded (the idiom sets')."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, out)).to(torch.float64)
+
+
 def sq(out, target=None):
     """Half the sum of squares: a loss without a target."""
     return 0.5 * out.pow(2).sum()

@@ -40,6 +40,8 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import assert_close, assert_grad1
+from harness import labelled_batch as batch
+from harness import wide_mlp as mlp
 
 # (torch 2.13 deprecates TorchScript, which the tests of a model holding it run)
 pytestmark = [
@@ -49,17 +51,6 @@ pytestmark = [
 
 D = torch.float64
 STEPS = 3
-
-
-def batch(step: int, n: int = 5, features: int = 3):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(n, features, generator=g, dtype=D)
-    return x, torch.randint(2, (n,), generator=g)
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).to(D)
 
 
 def norms_of(want: dict) -> torch.Tensor:

@@ -38,22 +38,13 @@ from torch.utils.checkpoint import checkpoint
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import assert_close, assert_grad1
+from harness import labelled_batch as batch
+from harness import wide_mlp as mlp
 
 D = torch.float64
 STEPS = 3
 # (importing torch.distributed.optim scripts modules, each with a deprecation notice)
 JIT_NOTICES = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
-
-
-def batch(step: int, n: int = 5, features: int = 3, classes: int = 2):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(n, features, generator=g, dtype=D)
-    return x, torch.randint(classes, (n,), generator=g)
-
-
-def mlp(out: int = 2) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, out)).to(D)
 
 
 def clipped_sum(want: dict, max_norm: float) -> dict:
