@@ -281,6 +281,14 @@ class KeepsCalls(Protocol):
         ...
 
 
+def runs_call_last_only(entry: Any) -> bool:
+    """Whether a rule's entry may run its layer's call itself (``owns_backward``) or carry
+    its parameters on an input (``taps``), which :meth:`DetachedCalls.detach_hook` does only
+    where its pre-hook is the module's last: a pre-hook of the user's after it could change
+    what the forward gets."""
+    return entry.owns_backward is not False or entry.taps is not None
+
+
 class DetachedCalls:
     """Calls run detached, owned or carried (a part of :class:`gradhooks.Hooks`)."""
 
@@ -310,6 +318,7 @@ class DetachedCalls:
 
         owns = target.entry.owns_backward is not False
         carries = target.entry.taps is not None and not owns
+        last_only = runs_call_last_only(target.entry)  # (owns or carries)
 
         def runs_detached(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             """The parameters the call runs detached, and the input that carries them
@@ -332,7 +341,7 @@ class DetachedCalls:
                 or not self.layouts.plain_call(target, module, args, kwargs)
                 or (owns and self._from_sources(args, kwargs))
                 or (carries and not self.state.grad1)
-                or ((owns or carries) and not _last_pre_hook(module, hook))
+                or (last_only and not _last_pre_hook(module, hook))
                 or not (owns or _first_pre_hooks_ours(module, hook))
             ):
                 return None  # (a later pre-hook could change what the forward gets)

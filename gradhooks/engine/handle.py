@@ -46,7 +46,7 @@ from .accumulation import all_zero, grad_of
 from .backprops import KeptBackprops, kept_for
 from .backward import BackwardWriter
 from .calls import CallLayouts
-from .capture import DetachedCalls
+from .capture import DetachedCalls, runs_call_last_only
 from .forward import ForwardCapture
 from .link import TrackerLink
 from .module_hooks import guard_module_backward_hooks
@@ -441,9 +441,7 @@ class Hooks:
             # where ours opens the forward of an entry module, nor where the call may be run by
             # the rule itself, which it is only where no pre-hook of the user's runs after ours:
             # moved after one, ours would run it on what that one changed, outside its graph)
-            owned = detaches and (
-                target.entry.owns_backward is not False or target.entry.taps is not None
-            )
+            owned = detaches and runs_call_last_only(target.entry)
             last = (
                 ()
                 if (id(m) in joined and joined[id(m)][0]) or owned
