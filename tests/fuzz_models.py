@@ -419,11 +419,18 @@ class FuzzModel(nn.Module):
         self.bare_at: int | None = None
         self.head: nn.Module | None = None
         self.head_kind = "none"
+        self.skipped: frozenset[int] = frozenset()  # steps left out (a layer switched off)
+
+    def skippable(self) -> list[int]:
+        """The steps whose block keeps the activation's shape: the forward may leave them out."""
+        return [i for i in range(len(self.steps)) if self.shapes[i] == self.shapes[i + 1]]
 
     def forward(self, x):
         for i, b in enumerate(self.steps):
             if i == self.bare_at:
                 x = x + self.bare
+            if i in self.skipped:
+                continue
             x = torch.tanh(self.blocks[b](x))
         if self.bare_at == len(self.steps):
             x = x + self.bare

@@ -1,0 +1,178 @@
+"""Fuzzing the training loop: the random models of tests/fuzz_models.py trained for several steps
+with hooks added once, each step's ``grad1`` and norms compared with the float64 oracle at that
+step's parameters.
+
+:mod:`test_fuzz` checks one backward of fresh hooks: the first, which the run-time check
+verifies and where the batch tracker follows every call afresh. A training loop's later steps
+take other paths: the tracker reuses the layouts it kept from the step before while the calls
+repeat, ``grad1`` is written into the memory of the step before, the run-time check verifies
+only the 1st, 2nd, 4th, 8th... backward of each new set of calls and spot-checks the others.
+Here each model trains for several SGD steps (``zero_grad`` and ``h.clear()`` between them, as
+a loop does), and between steps the loop may
+
+- take a batch of another size (fewer or more examples: the kept layouts no longer fit),
+- freeze or unfreeze a parameter (a parameter a step does not reach),
+- run the model under ``torch.no_grad()`` (a validation pass with the hooks left on),
+- take a second micro-batch of as many examples before the step (accumulation: ``grad1`` adds
+  up row by row, as ``.grad`` does),
+- leave out a layer for one step (LayerDrop; its parameters then reached through a reuse or a
+  tie only, or not at all: no ``grad1`` where ``.grad`` is ``None``, zeros where it is zeros),
+
+each step's ``grad1``, ``.grad``, ``h.norms()`` and ``h.param_norms()`` compared with the
+per-example loop; or take the step by :func:`gradhooks.dp_sgd_step` (clipping to the median
+norm, no noise), its ``.grad`` compared with the loop's clipped sum. ``GRADHOOKS_FUZZ_LOOPS``
+sets how many models (default 16); ``GRADHOOKS_FUZZ_RANDOM=1`` draws new ones on every run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+from fuzz_models import FuzzCase, fuzz_cases
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close, sum_of_squares
+
+EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_LOOPS", "16"))
+RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
+TRIED: Counter = Counter()
+
+# what the loop does before a step (besides zero_grad and h.clear())
+HABITS = ("same", "fewer", "more", "freeze", "unfreeze", "no_grad", "skip", "accumulate", "dp")
+
+
+def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``size`` examples from ``x``'s rows, repeated in turn where ``x`` has fewer (each row its
+    own example: the oracle takes them one at a time)."""
+    rows = torch.arange(size) % x.shape[0]
+    out = x[rows].clone()
+    if out.is_floating_point():
+        out = out + 0.01 * torch.arange(size, dtype=out.dtype).view(-1, *[1] * (out.dim() - 1))
+    return out
+
+
+def dp_step(h, model, batch, want: dict, reduction: str, what: str) -> None:
+    """One DP step without noise, clipping to the median of the examples' norms: ``.grad``
+    must be the loop's clipped sum (divided by the batch size for a mean)."""
+    out = model(batch)
+    leaves = out if isinstance(out, tuple | list) else (out,)
+    per_example = sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    bound = norms.median().item() or 1.0
+    gradhooks.dp_sgd_step(h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction)
+    factor = (bound / norms.clamp_min(1e-12)).clamp(max=1.0)
+    n = batch.shape[0]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = want[name]
+        if p.grad is None:  # (not reached: a layer left out)
+            assert not g.any(), f"{what}: {name} not reached, the loop's is not 0"
+            continue
+        clipped = (factor.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
+        assert_close(
+            p.grad, clipped / n if reduction == "mean" else clipped, f"{what}: .grad of {name}"
+        )
+
+
+def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
+    model, x, reduction = case.model, case.inputs, case.reduction
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    opt = torch.optim.SGD(params, lr=0.05)
+    frozen: list[torch.nn.Parameter] = []
+    h = gradhooks.add_hooks(model, reduction, quantities=("grad1", "norms"))
+    try:
+        for step, (habit, size) in enumerate(zip(habits, sizes)):
+            batch = _batch(x, size) if habit in ("fewer", "more") else x
+            if habit == "freeze" and len(params) > len(frozen) + 1:
+                p = next(p for p in params if p.requires_grad)
+                p.requires_grad_(False)
+                frozen.append(p)
+            elif habit == "unfreeze" and frozen:
+                frozen.pop().requires_grad_(True)
+            model.skipped = frozenset()
+            if habit == "skip" and model.skippable():
+                model.skipped = frozenset({model.skippable()[step % len(model.skippable())]})
+            elif habit == "no_grad":
+                with torch.no_grad():
+                    model(batch)
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            h.clear()
+            want = loop_grad(model, sum_of_squares, batch)
+            n = batch.shape[0]
+            if habit == "dp":
+                dp_step(h, model, batch, want, reduction, f"step {step} (dp, batch {n})")
+                opt.step()
+                TRIED[habit] += 1
+                continue
+            loss = sum_of_squares(model(batch))
+            (loss / n if reduction == "mean" else loss).backward()
+            if habit == "accumulate":
+                second = _batch(batch, n) + 0.5 if batch.is_floating_point() else batch.flip(0)
+                more = loop_grad(model, sum_of_squares, second)
+                want = {k: g + more[k] for k, g in want.items()}
+                loss = sum_of_squares(model(second))
+                (loss / n if reduction == "mean" else loss).backward()
+            what = f"step {step} ({habit}, batch {n})"
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:  # (not reached: a layer left out)
+                    assert getattr(p, "grad1", None) is None, f"{what}: {name} has a grad1"
+                    assert not want[name].any(), f"{what}: {name} not reached, the loop's is not 0"
+                    continue
+                assert hasattr(p, "grad1"), f"{what}: {name} has no grad1"
+                assert_close(p.grad1, want[name], f"{what}: grad1 of {name}")
+                reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+                assert_close(p.grad, reduced, f"{what}: .grad of {name} vs grad1")
+            if habit == "accumulate":  # (the norms are those of each backward's own)
+                opt.step()
+                TRIED[habit] += 1
+                continue
+            norms = h.param_norms()
+            for name, g in want.items():
+                if name not in norms and not g.any():
+                    continue  # (not reached)
+                assert_close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}")
+            total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+            assert_close(h.norms(), total, f"{what}: norms")
+            opt.step()
+            TRIED[habit] += 1
+    finally:
+        model.skipped = frozenset()
+        h.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=not RANDOM,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(
+    fuzz_cases(),
+    st.lists(st.sampled_from(HABITS), min_size=4, max_size=7),
+    st.lists(st.integers(1, 5), min_size=7, max_size=7),
+)
+def fuzz(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
+    run_loop(case, ["same", *habits], sizes)
+    TRIED["models"] += 1
+
+
+def test_random_models_train_as_the_oracle_says():
+    before = TRIED["models"]
+    fuzz()
+    tried = TRIED["models"] - before
+    mix = ", ".join(f"{k} {v}" for k, v in sorted(TRIED.items()) if k != "models")
+    print(f"\nfuzz: {tried} random models trained against the oracle; steps: {mix}")
+    assert tried >= min(EXAMPLES, 10), f"only {tried} models were tried"
