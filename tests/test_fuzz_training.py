@@ -13,6 +13,8 @@ a loop does), and between steps the loop may
 - take a batch of another size (fewer or more examples: the kept layouts no longer fit),
 - freeze or unfreeze a parameter (a parameter a step does not reach),
 - run the model under ``torch.no_grad()`` (a validation pass with the hooks left on),
+- run some layers under activation checkpointing (non-reentrant: their forward runs again
+  at the backward),
 - take a second micro-batch of as many examples before the step (accumulation: ``grad1`` adds
   up row by row, as ``.grad`` does),
 - leave out a layer for one step (LayerDrop; its parameters then reached through a reuse or a
@@ -43,7 +45,7 @@ RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
 TRIED: Counter = Counter()
 
 # what the loop does before a step (besides zero_grad and h.clear())
-HABITS = ("same", "fewer", "more", "freeze", "unfreeze", "no_grad", "skip", "accumulate", "dp")
+HABITS = ("same", "fewer", "more", "freeze", "unfreeze", "no_grad", "skip", "checkpoint", "accumulate", "dp")
 
 
 def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -62,6 +64,8 @@ def dp_step(h, model, batch, want: dict, reduction: str, what: str) -> None:
     out = model(batch)
     leaves = out if isinstance(out, tuple | list) else (out,)
     per_example = sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
+    if not per_example.requires_grad:  # (every layer with trainable parameters left out)
+        return
     norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     bound = norms.median().item() or 1.0
     gradhooks.dp_sgd_step(h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction)
@@ -97,8 +101,10 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
                 frozen.append(p)
             elif habit == "unfreeze" and frozen:
                 frozen.pop().requires_grad_(True)
-            model.skipped = frozenset()
-            if habit == "skip" and model.skippable():
+            model.skipped = model.recomputed = frozenset()
+            if habit == "checkpoint":
+                model.recomputed = frozenset(range(step % 2, len(model.steps), 2))
+            elif habit == "skip" and model.skippable():
                 model.skipped = frozenset({model.skippable()[step % len(model.skippable())]})
             elif habit == "no_grad":
                 with torch.no_grad():
@@ -113,6 +119,8 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
                 TRIED[habit] += 1
                 continue
             loss = sum_of_squares(model(batch))
+            if not loss.requires_grad:  # (every layer with trainable parameters left out)
+                continue
             (loss / n if reduction == "mean" else loss).backward()
             if habit == "accumulate":
                 second = _batch(batch, n) + 0.5 if batch.is_floating_point() else batch.flip(0)
@@ -146,7 +154,7 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
             opt.step()
             TRIED[habit] += 1
     finally:
-        model.skipped = frozenset()
+        model.skipped = model.recomputed = frozenset()
         h.remove()
         for p in frozen:
             p.requires_grad_(True)
