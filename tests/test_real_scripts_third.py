@@ -17,6 +17,7 @@ model as it was.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 
@@ -419,6 +420,125 @@ def test_cords_gradmatch_and_glister_selection_then_weighted_subset_training():
     assert steps == 4
 
 
+class CordsLSTM(nn.Module):
+    """``cords/utils/models/lstm.py``'s ``LSTM``: the four gates' ``U``, ``V`` and ``b`` as bare
+    ``nn.Parameter``s used with ``@`` in a loop over time (no rule: the fallback's), under
+    ``no_grad`` when ``freeze``; returns the last hidden state."""
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        for gate in "ifco":
+            setattr(self, f"U_{gate}", nn.Parameter(torch.empty(input_size, hidden_size)))
+            setattr(self, f"V_{gate}", nn.Parameter(torch.empty(hidden_size, hidden_size)))
+            setattr(self, f"b_{gate}", nn.Parameter(torch.empty(hidden_size)))
+        stdv = 1.0 / self.hidden_size**0.5
+        for weight in self.parameters():
+            weight.data.uniform_(-stdv, stdv)
+
+    def forward(self, x, freeze=False):
+        bs, seq_sz, _ = x.size()
+        h_t = torch.zeros(bs, self.hidden_size, dtype=x.dtype)
+        c_t = torch.zeros(bs, self.hidden_size, dtype=x.dtype)
+        with torch.no_grad() if freeze else contextlib.nullcontext():
+            for t in range(seq_sz):
+                x_t = x[:, t, :]
+                i_t = torch.sigmoid(x_t @ self.U_i + h_t @ self.V_i + self.b_i)
+                f_t = torch.sigmoid(x_t @ self.U_f + h_t @ self.V_f + self.b_f)
+                g_t = torch.tanh(x_t @ self.U_c + h_t @ self.V_c + self.b_c)
+                o_t = torch.sigmoid(x_t @ self.U_o + h_t @ self.V_o + self.b_o)
+                c_t = f_t * c_t + i_t * g_t
+                h_t = o_t * torch.tanh(c_t)
+        return h_t
+
+
+class CordsLSTMModel(nn.Module):
+    """``cords/utils/models/embedding_lstm.py``'s ``LSTMModel``: an Embedding and the ``LSTM``
+    above, both inside the ``freeze`` context and the LSTM always called with ``freeze=True``
+    (as written: only ``fc`` ever trains), then ``fc``."""
+
+    def __init__(self, vocab_size: int, hidden_units: int, embed_dim: int, num_classes: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_dim)
+        self.lstm = CordsLSTM(embed_dim, hidden_units)
+        self.fc = nn.Linear(hidden_units, num_classes)
+
+    def forward(self, text, last=False, freeze=False):
+        with torch.no_grad() if freeze else contextlib.nullcontext():
+            embedded = self.embedding(text)
+            h = self.lstm(embedded, freeze=True)
+        scores = self.fc(h)
+        return (scores, h) if last else scores
+
+
+class CordsLSTMClassifier(nn.Module):
+    """``cords/utils/models/lstmclassifier.py``'s ``LSTMClassifier``: pretrained word vectors
+    (``Embedding.from_pretrained(weight, freeze=False)``), a batch-first ``nn.LSTM``, ``fc`` on
+    ``final_hidden_state[-1]``; the embedding and the LSTM under ``no_grad`` when ``freeze``."""
+
+    def __init__(self, num_classes: int, wordvec: torch.Tensor, hidden_size: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding.from_pretrained(wordvec, freeze=False)
+        self.lstm = nn.LSTM(wordvec.shape[1], hidden_size, num_layers=1, batch_first=True)
+        self.fc = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, input_sentence, last=False, freeze=False):
+        if freeze:
+            with torch.no_grad():
+                x = self.word_embeddings(input_sentence)
+                output, (final_hidden_state, final_cell_state) = self.lstm(x)
+        else:
+            x = self.word_embeddings(input_sentence)
+            output, (final_hidden_state, final_cell_state) = self.lstm(x)
+        logits = self.fc(final_hidden_state[-1])
+        return (logits, final_hidden_state[-1]) if last else logits
+
+
+@pytest.mark.parametrize("arch", ["lstm_model", "lstm_classifier"])
+def test_cords_text_models_selection_under_freeze_and_weighted_training(arch):
+    """decile-team/cords on its text models (``embedding_lstm.py``'s ``LSTMModel`` with its
+    own ``lstm.py`` recurrence, ``lstmclassifier.py``'s GloVe ``LSTMClassifier``), run by
+    ``train_sl.py``: the selection's last-layer gradients (``dataselectionstrategy.py``,
+    ``model(x, last=True, freeze=True)``) from ``grad1`` of ``fc`` against the closed form,
+    then SGD steps on ``torch.dot(losses, weights / weights.sum())``: ``grad1`` against the
+    per-example loop, scaled by each example's weight, for every parameter the loss reaches;
+    ``LSTMModel`` computes its embedding and recurrence under ``no_grad`` even in training, so
+    those parameters get neither ``.grad`` nor ``grad1``."""
+    torch.manual_seed(0)
+    if arch == "lstm_model":
+        model = CordsLSTMModel(vocab_size=9, hidden_units=3, embed_dim=4, num_classes=2).to(D)
+    else:
+        wordvec = torch.randn(9, 4, dtype=D)
+        model = CordsLSTMClassifier(num_classes=2, wordvec=wordvec, hidden_size=3).to(D)
+    g = torch.Generator().manual_seed(0)
+    text, y = torch.randint(9, (6, 5), generator=g), torch.randint(2, (6,), generator=g)
+    criterion_nored = nn.CrossEntropyLoss(reduction="none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for epoch in range(2):
+            model.train()
+            model.zero_grad()
+            out, l1 = model(text, last=True, freeze=True)
+            loss = criterion_nored(out, y).sum()
+            closed = cords_closed_form(torch.autograd.grad(loss, out, retain_graph=True)[0], l1, 2)
+            loss.backward()
+            got = torch.cat((model.fc.bias.grad1, model.fc.weight.grad1.flatten(1)), 1)
+            assert_close(got, closed, f"epoch {epoch}: grads_per_elem")
+            weights = torch.rand(6, generator=g, dtype=D) + 0.1
+            optimizer.zero_grad()
+            losses = criterion_nored(model(text), y)
+            torch.dot(losses, weights / weights.sum()).backward()
+            rows = loop_grad(model, lambda o, t: criterion_nored(o, t).sum(), text, y)
+            for n, p in model.named_parameters():
+                want = torch.einsum("b,b...->b...", weights / weights.sum(), rows[n])
+                if arch == "lstm_model" and not n.startswith("fc."):
+                    assert p.grad is None and not hasattr(p, "grad1"), n
+                    assert not want.any(), n
+                    continue
+                assert_close(p.grad1, want, f"epoch {epoch}: {n}")
+            optimizer.step()
+
+
 # -- deeplearning-wisc/gradnorm_ood test_ood.py, resnetv2.py --------------------------------------
 
 
@@ -629,6 +749,42 @@ def test_data_diet_grand_scores_averaged_over_inits_keep_the_same_examples(arch)
     )
 
 
+def test_data_diet_unclog_scores_from_per_example_logit_jacobians():
+    """mansheej/data_diet ``data_diet/scores.py``'s ``compute_unclog_scores`` with
+    ``gradients.py``: the mean logit gradients ``mlgs`` (``jacrev`` of the batch-mean logits,
+    ``[classes, params]``, averaged over batches of a class-balanced subset), then each image's
+    score ``‖Σ_c (J_i[c] - mlgs[c])‖`` from its own logit Jacobian. Here ``J`` of every
+    example at once by :func:`gradhooks.jacobians` (``flatten=True``, the parameters in
+    ``named_parameters()`` order as ``flatten_jacobian`` concatenates them), on ``models.py``'s
+    ``SimpleCNN``; against Jacobians by a loop of ``autograd.grad`` over examples and classes."""
+    torch.manual_seed(0)
+    model = SimpleCNN(num_channels=(2, 3), num_classes=4).to(D).eval()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3, 8, 8, generator=g, dtype=D)
+    x_mlgs = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+    params = list(model.parameters())
+
+    def loop_jacobian(inputs):
+        rows = []
+        for i in range(inputs.shape[0]):
+            logits = model(inputs[i : i + 1])[0]
+            rows.append(torch.stack([
+                torch.cat([d.flatten() for d in torch.autograd.grad(logits[c], params,
+                                                                    retain_graph=True)])
+                for c in range(logits.shape[0])
+            ]))  # fmt: skip
+        return torch.stack(rows)
+
+    mlgs = sum(gradhooks.jacobians(model, xb, flatten=True).mean(0) for xb in x_mlgs.split(2)) / 2
+    want_mlgs = sum(loop_jacobian(xb).mean(0) for xb in x_mlgs.split(2)) / 2
+    assert_close(mlgs, want_mlgs, "mean logit gradients")
+    jac = gradhooks.jacobians(model, x, flatten=True)
+    assert jac.shape == (6, 4, sum(p.numel() for p in params))
+    assert_close(jac, loop_jacobian(x), "logit Jacobians")
+    scores = (jac - mlgs).sum(1).norm(dim=1)
+    assert_close(scores, (loop_jacobian(x) - want_mlgs).sum(1).norm(dim=1), "unclog scores")
+
+
 # -- ftramer/Handcrafted-DP cnns.py, baselines.py, models.py, train_utils.py ----------------------
 
 
@@ -770,3 +926,93 @@ def test_handcrafted_dp_virtual_steps_over_fixed_mini_batches(arch):
             model.eval()
             with torch.no_grad():
                 model(torch.randn(5, k, 7, 7, generator=g, dtype=D)).argmax(1)
+
+
+# -- kiddyboots216/dp-custom dp_finetuning/finetune_classifier_dp.py --------------------------------
+
+
+class WithIndices(torch.utils.data.Dataset):
+    """``dp_finetuning/utils.py``'s ``dataset_with_indices``: each item ``(x, y, index)``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_dp_raft_full_batch_linear_probe_with_an_ema_copy_of_the_private_model():
+    """kiddyboots216/dp-custom ``dp_finetuning/finetune_classifier_dp.py`` (DP-RAFT): a
+    bias-free ``nn.Linear`` on extracted features, its weight zeroed (``--standardize_weights``),
+    made private with full batches (``sample_rate`` 1: one logical batch per epoch), SGD with
+    momentum and weight decay, ``CosineAnnealingLR`` stepped before each epoch, an EMA
+    (``torch.optim.swa_utils.AveragedModel`` of the *hooked* model, its own ``avg_fn``) updated
+    after each epoch and tested beside the model under ``no_grad``; the loader's items carry
+    their indices, by which the ``individual`` mode books each example's gradient norm. Here
+    ``gradhooks.make_private`` without noise: the norms against the loop's, the weights and
+    the EMA's against an unhooked twin fed the loop's clipped mean."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    features, labels = (
+        torch.randn(10, 6, generator=g, dtype=D),
+        torch.randint(3, (10,), generator=g),
+    )
+    model = nn.Linear(6, 3, bias=False).to(D)
+    model.weight.data.zero_()
+    twin = copy.deepcopy(model)
+    opts = dict(lr=0.5, weight_decay=1e-3, momentum=0.9, nesterov=False)
+    optimizer = torch.optim.SGD(model.parameters(), **opts)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), **opts)
+    epochs, max_norm = 3, 0.5
+    private = gradhooks.make_private(
+        model, optimizer, WithIndices(features, labels), delta=1e-5, noise_multiplier=0.0,
+        steps=epochs, sample_rate=1.0, max_grad_norm=max_norm,
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(private.optimizer, epochs)
+    twin_sched = torch.optim.lr_scheduler.CosineAnnealingLR(twin_optimizer, epochs)
+
+    def ema_avg(averaged, current, num_averaged):
+        return 0.1 * averaged + 0.9 * current
+
+    ema_model = torch.optim.swa_utils.AveragedModel(model, avg_fn=ema_avg)
+    twin_ema = torch.optim.swa_utils.AveragedModel(twin, avg_fn=ema_avg)
+    usage = torch.zeros(10, dtype=D)
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    try:
+        batches = private.batches()
+        for epoch in range(1, epochs + 1):
+            sched.step()  # (before the epoch's step, as the script does)
+            twin_sched.step()
+            model.train()
+            data, target, indices = next(batches)
+            assert sorted(indices.tolist()) == list(range(10))
+            norms = private.backward(criterion(model(data), target))
+            rows = loop_grad(twin, lambda o, t: criterion(o, t).sum(), data, target)["weight"]
+            assert_close(norms, rows.flatten(1).norm(dim=1), f"epoch {epoch}: norms")
+            usage[indices] += norms.clamp(max=max_norm) ** 2 / max_norm**2
+            factors = (max_norm / rows.flatten(1).norm(dim=1)).clamp(max=1.0)
+            twin.weight.grad = torch.einsum("b,b...->...", factors, rows) / 10
+            assert private.step()
+            twin_optimizer.step()
+            twin_optimizer.zero_grad()
+            assert_close(model.weight.detach(), twin.weight.detach(), f"epoch {epoch}: weight")
+            with torch.no_grad():
+                for m in (model, ema_model):
+                    m.eval()
+                    m(features).argmax(dim=1)
+            ema_model.update_parameters(model)
+            twin_ema.update_parameters(twin)
+            assert_close(
+                ema_model.module.weight.detach(),
+                twin_ema.module.weight.detach(),
+                f"epoch {epoch}: EMA",
+            )
+    finally:
+        private.close()
+    assert (usage > 0).all() and (usage <= epochs).all()
+    assert not hasattr(ema_model.module.weight, "grad1")
