@@ -4,15 +4,15 @@ step checked against the float64 per-example loop.
 As in ``test_real_scripts.py`` and ``test_real_scripts_second.py``: each test follows one script
 of a public repository (cited in its docstring: repository and path), its model and its loop as
 written there, at tiny sizes, on synthetic data, in float64. These scripts train or score with
-each example's own gradient: data pruning scores (GraNd), active learning's gradient
-embeddings (BADGE, BAIT), coreset selection (CORDS' GradMatch and GLISTER), gradient-norm
-out-of-distribution scores, and DP-SGD with accumulated micro-batches (Handcrafted-DP). Where
-the script computes the quantity in closed form (the last layer's gradient as the outer product
-of its output-gradient and its input), the test compares gradhooks' ``grad1`` with that closed
-form and with the per-example loop (:func:`gradhooks.oracle.loop_grad`, or a loop written out
-where the loss is not a plain mean); where the script's model has no per-example gradient as
-written, the test checks that gradhooks refuses with an error naming the module and leaves the
-model as it was.
+each example's own gradient: data pruning scores (GraNd, data_diet's logit-Jacobian scores),
+active learning's gradient embeddings (BADGE, BAIT), coreset selection (CORDS' GradMatch and
+GLISTER), gradient-norm out-of-distribution scores, and DP-SGD over accumulated mini-batches
+(Handcrafted-DP, private_vision) or full batches (DP-RAFT). Where the script computes the
+quantity in closed form (the last layer's gradient as the outer product of its output-gradient
+and its input), the test compares gradhooks' ``grad1`` with that closed form and with the
+per-example loop (:func:`gradhooks.oracle.loop_grad`, or a loop written out where the loss is
+not a plain mean); where the script's model has no per-example gradient as written, the test
+checks that gradhooks refuses with an error naming the module and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -1016,3 +1016,145 @@ def test_dp_raft_full_batch_linear_probe_with_an_ema_copy_of_the_private_model()
         private.close()
     assert (usage > 0).all() and (usage <= epochs).all()
     assert not hasattr(ema_model.module.weight, "grad1")
+
+
+# -- woodyx218/private_vision examples/cifar.py, on timm's Beit -----------------------------------
+
+
+class BeitAttention(nn.Module):
+    """timm ``timm/models/beit.py``'s ``Attention``: ``qkv`` a bias-free Linear whose weight
+    the forward uses with ``F.linear`` and the bias ``cat(q_bias, k_bias, v_bias)`` (``k_bias``
+    a zero buffer), a relative position bias gathered from a table by a fixed index."""
+
+    def __init__(self, dim: int, num_heads: int, window: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(dim) * 0.1)
+        self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
+        self.v_bias = nn.Parameter(torch.randn(dim) * 0.1)
+        tokens = window * window + 1
+        self.relative_position_bias_table = nn.Parameter(torch.randn(7, num_heads) * 0.1)
+        index = torch.randint(7, (tokens, tokens), generator=torch.Generator().manual_seed(0))
+        self.register_buffer("relative_position_index", index, persistent=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q = q * self.scale
+        attn = q @ k.transpose(-2, -1)
+        table = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        attn = attn + table.view(N, N, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+        attn = attn.softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        return self.proj(x)
+
+
+class BeitBlock(nn.Module):
+    """timm's Beit ``Block``: pre-norm attention and MLP, each scaled by a layer-scale
+    parameter (``gamma_1``, ``gamma_2``) used in the block's own forward."""
+
+    def __init__(self, dim: int, num_heads: int, window: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = BeitAttention(dim, num_heads, window)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.gamma_1 = nn.Parameter(0.1 * torch.ones(dim))
+        self.gamma_2 = nn.Parameter(0.1 * torch.ones(dim))
+
+    def forward(self, x):
+        x = x + self.gamma_1 * self.attn(self.norm1(x))
+        return x + self.gamma_2 * self.mlp(self.norm2(x))
+
+
+class Beit(nn.Module):
+    """timm's ``Beit`` (2 blocks of width 4, 8x8 images in 4x4 patches): a strided-conv patch
+    embedding, a ``cls_token`` concatenated in the model's own forward, average pooling of the
+    patch tokens, ``fc_norm``, the head."""
+
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, 4, kernel_size=4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 4) * 0.02)
+        self.blocks = nn.ModuleList([BeitBlock(4, 2, window=2) for _ in range(2)])
+        self.fc_norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.fc_norm(x[:, 1:].mean(1)))
+
+
+def test_private_vision_cifar_beit_with_its_frozen_parameters_and_ghost_virtual_steps():
+    """woodyx218/private_vision ``examples/cifar.py`` with ``--model beit...`` and ``--mode
+    ghost_mixed``: timm's Beit with the script's freezes (``gamma_``,
+    ``relative_position_bias_table``, ``attn.qkv.weight``, ``attn.q_bias``, ``attn.v_bias``,
+    ``cls_token``: every parameter the model uses outside a layer's own call, and the qkv
+    Linear whose weight its parent uses), ``CrossEntropyLoss(reduction="none")``, Adam, logical
+    batches of ``bs`` over ``mini_batch_size`` physical ones (``optimizer.virtual_step(loss)``,
+    then ``optimizer.step(loss)``), the noise once per logical batch, a ``no_grad`` test pass.
+    Here each mini-batch's ghost-clipped sum (:func:`gradhooks.clipped_sum`, ``method="ghost"``)
+    added up; each step against an unhooked twin fed the loop's clipped gradients and the same
+    noise; the frozen parameters get no ``grad1`` and no ``.grad``."""
+    torch.manual_seed(0)
+    net = Beit().to(D)
+    frozen = ("gamma_", "relative_position_bias_table", "attn.qkv.weight", "attn.q_bias",
+              "attn.v_bias", "cls_token", "pos_embed")  # fmt: skip
+    for name, param in net.named_parameters():
+        if any(f in name for f in frozen):
+            param.requires_grad = False
+    twin = copy.deepcopy(net)
+    optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    twin_optimizer = torch.optim.Adam([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    bs, mini, grad_norm, sigma = 6, 3, 0.1, 0.5
+    g = torch.Generator().manual_seed(0)
+    inputs_all = torch.randn(12, 3, 8, 8, generator=g, dtype=D)
+    targets_all = torch.randint(3, (12,), generator=g)
+    noise_gen = torch.Generator().manual_seed(1)
+    with gradhooks.add_hooks(net, quantities=("norms",)) as hooks:
+        net.train()
+        sums = twin_sums = None
+        for batch_idx, idxs in enumerate(torch.randperm(12, generator=g).split(mini)):
+            inputs, targets = inputs_all[idxs], targets_all[idxs]
+            loss = criterion(net(inputs), targets)
+            got = gradhooks.clipped_sum(hooks, loss, max_norm=grad_norm, method="ghost")
+            rows = loop_grad(twin, lambda o, t: criterion(o, t).sum(), inputs, targets)
+            norms = torch.cat([rows[n].flatten(1) for n in names], 1).norm(dim=1)
+            assert_close(got.norms, norms, f"batch {batch_idx}: norms")
+            factors = (grad_norm / norms).clamp(max=1.0)
+            clipped = [torch.einsum("b,b...->...", factors, rows[n]) for n in names]
+            sums = got.sums if sums is None else [s + t for s, t in zip(sums, got.sums)]
+            twin_sums = clipped if twin_sums is None else [
+                s + t for s, t in zip(twin_sums, clipped)
+            ]  # fmt: skip
+            if (batch_idx + 1) % (bs // mini) == 0:
+                params = [p for p in net.parameters() if p.requires_grad]
+                twin_params = [p for p in twin.parameters() if p.requires_grad]
+                for p, q, s, t in zip(params, twin_params, sums, twin_sums):
+                    noise = torch.normal(0, sigma * grad_norm, p.shape, generator=noise_gen,
+                                         dtype=D)  # fmt: skip
+                    p.grad, q.grad = (s + noise) / bs, (t + noise) / bs
+                optimizer.step()
+                twin_optimizer.step()
+                optimizer.zero_grad()
+                twin_optimizer.zero_grad()
+                sums = twin_sums = None
+                for (n, p), q in zip(net.named_parameters(), twin.parameters()):
+                    assert_close(p.detach(), q.detach(), f"step {batch_idx // 2}: {n}")
+        for n, p in net.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None and not hasattr(p, "grad1"), n
+        net.eval()
+        with torch.no_grad():
+            criterion(net(inputs_all[:4]), targets_all[:4]).mean()
