@@ -1158,3 +1158,114 @@ def test_private_vision_cifar_beit_with_its_frozen_parameters_and_ghost_virtual_
         net.eval()
         with torch.no_grad():
             criterion(net(inputs_all[:4]), targets_all[:4]).mean()
+
+
+# -- Jiachen-T-Wang/GhostSuite Examples/ghost_mlp.py, Examples/ghost_gradproj_mlp.py --------------
+
+
+class GhostMLP(nn.Module):
+    """GhostSuite ``Examples/ghost_mlp.py``'s ``TwoLayerMLP`` (``ghost_gradproj_mlp.py``'s
+    ``SimpleMLP`` is the same): ``fc1``, ReLU, ``fc2``."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, hidden_dim)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden_dim, out_dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_ghostsuite_grad_dot_products_of_a_concatenated_train_and_validation_batch():
+    """Jiachen-T-Wang/GhostSuite ``Examples/ghost_mlp.py`` (``GradDotProdEngine``, online data
+    selection): each step runs the training batch and the validation batch concatenated, one
+    ``cross_entropy(..., reduction="mean")`` over both, reads per parameter the dot products of
+    each training example's gradient with the validation gradient, then puts the training
+    examples' gradient alone into ``.grad`` (``prepare_gradients``) for SGD. Here ``grad1`` of
+    the concatenated batch, its rows split: the dot products against the loop's, ``.grad``
+    from the training rows, each step against an unhooked twin stepped on the loop's mean of
+    the training examples' gradients."""
+    torch.manual_seed(100)
+    g = torch.Generator().manual_seed(100)
+    n_train, n_val, in_dim, out_dim = 8, 4, 10, 4
+    w = torch.randn(in_dim, out_dim, generator=g, dtype=D)
+    x_tr, x_val = (
+        torch.randn(n_train, in_dim, generator=g, dtype=D),
+        torch.randn(n_val, in_dim, generator=g, dtype=D),
+    )
+    y_tr, y_val = (x_tr @ w).argmax(dim=-1), (x_val @ w).argmax(dim=-1)
+    model = GhostMLP(in_dim, 8, out_dim).to(D)
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1e-1)
+    x_cat, y_cat = torch.cat([x_tr, x_val], dim=0), torch.cat([y_tr, y_val], dim=0)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(x_cat)
+            F.cross_entropy(logits, y_cat, reduction="mean").backward()
+            rows = loop_grad(twin, lambda o, t: F.cross_entropy(o, t), x_cat, y_cat)
+            for name, p in model.named_parameters():
+                got = torch.einsum("b...,...->b", p.grad1[:n_train], p.grad1[n_train:].mean(0))
+                want = torch.einsum(
+                    "b...,...->b", rows[name][:n_train], rows[name][n_train:].mean(0)
+                )
+                assert_close(got, want, f"step {step}: {name} val·train")
+                p.grad = p.grad1[:n_train].mean(0)
+            for name, q in twin.named_parameters():
+                q.grad = rows[name][:n_train].mean(0)
+            optimizer.step()
+            twin_optimizer.step()
+            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                assert_close(p.detach(), q.detach(), f"step {step}: {name}")
+
+
+def test_ghostsuite_kronecker_projected_per_example_gradients_against_its_naive_check():
+    """Jiachen-T-Wang/GhostSuite ``Examples/ghost_gradproj_mlp.py`` (``GradProjLoraEngine``, as
+    LoGra): each Linear weight's per-example gradient projected to ``P_o @ grad @ P_i.T`` (the
+    two Gaussian projections of its input and output sides), concatenated over the layers in
+    name order, collected after each ``loss.backward()`` of a ``CrossEntropyLoss`` mean while
+    SGD trains; its ``naive_check`` mode computes them one example at a time. Here from
+    ``grad1`` of each weight, at every step, against that naive loop; the hooks leave the
+    training trajectory as it is without them (the script's ``non_interf`` mode)."""
+    torch.manual_seed(1234)
+    g = torch.Generator().manual_seed(42)
+    model = GhostMLP(10, 20, 5).to(D)
+    twin = copy.deepcopy(model)
+    layers = {"fc1": model.fc1, "fc2": model.fc2}
+    projections = {
+        name: (torch.randn(3, layer.in_features, generator=g, dtype=D),
+               torch.randn(2, layer.out_features, generator=g, dtype=D))
+        for name, layer in sorted(layers.items())
+    }  # fmt: skip
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            inputs = torch.randn(8, 10, generator=g, dtype=D)
+            targets = torch.randint(0, 5, (8,), generator=g)
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), targets)
+            loss.backward()
+            got = torch.cat([
+                torch.einsum("ko,bon,in->bki", p_o, layers[name].weight.grad1, p_i).flatten(1)
+                for name, (p_i, p_o) in projections.items()
+            ], dim=1)  # fmt: skip
+            naive = []
+            with gradhooks.paused():
+                for b in range(8):
+                    twin.zero_grad()
+                    criterion(twin(inputs[b : b + 1]), targets[b : b + 1]).mean().backward()
+                    naive.append(torch.cat([
+                        (p_o @ twin.get_submodule(name).weight.grad @ p_i.t()).reshape(-1)
+                        for name, (p_i, p_o) in projections.items()
+                    ]))  # fmt: skip
+            assert_close(got, torch.stack(naive), f"step {step}: projections")
+            twin.zero_grad()
+            criterion(twin(inputs), targets).backward()
+            optimizer.step()
+            twin_optimizer.step()
+            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                assert_close(p.detach(), q.detach(), f"step {step}: {name}")
