@@ -285,7 +285,8 @@ def test_cords_compute_gradients_of_a_frozen_resnet_body():
     ``PerBatch`` mean. In eval mode, ``grad1`` of the Linear is that closed form, and its sum
     the batch gradient. In train mode (where ``train_sl.py``'s selection runs, inside the
     epoch after ``model.train()``) the embedding holds batch statistics: refused naming the
-    Linear, with no ``grad1`` and the parameters as they were."""
+    Linear and the first batch norm that mixed the examples (one of ten), with no ``grad1``
+    and the parameters as they were."""
     torch.manual_seed(0)
     model = CordsResNet(num_classes=3).to(D)
     g = torch.Generator().manual_seed(0)
@@ -297,7 +298,7 @@ def test_cords_compute_gradients_of_a_frozen_resnet_body():
 
     before = snapshot(model)
     model.train()
-    with pytest.raises(gradhooks.MixedExamplesError, match="'linear'"):
+    with pytest.raises(gradhooks.MixedExamplesError, match=r"'linear'.*batch_norm in 'bn1'"):
         with gradhooks.add_hooks(model, loss_reduction="sum"):
             out, l1 = model(x, last=True, freeze=True)
             criterion_nored(out, y).sum().backward()
