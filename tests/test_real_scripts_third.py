@@ -325,6 +325,82 @@ def test_cords_compute_gradients_of_a_frozen_resnet_body():
         assert model.get_parameter(n).grad is None, n
 
 
+class BadgeResNet(CordsResNet):
+    """JordanAsh/badge ``resnet.py``'s ``ResNet`` (kuangliu's CIFAR ResNet, as CORDS' above):
+    the forward returns ``(out, emb)``."""
+
+    def forward(self, x):
+        emb = self.body(x)
+        return self.linear(emb), emb
+
+
+def test_badge_sample_net_refits_batch_norm_on_a_copy_of_the_hooked_classifier():
+    """JordanAsh/badge ``query_strategies/strategy.py``'s ``sampleNet``: ``getNet`` deep-copies
+    the classifier and sets each parameter's ``.data`` to a sampled weight vector, then
+    ``fitBatchnorm`` runs the copy in train mode over the labelled data (forwards with the
+    graph recorded, no backward) to refit its running statistics, and ``predict_prob`` runs it
+    under ``no_grad``. On ``resnet.py``'s ResNet with the classifier hooked (for the gradient
+    embeddings, in eval mode): the copy is not hooked and refits as an unhooked one does; the
+    same refit on the hooked classifier itself is refused at its first batch norm, naming it
+    and how to run such a forward (``torch.no_grad()``), its running statistics untouched; so
+    run, it refits exactly; the gradient embeddings before and after against the closed form.
+    """
+    torch.manual_seed(0)
+    clf = BadgeResNet(num_classes=3).to(D)
+    g = torch.Generator().manual_seed(0)
+    x_lab = torch.randn(6, 3, 32, 32, generator=g, dtype=D)
+    x_pool = torch.randn(5, 3, 32, 32, generator=g, dtype=D)
+    with torch.no_grad():
+        clf.train()(x_lab)
+    twin = copy.deepcopy(clf)  # (never hooked)
+
+    def fit_batchnorm(model):
+        for x in x_lab.split(3):
+            model(x)
+        return model
+
+    def embedding_matches(what):
+        clf.eval()
+        clf.zero_grad()
+        cout, _ = clf(x_pool)
+        pred = cout.argmax(1).detach()
+        F.cross_entropy(cout, pred, reduction="sum").backward()
+        with torch.no_grad():
+            want = badge_closed_form(*clf(x_pool), lambda j: pred[j])
+        assert_close(-clf.linear.weight.grad1.flatten(1), want, what)
+
+    with gradhooks.add_hooks(clf, loss_reduction="sum"):
+        embedding_matches("before")
+        flat = torch.cat([p.detach().flatten() for p in clf.parameters()])
+        flat = flat + 0.05 * torch.randn(flat.shape, generator=g, dtype=D)
+        copied = copy.deepcopy(clf)
+        for net in (copied, twin):  # getNet, then fitBatchnorm
+            i = 0
+            for p in net.parameters():
+                p.data = flat[i : i + p.numel()].view(p.size())
+                i += p.numel()
+            fit_batchnorm(net.train())
+        for (n, b), t in zip(copied.named_buffers(), twin.buffers()):
+            assert torch.equal(b, t), f"the copy's {n}"
+        with torch.no_grad():
+            probs = F.softmax(copied.eval()(x_pool)[0], dim=1)
+            assert_close(probs, F.softmax(twin.eval()(x_pool)[0], dim=1), "predict_prob")
+        assert not any(hasattr(p, "grad1") for p in copied.parameters())
+
+        before = {n: b.clone() for n, b in clf.named_buffers()}
+        twin.load_state_dict(clf.state_dict())
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'bn1'.*torch\.no_grad\(\)"):
+            fit_batchnorm(clf.train())
+        for n, b in clf.named_buffers():
+            assert torch.equal(b, before[n]), n
+        with torch.no_grad():
+            fit_batchnorm(clf.train())
+            fit_batchnorm(twin.train())
+        for (n, b), t in zip(clf.named_buffers(), twin.buffers()):
+            assert torch.equal(b, t), n
+        embedding_matches("after the refit")
+
+
 class TwoLayerNet(nn.Module):
     """``cords/utils/models/simpleNN_net.py``'s ``TwoLayerNet``, ``forward(x, last, freeze)``."""
 
