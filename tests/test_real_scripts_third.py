@@ -497,6 +497,67 @@ def test_cords_gradmatch_and_glister_selection_then_weighted_subset_training():
     assert steps == 4
 
 
+def facility_location(sim: torch.Tensor, k: int) -> list[int]:
+    """Naive greedy facility location on a similarity matrix (rows: candidates): the role of
+    apricot's ``FacilityLocationSelection(metric="precomputed")``, not its code."""
+    chosen: list[int] = []
+    best = torch.zeros(sim.shape[1], dtype=sim.dtype)
+    for _ in range(k):
+        gains = torch.clamp(sim - best, min=0).sum(1)
+        gains[chosen] = -1.0
+        chosen.append(int(gains.argmax()))
+        best = torch.maximum(best, sim[chosen[-1]])
+    return chosen
+
+
+def test_cords_craig_per_class_facility_location_on_gradient_distances():
+    """decile-team/cords ``cords/selectionstrategies/SL/craigstrategy.py`` (CRAIG,
+    ``selection_type="PerClass"``, ``if_convex=False``): per class, ``compute_score`` takes the
+    examples' last-layer gradients (``model(inputs, freeze=True, last=True)``, the closed form),
+    their squared distances, ``dist_mat = max - distance``; facility location picks the subset
+    and ``compute_gamma`` weighs each pick by how many examples are closest to it; then
+    ``train_sl.py`` steps on ``torch.dot(losses, weights / weights.sum())``. Here the gradients
+    from ``grad1`` of ``simpleNN_net.py``'s ``TwoLayerNet``: the distance matrix against the
+    closed form's, the same picks and gammas, and ``grad1`` of the weighted step against the
+    per-example loop."""
+    torch.manual_seed(0)
+    model = TwoLayerNet(input_dim=5, num_classes=2, hidden_units=4).to(D)
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(12, 5, generator=g, dtype=D), torch.randint(2, (12,), generator=g)
+    criterion_nored = nn.CrossEntropyLoss(reduction="none")
+    greedy, gammas = [], []
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for c in range(2):
+            idxs = torch.where(labels == c)[0]
+            model.zero_grad()
+            out, l1 = model(x[idxs], freeze=True, last=True)
+            loss = criterion_nored(out, labels[idxs]).sum()
+            closed = cords_closed_form(torch.autograd.grad(loss, out, retain_graph=True)[0], l1, 2)
+            loss.backward()
+            g_is = torch.cat((model.linear2.bias.grad1, model.linear2.weight.grad1.flatten(1)), 1)
+            dist = torch.cdist(g_is, g_is) ** 2
+            want = torch.pow(closed.unsqueeze(1) - closed.unsqueeze(0), 2).sum(2)
+            assert_close(dist, want, f"class {c}: distances")
+            sim, want_sim = dist.max() - dist, want.max() - want
+            picks = facility_location(sim, k=2)
+            assert picks == facility_location(want_sim, k=2), f"class {c}"
+            rep = sim[picks].argmax(0)
+            assert torch.equal(rep, want_sim[picks].argmax(0)), f"class {c}"
+            greedy += idxs[picks].tolist()
+            gammas += torch.bincount(rep, minlength=2).tolist()
+
+        weights = torch.tensor(gammas, dtype=D)
+        inputs, targets = x[greedy], labels[greedy]
+        model.zero_grad()
+        losses = criterion_nored(model(inputs), targets)
+        torch.dot(losses, weights / weights.sum()).backward()
+        rows = loop_grad(model, lambda o, t: criterion_nored(o, t).sum(), inputs, targets)
+        want = {
+            n: torch.einsum("b,b...->b...", weights / weights.sum(), r) for n, r in rows.items()
+        }
+        assert_grad1(model, want, "the weighted step")
+
+
 class CordsLSTM(nn.Module):
     """``cords/utils/models/lstm.py``'s ``LSTM``: the four gates' ``U``, ``V`` and ``b`` as bare
     ``nn.Parameter``s used with ``@`` in a loop over time (no rule: the fallback's), under
