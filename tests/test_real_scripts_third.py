@@ -163,27 +163,44 @@ def test_badge_trains_with_clamped_gradients_then_embeds_the_predicted_labels_gr
     assert norms.argmax() == want.norm(dim=1).argmax()  # k-means++'s first center
 
 
-def test_bait_fisher_embeddings_one_backward_per_class():
+@pytest.mark.parametrize("how", ["backward", "autograd_grad"])
+def test_bait_fisher_embeddings_one_backward_per_class(how):
     """JordanAsh/badge ``query_strategies/strategy.py``'s ``get_exp_grad_embedding`` (BAIT,
     ``bait_sampling.py``) on ``run.py``'s ``linMod``, whose embedding is the flattened input:
     for each class ``c``, each example's last-layer gradient of the cross-entropy with label
     ``c`` weighted by ``sqrt(p_c)``, ``[n, n_classes, emb_dim * n_classes]``. Here one hooked
     backward per class of ``Σ_j sqrt(p_jc) · CE(out_j, c)`` (the weights detached), ``grad1``
-    read and the model's gradients zeroed before the next; against the script's closed form and
-    the Fisher matrix BAIT sums from it."""
+    read before the next: a forward and ``backward()`` per class after ``zero_grad()``, or one
+    forward and a ``torch.autograd.grad`` per class (``retain_graph``), which adds to ``grad1``
+    over the backwards of one forward (as K-FAC's sampled labels want) unless
+    ``hooks.clear()`` starts each afresh; against the script's closed form and the Fisher
+    matrix BAIT sums from it."""
     torch.manual_seed(1)
     model = BaitLinear(dim=4, n_classes=3).to(D).eval()
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=D)
     n_lab = 3
     got = torch.zeros(6, n_lab, 4 * n_lab, dtype=D)
-    with gradhooks.add_hooks(model, loss_reduction="sum"):
+    with gradhooks.add_hooks(model, loss_reduction="sum") as hooks:
+        cout, _ = model(x)
+        losses = []
         for ind in range(n_lab):
-            model.zero_grad()
-            cout, _ = model(x)
+            if how == "backward":
+                model.zero_grad()
+                cout, _ = model(x)
             weight = F.softmax(cout, dim=1)[:, ind].detach().sqrt()
             target = torch.full((6,), ind)
-            (weight * F.cross_entropy(cout, target, reduction="none")).sum().backward()
+            losses.append((weight * F.cross_entropy(cout, target, reduction="none")).sum())
+            if how == "backward":
+                losses[-1].backward()
+            else:
+                hooks.clear()
+                torch.autograd.grad(losses[-1], list(model.parameters()), retain_graph=True)
             got[:, ind] = -model.lm.weight.grad1.flatten(1)
+        if how == "autograd_grad":  # without clear(), the classes' rows add up
+            hooks.clear()
+            for loss in losses:
+                torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            assert_close(-model.lm.weight.grad1.flatten(1), got.sum(1), "grad1 accumulated")
     with torch.no_grad():
         cout, out = model(x)
         probs = F.softmax(cout, dim=1)
