@@ -635,7 +635,7 @@ class CallLayouts:
             alone = [tracker.alone.get(t) for t, lay in zip(ins, lin) if lay is MIXED]
             if all(alone):
                 raise MixedExamplesError(self._one_example(target, args, kwargs, alone[0], batch))
-            ops = ", ".join(tracker.mixed) or "an operation across the batch"
+            ops = tracker.mixing()
             raise MixedExamplesError(
                 f"{target.where}: its input ({_shapes(args, kwargs)}) was computed across the "
                 f"examples of the batch ({ops}: a reduction, shift or product along it, "

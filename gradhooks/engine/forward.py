@@ -124,7 +124,9 @@ class ForwardCapture:
                     now = self._unsharded(target)
                 if tracker is not None:
                     self.layouts.reseed_before(target, module, args, kwargs, tracker)
-                    tracker.enter_call(now, module, soft=target.entry is FALLBACK)
+                    tracker.enter_call(
+                        now, module, soft=target.entry is FALLBACK, where=target.quoted
+                    )
                 if capturing and target.entry.on_forward is not None:
                     if not _torch.in_transform(args, kwargs):
                         # (before the call: a refused BatchNorm leaves its running statistics)

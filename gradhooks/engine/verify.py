@@ -606,7 +606,7 @@ class Verifier:
         mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
         if not mixed or any(lay is not None and lay is not MIXED for lay in lays):
             return  # (an output that keeps the examples, or whose layout was lost)
-        ops = ", ".join(tracker.mixed) or "an operation across the batch"
+        ops = tracker.mixing()
         where = (
             "dimension 0 of its first input"
             if self.state.batch_dim == "auto"

@@ -49,7 +49,9 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
         f"per-example normalization, e.g. nn.GroupNorm(num_groups, {module.num_features}) "
         "(model = gradhooks.convert_batch_norm(model) replaces every batch norm so, as "
         "Opacus' ModuleValidator.fix does), or put it in eval mode (model.eval(), or "
-        "module.eval() on the batch-norm layers) so that it uses its running statistics."
+        "module.eval() on the batch-norm layers) so that it uses its running statistics. A "
+        "forward that only refreshes the running statistics, with no backward, can run "
+        "under torch.no_grad() or hooks.paused()."
     )
 
 

@@ -95,6 +95,7 @@ class _Use:
     mixing: set[str] = field(default_factory=set)
     mixed: bool = False  # soft: an operation of its own gave a tensor with mixed rows
     graph: bool = True  # autograd recorded a graph where the call started
+    where: str | None = None  # the module as the errors quote it ('bn1'), for messages
 
 
 class Tracker(TorchFunctionMode):
@@ -201,6 +202,21 @@ class Tracker(TorchFunctionMode):
         else:
             self.layouts[t] = layout
 
+    def _in_call(self, name: str) -> str:
+        """``name``, an operation that mixed the examples, with the innermost hooked call it ran
+        in (``"batch_norm in 'layer1.0.bn1'"``), for messages."""
+        where = next((u.where for u in reversed(self.used) if u.where is not None), None)
+        return name if where is None else f"{name} in {where}"
+
+    def mixing(self, default: str = "an operation across the batch") -> str:
+        """The operations that mixed the examples, for messages: the first three (each with
+        the call it ran in), and how many more."""
+        ops = list(self.mixed)
+        if not ops:
+            return default
+        more = f", and {len(ops) - 3} more" if len(ops) > 3 else ""
+        return ", ".join(ops[:3]) + more
+
     def mark_mixed(self, outs: Sequence[Tensor], why: str) -> None:
         """``outs`` mix the examples, for ``why`` (named where a layer reading them is
         refused): what the engine found of a call the mode does not see into."""
@@ -276,18 +292,23 @@ class Tracker(TorchFunctionMode):
         finally:
             self.off -= 1
 
-    def enter_call(self, params: Sequence[Tensor], module: Any = None, soft: bool = False) -> None:
+    def enter_call(
+        self, params: Sequence[Tensor], module: Any = None, soft: bool = False,
+        where: str | None = None,
+    ) -> None:  # fmt: skip
         """A hooked call starts; it covers ``params``: an operation inside it (and not inside
         an inner call that covers them) uses them as that call's own. ``soft`` (a module
         without a rule): its parameters' uses are still followed as direct uses, and its call
-        takes over (the ``torch.func`` fallback) only those the tracker cannot handle."""
+        takes over (the ``torch.func`` fallback) only those the tracker cannot handle.
+        ``where``: the module as the errors quote it, to say in which call an operation mixed
+        the examples."""
         covers = frozenset(id(p) for p in params)
         for record in self.used:
             record.called.add(id(module))
             if not soft:
                 record.claimed |= covers
         self.covered.append(covers)
-        self.used.append(_Use(soft=soft, graph=torch.is_grad_enabled()))
+        self.used.append(_Use(soft=soft, graph=torch.is_grad_enabled(), where=where))
 
     def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
         """A call of a module without a rule (``used``, just left) whose own operations mixed
@@ -671,7 +692,7 @@ class Tracker(TorchFunctionMode):
         if result is MIXED:
             if any(carries(o) for o in outs):
                 if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
-                    self.mixed.setdefault(name, None)
+                    self.mixed.setdefault(self._in_call(name), None)
                 if (
                     not inherited
                     and args
@@ -716,7 +737,7 @@ class Tracker(TorchFunctionMode):
                 if not carries(o):
                     lay = UNKNOWN
                 else:
-                    self.mixed.setdefault(name, None)
+                    self.mixed.setdefault(self._in_call(name), None)
             if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(self.batch)):
                 lay = UNKNOWN  # (a handler's guess that the shapes contradict)
             self.layouts[o] = lay
@@ -1166,7 +1187,7 @@ class Tracker(TorchFunctionMode):
             elif MIXED in met:
                 why = (
                     f"'{name}' combines it with a tensor whose entries depend on several "
-                    f"examples at once ({', '.join(self.mixed) or name}), so the examples' shares "
+                    f"examples at once ({self.mixing(name)}), so the examples' shares "
                     "of its gradient do not exist"
                 )
             elif name in UNFUSED:
