@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["FuzzCase", "FuzzModel", "fuzz_cases"]
 
@@ -420,6 +421,7 @@ class FuzzModel(nn.Module):
         self.head: nn.Module | None = None
         self.head_kind = "none"
         self.skipped: frozenset[int] = frozenset()  # steps left out (a layer switched off)
+        self.recomputed: frozenset[int] = frozenset()  # steps under activation checkpointing
 
     def skippable(self) -> list[int]:
         """The steps whose block keeps the activation's shape: the forward may leave them out."""
@@ -430,6 +432,9 @@ class FuzzModel(nn.Module):
             if i == self.bare_at:
                 x = x + self.bare
             if i in self.skipped:
+                continue
+            if i in self.recomputed:  # (non-reentrant: run again at the backward)
+                x = torch.tanh(checkpoint(self.blocks[b], x, use_reentrant=False))
                 continue
             x = torch.tanh(self.blocks[b](x))
         if self.bare_at == len(self.steps):
