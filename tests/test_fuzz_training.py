@@ -64,8 +64,6 @@ def dp_step(h, model, batch, want: dict, reduction: str, what: str) -> None:
     out = model(batch)
     leaves = out if isinstance(out, tuple | list) else (out,)
     per_example = sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
-    if not per_example.requires_grad:  # (every layer with trainable parameters left out)
-        return
     norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     bound = norms.median().item() or 1.0
     gradhooks.dp_sgd_step(h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction)
@@ -106,6 +104,9 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
                 model.recomputed = frozenset(range(step % 2, len(model.steps), 2))
             elif habit == "skip" and model.skippable():
                 model.skipped = frozenset({model.skippable()[step % len(model.skippable())]})
+                with h.paused():
+                    if not sum_of_squares(model(batch)).requires_grad:
+                        model.skipped = frozenset()  # (nothing trainable left to run)
             elif habit == "no_grad":
                 with torch.no_grad():
                     model(batch)
@@ -119,8 +120,6 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
                 TRIED[habit] += 1
                 continue
             loss = sum_of_squares(model(batch))
-            if not loss.requires_grad:  # (every layer with trainable parameters left out)
-                continue
             (loss / n if reduction == "mean" else loss).backward()
             if habit == "accumulate":
                 second = _batch(batch, n) + 0.5 if batch.is_floating_point() else batch.flip(0)
