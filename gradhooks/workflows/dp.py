@@ -570,8 +570,8 @@ def _check_step(
     """The step's per-example gradients against autograd's of the examples' own losses
     (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i`` (``None``: zeros), formed as
     it is compared, one parameter at a time. A loss that depends on other examples (a
-    contrastive loss, a penalty added to each example's loss) or a model that mixes them where
-    gradhooks cannot see it shows here."""
+    contrastive loss, a penalty added to each example's loss), losses out of the examples'
+    order, or a model that mixes them where gradhooks cannot see it shows here."""
     if truth is None:
         return
     _, grads, exact = truth
@@ -605,8 +605,10 @@ def _check_step(
         "example's loss depends on the other examples (a loss that couples the batch, such as "
         "a contrastive one) or on the parameters outside the model's per-example path (a "
         "penalty such as weight decay added to each example's loss: leave it out, and add its "
-        "gradient to .grad after the step), or the model mixes the examples where gradhooks "
-        "cannot see it. Clipping would not bound each example's influence, so no gradient was "
+        "gradient to .grad after the step), or per_example_loss is not in the order of the "
+        "forward's examples (sorted, flipped or shuffled after the forward: entry i must be the "
+        "loss of example i), or the model mixes the examples where gradhooks cannot see it. "
+        "Clipping would not bound each example's influence, so no gradient was "
         "written. This is checked on the first step of each new set of layer calls."
     )
 
