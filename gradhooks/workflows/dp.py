@@ -172,7 +172,9 @@ def dp_sgd_step(
             one bound per group ``[C_1, ..., C_K]`` (total ``C = √(Σ_k C_k²)``).
         noise_multiplier: ``σ``; the noise std is ``σ·C`` (``C`` the total bound). ``0`` for
             clipping only.
-        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
+        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise,
+            made once for the whole loop (a step whose generator starts where the last noised
+            step's started, seeded anew, would draw its noise again: it warns).
         reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
         method: ``"grad1"``, ``"ghost"`` or ``"bookkeeping"``; by default ``"grad1"`` for a
             handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
@@ -228,6 +230,7 @@ def dp_sgd_step(
     # size, no second. A scaled step draws it only once the sums are known finite (a skipped
     # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
+    start = generator.get_state() if std > 0 and generator is not None else None
     into = (lambda p: noise(p, generator, std)) if noised else None
     norms, clipped, scale, sparse = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
@@ -248,6 +251,7 @@ def dp_sgd_step(
         clipped = _torch.foreach_div(clipped, denom)
     for p, c, layout in zip(params, clipped, sparse, strict=True):
         p.grad = as_grad(c, layout)
+    _warn_if_noise_repeats(hooks, start)
     return norms.detach()
 
 
@@ -423,6 +427,37 @@ def _warn_if_sizes_vary(hooks: Hooks, batch: int, reduction: str, expected: floa
             "expected_batch_size=sampler.expected_batch_size: the accountant's analysis "
             "assumes that public denominator, and an empty batch has no size of its own. "
             "(Fixed-size batches with a smaller last one: drop_last=True, or ignore this.)",
+            GradhooksWarning,
+            stacklevel=3,
+        )
+
+
+# Per handle, the state the generator of its last noised step started from (None once it has
+# warned that the noise repeats)
+_NOISE_STARTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _warn_if_noise_repeats(hooks: Hooks, start: Tensor | None) -> None:
+    """A step whose generator starts where the last noised step's started (a
+    ``torch.Generator().manual_seed(0)`` made anew at every step, inside the loop) draws the
+    very noise of that step: the steps' noises are then one, which hides nothing that the
+    difference of two steps shows. Said once per handle; a step run again on purpose (two
+    methods compared on one seed) may ignore it. ``start``: the generator's state before the
+    step's draw (``None``: no generator, or no noise)."""
+    if start is None:
+        return
+    last = _NOISE_STARTS.get(hooks, False)
+    if last is None:
+        return
+    _NOISE_STARTS[hooks] = start
+    if last is not False and torch.equal(last, start):
+        _NOISE_STARTS[hooks] = None
+        warnings.warn(
+            "gradhooks.dp_sgd_step: the generator starts this step in the state it started the "
+            "last one in (a torch.Generator seeded anew at every step?), so this step's noise "
+            "is the last step's again: noise repeated across steps hides nothing that the "
+            "difference of two steps shows. Make the generator once, before the loop, and pass "
+            "that one at every step.",
             GradhooksWarning,
             stacklevel=3,
         )
