@@ -275,6 +275,7 @@ def test_bookkeeping_uses_the_pieces_up_before_drawing_the_noise(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     x, y = torch.randint(30, (5, 7)), torch.randint(4, (5, 7))
+    noise_generator = torch.Generator().manual_seed(0)
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         for _ in range(2):  # (the first step checked against autograd, the second not)
             events.clear()
@@ -282,7 +283,7 @@ def test_bookkeeping_uses_the_pieces_up_before_drawing_the_noise(monkeypatch):
             losses = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
             gradhooks.dp_sgd_step(
                 h, losses.view(5, 7).mean(1), max_norm=0.1, noise_multiplier=1.0,
-                generator=torch.Generator().manual_seed(0), method="bookkeeping",
+                generator=noise_generator, method="bookkeeping",
             )  # fmt: skip
             kinds = [k for k, _ in events]
             first = kinds.index("noise")

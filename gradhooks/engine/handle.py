@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -836,7 +836,8 @@ class Hooks:
     def rescale(self, loss_reduction: LossReduction) -> None:
         """Declare that the captured backward used ``loss_reduction`` after all, rescaling the
         ``grad1`` of the current accumulation (since the last ``zero_grad`` or :meth:`clear`;
-        what autograd-hacks' ``compute_grad1`` ``loss_type`` says), and use it for later
+        what autograd-hacks' ``compute_grad1`` ``loss_type`` says), the last backward's norms,
+        squared sums and gradient variance, and the K-FAC factors, and use it for later
         backwards."""
         if loss_reduction not in ("mean", "sum"):
             raise ConfigurationError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -848,12 +849,24 @@ class Hooks:
             )
         if loss_reduction == self.loss_reduction:
             return
+        collector = self._state.collector
+        kfac = None if collector is None else collector.kfac
+        mixed = [] if kfac is None else kfac.mixed_batches()
+        if mixed:
+            raise StateError(
+                f"rescale: the K-FAC factors of {', '.join(map(repr, mixed))} sum backwards of "
+                "batches of different sizes, each scaled by its own batch, so no one factor "
+                f"rescales them: call h.clear(), set h.loss_reduction = {loss_reduction!r} and "
+                "run the backwards again"
+            )
         for p in self._state.written.values():
             batch = p.grad1.shape[0]
             if loss_reduction == "sum":  # it was computed as mean (times batch): undo
                 p.grad1.div_(max(batch, 1))
             else:
                 p.grad1.mul_(batch)
+        if collector is not None:  # (the norms, squared sums and K-FAC factors alike)
+            collector.rescale(_rescaling(loss_reduction))
         self.loss_reduction = loss_reduction
 
     @property
@@ -1262,6 +1275,15 @@ def drop_uncovered_grad1(module: nn.Module) -> None:
 
 
 sweep_with(drop_uncovered_grad1)
+
+
+def _rescaling(loss_reduction: LossReduction) -> Callable[[int], float]:
+    """What ``Hooks.rescale(loss_reduction)`` multiplies a backward's per-example gradients by,
+    given its batch size: ``1/batch`` for ``"sum"`` (the engine scaled them by the batch, for
+    a mean), the batch for ``"mean"``."""
+    if loss_reduction == "sum":
+        return lambda batch: 1.0 / max(batch, 1)
+    return float
 
 
 def clear_grad1(model: nn.Module) -> None:

@@ -21,7 +21,7 @@ for a mean-reduced loss, 1 for a sum) is applied, as for ``grad1``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -134,6 +134,19 @@ class Collector:
             self.param_sq_norms, self.norm_forms, self.sum_grad_sq, self.grad_mean,
             self.batch, self.published,
         ) = results  # fmt: skip
+
+    def rescale(self, factor: Callable[[int], float]) -> None:
+        """The per-example gradients were ``factor(batch)`` times what they are taken for
+        (:meth:`gradhooks.Hooks.rescale`): multiply the published norms by it, the squared sums
+        by its square, the gradient means by it, and the K-FAC ``G`` by its square (see
+        :meth:`KfacAccumulator.rescale`). New dicts, as a backward's end publishes them
+        (:meth:`results`)."""
+        f = factor(self.batch or 0)
+        self.param_sq_norms = {n: v * f**2 for n, v in self.param_sq_norms.items()}
+        self.sum_grad_sq = {n: v * f**2 for n, v in self.sum_grad_sq.items()}
+        self.grad_mean = {n: _scaled(m, f) for n, m in self.grad_mean.items()}
+        if self.kfac is not None:
+            self.kfac.rescale(factor)
 
     def restart(self, params: list[nn.Parameter]) -> None:
         """These parameters' ``.grad`` was reset (``zero_grad``) since the last backward: what
@@ -450,6 +463,16 @@ class _Deferred:
                 total = _batch_total(self.pieces, self.shape)
             self.value, self.pieces = total / max(self.batch, 1), []
         return self.value
+
+
+def _scaled(mean: Tensor | _Deferred, f: float) -> Tensor | _Deferred:
+    """A gradient mean times ``f``; one not yet formed stays so, its pieces' scales times
+    ``f``."""
+    if isinstance(mean, Tensor):
+        return mean * f
+    if mean.value is not None:
+        return mean.value * f
+    return _Deferred([(pc, s * f) for pc, s in mean.pieces], mean.shape, mean.batch)
 
 
 def _batch_total(pieces: list, shape: torch.Size) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -160,6 +161,8 @@ class KfacAccumulator:
         self._bias_name: dict[str, str | None] = {}  # key -> the bias its A covers
         self._layout: dict[str, str] = {}  # key -> Outer.matrix_layout of its pieces
         self._batch_now: dict[str, int] = {}
+        # key -> the batch size of every backward summed into G (-1 where they differ)
+        self._g_batch: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self._unfactored: dict[str, str] = {}  # key -> the call of a matrix-like weight without
         self.capture_a = True
@@ -169,7 +172,8 @@ class KfacAccumulator:
         afresh."""
         for key in keys:
             for sums in (self._a, self._g, self._n_a, self._n_g, self._biased, self._bias_name,
-                         self._layout, self._batch_now, self._other, self._unfactored):  # fmt: skip
+                         self._layout, self._batch_now, self._g_batch, self._other,
+                         self._unfactored):  # fmt: skip
                 sums.pop(key, None)
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
@@ -237,7 +241,20 @@ class KfacAccumulator:
         """G is normalized by examples, not by calls: count each example once per forward."""
         for key, batch in self._batch_now.items():
             self._n_g[key] = self._n_g.get(key, 0) + batch
+            self._g_batch[key] = batch if self._g_batch.get(key, batch) == batch else -1
         self._batch_now = {}
+
+    def mixed_batches(self) -> list[str]:
+        """The weights whose ``G`` sums backwards of batches of different sizes."""
+        return [key for key, batch in self._g_batch.items() if batch < 0]
+
+    def rescale(self, factor: Callable[[int], float]) -> None:
+        """Multiply each weight's ``G`` by ``factor(batch)²``, ``batch`` the size of the
+        batches it sums (one size: :meth:`mixed_batches` lists the others): the output-gradients
+        scaled by ``factor`` after the fact (:meth:`gradhooks.Hooks.rescale`)."""
+        for key, batch in self._g_batch.items():
+            if key in self._g and batch >= 0:
+                self._g[key] = self._g[key] * factor(batch) ** 2
 
     @property
     def unfactored(self) -> dict[str, str]:

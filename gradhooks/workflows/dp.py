@@ -172,7 +172,9 @@ def dp_sgd_step(
             one bound per group ``[C_1, ..., C_K]`` (total ``C = √(Σ_k C_k²)``).
         noise_multiplier: ``σ``; the noise std is ``σ·C`` (``C`` the total bound). ``0`` for
             clipping only.
-        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
+        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise,
+            made once for the whole loop (a step whose generator starts where the last noised
+            step's started, seeded anew, would draw its noise again: it warns).
         reduction: ``"mean"`` divides the noisy clipped sum by the batch size, ``"sum"`` not.
         method: ``"grad1"``, ``"ghost"`` or ``"bookkeeping"``; by default ``"grad1"`` for a
             handle with ``"grad1"``, ``"bookkeeping"`` for one with ``"norms"``.
@@ -228,6 +230,7 @@ def dp_sgd_step(
     # size, no second. A scaled step draws it only once the sums are known finite (a skipped
     # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
+    start = generator.get_state() if std > 0 and generator is not None else None
     into = (lambda p: noise(p, generator, std)) if noised else None
     norms, clipped, scale, sparse = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
@@ -248,6 +251,7 @@ def dp_sgd_step(
         clipped = _torch.foreach_div(clipped, denom)
     for p, c, layout in zip(params, clipped, sparse, strict=True):
         p.grad = as_grad(c, layout)
+    _warn_if_noise_repeats(hooks, start)
     return norms.detach()
 
 
@@ -428,6 +432,37 @@ def _warn_if_sizes_vary(hooks: Hooks, batch: int, reduction: str, expected: floa
         )
 
 
+# Per handle, the state the generator of its last noised step started from (None once it has
+# warned that the noise repeats)
+_NOISE_STARTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _warn_if_noise_repeats(hooks: Hooks, start: Tensor | None) -> None:
+    """A step whose generator starts where the last noised step's started (a
+    ``torch.Generator().manual_seed(0)`` made anew at every step, inside the loop) draws the
+    very noise of that step: the steps' noises are then one, which hides nothing that the
+    difference of two steps shows. Said once per handle; a step run again on purpose (two
+    methods compared on one seed) may ignore it. ``start``: the generator's state before the
+    step's draw (``None``: no generator, or no noise)."""
+    if start is None:
+        return
+    last = _NOISE_STARTS.get(hooks, False)
+    if last is None:
+        return
+    _NOISE_STARTS[hooks] = start
+    if last is not False and torch.equal(last, start):
+        _NOISE_STARTS[hooks] = None
+        warnings.warn(
+            "gradhooks.dp_sgd_step: the generator starts this step in the state it started the "
+            "last one in (a torch.Generator seeded anew at every step?), so this step's noise "
+            "is the last step's again: noise repeated across steps hides nothing that the "
+            "difference of two steps shows. Make the generator once, before the loop, and pass "
+            "that one at every step.",
+            GradhooksWarning,
+            stacklevel=3,
+        )
+
+
 def _checked(
     hooks: Hooks, per_example_loss: Tensor, method: str | None, reduction: str,
     expected_batch_size: float | None,
@@ -570,8 +605,8 @@ def _check_step(
     """The step's per-example gradients against autograd's of the examples' own losses
     (:func:`_truth`): per parameter, ``got`` is ``Σ_i w_i · g_i`` (``None``: zeros), formed as
     it is compared, one parameter at a time. A loss that depends on other examples (a
-    contrastive loss, a penalty added to each example's loss) or a model that mixes them where
-    gradhooks cannot see it shows here."""
+    contrastive loss, a penalty added to each example's loss), losses out of the examples'
+    order, or a model that mixes them where gradhooks cannot see it shows here."""
     if truth is None:
         return
     _, grads, exact = truth
@@ -605,8 +640,10 @@ def _check_step(
         "example's loss depends on the other examples (a loss that couples the batch, such as "
         "a contrastive one) or on the parameters outside the model's per-example path (a "
         "penalty such as weight decay added to each example's loss: leave it out, and add its "
-        "gradient to .grad after the step), or the model mixes the examples where gradhooks "
-        "cannot see it. Clipping would not bound each example's influence, so no gradient was "
+        "gradient to .grad after the step), or per_example_loss is not in the order of the "
+        "forward's examples (sorted, flipped or shuffled after the forward: entry i must be the "
+        "loss of example i), or the model mixes the examples where gradhooks cannot see it. "
+        "Clipping would not bound each example's influence, so no gradient was "
         "written. This is checked on the first step of each new set of layer calls."
     )
 
