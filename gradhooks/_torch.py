@@ -121,12 +121,8 @@ Required (no fallback; :func:`require` refuses without them):
   ``grad1`` is zero.
 - ``module_state``: ``nn.Module._parameters``, ``_modules``, ``_forward_hooks``, ``_forward_pre_hooks`` and
   ``torch.nn.modules.module._global_forward_hooks`` / ``_global_forward_pre_hooks``
-<<<<<<< HEAD
-  (:func:`own_parameters`, :func:`own_children`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
-=======
-  (:func:`own_parameters`, :func:`first_forward_hook`, :func:`put_forward_hook_first`,
-  :func:`put_forward_pre_hooks_last`,
->>>>>>> h/scripts2
+  (:func:`own_parameters`, :func:`own_children`, :func:`first_forward_hook`,
+  :func:`put_forward_hook_first`, :func:`put_forward_pre_hooks_last`,
   :func:`last_forward_pre_hook`,
   :func:`forward_pre_hooks`,
   :func:`global_forward_hooks`, :func:`first_global_forward_hook`, :func:`forward_hooks_off`),

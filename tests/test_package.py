@@ -298,3 +298,23 @@ def test_hooks_on_an_unsharded_model_leave_distributed_tensors_unimported():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+_CONFLICT = ("<" * 7 + " ", ">" * 7 + " ")
+
+
+def test_no_file_holds_a_merge_conflict_marker():
+    """A merge whose conflict was committed as it stood leaves its markers in the text (a
+    docstring keeps both sides and still imports): no line of the package, its tests, bench
+    or documents starts with one."""
+    repo = ROOT.parent
+    paths = [p for d in ("gradhooks", "tests", "bench", "docs") for p in (repo / d).rglob("*")]
+    paths += [repo / n for n in ("README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml")]
+    found = []
+    for path in paths:
+        if path.suffix not in (".py", ".md", ".cfg", ".toml") or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if line.startswith(_CONFLICT) or line == "=" * 7:
+                found.append(f"{path.relative_to(repo)}:{i}")
+    assert not found, f"merge-conflict markers: {found}"
