@@ -44,6 +44,11 @@ CHANGED = {
     "bilinear": "needs_batch:linear",
     "layer_norm": "needs_batch:layer_norm",
     "rms_norm": "needs_batch:layer_norm",
+    # (rows picked by an index and put back in the batch's order: the batch's own layout,
+    # tests/test_fuzz_ops.py)
+    "cat": "needs_batch:cat",
+    "concat": "needs_batch:cat",
+    "concatenate": "needs_batch:cat",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and

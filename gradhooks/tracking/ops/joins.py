@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import MIXED, UNKNOWN, Layout, Owners, slice_layout, slice_rows, split_rows
-from .common import arg, first_tensor, handles, norm_dim, out_tensors, single_input
+from ..layout import MIXED, UNKNOWN, Layout, owned, slice_layout, slice_rows, split_rows
+from .common import (
+    HANDLERS,
+    NeedsBatch,
+    arg,
+    first_tensor,
+    handles,
+    norm_dim,
+    out_tensors,
+    single_input,
+)
 
 
 @handles("split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "hsplit",
@@ -42,8 +51,7 @@ def _unbind(args, kwargs, out, layout_of):
     return MIXED if dim == lay.dim else lay.at(lay.dim - (dim < lay.dim))
 
 
-@handles("cat", "concat", "concatenate")
-def cat(args, kwargs, out, layout_of):
+def cat(args, kwargs, out, layout_of, batch):
     tensors = list(arg(args, kwargs, 0, "tensors"))
     o = first_tensor(out)
     if o is None:
@@ -60,7 +68,7 @@ def cat(args, kwargs, out, layout_of):
     if any(x.owners is not None for x in firm):
         if len(firm) != len(lays) or any(x.dim != dim for x in firm):
             return MIXED
-        return _cat_rows(dim, parts, firm)
+        return _cat_rows(dim, parts, firm, batch)
     if len(firm) != len(lays) or any(x.inner != known[0].inner for x in known):
         # rows that are not the examples put among them along their dimension: which row is
         # whose is lost, and what is computed across the rows next (a shift, a sum, attention
@@ -69,15 +77,20 @@ def cat(args, kwargs, out, layout_of):
     return Layout(dim, sum(x.outer for x in known), known[0].inner)
 
 
-def _cat_rows(dim: int, parts: list[Tensor], lays: list[Layout]) -> Layout:
+def _cat_rows(dim: int, parts: list[Tensor], lays: list[Layout], batch: int) -> Layout:
     """Rows picked by an index concatenated along their dimension (each expert's outputs in
-    turn): their owners in turn. Another layout among them (the whole batch) is mixed: its
-    number of examples is not known here."""
+    turn): their owners in turn, the batch's own layout where they are its rows in order
+    (``torch.cat([f(x[:k]), g(x[k:])])``). Another layout among them (the whole batch) is
+    mixed: its number of examples is not known here."""
     if any(x.owners is None for x in lays):
         return MIXED
     rows = torch.cat([x.owners.rows for x in lays])
     bases = {x.owners.base for x in lays}
-    return Layout(dim, owners=Owners(rows, bases.pop() if len(bases) == 1 else None))
+    return owned(dim, rows, bases.pop() if len(bases) == 1 else None, batch)
+
+
+for _n in ("cat", "concat", "concatenate"):
+    HANDLERS[_n] = NeedsBatch(cat)
 
 
 @handles("stack", "hstack", "vstack", "dstack", "column_stack")

@@ -24,19 +24,26 @@ def _reshaped(lay: Layout, before: Sequence[int], after: Sequence[int], batch: i
 
 def _reshaped_rows(lay: Layout, before: Sequence[int], after: Sequence[int], batch: int) -> Layout:
     """:func:`_reshaped` for rows picked by an index (:class:`Owners`): the dimension that
-    holds them kept whole (``[1, n, F]`` to ``[n, F]``, ``[n, H * D]`` to ``[n, H, D]``), or
-    merged with what follows it (``[n, F]`` to ``[n * F]``); else mixed."""
+    holds them kept whole (``[1, n, F]`` to ``[n, F]``, ``[n, H * D]`` to ``[n, H, D]``),
+    merged with what follows it (``[n, F]`` to ``[n * F]``), or split where each run of rows
+    that becomes one entry has one owner (``[n * T, F]`` back to ``[n, T, F]``, after a layer
+    ran on the rows and their positions merged); else mixed."""
     d, rows = lay.dim, lay.owners.rows
     outer, inner = math.prod(before[:d]), math.prod(before[d + 1 :])
     for e in range(len(after)):
         post = math.prod(after[e + 1 :])
         if math.prod(after[:e]) != outer or after[e] * post != rows.numel() * inner:
             continue
-        if post == 0 or inner % post:
+        if post == 0:
             continue
-        times = inner // post
-        return owned(e, rows.repeat_interleave(times) if times > 1 else rows,
-                      lay.owners.base, batch)  # fmt: skip
+        if inner % post == 0:
+            times = inner // post
+            return owned(e, rows.repeat_interleave(times) if times > 1 else rows,
+                          lay.owners.base, batch)  # fmt: skip
+        if post % inner == 0:
+            runs = rows.view(after[e], post // inner)
+            if bool((runs == runs[:, :1]).all()):  # (a value read: picked rows are data)
+                return owned(e, runs[:, 0], lay.owners.base, batch)
     return MIXED
 
 

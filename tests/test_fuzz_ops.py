@@ -1,0 +1,256 @@
+"""Fuzzing the batch tracker: random chains of torch operations between Linear layers, some of
+which mix the examples, against the per-example loop.
+
+:mod:`test_tracking_ops` checks each operation alone against an ownership oracle;
+:mod:`test_fuzz` chains layers with a ``tanh`` between them. Here the activations
+``[batch, time, features]`` go through drawn operations between the layers: views and
+permutations inside an example, reductions along its time or features, shifts, gathers,
+in-place writes into slices, a layer called on the rows folded into the batch or on a
+time-major view, a parameter of the model's own used directly; and operations across the
+batch (a batch mean, even detached; a shift, flip or permutation of the examples; a
+``reshape`` that regroups them; a reduction over them). Whatever the chain, hooks added once
+and trained for three steps (the third on a batch of another size) must either give each
+example's gradient as the loop computes it, example by example, or stop with a typed
+gradhooks error: a number that differs from the loop's, or an error of torch's own from
+inside the hooks, fails. ``GRADHOOKS_FUZZ_OPS`` sets how many chains (default 60);
+``GRADHOOKS_FUZZ_RANDOM=1`` draws new ones on every run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import gradhooks
+from gradhooks.errors import GradhooksError
+from gradhooks.oracle import loop_grad
+from harness import assert_close, sum_of_squares
+
+EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_OPS", "60"))
+RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
+T, D = 3, 4  # time steps and features of every activation
+TRIED: Counter = Counter()
+
+
+def _perm(n: int) -> Tensor:
+    return torch.arange(n).roll(1)
+
+
+# Each operation maps [batch, T, D] to [batch, T, D]; ``lin`` is the next Linear(D, D) and
+# ``p`` a [D] parameter of the model's own. Those that call ``lin`` themselves say so.
+WITHIN = {
+    "flip time": lambda x, lin, p: lin(x.flip(1)),
+    "roll features": lambda x, lin, p: lin(x.roll(1, dims=2)),
+    "transpose, reshape": lambda x, lin, p: lin(x.transpose(1, 2).reshape(x.shape)),
+    "cat halves scaled": lambda x, lin, p: lin(torch.cat([x[..., :2], 2 * x[..., 2:]], -1)),
+    "softmax gate": lambda x, lin, p: lin(x.softmax(-1) * x),
+    "cumsum time": lambda x, lin, p: lin(x.cumsum(1)),
+    "centre over time": lambda x, lin, p: lin(x - x.mean(1, keepdim=True)),
+    "self-attention": lambda x, lin, p: lin((x @ x.transpose(1, 2)).softmax(-1) @ x),
+    "fold time into batch": lambda x, lin, p: lin(x.reshape(-1, D)).reshape(x.shape),
+    "time-major call": lambda x, lin, p: lin(x.transpose(0, 1)).transpose(0, 1),
+    "stack, sum": lambda x, lin, p: lin(torch.stack([x, x.flip(1)]).sum(0)),
+    "own parameter": lambda x, lin, p: lin(x * p),
+    "where": lambda x, lin, p: lin(torch.where(x > 0, x, 0.1 * x)),
+    "shift time by pad": lambda x, lin, p: lin(F.pad(x, (0, 0, 1, 0))[:, : x.shape[1]]),
+    "index features": lambda x, lin, p: lin(x[..., _perm(D)]),
+    "gather time": lambda x, lin, p: lin(
+        x.gather(1, torch.arange(x.shape[1]).flip(0).view(1, -1, 1).expand(x.shape))
+    ),
+    "repeat, stride": lambda x, lin, p: lin(x.repeat(1, 2, 1)[:, ::2]),
+    "outer over time": lambda x, lin, p: lin(
+        torch.einsum("btf,btg->bfg", x, x).sum(-1).unsqueeze(1).expand(x.shape)
+    ),
+    "masked fill": lambda x, lin, p: lin(x.masked_fill(x < -0.5, 0.0)),
+    "in-place slice": lambda x, lin, p: _in_place_slice(lin(x)),
+    "flat roll": lambda x, lin, p: lin(x.reshape(x.shape[0], -1).roll(1, 1).reshape(x.shape)),
+    "norm scale": lambda x, lin, p: lin(x / (x**2).sum(-1, keepdim=True).add(1).sqrt()),
+    "layer norm": lambda x, lin, p: lin(F.layer_norm(x, (D,))),
+    "chunks swapped": lambda x, lin, p: lin(torch.cat(x.chunk(2, -1)[::-1], -1)),
+    "call twice": lambda x, lin, p: lin(torch.tanh(lin(x))),
+    "split on batch, cat": lambda x, lin, p: torch.cat([lin(x[:1]), lin(x[1:])]),
+}
+
+ACROSS = {
+    "batch mean": lambda x, lin, p: lin(x - x.mean(0)),
+    "detached batch mean": lambda x, lin, p: lin(x * x.detach().mean(0)),
+    "roll batch": lambda x, lin, p: lin(x.roll(1, 0)),
+    "batch sum added": lambda x, lin, p: lin(x + x.sum(0, keepdim=True)),
+    "flip batch": lambda x, lin, p: lin(x.flip(0)),
+    "permute batch": lambda x, lin, p: lin(x[_perm(x.shape[0])]),
+    "batch norm": lambda x, lin, p: lin(
+        F.batch_norm(x.transpose(1, 2), None, None, training=True).transpose(1, 2)
+    ),
+    "regrouping reshape": lambda x, lin, p: lin(x.reshape(x.shape[1], x.shape[0], D)).reshape(
+        x.shape
+    ),
+    "transpose batch, reshape": lambda x, lin, p: lin(x.transpose(0, 1).reshape(x.shape)),
+    "batch max": lambda x, lin, p: lin(x.max(0, keepdim=True).values * x),
+    "cumsum batch": lambda x, lin, p: lin(x.cumsum(0)),
+    "gram over batch": lambda x, lin, p: lin(
+        (torch.einsum("btf,ctf->bc", x, x).softmax(-1) @ x.reshape(x.shape[0], -1)).reshape(x.shape)
+    ),
+}
+
+OPS = {**WITHIN, **ACROSS}
+
+
+def _in_place_slice(x: Tensor) -> Tensor:
+    y = x.clone()
+    y[:, 0] += x[:, 1]
+    return y
+
+
+class Chain(nn.Module):
+    def __init__(self, ops: list[str]):
+        super().__init__()
+        self.ops = ops
+        self.first = nn.Linear(D, D)
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in ops)
+        self.own = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        for name, lin in zip(self.ops, self.layers):
+            x = torch.tanh(OPS[name](x, lin, self.own))
+        return x
+
+    def __repr__(self) -> str:
+        return f"Chain({' -> '.join(self.ops)})"
+
+
+@st.composite
+def chains(draw):
+    ops = draw(st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4))
+    batch = draw(st.integers(2, 4))
+    seed = draw(st.integers(0, 2**16))
+    return ops, batch, seed
+
+
+def run_chain(ops: list[str], batch: int, seed: int) -> str:
+    """Three steps of SGD on ``Chain(ops)``; returns what happened ("match" or "refused")."""
+    torch.manual_seed(seed)
+    model = Chain(ops).double()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, T, D, generator=gen, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    h = gradhooks.add_hooks(model, "sum")
+    try:
+        for step, size in enumerate((batch, batch, batch + 1)):
+            xs = x if size == batch else torch.cat([x, x[:1] + 0.5])
+            want = loop_grad(model, sum_of_squares, xs)
+            opt.zero_grad()
+            try:
+                sum_of_squares(model(xs)).backward()
+            except GradhooksError:
+                return "refused"
+            for name, p in model.named_parameters():
+                if p.grad is None:  # (the model's own parameter, where no operation uses it)
+                    assert getattr(p, "grad1", None) is None and not want[name].any()
+                    continue
+                assert_close(p.grad1, want[name], f"{model!r}, step {step}: grad1 of {name}")
+            opt.step()
+    finally:
+        h.remove()
+    return "match"
+
+
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=not RANDOM,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(chains())
+def fuzz(chain) -> None:
+    ops, batch, seed = chain
+    outcome = run_chain(ops, batch, seed)
+    TRIED[outcome] += 1
+    TRIED["chains"] += 1
+
+
+def test_random_operation_chains_match_the_loop_or_are_refused():
+    before = TRIED["chains"]
+    fuzz()
+    tried = TRIED["chains"] - before
+    print(f"\nfuzz: {tried} chains, {TRIED['match']} matched the loop, {TRIED['refused']} refused")
+    assert tried >= min(EXAMPLES, 10), f"only {tried} chains were tried"
+
+
+@pytest.mark.parametrize("name", sorted(WITHIN))
+def test_each_operation_within_the_examples_is_followed(name):
+    """Alone between two layers, none of these is refused: each example's entries stay its
+    own (a refusal here is a false one)."""
+    assert run_chain([name], 3, 0) == "match"
+
+
+@pytest.mark.parametrize("name", sorted(ACROSS))
+def test_each_operation_across_the_examples_is_refused(name):
+    """Alone between two layers, each of these makes an example's output depend on the
+    others': refused, never given a number."""
+    assert run_chain([name], 3, 0) == "refused"
+
+
+# Chains the fuzz found refused while each example's entries stayed its own.
+FOUND = [
+    # the batch cut in two, each part through the layer, put back together, then its rows and
+    # time steps merged for the next layer and split again: the rows picked by the cut are
+    # the batch's own, in order
+    ["split on batch, cat", "fold time into batch", "centre over time"],
+    ["split on batch, cat", "fold time into batch"],
+]
+
+
+@pytest.mark.parametrize("name", sorted(WITHIN))
+def test_each_operation_after_the_batch_cut_and_put_back_is_followed(name):
+    """After ``torch.cat([lin(x[:1]), lin(x[1:])])`` the rows are the batch's own, in order:
+    whatever follows is followed as on the batch itself."""
+    for batch in (2, 3):
+        assert run_chain(["split on batch, cat", name], batch, 0) == "match"
+
+
+@pytest.mark.parametrize("ops", FOUND, ids=" -> ".join)
+def test_chains_once_refused_are_followed(ops):
+    for batch in (1, 2, 3):
+        assert run_chain(ops, batch, 0) == "match"
+
+
+class _PickedSteps(nn.Module):
+    """Examples picked by a mask (``h[keep]``: their rows are data), their time steps merged
+    into the rows for a layer and split again, reduced over time, written back in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, keep):
+        picked = x[keep]  # [n, T, D]
+        y = self.inner(picked.reshape(-1, D)).reshape(picked.shape)
+        y = y - y.mean(1, keepdim=True)
+        return self.outer(torch.zeros_like(x).index_put((keep.nonzero()[:, 0],), y))
+
+
+def test_rows_picked_by_a_mask_merged_with_their_steps_and_split_again_are_followed():
+    torch.manual_seed(0)
+    model = _PickedSteps().double()
+    x = torch.randn(4, T, D, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True])
+    want: dict[str, list[Tensor]] = {}
+    for i in range(4):
+        model.zero_grad()
+        sum_of_squares(model(x[i : i + 1], keep[i : i + 1])).backward()
+        for name, p in model.named_parameters():
+            want.setdefault(name, []).append(p.grad.clone())
+    model.zero_grad()
+    with gradhooks.add_hooks(model, "sum"):
+        sum_of_squares(model(x, keep)).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, torch.stack(want[name]), f"grad1 of {name}")
