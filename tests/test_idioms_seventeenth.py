@@ -2,20 +2,23 @@
 
 Each test writes again, on a small model and over several steps (``zero_grad``, an optimizer's
 step), a habit of GPU training code that the earlier sets do not run: a loss scaled by hand by a
-static factor (apex's ``static_loss_scale``) and the gradients divided back; fused
-(``fused=True``) optimizers stepped through a ``GradScaler``, which hands them the scale and
-the overflow flag instead of unscaling ``.grad``, with a step skipped, in a plain loop and in
-the DP optimizer; autocast of two dtypes nested (a float16 head inside a bfloat16 body);
-float32 matrix products lowered to bfloat16 (``torch.set_float32_matmul_precision("medium")``
-and oneDNN's ``fp32_precision``), where the checks must allow bfloat16's rounding; the
-``torch.backends`` switches and deterministic mode; a GPU-style epoch (a ``DataLoader`` with
-``pin_memory``, ``non_blocking`` copies, a last batch of another size, a validation loop in
-``eval()`` under ``inference_mode`` between steps); a part of the model frozen and unfrozen
-between the DP optimizer's steps; an EMA of the hooked model kept by ``torch._foreach_lerp_``
-in a fused loop. Each is compared with each example's own gradient by a per-example loop in
-float64 (:func:`gradhooks.oracle.loop_grad`), within the rounding of the precision the model
-ran in (float16: ``1e-2`` of the largest entry; bfloat16: ``5e-2``), or checked to stop with a
-typed error that names what went wrong."""
+static factor (apex's ``static_loss_scale``) and the gradients divided back; a model kept in
+float16 with float32 master weights and a dynamic loss scale by hand (apex's O2, fairseq's
+``--fp16``), where an example's gradient that fits in float16 must not be lost to the mean's
+scale; fused (``fused=True``) optimizers stepped through a ``GradScaler``, which hands them the
+scale and the overflow flag instead of unscaling ``.grad``, with a step skipped, in a plain loop
+and in the DP optimizer; an AMP loop run with AMP switched off by its flag; autocast of two
+dtypes nested (a float16 head inside a bfloat16 body); float32 matrix products lowered to
+bfloat16 (``torch.set_float32_matmul_precision("medium")`` and oneDNN's ``fp32_precision``),
+where the checks must allow bfloat16's rounding; the ``torch.backends`` switches and
+deterministic mode; a GPU-style epoch (a ``DataLoader`` with ``pin_memory``, ``non_blocking``
+copies, a last batch of another size, a validation loop in ``eval()`` under ``inference_mode``
+between steps); a part of the model frozen and unfrozen between the DP optimizer's steps; an
+EMA of the hooked model kept by ``torch._foreach_lerp_`` beside a fused AdamW. Each is compared
+with each example's own gradient by a per-example loop in float64
+(:func:`gradhooks.oracle.loop_grad`), within the rounding of the precision the model ran in
+(float16: ``1e-2`` of the largest entry; bfloat16: ``5e-2``), or checked to stop with a typed
+error that names what went wrong."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import gradhooks
 from gradhooks.engine.records import float32_products
 from gradhooks.oracle import loop_grad
 from harness import MixedBackward
+from harness import labelled_batch as batch
 from harness import wide_mlp as mlp
 
 D = torch.float64
@@ -68,6 +72,74 @@ def float32_model() -> nn.Sequential:
 def reference(model: nn.Module) -> nn.Module:
     """A float64 copy of ``model``'s weights now, for the loop."""
     return copy.deepcopy(model).to(D)
+
+
+# -- loss scaling ----------------------------------------------------------------------------
+
+
+def test_a_float16_model_with_float32_master_weights_and_a_dynamic_loss_scale_by_hand():
+    """apex's O2 and fairseq's ``--fp16`` by hand: the model itself in float16, float32 master
+    copies that the optimizer steps, the loss times ``S`` backpropagated, an overflow found in
+    ``.grad`` halving ``S`` and skipping the step, ``S`` grown fourfold after each clean step,
+    the gradients copied into the masters divided by ``S`` and the weights copied back.
+    grad1 is in float16 and of the scaled loss: at each step taken, an entry is ``S`` times
+    the example's own gradient within float16's rounding wherever that fits in float16, and
+    Inf where it does not (the example's own gradient can pass float16's range where the
+    batch's mean, in ``.grad``, does not); nothing of a skipped step stays in the next."""
+    master = float32_model()
+    model = copy.deepcopy(master).half()
+    opt = torch.optim.SGD(master.parameters(), lr=0.1)
+    top = torch.finfo(torch.float16).max
+    scale, taken, skipped = 2.0**14, 0, 0
+    with gradhooks.add_hooks(model):
+        for step in range(6):
+            x, y = batch(step, n=8)
+            want = loop_grad(reference(model), F.cross_entropy, x.half().to(D), y)
+            model.zero_grad()
+            (F.cross_entropy(model(x.half()).float(), y) * scale).backward()
+            if not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                scale, skipped = scale / 2, skipped + 1
+                continue
+            taken += 1
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == torch.float16, n
+                scaled = want[n] * scale
+                fits = scaled.abs() < 0.99 * top
+                got = p.grad1.to(D)
+                assert torch.isinf(got[scaled.abs() > 1.01 * top]).all(), f"step {step}: {n}"
+                if fits.any():
+                    err = relative_error(got[fits], scaled[fits])
+                    assert err < FP16, f"step {step}: {n} off by {err:.2e} where it fits"
+            for m, p in zip(master.parameters(), model.parameters()):
+                m.grad = p.grad.float() / scale
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(master.parameters(), model.parameters()):
+                    p.copy_(m)
+            scale *= 4
+    assert taken >= 2 and skipped >= 1, (taken, skipped)
+
+
+def test_a_float16_example_gradient_that_fits_is_not_lost_to_the_mean_scale():
+    """The case behind the loop above, without random draws: a float16 Linear whose every
+    prediction is confidently wrong, the loss's mean over 8 examples times ``S = 2**16``. Each
+    output-gradient is about ``-S/8``, and the weight's per-example gradient, times inputs of
+    0.5, about ``-S/2``: it fits in float16, though the output-gradient times the batch
+    (``-S``) does not, and grad1 is the float64 loop's within float16's rounding. The bias's
+    own gradient, about ``-S``, does not fit, and is Inf, as the value is."""
+    model = nn.Linear(4, 2).half()
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[4.0, 4.0, 4.0, 4.0], [-4.0, -4.0, -4.0, -4.0]]))
+        model.bias.zero_()
+    x, y = torch.full((8, 4), 0.5, dtype=torch.float16), torch.ones(8, dtype=torch.long)
+    scale = 2.0**16
+    want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+    with gradhooks.add_hooks(model):
+        (F.cross_entropy(model(x).float(), y) * scale).backward()
+    assert torch.isfinite(model.weight.grad).all()
+    assert relative_error(model.weight.grad1, want["weight"] * scale) < FP16
+    assert torch.isinf(model.bias.grad1).all()
+    gradhooks.clear_grad1(model)
 
 
 # -- float32 products in bfloat16 ------------------------------------------------------------
@@ -110,13 +182,13 @@ def conv_model() -> nn.Sequential:
 @pytest.mark.parametrize("how", ["medium", "mkldnn-bf16"])
 def test_float32_products_lowered_to_bfloat16_are_checked_within_bfloat16s_rounding(how):
     """``torch.set_float32_matmul_precision("medium")`` (Lightning's advice, nanoGPT's and
-    timm's scripts) or oneDNN's ``matmul`` and ``conv`` ``fp32_precision = "bf16"``: where the processor
-    has bfloat16 products, the CPU runs float32 matrix products (and convolutions) in bfloat16.
-    The verifying probe and ``Hooks.check`` compare two such computations, which then differ
-    by bfloat16's rounding, not float32's: no false alarm (it refused the first backward with
-    a ``CheckFailedError`` on a convolution's bias), and grad1 and the DP step's clipped mean
-    are within bfloat16's rounding of the float64 loop. On a processor without them nothing is
-    lowered and this holds too."""
+    timm's scripts) or oneDNN's ``matmul`` and ``conv`` ``fp32_precision = "bf16"``: where the
+    processor has bfloat16 products, the CPU runs float32 matrix products (and convolutions)
+    in bfloat16. The verifying probe, ``Hooks.check`` and the DP step's check compare two such
+    computations, which then differ by bfloat16's rounding, not float32's: no false alarm
+    (float32's tolerance refuses the first backward, a ``CheckFailedError`` on a convolution's
+    bias), and grad1 and the DP step's clipped mean are within bfloat16's rounding of the
+    float64 loop. On a processor without them nothing is lowered and this holds too."""
     model = conv_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
