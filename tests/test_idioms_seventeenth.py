@@ -32,7 +32,7 @@ from torch import nn
 import gradhooks
 from gradhooks.engine.records import float32_products
 from gradhooks.oracle import loop_grad
-from harness import MixedBackward
+from harness import MixedBackward, assert_close, assert_grad1
 from harness import labelled_batch as batch
 from harness import wide_mlp as mlp
 
@@ -75,6 +75,34 @@ def reference(model: nn.Module) -> nn.Module:
 
 
 # -- loss scaling ----------------------------------------------------------------------------
+
+
+def test_a_loss_scaled_by_hand_by_a_static_factor_and_divided_back():
+    """apex's ``static_loss_scale`` (and Megatron's ``--loss-scale``) by hand: float16 autocast,
+    ``(loss * 1024).backward()``, every ``.grad`` divided by 1024 before the step. grad1 and
+    the norms are the scaled loss's, as ``.grad`` is before the division: ``grad1 / 1024`` is
+    each example's gradient within float16's rounding, and the division of ``.grad`` leaves
+    grad1 alone (its mean is 1024 times ``.grad`` after it)."""
+    model = float32_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scale = 1024.0
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            (F.cross_entropy(out.float(), y) * scale).backward()
+            for p in model.parameters():
+                p.grad.div_(scale)
+            assert_rows(model, want, FP16, f"step {step}", scale)
+            torch.testing.assert_close(h.norms().to(D) / scale, norms_of(want), rtol=FP16, atol=0)
+            for n, p in model.named_parameters():
+                err = relative_error(p.grad1.mean(0) / scale, p.grad.to(D))
+                assert err < FP16, f"step {step}: {n}'s grad1 is not 1024 times .grad"
+            opt.step()
 
 
 def test_a_float16_model_with_float32_master_weights_and_a_dynamic_loss_scale_by_hand():
@@ -142,6 +170,196 @@ def test_a_float16_example_gradient_that_fits_is_not_lost_to_the_mean_scale():
     gradhooks.clear_grad1(model)
 
 
+# -- fused optimizers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, set_to_none", [("SGD", False), ("AdamW", True)])
+def test_a_fused_optimizer_stepped_through_the_grad_scaler_with_a_step_skipped(kind, set_to_none):
+    """``torch.optim.AdamW(fused=True)`` (or SGD) under a float16 ``GradScaler``: the scaler
+    does not unscale ``.grad`` for a fused optimizer but hands it the scale and the overflow
+    flag. A first scale of ``2**40`` overflows: the step is skipped (the weights and the
+    optimizer's step count stay), the scale is lowered until it fits; at every finite step
+    ``grad1 / S`` is each example's gradient within float16's rounding, and the weights follow
+    a float64 run of the same optimizer on ``.grad`` (so nothing of a skipped step leaks,
+    whether ``zero_grad`` leaves the skipped step's Inf ``.grad`` zeroed or ``None``)."""
+    model = float32_model()
+    ref = reference(model)
+    make = getattr(torch.optim, kind)
+    opts = {"lr": 0.05, "weight_decay": 0.01}
+    opt = make(model.parameters(), fused=True, **opts)
+    ref_opt = make(ref.parameters(), foreach=False, **opts)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-8)
+    skipped = taken = 0
+    with gradhooks.add_hooks(model):
+        for step in range(6):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad(set_to_none=set_to_none)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(out.float(), y)).backward()
+            finite = all(torch.isfinite(p.grad1).all() for p in model.parameters())
+            scaler.step(opt)
+            scaler.update()
+            if not finite:
+                skipped += 1
+                assert scaler.get_scale() < scale, f"step {step}"
+                for p, q in zip(model.parameters(), before):
+                    assert torch.equal(p, q), f"step {step}: a skipped step moved a weight"
+                continue
+            taken += 1
+            assert_rows(model, want, FP16, f"step {step}", scale)
+            ref_opt.zero_grad()
+            for r, g in zip(ref.parameters(), want.values()):
+                r.grad = g.mean(0)
+            ref_opt.step()
+            for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+                err = relative_error(p.detach(), r.detach())
+                assert err < 1e-2, f"step {step}: {n} off the float64 run by {err:.2e}"
+    assert skipped and taken >= 3, (skipped, taken)
+    if kind == "AdamW":
+        for p in model.parameters():
+            assert int(opt.state[p]["step"]) == taken
+
+
+def test_the_dp_optimizer_over_a_fused_adamw_through_the_scaler_skips_and_steps():
+    """``DPOptimizer`` wrapping ``AdamW(fused=True)`` with a ``GradScaler`` (no noise, for the
+    comparison): the overflowing first step is skipped by the fused kernel (no weight moves,
+    no step counted), and each later step is the float64 loop's clipped mean through a float64
+    AdamW, within float16's rounding."""
+    model = float32_model()
+    ref = reference(model)
+    opts = {"lr": 0.05, "weight_decay": 0.01}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **opts)
+    bound = 0.5
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.AdamW(model.parameters(), fused=True, **opts), h,
+            max_grad_norm=bound, noise_multiplier=0.0, expected_batch_size=5, scaler=scaler,
+        )  # fmt: skip
+        taken = 0
+        for step in range(5):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            opt.backward(F.cross_entropy(out.float(), y, reduction="none"))
+            if not opt.step():
+                assert step == 0, f"step {step} skipped"
+                for p, q in zip(model.parameters(), before):
+                    assert torch.equal(p, q), "a skipped step moved a weight"
+                continue
+            taken += 1
+            factors = (bound / norms_of(want)).clamp(max=1.0)
+            ref_opt.zero_grad()
+            for r, g in zip(ref.parameters(), want.values()):
+                r.grad = (factors.view(-1, *[1] * (g.dim() - 1)) * g).sum(0) / 5
+            ref_opt.step()
+            for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+                err = relative_error(p.detach(), r.detach())
+                assert err < 1e-2, f"step {step}: {n} off the float64 run by {err:.2e}"
+    assert taken == 4
+    for p in model.parameters():
+        assert int(opt.optimizer.state[p]["step"]) == taken
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["plain", "dp"])
+def test_an_amp_loop_run_with_amp_switched_off_by_its_flag(dp):
+    """The AMP loop of the PyTorch recipe written once with ``use_amp`` (``GradScaler("cpu",
+    enabled=use_amp)``, ``autocast(enabled=use_amp)``) and run with it off: ``scaler.scale``
+    hands the loss back, ``get_scale()`` is 1, and grad1 (or the DP optimizer's step, given
+    the disabled scaler) is the float32 loop's exactly."""
+    use_amp = False
+    model = float32_model()
+    scaler = torch.amp.GradScaler("cpu", enabled=use_amp)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = gradhooks.add_hooks(model, quantities=("grad1", "norms"))
+    opt = inner
+    if dp:
+        opt = gradhooks.DPOptimizer(
+            inner, hooks, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=5,
+            scaler=scaler,
+        )  # fmt: skip
+    for step in range(STEPS):
+        x, y = batch(step)
+        x = x.float()
+        want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=use_amp):
+            out = model(x)
+        assert out.dtype == torch.float32 and scaler.get_scale() == 1.0
+        if dp:
+            opt.backward(F.cross_entropy(out, y, reduction="none"))
+            assert opt.step()
+            factors = (0.1 / norms_of(want)).clamp(max=1.0)
+            for (n, p), q in zip(model.named_parameters(), before):
+                clipped = (factors.view(-1, *[1] * p.dim()) * want[n]).sum(0) / 5
+                assert relative_error(p.grad, clipped) < 1e-5, f"step {step}: {n}"
+                assert not torch.equal(p, q), f"step {step}: {n} did not move"
+            continue
+        scaler.scale(F.cross_entropy(out, y)).backward()
+        assert_rows(model, want, 1e-5, f"step {step}")
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    hooks.remove()
+
+
+# -- autocast --------------------------------------------------------------------------------
+
+
+class BodyAndHead(nn.Module):
+    """A body under the caller's autocast and a head under a float16 autocast of its own
+    (a GPU recipe's loss head kept out of bfloat16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.head(h)
+
+
+def test_autocast_of_two_dtypes_nested_a_float16_head_in_a_bfloat16_body():
+    """bfloat16 autocast around the forward, float16 autocast around the head inside it: the
+    body's layers run in bfloat16, the head's in float16; grad1 (float32, as ``.grad``) is
+    within bfloat16's rounding of the float64 loop at every step, the head's within float16's,
+    and the verifying probe raises no false alarm at either."""
+    model = BodyAndHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            assert out.dtype == torch.float16
+            F.cross_entropy(out.float(), y).backward()
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == torch.float32, n
+            assert_rows(model, want, BF16, f"step {step}")
+            head = {n: g for n, g in want.items() if n.startswith("head")}
+            for n, g in head.items():
+                err = relative_error(model.get_parameter(n).grad1, g)
+                assert err < BF16, f"step {step}: {n} off by {err:.2e}"
+            torch.testing.assert_close(h.norms().to(D), norms_of(want), rtol=BF16, atol=0)
+            opt.step()
+
+
 # -- float32 products in bfloat16 ------------------------------------------------------------
 
 
@@ -193,7 +411,7 @@ def test_float32_products_lowered_to_bfloat16_are_checked_within_bfloat16s_round
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     with lowered(how), gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
-        for step in range(STEPS):
+        for step in range(2):
             x, y = torch.randn(16, 8, 16, generator=g), torch.randint(10, (16,), generator=g)
             want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
             opt.zero_grad()
@@ -249,4 +467,202 @@ def test_a_mixing_of_the_examples_is_still_refused_with_products_in_bfloat16():
         with pytest.raises(gradhooks.CheckFailedError, match=r"'a\.(weight|bias)'"):
             F.cross_entropy(model(x), y).backward()
     for n, p in model.named_parameters():
+        assert not hasattr(p, "grad1"), n
+
+
+# -- host-side switches ----------------------------------------------------------------------
+
+
+class Switch:
+    """One of the process-wide switches a GPU training script sets at its top, entered and
+    put back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self):
+        b = torch.backends
+        if self.name == "deterministic":
+            self.old = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+        elif self.name == "mkldnn-off":
+            self.old = b.mkldnn.enabled
+            b.mkldnn.enabled = False
+        elif self.name == "opt-einsum-off":
+            self.old = b.opt_einsum.enabled
+            b.opt_einsum.enabled = False
+        elif self.name == "cudnn-benchmark":
+            self.old = (b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32)
+            b.cudnn.benchmark, b.cudnn.deterministic = True, True
+            b.cuda.matmul.allow_tf32 = True
+        elif self.name == "flush-denormal":
+            self.old = torch.set_flush_denormal(True)
+        return self
+
+    def __exit__(self, *exc):
+        b = torch.backends
+        if self.name == "deterministic":
+            torch.use_deterministic_algorithms(self.old)
+        elif self.name == "mkldnn-off":
+            b.mkldnn.enabled = self.old
+        elif self.name == "opt-einsum-off":
+            b.opt_einsum.enabled = self.old
+        elif self.name == "cudnn-benchmark":
+            b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32 = self.old
+        elif self.name == "flush-denormal":
+            torch.set_flush_denormal(False)
+
+
+class Mixed(nn.Module):
+    """An embedding, a convolution and a Linear head: the layers whose kernels the switches
+    choose among (index_add / scatter, oneDNN or the native convolution, einsum paths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.conv = nn.Conv1d(6, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 7, 3)
+
+    def forward(self, tokens):
+        h = torch.tanh(self.conv(self.emb(tokens).transpose(1, 2)))
+        return self.head(h.flatten(1))
+
+
+SWITCHES = ["deterministic", "mkldnn-off", "opt-einsum-off", "cudnn-benchmark", "flush-denormal"]
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+def test_host_side_switches_set_at_the_top_of_a_training_script(name):
+    """``torch.use_deterministic_algorithms(True)``, oneDNN switched off, ``opt_einsum``
+    switched off, cuDNN's ``benchmark`` / ``deterministic`` and TF32 (no-ops on the CPU, set by
+    every GPU script), denormals flushed: an embedding, a convolution and a head trained by
+    SGD and by the DP step, grad1 and the DP step's clipped sum equal to the float64 loop's at
+    every step."""
+    model = Mixed().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Switch(name), gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            tokens, y = torch.randint(11, (5, 7), generator=g), torch.randint(3, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, tokens, y)
+            opt.zero_grad()
+            F.cross_entropy(model(tokens), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.zero_grad()
+            losses = F.cross_entropy(model(tokens), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=0.1, noise_multiplier=0.0)
+            factors = (0.1 / norms_of(want)).clamp(max=1.0)
+            for n, p in model.named_parameters():
+                clipped = (factors.view(-1, *[1] * (p.dim())) * want[n]).sum(0) / 5
+                assert_close(p.grad, clipped, f"step {step}: DP {n}")
+            opt.step()
+
+
+# -- a GPU-style epoch -----------------------------------------------------------------------
+
+
+def test_a_gpu_style_epoch_pinned_non_blocking_and_validated_under_inference_mode():
+    """The ImageNet example's loop on the CPU: a ``DataLoader`` with ``pin_memory=True`` (a
+    warning and no pinning without an accelerator) and a last batch of another size, each batch
+    moved by ``.to(device, non_blocking=True)``, ``zero_grad(set_to_none=True)``, and after
+    each step a validation loop in ``eval()`` under ``torch.inference_mode()`` with the hooks
+    left on: every step's grad1 and norms are its batch's own, the validation writes nothing,
+    and ``train()`` resumes."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(13, 3, generator=g, dtype=D), torch.randint(2, (13,), generator=g)
+    data = torch.utils.data.TensorDataset(xs, ys)
+    with pytest.warns(UserWarning, match="pin_memory"):
+        loader = list(torch.utils.data.DataLoader(data, batch_size=5, pin_memory=True))
+    assert [len(b[0]) for b in loader] == [5, 5, 3]
+    device = torch.device("cpu")
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step, (x, y) in enumerate(loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            model.train()
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            want = loop_grad(model, F.cross_entropy, x, y)
+            assert_grad1(model, want, f"step {step}")
+            assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+            kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            model.eval()
+            with torch.inference_mode():
+                for vx, _ in loader:
+                    model(vx.to(device, non_blocking=True))
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad1, kept[n]), f"step {step}: validation changed {n}"
+    assert model.training is False
+
+
+# -- a part of the model frozen between DP steps -----------------------------------------------
+
+
+def test_a_part_frozen_and_unfrozen_between_the_dp_optimizers_steps():
+    """Gradual unfreezing under DP (ULMFiT's habit; Opacus users freeze a backbone): the first
+    layer's ``requires_grad_(False)`` before the second step, ``True`` again before the fourth,
+    with ``DPOptimizer`` over every parameter (``foreach`` SGD, ``zero_grad(set_to_none=False)``).
+    A frozen step clips each example over the trainable layers alone, writes the frozen layer
+    no gradient (its zeros stay, it does not move) and noises nothing of it; every step is the
+    float64 loop's clipped mean of the parameters then trainable."""
+    model = mlp()
+    opt = gradhooks.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), gradhooks.add_hooks(model),
+        max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=5,
+    )  # fmt: skip
+    first = model[0]
+    for step in range(5):
+        first.requires_grad_(step not in (1, 2))
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=False)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        want = loop_grad(model, F.cross_entropy, x, y)
+        want = {n: g for n, g in want.items() if n in trainable}
+        factors = (0.1 / norms_of(want)).clamp(max=1.0)
+        expected = {
+            n: (factors.view(-1, *[1] * p.dim()) * want[n]).sum(0) / 5 for n, p in trainable.items()
+        }
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.backward(losses)
+        assert opt.step()
+        for n, p in model.named_parameters():
+            if n in trainable:
+                assert_close(before[n] - p.detach(), 0.1 * expected[n], f"step {step}: {n}")
+            else:
+                assert torch.equal(p, before[n]), f"step {step}: frozen {n} moved"
+                assert p.grad is not None and not p.grad.any(), f"step {step}: frozen {n}"
+    gradhooks.remove_hooks(model)
+
+
+# -- an EMA kept in the loop -----------------------------------------------------------------
+
+
+def test_an_ema_kept_by_foreach_lerp_beside_a_fused_adamw():
+    """The EMA of modern GPU loops (timm's ``ModelEmaV3``, Lightning callbacks) kept by
+    ``torch._foreach_lerp_`` on a plain copy after a ``fused=True`` AdamW step: the copy is
+    not hooked and gets no grad1; its evaluation forward between steps writes nothing on the
+    hooked model; the hooked model's grad1 is its batch's own at every step."""
+    model = float32_model()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}", rtol=1e-4, atol=1e-6)
+            opt.step()
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 0.1)
+            kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            ema(x).sum()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad1, kept[n]), f"step {step}: {n}"
+    for n, p in ema.named_parameters():
         assert not hasattr(p, "grad1"), n
