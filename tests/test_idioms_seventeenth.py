@@ -7,15 +7,16 @@ float16 with float32 master weights and a dynamic loss scale by hand (apex's O2,
 ``--fp16``), where an example's gradient that fits in float16 must not be lost to the mean's
 scale; fused (``fused=True``) optimizers stepped through a ``GradScaler``, which hands them the
 scale and the overflow flag instead of unscaling ``.grad``, with a step skipped, in a plain loop
-and in the DP optimizer; an AMP loop run with AMP switched off by its flag; autocast of two
-dtypes nested (a float16 head inside a bfloat16 body); float32 matrix products lowered to
-bfloat16 (``torch.set_float32_matmul_precision("medium")`` and oneDNN's ``fp32_precision``),
-where the checks must allow bfloat16's rounding; the ``torch.backends`` switches and
-deterministic mode; a GPU-style epoch (a ``DataLoader`` with ``pin_memory``, ``non_blocking``
-copies, a last batch of another size, a validation loop in ``eval()`` under ``inference_mode``
-between steps); a part of the model frozen and unfrozen between the DP optimizer's steps; an
-EMA of the hooked model kept by ``torch._foreach_lerp_`` beside a fused AdamW. Each is compared
-with each example's own gradient by a per-example loop in float64
+and in the DP optimizer; nanoGPT's weight-decay groups with ``OneCycleLR`` and
+``clip_grad_value_`` after ``unscale_``; an AMP loop run with AMP switched off by its flag;
+autocast of two dtypes nested (a float16 head inside a bfloat16 body); float32 matrix products
+lowered to bfloat16 (``torch.set_float32_matmul_precision("medium")`` and oneDNN's
+``fp32_precision``), where the checks must allow bfloat16's rounding; the ``torch.backends``
+switches and deterministic mode; a GPU-style epoch (a ``DataLoader`` with ``pin_memory``,
+``non_blocking`` copies, a last batch of another size, a validation loop in ``eval()`` under
+``inference_mode`` between steps); a part of the model frozen and unfrozen between the DP
+optimizer's steps; an EMA of the hooked model kept by ``torch._foreach_lerp_`` beside a fused
+AdamW. Each is compared with each example's own gradient by a per-example loop in float64
 (:func:`gradhooks.oracle.loop_grad`), within the rounding of the precision the model ran in
 (float16: ``1e-2`` of the largest entry; bfloat16: ``5e-2``), or checked to stop with a typed
 error that names what went wrong."""
@@ -311,6 +312,59 @@ def test_an_amp_loop_run_with_amp_switched_off_by_its_flag(dp):
         scaler.step(opt)
         scaler.update()
     hooks.remove()
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """nanoGPT's ``configure_optimizers``: weight decay on the matrices, none on the biases."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def test_decay_groups_one_cycle_and_clip_grad_value_after_unscale():
+    """nanoGPT's optimizer groups (decay on matrices only) in a fused AdamW, ``OneCycleLR``
+    stepped per batch, float16 autocast under a ``GradScaler``, ``scaler.unscale_`` then
+    ``clip_grad_value_``: grad1 stays ``S`` times each example's unclipped gradient (the
+    clipping and the unscaling act on ``.grad``), and the weights follow a float64 run of the
+    same groups, schedule and clipping on the loop's mean within float16's rounding."""
+    model = float32_model()
+    ref = reference(model)
+    opt = torch.optim.AdamW(decay_groups(model), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(decay_groups(ref), lr=0.01, foreach=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.05, total_steps=STEPS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    clipped = 0
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            x = x.float()
+            want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(out.float(), y)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+            bound = torch.tensor(0.02)  # (clamped entries hold exactly float32's 0.02)
+            clipped += sum(int((p.grad.abs() == bound).sum()) for p in model.parameters())
+            assert_rows(model, want, FP16, f"step {step}", scale)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            ref_opt.zero_grad()
+            for r, g in zip(ref.parameters(), want.values()):
+                r.grad = g.mean(0)
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.02)
+            ref_opt.step()
+            ref_sched.step()
+            for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+                err = relative_error(p.detach(), r.detach())
+                assert err < 1e-2, f"step {step}: {n} off the float64 run by {err:.2e}"
+    assert clipped, "clip_grad_value_ clipped nothing"
 
 
 # -- autocast --------------------------------------------------------------------------------
