@@ -153,21 +153,24 @@ def test_a_float16_example_gradient_that_fits_is_not_lost_to_the_mean_scale():
     """The case behind the loop above, without random draws: a float16 Linear whose every
     prediction is confidently wrong, the loss's mean over 8 examples times ``S = 2**16``. Each
     output-gradient is about ``-S/8``, and the weight's per-example gradient, times inputs of
-    0.5, about ``-S/2``: it fits in float16, though the output-gradient times the batch
-    (``-S``) does not, and grad1 is the float64 loop's within float16's rounding. The bias's
-    own gradient, about ``-S``, does not fit, and is Inf, as the value is."""
+    0.25, about ``-S/4``: it fits in float16, though the output-gradient times the batch
+    (``-S``) does not, and grad1 is the float64 loop's within float16's rounding; a second
+    backward of the batch adds to it (``-S/2``, as ``.grad`` adds). The bias's own gradient,
+    about ``-S``, does not fit, and is Inf, as the value is."""
     model = nn.Linear(4, 2).half()
     with torch.no_grad():
-        model.weight.copy_(torch.tensor([[4.0, 4.0, 4.0, 4.0], [-4.0, -4.0, -4.0, -4.0]]))
+        model.weight.copy_(torch.tensor([[8.0, 8.0, 8.0, 8.0], [-8.0, -8.0, -8.0, -8.0]]))
         model.bias.zero_()
-    x, y = torch.full((8, 4), 0.5, dtype=torch.float16), torch.ones(8, dtype=torch.long)
+    x, y = torch.full((8, 4), 0.25, dtype=torch.float16), torch.ones(8, dtype=torch.long)
     scale = 2.0**16
     want = loop_grad(reference(model), F.cross_entropy, x.to(D), y)
     with gradhooks.add_hooks(model):
-        (F.cross_entropy(model(x).float(), y) * scale).backward()
-    assert torch.isfinite(model.weight.grad).all()
-    assert relative_error(model.weight.grad1, want["weight"] * scale) < FP16
-    assert torch.isinf(model.bias.grad1).all()
+        for times in (1, 2):
+            (F.cross_entropy(model(x).float(), y) * scale).backward()
+            assert torch.isfinite(model.weight.grad).all()
+            err = relative_error(model.weight.grad1, times * want["weight"] * scale)
+            assert err < FP16, f"backward {times}: off by {err:.2e}"
+            assert torch.isinf(model.bias.grad1).all()
     gradhooks.clear_grad1(model)
 
 
