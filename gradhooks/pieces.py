@@ -568,15 +568,21 @@ class Outer(Piece):
             g = g.reshape(-1, n_out, 1)
             if a.dim() != 3 or a.shape[1] != 1:  # (else [batch, 1, in] already)
                 a = a.reshape(-1, 1, n_in)
-            if scale != 1.0:
+            # (float16's range ends at 65504: an operand times the scale, the batch under a
+            # mean, may pass it where the product, what grad1 holds, does not; there the
+            # product is scaled, in one more pass)
+            late = scale != 1.0 and g.dtype == torch.float16
+            if scale != 1.0 and not late:
                 if n_out <= n_in:
                     g = g * as_scale(scale, g)
                 else:
                     a = a * as_scale(scale, a)
             if accumulate:
-                result.addcmul_(g, a)
+                result.addcmul_(g, a, value=scale if late else 1.0)
             else:
                 torch.mul(g, a, out=result)
+                if late:
+                    result.mul_(as_scale(scale, result))
         elif n_in <= TUNING.narrow_in_features < n_out and devices.cpu_trade_offs(out):
             # (a narrow input, TUNING.narrow_in_features: the transposed product, copied)
             t = torch.bmm(a.reshape(-1, shared, n_in).transpose(1, 2), g.reshape(-1, shared, n_out))

@@ -69,6 +69,7 @@ from .records import (
     autocast_on,
     call_precision,
     detach_tree,
+    float32_products,
     graph_task,
     is_compiling,
     leaves_of,
@@ -459,6 +460,8 @@ class ForwardCapture:
         # (the leaves of (args, output): those of (args, kwargs) where there is no keyword)
         leaves = [*ins, *outs] if ins is not None and outs is not None and not kwargs else None
         state.precision = call_precision(args, output, autocast, leaves)
+        if frame is not None and frame.products is not None and state.precision is torch.float32:
+            state.precision = frame.products  # (its products rounded in bfloat16)
         return call, state
 
     def functional_use(self, func, name: str, args: tuple, kwargs: dict, direct: list, tracker):
@@ -602,6 +605,7 @@ class ForwardCapture:
         if self.state.spent and graph_task() == -1:
             release_spent(self.state)  # (what a backward that failed on the way left)
         frame = Frame(None, [], torch.is_grad_enabled(), owner=module)
+        frame.products = float32_products()
         self.state.frames.append(frame)  # first: the post-hook pops it even if this raises
         if len(self.state.frames) == 1 and graph_task() == -1:
             self.state.reruns.clear()  # (noted again by this forward's calls)

@@ -112,6 +112,9 @@ class Frame:
     rows: Any = None
     # the forward hook that follows the batch through its TorchScript calls (opaque.py)
     scripted: Any = None
+    # the precision its float32 calls' products ran in where torch lowers it
+    # (:func:`float32_products`: bfloat16 under set_float32_matmul_precision("medium"))
+    products: torch.dtype | None = None
     _ref: Any = field(default=None, repr=False, compare=False)  # (see ref)
 
     def ref(self) -> weakref.ref:
@@ -364,6 +367,28 @@ def call_precision(
         (dtype,) = dtypes
         return dtype if _EPS.get(dtype) else lowest_precision(dtype)
     return lowest_precision(autocast_dtype() if autocast else None, *dtypes)
+
+
+def float32_products() -> torch.dtype | None:
+    """bfloat16 where torch may run float32 matrix products, convolutions or recurrent layers
+    in it: ``torch.set_float32_matmul_precision("medium")`` (on the CPU, oneDNN's bfloat16
+    products, where the processor has them) or a ``torch.backends`` ``fp32_precision`` of
+    ``"bf16"`` (the generic one, oneDNN's, or its matmul's, conv's or rnn's); else ``None``.
+    A float32 call's gradients then round as bfloat16's do, and the checks allow for it (also
+    where an operation set back to ``"ieee"`` below a ``"bf16"`` one does not round: a looser
+    check, never a false alarm)."""
+    b = torch.backends
+    try:
+        found = {
+            b.fp32_precision,
+            b.mkldnn.fp32_precision,
+            b.mkldnn.matmul.fp32_precision,
+            b.mkldnn.conv.fp32_precision,
+            b.mkldnn.rnn.fp32_precision,
+        }
+    except (AttributeError, RuntimeError):  # (torch before the fp32_precision settings)
+        found = {torch.get_float32_matmul_precision()}
+    return torch.bfloat16 if found & {"bf16", "medium"} else None
 
 
 def autocast_off() -> contextlib.AbstractContextManager:
