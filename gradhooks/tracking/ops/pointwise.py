@@ -32,15 +32,17 @@ _POINTWISE = """
     __neg__ __pos__ __abs__ __invert__ __and__ __rand__ __iand__ __or__ __ror__ __ior__
     __xor__ __rxor__ __ixor__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __lshift__
     __rshift__ new_tensor .data .real .imag
+""".split()
+# in-place forms: the name with a trailing underscore
+_POINTWISE += [n + "_" for n in _POINTWISE if n.isidentifier() and not n.startswith("_")]
+# ``torch.special``'s aliases of elementwise functions (``special_erf`` for ``erf``), which carry
+# no ``pointwise`` tag of their own and have no in-place forms
+_POINTWISE += """
     special_erf special_erfc special_erfinv special_expm1 special_exp2 special_log1p
     special_sinc special_round special_ndtr special_logit special_psi special_digamma
     special_gammaln special_i0 special_xlogy special_polygamma special_multigammaln
-    special_gammainc special_gammaincc polygamma
+    special_gammainc special_gammaincc polygamma polygamma_
 """.split()
-# (``torch.special``'s aliases of elementwise functions, ``special_erf`` for ``erf``, carry no
-# ``pointwise`` tag of their own)
-# in-place forms: the name with a trailing underscore
-_POINTWISE += [n + "_" for n in _POINTWISE if n.isidentifier() and not n.startswith("_")]
 POINTWISE = frozenset(_POINTWISE)
 
 
