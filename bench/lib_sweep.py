@@ -1874,6 +1874,428 @@ def _nff() -> Example:
 # -- the check ----------------------------------------------------------------------------------
 
 
+# -- a wider round: lucidrains' Mega, PaLM, MEGABYTE, block-recurrent and hourglass transformers,
+# lambda and halo attention, ResMLP; einops, entmax, geoopt, pytorch-metric-learning, pyro,
+# gpytorch, torchdyn, torchsde, spikingjelly ----------------------------------------------------
+
+
+@case(
+    "mega-lm", "mega_pytorch", "Mega: multi-headed damped EMA (an FFT convolution), gated attention"
+)
+def _mega() -> Example:
+    from mega_pytorch import Mega
+
+    torch.manual_seed(0)
+    model = Mega(num_tokens=VOCAB, dim=DIM, depth=2, ema_heads=4, attn_dim_qk=16,
+                 attn_dim_value=32, laplacian_attn_fn=True)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("palm-lm", "palm_pytorch", "PaLM: parallel attention and feedforward, one key-value head")
+def _palm() -> Example:
+    from palm_pytorch import PaLM
+
+    torch.manual_seed(0)
+    model = PaLM(num_tokens=VOCAB, dim=DIM, depth=2, heads=4, dim_head=8)
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("megabyte", "MEGABYTE_pytorch", "MEGABYTE: a global model over patches, a local one within")
+def _megabyte() -> Example:
+    from MEGABYTE_pytorch import MEGABYTE
+
+    torch.manual_seed(0)
+    model = MEGABYTE(num_tokens=VOCAB, dim=(DIM, 16), depth=(1, 1), max_seq_len=(4, 4),
+                     dim_head=8, heads=2, flash_attn=False)  # fmt: skip
+    ids = torch.randint(1, VOCAB, (BATCH, 16), generator=_gen(0))
+    labels = torch.randint(0, VOCAB, (BATCH, 16), generator=_gen(1))
+    return Example(model, (ids,), token_ce, (labels,), call=lambda m, x: m(x).flatten(1, -2))
+
+
+@case(
+    "block-recurrent",
+    "block_recurrent_transformer_pytorch",
+    "BlockRecurrentTransformer: blocks of 4 tokens, state vectors carried between blocks",
+)
+def _block_recurrent() -> Example:
+    from block_recurrent_transformer_pytorch import BlockRecurrentTransformer
+
+    torch.manual_seed(0)
+    model = BlockRecurrentTransformer(num_tokens=VOCAB, dim=DIM, depth=2, dim_head=8, heads=4,
+                                      max_seq_len=SEQ, block_width=4, num_state_vectors=4,
+                                      recurrent_layers=(2,))  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),),
+                   call=lambda m, x: m(x, return_memories_and_states=False))  # fmt: skip
+
+
+@case(
+    "hourglass-lm",
+    "hourglass_transformer_pytorch",
+    "HourglassTransformerLM: the sequence shortened by 2, then upsampled, causal",
+)
+def _hourglass() -> Example:
+    from hourglass_transformer_pytorch import HourglassTransformerLM
+
+    torch.manual_seed(0)
+    model = HourglassTransformerLM(num_tokens=VOCAB, dim=DIM, max_seq_len=SEQ, shorten_factor=2,
+                                   depth=(1, 1, 1), heads=4, dim_head=8, causal=True)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+class ImageClassifier(nn.Module):
+    """A stem convolution, an attention layer of a library on ``[batch, channels, h, w]``, a
+    mean over the image and a linear head."""
+
+    def __init__(self, layer: nn.Module, channels: int = 8):
+        super().__init__()
+        self.stem, self.layer = nn.Conv2d(3, channels, 3, padding=1), layer
+        self.head = nn.Linear(channels, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(self.stem(x)).mean((2, 3)))
+
+
+def _image_classifier(layer: nn.Module) -> Example:
+    return Example(
+        ImageClassifier(layer), (_randn(BATCH, 3, 8, 8),), class_ce, (_labels(),), "mean"
+    )
+
+
+def _lambda_layer() -> nn.Module:
+    from lambda_networks import LambdaLayer
+
+    torch.manual_seed(0)
+    return LambdaLayer(dim=8, dim_out=8, r=3, dim_k=4, heads=2, dim_u=1)
+
+
+case("lambda-layer", "lambda_networks", "LambdaLayer: local-position lambdas (Conv3d), BatchNorm")(
+    lambda: _image_classifier(_lambda_layer())
+)
+
+
+@case("lambda-layer-gn", "lambda_networks",
+      "LambdaLayer, its BatchNorm made GroupNorm by Opacus' ModuleValidator.fix")  # fmt: skip
+def _lambda_layer_gn() -> Example:
+    from opacus.validators import ModuleValidator
+
+    return _image_classifier(ModuleValidator.fix(_lambda_layer()))
+
+
+@case(
+    "halo-attention", "halonet_pytorch", "HaloAttention: blocks with halos (unfold), rel. positions"
+)
+def _halo() -> Example:
+    from halonet_pytorch import HaloAttention
+
+    torch.manual_seed(0)
+    return _image_classifier(HaloAttention(dim=8, block_size=4, halo_size=1, dim_head=4, heads=2))
+
+
+@case("res-mlp", "res_mlp_pytorch", "ResMLP: cross-patch linear layers, affine (Aff) normalization")
+def _res_mlp() -> Example:
+    from res_mlp_pytorch import ResMLP
+
+    torch.manual_seed(0)
+    model = ResMLP(image_size=8, patch_size=4, dim=16, depth=2, num_classes=CLASSES)
+    return Example(model, (_randn(BATCH, 3, 8, 8),), class_ce, (_labels(),), "mean")
+
+
+class EinMixNet(nn.Module):
+    """einops' ``EinMix`` layers: a token mixer whose weight spans positions and a channel
+    mixer per group, in the MLP-Mixer fashion, on ``[batch, tokens, channels]``."""
+
+    def __init__(self):
+        from einops.layers.torch import EinMix, Reduce
+
+        super().__init__()
+        self.tokens = EinMix("b t c -> b u c", weight_shape="t u", bias_shape="u", t=SEQ, u=SEQ)
+        self.channels = EinMix("b t (g c) -> b t (g d)", weight_shape="g c d", bias_shape="g d",
+                               g=2, c=2, d=4)  # fmt: skip
+        self.pool = Reduce("b t c -> b c", "mean")
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.pool(self.channels(torch.tanh(self.tokens(x)))))
+
+
+@case("einmix", "einops", "EinMix: weights applied by einsum over tokens and channel groups")
+def _einmix() -> Example:
+    torch.manual_seed(0)
+    return Example(EinMixNet(), (_randn(BATCH, SEQ, 4),), class_ce, (_labels(),), "mean")
+
+
+class SparseAttentionClassifier(nn.Module):
+    """Self-attention whose weights are entmax-1.5 of the scores (or entmax of a learned
+    ``alpha``, by bisection), a mean over the sequence, a linear head."""
+
+    def __init__(self, learned_alpha: bool):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(4, 24), nn.Linear(8, CLASSES)
+        self.alpha = nn.Parameter(torch.tensor(1.5)) if learned_alpha else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        from entmax import entmax15, entmax_bisect
+
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(1, 2) / 8**0.5
+        if self.alpha is None:
+            weights = entmax15(scores, dim=-1)
+        else:
+            weights = entmax_bisect(scores, 1 + F.softplus(self.alpha), dim=-1, n_iter=60)
+        return self.head((weights @ v).mean(1))
+
+
+case("entmax15-attention", "entmax", "attention weights by entmax15 (sparse, its own backward)")(
+    lambda: _sparse_attention(False)
+)
+case("entmax-bisect-alpha", "entmax", "entmax by bisection, alpha learned (a scalar parameter)")(
+    lambda: _sparse_attention(True)
+)
+
+
+def _sparse_attention(learned_alpha: bool) -> Example:
+    torch.manual_seed(0)
+    model = SparseAttentionClassifier(learned_alpha)
+    return Example(model, (_randn(BATCH, SEQ, 4),), class_ce, (_labels(),), "mean")
+
+
+class HyperbolicClassifier(nn.Module):
+    """geoopt: features mapped onto the Poincare ball (``expmap0``), logits the negative
+    distances to class prototypes that are ``ManifoldParameter``s on the ball."""
+
+    def __init__(self):
+        import geoopt
+
+        super().__init__()
+        self.ball = geoopt.PoincareBall(c=1.0)
+        self.encoder = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        points = self.ball.expmap0(torch.randn(CLASSES, 2) * 0.3)
+        self.prototypes = geoopt.ManifoldParameter(points, manifold=self.ball)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.ball.expmap0(self.encoder(x))
+        return -self.ball.dist(z[:, None], self.prototypes[None])
+
+
+@case("geoopt-poincare", "geoopt", "prototypes as ManifoldParameters on the Poincare ball")
+def _geoopt() -> Example:
+    torch.manual_seed(0)
+    return Example(HyperbolicClassifier(), (_randn(BATCH, 4),), class_ce, (_labels(),), "mean")
+
+
+class ArcFaceModel(nn.Module):
+    """An embedder and pytorch-metric-learning's ``ArcFaceLoss``, whose class centres ``W``
+    are the loss's own parameter; the forward returns the library's loss of the batch (its
+    mean), or, with the library's ``DoNothingReducer``, each example's."""
+
+    def __init__(self, per_example: bool):
+        from pytorch_metric_learning.losses import ArcFaceLoss
+        from pytorch_metric_learning.reducers import DoNothingReducer
+
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        reducer = DoNothingReducer() if per_example else None
+        self.loss = ArcFaceLoss(num_classes=CLASSES, embedding_size=8, reducer=reducer)
+        self.per_example = per_example
+
+    def forward(self, x: Tensor, labels: Tensor) -> Tensor:
+        out = self.loss(self.embed(x), labels)
+        return out["loss"]["losses"] if self.per_example else out
+
+
+def _arcface(per_example: bool) -> Example:
+    torch.manual_seed(0)
+    inputs = (_randn(BATCH, 4), _labels())
+    return Example(ArcFaceModel(per_example), inputs, lambda loss: loss, (), "mean",
+                   batch_loss=not per_example)  # fmt: skip
+
+
+case(
+    "arcface-loss", "pytorch_metric_learning", "ArcFaceLoss: an angular margin, its W, batch mean"
+)(lambda: _arcface(False))
+case("arcface-loss-per-example", "pytorch_metric_learning",
+     "ArcFaceLoss with DoNothingReducer: each example's loss")(lambda: _arcface(True))  # fmt: skip
+
+
+class PyroFlow(nn.Module):
+    """pyro's normalizing flow: two ``affine_coupling`` transforms (``DenseNN`` conditioners)
+    around a fixed permutation, on a standard normal; the forward gives each example's
+    log-density. (An ``affine_autoregressive``'s inverse starts from ``torch.zeros`` in the
+    default dtype, and so does not run in float64.)"""
+
+    def __init__(self, dim: int = 3):
+        from pyro.distributions import transforms as T
+
+        super().__init__()
+        self.dim = dim
+        self.couplings = nn.ModuleList([T.affine_coupling(dim, hidden_dims=[16]) for _ in "ab"])
+        self.permute = T.Permute(torch.tensor([2, 0, 1]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        import pyro.distributions as dist
+
+        base = dist.Normal(
+            torch.zeros(self.dim, dtype=x.dtype), torch.ones(self.dim, dtype=x.dtype)
+        )
+        transforms = [self.couplings[0], self.permute, self.couplings[1]]
+        return dist.TransformedDistribution(base.to_event(1), transforms).log_prob(x)
+
+
+@case("pyro-flow", "pyro", "affine coupling transforms (DenseNN), negative log-likelihood")
+def _pyro_flow() -> Example:
+    torch.manual_seed(0)
+    return Example(PyroFlow(), (_randn(BATCH, 3),), lambda log_p: -log_p, (), "mean")
+
+
+class DeepKernelGP(nn.Module):
+    """gpytorch's deep kernel learning, variational: a feature extractor, an ``ApproximateGP``
+    with 6 inducing points (a Cholesky variational distribution, an RBF kernel) and a Gaussian
+    likelihood; the forward gives the ``VariationalELBO`` of the batch, negated."""
+
+    def __init__(self, num_data: int = BATCH):
+        import gpytorch
+
+        class GP(gpytorch.models.ApproximateGP):
+            def __init__(self, inducing):
+                q = gpytorch.variational.CholeskyVariationalDistribution(len(inducing))
+                strategy = gpytorch.variational.VariationalStrategy(
+                    self, inducing, q, learn_inducing_locations=True
+                )
+                super().__init__(strategy)
+                self.mean = gpytorch.means.ConstantMean()
+                self.kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+            def forward(self, z):
+                return gpytorch.distributions.MultivariateNormal(self.mean(z), self.kernel(z))
+
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.gp = GP(torch.randn(6, 2))
+        self.likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        self.elbo = gpytorch.mlls.VariationalELBO(self.likelihood, self.gp, num_data=num_data)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return -self.elbo(self.gp(self.features(x)), y)
+
+
+@case("gpytorch-dkl", "gpytorch", "deep kernel learning: a feature extractor, a variational GP")
+def _gpytorch() -> Example:
+    torch.manual_seed(0)
+    return Example(DeepKernelGP(), (_randn(BATCH, 4), _randn(BATCH, seed=1)), lambda loss: loss,
+                   (), "mean", batch_loss=True)  # fmt: skip
+
+
+class DynClassifier(nn.Module):
+    """torchdyn's ``NeuralODE`` (fixed ``rk4`` steps, backpropagation through the solver, or its
+    adjoint), its state at ``t=1`` through a linear head."""
+
+    def __init__(self, sensitivity: str):
+        from torchdyn.core import NeuralODE
+
+        super().__init__()
+        field = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.ode = NeuralODE(field, sensitivity=sensitivity, solver="rk4")
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t_span = torch.linspace(0, 1, 5, dtype=x.dtype)
+        _, trajectory = self.ode(x, t_span)
+        return self.head(trajectory[-1])
+
+
+def _torchdyn(sensitivity: str) -> Example:
+    torch.manual_seed(0)
+    return Example(DynClassifier(sensitivity), (_randn(BATCH, 4),), mse,
+                   (_randn(BATCH, 2, seed=1),), "mean")  # fmt: skip
+
+
+case("torchdyn-node", "torchdyn", "NeuralODE, rk4 steps, gradients through the solver")(
+    lambda: _torchdyn("autograd")
+)
+case("torchdyn-adjoint", "torchdyn", "NeuralODE, its adjoint (a backward of its own)")(
+    lambda: _torchdyn("adjoint")
+)
+
+
+class NeuralSDE(nn.Module):
+    """``torchsde.sdeint`` of a neural SDE (diagonal noise, Euler steps of 0.25) driven by a
+    Brownian path given with the batch (``[batch, steps, dim]`` increments), so that an example
+    sees the same noise alone as in the batch; its state at ``t=1`` through a linear head."""
+
+    sde_type, noise_type = "ito", "diagonal"
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.drift = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, dim))
+        self.diffusion = nn.Sequential(nn.Linear(dim, dim), nn.Sigmoid())
+        self.head = nn.Linear(dim, 2)
+
+    def f(self, t, y):
+        return self.drift(y)
+
+    def g(self, t, y):
+        return self.diffusion(y)
+
+    def forward(self, y0: Tensor, increments: Tensor) -> Tensor:
+        import torchsde
+
+        class GivenPath(torchsde.BaseBrownian):
+            """The Brownian motion of the given increments on the grid ``0, 0.25, ..., 1``."""
+
+            dtype, device, shape = increments.dtype, increments.device, increments[:, 0].shape
+            levy_area_approximation = "none"
+
+            def __call__(self, ta, tb=None, return_U=False, return_A=False):
+                w = torch.cat([torch.zeros_like(increments[:, :1]), increments.cumsum(1)], 1)
+                at = lambda t: w[:, round(float(t) * 4)]  # noqa: E731
+                return at(ta) if tb is None else at(tb) - at(ta)
+
+            def __repr__(self):
+                return "GivenPath()"
+
+        ts = torch.tensor([0.0, 1.0], dtype=y0.dtype)
+        ys = torchsde.sdeint(self, y0, ts, bm=GivenPath(), method="euler", dt=0.25)
+        return self.head(ys[-1])
+
+
+@case("neural-sde", "torchsde", "sdeint, Euler steps, a Brownian path given per example")
+def _neural_sde() -> Example:
+    torch.manual_seed(0)
+    inputs = (_randn(BATCH, 4), _randn(BATCH, 4, 4, seed=2) * 0.5)
+    return Example(NeuralSDE(), inputs, mse, (_randn(BATCH, 2, seed=1),), "mean")
+
+
+class SpikingJellyNet(nn.Module):
+    """spikingjelly's multi-step network: ``layer.Linear`` and ``ParametricLIFNode`` (a learned
+    time constant) over ``[time, batch, features]``, with the linear layers applied to time
+    and batch folded into one dimension; the spike counts over time as logits. Its neurons'
+    state is reset at each forward (``functional.reset_net``)."""
+
+    def __init__(self, steps: int = 4):
+        from spikingjelly.activation_based import layer, neuron, surrogate
+
+        super().__init__()
+        self.steps = steps
+        lif = dict(surrogate_function=surrogate.ATan(), step_mode="m", detach_reset=True)
+        self.net = nn.Sequential(
+            layer.Linear(4, 16, step_mode="m"), neuron.ParametricLIFNode(**lif),
+            layer.Linear(16, CLASSES, step_mode="m"), neuron.ParametricLIFNode(**lif),
+        )  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        from spikingjelly.activation_based import functional
+
+        functional.reset_net(self.net)
+        spikes = self.net(x.unsqueeze(0).repeat(self.steps, 1, 1) * 2)
+        return spikes.sum(0).to(x.dtype)
+
+
+@case("spikingjelly-plif", "spikingjelly", "multi-step Linear and ParametricLIF neurons (ATan)")
+def _spikingjelly() -> Example:
+    torch.manual_seed(0)
+    return Example(SpikingJellyNet(), (_randn(BATCH, 4),), class_ce, (_labels(),), "mean")
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 

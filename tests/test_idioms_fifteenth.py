@@ -528,6 +528,43 @@ def test_a_torchscript_function_between_layers_is_refused_saying_so():
         assert not any(hasattr(p, "grad1") for p in model.parameters())
 
 
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    @torch.jit.script
+    def squared_distances(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Squared distances of ``x`` and ``y`` along their last dimension, broadcast, compiled
+        as geoopt compiles its manifolds' distances."""
+        return (x - y).pow(2).sum(-1)
+
+
+class Prototypes(nn.Module):
+    """Logits the negative distances to class prototypes held by the model itself, measured by
+    a TorchScript function (a hyperbolic classifier's, with geoopt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(3, 2)
+        self.prototypes = nn.Parameter(torch.randn(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -squared_distances(self.encoder(x)[:, None], self.prototypes[None])
+
+
+def test_a_parameter_met_by_the_batch_in_a_torchscript_function_is_refused_saying_so():
+    """A parameter used outside any layer (indexed), then given to a TorchScript function
+    with the batch: the tracker sees the parameter used but not the batch meeting it inside
+    the function. Refused with a typed error that names the parameter and says that something
+    it cannot see into (a TorchScript function) may be where they met; nothing is written."""
+    model = Prototypes().to(D)
+    x, y = batch(0)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.UnsupportedError, match=r"'prototypes'.*TorchScript"):
+            F.cross_entropy(model(x), y).backward()
+        assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
 # -- batches in form -------------------------------------------------------------------------------
 
 

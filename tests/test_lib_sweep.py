@@ -183,6 +183,9 @@ MODELS = [
     "tcn",  # weight_norm parametrizations, causal dilated convolutions
     "normflows-realnvp-module",  # ActNorm's log-determinant added in place into log_q
     "pkm",  # product keys: top-k, an EmbeddingBag with per-sample weights
+    "mega-lm",  # attention weights by torch.special.erf, a T5 position bias added after
+    "spikingjelly-plif",  # multi-step layers on time and batch folded, learned time constants
+    "neural-sde",  # torchsde: diffusion and drift networks, a Brownian path given per example
 ]
 
 
@@ -204,6 +207,8 @@ def test_library_model_matches_the_loop(name):
         ("axial-image-transformer", gradhooks.BatchNotFoundError),  # folded rows, rerun
         ("pyg-gcn", gradhooks.MixedExamplesError),  # graphs' nodes concatenated: no batch
         ("normflows-nsf", gradhooks.UnsupportedInputError),  # a log-determinant of no example
+        ("geoopt-poincare", gradhooks.UnsupportedError),  # the batch met in TorchScript
+        ("arcface-loss", gradhooks.UnsupportedInputError),  # the batch's mean, in the module
     ],
 )
 def test_library_model_refused(name, error):

@@ -354,3 +354,39 @@ def test_embedding_bag_of_a_flat_input_with_offsets():
     assert bags is UNKNOWN
     rows = torch.tensor([[1, 2], [3, 4], [5, 6]])
     assert _layout_of(lambda i: F.embedding_bag(i, w), [rows], 0) == Layout(0)
+
+
+_SPECIAL = {
+    "erf": torch.special.erf,
+    "erfc": torch.special.erfc,
+    "erfinv": lambda x: torch.special.erfinv(x.tanh()),
+    "expm1": torch.special.expm1,
+    "exp2": torch.special.exp2,
+    "log1p": lambda x: torch.special.log1p(x.abs()),
+    "sinc": torch.special.sinc,
+    "round": torch.special.round,
+    "ndtr": torch.special.ndtr,
+    "logit": lambda x: torch.special.logit(x.sigmoid()),
+    "psi": lambda x: torch.special.psi(x.abs() + 1),
+    "digamma": lambda x: torch.special.digamma(x.abs() + 1),
+    "gammaln": torch.special.gammaln,
+    "i0": torch.special.i0,
+    "xlogy": lambda x: torch.special.xlogy(x, x.abs() + 1),
+    "polygamma": lambda x: torch.special.polygamma(1, x.abs() + 1),
+    "multigammaln": lambda x: torch.special.multigammaln(x.abs() + 2, 2),
+    "gammainc": lambda x: torch.special.gammainc(x.abs() + 1, x.abs()),
+    "gammaincc": lambda x: torch.special.gammaincc(x.abs() + 1, x.abs()),
+    "softmax": lambda x: torch.special.softmax(x, -1),
+    "log_softmax": lambda x: torch.special.log_softmax(x, -1),
+    "logsumexp": lambda x: torch.special.logsumexp(x, -1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SPECIAL))
+def test_the_special_aliases_keep_the_batch(name):
+    """``torch.special.erf`` and the other aliases in ``torch.special`` are followed as the
+    functions they alias (Mega's attention weights are ``special.erf`` of the scores: the
+    batch was lost there, and a position bias added to them later was refused)."""
+    x = torch.randn(3, 4, 5, dtype=D)
+    for d in (0, 1):
+        assert ownership(_SPECIAL[name], [x], d) == ("followed", [])

@@ -53,9 +53,18 @@ CHANGED = {
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and
 # tests/test_lib_sweep.py, a gated residual that folds tokens into rows; the similarity and the
-# distance of two tensors broadcast: tests/test_idioms_eleventh.py, prototypes)
+# distance of two tensors broadcast: tests/test_idioms_eleventh.py, prototypes; torch.special's
+# aliases, untagged: tests/test_tracking_ops.py, Mega's special.erf)
+SPECIAL = {
+    "special_" + n
+    for n in (
+        "erf erfc erfinv expm1 exp2 log1p sinc round ndtr logit psi digamma gammaln i0 xlogy "
+        "polygamma multigammaln gammainc gammaincc softmax log_softmax logsumexp"
+    ).split()
+}
 ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell", "lstm_cell",
-         "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance"}  # fmt: skip
+         "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance",
+         "polygamma", "polygamma_", *SPECIAL}  # fmt: skip
 # names that follow rows picked by an index since (attention along the rows of one example
 # alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2)
 OWNER_AWARE_ADDED = {"scaled_dot_product_attention"}
@@ -171,7 +180,11 @@ def test_the_tags_add_elementwise_names():
         assert owner_aware(n), n
         with _torch.disabled("op_schema"):
             assert handler_for(n) is None and not is_pointwise(n), n
-    extra = [n for n in _public_names() if n not in FROZEN["handlers"] and is_pointwise(n)]
+    extra = [
+        n
+        for n in _public_names()
+        if n not in FROZEN["handlers"] and n not in ADDED and is_pointwise(n)
+    ]
     assert all(_torch.tagged(n, "pointwise") for n in extra), extra
 
 

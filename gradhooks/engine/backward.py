@@ -864,7 +864,9 @@ class BackwardWriter:
                 "batch it does not know)"
                 if ops
                 else "its gradient never met the batch where gradhooks could follow it (a "
-                "term of the loss computed from the parameter alone?)"
+                "term of the loss computed from the parameter alone? or the batch met it inside "
+                "something gradhooks cannot see into: a TorchScript function, made by "
+                "torch.jit.script, or an extension's operator called directly)"
             )
             + ". Its grad1 was not written. Use the parameter through a module with a rule "
             "(or register one with @gradhooks.register), or freeze it."

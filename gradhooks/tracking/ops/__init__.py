@@ -25,6 +25,8 @@ _OWNER_AWARE = (
     | {
         "softmax",
         "log_softmax",
+        "special_softmax",
+        "special_log_softmax",
         "softmin",
         "cumsum",
         "cumprod",

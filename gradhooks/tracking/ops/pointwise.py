@@ -35,6 +35,14 @@ _POINTWISE = """
 """.split()
 # in-place forms: the name with a trailing underscore
 _POINTWISE += [n + "_" for n in _POINTWISE if n.isidentifier() and not n.startswith("_")]
+# ``torch.special``'s aliases of elementwise functions (``special_erf`` for ``erf``), which carry
+# no ``pointwise`` tag of their own and have no in-place forms
+_POINTWISE += """
+    special_erf special_erfc special_erfinv special_expm1 special_exp2 special_log1p
+    special_sinc special_round special_ndtr special_logit special_psi special_digamma
+    special_gammaln special_i0 special_xlogy special_polygamma special_multigammaln
+    special_gammainc special_gammaincc polygamma polygamma_
+""".split()
 POINTWISE = frozenset(_POINTWISE)
 
 

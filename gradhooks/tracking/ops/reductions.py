@@ -29,7 +29,8 @@ def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
 
 
 for _n in ("softmax", "log_softmax", "softmin", "cumsum", "cumprod", "logcumsumexp",
-           "cummax", "cummin", "sort", "argsort", "glu", "topk", "kthvalue", "msort"):  # fmt: skip
+           "cummax", "cummin", "sort", "argsort", "glu", "topk", "kthvalue", "msort",
+           "special_softmax", "special_log_softmax"):  # fmt: skip
     HANDLERS[_n] = _dim_op(-1 if _n in ("sort", "argsort", "glu", "topk", "kthvalue") else None)
 HANDLERS["topk"] = _dim_op(-1, pos=2)
 HANDLERS["kthvalue"] = _dim_op(-1, pos=2)
@@ -41,7 +42,7 @@ HANDLERS["diff"] = _dim_op(-1, pos=2)
 
 REDUCTIONS = """sum mean nansum nanmean prod amax amin max min std var std_mean var_mean
     logsumexp all any argmax argmin median nanmedian mode count_nonzero norm vector_norm
-    aminmax""".split()
+    aminmax special_logsumexp""".split()
 
 
 @handles(*REDUCTIONS)
