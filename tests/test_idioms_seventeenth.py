@@ -542,15 +542,18 @@ class Switch:
         if self.name == "deterministic":
             self.old = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(True)
+        # (by the backends' flags() context managers, as torch's own tests set them: a
+        # process that imported torch's testing helpers refuses an assignment)
         elif self.name == "mkldnn-off":
-            self.old = b.mkldnn.enabled
-            b.mkldnn.enabled = False
+            self.flags = b.mkldnn.flags(enabled=False)
+            self.flags.__enter__()
         elif self.name == "opt-einsum-off":
-            self.old = b.opt_einsum.enabled
-            b.opt_einsum.enabled = False
+            self.flags = b.opt_einsum.flags(enabled=False)
+            self.flags.__enter__()
         elif self.name == "cudnn-benchmark":
-            self.old = (b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32)
-            b.cudnn.benchmark, b.cudnn.deterministic = True, True
+            self.flags = b.cudnn.flags(enabled=b.cudnn.enabled, benchmark=True, deterministic=True)
+            self.flags.__enter__()
+            self.old = b.cuda.matmul.allow_tf32
             b.cuda.matmul.allow_tf32 = True
         elif self.name == "flush-denormal":
             self.old = torch.set_flush_denormal(True)
@@ -560,12 +563,11 @@ class Switch:
         b = torch.backends
         if self.name == "deterministic":
             torch.use_deterministic_algorithms(self.old)
-        elif self.name == "mkldnn-off":
-            b.mkldnn.enabled = self.old
-        elif self.name == "opt-einsum-off":
-            b.opt_einsum.enabled = self.old
+        elif self.name in ("mkldnn-off", "opt-einsum-off"):
+            self.flags.__exit__(*exc)
         elif self.name == "cudnn-benchmark":
-            b.cudnn.benchmark, b.cudnn.deterministic, b.cuda.matmul.allow_tf32 = self.old
+            b.cuda.matmul.allow_tf32 = self.old
+            self.flags.__exit__(*exc)
         elif self.name == "flush-denormal":
             torch.set_flush_denormal(False)
 
