@@ -1,0 +1,523 @@
+"""A sixth set of the cases that other projects check in their own test suites, written in
+gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(grad)`` /
+``jacrev`` / ``hessian`` and per-example loops). The first five sets are
+:mod:`test_peer_suites`, :mod:`test_peer_suites_more`, :mod:`test_peer_suites_third`,
+:mod:`test_peer_suites_fourth` and :mod:`test_peer_suites_fifth`; this one adds:
+
+- BackPACK (``test/core/derivatives/*_settings.py``): every convolution setting of its
+  derivatives tests (1-d to 3-d, transposed, grouped, strided past the kernel, dilated, padded
+  wider than the kernel), its Linear settings over extra dimensions, its Embedding, BatchNorm
+  (in eval), LSTM and RNN settings, each layer's ``grad1``, norms and squared sums; and
+  (``test/extensions/secondorder/hbp/``) its ``KFLR`` / ``KFAC`` checks that for one example
+  the Kronecker factors are the layer's GGN block, on its batch-of-one networks (MSE,
+  cross-entropy, BCE with logits, 1-d to 3-d convolutions and transposed convolutions with a
+  single output position, skip connections);
+- kfac-pytorch (``gpauloski/kfac-pytorch``, ``tests/layers/modules_test.py``,
+  ``tests/layers/layers_test.py``): its ``LinearModuleHelper`` / ``Conv2dModuleHelper`` factors
+  (patches scaled by the positions, a ones column for the bias) as gradhooks' factors rescaled,
+  the merged ``[out, in·k·k + 1]`` gradient, and its ``KFACEigenLayer`` preconditioning (the
+  damped solve in the factors' eigenbases) against ``kfac_precondition``;
+- Opacus (``tests/module_validator_test.py``, ``tests/privacy_engine_validation_test.py``,
+  ``tests/utils.py``): a BatchNorm without learnable parameters in training (which its
+  validator accepts) refused, then the model after ``convert_batch_norm`` (its
+  ``ModuleValidator.fix``, with and without ``num_groups``); the modules of its validation
+  tests (``BasicSupportedModule``, ``CustomLinearModule``, ``MatmulModule``,
+  ``LinearWithExtraParam`` with its extra parameter trainable or frozen) through a DP step by
+  every clipping method.
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
+Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+from harness import assert_close, assert_grad1, seeded
+
+D = torch.float64
+
+
+def sq(out: Tensor, target: Tensor | None = None) -> Tensor:
+    """Half the sum of squares: the loss of a batch, summed over its examples."""
+    return 0.5 * out.pow(2).sum()
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def check_quantities(model: nn.Module, x, loss=sq, target=None) -> None:
+    """``grad1``, per-parameter norms and squared sums of a sum-reduced ``loss`` against
+    ``vmap(grad)``."""
+    want = vmap_grad(model, loss, x, target)
+    with gradhooks.add_hooks(
+        model, loss_reduction="sum", quantities=("grad1", "norms", "sum_grad_sq")
+    ) as h:
+        loss(model(x), target).backward()
+        norms, sums = h.param_norms(), h.sum_grad_sq()
+    assert_grad1(model, want, "grad1")
+    for n in trainable(model):
+        assert_close(norms[n], want[n].flatten(1).norm(dim=1), f"norms of {n}")
+        assert_close(sums[n], want[n].pow(2).sum(0), f"squared sums of {n}")
+
+
+# == BackPACK: test/core/derivatives/*_settings.py ================================================
+
+# (layer, positional arguments, keyword arguments, input shape): convolution_settings.py
+CONVOLUTIONS = [
+    (nn.Conv2d, (2, 3, 2), dict(bias=False, padding=1, stride=2, dilation=2), (3, 2, 7, 7)),
+    (nn.Conv1d, (3, 9, 2), dict(padding=1, bias=False, groups=3), (3, 3, 7)),
+    (nn.Conv1d, (6, 9, 2), dict(padding=1, bias=False, groups=3), (3, 6, 7)),
+    (nn.Conv1d, (4, 8, 2), dict(padding=1, bias=False, groups=4), (3, 4, 7)),
+    (nn.Conv1d, (2, 3, 2), dict(padding=1, bias=False), (3, 2, 7)),
+    (nn.Conv1d, (3, 6, 2), dict(padding=2, stride=4, dilation=3), (1, 3, 8)),
+    (nn.Conv1d, (3, 6, 2), dict(padding=2, stride=4, dilation=3, groups=3), (1, 3, 8)),
+    (nn.Conv1d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 11)),
+    (nn.Conv2d, (2, 4, 2), dict(padding=1, groups=2), (3, 2, 7, 7)),
+    (nn.Conv2d, (4, 4, 2), dict(padding=1, groups=2), (3, 4, 7, 7)),
+    (nn.Conv2d, (6, 9, 2), dict(padding=1, groups=3), (3, 6, 7, 7)),
+    (nn.Conv2d, (4, 12, 2), dict(padding=1, groups=4), (3, 4, 7, 7)),
+    (nn.Conv2d, (2, 4, 2), dict(padding=2, stride=4, dilation=3, groups=2), (1, 2, 8, 8)),
+    (nn.Conv2d, (3, 6, 2), dict(padding=2, stride=4, dilation=3), (1, 3, 8, 8)),
+    (nn.Conv2d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 7, 7)),
+    (nn.Conv3d, (2, 4, 2), dict(groups=2), (3, 2, 5, 7, 7)),
+    (nn.Conv3d, (3, 6, 2), dict(groups=3), (3, 3, 5, 7, 7)),
+    (nn.Conv3d, (2, 3, 2), dict(padding=2, bias=False, dilation=2, stride=2), (3, 2, 5, 7, 7)),
+    (nn.Conv3d, (3, 6, 2), dict(padding=2, stride=4), (1, 3, 3, 4, 4)),
+    (nn.Conv3d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 3, 7, 7)),
+    (nn.ConvTranspose1d, (2, 3, 2), dict(padding=1, bias=False), (3, 2, 7)),
+    (nn.ConvTranspose1d, (3, 6, 2), dict(padding=2, stride=4, dilation=3), (1, 3, 8)),
+    (nn.ConvTranspose1d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 11)),
+    (
+        nn.ConvTranspose2d,
+        (2, 3, 2),
+        dict(bias=False, padding=1, stride=2, dilation=2),
+        (3, 2, 7, 7),
+    ),
+    (nn.ConvTranspose2d, (3, 6, 2), dict(padding=2, stride=4, dilation=3), (1, 3, 8, 8)),
+    (nn.ConvTranspose2d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 7, 7)),
+    (
+        nn.ConvTranspose3d,
+        (2, 3, 2),
+        dict(padding=2, bias=False, dilation=2, stride=2),
+        (3, 2, 5, 7, 7),
+    ),
+    (nn.ConvTranspose3d, (3, 6, 2), dict(padding=2, stride=4), (1, 3, 3, 4, 4)),
+    (nn.ConvTranspose3d, (2, 3, 2), dict(padding=1, groups=1), (3, 2, 3, 7, 7)),
+    (nn.Conv1d, (2, 3, 2), dict(padding=0, dilation=2, groups=1), (3, 2, 7)),
+    (nn.Conv2d, (2, 3, 2), dict(padding=0, dilation=2, groups=1), (3, 2, 7, 7)),
+    (nn.Conv3d, (2, 3, 2), dict(padding=0, dilation=2, groups=1), (3, 2, 3, 7, 7)),
+    (nn.ConvTranspose1d, (2, 3, 2), dict(padding=0, stride=3, dilation=5, groups=1), (3, 2, 20)),
+    (nn.ConvTranspose2d, (2, 4, 2), dict(padding=0, dilation=2, groups=1), (3, 2, 9, 9)),
+    (nn.ConvTranspose3d, (2, 4, 2), dict(padding=0, dilation=2, groups=1), (3, 2, 9, 9, 9)),
+    (nn.Conv1d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 7)),
+    (nn.Conv2d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 7, 7)),
+    (nn.Conv3d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 3, 7, 7)),
+    (nn.Conv1d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 7)),
+    (nn.Conv2d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 7, 7)),
+    (nn.Conv3d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 3, 7, 7)),
+    (nn.ConvTranspose1d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 7)),
+    (nn.ConvTranspose2d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 7, 7)),
+    (nn.ConvTranspose3d, (6, 9, 2), dict(padding=0, dilation=2, groups=3), (3, 6, 3, 7, 7)),
+    (nn.ConvTranspose1d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 7)),
+    (nn.ConvTranspose2d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 7, 7)),
+    (nn.ConvTranspose3d, (4, 6, 2), dict(padding=0, dilation=2, groups=2), (3, 4, 3, 7, 7)),
+]
+
+
+def conv_id(setting) -> str:
+    layer, args, kw, shape = setting
+    opts = ",".join(f"{k}={v}" for k, v in kw.items())
+    return f"{layer.__name__}{args}[{opts}]{list(shape)}"
+
+
+@pytest.mark.parametrize("setting", CONVOLUTIONS, ids=[conv_id(s) for s in CONVOLUTIONS])
+def test_backpack_derivatives_convolution_settings(setting):
+    """BackPACK's convolution settings (``test/core/derivatives/convolution_settings.py``,
+    each layer's derivatives and ``batch_grad``): 1-d to 3-d convolutions and transposed
+    convolutions, grouped, strided by more than the kernel (``stride=4``: positions no kernel
+    reads), dilated, padded by more than the kernel, on batches of 3 and of 1; ``grad1``,
+    norms and squared sums against ``vmap(grad)``."""
+    layer, args, kw, shape = setting
+    model = seeded(lambda: layer(*args, **kw)).to(D)
+    torch.manual_seed(1)
+    check_quantities(model, torch.rand(shape, dtype=D))
+
+
+class Output(nn.Module):
+    """A recurrent layer's output sequence alone (BackPACK's derivatives of ``output[0]``)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+def batch_norm_eval(layer: nn.Module) -> nn.Module:
+    """BackPACK's ``initialize_batch_norm_eval`` (``test/utils/evaluation_mode.py``): random
+    running statistics and affine parameters, in eval mode."""
+    with torch.no_grad():
+        layer.running_mean.uniform_()
+        layer.running_var.uniform_()
+        layer.weight.uniform_()
+        layer.bias.uniform_()
+    return layer.eval()
+
+
+OTHER_LAYERS = {  # (layer factory, input factory)
+    "linear": (lambda: nn.Linear(5, 3), lambda: torch.rand(10, 5)),
+    "linear-no-bias": (lambda: nn.Linear(7, 3, bias=False), lambda: torch.rand(12, 7)),
+    "linear-11-10": (lambda: nn.Linear(11, 10), lambda: torch.rand(6, 11)),
+    "linear-large-inputs": (
+        lambda: nn.Linear(3, 2),
+        lambda: torch.tensor([(-1, 43, 1.3), (-2, -0.3, 2.3), (0, -4, 0.33)]),
+    ),
+    "linear-one-additional": (lambda: nn.Linear(4, 3), lambda: torch.rand(3, 2, 4)),
+    "linear-two-additional": (lambda: nn.Linear(4, 3), lambda: torch.rand(3, 2, 3, 4)),
+    "linear-three-additional": (lambda: nn.Linear(4, 3), lambda: torch.rand(3, 2, 3, 5, 4)),
+    "embedding-of-scalars": (lambda: nn.Embedding(3, 5), lambda: torch.randint(0, 3, (4,))),
+    "embedding-3x3": (lambda: nn.Embedding(5, 7), lambda: torch.randint(0, 5, (8, 3, 3))),
+    "batch-norm-1d-eval": (
+        lambda: batch_norm_eval(nn.BatchNorm1d(7)),
+        lambda: torch.rand(5, 7),
+    ),
+    "batch-norm-1d-sequence-eval": (
+        lambda: batch_norm_eval(nn.BatchNorm1d(7)),
+        lambda: torch.rand(5, 7, 4),
+    ),
+    "batch-norm-2d-eval": (
+        lambda: batch_norm_eval(nn.BatchNorm2d(7)),
+        lambda: torch.rand(5, 7, 3, 4),
+    ),
+    "batch-norm-3d-eval": (
+        lambda: batch_norm_eval(nn.BatchNorm3d(7)),
+        lambda: torch.rand(5, 7, 3, 4, 2),
+    ),
+    "lstm": (lambda: Output(nn.LSTM(4, 3, batch_first=True)), lambda: torch.rand(3, 5, 4)),
+    "rnn": (lambda: Output(nn.RNN(4, 3, batch_first=True)), lambda: torch.rand(3, 5, 4)),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_LAYERS)
+def test_backpack_derivatives_layer_settings(name):
+    """BackPACK's other layer settings (``test/core/derivatives/linear_settings.py``,
+    ``embedding_settings.py``, ``batch_norm_settings.py`` in eval, ``lstm_settings.py``,
+    ``rnn_settings.py``): Linear over up to three extra dimensions and on inputs of very
+    different magnitudes, an Embedding of one index per example and of ``[3, 3]`` indices,
+    BatchNorm in eval with random running statistics on every input rank, a batch-first LSTM
+    and RNN; ``grad1``, norms and squared sums against ``vmap(grad)``."""
+    make_layer, make_input = OTHER_LAYERS[name]
+    model = seeded(make_layer).to(D)
+    torch.manual_seed(1)
+    x = make_input()
+    check_quantities(model, x.to(D) if x.is_floating_point() else x)
+
+
+# == BackPACK: test/extensions/secondorder/hbp (KFLR, KFAC) =========================================
+
+
+class Scale(nn.Module):
+    """BackPACK's ``ScaleModule`` (``backpack/custom_module/scale_module.py``)."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class Parallel(nn.Module):
+    """BackPACK's ``Parallel`` (``backpack/custom_module/branching.py``): the sum of the
+    branches."""
+
+    def __init__(self, *branches: nn.Module):
+        super().__init__()
+        self.branches = nn.ModuleList(branches)
+
+    def forward(self, x):
+        return sum(branch(x) for branch in self.branches)
+
+
+def mse(out, target):
+    return F.mse_loss(out, target, reduction="sum")
+
+
+def cross_entropy(out, target):
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+def bce_with_logits(out, target):
+    return F.binary_cross_entropy_with_logits(out, target, reduction="sum")
+
+
+def regression(shape):
+    return lambda: torch.rand(shape, dtype=D)
+
+
+def labels(classes):
+    return lambda: torch.randint(classes, (1,))
+
+
+def binary(shape):
+    return lambda: torch.randint(2, shape).to(D)
+
+
+BATCH_OF_ONE = {  # (network, input shape, loss, target): kfac_settings.py, batch size 1
+    "mlp-relu-mse": (
+        lambda: nn.Sequential(nn.Linear(7, 3), nn.ReLU(), nn.Linear(3, 1)),
+        (1, 7), mse, regression((1, 1)),
+    ),
+    "mlp-sigmoid-cross-entropy": (
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3)),
+        (1, 5), cross_entropy, labels(3),
+    ),
+    "bce-non-binary-labels": (
+        lambda: nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 1)),
+        (1, 6), bce_with_logits, regression((1, 1)),
+    ),
+    "bce-binary-labels": (
+        lambda: nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 1)),
+        (1, 6), bce_with_logits, binary((1, 1)),
+    ),
+    "conv1d-single-output": (
+        lambda: nn.Sequential(nn.Conv1d(2, 4, 4), nn.ReLU(), nn.Conv1d(4, 1, 1), nn.Flatten()),
+        (1, 2, 4), mse, regression((1, 1)),
+    ),
+    "conv2d-single-output": (
+        lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 1, 1), nn.Flatten()),
+        (1, 2, 3, 3), mse, regression((1, 1)),
+    ),
+    "conv3d-single-output": (
+        lambda: nn.Sequential(nn.Conv3d(2, 3, 3), nn.ReLU(), nn.Conv3d(3, 1, 1), nn.Flatten()),
+        (1, 2, 3, 3, 3), mse, regression((1, 1)),
+    ),
+    "convtranspose1d-single-output": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose1d(2, 4, 3, padding=5), nn.Sigmoid(),
+            nn.ConvTranspose1d(4, 1, 1), nn.Flatten(),
+        ),
+        (1, 2, 9), mse, regression((1, 1)),
+    ),
+    "convtranspose2d-single-output": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose2d(2, 3, 2, padding=2), nn.Sigmoid(),
+            nn.ConvTranspose2d(3, 1, 1), nn.Flatten(),
+        ),
+        (1, 2, 4, 4), mse, regression((1, 1)),
+    ),
+    "convtranspose3d-single-output": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose3d(2, 4, 2, padding=3), nn.Sigmoid(),
+            nn.ConvTranspose3d(4, 1, 1), nn.Flatten(),
+        ),
+        (1, 2, 6, 6, 6), mse, regression((1, 1)),
+    ),
+    "branching-linear": (
+        lambda: nn.Sequential(
+            nn.Linear(10, 5), nn.ReLU(), Parallel(nn.Identity(), nn.Linear(5, 5)),
+            nn.Sigmoid(), nn.Linear(5, 4),
+        ),
+        (1, 10), cross_entropy, labels(4),
+    ),
+    "branching-scale": (
+        lambda: nn.Sequential(
+            nn.Linear(10, 5), nn.ReLU(), Parallel(Scale(3.0), nn.Linear(5, 5)),
+            nn.Sigmoid(), nn.Linear(5, 4),
+        ),
+        (1, 10), cross_entropy, labels(4),
+    ),
+}  # fmt: skip
+
+
+def ggn_blocks(model: nn.Module, x: Tensor, loss, target: Tensor, factors) -> dict:
+    """For each factored weight, the GGN ``Jᵀ H J`` of ``cat([W, b[:, None]], 1)`` (the
+    weight as the factors' matrix: ``[out, in·k]``, or ``W.transpose(0, 1)`` for a transposed
+    convolution) flattened, ``J`` the Jacobian of the flattened output and ``H`` the loss's
+    Hessian with respect to it (``torch.func``)."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    out = model(x).detach()
+
+    def flat_output(ps):
+        return functional_call(model, ps, (x,)).flatten()
+
+    J = jacrev(flat_output)(params)  # {name: [outputs, *shape]}
+    H = hessian(lambda o: loss(o.reshape(out.shape), target))(out.flatten())
+    blocks = {}
+    for name, f in factors.items():
+        JW = J[name]
+        if f.layout == "in_out":
+            JW = JW.transpose(1, 2)
+        JW = JW.reshape(JW.shape[0], JW.shape[1], -1)  # [outputs, out, in·k]
+        if f.bias:
+            JW = torch.cat([JW, J[f.bias_name][..., None]], 2)
+        Jt = JW.flatten(1)
+        blocks[name] = Jt.T @ H @ Jt
+    return blocks
+
+
+@pytest.mark.parametrize("name", BATCH_OF_ONE)
+def test_backpack_kflr_of_one_example_is_its_ggn_block(name):
+    """BackPACK's ``test_kflr_equals_ggn`` (``test/extensions/secondorder/hbp/test_kflr.py``
+    on ``kfac_settings.py``'s batch-of-one networks; its ``test_kfac_should_approx_ggn_
+    montecarlo`` checks the Monte-Carlo ``KFAC`` against the same): for one example, a layer
+    without weight sharing (a Linear; a convolution or transposed convolution whose output
+    has one position) has ``kron(G, A)`` equal to its block of the GGN, exactly. gradhooks'
+    ``fisher="exact"`` factors (bias column included, so the block is the weight's and bias's
+    together) against ``Jᵀ H J`` by ``torch.func``, for MSE, cross-entropy, BCE with logits
+    on binary and non-binary labels, and through skip connections."""
+    make_model, shape, loss, make_target = BATCH_OF_ONE[name]
+    model = seeded(make_model).to(D)
+    torch.manual_seed(1)
+    x, target = torch.rand(shape, dtype=D), make_target()
+    factors = gradhooks.kfac(model, x, target, fisher="exact", loss=loss, reduction="sum")
+    weights = {n for n, p in model.named_parameters() if p.dim() > 1}
+    assert set(factors) == weights, "every weight is factored"
+    for n, block in ggn_blocks(model, x, loss, target, factors).items():
+        f = factors[n]
+        assert_close(torch.kron(f.G, f.A), block, f"{name}: kron(G, A) of {n}")
+
+
+# == kfac-pytorch: tests/layers/modules_test.py, tests/layers/layers_test.py ===========================
+
+
+def captured(model: nn.Module, layer: nn.Module, x: Tensor, loss) -> tuple[Tensor, Tensor]:
+    """The input of ``layer`` and the gradient of the batch's ``loss`` with respect to its
+    output, as kfac-pytorch's module hooks save them (a forward of ``model`` without
+    gradhooks)."""
+    seen = {}
+    handle = layer.register_forward_hook(lambda m, inputs, out: seen.update(a=inputs[0], y=out))
+    try:
+        out = model(x)
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(loss(out), seen["y"])
+    return seen["a"].detach(), g
+
+
+def kfac_pytorch_factors(layer: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """kfac-pytorch's ``get_a_factor`` / ``get_g_factor`` (``kfac/layers/modules.py``, with
+    ``get_cov`` and ``append_bias_ones`` of ``kfac/layers/utils.py``), rewritten: a Linear's
+    rows as they are; a Conv2d's patches (``[batch, out_h, out_w, in·kh·kw]``, padded, strided)
+    and output-gradients as rows, each divided by the output positions; ``A = aᵀa / rows``,
+    ``G = gᵀg / rows``."""
+    if isinstance(layer, nn.Conv2d):
+        positions = g.shape[2] * g.shape[3]
+        ph, pw = layer.padding
+        patches = F.pad(a, (pw, pw, ph, ph))
+        patches = patches.unfold(2, layer.kernel_size[0], layer.stride[0])
+        patches = patches.unfold(3, layer.kernel_size[1], layer.stride[1])
+        a = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, patches[0, :, 0, 0].numel())
+        g = g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+    else:
+        positions = 1
+        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    if layer.bias is not None:
+        a = torch.cat([a, a.new_ones(a.shape[0], 1)], 1)
+    a, g = a / positions, g / positions
+    return a.T @ a / a.shape[0], g.T @ g / g.shape[0]
+
+
+MODULE_HELPERS = {  # modules_test.py's parameters
+    "conv-k2-s1-p0-bias": (lambda: nn.Conv2d(3, 5, 2, 1, 0), (4, 3, 10, 10)),
+    "conv-k3-s2-p1-no-bias": (lambda: nn.Conv2d(3, 5, 3, 2, 1, bias=False), (4, 3, 10, 10)),
+    "linear-bias": (lambda: nn.Linear(5, 3), (4, 5)),
+    "linear-no-bias": (lambda: nn.Linear(5, 3, bias=False), (4, 5)),
+}
+
+
+@pytest.mark.parametrize("name", MODULE_HELPERS)
+def test_kfac_pytorch_module_helper_factors(name):
+    """kfac-pytorch's ``test_conv2d_module`` / ``test_linear_module``
+    (``tests/layers/modules_test.py``): the factors' shapes (``in·k·k + bias`` and ``out``)
+    and the merged gradient ``[out, in·k·k + 1]`` (bias last), and the factors themselves by
+    its recipe on the layer's saved input and output-gradient. Its scalings in gradhooks'
+    terms (a sum-reduced loss, whose output-gradients are each example's own; ``S`` output
+    positions, ``B`` examples): ``A = A_gradhooks / S²``, ``G = G_gradhooks("sum") / (B·S³)``,
+    gradhooks' ``expand`` convention (positions as examples). Its loss, ``(out -
+    target).sum()``, has the same output-gradient for every position; a squared error here."""
+    make_layer, shape = MODULE_HELPERS[name]
+    layer = seeded(make_layer).to(D)
+    torch.manual_seed(1)
+    x = torch.rand(shape, dtype=D)
+    target = torch.rand_like(layer(x))
+
+    def loss(out, t=target):
+        return (out - t).pow(2).sum()
+
+    factors = gradhooks.kfac(layer, x, target, fisher="empirical", loss=loss, reduction="sum")
+    f = factors["weight"]
+    bias = layer.bias is not None
+    in_features = layer.weight[0].numel()
+    assert f.bias == bias and f.A.shape == (in_features + bias,) * 2
+    assert f.G.shape == (layer.weight.shape[0],) * 2
+
+    A, G = kfac_pytorch_factors(layer, *captured(layer, layer, x, loss))
+    S, B = target[0, 0].numel() if target.dim() > 2 else 1, shape[0]
+    assert_close(f.A / S**2, A, f"{name}: A")
+    assert_close(f.G / (B * S**3), G, f"{name}: G")
+
+    loss(layer(x)).backward()
+    merged = layer.weight.grad.flatten(1).clone()  # (preconditioned in place below)
+    if bias:
+        merged = torch.cat([merged, layer.bias.grad[:, None]], 1)
+    assert merged.shape == (layer.weight.shape[0], in_features + bias)
+    gradhooks.kfac_precondition(layer, factors, damping=1e-3)
+    inverse = f.inverse(damping=1e-3)
+    got = layer.weight.grad.flatten(1)
+    if bias:
+        got = torch.cat([got, layer.bias.grad[:, None]], 1)
+    assert_close(got, inverse.apply(merged), f"{name}: the merged gradient, preconditioned")
+
+
+class KfacNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_kfac_pytorch_eigen_layer_preconditioning_is_the_damped_solve():
+    """kfac-pytorch's ``test_preconditioning_step`` for ``KFACEigenLayer``
+    (``tests/layers/layers_test.py``; ``kfac/layers/eigen.py``): the merged gradient
+    ``[out, in + 1]`` preconditioned in the eigenbases of the factors, ``QG ((QGᵀ grad QA) /
+    (dG dAᵀ + λ)) QAᵀ``, the exact solve of ``(kron(G, A) + λI) vec = vec(grad)``; with
+    ``prediv_eigenvalues`` the same numbers. ``kfac_precondition`` against it for a
+    convolution and a Linear (the gradient changes, as its test asserts)."""
+    model = seeded(KfacNet).to(D)
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 2, 8, 8, dtype=D), torch.randint(5, (6,))
+    damping = 1e-2
+    factors = gradhooks.kfac(model, x, fisher="exact")
+    F.cross_entropy(model(x), y).backward()
+    merged = {
+        n: torch.cat([m.weight.grad.flatten(1), m.bias.grad[:, None]], 1)
+        for n, m in [("conv", model.conv), ("fc", model.fc)]
+    }
+    want = {}
+    for n, grad in merged.items():
+        f = factors[f"{n}.weight"]
+        dA, QA = torch.linalg.eigh(f.A)
+        dG, QG = torch.linalg.eigh(f.G)
+        v1 = QG.T @ grad @ QA
+        want[n] = QG @ (v1 / (dG[:, None] * dA[None, :] + damping)) @ QA.T
+        prediv = QG @ (v1 * (1 / (dG[:, None] * dA[None, :] + damping))) @ QA.T
+        assert_close(prediv, want[n], f"{n}: prediv_eigenvalues")
+    gradhooks.kfac_precondition(model, factors, damping=damping)
+    for n, m in [("conv", model.conv), ("fc", model.fc)]:
+        got = torch.cat([m.weight.grad.flatten(1), m.bias.grad[:, None]], 1)
+        assert not torch.allclose(got, merged[n]), f"{n}: the gradient changed"
+        assert_close(got, want[n], f"{n}: preconditioned gradient")
