@@ -521,3 +521,182 @@ def test_kfac_pytorch_eigen_layer_preconditioning_is_the_damped_solve():
         got = torch.cat([m.weight.grad.flatten(1), m.bias.grad[:, None]], 1)
         assert not torch.allclose(got, merged[n]), f"{n}: the gradient changed"
         assert_close(got, want[n], f"{n}: preconditioned gradient")
+
+
+# == Opacus: tests/module_validator_test.py, tests/privacy_engine_validation_test.py =============
+
+
+class NonLearnableBN(nn.Module):
+    """Opacus' ``SampleNetWithNonLearnableBN`` (``test_is_valid_non_learnable_bn``): a batch
+    norm whose affine parameters are frozen and one without (``affine=False``), each after a
+    convolution (its second convolution's input channels made to fit the first's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 3, 4, 4)
+        self.b1 = nn.BatchNorm2d(3)
+        self.c2 = nn.Conv2d(3, 3, 1)
+        self.b2 = nn.BatchNorm2d(3, affine=False)
+        self.b1.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b2(self.c2(self.b1(self.c1(x)))).flatten(1)
+
+
+def test_opacus_batch_norm_without_learnable_parameters_still_mixes_the_examples():
+    """Opacus' ``ModuleValidator`` accepts a model whose batch norms have nothing to learn
+    (``module_validator_test.py``, ``test_is_valid_non_learnable_bn``), but in training they
+    normalize each example by the batch's statistics, so the convolutions' per-example
+    gradients do not exist: gradhooks refuses the backward, naming the batch norm. In eval
+    mode, and after ``convert_batch_norm`` (Opacus' ``ModuleValidator.fix``: a group norm in
+    each place, ``affine`` kept), ``grad1`` is the oracle's."""
+    model = seeded(NonLearnableBN).to(D)
+    torch.manual_seed(1)
+    x = torch.randn(6, 8, 8, 8, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.MixedExamplesError, match="b1"):
+            sq(model(x)).backward()
+    model.zero_grad()
+    gradhooks.clear_grad1(model)
+
+    model.eval()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, vmap_grad(model, sq, x, None), "eval", frozen_clean=True)
+
+    model.train()
+    gradhooks.clear_grad1(model)
+    gradhooks.convert_batch_norm(model)
+    assert isinstance(model.b1, nn.GroupNorm) and isinstance(model.b2, nn.GroupNorm)
+    assert model.b2.weight is None and not model.b1.weight.requires_grad
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, vmap_grad(model, sq, x, None), "converted", frozen_clean=True)
+
+
+@pytest.mark.parametrize("num_groups, want", [(None, 16), (4, 4), (5, None)])
+def test_opacus_fix_batch_norm_with_a_number_of_groups(num_groups, want):
+    """Opacus' ``test_fix_bn_with_args`` (``module_validator_test.py``): a ``BatchNorm2d(16)``
+    becomes a ``GroupNorm`` of 16 groups by default (``gcd(32, 16)``) or of the
+    ``num_groups`` asked; one that does not divide the channels is refused, with nothing
+    changed. (Its ``replace_bn_with_in=True``, an ``InstanceNorm2d``, gradhooks does not
+    offer.) The converted layer's ``grad1`` is the oracle's."""
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 8))
+    model.add_module("bn", nn.BatchNorm2d(16))
+    model = model.to(D)
+    if want is None:
+        with pytest.raises(gradhooks.ConfigurationError, match="num_groups"):
+            gradhooks.convert_batch_norm(model, num_groups=num_groups)
+        assert isinstance(model.bn, nn.BatchNorm2d), "nothing changed"
+        return
+    gradhooks.convert_batch_norm(model, num_groups=num_groups)
+    assert isinstance(model.bn, nn.GroupNorm) and model.bn.num_groups == want
+    norm = model.bn
+    with torch.no_grad():
+        norm.weight.uniform_()
+        norm.bias.uniform_()
+    torch.manual_seed(1)
+    x = torch.randn(3, 16, 4, 5, dtype=D)
+    with gradhooks.add_hooks(norm, loss_reduction="sum"):
+        sq(norm(x).pow(2)).backward()
+    assert_grad1(norm, vmap_grad(norm, lambda o, t=None: sq(o.pow(2)), x, None), f"{want} groups")
+
+
+class BasicSupportedModule(nn.Module):
+    """Opacus' ``BasicSupportedModule`` (``tests/utils.py``): a Conv1d, a GroupNorm, a Linear
+    over the last dimension and a LayerNorm over the last two, on ``[batch, 16, 5]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 8, 2)
+        self.gn = nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(4, 8)
+        self.ln = nn.LayerNorm([8, 8])
+
+    def forward(self, x):
+        return self.ln(self.fc(self.gn(self.conv(x))))
+
+
+class CustomLinearModule(nn.Module):
+    """Opacus' ``CustomLinearModule``: ``F.linear`` on its own ``_weight`` and ``_bias``."""
+
+    def __init__(self, in_features: int = 5, out_features: int = 8):
+        super().__init__()
+        self._weight = nn.Parameter(torch.randn(out_features, in_features))
+        self._bias = nn.Parameter(torch.randn(out_features))
+
+    def forward(self, x):
+        return F.linear(x, self._weight, self._bias)
+
+
+class MatmulModule(nn.Module):
+    """Opacus' ``MatmulModule``: ``torch.matmul`` by a parameter ``[in, out]``, which its hooks
+    mode hands to functorch and its ExpandedWeights mode refuses."""
+
+    def __init__(self, input_features: int = 5, output_features: int = 8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(input_features, output_features))
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight)
+
+
+class LinearWithExtraParam(nn.Module):
+    """Opacus' ``LinearWithExtraParam``: a Linear, then ``matmul`` by a parameter of the
+    parent module."""
+
+    def __init__(self, in_features: int = 5, out_features: int = 8, hidden_dim: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(in_features, hidden_dim)
+        self.extra_param = nn.Parameter(torch.randn(hidden_dim, out_features))
+
+    def forward(self, x):
+        return self.fc(x).matmul(self.extra_param)
+
+
+def frozen_extra() -> nn.Module:
+    model = LinearWithExtraParam()
+    model.extra_param.requires_grad_(False)
+    return model
+
+
+VALIDATION_MODULES = {
+    "basic-supported": BasicSupportedModule,
+    "custom-linear": CustomLinearModule,
+    "matmul": MatmulModule,
+    "extra-param": LinearWithExtraParam,
+    "extra-param-frozen": frozen_extra,
+}
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
+@pytest.mark.parametrize("name", VALIDATION_MODULES)
+def test_opacus_privacy_engine_validation_modules_dp_step(name, method):
+    """Opacus' ``privacy_engine_validation_test.py`` runs ``make_private`` on the modules of
+    its ``tests/utils.py`` (in hooks mode, ``MatmulModule`` and the extra parameter go to
+    functorch; in ExpandedWeights mode ``MatmulModule`` fails at the forward; with the extra
+    parameter frozen, hooks alone) on ``[batch, 16, 5]`` inputs. Here a DP step of each (no
+    noise, a bound between the examples' norms) by every clipping method against the clipped
+    mean of the per-example gradients by ``vmap(grad)``."""
+    model = seeded(VALIDATION_MODULES[name]).to(D)
+    torch.manual_seed(1)
+    x = torch.randn(10, 16, 5, dtype=D)
+    want = vmap_grad(model, sq, x, None)
+    names = list(trainable(model))
+    norms = torch.cat([want[n].flatten(1) for n in names], 1).norm(dim=1)
+    C = norms.median().item()
+    factors = (C / norms).clamp(max=1.0)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        out = model(x)
+        losses = 0.5 * out.pow(2).flatten(1).sum(1)
+        got = gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=0.0, method=method)
+    assert (norms > C).any() and (norms < C).any(), "both clipped and unclipped examples"
+    assert_close(got, norms, f"{name}, {method}: norms")
+    for n, p in model.named_parameters():
+        if n not in names:
+            assert p.grad is None, f"{name}: frozen {n} has a gradient"
+            continue
+        clipped = torch.einsum("b,b...->...", factors, want[n]) / len(x)
+        assert_close(p.grad, clipped, f"{name}, {method}: clipped mean of {n}")
