@@ -700,3 +700,77 @@ def test_opacus_privacy_engine_validation_modules_dp_step(name, method):
             continue
         clipped = torch.einsum("b,b...->...", factors, want[n]) / len(x)
         assert_close(p.grad, clipped, f"{name}, {method}: clipped mean of {n}")
+
+
+# == BackPACK: hbp's settings its KFAC / KFLR refuse (secondorder_settings.py) ====================
+
+# GROUP_CONV_SETTINGS: (layer, arguments as BackPACK passes them, input shape)
+GROUPED = {
+    "conv1d": (nn.Conv1d, (6, 4, 2, 1, 0, 1, 2), (3, 6, 7)),
+    "conv2d": (nn.Conv2d, (6, 3, 2, 1, 0, 1, 3), (3, 6, 7, 5)),
+    "conv3d": (nn.Conv3d, (4, 2, 2, 1, 0, 2, 2), (3, 4, 7, 5, 6)),
+    "convtranspose1d": (nn.ConvTranspose1d, (6, 3, 2, 4, 2, 0, 3, True, 3), (3, 6, 8)),
+    "convtranspose2d": (nn.ConvTranspose2d, (4, 2, 2, 1, 0, 0, 2, True, 2), (3, 4, 9, 9)),
+    "convtranspose3d": (
+        nn.ConvTranspose3d, (4, 2, (2, 2, 1), 2, 2, 0, 2, True, 2), (3, 4, 3, 5, 5),
+    ),
+}  # fmt: skip
+
+
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+class SplitGroups(nn.Module):
+    """A grouped (transposed) convolution as one ungrouped layer per group, each on its
+    group's input channels, their outputs concatenated: the same function."""
+
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        g, transposed = conv.groups, isinstance(conv, TRANSPOSED)
+        cin, cout = conv.in_channels // g, conv.out_channels // g
+        self.cin, self.parts = cin, nn.ModuleList()
+        for k in range(g):
+            part = type(conv)(
+                cin, cout, conv.kernel_size, conv.stride, conv.padding,
+                **(dict(output_padding=conv.output_padding) if transposed else {}),
+                dilation=conv.dilation, bias=conv.bias is not None, dtype=conv.weight.dtype,
+            )  # fmt: skip
+            rows = slice(k * cin, (k + 1) * cin) if transposed else slice(k * cout, (k + 1) * cout)
+            with torch.no_grad():
+                part.weight.copy_(conv.weight[rows])
+                if conv.bias is not None:
+                    part.bias.copy_(conv.bias[k * cout : (k + 1) * cout])
+            self.parts.append(part)
+
+    def forward(self, x):
+        return torch.cat(
+            [p(x[:, k * self.cin : (k + 1) * self.cin]) for k, p in enumerate(self.parts)], 1
+        )
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_backpack_kfac_of_grouped_convolutions_is_that_of_each_group(name):
+    """BackPACK's ``KFAC`` / ``KFLR`` / ``KFRA`` refuse grouped convolutions
+    (``test_kfac_not_supported`` on ``GROUP_CONV_SETTINGS``, ``test/extensions/secondorder/
+    secondorder_settings.py``: a ReLU CNN with a frozen Linear head, cross-entropy summed).
+    gradhooks factors each group (``A`` ``[groups, in/groups·k, ...]``, ``G`` ``[groups,
+    out/groups, ...]``): the same network with the layer split into one convolution per group
+    has, for each part, the factors of that group, for its settings (strided, dilated,
+    transposed with a stride above the kernel)."""
+    layer, args, shape = GROUPED[name]
+    torch.manual_seed(0)
+    conv = layer(*args).to(D)
+    torch.manual_seed(1)
+    x, y = torch.rand(shape, dtype=D), torch.randint(5, (shape[0],))
+    features = conv(x)[0].numel()
+    head = nn.Linear(features, 5).to(D).requires_grad_(False)
+    grouped = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), head)
+    split = nn.Sequential(SplitGroups(conv), nn.ReLU(), nn.Flatten(), head)
+    assert_close(split(x), grouped(x), "the split network is the same function")
+    got = gradhooks.kfac(grouped, x, y, fisher="exact", reduction="sum")["0.weight"]
+    parts = gradhooks.kfac(split, x, y, fisher="exact", reduction="sum")
+    assert got.A.shape[0] == conv.groups
+    for k in range(conv.groups):
+        want = parts[f"0.parts.{k}.weight"]
+        assert_close(got.A[k], want.A, f"{name}: A of group {k}")
+        assert_close(got.G[k], want.G, f"{name}: G of group {k}")
