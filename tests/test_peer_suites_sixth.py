@@ -774,3 +774,138 @@ def test_backpack_kfac_of_grouped_convolutions_is_that_of_each_group(name):
         want = parts[f"0.parts.{k}.weight"]
         assert_close(got.A[k], want.A, f"{name}: A of group {k}")
         assert_close(got.G[k], want.G, f"{name}: G of group {k}")
+
+
+# == BackPACK: test/converter/converter_cases.py =================================================
+
+
+class InplaceActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.relu, self.linear2 = (
+            nn.Linear(3, 2),
+            nn.ReLU(inplace=True),
+            nn.Linear(2, 2),
+        )
+
+    def forward(self, x):
+        return self.linear2(self.relu(self.linear(x)))
+
+
+class MultipleUsages(nn.Module):
+    """One parameter-free ReLU module used in three places."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.relu, self.linear2 = nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.relu(self.linear2(self.relu(self.linear(self.relu(x)))))
+
+
+class FlattenNetwork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.linear2 = nn.Linear(4, 3), nn.Linear(2 * 3, 3)
+
+    def forward(self, x):
+        return self.linear2(torch.flatten(self.linear(x), 2)).flatten(1)
+
+
+class Multiply(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return (0.5 * self.linear(x * 2.5)).multiply(3.1415)
+
+
+class Add(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.linear1, self.linear2 = nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = self.linear(x)
+        x1, x2 = self.linear1(x), self.linear2(x)
+        return torch.relu(x1 + x2).add(x2)
+
+
+class Permute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.linear2 = nn.Linear(3, 2), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return torch.permute(self.linear2(self.linear(x).permute(0, 2, 1)), (0, 2, 1))
+
+
+class Transpose(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.linear2 = nn.Linear(3, 2), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return torch.transpose(self.linear2(self.linear(x).transpose(1, 2)), 1, 2)
+
+
+class TolstoiCharRNN(nn.Module):
+    """Its character RNN (smaller): an Embedding, dropout, a two-layer LSTM (or RNN) whose
+    input-hidden biases are zero and frozen, a Linear, the classes moved to dimension 1."""
+
+    def __init__(self, rnn: type[nn.Module] = nn.LSTM):
+        super().__init__()
+        self.embedding, self.dropout = nn.Embedding(25, 16), nn.Dropout(0.2)
+        self.lstm = rnn(16, 16, num_layers=2, dropout=0.36, batch_first=True)
+        for name in ("bias_ih_l0", "bias_ih_l1"):
+            bias = getattr(self.lstm, name)
+            with torch.no_grad():
+                bias.zero_()
+            bias.requires_grad_(False)
+        self.dense = nn.Linear(16, 25)
+
+    def forward(self, x):
+        x, _ = self.lstm(self.dropout(self.embedding(x)))
+        return self.dense(self.dropout(x)).permute(0, 2, 1)
+
+
+CONVERTER = {  # (network, input, classes-first cross-entropy or MSE)
+    "inplace-activation": (InplaceActivation, lambda: torch.rand(3, 3, dtype=D), False),
+    "multiple-usages": (MultipleUsages, lambda: torch.rand(3, 3, dtype=D), False),
+    "flatten": (FlattenNetwork, lambda: torch.rand(3, 2, 2, 4, dtype=D), False),
+    "multiply": (Multiply, lambda: torch.rand(2, 4, dtype=D), False),
+    "add": (Add, lambda: torch.rand(3, 3, dtype=D), False),
+    "permute": (Permute, lambda: torch.rand(3, 5, 3, dtype=D), True),
+    "transpose": (Transpose, lambda: torch.rand(3, 5, 3, dtype=D), True),
+    "tolstoi-lstm": (TolstoiCharRNN, lambda: torch.randint(0, 25, (4, 7)), True),
+    "tolstoi-rnn": (lambda: TolstoiCharRNN(nn.RNN), lambda: torch.randint(0, 25, (4, 7)), True),
+}
+
+
+@pytest.mark.parametrize("name", CONVERTER)
+def test_backpack_converter_networks(name):
+    """BackPACK's converter cases (``test/converter/converter_cases.py``, ``test_converter.py``:
+    networks written with torch functions and tensor methods, which BackPACK must first
+    convert to modules): an in-place ReLU, one ReLU module used three times, ``flatten``,
+    scalar multiplications, additions of branches, ``permute`` and ``transpose`` between
+    Linears (a cross-entropy with the classes on dimension 1, per position), and its
+    Tolstoi character LSTM and RNN (in eval: their dropout between layers is refused in
+    training). gradhooks follows the batch through them as written; ``grad1`` against
+    ``vmap(grad)`` under a summed MSE or cross-entropy. (Its ResNet-18 and wide ResNet-50
+    cases need torchvision; a ResNet is in :mod:`test_peer_suites_more`.)"""
+    make_model, make_input, classes_first = CONVERTER[name]
+    model = seeded(make_model).to(D).eval()
+    torch.manual_seed(1)
+    x = make_input()
+    out = model(x)
+    if classes_first:
+        target = torch.randint(out.shape[1], (out.shape[0], *out.shape[2:]))
+        loss = cross_entropy
+    else:
+        target = torch.rand_like(out)
+        loss = mse
+    want = vmap_grad(model, loss, x, target)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x), target).backward()
+    assert_grad1(model, want, name, frozen_clean=True)
