@@ -909,3 +909,70 @@ def test_backpack_converter_networks(name):
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         loss(model(x), target).backward()
     assert_grad1(model, want, name, frozen_clean=True)
+
+
+# == Opacus: tests/accountants_test.py (state_dict, load_state_dict) ===============================
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        {"1": 2},
+        {"history": []},
+        {"method": "pld", "history": []},
+        {"method": "rdp"},
+        {"method": "rdp", "history": None},
+        {"method": "rdp", "history": [[1.5, 0.04]]},
+        {"method": "rdp", "history": [[1.5, 0.04, 2.5]]},
+    ],
+    ids=["empty", "other-keys", "no-method", "other-method", "no-history", "history-none",
+         "short-entry", "fractional-steps"],
+)  # fmt: skip
+def test_opacus_accountant_load_state_dict_refuses_what_is_not_its_checkpoint(state):
+    """Opacus' ``test_accountant_load_state_dict`` (``tests/accountants_test.py``): loading
+    ``{}``, ``{"1": 2}``, ``{"history": []}`` or another accountant's state raises a
+    ``ValueError``. gradhooks' ``PrivacyAccountant.load_state_dict`` raises its
+    ``ConfigurationError`` (a ``ValueError``) for those and for a checkpoint of the right
+    method whose history is missing or malformed (an entry without its steps; a fractional
+    number of steps, which ``int`` would have truncated, under-counting the privacy spent),
+    and leaves the accountant's history as it was."""
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=1.5, sample_rate=0.04, steps=10)
+    with pytest.raises(gradhooks.ConfigurationError):
+        accountant.load_state_dict(state)
+    assert accountant.history == [(1.5, 0.04, 10)], "history unchanged"
+
+
+def test_opacus_accountant_state_dict_round_trip_continues_the_run():
+    """Opacus' ``test_accountant_state_dict`` and ``test_accountant_load_state_dict``: the
+    state's history equals the accountant's but is not the same object (changing one leaves the
+    other), a new accountant loaded from it reports the same ε, and going on recording after
+    the load gives the ε of the whole run (σ = 1.5, q = 0.04, 2250 steps, 1000 of them after
+    the checkpoint; against one accountant that recorded every step, and against
+    dp-accounting's RDP accountant given the whole run)."""
+    pytest.importorskip("dp_accounting")
+    sigma, q, steps, delta = 1.5, 0.04, int(90 / 0.04), 1e-5
+    first = gradhooks.PrivacyAccountant()
+    first.step(noise_multiplier=sigma, sample_rate=q, steps=steps - 1000)
+    state = first.state_dict()
+    assert [tuple(e) for e in state["history"]] == first.history
+    state["history"][0][2] += 1
+    assert first.steps == steps - 1000, "the state is a copy"
+
+    second = gradhooks.PrivacyAccountant()
+    assert second.state_dict() != first.state_dict()
+    second.load_state_dict(first.state_dict())
+    assert second.epsilon(delta) == first.epsilon(delta)
+    for _ in range(1000):
+        second.step(noise_multiplier=sigma, sample_rate=q)
+    whole = gradhooks.PrivacyAccountant()
+    whole.step(noise_multiplier=sigma, sample_rate=q, steps=steps)
+    assert second.history == whole.history == [(sigma, q, steps)]
+
+    import dp_accounting
+
+    reference = dp_accounting.rdp.RdpAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    reference.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    assert second.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-12)
