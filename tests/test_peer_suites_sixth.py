@@ -976,3 +976,77 @@ def test_opacus_accountant_state_dict_round_trip_continues_the_run():
     event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
     reference.compose(dp_accounting.SelfComposedDpEvent(event, steps))
     assert second.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-12)
+
+
+# == BackPACK: test/test_retain_graph.py, test/extensions/graph_clear_test.py =====================
+
+
+def test_backpack_retain_graph_per_component_gradients():
+    """BackPACK's ``test_for_loop_replace`` (``test/test_retain_graph.py``): per-example
+    gradients of each output component of a Linear ``[5, 3]``, one backward of
+    ``A[:, i]`` per component on the retained graph, against autograd's gradient of each
+    ``A[b, i]`` alone. ``grad1`` adds up over backwards like ``.grad``: ``zero_grad`` between
+    components gives each component's; without it, the sum over the components."""
+    torch.manual_seed(0)
+    x, fc = torch.randn(5, 2, dtype=D), nn.Linear(2, 3).to(D)
+    A = fc(x)
+    want = torch.stack([
+        torch.stack([torch.autograd.grad(A[b, i], fc.weight, retain_graph=True)[0] for i in range(3)])
+        for b in range(5)
+    ])  # fmt: skip
+    got = torch.zeros_like(want)
+    with gradhooks.add_hooks(fc, loss_reduction="sum"):
+        A = fc(x)
+        for i in range(3):
+            fc.zero_grad()
+            A[:, i].backward(torch.ones_like(A[:, i]), retain_graph=True)
+            got[:, i] = fc.weight.grad1
+        assert_close(got, want, "grad1 of each component")
+        fc.zero_grad()
+        for i in range(3):
+            A[:, i].backward(torch.ones_like(A[:, i]), retain_graph=True)
+        assert_close(fc.weight.grad1, want.sum(1), "grad1 summed over the components")
+
+
+GRAPH_CLEAR = {  # graph_clear_test.py's problems: (network, input shape)
+    "standard": (lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4)), (2, 3)),
+    "flatten-no-op": (lambda: nn.Sequential(nn.Linear(3, 4), nn.Flatten(), nn.Linear(4, 4)), (2, 3)),
+    "flatten-with-op": (
+        lambda: nn.Sequential(nn.Linear(3, 4), nn.Flatten(), nn.Linear(12, 4)), (2, 3, 3),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", GRAPH_CLEAR)
+def test_backpack_nothing_kept_after_the_last_backward(name):
+    """BackPACK's ``test_retain_graph`` (its modules keep no input or output after a
+    backward, and keep them after ``retain_graph=True``) and ``test_graph_clear``
+    (``test/extensions/graph_clear_test.py``: no saved quantities after the backward) on its
+    three problems. The hidden activation (the second Linear's input, which the hooks capture)
+    is alive while the graph is retained, ``grad1`` is right at every backward, and once the
+    last backward has run without ``retain_graph`` nothing holds the activation, the handle
+    still open."""
+    import gc
+    import weakref
+
+    make_model, shape = GRAPH_CLEAR[name]
+    model = seeded(make_model).to(D)
+    torch.manual_seed(1)
+    x = torch.rand(shape, dtype=D)
+    seen = []
+    model[-1].register_forward_pre_hook(lambda m, inputs: seen.append(weakref.ref(inputs[0])))
+    want = vmap_grad(model, sq, x, None)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss = sq(model(x))
+        for k in range(1, 4):
+            model.zero_grad()
+            loss.backward(retain_graph=True)
+            gc.collect()
+            assert seen[-1]() is not None, "kept while the graph is retained"
+            assert_grad1(model, want, f"{name}: backward {k} of a retained graph")
+        model.zero_grad()
+        loss.backward()
+        assert_grad1(model, want, f"{name}: the last backward")
+        del loss
+        gc.collect()
+        assert seen[-1]() is None, "the activation is freed after the last backward"
