@@ -1136,3 +1136,38 @@ def test_kfac_pytorch_training_schedule_of_factors_and_inverses():
     assert losses == pytest.approx(want, rel=1e-9)
     for (n, p), q in zip(model.named_parameters(), by_hand.parameters()):
         assert_close(p, q, f"{n} after 20 steps")
+
+
+# == dp-transformers: tests/test_dp_utils.py (find_noise_multiplier) ===============================
+
+
+@pytest.mark.parametrize(
+    "sample_rate, steps, epsilon, delta",
+    [
+        (2e-3, 10_000, 4.0, 1e-7),
+        (256 / 50_000, int(50 * 50_000 / 256), 10.0, 1e-5),
+        (0.26058631921824105, 18_800, 4.0, 0.00011448277499759097),
+    ],
+    ids=["inverse", "robustness", "robustness-2"],
+)
+def test_dp_transformers_noise_multiplier_for_a_budget(sample_rate, steps, epsilon, delta):
+    """dp-transformers' ``find_noise_multiplier`` tests (``tests/test_dp_utils.py``): for
+    ``q = 2e-3``, 10,000 steps, ε = 4, δ = 1e-7 the noise multiplier lies in ``(0, 2)`` and
+    its accountant gives back ε = 4 within 0.5 (``test_inverse``, with the PRV accountant);
+    a CIFAR-like run (``q = 256/50,000``, 50 epochs, ε = 10) raises no warning
+    (``test_robustness``); a sampling rate of 0.26 over 18,800 steps does not overflow
+    (``test_robustness_2``). ``noise_multiplier_for`` (RDP) against the same: a finite
+    positive σ, without warnings, whose ε is at most the target and within 0.5 of it."""
+    pytest.importorskip("dp_accounting")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sigma = gradhooks.noise_multiplier_for(epsilon, delta, sample_rate, steps)
+    assert 0 < sigma < float("inf")
+    if epsilon == 4.0 and steps == 10_000:
+        assert sigma < 2, "a sensible range"
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=sigma, sample_rate=sample_rate, steps=steps)
+    spent = accountant.epsilon(delta)
+    assert epsilon - 0.5 < spent <= epsilon
