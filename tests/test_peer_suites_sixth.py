@@ -33,6 +33,7 @@ otherwise.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -1171,3 +1172,79 @@ def test_dp_transformers_noise_multiplier_for_a_budget(sample_rate, steps, epsil
     accountant.step(noise_multiplier=sigma, sample_rate=sample_rate, steps=steps)
     spent = accountant.epsilon(delta)
     assert epsilon - 0.5 < spent <= epsilon
+
+
+# == BackPACK: test/utils/test_conv.py; Opacus: opacus/utils/tensor_utils.py (unfold2d, unfold3d) ==
+
+FORWARD_CONVOLUTIONS = [s for s in CONVOLUTIONS if s[0] in (nn.Conv1d, nn.Conv2d, nn.Conv3d)] + [
+    (nn.Conv2d, (2, 3, 3), dict(padding=1, padding_mode="circular"), (3, 2, 5, 6)),
+    (nn.Conv1d, (2, 3, 3), dict(padding=2, padding_mode="reflect"), (3, 2, 7)),
+    (nn.Conv3d, (2, 4, 2), dict(padding=1, padding_mode="replicate", groups=2), (3, 2, 3, 4, 4)),
+    (nn.Conv1d, (2, 3, 4), dict(padding="same", dilation=2), (3, 2, 9)),
+    (nn.Conv2d, (2, 3, (2, 4)), dict(padding="same", padding_mode="circular"), (3, 2, 7, 8)),
+]
+
+
+def unfold_by_conv(x: Tensor, module: nn.Module) -> Tensor:
+    """BackPACK's ``unfold_by_conv`` (``backpack/utils/conv.py``), rewritten: the columns as a
+    convolution of each channel with one-hot kernels, one per kernel offset, rows ordered
+    (channel, offset); ``[batch, channels · prod(kernel), positions]``. The module's padding
+    is applied first as its forward applies it."""
+    kernel = module.kernel_size
+    K = math.prod(kernel)
+    channels = x.shape[1]
+    one_hot = (
+        torch.eye(K, dtype=x.dtype).reshape(K, 1, *kernel).repeat(channels, 1, *[1] * len(kernel))
+    )
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(kernel)]
+    padding = module.padding
+    if isinstance(padding, str) or module.padding_mode != "zeros":
+        if padding == "same":  # (torch puts the odd one of the total on the right)
+            total = [d * (k - 1) for d, k in zip(module.dilation, kernel)]
+        else:
+            total = [2 * p for p in padding]
+        pads = []
+        for t in reversed(total):
+            pads += [t // 2, t - t // 2]
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pads, mode=mode)
+        padding = 0
+    cols = conv(x, one_hot, None, module.stride, padding, module.dilation, groups=channels)
+    return cols.flatten(2)
+
+
+@pytest.mark.parametrize(
+    "setting", FORWARD_CONVOLUTIONS, ids=[conv_id(s) for s in FORWARD_CONVOLUTIONS]
+)
+def test_backpack_convolution_with_unfold(setting):
+    """BackPACK's ``test_unfold_by_conv`` and ``test_convolution_with_unfold``
+    (``test/utils/test_conv.py``, on its convolution settings; Opacus' ``unfold2d`` /
+    ``unfold3d`` in ``opacus/utils/tensor_utils.py`` are the same columns): the columns
+    gradhooks' convolution rule builds (``conv_input_columns``, ``[batch, in · prod(kernel),
+    positions]``) equal the one-hot-convolution unfold (and ``F.unfold`` for a 2-d
+    convolution with zero padding), and the convolution as a grouped matrix product of the
+    weight with them is the layer's output; for every forward setting of its derivatives
+    tests and for circular, reflect and replicate padding and ``padding="same"``."""
+    from gradhooks.rules.conv import conv_input_columns
+
+    layer, args, kw, shape = setting
+    module = seeded(lambda: layer(*args, **kw)).to(D)
+    torch.manual_seed(1)
+    x = torch.rand(shape, dtype=D)
+    with torch.no_grad():
+        cols = conv_input_columns(module, x)
+        assert_close(cols, unfold_by_conv(x, module), "the one-hot convolution's columns")
+        if (
+            layer is nn.Conv2d
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
+        ):
+            unfold = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+            assert_close(cols, unfold, "F.unfold")
+        out = module(x)
+        if module.bias is not None:
+            out = out - module.bias.reshape(1, -1, *[1] * (out.dim() - 2))
+        G, N, cout = module.groups, x.shape[0], out.shape[1]
+        W = module.weight.reshape(G, cout // G, -1)
+        by_matmul = torch.einsum("goi,ngip->ngop", W, cols.reshape(N, G, W.shape[2], -1))
+        assert_close(by_matmul.reshape(out.shape), out, "the convolution by its columns")
