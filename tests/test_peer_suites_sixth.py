@@ -33,8 +33,8 @@ otherwise.
 from __future__ import annotations
 
 import copy
-import math
 import dataclasses
+import math
 
 import pytest
 import torch
