@@ -7,23 +7,26 @@ gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(gra
 - BackPACK (``test/core/derivatives/*_settings.py``): every convolution setting of its
   derivatives tests (1-d to 3-d, transposed, grouped, strided past the kernel, dilated, padded
   wider than the kernel), its Linear settings over extra dimensions, its Embedding, BatchNorm
-  (in eval), LSTM and RNN settings, each layer's ``grad1``, norms and squared sums; and
-  (``test/extensions/secondorder/hbp/``) its ``KFLR`` / ``KFAC`` checks that for one example
-  the Kronecker factors are the layer's GGN block, on its batch-of-one networks (MSE,
-  cross-entropy, BCE with logits, 1-d to 3-d convolutions and transposed convolutions with a
-  single output position, skip connections);
-- kfac-pytorch (``gpauloski/kfac-pytorch``, ``tests/layers/modules_test.py``,
-  ``tests/layers/layers_test.py``): its ``LinearModuleHelper`` / ``Conv2dModuleHelper`` factors
-  (patches scaled by the positions, a ones column for the bias) as gradhooks' factors rescaled,
-  the merged ``[out, in·k·k + 1]`` gradient, and its ``KFACEigenLayer`` preconditioning (the
-  damped solve in the factors' eigenbases) against ``kfac_precondition``;
+  (in eval), LSTM and RNN settings, each layer's ``grad1``, norms and squared sums; the
+  convolution rule's columns against its ``unfold_by_conv`` (``test/utils/test_conv.py``);
+  its ``KFLR`` check that for one example the Kronecker factors are the layer's GGN block,
+  on its batch-of-one networks, and the grouped convolutions its ``KFAC`` refuses, factored
+  per group (``test/extensions/secondorder/hbp/``); the functional networks of its converter
+  (``test/converter/converter_cases.py``); backwards on a retained graph and nothing kept
+  after the last (``test/test_retain_graph.py``, ``test/extensions/graph_clear_test.py``);
+- kfac-pytorch (``gpauloski/kfac-pytorch``: ``tests/layers/modules_test.py``,
+  ``tests/layers/layers_test.py``, ``tests/training_test.py``): its ``LinearModuleHelper`` /
+  ``Conv2dModuleHelper`` factors (patches scaled by the positions, a ones column for the bias)
+  as gradhooks' factors rescaled, the merged ``[out, in·k·k + 1]`` gradient, its
+  ``KFACEigenLayer`` preconditioning against ``kfac_precondition``, and its training schedule
+  (factors every 5 steps, inverses every 10, running averages) against ``gradhooks.KFAC``;
 - Opacus (``tests/module_validator_test.py``, ``tests/privacy_engine_validation_test.py``,
-  ``tests/utils.py``): a BatchNorm without learnable parameters in training (which its
-  validator accepts) refused, then the model after ``convert_batch_norm`` (its
-  ``ModuleValidator.fix``, with and without ``num_groups``); the modules of its validation
-  tests (``BasicSupportedModule``, ``CustomLinearModule``, ``MatmulModule``,
-  ``LinearWithExtraParam`` with its extra parameter trainable or frozen) through a DP step by
-  every clipping method.
+  ``tests/utils.py``, ``tests/accountants_test.py``): a BatchNorm without learnable
+  parameters in training (which its validator accepts) refused, then the model after
+  ``convert_batch_norm`` (its ``ModuleValidator.fix``, with and without ``num_groups``); the
+  modules of its validation tests through a DP step by every clipping method; the
+  accountant's ``state_dict`` / ``load_state_dict``;
+- dp-transformers (``tests/test_dp_utils.py``): the noise multiplier for a privacy budget.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
