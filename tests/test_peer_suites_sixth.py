@@ -1251,3 +1251,91 @@ def test_backpack_convolution_with_unfold(setting):
         W = module.weight.reshape(G, cout // G, -1)
         by_matmul = torch.einsum("goi,ngip->ngop", W, cols.reshape(N, G, W.shape[2], -1))
         assert_close(by_matmul.reshape(out.shape), out, "the convolution by its columns")
+
+
+# == BackPACK: test/test_batch_first.py (Permute and the batch axis) ================================
+
+
+class Permuted(nn.Module):
+    """The batch axis moved by ``permute`` (BackPACK's ``Permute``), a layer on the last
+    dimension, the axis moved back, a Linear head. ``how``: what acts on the last dimension
+    (``"linear"``, a hooked Linear; ``"frozen"``, a frozen one; ``"functional"``,
+    ``F.linear`` by a buffer; ``"layer_norm"``; ``"matmul"``)."""
+
+    def __init__(self, perm: tuple[int, ...], back: tuple[int, ...], features: int, how: str):
+        super().__init__()
+        self.perm, self.back, self.how = perm, back, how
+        self.layer = nn.Linear(features, features)
+        self.register_buffer("W", torch.randn(features, features))
+        if how == "frozen":
+            self.layer.requires_grad_(False)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        y = x.permute(*self.perm)
+        if self.how in ("linear", "frozen"):
+            y = self.layer(y)
+        elif self.how == "functional":
+            y = F.linear(y, self.W)
+        elif self.how == "layer_norm":
+            y = F.layer_norm(y, y.shape[-1:])
+        else:
+            y = y @ self.W.T
+        return self.head(y.permute(*self.back))
+
+
+@pytest.mark.parametrize(
+    "perm, back, features", [((1, 0, 2), (1, 0, 2), 6), ((2, 0, 1), (1, 2, 0), 5)]
+)
+def test_backpack_permuted_batch_axis_is_followed(perm, back, features):
+    """BackPACK's ``test_permute_batch_axis`` (``test/test_batch_first.py``): its ``Permute``
+    refuses to move the batch axis (``Permute(1, 0, 2)``, ``Permute(2, 0, 1)``). gradhooks
+    follows it: a Linear on ``x.permute(1, 0, 2)`` (time-major) or ``x.permute(2, 0, 1)``
+    (the batch in the middle), the axis moved back, gives the oracle's ``grad1``."""
+    model = seeded(lambda: Permuted(perm, back, features, "linear")).to(D)
+    torch.manual_seed(1)
+    x = torch.randn(4, 5, 6, dtype=D)
+    want = vmap_grad(model, sq, x, None)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, f"permute{perm}")
+
+
+CONTRACTED = pytest.mark.xfail(
+    strict=True,
+    reason="the tracker's F.linear / F.layer_norm handlers (tracking/ops/nn.py, _one_example) "
+    "give a tensor whose examples they contract an unknown layout, not a mixed one: a later "
+    "layer with the batch size on dimension 0 is then presumed to hold the examples there, "
+    "so a frozen Linear, F.linear or a LayerNorm over the batch gives grad1 of each row's loss "
+    "in the mixed forward without an error, and a hooked Linear a RuleError blaming its rule. "
+    "Marking it mixed (as matmul does) fixes these but turns the clearer errors of a wrong "
+    "presumption (a 1-d input [features]: UnbatchedInputError; batch_dim=k declared on the "
+    "features: BatchNotFoundError naming batch_dim) into MixedExamplesErrors; the handler "
+    "would need to tell a batch the forward moved into the features from one the engine "
+    "presumed there (the model's input as given), which they are not told",
+)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("linear", marks=CONTRACTED),
+        pytest.param("frozen", marks=CONTRACTED),
+        pytest.param("functional", marks=CONTRACTED),
+        pytest.param("layer_norm", marks=CONTRACTED),
+        "matmul",
+    ],
+)
+def test_backpack_batch_axis_moved_into_the_features_is_refused(how):
+    """The case BackPACK's ``Permute`` guards against: the batch moved last
+    (``x.permute(1, 2, 0)``) and a Linear, ``F.linear``, a LayerNorm or ``matmul`` acting on
+    that dimension, so every output entry is computed from every example's input: per-example
+    gradients do not exist (a batch of one does not even run: the layer expects 4 features).
+    ``matmul`` is refused with a ``MixedExamplesError``; the others are not yet (see the
+    xfail's reason)."""
+    model = seeded(lambda: Permuted((1, 2, 0), (2, 0, 1), 4, how)).to(D)
+    torch.manual_seed(1)
+    x = torch.randn(4, 5, 6, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.MixedExamplesError):
+            sq(model(x)).backward()
