@@ -1301,38 +1301,17 @@ def test_backpack_permuted_batch_axis_is_followed(perm, back, features):
     assert_grad1(model, want, f"permute{perm}")
 
 
-CONTRACTED = pytest.mark.xfail(
-    strict=True,
-    reason="the tracker's F.linear / F.layer_norm handlers (tracking/ops/nn.py, _one_example) "
-    "give a tensor whose examples they contract an unknown layout, not a mixed one: a later "
-    "layer with the batch size on dimension 0 is then presumed to hold the examples there, "
-    "so a frozen Linear, F.linear or a LayerNorm over the batch gives grad1 of each row's loss "
-    "in the mixed forward without an error, and a hooked Linear a RuleError blaming its rule. "
-    "Marking it mixed (as matmul does) fixes these but turns the clearer errors of a wrong "
-    "presumption (a 1-d input [features]: UnbatchedInputError; batch_dim=k declared on the "
-    "features: BatchNotFoundError naming batch_dim) into MixedExamplesErrors; the handler "
-    "would need to tell a batch the forward moved into the features from one the engine "
-    "presumed there (the model's input as given), which they are not told",
-)
-
-
-@pytest.mark.parametrize(
-    "how",
-    [
-        pytest.param("linear", marks=CONTRACTED),
-        pytest.param("frozen", marks=CONTRACTED),
-        pytest.param("functional", marks=CONTRACTED),
-        pytest.param("layer_norm", marks=CONTRACTED),
-        "matmul",
-    ],
-)
+@pytest.mark.parametrize("how", ["linear", "frozen", "functional", "layer_norm", "matmul"])
 def test_backpack_batch_axis_moved_into_the_features_is_refused(how):
     """The case BackPACK's ``Permute`` guards against: the batch moved last
     (``x.permute(1, 2, 0)``) and a Linear, ``F.linear``, a LayerNorm or ``matmul`` acting on
     that dimension, so every output entry is computed from every example's input: per-example
     gradients do not exist (a batch of one does not even run: the layer expects 4 features).
-    ``matmul`` is refused with a ``MixedExamplesError``; the others are not yet (see the
-    xfail's reason)."""
+    Each is refused with a ``MixedExamplesError``, as ``matmul`` was: before, the tracker left
+    a tensor whose examples ``F.linear`` or ``F.layer_norm`` contracted of unknown layout, and
+    the head, presumed to hold the examples on dimension 0, got each row's gradient in the
+    mixed forward without an error (a frozen Linear, ``F.linear``, a LayerNorm), or the hooked
+    Linear a ``RuleError`` blaming its own rule."""
     model = seeded(lambda: Permuted((1, 2, 0), (2, 0, 1), 4, how)).to(D)
     torch.manual_seed(1)
     x = torch.randn(4, 5, 6, dtype=D)
