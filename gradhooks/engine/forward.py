@@ -667,8 +667,10 @@ class ForwardCapture:
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
                 tracker.add_candidate(t, lay)
-            else:
+            elif lay is PACKED:
                 tracker.set_layout(t, lay)
+            else:
+                tracker.give(t, lay)
         if self.state.batch_dim == "auto" and layouts[0][1] is not PACKED:
             tracker.note_listed(listed_with(layouts[0][0], args, kwargs))
         frame.roots = input_tensors(args, kwargs)

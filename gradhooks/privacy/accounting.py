@@ -178,10 +178,18 @@ class PrivacyAccountant:
                 f"this accountant's method is {self.method!r}, the checkpoint's is "
                 f"{state.get('method')!r}: ε by another accountant would not continue it"
             )
-        history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]
-        for entry in history:
+        entries = state.get("history")
+        if not isinstance(entries, list | tuple) or not all(
+            isinstance(e, list | tuple) and len(e) == 3 for e in entries
+        ):
+            raise ConfigurationError(
+                "the checkpoint holds no history of (noise_multiplier, sample_rate, steps) "
+                f"entries (its 'history' is {entries!r}): give load_state_dict the dictionary "
+                "that PrivacyAccountant.state_dict() returned"
+            )
+        for entry in entries:
             _check_step(*entry)
-        self.history = history
+        self.history = [(float(s), float(q), int(n)) for s, q, n in entries]
         self._composed = None
 
     @property

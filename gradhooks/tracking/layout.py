@@ -93,6 +93,11 @@ REORDER = Layout(-4)
 # a tensor whose entries depend on several examples at once (a reduction over the batch, a roll
 # along it, a product of two examples): per-example gradients through it do not exist
 MIXED = Layout(-3)
+# (a handler's answer, never a tensor's layout: the examples' dimension contracted, a Linear's
+# features or a LayerNorm's normalized dimensions; the tracker makes the result mixed, or, on
+# the model's first input as the engine took it, unknown: there the examples may not be where
+# they were presumed (a 1-d input, a batch_dim on the features), which the engine names)
+CONTRACTED = Layout(-5)
 
 
 def is_followed(lay: Layout | None) -> bool:

@@ -54,7 +54,7 @@ from . import memo
 from .aliases import aliased
 from .couplings import POWERS, arm, coupling
 from .couplings import PRODUCTS as PRODUCTS_OF
-from .layout import MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .layout import CONTRACTED, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
@@ -141,6 +141,8 @@ class Tracker(TorchFunctionMode):
         self.orders: TensorMap = TensorMap()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: TensorMap = TensorMap()
+        # the model's first input as the engine took it (:meth:`give`)
+        self.given: TensorMap = TensorMap()
         # tensors every torch function gets in place of others, by the others' ids: the
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
@@ -216,6 +218,14 @@ class Tracker(TorchFunctionMode):
             return default
         more = f", and {len(ops) - 3} more" if len(ops) > 3 else ""
         return ", ".join(ops[:3]) + more
+
+    def give(self, t: Tensor, layout: Layout) -> None:
+        """``t``, the model's first input, holds the examples on ``layout`` as the engine took
+        them (dimension 0, or ``batch_dim``): an operation that contracts that dimension of
+        ``t`` itself tells more likely that they are not there than that the model mixes them
+        (:data:`~gradhooks.tracking.layout.CONTRACTED`)."""
+        self.set_layout(t, layout)
+        self.given[t] = True
 
     def mark_mixed(self, outs: Sequence[Tensor], why: str) -> None:
         """``outs`` mix the examples, for ``why`` (named where a layer reading them is
@@ -637,6 +647,12 @@ class Tracker(TorchFunctionMode):
                     result = None
             if result is None:
                 result = output_layout(name, args, kwargs, out, layout_of, self.batch, ins)
+            if result is CONTRACTED:  # (the examples' dimension contracted)
+                if any([t in self.given for t in ins]):
+                    self.unknown[name] = None  # (the examples perhaps not where presumed)
+                    result = UNKNOWN
+                else:
+                    result = MIXED
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
@@ -1006,7 +1022,9 @@ class Tracker(TorchFunctionMode):
 
         alt = output_layout(name, args, kwargs, out, layout_of, self.batch)
         alts = alt if isinstance(alt, list) else [alt]
-        if not alts or any(a is None or a is MIXED or a is UNKNOWN for a in alts):
+        if not alts or any(
+            a is None or a is MIXED or a is UNKNOWN or a is CONTRACTED for a in alts
+        ):
             return result
         self._take_as_shared(cands)
         return alt

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from ... import _torch
-from ..layout import MIXED, UNKNOWN
+from ..layout import CONTRACTED, MIXED, UNKNOWN
 from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
 from .common import HANDLERS, NeedsBatch, carries, is_inplace, op_name, out_tensors, tensor_args
 from .names import MAYBE_SAME
@@ -186,7 +186,11 @@ def output_layout(
         if not owner_aware(name):
             return lost
         found = _output_layout(name, args, kwargs, out, layout_of, batch)
-        if found is UNKNOWN or (isinstance(found, list) and UNKNOWN in found):
+        if (
+            found is UNKNOWN
+            or found is CONTRACTED
+            or (isinstance(found, list) and UNKNOWN in found)
+        ):
             return lost
         return found
     return _output_layout(name, args, kwargs, out, layout_of, batch)

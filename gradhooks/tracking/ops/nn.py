@@ -7,7 +7,7 @@ import re
 
 from torch import Tensor
 
-from ..layout import MIXED, PACKED, UNKNOWN, Layout
+from ..layout import CONTRACTED, MIXED, PACKED, UNKNOWN, Layout
 from .common import (
     HANDLERS,
     Handler,
@@ -35,12 +35,12 @@ def _one_example(lay: Layout, out, batch: int) -> Layout:
     """The layout of the output of an operation across the dimension that holds the examples
     (a Linear's features, a LayerNorm's normalized dimensions): with one example (a batch of
     one whose batch dimension was squeezed away: ``pool(h).squeeze()`` of ``[1, C, 1, 1]`` is
-    ``[C]``) it is that example's whole, on a dimension 0 of its own; with more, not
-    followed."""
+    ``[C]``) it is that example's whole, on a dimension 0 of its own; with more, every
+    output entry is computed from every example's: :data:`CONTRACTED`."""
     o = first_tensor(out)
     if batch == 1 and lay.owners is None and o is not None and o.dim() >= 1:
         return Layout(0, 1, o.shape[0])
-    return UNKNOWN
+    return CONTRACTED
 
 
 def _linear(args, kwargs, out, layout_of, batch):
