@@ -35,7 +35,10 @@ from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_OPS", "60"))
 RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
-T, D = 3, 4  # time steps and features of every activation
+# time steps and features of every activation: never as many time steps as examples, where a
+# reshape that regroups batch and time would regroup nothing (``x.transpose(0, 1).reshape(
+# x.shape)`` is then a batch-major model turned time-major, which a batch of one is not)
+T, D = 7, 4
 TRIED: Counter = Counter()
 
 
@@ -76,6 +79,31 @@ WITHIN = {
     "chunks swapped": lambda x, lin, p: lin(torch.cat(x.chunk(2, -1)[::-1], -1)),
     "call twice": lambda x, lin, p: lin(torch.tanh(lin(x))),
     "split on batch, cat": lambda x, lin, p: torch.cat([lin(x[:1]), lin(x[1:])]),
+    "heads": lambda x, lin, p: lin(_heads(x)),
+    "masked mean over time": lambda x, lin, p: lin(_masked_mean(x)),
+    "index_add over time": lambda x, lin, p: lin(
+        torch.zeros_like(x).index_add(1, torch.arange(x.shape[1]) // 2 * 2, x)
+    ),
+    "windows": lambda x, lin, p: lin(F.pad(x.unfold(1, 2, 1).mean(-1), (0, 0, 0, 1))),
+    "sort over time": lambda x, lin, p: lin(x.sort(1).values),
+    "example mean expanded": lambda x, lin, p: lin(x.mean((1, 2), keepdim=True).expand_as(x) + x),
+    "view, transpose, reshape": lambda x, lin, p: lin(
+        x.view(*x.shape[:2], 2, 2).transpose(-1, -2).reshape(x.shape)
+    ),
+    "relu_ on a clone": lambda x, lin, p: lin(x.clone().relu_()),
+    "where by example": lambda x, lin, p: lin(torch.where(x.sum((1, 2), keepdim=True) > 0, x, -x)),
+    "normalize": lambda x, lin, p: lin(F.normalize(x, dim=-1)),
+    "permute batch and back": lambda x, lin, p: lin(
+        x[_perm(x.shape[0])][_perm(x.shape[0]).argsort()]
+    ),
+}
+
+# rows of the batch in another order through a layer, put back after it (a batch sorted by
+# length for a recurrent layer): followed, or refused; never given a number that is not the
+# loop's
+REORDERED = {
+    "sorted through a layer": lambda x, lin, p: _sorted_call(x, lin),
+    "flip batch twice": lambda x, lin, p: lin(x.flip(0).flip(0)),
 }
 
 ACROSS = {
@@ -99,7 +127,27 @@ ACROSS = {
     ),
 }
 
-OPS = {**WITHIN, **ACROSS}
+OPS = {**WITHIN, **ACROSS, **REORDERED}
+
+
+def _heads(x: Tensor) -> Tensor:
+    """Two heads of self-attention over time, split from the features and merged back."""
+    b, t, d = x.shape
+    q = x.view(b, t, 2, d // 2).transpose(1, 2)  # [b, heads, t, d / heads]
+    att = (q @ q.transpose(-1, -2)).softmax(-1) @ q
+    return att.transpose(1, 2).reshape(b, t, d)
+
+
+def _masked_mean(x: Tensor) -> Tensor:
+    """Each example's mean over its first steps (lengths from its own data), broadcast back."""
+    lengths = (x[:, :, 0].detach() > 0).sum(1).clamp(min=1)
+    mask = (torch.arange(x.shape[1]) < lengths[:, None]).unsqueeze(-1).to(x.dtype)
+    return x * mask + (x * mask).sum(1, keepdim=True) / lengths[:, None, None]
+
+
+def _sorted_call(x: Tensor, lin: nn.Module) -> Tensor:
+    order = x.detach().sum((1, 2)).argsort()
+    return lin(x[order])[order.argsort()]
 
 
 def _in_place_slice(x: Tensor) -> Tensor:
@@ -129,7 +177,7 @@ class Chain(nn.Module):
 @st.composite
 def chains(draw):
     ops = draw(st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4))
-    batch = draw(st.integers(2, 4))
+    batch = draw(st.integers(2, 4))  # (the third step takes one more: fewer than T)
     seed = draw(st.integers(0, 2**16))
     return ops, batch, seed
 
