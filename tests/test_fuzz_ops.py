@@ -254,6 +254,8 @@ FOUND = [
     # the batch's own, in order
     ["split on batch, cat", "fold time into batch", "centre over time"],
     ["split on batch, cat", "fold time into batch"],
+    # a permutation of the batch put back, then a time-major call
+    ["permute batch and back", "time-major call"],
 ]
 
 
@@ -263,6 +265,13 @@ def test_each_operation_after_the_batch_cut_and_put_back_is_followed(name):
     whatever follows is followed as on the batch itself."""
     for batch in (2, 3):
         assert run_chain(["split on batch, cat", name], batch, 0) == "match"
+
+
+@pytest.mark.parametrize("name", sorted(ACROSS))
+def test_each_operation_across_the_examples_after_a_permutation_put_back_is_refused(name):
+    """``x[perm][perm.argsort()]`` is the batch in its order again: a mean over its examples
+    (detached too, which the run-time check cannot see) is mixing there as on the batch."""
+    assert run_chain(["permute batch and back", name], 3, 0) == "refused"
 
 
 @pytest.mark.parametrize("ops", FOUND, ids=" -> ".join)

@@ -136,8 +136,8 @@ class Tracker(TorchFunctionMode):
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
-        # ... and the dimension and permutation each was reordered by (x[perm]: put back in
-        # order by x[perm][perm.argsort()])
+        # ... and the dimension and permutation each was reordered by, and the layout of the
+        # batch before (x[perm]: put back in order by x[perm][perm.argsort()])
         self.orders: TensorMap = TensorMap()
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: TensorMap = TensorMap()
@@ -672,10 +672,11 @@ class Tracker(TorchFunctionMode):
         if result is REORDER:  # (of data too: a layer on x[order] is refused, not misread)
             if reordered is None:
                 order = reorder_of(name, args, kwargs)
+                before = self._layout_of(args[0]) if args else None
                 for o in outs:
                     self.reordered[o] = name
                     if order is not None:
-                        self.orders[o] = order
+                        self.orders[o] = (*order, before)
             result = UNKNOWN  # (reordered again: taken as put back in order)
         elif reordered is not None and name not in TAKES_ORDER:
             ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
@@ -693,6 +694,11 @@ class Tracker(TorchFunctionMode):
                         self.reordered[o] = reordered
                         if order is not None:
                             self.orders[o] = order
+                elif is_followed(order[2]):
+                    # put back in order (x[perm][perm.argsort()]): the batch's layout again, on
+                    # which an operation across the examples (a mean over them, even detached)
+                    # is mixing, as on the batch itself
+                    result = order[2]
         resolved = False
         if result is MIXED and not inherited and self.lineage:
             before = result
