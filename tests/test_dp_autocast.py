@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_robust_input import UNSEEN_MIXING
+from test_robust_input import SEEN, UNSEEN_MIXING
 from torch import nn
 
 import gradhooks
@@ -163,7 +163,7 @@ def test_mixing_is_refused_under_autocast(precision, how, quantity):
     model = Between(UNSEEN_MIXING[how])
     x = torch.randn(4, 3)
     with gradhooks.add_hooks(model, quantities=(quantity,)):
-        if how == "cdist":  # (the tracker sees it mix, at the forward)
+        if how in SEEN:  # (the tracker sees it mix, at the forward)
             with pytest.raises(
                 gradhooks.MixedExamplesError, match=r"'l2' \(Linear\): its input .* across the"
             ):
@@ -184,10 +184,11 @@ def test_mixing_is_refused_under_autocast(precision, how, quantity):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("precision", list(AUTOCAST))
 def test_step_refuses_mixing_under_autocast(precision, method):
-    """dp_sgd_step's check under autocast: a layer norm over the whole batch between two
-    Linears is refused, naming the parameter, and no gradient is written."""
+    """dp_sgd_step's check under autocast: a gradient hook between two Linears that centres
+    the output-gradient over the batch (which the tracker, following the forward, cannot see)
+    is refused, naming the parameter, and no gradient is written."""
     torch.manual_seed(0)
-    model = Between(UNSEEN_MIXING["layer-norm-over-batch"])
+    model = Between(UNSEEN_MIXING["gradient-hook"])
     x = torch.randn(6, 3)
     quantity = "grad1" if method == "grad1" else "norms"
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
