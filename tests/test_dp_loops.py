@@ -158,7 +158,7 @@ def test_virtual_steps_in_physical_batches_of_at_most_three_count_logical_steps_
             for p, q in zip(model.parameters(), whole.parameters(), strict=True):
                 torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     assert accountant.steps == len(batches)
-    assert [tuple(h) for h in accountant.history] == [(0.0, sampler.sample_rate, 1)] * len(batches)
+    assert [tuple(h) for h in accountant.history] == [(0.0, sampler.sample_rate, len(batches))]
 
 
 def test_accumulation_by_hand_with_clipped_sum_and_the_noise_drawn_once():
