@@ -763,3 +763,128 @@ def test_the_noise_drawn_twice_dp_sgd_step_then_a_dp_optimizer_step_is_refused()
             opt.step()
     for p, g, w in zip(model.parameters(), grads, weights, strict=True):
         assert torch.equal(p.grad, g) and torch.equal(p, w)
+
+
+def test_bert_physical_batches_padded_each_to_its_own_length_in_one_logical_batch():
+    """Dynamic padding: each physical batch of a logical batch padded to its own longest
+    sequence (another shape at every backward), and a bfloat16 autocast forward: the step is
+    the loop's clipped sum of every example with its own padding, within bfloat16's
+    rounding."""
+    model = _bert().float()
+    twin = copy.deepcopy(model).to(D)
+    parts = [_padded(20, n=3, length=6), _padded(21, n=2, length=3)]
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), h,
+                                    max_grad_norm=0.5, noise_multiplier=0.0,
+                                    expected_batch_size=E)  # fmt: skip
+        for ids, mask, y in parts:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(input_ids=ids, attention_mask=mask)
+            opt.backward(F.cross_entropy(out.logits.float(), y, reduction="none"))
+        opt.step()
+    per = [loop_grad(twin, _classifier_loss, (ids, mask), y) for ids, mask, y in parts]
+    want, _ = clipped({n: torch.cat([p[n] for p in per]) for n in per[0]}, 0.5)
+    for n, p in model.named_parameters():
+        err = (p.grad.to(D) * E - want[n]).norm()
+        assert err <= 5 * 2**-7 * 0.5, f"{n} off by {err:.3g}"  # 5 examples, each ≤ C
+
+
+class _Tokenized(torch.utils.data.Dataset):
+    """A tokenized text data set as ``datasets.map`` leaves it: one dict per example."""
+
+    def __init__(self, n: int = 12):
+        self.ids, self.mask, self.labels = _padded(30, n=n)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        keep = self.mask[i].bool()
+        return {"input_ids": self.ids[i][keep], "labels": self.labels[i]}
+
+
+def _pad_to_longest(items):
+    """Hugging Face's ``DataCollatorWithPadding`` written out: right-padded ids, their mask
+    and the labels, in a ``BatchEncoding``."""
+    transformers = pytest.importorskip("transformers")
+    longest = max(len(it["input_ids"]) for it in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, it in enumerate(items):
+        ids[row, : len(it["input_ids"])] = it["input_ids"]
+        mask[row, : len(it["input_ids"])] = 1
+    labels = torch.stack([it["labels"] for it in items])
+    return transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+class _MaskedMeanClassifier(nn.Module):
+    """Token embeddings averaged over the attention mask, then a head: a text classifier that,
+    unlike transformers' BERT (whose attention reshapes by ``-1``), runs on 0 rows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(40, 8, dtype=D)
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).to(D)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).to(D)
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return self.head(pooled)
+
+
+def test_poisson_loader_of_batch_encodings_with_empty_draws_in_dp_steps():
+    """A Hugging Face collator's ``BatchEncoding`` batches from ``poisson_loader``, some draws
+    empty: an empty batch is a ``BatchEncoding`` of 0 rows (not the first example, which the
+    collate of one example "cut to 0 rows" held before, a ``BatchEncoding`` being no pytree
+    node), and its step is the noise alone; the others are the loop's clipped sums."""
+    data_set = _Tokenized()
+    model = _MaskedMeanClassifier()
+    twin = copy.deepcopy(model)
+    loader = gradhooks.poisson_loader(data_set, 1.0, steps=6, collate_fn=_pad_to_longest,
+                                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+    empty = loader.collate_fn([])
+    assert type(empty) is type(loader.collate_fn([data_set[0]]))
+    assert all(v.shape[0] == 0 for v in empty.values())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    noise, again = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    sizes = []
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for batch in loader:
+            sizes.append(len(batch["labels"]))
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(logits, batch["labels"], reduction="none"), max_norm=0.5,
+                noise_multiplier=SIGMA, generator=noise, expected_batch_size=1.0,
+            )  # fmt: skip
+            want = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+            if sizes[-1]:
+                inputs = (batch["input_ids"], batch["attention_mask"])
+                want, _ = clipped(loop_grad(twin, F.cross_entropy, inputs, batch["labels"]), 0.5)
+            assert_grads(denoised(model, again, SIGMA * 0.5, 1.0), want, f"batch of {sizes[-1]}")
+            opt.step()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                    q.copy_(p)
+    assert 0 in sizes and any(sizes), sizes
+
+
+def test_poisson_loader_refuses_an_empty_batch_it_cannot_cut_to_0_rows():
+    """A collate function that returns its own class (a dataclass batch): an empty draw cannot
+    be made by cutting the collate of one example, which would hold that example; refused
+    when it comes, naming the class."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    x, y = data(10)
+    data_set = torch.utils.data.TensorDataset(x, y)
+    loader = gradhooks.poisson_loader(
+        data_set, 2.0, collate_fn=lambda items: Batch(*torch.utils.data.default_collate(items))
+    )
+    assert loader.collate_fn([data_set[1], data_set[2]]).x.shape == (2, 6)
+    with pytest.raises(gradhooks.ConfigurationError, match="returned a .*Batch, which cannot"):
+        loader.collate_fn([])
