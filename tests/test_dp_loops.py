@@ -888,3 +888,39 @@ def test_poisson_loader_refuses_an_empty_batch_it_cannot_cut_to_0_rows():
     assert loader.collate_fn([data_set[1], data_set[2]]).x.shape == (2, 6)
     with pytest.raises(gradhooks.ConfigurationError, match="returned a .*Batch, which cannot"):
         loader.collate_fn([])
+
+
+def _centred(per_example: torch.Tensor) -> torch.Tensor:
+    return per_example - per_example.mean()
+
+
+@pytest.mark.parametrize("method", ["bookkeeping", "ghost", "grad1"])
+@pytest.mark.parametrize(
+    "made_per_example",
+    [
+        pytest.param(lambda out, y: F.cross_entropy(out, y).expand(len(y)), id="mean-expanded"),
+        pytest.param(
+            lambda out, y: F.cross_entropy(out, y) * torch.ones(len(y), dtype=D),
+            id="mean-times-ones",
+        ),
+        pytest.param(
+            lambda out, y: _centred(F.cross_entropy(out, y, reduction="none")),
+            id="centred-on-the-batch-mean",
+        ),
+    ],
+)
+def test_a_batch_mean_passed_off_as_per_example_losses_is_refused_by_the_steps_check(
+    made_per_example, method
+):
+    """Losses of the right shape ``[batch]`` whose every entry depends on every example (the
+    mean loss broadcast to the batch, or each loss less the batch's mean, a baseline): no
+    entry is an example's own loss, so no clipping of it bounds one example's influence. The
+    step's check against autograd refuses it (``CheckFailedError``), writing nothing."""
+    x, y = data(8)
+    model = mlp()
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        with pytest.raises(gradhooks.CheckFailedError, match="examples' own losses"):
+            gradhooks.dp_sgd_step(h, made_per_example(model(x), y), max_norm=0.5,
+                                  noise_multiplier=SIGMA, method=method)  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())
