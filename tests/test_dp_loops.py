@@ -924,3 +924,42 @@ def test_a_batch_mean_passed_off_as_per_example_losses_is_refused_by_the_steps_c
             gradhooks.dp_sgd_step(h, made_per_example(model(x), y), max_norm=0.5,
                                   noise_multiplier=SIGMA, method=method)  # fmt: skip
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_make_private_over_a_loader_of_batch_encodings_steps_on_empty_draws_alone():
+    """``make_private`` given a ``DataLoader`` whose collate is a Hugging Face style
+    ``BatchEncoding`` padder, an expected batch of 1.5 (some logical batches empty): each
+    step's update is SGD on the loop's clipped sum of the examples drawn, and an empty draw
+    leaves the weights as they were (no example stands in for it)."""
+    data_set = _Tokenized()
+    model = _MaskedMeanClassifier()
+    twin = copy.deepcopy(model)
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        torch.utils.data.DataLoader(data_set, batch_size=4, collate_fn=_pad_to_longest),
+        noise_multiplier=0.0, delta=1e-5, steps=6, expected_batch_size=1.5, max_grad_norm=0.5,
+        generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    sizes, seen = [], []
+    for batch in private.batches():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        private.backward(F.cross_entropy(logits, batch["labels"], reduction="none"))
+        seen.append(batch)
+        if not private.step():
+            continue
+        sizes.append(sum(len(b["labels"]) for b in seen))
+        per = [
+            loop_grad(twin, F.cross_entropy, (b["input_ids"], b["attention_mask"]), b["labels"])
+            for b in seen
+            if len(b["labels"])
+        ]
+        if per:
+            want, _ = clipped({n: torch.cat([p[n] for p in per]) for n in per[0]}, 0.5)
+            with torch.no_grad():
+                for n, q in twin.named_parameters():
+                    q -= 0.5 * want[n] / 1.5
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"step {len(sizes)}: {n}")
+        seen = []
+    private.close()
+    assert 0 in sizes and any(sizes), sizes
