@@ -474,11 +474,13 @@ def test_lora_adapter_and_the_saved_classifier_of_a_peft_sequence_classifier():
             assert torch.equal(p, frozen[n]), n
 
 
-@pytest.mark.parametrize("method", ["bookkeeping", "ghost"])
-def test_gpt2_tied_output_with_ignored_label_positions_and_dp_optimizer(method):
+@pytest.mark.parametrize(("method", "groups"), [("ghost", None), ("bookkeeping", "layer")])
+def test_gpt2_tied_output_with_ignored_label_positions_and_dp_optimizer(method, groups):
     """A tiny GPT-2 whose output layer is the token embedding, fine-tuned on padded batches
     whose padding labels are -100: each example's loss is the mean of its own tokens'
-    losses (shifted, as the model shifts them), two physical batches per step."""
+    losses (shifted, as the model shifts them), two physical batches per step; clipped
+    whole, or layer by layer (the tied weight in the group of the embedding, its owner in
+    ``named_parameters()``, each of the K groups to C/√K)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
         vocab_size=30, n_positions=10, n_embd=12, n_layer=1, n_head=2, resid_pdrop=0.0,
@@ -509,7 +511,8 @@ def test_gpt2_tied_output_with_ignored_label_positions_and_dp_optimizer(method):
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
         opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), h,
                                     max_grad_norm=0.5, noise_multiplier=0.0,
-                                    expected_batch_size=4.0, method=method)  # fmt: skip
+                                    expected_batch_size=4.0, method=method,
+                                    clipping_groups=groups)  # fmt: skip
         for step in range(2):
             ids, mask, _ = _padded(10 + step)
             ids = ids % 30
@@ -519,7 +522,13 @@ def test_gpt2_tied_output_with_ignored_label_positions_and_dp_optimizer(method):
                 opt.backward(token_losses(out.logits, labels[part]))
             opt.step()
             per = loop_grad(Keywords(twin), one, (ids, mask), labels)
-            want, _ = clipped({n.removeprefix("lm."): g for n, g in per.items()}, 0.5)
+            per = {n.removeprefix("lm."): g for n, g in per.items()}
+            owners: dict[str, list[str]] = {}
+            for n in per:
+                owners.setdefault(n.rsplit(".", 1)[0] if groups else "", []).append(n)
+            parts = list(owners.values())
+            assert len(parts) == (9 if groups else 1)  # (wte with the head, wpe, 7 in h.0, ln_f)
+            want, _ = clipped(per, [0.5 / math.sqrt(len(parts))] * len(parts), parts)
             got = {n: p.grad * 4.0 for n, p in model.named_parameters()}
             assert_grads(got, want, f"step {step}")
             opt.zero_grad()
