@@ -976,3 +976,27 @@ def test_make_private_over_a_loader_of_batch_encodings_steps_on_empty_draws_alon
         seen = []
     private.close()
     assert 0 in sizes and any(sizes), sizes
+
+
+def test_make_private_given_a_shuffled_loader_of_fixed_batches_draws_poisson_batches():
+    """The habit of sampling without replacement: a ``DataLoader(batch_size=8, shuffle=True)``
+    handed to ``make_private``, whose accountant assumes Poisson sampling. Its data set and
+    collate are kept and its batches replaced, as documented: the logical batches vary in
+    size around the expected 8, and the accountant records q = 8 / n at every step."""
+    x, y = data(40)
+    model = mlp()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8,
+                                         shuffle=True, drop_last=True)  # fmt: skip
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
+        delta=1e-5, steps=6, expected_batch_size=8, max_grad_norm=C,
+        generator=torch.Generator().manual_seed(4),
+    )  # fmt: skip
+    sizes = []
+    for xb, yb in private.batches():
+        private.backward(losses(model, xb, yb))
+        sizes.append(len(yb))
+        private.step()
+    private.close()
+    assert len(sizes) == private.steps_taken == 6 and len(set(sizes)) > 1, sizes
+    assert [tuple(h) for h in private.accountant.history] == [(1.0, 8 / 40, 6)]
