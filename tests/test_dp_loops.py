@@ -90,7 +90,7 @@ def test_poisson_batches_of_every_size_and_an_empty_one_over_the_expected_size()
     x, y = data(40)
     model, twin = mlp(), mlp()
     sampler = gradhooks.PoissonSampler(40, E, steps=5, generator=torch.Generator().manual_seed(2))
-    batches = list(sampler)
+    batches = list(sampler)  # (uniform draws: the same on every processor, unlike randn's)
     batches.insert(2, [])  # a draw that picked no example
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     accountant = gradhooks.PrivacyAccountant()
@@ -856,14 +856,14 @@ def test_poisson_loader_of_batch_encodings_with_empty_draws_in_dp_steps():
     twin = copy.deepcopy(model)
     loader = gradhooks.poisson_loader(data_set, 1.0, steps=6, collate_fn=_pad_to_longest,
                                       generator=torch.Generator().manual_seed(0))  # fmt: skip
-    empty = loader.collate_fn([])
+    empty = loader.collate_fn([])  # (what the loader makes of an empty draw)
     assert type(empty) is type(loader.collate_fn([data_set[0]]))
     assert all(v.shape[0] == 0 for v in empty.values())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     noise, again = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     sizes = []
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        for batch in loader:
+        for batch in [*loader, empty]:
             sizes.append(len(batch["labels"]))
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             gradhooks.dp_sgd_step(
