@@ -17,7 +17,8 @@ Two ways to draw them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import copy
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -127,8 +128,33 @@ class EmptyAware:
     def __call__(self, batch: list[Any]) -> Any:
         if len(batch) > 0:
             return self.collate_fn(batch)
-        one = self.collate_fn([self.dataset[0]])
-        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+        return tree_map(_cut, self.collate_fn([self.dataset[0]]))
+
+
+_KEPT_AS_IS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _cut(leaf: Any) -> Any:
+    """One leaf of the collate of one example, cut to 0 rows: a tensor sliced, a mapping that
+    is not a pytree node (Hugging Face's ``BatchEncoding``) copied with its values cut, a
+    number or string kept; anything else, which would carry the example into the empty batch,
+    refused."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf[:0]
+    if isinstance(leaf, MutableMapping):
+        out = copy.copy(leaf)
+        for key in leaf:
+            out[key] = tree_map(_cut, leaf[key])
+        return out
+    if isinstance(leaf, _KEPT_AS_IS):
+        return leaf
+    raise ConfigurationError(
+        "poisson_loader: a Poisson batch drew no example, and its batch is made as the collate "
+        "of one example with every tensor cut to 0 rows; collate_fn returned a "
+        f"{type(leaf).__qualname__}, which cannot be cut, so the empty batch would hold that "
+        "example. Have collate_fn return its tensors in tuples, lists, dicts or other mappings "
+        "(a BatchEncoding), or in a class registered as a node of torch's pytrees."
+    )
 
 
 def poisson_loader(
@@ -145,7 +171,10 @@ def poisson_loader(
     accountant needs).
 
     An empty batch comes out as the collate of one example with every tensor cut to 0 rows
-    (``[0, *feature shape]``), so the same model code runs on it. Other keyword arguments go
+    (``[0, *feature shape]``), so the same model code runs on it: the tensors in tuples,
+    lists, dicts and other mappings (a Hugging Face ``BatchEncoding``, kept as one); a
+    ``collate_fn`` that returns a class of its own is refused at the empty draw
+    (``ConfigurationError``), since the example could not be cut out of it. Other keyword arguments go
     to ``DataLoader`` (``num_workers``, ``pin_memory``, ...; not ``batch_size``, ``shuffle``,
     ``sampler`` or ``drop_last``, which the sampler replaces).
 

@@ -20,6 +20,7 @@ once.
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -214,6 +215,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # backward since the last step clipped, in the order of the sums
         self._held: list[tuple[str, torch.nn.Parameter]] = []
         self._unclipped: Tensor | None = None  # (adaptive) examples not clipped since then
+        self._bound: float | list[float] | None = None  # the bound of the buffer's backwards
         self._finite = True  # no scaled backward since the last step overflowed
         self._examples = 0  # examples in the buffer
         self._backwards = 0  # physical batches in the buffer
@@ -307,6 +309,7 @@ class DPOptimizer(torch.optim.Optimizer):
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
         if self._sums is not None:  # (before the backward: a refusal changes nothing)
             self._same_params("DPOptimizer.backward")
+            self._same_bound("DPOptimizer.backward")
         got = _dp.clipped_sum(
             self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
             scaler=self.scaler, clipping=self.clipping, clipping_groups=self.clipping_groups,
@@ -315,6 +318,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
             plan = _dp._checked_plan(self.hooks)
             self._held = list(zip(plan.names, got.params, strict=True))
+            self._bound = copy.copy(self.max_grad_norm)
             self._sparse = got.sparse
         else:
             for buf, s in zip(self._sums, got.sums, strict=True):
@@ -350,6 +354,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._examples, self.expected_batch_size, "DPOptimizer.step"
         )
         params = self._same_params("DPOptimizer.step")
+        self._same_bound("DPOptimizer.step")
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.get_scale())
@@ -459,7 +464,24 @@ class DPOptimizer(torch.optim.Optimizer):
             "the logical batch again. Nothing was changed by this call."
         )
 
+    def _same_bound(self, where: str) -> None:
+        """Refuses a bound changed since the buffer's first backward (a clipping schedule
+        stepped between the physical batches of a logical batch): its examples were clipped
+        to the bound as it was, and the noise of another bound would not cover them."""
+        if self.max_grad_norm == self._bound:
+            return
+        raise StateError(
+            f"{where}: max_grad_norm changed from {self._bound!r} to {self.max_grad_norm!r} "
+            f"since the first backward of this logical batch ({self._backwards} physical "
+            f"batch(es), {self._examples} examples, in the buffer), whose examples were "
+            "clipped to the bound as it was: the noise, σ times the bound, would not match "
+            "their clipping (too little noise where the bound went down). Change the bound "
+            "between steps, after opt.step(); or call opt.zero_grad(discard=True) to drop the "
+            "batches so far. Nothing was changed by this call."
+        )
+
     def _forget(self) -> None:
+        self._bound = None
         self._unclipped = None
         self._sums = None
         self._held = []
