@@ -206,6 +206,8 @@ def _mask_written_back(x: Tensor) -> Tensor:
 def _layer_on_masked_rows(x: Tensor, lin: nn.Module) -> Tensor:
     """The layer on the rows a mask picks, its output written back in their place."""
     mask = x[..., 0].detach() > -0.3
+    if not mask.any():  # (a recurrent layer on no rows, an empty sequence, is torch's error)
+        return x
     y = x.clone()
     y[mask] = lin(x[mask]).to(y.dtype)
     return y
