@@ -20,9 +20,12 @@ a loop does), and between steps the loop may
 - leave out a layer for one step (LayerDrop; its parameters then reached through a reuse or a
   tie only, or not at all: no ``grad1`` where ``.grad`` is ``None``, zeros where it is zeros),
 
-each step's ``grad1``, ``.grad``, ``h.norms()`` and ``h.param_norms()`` compared with the
-per-example loop; or take the step by :func:`gradhooks.dp_sgd_step` (clipping to the median
-norm, no noise), its ``.grad`` compared with the loop's clipped sum. ``GRADHOOKS_FUZZ_LOOPS``
+each step's ``grad1``, ``.grad``, ``h.norms()``, ``h.param_norms()``, ``h.sum_grad_sq()`` and
+``h.grad_variance()`` compared with the per-example loop (the quantities other than ``grad1``
+are each backward's own: after an accumulation, the second micro-batch's); or take the step by
+:func:`gradhooks.dp_sgd_step` (clipping to the median norm, no noise), its ``.grad`` compared
+with the loop's clipped sum. One model in two has hooks computing only the norms and squared
+sums (no ``grad1`` is formed), its DP steps taken by ghost clipping or book-keeping. ``GRADHOOKS_FUZZ_LOOPS``
 sets how many models (default 16); ``GRADHOOKS_FUZZ_RANDOM=1`` draws new ones on every run.
 """
 
@@ -58,15 +61,18 @@ def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def dp_step(h, model, batch, want: dict, reduction: str, what: str) -> None:
+def dp_step(h, model, batch, want: dict, reduction: str, what: str, method=None) -> None:
     """One DP step without noise, clipping to the median of the examples' norms: ``.grad``
-    must be the loop's clipped sum (divided by the batch size for a mean)."""
+    must be the loop's clipped sum (divided by the batch size for a mean). ``method``: the
+    handle's default, or ``"ghost"`` / ``"bookkeeping"`` (a norms-only handle)."""
     out = model(batch)
     leaves = out if isinstance(out, tuple | list) else (out,)
     per_example = sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
     norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     bound = norms.median().item() or 1.0
-    gradhooks.dp_sgd_step(h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction)
+    gradhooks.dp_sgd_step(
+        h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction, method=method
+    )
     factor = (bound / norms.clamp_min(1e-12)).clamp(max=1.0)
     n = batch.shape[0]
     for name, p in model.named_parameters():
@@ -82,14 +88,32 @@ def dp_step(h, model, batch, want: dict, reduction: str, what: str) -> None:
         )
 
 
-def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
+def check_quantities(h, want: dict, what: str) -> None:
+    """The handle's norms, squared sums and variances: those of the loop's per-example
+    gradients ``want`` (one backward's: after several, the last one's)."""
+    norms, sums, variances = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    for name, g in want.items():
+        if name not in norms and not g.any():
+            continue  # (not reached)
+        assert_close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}")
+        assert_close(sums[name], (g**2).sum(0), f"{what}: sum_grad_sq of {name}")
+        assert_close(variances[name], g.var(0, unbiased=False), f"{what}: grad_variance of {name}")
+    total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    assert_close(h.norms(), total, f"{what}: norms")
+
+
+def run_loop(case: FuzzCase, habits: list[str], sizes: list[int], dp_method=None) -> None:
+    """``dp_method``: ``None`` (hooks computing ``grad1``), or ``"ghost"`` / ``"bookkeeping"``
+    (hooks computing only the norms and squared sums: no ``grad1`` is formed, and the DP
+    steps take that method)."""
     model, x, reduction = case.model, case.inputs, case.reduction
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
     opt = torch.optim.SGD(params, lr=0.05)
     frozen: list[torch.nn.Parameter] = []
-    h = gradhooks.add_hooks(model, reduction, quantities=("grad1", "norms"))
+    quantities = ("norms", "sum_grad_sq") if dp_method else ("grad1", "norms", "sum_grad_sq")
+    h = gradhooks.add_hooks(model, reduction, quantities=quantities)
     try:
         for step, (habit, size) in enumerate(zip(habits, sizes)):
             batch = _batch(x, size) if habit in ("fewer", "more") else x
@@ -115,20 +139,27 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
             want = loop_grad(model, sum_of_squares, batch)
             n = batch.shape[0]
             if habit == "dp":
-                dp_step(h, model, batch, want, reduction, f"step {step} (dp, batch {n})")
+                dp_step(h, model, batch, want, reduction, f"step {step} (dp, batch {n})", dp_method)
                 opt.step()
                 TRIED[habit] += 1
                 continue
             loss = sum_of_squares(model(batch))
             (loss / n if reduction == "mean" else loss).backward()
+            last = want
             if habit == "accumulate":
                 second = _batch(batch, n) + 0.5 if batch.is_floating_point() else batch.flip(0)
-                more = loop_grad(model, sum_of_squares, second)
-                want = {k: g + more[k] for k, g in want.items()}
+                last = loop_grad(model, sum_of_squares, second)
+                want = {k: g + last[k] for k, g in want.items()}
                 loss = sum_of_squares(model(second))
                 (loss / n if reduction == "mean" else loss).backward()
             what = f"step {step} ({habit}, batch {n})"
+            # the norms and squared sums are each backward's own: after an accumulation, the
+            # second micro-batch's
+            check_quantities(h, last, what)
             for name, p in model.named_parameters():
+                if dp_method:
+                    assert getattr(p, "grad1", None) is None, f"{what}: {name} has a grad1"
+                    continue
                 if not p.requires_grad:
                     continue
                 if p.grad is None:  # (not reached: a layer left out)
@@ -139,17 +170,6 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
                 assert_close(p.grad1, want[name], f"{what}: grad1 of {name}")
                 reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
                 assert_close(p.grad, reduced, f"{what}: .grad of {name} vs grad1")
-            if habit == "accumulate":  # (the norms are those of each backward's own)
-                opt.step()
-                TRIED[habit] += 1
-                continue
-            norms = h.param_norms()
-            for name, g in want.items():
-                if name not in norms and not g.any():
-                    continue  # (not reached)
-                assert_close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}")
-            total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
-            assert_close(h.norms(), total, f"{what}: norms")
             opt.step()
             TRIED[habit] += 1
     finally:
@@ -170,10 +190,12 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
     fuzz_cases(),
     st.lists(st.sampled_from(HABITS), min_size=4, max_size=7),
     st.lists(st.integers(1, 5), min_size=7, max_size=7),
+    st.sampled_from([None, None, "ghost", "bookkeeping"]),
 )
-def fuzz(case: FuzzCase, habits: list[str], sizes: list[int]) -> None:
-    run_loop(case, ["same", *habits], sizes)
+def fuzz(case: FuzzCase, habits: list[str], sizes: list[int], dp_method) -> None:
+    run_loop(case, ["same", *habits], sizes, dp_method)
     TRIED["models"] += 1
+    TRIED[f"handle {dp_method or 'grad1'}"] += 1
 
 
 def test_random_models_train_as_the_oracle_says():

@@ -547,6 +547,33 @@ def test_the_sorted_input_put_back_in_order_before_the_layer_matches_the_loop(ve
             F.cross_entropy(model(x), y).backward()
 
 
+class PutBackThenBatchMean(nn.Module):
+    """The batch permuted and put back in order through a layer, then scaled by its batch
+    mean, detached (no backward shows that it mixes the examples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        order = torch.arange(h.shape[0]).roll(1)
+        h = torch.tanh(self.b(h[order][order.argsort()]))
+        return self.c(h * h.detach().mean(0))
+
+
+def test_a_batch_mean_after_the_batch_is_put_back_in_order_is_refused():
+    """``h[order][order.argsort()]`` holds the examples where they were: a mean over them
+    after, even of a detached copy, makes each example's output depend on the others'. (On
+    ``[batch, time, features]``, where each Linear's output is a view, which the hooks replace
+    by an output of its own.)"""
+    model = PutBackThenBatchMean().to(D)
+    x = torch.randn(5, 7, 3, dtype=D)
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError, match="'c'"):
+        model(x).pow(2).sum().backward()
+
+
 class MoCo(nn.Module):
     """MoCo: a query encoder, a momentum key encoder (frozen, under ``no_grad``) run on the
     batch shuffled and put back in order (MoCo's shuffled BatchNorm), a queue of negatives."""

@@ -430,3 +430,56 @@ def test_tokens_sorted_by_expert_across_the_batch_are_refused():
             gradhooks.MixedExamplesError, match=r"'experts\.0\.up' \(Linear\).*\(argsort"
         ):
             m(torch.randn(3, 5, 4, dtype=D))
+
+
+class _Seq(nn.Module):
+    """``[rows, time, 4]`` to the same: a layer in which each row of the batch runs alone."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "conv1d":
+            self.layer = nn.Conv1d(4, 4, 3, padding=1)
+        elif kind == "attention":
+            self.layer = nn.MultiheadAttention(4, 2, batch_first=True)
+        elif kind == "gru_cell":
+            self.layer = nn.GRUCell(4, 4)
+        else:
+            self.layer = getattr(nn, kind.upper())(4, 4, batch_first=True)
+
+    def forward(self, x):
+        if self.kind == "conv1d":
+            return self.layer(x.transpose(1, 2)).transpose(1, 2)
+        if self.kind == "attention":
+            return self.layer(x, x, x, need_weights=False)[0]
+        if self.kind == "gru_cell":
+            return self.layer(x.flatten(0, 1)).view_as(x)
+        return self.layer(x)[0]
+
+
+class _Cut(nn.Module):
+    """A layer called on a cut of the batch and on rows picked by an index, put back."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.first, self.second, self.head = _Seq(kind), _Seq(kind), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.cat([self.first(x[:1]), self.first(x[1:])])  # (the rows the batch's, in order)
+        picked = (x[:, 0, 0] > 0).nonzero()[:, 0]
+        x = x.index_add(0, picked, self.second(x[picked]))
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "attention", "gru", "lstm", "gru_cell"])
+def test_layers_whose_rows_run_alone_on_rows_picked_from_the_batch(kind):
+    """Convolutions, attention and recurrent layers run each row of the batch alone: called on
+    ``x[:1]`` and ``x[1:]``, or on rows picked by an index, each row is still one example's."""
+    torch.manual_seed(0)
+    model = _Cut(kind).to(D)
+    x = torch.randn(5, 6, 4, dtype=D)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, "sum"):
+        sq(model(x)).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"grad1 of {name}")

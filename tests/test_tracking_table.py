@@ -23,6 +23,7 @@ from gradhooks import _torch
 from gradhooks.tracking import UNKNOWN, Layout, Tracker
 from gradhooks.tracking.ops import HANDLERS, handler_for, owner_aware
 from gradhooks.tracking.ops.common import is_inplace
+from gradhooks.tracking.ops.nn import PER_ROW
 from gradhooks.tracking.ops.pointwise import is_pointwise
 
 FROZEN = json.loads((Path(__file__).with_name("tracking_table.json")).read_text())
@@ -66,8 +67,10 @@ ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell
          "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance",
          "polygamma", "polygamma_", *SPECIAL}  # fmt: skip
 # names that follow rows picked by an index since (attention along the rows of one example
-# alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2)
-OWNER_AWARE_ADDED = {"scaled_dot_product_attention"}
+# alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2; the
+# operations in which each row of the batch runs alone, convolutions, pooling, attention,
+# recurrent layers: a layer on a cut of the batch, tests/test_moe.py)
+OWNER_AWARE_ADDED = {"scaled_dot_product_attention"} | PER_ROW
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 

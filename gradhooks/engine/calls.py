@@ -736,8 +736,12 @@ class CallLayouts:
         dim = target.entry.batch_dim_of(target.module)
         if first.owners is not None:
             want = 0 if dim == "positions" else dim
-            followed = [lay for lay in (*lin, *lout) if lay is not None]
-            if first.dim == want and all(lay == first for lay in followed):
+            # (an output may hold the rows on another dimension, as a recurrent layer's
+            # states [layers, rows, hidden] do: where each of its rows is, is its rule's)
+            same = [lay == first for lay in lin if lay is not None] + [
+                lay.owners == first.owners for lay in lout if lay is not None
+            ]
+            if first.dim == want and all(same):
                 return CallLayout("owners", batch, first, lin, lout, root=root)
             layout = CallLayout("mismatch", batch, first, lin, lout)
             layout.lost = (

@@ -273,8 +273,11 @@ class Tracker(TorchFunctionMode):
             self.would[o] = frozenset({key})
 
     def carry(self, old: Tensor, new: Tensor) -> None:
-        """``new`` replaces ``old``, a hooked call's output: its layout, sources and lineage."""
+        """``new`` replaces ``old``, a hooked call's output: its layout (or where its examples
+        are presumed), sources and lineage."""
         self.set_layout(new, self.layout(old))
+        if old in self.presumed:
+            self.presumed[new] = self.presumed[old]
         self.taint(new, self.sources_of(old))
         if old in self.lineage:
             self.lineage[new] = self.lineage[old]
@@ -678,6 +681,9 @@ class Tracker(TorchFunctionMode):
                     if order is not None:
                         self.orders[o] = (*order, before)
             result = UNKNOWN  # (reordered again: taken as put back in order)
+            # (the examples presumed where they were, so that a reduction over them after, even
+            # of a detached copy, which no backward would show, counts as mixing them)
+            self._presume(name, args, kwargs, out, ins, outs)
         elif reordered is not None and name not in TAKES_ORDER:
             ordered = [t for t in ins if t not in self.reordered and self._layout_of(t) is not
                        None and self._layout_of(t).dim >= 0]  # fmt: skip

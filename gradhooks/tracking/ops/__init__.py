@@ -95,6 +95,7 @@ _OWNER_AWARE = (
         "index_fill_",
         "masked_select",
     }  # fmt: skip
+    | nn.PER_ROW
     | set(HANDLERS)
     & {
         "index_select",

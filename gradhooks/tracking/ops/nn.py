@@ -270,6 +270,13 @@ def _per_example(name: str) -> Handler:
 
 for _n in _SAMPLEWISE:
     HANDLERS[_n] = _per_example(_n)
+
+# the operations above in which each row of the batch runs alone: rows picked from the batch by
+# an index (a layer called on ``x[:k]``, or on the tokens routed to it) are followed through them
+PER_ROW = frozenset(_SAMPLEWISE) | {
+    "multi_head_attention_forward", "lstm", "gru", "rnn_tanh", "rnn_relu",
+    "gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell",
+}  # fmt: skip
 _in_eval = _per_example("batch_norm")
 
 
