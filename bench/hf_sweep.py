@@ -171,7 +171,7 @@ TINY_INTS = {
         FFN,
     ),  # fmt: skip
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size"), HEAD_DIM),
-    **dict.fromkeys(("vocab_size",), VOCAB),
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), VOCAB),
     **dict.fromkeys(
         (
             "max_position_embeddings",
@@ -236,19 +236,23 @@ OVERRIDES = {
     "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [2, 3]},  # 2 x 3 = SEQ
     "efficientnet": {"width_coefficient": 0.1, "depth_coefficient": 0.1, "hidden_dim": 128},
     # Rotary sizes that are the rotated part of a head (multi-head latent attention).
-    "deepseek_v2": {"head_dim": 4, "n_group": 1, "topk_group": 1},
-    "deepseek_v3": {"head_dim": 4},
-    "axk1": {"head_dim": 4},
+    # (and one group of experts, from which the router picks)
+    "deepseek_v2": {"head_dim": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {"head_dim": 4, "n_group": 1, "topk_group": 1},
+    "axk1": {"head_dim": 4, "n_group": 1, "topk_group": 1},
     "youtu": {"head_dim": 4},
-    "axk2": {"head_dim": 4, "index_n_heads": HEADS, "index_head_dim": HEAD_DIM},
-    "deepseek_v32": {"head_dim": 4, "index_n_heads": HEADS, "index_head_dim": HEAD_DIM},
-    "glm_moe_dsa": {"head_dim": 4, "index_n_heads": HEADS, "index_head_dim": HEAD_DIM},
+    "bailing_hybrid": {"head_dim": 4, "num_expert_group": 1, "topk_group": 1,
+                       "num_experts_per_token": 2},  # fmt: skip
+    # (and an indexer of the heads' size picking keys, with as many key heads as heads)
+    **dict.fromkeys(("axk2", "deepseek_v32", "glm_moe_dsa"), {
+        "head_dim": 4, "num_key_value_heads": HEADS, "index_n_heads": HEADS, "n_group": 1,
+        "topk_group": 1,
+        "index_head_dim": HEAD_DIM}),  # fmt: skip
     "ernie4_5_moe": {"moe_k": 2},
     "zaya": {"num_experts_per_tok": 1},  # (the only count it takes)
     "esmc": {"num_key_value_heads": HEADS},  # (no grouped-query attention)
     "dots3_note_text": {"num_key_value_heads": HEADS},
     "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16},  # 4 x 16 = 2 x HIDDEN
-    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "bit": {"num_groups": 8},
     "xmod": {"default_language": "en_XX"},
@@ -257,6 +261,8 @@ OVERRIDES = {
     "layoutlmv3": {"hidden_size": 48, "coordinate_size": 8, "shape_size": 8, "visual_embed": False},
     "wav2vec2-bert": {"feature_projection_input_dim": 32},  # the sweep's 32 frames of features
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16,
+                         "layer_types": ["linear_attention", "full_attention"]},  # fmt: skip
     "swin": {"window_size": 2, "image_size": 64},
     "swinv2": {"window_size": 2, "image_size": 64},
     "donut-swin": {"window_size": 2, "image_size": 64},
@@ -267,9 +273,12 @@ OVERRIDES = {
 
 
 def _tiny_kwargs(config, cut: bool = False) -> dict:
-    """The tiny values of the size attributes ``config`` has, of the type it has them in; with
-    ``cut``, its lists of one entry per layer and its tables keyed by layer index cut to
+    """The tiny values of the size attributes ``config`` has (and of its parts' configurations),
+    of the type it has them in; with ``cut``, its lists of one entry per layer cut to ``LAYERS``
+    (the first and the last layer's) and its tables keyed by layer index to the first
     ``LAYERS`` (instead of its layer types left for the config to compute)."""
+    from transformers import PretrainedConfig
+
     layers = next((v for k, v in vars(config).items() if k in LAYER_COUNTS and isinstance(v, int)
                    and not isinstance(v, bool)), None)  # fmt: skip
     kw = {}
@@ -285,16 +294,19 @@ def _tiny_kwargs(config, cut: bool = False) -> dict:
         elif isinstance(value, (list, tuple)) and TINY_LISTS.get(name) and value:
             if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 kw[name] = TINY_LISTS[name](len(value))
-        elif name.endswith("_config") and hasattr(value, "to_dict"):
+        elif (name.endswith("_config") or isinstance(value, PretrainedConfig)) and hasattr(
+            value, "to_dict"
+        ):
             sub = value.to_dict()
             sub.update(_tiny_kwargs(value, cut))
             kw[name] = sub
         if not cut or name in kw:
             continue
         if isinstance(value, (list, tuple)) and layers and layers > LAYERS and len(value) == layers:
-            kw[name] = list(value[:LAYERS])
-        elif name == "per_layer_config" and isinstance(value, dict):
-            kw[name] = {k: v for k, v in value.items() if int(k) < LAYERS}
+            kw[name] = [*value[: LAYERS - 1], value[-1]]  # (the last: often the one that differs)
+    table = config.to_dict().get("per_layer_config") if cut else None
+    if isinstance(table, dict):
+        kw["per_layer_config"] = {k: v for k, v in table.items() if int(k) < LAYERS}
     if "hidden_size" in kw and "head_dim" in vars(config) and vars(config)["head_dim"] is None:
         kw["head_dim"] = HEAD_DIM
     if "patch_size" in vars(config) and isinstance(config.patch_size, int):
