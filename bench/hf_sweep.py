@@ -254,13 +254,21 @@ OVERRIDES = {
     "dots3_note_text": {"num_key_value_heads": HEADS},
     "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16},  # 4 x 16 = 2 x HIDDEN
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    "bit": {"num_groups": 8},
+    "bit": {"num_groups": 2},
     "xmod": {"default_language": "en_XX"},
     # Layout embeddings of six coordinates sharing the hidden size: a multiple of 6.
     "lilt": {"hidden_size": 48},
     "layoutlmv3": {"hidden_size": 48, "coordinate_size": 8, "shape_size": 8, "visual_embed": False},
     "wav2vec2-bert": {"feature_projection_input_dim": 32},  # the sweep's 32 frames of features
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    # Sizes whose default is None (left for a checkpoint to give).
+    "nemotron": {"num_key_value_heads": KV_HEADS},
+    "esm": {"vocab_size": VOCAB},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "cohere_compass_text": {"rope_parameters": {
+        "full_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},  # fmt: skip
+    "levit": {"patch_size": 16, "image_size": 64},  # (its stem downsamples by 16 whatever)
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16,
                          "layer_types": ["linear_attention", "full_attention"]},  # fmt: skip
     "swin": {"window_size": 2, "image_size": 64},
