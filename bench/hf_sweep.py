@@ -268,7 +268,6 @@ OVERRIDES = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "cohere_compass_text": {"rope_parameters": {
         "full_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},  # fmt: skip
-    "levit": {"patch_size": 16, "image_size": 64},  # (its stem downsamples by 16 whatever)
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16,
                          "layer_types": ["linear_attention", "full_attention"]},  # fmt: skip
     "swin": {"window_size": 2, "image_size": 64},
@@ -457,9 +456,19 @@ def inputs(model, config, task: str, padded: bool = False) -> dict:
         channels = getattr(config, "num_channels", 3)
         size = getattr(config, "image_size", IMAGE)
         size = size[0] if isinstance(size, (list, tuple)) else size
-        batch["pixel_values"] = torch.randn(
-            BATCH, channels, size, size, generator=g, dtype=torch.float64
-        )
+        if "spatial_shapes" in accepted:  # patches flattened, as its processor gives them
+            vision = getattr(config, "vision_config", config)
+            patch, channels = vision.patch_size, getattr(vision, "num_channels", channels)
+            side = size // patch
+            batch["pixel_values"] = torch.randn(
+                BATCH, side * side, channels * patch * patch, generator=g, dtype=torch.float64
+            )
+            batch["pixel_attention_mask"] = torch.ones(BATCH, side * side, dtype=torch.long)
+            batch["spatial_shapes"] = torch.tensor([[side, side]] * BATCH)
+        else:
+            batch["pixel_values"] = torch.randn(
+                BATCH, channels, size, size, generator=g, dtype=torch.float64
+            )
     elif main == "input_values":
         if hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):  # spectrogram
             shape = (BATCH, config.max_length, config.num_mel_bins)
