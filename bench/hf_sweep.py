@@ -171,7 +171,7 @@ TINY_INTS = {
         FFN,
     ),  # fmt: skip
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size"), HEAD_DIM),
-    **dict.fromkeys(("vocab_size",), VOCAB),
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), VOCAB),
     **dict.fromkeys(
         (
             "max_position_embeddings",
@@ -210,6 +210,7 @@ TINY_INTS = {
     **dict.fromkeys(("decoder_start_token_id",), 0),
     **dict.fromkeys(("type_vocab_size",), 2),
 }
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 TINY_LISTS = {  # a list attribute: a function of its length
     "depths": lambda n: [1] * n,
     "hidden_sizes": lambda n: [8 * (i + 1) for i in range(n)],
@@ -232,8 +233,57 @@ RANDOM_FLOATS = ("drop", "jitter", "mask_time_prob", "mask_feature_prob", "noise
 # The few configurations whose sizes are tied together beyond the attributes above.
 OVERRIDES = {
     "mamba2": {"head_dim": 16, "n_groups": 1},
-    "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [8, 8]},
-    "efficientnet": {"width_coefficient": 0.1, "depth_coefficient": 0.1, "hidden_dim": 32},
+    "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [2, 3]},  # 2 x 3 = SEQ
+    "efficientnet": {"width_coefficient": 0.1, "depth_coefficient": 0.1, "hidden_dim": 128},
+    # Multi-head latent attention: the rotary size is the rotated part of a head; one group
+    # of experts for the router to pick from.
+    "deepseek_v2": {"head_dim": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {"head_dim": 4, "n_group": 1, "topk_group": 1},
+    "axk1": {"head_dim": 4, "n_group": 1, "topk_group": 1},
+    "youtu": {"head_dim": 4},
+    "bailing_hybrid": {
+        "head_dim": 4,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "num_experts_per_token": 2,
+    },
+    # The same beside a sparse-attention indexer, with as many key heads as heads.
+    **dict.fromkeys(
+        ("axk2", "deepseek_v32", "glm_moe_dsa"),
+        {
+            "head_dim": 4,
+            "num_key_value_heads": HEADS,
+            "index_n_heads": HEADS,
+            "n_group": 1,
+            "topk_group": 1,
+            "index_head_dim": HEAD_DIM,
+        },
+    ),
+    "ernie4_5_moe": {"moe_k": 2},
+    "zaya": {"num_experts_per_tok": 1},  # (the only count it takes)
+    "esmc": {"num_key_value_heads": HEADS},  # (no grouped-query attention)
+    "dots3_note_text": {"num_key_value_heads": HEADS},
+    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16},  # 4 x 16 = 2 x HIDDEN
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "bit": {"num_groups": 2},
+    "xmod": {"default_language": "en_XX"},
+    # Layout embeddings of six coordinates sharing the hidden size: a multiple of 6.
+    "lilt": {"hidden_size": 48},
+    "layoutlmv3": {"hidden_size": 48, "coordinate_size": 8, "shape_size": 8, "visual_embed": False},
+    "wav2vec2-bert": {"feature_projection_input_dim": 32},  # (the features as [batch, 16, 32])
+    # Sizes whose default is None (left for a checkpoint to give).
+    "nemotron": {"num_key_value_heads": KV_HEADS},
+    "esm": {"vocab_size": VOCAB},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+    },
+    "granitemoehybrid": {
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "layer_types": ["linear_attention", "full_attention"],  # (one attention layer)
+    },
     "swin": {"window_size": 2, "image_size": 64},
     "swinv2": {"window_size": 2, "image_size": 64},
     "donut-swin": {"window_size": 2, "image_size": 64},
@@ -243,8 +293,15 @@ OVERRIDES = {
 # -- the configuration, the model, the inputs ---------------------------------------------------
 
 
-def _tiny_kwargs(config) -> dict:
-    """The tiny values of the size attributes ``config`` has, of the type it has them in."""
+def _tiny_kwargs(config, cut: bool = False) -> dict:
+    """The tiny values of the size attributes ``config`` has (and of its parts' configurations),
+    of the type it has them in; with ``cut``, its lists of one entry per layer cut to ``LAYERS``
+    (the first and the last layer's) and its tables keyed by layer index to the first
+    ``LAYERS`` (instead of its layer types left for the config to compute)."""
+    from transformers import PretrainedConfig
+
+    layers = next((v for k, v in vars(config).items() if k in LAYER_COUNTS and isinstance(v, int)
+                   and not isinstance(v, bool)), None)  # fmt: skip
     kw = {}
     for name, value in vars(config).items():
         if name.startswith("_"):
@@ -258,10 +315,19 @@ def _tiny_kwargs(config) -> dict:
         elif isinstance(value, (list, tuple)) and TINY_LISTS.get(name) and value:
             if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 kw[name] = TINY_LISTS[name](len(value))
-        elif name.endswith("_config") and hasattr(value, "to_dict"):
+        elif (name.endswith("_config") or isinstance(value, PretrainedConfig)) and hasattr(
+            value, "to_dict"
+        ):
             sub = value.to_dict()
-            sub.update(_tiny_kwargs(value))
+            sub.update(_tiny_kwargs(value, cut))
             kw[name] = sub
+        if not cut or name in kw:
+            continue
+        if isinstance(value, (list, tuple)) and layers and layers > LAYERS and len(value) == layers:
+            kw[name] = [*value[: LAYERS - 1], value[-1]]  # (the last: often the one that differs)
+    table = config.to_dict().get("per_layer_config") if cut else None
+    if isinstance(table, dict):
+        kw["per_layer_config"] = {k: v for k, v in table.items() if int(k) < LAYERS}
     if "hidden_size" in kw and "head_dim" in vars(config) and vars(config)["head_dim"] is None:
         kw["head_dim"] = HEAD_DIM
     if "patch_size" in vars(config) and isinstance(config.patch_size, int):
@@ -271,7 +337,7 @@ def _tiny_kwargs(config) -> dict:
         kw["embedding_size"] = HIDDEN  # kept equal where the default has them equal
     if "window_size" in vars(config) and isinstance(config.window_size, int):
         kw["window_size"] = min(config.window_size, 4)
-    if "layer_types" in vars(config):
+    if "layer_types" in vars(config) and not (cut and "layer_types" in kw):
         kw["layer_types"] = None  # computed again from the layer count where the config can
     return kw
 
@@ -280,19 +346,24 @@ def tiny_config(family: str):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
+    overrides = OVERRIDES.get(family, {})
     try:
         default = cls()
     except Exception as e:
         raise Skip(f"default config: {first_line(e)}") from e
-    kw = {**_tiny_kwargs(default), **OVERRIDES.get(family, {})}
+    kw = {**_tiny_kwargs(default), **overrides}
     try:
         config = cls(**kw)
     except Exception:
         kw.pop("layer_types", None)
         try:
             config = cls(**kw)
-        except Exception as e:
-            raise Skip(f"tiny config: {first_line(e)}") from e
+        except Exception:  # the default's per-layer lists and tables cut to the layer count
+            kw = {**_tiny_kwargs(default, cut=True), **overrides}
+            try:
+                config = cls(**kw)
+            except Exception as e:
+                raise Skip(f"tiny config: {first_line(e)}") from e
     layer_types = getattr(config, "layer_types", None)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) != layers:
@@ -347,6 +418,9 @@ def build(family: str, task: str | None, router_loss: bool = False):
             raise Skip("no router: no load-balancing loss")
         config.output_router_logits = True  # its own loss adds the load-balancing term
     name, cls = model_class(family, task)
+    if not isinstance(config, cls.config_class):  # a text model of a composite configuration
+        part = [v for v in vars(config).values() if isinstance(v, cls.config_class)]
+        config = part[0] if part else config
     counted = _meta_size(cls, config)  # (before its memory is taken: T5Gemma's are 5.6 billion)
     torch.manual_seed(0)
     try:
@@ -393,9 +467,19 @@ def inputs(model, config, task: str, padded: bool = False) -> dict:
         channels = getattr(config, "num_channels", 3)
         size = getattr(config, "image_size", IMAGE)
         size = size[0] if isinstance(size, (list, tuple)) else size
-        batch["pixel_values"] = torch.randn(
-            BATCH, channels, size, size, generator=g, dtype=torch.float64
-        )
+        if "spatial_shapes" in accepted:  # patches flattened, as its processor gives them
+            vision = getattr(config, "vision_config", config)
+            patch, channels = vision.patch_size, getattr(vision, "num_channels", channels)
+            side = size // patch
+            batch["pixel_values"] = torch.randn(
+                BATCH, side * side, channels * patch * patch, generator=g, dtype=torch.float64
+            )
+            batch["pixel_attention_mask"] = torch.ones(BATCH, side * side, dtype=torch.long)
+            batch["spatial_shapes"] = torch.tensor([[side, side]] * BATCH)
+        else:
+            batch["pixel_values"] = torch.randn(
+                BATCH, channels, size, size, generator=g, dtype=torch.float64
+            )
     elif main == "input_values":
         if hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):  # spectrogram
             shape = (BATCH, config.max_length, config.num_mel_bins)
@@ -452,15 +536,24 @@ def task_of(model) -> str:
 
 
 def loop_grads(model, batch, labels, params, own: bool = False):
-    """Each example's own gradient: a forward and backward of a batch of one at a time."""
+    """Each example's own gradient: a forward and backward of a batch of one at a time.
+
+    Read from ``.grad`` after ``backward()`` (each parameter's ``.grad`` put back after), not
+    from ``torch.autograd.grad``: a model whose own autograd.Function runs a backward inside
+    its backward (Reformer's reversible layers) accumulates its parameters' gradients into
+    ``.grad``, where ``autograd.grad`` would see them unused."""
     rows = []
-    with gradhooks.paused():
-        for b in range(BATCH):
-            loss = summed_loss(model, _rows(batch, b), labels[b : b + 1], own)
-            grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-            rows.append(
-                [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
-            )
+    kept = [p.grad for _, p in params]
+    try:
+        with gradhooks.paused():
+            for b in range(BATCH):
+                for _, p in params:
+                    p.grad = None
+                summed_loss(model, _rows(batch, b), labels[b : b + 1], own).backward()
+                rows.append([torch.zeros_like(p) if p.grad is None else p.grad for _, p in params])
+    finally:
+        for (_, p), g in zip(params, kept):
+            p.grad = g
     return {n: torch.stack([r[i] for r in rows]) for i, (n, _) in enumerate(params)}
 
 

@@ -57,6 +57,7 @@ FAMILIES = [
     "segformer",  # overlapping patch merging, efficient attention
     "wav2vec2",  # convolutional feature encoder, positional convolution (weight norm)
     "mamba",  # selective scan
+    "reformer",  # reversible layers, whose autograd.Function runs a backward into .grad
 ]
 
 
@@ -65,6 +66,24 @@ def test_architecture_matches_the_loop(family):
     res = hf_sweep.check(family, limit=0)
     assert res.outcome == "match", (res.outcome, res.detail)
     assert res.params > 0 and not res.warnings
+
+
+def test_loop_puts_back_each_grad():
+    """The loop reads each example's gradient from ``.grad`` (a reversible layer's own backward
+    writes it there, unseen by ``autograd.grad``) and leaves ``.grad`` as it found it."""
+    name, model, config = hf_sweep.build("gpt2", None)
+    batch = hf_sweep.inputs(model, config, name)
+    labels = torch.randint(0, hf_sweep.VOCAB, (hf_sweep.BATCH, hf_sweep.SEQ))
+    params = list(model.named_parameters())
+    kept = {n: torch.full_like(p, 7.0) for n, p in params}
+    for n, p in params:
+        p.grad = kept[n]
+    got = hf_sweep.loop_grads(model, batch, labels, params)
+    assert all(p.grad is kept[n] for n, p in params)
+    model.zero_grad(set_to_none=True)
+    hf_sweep.summed_loss(model, batch, labels, False).backward()
+    for n, p in params:
+        torch.testing.assert_close(got[n].sum(0), p.grad, rtol=1e-9, atol=1e-12)
 
 
 def test_padded_batch_matches_the_loop():
