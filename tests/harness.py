@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -241,3 +242,44 @@ def corrupting(add_hooks):
         p.grad1 = p.grad1[order]
 
     return wrong
+
+
+# -- what a refused call must leave as it was ----------------------------------------------------
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _clone(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def model_state(model: nn.Module) -> dict:
+    """What a refused call must leave as it was: parameters, ``.grad``, ``grad1``, hooks."""
+    return {
+        "params": {n: _clone(p) for n, p in model.named_parameters()},
+        "grad": {n: _clone(p.grad) for n, p in model.named_parameters()},
+        "grad1": {n: _clone(p.__dict__.get("grad1")) for n, p in model.named_parameters()},
+        "hooks": [(n, [len(getattr(m, kind)) for kind in HOOKS]) for n, m in model.named_modules()],
+    }
+
+
+def assert_untouched(model: nn.Module, before: dict) -> None:
+    """``model`` as :func:`model_state` found it ``before``."""
+    now = model_state(model)
+    assert now["hooks"] == before["hooks"], "the hooks changed"
+    for what in ("params", "grad", "grad1"):
+        for name, was in before[what].items():
+            got = now[what][name]
+            same = got is None if was is None else got is not None and torch.equal(got, was)
+            assert same, f"{what} of {name} changed"
+
+
+def raised(error: type[Exception], says: str | list[str], call) -> Exception:
+    """``call()`` raises exactly ``error`` (not a subclass of it that means something else),
+    a gradhooks error whose message holds each of ``says``."""
+    with pytest.raises(gradhooks.GradhooksError) as info:
+        call()
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    for part in [says] if isinstance(says, str) else says:
+        assert re.search(re.escape(part), str(info.value)), (part, str(info.value))
+    return info.value

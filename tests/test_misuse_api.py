@@ -8,8 +8,6 @@ shapes or the value at fault, and leaves the model as it was: the same parameter
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +15,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-
-HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+from harness import assert_untouched, model_state, raised
 
 
 def _mlp() -> nn.Module:
@@ -34,41 +31,6 @@ def _batch(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
 def _losses(model: nn.Module, n: int = 5) -> torch.Tensor:
     x, y = _batch(n)
     return F.cross_entropy(model(x), y, reduction="none")
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
-def _state(model: nn.Module) -> dict:
-    """What a refused call must leave as it was: parameters, ``.grad``, ``grad1``, hooks."""
-    return {
-        "params": {n: _clone(p) for n, p in model.named_parameters()},
-        "grad": {n: _clone(p.grad) for n, p in model.named_parameters()},
-        "grad1": {n: _clone(p.__dict__.get("grad1")) for n, p in model.named_parameters()},
-        "hooks": [(n, [len(getattr(m, kind)) for kind in HOOKS]) for n, m in model.named_modules()],
-    }
-
-
-def assert_untouched(model: nn.Module, before: dict) -> None:
-    now = _state(model)
-    assert now["hooks"] == before["hooks"], "the hooks changed"
-    for what in ("params", "grad", "grad1"):
-        for name, was in before[what].items():
-            got = now[what][name]
-            same = got is None if was is None else got is not None and torch.equal(got, was)
-            assert same, f"{what} of {name} changed"
-
-
-def raised(error: type[Exception], says: str | list[str], call) -> Exception:
-    """``call()`` raises exactly ``error`` (not a subclass of it that means something else),
-    a gradhooks error whose message holds each of ``says``."""
-    with pytest.raises(gradhooks.GradhooksError) as info:
-        call()
-    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
-    for part in [says] if isinstance(says, str) else says:
-        assert re.search(re.escape(part), str(info.value)), (part, str(info.value))
-    return info.value
 
 
 # -- the DP step ----------------------------------------------------------------------------------
@@ -115,7 +77,7 @@ def test_dp_step_numbers_and_groups_that_cannot_work(call, says):
     refused before the step's backward, naming the value, with no ``.grad`` written."""
     model = _mlp()
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        before = _state(model)
+        before = model_state(model)
         raised(gradhooks.ConfigurationError, says, lambda: call(h, model))
         assert_untouched(model, before)
         assert gradhooks.dp_sgd_step(
@@ -137,7 +99,7 @@ def test_dp_step_of_losses_that_are_not_one_per_example(losses, says):
     refused, naming the shapes, before any backward."""
     model = _mlp()
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.ConfigurationError,
             says,
@@ -154,7 +116,7 @@ def test_dp_step_twice_for_one_forward():
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         losses = _losses(model)
         gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.ConfigurationError,
             "these losses were already stepped on",
@@ -170,7 +132,7 @@ def test_dp_step_with_the_handle_of_another_model():
     with gradhooks.add_hooks(model, quantities=("norms",)), \
             gradhooks.add_hooks(other, quantities=("norms",)) as wrong:  # fmt: skip
         losses = _losses(model)
-        before, before_other = _state(model), _state(other)
+        before, before_other = model_state(model), model_state(other)
         raised(
             gradhooks.StateError,
             "per_example_loss does not depend on any trainable parameter of the hooked Sequential",
@@ -189,7 +151,7 @@ def test_dp_step_after_a_backward_of_their_own():
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         losses = _losses(model)
         losses.sum().backward()
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.StateError,
             ["a backward of your own ran on these losses", "no gradient of the step"],
@@ -260,7 +222,7 @@ def test_dp_optimizer_settings_that_cannot_work(make, says):
     an adaptive bound that cannot adapt: each refused when the optimizer is made."""
     model = _mlp()
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
-        before = _state(model)
+        before = model_state(model)
         raised(gradhooks.ConfigurationError, says, lambda: make(model, h))
         assert_untouched(model, before)
 
@@ -272,12 +234,12 @@ def test_dp_optimizer_stepped_without_a_backward_or_twice():
     model = _mlp()
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         opt = _dp_optimizer(model, h)
-        before = _state(model)
+        before = model_state(model)
         raised(gradhooks.StateError, "DPOptimizer.step: no backward(per_example_loss)", opt.step)
         assert_untouched(model, before)
         opt.backward(_losses(model))
         assert opt.step()
-        before = _state(model)
+        before = model_state(model)
         raised(gradhooks.StateError, "no backward(per_example_loss) since the last step", opt.step)
         assert_untouched(model, before)
 
@@ -295,7 +257,7 @@ def test_dp_optimizer_zero_grad_given_a_string_for_discard():
             lambda: opt.zero_grad(discard="no"),
         )
         assert opt.examples == 5
-        before = _state(model)
+        before = model_state(model)
         assert opt.step()
     assert not all(torch.equal(before["params"][n], p) for n, p in model.named_parameters())
 
@@ -346,7 +308,7 @@ def test_kfac_damping_of_inf():
     raised(gradhooks.ConfigurationError, "damping must be > 0 and finite, got inf",
            lambda: factors["0.weight"].inverse(float("inf")))  # fmt: skip
     F.cross_entropy(model(x), y).backward()
-    before = _state(model)
+    before = model_state(model)
     raised(
         gradhooks.ConfigurationError,
         "got inf",
@@ -362,7 +324,7 @@ def test_kfac_precondition_with_a_parameter_frozen_since_the_factors():
     factors = gradhooks.kfac(model, x)
     model[0].weight.requires_grad_(False)
     F.cross_entropy(model(x), y).backward()
-    before = _state(model)
+    before = model_state(model)
     raised(
         gradhooks.ConfigurationError,
         "kfac_precondition: '0.weight' has no .grad",
@@ -389,7 +351,7 @@ def test_kfac_of_an_empty_batch():
     """``kfac(model, x[:0])`` gave factors of zeros (the mean over no example), and a gradient
     preconditioned with them came out as the gradient divided by the damping."""
     model, (x, _) = _mlp(), _batch()
-    before = _state(model)
+    before = model_state(model)
     raised(gradhooks.ConfigurationError, "the model's output (0, 3) holds no example",
            lambda: gradhooks.kfac(model, x[:0]))  # fmt: skip
     assert_untouched(model, before)
@@ -487,7 +449,7 @@ def test_a_rule_whose_piece_has_the_wrong_size(quantity, run):
     input (32), mat (9x5)"), and K-FAC left the weight out without a word. Now every quantity
     refuses it, naming the rule, the module, the parameter and both sizes."""
     model = _model_with_my_linear()
-    before = _state(model)
+    before = model_state(model)
     with gradhooks.add_hooks(
         model, registry=_registry(three_by_three), quantities=(quantity,)
     ) as h:
@@ -602,7 +564,7 @@ def test_a_wrong_rule_for_a_subclass_shadows_the_builtin_and_is_caught():
     assert registry.lookup(nn.Linear(2, 2)).rule is not swapped
     torch.manual_seed(0)
     model = nn.Sequential(Sub(4, 4), nn.Tanh(), nn.Linear(4, 3))
-    before = _state(model)
+    before = model_state(model)
     with gradhooks.add_hooks(model, registry=registry):
         raised(gradhooks.CheckFailedError, "'0.weight'", lambda: _backward(model))
     assert_untouched(model, before)
@@ -619,7 +581,7 @@ def test_a_handle_reused_as_a_context_manager_after_its_block():
     h = gradhooks.add_hooks(model)
     with h:
         _backward(model)
-    before = _state(model)
+    before = model_state(model)
     raised(gradhooks.StateError, "this handle's hooks were removed", lambda: h.__enter__())
     assert_untouched(model, before)
     with pytest.raises(gradhooks.StateError):
@@ -643,7 +605,7 @@ def test_add_hooks_arguments_of_the_wrong_kind(kwargs, says):
     """Each refused before anything is hooked (``add_hooks(model, ("norms",))`` puts the
     quantities where ``loss_reduction`` goes)."""
     model = _mlp()
-    before = _state(model)
+    before = model_state(model)
     raised(gradhooks.ConfigurationError, says, lambda: gradhooks.add_hooks(model, **kwargs))
     assert_untouched(model, before)
 

@@ -14,7 +14,6 @@ the hooks as they were (``tests/test_misuse.py``, ``tests/test_misuse_api.py`` a
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 
 import pytest
@@ -24,45 +23,9 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import labelled_batch, mlp
+from harness import assert_untouched, labelled_batch, mlp, model_state, raised
 
-HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 RTOL, ATOL = 1e-9, 1e-12  # float64 throughout
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
-def _state(model: nn.Module) -> dict:
-    """What a refused call must leave as it was: parameters, ``.grad``, ``grad1``, hooks."""
-    return {
-        "params": {n: _clone(p) for n, p in model.named_parameters()},
-        "grad": {n: _clone(p.grad) for n, p in model.named_parameters()},
-        "grad1": {n: _clone(p.__dict__.get("grad1")) for n, p in model.named_parameters()},
-        "hooks": [(n, [len(getattr(m, kind)) for kind in HOOKS]) for n, m in model.named_modules()],
-    }
-
-
-def assert_untouched(model: nn.Module, before: dict) -> None:
-    now = _state(model)
-    assert now["hooks"] == before["hooks"], "the hooks changed"
-    for what in ("params", "grad", "grad1"):
-        for name, was in before[what].items():
-            got = now[what][name]
-            same = got is None if was is None else got is not None and torch.equal(got, was)
-            assert same, f"{what} of {name} changed"
-
-
-def raised(error: type[Exception], says: str | list[str], call) -> Exception:
-    """``call()`` raises exactly ``error``, a gradhooks error whose message holds each of
-    ``says``."""
-    with pytest.raises(gradhooks.GradhooksError) as info:
-        call()
-    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
-    for part in [says] if isinstance(says, str) else says:
-        assert re.search(re.escape(part), str(info.value)), (part, str(info.value))
-    return info.value
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -229,7 +192,7 @@ def test_quantities_read_after_clear_are_refused_and_grad1_waits_for_the_next_ba
     with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
         F.cross_entropy(model(x), y).backward()
         h.clear()
-        before = _state(model)
+        before = model_state(model)
         raised(gradhooks.StateError, "no backward has been captured", h.norms)
         assert_untouched(model, before)
         F.cross_entropy(model(x2), y2).backward()
@@ -434,7 +397,7 @@ def test_hooks_added_again_between_the_forward_and_the_backward():
     x, y = labelled_batch(1)
     with gradhooks.add_hooks(model):
         loss = F.cross_entropy(model(x), y)
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.StateError,
             ["Sequential already has gradhooks hooks", "remove_hooks(model) first"],
@@ -571,7 +534,7 @@ def test_dp_step_of_losses_out_of_the_examples_order_is_refused_at_its_check(met
     quantities = ("grad1",) if method == "grad1" else ("norms",)
     with gradhooks.add_hooks(model, quantities=quantities) as h:
         losses = _dp_losses(model, x, y).flip(0)
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.CheckFailedError,
             ["not in the order of the forward's examples", "no gradient was written"],
@@ -623,7 +586,7 @@ def test_dp_step_of_losses_of_two_forwards_of_the_batch_in_halves():
     x, y = labelled_batch(1)
     with gradhooks.add_hooks(model, quantities=("grad1",)) as h:
         losses = torch.cat([_dp_losses(model, x[:3], y[:3]), _dp_losses(model, x[3:], y[3:])])
-        before = _state(model)
+        before = model_state(model)
         raised(
             gradhooks.MixedExamplesError,
             ["two forwards of the model on other examples", "Run the model on the whole batch"],
