@@ -283,3 +283,16 @@ def raised(error: type[Exception], says: str | list[str], call) -> Exception:
     for part in [says] if isinstance(says, str) else says:
         assert re.search(re.escape(part), str(info.value)), (part, str(info.value))
     return info.value
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, for a module that imports this fixture (autouse there): its models
+    are tiny, and threads on a shared machine spend more time waiting for each other than
+    computing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
