@@ -25,21 +25,13 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, assert_grad1
+from harness import (
+    assert_close,
+    assert_grad1,
+    one_thread,  # noqa: F401 (autouse in this module)
+)
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and two threads on a shared machine spend
-    more time waiting for each other than computing (8x slower here under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def per_example(model, hooks, batch: int, loss_of) -> dict[str, torch.Tensor]:
