@@ -24,15 +24,33 @@ short chain of small blocks; ``repr(case)`` lists the blocks one per line with t
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["FuzzCase", "FuzzModel", "fuzz_cases"]
+__all__ = ["FuzzCase", "FuzzModel", "fuzz_cases", "fuzz_settings"]
+
+# GRADHOOKS_FUZZ_RANDOM=1: new draws on every run (else the same, derandomized), for hunting
+RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
+
+
+def fuzz_settings(examples: int) -> settings:
+    """The fuzz tests' hypothesis settings: ``examples`` draws, derandomized unless
+    ``GRADHOOKS_FUZZ_RANDOM`` is set, no deadline, a failing example printed as a blob."""
+    return settings(
+        max_examples=examples,
+        derandomize=not RANDOM,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
 
 MAX_DIM = 5  # features / channels / hidden sizes
 MAX_LEN = 6  # sequence length (chan: flattened spatial size) of the input

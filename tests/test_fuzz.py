@@ -18,15 +18,14 @@ import os
 from collections import Counter
 
 import torch
-from fuzz_models import FuzzCase, fuzz_cases
-from hypothesis import HealthCheck, given, settings
+from fuzz_models import FuzzCase, fuzz_cases, fuzz_settings
+from hypothesis import given
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
 from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_EXAMPLES", "200"))
-RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
 TRIED: Counter = Counter()  # models checked, and the layer mix, over the run
 
 
@@ -76,13 +75,7 @@ def check_case(case: FuzzCase) -> None:
     assert_close(h.norms(), total, "norms (whole model)")
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=not RANDOM,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+@fuzz_settings(EXAMPLES)
 @given(fuzz_cases())
 def fuzz(case: FuzzCase) -> None:
     check_case(case)

@@ -29,7 +29,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from fuzz_models import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -39,7 +40,6 @@ from gradhooks.oracle import loop_grad
 from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_OPS", "40"))
-RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
 # time steps and features of every activation: never as many time steps as examples, where a
 # reshape that regroups batch and time would regroup nothing (``x.transpose(0, 1).reshape(
 # x.shape)`` is then a batch-major model turned time-major, which a batch of one is not)
@@ -416,13 +416,7 @@ def run_chain(ops: list[str], batch: int, seed: int, layers: list[str] | None = 
     return "match"
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=not RANDOM,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+@fuzz_settings(EXAMPLES)
 @given(chains())
 def fuzz(chain) -> None:
     ops, batch, seed, kinds, tokens, time_major = chain

@@ -35,8 +35,8 @@ import os
 from collections import Counter
 
 import torch
-from fuzz_models import FuzzCase, fuzz_cases
-from hypothesis import HealthCheck, given, settings
+from fuzz_models import FuzzCase, fuzz_cases, fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import gradhooks
@@ -44,11 +44,21 @@ from gradhooks.oracle import loop_grad
 from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_LOOPS", "16"))
-RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")
 TRIED: Counter = Counter()
 
 # what the loop does before a step (besides zero_grad and h.clear())
-HABITS = ("same", "fewer", "more", "freeze", "unfreeze", "no_grad", "skip", "checkpoint", "accumulate", "dp")
+HABITS = (
+    "same",
+    "fewer",
+    "more",
+    "freeze",
+    "unfreeze",
+    "no_grad",
+    "skip",
+    "checkpoint",
+    "accumulate",
+    "dp",
+)
 
 
 def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -179,13 +189,7 @@ def run_loop(case: FuzzCase, habits: list[str], sizes: list[int], dp_method=None
             p.requires_grad_(True)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=not RANDOM,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+@fuzz_settings(EXAMPLES)
 @given(
     fuzz_cases(),
     st.lists(st.sampled_from(HABITS), min_size=4, max_size=7),
