@@ -26,8 +26,10 @@ __all__ = ["on_cpu", "reads_are_free", "cpu_trade_offs"]
 
 
 def on_cpu(t: Tensor) -> bool:
-    """Whether ``t`` is taken for a CPU tensor by the paths that depend on the device."""
-    return t.device.type == "cpu"
+    """Whether ``t`` is taken for a CPU tensor by the paths that depend on the device
+    (``is_cpu``: asked at many calls of a step, it makes no ``torch.device`` as ``t.device``
+    does)."""
+    return t.is_cpu
 
 
 def reads_are_free(t: Tensor) -> bool:

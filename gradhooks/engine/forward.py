@@ -614,7 +614,7 @@ class ForwardCapture:
             return
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
-        refuse_nested(f"'{type(module).__qualname__}' (the model)", args, kwargs)
+        refuse_nested(lambda: f"'{type(module).__qualname__}' (the model)", args, kwargs)
         if self.state.batch_dim is not None:
             refuse_packed(module, args, kwargs)
         if graph_task() == -1:
@@ -735,6 +735,8 @@ def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
     different lengths: no rule reads a per-example gradient from it, and following its batch
     would fail deep inside torch. Refused where it enters the model or a hooked call
     (``where``: the name of that, or what makes it, called only to say so)."""
+    if all(_plain_tensors(tree) for tree in trees):
+        return  # (the usual call: dense tensors in a tuple, no keyword; no tree to walk)
     for t in tree_leaves(trees):
         if isinstance(t, Tensor) and t.is_nested:
             if callable(where):
@@ -748,6 +750,13 @@ def refuse_nested(where: str | Callable[[], str], *trees: Any) -> None:
                 "(gradhooks.oracle.loop_grad); under `with h.paused():` the model runs on "
                 "nested tensors without per-example gradients."
             )
+
+
+def _plain_tensors(tree: Any) -> bool:
+    """``tree`` is an empty dict, or a tuple of dense tensors (none nested)."""
+    if type(tree) is dict:
+        return not tree
+    return type(tree) is tuple and all(type(t) is Tensor and not t.is_nested for t in tree)
 
 
 # the names under which a model takes the boundaries of the sequences packed along one

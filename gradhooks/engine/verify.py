@@ -768,10 +768,11 @@ class Verifier:
             mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
             batch = rows.shape[0] if mean else 1
             # each row's largest entry: the difference's, autograd's, each example's
+            # (keepdim and unsqueeze: views without torch's indexing in Python, [None])
+            off = rows.sum(0, keepdim=True).sub_(want, alpha=batch)
             largest_of = torch.linalg.vector_norm(
-                torch.cat([rows.sum(0).sub_(want, alpha=batch)[None], want[None], rows]),
-                float("inf"), dim=1,
-            ).tolist()  # fmt: skip
+                torch.cat([off, want.unsqueeze(0), rows]), float("inf"), dim=1
+            ).tolist()
             diff, scale = largest_of[0] / batch, max(largest_of[1:])
         else:
             diff = scale = float(torch.linalg.vector_norm(want, float("inf")))

@@ -16,9 +16,12 @@ def many_positions(module: nn.Module, args: tuple) -> bool:
     """Whether a Linear call's batch gradient is better taken as the sum of its ``grad1`` (on
     CPU, at least ``TUNING.sum_grad1_positions`` positions per example)."""
     x = args[0] if args else None
-    if not isinstance(x, Tensor) or x.dim() < 2 or not devices.cpu_trade_offs(x):
+    if not isinstance(x, Tensor):
         return False
-    return math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
+    # (one position, [batch, in]: asked before the device, at every call of an MLP's layers)
+    if x.dim() < 2 or (x.dim() == 2 and TUNING.sum_grad1_positions > 1):
+        return False
+    return devices.cpu_trade_offs(x) and math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
 
 
 def _positions(t: Tensor) -> Tensor:
