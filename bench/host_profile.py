@@ -17,6 +17,14 @@ For each model, at its own batch:
   ``__torch_function__`` inclusive of what it calls, less the torch functions it hands on: what
   following the batch adds), the forward's share, and the gradhooks functions with the most
   time of their own. cProfile slows Python more than C, so shares are upper bounds;
+- **stages**: where the grad1 step's CPU time goes by the engine's entry points, timed by the
+  thread's CPU clock around each (the outermost only): the hooks torch calls
+  (:class:`gradhooks.engine.records.Hook`, by the function each wraps: the root's pre- and
+  post-hook, each hooked call's pre-hooks and forward hook), a hooked call's backward from its
+  output-gradient (:meth:`~gradhooks.engine.backward.BackwardWriter.output_grads`: the rule, the
+  pieces, ``grad1``), the parameters' gradient hooks and the backward's end (the checks, the
+  spot check); the rest is the model's own work (its torch functions, the tracker following
+  them, autograd's backward), beside plain forward+backward's;
 - **graph breaks** (``--explain``): ``torch._dynamo.explain`` of the hooked model (the default
   backend, not fullgraph): how many graphs and why the forward breaks, by kind and where.
 
@@ -43,6 +51,9 @@ from bench.methods import graph_break_kind
 from bench.module_cost import Count, tracker_calls
 from bench.problems import PROBLEMS
 from bench.report import write_results
+from gradhooks.engine.records import Hook
+
+HOOK_CALL = Hook.__call__  # (StageClock wraps it for its block only)
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
@@ -154,6 +165,96 @@ def _dp_ops(problem, base, x, y) -> dict[str, int]:
     return found
 
 
+# The engine's entry points a hooked step passes through, by stage: (label, what each times:
+# a Hook's function by a part of its qualified name, or a BackwardWriter method)
+STAGES = (
+    ("forward starts", ("on_root_pre", "entry_hooks.<locals>.pre")),
+    ("a call's pre-hooks", ("_pre_then", "detach_hook", "enter_hook")),
+    ("a call's forward hook", ("_forward_then", "forward_hook")),
+    ("forward ends", ("on_root_post", "entry_hooks.<locals>.post")),
+    ("a call's backward", ("output_grads", "node_grads")),
+    ("parameters' hooks", ("_param_grad",)),
+    ("backward ends", ("_end_backward",)),
+)
+
+
+class StageClock:
+    """Within the block, the CPU time (``time.thread_time_ns``: autograd runs a CPU backward
+    on the calling thread) spent in each of :data:`STAGES`, by wrapping ``Hook.__call__`` and
+    the :class:`~gradhooks.engine.backward.BackwardWriter` methods; a stage entered inside
+    another (a hook run by a backward of the engine's own) counts to the outer one."""
+
+    def __init__(self) -> None:
+        self.ns = {label: 0 for label, _ in STAGES}
+        self._depth = 0
+        self._undo: list = []
+
+    def _stage_of(self, name: str) -> str | None:
+        return next((label for label, parts in STAGES if any(p in name for p in parts)), None)
+
+    def _timed(self, label: str | None, call, *args, **kwargs):
+        if label is None or self._depth:
+            return call(*args, **kwargs)
+        self._depth += 1
+        start = time.thread_time_ns()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.ns[label] += time.thread_time_ns() - start
+            self._depth -= 1
+
+    def __enter__(self) -> StageClock:
+        from gradhooks.engine.backward import BackwardWriter
+
+        clock, hook_call = self, Hook.__call__
+
+        def timed_hook(hook, *args):
+            name = getattr(hook.fn, "__qualname__", "")
+            return clock._timed(clock._stage_of(name), hook_call, hook, *args)
+
+        self._undo.append((Hook, "__call__", hook_call))
+        Hook.__call__ = timed_hook
+        for label, parts in STAGES[4:]:
+            for part in parts:
+                method = getattr(BackwardWriter, part)
+
+                def timed_method(writer, *args, _m=method, _label=label):
+                    return clock._timed(_label, _m, writer, *args)
+
+                self._undo.append((BackwardWriter, part, method))
+                setattr(BackwardWriter, part, timed_method)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+
+def stages(step, reset, plain_step, plain_reset, reps: int) -> dict:
+    """µs of CPU time per grad1 step in each of :data:`STAGES`, the rest of the step, the whole
+    step and plain forward+backward (medians over ``reps`` interleaved steps)."""
+    per: dict[str, list[float]] = {label: [] for label, _ in STAGES}
+    whole, plain = [], []
+    for _ in range(reps):
+        plain_reset()
+        start = time.thread_time_ns()
+        plain_step()
+        plain.append((time.thread_time_ns() - start) / 1e3)
+        reset()
+        with StageClock() as clock:
+            start = time.thread_time_ns()
+            step()
+            whole.append((time.thread_time_ns() - start) / 1e3)
+        for label, ns in clock.ns.items():
+            per[label].append(ns / 1e3)
+    out = {label: statistics.median(v) for label, v in per.items()}
+    out["the rest"] = max(0.0, statistics.median(whole) - sum(out.values()))
+    out["grad1 step"] = statistics.median(whole)
+    out["plain fwd+bwd"] = statistics.median(plain)
+    return out
+
+
 def profile_model(name: str, reps: int, explain: bool) -> dict:
     problem, plain, hooked, hooks, x, y, steps, resets = _setup(name)
     with warnings.catch_warnings():
@@ -182,6 +283,10 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
                 step()
                 times[k].append(time.process_time() - start)
         median = {k: statistics.median(v) for k, v in times.items()}
+        staged = stages(
+            steps["grad1 fwd+bwd"], resets["grad1 fwd+bwd"],
+            steps["plain fwd+bwd"], resets["plain fwd+bwd"], reps,
+        )  # fmt: skip
         profiler = cProfile.Profile()
         resets["grad1 fwd+bwd"]()
         for _ in range(reps):
@@ -200,6 +305,7 @@ def profile_model(name: str, reps: int, explain: bool) -> dict:
         "tracker_calls_forward": tracker_forward,
         "dispatched_ops": ops,
         "median_s": median,
+        "stages_us": staged,
         "profile": {**share, "profiled_s": total / reps},
     }
     if explain:
@@ -260,6 +366,20 @@ def markdown(data: dict) -> str:
             f"| {m['plain fwd+bwd'] * 1e3:.2f} | {m['grad1 fwd+bwd'] * 1e3:.2f} "
             f"| {m['hooked forward'] / m['grad1 fwd+bwd']:.0%} | {p['tracker_share']:.0%} "
             f"| {p['gradhooks_share']:.0%} |"
+        )
+    labels = [label for label, _ in STAGES] + ["the rest"]
+    lines += [
+        "",
+        "Where the grad1 step's CPU time goes, µs per step (medians; the share of the step):",
+        "",
+        "| model | plain fwd+bwd | grad1 step | " + " | ".join(labels) + " |",
+        "|" + " --- |" * (3 + len(labels)),
+    ]
+    for r in data["models"]:
+        st = r["stages_us"]
+        cells = " | ".join(f"{st[k]:.0f} ({st[k] / st['grad1 step']:.0%})" for k in labels)
+        lines.append(
+            f"| {r['label']} | {st['plain fwd+bwd']:.0f} | {st['grad1 step']:.0f} | {cells} |"
         )
     for r in data["models"]:
         top = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"]["top_own"])

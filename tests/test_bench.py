@@ -383,6 +383,22 @@ def test_host_profile_counts_the_tracker(tmp_path):
     assert sum(ops["grad1 fwd+bwd"].values()) > sum(ops["plain fwd+bwd"].values())
     assert ops["dp step"]["aten::normal"] > 0  # (the DP step's noise: one draw per parameter)
     assert 0 < model["profile"]["tracker_share"] <= model["profile"]["gradhooks_share"] <= 1
+    # every stage the MLP's step passes through was timed, within the step's own time
+    st = model["stages_us"]
+    labels = [label for label, _ in host_profile.STAGES]
+    assert all(st[k] > 0 for k in labels if k != "parameters' hooks")
+    assert sum(st[k] for k in labels) <= st["grad1 step"] and st["plain fwd+bwd"] > 0
+    assert host_profile.Hook.__call__ is host_profile.HOOK_CALL  # (put back)
+
+
+def test_stage_clock_counts_a_stage_once_where_nested():
+    """A stage entered inside another (a hook run by the engine's own backward) counts to the
+    outer one only."""
+    from bench import host_profile
+
+    with host_profile.StageClock() as clock:
+        clock._timed("forward starts", lambda: clock._timed("backward ends", sum, range(10**5)))
+    assert clock.ns["forward starts"] > 0 and clock.ns["backward ends"] == 0
 
 
 def test_check_memory_steps_and_table(capsys):
