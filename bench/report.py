@@ -295,7 +295,8 @@ def plot(data: dict, path: Path) -> Path | None:
                           else f"{title} / plain fwd+bwd")  # fmt: skip
             ax.set_title(f"{title}, {device}, {_batch(batch)} (missing bars: not run)")
             ax.grid(axis="y", alpha=0.3)
-        axes[0][col].legend(fontsize=8, ncol=2)
+        # (beside the plot, where it hides no bar)
+        axes[0][col].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
