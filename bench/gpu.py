@@ -1,5 +1,5 @@
 """On a machine with a CUDA device: the CUDA tests, then the benchmark's host, grad1 and
-workloads suites on it, in one short run (about 11 minutes at most on one H200).
+workloads suites on it, in one short run (at most 11 minutes and a half: its stages' limits).
 
     python -m bench.gpu --fetch-wheels    # here, before: the peers' wheels into .whl/
     python -m bench.gpu                   # there: results under $OUT, or bench/results/
