@@ -188,9 +188,15 @@ class StageClock:
         self.ns = {label: 0 for label, _ in STAGES}
         self._depth = 0
         self._undo: list = []
+        self._labels: dict[str, str | None] = {}
 
     def _stage_of(self, name: str) -> str | None:
-        return next((label for label, parts in STAGES if any(p in name for p in parts)), None)
+        found = self._labels.get(name, self)
+        if found is self:  # (looked up once per name: the clock's own work stays small)
+            found = self._labels[name] = next(
+                (label for label, parts in STAGES if any(p in name for p in parts)), None
+            )
+        return found
 
     def _timed(self, label: str | None, call, *args, **kwargs):
         if label is None or self._depth:
