@@ -648,6 +648,7 @@ def test_lightning_bf16_mixed_accumulation_and_clipping_together():
     ref = reference(module.net)
     for k in range(0, 4, 2):
         (p0, (x0, y0), first, n0), (p1, (x1, y1), second, n1) = seen[k], seen[k + 1]
+        assert all(torch.equal(p0[n], p1[n]) for n in p0)  # (no step between them)
         ref.load_state_dict({n: v.to(D) for n, v in p0.items()})
         w0 = loop_grad(ref, F.cross_entropy, x0.to(D), y0)
         w1 = loop_grad(ref, F.cross_entropy, x1.to(D), y1)
@@ -710,4 +711,6 @@ def test_ignite_trainer_whose_output_transform_reads_the_norms(bf16):
         want = loop_grad(ref, F.cross_entropy, x.to(D), y)
         err = relative_error(norms, 0.5 * norms_of(want))
         assert err < tol, f"iteration {k}: norms off by {err:.2e}"
+        with torch.no_grad():
+            assert loss == pytest.approx(F.cross_entropy(ref(x.to(D)), y).item(), rel=tol)
     h.remove()
