@@ -71,6 +71,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.to(D) - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+def assert_near(got: dict, want: dict, tol: float, what: str) -> None:
+    """Each ``got[name]`` within ``tol`` of the largest entry of all of ``want`` (a parameter
+    whose gradient is zero by symmetry, an attention key's bias, holds rounding alone)."""
+    scale = max(w.abs().max() for w in want.values()).item()
+    for n, w in want.items():
+        err = (got[n].to(D) - w).abs().max().item() / scale
+        assert err < tol, f"{what}: {n} off by {err:.2e} of the largest entry"
+
+
 def reference(model: nn.Module) -> nn.Module:
     """A float64 copy of ``model``'s weights now, for the loop."""
     return copy.deepcopy(model).to(D)
@@ -714,3 +723,100 @@ def test_ignite_trainer_whose_output_transform_reads_the_norms(bf16):
         with torch.no_grad():
             assert loss == pytest.approx(F.cross_entropy(ref(x.to(D)), y).item(), rel=tol)
     h.remove()
+
+
+# -- Hugging Face's Trainer, subclassed ------------------------------------------------------
+
+
+class Logits(nn.Module):
+    """A sequence classifier's logits from its ``input_ids`` and ``attention_mask``, for the
+    loop (which slices each positional input by example)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
+def test_a_trainer_subclass_clips_each_example_in_its_training_step(tmp_path, bf16):
+    """``transformers.Trainer`` subclassed as a DP fine-tuning tutorial does it: the
+    ``compute_loss`` override keeps each example's loss (``reduction="none"``) and returns
+    their sum, the ``training_step`` override calls Trainer's own (autocast where
+    ``bf16=True``, ``accelerator.backward``) and then writes into ``.grad`` each example's
+    gradient from grad1 clipped to 0.5, summed and divided by the batch; Trainer's own
+    clipping off (``max_grad_norm=0``), plain SGD. A tiny random BERT classifier on padded
+    sequences: at each of three steps grad1, the per-example losses and the ``.grad`` the
+    optimizer steps with are the float64 loop's at the step's parameters (within bfloat16's
+    rounding under ``bf16=True``, the model in float32)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        vocab_size=20, max_position_embeddings=8, num_labels=2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    model = model.float() if bf16 else model.to(D)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 20, (12, 8), generator=g)
+    lengths = torch.randint(3, 9, (12,), generator=g)
+    mask = (torch.arange(8) < lengths[:, None]).long()
+    labels = torch.randint(0, 2, (12,), generator=g)
+    rows = [
+        {"input_ids": ids[i] * mask[i], "attention_mask": mask[i], "labels": labels[i]}
+        for i in range(12)
+    ]
+    seen: list = []
+
+    class ClipEach(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            out = model(**inputs)
+            self.losses = F.cross_entropy(out.logits, labels, reduction="none")
+            loss = self.losses.sum()
+            return (loss, out) if return_outputs else loss
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            kept = {k: v.clone() for k, v in inputs.items()}
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            norms = torch.cat([p.grad1.flatten(1) for _, p in trained], 1).norm(dim=1)
+            factors = (0.5 / norms).clamp(max=1.0)
+            grad1 = {n: p.grad1.clone() for n, p in trained}
+            for _, p in trained:
+                p.grad = (factors.view(-1, *[1] * p.dim()) * p.grad1).sum(0) / len(factors)
+            grads = {n: p.grad.clone() for n, p in trained}
+            seen.append((params, kept, self.losses.detach().clone(), grad1, grads))
+            return loss
+
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, optim="sgd",
+        learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        use_cpu=True, bf16=bf16, report_to=[], save_strategy="no", disable_tqdm=True,
+        logging_strategy="no", seed=0,
+    )  # fmt: skip
+    dtypes = []  # (accelerate hands the logits back in float32: what the head computed in)
+    model.classifier.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        ClipEach(model=model, args=args, train_dataset=rows).train()
+    assert len(seen) == 3 and set(dtypes) == {torch.bfloat16 if bf16 else D}
+    ref = Logits(copy.deepcopy(model).to(D))
+    tol = BF16 if bf16 else 1e-9
+    for k, (params, inputs, losses, grad1, grads) in enumerate(seen):
+        ref.model.load_state_dict({n: v.to(D) for n, v in params.items()})
+        x = (inputs["input_ids"], inputs["attention_mask"])
+        want = loop_grad(ref, F.cross_entropy, x, inputs["labels"])
+        want = {n.removeprefix("model."): g for n, g in want.items()}
+        with torch.no_grad():
+            own = F.cross_entropy(ref(*x), inputs["labels"], reduction="none")
+        assert relative_error(losses, own) < tol, f"step {k}: the losses"
+        assert set(grad1) == set(want)
+        for n in want:
+            assert grad1[n].dtype == model.get_parameter(n).dtype, n
+        assert_near(grad1, want, tol, f"step {k}: grad1")
+        assert_near(grads, clipped(want, 0.5), tol, f"step {k}: the clipped mean")
