@@ -480,6 +480,43 @@ def test_checkpoint_sequential_in_three_segments_under_bfloat16_autocast_into_th
             opt.step()
 
 
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("how", ["checkpoint_sequential", "checkpoint of the model"])
+def test_reentrant_checkpointing_of_the_hooked_model_itself_into_the_dp_step(how, method):
+    """``checkpoint_sequential(model, 3, x, use_reentrant=True)`` of the hooked
+    ``nn.Sequential`` (which calls its layers one by one, never the model itself) and
+    ``checkpoint(model, x, use_reentrant=True)`` (the model's whole call under the
+    checkpoint's ``no_grad``): the layers run with grad mode off, outside any forward of the
+    model run with it on, and again in the backward. ``torch.autograd.grad`` does not run
+    them again (it skips the checkpoint's node, whose inputs are not the parameters), so the
+    DP step must take its gradients by a backward; each of three steps' norms and ``.grad``
+    are the float64 loop's clipped mean, by every method."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            x = x.requires_grad_()  # (as the reentrant checkpoint needs: no gradient else)
+            if how == "checkpoint_sequential":
+                out = checkpoint_sequential(model, 3, x, use_reentrant=True)
+            else:
+                out = checkpoint(model, x, use_reentrant=True)
+            losses = F.cross_entropy(out, y, reduction="none")
+            norms = gradhooks.dp_sgd_step(
+                h, losses, max_norm=0.5, noise_multiplier=0.0, method=method
+            )
+            assert_close(norms, norms_of(want), f"step {step}: norms")
+            means = clipped(want, 0.5)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, means[n], f"step {step}: {n}")
+            opt.step()
+
+
 # -- functional_call with strict=True and tied weights --------------------------------------------
 
 
