@@ -440,12 +440,15 @@ def test_saved_tensors_offloaded_or_kept_in_bfloat16_around_the_forward(how):
 # -- checkpoint_sequential under bfloat16 autocast -----------------------------------------------
 
 
-def test_checkpoint_sequential_in_three_segments_under_bfloat16_autocast_into_the_dp_step():
-    """``checkpoint_sequential(model, 3, x, use_reentrant=False)`` of a six-layer stack under
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_sequential_in_three_segments_under_bfloat16_autocast_into_the_dp_step(
+    reentrant,
+):
+    """``checkpoint_sequential(model, 3, x, use_reentrant=...)`` of a six-layer stack under
     ``torch.autocast("cpu", dtype=torch.bfloat16)``: each segment's forward is run again at the
-    backward, under the same autocast. At every step grad1 (float32, as ``.grad``) is within
-    bfloat16's rounding of the float64 loop, and so is the DP step's clipped mean of the same
-    checkpointed forward."""
+    backward, under the same autocast (the reentrant one given an input that requires grad).
+    At every step grad1 (float32, as ``.grad``) is within bfloat16's rounding of the float64
+    loop, and so is the DP step's clipped mean of the same checkpointed forward."""
     from torch.utils.checkpoint import checkpoint_sequential
 
     torch.manual_seed(0)
@@ -457,7 +460,8 @@ def test_checkpoint_sequential_in_three_segments_under_bfloat16_autocast_into_th
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return checkpoint_sequential(model, 3, x, use_reentrant=False).float()
+            x = x.detach().requires_grad_(reentrant)
+            return checkpoint_sequential(model, 3, x, use_reentrant=reentrant).float()
 
     with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
         for step in range(STEPS):
