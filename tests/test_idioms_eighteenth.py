@@ -521,6 +521,65 @@ def test_reentrant_checkpointing_of_the_hooked_model_itself_into_the_dp_step(how
             opt.step()
 
 
+class TimeMajor(nn.Module):
+    """``[batch, time, features]`` to ``[time, batch, features]``."""
+
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+class SumOverTime(nn.Module):
+    """The sum over dimension 0, time, of a time-major sequence."""
+
+    def forward(self, x):
+        return x.sum(0)
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("segments", [3, 7])
+def test_checkpoint_sequential_of_layers_whose_examples_move_is_refused(segments, quantity):
+    """``checkpoint_sequential(model, k, x, use_reentrant=True)`` of a ``Sequential`` that
+    turns its ``[batch, time, features]`` input time-major between two Linear layers: the
+    layers are called one by one, each taking its batch from dimension 0 of its own input,
+    so the second Linear counts the 6 time steps as its examples, the others the 5 sequences
+    (the batch is not followed from one layer to the next outside a forward of the model).
+    Its pieces come in the checkpoint's backward of its own, inside the loss's: refused all
+    the same (a ``BatchNotFoundError``, naming both layers), as without the checkpoint, and
+    no grad1 is left; the model itself, called as a whole, gets the loop's grad1."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.Tanh(), TimeMajor(), nn.Linear(4, 4), nn.Tanh(), SumOverTime(),
+        nn.Linear(4, 2),
+    ).to(D)  # fmt: skip
+    x, y = torch.randn(5, 6, 3, dtype=D), torch.randint(2, (5,))
+    with gradhooks.add_hooks(model, quantities=(quantity,), loss_reduction="sum") as h:
+        out = checkpoint_sequential(model, segments, x.requires_grad_(), use_reentrant=True)
+        raised(
+            gradhooks.BatchNotFoundError,
+            ["'3' (Linear)", "'6' (Linear)", "5", "6"],
+            lambda: F.cross_entropy(out, y, reduction="sum").backward(),
+        )
+        for n, p in model.named_parameters():
+            assert not hasattr(p, "grad1"), n
+        if quantity == "norms":
+            with pytest.raises(gradhooks.GradhooksError):
+                h.norms()
+        want = loop_grad(model, summed_cross_entropy, x.detach(), y)
+        model.zero_grad()
+        F.cross_entropy(model(x.detach()), y, reduction="sum").backward()
+        if quantity == "grad1":
+            assert_grad1(model, want, "the model called as a whole")
+        else:
+            assert_close(h.norms(), norms_of(want), "the model called as a whole: norms")
+
+
+def summed_cross_entropy(out, target):
+    """Cross-entropy summed over the batch."""
+    return F.cross_entropy(out, target, reduction="sum")
+
+
 # -- functional_call with strict=True and tied weights --------------------------------------------
 
 
