@@ -9,9 +9,11 @@ not; ``clip_grad_norm_(foreach=True)`` after ``dp_sgd_step``; per-example clippi
 optimizer's step pre-hook, and ``grad1`` cleared by its post-hook; a
 ``load_state_dict`` post-hook that ties weights again after an assigned load; the user's own
 full backward hooks beside gradhooks (an observer on the model, a gradient reversal on a layer,
-a pre-hook scaling a layer's output-gradient); ``save_on_cpu`` and activations kept in bfloat16
-by ``saved_tensors_hooks``; ``checkpoint_sequential`` under bfloat16 autocast into the DP step;
-``functional_call`` with ``strict=True`` and tied weights. From PyTorch Lightning: manual
+a pre-hook scaling a layer's output-gradient), also in the DP step; ``save_on_cpu`` and
+activations kept in bfloat16 by ``saved_tensors_hooks``; ``checkpoint_sequential`` under
+bfloat16 autocast into the DP step, reentrant checkpointing of the hooked model itself (its
+layers one by one, or its whole call) into the DP step, and of layers whose examples move
+between them (refused); ``functional_call`` with ``strict=True`` and tied weights. From PyTorch Lightning: manual
 optimization clipping each example by hand after ``self.manual_backward``; automatic
 optimization with ``bf16-mixed``, ``accumulate_grad_batches=2`` and ``gradient_clip_val``
 together. From PyTorch-Ignite: ``create_supervised_trainer`` with an ``output_transform`` that
@@ -335,12 +337,13 @@ def test_a_load_state_dict_post_hook_ties_the_weights_again_after_an_assigned_lo
 
 def test_the_users_full_backward_hooks_beside_gradhooks():
     """Three of the user's module hooks, put on before ``add_hooks``: a full backward hook on
-    the whole model that records the norm of its output-gradient, a full backward hook on the
+    the whole model that counts its calls, a full backward hook on the
     Tanh that returns ``-0.5`` times its input-gradient (DANN's gradient reversal as a hook),
     and a full backward pre-hook on the head that doubles its output-gradient. Each fires once
     per backward, as without gradhooks; grad1 of the head is twice its own gradient, that of
     the first layer ``-0.5 · 2`` times its own (the float64 loop of the model without the
-    hooks), and the norms are of those."""
+    hooks), and the norms are of those; the DP step (ghost clipping: two backwards through
+    the hooks) clips those gradients."""
     model = mlp()
     plain = copy.deepcopy(model)
     fired = {"model": 0, "tanh": 0, "head": 0}
@@ -372,6 +375,16 @@ def test_the_users_full_backward_hooks_beside_gradhooks():
             assert_grad1(model, want, f"step {step}")
             assert_close(h.norms(), norms_of(want), f"step {step}: norms")
             opt.step()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        x, y = batch(STEPS)
+        plain.load_state_dict(model.state_dict())
+        want = {n: scales[n] * g for n, g in loop_grad(plain, F.cross_entropy, x, y).items()}
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x.requires_grad_()), y, reduction="none")
+        gradhooks.dp_sgd_step(h, losses, max_norm=0.1, noise_multiplier=0.0, method="ghost")
+        means = clipped(want, 0.1)
+        for n, p in model.named_parameters():
+            assert_close(p.grad, means[n], f"the DP step: {n}")
 
 
 # -- saved tensors offloaded and kept in bfloat16 ------------------------------------------------
