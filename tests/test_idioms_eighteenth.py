@@ -782,6 +782,65 @@ def test_lightning_bf16_mixed_accumulation_and_clipping_together():
     assert module.hooks.accumulated == 2
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-mixed"])
+def test_lightning_half_precisions_read_in_on_after_backward(precision):
+    """``precision="bf16-true"`` (the module converted to bfloat16: grad1 in bfloat16, as
+    ``.grad``) and ``"16-mixed"`` given as its plugin, ``MixedPrecision("16-mixed", "cpu")``
+    (the ``precision=`` flag falls back to bfloat16 on the CPU): float16 autocast, the loss
+    scaled by the plugin's ``GradScaler``, so grad1 is of the scaled loss, as ``.grad`` before
+    the unscaling. Read in ``on_after_backward``: grad1 divided by the scale in force, and the
+    norms, are within float16's and bfloat16's rounding of the float64 loop at each step's
+    parameters."""
+    L = lightning()
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    dtypes: set = set()
+
+    seen: list = []
+
+    class Reading(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+            self.hooks = gradhooks.add_hooks(self.net, quantities=("grad1", "norms"))
+
+        def training_step(self, batch, batch_idx):
+            self.batch = batch
+            self.params = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+            x, y = batch
+            out = self.net(x)
+            dtypes.add(out.dtype)
+            return F.cross_entropy(out.float(), y)
+
+        def on_after_backward(self):
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            scale = 1.0 if scaler is None else float(scaler.get_scale())
+            grad1 = {n: p.grad1.clone() for n, p in self.net.named_parameters()}
+            seen.append((self.params, self.batch, grad1, self.hooks.norms().clone(), scale))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.5)
+
+    torch.manual_seed(0)
+    module = Reading()
+    if precision == "16-mixed":
+        fit(module, plugins=[MixedPrecision("16-mixed", "cpu")])
+        assert all(scale > 1 for *_, scale in seen)
+    else:
+        fit(module, precision=precision)
+    assert len(seen) == 4
+    assert dtypes == {torch.bfloat16 if precision == "bf16-true" else torch.float16}
+    ref = reference(module.net)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    for k, (params, (x, y), grad1, norms, scale) in enumerate(seen):
+        ref.load_state_dict({n: v.to(D) for n, v in params.items()})
+        want = loop_grad(ref, F.cross_entropy, x.to(D), y)
+        assert all(g.dtype == dtype for g in grad1.values()), f"step {k}"
+        assert_near({n: g.to(D) / scale for n, g in grad1.items()}, want, BF16, f"step {k}")
+        err = relative_error(norms.to(D) / scale, norms_of(want))
+        assert err < BF16, f"step {k}: norms off by {err:.2e}"
+
+
 # -- PyTorch-Ignite --------------------------------------------------------------------------
 
 
