@@ -558,7 +558,8 @@ def test_checkpoint_sequential_of_layers_whose_examples_move_is_refused(segments
     (the batch is not followed from one layer to the next outside a forward of the model).
     Its pieces come in the checkpoint's backward of its own, inside the loss's: refused all
     the same (a ``BatchNotFoundError``, naming both layers), as without the checkpoint, and
-    no grad1 is left; the model itself, called as a whole, gets the loop's grad1."""
+    no grad1 is left; the backward of a forward of the model as a whole, run before, then
+    gets the loop's grad1 (or norms)."""
     from torch.utils.checkpoint import checkpoint_sequential
 
     torch.manual_seed(0)
@@ -567,7 +568,9 @@ def test_checkpoint_sequential_of_layers_whose_examples_move_is_refused(segments
         nn.Linear(4, 2),
     ).to(D)  # fmt: skip
     x, y = torch.randn(5, 6, 3, dtype=D), torch.randint(2, (5,))
+    want = loop_grad(model, summed_cross_entropy, x, y)
     with gradhooks.add_hooks(model, quantities=(quantity,), loss_reduction="sum") as h:
+        whole = model(x)  # (a forward of the model as a whole, backpropagated after)
         out = checkpoint_sequential(model, segments, x.requires_grad_(), use_reentrant=True)
         raised(
             gradhooks.BatchNotFoundError,
@@ -579,9 +582,8 @@ def test_checkpoint_sequential_of_layers_whose_examples_move_is_refused(segments
         if quantity == "norms":
             with pytest.raises(gradhooks.GradhooksError):
                 h.norms()
-        want = loop_grad(model, summed_cross_entropy, x.detach(), y)
         model.zero_grad()
-        F.cross_entropy(model(x.detach()), y, reduction="sum").backward()
+        F.cross_entropy(whole, y, reduction="sum").backward()
         if quantity == "grad1":
             assert_grad1(model, want, "the model called as a whole")
         else:

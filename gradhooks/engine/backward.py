@@ -603,11 +603,12 @@ class BackwardWriter:
         are refused as in one backward (layers called one by one, as ``checkpoint_sequential``
         calls them, each taking its batch from its own input: :func:`different_batches`),
         before this one writes anything; the outermost's writes are undone too."""
-        outer = next(iter(self.state.tasks.values()))
+        task, outer = next(iter(self.state.tasks.items()))
         if outer is bw or batch in outer.rows:
             return
         outer.rows[batch] = bw.rows[batch]
         if self.state.batch_dim is not None and any(entry for _, entry in outer.rows.values()):
+            del self.state.tasks[task]  # (it fails with this one: _abort_backward's work)
             self.refuse(outer)
             self._put_back(outer)
             raise BatchNotFoundError(different_batches(outer.rows))
