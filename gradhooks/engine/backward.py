@@ -352,9 +352,18 @@ class BackwardWriter:
                 )
         elif frame is not None and self.state.batch_dim is not None:
             self._check_batch(target, first, call, batch, frame)
-        if bw is not None and frame is not None and batch not in bw.rows:
-            where = target.where
-            bw.rows[batch] = (f"{where}, for '{first}',", frame.owner is not self.state.model)
+        if bw is not None and batch not in bw.rows and (frame is not None or bw.nested):
+            # (a call without a frame in a nested backward: run again by a reentrant
+            # checkpoint's backward, as a submodule called on its own unless its rerun was
+            # noted inside a forward of the model)
+            entry = (
+                frame.owner is not self.state.model
+                if frame is not None
+                else id(target.module) not in self.state.reruns
+            )
+            bw.rows[batch] = (f"{target.where}, for '{first}',", entry)
+            if bw.nested:
+                self._count_rows_outside(bw, batch)
         if self.state.grad1 and bw is not None and not bw.memory_checked:
             bw.memory_checked = True  # before the first grad1 of this backward is formed
             self.refuse_large(batch)
@@ -586,6 +595,23 @@ class BackwardWriter:
         found = bw.hidden.pop(id(p), None)
         if found is not None and "grad1" not in p.__dict__:
             p.__dict__["grad1"] = found[1]
+
+    def _count_rows_outside(self, bw: Backward, batch: int) -> None:
+        """A backward inside another (reentrant activation checkpointing: the checkpointed
+        calls' pieces come in a backward of their own, inside the loss's) counts its calls'
+        examples with the outermost backward's, so that calls that count other examples
+        are refused as in one backward (layers called one by one, as ``checkpoint_sequential``
+        calls them, each taking its batch from its own input: :func:`different_batches`),
+        before this one writes anything; the outermost's writes are undone too."""
+        task, outer = next(iter(self.state.tasks.items()))
+        if outer is bw or batch in outer.rows:
+            return
+        outer.rows[batch] = bw.rows[batch]
+        if self.state.batch_dim is not None and any(entry for _, entry in outer.rows.values()):
+            del self.state.tasks[task]  # (it fails with this one: _abort_backward's work)
+            self.refuse(outer)
+            self._put_back(outer)
+            raise BatchNotFoundError(different_batches(outer.rows))
 
     def _put_back(self, bw: Backward) -> None:
         """Where ``bw`` ends without having replaced them (a backward not captured after all,
@@ -1212,7 +1238,8 @@ def different_batches(rows: dict[int, tuple[str, bool]]) -> str:
         f"gradhooks: in one backward, {a} gave a per-example gradient for {n} examples and "
         f"{b} for {m}: their rows are not the same examples, and no grad1 was written. Where "
         "the model's submodules are called outside its forward (a method such as CLIP's "
-        "encode_text, or model.forward(x) called directly), each call takes its batch from its "
+        "encode_text, model.forward(x) called directly, or checkpoint_sequential(model, ...), "
+        "which calls the layers one by one), each call takes its batch from its "
         "own input, and what the code does between them (x.permute(1, 0, 2), x.view(B * T, "
         "...)) is not followed: call the model itself, model(x), or move that code into a "
         "submodule's forward. One loss over batches of different sizes (two datasets in one "

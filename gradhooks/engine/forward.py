@@ -221,8 +221,12 @@ class ForwardCapture:
             if self.state.removed or not self.state.pause.on:
                 return
             if not torch.is_grad_enabled():
-                if self.state.frames and self.state.frames[-1].grad_enabled:
-                    # no_grad inside a training forward: reentrant activation checkpointing,
+                if self.state.frames and (
+                    self.state.frames[-1].grad_enabled or _requires_grad_input(args, kwargs)
+                ):
+                    # no_grad inside a training forward, or given an input that requires grad
+                    # (the model or its layers called inside the checkpoint, as
+                    # checkpoint_sequential calls them): reentrant activation checkpointing,
                     # which reruns this call during the backward. The collector then waits for
                     # the end of the backward to reduce these parameters' pieces.
                     self.state.frames[-1].unprobed = True
@@ -957,6 +961,12 @@ def _without_nodes(taps: Any) -> Any:
     kept = copy.copy(taps)
     kept.nodes = ()
     return kept
+
+
+def _requires_grad_input(args: tuple, kwargs: dict) -> bool:
+    """Whether a call run with grad mode off was given a tensor that requires grad: made
+    before grad mode went off, as the inputs of a reentrant checkpoint's function are."""
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
 
 
 def _refuse_shallow_copy(target: Target, copied: nn.Module, hooked: dict) -> None:

@@ -100,7 +100,8 @@ class CaptureState:
         # inside a rerun of a detached call, or a per-example backward of the tracker's
         self.rerunning = 0
         self.probing = False  # inside the probe's backward
-        # a call ran with grad mode off inside a forward (reentrant activation checkpointing:
+        # a call ran with grad mode off inside a forward, or given an input that requires grad
+        # (reentrant activation checkpointing, also of the model or of its layers one by one:
         # run again by a backward, but not by torch.autograd.grad, which gradhooks.dp then
         # avoids)
         self.recomputes = False
