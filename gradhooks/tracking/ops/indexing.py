@@ -254,12 +254,17 @@ def _setitem(args, kwargs, out, layout_of, batch):
         view = x.detach()[index]  # (the shape x[index] has: a view, or a small copy)
     want = vlay.at(vlay.dim + view.dim() - value.dim())
     if lay is not None:  # each example's values written into its own rows, or not
-        return lay if index_map(x, lay, index, view) == want else MIXED
+        if index_map(x, lay, index, view) == want:
+            return lay
+        # (a mask over the batch and more, y[mask] = f(x[mask]): which example each entry
+        # written belongs to, against which owns its place)
+        return set_rows(x, lay, index, value, vlay, batch)
     for d in range(x.dim()):
         cand = Layout(d, vlay.outer, vlay.inner)
         if x.shape[d] == cand.size(batch) and index_map(x, cand, index, view) == want:
             return cand
-    return UNKNOWN
+    found = set_rows(x, lay, index, value, vlay, batch)
+    return UNKNOWN if found is MIXED else found
 
 
 HANDLERS["__setitem__"] = NeedsBatch(_setitem)
@@ -321,9 +326,10 @@ def _indexed_rows(kind: str, args, kwargs, out, layout_of, batch) -> Layout | No
         vlay = layout_of(values) if isinstance(values, Tensor) else None
         if vlay is None or vlay.dim < 0 or xlay is not None and xlay.dim < 0:
             return None
-        if vlay.owners is None and (xlay is None or xlay.owners is None):
-            return None
-        return set_rows(x, xlay, tuple(indices), values, vlay, batch)
+        found = set_rows(x, xlay, tuple(indices), values, vlay, batch)
+        if found is MIXED and vlay.owners is None and (xlay is None or xlay.owners is None):
+            return None  # (the other handlers decide)
+        return found
     dim = arg(args, kwargs, 1, "dim")
     index = arg(args, kwargs, 2, "index")
     if not isinstance(dim, int) or not isinstance(index, Tensor) or index.is_floating_point():
