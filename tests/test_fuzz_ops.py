@@ -143,8 +143,7 @@ REORDERED = {
     "split batch, swapped": lambda x, lin, p: lin(
         torch.cat(torch.split(x, [1, x.shape[0] - 1])[::-1])
     ),
-    # (each example taken out alone and stacked again: refused, the stack's rows are not
-    # known to be the examples)
+    # (each example taken out alone, flipped, and stacked again: the batch in its order)
     "unbind batch, stack": lambda x, lin, p: lin(torch.stack([e.flip(0) for e in x.unbind(0)])),
 }
 
