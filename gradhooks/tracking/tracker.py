@@ -983,7 +983,7 @@ class Tracker(TorchFunctionMode):
             d = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), o.dim())
             if name != "stack" and any(t.shape[d] != 1 for t in tensors):
                 return None
-            rows = torch.tensor([self.single[t][0] for t in tensors])
+            rows = torch.tensor([self.single[t][0] for t in tensors], device=o.device)
             self.rejoined += 1
             return owned(d, rows, base.at(d), self.batch)
         if len({b for b, _ in found}) != 1:
