@@ -143,8 +143,7 @@ REORDERED = {
     "split batch, swapped": lambda x, lin, p: lin(
         torch.cat(torch.split(x, [1, x.shape[0] - 1])[::-1])
     ),
-    # (each example taken out alone and stacked again: refused, the stack's rows are not
-    # known to be the examples)
+    # (each example taken out alone, flipped, and stacked again: the batch in its order)
     "unbind batch, stack": lambda x, lin, p: lin(torch.stack([e.flip(0) for e in x.unbind(0)])),
 }
 
@@ -459,20 +458,7 @@ FOUND = [
 ]
 
 
-# Followed alone, refused after the cut at some step (a false refusal, typed): ``y[mask] = v``
-# where the mask picks every row, or where the rows are the cut's put back.
-REFUSED_AFTER_THE_CUT = {"mask pick, written back"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="a false refusal"))
-        if n in REFUSED_AFTER_THE_CUT
-        else n
-        for n in sorted(WITHIN)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(WITHIN))
 def test_each_operation_after_the_batch_cut_and_put_back_is_followed(name):
     """After ``torch.cat([lin(x[:1]), lin(x[1:])])`` the rows are the batch's own, in order:
     whatever follows is followed as on the batch itself."""

@@ -1120,22 +1120,20 @@ class _Permuted(nn.Module):
         return torch.cat([self.a(x[j : j + 1]) for j in self.perm])
 
 
-def test_the_row_loop_in_a_permuted_order_gives_each_example_its_own_row():
+def test_the_row_loop_in_a_permuted_order_to_the_output_is_refused():
     """The rows stay in the permuted order to the loss: row ``r`` is example ``perm[r]``'s, and
-    each example's grad1 is its own row's gradient, whatever the order (the loss of the
-    permuted rows summed, so each example's is its row's alone)."""
+    a loss that pairs the rows with targets (a weight per row, ``w[r]``) pairs example
+    ``perm[r]`` with example ``r``'s target, which the per-example loop never does (each
+    example alone meets its own). Once, grad1 was each example's row's gradient with another's
+    target, with no error; refused at the forward, naming the output."""
     perm = [2, 0, 3, 1]
     model = _Permuted(perm).to(D)
     x = torch.randn(4, 3, dtype=D)
     w = torch.randn(4, 2, dtype=D)  # (a weight per row of the output, to tell them apart)
-    want = {n: torch.zeros(4, *p.shape, dtype=D) for n, p in model.named_parameters()}
-    for r, j in enumerate(perm):
-        grads = torch.autograd.grad((model.a(x[j : j + 1]) * w[r]).sum(), list(model.parameters()))
-        for (n, _), g in zip(model.named_parameters(), grads, strict=True):
-            want[n][j] = g
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        (model(x) * w).sum().backward()
-    assert_grad1(model, want, "permuted")
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"output .* another order"):
+            (model(x) * w).sum().backward()
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
 
 
 def test_an_example_taken_by_a_tensor_index_alone_is_refused():

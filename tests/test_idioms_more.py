@@ -487,19 +487,19 @@ class SortedByKey(nn.Module):
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_a_layer_on_the_input_sorted_by_a_key_is_refused_naming_it(verify):
+def test_a_layer_on_the_input_sorted_by_a_key_matches_the_loop(verify):
     """``a(x[order])`` with ``x`` the model's input (no gradient of its own): the layer's row
-    ``r`` is example ``order[r]``. Before, the reordering of a tensor without a gradient was not
-    followed, and grad1 of ``a`` gave each example another's gradient (seen up to 0.49 off;
-    with ``verify=True`` the run-time check caught it as a mismatch); now the layer is refused,
-    as one on a reordered hidden state is, naming it and how to put the rows back, with no
-    ``grad1`` written."""
+    ``r`` is example ``order[r]``. Once, the reordering of a tensor without a gradient was not
+    followed, and grad1 of ``a`` gave each example another's gradient (seen up to 0.49 off);
+    then the layer was refused; now the rows' examples are followed through the layer (each
+    row its example's, :class:`gradhooks.tracking.layout.Owners`), and grad1 is the loop's."""
     model = SortedByKey().to(D)
     x, y = batch(0, n=5)
+    assert not torch.equal(torch.argsort(x[:, 0]), torch.arange(5))  # (another order)
+    want = loop_grad(model, F.cross_entropy, x, y)
     with gradhooks.add_hooks(model, verify=verify):
-        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'a' \(Linear\).*another order"):
-            F.cross_entropy(model(x), y).backward()
-    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "sorted by a key")
 
 
 class SortedThenScaled(SortedByKey):
@@ -509,17 +509,17 @@ class SortedThenScaled(SortedByKey):
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_a_layer_on_the_sorted_input_after_an_operation_is_refused_without_verify(verify):
-    """``a(x[order] * 2)``: the mark of a reordering of a tensor without a gradient is carried
-    through the operations after it until the rows are put back in order. Before, it was
-    carried to the next operation only, and with ``verify=False`` grad1 of ``a`` gave each
-    example another's gradient."""
+def test_a_layer_on_the_sorted_input_after_an_operation_matches_the_loop(verify):
+    """``a(x[order] * 2)``: the rows' examples are carried through the operations after the
+    reordering until they are put back in order. Once, the mark was carried to the next
+    operation only, and with ``verify=False`` grad1 of ``a`` gave each example another's
+    gradient."""
     model = SortedThenScaled().to(D)
     x, y = batch(0, n=5)
+    want = loop_grad(model, F.cross_entropy, x, y)
     with gradhooks.add_hooks(model, verify=verify):
-        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'a' \(Linear\).*another order"):
-            F.cross_entropy(model(x), y).backward()
-    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "sorted, then scaled")
 
 
 class SortedScaledPutBack(SortedByKey):
@@ -533,8 +533,9 @@ class SortedScaledPutBack(SortedByKey):
 @pytest.mark.parametrize("verify", [True, False])
 def test_the_sorted_input_put_back_in_order_before_the_layer_matches_the_loop(verify):
     """``x[order] * 2``, then ``[order.argsort()]`` before the layer: the rows are put back in
-    order (the two permutations compose to the identity), so the layer is not refused and
-    grad1 is the loop's; put back by another permutation, the layer is refused."""
+    order (the two permutations compose to the identity), so grad1 is the loop's; put back by
+    another permutation, the model's output holds the examples in another order than its
+    targets, and it is refused."""
     model = SortedScaledPutBack().to(D)
     x, y = batch(0, n=5)
     model.back = True
@@ -543,7 +544,7 @@ def test_the_sorted_input_put_back_in_order_before_the_layer_matches_the_loop(ve
         F.cross_entropy(model(x), y).backward()
         assert_grad1(model, want, "put back")
         model.back = False
-        with pytest.raises(gradhooks.BatchNotFoundError, match=r"'a' \(Linear\).*another order"):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=r"output .* another order"):
             F.cross_entropy(model(x), y).backward()
 
 

@@ -793,18 +793,25 @@ def test_empty_rows_concatenated_keep_the_examples():
     assert_matches(m, want, "cat with no rows")
 
 
-@pytest.mark.parametrize("how", ["getitem", "index_select"])
-def test_layer_on_reordered_examples_is_refused(how):
-    """A layer whose input holds the examples in another order (``h[perm]``): its rule would
-    give each example another's gradient; refused at the forward."""
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        # (the rows' examples followed through the layer; the model's output left in that
+        # order, which a loss with targets would pair with another example's target)
+        ("getitem", r"Between: its output .* in another order"),
+        ("index_select", r"'l2' \(Linear\): .* in another order"),
+    ],
+)
+def test_layer_on_reordered_examples_is_refused(how, says):
+    """The examples in another order (``h[perm]``), to the model's output: refused at the
+    forward, at the layer (``index_select``: its rule would give each example another's
+    gradient) or at the output."""
     perm = torch.tensor([2, 0, 3, 1])
     reorder = {"getitem": lambda h: h[perm], "index_select": lambda h: h.index_select(0, perm)}
     torch.manual_seed(0)
     m = Between(reorder[how]).double()
     with gradhooks.add_hooks(m, loss_reduction="sum"):
-        with pytest.raises(
-            gradhooks.BatchNotFoundError, match=r"'l2' \(Linear\): .* in another order"
-        ):
+        with pytest.raises(gradhooks.BatchNotFoundError, match=says):
             m(torch.randn(4, 3, dtype=D))
 
 

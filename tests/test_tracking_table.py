@@ -50,6 +50,9 @@ CHANGED = {
     "cat": "needs_batch:cat",
     "concat": "needs_batch:cat",
     "concatenate": "needs_batch:cat",
+    # (the examples rolled along the batch, each row still one example's, rolled back in
+    # order: tests/test_tracking_reorders.py)
+    "roll": "needs_batch:roll",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and

@@ -603,6 +603,7 @@ class Verifier:
         them apart."""
         outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
         lays = [tracker.layout(t) for t in outs]
+        self._check_order(module, outs, lays)
         mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
         if not mixed or any(lay is not None and lay is not MIXED for lay in lays):
             return  # (an output that keeps the examples, or whose layout was lost)
@@ -618,6 +619,26 @@ class Verifier:
             f"({ops}), so per-example gradients do not exist. If the model's batch is another "
             "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
         )
+
+    @staticmethod
+    def _check_order(module: nn.Module, outs: list[Tensor], lays: list) -> None:
+        """Refuses a forward whose output holds the examples in another order than its input
+        (``h.roll(1, 0)``, ``h[perm]``, the rows sorted by a key and not put back): each row is
+        one example's, but a loss that pairs the rows with targets in the input's order
+        (``cross_entropy(out, y)``) would pair one example's output with another's target,
+        which the per-example computation never does."""
+        for t, lay in zip(outs, lays):
+            rows = lay.owners.rows if lay is not None and lay.owners is not None else None
+            if rows is None or rows.numel() < 2 or bool((rows[1:] >= rows[:-1]).all()):
+                continue
+            raise BatchNotFoundError(
+                f"{type(module).__qualname__}: its output ({tuple(t.shape)}) holds the "
+                "examples in another order than its input (rolled, permuted or sorted along "
+                f"the batch's dimension {lay.dim}, and not put back), so a loss that pairs its "
+                "rows with targets would pair one example's output with another's target. "
+                "Put the rows back in order before returning them (h[perm.argsort()], "
+                "h.roll(-shifts, dim)), or compute the loss inside the forward."
+            )
 
     def coupled_reached(self, why: str, after: tuple) -> None:
         """A backward reaches a product that couples the examples' gradients (``why``; see

@@ -20,13 +20,15 @@ class Owners:
     mixture-of-experts layer routes to one expert, ``h[top_x]``; the unpadded tokens of a
     batch, ``h[mask]``) are laid out so: each still belongs to one example, but how many each
     example has, and where, is data. ``base``: the layout of the tensor they were picked from
-    (where they are written back to, ``out.index_add_(0, top_x, y)``). Two are equal where
-    their rows are."""
+    (where they are written back to, ``out.index_add_(0, top_x, y)``). ``shuffled``: the
+    examples put in another order by an index of their dimension, ``x[perm]`` (where no
+    gradient flows, mixed with the batch in order, ``lam * x + (1 - lam) * x[perm]``, that is
+    MixUp of the inputs: mixed before the model). Two are equal where their rows are."""
 
-    __slots__ = ("rows", "base")
+    __slots__ = ("rows", "base", "shuffled")
 
     def __init__(self, rows: Tensor, base: Layout | None = None) -> None:
-        self.rows, self.base = rows, base
+        self.rows, self.base, self.shuffled = rows, base, False
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -150,9 +152,12 @@ def owner_map(t: Tensor, layout: Layout, batch: int) -> Tensor:
 
 def owned(dim: int, rows: Tensor, base: Layout | None, batch: int) -> Layout:
     """The layout of a dimension whose entry ``r`` belongs to example ``rows[r]``: ``base``
-    (at ``dim``) where ``rows`` is its own (every row picked in place), else an
-    :class:`Owners` layout."""
+    (at ``dim``; for rows picked from rows picked, the layout those were picked from) where
+    ``rows`` is its own (every row picked in place, or put back in place: ``x[perm]
+    [perm.argsort()]``), else an :class:`Owners` layout."""
     rows = rows.reshape(-1).to(torch.int64)
+    if base is not None and base.owners is not None:
+        base = base.owners.base  # (rows picked from rows picked: the batch they came from)
     if (
         base is not None
         and base.owners is None
@@ -161,8 +166,6 @@ def owned(dim: int, rows: Tensor, base: Layout | None, batch: int) -> Layout:
         and torch.equal(owner_vector(base, batch, rows.device), rows)
     ):
         return Layout(dim, base.outer, base.inner)
-    if base is not None and base.owners is not None:
-        base = base.owners.base
     return Layout(dim, owners=Owners(rows, base))
 
 

@@ -54,11 +54,21 @@ from . import memo
 from .aliases import aliased
 from .couplings import POWERS, arm, coupling
 from .couplings import PRODUCTS as PRODUCTS_OF
-from .layout import CONTRACTED, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .layout import (
+    CONTRACTED,
+    MIXED,
+    PACKED,
+    REORDER,
+    UNKNOWN,
+    Layout,
+    is_followed,
+    owned,
+    owner_vector,
+)
 from .link import EngineLink
 from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.indexing import by_positions, one_example, puts_back, reorder_of
+from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
 from .sources import (
@@ -139,6 +149,15 @@ class Tracker(TorchFunctionMode):
         # ... and the dimension and permutation each was reordered by, and the layout of the
         # batch before (x[perm]: put back in order by x[perm][perm.argsort()])
         self.orders: TensorMap = TensorMap()
+        # tensors whose rows hold the examples in an order computed across the batch (sorted
+        # by a key of each example's data, x[x.norm(dim=1).argsort()]), with the operation
+        # that ordered them, until put back (see _ranked)
+        self.ranked: TensorMap = TensorMap()
+        # tensors that are one example taken out of the batch alone, or computed from one alone
+        # (x.unbind(0), x[i], f(x[i])): the example and the layout of the batch it came from
+        # (see _singles), and how many joins of them gave the batch back (never kept by memo)
+        self.single: TensorMap = TensorMap()
+        self.rejoined = 0
         # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
         self.presumed: TensorMap = TensorMap()
         # the model's first input as the engine took it (:meth:`give`)
@@ -586,9 +605,9 @@ class Tracker(TorchFunctionMode):
                         if lay is not None:
                             layouts[o] = lay
                     return None
-        notes = len(self.unknown), len(self.mixed), len(self.presumed.entries)
+        notes = len(self.unknown), len(self.mixed), len(self.presumed.entries), self.rejoined
         self._propagate(op, args, kwargs, out, ins)
-        if notes == (len(self.unknown), len(self.mixed), len(self.presumed.entries)):
+        if notes == (len(self.unknown), len(self.mixed), len(self.presumed.entries), self.rejoined):
             memo.keep(found, outs, layouts)
         return None
 
@@ -628,10 +647,15 @@ class Tracker(TorchFunctionMode):
             if layouts.get(t) is MIXED:
                 inherited = True
                 break
+        joined = None
+        if inherited and self.single.entries:
+            joined = self._singles(name, args, kwargs, ins, outs)
+            inherited = not is_followed(joined)
         if inherited:
             result = MIXED
             if (
-                self.engine is not None
+                joined is None
+                and self.engine is not None
                 and (name in PRODUCTS_OF or name in POWERS)
                 and not any(u.soft for u in self.used)
             ):  # (a product after a reduction over the batch: refused if a backward reaches
@@ -639,6 +663,8 @@ class Tracker(TorchFunctionMode):
                 why = coupling(name, args, ins, layout_of, self.mixed)
                 if why is not None:
                     arm(self.engine, outs, why)
+        elif joined is not None:
+            result = joined
         else:
             result = None
             if self.positions.entries:
@@ -663,6 +689,8 @@ class Tracker(TorchFunctionMode):
             self.mixed.setdefault(f"{got} of a reduction over the batch, read into Python", None)
         if self.coupled.entries:
             result = self._coupling(name, args, ins, outs, result)
+        if self.ranked.entries or self.coupled.entries:
+            result = self._ranked(name, args, ins, outs, result)
         if self.row_index.entries or name in _FINDS_ROWS:
             self._row_indices(name, args, ins, outs)
         if self.positions.entries or name in _FINDS_ROWS:
@@ -714,6 +742,19 @@ class Tracker(TorchFunctionMode):
             # one example cannot mix with another: where two reshapes put its only entry on
             # different dimensions (heads folded in, sequence-first), take the first input's
             result = next((lay for t in ins if is_followed(lay := self._layout_of(t))), UNKNOWN)
+        if (
+            result is MIXED
+            and not inherited
+            and is_pointwise(name)
+            and not any(o.requires_grad for o in outs)
+            and (before := self._mixed_up(ins)) is not None
+        ):  # (the examples mixed with a permutation of them where no gradient flows, MixUp of
+            # the inputs, x = lam * x + (1 - lam) * x[perm]: mixed before the model, each row
+            # one example to the layers after; docs/guarantees.md)
+            result = UNKNOWN
+            for o in outs:
+                if o.dim() > before.dim and o.shape[before.dim] == before.size(self.batch):
+                    self.presumed[o] = before
         if result is MIXED and not any(carries(o) for o in outs) and not inherited:
             for o in outs:  # (an index or mask computed across the examples: see _coupling)
                 self.coupled[o] = name
@@ -726,8 +767,11 @@ class Tracker(TorchFunctionMode):
                     and args
                     and one_example(name, args, kwargs, lay := self._layout_of(args[0]))
                 ):
-                    for o in outs:
+                    taken = examples_taken(name, args, kwargs, lay, len(outs))
+                    for k, o in enumerate(outs):
                         self.alone[o] = (name, lay.dim)
+                        if taken is not None:
+                            self.single[o] = (taken[k], lay)
                 for o in outs:
                     self.layouts[o] = MIXED
                 if self.used and self.used[-1].soft:
@@ -867,6 +911,13 @@ class Tracker(TorchFunctionMode):
                 and (x_lay is None or x_lay.owners is None or lay.owners != x_lay.owners)
             ]  # fmt: skip
             index_only = args[0] not in self.coupled
+            if (
+                fresh
+                and index_only
+                and not (self.used and self.used[-1].soft)
+                and all(self._permutes(x_lay, lay) for lay in fresh)
+            ):  # (inside a module without a rule, its fallback recomputes it per example)
+                return result  # (the examples sorted by their data: see _ranked)
             if fresh and index_only:
                 self.mixed.setdefault(
                     f"{name} picking rows by an index computed across the batch "
@@ -884,6 +935,151 @@ class Tracker(TorchFunctionMode):
             return MIXED
         for o in outs:
             self.coupled[o] = found[0]
+        return result
+
+    def _mixed_up(self, ins: list) -> Layout | None:
+        """The layout of the batch where every tensor with examples among ``ins`` holds its
+        rows in order or in another order by an index (:class:`Owners`, shuffled, of each of
+        them once: ``x`` and ``x[perm]``), and some in another; else ``None``."""
+        base, moved = None, False
+        for t in ins:
+            lay = self._layout_of(t)
+            if lay is None:
+                continue
+            plain = lay if lay.owners is None else lay.owners.base
+            if not is_followed(plain) or plain.owners is not None or base not in (None, plain):
+                return None
+            if lay.owners is not None:
+                if (
+                    not lay.owners.shuffled
+                    or lay.dim != plain.dim
+                    or not self._permutes(plain, lay)
+                ):
+                    return None  # (rolled, as the data rolled: refused, as it was)
+                moved = True
+            base = plain
+        return base if moved else None
+
+    def _singles(self, name: str, args, kwargs, ins: list, outs: list) -> Layout | None:
+        """An operation on examples taken out of the batch alone (:attr:`single`): where every
+        tensor with examples among its inputs is one, of the same example (``f(x[i])``, the
+        rows of ``x.unbind(0)`` each through ``f``), its outputs are that example's alone
+        (mixed, for what reads them as a batch; returned ``MIXED``); where it stacks them
+        (``torch.stack(rows)``, ``torch.cat`` of each with a dimension of one), the result holds
+        each along the stacked dimension, as rows of those examples (the batch itself, in
+        order, where it is every one of them in turn). ``None``: neither (mixed, as it was)."""
+        laid = [t for t in ins if self._layout_of(t) is not None]
+        if not laid or any(t not in self.single for t in laid):
+            return None
+        found = [self.single[t] for t in laid]
+        base = found[0][1]
+        if any(lay != base for _, lay in found):
+            return None
+        if name in ("stack", "cat", "concat", "concatenate"):
+            tensors = arg(args, kwargs, 0, "tensors")
+            o = outs[0] if len(outs) == 1 else None
+            if o is None or not isinstance(tensors, list | tuple) or len(tensors) != len(laid):
+                return None  # (a tensor without examples among them: a row of no example)
+            d = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), o.dim())
+            if name != "stack" and any(t.shape[d] != 1 for t in tensors):
+                return None
+            rows = torch.tensor([self.single[t][0] for t in tensors], device=o.device)
+            self.rejoined += 1
+            return owned(d, rows, base.at(d), self.batch)
+        if len({b for b, _ in found}) != 1:
+            return None  # (two examples combined)
+        for o in outs:
+            self.single[o] = found[0]
+            if laid[0] in self.alone:
+                self.alone[o] = self.alone[laid[0]]
+        return MIXED
+
+    def _permutes(self, before: Layout | None, after: Any) -> bool:
+        """Whether ``after`` (a layout) holds the rows of ``before`` in any order: each
+        example as many times as there, or, where a reshape merged or split them, in the same
+        proportion (not a part of them: a cut, a row dropped or repeated)."""
+        if not is_followed(before) or not is_followed(after):
+            return False
+        a = torch.bincount(owner_vector(before, self.batch, "cpu"), minlength=self.batch)
+        b = torch.bincount(owner_vector(after, self.batch, "cpu"), minlength=self.batch)
+        if a.shape != b.shape:
+            return False
+        return torch.equal(a * int(b.sum()), b * int(a.sum()))
+
+    def _ranked(self, name: str, args, ins: list, outs: list, result: Any) -> Any:
+        """Rows of the examples in an order computed across the batch (``x[idx]`` with ``idx =
+        x.norm(dim=1).argsort()``, the sorted-by-length trick of packed recurrent code; an
+        index computed across the batch, :meth:`_coupling`, that permutes the rows): each row
+        is still one example's, and a layer on them gives each its own gradient (the rows'
+        owners are followed), but where an example's row lands depends on the others. So
+        anything that reads the rows by their place is mixing there, unlike on the batch in
+        its own order: a part of them (``s[:k]``, a split), rows added or dropped, a tensor
+        without examples laid along them (``s * weights[:, None]``, a weight per rank). What
+        keeps every row (elementwise, a layer, another permutation) keeps them ranked, until
+        an index computed across the batch puts them back in the batch's order (``s[idx.
+        argsort()]``)."""
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        lays = result if isinstance(result, list) else [result] * len(outs)
+        found = [lay for lay in lays if is_followed(lay)]
+        src = next((t for t in ins if t in self.ranked), None)
+        index = ref = None
+        if x is not None and name in PICKS and x not in self.coupled:
+            index = next((t for t in ins if t is not x and t in self.coupled), None)
+            # (the rows picked from x, or, written into a tensor without examples, out[idx] =
+            # s, the rows written)
+            ref = self._layout_of(x) if self._layout_of(x) is not None else self._layout_of(src)
+        if (
+            index is not None
+            and found
+            and not (self.used and self.used[-1].soft)
+            and all(self._permutes(ref, lay) for lay in found)
+        ):
+            if all(lay.owners is None for lay in found):
+                # (put back in the batch's order; or an index computed across the batch that
+                # keeps every row in place, as a capacity that drops nothing does: the batch)
+                return result
+            why = self.ranked.get(x) or (
+                f"an index computed across the batch ({self.coupled[index]})"
+            )
+            for o, lay in zip(outs, lays):
+                if is_followed(lay):
+                    self.ranked[o] = why
+            return result
+        if src is None:
+            return result
+        why, before = self.ranked[src], self._layout_of(src)
+        mixing = None
+        for o, lay in zip(outs, lays):
+            if lay is MIXED and carries(o):
+                mixing = f"{name} of the rows ordered by {why}"
+                break
+            if not is_followed(lay):
+                continue
+            if not self._permutes(before, lay):
+                mixing = f"{name} of part of the rows ordered by {why}"
+                break
+            d = lay.dim
+            for t in ins:  # (a tensor without examples laid along the rows: one per place)
+                k = d - o.dim() + t.dim()
+                if (
+                    self._layout_of(t) is None
+                    and not (t is x and name in PICKS)  # (what an index reads or writes into)
+                    and 0 <= k < t.dim()
+                    and t.shape[k] == o.shape[d] > 1
+                    and id(t) not in self.params
+                    and not isinstance(t, torch.nn.Parameter)
+                    and not bool((t == t.narrow(k, 0, 1)).all())  # (zeros: a start state)
+                ):
+                    mixing = f"{name} of a tensor along the rows ordered by {why}"
+                    break
+            if mixing:
+                break
+        if mixing is not None:
+            self.mixed.setdefault(self._in_call(mixing), None)
+            return MIXED
+        for o, lay in zip(outs, lays):
+            if is_followed(lay):
+                self.ranked[o] = why
         return result
 
     def _masks_rows(self, ins: list, outs: list) -> bool:

@@ -131,7 +131,12 @@ def _getitem(args, kwargs, out, layout_of, batch):
         and lay.plain
         and is_permutation(index[0] if isinstance(index, tuple) and index else index, x.shape[0])
     ):
-        return REORDER  # (the examples reordered: x[perm])
+        # (the examples reordered, x[perm]: each row still one example's, followed as the
+        # rows an index picks, and put back in order by x[perm][perm.argsort()])
+        found = _picked(x, lay, index, o, batch, whole=True) or MIXED
+        if found.owners is not None:
+            found.owners.shuffled = True
+        return found
     if where is None:
         where = _picked(x, lay, index, o, batch, _example_masks(index, layout_of))
     return where if where is not None else MIXED
@@ -181,13 +186,15 @@ def _example_masks(index: Any, layout_of) -> bool:
 
 
 def _picked(
-    x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int, example_masks: bool = False
-) -> Layout | None:
+    x: Tensor, lay: Layout, index: Any, o: Tensor, batch: int, example_masks: bool = False,
+    whole: bool = False,
+) -> Layout | None:  # fmt: skip
     """``x[index]`` where the index picks entries along the examples' dimension (rows routed to
     an expert, ``h[top_x]``, ``h[None, top_x]``, ``h[mask]``): where every row of the result
     belongs to one example, an :class:`Owners` layout saying which (``None`` otherwise).
     Whole examples are picked only by ``example_masks`` (rows routed to a task's head by a
-    mask of the task ids): a batch cut to fixed positions or an index is another batch."""
+    mask of the task ids), or by a permutation of them (``whole``, ``x[perm]``): a batch cut
+    to fixed positions or an index is another batch."""
     items = _index_items(index)
     if items is None or not any(isinstance(i, Tensor) for i in items):
         return None
@@ -196,6 +203,7 @@ def _picked(
         and lay.inner == 1
         and _tensor_dims(items, x.dim()) == {lay.dim}
         and not example_masks
+        and not whole
     ):
         return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
     while items and (
@@ -254,12 +262,17 @@ def _setitem(args, kwargs, out, layout_of, batch):
         view = x.detach()[index]  # (the shape x[index] has: a view, or a small copy)
     want = vlay.at(vlay.dim + view.dim() - value.dim())
     if lay is not None:  # each example's values written into its own rows, or not
-        return lay if index_map(x, lay, index, view) == want else MIXED
+        if index_map(x, lay, index, view) == want:
+            return lay
+        # (a mask over the batch and more, y[mask] = f(x[mask]): which example each entry
+        # written belongs to, against which owns its place)
+        return set_rows(x, lay, index, value, vlay, batch)
     for d in range(x.dim()):
         cand = Layout(d, vlay.outer, vlay.inner)
         if x.shape[d] == cand.size(batch) and index_map(x, cand, index, view) == want:
             return cand
-    return UNKNOWN
+    found = set_rows(x, lay, index, value, vlay, batch)
+    return UNKNOWN if found is MIXED else found
 
 
 HANDLERS["__setitem__"] = NeedsBatch(_setitem)
@@ -321,9 +334,10 @@ def _indexed_rows(kind: str, args, kwargs, out, layout_of, batch) -> Layout | No
         vlay = layout_of(values) if isinstance(values, Tensor) else None
         if vlay is None or vlay.dim < 0 or xlay is not None and xlay.dim < 0:
             return None
-        if vlay.owners is None and (xlay is None or xlay.owners is None):
-            return None
-        return set_rows(x, xlay, tuple(indices), values, vlay, batch)
+        found = set_rows(x, xlay, tuple(indices), values, vlay, batch)
+        if found is MIXED and vlay.owners is None and (xlay is None or xlay.owners is None):
+            return None  # (the other handlers decide)
+        return found
     dim = arg(args, kwargs, 1, "dim")
     index = arg(args, kwargs, 2, "index")
     if not isinstance(dim, int) or not isinstance(index, Tensor) or index.is_floating_point():
@@ -502,6 +516,24 @@ def one_example(name: str, args: tuple, kwargs: dict, lay: Layout | None) -> boo
     if isinstance(i, Tensor):
         return i.dim() == 0 and not i.is_floating_point() and i.dtype is not torch.bool
     return isinstance(i, int | torch.SymInt) and not isinstance(i, bool)
+
+
+def examples_taken(name: str, args: tuple, kwargs: dict, lay: Layout, outs: int) -> list | None:
+    """The example each of the ``outs`` results of ``name`` on ``args`` is, where it takes
+    examples out of the batch alone (:func:`one_example`, on the plain layout ``lay``):
+    ``x.unbind(dim)``'s in turn, ``x[i]``'s and ``x.select(dim, i)``'s ``i``."""
+    n = args[0].shape[lay.dim]
+    if name == "unbind":
+        return list(range(n)) if outs == n else None
+    i = arg(args, kwargs, 2, "index") if name != "__getitem__" else None
+    if name == "__getitem__":
+        items = args[1] if isinstance(args[1], tuple) else (args[1],)
+        i = items[lay.dim]
+    if isinstance(i, Tensor):
+        i = int(i)
+    if not isinstance(i, int) or not -n <= i < n or outs != 1:
+        return None
+    return [i % n]
 
 
 def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:

@@ -7,8 +7,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..layout import MIXED, UNKNOWN
-from .common import HANDLERS, Handler, arg, handles, norm_dim, normalized_dims, single_input
+from ..layout import MIXED, UNKNOWN, Layout, owned, owner_vector
+from .common import (
+    HANDLERS,
+    Handler,
+    NeedsBatch,
+    arg,
+    handles,
+    norm_dim,
+    normalized_dims,
+    single_input,
+)
 from .pointwise import broadcast, pointwise
 
 
@@ -36,7 +45,40 @@ HANDLERS["topk"] = _dim_op(-1, pos=2)
 HANDLERS["kthvalue"] = _dim_op(-1, pos=2)
 HANDLERS["normalize"] = _dim_op(1, pos=2)
 HANDLERS["flip"] = _dim_op(None, name="dims")
-HANDLERS["roll"] = _dim_op(None, pos=2, name="dims")
+
+
+def _roll(args, kwargs, out, layout_of, batch):
+    """``torch.roll(x, shifts, dims)``: along other dimensions than the examples', the layout
+    stays; along theirs, each example's rows move whole to another place, so the rows hold the
+    examples in another order (their owners rolled, an :class:`Owners` layout; rolled back,
+    ``roll(-shifts)``, the layout they had), whatever the other dimensions rolled with it.
+    Flattened first (no ``dims``, of more than one dimension): mixed."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    shifts, dims = arg(args, kwargs, 1, "shifts"), arg(args, kwargs, 2, "dims")
+    if dims is None or (isinstance(dims, list | tuple) and not dims):
+        return MIXED if t.dim() != 1 or lay.dim != 0 else _rolled(t, lay, shifts, batch)
+    dims = dims if isinstance(dims, list | tuple) else [dims]
+    found = [norm_dim(int(d), t.dim()) for d in dims]
+    if lay.dim not in found:
+        return lay
+    moves = list(shifts) if isinstance(shifts, list | tuple) else [shifts]
+    if len(moves) != len(found) or found.count(lay.dim) != 1:
+        return MIXED
+    return _rolled(t, lay, moves[found.index(lay.dim)], batch)
+
+
+def _rolled(t: Tensor, lay: Layout, shift: Any, batch: int) -> Layout:
+    """The layout of ``t`` rolled by ``shift`` along its layout's dimension: each entry still
+    one example's (its rows folded with its time steps too, ``[batch * time]``: where a
+    reshape then needs them whole, they are not, and it is mixed there)."""
+    with torch.no_grad():
+        rows = owner_vector(lay, batch, t.device).roll(int(shift))
+    return owned(lay.dim, rows, lay, batch)
+
+
+HANDLERS["roll"] = NeedsBatch(_roll)
 HANDLERS["diff"] = _dim_op(-1, pos=2)
 
 
