@@ -1288,18 +1288,23 @@ def test_functorch_vmap_of_grad_modules(case):
         model.zero_grad(set_to_none=True)
 
 
-def test_functorch_examples_taken_out_of_the_batch_are_refused():
+def test_functorch_examples_taken_out_of_the_batch_and_stacked_are_followed():
     """The per-example function of ``test_per_sample_grads_inplace_view`` run on each example
-    taken out of the batch by ``unbind`` (a loop over the examples inside ``forward``): the
-    tracker follows the examples along a dimension, and a tensor of one example without it is
-    not followed, so gradhooks refuses (``MixedExamplesError`` naming the module and
-    ``unbind``) rather than guess; the batched form (:class:`InplaceView`) is the supported
-    one, and slices that keep the dimension (``x[i:i+1]``, ``x.split(1)``) are followed."""
+    taken out of the batch by ``unbind`` (a loop over the examples inside ``forward``), ``mm``
+    and an in-place ``squeeze_`` on each, stacked back: the stack puts each example's row back
+    in its place, which the tracker follows, so ``grad1`` is the loop's (it was refused as
+    mixing before the stack of examples taken alone was followed)."""
     model = seeded(OneExampleAtATime).double()
     x = seeded(lambda: torch.randn(6, 1, 16, dtype=D), 1)
-    with gradhooks.add_hooks(model):
-        with pytest.raises(gradhooks.MixedExamplesError, match="unbind"):
-            model(x)
+    for reduction in ("sum", "mean"):
+        with gradhooks.add_hooks(model, loss_reduction=reduction):
+            value = model(x).pow(2).sum()
+            (value if reduction == "sum" else value / 6).backward()
+        want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+        assert_grad1(model, want, reduction)
+        assert_grad1(model, vmap_grad(model, lambda out: out.pow(2).sum(), x), reduction)
+        gradhooks.clear_grad1(model)
+        model.zero_grad(set_to_none=True)
 
 
 # == ASDL: empirical natural gradient (tests/test_empirical_ngd.py) ================================

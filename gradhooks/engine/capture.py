@@ -327,14 +327,14 @@ class DetachedCalls:
                 module is not target.module
                 or self.state.removed
                 or not (self.state.grad1 or {"norms", "sum_grad_sq"} & set(self.state.quantities))
+                or not self.state.capturing_backward()
                 or not torch.is_grad_enabled()
                 or is_compiling()
                 or _torch.in_transform(args, kwargs)
-                # (first of what is left: at most calls it says no, an MLP's every Linear)
+                # (before the hooks' order: at most calls it says no, an MLP's every Linear)
                 or not target.entry.grad_from_grad1(module, args)
                 or _torch.first_forward_hook(module) != forward_hook
                 or _torch.global_forward_hooks()
-                or not self.state.capturing_backward()
                 # (non-reentrant activation checkpointing runs the call again at the backward,
                 # where no tracker tells its layout as the forward's did: it must save what the
                 # forward saved, so neither runs detached)
