@@ -1052,6 +1052,23 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     return (gp * gq).sum(1)
 
 
+def gram_sq_norm(p: Piece, param_shape: torch.Size) -> tuple[Tensor, Tensor | None]:
+    """``inner(p, p)`` (unscaled), and, where that takes the Gram form of an input's outer
+    product, the scale of its rounding, ``[batch]``: ``Σ_s ‖a[s]‖·‖g[s]‖`` over the example's
+    shared positions (and groups), read from the two Grams' diagonals. Each Gram entry rounds
+    relative to ``‖a[s]‖·‖a[t]‖`` (``‖g[s]‖·‖g[t]‖``), so the squared norm is off by about
+    ``eps · scale²`` however small it is: where the positions' gradients cancel (a norm far
+    below ``scale``) the Gram form keeps fewer digits than ``grad1`` formed, whose entries
+    round relative to ``scale``. ``None``: not the Gram form of an input (exact as ``grad1``)."""
+    if not (gram_is_cheaper(p, p) and p.has_input):
+        return inner(p, p, param_shape), None
+    assert isinstance(p, Outer)
+    aa, gg = p.input_gram(p), batched_nt(p.g, p.g)
+    sq = (aa * gg).sum(tuple(range(1, aa.dim())))
+    diagonal = aa.diagonal(dim1=-2, dim2=-1) * gg.diagonal(dim1=-2, dim2=-1)
+    return sq, diagonal.clamp_min(0).sqrt().flatten(1).sum(1)
+
+
 def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for :class:`Rows` pieces of one parameter, ``[batch]``."""
     keys, values = rows_compact(pieces)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gradhooks
-from gradhooks.oracle import vmap_grad
+from gradhooks.oracle import loop_grad, vmap_grad
 from harness import Case, assert_close, check, sum_of_squares
 
 
@@ -167,3 +170,117 @@ def test_one_parameter_in_two_slots_through_the_fallback(reduction):
         lambda b: torch.randn(b, 3),
     )
     check(case, batch=3, reduction=reduction)
+
+
+def _cancelling_conv() -> nn.Sequential:
+    """A Conv1d whose two output positions read the same input column (length 2, reflect
+    padding 1, stride 2) into a GroupNorm of one group without affine: the output-gradient the
+    norm hands back sums to 0 over the two positions, so each example's weight gradient is 0
+    while each position's is not (about 300 times the head's, the norm dividing by
+    ``sqrt(eps)``). Weights set by hand, so that no random draw depends on the CPU."""
+    model = nn.Sequential(
+        nn.Conv1d(2, 1, 1, stride=2, padding=1, padding_mode="reflect"),
+        nn.GroupNorm(1, 1, affine=False), nn.Tanh(), nn.Flatten(), nn.Linear(2, 1),
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[[-0.3], [0.6]]]))
+        model[0].bias.fill_(-0.5)
+        model[4].weight.copy_(torch.tensor([[-0.3, -0.5]]))
+        model[4].bias.fill_(-0.7)
+    return model
+
+
+def _cancelling_inputs(batch: int = 8) -> torch.Tensor:
+    return torch.linspace(-2, 2, batch * 4, dtype=torch.float64).sin().reshape(batch, 2, 2) * 2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gram_norms_where_the_positions_cancel(reduction):
+    """The Gram form of the conv weight's norm (``Σ_{s,t} (a_s·a_t)(g_s·g_t)``) rounds relative
+    to each position's gradient: for a norm of 0 it gave ``sqrt(eps)`` times that (8e-8
+    against a loop's 1e-15, batch 1), or a negative square (a NaN norm), and the run-time
+    check refused the model as mixing its examples. On the CPU those examples are formed from
+    ``grad1`` again."""
+    model, x = _cancelling_conv(), _cancelling_inputs()
+    want = loop_grad(model, sum_of_squares, x)
+    with gradhooks.add_hooks(model, reduction, quantities=("norms",)) as h:
+        loss = sum_of_squares(model(x))
+        (loss / len(x) if reduction == "mean" else loss).backward()
+    assert h.norm_forms()["0.weight"] == "gram"  # (the form whose rounding this is about)
+    norms = h.param_norms()
+    for name, g in want.items():
+        assert_close(norms[name], g.flatten(1).norm(dim=1), f"param_norms: {name}")
+    total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    assert_close(h.norms(), total, "norms")
+
+
+def test_gram_norms_where_the_positions_cancel_on_a_device(device_like):
+    """On a device, where reading values back costs a wait, the Gram form's values stand: never
+    a negative square (NaN), and the run-time check allows for their rounding instead of
+    refusing the model; a DP step clips by them (its gradients finite). (64 examples: the
+    sign of each one's rounding depends on the CPU's kernels; about one in six went negative.)"""
+    model, x = _cancelling_conv(), _cancelling_inputs(64)
+    want = loop_grad(model, sum_of_squares, x)
+    h = gradhooks.add_hooks(model, "sum", quantities=("norms",))
+    try:
+        sum_of_squares(model(x)).backward()
+        norms = h.param_norms()
+        assert h.norm_forms()["0.weight"] == "gram"
+        assert torch.isfinite(norms["0.weight"]).all(), norms["0.weight"]
+        for name in ("4.weight", "4.bias", "0.bias"):  # (no cancellation: exact)
+            assert_close(norms[name], want[name].flatten(1).norm(dim=1), f"param_norms: {name}")
+        model.zero_grad()
+        per_example = 0.5 * model(x).pow(2).sum(1)
+        gradhooks.dp_sgd_step(h, per_example, max_norm=0.1, noise_multiplier=0.0)
+        for name, p in model.named_parameters():
+            assert torch.isfinite(p.grad).all(), f"{name}: {p.grad}"
+    finally:
+        h.remove()
+
+
+class _GainAround(nn.Module):
+    """``x + gain · linear(x)``: a layer without a rule (the fallback) around a Linear, whose
+    float32 ``gain`` makes the output float32 while the Linear computes in bfloat16 under
+    autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.gain = nn.Parameter(torch.tensor([1.3, 0.7]))
+
+    def forward(self, x):
+        return x + self.gain * self.linear(x)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _GainAround()
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_fallback_under_autocast_and_checkpointing():
+    """Under bfloat16 autocast and non-reentrant checkpointing, the fallback's recomputation by
+    ``torch.func`` rounds the inner Linear's bfloat16 output a unit otherwise than the forward
+    did (5e-3 here): judged by the float32 output's rounding, it was refused as mixing the
+    examples (MixedExamplesError; 16 of 20 random draws of such a model, batch 3). Now such a call is recomputed by
+    the loop and judged by the rounding of what it computes inside; ``grad1`` within bfloat16's
+    rounding of the float64 loop's."""
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    with torch.no_grad():
+        model.block.linear.weight.copy_(torch.tensor([[0.9, -1.1], [0.6, 1.4]]))
+        model.block.linear.bias.copy_(torch.tensor([0.3, -0.2]))
+    x = torch.linspace(-2, 2, 16).sin().reshape(8, 1, 2) * 2
+    want = loop_grad(copy.deepcopy(model).double(), sum_of_squares, x.double())
+    with gradhooks.add_hooks(model, "sum"):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        sum_of_squares(out.float()).backward()
+    scale = max(float(g.abs().max()) for g in want.values())
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, p in model.named_parameters():
+        err = float((p.grad1.double() - want[name]).abs().max())
+        assert err <= 16 * eps * scale, f"{name}: {err:.2e} > 16 eps · {scale:.2e}"

@@ -899,7 +899,9 @@ class Hooks:
 
         - ``"outer"``: one position per example, ``‖g‖·‖a‖`` (Goodfellow);
         - ``"gram"``: several positions ``T``, from the two ``[T, T]`` Gram matrices of the
-          layer's inputs and output-gradients, ``T²·(in + out)`` per example;
+          layer's inputs and output-gradients, ``T²·(in + out)`` per example (it rounds
+          relative to the positions' own gradients: on the CPU, an example whose gradient
+          they cancel to below that rounding is formed from ``grad1`` again);
         - ``"materialized"``: ``grad1`` formed a slice of the batch at a time, ``T·in·out`` per
           example, where that is cheaper than the Gram form;
         - ``"direct"``: the rule gives ``grad1`` itself (a bias, a norm layer's scale);

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .. import _torch
+from .. import _torch, devices
 from .. import pieces as P
 from ..engine.records import autocast_off
 from ..errors import BatchNotFoundError, UnsupportedError
@@ -73,6 +73,10 @@ class Collector:
         self.missed: list[str] = []
         self.norm_forms: dict[str, str] = {}  # how each parameter's norm was formed
         self._forms: dict[str, str] = {}  # (of the backward running)
+        # per parameter whose norms kept the Gram form's rounding (on a device: see
+        # _gram_rounding_repaired), its bound on each example's squared norm, [batch]
+        self.gram_rounding: dict[str, Tensor] = {}
+        self._rounding: dict[str, Tensor] = {}  # (of the backward running)
         self.sum_grad_sq: dict[str, Tensor] = {}
         self.grad_mean: dict[str, Tensor | _Deferred] = {}  # a _Deferred: formed when asked
         self.batch: int | None = None
@@ -112,6 +116,7 @@ class Collector:
         self.param_sq_norms = {}
         self.missed = []
         self.norm_forms, self._forms = {}, {}
+        self.gram_rounding, self._rounding = {}, {}
         self.sum_grad_sq = {}
         self.grad_mean = {}
         self.batch = None
@@ -124,15 +129,15 @@ class Collector:
         """The results published now (for :meth:`restore`: the dicts themselves, which a
         backward's end replaces, never changes)."""
         return (
-            self.param_sq_norms, self.norm_forms, self.sum_grad_sq, self.grad_mean,
-            self.batch, self.published,
+            self.param_sq_norms, self.norm_forms, self.gram_rounding, self.sum_grad_sq,
+            self.grad_mean, self.batch, self.published,
         )  # fmt: skip
 
     def restore(self, results: tuple) -> None:
         """Publish again what :meth:`results` gave (a later backward's were refused)."""
         (
-            self.param_sq_norms, self.norm_forms, self.sum_grad_sq, self.grad_mean,
-            self.batch, self.published,
+            self.param_sq_norms, self.norm_forms, self.gram_rounding, self.sum_grad_sq,
+            self.grad_mean, self.batch, self.published,
         ) = results  # fmt: skip
 
     def rescale(self, factor: Callable[[int], float]) -> None:
@@ -143,6 +148,7 @@ class Collector:
         (:meth:`results`)."""
         f = factor(self.batch or 0)
         self.param_sq_norms = {n: v * f**2 for n, v in self.param_sq_norms.items()}
+        self.gram_rounding = {n: v * f**2 for n, v in self.gram_rounding.items()}
         self.sum_grad_sq = {n: v * f**2 for n, v in self.sum_grad_sq.items()}
         self.grad_mean = {n: _scaled(m, f) for n, m in self.grad_mean.items()}
         if self.kfac is not None:
@@ -269,7 +275,7 @@ class Collector:
         batch = h.pieces[0][0].batch_size
         sq = None
         if "norms" in self.quantities:
-            sq, self._forms[name] = _sq_norm(h, sums, self._grad1_store)
+            sq, self._forms[name] = _sq_norm(h, sums, self._grad1_store, self._rounding, name)
         sum_sq = mean = None
         if "sum_grad_sq" in self.quantities:
             # the batch gradient (for the mean) once: a by-product of the squares or of the
@@ -321,6 +327,7 @@ class Collector:
             )
         self.param_sq_norms = {n: d[1] for n, d in done.items() if d[1] is not None}
         self.norm_forms, self._forms = {n: self._forms[n] for n in self.param_sq_norms}, {}
+        self.gram_rounding, self._rounding = self._rounding, {}
         self.sum_grad_sq = {n: d[2] for n, d in done.items() if d[2] is not None}
         self.grad_mean = {n: d[3] for n, d in done.items() if d[3] is not None}
         (self.batch,) = batches
@@ -387,12 +394,17 @@ def _one_sq_norm(
 
 
 def _sq_norm(
-    h: _Held, sums: dict[int, Tensor] | None = None, store: dict | None = None
+    h: _Held,
+    sums: dict[int, Tensor] | None = None,
+    store: dict | None = None,
+    rounding: dict[str, Tensor] | None = None,
+    name: str = "",
 ) -> tuple[Tensor, str]:
     """``‖Σ_j scale_j grad1_j[b]‖²`` for every example ``b``, shape ``[batch]``, and how it
     was formed (see :meth:`gradhooks.Hooks.norm_forms`). Where that forms the per-example
     gradient, ``sums[id(param)]`` (if given) gets its batch sum, and ``store`` (if given) its
-    slices where they take no more elements than the pieces (:meth:`Collector.keeping_grad1`)."""
+    slices where they take no more elements than the pieces (:meth:`Collector.keeping_grad1`).
+    Where it keeps the Gram form's rounding, ``rounding[name]`` (if given) gets its bound."""
     if len(h.pieces) == 1:
         single = _one_sq_norm(*h.pieces[0], h.param, sums)
         if single is not None:
@@ -421,11 +433,23 @@ def _sq_norm(
         if rows:  # every Rows piece together, cross terms included, on the rows they touch
             term = P.rows_sq_norm(rows)
             total = term if total is None else total + term
+        scale = None  # Σ_j |scale_j| Σ_s ‖a_j[s]‖·‖g_j[s]‖ of the Gram forms (their rounding)
         for i, (p, sp) in enumerate(ps):
             for j in range(i, len(ps)):
                 q, sq = ps[j]
-                term = P.inner(p, q, shape) * (sp * sq * (1 if i == j else 2))
+                if i == j:
+                    term, spread = P.gram_sq_norm(p, shape)
+                    term = term * (sp * sp)
+                    if spread is not None:
+                        spread = spread * abs(sp)
+                        scale = spread if scale is None else scale + spread
+                else:
+                    term = P.inner(p, q, shape) * (2 * sp * sq)
                 total = term if total is None else total + term
+        if scale is not None:
+            total, bound = _gram_rounding_repaired(h, total, scale)
+            if bound is not None and rounding is not None:
+                rounding[name] = bound
         return total, "gram"
     kept = None
     if store is not None and h.pieces[0][0].batch_size * h.param.numel() <= _elements(h):
@@ -442,6 +466,37 @@ def _sq_norm(
     if kept is not None:
         store[id(h.param)] = kept
     return (torch.cat(parts) if parts else h.param.new_zeros(0)), "materialized"
+
+
+# The Gram form's rounding of a squared norm, in units of ``eps · scale²`` (measured below 0.5
+# where the positions' gradients cancel exactly; tests/test_fuzz_regressions.py)
+GRAM_ROUNDING_UNITS = 16
+
+
+def _gram_rounding_repaired(h: _Held, sq: Tensor, scale: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The Gram form's squared norms ``sq`` of ``h``'s parameter, ``[batch]``, at least 0, with
+    the examples whose value is below ``sqrt(eps) · scale²`` formed again from ``grad1``, one
+    example at a time, where reading the values costs no wait (:func:`devices.reads_are_free`);
+    and, where they are not (a device: the values stand), the bound of their rounding,
+    ``GRAM_ROUNDING_UNITS · eps · scale²``, for the run-time check (else ``None``).
+
+    The Gram form's rounding is about ``eps · scale²`` (``scale``: see
+    :func:`gradhooks.pieces.gram_sq_norm`), so below that bound its norm has kept fewer than
+    half the dtype's digits: where the shared positions' gradients cancel (a weight whose
+    per-example gradient is 0 while each position's is not) it gives ``sqrt(eps) · scale``
+    for 0, or a negative square. ``grad1`` formed rounds each entry relative to ``scale``."""
+    eps = torch.finfo(sq.dtype).eps
+    if not devices.reads_are_free(sq):
+        return sq.clamp_min(0), GRAM_ROUNDING_UNITS * eps * scale.square()
+    lost = sq < math.sqrt(eps) * scale.square()
+    if not bool(lost.any()):
+        return sq, None
+    sq = sq.clone()
+    for b in lost.nonzero()[:, 0].tolist():
+        one = _Held(h.param, [(piece.select(slice(b, b + 1)), s) for piece, s in h.pieces])
+        for _, g in _materialized(one):
+            sq[b] = torch.linalg.vector_norm(g).square()
+    return sq, None
 
 
 def _elements(h: _Held) -> int:
