@@ -115,6 +115,19 @@ def wide_mlp(out: int = 2) -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, out)).to(torch.float64)
 
 
+class NormNet(nn.Module):
+    """Linear-BatchNorm-Tanh-Linear (3 -> 5 -> 2), seeded: the kind of model SWA's recipe is
+    for, and a backbone fine-tuned with its BatchNorm frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.fc2 = nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
 def sq(out, target=None):
     """Half the sum of squares: a loss without a target."""
     return 0.5 * out.pow(2).sum()

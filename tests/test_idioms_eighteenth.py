@@ -40,6 +40,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import (
+    NormNet,
     assert_close,
     assert_grad1,
     assert_untouched,
@@ -88,18 +89,6 @@ def reference(model: nn.Module) -> nn.Module:
 
 
 # -- torch.optim.swa_utils: the SWA recipe around DP steps -------------------------------------
-
-
-class NormNet(nn.Module):
-    """Linear-BatchNorm-Tanh-Linear (3 -> 5 -> 2): the kind of model SWA's recipe is for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.bn, self.fc2 = nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
 
 
 def test_the_swa_recipe_with_swalr_and_update_bn_around_dp_steps():

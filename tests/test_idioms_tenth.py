@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, assert_grad1, mlp
+from harness import NormNet, assert_close, assert_grad1, mlp
 
 D = torch.float64
 
@@ -208,19 +208,6 @@ def test_clip_grad_norm_with_foreach_and_the_total_norm_taken_apart(how):
 # -- SWA: update_bn on the averaged copy and on the hooked model ---------------------------------
 
 
-class _FrozenNormNet(nn.Module):
-    """A Linear-BatchNorm-Tanh-Linear net fine-tuned with its BatchNorm frozen (in eval mode:
-    running statistics, affine parameters trained), as detection backbones are."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.bn, self.fc2 = nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
-
-
 def test_swa_update_bn_on_the_averaged_copy_and_on_the_hooked_model():
     """``torch.optim.swa_utils``: an ``AveragedModel`` of the hooked model (a deep copy, not
     hooked) updated after each step, and ``update_bn`` run over a loader on the averaged copy
@@ -228,7 +215,7 @@ def test_swa_update_bn_on_the_averaged_copy_and_on_the_hooked_model():
     ``no_grad``, where a BatchNorm in training mode computes nothing gradhooks refuses. The
     training steps (BatchNorm frozen in eval mode) give the float64 loop's grad1 after each
     ``update_bn``; the averaged copy has no grad1."""
-    model = _FrozenNormNet().double()
+    model = NormNet().double()
     swa = torch.optim.swa_utils.AveragedModel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = [batch(100 + i, n=6)[0] for i in range(3)]
