@@ -1,8 +1,9 @@
-"""On a machine with a CUDA device: the CUDA tests, then the benchmark's host, grad1 and
-workloads suites on it, in one short run (at most 11 minutes and a half: its stages' limits).
+"""On a machine with a CUDA device: the CUDA tests, then the benchmark's host, workloads,
+compiled and grad1 suites and the host profile on it, in one short run (9 minutes: its
+``--budget``).
 
     python -m bench.gpu --fetch-wheels    # here, before: the peers' wheels into .whl/
-    python -m bench.gpu                   # there: results under $OUT, or bench/results/
+    python -m bench.gpu                   # there: results in bench/results/ (or --out)
     python -m bench.gpu --dry-run         # the commands, run nothing
 
 The device machine's Python has torch, transformers, peft, timm and einops, but not the peers
@@ -12,12 +13,17 @@ repository's root (ignored by git: name it in the device tool's ``carry``); on t
 ``python -m bench.gpu`` installs what ``.whl/`` holds into a folder of its own and puts it on
 the stages' ``PYTHONPATH``. A peer still missing is reported by the suites as unavailable.
 
-Each stage is a process of its own with a time limit; a stage that fails or runs out of time
-is reported in ``gpu-summary.txt`` and the next one runs. The suites use few repetitions (the
-GPU's steps are short, and the point is the ratios, not their third digit), wall clock. The
-compiled methods (``--compile``) run on the MLP and GPT-2 of the host suite, in a folder of
-their own (``compile/``), so as not to overwrite the host table. Without a CUDA device it says
-so and exits with status 1, measuring nothing.
+Each stage is a process of its own with a time limit, cut to what is left of the budget; a
+stage that fails or runs out of time is reported in ``gpu-summary.txt`` (its output in
+``gpu-log.txt``) and the next one runs. The stages run in the order of what they are worth
+when the time runs out: correctness first, then the tables of the host cost and the real
+workloads. ``--pack FILE`` packs the results folder into one ``.tar.gz`` after every stage, so
+that a run stopped from outside still leaves what the finished stages wrote. The suites use
+few repetitions (the GPU's steps are short, and the point is the ratios, not their third
+digit), wall clock. The compiled methods (``--compile``) run on the MLP and GPT-2 of the host
+suite, in a folder of their own (``compile/``), so as not to overwrite the host table. Without
+a CUDA device it says so and exits with status 1, measuring nothing (``--device cpu`` runs the
+same stages on the CPU, to try the script).
 """
 
 from __future__ import annotations
@@ -63,21 +69,39 @@ def install_wheels(wheels: Path, site: Path) -> dict[str, str]:
     return env
 
 
-def stages(out: Path) -> list[tuple[str, list[str], int]]:
-    """(name, command, time limit in seconds); the limits add up to 690 s."""
+BUDGET = 540  # seconds for all the stages together
+
+
+def stages(out: Path, device: str = "cuda") -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds), in the order they run; the limits add up to
+    :data:`BUDGET`."""
     py = sys.executable
-    bench = [py, "-m", "bench", "--device", "cuda", "--clock", "wall"]
+    bench = [py, "-m", "bench", "--device", device, "--clock", "wall"]
     return [
-        ("CUDA tests", [py, "-m", "pytest", "-q", "-x", "tests/test_cuda.py"], 120),
-        ("host suite", [*bench, "--suite", "host", "--reps", "21", "--out", str(out)], 120),
+        ("CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                        "tests/test_cuda.py", "tests/test_robust_setups.py"], 60),
+        ("host suite", [*bench, "--suite", "host", "--reps", "21", "--out", str(out)], 110),
+        ("workloads suite", [*bench, "--suite", "workloads", "--reps", "3", "--out", str(out)],
+         110),
+        ("host profile", [py, "-m", "bench.host_profile", "--device", device, "--reps", "21",
+                          "--out", str(out)], 45),
         ("host suite, compiled", [*bench, "--suite", "host", "--models", "tiny-mlp,tiny-gpt2",
                                   "--methods", "plain,grad1,dp-bk", "--compile", "--reps", "11",
-                                  "--out", str(out / "compile")], 150),
+                                  "--out", str(out / "compile")], 115),
         ("grad1 suite", [*bench, "--suite", "grad1", "--reps", "5", "--slow-reps", "1",
-                         "--out", str(out)], 150),
-        ("workloads suite", [*bench, "--suite", "workloads", "--reps", "3", "--out", str(out)],
-         150),
+                         "--out", str(out)], 100),
     ]  # fmt: skip
+
+
+def pack(folder: Path, into: Path) -> None:
+    """``folder``'s files into the archive ``into`` (written beside it, then moved over it)."""
+    import tarfile
+
+    into.parent.mkdir(parents=True, exist_ok=True)
+    part = into.with_name(into.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    part.replace(into)
 
 
 def run(name: str, cmd: list[str], limit: int, log, env: dict | None = None) -> str:
@@ -96,8 +120,13 @@ def run(name: str, cmd: list[str], limit: int, log, env: dict | None = None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"),
-                   help="results folder ($OUT where set, else bench/results)")  # fmt: skip
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
+    p.add_argument("--pack", default=None,
+                   help="a .tar.gz to pack the results folder into after every stage")  # fmt: skip
+    p.add_argument("--budget", type=int, default=BUDGET,
+                   help=f"seconds for all the stages ({BUDGET}); each stage's limit is cut to "
+                   "what is left")  # fmt: skip
+    p.add_argument("--device", default="cuda", help="cuda; cpu to try the script")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--fetch-wheels", action="store_true",
                    help=f"download the peers' wheels into {WHEELS.name}/ (run where pip can)")  # fmt: skip
@@ -105,24 +134,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.fetch_wheels:
         return subprocess.run(fetch_wheels_command()).returncode
     out = Path(args.out)
-    plan = stages(out)
+    plan = stages(out, args.device)
     if args.dry_run:
         for name, cmd, limit in plan:
             print(f"{name} (limit {limit} s): {' '.join(cmd)}")
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(NO_DEVICE, file=sys.stderr)
         return 1
+    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     env = install_wheels(WHEELS, Path(os.environ.get("TMPDIR", "/tmp")) / "gradhooks-peers")
-    lines = [f"device: {torch.cuda.get_device_name()}"]
+    env["PYTHONUNBUFFERED"] = "1"
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    lines = [f"device: {device}; torch {torch.__version__}"]
+    summary = out / "gpu-summary.txt"
     with open(out / "gpu-log.txt", "w") as log:
         for name, cmd, limit in plan:
-            lines.append(run(name, cmd, limit, log, env))
+            left = int(args.budget - (time.perf_counter() - start))
+            if left < 10:
+                lines.append(f"{name}: not run, the budget of {args.budget} s spent")
+            else:
+                lines.append(run(name, cmd, min(limit, left), log, env))
             print(lines[-1], flush=True)
-    (out / "gpu-summary.txt").write_text("\n".join(lines) + "\n")
+            summary.write_text("\n".join(lines) + "\n")
+            log.flush()
+            if args.pack:
+                pack(out, Path(args.pack))
     return 0 if all(line.endswith(" s") and ": ok," in line for line in lines[1:]) else 1
 
 

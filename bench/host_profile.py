@@ -28,7 +28,8 @@ For each model, at its own batch:
 - **graph breaks** (``--explain``): ``torch._dynamo.explain`` of the hooked model (the default
   backend, not fullgraph): how many graphs and why the forward breaks, by kind and where.
 
-Writes ``bench/results/host-profile-cpu.{json,md}`` (``--out`` for another folder).
+Writes ``bench/results/host-profile-cpu.{json,md}`` (``--out`` for another folder;
+``--device cuda``: the same on a CUDA device, the host's CPU time, ``host-profile-cuda``).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
 
 
-def _setup(name: str):
+def _setup(name: str, device: str = "cpu"):
     problem = PROBLEMS[name]
-    base, x, y = measure.instance(problem, problem.batch, "cpu")
+    base, x, y = measure.instance(problem, problem.batch, device)
     plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
     hooks = gradhooks.add_hooks(hooked, loss_reduction="mean")
 
@@ -144,7 +145,7 @@ def _dp_ops(problem, base, x, y) -> dict[str, int]:
     hooks = gradhooks.add_hooks(model, quantities=("norms",))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=x.device).manual_seed(0)
     each = PER_EXAMPLE[problem.loss]
 
     def step() -> None:
@@ -261,8 +262,8 @@ def stages(step, reset, plain_step, plain_reset, reps: int) -> dict:
     return out
 
 
-def profile_model(name: str, reps: int, explain: bool) -> dict:
-    problem, plain, hooked, hooks, x, y, steps, resets = _setup(name)
+def profile_model(name: str, reps: int, explain: bool, device: str = "cpu") -> dict:
+    problem, plain, hooked, hooks, x, y, steps, resets = _setup(name, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k, step in steps.items():  # warm-up (and the first backwards' checks)
@@ -419,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=31)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--explain", action="store_true", help="the graph breaks under torch.compile")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the host's CPU time either way)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -428,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown models: {', '.join(unknown)}")
     data = {
         "command": "python -m bench.host_profile " + " ".join(argv or sys.argv[1:]),
-        "models": [profile_model(n, args.reps, args.explain) for n in names],
+        "models": [profile_model(n, args.reps, args.explain, args.device) for n in names],
     }
-    write_results(args.out, "host-profile-cpu", data, markdown(data))
+    write_results(args.out, f"host-profile-{args.device.split(':')[0]}", data, markdown(data))
     return 0
 
 

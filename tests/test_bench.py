@@ -311,11 +311,40 @@ def test_gpu_script_without_cuda(capsys, monkeypatch):
     out = capsys.readouterr().out
     for suite in ("host", "grad1", "workloads"):
         assert f"--suite {suite}" in out
-    assert "tests/test_cuda.py" in out and out.count("--device cuda") == 4
-    assert sum(limit for _, _, limit in gpu.stages(gpu.ROOT)) <= 12 * 60
+    assert "tests/test_cuda.py" in out and out.count("--device cuda") == 5
+    assert sum(limit for _, _, limit in gpu.stages(gpu.ROOT)) == gpu.BUDGET <= 10 * 60
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main([]) == 1
     assert gpu.NO_DEVICE in capsys.readouterr().err
+
+
+def test_gpu_script_keeps_to_its_budget_and_packs_each_stage(tmp_path, monkeypatch):
+    """Each stage's limit is cut to what is left of ``--budget``; a stage past it is stopped
+    and the next reported as not run; after every stage the results folder (the summary and
+    the log among it) is packed into ``--pack``'s archive."""
+    import sys
+    import tarfile
+
+    from bench import gpu
+
+    py = sys.executable
+    plan = [
+        ("quick", [py, "-c", "pass"], 30),
+        ("slow", [py, "-c", "import time; time.sleep(60)"], 60),
+        ("late", [py, "-c", "pass"], 30),
+    ]
+    monkeypatch.setattr(gpu, "stages", lambda out, device: plan)
+    out, archive = tmp_path / "results", tmp_path / "back" / "gpu-results.tar.gz"
+    args = ["--device", "cpu", "--out", str(out), "--pack", str(archive), "--budget", "12"]
+    assert gpu.main(args) == 1
+    summary = (out / "gpu-summary.txt").read_text().splitlines()
+    assert summary[1].startswith("quick: ok,")
+    assert summary[2].startswith("slow: stopped after its limit of ")
+    assert int(summary[2].split("limit of ")[1].split(" s")[0]) < 12
+    assert summary[3] == "late: not run, the budget of 12 s spent"
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"results/gpu-summary.txt", "results/gpu-log.txt"} <= names
 
 
 def _tiny_wheel(folder, name: str = "gh_peer_probe") -> None:
