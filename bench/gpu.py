@@ -1,5 +1,5 @@
 """On a machine with a CUDA device: the CUDA tests, then the benchmark's host, workloads,
-compiled and grad1 suites and the host profile on it, in one short run (9 minutes: its
+compiled, grad1 and DP suites and the host profile on it, in one short run (9 minutes: its
 ``--budget``).
 
     python -m bench.gpu --fetch-wheels    # here, before: the peers' wheels into .whl/
@@ -21,9 +21,10 @@ workloads. ``--pack FILE`` packs the results folder into one ``.tar.gz`` after e
 that a run stopped from outside still leaves what the finished stages wrote. The suites use
 few repetitions (the GPU's steps are short, and the point is the ratios, not their third
 digit), wall clock. The compiled methods (``--compile``) run on the MLP and GPT-2 of the host
-suite, in a folder of their own (``compile/``), so as not to overwrite the host table. Without
-a CUDA device it says so and exits with status 1, measuring nothing (``--device cpu`` runs the
-same stages on the CPU, to try the script).
+suite, in a folder of their own (``compile/``), so as not to overwrite the host table; the
+workloads run again at batch 64 (``batch64/``), where the device's work outweighs the host's.
+Without a CUDA device it says so and exits with status 1, measuring nothing (``--device cpu``
+runs the same stages on the CPU, to try the script).
 """
 
 from __future__ import annotations
@@ -77,19 +78,23 @@ def stages(out: Path, device: str = "cuda") -> list[tuple[str, list[str], int]]:
     :data:`BUDGET`."""
     py = sys.executable
     bench = [py, "-m", "bench", "--device", device, "--clock", "wall"]
+    host = "tiny-mlp,tiny-cnn,tiny-gpt2,tiny-bert,tiny-llama,tiny-vit"
     return [
         ("CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                        "tests/test_cuda.py", "tests/test_robust_setups.py"], 60),
-        ("host suite", [*bench, "--suite", "host", "--reps", "21", "--out", str(out)], 110),
-        ("workloads suite", [*bench, "--suite", "workloads", "--reps", "3", "--out", str(out)],
-         110),
-        ("host profile", [py, "-m", "bench.host_profile", "--device", device, "--reps", "21",
-                          "--out", str(out)], 45),
+                        "tests/test_cuda.py", "tests/test_robust_setups.py"], 45),
+        ("host suite", [*bench, "--suite", "host", "--reps", "21", "--out", str(out)], 75),
+        ("workloads suite", [*bench, "--suite", "workloads", "--reps", "9", "--out", str(out)],
+         90),
+        ("host profile", [py, "-m", "bench.host_profile", "--device", device, "--models", host,
+                          "--reps", "21", "--out", str(out)], 60),
         ("host suite, compiled", [*bench, "--suite", "host", "--models", "tiny-mlp,tiny-gpt2",
                                   "--methods", "plain,grad1,dp-bk", "--compile", "--reps", "11",
-                                  "--out", str(out / "compile")], 115),
+                                  "--out", str(out / "compile")], 80),
         ("grad1 suite", [*bench, "--suite", "grad1", "--reps", "5", "--slow-reps", "1",
-                         "--out", str(out)], 100),
+                         "--out", str(out)], 70),
+        ("workloads suite, batch 64", [*bench, "--suite", "workloads", "--batch", "64",
+                                       "--reps", "5", "--out", str(out / "batch64")], 60),
+        ("DP suite", [*bench, "--suite", "dp", "--reps", "5", "--out", str(out)], 60),
     ]  # fmt: skip
 
 

@@ -136,9 +136,10 @@ def dispatched(step, reset) -> dict[str, int]:
     return dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def _dp_ops(problem, base, x, y) -> dict[str, int]:
-    """:func:`dispatched` for one book-keeping DP step (``dp_sgd_step`` with the norms, an SGD
-    update: the host suite's), past the steps the run-time check verifies."""
+def _dp_step(problem, base, x, y):
+    """One book-keeping DP step (``dp_sgd_step`` with the norms, an SGD update: the host
+    suite's) on a copy of ``base``, run past the steps the run-time check verifies: (step,
+    reset, hooks)."""
     from bench.methods import PER_EXAMPLE
 
     model = copy.deepcopy(base)
@@ -161,9 +162,45 @@ def _dp_ops(problem, base, x, y) -> dict[str, int]:
     for _ in range(9):  # (the 1st, 2nd, 4th and 8th backwards are checked)
         reset()
         step()
-    found = dispatched(step, reset)
-    hooks.remove()
-    return found
+    return step, reset, hooks
+
+
+def device_side(step, reset, reps: int) -> dict[str, float]:
+    """On a CUDA device, one steady ``step`` (after ``reset``) seen from the device: the
+    times the host waits for it (torch's ``set_sync_debug_mode`` warnings), the kernels
+    launched and their summed time (``torch.profiler``), beside the step's wall time (median
+    of ``reps``, synchronized on both sides). A device busy for a small part of the wall time
+    waits for the host: the step is host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    reset()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    walls = []
+    for _ in range(reps):
+        reset()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    return {
+        "waits": waits,
+        "kernels": len(kernels),
+        "kernel_us": sum(e.time_range.elapsed_us() for e in kernels),
+        "wall_us": statistics.median(walls) * 1e6,
+    }
 
 
 # The engine's entry points a hooked step passes through, by stage: (label, what each times:
@@ -281,7 +318,8 @@ def profile_model(name: str, reps: int, explain: bool, device: str = "cpu") -> d
             resets["grad1 fwd+bwd"]()  # each parameter's entries chosen once)
             steps["grad1 fwd+bwd"]()
         ops = {k: dispatched(steps[k], resets[k]) for k in ("plain fwd+bwd", "grad1 fwd+bwd")}
-        ops["dp step"] = _dp_ops(problem, plain, x, y)
+        dp_step, dp_reset, dp_hooks = _dp_step(problem, plain, x, y)
+        ops["dp step"] = dispatched(dp_step, dp_reset)
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(reps):
             for k, step in steps.items():
@@ -306,6 +344,16 @@ def profile_model(name: str, reps: int, explain: bool, device: str = "cpu") -> d
             steps["grad1 fwd+bwd"], resets["grad1 fwd+bwd"],
             steps["plain fwd+bwd"], resets["plain fwd+bwd"], reps,
         )  # fmt: skip
+        seen = {}
+        if x.is_cuda:
+            runs = {k: (steps[k], resets[k]) for k in ("plain fwd+bwd", "grad1 fwd+bwd")}
+            runs["dp step"] = (dp_step, dp_reset)
+            for k, (step, reset) in runs.items():
+                try:
+                    seen[k] = device_side(step, reset, reps)
+                except Exception as e:  # (a measurement, not a check: say why, go on)
+                    seen[k] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    dp_hooks.remove()
     out = {
         "model": name,
         "label": problem.label,
@@ -317,6 +365,8 @@ def profile_model(name: str, reps: int, explain: bool, device: str = "cpu") -> d
         "stages_us": staged,
         "profile": {**share, "profiled_s": total / reps},
     }
+    if seen:
+        out["device_side"] = seen
     if explain:
         out["graph_breaks"] = _explain(hooked, hooks, x)
     hooks.remove()
@@ -390,6 +440,28 @@ def markdown(data: dict) -> str:
         lines.append(
             f"| {r['label']} | {st['plain fwd+bwd']:.0f} | {st['grad1 step']:.0f} | {cells} |"
         )
+    seen = [r for r in data["models"] if "device_side" in r]
+    if seen:
+        lines += [
+            "",
+            "Seen from the device, one steady step: the times the host waits for the device, "
+            "the kernels launched, the device's busy time (the kernels' summed time) against "
+            "the step's wall time (a device busy a small part of the step waits for the host):",
+            "",
+            "| model | step | waits for the device | kernels | kernels' time (µs) "
+            "| wall time (µs) | device busy |",
+            "|" + " --- |" * 7,
+        ]
+        for r in seen:
+            for k, d in r["device_side"].items():
+                if "error" in d:
+                    lines.append(f"| {r['label']} | {k} | {d['error']} | | | | |")
+                    continue
+                lines.append(
+                    f"| {r['label']} | {k} | {d['waits']} | {d['kernels']} "
+                    f"| {d['kernel_us']:.0f} | {d['wall_us']:.0f} "
+                    f"| {d['kernel_us'] / d['wall_us']:.0%} |"
+                )
     for r in data["models"]:
         top = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"]["top_own"])
         lines += ["", f"{r['label']}, gradhooks functions by own time (cProfile): {top}"]

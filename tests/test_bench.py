@@ -311,7 +311,7 @@ def test_gpu_script_without_cuda(capsys, monkeypatch):
     out = capsys.readouterr().out
     for suite in ("host", "grad1", "workloads"):
         assert f"--suite {suite}" in out
-    assert "tests/test_cuda.py" in out and out.count("--device cuda") == 5
+    assert "tests/test_cuda.py" in out and out.count("--device cuda") == 7
     assert sum(limit for _, _, limit in gpu.stages(gpu.ROOT)) == gpu.BUDGET <= 10 * 60
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main([]) == 1
