@@ -15,6 +15,11 @@ settings.register_profile(
 )
 settings.load_profile("default")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+if "GRADHOOKS_TEST_DEFAULT_DEVICE" in os.environ:
+    # e.g. cuda: the suite with torch's default device there (tensors and modules a test makes
+    # without naming a device); a test that names the CPU, or mixes in its generators, stays
+    # there or fails for it
+    torch.set_default_device(os.environ["GRADHOOKS_TEST_DEFAULT_DEVICE"])
 
 if "GRADHOOKS_SUM_GRAD1_POSITIONS" in os.environ:
     # e.g. 1: every CPU Linear and convolution call takes its batch gradient from grad1
