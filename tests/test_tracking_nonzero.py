@@ -310,7 +310,9 @@ def test_a_part_of_the_batch_by_position_holds_the_rows_of_its_examples(part, ro
 
 
 @pytest.mark.parametrize(
-    "alone", [lambda x: x[1], lambda x: x.unbind()[1], lambda x: x.select(0, 1)], ids=str
+    "alone",
+    [lambda x: x[1], lambda x: x.unbind()[1], lambda x: x.select(0, 1)],
+    ids=["index", "unbind", "select"],
 )
 def test_one_example_taken_out_alone_is_mixed(alone):
     """``x[i]``: no dimension holds the example, so no layout follows it."""
