@@ -334,6 +334,7 @@ def test_gpu_script_keeps_to_its_budget_and_packs_each_stage(tmp_path, monkeypat
         ("late", [py, "-c", "pass"], 30),
     ]
     monkeypatch.setattr(gpu, "stages", lambda out, device: plan)
+    monkeypatch.setattr(gpu, "WHEELS", tmp_path / "no-wheels")
     out, archive = tmp_path / "results", tmp_path / "back" / "gpu-results.tar.gz"
     args = ["--device", "cpu", "--out", str(out), "--pack", str(archive), "--budget", "12"]
     assert gpu.main(args) == 1
