@@ -78,13 +78,20 @@ def instance(problem: Problem, batch: int, device: str):
 
 
 def reference(problem: Problem, model, x, y) -> dict[str, torch.Tensor]:
-    """Per-example gradients by ``vmap(grad)``, or by the loop where vmap fails."""
+    """Per-example gradients by ``vmap(grad)``, or by the loop where vmap fails, with TF32 off
+    (cuDNN's convolutions take it by default on a GPU: the reference then differs by up to a few
+    percent from methods that form the same products in float32)."""
     from gradhooks.oracle import loop_grad, vmap_grad
 
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = False
     try:
         return vmap_grad(model, problem.loss, x, y)
     except Exception:
         return loop_grad(model, problem.loss, x, y)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = before
 
 
 def _rel_err(method: Method, got, ref: dict[str, torch.Tensor]) -> float:
