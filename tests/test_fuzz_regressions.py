@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import Case, assert_close, check, sum_of_squares
+from harness import Case, assert_close, check, cpu_only, sum_of_squares
 
 
 class NormNextToTranspose(nn.Module):
@@ -194,6 +194,7 @@ def _cancelling_inputs(batch: int = 8) -> torch.Tensor:
     return torch.linspace(-2, 2, batch * 4, dtype=torch.float64).sin().reshape(batch, 2, 2) * 2
 
 
+@cpu_only("the Gram form's cancelled examples formed again from grad1")
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gram_norms_where_the_positions_cancel(reduction):
     """The Gram form of the conv weight's norm (``Σ_{s,t} (a_s·a_t)(g_s·g_t)``) rounds relative
