@@ -1,0 +1,577 @@
+"""Training-loop idioms, a nineteenth set: the training loops of real, widely used scripts.
+
+Each test writes again, with a tiny model and in gradhooks' terms, the loop of a script read on
+GitHub (its repository and path in the docstring): litgpt's ``finetune/adapter.py`` on Lightning
+Fabric (the LLaMA-Adapter prompt built from an embedding's weight through a frozen projection,
+only the adapter trained, ``no_backward_sync`` accumulation, an lm head called on chunks, in
+float64 and ``bf16-true``); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
+label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout
+refused); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked module,
+self-conditioning by a ``no_grad`` forward of the same network, accelerate's ``autocast`` in
+bfloat16).
+Every quantity is compared at every step with each example's own gradient by a per-example loop
+in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
+the precision the script runs in, or checked to stop with a typed error that names what went
+wrong."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_idioms_eighteenth import BF16, norms_of, relative_error
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import (
+    assert_close,
+    assert_grad1,
+    assert_untouched,
+    model_state,
+    one_thread,  # noqa: F401 (autouse in this module)
+    raised,
+)
+
+D = torch.float64
+STEPS = 3
+
+
+def fabric_of(precision: str):
+    """A one-device CPU ``lightning.fabric.Fabric`` of ``precision``, or a skip where Lightning
+    is not installed."""
+    pytest.importorskip("lightning", reason="Lightning is not installed")
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1, precision=precision)
+
+
+# -- Lightning-AI/litgpt finetune/adapter.py: LLaMA-Adapter on Fabric ---------------------------
+
+
+class AdapterAttention(nn.Module):
+    """litgpt ``litgpt/adapter.py``'s ``CausalSelfAttention``, shrunk: causal attention by
+    ``scaled_dot_product_attention`` and, from the adapter's first layer on, an attention of
+    every query over an adaption prompt, the weight of ``adapter_wte`` (an ``nn.Embedding``
+    whose forward is never called) reshaped to one ``[1, prompt, dim]`` sequence and run
+    through the layer's own frozen ``qkv``, its keys and values broadcast over the batch and
+    gated per head by ``gating_factor`` (zeros at first: the zero-init attention)."""
+
+    def __init__(self, dim: int, heads: int, prompt: int) -> None:
+        super().__init__()
+        self.heads, self.prompt = heads, prompt
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        if prompt:
+            self.adapter_wte = nn.Embedding(prompt, dim)
+            self.gating_factor = nn.Parameter(torch.zeros(1, 1, heads, 1))
+
+    def heads_of(self, qkv: torch.Tensor):
+        """``[B, T, 3 * dim]`` to q, k and v, each ``[B, heads, T, head size]``."""
+        B, T, _ = qkv.shape
+        return qkv.view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.heads_of(self.qkv(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        if self.prompt:
+            prefix = self.adapter_wte.weight.reshape(1, self.prompt, C)
+            _, ak, av = self.heads_of(self.qkv(prefix))
+            amask = torch.ones(T, self.prompt, dtype=torch.bool)
+            ay = F.scaled_dot_product_attention(q, ak, av, attn_mask=amask).transpose(1, 2)
+            y = y + self.gating_factor * ay
+        return self.proj(y.reshape(B, T, C))
+
+
+class AdapterBlock(nn.Module):
+    """A pre-norm block: the attention above and a GELU MLP, each residual."""
+
+    def __init__(self, dim: int, heads: int, prompt: int) -> None:
+        super().__init__()
+        self.norm_1, self.attn = nn.LayerNorm(dim), AdapterAttention(dim, heads, prompt)
+        self.norm_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm_1(x))
+        return x + self.mlp(self.norm_2(x))
+
+
+class AdapterGPT(nn.Module):
+    """litgpt's adapter ``GPT``: two blocks, the adapter from the second
+    (``adapter_start_layer=1``); ``lm_head_chunk_size`` returns the head's logits of each chunk
+    of the sequence, the head called once per chunk."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2, prompt: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(vocab, dim)
+        self.h = nn.ModuleList(AdapterBlock(dim, heads, prompt * (i >= 1)) for i in range(2))
+        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, lm_head_chunk_size: int = 0):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        if lm_head_chunk_size:
+            return [self.lm_head(c) for c in x.split(lm_head_chunk_size, 1)]
+        return self.lm_head(x)
+
+
+def chunked_cross_entropy(logits: list, targets: torch.Tensor) -> torch.Tensor:
+    """litgpt ``litgpt/utils.py``'s ``chunked_cross_entropy`` given the head's chunks: each
+    chunk's unreduced token losses (``ignore_index=-100``), their sum over the count of targets
+    not ignored in the whole batch."""
+    size = logits[0].shape[1]
+    losses = [
+        F.cross_entropy(lc.flatten(0, 1), tc.flatten(), ignore_index=-100, reduction="none")
+        for lc, tc in zip(logits, targets.split(size, 1), strict=True)
+    ]
+    count = (targets != -100).sum()
+    return torch.cat(losses).sum() / count.maximum(torch.ones_like(count))
+
+
+def instruction_batch(g: torch.Generator, n: int = 4, length: int = 7, vocab: int = 11):
+    """An Alpaca-like batch: token ids padded with 0 to ``length``, labels the same tokens
+    with each example's prompt (its first 2 or 3) and padding set to -100."""
+    ids = torch.randint(1, vocab, (n, length), generator=g)
+    lengths = torch.randint(5, length + 1, (n,), generator=g)
+    prompts = torch.randint(2, 4, (n,), generator=g)
+    where = torch.arange(length)
+    ids = ids.masked_fill(where >= lengths[:, None], 0)
+    labels = ids.masked_fill((where < prompts[:, None]) | (where >= lengths[:, None]), -100)
+    return ids, labels
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_litgpt_adapter_finetuning_on_fabric_with_the_prompt_from_an_embeddings_weight(
+    precision,
+):
+    """Lightning-AI/litgpt ``litgpt/finetune/adapter.py`` (``fit``) over ``litgpt/adapter.py``:
+    ``mark_only_adapter_as_trainable`` (``adapter_wte`` and ``gating_factor`` alone), Fabric at
+    ``precision`` (``"bf16-true"``, the script's default, converts the model to bfloat16),
+    two micro-batches per step under ``fabric.no_backward_sync(model,
+    enabled=is_accumulating)``, ``logits = model(input_ids, lm_head_chunk_size=4)``, the last
+    chunk cut by one position, ``fabric.backward(chunked_cross_entropy(logits,
+    targets[..., 1:]) / 2)``, then AdamW's step, ``zero_grad`` and a warm-up scheduler's step.
+    The adaption prompt reaches the batch only through a frozen layer called on the weight
+    itself. At every micro-batch grad1 (summed over the step's micro-batches, as ``.grad``)
+    and the norms (each backward's own) are the float64 loop's, each example's token losses
+    over the batch's count of targets: exactly in float64, within bfloat16's rounding of each
+    parameter's largest entry in bfloat16. At the first step the prompt's grad1 is exactly
+    zero, as its gradient is (the gate is zero)."""
+    fabric = fabric_of(precision)
+    model = AdapterGPT()
+    for n, p in model.named_parameters():
+        p.requires_grad = "adapter_wte" in n or "gating_factor" in n
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Fabric's notes about the CPU)
+        wrapped, opt = fabric.setup(model, opt)
+    dtype = torch.bfloat16 if precision == "bf16-true" else D
+    assert model.h[1].attn.gating_factor.dtype == dtype
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
+    accum, g = 2, torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(wrapped, quantities=("grad1", "norms"), loss_reduction="sum") as h:
+        want: dict = {}
+        for it in range(1, 2 * STEPS + 1):
+            input_ids, targets = instruction_batch(g)
+            shifted = targets[..., 1:]
+            count = (shifted != -100).sum()
+
+            def own_loss(logits, t, count=count):
+                """Example's token losses over the batch's count, over the micro-batches."""
+                t = t[..., 1:]
+                ce = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), t.flatten(), ignore_index=-100,
+                    reduction="sum",
+                )  # fmt: skip
+                return ce / count / accum
+
+            mine = loop_grad(copy.deepcopy(model).to(D), own_loss, input_ids, targets)
+            want = {} if it % accum == 1 else want
+            want = {n: want.get(n, 0) + mine[n] for n in mine}
+            is_accumulating = it % accum != 0
+            with fabric.no_backward_sync(wrapped, enabled=is_accumulating):
+                logits = wrapped(input_ids, lm_head_chunk_size=4)
+                logits[-1] = logits[-1][..., :-1, :]
+                fabric.backward(chunked_cross_entropy(logits, shifted) / accum)
+            if precision == "64-true":
+                assert_grad1(model, want, f"micro-batch {it}", frozen_clean=True)
+                assert_close(h.norms(), norms_of(mine), f"micro-batch {it}: norms")
+            else:
+                for n, p in model.named_parameters():
+                    if p.requires_grad:
+                        assert p.grad1.dtype == torch.bfloat16, n
+                        err = relative_error(p.grad1, want[n])
+                        assert err < BF16, f"micro-batch {it}: {n} off by {err:.2e}"
+                err = relative_error(h.norms(), norms_of(mine))
+                assert err < BF16, f"micro-batch {it}: norms off by {err:.2e}"
+            if it <= accum:
+                assert not model.h[1].attn.adapter_wte.weight.grad1.any()
+            if not is_accumulating:
+                opt.step()
+                opt.zero_grad()
+                scheduler.step()
+    assert model.h[1].attn.adapter_wte.weight.grad is None  # (after zero_grad: None)
+
+
+# -- microsoft/LoRA examples/NLG: loralib's MergedLinear in a GPT-2 -------------------------------
+
+
+class MergedLinear(nn.Linear):
+    """microsoft/LoRA ``loralib/layers.py``'s ``MergedLinear`` as the NLG example builds GPT-2's
+    ``c_attn`` (``fan_in_fan_out=True``: the weight ``[in, out]``, ``merge_weights=False``):
+    an ``nn.Linear`` subclass whose own forward adds, to the frozen projection, LoRA updates
+    of the query and value thirds only (``enable_lora=[True, False, True]``): ``lora_A`` by
+    ``F.linear`` after dropout, ``lora_B`` by a grouped ``F.conv1d`` over the sequence, put in
+    place by ``zero_pad`` (an index assignment of the enabled columns into zeros)."""
+
+    def __init__(self, features: int, out: int, r: int, alpha: float, enable_lora, dropout):
+        nn.Linear.__init__(self, features, out)
+        self.r, self.scaling, self.enable_lora = r, alpha / r, enable_lora
+        self.lora_dropout = nn.Dropout(dropout)
+        k = sum(enable_lora)
+        self.lora_A = nn.Parameter(self.weight.new_zeros((r * k, features)))
+        self.lora_B = nn.Parameter(self.weight.new_zeros((out // len(enable_lora) * k, r)))
+        self.weight.requires_grad = False
+        index = self.weight.new_zeros((out,), dtype=torch.bool).view(len(enable_lora), -1)
+        index[enable_lora, :] = True
+        self.lora_ind = index.view(-1)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.normal_(self.lora_B, std=0.2)  # (zeros in the script: no gradient to lora_A)
+        self.weight.data = self.weight.data.transpose(0, 1)
+
+    def zero_pad(self, x):
+        result = x.new_zeros((*x.shape[:-1], self.out_features)).view(-1, self.out_features)
+        width = self.out_features // len(self.enable_lora) * sum(self.enable_lora)
+        result[:, self.lora_ind] = x.reshape(-1, width)
+        return result.view((*x.shape[:-1], self.out_features))
+
+    def forward(self, x):
+        result = F.linear(x, self.weight.transpose(0, 1), bias=self.bias)
+        after_A = F.linear(self.lora_dropout(x), self.lora_A)
+        after_B = F.conv1d(
+            after_A.transpose(-2, -1), self.lora_B.unsqueeze(-1), groups=sum(self.enable_lora)
+        ).transpose(-2, -1)
+        result += self.zero_pad(after_B) * self.scaling
+        return result
+
+
+class Conv1D(nn.Module):
+    """The example's ``Conv1D`` (GPT-2's): ``torch.addmm`` of the bias and the rows of ``x``
+    by a ``[in, out]`` weight."""
+
+    def __init__(self, out: int, features: int) -> None:
+        super().__init__()
+        self.out = out
+        self.weight = nn.Parameter(torch.randn(features, out) * 0.2)
+        self.bias = nn.Parameter(torch.zeros(out))
+
+    def forward(self, x):
+        size = x.shape[:-1] + (self.out,)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*size)
+
+
+class LoraGPT2(nn.Module):
+    """The example's ``GPT2LMModel`` shrunk to one block: token and position embeddings (the
+    positions ``expand_as`` the ids), masked attention whose ``c_attn`` is the
+    ``MergedLinear``, a GELU MLP of ``Conv1D``s, the head tied to the token embedding;
+    ``forward`` returns ``(lm_logits, presents)``."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2, length: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.ln_1, self.ln_2, self.ln_f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn = MergedLinear(dim, 3 * dim, 2, 4.0, [True, False, True], 0.1)
+        self.c_proj, self.c_fc, self.mlp_proj = (
+            Conv1D(dim, dim),
+            Conv1D(4 * dim, dim),
+            Conv1D(dim, 4 * dim),
+        )
+        self.register_buffer(
+            "bias", torch.tril(torch.ones(length, length)).view(1, 1, length, length)
+        )
+        self.decoder = nn.Linear(dim, vocab, bias=False)
+        self.decoder.weight = self.wte.weight
+
+    def attention(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(v.size(-1))
+        b = self.bias[:, :, :T, :T]
+        w = F.softmax(w * b + -1e10 * (1 - b), dim=-1)
+        return self.c_proj(torch.matmul(w, v).transpose(1, 2).reshape(B, T, C))
+
+    def forward(self, input_ids):
+        position_ids = torch.arange(input_ids.size(-1)).unsqueeze(0).expand_as(input_ids)
+        h = self.wte(input_ids) + self.wpe(position_ids)
+        h = h + self.attention(self.ln_1(h))
+        h = h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h))))
+        return self.decoder(self.ln_f(h)), None
+
+
+def smoothed_lm_loss(lm_logits, lm_labels, lm_mask, label_smooth: float = 0.1):
+    """The example's ``GPT2LMModel`` loss: label-smoothed token losses times ``lm_mask``,
+    per token ``[batch, len]``."""
+    logprobs = F.log_softmax(lm_logits.view(-1, lm_logits.size(-1)), dim=-1)
+    nll_loss = -logprobs.gather(dim=-1, index=lm_labels.view(-1).unsqueeze(1)).squeeze(1)
+    smooth_loss = -logprobs.mean(dim=-1)
+    loss = (1.0 - label_smooth) * nll_loss + label_smooth * smooth_loss
+    return loss.view(lm_labels.shape) * lm_mask
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_loralib_gpt2_e2e_finetuning_with_label_smoothing_and_a_per_micro_batch_schedule():
+    """microsoft/LoRA ``examples/NLG/src/gpt2_ft.py`` (``train_validate``, ``optimizer_step``)
+    over ``examples/NLG/src/model.py`` and ``loralib/layers.py``: ``lora.
+    mark_only_lora_as_trainable(model)``, ``_lm_loss`` the label-smoothed (0.1) token losses
+    times ``lm_mask`` summed over ``lm_mask.sum() + 0.0001``, ``(_lm_loss / grad_acc).backward()``
+    with ``grad_acc=2``, on each second micro-batch ``clip_grad_norm_`` and AdamW's step and
+    ``zero_grad``, the linear warm-up schedule stepped at every micro-batch (as the script
+    does); ``model.eval()`` and a validation pass under ``torch.no_grad()`` after the second
+    step. With the README's ``--lora_dropout 0.1`` the first backward is refused (an
+    ``UnsupportedError`` naming ``c_attn``, the ``MergedLinear``: its forward draws random
+    numbers, which no per-example recomputation reproduces) and leaves the model as it was;
+    the loop then runs with LoRA's dropout at 0. At every micro-batch grad1 of ``lora_A`` and ``lora_B`` (summed over the step's
+    micro-batches, as ``.grad``) is the float64 loop's of each example's masked token losses
+    over the batch's mask sum, exactly, and the frozen weights (the tied embedding, the
+    ``Conv1D``s) have none."""
+    model = LoraGPT2().to(D)
+    for n, p in model.named_parameters():
+        p.requires_grad = "lora_" in n
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(trained) == 2
+    opt = torch.optim.AdamW(trained, lr=0.02, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+    grad_acc, g = 2, torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        ids, labels = torch.randint(11, (5, 8), generator=g), torch.randint(11, (5, 8), generator=g)
+        before = model_state(model)
+        lm_logits, _ = model(ids)
+        loss = smoothed_lm_loss(lm_logits, labels, torch.ones(5, 8, dtype=D)).mean()
+        raised(gradhooks.UnsupportedError, ["'c_attn'", "MergedLinear"], loss.backward)
+        assert_untouched(model, before)
+        model.c_attn.lora_dropout.p = 0.0
+        want: dict = {}
+        for train_step in range(1, 2 * STEPS + 1):
+            model.train()
+            ids = torch.randint(11, (5, 8), generator=g)
+            labels = torch.randint(11, (5, 8), generator=g)
+            mask = (torch.rand(5, 8, generator=g) < 0.7).to(D)
+            total = mask.sum() + 0.0001
+
+            def own(out, target, total=total):
+                y, m = target.unbind(-1)
+                return smoothed_lm_loss(out[0], y.long(), m).sum() / total / grad_acc
+
+            mine = loop_grad(model, own, ids, torch.stack((labels.to(D), mask), -1))
+            want = {} if train_step % grad_acc == 1 else want
+            want = {n: want.get(n, 0) + mine[n] for n in mine}
+            lm_logits, _ = model(ids)
+            _lm_loss = smoothed_lm_loss(lm_logits, labels, mask).sum() / total
+            (_lm_loss.mean() / grad_acc).backward()
+            assert_grad1(model, want, f"micro-batch {train_step}", frozen_clean=True)
+            if train_step % grad_acc == 0:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            schedule.step()
+            if train_step == 4:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randint(11, (3, 8), generator=g))
+
+
+# -- lucidrains/denoising-diffusion-pytorch: self-conditioning inside the loss --------------------
+
+
+class TimeUnet1D(nn.Module):
+    """lucidrains ``denoising_diffusion_pytorch_1d.py``'s ``Unet1D``, shrunk to one resnet
+    block: the self-condition (zeros when not given) concatenated before the input on the
+    channels, the sinusoidal embedding of each example's timestep through an MLP into a scale
+    and shift of the block's GroupNorm output, a residual 1x1 convolution."""
+
+    def __init__(self, channels: int = 2, dim: int = 8, self_condition: bool = True) -> None:
+        super().__init__()
+        self.self_condition, self.dim = self_condition, dim
+        inputs = channels * (2 if self_condition else 1)
+        self.init_conv = nn.Conv1d(inputs, dim, 3, padding=1)
+        self.time_mlp = nn.Sequential(
+            nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, 2 * dim)
+        )
+        self.block = nn.Conv1d(dim, dim, 3, padding=1)
+        self.norm = nn.GroupNorm(2, dim)
+        self.final_conv = nn.Conv1d(dim, channels, 1)
+
+    def time_embedding(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``SinusoidalPosEmb``: ``[sin, cos]`` of ``t`` at ``dim / 2`` frequencies."""
+        half = self.dim // 2
+        freqs = torch.exp(torch.arange(half, dtype=dtype) * -(math.log(10000) / (half - 1)))
+        angles = t[:, None].to(dtype) * freqs[None]
+        return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+    def forward(self, x, time, x_self_cond=None):
+        if self.self_condition:
+            x_self_cond = torch.zeros_like(x) if x_self_cond is None else x_self_cond
+            x = torch.cat((x_self_cond, x), dim=1)
+        h = self.init_conv(x)
+        scale, shift = self.time_mlp(self.time_embedding(time, x.dtype))[..., None].chunk(2, dim=1)
+        r = F.silu(self.norm(self.block(h)) * (scale + 1) + shift)
+        return self.final_conv(h + r)
+
+
+def extract(a: torch.Tensor, t: torch.Tensor, shape) -> torch.Tensor:
+    """The script's ``extract``: ``a[t]`` of each example, shaped to broadcast over ``shape``."""
+    return a.gather(-1, t).reshape(t.shape[0], *((1,) * (len(shape) - 1)))
+
+
+class GaussianDiffusion1D(nn.Module):
+    """The script's ``GaussianDiffusion1D`` with ``objective="pred_v"``: ``forward(img)`` draws
+    each example's timestep and its noise, ``p_losses`` noises the input, and half the time
+    (the script's ``random() < 0.5``, here of the module's own ``random.Random``) predicts
+    ``x_start`` under ``no_grad`` by the same Unet to condition on it, the output then
+    ``detach_()``-ed; the loss is each example's mean squared error on ``v``, weighted by its
+    timestep's ``snr / (snr + 1)``, then the batch's mean."""
+
+    def __init__(self, model: nn.Module, timesteps: int = 10, seed: int = 0) -> None:
+        import random
+
+        super().__init__()
+        self.model, self.num_timesteps = model, timesteps
+        self.coin = random.Random(seed)
+        betas = torch.linspace(1e-2, 0.3, timesteps)
+        alphas_cumprod = torch.cumprod(1.0 - betas, 0)
+        snr = alphas_cumprod / (1 - alphas_cumprod)
+        self.register_buffer("sqrt_alphas_cumprod", alphas_cumprod.sqrt())
+        self.register_buffer("sqrt_one_minus_alphas_cumprod", (1 - alphas_cumprod).sqrt())
+        self.register_buffer("loss_weight", snr / (snr + 1))
+
+    def predict_start_from_v(self, x_t, t, v):
+        return (
+            extract(self.sqrt_alphas_cumprod, t, x_t.shape) * x_t
+            - extract(self.sqrt_one_minus_alphas_cumprod, t, x_t.shape) * v
+        )
+
+    def p_losses(self, x_start, t, noise=None):
+        noise = torch.randn_like(x_start) if noise is None else noise
+        x = (
+            extract(self.sqrt_alphas_cumprod, t, x_start.shape) * x_start
+            + extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * noise
+        )
+        x_self_cond = None
+        if self.model.self_condition and self.coin.random() < 0.5:
+            with torch.no_grad():
+                x_self_cond = self.predict_start_from_v(x, t, self.model(x, t))
+                x_self_cond.detach_()
+        model_out = self.model(x, t, x_self_cond)
+        target = (
+            extract(self.sqrt_alphas_cumprod, t, x_start.shape) * noise
+            - extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * x_start
+        )
+        loss = F.mse_loss(model_out, target, reduction="none").flatten(1).mean(1)
+        return (loss * extract(self.loss_weight, t, loss.shape)).mean()
+
+    def forward(self, img):
+        t = torch.randint(0, self.num_timesteps, (img.shape[0],), device=img.device).long()
+        return self.p_losses(img * 2 - 1, t)
+
+
+class Replayed(nn.Module):
+    """The diffusion's loss of given timesteps and noise, the self-conditioning coin fixed to
+    ``conditioned``: what the loop runs example by example."""
+
+    def __init__(self, diffusion: GaussianDiffusion1D, conditioned: bool) -> None:
+        super().__init__()
+        self.diffusion, self.conditioned = diffusion, conditioned
+
+    def forward(self, img, t, noise):
+        coin = self.diffusion.coin
+        self.diffusion.coin = type(
+            "Coin", (), {"random": lambda _: 0.0 if self.conditioned else 1.0}
+        )()
+        try:
+            return self.diffusion.p_losses(img * 2 - 1, t, noise)
+        finally:
+            self.diffusion.coin = coin
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_denoising_diffusion_trainer_self_conditioning_under_no_grad_inside_the_loss(
+    mixed_precision,
+):
+    """lucidrains/denoising-diffusion-pytorch ``denoising_diffusion_pytorch/
+    denoising_diffusion_pytorch_1d.py``: ``Trainer1D.train`` on ``GaussianDiffusion1D(Unet1D(...,
+    self_condition=True), objective="pred_v")``, the loss computed inside the hooked
+    diffusion module: ``gradient_accumulate_every=2`` micro-batches each ``with
+    accelerator.autocast(): loss = self.model(data) / 2``, ``total_loss += loss.item()``,
+    ``accelerator.backward(loss)``; then ``accelerator.clip_grad_norm_(..., 1.0)``, Adam's
+    step and ``zero_grad``, an EMA of the weights. Each example's timestep and noise are drawn
+    in the forward, and on half the micro-batches the Unet runs first under ``no_grad`` on the
+    same noised batch, its prediction fed back as an input. At every micro-batch grad1 (summed
+    over the step's micro-batches) and the norms are the float64 loop's of each example's
+    weighted loss over 2, given the same timesteps, noise and coin (``mixed_precision="no"``,
+    float32: to float32's rounding; ``"bf16"``, the forward under bfloat16 autocast: within
+    bfloat16's rounding); the loss is the loop's mean."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    diffusion = GaussianDiffusion1D(TimeUnet1D())
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    opt = torch.optim.Adam(diffusion.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    model, opt = accelerator.prepare(diffusion, opt)
+    ema = AveragedModel(diffusion, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    tol = BF16 if mixed_precision == "bf16" else 1e-4
+    g, accum, coins = torch.Generator().manual_seed(0), 2, set()
+    try:
+        with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+            for step in range(STEPS):
+                want = {}
+                for micro in range(accum):
+                    data = torch.rand(6, 2, 8, generator=g)
+                    seed = 100 * step + micro
+                    torch.manual_seed(seed)
+                    t = torch.randint(0, diffusion.num_timesteps, (6,))
+                    noise = torch.randn(data.shape)
+                    state = diffusion.coin.getstate()
+                    conditioned = diffusion.coin.random() < 0.5
+                    diffusion.coin.setstate(state)
+                    coins.add(conditioned)
+                    replay = Replayed(copy.deepcopy(diffusion).to(D), conditioned)
+                    inputs = (data.to(D), t, noise.to(D))
+                    mine = loop_grad(replay, lambda loss: loss / accum, inputs)
+                    mine = {n.removeprefix("diffusion."): g for n, g in mine.items()}
+                    want = {n: want.get(n, 0) + mine[n] for n in mine}
+                    with torch.no_grad():
+                        own = torch.stack(
+                            [replay(*(v[i : i + 1] for v in inputs)) for i in range(6)]
+                        )
+                    torch.manual_seed(seed)
+                    with accelerator.autocast():
+                        loss = model(data) / accum
+                    assert loss.item() == pytest.approx(own.mean().item() / accum, rel=tol)
+                    accelerator.backward(loss)
+                    for n, p in diffusion.named_parameters():
+                        err = relative_error(p.grad1, want[n])
+                        assert err < tol, f"step {step}.{micro}: {n} off by {err:.2e}"
+                    err = relative_error(h.norms(), norms_of(mine))
+                    assert err < tol, f"step {step}.{micro}: norms off by {err:.2e}"
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                ema.update_parameters(diffusion)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert coins == {False, True}  # (both branches taken)
+    assert not any(hasattr(p, "grad1") for p in ema.parameters())
