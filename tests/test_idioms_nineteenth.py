@@ -8,7 +8,8 @@ float64 and ``bf16-true``); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``
 label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout
 refused); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked module,
 self-conditioning by a ``no_grad`` forward of the same network, accelerate's ``autocast`` in
-bfloat16).
+bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in shared memory,
+trained by forked processes).
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -575,3 +576,62 @@ def test_denoising_diffusion_trainer_self_conditioning_under_no_grad_inside_the_
         AcceleratorState._reset_state(True)
     assert coins == {False, True}  # (both branches taken)
     assert not any(hasattr(p, "grad1") for p in ema.parameters())
+
+
+# -- pytorch/examples mnist_hogwild: shared-memory weights trained by forked processes -----------
+
+
+def hogwild_train(rank: int, model: nn.Module, lock, errors: torch.Tensor) -> None:
+    """The script's ``train(rank, args, model, ...)``: its own seed and optimizer over the
+    shared model, ``zero_grad``, the forward, ``nll_loss``, the backward and the step, here
+    each step under ``lock`` with grad1 compared with the float64 loop at the weights the
+    step ran at; the largest difference is written to ``errors[rank]``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(1 + rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    g = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(STEPS):
+        x = torch.randn(5, 3, generator=g, dtype=D)
+        y = torch.randint(2, (5,), generator=g)
+        with lock:
+            want = loop_grad(model, F.nll_loss, x, y)
+            opt.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            for n, p in model.named_parameters():
+                worst = max(worst, (p.grad1 - want[n]).abs().max().item())
+            opt.step()
+    errors[rank] = worst
+
+
+def test_mnist_hogwild_shared_memory_weights_trained_by_forked_processes():
+    """pytorch/examples ``mnist_hogwild/main.py`` and ``train.py``: the hooked model's
+    ``share_memory()`` (its parameters moved into shared memory after ``add_hooks``), two
+    processes started by ``torch.multiprocessing`` (``fork``: the hooks come with the model)
+    each training it with its own SGD, the updates landing in the one shared copy. Each
+    step, taken one at a time under a lock so that the loop sees the weights the step ran at,
+    gives the float64 loop's grad1 in each process; the parent's own step afterwards, at the
+    weights both moved, gives the loop's grad1 too."""
+    import torch.multiprocessing as mp
+
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2), nn.LogSoftmax(-1))
+    model = model.to(D)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ctx = mp.get_context("fork")
+    errors = torch.full((2,), -1.0, dtype=D).share_memory_()
+    with gradhooks.add_hooks(model):
+        model.share_memory()
+        assert all(p.is_shared() for p in model.parameters())
+        lock = ctx.Lock()
+        procs = [ctx.Process(target=hogwild_train, args=(r, model, lock, errors)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=120)
+        assert [proc.exitcode for proc in procs] == [0, 0]
+        assert 0 <= errors.max().item() < 1e-12, errors
+        assert not any(torch.equal(p, start[n]) for n, p in model.named_parameters())
+        x, y = torch.randn(5, 3, dtype=D), torch.randint(2, (5,))
+        want = loop_grad(model, F.nll_loss, x, y)
+        F.nll_loss(model(x), y).backward()
+        assert_grad1(model, want, "the parent's step")
