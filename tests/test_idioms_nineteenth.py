@@ -331,35 +331,47 @@ def smoothed_lm_loss(lm_logits, lm_labels, lm_mask, label_smooth: float = 0.1):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_loralib_gpt2_e2e_finetuning_with_label_smoothing_and_a_per_micro_batch_schedule():
+@pytest.mark.parametrize("fp16", [False, True], ids=["float64", "fp16"])
+def test_loralib_gpt2_e2e_finetuning_with_label_smoothing_and_a_per_micro_batch_schedule(fp16):
     """microsoft/LoRA ``examples/NLG/src/gpt2_ft.py`` (``train_validate``, ``optimizer_step``)
     over ``examples/NLG/src/model.py`` and ``loralib/layers.py``: ``lora.
     mark_only_lora_as_trainable(model)``, ``_lm_loss`` the label-smoothed (0.1) token losses
-    times ``lm_mask`` summed over ``lm_mask.sum() + 0.0001``, ``(_lm_loss / grad_acc).backward()``
-    with ``grad_acc=2``, on each second micro-batch ``clip_grad_norm_`` and AdamW's step and
-    ``zero_grad``, the linear warm-up schedule stepped at every micro-batch (as the script
-    does); ``model.eval()`` and a validation pass under ``torch.no_grad()`` after the second
-    step. With the README's ``--lora_dropout 0.1`` the first backward is refused (an
-    ``UnsupportedError`` naming ``c_attn``, the ``MergedLinear``: its forward draws random
-    numbers, which no per-example recomputation reproduces) and leaves the model as it was;
-    the loop then runs with LoRA's dropout at 0. At every micro-batch grad1 of ``lora_A`` and ``lora_B`` (summed over the step's
-    micro-batches, as ``.grad``) is the float64 loop's of each example's masked token losses
-    over the batch's mask sum, exactly, and the frozen weights (the tied embedding, the
+    times ``lm_mask`` summed over ``lm_mask.sum() + 0.0001``, its backward over ``grad_acc=2``,
+    on each second micro-batch ``clip_grad_norm_`` and AdamW's step and ``zero_grad``, the
+    linear warm-up schedule stepped at every micro-batch (as the script does); ``model.eval()``
+    and a validation pass under ``torch.no_grad()`` after the second step. With ``--fp16``
+    (apex's ``amp.scale_loss``, here float16 autocast and ``GradScaler("cpu")``:
+    ``scaler.scale(loss).backward()``, then ``unscale_``, the clipping, ``scaler.step`` and
+    ``update``) the model is float32. With the README's ``--lora_dropout 0.1`` the first
+    backward is refused (an ``UnsupportedError`` naming ``c_attn``, the ``MergedLinear``: its
+    forward draws random numbers, which no per-example recomputation reproduces) and leaves
+    the model as it was; the loop then runs with LoRA's dropout at 0. At every micro-batch
+    grad1 of ``lora_A`` and ``lora_B`` (summed over the step's micro-batches, as ``.grad``) is
+    the float64 loop's of each example's masked token losses over the batch's mask sum:
+    exactly in float64; over the scale in force, within float16's rounding (1e-2 of each
+    parameter's largest entry) with ``--fp16``. The frozen weights (the tied embedding, the
     ``Conv1D``s) have none."""
-    model = LoraGPT2().to(D)
+    dtype = torch.float32 if fp16 else D
+    model = LoraGPT2().to(dtype)
     for n, p in model.named_parameters():
         p.requires_grad = "lora_" in n
     trained = [p for p in model.parameters() if p.requires_grad]
     assert len(trained) == 2
     opt = torch.optim.AdamW(trained, lr=0.02, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=fp16)
     grad_acc, g = 2, torch.Generator().manual_seed(0)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         ids, labels = torch.randint(11, (5, 8), generator=g), torch.randint(11, (5, 8), generator=g)
         before = model_state(model)
-        lm_logits, _ = model(ids)
-        loss = smoothed_lm_loss(lm_logits, labels, torch.ones(5, 8, dtype=D)).mean()
-        raised(gradhooks.UnsupportedError, ["'c_attn'", "MergedLinear"], loss.backward)
+        with autocast:
+            lm_logits, _ = model(ids)
+        loss = smoothed_lm_loss(lm_logits.to(dtype), labels, torch.ones(5, 8, dtype=dtype))
+        raised(
+            gradhooks.UnsupportedError, ["'c_attn'", "MergedLinear"],
+            lambda: scaler.scale(loss.mean()).backward(),
+        )  # fmt: skip
         assert_untouched(model, before)
         model.c_attn.lora_dropout.p = 0.0
         want: dict = {}
@@ -367,23 +379,38 @@ def test_loralib_gpt2_e2e_finetuning_with_label_smoothing_and_a_per_micro_batch_
             model.train()
             ids = torch.randint(11, (5, 8), generator=g)
             labels = torch.randint(11, (5, 8), generator=g)
-            mask = (torch.rand(5, 8, generator=g) < 0.7).to(D)
+            mask = (torch.rand(5, 8, generator=g) < 0.7).to(dtype)
             total = mask.sum() + 0.0001
+            exact = mask.to(D).sum() + 0.0001
 
-            def own(out, target, total=total):
+            def own(out, target, total=exact):
                 y, m = target.unbind(-1)
                 return smoothed_lm_loss(out[0], y.long(), m).sum() / total / grad_acc
 
-            mine = loop_grad(model, own, ids, torch.stack((labels.to(D), mask), -1))
+            target = torch.stack((labels.to(D), mask.to(D)), -1)
+            mine = loop_grad(copy.deepcopy(model).to(D), own, ids, target)
             want = {} if train_step % grad_acc == 1 else want
             want = {n: want.get(n, 0) + mine[n] for n in mine}
-            lm_logits, _ = model(ids)
-            _lm_loss = smoothed_lm_loss(lm_logits, labels, mask).sum() / total
-            (_lm_loss.mean() / grad_acc).backward()
-            assert_grad1(model, want, f"micro-batch {train_step}", frozen_clean=True)
+            with autocast:
+                lm_logits, _ = model(ids)
+            _lm_loss = smoothed_lm_loss(lm_logits.to(dtype), labels, mask).sum() / total
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.scale(_lm_loss.mean() / grad_acc).backward()
+            if fp16:
+                for n, p in model.named_parameters():
+                    if p.requires_grad:
+                        assert p.grad1.dtype == torch.float32, n
+                        err = relative_error(p.grad1 / scale, want[n])
+                        assert err < 1e-2, f"micro-batch {train_step}: {n} off by {err:.2e}"
+                    else:
+                        assert not hasattr(p, "grad1"), n
+            else:
+                assert_grad1(model, want, f"micro-batch {train_step}", frozen_clean=True)
             if train_step % grad_acc == 0:
+                scaler.unscale_(opt)
                 nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad()
             schedule.step()
             if train_step == 4:
