@@ -6,10 +6,11 @@ Fabric (the LLaMA-Adapter prompt built from an embedding's weight through a froz
 only the adapter trained, ``no_backward_sync`` accumulation, an lm head called on chunks, in
 float64 and ``bf16-true``); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
 label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout
-refused); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked module,
+refused, and in float16 under a ``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked module,
 self-conditioning by a ``no_grad`` forward of the same network, accelerate's ``autocast`` in
 bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in shared memory,
-trained by forked processes).
+trained by forked processes); karpathy/build-nanogpt's ``train_gpt2.py`` (the head tied the
+other way round, bfloat16 autocast, fused AdamW in decay groups, the clip's returned norm).
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -662,3 +663,124 @@ def test_mnist_hogwild_shared_memory_weights_trained_by_forked_processes():
         want = loop_grad(model, F.nll_loss, x, y)
         F.nll_loss(model(x), y).backward()
         assert_grad1(model, want, "the parent's step")
+
+
+# -- karpathy/build-nanogpt train_gpt2.py: the GPT-2 reproduction loop in bfloat16 ---------------
+
+
+class SmallGPT2(nn.Module):
+    """build-nanogpt ``train_gpt2.py``'s ``GPT``, shrunk: token and position embeddings, two
+    pre-norm blocks (causal ``scaled_dot_product_attention``, a tanh-GELU MLP), the token
+    embedding tied to the head the other way round from nanoGPT
+    (``transformer.wte.weight = lm_head.weight``: the head's parameter, named after the
+    embedding, which ``named_parameters`` meets first); ``forward(idx,
+    targets)`` returns the logits and the mean token loss."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, heads: int = 2, length: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, dim), wpe=nn.Embedding(length, dim),
+                h=nn.ModuleList(
+                    nn.ModuleDict(
+                        dict(
+                            ln_1=nn.LayerNorm(dim), c_attn=nn.Linear(dim, 3 * dim),
+                            c_proj=nn.Linear(dim, dim), ln_2=nn.LayerNorm(dim),
+                            c_fc=nn.Linear(dim, 4 * dim), mlp_proj=nn.Linear(4 * dim, dim),
+                        )
+                    )
+                    for _ in range(2)
+                ),
+                ln_f=nn.LayerNorm(dim),
+            )
+        )  # fmt: skip
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def block(self, b: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = b.c_attn(b.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + b.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + b.mlp_proj(F.gelu(b.c_fc(b.ln_2(x)), approximate="tanh"))
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for b in self.transformer.h:
+            x = self.block(b, x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16-autocast"])
+def test_build_nanogpt_loop_reverse_tied_head_fused_adamw_and_the_clip_norm(bf16):
+    """karpathy/build-nanogpt ``train_gpt2.py``: ``optimizer.zero_grad()``, ``loss_accum =
+    0.0``, per micro-step ``model.require_backward_grad_sync = (micro_step == grad_accum_steps
+    - 1)`` (set on the model itself, as the script does under DDP), ``with
+    torch.autocast(device_type, dtype=torch.bfloat16): logits, loss = model(x, y)``, ``loss =
+    loss / grad_accum_steps``, ``loss_accum += loss.detach()``, ``loss.backward()``; then
+    ``norm = clip_grad_norm_(model.parameters(), 1.0)``, the cosine schedule with warm-up set
+    into every ``param_group`` by hand, and ``configure_optimizers``' fused AdamW (decay on the
+    parameters of two or more dimensions, betas 0.9 and 0.95). At every micro-step grad1
+    (summed over the step's micro-steps, as ``.grad``) and the norms (each backward's own)
+    are the float64 loop's of each example's mean token loss over 2, the tied weight holding
+    both its uses; the clip's returned norm is that of the loop's mean gradient; in float64
+    exactly, under bfloat16 autocast (the model float32) within bfloat16's rounding."""
+    dtype = torch.float32 if bf16 else D
+    model = SmallGPT2().to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )  # fmt: skip
+
+    def get_lr(it: int, warmup: int = 1, max_steps: int = STEPS, max_lr: float = 0.03) -> float:
+        if it < warmup:
+            return max_lr * (it + 1) / warmup
+        ratio = (it - warmup) / (max_steps - warmup)
+        return 0.1 * max_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * 0.9 * max_lr
+
+    tol = BF16 if bf16 else 1e-9
+    grad_accum_steps, g = 2, torch.Generator().manual_seed(0)
+
+    def mean_token_loss(out, y):
+        return F.cross_entropy(out[0].flatten(0, 1), y.flatten()) / grad_accum_steps
+
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss_accum, want = 0.0, {}
+            for micro_step in range(grad_accum_steps):
+                x, y = (
+                    torch.randint(13, (4, 6), generator=g),
+                    torch.randint(13, (4, 6), generator=g),
+                )
+                mine = loop_grad(copy.deepcopy(model).to(D), mean_token_loss, x, y)
+                want = {n: want.get(n, 0) + mine[n] for n in mine}
+                model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logits, loss = model(x, y)
+                loss = loss / grad_accum_steps
+                loss_accum += loss.detach()
+                loss.backward()
+                assert "lm_head.weight" not in want  # (one parameter, under its first name)
+                for n, p in model.named_parameters():
+                    err = relative_error(p.grad1, want[n])
+                    assert err < tol, f"step {step}.{micro_step}: {n} off by {err:.2e}"
+                err = relative_error(h.norms(), norms_of(mine))
+                assert err < tol, f"step {step}.{micro_step}: norms off by {err:.2e}"
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            total = torch.cat([w.mean(0).flatten() for w in want.values()]).norm()
+            assert relative_error(norm, total) < tol, f"step {step}: the clip's norm"
+            lr = get_lr(step)
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = lr
+            optimizer.step()
