@@ -5,12 +5,14 @@ GitHub (its repository and path in the docstring): litgpt's ``finetune/adapter.p
 Fabric (the LLaMA-Adapter prompt built from an embedding's weight through a frozen projection,
 only the adapter trained, ``no_backward_sync`` accumulation, an lm head called on chunks, in
 float64 and ``bf16-true``); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
-label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout
-refused, and in float16 under a ``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked module,
-self-conditioning by a ``no_grad`` forward of the same network, accelerate's ``autocast`` in
-bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in shared memory,
-trained by forked processes); karpathy/build-nanogpt's ``train_gpt2.py`` (the head tied the
-other way round, bfloat16 autocast, fused AdamW in decay groups, the clip's returned norm).
+label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout refused,
+and in float16 under a ``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss
+inside the hooked module, self-conditioning by a ``no_grad`` forward of the same network,
+accelerate's ``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's
+weights in shared memory, trained by forked processes); karpathy/build-nanogpt's
+``train_gpt2.py`` (the head tied the other way round, bfloat16 autocast, fused AdamW in decay
+groups, the clip's returned norm); diffusers' textual inversion (one new token's embedding
+trained through a frozen bfloat16 UNet, the other rows written back after every step).
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -784,3 +786,161 @@ def test_build_nanogpt_loop_reverse_tied_head_fused_adamw_and_the_clip_norm(bf16
             for param_group in optimizer.param_groups:
                 param_group["lr"] = lr
             optimizer.step()
+
+
+# -- huggingface/diffusers examples/textual_inversion: one new token through a frozen UNet -------
+
+
+class TinyTextEncoder(nn.Module):
+    """``CLIPTextModel`` shrunk: token and position embeddings, one residual MLP layer, the
+    final layer norm; ``forward(input_ids)`` returns ``(last_hidden_state,)``."""
+
+    def __init__(self, vocab: int = 12, dim: int = 8, length: int = 6) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab, dim)
+        self.position_embedding = nn.Embedding(length, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.final_layer_norm = nn.LayerNorm(dim)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.token_embedding
+
+    def forward(self, input_ids):
+        positions = torch.arange(input_ids.shape[1])[None]
+        h = self.token_embedding(input_ids) + self.position_embedding(positions)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return (self.final_layer_norm(h),)
+
+
+class TinyCrossAttentionUNet(nn.Module):
+    """A UNet's one cross-attention block: ``conv_in``, the timestep's sinusoidal embedding
+    through a Linear added to every pixel, queries from the pixels and keys and values from
+    the text's hidden states, ``conv_out``."""
+
+    def __init__(self, channels: int = 2, dim: int = 8) -> None:
+        super().__init__()
+        self.dim = dim
+        self.conv_in, self.conv_out = (
+            nn.Conv2d(channels, dim, 3, padding=1),
+            nn.Conv2d(dim, channels, 1),
+        )
+        self.time_proj = nn.Linear(dim, dim)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, sample, timesteps, encoder_hidden_states):
+        half = self.dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        angles = timesteps[:, None].float() * freqs[None]
+        temb = self.time_proj(torch.cat((angles.sin(), angles.cos()), -1).to(sample.dtype))
+        h = self.conv_in(sample) + temb[..., None, None]
+        B, C, H, W = h.shape
+        pixels = h.flatten(2).transpose(1, 2)
+        q, k, v = (
+            self.to_q(pixels),
+            self.to_k(encoder_hidden_states),
+            self.to_v(encoder_hidden_states),
+        )
+        attended = self.to_out(F.scaled_dot_product_attention(q, k, v))
+        return self.conv_out(h + attended.transpose(1, 2).reshape(B, C, H, W))
+
+
+class TextToNoise(nn.Module):
+    """The text encoder's hidden states, cast to the UNet's dtype, into the UNet: the model
+    the loop runs example by example."""
+
+    def __init__(self, text_encoder: nn.Module, unet: nn.Module) -> None:
+        super().__init__()
+        self.text_encoder, self.unet = text_encoder, unet
+
+    def forward(self, input_ids, noisy_latents, timesteps):
+        states = self.text_encoder(input_ids)[0].to(dtype=noisy_latents.dtype)
+        return self.unet(noisy_latents, timesteps, states)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_textual_inversion_one_token_trained_through_a_frozen_unet_rows_restored(mixed_precision):
+    """huggingface/diffusers ``examples/textual_inversion/textual_inversion.py``: a placeholder
+    token added to the tokenizer, its embedding row initialized from an initializer token's,
+    the text encoder frozen but for its input embeddings (``text_model.encoder``,
+    ``final_layer_norm`` and ``position_embedding`` ``requires_grad_(False)``), the frozen
+    VAE and UNet cast to ``weight_dtype`` (bfloat16 under ``mixed_precision="bf16"``, whose
+    ``accelerator.prepare`` runs the text encoder under autocast), AdamW over
+    ``get_input_embeddings().parameters()``; per step the latents from the VAE times its
+    scaling factor, noise and a timestep per example, ``noise_scheduler.add_noise``,
+    ``encoder_hidden_states = text_encoder(input_ids)[0].to(dtype=weight_dtype)``, the UNet's
+    prediction, ``F.mse_loss(model_pred.float(), target.float(), reduction="mean")``,
+    ``accelerator.backward``, the step, the schedule, ``zero_grad``, and every row but the
+    placeholder's written back from ``orig_embeds_params`` under ``no_grad``. At every step
+    grad1 of the embedding is the float64 loop's (exactly with ``"no"``, everything in
+    float64; within bfloat16's rounding with ``"bf16"``), nonzero only in rows of the
+    prompt's tokens, and after the step only the placeholder's row has moved."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    weight_dtype = torch.bfloat16 if mixed_precision == "bf16" else D
+    text_encoder = TinyTextEncoder().to(torch.float32 if mixed_precision == "bf16" else D)
+    placeholder, initializer = 11, 3  # (the token added last, and the word it starts from)
+    with torch.no_grad():
+        text_encoder.get_input_embeddings().weight[placeholder] = (
+            text_encoder.get_input_embeddings().weight[initializer]
+        )
+    for module in (text_encoder.fc1, text_encoder.fc2, text_encoder.final_layer_norm):
+        module.requires_grad_(False)
+    text_encoder.position_embedding.requires_grad_(False)
+    vae = nn.Conv2d(3, 2, 2, stride=2).requires_grad_(False).to(weight_dtype)
+    unet = TinyCrossAttentionUNet().requires_grad_(False).to(weight_dtype)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    optimizer = torch.optim.AdamW(
+        text_encoder.get_input_embeddings().parameters(), lr=0.05, betas=(0.9, 0.999),
+        weight_decay=1e-2,
+    )  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    text_encoder, optimizer = accelerator.prepare(text_encoder, optimizer)
+    orig_embeds_params = text_encoder.get_input_embeddings().weight.data.clone()
+    alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-3, 0.2, 50, dtype=D), 0)
+    tol = BF16 if mixed_precision == "bf16" else 1e-9
+    g = torch.Generator().manual_seed(0)
+    try:
+        with gradhooks.add_hooks(text_encoder):
+            for step in range(STEPS):
+                pixel_values = torch.randn(4, 3, 4, 4, generator=g, dtype=D)
+                input_ids = torch.randint(1, 11, (4, 6), generator=g)
+                input_ids[torch.arange(4), torch.randint(1, 5, (4,), generator=g)] = placeholder
+                noise = torch.randn(4, 2, 2, 2, generator=g, dtype=D).to(weight_dtype)
+                timesteps = torch.randint(0, 50, (4,), generator=g)
+                latents = vae(pixel_values.to(dtype=weight_dtype)) * 0.18215
+                a = alphas_cumprod[timesteps].to(weight_dtype).view(-1, 1, 1, 1)
+                noisy_latents = a.sqrt() * latents + (1 - a).sqrt() * noise
+                ref = TextToNoise(copy.deepcopy(text_encoder), copy.deepcopy(unet)).to(D)
+                want = loop_grad(
+                    ref,
+                    lambda out, target: F.mse_loss(out.float(), target.float(), reduction="mean"),
+                    (input_ids, noisy_latents.to(D), timesteps),
+                    noise.to(D),
+                )["text_encoder.token_embedding.weight"]
+                encoder_hidden_states = text_encoder(input_ids)[0].to(dtype=weight_dtype)
+                model_pred = unet(noisy_latents, timesteps, encoder_hidden_states)
+                loss = F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
+                accelerator.backward(loss)
+                grad1 = text_encoder.get_input_embeddings().weight.grad1
+                err = relative_error(grad1, want)
+                assert err < tol, f"step {step}: off by {err:.2e}"
+                used = torch.zeros(12, dtype=torch.bool)
+                used[input_ids.flatten()] = True
+                assert not grad1[:, ~used].any(), f"step {step}: rows of unused tokens"
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+                index_no_updates = torch.ones((12,), dtype=torch.bool)
+                index_no_updates[placeholder : placeholder + 1] = False
+                with torch.no_grad():
+                    text_encoder.get_input_embeddings().weight[index_no_updates] = (
+                        orig_embeds_params[index_no_updates]
+                    )
+                moved = text_encoder.get_input_embeddings().weight != orig_embeds_params
+                assert moved.any(1).nonzero().flatten().tolist() == [placeholder]
+    finally:
+        AcceleratorState._reset_state(True)
