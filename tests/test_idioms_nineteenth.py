@@ -12,7 +12,9 @@ accelerate's ``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the
 weights in shared memory, trained by forked processes); karpathy/build-nanogpt's
 ``train_gpt2.py`` (the head tied the other way round, bfloat16 autocast, fused AdamW in decay
 groups, the clip's returned norm); diffusers' textual inversion (one new token's embedding
-trained through a frozen bfloat16 UNet, the other rows written back after every step).
+trained through a frozen bfloat16 UNet, the other rows written back after every step);
+transformers' ``Trainer`` accumulating with ``num_items_in_batch`` (the loss over the token
+count of the whole step).
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -944,3 +946,107 @@ def test_textual_inversion_one_token_trained_through_a_frozen_unet_rows_restored
                 assert moved.any(1).nonzero().flatten().tolist() == [placeholder]
     finally:
         AcceleratorState._reset_state(True)
+
+
+# -- huggingface/transformers Trainer: accumulation with num_items_in_batch ------------------------
+
+
+class CausalLogits(nn.Module):
+    """A causal LM's logits from its ``input_ids`` and ``attention_mask``, for the loop."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
+def test_trainer_accumulation_divides_by_the_token_count_of_the_whole_step(tmp_path, bf16):
+    """huggingface/transformers ``src/transformers/trainer.py`` (``_inner_training_loop``,
+    ``get_batch_samples``, ``training_step``), unsubclassed, on a tiny ``GPT2LMHeadModel``
+    (its head tied to the token embedding) with ``gradient_accumulation_steps=2``: the
+    Trainer loads the step's two micro-batches first and counts their labels not ignored
+    (``labels[..., 1:] != -100``) into ``num_items_in_batch``, which it passes to the model,
+    whose loss is then the sum of token losses over that count (and not divided again by the
+    accumulation steps). With ``add_hooks(loss_reduction="sum")``, grad1 read in
+    ``on_pre_optimizer_step`` (after Trainer's clipping, which leaves it alone) is, for each
+    example of the step's two micro-batches, its own token losses' gradient over the step's
+    count: the float64 loop's, given what the Trainer passed (read by a forward pre-hook),
+    within float32's rounding in float64 (the model's loss rounds the logits to float32) and
+    within bfloat16's with ``bf16=True``."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    model = model.float() if bf16 else model.to(D)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        length = int(torch.randint(4, 9, (1,), generator=g))
+        ids = torch.randint(1, 16, (8,), generator=g)
+        mask = (torch.arange(8) < length).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[: int(torch.randint(1, 3, (1,), generator=g))] = -100  # (a prompt, not learned)
+        rows.append({"input_ids": ids * mask, "attention_mask": mask, "labels": labels})
+    seen: list = []
+
+    def record(module, args, kwargs):
+        kept = {k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "labels")}
+        seen[-1]["micro"].append((kept, kwargs.get("num_items_in_batch")))
+
+    class ReadGrad1(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            seen.append({"params": params, "micro": []})
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen[-1]["grad1"] = {n: p.grad1.clone() for n, p in model.named_parameters()}
+
+    recording = model.register_forward_pre_hook(record, with_kwargs=True)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=3, gradient_accumulation_steps=2,
+        max_steps=2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=0.1, use_cpu=True, bf16=bf16, report_to=[],
+        save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+    )  # fmt: skip
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=rows, callbacks=[ReadGrad1()]
+        )
+        trainer.train()
+    recording.remove()
+    assert len(seen) == 2 and all(len(s["micro"]) == 2 for s in seen)
+    ref = CausalLogits(copy.deepcopy(model).to(D))
+    # (transformers' causal LM loss calls logits.float(), which rounds a float64 model's
+    # logits to float32: float32's rounding, then, even in float64)
+    tol = BF16 if bf16 else 1e-5
+    for k, step in enumerate(seen):
+        with torch.no_grad():
+            for n, p in ref.model.named_parameters():
+                p.copy_(step["params"][n])
+        counts = {float(count) for _, count in step["micro"]}
+        want_count = sum(int((i["labels"][..., 1:] != -100).sum()) for i, _ in step["micro"])
+        assert counts == {want_count}, (counts, want_count)
+        want: dict = {}
+        for inputs, _ in step["micro"]:
+
+            def own(logits, labels, count=want_count):
+                return F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                    reduction="sum",
+                ) / count  # fmt: skip
+
+            x = (inputs["input_ids"], inputs["attention_mask"])
+            mine = loop_grad(ref, own, x, inputs["labels"])
+            want = {n: want.get(n, 0) + mine[n] for n in mine}
+        want = {n.removeprefix("model."): g for n, g in want.items()}
+        assert set(want) == set(step["grad1"])
+        for n, w in want.items():
+            err = relative_error(step["grad1"][n], w)
+            assert err < tol, f"step {k}: {n} off by {err:.2e}"
