@@ -4,7 +4,7 @@ Each test writes again, with a tiny model and in gradhooks' terms, the loop of a
 GitHub (its repository and path in the docstring): litgpt's ``finetune/adapter.py`` on Lightning
 Fabric (the LLaMA-Adapter prompt built from an embedding's weight through a frozen projection,
 only the adapter trained, ``no_backward_sync`` accumulation, an lm head called on chunks, in
-float64 and ``bf16-true``); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
+float64 and ``bf16-true``; and adapter v2's scaled and shifted frozen Linears and RMSNorms); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
 label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout refused,
 and in float16 under a ``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss
 inside the hooked module, self-conditioning by a ``no_grad`` forward of the same network,
@@ -67,10 +67,10 @@ class AdapterAttention(nn.Module):
     through the layer's own frozen ``qkv``, its keys and values broadcast over the batch and
     gated per head by ``gating_factor`` (zeros at first: the zero-init attention)."""
 
-    def __init__(self, dim: int, heads: int, prompt: int) -> None:
+    def __init__(self, dim: int, heads: int, prompt: int, linear=nn.Linear) -> None:
         super().__init__()
         self.heads, self.prompt = heads, prompt
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.qkv, self.proj = linear(dim, 3 * dim), linear(dim, dim)
         if prompt:
             self.adapter_wte = nn.Embedding(prompt, dim)
             self.gating_factor = nn.Parameter(torch.zeros(1, 1, heads, 1))
@@ -93,14 +93,46 @@ class AdapterAttention(nn.Module):
         return self.proj(y.reshape(B, T, C))
 
 
-class AdapterBlock(nn.Module):
-    """A pre-norm block: the attention above and a GELU MLP, each residual."""
+class AdapterV2Linear(nn.Module):
+    """litgpt ``litgpt/adapter_v2.py``'s ``AdapterV2Linear``: a frozen ``nn.Linear`` whose
+    output is shifted by ``adapter_bias`` and scaled by ``adapter_scale``, both used by the
+    wrapper's own forward."""
 
-    def __init__(self, dim: int, heads: int, prompt: int) -> None:
+    def __init__(self, features: int, out: int, bias: bool = True) -> None:
         super().__init__()
-        self.norm_1, self.attn = nn.LayerNorm(dim), AdapterAttention(dim, heads, prompt)
-        self.norm_2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.linear = nn.Linear(features, out, bias=bias)
+        self.adapter_bias = nn.Parameter(torch.zeros(out), requires_grad=False)
+        self.adapter_scale = nn.Parameter(torch.ones(out), requires_grad=False)
+
+    def forward(self, x):
+        return self.adapter_scale * (self.linear(x) + self.adapter_bias)
+
+
+class RMSNorm(nn.Module):
+    """litgpt ``litgpt/model.py``'s ``RMSNorm``: computed in float32 (``x.float()``, which in a
+    float64 model rounds to float32), scaled by its ``weight``, cast back."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x_normed = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps)
+        return (x_normed * self.weight.float()).to(dtype=dtype)
+
+
+class AdapterBlock(nn.Module):
+    """A pre-norm block: the attention above and a GELU MLP, each residual (adapter v2: every
+    Linear an ``AdapterV2Linear``, the norms litgpt's ``RMSNorm``)."""
+
+    def __init__(self, dim: int, heads: int, prompt: int, v2: bool = False) -> None:
+        super().__init__()
+        linear, norm = (AdapterV2Linear, RMSNorm) if v2 else (nn.Linear, nn.LayerNorm)
+        self.norm_1, self.attn = norm(dim), AdapterAttention(dim, heads, prompt, linear)
+        self.norm_2 = norm(dim)
+        self.mlp = nn.Sequential(linear(dim, 2 * dim), nn.GELU(), linear(2 * dim, dim))
 
     def forward(self, x):
         x = x + self.attn(self.norm_1(x))
@@ -110,14 +142,15 @@ class AdapterBlock(nn.Module):
 class AdapterGPT(nn.Module):
     """litgpt's adapter ``GPT``: two blocks, the adapter from the second
     (``adapter_start_layer=1``); ``lm_head_chunk_size`` returns the head's logits of each chunk
-    of the sequence, the head called once per chunk."""
+    of the sequence, the head called once per chunk. With ``v2``, adapter v2's."""
 
-    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2, prompt: int = 3) -> None:
+    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2, v2: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.wte = nn.Embedding(vocab, dim)
-        self.h = nn.ModuleList(AdapterBlock(dim, heads, prompt * (i >= 1)) for i in range(2))
-        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.h = nn.ModuleList(AdapterBlock(dim, heads, 3 * (i >= 1), v2) for i in range(2))
+        self.ln_f = RMSNorm(dim) if v2 else nn.LayerNorm(dim)
+        self.lm_head = (AdapterV2Linear if v2 else nn.Linear)(dim, vocab, bias=False)
 
     def forward(self, idx, lm_head_chunk_size: int = 0):
         x = self.wte(idx)
@@ -154,10 +187,14 @@ def instruction_batch(g: torch.Generator, n: int = 4, length: int = 7, vocab: in
     return ids, labels
 
 
+ADAPTER_V2 = ("adapter_scale", "adapter_bias", "norm_1", "norm_2", "ln_f")
+
+
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+@pytest.mark.parametrize("version", ["adapter", "adapter_v2"])
 def test_litgpt_adapter_finetuning_on_fabric_with_the_prompt_from_an_embeddings_weight(
-    precision,
-):
+    version, precision,
+):  # fmt: skip
     """Lightning-AI/litgpt ``litgpt/finetune/adapter.py`` (``fit``) over ``litgpt/adapter.py``:
     ``mark_only_adapter_as_trainable`` (``adapter_wte`` and ``gating_factor`` alone), Fabric at
     ``precision`` (``"bf16-true"``, the script's default, converts the model to bfloat16),
@@ -170,11 +207,16 @@ def test_litgpt_adapter_finetuning_on_fabric_with_the_prompt_from_an_embeddings_
     and the norms (each backward's own) are the float64 loop's, each example's token losses
     over the batch's count of targets: exactly in float64, within bfloat16's rounding of each
     parameter's largest entry in bfloat16. At the first step the prompt's grad1 is exactly
-    zero, as its gradient is (the gate is zero)."""
+    zero, as its gradient is (the gate is zero). ``finetune/adapter_v2.py`` over ``litgpt/adapter_v2.py`` trains as
+    well every ``AdapterV2Linear``'s scale and shift (the ``qkv`` one used on the batch and on
+    the batch-free prompt in the same forward) and the ``RMSNorm`` weights: there float64's
+    tolerance is float32's (litgpt's ``RMSNorm`` computes in float32)."""
     fabric = fabric_of(precision)
-    model = AdapterGPT()
+    v2 = version == "adapter_v2"
+    model = AdapterGPT(v2=v2)
+    trainable = ("adapter_wte", "gating_factor") + (ADAPTER_V2 if v2 else ())
     for n, p in model.named_parameters():
-        p.requires_grad = "adapter_wte" in n or "gating_factor" in n
+        p.requires_grad = any(key in n for key in trainable)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (Fabric's notes about the CPU)
@@ -207,17 +249,20 @@ def test_litgpt_adapter_finetuning_on_fabric_with_the_prompt_from_an_embeddings_
                 logits = wrapped(input_ids, lm_head_chunk_size=4)
                 logits[-1] = logits[-1][..., :-1, :]
                 fabric.backward(chunked_cross_entropy(logits, shifted) / accum)
-            if precision == "64-true":
+            if precision == "64-true" and not v2:
                 assert_grad1(model, want, f"micro-batch {it}", frozen_clean=True)
                 assert_close(h.norms(), norms_of(mine), f"micro-batch {it}: norms")
             else:
+                tol = BF16 if precision == "bf16-true" else 1e-5
                 for n, p in model.named_parameters():
                     if p.requires_grad:
-                        assert p.grad1.dtype == torch.bfloat16, n
+                        assert p.grad1.dtype == dtype, n
                         err = relative_error(p.grad1, want[n])
-                        assert err < BF16, f"micro-batch {it}: {n} off by {err:.2e}"
+                        assert err < tol, f"micro-batch {it}: {n} off by {err:.2e}"
+                    else:
+                        assert not hasattr(p, "grad1"), n
                 err = relative_error(h.norms(), norms_of(mine))
-                assert err < BF16, f"micro-batch {it}: norms off by {err:.2e}"
+                assert err < tol, f"micro-batch {it}: norms off by {err:.2e}"
             if it <= accum:
                 assert not model.h[1].attn.adapter_wte.weight.grad1.any()
             if not is_accumulating:
