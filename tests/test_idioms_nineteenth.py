@@ -14,7 +14,8 @@ weights in shared memory, trained by forked processes); karpathy/build-nanogpt's
 groups, the clip's returned norm); diffusers' textual inversion (one new token's embedding
 trained through a frozen bfloat16 UNet, the other rows written back after every step);
 transformers' ``Trainer`` accumulating with ``num_items_in_batch`` (the loss over the token
-count of the whole step).
+count of the whole step); accelerate's ``find_executable_batch_size`` (a step that runs out of
+memory in the forward or the backward, retried with a smaller batch).
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -38,6 +39,7 @@ from harness import (
     assert_close,
     assert_grad1,
     assert_untouched,
+    labelled_batch,
     model_state,
     one_thread,  # noqa: F401 (autouse in this module)
     raised,
@@ -1095,3 +1097,89 @@ def test_trainer_accumulation_divides_by_the_token_count_of_the_whole_step(tmp_p
         for n, w in want.items():
             err = relative_error(step["grad1"][n], w)
             assert err < tol, f"step {k}: {n} off by {err:.2e}"
+
+
+# -- huggingface/accelerate examples/by_feature/memory.py: a batch size found by retrying ---------
+
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 1073741824 bytes."
+)  # (the CPU allocator's message, which accelerate's should_reduce_batch_size looks for)
+
+
+class AllocatesPerExample(nn.Module):
+    """The identity, whose forward fails as the CPU allocator does for a batch of more than
+    ``fits`` examples: the memory a real layer would run out of."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = fits
+
+    def forward(self, x):
+        if x.shape[0] > self.fits:
+            raise RuntimeError(CPU_OOM)
+        return x
+
+
+class AllocatesInBackward(torch.autograd.Function):
+    """The identity, whose backward fails as the CPU allocator does for a batch of more than
+    4 examples (after the head's gradient is formed, before the first layer's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.shape[0] > 4:
+            raise RuntimeError(CPU_OOM)
+        return g
+
+
+class FailsBackward(nn.Module):
+    def forward(self, x):
+        return AllocatesInBackward.apply(x)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_find_executable_batch_size_retries_a_step_that_ran_out_of_memory(where):
+    """huggingface/accelerate ``examples/by_feature/memory.py``: the training loop inside a
+    function decorated by ``accelerate.utils.find_executable_batch_size(starting_batch_size=8)``,
+    which calls it again with a batch 0.9 times smaller whenever it raises an out-of-memory
+    ``RuntimeError`` (here the CPU allocator's, raised in the hooked model's forward or in its
+    backward past the head, for batches of more than 4), the hooked model kept across the
+    attempts (the example builds it anew in each). The attempts at 8, 7, 6 and 5 fail part-way
+    through their first forward or backward and leave nothing behind: at 4, each step's grad1
+    and norms are the float64 loop's, and the weights are those of the same steps taken
+    without the failed attempts."""
+    from accelerate.utils import find_executable_batch_size
+
+    torch.manual_seed(0)
+    middle = AllocatesPerExample(4) if where == "forward" else FailsBackward()
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), middle, nn.Linear(6, 2)).to(D)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    x_all, y_all = labelled_batch(0, n=16)
+    tried = []
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+
+        @find_executable_batch_size(starting_batch_size=8)
+        def inner_training_loop(batch_size):
+            tried.append(batch_size)
+            for i in range(0, len(x_all), batch_size):
+                x, y = x_all[i : i + batch_size], y_all[i : i + batch_size]
+                want = loop_grad(twin, F.cross_entropy, x, y)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                assert_grad1(model, want, f"batch of {batch_size} at {i}")
+                assert_close(h.norms(), norms_of(want), f"batch of {batch_size} at {i}: norms")
+                opt.step()
+                twin_opt.zero_grad()
+                F.cross_entropy(twin(x), y).backward()
+                twin_opt.step()
+
+        inner_training_loop()
+    assert tried == [8, 7, 6, 5, 4]
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
