@@ -4,18 +4,20 @@ Each test writes again, with a tiny model and in gradhooks' terms, the loop of a
 GitHub (its repository and path in the docstring): litgpt's ``finetune/adapter.py`` on Lightning
 Fabric (the LLaMA-Adapter prompt built from an embedding's weight through a frozen projection,
 only the adapter trained, ``no_backward_sync`` accumulation, an lm head called on chunks, in
-float64 and ``bf16-true``; and adapter v2's scaled and shifted frozen Linears and RMSNorms); microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``,
-label smoothing under a token mask, a schedule stepped per micro-batch, LoRA's dropout refused,
-and in float16 under a ``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss
-inside the hooked module, self-conditioning by a ``no_grad`` forward of the same network,
-accelerate's ``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's
-weights in shared memory, trained by forked processes); karpathy/build-nanogpt's
-``train_gpt2.py`` (the head tied the other way round, bfloat16 autocast, fused AdamW in decay
-groups, the clip's returned norm); diffusers' textual inversion (one new token's embedding
-trained through a frozen bfloat16 UNet, the other rows written back after every step);
-transformers' ``Trainer`` accumulating with ``num_items_in_batch`` (the loss over the token
-count of the whole step); accelerate's ``find_executable_batch_size`` (a step that runs out of
-memory in the forward or the backward, retried with a smaller batch).
+float64 and ``bf16-true``; and adapter v2's scaled and shifted frozen Linears and RMSNorms);
+microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``, label smoothing under a
+token mask, a schedule stepped per micro-batch, LoRA's dropout refused, and in float16 under a
+``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked
+module, self-conditioning by a ``no_grad`` forward of the same network, accelerate's
+``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in
+shared memory, trained by forked processes); karpathy/build-nanogpt's ``train_gpt2.py`` (the
+head tied the other way round, bfloat16 autocast, fused AdamW in decay groups, the clip's
+returned norm); diffusers' textual inversion (one new token's embedding trained through a
+frozen bfloat16 UNet, the other rows written back after every step); transformers' ``Trainer``
+accumulating with ``num_items_in_batch`` (the loss over the token count of the whole step);
+accelerate's ``find_executable_batch_size`` (a step that runs out of memory in the forward or
+the backward, retried with a smaller batch).
+
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
 the precision the script runs in, or checked to stop with a typed error that names what went
@@ -209,10 +211,11 @@ def test_litgpt_adapter_finetuning_on_fabric_with_the_prompt_from_an_embeddings_
     and the norms (each backward's own) are the float64 loop's, each example's token losses
     over the batch's count of targets: exactly in float64, within bfloat16's rounding of each
     parameter's largest entry in bfloat16. At the first step the prompt's grad1 is exactly
-    zero, as its gradient is (the gate is zero). ``finetune/adapter_v2.py`` over ``litgpt/adapter_v2.py`` trains as
-    well every ``AdapterV2Linear``'s scale and shift (the ``qkv`` one used on the batch and on
-    the batch-free prompt in the same forward) and the ``RMSNorm`` weights: there float64's
-    tolerance is float32's (litgpt's ``RMSNorm`` computes in float32)."""
+    zero, as its gradient is (the gate is zero). ``finetune/adapter_v2.py`` over
+    ``litgpt/adapter_v2.py`` trains as well every ``AdapterV2Linear``'s scale and shift (the
+    ``qkv`` one used on the batch and on the batch-free prompt in the same forward) and the
+    ``RMSNorm`` weights: there float64's tolerance is float32's (litgpt's ``RMSNorm``
+    computes in float32)."""
     fabric = fabric_of(precision)
     v2 = version == "adapter_v2"
     model = AdapterGPT(v2=v2)
@@ -617,7 +620,7 @@ def test_denoising_diffusion_trainer_self_conditioning_under_no_grad_inside_the_
     try:
         with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
             for step in range(STEPS):
-                want = {}
+                want, total_loss = {}, 0.0
                 for micro in range(accum):
                     data = torch.rand(6, 2, 8, generator=g)
                     seed = 100 * step + micro
@@ -631,7 +634,7 @@ def test_denoising_diffusion_trainer_self_conditioning_under_no_grad_inside_the_
                     replay = Replayed(copy.deepcopy(diffusion).to(D), conditioned)
                     inputs = (data.to(D), t, noise.to(D))
                     mine = loop_grad(replay, lambda loss: loss / accum, inputs)
-                    mine = {n.removeprefix("diffusion."): g for n, g in mine.items()}
+                    mine = {n.removeprefix("diffusion."): w for n, w in mine.items()}
                     want = {n: want.get(n, 0) + mine[n] for n in mine}
                     with torch.no_grad():
                         own = torch.stack(
@@ -640,6 +643,7 @@ def test_denoising_diffusion_trainer_self_conditioning_under_no_grad_inside_the_
                     torch.manual_seed(seed)
                     with accelerator.autocast():
                         loss = model(data) / accum
+                    total_loss += loss.item()
                     assert loss.item() == pytest.approx(own.mean().item() / accum, rel=tol)
                     accelerator.backward(loss)
                     for n, p in diffusion.named_parameters():
@@ -1094,7 +1098,7 @@ def test_trainer_accumulation_divides_by_the_token_count_of_the_whole_step(tmp_p
             x = (inputs["input_ids"], inputs["attention_mask"])
             mine = loop_grad(ref, own, x, inputs["labels"])
             want = {n: want.get(n, 0) + mine[n] for n in mine}
-        want = {n.removeprefix("model."): g for n, g in want.items()}
+        want = {n.removeprefix("model."): w for n, w in want.items()}
         assert set(want) == set(step["grad1"])
         for n, w in want.items():
             err = relative_error(step["grad1"][n], w)
