@@ -16,7 +16,8 @@ returned norm); diffusers' textual inversion (one new token's embedding trained 
 frozen bfloat16 UNet, the other rows written back after every step); transformers' ``Trainer``
 accumulating with ``num_items_in_batch`` (the loss over the token count of the whole step);
 accelerate's ``find_executable_batch_size`` (a step that runs out of memory in the forward or
-the backward, retried with a smaller batch).
+the backward, retried with a smaller batch); nanochat's ``base_train.py`` (rotary tables in
+bfloat16, QK norm, a soft-capped head, the embedding in bfloat16, Muon writing into ``.grad``).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
@@ -1189,3 +1190,195 @@ def test_find_executable_batch_size_retries_a_step_that_ran_out_of_memory(where)
     assert tried == [8, 7, 6, 5, 4]
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), n
+
+
+# -- karpathy/nanochat scripts/base_train.py: rotary, QK norm, softcap, Muon ----------------------
+
+
+def rms(x):
+    """nanochat's ``norm``: a functional RMSNorm without parameters."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary_emb(x, cos, sin):
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3).to(x.dtype)
+
+
+class ChatBlock(nn.Module):
+    """nanochat ``nanochat/gpt.py``'s ``Block``: multi-query attention (two query heads, one
+    key and value head repeated) with rotary embeddings and QK norm, a ReLU² MLP, no biases,
+    each half behind a parameter-free RMSNorm."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.c_q = nn.Linear(dim, dim, bias=False)
+        self.c_k = nn.Linear(dim, self.head_dim, bias=False)
+        self.c_v = nn.Linear(dim, self.head_dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+        self.c_fc, self.mlp_proj = (
+            nn.Linear(dim, 4 * dim, bias=False),
+            nn.Linear(4 * dim, dim, bias=False),
+        )
+
+    def attention(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.heads, self.head_dim)
+        k = self.c_k(x).view(B, T, 1, self.head_dim)
+        v = self.c_v(x).view(B, T, 1, self.head_dim)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = rms(q), rms(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k = k[:, :, None].expand(B, 1, self.heads, T, self.head_dim).reshape(B, self.heads, T, -1)
+        v = v[:, :, None].expand(B, 1, self.heads, T, self.head_dim).reshape(B, self.heads, T, -1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(rms(x), cos, sin)
+        return x + self.mlp_proj(F.relu(self.c_fc(rms(x))).square())
+
+
+class ChatGPT(nn.Module):
+    """nanochat's ``GPT``, shrunk: an untied token embedding (cast to bfloat16 where the model
+    trains in it, as the script does), two blocks, rotary tables kept in bfloat16 as buffers,
+    the head's logits soft-capped at 15; ``forward(idx, targets)`` returns the token loss
+    (``ignore_index=-1``), the logits without targets."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, heads: int = 2, length: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, dim),
+                "h": nn.ModuleList(ChatBlock(dim, heads) for _ in range(2)),
+            }
+        )
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        inv_freq = 1.0 / (
+            10000 ** (torch.arange(0, dim // heads, 2, dtype=torch.float32) / (dim // heads))
+        )
+        freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().bfloat16()[None, :, None, :], persistent=False)
+        self.register_buffer("sin", freqs.sin().bfloat16()[None, :, None, :], persistent=False)
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        T = idx.shape[1]
+        cos, sin = self.cos[:, :T], self.sin[:, :T]
+        x = rms(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos, sin)
+        logits = self.lm_head(rms(x))
+        logits = (15 * torch.tanh(logits / 15)).float()
+        if targets is None:
+            return logits
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+            reduction=loss_reduction,
+        )  # fmt: skip
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """nanochat ``nanochat/muon.py``: the Newton-Schulz iteration that orthogonalizes ``G``,
+    in bfloat16."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    X = G.bfloat16()
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if G.size(-2) > G.size(-1) else X
+
+
+class Muon(torch.optim.Optimizer):
+    """nanochat's ``Muon``: momentum, Nesterov's look-ahead written into ``p.grad`` in place
+    (``g.lerp_(buf, momentum)``), the orthogonalized update scaled by the matrix's aspect."""
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(g))
+                buf.lerp_(g, 1 - group["momentum"])
+                g = g.lerp_(buf, group["momentum"])
+                update = zeropower_via_newtonschulz5(g).to(p.dtype)
+                p.add_(update, alpha=-group["lr"] * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
+def test_nanochat_base_train_muon_and_adamw_with_the_grads_changed_in_place(bf16):
+    """karpathy/nanochat ``scripts/base_train.py`` over ``nanochat/gpt.py`` and
+    ``nanochat/muon.py``: ``setup_optimizers`` (fused AdamW, betas 0.8 and 0.95, for the head
+    and the embedding, the embedding cast to bfloat16 when training in it; Muon for every
+    block matrix), two micro-steps per step, each ``with autocast_ctx: loss = model(x, y)``,
+    ``loss = loss / grad_accum_steps``, ``loss.backward()`` and the next batch fetched; then
+    ``clip_grad_norm_(1.0)``, every group's ``lr`` set to ``initial_lr * lrm`` and Muon's
+    ``momentum`` warmed up by hand, both optimizers stepped (Muon writes its Nesterov
+    look-ahead into ``p.grad`` in place) and ``model.zero_grad(set_to_none=True)``. At every
+    micro-step grad1 (summed over the step's micro-steps) and the norms are the float64
+    loop's of each example's mean token loss over 2 (every target valid, as in pretraining),
+    exactly in float64 (the rotary tables are bfloat16 values, the same in the loop), within
+    bfloat16's rounding under ``bf16`` (``grad1`` of the embedding in bfloat16, its own
+    dtype); the optimizers' writes to ``.grad`` leave it alone."""
+    model = ChatGPT()
+    if bf16:
+        model.transformer.wte.to(dtype=torch.bfloat16)
+    else:
+        model = model.to(D)
+    adamw = torch.optim.AdamW(
+        [{"params": list(model.lm_head.parameters()), "lr": 0.004},
+         {"params": list(model.transformer.wte.parameters()), "lr": 0.2}],
+        betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True,
+    )  # fmt: skip
+    muon = Muon(list(model.transformer.h.parameters()), lr=0.02, momentum=0.95)
+    optimizers = [adamw, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    grad_accum_steps, g, tol = 2, torch.Generator().manual_seed(0), BF16 if bf16 else 1e-9
+
+    def next_batch():
+        return torch.randint(13, (4, 6), generator=g), torch.randint(13, (4, 6), generator=g)
+
+    def own(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1) / 2
+
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        x, y = next_batch()
+        for step in range(STEPS):
+            want: dict = {}
+            for micro_step in range(grad_accum_steps):
+                mine = loop_grad(copy.deepcopy(model).to(D), own, x, y)
+                want = {n: want.get(n, 0) + mine[n] for n in mine}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(x, y)
+                loss = loss / grad_accum_steps
+                loss.backward()
+                x, y = next_batch()
+                for n, p in model.named_parameters():
+                    assert p.grad1.dtype == p.dtype, n
+                    err = relative_error(p.grad1, want[n])
+                    assert err < tol, f"step {step}.{micro_step}: {n} off by {err:.2e}"
+                err = relative_error(h.norms(), norms_of(mine))
+                assert err < tol, f"step {step}.{micro_step}: norms off by {err:.2e}"
+            kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lrm = 1.0 - step / (2 * STEPS)
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["initial_lr"] * lrm
+            for group in muon.param_groups:
+                group["momentum"] = (1 - min(step / 300, 1)) * 0.85 + min(step / 300, 1) * 0.95
+            for opt in optimizers:
+                opt.step()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad1, kept[n]), f"step {step}: the optimizers changed {n}"
+            model.zero_grad(set_to_none=True)
