@@ -17,7 +17,9 @@ frozen bfloat16 UNet, the other rows written back after every step); transformer
 accumulating with ``num_items_in_batch`` (the loss over the token count of the whole step);
 accelerate's ``find_executable_batch_size`` (a step that runs out of memory in the forward or
 the backward, retried with a smaller batch); nanochat's ``base_train.py`` (rotary tables in
-bfloat16, QK norm, a soft-capped head, the embedding in bfloat16, Muon writing into ``.grad``).
+bfloat16, QK norm, a soft-capped head, the embedding in bfloat16, Muon writing into ``.grad``)
+and ``chat_rl.py`` (per-token log-probabilities from the model, weighted by each sample's
+advantage, over the valid tokens of every pass).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
@@ -928,8 +930,9 @@ def test_textual_inversion_one_token_trained_through_a_frozen_unet_rows_restored
     prediction, ``F.mse_loss(model_pred.float(), target.float(), reduction="mean")``,
     ``accelerator.backward``, the step, the schedule, ``zero_grad``, and every row but the
     placeholder's written back from ``orig_embeds_params`` under ``no_grad``. At every step
-    grad1 of the embedding is the float64 loop's (exactly with ``"no"``, everything in
-    float64; within bfloat16's rounding with ``"bf16"``), nonzero only in rows of the
+    grad1 of the embedding is the float64 loop's (with ``"no"``, everything in float64, within
+    float32's rounding, which the loss's ``.float()`` casts bring; within bfloat16's with
+    ``"bf16"``), nonzero only in rows of the
     prompt's tokens, and after the step only the placeholder's row has moved."""
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState
@@ -957,7 +960,8 @@ def test_textual_inversion_one_token_trained_through_a_frozen_unet_rows_restored
     text_encoder, optimizer = accelerator.prepare(text_encoder, optimizer)
     orig_embeds_params = text_encoder.get_input_embeddings().weight.data.clone()
     alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-3, 0.2, 50, dtype=D), 0)
-    tol = BF16 if mixed_precision == "bf16" else 1e-9
+    # (model_pred.float() and target.float() round the float64 prediction to float32)
+    tol = BF16 if mixed_precision == "bf16" else 1e-6
     g = torch.Generator().manual_seed(0)
     try:
         with gradhooks.add_hooks(text_encoder):
@@ -1324,10 +1328,11 @@ def test_nanochat_base_train_muon_and_adamw_with_the_grads_changed_in_place(bf16
     ``momentum`` warmed up by hand, both optimizers stepped (Muon writes its Nesterov
     look-ahead into ``p.grad`` in place) and ``model.zero_grad(set_to_none=True)``. At every
     micro-step grad1 (summed over the step's micro-steps) and the norms are the float64
-    loop's of each example's mean token loss over 2 (every target valid, as in pretraining),
-    exactly in float64 (the rotary tables are bfloat16 values, the same in the loop), within
-    bfloat16's rounding under ``bf16`` (``grad1`` of the embedding in bfloat16, its own
-    dtype); the optimizers' writes to ``.grad`` leave it alone."""
+    loop's of each example's mean token loss over 2 (every target valid, as in pretraining):
+    in float64 within float32's rounding (the model's ``logits.float()`` rounds them; the
+    rotary tables are bfloat16 values, the same in the loop), within bfloat16's under
+    ``bf16`` (``grad1`` of the embedding in bfloat16, its own dtype); the optimizers' writes
+    to ``.grad`` leave it alone."""
     model = ChatGPT()
     if bf16:
         model.transformer.wte.to(dtype=torch.bfloat16)
@@ -1343,7 +1348,9 @@ def test_nanochat_base_train_muon_and_adamw_with_the_grads_changed_in_place(bf16
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    grad_accum_steps, g, tol = 2, torch.Generator().manual_seed(0), BF16 if bf16 else 1e-9
+    # (the model's logits.float() rounds a float64 model's logits to float32: float32's
+    # rounding, then, in float64)
+    grad_accum_steps, g, tol = 2, torch.Generator().manual_seed(0), BF16 if bf16 else 1e-5
 
     def next_batch():
         return torch.randint(13, (4, 6), generator=g), torch.randint(13, (4, 6), generator=g)
@@ -1381,4 +1388,73 @@ def test_nanochat_base_train_muon_and_adamw_with_the_grads_changed_in_place(bf16
                 opt.step()
             for n, p in model.named_parameters():
                 assert torch.equal(p.grad1, kept[n]), f"step {step}: the optimizers changed {n}"
+            model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
+def test_nanochat_chat_rl_token_level_policy_gradient_over_passes(bf16):
+    """karpathy/nanochat ``scripts/chat_rl.py``: per step, for each of ``examples_per_rank=2``
+    prompts, 8 sampled completions (targets -1 over the prompt and after each completion's
+    end), rewards of 0 or 1 and ``advantages = rewards - rewards.mean()`` over the prompt's
+    samples; the samples in ``num_passes=2`` passes of ``device_batch_size=4``, each
+    ``logp = -model(inputs, targets, loss_reduction='none').view_as(inputs)`` under autocast,
+    ``pg_obj = (logp * advantages.unsqueeze(-1)).sum()`` over ``num_valid * num_passes *
+    examples_per_rank`` (DAPO's token-level normalization), ``(-pg_obj).backward()``; then the
+    optimizers' step and ``model.zero_grad(set_to_none=True)``. With ``loss_reduction="sum"``
+    grad1 after each pass (the sum over the step's passes so far) and each pass's norms are
+    the float64 loop's of each sample's own term: in float64 within float32's rounding (the
+    model's logits are cast to float32), within bfloat16's under ``bf16``."""
+    model = ChatGPT()
+    if bf16:
+        model.transformer.wte.to(dtype=torch.bfloat16)
+    else:
+        model = model.to(D)
+    adamw = torch.optim.AdamW(
+        list(model.lm_head.parameters()) + list(model.transformer.wte.parameters()), lr=0.004,
+        betas=(0.8, 0.95), eps=1e-10, fused=True,
+    )  # fmt: skip
+    muon = Muon(list(model.transformer.h.parameters()), lr=0.02)
+    examples_per_rank, num_samples, device_batch_size = 2, 8, 4
+    num_passes = num_samples // device_batch_size
+    g, tol = torch.Generator().manual_seed(0), BF16 if bf16 else 1e-5  # (float32 logits)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms"), loss_reduction="sum") as h:
+        for step in range(2):
+            want: dict = {}
+            for _ in range(examples_per_rank):
+                inputs_all = torch.randint(13, (num_samples, 6), generator=g)
+                targets_all = torch.randint(13, (num_samples, 6), generator=g)
+                ends = torch.randint(3, 7, (num_samples,), generator=g)
+                where = torch.arange(6)
+                targets_all[(where < 2) | (where >= ends[:, None])] = -1
+                rewards_all = torch.randint(2, (num_samples,), generator=g).to(D)
+                advantages_all = rewards_all - rewards_all.mean()
+                for pass_idx in range(num_passes):
+                    b0, b1 = pass_idx * device_batch_size, (pass_idx + 1) * device_batch_size
+                    inputs, targets = inputs_all[b0:b1], targets_all[b0:b1]
+                    advantages = advantages_all[b0:b1]
+                    num_valid = (targets >= 0).sum().clamp(min=1)
+                    scale = num_valid * num_passes * examples_per_rank
+
+                    def own(logits, target, scale=scale):
+                        y, a = target[..., :-1].long(), target[..., -1]
+                        nll = F.cross_entropy(
+                            logits.transpose(1, 2), y, ignore_index=-1, reduction="none"
+                        )
+                        return (nll * a[:, None]).sum() / scale
+
+                    target = torch.cat((targets.to(D), advantages[:, None]), 1)
+                    mine = loop_grad(copy.deepcopy(model).to(D), own, inputs, target)
+                    want = {n: want.get(n, 0) + mine[n] for n in mine}
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        logp = -model(inputs, targets, loss_reduction="none").view_as(inputs)
+                    pg_obj = (logp * advantages.unsqueeze(-1)).sum()
+                    pg_obj = pg_obj / scale
+                    (-pg_obj).backward()
+                    for n, p in model.named_parameters():
+                        err = relative_error(p.grad1, want[n])
+                        assert err < tol, f"step {step}, pass {pass_idx}: {n} off by {err:.2e}"
+                    err = relative_error(h.norms(), norms_of(mine))
+                    assert err < tol, f"step {step}, pass {pass_idx}: norms off by {err:.2e}"
+            adamw.step()
+            muon.step()
             model.zero_grad(set_to_none=True)
