@@ -7,7 +7,7 @@ only the adapter trained, ``no_backward_sync`` accumulation, an lm head called o
 float64 and ``bf16-true``; and adapter v2's scaled and shifted frozen Linears and RMSNorms);
 microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``, label smoothing under a
 token mask, a schedule stepped per micro-batch, LoRA's dropout refused, and in float16 under a
-``GradScaler``); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked
+``GradScaler``; and its DP fork's per-parameter clipping); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked
 module, self-conditioning by a ``no_grad`` forward of the same network, accelerate's
 ``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in
 shared memory, trained by forked processes); karpathy/build-nanogpt's ``train_gpt2.py`` (the
@@ -29,13 +29,14 @@ wrong."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_idioms_eighteenth import BF16, norms_of, relative_error
+from test_idioms_eighteenth import BF16, clipped, norms_of, relative_error
 from torch import nn
 
 import gradhooks
@@ -475,6 +476,67 @@ def test_loralib_gpt2_e2e_finetuning_with_label_smoothing_and_a_per_micro_batch_
                 model.eval()
                 with torch.no_grad():
                     model(torch.randint(11, (3, 8), generator=g))
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_loralib_gpt2_dp_fine_tuning_clipped_per_parameter(method):
+    """huseyinatahaninan/Differentially-Private-Fine-tuning-of-Language-Models
+    ``Language-Generation-GPT-2/src/gpt2_ft.py`` and ``src/model.py``: microsoft/LoRA's E2E
+    loop made private (Opacus with a grad sampler written for loralib's ``MergedLinear``),
+    each sequence's loss its masked, label-smoothed token losses over its own
+    ``lm_mask.sum(-1) + 0.0001``, ``max_grad_norm = [C / sqrt(n_layers)] * n_layers`` over the
+    ``n_layers = 2`` trainable LoRA parameters (``clipping_groups="parameter"``: each clipped
+    to ``C/√2``), the clipped sum over the batch, AdamW. Here ``dp_sgd_step`` without noise:
+    at each of three steps the norms and ``.grad`` are the float64 loop's per-parameter
+    clipped mean, with grad1 and by book-keeping (the ``MergedLinear``'s pieces come from
+    gradhooks' fallback: no rule knows it), and the frozen weights get no gradient; ghost
+    clipping, one factor per example for the whole model, refuses the groups (a
+    ``ConfigurationError``) and writes nothing."""
+    model = LoraGPT2().to(D)
+    for n, p in model.named_parameters():
+        p.requires_grad = "lora_" in n
+    model.c_attn.lora_dropout.p = 0.0
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([model.get_parameter(n) for n in trained], lr=0.02)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    bound = 0.05 / math.sqrt(len(trained))
+    g = torch.Generator().manual_seed(1)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            ids, labels = (
+                torch.randint(11, (5, 8), generator=g),
+                torch.randint(11, (5, 8), generator=g),
+            )
+            mask = (torch.rand(5, 8, generator=g) < 0.7).to(D)
+
+            def own(out, target):
+                y, m = target.unbind(-1)
+                return smoothed_lm_loss(out[0], y.long(), m).sum() / (m.sum() + 0.0001)
+
+            want = loop_grad(model, own, ids, torch.stack((labels.to(D), mask), -1))
+            opt.zero_grad()
+            lm_logits, _ = model(ids)
+            loss = smoothed_lm_loss(lm_logits, labels, mask).sum(-1) / (mask.sum(-1) + 0.0001)
+            step_it = functools.partial(
+                gradhooks.dp_sgd_step, h, loss, max_norm=0.05, noise_multiplier=0.0,
+                method=method, clipping_groups="parameter",
+            )  # fmt: skip
+            if method == "ghost":  # (one factor per example for all parameters)
+                raised(gradhooks.ConfigurationError, ["ghost", "2 clipping groups"], step_it)
+                assert all(p.grad is None for p in model.parameters())
+                return
+            norms = step_it()
+            assert_close(norms, norms_of(want), f"step {step}: norms")
+            acted = False
+            for n, p in model.named_parameters():
+                if n not in want:
+                    assert p.grad is None, n
+                    continue
+                own_norms = want[n].flatten(1).norm(dim=1)
+                acted |= bool((own_norms > bound).any())
+                assert_close(p.grad, clipped({n: want[n]}, bound)[n], f"step {step}: {n}")
+            assert acted, "the clipping must act for the test to tell"
+            opt.step()
 
 
 # -- lucidrains/denoising-diffusion-pytorch: self-conditioning inside the loss --------------------
