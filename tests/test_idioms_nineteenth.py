@@ -7,14 +7,15 @@ only the adapter trained, ``no_backward_sync`` accumulation, an lm head called o
 float64 and ``bf16-true``; and adapter v2's scaled and shifted frozen Linears and RMSNorms);
 microsoft/LoRA's GPT-2 E2E fine-tuning (loralib's ``MergedLinear``, label smoothing under a
 token mask, a schedule stepped per micro-batch, LoRA's dropout refused, and in float16 under a
-``GradScaler``; and its DP fork's per-parameter clipping); lucidrains' denoising-diffusion ``Trainer1D`` (the loss inside the hooked
-module, self-conditioning by a ``no_grad`` forward of the same network, accelerate's
-``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild`` (the hooked model's weights in
-shared memory, trained by forked processes); karpathy/build-nanogpt's ``train_gpt2.py`` (the
-head tied the other way round, bfloat16 autocast, fused AdamW in decay groups, the clip's
-returned norm); diffusers' textual inversion (one new token's embedding trained through a
-frozen bfloat16 UNet, the other rows written back after every step); transformers' ``Trainer``
-accumulating with ``num_items_in_batch`` (the loss over the token count of the whole step);
+``GradScaler``; and its DP fork's per-parameter clipping); lucidrains' denoising-diffusion
+``Trainer1D`` (the loss inside the hooked module, self-conditioning by a ``no_grad`` forward of
+the same network, accelerate's ``autocast`` in bfloat16); pytorch/examples' ``mnist_hogwild``
+(the hooked model's weights in shared memory, trained by forked processes);
+karpathy/build-nanogpt's ``train_gpt2.py`` (the head tied the other way round, bfloat16
+autocast, fused AdamW in decay groups, the clip's returned norm); diffusers' textual inversion
+(one new token's embedding trained through a frozen bfloat16 UNet, the other rows written back
+after every step); transformers' ``Trainer`` accumulating with ``num_items_in_batch`` (the loss
+over the token count of the whole step);
 accelerate's ``find_executable_batch_size`` (a step that runs out of memory in the forward or
 the backward, retried with a smaller batch); nanochat's ``base_train.py`` (rotary tables in
 bfloat16, QK norm, a soft-capped head, the embedding in bfloat16, Muon writing into ``.grad``)
