@@ -637,3 +637,45 @@ def test_two_batches_of_different_sizes_in_one_loss_are_still_told_to_concatenat
         e = _raised(gradhooks.StateError, loss.backward, "batch size changed")
     assert "concatenate them into one forward" in str(e) and "double backward" not in str(e)
     assert _untouched(model)
+
+
+def test_accumulated_micro_batches_of_a_loader_with_a_short_last_batch():
+    """Gradient accumulation over a data loader whose last micro-batch is shorter (11 examples
+    in batches of 3, two a step): the refusal says to drop the short batch and leaves the
+    step's first micro-batch as it was, and with ``drop_last=True`` each accumulated step's
+    grad1 is the per-example loop's."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradhooks.oracle import loop_grad
+    from harness import assert_untouched, model_state, wide_mlp
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(11, 3, dtype=torch.float64), torch.randint(0, 2, (11,)))
+
+    def loss(out, y):
+        return F.cross_entropy(out, y, reduction="sum")
+
+    model = wide_mlp()
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for drop_last in (False, True):
+            batches = list(DataLoader(data, batch_size=3, drop_last=drop_last))
+            for i in range(0, len(batches), 2):
+                model.zero_grad()
+                h.clear()
+                group = batches[i : i + 2]
+                loss(model(group[0][0]), group[0][1]).backward()
+                if len(group) == 2:
+                    x1, y1 = group[1]
+                    second = loss(model(x1), y1)
+                    if len(x1) != len(group[0][0]):
+                        before = model_state(model)
+                        e = _raised(gradhooks.StateError, second.backward, "batch size changed")
+                        assert "drop_last=True" in str(e) and "dataloader_drop_last" in str(e)
+                        assert_untouched(model, before)
+                        break
+                    second.backward()
+                for name, p in model.named_parameters():
+                    want = sum(loop_grad(model, loss, x, y)[name] for x, y in group)
+                    torch.testing.assert_close(p.grad1, want)
+            else:
+                assert drop_last, "the short last batch was never met"

@@ -1202,7 +1202,10 @@ class BackwardWriter:
                     "make every hooked layer see the same batch; one loss over batches of "
                     "different sizes (two datasets in one step) has no per-example rows: "
                     "concatenate them into one forward, or backpropagate each batch's loss "
-                    "alone and read grad1 after each."
+                    "alone and read grad1 after each. Micro-batches accumulated into one step "
+                    "must have the same size: a data loader's shorter last batch breaks that "
+                    "(DataLoader(..., drop_last=True); Hugging Face's Trainer: "
+                    "dataloader_drop_last=True)."
                 )
             if old.dtype != g1.dtype:  # (converted since: model.half(), as .grad was)
                 old = old.to(g1.dtype)
