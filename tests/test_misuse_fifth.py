@@ -1,0 +1,183 @@
+"""Mistakes in how a model is trained, a fifth set: mixed precision (a ``GradScaler``'s scaled
+backward read without its scale, an overflow the scaler skips, float16 parameters given a
+scaler or inputs of another dtype), the loop (two hooked models that share a parameter, tied
+before or after their hooks, a model hooked around one already hooked, ``zero_grad`` or
+``clear`` between a forward and its backward, an optimizer's step before the DP step, an
+activation detached in place, a loss of one example, BatchNorm hooked in eval mode and trained)
+and the arguments (a quantity named twice, a ``batch_dim`` beyond the input's dimensions).
+Each gives the documented meaning, compared in float64 with each example's own gradient by
+the per-example loop (:func:`gradhooks.oracle.loop_grad`), or stops with the typed error of its
+kind, whose message names the module, the parameter and the shapes and says what to do,
+leaving the parameters, ``.grad``, ``grad1``, the hooks, the buffers and the training flag as
+they were (``tests/test_misuse.py``, ``tests/test_misuse_api.py``,
+``tests/test_misuse_loops.py`` and ``tests/test_misuse_fourth.py`` hold the earlier sets)."""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_untouched, labelled_batch, mlp, model_state, raised
+
+RTOL, ATOL = 1e-9, 1e-12  # float64
+# float16 keeps 11 significant bits (docs/mixed-precision.md: within 1e-2 of the largest entry)
+HALF = 1e-2
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=what)
+
+
+def near(got: torch.Tensor, want: torch.Tensor, within: float, what: str) -> None:
+    """``got`` within ``within`` of ``want``'s largest entry (a low precision's rounding)."""
+    error = (got.double() - want).abs().max() / want.abs().max()
+    assert error < within, (what, float(error))
+
+
+def loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each example's own gradient of ``F.cross_entropy``, by the float64 loop."""
+    return loop_grad(model, F.cross_entropy, (x,), y)
+
+
+def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
+    for name, p in model.named_parameters():
+        close(p.grad1, want[name], f"{what}: {name}")
+
+
+def flat_norms(want: dict) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+
+
+def clipped_mean(want: dict, max_norm: float) -> dict[str, torch.Tensor]:
+    """Each parameter's mean over the examples of the loop's rows, each example's gradient
+    clipped to ``max_norm`` over all parameters (the DP step's ``.grad`` without noise)."""
+    factors = (max_norm / flat_norms(want)).clamp(max=1.0).nan_to_num(1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) / len(g) for n, g in want.items()}
+
+
+def full_state(model: nn.Module) -> dict:
+    """:func:`model_state` with the buffers and every module's training flag."""
+    return {
+        "model": model_state(model),
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "training": [m.training for m in model.modules()],
+    }
+
+
+def assert_all_untouched(model: nn.Module, before: dict) -> None:
+    assert_untouched(model, before["model"])
+    for name, was in before["buffers"].items():
+        assert torch.equal(dict(model.named_buffers())[name], was), f"buffer {name} changed"
+    assert [m.training for m in model.modules()] == before["training"], "the training flag"
+
+
+# -- mixed precision -----------------------------------------------------------------------------
+
+
+# -- the loop: parameters shared between hooked models -------------------------------------------
+
+
+def _tied() -> tuple[nn.Sequential, nn.Sequential]:
+    """Two models whose first layers share one weight (a tied encoder and decoder)."""
+    a, b = mlp(), mlp()
+    b[2].weight.data.mul_(-1)  # (another head)
+    b[0].weight = a[0].weight
+    return a, b
+
+
+def test_a_second_model_sharing_a_parameter_with_a_hooked_one_is_refused():
+    """A model whose first layer's weight is that of a model already hooked, hooked by a
+    handle of its own: each handle sees only its own model's calls, so the shared weight got
+    no ``grad1`` from either (a warning that blamed a forward run before ``add_hooks``), or,
+    with both models in one loss, the check stopped the backward blaming a use it did not see.
+    Refused now, naming the parameter, its shape, the module and the way out; the first
+    handle goes on giving the loop's ``grad1``."""
+    a, b = _tied()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(a) as h:
+        before = model_state(b)
+        raised(
+            gradhooks.StateError,
+            ["parameter '0.weight' (5, 3)", "'0' (Linear)", "another gradhooks handle",
+             "nn.ModuleList([model_a, model_b])", "requires_grad_(False)"],
+            lambda: gradhooks.add_hooks(b),
+        )  # fmt: skip
+        assert_untouched(b, before)
+        F.cross_entropy(a(x), y).backward()
+        assert_grad1(a, loop(a, x, y), "the first handle")
+        assert h.active
+
+
+def test_a_parameter_tied_after_both_models_were_hooked_is_refused_at_the_next_forward():
+    """Two hooked models, then tied (``b[0].weight = a[0].weight``) between steps: the next
+    forward of ``b`` plans its hooks again and refuses the shared weight, its hooks left as
+    they were (the plan was made before the old one came off); untied again, the next step
+    gives the loop's ``grad1``."""
+    a, b = mlp(), mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(a), gradhooks.add_hooks(b):
+        F.cross_entropy(b(x), y).backward()
+        b[0].weight = a[0].weight
+        b.zero_grad()
+        before = model_state(b)
+        raised(gradhooks.StateError, ["'0.weight' (5, 3)", "'0' (Linear)"], lambda: b(x))
+        assert_untouched(b, before)
+        b[0].weight = nn.Parameter(a[0].weight.detach().clone())
+        F.cross_entropy(b(x), y).backward()
+        assert_grad1(b, loop(b, x, y), "untied")
+
+
+def test_two_models_sharing_a_parameter_hooked_as_one_module_list():
+    """The way out the refusal names: one handle on ``nn.ModuleList([a, b])``, both models
+    called on the batch and their losses backpropagated one after the other: the shared
+    weight's ``grad1`` adds up both models' uses, each example's own gradient of the sum of
+    its two losses, by the loop; the others' hold their model's."""
+    a, b = _tied()
+    x, y = labelled_batch(1)
+
+    class Both(nn.Module):  # (the loop's model: both outputs of one call)
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x):
+            return torch.stack([self.a(x), self.b(x)])
+
+    def both_losses(out, y):
+        return sum(F.cross_entropy(o, y, reduction="sum") for o in out)
+
+    want = loop_grad(Both(), both_losses, (x,), y)
+    want = {id(p): want[n] for n, p in Both().named_parameters()}
+    pair = nn.ModuleList([a, b])
+    with gradhooks.add_hooks(pair, loss_reduction="sum"):
+        F.cross_entropy(a(x), y, reduction="sum").backward()
+        F.cross_entropy(b(x), y, reduction="sum").backward()
+    for name, p in pair.named_parameters():
+        close(p.grad1, want[id(p)], name)
+
+
+def test_a_frozen_parameter_shared_between_two_hooked_models_is_no_refusal():
+    """A frozen embedding shared by two hooked models (a frozen backbone under two heads):
+    no per-example gradient is asked of it, so both handles are added and each gives its
+    model's trainable parameters the loop's ``grad1``."""
+    a, b = _tied()
+    a[0].weight.requires_grad_(False)
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(a), gradhooks.add_hooks(b):
+        for model in (a, b):
+            F.cross_entropy(model(x), y).backward()
+            want = loop(model, x, y)
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    close(p.grad1, want[name], name)
+            assert not hasattr(model[0].weight, "grad1")
+
+
+# -- the loop: between the forward and the backward ----------------------------------------------
+
+
+# -- the arguments -------------------------------------------------------------------------------
