@@ -177,6 +177,25 @@ def test_a_frozen_parameter_shared_between_two_hooked_models_is_no_refusal():
             assert not hasattr(model[0].weight, "grad1")
 
 
+def test_a_model_hooked_around_a_hooked_one_is_refused_and_says_where_the_hooks_are():
+    """``add_hooks(nn.Sequential(model, head))`` while ``model`` is hooked: refused, and the
+    message no longer says only that the other handle is "on a model that contains this one"
+    (it is on one inside it); the inner handle goes on giving the loop's ``grad1``."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model):
+        outer = nn.Sequential(model, nn.Tanh(), nn.Linear(2, 2).double())
+        before = model_state(outer)
+        raised(
+            gradhooks.StateError,
+            ["'0.0' (Linear)", "one of its submodules", "remove()"],
+            lambda: gradhooks.add_hooks(outer),
+        )
+        assert_untouched(outer, before)
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, loop(model, x, y), "the inner handle")
+
+
 # -- the loop: between the forward and the backward ----------------------------------------------
 
 

@@ -1061,8 +1061,9 @@ class Hooks:
             if t.module in _HOOKED_MODULES:
                 raise StateError(
                     f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
-                    f"another gradhooks handle ({_HOOKED_MODULES.get(t.module)!r}), e.g. on a model "
-                    "that contains this one; remove those hooks first."
+                    f"another gradhooks handle ({_HOOKED_MODULES.get(t.module)!r}), on a model "
+                    "that contains this one or on one of its submodules; remove those hooks "
+                    "first (that handle's remove()), or keep using that handle."
                 )
         self._refuse_shared(model, self._state.targets)
 
