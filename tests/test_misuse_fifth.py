@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 import gradhooks
 from gradhooks.oracle import loop_grad
@@ -200,3 +201,26 @@ def test_a_model_hooked_around_a_hooked_one_is_refused_and_says_where_the_hooks_
 
 
 # -- the arguments -------------------------------------------------------------------------------
+
+
+def test_a_quantity_named_twice_is_the_handle_of_it_named_once():
+    """``quantities=("grad1", "grad1")`` (a list built by appending): the handle kept the
+    duplicate, so it was not the handle of ``("grad1",)``: a MAML step with fast weights
+    ``p - lr * g`` through ``functional_call`` was refused as if other quantities were asked
+    for, with a message telling to use ``("grad1",)``. Now each name counts once: the step
+    gives each query example's gradient through the fast weights (the loop's)."""
+    model = mlp()
+    own = dict(model.named_parameters())
+    (sx, sy), (qx, qy) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "grad1")) as h:
+        assert h.quantities == ("grad1",)
+        with gradhooks.paused():
+            grads = torch.autograd.grad(F.cross_entropy(model(sx), sy), list(own.values()))
+        fast = {n: p - 0.3 * g for (n, p), g in zip(own.items(), grads)}
+        F.cross_entropy(functional_call(model, fast, (qx,)), qy).backward()
+    rows = []
+    for i in range(len(qx)):
+        loss = F.cross_entropy(functional_call(model, fast, (qx[i : i + 1],)), qy[i : i + 1])
+        rows.append(torch.autograd.grad(loss, list(own.values()), retain_graph=True))
+    for k, (name, p) in enumerate(own.items()):
+        close(p.grad1, torch.stack([r[k] for r in rows]), name)

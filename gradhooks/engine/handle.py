@@ -1146,11 +1146,12 @@ def _checked(name: str, value: Any) -> Any:
 
 
 def _quantities(value: Any) -> tuple[str, ...]:
-    """``add_hooks``' ``quantities`` as a tuple: one name, or an iterable of names."""
+    """``add_hooks``' ``quantities`` as a tuple: one name, or an iterable of names, each
+    once (a name given twice, ``("grad1", "grad1")``, is the handle of ``("grad1",)``)."""
     if isinstance(value, str):
         return (value,)
     try:
-        return tuple(value)
+        return tuple(dict.fromkeys(value))
     except TypeError:
         raise ConfigurationTypeError(
             f"quantities takes a name or a tuple of names of {QUANTITIES}, got "
