@@ -14,6 +14,7 @@ they were (``tests/test_misuse.py``, ``tests/test_misuse_api.py``,
 
 from __future__ import annotations
 
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,30 @@ def assert_all_untouched(model: nn.Module, before: dict) -> None:
 
 
 # -- mixed precision -----------------------------------------------------------------------------
+
+
+def test_check_after_a_scaled_backward_names_the_grad_scaler():
+    """``h.check(loss_fn, x, y)`` after ``scaler.scale(loss).backward()``: ``grad1`` is the
+    scale (65536) times each example's gradient, and the check said only "about 6.55e+04×
+    it" among causes that do not apply (micro-batches, weights, coupled examples). It now
+    names the ``GradScaler`` and says to divide by ``scaler.get_scale()``."""
+    model = mlp(torch.float32)
+    x, y = labelled_batch(1)
+    scaler = torch.amp.GradScaler("cpu")
+    with gradhooks.add_hooks(model) as h:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x.float())
+        scaler.scale(F.cross_entropy(out.float(), y)).backward()
+        before = model_state(model)
+        raised(
+            gradhooks.CheckFailedError,
+            ["65536×", "GradScaler", "scaler.get_scale()", "dp_sgd_step(..., scaler=scaler)"],
+            lambda: h.check(lambda o, t: F.cross_entropy(o.float(), t), x.float(), y),
+        )
+        assert_untouched(model, before)
+        want = loop(copy.deepcopy(model).double(), x, y)
+        for name, p in model.named_parameters():  # what the message says to do
+            near(p.grad1 / scaler.get_scale(), want[name], HALF, name)
 
 
 # -- the loop: parameters shared between hooked models -------------------------------------------
