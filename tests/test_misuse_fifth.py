@@ -104,6 +104,32 @@ def test_check_after_a_scaled_backward_names_the_grad_scaler():
             near(p.grad1 / scaler.get_scale(), want[name], HALF, name)
 
 
+def test_dp_step_with_a_scaler_refuses_float16_parameters():
+    """A model stored in float16 (``model.half()``) given to the DP step with a
+    ``GradScaler``: the scaled float16 output-gradients overflowed at the first scale (65536),
+    every norm Inf, ``.grad`` set to NaN, and ``scaler.step`` then raised torch's "Attempting
+    to unscale FP16 gradients". Refused now before the backward, naming the parameter, its
+    shape and dtype and what to do, the model as it was; without the scaler the step clips
+    the float16 gradients (the norms within float16 of the loop's)."""
+    model = mlp(torch.float16)
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model) as h:
+        losses = F.cross_entropy(model(x.half()).float(), y, reduction="none")
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["'0.weight' (5, 3)", "float16", "torch.autocast", "No gradient was written"],
+            lambda: gradhooks.dp_sgd_step(
+                h, losses, max_norm=1.0, noise_multiplier=0.0,
+                scaler=torch.amp.GradScaler("cpu"),
+            ),
+        )  # fmt: skip
+        assert_untouched(model, before)
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+    want = loop(copy.deepcopy(model).double(), x.half().double(), y)
+    near(norms, flat_norms(want), HALF, "norms")
+
+
 # -- the loop: parameters shared between hooked models -------------------------------------------
 
 

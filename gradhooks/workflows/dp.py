@@ -320,7 +320,20 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    return steppable_params(hooks, method, "dp_sgd_step")
+    params = steppable_params(hooks, method, "dp_sgd_step")
+    if scaler is not None and scaler.is_enabled():
+        half = next((p for p in params if p.dtype == torch.float16), None)
+        if half is not None:
+            plan = _plan(hooks)
+            name = dict(zip(map(id, plan.params), plan.names, strict=True))[id(half)]
+            raise ConfigurationError(
+                f"dp_sgd_step: '{name}' {tuple(half.shape)} is stored in float16, and a "
+                "GradScaler unscales no float16 gradient (scaler.step refuses them; the scaled "
+                "float16 gradients overflow first). Keep the parameters in float32 and run the "
+                "forward under torch.autocast(device_type, dtype=torch.float16), or pass no "
+                "scaler. No gradient was written."
+            )
+    return params
 
 
 def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Parameter]:
