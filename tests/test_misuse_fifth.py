@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -249,6 +250,28 @@ def test_a_model_hooked_around_a_hooked_one_is_refused_and_says_where_the_hooks_
 
 
 # -- the loop: between the forward and the backward ----------------------------------------------
+
+
+@pytest.mark.parametrize("quantities", [("grad1",), ("norms",)])
+def test_dp_step_of_a_model_with_every_parameter_frozen_is_refused(quantities):
+    """Every parameter frozen (``model.requires_grad_(False)``, a fine-tuning setup that
+    forgot to unfreeze its head) and the losses still differentiable through the input: the
+    step failed in torch ("`inputs` argument to `grad()` cannot be empty"). Refused now,
+    naming the model and what to do, with nothing written."""
+    model = mlp()
+    model.requires_grad_(False)
+    x, y = labelled_batch(1)
+    x.requires_grad_(True)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["Sequential has no trainable parameter", "requires_grad", "requires_grad_(True)"],
+            lambda: gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert_untouched(model, before)
+        assert x.grad is None
 
 
 # -- the arguments -------------------------------------------------------------------------------

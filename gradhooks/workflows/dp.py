@@ -342,6 +342,14 @@ def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Par
     process and by that across ranks (``where``: which)."""
     plan = _checked_plan(hooks)
     params, names = list(plan.params), plan.names
+    if not params:
+        model = hooks.model
+        raise ConfigurationError(
+            f"{where}: {type(model).__qualname__} has no trainable parameter (every one has "
+            "requires_grad=False): there is no gradient to clip or noise. Unfreeze the "
+            "parameters to train (model.requires_grad_(True), or those of the layers to "
+            "fine-tune) before the forward."
+        )
     fused = [n for n, p in zip(names, params, strict=True) if _torch.accumulate_hooks(p)]
     if fused:
         raise ConfigurationError(
