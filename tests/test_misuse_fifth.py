@@ -252,6 +252,28 @@ def test_a_model_hooked_around_a_hooked_one_is_refused_and_says_where_the_hooks_
 # -- the loop: between the forward and the backward ----------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
+def test_dp_step_called_under_no_grad(method):
+    """``dp_sgd_step`` inside ``torch.no_grad()`` (beside ``optimizer.step()``, as an update
+    is often wrapped), on losses of a forward with grad on: a plain ``backward()`` runs there,
+    but the step's own products of the losses lost their graph and torch raised "element 0 of
+    tensors does not require grad". The step now runs its backward with grad enabled: the
+    loop's norms and clipped mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with torch.no_grad():
+            norms = gradhooks.dp_sgd_step(
+                h, losses, max_norm=0.5, noise_multiplier=0.0, method=method
+            )
+    want = loop(model, x, y)
+    close(norms, flat_norms(want), "norms")
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name], name)
+
+
 @pytest.mark.parametrize("quantities", [("grad1",), ("norms",)])
 def test_dp_step_of_a_model_with_every_parameter_frozen_is_refused(quantities):
     """Every parameter frozen (``model.requires_grad_(False)``, a fine-tuning setup that

@@ -708,7 +708,8 @@ def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:
     reduction = hooks.loss_reduction
     hooks.loss_reduction = "sum"
     try:
-        return _step_sums(hooks, *args, **kwargs)
+        with torch.enable_grad():  # (a step called under torch.no_grad(), as backward() may be)
+            return _step_sums(hooks, *args, **kwargs)
     except RuntimeError as e:
         engine_of(hooks).discard_written()
         if "backward through the graph a second time" not in str(e):
