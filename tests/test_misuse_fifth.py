@@ -320,3 +320,19 @@ def test_a_quantity_named_twice_is_the_handle_of_it_named_once():
         rows.append(torch.autograd.grad(loss, list(own.values()), retain_graph=True))
     for k, (name, p) in enumerate(own.items()):
         close(p.grad1, torch.stack([r[k] for r in rows]), name)
+
+
+def test_batch_dim_beyond_the_inputs_dimensions_says_to_set_it():
+    """``batch_dim=2`` on a ``[batch, features]`` input (a setting kept from an image
+    model): the refusal said only to add a batch dimension for one example; it now names the
+    setting, the shape, and where the examples usually are. Nothing is captured or written."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, batch_dim=2):
+        before = model_state(model)
+        raised(
+            gradhooks.UnbatchedInputError,
+            ["(5, 3)", "add_hooks(model, batch_dim=2)", "time-major", "'auto'"],
+            lambda: model(x),
+        )
+        assert_untouched(model, before)
