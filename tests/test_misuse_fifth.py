@@ -81,6 +81,44 @@ def assert_all_untouched(model: nn.Module, before: dict) -> None:
 # -- mixed precision -----------------------------------------------------------------------------
 
 
+def test_a_step_the_grad_scaler_skips_leaves_the_next_steps_quantities_right():
+    """float16 autocast with a ``GradScaler`` whose first scale, 2²⁴, overflows the float16
+    output-gradients: that step's ``grad1`` and norms hold Inf or NaN, as ``.grad`` does, and
+    the scaler skips it. The next steps, at the scale lowered to 2¹⁶, give ``grad1 / S``, the
+    norms ``/ S`` and the squared sums ``/ S²`` of the float64 loop at the weights they ran
+    with: nothing of the skipped step is carried over."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-8)
+    quantities = ("grad1", "norms", "sum_grad_sq")
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(3):
+            x, y = labelled_batch(step)
+            want = loop(copy.deepcopy(model).double(), x, y)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x.float())
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(out.float(), y)).backward()
+            grad1 = {n: p.grad1 / scale for n, p in model.named_parameters()}
+            if step == 0:
+                assert scale == 2.0**24
+                assert not all(g.isfinite().all() for g in grad1.values())
+                assert not h.norms().isfinite().all()
+            else:
+                assert scale == 2.0**16, scale
+                for name, g in want.items():
+                    near(grad1[name], g, HALF, f"step {step}: grad1 of {name}")
+                    near(h.sum_grad_sq()[name] / scale**2, g.pow(2).sum(0), 2 * HALF, name)
+                near(h.norms() / scale, flat_norms(want), HALF, f"step {step}: norms")
+            weights = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            stepped = any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+            assert stepped == (step > 0), f"step {step} stepped: {stepped}"
+
+
 def test_check_after_a_scaled_backward_names_the_grad_scaler():
     """``h.check(loss_fn, x, y)`` after ``scaler.scale(loss).backward()``: ``grad1`` is the
     scale (65536) times each example's gradient, and the check said only "about 6.55e+04×
@@ -129,6 +167,56 @@ def test_dp_step_with_a_scaler_refuses_float16_parameters():
         norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
     want = loop(copy.deepcopy(model).double(), x.half().double(), y)
     near(norms, flat_norms(want), HALF, "norms")
+
+
+def test_dp_step_with_a_scaler_under_bfloat16_autocast():
+    """A ``GradScaler`` kept from a float16 recipe when the forward moved to bfloat16 (which
+    needs none): the step still clips the unscaled gradients, the norms those of the loop
+    within bfloat16, and writes ``.grad`` scaled by ``S`` for ``scaler.step`` to unscale; the
+    step the scaler takes is the loop's clipped mean."""
+    model = mlp(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    x, y = labelled_batch(1)
+    want = loop(copy.deepcopy(model).double(), x, y)
+    start = {n: p.detach().double() for n, p in model.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu")
+    with gradhooks.add_hooks(model) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x.float())
+        losses = F.cross_entropy(out.float(), y, reduction="none")
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0, scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
+    near(norms, flat_norms(want), 5e-2, "norms")
+    for name, p in model.named_parameters():
+        near(start[name] - p.detach(), clipped_mean(want, 0.5)[name], 5e-2, name)
+
+
+@pytest.mark.parametrize(
+    "params, inputs",
+    [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+     (torch.float32, torch.float16)],
+    ids=["half-model", "bf16-model", "half-input"],
+)  # fmt: skip
+def test_inputs_of_another_dtype_than_the_model_keep_torchs_error(params, inputs):
+    """A model converted (``model.half()``) and fed the loader's float32 batch, or the
+    reverse: torch's own dtype error, as without hooks (not a gradhooks refusal), nothing
+    captured or written, and the next step, its inputs cast, gives the loop's ``grad1``
+    within the parameters' precision."""
+    model = mlp(params)
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model):
+        before = model_state(model)
+        with pytest.raises(RuntimeError, match="dtype") as info:
+            F.cross_entropy(model(x.to(inputs)).float(), y).backward()
+        assert not isinstance(info.value, gradhooks.GradhooksError)
+        assert_untouched(model, before)
+        F.cross_entropy(model(x.to(params)).float(), y).backward()
+    want = loop(copy.deepcopy(model).double(), x.to(params).double(), y)
+    within = {torch.float16: HALF, torch.bfloat16: 5e-2, torch.float32: 1e-5}[params]
+    for name, p in model.named_parameters():
+        assert p.grad1.dtype == params
+        near(p.grad1, want[name], within, name)
 
 
 # -- the loop: parameters shared between hooked models -------------------------------------------
@@ -252,6 +340,138 @@ def test_a_model_hooked_around_a_hooked_one_is_refused_and_says_where_the_hooks_
 # -- the loop: between the forward and the backward ----------------------------------------------
 
 
+def test_zero_grad_between_the_forward_and_the_backward_of_an_accumulating_loop():
+    """A first micro-batch backpropagated, the second's forward, then ``zero_grad`` (a loop
+    that zeroes where it should not): ``.grad`` holds the second batch alone, and so does
+    ``grad1``, not both added."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        out = model(x2)
+        model.zero_grad()
+        F.cross_entropy(out, y2).backward()
+    want = loop(model, x2, y2)
+    assert_grad1(model, want, "after zero_grad")
+    for name, p in model.named_parameters():
+        close(p.grad, want[name].mean(0), name)
+
+
+@pytest.mark.parametrize("then", ["backward", "dp step"])
+def test_clear_between_the_forward_and_the_backward(then):
+    """``h.clear()`` after the forward (a logger's reset put in the wrong place): it drops
+    the quantities of earlier backwards, not the forward's calls; the backward gives the
+    loop's ``grad1`` and norms, the DP step the loop's norms and clipped mean."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        F.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+        out = model(x2)
+        h.clear()
+        want = loop(model, x2, y2)
+        if then == "backward":
+            F.cross_entropy(out, y2).backward()
+            assert_grad1(model, want, "after clear")
+            close(h.norms(), flat_norms(want), "norms")
+        else:
+            losses = F.cross_entropy(out, y2, reduction="none")
+            norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+            close(norms, flat_norms(want), "norms")
+            for name, p in model.named_parameters():
+                close(p.grad, clipped_mean(want, 0.5)[name], name)
+
+
+def test_dp_step_after_an_optimizer_step_on_the_forwards_weights_keeps_torchs_error():
+    """``optimizer.step()`` between the forward and the DP step (the step before, where the
+    loop should have stepped after): the weights the forward used were changed in place, so
+    torch refuses the backward with its own error; nothing is written, and the next forward's
+    step gives the loop's clipped sum at the stepped weights."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        opt.step()
+        before = model_state(model)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+        assert not isinstance(info.value, gradhooks.GradhooksError)
+        assert_untouched(model, before)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+    want = loop(model, x, y)
+    close(norms, flat_norms(want), "norms")
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name], name)
+
+
+def test_an_activation_detached_in_place_cuts_the_layers_before_it():
+    """``a.detach_()`` on the first layer's output (a feature frozen in place): the first
+    layer gets no ``.grad`` and no ``grad1``, without a warning about it, and the head gets
+    the loop's ``grad1`` over the detached features."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model):
+        a = model[0](x)
+        a.detach_()
+        F.cross_entropy(model[2](torch.tanh(a)), y).backward()
+    for p in model[0].parameters():
+        assert p.grad is None and not hasattr(p, "grad1")
+    want = loop_grad(model[2], F.cross_entropy, (torch.tanh(a),), y)
+    for name, p in model[2].named_parameters():
+        close(p.grad1, want[name], name)
+
+
+def test_a_loss_of_one_example_leaves_the_others_rows_zero():
+    """``losses[0].backward()`` (a debugging step on the first example) under
+    ``loss_reduction="sum"``: ``grad1[0]`` is that example's gradient, every other row is
+    zero, and ``grad1.sum(0) == .grad``."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        F.cross_entropy(model(x), y, reduction="none")[0].backward()
+    want = loop(model, x, y)
+    for name, p in model.named_parameters():
+        close(p.grad1[0], want[name][0], name)
+        assert not p.grad1[1:].any(), name
+        close(p.grad1.sum(0), p.grad, name)
+
+
+def test_hooks_removed_then_quantities_read_are_the_last_backwards():
+    """``h.remove()`` at the end of the block, then ``grad1`` and the norms read (the
+    logger after the loop): both are the last backward's, the loop's."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    h = gradhooks.add_hooks(model, quantities=("grad1", "norms"))
+    F.cross_entropy(model(x), y).backward()
+    h.remove()
+    want = loop(model, x, y)
+    assert_grad1(model, want, "after remove")
+    close(h.norms(), flat_norms(want), "norms")
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_backward_run_under_no_grad_is_captured(how):
+    """The backward (or ``torch.autograd.grad``) called inside ``torch.no_grad()`` (a loop
+    that wraps its whole update in it), which torch runs as usual: ``grad1`` and the norms are
+    the loop's, checked on this first backward as on any."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        loss = F.cross_entropy(model(x), y)
+        with torch.no_grad():
+            if how == "backward":
+                loss.backward()
+            else:
+                torch.autograd.grad(loss, list(model.parameters()))
+        want = loop(model, x, y)
+        assert_grad1(model, want, how)
+        close(h.norms(), flat_norms(want), "norms")
+
+
 @pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
 def test_dp_step_called_under_no_grad(method):
     """``dp_sgd_step`` inside ``torch.no_grad()`` (beside ``optimizer.step()``, as an update
@@ -294,6 +514,70 @@ def test_dp_step_of_a_model_with_every_parameter_frozen_is_refused(quantities):
         )
         assert_untouched(model, before)
         assert x.grad is None
+
+
+def test_dp_step_of_losses_weighted_to_drop_padding_examples():
+    """A fixed-size batch whose last two rows are padding, their losses multiplied by a
+    mask of zeros (JAX-style code): those examples' norms are zero and they add nothing; the
+    others are clipped as the loop's, their sum divided by their count, given as
+    ``expected_batch_size=3``."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none") * mask
+        norms = gradhooks.dp_sgd_step(
+            h, losses, max_norm=0.5, noise_multiplier=0.0, expected_batch_size=3
+        )
+    want = {n: g * mask.view(-1, *[1] * (g.dim() - 1)) for n, g in loop(model, x, y).items()}
+    close(norms, flat_norms(want), "norms")
+    assert not norms[3:].any()
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name] * 5 / 3, name)
+
+
+def test_dp_step_of_float16_losses():
+    """The per-example losses cast to float16 (a loss computed in the autocast's dtype) for
+    a float32 model: the cast passes the gradient through unchanged, so the norms and the
+    clipped mean are the loop's within float32."""
+    model = mlp(torch.float32)
+    x, y = labelled_batch(1)
+    want = loop(copy.deepcopy(model).double(), x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(x.float()), y, reduction="none").half()
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+    assert norms.dtype == torch.float32
+    near(norms, flat_norms(want), 1e-5, "norms")
+    for name, p in model.named_parameters():
+        near(p.grad, clipped_mean(want, 0.5)[name], 1e-5, name)
+
+
+def test_batch_norm_hooked_in_eval_mode_then_trained_is_refused():
+    """A model with BatchNorm hooked in eval mode (its per-example gradients exist: the
+    loop's), then ``model.train()`` for the next epoch: batch statistics mix the examples, so
+    the forward is refused naming the layer and both ways out, the running statistics, the
+    training flag and the gradients as they were; back in eval mode, the loop's ``grad1``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    model = model.double()
+    model(torch.randn(8, 3, dtype=torch.float64))  # (running statistics of their own)
+    model.eval()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, loop(model, x, y), "eval")
+        model.train()
+        before = full_state(model)
+        raised(
+            gradhooks.MixedExamplesError,
+            ["'1' (BatchNorm1d)", "train mode", "model.eval()", "GroupNorm"],
+            lambda: F.cross_entropy(model(x), y).backward(),
+        )
+        assert_all_untouched(model, before)
+        model.eval()
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, loop(model, x, y), "eval again")
 
 
 # -- the arguments -------------------------------------------------------------------------------
