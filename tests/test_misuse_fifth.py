@@ -516,6 +516,40 @@ def test_dp_step_of_a_model_with_every_parameter_frozen_is_refused(quantities):
         assert x.grad is None
 
 
+def _regression() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+
+
+@pytest.mark.parametrize(
+    "shape, says",
+    [((5, 1), "per_example_loss must be [batch], got (5, 1)"),
+     ((1,), "per_example_loss has 1 entries, but the hooked forward had a batch of 5")],
+    ids=["batch-by-1", "mean-as-1"],
+)  # fmt: skip
+def test_dp_step_of_regression_losses_not_of_shape_batch(shape, says):
+    """A regression head's ``F.mse_loss(out, y, reduction="none")``, ``[batch, 1]``, or its
+    mean kept as ``[1]``: refused, naming the shape and what to do, nothing written; the
+    losses ``.squeeze(1)`` give the loop's norms."""
+    model = _regression()
+    x, _ = labelled_batch(1)
+    y = torch.linspace(-1, 1, 5, dtype=torch.float64).unsqueeze(1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.mse_loss(model(x), y, reduction="none")
+        losses = losses if len(shape) == 2 else losses.mean().reshape(1)
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            [says, "reduction='none'"],
+            lambda: gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0),
+        )
+        assert_untouched(model, before)
+        losses = F.mse_loss(model(x), y, reduction="none").squeeze(1)
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+    want = loop_grad(model, lambda o, t: F.mse_loss(o, t, reduction="sum"), (x,), y)
+    close(norms, flat_norms(want), "norms")
+
+
 def test_dp_step_of_losses_weighted_to_drop_padding_examples():
     """A fixed-size batch whose last two rows are padding, their losses multiplied by a
     mask of zeros (JAX-style code): those examples' norms are zero and they add nothing; the

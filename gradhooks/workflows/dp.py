@@ -1128,10 +1128,12 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
     """The losses are one per example of the captured batch."""
     bad = [n for n in sizes if n != per_example_loss.shape[0]]
     if bad:
+        one = per_example_loss.shape[0] == 1  # (the batch's loss kept as [1])
         raise ConfigurationError(
             f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
-            "(per-token losses [batch * seq] summed or averaged per example: "
+            + ("(the loss with reduction='none', not its mean or sum kept as [1]) " if one else "")
+            + "(per-token losses [batch * seq] summed or averaged per example: "
             "losses.view(batch, -1).sum(1)); if the examples are not on dimension 0 of the "
             "model's input (a time-major [seq, batch, ...] batch), say where they are: "
             "add_hooks(model, batch_dim=1). No gradient was written."
