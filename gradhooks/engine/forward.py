@@ -647,9 +647,11 @@ class ForwardCapture:
         if first is None:
             raise UnbatchedInputError(
                 f"{type(module).__qualname__}'s tensor inputs have shapes "
-                f"{', '.join(str(tuple(t.shape)) for t in leaves)}: none has a batch dimension "
-                f"{self.state.batch_dim}. gradhooks needs a batch of examples; for one example "
-                "add the batch dimension (x.unsqueeze(0))."
+                f"{', '.join(str(tuple(t.shape)) for t in leaves)}: none has a dimension "
+                f"{self.state.batch_dim}, where add_hooks(model, batch_dim="
+                f"{self.state.batch_dim}) says the examples are. Give batch_dim the dimension "
+                "that holds the examples (0 for [batch, ...], 1 for a time-major [seq, batch, "
+                "...]), or 'auto'; for one example, add the batch dimension (x.unsqueeze(0))."
             )
         frame.batch = first.shape[self.state.batch_dim]
         if self.state.grad1:

@@ -592,6 +592,17 @@ class Hooks:
                 "planned with its parameters before sharding. Remove them and add them to the "
                 "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
             )
+        # planned and checked before this plan's hooks come off: a refusal leaves them on
+        targets = plan_targets(model, self.registry, self.unsupported, self._state.shards)
+        for t in targets:
+            other = _HOOKED_MODULES.get(t.module)
+            if other is not None and other is not self:
+                raise StateError(
+                    f"module '{t.name}' ({type(t.module).__qualname__}), added after add_hooks, "
+                    f"is already hooked by another gradhooks handle ({other!r}); remove those "
+                    "hooks first."
+                )
+        self._refuse_shared(model, targets)
         before = dict(self._state.params)
         for made in self._module_hooks:
             made.dead = True
@@ -602,18 +613,8 @@ class Hooks:
         for t in self._state.targets:
             if _HOOKED_MODULES.get(t.module) is self:
                 del _HOOKED_MODULES[t.module]
-        self._state.targets = plan_targets(
-            model, self.registry, self.unsupported, self._state.shards
-        )
+        self._state.targets = targets
         _note_rule_less(self._state)
-        for t in self._state.targets:
-            other = _HOOKED_MODULES.get(t.module)
-            if other is not None and other is not self:
-                raise StateError(
-                    f"module '{t.name}' ({type(t.module).__qualname__}), added after add_hooks, "
-                    f"is already hooked by another gradhooks handle ({other!r}); remove those "
-                    "hooks first."
-                )
         self._install(model)
         params = self._state.params
         self._state.dropped = {
@@ -1060,8 +1061,38 @@ class Hooks:
             if t.module in _HOOKED_MODULES:
                 raise StateError(
                     f"module '{t.name}' ({type(t.module).__qualname__}) is already hooked by "
-                    f"another gradhooks handle ({_HOOKED_MODULES.get(t.module)!r}), e.g. on a model "
-                    "that contains this one; remove those hooks first."
+                    f"another gradhooks handle ({_HOOKED_MODULES.get(t.module)!r}), on a model "
+                    "that contains this one or on one of its submodules; remove those hooks "
+                    "first (that handle's remove()), or keep using that handle."
+                )
+        self._refuse_shared(model, self._state.targets)
+
+    def _refuse_shared(self, model: nn.Module, targets: list) -> None:
+        """A trainable parameter of ``targets`` that another live handle covers (a layer's
+        weight assigned to a layer of a second hooked model): each handle sees only its own
+        model's calls, so neither could give the parameter's per-example gradient (each
+        dropped it with a warning, or stopped the backward at its check, blaming a use it
+        did not see)."""
+        others = {id(h): h for h in _HOOKED_MODULES.values() if h is not self}
+        theirs = {
+            pid: (name, h) for h in others.values() for pid, (name, _) in h._state.params.items()
+        }
+        if not theirs:
+            return
+        for t in targets:
+            for local, p in t.params.items():
+                if not p.requires_grad or id(p) not in theirs:
+                    continue
+                name = next((n for n, q in self._named_parameters(model) if q is p), local)
+                other_name, other = theirs[id(p)]
+                raise StateError(
+                    f"parameter '{name}' {tuple(p.shape)} of module {t.where} is also "
+                    f"'{other_name}' of a model hooked by another gradhooks handle ({other!r}): "
+                    "each handle sees only its own model's calls, so neither could give its "
+                    "per-example gradient. Hook one module that holds both models, "
+                    "gradhooks.add_hooks(nn.ModuleList([model_a, model_b])) (their backwards "
+                    "then write one grad1), or remove the other handle's hooks first, or freeze "
+                    "the parameter (requires_grad_(False))."
                 )
 
 
@@ -1115,11 +1146,12 @@ def _checked(name: str, value: Any) -> Any:
 
 
 def _quantities(value: Any) -> tuple[str, ...]:
-    """``add_hooks``' ``quantities`` as a tuple: one name, or an iterable of names."""
+    """``add_hooks``' ``quantities`` as a tuple: one name, or an iterable of names, each
+    once (a name given twice, ``("grad1", "grad1")``, is the handle of ``("grad1",)``)."""
     if isinstance(value, str):
         return (value,)
     try:
-        return tuple(value)
+        return tuple(dict.fromkeys(value))
     except TypeError:
         raise ConfigurationTypeError(
             f"quantities takes a name or a tuple of names of {QUANTITIES}, got "

@@ -1251,6 +1251,17 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         )
         return
     ratio = (got * ref).sum().item() / (ref * ref).sum().item()
+    scale = 2.0 ** round(math.log2(ratio)) if ratio > 0 else 0.0
+    if scale >= 16 and close(scale):  # (a GradScaler's scale: a power of two, 65536 at first)
+        report.problems.append(
+            f"grad1 of the first {k} examples is {scale:g}× their own gradient, a power of "
+            "two: the backward of a loss scaled by a torch.amp.GradScaler "
+            "(scaler.scale(loss).backward()) gives grad1 (and the norms) times the scale. "
+            "Divide grad1 by the scale the backward ran with, scaler.get_scale() read before "
+            "scaler.update(), and the norms by it too (docs/mixed-precision.md); for DP-SGD, "
+            "pass the losses unscaled and the scaler to dp_sgd_step(..., scaler=scaler)"
+        )
+        return
     report.problems.append(
         f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× it, "
         f"loss_reduction={state.loss_reduction!r}, batch {batch}): the loss may be scaled "

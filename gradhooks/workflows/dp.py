@@ -320,7 +320,20 @@ def _step_params(hooks: Hooks, method: str, scaler: Any) -> list[torch.nn.Parame
             "dp_sgd_step: the model's parameters are sharded by FSDP2; use "
             "gradhooks.distributed.dp_sgd_step (every rank calls it with its own examples)"
         )
-    return steppable_params(hooks, method, "dp_sgd_step")
+    params = steppable_params(hooks, method, "dp_sgd_step")
+    if scaler is not None and scaler.is_enabled():
+        half = next((p for p in params if p.dtype == torch.float16), None)
+        if half is not None:
+            plan = _plan(hooks)
+            name = dict(zip(map(id, plan.params), plan.names, strict=True))[id(half)]
+            raise ConfigurationError(
+                f"dp_sgd_step: '{name}' {tuple(half.shape)} is stored in float16, and a "
+                "GradScaler unscales no float16 gradient (scaler.step refuses them; the scaled "
+                "float16 gradients overflow first). Keep the parameters in float32 and run the "
+                "forward under torch.autocast(device_type, dtype=torch.float16), or pass no "
+                "scaler. No gradient was written."
+            )
+    return params
 
 
 def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Parameter]:
@@ -329,6 +342,14 @@ def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Par
     process and by that across ranks (``where``: which)."""
     plan = _checked_plan(hooks)
     params, names = list(plan.params), plan.names
+    if not params:
+        model = hooks.model
+        raise ConfigurationError(
+            f"{where}: {type(model).__qualname__} has no trainable parameter (every one has "
+            "requires_grad=False): there is no gradient to clip or noise. Unfreeze the "
+            "parameters to train (model.requires_grad_(True), or those of the layers to "
+            "fine-tune) before the forward."
+        )
     fused = [n for n, p in zip(names, params, strict=True) if _torch.accumulate_hooks(p)]
     if fused:
         raise ConfigurationError(
@@ -687,7 +708,8 @@ def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:
     reduction = hooks.loss_reduction
     hooks.loss_reduction = "sum"
     try:
-        return _step_sums(hooks, *args, **kwargs)
+        with torch.enable_grad():  # (a step called under torch.no_grad(), as backward() may be)
+            return _step_sums(hooks, *args, **kwargs)
     except RuntimeError as e:
         engine_of(hooks).discard_written()
         if "backward through the graph a second time" not in str(e):
@@ -1106,10 +1128,12 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
     """The losses are one per example of the captured batch."""
     bad = [n for n in sizes if n != per_example_loss.shape[0]]
     if bad:
+        one = per_example_loss.shape[0] == 1  # (the batch's loss kept as [1])
         raise ConfigurationError(
             f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
-            "(per-token losses [batch * seq] summed or averaged per example: "
+            + ("(the loss with reduction='none', not its mean or sum kept as [1]) " if one else "")
+            + "(per-token losses [batch * seq] summed or averaged per example: "
             "losses.view(batch, -1).sum(1)); if the examples are not on dimension 0 of the "
             "model's input (a time-major [seq, batch, ...] batch), say where they are: "
             "add_hooks(model, batch_dim=1). No gradient was written."
