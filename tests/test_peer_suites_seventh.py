@@ -40,6 +40,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections import UserDict
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -695,3 +697,54 @@ def test_opacus_load_state_dict_into_a_hooked_model(assign):
         model.zero_grad()
         sq(model(x)).backward()
         assert_grad1(model, want, f"after load_state_dict(assign={assign})")
+
+
+# == curvlinops: test/cases.py (dict-like inputs), test_jacobian.py, test_kfac.py ==============
+
+
+class ModelWithDictInput(nn.Module):
+    """curvlinops' ``ModelWithDictInput``: the model takes a mapping and reads its ``"x"``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 5), nn.ReLU(), nn.Linear(5, 3))
+
+    def forward(self, data):
+        return self.net(data["x"])
+
+
+@pytest.mark.parametrize("kind", [dict, UserDict, MappingProxyType], ids=lambda k: k.__name__)
+def test_curvlinops_model_of_a_dict_like_input(kind):
+    """curvlinops' cases with a dict-like input (``UserDict({"x": ...})``, a mapping that is
+    no ``dict``, and so no pytree node), which its ``JacobianLinearOperator``, GGN, empirical
+    Fisher and K-FAC tests run on: per-example Jacobians against ``vmap(jacrev)``, ``grad1``
+    (the empirical Fisher's rows) against the loop, and K-FAC factors equal to those of the
+    same input in a ``dict``; an input in such a mapping that requires grad is refused, as
+    one in a ``dict`` is."""
+    model = seeded(ModelWithDictInput).double()
+    torch.manual_seed(1)
+    x, y = torch.rand(4, 10, dtype=D), torch.randint(0, 3, (4,))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def out_of_one(p, xi):
+        return torch.func.functional_call(model, p, ({"x": xi[None]},))[0]
+
+    want = torch.func.vmap(torch.func.jacrev(out_of_one), in_dims=(None, 0))(params, x)
+    got = gradhooks.jacobians(model, (kind({"x": x}),))
+    for n in params:
+        assert_close(got[n], want[n], f"Jacobian of {n}")
+    rows = [
+        torch.autograd.grad(F.cross_entropy(model({"x": x[i : i + 1]}), y[i : i + 1]),
+                            list(model.parameters()))
+        for i in range(4)
+    ]  # fmt: skip
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        F.cross_entropy(model(kind({"x": x})), y, reduction="sum").backward()
+    for k, (n, p) in enumerate(model.named_parameters()):
+        assert_close(p.grad1, torch.stack([r[k] for r in rows]), f"grad1 of {n}")
+    plain = gradhooks.kfac(model, ({"x": x},), y, fisher="empirical")
+    factors = gradhooks.kfac(model, (kind({"x": x}),), y, fisher="empirical")
+    for n in plain:
+        assert torch.equal(factors[n].A, plain[n].A) and torch.equal(factors[n].G, plain[n].G), n
+    with pytest.raises(gradhooks.UnsupportedInputError, match="requires grad"):
+        gradhooks.jacobians(model, (kind({"x": x.clone().requires_grad_()}),))
