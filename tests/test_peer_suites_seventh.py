@@ -790,3 +790,34 @@ def test_curvlinops_model_of_a_dict_like_input(kind):
         assert torch.equal(factors[n].A, plain[n].A) and torch.equal(factors[n].G, plain[n].G), n
     with pytest.raises(gradhooks.UnsupportedInputError, match="requires grad"):
         gradhooks.jacobians(model, (kind({"x": x.clone().requires_grad_()}),))
+
+
+class OwnWeightOnDictInput(nn.Module):
+    """A layer with no rule (the fallback) that reads its input from a mapping."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 3, dtype=D))
+
+    def forward(self, data):
+        return torch.tanh(data["x"] @ self.weight)
+
+
+def test_curvlinops_dict_like_input_of_a_layer_without_a_rule():
+    """The same input read by a layer without a rule: in a ``dict`` the fallback splits it per
+    example (``grad1`` against the loop); in a ``UserDict``, which pytree takes for one leaf,
+    it cannot, and refuses with an error that shows the mapping by the shapes it holds and
+    says to pass a ``dict`` (not the tensors' values)."""
+    model = seeded(OwnWeightOnDictInput)
+    torch.manual_seed(1)
+    x = torch.rand(4, 10, dtype=D)
+    rows = [torch.autograd.grad(sq(model({"x": x[i : i + 1]})), model.weight) for i in range(4)]
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model({"x": x})).backward()
+    assert_close(model.weight.grad1, torch.stack([r[0] for r in rows]), "a dict input")
+    with pytest.raises(gradhooks.UnsupportedInputError) as refused:
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            sq(model(UserDict({"x": x}))).backward()
+    said = str(refused.value)
+    assert "UserDict {'x': (4, 10)}" in said and "a dict" in said, said
+    assert "tensor(" not in said, said
