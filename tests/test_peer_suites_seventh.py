@@ -192,6 +192,45 @@ def test_op_database_samples_without_per_example_gradients_are_refused(name):
     assert refused, f"{name}: no such sample"
 
 
+class Tensordot(nn.Module):
+    def __init__(self, weight: Tensor, dims):
+        super().__init__()
+        self.weight, self.dims = nn.Parameter(weight), dims
+
+    def forward(self, x):
+        return torch.tensordot(x, self.weight, dims=self.dims)
+
+
+TENSORDOTS = {  # (input shape, weight shape, dims): the op database's, on a batch of 3
+    "last-two": ((3, 2, 2), (2, 2, 4), 2),
+    "listed": ((3, 2, 4), (2, 5, 4), ([1, 2], [0, 2])),
+    "batch-contracted": ((3, 2, 1), (2, 1, 3), ([0, 1], [2, 0])),
+}
+
+
+@pytest.mark.parametrize("case", list(TENSORDOTS))
+def test_op_database_tensordot_on_its_own_weight(case):
+    """The op database's ``tensordot`` samples (``dims=2``; ``dims`` as two lists, one of them
+    contracting the input's dimension 0 with a weight's dimension as long as the batch), the
+    weight a module's own: where the examples' dimension is kept, ``grad1`` against the
+    loop; where it is contracted, the output sums over the examples, and is refused as
+    mixing them (it was taken as a batch of one, ``grad1`` of one row, the whole gradient)."""
+    x_shape, w_shape, dims = TENSORDOTS[case]
+    model = seeded(lambda: Tensordot(torch.randn(w_shape, dtype=D), dims))
+    torch.manual_seed(1)
+    x = torch.randn(x_shape, dtype=D)
+    if case == "batch-contracted":
+        with pytest.raises(gradhooks.MixedExamplesError, match="tensordot"):
+            with gradhooks.add_hooks(model, loss_reduction="sum"):
+                sq(model(x)).backward()
+        assert not hasattr(model.weight, "grad1")
+        return
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, f"tensordot {case}")
+
+
 class Bag(nn.Module):
     """``F.embedding_bag`` on a table of its own: each row of ``indices`` one example's bag,
     the per-sample weights (if any) given with the batch."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from ..layout import MIXED, UNKNOWN, Layout
-from .common import arg, first_tensor, handles, single_input
+from .common import arg, first_tensor, handles, norm_dim, single_input
 from .pointwise import pointwise
 
 
@@ -70,6 +72,56 @@ def matmul(args, kwargs, out, layout_of):
         where = _mm_side(lay, t.dim(), left, o.dim(), other.dim())
         if where is None or found not in (None, where):
             return MIXED  # the examples contracted, or two examples' rows multiplied
+        found = where
+    return found
+
+
+def _contracted(dims: Any, a: Tensor, b: Tensor) -> tuple[list[int], list[int]] | None:
+    """The dimensions of ``a`` and of ``b`` that ``tensordot``'s ``dims`` contracts (an int
+    ``n``: the last ``n`` of ``a`` and the first ``n`` of ``b``; a pair of ints, of lists or
+    of tensors), normalized; ``None`` where they cannot be read."""
+    if isinstance(dims, Tensor):
+        dims = dims.tolist()
+    if isinstance(dims, int):
+        return list(range(a.dim() - dims, a.dim())), list(range(dims))
+    if not isinstance(dims, list | tuple) or len(dims) != 2:
+        return None
+    pair = []
+    for d, t in zip(dims, (a, b)):
+        if isinstance(d, Tensor):
+            d = d.tolist()
+        d = [d] if isinstance(d, int) else d
+        if not isinstance(d, list | tuple) or not all(isinstance(k, int) for k in d):
+            return None
+        pair.append([norm_dim(k, t.dim()) for k in d])
+    return pair[0], pair[1]
+
+
+@handles("tensordot")
+def _tensordot(args, kwargs, out, layout_of):
+    """``tensordot(a, b, dims)``: the output's dimensions are ``a``'s that are not contracted,
+    then ``b``'s; the examples contracted are summed over (mixed)."""
+    a, b = arg(args, kwargs, 0, "a"), arg(args, kwargs, 1, "b")
+    o = first_tensor(out)
+    if o is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return UNKNOWN
+    contracted = _contracted(arg(args, kwargs, 2, "dims", 2), a, b)
+    if contracted is None:
+        return UNKNOWN
+    kept_a = [d for d in range(a.dim()) if d not in contracted[0]]
+    kept_b = [d for d in range(b.dim()) if d not in contracted[1]]
+    found = None
+    for t, kept, offset in ((a, kept_a, 0), (b, kept_b, len(kept_a))):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        if lay.dim not in kept:
+            return MIXED  # summed over the examples
+        where = lay.at(offset + kept.index(lay.dim))
+        if found not in (None, where):
+            return MIXED
         found = where
     return found
 
