@@ -231,6 +231,62 @@ def test_op_database_tensordot_on_its_own_weight(case):
     assert_grad1(model, want, f"tensordot {case}")
 
 
+class OnOwnWeight(nn.Module):
+    """``how(x, weight)``: an op of the database on the input and a weight of the module's."""
+
+    def __init__(self, weight: Tensor, how):
+        super().__init__()
+        self.weight, self.how = nn.Parameter(weight), how
+
+    def forward(self, x):
+        return self.how(x, self.weight)
+
+
+# (weight shape, the op on [3, 4] inputs): each mixes the 3 examples of its input
+MIXING = {
+    "cov": ((4,), lambda x, w: torch.cov((x * w).T)),
+    "corrcoef": ((4,), lambda x, w: torch.corrcoef((x * w).T)),
+    "pdist": ((4,), lambda x, w: F.pdist(x * w)[None]),
+    "matrix_norm": ((3, 4), lambda x, w: torch.linalg.matrix_norm(x * w)[None, None]),
+    "addbmm": ((3, 4, 5), lambda x, w: torch.addbmm(torch.zeros(1, 5, dtype=D), x[:, None], w)),
+}
+# (weight shape, the op, input shape): the same ops where each example keeps its own rows
+KEEPING = {
+    "matrix_norm": ((4, 2), lambda x, w: torch.linalg.matrix_norm(x @ w), (3, 5, 4)),
+    "addbmm": ((4, 5), lambda x, w: torch.addbmm(x.new_zeros(x.shape[0], 5), x.transpose(0, 1),
+                                                 w.expand(2, 4, 5)), (3, 2, 4)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+def test_op_database_ops_that_mix_the_examples_are_refused(name):
+    """Ops of the database that had no rule for following the batch and mix the examples:
+    ``cov`` / ``corrcoef`` of variables over the batch's observations, ``pdist`` between the
+    examples' rows, ``linalg.matrix_norm`` over its default last two dimensions, ``addbmm``
+    summing its batch of products, each on a module's own weight. Refused as mixing; before,
+    they went to the fallback unseen, which took the output's rows for the batch: a ``grad1``
+    of one row (``matrix_norm``, ``addbmm``) or per-example numbers of a loss that has none
+    (``cov``, ``corrcoef``, ``pdist``), with no error. Where the examples keep their rows
+    (``matrix_norm`` of each example's matrix, ``addbmm`` over another dimension), ``grad1``
+    against the loop."""
+    shape, how = MIXING[name]
+    model = seeded(lambda: OnOwnWeight(torch.randn(shape, dtype=D), how))
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(gradhooks.MixedExamplesError):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            sq(model(x)).backward()
+    assert not hasattr(model.weight, "grad1")
+    if name in KEEPING:
+        shape, how, x_shape = KEEPING[name]
+        model = seeded(lambda: OnOwnWeight(torch.randn(shape, dtype=D), how))
+        x = torch.randn(x_shape, dtype=D)
+        want = loop_grad(model, sq, x)
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            sq(model(x)).backward()
+        assert_grad1(model, want, f"{name} keeping the examples")
+
+
 class Bag(nn.Module):
     """``F.embedding_bag`` on a table of its own: each row of ``indices`` one example's bag,
     the per-sample weights (if any) given with the batch."""

@@ -7,7 +7,7 @@ from typing import Any
 from torch import Tensor
 
 from ..layout import MIXED, UNKNOWN, Layout
-from .common import arg, first_tensor, handles, norm_dim, single_input
+from .common import arg, first_tensor, handles, norm_dim, normalized_dims, single_input
 from .pointwise import pointwise
 
 
@@ -151,7 +151,7 @@ def _cdist(args, kwargs, out, layout_of):
     return found
 
 
-@handles("baddbmm", "addmm", "addmv", "addbmm", "addr")
+@handles("baddbmm", "addmm", "addmv", "addr")
 def _addmm(args, kwargs, out, layout_of):
     """``input + m1 @ m2``: the product's layout, which the added input must share."""
     o = first_tensor(out)
@@ -169,6 +169,64 @@ def _addmm(args, kwargs, out, layout_of):
             return UNKNOWN
         return added
     return prod
+
+
+@handles("addbmm")
+def _addbmm(args, kwargs, out, layout_of):
+    """``input + Σ_k batch1[k] @ batch2[k]``: the product's rows are ``batch1``'s dimension 1,
+    its columns ``batch2``'s dimension 2; the examples on dimension 0 of either, or on the
+    contracted one, are summed over (mixed). The added input must share the layout."""
+    o = first_tensor(out)
+    b1, b2 = arg(args, kwargs, 1, "batch1"), arg(args, kwargs, 2, "batch2")
+    if o is None or not (isinstance(b1, Tensor) and isinstance(b2, Tensor)) or o.dim() != 2:
+        return UNKNOWN
+    found = None
+    for t, kept in ((b1, 1), (b2, 2)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        if lay is UNKNOWN:
+            return UNKNOWN
+        if lay.dim != kept:
+            return MIXED  # summed over the examples
+        where = lay.at(kept - 1)
+        if found not in (None, where):
+            return MIXED
+        found = where
+    base = arg(args, kwargs, 0, "input")
+    if isinstance(base, Tensor) and layout_of(base) is not None:
+        added = pointwise((base,), {}, o, layout_of)
+        if found is not None and added != found:
+            return UNKNOWN
+        return added
+    return found
+
+
+@handles("cov", "corrcoef", "pdist")
+def _pairs(args, kwargs, out, layout_of):
+    """Statistics of pairs of rows or of variables (``cov``, ``corrcoef``: of the variables in
+    the rows over the observations in the columns; ``pdist``: distances between rows): every
+    entry holds two rows' or the whole of a column's values, so that examples on either
+    dimension are mixed."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    return MIXED
+
+
+@handles("linalg_matrix_norm")
+def _matrix_norm(args, kwargs, out, layout_of):
+    """``linalg.matrix_norm(A, ord, dim=(-2, -1), keepdim)``: a reduction over the two ``dim``
+    (the last two by default), the leading dimensions kept."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    dims = normalized_dims(arg(args, kwargs, 2, "dim", (-2, -1)), t.dim())
+    if dims is None or lay.dim in dims:
+        return MIXED  # a norm over the examples
+    if arg(args, kwargs, 3, "keepdim", False):
+        return lay
+    return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
 
 
 @handles("einsum")
