@@ -249,10 +249,18 @@ MIXING = {
     "pdist": ((4,), lambda x, w: F.pdist(x * w)[None]),
     "matrix_norm": ((3, 4), lambda x, w: torch.linalg.matrix_norm(x * w)[None, None]),
     "addbmm": ((3, 4, 5), lambda x, w: torch.addbmm(torch.zeros(1, 5, dtype=D), x[:, None], w)),
+    "inverse": ((3,), lambda x, w: torch.inverse(x[:, :3] * w + 3 * torch.eye(3, dtype=D))),
+    "linalg.inv": ((3,), lambda x, w: torch.linalg.inv(x[:, :3] * w + 3 * torch.eye(3, dtype=D))),
+    "matrix_exp": ((3,), lambda x, w: torch.matrix_exp(x[:, :3] * w)),
+    "pinverse": ((4,), lambda x, w: torch.pinverse(x * w)),
+    "renorm": ((4,), lambda x, w: torch.renorm(x * w, 2, 1, 0.5)),
 }
 # (weight shape, the op, input shape): the same ops where each example keeps its own rows
 KEEPING = {
     "matrix_norm": ((4, 2), lambda x, w: torch.linalg.matrix_norm(x @ w), (3, 5, 4)),
+    "inverse": ((4, 4), lambda x, w: torch.inverse(x * w + 4 * torch.eye(4, dtype=D)), (3, 4, 4)),
+    "pinverse": ((5, 4), lambda x, w: torch.pinverse(x * w), (3, 5, 4)),
+    "renorm": ((4,), lambda x, w: torch.renorm(x * w, 2, 0, 0.5), (3, 4)),
     "addbmm": ((4, 5), lambda x, w: torch.addbmm(x.new_zeros(x.shape[0], 5), x.transpose(0, 1),
                                                  w.expand(2, 4, 5)), (3, 2, 4)),
 }  # fmt: skip
@@ -263,12 +271,14 @@ def test_op_database_ops_that_mix_the_examples_are_refused(name):
     """Ops of the database that had no rule for following the batch and mix the examples:
     ``cov`` / ``corrcoef`` of variables over the batch's observations, ``pdist`` between the
     examples' rows, ``linalg.matrix_norm`` over its default last two dimensions, ``addbmm``
-    summing its batch of products, each on a module's own weight. Refused as mixing; before,
-    they went to the fallback unseen, which took the output's rows for the batch: a ``grad1``
-    of one row (``matrix_norm``, ``addbmm``) or per-example numbers of a loss that has none
-    (``cov``, ``corrcoef``, ``pdist``), with no error. Where the examples keep their rows
-    (``matrix_norm`` of each example's matrix, ``addbmm`` over another dimension), ``grad1``
-    against the loop."""
+    summing its batch of products, the functions of a whole matrix (``inverse``,
+    ``linalg.inv``, ``matrix_exp``, ``pinverse``) of a ``[batch, n]`` input, ``renorm`` of
+    slices across the batch, each on a module's own weight. Refused as mixing; before, they
+    went to the fallback unseen: a ``grad1`` of one row, the whole gradient (``matrix_norm``,
+    ``addbmm``), or per-example numbers of a loss that has none (the others), with no error.
+    Where the examples keep their rows (``matrix_norm``, ``inverse`` and ``pinverse`` of each
+    example's matrix, ``addbmm`` over another dimension, ``renorm`` of each example's slice),
+    ``grad1`` against the loop."""
     shape, how = MIXING[name]
     model = seeded(lambda: OnOwnWeight(torch.randn(shape, dtype=D), how))
     torch.manual_seed(1)

@@ -11,14 +11,30 @@ from .common import arg, first_tensor, handles, norm_dim, normalized_dims, singl
 from .pointwise import pointwise
 
 
-@handles("tril", "triu", "tril_", "triu_", "diag_embed", "matrix_exp", "inverse",
-          "cholesky", "det", "logdet", "slogdet", "trace")  # fmt: skip
+@handles("tril", "triu", "tril_", "triu_", "diag_embed")
 def _matrices(args, kwargs, out, layout_of):
     """Operations on the last two dimensions: a layout among the leading ones stays."""
     t, lay = single_input(args, kwargs, layout_of)
     o = first_tensor(out)
     if t is None or lay is UNKNOWN or o is None or lay.dim >= t.dim() - 2:
         return UNKNOWN
+    return lay.at(lay.dim + o.dim() - t.dim())
+
+
+@handles("matrix_exp", "inverse", "cholesky", "det", "logdet", "slogdet", "trace", "pinverse",
+         "linalg_inv", "linalg_inv_ex", "linalg_det", "linalg_slogdet", "linalg_cholesky",
+         "linalg_cholesky_ex", "linalg_matrix_exp", "linalg_pinv", "linalg_cond",
+         "linalg_matrix_power", "linalg_matrix_rank", "linalg_eigvalsh", "linalg_svdvals")  # fmt: skip
+def _whole_matrices(args, kwargs, out, layout_of):
+    """Functions of whole matrices in the last two dimensions (each entry of an inverse, a
+    determinant, a trace depends on the whole matrix): a layout among the leading dimensions
+    stays; the examples in the matrix's rows or columns are mixed."""
+    t, lay = single_input(args, kwargs, layout_of)
+    o = first_tensor(out)
+    if t is None or lay is UNKNOWN or o is None:
+        return UNKNOWN
+    if lay.dim >= t.dim() - 2:
+        return MIXED
     return lay.at(lay.dim + o.dim() - t.dim())
 
 
@@ -227,6 +243,26 @@ def _matrix_norm(args, kwargs, out, layout_of):
     if arg(args, kwargs, 3, "keepdim", False):
         return lay
     return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
+
+
+@handles("dist")
+def _dist(args, kwargs, out, layout_of):
+    """``dist(a, b, p)``: the norm of ``a - b`` over every entry, the examples' together."""
+    lays = [layout_of(t) for t in args[:2] if isinstance(t, Tensor)]
+    if any(lay is UNKNOWN for lay in lays):
+        return UNKNOWN
+    return MIXED if any(lay is not None for lay in lays) else None
+
+
+@handles("renorm", "renorm_")
+def _renorm(args, kwargs, out, layout_of):
+    """``renorm(x, p, dim, maxnorm)``: each slice ``x.select(dim, i)`` rescaled by its own norm;
+    along the examples' dimension each example is one slice, else a slice holds them all."""
+    t, lay = single_input(args, kwargs, layout_of)
+    dim = arg(args, kwargs, 2, "dim")
+    if t is None or lay is UNKNOWN or not isinstance(dim, int):
+        return UNKNOWN
+    return lay if norm_dim(dim, t.dim()) == lay.dim else MIXED
 
 
 @handles("einsum")
