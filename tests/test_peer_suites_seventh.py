@@ -254,6 +254,8 @@ MIXING = {
     "matrix_exp": ((3,), lambda x, w: torch.matrix_exp(x[:, :3] * w)),
     "pinverse": ((4,), lambda x, w: torch.pinverse(x * w)),
     "renorm": ((4,), lambda x, w: torch.renorm(x * w, 2, 1, 0.5)),
+    "fft.hfftn": ((4,), lambda x, w: torch.fft.hfftn(x * w)),
+    "fft.ihfftn": ((4,), lambda x, w: torch.fft.ihfftn(x * w).real),
 }
 # (weight shape, the op, input shape): the same ops where each example keeps its own rows
 KEEPING = {
@@ -261,6 +263,8 @@ KEEPING = {
     "inverse": ((4, 4), lambda x, w: torch.inverse(x * w + 4 * torch.eye(4, dtype=D)), (3, 4, 4)),
     "pinverse": ((5, 4), lambda x, w: torch.pinverse(x * w), (3, 5, 4)),
     "renorm": ((4,), lambda x, w: torch.renorm(x * w, 2, 0, 0.5), (3, 4)),
+    "fft.hfftn": ((4, 5), lambda x, w: torch.fft.hfftn(x * w, dim=(1, 2)), (3, 4, 5)),
+    "fft.ihfftn": ((4, 5), lambda x, w: torch.fft.ihfftn(x * w, dim=(1, 2)).real, (3, 4, 5)),
     "addbmm": ((4, 5), lambda x, w: torch.addbmm(x.new_zeros(x.shape[0], 5), x.transpose(0, 1),
                                                  w.expand(2, 4, 5)), (3, 2, 4)),
 }  # fmt: skip
@@ -273,12 +277,13 @@ def test_op_database_ops_that_mix_the_examples_are_refused(name):
     examples' rows, ``linalg.matrix_norm`` over its default last two dimensions, ``addbmm``
     summing its batch of products, the functions of a whole matrix (``inverse``,
     ``linalg.inv``, ``matrix_exp``, ``pinverse``) of a ``[batch, n]`` input, ``renorm`` of
-    slices across the batch, each on a module's own weight. Refused as mixing; before, they
+    slices across the batch, ``fft.hfftn`` / ``ihfftn`` over every dimension, each on a
+    module's own weight. Refused as mixing; before, they
     went to the fallback unseen: a ``grad1`` of one row, the whole gradient (``matrix_norm``,
     ``addbmm``), or per-example numbers of a loss that has none (the others), with no error.
     Where the examples keep their rows (``matrix_norm``, ``inverse`` and ``pinverse`` of each
-    example's matrix, ``addbmm`` over another dimension, ``renorm`` of each example's slice),
-    ``grad1`` against the loop."""
+    example's matrix, ``addbmm`` over another dimension, ``renorm`` of each example's slice,
+    the Fourier transforms over the other dimensions), ``grad1`` against the loop."""
     shape, how = MIXING[name]
     model = seeded(lambda: OnOwnWeight(torch.randn(shape, dtype=D), how))
     torch.manual_seed(1)
