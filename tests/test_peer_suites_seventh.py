@@ -12,7 +12,10 @@ per-example loops). The first six sets are :mod:`test_peer_suites`,
   ``batch_norm`` in training) refused; ``F.embedding_bag`` on a table of its own (bags as rows
   of indices, ``per_sample_weights`` given with the batch, ``padding_idx``; bags cut by
   ``offsets``, which the fallback cannot split, refused) and ``F.bilinear`` on two batched
-  inputs;
+  inputs; ``tensordot`` and the ops that mix the examples where the batch is contracted,
+  paired or inside a matrix (``cov``, ``corrcoef``, ``pdist``, ``linalg.matrix_norm``,
+  ``addbmm``, ``inverse``, ``matrix_exp``, ``pinverse``, ``renorm``, ``fft.hfftn``) refused,
+  and the same ops keeping the examples against the loop;
 - PEFT (``huggingface/peft``: ``tests/test_custom_models.py``): its adapters on its small
   custom models (LoRA on an Embedding, a Conv1d, a grouped Conv2d with and without DoRA, with
   ``lora_bias``; LoRA on ``nn.MultiheadAttention``, batch-first and time-major; LoRA on a raw
