@@ -53,6 +53,13 @@ CHANGED = {
     # (the examples rolled along the batch, each row still one example's, rolled back in
     # order: tests/test_tracking_reorders.py)
     "roll": "needs_batch:roll",
+    # (a batch in a matrix's rows or columns mixed by a function of the whole matrix; addbmm
+    # sums its batch of products: tests/test_peer_suites_seventh.py, the op database's ops
+    # that mix the examples)
+    **dict.fromkeys(
+        ("inverse", "cholesky", "det", "logdet", "slogdet", "matrix_exp", "trace"), "whole_matrices"
+    ),
+    "addbmm": "addbmm",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and
@@ -66,9 +73,19 @@ SPECIAL = {
         "polygamma multigammaln gammainc gammaincc softmax log_softmax logsumexp"
     ).split()
 }
+# ops of torch's op database that mix a batch the fallback took for a smaller one, or for
+# examples of their own (tests/test_peer_suites_seventh.py: tensordot, the ops that mix the
+# examples): products, statistics of pairs, whole-matrix functions, transforms
+MIXING_ADDED = {
+    "tensordot", "cov", "corrcoef", "pdist", "dist", "renorm", "renorm_", "linalg_matrix_norm",
+    "pinverse", "linalg_inv", "linalg_inv_ex", "linalg_det", "linalg_slogdet", "linalg_cholesky",
+    "linalg_cholesky_ex", "linalg_matrix_exp", "linalg_pinv", "linalg_cond",
+    "linalg_matrix_power", "linalg_matrix_rank", "linalg_eigvalsh", "linalg_svdvals",
+    "fft_hfft2", "fft_ihfft2", "fft_hfftn", "fft_ihfftn",
+}  # fmt: skip
 ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell", "lstm_cell",
          "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance",
-         "polygamma", "polygamma_", *SPECIAL}  # fmt: skip
+         "polygamma", "polygamma_", *SPECIAL, *MIXING_ADDED}  # fmt: skip
 # names that follow rows picked by an index since (attention along the rows of one example
 # alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2; the
 # operations in which each row of the batch runs alone, convolutions, pooling, attention,

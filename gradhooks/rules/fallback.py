@@ -453,12 +453,26 @@ def _autograd_one(
 
 def _describe(call: Call) -> str:
     def shapes(tree) -> str:
-        leaves = tree_flatten(tree)[0]
-        return ", ".join(str(tuple(t.shape)) if isinstance(t, Tensor) else repr(t) for t in leaves)
+        return ", ".join(_shown(t) for t in tree_flatten(tree)[0])
 
     grads = [None if g is None else tuple(g.shape) for g in call.grad_outputs]
     kwargs = f"; keyword inputs {shapes(call.kwargs)}" if call.kwargs else ""
     return f"inputs {shapes(call.inputs)}{kwargs}; output gradients {grads}"
+
+
+def _shown(leaf: Any) -> str:
+    """One leaf of a call's inputs in an error: a tensor by its shape; a mapping that pytree
+    takes for one leaf (a ``UserDict``), which the recomputation hands every example whole,
+    by the shapes it holds, and said so."""
+    if isinstance(leaf, Tensor):
+        return str(tuple(leaf.shape))
+    if isinstance(leaf, Mapping):
+        held = ", ".join(f"{k!r}: {_shown(v)}" for k, v in leaf.items())
+        return (
+            f"a {type(leaf).__qualname__} {{{held}}}, which pytree takes for one leaf and the "
+            "recomputation does not split per example (a dict would be split)"
+        )
+    return repr(leaf)
 
 
 def _trainable(module: nn.Module) -> str:

@@ -188,8 +188,7 @@ def _refuse_differentiable_inputs(args: tuple, kwargs: dict[str, Any]) -> None:
     grad, with grad mode on, asks for that: refuse it."""
     if not torch.is_grad_enabled():
         return
-    leaves = tree_flatten((args, kwargs))[0]
-    wanting = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+    wanting = [t for t in input_tensors((args, kwargs)) if t.requires_grad]
     if wanting:
         raise UnsupportedInputError(
             f"jacobians(): an input of shape {tuple(wanting[0].shape)} requires grad, but the "
@@ -244,13 +243,27 @@ def model_inputs(
             f"{type(kwargs).__name__}"
         )
     kwargs = dict(kwargs or {})
-    if not any(isinstance(t, Tensor) for t in tree_flatten((args, kwargs))[0]):
+    if not input_tensors((args, kwargs)):
         raise ConfigurationError(
             f"{who}(): no tensor among the model's inputs ({len(args)} positional, keywords "
             f"{sorted(kwargs)}): the batch is dimension 0 of the first tensor input; give "
             "inputs=x or inputs=(x, ...), and the keyword inputs as kwargs={...}"
         )
     return args, kwargs
+
+
+def input_tensors(tree: Any) -> list[Tensor]:
+    """The tensors among a call's inputs, in pytree's order, also those inside a mapping that
+    is no pytree node (a ``UserDict``, a ``MappingProxyType``), which pytree takes for a leaf:
+    a model may read its input from one (curvlinops' test models do), and the hooked layers
+    inside find the batch in what it reads."""
+    found: list[Tensor] = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, Tensor):
+            found.append(leaf)
+        elif isinstance(leaf, Mapping):
+            found.extend(input_tensors(dict(leaf)))
+    return found
 
 
 @dataclass
@@ -276,7 +289,7 @@ def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> Hoo
     with _frame_tracker(h, model) as seen, output_edges(m for _, m in h.modules()) as reached:
         out = model(*args, **kwargs)
     tracker = seen.get("tracker")
-    first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+    first = input_tensors((args, kwargs))[0]
     batch = tracker.batch if tracker is not None else (first.shape[0] if first.dim() else 1)
     direct = engine_of(h).directly_used()
     sources = tracker is not None and bool(tracker.edges)

@@ -38,7 +38,7 @@ def _fft_along(default: tuple[int, ...] | None) -> Handler:
     return handler
 
 
-for _n in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2"):
+for _n in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2", "fft_hfft2", "fft_ihfft2"):
     HANDLERS[_n] = _fft_along((-2, -1))
-for _n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn"):
+for _n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "fft_hfftn", "fft_ihfftn"):
     HANDLERS[_n] = _fft_along(None)
