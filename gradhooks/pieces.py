@@ -1041,7 +1041,8 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     if gram_is_cheaper(p, q):
         assert isinstance(p, Outer) and isinstance(q, Outer)
         if not p.has_input:  # bias: Σ_shared g, then a dot product
-            return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
+            both = p.g.sum(-2) * q.g.sum(-2)
+            return both.sum(tuple(range(1, both.dim())))
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
         aa = p.input_gram(q)
         gg = batched_nt(p.g, q.g)
@@ -1063,10 +1064,11 @@ def gram_sq_norm(p: Piece, param_shape: torch.Size) -> tuple[Tensor, Tensor | No
     if not (gram_is_cheaper(p, p) and p.has_input):
         return inner(p, p, param_shape), None
     assert isinstance(p, Outer)
-    aa, gg = p.input_gram(p), batched_nt(p.g, p.g)
-    sq = (aa * gg).sum(tuple(range(1, aa.dim())))
-    diagonal = aa.diagonal(dim1=-2, dim2=-1) * gg.diagonal(dim1=-2, dim2=-1)
-    return sq, diagonal.clamp_min(0).sqrt().flatten(1).sum(1)
+    # (the diagonal of the product of the Grams is the product of their diagonals)
+    both = p.input_gram(p) * batched_nt(p.g, p.g)  # [batch, *groups, shared, shared]
+    sq = both.sum(tuple(range(1, both.dim())))
+    diagonal = both.diagonal(dim1=-2, dim2=-1)  # [batch, *groups, shared]
+    return sq, diagonal.clamp_min(0).sqrt().sum(tuple(range(1, diagonal.dim())))
 
 
 def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:
