@@ -593,8 +593,8 @@ class Outer(Piece):
                 if scale != 1.0:
                     result.mul_(scale)
         else:
-            g_t = g.reshape(-1, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
-            a = a.reshape(-1, shared, n_in)
+            g_t = _stacked(g, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
+            a = _stacked(a, shared, n_in)
             result.baddbmm_(g_t, a, beta=1.0 if accumulate else 0.0, alpha=scale)
 
 
@@ -617,7 +617,19 @@ class Direct(Piece):
         return math.prod(self.value.shape[1:])
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
-        return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
+        return _shaped(_scaled(self.value, scale), (self.batch_size, *param_shape))
+
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        """Written: the value times the scale straight into ``out`` (one operation, no
+        temporary)."""
+        v = self.value
+        if accumulate or not _same(out, v):
+            return super().grad1_into(out, scale, accumulate)
+        v = _shaped(v, out.shape)
+        if scale == 1.0:
+            out.copy_(v)
+        else:
+            torch.mul(v, as_scale(scale, v), out=out)
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         return _weighted(self.value, weights).sum(0).reshape(param_shape)
@@ -913,6 +925,20 @@ def as_scale(scale: float, t: Tensor) -> Tensor | float:
         if len(_SCALES) < 256:
             _SCALES[scale] = found
     return found
+
+
+def _shaped(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t.reshape(shape)``, or ``t`` itself where it has that shape (no view of the same
+    shape: each view is an operation through torch's dispatcher)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
+def _stacked(t: Tensor, shared: int, features: int) -> Tensor:
+    """``t`` ``[batch, *groups, shared, features]`` as ``[batch · groups, shared, features]``
+    (itself where it has no groups)."""
+    if t.dim() == 3 and t.shape[1] == shared and t.shape[2] == features:
+        return t
+    return t.reshape(-1, shared, features)
 
 
 def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
