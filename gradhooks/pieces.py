@@ -329,7 +329,7 @@ class Outer(Piece):
             g = _weighted(g, weights)
         if g.dim() == 3:  # no groups: one matmul over (batch, shared)
             flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-            return flat.reshape(param_shape)
+            return _shaped(flat, param_shape)
         return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
@@ -632,7 +632,14 @@ class Direct(Piece):
             torch.mul(v, as_scale(scale, v), out=out)
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
-        return _weighted(self.value, weights).sum(0).reshape(param_shape)
+        """Weighted by example: one product of the weights and the rows (no weighted copy of
+        the rows)."""
+        v = self.value
+        if weights is None or v.dim() < 2 or type(v) is not Tensor:
+            return _weighted(v, weights).sum(0).reshape(param_shape)
+        w = weights if weights.dtype is v.dtype else weights.to(v.dtype)
+        rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)  # [batch, entries]
+        return _shaped(w @ rows, param_shape)
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
         """Weighted by example: one ``addmv_`` of the rows into ``out``."""
