@@ -321,6 +321,12 @@ class Outer(Piece):
         """One product over the batch and the shared positions (the weights scale the smaller
         of ``a`` and ``g``): the cost of the batch gradient autograd computes."""
         g, a = self.g, self.a
+        if a is None and weights is not None and g.dim() == 3 and type(g) is Tensor:
+            # a bias weighted by example: its per-example sums, then one product with the
+            # weights (as add_batch_sum)
+            rows = g[:, 0] if g.shape[1] == 1 else g.sum(1)  # [batch, out]
+            w = weights if weights.dtype is g.dtype else weights.to(g.dtype)
+            return _shaped(w @ rows, param_shape)
         if a is None:
             return _weighted(g, weights).sum((0, -2)).reshape(param_shape)
         if a.numel() < g.numel():
