@@ -706,8 +706,9 @@ class Rows(Piece):
         return self.num_rows * self.g.shape[-1]
 
     def keys(self) -> Tensor:
-        """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)``."""
-        return self.example * self.num_rows + self.index
+        """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)`` (one
+        ``add`` with ``alpha``: exact, in integers)."""
+        return torch.add(self.index, self.example, alpha=self.num_rows)
 
     @property
     def kept_elements(self) -> float:
