@@ -321,6 +321,12 @@ class Outer(Piece):
         """One product over the batch and the shared positions (the weights scale the smaller
         of ``a`` and ``g``): the cost of the batch gradient autograd computes."""
         g, a = self.g, self.a
+        if a is None and weights is not None and g.dim() == 3 and type(g) is Tensor:
+            # a bias weighted by example: its per-example sums, then one product with the
+            # weights (as add_batch_sum)
+            rows = g[:, 0] if g.shape[1] == 1 else g.sum(1)  # [batch, out]
+            w = weights if weights.dtype is g.dtype else weights.to(g.dtype)
+            return _shaped(w @ rows, param_shape)
         if a is None:
             return _weighted(g, weights).sum((0, -2)).reshape(param_shape)
         if a.numel() < g.numel():
@@ -329,7 +335,7 @@ class Outer(Piece):
             g = _weighted(g, weights)
         if g.dim() == 3:  # no groups: one matmul over (batch, shared)
             flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-            return flat.reshape(param_shape)
+            return _shaped(flat, param_shape)
         return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
@@ -593,8 +599,8 @@ class Outer(Piece):
                 if scale != 1.0:
                     result.mul_(scale)
         else:
-            g_t = g.reshape(-1, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
-            a = a.reshape(-1, shared, n_in)
+            g_t = _stacked(g, shared, n_out).transpose(1, 2)  # [batch * groups, out, shared]
+            a = _stacked(a, shared, n_in)
             result.baddbmm_(g_t, a, beta=1.0 if accumulate else 0.0, alpha=scale)
 
 
@@ -617,10 +623,29 @@ class Direct(Piece):
         return math.prod(self.value.shape[1:])
 
     def grad1(self, param_shape: torch.Size, scale: float = 1.0) -> Tensor:
-        return _scaled(self.value, scale).reshape(self.batch_size, *param_shape)
+        return _shaped(_scaled(self.value, scale), (self.batch_size, *param_shape))
+
+    def grad1_into(self, out: Tensor, scale: float = 1.0, accumulate: bool = False) -> None:
+        """Written: the value times the scale straight into ``out`` (one operation, no
+        temporary)."""
+        v = self.value
+        if accumulate or not _same(out, v):
+            return super().grad1_into(out, scale, accumulate)
+        v = _shaped(v, out.shape)
+        if scale == 1.0:
+            out.copy_(v)
+        else:
+            torch.mul(v, as_scale(scale, v), out=out)
 
     def batch_sum(self, param_shape: torch.Size, weights: Tensor | None = None) -> Tensor:
-        return _weighted(self.value, weights).sum(0).reshape(param_shape)
+        """Weighted by example: one product of the weights and the rows (no weighted copy of
+        the rows)."""
+        v = self.value
+        if weights is None or v.dim() < 2 or type(v) is not Tensor:
+            return _weighted(v, weights).sum(0).reshape(param_shape)
+        w = weights if weights.dtype is v.dtype else weights.to(v.dtype)
+        rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)  # [batch, entries]
+        return _shaped(w @ rows, param_shape)
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
         """Weighted by example: one ``addmv_`` of the rows into ``out``."""
@@ -681,8 +706,9 @@ class Rows(Piece):
         return self.num_rows * self.g.shape[-1]
 
     def keys(self) -> Tensor:
-        """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)``."""
-        return self.example * self.num_rows + self.index
+        """``example * num_rows + index``: the entry's row in ``grad1.view(-1, dim)`` (one
+        ``add`` with ``alpha``: exact, in integers)."""
+        return torch.add(self.index, self.example, alpha=self.num_rows)
 
     @property
     def kept_elements(self) -> float:
@@ -915,6 +941,20 @@ def as_scale(scale: float, t: Tensor) -> Tensor | float:
     return found
 
 
+def _shaped(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t.reshape(shape)``, or ``t`` itself where it has that shape (no view of the same
+    shape: each view is an operation through torch's dispatcher)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
+def _stacked(t: Tensor, shared: int, features: int) -> Tensor:
+    """``t`` ``[batch, *groups, shared, features]`` as ``[batch · groups, shared, features]``
+    (itself where it has no groups)."""
+    if t.dim() == 3 and t.shape[1] == shared and t.shape[2] == features:
+        return t
+    return t.reshape(-1, shared, features)
+
+
 def _weighted(t: Tensor, weights: Tensor | None) -> Tensor:
     """``t`` ``[batch, ...]`` with example ``b``'s rows times ``weights[b]``."""
     if weights is None:
@@ -1041,7 +1081,8 @@ def inner(p: Piece, q: Piece, param_shape: torch.Size) -> Tensor:
     if gram_is_cheaper(p, q):
         assert isinstance(p, Outer) and isinstance(q, Outer)
         if not p.has_input:  # bias: Σ_shared g, then a dot product
-            return (p.g.sum(-2) * q.g.sum(-2)).flatten(1).sum(1)
+            both = p.g.sum(-2) * q.g.sum(-2)
+            return both.sum(tuple(range(1, both.dim())))
         # letters: b batch, s/t shared positions of p/q, i in, o out; '...' the groups
         aa = p.input_gram(q)
         gg = batched_nt(p.g, q.g)
@@ -1063,10 +1104,11 @@ def gram_sq_norm(p: Piece, param_shape: torch.Size) -> tuple[Tensor, Tensor | No
     if not (gram_is_cheaper(p, p) and p.has_input):
         return inner(p, p, param_shape), None
     assert isinstance(p, Outer)
-    aa, gg = p.input_gram(p), batched_nt(p.g, p.g)
-    sq = (aa * gg).sum(tuple(range(1, aa.dim())))
-    diagonal = aa.diagonal(dim1=-2, dim2=-1) * gg.diagonal(dim1=-2, dim2=-1)
-    return sq, diagonal.clamp_min(0).sqrt().flatten(1).sum(1)
+    # (the diagonal of the product of the Grams is the product of their diagonals)
+    both = p.input_gram(p) * batched_nt(p.g, p.g)  # [batch, *groups, shared, shared]
+    sq = both.sum(tuple(range(1, both.dim())))
+    diagonal = both.diagonal(dim1=-2, dim2=-1)  # [batch, *groups, shared]
+    return sq, diagonal.clamp_min(0).sqrt().sum(tuple(range(1, diagonal.dim())))
 
 
 def rows_sq_norm(pieces: list[tuple[Rows, float]]) -> Tensor:

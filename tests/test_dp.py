@@ -504,6 +504,30 @@ def test_the_noise_is_torch_randn_per_parameter_in_order_bit_for_bit():
 
 
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_noised_step_is_the_clipped_sum_plus_the_noise_bit_for_bit(method):
+    """On a batch, each parameter's noise is drawn around its clipped sum (one operation):
+    the numbers of ``torch.randn`` of its shape, times σ·C, plus the clipped sum
+    (:func:`gradhooks.clipped_sum`), over the batch size: exactly."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 1, 5, 5, dtype=torch.float64), torch.randint(4, (6,))
+    model = small_net()
+    other = copy.deepcopy(model)
+    sigma, clip, seed = 0.7, 0.05, 4
+    _, grads = dp_step(
+        model, x, y, method, max_norm=clip, noise_multiplier=sigma,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(other, quantities=(quantity,)) as h:
+        losses = F.cross_entropy(other(x), y, reduction="none")
+        sums = gradhooks.clipped_sum(h, losses, max_norm=clip, method=method).sums
+    gen = torch.Generator().manual_seed(seed)
+    for (name, p), s, got in zip(other.named_parameters(), sums, grads, strict=True):
+        z = torch.randn(p.shape, generator=gen, dtype=p.dtype).mul_(sigma * clip)
+        assert torch.equal(got, z.add_(s).div_(len(x))), name
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 @pytest.mark.parametrize("sigma", [0.0, 0.7])
 def test_the_step_without_foreach_functions_gives_the_same_numbers(method, sigma):
     """Where torch lacks ``torch._foreach_*``, the step loops over the parameters: the same

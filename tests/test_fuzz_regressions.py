@@ -10,7 +10,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradhooks
+from gradhooks.engine.api import engine_of
 from gradhooks.oracle import loop_grad, vmap_grad
+from gradhooks.quantities.collector import GRAM_ROUNDING_UNITS, gram_rounding_bound
 from harness import Case, assert_close, check, cpu_only, sum_of_squares
 
 
@@ -237,6 +239,37 @@ def test_gram_norms_where_the_positions_cancel_on_a_device(device_like):
             assert torch.isfinite(p.grad).all(), f"{name}: {p.grad}"
     finally:
         h.remove()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gram_rounding_kept_on_a_device_bounds_each_norm(device_like, reduction):
+    """On a device the Gram form's squared norms stand, and the run-time check allows for their
+    rounding: ``GRAM_ROUNDING_UNITS · eps · scale²`` per example, ``scale = Σ_s ‖a_s‖·‖g_s‖``
+    over the positions. Here both positions read input column 1 (see
+    :func:`_cancelling_conv`), so ``scale = ‖x[b, :, 1]‖ · (|g_b0| + |g_b1|)``; the bound the
+    handle keeps is that, and every example's squared norm is within it of the loop's."""
+    model, x = _cancelling_conv(), _cancelling_inputs(64)
+    want = loop_grad(model, sum_of_squares, x)["0.weight"].flatten(1).pow(2).sum(1)
+    seen = []
+
+    def keep_grad(module, args, out) -> None:
+        out.register_hook(seen.append)
+
+    model[0].register_forward_hook(keep_grad)
+    # (no run-time check: its backwards would reach the hook too)
+    with gradhooks.add_hooks(model, reduction, quantities=("norms",), verify=False) as h:
+        loss = sum_of_squares(model(x))
+        (loss / len(x) if reduction == "mean" else loss).backward()
+        assert h.norm_forms()["0.weight"] == "gram"
+        got = h.param_norms()["0.weight"].pow(2)
+        kept = engine_of(h).collector.gram_rounding["0.weight"]
+    (g,) = seen  # [batch, 1, 2], of the mean: each example's own times the batch size
+    g = g * len(x) if reduction == "mean" else g
+    scale = x[:, :, 1].norm(dim=1) * g[:, 0].abs().sum(1)
+    bound = gram_rounding_bound(kept)
+    eps = torch.finfo(x.dtype).eps
+    assert_close(bound, GRAM_ROUNDING_UNITS * eps * scale.square(), "the bound kept")
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
 
 
 class _GainAround(nn.Module):

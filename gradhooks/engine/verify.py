@@ -40,6 +40,7 @@ from ..errors import (
     UnsupportedInputError,
 )
 from ..oracle import loop_grad
+from ..quantities.collector import gram_rounding_bound
 from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
@@ -938,7 +939,7 @@ class Verifier:
             miss = abs(norm - norm_want)
             # (a Gram form's rounding kept: |norm - want| <= sqrt(|norm² - want²|))
             rounded = collector.gram_rounding.get(name)
-            allowed = 0.0 if rounded is None else float(rounded[-1]) ** 0.5
+            allowed = 0.0 if rounded is None else float(gram_rounding_bound(rounded[-1])) ** 0.5
             if miss > tol * max(norm, norm_want) + 1e-3 * tol * top + allowed and miss > 0:
                 wrong.append(f"'{name}' (the last example's norm {norm:.4g}, autograd's "
                              f"{norm_want:.4g})")  # fmt: skip

@@ -74,7 +74,8 @@ class Collector:
         self.norm_forms: dict[str, str] = {}  # how each parameter's norm was formed
         self._forms: dict[str, str] = {}  # (of the backward running)
         # per parameter whose norms kept the Gram form's rounding (on a device: see
-        # _gram_rounding_repaired), its bound on each example's squared norm, [batch]
+        # _gram_rounding_repaired), the scale of that rounding, [batch]
+        # (gram_rounding_bound: its bound on each example's squared norm)
         self.gram_rounding: dict[str, Tensor] = {}
         self._rounding: dict[str, Tensor] = {}  # (of the backward running)
         self.sum_grad_sq: dict[str, Tensor] = {}
@@ -148,7 +149,7 @@ class Collector:
         (:meth:`results`)."""
         f = factor(self.batch or 0)
         self.param_sq_norms = {n: v * f**2 for n, v in self.param_sq_norms.items()}
-        self.gram_rounding = {n: v * f**2 for n, v in self.gram_rounding.items()}
+        self.gram_rounding = {n: v * abs(f) for n, v in self.gram_rounding.items()}
         self.sum_grad_sq = {n: v * f**2 for n, v in self.sum_grad_sq.items()}
         self.grad_mean = {n: _scaled(m, f) for n, m in self.grad_mean.items()}
         if self.kfac is not None:
@@ -439,17 +440,18 @@ def _sq_norm(
                 q, sq = ps[j]
                 if i == j:
                     term, spread = P.gram_sq_norm(p, shape)
-                    term = term * (sp * sp)
+                    if sp != 1.0:  # (a loss's sum: the scale is 1)
+                        term = term * (sp * sp)
                     if spread is not None:
-                        spread = spread * abs(sp)
+                        spread = spread if sp == 1.0 else spread * abs(sp)
                         scale = spread if scale is None else scale + spread
                 else:
                     term = P.inner(p, q, shape) * (2 * sp * sq)
                 total = term if total is None else total + term
         if scale is not None:
-            total, bound = _gram_rounding_repaired(h, total, scale)
-            if bound is not None and rounding is not None:
-                rounding[name] = bound
+            total, kept_scale = _gram_rounding_repaired(h, total, scale)
+            if kept_scale is not None and rounding is not None:
+                rounding[name] = kept_scale
         return total, "gram"
     kept = None
     if store is not None and h.pieces[0][0].batch_size * h.param.numel() <= _elements(h):
@@ -473,24 +475,39 @@ def _sq_norm(
 GRAM_ROUNDING_UNITS = 16
 
 
+def gram_rounding_bound(scale: Tensor) -> Tensor:
+    """The bound of the Gram form's rounding of the squared norms whose ``scale`` (``[batch]``:
+    see :func:`gradhooks.pieces.gram_sq_norm`) :func:`_gram_rounding_repaired` kept:
+    ``GRAM_ROUNDING_UNITS · eps · scale²``."""
+    return GRAM_ROUNDING_UNITS * torch.finfo(scale.dtype).eps * scale.square()
+
+
 def _gram_rounding_repaired(h: _Held, sq: Tensor, scale: Tensor) -> tuple[Tensor, Tensor | None]:
     """The Gram form's squared norms ``sq`` of ``h``'s parameter, ``[batch]``, at least 0, with
     the examples whose value is below ``sqrt(eps) · scale²`` formed again from ``grad1``, one
     example at a time, where reading the values costs no wait (:func:`devices.reads_are_free`);
-    and, where they are not (a device: the values stand), the bound of their rounding,
-    ``GRAM_ROUNDING_UNITS · eps · scale²``, for the run-time check (else ``None``).
+    and, where they are not (a device: the values stand), ``scale`` itself, for the run-time
+    check to allow for their rounding (:func:`gram_rounding_bound`; else ``None``): formed
+    only where a check reads it, not at every backward.
 
     The Gram form's rounding is about ``eps · scale²`` (``scale``: see
     :func:`gradhooks.pieces.gram_sq_norm`), so below that bound its norm has kept fewer than
     half the dtype's digits: where the shared positions' gradients cancel (a weight whose
     per-example gradient is 0 while each position's is not) it gives ``sqrt(eps) · scale``
     for 0, or a negative square. ``grad1`` formed rounds each entry relative to ``scale``."""
-    eps = torch.finfo(sq.dtype).eps
     if not devices.reads_are_free(sq):
-        return sq.clamp_min(0), GRAM_ROUNDING_UNITS * eps * scale.square()
-    lost = sq < math.sqrt(eps) * scale.square()
-    if not bool(lost.any()):
+        return sq.clamp_min(0), scale
+    # (sq - sqrt(eps)·scale² < 0: one fused operation, and the rows found in the same pass)
+    eps = torch.finfo(sq.dtype).eps
+    lost = (torch.addcmul(sq, scale, scale, value=-math.sqrt(eps)) < 0).nonzero()
+    if not lost.numel():
         return sq, None
+    sq = sq.clone()
+    for b in lost[:, 0].tolist():
+        one = _Held(h.param, [(piece.select(slice(b, b + 1)), s) for piece, s in h.pieces])
+        for _, g in _materialized(one):
+            sq[b] = torch.linalg.vector_norm(g).square()
+    return sq, None
     sq = sq.clone()
     for b in lost.nonzero()[:, 0].tolist():
         one = _Held(h.param, [(piece.select(slice(b, b + 1)), s) for piece, s in h.pieces])

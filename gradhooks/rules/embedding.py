@@ -49,8 +49,11 @@ def embedding(call: Call) -> dict[str, Rows]:
             "[batch, *]"
         )
     batch, dim = idx.shape[0], m.embedding_dim
-    idx = idx.reshape(batch, math.prod(idx.shape[1:]))
-    g = call.grad_output.reshape(*idx.shape, dim)
+    if idx.dim() != 2:
+        idx = idx.reshape(batch, math.prod(idx.shape[1:]))
+    g = call.grad_output
+    if g.shape != (*idx.shape, dim):  # (no view of the same shape)
+        g = g.reshape(*idx.shape, dim)
     if m.padding_idx is not None:
         g = g.masked_fill((idx == m.padding_idx)[..., None], 0)
     if m.scale_grad_by_freq:

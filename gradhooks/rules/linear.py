@@ -29,6 +29,8 @@ def _positions(t: Tensor) -> Tensor:
     ``"batch ... f -> batch (...) f"``, as a plain reshape (einops costs a few µs more per call,
     which a small layer called often feels). Other shapes go to einops, for its error."""
     dim = t.dim()
+    if dim == 3:
+        return t  # (already: no view of the same shape)
     if dim == 2:
         return t.unsqueeze(1)  # (one position: the cheapest view)
     if dim < 2:

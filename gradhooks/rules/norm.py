@@ -59,9 +59,13 @@ def trailing_affine(xhat: Tensor, g: Tensor, param_dims: int) -> dict[str, Direc
     ``xhat`` is overwritten."""
     shape = g.shape[g.dim() - param_dims :]
     lead = (g.shape[0], math.prod(g.shape[1 : g.dim() - param_dims]), *shape)
+
+    def folded(t: Tensor) -> Tensor:  # (no view of the same shape)
+        return t if t.shape == lead else t.reshape(lead)
+
     return {
-        "weight": Direct(_times(xhat, g).reshape(lead).sum(1)),
-        "bias": Direct(g.reshape(lead).sum(1)),
+        "weight": Direct(folded(_times(xhat, g)).sum(1)),
+        "bias": Direct(folded(g).sum(1)),
     }
 
 
@@ -106,7 +110,12 @@ def saved_statistics(module: nn.Module, args: tuple, kwargs: dict, output) -> _S
     mean, rstd = _torch.saved(node, "result1"), _torch.saved(node, "result2")
     if mean is None or rstd is None:
         return None
-    return _Statistics(mean.detach(), rstd.detach())
+    return _Statistics(_detached(mean), _detached(rstd))
+
+
+def _detached(t: Tensor) -> Tensor:
+    """``t`` without a graph (itself where it has none)."""
+    return t.detach() if t.requires_grad else t
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ def dp_sgd_step(
     # step draws none).
     noised = std > 0 and (scaler is None or not scaler.is_enabled())
     start = generator.get_state() if std > 0 and generator is not None else None
-    into = (lambda p: noise(p, generator, std)) if noised else None
+    into = (lambda p, s: noise(p, generator, std, s)) if noised else None
     norms, clipped, scale, sparse = _clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, into=into, clipping=clipping,
         groups=groups,
@@ -244,7 +244,7 @@ def dp_sgd_step(
     _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
     denom = _denominator(per_example_loss.shape[0], reduction, expected_batch_size)
     if std > 0 and not noised:  # (drawn now that the sums are known to be finite)
-        clipped = _added(lambda p: noise(p, generator, std), params, _popped(clipped))
+        clipped = _added(lambda p, s: noise(p, generator, std, s), params, _popped(clipped))
     if std > 0:  # (the noise's tensors, the step's own: divided in place)
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
@@ -734,7 +734,7 @@ def _step_sums(
     method: str,
     params: list,
     scaler: torch.amp.GradScaler | None = None,
-    into: Callable[[], list[Tensor]] | None = None,
+    into: Callable[[Tensor, Tensor | None], Tensor] | None = None,
     clipping: str = "flat",
     groups: GroupedBounds | None = None,
 ) -> StepSums:
@@ -874,20 +874,19 @@ def _captured_group_norms(
 
 
 def _added(
-    into: Callable[[Tensor], Tensor] | None, params: list, sums: Iterator[Tensor | None]
+    into: Callable[[Tensor, Tensor | None], Tensor] | None,
+    params: list,
+    sums: Iterator[Tensor | None],
 ) -> list[Tensor]:
-    """Per parameter, its sum (formed when reached: one at a time) added to ``into(p)``'s
+    """Per parameter, its sum (formed when reached: one at a time) added to ``into(p, sum)``'s
     tensor (called in the order of ``params``: the noise is drawn parameter after parameter,
     each when its sum is at hand), or the sum itself (zeros for ``None``)."""
     if into is None:
         return [_zeros(p) if s is None else s for p, s in zip(params, sums, strict=True)]
     out = []
     for p, s in zip(params, sums, strict=True):
-        c = into(p)
-        if s is not None:
-            c.add_(s.detach())
+        out.append(into(p, None if s is None else s.detach()))
         del s  # (a sum is freed once added)
-        out.append(c)
     return out
 
 
@@ -905,7 +904,7 @@ def _kept_sums(
     grad1s: dict[int, list[Tensor]],
     factors: Tensor,
     group_of: dict[int, int],
-    into: Callable[[Tensor], Tensor] | None,
+    into: Callable[[Tensor, Tensor | None], Tensor] | None,
 ) -> list[Tensor]:
     """Per parameter, ``Σ_i f_i · g_i`` from what a book-keeping backward kept: ``grad1s``
     (a parameter's per-example gradients, by slices of the batch) and ``kept`` (every call's
@@ -962,9 +961,7 @@ def _kept_sums(
     for p in params:
         total = sums.pop(id(p), None)
         if into is not None:
-            c = into(p)
-            if total is not None:
-                c.add_(total)
+            c = into(p, total)
         else:
             c = _zeros(p) if total is None else total
         del total
@@ -1148,15 +1145,29 @@ def gaussian(p: Tensor, generator: torch.Generator | None) -> Tensor:
     return z if z.device == p.device else z.to(p.device)
 
 
-def noise(p: Tensor, generator: torch.Generator | None, std: float) -> Tensor:
-    """``std · gaussian(p, generator)``: a new contiguous tensor of ``p``'s full shape and
-    dtype, on ``p``'s device, for a gradient to be built in. Drawn scaled (``normal(0,
-    std)``: the same standard normal numbers, each times ``std`` as it is drawn, rounded
-    once), not scaled in a second pass over the tensor (for an embedding's table, a pass of
-    its size)."""
+def noise(
+    p: Tensor, generator: torch.Generator | None, std: float, total: Tensor | None = None
+) -> Tensor:
+    """``std · gaussian(p, generator)``, plus ``total`` (``p``'s clipped sum, of its shape and
+    dtype) where given: a new contiguous tensor of ``p``'s full shape and dtype, on ``p``'s
+    device, for a gradient to be built in. Drawn scaled (``normal(0, std)``: the same standard
+    normal numbers, each times ``std`` as it is drawn, rounded once), not scaled in a second
+    pass over the tensor (for an embedding's table, a pass of its size). Where ``total`` is
+    on the generator's device, drawn around it (``torch.normal(total, std)``, which draws
+    ``normal(0, std)`` of its shape and adds it: the same numbers, one operation through
+    torch's dispatcher instead of two)."""
     device = p.device if generator is None else generator.device
+    if (
+        total is not None
+        and type(total) is Tensor
+        and total.device == device
+        and total.dtype == p.dtype
+        and total.shape == p.shape
+    ):
+        return torch.normal(total, std, generator=generator)
     z = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype, device=device)
-    return z if z.device == p.device else z.to(p.device)
+    z = z if z.device == p.device else z.to(p.device)
+    return z if total is None else z.add_(total)
 
 
 def _foreach_div_(xs: list[Tensor], denom: float) -> None:

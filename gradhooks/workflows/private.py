@@ -369,9 +369,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 )
             std = multiplier * _clip.total_bound(self.max_grad_norm)
             for p, s, sparse in zip(params, self._sums, self._sparse, strict=True):
-                # (the noise drawn into the gradient's own tensor, the sum added to it)
-                grad = _dp.noise(p, self.generator, std).add_(s) if std > 0 else s.to(p.dtype)
-                p.grad = _dp.as_grad(grad.div_(self.expected_batch_size).mul_(scale), sparse)
+                # (the noise drawn into the gradient's own tensor, around the sum)
+                grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
+                grad = grad.div_(self.expected_batch_size)
+                p.grad = _dp.as_grad(grad if scale == 1.0 else grad.mul_(scale), sparse)
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
