@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_fuzz_training import AUTOCAST_UNITS, Close, check_quantities
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -373,3 +374,34 @@ def test_gradients_whose_terms_cancel_under_bfloat16_autocast(make, tokens, quan
             for name, got in h.param_norms().items():
                 err = float((got.double() - norms[name]).abs().max())
                 assert err <= 16 * eps * scale, f"{name}: {err:.2e} > 16 eps · {scale:.2e}"
+
+
+def test_fuzz_norms_of_an_output_that_cancels_under_bfloat16_autocast():
+    """The training fuzzer's comparison under autocast (test_fuzz_training.Close): an output
+    that cancels in the forward (a head whose bias takes out its weighted sum, 0.0025 left in
+    float64) is rounded relative to its terms, and so is every per-example gradient and norm
+    formed from it: 40 units of bfloat16's eps of their scale off from float64, in torch's
+    own autocast loop as in gradhooks (under 0.01 units apart). The norms and squared sums
+    were compared with float64 alone and failed; now, as the gradients, they may also be as
+    far as 4 times torch's own loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.RMSNorm(5, elementwise_affine=False), nn.Tanh(), nn.Flatten(), nn.Linear(25, 1)
+    )
+    x = (torch.arange(25.0) * 0.7).sin().reshape(1, 5, 5) * 2
+    with torch.no_grad():  # (weights and bias of bfloat16's: autocast rounds h alone)
+        model[3].weight.copy_((torch.arange(25.0) * 1.3).cos().mul(16).round().div(64)[None])
+        h = copy.deepcopy(model[:3]).double()(x.double())
+        model[3].bias.fill_(round(-(h @ model[3].weight.double().T).item() * 64) / 64)
+    want = loop_grad(copy.deepcopy(model).double(), sum_of_squares, x.double())
+
+    def loss(out):
+        return sum_of_squares(out.float())
+
+    with torch.autocast("cpu", torch.bfloat16):
+        own = loop_grad(model, loss, x)
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as h:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        loss(out).backward()
+        check_quantities(h, want, "an output that cancels", Close(want, AUTOCAST_UNITS, 1, own))
