@@ -405,3 +405,47 @@ def test_fuzz_norms_of_an_output_that_cancels_under_bfloat16_autocast():
             out = model(x)
         loss(out).backward()
         check_quantities(h, want, "an output that cancels", Close(want, AUTOCAST_UNITS, 1, own))
+
+
+class _PosBias(nn.Module):
+    """``x + pos``: a layer without a rule (the fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.tensor([[-1.1]]))
+
+    def forward(self, x):
+        return x + self.pos
+
+
+class _BareAndPos(nn.Module):
+    """A parameter of the model's own and one of a layer without a rule, both added to the
+    same activation: each meets the batch broadcast, and both gradients are one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.pb = _PosBias()
+        self.bare = nn.Parameter(torch.tensor([[0.3]]))
+
+    def forward(self, x):
+        return torch.tanh(self.pb(x + self.bare))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_parameters_added_to_one_activation_keep_a_grad_each(batch):
+    """Two parameters added to one activation, each broadcast into a batch of one: the
+    tracker's expand of nothing passed their shared gradient on as views of it, which
+    autograd kept as both ``.grad``, one memory; after ``zero_grad(set_to_none=False)`` the
+    next backward added both gradients into it, each ``.grad`` twice the loop's (grad1 right;
+    found by the training fuzzer). Each ``.grad`` and ``grad1`` is the loop's at every step."""
+    model = _BareAndPos().double()
+    x = torch.linspace(0.5, 1.0, batch, dtype=torch.float64).reshape(batch, 1, 1)
+    want = loop_grad(copy.deepcopy(model), sum_of_squares, x)
+    with gradhooks.add_hooks(model, "sum") as h:
+        for step in range(3):
+            model.zero_grad(set_to_none=step == 0)
+            h.clear()
+            sum_of_squares(model(x)).backward()
+            for name, p in model.named_parameters():
+                assert_close(p.grad1, want[name], f"step {step}: grad1 of {name}")
+                assert_close(p.grad, want[name].sum(0), f"step {step}: .grad of {name}")
