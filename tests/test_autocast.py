@@ -527,3 +527,47 @@ def test_segformer_stage_reduced_to_one_token_under_bfloat16_autocast():
         scale = max(float(ref[n].abs().max()), 1e-2 * largest)
         own = rel_err(rounded[n], ref[n], scale)
         assert rel_err(p.grad1, ref[n], scale) <= TOL[BF16] + 2 * own, n
+
+
+class _MaskedAttention(nn.Module):
+    """A Linear, then self-attention with a causal mask made in the activations' dtype (under
+    bfloat16 autocast: a bfloat16 mask, which torch's forward takes); ``layer``: the attention
+    alone, or inside a TransformerEncoderLayer (its rule hands the call to the attention's)."""
+
+    def __init__(self, layer: str):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        if layer == "attention":
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        else:
+            self.attn = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        h = self.lin(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], dtype=h.dtype)
+        if isinstance(self.attn, nn.MultiheadAttention):
+            return self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return self.attn(h, src_mask=mask)
+
+
+@pytest.mark.parametrize("layer", ["attention", "encoder_layer"])
+def test_attention_mask_in_bfloat16_under_autocast(layer):
+    """A float attention mask in bfloat16 (made in the dtype of activations computed under
+    autocast) was handed as is to the attention rule's float32 recomputation, which
+    ``scaled_dot_product_attention`` refused (RuleError: "Expected attn_mask dtype to be bool
+    or float or to match query dtype"). Now it is cast to the recomputation's dtype (its
+    values, -inf and 0, unchanged); grad1 within 16 units of bfloat16's eps of the float64
+    loop's largest entry."""
+    torch.manual_seed(0)  # (the layers' uniform initialization)
+    model = _MaskedAttention(layer)
+    x = torch.linspace(-2, 2, BATCH * 5 * 4).sin().reshape(BATCH, 5, 4)
+    ref = loop_grad(copy.deepcopy(model).double(), lambda out: out.pow(2).sum(), x.double())
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=BF16):
+            out = model(x)
+        out.float().pow(2).sum().backward()
+    largest = max(float(g.abs().max()) for g in ref.values())
+    eps = torch.finfo(BF16).eps
+    for n, p in model.named_parameters():
+        err = float((p.grad1.double() - ref[n]).abs().max())
+        assert err <= 16 * eps * largest, f"{n}: {err:.2e} > 16 eps · {largest:.2e}"

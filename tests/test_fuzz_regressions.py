@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_fuzz_training import AUTOCAST_UNITS, Close, check_quantities
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -318,3 +319,167 @@ def test_fallback_under_autocast_and_checkpointing():
     for name, p in model.named_parameters():
         err = float((p.grad1.double() - want[name]).abs().max())
         assert err <= 16 * eps * scale, f"{name}: {err:.2e} > 16 eps · {scale:.2e}"
+
+
+class _ScaleFree(nn.Module):
+    """An RMSNorm of one feature ahead of a GroupNorm without affine, which takes out again
+    any scale the RMSNorm's weight puts in: that weight's gradient is zero, under bfloat16
+    autocast its rounding alone, of terms the size of the head's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 1)
+        self.norm = nn.RMSNorm(1)
+        self.group = nn.GroupNorm(1, 1, affine=False)
+        self.head = nn.Linear(5, 1)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.tensor([[-0.86], [-0.76], [0.72], [-0.76], [-0.66]]))
+            self.head.weight.copy_(torch.tensor([[0.35, 0.14, -0.24, -0.44, -0.03]]))
+            self.head.bias.fill_(-0.08)
+
+    def forward(self, t):  # t: [batch, 5] tokens
+        h = torch.tanh(self.norm(torch.tanh(self.emb(t)))).transpose(1, 2)  # [batch, 1, 5]
+        h = torch.tanh(self.group(torch.tanh(self.group(h))))
+        return self.head(h.flatten(1))
+
+
+class _KeyBias(nn.Module):
+    """MultiheadAttention of one feature with ``add_bias_kv`` (sequence first): ``bias_k``'s
+    gradient sums the softmax's Jacobian, whose rows sum to zero, and is small beside its
+    terms."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.lin = nn.Linear(3, 1, bias=False)
+        self.mha = nn.MultiheadAttention(1, 1, bias=False, add_bias_kv=True)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.tensor([
+                [-0.55, -1.24, 1.18], [-0.79, -0.74, -0.98], [0.09, -0.72, -0.01],
+                [0.36, 0.91, -0.47], [-0.01, 0.02, -2.18],
+            ]))  # fmt: skip
+            self.lin.weight.copy_(torch.tensor([[-0.22, -0.56, -0.05]]))
+            self.mha.in_proj_weight.copy_(torch.tensor([[0.59], [-0.55], [-0.29]]))
+            self.mha.bias_k.fill_(-0.52)
+            self.mha.bias_v.fill_(0.94)
+            self.mha.out_proj.weight.fill_(-0.65)
+
+    def forward(self, t):  # t: [batch, 4] tokens
+        h = torch.tanh(self.lin(torch.tanh(self.emb(t)))).transpose(0, 1)
+        return torch.tanh(self.mha(h, h, h, need_weights=False)[0]).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "make, tokens, quantity",
+    [
+        (_ScaleFree, [[0, 0, 1, 4, 1], [3, 2, 3, 3, 4], [1, 2, 2, 1, 1], [0, 3, 2, 0, 1]],
+         "grad1"),
+        (_ScaleFree, [[0, 0, 1, 4, 1], [3, 2, 3, 3, 4], [1, 2, 2, 1, 1], [0, 3, 2, 0, 1]],
+         "norms"),
+        (_KeyBias, [[4, 4, 3, 0]], "grad1"),
+    ],
+    ids=["rms_norm_scale-grad1", "rms_norm_scale-norms", "attention_bias_k-grad1"],
+)  # fmt: skip
+def test_gradients_whose_terms_cancel_under_bfloat16_autocast(make, tokens, quantity):
+    """A gradient whose terms cancel (zero by symmetry, or small beside them) holds, under
+    bfloat16 autocast, the rounding of its terms, not of what is left: 0.01 to 0.03 units of
+    bfloat16's eps of the model's largest entry between grad1 and autograd's here. The checks
+    against autograd allowed that gradient 1e-3 of their 8 units of its own largest entry and
+    of the model's (0.008 units of the model's), and refused the backward as mixing the
+    examples (CheckFailedError: "does not add up", "not those of the examples' own
+    gradients"). Now they allow 1/8 unit of the model's (verify.CANCELLED_UNITS); grad1 and the
+    norms within 16 units of the float64 loop's scale."""
+    model = make()
+    t = torch.tensor(tokens)
+    want = loop_grad(copy.deepcopy(model).double(), sum_of_squares, t)
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(t)
+        (sum_of_squares(out.float()) / len(t)).backward()
+        eps = torch.finfo(torch.bfloat16).eps
+        if quantity == "grad1":
+            scale = max(float(g.abs().max()) for g in want.values())
+            for name, p in model.named_parameters():
+                err = float((p.grad1.double() - want[name]).abs().max())
+                assert err <= 16 * eps * scale, f"{name}: {err:.2e} > 16 eps · {scale:.2e}"
+        else:
+            norms = {k: g.flatten(1).norm(dim=1) for k, g in want.items()}
+            scale = float(torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1).max())
+            for name, got in h.param_norms().items():
+                err = float((got.double() - norms[name]).abs().max())
+                assert err <= 16 * eps * scale, f"{name}: {err:.2e} > 16 eps · {scale:.2e}"
+
+
+def test_fuzz_norms_of_an_output_that_cancels_under_bfloat16_autocast():
+    """The training fuzzer's comparison under autocast (test_fuzz_training.Close): an output
+    that cancels in the forward (a head whose bias takes out its weighted sum, 0.0025 left in
+    float64) is rounded relative to its terms, and so is every per-example gradient and norm
+    formed from it: 40 units of bfloat16's eps of their scale off from float64, in torch's
+    own autocast loop as in gradhooks (under 0.01 units apart). The norms and squared sums
+    were compared with float64 alone and failed; now, as the gradients, they may also be as
+    far as 4 times torch's own loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.RMSNorm(5, elementwise_affine=False), nn.Tanh(), nn.Flatten(), nn.Linear(25, 1)
+    )
+    x = (torch.arange(25.0) * 0.7).sin().reshape(1, 5, 5) * 2
+    with torch.no_grad():  # (weights and bias of bfloat16's: autocast rounds h alone)
+        model[3].weight.copy_((torch.arange(25.0) * 1.3).cos().mul(16).round().div(64)[None])
+        h = copy.deepcopy(model[:3]).double()(x.double())
+        model[3].bias.fill_(round(-(h @ model[3].weight.double().T).item() * 64) / 64)
+    want = loop_grad(copy.deepcopy(model).double(), sum_of_squares, x.double())
+
+    def loss(out):
+        return sum_of_squares(out.float())
+
+    with torch.autocast("cpu", torch.bfloat16):
+        own = loop_grad(model, loss, x)
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as h:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        loss(out).backward()
+        check_quantities(h, want, "an output that cancels", Close(want, AUTOCAST_UNITS, 1, own))
+
+
+class _PosBias(nn.Module):
+    """``x + pos``: a layer without a rule (the fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.tensor([[-1.1]]))
+
+    def forward(self, x):
+        return x + self.pos
+
+
+class _BareAndPos(nn.Module):
+    """A parameter of the model's own and one of a layer without a rule, both added to the
+    same activation: each meets the batch broadcast, and both gradients are one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.pb = _PosBias()
+        self.bare = nn.Parameter(torch.tensor([[0.3]]))
+
+    def forward(self, x):
+        return torch.tanh(self.pb(x + self.bare))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_parameters_added_to_one_activation_keep_a_grad_each(batch):
+    """Two parameters added to one activation, each broadcast into a batch of one: the
+    tracker's expand of nothing passed their shared gradient on as views of it, which
+    autograd kept as both ``.grad``, one memory; after ``zero_grad(set_to_none=False)`` the
+    next backward added both gradients into it, each ``.grad`` twice the loop's (grad1 right;
+    found by the training fuzzer). Each ``.grad`` and ``grad1`` is the loop's at every step."""
+    model = _BareAndPos().double()
+    x = torch.linspace(0.5, 1.0, batch, dtype=torch.float64).reshape(batch, 1, 1)
+    want = loop_grad(copy.deepcopy(model), sum_of_squares, x)
+    with gradhooks.add_hooks(model, "sum") as h:
+        for step in range(3):
+            model.zero_grad(set_to_none=step == 0)
+            h.clear()
+            sum_of_squares(model(x)).backward()
+            for name, p in model.named_parameters():
+                assert_close(p.grad1, want[name], f"step {step}: grad1 of {name}")
+                assert_close(p.grad, want[name].sum(0), f"step {step}: .grad of {name}")

@@ -37,7 +37,10 @@ must lie within ``AUTOCAST_UNITS · eps`` of that step's scale (the largest entr
 example's gradient, for the gradients; the largest example's norm, for the norms; their
 squares for the squared sums and variances); or, where a gradient sums terms that cancel
 (its rounding is of the terms, not of what is left), no further from float64 than 4 times
-torch's own per-example loop under the same autocast. A draw whose float64 gradients are all
+torch's own per-example loop under the same autocast; the same for the norms, squared sums
+and variances, against those of that loop's gradients (an output that cancels in the forward,
+the loss's gradient, is rounded relative to its terms, and every gradient, norm and square
+formed from it with it). A draw whose float64 gradients are all
 below ``eps`` times its largest output (a loss identically zero: a norm of one value, a
 constant output) leaves only rounding in the bfloat16 ones: it is skipped, and counted. The
 worst error seen, in units of ``eps · scale``, is printed.
@@ -77,9 +80,8 @@ class Close:
 
     def __init__(self, want: dict, units: float | None = None, n: int = 1, own: dict | None = None):
         self.units = units
-        # torch's own error under autocast, per parameter: its per-example loop's, at most
-        self.own = {k: float((g.double() - want[k]).abs().max()) if g.numel() else 0.0
-                    for k, g in (own or {}).items()}  # fmt: skip
+        # torch's own per-example gradients under autocast (its per-example loop's), per parameter
+        self.own = own or {}
         entries = [g.abs().max() for g in want.values() if g.numel()]
         self.entry = float(max(entries)) if entries else 0.0
         norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
@@ -93,7 +95,10 @@ class Close:
         makes independent of a parameter's scale)."""
         return self.units is not None and self.entry <= BF16_EPS * output
 
-    def __call__(self, got, want, what: str, kind: str = "entry", name: str = "") -> None:
+    def __call__(self, got, want, what: str, kind: str = "entry", name: str = "", own=None) -> None:
+        """``name``: the parameter whose per-example gradients ``want`` holds (torch's own are
+        then ``self.own[name]``); ``own``: for another quantity, the same formed from torch's
+        own gradients. 4 times their distance from float64 is allowed too."""
         if self.units is None:
             return assert_close(got, want, what)
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -107,8 +112,9 @@ class Close:
         diff = float((got.double() - want.double()).abs().max())
         # (where the gradient sums terms that cancel, the rounding is of the terms: as far from
         # float64 as torch's own loop under autocast, times 4, is rounding too)
-        own = self.own.get(name, 0.0) * (self.n if kind == "sum" else 1)
-        diff = max(0.0, diff - 4 * own)
+        own = self.own.get(name) if own is None else own
+        if own is not None and own.numel():
+            diff = max(0.0, diff - 4 * float((own.double() - want.double()).abs().max()))
         err = diff / (BF16_EPS * scale)
         if err > WORST.get(kind, (0.0, ""))[0]:
             WORST[kind] = (err, what)
@@ -167,10 +173,15 @@ def dp_step(
         if p.grad is None:  # (not reached: a layer left out)
             assert not g.any(), f"{what}: {name} not reached, the loop's is not 0"
             continue
-        clipped = (factor.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
+        f = factor.view(-1, *[1] * (g.dim() - 1))
+        clipped = (f * g).sum(0)
+        # (under autocast: torch's own per-example gradients, clipped alike)
+        mine = (f * close.own[name].double()).sum(0) if name in close.own else None
+        if mine is not None and reduction == "mean":
+            mine = mine / n
         close(
             p.grad, clipped / n if reduction == "mean" else clipped, f"{what}: .grad of {name}",
-            "sum" if reduction == "sum" else "entry",
+            "sum" if reduction == "sum" else "entry", own=mine,
         )  # fmt: skip
 
 
@@ -179,15 +190,23 @@ def check_quantities(h, want: dict, what: str, close=None) -> None:
     gradients ``want`` (one backward's: after several, the last one's)."""
     close = close or Close(want)
     norms, sums, variances = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    # each quantity of torch's own gradients under autocast, where the comparison has them
+    own = {k: g.double() for k, g in close.own.items()}
     for name, g in want.items():
         if name not in norms and not g.any():
             continue  # (not reached)
-        close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}", "norm")
-        close(sums[name], (g**2).sum(0), f"{what}: sum_grad_sq of {name}", "square")
+        o = own.get(name)
+        close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}", "norm",
+              own=None if o is None else o.flatten(1).norm(dim=1))  # fmt: skip
+        close(sums[name], (g**2).sum(0), f"{what}: sum_grad_sq of {name}", "square",
+              own=None if o is None else (o**2).sum(0))  # fmt: skip
         close(variances[name], g.var(0, unbiased=False), f"{what}: grad_variance of {name}",
-              "variance")  # fmt: skip
+              "variance", own=None if o is None else o.var(0, unbiased=False))  # fmt: skip
     total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
-    close(h.norms(), total, f"{what}: norms", "norm")
+    mine = None
+    if own and own.keys() >= want.keys():
+        mine = torch.cat([own[k].flatten(1) for k in want], 1).norm(dim=1)
+    close(h.norms(), total, f"{what}: norms", "norm", own=mine)
 
 
 def _loss(out) -> torch.Tensor:
@@ -283,8 +302,9 @@ def run_loop(
                 (loss / n if reduction == "mean" else loss).backward()
             what = f"step {step} ({habit}, batch {n})"
             # the norms and squared sums are each backward's own: after an accumulation, the
-            # second micro-batch's
-            check_quantities(h, last, what, Close(last, units, n))
+            # second micro-batch's (torch's own loop ran on the first)
+            mine = own if habit != "accumulate" else None
+            check_quantities(h, last, what, Close(last, units, n, mine))
             for name, p in model.named_parameters():
                 if dp_method:
                     assert getattr(p, "grad1", None) is None, f"{what}: {name} has a grad1"

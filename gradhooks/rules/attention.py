@@ -51,9 +51,13 @@ _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
 
 def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """A bool mask (True = masked) as an additive float mask; a float mask as is."""
-    if mask is None or mask.is_floating_point():
-        return mask
+    """A bool mask (True = masked) as an additive float mask; a float mask in ``dtype``, the
+    recomputation's (one made in bfloat16 for the forward's activations under autocast holds
+    the same values in float32, and ``scaled_dot_product_attention`` takes no other)."""
+    if mask is None:
+        return None
+    if mask.is_floating_point():
+        return cast(mask, dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
 
 

@@ -123,12 +123,12 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
         sizes[lay.dim] = size
         e = v.expand(sizes)
         swaps[id(t)] = e
-        hooks.append((e, t, tracker.all_sources(t)))
+        hooks.append((e, t, tracker.all_sources(t), e.shape == v.shape))
     new_args, new_kwargs = swapped(args, kwargs, swaps)
     out = func(*new_args, **new_kwargs)
     tracker.propagate(name, new_args, new_kwargs, out)
     batch = tracker.batch
-    for e, t, srcs in hooks:
+    for e, t, srcs, same in hooks:
         for s in srcs:
             s.uses.append(("expanded", name))
         t_shape, t_ref = t.shape, torch.autograd.graph.get_gradient_edge(t)
@@ -136,12 +136,18 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
         edges = {s: tracker.edges[s] for s in srcs_list}
         engine = tracker.engine
 
-        def hook(g, lay=lay, t_shape=t_shape, t_ref=t_ref, edges=edges, engine=engine):
+        def hook(g, lay=lay, t_shape=t_shape, t_ref=t_ref, edges=edges, engine=engine, same=same):
             # [batch, ..., outer * inner, ...]: each example's rows summed, as broadcasting
             # would have summed all of them
             per = batch_rows(g, lay, batch).sum(lay.dim + 1, keepdim=True)
             per = per.reshape(batch, *t_shape)
             deliver(engine, edges, per, t_ref)
+            # an expand of nothing (a batch of one) and the reshape pass the gradient on as
+            # views of it, where broadcasting would have summed it into a tensor of its own:
+            # two parameters added to one activation would each receive a view of one
+            # gradient, which autograd keeps as both .grad (one memory, into which a later
+            # zero_grad(set_to_none=False) and backward add both): a copy of its own
+            return g.clone() if same else None
 
         e.register_hook(hook)
     return out
