@@ -84,14 +84,17 @@ def reference(problem: Problem, model, x, y) -> dict[str, torch.Tensor]:
     from gradhooks.oracle import loop_grad, vmap_grad
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    before = cudnn.allow_tf32, matmul.allow_tf32
-    cudnn.allow_tf32 = matmul.allow_tf32 = False
-    try:
-        return vmap_grad(model, problem.loss, x, y)
-    except Exception:
-        return loop_grad(model, problem.loss, x, y)
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:  # (cuDNN's flags through their context manager: a test may have frozen them)
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                         deterministic=cudnn.deterministic, allow_tf32=False):  # fmt: skip
+            try:
+                return vmap_grad(model, problem.loss, x, y)
+            except Exception:
+                return loop_grad(model, problem.loss, x, y)
     finally:
-        cudnn.allow_tf32, matmul.allow_tf32 = before
+        matmul.allow_tf32 = before
 
 
 def _rel_err(method: Method, got, ref: dict[str, torch.Tensor]) -> float:

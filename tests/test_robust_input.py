@@ -648,7 +648,7 @@ UNSEEN_MIXING = {
 
 
 # (those the tracker sees mix: refused at the forward, where a layer reads them)
-SEEN = ("function", "transposed-reshape", "cdist", "layer-norm-over-batch")
+SEEN = ("function", "transposed-reshape", "cdist", "layer-norm-over-batch", "pinv")
 
 
 @pytest.mark.parametrize("quantity", ["grad1", "norms"])

@@ -1160,6 +1160,8 @@ def noise(
     if (
         total is not None
         and type(total) is Tensor
+        and total.layout is torch.strided  # (a sparse embedding's sum: added below)
+        and total.is_contiguous()
         and total.device == device
         and total.dtype == p.dtype
         and total.shape == p.shape
