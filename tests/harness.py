@@ -309,3 +309,33 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+
+
+class OpCall(nn.Module):
+    """``op(x, *args, **kwargs)`` with the tensors of ``args`` and ``kwargs`` that require grad
+    held as this module's parameters: one of torch's op-database sample inputs as a layer."""
+
+    def __init__(self, op, args: tuple, kwargs: dict):
+        super().__init__()
+        self.op, self.args, self.kwargs = op, [], {}
+        for k, a in enumerate(args):
+            self.args.append(self._keep(f"arg{k}", a))
+        for name, a in kwargs.items():
+            self.kwargs[name] = self._keep(name, a)
+
+    def _keep(self, name: str, a):
+        if isinstance(a, Tensor) and a.requires_grad:
+            self.register_parameter(name, nn.Parameter(a.detach().clone()))
+            return _Param(name)
+        return a
+
+    def forward(self, x):
+        def get(a):
+            return getattr(self, a.name) if isinstance(a, _Param) else a
+
+        return self.op(x, *map(get, self.args), **{n: get(a) for n, a in self.kwargs.items()})

@@ -46,7 +46,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import as_double, assert_close, seeded
+from harness import OpCall, as_double, assert_close, seeded
 from harness import sum_of_squares as sq
 
 DOUBLE = torch.float64
@@ -448,36 +448,6 @@ def test_expanded_weights_functional_ops_on_own_parameters(op):
         loss(model(x)).backward()
     assert_grad1(model, want, op)
     assert [n for n, _ in h.fallback_modules()] == [""]
-
-
-class OpCall(nn.Module):
-    """``op(x, *args, **kwargs)`` with the tensors of ``args`` and ``kwargs`` that require grad
-    held as this module's parameters: one of torch's op-database sample inputs as a layer."""
-
-    def __init__(self, op, args: tuple, kwargs: dict):
-        super().__init__()
-        self.op, self.args, self.kwargs = op, [], {}
-        for k, a in enumerate(args):
-            self.args.append(self._keep(f"arg{k}", a))
-        for name, a in kwargs.items():
-            self.kwargs[name] = self._keep(name, a)
-
-    def _keep(self, name: str, a):
-        if isinstance(a, Tensor) and a.requires_grad:
-            self.register_parameter(name, nn.Parameter(a.detach().clone()))
-            return _Param(name)
-        return a
-
-    def forward(self, x):
-        def get(a):
-            return getattr(self, a.name) if isinstance(a, _Param) else a
-
-        return self.op(x, *map(get, self.args), **{n: get(a) for n, a in self.kwargs.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Param:
-    name: str
 
 
 def ew_supported(name: str, x: Tensor, args: tuple) -> bool:

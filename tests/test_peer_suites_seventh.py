@@ -44,7 +44,6 @@ otherwise.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections import UserDict
 from types import MappingProxyType
@@ -57,7 +56,7 @@ from torch.utils.data import TensorDataset
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import assert_close, assert_grad1, seeded
+from harness import OpCall, assert_close, assert_grad1, seeded
 
 D = torch.float64
 
@@ -72,35 +71,6 @@ def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 # == torch's op database: the weighted ops beyond ExpandedWeights' ===============================
-
-
-@dataclasses.dataclass(frozen=True)
-class _Param:
-    name: str
-
-
-class OpCall(nn.Module):
-    """``op(x, *args, **kwargs)`` with the tensors of ``args`` and ``kwargs`` that require grad
-    held as this module's parameters: one of the op database's sample inputs as a layer (no
-    rule for the class: the fallback)."""
-
-    def __init__(self, op, args: tuple, kwargs: dict):
-        super().__init__()
-        self.op = op
-        self.args = [self._keep(f"arg{k}", a) for k, a in enumerate(args)]
-        self.kwargs = {name: self._keep(name, a) for name, a in kwargs.items()}
-
-    def _keep(self, name: str, a):
-        if isinstance(a, Tensor) and a.requires_grad:
-            self.register_parameter(name, nn.Parameter(a.detach().clone()))
-            return _Param(name)
-        return a
-
-    def forward(self, x):
-        def get(a):
-            return getattr(self, a.name) if isinstance(a, _Param) else a
-
-        return self.op(x, *map(get, self.args), **{n: get(a) for n, a in self.kwargs.items()})
 
 
 # the op, and the number of dimensions of a batched input (None: any with a batch dimension)
