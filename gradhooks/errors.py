@@ -143,10 +143,12 @@ class MissingDependencyError(GradhooksError, ImportError):
     the privacy accountant): ``pip install "gradhooks[dp]"``. Also an ``ImportError``."""
 
 
-class Grad1TooLarge(GradhooksError, MemoryError):
+class Grad1TooLarge(GradhooksError, MemoryError, RuntimeError):
     """``grad1`` for the captured batch would exceed the memory limit (nothing was allocated;
     see :mod:`gradhooks.engine.memory`). Use ``quantities=('norms',)``, a smaller batch, or
-    raise the limit. Also a ``MemoryError``."""
+    raise the limit. Also a ``MemoryError``, and a ``RuntimeError`` whose message reads as
+    torch's out-of-memory errors do, so that what retries a smaller batch on those (accelerate's
+    ``find_executable_batch_size``, the Trainer's ``auto_find_batch_size``) retries on it."""
 
 
 class PrivacyBudgetExceeded(GradhooksError, RuntimeError):

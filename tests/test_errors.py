@@ -30,7 +30,7 @@ BUILTINS = {
     gradhooks.CheckFailedError: (AssertionError, RuntimeError),
     gradhooks.NumericalError: (FloatingPointError,),
     gradhooks.MissingDependencyError: (ImportError,),
-    gradhooks.Grad1TooLarge: (MemoryError,),
+    gradhooks.Grad1TooLarge: (MemoryError, RuntimeError),
     gradhooks.PrivacyBudgetExceeded: (RuntimeError,),
 }
 
@@ -679,3 +679,46 @@ def test_accumulated_micro_batches_of_a_loader_with_a_short_last_batch():
                     torch.testing.assert_close(p.grad1, want)
             else:
                 assert drop_last, "the short last batch was never met"
+
+
+def test_a_batch_size_finder_retries_a_smaller_batch_when_grad1_is_too_large():
+    """accelerate's ``find_executable_batch_size`` tries smaller batches on an out-of-memory
+    error: on gradhooks' refusal of a ``grad1`` over the limit too (nothing allocated, the
+    forward not run; a limit of 5 examples' ``grad1``), and the largest batch that fits gives
+    the per-example loop's ``grad1``."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import find_executable_batch_size
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    from gradhooks.oracle import loop_grad
+    from harness import wide_mlp
+
+    model = wide_mlp()
+    numel = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    tried, refused = [], []
+
+    def loss(out, t):
+        return F.cross_entropy(out, t, reduction="sum")
+
+    with gradhooks.add_hooks(model, loss_reduction="sum", max_grad1_bytes=5 * numel * 8) as h:
+
+        @find_executable_batch_size(starting_batch_size=8)
+        def train(batch_size):
+            tried.append(batch_size)
+            model.zero_grad()
+            h.clear()
+            try:
+                loss(model(x[:batch_size]), y[:batch_size]).backward()
+            except gradhooks.Grad1TooLarge as e:
+                refused.append(e)
+                raise
+            return batch_size
+
+        fits = train()  # (accelerate's own schedule of smaller batches)
+        assert fits == 5 and tried[0] == 8 and tried == sorted(tried, reverse=True), tried
+        want = loop_grad(model, loss, x[:fits], y[:fits])
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, want[name])
+    assert len(refused) == len(tried) - 1 and all(map(should_reduce_batch_size, refused))

@@ -92,5 +92,7 @@ def refuse_if_too_large(
         f"was allocated and the forward was not run. Use add_hooks(model, quantities=('norms',)) "
         f"(per-example norms, DP-SGD by ghost clipping: never forms grad1), a batch of at most "
         f"{fits}, or freeze parameters; or raise the limit with add_hooks(..., max_grad1_bytes=...) "
-        "or gradhooks.set_memory_limit(bytes or None)."
+        "or gradhooks.set_memory_limit(bytes or None). What looks for a smaller batch when a "
+        "step runs out of memory (accelerate's find_executable_batch_size, the Trainer's "
+        "auto_find_batch_size) takes this as out of memory."
     )
