@@ -1347,6 +1347,16 @@ class ChatGPT(nn.Module):
         )  # fmt: skip
 
 
+def chat_gpt(bf16: bool) -> ChatGPT:
+    """nanochat's model as its scripts run it: the embedding in bfloat16 (``bf16``), or the
+    whole model in float64."""
+    model = ChatGPT()
+    if bf16:
+        model.transformer.wte.to(dtype=torch.bfloat16)
+        return model
+    return model.to(D)
+
+
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """nanochat ``nanochat/muon.py``: the Newton-Schulz iteration that orthogonalizes ``G``,
     in bfloat16."""
@@ -1396,11 +1406,7 @@ def test_nanochat_base_train_muon_and_adamw_with_the_grads_changed_in_place(bf16
     rotary tables are bfloat16 values, the same in the loop), within bfloat16's under
     ``bf16`` (``grad1`` of the embedding in bfloat16, its own dtype); the optimizers' writes
     to ``.grad`` leave it alone."""
-    model = ChatGPT()
-    if bf16:
-        model.transformer.wte.to(dtype=torch.bfloat16)
-    else:
-        model = model.to(D)
+    model = chat_gpt(bf16)
     adamw = torch.optim.AdamW(
         [{"params": list(model.lm_head.parameters()), "lr": 0.004},
          {"params": list(model.transformer.wte.parameters()), "lr": 0.2}],
@@ -1467,11 +1473,7 @@ def test_nanochat_chat_rl_token_level_policy_gradient_over_passes(bf16):
     grad1 after each pass (the sum over the step's passes so far) and each pass's norms are
     the float64 loop's of each sample's own term: in float64 within float32's rounding (the
     model's logits are cast to float32), within bfloat16's under ``bf16``."""
-    model = ChatGPT()
-    if bf16:
-        model.transformer.wte.to(dtype=torch.bfloat16)
-    else:
-        model = model.to(D)
+    model = chat_gpt(bf16)
     adamw = torch.optim.AdamW(
         list(model.lm_head.parameters()) + list(model.transformer.wte.parameters()), lr=0.004,
         betas=(0.8, 0.95), eps=1e-10, fused=True,

@@ -56,14 +56,9 @@ from torch.utils.data import TensorDataset
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import OpCall, assert_close, assert_grad1, seeded
+from harness import OpCall, assert_close, assert_grad1, seeded, sq
 
 D = torch.float64
-
-
-def sq(out: Tensor, target: Tensor | None = None) -> Tensor:
-    """Half the sum of squares: the loss of a batch, summed over its examples."""
-    return 0.5 * out.pow(2).sum()
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -47,14 +47,9 @@ from torch.func import functional_call, hessian, jacrev
 
 import gradhooks
 from gradhooks.oracle import vmap_grad
-from harness import assert_close, assert_grad1, seeded
+from harness import assert_close, assert_grad1, seeded, sq
 
 D = torch.float64
-
-
-def sq(out: Tensor, target: Tensor | None = None) -> Tensor:
-    """Half the sum of squares: the loss of a batch, summed over its examples."""
-    return 0.5 * out.pow(2).sum()
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
