@@ -58,6 +58,17 @@ class Tuning:
     of its ``grad1`` rather than by autograd: the sum reads batch x parameters floats,
     autograd's product costs 2 x batch x positions x parameters flops."""
 
+    unused_grad_macs: int = 1 << 21
+    """Where the backward to come wants no parameter gradient (after a book-keeping DP step), a
+    CPU Linear or convolution whose batch gradient costs at least this many multiply-adds
+    (rows x weight entries) runs detached, so that autograd does not form it to be thrown
+    away: about what running a call detached costs the host (80-100 µs at one thread). The
+    MLP 784-512-512-10 at batch 64: its DP step 0.91x the time."""
+    unused_grad_macs_device: int = 1 << 30
+    """The same off the CPU, where a step's host time is the price and a product of 2^30
+    multiply-adds takes the device about what the detached call costs the host (not measured:
+    a GPU's rate, about 10^13 multiply-adds a second, against 100 µs)."""
+
     # -- Linear ------------------------------------------------------------------------------------
     narrow_in_features: int = 8
     """A CPU Linear over positions with at most this many input features and more outputs (a

@@ -443,6 +443,85 @@ def test_a_step_whose_every_parameter_runs_detached_is_not_refused(method):
                     assert p.grad is None, name
 
 
+class _ConvThenMLP(nn.Module):
+    """A convolution over positions, then Linears on one position each (an MLP's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3)
+        self.mlp = nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.mlp(torch.tanh(self.conv(x)).flatten(1))
+
+
+def _products(step) -> int:
+    """How many matrix products (``mm``, ``addmm``, ``bmm``) and convolution backwards ``step()``
+    dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "convolution_backward"):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.n
+
+
+def test_book_keeping_steps_form_no_batch_gradient_to_throw_away():
+    """After a book-keeping step, the forwards run detached the Linears and convolutions whose
+    batch gradient is large (``unused_grad_macs``: here every one), so that the next
+    book-keeping backward forms none of the batch weight gradients autograd would throw away:
+    three products fewer on an unchecked step than with the threshold out of reach. Every step
+    is the float64 loop's either way, and a plain backward after them (the calls still run
+    detached) gives autograd's ``.grad`` and the loop's norms."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 2, 6, dtype=torch.float64), torch.randint(4, (4,))
+    counts = {}
+    for reach in (1, 10**18):
+        model = _ConvThenMLP().double()
+        plain = copy.deepcopy(model)
+        with (
+            gradhooks.tuned(
+                unused_grad_macs=reach, unused_grad_macs_device=reach, sum_grad1_positions=10**9
+            ),
+            gradhooks.add_hooks(model, quantities=("norms",)) as h,
+        ):
+            for seed in range(6):  # (the 5th and 6th: unchecked steps)
+                model.zero_grad(set_to_none=True)
+                # (on a copy: the loop's backwards would take the parameters' gradients)
+                want = _want_step(copy.deepcopy(model), x, y, 0.5, 0.3, seed)
+
+                def step(seed=seed) -> None:
+                    losses = F.cross_entropy(model(x), y, reduction="none")
+                    gradhooks.dp_sgd_step(
+                        h, losses, max_norm=0.5, noise_multiplier=0.3, method="bookkeeping",
+                        generator=torch.Generator().manual_seed(seed),
+                    )  # fmt: skip
+
+                counts[reach] = _products(step)
+                for name, p in model.named_parameters():
+                    assert_close(p.grad, want[name], f"reach {reach}, step {seed}: '{name}'")
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= p.grad
+            plain.load_state_dict(model.state_dict())
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(plain(x), y).backward()
+            loop = loop_grad(plain, F.cross_entropy, x, y)
+            norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+            assert_close(h.norms(), norms, f"reach {reach}: norms after the steps")
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                assert_close(p.grad, q.grad, f"reach {reach}: .grad of '{name}' after the steps")
+    assert counts[10**18] - counts[1] == 3, counts
+
+
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 def test_a_parameter_frozen_added_replaced_or_removed_between_steps_is_seen(method):
     """The step's parameters are planned once per structure of the model: a change between

@@ -116,6 +116,16 @@ def test_owns_backward_needs_grad_from_grad1(registry):
     assert Scale not in registry
 
 
+def test_detach_without_grads_needs_grad_from_grad1_and_a_function(registry):
+    with pytest.raises(gradhooks.ConfigurationTypeError, match="needs grad_from_grad1"):
+        registry.register(Scale, detach_without_grads=lambda m, a: True)(scale_rule)
+    with pytest.raises(gradhooks.ConfigurationTypeError, match="takes a function"):
+        registry.register(
+            Scale, grad_from_grad1=lambda m, a: False, detach_without_grads=True
+        )(scale_rule)
+    assert Scale not in registry
+
+
 def test_recorded_reaches_the_rule_of_a_call_run_with_grad_mode_off(registry):
     """A rule that owns its backward, with a recording: its context manager is entered around the call's
     forward and left at its end, and what it gave is the rule's call.recorded."""

@@ -214,7 +214,9 @@ class EngineAPI:
         - ``capture=False``: they write nothing (no ``grad1``, no quantity): a reweighted
           backward that only wants ``.grad``;
         - ``param_grads=False``: their parameter gradients are not used, only the quantities,
-          so calls run detached give none;
+          so calls run detached give none; the forwards after it run detached the calls
+          whose rules find that worth it where no batch gradient is wanted, until a backward
+          that takes the parameters' gradients;
         - ``keep``: a list the collector appends each call's ``(pieces, params, scale)`` to.
         """
         hooks = self._hooks
@@ -232,6 +234,8 @@ class EngineAPI:
             hooks._state.mode = before
             if keep is not None:
                 collector.keep = kept
+        if capture:  # (not where the block raised: the next step is not known to be alike)
+            hooks._state.grads_unused = not param_grads
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:

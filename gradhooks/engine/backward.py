@@ -994,6 +994,8 @@ class BackwardWriter:
                 self.state.collector.discard_backward()
             kept = False
             bw.held.clear()  # (a nested one's: the outer backward's pieces stay)
+        if bw.computed and self.state.mode.param_grads and not self.state.probing:
+            self.state.grads_unused = False  # (the parameters' gradients are wanted again)
         left_out: set[int] = set()
         if kept and bw.computed and self.state.mode.param_grads:
             # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no

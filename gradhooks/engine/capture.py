@@ -300,6 +300,15 @@ class DetachedCalls:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
 
+    def _worth_detaching(self, target: Target, module: nn.Module, args: tuple) -> bool:
+        """Whether the rule says the call is worth running detached: where the backward to
+        come is expected to want no parameter gradient (the last one wanted none), by its
+        ``detach_without_grads``, else by its ``grad_from_grad1``."""
+        entry = target.entry
+        if self.state.grads_unused and entry.detach_without_grads is not None:
+            return entry.detach_without_grads(module, args)
+        return entry.grad_from_grad1(module, args)
+
     def detach_hook(self, target: Target, forward_hook: int):
         """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
         so, the call runs with the module's own parameters detached (the tracker hands its
@@ -332,7 +341,7 @@ class DetachedCalls:
                 or is_compiling()
                 or _torch.in_transform(args, kwargs)
                 # (before the hooks' order: at most calls it says no, an MLP's every Linear)
-                or not target.entry.grad_from_grad1(module, args)
+                or not self._worth_detaching(target, module, args)
                 or _torch.first_forward_hook(module) != forward_hook
                 or _torch.global_forward_hooks()
                 # (non-reentrant activation checkpointing runs the call again at the backward,

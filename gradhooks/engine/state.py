@@ -92,6 +92,11 @@ class CaptureState:
         self.pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
         self.marked = 0  # depth of `with h.capturing()`
         self.mode = BackwardMode()  # (a workflow's own backwards: EngineAPI.backward_mode)
+        # the last backward of a workflow's took no parameter gradient (the book-keeping DP
+        # step's): the next forwards run detached the calls whose rules say it is worth it
+        # where no batch gradient is wanted (register(detach_without_grads=...)), until a
+        # backward computes the parameters' gradients again
+        self.grads_unused = False
         self.frames: list[Frame] = []  # root forwards running
         self.tasks: dict[int, Backward] = {}  # backwards running, by graph task id
         # what the calls of forwards whose backward has run keep for it (weak references to

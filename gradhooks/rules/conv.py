@@ -21,6 +21,7 @@ from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Outer, Piece, cast
 from ..tuning import TUNING
 from .registry import Call, register
+from .linear import unused_grad_macs
 
 # the layers of this rule (annotations)
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -479,6 +480,23 @@ def many_positions(module: _Conv, args: tuple) -> bool:
     nd = len(module.kernel_size)
     if not isinstance(x, Tensor) or not devices.cpu_trade_offs(x) or x.dim() != nd + 2:
         return False
+    return _out_positions(module, x) >= TUNING.sum_grad1_positions
+
+
+def large_product(module: _Conv, args: tuple) -> bool:
+    """Whether a convolution call's batch gradient, where the backward wants none, is costly
+    enough not to form (as :func:`gradhooks.rules.linear.large_product`): batch x output
+    positions x weight entries multiply-adds."""
+    x = args[0] if args else None
+    if not isinstance(x, Tensor) or x.dim() != len(module.kernel_size) + 2:
+        return False
+    macs = x.shape[0] * _out_positions(module, x) * module.weight.numel()
+    return macs >= unused_grad_macs(x)
+
+
+def _out_positions(module: _Conv, x: Tensor) -> int:
+    """The output positions of one example of a call on ``x`` (``[batch, channels, *spatial]``)."""
+    nd = len(module.kernel_size)
     if isinstance(module.padding, str):
         padding = (0,) * nd if module.padding == "valid" else None
     else:
@@ -492,10 +510,13 @@ def many_positions(module: _Conv, args: tuple) -> bool:
                 x.shape[2:], padding, module.dilation, module.kernel_size, module.stride
             )
         )
-    return positions >= TUNING.sum_grad1_positions
+    return positions
 
 
-@register(nn.Conv1d, nn.Conv2d, nn.Conv3d, grad_from_grad1=many_positions)
+@register(
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, grad_from_grad1=many_positions,
+    detach_without_grads=large_product,
+)
 def conv(call: Call) -> dict[str, Outer]:
     module = call.module
     (x,) = call.inputs

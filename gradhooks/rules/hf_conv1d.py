@@ -19,14 +19,17 @@ keeps its ``forward``), never another class called ``Conv1D``.
 from __future__ import annotations
 
 from ..pieces import Piece
-from .linear import addmm, many_positions
+from .linear import addmm, large_product, many_positions
 from .registry import Call, register
 
 #: The class this rule covers, by name (``__module__`` and ``__qualname__``).
 CONV1D = "transformers.pytorch_utils.Conv1D"
 
 
-@register(CONV1D, grad_from_grad1=many_positions, batch_dim="positions")
+@register(
+    CONV1D, grad_from_grad1=many_positions, detach_without_grads=large_product,
+    batch_dim="positions",
+)
 def conv1d(call: Call) -> dict[str, Piece]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis. ``weight`` ``[in, out]``: an :class:`~gradhooks.pieces.Outer` whose

@@ -24,6 +24,26 @@ def many_positions(module: nn.Module, args: tuple) -> bool:
     return devices.cpu_trade_offs(x) and math.prod(x.shape[1:-1]) >= TUNING.sum_grad1_positions
 
 
+def large_product(module: nn.Module, args: tuple) -> bool:
+    """Whether a Linear call's batch gradient, where the backward wants none, is costly
+    enough not to form (:attr:`gradhooks.tuning.Tuning.unused_grad_macs`): rows x weight
+    entries multiply-adds. The weight's entries, in x out, also for a layer that stores it
+    transposed (Hugging Face's Conv1D)."""
+    x = args[0] if args else None
+    weight = getattr(module, "weight", None)
+    if not isinstance(x, Tensor) or x.dim() < 2 or not isinstance(weight, Tensor):
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return rows * weight.numel() >= unused_grad_macs(x)
+
+
+def unused_grad_macs(x: Tensor) -> int:
+    """The threshold of :func:`large_product` for a call on ``x``'s device."""
+    if devices.cpu_trade_offs(x):
+        return TUNING.unused_grad_macs
+    return TUNING.unused_grad_macs_device
+
+
 def _positions(t: Tensor) -> Tensor:
     """``[batch, *, features]`` as ``[batch, positions, features]``: einops'
     ``"batch ... f -> batch (...) f"``, as a plain reshape (einops costs a few µs more per call,
@@ -38,7 +58,10 @@ def _positions(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
-@register(nn.Linear, grad_from_grad1=many_positions, batch_dim="positions")
+@register(
+    nn.Linear, grad_from_grad1=many_positions, detach_without_grads=large_product,
+    batch_dim="positions",
+)
 def linear(call: Call) -> dict[str, Outer]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis."""

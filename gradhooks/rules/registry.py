@@ -249,6 +249,7 @@ class _Entry:
     saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None
     owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False
     batch_dim: BatchDim = 0
+    detach_without_grads: Callable[[nn.Module, tuple], bool] | None = None
 
     def batch_dim_of(self, module: nn.Module) -> int | str:
         """The dimension of the call's first input the rule reads the batch from, or
@@ -284,6 +285,12 @@ class Registry:
     backward reaches nodes inside the call), it is asked only while ``grad1`` is computed; the
     parameters are then attached to the call's first floating-point input instead of its
     output, and the output may be any tree of tensors.
+    ``detach_without_grads`` (with ``grad_from_grad1``): ``detach_without_grads(module, args)
+    -> bool``, asked in its place while the backward to come is expected to want no
+    parameter gradient (the last one wanted none: the book-keeping DP step's): whether the
+    call runs detached there. Such a backward then forms no batch gradient of the call's
+    parameters at all, where autograd's would be thrown away; running a call detached costs
+    the host a little, so a rule says yes where that product is large.
     ``owns_backward`` (with ``grad_from_grad1``): ``True``, or ``record(module)``, a context
     manager. Where ``grad_from_grad1`` says so, the call runs with grad mode off, so that
     autograd records nothing of it (no backward of the module's own is run), and the rule
@@ -336,6 +343,7 @@ class Registry:
         saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
         owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
         batch_dim: BatchDim = 0,
+        detach_without_grads: Callable[[nn.Module, tuple], bool] | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: use the function as the rule for ``types``.
 
@@ -374,6 +382,10 @@ class Registry:
         - ``grad_from_grad1``: ``predicate(module, args)``; where true, the call runs with its
           parameters detached and their ``.grad`` is the sum of the call's ``grad1`` (or a
           by-product of the norms), so that autograd does not also form the batch gradient.
+        - ``detach_without_grads`` (with ``grad_from_grad1``): ``predicate(module, args)``,
+          asked instead while the backward to come is expected to want no parameter gradient
+          (after a book-keeping DP step): where true, the call runs detached, and that
+          backward forms no batch gradient of its parameters, which autograd would throw away.
         - ``owns_backward`` (with ``grad_from_grad1``): ``True``, or ``record(module)``, a
           context manager entered around the call's forward (what its ``__enter__`` returns
           reaches the rule as ``call.recorded``). The call runs with grad mode off and the
@@ -395,7 +407,8 @@ class Registry:
         if not types:
             raise ConfigurationTypeError("register() needs at least one module type")
         for name, fn in (("on_forward", on_forward), ("grad_from_grad1", grad_from_grad1),
-                         ("taps", taps), ("saved", saved)):  # fmt: skip
+                         ("taps", taps), ("saved", saved),
+                         ("detach_without_grads", detach_without_grads)):  # fmt: skip
             if fn is not None and not callable(fn):  # (else a TypeError in the first forward)
                 raise ConfigurationTypeError(
                     f"register({name}=...) takes a function or None, got "
@@ -407,6 +420,11 @@ class Registry:
                     f"register({name}=...) takes True or False, got {type(flag).__qualname__} "
                     f"{flag!r}"
                 )
+        if detach_without_grads is not None and grad_from_grad1 is None:
+            raise ConfigurationTypeError(
+                "register(detach_without_grads=...) needs grad_from_grad1: the rule's pieces "
+                "then give the parameters' .grad where a backward wants it after all"
+            )
         if owns_backward is not False and grad_from_grad1 is None:
             raise ConfigurationTypeError(
                 "register(owns_backward=...) needs grad_from_grad1: it says which calls run "
@@ -450,6 +468,7 @@ class Registry:
                     rule, owns_children, needs_output, on_forward=on_forward,
                     grad_from_grad1=grad_from_grad1, taps=taps, saved=saved,
                     owns_backward=owns_backward, batch_dim=batch_dim,
+                    detach_without_grads=detach_without_grads,
                 )  # fmt: skip
             return rule
 
@@ -589,6 +608,7 @@ def register(
     saved: Callable[[nn.Module, tuple, dict, Any], Any] | None = None,
     owns_backward: bool | Callable[[nn.Module], AbstractContextManager] = False,
     batch_dim: BatchDim = 0,
+    detach_without_grads: Callable[[nn.Module, tuple], bool] | None = None,
 ) -> Callable[[Rule], Rule]:
     return REGISTRY.register(
         *types,
@@ -601,6 +621,7 @@ def register(
         saved=saved,
         owns_backward=owns_backward,
         batch_dim=batch_dim,
+        detach_without_grads=detach_without_grads,
     )
 
 
