@@ -118,6 +118,47 @@ def test_step_under_mixed_precision_matches_the_float64_loop(precision, name, me
         within(p.grad.double() * batch - noise, clipped[n], dtype, f"{precision} {name} {n}")
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-params"])
+def test_book_keeping_steps_with_calls_run_detached_match_the_float64_loop(precision, name):
+    """Three book-keeping steps with every Linear's batch gradient counted large
+    (``unused_grad_macs``: from the second step on, the calls run detached and the backward
+    forms none of the batch gradients autograd would throw away), SGD between them: each step
+    within the precision's rounding of the float64 loop, as the first step above."""
+    model, x, y = problem(name)
+    dtype = torch.bfloat16 if precision == "bf16-params" else AUTOCAST[precision]
+    if precision == "bf16-params":
+        model = model.bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sigma, batch = 0.5, x.shape[0]
+    with (
+        gradhooks.tuned(unused_grad_macs=1, unused_grad_macs_device=1),
+        gradhooks.add_hooks(model, quantities=("norms",)) as h,
+    ):
+        for seed in range(3):
+            want = reference(model, x, y)
+            max_norm = reference_median(want)
+            norms, clipped = clipped_reference(want, max_norm)
+            opt.zero_grad(set_to_none=True)
+            if precision == "bf16-params":
+                xb = x.bfloat16() if x.is_floating_point() else x
+                losses = F.cross_entropy(model(xb).float(), y, reduction="none")
+            else:
+                losses = autocast_losses(model, x, y, dtype)
+            got = gradhooks.dp_sgd_step(
+                h, losses, max_norm=max_norm, noise_multiplier=sigma, method="bookkeeping",
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            within(got, norms, dtype, f"{precision} {name}, step {seed}: norms")
+            gen = torch.Generator().manual_seed(seed)
+            for n, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen, dtype=p.dtype).double()
+                noise = noise * sigma * max_norm
+                within(p.grad.double() * batch - noise, clipped[n], dtype,
+                       f"{precision} {name}, step {seed}: {n}")  # fmt: skip
+            opt.step()
+
+
 def reference_median(grads: dict) -> float:
     """A clipping norm that clips about half of the examples."""
     return float(torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1).median())

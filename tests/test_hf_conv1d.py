@@ -7,6 +7,7 @@ PEFT LoRA adapter."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -294,10 +295,22 @@ def test_gpt2_bfloat16_autocast():
         assert err <= 5e-2, f"norm of {n}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "bookkeeping, detached"])
 def test_gpt2_dp_training_steps(method):
     """Three DP-SGD steps (clipping, no noise) of a hooked GPT-2 and of an unhooked twin that
-    takes the loop's clipped sum: at each step ``.grad`` and then the parameters agree."""
+    takes the loop's clipped sum: at each step ``.grad`` and then the parameters agree.
+    "detached": every Conv1D and the tied head counted large (``unused_grad_macs``), so that
+    from the second step on they run detached."""
+    if method.endswith("detached"):
+        method = "bookkeeping"
+        reach = gradhooks.tuned(unused_grad_macs=1, unused_grad_macs_device=1)
+    else:
+        reach = contextlib.nullcontext()
+    with reach:
+        _gpt2_dp_training_steps(method)
+
+
+def _gpt2_dp_training_steps(method: str) -> None:
     model = LM().double().eval()
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
