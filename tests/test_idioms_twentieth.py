@@ -1,0 +1,927 @@
+"""Training-loop idioms, a twentieth set: the training loops of more real, widely used scripts.
+
+Each test writes again, with a tiny model and in gradhooks' terms, the loop of a script read on
+GitHub (its repository and path in the docstring): facebookresearch's schedule-free SGD (the
+weights moved between the average and the gradient point by ``optimizer.train()`` and
+``optimizer.eval()``); facebookresearch/mae's pre-training (patches masked by a per-example
+random shuffle drawn inside the forward, the loss inside the model, ``NativeScaler`` in
+float16).
+
+Every quantity is compared at every step with each example's own gradient by a per-example loop
+in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
+the precision the script runs in, or checked to stop with a typed error that names what went
+wrong."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_idioms_eighteenth import BF16, assert_near, clipped, norms_of, relative_error
+from test_idioms_fifth import accelerate  # noqa: F401 (a fixture)
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import (
+    assert_close,
+    assert_grad1,
+    hf,
+    labelled_batch,
+    one_thread,  # noqa: F401 (autouse in this module)
+    wide_mlp,
+)
+
+D = torch.float64
+STEPS = 3
+FP16 = 1e-2  # float16: 11 bits, a few roundings deep, of the largest entry
+
+
+def reference(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model``'s weights now, for the loop."""
+    return copy.deepcopy(model).to(D)
+
+
+def assert_within(model: nn.Module, want: dict, tol: float, what: str, scale: float = 1.0):
+    """Every trainable parameter's ``grad1 / scale`` within ``tol`` of ``want``'s largest
+    entry (the rounding of the precision the loop runs in)."""
+    checked = 0
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            err = relative_error(p.grad1 / scale, want[n])
+            assert err < tol, f"{what}: {n} off by {err:.2e}"
+            checked += 1
+    assert checked, what
+
+
+# -- facebookresearch/schedule_free: SGDScheduleFree's train() and eval() ------------------------
+
+
+class ScheduleFreeSGD(torch.optim.Optimizer):
+    """facebookresearch/schedule_free ``schedulefree/sgd_schedulefree.py``'s
+    ``SGDScheduleFree`` (its per-parameter path, no warm-up, ``r=0``): the parameters hold
+    ``y``, the point where the gradient is taken, between the SGD iterate ``z`` (in the state)
+    and the average ``x``; ``eval()`` moves them to ``x`` and ``train()`` back to ``y``, each
+    by ``p.data.lerp_``; ``step`` raises outside train mode."""
+
+    def __init__(self, params, lr: float = 0.5, momentum: float = 0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum, k=0, train_mode=True,
+                                      weight_sum=0.0, lr_max=-1.0))  # fmt: skip
+
+    def _move(self, to_train: bool, weight) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != to_train:
+                for p in group["params"]:
+                    if "z" in self.state[p]:
+                        p.data.lerp_(end=self.state[p]["z"], weight=weight(group["momentum"]))
+                group["train_mode"] = to_train
+
+    def eval(self) -> None:
+        self._move(False, lambda momentum: 1 - 1 / momentum)
+
+    def train(self) -> None:
+        self._move(True, lambda momentum: 1 - momentum)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["train_mode"]:
+                raise RuntimeError("Not in train mode!")
+            lr, momentum, k = group["lr"], group["momentum"], group["k"]
+            lr_max = group["lr_max"] = max(lr, group["lr_max"])
+            weight = lr_max**2
+            group["weight_sum"] += weight
+            ckp1 = weight / group["weight_sum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                z = self.state[p].setdefault("z", p.data.clone())
+                p.data.lerp_(end=z, weight=ckp1)
+                p.data.add_(p.grad, alpha=lr * (momentum * (1 - ckp1) - 1))
+                z.sub_(p.grad, alpha=lr)
+            group["k"] = k + 1
+
+
+@pytest.mark.parametrize("how", ["grad1 and norms", "bf16 autocast", "dp_sgd_step"])
+def test_schedule_free_sgd_gradients_taken_at_y_between_train_and_eval(how):
+    """facebookresearch/schedule_free's README loop (``optimizer.train()`` before the training
+    steps, ``optimizer.eval()`` before evaluating) over ``schedulefree/sgd_schedulefree.py``:
+    the optimizer, not the loop, writes the weights between the steps, by ``p.data.lerp_`` to
+    ``y`` (where the gradient is taken) and, for the evaluation after the second step, to
+    ``x`` and back. At each of three steps grad1 and the norms are the float64 loop's of each
+    example's cross-entropy at the weights the step runs at (``y``): exactly in float64, within
+    bfloat16's rounding of each parameter's largest entry under bfloat16 autocast;
+    ``dp_sgd_step`` (no noise) writes the loop's clipped mean into ``.grad`` for the
+    schedule-free step. The evaluation under ``no_grad`` in eval mode writes nothing, and the
+    weights it runs at are not the training ones."""
+    bf16 = how == "bf16 autocast"
+    model = wide_mlp(out=3).to(torch.float32 if bf16 else D)
+    opt = ScheduleFreeSGD(model.parameters())
+    quantities = ("grad1",) if how == "dp_sgd_step" else ("grad1", "norms")
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        opt.train()
+        model.train()
+        for step in range(STEPS):
+            x, y = labelled_batch(step, n=6, classes=3)
+            want = loop_grad(reference(model), lambda o, t: F.cross_entropy(o, t), x, y)
+            opt.zero_grad(set_to_none=True)
+            if how == "dp_sgd_step":
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.3, noise_multiplier=0.0)
+                assert_grad1(model, want, f"step {step}")
+                for n, p in model.named_parameters():
+                    assert_close(p.grad, clipped(want, 0.3)[n], f"step {step}: .grad of {n}")
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = F.cross_entropy(model(x.to(model[0].weight.dtype)), y)
+                loss.backward()
+                if bf16:
+                    assert_within(model, want, BF16, f"step {step}")
+                    err = relative_error(h.norms(), norms_of(want))
+                    assert err < BF16, f"step {step}: norms off by {err:.2e}"
+                else:
+                    assert_grad1(model, want, f"step {step}")
+                    assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+            if step == 1:
+                y_point = [p.detach().clone() for p in model.parameters()]
+                opt.eval()
+                model.eval()
+                with torch.no_grad():
+                    model(x.to(model[0].weight.dtype))
+                assert any(not torch.equal(a, p) for a, p in zip(y_point, model.parameters()))
+                opt.train()
+                model.train()
+                for a, p in zip(y_point, model.parameters()):
+                    torch.testing.assert_close(p, a)  # (back at y, to rounding)
+
+
+# -- facebookresearch/mae: masked autoencoder pre-training ----------------------------------------
+
+
+class MaeBlock(nn.Module):
+    """A pre-norm ViT block (timm's ``Block``, as MAE builds its encoder and decoder): attention
+    by one ``qkv`` Linear and ``scaled_dot_product_attention``, then a GELU MLP, each
+    residual."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+        x = x + self.proj(y.transpose(1, 2).reshape(B, N, C))
+        return x + self.mlp(self.norm2(x))
+
+
+class MaskedAutoencoder(nn.Module):
+    """facebookresearch/mae ``models_mae.py``'s ``MaskedAutoencoderViT``, shrunk: 8x8 images in
+    4x4 patches (``PatchEmbed``, a strided ``Conv2d``), fixed position tables (parameters that
+    do not require grad), ``random_masking`` by an ``argsort`` of per-example noise drawn in
+    the forward (``torch.rand(N, L)``, or the ``noise`` given, as Hugging Face's ``ViTMAE``
+    takes it) and ``torch.gather`` of the kept patches, the ``cls_token`` expanded to the batch,
+    ``mask_token`` repeated to the batch and gathered back into place, one encoder and one
+    decoder block; ``forward`` returns ``(loss, pred, mask)``, the loss ``norm_pix_loss``'s
+    mean over the removed patches (``(loss * mask).sum() / mask.sum()``)."""
+
+    def __init__(self, dim: int = 8, decoder_dim: int = 6, mask_ratio: float = 0.5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.p, self.L, self.mask_ratio = 4, 4, mask_ratio
+        self.patch_embed = nn.Conv2d(3, dim, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + self.L, dim) * 0.1, requires_grad=False)
+        self.blocks = nn.ModuleList([MaeBlock(dim)])
+        self.norm = nn.LayerNorm(dim)
+        self.decoder_embed = nn.Linear(dim, decoder_dim)
+        self.mask_token = nn.Parameter(torch.randn(1, 1, decoder_dim) * 0.02)
+        self.decoder_pos_embed = nn.Parameter(
+            torch.randn(1, 1 + self.L, decoder_dim) * 0.1, requires_grad=False
+        )
+        self.decoder_blocks = nn.ModuleList([MaeBlock(decoder_dim)])
+        self.decoder_norm = nn.LayerNorm(decoder_dim)
+        self.decoder_pred = nn.Linear(decoder_dim, self.p**2 * 3)
+
+    def patchify(self, imgs):
+        p, h = self.p, imgs.shape[2] // self.p
+        x = imgs.reshape(imgs.shape[0], 3, h, p, h, p)
+        return torch.einsum("nchpwq->nhwpqc", x).reshape(imgs.shape[0], h * h, p * p * 3)
+
+    def random_masking(self, x, noise):
+        N, L, D = x.shape
+        len_keep = int(L * (1 - self.mask_ratio))
+        noise = torch.rand(N, L, device=x.device) if noise is None else noise
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :len_keep]
+        x_masked = torch.gather(x, dim=1, index=ids_keep.unsqueeze(-1).repeat(1, 1, D))
+        mask = torch.ones([N, L], device=x.device)
+        mask[:, :len_keep] = 0
+        return x_masked, torch.gather(mask, dim=1, index=ids_restore), ids_restore
+
+    def forward(self, imgs, noise=None):
+        x = self.patch_embed(imgs).flatten(2).transpose(1, 2)
+        x = x + self.pos_embed[:, 1:, :]
+        x, mask, ids_restore = self.random_masking(x, noise)
+        cls_token = self.cls_token + self.pos_embed[:, :1, :]
+        x = torch.cat((cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.decoder_embed(self.norm(x))
+        mask_tokens = self.mask_token.repeat(x.shape[0], ids_restore.shape[1] + 1 - x.shape[1], 1)
+        x_ = torch.cat([x[:, 1:, :], mask_tokens], dim=1)
+        x_ = torch.gather(x_, dim=1, index=ids_restore.unsqueeze(-1).repeat(1, 1, x.shape[2]))
+        x = torch.cat([x[:, :1, :], x_], dim=1) + self.decoder_pos_embed
+        for blk in self.decoder_blocks:
+            x = blk(x)
+        pred = self.decoder_pred(self.decoder_norm(x))[:, 1:, :]
+        target = self.patchify(imgs)
+        mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + 1.0e-6) ** 0.5
+        loss = ((pred - target) ** 2).mean(dim=-1)
+        loss = (loss * mask).sum() / mask.sum()
+        return loss, pred, mask
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["float64", "fp16 NativeScaler"])
+def test_mae_pretraining_random_masking_drawn_in_the_forward_with_accumulation(fp16):
+    """facebookresearch/mae ``engine_pretrain.py`` (``train_one_epoch``) over ``models_mae.py``:
+    ``loss, _, _ = model(samples, mask_ratio=...)`` under ``torch.cuda.amp.autocast()``, the
+    loss inside the model; ``loss /= accum_iter`` (2); ``loss_scaler(loss, optimizer,
+    parameters=model.parameters(), update_grad=(data_iter_step + 1) % accum_iter == 0)``
+    (``util/misc.py``'s ``NativeScalerWithGradNormCount``: ``scale(loss).backward()``, then on
+    an update ``unscale_`` and the gradient norm, ``step``, ``update``); ``zero_grad`` after an
+    update; ``lr_sched.adjust_learning_rate`` at each step's first micro-batch; AdamW over
+    ``param_groups_weight_decay`` (no decay for biases, norms and tokens). Each example's
+    patches are masked by its own random shuffle, drawn inside the forward (the loop is given
+    the same draws). At every micro-batch grad1 (summed over the step's micro-batches, as
+    ``.grad``) is the float64 loop's of each image's mean over its removed patches: exactly in
+    float64, and, of the scaled loss, within float16's rounding under float16 autocast with
+    ``GradScaler("cpu")``. The frozen position tables have no grad1."""
+    dtype = torch.float32 if fp16 else D
+    model = MaskedAutoencoder().to(dtype)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2
+             and "token" not in n]  # fmt: skip
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not
+                (p.ndim >= 2 and "token" not in n)]  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.95),
+    )  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    accum_iter, g = 2, torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for it in range(2 * STEPS):
+            if it % accum_iter == 0:
+                for group in opt.param_groups:
+                    group["lr"] = 1e-2 * min(1.0, (it / accum_iter + 1) / 2)
+            samples = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+            torch.manual_seed(100 + it)
+            noise = torch.rand(4, 4)
+            mine = loop_grad(reference(model), lambda out: out[0] / accum_iter, (samples, noise))
+            want = mine if it % accum_iter == 0 else {n: want[n] + mine[n] for n in mine}
+            torch.manual_seed(100 + it)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                loss, _, _ = model(samples.to(dtype))
+            loss /= accum_iter
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.scale(loss).backward()
+            if fp16:
+                assert_within(model, want, FP16, f"micro-batch {it}", scale=scale)
+            else:
+                assert_grad1(model, want, f"micro-batch {it}", frozen_clean=True)
+            assert not hasattr(model.pos_embed, "grad1")
+            if (it + 1) % accum_iter == 0:
+                scaler.unscale_(opt)
+                norm = torch.cat([p.grad.flatten() for p in model.parameters()
+                                  if p.grad is not None]).norm()  # fmt: skip
+                step_norm = torch.cat([w.mean(0).flatten() for w in want.values()]).norm()
+                err = relative_error(norm, step_norm)
+                assert err < (FP16 if fp16 else 1e-10), f"step {it // 2}: the norm off by {err:.2e}"
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+
+
+class RepeatedPrompt(nn.Module):
+    """A learned prompt of two tokens, ``[1, 2, dim]``, tiled over the batch and twice along
+    the sequence (``repeat(batch, 2, 1)``) in front of the patches' embeddings, and the
+    reconstruction loss inside the module, as MAE puts it: a tile of more than one row."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(3, dim), nn.Linear(dim, 3)
+        self.prompt = nn.Parameter(torch.randn(1, 2, dim))
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = torch.cat([self.prompt.repeat(x.shape[0], 2, 1), h], dim=1)
+        h = torch.tanh(h) * torch.linspace(0.5, 1.5, h.shape[1], dtype=h.dtype)[:, None]
+        return (self.head(h.mean(1)) - x.mean(1)).pow(2).sum(-1).mean()
+
+
+def test_a_parameter_tiled_along_the_sequence_and_the_batch_with_the_loss_inside():
+    """A parameter tiled by ``repeat`` along the batch and along another dimension (MAE's
+    ``mask_token.repeat(N, masked, 1)``, here a two-token prompt repeated twice), then
+    concatenated with the batch, in a module whose forward returns the loss: grad1 is the
+    float64 loop's at each of three SGD steps (each tile's gradient summed into the
+    prompt)."""
+    model = RepeatedPrompt().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x = torch.randn(5, 3, 3, generator=torch.Generator().manual_seed(step), dtype=D)
+            want = loop_grad(reference(model), lambda out: out, x)
+            opt.zero_grad()
+            model(x).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- luyug/GradCache: a contrastive loss over a batch larger than memory, by chunks ----------------
+
+
+def contrastive_loss(q_reps, p_reps):
+    """GradCache's README loss (DPR's): each query's cross-entropy over its dot products with
+    every passage of the batch, its own passage the target; the mean over the queries."""
+    scores = q_reps @ p_reps.T
+    return F.cross_entropy(scores, torch.arange(len(q_reps)))
+
+
+def encoder(features: int = 5, dim: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 6), nn.Tanh(), nn.Linear(6, dim)).to(D)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["float64", "fp16"])
+def test_gradcache_surrogate_backward_of_each_chunk_with_its_cached_gradients(fp16):
+    """luyug/GradCache ``src/grad_cache/grad_cache.py`` (``GradCache.cache_step``): each
+    encoder (queries, passages) runs its chunks of 2 under ``no_grad``
+    (``forward_no_grad``); ``build_cache`` takes the loss of the whole batch of 4 on the
+    representations detached (``r.detach().requires_grad_()``), its backward gives each
+    representation's gradient, the cache (scaled by the ``GradScaler`` with ``fp16``); then
+    ``forward_backward`` runs each chunk again with gradients and backpropagates the surrogate
+    ``torch.dot(reps.float().flatten(), gradient.float().flatten())``; then the optimizer's
+    step (``scaler.step``). The loss couples the examples, but the cache fixes each
+    example's share: the surrogate is a sum over the chunk's examples of ``<rep_i, G_i>``.
+    Reading grad1 after each chunk and clearing it (``Hooks.clear()``, ``.grad`` kept), the
+    rows of the chunks put together are, at each of three steps, the float64 loop's of
+    ``<rep_i(θ), G_i>`` (exactly in float64; over the scale, within float16's rounding under
+    float16 autocast), the norms each chunk's, and their sum is ``.grad``."""
+    dtype = torch.float32 if fp16 else D
+    models = [encoder(seed=0).to(dtype), encoder(seed=1).to(dtype)]
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=fp16)
+    g = torch.Generator().manual_seed(0)
+    hooks = [gradhooks.add_hooks(m, quantities=("grad1", "norms"), loss_reduction="sum")
+             for m in models]  # fmt: skip
+    try:
+        for step in range(STEPS):
+            inputs = [torch.randn(4, 5, generator=g, dtype=D) for _ in models]
+            chunks = [x.split(2) for x in inputs]
+            with torch.no_grad(), autocast:
+                reps = [torch.cat([m(c.to(dtype)) for c in cs]) for m, cs in zip(models, chunks)]
+            reps = [r.float().detach().requires_grad_() for r in reps]
+            loss = contrastive_loss(*reps)
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.scale(loss).backward()
+            cache = [r.grad for r in reps]
+            opt.zero_grad()
+            for m, h, x, cs, gc in zip(models, hooks, inputs, chunks, cache):
+                want = loop_grad(reference(m), lambda out, t: (out * t).sum(), x,
+                                 gc.to(D) / scale)  # fmt: skip
+                rows: dict = {n: [] for n, _ in m.named_parameters()}
+                norms = []
+                for c, grad in zip(cs, gc.split(2)):
+                    with autocast:
+                        r = m(c.to(dtype))
+                    surrogate = torch.dot(r.float().flatten(), grad.float().flatten())
+                    surrogate.backward()
+                    for n, p in m.named_parameters():
+                        rows[n].append(p.grad1 / scale)
+                    norms.append(h.norms() / scale)
+                    h.clear()
+                tol = FP16 if fp16 else 1e-10
+                for n, p in m.named_parameters():
+                    got = torch.cat(rows[n])
+                    err = relative_error(got, want[n])
+                    assert err < tol, f"step {step}: {n} off by {err:.2e}"
+                    # (to the rows' size: their sum cancels, the rounding is the rows')
+                    err = ((got.sum(0) - p.grad.to(D) / scale).abs().max() / got.abs().max()).item()
+                    assert err < 4 * tol, f"step {step}: {n}'s rows off .grad by {err:.2e}"
+                err = relative_error(torch.cat(norms), norms_of(want))
+                assert err < tol, f"step {step}: norms off by {err:.2e}"
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+# -- allenai/OLMo: micro-batches over the whole batch's token count, with the z-loss --------------
+
+
+class OlmoBlock(nn.Module):
+    """allenai/OLMo ``olmo/model.py``'s ``OLMoSequentialBlock``, shrunk: the non-parametric
+    LayerNorm (``layer_norm_type: default``, no affine weights), a fused ``att_proj``
+    (q, k, v), causal ``scaled_dot_product_attention``, ``attn_out``; the SwiGLU MLP
+    (``ff_proj`` to twice the hidden size, ``x, gate = x.chunk(2, dim=-1)``, ``F.silu(gate) *
+    x``, ``ff_out``); each residual."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.att_proj, self.attn_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.ff_proj, self.ff_out = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.att_proj(self.attn_norm(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(y.transpose(1, 2).reshape(B, T, C))
+        h, gate = self.ff_proj(self.ff_norm(x)).chunk(2, dim=-1)
+        return x + self.ff_out(F.silu(gate) * h)
+
+
+class Olmo(nn.Module):
+    """OLMo's model with ``weight_tying: true`` (OLMo-1B): ``wte``, one block, the final
+    non-parametric LayerNorm, the logits by ``F.linear(x, self.wte.weight)``."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.block = nn.Embedding(vocab, dim), OlmoBlock(dim)
+        self.ln_f = nn.LayerNorm(dim, elementwise_affine=False)
+
+    def forward(self, input_ids):
+        return F.linear(self.ln_f(self.block(self.wte(input_ids))), self.wte.weight)
+
+
+def olmo_losses(logits, input_ids, attention_mask, batch_size_in_tokens: int):
+    """``Trainer.model_forward`` and ``cross_entropy_loss`` (``olmo/train.py``): labels the
+    ids shifted by one, -100 where the attention mask is 0, the summed cross-entropy of
+    ``logits[..., :-1, :]`` and the z-loss ``1e-4 * logsumexp(logits)**2`` over the labelled
+    tokens, each over the whole batch's ``batch_size_in_tokens``: each sequence's, ``[batch]``."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)[..., 1:]
+    logits = logits[..., :-1, :].float()
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    z_squared = logits.logsumexp(-1).pow(2) * (labels != -100)
+    per_token = ce.view(labels.shape) + 1e-4 * z_squared
+    return per_token.sum(-1) / batch_size_in_tokens
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16 autocast"])
+def test_olmo_micro_batches_over_the_batch_token_count_with_the_z_loss(bf16):
+    """allenai/OLMo ``olmo/train.py`` (``Trainer.train_batch``, ``train_micro_batch``,
+    ``model_forward``, ``cross_entropy_loss``): a batch of 4 right-padded sequences split
+    into micro-batches of 2 (``split_batch``), ``batch_size_in_tokens =
+    batch["input_ids"].numel()`` (padding counted), under ``torch.autocast(...,
+    dtype=cfg.autocast_precision)`` (bfloat16; the model float32), ``ce_loss / batch_size_in_
+    tokens + z_loss / batch_size_in_tokens`` (``softmax_auxiliary_loss``) backpropagated per
+    micro-batch; then ``clip_grad_norm_(1.0)`` and AdamW, ``zero_grad(set_to_none=True)``.
+    The tied head is ``F.linear`` with the embedding's weight; the layer norms have no
+    weights. At each micro-batch of three steps grad1 (summed over the batch's micro-batches,
+    as ``.grad``) and each micro-batch's norms are the float64 loop's of each sequence's token
+    losses and z-losses over the batch's token count: exactly in float64, within bfloat16's
+    rounding under bfloat16 autocast."""
+    dtype = torch.float32 if bf16 else D
+    model = Olmo().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms"), loss_reduction="sum") as h:
+        for step in range(STEPS):
+            input_ids = torch.randint(13, (4, 6), generator=g)
+            lengths = torch.randint(3, 7, (4,), generator=g)
+            attention_mask = (torch.arange(6) < lengths[:, None]).long()
+            batch_size_in_tokens = input_ids.numel()
+            want: dict = {}
+            for mb in range(2):
+                ids, mask = input_ids[2 * mb : 2 * mb + 2], attention_mask[2 * mb : 2 * mb + 2]
+
+                def own(logits, m):
+                    ids_i = m[..., 0].long()
+                    return olmo_losses(logits, ids_i, m[..., 1], batch_size_in_tokens).sum()
+
+                packed = torch.stack((ids.to(D), mask.to(D)), -1)
+                mine = loop_grad(reference(model), own, ids, packed)
+                want = {n: want.get(n, 0) + mine[n] for n in mine}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(ids)
+                    loss = olmo_losses(logits, ids, mask, batch_size_in_tokens).sum()
+                loss.backward()
+                if bf16:
+                    assert_within(model, want, BF16, f"step {step}, micro-batch {mb}")
+                    err = relative_error(h.norms(), norms_of(mine))
+                    assert err < BF16, f"step {step}, micro-batch {mb}: norms off by {err:.2e}"
+                else:
+                    assert_grad1(model, want, f"step {step}, micro-batch {mb}")
+                    assert_close(h.norms(), norms_of(mine), f"step {step}: norms")
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+# -- huggingface/diffusers examples/dreambooth: prior preservation, the text encoder trained -------
+
+
+class TextEncoder(nn.Module):
+    """A CLIP text encoder shrunk: token embeddings, a position table, a Linear and a final
+    LayerNorm; ``[batch, tokens, 6]``."""
+
+    def __init__(self, vocab: int = 10, dim: int = 6, length: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.token_embedding, self.position_embedding = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.fc, self.final_layer_norm = nn.Linear(dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, input_ids):
+        h = self.token_embedding(input_ids) + self.position_embedding(torch.arange(input_ids.shape[1]))
+        return self.final_layer_norm(h + torch.tanh(self.fc(h)))
+
+
+def timestep_embedding(timesteps, dim: int = 6):
+    """diffusers' ``get_timestep_embedding``: sines and cosines of the timesteps."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=D) / half)
+    args = timesteps[:, None].to(D) * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+class TinyUNet(nn.Module):
+    """A ``UNet2DConditionModel`` shrunk to its kinds of layers: ``conv_in``, the timestep's
+    sinusoidal embedding through ``time_embedding`` (a Linear) added per channel, a GroupNorm,
+    cross-attention of the positions (queries) over the text encoder's states (keys and
+    values), ``conv_out``; returns ``(sample,)`` (``return_dict=False``)."""
+
+    def __init__(self, channels: int = 4, dim: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv_in, self.conv_out = nn.Conv2d(channels, dim, 3, padding=1), nn.Conv2d(dim, channels, 3, padding=1)
+        self.time_embedding, self.norm = nn.Linear(dim, dim), nn.GroupNorm(2, dim)
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, sample, timesteps, encoder_hidden_states, return_dict=True):
+        h = self.conv_in(sample)
+        temb = self.time_embedding(timestep_embedding(timesteps).to(h.dtype))
+        h = F.silu(self.norm(h + temb[:, :, None, None]))
+        B, C, H, W = h.shape
+        q = self.to_q(h.flatten(2).transpose(1, 2))
+        k, v = self.to_k(encoder_hidden_states), self.to_v(encoder_hidden_states)
+        h = h + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, C, H, W)
+        return (self.conv_out(h),)
+
+
+class DreamBoothNets(nn.Module):
+    """The two trained networks as one function of a batch, for the loop: the UNet on the
+    text encoder's states."""
+
+    def __init__(self, unet, text_encoder) -> None:
+        super().__init__()
+        self.unet, self.text_encoder = unet, text_encoder
+
+    def forward(self, noisy, timesteps, input_ids):
+        return self.unet(noisy, timesteps, self.text_encoder(input_ids), return_dict=False)[0]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16 mixed"])
+def test_dreambooth_prior_preservation_with_the_text_encoder_trained(bf16):
+    """huggingface/diffusers ``examples/dreambooth/train_dreambooth.py`` (``main``'s loop,
+    ``collate_fn``) with ``--with_prior_preservation --prior_loss_weight 0.5
+    --train_text_encoder --offset_noise``: each batch the instance images (one prompt, the
+    same ids for all) followed by as many class images (the class prompt); a frozen VAE
+    (``weight_dtype``) encodes them under ``no_grad``, times ``scaling_factor``; ``noise =
+    torch.randn_like(model_input) + 0.1 * torch.randn(bsz, channels, 1, 1)``; a timestep per
+    example, ``noise_scheduler.add_noise``; ``encoder_hidden_states = text_encoder(input_ids)``;
+    ``model_pred = unet(noisy_model_input, timesteps, encoder_hidden_states,
+    return_dict=False)[0]``; ``model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)``
+    (and the target), ``loss = F.mse_loss(model_pred.float(), target.float()) +
+    prior_loss_weight * F.mse_loss(model_pred_prior.float(), target_prior.float())``; then
+    ``clip_grad_norm_`` over both networks, AdamW, ``zero_grad(set_to_none=args.
+    set_grads_to_none)`` (off by default; on in the bfloat16 run). Each network hooked on its
+    own (as accelerate prepares both), the loss's two halves weighted differently: at each of
+    three steps grad1 of the UNet and of the text encoder is the float64 loop's of each
+    example's term (an instance example's squared error over the instance half's size, a class
+    example's times 0.5 over the class half's): in float64 within float32's rounding (the
+    script takes the squared errors of ``.float()``), and within bfloat16's rounding with
+    accelerate's ``mixed_precision="bf16"`` (both networks float32 under bfloat16 autocast,
+    the VAE in bfloat16), each of the largest entry of the network's (the keys' bias has no
+    gradient: the softmax ignores a shift of every key)."""
+    dtype = torch.float32 if bf16 else D
+    weight_dtype = torch.bfloat16 if bf16 else D
+    unet, text_encoder = TinyUNet().to(dtype), TextEncoder().to(dtype)
+    torch.manual_seed(2)
+    vae = nn.Conv2d(3, 4, 2, stride=2).to(weight_dtype).requires_grad_(False)
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=5e-3)
+    betas = torch.linspace(1e-4, 0.02, 10, dtype=D)
+    alphas_cumprod = torch.cumprod(1 - betas, 0)
+    instance_ids, class_ids = torch.tensor([1, 7, 3, 2]), torch.tensor([1, 3, 2, 0])
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(unet, loss_reduction="sum"), gradhooks.add_hooks(
+        text_encoder, loss_reduction="sum"
+    ):  # fmt: skip
+        for step in range(STEPS):
+            pixel_values = torch.randn(4, 3, 4, 4, generator=g, dtype=D)
+            input_ids = torch.stack([instance_ids] * 2 + [class_ids] * 2)
+            with torch.no_grad():
+                model_input = (vae(pixel_values.to(weight_dtype)) * 0.18215).to(D)
+            noise = torch.randn(model_input.shape, generator=g, dtype=D)
+            noise = noise + 0.1 * torch.randn(4, 4, 1, 1, generator=g, dtype=D)
+            timesteps = torch.randint(0, 10, (4,), generator=g)
+            a = alphas_cumprod[timesteps][:, None, None, None]
+            noisy = a.sqrt() * model_input + (1 - a).sqrt() * noise
+            weight = torch.tensor([1.0, 1.0, 0.5, 0.5], dtype=D) / noise[:2].numel()
+
+            def own(pred, t):
+                return t[:, -1] * ((pred.flatten(1) - t[:, :-1]) ** 2).sum()
+
+            target = torch.cat([noise.flatten(1), weight[:, None]], 1)
+            joined = reference(DreamBoothNets(unet, text_encoder))
+            want = loop_grad(joined, own, (noisy, timesteps, input_ids), target)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                encoder_hidden_states = text_encoder(input_ids)
+                model_pred = unet(noisy.to(dtype), timesteps, encoder_hidden_states, return_dict=False)[0]
+            model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+            target, target_prior = torch.chunk(noise.to(dtype), 2, dim=0)
+            loss = F.mse_loss(model_pred.float(), target.float())
+            prior_loss = F.mse_loss(model_pred_prior.float(), target_prior.float())
+            (loss + 0.5 * prior_loss).backward()
+            for prefix, net in (("unet.", unet), ("text_encoder.", text_encoder)):
+                mine = {n: want[prefix + n] for n, _ in net.named_parameters()}
+                got = {n: p.grad1 for n, p in net.named_parameters()}
+                assert_near(got, mine, BF16 if bf16 else 1e-5, f"step {step}: {prefix}")
+            nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=bf16)
+
+
+# -- openai/improved-diffusion: the hybrid loss, a learned variance, importance-sampled steps -----
+
+
+T_STEPS = 4
+BETAS = torch.linspace(0.1, 0.4, T_STEPS, dtype=D)
+
+
+def diffusion_tables():
+    """``GaussianDiffusion.__init__``'s tables for ``BETAS``."""
+    alphas_cumprod = torch.cumprod(1 - BETAS, 0)
+    prev = torch.cat([torch.ones(1, dtype=D), alphas_cumprod[:-1]])
+    posterior_variance = BETAS * (1 - prev) / (1 - alphas_cumprod)
+    return dict(
+        sqrt_ac=alphas_cumprod.sqrt(), sqrt_1mac=(1 - alphas_cumprod).sqrt(),
+        sqrt_recip_ac=(1 / alphas_cumprod).sqrt(), sqrt_recipm1_ac=(1 / alphas_cumprod - 1).sqrt(),
+        post_log_var=torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]])),
+        coef1=BETAS * prev.sqrt() / (1 - alphas_cumprod),
+        coef2=(1 - prev) * (1 - BETAS).sqrt() / (1 - alphas_cumprod),
+    )  # fmt: skip
+
+
+def normal_kl(mean1, logvar1, mean2, logvar2):
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))  # fmt: skip
+
+
+def discretized_gaussian_log_likelihood(x, means, log_scales):
+    def cdf(v):
+        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+    centered, inv_stdv = x - means, torch.exp(-log_scales)
+    cdf_plus, cdf_min = cdf(inv_stdv * (centered + 1 / 255)), cdf(inv_stdv * (centered - 1 / 255))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    mid = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, mid))
+
+
+def hybrid_losses(model_output, x_start, x_t, noise, t):
+    """``GaussianDiffusion.training_losses`` (``improved_diffusion/gaussian_diffusion.py``)
+    with ``learn_sigma`` (``LEARNED_RANGE``), ``EPSILON`` and ``RESCALED_MSE``: the output
+    split into ε and the variance's interpolation values; ``frozen_out = th.cat([model_output.
+    detach(), model_var_values], dim=1)`` for the variational bound (``_vb_terms_bpd``: the KL
+    to the posterior, or the decoder's discretized likelihood at ``t == 0``, in bits, times
+    ``num_timesteps / 1000``), plus the mean squared error of ε: ``[batch]``."""
+    tab = diffusion_tables()
+
+    def at(name):
+        return tab[name].to(model_output.dtype)[t][:, None, None, None]
+
+    C = x_t.shape[1]
+    eps, var_values = torch.split(model_output, C, dim=1)
+    frozen_eps = eps.detach()
+    true_mean = at("coef1") * x_start + at("coef2") * x_t
+    min_log, max_log = at("post_log_var"), torch.log(BETAS).to(x_t.dtype)[t][:, None, None, None]
+    frac = (var_values + 1) / 2
+    log_variance = frac * max_log + (1 - frac) * min_log
+    pred_xstart = at("sqrt_recip_ac") * x_t - at("sqrt_recipm1_ac") * frozen_eps
+    mean = at("coef1") * pred_xstart + at("coef2") * x_t
+    kl = normal_kl(true_mean, min_log, mean, log_variance).mean((1, 2, 3)) / math.log(2.0)
+    nll = -discretized_gaussian_log_likelihood(x_start, mean, 0.5 * log_variance)
+    vb = torch.where(t == 0, nll.mean((1, 2, 3)) / math.log(2.0), kl) * T_STEPS / 1000.0
+    return ((noise - eps) ** 2).mean((1, 2, 3)) + vb
+
+
+class EpsNet(nn.Module):
+    """An ε-and-variance predictor shrunk from improved-diffusion's ``UNetModel``: a conv, the
+    timestep's sinusoidal embedding through a Linear added per channel, SiLU, a GroupNorm and
+    a conv to twice the image's channels (``learn_sigma``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv_in, self.time_embed = nn.Conv2d(3, 6, 3, padding=1), nn.Linear(6, 6)
+        self.norm, self.conv_out = nn.GroupNorm(2, 6), nn.Conv2d(6, 6, 3, padding=1)
+
+    def forward(self, x, timesteps):
+        h = self.conv_in(x) + self.time_embed(timestep_embedding(timesteps).to(x.dtype))[:, :, None, None]
+        return self.conv_out(self.norm(F.silu(h)))
+
+
+class LossSecondMomentResampler:
+    """``improved_diffusion/resample.py``'s ``LossSecondMomentResampler``: uniform until every
+    timestep has ``history_per_term`` losses, then each timestep drawn with a probability
+    proportional to the root mean square of its recent losses (plus ``uniform_prob``); each
+    example weighted by ``1 / (T * p[t])`` so that the weighted loss stays unbiased."""
+
+    def __init__(self, history_per_term: int = 2, uniform_prob: float = 0.001) -> None:
+        self.history = torch.zeros(T_STEPS, history_per_term, dtype=D)
+        self.counts = torch.zeros(T_STEPS, dtype=torch.long)
+        self.per_term, self.uniform_prob = history_per_term, uniform_prob
+
+    def weights(self):
+        if not (self.counts == self.per_term).all():
+            return torch.ones(T_STEPS, dtype=D)
+        w = self.history.pow(2).mean(-1).sqrt()
+        return w / w.sum() * (1 - self.uniform_prob) + self.uniform_prob / T_STEPS
+
+    def sample(self, batch_size: int, g: torch.Generator):
+        p = self.weights() / self.weights().sum()
+        t = torch.multinomial(p, batch_size, replacement=True, generator=g)
+        return t, 1 / (T_STEPS * p[t])
+
+    def update_with_local_losses(self, ts, losses) -> None:
+        for t, loss in zip(ts.tolist(), losses.tolist()):
+            if self.counts[t] == self.per_term:
+                self.history[t, :-1] = self.history[t, 1:].clone()
+                self.history[t, -1] = loss
+            else:
+                self.history[t, self.counts[t]] = loss
+                self.counts[t] += 1
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16 autocast"])
+def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
+    """openai/improved-diffusion ``improved_diffusion/train_util.py`` (``TrainLoop.run_step``,
+    ``forward_backward``, ``optimize_normal``) over ``gaussian_diffusion.py`` and
+    ``resample.py``, with ``--learn_sigma True --use_kl False --schedule_sampler
+    loss-second-moment``: ``zero_grad(self.model_params)`` (each ``.grad`` zeroed in place,
+    by hand) at the start of the step; a batch of 4 in micro-batches of 2, each with its
+    timesteps and importance weights from the sampler, ``update_with_local_losses(t,
+    losses["loss"].detach())``, ``loss = (losses["loss"] * weights).mean()`` and its backward;
+    then ``_log_grad_norm``, Adam and the EMA of the parameters (``update_ema``: ``targ.mul_(
+    rate).add_(src, alpha=1 - rate)``). The variational bound reaches the network only through
+    the variance's output (the ε it uses is detached), the mean squared error only through ε;
+    the sampler leaves the uniform draw once warmed up (from the third step). At every
+    micro-batch of five steps grad1 (summed over the step's micro-batches, as ``.grad``) is the
+    float64 loop's of each example's weighted loss over the micro-batch's size: exactly in
+    float64, within bfloat16's rounding under bfloat16 autocast (the model float32)."""
+    dtype = torch.float32 if bf16 else D
+    model = EpsNet().to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ema = [p.detach().clone() for p in model.parameters()]
+    sampler, g = LossSecondMomentResampler(), torch.Generator().manual_seed(0)
+    warmed = False
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(5):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.detach_()
+                    p.grad.zero_()
+            batch = torch.rand(4, 3, 4, 4, generator=g, dtype=D) * 2 - 1
+            want: dict = {}
+            for i in range(0, 4, 2):
+                micro = batch[i : i + 2]
+                warmed |= bool((sampler.counts == sampler.per_term).all())
+                t, weights = sampler.sample(2, g)
+                noise = torch.randn(micro.shape, generator=g, dtype=D)
+                tab = diffusion_tables()
+                x_t = tab["sqrt_ac"][t][:, None, None, None] * micro + tab["sqrt_1mac"][t][:, None, None, None] * noise
+                scaled = t.to(D) * (1000.0 / T_STEPS)  # (_scale_timesteps)
+
+                def own(out, target):
+                    x0, x_t_i, eps, rest = target.split([3, 3, 3, 2], dim=1)
+                    ti, w = rest[:, 0, 0, 0].long(), rest[:, 1, 0, 0]
+                    return (hybrid_losses(out, x0, x_t_i, eps, ti) * w).sum() / 2
+
+                rest = torch.stack([t.to(D), weights], 1)[:, :, None, None].expand(2, 2, 4, 4)
+                packed = torch.cat([micro, x_t, noise, rest], dim=1)
+                mine = loop_grad(reference(model), own, (x_t, scaled), packed)
+                want = {n: want.get(n, 0) + mine[n] for n in mine}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(x_t.to(dtype), scaled)
+                losses = hybrid_losses(out.to(dtype), micro.to(dtype), x_t.to(dtype), noise.to(dtype), t)
+                sampler.update_with_local_losses(t, losses.detach())
+                (losses * weights.to(dtype)).mean().backward()
+                if bf16:
+                    got = {n: p.grad1 for n, p in model.named_parameters()}
+                    assert_near(got, want, BF16, f"step {step}, micro-batch {i // 2}")
+                else:
+                    assert_grad1(model, want, f"step {step}, micro-batch {i // 2}")
+            grad_norm = sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt()
+            assert torch.isfinite(grad_norm)
+            opt.step()
+            with torch.no_grad():
+                for targ, src in zip(ema, model.parameters()):
+                    targ.mul_(0.9999).add_(src, alpha=1 - 0.9999)
+    assert warmed
+
+
+# -- huggingface/transformers examples/pytorch/multiple-choice/run_swag_no_trainer.py -----------
+
+
+class Keywords(nn.Module):
+    """``model(**batch)`` as a function of positional tensors, for the loop."""
+
+    def __init__(self, model, names) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *tensors):
+        return self.model(**dict(zip(self.names, tensors)))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
+    accelerate, mixed_precision
+):  # fmt: skip
+    """huggingface/transformers ``examples/pytorch/multiple-choice/run_swag_no_trainer.py``:
+    ``AutoModelForMultipleChoice`` (here a one-layer ``BertForMultipleChoice``), whose forward
+    folds the choices into the batch (``input_ids.view(-1, input_ids.size(-1))``: rows
+    ``[question * choices, tokens]``), scores each row and unfolds the scores
+    (``logits.view(-1, num_choices)``), the loss inside (``labels``: the cross-entropy's mean
+    over the questions); ``accelerator.prepare`` of the model, AdamW in decay groups
+    (``bias``, ``LayerNorm.weight`` without), and ``get_scheduler("linear")``; per batch
+    ``with accelerator.accumulate(model)`` (``gradient_accumulation_steps=2``),
+    ``accelerator.backward(outputs.loss)``, ``optimizer.step()``, ``lr_scheduler.step()``,
+    ``optimizer.zero_grad()``. The examples are the questions: at each of four batches grad1
+    (summed over the accumulated batches, as ``.grad``) is the float64 loop's of each
+    question's loss over its choices, over 2: exactly in float64, within bfloat16's rounding
+    with ``mixed_precision="bf16"``."""
+    transformers = pytest.importorskip("transformers")
+    config = hf("BertConfig")(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf("BertForMultipleChoice")(config).to(D if mixed_precision == "no" else torch.float32)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2,
+                                 mixed_precision=mixed_precision)  # fmt: skip
+    no_decay = ["bias", "LayerNorm.weight"]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    scheduler = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=4)
+    prepared, opt, scheduler = acc.prepare(model, opt, scheduler)
+    names = ("input_ids", "attention_mask", "token_type_ids", "labels")
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(prepared):
+        for step in range(4):
+            input_ids = torch.randint(1, 20, (3, 2, 6), generator=g)
+            lengths = torch.randint(4, 7, (3, 2), generator=g)
+            attention_mask = (torch.arange(6) < lengths[..., None]).long()
+            token_type_ids = (torch.arange(6) >= 3).long().expand(3, 2, 6)
+            labels = torch.randint(2, (3,), generator=g)
+            batch = dict(zip(names, (input_ids, attention_mask, token_type_ids, labels)))
+            twin = Keywords(copy.deepcopy(model).to(D), names)
+            mine = loop_grad(twin, lambda out: out.loss / 2, tuple(batch.values()))
+            mine = {n.removeprefix("model."): w for n, w in mine.items()}
+            want = mine if step % 2 == 0 else {n: want[n] + mine[n] for n in mine}
+            with acc.accumulate(prepared):
+                outputs = prepared(**batch)
+                acc.backward(outputs.loss)
+                if mixed_precision == "bf16":
+                    got = {n: p.grad1 for n, p in prepared.named_parameters()}
+                    assert_near(got, want, BF16, f"batch {step}")
+                else:
+                    assert_grad1(prepared, want, f"batch {step}")
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
