@@ -925,3 +925,130 @@ def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
                 opt.step()
                 scheduler.step()
                 opt.zero_grad()
+
+
+# -- facebookresearch/dino: multi-crop, the backbone run once per resolution ---------------------
+
+
+class DinoHead(nn.Module):
+    """facebookresearch/dino ``vision_transformer.py``'s ``DINOHead``: an MLP to a
+    bottleneck, ``F.normalize``, and ``last_layer``, ``nn.utils.weight_norm`` of a Linear
+    without bias whose ``weight_g`` is fixed at 1 (``norm_last_layer=True``)."""
+
+    def __init__(self, dim: int = 6, hidden: int = 8, bottleneck: int = 4, out: int = 5) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, bottleneck))
+        self.last_layer = nn.utils.weight_norm(nn.Linear(bottleneck, out, bias=False))
+        self.last_layer.weight_g.data.fill_(1)
+        self.last_layer.weight_g.requires_grad = False
+
+    def forward(self, x):
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1, p=2))
+
+
+class MultiCropWrapper(nn.Module):
+    """dino ``utils.py``'s ``MultiCropWrapper``: the crops grouped by resolution
+    (``torch.unique_consecutive`` of their widths), the backbone run once per group on the
+    group's crops concatenated, the features concatenated, the head run once on all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(6, 6),
+        )  # fmt: skip
+        self.head = DinoHead()
+
+    def forward(self, *x):
+        x = list(x)
+        idx_crops = torch.cumsum(torch.unique_consecutive(
+            torch.tensor([inp.shape[-1] for inp in x]), return_counts=True)[1], 0)  # fmt: skip
+        start_idx, output = 0, torch.empty(0, dtype=x[0].dtype)
+        for end_idx in idx_crops:
+            _out = self.backbone(torch.cat(x[start_idx:end_idx]))
+            output = torch.cat((output, _out))
+            start_idx = end_idx
+        return self.head(output)
+
+
+def dino_loss(student_output, teacher_out, ncrops: int = 4, student_temp: float = 0.1):
+    """dino ``main_dino.py``'s ``DINOLoss.forward`` given the teacher's sharpened, centred
+    probabilities of the two global crops (``[batch, 2, out]``): each student crop's
+    cross-entropy to each other global crop's teacher, averaged over the batch and the pairs."""
+    student_out = (student_output / student_temp).chunk(ncrops)
+    total_loss, n_loss_terms = 0, 0
+    for iq in range(2):
+        q = teacher_out[:, iq]
+        for v in range(ncrops):
+            if v == iq:
+                continue
+            total_loss = total_loss + torch.sum(-q * F.log_softmax(student_out[v], dim=-1), dim=-1).mean()
+            n_loss_terms += 1
+    return total_loss / n_loss_terms
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
+@pytest.mark.parametrize("fp16", [False, True], ids=["float64", "fp16"])
+def test_dino_multi_crop_backbone_run_per_resolution_and_the_head_on_all_crops(fp16):
+    """facebookresearch/dino ``main_dino.py`` (``train_one_epoch``, ``DINOLoss``) and
+    ``utils.py`` (``MultiCropWrapper``, ``clip_gradients``, ``cancel_gradients_last_layer``):
+    each image's two global crops (8x8) and two local crops (4x4), the student's backbone run
+    on the two global crops of the batch concatenated (``[2 * batch]``), then on the two local
+    ones, the head on the four crops' features at once; the teacher (an EMA copy, not hooked)
+    on the global crops, its output centred and sharpened; ``DINOLoss`` over each pair of a
+    student crop and another global crop's teacher; with ``use_fp16`` the backward through
+    ``fp16_scaler`` and ``unscale_``; ``clip_gradients`` (each parameter's own norm clipped to
+    3.0); during the first epoch the last layer's ``.grad`` set to ``None``; the step; the
+    teacher's EMA and the centre's update. An image's crops are rows of one example in every
+    call: at each of three steps grad1 is the float64 loop's of each image's loss, summed
+    over its crops (exactly in float64; over the scale, within float16's rounding under
+    float16 autocast); the last layer's ``weight_g``, fixed, has none."""
+    dtype = torch.float32 if fp16 else D
+    student = MultiCropWrapper().to(dtype)
+    teacher = MultiCropWrapper().to(dtype)  # (built apart and loaded, as the script does)
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=fp16)
+    center, g = torch.zeros(1, 5, dtype=dtype), torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(student):
+        for it in range(STEPS):
+            images = [torch.randn(4, 3, 8, 8, generator=g, dtype=D) for _ in range(2)]
+            images += [torch.randn(4, 3, 4, 4, generator=g, dtype=D) for _ in range(2)]
+            with torch.no_grad(), autocast:
+                teacher_output = teacher(*(im.to(dtype) for im in images[:2]))
+            teacher_out = F.softmax((teacher_output - center) / 0.04, dim=-1)
+            teacher_out = torch.stack(teacher_out.detach().chunk(2), 1)  # [batch, 2, out]
+            twin = MultiCropWrapper().to(D)  # (old weight_norm's modules do not deep-copy)
+            twin.load_state_dict(student.state_dict())
+            twin.head.last_layer.weight_g.requires_grad = False
+            want = loop_grad(twin, lambda out, t: dino_loss(out, t), tuple(images), teacher_out.to(D))
+            with autocast:
+                student_output = student(*(im.to(dtype) for im in images))
+            loss = dino_loss(student_output, teacher_out)
+            opt.zero_grad()
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.scale(loss).backward()
+            if fp16:
+                got = {n: p.grad1 / scale for n, p in student.named_parameters() if p.requires_grad}
+                assert_near(got, want, FP16, f"step {it}")
+            else:
+                assert_grad1(student, want, f"step {it}", frozen_clean=True)
+            scaler.unscale_(opt)
+            for p in student.parameters():
+                if p.grad is not None:
+                    clip_coef = 3.0 / (p.grad.norm(2) + 1e-6)
+                    if clip_coef < 1:
+                        p.grad.mul_(clip_coef)
+            if it == 0:
+                for n, p in student.named_parameters():
+                    if "last_layer" in n:
+                        p.grad = None
+            scaler.step(opt)
+            scaler.update()
+            with torch.no_grad():
+                for param_q, param_k in zip(student.parameters(), teacher.parameters()):
+                    param_k.data.mul_(0.99).add_((1 - 0.99) * param_q.detach().data)
+                center = center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
