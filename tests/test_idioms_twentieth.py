@@ -1052,3 +1052,115 @@ def test_dino_multi_crop_backbone_run_per_resolution_and_the_head_on_all_crops(f
                 for param_q, param_k in zip(student.parameters(), teacher.parameters()):
                     param_k.data.mul_(0.99).add_((1 - 0.99) * param_q.detach().data)
                 center = center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
+
+
+# -- huggingface/trl GRPOTrainer: group-relative advantages, a KL to the reference per token ------
+
+
+def selective_log_softmax(logits, index):
+    """trl ``trl/trainer/utils.py``'s ``selective_log_softmax``: the log-probability of each
+    ``index`` under ``logits``; in float32 or float64 the gathered logits minus a
+    ``logsumexp`` taken row by row (a Python loop over the batch, for memory), in lower
+    precisions a ``log_softmax`` per row."""
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        return selected - torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])
+    rows = []
+    for row_logits, row_labels in zip(logits, index):
+        row_logps = F.log_softmax(row_logits, dim=-1)
+        rows.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(rows)
+
+
+def per_token_logps(model, input_ids, attention_mask, logits_to_keep: int):
+    """``GRPOTrainer._get_per_token_logps``: the logits of the last ``logits_to_keep + 1``
+    positions (``logits_to_keep=``), the last dropped, the completion's log-probabilities."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   logits_to_keep=logits_to_keep + 1).logits[:, :-1, :]  # fmt: skip
+    return selective_log_softmax(logits, input_ids[:, -logits_to_keep:])
+
+
+def grpo_losses(logps, ref_logps, advantages, completion_mask, beta: float = 0.04):
+    """``GRPOTrainer.compute_loss``: the KL estimate ``exp(ref - logp) - (ref - logp) - 1``,
+    ``exp(logp - logp.detach()) * advantage`` (the ratio to the policy that sampled, 1 in
+    value), ``-(that - beta * kl)``; each completion's mean over its tokens, ``[batch]``."""
+    per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+    per_token_loss = torch.exp(logps - logps.detach()) * advantages.unsqueeze(1)
+    per_token_loss = -(per_token_loss - beta * per_token_kl)
+    return (per_token_loss * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)
+
+
+class LogProbs(nn.Module):
+    """``per_token_logps`` of a model, as a module, for the loop."""
+
+    def __init__(self, model, logits_to_keep: int) -> None:
+        super().__init__()
+        self.model, self.keep = model, logits_to_keep
+
+    def forward(self, input_ids, attention_mask):
+        return per_token_logps(self.model, input_ids, attention_mask, self.keep)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16 autocast"])
+def test_trl_grpo_group_relative_advantages_and_the_kl_to_the_reference(bf16):
+    """huggingface/trl ``trl/trainer/grpo_trainer.py`` (``_prepare_inputs``,
+    ``_get_per_token_logps``, ``compute_loss``) and ``trl/trainer/utils.py``
+    (``selective_log_softmax``): 2 prompts (left-padded) with ``num_generations=3`` sampled
+    completions each (cut after their first end-of-sequence token: ``completion_mask``), the
+    rewards normalized within each prompt's group (``(rewards - mean_grouped_rewards) /
+    (std_grouped_rewards + 1e-4)``), the frozen reference model's log-probabilities under
+    ``no_grad``; then the policy's ``per_token_logps`` (a GPT-2 called with
+    ``logits_to_keep``), the loss of ``grpo_losses``' mean over the completions, backward, the
+    clip and AdamW. The examples are the completions (three share each prompt): at each of
+    three steps grad1 and the norms are the float64 loop's of each completion's mean token
+    loss, exactly in float64, within bfloat16's rounding under bfloat16 autocast (the model
+    float32)."""
+    dtype = torch.float32 if bf16 else D
+    config = hf("GPT2Config")(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=16,
+                              resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = hf("GPT2LMHeadModel")(config).to(dtype)
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eos, keep, g = 15, 4, torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            prompt_ids = torch.randint(1, 15, (2, 3), generator=g).repeat_interleave(3, dim=0)
+            prompt_mask = torch.ones_like(prompt_ids)
+            prompt_mask[:3, 0] = 0  # (the first prompt is one token shorter: padded left)
+            completion_ids = torch.randint(1, 16, (6, keep), generator=g)
+            is_eos = completion_ids == eos
+            eos_idx = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((6,), keep))
+            completion_mask = (torch.arange(keep) <= eos_idx[:, None]).long()
+            input_ids = torch.cat([prompt_ids, completion_ids], 1)
+            attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+            rewards = torch.randn(6, generator=g, dtype=D)
+            grouped = rewards.view(-1, 3)
+            advantages = (rewards - grouped.mean(1).repeat_interleave(3)) / (
+                grouped.std(1).repeat_interleave(3) + 1e-4
+            )  # fmt: skip
+            with torch.no_grad():
+                ref_logps = per_token_logps(ref_model, input_ids, attention_mask, keep).to(D)
+
+            def own(logps, t):
+                ref, adv, mask = t[:, :keep], t[:, keep], t[:, keep + 1 :]
+                return grpo_losses(logps, ref, adv, mask).sum()
+
+            packed = torch.cat([ref_logps, advantages[:, None], completion_mask.to(D)], 1)
+            want = loop_grad(LogProbs(reference(model), keep), own, (input_ids, attention_mask), packed)
+            want = {n.removeprefix("model."): w for n, w in want.items()}
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logps = per_token_logps(model, input_ids, attention_mask, keep)
+            loss = grpo_losses(logps, ref_logps.to(dtype), advantages.to(dtype), completion_mask).mean()
+            loss.backward()
+            if bf16:
+                got = {n: p.grad1 for n, p in model.named_parameters()}
+                assert_near(got, want, BF16, f"step {step}")
+                err = relative_error(h.norms(), norms_of(want))
+                assert err < BF16, f"step {step}: norms off by {err:.2e}"
+            else:
+                assert_grad1(model, want, f"step {step}")
+                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
