@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ from gradhooks.oracle import loop_grad
 from harness import (
     assert_close,
     assert_grad1,
+    assert_untouched,
     hf,
     labelled_batch,
+    model_state,
     one_thread,  # noqa: F401 (autouse in this module)
     wide_mlp,
 )
@@ -1164,3 +1167,143 @@ def test_trl_grpo_group_relative_advantages_and_the_kl_to_the_reference(bf16):
                 assert_close(h.norms(), norms_of(want), f"step {step}: norms")
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+
+
+# -- DLR-RM/stable-baselines3 SAC: critic and actor steps over one replay sample ------------------
+
+
+class SquashedActor(nn.Module):
+    """stable-baselines3 ``sac/policies.py``'s ``Actor`` with ``SquashedDiagGaussian
+    Distribution``: ``latent_pi``, ``mu`` and ``log_std`` heads (the log-std clamped to
+    ``[-20, 2]``), the action ``tanh(mean + std * noise)`` by ``rsample`` (the noise drawn in
+    the call, or given, for the loop), its log-probability corrected for the squashing."""
+
+    def __init__(self, obs: int = 3, act: int = 2) -> None:
+        super().__init__()
+        self.latent_pi = nn.Sequential(nn.Linear(obs, 8), nn.ReLU())
+        self.mu, self.log_std = nn.Linear(8, act), nn.Linear(8, act)
+
+    def action_log_prob(self, obs, noise=None):
+        latent_pi = self.latent_pi(obs)
+        mean_actions = self.mu(latent_pi)
+        log_std = torch.clamp(self.log_std(latent_pi), -20, 2)
+        noise = torch.randn_like(mean_actions) if noise is None else noise
+        gaussian_actions = mean_actions + log_std.exp() * noise
+        log_prob = torch.distributions.Normal(mean_actions, log_std.exp()).log_prob(gaussian_actions)
+        actions = torch.tanh(gaussian_actions)
+        log_prob = log_prob.sum(-1) - torch.log(1 - actions**2 + 1e-6).sum(-1)
+        return actions, log_prob
+
+
+class TwinCritic(nn.Module):
+    """``common/policies.py``'s ``ContinuousCritic`` with ``n_critics=2``: each Q-network on
+    ``th.cat([features, actions], dim=1)``; returns a tuple of the two."""
+
+    def __init__(self, obs: int = 3, act: int = 2) -> None:
+        super().__init__()
+        self.q_networks = nn.ModuleList(
+            nn.Sequential(nn.Linear(obs + act, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)
+        )  # fmt: skip
+
+    def forward(self, obs, actions):
+        qvalue_input = torch.cat([obs, actions], dim=1)
+        return tuple(q_net(qvalue_input) for q_net in self.q_networks)
+
+
+class SacPolicy(nn.Module):
+    """``SACPolicy``: the actor and the critic, called through their own methods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.actor, self.critic = SquashedActor(), TwinCritic()
+
+    def forward(self, obs, noise):
+        """The actor's loss terms at ``obs`` (for the loop): the log-probability and the
+        smaller Q of the action drawn with ``noise``."""
+        actions_pi, log_prob = self.actor.action_log_prob(obs, noise)
+        return log_prob, torch.cat(self.critic(obs, actions_pi), dim=1).min(1).values
+
+
+class CriticOnly(nn.Module):
+    def __init__(self, critic) -> None:
+        super().__init__()
+        self.critic = critic
+
+    def forward(self, obs, actions):
+        return torch.cat(self.critic(obs, actions), dim=1)
+
+
+def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample():
+    """DLR-RM/stable-baselines3 ``stable_baselines3/sac/sac.py`` (``SAC.train``) with
+    ``ent_coef="auto"``: per gradient step, a replay sample; ``actions_pi, log_prob =
+    self.actor.action_log_prob(obs)`` (the noise drawn in the call); the entropy coefficient's
+    own loss ``-(self.log_ent_coef * (log_prob + self.target_entropy).detach()).mean()`` and
+    its backward, which reaches no hooked module (``log_ent_coef`` is a bare tensor with its
+    own Adam); the target under ``no_grad`` from the actor and the target critic; ``critic_loss
+    = 0.5 * sum(F.mse_loss(current_q, target_q_values) for current_q in current_q_values)``,
+    the critic's ``zero_grad``, backward and step; then ``actor_loss = (ent_coef * log_prob -
+    min_qf_pi).mean()`` over the critic *after* its step, through the actor graph recorded
+    before it, the actor's ``zero_grad``, backward and step (the critic's ``.grad`` gets the
+    actor loss's part too, kept until its next ``zero_grad``); ``polyak_update`` of the target
+    critic. One handle on the policy: at each of three steps the entropy backward writes no
+    grad1 and warns of nothing; after the critic's backward its grad1 is the float64 loop's of each transition's
+    TD errors; after the actor's, the actor's grad1 is the loop's of each transition's actor
+    loss (the same noise), and the critic's is its TD rows plus the actor loss's, as
+    ``.grad``."""
+    policy = SacPolicy().to(D)
+    critic_target = copy.deepcopy(policy.critic).requires_grad_(False)
+    actor_opt = torch.optim.Adam(policy.actor.parameters(), lr=3e-3)
+    critic_opt = torch.optim.Adam(policy.critic.parameters(), lr=3e-3)
+    log_ent_coef = torch.zeros(1, dtype=D, requires_grad=True)
+    ent_coef_opt = torch.optim.Adam([log_ent_coef], lr=3e-3)
+    target_entropy, g = -2.0, torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(policy):
+        for step in range(STEPS):
+            obs, next_obs = torch.randn(5, 3, generator=g, dtype=D), torch.randn(5, 3, generator=g, dtype=D)
+            actions = torch.rand(5, 2, generator=g, dtype=D) * 2 - 1
+            rewards, dones = torch.randn(5, 1, generator=g, dtype=D), torch.zeros(5, 1, dtype=D)
+            torch.manual_seed(10 + step)
+            noise = torch.randn(5, 2, dtype=D)
+            torch.manual_seed(10 + step)
+            actions_pi, log_prob = policy.actor.action_log_prob(obs)
+            log_prob = log_prob.reshape(-1, 1)
+            ent_coef = torch.exp(log_ent_coef.detach())
+            ent_coef_loss = -(log_ent_coef * (log_prob + target_entropy).detach()).mean()
+            ent_coef_opt.zero_grad()
+            before = model_state(policy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", gradhooks.GradhooksWarning)
+                ent_coef_loss.backward()
+            assert_untouched(policy, before)
+            ent_coef_opt.step()
+            with torch.no_grad():
+                next_actions, next_log_prob = policy.actor.action_log_prob(next_obs)
+                next_q_values = torch.cat(critic_target(next_obs, next_actions), dim=1)
+                next_q_values, _ = torch.min(next_q_values, dim=1, keepdim=True)
+                next_q_values = next_q_values - ent_coef * next_log_prob.reshape(-1, 1)
+                target_q_values = rewards + (1 - dones) * 0.99 * next_q_values
+            td = loop_grad(CriticOnly(reference(policy.critic)),
+                           lambda q, y: 0.5 * ((q - y) ** 2).sum(), (obs, actions), target_q_values)  # fmt: skip
+            current_q_values = policy.critic(obs, actions)
+            critic_loss = 0.5 * sum(F.mse_loss(current_q, target_q_values) for current_q in current_q_values)
+            critic_opt.zero_grad()
+            critic_loss.backward()
+            for n, p in policy.critic.named_parameters():
+                assert_close(p.grad1, td["critic." + n], f"step {step}: critic {n}")
+            critic_opt.step()
+            coef = ent_coef.item()
+            mine = loop_grad(reference(policy), lambda out: (coef * out[0] - out[1]).sum(), (obs, noise))
+            q_values_pi = torch.cat(policy.critic(obs, actions_pi), dim=1)
+            min_qf_pi, _ = torch.min(q_values_pi, dim=1, keepdim=True)
+            actor_loss = (ent_coef * log_prob - min_qf_pi).mean()
+            actor_opt.zero_grad()
+            actor_loss.backward()
+            for n, p in policy.named_parameters():
+                want = mine[n] + td[n] if n.startswith("critic.") else mine[n]
+                assert_close(p.grad1, want, f"step {step}: after the actor's backward, {n}")
+            actor_opt.step()
+            with torch.no_grad():
+                for param, target_param in zip(policy.critic.parameters(), critic_target.parameters()):
+                    target_param.data.mul_(1 - 0.005)
+                    torch.add(target_param.data, param.data, alpha=0.005, out=target_param.data)
