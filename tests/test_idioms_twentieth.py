@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_idioms_eighteenth import BF16, assert_near, clipped, norms_of, relative_error
-from test_idioms_fifth import accelerate  # noqa: F401 (a fixture)
+from test_idioms_fifth import accelerate as accelerate_state  # noqa: F401 (a fixture)
 from torch import nn
 
 import gradhooks
@@ -173,7 +173,11 @@ class MaeBlock(nn.Module):
     def __init__(self, dim: int, heads: int = 2) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm1, self.qkv, self.proj = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 3 * dim),
+            nn.Linear(dim, dim),
+        )
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
@@ -280,7 +284,7 @@ def test_mae_pretraining_random_masking_drawn_in_the_forward_with_accumulation(f
         lr=1e-2, betas=(0.9, 0.95),
     )  # fmt: skip
     scaler = torch.amp.GradScaler("cpu", enabled=fp16)
-    accum_iter, g = 2, torch.Generator().manual_seed(0)
+    accum_iter, g, want = 2, torch.Generator().manual_seed(0), {}
     with gradhooks.add_hooks(model):
         for it in range(2 * STEPS):
             if it % accum_iter == 0:
@@ -446,8 +450,14 @@ class OlmoBlock(nn.Module):
         self.heads = heads
         self.attn_norm = nn.LayerNorm(dim, elementwise_affine=False)
         self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False)
-        self.att_proj, self.attn_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
-        self.ff_proj, self.ff_out = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.att_proj, self.attn_out = (
+            nn.Linear(dim, 3 * dim, bias=False),
+            nn.Linear(dim, dim, bias=False),
+        )
+        self.ff_proj, self.ff_out = (
+            nn.Linear(dim, 4 * dim, bias=False),
+            nn.Linear(2 * dim, dim, bias=False),
+        )
 
     def forward(self, x):
         B, T, C = x.shape
@@ -480,7 +490,9 @@ def olmo_losses(logits, input_ids, attention_mask, batch_size_in_tokens: int):
     tokens, each over the whole batch's ``batch_size_in_tokens``: each sequence's, ``[batch]``."""
     labels = input_ids.masked_fill(attention_mask == 0, -100)[..., 1:]
     logits = logits[..., :-1, :].float()
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+    )
     z_squared = logits.logsumexp(-1).pow(2) * (labels != -100)
     per_token = ce.view(labels.shape) + 1e-4 * z_squared
     return per_token.sum(-1) / batch_size_in_tokens
@@ -514,7 +526,7 @@ def test_olmo_micro_batches_over_the_batch_token_count_with_the_z_loss(bf16):
             for mb in range(2):
                 ids, mask = input_ids[2 * mb : 2 * mb + 2], attention_mask[2 * mb : 2 * mb + 2]
 
-                def own(logits, m):
+                def own(logits, m, batch_size_in_tokens=batch_size_in_tokens):
                     ids_i = m[..., 0].long()
                     return olmo_losses(logits, ids_i, m[..., 1], batch_size_in_tokens).sum()
 
@@ -547,11 +559,16 @@ class TextEncoder(nn.Module):
     def __init__(self, vocab: int = 10, dim: int = 6, length: int = 4) -> None:
         super().__init__()
         torch.manual_seed(1)
-        self.token_embedding, self.position_embedding = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.token_embedding, self.position_embedding = (
+            nn.Embedding(vocab, dim),
+            nn.Embedding(length, dim),
+        )
         self.fc, self.final_layer_norm = nn.Linear(dim, dim), nn.LayerNorm(dim)
 
     def forward(self, input_ids):
-        h = self.token_embedding(input_ids) + self.position_embedding(torch.arange(input_ids.shape[1]))
+        h = self.token_embedding(input_ids) + self.position_embedding(
+            torch.arange(input_ids.shape[1])
+        )
         return self.final_layer_norm(h + torch.tanh(self.fc(h)))
 
 
@@ -572,9 +589,16 @@ class TinyUNet(nn.Module):
     def __init__(self, channels: int = 4, dim: int = 6) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.conv_in, self.conv_out = nn.Conv2d(channels, dim, 3, padding=1), nn.Conv2d(dim, channels, 3, padding=1)
+        self.conv_in, self.conv_out = (
+            nn.Conv2d(channels, dim, 3, padding=1),
+            nn.Conv2d(dim, channels, 3, padding=1),
+        )
         self.time_embedding, self.norm = nn.Linear(dim, dim), nn.GroupNorm(2, dim)
-        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_q, self.to_k, self.to_v = (
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+        )
 
     def forward(self, sample, timesteps, encoder_hidden_states, return_dict=True):
         h = self.conv_in(sample)
@@ -656,7 +680,9 @@ def test_dreambooth_prior_preservation_with_the_text_encoder_trained(bf16):
             want = loop_grad(joined, own, (noisy, timesteps, input_ids), target)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 encoder_hidden_states = text_encoder(input_ids)
-                model_pred = unet(noisy.to(dtype), timesteps, encoder_hidden_states, return_dict=False)[0]
+                model_pred = unet(
+                    noisy.to(dtype), timesteps, encoder_hidden_states, return_dict=False
+                )[0]
             model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
             target, target_prior = torch.chunk(noise.to(dtype), 2, dim=0)
             loss = F.mse_loss(model_pred.float(), target.float())
@@ -748,7 +774,10 @@ class EpsNet(nn.Module):
         self.norm, self.conv_out = nn.GroupNorm(2, 6), nn.Conv2d(6, 6, 3, padding=1)
 
     def forward(self, x, timesteps):
-        h = self.conv_in(x) + self.time_embed(timestep_embedding(timesteps).to(x.dtype))[:, :, None, None]
+        h = (
+            self.conv_in(x)
+            + self.time_embed(timestep_embedding(timesteps).to(x.dtype))[:, :, None, None]
+        )
         return self.conv_out(self.norm(F.silu(h)))
 
 
@@ -820,7 +849,10 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
                 t, weights = sampler.sample(2, g)
                 noise = torch.randn(micro.shape, generator=g, dtype=D)
                 tab = diffusion_tables()
-                x_t = tab["sqrt_ac"][t][:, None, None, None] * micro + tab["sqrt_1mac"][t][:, None, None, None] * noise
+                x_t = (
+                    tab["sqrt_ac"][t][:, None, None, None] * micro
+                    + tab["sqrt_1mac"][t][:, None, None, None] * noise
+                )
                 scaled = t.to(D) * (1000.0 / T_STEPS)  # (_scale_timesteps)
 
                 def own(out, target):
@@ -834,7 +866,9 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
                 want = {n: want.get(n, 0) + mine[n] for n in mine}
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     out = model(x_t.to(dtype), scaled)
-                losses = hybrid_losses(out.to(dtype), micro.to(dtype), x_t.to(dtype), noise.to(dtype), t)
+                losses = hybrid_losses(
+                    out.to(dtype), micro.to(dtype), x_t.to(dtype), noise.to(dtype), t
+                )
                 sampler.update_with_local_losses(t, losses.detach())
                 (losses * weights.to(dtype)).mean().backward()
                 if bf16:
@@ -868,7 +902,7 @@ class Keywords(nn.Module):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
-    accelerate, mixed_precision
+    accelerate_state, mixed_precision  # noqa: F811 (the fixture imported)
 ):  # fmt: skip
     """huggingface/transformers ``examples/pytorch/multiple-choice/run_swag_no_trainer.py``:
     ``AutoModelForMultipleChoice`` (here a one-layer ``BertForMultipleChoice``), whose forward
@@ -891,7 +925,7 @@ def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
     )  # fmt: skip
     torch.manual_seed(0)
     model = hf("BertForMultipleChoice")(config).to(D if mixed_precision == "no" else torch.float32)
-    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2,
+    acc = accelerate_state.Accelerator(cpu=True, gradient_accumulation_steps=2,
                                  mixed_precision=mixed_precision)  # fmt: skip
     no_decay = ["bias", "LayerNorm.weight"]
     groups = [
@@ -904,7 +938,7 @@ def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
     scheduler = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=4)
     prepared, opt, scheduler = acc.prepare(model, opt, scheduler)
     names = ("input_ids", "attention_mask", "token_type_ids", "labels")
-    g = torch.Generator().manual_seed(0)
+    g, want = torch.Generator().manual_seed(0), {}
     with gradhooks.add_hooks(prepared):
         for step in range(4):
             input_ids = torch.randint(1, 20, (3, 2, 6), generator=g)
@@ -986,7 +1020,9 @@ def dino_loss(student_output, teacher_out, ncrops: int = 4, student_temp: float 
         for v in range(ncrops):
             if v == iq:
                 continue
-            total_loss = total_loss + torch.sum(-q * F.log_softmax(student_out[v], dim=-1), dim=-1).mean()
+            total_loss = (
+                total_loss + torch.sum(-q * F.log_softmax(student_out[v], dim=-1), dim=-1).mean()
+            )
             n_loss_terms += 1
     return total_loss / n_loss_terms
 
@@ -1027,7 +1063,9 @@ def test_dino_multi_crop_backbone_run_per_resolution_and_the_head_on_all_crops(f
             twin = MultiCropWrapper().to(D)  # (old weight_norm's modules do not deep-copy)
             twin.load_state_dict(student.state_dict())
             twin.head.last_layer.weight_g.requires_grad = False
-            want = loop_grad(twin, lambda out, t: dino_loss(out, t), tuple(images), teacher_out.to(D))
+            want = loop_grad(
+                twin, lambda out, t: dino_loss(out, t), tuple(images), teacher_out.to(D)
+            )
             with autocast:
                 student_output = student(*(im.to(dtype) for im in images))
             loss = dino_loss(student_output, teacher_out)
@@ -1150,12 +1188,16 @@ def test_trl_grpo_group_relative_advantages_and_the_kl_to_the_reference(bf16):
                 return grpo_losses(logps, ref, adv, mask).sum()
 
             packed = torch.cat([ref_logps, advantages[:, None], completion_mask.to(D)], 1)
-            want = loop_grad(LogProbs(reference(model), keep), own, (input_ids, attention_mask), packed)
+            want = loop_grad(
+                LogProbs(reference(model), keep), own, (input_ids, attention_mask), packed
+            )
             want = {n.removeprefix("model."): w for n, w in want.items()}
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logps = per_token_logps(model, input_ids, attention_mask, keep)
-            loss = grpo_losses(logps, ref_logps.to(dtype), advantages.to(dtype), completion_mask).mean()
+            loss = grpo_losses(
+                logps, ref_logps.to(dtype), advantages.to(dtype), completion_mask
+            ).mean()
             loss.backward()
             if bf16:
                 got = {n: p.grad1 for n, p in model.named_parameters()}
@@ -1189,7 +1231,9 @@ class SquashedActor(nn.Module):
         log_std = torch.clamp(self.log_std(latent_pi), -20, 2)
         noise = torch.randn_like(mean_actions) if noise is None else noise
         gaussian_actions = mean_actions + log_std.exp() * noise
-        log_prob = torch.distributions.Normal(mean_actions, log_std.exp()).log_prob(gaussian_actions)
+        log_prob = torch.distributions.Normal(mean_actions, log_std.exp()).log_prob(
+            gaussian_actions
+        )
         actions = torch.tanh(gaussian_actions)
         log_prob = log_prob.sum(-1) - torch.log(1 - actions**2 + 1e-6).sum(-1)
         return actions, log_prob
@@ -1260,7 +1304,10 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
     target_entropy, g = -2.0, torch.Generator().manual_seed(0)
     with gradhooks.add_hooks(policy):
         for step in range(STEPS):
-            obs, next_obs = torch.randn(5, 3, generator=g, dtype=D), torch.randn(5, 3, generator=g, dtype=D)
+            obs, next_obs = (
+                torch.randn(5, 3, generator=g, dtype=D),
+                torch.randn(5, 3, generator=g, dtype=D),
+            )
             actions = torch.rand(5, 2, generator=g, dtype=D) * 2 - 1
             rewards, dones = torch.randn(5, 1, generator=g, dtype=D), torch.zeros(5, 1, dtype=D)
             torch.manual_seed(10 + step)
@@ -1286,14 +1333,18 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
             td = loop_grad(CriticOnly(reference(policy.critic)),
                            lambda q, y: 0.5 * ((q - y) ** 2).sum(), (obs, actions), target_q_values)  # fmt: skip
             current_q_values = policy.critic(obs, actions)
-            critic_loss = 0.5 * sum(F.mse_loss(current_q, target_q_values) for current_q in current_q_values)
+            critic_loss = 0.5 * sum(
+                F.mse_loss(current_q, target_q_values) for current_q in current_q_values
+            )
             critic_opt.zero_grad()
             critic_loss.backward()
             for n, p in policy.critic.named_parameters():
                 assert_close(p.grad1, td["critic." + n], f"step {step}: critic {n}")
             critic_opt.step()
             coef = ent_coef.item()
-            mine = loop_grad(reference(policy), lambda out: (coef * out[0] - out[1]).sum(), (obs, noise))
+            mine = loop_grad(
+                reference(policy), lambda out, c=coef: (c * out[0] - out[1]).sum(), (obs, noise)
+            )
             q_values_pi = torch.cat(policy.critic(obs, actions_pi), dim=1)
             min_qf_pi, _ = torch.min(q_values_pi, dim=1, keepdim=True)
             actor_loss = (ent_coef * log_prob - min_qf_pi).mean()
@@ -1304,6 +1355,8 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
                 assert_close(p.grad1, want, f"step {step}: after the actor's backward, {n}")
             actor_opt.step()
             with torch.no_grad():
-                for param, target_param in zip(policy.critic.parameters(), critic_target.parameters()):
+                for param, target_param in zip(
+                    policy.critic.parameters(), critic_target.parameters()
+                ):
                     target_param.data.mul_(1 - 0.005)
                     torch.add(target_param.data, param.data, alpha=0.005, out=target_param.data)
