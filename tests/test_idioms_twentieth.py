@@ -1360,3 +1360,125 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
                 ):
                     target_param.data.mul_(1 - 0.005)
                     torch.add(target_param.data, param.data, alpha=0.005, out=target_param.data)
+
+
+# -- facebookresearch/deit: a distillation token beside the class token ---------------------------
+
+
+class DistilledViT(nn.Module):
+    """facebookresearch/deit ``models.py``'s ``DistilledVisionTransformer``, shrunk: the
+    ``cls_token`` and ``dist_token`` each ``expand``-ed to the batch and concatenated in front
+    of the patches, a learned ``pos_embed`` added, a block, the norm; ``head`` on the class
+    token's output and ``head_dist`` on the distillation token's; in training both, in eval
+    their mean."""
+
+    def __init__(self, dim: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch_embed = nn.Conv2d(3, dim, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.dist_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 4 + 2, dim) * 0.02)
+        self.blocks, self.norm = nn.Sequential(MaeBlock(dim)), nn.LayerNorm(dim)
+        self.head, self.head_dist = nn.Linear(dim, classes), nn.Linear(dim, classes)
+
+    def forward(self, x):
+        B = x.shape[0]
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        cls_tokens = self.cls_token.expand(B, -1, -1)
+        dist_token = self.dist_token.expand(B, -1, -1)
+        x = torch.cat((cls_tokens, dist_token, x), dim=1)
+        x = self.norm(self.blocks(x + self.pos_embed))
+        x, x_dist = self.head(x[:, 0]), self.head_dist(x[:, 1])
+        return (x, x_dist) if self.training else (x + x_dist) / 2
+
+
+def deit_losses(outputs, targets, teacher_outputs, distillation_type: str, tau: float = 3.0):
+    """deit ``losses.py``'s ``DistillationLoss`` over timm's ``SoftTargetCrossEntropy`` (the
+    mixed-up soft targets), ``alpha=0.5``: ``hard``, the cross-entropy of the distillation
+    head to the teacher's argmax; ``soft``, ``F.kl_div`` of the log-softmaxes at temperature
+    ``tau``, summed, times ``tau**2``, over ``outputs_kd.numel()``. Each example's, ``[batch]``
+    (the script's loss is their mean)."""
+    outputs, outputs_kd = outputs
+    base_loss = torch.sum(-targets * F.log_softmax(outputs, dim=-1), dim=-1)
+    if distillation_type == "soft":
+        kl = F.kl_div(F.log_softmax(outputs_kd / tau, dim=1),
+                      F.log_softmax(teacher_outputs / tau, dim=1), reduction="none",
+                      log_target=True)  # fmt: skip
+        distillation_loss = kl.sum(1) * (tau * tau) / outputs_kd.shape[1]
+    else:
+        distillation_loss = F.cross_entropy(
+            outputs_kd, teacher_outputs.argmax(dim=1), reduction="none"
+        )  # fmt: skip
+    return base_loss * 0.5 + distillation_loss * 0.5
+
+
+@pytest.mark.parametrize(
+    "distillation_type, fp16", [("hard", False), ("soft", False), ("hard", True)],
+    ids=["hard float64", "soft float64", "hard fp16"],
+)  # fmt: skip
+def test_deit_distillation_token_trained_with_a_teacher_under_mixup(distillation_type, fp16):
+    """facebookresearch/deit ``main.py`` and ``engine.py`` (``train_one_epoch``) over
+    ``models.py`` and ``losses.py``: timm's ``Mixup`` of the batch with its flip (outside the
+    model: each mixed image is an example, its target the mixed one-hot labels), under
+    ``torch.cuda.amp.autocast()`` ``outputs = model(samples)`` (the class and distillation
+    heads' logits), ``loss = criterion(samples, outputs, targets)`` with the teacher (a frozen
+    convnet, not hooked) run under ``no_grad`` inside the criterion; ``zero_grad``; timm's
+    ``NativeScaler`` (``scale(loss).backward()``, ``unscale_``, ``clip_grad_norm_``,
+    ``step``, ``update``); ``model_ema.update(model)``. At each of three steps grad1 of every
+    parameter (both tokens, the position table, both heads) is the float64 loop's of each
+    mixed image's loss, with ``--distillation-type hard`` and ``soft``: exactly in float64;
+    over the scale, within float16's rounding with float16 autocast. An evaluation in eval
+    mode (the heads' mean) between steps writes nothing."""
+    dtype = torch.float32 if fp16 else D
+    model = DistilledViT().to(dtype)
+    torch.manual_seed(3)
+    teacher = nn.Sequential(nn.Conv2d(3, 4, 4, stride=4), nn.Flatten(), nn.Linear(16, 3))
+    teacher = teacher.to(dtype).requires_grad_(False).eval()
+    model_ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.05)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=fp16)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            model.train()
+            samples = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+            labels = F.one_hot(torch.randint(3, (4,), generator=g), 3).to(D)
+            lam = 0.7
+            samples = samples * lam + samples.flip(0) * (1 - lam)
+            targets = labels * lam + labels.flip(0) * (1 - lam)
+            with torch.no_grad(), autocast:
+                teacher_outputs = teacher(samples.to(dtype))
+            packed = torch.cat([targets, teacher_outputs.to(D)], 1)
+            want = loop_grad(
+                reference(model),
+                lambda out, t: deit_losses(out, t[:, :3], t[:, 3:], distillation_type).sum(),
+                samples, packed,
+            )  # fmt: skip
+            with autocast:
+                outputs = model(samples.to(dtype))
+                loss = deit_losses(
+                    outputs, targets.to(dtype), teacher_outputs, distillation_type
+                ).mean()  # fmt: skip
+            opt.zero_grad()
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.scale(loss).backward()
+            if fp16:
+                got = {n: p.grad1 / scale for n, p in model.named_parameters()}
+                assert_near(got, want, FP16, f"step {step}")
+            else:
+                assert_grad1(model, want, f"step {step}")
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            scaler.step(opt)
+            scaler.update()
+            with torch.no_grad():
+                for e, p in zip(model_ema.parameters(), model.parameters()):
+                    e.mul_(0.99).add_(p, alpha=0.01)
+            if step == 1:
+                model.eval()
+                kept = model_state(model)
+                with torch.no_grad(), autocast:
+                    model(samples.to(dtype))
+                assert_untouched(model, kept)
