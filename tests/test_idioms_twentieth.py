@@ -1482,3 +1482,80 @@ def test_deit_distillation_token_trained_with_a_teacher_under_mixup(distillation
                 with torch.no_grad(), autocast:
                     model(samples.to(dtype))
                 assert_untouched(model, kept)
+
+
+# -- transformers' NEFTune on a PEFT LoRA model (TRL's SFTTrainer with neftune_noise_alpha) -------
+
+
+class NoisyEmbeddings(nn.Module):
+    """The loop's model: ``model`` whose input embedding adds the ``noise`` given (what
+    NEFTune's hook drew for the batch), for one example at a time."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.noise = model, None
+        model.get_input_embeddings().register_forward_hook(lambda m, i, out: out + self.noise)
+
+    def forward(self, input_ids, noise):
+        self.noise = noise
+        return self.model(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16 autocast"])
+def test_neftune_noise_on_the_embeddings_of_a_lora_model(bf16):
+    """huggingface/transformers ``src/transformers/integrations/neftune.py`` (called as is:
+    ``activate_neftune``, ``neftune_post_forward_hook``, ``deactivate_neftune``), as
+    ``Trainer`` and trl's ``SFTTrainer`` use it with ``neftune_noise_alpha=5`` on a PEFT
+    model: a forward hook on the (frozen) input embedding adds uniform noise of magnitude
+    ``alpha / sqrt(tokens * hidden)`` in training mode; LoRA (``r=2``, ``c_attn``) on a GPT-2,
+    ``model(input_ids=..., labels=...).loss``, backward, AdamW, ``zero_grad``; NEFTune
+    deactivated for the evaluation after the second step (and put back). At each of three
+    steps grad1 of the LoRA weights is the float64 loop's of each sequence's loss with the same
+    noise: exactly in float64, within bfloat16's rounding under bfloat16 autocast; the frozen
+    weights have none."""
+    peft = pytest.importorskip("peft")
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+    config = hf("GPT2Config")(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=16,
+                              resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
+                           fan_in_fan_out=True, init_lora_weights=False)  # fmt: skip
+    dtype = torch.float32 if bf16 else D
+    model = peft.get_peft_model(hf("GPT2LMHeadModel")(config), lora).to(dtype)
+    twin = NoisyEmbeddings(reference(model))
+    handle = activate_neftune(model, 5.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            model.train()
+            input_ids = torch.randint(16, (4, 6), generator=g)
+            twin.load_state_dict({"model." + k: v for k, v in model.state_dict().items()})
+            torch.manual_seed(100 + step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            torch.manual_seed(100 + step)
+            mag = 5.0 / math.sqrt(6 * 8)
+            noise = torch.zeros(4, 6, 8, dtype=dtype).uniform_(-mag, mag).to(D)
+
+            def lm_loss(logits, ids):
+                return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+            want = loop_grad(twin, lm_loss, (input_ids, noise), input_ids)
+            want = {n.removeprefix("model."): w for n, w in want.items()}
+            opt.zero_grad()
+            loss.backward()
+            if bf16:
+                got = {n: p.grad1 for n, p in model.named_parameters() if p.requires_grad}
+                assert_near(got, want, BF16, f"step {step}")
+            else:
+                assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+            if step == 1:
+                deactivate_neftune(model, handle)
+                model.eval()
+                with torch.no_grad():
+                    model(input_ids=input_ids)
+                handle = activate_neftune(model, 5.0)
+    deactivate_neftune(model, handle)
