@@ -1559,3 +1559,131 @@ def test_neftune_noise_on_the_embeddings_of_a_lora_model(bf16):
                     model(input_ids=input_ids)
                 handle = activate_neftune(model, 5.0)
     deactivate_neftune(model, handle)
+
+
+# -- pytorch/torchtune recipes/full_finetune_single_device.py: compiled layers, optimizer in bwd ---
+
+
+class TuneRMSNorm(nn.Module):
+    """torchtune ``modules/rms_norm.py``'s ``RMSNorm``: computed in float32, scaled, cast
+    back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.scale = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x_fp32 = x.float()
+        x_normed = (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        )
+        return x_normed * self.scale
+
+
+class TuneLayer(nn.Module):
+    """torchtune's ``TransformerSelfAttentionLayer`` shrunk: ``sa_norm``, causal attention by
+    ``q_proj``/``k_proj``/``v_proj``/``output_proj`` (no biases), ``mlp_norm`` and the SwiGLU
+    ``FeedForward`` (``w2(silu(w1(x)) * w3(x))``), each residual."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.sa_norm, self.mlp_norm = TuneRMSNorm(dim), TuneRMSNorm(dim)
+        self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.output_proj = nn.Linear(dim, dim, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, 12, bias=False), nn.Linear(dim, 12, bias=False)
+        self.w2 = nn.Linear(12, dim, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.sa_norm(x)
+        q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.output_proj(y.transpose(1, 2).reshape(B, T, C))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TuneDecoder(nn.Module):
+    """torchtune's ``TransformerDecoder``: ``tok_embeddings``, two layers, ``norm`` and the
+    ``output`` projection."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TuneLayer(dim) for _ in range(2))
+        self.norm, self.output = TuneRMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def sft_loss(logits, labels):
+    """The recipe's ``_loss_step``: the labels shifted left (``torch.hstack((labels[..., 1:],
+    ignore_labels_cache))``), ``CrossEntropyLoss(ignore_index=-100)`` over the flattened
+    tokens: the mean over the batch's labelled tokens."""
+    labels = torch.hstack((labels[..., 1:], torch.full((labels.shape[0], 1), -100)))
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
+    )
+
+
+@pytest.mark.parametrize("dtype", [D, torch.bfloat16], ids=["float64", "bf16"])
+def test_torchtune_full_finetune_compiled_layers_and_the_optimizer_in_the_backward(dynamo, dtype):
+    """pytorch/torchtune ``recipes/full_finetune_single_device.py`` with ``compile=True
+    optimizer_in_bwd=True`` (``dtype=bf16``, the recipe's default: the whole model and its
+    optimizer in bfloat16): ``training.compile_model`` compiles each
+    ``TransformerSelfAttentionLayer`` in place (``m.compile(backend=...)``, here the
+    ``aot_eager`` backend: the recipe's inductor only adds build time),
+    ``training.compile_loss`` the loss; ``training.register_optim_in_bwd_hooks`` puts an
+    AdamW per parameter, stepped and zeroed by ``register_post_accumulate_grad_hook``, so the
+    loop calls neither ``step`` nor ``zero_grad``; per batch ``current_num_tokens = (labels
+    != ignore_index).sum()``, ``current_loss = self._loss_step(batch) * current_num_tokens``,
+    then (optimizer in backward) ``current_loss / num_tokens`` and its backward. At each of
+    three steps grad1 is the float64 loop's of each sequence's labelled tokens' losses over
+    the batch's count, at the weights its forward used: exactly in float64, within bfloat16's
+    rounding in bfloat16; no ``.grad`` is left."""
+    model = TuneDecoder().to(dtype)
+    for m in reversed(list(model.modules())):
+        if isinstance(m, TuneLayer):
+            m.compile(backend="aot_eager")
+    loss_fn = torch.compile(sft_loss, backend="aot_eager")
+    optim_dict = {p: torch.optim.AdamW([p], lr=1e-2, foreach=False) for p in model.parameters()}
+
+    def optim_step(param) -> None:
+        optim_dict[param].step()
+        optim_dict[param].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(optim_step) for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    try:
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            for step in range(STEPS):
+                tokens = torch.randint(13, (3, 6), generator=g)
+                labels = tokens.masked_fill(torch.rand(3, 6, generator=g) < 0.3, -100)
+                labels[:, 0], labels[:, 1] = -100, tokens[:, 1]  # (one prompt token; one target)
+                num_tokens = (labels[..., 1:] != -100).sum()
+
+                def own(logits, t, num_tokens=num_tokens):
+                    return sft_loss(logits, t) * (t[..., 1:] != -100).sum() / num_tokens
+
+                want = loop_grad(reference(model), own, tokens, labels)
+                logits = model(tokens)
+                current_num_tokens = (labels[..., 1:] != -100).sum()
+                current_loss = loss_fn(logits, labels) * current_num_tokens
+                (current_loss / num_tokens).backward()
+                if dtype == D:
+                    assert_grad1(model, want, f"step {step}")
+                else:
+                    got = {n: p.grad1 for n, p in model.named_parameters()}
+                    assert_near(got, want, BF16, f"step {step}")
+                assert all(p.grad is None for p in model.parameters())
+    finally:
+        for h in handles:
+            h.remove()
