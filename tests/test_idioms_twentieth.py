@@ -1687,3 +1687,42 @@ def test_torchtune_full_finetune_compiled_layers_and_the_optimizer_in_the_backwa
     finally:
         for h in handles:
             h.remove()
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping"])
+def test_olmo_micro_batches_of_a_private_batch_through_the_dp_optimizer(method):
+    """OLMo's ``train_batch`` loop made private: each micro-batch's per-sequence losses (token
+    cross-entropies and z-losses over the batch's token count, as above) go to
+    ``DPOptimizer.backward`` in place of ``loss.backward()``, the step after the batch's last
+    micro-batch (``max_grad_norm=0.05``, no noise, ``expected_batch_size=4``), then
+    ``zero_grad``. At each of three steps the per-sequence norms each micro-batch's backward
+    returns and the ``.grad`` the step used (kept after AdamW's step) are the float64 loop's:
+    each sequence's gradient clipped, summed over the batch's micro-batches, over 4."""
+    model = Olmo().to(D)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    g = torch.Generator().manual_seed(1)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), h, max_grad_norm=0.05,
+            noise_multiplier=0.0, expected_batch_size=4, method=method,
+        )  # fmt: skip
+        for step in range(STEPS):
+            input_ids = torch.randint(13, (4, 6), generator=g)
+            lengths = torch.randint(3, 7, (4,), generator=g)
+            attention_mask = (torch.arange(6) < lengths[:, None]).long()
+            rows: list = []
+            for mb in range(2):
+                ids, mask = input_ids[2 * mb : 2 * mb + 2], attention_mask[2 * mb : 2 * mb + 2]
+
+                def own(logits, m):
+                    return olmo_losses(logits, m[..., 0].long(), m[..., 1], 24).sum()
+
+                packed = torch.stack((ids.to(D), mask.to(D)), -1)
+                rows.append(loop_grad(reference(model), own, ids, packed))
+                norms = opt.backward(olmo_losses(model(ids), ids, mask, 24))
+                assert_close(norms, norms_of(rows[-1]), f"step {step}, micro-batch {mb}: norms")
+            want = {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
+            opt.step()
+            for n, p in model.named_parameters():
+                assert_close(p.grad, clipped(want, 0.05, divide=4)[n], f"step {step}: {n}")
+            opt.zero_grad()
