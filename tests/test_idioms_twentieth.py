@@ -4,13 +4,25 @@ Each test writes again, with a tiny model and in gradhooks' terms, the loop of a
 GitHub (its repository and path in the docstring): facebookresearch's schedule-free SGD (the
 weights moved between the average and the gradient point by ``optimizer.train()`` and
 ``optimizer.eval()``); facebookresearch/mae's pre-training (patches masked by a per-example
-random shuffle drawn inside the forward, the loss inside the model, ``NativeScaler`` in
-float16).
+random shuffle drawn inside the forward, the mask token tiled along the batch and the sequence,
+the loss inside the model, ``NativeScaler`` in float16); luyug/GradCache (a contrastive loss
+over a batch run again chunk by chunk, each chunk's surrogate backward with the cached
+representation gradients); allenai/OLMo's micro-batches over the whole batch's token count with
+the z-loss, in bfloat16 and through the DP optimizer; diffusers' DreamBooth (prior preservation:
+the instance and class halves of one batch weighted apart, the text encoder trained beside the
+UNet); openai/improved-diffusion (the hybrid loss whose bound reaches only the learned variance,
+timesteps drawn by importance and weighted back); transformers' ``run_swag_no_trainer`` (the
+choices folded into the batch inside the model, accelerate's accumulation and bfloat16);
+facebookresearch/dino (the backbone run once per crop resolution, the head on all crops);
+trl's GRPO (group-relative advantages, a per-token KL to a frozen reference); stable-baselines3's
+SAC (the entropy coefficient's, the critic's and the actor's backwards of one replay sample);
+facebookresearch/deit (a distillation token, a teacher inside the criterion, hard and soft);
+transformers' NEFTune hook on a PEFT model; torchtune's full fine-tune (layers compiled in
+place, AdamW stepped in the backward).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
-the precision the script runs in, or checked to stop with a typed error that names what went
-wrong."""
+the precision the script runs in."""
 
 from __future__ import annotations
 
