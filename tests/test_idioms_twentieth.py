@@ -1304,8 +1304,9 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
     actor loss's part too, kept until its next ``zero_grad``); ``polyak_update`` of the target
     critic. One handle on the policy: at each of three steps the entropy backward writes no
     grad1 and warns of nothing; after the critic's backward its grad1 is the float64 loop's of each transition's
-    TD errors; after the actor's, the actor's grad1 is the loop's of each transition's actor
-    loss (the same noise), and the critic's is its TD rows plus the actor loss's, as
+    TD errors, and the actor's, which it does not reach, is the last step's, as its ``.grad``;
+    after the actor's, the actor's grad1 is the loop's of each transition's actor loss (the
+    same noise), and the critic's is its TD rows plus the actor loss's, as
     ``.grad``."""
     policy = SacPolicy().to(D)
     critic_target = copy.deepcopy(policy.critic).requires_grad_(False)
@@ -1349,9 +1350,13 @@ def test_stable_baselines3_sac_entropy_critic_and_actor_backwards_of_one_sample(
                 F.mse_loss(current_q, target_q_values) for current_q in current_q_values
             )
             critic_opt.zero_grad()
+            actor_kept = {n: p.__dict__.get("grad1") for n, p in policy.actor.named_parameters()}
             critic_loss.backward()
             for n, p in policy.critic.named_parameters():
                 assert_close(p.grad1, td["critic." + n], f"step {step}: critic {n}")
+            for n, p in policy.actor.named_parameters():  # (not reached, not zeroed: kept)
+                kept = actor_kept[n]
+                assert kept is None if step == 0 else torch.equal(p.grad1, kept), n
             critic_opt.step()
             coef = ent_coef.item()
             mine = loop_grad(
