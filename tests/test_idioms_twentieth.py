@@ -332,33 +332,37 @@ def test_mae_pretraining_random_masking_drawn_in_the_forward_with_accumulation(f
 
 class RepeatedPrompt(nn.Module):
     """A learned prompt of two tokens, ``[1, 2, dim]``, tiled over the batch and twice along
-    the sequence (``repeat(batch, 2, 1)``) in front of the patches' embeddings, and the
-    reconstruction loss inside the module, as MAE puts it: a tile of more than one row."""
+    the sequence (``repeat(batch, 2, 1)``), then concatenated in front of the patches'
+    embeddings (``how="cat"``) or multiplying them (``how="mul"``), and the loss inside the
+    module, as MAE puts it: a tile of more than one row."""
 
-    def __init__(self, dim: int = 4) -> None:
+    def __init__(self, how: str, dim: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.how = how
         self.embed, self.head = nn.Linear(3, dim), nn.Linear(dim, 3)
         self.prompt = nn.Parameter(torch.randn(1, 2, dim))
 
     def forward(self, x):
         h = self.embed(x)
-        h = torch.cat([self.prompt.repeat(x.shape[0], 2, 1), h], dim=1)
+        tiled = self.prompt.repeat(x.shape[0], 2, 1)
+        h = torch.cat([tiled, h], dim=1) if self.how == "cat" else h * tiled
         h = torch.tanh(h) * torch.linspace(0.5, 1.5, h.shape[1], dtype=h.dtype)[:, None]
         return (self.head(h.mean(1)) - x.mean(1)).pow(2).sum(-1).mean()
 
 
-def test_a_parameter_tiled_along_the_sequence_and_the_batch_with_the_loss_inside():
+@pytest.mark.parametrize("how", ["cat", "mul"])
+def test_a_parameter_tiled_along_the_sequence_and_the_batch_with_the_loss_inside(how):
     """A parameter tiled by ``repeat`` along the batch and along another dimension (MAE's
     ``mask_token.repeat(N, masked, 1)``, here a two-token prompt repeated twice), then
-    concatenated with the batch, in a module whose forward returns the loss: grad1 is the
-    float64 loop's at each of three SGD steps (each tile's gradient summed into the
-    prompt)."""
-    model = RepeatedPrompt().to(D)
+    concatenated with the batch or multiplied into it, in a module whose forward returns the
+    loss: grad1 is the float64 loop's at each of three SGD steps (each tile's gradient summed
+    into the prompt)."""
+    model = RepeatedPrompt(how).to(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
-            x = torch.randn(5, 3, 3, generator=torch.Generator().manual_seed(step), dtype=D)
+            x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(step), dtype=D)
             want = loop_grad(reference(model), lambda out: out, x)
             opt.zero_grad()
             model(x).backward()
