@@ -370,6 +370,52 @@ def test_a_parameter_tiled_along_the_sequence_and_the_batch_with_the_loss_inside
             opt.step()
 
 
+class PixelValues(nn.Module):
+    """``model(pixel_values=..., noise=...).loss``, for the loop."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values, noise):
+        return self.model(pixel_values=pixel_values, noise=noise).loss
+
+
+def test_transformers_vit_mae_pretraining_its_noise_drawn_inside_and_its_loss_inside():
+    """huggingface/transformers ``examples/pytorch/image-pretraining/run_mae.py`` over
+    ``models/vit_mae/modeling_vit_mae.py`` (the library's code, called as is): a one-layer
+    ``ViTMAEForPreTraining`` with ``norm_pix_loss``, ``outputs = model(pixel_values=...)``
+    (the masking noise drawn inside the forward, the mask token repeated along the batch and
+    the masked positions by the decoder, the loss computed inside), ``outputs.loss.backward()``,
+    AdamW, ``zero_grad``. At each of three steps grad1 of every trainable parameter is the
+    float64 loop's of each image's loss, the loop given the same noise; the fixed sin-cos
+    position tables have none."""
+    config = hf("ViTMAEConfig")(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        image_size=8, patch_size=4, num_channels=3, decoder_hidden_size=8,
+        decoder_num_hidden_layers=1, decoder_num_attention_heads=2, decoder_intermediate_size=10,
+        mask_ratio=0.5, norm_pix_loss=True, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf("ViTMAEForPreTraining")(config).to(D)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            pixel_values = torch.randn(4, 3, 8, 8, generator=g, dtype=D)
+            torch.manual_seed(50 + step)
+            noise = torch.rand(4, 4).to(D)  # (drawn as the model draws it: in float32)
+            want = loop_grad(PixelValues(reference(model)), lambda out: out, (pixel_values, noise))
+            want = {n.removeprefix("model."): w for n, w in want.items()}
+            torch.manual_seed(50 + step)
+            outputs = model(pixel_values=pixel_values)
+            opt.zero_grad()
+            outputs.loss.backward()
+            assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            opt.step()
+
+
 # -- luyug/GradCache: a contrastive loss over a batch larger than memory, by chunks ----------------
 
 
