@@ -1793,3 +1793,73 @@ def test_olmo_micro_batches_of_a_private_batch_through_the_dp_optimizer(method):
             for n, p in model.named_parameters():
                 assert_close(p.grad, clipped(want, 0.05, divide=4)[n], f"step {step}: {n}")
             opt.zero_grad()
+
+
+# -- huggingface/transformers examples/pytorch/question-answering/run_qa_no_trainer.py ----------
+
+
+def qa_share(out, t):
+    """Each example's share of ``BertForQuestionAnswering``'s loss: ``(start_loss +
+    end_loss) / 2``, each a cross-entropy's mean over the examples whose position is not
+    ``ignored_index`` (the positions clamped to the sequence's length, then ignored); ``t``
+    holds the start and end positions and the batch's two counts."""
+    start_positions, end_positions = t[:, 0].long(), t[:, 1].long()
+    start_count, end_count = t[:, 2], t[:, 3]
+    ignored_index = out.start_logits.size(1)
+    start_positions = start_positions.clamp(0, ignored_index)
+    end_positions = end_positions.clamp(0, ignored_index)
+    start = F.cross_entropy(out.start_logits, start_positions, ignore_index=ignored_index,
+                            reduction="none") / start_count  # fmt: skip
+    end = F.cross_entropy(out.end_logits, end_positions, ignore_index=ignored_index,
+                          reduction="none") / end_count  # fmt: skip
+    return ((start + end) / 2).sum()
+
+
+def test_run_qa_no_trainer_start_and_end_means_over_the_answers_in_the_window():
+    """huggingface/transformers ``examples/pytorch/question-answering/run_qa_no_trainer.py``
+    over ``BertForQuestionAnswering`` (called as is): ``outputs = model(**batch)`` with
+    ``start_positions`` and ``end_positions``, the loss inside: one ``qa_outputs`` Linear split
+    into the start and end logits, the positions clamped to ``ignored_index`` (the sequence's
+    length: an answer cut off by the window), each cross-entropy averaged over the examples
+    not ignored; ``accelerator.backward(loss)``, AdamW, the linear schedule, ``zero_grad``.
+    One example's end, then another's start and end, lie past the window: with
+    ``loss_reduction="sum"`` grad1 is, at each of three steps, the float64 loop's of each
+    example's share (its start and end losses over their counts, halved), an example whose
+    positions are both cut off has a zero row."""
+    transformers = pytest.importorskip("transformers")
+    config = hf("BertConfig")(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf("BertForQuestionAnswering")(config).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
+    names = ("input_ids", "attention_mask", "token_type_ids", "start_positions", "end_positions")
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(STEPS):
+            input_ids = torch.randint(1, 20, (4, 7), generator=g)
+            attention_mask = torch.ones_like(input_ids)
+            token_type_ids = (torch.arange(7) >= 3).long().expand(4, 7)
+            start_positions = torch.randint(3, 7, (4,), generator=g)
+            end_positions = torch.randint(3, 7, (4,), generator=g)
+            end_positions[0] = 9  # (past the window)
+            if step > 0:
+                start_positions[2], end_positions[2] = 8, 12
+            counts = [(p < 7).sum().to(D).expand(4) for p in (start_positions, end_positions)]
+            packed = torch.stack([start_positions.to(D), end_positions.to(D), *counts], 1)
+            twin = Keywords(reference(model), names[:3])
+            want = loop_grad(twin, qa_share, (input_ids, attention_mask, token_type_ids), packed)
+            want = {n.removeprefix("model."): w for n, w in want.items()}
+            batch = dict(zip(names, (input_ids, attention_mask, token_type_ids, start_positions,
+                                     end_positions)))  # fmt: skip
+            outputs = model(**batch)
+            outputs.loss.backward()
+            assert_grad1(model, want, f"step {step}")
+            if step > 0:
+                assert not model.qa_outputs.weight.grad1[2].any()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
