@@ -53,6 +53,7 @@ from harness import (
 D = torch.float64
 STEPS = 3
 FP16 = 1e-2  # float16: 11 bits, a few roundings deep, of the largest entry
+F32 = 1e-5  # float32: 24 bits, a few roundings deep, of the largest entry
 
 
 def reference(model: nn.Module) -> nn.Module:
@@ -753,7 +754,7 @@ def test_dreambooth_prior_preservation_with_the_text_encoder_trained(bf16):
             for prefix, net in (("unet.", unet), ("text_encoder.", text_encoder)):
                 mine = {n: want[prefix + n] for n, _ in net.named_parameters()}
                 got = {n: p.grad1 for n, p in net.named_parameters()}
-                assert_near(got, mine, BF16 if bf16 else 1e-5, f"step {step}: {prefix}")
+                assert_near(got, mine, BF16 if bf16 else F32, f"step {step}: {prefix}")
             nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=bf16)
@@ -1578,8 +1579,8 @@ def test_neftune_noise_on_the_embeddings_of_a_lora_model(bf16):
     ``model(input_ids=..., labels=...).loss``, backward, AdamW, ``zero_grad``; NEFTune
     deactivated for the evaluation after the second step (and put back). At each of three
     steps grad1 of the LoRA weights is the float64 loop's of each sequence's loss with the same
-    noise: exactly in float64, within bfloat16's rounding under bfloat16 autocast; the frozen
-    weights have none."""
+    noise: in float64 within float32's rounding (the loss from ``labels`` casts the logits to
+    float32), within bfloat16's under bfloat16 autocast; the frozen weights have none."""
     peft = pytest.importorskip("peft")
     from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
@@ -1616,8 +1617,9 @@ def test_neftune_noise_on_the_embeddings_of_a_lora_model(bf16):
             if bf16:
                 got = {n: p.grad1 for n, p in model.named_parameters() if p.requires_grad}
                 assert_near(got, want, BF16, f"step {step}")
-            else:
-                assert_grad1(model, want, f"step {step}", frozen_clean=True)
+            else:  # (the loss from labels casts the logits to float32)
+                scale = max(w.abs().max() for w in want.values()).item()
+                assert_grad1(model, want, f"step {step}", True, rtol=0, atol=F32 * scale)
             opt.step()
             if step == 1:
                 deactivate_neftune(model, handle)
@@ -1862,4 +1864,66 @@ def test_run_qa_no_trainer_start_and_end_means_over_the_answers_in_the_window():
                 assert not model.qa_outputs.weight.grad1[2].any()
             opt.step()
             scheduler.step()
+            opt.zero_grad()
+
+
+# -- PEFT's trainable_token_indices: new tokens' rows trained beside LoRA -------------------------
+
+
+class Logits(nn.Module):
+    """``model(input_ids=...).logits``, for the loop."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def test_peft_trainable_token_rows_beside_lora_in_a_tied_gpt2():
+    """huggingface/peft ``src/peft/tuners/trainable_tokens/layer.py`` (called as is), as
+    ``LoraConfig(trainable_token_indices=[...])`` is used to train the rows of tokens added
+    for a chat template beside LoRA: ``TrainableTokensLayer`` builds the embedding's weight
+    anew at each call (``W.index_copy(0, index, trainable_tokens_delta)``, the frozen rows
+    kept) and embeds the batch with ``F.embedding(input=x, weight=W)``; the GPT-2's head,
+    tied to the embedding, is wrapped as well, sharing the delta (``F.linear`` with ``W``).
+    The script's loop: ``model(input_ids=..., labels=...).loss``, backward, AdamW,
+    ``zero_grad``. At each of three steps grad1 of the delta (both uses) and of the LoRA
+    weights is the float64 loop's of each sequence's loss, within float32's rounding (the
+    loss from ``labels`` casts the logits to float32); the frozen weights have none."""
+    peft = pytest.importorskip("peft")
+    config = hf("GPT2Config")(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=16,
+                              resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
+                           fan_in_fan_out=True, init_lora_weights=False,
+                           trainable_token_indices=[3, 5])  # fmt: skip
+    model = peft.get_peft_model(hf("GPT2LMHeadModel")(config), lora).to(D)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("trainable_tokens_delta" in n for n in trained), trained
+    opt = torch.optim.AdamW([model.get_parameter(n) for n in trained], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+
+    def lm_loss(logits, ids):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            input_ids = torch.randint(16, (4, 6), generator=g)
+            input_ids[:, 2] = 3  # (the new tokens in every sequence)
+            want = loop_grad(Logits(reference(model)), lm_loss, input_ids, input_ids)
+            want = {n.removeprefix("model."): w for n, w in want.items()}
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+            assert_grad1(
+                model,
+                want,
+                f"step {step}",
+                frozen_clean=True,
+                rtol=0,
+                atol=F32 * (max(w.abs().max() for w in want.values()).item()),
+            )
+            delta = next(p for n, p in model.named_parameters() if "trainable_tokens_delta" in n)
+            assert delta.grad1.any()
+            opt.step()
             opt.zero_grad()
