@@ -5,19 +5,21 @@ GitHub (its repository and path in the docstring): facebookresearch's schedule-f
 weights moved between the average and the gradient point by ``optimizer.train()`` and
 ``optimizer.eval()``); facebookresearch/mae's pre-training (patches masked by a per-example
 random shuffle drawn inside the forward, the mask token tiled along the batch and the sequence,
-the loss inside the model, ``NativeScaler`` in float16); luyug/GradCache (a contrastive loss
-over a batch run again chunk by chunk, each chunk's surrogate backward with the cached
-representation gradients); allenai/OLMo's micro-batches over the whole batch's token count with
-the z-loss, in bfloat16 and through the DP optimizer; diffusers' DreamBooth (prior preservation:
-the instance and class halves of one batch weighted apart, the text encoder trained beside the
-UNet); openai/improved-diffusion (the hybrid loss whose bound reaches only the learned variance,
-timesteps drawn by importance and weighted back); transformers' ``run_swag_no_trainer`` (the
-choices folded into the batch inside the model, accelerate's accumulation and bfloat16);
-facebookresearch/dino (the backbone run once per crop resolution, the head on all crops);
-trl's GRPO (group-relative advantages, a per-token KL to a frozen reference); stable-baselines3's
-SAC (the entropy coefficient's, the critic's and the actor's backwards of one replay sample);
-facebookresearch/deit (a distillation token, a teacher inside the criterion, hard and soft);
-transformers' NEFTune hook on a PEFT model; torchtune's full fine-tune (layers compiled in
+the loss inside the model, ``NativeScaler`` in float16; and transformers' ``ViTMAE``, called as
+is); luyug/GradCache (a contrastive loss over a batch run again chunk by chunk, each chunk's
+surrogate backward with the cached representation gradients); allenai/OLMo's micro-batches over
+the whole batch's token count with the z-loss, in bfloat16 and through the DP optimizer;
+diffusers' DreamBooth (prior preservation: the instance and class halves of one batch weighted
+apart, the text encoder trained beside the UNet); openai/improved-diffusion (the hybrid loss
+whose bound reaches only the learned variance, timesteps drawn by importance and weighted back);
+transformers' ``run_swag_no_trainer`` (the choices folded into the batch inside the model,
+accelerate's accumulation and bfloat16) and ``run_qa_no_trainer`` (start and end losses averaged
+over the answers inside the window); facebookresearch/dino (the backbone run once per crop
+resolution, the head on all crops); trl's GRPO (group-relative advantages, a per-token KL to a
+frozen reference); stable-baselines3's SAC (the entropy coefficient's, the critic's and the
+actor's backwards of one replay sample); facebookresearch/deit (a distillation token, a teacher
+inside the criterion, hard and soft); transformers' NEFTune hook on a PEFT model; PEFT's
+trainable token rows beside LoRA in a tied GPT-2; torchtune's full fine-tune (layers compiled in
 place, AdamW stepped in the backward).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
