@@ -1929,3 +1929,165 @@ def test_peft_trainable_token_rows_beside_lora_in_a_tied_gpt2():
             assert delta.grad1.any()
             opt.step()
             opt.zero_grad()
+
+
+# -- junyanz/pytorch-CycleGAN-and-pix2pix: two generators, two discriminators frozen in turn -----
+
+
+def cyclegan_generator(seed: int) -> nn.Sequential:
+    """A ``ResnetGenerator`` shrunk: a conv, ``InstanceNorm2d`` (``--norm instance``: no
+    affine weights), ReLU, a conv, tanh."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 3, 3, padding=1), nn.Tanh(),
+    )  # fmt: skip
+
+
+def cyclegan_discriminator(seed: int) -> nn.Sequential:
+    """A ``NLayerDiscriminator`` (PatchGAN) shrunk: a strided conv, LeakyReLU, a conv to one
+    channel of patch scores."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(4, 1, 3, padding=1))
+
+
+def gan_mse(prediction, real: bool):
+    """``GANLoss('lsgan')``: the mean squared error to a target of ones or zeros, per
+    example, ``[batch]``."""
+    target = torch.ones_like(prediction) if real else torch.zeros_like(prediction)
+    return ((prediction - target) ** 2).flatten(1).mean(1)
+
+
+def l1(a, b):
+    return (a - b).abs().flatten(1).mean(1)
+
+
+class CycleGAN(nn.Module):
+    """The four networks of ``models/cycle_gan_model.py``'s ``CycleGANModel``;
+    ``generator_losses`` is ``forward`` and ``backward_G`` (``lambda_A = lambda_B = 10``,
+    ``lambda_identity = 0.5``), ``discriminator_losses`` is ``backward_D_A`` and
+    ``backward_D_B`` given the pools' fakes; each example's, ``[batch]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.netG_A, self.netG_B = cyclegan_generator(0), cyclegan_generator(1)
+        self.netD_A, self.netD_B = cyclegan_discriminator(2), cyclegan_discriminator(3)
+
+    def generator_losses(self, real_A, real_B):
+        fake_B = self.netG_A(real_A)
+        rec_A = self.netG_B(fake_B)
+        fake_A = self.netG_B(real_B)
+        rec_B = self.netG_A(fake_A)
+        idt_A, idt_B = self.netG_A(real_B), self.netG_B(real_A)
+        loss = l1(idt_A, real_B) * 10 * 0.5 + l1(idt_B, real_A) * 10 * 0.5
+        loss = loss + gan_mse(self.netD_A(fake_B), True) + gan_mse(self.netD_B(fake_A), True)
+        loss = loss + l1(rec_A, real_A) * 10 + l1(rec_B, real_B) * 10
+        return loss, fake_A.detach(), fake_B.detach()
+
+    def discriminator_losses(self, real_A, real_B, fake_A, fake_B):
+        def basic(netD, real, fake):
+            loss_D_real = gan_mse(netD(real), True)
+            loss_D_fake = gan_mse(netD(fake.detach()), False)
+            return (loss_D_real + loss_D_fake) * 0.5
+
+        return basic(self.netD_A, real_B, fake_B) + basic(self.netD_B, real_A, fake_A)
+
+    def forward(self, real_A, real_B, fake_A=None, fake_B=None):
+        """For the loop: the generators' losses, or with the fakes the discriminators'."""
+        if fake_A is None:
+            return self.generator_losses(real_A, real_B)[0]
+        return self.discriminator_losses(real_A, real_B, fake_A, fake_B)
+
+
+class ImagePool:
+    """``util/image_pool.py``'s ``ImagePool``: until full, each generated image is kept and
+    returned; then, with probability one half, a kept one is returned in its place and it is
+    kept instead."""
+
+    def __init__(self, pool_size: int, rng) -> None:
+        self.pool_size, self.images, self.rng = pool_size, [], rng
+
+    def query(self, images):
+        return_images = []
+        for image in images:
+            image = image.unsqueeze(0)
+            if len(self.images) < self.pool_size:
+                self.images.append(image)
+                return_images.append(image)
+            elif self.rng.uniform(0, 1) > 0.5:
+                random_id = self.rng.randint(0, self.pool_size - 1)
+                return_images.append(self.images[random_id].clone())
+                self.images[random_id] = image
+            else:
+                return_images.append(image)
+        return torch.cat(return_images, 0)
+
+
+def test_cyclegan_generators_then_discriminators_frozen_in_turn_with_an_image_pool():
+    """junyanz/pytorch-CycleGAN-and-pix2pix ``train.py`` and ``models/cycle_gan_model.py``
+    (``optimize_parameters``): ``forward()`` (``fake_B = netG_A(real_A)``, ``rec_A =
+    netG_B(fake_B)``, ``fake_A = netG_B(real_B)``, ``rec_B = netG_A(fake_A)``);
+    ``set_requires_grad([netD_A, netD_B], False)``; the generators' ``zero_grad``,
+    ``backward_G`` (identity, LSGAN and cycle losses: each generator called three times, the
+    frozen discriminators once each), their Adam step; ``set_requires_grad(..., True)``; the
+    discriminators' ``zero_grad``, ``backward_D_A`` and ``backward_D_B`` on the real images and
+    ``fake_pool.query(fake)`` (``util/image_pool.py``: past fakes swapped in at random, detached),
+    their step. Each network hooked on its own; an example is a pair of images, one of each
+    domain. At each of three steps the generators' grad1 after ``backward_G`` is the float64
+    loop's of each pair's generator losses (each generator's three calls summed in its rows),
+    the frozen discriminators keep what the last step left them (``.grad`` and grad1 alike),
+    and their grad1 after the discriminators' backward is the loop's of each pair's
+    discriminator losses (real and pooled fake)."""
+    import contextlib
+    import random
+
+    model = CycleGAN().to(D)
+    nets = [model.netG_A, model.netG_B, model.netD_A, model.netD_B]
+    optimizer_G = torch.optim.Adam(
+        list(model.netG_A.parameters()) + list(model.netG_B.parameters()), lr=2e-3,
+        betas=(0.5, 0.999),
+    )  # fmt: skip
+    optimizer_D = torch.optim.Adam(
+        list(model.netD_A.parameters()) + list(model.netD_B.parameters()), lr=2e-3,
+        betas=(0.5, 0.999),
+    )  # fmt: skip
+    rng = random.Random(0)
+    fake_A_pool, fake_B_pool = ImagePool(3, rng), ImagePool(3, rng)
+    g = torch.Generator().manual_seed(0)
+
+    def set_requires_grad(ns, requires_grad):
+        for net in ns:
+            for param in net.parameters():
+                param.requires_grad = requires_grad
+
+    def grad1_of(prefix, net):
+        return {prefix + n: p.grad1 for n, p in net.named_parameters()}
+
+    with contextlib.ExitStack() as stack:
+        for net in nets:
+            stack.enter_context(gradhooks.add_hooks(net))
+        for step in range(STEPS):
+            real_A = torch.rand(4, 3, 8, 8, generator=g, dtype=D) * 2 - 1
+            real_B = torch.rand(4, 3, 8, 8, generator=g, dtype=D) * 2 - 1
+            set_requires_grad([model.netD_A, model.netD_B], False)
+            want = loop_grad(reference(model), lambda out: out.sum(), (real_A, real_B))
+            optimizer_G.zero_grad()
+            kept = {n: model_state(net) for n, net in (("A", model.netD_A), ("B", model.netD_B))}
+            loss_G, fake_A, fake_B = model.generator_losses(real_A, real_B)
+            loss_G.mean().backward()
+            got = grad1_of("netG_A.", model.netG_A) | grad1_of("netG_B.", model.netG_B)
+            for n, w in got.items():
+                assert_close(w, want[n], f"step {step}: {n} after backward_G")
+            for n, net in (("A", model.netD_A), ("B", model.netD_B)):
+                assert_untouched(net, kept[n])
+            optimizer_G.step()
+            set_requires_grad([model.netD_A, model.netD_B], True)
+            fake_B, fake_A = fake_B_pool.query(fake_B), fake_A_pool.query(fake_A)
+            want = loop_grad(reference(model), lambda out: out.sum(),
+                             (real_A, real_B, fake_A, fake_B))  # fmt: skip
+            optimizer_D.zero_grad()
+            model.discriminator_losses(real_A, real_B, fake_A, fake_B).mean().backward()
+            got = grad1_of("netD_A.", model.netD_A) | grad1_of("netD_B.", model.netD_B)
+            for n, w in got.items():
+                assert_close(w, want[n], f"step {step}: {n} after backward_D")
+            optimizer_D.step()
