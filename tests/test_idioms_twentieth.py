@@ -20,7 +20,8 @@ frozen reference); stable-baselines3's SAC (the entropy coefficient's, the criti
 actor's backwards of one replay sample); facebookresearch/deit (a distillation token, a teacher
 inside the criterion, hard and soft); transformers' NEFTune hook on a PEFT model; PEFT's
 trainable token rows beside LoRA in a tied GPT-2; torchtune's full fine-tune (layers compiled in
-place, AdamW stepped in the backward).
+place, AdamW stepped in the backward); CycleGAN (each generator called three times a step, the
+discriminators frozen in turn, fakes from an image pool).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
