@@ -853,7 +853,7 @@ class LossSecondMomentResampler:
     proportional to the root mean square of its recent losses (plus ``uniform_prob``); each
     example weighted by ``1 / (T * p[t])`` so that the weighted loss stays unbiased."""
 
-    def __init__(self, history_per_term: int = 2, uniform_prob: float = 0.001) -> None:
+    def __init__(self, history_per_term: int = 1, uniform_prob: float = 0.001) -> None:
         self.history = torch.zeros(T_STEPS, history_per_term, dtype=D)
         self.counts = torch.zeros(T_STEPS, dtype=torch.long)
         self.per_term, self.uniform_prob = history_per_term, uniform_prob
@@ -891,7 +891,8 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
     then ``_log_grad_norm``, Adam and the EMA of the parameters (``update_ema``: ``targ.mul_(
     rate).add_(src, alpha=1 - rate)``). The variational bound reaches the network only through
     the variance's output (the ε it uses is detached), the mean squared error only through ε;
-    the sampler leaves the uniform draw once warmed up (from the third step). At every
+    the sampler (``history_per_term=1``, its draws from a generator of their own) leaves the
+    uniform draw once warmed up, from the third step. At every
     micro-batch of five steps grad1 (summed over the step's micro-batches, as ``.grad``) is the
     float64 loop's of each example's weighted loss over the micro-batch's size: exactly in
     float64, within bfloat16's rounding under bfloat16 autocast (the model float32)."""
@@ -900,6 +901,7 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ema = [p.detach().clone() for p in model.parameters()]
     sampler, g = LossSecondMomentResampler(), torch.Generator().manual_seed(0)
+    draws = torch.Generator().manual_seed(0)  # (the timesteps', apart from the data's)
     warmed = False
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         for step in range(5):
@@ -912,7 +914,7 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
             for i in range(0, 4, 2):
                 micro = batch[i : i + 2]
                 warmed |= bool((sampler.counts == sampler.per_term).all())
-                t, weights = sampler.sample(2, g)
+                t, weights = sampler.sample(2, draws)
                 noise = torch.randn(micro.shape, generator=g, dtype=D)
                 tab = diffusion_tables()
                 x_t = (
