@@ -892,10 +892,10 @@ def test_improved_diffusion_hybrid_loss_with_importance_sampled_timesteps(bf16):
     rate).add_(src, alpha=1 - rate)``). The variational bound reaches the network only through
     the variance's output (the ε it uses is detached), the mean squared error only through ε;
     the sampler (``history_per_term=1``, its draws from a generator of their own) leaves the
-    uniform draw once warmed up, from the third step. At every
-    micro-batch of five steps grad1 (summed over the step's micro-batches, as ``.grad``) is the
-    float64 loop's of each example's weighted loss over the micro-batch's size: exactly in
-    float64, within bfloat16's rounding under bfloat16 autocast (the model float32)."""
+    uniform draw once warmed up, from the third step. At every micro-batch of five steps grad1
+    (summed over the step's micro-batches, as ``.grad``) is the float64 loop's of each
+    example's weighted loss over the micro-batch's size: exactly in float64, within bfloat16's
+    rounding under bfloat16 autocast (the model float32)."""
     dtype = torch.float32 if bf16 else D
     model = EpsNet().to(dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
