@@ -238,10 +238,7 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
             return None  # (already as long as the batch: the expansion copied nothing)
         if how == "repeat":
             k = source.dim() - (t.dim() - j)  # the source's dimension that was repeated
-            if k < 0 or source.shape[k] != lay.inner or any(
-                a != b for i, (a, b) in enumerate(zip(t.shape, (1,) * (t.dim() - source.dim())
-                                                      + tuple(source.shape))) if i != j
-            ):  # fmt: skip
+            if k < 0 or source.shape[k] != lay.inner:
                 return None
         plans.append((t, lay, source, how))
     swaps, hooks = {}, []
@@ -265,6 +262,12 @@ def spread_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any:
             d = lay.dim + 1
             if how == "repeat":
                 rows = rows.unflatten(d, (lay.outer, lay.inner)).sum(d)
+                # tiled along other dimensions too (MAE's mask tokens, ``repeat(batch,
+                # masked, 1)``): each tile's gradient summed into the source's
+                for i in reversed(range(rows.dim() - len(shape), rows.dim())):
+                    size = shape[i - rows.dim() + len(shape)]
+                    if rows.shape[i] != size:
+                        rows = rows.unflatten(i, (rows.shape[i] // size, size)).sum(i)
             else:
                 rows = rows.sum(d, keepdim=True)
             lead = (1,) * (rows.dim() - 1 - len(shape))
