@@ -1,0 +1,136 @@
+"""Mistakes in how a model is trained, a sixth set: the model changed under its hooks between
+steps (parameters replaced by ``load_state_dict(assign=True)`` or a new ``nn.Parameter`` after
+the optimizer was built, the dtype changed mid-accumulation), DP-SGD steps given micro-batches
+one after the other, and more. Each gives the documented meaning, compared in float64 with
+each example's own gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`), or
+stops with the typed error of its kind, whose message names the module, the parameter and the
+shapes and says what to do, leaving the parameters, ``.grad``, ``grad1``, the hooks, the
+buffers and the training flag as they were (``tests/test_misuse.py``,
+``tests/test_misuse_api.py``, ``tests/test_misuse_loops.py``, ``tests/test_misuse_fourth.py``
+and ``tests/test_misuse_fifth.py`` hold the earlier sets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_untouched, labelled_batch, mlp, model_state, raised
+
+RTOL, ATOL = 1e-9, 1e-12  # float64
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=what)
+
+
+def loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each example's own gradient of ``F.cross_entropy``, by the float64 loop."""
+    return loop_grad(model, F.cross_entropy, (x,), y)
+
+
+def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
+    for name, p in model.named_parameters():
+        close(p.grad1, want[name], f"{what}: {name}")
+
+
+def flat_norms(want: dict) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+
+
+def clipped_mean(want: dict, max_norm: float) -> dict[str, torch.Tensor]:
+    """Each parameter's mean over the examples of the loop's rows, each example's gradient
+    clipped to ``max_norm`` over all parameters (the DP step's ``.grad`` without noise)."""
+    factors = (max_norm / flat_norms(want)).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) / len(g) for n, g in want.items()}
+
+
+def losses_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def assigned(model: nn.Module) -> None:
+    """A checkpoint loaded with ``assign=True`` (the memory-saving way, ``torch.load(...,
+    mmap=True)``): every parameter becomes the checkpoint's tensor, the values unchanged."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+# -- the model changed under an optimizer that wraps it -----------------------------------------
+
+
+@pytest.mark.parametrize("when", ["between steps", "between the backward and the step"])
+def test_a_dp_optimizer_over_parameters_replaced_since_is_refused(when):
+    """``model.load_state_dict(ckpt, assign=True)`` after the ``DPOptimizer`` was built (a run
+    resumed, the optimizer made first), or a layer's weight replaced by a new ``nn.Parameter``
+    between the backward and the step: the wrapped optimizer still holds the old tensors, so
+    its steps moved them and left the model as it was, every step recorded by the accountant,
+    with no error. Refused now at the backward (or the step), naming the shape and what to do,
+    nothing changed; an optimizer built again over the model's parameters steps with the
+    loop's clipped mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = gradhooks.DPOptimizer(
+            sgd, h, max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=5
+        )
+        if when == "between steps":
+            assigned(model)
+            before = model_state(model)
+            call, where = (lambda: opt.backward(losses_of(model, x, y))), "DPOptimizer.backward"
+        else:
+            opt.backward(losses_of(model, x, y))
+            model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+            before = model_state(model)
+            call, where = opt.step, "DPOptimizer.step"
+        raised(
+            gradhooks.ConfigurationError,
+            [where, "parameter of shape (5, 3)", "not one of the hooked model's (Sequential)",
+             "assign=True", "Build the optimizer over model.parameters() again"],
+            call,
+        )  # fmt: skip
+        assert_untouched(model, before)
+        assert not sgd.state  # (the old tensors were not stepped either)
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=0.5,
+            noise_multiplier=0.0, expected_batch_size=5,
+        )  # fmt: skip
+        want = loop(model, x, y)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.backward(losses_of(model, x, y))
+        opt.step()
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name], name)
+        close(p.detach(), weights[name] - 0.1 * clipped_mean(want, 0.5)[name], name)
+
+
+def test_kfac_over_parameters_replaced_since_is_refused():
+    """``load_state_dict(ckpt, assign=True)`` after ``KFAC(model, optimizer)`` was built: the
+    base optimizer stepped the old tensors and zeroed their gradients, so the model never
+    moved and its own ``.grad`` added up from step to step, silently. Refused at the step,
+    naming the parameter, nothing changed (no factor, no step counted); built again, it
+    steps the model."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    kfac = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assigned(model)
+    kfac.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    before = model_state(model)
+    raised(
+        gradhooks.ConfigurationError,
+        ["KFAC.step", "'0.weight' (5, 3)", "(Sequential)", "assign=True",
+         "Build the optimizer over model.parameters() again"],
+        lambda: kfac.step(x),
+    )  # fmt: skip
+    assert_untouched(model, before)
+    assert kfac.steps == 0 and not kfac.factors
+    kfac = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    kfac.step(x)
+    assert kfac.steps == 1
+    for name, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before["params"][name]), name
