@@ -11,6 +11,8 @@ and ``tests/test_misuse_fifth.py`` hold the earlier sets)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,34 @@ def test_kfac_over_parameters_replaced_since_is_refused():
     assert kfac.steps == 1
     for name, p in model.named_parameters():
         assert not torch.equal(p.detach(), before["params"][name]), name
+
+
+# -- DP-SGD steps ------------------------------------------------------------------------------
+
+
+def test_dp_steps_on_micro_batches_before_one_optimizer_step_warn():
+    """A logical batch given to ``dp_sgd_step`` in micro-batches, ``optimizer.step()`` after
+    every second one (gradient accumulation carried over from a non-private loop): each step
+    writes ``.grad``, so the optimizer stepped on the last micro-batch alone, each one's noise
+    drawn, with no word. Said once now, naming ``DPOptimizer``; ``.grad`` is the last
+    micro-batch's clipped mean (the loop's), as documented. A loop that steps after every
+    ``dp_sgd_step`` is not told."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [labelled_batch(step) for step in range(4)]
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        with pytest.warns(gradhooks.GradhooksWarning, match="no optimizer step used") as said:
+            for k, (x, y) in enumerate(batches):
+                want = loop(model, x, y)
+                gradhooks.dp_sgd_step(h, losses_of(model, x, y), max_norm=0.5, noise_multiplier=0.0)
+                if k % 2:
+                    for name, p in model.named_parameters():
+                        close(p.grad, clipped_mean(want, 0.5)[name], name)
+                    opt.step()
+        told = [w for w in said if issubclass(w.category, gradhooks.GradhooksWarning)]
+        assert len(told) == 1 and "gradhooks.DPOptimizer" in str(told[0].message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gradhooks.GradhooksWarning)
+            for x, y in batches:
+                gradhooks.dp_sgd_step(h, losses_of(model, x, y), max_norm=0.5, noise_multiplier=0.0)
+                opt.step()

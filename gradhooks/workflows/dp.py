@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -249,8 +250,10 @@ def dp_sgd_step(
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
         clipped = _torch.foreach_div(clipped, denom)
+    _warn_if_unstepped(hooks, params)
     for p, c, layout in zip(params, clipped, sparse, strict=True):
         p.grad = as_grad(c, layout)
+    _written(hooks, params)
     _warn_if_noise_repeats(hooks, start)
     return norms.detach()
 
@@ -451,6 +454,51 @@ def _warn_if_sizes_vary(hooks: Hooks, batch: int, reduction: str, expected: floa
             GradhooksWarning,
             stacklevel=3,
         )
+
+
+# Per handle, what its last step wrote: each parameter's version, and its .grad (a weak
+# reference) with that tensor's version; None once it has warned that a step's .grad was
+# replaced unused
+_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _written(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
+    if _WRITTEN.get(hooks, False) is not None:
+        _WRITTEN[hooks] = [
+            (weakref.ref(p), _torch.version(p), weakref.ref(p.grad), _torch.version(p.grad))
+            for p in params
+            if p.grad is not None
+        ]
+
+
+def _warn_if_unstepped(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
+    """A step about to replace the ``.grad`` the last step wrote, which no optimizer step
+    used: the parameters and their ``.grad`` are as that step left them (micro-batches of one
+    logical batch each given to ``dp_sgd_step``, with ``optimizer.step()`` every few: the
+    step would be of the last micro-batch alone, every one's noise drawn and counted). Said
+    once per handle; a step run again on purpose (two methods compared) may ignore it."""
+    last = _WRITTEN.get(hooks)
+    if not last or {id(p) for p in params} != {id(ref()) for ref, *_ in last}:
+        return
+    for p_ref, p_version, g_ref, g_version in last:
+        p, g = p_ref(), g_ref()
+        if p is None or g is None or p.grad is not g:
+            return
+        if _torch.version(p) != p_version or _torch.version(g) != g_version:
+            return
+    _WRITTEN[hooks] = None
+    warnings.warn(
+        "gradhooks.dp_sgd_step: this step replaces the .grad the last dp_sgd_step wrote, "
+        "which no optimizer step used (the parameters and their .grad are as it left them). "
+        "Each dp_sgd_step is a whole DP-SGD step, with its own noise, and writes .grad (it "
+        "does not add to it): micro-batches of one logical batch given to dp_sgd_step one "
+        "after the other, with optimizer.step() after the last, step on the last one alone. "
+        "Call optimizer.step() after every dp_sgd_step; for a logical batch in several "
+        "physical batches, use gradhooks.DPOptimizer (opt.backward(losses) for each, "
+        "opt.step() once) or gradhooks.clipped_sum.",
+        GradhooksWarning,
+        stacklevel=3,
+    )
 
 
 # Per handle, the state the generator of its last noised step started from (None once it has
