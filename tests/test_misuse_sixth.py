@@ -11,6 +11,7 @@ and ``tests/test_misuse_fifth.py`` hold the earlier sets)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -167,3 +168,41 @@ def test_dp_steps_on_micro_batches_before_one_optimizer_step_warn():
             for x, y in batches:
                 gradhooks.dp_sgd_step(h, losses_of(model, x, y), max_norm=0.5, noise_multiplier=0.0)
                 opt.step()
+
+
+def near(got: torch.Tensor, want: torch.Tensor, within: float, what: str) -> None:
+    """``got`` within ``within`` of ``want``'s largest entry (a low precision's rounding)."""
+    error = (got.double() - want).abs().max() / want.abs().max()
+    assert error < within, (what, float(error))
+
+
+# float16 keeps 11 significant bits (docs/mixed-precision.md: within 1e-2 of the largest entry)
+HALF = 1e-2
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
+def test_dp_step_of_a_float16_model_whose_example_norms_pass_256(method):
+    """A model cast with ``model.half()`` (CPU or GPU, no autocast) whose examples' gradient
+    norms are above 256 (early training, a loss scaled up): the ``grad1`` step squared the
+    float16 ``grad1`` in float16, which overflows above 256, so each such norm came out Inf and
+    its example was clipped to nothing, its row of ``.grad`` silently zero. Its squares are
+    now summed in float32, as the book-keeping and ghost steps (and the norms quantity) did:
+    the norms and the clipped mean are the float64 loop's within float16's rounding."""
+    model = mlp(torch.float32)
+    x, y = labelled_batch(1)
+
+    def scaled(out, target):  # (each example's norm far above 256)
+        return 3000 * F.cross_entropy(out.float(), target, reduction="none")
+
+    want = loop_grad(copy.deepcopy(model).double(), lambda o, t: scaled(o, t).sum(), (x,), y)
+    assert flat_norms(want).min() > 256
+    model.half()
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, scaled(model(x.half()), y), max_norm=1.0, noise_multiplier=0.0, method=method
+        )
+    assert norms.isfinite().all(), norms
+    near(norms, flat_norms(want), HALF, "norms")
+    for name, p in model.named_parameters():
+        near(p.grad, clipped_mean(want, 1.0)[name], HALF, name)

@@ -822,10 +822,10 @@ def _step_sums(
             sq = per_example_loss.new_zeros(batch)
             for g in grads1:
                 if g is not None:
-                    sq = sq + P.flat_rows(g).pow(2).sum(1)
+                    sq = sq + _row_sq(g)
         else:  # (per group, the same sums in the same order)
             group_sq = groups.group_sq((
-                (j, P.flat_rows(g).pow(2).sum(1)) for j, g in enumerate(grads1) if g is not None
+                (j, _row_sq(g)) for j, g in enumerate(grads1) if g is not None
             ), per_example_loss.new_zeros(batch), stacked=False)  # fmt: skip
             sq = group_sq.sum(0)
         norms = sq.sqrt()
@@ -1033,6 +1033,16 @@ def _add_weighted(out: Tensor, slices: list[Tensor], weights: Tensor) -> None:
         else:
             flat.add_((g.reshape(rows, -1).T @ w).to(out.dtype))
         del g
+
+
+def _row_sq(g: Tensor) -> Tensor:
+    """Each example's squared norm of ``g`` (``[batch, ...]``, a ``grad1``), ``[batch]``,
+    formed in :func:`gradhooks.pieces.accumulation_dtype` (float32 for a float16 or bfloat16
+    ``grad1``, as the norms quantity forms it: in float16 a square overflows above 256, and
+    the example, its norm Inf, would be clipped to nothing)."""
+    rows = P.flat_rows(g)
+    dtype = P.accumulation_dtype(rows.dtype)
+    return (rows if rows.dtype == dtype else rows.to(dtype)).pow(2).sum(1)
 
 
 def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
