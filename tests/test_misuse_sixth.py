@@ -206,3 +206,60 @@ def test_dp_step_of_a_float16_model_whose_example_norms_pass_256(method):
     near(norms, flat_norms(want), HALF, "norms")
     for name, p in model.named_parameters():
         near(p.grad, clipped_mean(want, 1.0)[name], HALF, name)
+
+
+def test_dp_step_of_integer_losses_names_their_dtype():
+    """The step given ``(out.argmax(1) == y).long()`` (a correct-or-not count where the
+    losses belong, a logging line moved): refused as having "no autograd history (detached, or
+    computed under torch.no_grad())", which sent the user looking for a ``no_grad``. It now
+    names the dtype and what to pass; nothing is written."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        hits = (model(x).argmax(1) == y).long()
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["per_example_loss holds torch.int64 values", "reduction='none'"],
+            lambda: gradhooks.dp_sgd_step(h, hits, max_norm=1.0, noise_multiplier=1.0),
+        )
+        assert_untouched(model, before)
+
+
+def _views(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two augmented views of each example (a fixed shift either way)."""
+    shift = torch.linspace(-0.2, 0.2, x.shape[1], dtype=x.dtype)
+    return x + shift, x - shift
+
+
+def test_dp_step_of_views_concatenated_along_the_batch_says_to_stack_them():
+    """Augmentation multiplicity (each example's gradient averaged over its views before it
+    is clipped) written as ``model(torch.cat([v1, v2]))`` and the two halves of the losses
+    averaged: the forward's batch is twice the losses', refused, and the message now says
+    how views are kept with their example; stacked, ``[batch, views, ...]``, the norms and
+    the clipped mean are the loop's of each example's views averaged."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    v1, v2 = _views(x)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        both = F.cross_entropy(model(torch.cat([v1, v2])), torch.cat([y, y]), reduction="none")
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["per_example_loss has 5 entries", "a batch of 10 examples", "2 views",
+             "torch.stack(views, 1) [5, 2, ...]"],
+            lambda: gradhooks.dp_sgd_step(
+                h, (both[:5] + both[5:]) / 2, max_norm=0.5, noise_multiplier=0.0
+            ),
+        )  # fmt: skip
+        assert_untouched(model, before)
+        out = model(torch.stack([v1, v2], 1))  # [batch, views, classes]
+        losses = F.cross_entropy(out.flatten(0, 1), y.repeat_interleave(2), reduction="none")
+        norms = gradhooks.dp_sgd_step(
+            h, losses.view(5, 2).mean(1), max_norm=0.5, noise_multiplier=0.0
+        )
+    one, two = loop(model, v1, y), loop(model, v2, y)
+    want = {n: (one[n] + two[n]) / 2 for n in one}
+    close(norms, flat_norms(want), "norms")
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name], name)

@@ -556,6 +556,12 @@ def _checked(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
             "loss with reduction='none' (and sum any other dimension per example)"
         )
+    if not (per_example_loss.is_floating_point() or per_example_loss.is_complex()):
+        raise ConfigurationError(
+            f"dp_sgd_step: per_example_loss holds {per_example_loss.dtype} values, which have "
+            "no gradient (correct-or-not flags, predicted classes, counts?): pass each "
+            "example's loss, F.cross_entropy(output, target, reduction='none')"
+        )
     if not per_example_loss.requires_grad:
         raise ConfigurationError(
             "dp_sgd_step: per_example_loss has no autograd history (detached, or computed "
@@ -1181,17 +1187,29 @@ def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
 
 def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> None:
     """The losses are one per example of the captured batch."""
-    bad = [n for n in sizes if n != per_example_loss.shape[0]]
+    n = per_example_loss.shape[0]
+    bad = [size for size in sizes if size != n]
     if bad:
-        one = per_example_loss.shape[0] == 1  # (the batch's loss kept as [1])
+        one = n == 1  # (the batch's loss kept as [1])
+        views = bad[0] // n if n > 1 and bad[0] % n == 0 else 0
         raise ConfigurationError(
-            f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
+            f"dp_sgd_step: per_example_loss has {n} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
             + ("(the loss with reduction='none', not its mean or sum kept as [1]) " if one else "")
             + "(per-token losses [batch * seq] summed or averaged per example: "
             "losses.view(batch, -1).sum(1)); if the examples are not on dimension 0 of the "
             "model's input (a time-major [seq, batch, ...] batch), say where they are: "
-            "add_hooks(model, batch_dim=1). No gradient was written."
+            "add_hooks(model, batch_dim=1)"
+            + (
+                f"; if the forward's batch is {views} views (augmentations) of each example "
+                "concatenated, torch.cat(views), the model sees them as that many examples: "
+                "stack them on a dimension of their own, torch.stack(views, 1) "
+                f"[{n}, {views}, ...], and average each example's losses over it, or run one "
+                "forward per view and add their losses"
+                if views > 1
+                else ""
+            )
+            + ". No gradient was written."
         )
 
 
