@@ -263,3 +263,37 @@ def test_dp_step_of_views_concatenated_along_the_batch_says_to_stack_them():
     close(norms, flat_norms(want), "norms")
     for name, p in model.named_parameters():
         close(p.grad, clipped_mean(want, 0.5)[name], name)
+
+
+@pytest.mark.parametrize(
+    "loss, target, says",
+    [
+        (F.cross_entropy, None,
+         ["loss_fn(output) raised TypeError", "h.check(loss_fn, inputs, target)"]),
+        (lambda out, t: F.cross_entropy(out, t).item(), "y",
+         ["loss_fn(output, target) returned float", "not loss.item()"]),
+        (lambda out: out.pow(2).sum(), "y",
+         ["loss_fn(output, target) raised TypeError", "h.check(loss_fn, inputs)"]),
+    ],
+    ids=["target-left-out", "a-number", "a-target-too-many"],
+)  # fmt: skip
+def test_check_given_a_loss_it_cannot_call_says_how_to_call_it(loss, target, says):
+    """``h.check(F.cross_entropy, x)`` (the target left out), a loss function that returns
+    ``loss.item()``, or a loss of the output alone given a target: the loss's own
+    ``TypeError`` or an ``AttributeError`` (``'float' object has no attribute 'backward'``)
+    came out of the check's recomputation. Each is a ``ConfigurationTypeError`` now, naming
+    how the loss was called and how to call check; ``.grad`` and ``grad1`` are as they were,
+    and the check called right says the loss was a mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationTypeError,
+            says,
+            lambda: h.check(loss, x, y if target == "y" else None),
+        )
+        assert_untouched(model, before)
+        report = h.check(F.cross_entropy, x, y)
+    assert report.ok and "mean" in str(report)

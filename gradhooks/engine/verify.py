@@ -1189,6 +1189,32 @@ def check_hooks(
     return report
 
 
+def _checked_loss(loss_fn: Callable[..., Tensor], target: Tensor | None) -> Callable[..., Tensor]:
+    """``loss_fn``, refusing a call that does not fit it (a target left out, or given to a
+    loss of the output alone) and a value that is not a tensor (``loss.item()``), naming
+    what :meth:`Hooks.check` called it with."""
+    called = "loss_fn(output)" if target is None else "loss_fn(output, target)"
+
+    def loss(*args: Tensor) -> Tensor:
+        try:
+            value = loss_fn(*args)
+        except TypeError as e:
+            fix = (
+                "a loss that takes a target needs it: h.check(loss_fn, inputs, target)"
+                if target is None
+                else "a loss of the output alone takes no target: h.check(loss_fn, inputs)"
+            )
+            raise ConfigurationTypeError(f"check(): {called} raised TypeError ({e}); {fix}") from e
+        if not isinstance(value, Tensor):
+            raise ConfigurationTypeError(
+                f"check(): {called} returned {type(value).__qualname__} {value!r}, not a "
+                "tensor: return the loss tensor itself (not loss.item()), as for backward()"
+            )
+        return value
+
+    return loss
+
+
 def _check_reduction(state, model, written, loss_fn, inputs, target, examples, report) -> None:
     """Recompute the first examples' own gradients (a batch of one each) and compare."""
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
@@ -1236,8 +1262,9 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         report.unchecked.append("the loss's reduction: the batch is empty")
         return
     want = loop_grad(
-        model, loss_fn, tuple(x[:k] for x in xs), None if target is None else target[:k]
-    )
+        model, _checked_loss(loss_fn, target), tuple(x[:k] for x in xs),
+        None if target is None else target[:k],
+    )  # fmt: skip
     got_parts, want_parts = [], []
     for name, p in written.items():
         if name in want:
