@@ -139,6 +139,171 @@ def test_kfac_over_parameters_replaced_since_is_refused():
         assert not torch.equal(p.detach(), before["params"][name]), name
 
 
+def test_make_private_after_parameters_replaced_is_refused():
+    """A ``make_private`` run resumed by ``model.load_state_dict(ckpt, assign=True)`` after it
+    was made: its optimizer held the old tensors, so every later step moved them and not the
+    model, while the accountant spent the budget. Refused at the next ``backward``, nothing
+    changed; made again, the run steps the model."""
+    model = mlp()
+    x, y = labelled_batch(1, n=40)
+    data = torch.utils.data.TensorDataset(x, y)
+
+    def private():
+        return gradhooks.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-3,
+            max_grad_norm=1.0, noise_multiplier=1.0, steps=4, expected_batch_size=8,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+
+    run = private()
+    batches = iter(run.batches())
+    xb, yb = next(batches)
+    assigned(model)
+    before = model_state(model)
+    raised(
+        gradhooks.ConfigurationError,
+        ["DPOptimizer.backward", "not one of the hooked model's", "assign=True"],
+        lambda: run.backward(losses_of(model, xb, yb)),
+    )
+    assert_untouched(model, before)
+    assert run.steps_taken == 0
+    run.close()
+    run = private()
+    for xb, yb in run.batches():
+        run.backward(losses_of(model, xb, yb))
+        if run.step():
+            break
+    assert run.steps_taken == 1
+    for name, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before["params"][name]), name
+    run.close()
+
+
+# -- the model changed between the backwards of one accumulation --------------------------------
+
+
+def test_a_model_cast_to_float64_between_accumulated_backwards_adds_both():
+    """``model.double()`` between two backwards of one accumulation (a precision switched
+    for a debugging step): ``.grad`` is cast and added to, and so is ``grad1``, which holds
+    the float32 backward's rows plus the float64 one's: the loop's sum of both, within
+    float32's rounding, and ``grad1.mean(0)`` is ``.grad``."""
+    model = mlp(torch.float32)
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    first = loop(copy.deepcopy(model).double(), x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x.float()), y).backward()
+        model.double()
+        F.cross_entropy(model(x2), y2).backward()
+    second = loop(model, x2, y2)
+    for name, p in model.named_parameters():
+        assert p.grad1.dtype == torch.float64, name
+        torch.testing.assert_close(p.grad1, first[name] + second[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.grad1.mean(0), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_replaced_between_accumulated_backwards_starts_its_own():
+    """``layer.weight = nn.Parameter(...)`` between two backwards of one accumulation (a
+    weight re-initialized mid-step): the new parameter's ``.grad`` holds the second backward
+    alone, and so does its ``grad1``; the old one keeps the first's; every other parameter's
+    ``grad1`` is the loop's sum of both."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        first, old = loop(model, x, y), model[0].weight
+        model[0].weight = nn.Parameter(old.detach() * 0.5)
+        F.cross_entropy(model(x2), y2).backward()
+    second = loop(model, x2, y2)
+    close(old.grad1, first["0.weight"], "the old weight")
+    for name, p in model.named_parameters():
+        want = second[name] if name == "0.weight" else first[name] + second[name]
+        close(p.grad1, want, name)
+        close(p.grad1.mean(0), p.grad, name)
+
+
+def test_backwards_for_two_sets_of_parameters_each_accumulate_their_own():
+    """``loss.backward(inputs=body)`` then, on another batch, ``loss.backward(inputs=head)``
+    (an alternating update of two parts of one model, without ``zero_grad`` between): each
+    parameter's ``grad1`` is that of the backward that reached it, as its ``.grad`` is."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward(inputs=list(model[0].parameters()))
+        F.cross_entropy(model(x2), y2).backward(inputs=list(model[2].parameters()))
+    first, second = loop(model, x, y), loop(model, x2, y2)
+    for name, p in model.named_parameters():
+        close(p.grad1, (first if name.startswith("0.") else second)[name], name)
+        close(p.grad1.mean(0), p.grad, name)
+
+
+# -- batches whose tensors hold the examples on different dimensions ---------------------------
+
+
+def per_example(model: nn.Module, args: tuple, dims: tuple, y: torch.Tensor) -> dict:
+    """Each example's own gradient of ``F.cross_entropy``, by a float64 loop that takes
+    example ``i`` from dimension ``dims[k]`` of ``args[k]`` (the model called as is, unhooked)."""
+    rows: dict[str, list] = {n: [] for n, _ in model.named_parameters()}
+    for i in range(len(y)):
+        out = model(*(a.narrow(d, i, 1) for a, d in zip(args, dims)))
+        grads = torch.autograd.grad(F.cross_entropy(out, y[i : i + 1]), list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads):
+            rows[name].append(g)
+    return {n: torch.stack(g) for n, g in rows.items()}
+
+
+class TimeMajorGRU(nn.Module):
+    """A GRU over a time-major ``[time, batch, features]`` input from an initial state
+    ``[layers, batch, hidden]`` (both with the examples on dimension 1), its last step's
+    output classified."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.GRU(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, h0):
+        return self.head(self.rnn(x, h0)[0][-1])
+
+
+class TimeMajorAttention(nn.Module):
+    """Self-attention over a time-major ``[time, batch, features]`` input with a batch-first
+    ``key_padding_mask`` ``[batch, time]``, its mean over time classified."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention, self.head = nn.MultiheadAttention(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.head(self.attention(x, x, x, key_padding_mask=mask)[0].mean(0))
+
+
+@pytest.mark.parametrize("steps", [6, 5], ids=["6-steps", "as-many-steps-as-examples"])
+@pytest.mark.parametrize("kind", ["gru-and-state", "attention-and-mask"])
+def test_a_time_major_batch_beside_other_tensors_needs_no_batch_dim(kind, steps):
+    """A loader's batch of tensors with the examples on dimension 1 in one and 0 in another
+    (a time-major sequence and its batch-first padding mask) or on dimension 1 in both (the
+    sequence and the GRU's initial state), ``add_hooks`` left at its default ``batch_dim``,
+    also where the sequence has as many steps as the batch has examples: ``grad1`` is each
+    example's own gradient, by the loop that takes each example from its own dimension."""
+    batch = 5
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps, batch, 3 if kind == "gru-and-state" else 4, generator=g)
+    y = torch.randint(2, (batch,), generator=g)
+    if kind == "gru-and-state":
+        model = TimeMajorGRU().double()
+        args, dims = (x.double(), torch.randn(1, batch, 4, generator=g).double()), (1, 1)
+    else:
+        model = TimeMajorAttention().double()
+        mask = torch.zeros(batch, steps, dtype=torch.bool)
+        mask[1, 3:], mask[3, 2:] = True, True
+        args, dims = (x.double(), mask), (1, 0)
+    want = per_example(model, args, dims, y)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        F.cross_entropy(model(*args), y, reduction="sum").backward()
+    assert_grad1(model, want, kind)
+
+
 # -- DP-SGD steps ------------------------------------------------------------------------------
 
 
