@@ -179,6 +179,35 @@ def test_make_private_after_parameters_replaced_is_refused():
     run.close()
 
 
+@pytest.mark.parametrize("read", ["norms", "param_norms", "check"])
+def test_quantities_of_a_model_frozen_whole_say_so(read):
+    """``model.requires_grad_(False)`` (a backbone frozen, the head's unfreezing forgotten),
+    then ``add_hooks`` and a backward that reaches only the input (an attack's step): the
+    norms and the check said that no backward had been captured, and to run the forward and
+    the backward with the hooks on, which the loop had done. They now say that the model has
+    no trainable parameter and how to unfreeze one; the model as it was. With the head
+    unfrozen, its ``grad1`` is the loop's."""
+    model = mlp()
+    model.requires_grad_(False)
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        F.cross_entropy(model(x.clone().requires_grad_()), y).backward()
+        before = model_state(model)
+        error = gradhooks.CheckFailedError if read == "check" else gradhooks.StateError
+        raised(
+            error,
+            ["Sequential has no trainable parameter", "layer.requires_grad_(True)"],
+            getattr(h, read),
+        )
+        assert_untouched(model, before)
+        model[2].requires_grad_(True)
+        F.cross_entropy(model(x), y).backward()
+    want = loop_grad(model[2], F.cross_entropy, (torch.tanh(model[0](x)),), y)
+    for name, p in model[2].named_parameters():
+        close(p.grad1, want[name], name)
+    assert not any(hasattr(p, "grad1") for p in model[0].parameters())
+
+
 # -- the model changed between the backwards of one accumulation --------------------------------
 
 

@@ -45,7 +45,7 @@ from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
 from .compare import add_held, hold, largest, largest_difference, norm_of
-from .plan import Target, owner_name
+from .plan import Target, frozen_model, owner_name
 from .records import (
     Backward,
     CallLayout,
@@ -1119,7 +1119,7 @@ def check_hooks(
     elif not written:
         report.problems.append(
             "no backward has written grad1 since add_hooks or clear(): run the forward and the "
-            "backward with the hooks on (add_hooks before the forward)"
+            "backward with the hooks on (add_hooks before the forward)" + frozen_model(model)
         )
     reduce = "mean" if state.loss_reduction == "mean" else "sum"
     reset = {id(p) for p in state.trail.reset_since()} if written else set()
