@@ -208,6 +208,39 @@ def test_quantities_of_a_model_frozen_whole_say_so(read):
     assert not any(hasattr(p, "grad1") for p in model[0].parameters())
 
 
+def test_a_dp_optimizer_kept_across_hooks_removed_and_added_again_says_to_rebuild_it():
+    """The hooks removed for an evaluation (``h.remove()``) and added again as a new handle,
+    the ``DPOptimizer`` built around the old one kept: its backward was refused as
+    "dp_sgd_step needs an active handle (its model is gone or removed)", naming a function
+    not called and no way out. It now names the model, how the hooks go, and to build the
+    optimizer again with the new handle; the model as it was. So built, it steps with the
+    loop's clipped mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    h = gradhooks.add_hooks(model, quantities=("norms",))
+    args = {"max_grad_norm": 0.5, "noise_multiplier": 0.0, "expected_batch_size": 5}
+    opt = gradhooks.DPOptimizer(sgd, h, **args)
+    h.remove()
+    h = gradhooks.add_hooks(model, quantities=("norms",))
+    losses = losses_of(model, x, y)
+    before = model_state(model)
+    raised(
+        gradhooks.StateError,
+        ["DPOptimizer.backward", "the hooks of Sequential were removed",
+         "build it again around the same optimizer with the new handle"],
+        lambda: opt.backward(losses),
+    )  # fmt: skip
+    assert_untouched(model, before)
+    want = clipped_mean(loop(model, x, y), 0.5)
+    opt = gradhooks.DPOptimizer(sgd, h, **args)
+    opt.backward(losses)
+    opt.step()
+    h.remove()
+    for name, p in model.named_parameters():
+        close(p.grad, want[name], name)
+
+
 # -- the model changed between the backwards of one accumulation --------------------------------
 
 

@@ -1288,7 +1288,17 @@ def _plan(hooks: Hooks) -> _Plan:
     (a parameter frozen since the forward, made complex) is read from the parameters."""
     model = hooks.model
     if model is None or not hooks.active:
-        raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
+        what = "its model no longer exists" if model is None else (
+            f"the hooks of {type(model).__qualname__} were removed (h.remove(), the end of its "
+            "with block, or gradhooks.remove_hooks)"
+        )  # fmt: skip
+        raise StateError(
+            f"a DP step (dp_sgd_step, clipped_sum, DPOptimizer.backward) needs an active "
+            f"handle, and {what}: its clipping would have no per-example gradient. Add the "
+            "hooks again, h = gradhooks.add_hooks(model, quantities=('norms',)), before the "
+            "forward, and step with that handle (a DPOptimizer: build it again around the "
+            "same optimizer with the new handle). Nothing was changed."
+        )
     engine = engine_of(hooks)
     engine.follow_dropped()
     key = None if engine.sharded else engine.structure
