@@ -492,6 +492,34 @@ def test_dp_step_of_views_concatenated_along_the_batch_says_to_stack_them():
         close(p.grad, clipped_mean(want, 0.5)[name], name)
 
 
+def test_dp_step_of_the_finite_losses_only_says_to_drop_the_examples_before_the_forward():
+    """One example's input holds a NaN, and the loop keeps the finite losses alone,
+    ``losses[torch.isfinite(losses)]``: the forward's batch still holds the example, so the
+    step is refused as before, and the message now says to take it out of the batch before
+    the forward; so taken out, the step is the loop's over the others."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    x[1, 0] = float("nan")
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = losses_of(model, x, y)
+        keep = torch.isfinite(losses)
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["per_example_loss has 4 entries", "a batch of 5 examples", "losses[keep]",
+             "model(x[keep])"],
+            lambda: gradhooks.dp_sgd_step(h, losses[keep], max_norm=0.5, noise_multiplier=0.0),
+        )  # fmt: skip
+        assert_untouched(model, before)
+        norms = gradhooks.dp_sgd_step(
+            h, losses_of(model, x[keep], y[keep]), max_norm=0.5, noise_multiplier=0.0
+        )
+    want = loop(model, x[keep], y[keep])
+    close(norms, flat_norms(want), "norms")
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, 0.5)[name], name)
+
+
 @pytest.mark.parametrize(
     "loss, target, says",
     [

@@ -1209,6 +1209,13 @@ def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> No
                 if views > 1
                 else ""
             )
+            + (
+                "; if some examples' losses were left out (losses[keep], the non-finite ones "
+                "dropped), the forward's batch still holds those examples: take them out of the "
+                "batch before the forward, model(x[keep])"
+                if 1 < n < bad[0] and not views
+                else ""
+            )
             + ". No gradient was written."
         )
 
