@@ -241,6 +241,28 @@ def test_a_dp_optimizer_kept_across_hooks_removed_and_added_again_says_to_rebuil
         close(p.grad, want[name], name)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_a_model_traced_by_torch_jit_while_hooked_traces_the_model_alone():
+    """``torch.jit.trace(model, x)`` in the middle of training with the hooks on (a
+    TorchScript export at a checkpoint): the hooks captured the tracing call and their own
+    operations entered the graph, so the trace failed torch's sanity check
+    (``TracingCheckError: Graphs differed across invocations``, naming gradhooks' files).
+    Capture is off while torch traces now: the trace computes what the model does, the last
+    backward's ``grad1`` and the hooks are as they were, and the next step's ``grad1`` is
+    the loop's."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        before = model_state(model)
+        traced = torch.jit.trace(model, x)
+        assert_untouched(model, before)
+        close(traced(x2), model(x2), "the traced model")
+        model.zero_grad()
+        F.cross_entropy(model(x2), y2).backward()
+    assert_grad1(model, loop(model, x2, y2), "after the trace")
+
+
 # -- the model changed between the backwards of one accumulation --------------------------------
 
 
