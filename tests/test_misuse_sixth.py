@@ -320,6 +320,21 @@ def test_backwards_for_two_sets_of_parameters_each_accumulate_their_own():
         close(p.grad1.mean(0), p.grad, name)
 
 
+def test_loss_reduction_changed_between_accumulated_backwards_scales_each_its_own():
+    """A mean loss, then ``h.loss_reduction = "sum"`` and a summed loss in the same
+    accumulation (a second task whose loss is a sum): each backward's rows are scaled by the
+    reduction set when it ran, so ``grad1`` is the loop's sum of both examples' own gradients,
+    whatever the batch size."""
+    model = mlp()
+    (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2, n=3)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x[:3]), y[:3]).backward()
+        h.loss_reduction = "sum"
+        F.cross_entropy(model(x2), y2, reduction="sum").backward()
+    first, second = loop(model, x[:3], y[:3]), loop(model, x2, y2)
+    assert_grad1(model, {n: first[n] + second[n] for n in first}, "mean, then sum")
+
+
 # -- batches whose tensors hold the examples on different dimensions ---------------------------
 
 

@@ -161,6 +161,9 @@ def dp_sgd_step(
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
+    Each call is a whole step, with its own noise: replacing a ``.grad`` the last call wrote
+    and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
+    a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s.
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
