@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
+from ..engine.api import engine_of
 from ..engine.handle import Hooks, add_hooks
 from ..errors import (
     ConfigurationError,
@@ -527,7 +528,8 @@ def _check_optimizer_params(
     ids = {id(p) for p in covered}
     planned = {id(p) for p in _dp._plan(hooks).walked}  # (the model's at its last forward)
     model = hooks.model
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    # (the model's parameters now; FSDP2: the sharded ones, whatever stand-in is in a slot)
+    names = {id(p): n for n, p in engine_of(hooks).named_parameters()}
     for k, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if not p.requires_grad or (id(p) in ids and id(p) in names):
