@@ -1,11 +1,16 @@
-"""Mistakes in how a model is trained, a sixth set: the model changed under its hooks between
-steps (parameters replaced by ``load_state_dict(assign=True)`` or a new ``nn.Parameter`` after
-the optimizer was built, the dtype changed mid-accumulation), DP-SGD steps given micro-batches
-one after the other, and more. Each gives the documented meaning, compared in float64 with
-each example's own gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`), or
-stops with the typed error of its kind, whose message names the module, the parameter and the
-shapes and says what to do, leaving the parameters, ``.grad``, ``grad1``, the hooks, the
-buffers and the training flag as they were (``tests/test_misuse.py``,
+"""Mistakes in how a model is trained, a sixth set: the model changed under what wraps it
+(parameters replaced by ``load_state_dict(assign=True)`` or a new ``nn.Parameter`` after a
+``DPOptimizer``, ``make_private`` or ``KFAC`` was built; hooks removed and added again under a
+kept ``DPOptimizer``; every parameter frozen; a ``torch.jit.trace`` while hooked), DP-SGD steps
+misfed (micro-batches one step each, integer losses, views concatenated on the batch, the
+finite losses alone, a float16 model's norms past 256), ``Hooks.check`` given a loss it cannot
+call, and legitimate changes between the backwards of one accumulation (the dtype, a
+parameter, the parameters a backward reaches, the loss reduction) and batches whose tensors
+hold the examples on different dimensions. Each gives the documented meaning, compared in
+float64 with each example's own gradient by the per-example loop
+(:func:`gradhooks.oracle.loop_grad`), or stops with the typed error of its kind, whose message
+names the module, the parameter or the shapes and says what to do, leaving the parameters,
+``.grad``, ``grad1`` and the hooks as they were (``tests/test_misuse.py``,
 ``tests/test_misuse_api.py``, ``tests/test_misuse_loops.py``, ``tests/test_misuse_fourth.py``
 and ``tests/test_misuse_fifth.py`` hold the earlier sets)."""
 
