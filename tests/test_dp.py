@@ -366,10 +366,12 @@ def test_varying_batch_sizes_without_expected_batch_size_warn_once():
     def steps(sizes, **kwargs):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with gradhooks.add_hooks(model, quantities=("norms",)) as h:
             for n in sizes:
                 losses = model(torch.randn(n, 3)).pow(2).sum(1)
                 gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, **kwargs)
+                opt.step()
 
     with pytest.warns(gradhooks.GradhooksWarning, match="expected_batch_size") as said:
         steps([4, 5, 3, 6])

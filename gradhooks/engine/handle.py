@@ -56,6 +56,7 @@ from .plan import (
     Unsupported,
     accumulator_of,
     entry_modules,
+    frozen_model,
     fsdp_shards,
     plan_targets,
     refuse_complex,
@@ -915,7 +916,10 @@ class Hooks:
         last backward (each backward replaces them; they do not accumulate as ``grad1``)."""
         c = self._results("norms", published=True)
         if not c.param_sq_norms:
-            raise StateError("no backward has been captured since the hooks were added or cleared")
+            raise StateError(
+                "no backward has been captured since the hooks were added or cleared"
+                + frozen_model(self.model)
+            )
         if c.missed:
             names = ", ".join(f"'{n}'" for n in c.missed[:5])
             raise StateError(
@@ -953,7 +957,10 @@ class Hooks:
         ``trace`` and ``grad_sq`` over steps before dividing."""
         c = self._results("sum_grad_sq", published=True)
         if not c.sum_grad_sq:
-            raise StateError("no backward has been captured since the hooks were added or cleared")
+            raise StateError(
+                "no backward has been captured since the hooks were added or cleared"
+                + frozen_model(self.model)
+            )
         means = {n: m() if callable(m) else m for n, m in c.grad_mean.items()}
         return noise_scale(c.sum_grad_sq, means, c.batch or 0)
 
@@ -979,7 +986,7 @@ class Hooks:
             raise StateError(
                 f"no backward has been captured since the hooks were added or cleared, so there "
                 f"is no {quantity!r} to read: run the forward and the backward with the hooks on "
-                "first"
+                "first" + frozen_model(self.model)
             )
         return self._state.collector
 

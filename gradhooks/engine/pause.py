@@ -4,7 +4,8 @@ A :class:`Pause` is on unless a ``with pause():`` block is running, it was switc
 (:meth:`Pause.switch`), or its parent is not on. Every :class:`gradhooks.Hooks` handle has one
 whose parent is :data:`PROCESS`: ``with h.paused():`` pauses that handle alone,
 :func:`paused` and :func:`set_enabled` (autograd-hacks' ``disable_hooks`` /
-``enable_hooks``) every handle. This module imports nothing of gradhooks, so rules and oracles
+``enable_hooks``) every handle. Capture is also off while ``torch.jit.trace`` traces (the
+trace is of the model alone). This module imports nothing of gradhooks, so rules and oracles
 may pause capture without importing the engine.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+import torch
 
 from ..errors import ConfigurationTypeError
 
@@ -28,7 +31,13 @@ class Pause:
 
     @property
     def on(self) -> bool:
-        return not self._off and self._depth == 0 and (self.parent is None or self.parent.on)
+        if self._off or self._depth:
+            return False
+        if self.parent is not None:
+            return self.parent.on
+        # (torch.jit.trace of a hooked model records the model's operations, not the hooks':
+        # capture is off while it traces)
+        return not torch.jit.is_tracing()
 
     def switch(self, on: bool) -> None:
         """Switch capture on or off until the next switch (``with`` blocks still pause)."""

@@ -378,3 +378,16 @@ def fsdp_shards(model: nn.Module) -> dict[str, nn.Parameter]:
 def owner_name(name: str) -> tuple[str, str]:
     prefix, _, leaf = name.rpartition(".")
     return prefix, leaf
+
+
+def frozen_model(model: nn.Module | None) -> str:
+    """Where ``model`` has no trainable parameter, why no backward was captured (to add to a
+    refusal that says none was); else ``""``."""
+    if model is None or any(p.requires_grad for p in model.parameters()):
+        return ""
+    return (
+        f" ({type(model).__qualname__} has no trainable parameter: requires_grad is False on "
+        "every one, model.requires_grad_(False)?, so a backward reaches none of them and "
+        "there is no per-example gradient to capture. Unfreeze the ones to train: "
+        "layer.requires_grad_(True), before the forward)"
+    )

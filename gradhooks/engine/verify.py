@@ -45,7 +45,7 @@ from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
 from .compare import add_held, hold, largest, largest_difference, norm_of
-from .plan import Target, owner_name
+from .plan import Target, frozen_model, owner_name
 from .records import (
     Backward,
     CallLayout,
@@ -1119,7 +1119,7 @@ def check_hooks(
     elif not written:
         report.problems.append(
             "no backward has written grad1 since add_hooks or clear(): run the forward and the "
-            "backward with the hooks on (add_hooks before the forward)"
+            "backward with the hooks on (add_hooks before the forward)" + frozen_model(model)
         )
     reduce = "mean" if state.loss_reduction == "mean" else "sum"
     reset = {id(p) for p in state.trail.reset_since()} if written else set()
@@ -1189,6 +1189,32 @@ def check_hooks(
     return report
 
 
+def _checked_loss(loss_fn: Callable[..., Tensor], target: Tensor | None) -> Callable[..., Tensor]:
+    """``loss_fn``, refusing a call that does not fit it (a target left out, or given to a
+    loss of the output alone) and a value that is not a tensor (``loss.item()``), naming
+    what :meth:`Hooks.check` called it with."""
+    called = "loss_fn(output)" if target is None else "loss_fn(output, target)"
+
+    def loss(*args: Tensor) -> Tensor:
+        try:
+            value = loss_fn(*args)
+        except TypeError as e:
+            fix = (
+                "a loss that takes a target needs it: h.check(loss_fn, inputs, target)"
+                if target is None
+                else "a loss of the output alone takes no target: h.check(loss_fn, inputs)"
+            )
+            raise ConfigurationTypeError(f"check(): {called} raised TypeError ({e}); {fix}") from e
+        if not isinstance(value, Tensor):
+            raise ConfigurationTypeError(
+                f"check(): {called} returned {type(value).__qualname__} {value!r}, not a "
+                "tensor: return the loss tensor itself (not loss.item()), as for backward()"
+            )
+        return value
+
+    return loss
+
+
 def _check_reduction(state, model, written, loss_fn, inputs, target, examples, report) -> None:
     """Recompute the first examples' own gradients (a batch of one each) and compare."""
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
@@ -1236,8 +1262,9 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         report.unchecked.append("the loss's reduction: the batch is empty")
         return
     want = loop_grad(
-        model, loss_fn, tuple(x[:k] for x in xs), None if target is None else target[:k]
-    )
+        model, _checked_loss(loss_fn, target), tuple(x[:k] for x in xs),
+        None if target is None else target[:k],
+    )  # fmt: skip
     got_parts, want_parts = [], []
     for name, p in written.items():
         if name in want:

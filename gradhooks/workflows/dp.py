@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -160,6 +161,9 @@ def dp_sgd_step(
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
+    Each call is a whole step, with its own noise: replacing a ``.grad`` the last call wrote
+    and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
+    a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s.
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
@@ -249,8 +253,10 @@ def dp_sgd_step(
         _foreach_div_(clipped, denom)
     else:  # (autograd's gradients may be expanded views: divided out of place)
         clipped = _torch.foreach_div(clipped, denom)
+    _warn_if_unstepped(hooks, params)
     for p, c, layout in zip(params, clipped, sparse, strict=True):
         p.grad = as_grad(c, layout)
+    _written(hooks, params)
     _warn_if_noise_repeats(hooks, start)
     return norms.detach()
 
@@ -453,6 +459,51 @@ def _warn_if_sizes_vary(hooks: Hooks, batch: int, reduction: str, expected: floa
         )
 
 
+# Per handle, what its last step wrote: each parameter's version, and its .grad (a weak
+# reference) with that tensor's version; None once it has warned that a step's .grad was
+# replaced unused
+_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _written(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
+    if _WRITTEN.get(hooks, False) is not None:
+        _WRITTEN[hooks] = [
+            (weakref.ref(p), _torch.version(p), weakref.ref(p.grad), _torch.version(p.grad))
+            for p in params
+            if p.grad is not None
+        ]
+
+
+def _warn_if_unstepped(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
+    """A step about to replace the ``.grad`` the last step wrote, which no optimizer step
+    used: the parameters and their ``.grad`` are as that step left them (micro-batches of one
+    logical batch each given to ``dp_sgd_step``, with ``optimizer.step()`` every few: the
+    step would be of the last micro-batch alone, every one's noise drawn and counted). Said
+    once per handle; a step run again on purpose (two methods compared) may ignore it."""
+    last = _WRITTEN.get(hooks)
+    if not last or {id(p) for p in params} != {id(ref()) for ref, *_ in last}:
+        return
+    for p_ref, p_version, g_ref, g_version in last:
+        p, g = p_ref(), g_ref()
+        if p is None or g is None or p.grad is not g:
+            return
+        if _torch.version(p) != p_version or _torch.version(g) != g_version:
+            return
+    _WRITTEN[hooks] = None
+    warnings.warn(
+        "gradhooks.dp_sgd_step: this step replaces the .grad the last dp_sgd_step wrote, "
+        "which no optimizer step used (the parameters and their .grad are as it left them). "
+        "Each dp_sgd_step is a whole DP-SGD step, with its own noise, and writes .grad (it "
+        "does not add to it): micro-batches of one logical batch given to dp_sgd_step one "
+        "after the other, with optimizer.step() after the last, step on the last one alone. "
+        "Call optimizer.step() after every dp_sgd_step; for a logical batch in several "
+        "physical batches, use gradhooks.DPOptimizer (opt.backward(losses) for each, "
+        "opt.step() once) or gradhooks.clipped_sum.",
+        GradhooksWarning,
+        stacklevel=3,
+    )
+
+
 # Per handle, the state the generator of its last noised step started from (None once it has
 # warned that the noise repeats)
 _NOISE_STARTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -507,6 +558,12 @@ def _checked(
         raise ConfigurationError(
             f"per_example_loss must be [batch], got {tuple(per_example_loss.shape)}: use the "
             "loss with reduction='none' (and sum any other dimension per example)"
+        )
+    if not (per_example_loss.is_floating_point() or per_example_loss.is_complex()):
+        raise ConfigurationError(
+            f"dp_sgd_step: per_example_loss holds {per_example_loss.dtype} values, which have "
+            "no gradient (correct-or-not flags, predicted classes, counts?): pass each "
+            "example's loss, F.cross_entropy(output, target, reduction='none')"
         )
     if not per_example_loss.requires_grad:
         raise ConfigurationError(
@@ -774,10 +831,10 @@ def _step_sums(
             sq = per_example_loss.new_zeros(batch)
             for g in grads1:
                 if g is not None:
-                    sq = sq + P.flat_rows(g).pow(2).sum(1)
+                    sq = sq + _row_sq(g)
         else:  # (per group, the same sums in the same order)
             group_sq = groups.group_sq((
-                (j, P.flat_rows(g).pow(2).sum(1)) for j, g in enumerate(grads1) if g is not None
+                (j, _row_sq(g)) for j, g in enumerate(grads1) if g is not None
             ), per_example_loss.new_zeros(batch), stacked=False)  # fmt: skip
             sq = group_sq.sum(0)
         norms = sq.sqrt()
@@ -987,6 +1044,16 @@ def _add_weighted(out: Tensor, slices: list[Tensor], weights: Tensor) -> None:
         del g
 
 
+def _row_sq(g: Tensor) -> Tensor:
+    """Each example's squared norm of ``g`` (``[batch, ...]``, a ``grad1``), ``[batch]``,
+    formed in :func:`gradhooks.pieces.accumulation_dtype` (float32 for a float16 or bfloat16
+    ``grad1``, as the norms quantity forms it: in float16 a square overflows above 256, and
+    the example, its norm Inf, would be clipped to nothing)."""
+    rows = P.flat_rows(g)
+    dtype = P.accumulation_dtype(rows.dtype)
+    return (rows if rows.dtype == dtype else rows.to(dtype)).pow(2).sum(1)
+
+
 def _widest(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``a`` and ``b`` in the more precise of their dtypes."""
     dtype = torch.promote_types(a.dtype, b.dtype)
@@ -1123,17 +1190,36 @@ def _captured_norms(hooks: Hooks, per_example_loss: Tensor) -> Tensor:
 
 def _check_batch(hooks: Hooks, per_example_loss: Tensor, sizes: list[int]) -> None:
     """The losses are one per example of the captured batch."""
-    bad = [n for n in sizes if n != per_example_loss.shape[0]]
+    n = per_example_loss.shape[0]
+    bad = [size for size in sizes if size != n]
     if bad:
-        one = per_example_loss.shape[0] == 1  # (the batch's loss kept as [1])
+        one = n == 1  # (the batch's loss kept as [1])
+        views = bad[0] // n if n > 1 and bad[0] % n == 0 else 0
         raise ConfigurationError(
-            f"dp_sgd_step: per_example_loss has {per_example_loss.shape[0]} entries, but the "
+            f"dp_sgd_step: per_example_loss has {n} entries, but the "
             f"hooked forward had a batch of {bad[0]} examples: give one loss per example "
             + ("(the loss with reduction='none', not its mean or sum kept as [1]) " if one else "")
             + "(per-token losses [batch * seq] summed or averaged per example: "
             "losses.view(batch, -1).sum(1)); if the examples are not on dimension 0 of the "
             "model's input (a time-major [seq, batch, ...] batch), say where they are: "
-            "add_hooks(model, batch_dim=1). No gradient was written."
+            "add_hooks(model, batch_dim=1)"
+            + (
+                f"; if the forward's batch is {views} views (augmentations) of each example "
+                "concatenated, torch.cat(views), the model sees them as that many examples: "
+                "stack them on a dimension of their own, torch.stack(views, 1) "
+                f"[{n}, {views}, ...], and average each example's losses over it, or run one "
+                "forward per view and add their losses"
+                if views > 1
+                else ""
+            )
+            + (
+                "; if some examples' losses were left out (losses[keep], the non-finite ones "
+                "dropped), the forward's batch still holds those examples: take them out of the "
+                "batch before the forward, model(x[keep])"
+                if 1 < n < bad[0] and not views
+                else ""
+            )
+            + ". No gradient was written."
         )
 
 
@@ -1212,7 +1298,17 @@ def _plan(hooks: Hooks) -> _Plan:
     (a parameter frozen since the forward, made complex) is read from the parameters."""
     model = hooks.model
     if model is None or not hooks.active:
-        raise StateError("dp_sgd_step needs an active handle (its model is gone or removed)")
+        what = "its model no longer exists" if model is None else (
+            f"the hooks of {type(model).__qualname__} were removed (h.remove(), the end of its "
+            "with block, or gradhooks.remove_hooks)"
+        )  # fmt: skip
+        raise StateError(
+            f"a DP step (dp_sgd_step, clipped_sum, DPOptimizer.backward) needs an active "
+            f"handle, and {what}: its clipping would have no per-example gradient. Add the "
+            "hooks again, h = gradhooks.add_hooks(model, quantities=('norms',)), before the "
+            "forward, and step with that handle (a DPOptimizer: build it again around the "
+            "same optimizer with the new handle). Nothing was changed."
+        )
     engine = engine_of(hooks)
     engine.follow_dropped()
     key = None if engine.sharded else engine.structure

@@ -152,6 +152,10 @@ class KFAC:
                 f"damping_range must hold the damping: {low!r} <= {damping!r} <= {high!r}"
             )
         self.model, self.optimizer = model, optimizer
+        # the model's parameters the optimizer steps, by name (checked again at every step)
+        self._stepped = {
+            name: p for name, p in model.named_parameters() if id(p) in _ids(optimizer)
+        }
         self.damping, self.decay = float(damping), decay
         self.factors_every, self.inverse_every = int(factors_every), int(inverse_every)
         self.adaptive, self.adapt_every = adaptive, int(adapt_every)
@@ -190,6 +194,7 @@ class KFAC:
                 the current parameters (no backward needed; it is called under
                 ``torch.no_grad()``, before and after the base optimizer's step).
         """
+        self._check_stepped()
         adapt = self.adaptive and self.steps % self.adapt_every == 0
         if adapt and closure is None:
             raise ConfigurationError(
@@ -220,6 +225,25 @@ class KFAC:
             loss_after = float(closure())
             self._adapt(params, before, grads, loss_after - loss_before)
         self.steps += 1
+
+    def _check_stepped(self) -> None:
+        """Refuses a step where a parameter the optimizer stepped as the model's is no longer
+        the model's (replaced by ``load_state_dict(..., assign=True)`` or a new
+        ``nn.Parameter``): the optimizer would step the old tensor, and the model's own would
+        never move, its gradient never zeroed."""
+        now = {id(p) for p in self.model.parameters()}
+        for name, p in self._stepped.items():
+            if id(p) not in now:
+                raise ConfigurationError(
+                    f"KFAC.step: the optimizer steps the parameter that was '{name}' "
+                    f"{tuple(p.shape)} of the model ({type(self.model).__qualname__}) when "
+                    "KFAC was built, and the model's is another tensor now (replaced by "
+                    "load_state_dict(..., assign=True), or layer.weight = nn.Parameter(...)): "
+                    "the step would move the old one and leave the model as it was. Build the "
+                    "optimizer over model.parameters() again and KFAC around it (kfac."
+                    "state_dict() keeps the factors), or load checkpoints without "
+                    "assign=True. Nothing was changed."
+                )
 
     def _update_factors(self, inputs: Tensor, target: Tensor | None) -> None:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -352,3 +376,7 @@ def _check_finite(name: str, f: KFactors, which: Literal["new", "running"]) -> N
             "layer's inputs or output-gradients diverged. Lower the learning rate or raise "
             "the damping, and restart from a checkpoint"
         )
+
+
+def _ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
+from ..engine.api import engine_of
 from ..engine.handle import Hooks, add_hooks
 from ..errors import (
     ConfigurationError,
@@ -307,7 +308,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Backward of one physical batch's per-example losses (``[batch]``): their clipped
         gradients are added to the buffer :meth:`step` uses. Returns the per-example norms
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
-        if self._sums is not None:  # (before the backward: a refusal changes nothing)
+        _check_optimizer_params(  # (before the backward: a refusal changes nothing)
+            self.optimizer, self.hooks, _dp._covered_params(self.hooks), "DPOptimizer.backward"
+        )
+        if self._sums is not None:
             self._same_params("DPOptimizer.backward")
             self._same_bound("DPOptimizer.backward")
         got = _dp.clipped_sum(
@@ -355,6 +359,7 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         params = self._same_params("DPOptimizer.step")
         self._same_bound("DPOptimizer.step")
+        _check_optimizer_params(self.optimizer, self.hooks, params, "DPOptimizer.step")
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.get_scale())
@@ -510,23 +515,46 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_optimizer_params(
-    optimizer: torch.optim.Optimizer, hooks: Hooks, covered: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer,
+    hooks: Hooks,
+    covered: list[torch.nn.Parameter],
+    where: str = "DPOptimizer",
 ) -> None:
     """Every trainable parameter the optimizer steps is one the hooks clip: another would be
-    stepped on a gradient that is neither clipped nor noised."""
+    stepped on a gradient that is neither clipped nor noised. Checked when the optimizer is
+    wrapped and again at each backward and step (``where``): a parameter of the model replaced
+    since (``load_state_dict(assign=True)``, ``layer.weight = nn.Parameter(...)``) stays in
+    the optimizer, which would step the old one and leave the model as it was."""
     ids = {id(p) for p in covered}
+    planned = {id(p) for p in _dp._plan(hooks).walked}  # (the model's at its last forward)
     model = hooks.model
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-    for group in optimizer.param_groups:
+    # (the model's parameters now; FSDP2: the sharded ones, whatever stand-in is in a slot)
+    names = {id(p): n for n, p in engine_of(hooks).named_parameters()}
+    for k, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if p.requires_grad and id(p) not in ids:
-                what = f"'{names[id(p)]}'" if id(p) in names else f"of shape {tuple(p.shape)}"
+            if not p.requires_grad or (id(p) in ids and id(p) in names):
+                continue
+            if id(p) in names and id(p) not in planned:
+                continue  # (put in the model since its last forward: checked at the backward)
+            if id(p) in names:
                 raise ConfigurationError(
-                    f"DPOptimizer: the optimizer steps a trainable parameter {what} that the "
-                    "hooks do not clip (not the hooked model's, or without a rule): its step "
-                    "would use a gradient with neither clipping nor noise. Give the optimizer "
-                    "the hooked model's parameters only, or freeze that one."
+                    f"{where}: the optimizer steps a trainable parameter '{names[id(p)]}' "
+                    f"{tuple(p.shape)} that the hooks do not clip (its layer has no rule): its "
+                    "step would use a gradient with neither clipping nor noise. Freeze it, or "
+                    "give the optimizer the clipped parameters only. Nothing was changed."
                 )
+            owner = type(model).__qualname__ if model is not None else "no longer alive"
+            raise ConfigurationError(
+                f"{where}: the optimizer steps a trainable parameter of shape "
+                f"{tuple(p.shape)} that the hooks do not clip (param_groups[{k}]): it is not one "
+                f"of the hooked model's ({owner}) now. The model's parameter was replaced "
+                "after the optimizer was built (load_state_dict(..., assign=True), "
+                "layer.weight = nn.Parameter(...)), or the optimizer is another model's. Its "
+                "step would move that old tensor and leave the model as it was, "
+                "or use a gradient with neither clipping nor noise. Build the optimizer over "
+                "model.parameters() again (and the DPOptimizer around it), or load checkpoints "
+                "without assign=True. Nothing was changed."
+            )
 
 
 class _OwnedDPOptimizer(DPOptimizer):
