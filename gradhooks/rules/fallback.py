@@ -150,14 +150,25 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
         raise first from None
 
 
+def _ran_with(call: Call, name: str, p: Tensor) -> Tensor:
+    """The tensor ``call`` ran with in the slot of the module's parameter ``name`` (another,
+    where ``torch.func.functional_call`` put one there for the call), else ``p``, the module's
+    own now: what a recomputation of the call must compute with."""
+    return call.params.get(name, p) if call.params is not None else p
+
+
 def _from_state(call: Call) -> dict[str, Piece | None]:
     module = call.module
     own = {
-        n: p
+        n: _ran_with(call, n, p)
         for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
         if p.requires_grad
     }
-    nested = {n: p for n, p in fallback_params(module).items() if n not in own and p.requires_grad}
+    nested = {
+        n: _ran_with(call, n, p)
+        for n, p in fallback_params(module).items()
+        if n not in own and p.requires_grad
+    }
     returned = tree_flatten(call.output, is_leaf=lambda a: isinstance(a, PackedSequence))[0]
     if any(isinstance(o, PackedSequence) for o in returned) or (
         call.batch is not None and PACKED in call.batch.outputs
@@ -302,7 +313,11 @@ def _by_layout_split(
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
-    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed = {
+        n: own(_ran_with(call, n, p))
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n not in wrt
+    }
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
@@ -553,7 +568,11 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
     xs = [t for t, b in zip(leaves, batched) if b]
-    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed = {
+        n: own(_ran_with(call, n, p))
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n not in wrt
+    }
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     called: set[int] = set()
@@ -816,7 +835,9 @@ def _inner_eps(call: Call) -> float:
     where it cannot run."""
     module = call.module
     own = _holder(call, create_graph=False)
-    state = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False)}
+    state = {
+        n: own(_ran_with(call, n, p)) for n, p in module.named_parameters(remove_duplicate=False)
+    }
     state.update(_buffers(call)())
     mode = _Rounding()
     try:

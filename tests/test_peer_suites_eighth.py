@@ -1,0 +1,570 @@
+"""An eighth set of the cases that other projects check in their own test suites, written in
+gradhooks' terms and compared with float64 references (per-example loops of autograd, of
+``torch.func.functional_call`` where the peer's case runs through it, and
+:mod:`gradhooks.oracle`). The first seven sets are :mod:`test_peer_suites`,
+:mod:`test_peer_suites_more`, :mod:`test_peer_suites_third`, :mod:`test_peer_suites_fourth`,
+:mod:`test_peer_suites_fifth`, :mod:`test_peer_suites_sixth` and
+:mod:`test_peer_suites_seventh`; this one adds:
+
+- torch's ``functional_call`` tests (``test/test_stateless.py``): a module whose bias and buffer
+  are each held under two names (``tie_weights`` on and off), some weights given and a bias
+  given as ``None``, the original of a parametrization given in place of the module's (weight
+  norm, spectral norm, a parametrization of one's own), a BatchNorm's running statistics
+  given, a ``strict`` call refused by torch; and, as functorch's per-sample-gradient recipe
+  uses it, every layer family with all its parameters given, and a language model whose
+  embedding is tied to its output layer;
+- torch's parametrization tests (``test/nn/test_parametrization.py``): two parametrizations
+  chained on one weight and one on a bias (also under ``parametrize.cached()``), a
+  parametrization moved to another module by ``transfer_parametrizations_and_params`` (one
+  original shared by both), and an ``unsafe`` one whose original has another shape;
+- torch's ExpandedWeights tests (``test/test_expanded_weights.py``, ``test_group_norm_error``):
+  ``F.group_norm`` over channels its groups do not divide, torch's own error under the hooks;
+- Opacus (``opacus/tests/validators/lstm_test.py``, ``gru_test.py``,
+  ``opacus/tests/dp_layers/dp_rnn_test.py``): ``ModuleValidator.fix`` turning ``nn.LSTM`` and
+  ``nn.GRU`` into Opacus' own ``DPLSTM`` / ``DPGRU`` (layers of ``RNNLinear`` cells stepped in
+  Python), whose ``grad1`` is the loop's and the same as the torch layer's, batch-first and
+  time-major (``batch_dim=1``), with an initial state, layers and directions;
+- jax-privacy (``jax_privacy/experimental/clipping_test.py``, ``microbatching_test.py``): the
+  clipped sum's sensitivity to one example replaced, removed or turned into padding, and the
+  clipped sum of a batch taken by micro-batches of 1, 2, 5 and 10 (padding examples adding
+  nothing).
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
+Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.nn.utils import parametrize
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_close, assert_grad1, assert_untouched, model_state, seeded, sq
+
+D = torch.float64
+
+
+def _rows(x: Tensor, i: int):
+    return x[i : i + 1]
+
+
+def functional_loop(model: nn.Module, given: dict, x: Tensor, **kw) -> dict[str, Tensor]:
+    """Per-example gradients of ``sq(functional_call(model, given, x[i:i+1], **kw))``, by
+    autograd one example at a time: for every tensor of ``given`` that requires grad (a tensor
+    given under two names is one leaf, its uses summed) and every trainable parameter of the
+    model's that ``given`` leaves in place, by name; ``None`` for one the output does not
+    reach."""
+    model_params = dict(model.named_parameters())
+    names = [n for n, t in given.items() if isinstance(t, Tensor) and t.requires_grad]
+    kept = [n for n, p in model_params.items() if n not in given and p.requires_grad]
+    rows: dict[str, list] = {n: [] for n in names + kept}
+    for i in range(x.shape[0]):
+        leaves = {}
+        for n in names:
+            t = given[n]
+            leaves.setdefault(id(t), t.detach().requires_grad_())
+        one = {n: leaves[id(t)] if n in names else t for n, t in given.items()}
+        wrt = [leaves[id(given[n])] for n in names] + [model_params[n] for n in kept]
+        loss = sq(functional_call(model, one, (_rows(x, i),), **kw))
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        for n, g in zip(names + kept, grads, strict=True):
+            rows[n].append(g)
+    return {n: None if r[0] is None else torch.stack(r) for n, r in rows.items()}
+
+
+def check_functional_call(model: nn.Module, given: dict, x: Tensor, what: str, **kw) -> None:
+    """One backward of the hooked model through ``functional_call(model, given, x)``: each
+    given tensor that requires grad, and each of the model's trainable parameters left in
+    place, has the loop's ``grad1`` (none where the output does not reach it); the model's
+    parameters that were replaced get none."""
+    want = functional_loop(model, given, x, **kw)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(functional_call(model, given, (x,), **kw)).backward()
+    params = dict(model.named_parameters())
+    for n, w in want.items():
+        t = given[n] if n in given else params[n]
+        if w is None:
+            assert getattr(t, "grad1", None) is None, f"{what}: {n} got a grad1 it has no use for"
+            continue
+        assert hasattr(t, "grad1"), f"{what}: {n} has no grad1"
+        assert_close(t.grad1, w, f"{what}: {n}")
+    for n, p in params.items():
+        if n in given and not any(p is t for t in given.values()):
+            assert not hasattr(p, "grad1"), f"{what}: the model's own {n}, replaced, got a grad1"
+
+
+def perturbed(model: nn.Module, names=None, seed: int = 5) -> dict[str, Tensor]:
+    """Other values for the model's parameters (``names``, or all of them, a tied one under
+    each of its names): new leaves that require grad, as a meta-learner's or a checkpoint's
+    weights given to ``functional_call``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: (p.detach() + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)).requires_grad_()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if names is None or n in names
+    }
+
+
+# == torch: test/test_stateless.py, functional_call ==============================================
+
+
+class TiedModule(nn.Module):
+    """torch's ``MockTiedModule``: a Linear's bias held a second time by the parent, and a
+    buffer held under two names, all used in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 2)
+        self.tied_bias = self.l1.bias
+        self.buffer = nn.Buffer(torch.ones(2))
+        self.tied_buffer = self.buffer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.l1(x)) * (self.tied_bias + self.buffer + self.tied_buffer)
+
+
+@pytest.mark.parametrize("tie_weights", [True, False], ids=["tied", "untied"])
+def test_stateless_functional_call_of_a_module_with_tied_bias_and_buffer(tie_weights):
+    """pytorch/pytorch ``test/test_stateless.py`` (``MockTiedModule``, ``test_tied_weights``,
+    ``tie_weights``): with ``tie_weights=True`` a bias given under one of its two names is used
+    under both (its ``grad1`` sums the Linear's use and the parent's); with ``False`` each name
+    takes its own tensor, each with its own ``grad1``. The buffer is given too; the plain
+    forward of the same module (no ``functional_call``) is the loop's as well."""
+    model = seeded(TiedModule).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(2, generator=g, dtype=D).requires_grad_()
+    given = {"l1.bias": bias, "buffer": torch.randn(2, generator=g, dtype=D)}
+    if not tie_weights:
+        given["tied_bias"] = torch.randn(2, generator=g, dtype=D).requires_grad_()
+        given["tied_buffer"] = torch.randn(2, generator=g, dtype=D)
+    check_functional_call(model, given, x, f"tie_weights={tie_weights}", tie_weights=tie_weights)
+
+    plain = seeded(TiedModule).double()
+    want = loop_grad(plain, sq, x)
+    with gradhooks.add_hooks(plain, loss_reduction="sum"):
+        sq(plain(x)).backward()
+    assert_grad1(plain, want, "the module's own forward")
+
+
+def test_stateless_functional_call_of_some_weights_and_a_bias_given_as_none():
+    """pytorch/pytorch ``test/test_stateless.py`` (``test_reparametrize_some_weights``,
+    ``test_reparametrize_special``): some weights given (one that requires grad, one that does
+    not) and the others the module's own, which keep their ``grad1``; a bias given as ``None``
+    is left out of the call (the layer then has no bias, and its own bias no ``grad1``)."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    given = perturbed(model, {"2.weight"})
+    given["0.weight"] = perturbed(model, {"0.weight"}, seed=6)["0.weight"].detach()
+    check_functional_call(model, given, x, "some weights")
+
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    check_functional_call(model, {"0.bias": None}, x, "a bias given as None")
+    assert not hasattr(model[0].bias, "grad1")
+
+
+PARAMETRIZED = {
+    "weight_norm": lambda m: nn.utils.parametrizations.weight_norm(m),
+    "spectral_norm (eval)": lambda m: nn.utils.parametrizations.spectral_norm(m),
+    "symmetric": lambda m: parametrize.register_parametrization(m, "weight", Symmetric()),
+}
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        return w.triu() + w.triu(1).T
+
+
+@pytest.mark.parametrize("kind", list(PARAMETRIZED))
+def test_stateless_functional_call_of_a_parametrizations_original(kind):
+    """pytorch/pytorch ``test/test_stateless.py``
+    (``test_reparametrized_module_change_parametrization_original``): the tensor given for
+    ``parametrizations.weight.original`` (``original1`` of weight norm) is what the
+    parametrization computes the weight from in that call. Its ``grad1`` is the loop's. Before,
+    the hooks refused it (a ``MixedExamplesError`` of the parametrization's recomputation, which
+    took the module's own original, not the one the call ran with)."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    PARAMETRIZED[kind](model[0])
+    model.eval()  # (spectral norm: no power iteration, the loop's forwards see one weight)
+    name = "0.parametrizations.weight.original"
+    name += "1" if kind == "weight_norm" else ""
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    before = model[0].weight.detach().clone()
+    check_functional_call(model, perturbed(model, {name}), x, kind)
+    assert torch.equal(model[0].weight, before), "the module's parametrization changed"
+
+
+def test_stateless_functional_call_of_batch_norm_running_statistics():
+    """pytorch/pytorch ``test/test_stateless.py`` (``test_functional_batch_norm``): a
+    BatchNorm's ``running_mean`` and ``running_var`` given (in eval, where they normalize each
+    example alone) with its weight: ``grad1`` of every parameter is the loop's with those
+    statistics, and the module's own statistics are left as they were."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    model = seeded(lambda: model).double().eval()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    g = torch.Generator().manual_seed(3)
+    given = perturbed(model, {"1.weight"})
+    given["1.running_mean"] = torch.randn(4, generator=g, dtype=D)
+    given["1.running_var"] = torch.rand(4, generator=g, dtype=D) + 0.5
+    before = (model[1].running_mean.clone(), model[1].running_var.clone())
+    check_functional_call(model, given, x, "running statistics given")
+    assert torch.equal(model[1].running_mean, before[0])
+    assert torch.equal(model[1].running_var, before[1])
+
+
+def test_stateless_functional_call_refused_by_strict_leaves_the_hooks_working():
+    """pytorch/pytorch ``test/test_stateless.py`` (``test_reparametrize_strict``): a ``strict``
+    call missing keys is torch's ``RuntimeError`` under the hooks too, leaving the model as it
+    was (parameters, hooks, no ``grad1``); the next forward and backward are the loop's."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        before = model_state(model)
+        with pytest.raises(RuntimeError, match=r"Missing key\(s\)"):
+            functional_call(model, perturbed(model, {"0.weight"}), (x,), strict=True)
+        assert_untouched(model, before)
+        sq(model(x)).backward()
+    assert_grad1(model, want, "after the refused call")
+
+
+class First(nn.Module):
+    """A layer's first output (self-attention on one input), as the loss's input."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.layer, nn.MultiheadAttention):
+            return self.layer(x, x, x, need_weights=False)[0]
+        out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _ints(*shape):
+    return lambda: torch.randint(7, shape)
+
+
+LAYERS = {  # a layer, and a batch of 5 for it
+    "Linear": (lambda: nn.Linear(3, 4), lambda: torch.randn(5, 3)),
+    "Conv2d": (lambda: nn.Conv2d(2, 3, 3, padding=1), lambda: torch.randn(5, 2, 5, 5)),
+    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=2), lambda: torch.randn(5, 2, 5)),
+    "Embedding": (lambda: nn.Embedding(7, 3), _ints(5, 4)),
+    "EmbeddingBag": (lambda: nn.EmbeddingBag(7, 3), _ints(5, 4)),
+    "LayerNorm": (lambda: nn.LayerNorm(4), lambda: torch.randn(5, 3, 4)),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(5, 4, 3)),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3, affine=True), lambda: torch.randn(5, 3, 6)),
+    "RMSNorm": (lambda: nn.RMSNorm(4), lambda: torch.randn(5, 3, 4)),
+    "PReLU": (lambda: nn.PReLU(3), lambda: torch.randn(5, 3, 4)),
+    "LSTM": (lambda: nn.LSTM(3, 4, batch_first=True), lambda: torch.randn(5, 6, 3)),
+    "GRU": (lambda: nn.GRU(3, 4, 2, batch_first=True, bidirectional=True),
+            lambda: torch.randn(5, 6, 3)),
+    "MultiheadAttention": (lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+                           lambda: torch.randn(5, 3, 4)),
+    "TransformerEncoderLayer": (
+        lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+        lambda: torch.randn(5, 3, 4),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_functional_call_with_every_parameter_given_per_layer_family(layer):
+    """functorch's per-sample-gradient recipe (pytorch/pytorch
+    ``test/functorch/test_eager_transforms.py``, ``functional_call`` of the model with its
+    parameters given) on every layer family gradhooks has a rule for: the tensors given, other
+    values than the module's, have the loop's ``grad1``; the module's own get none."""
+    make, inputs = LAYERS[layer]
+    model = seeded(lambda: First(make())).double()
+    x = seeded(inputs, seed=1)
+    x = x.double() if x.is_floating_point() else x
+    check_functional_call(model, perturbed(model), x, layer)
+
+
+class TiedLM(nn.Module):
+    """An embedding, an LSTM and an output Linear whose weight is the embedding's table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(7, 4), nn.LSTM(4, 4, batch_first=True)
+        self.out = nn.Linear(4, 7)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.out(self.lstm(self.emb(idx))[0])
+
+
+@pytest.mark.parametrize(
+    "given,tie_weights",
+    [({"emb.weight"}, True), ({"emb.weight", "out.weight"}, False), ({"lstm.weight_hh_l0"}, True)],
+    ids=["table, tied", "table and head, untied", "one LSTM weight"],
+)
+def test_functional_call_of_a_language_model_with_a_tied_head(given, tie_weights):
+    """pytorch/pytorch ``test/test_stateless.py`` (``tie_weights``) on a language model whose
+    output layer's weight is its embedding's table: the table given once is used by both (its
+    ``grad1`` sums the rows looked up and the head's outer products); untied, each use has its
+    own tensor; one LSTM weight given, the rest of the model's keep their ``grad1``."""
+    model = seeded(TiedLM).double()
+    x = seeded(_ints(5, 6), seed=1)
+    check_functional_call(model, perturbed(model, given), x, str(sorted(given)),
+                          tie_weights=tie_weights)  # fmt: skip
+
+
+# == torch: test/nn/test_parametrization.py =====================================================
+
+
+class Skew(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        upper = w.triu(1)
+        return upper - upper.T
+
+
+class MatrixExp(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        return torch.matrix_exp(w)
+
+
+class Softplus(nn.Module):
+    def forward(self, b: Tensor) -> Tensor:
+        return F.softplus(b)
+
+    def right_inverse(self, b: Tensor) -> Tensor:
+        return b.expm1().log()
+
+
+def _chained() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    parametrize.register_parametrization(model[0], "weight", Skew())
+    parametrize.register_parametrization(model[0], "weight", MatrixExp())
+    with torch.no_grad():
+        model[2].bias.abs_()
+    parametrize.register_parametrization(model[2], "bias", Softplus())
+    return model
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "cached"])
+def test_parametrizations_chained_on_a_weight_and_one_on_a_bias(cached):
+    """pytorch/pytorch ``test/nn/test_parametrization.py``
+    (``test_register_and_remove_nested_parametrization``, ``test_caching_parametrization``,
+    ``test_initialization_parametrization``): an orthogonal weight as ``matrix_exp`` of a skew
+    matrix (two parametrizations on one tensor) and a positive bias by ``softplus`` (its
+    ``right_inverse`` sets the original): ``grad1`` of both originals is the loop's, also
+    with the weight computed once per forward by ``parametrize.cached()``."""
+    model = seeded(_chained)
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        if cached:
+            with parametrize.cached():
+                sq(model(x)).backward()
+        else:
+            sq(model(x)).backward()
+    assert_grad1(model, want, "chained")
+    w = model[0].weight.detach()
+    assert_close(w @ w.T, torch.eye(4, dtype=D), "the weight is orthogonal")
+
+
+def test_parametrization_transferred_to_another_module_shares_its_original():
+    """pytorch/pytorch ``test/nn/test_parametrization.py``
+    (``test_transfer_parametrizations_and_params``): a parametrization moved to a second
+    Linear by ``transfer_parametrizations_and_params`` keeps one original for both; its
+    ``grad1`` sums both layers' uses, each bias its own."""
+
+    def make() -> nn.Module:
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        parametrize.register_parametrization(a, "weight", Skew())
+        parametrize.transfer_parametrizations_and_params(a, b)
+        return nn.Sequential(a, nn.Tanh(), b).double()
+
+    model = seeded(make)
+    first, second = model[0].parametrizations.weight, model[2].parametrizations.weight
+    assert first.original is second.original
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "transferred")
+
+
+class FromVector(nn.Module):
+    """A ``[2, 4]`` weight from an ``[8]`` original (``unsafe``: another shape)."""
+
+    def forward(self, v: Tensor) -> Tensor:
+        return v.view(2, 4)
+
+    def right_inverse(self, w: Tensor) -> Tensor:
+        return w.reshape(-1)
+
+
+def test_unsafe_parametrization_of_another_shape():
+    """pytorch/pytorch ``test/nn/test_parametrization.py`` (``test_unsafe_parametrization``):
+    a weight computed from an original of another shape (``unsafe=True``): ``grad1`` of the
+    original has the original's shape, ``[batch, 8]``, and is the loop's."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 2))).double()
+    parametrize.register_parametrization(model[0], "weight", FromVector(), unsafe=True)
+    original = model[0].parametrizations.weight.original
+    assert original.shape == (8,)
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert original.grad1.shape == (5, 8)
+    assert_grad1(model, want, "unsafe")
+
+
+# == torch: test/test_expanded_weights.py, test_group_norm_error ================================
+
+
+class GroupNormOf(nn.Module):
+    """``F.group_norm`` on the module's own weight and bias."""
+
+    def __init__(self, channels: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight, self.bias = (
+            nn.Parameter(torch.ones(channels)),
+            nn.Parameter(torch.zeros(channels)),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.group_norm(x, self.groups, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("channels", [5, 6], ids=["5 channels: refused by torch", "6 channels"])
+def test_expanded_weights_group_norm_over_channels_its_groups_do_not_divide(channels):
+    """pytorch/pytorch ``test/test_expanded_weights.py`` (``test_group_norm_error``): with 5
+    channels in 2 groups, ``F.group_norm`` raises torch's own error under the hooks as without
+    them, nothing written; with 6, ``grad1`` is the loop's."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, channels), GroupNormOf(channels, 2)))
+    model = model.double()
+    x = seeded(lambda: torch.randn(3, 4, dtype=D), seed=1)
+    if channels == 5:
+        before = model_state(model)
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            with pytest.raises(RuntimeError, match="divisible by num_groups"):
+                sq(model(x)).backward()
+        assert_untouched(model, before)
+        return
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "group_norm")
+
+
+# == Opacus: validators (lstm_test.py, gru_test.py), dp_layers/dp_rnn_test.py ===================
+
+
+class RecurrentNet(nn.Module):
+    """A recurrent layer (its first output) and a Linear on every step."""
+
+    def __init__(self, kind: type, batch_first: bool, **kw):
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=batch_first, **kw)
+        self.fc = nn.Linear(4 * (2 if kw.get("bidirectional") else 1), 2)
+
+    def forward(self, x: Tensor, h0=None) -> Tensor:
+        return self.fc(self.rnn(x, h0)[0])
+
+
+class BatchFirst(nn.Module):
+    """The examples on dimension 0 for the loop, whatever the layer's order."""
+
+    def __init__(self, inner: nn.Module, batch_first: bool):
+        super().__init__()
+        self.inner, self.batch_first = inner, batch_first
+
+    def forward(self, x: Tensor, h0=None) -> Tensor:
+        if h0 is not None:
+            h0 = (
+                tuple(h.transpose(0, 1) for h in h0)
+                if isinstance(h0, tuple)
+                else h0.transpose(0, 1)
+            )
+        out = self.inner(x if self.batch_first else x.transpose(0, 1), h0)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+RNN_SETTINGS = [
+    (nn.LSTM, True, {}),
+    (nn.LSTM, False, dict(num_layers=2, bidirectional=True)),
+    (nn.GRU, True, dict(num_layers=2, bidirectional=True)),
+    (nn.GRU, False, {}),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("initial", [False, True], ids=["zero state", "initial state"])
+@pytest.mark.parametrize(
+    "kind,batch_first,kw", RNN_SETTINGS,
+    ids=[f"{k.__name__}-{'batch-first' if bf else 'time-major'}-{kw or 'one layer'}"
+         for k, bf, kw in RNN_SETTINGS],
+)  # fmt: skip
+def test_opacus_fixed_recurrent_layer_is_the_torch_layers_per_example(
+    kind, batch_first, kw, initial
+):
+    """Opacus ``opacus/tests/validators/lstm_test.py`` / ``gru_test.py`` (``test_fix``: the
+    validator replaces ``nn.LSTM`` / ``nn.GRU`` by ``DPLSTM`` / ``DPGRU``) and
+    ``opacus/tests/dp_layers/dp_rnn_test.py`` (the DP layer with the torch layer's
+    ``state_dict`` gives its outputs and gradients): Opacus' own layers, whose cells are
+    ``RNNLinear`` modules called at every time step, hooked as they are. ``grad1`` of every
+    parameter is the per-example loop's and the torch layer's ``grad1`` under the same names
+    (the fixed model's parameters renamed back), with or without an initial state, over two
+    layers and directions; time-major with ``batch_dim=1``."""
+    validators = pytest.importorskip("opacus.validators", reason="needs opacus")
+    torch_model = seeded(lambda: RecurrentNet(kind, batch_first, **kw)).double()
+    fixed = validators.ModuleValidator.fix(copy.deepcopy(torch_model)).double()
+    assert type(fixed.rnn).__module__.startswith("opacus"), type(fixed.rnn)
+    fixed.rnn.load_state_dict(torch_model.rnn.state_dict())
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    x = seeded(lambda: torch.randn(5, 6, 3, dtype=D), seed=1)  # [batch, time, features]
+    g = torch.Generator().manual_seed(2)
+    states = 2 if kind is nn.LSTM else 1
+    h0 = [torch.randn(5, layers, 4, generator=g, dtype=D) for _ in range(states)] if initial else []
+    h0b = (tuple(h0) if kind is nn.LSTM else h0[0]) if initial else None
+
+    def as_called(t):  # the layer's own order
+        return t if batch_first else t.transpose(0, 1)
+
+    args = (as_called(x), *([_layer_state(h0, kind)] if initial else []))
+    for model in (torch_model, fixed):
+        inputs = (x, *([h0b] if initial else []))
+        want = loop_grad(BatchFirst(model, batch_first), sq, inputs)
+        want = {n.removeprefix("inner."): w for n, w in want.items()}
+        with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=0 if batch_first else 1):
+            sq(model(*args)).backward()
+        assert_grad1(model, want, type(model.rnn).__name__)
+    for n, p in torch_model.named_parameters():
+        assert_close(dict(fixed.named_parameters())[n].grad1, p.grad1, f"DP layer vs torch's: {n}")
+
+
+def _layer_state(h0: list[Tensor], kind: type):
+    """An initial state as the layer takes it: ``[layers·directions, batch, hidden]``."""
+    hs = tuple(h.transpose(0, 1).contiguous() for h in h0)
+    return hs if kind is nn.LSTM else hs[0]
+
+
+def test_opacus_time_major_dp_lstm_with_the_default_batch_dim_is_refused():
+    """Opacus' ``DPLSTM`` time-major (``batch_first=False``, ``[time, batch, features]``),
+    hooked with the default ``batch_dim``: its cells are called on one time step at a time,
+    ``x[t]``, which with dimension 0 taken as the batch is one example taken out of it. Refused
+    at the forward, naming the cell and ``batch_dim`` (with ``batch_dim=1`` it is the loop's:
+    the test above)."""
+    layers = pytest.importorskip("opacus.layers", reason="needs opacus")
+    rnn = seeded(lambda: layers.DPLSTM(3, 4, batch_first=False)).double()
+    x = seeded(lambda: torch.randn(6, 5, 3, dtype=D), seed=1)
+    before = model_state(rnn)
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        with pytest.raises(
+            gradhooks.MixedExamplesError, match=r"'l0\.ih' \(RNNLinear\).*batch_dim"
+        ):
+            rnn(x)
+    assert_untouched(rnn, before)
