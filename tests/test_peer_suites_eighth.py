@@ -25,9 +25,9 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
   Python), whose ``grad1`` is the loop's and the same as the torch layer's, batch-first and
   time-major (``batch_dim=1``), with an initial state, layers and directions;
 - jax-privacy (``jax_privacy/experimental/clipping_test.py``, ``microbatching_test.py``): the
-  clipped sum's sensitivity to one example replaced, removed or turned into padding, and the
-  clipped sum of a batch taken by micro-batches of 1, 2, 5 and 10 (padding examples adding
-  nothing).
+  clipped sum's sensitivity to one example replaced, removed or turned into padding (by every
+  clipping method), and the clipped sum of a batch taken by micro-batches of 1, 2, 5 and 10
+  (padding examples adding nothing).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -568,3 +568,81 @@ def test_opacus_time_major_dp_lstm_with_the_default_batch_dim_is_refused():
         ):
             rnn(x)
     assert_untouched(rnn, before)
+
+
+# == jax-privacy: experimental/clipping_test.py, microbatching_test.py ===========================
+
+C = 0.5  # the clipping bound
+METHODS = {"grad1": ("grad1",), "bookkeeping": ("norms",), "ghost": ("norms",)}
+
+
+def classifier() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def clipped(model, x, y, method: str, weight: Tensor | None = None) -> Tensor:
+    """The clipped sum of ``gradhooks.clipped_sum`` over the batch, flattened, every
+    parameter's in turn; each example's loss times ``weight`` (0 for a padding example)."""
+    with gradhooks.add_hooks(model, quantities=METHODS[method]) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        if weight is not None:
+            losses = losses * weight
+        got = gradhooks.clipped_sum(h, losses, max_norm=C, method=method)
+    gradhooks.clear_grad1(model)
+    for p in model.parameters():
+        p.grad = None
+    return torch.cat([s.flatten() for s in got.sums])
+
+
+def clipped_by_loop(model, x, y) -> Tensor:
+    """``Σ_i min(1, C/‖g_i‖) · g_i`` of the per-example loop's gradients, flattened."""
+    want = loop_grad(model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y)
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    return ((C / flat.norm(dim=1)).clamp(max=1.0)[:, None] * flat).sum(0)
+
+
+def labelled(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=D), torch.randint(3, (n,), generator=g)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_jax_privacy_clipped_sum_sensitivity_to_one_example(method):
+    """google-deepmind/jax_privacy ``jax_privacy/experimental/clipping_test.py``
+    (``test_clip_sum_sensitivity``): the clipped sum of 15 examples is the loop's; replacing
+    example 3 by an outlier moves it by at most ``2C`` (replace-one), removing it by at most
+    ``C`` (add-or-remove), and turning it into padding (its loss weighted by 0) gives the sum
+    without it."""
+    model = seeded(classifier)
+    x, y = labelled(15)
+    base = clipped(model, x, y, method)
+    assert_close(base, clipped_by_loop(model, x, y), "the clipped sum")
+    outlier = x.clone()
+    outlier[3] = torch.tensor([-10.0, 10.0, 20.0, 20.0], dtype=D)
+    replaced = clipped(model, outlier, y, method)
+    assert (replaced - base).norm() <= 2 * C * (1 + 1e-9), "replace-one"
+    assert (replaced - base).norm() > C / 10, "the outlier moved the sum (else the bound is idle)"
+    keep = torch.arange(15) != 3
+    removed = clipped(model, x[keep], y[keep], method)
+    assert (removed - base).norm() <= C * (1 + 1e-9), "add-or-remove"
+    padded = clipped(model, x, y, method, weight=keep.to(D))
+    assert_close(padded, removed, "a padding example")
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 10])
+def test_jax_privacy_clipped_sum_by_micro_batches_with_padding(size):
+    """google-deepmind/jax_privacy ``jax_privacy/experimental/microbatching_test.py``
+    (``test_microbatched_fn_general``, ``test_dynamic_batch_size``): a batch of 10 whose last
+    three examples are padding, taken in micro-batches of ``size`` (some of them padding
+    alone): the sum of their clipped sums is the whole batch's, and that is the loop's over the
+    seven real examples."""
+    model = seeded(classifier)
+    x, y = labelled(10, seed=2)
+    real = torch.arange(10) < 7
+    parts = [
+        clipped(model, x[i : i + size], y[i : i + size], "grad1", real[i : i + size].to(D))
+        for i in range(0, 10, size)
+    ]
+    whole = clipped(model, x, y, "grad1", real.to(D))
+    assert_close(torch.stack(parts).sum(0), whole, f"micro-batches of {size}")
+    assert_close(whole, clipped_by_loop(model, x[real], y[real]), "the real examples' sum")
