@@ -27,7 +27,13 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
 - jax-privacy (``jax_privacy/experimental/clipping_test.py``, ``microbatching_test.py``): the
   clipped sum's sensitivity to one example replaced, removed or turned into padding (by every
   clipping method), and the clipped sum of a batch taken by micro-batches of 1, 2, 5 and 10
-  (padding examples adding nothing).
+  (padding examples adding nothing);
+- Opacus (``opacus/tests/multigpu_gradcheck_test.py``, the step each process takes): soft
+  labels from ``randn`` under ``CrossEntropyLoss``, a bound that clips nothing and no noise,
+  one DP step by every clipping (flat, per layer, ghost, book-keeping) equal to plain SGD;
+- pytorch-sso (``tests/test_batched_grads.py``, ``tests/test_samplegrad.py``): a transposed
+  convolution given ``output_size`` in 1-d to 3-d autoencoders, and its ``LeNet5BatchNorm``
+  (refused in training, the loop's in eval).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -646,3 +652,134 @@ def test_jax_privacy_clipped_sum_by_micro_batches_with_padding(size):
     whole = clipped(model, x, y, "grad1", real.to(D))
     assert_close(torch.stack(parts).sum(0), whole, f"micro-batches of {size}")
     assert_close(whole, clipped_by_loop(model, x[real], y[real]), "the real examples' sum")
+
+
+# == Opacus: tests/multigpu_gradcheck_test.py, its single-process step ==========================
+
+
+class ToyModel(nn.Module):
+    """Opacus' ``ToyModel``: Linear(10, 10), ReLU, Linear(10, 5); its first weight zeroed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(10, 10), nn.Linear(10, 5)
+        with torch.no_grad():
+            self.net1.weight.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net2(F.relu(self.net1(x)))
+
+
+GRADCHECK = {  # how Opacus clips: the DP step's method and clipping groups
+    "flat": ("grad1", None),
+    "per_layer": ("grad1", "parameter"),
+    "ghost": ("ghost", None),
+    "bookkeeping": ("bookkeeping", None),
+}
+
+
+@pytest.mark.parametrize("clipping", list(GRADCHECK))
+def test_opacus_gradcheck_step_without_clipping_or_noise_is_plain_sgd(clipping):
+    """Opacus ``opacus/tests/multigpu_gradcheck_test.py`` (``demo_basic``,
+    ``run_ghost_clipping_test``, one process): soft labels drawn from ``randn`` (not
+    probabilities) under ``CrossEntropyLoss``, the first weight zeroed, a bound of ``1e8`` and
+    no noise: one DP step by each clipping (flat, per layer, ghost; and book-keeping) and SGD
+    with ``lr=1`` leaves the weights where plain training does; the per-example gradients of
+    those soft-label losses are the loop's."""
+    method, groups = GRADCHECK[clipping]
+    model = seeded(ToyModel).double()
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 10, generator=g, dtype=D), torch.randn(4, 5, generator=g, dtype=D)
+    opt = torch.optim.SGD(plain.parameters(), lr=1.0)
+    F.cross_entropy(plain(x), y).backward()
+    opt.step()
+
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    want = loop_grad(model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        gradhooks.dp_sgd_step(h, losses, max_norm=1e8, noise_multiplier=0.0, method=method,
+                              clipping_groups=groups)  # fmt: skip
+    if method == "grad1":
+        assert_grad1(model, want, "soft labels")
+    opt.step()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert_close(p.detach(), q.detach(), f"{clipping}: {n} after the step")
+
+
+# == pytorch-sso: tests/test_batched_grads.py, tests/test_samplegrad.py =========================
+
+
+class UpDown(nn.Module):
+    """pytorch-sso's ``ConvNet1D/2D/3D``: a strided convolution down, a transposed one up to
+    the input's size (``output_size=x.size()``, which sets the output padding), returning
+    the reconstruction error."""
+
+    def __init__(self, dims: int):
+        super().__init__()
+        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+        up = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)[dims - 1]
+        self.downsample = conv(3, 5, 3, stride=2, padding=1)
+        self.upsample = up(5, 3, 3, stride=2, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.upsample(self.downsample(x), output_size=x.size()) - x
+
+
+@pytest.mark.parametrize("dims,size", [(1, 12), (1, 11), (2, 11), (3, 7)])
+def test_pytorch_sso_transposed_convolution_to_the_inputs_size(dims, size):
+    """cybertronai/pytorch-sso ``tests/test_batched_grads.py`` (``ConvNet1D/2D/3D``,
+    ``get_loss``: half the squared reconstruction error over the batch size): the transposed
+    convolution given ``output_size`` (an odd size needs no output padding, an even one
+    does) has the loop's ``grad1`` under the mean loss, and ``grad1.mean(0)`` is ``.grad``."""
+    model = seeded(lambda: UpDown(dims)).double()
+    x = seeded(lambda: torch.randn(4, 3, *[size] * dims, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model):
+        (sq(model(x)) / 4).backward()
+    assert_grad1(model, want, f"{dims}-d, size {size}")
+    for n, p in model.named_parameters():
+        assert_close(p.grad1.mean(0), p.grad, f"grad1.mean(0) vs .grad: {n}")
+
+
+class LeNet5BatchNorm(nn.Module):
+    """pytorch-sso's ``LeNet5BatchNorm``: two convolutions and three Linears, each but the last
+    followed by a BatchNorm, on ``[3, 32, 32]`` images."""
+
+    def __init__(self, affine: bool = True):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 5), nn.BatchNorm2d(6, affine=affine)
+        self.conv2, self.bn2 = nn.Conv2d(6, 16, 5), nn.BatchNorm2d(16, affine=affine)
+        self.fc1, self.bn3 = nn.Linear(400, 120), nn.BatchNorm1d(120, affine=affine)
+        self.fc2, self.bn4 = nn.Linear(120, 84), nn.BatchNorm1d(84, affine=affine)
+        self.fc3 = nn.Linear(84, 10, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        h = F.max_pool2d(F.relu(self.bn2(self.conv2(h))), 2)
+        h = F.relu(self.bn3(self.fc1(h.flatten(1))))
+        return self.fc3(F.relu(self.bn4(self.fc2(h))))
+
+
+def test_pytorch_sso_lenet_with_batch_norm():
+    """cybertronai/pytorch-sso ``tests/test_samplegrad.py`` / ``test_batched_grads.py``
+    (``LeNet5BatchNorm``, ``out.sum()`` and a squared error to random targets): in training,
+    the BatchNorms normalize over the batch, which mixes the examples: refused, naming the
+    first BatchNorm (or, without affine parameters, it is not hooked, the ``batch_norm`` that
+    the next layer's input came from), nothing written; in eval (running statistics),
+    ``grad1`` of every parameter, the BatchNorms' scale and shift included, is the loop's."""
+    x = seeded(lambda: torch.randn(2, 3, 32, 32, dtype=D), seed=1)
+    for affine, says in ((False, r"'conv2'.*batch_norm"), (True, r"'bn1' \(BatchNorm2d\)")):
+        model = seeded(lambda affine=affine: LeNet5BatchNorm(affine)).double()
+        before = model_state(model)
+        with pytest.raises(gradhooks.MixedExamplesError, match=says):
+            with gradhooks.add_hooks(model, loss_reduction="sum"):
+                model(x).sum().backward()
+        assert_untouched(model, before)
+    model.eval()
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "eval")
