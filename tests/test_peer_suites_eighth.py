@@ -10,7 +10,7 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
   are each held under two names (``tie_weights`` on and off), some weights given and a bias
   given as ``None``, the original of a parametrization given in place of the module's (weight
   norm, spectral norm, a parametrization of one's own), a BatchNorm's running statistics
-  given, a ``strict`` call refused by torch; and, as functorch's per-sample-gradient recipe
+  given, a mask buffer given to a module without a rule, a ``strict`` call refused by torch; and, as functorch's per-sample-gradient recipe
   uses it, every layer family with all its parameters given, and a language model whose
   embedding is tied to its output layer;
 - torch's parametrization tests (``test/nn/test_parametrization.py``): two parametrizations
@@ -226,6 +226,37 @@ def test_stateless_functional_call_of_batch_norm_running_statistics():
     assert torch.equal(model[1].running_var, before[1])
 
 
+class MaskedLinear(nn.Module):
+    """A weight times a mask buffer (a pruning mask), a module without a rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+        self.mask = nn.Buffer(torch.ones(3, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ (self.weight * self.mask).T
+
+
+def test_stateless_functional_call_of_a_buffer_of_a_module_without_a_rule():
+    """pytorch/pytorch ``test/test_stateless.py`` (``test_functional_call``, a buffer given with
+    the parameters): a mask buffer given to a module gradhooks has no rule for (the fallback
+    recomputes its call per example): ``grad1`` is the loop's with that mask, and the next
+    plain forward, with the module's own mask, the loop's with it. Before, the recomputation
+    took the module's own mask, did not reproduce the call's output, and the backward was
+    refused with a ``MixedExamplesError``."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 3), MaskedLinear(), nn.Linear(3, 2)))
+    model = model.double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    given = {"1.mask": torch.ones(3, 3, dtype=D).tril()}
+    check_functional_call(model, given, x, "a mask given")
+    gradhooks.clear_grad1(model)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "the module's own mask")
+
+
 def test_stateless_functional_call_refused_by_strict_leaves_the_hooks_working():
     """pytorch/pytorch ``test/test_stateless.py`` (``test_reparametrize_strict``): a ``strict``
     call missing keys is torch's ``RuntimeError`` under the hooks too, leaving the model as it
@@ -243,7 +274,8 @@ def test_stateless_functional_call_refused_by_strict_leaves_the_hooks_working():
 
 
 class First(nn.Module):
-    """A layer's first output (self-attention on one input), as the loss's input."""
+    """A layer's first output (self-attention on one input; a bilinear form of the input and
+    its features reversed), as the loss's input."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -252,8 +284,25 @@ class First(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.layer, nn.MultiheadAttention):
             return self.layer(x, x, x, need_weights=False)[0]
+        if isinstance(self.layer, nn.Bilinear):
+            return self.layer(x, x.flip(-1))
         out = self.layer(x)
         return out[0] if isinstance(out, tuple) else out
+
+
+class Stepped(nn.Module):
+    """A recurrent cell stepped over the time steps of ``[batch, time, features]``."""
+
+    def __init__(self, cell: nn.Module):
+        super().__init__()
+        self.cell = cell
+
+    def forward(self, x: Tensor) -> Tensor:
+        state, outs = None, []
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+            outs.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(outs, 1)
 
 
 def _ints(*shape):
@@ -276,6 +325,8 @@ LAYERS = {  # a layer, and a batch of 5 for it
             lambda: torch.randn(5, 6, 3)),
     "MultiheadAttention": (lambda: nn.MultiheadAttention(4, 2, batch_first=True),
                            lambda: torch.randn(5, 3, 4)),
+    "LSTMCell, stepped": (lambda: Stepped(nn.LSTMCell(3, 4)), lambda: torch.randn(5, 4, 3)),
+    "Bilinear (no rule)": (lambda: nn.Bilinear(3, 3, 2), lambda: torch.randn(5, 3)),
     "TransformerEncoderLayer": (
         lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
         lambda: torch.randn(5, 3, 4),
@@ -287,8 +338,9 @@ LAYERS = {  # a layer, and a batch of 5 for it
 def test_functional_call_with_every_parameter_given_per_layer_family(layer):
     """functorch's per-sample-gradient recipe (pytorch/pytorch
     ``test/functorch/test_eager_transforms.py``, ``functional_call`` of the model with its
-    parameters given) on every layer family gradhooks has a rule for: the tensors given, other
-    values than the module's, have the loop's ``grad1``; the module's own get none."""
+    parameters given) on every layer family gradhooks has a rule for, and on one it has none
+    for (``Bilinear``, by the fallback): the tensors given, other values than the module's,
+    have the loop's ``grad1``; the module's own get none."""
     make, inputs = LAYERS[layer]
     model = seeded(lambda: First(make())).double()
     x = seeded(inputs, seed=1)

@@ -45,7 +45,7 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -691,8 +691,26 @@ def _buffers(call: Call):
     recomputations must not write into the module's.)"""
     before = call.buffers
     if before is None:
-        before = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
+        slots = call.saved.tensors if isinstance(call.saved, BufferSlots) else None
+        if slots is None:
+            slots = dict(call.module.named_buffers(remove_duplicate=False))
+        before = {n: b.detach() for n, b in slots.items()}
     return lambda: {n: b.clone() for n, b in before.items()}
+
+
+class BufferSlots(NamedTuple):
+    """The fallback's ``saved``: the tensors in a module's buffer slots as its call ran, by
+    name (others than its own where ``torch.func.functional_call`` put them there for the
+    call; references, not copies: a forward that changes a buffer in place is what
+    :attr:`Call.buffers` keeps copies for)."""
+
+    tensors: dict[str, Tensor]
+
+
+def _buffer_slots(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> BufferSlots | None:
+    """The tensors in ``module``'s buffer slots after its call (``None`` without buffers)."""
+    found = dict(module.named_buffers(remove_duplicate=False))
+    return BufferSlots(found) if found else None
 
 
 def _loop(
@@ -852,4 +870,4 @@ def _inner_eps(call: Call) -> float:
 
 #: The fallback as a registry entry: the engine hooks every module with trainable parameters
 #: and no rule with it when ``unsupported="fallback"`` (the default).
-FALLBACK = _Entry(rule=fallback, owns_children=False, needs_output=True)
+FALLBACK = _Entry(rule=fallback, owns_children=False, needs_output=True, saved=_buffer_slots)
