@@ -208,6 +208,32 @@ def test_stateless_functional_call_of_a_parametrizations_original(kind):
     assert torch.equal(model[0].weight, before), "the module's parametrization changed"
 
 
+def test_stateless_functional_call_of_a_spectral_norm_original_in_training():
+    """pytorch/pytorch ``test/test_stateless.py``
+    (``test_reparametrize_module_fail_reset_to_original``: spectral norm in training, the
+    original given): the power iteration advances ``_u`` and ``_v`` once, as a plain
+    ``functional_call`` does, and ``grad1`` of the given original is the loop's, each example
+    from a copy of the model as the call found it."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    nn.utils.parametrizations.spectral_norm(model[0])
+    name = "0.parametrizations.weight.original"
+    given = perturbed(model, {name})
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    rows = []
+    for i in range(5):
+        one, leaf = copy.deepcopy(model), given[name].detach().requires_grad_()
+        loss = sq(functional_call(one, {name: leaf}, (_rows(x, i),)))
+        rows.append(torch.autograd.grad(loss, leaf)[0])
+    plain = copy.deepcopy(model)
+    functional_call(plain, {name: given[name].detach()}, (x,))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(functional_call(model, given, (x,))).backward()
+    assert_close(given[name].grad1, torch.stack(rows), "the original given")
+    for b in ("_u", "_v"):
+        got = getattr(model[0].parametrizations.weight[0], b)
+        assert_close(got, getattr(plain[0].parametrizations.weight[0], b), f"{b} advanced once")
+
+
 def test_stateless_functional_call_of_batch_norm_running_statistics():
     """pytorch/pytorch ``test/test_stateless.py`` (``test_functional_batch_norm``): a
     BatchNorm's ``running_mean`` and ``running_var`` given (in eval, where they normalize each
