@@ -283,6 +283,33 @@ def test_stateless_functional_call_of_a_buffer_of_a_module_without_a_rule():
     assert_grad1(model, want, "the module's own mask")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.MixedExamplesError,
+    reason="the fallback keeps the buffers its call ran with as the call's saved, but the engine "
+    "asks for saved only where a call keeps its rows (engine/forward.py) and hands a call that "
+    "does not depend on the examples (a parametrization's) to its rule with saved dropped "
+    "(verify.per_example_outputs): the recomputation takes the module's own _u and _v, does "
+    "not reproduce the output, and the call is refused. Both lines would have to keep a "
+    "layout-free saved (the fallback's) for it to pass",
+)
+def test_stateless_functional_call_of_a_parametrizations_buffers():
+    """pytorch/pytorch ``test/test_stateless.py`` (buffers given with the parameters), on a
+    parametrization's own buffers: spectral norm's ``_u`` and ``_v`` given (eval: no power
+    iteration) set the weight's scale in that call; ``grad1`` of every parameter is the
+    loop's with them."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    nn.utils.parametrizations.spectral_norm(model[0])
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    given = {
+        f"0.parametrizations.weight.0.{b}": F.normalize(torch.randn(4, generator=g, dtype=D), dim=0)
+        for b in ("_u", "_v")
+    }
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    check_functional_call(model, given, x, "spectral norm's vectors given")
+
+
 def test_stateless_functional_call_refused_by_strict_leaves_the_hooks_working():
     """pytorch/pytorch ``test/test_stateless.py`` (``test_reparametrize_strict``): a ``strict``
     call missing keys is torch's ``RuntimeError`` under the hooks too, leaving the model as it
