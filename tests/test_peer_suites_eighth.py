@@ -20,10 +20,12 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
 - torch's ExpandedWeights tests (``test/test_expanded_weights.py``, ``test_group_norm_error``):
   ``F.group_norm`` over channels its groups do not divide, torch's own error under the hooks;
 - Opacus (``opacus/tests/validators/lstm_test.py``, ``gru_test.py``,
-  ``opacus/tests/dp_layers/dp_rnn_test.py``): ``ModuleValidator.fix`` turning ``nn.LSTM`` and
-  ``nn.GRU`` into Opacus' own ``DPLSTM`` / ``DPGRU`` (layers of ``RNNLinear`` cells stepped in
-  Python), whose ``grad1`` is the loop's and the same as the torch layer's, batch-first and
-  time-major (``batch_dim=1``), with an initial state, layers and directions;
+  ``multihead_attention_test.py``, ``opacus/tests/dp_layers/dp_rnn_test.py``):
+  ``ModuleValidator.fix`` turning ``nn.LSTM``, ``nn.GRU`` and ``nn.MultiheadAttention`` into
+  Opacus' own ``DPLSTM`` / ``DPGRU`` (layers of ``RNNLinear`` cells stepped in Python) and
+  ``DPMultiheadAttention`` (a Linear per projection), whose ``grad1`` is the loop's and the
+  same as the torch layer's, batch-first and time-major (``batch_dim=1``), with an initial
+  state, layers and directions, appended key and value biases and zero attention;
 - jax-privacy (``jax_privacy/experimental/clipping_test.py``, ``microbatching_test.py``): the
   clipped sum's sensitivity to one example replaced, removed or turned into padding (by every
   clipping method), and the clipped sum of a batch taken by micro-batches of 1, 2, 5 and 10
@@ -600,7 +602,8 @@ class BatchFirst(nn.Module):
                 if isinstance(h0, tuple)
                 else h0.transpose(0, 1)
             )
-        out = self.inner(x if self.batch_first else x.transpose(0, 1), h0)
+        x = x if self.batch_first else x.transpose(0, 1)
+        out = self.inner(x) if h0 is None else self.inner(x, h0)
         return out if self.batch_first else out.transpose(0, 1)
 
 
@@ -661,6 +664,54 @@ def _layer_state(h0: list[Tensor], kind: type):
     """An initial state as the layer takes it: ``[layers·directions, batch, hidden]``."""
     hs = tuple(h.transpose(0, 1).contiguous() for h in h0)
     return hs if kind is nn.LSTM else hs[0]
+
+
+class SelfAttention(nn.Module):
+    """Self-attention on a time-major ``[time, batch, embed]`` input, its output alone."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 4, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.att(x, x, x)[0]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(add_bias_kv=True), dict(add_zero_attn=True)],
+    ids=["plain", "bias_kv", "zero_attn"],
+)
+def test_opacus_fixed_attention_is_the_torch_attentions_per_example(kw):
+    """Opacus ``opacus/tests/validators/multihead_attention_test.py`` (``test_fix``: the
+    validator replaces ``nn.MultiheadAttention(8, 4)`` by its ``DPMultiheadAttention`` with the
+    same state): both time-major (``batch_dim=1``), their outputs equal, each one's ``grad1``
+    the loop's, and the DP layer's q / k / v Linears' ``grad1`` stacked is the torch layer's
+    ``in_proj_weight``'s (its ``out_proj`` and the appended key and value biases alike)."""
+    validators = pytest.importorskip("opacus.validators", reason="needs opacus")
+    torch_model = seeded(lambda: SelfAttention(**kw)).double()
+    fixed = validators.ModuleValidator.fix(copy.deepcopy(torch_model)).double()
+    assert type(fixed.att).__name__ == "DPMultiheadAttention"
+    x = seeded(lambda: torch.randn(5, 3, 8, dtype=D), seed=1)  # [batch, time, embed]
+    assert_close(fixed(x.transpose(0, 1)), torch_model(x.transpose(0, 1)), "the outputs")
+    for model in (torch_model, fixed):
+        want = loop_grad(BatchFirst(model, False), lambda out: sq(out), x)
+        want = {n.removeprefix("inner."): w for n, w in want.items()}
+        with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=1):
+            sq(model(x.transpose(0, 1))).backward()
+        assert_grad1(model, want, type(model.att).__name__)
+    dp, torch_att = fixed.att, torch_model.att
+    stacked = torch.cat(
+        [dp.qlinear.weight.grad1, dp.klinear.weight.grad1, dp.vlinear.weight.grad1], 1
+    )
+    assert_close(stacked, torch_att.in_proj_weight.grad1, "q, k, v weights vs in_proj_weight")
+    stacked = torch.cat([dp.qlinear.bias.grad1, dp.klinear.bias.grad1, dp.vlinear.bias.grad1], 1)
+    assert_close(stacked, torch_att.in_proj_bias.grad1, "q, k, v biases vs in_proj_bias")
+    assert_close(dp.out_proj.weight.grad1, torch_att.out_proj.weight.grad1, "out_proj")
+    if kw.get("add_bias_kv"):
+        assert_close(dp.seq_bias_k.bias.grad1, torch_att.bias_k.grad1.flatten(1), "bias_k")
+        assert_close(dp.seq_bias_v.bias.grad1, torch_att.bias_v.grad1.flatten(1), "bias_v")
 
 
 def test_opacus_time_major_dp_lstm_with_the_default_batch_dim_is_refused():
