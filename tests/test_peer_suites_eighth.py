@@ -418,14 +418,20 @@ class TiedLM(nn.Module):
 
 @pytest.mark.parametrize(
     "given,tie_weights",
-    [({"emb.weight"}, True), ({"emb.weight", "out.weight"}, False), ({"lstm.weight_hh_l0"}, True)],
-    ids=["table, tied", "table and head, untied", "one LSTM weight"],
+    [
+        ({"emb.weight"}, True),
+        ({"out.weight"}, True),
+        ({"emb.weight", "out.weight"}, False),
+        ({"lstm.weight_hh_l0"}, True),
+    ],
+    ids=["table, tied", "head's name, tied", "table and head, untied", "one LSTM weight"],
 )
 def test_functional_call_of_a_language_model_with_a_tied_head(given, tie_weights):
     """pytorch/pytorch ``test/test_stateless.py`` (``tie_weights``) on a language model whose
-    output layer's weight is its embedding's table: the table given once is used by both (its
-    ``grad1`` sums the rows looked up and the head's outer products); untied, each use has its
-    own tensor; one LSTM weight given, the rest of the model's keep their ``grad1``."""
+    output layer's weight is its embedding's table: the table given once, under either name,
+    is used by both (its ``grad1`` sums the rows looked up and the head's outer products);
+    untied, each use has its own tensor; one LSTM weight given, the rest of the model's keep
+    their ``grad1``."""
     model = seeded(TiedLM).double()
     x = seeded(_ints(5, 6), seed=1)
     check_functional_call(model, perturbed(model, given), x, str(sorted(given)),
