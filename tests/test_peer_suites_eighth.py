@@ -16,7 +16,8 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
 - torch's parametrization tests (``test/nn/test_parametrization.py``): two parametrizations
   chained on one weight and one on a bias (also under ``parametrize.cached()``), a
   parametrization moved to another module by ``transfer_parametrizations_and_params`` (one
-  original shared by both), and an ``unsafe`` one whose original has another shape;
+  original shared by both), an ``unsafe`` one whose original has another shape, spectral and
+  weight norm of (transposed) convolutions in training, and one on a frozen weight;
 - torch's ExpandedWeights tests (``test/test_expanded_weights.py``, ``test_group_norm_error``):
   ``F.group_norm`` over channels its groups do not divide, torch's own error under the hooks;
 - Opacus (``opacus/tests/validators/lstm_test.py``, ``gru_test.py``,
@@ -538,6 +539,73 @@ def test_unsafe_parametrization_of_another_shape():
         sq(model(x)).backward()
     assert original.grad1.shape == (5, 8)
     assert_grad1(model, want, "unsafe")
+
+
+def per_example_of_copies(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """The float64 loop, each example through a copy of ``model`` as it is now (in training,
+    spectral norm's power iteration then starts from the same vectors for every example)."""
+    rows: dict[str, list] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        one = copy.deepcopy(model)
+        sq(one(_rows(x, i))).backward()
+        for n, p in one.named_parameters():
+            if p.requires_grad:
+                rows[n].append(p.grad)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+CONV_PARAMETRIZATIONS = {
+    "spectral_norm ConvTranspose2d": (
+        lambda: nn.ConvTranspose2d(3, 4, (5, 6)),
+        nn.utils.parametrizations.spectral_norm,
+        (3, 3, 6, 7),
+    ),
+    "spectral_norm Conv1d": (
+        lambda: nn.Conv1d(3, 4, 3, stride=2),
+        nn.utils.parametrizations.spectral_norm,
+        (3, 3, 9),
+    ),
+    "weight_norm ConvTranspose1d, dim=1": (
+        lambda: nn.ConvTranspose1d(3, 4, 3),
+        lambda m: nn.utils.parametrizations.weight_norm(m, dim=1),
+        (3, 3, 5),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_PARAMETRIZATIONS))
+def test_parametrized_convolution_weights_in_training(case):
+    """pytorch/pytorch ``test/nn/test_parametrization.py`` (``test_new_spectral_norm_dim``:
+    spectral norm of a ``ConvTranspose2d(3, 4, (5, 6))``, whose vectors run along dimension 1;
+    ``test_weight_norm_parametrization``): in training, over two steps (the power iteration
+    advancing at each forward), ``grad1`` of the originals and the bias is the loop's, each
+    example through a copy of the layer as the step found it."""
+    make, parametrization, shape = CONV_PARAMETRIZATIONS[case]
+    model = seeded(lambda: nn.Sequential(make(), nn.Tanh())).double()
+    parametrization(model[0])
+    x = seeded(lambda: torch.randn(*shape, dtype=D), seed=1)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(2):
+            want = per_example_of_copies(model, x)
+            h.clear()
+            sq(model(x)).backward()
+            assert_grad1(model, want, f"{case}, step {step}")
+
+
+def test_parametrization_of_a_frozen_weight_gets_no_grad1():
+    """pytorch/pytorch ``test/nn/test_parametrization.py``
+    (``test_register_parametrization_no_grad``): a parametrization registered on a weight that
+    does not require grad makes originals that do not either: they get no ``grad1``, the
+    layer's bias and the next layer theirs, the loop's."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    model[0].weight.requires_grad_(False)
+    parametrize.register_parametrization(model[0], "weight", Skew())
+    assert not model[0].parametrizations.weight.original.requires_grad
+    x = seeded(lambda: torch.randn(5, 4, dtype=D), seed=1)
+    want = loop_grad(model, sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        sq(model(x)).backward()
+    assert_grad1(model, want, "frozen parametrized weight", frozen_clean=True)
 
 
 # == torch: test/test_expanded_weights.py, test_group_norm_error ================================
