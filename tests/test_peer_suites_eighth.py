@@ -681,20 +681,19 @@ class BatchFirst(nn.Module):
         return out if self.batch_first else out.transpose(0, 1)
 
 
-RNN_SETTINGS = [
-    (nn.LSTM, True, {}),
-    (nn.LSTM, False, dict(num_layers=2, bidirectional=True)),
-    (nn.GRU, True, dict(num_layers=2, bidirectional=True)),
-    (nn.GRU, False, {}),
+RNN_SETTINGS = [  # the layer, batch-first, its options, an initial state
+    (nn.LSTM, True, {}, False),
+    (nn.LSTM, False, dict(num_layers=2, bidirectional=True), True),
+    (nn.GRU, True, dict(num_layers=2, bidirectional=True), True),
+    (nn.GRU, False, {}, False),
 ]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("initial", [False, True], ids=["zero state", "initial state"])
 @pytest.mark.parametrize(
-    "kind,batch_first,kw", RNN_SETTINGS,
+    "kind,batch_first,kw,initial", RNN_SETTINGS,
     ids=[f"{k.__name__}-{'batch-first' if bf else 'time-major'}-{kw or 'one layer'}"
-         for k, bf, kw in RNN_SETTINGS],
+         f"-{'initial state' if h else 'zero state'}" for k, bf, kw, h in RNN_SETTINGS],
 )  # fmt: skip
 def test_opacus_fixed_recurrent_layer_is_the_torch_layers_per_example(
     kind, batch_first, kw, initial
@@ -705,8 +704,8 @@ def test_opacus_fixed_recurrent_layer_is_the_torch_layers_per_example(
     ``state_dict`` gives its outputs and gradients): Opacus' own layers, whose cells are
     ``RNNLinear`` modules called at every time step, hooked as they are. ``grad1`` of every
     parameter is the per-example loop's and the torch layer's ``grad1`` under the same names
-    (the fixed model's parameters renamed back), with or without an initial state, over two
-    layers and directions; time-major with ``batch_dim=1``."""
+    (Opacus' layers name their parameters as torch's do), with or without an initial state,
+    over two layers and directions; time-major with ``batch_dim=1``."""
     validators = pytest.importorskip("opacus.validators", reason="needs opacus")
     torch_model = seeded(lambda: RecurrentNet(kind, batch_first, **kw)).double()
     fixed = validators.ModuleValidator.fix(copy.deepcopy(torch_model)).double()
