@@ -286,21 +286,15 @@ def test_stateless_functional_call_of_a_buffer_of_a_module_without_a_rule():
     assert_grad1(model, want, "the module's own mask")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.MixedExamplesError,
-    reason="the fallback keeps the buffers its call ran with as the call's saved, but the engine "
-    "asks for saved only where a call keeps its rows (engine/forward.py) and hands a call that "
-    "does not depend on the examples (a parametrization's) to its rule with saved dropped "
-    "(verify.per_example_outputs): the recomputation takes the module's own _u and _v, does "
-    "not reproduce the output, and the call is refused. Both lines would have to keep a "
-    "layout-free saved (the fallback's) for it to pass",
-)
 def test_stateless_functional_call_of_a_parametrizations_buffers():
     """pytorch/pytorch ``test/test_stateless.py`` (buffers given with the parameters), on a
     parametrization's own buffers: spectral norm's ``_u`` and ``_v`` given (eval: no power
     iteration) set the weight's scale in that call; ``grad1`` of every parameter is the
-    loop's with them."""
+    loop's with them. Before, the parametrization's call, which does not depend on the
+    examples, reached the fallback without the buffers it ran with (the engine asked for them
+    only where a call keeps its rows, and dropped them where it splits a call's output-gradient
+    among the examples): recomputed with the module's own vectors, it was refused with a
+    ``MixedExamplesError``."""
     model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))).double()
     nn.utils.parametrizations.spectral_norm(model[0])
     model.eval()

@@ -310,7 +310,8 @@ class ForwardCapture:
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
                 call = with_fields(call, taps=_without_nodes(taps))
-            if target.entry.saved is not None and rows_kept:
+            # (the fallback's saved, the buffers its call ran with, holds in any layout)
+            if target.entry.saved is not None and (rows_kept or target.entry is FALLBACK):
                 call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
 
             # (counts the nodes and never holds them: see _without_nodes)

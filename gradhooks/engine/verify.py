@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..oracle import loop_grad
 from ..quantities.collector import gram_rounding_bound
+from ..rules.fallback import FALLBACK
 from ..rules.registry import Call
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
@@ -358,7 +359,9 @@ def per_example_outputs(
                 "its input per example."
             )
         grads.append(per)
-    return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=None)
+    # (the fallback recomputes the call whole: its saved, the buffers it ran with, still holds)
+    saved = call.saved if target.entry is FALLBACK else None
+    return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=saved)
 
 
 def example_scales(g: Tensor, layout: Layout, weights: Tensor) -> tuple[Tensor, Tensor]:

@@ -314,7 +314,8 @@ class Registry:
     recompute (a LayerNorm's mean and 1/std), or the state of the module the call ran with (a
     batch norm's running statistics, which ``torch.func.functional_call`` may have replaced
     for the call), or ``None``; the rule reads it as ``call.saved``. Not asked where the rule
-    gets the call in another layout than it ran in. Asked under saved-tensor hooks too, where
+    gets the call in another layout than it ran in (except the fallback's: the buffers the
+    call ran with, which hold in any layout). Asked under saved-tensor hooks too, where
     reading what a node saved would run the forward again: a function that reads nodes
     returns ``None`` where :func:`saved_tensor_hooks_active`.
     """
