@@ -56,7 +56,15 @@ from torch.nn.utils import parametrize
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, assert_grad1, assert_untouched, model_state, seeded, sq
+from harness import (
+    assert_close,
+    assert_grad1,
+    assert_untouched,
+    model_state,
+    one_thread,  # noqa: F401 (autouse in this module)
+    seeded,
+    sq,
+)
 
 D = torch.float64
 
