@@ -10,7 +10,9 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
   are each held under two names (``tie_weights`` on and off), some weights given and a bias
   given as ``None``, the original of a parametrization given in place of the module's (weight
   norm, spectral norm, a parametrization of one's own), a BatchNorm's running statistics
-  given, a mask buffer given to a module without a rule, a ``strict`` call refused by torch; and, as functorch's per-sample-gradient recipe
+  given (also to a BatchNorm of a learned token every example shares), a mask buffer and a
+  parametrization's buffers given to modules without a rule, a ``strict`` call refused by
+  torch; and, as functorch's per-sample-gradient recipe
   uses it, every layer family with all its parameters given, and a language model whose
   embedding is tied to its output layer;
 - torch's parametrization tests (``test/nn/test_parametrization.py``): two parametrizations
@@ -261,6 +263,40 @@ def test_stateless_functional_call_of_batch_norm_running_statistics():
     check_functional_call(model, given, x, "running statistics given")
     assert torch.equal(model[1].running_mean, before[0])
     assert torch.equal(model[1].running_var, before[1])
+
+
+class TokenGate(nn.Module):
+    """A learned token ``[1, 4]`` through a BatchNorm (eval), gating every example's
+    features: a BatchNorm call that does not depend on the examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 4))
+        self.lin, self.bn = nn.Linear(3, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x) * self.bn(self.token))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no verify"])
+def test_stateless_functional_call_of_running_statistics_of_a_batch_free_call(verify):
+    """pytorch/pytorch ``test/test_stateless.py`` (``test_functional_batch_norm``: running
+    statistics given) where the BatchNorm normalizes a learned token that every example
+    shares: ``grad1`` of its weight is the loop's with the statistics given. Before, the
+    engine dropped them on the way to the rule of a call that does not depend on the
+    examples, and the rule normalized with the module's own: with ``verify=False`` a wrong
+    ``grad1`` of ``bn.weight`` (off by 0.19) and no error; with it, a ``CheckFailedError``."""
+    model = seeded(TokenGate).double().eval()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), seed=1)
+    g = torch.Generator().manual_seed(3)
+    given = {
+        "bn.running_mean": torch.randn(4, generator=g, dtype=D),
+        "bn.running_var": torch.rand(4, generator=g, dtype=D) + 0.5,
+    }
+    want = functional_loop(model, given, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+        sq(functional_call(model, given, (x,))).backward()
+    assert_grad1(model, want, "statistics given")
 
 
 class MaskedLinear(nn.Module):

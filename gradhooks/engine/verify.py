@@ -41,8 +41,7 @@ from ..errors import (
 )
 from ..oracle import loop_grad
 from ..quantities.collector import gram_rounding_bound
-from ..rules.fallback import FALLBACK
-from ..rules.registry import Call
+from ..rules.registry import Call, ModuleState
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
 from .compare import add_held, hold, largest, largest_difference, norm_of
@@ -359,8 +358,8 @@ def per_example_outputs(
                 "its input per example."
             )
         grads.append(per)
-    # (the fallback recomputes the call whole: its saved, the buffers it ran with, still holds)
-    saved = call.saved if target.entry is FALLBACK else None
+    # (the module's state the call ran with holds in this layout too; what its nodes saved not)
+    saved = call.saved if isinstance(call.saved, ModuleState) else None
     return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=saved)
 
 

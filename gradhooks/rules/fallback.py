@@ -45,7 +45,7 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +61,7 @@ from ..errors import MixedExamplesError, RuleError, UnsupportedError, Unsupporte
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
 from ..tracking import PACKED, Layout, batch_rows
-from .registry import Call, _Entry
+from .registry import Call, ModuleState, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
 
@@ -698,7 +698,8 @@ def _buffers(call: Call):
     return lambda: {n: b.clone() for n, b in before.items()}
 
 
-class BufferSlots(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class BufferSlots(ModuleState):
     """The fallback's ``saved``: the tensors in a module's buffer slots as its call ran, by
     name (others than its own where ``torch.func.functional_call`` put them there for the
     call; references, not copies: a forward that changes a buffer in place is what
