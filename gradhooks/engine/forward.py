@@ -37,7 +37,7 @@ from ..errors import (
     UnsupportedInputError,
 )
 from ..rules.fallback import FALLBACK
-from ..rules.registry import Call
+from ..rules.registry import Call, ModuleState
 from ..tracking import PACKED, UNKNOWN, Source, Tracker
 from .backward import BackwardWriter
 from .calls import (
@@ -310,8 +310,10 @@ class ForwardCapture:
             nodes = list(taps.nodes) if taps is not None else []
             if taps is not None:
                 call = with_fields(call, taps=_without_nodes(taps))
-            if target.entry.saved is not None and rows_kept:
-                call = with_fields(call, saved=target.entry.saved(module, args, kwargs, output))
+            if target.entry.saved is not None:
+                saved = target.entry.saved(module, args, kwargs, output)
+                if rows_kept or isinstance(saved, ModuleState):  # (the latter in any layout)
+                    call = with_fields(call, saved=saved)
 
             # (counts the nodes and never holds them: see _without_nodes)
             kept = KeptCall(target, state, call, args, kwargs, live, tuple(hooked), len(leaves),

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..oracle import loop_grad
 from ..quantities.collector import gram_rounding_bound
-from ..rules.registry import Call
+from ..rules.registry import Call, ModuleState
 from ..tracking import MIXED, UNKNOWN, Layout, Tracker
 from ..tracking.layout import owner_map
 from .compare import add_held, hold, largest, largest_difference, norm_of
@@ -358,7 +358,9 @@ def per_example_outputs(
                 "its input per example."
             )
         grads.append(per)
-    return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=None)
+    # (the module's state the call ran with holds in this layout too; what its nodes saved not)
+    saved = call.saved if isinstance(call.saved, ModuleState) else None
+    return with_fields(call, grad_outputs=tuple(grads), taps=None, saved=saved)
 
 
 def example_scales(g: Tensor, layout: Layout, weights: Tensor) -> tuple[Tensor, Tensor]:

@@ -62,7 +62,7 @@ def batch_norm(call: Call) -> dict[str, Direct]:
     (``call.saved``: ``torch.func.functional_call`` may have handed it others than the
     module's own)."""
     m = call.module
-    stats = call.saved  # (none where the call came in another layout: the module's own)
+    stats = call.saved  # (none where the call did not keep it: the module's own)
     if not isinstance(stats, RunningStatistics):
         stats = RunningStatistics(m.running_mean, m.running_var)
     if stats.mean is None or stats.var is None:  # on_forward has refused it already

@@ -61,7 +61,7 @@ from ..errors import MixedExamplesError, RuleError, UnsupportedError, Unsupporte
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
 from ..tracking import PACKED, Layout, batch_rows
-from .registry import Call, _Entry
+from .registry import Call, ModuleState, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
 
@@ -150,14 +150,25 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
         raise first from None
 
 
+def _ran_with(call: Call, name: str, p: Tensor) -> Tensor:
+    """The tensor ``call`` ran with in the slot of the module's parameter ``name`` (another,
+    where ``torch.func.functional_call`` put one there for the call), else ``p``, the module's
+    own now: what a recomputation of the call must compute with."""
+    return call.params.get(name, p) if call.params is not None else p
+
+
 def _from_state(call: Call) -> dict[str, Piece | None]:
     module = call.module
     own = {
-        n: p
+        n: _ran_with(call, n, p)
         for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
         if p.requires_grad
     }
-    nested = {n: p for n, p in fallback_params(module).items() if n not in own and p.requires_grad}
+    nested = {
+        n: _ran_with(call, n, p)
+        for n, p in fallback_params(module).items()
+        if n not in own and p.requires_grad
+    }
     returned = tree_flatten(call.output, is_leaf=lambda a: isinstance(a, PackedSequence))[0]
     if any(isinstance(o, PackedSequence) for o in returned) or (
         call.batch is not None and PACKED in call.batch.outputs
@@ -302,7 +313,11 @@ def _by_layout_split(
         return {n: p.new_zeros((0, *p.shape)) for n, p in wrt.items()}
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
-    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed = {
+        n: own(_ran_with(call, n, p))
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n not in wrt
+    }
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
@@ -553,7 +568,11 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
     xs = [t for t, b in zip(leaves, batched) if b]
-    fixed = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False) if n not in wrt}
+    fixed = {
+        n: own(_ran_with(call, n, p))
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n not in wrt
+    }
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     called: set[int] = set()
@@ -672,8 +691,27 @@ def _buffers(call: Call):
     recomputations must not write into the module's.)"""
     before = call.buffers
     if before is None:
-        before = {n: b.detach() for n, b in call.module.named_buffers(remove_duplicate=False)}
+        slots = call.saved.tensors if isinstance(call.saved, BufferSlots) else None
+        if slots is None:
+            slots = dict(call.module.named_buffers(remove_duplicate=False))
+        before = {n: b.detach() for n, b in slots.items()}
     return lambda: {n: b.clone() for n, b in before.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSlots(ModuleState):
+    """The fallback's ``saved``: the tensors in a module's buffer slots as its call ran, by
+    name (others than its own where ``torch.func.functional_call`` put them there for the
+    call; references, not copies: a forward that changes a buffer in place is what
+    :attr:`Call.buffers` keeps copies for)."""
+
+    tensors: dict[str, Tensor]
+
+
+def _buffer_slots(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> BufferSlots | None:
+    """The tensors in ``module``'s buffer slots after its call (``None`` without buffers)."""
+    found = dict(module.named_buffers(remove_duplicate=False))
+    return BufferSlots(found) if found else None
 
 
 def _loop(
@@ -816,7 +854,9 @@ def _inner_eps(call: Call) -> float:
     where it cannot run."""
     module = call.module
     own = _holder(call, create_graph=False)
-    state = {n: own(p) for n, p in module.named_parameters(remove_duplicate=False)}
+    state = {
+        n: own(_ran_with(call, n, p)) for n, p in module.named_parameters(remove_duplicate=False)
+    }
     state.update(_buffers(call)())
     mode = _Rounding()
     try:
@@ -831,4 +871,4 @@ def _inner_eps(call: Call) -> float:
 
 #: The fallback as a registry entry: the engine hooks every module with trainable parameters
 #: and no rule with it when ``unsupported="fallback"`` (the default).
-FALLBACK = _Entry(rule=fallback, owns_children=False, needs_output=True)
+FALLBACK = _Entry(rule=fallback, owns_children=False, needs_output=True, saved=_buffer_slots)

@@ -28,7 +28,7 @@ from .. import _torch
 from ..engine.records import half_precision
 from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Direct
-from .registry import Call, register
+from .registry import Call, ModuleState, register
 
 
 def _need_batch(call: Call, x: Tensor, unbatched_dim: int, layout: str) -> None:
@@ -119,7 +119,7 @@ def _detached(t: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class RunningStatistics:
+class RunningStatistics(ModuleState):
     """The running mean and variance a batch or instance norm's call normalized with, as the
     module held them at the forward (``torch.func.functional_call`` may have handed it others
     for that call alone), ``[channels]``; both ``None`` where the call used its own
@@ -230,7 +230,7 @@ def instance_norm(call: Call) -> dict[str, Direct]:
     x = call.inputs[0]
     unbatched = next((d for k, d in _INSTANCE_UNBATCHED.items() if isinstance(m, k)), 2)
     _need_batch(call, x, unbatched, "[batch, channels, *spatial]")
-    stats = call.saved  # (none where the call came in another layout: the module's own)
+    stats = call.saved  # (none where the call did not keep it: the module's own)
     if not isinstance(stats, RunningStatistics):
         stats = running_statistics(m, call.inputs, call.kwargs, None)
     if stats.mean is None:

@@ -61,7 +61,17 @@ __all__ = [
     "register",
     "batch_first",
     "saved_tensor_hooks_active",
+    "ModuleState",
 ]
+
+
+class ModuleState:
+    """The base of a rule's ``saved`` that is the state of the module its call ran with (its
+    buffers: a batch norm's running statistics), not what the call's nodes saved: it holds in
+    whatever layout the engine hands the call to its rule in (a call that does not depend on
+    the examples, given their output-gradients), so the engine keeps it there too."""
+
+    __slots__ = ()
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -320,8 +330,9 @@ class Registry:
     what the call's own autograd nodes saved for their backward that the rule would otherwise
     recompute (a LayerNorm's mean and 1/std), or the state of the module the call ran with (a
     batch norm's running statistics, which ``torch.func.functional_call`` may have replaced
-    for the call), or ``None``; the rule reads it as ``call.saved``. Not asked where the rule
-    gets the call in another layout than it ran in. Asked under saved-tensor hooks too, where
+    for the call), or ``None``; the rule reads it as ``call.saved``. Dropped where the rule
+    gets the call in another layout than it ran in, unless it is a :class:`ModuleState` (the
+    module's state, which holds in any layout). Asked under saved-tensor hooks too, where
     reading what a node saved would run the forward again: a function that reads nodes
     returns ``None`` where :func:`saved_tensor_hooks_active`.
     """
