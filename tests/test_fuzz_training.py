@@ -398,7 +398,12 @@ def run_loop(
                 double = second.double() if autocast and second.is_floating_point() else second
                 last = loop_grad(ref, sum_of_squares, double)
                 want = {k: g + last[k] for k, g in want.items()}
-                close = Close(want, units, n, dtype=autocast or torch.bfloat16)
+                if autocast is not None:  # (torch's own, of the second and of both)
+                    first, own = own, _own(h, model, second, ctx, factor)
+                    both = {k: g + first[k] for k, g in own.items()}
+                else:
+                    both = None
+                close = Close(want, units, n, both, autocast or torch.bfloat16)
                 with ctx():
                     out = model(second)
                 loss = _loss(out)
@@ -412,9 +417,8 @@ def run_loop(
                     close.finite_only = True
             what = f"step {step} ({habit}, batch {n}" + (f", scale {scale:g})" if scaling else ")")
             # the norms and squared sums are each backward's own: after an accumulation, the
-            # second micro-batch's (torch's own loop ran on the first)
-            mine = own if habit != "accumulate" else None
-            last_close = Close(last, units, n, mine, autocast or torch.bfloat16, not taken)
+            # second micro-batch's
+            last_close = Close(last, units, n, own, autocast or torch.bfloat16, not taken)
             check_quantities(h, last, what, last_close, scale)
             for name, p in model.named_parameters():
                 if dp_method:
