@@ -292,11 +292,12 @@ def _finite(params) -> bool:
 
 
 def _lstm_runs_under(dtype: torch.dtype) -> bool:
-    """Whether torch's LSTM runs under CPU autocast to ``dtype`` (torch 2.13: oneDNN has no
-    float16 LSTM, "could not create a primitive descriptor")."""
+    """Whether torch's LSTM runs under CPU autocast to ``dtype``, recording for a backward
+    (torch 2.13: oneDNN has no float16 LSTM for training, "could not create a primitive
+    descriptor"; under ``no_grad`` it runs)."""
     lstm = torch.nn.LSTM(1, 1)
     try:
-        with torch.no_grad(), torch.autocast("cpu", dtype):
+        with torch.autocast("cpu", dtype):
             lstm(torch.zeros(1, 1, 1))
     except RuntimeError:
         return False
