@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["FuzzCase", "FuzzModel", "fuzz_cases", "fuzz_settings"]
+__all__ = ["Apply", "FuzzCase", "FuzzModel", "Shape", "fuzz_cases", "fuzz_settings"]
 
 # GRADHOOKS_FUZZ_RANDOM=1: new draws on every run (else the same, derandomized), for hunting
 RANDOM = os.environ.get("GRADHOOKS_FUZZ_RANDOM", "") not in ("", "0")

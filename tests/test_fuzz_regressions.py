@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradhooks
 from gradhooks.engine.api import engine_of
+from gradhooks.errors import MixedExamplesError, UnsupportedError
 from gradhooks.oracle import loop_grad, vmap_grad
 from gradhooks.quantities.collector import GRAM_ROUNDING_UNITS, gram_rounding_bound
 from harness import Case, assert_close, check, cpu_only, sum_of_squares
@@ -483,3 +484,79 @@ def test_parameters_added_to_one_activation_keep_a_grad_each(batch):
             for name, p in model.named_parameters():
                 assert_close(p.grad1, want[name], f"step {step}: grad1 of {name}")
                 assert_close(p.grad, want[name].sum(0), f"step {step}: .grad of {name}")
+
+
+class _NoRule(nn.Module):
+    """``x @ weight``: a layer without a rule (the fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 4).view(2, 2))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class _CutBatch(nn.Module):
+    """The batch cut in chunks of two examples, each through one layer without a rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = _NoRule()
+
+    def forward(self, x):
+        return torch.cat([self.layer(chunk) for chunk in torch.split(x, 2)])
+
+
+@pytest.mark.xfail(raises=UnsupportedError, strict=True, reason="a known false refusal")
+@pytest.mark.parametrize("batch", [3, 4])
+def test_layer_without_a_rule_on_cuts_of_the_batch(batch):
+    """Each chunk of a batch cut by ``torch.split`` holds whole examples, each once, and the
+    layer is row-wise: the loop gives every example a gradient. gradhooks follows a chunk as
+    rows picked from the batch by an index, which the fallback refuses (its examples could
+    have several rows each, tokens routed to an expert), though here each has one or none
+    (found by the operations fuzzer: ``split batch by two, cat`` before a layer without a
+    rule, at a batch of more than two). A layer with a rule is followed."""
+    model = _CutBatch().double()
+    x = torch.linspace(-1.0, 1.0, 2 * batch, dtype=torch.float64).view(batch, 2)
+    want = loop_grad(model, sum_of_squares, x)
+    with gradhooks.add_hooks(model, "sum"):
+        sum_of_squares(model(x)).backward()
+    assert_close(model.layer.weight.grad1, want["layer.weight"], "grad1 of layer.weight")
+
+
+class _DiffThenCut(nn.Module):
+    """``torch.diff`` with the first step (or example) prepended, then the batch cut in chunks
+    of two examples, each through a Linear."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = torch.diff(x, dim=self.dim, prepend=x.narrow(self.dim, 0, 1))
+        return torch.cat([self.lin(chunk) for chunk in torch.split(h, 2)])
+
+
+def test_diff_with_a_prepended_step_keeps_the_examples():
+    """``torch.diff(x, dim=1, prepend=x[:, :1])`` keeps each example's entries its own, and
+    a Linear on a cut of its batch is then followed. The batch tracker took ``diff`` for an
+    operation on one tensor and lost the examples where a second (the prepended step) had
+    them too: a Linear on the whole result was still given them by the engine's guess, one
+    on a cut of it was refused (BatchNotFoundError; found by the operations fuzzer)."""
+    model = _DiffThenCut(dim=1).double()
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).view(4, 3, 2).sin()
+    want = loop_grad(model, sum_of_squares, x)
+    with gradhooks.add_hooks(model, "sum"):
+        sum_of_squares(model(x)).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], f"grad1 of {name}")
+
+
+def test_diff_along_the_batch_is_refused():
+    """The same along the examples' dimension: each row is one example minus another."""
+    model = _DiffThenCut(dim=0).double()
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).view(4, 3, 2).sin()
+    with gradhooks.add_hooks(model, "sum"), pytest.raises(MixedExamplesError):
+        sum_of_squares(model(x)).backward()

@@ -44,6 +44,20 @@ formed from it with it). A draw whose float64 gradients are all
 below ``eps`` times its largest output (a loss identically zero: a norm of one value, a
 constant output) leaves only rounding in the bfloat16 ones: it is skipped, and counted. The
 worst error seen, in units of ``eps · scale``, is printed.
+
+Under float16 autocast with a ``torch.amp.GradScaler`` (``GRADHOOKS_FUZZ_FP16`` models, default
+3), as float16 trains: every backward that of ``scaler.scale(loss)``, then ``scaler.unscale_``,
+``grad1`` and the quantities read divided by the scale the backward ran with (by its square for
+the squared sums and variances), ``scaler.step`` and ``scaler.update``; a DP step is
+``dp_sgd_step(..., scaler=scaler)``, its ``.grad`` divided by that scale. The scaler's first
+scale, growth interval and backoff are drawn, so that the scale grows and falls between steps,
+and some steps overflow float16 and are skipped. The tolerance is the bfloat16 mode's, in units
+of float16's ``eps = 2⁻¹⁰``, torch's own per-example loop run under the same autocast at the same
+scale. A step the scaler takes must give the loop's numbers; on a step it skips (an Inf or NaN
+in ``.grad``), every finite entry of ``grad1`` and of the quantities must still be the loop's
+(an example whose own gradient overflowed holds Inf or NaN, the others are right), and a skipped
+DP step must set every ``.grad`` to NaN, and only where an example's own gradient overflows at
+that scale (torch's loop) or, under ghost clipping, autograd's batch gradient.
 """
 
 from __future__ import annotations
@@ -54,8 +68,8 @@ from collections import Counter
 from contextlib import nullcontext
 
 import torch
-from fuzz_models import FuzzCase, fuzz_cases, fuzz_settings
-from hypothesis import given
+from fuzz_models import Apply, FuzzCase, FuzzModel, Shape, fuzz_cases, fuzz_settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import gradhooks
@@ -64,24 +78,35 @@ from harness import assert_close, sum_of_squares
 
 EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_LOOPS", "12"))
 AUTOCAST_EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_AUTOCAST", "4"))
+FP16_EXAMPLES = int(os.environ.get("GRADHOOKS_FUZZ_FP16", "3"))
 TRIED: Counter = Counter()
-WORST: dict[str, tuple[float, str]] = {}  # under autocast: the worst error, in units, and where
+# under autocast, per dtype: the worst error per kind, in units, and where
+WORST: dict[torch.dtype, dict[str, tuple[float, str]]] = {torch.bfloat16: {}, torch.float16: {}}
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
+HALF = (torch.bfloat16, torch.float16)
 # the error allowed under bfloat16 autocast, in units of its eps times the scale (see above)
 AUTOCAST_UNITS = 16
 
 
 class Close:
     """The comparison of a step's results with the float64 loop's ``want``: :func:`assert_close`
-    in float64; under autocast (``units``: the allowed error), within ``units · eps`` of the
-    step's scale: the largest entry of any example's gradient (``.grad`` of a batch: times the
-    examples it sums), the largest example's norm."""
+    in float64; under autocast to ``dtype`` (``units``: the allowed error), within
+    ``units · eps`` of the step's scale: the largest entry of any example's gradient (``.grad``
+    of a batch: times the examples it sums), the largest example's norm. ``finite_only``: on a
+    step a GradScaler skips, only the finite entries are compared (an example whose own
+    gradient overflowed holds Inf or NaN)."""
 
-    def __init__(self, want: dict, units: float | None = None, n: int = 1, own: dict | None = None):
-        self.units = units
-        # torch's own per-example gradients under autocast (its per-example loop's), per parameter
-        self.own = own or {}
+    def __init__(
+        self, want: dict, units: float | None = None, n: int = 1, own: dict | None = None,
+        dtype: torch.dtype = torch.bfloat16, finite_only: bool = False,
+    ):  # fmt: skip
+        self.units, self.dtype, self.eps = units, dtype, torch.finfo(dtype).eps
+        self.finite_only = finite_only
+        # torch's own per-example gradients under autocast (its per-example loop's), per
+        # parameter; not where they overflowed (float16 at the scaler's scale)
+        self.own = {k: g for k, g in (own or {}).items() if torch.isfinite(g).all()}
+        self.overflowed = len(self.own) < len(own or {})
         entries = [g.abs().max() for g in want.values() if g.numel()]
         self.entry = float(max(entries)) if entries else 0.0
         norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
@@ -93,7 +118,7 @@ class Close:
         of the forward puts into them (``eps`` times the largest output entry ``output``, the
         loss's gradient): only rounding is left (a loss identically zero, an output a norm
         makes independent of a parameter's scale)."""
-        return self.units is not None and self.entry <= BF16_EPS * output
+        return self.units is not None and self.entry <= self.eps * output
 
     def __call__(self, got, want, what: str, kind: str = "entry", name: str = "", own=None) -> None:
         """``name``: the parameter whose per-example gradients ``want`` holds (torch's own are
@@ -102,7 +127,15 @@ class Close:
         if self.units is None:
             return assert_close(got, want, what)
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.isfinite(got).all(), f"{what}: not finite"
+        # (where the gradient sums terms that cancel, the rounding is of the terms: as far from
+        # float64 as torch's own loop under autocast, times 4, is rounding too)
+        own = self.own.get(name) if own is None else own
+        kept = torch.isfinite(got)
+        if self.finite_only:  # (the others overflowed: the scaler skips the step)
+            got, want = got[kept], want.to(got.device)[kept]
+            own = None if own is None or own.shape != kept.shape else own[kept]
+        else:
+            assert kept.all(), f"{what}: not finite"
         scale = {
             "entry": self.entry, "sum": self.n * self.entry, "norm": self.norm,
             "square": 2 * self.n * self.entry**2, "variance": 4 * self.entry**2,
@@ -110,14 +143,12 @@ class Close:
         if not got.numel():
             return
         diff = float((got.double() - want.double()).abs().max())
-        # (where the gradient sums terms that cancel, the rounding is of the terms: as far from
-        # float64 as torch's own loop under autocast, times 4, is rounding too)
-        own = self.own.get(name) if own is None else own
-        if own is not None and own.numel():
+        if own is not None and own.numel() and torch.isfinite(own).all():
             diff = max(0.0, diff - 4 * float((own.double() - want.double()).abs().max()))
-        err = diff / (BF16_EPS * scale)
-        if err > WORST.get(kind, (0.0, ""))[0]:
-            WORST[kind] = (err, what)
+        err = diff / (self.eps * scale)
+        worst = WORST[self.dtype]
+        if err > worst.get(kind, (0.0, ""))[0]:
+            worst[kind] = (err, what)
         assert err <= self.units, f"{what}: {err:.1f} units of eps · scale > {self.units}"
 
 
@@ -147,23 +178,52 @@ def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def dp_step(
-    h, model, batch, want: dict, reduction: str, what: str, method=None, close=None, ctx=None
-) -> None:
+    h, model, batch, want: dict, reduction: str, what: str, method=None, close=None, ctx=None,
+    scaler=None,
+) -> bool:  # fmt: skip
     """One DP step without noise, clipping to the median of the examples' norms: ``.grad``
-    must be the loop's clipped sum (divided by the batch size for a mean). ``method``: the
-    handle's default, or ``"ghost"`` / ``"bookkeeping"`` (a norms-only handle). ``close``:
-    the comparison (:class:`Close`); ``ctx``: what the forward runs under (autocast)."""
-    close = close or Close(want)
-    with ctx or nullcontext():
-        out = model(batch)
-    leaves = out if isinstance(out, tuple | list) else (out,)
-    leaves = [t.float() if t.dtype == torch.bfloat16 else t for t in leaves]
-    per_example = sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
+    must be the loop's clipped sum (divided by the batch size for a mean), the norms returned
+    the loop's. ``method``: the handle's default, or ``"ghost"`` / ``"bookkeeping"`` (a
+    norms-only handle). ``close``: the comparison (:class:`Close`); ``ctx``: what the forward
+    runs under (a function giving the autocast); ``scaler``: a GradScaler, passed to the step
+    (``.grad`` is then the sum times its scale). Returns whether the step is to be taken (False: the scaler's
+    overflow, every ``.grad`` NaN)."""
+    close, ctx = close or Close(want), ctx or nullcontext
+
+    def losses():
+        with ctx():
+            out = model(batch)
+        leaves = out if isinstance(out, tuple | list) else (out,)
+        leaves = [t.float() if t.dtype in HALF else t for t in leaves]
+        return sum(0.5 * (t**2).reshape(t.shape[0], -1).sum(1) for t in leaves)
+
+    per_example = losses()
     norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     bound = norms.median().item() or 1.0
-    gradhooks.dp_sgd_step(
-        h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction, method=method
-    )
+    scale = 1.0 if scaler is None else float(scaler.get_scale())
+    got = gradhooks.dp_sgd_step(
+        h, per_example, max_norm=bound, noise_multiplier=0.0, reduction=reduction, method=method,
+        scaler=scaler,
+    )  # fmt: skip
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if scaler is not None and not all(torch.isfinite(g).all() for g in grads):
+        assert all(g.isnan().all() for g in grads), f"{what}: a skipped step's .grad not all NaN"
+        assert not torch.isfinite(got).all(), f"{what}: skipped, its norms all finite"
+        if not close.overflowed:  # (torch's own per-example loop did not: its batch gradient?)
+            params = [p for p in model.parameters() if p.requires_grad]
+            with h.paused():
+                batch_grads = torch.autograd.grad(losses().sum() * scale, params, allow_unused=True)
+            assert not all(g is None or torch.isfinite(g).all() for g in batch_grads), (
+                f"{what}: skipped, though at this scale neither autograd's batch gradient nor "
+                "any example's own overflows"
+            )
+        return False
+    own = close.own
+    if own and own.keys() >= want.keys():
+        mine = torch.cat([own[k].double().flatten(1) for k in want], 1).norm(dim=1)
+    else:
+        mine = None
+    close(got, norms, f"{what}: norms returned", "norm", own=mine)
     factor = (bound / norms.clamp_min(1e-12)).clamp(max=1.0)
     n = batch.shape[0]
     for name, p in model.named_parameters():
@@ -176,18 +236,20 @@ def dp_step(
         f = factor.view(-1, *[1] * (g.dim() - 1))
         clipped = (f * g).sum(0)
         # (under autocast: torch's own per-example gradients, clipped alike)
-        mine = (f * close.own[name].double()).sum(0) if name in close.own else None
+        mine = (f * own[name].double()).sum(0) if name in own else None
         if mine is not None and reduction == "mean":
             mine = mine / n
         close(
-            p.grad, clipped / n if reduction == "mean" else clipped, f"{what}: .grad of {name}",
-            "sum" if reduction == "sum" else "entry", own=mine,
+            p.grad / scale, clipped / n if reduction == "mean" else clipped,
+            f"{what}: .grad of {name}", "sum" if reduction == "sum" else "entry", own=mine,
         )  # fmt: skip
+    return True
 
 
-def check_quantities(h, want: dict, what: str, close=None) -> None:
+def check_quantities(h, want: dict, what: str, close=None, scale: float = 1.0) -> None:
     """The handle's norms, squared sums and variances: those of the loop's per-example
-    gradients ``want`` (one backward's: after several, the last one's)."""
+    gradients ``want`` (one backward's: after several, the last one's); ``scale``: the
+    GradScaler's of the backward (the norms divided by it, the squares by its square)."""
     close = close or Close(want)
     norms, sums, variances = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
     # each quantity of torch's own gradients under autocast, where the comparison has them
@@ -196,42 +258,81 @@ def check_quantities(h, want: dict, what: str, close=None) -> None:
         if name not in norms and not g.any():
             continue  # (not reached)
         o = own.get(name)
-        close(norms[name], g.flatten(1).norm(dim=1), f"{what}: norm of {name}", "norm",
+        close(norms[name] / scale, g.flatten(1).norm(dim=1), f"{what}: norm of {name}", "norm",
               own=None if o is None else o.flatten(1).norm(dim=1))  # fmt: skip
-        close(sums[name], (g**2).sum(0), f"{what}: sum_grad_sq of {name}", "square",
+        close(sums[name] / scale**2, (g**2).sum(0), f"{what}: sum_grad_sq of {name}", "square",
               own=None if o is None else (o**2).sum(0))  # fmt: skip
-        close(variances[name], g.var(0, unbiased=False), f"{what}: grad_variance of {name}",
-              "variance", own=None if o is None else o.var(0, unbiased=False))  # fmt: skip
+        close(variances[name] / scale**2, g.var(0, unbiased=False),
+              f"{what}: grad_variance of {name}", "variance",
+              own=None if o is None else o.var(0, unbiased=False))  # fmt: skip
     total = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     mine = None
     if own and own.keys() >= want.keys():
         mine = torch.cat([own[k].flatten(1) for k in want], 1).norm(dim=1)
-    close(h.norms(), total, f"{what}: norms", "norm", own=mine)
+    close(h.norms() / scale, total, f"{what}: norms", "norm", own=mine)
 
 
 def _loss(out) -> torch.Tensor:
-    """The sum of squares, in float32 at least (a bfloat16 output rounded once more)."""
+    """The sum of squares, in float32 at least (a half-precision output rounded once more)."""
     leaves = out if isinstance(out, tuple | list) else (out,)
-    return sum_of_squares([t.float() if t.dtype == torch.bfloat16 else t for t in leaves])
+    return sum_of_squares([t.float() if t.dtype in HALF else t for t in leaves])
+
+
+def _own(h, model, batch, ctx, factor: float) -> dict:
+    """torch's own per-example gradients under autocast (its per-example loop's), of the loss
+    times ``factor`` (a GradScaler's scale, over the batch size for a mean), divided back."""
+    with h.paused(), ctx():
+        own = loop_grad(model, lambda out: _loss(out) * factor, batch)
+    return {k: g / factor for k, g in own.items()}
+
+
+def _finite(params) -> bool:
+    """Whether every ``.grad`` is finite (else a GradScaler skips the step)."""
+    return all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+
+
+def _lstm_runs_under(dtype: torch.dtype) -> bool:
+    """Whether torch's LSTM runs under CPU autocast to ``dtype``, recording for a backward
+    (torch 2.13: oneDNN has no float16 LSTM for training, "could not create a primitive
+    descriptor"; under ``no_grad`` it runs)."""
+    lstm = torch.nn.LSTM(1, 1)
+    try:
+        with torch.autocast("cpu", dtype):
+            lstm(torch.zeros(1, 1, 1))
+    except RuntimeError:
+        return False
+    return True
 
 
 def run_loop(
-    case: FuzzCase, habits: list[str], sizes: list[int], dp_method=None, autocast=False
-) -> None:
+    case: FuzzCase, habits: list[str], sizes: list[int], dp_method=None,
+    autocast: torch.dtype | None = None, scaler: tuple[float, int, float] | None = None,
+) -> None:  # fmt: skip
     """``dp_method``: ``None`` (hooks computing ``grad1``), or ``"ghost"`` / ``"bookkeeping"``
     (hooks computing only the norms and squared sums: no ``grad1`` is formed, and the DP
-    steps take that method). ``autocast``: the model in float32, its forwards under bfloat16
-    autocast, against a float64 copy given its parameters at every step."""
+    steps take that method). ``autocast``: ``torch.bfloat16`` or ``torch.float16``: the model
+    in float32, its forwards under that autocast, against a float64 copy given its
+    parameters at every step. ``scaler``: a GradScaler's ``(init_scale, growth_interval,
+    backoff_factor)``, around every backward and step (float16)."""
     model, x, reduction = case.model, case.inputs, case.reduction
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
-    ref, ctx, units = model, nullcontext, None
-    if autocast:
+    if autocast is not None and not _lstm_runs_under(autocast):
+        if any(isinstance(m, torch.nn.LSTM) for m in model.modules()):
+            TRIED[f"{autocast}: LSTM not run, torch's CPU LSTM has no such autocast"] += 1
+            return
+    ref, ctx, units, scaling = model, nullcontext, None, None
+    if autocast is not None:
         ref, units = copy.deepcopy(model), AUTOCAST_UNITS
         model.float()
         x = x.float() if x.is_floating_point() else x
-        ctx = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
+        ctx = lambda: torch.autocast("cpu", autocast)  # noqa: E731
+    if scaler is not None:
+        init, interval, backoff = scaler
+        scaling = torch.amp.GradScaler(
+            "cpu", init_scale=init, growth_interval=interval, backoff_factor=backoff
+        )
     opt = torch.optim.SGD(params, lr=0.05)
     frozen: list[torch.nn.Parameter] = []
     quantities = ("norms", "sum_grad_sq") if dp_method else ("grad1", "norms", "sum_grad_sq")
@@ -258,7 +359,7 @@ def run_loop(
                     model(batch)
             opt.zero_grad(set_to_none=step % 2 == 0)
             h.clear()
-            if autocast:  # the float64 copy at this step's parameters
+            if autocast is not None:  # the float64 copy at this step's parameters
                 with torch.no_grad():
                     for p64, p in zip(ref.parameters(), model.parameters(), strict=True):
                         p64.copy_(p)
@@ -267,12 +368,12 @@ def run_loop(
             double = batch.double() if autocast and batch.is_floating_point() else batch
             want = loop_grad(ref, sum_of_squares, double)
             n = batch.shape[0]
-            own = None
-            if autocast:  # torch's own per-example gradients under autocast
-                with h.paused(), ctx():
-                    own = loop_grad(model, _loss, batch)
-            close = Close(want, units, n, own)
-            if autocast:
+            # the scale of this step's backwards (the DP step's backward is of the losses' sum)
+            scale = 1.0 if scaling is None else float(scaling.get_scale())
+            factor = scale / n if reduction == "mean" and habit != "dp" else scale
+            own = None if autocast is None else _own(h, model, batch, ctx, factor)
+            close = Close(want, units, n, own, autocast or torch.bfloat16)
+            if autocast is not None:
                 with torch.no_grad():
                     out64 = ref(double)
                 leaves = out64 if isinstance(out64, tuple | list) else (out64,)
@@ -280,31 +381,46 @@ def run_loop(
                     TRIED["autocast: float64 gradients only rounding, skipped"] += 1
                     break
             if habit == "dp":
-                what = f"step {step} (dp, batch {n})"
-                dp_step(h, model, batch, want, reduction, what, dp_method, close, ctx())
-                opt.step()
+                what = f"step {step} (dp, batch {n}, scale {scale:g})"
+                taken = dp_step(
+                    h, model, batch, want, reduction, what, dp_method, close, ctx, scaling
+                )
+                _step(opt, scaling, taken, habit)
                 TRIED[habit] += 1
                 continue
             with ctx():
                 out = model(batch)
             loss = _loss(out)
-            (loss / n if reduction == "mean" else loss).backward()
+            loss = loss / n if reduction == "mean" else loss
+            (loss if scaling is None else scaling.scale(loss)).backward()
             last = want
             if habit == "accumulate":
                 second = _batch(batch, n) + 0.5 if batch.is_floating_point() else batch.flip(0)
                 double = second.double() if autocast and second.is_floating_point() else second
                 last = loop_grad(ref, sum_of_squares, double)
                 want = {k: g + last[k] for k, g in want.items()}
-                close = Close(want, units, n)
+                if autocast is not None:  # (torch's own, of the second and of both)
+                    first, own = own, _own(h, model, second, ctx, factor)
+                    both = {k: g + first[k] for k, g in own.items()}
+                else:
+                    both = None
+                close = Close(want, units, n, both, autocast or torch.bfloat16)
                 with ctx():
                     out = model(second)
                 loss = _loss(out)
-                (loss / n if reduction == "mean" else loss).backward()
-            what = f"step {step} ({habit}, batch {n})"
+                loss = loss / n if reduction == "mean" else loss
+                (loss if scaling is None else scaling.scale(loss)).backward()
+            taken = True
+            if scaling is not None:
+                scaling.unscale_(opt)
+                taken = _finite(p for p in model.parameters() if p.requires_grad)
+                if not taken:  # (only the finite entries are compared: the others overflowed)
+                    close.finite_only = True
+            what = f"step {step} ({habit}, batch {n}" + (f", scale {scale:g})" if scaling else ")")
             # the norms and squared sums are each backward's own: after an accumulation, the
-            # second micro-batch's (torch's own loop ran on the first)
-            mine = own if habit != "accumulate" else None
-            check_quantities(h, last, what, Close(last, units, n, mine))
+            # second micro-batch's
+            last_close = Close(last, units, n, own, autocast or torch.bfloat16, not taken)
+            check_quantities(h, last, what, last_close, scale)
             for name, p in model.named_parameters():
                 if dp_method:
                     assert getattr(p, "grad1", None) is None, f"{what}: {name} has a grad1"
@@ -316,11 +432,12 @@ def run_loop(
                     assert not want[name].any(), f"{what}: {name} not reached, the loop's is not 0"
                     continue
                 assert hasattr(p, "grad1"), f"{what}: {name} has no grad1"
-                close(p.grad1, want[name], f"{what}: grad1 of {name}", name=name)
-                reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
-                close(p.grad, reduced, f"{what}: .grad of {name} vs grad1",
-                      "sum" if reduction == "sum" else "entry")  # fmt: skip
-            opt.step()
+                close(p.grad1 / scale, want[name], f"{what}: grad1 of {name}", name=name)
+                if taken:
+                    reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+                    close(p.grad, reduced / scale, f"{what}: .grad of {name} vs grad1",
+                          "sum" if reduction == "sum" else "entry")  # fmt: skip
+            _step(opt, scaling, taken, habit)
             TRIED[habit] += 1
     finally:
         model.skipped = model.recomputed = frozenset()
@@ -329,12 +446,27 @@ def run_loop(
             p.requires_grad_(True)
 
 
+def _step(opt, scaler, taken: bool, habit: str) -> None:
+    """The optimizer's step, through the scaler where there is one (which skips it where a
+    gradient overflowed: ``taken`` False), then ``scaler.update()``."""
+    if scaler is None:
+        opt.step()
+        return
+    scaler.step(opt)
+    scaler.update()
+    kind = "dp steps" if habit == "dp" else "steps"
+    TRIED[f"float16: {kind} taken" if taken else f"float16: {kind} skipped (overflow)"] += 1
+
+
+HANDLES = st.sampled_from([None, None, "ghost", "bookkeeping"])
+
+
 @fuzz_settings(EXAMPLES)
 @given(
     fuzz_cases(),
     st.lists(st.sampled_from(HABITS), min_size=4, max_size=7),
     st.lists(st.integers(1, 5), min_size=7, max_size=7),
-    st.sampled_from([None, None, "ghost", "bookkeeping"]),
+    HANDLES,
 )
 def fuzz(case: FuzzCase, habits: list[str], sizes: list[int], dp_method) -> None:
     run_loop(case, ["same", *habits], sizes, dp_method)
@@ -351,15 +483,19 @@ def test_random_models_train_as_the_oracle_says():
     assert tried >= min(EXAMPLES, 10), f"only {tried} models were tried"
 
 
+def _worst(dtype: torch.dtype) -> str:
+    return ", ".join(f"{k} {u:.1f} ({w})" for k, (u, w) in sorted(WORST[dtype].items()))
+
+
 @fuzz_settings(AUTOCAST_EXAMPLES)
 @given(
     fuzz_cases(),
     st.lists(st.sampled_from(HABITS), min_size=4, max_size=7),
     st.lists(st.integers(1, 5), min_size=7, max_size=7),
-    st.sampled_from([None, None, "ghost", "bookkeeping"]),
+    HANDLES,
 )
 def fuzz_autocast(case: FuzzCase, habits: list[str], sizes: list[int], dp_method) -> None:
-    run_loop(case, ["same", *habits], sizes, dp_method, autocast=True)
+    run_loop(case, ["same", *habits], sizes, dp_method, autocast=torch.bfloat16)
     TRIED["autocast models"] += 1
 
 
@@ -367,10 +503,63 @@ def test_random_models_train_under_bfloat16_autocast():
     before = TRIED["autocast models"]
     fuzz_autocast()
     tried = TRIED["autocast models"] - before
-    worst = ", ".join(f"{k} {u:.1f} ({w})" for k, (u, w) in sorted(WORST.items()))
     skipped = TRIED["autocast: float64 gradients only rounding, skipped"]
     print(
         f"\nfuzz: {tried} random models trained under bfloat16 autocast ({skipped} steps "
-        f"skipped: float64 gradients only rounding); worst errors in units of eps · scale: {worst}"
+        f"skipped: float64 gradients only rounding); worst errors in units of eps · scale: "
+        f"{_worst(torch.bfloat16)}"
     )
     assert tried >= min(AUTOCAST_EXAMPLES, 3), f"only {tried} models were tried"
+
+
+# a GradScaler's first scale (2^0 to 2^24: the largest overflow float16 at once), growth
+# interval (1 and 2: the scale doubles between steps) and backoff (after an overflow)
+SCALERS = st.tuples(
+    st.integers(0, 24).map(lambda k: 2.0**k), st.sampled_from([1, 2, 2000]),
+    st.sampled_from([0.5, 2.0**-8]),
+)  # fmt: skip
+
+
+def _overflowing_case() -> FuzzCase:
+    """Linear(3, 4) and LayerNorm(4) on ``seq [2, 3]``, three examples, a mean (values from
+    ``sin``, not ``randn``): whose first scale, 2²⁴, overflows float16 at once."""
+    model = FuzzModel()
+    model.blocks.extend([Apply(torch.nn.Linear(3, 4)), Apply(torch.nn.LayerNorm(4))])
+    model.steps = [0, 1]
+    model.shapes = [Shape("seq", (2, 3)), Shape("seq", (2, 4)), Shape("seq", (2, 4))]
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(1.0, p.numel() + 1).mul(0.7 + i).sin().view(p.shape))
+    x = torch.arange(18.0).mul(1.3).sin().reshape(3, 2, 3)
+    return FuzzCase(model.double(), x.double(), "mean", True)
+
+
+# the first step overflows and is skipped, the scale falls by 2⁸ and grows at every step taken
+OVERFLOWING = (["same", "dp", "accumulate", "same", "dp"], [3] * 7)
+
+
+@fuzz_settings(FP16_EXAMPLES)
+@given(
+    fuzz_cases(),
+    st.lists(st.sampled_from(HABITS), min_size=3, max_size=6),
+    st.lists(st.integers(1, 5), min_size=7, max_size=7),
+    HANDLES,
+    SCALERS,
+)
+@example(_overflowing_case(), *OVERFLOWING, None, (2.0**24, 1, 2.0**-8))
+@example(_overflowing_case(), *OVERFLOWING, "ghost", (2.0**24, 1, 2.0**-8))
+def fuzz_float16(case: FuzzCase, habits, sizes, dp_method, scaler) -> None:
+    run_loop(case, ["same", *habits], sizes, dp_method, autocast=torch.float16, scaler=scaler)
+    TRIED["float16 models"] += 1
+
+
+def test_random_models_train_under_float16_autocast_with_a_grad_scaler():
+    before = TRIED["float16 models"]
+    fuzz_float16()
+    tried = TRIED["float16 models"] - before
+    steps = ", ".join(f"{k.split(': ')[1]} {v}" for k, v in TRIED.items() if "float16: " in k)
+    print(
+        f"\nfuzz: {tried} random models trained under float16 autocast with a GradScaler "
+        f"({steps}); worst errors in units of eps · scale: {_worst(torch.float16)}"
+    )
+    assert tried >= min(FP16_EXAMPLES, 3), f"only {tried} models were tried"

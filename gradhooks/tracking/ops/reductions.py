@@ -79,7 +79,27 @@ def _rolled(t: Tensor, lay: Layout, shift: Any, batch: int) -> Layout:
 
 
 HANDLERS["roll"] = NeedsBatch(_roll)
-HANDLERS["diff"] = _dim_op(-1, pos=2)
+
+
+@handles("diff")
+def _diff(args, kwargs, out, layout_of):
+    """``torch.diff(x, n, dim, prepend, append)``: ``x`` with ``prepend`` and ``append``
+    joined to it along ``dim`` (their shapes ``x``'s but there), then differenced along it.
+    Along another dimension than the examples', each entry is one example's where every
+    joined tensor holds the examples where ``x`` does, or none (``x[:, :1]`` prepended: the
+    same example's first step). Along theirs, or with another layout: as a join would be,
+    mixed or not followed."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor):
+        return UNKNOWN
+    lay = layout_of(x)
+    joined = [arg(args, kwargs, 3, "prepend"), arg(args, kwargs, 4, "append")]
+    joined = [layout_of(t) for t in joined if isinstance(t, Tensor)]
+    if lay is None or lay is UNKNOWN or any(j is not None and j != lay for j in joined):
+        return UNKNOWN if lay is not None or any(j is not None for j in joined) else None
+    if lay.dim in normalized_dims(arg(args, kwargs, 2, "dim", -1), x.dim()):
+        return MIXED
+    return lay
 
 
 REDUCTIONS = """sum mean nansum nanmean prod amax amin max min std var std_mean var_mean
