@@ -50,10 +50,16 @@ class Piece:
     autocast, where the rule computes in float32); 0: one rounding of the whole, as torch's
     matrix products and reductions do. Set by the rule of such a layer; the engine's checks
     against autograd allow that many units of the half precision
-    (:func:`gradhooks.engine.verify.rounding_tolerance`)."""
+    (:func:`gradhooks.engine.verify.rounding_tolerance`), relative to :meth:`terms_scale`.
+
+    ``input_scale``: where autograd's computation rounded an :class:`Outer`'s input ``a`` in a
+    half precision relative to terms it was formed from rather than to each entry (a
+    recurrent state, formed from gate pre-activations), the size of those terms: its
+    :meth:`terms_scale` takes each ``|a|`` as at least that; 0: each entry's own."""
 
     sums_to_grad: ClassVar[bool] = True
     rounded_terms: ClassVar[int] = 0
+    input_scale: ClassVar[float] = 0.0
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +126,14 @@ class Piece:
         if weights is not None:
             g1 = g1 * weights.to(g1.dtype).view(-1, *[1] * (g1.dim() - 1))
         return g1.sum(0)
+
+    def terms_scale(self, param_shape: torch.Size) -> Tensor:
+        """The largest entry of the sum of the magnitudes of the terms the batch sum adds
+        (``[]``): the scale of the rounding of a sum that autograd's kernels round term by term
+        (:attr:`rounded_terms`; where the terms cancel, it is of the terms, not of what is
+        left). Here the examples' ``grad1`` are the terms."""
+        total = self.grad1(param_shape).abs().sum(0)
+        return total.max() if total.numel() else total.new_zeros(())
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
         """``out += batch_sum(out.shape, weights)`` in ``out``'s dtype (a contiguous tensor of
@@ -337,6 +351,16 @@ class Outer(Piece):
             flat = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
             return _shaped(flat, param_shape)
         return torch.einsum("b...so,b...si->...oi", g, a).reshape(param_shape)
+
+    def terms_scale(self, param_shape: torch.Size) -> Tensor:
+        """The terms are those of every example and shared position, ``g[b, s]ᵀ a[b, s]``:
+        ``Σ_{b, s} |g[b, s]|ᵀ |a[b, s]|`` (``|a|`` at least :attr:`input_scale`), one product
+        as the batch sum's."""
+        a = self.a.abs() if self.has_input else None
+        if a is not None and self.input_scale:
+            a = a.clamp_min_(self.input_scale)
+        total = Outer(a, self.g.abs()).batch_sum(param_shape)
+        return total.max() if total.numel() else total.new_zeros(())
 
     def add_batch_sum(self, out: Tensor, weights: Tensor | None = None) -> None:
         """No groups: one ``addmm_`` into ``out`` (the product accumulates in place); a bias

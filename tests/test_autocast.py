@@ -571,3 +571,71 @@ def test_attention_mask_in_bfloat16_under_autocast(layer):
     for n, p in model.named_parameters():
         err = float((p.grad1.double() - ref[n]).abs().max())
         assert err <= 16 * eps * largest, f"{n}: {err:.2e} > 16 eps · {largest:.2e}"
+
+
+def _formula_gru(freq: float, bias: float, steps: int, phase: int) -> tuple[nn.GRU, Tensor]:
+    """A bidirectional 2-layer GRU of hidden size 1 and a batch of 2 sequences, its parameters
+    and inputs from sines and cosines (the same numbers on every CPU: no random draws)."""
+    gru = nn.GRU(2, 1, num_layers=2, bidirectional=True, batch_first=True)
+    with torch.no_grad():
+        for j, (n, p) in enumerate(gru.named_parameters()):
+            k = torch.arange(p.numel(), dtype=torch.float64)
+            p.copy_(((bias if "bias" in n else 1.0) * torch.sin(k * freq + j)).view(p.shape))
+    x = torch.cos(torch.arange(4 * steps, dtype=torch.float64) * 0.9 + phase).view(2, steps, 2)
+    return gru, x
+
+
+@pytest.mark.parametrize(
+    "freq, bias, steps, phase", [(2.9, 2.0, 4, 4), (4.7, 1.0, 6, 10)], ids=["large-biases", "plain"]
+)
+def test_recurrent_weights_rounded_as_their_terms_under_bfloat16_autocast(freq, bias, steps, phase):
+    """A bidirectional 2-layer GRU of hidden size 1 under bfloat16 autocast: torch's own
+    backward rounds each step's share of a weight's gradient, and takes the states it
+    multiplies as the forward rounded them, relative to the gate pre-activations they come
+    from, not to their values (small states: up to 24 units of bfloat16's eps of the gradient's
+    own largest entry). The run-time check compared within 8 units of that entry and refused
+    correct grad1 (CheckFailedError on ``weight_hh_l1``, ``bias_*_reverse``, ...); it compares
+    relative to the magnitudes of the terms now (``Piece.terms_scale``, the states' rounding
+    of the order of 1). grad1 within 16 units of eps of the float64 loop's largest entry (it
+    is within 0.3; torch's own loop under autocast within 1.6); ``Hooks.check`` passes too."""
+    gru, x = _formula_gru(freq, bias, steps, phase)
+
+    def loss(out):
+        return (out[0].float() ** 2).sum()
+
+    ref = loop_grad(copy.deepcopy(gru).double(), loss, x)
+    gru = gru.float()
+    with gradhooks.add_hooks(gru, loss_reduction="sum") as h:
+        with torch.autocast("cpu", dtype=BF16):
+            out = gru(x.float())
+        loss(out).backward()
+        report = h.check(raise_on_error=False)
+    assert not report.problems, str(report)
+    largest = max(float(g.abs().max()) for g in ref.values())
+    for n, p in gru.named_parameters():
+        err = float((p.grad1.double() - ref[n]).abs().max())
+        assert err <= 16 * torch.finfo(BF16).eps * largest, n
+
+
+def test_check_allows_the_rounding_of_a_gradient_whose_terms_cancel_under_autocast():
+    """``Hooks.check`` compared each parameter's ``grad1`` with ``.grad`` within 8 units of
+    bfloat16's eps of that parameter's own largest entry, with none of the room the run-time
+    check gives (the rounding of its terms, a share of the model's largest gradient entry):
+    on the GRU above with large biases (hooked without the run-time check), it reported ``grad1.sum(0)
+    differs from .grad`` for gradients that were right. A term of the loss that no example
+    owns (a penalty on a parameter) is still reported."""
+    gru, x = _formula_gru(2.9, 2.0, 4, 4)
+    gru = gru.float()
+    with gradhooks.add_hooks(gru, loss_reduction="sum", verify=False) as h:
+        with torch.autocast("cpu", dtype=BF16):
+            out = gru(x.float())
+        (out[0].float() ** 2).sum().backward()
+        h.check()
+        gru.zero_grad()
+        h.clear()
+        with torch.autocast("cpu", dtype=BF16):
+            out = gru(x.float())
+        penalty = gru.bias_ih_l0.sum()  # (no example's: .grad holds more than grad1)
+        ((out[0].float() ** 2).sum() + penalty).backward()
+        report = h.check(raise_on_error=False)
+    assert any("'bias_ih_l0'" in problem for problem in report.problems), str(report)

@@ -377,6 +377,9 @@ class BackwardWriter:
                 self.state.exempt.add(id(p))
             if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
                 bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
+                size = pieces[pname].terms_scale(p.shape)
+                found = bw.terms_scale.get(id(p))
+                bw.terms_scale[id(p)] = size if found is None else found + size
         # (an empty parameter's gradients are empty: the quantities have nothing of it to
         # add, and a rule's reshape of its pieces cannot infer the batch)
         full = {n: p for n, p in live.items() if p.numel()}
@@ -627,7 +630,7 @@ class BackwardWriter:
         reach goes as ``.grad`` went: deleted where ``.grad`` is ``None`` (or holds a gradient
         this backward computed without capture), zeros where ``.grad`` is zeros; then record
         the ``.grad`` every parameter was left with, for the next backward's start."""
-        rounded = self.state.rounded
+        rounded, sizes = self.state.rounded, self.state.terms_scale
         if captured:  # (not one rolled back, or one that was not captured)
             for pid, before in bw.before.items():
                 if pid in self.state.written:
@@ -638,13 +641,22 @@ class BackwardWriter:
                     # backward accumulated into it since it last started afresh
                     terms = bw.rounded.get(pid, 0)
                     terms += rounded.get(pid, 0) if before is not None else 0
+                    size = bw.terms_scale.get(pid)
+                    if size is not None and before is not None and pid in sizes:
+                        size = size + sizes[pid]
                     if terms:
                         rounded[pid] = terms
                     else:
                         rounded.pop(pid, None)
+                    if size is not None:
+                        sizes[pid] = size
+                    elif before is None:
+                        sizes.pop(pid, None)
             if not self.state.grad1:  # (no accumulation: the most in one backward)
                 for pid, terms in bw.rounded.items():
                     rounded[pid] = max(rounded.get(pid, 0), terms)
+                for pid, size in bw.terms_scale.items():
+                    sizes[pid] = size if pid not in sizes else torch.maximum(sizes[pid], size)
         if captured and self.state.stale:
             stale, self.state.stale = self.state.stale, {}
             zero = [p for p in stale.values() if grad_of(p) is not None and bw.batch is not None]
@@ -686,12 +698,16 @@ class BackwardWriter:
         if adds is False:
             if pid not in state.aside and (pid not in state.written or state.trail.added_last(p)):
                 kept = p.__dict__.get("grad1") if pid in state.written else None
-                state.aside[pid] = (kept, state.depth.get(pid), state.rounded.get(pid))
+                state.aside[pid] = (
+                    kept, state.depth.get(pid), state.rounded.get(pid), state.terms_scale.get(pid)
+                )  # fmt: skip
             return
         if adds is None or pid not in state.aside:
             return
-        kept, depth, rounded = state.aside.pop(pid)
-        for found, value in ((state.depth, depth), (state.rounded, rounded)):
+        kept, depth, rounded, size = state.aside.pop(pid)
+        for found, value in (
+            (state.depth, depth), (state.rounded, rounded), (state.terms_scale, size)
+        ):  # fmt: skip
             if value is None:
                 found.pop(pid, None)
             else:

@@ -242,9 +242,11 @@ def _rule_name(rule) -> str:
 
 def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
     """``new``, a form of ``old``, with what ``old``'s rule said of autograd's own kernel
-    (:attr:`gradhooks.pieces.Piece.rounded_terms`)."""
+    (:attr:`gradhooks.pieces.Piece.rounded_terms`, :attr:`~gradhooks.pieces.Piece.input_scale`)."""
     if old.rounded_terms and new is not old:
         new.rounded_terms = old.rounded_terms
+        if old.input_scale:
+            new.input_scale = old.input_scale
     return new
 
 

@@ -754,6 +754,7 @@ class Hooks:
         self._state.missed.clear()
         self._state.precision = None
         self._state.rounded.clear()
+        self._state.terms_scale.clear()
         self._hessian_backprops.clear()
         if self._state.kept_backprops is not None:
             self._state.kept_backprops.clear()

@@ -176,6 +176,9 @@ class Backward:
     # per parameter id, the terms autograd's kernels added one by one in a half precision to
     # form its gradient, over this backward's calls (pieces.Piece.rounded_terms)
     rounded: dict[int, int] = field(default_factory=dict)
+    # per parameter id with rounded terms, the largest entry of the sum of their magnitudes, the
+    # scale of their rounding (pieces.Piece.terms_scale), over this backward's calls
+    terms_scale: dict[int, Tensor] = field(default_factory=dict)
     batch: int | None = None  # the examples of the grad1 it wrote
     # the batch sizes its calls gave -> (the first call of each, whether its forward was an
     # entry's: a submodule called outside the model's forward)

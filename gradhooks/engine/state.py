@@ -133,9 +133,10 @@ class CaptureState:
         self.depth: dict[int, int] = {}  # captured backwards in each parameter's grad1
         self.forward_of: dict[int, weakref.ref] = {}  # the forward its last grad1 came from
         # set aside while torch.autograd.grad passes add to grad1 what they return: the grad1
-        # that .grad's rows were (None: none), with its depth and rounded terms, which the
-        # next backward adding into .grad puts back before adding (BackwardWriter.set_aside)
-        self.aside: dict[int, tuple[Tensor | None, int | None, int | None]] = {}
+        # that .grad's rows were (None: none), with its depth, rounded terms and their scale,
+        # which the next backward adding into .grad puts back before adding
+        # (BackwardWriter.set_aside)
+        self.aside: dict[int, tuple[Tensor | None, int | None, int | None, Tensor | None]] = {}
         self.missed: dict[str, None] = {}  # parameters a backward computed without capture
         # the lowest precision the calls of the backwards since clear() ran in (the checks'
         # tolerance: records.lowest_precision)
@@ -145,6 +146,8 @@ class CaptureState:
         # grad1 since it last started afresh (without grad1: the most in one backward since
         # clear())
         self.rounded: dict[int, int] = {}
+        # and the scale of their rounding, as rounded holds them (pieces.Piece.terms_scale)
+        self.terms_scale: dict[int, Tensor] = {}
         self.backwards = 0  # backwards that captured a call, since the hooks were added
         self.exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
 
