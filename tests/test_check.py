@@ -63,7 +63,22 @@ def _trained_bn(bn, shape):
 # Types registered by name, by that name (their library imported in the test)
 NAMED_EXAMPLES = {
     "transformers.pytorch_utils.Conv1D": (lambda cls: cls(5, 4), lambda: torch.randn(3, 2, 4)),
+    "loralib.layers.Linear": (
+        lambda cls: _lora_b_drawn(cls(5, 4, r=2, lora_alpha=2)), lambda: torch.randn(3, 2, 5)
+    ),
+    "loralib.layers.MergedLinear": (
+        lambda cls: _lora_b_drawn(cls(4, 6, r=2, lora_alpha=2, enable_lora=[True, False, True])),
+        lambda: torch.randn(3, 2, 4),
+    ),
 }
+
+
+def _lora_b_drawn(layer):
+    """A loralib layer whose ``lora_B`` (zeros as made) is drawn, so that ``lora_A`` gets a
+    gradient to check."""
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    return layer
 
 
 @pytest.mark.parametrize("module_type", gradhooks.REGISTRY.types(), ids=lambda t: t.__name__)
