@@ -797,6 +797,8 @@ class Tracker(TorchFunctionMode):
         if result is UNKNOWN or result is None:
             if op.handler is None:
                 self.unknown[name] = None
+                if self.engine is not None:
+                    self.guard_rows(name, ins, outs)
             for o in outs:
                 self.layouts[o] = UNKNOWN
             return
@@ -1315,6 +1317,39 @@ class Tracker(TorchFunctionMode):
                 if o.dim() > guess.dim and o.shape[guess.dim] == guess.size(self.batch):
                     self.presumed[o] = guess
         return UNKNOWN
+
+    def guard_rows(self, name: str, ins: list, outs: list) -> None:
+        """An operation without a handler, ``name``, gave ``outs`` from tensors that hold the
+        examples. Where an output keeps their rows where its input had them, they are
+        presumed there (:meth:`_presume`), and the engine's check of one example (the
+        probe) reads them so. An output with a gradient that holds them nowhere the tracker
+        can say (``torch.kron``, ``torch.combinations``: other rows than the batch's, which
+        a loss, a rule or the probe would take as the examples, or whose rows no check can
+        split) is armed: a backward that writes ``grad1`` and reaches its autograd node is
+        refused (:meth:`EngineLink.lost_reached`). (A result of no dimension is a loss,
+        taken as a sum of per-example losses, as one computed by an operation followed.)"""
+        lost = [o for o in outs if o.requires_grad and o.dim() and o not in self.presumed]
+        if not lost:
+            return
+        held = next(
+            ((t, lay) for t in ins if (lay := self.presumed_of(t)) is not None and lay.dim >= 0),
+            None,
+        )
+        if held is None:
+            return  # (lost before: armed there, where it had a gradient)
+        node = next((o.grad_fn for o in lost if o.grad_fn is not None), None)
+        if node is None:
+            return
+        t, lay = held
+        why = (
+            f"{self._in_call(name)}, which gradhooks does not follow: from a tensor of shape "
+            f"{tuple(t.shape)} holding the {self.batch} examples on {lay.describe(self.batch)}, it "
+            f"gave one of shape {tuple(lost[0].shape)}"
+        )
+        # (the hook holds the nodes after this one, not this one: no cycle through the graph)
+        after = tuple(n for n, _ in node.next_functions if n is not None)
+        engine = self.engine
+        node.register_prehook(lambda grad_outputs: engine.lost_reached(why, after))
 
     # -- meetings ---------------------------------------------------------------------------------
 
