@@ -515,3 +515,33 @@ def test_an_unfollowed_operation_on_a_sequence_first_batch_is_followed():
         _sum_sq(model(x)).backward()
         for n, p in model.named_parameters():
             assert torch.allclose(p.grad1, torch.stack(want[n]), rtol=1e-7, atol=1e-9), n
+
+
+@pytest.mark.parametrize(
+    "count",
+    [
+        lambda h: torch.histc(h[:, 0], bins=h.shape[0]),
+        lambda h: torch.bincount((h[:, 0].detach() > 1).long(), minlength=h.shape[0]).to(D),
+        # (boundaries of each example's own, one each: every entry is placed among them all)
+        lambda h: torch.bucketize(h[:, 0].detach(), h[:, 1].detach()).to(D),
+        lambda h: torch.searchsorted(h[:, 1].detach().contiguous(), h[:, 0].detach()).to(D),
+    ],
+    ids=["histc", "bincount", "bucketize_by_the_batch", "searchsorted_in_the_batch"],
+)
+def test_counts_over_the_batch_without_a_gradient_are_mixed(count):
+    """A histogram of the batch has no gradient, and, as long as the batch, looked like its
+    rows: each example's output was scaled by the whole batch's counts, silently. The
+    counts are across the examples: refused."""
+    import gradhooks
+    from gradhooks.errors import MixedExamplesError
+
+    model = _after_a_linear(lambda h: count(h).unsqueeze(1) * h)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(MixedExamplesError):
+            _sum_sq(model(torch.randn(5, 3, dtype=D))).backward()
+
+
+def test_bucketize_by_fixed_boundaries_keeps_the_rows():
+    bounds = torch.tensor([-0.5, 0.0, 0.5], dtype=D)
+    model = _after_a_linear(lambda h: torch.bucketize(h.detach(), bounds).to(D) * h)
+    _assert_loop(model, torch.randn(5, 3, dtype=D))
