@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from . import memo
 from .aliases import aliased
-from .couplings import POWERS, arm, coupling
+from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import (
     CONTRACTED,
@@ -656,11 +656,15 @@ class Tracker(TorchFunctionMode):
             if (
                 joined is None
                 and self.engine is not None
-                and (name in PRODUCTS_OF or name in POWERS)
                 and not any(u.soft for u in self.used)
-            ):  # (a product after a reduction over the batch: refused if a backward reaches
-                # it; inside a module without a rule, its fallback recomputes it per example)
-                why = coupling(name, args, ins, layout_of, self.mixed)
+                and not self._alone(ins)
+            ):  # (a product after a reduction over the batch, or a function not linear in
+                # it: refused if a backward reaches it; inside a module without a rule, its
+                # fallback recomputes it per example)
+                if name in PRODUCTS_OF or name in POWERS:
+                    why = coupling(name, args, ins, layout_of, self.mixed)
+                else:
+                    why = nonlinear(name, ins, layout_of, self.mixed)
                 if why is not None:
                     arm(self.engine, outs, why)
         elif joined is not None:
@@ -682,6 +686,13 @@ class Tracker(TorchFunctionMode):
                     result = UNKNOWN
                 else:
                     result = MIXED
+            if (
+                result is MIXED
+                and self.engine is not None
+                and not any(u.soft for u in self.used)
+                and (why := whole_matrix(name, args, kwargs, ins, layout_of)) is not None
+            ):  # (the examples as rows of one matrix: refused if a backward reaches it)
+                arm(self.engine, outs, why)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
@@ -1317,6 +1328,13 @@ class Tracker(TorchFunctionMode):
                 if o.dim() > guess.dim and o.shape[guess.dim] == guess.size(self.batch):
                     self.presumed[o] = guess
         return UNKNOWN
+
+    def _alone(self, ins: list) -> bool:
+        """Whether one of ``ins`` is one example taken out of the batch alone, or computed
+        from one alone (``f(x[i])``, joined back later: :attr:`single`)."""
+        if not (self.alone.entries or self.single.entries):
+            return False
+        return any(t in self.alone or t in self.single for t in ins)
 
     def guard_rows(self, name: str, ins: list, outs: list) -> None:
         """An operation without a handler, ``name``, gave ``outs`` from tensors that hold the
