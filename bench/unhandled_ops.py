@@ -1,7 +1,7 @@
 """Every torch function the tracker has no handler for, inside a module with a weight, against
 the float64 per-example loop.
 
-``python -m bench.unhandled_ops [--limit N] [--only NAME,...]``
+``python -m bench.unhandled_ops [--limit N] [--only NAME,...] [--start K]``
 
 The tracker follows the batch through the torch functions it has a handler for
 (:func:`gradhooks.tracking.ops.handler_for`); any other loses it (the result's layout is
@@ -178,6 +178,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=0, help="the first N operations only")
     parser.add_argument("--only", default="", help="OpInfo names, comma-separated")
+    parser.add_argument(
+        "--start", type=int, default=0,
+        help="from the K-th OpInfo on (after one that ends the process: each run is printed "
+        "as it ends, after a line '# K name' for its OpInfo)",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     from torch.testing._internal.common_methods_invocations import op_db
 
@@ -187,9 +192,10 @@ def main(argv=None) -> None:
     counts = {v: collections.Counter() for v in variants}
     wrong, crashes, probed, seen = [], [], set(), 0
     warnings.simplefilter("ignore")
-    for info in op_db:
-        if only and info.name not in only:
+    for k, info in enumerate(op_db):
+        if k < opts.start or (only and info.name not in only):
             continue
+        print(f"# {k} {info.name}", flush=True)
         try:
             samples = list(_samples(info))
         except Exception:  # (the database's own sample inputs fail here)
@@ -221,6 +227,7 @@ def main(argv=None) -> None:
                 except Exception as e:  # (the comparison itself: complex outputs, ...)
                     got, why = "skipped", f"{type(e).__name__}"
                 counts[variant][got] += 1
+                print(f"run\t{info.name}\t{variant}\t{got}\t{why}", flush=True)
                 line = f"{info.name} {variant} {tuple(x.shape)} ({', '.join(sorted(names))})"
                 if got == "silent wrong":
                     wrong.append(f"{line}: {why}")
