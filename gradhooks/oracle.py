@@ -7,12 +7,20 @@ test suite uses. Capture by gradhooks is paused while they run.
 
 Both return ``{param_name: [batch, *param.shape]}`` for every parameter that requires grad
 (tied parameters appear once, under their first name, as in ``named_parameters()``).
+
+``inputs`` is a tensor, a sequence of them (``model(*inputs)``), or a mapping of names to them
+(``model(**inputs)``, a tokenizer's batch): every tensor is split along its dimension 0, and
+anything else is passed as it is to every example::
+
+    batch = {"x": torch.randn(4, 3), "scale": 2.0}
+    grads = loop_grad(model, loss_fn, batch)  # model(x=x[i:i+1], scale=2.0), i = 0..3
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,16 +28,32 @@ from torch.func import functional_call, grad, vmap
 
 from . import _torch
 from .engine.pause import paused
+from .errors import ConfigurationError
 from .loop import per_example
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
 
-Inputs = Tensor | Sequence[Tensor]
+Inputs = Tensor | Sequence[Tensor] | Mapping[str, Any]
 LossFn = Callable[..., Tensor]
 
 
 def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
     return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+
+def _as_call(inputs: Inputs) -> tuple[tuple, dict[str, Any]]:
+    """The positional and keyword arguments of ``model(...)``: a mapping is keywords."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return _as_tuple(inputs), {}
+
+
+def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Dimension 0 of the first tensor among the arguments (in their nested containers)."""
+    for leaf in _torch.tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, Tensor):
+            return leaf.shape[0]
+    raise ConfigurationError("the inputs hold no tensor: no batch to take the examples from")
 
 
 def _split(model: nn.Module):
@@ -49,9 +73,9 @@ def vmap_grad(
     """Per-example gradients by ``vmap(grad(...))`` over dimension 0 of inputs and target
     (by :func:`loop_grad` for a model with an RNN where torch's Python dispatcher, which makes
     RNNs vmappable, cannot be reached: :func:`gradhooks._torch.python_dispatcher`)."""
-    inputs = _as_tuple(inputs)
+    args, kwargs = _as_call(inputs)
     trainable, rest = _split(model)
-    if inputs[0].shape[0] == 0:
+    if _batch_size(args, kwargs) == 0:
         return _empty(model, trainable)
     # The Python dispatcher runs torch's own decompositions of composite ops that vmap has
     # no batching rule for (aten::lstm, gru, rnn_tanh, rnn_relu): stock RNNs become
@@ -60,11 +84,16 @@ def vmap_grad(
     dispatch = _torch.python_dispatcher() if recurrent else contextlib.nullcontext()
     if dispatch is None:
         return loop_grad(model, loss_fn, inputs, target)
+    # (the tensors are vmapped over; anything else, a flag or a number, is given as it is)
+    leaves, spec = _torch.tree_flatten((args, kwargs))
+    split = [isinstance(t, Tensor) for t in leaves]
 
     def one_loss(params, xs, y):
         # (nested inputs too: an LSTMCell's state (h, c))
-        xs = _torch.tree_map(lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, xs)
-        out = functional_call(model, (params, rest), xs)
+        it = iter(xs)
+        one = [next(it).unsqueeze(0) if sp else t for t, sp in zip(leaves, split)]
+        xargs, xkwargs = _torch.tree_unflatten(one, spec)
+        out = functional_call(model, (params, rest), xargs, xkwargs)
         return loss_fn(out) if y is None else loss_fn(out, y.unsqueeze(0))
 
     # functional_call does not always put back a parameter of a module that appears under
@@ -73,9 +102,8 @@ def vmap_grad(
     try:
         with paused(), dispatch:
             in_dims = (None, 0, None if target is None else 0)
-            return vmap(grad(one_loss), in_dims=in_dims, randomness="same")(
-                trainable, inputs, target
-            )
+            xs = [t for t, sp in zip(leaves, split) if sp]
+            return vmap(grad(one_loss), in_dims=in_dims, randomness="same")(trainable, xs, target)
     finally:
         for m, n, p in originals:
             _torch.own_parameters(m)[n] = p
@@ -87,24 +115,25 @@ def loop_grad(
     """Per-example gradients by one forward and backward per example (``loss.backward()``,
     each parameter's ``.grad`` put back as it was: ``torch.autograd.grad`` would not run
     reentrant activation checkpointing again, and give those parameters nothing)."""
-    inputs = _as_tuple(inputs)
+    args, kwargs = _as_call(inputs)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     kept = [p.grad for p in params]
 
+    def row(i: int):
+        return lambda x: x[i : i + 1] if isinstance(x, Tensor) else x
+
     def one(i: int) -> list[Tensor | None]:
         for p in params:
             p.grad = None
-        out = model(
-            *_torch.tree_map(lambda x: x[i : i + 1] if isinstance(x, Tensor) else x, inputs)
-        )
+        out = model(*_torch.tree_map(row(i), args), **_torch.tree_map(row(i), kwargs))
         loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
         loss.backward()
         return [None if p.grad is None else p.grad.to_dense() for p in params]
 
     try:  # (recording whatever the caller's grad mode)
         with paused(), torch.inference_mode(False), torch.enable_grad():
-            grads = per_example(inputs[0].shape[0], one, like=params)
+            grads = per_example(_batch_size(args, kwargs), one, like=params)
     finally:
         for p, g in zip(params, kept):
             p.grad = g

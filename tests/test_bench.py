@@ -446,3 +446,16 @@ def test_check_memory_steps_and_table(capsys):
     assert [r.split(" | ")[2] for r in rows] == ["True", "False"]
     for r in rows:
         assert r.count("MiB") == 3 and r.count(" s") >= 3, r
+
+
+def test_unhandled_ops_finds_no_silent_wrong_grad1(capsys):
+    """``python -m bench.unhandled_ops`` on operations without a handler whose rows are not the
+    batch's (``kron``, ``combinations``, ``cartesian_prod``, those torch's OpInfo database samples): each
+    refused or right."""
+    pytest.importorskip("expecttest")
+    from bench import unhandled_ops
+
+    unhandled_ops.main(["--only", "kron,combinations,cartesian_prod"])
+    said = capsys.readouterr().out
+    assert "operations probed: 0" not in said, said
+    assert "silent wrong:\n  none" in said and "crashes:\n  none" in said, said

@@ -174,3 +174,65 @@ def test_a_backward_to_the_input_alone_through_the_coupled_term_is_not_refused()
         (got,) = torch.autograd.grad(loss, x)
     torch.testing.assert_close(got, want)
     assert all(not hasattr(p, "grad1") for p in model.parameters())
+
+
+# -- losses that take the examples together as one matrix ---------------------------------------
+
+F_IN = 4
+
+
+class LossInside(nn.Module):
+    """A Linear, then a loss of its outputs ``o`` ``[batch, 4]`` computed in the forward."""
+
+    def __init__(self, loss):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(F_IN, F_IN).double()
+        self.loss = loss
+
+    def forward(self, x):
+        return self.loss(self.lin(x))
+
+
+_EYE = torch.eye(4, dtype=D)
+MATRIX_LOSSES = {
+    "det_of_the_gram_matrix": lambda o: torch.det(o @ o.T),
+    "logdet_of_the_gram_matrix": lambda o: torch.logdet(o @ o.T + _EYE),
+    "trace_of_a_softmax_of_the_gram_matrix": lambda o: torch.trace((o @ o.T).softmax(1)),
+    "condition_number": lambda o: torch.linalg.cond(o),
+    "spectral_norm": lambda o: torch.linalg.matrix_norm(o, 2),
+    "log_of_the_mean_probabilities": lambda o: o.softmax(1).mean(0).log().sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX_LOSSES))
+def test_a_loss_of_the_examples_as_one_matrix_is_refused(name):
+    """Each is no sum of per-example losses, nor a function of one: grad1 was each example's
+    share of the batch's gradient, silently (the per-example loop's gradients differ)."""
+    model = LossInside(MATRIX_LOSSES[name])
+    x = torch.randn(4, F_IN, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.errors.MixedExamplesError) as caught:
+            model(x).backward()
+        assert getattr(model.lin.weight, "grad1", None) is None
+    assert "'lin.bias'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda o: torch.trace(o @ o.T),  # (each example's own diagonal entry: a sum)
+        lambda o: (o**2).sum() * 3 + 1,
+        lambda o: torch.stack([torch.det(r.view(2, 2)) for r in o]).sum(),  # (one example each)
+        lambda o: torch.det(o.view(-1, 2, 2)).sum(),  # (a matrix per example)
+    ],
+    ids=["trace_of_the_gram_matrix", "affine_sum", "det_of_each_example_alone",
+         "det_of_each_example"],
+)  # fmt: skip
+def test_losses_that_sum_per_example_terms_match_the_loop(loss):
+    model = LossInside(loss)
+    x = torch.randn(4, F_IN, dtype=D)
+    want = loop_grad(model, lambda out: out, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).backward()
+        assert_grad1(model, want, "a sum of per-example terms")

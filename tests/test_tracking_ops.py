@@ -390,3 +390,158 @@ def test_the_special_aliases_keep_the_batch(name):
     x = torch.randn(3, 4, 5, dtype=D)
     for d in (0, 1):
         assert ownership(_SPECIAL[name], [x], d) == ("followed", [])
+
+
+# -- operations without a handler, in a module without a rule ---------------------------------
+
+
+class _Unfollowed(torch.nn.Module):
+    """A module without a rule whose weight scales its input (the tracker gives ``w`` its
+    per-example gradients itself), then ``op``, a torch function the tracker has no handler
+    for."""
+
+    def __init__(self, op, features: int = 3):
+        super().__init__()
+        self.op = op
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(features, dtype=D))
+
+    def forward(self, x):
+        return self.op(x * self.w)
+
+
+# each changes what dimension 0 holds: pairs, products or sums of rows of several examples
+_ROWS_LOST = {
+    "combinations": lambda h: torch.combinations(h[:, 0]),
+    "cartesian_prod": lambda h: torch.cartesian_prod(h[:, 0], h[:, 1]),
+    "kron": lambda h: torch.kron(h, h),
+    "sum_to_size": lambda h: h.sum_to_size(1, h.shape[1]),
+}
+
+
+def _after_a_linear(op):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3).double(), _Unfollowed(op))
+
+
+def _alone(op):
+    torch.manual_seed(0)
+    return _Unfollowed(op)
+
+
+@pytest.mark.parametrize("place", [_alone, _after_a_linear], ids=["alone", "after_a_linear"])
+@pytest.mark.parametrize("name", sorted(_ROWS_LOST))
+def test_rows_an_unfollowed_operation_changes_are_refused(name, place):
+    """The loss of ``op(x * w)`` is no sum of the examples' own losses: grad1 of ``w`` (and
+    of the Linear before it) read from the batch's rows would be each example's share of the
+    batch's gradient, silently. The backward that reaches the operation is refused, naming the
+    module, the parameter, the operation and the shapes, and writes no grad1."""
+    import gradhooks
+    from gradhooks.errors import MixedExamplesError
+
+    model = place(_ROWS_LOST[name])
+    x = torch.randn(5, 3, dtype=D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(MixedExamplesError) as caught:
+            (model(x) ** 2).sum().backward()
+        assert all(getattr(p, "grad1", None) is None for p in model.parameters())
+    said = str(caught.value)
+    assert name in said and "the 5 examples" in said and "w'" in said
+
+
+def _sum_sq(out):
+    return (out**2).sum()
+
+
+def _assert_loop(model, x, **hooks):
+    import gradhooks
+    from gradhooks.oracle import loop_grad
+
+    want = loop_grad(model, _sum_sq, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum", **hooks):
+        _sum_sq(model(x)).backward()
+        for n, p in model.named_parameters():
+            assert p.grad1.shape == want[n].shape, n
+            assert torch.allclose(p.grad1, want[n], rtol=1e-7, atol=1e-9), n
+
+
+class _Beside(torch.nn.Module):
+    """``op`` of the batch beside the output, which the loss does not use."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.inner = _after_a_linear(lambda h: h)
+        self.op = op
+
+    def forward(self, x):
+        h = self.inner(x)
+        self.seen = self.op(h)  # (kept, never backpropagated)
+        return h
+
+
+def test_rows_lost_where_no_backward_goes_are_not_refused():
+    torch.manual_seed(0)
+    _assert_loop(_Beside(_ROWS_LOST["kron"]), torch.randn(5, 3, dtype=D))
+
+
+def test_an_unfollowed_operation_on_each_example_alone_is_followed():
+    """The same operation, on each example's rows alone and joined back: right."""
+    each = lambda h: torch.stack([torch.kron(r, r) for r in h])  # noqa: E731
+    _assert_loop(_after_a_linear(each), torch.randn(5, 3, dtype=D))
+
+
+def test_an_unfollowed_operation_that_keeps_each_examples_rows_is_followed():
+    """``torch.linalg.cross`` along the features (no handler): each row is its example's,
+    presumed where the input had them, and checked by the probe."""
+    axis = torch.tensor([0.3, -1.0, 2.0], dtype=D)
+    cross = lambda h: torch.linalg.cross(h, axis.expand_as(h), dim=-1)  # noqa: E731
+    _assert_loop(_after_a_linear(cross), torch.randn(5, 3, dtype=D))
+
+
+def test_an_unfollowed_operation_on_a_sequence_first_batch_is_followed():
+    """With the examples on dimension 1 (``batch_dim=1``), the rows of dimension 0 are time
+    steps: ``torch.linalg.cross`` keeps the examples there, and nothing is refused."""
+    import gradhooks
+
+    torch.manual_seed(0)
+    axis = torch.tensor([0.3, -1.0, 2.0], dtype=D)
+    model = _after_a_linear(lambda h: torch.linalg.cross(h, axis.expand_as(h), dim=-1))
+    x = torch.randn(4, 5, 3, dtype=D)  # [time, batch, features]
+    want = {n: [] for n, _ in model.named_parameters()}
+    for b in range(x.shape[1]):
+        grads = torch.autograd.grad(_sum_sq(model(x[:, b : b + 1])), list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(model, loss_reduction="sum", batch_dim=1):
+        _sum_sq(model(x)).backward()
+        for n, p in model.named_parameters():
+            assert torch.allclose(p.grad1, torch.stack(want[n]), rtol=1e-7, atol=1e-9), n
+
+
+@pytest.mark.parametrize(
+    "count",
+    [
+        lambda h: torch.histc(h[:, 0], bins=h.shape[0]),
+        lambda h: torch.bincount((h[:, 0].detach() > 1).long(), minlength=h.shape[0]).to(D),
+        # (boundaries of each example's own, one each: every entry is placed among them all)
+        lambda h: torch.bucketize(h[:, 0].detach(), h[:, 1].detach()).to(D),
+        lambda h: torch.searchsorted(h[:, 1].detach().contiguous(), h[:, 0].detach()).to(D),
+    ],
+    ids=["histc", "bincount", "bucketize_by_the_batch", "searchsorted_in_the_batch"],
+)
+def test_counts_over_the_batch_without_a_gradient_are_mixed(count):
+    """A histogram of the batch has no gradient, and, as long as the batch, looked like its
+    rows: each example's output was scaled by the whole batch's counts, silently. The
+    counts are across the examples: refused."""
+    import gradhooks
+    from gradhooks.errors import MixedExamplesError
+
+    model = _after_a_linear(lambda h: count(h).unsqueeze(1) * h)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(MixedExamplesError):
+            _sum_sq(model(torch.randn(5, 3, dtype=D))).backward()
+
+
+def test_bucketize_by_fixed_boundaries_keeps_the_rows():
+    bounds = torch.tensor([-0.5, 0.0, 0.5], dtype=D)
+    model = _after_a_linear(lambda h: torch.bucketize(h.detach(), bounds).to(D) * h)
+    _assert_loop(model, torch.randn(5, 3, dtype=D))

@@ -298,6 +298,7 @@ class Hooks:
             direct_reached=backwards.direct_reached,
             unheld=state.unheld.append,
             coupled_reached=verifier.coupled_reached,
+            lost_reached=verifier.lost_reached,
             functional_use=forwards.functional_use,
         )
 

@@ -27,6 +27,7 @@ class TrackerLink:
     direct_reached: Callable[[tuple[tuple[int, Source], ...], dict], None]
     unheld: Callable[[Source], None]
     coupled_reached: Callable[[str, tuple], None]
+    lost_reached: Callable[[str, tuple], None]
     functional_use: Callable[[Callable, str, tuple, dict, list[Tensor], Tracker], Any]
 
     @property

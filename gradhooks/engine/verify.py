@@ -698,6 +698,38 @@ class Verifier:
         :mod:`gradhooks.tracking.couplings`), whose autograd node passes to the nodes
         ``after``: a backward that writes ``grad1`` of a parameter before it is refused, and
         what it wrote so far is undone, naming the parameters nearest to the product."""
+        self._refuse_reached(after, lambda names: (
+            "passes through a term of the loss that couples the examples: "
+            f"{why}. Such a loss is no sum of per-example losses (not even up to a factor "
+            "common to every example), so these parameters have no per-example gradients; "
+            "their grad1 would be each example's share of the batch's gradient. Nothing was "
+            "written. Leave that term out of the loss whose per-example gradients you want (a "
+            "mixture of experts' load-balancing loss: compute the loss from the logits, with "
+            "output_router_logits=False, as DPTrainer does), compute it per example (its "
+            "reductions over each example's own tokens), or freeze these parameters."
+        ))  # fmt: skip
+
+    def lost_reached(self, why: str, after: tuple) -> None:
+        """A backward reaches the autograd node of an operation that lost the examples' rows
+        (``why``; see :meth:`gradhooks.tracking.Tracker.guard_rows`): its result holds them
+        nowhere the tracker can say, so nothing after it, a rule's or the probe's, can tell
+        one example's rows from another's. Refused as :meth:`coupled_reached` is."""
+        self._refuse_reached(after, lambda names: (
+            f"passes through {why}, so gradhooks cannot tell which example each of its "
+            "entries belongs to: the operation may combine rows of different examples, or "
+            "reorder them (each example's gradient would then be the share of others), or "
+            "cut or repeat each example's rows (which would be right). Nothing was written. "
+            "Compute it per example (torch.vmap over the batch, or an operation gradhooks "
+            "follows: reshape, gather, index_select), keep its result out of the loss, "
+            "register a rule for the module that computes it (@gradhooks.register), or freeze "
+            "these parameters; gradhooks.oracle.loop_grad computes the per-example gradients "
+            "one example at a time."
+        ))  # fmt: skip
+
+    def _refuse_reached(self, after: tuple, says: Callable[[list[str]], str]) -> None:
+        """Refuse the capturing backward that reached a node whose next nodes are ``after``,
+        undoing what it wrote, where a parameter of the hooks lies before it: the error
+        names the nearest such parameter, then ``says(names)``."""
         state = self.state
         if state.probing or state.rerunning or state.removed or not state.mode.capture:
             return
@@ -718,14 +750,7 @@ class Verifier:
         raise MixedExamplesError(
             f"{where}: the gradient of its parameter '{names[0]}' "
             + (f"(and of {_listed([repr(n) for n in names[1:]])}) " if names[1:] else "")
-            + f"passes through a term of the loss that couples the examples: {why}. Such a "
-            "loss is no sum of per-example losses (not even up to a factor common to every "
-            "example), so these parameters have no per-example gradients; their grad1 would be "
-            "each example's share of the batch's gradient. Nothing was written. Leave that "
-            "term out of the loss whose per-example gradients you want (a mixture of experts' "
-            "load-balancing loss: compute the loss from the logits, with output_router_logits="
-            "False, as DPTrainer does), compute it per example (its reductions over each "
-            "example's own tokens), or freeze these parameters."
+            + says(names)
         )
 
     def verify_backward(self, bw: Backward) -> None:

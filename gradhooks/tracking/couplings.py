@@ -116,3 +116,72 @@ def arm(engine: EngineLink, outs: list[Tensor], why: str) -> None:
     # (the hook holds the nodes after this one, not this one: no cycle through the graph)
     after = tuple(n for n, _ in node.next_functions if n is not None)
     node.register_prehook(lambda grad_outputs: engine.coupled_reached(why, after))
+
+
+# functions of whole matrices (and statistics of pairs of rows): where the examples are among
+# a matrix's rows or columns, the result depends on every example at once, and not as a sum of
+# per-example terms (a trace is one: each example's own diagonal entry)
+MATRIX_FUNCTIONS = frozenset(
+    """matrix_exp inverse cholesky det logdet slogdet pinverse linalg_inv linalg_inv_ex
+    linalg_det linalg_slogdet linalg_cholesky linalg_cholesky_ex linalg_matrix_exp linalg_pinv
+    linalg_cond linalg_matrix_power linalg_eigvalsh linalg_svdvals cov corrcoef pdist""".split()
+)
+# what is linear in a tensor: applied to a reduction over the batch, a sum of per-example terms
+# still (the products are judged by coupling)
+LINEAR = frozenset(
+    """add add_ sub sub_ rsub neg neg_ positive __add__ __radd__ __iadd__ __sub__ __rsub__
+    __isub__ __neg__ __pos__ sum mean nansum nanmean cumsum trace diagonal diag clone contiguous
+    detach detach_ to float double half bfloat16 type_as view reshape view_as reshape_as flatten
+    unflatten ravel squeeze unsqueeze expand expand_as broadcast_to permute transpose t
+    movedim moveaxis swapaxes swapdims __getitem__ select narrow split split_with_sizes chunk
+    unbind cat concat concatenate stack where masked_fill masked_fill_ real imag conj
+    sum_to_size""".split()
+)
+
+
+def nonlinear(
+    name: str, ins: list[Tensor], layout_of: Callable[[Any], Layout | None],
+    mixed: dict[str, None],
+) -> str | None:  # fmt: skip
+    """Why ``name``, on the tensors ``ins`` (one is mixed), couples the examples' gradients:
+    it is not linear in a reduction over the batch of more than one entry that has a gradient
+    (``det`` or ``softmax`` of the Gram matrix ``h @ h.T``, ``log`` of the batch's mean
+    probability of each class), so that each example's share of the gradient is weighted by
+    the other examples, entry by entry. ``None`` where it is linear, or a product (see
+    :func:`coupling`), or the reduction a single number (a loss: a function of it scales
+    every example's share alike)."""
+    if name in LINEAR or name in PRODUCTS or name in POWERS:
+        return None
+    for t in ins:
+        if layout_of(t) is MIXED and t.requires_grad and t.numel() > 1:
+            ops = ", ".join(mixed) or "an operation across the batch"
+            return (
+                f"'{name}' is not linear in a tensor computed across the batch ({ops}; shape "
+                f"{tuple(t.shape)}): each example's share of its gradient is weighted by the "
+                "other examples"
+            )
+    return None
+
+
+def whole_matrix(
+    name: str, args: tuple, kwargs: dict, ins: list[Tensor],
+    layout_of: Callable[[Any], Layout | None],
+) -> str | None:  # fmt: skip
+    """Why ``name``, a function of whole matrices that mixed the examples (they are among
+    their rows or columns: ``linalg.cond`` of ``[batch, features]``), couples their
+    gradients; ``None`` for another function. (A matrix norm other than Frobenius's is one;
+    Frobenius's is a function of the sum of every example's squares, as a loss's mean.)"""
+    if name == "linalg_matrix_norm":
+        order = args[1] if len(args) > 1 else kwargs.get("ord", "fro")
+        if order == "fro":
+            return None
+    elif name not in MATRIX_FUNCTIONS:
+        return None
+    t = next((t for t in ins if layout_of(t) is not None and t.requires_grad), None)
+    if t is None:
+        return None
+    return (
+        f"'{name}' takes the examples as rows or columns of one matrix (shape "
+        f"{tuple(t.shape)}, the examples on {layout_of(t).describe(t.shape[layout_of(t).dim])}"
+        "): its value depends on all of them at once"
+    )

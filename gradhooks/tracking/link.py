@@ -57,6 +57,12 @@ class EngineLink(Protocol):
         next. The engine refuses a backward that writes ``grad1``."""
         ...
 
+    def lost_reached(self, why: str, after: tuple) -> None:
+        """A backward reaches an operation that lost the examples' rows (``why``, see
+        :meth:`~gradhooks.tracking.tracker.Tracker.guard_rows`); ``after``: the autograd nodes
+        it passes to next. The engine refuses a backward that writes ``grad1``."""
+        ...
+
     def functional_use(
         self,
         func: Callable,

@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from . import memo
 from .aliases import aliased
-from .couplings import POWERS, arm, coupling
+from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import (
     CONTRACTED,
@@ -656,11 +656,15 @@ class Tracker(TorchFunctionMode):
             if (
                 joined is None
                 and self.engine is not None
-                and (name in PRODUCTS_OF or name in POWERS)
                 and not any(u.soft for u in self.used)
-            ):  # (a product after a reduction over the batch: refused if a backward reaches
-                # it; inside a module without a rule, its fallback recomputes it per example)
-                why = coupling(name, args, ins, layout_of, self.mixed)
+                and not self._alone(ins)
+            ):  # (a product after a reduction over the batch, or a function not linear in
+                # it: refused if a backward reaches it; inside a module without a rule, its
+                # fallback recomputes it per example)
+                if name in PRODUCTS_OF or name in POWERS:
+                    why = coupling(name, args, ins, layout_of, self.mixed)
+                else:
+                    why = nonlinear(name, ins, layout_of, self.mixed)
                 if why is not None:
                     arm(self.engine, outs, why)
         elif joined is not None:
@@ -682,6 +686,13 @@ class Tracker(TorchFunctionMode):
                     result = UNKNOWN
                 else:
                     result = MIXED
+            if (
+                result is MIXED
+                and self.engine is not None
+                and not any(u.soft for u in self.used)
+                and (why := whole_matrix(name, args, kwargs, ins, layout_of)) is not None
+            ):  # (the examples as rows of one matrix: refused if a backward reaches it)
+                arm(self.engine, outs, why)
             if result is UNKNOWN:
                 result = self._presume(name, args, kwargs, out, ins, outs)
         if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
@@ -797,6 +808,8 @@ class Tracker(TorchFunctionMode):
         if result is UNKNOWN or result is None:
             if op.handler is None:
                 self.unknown[name] = None
+                if self.engine is not None:
+                    self.guard_rows(name, ins, outs)
             for o in outs:
                 self.layouts[o] = UNKNOWN
             return
@@ -1315,6 +1328,46 @@ class Tracker(TorchFunctionMode):
                 if o.dim() > guess.dim and o.shape[guess.dim] == guess.size(self.batch):
                     self.presumed[o] = guess
         return UNKNOWN
+
+    def _alone(self, ins: list) -> bool:
+        """Whether one of ``ins`` is one example taken out of the batch alone, or computed
+        from one alone (``f(x[i])``, joined back later: :attr:`single`)."""
+        if not (self.alone.entries or self.single.entries):
+            return False
+        return any(t in self.alone or t in self.single for t in ins)
+
+    def guard_rows(self, name: str, ins: list, outs: list) -> None:
+        """An operation without a handler, ``name``, gave ``outs`` from tensors that hold the
+        examples. Where an output keeps their rows where its input had them, they are
+        presumed there (:meth:`_presume`), and the engine's check of one example (the
+        probe) reads them so. An output with a gradient that holds them nowhere the tracker
+        can say (``torch.kron``, ``torch.combinations``: other rows than the batch's, which
+        a loss, a rule or the probe would take as the examples, or whose rows no check can
+        split) is armed: a backward that writes ``grad1`` and reaches its autograd node is
+        refused (:meth:`EngineLink.lost_reached`). (A result of no dimension is a loss,
+        taken as a sum of per-example losses, as one computed by an operation followed.)"""
+        lost = [o for o in outs if o.requires_grad and o.dim() and o not in self.presumed]
+        if not lost:
+            return
+        held = next(
+            ((t, lay) for t in ins if (lay := self.presumed_of(t)) is not None and lay.dim >= 0),
+            None,
+        )
+        if held is None:
+            return  # (lost before: armed there, where it had a gradient)
+        node = next((o.grad_fn for o in lost if o.grad_fn is not None), None)
+        if node is None:
+            return
+        t, lay = held
+        why = (
+            f"{self._in_call(name)}, which gradhooks does not follow: from a tensor of shape "
+            f"{tuple(t.shape)} holding the {self.batch} examples on {lay.describe(self.batch)}, it "
+            f"gave one of shape {tuple(lost[0].shape)}"
+        )
+        # (the hook holds the nodes after this one, not this one: no cycle through the graph)
+        after = tuple(n for n, _ in node.next_functions if n is not None)
+        engine = self.engine
+        node.register_prehook(lambda grad_outputs: engine.lost_reached(why, after))
 
     # -- meetings ---------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from .common import (
     norm_dim,
     normalized_dims,
     single_input,
+    tensor_args,
 )
 from .pointwise import broadcast, pointwise
 
@@ -186,3 +187,48 @@ def _pairwise_distance(args, kwargs, out, layout_of):
     and ``x2`` broadcast."""
     x1, x2 = arg(args, kwargs, 0, "x1"), arg(args, kwargs, 1, "x2")
     return _broadcast_reduced(x1, x2, -1, bool(arg(args, kwargs, 4, "keepdim", False)), layout_of)
+
+
+@handles("histc", "histogram", "histogramdd", "bincount")
+def _counts(args, kwargs, out, layout_of):
+    """``histc``, ``histogram``, ``histogramdd``, ``bincount``: counts over every entry of
+    their input (and of its weights), whatever its shape: across the examples, where any of
+    them holds them."""
+    for t in tensor_args(args, kwargs):
+        lay = layout_of(t)
+        if lay is not None and lay is not UNKNOWN:
+            return MIXED
+    return UNKNOWN
+
+
+@handles("bucketize")
+def _bucketize(args, kwargs, out, layout_of):
+    """``bucketize(x, boundaries)``: each entry of ``x`` against every boundary, in ``x``'s
+    shape: ``x``'s layout, unless the boundaries hold examples (then every entry is placed
+    among the whole batch's)."""
+    x, bounds = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "boundaries")
+    if isinstance(bounds, Tensor) and layout_of(bounds) is not None:
+        return MIXED
+    lay = layout_of(x) if isinstance(x, Tensor) else None
+    return UNKNOWN if lay is None else lay
+
+
+@handles("searchsorted")
+def _searchsorted(args, kwargs, out, layout_of):
+    """``searchsorted(seq, values)``: each value's place along the last dimension of ``seq``
+    (of the matching row of ``seq`` where it has more than one dimension), in ``values``'
+    shape. ``values``' layout where the search stays within each example's rows; across the
+    batch (a sequence of one dimension, or whose last is the examples', that holds them)
+    mixed."""
+    seq, values = arg(args, kwargs, 0, "sorted_sequence"), arg(args, kwargs, 1, "input")
+    if not isinstance(values, Tensor):
+        return UNKNOWN  # (a scalar searched: a 0-d result)
+    lay = layout_of(values)
+    held = layout_of(seq) if isinstance(seq, Tensor) else None
+    if held is None:
+        return UNKNOWN if lay is None else lay
+    if held is UNKNOWN or lay is UNKNOWN:
+        return UNKNOWN
+    if seq.dim() > 1 and held.dim < seq.dim() - 1 and held == lay:
+        return lay
+    return MIXED
