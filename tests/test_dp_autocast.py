@@ -75,6 +75,15 @@ def autocast_losses(model, x, y, dtype):
     return F.cross_entropy(out.float(), y, reduction="none")
 
 
+def precision_losses(model, x, y, precision: str, dtype):
+    """The per-example losses of a forward in ``precision``: under autocast to ``dtype``, or
+    of a bfloat16 model (``"bf16-params"``) given bfloat16 inputs."""
+    if precision != "bf16-params":
+        return autocast_losses(model, x, y, dtype)
+    xb = x.bfloat16() if x.is_floating_point() else x
+    return F.cross_entropy(model(xb).float(), y, reduction="none")
+
+
 def clipped_reference(grads: dict, max_norm: float):
     norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
     factors = torch.clamp(max_norm / norms, max=1.0)
@@ -100,11 +109,7 @@ def test_step_under_mixed_precision_matches_the_float64_loop(precision, name, me
     quantity = "grad1" if method == "grad1" else "norms"
     sigma, seed, batch = 0.5, 3, x.shape[0]
     with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
-        if precision == "bf16-params":
-            xb = x.bfloat16() if x.is_floating_point() else x
-            losses = F.cross_entropy(model(xb).float(), y, reduction="none")
-        else:
-            losses = autocast_losses(model, x, y, dtype)
+        losses = precision_losses(model, x, y, precision, dtype)
         got = gradhooks.dp_sgd_step(
             h, losses, max_norm=max_norm, noise_multiplier=sigma, method=method,
             generator=torch.Generator().manual_seed(seed),
@@ -140,11 +145,7 @@ def test_book_keeping_steps_with_calls_run_detached_match_the_float64_loop(preci
             max_norm = reference_median(want)
             norms, clipped = clipped_reference(want, max_norm)
             opt.zero_grad(set_to_none=True)
-            if precision == "bf16-params":
-                xb = x.bfloat16() if x.is_floating_point() else x
-                losses = F.cross_entropy(model(xb).float(), y, reduction="none")
-            else:
-                losses = autocast_losses(model, x, y, dtype)
+            losses = precision_losses(model, x, y, precision, dtype)
             got = gradhooks.dp_sgd_step(
                 h, losses, max_norm=max_norm, noise_multiplier=sigma, method="bookkeeping",
                 generator=torch.Generator().manual_seed(seed),

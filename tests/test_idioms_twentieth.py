@@ -76,6 +76,18 @@ def assert_within(model: nn.Module, want: dict, tol: float, what: str, scale: fl
     assert checked, what
 
 
+def assert_step(model: nn.Module, h, want: dict, norms: torch.Tensor, bf16: bool, what: str):
+    """A step's ``grad1`` and norms against the float64 loop's (``want``, ``norms``): within
+    bf16's rounding of the largest entry under autocast, else to float64's."""
+    if bf16:
+        assert_within(model, want, BF16, what)
+        err = relative_error(h.norms(), norms)
+        assert err < BF16, f"{what}: norms off by {err:.2e}"
+    else:
+        assert_grad1(model, want, what)
+        assert_close(h.norms(), norms, f"{what}: norms")
+
+
 # -- facebookresearch/schedule_free: SGDScheduleFree's train() and eval() ------------------------
 
 
@@ -157,13 +169,7 @@ def test_schedule_free_sgd_gradients_taken_at_y_between_train_and_eval(how):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     loss = F.cross_entropy(model(x.to(model[0].weight.dtype)), y)
                 loss.backward()
-                if bf16:
-                    assert_within(model, want, BF16, f"step {step}")
-                    err = relative_error(h.norms(), norms_of(want))
-                    assert err < BF16, f"step {step}: norms off by {err:.2e}"
-                else:
-                    assert_grad1(model, want, f"step {step}")
-                    assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+                assert_step(model, h, want, norms_of(want), bf16, f"step {step}")
             opt.step()
             if step == 1:
                 y_point = [p.detach().clone() for p in model.parameters()]
@@ -603,13 +609,7 @@ def test_olmo_micro_batches_over_the_batch_token_count_with_the_z_loss(bf16):
                     logits = model(ids)
                     loss = olmo_losses(logits, ids, mask, batch_size_in_tokens).sum()
                 loss.backward()
-                if bf16:
-                    assert_within(model, want, BF16, f"step {step}, micro-batch {mb}")
-                    err = relative_error(h.norms(), norms_of(mine))
-                    assert err < BF16, f"step {step}, micro-batch {mb}: norms off by {err:.2e}"
-                else:
-                    assert_grad1(model, want, f"step {step}, micro-batch {mb}")
-                    assert_close(h.norms(), norms_of(mine), f"step {step}: norms")
+                assert_step(model, h, want, norms_of(mine), bf16, f"step {step}, micro-batch {mb}")
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -1267,14 +1267,7 @@ def test_trl_grpo_group_relative_advantages_and_the_kl_to_the_reference(bf16):
                 logps, ref_logps.to(dtype), advantages.to(dtype), completion_mask
             ).mean()
             loss.backward()
-            if bf16:
-                got = {n: p.grad1 for n, p in model.named_parameters()}
-                assert_near(got, want, BF16, f"step {step}")
-                err = relative_error(h.norms(), norms_of(want))
-                assert err < BF16, f"step {step}: norms off by {err:.2e}"
-            else:
-                assert_grad1(model, want, f"step {step}")
-                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            assert_step(model, h, want, norms_of(want), bf16, f"step {step}")
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 

@@ -22,38 +22,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_misuse_fifth import HALF, assert_grad1, clipped_mean, close, flat_norms, loop, near
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import assert_untouched, labelled_batch, mlp, model_state, raised
-
-RTOL, ATOL = 1e-9, 1e-12  # float64
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=what)
-
-
-def loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each example's own gradient of ``F.cross_entropy``, by the float64 loop."""
-    return loop_grad(model, F.cross_entropy, (x,), y)
-
-
-def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
-    for name, p in model.named_parameters():
-        close(p.grad1, want[name], f"{what}: {name}")
-
-
-def flat_norms(want: dict) -> torch.Tensor:
-    return torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
-
-
-def clipped_mean(want: dict, max_norm: float) -> dict[str, torch.Tensor]:
-    """Each parameter's mean over the examples of the loop's rows, each example's gradient
-    clipped to ``max_norm`` over all parameters (the DP step's ``.grad`` without noise)."""
-    factors = (max_norm / flat_norms(want)).clamp(max=1.0)
-    return {n: torch.einsum("b,b...->...", factors, g) / len(g) for n, g in want.items()}
 
 
 def losses_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -439,14 +413,6 @@ def test_dp_steps_on_micro_batches_before_one_optimizer_step_warn():
                 opt.step()
 
 
-def near(got: torch.Tensor, want: torch.Tensor, within: float, what: str) -> None:
-    """``got`` within ``within`` of ``want``'s largest entry (a low precision's rounding)."""
-    error = (got.double() - want).abs().max() / want.abs().max()
-    assert error < within, (what, float(error))
-
-
-# float16 keeps 11 significant bits (docs/mixed-precision.md: within 1e-2 of the largest entry)
-HALF = 1e-2
 
 
 @pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
