@@ -230,4 +230,26 @@ if Conv1D is not None:  # Conv1D(out, in): weight [in, out]
         Case("hf_conv1d_rows", _head(lambda: Conv1D(5, 4), 5), lambda b: torch.randn(b, 4)),
     ]
 
+try:  # loralib's LoRA layers (their rule is registered by name): where loralib imports
+    import loralib
+except ImportError:
+    loralib = None
+if loralib is not None:
+
+    def _lora_drawn(layer):
+        """``lora_B`` drawn (zeros as made: ``lora_A`` would get no gradient), and the frozen
+        weight trained too (every parameter of a case is trainable)."""
+        with torch.no_grad():
+            layer.lora_B.normal_()
+        return layer.requires_grad_(True)
+
+    CASES_BY_LAYER[loralib.Linear] = [
+        Case("loralib_linear", _head(lambda: _lora_drawn(loralib.Linear(4, 5, r=2)), 15),
+             lambda b: torch.randn(b, 3, 4)),
+    ]  # fmt: skip
+    CASES_BY_LAYER[loralib.MergedLinear] = [
+        Case("loralib_merged", _head(lambda: _lora_drawn(loralib.MergedLinear(
+            4, 6, r=2, enable_lora=[True, False, True])), 18), lambda b: torch.randn(b, 3, 4)),
+    ]  # fmt: skip
+
 CASES = [case for cases in CASES_BY_LAYER.values() for case in cases]

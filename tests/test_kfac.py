@@ -71,12 +71,14 @@ def explicit_factors(model, case, inputs, target, expand: bool, reduction: str):
 
 def plain(case):
     """Cases whose layers with parameters are all ungrouped Linear / Conv1d / Conv2d, the
-    layers explicit_factors knows how to unfold."""
+    layers explicit_factors knows how to unfold (not a subclass with parameters of its own, as
+    loralib's LoRA layers: their adapters have factors of their own)."""
     m = case.model()
     return all(
         isinstance(c, nn.Linear | nn.Conv1d | nn.Conv2d) and c.groups == 1
         if isinstance(c, nn.Conv1d | nn.Conv2d)
-        else isinstance(c, nn.Linear) or not list(c.parameters(recurse=False))
+        else (isinstance(c, nn.Linear) and set(dict(c.named_parameters())) <= {"weight", "bias"})
+        or not list(c.parameters(recurse=False))
         for c in m.modules()
     )
 

@@ -624,6 +624,7 @@ def test_dp_steps_with_a_generator_seeded_anew_at_every_step_warn():
     (x, y), (x2, y2) = labelled_batch(1), labelled_batch(2)
 
     def step(h, model, xb, yb, generator):
+        model.zero_grad(set_to_none=True)  # (the last step's .grad let go of, as a loop does)
         losses = _dp_losses(model, xb, yb)
         gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=1.0, generator=generator)
         return {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -423,12 +423,12 @@ def _after_a_linear(op):
     return torch.nn.Sequential(torch.nn.Linear(3, 3).double(), _Unfollowed(op))
 
 
-def _alone(op):
+def _op_alone(op):
     torch.manual_seed(0)
     return _Unfollowed(op)
 
 
-@pytest.mark.parametrize("place", [_alone, _after_a_linear], ids=["alone", "after_a_linear"])
+@pytest.mark.parametrize("place", [_op_alone, _after_a_linear], ids=["alone", "after_a_linear"])
 @pytest.mark.parametrize("name", sorted(_ROWS_LOST))
 def test_rows_an_unfollowed_operation_changes_are_refused(name, place):
     """The loss of ``op(x * w)`` is no sum of the examples' own losses: grad1 of ``w`` (and

@@ -60,6 +60,8 @@ CHANGED = {
         ("inverse", "cholesky", "det", "logdet", "slogdet", "matrix_exp", "trace"), "whole_matrices"
     ),
     "addbmm": "addbmm",
+    # (the examples of prepend= and append= followed too: tests/test_fuzz_regressions.py)
+    "diff": "diff",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and

@@ -157,11 +157,11 @@ def lora_linear(call: Call) -> dict[str, Piece | None]:
     d, x, g = d.to(dtype), x.to(dtype), g.to(dtype)
     index, k = _parts(m)
     batch, shared = g.shape[:2]
+    r, o = a_.shape[0] // k, b_.shape[0] // k  # (each part's rank and outputs)
     # each enabled part's output-gradient, times scaling: [batch, k, shared, o]
-    g_lora = (g[..., index.to(g.device)] * m.scaling).view(batch, shared, k, -1).transpose(1, 2)
-    r = a_.shape[0] // k
+    g_lora = (g[..., index.to(g.device)] * m.scaling).view(batch, shared, k, o).transpose(1, 2)
     after_a = (d @ a_.T).view(batch, shared, k, r).transpose(1, 2)  # [batch, k, shared, r]
-    b_parts = b_.view(k, -1, r)  # [k, o, r]
+    b_parts = b_.view(k, o, r)
     # the gradient of A d per part: [batch, shared, k·r]
     g_after = torch.einsum("bkso,kor->bskr", g_lora, b_parts).reshape(batch, shared, k * r)
     pieces["lora_A"] = Outer(d, g_after)
