@@ -318,3 +318,33 @@ def test_no_file_holds_a_merge_conflict_marker():
             if line.startswith(_CONFLICT) or line == "=" * 7:
                 found.append(f"{path.relative_to(repo)}:{i}")
     assert not found, f"merge-conflict markers: {found}"
+
+
+def _defined_twice(path: Path) -> list[str]:
+    """The names a module's top level binds by ``def`` or ``class`` more than once."""
+    seen: set[str] = set()
+    twice = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name in seen:
+                twice.append(f"{path.name}: {node.name} (line {node.lineno})")
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_function_or_class_twice():
+    """A second ``def`` of a name at a module's top level replaces the first for every caller,
+    also those above it: two sets of tests merged into one file, each with its own helper of
+    the same name, would run one set against the other's helper (an operation sweep whose
+    every run then failed and counted as nothing to check). Linters let it pass where the
+    first is used before the second is defined."""
+    repo = ROOT.parent
+    paths = [p for d in ("gradhooks", "tests", "bench") for p in (repo / d).rglob("*.py")]
+    found = [entry for path in paths for entry in _defined_twice(path)]
+    assert not found, f"defined twice: {found}"
+
+
+def test_the_twice_defined_scan_sees_one(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    return g()\n\n\ndef g():\n    return 1\n\n\ndef g():\n    return 2\n")
+    assert _defined_twice(module) == ["m.py: g (line 9)"]
