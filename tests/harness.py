@@ -229,6 +229,16 @@ def hf(name: str):
         pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
 
 
+def tiny_bert_config(**more):
+    """A Hugging Face ``BertConfig`` of one layer of width 8 (2 heads), a vocabulary of 20, 16
+    positions, no dropout; ``more`` set as well (``num_labels=3``)."""
+    return hf("BertConfig")(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, **more,
+    )  # fmt: skip
+
+
 class Logits(nn.Module):
     """A Hugging Face model's logits at the last position (GPT-2) or of the sequence (BERT)."""
 

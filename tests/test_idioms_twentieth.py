@@ -50,6 +50,7 @@ from harness import (
     labelled_batch,
     model_state,
     one_thread,  # noqa: F401 (autouse in this module)
+    tiny_bert_config,
     wide_mlp,
 )
 
@@ -986,11 +987,7 @@ def test_run_swag_no_trainer_multiple_choice_folds_the_choices_into_the_batch(
     question's loss over its choices, over 2: exactly in float64, within bfloat16's rounding
     with ``mixed_precision="bf16"``."""
     transformers = pytest.importorskip("transformers")
-    config = hf("BertConfig")(
-        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
-        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+    config = tiny_bert_config()
     torch.manual_seed(0)
     model = hf("BertForMultipleChoice")(config).to(D if mixed_precision == "no" else torch.float32)
     acc = accelerate_state.Accelerator(cpu=True, gradient_accumulation_steps=2,
@@ -1827,11 +1824,7 @@ def test_run_qa_no_trainer_start_and_end_means_over_the_answers_in_the_window():
     example's share (its start and end losses over their counts, halved), an example whose
     positions are both cut off has a zero row."""
     transformers = pytest.importorskip("transformers")
-    config = hf("BertConfig")(
-        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
-        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+    config = tiny_bert_config()
     torch.manual_seed(0)
     model = hf("BertForQuestionAnswering")(config).to(D)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

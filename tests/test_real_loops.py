@@ -24,7 +24,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, assert_grad1
+from harness import assert_close, assert_grad1, tiny_bert_config
 
 D = torch.float64
 
@@ -511,11 +511,7 @@ def test_hf_sequence_classification_loop_with_padding_accumulation_and_warmup():
     that example alone, unpadded."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    cfg = transformers.BertConfig(
-        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
-        vocab_size=20, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=3,
-    )  # fmt: skip
+    cfg = tiny_bert_config(num_labels=3)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(cfg).to(D)
     no_decay = ("bias", "LayerNorm.weight")
