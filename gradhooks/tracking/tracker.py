@@ -186,6 +186,9 @@ class Tracker(TorchFunctionMode):
         # tensors computed across the examples that carry no gradient and no values computed
         # with (indices, masks), with the operation that did (see _coupling)
         self.coupled: TensorMap = TensorMap()
+        # one-hot encodings of indices of each example alone whose number of classes was
+        # computed across the examples: only their width is (see _coupling)
+        self.wide: TensorMap = TensorMap()
         # positions of rows that nonzero found in a tensor with examples (see _row_indices)
         self.row_index: TensorMap = TensorMap()
         # indices whose every entry is a position along the examples' dimension that each
@@ -914,6 +917,8 @@ class Tracker(TorchFunctionMode):
         found = [self.coupled[t] for t in ins if t in self.coupled] if self.coupled else []
         if not found:
             return result
+        if self._width_only(name, args, ins, outs):
+            return result
         lays = result if isinstance(result, list) else [result]
         picks = name in PICKS and args and isinstance(args[0], Tensor)
         if picks:
@@ -949,6 +954,38 @@ class Tracker(TorchFunctionMode):
         for o in outs:
             self.coupled[o] = found[0]
         return result
+
+    def _width_only(self, name: str, args, ins: list, outs: list) -> bool:
+        """A one-hot encoding (``F.one_hot(index, n)``) of an index computed from each example
+        alone, whose number of classes ``n`` alone was computed across the batch (``max(index.
+        max() + 2, capacity)``: the "safe one-hot" of mixture-of-experts gates), then cut to a
+        constant width along its classes (``[..., :capacity]``): each entry is ``index == j``,
+        whatever ``n`` (no smaller than the cut), as it is for an example alone. Uncut, its
+        width is the batch's: coupled (:attr:`wide`), as it was."""
+        if name == "one_hot":
+            if len(outs) != 1 or not isinstance(args[0], Tensor) or args[0] in self.coupled:
+                return False
+            self.wide[outs[0]] = True
+            return False
+        if name != "__getitem__" or len(args) < 2 or len(outs) != 1 or args[0] not in self.wide:
+            return False
+        x, index, out = args[0], args[1], outs[0]
+        if any(t is not x and t in self.coupled for t in ins):
+            return False
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) == 2 and index[0] is Ellipsis:
+            index = (slice(None),) * (x.dim() - 1) + index[1:]
+        if len(index) != x.dim() or any(i != slice(None) for i in index[:-1]):
+            return False
+        cut = index[-1]
+        return (
+            isinstance(cut, slice)
+            and cut.start in (None, 0)
+            and cut.step in (None, 1)
+            and type(cut.stop) is int
+            and 0 <= cut.stop <= x.shape[-1]
+            and out.shape == (*x.shape[:-1], cut.stop)
+        )
 
     def _mixed_up(self, ins: list) -> Layout | None:
         """The layout of the batch where every tensor with examples among ``ins`` holds its

@@ -1,0 +1,74 @@
+"""More models of pure-Python libraries against the per-example loop, through
+``bench.lib_sweep`` (tabular embeddings and ensembles, audio filterbanks and spectrograms,
+mixtures of experts, FLASH, RetNet, Charformer, S5, SRU, vit-pytorch's video, 1D and packed
+models), as ``tests/test_lib_sweep.py`` runs the first ones; and, in plain torch, the idioms
+of theirs that gradhooks once refused: a one-hot of a width computed across the batch, cut to
+a constant width (mixture-of-experts gates), and each example's parts joined and the examples
+padded to one length (NaViT's packing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+
+def _matches_loop(model: nn.Module, *inputs: torch.Tensor) -> None:
+    """``grad1`` of every parameter with a gradient equals the loop's, summed loss."""
+    want = loop_grad(model, lambda out: out.pow(2).sum(), inputs)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(*inputs).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-10, msg=name)
+
+
+# -- a one-hot of a width computed across the batch -----------------------------------------------
+
+
+def safe_one_hot(index: torch.Tensor, width: int) -> torch.Tensor:
+    """mixture-of-experts' and st-moe-pytorch's ``safe_one_hot``: a one-hot as wide as the
+    batch's largest index needs (a 0-dim tensor where that is more than ``width``), cut to
+    ``width``; an index past it gives a row of zeros (a token over an expert's capacity)."""
+    widest = index.max() + 1
+    return F.one_hot(index, max(widest + 1, width))[..., :width]
+
+
+class CapacityGate(nn.Module):
+    """Each token's top gate weighting its slot, a one-hot of its chosen expert, of
+    ``width`` slots; ``cut=False`` keeps the one-hot as wide as the batch made it."""
+
+    def __init__(self, width: int, cut: bool = True):
+        super().__init__()
+        self.gate, self.out = nn.Linear(4, 3), nn.Linear(4, 2)
+        self.width, self.cut = width, cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, index = self.gate(x).softmax(-1).max(-1)
+        if self.cut:
+            slots = safe_one_hot(index, self.width)
+        else:
+            slots = F.one_hot(index, max(index.max() + 2, self.width))
+        return self.out(torch.einsum("bnd,bnc->bcd", x, weight[..., None] * slots))
+
+
+@pytest.mark.parametrize("width", [2, 5], ids=["batch-width-cut", "constant-width"])
+def test_one_hot_cut_to_a_constant_width_matches_the_loop(width):
+    """Width 2: the one-hot is made as wide as the batch's largest index (+2), a number
+    computed across the examples, and cut to 2: each entry is ``index == j`` whatever that
+    width was; it was refused (MixedExamplesError) as a mask computed across the batch."""
+    torch.manual_seed(0)
+    _matches_loop(CapacityGate(width).double(), torch.randn(3, 5, 4, dtype=torch.float64))
+
+
+def test_one_hot_of_the_batch_width_uncut_is_refused():
+    """Uncut, its width is the batch's: an example alone would get fewer slots."""
+    torch.manual_seed(0)
+    model = CapacityGate(2, cut=False).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.raises(gradhooks.MixedExamplesError), gradhooks.add_hooks(model):
+        model(x).sum().backward()
