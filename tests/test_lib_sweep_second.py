@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad
@@ -72,3 +73,46 @@ def test_one_hot_of_the_batch_width_uncut_is_refused():
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     with pytest.raises(gradhooks.MixedExamplesError), gradhooks.add_hooks(model):
         model(x).sum().backward()
+
+
+# -- each example's parts joined, the examples padded to one length -------------------------------
+
+
+class PackedExamples(nn.Module):
+    """Each example's sequence joined from two of its parts (the second cut to a length given
+    per example), the sequences padded to the longest (``pad_sequence``), attention with a
+    padding mask, a masked mean; ``crossed`` joins parts of two different examples."""
+
+    def __init__(self, crossed: bool = False):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.crossed = crossed
+
+    def forward(self, first, second, length):
+        others = second.flip(0) if self.crossed else second
+        seqs = [torch.cat([a, b[: int(n)]]) for a, b, n in zip(first, others, length)]
+        lengths = torch.tensor([len(s) for s in seqs])
+        x = self.embed(pad_sequence(seqs, batch_first=True))
+        pad = torch.arange(x.shape[1])[None] >= lengths[:, None]
+        h, _ = self.attn(x, x, x, key_padding_mask=pad)
+        return self.head(h.masked_fill(pad[..., None], 0).sum(1) / lengths[:, None])
+
+
+def _packed_inputs():
+    torch.manual_seed(0)
+    first = torch.randn(3, 5, 4, dtype=torch.float64)
+    return first, torch.randn(3, 6, 4, dtype=torch.float64), torch.tensor([6, 2, 4])
+
+
+def test_parts_of_each_example_padded_to_one_length_match_the_loop():
+    """Before, the join of an example's own parts (``torch.cat`` of two of its tensors) and
+    ``pad_sequence`` of the examples were taken as mixing them (MixedExamplesError)."""
+    torch.manual_seed(0)
+    _matches_loop(PackedExamples().double(), *_packed_inputs())
+
+
+def test_parts_of_two_examples_joined_are_refused():
+    model = PackedExamples(crossed=True).double()
+    with pytest.raises(gradhooks.MixedExamplesError), gradhooks.add_hooks(model):
+        model(*_packed_inputs()).sum().backward()

@@ -1025,6 +1025,15 @@ class Tracker(TorchFunctionMode):
         base = found[0][1]
         if any(lay != base for _, lay in found):
             return None
+        if name == "pad_sequence":  # (as stack: each sequence a row, padded to the longest)
+            tensors = arg(args, kwargs, 0, "sequences")
+            o = outs[0] if len(outs) == 1 else None
+            if o is None or not isinstance(tensors, list | tuple) or len(tensors) != len(laid):
+                return None
+            d = 0 if arg(args, kwargs, 1, "batch_first", False) else 1
+            rows = torch.tensor([self.single[t][0] for t in tensors], device=o.device)
+            self.rejoined += 1
+            return owned(d, rows, base.at(d), self.batch)
         if name in ("stack", "cat", "concat", "concatenate"):
             tensors = arg(args, kwargs, 0, "tensors")
             o = outs[0] if len(outs) == 1 else None
@@ -1032,7 +1041,13 @@ class Tracker(TorchFunctionMode):
                 return None  # (a tensor without examples among them: a row of no example)
             d = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), o.dim())
             if name != "stack" and any(t.shape[d] != 1 for t in tensors):
-                return None
+                if len({b for b, _ in found}) != 1:
+                    return None
+                # (parts of one example joined along its own dimension, NaViT's patches of
+                # each of its images: that example's alone, as each part)
+                for o in outs:
+                    self.single[o] = found[0]
+                return MIXED
             rows = torch.tensor([self.single[t][0] for t in tensors], device=o.device)
             self.rejoined += 1
             return owned(d, rows, base.at(d), self.batch)
