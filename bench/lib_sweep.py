@@ -2296,6 +2296,444 @@ def _spikingjelly() -> Example:
     return Example(SpikingJellyNet(), (_randn(BATCH, 4),), class_ce, (_labels(),), "mean")
 
 
+# -- tabular embeddings and ensembles: rtdl_num_embeddings, tabm ---------------------------------
+
+
+class NumEmbeddingMLP(nn.Module):
+    """An MLP on numeric features embedded one by one (``rtdl_num_embeddings``' README): the
+    embeddings ``[batch, features, d]`` flattened, two Linear layers."""
+
+    def __init__(self, embeddings: nn.Module, features: int, d: int):
+        super().__init__()
+        self.embeddings = embeddings
+        self.mlp = nn.Sequential(nn.Linear(features * d, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.embeddings(x).flatten(1))
+
+
+def _num_embeddings(kind: str) -> Example:
+    import rtdl_num_embeddings as rne
+
+    torch.manual_seed(0)
+    x = _randn(BATCH, 4)
+    if kind == "periodic":
+        emb, d = rne.PeriodicEmbeddings(4, 8, n_frequencies=6, lite=False), 8
+    elif kind == "periodic-lite":
+        emb, d = rne.PeriodicEmbeddings(4, 8, n_frequencies=6, lite=True), 8
+    elif kind == "linear-relu":
+        emb, d = rne.LinearReLUEmbeddings(4, 8), 8
+    else:  # bins of a training set of its own, the quantiles of each feature
+        bins = rne.compute_bins(_randn(64, 4, seed=5).float(), n_bins=5)
+        emb, d = rne.PiecewiseLinearEmbeddings(bins, 8, activation=True, version="B"), 8
+    return Example(NumEmbeddingMLP(emb, 4, d), (x,), class_ce, (_labels(),), "mean")
+
+
+case(
+    "rtdl-periodic",
+    "rtdl_num_embeddings",
+    "PeriodicEmbeddings: cos and sin of learned frequencies, a Linear per feature",
+)(lambda: _num_embeddings("periodic"))
+case(
+    "rtdl-periodic-lite",
+    "rtdl_num_embeddings",
+    "PeriodicEmbeddings(lite=True): one Linear shared by the features",
+)(lambda: _num_embeddings("periodic-lite"))
+case(
+    "rtdl-linear-relu", "rtdl_num_embeddings", "LinearReLUEmbeddings: a weight and bias per feature"
+)(lambda: _num_embeddings("linear-relu"))
+case(
+    "rtdl-piecewise-linear",
+    "rtdl_num_embeddings",
+    "PiecewiseLinearEmbeddings of quantile bins (version B)",
+)(lambda: _num_embeddings("piecewise"))
+
+
+def ensemble_ce(logits: Tensor, labels: Tensor) -> Tensor:
+    """TabM's loss: each of the ``k`` members' cross-entropy, ``[batch, k, classes]``,
+    averaged over the members."""
+    k = logits.shape[1]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.repeat_interleave(k), reduction="none")
+    return ce.view(-1, k).mean(1)
+
+
+def _tabm(arch: str, embeddings: bool = False) -> Example:
+    import rtdl_num_embeddings as rne
+    import tabm
+
+    torch.manual_seed(0)
+    kw = dict(n_num_features=4, cat_cardinalities=[5, 4, 3], d_out=CLASSES, k=4, n_blocks=2,
+              d_block=16, dropout=0.0, arch_type=arch)  # fmt: skip
+    if embeddings:
+        kw["num_embeddings"] = rne.PeriodicEmbeddings(4, 8, n_frequencies=6, lite=False)
+    model = tabm.TabM.make(**kw)
+    cat, cont = _tabular()
+    return Example(model, (cont, cat), ensemble_ce, (_labels(),), "mean")
+
+
+case("tabm", "tabm", "TabM: k=4 members by BatchEnsemble (shared weights, per-member scalings)")(
+    lambda: _tabm("tabm")
+)
+case("tabm-mini-periodic", "tabm", "TabM-mini after PeriodicEmbeddings")(
+    lambda: _tabm("tabm-mini", embeddings=True)
+)
+case("tabm-packed", "tabm", "TabM-packed: k independent MLPs (LinearEnsemble, batched weights)")(
+    lambda: _tabm("tabm-packed")
+)
+
+
+# -- audio front ends: asteroid-filterbanks, nnAudio ----------------------------------------------
+
+
+class FilterbankSeparator(nn.Module):
+    """A TasNet-like separator of ``asteroid_filterbanks``: a learned analysis filterbank
+    (``Encoder``), a mask from a 1x1 convolution, the masked representation back to a waveform
+    by the synthesis filterbank (``Decoder``), padded to the input's length."""
+
+    def __init__(self, kind: str, **kw):
+        from asteroid_filterbanks import make_enc_dec
+
+        super().__init__()
+        self.encoder, self.decoder = make_enc_dec(kind, n_filters=16, kernel_size=16, stride=8,
+                                                  **kw)  # fmt: skip
+        channels = self.encoder.n_feats_out
+        self.mask = nn.Sequential(nn.Conv1d(channels, channels, 1), nn.Sigmoid())
+
+    def forward(self, wav: Tensor) -> Tensor:
+        spec = self.encoder(wav)
+        out = self.decoder(spec * self.mask(spec))
+        return F.pad(out, (0, wav.shape[-1] - out.shape[-1]))  # (asteroid's pad_x_to_y)
+
+
+def _separator(kind: str, **kw) -> Example:
+    torch.manual_seed(0)
+    wav, clean = _randn(BATCH, 1, 128), _randn(BATCH, 1, 128, seed=1)
+    return Example(FilterbankSeparator(kind, **kw), (wav,), mse, (clean,), "mean")
+
+
+case("asteroid-free", "asteroid_filterbanks", "Encoder and Decoder of free (learned) filters")(
+    lambda: _separator("free")
+)
+case("asteroid-param-sinc", "asteroid_filterbanks", "ParamSincFB: sinc filters of learned bands")(
+    lambda: _separator("param_sinc", sample_rate=8000.0, min_low_hz=50, min_band_hz=50)
+)
+case(
+    "asteroid-analytic",
+    "asteroid_filterbanks",
+    "AnalyticFreeFB: learned filters, their Hilbert pairs by FFT",
+)(lambda: _separator("analytic_free"))
+
+
+class SpectrogramClassifier(nn.Module):
+    """An audio classifier on ``nnAudio``'s spectrogram layer with trainable kernels: the log
+    of the spectrogram, a convolution over time, a mean over time, a Linear head."""
+
+    def __init__(self, layer: nn.Module, bins: int):
+        super().__init__()
+        self.spec = layer
+        self.conv = nn.Conv1d(bins, 8, 3, padding=1)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, wav: Tensor) -> Tensor:
+        s = torch.log1p(self.spec(wav))
+        return self.head(self.conv(s).relu().mean(-1))
+
+
+def _nnaudio(kind: str) -> Example:
+    from nnAudio import features
+
+    torch.manual_seed(0)
+    if kind == "stft":
+        layer = features.STFT(n_fft=32, hop_length=8, freq_scale="no", sr=8000, trainable=True,
+                              output_format="Magnitude", verbose=False)  # fmt: skip
+        bins = 17
+    else:
+        layer = features.MelSpectrogram(sr=8000, n_fft=32, n_mels=8, hop_length=8,
+                                        trainable_mel=True, trainable_STFT=True, verbose=False)  # fmt: skip
+        bins = 8
+    return Example(
+        SpectrogramClassifier(layer, bins), (_randn(BATCH, 256),), class_ce, (_labels(),), "mean"
+    )
+
+
+case("nnaudio-stft", "nnAudio", "STFT as a Conv1d of trainable Fourier kernels, the magnitude")(
+    lambda: _nnaudio("stft")
+)
+case("nnaudio-mel", "nnAudio", "MelSpectrogram: trainable STFT kernels and mel filters")(
+    lambda: _nnaudio("mel")
+)
+
+
+# -- mixtures of experts: mixture-of-experts, st-moe-pytorch --------------------------------------
+
+
+class MoELM(nn.Module):
+    """A language model of one mixture-of-experts layer, which returns its users' loss: the
+    mean token cross-entropy plus the layer's auxiliary loss (a mean of each sequence's load
+    balance), as the libraries' READMEs add them."""
+
+    def __init__(self, moe: nn.Module, aux: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.moe = moe
+        self.head = nn.Linear(16, VOCAB)
+        self.aux = aux
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        x = self.embed(ids)
+        out, aux, *_ = self.moe(x)
+        loss = token_ce(self.head(x + out), labels).mean()
+        return loss + aux if self.aux else loss
+
+
+def _moe_lm(moe: nn.Module, aux: bool = True) -> Example:
+    return Example(MoELM(moe, aux), (_tokens(), _tokens(seed=1)), lambda loss: loss, (), "mean",
+                   batch_loss=True)  # fmt: skip
+
+
+@case("moe-top2", "mixture_of_experts", "MoE: top-2 gating with capacity, its balance loss")
+def _moe_top2() -> Example:
+    from mixture_of_experts import MoE
+
+    torch.manual_seed(0)
+    return _moe_lm(MoE(dim=16, num_experts=4, hidden_dim=32, second_policy_train="all"))
+
+
+@case("moe-top2-task-loss", "mixture_of_experts", "the same, its balance loss left out")
+def _moe_top2_task() -> Example:
+    from mixture_of_experts import MoE
+
+    torch.manual_seed(0)
+    return _moe_lm(MoE(dim=16, num_experts=4, hidden_dim=32, second_policy_train="all"), False)
+
+
+@case("moe-hierarchical", "mixture_of_experts", "HeirarchicalMoE: experts of experts")
+def _moe_hier() -> Example:
+    from mixture_of_experts import HeirarchicalMoE
+
+    torch.manual_seed(0)
+    return _moe_lm(HeirarchicalMoE(dim=16, num_experts=(2, 2), hidden_dim=32,
+                                   second_policy_train="all"))  # fmt: skip
+
+
+@case("st-moe", "st_moe_pytorch", "ST-MoE: top-2 routing, balance and router z-losses")
+def _st_moe() -> Example:
+    from st_moe_pytorch import MoE
+
+    torch.manual_seed(0)
+    # (a threshold near zero routes every token to its second expert: no random draw decides)
+    return _moe_lm(MoE(dim=16, num_experts=4, expert_hidden_mult=2, threshold_train=1e-30))
+
+
+# -- lucidrains' FLASH; a RetNet; Charformer's GBST -------------------------
+
+
+@case("flash-lm", "flash_pytorch", "FLASH: gated attention units, quadratic within groups")
+def _flash() -> Example:
+    from flash_pytorch import FLASHTransformer
+
+    torch.manual_seed(0)
+    model = FLASHTransformer(num_tokens=VOCAB, dim=DIM, depth=2, group_size=4,
+                             query_key_dim=16, causal=True)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("flash-lm-laplace", "flash_pytorch", "FLASH, bidirectional, Laplace attention (erf)")
+def _flash_laplace() -> Example:
+    from flash_pytorch import FLASHTransformer
+
+    torch.manual_seed(0)
+    model = FLASHTransformer(num_tokens=VOCAB, dim=DIM, depth=2, group_size=4, query_key_dim=16,
+                             laplace_attn_fn=True, norm_type="layernorm")  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("retnet-lm", "yet_another_retnet", "RetNet: multi-scale retention, parallel form")
+def _retnet() -> Example:
+    from yet_another_retnet.retnet import RetNet
+
+    torch.manual_seed(0)
+    model = RetNet(num_tokens=VOCAB, d_model=DIM, nhead=4, num_layers=2, dropout=0.0,
+                   dim_feedforward=64)  # fmt: skip
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),),
+                   call=lambda m, ids: m.forward_parallel(ids))  # fmt: skip
+
+
+class CharClassifier(nn.Module):
+    """Charformer's GBST (soft subword blocks scored and mixed per position, then downsampled)
+    under a small encoder and a pooled head."""
+
+    def __init__(self):
+        from charformer_pytorch import GBST
+
+        super().__init__()
+        self.gbst = GBST(num_tokens=VOCAB, dim=16, max_block_size=4, downsample_factor=2)
+        self.encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x, _ = self.gbst(ids)
+        return self.head(self.encoder(x).mean(1))
+
+
+@case("charformer-gbst", "charformer_pytorch", "GBST: gradient-based subword blocks, a classifier")
+def _charformer() -> Example:
+    torch.manual_seed(0)
+    return Example(CharClassifier(), (_tokens(),), class_ce, (_labels(),), "mean")
+
+
+# -- state-space and recurrent layers: s5-pytorch, sru ---------------------------------------------
+
+
+class SequenceRegressor(nn.Module):
+    """A sequence layer between a Linear in and a Linear out, ``[batch, time, features]``; the
+    layer called ``time_first`` takes ``[time, batch, features]``."""
+
+    def __init__(self, layer: nn.Module, dim: int, time_first: bool = False):
+        super().__init__()
+        self.inp, self.layer, self.out = nn.Linear(4, dim), layer, nn.Linear(dim, 2)
+        self.time_first = time_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        if self.time_first:
+            h = self.layer(h.transpose(0, 1))[0].transpose(0, 1)
+        else:
+            h = self.layer(h)
+        return self.out(h)
+
+
+@case("s5-block", "s5", "S5Block: a diagonal complex state space, vmapped over the batch")
+def _s5() -> Example:
+    from s5 import S5Block
+
+    torch.manual_seed(0)
+    model = SequenceRegressor(S5Block(dim=8, state_dim=8, bidir=False), 8)
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_complex():  # (complex64 as built: .double() keeps complex tensors as they are)
+            t.data = t.data.to(torch.complex128)
+    return Example(model, (_randn(BATCH, SEQ, 4),), mse, (_randn(BATCH, SEQ, 2, seed=1),), "mean")
+
+
+@case("sru", "sru", "SRU: simple recurrent units, time first (its pure-PyTorch recurrence)")
+def _sru() -> Example:
+    from sru import SRU
+
+    torch.manual_seed(0)
+    model = SequenceRegressor(SRU(8, 8, num_layers=2, layer_norm=True), 8, time_first=True)
+
+    def call(m, x):  # (without autograd SRU runs a compiled float32 kernel of its own)
+        with torch.enable_grad():
+            return m(x)
+
+    return Example(model, (_randn(BATCH, SEQ, 4),), mse, (_randn(BATCH, SEQ, 2, seed=1),), "mean",
+                   call=call)  # fmt: skip
+
+
+# -- vit-pytorch's models that bench.timm_sweep does not build ------------------------------------
+
+
+def _vit_module(module: str):
+    return importlib.import_module(f"vit_pytorch.{module}")
+
+
+VIT = dict(num_classes=CLASSES, dim=DIM, depth=2, heads=4, mlp_dim=64, dim_head=8)
+
+
+def _vit_example(model: nn.Module, *shape: int) -> Example:
+    return Example(model, (_randn(BATCH, *shape),), class_ce, (_labels(),), "mean")
+
+
+class NaViTPairs(nn.Module):
+    """NaViT as its README calls it: a list, one entry per example, of that example's images
+    of different sizes, each example's patches packed into one sequence (an attention mask
+    keeps its images apart), the sequences padded to the longest; a logit row per image. Each
+    example here is two images: a 16x16 one and the left ``width`` columns of a 16x16 one (its
+    width an input of its own, so that the sequences differ in length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.navit = _vit_module("na_vit").NaViT(image_size=16, patch_size=4, channels=3, **VIT)
+
+    def forward(self, first: Tensor, second: Tensor, width: Tensor) -> Tensor:
+        pairs = [[a, b[..., : int(w)]] for a, b, w in zip(first, second, width)]
+        return self.navit(pairs)
+
+
+@case("navit", "vit_pytorch", "NaViT: images of several sizes packed per example, padded")
+def _navit() -> Example:
+    torch.manual_seed(0)
+    width = torch.tensor([16, 8, 12])
+    labels = torch.randint(0, CLASSES, (BATCH, 2), generator=_gen(1))
+
+    def losses(logits: Tensor, labels: Tensor) -> Tensor:  # (a row per image, two per example)
+        return class_ce(logits, labels.flatten()).view(-1, 2).sum(1)
+
+    inputs = (_randn(BATCH, 3, 16, 16), _randn(BATCH, 3, 16, 16, seed=2), width)
+    return Example(NaViTPairs(), inputs, losses, (labels,), "mean")
+
+
+@case("vivit", "vit_pytorch", "ViViT: factorized space and time encoders on video")
+def _vivit() -> Example:
+    torch.manual_seed(0)
+    kw = {k: v for k, v in VIT.items() if k != "depth"}
+    model = _vit_module("vivit").ViViT(image_size=16, image_patch_size=8, frames=4,
+                                       frame_patch_size=2, spatial_depth=1, temporal_depth=1,
+                                       use_flash_attn=False, **kw)  # fmt: skip
+    return _vit_example(model, 3, 4, 16, 16)
+
+
+@case("vit-3d", "vit_pytorch", "ViT of 3D patches (video: frames and pixels)")
+def _vit_3d() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("vit_3d").ViT(image_size=16, image_patch_size=8, frames=4,
+                                      frame_patch_size=2, **VIT)  # fmt: skip
+    return _vit_example(model, 3, 4, 16, 16)
+
+
+@case("vit-1d", "vit_pytorch", "ViT of 1D patches (a signal)")
+def _vit_1d() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("vit_1d").ViT(seq_len=64, patch_size=8, channels=2, **VIT)
+    return _vit_example(model, 2, 64)
+
+
+@case("vit-patch-merger", "vit_pytorch", "ViT with a PatchMerger: tokens merged by learned queries")
+def _vit_patch_merger() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("vit_with_patch_merger").ViT(image_size=16, patch_size=4,
+                                                     patch_merge_layer=1,
+                                                     patch_merge_num_tokens=4, **VIT)  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("n-vit", "vit_pytorch", "nViT: the normalized ViT, weights on the hypersphere")
+def _n_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("normalized_vit").nViT(image_size=16, patch_size=4, **VIT)
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("look-vit", "vit_pytorch", "LookViT: cross-attention between low- and high-resolution tokens")
+def _look_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("look_vit").LookViT(dim=16, image_size=32, num_classes=CLASSES, depth=1,
+                                            patch_size=8, heads=2, dim_head=8,
+                                            highres_patch_size=4, cross_attn_heads=2,
+                                            cross_attn_dim_head=8, patch_conv_kernel_size=3,
+                                            dropout=0.0)  # fmt: skip
+    return _vit_example(model, 3, 32, 32)
+
+
+@case("learnable-memory-vit", "vit_pytorch", "a frozen ViT, learned memory tokens (Adapter)")
+def _learnable_memory() -> Example:
+    lm = _vit_module("learnable_memory_vit")
+    torch.manual_seed(0)
+    vit = lm.ViT(image_size=16, patch_size=4, **VIT)
+    model = lm.Adapter(vit=vit, num_memories_per_layer=2, num_classes=CLASSES)
+    return _vit_example(model, 3, 16, 16)
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 

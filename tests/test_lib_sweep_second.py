@@ -11,11 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_lib_sweep import _needs, _quiet, _swept  # noqa: F401 (a fixture, used by name)
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad
+
+lib_sweep = pytest.importorskip("bench.lib_sweep")
 
 
 def _matches_loop(model: nn.Module, *inputs: torch.Tensor) -> None:
@@ -116,3 +119,61 @@ def test_parts_of_two_examples_joined_are_refused():
     model = PackedExamples(crossed=True).double()
     with pytest.raises(gradhooks.MixedExamplesError), gradhooks.add_hooks(model):
         model(*_packed_inputs()).sum().backward()
+
+
+# -- models of the libraries --------------------------------------------------------------------
+
+# One per library or kind, the quicker ones: bench.lib_sweep runs them all (FLASH, RetNet,
+# Charformer, SRU, vit-pytorch's ViViT, PatchMerger, ... too).
+MODELS = [
+    "rtdl-piecewise-linear",  # rtdl_num_embeddings: piecewise-linear encodings of quantile bins
+    "tabm",  # TabM: k members of one batch-ensembled MLP, each example k times
+    "tabm-packed",  # k MLPs' weights batched (LinearEnsemble)
+    "asteroid-param-sinc",  # sinc filters of learned bands, a synthesis filterbank
+    "nnaudio-mel",  # trainable STFT kernels and mel filters
+    "moe-top2-task-loss",  # top-2 gating, capacity by the safe one-hot
+    "st-moe",  # ST-MoE with its balance and router z-losses, returned by the model
+]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_library_model_matches_the_loop(name):
+    res = _swept(name)
+    assert res.outcome == "match", (res.outcome, res.detail)
+    assert res.params > 0 and not res.warnings
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        # the gate's balance loss, a number of the whole batch, computed in the forward of the
+        # module that holds its weight, which its fallback cannot split
+        ("moe-top2", gradhooks.UnsupportedInputError),
+        # the batch met inside torch.vmap in the model's forward
+        ("s5-block", gradhooks.UnsupportedError),
+        # a module of parameters of its own (position tables indexed) given a list of examples
+        ("navit", gradhooks.MixedExamplesError),
+    ],
+)
+def test_library_model_refused(name, error):
+    res = _swept(name)
+    assert res.outcome == "refused", (res.outcome, res.detail)
+    assert res.detail.startswith(error.__name__ + ":"), res.detail
+    assert "'" in res.detail
+
+
+@pytest.mark.parametrize(
+    "name, setting",
+    [
+        ("tabm", "training"),
+        ("tabm-packed", "bf16-autocast"),
+        ("st-moe", "bf16-autocast"),
+        ("asteroid-free", "dp-step"),
+        ("rtdl-periodic", "dp-step"),
+    ],
+)
+def test_library_model_in_another_setting(name, setting):
+    """3 SGD steps, bfloat16 autocast (against the float64 loop, at 5e-2), a DP step."""
+    _needs(name)
+    res = lib_sweep.check_setting(name, setting, limit=0)
+    assert res.outcome == "match", (res.outcome, res.detail)
