@@ -975,13 +975,14 @@ class Tracker(TorchFunctionMode):
         index = index if isinstance(index, tuple) else (index,)
         if len(index) == 2 and index[0] is Ellipsis:
             index = (slice(None),) * (x.dim() - 1) + index[1:]
-        if len(index) != x.dim() or any(i != slice(None) for i in index[:-1]):
+        whole = slice(None)
+        if len(index) != x.dim() or any(not (type(i) is slice and i == whole) for i in index[:-1]):
             return False
         cut = index[-1]
         return (
-            isinstance(cut, slice)
-            and cut.start in (None, 0)
-            and cut.step in (None, 1)
+            type(cut) is slice
+            and (cut.start is None or (type(cut.start) is int and cut.start == 0))
+            and (cut.step is None or (type(cut.step) is int and cut.step == 1))
             and type(cut.stop) is int
             and 0 <= cut.stop <= x.shape[-1]
             and out.shape == (*x.shape[:-1], cut.stop)
