@@ -490,14 +490,15 @@ def test_a_compiled_models_norms_and_squared_sums_under_bfloat16():
 # -- allow_mutation_on_saved_tensors ---------------------------------------------------------------
 
 
-def test_a_fallback_layers_parameter_changed_under_allow_mutation_is_refused_naming_it():
+def test_a_weight_decayed_in_place_between_forward_and_backward_under_allow_mutation():
     """Under ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` autograd keeps a copy
-    of a saved tensor that is changed in place, so that a weight decayed in place between the
-    forward and the backward leaves the backward right. The fallback computes a layer without
-    a rule again at the backward, from its parameters as they are then: a step whose
-    parameter was changed so is refused with a ``StateError`` naming the parameter (not a
-    ``MixedExamplesError`` blaming the layer), after steps that did not change it matched the
-    float64 loop."""
+    of a saved tensor that is changed in place, so that a weight decay applied in place
+    between the forward and the backward (``p.mul_(0.9)`` under ``no_grad``) leaves the
+    backward the forward's. The Linear layers' weights decayed so: grad1 is the float64
+    loop's at the weights the forward ran with, over two steps. Then a parameter of the layer
+    without a rule, which the fallback computes again at the backward from the parameters as
+    they are then: refused with a ``StateError`` naming it (not a ``MixedExamplesError``
+    blaming the layer for mixing its examples)."""
     model = gated_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     with gradhooks.add_hooks(model):
@@ -507,34 +508,77 @@ def test_a_fallback_layers_parameter_changed_under_allow_mutation_is_refused_nam
             opt.zero_grad()
             with allow_mutation_on_saved_tensors():
                 loss = F.cross_entropy(model(x), y)
-                if step < STEPS - 1:
-                    loss.backward()
-                    assert_grad1(model, want, f"step {step}")
-                else:
-                    with torch.no_grad():
-                        model[1].w.mul_(0.9)
+                decayed = [model[1].w] if step == STEPS - 1 else [
+                    *model[0].parameters(), *model[2].parameters()
+                ]  # fmt: skip
+                with torch.no_grad():
+                    for p in decayed:
+                        p.mul_(0.9)
+                if step == STEPS - 1:
                     raised(gradhooks.StateError, ["'w'", "'1'", "inplace"], loss.backward)
+                    break
+                loss.backward()
+            assert_grad1(model, want, f"step {step}")
             opt.step()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.StateError,
-    reason="allow_mutation_on_saved_tensors: a layer's input changed in place after the forward "
-    "is refused (gradhooks keeps the input itself, not autograd's copy), though autograd's "
-    "backward under it is right",
-)
-def test_an_input_changed_in_place_under_allow_mutation_on_saved_tensors():
-    """The batch changed in place after the forward (normalized for a logging pass) under
-    ``allow_mutation_on_saved_tensors()``, which keeps autograd's saved copy: grad1 should be
-    the float64 loop's of the batch as the forward saw it."""
+def test_the_batch_changed_in_place_after_the_forward_under_allow_mutation():
+    """The batch normalized in place after the forward (for a logging pass) under
+    ``allow_mutation_on_saved_tensors()``, over three steps: grad1 is the float64 loop's of the
+    batch as the forward saw it. Outside the context the same change is refused with a
+    ``StateError``, as autograd refuses it."""
     model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
     with gradhooks.add_hooks(model):
-        x, y = labelled_batch(0)
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            with allow_mutation_on_saved_tensors():
+                batch = x.clone()
+                loss = F.cross_entropy(model(batch), y)
+                batch.div_(batch.norm(dim=1, keepdim=True))
+                loss.backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+        batch = x.clone()
+        loss = F.cross_entropy(model(batch), y)
+        batch.div_(batch.norm(dim=1, keepdim=True))
+        raised(gradhooks.StateError, ["'0'", "version"], loss.backward)
+
+
+class Encoder(nn.Module):
+    """One ``nn.TransformerEncoderLayer`` (width 8, 2 heads, no dropout) on ``[batch, 4, 8]``
+    and a Linear head on the positions' mean, seeded, in float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 2)
+        self.to(D)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+def test_a_transformer_layer_decayed_in_place_under_allow_mutation_is_refused_naming_it():
+    """The Transformer layers' rule runs the layer again at the backward: a step under
+    ``allow_mutation_on_saved_tensors()`` whose layer weights were decayed in place between
+    the forward and the backward is refused with a ``StateError`` naming the parameter and
+    the layer (it was a ``CheckFailedError`` saying that grad1 does not add up), after a step
+    under the context that changed nothing matched the float64 loop."""
+    model = Encoder()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 4, 8, generator=g, dtype=D), torch.randint(2, (4,), generator=g)
+    with gradhooks.add_hooks(model):
         want = loop_grad(model, F.cross_entropy, x, y)
         with allow_mutation_on_saved_tensors():
-            batch = x.clone()
-            loss = F.cross_entropy(model(batch), y)
-            batch.div_(batch.norm(dim=1, keepdim=True))
-            loss.backward()
-        assert_grad1(model, want, "the input as the forward saw it")
+            F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, want, "unchanged")
+        model.zero_grad()
+        with allow_mutation_on_saved_tensors():
+            loss = F.cross_entropy(model(x), y)
+            with torch.no_grad():
+                model.layer.linear1.weight.mul_(0.9)
+            raised(gradhooks.StateError, ["linear1.weight", "'layer'", "inplace"], loss.backward)
