@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_idioms_eighteenth import BF16, clipped, norms_of, relative_error
+from test_kfac import assert_factors, hand_factors
 from torch import nn
 from torch.autograd.graph import allow_mutation_on_saved_tensors
 from torch.nn.utils import parametrizations
@@ -582,3 +583,252 @@ def test_a_transformer_layer_decayed_in_place_under_allow_mutation_is_refused_na
             with torch.no_grad():
                 model.layer.linear1.weight.mul_(0.9)
             raised(gradhooks.StateError, ["linear1.weight", "'layer'", "inplace"], loss.backward)
+
+
+# -- adaptive, per-layer and automatic clipping with a float16 GradScaler -------------------------
+
+
+def dp_run(fp16: bool, physical: int = 1, **settings) -> tuple[list, list]:
+    """Four logical batches of 8 through a ``DPOptimizer`` over SGD (noise 1e-7 of the bound:
+    none to speak of), each in ``physical`` physical batches, under float16 autocast with a
+    ``GradScaler`` (a scale of 2^8 that does not overflow) or in float32 without: the bound
+    after each step and the weights at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=10**9)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, noise_multiplier=1e-7,
+            expected_batch_size=8, generator=torch.Generator().manual_seed(0),
+            scaler=scaler if fp16 else None, **settings,
+        )  # fmt: skip
+        bounds = []
+        for step in range(4):
+            x, y = labelled_batch(step, n=8)
+            for part in torch.arange(8).chunk(physical):
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    out = model(x[part].float())
+                opt.backward(F.cross_entropy(out.float(), y[part], reduction="none"))
+            opt.step()
+            opt.zero_grad()
+            bounds.append(torch.tensor(opt.max_grad_norm, dtype=D).norm().item())  # (its total)
+        if fp16:
+            assert scaler.get_scale() == 2.0**8  # (no step skipped)
+    return bounds, [p.detach().to(D) for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_grad_norm=0.3, adaptive_clipping=gradhooks.AdaptiveClipping(
+            target_quantile=0.5, learning_rate=0.5, count_noise=1e-6)),
+        dict(max_grad_norm=[0.2, 0.2, 0.2, 0.2], clipping_groups="parameter"),
+        dict(max_grad_norm=0.3, clipping_groups="layer", clipping="automatic"),
+    ],
+    ids=["adaptive", "per-parameter", "per-layer-automatic"],
+)  # fmt: skip
+def test_clipping_variants_with_a_grad_scaler_clip_the_unscaled_gradients(settings):
+    """Adaptive clipping (the bound moved by the count of unclipped examples), Opacus'
+    per-layer clipping and automatic clipping per layer, each through a ``DPOptimizer`` given
+    a float16 ``GradScaler``, in one physical batch per logical batch or two: the bounds
+    follow the same course and the weights end where the float32 run without a scaler ends
+    (within float16's rounding), so the norms that clip and count are the unscaled ones."""
+    bounds, weights = dp_run(False, **settings)
+    for physical in (1, 2):
+        got_bounds, got = dp_run(True, physical, **settings)
+        assert got_bounds == pytest.approx(bounds, rel=1e-3), physical
+        for a, b in zip(got, weights):
+            assert relative_error(a, b) < FP16, physical
+    if "adaptive_clipping" in settings:
+        assert len(set(bounds)) == len(bounds), "the bound must move for the test to tell"
+
+
+# -- micro-batches, retained graphs and autograd.grad --------------------------------------------
+
+
+def test_each_micro_batchs_norms_and_squares_with_the_gradients_kept_as_zeros():
+    """Gradient accumulation over three micro-batches per step, the gradients zeroed by
+    ``zero_grad(set_to_none=False)`` (kept as zeros): after each micro-batch's backward the
+    norms and the squared sums are that micro-batch's own (the float64 loop's), while grad1
+    adds up the step's micro-batches row by row, as ``.grad`` adds them; over two steps."""
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    quantities = ("grad1", "norms", "sum_grad_sq")
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(2):
+            opt.zero_grad(set_to_none=False)
+            total = None
+            for k in range(3):
+                x, y = labelled_batch(10 * step + k)
+                want = loop_grad(model, F.cross_entropy, x, y)
+                want = {n: g / 3 for n, g in want.items()}
+                total = want if total is None else {n: total[n] + g for n, g in want.items()}
+                (F.cross_entropy(model(x), y) / 3).backward()
+                assert_close(h.norms(), norms_of(want), f"step {step}, micro-batch {k}: norms")
+                squares = h.sum_grad_sq()
+                for n, g in want.items():
+                    assert_close(squares[n], g.pow(2).sum(0), f"step {step}, {k}: {n}")
+                assert_grad1(model, total, f"step {step}, micro-batch {k}")
+            assert h.accumulated == 3
+            opt.step()
+
+
+def test_an_inference_mode_validation_between_two_micro_batches():
+    """A validation pass in eval mode under ``inference_mode`` (of another batch size) between
+    the two micro-batches of a step, as a loop that validates every N micro-batches does:
+    grad1 still adds up the step's two micro-batches (the float64 loop's), over three
+    steps."""
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            opt.zero_grad()
+            total = None
+            for k in range(2):
+                x, y = labelled_batch(10 * step + k)
+                want = loop_grad(model, F.cross_entropy, x, y)
+                total = want if total is None else {n: total[n] + g for n, g in want.items()}
+                F.cross_entropy(model(x), y).backward()
+                if k == 0:
+                    model.eval()
+                    with torch.inference_mode():
+                        model(torch.randn(7, 3, dtype=D))
+                    model.train()
+            assert_grad1(model, total, f"step {step}")
+            opt.step()
+
+
+def test_zero_grad_between_two_backwards_through_a_retained_graph():
+    """A loss backpropagated with ``retain_graph=True`` (its gradients logged), then
+    ``zero_grad()``, then a second loss of the same forward backpropagated: grad1 and the norms
+    are the second loss's alone (the float64 loop's), over three steps."""
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+
+    def second(out, y):
+        return 0.5 * out.pow(2).sum(1).mean() + F.cross_entropy(out, y)
+
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = loop_grad(model, second, x, y)
+            out = model(x)
+            F.cross_entropy(out, y).backward(retain_graph=True)
+            opt.zero_grad()
+            second(out, y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+
+
+def test_autograd_grad_with_materialized_zeros_for_a_head_the_loss_does_not_use():
+    """``torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)`` where
+    the loss uses one head of two: the gradients it returns for the other head are zeros it
+    made, not a backward's, and that head gets no grad1; the trunk and the used head get the
+    float64 loop's, and the loop assigns ``.grad`` and steps, over three steps."""
+    model = TwoHeads().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = {
+                n.removeprefix("model."): g
+                for n, g in loop_grad(Picked(model, "a"), F.cross_entropy, x, y).items()
+            }
+            params = list(model.parameters())
+            found = torch.autograd.grad(
+                F.cross_entropy(model(x, "a")[0], y), params, allow_unused=True,
+                materialize_grads=True,
+            )  # fmt: skip
+            for (n, p), g in zip(model.named_parameters(), found):
+                if not n.startswith("b."):
+                    assert_close(p.grad1, want[n], f"step {step}: {n}")
+                else:
+                    assert not hasattr(p, "grad1") and not g.any(), (step, n)
+                p.grad = g
+            opt.step()
+
+
+# -- K-FAC factors under checkpointing, bfloat16, torch.compile and micro-batches ----------------
+
+
+class Checkpointed(nn.Module):
+    """Linear-Tanh-Linear-Tanh (3 -> 6 -> 4) as one block, run through
+    ``torch.utils.checkpoint`` (``use_reentrant`` as given; ``None``: not checkpointed), and a
+    Linear head (4 -> 2), seeded."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = nn.Linear(3, 6), nn.Linear(6, 4), nn.Linear(4, 2)
+        self.reentrant = reentrant
+
+    def block(self, x):
+        return torch.tanh(self.l2(torch.tanh(self.l1(x))))
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.l3(self.block(x))
+        return self.l3(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def kfac_reference(model: nn.Module, x, y) -> dict:
+    """The empirical Fisher's factors (summed cross-entropy) by their definitions, example by
+    example, of a float64 copy of ``model`` run without checkpointing."""
+    ref = reference(model)
+    ref.reentrant = None
+    layers = {f"{n}.weight": m for n, m in ref.named_children()}
+    return hand_factors(ref, (x.to(D),), {}, y, layers)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+def test_kfac_factors_under_activation_checkpointing(reentrant, bf16):
+    """``quantities=("grad1", "kfac")`` on a model whose two first layers are checkpointed
+    (reentrant, with an input that requires grad as reentrant checkpointing needs; or not),
+    over three SGD steps with ``zero_grad``: each step's factors are that step's examples'
+    (the definitions' in float64, exactly; within bfloat16's rounding under bfloat16
+    autocast), and grad1 is the loop's."""
+    model = Checkpointed(reentrant) if bf16 else Checkpointed(reentrant).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "kfac")) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            x = x.requires_grad_(reentrant is True)
+            want = kfac_reference(model, x.detach(), y)
+            per_example = loop_grad(reference(model), F.cross_entropy, x, y)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x.float() if bf16 else x)
+            F.cross_entropy(out.to(D), y, reduction="sum").backward()
+            got = h.kfac_factors("sum")
+            if bf16:
+                for n, (a, g) in want.items():
+                    assert relative_error(got[n].A, a) < BF16, (step, n)
+                    assert relative_error(got[n].G, g) < BF16, (step, n)
+                assert_near_all({n: p.grad1 for n, p in model.named_parameters()},
+                                per_example, BF16, f"step {step}")  # fmt: skip
+            else:
+                assert_factors(got, want, f"step {step}")
+                assert_grad1(model, per_example, f"step {step}")
+            opt.step()
+
+
+def test_kfac_factors_of_a_compiled_model_over_micro_batches_kept_as_zeros():
+    """A compiled model (``torch.compile``, the eager backend) with ``quantities=("kfac",)``,
+    two micro-batches per step and ``zero_grad(set_to_none=False)``: after each step's
+    micro-batches, ``G`` is the sum of theirs and ``A`` the mean over all their examples (the
+    definitions' in float64), and the next step starts them afresh; over three steps."""
+    model = Checkpointed(None).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
+        compiled = torch.compile(model, backend="eager")
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=False)
+            parts = [labelled_batch(10 * step + k) for k in range(2)]
+            each = [kfac_reference(model, x, y) for x, y in parts]
+            want = {n: ((a + each[1][n][0]) / 2, g + each[1][n][1]) for n, (a, g) in each[0].items()}
+            for x, y in parts:
+                F.cross_entropy(compiled(x), y, reduction="sum").backward()
+            assert_factors(h.kfac_factors("sum"), want, f"step {step}")
+            opt.step()
