@@ -782,7 +782,9 @@ def kfac_reference(model: nn.Module, x, y) -> dict:
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float64", "bf16"])
-@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+@pytest.mark.parametrize(
+    "reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"]
+)
 def test_kfac_factors_under_activation_checkpointing(reentrant, bf16):
     """``quantities=("grad1", "kfac")`` on a model whose two first layers are checkpointed
     (reentrant, with an input that requires grad as reentrant checkpointing needs; or not),
@@ -827,7 +829,9 @@ def test_kfac_factors_of_a_compiled_model_over_micro_batches_kept_as_zeros():
             opt.zero_grad(set_to_none=False)
             parts = [labelled_batch(10 * step + k) for k in range(2)]
             each = [kfac_reference(model, x, y) for x, y in parts]
-            want = {n: ((a + each[1][n][0]) / 2, g + each[1][n][1]) for n, (a, g) in each[0].items()}
+            want = {
+                n: ((a + each[1][n][0]) / 2, g + each[1][n][1]) for n, (a, g) in each[0].items()
+            }
             for x, y in parts:
                 F.cross_entropy(compiled(x), y, reduction="sum").backward()
             assert_factors(h.kfac_factors("sum"), want, f"step {step}")
