@@ -32,7 +32,7 @@ from test_idioms_eighteenth import BF16, clipped, norms_of, relative_error
 from test_kfac import assert_factors, hand_factors
 from torch import nn
 from torch.autograd.graph import allow_mutation_on_saved_tensors
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint
 
 import gradhooks
@@ -836,3 +836,69 @@ def test_kfac_factors_of_a_compiled_model_over_micro_batches_kept_as_zeros():
                 F.cross_entropy(compiled(x), y, reduction="sum").backward()
             assert_factors(h.kfac_factors("sum"), want, f"step {step}")
             opt.step()
+
+
+class Softplus(nn.Module):
+    """``b = softplus(v)``: a positive bias, with its ``right_inverse``."""
+
+    def forward(self, v):
+        return F.softplus(v)
+
+    def right_inverse(self, b):
+        return torch.log(torch.expm1(b.clamp_min(1e-3)))
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_an_orthogonal_weight_and_a_parametrized_bias_into_the_dp_step(method):
+    """``parametrizations.orthogonal`` on a hidden layer's weight (its original mapped to an
+    orthogonal matrix by the matrix exponential) and a positive bias by a parametrization of
+    a Linear's ``bias`` (softplus): three DP steps, each ``.grad`` of the originals the float64
+    loop's clipped mean (no noise), with every method."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)
+    ).to(D)
+    parametrizations.orthogonal(model[2])
+    parametrize.register_parametrization(model[0], "bias", Softplus())
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = clipped(loop_grad(model, F.cross_entropy, x, y), 0.5)
+            assert "0.parametrizations.bias.original" in want
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0, method=method)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, want[n], f"step {step}: {n}")
+            opt.step()
+
+
+def test_kfac_factors_under_a_float16_grad_scaler_are_of_the_scaled_loss():
+    """K-FAC statistics in a float16 loop with a ``GradScaler`` (``scaler.scale(loss)
+    .backward()``, ``scaler.step``, ``scaler.update``, a scale that grows every step): ``A`` is
+    the definitions' and ``G`` the definitions' times the square of the scale the backward ran
+    with (docs/mixed-precision.md), within float16's rounding, over three steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    layers = {"0.weight": model[0], "2.weight": model[2]}
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("kfac",)) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            ref = reference(model)
+            want = hand_factors(ref, (x,), {}, y, {n: ref.get_submodule(n[0]) for n in layers})
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x.float())
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(out.float(), y, reduction="sum")).backward()
+            got = h.kfac_factors("sum")
+            for n, (a, g) in want.items():
+                assert relative_error(got[n].A, a) < FP16, (step, n)
+                assert relative_error(got[n].G / scale**2, g) < FP16, (step, n)
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() > 2.0**10  # (it grew: each step's own scale was used)
