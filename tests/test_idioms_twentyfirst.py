@@ -902,3 +902,36 @@ def test_kfac_factors_under_a_float16_grad_scaler_are_of_the_scaled_loss():
             scaler.step(opt)
             scaler.update()
         assert scaler.get_scale() > 2.0**10  # (it grew: each step's own scale was used)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_dp_step_under_allow_mutation_with_the_batch_and_weights_changed(method):
+    """The DP step taken inside ``allow_mutation_on_saved_tensors()`` after the batch was
+    overwritten in place (a buffer reused for the next batch) and the Linear weights decayed in
+    place (and restored after the step): each step's ``.grad`` is the float64 loop's clipped
+    mean at the batch and weights of the forward (no noise), with every method, over three
+    steps."""
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = clipped(loop_grad(model, F.cross_entropy, x, y), 0.5)
+            opt.zero_grad()
+            with allow_mutation_on_saved_tensors():
+                buffer = x.clone()
+                losses = F.cross_entropy(model(buffer), y, reduction="none")
+                buffer.copy_(labelled_batch(step + 100)[0])
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.9)
+                gradhooks.dp_sgd_step(
+                    h, losses, max_norm=0.5, noise_multiplier=0.0, method=method
+                )
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.div_(0.9)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, want[n], f"step {step}: {n}")
+            opt.step()
