@@ -32,6 +32,11 @@ Each internal, its name here, where it is used, and its fallback:
   detached: ``capture.py``) and the tracker (no expanded elementwise meetings then). Fallback:
   "on" (the rules recompute what they would have read, every call runs as autograd does, the
   meetings are differentiated example by example).
+- ``mutation_on_saved``: ``torch.autograd.graph._allow_mutation_on_saved_tensors_enabled``
+  (:func:`mutation_on_saved_allowed`): whether ``allow_mutation_on_saved_tensors()`` is on, under
+  which autograd keeps a copy of a saved tensor changed in place after the forward; the engine
+  then keeps copies of what each call keeps for its rule (``forward.py``). Fallback: "off" (a
+  tensor changed in place after the forward is refused, as outside the context).
 - ``use_counts``: ``Tensor._use_count``, ``torch._C._storage_Use_Count``, ``Tensor._base``
   (:func:`unshared`): that nothing but one tensor object holds its memory, the test autograd
   makes before reusing ``.grad``; the engine then writes the next ``grad1`` into the old one.
@@ -240,6 +245,7 @@ __all__ = [
     "require",
     "saved",
     "saved_tensor_hooks_active",
+    "mutation_on_saved_allowed",
     "tensor_hooks",
     "tree_flatten",
     "tree_map",
@@ -281,6 +287,11 @@ INTERNALS: dict[str, Internal] = {
             "saved_tensor_hooks",
             "torch._C._autograd._top_saved_tensors_default_hooks",
             "taken to be on: no taps, no expanded meetings (recomputed)",
+        ),
+        Internal(
+            "mutation_on_saved",
+            "torch.autograd.graph._allow_mutation_on_saved_tensors_enabled",
+            "taken to be off: a tensor changed in place after the forward is refused",
         ),
         Internal(
             "use_counts",
@@ -547,6 +558,23 @@ def saved_tensor_hooks_active() -> bool:
         return _TOP_HOOKS(True) is not None
     except Exception:
         return True
+
+
+_MUTATION_ON_SAVED = _lookup(
+    "mutation_on_saved",
+    lambda: hasattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled") or None,
+)
+
+
+def mutation_on_saved_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is on: autograd then
+    keeps a copy of a tensor it saved that is changed in place, and its backward computes from
+    the forward's values. Reads ``torch.autograd.graph._allow_mutation_on_saved_tensors_enabled``
+    (the context manager's own flag; torch has no public way to ask). Without it: False (a
+    tensor changed in place after the forward is refused, as outside the context)."""
+    if _MUTATION_ON_SAVED is None or "mutation_on_saved" in _off:
+        return False
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
 
 
 # -- use_counts --------------------------------------------------------------------------------

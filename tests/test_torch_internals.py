@@ -687,6 +687,34 @@ def test_put_tensor_hook_first():
     assert [k for k, _ in seen] == ["a", "b"]
 
 
+
+@pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
+def test_mutation_on_saved(off):
+    """Under ``allow_mutation_on_saved_tensors()``, the batch changed in place after the
+    forward: with the internal, grad1 is the oracle's of the batch the forward saw (the engine
+    kept a copy, as autograd did); with the fallback, the change is refused as outside the
+    context (a ``StateError``), never a grad1 of the changed batch."""
+    from torch.autograd.graph import allow_mutation_on_saved_tensors
+
+    torch.manual_seed(0)
+    model = Between(lambda h: h * 2 + 1).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    want = vmap_grad(model, sum_of_squares, x)
+    assert not _torch.mutation_on_saved_allowed()
+    with switched_off("mutation_on_saved", off), gradhooks.add_hooks(model, loss_reduction="sum"):
+        with allow_mutation_on_saved_tensors():
+            assert _torch.mutation_on_saved_allowed() != off
+            batch = x.clone()
+            loss = sum_of_squares(model(batch))
+            batch.mul_(3.0)
+            if off:
+                with pytest.raises(gradhooks.StateError):
+                    loss.backward()
+                return
+            loss.backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], f"mutation_on_saved: {n}")
+
 # -- required internals ------------------------------------------------------------------------
 
 REQUIRED = [
@@ -800,6 +828,7 @@ TESTED = {
     "view_base": test_view_base,
     "eval_frame": test_eval_frame,
     "keep_graph": test_keep_graph,
+    "mutation_on_saved": test_mutation_on_saved,
     "foreach": test_foreach,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }

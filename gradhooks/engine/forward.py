@@ -428,6 +428,8 @@ class ForwardCapture:
             versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
             modes=tuple(m.training for m in target.modules),
         )
+        if _torch.mutation_on_saved_allowed():
+            call = _copied(call)
         frame = self.state.frames[-1] if self.state.frames else None
         inputs = call.inputs
         if target.entry is not FALLBACK and inputs and type(inputs[0]) is Tensor:
@@ -1003,6 +1005,23 @@ def _refuse_shallow_copy(target: Target, copied: nn.Module, hooked: dict) -> Non
                 "such as p - lr * g get grad1 through them), or run the copy under `with "
                 "h.paused():`."
             )
+
+
+def _copied(call: Call) -> Call:
+    """``call`` with copies of its input and output tensors, under
+    ``torch.autograd.graph.allow_mutation_on_saved_tensors()``: there autograd keeps a copy of
+    a saved tensor that is changed in place after the forward (the batch normalized for a
+    log), and its backward computes from the values of the forward; so must the rules. (Not
+    of the parameters: a rule that reads one changed in place since is refused by
+    :meth:`Call.parameter`.)"""
+
+    def own(t):
+        return t.clone() if isinstance(t, Tensor) else t
+
+    return with_fields(
+        call, inputs=tree_map(own, call.inputs), kwargs=tree_map(own, call.kwargs),
+        output=tree_map(own, call.output),
+    )  # fmt: skip
 
 
 def _in_slots(target: Target) -> dict[str, Tensor]:

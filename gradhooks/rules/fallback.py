@@ -153,8 +153,9 @@ def _fallback(call: Call) -> dict[str, Piece | None]:
 def _ran_with(call: Call, name: str, p: Tensor) -> Tensor:
     """The tensor ``call`` ran with in the slot of the module's parameter ``name`` (another,
     where ``torch.func.functional_call`` put one there for the call), else ``p``, the module's
-    own now: what a recomputation of the call must compute with."""
-    return call.params.get(name, p) if call.params is not None else p
+    own now: what a recomputation of the call must compute with (refused where it was
+    changed in place since the forward: :meth:`Call.parameter`)."""
+    return call.parameter(name) if call.params is not None and name in call.params else p
 
 
 def _from_state(call: Call) -> dict[str, Piece | None]:

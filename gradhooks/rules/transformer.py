@@ -116,7 +116,10 @@ def _transformer_layer(call: Call) -> dict[str, Piece]:
         records.append((names[module], module, args, kwargs, output))
 
     own = dict(layer.named_parameters(remove_duplicate=False))
-    replaced = {n: t for n, t in (call.params or {}).items() if own.get(n) is not t}
+    # (the tensors the call ran with, each refused where changed in place since the forward:
+    # the rerun would compute with other values)
+    ran = {n: call.parameter(n) for n in call.params or {}}
+    replaced = {n: t for n, t in ran.items() if own.get(n) is not t}
     handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
     try:
         # under the autocast the forward ran under: the parts' output-gradients are then
