@@ -564,8 +564,10 @@ class ForwardCapture:
         """:meth:`_open_frame` for ``module``'s call, and the hooks planned again there run
         in the place of the dead ones. Returns whether they were planned again, and the
         ``(args, kwargs)`` a new hook gave (``None`` where none did)."""
-        before = _torch.forward_pre_hooks(module)
+        made = Hook.made
         self._open_frame(module, args, kwargs)
+        if Hook.made == made:
+            return False, None  # (no hook made since: none planned again)
         # Where the hooks were planned again here (torch.func.functional_call put other tensors
         # in the parameter slots of the module it calls: the root, or a submodule called on its
         # own), torch runs the module's pre-hooks from its copy taken before: the module's new
@@ -573,8 +575,7 @@ class ForwardCapture:
         # parameters for uses outside it, and count them twice). They run here, in the place of
         # the old ones, which are dead.
         new = [
-            h for h in _torch.forward_pre_hooks(module)
-            if isinstance(h, Hook) and not any(h is b for b in before)
+            h for h in _torch.forward_pre_hooks(module) if isinstance(h, Hook) and h.serial >= made
         ]  # fmt: skip
         given = None
         for h in new:
@@ -642,7 +643,7 @@ class ForwardCapture:
                 )
             if first is not None and len(leaves) > 2:
                 _warn_batch_taken_alone(module, args, kwargs, first, leaves)
-            self._start_tracker(frame, args, kwargs)
+            self._start_tracker(frame, args, kwargs, leaves)
             return
         # (the first with that dimension: a time-major batch's lengths, [batch], may come first)
         first = next((t for t in leaves if t.dim() > self.state.batch_dim), None)
@@ -658,13 +659,14 @@ class ForwardCapture:
         frame.batch = first.shape[self.state.batch_dim]
         if self.state.grad1:
             self.backwards.refuse_large(frame.batch)  # before the forward allocates anything
-        self._start_tracker(frame, args, kwargs)
+        self._start_tracker(frame, args, kwargs, leaves)
 
-    def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
-        """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""
+    def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict, leaves: list) -> None:
+        """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`); ``leaves``:
+        its tensor inputs (:func:`input_tensors`)."""
         if is_compiling():
             return
-        found = root_batch(args, kwargs, self.state.batch_dim)
+        found = root_batch(args, kwargs, self.state.batch_dim, leaves)
         if found is None:
             return
         batch, layouts = found
@@ -681,7 +683,7 @@ class ForwardCapture:
                 tracker.give(t, lay)
         if self.state.batch_dim == "auto" and layouts[0][1] is not PACKED:
             tracker.note_listed(listed_with(layouts[0][0], args, kwargs))
-        frame.roots = input_tensors(args, kwargs)
+        frame.roots = leaves
         if layouts[0][1] is not PACKED:
             frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
         frame.tracker = tracker

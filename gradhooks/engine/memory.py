@@ -10,6 +10,7 @@ with :class:`~gradhooks.Grad1TooLarge` when it exceeds the limit. The limit is, 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -76,14 +77,18 @@ def _size(n: float) -> str:
 
 
 def refuse_if_too_large(
-    model_name: str, batch: int, numel: int, itemsize: int, device: torch.device, override
-) -> None:
+    model_name: str | Callable[[], str], batch: int, numel: int, itemsize: int,
+    device: torch.device, override,
+) -> None:  # fmt: skip
     """Raise :class:`~gradhooks.Grad1TooLarge` when ``batch × numel × itemsize`` exceeds the
-    limit."""
+    limit (``model_name``: the model as the message names it, or what makes that name, called
+    only to say so: this runs at every backward)."""
     need = batch * numel * itemsize
     limit = memory_limit(device, override)
     if limit is None or need <= limit:
         return
+    if callable(model_name):
+        model_name = model_name()
     per_example = numel * itemsize
     fits = limit // max(per_example, 1)
     raise Grad1TooLarge(

@@ -233,6 +233,13 @@ def _flat_entries(found: list, batch: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
+def _ones_row(batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[1, batch]`` ones: the spot check's sum over the examples, as a product (never
+    written: each is the same tensor)."""
+    return torch.ones(1, batch, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
 def _spot_tolerance(
     dtype: torch.dtype, precision: torch.dtype | None, since: torch.dtype | None
 ) -> float | None:
@@ -827,7 +834,8 @@ class Verifier:
             found = self.state.spot_entries.get(pid)
             if found is None or found[0] != p.numel():
                 step = max(1, p.numel() // SPOT_ENTRIES)
-                entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES]
+                # ([1, entries]: autograd's entries taken as a row, beside grad1's rows)
+                entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES].unsqueeze(0)
                 self.state.spot_entries[pid] = [p.numel(), entries, {}]
             return pid
         return None
@@ -866,11 +874,12 @@ class Verifier:
             # (the mean's difference as the sum's, over the batch: one kernel fewer)
             mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
             batch = rows.shape[0] if mean else 1
-            # each row's largest entry: the difference's, autograd's, each example's
-            # (keepdim and unsqueeze: views without torch's indexing in Python, [None])
-            off = rows.sum(0, keepdim=True).sub_(want, alpha=batch)
+            # each row's largest entry: the difference's, autograd's, each example's (the
+            # rows' sum less batch · autograd's in one product, a row of ones times the rows)
+            off = torch.addmm(want, _ones_row(rows.shape[0], rows.dtype, rows.device), rows,
+                              beta=-batch)  # fmt: skip
             largest_of = torch.linalg.vector_norm(
-                torch.cat([off, want.unsqueeze(0), rows]), float("inf"), dim=1
+                torch.cat([off, want, rows]), float("inf"), dim=1
             ).tolist()
             diff, scale = largest_of[0] / batch, max(largest_of[1:])
         else:
@@ -880,7 +889,7 @@ class Verifier:
         if beyond_rounding(diff, scale, max(self.overall, scale), tol, want.dtype):
             self._refuse_sums(
                 bw, [f"'{name}' (differs by {diff:.2e}, largest {scale:.2e}, over "
-                     f"{len(entries)} of its entries)"],
+                     f"{entries.numel()} of its entries)"],
                 "On the CPU, each backward between the full checks compares some entries of "
                 "one parameter's grad1, a parameter after another: this one's did not add up.",
             )  # fmt: skip
