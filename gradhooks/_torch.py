@@ -816,12 +816,17 @@ def leave_compiled() -> bool:
 _GRAPH_TASK_ID = _lookup("graph_task_id", lambda: torch._C._current_graph_task_id)
 
 
-def graph_task_id() -> int:
-    """The id of the running backward (``torch._C._current_graph_task_id``), -1 outside any.
+def _no_graph_task_id() -> int:
+    return 0
 
-    torch has no public way to tell one backward from another running inside it (reentrant
-    checkpointing). Required (:func:`require`); 0 where missing."""
-    return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else 0
+
+# The id of the running backward (``torch._C._current_graph_task_id`` itself: asked several
+# times per hooked call, it is not wrapped), -1 outside any. torch has no public way to tell
+# one backward from another running inside it (reentrant checkpointing). Required
+# (:func:`require`); 0 where missing.
+graph_task_id: Callable[[], int] = (
+    _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else _no_graph_task_id
+)
 
 
 # -- keep_graph ---------------------------------------------------------------------------------

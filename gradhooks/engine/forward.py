@@ -706,9 +706,11 @@ class ForwardCapture:
         tracker = frame.tracker
         self.stop_tracker(frame)
         frame.roots = []  # (read while the forward runs; kept, they would hold its inputs' graph)
-        if tracker is not None and sys.exc_info()[1] is None:
+        raised = sys.exc_info()[1] is not None
+        leaves = None if tracker is None and not frame.sizes else tree_leaves(output)
+        if tracker is not None and not raised:
             self.verifier.check_listed(module, tracker)
-            self.verifier.check_output(module, tracker, output)
+            self.verifier.check_output(module, tracker, output, leaves)
         if frame.signature:
             sig = tuple(frame.signature)
             # (verified by the next backward that captures: the first of each new set of calls,
@@ -719,13 +721,11 @@ class ForwardCapture:
             ):
                 self.state.verified.add(sig)
                 self.state.unverified.add(sig)
-                if tracker is not None and sys.exc_info()[1] is None:
+                if tracker is not None and not raised:
                     self.verifier.arm_probe(frame, tracker, output)
         if self.state.batch_dim == "auto" and frame.sizes:
-            frame.sizes.update(
-                n for t in tree_leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
-            )
-        if output is None and sys.exc_info()[1] is not None:
+            frame.sizes.update(n for t in leaves if isinstance(t, Tensor) for n in t.shape[:2])
+        if output is None and raised:
             # the forward raised: what it captured will never be backpropagated
             for state in frame.states:
                 state.cancelled = True

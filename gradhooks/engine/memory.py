@@ -47,14 +47,16 @@ def memory_limit(device: torch.device, override: int | str | None = "auto") -> i
 
 def _device_memory(device: torch.device) -> int | None:
     """The memory of ``device`` (``None``: not known), asked once per device (a backward asks
-    at its first call)."""
-    key = (device.type, device.index)
-    if key not in _MEMORY:
-        _MEMORY[key] = _ask_device_memory(device)
-    return _MEMORY[key]
+    at its first call). By the device itself: reading its ``type`` costs more than the
+    lookup."""
+    found = _MEMORY.get(device, _UNASKED)
+    if found is _UNASKED:
+        found = _MEMORY[device] = _ask_device_memory(device)
+    return found
 
 
-_MEMORY: dict[tuple[str, int | None], int | None] = {}
+_MEMORY: dict[torch.device, int | None] = {}
+_UNASKED = object()
 
 
 def _ask_device_memory(device: torch.device) -> int | None:

@@ -419,9 +419,8 @@ def autocast_on() -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
-def graph_task() -> int:
-    """The id of the running backward (-1 outside any)."""
-    return _torch.graph_task_id()
+# The id of the running backward (-1 outside any): _torch.graph_task_id, torch's own function
+graph_task: Callable[[], int] = _torch.graph_task_id
 
 
 def leaves_of(t: Tensor) -> list[Tensor]:

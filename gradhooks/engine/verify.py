@@ -657,11 +657,15 @@ class Verifier:
             "add_hooks(model, batch_dim=0)."
         )
 
-    def check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
+    def check_output(
+        self, module: nn.Module, tracker: Tracker, output: Any, leaves: list | None = None
+    ) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
         was taken as the batch: a sequence-first model read batch-first), where no output keeps
-        them apart."""
-        outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        them apart. ``leaves``: ``tree_leaves(output)``, where the caller has them."""
+        if leaves is None:
+            leaves = tree_leaves(output)
+        outs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
         lays = [tracker.layout(t) for t in outs]
         self._check_order(module, outs, lays)
         mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
