@@ -225,18 +225,22 @@ def _flat_entries(found: list, batch: int) -> Tensor:
     """The flat indices ``[batch, entries]`` of a spot check's entries in each example's row of
     a ``grad1`` of ``batch`` examples (``torch.take``), kept in ``found`` (the parameter's
     ``[numel, entries, {batch: indices}]``) for the next backward of that batch."""
-    numel, entries, by_batch = found
+    numel, entries, by_batch = found[:3]
     at = by_batch.get(batch)
     if at is None:
         at = by_batch[batch] = entries + numel * torch.arange(batch)[:, None]
     return at
 
 
-@functools.lru_cache(maxsize=64)
-def _ones_row(batch: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[1, batch]`` ones: the spot check's sum over the examples, as a product (never
-    written: each is the same tensor)."""
-    return torch.ones(1, batch, dtype=dtype, device=device)
+def _ones_row(found: list, rows: Tensor) -> Tensor:
+    """``[1, batch]`` ones in ``rows``' dtype: the spot check's sum over the ``batch`` rows, as a
+    product, kept in ``found`` (the parameter's ``[numel, entries, {batch: indices}, {batch:
+    ones}]``) for the next backward of that batch (never written)."""
+    batch = rows.shape[0]
+    ones = found[3].get(batch)
+    if ones is None or ones.dtype is not rows.dtype:
+        ones = found[3][batch] = torch.ones(1, batch, dtype=rows.dtype, device=rows.device)
+    return ones
 
 
 @functools.lru_cache(maxsize=64)
@@ -840,7 +844,7 @@ class Verifier:
                 step = max(1, p.numel() // SPOT_ENTRIES)
                 # ([1, entries]: autograd's entries taken as a row, beside grad1's rows)
                 entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES].unsqueeze(0)
-                self.state.spot_entries[pid] = [p.numel(), entries, {}]
+                self.state.spot_entries[pid] = [p.numel(), entries, {}, {}]
             return pid
         return None
 
@@ -861,14 +865,15 @@ class Verifier:
         if tol is None:
             return
         name, p = self.state.params[pid]
-        entries = self.state.spot_entries[pid][1]
+        found = self.state.spot_entries[pid]
+        entries = found[1]
         want = bw.spot_grad
         if pid in self.state.written and pid in bw.before:
             g1 = p.grad1
             if g1.requires_grad:
                 g1 = g1.detach()
             # (the entries of every example, one index into the flat grad1)
-            at = _flat_entries(self.state.spot_entries[pid], g1.shape[0])
+            at = _flat_entries(found, g1.shape[0])
             rows = torch.take(g1, at)
             before = bw.before[pid]
             if before is not None:
@@ -880,8 +885,7 @@ class Verifier:
             batch = rows.shape[0] if mean else 1
             # each row's largest entry: the difference's, autograd's, each example's (the
             # rows' sum less batch · autograd's in one product, a row of ones times the rows)
-            off = torch.addmm(want, _ones_row(rows.shape[0], rows.dtype, rows.device), rows,
-                              beta=-batch)  # fmt: skip
+            off = torch.addmm(want, _ones_row(found, rows), rows, beta=-batch)
             largest_of = torch.linalg.vector_norm(
                 torch.cat([off, want, rows]), float("inf"), dim=1
             ).tolist()
