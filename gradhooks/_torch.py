@@ -102,6 +102,11 @@ Each internal, its name here, where it is used, and its fallback:
   ``foreach`` implementations: the DP step divides its noised sums by the batch in one call per
   step instead of one per parameter (``workflows/dp.py``). Fallback: a loop over the tensors, the same numbers (on CPU
   they run the same per-tensor kernels).
+- ``fp32_precision``: ``torch._C._get_fp32_precision_getter`` (:func:`fp32_precisions`), the
+  ``fp32_precision`` settings of ``torch.backends`` (the generic one, oneDNN's, and its
+  matmul's, conv's and rnn's) read straight from torch's C++ side: the engine reads them at
+  every forward (``records.py`` ``float32_products``), where the public attributes pass through
+  several Python descriptors each (about five times the cost). Fallback: those attributes.
 
 Required (no fallback; :func:`require` refuses without them):
 
@@ -215,6 +220,7 @@ __all__ = [
     "backward_hooks_off",
     "foreach_div",
     "foreach_div_",
+    "fp32_precisions",
     "drop_stale_hooks",
     "put_tensor_hook_first",
     "first_forward_hook",
@@ -354,6 +360,11 @@ INTERNALS: dict[str, Internal] = {
             "foreach",
             "torch._foreach_div_, _foreach_div",
             "a loop over the tensors, the same numbers",
+        ),
+        Internal(
+            "fp32_precision",
+            "torch._C._get_fp32_precision_getter",
+            "the torch.backends attributes, the same settings",
         ),
         Internal("graph_task_id", "torch._C._current_graph_task_id", "", required=True),
         Internal(
@@ -833,12 +844,17 @@ def leave_compiled() -> bool:
 _GRAPH_TASK_ID = _lookup("graph_task_id", lambda: torch._C._current_graph_task_id)
 
 
-def graph_task_id() -> int:
-    """The id of the running backward (``torch._C._current_graph_task_id``), -1 outside any.
+def _no_graph_task_id() -> int:
+    return 0
 
-    torch has no public way to tell one backward from another running inside it (reentrant
-    checkpointing). Required (:func:`require`); 0 where missing."""
-    return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else 0
+
+# The id of the running backward (``torch._C._current_graph_task_id`` itself: asked several
+# times per hooked call, it is not wrapped), -1 outside any. torch has no public way to tell
+# one backward from another running inside it (reentrant checkpointing). Required
+# (:func:`require`); 0 where missing.
+graph_task_id: Callable[[], int] = (
+    _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else _no_graph_task_id
+)
 
 
 # -- keep_graph ---------------------------------------------------------------------------------
@@ -1372,3 +1388,30 @@ def foreach_div(xs: list[Tensor], denom: float) -> list[Tensor]:
     if xs and _FOREACH is not None and "foreach" not in _off:
         return list(_FOREACH[1](xs, denom))
     return [x / denom for x in xs]
+
+
+# -- fp32_precision ------------------------------------------------------------------------------
+
+_FP32_GETTER = _lookup("fp32_precision", lambda: torch._C._get_fp32_precision_getter)
+# (backend, operation) of torch.backends' fp32_precision, mkldnn.fp32_precision and
+# mkldnn.matmul's, conv's and rnn's
+_FP32_SETTINGS = (
+    ("generic", "all"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+)  # fmt: skip
+
+
+def fp32_precisions() -> set[str]:
+    """The ``fp32_precision`` settings of ``torch.backends``: the generic one, oneDNN's, and
+    oneDNN's matmul's, conv's and rnn's (``torch._C._get_fp32_precision_getter``; the
+    attributes where missing or off). Raises ``AttributeError`` on a torch without them."""
+    if _FP32_GETTER is not None and "fp32_precision" not in _off:
+        return {_FP32_GETTER(backend, op) for backend, op in _FP32_SETTINGS}
+    b = torch.backends
+    return {
+        b.fp32_precision,
+        b.mkldnn.fp32_precision,
+        b.mkldnn.matmul.fp32_precision,
+        b.mkldnn.conv.fp32_precision,
+        b.mkldnn.rnn.fp32_precision,
+    }

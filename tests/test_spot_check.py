@@ -171,3 +171,38 @@ def test_an_empty_parameter_is_passed_over():
             model.zero_grad()
             F.cross_entropy(run(x), y, reduction="sum").backward()
     assert model["empty"].weight.grad1.shape == (5, 0, 6)
+
+
+@cpu_only("the spot check between the full checks runs on the CPU alone")
+def test_batch_and_dtype_changed_between_steps_are_compared_and_refused():
+    """The spot check keeps, per parameter, its entries' indices and a row of ones for each
+    batch: with the batch's size changing at every step and the model turned from float64 to
+    float32 after the 5th, every step's grad1 is the examples' own (no false alarm), and a
+    penalty on every parameter from the 9th step is refused there, before the full check of
+    the 16th."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    refused_at = None
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(1, 17):
+            dtype = torch.float64 if step <= 5 else torch.float32
+            if step == 6:
+                model.float()
+            x, y = _batch(step, dtype, n=(5, 3, 7)[step % 3])
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+            if step >= 9:
+                loss = loss + 10.0 * sum((p**2).sum() for p in model.parameters())
+            try:
+                loss.backward()
+            except gradhooks.CheckFailedError as e:
+                assert "does not add up" in str(e), str(e)
+                refused_at = step
+                break
+            want = loop_grad(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y)
+            tol = {"rtol": 1e-7, "atol": 1e-9} if step <= 5 else {"rtol": 1e-4, "atol": 1e-5}
+            for name, p in model.named_parameters():
+                assert p.grad1.shape[0] == x.shape[0]
+                torch.testing.assert_close(p.grad1, want[name].to(p.dtype), **tol)
+            opt.step()
+    assert refused_at == 9, refused_at

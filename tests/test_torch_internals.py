@@ -641,6 +641,43 @@ def test_foreach(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
+@pytest.mark.parametrize(
+    "setting", [None, "generic", "mkldnn", "matmul", "conv", "rnn"], ids=lambda s: str(s)
+)
+def test_fp32_precision(monkeypatch, setting):
+    """A forward reads torch.backends' ``fp32_precision`` settings from torch's C++ side;
+    switched off, through the attributes: the same settings either way, each one of them set
+    to ``"bf16"`` in turn, and a forward's checks take its products as bfloat16 after it."""
+    from gradhooks.engine.records import float32_products
+
+    b = torch.backends
+    holders = {
+        "generic": b, "mkldnn": b.mkldnn, "matmul": b.mkldnn.matmul, "conv": b.mkldnn.conv,
+        "rnn": b.mkldnn.rnn,
+    }  # fmt: skip
+    if not hasattr(b.mkldnn.matmul, "fp32_precision") and not _torch.available("fp32_precision"):
+        pytest.skip("no fp32_precision settings in this torch")
+    seen = spy(monkeypatch, "fp32_precisions")
+    holder = holders.get(setting)
+    old = None if holder is None else holder.fp32_precision
+    try:
+        if holder is not None:
+            holder.fp32_precision = "bf16"
+        ways = []
+        for off in (False, True):
+            with switched_off("fp32_precision", off):
+                ways.append((_torch.fp32_precisions(), float32_products()))
+        assert ways[0] == ways[1]
+        assert ways[0][1] is (None if holder is None else torch.bfloat16)
+        model = nn.Linear(3, 2)
+        with gradhooks.add_hooks(model):
+            model(torch.randn(4, 3)).sum().backward()
+    finally:
+        if holder is not None:
+            holder.fp32_precision = old
+    assert seen, "a forward did not read the settings through fp32_precisions"
+
+
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_eval_frame(monkeypatch, off):
     """``torch.compile(model)`` of a hooked model (the forward pre-hook of a model of its own
@@ -830,6 +867,7 @@ TESTED = {
     "keep_graph": test_keep_graph,
     "mutation_on_saved": test_mutation_on_saved,
     "foreach": test_foreach,
+    "fp32_precision": test_fp32_precision,
     **{name: test_required_internal_missing_is_refused for name in REQUIRED},
 }
 

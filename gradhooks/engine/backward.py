@@ -526,11 +526,14 @@ class BackwardWriter:
         if not self.state.params:
             return
         p = next(iter(self.state.params.values()))[1]
-        model = self.state.model
         refuse_if_too_large(
-            f"'{type(model).__qualname__}'" if model is not None else "the model",
-            batch, self.state.numel, p.element_size(), p.device, self.state.max_grad1_bytes,
+            self._model_name, batch, self.state.numel, p.element_size(), p.device,
+            self.state.max_grad1_bytes,
         )  # fmt: skip
+
+    def _model_name(self) -> str:
+        model = self.state.model
+        return f"'{type(model).__qualname__}'" if model is not None else "the model"
 
     def backward_state(self) -> Backward:
         task = graph_task()
@@ -1016,15 +1019,18 @@ class BackwardWriter:
         if kept and bw.computed and self.state.mode.param_grads:
             # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
             # grad1 or norms; not where calls run detached by design, the book-keeping step)
-            ours = self.state.params.keys() - self.state.sharded
-            left_out = {q for q in bw.reached | bw.before.keys() if q in ours} - bw.computed
+            params, sharded = self.state.params, self.state.sharded
+            left_out = {
+                q for q in (bw.reached | bw.before.keys()) - bw.computed
+                if q in params and q not in sharded
+            }  # fmt: skip
             left_out |= bw.frozen  # (frozen since a planning dropped them: never computed)
             # (frozen between the forward and the backward: autograd computes its gradient,
             # then leaves .grad as it was)
             for q in [q for q in bw.computed if not self.state.params[q][1].requires_grad]:
                 left_out.add(q)
                 bw.grads.pop(q, None)
-            if self.state.grad1:
+            if self.state.grad1 and left_out:
                 self.rollback(bw, left_out)
         for held in bw.held:
             self.state.collector.add(*held)

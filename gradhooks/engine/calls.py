@@ -337,15 +337,17 @@ def input_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
 
 
 def root_batch(
-    args: tuple, kwargs: dict, batch_dim
+    args: tuple, kwargs: dict, batch_dim, leaves: list[Tensor] | None = None
 ) -> tuple[int, list[tuple[Tensor, Layout]]] | None:
     """The model's batch size and the layouts of its tensor inputs: dimension ``batch_dim``
     (0 for ``"auto"``) of its first tensor input is the batch, and every tensor input whose
     dimension ``batch_dim`` has that size holds the examples there; a ``PackedSequence``'s
-    batch is its first batch size."""
+    batch is its first batch size. ``leaves``: :func:`input_tensors` of the call, where the
+    caller has them."""
     dim = 0 if batch_dim == "auto" else batch_dim
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
-    leaves = input_tensors(args, kwargs)
+    if leaves is None:
+        leaves = input_tensors(args, kwargs)
     if packed:
         batch = int(packed[0].batch_sizes[0])
         found = [(ps.data, PACKED) for ps in packed]

@@ -566,8 +566,10 @@ class ForwardCapture:
         """:meth:`_open_frame` for ``module``'s call, and the hooks planned again there run
         in the place of the dead ones. Returns whether they were planned again, and the
         ``(args, kwargs)`` a new hook gave (``None`` where none did)."""
-        before = _torch.forward_pre_hooks(module)
+        made = Hook.made
         self._open_frame(module, args, kwargs)
+        if Hook.made == made:
+            return False, None  # (no hook made since: none planned again)
         # Where the hooks were planned again here (torch.func.functional_call put other tensors
         # in the parameter slots of the module it calls: the root, or a submodule called on its
         # own), torch runs the module's pre-hooks from its copy taken before: the module's new
@@ -575,8 +577,7 @@ class ForwardCapture:
         # parameters for uses outside it, and count them twice). They run here, in the place of
         # the old ones, which are dead.
         new = [
-            h for h in _torch.forward_pre_hooks(module)
-            if isinstance(h, Hook) and not any(h is b for b in before)
+            h for h in _torch.forward_pre_hooks(module) if isinstance(h, Hook) and h.serial >= made
         ]  # fmt: skip
         given = None
         for h in new:
@@ -644,7 +645,7 @@ class ForwardCapture:
                 )
             if first is not None and len(leaves) > 2:
                 _warn_batch_taken_alone(module, args, kwargs, first, leaves)
-            self._start_tracker(frame, args, kwargs)
+            self._start_tracker(frame, args, kwargs, leaves)
             return
         # (the first with that dimension: a time-major batch's lengths, [batch], may come first)
         first = next((t for t in leaves if t.dim() > self.state.batch_dim), None)
@@ -660,13 +661,14 @@ class ForwardCapture:
         frame.batch = first.shape[self.state.batch_dim]
         if self.state.grad1:
             self.backwards.refuse_large(frame.batch)  # before the forward allocates anything
-        self._start_tracker(frame, args, kwargs)
+        self._start_tracker(frame, args, kwargs, leaves)
 
-    def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict) -> None:
-        """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`)."""
+    def _start_tracker(self, frame: Frame, args: tuple, kwargs: dict, leaves: list) -> None:
+        """Follow the batch through this forward (:mod:`gradhooks.tracking.layout`); ``leaves``:
+        its tensor inputs (:func:`input_tensors`)."""
         if is_compiling():
             return
-        found = root_batch(args, kwargs, self.state.batch_dim)
+        found = root_batch(args, kwargs, self.state.batch_dim, leaves)
         if found is None:
             return
         batch, layouts = found
@@ -683,7 +685,7 @@ class ForwardCapture:
                 tracker.give(t, lay)
         if self.state.batch_dim == "auto" and layouts[0][1] is not PACKED:
             tracker.note_listed(listed_with(layouts[0][0], args, kwargs))
-        frame.roots = input_tensors(args, kwargs)
+        frame.roots = leaves
         if layouts[0][1] is not PACKED:
             frame.rows = rows_in_memory(layouts[0][0], layouts[0][1].dim)
         frame.tracker = tracker
@@ -706,9 +708,11 @@ class ForwardCapture:
         tracker = frame.tracker
         self.stop_tracker(frame)
         frame.roots = []  # (read while the forward runs; kept, they would hold its inputs' graph)
-        if tracker is not None and sys.exc_info()[1] is None:
+        raised = sys.exc_info()[1] is not None
+        leaves = None if tracker is None and not frame.sizes else tree_leaves(output)
+        if tracker is not None and not raised:
             self.verifier.check_listed(module, tracker)
-            self.verifier.check_output(module, tracker, output)
+            self.verifier.check_output(module, tracker, output, leaves)
         if frame.signature:
             sig = tuple(frame.signature)
             # (verified by the next backward that captures: the first of each new set of calls,
@@ -719,13 +723,11 @@ class ForwardCapture:
             ):
                 self.state.verified.add(sig)
                 self.state.unverified.add(sig)
-                if tracker is not None and sys.exc_info()[1] is None:
+                if tracker is not None and not raised:
                     self.verifier.arm_probe(frame, tracker, output)
         if self.state.batch_dim == "auto" and frame.sizes:
-            frame.sizes.update(
-                n for t in tree_leaves(output) if isinstance(t, Tensor) for n in t.shape[:2]
-            )
-        if output is None and sys.exc_info()[1] is not None:
+            frame.sizes.update(n for t in leaves if isinstance(t, Tensor) for n in t.shape[:2])
+        if output is None and raised:
             # the forward raised: what it captured will never be backpropagated
             for state in frame.states:
                 state.cancelled = True

@@ -10,6 +10,7 @@ with :class:`~gradhooks.Grad1TooLarge` when it exceeds the limit. The limit is, 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -46,14 +47,16 @@ def memory_limit(device: torch.device, override: int | str | None = "auto") -> i
 
 def _device_memory(device: torch.device) -> int | None:
     """The memory of ``device`` (``None``: not known), asked once per device (a backward asks
-    at its first call)."""
-    key = (device.type, device.index)
-    if key not in _MEMORY:
-        _MEMORY[key] = _ask_device_memory(device)
-    return _MEMORY[key]
+    at its first call). By the device itself: reading its ``type`` costs more than the
+    lookup."""
+    found = _MEMORY.get(device, _UNASKED)
+    if found is _UNASKED:
+        found = _MEMORY[device] = _ask_device_memory(device)
+    return found
 
 
-_MEMORY: dict[tuple[str, int | None], int | None] = {}
+_MEMORY: dict[torch.device, int | None] = {}
+_UNASKED = object()
 
 
 def _ask_device_memory(device: torch.device) -> int | None:
@@ -76,14 +79,18 @@ def _size(n: float) -> str:
 
 
 def refuse_if_too_large(
-    model_name: str, batch: int, numel: int, itemsize: int, device: torch.device, override
-) -> None:
+    model_name: str | Callable[[], str], batch: int, numel: int, itemsize: int,
+    device: torch.device, override,
+) -> None:  # fmt: skip
     """Raise :class:`~gradhooks.Grad1TooLarge` when ``batch × numel × itemsize`` exceeds the
-    limit."""
+    limit (``model_name``: the model as the message names it, or what makes that name, called
+    only to say so: this runs at every backward)."""
     need = batch * numel * itemsize
     limit = memory_limit(device, override)
     if limit is None or need <= limit:
         return
+    if callable(model_name):
+        model_name = model_name()
     per_example = numel * itemsize
     fits = limit // max(per_example, 1)
     raise Grad1TooLarge(

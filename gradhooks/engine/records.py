@@ -239,8 +239,12 @@ class Hook:
     gets an inert hook. Under ``torch.compile`` it is a graph break after which the rest of
     the compiled call runs eagerly, on real tensors (:mod:`gradhooks.engine.compiled`)."""
 
+    made = 0  # how many hooks were made so far: each one's ``serial``
+
     def __init__(self, fn, owner: Any = None) -> None:
         self.fn = fn
+        self.serial = Hook.made
+        Hook.made += 1
         # the handle whose hook it is: kept alive by its modules' hooks, as long as they are
         # (the registries of hooked modules hold it weakly)
         self.owner = owner
@@ -380,15 +384,8 @@ def float32_products() -> torch.dtype | None:
     A float32 call's gradients then round as bfloat16's do, and the checks allow for it (also
     where an operation set back to ``"ieee"`` below a ``"bf16"`` one does not round: a looser
     check, never a false alarm)."""
-    b = torch.backends
     try:
-        found = {
-            b.fp32_precision,
-            b.mkldnn.fp32_precision,
-            b.mkldnn.matmul.fp32_precision,
-            b.mkldnn.conv.fp32_precision,
-            b.mkldnn.rnn.fp32_precision,
-        }
+        found = _torch.fp32_precisions()
     except (AttributeError, RuntimeError):  # (torch before the fp32_precision settings)
         found = {torch.get_float32_matmul_precision()}
     return torch.bfloat16 if found & {"bf16", "medium"} else None
@@ -422,9 +419,8 @@ def autocast_on() -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
-def graph_task() -> int:
-    """The id of the running backward (-1 outside any)."""
-    return _torch.graph_task_id()
+# The id of the running backward (-1 outside any): _torch.graph_task_id, torch's own function
+graph_task: Callable[[], int] = _torch.graph_task_id
 
 
 def leaves_of(t: Tensor) -> list[Tensor]:

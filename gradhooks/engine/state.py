@@ -157,7 +157,8 @@ class CaptureState:
         # the spot check of the backwards in between (Verifier.spot_check): the position,
         # among params, of the parameter the next one compares; the entries compared, by id
         self.spot_next = 0
-        # (its numel then, the entries, their flat indices in a grad1 of each batch)
+        # (its numel then, the entries, their flat indices in a grad1 of each batch, and a row
+        # of ones of each batch: the sum over the examples)
         self.spot_entries: dict[int, list] = {}
 
         # -- parameters used outside their modules' calls --------------------------------------

@@ -225,11 +225,22 @@ def _flat_entries(found: list, batch: int) -> Tensor:
     """The flat indices ``[batch, entries]`` of a spot check's entries in each example's row of
     a ``grad1`` of ``batch`` examples (``torch.take``), kept in ``found`` (the parameter's
     ``[numel, entries, {batch: indices}]``) for the next backward of that batch."""
-    numel, entries, by_batch = found
+    numel, entries, by_batch = found[:3]
     at = by_batch.get(batch)
     if at is None:
         at = by_batch[batch] = entries + numel * torch.arange(batch)[:, None]
     return at
+
+
+def _ones_row(found: list, rows: Tensor) -> Tensor:
+    """``[1, batch]`` ones in ``rows``' dtype: the spot check's sum over the ``batch`` rows, as a
+    product, kept in ``found`` (the parameter's ``[numel, entries, {batch: indices}, {batch:
+    ones}]``) for the next backward of that batch (never written)."""
+    batch = rows.shape[0]
+    ones = found[3].get(batch)
+    if ones is None or ones.dtype is not rows.dtype:
+        ones = found[3][batch] = torch.ones(1, batch, dtype=rows.dtype, device=rows.device)
+    return ones
 
 
 @functools.lru_cache(maxsize=64)
@@ -650,11 +661,15 @@ class Verifier:
             "add_hooks(model, batch_dim=0)."
         )
 
-    def check_output(self, module: nn.Module, tracker: Tracker, output: Any) -> None:
+    def check_output(
+        self, module: nn.Module, tracker: Tracker, output: Any, leaves: list | None = None
+    ) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
         was taken as the batch: a sequence-first model read batch-first), where no output keeps
-        them apart."""
-        outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        them apart. ``leaves``: ``tree_leaves(output)``, where the caller has them."""
+        if leaves is None:
+            leaves = tree_leaves(output)
+        outs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
         lays = [tracker.layout(t) for t in outs]
         self._check_order(module, outs, lays)
         mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
@@ -827,8 +842,9 @@ class Verifier:
             found = self.state.spot_entries.get(pid)
             if found is None or found[0] != p.numel():
                 step = max(1, p.numel() // SPOT_ENTRIES)
-                entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES]
-                self.state.spot_entries[pid] = [p.numel(), entries, {}]
+                # ([1, entries]: autograd's entries taken as a row, beside grad1's rows)
+                entries = torch.arange(0, p.numel(), step)[:SPOT_ENTRIES].unsqueeze(0)
+                self.state.spot_entries[pid] = [p.numel(), entries, {}, {}]
             return pid
         return None
 
@@ -849,14 +865,15 @@ class Verifier:
         if tol is None:
             return
         name, p = self.state.params[pid]
-        entries = self.state.spot_entries[pid][1]
+        found = self.state.spot_entries[pid]
+        entries = found[1]
         want = bw.spot_grad
         if pid in self.state.written and pid in bw.before:
             g1 = p.grad1
             if g1.requires_grad:
                 g1 = g1.detach()
             # (the entries of every example, one index into the flat grad1)
-            at = _flat_entries(self.state.spot_entries[pid], g1.shape[0])
+            at = _flat_entries(found, g1.shape[0])
             rows = torch.take(g1, at)
             before = bw.before[pid]
             if before is not None:
@@ -866,11 +883,11 @@ class Verifier:
             # (the mean's difference as the sum's, over the batch: one kernel fewer)
             mean = self.state.loss_reduction == "mean" and rows.shape[0] > 0
             batch = rows.shape[0] if mean else 1
-            # each row's largest entry: the difference's, autograd's, each example's
-            # (keepdim and unsqueeze: views without torch's indexing in Python, [None])
-            off = rows.sum(0, keepdim=True).sub_(want, alpha=batch)
+            # each row's largest entry: the difference's, autograd's, each example's (the
+            # rows' sum less batch · autograd's in one product, a row of ones times the rows)
+            off = torch.addmm(want, _ones_row(found, rows), rows, beta=-batch)
             largest_of = torch.linalg.vector_norm(
-                torch.cat([off, want.unsqueeze(0), rows]), float("inf"), dim=1
+                torch.cat([off, want, rows]), float("inf"), dim=1
             ).tolist()
             diff, scale = largest_of[0] / batch, max(largest_of[1:])
         else:
@@ -880,7 +897,7 @@ class Verifier:
         if beyond_rounding(diff, scale, max(self.overall, scale), tol, want.dtype):
             self._refuse_sums(
                 bw, [f"'{name}' (differs by {diff:.2e}, largest {scale:.2e}, over "
-                     f"{len(entries)} of its entries)"],
+                     f"{entries.numel()} of its entries)"],
                 "On the CPU, each backward between the full checks compares some entries of "
                 "one parameter's grad1, a parameter after another: this one's did not add up.",
             )  # fmt: skip
