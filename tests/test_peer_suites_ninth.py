@@ -1,0 +1,512 @@
+"""A ninth set of the cases that other projects check in their own test suites, written in
+gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(grad)`` and
+per-example loops). The first eight sets are :mod:`test_peer_suites`,
+:mod:`test_peer_suites_more`, :mod:`test_peer_suites_third`, :mod:`test_peer_suites_fourth`,
+:mod:`test_peer_suites_fifth`, :mod:`test_peer_suites_sixth`, :mod:`test_peer_suites_seventh`
+and :mod:`test_peer_suites_eighth`; this one adds:
+
+- BackPACK (``test/bugfixes_test.py``, ``test/interface_test.py``,
+  ``test/test_problems_padding.py``, ``test/test_problems_pooling.py``): the strided, padded and
+  dilated Conv2d whose output leaves the input's last rows unread (its issue 30), every
+  quantity and the DP step of it; which parameters each quantity reaches on its two interface
+  networks; its padding and pooling problems (``ZeroPad2d`` between unpadded convolutions,
+  max- and average-pooling between convolutions, under ``MSELoss`` and ``CrossEntropyLoss``);
+- Opacus (``opacus/tests/multigpu_adaptive_clipping_test.py``,
+  ``opacus/tests/schedulers/grad_clip_scheduler_test.py``, ``opacus/tests/randomness_test.py``,
+  ``opacus/tests/privacy_engine_test.py``, ``opacus/tests/validators/instance_norm_test.py``,
+  ``opacus/tests/dpdataloader_test.py``): adaptive clipping that clips nothing and adds no
+  noise equal to plain SGD, the clipping bound changed between steps by an exponential, a step
+  and a lambda schedule, the noise and the batches reproduced by a generator or by the global
+  seed (and not reproduced without one), a logical batch that drew no example (its step is the
+  noise alone), two runs from one seed the same (``test_deterministic_run``), and instance
+  norms that keep running statistics, in training and in eval.
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
+Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_peer_suites import ce, clipped_sum_by_oracle, mse
+from test_peer_suites_sixth import check_quantities, trainable
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_close, assert_grad1, seeded
+
+D = torch.float64
+METHODS = ["grad1", "ghost", "bookkeeping"]
+
+
+def quantities_of(method: str) -> tuple[str, ...]:
+    return ("grad1",) if method == "grad1" else ("norms",)
+
+
+def dp_step_matches_oracle(model: nn.Module, x, y, loss, max_norm: float, method: str) -> None:
+    """One noiseless ``dp_sgd_step`` (``reduction="sum"``) by ``method`` writes the clipped sum
+    of the per-example gradients of ``loss`` (a loss with ``reduction="none"``) that the
+    float64 loop gives."""
+    want = clipped_sum_by_oracle(
+        vmap_grad(model, lambda out, t: loss(out, t).sum(), x, y), max_norm
+    )
+    with gradhooks.add_hooks(model, quantities=quantities_of(method)) as h:
+        gradhooks.dp_sgd_step(
+            h, loss(model(x), y), max_norm=max_norm, noise_multiplier=0.0, method=method,
+            reduction="sum",
+        )  # fmt: skip
+    for n, p in trainable(model).items():
+        assert_close(p.grad, want[n], f"{method}: {n}")
+
+
+def summed(out, target=None):
+    return out.sum()
+
+
+# == BackPACK: test/bugfixes_test.py (issue 30) =================================================
+
+ISSUE_30 = [dict(stride=s, padding=p, dilation=d) for s in (1, 3) for p in (0, 2) for d in (1, 2)]
+
+
+def issue_30_conv(kw) -> nn.Module:
+    return seeded(lambda: nn.Conv2d(4, 6, 3, **kw)).double()
+
+
+def issue_30_input(batch: int = 4) -> Tensor:
+    return seeded(lambda: torch.randn(batch, 4, 6, 6, dtype=D), 1)
+
+
+@pytest.mark.parametrize("kw", ISSUE_30, ids=str)
+def test_backpack_issue_30_conv2d_grad1_norms_and_squared_sums(kw):
+    """BackPACK ``test/bugfixes_test.py::test_convolutions_stride_issue_30``: a Conv2d(4, 6, 3)
+    on ``[4, 4, 6, 6]`` with stride 1 or 3, padding 0 or 2, dilation 1 or 2 (stride 3 leaves the
+    input's last rows unread when it does not divide ``6 + 2·pad - dil·2 - 1``), a summed
+    output as the loss: ``grad1`` sums to ``.grad``, and it, its norms and its squared sums
+    are the loop's."""
+    model = issue_30_conv(kw)
+    x = issue_30_input()
+
+    check_quantities(model, x, summed)
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        summed(model(x)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1.sum(0), p.grad, f"{n}: grad1 summed vs .grad")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kw", [ISSUE_30[5], ISSUE_30[7]], ids=str)
+def test_backpack_issue_30_conv2d_dp_step(kw, method):
+    """The same convolutions (BackPACK ``test_convolutions_stride_issue_30``, stride 3) in a
+    noiseless DP step by every clipping method, a Linear after them, against the clipped sum
+    of the loop's gradients."""
+    conv = issue_30_conv(kw)
+    width = conv(issue_30_input(1)).numel()
+    model = nn.Sequential(conv, nn.Flatten(), seeded(lambda: nn.Linear(width, 3), 2).double())
+    x = issue_30_input(5)
+    y = torch.tensor([0, 2, 1, 1, 0])
+    dp_step_matches_oracle(model, x, y, ce("none"), max_norm=0.3, method=method)
+
+
+@pytest.mark.parametrize("kw", [ISSUE_30[5], ISSUE_30[7]], ids=str)
+def test_backpack_issue_30_conv2d_under_bf16_autocast(kw):
+    """The stride-3 convolutions of BackPACK's issue 30 under bfloat16 autocast: ``grad1`` and
+    the norms close to the float64 loop's (bfloat16's 8 bits: 3e-2 relative)."""
+    model = issue_30_conv(kw)
+    x = issue_30_input()
+    want = vmap_grad(model, summed, x)
+    low = copy.deepcopy(model).float()
+    with gradhooks.add_hooks(low, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = low(x.float())
+        out.float().sum().backward()
+        norms = h.param_norms()
+    for n, p in low.named_parameters():
+        scale = want[n].abs().max()
+        torch.testing.assert_close(p.grad1.double() / scale, want[n] / scale, rtol=0, atol=3e-2)
+        torch.testing.assert_close(
+            norms[n].double(), want[n].flatten(1).norm(dim=1), rtol=3e-2, atol=1e-3
+        )
+
+
+# == BackPACK: test/interface_test.py ===========================================================
+
+
+def interface_mlp() -> nn.Module:
+    return seeded(lambda: nn.Sequential(nn.Linear(5, 10), nn.ReLU(), nn.Linear(10, 2))).double()
+
+
+def interface_cnn() -> nn.Module:
+    net = seeded(lambda: nn.Sequential(nn.Conv2d(3, 2, 2), nn.Flatten(), nn.Linear(18, 5)))
+    return net.double()
+
+
+INTERFACE = [
+    pytest.param(interface_mlp, (3, 5), 2, id="linear-relu-linear"),
+    pytest.param(interface_cnn, (2, 3, 4, 4), 5, id="conv-flatten-linear"),
+]
+
+
+@pytest.mark.parametrize("factory, shape, classes", INTERFACE)
+def test_backpack_interface_every_weight_and_bias_gets_each_quantity(factory, shape, classes):
+    """BackPACK ``test/interface_test.py`` (``test_interface_batch_grad``, ``..._variance``,
+    ``..._sum_grad_squared``, ``..._kflr``, ``..._kfac`` and their ``_conv`` twins): after one
+    backward of ``CrossEntropyLoss`` (mean) through its two small networks, every weight and
+    every bias holds each first-order quantity (``grad1``, norms, squared sums, variance),
+    each the loop's, and K-FAC has factors for each weight with its bias."""
+    model = factory()
+    x = seeded(lambda: torch.randn(*shape, dtype=D), 3)
+    y = seeded(lambda: torch.randint(classes, (shape[0],)), 4)
+    want = loop_grad(model, ce("sum"), x, y)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms", "sum_grad_sq")) as h:
+        F.cross_entropy(model(x), y).backward()
+        norms, sums, var = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    names = {n for n, _ in model.named_parameters()}
+    assert set(norms) == set(sums) == set(var) == names
+    assert_grad1(model, want, "grad1")
+    for n in names:
+        g = want[n]
+        assert_close(norms[n], g.flatten(1).norm(dim=1), f"norms {n}")
+        assert_close(sums[n], g.pow(2).sum(0), f"squared sums {n}")
+        assert_close(var[n], g.pow(2).mean(0) - g.mean(0) ** 2, f"variance {n}")
+    factors = gradhooks.kfac(model, x, y, fisher="empirical")
+    weights = {n for n in names if n.endswith("weight")}
+    assert set(factors) == weights
+    assert all(f.bias for f in factors.values())
+
+
+# == BackPACK: test/test_problems_padding.py, test/test_problems_pooling.py ======================
+
+
+def padded_convs() -> nn.Module:
+    return nn.Sequential(
+        nn.ZeroPad2d((1, 0, 1, 1)), nn.Conv2d(3, 3, (3, 2)),
+        nn.ZeroPad2d((1, 0, 1, 1)), nn.Conv2d(3, 3, (3, 2)), nn.Flatten(),
+    )  # fmt: skip
+
+
+def conv_pool_regression(pool) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 3, (3, 2), padding=(1, 1)), pool(2), nn.Flatten(), nn.Linear(18, 1)
+    )
+
+
+def conv_pool_classification(pool) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 3, (3, 2), padding=(1, 1)), pool(2), nn.Flatten())
+
+
+def conv_pool_two_layers(pool) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 3, (3, 2), padding=(1, 1)), pool(2),
+        nn.Conv2d(3, 3, (3, 2), padding=(1, 1)), pool(2), nn.Flatten(),
+    )  # fmt: skip
+
+
+PROBLEMS = [
+    pytest.param(padded_convs, "ce", id="conv+ZeroPad2d-classification-2layer"),
+    *[
+        pytest.param(
+            lambda pool=pool, make=make: make(pool), loss, id=f"conv+{pool.__name__}-{kind}"
+        )
+        for pool in (nn.MaxPool2d, nn.AvgPool2d)
+        for make, loss, kind in [
+            (conv_pool_regression, "mse", "regression"),
+            (conv_pool_classification, "ce", "classification"),
+            (conv_pool_two_layers, "ce", "classification-2layer"),
+        ]
+    ],
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("factory, lossname", PROBLEMS)
+def test_backpack_padding_and_pooling_problems(factory, lossname, reduction):
+    """BackPACK ``test/test_problems_padding.py`` and ``test_problems_pooling.py``: its problems
+    on ``[5, 3, 4, 5]`` (``ZeroPad2d((1, 0, 1, 1))`` before each of two unpadded (3, 2)
+    convolutions; max- or average-pooling by 2 after padded convolutions, then a Linear under
+    ``MSELoss`` or the flattened maps as ``CrossEntropyLoss``'s logits over labels < 3), each
+    under a mean and a sum loss: ``grad1`` is the loop's, and its mean (sum) is ``.grad``."""
+    model = seeded(factory).double()
+    x = seeded(lambda: torch.randn(5, 3, 4, 5, dtype=D), 1)
+    out_shape = model(x).shape
+    y = seeded(
+        lambda: torch.randn(out_shape, dtype=D) if lossname == "mse" else torch.randint(3, (5,)),
+        2,
+    )
+    loss = mse if lossname == "mse" else ce
+    want = loop_grad(model, loss("sum"), x, y)
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        value = loss("sum")(model(x), y)
+        (value / 5 if reduction == "mean" else value).backward()
+    assert_grad1(model, want, f"{lossname} {reduction}")
+    for n, p in model.named_parameters():
+        reduced = p.grad1.mean(0) if reduction == "mean" else p.grad1.sum(0)
+        assert_close(reduced, p.grad, f"{n}: reduced grad1 vs .grad")
+
+
+# == Opacus: multigpu_adaptive_clipping_test.py ==================================================
+
+
+class ToyModel(nn.Module):
+    """Opacus' ``ToyModel`` of its adaptive-clipping test: Linear(10, 10), ReLU, Linear(10, 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.relu, self.net2 = nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_opacus_adaptive_clipping_that_clips_nothing_is_plain_sgd(method):
+    """Opacus ``multigpu_adaptive_clipping_test.py::test_adaptive_gradient_correct``: its toy
+    model with ``net1``'s weight zeroed, soft labels from ``randn`` under ``CrossEntropyLoss``
+    (mean), one step of SGD (lr 1) with adaptive clipping from a bound of 1e8 that clips
+    nothing, a target quantile of 1 and no noise: the weights are plain SGD's; every example
+    was left unclipped, so the bound stays where it was (the count's noise made negligible)."""
+    model = seeded(ToyModel).double()
+    with torch.no_grad():
+        model.net1.weight.zero_()
+    plain = copy.deepcopy(model)
+    torch.manual_seed(2)
+    x, y = torch.randn(4, 10, dtype=D), torch.randn(4, 5, dtype=D)
+    sgd = torch.optim.SGD(plain.parameters(), lr=1.0)
+    F.cross_entropy(plain(x), y).backward()
+    sgd.step()
+    with gradhooks.add_hooks(model, quantities=quantities_of(method)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), h, max_grad_norm=1e8,
+            noise_multiplier=0.0, expected_batch_size=4, method=method,
+            adaptive_clipping=gradhooks.AdaptiveClipping(target_quantile=1.0, count_noise=1e-9),
+        )  # fmt: skip
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        assert opt.step()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert_close(p.detach(), q.detach(), f"{method}: {n}")
+    assert math.isclose(opt.max_grad_norm, 1e8, rel_tol=1e-6), opt.max_grad_norm
+
+
+# == Opacus: schedulers/grad_clip_scheduler_test.py ===============================================
+
+SCHEDULES = {
+    "exponential": lambda c0, epoch: c0 * 0.5**epoch,  # ExponentialGradClip(gamma=0.5)
+    "step": lambda c0, epoch: c0 * 0.5 ** (epoch // 2),  # StepGradClip(step_size=2, gamma=0.5)
+    "lambda": lambda c0, epoch: c0 * (1 + epoch) ** -1.5,  # LambdaGradClip
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_opacus_grad_clip_schedulers_change_the_bound_between_steps(schedule):
+    """Opacus ``schedulers/grad_clip_scheduler_test.py`` (``test_exponential_scheduler``,
+    ``test_step_scheduler``, ``test_lambda_scheduler``): the optimizer's ``max_grad_norm``
+    rewritten after each step by an exponential, a step and a lambda schedule; each of four
+    noiseless steps clips by the bound of its own step, against the loop's clipped mean."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))).double()
+    x = seeded(lambda: torch.randn(4, 6, 4, dtype=D), 1)
+    y = seeded(lambda: torch.randint(3, (4, 6)), 2)
+    c0 = 0.4
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), h, max_grad_norm=c0,
+            noise_multiplier=0.0, expected_batch_size=6,
+        )  # fmt: skip
+        for epoch in range(4):
+            bound = SCHEDULES[schedule](c0, epoch)
+            assert math.isclose(opt.max_grad_norm, bound)
+            want = clipped_sum_by_oracle(vmap_grad(model, ce("sum"), x[epoch], y[epoch]), bound)
+            opt.backward(F.cross_entropy(model(x[epoch]), y[epoch], reduction="none"))
+            expected = {n: want[n] / 6 for n in want}
+            # (the gradient the optimizer steps on: checked by the step it takes)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            for n, p in model.named_parameters():
+                assert_close((before[n] - p.detach()) / 0.5, expected[n], f"epoch {epoch}: {n}")
+            opt.zero_grad()
+            opt.max_grad_norm = SCHEDULES[schedule](c0, epoch + 1)
+
+
+# == Opacus: randomness_test.py ==================================================================
+
+
+def noised_grads(seed_global: int | None, generator_seed: int | None, sigma: float = 1.0):
+    """The gradients of one DP step with noise (``σ``) of a fixed model and batch, the noise drawn
+    from a generator seeded with ``generator_seed`` (none given where it is None) after the
+    global seed is set to ``seed_global`` (left as it is where None)."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), 1)
+    y = seeded(lambda: torch.randint(2, (5,)), 2)
+    if seed_global is not None:
+        torch.manual_seed(seed_global)
+    else:
+        torch.seed()
+    generator = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=1.0,
+            noise_multiplier=sigma, expected_batch_size=5, generator=generator,
+        )  # fmt: skip
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.step()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_opacus_optimizer_randomness_no_seed_draws_new_noise():
+    """Opacus ``randomness_test.py::OptimizerRandomnessTest::test_no_seed``: without a seed or
+    a generator, two runs of the same step draw different noise."""
+    assert not torch.equal(noised_grads(None, None), noised_grads(None, None))
+
+
+def test_opacus_optimizer_randomness_global_seed_reproduces_the_noise():
+    """Opacus ``OptimizerRandomnessTest::test_global_seed``: without a generator, the global
+    seed reproduces the noise, and another seed changes it."""
+    assert torch.equal(noised_grads(7, None), noised_grads(7, None))
+    assert not torch.equal(noised_grads(7, None), noised_grads(8, None))
+
+
+def test_opacus_optimizer_randomness_generator_wins_over_the_global_seed():
+    """Opacus ``OptimizerRandomnessTest::test_generator``, ``test_generator_with_global_seed``
+    and ``test_generator_seed``: a seeded generator reproduces the noise whatever the global
+    seed, and another generator seed changes it."""
+    assert torch.equal(noised_grads(1, 11), noised_grads(2, 11))
+    assert torch.equal(noised_grads(None, 11), noised_grads(3, 11))
+    assert not torch.equal(noised_grads(1, 11), noised_grads(1, 12))
+
+
+def test_opacus_optimizer_randomness_no_noise_is_deterministic():
+    """Opacus ``OptimizerRandomnessTest::test_no_noise``: with ``noise_multiplier=0`` the step
+    is the same whatever the seeds, and it is the clipped mean of the loop's gradients."""
+    got = noised_grads(None, None, sigma=0.0)
+    assert torch.equal(got, noised_grads(5, 9, sigma=0.0))
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), 1)
+    y = seeded(lambda: torch.randint(2, (5,)), 2)
+    want = clipped_sum_by_oracle(vmap_grad(model, ce("sum"), x, y), 1.0)
+    assert_close(got, torch.cat([g.flatten() for g in want.values()]) / 5, "noiseless step")
+
+
+def poisson_batches(generator_seed: int | None, seed_global: int | None) -> list[list[int]]:
+    data = TensorDataset(torch.arange(40))
+    if seed_global is not None:
+        torch.manual_seed(seed_global)
+    else:
+        torch.seed()
+    g = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+    loader = gradhooks.poisson_loader(data, 8, steps=6, generator=g)
+    return [b[0].tolist() for b in loader]
+
+
+def test_opacus_dataloader_randomness_of_poisson_batches():
+    """Opacus ``randomness_test.py::DataLoaderRandomnessTest`` (``test_no_seed``,
+    ``test_global_seed``, ``test_custom_generator``,
+    ``test_custom_generator_with_global_seed``): the Poisson batches differ between unseeded
+    runs, are reproduced by the global seed without a generator, and by a generator whatever
+    the global seed; each draw holds distinct examples of the dataset."""
+    assert poisson_batches(None, None) != poisson_batches(None, None)
+    assert poisson_batches(None, 4) == poisson_batches(None, 4)
+    assert poisson_batches(3, 1) == poisson_batches(3, 2)
+    assert poisson_batches(3, 1) != poisson_batches(4, 1)
+    for batch in poisson_batches(3, 1):
+        assert len(set(batch)) == len(batch) and all(0 <= i < 40 for i in batch)
+
+
+# == Opacus: privacy_engine_test.py (empty batches, test_deterministic_run) ======================
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_opacus_empty_logical_batch_steps_on_the_noise_alone(method):
+    """Opacus ``privacy_engine_test.py::PrivacyEngineConvNetEmptyBatchTest``: a logical batch
+    that drew no example (a ``[0, 1, 8, 8]`` input through its convolutional network) is run
+    and stepped like any other: its gradient is the noise alone, ``σ·C·N(0, I) / expected
+    batch size``, drawn from the generator in the order of the parameters; without noise the
+    step leaves the weights as they were."""
+    model = seeded(
+        lambda: nn.Sequential(
+            nn.Conv2d(1, 4, 3, stride=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Linear(4, 3),
+        )
+    ).double()  # fmt: skip
+    empty, labels = torch.zeros(0, 1, 8, 8, dtype=D), torch.zeros(0, dtype=torch.long)
+    sigma, bound, ebs = 0.7, 1.5, 4.0
+    for noise_multiplier in (0.0, sigma):
+        before = [p.detach().clone() for p in model.parameters()]
+        with gradhooks.add_hooks(model, quantities=quantities_of(method)) as h:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1.0), h, max_grad_norm=bound,
+                noise_multiplier=noise_multiplier, expected_batch_size=ebs, method=method,
+                generator=torch.Generator().manual_seed(5),
+            )  # fmt: skip
+            norms = opt.backward(F.cross_entropy(model(empty), labels, reduction="none"))
+            assert norms.shape == (0,)
+            assert opt.step()
+        replay = torch.Generator().manual_seed(5)
+        for p, b in zip(model.parameters(), before):
+            z = torch.normal(torch.zeros_like(b), noise_multiplier * bound, generator=replay)
+            assert_close(p.grad, z / ebs, f"{method} σ={noise_multiplier}: grad")
+            assert_close(p.detach(), b - z / ebs, f"{method} σ={noise_multiplier}: weights")
+
+
+def deterministic_run(seed: int) -> list[Tensor]:
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))).double()
+    data = TensorDataset(
+        seeded(lambda: torch.randn(32, 3, dtype=D), 1), seeded(lambda: torch.randint(2, (32,)), 2)
+    )
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.2), data, delta=1e-5,
+        max_grad_norm=1.0, noise_multiplier=1.1, steps=3, expected_batch_size=8,
+        max_physical_batch_size=4, generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    torch.seed()  # (the global seed plays no part)
+    for xb, yb in private.batches():
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        private.step()
+    private.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_opacus_deterministic_run_from_one_seed():
+    """Opacus ``privacy_engine_test.py::test_deterministic_run``: two private trainings from
+    the same seed (batches and noise drawn from it) end with the same weights; another seed
+    gives other weights."""
+    first, again, other = deterministic_run(3), deterministic_run(3), deterministic_run(4)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+# == Opacus: validators/instance_norm_test.py ====================================================
+
+INSTANCE_NORMS = [
+    pytest.param(nn.InstanceNorm1d, (4, 3, 7), id="1d"),
+    pytest.param(nn.InstanceNorm2d, (4, 3, 5, 6), id="2d"),
+    pytest.param(nn.InstanceNorm3d, (4, 3, 3, 4, 5), id="3d"),
+]
+
+
+@pytest.mark.parametrize("layer, shape", INSTANCE_NORMS)
+def test_opacus_instance_norm_with_running_statistics_in_eval(layer, shape):
+    """Opacus ``validators/instance_norm_test.py`` (an instance norm that tracks running
+    statistics, which its validator lets through): after some training forwards, in eval the
+    layer normalizes by its running statistics, and ``grad1`` of its affine parameters and of
+    a Conv before it, their norms and squared sums, are the loop's."""
+    dims = len(shape) - 2
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    model = seeded(
+        lambda: nn.Sequential(conv(3, 3, 1), layer(3, affine=True, track_running_stats=True))
+    ).double()
+    with torch.no_grad():
+        for k in range(3):  # (training forwards: each example's statistics into the running)
+            model(seeded(lambda: torch.randn(*shape, dtype=D), 10 + k))
+        model[1].running_mean.add_(0.5)
+        model[1].running_var.mul_(3.0)
+    model.eval()
+    weight = seeded(lambda: torch.randn(shape[1:], dtype=D), 5)
+    x = seeded(lambda: torch.randn(*shape, dtype=D), 6)
+    check_quantities(model, x, lambda out, target=None: (out * weight).sum())
