@@ -510,3 +510,97 @@ def test_opacus_instance_norm_with_running_statistics_in_eval(layer, shape):
     weight = seeded(lambda: torch.randn(shape[1:], dtype=D), 5)
     x = seeded(lambda: torch.randn(*shape, dtype=D), 6)
     check_quantities(model, x, lambda out, target=None: (out * weight).sum())
+
+
+# == Opacus: privacy_engine_test.py (test_checkpoints, the frozen network), dpdataloader_test.py ==
+
+
+def private_run(seed: int, data, frozen: bool = False, **kw):
+    """A model (Linear-ReLU-Linear, the first frozen where ``frozen``), an SGD with momentum and
+    ``make_private`` over ``data``, all seeded by ``seed``."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)), seed)
+    model = model.double()
+    if frozen:
+        model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    kw = {"noise_multiplier": 1.1, "max_grad_norm": 0.5, **kw}
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(trained, lr=0.2, momentum=0.9), data, delta=1e-5, steps=4,
+        expected_batch_size=8, generator=torch.Generator().manual_seed(seed), **kw,
+    )  # fmt: skip
+    return model, private
+
+
+def train(model, private, until: int | None = None, inside: bool = False):
+    """Run ``private``'s batches; with ``until``, return its checkpoint once ``until`` logical
+    batches are stepped (with ``inside``, at the first physical batch of the next one)."""
+    stepped = 0
+    for xb, yb in private.batches():
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        stepped += bool(private.step())
+        if until is not None and stepped == until and (not inside or private.optimizer.examples):
+            return copy.deepcopy(private.state_dict())
+    return None
+
+
+CHECKPOINTED = [
+    pytest.param({}, False, id="plain"),
+    pytest.param({"max_physical_batch_size": 3}, True, id="inside-a-logical-batch"),
+    pytest.param(
+        {"adaptive_clipping": gradhooks.AdaptiveClipping(count_noise=2.0)}, False, id="adaptive"
+    ),
+    pytest.param({"clipping_groups": "layer"}, False, id="per-layer"),
+]
+
+
+@pytest.mark.parametrize("settings, inside", CHECKPOINTED)
+def test_opacus_checkpoints_resume_the_same_run(settings, inside):
+    """Opacus ``privacy_engine_test.py::test_checkpoints``: a private run stopped after two
+    of its four steps, its checkpoint loaded into a new model, optimizer and engine seeded
+    otherwise, and run to the end, ends with the weights, the ε and the clipping bound of the
+    run that was never stopped: plain, taken inside a logical batch of physical batches, with
+    adaptive clipping, with per-layer clipping (momentum throughout)."""
+    data = TensorDataset(
+        seeded(lambda: torch.randn(40, 3, dtype=D), 1), seeded(lambda: torch.randint(2, (40,)), 2)
+    )
+    whole, whole_run = private_run(0, data, **settings)
+    train(whole, whole_run)
+    first, first_run = private_run(0, data, **settings)
+    saved = train(first, first_run, until=2, inside=inside)
+    first_run.close()
+    assert saved is not None
+    resumed, resumed_run = private_run(9, data, **settings)
+    resumed_run.load_state_dict(saved)
+    train(resumed, resumed_run)
+    for (n, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+    assert resumed_run.epsilon == whole_run.epsilon and resumed_run.steps_taken == 4
+    assert resumed_run.max_grad_norm == whole_run.max_grad_norm
+
+
+def test_opacus_frozen_network_compared_to_vanilla_and_drop_last_ignored():
+    """Opacus ``privacy_engine_test.py::PrivacyEngineConvNetFrozenTest`` (``test_compare_to_
+    vanilla`` with the first layer frozen) and ``dpdataloader_test.py::test_drop_last_true``:
+    ``make_private`` given a ``DataLoader`` with ``drop_last=True`` keeps Poisson batches of
+    every size; without noise and with a bound no gradient reaches, each step is plain SGD on
+    the batch's summed loss over the expected batch size, the frozen layer untouched and
+    without a gradient."""
+    data = TensorDataset(
+        seeded(lambda: torch.randn(10, 3, dtype=D), 1), seeded(lambda: torch.randint(2, (10,)), 2)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4, drop_last=True)
+    model, private = private_run(0, loader, frozen=True, noise_multiplier=0.0, max_grad_norm=1e6)
+    plain = copy.deepcopy(model)
+    sgd = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+    sizes = []
+    for xb, yb in private.batches():
+        sizes.append(len(xb))
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        assert private.step()
+        sgd.zero_grad()
+        (F.cross_entropy(plain(xb), yb, reduction="sum") / 8).backward()
+        sgd.step()
+        for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_close(p.detach(), q.detach(), f"step {len(sizes)}: {n}")
+    assert model[0].weight.grad is None and len(set(sizes)) > 1
+    private.close()
