@@ -604,3 +604,64 @@ def test_opacus_frozen_network_compared_to_vanilla_and_drop_last_ignored():
             assert_close(p.detach(), q.detach(), f"step {len(sizes)}: {n}")
     assert model[0].weight.grad is None and len(set(sizes)) > 1
     private.close()
+
+
+# == Opacus: accountants_test.py (the accountants against Opacus' own) ===========================
+
+
+@pytest.fixture
+def opacus_accountants():
+    accountants = pytest.importorskip("opacus.accountants")
+    return accountants
+
+
+@pytest.mark.parametrize("method, theirs", [("rdp", "RDPAccountant"), ("pld", "PRVAccountant")])
+def test_opacus_accountants_epsilon_of_its_long_run(opacus_accountants, method, theirs):
+    """Opacus ``accountants_test.py::test_rdp_accountant`` and ``test_prv_accountant``: σ = 1.5,
+    q = 0.04, ``int(90 / 0.04)`` steps, δ = 1e-5. gradhooks' RDP accountant against Opacus' RDP
+    (the same bound: equal to 1e-4 relative, gradhooks' the larger or equal: it bounds the
+    fractional orders' series term by term), its PLD accountant against Opacus' PRV accountant
+    (two numerical accountants of the same mechanism, each to about 0.01 in ε), both below
+    the RDP bound."""
+    steps = int(90 / 0.04)
+    ours = gradhooks.PrivacyAccountant(method)
+    ours.step(noise_multiplier=1.5, sample_rate=0.04, steps=steps)
+    other = getattr(opacus_accountants, theirs)()
+    other.history = [(1.5, 0.04, steps)]
+    got, want = ours.epsilon(1e-5), other.get_epsilon(delta=1e-5)
+    if method == "rdp":
+        assert want <= got <= want * (1 + 1e-4), (got, want)
+    else:
+        assert abs(got - want) < 0.02, (got, want)
+        rdp = opacus_accountants.RDPAccountant()
+        rdp.history = [(1.5, 0.04, steps)]
+        assert got < rdp.get_epsilon(delta=1e-5)
+
+
+@pytest.mark.parametrize(
+    "epsilon, steps, sample_rate, delta", [(8.0, 2000, 0.04, 1e-5), (5.0, 300, 0.1, 1e-5)]
+)
+def test_opacus_noise_multiplier_for_a_target_does_not_overshoot(
+    opacus_accountants, epsilon, steps, sample_rate, delta
+):
+    """Opacus ``accountants_test.py::test_get_noise_multiplier_rdp_steps`` and
+    ``test_get_noise_multiplier_overshoot``: the σ found for a
+    target ε spends at most that ε by gradhooks' accountant and by Opacus' (no overshoot), is
+    within 0.01 of the σ Opacus' ``get_noise_multiplier`` finds, and a σ 1e-3 smaller would
+    overshoot (gradhooks searches to 1e-4 in σ)."""
+    utils = pytest.importorskip("opacus.accountants.utils")
+    sigma = gradhooks.noise_multiplier_for(epsilon, delta, sample_rate, steps)
+
+    def spent(s: float) -> float:
+        accountant = gradhooks.PrivacyAccountant("rdp")
+        accountant.step(noise_multiplier=s, sample_rate=sample_rate, steps=steps)
+        return accountant.epsilon(delta)
+
+    theirs = opacus_accountants.RDPAccountant()
+    theirs.history = [(sigma, sample_rate, steps)]
+    assert spent(sigma) <= epsilon and theirs.get_epsilon(delta=delta) <= epsilon
+    assert spent(sigma - 1e-3) > epsilon
+    want = utils.get_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps
+    )
+    assert abs(sigma - want) < 0.01, (sigma, want)
