@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 
 import gradhooks
 from gradhooks.oracle import loop_grad, vmap_grad
-from harness import assert_close, assert_grad1, seeded
+from harness import assert_close, assert_grad1, assert_untouched, model_state, seeded
 
 D = torch.float64
 METHODS = ["grad1", "ghost", "bookkeeping"]
@@ -665,3 +665,214 @@ def test_opacus_noise_multiplier_for_a_target_does_not_overshoot(
         target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps
     )
     assert abs(sigma - want) < 0.01, (sigma, want)
+
+
+# == Opacus: mixed_precision_test.py, mixed_precision_utils.py ===================================
+
+
+class LinearNormsModel(nn.Module):
+    """Opacus' ``SimpleLinearModel``: Linear, LayerNorm, a GroupNorm on ``[batch, C, 1]``, an
+    RMSNorm between four Linears."""
+
+    def __init__(self, inputs=4, hidden=16, outputs=4) -> None:
+        super().__init__()
+        self.fc1, self.ln1 = nn.Linear(inputs, hidden), nn.LayerNorm(hidden)
+        self.fc2, self.gn = nn.Linear(hidden, hidden), nn.GroupNorm(4, hidden)
+        self.fc3, self.rms_norm = nn.Linear(hidden, hidden), nn.RMSNorm(hidden)
+        self.fc4 = nn.Linear(hidden, outputs)
+
+    def forward(self, x):
+        x = F.relu(self.ln1(self.fc1(x)))
+        x = F.relu(self.gn(self.fc2(x).unsqueeze(-1)).squeeze(-1))
+        return self.fc4(F.relu(self.rms_norm(self.fc3(x))))
+
+
+class ConvInstanceModel(nn.Module):
+    """Opacus' ``Conv1DModel`` / ``Conv2DModel`` / ``Conv3DModel``: a padded convolution, an
+    instance norm without parameters, a global average pool, a Linear."""
+
+    def __init__(self, dims: int, hidden=16, outputs=4) -> None:
+        super().__init__()
+        self.dims = dims
+        self.conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](3, hidden, 3, padding=1)
+        self.norm = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[dims - 1](hidden)
+        self.fc = nn.Linear(hidden, outputs)
+
+    def forward(self, x):
+        x = F.relu(self.norm(self.conv(x)))
+        return self.fc(x.mean(tuple(range(2, 2 + self.dims))))
+
+
+class EmbeddingsModel(nn.Module):
+    """Opacus' ``EmbeddingModel`` (an Embedding, a LayerNorm, the mean over the tokens) and
+    ``EmbeddingBagModel`` (``EmbeddingBag(mode="mean")`` over the flattened tokens cut by
+    ``offsets``, a LayerNorm), each then a ReLU and a Linear."""
+
+    def __init__(self, bag: bool, vocab=100, dim=16, outputs=4) -> None:
+        super().__init__()
+        self.bag = bag
+        self.embedding = (
+            nn.EmbeddingBag(vocab, dim, mode="mean") if bag else nn.Embedding(vocab, dim)
+        )
+        self.layer_norm, self.fc = nn.LayerNorm(dim), nn.Linear(dim, outputs)
+
+    def forward(self, x):
+        if self.bag:
+            offsets = torch.arange(0, x.numel(), x.shape[1], device=x.device)
+            x = self.layer_norm(self.embedding(x.reshape(-1), offsets))
+        else:
+            x = self.layer_norm(self.embedding(x)).mean(1)
+        return self.fc(F.relu(x))
+
+
+class RecurrentModel(nn.Module):
+    """Opacus' ``RNNModel``: its ``DPLSTM``, ``DPGRU`` and ``DPRNN`` (batch-first) with
+    LayerNorms between them, the last step to a Linear."""
+
+    def __init__(self, inputs=4, hidden=16, outputs=4) -> None:
+        super().__init__()
+        layers = pytest.importorskip("opacus.layers")
+        self.lstm, self.ln1 = layers.DPLSTM(inputs, hidden, batch_first=True), nn.LayerNorm(hidden)
+        self.gru, self.ln2 = layers.DPGRU(hidden, hidden, batch_first=True), nn.LayerNorm(hidden)
+        self.rnn = layers.DPRNN(hidden, hidden, batch_first=True, nonlinearity="tanh")
+        self.fc = nn.Linear(hidden, outputs)
+
+    def forward(self, x):
+        x = self.ln1(self.lstm(x)[0])
+        x = self.ln2(self.gru(x)[0])
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+def tokens(*shape: int) -> Tensor:
+    return seeded(lambda: torch.randint(100, shape), 1)
+
+
+PRECISION_MODELS = [
+    pytest.param(LinearNormsModel, lambda: torch.randn(3, 4), id="linear"),
+    pytest.param(lambda: ConvInstanceModel(1), lambda: torch.randn(3, 3, 12), id="conv1d"),
+    pytest.param(lambda: ConvInstanceModel(2), lambda: torch.randn(3, 3, 6, 6), id="conv2d"),
+    pytest.param(lambda: ConvInstanceModel(3), lambda: torch.randn(3, 3, 4, 4, 4), id="conv3d"),
+    pytest.param(lambda: EmbeddingsModel(False), lambda: tokens(3, 10), id="embedding"),
+    pytest.param(lambda: EmbeddingsModel(True), lambda: tokens(3, 10), id="embedding_bag"),
+    pytest.param(RecurrentModel, lambda: torch.randn(3, 3, 4), id="rnn"),
+]
+
+
+class Autocast(nn.Module):
+    """``model``'s forward under CPU bfloat16 autocast, its output in float32."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.model(x)
+        assert out.dtype == torch.bfloat16
+        return out.float()
+
+
+def error_of(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
+    """The largest ``|got - want|`` over the parameters, relative to ``want``'s largest entry."""
+    scale = max(w.abs().max() for w in want.values())
+    return max(((got[n].double() - w).abs().max() / scale).item() for n, w in want.items())
+
+
+@pytest.mark.parametrize("factory, inputs", PRECISION_MODELS)
+def test_opacus_mixed_precision_models_dp_step_under_bf16_autocast(factory, inputs):
+    """Opacus ``mixed_precision_test.py`` (``test_linear_model_precision``,
+    ``test_conv{1,2,3}d_model_precision``, ``test_embedding_model_precision``,
+    ``test_embedding_bag_model_precision``, ``test_rnn_model_precision``) on its models of
+    ``mixed_precision_utils.py``: a float32 model's forward under bfloat16 autocast (outputs in
+    bfloat16), a noiseless DP step by every clipping method (every example clipped). The
+    parameters and their gradients stay float32, and the gradient is as close to the float64
+    loop's clipped sum as the same clipped sum of a per-example loop under the same autocast
+    (within twice that loop's error and 1e-3 of the largest entry): bfloat16's own rounding,
+    which its instance norms amplify (the loop itself is 3e-2 off for the 1-d and 2-d
+    convolutions, 0.19 for the 3-d), and no more."""
+    model = seeded(factory)
+    x = seeded(inputs, 2)
+    y = seeded(lambda: torch.randint(4, (3,)), 3)
+    wide = x.double() if x.is_floating_point() else x
+    want = clipped_sum_by_oracle(loop_grad(copy.deepcopy(model).double(), ce("sum"), wide, y), 0.05)
+    low = loop_grad(Autocast(copy.deepcopy(model)), ce("sum"), x, y)
+    allowed = (
+        2
+        * error_of(
+            clipped_sum_by_oracle({n[len("model.") :]: g.double() for n, g in low.items()}, 0.05),
+            want,
+        )
+        + 1e-3
+    )
+    for method in METHODS:
+        hooked = copy.deepcopy(model)
+        with gradhooks.add_hooks(hooked, quantities=quantities_of(method)) as h:
+            out = Autocast(hooked)(x)
+            gradhooks.dp_sgd_step(
+                h, F.cross_entropy(out, y, reduction="none"), max_norm=0.05,
+                noise_multiplier=0.0, method=method, reduction="sum",
+            )  # fmt: skip
+        for n, p in hooked.named_parameters():
+            assert p.dtype == p.grad.dtype == torch.float32, n
+        got = {n: p.grad for n, p in hooked.named_parameters()}
+        assert error_of(got, want) <= allowed, (method, error_of(got, want), allowed)
+
+
+class TimeMajorAttentionModel(nn.Module):
+    """Opacus' ``AttentionModel`` and ``ComplexModel`` (``mixed_precision_utils.py``): a
+    time-major attention (``batch_first=False``) given batch-first ``[batch, seq, hidden]``
+    activations, so that it attends over the batch; ``batch_first=True`` is the model meant."""
+
+    def __init__(self, complex_: bool, dp_layers: bool, batch_first: bool = False) -> None:
+        super().__init__()
+        hidden = 16
+        self.complex, self.fc_in = complex_, nn.Linear(4, hidden)
+        if dp_layers:
+            layers = pytest.importorskip("opacus.layers")
+            self.attention = layers.DPMultiheadAttention(hidden, 4, batch_first=batch_first)
+        else:
+            self.attention = nn.MultiheadAttention(hidden, 4, batch_first=batch_first)
+        if complex_:
+            self.conv1d = nn.Conv1d(hidden, hidden, 3, padding=1)
+            self.lstm = nn.LSTM(hidden, hidden, batch_first=True)
+        self.fc_out = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        x = self.fc_in(x)
+        if self.complex:
+            x = x + self.conv1d(x.transpose(1, 2)).transpose(1, 2)
+            x = x + self.lstm(x)[0]
+            x = x + self.attention(x, x, x)[0]
+        else:
+            x = self.attention(x, x, x)[0]
+        return self.fc_out(x.mean(1))
+
+
+@pytest.mark.parametrize("dp_layers", [False, True], ids=["torch", "opacus-layers"])
+@pytest.mark.parametrize("complex_", [False, True], ids=["attention", "complex"])
+def test_opacus_attention_models_that_attend_over_the_batch_are_refused(complex_, dp_layers):
+    """Opacus ``mixed_precision_test.py::test_attention_model_precision`` and
+    ``test_complex_model_precision``: its ``AttentionModel`` and ``ComplexModel`` give a
+    time-major attention (``nn.MultiheadAttention`` or its ``DPMultiheadAttention``) batch-first
+    activations, so each example's output depends on the others' and no example has a
+    gradient of its own (Opacus computes numbers for them all the same). gradhooks refuses it
+    (``BatchNotFoundError`` for torch's layer, ``MixedExamplesError`` where the attention is
+    made of Linears and ``bmm``), for ``grad1``, the norms and every DP method, and leaves the
+    model untouched; with ``batch_first=True`` it is the float64 loop's."""
+    model = seeded(lambda: TimeMajorAttentionModel(complex_, dp_layers)).double()
+    x = seeded(lambda: torch.randn(3, 4, 4, dtype=D), 1)
+    y = seeded(lambda: torch.randint(4, (3,)), 2)
+    before = model_state(model)
+    for method in METHODS:
+        with gradhooks.add_hooks(model, quantities=quantities_of(method)) as h:
+            with pytest.raises((gradhooks.BatchNotFoundError, gradhooks.MixedExamplesError)):
+                gradhooks.dp_sgd_step(
+                    h, F.cross_entropy(model(x), y, reduction="none"), max_norm=1.0,
+                    noise_multiplier=0.0, method=method,
+                )  # fmt: skip
+        assert_untouched(model, before)
+    fixed = seeded(lambda: TimeMajorAttentionModel(complex_, dp_layers, batch_first=True)).double()
+    want = loop_grad(fixed, ce("sum"), x, y)
+    with gradhooks.add_hooks(fixed, loss_reduction="sum"):
+        F.cross_entropy(fixed(x), y, reduction="sum").backward()
+    assert_grad1(fixed, want, "batch_first=True")
