@@ -876,3 +876,109 @@ def test_opacus_attention_models_that_attend_over_the_batch_are_refused(complex_
     with gradhooks.add_hooks(fixed, loss_reduction="sum"):
         F.cross_entropy(fixed(x), y, reduction="sum").backward()
     assert_grad1(fixed, want, "batch_first=True")
+
+
+# == BackPACK: test/adaptive_avg_pool/settings_adaptive_avg_pool_nd.py ===========================
+
+ADAPTIVE_POOLS = [
+    (1, 2, (5, 8)),
+    (1, 2, (8, 7)),
+    (2, (4, 3), (4, 8, 9)),
+    (2, 2, (4, 8, 10)),
+    (2, 2, (4, 8, 9)),
+    (2, (5, 2), (4, 12, 10)),
+    (3, (None, 2, None), (4, 7, 10, 5)),
+]
+
+
+@pytest.mark.parametrize("dims, target, shape", ADAPTIVE_POOLS, ids=str)
+def test_backpack_adaptive_avg_pool_settings(dims, target, shape):
+    """BackPACK ``test/adaptive_avg_pool/settings_adaptive_avg_pool_nd.py``: ``AdaptiveAvgPool
+    {1,2,3}d`` to its target sizes (``None`` keeping a dimension) over its input shapes
+    (64 channels made 4); BackPACK takes only those a plain average pool can replace (the
+    size a multiple of the target) and refuses the others. The pool has no parameters, so
+    gradhooks takes every one: a 1x1 convolution before it and a Linear after it, ``grad1``,
+    norms and squared sums against the loop."""
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    pool = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[dims - 1]
+    x = seeded(lambda: torch.randn(3, *shape, dtype=D), 1)
+    front = nn.Sequential(conv(shape[0], 3, 1), pool(target), nn.Flatten())
+    width = front(x[:1].float()).shape[1]
+    model = seeded(lambda: nn.Sequential(*front, nn.Linear(width, 2))).double()
+    check_quantities(model, x)
+
+
+# == Opacus: schedulers/noise_scheduler_test.py, randomness_test.py (data seed) ===================
+
+NOISE_SCHEDULES = {
+    "exponential": lambda s0, epoch: s0 * 0.9**epoch,  # ExponentialNoise(gamma=0.9)
+    "step": lambda s0, epoch: s0 * 0.5 ** (epoch // 2),  # StepNoise(step_size=2, gamma=0.5)
+    "lambda": lambda s0, epoch: s0 / (1 + epoch),  # LambdaNoise
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(NOISE_SCHEDULES))
+def test_opacus_noise_schedulers_change_sigma_and_the_accounting(schedule):
+    """Opacus ``schedulers/noise_scheduler_test.py`` (``test_exponential_scheduler``,
+    ``test_step_scheduler``, ``test_lambda_scheduler``): the optimizer's ``noise_multiplier``
+    rewritten after each step by an exponential, a step and a lambda schedule. Each of four
+    steps (on empty batches: the gradient is the noise alone) draws noise of the step's own
+    σ·C, the generator's numbers replayed, and the accountant records each step's σ, so its ε
+    is that of the schedule's history."""
+    model = seeded(lambda: nn.Linear(6, 5)).double()
+    s0, bound, ebs = 1.2, 0.8, 3.0
+    accountant = gradhooks.PrivacyAccountant()
+    replay = torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), h, max_grad_norm=bound,
+            noise_multiplier=s0, expected_batch_size=ebs, sample_rate=0.1,
+            accountant=accountant, generator=torch.Generator().manual_seed(4),
+        )  # fmt: skip
+        for epoch in range(4):
+            sigma = NOISE_SCHEDULES[schedule](s0, epoch)
+            assert math.isclose(opt.noise_multiplier, sigma)
+            opt.backward(model(torch.zeros(0, 6, dtype=D)).pow(2).sum(1))
+            opt.step()
+            for n, p in model.named_parameters():
+                z = torch.normal(torch.zeros_like(p), sigma * bound, generator=replay)
+                assert_close(p.grad, z / ebs, f"epoch {epoch}: {n}")
+            opt.zero_grad()
+            opt.noise_multiplier = NOISE_SCHEDULES[schedule](s0, epoch + 1)
+    same = gradhooks.PrivacyAccountant()
+    for epoch in range(4):
+        same.step(noise_multiplier=NOISE_SCHEDULES[schedule](s0, epoch), sample_rate=0.1)
+    assert accountant.steps == 4
+    assert accountant.epsilon(1e-5) == same.epsilon(1e-5)
+
+
+def drawn_batches(seed: int, noise_multiplier: float) -> tuple[list[list[float]], list[Tensor]]:
+    """The batches a seeded private run draws, and its final weights."""
+    data = TensorDataset(torch.arange(30, dtype=D)[:, None], torch.zeros(30, dtype=torch.long))
+    model = seeded(lambda: nn.Linear(1, 2)).double()
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-5,
+        max_grad_norm=1.0, noise_multiplier=noise_multiplier, steps=5, expected_batch_size=6,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    batches = []
+    for xb, yb in private.batches():
+        batches.append(xb[:, 0].tolist())
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        private.step()
+    private.close()
+    return batches, [p.detach().clone() for p in model.parameters()]
+
+
+def test_opacus_data_seed_consistency_whatever_the_noise():
+    """Opacus ``randomness_test.py::PrivacyEngineSecureModeTest`` (``test_dl_seed_with_noise``,
+    ``test_dl_seed_no_noise``, ``test_data_seed_consistency``): the batches a seeded private
+    run draws are the same whatever its noise (σ = 1, 0.5 or none: the noise has a stream of
+    its own), and differ for another seed; with noise the weights differ from the noiseless
+    run's."""
+    batches, noisy = drawn_batches(1, 1.0)
+    assert drawn_batches(1, 0.5)[0] == batches
+    quiet_batches, quiet = drawn_batches(1, 0.0)
+    assert quiet_batches == batches
+    assert drawn_batches(2, 1.0)[0] != batches
+    assert not all(torch.equal(a, b) for a, b in zip(noisy, quiet))
