@@ -982,3 +982,89 @@ def test_opacus_data_seed_consistency_whatever_the_noise():
     assert quiet_batches == batches
     assert drawn_batches(2, 1.0)[0] != batches
     assert not all(torch.equal(a, b) for a, b in zip(noisy, quiet))
+
+
+BAD_SETTINGS = [
+    ("noise_multiplier", float("nan"), gradhooks.ConfigurationError),
+    ("noise_multiplier", -0.5, gradhooks.ConfigurationError),
+    ("noise_multiplier", float("inf"), gradhooks.ConfigurationError),
+    ("noise_multiplier", None, gradhooks.ConfigurationTypeError),
+    ("noise_multiplier", "1.0", gradhooks.ConfigurationTypeError),
+    ("max_grad_norm", -1.0, gradhooks.ConfigurationError),
+    ("max_grad_norm", float("nan"), gradhooks.ConfigurationError),
+    ("expected_batch_size", 0.0, gradhooks.ConfigurationError),
+    ("expected_batch_size", None, gradhooks.ConfigurationTypeError),
+]
+
+
+@pytest.mark.parametrize("when", ["before-backward", "before-step"])
+@pytest.mark.parametrize("name, value, error", BAD_SETTINGS, ids=str)
+def test_opacus_schedulers_that_set_a_bad_value_are_refused(name, value, error, when):
+    """Opacus' schedulers (``LambdaNoise``, ``LambdaGradClip``, ``noise_scheduler_test.py``,
+    ``grad_clip_scheduler_test.py``) write whatever their function returns into the
+    optimizer's ``noise_multiplier`` or ``max_grad_norm``. A value the constructor would have
+    refused (a NaN or negative noise multiplier, which drew no noise at all; an infinite one;
+    a bound <= 0 or NaN; no expected batch size), written between steps, is refused by the
+    next ``backward`` or ``step`` with a typed error, before the model, its gradients or the
+    accountant change; the value put back, the step is taken."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    x = seeded(lambda: torch.randn(5, 3, dtype=D), 1)
+    y = seeded(lambda: torch.randint(2, (5,)), 2)
+    accountant = gradhooks.PrivacyAccountant()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=1.0,
+            noise_multiplier=1.0, expected_batch_size=5, sample_rate=0.1, accountant=accountant,
+        )  # fmt: skip
+        good = getattr(opt, name)
+        if when == "before-step":
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        before = model_state(model)
+        setattr(opt, name, value)
+        with pytest.raises(error):
+            if when == "before-backward":
+                opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+            opt.step()
+        assert_untouched(model, before)
+        assert accountant.steps == 0
+        setattr(opt, name, good)
+        if when == "before-backward":
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        assert opt.step()
+    assert accountant.steps == 1
+    assert not all(torch.equal(p, before["params"][n]) for n, p in model.named_parameters())
+
+
+def test_make_private_noise_schedule_below_the_plan_is_refused():
+    """Opacus' noise schedulers (``ExponentialNoise``, ``noise_scheduler_test.py``) given the
+    optimizer of a run made for a target ε (``make_private(target_epsilon=3, ...)``): a σ
+    lowered below the run's spends more per step than planned, so the planned steps would
+    spend more than the target (ε past 10⁵ here, without an error). The step is refused
+    (``PrivacyBudgetExceeded``), nothing changed; the plan's σ put back, it is taken; a σ
+    raised above the plan's is used and recorded, and the run ends below its target."""
+    data = TensorDataset(
+        seeded(lambda: torch.randn(40, 3, dtype=D), 1), seeded(lambda: torch.randint(2, (40,)), 2)
+    )
+    model = seeded(lambda: nn.Linear(3, 2)).double()
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-5,
+        max_grad_norm=1.0, target_epsilon=3.0, steps=4, expected_batch_size=8,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    planned = private.noise_multiplier
+    for k, (xb, yb) in enumerate(private.batches()):
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        if k == 1:
+            private.optimizer.noise_multiplier = 0.5 * planned
+            before = model_state(model)
+            with pytest.raises(gradhooks.PrivacyBudgetExceeded):
+                private.step()
+            assert_untouched(model, before)
+            assert private.steps_taken == 1
+            private.optimizer.noise_multiplier = planned
+        assert private.step()
+        private.optimizer.noise_multiplier = 2 * planned if k >= 1 else planned
+    sigmas = [sigma for sigma, _, steps in private.accountant.history for _ in range(steps)]
+    assert sigmas == [planned, planned, 2 * planned, 2 * planned]
+    assert private.steps_taken == 4 and private.epsilon < 3.0
+    private.close()
