@@ -1068,3 +1068,45 @@ def test_make_private_noise_schedule_below_the_plan_is_refused():
     assert sigmas == [planned, planned, 2 * planned, 2 * planned]
     assert private.steps_taken == 4 and private.epsilon < 3.0
     private.close()
+
+
+def split_run(max_physical: int | None):
+    """A seeded private run over 30 examples (expected batch 12) split into physical batches of
+    at most ``max_physical``: each logical batch's physical batches (their example indices)
+    and the final weights."""
+    data = TensorDataset(torch.arange(30, dtype=D)[:, None], torch.arange(30) % 2)
+    model = seeded(lambda: nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    private = gradhooks.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.3), data, delta=1e-5,
+        max_grad_norm=0.5, noise_multiplier=0.8, steps=4, expected_batch_size=12,
+        max_physical_batch_size=max_physical, generator=torch.Generator().manual_seed(7),
+    )  # fmt: skip
+    logical, current = [], []
+    for xb, yb in private.batches():
+        current.append(xb[:, 0].long().tolist())
+        private.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+        if private.step():
+            logical.append(current)
+            current = []
+    private.close()
+    return logical, [p.detach().clone() for p in model.parameters()]
+
+
+def test_opacus_batch_memory_manager_physical_batches_of_one_logical_batch():
+    """Opacus ``batch_memory_manager_test.py::test_basic`` (``max_physical_batch_size`` 1 to
+    the whole batch) and ``test_equivalent_to_one_batch``, through ``make_private``: every
+    physical batch holds at most ``max_physical_batch_size`` examples, the physical batches of
+    a logical batch are that logical batch cut in order, the step is taken at its end only,
+    and the weights are those of the run without splitting (the same noise, the clipped sums
+    added in another order: to 1e-12)."""
+    whole, weights = split_run(None)
+    assert all(len(physical) == 1 for physical in whole)
+    for size in (1, 5):
+        split, got = split_run(size)
+        assert [sum(physical, []) for physical in split] == [p[0] for p in whole]
+        assert all(len(b) <= size for physical in split for b in physical)
+        assert all(
+            len(physical) == max(1, math.ceil(len(sum(physical, [])) / size)) for physical in split
+        )
+        for a, b in zip(got, weights):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
