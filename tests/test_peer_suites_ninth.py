@@ -6,20 +6,29 @@ per-example loops). The first eight sets are :mod:`test_peer_suites`,
 and :mod:`test_peer_suites_eighth`; this one adds:
 
 - BackPACK (``test/bugfixes_test.py``, ``test/interface_test.py``,
-  ``test/test_problems_padding.py``, ``test/test_problems_pooling.py``): the strided, padded and
-  dilated Conv2d whose output leaves the input's last rows unread (its issue 30), every
-  quantity and the DP step of it; which parameters each quantity reaches on its two interface
-  networks; its padding and pooling problems (``ZeroPad2d`` between unpadded convolutions,
-  max- and average-pooling between convolutions, under ``MSELoss`` and ``CrossEntropyLoss``);
-- Opacus (``opacus/tests/multigpu_adaptive_clipping_test.py``,
-  ``opacus/tests/schedulers/grad_clip_scheduler_test.py``, ``opacus/tests/randomness_test.py``,
-  ``opacus/tests/privacy_engine_test.py``, ``opacus/tests/validators/instance_norm_test.py``,
-  ``opacus/tests/dpdataloader_test.py``): adaptive clipping that clips nothing and adds no
-  noise equal to plain SGD, the clipping bound changed between steps by an exponential, a step
-  and a lambda schedule, the noise and the batches reproduced by a generator or by the global
-  seed (and not reproduced without one), a logical batch that drew no example (its step is the
-  noise alone), two runs from one seed the same (``test_deterministic_run``), and instance
-  norms that keep running statistics, in training and in eval.
+  ``test/test_problems_padding.py``, ``test/test_problems_pooling.py``,
+  ``test/adaptive_avg_pool/``): the strided, padded and dilated Conv2d whose output leaves the
+  input's last rows unread (its issue 30), every quantity, the DP step and bf16 autocast of
+  it; which parameters each quantity reaches on its two interface networks; its padding and
+  pooling problems (``ZeroPad2d`` between unpadded convolutions, max- and average-pooling
+  between convolutions, under ``MSELoss`` and ``CrossEntropyLoss``); adaptive average pools
+  to every target it lists, also those it refuses;
+- Opacus (``multigpu_adaptive_clipping_test.py``, ``schedulers/grad_clip_scheduler_test.py``,
+  ``schedulers/noise_scheduler_test.py``, ``randomness_test.py``, ``privacy_engine_test.py``,
+  ``validators/instance_norm_test.py``, ``dpdataloader_test.py``,
+  ``batch_memory_manager_test.py``, ``accountants_test.py``, ``mixed_precision_test.py``):
+  adaptive clipping that clips nothing and adds no noise equal to plain SGD; the clipping
+  bound and the noise multiplier changed between steps by exponential, step and lambda
+  schedules (each step's noise replayed, the accountant's ε the schedule's), and schedules
+  that set a value the constructor refuses, or lower σ below a ``make_private`` run's plan,
+  refused; the noise and the batches reproduced by a generator or by the global seed (and
+  not without one), the batches the same whatever the noise; a logical batch that drew no
+  example (its step is the noise alone); two runs from one seed the same, a run resumed from
+  its checkpoint the same as one never stopped; a frozen layer and a ``drop_last`` loader
+  against plain SGD; physical batches as the logical batch cut in order; instance norms that
+  keep running statistics, in eval; the RDP and PLD accountants and ``noise_multiplier_for``
+  against Opacus' own; its mixed-precision models under bf16 autocast in a DP step by every
+  method (and its attention models, which attend over the batch, refused).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
