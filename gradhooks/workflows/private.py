@@ -152,25 +152,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 "gradhooks.add_hooks(model, quantities=('norms',)) (or ('grad1',)), this one "
                 f"has quantities={hooks.quantities!r}"
             )
-        _clip.check_bounds(max_grad_norm, clipping_groups, "DPOptimizer", "max_grad_norm")
-        _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
-        # (required: None would divide by the batch's own size, or fail at the step)
-        require_number("expected_batch_size", expected_batch_size, "DPOptimizer")
-        _dp._check_expected_batch_size(expected_batch_size, "mean")
+        _check_settings(
+            "DPOptimizer", max_grad_norm, noise_multiplier, expected_batch_size, generator,
+            clipping, clipping_groups, adaptive_clipping,
+        )  # fmt: skip
         _dp.check_scaler(scaler)
         resolved = _dp._checked_method(hooks, method)
         if sample_rate is not None:
             require_number("sample_rate", sample_rate, "DPOptimizer")
-        if adaptive_clipping is not None:
-            if not isinstance(adaptive_clipping, _clip.AdaptiveClipping):
-                raise ConfigurationTypeError(
-                    "adaptive_clipping must be a gradhooks.AdaptiveClipping or None, got "
-                    f"{type(adaptive_clipping).__qualname__}"
-                )
-            adaptive_clipping.check(
-                max_grad_norm, noise_multiplier, expected_batch_size, clipping, clipping_groups,
-                "DPOptimizer",
-            )  # fmt: skip
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ConfigurationError(
                 f"sample_rate must be in (0, 1] (expected batch size / number of examples), "
@@ -308,6 +297,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Backward of one physical batch's per-example losses (``[batch]``): their clipped
         gradients are added to the buffer :meth:`step` uses. Returns the per-example norms
         before clipping, ``[batch]``. ``p.grad`` is left as it was."""
+        self._check_settings("DPOptimizer.backward")
         _check_optimizer_params(  # (before the backward: a refusal changes nothing)
             self.optimizer, self.hooks, _dp._covered_params(self.hooks), "DPOptimizer.backward"
         )
@@ -354,6 +344,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "physical batch of the logical batch (an empty batch too: its losses have 0 "
                 "rows), then opt.step(); a plain loss.backward() is not clipped."
             )
+        self._check_settings("DPOptimizer.step")
         _dp.check_batch_against_expected(
             self._examples, self.expected_batch_size, "DPOptimizer.step"
         )
@@ -470,6 +461,16 @@ class DPOptimizer(torch.optim.Optimizer):
             "the logical batch again. Nothing was changed by this call."
         )
 
+    def _check_settings(self, where: str) -> None:
+        """The settings as they are now, refused before anything changes: a schedule may
+        rewrite ``max_grad_norm``, ``noise_multiplier`` or ``expected_batch_size`` between
+        steps (Opacus' noise and clipping schedulers do), and a NaN or negative noise
+        multiplier would draw no noise at all, silently."""
+        _check_settings(
+            where, self.max_grad_norm, self.noise_multiplier, self.expected_batch_size,
+            self.generator, self.clipping, self.clipping_groups, self.adaptive_clipping,
+        )  # fmt: skip
+
     def _same_bound(self, where: str) -> None:
         """Refuses a bound changed since the buffer's first backward (a clipping schedule
         stepped between the physical batches of a logical batch): its examples were clipped
@@ -555,6 +556,31 @@ def _check_optimizer_params(
                 "model.parameters() again (and the DPOptimizer around it), or load checkpoints "
                 "without assign=True. Nothing was changed."
             )
+
+
+def _check_settings(
+    where: str, max_grad_norm: Any, noise_multiplier: Any, expected_batch_size: Any,
+    generator: Any, clipping: Any, clipping_groups: _clip.ClippingGroups,
+    adaptive_clipping: Any,
+) -> None:  # fmt: skip
+    """Refuse the settings of a :class:`DPOptimizer` that cannot be a DP step: bounds that are
+    not numbers > 0 and finite, a noise multiplier that is not a number >= 0 and finite, an
+    expected batch size that is not a number > 0 (required: ``None`` would divide by the
+    batch's own size), adaptive clipping it cannot follow."""
+    _clip.check_bounds(max_grad_norm, clipping_groups, where, "max_grad_norm")
+    require_number("noise_multiplier", noise_multiplier, where)
+    _dp._check_clipping(_clip.total_bound(max_grad_norm), noise_multiplier, generator, clipping)
+    require_number("expected_batch_size", expected_batch_size, where)
+    _dp._check_expected_batch_size(expected_batch_size, "mean")
+    if adaptive_clipping is not None:
+        if not isinstance(adaptive_clipping, _clip.AdaptiveClipping):
+            raise ConfigurationTypeError(
+                "adaptive_clipping must be a gradhooks.AdaptiveClipping or None, got "
+                f"{type(adaptive_clipping).__qualname__}"
+            )
+        adaptive_clipping.check(
+            max_grad_norm, noise_multiplier, expected_batch_size, clipping, clipping_groups, where
+        )
 
 
 class _OwnedDPOptimizer(DPOptimizer):
@@ -788,6 +814,9 @@ class PrivateTraining:
             return False
         if self.accountant.steps >= self.steps:
             raise PrivacyBudgetExceeded(self._spent())
+        self.optimizer._check_settings("private.step")
+        if self.optimizer.noise_multiplier < self.noise_multiplier:
+            raise PrivacyBudgetExceeded(self._lowered())
         self.optimizer._by_owner = True
         try:
             self.optimizer.step()
@@ -942,6 +971,20 @@ class PrivateTraining:
             f"δ = {self.delta:g}{target} by the {self.accountant.method!r} accountant; "
             "another step would spend more. Stop here (private.epsilon is the run's ε), or "
             "plan a longer run from the start: make_private(..., epochs= or steps=)."
+        )
+
+    def _lowered(self) -> str:
+        target = "" if self.target_epsilon is None else f" (target ε = {self.target_epsilon})"
+        return (
+            f"private.step: private.optimizer.noise_multiplier is "
+            f"{self.optimizer.noise_multiplier:.4g}, below the run's σ = "
+            f"{self.noise_multiplier:.4g} (a noise schedule?): each step at it spends more "
+            f"privacy than planned, so the {self.steps} planned steps would spend more than "
+            f"their ε at δ = {self.delta:g}{target}. A schedule may raise σ (each step then "
+            "spends less, and the accountant records the σ used), not lower it below the "
+            "plan's; for a schedule of your own, use gradhooks.DPOptimizer with a "
+            "PrivacyAccountant. Nothing was changed (restore the multiplier and call "
+            "private.step() again)."
         )
 
 
