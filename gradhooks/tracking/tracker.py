@@ -1756,10 +1756,16 @@ def _other_part(a: Any, entries: dict) -> Any:
     """:func:`.memo.part` of argument ``a``, neither a tensor nor of :data:`.memo.PLAIN`, on
     the short way of :meth:`Tracker.__torch_function__`; ``None`` where the call takes the
     long way (a list or tuple holding a tensor, whose tensors the long way looks at)."""
-    if a.__class__ is tuple or a.__class__ is list:
+    cls = a.__class__
+    if cls is tuple or cls is list or cls is torch.Size:
+        plain = True
         for x in a:
-            if isinstance(x, Tensor):
-                return None
+            if x.__class__ not in _PLAIN:
+                if isinstance(x, Tensor):
+                    return None
+                plain = False
+        if plain:
+            return (cls, *a)  # (memo.part's, without a call per entry: view(shape))
     p = memo.part(a, entries)
     return None if p is memo.NO_KEY else p
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
