@@ -302,7 +302,9 @@ def _quick_calls():
         "layer_norm": (F.layer_norm, (x, (6,), w, b, 1e-5), {}),
         "clamp, None": (torch.clamp, (x,), {"min": None, "max": 1.0}),
         "attention, a mask": (
-            F.scaled_dot_product_attention, (q, q, q), {"attn_mask": m[:5, :5], "scale": 0.5}
+            F.scaled_dot_product_attention,
+            (q, q, q),
+            {"attn_mask": m[:5, :5], "scale": 0.5},
         ),
         "narrow": (torch.narrow, (x, 1, 1, 2), {}),
         "masked_fill, a mask": (torch.Tensor.masked_fill, (x, m[:4], 0.0), {}),

@@ -1768,6 +1768,8 @@ def _other_part(a: Any, entries: dict) -> Any:
             return (cls, *a)  # (memo.part's, without a call per entry: view(shape))
     p = memo.part(a, entries)
     return None if p is memo.NO_KEY else p
+
+
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})
