@@ -14,7 +14,15 @@ import torch
 
 from gradhooks import _torch
 from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker
-from gradhooks.tracking.ops import FREE, LIKE, METADATA, facts, facts_named, handler_for
+from gradhooks.tracking.ops import (
+    FREE,
+    LIKE,
+    METADATA,
+    facts,
+    facts_named,
+    handler_for,
+    quick_kind,
+)
 from gradhooks.tracking.ops.common import is_inplace, op_name
 from gradhooks.tracking.ops.names import MAYBE_SAME
 from gradhooks.tracking.tensormap import TensorMap
@@ -270,3 +278,124 @@ def test_an_index_holding_a_tensor_at_any_depth_is_read_afresh():
     t = torch.tensor([0, 1])
     assert memo.holds_tensor(((slice(None), (t,)),)) and memo.holds_tensor(slice(t, None))
     assert not memo.holds_tensor((slice(None, 2), None, Ellipsis, [0, 1]))
+
+
+# -- the short way through Tracker.__torch_function__ (Tracker._quick_key) -----------------------
+
+
+def _quick_calls():
+    """Calls the short way keys, each ``(func, args, kwargs)``: the first tensor with the batch
+    on dimension 0, the others without a layout."""
+    x, y, m = torch.randn(4, 6), torch.randn(4, 6), torch.ones(6, 6, dtype=torch.bool)
+    w, b = torch.randn(6), torch.randn(6)
+    q = torch.randn(4, 2, 3, 5)
+    F = torch.nn.functional
+    return {
+        "view, ints": (torch.Tensor.view, (x, 4, 3, 2), {}),
+        "view, a tuple": (torch.Tensor.view, (x, (4, 6)), {}),
+        "view, a size": (torch.Tensor.view, (x, torch.Size([2, 12])), {}),
+        "add, a tensor without a layout": (torch.add, (x, y), {}),
+        "add, a number and alpha": (torch.add, (x, 2.0), {"alpha": 3}),
+        "sum, dims and a flag": (torch.Tensor.sum, (x,), {"dim": (0, 1), "keepdim": True}),
+        "sum, a flag as a number": (torch.Tensor.sum, (x, 1, True), {}),
+        "to, a dtype": (torch.Tensor.to, (x, torch.float64), {}),
+        "layer_norm": (F.layer_norm, (x, (6,), w, b, 1e-5), {}),
+        "clamp, None": (torch.clamp, (x,), {"min": None, "max": 1.0}),
+        "attention, a mask": (
+            F.scaled_dot_product_attention,
+            (q, q, q),
+            {"attn_mask": m[:5, :5], "scale": 0.5},
+        ),
+        "narrow": (torch.narrow, (x, 1, 1, 2), {}),
+        "masked_fill, a mask": (torch.Tensor.masked_fill, (x, m[:4], 0.0), {}),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_quick_calls()))
+def test_the_short_way_keys_a_call_as_memo_does(case):
+    """The short way builds :func:`memo.key`'s very tuple (the kept table is one for both
+    ways): equal, and of the same hash, for arguments of every kind it takes."""
+    from gradhooks.tracking import memo
+
+    func, args, kwargs = _quick_calls()[case]
+    op = facts(func)
+    tracker = Tracker(4, {})
+    tracker.set_layout(args[0], Layout(0))
+    assert quick_kind(op)
+    parts = tracker._quick_key(op, args, kwargs)
+    want = memo.key(op, 4, args, kwargs, tracker.layouts.entries)
+    assert isinstance(parts, list) and want is not memo.NO_KEY
+    assert tuple(parts) == want and hash(tuple(parts)) == hash(want)
+
+
+def test_the_short_way_leaves_to_the_long_way_what_it_does_not_key():
+    """A list of tensors (``torch.cat``), an ``out=``, a second tensor given to a function
+    that reads only its dtype or shape (``x.to(y)``), a tensor with sources, rows picked by an
+    index: the long way (``None``); no tensor with a layout: run as it is."""
+    from gradhooks.tracking import memo
+    from gradhooks.tracking.layout import Owners
+    from gradhooks.tracking.sources import Source
+    from gradhooks.tracking.tracker import _UNLAID
+
+    x, y, z = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
+    tracker = Tracker(4, {})
+    tracker.set_layout(x, Layout(0))
+    key = tracker._quick_key
+    assert key(facts(torch.cat), ([x, y],), {}) is None
+    assert key(facts(torch.add), (x, y), {"out": z}) is None
+    assert key(facts(torch.Tensor.to), (x, y), {}) is None
+    assert key(facts(torch.add), (y, z), {}) is _UNLAID
+    tracker.taint(y, frozenset({Source("pos", y.shape)}))
+    assert key(facts(torch.add), (x, y), {}) is None
+    tracker.set_layout(z, Layout(0, owners=Owners(torch.tensor([0, 1, 1, 3]))))
+    assert key(facts(torch.mul), (z, 2.0), {}) is None
+    assert memo.key(facts(torch.mul), 4, (z, 2.0), {}, tracker.layouts.entries) is memo.NO_KEY
+
+
+def _recorded(model, inputs: dict, batch: int, quick: bool, monkeypatch) -> list:
+    """Every torch call of two forwards of ``model`` under a tracker (the examples on dimension
+    0 of each input), with its outputs' layouts, by the short way or the long way alone."""
+    from gradhooks.tracking import memo
+    from gradhooks.tracking import tracker as tracking
+    from gradhooks.tracking.ops.common import out_tensors
+
+    class Recording(Tracker):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs)
+            seen.append((op_name(func), [self.layout(o) for o in out_tensors(out)]))
+            return out
+
+    memo.clear()
+    monkeypatch.setattr(tracking, "quick_table", tracking.quick_table if quick else dict)
+    seen: list = []
+    for _ in range(2):  # (the second: the layouts kept from the first)
+        tracker = Recording(batch, {})
+        for t in inputs.values():
+            tracker.set_layout(t, Layout(0))
+        with tracker, torch.no_grad():
+            model(**inputs)
+    memo.clear()
+    return seen
+
+
+def test_the_short_way_gives_every_call_the_layouts_of_the_long_way(monkeypatch):
+    """Hugging Face GPT-2 with an attention mask, followed call by call: the short way gives
+    each call's outputs the layouts the long way alone gives them, first and from what was
+    kept; the first forward's and the second's agree too."""
+    from tests.harness import hf
+
+    config = hf("GPT2Config")(
+        n_embd=8, n_layer=1, n_head=2, n_positions=8, vocab_size=11, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf("GPT2LMHeadModel")(config).eval()
+    ids = torch.randint(11, (3, 5))
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0]])
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    short = _recorded(model, inputs, 3, True, monkeypatch)
+    long = _recorded(model, inputs, 3, False, monkeypatch)
+    assert short == long
+    half = len(short) // 2
+    assert short[:half] == short[half:]
+    assert sum(1 for _, lays in short if any(lay is not None for lay in lays)) > 20

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 # (the types of the other arguments a key holds as they are; hashable and immutable)
-_PLAIN = frozenset(
+PLAIN = frozenset(
     {int, float, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device,
      torch.memory_format, torch.layout}
 )  # fmt: skip
@@ -38,11 +38,11 @@ KEPT: dict[tuple, tuple[tuple, tuple]] = {}
 _LIMIT = 1 << 14  # (some hundred bytes each: a few MB at most)
 
 
-def _part(a: Any, entries: dict) -> Any:
+def part(a: Any, entries: dict) -> Any:
     """What a key holds of argument ``a`` (``entries``: the tracker's layouts'
     :attr:`~.tensormap.TensorMap.entries`)."""
     cls = a.__class__
-    if cls in _PLAIN:
+    if cls in PLAIN:
         return a
     if isinstance(a, Tensor):
         e = entries.get(id(a))
@@ -57,13 +57,13 @@ def _part(a: Any, entries: dict) -> Any:
     if cls is tuple or cls is list or cls is torch.Size:
         parts = [cls]
         for x in a:
-            p = _part(x, entries)
+            p = part(x, entries)
             if p is NO_KEY:
                 return NO_KEY
             parts.append(p)
         return tuple(parts)
     if cls is slice:
-        parts = (slice, _part(a.start, entries), _part(a.stop, entries), _part(a.step, entries))
+        parts = (slice, part(a.start, entries), part(a.stop, entries), part(a.step, entries))
         return NO_KEY if NO_KEY in parts else parts
     return NO_KEY
 
@@ -88,16 +88,16 @@ def key(op: Any, batch: int, args: tuple, kwargs: dict, entries: dict) -> tuple 
     parts = [id(op), batch]
     for a in args:
         cls = a.__class__
-        if cls in _PLAIN:
+        if cls in PLAIN:
             parts.append(a)
             continue
-        p = _part(a, entries)
+        p = part(a, entries)
         if p is NO_KEY:
             return NO_KEY
         parts.append(p)
     if kwargs:
         for k, a in kwargs.items():
-            p = _part(a, entries)
+            p = part(a, entries)
             if p is NO_KEY:
                 return NO_KEY
             parts.append(k)

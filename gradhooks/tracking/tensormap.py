@@ -28,12 +28,12 @@ class TensorMap:
     entry, live or not: where it is empty no tensor is found, so ``if m.entries:`` skips lookups
     at the cost of an attribute (``bool(m)`` says the same through a Python call)."""
 
-    __slots__ = ("entries", "_sweep_at")
+    __slots__ = ("entries", "sweep_at")
 
     def __init__(self) -> None:
         # id(t) -> (weak reference to t, value)
         self.entries: dict[int, tuple[weakref.ref, Any]] = {}
-        self._sweep_at = 64
+        self.sweep_at = 64
 
     def get(self, t: Any, default: Any = None) -> Any:
         e = self.entries.get(id(t))
@@ -54,8 +54,8 @@ class TensorMap:
     def __setitem__(self, t: Tensor, value: Any) -> None:
         data = self.entries
         data[id(t)] = (weakref.ref(t), value)
-        if len(data) >= self._sweep_at:
-            self._sweep()
+        if len(data) >= self.sweep_at:
+            self.sweep()
 
     def __delitem__(self, t: Any) -> None:
         if self.pop(t, _MISSING) is _MISSING:
@@ -72,7 +72,7 @@ class TensorMap:
 
     def clear(self) -> None:
         self.entries.clear()
-        self._sweep_at = 64
+        self.sweep_at = 64
 
     def items(self) -> list[tuple[Tensor, Any]]:
         """The live entries, as a list (safe to change the map while going through it)."""
@@ -93,11 +93,11 @@ class TensorMap:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         data = self.entries
         for k in [k for k, e in data.items() if e[0]() is None]:
             del data[k]
-        self._sweep_at = max(64, 2 * len(data))
+        self.sweep_at = max(64, 2 * len(data))
 
     def __repr__(self) -> str:
         return f"TensorMap({len(self)} live entries)"

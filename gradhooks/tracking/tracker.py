@@ -41,6 +41,7 @@ raises rather than give a wrong number.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,16 @@ from .layout import (
     owner_vector,
 )
 from .link import EngineLink
-from .ops import INDEX, OpFacts, data_args, facts, facts_named, handler_for, output_layout
+from .ops import (
+    INDEX,
+    OpFacts,
+    data_args,
+    facts,
+    facts_named,
+    handler_for,
+    output_layout,
+    quick_table,
+)
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
@@ -208,6 +218,14 @@ class Tracker(TorchFunctionMode):
         self.listed: set[int] = set()
         self.listed_joins: list[ListedJoin] = []
         self.off = 0
+        # the functions that may take the short way of __torch_function__, and what makes
+        # every call take the long way while any of it is not empty (the same objects for
+        # the tracker's life: the maps are emptied, never replaced)
+        self.quick = quick_table()
+        self.blocking = (
+            self.aliases, self.coupled.entries, self.read, self.row_index.entries,
+            self.positions.entries, self.reordered.entries, self.lineage.entries,
+        )  # fmt: skip
 
     # -- what the engine asks ---------------------------------------------------------------------
 
@@ -399,6 +417,28 @@ class Tracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        # The short way: a function whose layouts are kept for any call (quick_kind), where
+        # nothing the tracker knows of the forward beyond layouts stands in the way, its
+        # tensors carry no source and its parameters are used inside the hooked calls that
+        # cover them. The key of what is kept (memo.key, the very tuple) is built in the pass
+        # that finds the tensors with layouts; the call is followed as by _follow, and where
+        # it cannot be (another argument, a new key), by the long way below, from the start.
+        try:
+            op = self.quick.get(func)
+        except TypeError:  # (a function that cannot be hashed: asked by name below)
+            op = None
+        if op is not None and not self.off and not any(self.blocking):
+            if op.metadata or op.free:
+                # (x.shape, x.dim(), torch.arange(n): what the long way does with them where
+                # none of their tensors has sources, or, made afresh, where they have none)
+                if self._untainted(op, args, kwargs):
+                    return func(*args, **kwargs)
+            else:
+                parts = self._quick_key(op, args, kwargs)
+                if parts is _UNLAID:
+                    return func(*args, **kwargs)  # (no tensor with a layout: nothing to follow)
+                if parts is not None:
+                    return self._quick_follow(op, func, args, kwargs, parts)
         if self.aliases:
             args, kwargs = aliased(self.aliases, args, kwargs)
         if self.off:
@@ -483,6 +523,155 @@ class Tracker(TorchFunctionMode):
                 for s in sources:
                     s.uses.append(("free", name))
                 return out
+        finally:
+            self.off -= 1
+
+    def _untainted(self, op: OpFacts, args: tuple, kwargs: dict) -> bool:
+        """Whether a call of :data:`~.ops.METADATA` or :data:`~.ops.FREE` function ``op`` is
+        only run by the long way: a question about tensors of which none has sources (whose
+        answer, no tensor, is not followed), a new tensor made from no tensor."""
+        if op.free:
+            return not tensor_args(args, kwargs)
+        tainted = self.taints.entries
+        if not tainted:
+            return True
+        for t in tensor_args(args, kwargs):
+            e = tainted.get(id(t))
+            if e is not None and e[0]() is t and e[1]:
+                return False
+        return True
+
+    def _quick_key(self, op: OpFacts, args: tuple, kwargs: dict) -> Any:
+        """The parts of :func:`.memo.key` for a call on the short way, where the tensors among
+        ``args`` and ``kwargs`` (as :func:`tensor_args` finds them) include one with a layout;
+        :data:`_UNLAID` where none has one; ``None`` where the call takes the long way (a
+        tensor with sources, rows picked by an index, a parameter used directly, a list of
+        tensors, an ``out=``, a second tensor given to a :data:`~.ops.LIKE` function). Notes
+        the parameters used inside the hooked calls covering them, as the long way does."""
+        entries, params, tainted = self.layouts.entries, self.params, self.taints.entries
+        parts = [id(op), self.batch]
+        laid = False
+        n = 0
+        for a in args:
+            cls = a.__class__
+            if cls in _PLAIN:
+                parts.append(a)
+                continue
+            if not isinstance(a, Tensor):
+                p = _other_part(a, entries)
+                if p is None:
+                    return None
+                parts.append(p)
+                continue
+            # (as _quick_tensor, inlined: the usual argument)
+            n += 1
+            if n > 1 and op.like:
+                return None
+            k = id(a)
+            e = entries.get(k)
+            if e is not None and e[0]() is a:
+                lay = e[1]
+                if lay.owners is not None:
+                    return None
+                laid = True
+                parts.append((cls, lay.dim, lay.outer, lay.inner, a.shape, a.dtype))
+            else:
+                parts.append((cls, None, a.shape, a.dtype))
+            if tainted:
+                e = tainted.get(k)
+                if e is not None and e[0]() is a and e[1]:
+                    return None
+            if k in params and not self._quick_param(k):
+                return None
+        if kwargs:
+            if "out" in kwargs:
+                return None
+            for name, a in kwargs.items():
+                parts.append(name)
+                cls = a.__class__
+                if cls in _PLAIN:
+                    parts.append(a)
+                    continue
+                if not isinstance(a, Tensor):
+                    p = _other_part(a, entries)
+                    if p is None:
+                        return None
+                    parts.append(p)
+                    continue
+                n += 1
+                if n > 1 and op.like:
+                    return None
+                p = self._quick_tensor(a)
+                if p is None:
+                    return None
+                laid = laid or p[1] is not None
+                parts.append(p)
+        return parts if laid else _UNLAID
+
+    def _quick_tensor(self, a: Tensor) -> tuple | None:
+        """:meth:`_quick_key`'s part for tensor ``a`` (``None``: the long way)."""
+        k = id(a)
+        e = self.layouts.entries.get(k)
+        if e is not None and e[0]() is a:
+            lay = e[1]
+            if lay.owners is not None:
+                return None
+            p = (a.__class__, lay.dim, lay.outer, lay.inner, a.shape, a.dtype)
+        else:
+            p = (a.__class__, None, a.shape, a.dtype)
+        e = self.taints.entries.get(k)
+        if e is not None and e[0]() is a and e[1]:
+            return None
+        if k in self.params and not self._quick_param(k):
+            return None
+        return p
+
+    def _quick_param(self, pid: int) -> bool:
+        """Note the use of parameter ``pid`` by the hooked call covering it, as the long way
+        does; ``False`` where none does, or one without a rule (a direct use: the long way)."""
+        where = self._covering(pid)
+        if where is None or self.used[where].soft:
+            return False
+        self.used[where].params.add(pid)
+        return True
+
+    def _quick_follow(self, op: OpFacts, func, args: tuple, kwargs: dict, parts: list) -> Any:
+        """Run a call on the short way (:meth:`_quick_key` gave ``parts``) and follow it: the
+        layouts kept for its key, or, where none are, as :meth:`_follow` does."""
+        self.off += 1
+        try:
+            out = func(*args, **kwargs)
+            if out.__class__ in _NO_TENSOR:
+                if out.__class__ is float:
+                    first = tensor_args(args, kwargs)[0]
+                    if self.layouts.get(first) is MIXED:
+                        _note_read(self.read, out, op.name)  # (a statistic of the batch)
+                return out
+            if isinstance(out, Tensor):
+                if out.dtype is not self.precision:
+                    self._note_precision(out)
+                if not _COMPILING():
+                    hit = memo.KEPT.get(tuple(parts))
+                    if hit is not None and len(hit[0]) == 1 and out.shape == hit[0][0]:
+                        lay = hit[1][0]
+                        if lay is not None:
+                            # (self.layouts[out] = lay, inlined)
+                            layouts = self.layouts
+                            entries = layouts.entries
+                            entries[id(out)] = (_ref(out), lay)
+                            if len(entries) >= layouts.sweep_at:
+                                layouts.sweep()
+                        return out
+            self.func = func
+            try:
+                ins = tensor_args(args, kwargs)
+                if _COMPILING():
+                    self._propagate(op, args, kwargs, out, ins)
+                else:
+                    self._replay(op, args, kwargs, out, ins, tuple(parts))
+            finally:
+                self.func = None
+            return out
         finally:
             self.off -= 1
 
@@ -580,10 +769,16 @@ class Tracker(TorchFunctionMode):
             or (self.lineage.entries and any([t in self.lineage for t in ins]))
         ):
             return self._propagate(op, args, kwargs, out, ins)
-        layouts = self.layouts
-        found = memo.key(op, self.batch, args, kwargs, layouts.entries)
+        found = memo.key(op, self.batch, args, kwargs, self.layouts.entries)
         if found is memo.NO_KEY:
             return self._propagate(op, args, kwargs, out, ins)
+        return self._replay(op, args, kwargs, out, ins, found)
+
+    def _replay(self, op: OpFacts, args, kwargs, out, ins: list, found: tuple) -> None:
+        """:meth:`_follow` for a call of key ``found``: the layouts kept for it, or, where
+        none are (or not for outputs of these shapes), :meth:`_propagate`, kept if it could
+        be."""
+        layouts = self.layouts
         hit = memo.KEPT.get(found)
         if isinstance(out, Tensor):
             if hit is not None and len(hit[0]) == 1 and out.shape == hit[0][0]:
@@ -1605,6 +1800,29 @@ _ACTIVE: list[Tracker] = []
 # what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
 _NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
 _NO_SOURCES: frozenset = frozenset()
+_PLAIN = memo.PLAIN
+_UNLAID: Any = object()  # (Tracker._quick_key: no tensor of the call has a layout)
+_ref = weakref.ref
+
+
+def _other_part(a: Any, entries: dict) -> Any:
+    """:func:`.memo.part` of argument ``a``, neither a tensor nor of :data:`.memo.PLAIN`, on
+    the short way of :meth:`Tracker.__torch_function__`; ``None`` where the call takes the
+    long way (a list or tuple holding a tensor, whose tensors the long way looks at)."""
+    cls = a.__class__
+    if cls is tuple or cls is list or cls is torch.Size:
+        plain = True
+        for x in a:
+            if x.__class__ not in _PLAIN:
+                if isinstance(x, Tensor):
+                    return None
+                plain = False
+        if plain:
+            return (cls, *a)  # (memo.part's, without a call per entry: view(shape))
+    p = memo.part(a, entries)
+    return None if p is memo.NO_KEY else p
+
+
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NONE: frozenset[int] = frozenset()
 _FINDS_ROWS = frozenset({"nonzero", "argwhere", "where"})

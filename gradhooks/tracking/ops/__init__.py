@@ -271,10 +271,33 @@ def facts(func: Any) -> OpFacts:
         # neither is kept)
         if len(table) < _MAX_FUNCTIONS and getattr(func, "__closure__", None) is None:
             table[func] = found
+            if quick_kind(found) or found.metadata or found.free:
+                _QUICK[_torch.available("op_schema")][func] = found
     return found
 
 
 _MAX_FUNCTIONS = 4096
+
+
+def quick_kind(op: OpFacts) -> bool:
+    """Whether a call of ``op`` may take the tracker's short way
+    (:meth:`~gradhooks.tracking.Tracker.__torch_function__`): its handler's layouts are kept
+    for any call (:data:`READS_VALUES`: none read values), it changes none of its arguments
+    (so that its key, built before it runs, is the one built after), and it is no question
+    about a tensor's metadata (a parameter given to one is not used)."""
+    return op.kept == 1 and not op.inplace and not op.metadata and not op.free
+
+
+# the functions of :data:`_FACTS` that are :func:`quick_kind`, :data:`METADATA` or :data:`FREE`,
+# by the same two tables
+_QUICK: tuple[dict[Any, OpFacts], dict[Any, OpFacts]] = ({}, {})
+
+
+def quick_table() -> dict[Any, OpFacts]:
+    """The functions that may take the tracker's short way (:func:`quick_kind`, or a question
+    about a tensor's metadata, or one that makes a new tensor), as torch's operator schemas
+    are read now (filled as :func:`facts` meets them)."""
+    return _QUICK[_torch.available("op_schema")]
 
 
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
