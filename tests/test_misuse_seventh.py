@@ -1,0 +1,96 @@
+"""Mistakes in how a model is trained, a seventh set: a ``GradScaler`` whose scale is infinite,
+NaN, zero or negative given to the DP step; the optimizer a ``DPOptimizer`` (or a
+``make_private`` training) wraps stepped by hand; checkpoints, closures and parameter groups
+of the wrong kind; a noise multiplier searched for an infinite ε or with no tolerance; a
+Poisson loader over an ``IterableDataset``; K-FAC samplers, damping ranges, factors and
+gradients of the wrong kind; ``check_rule`` given an input without a batch dimension; the
+oracles given inputs and targets of different batch sizes; the privacy audit given fractional
+counts or NaN. Each gives the documented meaning, compared in float64 with each example's own
+gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`), or stops with the typed
+error of its kind, whose message names what was refused, leaving the parameters, ``.grad``,
+``grad1``, the hooks and the optimizer's state as they were (``tests/test_misuse.py`` to
+``tests/test_misuse_sixth.py`` hold the earlier sets)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_misuse_fifth import assert_all_untouched, clipped_mean, close, full_state, loop
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+import gradhooks
+from gradhooks import audit
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_untouched, labelled_batch, mlp, model_state, raised
+
+BOUND = 0.5  # small enough that the examples of labelled_batch are clipped
+
+
+def losses_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def dp_optimizer(model: nn.Module, h: gradhooks.Hooks, **more) -> gradhooks.DPOptimizer:
+    """A DPOptimizer without noise (its ``.grad`` is then the loop's clipped mean) over SGD."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    return gradhooks.DPOptimizer(
+        sgd, h, max_grad_norm=BOUND, noise_multiplier=0.0, expected_batch_size=5, **more
+    )
+
+
+def assert_clipped_mean(model: nn.Module, want: dict) -> None:
+    for name, p in model.named_parameters():
+        close(p.grad, clipped_mean(want, BOUND)[name], name)
+
+
+# -- a GradScaler whose scale no step can use ----------------------------------------------------
+
+SCALES = [math.inf, math.nan, 0.0, -1.0]
+
+
+def scaled_step(kind: str, model: nn.Module, h, scaler, x, y) -> None:
+    if kind == "dp_sgd_step":
+        gradhooks.dp_sgd_step(
+            h, losses_of(model, x, y), max_norm=BOUND, noise_multiplier=0.0, scaler=scaler
+        )
+        for p in model.parameters():  # (scaler.step(optimizer) would unscale them)
+            p.grad /= scaler.get_scale()
+    elif kind == "clipped_sum":
+        got = gradhooks.clipped_sum(h, losses_of(model, x, y), max_norm=BOUND, scaler=scaler)
+        for p, s in zip(got.params, got.sums, strict=True):
+            p.grad = s / len(x)  # (returned unscaled)
+    else:
+        opt = dp_optimizer(model, h, scaler=scaler)
+        opt.backward(losses_of(model, x, y))
+        opt.optimizer.step = lambda *a, **k: None  # (the .grad of the step, not its update)
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["dp_sgd_step", "clipped_sum", "DPOptimizer"])
+@pytest.mark.parametrize("scale", SCALES, ids=["inf", "nan", "zero", "negative"])
+def test_a_grad_scaler_whose_scale_is_not_a_finite_positive_number_is_refused(kind, scale):
+    """A ``GradScaler(init_scale=inf)`` (or one loaded from a diverged run's checkpoint with
+    a scale of inf or NaN) overflowed every scaled gradient: each DP step was skipped and
+    ``scaler.update()`` never brought the scale back (``inf · 0.5`` is inf), the model never
+    trained, silently; a scale of 0 did the same through NaN, and a negative one gave negative
+    norms, so that no example was clipped. Refused at the step, naming the scale, nothing
+    changed; a scaler of a finite scale (a power of two: exact) gives the loop's clipped
+    mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    want = loop(model, x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        before = full_state(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        raised(
+            gradhooks.ConfigurationError,
+            ["GradScaler's scale is", "finite number > 0", "Nothing was changed"],
+            lambda: scaled_step(kind, model, h, scaler, x, y),
+        )  # fmt: skip
+        assert_all_untouched(model, before)
+        scaled_step(kind, model, h, torch.amp.GradScaler("cpu", init_scale=2.0**10), x, y)
+    assert_clipped_mean(model, want)
