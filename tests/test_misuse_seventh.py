@@ -94,3 +94,98 @@ def test_a_grad_scaler_whose_scale_is_not_a_finite_positive_number_is_refused(ki
         assert_all_untouched(model, before)
         scaled_step(kind, model, h, torch.amp.GradScaler("cpu", init_scale=2.0**10), x, y)
     assert_clipped_mean(model, want)
+
+
+# -- the wrapped optimizer stepped by hand -------------------------------------------------------
+
+
+def test_the_optimizer_a_dp_optimizer_wraps_stepped_by_hand_is_refused():
+    """``sgd.step()`` on the optimizer given to ``DPOptimizer`` (the name kept from the loop
+    without DP, after a plain ``loss.backward()``): the step moved the model by the unclipped,
+    unnoised gradient and the accountant recorded nothing, silently. Refused before the step,
+    the model as it was; the DPOptimizer's own step is the loop's clipped mean, and once the
+    hooks are removed the optimizer steps freely again."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    want = loop(model, x, y)
+    accountant = gradhooks.PrivacyAccountant()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = dp_optimizer(model, h, sample_rate=0.1, accountant=accountant)
+        sgd = opt.optimizer
+        F.cross_entropy(model(x), y).backward()
+        before = model_state(model)
+        raised(
+            gradhooks.StateError,
+            ["SGD.step()", "gradhooks.DPOptimizer", "neither clipped nor noised",
+             "dp_optimizer.step()", "did not step"],
+            sgd.step,
+        )  # fmt: skip
+        assert_untouched(model, before)
+        assert not sgd.state and accountant.steps == 0
+        sgd.zero_grad()
+        opt.backward(losses_of(model, x, y))
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert opt.step() and accountant.steps == 1
+        assert_clipped_mean(model, want)
+        for name, p in model.named_parameters():
+            close(p.detach(), weights[name] - 0.1 * clipped_mean(want, BOUND)[name], name)
+    stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sgd.step()  # (the hooks removed: DP training is over)
+    for name, p in model.named_parameters():
+        close(p.detach(), stepped[name] - 0.1 * p.grad, name)
+
+
+def test_the_optimizer_a_private_training_wraps_stepped_by_hand_is_refused():
+    """The same under ``make_private``: the optimizer given to it stepped by hand took a
+    non-private step, which ``private.batches()`` noticed only at the next batch, after the
+    model had moved. Refused at the step; after ``private.close()`` it steps again."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 2, (40,)))
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = gradhooks.make_private(
+        model, sgd, data, delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, steps=2,
+        expected_batch_size=8, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    x, y = next(iter(private.batches()))
+    F.cross_entropy(model(x), y).backward()
+    before = model_state(model)
+    raised(
+        gradhooks.StateError,
+        ["SGD.step()", "make_private", "private.step()", "did not step"],
+        sgd.step,
+    )  # fmt: skip
+    assert_untouched(model, before)
+    assert private.steps_taken == 0 and private.epsilon == 0.0
+    private.close()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    for name, p in model.named_parameters():
+        close(p.detach(), before["params"][name] - 0.1, name)
+
+
+# -- arguments of the wrong kind -----------------------------------------------------------------
+
+
+def test_a_dp_optimizer_given_a_closure_or_a_param_group_of_the_wrong_kind():
+    """``opt.step(3)`` (a closure that is not a function) failed with ``'int' object is not
+    callable``; ``opt.add_param_group(params)`` (the parameters alone, not a dict) with
+    ``string indices must be integers``. Both refused by type, the buffer of the backward
+    kept: the step after is the loop's clipped mean."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    want = loop(model, x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = dp_optimizer(model, h)
+        opt.optimizer.step = lambda *a, **k: None  # (the .grad of the step, not its update)
+        opt.backward(losses_of(model, x, y))
+        before = model_state(model)
+        raised(gradhooks.ConfigurationTypeError, "closure must be a function",
+               lambda: opt.step(3))  # fmt: skip
+        raised(gradhooks.ConfigurationTypeError, "add_param_group takes a dict with 'params'",
+               lambda: opt.add_param_group(list(model.parameters())))  # fmt: skip
+        assert_untouched(model, before)
+        assert opt.examples == 5 and len(opt.param_groups) == 1
+        opt.step()
+    assert_clipped_mean(model, want)
