@@ -168,6 +168,28 @@ def test_the_optimizer_a_private_training_wraps_stepped_by_hand_is_refused():
 # -- arguments of the wrong kind -----------------------------------------------------------------
 
 
+def test_checkpoints_that_are_not_dictionaries_are_refused():
+    """``load_state_dict`` given a path or a list instead of the loaded dictionary: an
+    ``AttributeError`` from deep inside (``'str' object has no attribute 'get'``). Refused by
+    type, the accountant's history and the optimizer's state as they were."""
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.1, steps=3)
+    for bad in ("ckpt.pt", [("rdp", [])]):
+        raised(gradhooks.ConfigurationTypeError, "PrivacyAccountant.load_state_dict",
+               lambda bad=bad: accountant.load_state_dict(bad))  # fmt: skip
+        assert accountant.history == [(1.0, 0.1, 3)]
+    model = mlp()
+    x, y = labelled_batch(1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = dp_optimizer(model, h)
+        opt.backward(losses_of(model, x, y))
+        opt.step()
+        state = opt.state_dict()
+        raised(gradhooks.ConfigurationTypeError, "DPOptimizer.load_state_dict",
+               lambda: opt.load_state_dict("ckpt.pt"))  # fmt: skip
+        assert opt.state_dict() == state
+
+
 def test_a_dp_optimizer_given_a_closure_or_a_param_group_of_the_wrong_kind():
     """``opt.step(3)`` (a closure that is not a function) failed with ``'int' object is not
     callable``; ``opt.add_param_group(params)`` (the parameters alone, not a dict) with
@@ -189,3 +211,54 @@ def test_a_dp_optimizer_given_a_closure_or_a_param_group_of_the_wrong_kind():
         assert opt.examples == 5 and len(opt.param_groups) == 1
         opt.step()
     assert_clipped_mean(model, want)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"target_epsilon": math.inf}, "must be > 0 and finite"),
+        ({"tol": 0.0}, "tol is the precision"),
+        ({"tol": -1e-4}, "tol is the precision"),
+        ({"tol": "1e-4"}, "tol must be a number"),
+    ],
+    ids=["epsilon-inf", "tol-zero", "tol-negative", "tol-string"],
+)
+def test_a_noise_multiplier_searched_for_an_infinite_epsilon_or_without_tolerance(kwargs, says):
+    """``noise_multiplier_for(math.inf, ...)`` (no budget at all) failed inside
+    dp_accounting's search (``brentq raised ValueError``), ``tol=0`` with dp_accounting's own
+    ``ValueError``. Refused as gradhooks' errors; with a finite target the σ found spends at
+    most it."""
+    args = {"target_epsilon": 2.0, "delta": 1e-5, "sample_rate": 0.01, "steps": 100}
+    error = gradhooks.ConfigurationError
+    if says.endswith("number"):
+        error = gradhooks.ConfigurationTypeError
+    raised(error, says, lambda: gradhooks.noise_multiplier_for(**{**args, **kwargs}))
+    sigma = gradhooks.noise_multiplier_for(**args)
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=sigma, sample_rate=0.01, steps=100)
+    assert accountant.epsilon(1e-5) <= 2.0
+
+
+# -- the checks and the references ----------------------------------------------------------------
+
+
+def test_the_privacy_audit_refuses_fractional_counts_and_nan():
+    """``one_run_p_value(10.5, ...)`` returned a p-value of no experiment, ``epsilon=nan``
+    a p-value of 1 (NaN compared false with every bound), ``epsilon_lower_bound`` of NaN
+    scores a bound from an arbitrary order of the canaries, and ``guesses=2.5`` failed with
+    ``slice indices must be integers``. Each refused, naming the value; whole counts give
+    the binomial tail (δ = 0: the probability of ``correct`` or more right guesses)."""
+    raised(gradhooks.ConfigurationError, "canaries counts canaries: a whole number",
+           lambda: audit.one_run_p_value(10.5, 4, 3, 1.0, 0.0))  # fmt: skip
+    raised(gradhooks.ConfigurationError, "need epsilon >= 0",
+           lambda: audit.one_run_p_value(10, 4, 3, math.nan, 0.0))  # fmt: skip
+    scores = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    included = torch.arange(20) % 2 == 0
+    raised(gradhooks.ConfigurationError, "scores must be finite",
+           lambda: audit.epsilon_lower_bound(torch.where(included, scores, math.nan), included,
+                                             guesses=4, delta=0.0))  # fmt: skip
+    raised(gradhooks.ConfigurationError, "guesses counts canaries",
+           lambda: audit.epsilon_lower_bound(scores, included, guesses=2.5, delta=0.0))  # fmt: skip
+    q = 1 / (1 + math.exp(-1.0))
+    tail = sum(math.comb(4, k) * q**k * (1 - q) ** (4 - k) for k in range(3, 5))
+    assert math.isclose(audit.one_run_p_value(10, 4, 3, 1.0, 0.0), tail, rel_tol=1e-9)
