@@ -239,6 +239,25 @@ def test_a_noise_multiplier_searched_for_an_infinite_epsilon_or_without_toleranc
     assert accountant.epsilon(1e-5) <= 2.0
 
 
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(TensorDataset(torch.randn(8, 3)))
+
+
+def test_a_poisson_loader_over_a_stream_or_with_a_collate_that_is_not_a_function():
+    """``poisson_loader`` over an ``IterableDataset`` failed with ``object of type ... has no
+    len()``; a ``collate_fn`` that is not a function, only when the first batch was drawn
+    (``'int' object is not callable``). Both refused when the loader is made."""
+    raised(gradhooks.ConfigurationTypeError, ["poisson_loader", "_Stream", "map-style"],
+           lambda: gradhooks.poisson_loader(_Stream(), 2))  # fmt: skip
+    data = TensorDataset(torch.randn(8, 3))
+    raised(gradhooks.ConfigurationTypeError, "collate_fn must be a function",
+           lambda: gradhooks.poisson_loader(data, 2, collate_fn=3))  # fmt: skip
+    loader = gradhooks.poisson_loader(data, 2, generator=torch.Generator().manual_seed(0))
+    rows = torch.cat([x for (x,) in loader])
+    assert all(any(torch.equal(r, d) for (d,) in data) for r in rows)
+
+
 # -- the checks and the references ----------------------------------------------------------------
 
 
