@@ -258,6 +258,93 @@ def test_a_poisson_loader_over_a_stream_or_with_a_collate_that_is_not_a_function
     assert all(any(torch.equal(r, d) for (d,) in data) for r in rows)
 
 
+def test_flags_and_counts_given_as_true_or_a_string_are_refused():
+    """``True`` is an ``int`` to Python, and ``"no"`` is true: ``register(nn.Linear,
+    overwrite="no")`` replaced the built-in Linear rule, silently; ``KFAC(factors_every=True)``,
+    ``PoissonSampler(True, 1)``, ``PoissonSampler(..., steps=True)``,
+    ``convert_batch_norm(model, True)`` and ``make_private(max_physical_batch_size=True)``
+    took ``True`` as 1. Each refused by type (as ``kfac(mc_samples=True)`` and
+    ``set_memory_limit(True)`` already were), nothing changed: the built-in rule still gives
+    the loop's per-example gradients, the BatchNorm is still there, the model has no hooks."""
+    linear = gradhooks.REGISTRY.lookup(nn.Linear(1, 1))
+    raised(gradhooks.ConfigurationTypeError, "register(overwrite=...) takes True or False",
+           lambda: gradhooks.register(nn.Linear, overwrite="no")(lambda call: {}))  # fmt: skip
+    assert gradhooks.REGISTRY.lookup(nn.Linear(1, 1)) is linear
+    model = mlp()
+    x, y = labelled_batch(1)
+    want = loop(model, x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    for name, p in model.named_parameters():
+        close(p.grad1, want[name], name)
+    raised(gradhooks.ConfigurationTypeError, "factors_every must be a number",
+           lambda: gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  factors_every=True))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "num_examples must be a number",
+           lambda: gradhooks.PoissonSampler(True, 1))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "steps must be a number",
+           lambda: gradhooks.PoissonSampler(10, 2, steps=True))  # fmt: skip
+    net = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
+    raised(gradhooks.ConfigurationTypeError, "num_groups must be a positive int",
+           lambda: gradhooks.convert_batch_norm(net, True))  # fmt: skip
+    assert isinstance(net[1], nn.BatchNorm2d)
+    data = TensorDataset(torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 2, (40,)))
+    before = full_state(model)
+    raised(gradhooks.ConfigurationTypeError, "max_physical_batch_size must be a number",
+           lambda: gradhooks.make_private(
+               model, torch.optim.SGD(model.parameters(), lr=0.1), data, delta=1e-3,
+               max_grad_norm=1.0, noise_multiplier=1.0, steps=2, expected_batch_size=8,
+               max_physical_batch_size=True))  # fmt: skip
+    assert_all_untouched(model, before)
+
+
+# -- K-FAC ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", ["sample_target", "output_grads"])
+def test_kfac_samplers_that_are_not_functions_are_refused_before_the_forward(given):
+    """``kfac(..., sample_target=labels)`` (the labels rather than a function drawing them)
+    ran the forward and failed with ``'Tensor' object is not callable``, with the model's
+    hooks and buffers to clean up. Refused before anything runs."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    before = full_state(model)
+    raised(gradhooks.ConfigurationTypeError, [given, "must be a function"],
+           lambda: gradhooks.kfac(model, x, y, **{given: y}))  # fmt: skip
+    assert_all_untouched(model, before)
+
+
+def test_kfac_factors_and_gradients_of_the_wrong_kind():
+    """K-FAC factors made by hand (or loaded) with a non-square ``A``, factors whose groups
+    differ, or an unknown ``layout`` (taken as ``"in_out"``, silently) are refused when made;
+    ``apply`` given something other than a tensor (``'str' object has no attribute 'shape'``)
+    and ``KFAC(damping_range=...)`` not a pair (``not enough values to unpack``) by type. The
+    inverse of good factors preconditions as ``(kron(G, A) + λI)⁻¹`` in float64."""
+    eye = torch.eye(3, dtype=torch.float64)
+    raised(gradhooks.ConfigurationTypeError, "A must be a square matrix",
+           lambda: gradhooks.KFactors(torch.ones(3, 4), torch.eye(2), False))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "G must be a square matrix",
+           lambda: gradhooks.KFactors(eye, "G", False))  # fmt: skip
+    raised(gradhooks.ConfigurationError, "same groups",
+           lambda: gradhooks.KFactors(torch.stack([eye, eye]), torch.eye(2), False))  # fmt: skip
+    raised(gradhooks.ConfigurationError, "layout must be 'out_in' or 'in_out'",
+           lambda: gradhooks.KFactors(eye, torch.eye(2), False, layout="io"))  # fmt: skip
+    model = mlp()
+    x, y = labelled_batch(1)
+    raised(gradhooks.ConfigurationTypeError, "damping_range must be a pair",
+           lambda: gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  damping_range=1.0))  # fmt: skip
+    factors = gradhooks.kfac(model, x, y, fisher="empirical")
+    k = factors["0.weight"]
+    inverse = k.inverse(0.1)
+    raised(gradhooks.ConfigurationTypeError, "apply takes the weight's gradient as a tensor",
+           lambda: inverse.apply("grad"))  # fmt: skip
+    g = torch.randn(5, 4, dtype=torch.float64)  # (weight [5, 3] and its bias column)
+    want = torch.linalg.solve(torch.kron(k.G, k.A) + 0.1 * torch.eye(20, dtype=torch.float64),
+                              g.flatten()).view(5, 4)  # fmt: skip
+    close(inverse.apply(g), want, "preconditioned")
+
+
 # -- the checks and the references ----------------------------------------------------------------
 
 

@@ -425,7 +425,9 @@ class Registry:
                     f"register({name}=...) takes a function or None, got "
                     f"{type(fn).__qualname__} {fn!r}"
                 )
-        for name, flag in (("owns_children", owns_children), ("needs_output", needs_output)):
+        flags = (("overwrite", overwrite), ("owns_children", owns_children),
+                 ("needs_output", needs_output))  # fmt: skip
+        for name, flag in flags:
             if not isinstance(flag, bool):  # (a string taken by its truth)
                 raise ConfigurationTypeError(
                     f"register({name}=...) takes True or False, got {type(flag).__qualname__} "
