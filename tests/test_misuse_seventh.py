@@ -348,6 +348,48 @@ def test_kfac_factors_and_gradients_of_the_wrong_kind():
 # -- the checks and the references ----------------------------------------------------------------
 
 
+def test_check_rule_of_an_input_without_a_batch_dimension_names_the_layer():
+    """``check_rule(nn.Linear(3, 2), torch.randn(3))`` (one example without its batch
+    dimension) failed with ``mat1 and mat2 shapes cannot be multiplied`` inside vmap, the
+    reference's: the rule's own ``UnbatchedInputError`` now comes first; the module given is
+    not changed, and with the batch dimension the check passes."""
+    layer = nn.Linear(3, 2)
+    before = model_state(layer)
+    x = torch.randn(3)
+    raised(gradhooks.UnbatchedInputError, ["(Linear)", "(3,)", "x.unsqueeze(0)"],
+           lambda: gradhooks.check_rule(layer, x))  # fmt: skip
+    assert_untouched(layer, before)
+    assert gradhooks.check_rule(layer, x.unsqueeze(0)).ok
+
+
+@pytest.mark.parametrize("oracle", [loop_grad, vmap_grad], ids=["loop", "vmap"])
+def test_the_oracles_refuse_inputs_and_targets_of_other_batch_sizes(oracle):
+    """``loop_grad(model, loss, (x,), y)`` with ``y`` one row longer than ``x`` (the labels of
+    the whole batch with the inputs of a truncated one) returned the gradients of the first
+    ``len(x)`` examples, silently, the last label never used; a second input longer than the
+    first was cut the same way; ``vmap_grad`` failed inside vmap. Both oracles refuse them,
+    naming the shapes, and a model or loss of the wrong type by type; given matching batches
+    the two agree."""
+    bilinear = nn.Bilinear(3, 4, 2).double()
+    x, y = labelled_batch(1)
+    z = torch.randn(6, 4, dtype=torch.float64)
+    calls = {  # (by what is wrong)
+        "longer target": lambda: oracle(mlp(), F.cross_entropy, (x,), torch.cat([y, y[:1]])),
+        "longer input": lambda: oracle(bilinear, F.cross_entropy, (x, z), y),
+        "no batch in the target": lambda: oracle(mlp(), F.cross_entropy, (x,), y[0]),
+    }
+    for call in calls.values():
+        raised(gradhooks.ConfigurationError, "do not agree", call)
+    raised(gradhooks.ConfigurationTypeError, "model must be an nn.Module",
+           lambda: oracle(mlp().state_dict(), F.cross_entropy, (x,), y))  # fmt: skip
+    raised(gradhooks.ConfigurationTypeError, "loss_fn must be a function",
+           lambda: oracle(mlp(), "cross_entropy", (x,), y))  # fmt: skip
+    other = vmap_grad if oracle is loop_grad else loop_grad
+    got = oracle(bilinear, F.cross_entropy, (x, z[:5]), y)
+    for name, g in other(bilinear, F.cross_entropy, (x, z[:5]), y).items():
+        close(got[name], g, name)
+
+
 def test_the_privacy_audit_refuses_fractional_counts_and_nan():
     """``one_run_p_value(10.5, ...)`` returned a p-value of no experiment, ``epsilon=nan``
     a p-value of 1 (NaN compared false with every bound), ``epsilon_lower_bound`` of NaN
