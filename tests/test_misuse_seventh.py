@@ -298,6 +298,39 @@ def test_flags_and_counts_given_as_true_or_a_string_are_refused():
     assert_all_untouched(model, before)
 
 
+def test_register_function_refuses_a_rule_that_is_not_a_function_and_keeps_the_old_one():
+    """``registry.register_function("linear", rule, ...)`` is shared by every registry: given
+    a rule that is not a function (or ``params`` that are not ``{name: (position,
+    keyword)}``), it replaced the built-in rule of ``F.linear``, and every later tied output
+    layer failed inside the hook (``'int' object is not callable``). Refused by type, the
+    built-in rule kept: a weight used through ``F.linear`` still gets the loop's gradients."""
+    registry = gradhooks.Registry()
+    builtin = registry.function("linear")
+    for rule, params in [(3, {"weight": (1, "weight")}), (lambda call: {}, "weight"),
+                         (lambda call: {}, {"weight": 1})]:  # fmt: skip
+        raised(gradhooks.ConfigurationTypeError, "register_function('linear')",
+               lambda rule=rule, params=params: registry.register_function(
+                   "linear", rule, params))  # fmt: skip
+        assert registry.function("linear") == builtin
+    model = mlp()
+    x, y = labelled_batch(1)
+
+    class Tied(nn.Module):  # (the second layer's weight used outside its call)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return F.linear(torch.tanh(self.net[0](x)), self.net[2].weight, self.net[2].bias)
+
+    tied = Tied()
+    want = loop(tied, x, y)
+    with gradhooks.add_hooks(tied):
+        F.cross_entropy(tied(x), y).backward()
+    for name, p in tied.named_parameters():
+        close(p.grad1, want[name], name)
+
+
 # -- K-FAC ----------------------------------------------------------------------------------------
 
 
