@@ -255,8 +255,8 @@ def noise_multiplier_for(
     require_number("target_epsilon", target_epsilon, "noise_multiplier_for")
     if not 0 < target_epsilon < math.inf:  # (inf: the search's bracket fails in dp_accounting)
         raise ConfigurationError(
-            f"target_epsilon must be > 0 and finite, got {target_epsilon!r} (for no privacy "
-            "at all, train without noise: noise_multiplier=0)"
+            f"target_epsilon must be > 0, got {target_epsilon!r} (and finite: for no privacy "
+            "at all, train without noise, noise_multiplier=0)"
         )
     require_number("tol", tol, "noise_multiplier_for")
     if not 0 < tol < math.inf:
