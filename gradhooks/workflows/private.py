@@ -222,7 +222,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._examples = 0  # examples in the buffer
         self._backwards = 0  # physical batches in the buffer
         # (the wrapped optimizer stepped by hand would step on the unclipped, unnoised .grad)
-        optimizer.register_step_pre_hook(_refuse_direct_steps(self))
+        self._guarded = _guard(optimizer, _refuse_direct_steps(self))
 
     # -- the wrapped optimizer's state (for LR schedulers and checkpoints) ---------------------
 
@@ -399,7 +399,7 @@ class DPOptimizer(torch.optim.Optimizer):
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
-        _STEPPING.add(id(self.optimizer))
+        _STEPPING.add(id(self._guarded))
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -407,7 +407,7 @@ class DPOptimizer(torch.optim.Optimizer):
             else:
                 self.optimizer.step()
         finally:
-            _STEPPING.discard(id(self.optimizer))
+            _STEPPING.discard(id(self._guarded))
         if stepped and self.accountant is not None:
             assert self.sample_rate is not None
             self.accountant.step(
@@ -580,6 +580,23 @@ def _check_optimizer_params(
 
 
 _STEPPING: set[int] = set()  # the wrapped optimizers a DPOptimizer.step is stepping now
+
+
+def _guard(optimizer: torch.optim.Optimizer, hook: Callable[..., None]) -> Any:
+    """``hook`` registered as a step pre-hook of ``optimizer``, or of the optimizer it wraps
+    where it takes none itself (accelerate's ``AcceleratedOptimizer`` is an ``Optimizer``
+    whose ``Optimizer.__init__`` never ran; its step is the wrapped one's): the optimizer
+    whose hooks run, or ``None``."""
+    for _ in range(8):
+        try:
+            optimizer.register_step_pre_hook(hook)
+            return optimizer
+        except AttributeError:
+            inner = getattr(optimizer, "optimizer", None)
+            if not isinstance(inner, torch.optim.Optimizer):
+                return None
+            optimizer = inner
+    return None
 
 
 def _refuse_direct_steps(dp: DPOptimizer) -> Callable[..., None]:
