@@ -3,9 +3,10 @@ NaN, zero or negative given to the DP step; the optimizer a ``DPOptimizer`` (or 
 ``make_private`` training) wraps stepped by hand; checkpoints, closures and parameter groups
 of the wrong kind; a noise multiplier searched for an infinite ε or with no tolerance; a
 Poisson loader over an ``IterableDataset``; K-FAC samplers, damping ranges, factors and
-gradients of the wrong kind; ``check_rule`` given an input without a batch dimension; the
-oracles given inputs and targets of different batch sizes; the privacy audit given fractional
-counts or NaN. Each gives the documented meaning, compared in float64 with each example's own
+gradients of the wrong kind; ``register_function`` given a rule that is not a function;
+flags and counts given as ``True`` or a string; ``check_rule`` given an input without a batch
+dimension; the oracles given inputs and targets of different batch sizes; the privacy audit
+given fractional counts or NaN (and, as strict xfails, two found and not fixed). Each gives the documented meaning, compared in float64 with each example's own
 gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`), or stops with the typed
 error of its kind, whose message names what was refused, leaving the parameters, ``.grad``,
 ``grad1``, the hooks and the optimizer's state as they were (``tests/test_misuse.py`` to
