@@ -28,7 +28,7 @@ from torch.func import functional_call, grad, vmap
 
 from . import _torch
 from .engine.pause import paused
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ConfigurationTypeError
 from .loop import per_example
 
 __all__ = ["vmap_grad", "loop_grad", "Inputs"]
@@ -56,6 +56,40 @@ def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
     raise ConfigurationError("the inputs hold no tensor: no batch to take the examples from")
 
 
+def _checked_batch(
+    where: str, model: nn.Module, loss_fn: LossFn, args: tuple, kwargs: dict[str, Any],
+    target: Tensor | None,
+) -> int:  # fmt: skip
+    """The batch size, every tensor of the inputs and the target holding it on dimension 0:
+    each example is row ``i`` of every one of them (a longer one's rows past the batch would
+    be left out, silently)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationTypeError(
+            f"{where}: model must be an nn.Module, got {type(model).__qualname__}"
+        )
+    if not callable(loss_fn):
+        raise ConfigurationTypeError(
+            f"{where}: loss_fn must be a function (output[, target]) -> loss, got "
+            f"{type(loss_fn).__qualname__}"
+        )
+    batch = _batch_size(args, kwargs)
+    leaves = [t for t in _torch.tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if target is not None:
+        if not isinstance(target, Tensor):
+            raise ConfigurationTypeError(
+                f"{where}: target must be a tensor [batch, ...] or None, got "
+                f"{type(target).__qualname__}"
+            )
+        leaves.append(target)
+    if any(t.dim() == 0 or t.shape[0] != batch for t in leaves):
+        raise ConfigurationError(
+            f"{where}: every input tensor and the target hold one row per example on "
+            f"dimension 0, and these do not agree: {', '.join(str(tuple(t.shape)) for t in leaves)}"
+            f" (the first says a batch of {batch})"
+        )
+    return batch
+
+
 def _split(model: nn.Module):
     trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     rest = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
@@ -74,8 +108,9 @@ def vmap_grad(
     (by :func:`loop_grad` for a model with an RNN where torch's Python dispatcher, which makes
     RNNs vmappable, cannot be reached: :func:`gradhooks._torch.python_dispatcher`)."""
     args, kwargs = _as_call(inputs)
+    batch = _checked_batch("vmap_grad", model, loss_fn, args, kwargs, target)
     trainable, rest = _split(model)
-    if _batch_size(args, kwargs) == 0:
+    if batch == 0:
         return _empty(model, trainable)
     # The Python dispatcher runs torch's own decompositions of composite ops that vmap has
     # no batching rule for (aten::lstm, gru, rnn_tanh, rnn_relu): stock RNNs become
@@ -116,6 +151,7 @@ def loop_grad(
     each parameter's ``.grad`` put back as it was: ``torch.autograd.grad`` would not run
     reentrant activation checkpointing again, and give those parameters nothing)."""
     args, kwargs = _as_call(inputs)
+    batch = _checked_batch("loop_grad", model, loss_fn, args, kwargs, target)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     kept = [p.grad for p in params]
@@ -133,7 +169,7 @@ def loop_grad(
 
     try:  # (recording whatever the caller's grad mode)
         with paused(), torch.inference_mode(False), torch.enable_grad():
-            grads = per_example(_batch_size(args, kwargs), one, like=params)
+            grads = per_example(batch, one, like=params)
     finally:
         for p, g in zip(params, kept):
             p.grad = g

@@ -41,10 +41,15 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from ..errors import ConfigurationError, MissingDependencyError, require_number
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    MissingDependencyError,
+    require_number,
+)
 
 __all__ = ["PrivacyAccountant", "noise_multiplier_for"]
 
@@ -173,6 +178,11 @@ class PrivacyAccountant:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the history by a checkpoint's (:meth:`state_dict`) of the same method."""
+        if not isinstance(state, Mapping):
+            raise ConfigurationTypeError(
+                "PrivacyAccountant.load_state_dict takes the dictionary that "
+                f"PrivacyAccountant.state_dict() returned, got {type(state).__qualname__}"
+            )
         if state.get("method") != self.method:
             raise ConfigurationError(
                 f"this accountant's method is {self.method!r}, the checkpoint's is "
@@ -243,8 +253,17 @@ def noise_multiplier_for(
     _check_step(0.0, sample_rate, steps)
     _check_delta(delta)
     require_number("target_epsilon", target_epsilon, "noise_multiplier_for")
-    if not target_epsilon > 0:
-        raise ConfigurationError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    if not 0 < target_epsilon < math.inf:  # (inf: the search's bracket fails in dp_accounting)
+        raise ConfigurationError(
+            f"target_epsilon must be > 0, got {target_epsilon!r} (and finite: for no privacy "
+            "at all, train without noise, noise_multiplier=0)"
+        )
+    require_number("tol", tol, "noise_multiplier_for")
+    if not 0 < tol < math.inf:
+        raise ConfigurationError(
+            f"noise_multiplier_for: tol is the precision of the noise multiplier searched for "
+            f"and must be > 0 and finite, got {tol!r}"
+        )
     if steps == 0 or sample_rate == 0:
         raise ConfigurationError(
             f"with steps={steps} and sample_rate={sample_rate} no example is ever used: any "

@@ -54,6 +54,15 @@ def _binomial_tail(n: int, p: float, k: int) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
 
 
+def _whole(where: str, **counts: float) -> None:
+    """Counts are whole numbers (10.5 canaries would give a p-value of no experiment)."""
+    for name, value in counts.items():
+        if value != int(value):
+            raise ConfigurationError(
+                f"{where}: {name} counts canaries: a whole number, got {value!r}"
+            )
+
+
 def one_run_p_value(
     canaries: int, guesses: int, correct: int, epsilon: float, delta: float
 ) -> float:
@@ -68,12 +77,13 @@ def one_run_p_value(
     for name, value in (("canaries", canaries), ("guesses", guesses), ("correct", correct),
                         ("epsilon", epsilon), ("delta", delta)):  # fmt: skip
         require_number(name, value, "one_run_p_value")
+    _whole("one_run_p_value", canaries=canaries, guesses=guesses, correct=correct)
     if not 0 <= correct <= guesses <= canaries:
         raise ConfigurationError(
             f"need 0 <= correct <= guesses <= canaries, got correct={correct}, "
             f"guesses={guesses}, canaries={canaries}"
         )
-    if epsilon < 0 or not 0 <= delta < 1:
+    if not 0 <= epsilon <= math.inf or not 0 <= delta < 1:  # (NaN: neither)
         raise ConfigurationError(f"need epsilon >= 0 and delta in [0, 1), got {epsilon}, {delta}")
     q = 1.0 / (1.0 + math.exp(-epsilon))
     beta = _binomial_tail(guesses, q, correct)
@@ -110,7 +120,14 @@ def epsilon_lower_bound(
     """
     for name, value in (("guesses", guesses), ("delta", delta), ("confidence", confidence)):
         require_number(name, value, "epsilon_lower_bound")
+    _whole("epsilon_lower_bound", guesses=guesses)
     scores = torch.as_tensor(scores).detach().flatten().double().cpu()
+    if not bool(torch.isfinite(scores).all()):  # (NaN sorts anywhere: the guesses arbitrary)
+        bad = scores[~torch.isfinite(scores)][:3].tolist()
+        raise ConfigurationError(
+            f"epsilon_lower_bound: scores must be finite, got {bad} among them: score the "
+            "canaries of a run that did not diverge"
+        )
     coins = torch.as_tensor(included).detach().flatten().cpu()
     if coins.dtype != torch.bool and not bool(((coins == 0) | (coins == 1)).all()):
         raise ConfigurationError(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
@@ -67,6 +67,7 @@ class PoissonSampler(Sampler[list[int]]):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
+        require_number("num_examples", num_examples, "PoissonSampler")  # (True is no count)
         if int(num_examples) != num_examples or num_examples < 1:
             raise ConfigurationError(
                 f"num_examples must be a whole number >= 1, got {num_examples!r}"
@@ -84,6 +85,7 @@ class PoissonSampler(Sampler[list[int]]):
             )
         if steps is None:
             steps = max(1, round(num_examples / expected_batch_size))
+        require_number("steps", steps, "PoissonSampler")
         if int(steps) != steps or steps < 0:
             raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
         if generator is not None and generator.device.type != "cpu":
@@ -196,6 +198,17 @@ def poisson_loader(
             "example drawn independently, with probability expected_batch_size / len(dataset)), "
             "which the privacy accounting assumes: give expected_batch_size instead, and leave "
             "the batches to the sampler"
+        )
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ConfigurationTypeError(
+            f"poisson_loader: the dataset ({type(dataset).__qualname__}) must be map-style, with "
+            "len() and dataset[i]: Poisson sampling draws each example by its index, which an "
+            "IterableDataset (or an object without a length) has none of"
+        )
+    if collate_fn is not None and not callable(collate_fn):
+        raise ConfigurationTypeError(
+            f"poisson_loader: collate_fn must be a function of a list of examples, got "
+            f"{type(collate_fn).__qualname__}"
         )
     sampler = PoissonSampler(len(dataset), expected_batch_size, steps=steps, generator=generator)
     collate = EmptyAware(dataset, collate_fn if collate_fn is not None else default_collate)

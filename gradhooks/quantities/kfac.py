@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from .. import _torch
-from ..errors import ConfigurationError, GradhooksWarning, UnsupportedError, require_number
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    GradhooksWarning,
+    UnsupportedError,
+    require_number,
+)
 from ..pieces import Outer
 from ..tuning import TUNING
 
@@ -55,6 +61,26 @@ class KFactors:
     bias: bool
     bias_name: str | None = None
     layout: str = "out_in"
+
+    def __post_init__(self) -> None:
+        # (factors made by hand, or loaded: a wrong one would fail deep in an eigendecomposition
+        # or, with an unknown layout, be applied as "in_out" silently)
+        for name, f in (("A", self.A), ("G", self.G)):
+            if not isinstance(f, Tensor) or f.dim() < 2 or f.shape[-1] != f.shape[-2]:
+                what = tuple(f.shape) if isinstance(f, Tensor) else type(f).__qualname__
+                raise ConfigurationTypeError(
+                    f"KFactors: {name} must be a square matrix (or a stack of them) as a tensor "
+                    f"[*groups, n, n], got {what}"
+                )
+        if self.A.shape[:-2] != self.G.shape[:-2]:
+            raise ConfigurationError(
+                f"KFactors: A {tuple(self.A.shape)} and G {tuple(self.G.shape)} must have the "
+                "same groups in front of their matrices"
+            )
+        if self.layout not in ("out_in", "in_out"):
+            raise ConfigurationError(
+                f"KFactors: layout must be 'out_in' or 'in_out', got {self.layout!r}"
+            )
 
     def inverse(self, damping: float) -> KFactorsInverse:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
@@ -106,6 +132,11 @@ class KFactorsInverse:
         """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
         as a matrix ``[*groups, out, in(+1)]`` (bias column appended when ``bias``; see
         :class:`KFactors`)."""
+        if not isinstance(grad, Tensor):
+            raise ConfigurationTypeError(
+                f"K-FAC: apply takes the weight's gradient as a tensor [*groups, out, in], got "
+                f"{type(grad).__qualname__}"
+            )
         if grad.shape != self.scale.shape:
             raise ConfigurationError(
                 f"K-FAC: a gradient of shape {tuple(grad.shape)} given to factors of a "

@@ -267,6 +267,14 @@ class _Entry:
         return self.batch_dim(module) if callable(self.batch_dim) else self.batch_dim
 
 
+def _is_argument(p: Any) -> bool:
+    """``(position, keyword)`` of a torch function's argument."""
+    return (
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int)
+        and not isinstance(p[0], bool) and isinstance(p[1], str)
+    )  # fmt: skip
+
+
 @dataclass
 class Registry:
     """Rules keyed by module type.
@@ -425,7 +433,9 @@ class Registry:
                     f"register({name}=...) takes a function or None, got "
                     f"{type(fn).__qualname__} {fn!r}"
                 )
-        for name, flag in (("owns_children", owns_children), ("needs_output", needs_output)):
+        flags = (("overwrite", overwrite), ("owns_children", owns_children),
+                 ("needs_output", needs_output))  # fmt: skip
+        for name, flag in flags:
             if not isinstance(flag, bool):  # (a string taken by its truth)
                 raise ConfigurationTypeError(
                     f"register({name}=...) takes True or False, got {type(flag).__qualname__} "
@@ -512,7 +522,25 @@ class Registry:
         names to the function's arguments ``(position, keyword)``, ``input`` is the argument
         the rule receives as ``call.inputs[0]``, and ``applies(args, kwargs)`` may refuse a
         form the rule does not cover. The rule is position-wise (``batch_dim="positions"``).
-        Shared by every registry."""
+        Shared by every registry: what is refused leaves the rule already there."""
+        where = f"register_function({name!r})"
+        if not isinstance(name, str):
+            raise ConfigurationTypeError(
+                f"register_function: name is the torch function's name ('linear', 'addmm'), "
+                f"got {type(name).__qualname__}"
+            )
+        for what, fn in (("rule", rule), ("applies", applies)):
+            if not callable(fn):  # (else every later call of the function fails in the hook)
+                raise ConfigurationTypeError(
+                    f"{where}: {what} must be a function, got {type(fn).__qualname__}"
+                )
+        pairs = list(params.values()) if isinstance(params, Mapping) else None
+        if pairs is None or not all(_is_argument(p) for p in [*pairs, input]):
+            raise ConfigurationTypeError(
+                f"{where}: params maps each of the rule's parameter names to the function's "
+                "argument (position, keyword), as {'weight': (1, 'weight')}, and input is one "
+                f"such pair; got params={params!r}, input={input!r}"
+            )
         entry = _Entry(rule, False, False, batch_dim="positions")
         _FUNCTIONS[name] = (entry, dict(params), input, applies)
 

@@ -122,9 +122,11 @@ def _check_rule(
     report = CheckReport(name, check="check_rule")
     for reduction in ("sum", "mean"):
         denom = batch if reduction == "mean" and batch else 1
-        expected = vmap_grad(model, loss_fn, xs)
         with add_hooks(model, loss_reduction=reduction, registry=registry, verify=False):
             (loss_fn(model(*xs)) / denom).backward()
+        # (after the rule's own pass: an input it refuses, one without a batch dimension, is
+        # told by the rule's typed error rather than by a shape error inside vmap)
+        expected = vmap_grad(model, loss_fn, xs)
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue

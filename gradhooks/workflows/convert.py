@@ -45,6 +45,10 @@ def convert_batch_norm(module: nn.Module, num_groups: int | None = None) -> nn.M
         raise ConfigurationTypeError(
             f"convert_batch_norm takes an nn.Module, got {type(module).__qualname__}"
         )
+    if isinstance(num_groups, bool):  # (True was one group)
+        raise ConfigurationTypeError(
+            f"convert_batch_norm: num_groups must be a positive int or None, got {num_groups!r}"
+        )
     if num_groups is not None and (not isinstance(num_groups, int) or num_groups < 1):
         raise ConfigurationError(
             f"convert_batch_norm: num_groups must be a positive int or None, got {num_groups!r}"

@@ -420,6 +420,22 @@ def check_scaler(scaler: Any) -> None:
         )
 
 
+def _check_scale(scale: float) -> None:
+    """Refuses a GradScaler whose scale no step can use: with an infinite or NaN scale every
+    scaled gradient overflows, every step is skipped and ``update()`` never brings the scale
+    back (``inf · backoff_factor`` is inf); with 0 every unscaled gradient is NaN and the scale
+    never grows from 0; a negative one flips the norms' sign, so that no example is clipped."""
+    if not 0 < scale < math.inf:
+        raise ConfigurationError(
+            f"the GradScaler's scale is {scale!r} (scaler.get_scale()): an infinite or NaN "
+            "scale overflows every scaled gradient (every step skipped, and scaler.update() "
+            "never brings it back), 0 unscales every gradient to NaN, a negative one makes "
+            "every norm negative (no example clipped). The scale must be a finite number > 0: "
+            "make a new torch.amp.GradScaler(), or load a checkpoint whose scale is finite. "
+            "Nothing was changed."
+        )
+
+
 def finite(norms: Tensor, clipped: list[Tensor]) -> bool:
     """Whether the norms and the clipped sums all hold finite numbers (one synchronisation)."""
     flags = [torch.isfinite(norms).all()] + [
@@ -809,8 +825,9 @@ def _step_sums(
         max_norm, groups = groups.bounds[0], None
     stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
     if scaler is not None and scaler.is_enabled():
-        per_example_loss = scaler.scale(per_example_loss)
         scaled_by = loss_scale = float(scaler.get_scale())
+        _check_scale(loss_scale)
+        per_example_loss = scaler.scale(per_example_loss)
     batch = per_example_loss.shape[0]
     unscaled = (lambda t: t) if scaled_by == 1.0 else (lambda t: t / scaled_by)  # noqa: E731
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()

@@ -483,6 +483,12 @@ def _check_arguments(
             "kfac(): give sample_target (targets whose loss gradients are backpropagated) or "
             "output_grads (the gradients themselves), not both"
         )
+    for name, fn in (("sample_target", sample_target), ("output_grads", output_grads)):
+        if fn is not None and not callable(fn):  # (else called at the backward: a TypeError)
+            raise ConfigurationTypeError(
+                f"kfac(): {name} must be a function (output, generator) -> tensor, or None; "
+                f"got {type(fn).__qualname__}"
+            )
     given = "sample_target" if sample_target is not None else "output_grads"
     if (sample_target is not None or output_grads is not None) and fisher != "mc":
         raise ConfigurationError(

@@ -137,6 +137,7 @@ class KFAC:
             ("factors_every", factors_every), ("inverse_every", inverse_every),
             ("adapt_every", adapt_every),
         ]:  # fmt: skip
+            require_number(what, n, "KFAC")  # (True is no number of steps)
             if int(n) != n or n < 1:
                 raise ConfigurationError(f"{what} must be a whole number >= 1, got {n!r}")
         if not isinstance(adaptive, bool):  # (a string taken by its truth)
@@ -146,7 +147,14 @@ class KFAC:
             )
         if unfactored not in ("error", "keep"):
             raise ConfigurationError(f"unfactored must be 'error' or 'keep', got {unfactored!r}")
+        if not isinstance(damping_range, tuple | list) or len(damping_range) != 2:
+            raise ConfigurationTypeError(
+                "KFAC: damping_range must be a pair (low, high) of numbers, got "
+                f"{type(damping_range).__qualname__} {damping_range!r}"
+            )
         low, high = damping_range
+        require_number("damping_range[0]", low, "KFAC")
+        require_number("damping_range[1]", high, "KFAC")
         if not 0 < low <= damping <= high:
             raise ConfigurationError(
                 f"damping_range must hold the damping: {low!r} <= {damping!r} <= {high!r}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -209,6 +210,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._finite = True  # no scaled backward since the last step overflowed
         self._examples = 0  # examples in the buffer
         self._backwards = 0  # physical batches in the buffer
+        # (the wrapped optimizer stepped by hand would step on the unclipped, unnoised .grad)
+        self._guarded = _guard(optimizer, _refuse_direct_steps(self))
 
     # -- the wrapped optimizer's state (for LR schedulers and checkpoints) ---------------------
 
@@ -248,6 +251,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The wrapped optimizer's ``load_state_dict()`` (and the adaptive bound, where
         saved); empties the clipped-sum buffer."""
+        if not isinstance(state_dict, Mapping):
+            raise ConfigurationTypeError(
+                "DPOptimizer.load_state_dict takes the dictionary that state_dict() returned, "
+                f"got {type(state_dict).__qualname__}"
+            )
         bound = state_dict.get(_BOUND_KEY)
         if (bound is None) != (self.adaptive_clipping is None):
             raise ConfigurationError(
@@ -282,6 +290,11 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise ConfigurationTypeError(
+                "DPOptimizer.add_param_group takes a dict with 'params' (as "
+                f"torch.optim.Optimizer.add_param_group does), got {type(param_group).__qualname__}"
+            )
         probe = torch.optim.SGD(param_group["params"], lr=0.0)
         _check_optimizer_params(probe, self.hooks, _dp._covered_params(self.hooks))
         self.optimizer.add_param_group(param_group)
@@ -334,6 +347,11 @@ class DPOptimizer(torch.optim.Optimizer):
         ``closure``: as torch's optimizers take one (PyTorch Lightning's manual optimization
         passes one that does nothing), called first, with gradients enabled; it may run the
         forward and :meth:`backward` of the last physical batch."""
+        if closure is not None and not callable(closure):
+            raise ConfigurationTypeError(
+                f"DPOptimizer.step: closure must be a function or None, got "
+                f"{type(closure).__qualname__}"
+            )
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -372,11 +390,15 @@ class DPOptimizer(torch.optim.Optimizer):
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        _STEPPING.add(id(self._guarded))
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        finally:
+            _STEPPING.discard(id(self._guarded))
         if stepped and self.accountant is not None:
             assert self.sample_rate is not None
             self.accountant.step(
@@ -581,6 +603,53 @@ def _check_settings(
         adaptive_clipping.check(
             max_grad_norm, noise_multiplier, expected_batch_size, clipping, clipping_groups, where
         )
+
+
+_STEPPING: set[int] = set()  # the wrapped optimizers a DPOptimizer.step is stepping now
+
+
+def _guard(optimizer: torch.optim.Optimizer, hook: Callable[..., None]) -> Any:
+    """``hook`` registered as a step pre-hook of ``optimizer``, or of the optimizer it wraps
+    where it takes none itself (accelerate's ``AcceleratedOptimizer`` is an ``Optimizer``
+    whose ``Optimizer.__init__`` never ran; its step is the wrapped one's): the optimizer
+    whose hooks run, or ``None``."""
+    for _ in range(8):
+        try:
+            optimizer.register_step_pre_hook(hook)
+            return optimizer
+        except AttributeError:
+            inner = getattr(optimizer, "optimizer", None)
+            if not isinstance(inner, torch.optim.Optimizer):
+                return None
+            optimizer = inner
+    return None
+
+
+def _refuse_direct_steps(dp: DPOptimizer) -> Callable[..., None]:
+    """A step pre-hook for the optimizer ``dp`` wraps: its own ``step()``, called by hand
+    while ``dp`` and its hooks are there, would step on ``.grad`` as a plain backward left it,
+    neither clipped nor noised, and unrecorded: refused before it changes anything. (The hook
+    holds ``dp`` weakly: once it is gone, or its hooks removed, the optimizer steps freely.)"""
+    ref = weakref.ref(dp)
+
+    def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is None or id(optimizer) in _STEPPING or not owner.hooks.active:
+            return
+        private = isinstance(owner, _OwnedDPOptimizer)
+        raise StateError(
+            f"{type(optimizer).__qualname__}.step() called on the optimizer that "
+            + ("a gradhooks.make_private training" if private else "a gradhooks.DPOptimizer")
+            + " wraps: it would step on .grad as a plain backward left it, neither clipped "
+            "nor noised, and the accountant would not record it, so the model would no longer "
+            "be private. "
+            + ("Call private.backward(losses) and private.step() instead"
+               if private else "Call dp_optimizer.backward(losses) and dp_optimizer.step()")
+            + " (or close the private training, or remove its hooks, to train without DP). "
+            "The optimizer did not step."
+        )  # fmt: skip
+
+    return refuse
 
 
 class _OwnedDPOptimizer(DPOptimizer):
@@ -1144,6 +1213,8 @@ def make_private(
         steps = max(1, round(epochs * max(1, round(1 / sample_rate))))
     if int(steps) != steps or steps < 1:
         raise ConfigurationError(f"steps must be a whole number >= 1, got {steps!r}")
+    if max_physical_batch_size is not None:  # (True is no size)
+        require_number("max_physical_batch_size", max_physical_batch_size, "make_private")
     if max_physical_batch_size is not None and (
         int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1
     ):
