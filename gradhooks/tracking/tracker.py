@@ -487,6 +487,8 @@ class Tracker(TorchFunctionMode):
     def _note_precision(self, out: Any) -> None:
         """Keep :attr:`precision` (an operation on the examples' tensors gave ``out``)."""
         d = out.dtype if isinstance(out, Tensor) else None
+        if d is not None and d.is_complex:
+            d = d.to_real()  # (complex32 rounds as float16)
         if d is None or d is self.precision or not d.is_floating_point:
             return
         if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
@@ -1389,21 +1391,38 @@ class Tracker(TorchFunctionMode):
         ``lay``: why its first and its last example alone do not give their rows of ``outs``
         (``None``: they do, or the inputs do not hold them on one plain dimension, which this
         cannot narrow; a tensor without them as many rows, :meth:`_rows_of_batch`, is narrowed
-        with them). The random generator is put back as it was after."""
+        with them). The random generator is put back as it was after; an operation that
+        drew from it is not judged."""
         firm = {got for t in ins if (got := self.presumed_of(t)) is not None}
         if self.batch < 2 or firm != {lay} or not lay.plain:
             return None
+        if any(t.layout is not torch.strided for t in (*ins, *outs)):
+            return None  # (sparse: no rows to narrow or compare)
         dims: list[int | None] = []  # (where each output's rows are; None: not compared)
         for o in outs:
             kept = self.presumed.get(o) if o.dim() else Layout(0)
             dims.append(kept.dim if kept is not None and kept.plain else None)
         func, args, kwargs = call
+        # (a size given as the shape of a tensor with the examples, x.as_strided(x.shape, ...),
+        # is given for one example as its shape)
+        shapes = {tuple(t.shape) for t in (*ins, *outs) if self._rows_of_batch(t, lay)}
+
+        def one(a: Any) -> Any:
+            if isinstance(a, tuple | list) and tuple(a) in shapes:
+                return type(a)([1 if i == lay.dim else n for i, n in enumerate(a)])
+            return a
+
+        args, kwargs = tuple(one(a) for a in args), {k: one(a) for k, a in kwargs.items()}
         devices = sorted({t.device.index or 0 for t in ins if t.is_cuda})
         with torch.random.fork_rng(devices=devices):
-            return differs_alone(
+            state = torch.random.get_rng_state()
+            why = differs_alone(
                 lambda a, k: func(*a, **k), args, kwargs,
                 lambda t: self._rows_of_batch(t, lay), lay.dim, self.batch, outs, dims,
             )  # fmt: skip
+            if why is not None and not torch.equal(state, torch.random.get_rng_state()):
+                return None  # (it draws random numbers: one example's are not its rows')
+        return why
 
     def _rows_of_batch(self, t: Tensor, lay: Layout) -> bool:
         """Whether ``t`` has a row per example on ``lay``'s dimension: it holds the examples
