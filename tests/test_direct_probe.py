@@ -184,3 +184,31 @@ def test_an_unfollowed_operation_that_keeps_the_rows_under_bfloat16_autocast():
         for n, p in model.named_parameters():
             scale = float(want[n].abs().max())
             assert torch.allclose(p.grad1, want[n], rtol=5e-2, atol=5e-2 * scale), n
+
+
+class _GramSum(torch.nn.Module):
+    """A Linear, then the sum of the batch's Gram matrix, ``(h @ h.T).sum()``: ``‖Σ_i h_i‖²``,
+    no sum of per-example losses (each example's term is ``h_i · Σ_j h_j``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h @ h.T).sum()
+
+
+@pytest.mark.xfail(strict=True, reason="the sum of the Gram matrix of the batch is not seen "
+                   "as a product of two reductions over it: grad1 is each example's share")  # fmt: skip
+def test_the_sum_of_the_batchs_gram_matrix_is_refused():
+    torch.manual_seed(0)
+    model, x = _GramSum(), _batch((4, 3))
+    want = loop_grad(model, lambda out: out, x)
+    try:
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            model(x).backward()
+    except GradhooksError:
+        return
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, want[n], n)
