@@ -226,15 +226,7 @@ class BackwardWriter:
                 bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
         frame = state.frame
-        new_rows = False
-        if bw is not None and frame is not None and bw.verify:  # (for the probe's check)
-            for pid in ids:
-                bw.frames_of.setdefault(pid, set()).add(id(frame))
-        if bw is not None and frame is not None and id(frame) not in bw.frames:
-            bw.frames.add(id(frame))
-            if frame.rows is not None:
-                bw.rows_of.append((frame.rows, target.where))
-                new_rows = len(bw.rows_of) > 1
+        new_rows = bw is not None and frame is not None and _note_frame(bw, frame, ids, target)
         try:
             if new_rows:
                 self._check_rows(bw)
@@ -947,6 +939,25 @@ class BackwardWriter:
                 "tell each example's share of its gradient. Compute it with modules that have "
                 "rules (the parameter's own module's call), or freeze it."
             )
+        bw = self.backward_state()
+        frames = {id(f): f for f in map(self.state.source_frames.get, found) if f is not None}
+        for frame in frames.values():  # (the forwards of its uses, as a call's: for the checks)
+            if _note_frame(bw, frame, (pid,), target):
+                try:
+                    self._check_rows(bw)
+                except BaseException:
+                    self._abort_backward()
+                    raise
+        sizes = sorted({s.grads[task].shape[0] for s in found})
+        if len(sizes) > 1:
+            self._abort_backward()
+            raise BatchNotFoundError(
+                f"'{name}' is used outside its module's call in forwards of the model on "
+                f"batches of {' and '.join(map(str, sizes))} examples, all reached by one "
+                "backward: row i of each would be taken for the same example. Backpropagate "
+                "each forward's loss on its own (h.clear() between them), or give the model "
+                "one batch."
+            )
         per = None
         for s in found:
             g = s.grads.pop(task)
@@ -955,8 +966,8 @@ class BackwardWriter:
             target.module, (), {}, None, (per.to(p.dtype),), name=target.name,
             registry=self.state.registry,
         )  # fmt: skip
-        ref = next((r for r in map(self.state.source_frames.get, found) if r), None)
-        self.restart_for_forward(self.backward_state(), p, ref)
+        ref = next((f.ref() for f in frames.values()), None)
+        self.restart_for_forward(bw, p, ref)
         state = CallState(dict(target.params), None)
         self.on_grads(target, state, call, (), {})
 
@@ -1307,3 +1318,20 @@ def _multiple(raw: Tensor, final: Tensor, tol: float) -> float | None:
     c = float(r @ f) / rr
     scale = max(float(f.abs().max()), abs(c) * float(r.abs().max()))
     return c if float((f - c * r).abs().max()) <= tol * scale else None
+
+
+def _note_frame(bw: Backward, frame: Frame, pids: Iterable[int], target: Target) -> bool:
+    """Backward ``bw`` reached parameters ``pids`` (by id) from the forward ``frame``, through a
+    call of ``target`` or a use the tracker followed: which forwards it reached, for the
+    probe's check, and where their examples lie. Returns whether that adds a forward whose
+    rows are to be checked against the others' (:meth:`BackwardWriter._check_rows`)."""
+    if bw.verify:  # (for the probe's check)
+        for pid in pids:
+            bw.frames_of.setdefault(pid, set()).add(id(frame))
+    if id(frame) in bw.frames:
+        return False
+    bw.frames.add(id(frame))
+    if frame.rows is None:
+        return False
+    bw.rows_of.append((frame.rows, target.where))
+    return len(bw.rows_of) > 1

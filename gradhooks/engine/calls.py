@@ -896,7 +896,9 @@ class CallLayouts:
         complete (:meth:`BackwardWriter.param_hook`)."""
         self.state.direct.setdefault(id(p), weakref.WeakSet()).add(source)
         if self.state.frames:
-            self.state.source_frames[source] = self.state.frames[-1].ref()
+            frame = self.state.frames[-1]
+            self.state.source_frames[source] = frame
+            frame.direct.append(id(p))
         if self.state.collector is not None:
             self.state.collector.expect({source.name: p})
 

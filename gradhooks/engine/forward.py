@@ -713,8 +713,13 @@ class ForwardCapture:
         if tracker is not None and not raised:
             self.verifier.check_listed(module, tracker)
             self.verifier.check_output(module, tracker, output, leaves)
-        if frame.signature:
-            sig = tuple(frame.signature)
+        # (a forward that captured no call but used parameters directly, all of whose
+        # per-example gradients the tracker forms, a module without a rule computing op(x * w):
+        # checked as a set of calls is, where an operation gradhooks cannot see into mixes the
+        # examples' rows unseen)
+        sig = frame.signature or [(pid, "direct") for pid in dict.fromkeys(frame.direct)]
+        if sig:
+            sig = tuple(sig)
             # (verified by the next backward that captures: the first of each new set of calls,
             # and again at the 2nd, 4th, 8th... backward of the handle, where what changed since
             # without changing the calls, a hook or a loss term added later, shows)

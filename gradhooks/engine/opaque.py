@@ -21,15 +21,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._torch import tree_map
 from ..tracking import UNKNOWN, Layout, Tracker
+from ..tracking.alone import differs_alone
 from .records import tree_leaves
 
 __all__ = ["follow_scripted"]
-
-# the relative rounding two computations of one row may differ by, by dtype (others: half
-# precisions)
-_ROUNDING = {torch.float64: 1e-7, torch.float32: 1e-4}
 
 
 def follow_scripted(tracker: Tracker, scripted: dict[int, str]) -> RemovableHandle | None:
@@ -77,42 +73,15 @@ def _mixes(
 ) -> str | None:
     """Why ``module`` run on its first and on its last example alone does not give their rows
     of ``outs``; ``None`` where it does. Its buffers are put back as they were after."""
-    d = lay.dim
     kept = [(b, b.clone()) for b in module.buffers()]
     try:
-        with tracker.paused(), torch.no_grad():
-            for i in sorted({0, tracker.batch - 1}):
-
-                def alone(t: Any, i: int = i) -> Any:
-                    if isinstance(t, Tensor) and tracker.presumed_of(t) == lay:
-                        return t.narrow(d, i, 1)
-                    return t
-
-                a, k = tree_map(alone, (args, kwargs))
-                try:
-                    got = module(*a, **k)
-                except Exception as e:  # (BatchNorm in training mode: one value per channel)
-                    return f"which fails on one example alone ({type(e).__name__})"
-                got = [t for t in tree_leaves(got) if isinstance(t, Tensor)]
-                if len(got) != len(outs) or not all(
-                    _same(o.narrow(d, i, 1), g) for o, g in zip(outs, got)
-                ):
-                    return "whose output for an example alone is not that example's row"
+        with tracker.paused():
+            return differs_alone(
+                lambda a, k: module(*a, **k), args, kwargs,
+                lambda t: tracker.presumed_of(t) == lay, lay.dim, tracker.batch, outs,
+                [lay.dim] * len(outs),
+            )  # fmt: skip
     finally:
         with torch.no_grad():
             for b, before in kept:
                 b.copy_(before)
-    return None
-
-
-def _same(row: Tensor, alone: Tensor) -> bool:
-    if row.shape != alone.shape or row.dtype != alone.dtype:
-        return False
-    if not row.is_floating_point() and not row.is_complex():
-        return torch.equal(row, alone)
-    tol = _ROUNDING.get(row.dtype, 1e-2)
-    size = alone.abs().nan_to_num(0.0, 0.0, 0.0)
-    scale = size.amax() if size.numel() else 0.0
-    close = ((row - alone).abs() <= tol * (size + scale)) | (row == alone)
-    close |= row.isnan() & alone.isnan()
-    return bool(close.all())

@@ -99,6 +99,9 @@ class Frame:
     tracker: Tracker | None = None  # follows the batch through this forward
     roots: list = field(default_factory=list)  # the forward's tensor inputs
     signature: list = field(default_factory=list)  # (call, kind) of its captured calls
+    # the parameters the tracker saw it use directly, outside a call with a rule (by id, in
+    # order, repeated): where it captured no call, they stand for its calls (on_root_post)
+    direct: list = field(default_factory=list)
     # a call of it ran under saved-tensor hooks or with grad mode off (activation
     # checkpointing: run again at the backward): no probe (_arm_probe)
     unprobed: bool = False

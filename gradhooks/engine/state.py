@@ -164,7 +164,9 @@ class CaptureState:
         # -- parameters used outside their modules' calls --------------------------------------
         # by id: the sources of their uses
         self.direct: dict[int, weakref.WeakSet] = {}
-        # source -> a weak reference to the forward it was seen in (for forward_of)
+        # source -> the forward it was seen in (for forward_of, and the probe's check of a forward
+        # whose parameters are all used directly): held as long as the source, which the
+        # forward's graph holds, as a captured call holds its forward
         self.source_frames: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # sources with a problem that no autograd graph holds (found where the forward recorded
         # none): kept until a backward ends, so that the parameter's gradient reports it

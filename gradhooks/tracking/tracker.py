@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch
 from . import memo
 from .aliases import aliased
+from .alone import differs_alone
 from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
 from .layout import (
@@ -678,6 +679,8 @@ class Tracker(TorchFunctionMode):
     def _note_precision(self, out: Any) -> None:
         """Keep :attr:`precision` (an operation on the examples' tensors gave ``out``)."""
         d = out.dtype if isinstance(out, Tensor) else None
+        if d is not None and d.is_complex:
+            d = d.to_real()  # (complex32 rounds as float16)
         if d is None or d is self.precision or not d.is_floating_point:
             return
         if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
@@ -1007,7 +1010,8 @@ class Tracker(TorchFunctionMode):
             if op.handler is None:
                 self.unknown[name] = None
                 if self.engine is not None:
-                    self.guard_rows(name, ins, outs)
+                    rerun = not (op.inplace or op.like or "out" in kwargs) and self.func
+                    self.guard_rows(name, ins, outs, (self.func, args, kwargs) if rerun else None)
             for o in outs:
                 self.layouts[o] = UNKNOWN
             return
@@ -1584,38 +1588,98 @@ class Tracker(TorchFunctionMode):
             return False
         return any(t in self.alone or t in self.single for t in ins)
 
-    def guard_rows(self, name: str, ins: list, outs: list) -> None:
+    def guard_rows(self, name: str, ins: list, outs: list, call: tuple | None = None) -> None:
         """An operation without a handler, ``name``, gave ``outs`` from tensors that hold the
         examples. Where an output keeps their rows where its input had them, they are
         presumed there (:meth:`_presume`), and the engine's check of one example (the
-        probe) reads them so. An output with a gradient that holds them nowhere the tracker
-        can say (``torch.kron``, ``torch.combinations``: other rows than the batch's, which
-        a loss, a rule or the probe would take as the examples, or whose rows no check can
-        split) is armed: a backward that writes ``grad1`` and reaches its autograd node is
-        refused (:meth:`EngineLink.lost_reached`). (A result of no dimension is a loss,
-        taken as a sum of per-example losses, as one computed by an operation followed.)"""
+        probe) reads them so; where ``call`` (its function, arguments and keyword arguments)
+        is given and the outputs have a gradient, that is checked first: run again on its
+        first and on its last example alone (:func:`~.alone.differs_alone`), it must give
+        their rows (a result of no dimension, a loss: run at all). An output with a gradient
+        that holds them nowhere the tracker can say (``torch.kron``, ``torch.combinations``:
+        other rows than the batch's, which a loss, a rule or the probe would take as the
+        examples, or whose rows no check can split; an operation that combined the rows of
+        the batch as one matrix, ``torch.linalg.eigh`` of ``[batch, batch]``, or read it as
+        something else) is armed: a backward that writes ``grad1`` and reaches its autograd
+        node is refused (:meth:`EngineLink.lost_reached`). (Otherwise a result of no
+        dimension is a loss, taken as a sum of per-example losses, as one computed by an
+        operation followed.)"""
         lost = [o for o in outs if o.requires_grad and o.dim() and o not in self.presumed]
-        if not lost:
-            return
         held = next(
             ((t, lay) for t in ins if (lay := self.presumed_of(t)) is not None and lay.dim >= 0),
             None,
         )
         if held is None:
             return  # (lost before: armed there, where it had a gradient)
+        t, lay = held
+        alone = None
+        if not lost and call is not None and any(o.requires_grad for o in outs):
+            alone = self._rows_alone(call, ins, outs, lay)
+            if alone is not None:
+                lost = [o for o in outs if o.requires_grad]
+                for o in lost:
+                    self.presumed.pop(o, None)
+        if not lost:
+            return
         node = next((o.grad_fn for o in lost if o.grad_fn is not None), None)
         if node is None:
             return
-        t, lay = held
         why = (
             f"{self._in_call(name)}, which gradhooks does not follow: from a tensor of shape "
             f"{tuple(t.shape)} holding the {self.batch} examples on {lay.describe(self.batch)}, it "
-            f"gave one of shape {tuple(lost[0].shape)}"
+            f"gave one of shape {tuple(lost[0].shape)}" + (f", {alone}" if alone else "")
         )
         # (the hook holds the nodes after this one, not this one: no cycle through the graph)
         after = tuple(n for n, _ in node.next_functions if n is not None)
         engine = self.engine
         node.register_prehook(lambda grad_outputs: engine.lost_reached(why, after))
+
+    def _rows_alone(self, call: tuple, ins: list, outs: list, lay: Layout) -> str | None:
+        """:meth:`guard_rows`' check of an operation ``call`` whose inputs hold the examples on
+        ``lay``: why its first and its last example alone do not give their rows of ``outs``
+        (``None``: they do, or the inputs do not hold them on one plain dimension, which this
+        cannot narrow; a tensor without them as many rows, :meth:`_rows_of_batch`, is narrowed
+        with them). The random generator is put back as it was after; an operation that
+        drew from it is not judged."""
+        firm = {got for t in ins if (got := self.presumed_of(t)) is not None}
+        if self.batch < 2 or firm != {lay} or not lay.plain:
+            return None
+        if any(t.layout is not torch.strided for t in (*ins, *outs)):
+            return None  # (sparse: no rows to narrow or compare)
+        dims: list[int | None] = []  # (where each output's rows are; None: not compared)
+        for o in outs:
+            kept = self.presumed.get(o) if o.dim() else Layout(0)
+            dims.append(kept.dim if kept is not None and kept.plain else None)
+        func, args, kwargs = call
+        # (a size given as the shape of a tensor with the examples, x.as_strided(x.shape, ...),
+        # is given for one example as its shape)
+        shapes = {tuple(t.shape) for t in (*ins, *outs) if self._rows_of_batch(t, lay)}
+
+        def one(a: Any) -> Any:
+            if isinstance(a, tuple | list) and tuple(a) in shapes:
+                return type(a)([1 if i == lay.dim else n for i, n in enumerate(a)])
+            return a
+
+        args, kwargs = tuple(one(a) for a in args), {k: one(a) for k, a in kwargs.items()}
+        devices = sorted({t.device.index or 0 for t in ins if t.is_cuda})
+        with torch.random.fork_rng(devices=devices):
+            state = torch.random.get_rng_state()
+            why = differs_alone(
+                lambda a, k: func(*a, **k), args, kwargs,
+                lambda t: self._rows_of_batch(t, lay), lay.dim, self.batch, outs, dims,
+            )  # fmt: skip
+            if why is not None and not torch.equal(state, torch.random.get_rng_state()):
+                return None  # (it draws random numbers: one example's are not its rows')
+        return why
+
+    def _rows_of_batch(self, t: Tensor, lay: Layout) -> bool:
+        """Whether ``t`` has a row per example on ``lay``'s dimension: it holds the examples
+        there, or, not depending on them, as many rows (``axis.expand_as(h)``: taken row by
+        row with them by an operation on each example's rows)."""
+        got = self.presumed_of(t)
+        if got is None:
+            return t.dim() > lay.dim and t.shape[lay.dim] == self.batch
+        return got == lay
 
     # -- meetings ---------------------------------------------------------------------------------
 
