@@ -641,6 +641,31 @@ def test_foreach(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
+@contextlib.contextmanager
+def _bf16_setting(holder):
+    """``holder.fp32_precision`` set to ``"bf16"`` for the block. torch.backends' own and
+    oneDNN's setting refuse a plain assignment once torch's test utilities froze the flags
+    (the tracker's OpInfo sweep imports them): set through their ``flags()`` there."""
+    b = torch.backends
+    if holder is b:
+        with b.flags(fp32_precision="bf16"):
+            yield
+    elif holder is b.mkldnn:
+        with b.mkldnn.flags(
+            enabled=b.mkldnn.enabled, deterministic=b.mkldnn.deterministic, fp32_precision="bf16"
+        ):
+            yield
+    elif holder is None:
+        yield
+    else:
+        old = holder.fp32_precision
+        holder.fp32_precision = "bf16"
+        try:
+            yield
+        finally:
+            holder.fp32_precision = old
+
+
 @pytest.mark.parametrize(
     "setting", [None, "generic", "mkldnn", "matmul", "conv", "rnn"], ids=lambda s: str(s)
 )
@@ -659,10 +684,7 @@ def test_fp32_precision(monkeypatch, setting):
         pytest.skip("no fp32_precision settings in this torch")
     seen = spy(monkeypatch, "fp32_precisions")
     holder = holders.get(setting)
-    old = None if holder is None else holder.fp32_precision
-    try:
-        if holder is not None:
-            holder.fp32_precision = "bf16"
+    with _bf16_setting(holder):
         ways = []
         for off in (False, True):
             with switched_off("fp32_precision", off):
@@ -672,9 +694,6 @@ def test_fp32_precision(monkeypatch, setting):
         model = nn.Linear(3, 2)
         with gradhooks.add_hooks(model):
             model(torch.randn(4, 3)).sum().backward()
-    finally:
-        if holder is not None:
-            holder.fp32_precision = old
     assert seen, "a forward did not read the settings through fp32_precisions"
 
 
@@ -724,7 +743,6 @@ def test_put_tensor_hook_first():
     assert [k for k, _ in seen] == ["a", "b"]
 
 
-
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_mutation_on_saved(off):
     """Under ``allow_mutation_on_saved_tensors()``, the batch changed in place after the
@@ -751,6 +769,7 @@ def test_mutation_on_saved(off):
             loss.backward()
     for n, p in model.named_parameters():
         assert_close(p.grad1, want[n], f"mutation_on_saved: {n}")
+
 
 # -- required internals ------------------------------------------------------------------------
 

@@ -1042,7 +1042,7 @@ def _in_slots(target: Target) -> dict[str, Tensor]:
         of = module.get_submodule(owner) if owner else module
         # (read from the module's parameters, where ``getattr`` looks last, after a Python
         # ``__getattr__``: 8x faster; an attribute of the instance shadows them, as for getattr)
-        now = of._parameters.get(leaf, _ABSENT)
+        now = _torch.own_parameters(of).get(leaf, _ABSENT)
         if now is _ABSENT or leaf in of.__dict__:
             now = getattr(of, leaf, planned)
         found[name] = now

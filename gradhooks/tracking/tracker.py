@@ -221,8 +221,11 @@ class Tracker(TorchFunctionMode):
         self.off = 0
         # the functions that may take the short way of __torch_function__, and what makes
         # every call take the long way while any of it is not empty (the same objects for
-        # the tracker's life: the maps are emptied, never replaced)
-        self.quick = quick_table()
+        # the tracker's life: the maps are emptied, never replaced). None where torch.compile
+        # cannot be left at a hook (the eval_frame internal missing): dynamo then traces the
+        # forward with the tracker in it, which it follows by the long way's graph breaks but
+        # fails to guard on the short way's
+        self.quick = quick_table() if _torch.available("eval_frame") else {}
         self.blocking = (
             self.aliases, self.coupled.entries, self.read, self.row_index.entries,
             self.positions.entries, self.reordered.entries, self.lineage.entries,
