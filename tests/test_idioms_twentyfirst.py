@@ -64,6 +64,18 @@ def assert_near_all(got: dict, want: dict, tol: float, what: str) -> None:
         assert err < tol, f"{what}: {n} off by {err:.2e}"
 
 
+def assert_step_grad1_and_norms(model: nn.Module, h, want: dict, bf16: bool, step: int) -> None:
+    """A step's ``grad1`` and norms against the loop's ``want``: within bfloat16's tolerance
+    under autocast, else as float64."""
+    if bf16:
+        grad1 = {n: p.grad1 for n, p in model.named_parameters()}
+        assert_near_all(grad1, want, BF16, f"step {step}")
+        assert relative_error(h.norms(), norms_of(want)) < BF16
+    else:
+        assert_grad1(model, want, f"step {step}")
+        assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+
+
 def grads(model: nn.Module) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -123,13 +135,7 @@ def test_autograd_backward_of_a_list_of_the_heads_losses(bf16):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 a, b = model(x.float() if bf16 else x)
             torch.autograd.backward(list(two_losses((a.to(D), b.to(D)), y)))
-            if bf16:
-                assert_near_all({n: p.grad1 for n, p in model.named_parameters()}, want, BF16,
-                                f"step {step}")  # fmt: skip
-                assert relative_error(h.norms(), norms_of(want)) < BF16
-            else:
-                assert_grad1(model, want, f"step {step}")
-                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            assert_step_grad1_and_norms(model, h, want, bf16, step)
             opt.step()
 
 
@@ -149,9 +155,7 @@ def test_backward_with_inputs_trains_one_layer_at_a_time():
             layer = model[0] if step % 2 == 0 else model[2]
             names = {f"{0 if step % 2 == 0 else 2}.{n}" for n, _ in layer.named_parameters()}
             x, y = labelled_batch(step)
-            want = {
-                n: g for n, g in loop_grad(model, F.cross_entropy, x, y).items() if n in names
-            }
+            want = {n: g for n, g in loop_grad(model, F.cross_entropy, x, y).items() if n in names}
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward(inputs=list(layer.parameters()))
             for n, p in model.named_parameters():
@@ -328,8 +332,7 @@ def test_one_cycle_lr_cycles_adams_betas_through_the_dp_optimizer():
             noise_multiplier=0.0, expected_batch_size=5,
         )  # fmt: skip
         schedules = [
-            torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=5)
-            for o in (opt, plain)
+            torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=5) for o in (opt, plain)
         ]
         held = {}
         opt.register_step_pre_hook(lambda o, a, k: held.update(grads(model)))
@@ -386,13 +389,7 @@ def test_spectral_and_weight_norm_parametrizations_over_steps(bf16):
             want = loop_grad(frozen_power_iteration(model), F.cross_entropy, x, y)
             assert any("original1" in n for n in want)
             F.cross_entropy(out.to(D), y).backward()
-            if bf16:
-                assert_near_all({n: p.grad1 for n, p in model.named_parameters()}, want, BF16,
-                                f"step {step}")  # fmt: skip
-                assert relative_error(h.norms(), norms_of(want)) < BF16
-            else:
-                assert_grad1(model, want, f"step {step}")
-                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            assert_step_grad1_and_norms(model, h, want, bf16, step)
             opt.step()
 
 
@@ -926,9 +923,7 @@ def test_the_dp_step_under_allow_mutation_with_the_batch_and_weights_changed(met
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(0.9)
-                gradhooks.dp_sgd_step(
-                    h, losses, max_norm=0.5, noise_multiplier=0.0, method=method
-                )
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0, method=method)
             with torch.no_grad():
                 for p in model.parameters():
                     p.div_(0.9)

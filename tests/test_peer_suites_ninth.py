@@ -8,8 +8,8 @@ and :mod:`test_peer_suites_eighth`; this one adds:
 - BackPACK (``test/bugfixes_test.py``, ``test/interface_test.py``,
   ``test/test_problems_padding.py``, ``test/test_problems_pooling.py``,
   ``test/adaptive_avg_pool/``): the strided, padded and dilated Conv2d whose output leaves the
-  input's last rows unread (its issue 30), every quantity, the DP step and bf16 autocast of
-  it; which parameters each quantity reaches on its two interface networks; its padding and
+  input's last rows unread (its ``bugfixes_test.py``), every quantity, the DP step and bf16
+  autocast of it; which parameters each quantity reaches on its two interface networks; its padding and
   pooling problems (``ZeroPad2d`` between unpadded convolutions, max- and average-pooling
   between convolutions, under ``MSELoss`` and ``CrossEntropyLoss``); adaptive average pools
   to every target it lists, also those it refuses;
@@ -80,7 +80,7 @@ def summed(out, target=None):
     return out.sum()
 
 
-# == BackPACK: test/bugfixes_test.py (issue 30) =================================================
+# == BackPACK: test/bugfixes_test.py, stride 3 ===================================================
 
 ISSUE_30 = [dict(stride=s, padding=p, dilation=d) for s in (1, 3) for p in (0, 2) for d in (1, 2)]
 
@@ -127,8 +127,8 @@ def test_backpack_issue_30_conv2d_dp_step(kw, method):
 
 @pytest.mark.parametrize("kw", [ISSUE_30[5], ISSUE_30[7]], ids=str)
 def test_backpack_issue_30_conv2d_under_bf16_autocast(kw):
-    """The stride-3 convolutions of BackPACK's issue 30 under bfloat16 autocast: ``grad1`` and
-    the norms close to the float64 loop's (bfloat16's 8 bits: 3e-2 relative)."""
+    """The stride-3 convolutions of BackPACK's ``bugfixes_test.py`` under bfloat16 autocast:
+    ``grad1`` and the norms close to the float64 loop's (bfloat16's 8 bits: 3e-2 relative)."""
     model = issue_30_conv(kw)
     x = issue_30_input()
     want = vmap_grad(model, summed, x)
