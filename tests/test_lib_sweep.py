@@ -191,6 +191,11 @@ MODELS = [
 
 @pytest.mark.parametrize("name", MODELS)
 def test_library_model_matches_the_loop(name):
+    assert_swept_match(name)
+
+
+def assert_swept_match(name: str) -> None:
+    """The sweep's model ``name`` matches the loop, with trainable parameters, without warnings."""
     res = _swept(name)
     assert res.outcome == "match", (res.outcome, res.detail)
     assert res.params > 0 and not res.warnings
@@ -215,6 +220,11 @@ def test_library_model_refused(name, error):
     """Models whose examples meet (a statistic of the batch, a step size chosen for all of
     them) or whose gradients gradhooks cannot split by example: refused, by gradhooks' own
     error, naming the layer, never a grad1."""
+    assert_swept_refused(name, error)
+
+
+def assert_swept_refused(name: str, error: type) -> None:
+    """The sweep's model ``name`` refused by ``error``, naming the layer or parameters."""
     res = _swept(name)
     assert res.outcome == "refused", (res.outcome, res.detail)
     assert res.detail.startswith(error.__name__ + ":"), res.detail
@@ -234,6 +244,11 @@ def test_library_model_refused(name, error):
 def test_library_model_in_another_setting(name, setting):
     """3 SGD steps (grad1 of each against the loop), bfloat16 autocast (against the float64
     loop, relative error at most 5e-2), a DP step (p.grad against the loop's clipped sum)."""
+    assert_setting_match(name, setting)
+
+
+def assert_setting_match(name: str, setting: str) -> None:
+    """The sweep's model ``name`` matches in ``setting`` (:func:`bench.lib_sweep.check_setting`)."""
     _needs(name)
     res = lib_sweep.check_setting(name, setting, limit=0)
     assert res.outcome == "match", (res.outcome, res.detail)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lib_sweep import _needs, _quiet, _swept  # noqa: F401 (a fixture, used by name)
+from test_lib_sweep import (  # noqa: F401 (_quiet: a fixture, used by name)
+    _quiet,
+    assert_setting_match,
+    assert_swept_match,
+    assert_swept_refused,
+)
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-
-lib_sweep = pytest.importorskip("bench.lib_sweep")
 
 
 def _matches_loop(model: nn.Module, *inputs: torch.Tensor) -> None:
@@ -138,9 +141,7 @@ MODELS = [
 
 @pytest.mark.parametrize("name", MODELS)
 def test_library_model_matches_the_loop(name):
-    res = _swept(name)
-    assert res.outcome == "match", (res.outcome, res.detail)
-    assert res.params > 0 and not res.warnings
+    assert_swept_match(name)
 
 
 @pytest.mark.parametrize(
@@ -156,10 +157,7 @@ def test_library_model_matches_the_loop(name):
     ],
 )
 def test_library_model_refused(name, error):
-    res = _swept(name)
-    assert res.outcome == "refused", (res.outcome, res.detail)
-    assert res.detail.startswith(error.__name__ + ":"), res.detail
-    assert "'" in res.detail
+    assert_swept_refused(name, error)
 
 
 @pytest.mark.parametrize(
@@ -174,6 +172,4 @@ def test_library_model_refused(name, error):
 )
 def test_library_model_in_another_setting(name, setting):
     """3 SGD steps, bfloat16 autocast (against the float64 loop, at 5e-2), a DP step."""
-    _needs(name)
-    res = lib_sweep.check_setting(name, setting, limit=0)
-    assert res.outcome == "match", (res.outcome, res.detail)
+    assert_setting_match(name, setting)
