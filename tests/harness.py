@@ -219,13 +219,16 @@ def check(case: Case, batch: int = 4, reduction: str = "mean", seed: int = 0, **
 
 
 def hf(name: str):
-    """A transformers class, or a skip that says why it does not import (a torchvision
-    wheel built for another torch breaks transformers' model imports)."""
+    """A transformers class, or a skip that says why it does not import where a torchvision
+    wheel built for another torch breaks transformers' model imports; any other failure to
+    import is raised."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     try:
         return getattr(transformers, name)
     except Exception as e:  # (transformers wraps the cause in its own error)
+        if "torchvision" not in f"{e!r} {e.__cause__!r}":
+            raise  # (a broken transformers is a failure, not a skip)
         pytest.skip(f"transformers.{name} does not import here: {type(e).__name__}: {e}")
 
 
