@@ -312,6 +312,53 @@ def test_scaler_must_be_a_grad_scaler():
             gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, scaler=2.0)
 
 
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no-scaler", "scaler-too"])
+@pytest.mark.parametrize("entry", ["dp_sgd_step", "clipped_sum", "DPOptimizer"])
+def test_losses_scaled_by_a_grad_scaler_are_refused(entry, with_scaler):
+    """``scaler.scale(losses)`` given to the step (the float16 loop's habit) would be clipped
+    at ``S`` times the gradients' norms, and ``scaler.step`` would divide the noise by ``S``:
+    refused, with the parameters' ``.grad`` and the generator untouched, also where the
+    scaler is passed as well (the backward would be scaled twice)."""
+    model, x, y = problem("layernorm")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(1)
+    state = gen.get_state()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = scaler.scale(autocast_losses(model, x, y, torch.float16))
+        more = {"scaler": scaler} if with_scaler else {}
+        with pytest.raises(gradhooks.ConfigurationError, match=r"GradScaler's scale.*scaler="):
+            if entry == "dp_sgd_step":
+                gradhooks.dp_sgd_step(
+                    h, losses, max_norm=1.0, noise_multiplier=1.0, generator=gen, **more
+                )
+            elif entry == "clipped_sum":
+                gradhooks.clipped_sum(h, losses, max_norm=1.0, **more)
+            else:
+                opt = gradhooks.DPOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1), h, noise_multiplier=1.0,
+                    max_grad_norm=1.0, expected_batch_size=x.shape[0], generator=gen, **more,
+                )  # fmt: skip
+                opt.backward(losses)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_losses_times_a_one_element_tensor_of_no_scaler_are_stepped():
+    """A loss weighted by a one-element float32 tensor that no GradScaler holds is an ordinary
+    loss: stepped, and its clipped sum is the float64 loop's of the weighted losses."""
+    model, x, y = problem("mlp")
+    weight = torch.tensor([2.0])
+    want = {n: 2.0 * g for n, g in reference(model, x, y).items()}
+    max_norm = reference_median(want)
+    norms_want, clipped = clipped_reference(want, max_norm)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none") * weight
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0)
+    assert torch.allclose(norms.double(), norms_want, rtol=1e-4)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad.double() * x.shape[0], clipped[n], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_the_step_backpropagates_the_sum_whatever_the_handles_reduction(method):
     """The step's backward is of the losses' sum under a handle declared ``"mean"`` too: the

@@ -51,6 +51,7 @@ which is not (and is 0 for an empty batch).
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 import weakref
@@ -592,7 +593,51 @@ def _checked(
             "dp_sgd_step: these losses were already stepped on (their graph is freed, the "
             "parameters' .grad holds that step); run a new forward for the next step"
         )
+    _refuse_scaled_loss(per_example_loss)
     return method
+
+
+def _refuse_scaled_loss(per_example_loss: Tensor) -> None:
+    """Refuses losses already multiplied by a GradScaler's scale ``S``
+    (``scaler.scale(losses)``, the habit of a float16 loop): their norms are ``S`` times the
+    gradients' own, so that the examples would be clipped to ``C/S``, and ``scaler.step``'s
+    unscaling would divide the noise by ``S`` as well: a far weaker privacy than asked for,
+    with no error. Found as the losses' last operation, a product whose saved factor is the
+    very tensor a GradScaler holds as its scale (nothing read from the device)."""
+    node = per_example_loss.grad_fn
+    if node is None or node.name() != "MulBackward0":
+        return
+    for name in ("_saved_other", "_saved_self"):
+        try:
+            factor = getattr(node, name, None)
+        except RuntimeError:  # (freed by a backward)
+            continue
+        if (
+            isinstance(factor, Tensor)
+            and factor.numel() == 1
+            and factor.dtype == torch.float32
+            and not factor.requires_grad
+            and _scale_of_a_scaler(factor)
+        ):
+            raise ConfigurationError(
+                "dp_sgd_step: per_example_loss is already multiplied by a GradScaler's scale "
+                "(scaler.scale(losses)): clipped as they are, the examples would be bounded "
+                "by max_norm / scale, and scaler.step() would divide the noise by the scale: "
+                "far less privacy than asked for. Pass the unscaled losses and the scaler "
+                "itself, dp_sgd_step(hooks, losses, ..., scaler=scaler), which scales the "
+                "backward and clips the unscaled norms. Nothing was changed."
+            )
+
+
+def _scale_of_a_scaler(t: Tensor) -> bool:
+    """Whether ``t`` is the scale tensor some GradScaler holds (``_scale`` in its
+    ``__dict__``, next to its growth tracker): the objects referring to ``t`` are searched,
+    done only for a loss whose last product has a one-element float32 factor."""
+    for r in gc.get_referrers(t):  # (an object's own dict, or the object where it has none)
+        d = r if type(r) is dict else getattr(r, "__dict__", None)
+        if type(d) is dict and d.get("_scale") is t and "_growth_tracker" in d:
+            return True
+    return False
 
 
 def _checked_method(hooks: Hooks, method: str | None) -> str:
