@@ -685,3 +685,266 @@ def test_tent_with_the_running_statistics_adapts_the_affine_parameters(method):
                 dp_step(h, entropy(model(x)), method)
                 assert_grads(model, clipped(per_example, 0.5), f"step {step}")
             opt.step()
+
+
+# -- a model split at a detached boundary, each stage backpropagated by hand ------------------------
+
+
+def test_a_model_split_at_a_detached_boundary_each_stage_backwarded_by_hand():
+    """Pipeline stages written out by hand: the trunk's output detached into a leaf that
+    requires grad, the head's loss backpropagated to it, then the trunk's backward from that
+    leaf's ``.grad`` (``h.backward(boundary.grad)``). Over three steps grad1 and the norms of
+    both stages are the float64 loop's of the whole model; the norms, of the last backward,
+    are each stage's in turn."""
+    model = wide_mlp()
+    trunk, head = model[:2], model[2:]
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            hidden = trunk(x)
+            boundary = hidden.detach().requires_grad_()
+            F.cross_entropy(head(boundary), y).backward()
+            stage = {n: g for n, g in want.items() if n.startswith("2.")}
+            assert_close(h.norms(), norms_of(stage), f"step {step}: the head's norms")
+            hidden.backward(boundary.grad)
+            stage = {n: g for n, g in want.items() if n.startswith("0.")}
+            assert_close(h.norms(), norms_of(stage), f"step {step}: the trunk's norms")
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+
+
+# -- steps under torch.profiler's schedule ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [None, "ghost"], ids=["grad1-and-norms", "ghost"])
+def test_steps_recorded_by_the_profiler_with_its_schedule(method):
+    """Five steps under ``torch.profiler.profile`` with a ``schedule`` (wait, warm-up, two
+    active steps), shapes and memory recorded, ``prof.step()`` after each: grad1 and the norms,
+    or the ghost DP step's ``.grad``, are the float64 loop's at every step, recorded or not."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    quantities = ("grad1", "norms") if method is None else ("norms",)
+    traced = []
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        with profile(
+            activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=2),
+            record_shapes=True, profile_memory=True,
+            on_trace_ready=lambda p: traced.append(len(p.key_averages())),
+        ) as prof:  # fmt: skip
+            for step in range(5):
+                x, y = labelled_batch(step)
+                want = loop_grad(model, F.cross_entropy, x, y)
+                opt.zero_grad()
+                if method is None:
+                    F.cross_entropy(model(x), y).backward()
+                    assert_grad1(model, want, f"step {step}")
+                    assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+                else:
+                    dp_step(h, F.cross_entropy(model(x), y, reduction="none"), method)
+                    assert_grads(model, clipped(want, 0.5), f"step {step}")
+                opt.step()
+                prof.step()
+    assert len(traced) == 1 and traced[0] > 0, traced
+
+
+# -- NoisyNet layers, their noise drawn anew at every step ------------------------------------------
+
+
+class NoisyLinear(nn.Module):
+    """Rainbow's NoisyNet layer with factorised Gaussian noise: ``weight = mu + sigma * eps``,
+    ``eps`` buffers drawn anew by ``reset_noise()``, the mean weights alone in eval mode."""
+
+    def __init__(self, fan_in: int, fan_out: int, sigma0: float = 0.5) -> None:
+        super().__init__()
+        bound = 1 / math.sqrt(fan_in)
+        self.weight_mu = nn.Parameter(torch.empty(fan_out, fan_in).uniform_(-bound, bound))
+        self.weight_sigma = nn.Parameter(torch.full((fan_out, fan_in), sigma0 * bound))
+        self.bias_mu = nn.Parameter(torch.empty(fan_out).uniform_(-bound, bound))
+        self.bias_sigma = nn.Parameter(torch.full((fan_out,), sigma0 * bound))
+        self.register_buffer("weight_epsilon", torch.zeros(fan_out, fan_in))
+        self.register_buffer("bias_epsilon", torch.zeros(fan_out))
+
+    @staticmethod
+    def _scaled(n: int, g: torch.Generator) -> torch.Tensor:
+        x = torch.randn(n, generator=g)
+        return x.sign() * x.abs().sqrt()
+
+    def reset_noise(self, g: torch.Generator) -> None:
+        eps_in = self._scaled(self.weight_mu.shape[1], g)
+        eps_out = self._scaled(self.weight_mu.shape[0], g)
+        self.weight_epsilon.copy_(torch.outer(eps_out, eps_in))
+        self.bias_epsilon.copy_(eps_out)
+
+    def forward(self, x):
+        if not self.training:
+            return F.linear(x, self.weight_mu, self.bias_mu)
+        weight = self.weight_mu + self.weight_sigma * self.weight_epsilon
+        return F.linear(x, weight, self.bias_mu + self.bias_sigma * self.bias_epsilon)
+
+
+def noisy_q_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.ReLU(), NoisyLinear(6, 6), nn.ReLU(),
+                         NoisyLinear(6, 2)).to(D)  # fmt: skip
+
+
+def q_batch(step: int, n: int = 5):
+    """States, actions and TD targets of a replay batch."""
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(n, 3, generator=g, dtype=D), torch.randint(2, (n,), generator=g),
+            torch.randn(n, generator=g, dtype=D))  # fmt: skip
+
+
+def td_losses(q, action, target):
+    """Each transition's Huber loss of its action's Q-value against its target, ``[batch]``."""
+    return F.smooth_l1_loss(q.gather(1, action[:, None])[:, 0], target, reduction="none")
+
+
+def replayed_td(q, replay):
+    """The mean TD loss given ``[batch, 2]`` rows of (target, action): the loop's loss."""
+    return td_losses(q, replay[:, 1].long(), replay[:, 0]).mean()
+
+
+def test_noisy_net_layers_resample_their_noise_at_every_step():
+    """A Q-network of NoisyNet layers (Rainbow), its noise drawn anew before every step
+    (``reset_noise``), a greedy action taken under ``no_grad`` with the mean weights in eval
+    mode between steps, the Huber TD loss of the replayed actions and Adam: grad1 and the
+    norms of the means and the sigmas are the float64 loop's with the step's noise."""
+    model = noisy_q_net()
+    g = torch.Generator().manual_seed(7)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(1, 3, dtype=D)).argmax(1)  # (acting)
+            model.train()
+            for layer in (model[2], model[4]):
+                layer.reset_noise(g)
+            s, a, target = q_batch(step)
+            want = loop_grad(model, replayed_td, s, torch.stack([target, a.to(D)], 1))
+            opt.zero_grad()
+            td_losses(model(s), a, target).mean().backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_noisy_net_layers_into_the_dp_step(method):
+    """The NoisyNet Q-network trained privately by ``dp_sgd_step`` on each transition's TD
+    loss, its noise drawn anew at every step: ``.grad`` is the float64 loop's clipped mean (no
+    noise of the DP step's), with every method."""
+    model = noisy_q_net()
+    g = torch.Generator().manual_seed(7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=quantities_for(method)) as h:
+        for step in range(STEPS):
+            for layer in (model[2], model[4]):
+                layer.reset_noise(g)
+            s, a, target = q_batch(step)
+            want = clipped(loop_grad(model, replayed_td, s, torch.stack([target, a.to(D)], 1)), 1)
+            opt.zero_grad()
+            dp_step(h, td_losses(model(s), a, target), method, bound=1.0)
+            assert_grads(model, want, f"step {step}")
+            opt.step()
+
+
+# -- a complex-valued network ------------------------------------------------------------------------
+
+
+class ComplexNet(nn.Module):
+    """A complex convolution, a split-tanh activation and a complex Linear: a model of complex
+    signals (radio, MRI), its loss real. ``"1d"``: a Conv1d (2 -> 3 channels) over 4
+    positions; ``"2d"``: a Conv2d (8 -> 2 channels) over 6x6 maps, more positions than output
+    channels (the size at which a real convolution's grad1 takes another form on the CPU)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        c = torch.complex128
+        if kind == "1d":
+            self.conv, self.fc = nn.Conv1d(2, 3, 3, padding=1, dtype=c), nn.Linear(12, 2, dtype=c)
+        else:
+            self.conv, self.fc = nn.Conv2d(8, 2, 3, padding=1, dtype=c), nn.Linear(72, 2, dtype=c)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = torch.complex(torch.tanh(h.real), torch.tanh(h.imag))
+        return self.fc(h.flatten(1))
+
+
+def complex_loss(out, target):
+    """Half the squared distance of the complex outputs to the targets, per example summed."""
+    return 0.5 * (out - target).abs().pow(2).sum(1).mean()
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_a_complex_valued_network_trained_with_adam(kind):
+    """A complex-valued Conv1d and Linear over three Adam steps (Adam takes complex
+    parameters as their real and imaginary parts): grad1 of every complex parameter is the
+    float64 loop's in autograd's convention (the conjugate Wirtinger derivative), and its mean
+    is ``.grad``."""
+    model = ComplexNet(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    shape = (4, 2, 4) if kind == "1d" else (4, 8, 6, 6)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(*shape, generator=g, dtype=torch.complex128)
+            target = torch.randn(4, 2, generator=g, dtype=torch.complex128)
+            want = loop_grad(model, complex_loss, x, target)
+            opt.zero_grad()
+            complex_loss(model(x), target).backward()
+            assert_grad1(model, want, f"step {step}")
+            for n, p in model.named_parameters():
+                assert p.grad1.is_complex(), n
+                assert_close(p.grad1.mean(0), p.grad, f"step {step}: {n} reduced")
+            opt.step()
+
+
+# -- an LR range test, then the model and the optimizer restored --------------------------------------
+
+
+def test_an_lr_range_test_then_the_model_and_optimizer_restored():
+    """An LR finder's range test (fastai, torch-lr-finder): the states of the model and the
+    optimizer saved, a few steps at an exponentially rising rate, then both states loaded back
+    and training started at the rate found. After the restore every step's grad1 and norms
+    are the float64 loop's, and the weights follow an unhooked twin that never ran the test."""
+    model, twin = wide_mlp(), wide_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-4)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        finder = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=10.0)
+        losses = []
+        for step in range(4):
+            x, y = labelled_batch(50 + step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            finder.step()
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        for group in (*opt.param_groups, *twin_opt.param_groups):
+            group["lr"] = 0.01
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            twin_opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(twin(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+            twin_opt.step()
+            for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+                assert_close(p.detach(), q.detach(), f"step {step}: {n}")
