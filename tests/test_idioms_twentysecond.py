@@ -15,7 +15,8 @@ detached boundary and each stage backpropagated by hand; steps under ``torch.pro
 schedule; NoisyNet layers whose noise is drawn anew at every step; a complex-valued network;
 an LR range test whose model and optimizer are restored; the ``0 * sum(parameters)`` term
 that keeps every parameter in the graph; heteroscedastic regression losses; bootstrapped
-heads masked per example; and parametrized embedding rows and convolution weights.
+heads masked per example; parametrized embedding rows and convolution weights; and the
+input's gradient taken in the training backward (a saliency map).
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -105,8 +107,8 @@ ZEROINGS = {
     "optimizer-keeping-zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
     "model": lambda model, opt: model.zero_grad(),
     "grad-set-to-none": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
-    "foreach-zero": lambda model, opt: _present(model) and torch._foreach_zero_(
-        [p.grad for p in _present(model)]
+    "foreach-zero": lambda model, opt: (
+        _present(model) and torch._foreach_zero_([p.grad for p in _present(model)])
     ),
     "fresh-zeros": lambda model, opt: [
         setattr(p, "grad", torch.zeros_like(p)) for p in model.parameters()
@@ -948,3 +950,289 @@ def test_an_lr_range_test_then_the_model_and_optimizer_restored():
             twin_opt.step()
             for (n, p), q in zip(model.named_parameters(), twin.parameters()):
                 assert_close(p.detach(), q.detach(), f"step {step}: {n}")
+
+
+# -- 0 * sum(parameters): every parameter kept in the graph -----------------------------------------
+
+
+class Branchy(nn.Module):
+    """A trunk and two heads of which a step uses one: the other would have no gradient, so
+    the loop adds ``0 * sum(p.sum() for p in parameters)`` to the loss (what DDP's unused
+    parameters push scripts to write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.heads = nn.Linear(3, 6), nn.ModuleList([nn.Linear(6, 2), nn.Linear(6, 2)])
+
+    def forward(self, x, head: int = 0):
+        return self.heads[head](torch.tanh(self.trunk(x)))
+
+
+def test_zero_times_every_parameter_added_to_keep_unused_heads_in_the_graph():
+    """The ``0 * sum(parameters)`` term added to each step's loss, one head used per step: the
+    term adds exactly nothing, every parameter gets a ``.grad`` (the float64 loop's mean), and
+    over four steps grad1 is the float64 loop's (zero rows for the head the step did not use)
+    and its mean ``.grad``; a head that no captured call has reached yet has none, and a
+    ``GradhooksWarning`` names it (its gradient came from outside the hooked modules)."""
+    model = Branchy().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            head = step % 2
+            x, y = labelled_batch(step)
+            used = loop_grad(OneHead(model, head), F.cross_entropy, x, y)
+            want = {
+                n: used[n] if n in used else torch.zeros(5, *p.shape, dtype=D)
+                for n, p in model.named_parameters()
+            }
+            opt.zero_grad()
+            dummy = 0 * sum(p.sum() for p in model.parameters())
+            with warnings.catch_warnings(record=True) as told:
+                warnings.simplefilter("always")
+                (F.cross_entropy(model(x, head), y) + dummy).backward()
+            told = " ".join(
+                str(w.message) for w in told if w.category is gradhooks.GradhooksWarning
+            )
+            assert all(p.grad is not None for p in model.parameters())
+            for n, p in model.named_parameters():
+                assert_close(p.grad, want[n].mean(0), f"step {step}: {n}'s .grad")
+                if not hasattr(p, "grad1"):  # (never reached by a captured call yet: told so)
+                    assert n.startswith(f"heads.{1 - head}.") and f"'{n}'" in told, (step, n)
+                    continue
+                assert_close(p.grad1, want[n], f"step {step}: {n}")
+                assert_close(p.grad1.mean(0), p.grad, f"step {step}: {n} reduced")
+            opt.step()
+
+
+class OneHead(nn.Module):
+    """``model(x, head)`` with the model's own parameter names: the loop's model of a step."""
+
+    def __init__(self, model: Branchy, head: int) -> None:
+        super().__init__()
+        self.trunk, self.heads, self.head = model.trunk, model.heads, head
+
+    def forward(self, x):
+        return self.heads[self.head](torch.tanh(self.trunk(x)))
+
+
+# -- heteroscedastic regression -----------------------------------------------------------------------
+
+
+def gaussian_nll(out, target):
+    """``GaussianNLLLoss`` of the mean and variance (softplus of the second output) heads."""
+    var = F.softplus(out[:, 1]) + 1e-3
+    return F.gaussian_nll_loss(out[:, 0], target, var, reduction="none")
+
+
+def poisson_nll(out, target):
+    """``PoissonNLLLoss`` of counts, the first output the log-rate."""
+    return F.poisson_nll_loss(out[:, 0], target, log_input=True, reduction="none")
+
+
+def laplace_nll(out, target):
+    """``-Normal/Laplace.log_prob`` through ``torch.distributions``: a Laplace likelihood."""
+    scale = F.softplus(out[:, 1]) + 1e-3
+    return -torch.distributions.Laplace(out[:, 0], scale).log_prob(target)
+
+
+NLLS = {"gaussian-nll": gaussian_nll, "poisson-nll": poisson_nll, "laplace-log-prob": laplace_nll}
+
+
+@pytest.mark.parametrize("method", [None, "ghost"], ids=["grad1-and-norms", "ghost"])
+@pytest.mark.parametrize("nll", list(NLLS))
+def test_heteroscedastic_regression_by_a_likelihood_of_each_example(nll, method):
+    """A network predicting a distribution of each target (a mean and a variance, a Poisson
+    rate, a Laplace location and scale) trained by the mean negative log-likelihood, over
+    three Adam steps: grad1 and the norms, or the ghost DP step's ``.grad``, are the float64
+    loop's."""
+    model = wide_mlp()
+    losses = NLLS[nll]
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    quantities = ("grad1", "norms") if method is None else ("norms",)
+
+    def mean_nll(out, t):
+        return losses(out, t).mean()
+
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(5, 3, generator=g, dtype=D)
+            t = torch.randn(5, generator=g, dtype=D)
+            t = t.abs().round() if nll == "poisson-nll" else t
+            want = loop_grad(model, mean_nll, x, t)
+            opt.zero_grad()
+            if method is None:
+                mean_nll(model(x), t).backward()
+                assert_grad1(model, want, f"step {step}")
+                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            else:
+                dp_step(h, losses(model(x), t), method)
+                assert_grads(model, clipped(want, 0.5), f"step {step}")
+            opt.step()
+
+
+# -- bootstrapped heads, masked per example --------------------------------------------------------
+
+
+class Bootstrapped(nn.Module):
+    """A shared trunk and ``K`` heads (bootstrapped DQN, deep ensembles on one trunk)."""
+
+    def __init__(self, k: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(3, 6)
+        self.heads = nn.ModuleList([nn.Linear(6, 2) for _ in range(k)])
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return torch.stack([head(h) for head in self.heads], 1)  # [batch, K, classes]
+
+
+def masked_heads(out, target):
+    """Each example's cross-entropy of the heads its bootstrap mask gives it, ``[batch]``:
+    ``target`` is ``[batch, 1 + K]``, the label then the mask."""
+    y, mask = target[:, 0].long(), target[:, 1:]
+    per_head = F.cross_entropy(out.transpose(1, 2), y[:, None].expand(-1, out.shape[1]),
+                               reduction="none")  # fmt: skip
+    return (per_head * mask).sum(1)
+
+
+@pytest.mark.parametrize("method", [None, *METHODS], ids=["grad1-and-norms", *METHODS])
+def test_bootstrapped_heads_each_trained_on_the_examples_its_mask_gives_it(method):
+    """Bootstrapped heads: each example's Bernoulli mask says which of three heads learn from
+    it, its loss the sum of those heads' losses. Over three steps grad1 and the norms, or each
+    DP step's ``.grad``, are the float64 loop's (a head's rows zero for an example masked
+    out)."""
+    model = Bootstrapped().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    quantities = ("grad1", "norms") if method is None else quantities_for(method)
+
+    def mean_loss(out, t):
+        return masked_heads(out, t).mean()
+
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            g = torch.Generator().manual_seed(30 + step)
+            mask = torch.bernoulli(torch.full((5, 3), 0.5, dtype=D), generator=g)
+            target = torch.cat([y[:, None].to(D), mask], 1)
+            want = loop_grad(model, mean_loss, x, target)
+            opt.zero_grad()
+            if method is None:
+                mean_loss(model(x), target).backward()
+                assert_grad1(model, want, f"step {step}")
+                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            else:
+                dp_step(h, masked_heads(model(x), target), method)
+                assert_grads(model, clipped(want, 0.5), f"step {step}")
+            opt.step()
+
+
+# -- parametrized embedding rows and convolution weights ---------------------------------------------
+
+
+class UnitRows(nn.Module):
+    """Each row scaled to norm one (normalized embeddings of metric learning)."""
+
+    def forward(self, W):
+        return W / W.norm(dim=-1, keepdim=True)
+
+
+class Standardized(nn.Module):
+    """Weight standardization: each output channel's weights to mean 0 and variance 1."""
+
+    def forward(self, W):
+        flat = W.flatten(1)
+        mean, std = flat.mean(1), flat.std(1, unbiased=False)
+        return (W - mean.view(-1, *[1] * (W.dim() - 1))) / (
+            std.view(-1, *[1] * (W.dim() - 1)) + 1e-5
+        )
+
+
+class Tokens(nn.Module):
+    """An Embedding (8 rows of 4), its rows of unit norm by a parametrization, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(8, 4), nn.Linear(12, 2)
+        parametrize.register_parametrization(self.emb, "weight", UnitRows())
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).flatten(1))
+
+
+class StdConvNet(nn.Module):
+    """A Conv2d whose weight a parametrization standardizes (BiT's StdConv as a
+    parametrization), GroupNorm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.gn = nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)
+        self.head = nn.Linear(16, 2)
+        parametrize.register_parametrization(self.conv, "weight", Standardized())
+
+    def forward(self, x):
+        return self.head(torch.relu(self.gn(self.conv(x))).flatten(1))
+
+
+def parametrized_batch(kind: str, step: int):
+    g = torch.Generator().manual_seed(step)
+    y = torch.randint(2, (5,), generator=g)
+    if kind == "unit-embedding-rows":
+        return torch.randint(8, (5, 3), generator=g), y
+    return torch.randn(5, 2, 4, 4, generator=g, dtype=D), y
+
+
+@pytest.mark.parametrize("method", [None, *METHODS], ids=["grad1-and-norms", *METHODS])
+@pytest.mark.parametrize("kind", ["unit-embedding-rows", "standardized-conv-weight"])
+def test_parametrized_embedding_rows_and_convolution_weights(kind, method):
+    """A parametrization between a layer's weight and its rule: embedding rows normalized to
+    unit norm, a convolution's weight standardized per output channel. Over three Adam steps
+    grad1 and the norms of the originals, or each DP step's ``.grad``, are the float64
+    loop's."""
+    model = (Tokens() if kind == "unit-embedding-rows" else StdConvNet()).to(D)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    quantities = ("grad1", "norms") if method is None else quantities_for(method)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        for step in range(STEPS):
+            x, y = parametrized_batch(kind, step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            assert any(n.endswith("original") for n in want)
+            opt.zero_grad()
+            if method is None:
+                F.cross_entropy(model(x), y).backward()
+                assert_grad1(model, want, f"step {step}")
+                assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            else:
+                dp_step(h, F.cross_entropy(model(x), y, reduction="none"), method)
+                assert_grads(model, clipped(want, 0.5), f"step {step}")
+            opt.step()
+
+
+# -- the input's gradient taken in the training backward ----------------------------------------------
+
+
+def test_a_saliency_map_from_the_inputs_gradient_in_the_training_backward():
+    """``x.requires_grad_()`` on each batch so that the training backward also gives the
+    input's gradient (a saliency map logged for free): ``x.grad`` is what the same step gives
+    without gradhooks, and grad1 and the norms are the float64 loop's, over three steps."""
+    model, twin = wide_mlp(), wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            want = loop_grad(model, F.cross_entropy, x, y)
+            opt.zero_grad()
+            twin_opt.zero_grad()
+            xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+            F.cross_entropy(model(xs), y).backward()
+            F.cross_entropy(twin(xt), y).backward()
+            assert torch.equal(xs.grad, xt.grad), step
+            assert_grad1(model, want, f"step {step}")
+            assert_close(h.norms(), norms_of(want), f"step {step}: norms")
+            opt.step()
+            twin_opt.step()
