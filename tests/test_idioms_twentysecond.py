@@ -863,8 +863,9 @@ def test_noisy_net_layers_into_the_dp_step(method):
 class ComplexNet(nn.Module):
     """A complex convolution, a split-tanh activation and a complex Linear: a model of complex
     signals (radio, MRI), its loss real. ``"1d"``: a Conv1d (2 -> 3 channels) over 4
-    positions; ``"2d"``: a Conv2d (8 -> 2 channels) over 6x6 maps, more positions than output
-    channels (the size at which a real convolution's grad1 takes another form on the CPU)."""
+    positions; ``"transposed"``: a ConvTranspose1d (2 -> 3 channels, stride 2) of them;
+    ``"2d"``: a Conv2d (8 -> 2 channels) over 6x6 maps, more positions than output channels
+    (the size at which a real convolution's grad1 takes another form on the CPU)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -872,6 +873,9 @@ class ComplexNet(nn.Module):
         c = torch.complex128
         if kind == "1d":
             self.conv, self.fc = nn.Conv1d(2, 3, 3, padding=1, dtype=c), nn.Linear(12, 2, dtype=c)
+        elif kind == "transposed":
+            self.conv = nn.ConvTranspose1d(2, 3, 3, stride=2, dtype=c)
+            self.fc = nn.Linear(27, 2, dtype=c)
         else:
             self.conv, self.fc = nn.Conv2d(8, 2, 3, padding=1, dtype=c), nn.Linear(72, 2, dtype=c)
 
@@ -886,7 +890,7 @@ def complex_loss(out, target):
     return 0.5 * (out - target).abs().pow(2).sum(1).mean()
 
 
-@pytest.mark.parametrize("kind", ["1d", "2d"])
+@pytest.mark.parametrize("kind", ["1d", "transposed", "2d"])
 def test_a_complex_valued_network_trained_with_adam(kind):
     """A complex-valued Conv1d and Linear over three Adam steps (Adam takes complex
     parameters as their real and imaginary parts): grad1 of every complex parameter is the
@@ -894,7 +898,7 @@ def test_a_complex_valued_network_trained_with_adam(kind):
     is ``.grad``."""
     model = ComplexNet(kind)
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    shape = (4, 2, 4) if kind == "1d" else (4, 8, 6, 6)
+    shape = (4, 8, 6, 6) if kind == "2d" else (4, 2, 4)
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
