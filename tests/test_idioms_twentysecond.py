@@ -1240,3 +1240,28 @@ def test_a_saliency_map_from_the_inputs_gradient_in_the_training_backward():
             assert_close(h.norms(), norms_of(want), f"step {step}: norms")
             opt.step()
             twin_opt.step()
+
+
+# -- per-example weights put on the losses by a hook, into the DP step ---------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_per_example_weights_put_on_the_losses_by_a_hook_into_the_dp_step(method):
+    """Importance weights put on each example's loss by a hook on the losses
+    (``losses.register_hook(lambda g: g * w)``) instead of a product, then the DP step: each
+    example's gradient is its weight times its own, clipped as such. At each of three steps
+    ``.grad`` is the float64 loop's clipped mean of the weighted gradients (no noise)."""
+    model = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model, quantities=quantities_for(method)) as h:
+        for step in range(STEPS):
+            x, y = labelled_batch(step)
+            w = torch.linspace(0.2, 3.0, 5, dtype=D).roll(step)
+            per_example = loop_grad(model, F.cross_entropy, x, y)
+            weighted = {n: torch.einsum("b,b...->b...", w, g) for n, g in per_example.items()}
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            losses.register_hook(lambda g, w=w: g * w)
+            dp_step(h, losses, method)
+            assert_grads(model, clipped(weighted, 0.5), f"step {step}")
+            opt.step()
