@@ -1241,10 +1241,12 @@ def add_hooks(
             gradient hook put on an activation during the forward (``h.register_hook``) runs
             again, so that what it does to the examples' gradients is checked too (a hook that
             mixes them is refused): on a backward that verifies, such a hook runs three times
-            (four without ``"grad1"``), on every other backward once. Backward hooks of the
-            user's on modules (also global ones) and on parameters run once on every backward:
-            where there are any, that part of the check is left out. ``verify=False``: every hook
-            runs once per backward.
+            (four without ``"grad1"``), on every other backward once; the ``.grad`` of a tensor
+            whose gradient is retained (``retain_grad()`` in the forward, or on an output) is
+            put back as autograd alone leaves it. Backward hooks of the user's on modules (also
+            global ones) and on parameters run once on every backward: where there are any,
+            that part of the check is left out. ``verify=False``: every hook runs once per
+            backward.
         keep_backprops: keep, per hooked module, the input of its last captured call and
             the output-gradient of each captured call, for :meth:`Hooks.activations` and
             :meth:`Hooks.backprops` (autograd-hacks' ``layer.activations`` and

@@ -255,6 +255,19 @@ def _spot_tolerance(
     return rounding_tolerance(dtype, precision, True)
 
 
+@contextlib.contextmanager
+def retained_grads(refs: list[weakref.ref]) -> Iterator[None]:
+    """Puts back the ``.grad`` of each tensor of ``refs`` that retains its gradient
+    (``retain_grad()``) as it was before: a backward of autograd's own (``autograd.grad``)
+    adds to it as ``backward()`` does."""
+    kept = [(t, t.grad) for ref in refs if (t := ref()) is not None and t.retains_grad]
+    try:
+        yield
+    finally:
+        for t, g in kept:
+            t.grad = g
+
+
 def _probe_from(verifier: weakref.ref, token: object, grads: tuple) -> None:
     """The probe's hook on the outputs of the forward whose box holds ``token``: where that box
     is still the verifier's (a forward since, or the handle's removal, dropped it),
@@ -484,6 +497,9 @@ class Verifier:
             "batch": tracker.batch,
             "frame": id(frame),
             "lost": tuple(tracker.unknown),
+            # the tensors whose gradient the user keeps (h.retain_grad(), in the forward or
+            # on an output after it), whose .grad the check's backwards must leave as it was
+            "retained": [*tracker.retained, *(weakref.ref(t) for t in outs)],
         }
         # the precision its calls and the operations between them ran in (a float64 model that
         # takes its softmax in float32), and whether that rounds more than its outputs hold:
@@ -589,8 +605,9 @@ class Verifier:
             ))  # fmt: skip
             return [hold(found.pop(0)) for _ in pids]
 
+        kept = retained_grads(box["retained"])
         try:
-            with self.standing_aside():
+            with self.standing_aside(), kept:
                 # (without grad1, the norms themselves are checked too: the last example's, of
                 # which the norm alone is kept; first, while nothing else is held)
                 alone = None if self.state.grad1 else [

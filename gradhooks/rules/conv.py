@@ -101,6 +101,8 @@ class ConvWeight(Outer):
     @functools.cached_property
     def a(self) -> Tensor:  # type: ignore[override]
         cols = conv_input_columns(self.module, self.x)
+        if cols.is_complex():
+            cols = cols.conj()  # (the weight's gradient is xᴴ g, as Linear's)
         groups = self.module.groups
         return rearrange(cols, "batch (groups col) pos -> batch groups pos col", groups=groups)
 
@@ -152,6 +154,7 @@ class ConvWeight(Outer):
         positions = math.prod(self.grad_output.shape[2:])
         return (
             devices.cpu_trade_offs(self.x)
+            and not self.x.is_complex()  # (torch's CPU convolution backward is real only)
             and self.x.shape[0] > 0
             and positions > self.module.out_channels
             and self.in_features >= TUNING.conv_grouped_min_columns

@@ -83,7 +83,9 @@ class TransposedConvWeight(Outer):
         cols = output_grad_columns(module, grad_output, x.shape[2:])
         groups = module.groups
         a = rearrange(cols, "batch (groups col) ... -> batch groups (...) col", groups=groups)
-        xg = rearrange(x, "batch (groups inp) ... -> batch groups (...) inp", groups=groups)
+        # (the weight's gradient is xᴴ cols(g): a complex input conjugated, as Linear's)
+        xc = x.conj() if x.is_complex() else x
+        xg = rearrange(xc, "batch (groups inp) ... -> batch groups (...) inp", groups=groups)
         super().__init__(a, xg)
 
     def __repr__(self) -> str:

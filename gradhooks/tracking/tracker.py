@@ -218,6 +218,11 @@ class Tracker(TorchFunctionMode):
         # note_listed), and the joins of the forward that treated them as the examples
         self.listed: set[int] = set()
         self.listed_joins: list[ListedJoin] = []
+        # the tensors the forward kept the gradient of (``h.retain_grad()``), weakly: a
+        # backward of autograd's own through the graph (the checks of the engine's) adds to
+        # their ``.grad`` too, which the engine puts back as it was (see
+        # gradhooks.engine.verify)
+        self.retained: list[weakref.ref] = []
         self.off = 0
         # the functions that may take the short way of __torch_function__, and what makes
         # every call take the long way while any of it is not empty (the same objects for
@@ -445,6 +450,8 @@ class Tracker(TorchFunctionMode):
                     return self._quick_follow(op, func, args, kwargs, parts)
         if self.aliases:
             args, kwargs = aliased(self.aliases, args, kwargs)
+        if func is _RETAIN_GRAD and args and isinstance(args[0], Tensor):
+            self.retained.append(weakref.ref(args[0]))
         if self.off:
             return func(*args, **kwargs)
         tensors = tensor_args(args, kwargs)
@@ -1863,6 +1870,7 @@ class _Pending:
 
 
 _ACTIVE: list[Tracker] = []
+_RETAIN_GRAD = Tensor.retain_grad
 
 # what a torch function returns that holds no tensor (``x.shape``, ``x.dtype``, ``x.dim()``)
 _NO_TENSOR = frozenset({bool, int, float, str, type(None), torch.Size, torch.dtype, torch.device})
