@@ -20,8 +20,8 @@ from .. import _torch, devices
 from ..errors import UnbatchedInputError, describe_module
 from ..pieces import Outer, Piece, cast
 from ..tuning import TUNING
-from .registry import Call, register
 from .linear import unused_grad_macs
+from .registry import Call, register
 
 # the layers of this rule (annotations)
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
