@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import MixedBackward, assert_close, one_thread  # noqa: F401 (a fixture)
 from test_tracking_ops import _after_a_linear, _assert_loop, _op_alone, _sum_sq, _Unfollowed
 
 import gradhooks
 from gradhooks.errors import CheckFailedError, GradhooksError
 from gradhooks.oracle import loop_grad
+from harness import MixedBackward, assert_close, one_thread  # noqa: F401 (a fixture)
 
 D = torch.float64
 

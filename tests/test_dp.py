@@ -499,7 +499,7 @@ def test_book_keeping_steps_form_no_batch_gradient_to_throw_away():
                 # (on a copy: the loop's backwards would take the parameters' gradients)
                 want = _want_step(copy.deepcopy(model), x, y, 0.5, 0.3, seed)
 
-                def step(seed=seed) -> None:
+                def step(seed=seed, model=model) -> None:
                     losses = F.cross_entropy(model(x), y, reduction="none")
                     gradhooks.dp_sgd_step(
                         h, losses, max_norm=0.5, noise_multiplier=0.3, method="bookkeeping",
