@@ -12,7 +12,9 @@ this one adds:
   own layers (``opacus.layers.DPMultiheadAttention``, ``SequenceBias``, ``DPLSTM`` /
   ``DPGRU`` / ``DPRNN``) as they are, and those layers on the ``PackedSequence`` its
   ``_gen_packed_data`` makes (refused: their cells are handed the packed data);
-- the same layer families under bfloat16 autocast, against the float64 oracle;
+- the same layer families under bfloat16 autocast, against the float64 oracle, and their
+  per-example norms, squared sums and variance asked without ``grad1`` (BackPACK's
+  ``BatchL2Grad``, ``SumGradSquared``, ``Variance``);
 - a noiseless clipped step against Opacus' own ``GradSampleModule`` and ``DPOptimizer``
   (``noise_multiplier=0``), by every gradhooks method.
 
@@ -623,3 +625,34 @@ def test_opacus_own_dp_optimizer_step_equals_the_noiseless_dp_step(factory, inpu
         assert_close(p.grad, want[n], f"{method}: {n} vs the loop")
         torch.testing.assert_close(p.grad, theirs[n], rtol=1e-5, atol=1e-5 * scale,
                                    msg=lambda m, n=n: f"{method}: {n} vs Opacus: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "factory,inputs,batch_dim", [a[1:] for a in AUTOCAST], ids=[a[0] for a in AUTOCAST]
+)
+def test_quantities_of_the_swept_layer_families_without_grad1(factory, inputs, batch_dim):
+    """BackPACK's ``BatchL2Grad``, ``SumGradSquared`` and ``Variance`` of the same layer
+    settings in float64, asked without ``grad1`` (``quantities=("norms", "sum_grad_sq")``):
+    each example's norm, the squared sums and the population variance of the loop's
+    per-example gradients; no ``grad1`` is formed."""
+    if factory in (_dp_attention, _dp_lstm):
+        opacus_layers()
+    model = seeded(factory).double()
+    xs = seeded(inputs, 1)
+    xs = xs if isinstance(xs, tuple) else (xs,)
+    seen = model if batch_dim == 0 else BatchFirst(model)
+    firsts = tuple(t.transpose(0, batch_dim) for t in xs)
+    want = loop_grad(seen, wavy, firsts if len(firsts) > 1 else firsts[0])
+    if seen is not model:
+        want = {n.removeprefix("inner."): w for n, w in want.items()}
+    with gradhooks.add_hooks(
+        model, loss_reduction="sum", batch_dim=batch_dim, quantities=("norms", "sum_grad_sq")
+    ) as h:
+        wavy(model(*xs)).backward()
+        norms, sums, variance = h.param_norms(), h.sum_grad_sq(), h.grad_variance()
+    for n, p in model.named_parameters():
+        assert not hasattr(p, "grad1"), n
+        w = want[n]
+        assert_close(norms[n], w.flatten(1).norm(dim=1), f"norms of {n}")
+        assert_close(sums[n], w.pow(2).sum(0), f"squared sums of {n}")
+        assert_close(variance[n], w.var(0, unbiased=False), f"variance of {n}")
