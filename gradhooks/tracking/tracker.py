@@ -963,7 +963,13 @@ class Tracker(TorchFunctionMode):
         if result is MIXED and self.batch == 1 and not inherited:
             # one example cannot mix with another: where two reshapes put its only entry on
             # different dimensions (heads folded in, sequence-first), take the first input's
+            # dimension, every entry of which is the one example's (rows that are no example's
+            # joined to it along that dimension: torch.cat([k, zeros]))
             result = next((lay for t in ins if is_followed(lay := self._layout_of(t))), UNKNOWN)
+            if result is not UNKNOWN and result.owners is None:
+                o = outs[0]
+                if result.dim < o.dim() and o.shape[result.dim] != result.size(1):
+                    result = Layout(result.dim, o.shape[result.dim], 1)
         if (
             result is MIXED
             and not inherited
