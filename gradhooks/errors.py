@@ -44,7 +44,9 @@ __all__ = [
 
 
 class GradhooksWarning(RuntimeWarning):
-    """A backward whose per-example gradients gradhooks could not capture."""
+    """A backward whose per-example gradients gradhooks could not capture, or a setting that
+    runs but is likely not what was meant (a DP step's noise repeated across steps, a δ not
+    below 1 / the number of examples)."""
 
 
 class GradhooksError(Exception):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from ..engine.handle import Hooks, add_hooks
 from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
+    GradhooksWarning,
     PrivacyBudgetExceeded,
     StateError,
     require_number,
@@ -1137,7 +1139,9 @@ def make_private(
         data: a map-style ``Dataset``, or a ``DataLoader`` over one, whose ``collate_fn``,
             ``num_workers``, ``pin_memory`` and worker settings are kept (its batch size,
             sampler and shuffling are replaced by Poisson sampling).
-        delta: δ of the (ε, δ) guarantee (below 1 / number of examples).
+        delta: δ of the (ε, δ) guarantee, well below 1 / number of examples (one of
+            ``1/n`` or more, which publishing one example in the clear meets, warns with a
+            :class:`gradhooks.GradhooksWarning`).
         max_grad_norm: ``C``, the clipping norm of each example's gradient; with
             ``clipping_groups``, a float (each of ``K`` groups clipped to ``C/√K``) or one
             bound per group (total ``√(Σ_k C_k²)``, which the noise is scaled to).
@@ -1230,6 +1234,15 @@ def make_private(
         raise ConfigurationError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     if not 0 < delta < 1:
         raise ConfigurationError(f"delta must be in (0, 1), got {delta!r}")
+    if delta >= 1 / n:
+        warnings.warn(
+            f"make_private: delta={delta:g} is not below 1 / len(dataset) = 1/{n} ({n} "
+            "examples): an (ε, δ) guarantee with δ >= 1/n is met by publishing one example in "
+            "the clear, so it promises nothing. Take δ well below 1/n (1e-5 for up to about "
+            "10^5 examples; 1/n^1.1 is common).",
+            GradhooksWarning,
+            stacklevel=2,
+        )
     if target_epsilon is not None:
         if not 0 < target_epsilon < float("inf"):
             raise ConfigurationError(
