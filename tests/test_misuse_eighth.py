@@ -1,0 +1,131 @@
+"""Mistakes in how a model is hooked, trained and stepped, an eighth set: K-FAC given labels
+that are no class of the output; a rule of your own whose ``Rows`` piece points past its
+table or its batch; ``make_private`` given a δ of 1 / (number of examples) or more; hooks
+added to a model without parameters; weights changed in place between the forward and the
+backward under ``allow_mutation_on_saved_tensors()``, for the rules that read them; then
+``batch_dim`` where the examples are not, losses that mix the examples or that do not match
+``loss_reduction``, a second backward of one graph, ``grad1`` read after ``remove()`` or set
+by hand, hooks added twice, DP steps given a sample rate, a bound or a noise multiplier that
+cannot work, an optimizer over other parameters, a model cast to another dtype after
+``add_hooks``, inputs without a batch or of no example, and the public functions given
+arguments of the wrong type. Each gives the documented meaning, compared in float64 with
+each example's own gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`) or
+``torch.func`` (:func:`gradhooks.oracle.vmap_grad`), or stops with the typed error of its
+kind, whose message names what was refused, leaving the parameters, ``.grad``, ``grad1``,
+the buffers and the hooks as they were (``tests/test_misuse.py`` to
+``tests/test_misuse_seventh.py`` hold the earlier sets)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_misuse_fifth import assert_all_untouched, close, full_state, loop
+from torch import nn
+from torch.autograd.graph import allow_mutation_on_saved_tensors
+from torch.utils.data import TensorDataset
+
+import gradhooks
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import assert_untouched, labelled_batch, mlp, model_state, one_thread, raised
+
+D = torch.float64
+assert one_thread  # (autouse: one intra-op thread for these tiny models)
+
+
+def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
+    for name, p in model.named_parameters():
+        close(p.grad1, want[name], f"{what}: {name}")
+
+
+# -- the known ones, fixed -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("labels", ["past the head", "negative"])
+def test_kfac_of_labels_that_are_no_class_of_the_output(labels):
+    """``kfac(model, x, y, fisher="empirical")`` with a label past the model's outputs (a
+    dataset of more classes than the head) failed inside gradhooks with torch's bare
+    ``RuntimeError`` from ``F.one_hot``; a label of -1 was taken for class 0, silently. Both
+    are refused, naming the label, its place and the output's classes; -100 (the ignored
+    label) still adds nothing, as in ``F.cross_entropy``."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    before = full_state(model)
+    bad = y + 2 if labels == "past the head" else y - 2
+    raised(gradhooks.ConfigurationError,
+           ["kfac(fisher='empirical'", f"target[0] is {int(bad[0])}", "(5, 2) has 2 classes"],
+           lambda: gradhooks.kfac(model, x, bad, fisher="empirical"))  # fmt: skip
+    assert_all_untouched(model, before)
+    ignored = y.clone()
+    ignored[0] = -100
+    got = gradhooks.kfac(model, x, ignored, fisher="empirical")
+    kept = gradhooks.kfac(model, x[1:], y[1:], fisher="empirical")
+    # (G sums the kept examples' output-gradients: the batch of 5 divides it, not of 4)
+    close(got["2.weight"].G * 5, kept["2.weight"].G * 4, "G without the ignored example")
+
+
+def rows_past_the_table(call):
+    """An embedding's rule of your own that shifts every index by one (an off-by-one of a
+    table indexed from 1): the last row's lookups point past the table."""
+    idx, g = call.inputs[0], call.grad_output
+    batch, positions = idx.shape
+    example = torch.arange(batch).repeat_interleave(positions)
+    weight = call.module.weight
+    return {"weight": gradhooks.Rows(example, idx.reshape(-1) + 1, g.reshape(batch * positions, -1),
+                                     batch, weight.shape[0])}  # fmt: skip
+
+
+class MyEmbedding(nn.Embedding):
+    def forward(self, idx):
+        return super().forward(idx)
+
+
+def test_a_rows_piece_of_an_index_past_its_table_or_an_example_past_its_batch():
+    """A rule of your own that returns ``Rows(example, index, g, batch, num_rows)`` with an
+    index past ``num_rows`` got that row added to the next example's rows of ``grad1``,
+    silently. Refused where the piece is made (and so in the backward, naming the rule and
+    the module), as is an example past ``batch``; the model is left as it was."""
+    raised(gradhooks.RuleError, ["Rows(index=...) holds 3", "num_rows=3"],
+           lambda: gradhooks.Rows(torch.tensor([0, 1]), torch.tensor([3, 0]), torch.ones(2, 1),
+                                  2, 3))  # fmt: skip
+    raised(gradhooks.RuleError, ["Rows(example=...) holds 2", "batch=2"],
+           lambda: gradhooks.Rows(torch.tensor([0, 2]), torch.tensor([1, 0]), torch.ones(2, 1),
+                                  2, 3))  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(MyEmbedding(6, 3), nn.Flatten(), nn.Linear(12, 2)).to(D)
+    registry = gradhooks.Registry()
+    registry.register(MyEmbedding)(rows_past_the_table)
+    registry.register(nn.Linear)(gradhooks.REGISTRY.lookup(nn.Linear(2, 2)).rule)
+    idx = torch.tensor([[0, 5, 2, 1], [5, 4, 3, 0]])
+    before = model_state(model)
+    with gradhooks.add_hooks(model, registry=registry) as h:
+        raised(gradhooks.RuleError, ["rows_past_the_table", "'0' (MyEmbedding)", "holds 6"],
+               lambda: model(idx).sum().backward())  # fmt: skip
+        assert h.model is model
+    assert_untouched(model, {**before, "grad": model_state(model)["grad"]})
+
+
+def test_make_private_with_a_delta_not_below_one_over_the_dataset_warns():
+    """δ is the chance that the guarantee fails outright: at δ >= 1 / n a mechanism that
+    publishes one example of the n in the clear meets it, so such a δ promises nothing (DP
+    practice takes δ well below 1 / n; Opacus warns too). ``make_private`` ran without a
+    word; it warns now, naming δ and the dataset's size. δ below 1 / n gives no warning."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(20, 3), torch.randint(2, (20,)))
+    for delta, warns in ((0.05, True), (0.5, True), (0.049, False), (1e-5, False)):
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            private = gradhooks.make_private(
+                model, opt, data, delta=delta, noise_multiplier=1.0, steps=2,
+                expected_batch_size=4, max_grad_norm=1.0,
+            )  # fmt: skip
+        private.close()
+        ours = [w for w in seen if issubclass(w.category, gradhooks.GradhooksWarning)]
+        assert len(ours) == warns, (delta, [str(w.message) for w in seen])
+        if warns:
+            message = str(ours[0].message)
+            assert f"delta={delta:g}" in message and "20 examples" in message, message
