@@ -61,6 +61,7 @@ from .plan import (
     plan_targets,
     refuse_complex,
     refuse_lazy,
+    refuse_parameterless,
     refuse_scripted,
     scripted_modules,
     state_key,
@@ -213,6 +214,7 @@ class Hooks:
             )
         refuse_scripted(model, targets)
         refuse_lazy(model)
+        refuse_parameterless(model)
         refuse_complex(model, quantities)
         try:
             self._handles.append(
