@@ -18,6 +18,7 @@ This module imports nothing from gradhooks, so that every other module can impor
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "PrivacyBudgetExceeded",
     "describe_module",
     "require_number",
+    "is_whole",
 ]
 
 
@@ -178,3 +180,10 @@ def require_number(name: str, value: object, where: str | None = None) -> None:
         f"{where + ': ' if where else ''}{name} must be a number, got "
         f"{type(value).__qualname__} {value!r}"
     )
+
+
+def is_whole(value: object) -> bool:
+    """Whether the number ``value`` is a whole number: finite (``int(inf)`` raises an
+    ``OverflowError`` and ``int(nan)`` a ``ValueError``, naming neither the argument nor the
+    call) and without a fraction."""
+    return math.isfinite(value) and int(value) == value  # type: ignore[arg-type]

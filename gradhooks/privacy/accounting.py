@@ -48,6 +48,7 @@ from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
     MissingDependencyError,
+    is_whole,
     require_number,
 )
 
@@ -102,7 +103,7 @@ def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None
             f"sample_rate must be in [0, 1] (expected batch size / number of examples), "
             f"got {sample_rate!r}"
         )
-    if int(steps) != steps or steps < 0:
+    if not is_whole(steps) or steps < 0:
         raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
 
 

@@ -39,6 +39,7 @@ from ..errors import (
     GradhooksWarning,
     PrivacyBudgetExceeded,
     StateError,
+    is_whole,
     require_number,
 )
 from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
@@ -1215,12 +1216,12 @@ def make_private(
         if not epochs > 0:
             raise ConfigurationError(f"epochs must be > 0, got {epochs!r}")
         steps = max(1, round(epochs * max(1, round(1 / sample_rate))))
-    if int(steps) != steps or steps < 1:
+    if not is_whole(steps) or steps < 1:
         raise ConfigurationError(f"steps must be a whole number >= 1, got {steps!r}")
     if max_physical_batch_size is not None:  # (True is no size)
         require_number("max_physical_batch_size", max_physical_batch_size, "make_private")
     if max_physical_batch_size is not None and (
-        int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1
+        not is_whole(max_physical_batch_size) or max_physical_batch_size < 1
     ):
         raise ConfigurationError(
             f"max_physical_batch_size must be a whole number >= 1 or None, got "
