@@ -129,3 +129,111 @@ def test_make_private_with_a_delta_not_below_one_over_the_dataset_warns():
         if warns:
             message = str(ours[0].message)
             assert f"delta={delta:g}" in message and "20 examples" in message, message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [nn.ReLU, lambda: nn.Sequential(nn.Flatten(), nn.ReLU()), nn.Module],
+    ids=["relu", "parameter-free-sequential", "empty-module"],
+)
+def test_hooks_added_to_a_model_without_parameters_are_refused(make):
+    """``add_hooks(nn.ReLU())`` (a parameter-free layer hooked instead of the model) hooked
+    nothing, and every backward captured nothing, without a word. Refused, naming the
+    model; nothing is left on it. A model whose parameters are all frozen is still hooked:
+    unfrozen later, its backward gets the loop's grad1."""
+    model = make()
+    before = model_state(model)
+    raised(gradhooks.ConfigurationError, ["add_hooks", f"({type(model).__qualname__})",
+                                          "has no parameters"],
+           lambda: gradhooks.add_hooks(model))  # fmt: skip
+    assert_untouched(model, before)
+    frozen = mlp().requires_grad_(False)
+    x, y = labelled_batch(2)
+    with gradhooks.add_hooks(frozen):
+        frozen.requires_grad_(True)
+        F.cross_entropy(frozen(x), y).backward()
+    assert_grad1(frozen, loop(frozen, x, y), "unfrozen after add_hooks")
+
+
+# -- weights changed in place between the forward and the backward, under the context ---------
+
+
+class Recurrent(nn.Module):
+    """An LSTM and a GRU over ``[batch, 6, 3]``, an ``EmbeddingBag(mode="max")`` over
+    ``[batch, 3]`` indices, and a Linear head on both: each rule but the head's reads its
+    weights at the backward. In float64, seeded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.gru = nn.GRU(4, 4, batch_first=True)
+        self.bag = nn.EmbeddingBag(7, 4, mode="max")
+        self.head = nn.Linear(8, 2)
+        self.to(D)
+
+    def forward(self, x, idx):
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return self.head(torch.cat([h[:, -1], self.bag(idx)], 1))
+
+
+def test_recurrent_and_bag_weights_decayed_in_place_under_allow_mutation():
+    """Under ``allow_mutation_on_saved_tensors()`` autograd keeps a copy of what it saved and
+    a weight decayed in place between the forward and the backward (``p.mul_(0.9)``) leaves
+    it the forward's gradient; the recurrent layers' rules and ``EmbeddingBag(mode="max")``'s,
+    which read the weights at the backward, were refused with a ``StateError``. Now they
+    give the float64 loop's grad1 at the weights the forward ran with, over two steps of an
+    ordinary loop. Outside the context the change is refused, naming the parameter."""
+    model = Recurrent()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model):
+        for step in range(2):
+            x, idx = torch.randn(5, 6, 3, generator=g, dtype=D), torch.randint(7, (5, 3), generator=g)
+            y = torch.randint(2, (5,), generator=g)
+            want = loop_grad(model, F.cross_entropy, (x, idx), y)
+            opt.zero_grad()
+            with allow_mutation_on_saved_tensors():
+                loss = F.cross_entropy(model(x, idx), y)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.9)
+                loss.backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+        loss = F.cross_entropy(model(x, idx), y)
+        with torch.no_grad():
+            model.lstm.weight_hh_l0.mul_(0.9)
+        raised(gradhooks.StateError, ["weight_hh_l0", "'lstm'", "inplace"], loss.backward)
+
+
+class Gated(nn.Module):
+    """A layer without a rule (the fallback computes it), between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, h):
+        return h * torch.sigmoid(self.w * h)
+
+
+def test_a_layer_without_a_rule_decayed_in_place_under_allow_mutation_and_bfloat16_autocast():
+    """The fallback's weight decayed in place under ``allow_mutation_on_saved_tensors()``,
+    in a float32 model trained under bfloat16 autocast: grad1 is the float64 loop's at the
+    forward's weights within bfloat16's rounding (it was refused with a ``StateError``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), Gated(), nn.Linear(6, 2))
+    x, y = labelled_batch(3)
+    want = loop_grad(model.to(D), F.cross_entropy, x, y)
+    model.float()
+    with gradhooks.add_hooks(model), allow_mutation_on_saved_tensors():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x.float()), y)
+        with torch.no_grad():
+            model[1].w.mul_(0.5)
+        loss.backward()
+    for name, p in model.named_parameters():
+        error = (p.grad1.double() - want[name]).abs().max() / want[name].abs().max()
+        assert error < 3e-2, (name, float(error))

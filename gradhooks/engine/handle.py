@@ -846,7 +846,10 @@ class Hooks:
         squared sums and gradient variance, and the K-FAC factors, and use it for later
         backwards."""
         if loss_reduction not in ("mean", "sum"):
-            raise ConfigurationError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigurationError(
+                f"rescale: loss_reduction (compute_grad1's loss_type) must be 'mean' or 'sum', "
+                f"got {loss_reduction!r}"
+            )
         if self._state.removed:
             raise StateError(
                 "rescale: the hooks are removed, and with them what the last backward wrote, so "
