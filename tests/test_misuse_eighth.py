@@ -237,3 +237,188 @@ def test_a_layer_without_a_rule_decayed_in_place_under_allow_mutation_and_bfloat
     for name, p in model.named_parameters():
         error = (p.grad1.double() - want[name]).abs().max() / want[name].abs().max()
         assert error < 3e-2, (name, float(error))
+
+
+# -- grad1 set by hand ---------------------------------------------------------------------------
+
+
+def test_a_grad1_set_by_hand_to_a_non_tensor_is_refused_before_the_backward_writes():
+    """``p.grad1 = "..."`` (a placeholder, a list of rows) between two backwards failed inside
+    the engine with a bare ``AttributeError``. Refused, naming the parameter and its layer,
+    with the other parameters' grad1 and every ``.grad`` as they were; ``p.grad1 = None``
+    begins anew, as ``p.grad = None`` does: the next backward's grad1 is the loop's."""
+    model = mlp()
+    x, y = labelled_batch(4)
+    want = loop(model, x, y)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        model[2].weight.grad1 = [row for row in model[2].weight.grad1]
+        kept = {n: (p.grad1, p.grad.clone()) for n, p in model.named_parameters()}
+        raised(gradhooks.ConfigurationTypeError,
+               ["'weight' of '2' (Linear)", "grad1 of type list", "[batch, *(2, 5)]"],
+               lambda: F.cross_entropy(model(x), y).backward())  # fmt: skip
+        for name, p in model.named_parameters():
+            assert p.grad1 is kept[name][0], name
+            assert torch.equal(p.grad, kept[name][1]), name
+        model[2].weight.grad1 = None
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, want, "after grad1 = None")
+
+
+def test_a_grad1_set_by_hand_for_another_batch_size_is_refused_naming_both():
+    """``p.grad1 = torch.zeros(7, ...)`` between two backwards of a batch of 5, without
+    ``zero_grad``: the backward would add 5 rows to 7. Refused with a ``StateError`` naming
+    the parameter and both shapes, and saying the grad1 may have been set by hand; the
+    ``.grad`` of the refused backward is taken back."""
+    model = mlp()
+    x, y = labelled_batch(5)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+        model[0].weight.grad1 = torch.zeros(7, 5, 3, dtype=D)
+        before = model_state(model)
+        raised(gradhooks.StateError, ["grad1 of '0.weight' holds (7, 5, 3)", "set by hand",
+                                      "this call gives (5, 5, 3)"],
+               lambda: F.cross_entropy(model(x), y).backward())  # fmt: skip
+        assert_untouched(model, before)
+
+
+# -- counts that are no whole numbers ------------------------------------------------------------
+
+
+def _private(**settings):
+    """``make_private`` of a Linear over 20 examples; the model is checked to be left as it
+    was (no hooks) when it refuses."""
+    model = nn.Linear(3, 2)
+    optimizer = settings.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(20, 3), torch.randint(2, (20,)))
+    args = {"delta": 1e-5, "noise_multiplier": 1.0, "steps": 2, "expected_batch_size": 4,
+            "max_grad_norm": 1.0, **settings}  # fmt: skip
+    before = model_state(model)
+    try:
+        return gradhooks.make_private(model, optimizer, data, **args)
+    except gradhooks.GradhooksError:
+        assert_untouched(model, before)
+        raise
+
+
+def _kfac(**settings):
+    model = mlp()
+    return gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: _private(steps=INF), "steps must be a whole number >= 1, got inf"),
+        (lambda: _private(max_physical_batch_size=INF), "max_physical_batch_size must be a whole number >= 1 or None, got inf"),
+        (lambda: gradhooks.PoissonSampler(INF, 4), "num_examples must be a whole number >= 1, got inf"),
+        (lambda: gradhooks.PoissonSampler(20, 4, steps=NAN), "steps must be a whole number >= 0, got nan"),
+        (lambda: gradhooks.PrivacyAccountant().step(noise_multiplier=1.0, sample_rate=0.1, steps=INF),
+         "steps must be a whole number >= 0, got inf"),
+        (lambda: gradhooks.noise_multiplier_for(1.0, 1e-5, 0.1, INF), "steps must be a whole number >= 0, got inf"),
+        (lambda: _kfac(factors_every=INF),
+         "factors_every must be a whole number >= 1, got inf"),
+    ],
+    ids=["make-private-steps", "physical-batch", "sampler-examples", "sampler-steps-nan",
+         "accountant-steps", "noise-search-steps", "kfac-every"],
+)  # fmt: skip
+def test_counts_that_are_infinite_or_nan_are_refused_naming_them(call, says):
+    """A count of steps, examples or a batch size of inf or NaN failed in ``int()`` with a
+    bare ``OverflowError`` or ``ValueError`` that named neither the argument nor the call (a
+    fraction was refused already); each is refused as a fraction is, naming it."""
+    raised(gradhooks.ConfigurationError, says, call)
+
+
+def test_make_private_with_the_optimizer_of_another_model_leaves_no_hooks():
+    """``make_private(model, torch.optim.SGD(other.parameters()), ...)``: the optimizer would
+    step the other model on a gradient with neither clipping nor noise. Refused, naming the
+    parameter's shape, with no hooks left on the model (make_private hooks it first)."""
+    other = nn.Linear(3, 2)
+    raised(gradhooks.ConfigurationError,
+           ["parameter of shape (2, 3) that the hooks do not clip", "another model's"],
+           lambda: _private(optimizer=torch.optim.SGD(other.parameters(), lr=0.1)))  # fmt: skip
+
+
+# -- where the examples are -------------------------------------------------------------------------
+
+
+def test_batch_dim_set_to_the_features_of_a_batch_first_input():
+    """``add_hooks(model, batch_dim=1)`` for a ``[batch, features]`` input (the setting of a
+    sequence-first model carried over): the first layer takes its 3 features for examples,
+    the next sees 5 rows. Refused at the backward, naming the layer and both counts, with
+    ``.grad`` and grad1 as they were; with the default the same step gives the loop's."""
+    model = mlp()
+    x, y = labelled_batch(6)
+    before = model_state(model)
+    with gradhooks.add_hooks(model, batch_dim=1):
+        raised(gradhooks.BatchNotFoundError, ["'2' (Linear)", "for 5 examples",
+                                              "the model's forward has 3"],
+               lambda: F.cross_entropy(model(x), y).backward())  # fmt: skip
+        assert_untouched(model, {**before, "hooks": model_state(model)["hooks"]})
+    assert_untouched(model, before)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    assert_grad1(model, vmap_grad(model, F.cross_entropy, x, y), "batch_dim='auto'")
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        lambda out, y: F.cross_entropy(out, y, reduction="none") / F.cross_entropy(out, y, reduction="none").std(),
+        lambda out, y: F.cross_entropy(out - out.mean(0), y, reduction="none"),
+        lambda out, y: F.cross_entropy(out, y, reduction="none") * out.std(),
+    ],
+    ids=["divided-by-the-batchs-std", "logits-centred-over-the-batch", "times-the-outputs-std"],
+)  # fmt: skip
+def test_dp_step_of_losses_coupled_by_a_statistic_of_the_batch_is_refused(losses):
+    """Per-example losses divided by their batch's standard deviation, computed from logits
+    centred over the batch, or scaled by the outputs' spread (``out.mean() * out.std()``'s
+    kind): no example has a loss of its own, so its clipped gradient would not bound its
+    influence. The DP step's check refuses each (``CheckFailedError``), naming the
+    parameters, with no ``.grad`` written and the parameters as they were."""
+    model = mlp()
+    x, y = labelled_batch(7)
+    before = full_state(model)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        raised(gradhooks.CheckFailedError, ["dp_sgd_step", "'0.weight'", "own losses"],
+               lambda: gradhooks.dp_sgd_step(h, losses(model(x), y), max_norm=1.0,
+                                             noise_multiplier=0.0))  # fmt: skip
+    assert_all_untouched(model, before)
+
+
+@pytest.mark.parametrize("kind", ["dp_sgd_step", "DPOptimizer"])
+def test_a_dp_step_on_one_example_without_its_batch_dimension(kind):
+    """One example given as ``x[0]`` (``[features]``, no batch dimension) to a DP step, its
+    loss reshaped to ``[1]`` to pass the step's check of the losses' shape: refused with an
+    ``UnbatchedInputError`` naming the last layer (the backward meets it first) and the
+    shape it got, nothing written; with
+    ``x[:1]`` the step's ``.grad`` is the loop's gradient clipped to the bound."""
+    model = mlp()
+    x, y = labelled_batch(8)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        before = full_state(model)
+
+        def step(inputs, labels):
+            losses = F.cross_entropy(model(inputs), labels, reduction="none").reshape(1)
+            if kind == "dp_sgd_step":
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+                return
+            opt = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), h,
+                                        max_grad_norm=0.5, noise_multiplier=0.0,
+                                        expected_batch_size=1)  # fmt: skip
+            opt.backward(losses)
+            opt.step()
+
+        raised(gradhooks.UnbatchedInputError, ["'2' (Linear)", "input of shape (5,)",
+                                               "x.unsqueeze(0)"],
+               lambda: step(x[0], y[0]))  # fmt: skip
+        assert_all_untouched(model, before)
+        step(x[:1], y[:1])
+    want = loop(model, x[:1], y[:1])
+    norm = torch.cat([g.flatten() for g in want.values()]).norm()
+    for name, p in model.named_parameters():
+        close(p.grad, want[name][0] * min(1.0, 0.5 / float(norm)), name)
