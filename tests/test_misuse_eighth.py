@@ -43,7 +43,7 @@ def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
 # -- the known ones, fixed -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("labels", ["past the head", "negative"])
+@pytest.mark.parametrize("labels", ["past-the-head", "negative"])
 def test_kfac_of_labels_that_are_no_class_of_the_output(labels):
     """``kfac(model, x, y, fisher="empirical")`` with a label past the model's outputs (a
     dataset of more classes than the head) failed inside gradhooks with torch's bare
@@ -53,7 +53,7 @@ def test_kfac_of_labels_that_are_no_class_of_the_output(labels):
     model = mlp()
     x, y = labelled_batch(1)
     before = full_state(model)
-    bad = y + 2 if labels == "past the head" else y - 2
+    bad = y + 2 if labels == "past-the-head" else y - 2
     raised(gradhooks.ConfigurationError,
            ["kfac(fisher='empirical'", f"target[0] is {int(bad[0])}", "(5, 2) has 2 classes"],
            lambda: gradhooks.kfac(model, x, bad, fisher="empirical"))  # fmt: skip
@@ -422,3 +422,90 @@ def test_a_dp_step_on_one_example_without_its_batch_dimension(kind):
     norm = torch.cat([g.flatten() for g in want.values()]).norm()
     for name, p in model.named_parameters():
         close(p.grad, want[name][0] * min(1.0, 0.5 / float(norm)), name)
+
+
+@pytest.mark.parametrize("call", ["jacobians", "kfac"])
+def test_jacobians_and_kfac_of_one_example_without_its_batch_dimension(call):
+    """``jacobians(model, x[0])`` and ``kfac(model, x[0], y[0])``: the model's output
+    ``(2,)`` has its 2 classes where the examples should be. Refused, naming the output's
+    shape and the batch the input's dimension 0 gave, with no hooks left; with ``x[:1]`` the
+    Jacobian of the loss-free output is ``torch.func``'s."""
+    model = mlp()
+    x, y = labelled_batch(9)
+    before = model_state(model)
+    run = {
+        "jacobians": lambda inputs, labels: gradhooks.jacobians(model, inputs),
+        "kfac": lambda inputs, labels: gradhooks.kfac(model, inputs, labels),
+    }[call]
+    raised(gradhooks.ConfigurationError, [f"{call}(): Sequential's output (2,)",
+                                          "for a batch of 3 examples", "not one per example"],
+           lambda: run(x[0], y[0]))  # fmt: skip
+    assert_untouched(model, before)
+    if call == "jacobians":
+        got = run(x[:1], y[:1])
+        params = dict(model.named_parameters())
+        for name, p in params.items():
+
+            def out(t, name=name):
+                return torch.func.functional_call(model, {**params, name: t}, (x[:1],))[0]
+
+            close(got[name][0], torch.func.jacrev(out)(p.detach()), name)
+
+
+def test_hooks_check_given_the_inputs_of_another_batch():
+    """``h.check(loss_fn, x[:3], y[:3])`` after a backward of 5 examples (the validation
+    batch passed by mistake): the report cannot compare 3 examples with 5 rows of grad1.
+    ``CheckFailedError`` naming both counts, grad1 and ``.grad`` as they were; the right
+    inputs pass."""
+    model = mlp()
+    x, y = labelled_batch(10)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        before = model_state(model)
+        raised(gradhooks.CheckFailedError, ["grad1 has 5 examples, the inputs given have 3"],
+               lambda: h.check(F.cross_entropy, x[:3], y[:3]))  # fmt: skip
+        assert_untouched(model, before)
+        assert h.check(F.cross_entropy, x, y).ok
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+def test_a_model_cast_to_another_dtype_after_add_hooks(dtype):
+    """``model.to(dtype)`` after ``add_hooks`` (the hooks added first, the precision chosen
+    later): the parameters keep their identity, so the hooks follow them. grad1 is of the
+    new dtype and within its rounding of the float64 loop's, over two steps of an ordinary
+    loop with an optimizer."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    within = 1e-5 if dtype == torch.float32 else 3e-2  # (a few units of the last bit)
+    with gradhooks.add_hooks(model):
+        model.to(dtype)
+        for step in range(2):
+            x, y = labelled_batch(11 + step)
+            reference = mlp()
+            reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+            want = loop(reference, x.to(dtype).double(), y)
+            opt.zero_grad()
+            F.cross_entropy(model(x.to(dtype)), y).backward()
+            for name, p in model.named_parameters():
+                assert p.grad1.dtype == dtype, name
+                error = (p.grad1.double() - want[name]).abs().max() / want[name].abs().max()
+                assert error < within, (step, name, float(error))
+            opt.step()
+
+
+def test_rescale_given_a_reduction_it_does_not_know_names_it():
+    """``h.rescale("avg")`` (or a number) after a backward: refused naming its argument,
+    ``loss_reduction``, with grad1 as it was (the message named autograd-hacks'
+    ``loss_type`` only)."""
+    model = mlp()
+    x, y = labelled_batch(13)
+    with gradhooks.add_hooks(model) as h:
+        F.cross_entropy(model(x), y).backward()
+        before = model_state(model)
+        for bad in ("avg", 3):
+            raised(gradhooks.ConfigurationError,
+                   ["rescale: loss_reduction", "must be 'mean' or 'sum'", f"got {bad!r}"],
+                   lambda bad=bad: h.rescale(bad))  # fmt: skip
+        assert_untouched(model, before)
