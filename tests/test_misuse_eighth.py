@@ -190,7 +190,8 @@ def test_recurrent_and_bag_weights_decayed_in_place_under_allow_mutation():
     g = torch.Generator().manual_seed(0)
     with gradhooks.add_hooks(model):
         for step in range(2):
-            x, idx = torch.randn(5, 6, 3, generator=g, dtype=D), torch.randint(7, (5, 3), generator=g)
+            x = torch.randn(5, 6, 3, generator=g, dtype=D)
+            idx = torch.randint(7, (5, 3), generator=g)
             y = torch.randint(2, (5,), generator=g)
             want = loop_grad(model, F.cross_entropy, (x, idx), y)
             opt.zero_grad()
@@ -509,3 +510,82 @@ def test_rescale_given_a_reduction_it_does_not_know_names_it():
                    ["rescale: loss_reduction", "must be 'mean' or 'sum'", f"got {bad!r}"],
                    lambda bad=bad: h.rescale(bad))  # fmt: skip
         assert_untouched(model, before)
+
+
+# -- the DP step's arguments ------------------------------------------------------------------------
+
+
+def _norms_step(**settings):
+    """A ``dp_sgd_step`` on a batch of the float64 MLP, hooked for norms; the model is checked
+    to be left as it was where the step refuses."""
+    model = mlp()
+    x, y = labelled_batch(14)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = settings.pop("losses", lambda out, y: F.cross_entropy(out, y, reduction="none"))
+        before = full_state(model)
+        try:
+            return gradhooks.dp_sgd_step(h, losses(model(x), y), **{
+                "max_norm": 1.0, "noise_multiplier": 1.0, **settings
+            })  # fmt: skip
+        except gradhooks.GradhooksError:
+            assert_all_untouched(model, before)
+            raise
+
+
+@pytest.mark.parametrize(
+    "settings, error, says",
+    [
+        ({"losses": lambda out, y: F.cross_entropy(out, y, reduction="none").detach()},
+         gradhooks.ConfigurationError, "per_example_loss has no autograd history"),
+        ({"method": "fast"}, gradhooks.ConfigurationError, "method must be 'grad1', 'ghost' or 'bookkeeping', got 'fast'"),
+        ({"clipping": "soft"}, gradhooks.ConfigurationError, "clipping must be one of ('flat', 'automatic'), got 'soft'"),
+        ({"generator": "seed"}, gradhooks.ConfigurationTypeError, "generator must be a torch.Generator or None, got str"),
+        ({"reduction": "avg"}, gradhooks.ConfigurationError, "reduction must be 'mean' or 'sum', got 'avg'"),
+    ],
+    ids=["detached-losses", "unknown-method", "unknown-clipping", "generator-by-its-seed",
+         "unknown-reduction"],
+)  # fmt: skip
+def test_dp_step_given_losses_without_history_or_options_it_does_not_have(settings, error, says):
+    """Losses detached (computed for a log, then passed), a method, a clipping or a
+    reduction by a name the step does not have, a seed where a generator goes: each refused
+    naming the argument and what it takes, before any backward, with nothing written."""
+    raised(error, says, lambda: _norms_step(**settings))
+
+
+def test_a_dp_optimizer_wrapped_in_another_is_refused():
+    """``DPOptimizer(DPOptimizer(sgd, h, ...), h, ...)`` (make_private's optimizer wrapped
+    again by habit) would clip and noise every step twice. Refused when the outer one is
+    made, naming what it got; the inner one still steps as the loop's clipped mean."""
+    model = mlp()
+    x, y = labelled_batch(15)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        settings = {"max_grad_norm": 0.5, "noise_multiplier": 0.0, "expected_batch_size": 5}
+        inner = gradhooks.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), h, **settings)
+        before = full_state(model)
+        raised(gradhooks.ConfigurationTypeError, "wraps a torch.optim.Optimizer (SGD, AdamW, ...), got DPOptimizer",
+               lambda: gradhooks.DPOptimizer(inner, h, **settings))  # fmt: skip
+        assert_all_untouched(model, before)
+        inner.backward(F.cross_entropy(model(x), y, reduction="none"))
+        inner.step()
+    want = loop(model, x, y)
+    norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    factors = (0.5 / norms).clamp(max=1.0)
+    for name, p in model.named_parameters():
+        close(p.grad, torch.einsum("b,b...->...", factors, want[name]) / 5, name)
+
+
+def test_check_of_a_handle_without_grad1_says_there_is_nothing_to_compare():
+    """``h.check(loss_fn, x, y)`` on a handle hooked for ``("norms",)`` only: there is no
+    grad1 to compare with a recomputation. ``CheckFailedError`` saying to hook with
+    ``quantities=('grad1', 'norms')``, the norms as they were (the loop's)."""
+    model = mlp()
+    x, y = labelled_batch(16)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        F.cross_entropy(model(x), y).backward()
+        norms = h.norms().clone()
+        raised(gradhooks.CheckFailedError, ["this handle computes ('norms',)",
+                                            "quantities=('grad1', 'norms')"],
+               lambda: h.check(F.cross_entropy, x, y))  # fmt: skip
+        close(h.norms(), norms, "norms after the check")
+    want = loop(model, x, y)
+    close(norms, torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1), "norms")
