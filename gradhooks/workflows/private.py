@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -36,13 +35,16 @@ from ..engine.handle import Hooks, add_hooks
 from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
-    GradhooksWarning,
     PrivacyBudgetExceeded,
     StateError,
     is_whole,
     require_number,
 )
-from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
+from ..privacy.accounting import (
+    PrivacyAccountant,
+    noise_multiplier_for,
+    warn_if_delta_not_small,
+)
 from ..privacy.sampling import EmptyAware, PoissonSampler
 from . import clipping as _clip
 from . import dp as _dp
@@ -1235,15 +1237,7 @@ def make_private(
         raise ConfigurationError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     if not 0 < delta < 1:
         raise ConfigurationError(f"delta must be in (0, 1), got {delta!r}")
-    if delta >= 1 / n:
-        warnings.warn(
-            f"make_private: delta={delta:g} is not below 1 / len(dataset) = 1/{n} ({n} "
-            "examples): an (ε, δ) guarantee with δ >= 1/n is met by publishing one example in "
-            "the clear, so it promises nothing. Take δ well below 1/n (1e-5 for up to about "
-            "10^5 examples; 1/n^1.1 is common).",
-            GradhooksWarning,
-            stacklevel=2,
-        )
+    warn_if_delta_not_small(delta, n, "make_private")
     if target_epsilon is not None:
         if not 0 < target_epsilon < float("inf"):
             raise ConfigurationError(
