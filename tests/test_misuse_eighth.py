@@ -589,3 +589,26 @@ def test_check_of_a_handle_without_grad1_says_there_is_nothing_to_compare():
         close(h.norms(), norms, "norms after the check")
     want = loop(model, x, y)
     close(norms, torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1), "norms")
+
+
+def test_check_of_a_loss_scaled_by_the_spread_of_the_batchs_outputs():
+    """``loss = out.mean() * out.std()``, computed after the model's forward: each example's
+    share of the gradient is no gradient of a loss of its own (its output moves the
+    others' factor), and a backward outside the forward is not followed, so ``grad1`` holds
+    the shares (they still sum to ``.grad``). ``h.check(loss_fn, x)`` says so
+    (``CheckFailedError`` naming the examples it compared), grad1 and ``.grad`` as they
+    were."""
+    model = mlp()
+    x, _ = labelled_batch(17)
+
+    def spread(out, target=None):
+        return out.mean() * out.std()
+
+    with gradhooks.add_hooks(model) as h:
+        spread(model(x)).backward()
+        for name, p in model.named_parameters():
+            close(p.grad1.sum(0), p.grad * 5, f"shares of {name} sum to .grad")
+        before = model_state(model)
+        raised(gradhooks.CheckFailedError, ["grad1 of the first 2 examples is not their own"],
+               lambda: h.check(spread, x))  # fmt: skip
+        assert_untouched(model, before)
