@@ -2,17 +2,18 @@
 that are no class of the output; a rule of your own whose ``Rows`` piece points past its
 table or its batch; ``make_private`` given a δ of 1 / (number of examples) or more; hooks
 added to a model without parameters; weights changed in place between the forward and the
-backward under ``allow_mutation_on_saved_tensors()``, for the rules that read them; then
-``batch_dim`` where the examples are not, losses that mix the examples or that do not match
-``loss_reduction``, a second backward of one graph, ``grad1`` read after ``remove()`` or set
-by hand, hooks added twice, DP steps given a sample rate, a bound or a noise multiplier that
-cannot work, an optimizer over other parameters, a model cast to another dtype after
-``add_hooks``, inputs without a batch or of no example, and the public functions given
-arguments of the wrong type. Each gives the documented meaning, compared in float64 with
-each example's own gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`) or
-``torch.func`` (:func:`gradhooks.oracle.vmap_grad`), or stops with the typed error of its
-kind, whose message names what was refused, leaving the parameters, ``.grad``, ``grad1``,
-the buffers and the hooks as they were (``tests/test_misuse.py`` to
+backward under ``allow_mutation_on_saved_tensors()`` for the rules that read them (recurrent
+layers, ``EmbeddingBag(mode="max")``, the fallback under bfloat16 autocast); ``grad1`` set by
+hand; counts of steps and examples of inf or NaN; ``make_private`` given another model's
+optimizer; ``batch_dim`` set to the features; DP losses coupled by a statistic of the batch;
+one example without its batch dimension given to a DP step, to ``jacobians`` and to
+``kfac``; ``check`` given another batch, a handle without ``grad1`` or a loss scaled by the
+outputs' spread; a model cast to another dtype after ``add_hooks``; ``rescale``, the DP
+step and ``DPOptimizer`` given arguments they do not take. Each gives the documented
+meaning, compared in float64 with each example's own gradient by the per-example loop
+(:func:`gradhooks.oracle.loop_grad`) or ``torch.func``, or stops with the typed error (or
+warning) of its kind, whose message names what was refused, leaving the parameters,
+``.grad``, ``grad1``, the buffers and the hooks as they were (``tests/test_misuse.py`` to
 ``tests/test_misuse_seventh.py`` hold the earlier sets)."""
 
 from __future__ import annotations
