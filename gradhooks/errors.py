@@ -18,6 +18,7 @@ This module imports nothing from gradhooks, so that every other module can impor
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 
 __all__ = [
@@ -40,11 +41,14 @@ __all__ = [
     "PrivacyBudgetExceeded",
     "describe_module",
     "require_number",
+    "is_whole",
 ]
 
 
 class GradhooksWarning(RuntimeWarning):
-    """A backward whose per-example gradients gradhooks could not capture."""
+    """A backward whose per-example gradients gradhooks could not capture, or a setting that
+    runs but is likely not what was meant (a DP step's noise repeated across steps, a δ not
+    below 1 / the number of examples)."""
 
 
 class GradhooksError(Exception):
@@ -176,3 +180,10 @@ def require_number(name: str, value: object, where: str | None = None) -> None:
         f"{where + ': ' if where else ''}{name} must be a number, got "
         f"{type(value).__qualname__} {value!r}"
     )
+
+
+def is_whole(value: object) -> bool:
+    """Whether the number ``value`` is a whole number: finite (``int(inf)`` raises an
+    ``OverflowError`` and ``int(nan)`` a ``ValueError``, naming neither the argument nor the
+    call) and without a fraction."""
+    return math.isfinite(value) and int(value) == value  # type: ignore[arg-type]

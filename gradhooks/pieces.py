@@ -712,6 +712,12 @@ class Rows(Piece):
     ``grad1`` is one scatter-add into ``[batch * num_rows, dim]``; norms and squared sums are
     computed on the rows the examples touched (at most ``entries``), never on
     ``[batch, num_rows, dim]``: see :func:`rows_compact`.
+
+    An ``index`` outside ``[0, num_rows)`` or an ``example`` outside ``[0, batch)`` (which
+    the scatter would add into another example's rows) is refused with a
+    :class:`~gradhooks.RuleError` where the piece is made, on the CPU; on a GPU, where the
+    check would wait for the device, it is not read back: :func:`gradhooks.check_rule` finds
+    it.
     """
 
     example: Tensor
@@ -720,6 +726,25 @@ class Rows(Piece):
     batch: int
     num_rows: int
     positions: int | None = None
+
+    def __post_init__(self) -> None:
+        # (an index past num_rows would land in the next example's rows of grad1, silently:
+        # checked where reading it back costs no wait, on the CPU; gradhooks.check_rule
+        # finds it anywhere)
+        for what, t, bound in (("index", self.index, self.num_rows),
+                               ("example", self.example, self.batch)):  # fmt: skip
+            if not t.numel() or not devices.reads_are_free(t) or _torch.in_transform(t):
+                continue
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= bound:
+                bad = lo if lo < 0 else hi
+                raise RuleError(
+                    f"Rows({what}=...) holds {bad}, outside [0, {bound - 1}]: {what} is each "
+                    f"entry's {'row of the parameter' if what == 'index' else 'example'}, less "
+                    f"than {'num_rows' if what == 'index' else 'batch'}={bound} (Rows(example, "
+                    f"index, g, batch={self.batch}, num_rows={self.num_rows}); g of shape "
+                    f"{tuple(self.g.shape)}): check the rule with gradhooks.check_rule"
+                )
 
     @property
     def batch_size(self) -> int:

@@ -513,6 +513,19 @@ def test_refused_at_train_before_a_step(tmp_path):
         gradhooks.hooks_of(model)  # (the hooks are gone)
 
 
+def test_a_delta_not_below_one_over_the_dataset_warns(tmp_path):
+    """δ = 0.1 for 16 examples: an (ε, δ) guarantee with δ >= 1/n is met by publishing one
+    example in the clear. The run warns (``GradhooksWarning``) naming δ and the dataset's
+    size, as ``make_private`` does; δ = 1e-5 does not."""
+    for delta, warns in ((0.1, True), (1e-5, False)):
+        dp = DPArguments(max_grad_norm=1.0, delta=delta, noise_multiplier=1.0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trained(gpt2(), targs(tmp_path), Recorded(16), dp)
+        ours = [str(w.message) for w in seen if w.category is gradhooks.GradhooksWarning]
+        assert any("DPTrainer: delta=0.1" in m and "1/16" in m for m in ours) == warns, ours
+
+
 def test_the_callers_arguments_are_left_as_they_were(tmp_path):
     args = targs(tmp_path, max_grad_norm=1.0)
     dp = DPArguments(max_grad_norm=0.3, delta=1e-5, noise_multiplier=1.0)

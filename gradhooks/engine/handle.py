@@ -61,6 +61,7 @@ from .plan import (
     plan_targets,
     refuse_complex,
     refuse_lazy,
+    refuse_parameterless,
     refuse_scripted,
     scripted_modules,
     state_key,
@@ -213,6 +214,7 @@ class Hooks:
             )
         refuse_scripted(model, targets)
         refuse_lazy(model)
+        refuse_parameterless(model)
         refuse_complex(model, quantities)
         try:
             self._handles.append(
@@ -844,7 +846,10 @@ class Hooks:
         squared sums and gradient variance, and the K-FAC factors, and use it for later
         backwards."""
         if loss_reduction not in ("mean", "sum"):
-            raise ConfigurationError(f"loss_type must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigurationError(
+                f"rescale: loss_reduction (compute_grad1's loss_type) must be 'mean' or 'sum', "
+                f"got {loss_reduction!r}"
+            )
         if self._state.removed:
             raise StateError(
                 "rescale: the hooks are removed, and with them what the last backward wrote, so "

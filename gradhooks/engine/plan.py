@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from ..errors import ConfigurationError, UnsupportedModuleError
+from ..errors import ConfigurationError, UnsupportedModuleError, describe_module
 from ..rules.fallback import FALLBACK, fallback_params
 from ..rules.registry import Registry, _Entry
 
@@ -171,6 +171,19 @@ def refuse_lazy(model: nn.Module) -> None:
             f"'{lazy[0]}' is not initialized yet (a lazy module, nn.LazyLinear and the like, "
             "takes its shapes at its first forward): run one forward of the model (under "
             "torch.no_grad()) before add_hooks."
+        )
+
+
+def refuse_parameterless(model: nn.Module) -> None:
+    """A model without any parameter (``nn.ReLU()``, a model whose layers are registered
+    later) has no gradient to take per example: hooking it would capture nothing, without a
+    word. (A model whose parameters are all frozen is hooked: they may be unfrozen later.)"""
+    if next(model.parameters(), None) is None:
+        raise ConfigurationError(
+            f"add_hooks: the model {describe_module(None, model)} has no parameters, so there "
+            "is no per-example gradient to compute: hook the model whose parameters you train "
+            "(add_hooks(model), not one of its parameter-free layers), after its layers are "
+            "made."
         )
 
 

@@ -47,11 +47,29 @@ from typing import Any, Literal
 from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
+    GradhooksWarning,
     MissingDependencyError,
+    is_whole,
     require_number,
 )
 
-__all__ = ["PrivacyAccountant", "noise_multiplier_for"]
+__all__ = ["PrivacyAccountant", "noise_multiplier_for", "warn_if_delta_not_small"]
+
+
+def warn_if_delta_not_small(delta: float, examples: int, where: str) -> None:
+    """Warn where ``delta`` is not below ``1 / examples``: an (ε, δ) guarantee with δ >= 1/n
+    is met by publishing one example in the clear, so it promises nothing (Opacus warns
+    too). ``where``: the call, for the message."""
+    if delta >= 1 / examples:
+        warnings.warn(
+            f"{where}: delta={delta:g} is not below 1 / len(dataset) = 1/{examples} ({examples} "
+            "examples): an (ε, δ) guarantee with δ >= 1/n is met by publishing one example in "
+            "the clear, so it promises nothing. Take δ well below 1/n (1e-5 for up to about "
+            "10^5 examples; 1/n^1.1 is common).",
+            GradhooksWarning,
+            stacklevel=3,
+        )
+
 
 Method = Literal["rdp", "pld"]
 
@@ -102,7 +120,7 @@ def _check_step(noise_multiplier: float, sample_rate: float, steps: int) -> None
             f"sample_rate must be in [0, 1] (expected batch size / number of examples), "
             f"got {sample_rate!r}"
         )
-    if int(steps) != steps or steps < 0:
+    if not is_whole(steps) or steps < 0:
         raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
 
 

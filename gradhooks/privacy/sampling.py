@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
-from ..errors import ConfigurationError, ConfigurationTypeError, require_number
+from ..errors import ConfigurationError, ConfigurationTypeError, is_whole, require_number
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 
@@ -68,7 +68,7 @@ class PoissonSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
     ) -> None:
         require_number("num_examples", num_examples, "PoissonSampler")  # (True is no count)
-        if int(num_examples) != num_examples or num_examples < 1:
+        if not is_whole(num_examples) or num_examples < 1:
             raise ConfigurationError(
                 f"num_examples must be a whole number >= 1, got {num_examples!r}"
             )
@@ -86,7 +86,7 @@ class PoissonSampler(Sampler[list[int]]):
         if steps is None:
             steps = max(1, round(num_examples / expected_batch_size))
         require_number("steps", steps, "PoissonSampler")
-        if int(steps) != steps or steps < 0:
+        if not is_whole(steps) or steps < 0:
             raise ConfigurationError(f"steps must be a whole number >= 0, got {steps!r}")
         if generator is not None and generator.device.type != "cpu":
             raise ConfigurationError(

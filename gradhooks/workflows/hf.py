@@ -57,7 +57,11 @@ from ..errors import (
     StateError,
     require_number,
 )
-from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
+from ..privacy.accounting import (
+    PrivacyAccountant,
+    noise_multiplier_for,
+    warn_if_delta_not_small,
+)
 from ..privacy.sampling import PoissonSampler
 from . import clipping as _clip
 from .private import DPOptimizer, changed_setting
@@ -77,8 +81,9 @@ class DPArguments:
             clips the batch gradient and is turned off. With ``clipping_groups``, a float
             ``C`` (each of ``K`` groups clipped to ``C/√K``) or one bound per group (the noise
             then scaled to the total bound ``√(Σ_k C_k²)``).
-        delta: the δ at which ε is reported and the budget is held (usually well below
-            ``1 / len(train_dataset)``).
+        delta: the δ at which ε is reported and the budget is held, well below ``1 /
+            len(train_dataset)`` (one of ``1/n`` or more warns at ``train()``, with a
+            :class:`gradhooks.GradhooksWarning`).
         target_epsilon: the privacy budget ε. Without ``noise_multiplier``, the noise
             multiplier is the smallest that keeps the planned run (``max_steps``, or
             ``num_train_epochs`` at one expected epoch per ``len(train_dataset) / L`` steps)
@@ -558,6 +563,7 @@ class DPTrainer(transformers.Trainer):
                 f"{n} examples of train_dataset"
             )
         self.sample_rate = self.expected_batch_size / n
+        warn_if_delta_not_small(self.dp.delta, n, "DPTrainer")
         per_epoch = max(1, round(n / self.expected_batch_size))
         if self.args.max_steps > 0:
             planned = self.args.max_steps

@@ -364,6 +364,8 @@ def _accumulate(
                 "loss as a function, loss=lambda out, y: F.cross_entropy(out, y, "
                 "reduction='sum') (summed over positions, as the named loss is)"
             )
+        if isinstance(target, Tensor) and loss == "cross_entropy" and fisher == "empirical":
+            _check_labels(target, out)
         if fisher == "exact" and out.dim() > 2:
             raise ConfigurationError(
                 f"kfac(fisher='exact') on a model output of shape {tuple(out.shape)}: the exact "
@@ -507,6 +509,23 @@ def _check_arguments(
         raise ConfigurationError("fisher='empirical' needs the target")
 
 
+def _check_labels(target: Tensor, out: Tensor) -> None:
+    """Refuse a label that is no class of the output (a dataset of more classes than the
+    model's head, labels counted from 1) and not ``-100`` (``F.cross_entropy``'s ignored
+    label), as ``F.cross_entropy`` refuses it: one value read back, as ``F.one_hot``'s own
+    check of the range reads two."""
+    classes = out.shape[-1]
+    bad = ((target < 0) | (target >= classes)) & (target != _IGNORE_INDEX)
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ConfigurationError(
+            f"kfac(fisher='empirical', loss='cross_entropy'): target{list(where)} is "
+            f"{int(target[where])}, but the model's output {tuple(out.shape)} has {classes} "
+            f"classes: labels are in [0, {classes - 1}] (or -100 for a position without a "
+            "loss). Check the labels against the model's head"
+        )
+
+
 def _name(loss: LossFn) -> str:
     return getattr(loss, "__qualname__", None) or repr(loss)
 
@@ -529,8 +548,10 @@ def _output_vectors(
         return _hessian_root_columns(loss, out, target)
     if fisher == "empirical":
         if loss == "cross_entropy":  # (F.cross_entropy's: a label of -100 adds nothing)
+            # (a label of -100 matches no class: its row of labels is zero, and kept drops it)
             kept = target != _IGNORE_INDEX
-            labels = F.one_hot(target.long().clamp(min=0), out.shape[-1]).to(out.dtype)
+            classes = torch.arange(out.shape[-1], device=target.device)
+            labels = (target.unsqueeze(-1) == classes).to(out.dtype)
             return [(torch.softmax(out, -1) - labels) * kept.unsqueeze(-1)]
         return [2 * (out - target)]
     if fisher == "mc":

@@ -52,6 +52,7 @@ from ..errors import (
     ConfigurationTypeError,
     NumericalError,
     UnsupportedError,
+    is_whole,
     require_number,
 )
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
@@ -138,7 +139,7 @@ class KFAC:
             ("adapt_every", adapt_every),
         ]:  # fmt: skip
             require_number(what, n, "KFAC")  # (True is no number of steps)
-            if int(n) != n or n < 1:
+            if not is_whole(n) or n < 1:
                 raise ConfigurationError(f"{what} must be a whole number >= 1, got {n!r}")
         if not isinstance(adaptive, bool):  # (a string taken by its truth)
             raise ConfigurationTypeError(

@@ -37,9 +37,14 @@ from ..errors import (
     ConfigurationTypeError,
     PrivacyBudgetExceeded,
     StateError,
+    is_whole,
     require_number,
 )
-from ..privacy.accounting import PrivacyAccountant, noise_multiplier_for
+from ..privacy.accounting import (
+    PrivacyAccountant,
+    noise_multiplier_for,
+    warn_if_delta_not_small,
+)
 from ..privacy.sampling import EmptyAware, PoissonSampler
 from . import clipping as _clip
 from . import dp as _dp
@@ -1137,7 +1142,9 @@ def make_private(
         data: a map-style ``Dataset``, or a ``DataLoader`` over one, whose ``collate_fn``,
             ``num_workers``, ``pin_memory`` and worker settings are kept (its batch size,
             sampler and shuffling are replaced by Poisson sampling).
-        delta: δ of the (ε, δ) guarantee (below 1 / number of examples).
+        delta: δ of the (ε, δ) guarantee, well below 1 / number of examples (one of
+            ``1/n`` or more, which publishing one example in the clear meets, warns with a
+            :class:`gradhooks.GradhooksWarning`).
         max_grad_norm: ``C``, the clipping norm of each example's gradient; with
             ``clipping_groups``, a float (each of ``K`` groups clipped to ``C/√K``) or one
             bound per group (total ``√(Σ_k C_k²)``, which the noise is scaled to).
@@ -1211,12 +1218,12 @@ def make_private(
         if not epochs > 0:
             raise ConfigurationError(f"epochs must be > 0, got {epochs!r}")
         steps = max(1, round(epochs * max(1, round(1 / sample_rate))))
-    if int(steps) != steps or steps < 1:
+    if not is_whole(steps) or steps < 1:
         raise ConfigurationError(f"steps must be a whole number >= 1, got {steps!r}")
     if max_physical_batch_size is not None:  # (True is no size)
         require_number("max_physical_batch_size", max_physical_batch_size, "make_private")
     if max_physical_batch_size is not None and (
-        int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1
+        not is_whole(max_physical_batch_size) or max_physical_batch_size < 1
     ):
         raise ConfigurationError(
             f"max_physical_batch_size must be a whole number >= 1 or None, got "
@@ -1230,6 +1237,7 @@ def make_private(
         raise ConfigurationError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     if not 0 < delta < 1:
         raise ConfigurationError(f"delta must be in (0, 1), got {delta!r}")
+    warn_if_delta_not_small(delta, n, "make_private")
     if target_epsilon is not None:
         if not 0 < target_epsilon < float("inf"):
             raise ConfigurationError(
