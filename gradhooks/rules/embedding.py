@@ -62,7 +62,9 @@ def embedding(call: Call) -> dict[str, Rows]:
         g = g / counts.gather(1, idx)[..., None]
     positions = idx.shape[1]
     example = torch.arange(batch, device=idx.device).repeat_interleave(positions)
-    piece = Rows(example, idx.reshape(-1), g.reshape(-1, dim), batch, m.weight.shape[0], positions)
+    piece = Rows.checked_before(
+        example, idx.reshape(-1), g.reshape(-1, dim), batch, m.weight.shape[0], positions
+    )
     if m.scale_grad_by_freq:
         piece.sums_to_grad = False  # (each example's own counts: not the batch's)
     return {"weight": piece}
@@ -156,4 +158,8 @@ def embedding_bag(call: Call) -> dict[str, Direct | Rows]:
         )
         coef = coef / counts[bag].clamp(min=1)
     bag, flat, coef = bag[valid], flat[valid], coef[valid]
-    return {"weight": Rows(bag, flat, coef[:, None] * g[bag], num_bags, m.weight.shape[0])}
+    return {
+        "weight": Rows.checked_before(
+            bag, flat, coef[:, None] * g[bag], num_bags, m.weight.shape[0]
+        )
+    }
