@@ -39,6 +39,7 @@ import importlib.util
 import json
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -2637,6 +2638,24 @@ def _vit_module(module: str):
     return importlib.import_module(f"vit_pytorch.{module}")
 
 
+def _package_without_init(name: str) -> None:
+    """Make ``name``'s submodules importable without running its ``__init__``: vit-pytorch's
+    imports torchvision (for DINO's augmentations), which its models do not need, and which a
+    CPU-only torch may lack."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ModuleNotFoundError(f"No module named {name!r}")
+    package = types.ModuleType(name)
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules[name] = package
+
+
+# packages whose __init__ imports torchvision, which their models do not use
+WITHOUT_INIT = {"vit_pytorch"}
+
 VIT = dict(num_classes=CLASSES, dim=DIM, depth=2, heads=4, mlp_dim=64, dim_head=8)
 
 
@@ -2734,6 +2753,241 @@ def _learnable_memory() -> Example:
     return _vit_example(model, 3, 16, 16)
 
 
+# -- more libraries: lucidrains' efficient attentions, hyper-connections, FrEIA, EfficientNet -----
+
+
+def _lm_example(model: nn.Module) -> Example:
+    return Example(model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("h-transformer-1d", "h_transformer_1d", "H-Transformer-1D: hierarchical attention, causal")
+def _h_transformer() -> Example:
+    from h_transformer_1d import HTransformer1D
+
+    torch.manual_seed(0)
+    return _lm_example(HTransformer1D(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ,
+                                      causal=True, heads=4, dim_head=8, block_size=2))  # fmt: skip
+
+
+@case("h-transformer-1d-bidir", "h_transformer_1d", "H-Transformer-1D, bidirectional, token shift")
+def _h_transformer_bidir() -> Example:
+    from h_transformer_1d import HTransformer1D
+
+    torch.manual_seed(0)
+    return _lm_example(HTransformer1D(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ,
+                                      heads=4, dim_head=8, block_size=2,
+                                      shift_tokens=True))  # fmt: skip
+
+
+class TokenClassifier(nn.Module):
+    """Tokens embedded, a sequence encoder ``[batch, seq, dim] -> [batch, seq, dim]``, the
+    mean over positions, a head."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.embed, self.encoder = nn.Embedding(VOCAB, DIM), encoder
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = self.encoder(self.embed(ids))
+        return self.head((out[0] if isinstance(out, tuple) else out).mean(1))
+
+
+@case("agent-transformer", "agent_attention_pytorch", "Agent attention: learned agent tokens")
+def _agent() -> Example:
+    from agent_attention_pytorch.agent_transformer import AgentTransformer
+
+    torch.manual_seed(0)
+    model = TokenClassifier(AgentTransformer(DIM, num_agent_tokens=4, depth=2, heads=4,
+                                             dim_head=8))  # fmt: skip
+    return Example(model, (_tokens(),), class_ce, (_labels(),), "mean")
+
+
+class HyperResidualMLP(nn.Module):
+    """hyper-connections as its README uses them: the residual stream expanded to ``streams``
+    copies, each block a branch whose input and output mix the streams by learned (and, with
+    ``dynamic``, input-dependent) weights, the streams reduced by a sum at the end."""
+
+    def __init__(self, manifold: bool = False):
+        import hyper_connections as hc
+
+        super().__init__()
+        get = (hc.mc_get_init_and_expand_reduce_stream_functions if manifold
+               else hc.get_init_and_expand_reduce_stream_functions)  # fmt: skip
+        init, self.expand, self.reduce = get(2, dim=16) if not manifold else get(2)
+        self.inp, self.head = nn.Linear(4, 16), nn.Linear(16, CLASSES)
+        self.blocks = nn.ModuleList(
+            init(dim=16, branch=nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU()))
+            for _ in range(2)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.expand(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.reduce(h).mean(1))
+
+
+@case("hyper-connections", "hyper_connections", "hyper-connections: 2 residual streams mixed")
+def _hyper() -> Example:
+    torch.manual_seed(0)
+    return Example(HyperResidualMLP(), (_randn(BATCH, SEQ, 4),), class_ce, (_labels(),), "mean")
+
+
+@case("hyper-connections-mhc", "hyper_connections", "mHC: streams mixed by a Sinkhorn projection")
+def _hyper_mhc() -> Example:
+    torch.manual_seed(0)
+    return Example(HyperResidualMLP(manifold=True), (_randn(BATCH, SEQ, 4),), class_ce,
+                   (_labels(),), "mean")  # fmt: skip
+
+
+class MogrifiedLSTM(nn.Module):
+    """Mogrifier gating of an LSTM's input and state: the two modulate each other for a few
+    rounds (factorized weights) before each step of an ``nn.LSTMCell``."""
+
+    def __init__(self):
+        from mogrifier import Mogrifier
+
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mog = Mogrifier(dim=8, iters=4, factorize_k=4)
+        self.cell, self.head = nn.LSTMCell(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xs = self.inp(x)
+        h = c = xs.new_zeros(x.shape[0], 8)
+        outs = []
+        for t in range(x.shape[1]):
+            xt, h = self.mog(xs[:, t], h)
+            h, c = self.cell(xt, (h, c))
+            outs.append(h)
+        return self.head(torch.stack(outs, 1))
+
+
+@case("mogrifier-lstm", "mogrifier", "Mogrifier: input and state modulating each other, an LSTM")
+def _mogrifier() -> Example:
+    torch.manual_seed(0)
+    return Example(MogrifiedLSTM(), (_randn(BATCH, SEQ, 4),), mse, (_randn(BATCH, SEQ, 2, seed=1),),
+                   "mean")  # fmt: skip
+
+
+class BotNet(nn.Module):
+    """A convolutional stem, a BottleStack (relative-position self-attention in bottleneck
+    blocks, BatchNorm between), a pooled head."""
+
+    def __init__(self):
+        from bottleneck_transformer_pytorch import BottleStack
+
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stack = BottleStack(dim=8, fmap_size=8, dim_out=16, proj_factor=2, num_layers=1,
+                                 heads=2, dim_head=8, downsample=True, rel_pos_emb=True)  # fmt: skip
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.stack(self.stem(x)).mean((2, 3)))
+
+
+@case("botnet", "bottleneck_transformer_pytorch", "BoTNet: attention in bottlenecks, BatchNorm")
+def _botnet() -> Example:
+    torch.manual_seed(0)
+    return _vit_example(BotNet(), 3, 8, 8)
+
+
+@case("efficientnet", "efficientnet_pytorch", "EfficientNet: MBConv, squeeze-excite, BatchNorm")
+def _efficientnet() -> Example:
+    from efficientnet_pytorch import EfficientNet
+
+    torch.manual_seed(0)
+    model = EfficientNet.from_name("efficientnet-b0", num_classes=CLASSES, width_coefficient=0.1,
+                                   depth_coefficient=0.1, image_size=32, dropout_rate=0.0,
+                                   drop_connect_rate=0.0)  # fmt: skip
+    return _vit_example(model, 3, 32, 32)
+
+
+class InnNLL(nn.Module):
+    """A FrEIA invertible network's negative log-likelihood of each example under a standard
+    normal: ``0.5 |z|^2 - log|det J|``, ``[batch]``."""
+
+    def __init__(self, block: str):
+        import FrEIA.framework as Ff
+        import FrEIA.modules as Fm
+
+        super().__init__()
+
+        def subnet(c_in: int, c_out: int) -> nn.Module:
+            return nn.Sequential(nn.Linear(c_in, 16), nn.Tanh(), nn.Linear(16, c_out))
+
+        self.inn = Ff.SequenceINN(6)
+        for _ in range(2):
+            if block == "all-in-one":
+                self.inn.append(Fm.AllInOneBlock, subnet_constructor=subnet, permute_soft=False)
+            else:
+                self.inn.append(Fm.GLOWCouplingBlock, subnet_constructor=subnet, clamp=2.0)
+                self.inn.append(Fm.ActNorm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z, log_det = self.inn(x)
+        return 0.5 * z.pow(2).sum(1) - log_det
+
+
+@case("freia-glow", "FrEIA", "FrEIA: GLOW couplings and ActNorm, the flow's likelihood")
+def _freia_glow() -> Example:
+    torch.manual_seed(0)
+    return Example(InnNLL("glow"), (_randn(BATCH, 6),), lambda nll: nll, (), "mean")
+
+
+@case("freia-all-in-one", "FrEIA", "FrEIA: AllInOneBlock (affine coupling, ActNorm, permutation)")
+def _freia_all() -> Example:
+    torch.manual_seed(0)
+    return Example(InnNLL("all-in-one"), (_randn(BATCH, 6),), lambda nll: nll, (), "mean")
+
+
+@case("h-transformer-1d-reversible", "h_transformer_1d", "H-Transformer-1D, reversible layers")
+def _h_transformer_rev() -> Example:
+    from h_transformer_1d import HTransformer1D
+
+    torch.manual_seed(0)
+    return _lm_example(HTransformer1D(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ,
+                                      causal=True, heads=4, dim_head=8, block_size=2,
+                                      reversible=True))  # fmt: skip
+
+
+@case("jumbo-vit", "vit_pytorch", "Jumbo ViT: a class token 6 times wider, split to attend")
+def _jumbo_vit() -> Example:
+    torch.manual_seed(0)
+    kw = {k: v for k, v in VIT.items() if k != "dim_head"}
+    model = _vit_module("jumbo_vit").JumboViT(image_size=16, patch_size=4, dim_head=8, **kw)
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("simple-uvit", "vit_pytorch", "Simple U-ViT: long skips between blocks, register tokens")
+def _simple_uvit() -> Example:
+    torch.manual_seed(0)
+    kw = {k: v for k, v in VIT.items() if k != "dim_head"}
+    model = _vit_module("simple_uvit").SimpleUViT(image_size=16, patch_size=4, dim_head=8, **kw)
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("looped-vit", "vit_pytorch", "Looped ViT: blocks looped over, supervised at every loop")
+def _looped_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("looped_vit").LoopedViT(num_classes=CLASSES, dim=DIM, image_size=16,
+                                                patch_size=4, pre_loop_depth=1,
+                                                num_looped_blocks=2, post_loop_depth=1,
+                                                loop_depth=1, heads=4, dim_head=8,
+                                                mlp_dim=64)  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("regionvit", "vit_pytorch", "RegionViT: regional and local tokens, attention between them")
+def _regionvit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("regionvit").RegionViT(dim=(8, 16, 16, 16), depth=(1, 1, 1, 1),
+                                               window_size=2, num_classes=CLASSES)  # fmt: skip
+    return _vit_example(model, 3, 64, 64)
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 
@@ -2808,6 +3062,8 @@ def build(name: str) -> Example:
     c = CASES[name]
     try:
         _import_torchvision()
+        if c.library in WITHOUT_INIT and importlib.util.find_spec("torchvision") is None:
+            _package_without_init(c.library)
         importlib.import_module(c.library)
     except Exception as e:
         raise Skip(f"{c.library} is not installed: {first_line(e)}") from e

@@ -147,9 +147,6 @@ def test_library_model_matches_the_loop(name):
 @pytest.mark.parametrize(
     "name, error",
     [
-        # the gate's balance loss, a number of the whole batch, computed in the forward of the
-        # module that holds its weight, which its fallback cannot split
-        ("moe-top2", gradhooks.UnsupportedInputError),
         # the batch met inside torch.vmap in the model's forward
         ("s5-block", gradhooks.UnsupportedError),
         # a module of parameters of its own (position tables indexed) given a list of examples

@@ -908,7 +908,10 @@ class BackwardWriter:
                 else "its gradient never met the batch where gradhooks could follow it (a "
                 "term of the loss computed from the parameter alone? or the batch met it inside "
                 "something gradhooks cannot see into: a TorchScript function, made by "
-                "torch.jit.script, or an extension's operator called directly)"
+                "torch.jit.script, a function of the examples mapped by torch.vmap (or "
+                "another torch.func transform) in the forward, or an extension's operator "
+                "called directly; where the map runs over the batch, a loop over its examples "
+                "or a layer that takes the batch whole lets gradhooks follow it)"
             )
             + ". Its grad1 was not written. Use the parameter through a module with a rule "
             "(or register one with @gradhooks.register), or freeze it."

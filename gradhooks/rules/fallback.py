@@ -18,7 +18,10 @@ were not called.
 
 Assumptions, all checked (a clear error otherwise):
 
-- Dimension 0 of every output tensor that receives a gradient is the batch ``B``.
+- Dimension 0 of every output tensor that receives a gradient is the batch ``B``; besides
+  them, one output of shape ``()`` (an auxiliary loss a gate returns) may receive one: its
+  value must be the mean or the sum of each example's, recomputed alone, and each example
+  gets that share of its gradient (``1/B`` or all of it) (not under ``create_graph``).
 - A tensor input (positional or keyword) whose dimension 0 has size ``B`` is batched; any other
   tensor input (an attention mask ``[seq, seq]``) is shared by every example. When a shared
   tensor's dimension 0 happens to equal ``B``, the first recomputation fails or differs and the
@@ -508,8 +511,13 @@ def _per_example_vjp(
     gs = [call.grad_outputs[i] for i in out_idx]
     if not gs:
         return {}, set()
-    batch = gs[0].shape[0] if gs[0].dim() else -1
-    if any(g.dim() == 0 for g in gs):
+    batched_gs = [g for g in gs if g.dim()]
+    batch = batched_gs[0].shape[0] if batched_gs else -1
+    if (
+        not batched_gs
+        or len(gs) - len(batched_gs) > 1
+        or (len(batched_gs) < len(gs) and torch.is_grad_enabled())
+    ):
         raise UnsupportedInputError(
             f"fallback for {name}: an output of shape () receives a gradient ({_describe(call)})"
             ": a loss computed in the module's forward from the whole batch, which the "
@@ -522,7 +530,7 @@ def _per_example_vjp(
             "an EMA codebook does, makes them trainable again unless it passes "
             "requires_grad=False)."
         )
-    if any(g.shape[0] != batch for g in gs):
+    if any(g.shape[0] != batch for g in batched_gs):
         raise UnsupportedInputError(
             f"fallback for {name}: the per-example fallback needs the batch on dimension 0 of "
             f"every output that receives a gradient; got {_describe(call)}. Register a rule "
@@ -569,6 +577,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     create_graph = torch.is_grad_enabled()
     own = _holder(call, create_graph)
     xs = [t for t, b in zip(leaves, batched) if b]
+    scalar = [g.dim() == 0 for g in gs]
     fixed = {
         n: own(_ran_with(call, n, p))
         for n, p in module.named_parameters(remove_duplicate=False)
@@ -594,7 +603,9 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             return tuple(out[i] for i in out_idx)
 
         outs, pullback = vjp(f, primals)
-        for o, g in zip(outs, gs_b):
+        for o, g, k in zip(outs, gs_b, scalar):
+            if k and o.shape == ():
+                continue
             if o.shape != (1, *g.shape):
                 raise UnsupportedInputError(
                     f"fallback for {name}: it takes dimension 0 of the inputs and outputs as the "
@@ -603,8 +614,18 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     "Register a rule for this module with @gradhooks.register (see "
                     "docs/extending.md)."
                 )
-        (grads,) = pullback(tuple(cast(g, o.dtype).unsqueeze(0) for g, o in zip(gs_b, outs)))
-        return grads, tuple(o.squeeze(0) for o in outs)
+        if not any(scalar):
+            (grads,) = pullback(tuple(cast(g, o.dtype).unsqueeze(0) for g, o in zip(gs_b, outs)))
+            return grads, {}, tuple(o.squeeze(0) for o in outs)
+        # (a scalar of the batch, a mean or a sum of each example's: its share of the
+        # gradient apart, weighted once the outputs say which)
+        rows = [torch.zeros_like(o) if k else cast(g, o.dtype).unsqueeze(0)
+                for g, o, k in zip(gs_b, outs, scalar)]  # fmt: skip
+        whole = [cast(g, o.dtype) if k else torch.zeros_like(o)
+                 for g, o, k in zip(gs_b, outs, scalar)]  # fmt: skip
+        (grads,) = pullback(tuple(rows))
+        (shares,) = pullback(tuple(whole))
+        return grads, shares, tuple(o if k else o.squeeze(0) for o, k in zip(outs, scalar))
 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     try:
@@ -619,7 +640,8 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
             if vmapped:
                 try:
                     with _torch.own_transform(), _NoDataAssignment():
-                        grads, outs = vmap(one, randomness="error")(xs, gs)
+                        in_dims = (0, [None if k else 0 for k in scalar])
+                        grads, shares, outs = vmap(one, in_dims, randomness="error")(xs, gs)
                 except RuntimeError as e:
                     if "random operation" in str(e) or isinstance(e, (ValueError, TypeError)):
                         raise  # (random numbers, or a refusal of ours: not for the loop)
@@ -628,7 +650,7 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
                     vmapped = False
             if not vmapped:
                 called.clear()
-                grads, outs = _loop(
+                grads, shares, outs = _loop(
                     module, name, fixed, buffers, primals, leaves, batched, spec, gs, out_idx,
                     create_graph,
                 )  # fmt: skip
@@ -640,6 +662,9 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
     finally:
         handle.remove()
     called.discard(id(module))
+    if any(scalar):
+        outs, weights = _reduced(call, name, out_idx, outs, scalar)
+        grads = {n: g + weights[0] * shares[n] for n, g in grads.items()}
     try:
         _check_output(call, name, out_idx, outs, batch)
     except MixedExamplesError:
@@ -651,6 +676,41 @@ def _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch):
         call.memo["loop"] = True
         return _attempt(call, name, wrt, leaves, spec, batched, gs, out_idx, batch)
     return grads, called
+
+
+def _reduced(call: Call, name: str, out_idx: list[int], outs, scalar: list[bool]):
+    """The outputs of shape () as the batch's (each example's, ``[batch]``, averaged or
+    summed: whichever the forward's value is), and the weight of each example's share of
+    their gradient (``1/batch`` or 1). A scalar that is neither, a statistic of the batch
+    (a variance, a product of means), is refused."""
+    captured = tree_flatten(call.output)[0] if call.output is not None else None
+    reduced, weights = list(outs), []
+    for k, (i, got, is_scalar) in enumerate(zip(out_idx, outs, scalar)):
+        if not is_scalar:
+            continue
+        want = captured[i] if captured is not None else None
+        if want is None:
+            raise UnsupportedInputError(
+                f"fallback for {name}: an output of shape () receives a gradient, and the "
+                "forward's value of it, which says whether it averages or sums its examples', "
+                "was not kept; register a rule for the module with @gradhooks.register."
+            )
+        eps = max(torch.finfo(got.dtype).eps, torch.finfo(want.dtype).eps)
+        tol = min(1e3 * eps, 5e-2) * (1.0 + want.detach().abs().item())
+        for weight, value in ((1.0 / got.shape[0], got.mean()), (1.0, got.sum())):
+            if abs(value.item() - want.detach().to(value.dtype).item()) <= tol:
+                reduced[k], weights = want.detach().to(value.dtype), [*weights, weight]
+                break
+        else:
+            raise MixedExamplesError(
+                f"fallback for {name}: output {i}, of shape (), a number of the whole batch "
+                f"({want.item():.6g}), is neither the mean ({got.mean().item():.6g}) nor the "
+                f"sum ({got.sum().item():.6g}) of each example's, recomputed alone: a "
+                "statistic that mixes the examples, whose per-example gradients do not exist. "
+                "Return each example's value and reduce it outside the module, or register a "
+                "rule with @gradhooks.register."
+            )
+    return tuple(reduced), weights
 
 
 def _recomputation_failed(name: str, call: Call, batch: str, e: Exception) -> Exception:
@@ -737,6 +797,8 @@ def _loop(
             out = tree_flatten(out)[0]
             out = [out[i] for i in out_idx]
             for o, g in zip(out, gs):
+                if g.dim() == 0 and o.shape == ():
+                    continue
                 if o.shape != (1, *g.shape[1:]):
                     raise UnsupportedInputError(
                         f"fallback for {name}: it takes dimension 0 of the inputs and outputs "
@@ -744,18 +806,39 @@ def _loop(
                         f"not {(1, *g.shape[1:])}. Register a rule for this module with "
                         "@gradhooks.register (see docs/extending.md)."
                     )
-            grads = torch.autograd.grad(
-                [o for o in out if o.requires_grad],
+            rowed = [(o, g) for o, g in zip(out, gs) if o.requires_grad and g.dim()]
+            whole = [(o, g) for o, g in zip(out, gs) if o.requires_grad and not g.dim()]
+            grads = (
+                [None] * len(params)
+                if not rowed
+                else torch.autograd.grad(
+                    [o for o, _ in rowed],
+                    list(params.values()),
+                    [cast(g[b : b + 1], o.dtype) for o, g in rowed],
+                    allow_unused=True,
+                    create_graph=create_graph,
+                    retain_graph=bool(whole) or None,
+                )
+            )
+            # (a scalar of the batch: each example's share apart, as in _attempt's one)
+            shares = torch.autograd.grad(
+                [o for o, _ in whole],
                 list(params.values()),
-                [cast(g[b : b + 1], o.dtype) for o, g in zip(out, gs) if o.requires_grad],
+                [cast(g, o.dtype) for o, g in whole],
                 allow_unused=True,
                 create_graph=create_graph,
-            )
-        return [*grads, *(o.detach()[0] for o in out)]
+            ) if whole else [None] * len(params)  # fmt: skip
+        return [*grads, *shares, *(o.detach() if o.dim() == 0 else o.detach()[0] for o in out)]
 
-    like = [*primals.values(), *[None] * len(out_idx)]
-    rows = per_example(gs[0].shape[0], example, like=like)
-    return dict(zip(primals, rows[: len(primals)])), tuple(rows[len(primals) :])
+    like = [*primals.values(), *primals.values(), *[None] * len(out_idx)]
+    batch = next(g.shape[0] for g in gs if g.dim())
+    rows = per_example(batch, example, like=like)
+    n = len(primals)
+    return (
+        dict(zip(primals, rows[:n])),
+        dict(zip(primals, rows[n : 2 * n])),
+        tuple(rows[2 * n :]),
+    )
 
 
 def _check_output(call: Call, name: str, out_idx: list[int], outs, batch: int) -> None:
