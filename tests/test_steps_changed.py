@@ -159,7 +159,8 @@ def _autocast(on: bool) -> Callable[[Loop], None]:
 CHANGES = {
     "requires_grad": (lambda loop: _freeze(loop, True), lambda loop: _freeze(loop, False)),
     "replaced weight": (
-        lambda loop: loop.replace("fc2.weight"), lambda loop: loop.replace("fc1.weight")
+        lambda loop: loop.replace("fc2.weight"),
+        lambda loop: loop.replace("fc1.weight"),
     ),
     "dtype": (lambda loop: loop.model.float(), lambda loop: loop.model.double()),
     "positions": (_shape((4, 7, 4)), _shape((4, 5, 4))),
@@ -168,9 +169,7 @@ CHANGES = {
     "module skipped": (_set("use_extra", False), _set("use_extra", True)),
     "eval": (lambda loop: loop.model.eval(), lambda loop: loop.model.train()),
     "loss reduction": (_reduction("sum"), _reduction("mean")),
-    "quantities": (
-        lambda loop: loop.rehook(("norms",)), lambda loop: loop.rehook(("grad1",))
-    ),
+    "quantities": (lambda loop: loop.rehook(("norms",)), lambda loop: loop.rehook(("grad1",))),
     "autocast": (_autocast(True), _autocast(False)),
 }
 
