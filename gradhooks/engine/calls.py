@@ -192,10 +192,14 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter], target: Target):
     def cast(call: Call) -> dict[str, P.Piece | None]:
         pieces = rule(call)
         check_pieces(rule, target, pieces, params)
-        return {
-            n: pc if pc is None or n not in params else _carried(pc.in_dtype(params[n].dtype), pc)
-            for n, pc in pieces.items()
-        }
+        found = {}
+        for n, pc in pieces.items():
+            if pc is not None and n in params:
+                new = pc.in_dtype(params[n].dtype)
+                if new is not pc:  # (in its parameter's dtype already: nothing to carry over)
+                    pc = _carried(new, pc)
+            found[n] = pc
+        return found
 
     return cast
 

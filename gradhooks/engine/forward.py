@@ -113,7 +113,7 @@ class ForwardCapture:
                 capturing = (
                     self.state.pause.on and torch.is_grad_enabled() and not self.state.removed
                 )
-                if capturing:
+                if capturing and (kwargs or not _plain_tensors(args)):  # (else none nested)
                     refuse_nested(
                         lambda: f"{target.quoted} ({type(module).__qualname__})",
                         args, kwargs,
@@ -270,7 +270,7 @@ class ForwardCapture:
                 if not live:
                     return  # the tracker follows every use (or there was none)
             replaced = None
-            if len(hooked) > 1 or any(_torch.is_view(leaves[i]) for i in hooked):
+            if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
                 # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
                 # an output of its own. Several outputs each get a node of their own: where one
@@ -438,7 +438,10 @@ class ForwardCapture:
             kept = [t for t in tree_leaves((inputs, call.kwargs)) if isinstance(t, Tensor)]
             if target.entry is not FALLBACK:
                 kept = kept[:1]
-        versions = tuple((t, _torch.version(t)) for t in kept)
+        if len(kept) == 1:  # (the usual: a rule's first input; no generator to run)
+            versions: tuple = ((kept[0], _torch.version(kept[0])),)
+        else:
+            versions = tuple((t, _torch.version(t)) for t in kept)
         state = CallState(live, frame, layout=layout, versions=versions)
         state.in_backward = graph_task() != -1
         if call.output is not None:
@@ -1037,12 +1040,20 @@ def _in_slots(target: Target) -> dict[str, Tensor]:
     engine plans again where a trainable one was replaced, not where only a frozen one was)."""
     module = target.module
     found = {}
+    own = None  # (the module's own parameters, read once for all its own slots)
     for name, planned in target.params.items():
-        owner, _, leaf = name.rpartition(".")
-        of = module.get_submodule(owner) if owner else module
+        if "." in name:
+            owner, _, leaf = name.rpartition(".")
+            of = module.get_submodule(owner)
+            slots = _torch.own_parameters(of)
+        else:
+            of, leaf = module, name
+            if own is None:
+                own = _torch.own_parameters(module)
+            slots = own
         # (read from the module's parameters, where ``getattr`` looks last, after a Python
         # ``__getattr__``: 8x faster; an attribute of the instance shadows them, as for getattr)
-        now = _torch.own_parameters(of).get(leaf, _ABSENT)
+        now = slots.get(leaf, _ABSENT)
         if now is _ABSENT or leaf in of.__dict__:
             now = getattr(of, leaf, planned)
         found[name] = now
