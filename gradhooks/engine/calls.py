@@ -102,6 +102,8 @@ def check_versions(target: Target, state: CallState) -> None:
     """The inputs a rule computes from must be those of the forward, as autograd requires of
     the tensors it saves (the paths that run a call detached do not let autograd see them)."""
     for t, version in state.versions:
+        if _torch.version(t) == version:
+            continue  # (the usual: unchanged; the refusal's words made only where it is not)
         _changed_in_place(
             target, "an input", t, version,
             "gradhooks computes the layer's per-example gradients from its input, as autograd "

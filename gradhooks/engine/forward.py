@@ -108,16 +108,17 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
-            tracker = self.tracker()
+            tracker = self.state.tracker()
             with OwnWork(tracker):
                 capturing = (
                     self.state.pause.on and torch.is_grad_enabled() and not self.state.removed
                 )
-                if capturing and (kwargs or not _plain_tensors(args)):  # (else none nested)
-                    refuse_nested(
-                        lambda: f"{target.quoted} ({type(module).__qualname__})",
-                        args, kwargs,
-                    )  # fmt: skip
+                if capturing:
+                    if kwargs or not _plain_tensors(args):  # (else none is nested)
+                        refuse_nested(
+                            lambda: f"{target.quoted} ({type(module).__qualname__})",
+                            args, kwargs,
+                        )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
                         self._keep_buffers(module)
                 now = own
@@ -184,7 +185,7 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             output = self.layer_outputs.take(module, output)
             found = self._buffers_of(module) if target.entry is FALLBACK else None
-            tracker = self.tracker()
+            tracker = self.state.tracker()
             if tracker is None or module is not target.module or not tracker.covered:
                 return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
@@ -426,7 +427,7 @@ class ForwardCapture:
             autocast=autocast_state() if autocast else (),
             params=slots,
             versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
-            modes=tuple(m.training for m in target.modules),
+            modes=tuple([m.training for m in target.modules]),
         )
         if _torch.mutation_on_saved_allowed():
             call = _copied(call)
@@ -776,7 +777,12 @@ def _plain_tensors(tree: Any) -> bool:
     """``tree`` is an empty dict, or a tuple of dense tensors (none nested)."""
     if type(tree) is dict:
         return not tree
-    return type(tree) is tuple and all(type(t) is Tensor and not t.is_nested for t in tree)
+    if type(tree) is not tuple:
+        return False
+    for t in tree:  # (a loop, not a generator: asked at every hooked call)
+        if type(t) is not Tensor or t.is_nested:
+            return False
+    return True
 
 
 # the names under which a model takes the boundaries of the sequences packed along one

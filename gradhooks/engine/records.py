@@ -485,6 +485,10 @@ def detach_tree(tree: Any) -> Any:
     and a plain tuple or dict of leaves: :func:`tree_leaves`)."""
     if type(tree) is Tensor:
         return tree.detach()
+    if type(tree) is tuple and len(tree) == 1 and type(tree[0]) is Tensor:
+        return (tree[0].detach(),)  # (a module's usual input: no generator to run)
+    if type(tree) is dict and not tree:
+        return {}  # (and no keyword)
     if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
         return tuple([t.detach() if isinstance(t, Tensor) else t for t in tree])
     if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
