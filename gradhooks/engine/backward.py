@@ -52,6 +52,7 @@ from .compare import hold
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
+    NOTHING,
     Backward,
     CallLayout,
     CallState,
@@ -243,8 +244,12 @@ class BackwardWriter:
                     call = per_example_outputs(
                         target, layout, call, create_graph, self.state.precision
                     )
-            with autocast_off():
+            off = autocast_off()
+            if off is NOTHING:  # (autocast off already: no block to enter and leave per call)
                 self._backward(target, state.params, call, state.frame, bw, sums, layout)
+            else:
+                with off:
+                    self._backward(target, state.params, call, state.frame, bw, sums, layout)
         except BaseException:
             self._abort_backward()
             raise
@@ -402,7 +407,8 @@ class BackwardWriter:
         for pname, p in live.items():
             piece = pieces[pname]
             if bw is not None and id(p) not in bw.before:
-                self.set_aside(p, bw)
+                if not bw.adds or id(p) in self.state.aside:  # (else set_aside does nothing)
+                    self.set_aside(p, bw)
                 if id(p) in self.state.written and self._new_forward(p, frame):
                     del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
                 if id(p) in self.state.written and p.__dict__.get("grad1") is None:
@@ -417,7 +423,8 @@ class BackwardWriter:
             if frame_ref is not None:
                 self.state.forward_of[id(p)] = frame_ref
             accumulate = id(p) in self.state.written
-            self._unhide(bw, p)
+            if bw is not None and bw.hidden:
+                self._unhide(bw, p)
             out = self._writable_grad1(p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
             if accumulate and summed:

@@ -102,6 +102,8 @@ def check_versions(target: Target, state: CallState) -> None:
     """The inputs a rule computes from must be those of the forward, as autograd requires of
     the tensors it saves (the paths that run a call detached do not let autograd see them)."""
     for t, version in state.versions:
+        if _torch.version(t) == version:
+            continue  # (the usual: unchanged; the refusal's words made only where it is not)
         _changed_in_place(
             target, "an input", t, version,
             "gradhooks computes the layer's per-example gradients from its input, as autograd "
@@ -192,10 +194,14 @@ def in_params_dtype(rule, params: dict[str, nn.Parameter], target: Target):
     def cast(call: Call) -> dict[str, P.Piece | None]:
         pieces = rule(call)
         check_pieces(rule, target, pieces, params)
-        return {
-            n: pc if pc is None or n not in params else _carried(pc.in_dtype(params[n].dtype), pc)
-            for n, pc in pieces.items()
-        }
+        found = {}
+        for n, pc in pieces.items():
+            if pc is not None and n in params:
+                new = pc.in_dtype(params[n].dtype)
+                if new is not pc:  # (in its parameter's dtype already: nothing to carry over)
+                    pc = _carried(new, pc)
+            found[n] = pc
+        return found
 
     return cast
 

@@ -108,16 +108,17 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
                 return
-            tracker = self.tracker()
+            tracker = self.state.tracker()
             with OwnWork(tracker):
                 capturing = (
                     self.state.pause.on and torch.is_grad_enabled() and not self.state.removed
                 )
                 if capturing:
-                    refuse_nested(
-                        lambda: f"{target.quoted} ({type(module).__qualname__})",
-                        args, kwargs,
-                    )  # fmt: skip
+                    if kwargs or not _plain_tensors(args):  # (else none is nested)
+                        refuse_nested(
+                            lambda: f"{target.quoted} ({type(module).__qualname__})",
+                            args, kwargs,
+                        )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
                         self._keep_buffers(module)
                 now = own
@@ -184,7 +185,7 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             output = self.layer_outputs.take(module, output)
             found = self._buffers_of(module) if target.entry is FALLBACK else None
-            tracker = self.tracker()
+            tracker = self.state.tracker()
             if tracker is None or module is not target.module or not tracker.covered:
                 return body(module, args, kwargs, output, None, True, found)
             used = tracker.exit_call()
@@ -270,7 +271,7 @@ class ForwardCapture:
                 if not live:
                     return  # the tracker follows every use (or there was none)
             replaced = None
-            if len(hooked) > 1 or any(_torch.is_view(leaves[i]) for i in hooked):
+            if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
                 # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
                 # an output of its own. Several outputs each get a node of their own: where one
@@ -426,7 +427,7 @@ class ForwardCapture:
             autocast=autocast_state() if autocast else (),
             params=slots,
             versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
-            modes=tuple(m.training for m in target.modules),
+            modes=tuple([m.training for m in target.modules]),
         )
         if _torch.mutation_on_saved_allowed():
             call = _copied(call)
@@ -438,7 +439,10 @@ class ForwardCapture:
             kept = [t for t in tree_leaves((inputs, call.kwargs)) if isinstance(t, Tensor)]
             if target.entry is not FALLBACK:
                 kept = kept[:1]
-        versions = tuple((t, _torch.version(t)) for t in kept)
+        if len(kept) == 1:  # (the usual: a rule's first input; no generator to run)
+            versions: tuple = ((kept[0], _torch.version(kept[0])),)
+        else:
+            versions = tuple((t, _torch.version(t)) for t in kept)
         state = CallState(live, frame, layout=layout, versions=versions)
         state.in_backward = graph_task() != -1
         if call.output is not None:
@@ -773,7 +777,12 @@ def _plain_tensors(tree: Any) -> bool:
     """``tree`` is an empty dict, or a tuple of dense tensors (none nested)."""
     if type(tree) is dict:
         return not tree
-    return type(tree) is tuple and all(type(t) is Tensor and not t.is_nested for t in tree)
+    if type(tree) is not tuple:
+        return False
+    for t in tree:  # (a loop, not a generator: asked at every hooked call)
+        if type(t) is not Tensor or t.is_nested:
+            return False
+    return True
 
 
 # the names under which a model takes the boundaries of the sequences packed along one
@@ -1044,12 +1053,20 @@ def _in_slots(target: Target) -> dict[str, Tensor]:
     engine plans again where a trainable one was replaced, not where only a frozen one was)."""
     module = target.module
     found = {}
+    own = None  # (the module's own parameters, read once for all its own slots)
     for name, planned in target.params.items():
-        owner, _, leaf = name.rpartition(".")
-        of = module.get_submodule(owner) if owner else module
+        if "." in name:
+            owner, _, leaf = name.rpartition(".")
+            of = module.get_submodule(owner)
+            slots = _torch.own_parameters(of)
+        else:
+            of, leaf = module, name
+            if own is None:
+                own = _torch.own_parameters(module)
+            slots = own
         # (read from the module's parameters, where ``getattr`` looks last, after a Python
         # ``__getattr__``: 8x faster; an attribute of the instance shadows them, as for getattr)
-        now = _torch.own_parameters(of).get(leaf, _ABSENT)
+        now = slots.get(leaf, _ABSENT)
         if now is _ABSENT or leaf in of.__dict__:
             now = getattr(of, leaf, planned)
         found[name] = now

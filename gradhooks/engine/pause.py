@@ -31,10 +31,11 @@ class Pause:
 
     @property
     def on(self) -> bool:
-        if self._off or self._depth:
-            return False
-        if self.parent is not None:
-            return self.parent.on
+        node: Pause | None = self
+        while node is not None:  # (this switch and those above it; a loop: asked per call)
+            if node._off or node._depth:
+                return False
+            node = node.parent
         # (torch.jit.trace of a hooked model records the model's operations, not the hooks':
         # capture is off while it traces)
         return not torch.jit.is_tracing()

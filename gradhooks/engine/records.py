@@ -268,7 +268,8 @@ class Hook:
     def __call__(self, *args: Any) -> Any:
         if self.dead:
             return None
-        if is_compiling():
+        # (is_compiling's test, without the frame of a call to it: asked by every hook)
+        if _COMPILER_IS_COMPILING is not None and _COMPILER_IS_COMPILING():
             if _DYNAMO_COMPILING is not None and not _DYNAMO_COMPILING():
                 return self.fn(*args)  # (run for real: torch.export without dynamo)
             if self._eager is not None:
@@ -400,10 +401,11 @@ def autocast_off() -> contextlib.AbstractContextManager:
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
     devices = [d for d in ("cpu", "cuda") if autocast_enabled(d)]
-    return _autocast_off(devices) if devices else _NOTHING
+    return _autocast_off(devices) if devices else NOTHING
 
 
-_NOTHING = contextlib.nullcontext()
+# what autocast_off gives where autocast is off (a caller may skip entering it)
+NOTHING = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -483,6 +485,10 @@ def detach_tree(tree: Any) -> Any:
     and a plain tuple or dict of leaves: :func:`tree_leaves`)."""
     if type(tree) is Tensor:
         return tree.detach()
+    if type(tree) is tuple and len(tree) == 1 and type(tree[0]) is Tensor:
+        return (tree[0].detach(),)  # (a module's usual input: no generator to run)
+    if type(tree) is dict and not tree:
+        return {}  # (and no keyword)
     if type(tree) is tuple and all(type(t) in _LEAF_TYPES for t in tree):
         return tuple([t.detach() if isinstance(t, Tensor) else t for t in tree])
     if type(tree) is dict and all(type(t) in _LEAF_TYPES for t in tree.values()):
