@@ -33,8 +33,11 @@ class Pause:
     def on(self) -> bool:
         if self._off or self._depth:
             return False
-        if self.parent is not None:
-            return self.parent.on
+        parent = self.parent
+        while parent is not None:  # (its parents' switches read here: one call, not one each)
+            if parent._off or parent._depth:
+                return False
+            parent = parent.parent
         # (torch.jit.trace of a hooked model records the model's operations, not the hooks':
         # capture is off while it traces)
         return not torch.jit.is_tracing()
