@@ -598,3 +598,21 @@ def test_a_backward_through_a_released_forward_is_refused_and_writes_nothing():
         loss.backward()  # (the graph was kept: its calls too)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1, 2 * first[n])
+
+
+def test_a_switch_is_off_where_any_switch_above_it_is():
+    from gradhooks.engine.pause import Pause
+
+    top = Pause()
+    mid = Pause(top)
+    low = Pause(mid)
+    assert low.on and mid.on and top.on
+    for switch in (top, mid, low):
+        with switch():
+            assert not low.on
+        switch.switch(False)
+        assert not low.on and mid.on == (switch is low)
+        switch.switch(True)
+        assert low.on
+    with low():
+        assert mid.on and not low.on  # (a switch below does not pause those above)

@@ -11,8 +11,11 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
+import gradhooks
 from gradhooks import _torch
+from gradhooks.oracle import vmap_grad
 from gradhooks.tracking import MIXED, UNKNOWN, Layout, Tracker
 from gradhooks.tracking.ops import (
     FREE,
@@ -90,6 +93,18 @@ def test_a_map_drops_the_entries_of_freed_tensors_as_it_grows():
     for t in kept:
         m[t] = 2
     assert len(m) == 300 and all(m[t] == 2 for t in kept)
+
+
+def test_a_trackers_rarely_used_maps_are_made_at_first_use_each_its_own():
+    a, b = Tracker(4, {}), Tracker(4, {})
+    assert "alone" not in vars(a) and "single" not in vars(a)  # (not built until asked for)
+    x = torch.randn(4, 3)
+    assert a.alone.get(x) is None and "alone" in vars(a)
+    a.alone[x] = ("select", 0)
+    assert a.alone is a.alone and a.alone[x] == ("select", 0)
+    assert isinstance(b.alone, TensorMap) and x not in b.alone  # (each tracker its own map)
+    with pytest.raises(AttributeError):
+        a.no_such_map  # noqa: B018
 
 
 @pytest.mark.parametrize(
@@ -399,3 +414,48 @@ def test_the_short_way_gives_every_call_the_layouts_of_the_long_way(monkeypatch)
     half = len(short) // 2
     assert short[:half] == short[half:]
     assert sum(1 for _, lays in short if any(lay is not None for lay in lays)) > 20
+
+
+class _Rare(nn.Module):
+    """A forward that needs the tracker's rarely used maps: its examples reordered and put
+    back, taken one by one and stacked again, expanded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        perm = torch.arange(x.shape[0]).flip(0)
+        h = self.a(x[perm])[perm.argsort()]
+        h = torch.stack(list(torch.tanh(h).unbind(0)))
+        return self.b(h.expand(2, *h.shape)[0])
+
+
+def _squares(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).sum()
+
+
+@pytest.mark.parametrize("precision", ["float64", "bf16-autocast"])
+def test_the_rarely_used_maps_follow_each_step_of_a_training_loop(precision):
+    torch.manual_seed(0)
+    dtype = torch.float64 if precision == "float64" else torch.float32
+    model = _Rare().to(dtype)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision != "float64")
+    tol = {} if precision == "float64" else {"atol": 5e-2, "rtol": 5e-2}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            x, y = torch.randn(5, 3, dtype=dtype), torch.randn(5, 2, dtype=dtype)
+            with autocast:
+                want = vmap_grad(model, _squares, x, y)
+                opt.zero_grad()
+                _squares(model(x), y).backward()
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(
+                    p.grad1.to(dtype),
+                    want[n].to(dtype),
+                    **tol,
+                    msg=lambda m, s=step, n=n: f"{s} {n}: {m}",
+                )
+                torch.testing.assert_close(p.grad1.sum(0).to(dtype), p.grad, **tol)
+            opt.step()

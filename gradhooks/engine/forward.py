@@ -637,11 +637,17 @@ class ForwardCapture:
         if not leaves or self.state.batch_dim is None:
             return
         if self.state.batch_dim == "auto":
-            frame.sizes.update(n for t in leaves for n in t.shape[:2])
-            first = next((t for t in leaves if t.dim() > 0), None)
+            # (one pass: the sizes of each input's first two dimensions, and its first input
+            # with a dimension)
+            sizes, first = frame.sizes, None
+            for t in leaves:
+                shape = t.shape
+                sizes.update(shape[:2])
+                if first is None and shape:
+                    first = t
             if first is not None and first.numel() == 0 and first.shape[0] > 0:
                 frame.empty = tuple(first.shape)
-            if all(t.dim() == 0 for t in leaves):
+            if first is None:  # (every tensor input without dimensions)
                 raise UnbatchedInputError(
                     f"{type(module).__qualname__}'s tensor inputs have no dimensions "
                     f"({', '.join(str(tuple(t.shape)) for t in leaves)}): no batch of examples. "
@@ -735,7 +741,10 @@ class ForwardCapture:
                 if tracker is not None and not raised:
                     self.verifier.arm_probe(frame, tracker, output)
         if self.state.batch_dim == "auto" and frame.sizes:
-            frame.sizes.update(n for t in leaves if isinstance(t, Tensor) for n in t.shape[:2])
+            sizes = frame.sizes
+            for t in leaves:
+                if isinstance(t, Tensor):
+                    sizes.update(t.shape[:2])
         if output is None and raised:
             # the forward raised: what it captured will never be backpropagated
             for state in frame.states:

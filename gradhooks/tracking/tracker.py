@@ -98,6 +98,11 @@ from .tensormap import TensorMap
 # its sorted_indices, and the RNN rules read them)
 TAKES_ORDER = {"_pack_padded_sequence"}
 
+# the maps of a Tracker made at their first use (see Tracker.__getattr__)
+_LAZY_MAPS = frozenset(
+    {"spread", "alone", "orders", "ranked", "single", "presumed", "candidates", "would", "wide"}
+)
+
 
 @dataclass
 class _Use:
@@ -127,6 +132,38 @@ class Tracker(TorchFunctionMode):
     (:class:`gradhooks.tracking.link.EngineLink`); ``None`` in tests of the layouts alone.
     """
 
+    # The maps a forward rarely needs: each is made at its first use (:meth:`__getattr__`), so
+    # that the forwards that never touch them (most) do not build them. Each maps a tensor to
+    # what the tracker knows of it:
+    # tensors expanded from another: expanded -> (from, how)
+    spread: TensorMap
+    # tensors (mixed) that are one example taken out of the batch alone, x[i] or x.unbind(0), with
+    # the operation and the batch dimension it dropped, for messages
+    alone: TensorMap
+    # the tensors of ``reordered`` with the dimension and permutation each was reordered by, and
+    # the layout of the batch before (x[perm]: put back in order by x[perm][perm.argsort()])
+    orders: TensorMap
+    # tensors whose rows hold the examples in an order computed across the batch (sorted by a key
+    # of each example's data, x[x.norm(dim=1).argsort()]), with the operation that ordered them,
+    # until put back (see _ranked)
+    ranked: TensorMap
+    # tensors that are one example taken out of the batch alone, or computed from one alone
+    # (x.unbind(0), x[i], f(x[i])): the example and the layout of the batch it came from (see
+    # _singles), and how many joins of them gave the batch back (never kept by memo)
+    single: TensorMap
+    # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
+    presumed: TensorMap
+    # the model's inputs taken as holding the examples by their size alone (not its first input):
+    # an operation that would mix the examples only because of one of them, or of what was
+    # computed from them alone, takes them as shared by every example instead
+    # (:meth:`_without_candidates`)
+    candidates: TensorMap
+    # tensor -> the indices in ``pending`` of the calls it was computed from
+    would: TensorMap
+    # one-hot encodings of indices of each example alone whose number of classes was computed
+    # across the examples: only their width is (see _coupling)
+    wide: TensorMap
+
     def __init__(
         self,
         batch: int,
@@ -146,49 +183,25 @@ class Tracker(TorchFunctionMode):
         self.graph = torch.is_grad_enabled()  # (where the model's forward started)
         self.param_sources: dict[int, Source] = {}
         self.edges: dict[Source, Any] = {}  # each source's tensor's gradient edge
-        self.spread: TensorMap = TensorMap()  # expanded -> (from, how)
         self.meetings: list[Meeting] = []
         self.unmet: set[Source] = set()  # sources used in place, as they are, with the batch
         self.unknown: dict[str, None] = {}  # operations that lost the layout, for messages
         self.mixed: dict[str, None] = {}  # operations that mixed the examples, for messages
-        # tensors (mixed) that are one example taken out of the batch alone, x[i] or
-        # x.unbind(0), with the operation and the batch dimension it dropped, for messages
-        self.alone: TensorMap = TensorMap()
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
-        # ... and the dimension and permutation each was reordered by, and the layout of the
-        # batch before (x[perm]: put back in order by x[perm][perm.argsort()])
-        self.orders: TensorMap = TensorMap()
-        # tensors whose rows hold the examples in an order computed across the batch (sorted
-        # by a key of each example's data, x[x.norm(dim=1).argsort()]), with the operation
-        # that ordered them, until put back (see _ranked)
-        self.ranked: TensorMap = TensorMap()
-        # tensors that are one example taken out of the batch alone, or computed from one alone
-        # (x.unbind(0), x[i], f(x[i])): the example and the layout of the batch it came from
-        # (see _singles), and how many joins of them gave the batch back (never kept by memo)
-        self.single: TensorMap = TensorMap()
         self.rejoined = 0
-        # tensors of unknown layout whose examples are presumed where they were (:meth:`_presume`)
-        self.presumed: TensorMap = TensorMap()
         # the model's first input as the engine took it (:meth:`give`)
         self.given: TensorMap = TensorMap()
         # tensors every torch function gets in place of others, by the others' ids: the
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
-        # the model's inputs taken as holding the examples by their size alone (not its first
-        # input): an operation that would mix the examples only because of one of them, or of
-        # what was computed from them alone, takes them as shared by every example instead
-        # (:meth:`_without_candidates`)
-        self.candidates: TensorMap = TensorMap()
         # tensor -> the ids of the candidates its layout comes from, where it comes from them
         # alone (a candidate itself, a hooked call on one, what was computed from those)
         self.lineage: TensorMap = TensorMap()
         # the hooked calls on such tensors alone, which become batch-free calls (their outputs
         # sources) where their candidates are taken as shared (:meth:`note_call`)
         self.pending: list[_Pending] = []
-        # tensor -> the indices in ``pending`` of the calls it was computed from
-        self.would: TensorMap = TensorMap()
         # the ids of candidates already combined with the examples row by row, or met by a
         # parameter as batched: never taken as shared afterwards (the forward so far assumed
         # they held the examples)
@@ -197,9 +210,6 @@ class Tracker(TorchFunctionMode):
         # tensors computed across the examples that carry no gradient and no values computed
         # with (indices, masks), with the operation that did (see _coupling)
         self.coupled: TensorMap = TensorMap()
-        # one-hot encodings of indices of each example alone whose number of classes was
-        # computed across the examples: only their width is (see _coupling)
-        self.wide: TensorMap = TensorMap()
         # positions of rows that nonzero found in a tensor with examples (see _row_indices)
         self.row_index: TensorMap = TensorMap()
         # indices whose every entry is a position along the examples' dimension that each
@@ -235,6 +245,13 @@ class Tracker(TorchFunctionMode):
             self.aliases, self.coupled.entries, self.read, self.row_index.entries,
             self.positions.entries, self.reordered.entries, self.lineage.entries,
         )  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        # (only where the attribute is not set: a map of _LAZY_MAPS at its first use)
+        if name in _LAZY_MAPS:
+            made = self.__dict__[name] = TensorMap()
+            return made
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     # -- what the engine asks ---------------------------------------------------------------------
 
@@ -1829,8 +1846,9 @@ class Tracker(TorchFunctionMode):
         """At the end of the forward: a source whose every use took it row by row with the
         batch is *aligned* (its call's rows are examples after all: ``Source.aligned``); the
         meetings of the others hook the backward."""
-        seen = {s for m in self.meetings for srcs in m.sources for s in srcs}
-        seen |= {s for ss in self.taints.values() for s in ss} | self.unmet
+        seen = {s for m in self.meetings for srcs in m.sources for s in srcs} | self.unmet
+        if self.taints.entries:  # (none in most forwards: no walk of an empty map)
+            seen |= {s for ss in self.taints.values() for s in ss}
         self.unmet = set()
         for s in seen:
             kinds = {u for u in s.uses}
