@@ -8,8 +8,8 @@ why, ``<!-- not run: needs CUDA -->``. Each page's blocks run in a process of th
 block may register rules or change settings for good), with ``GradhooksWarning`` an error, and
 must print nothing to stderr: no warning reaches the reader, torch's own included (without
 NumPy, ``import torch`` warns). On Linux one interpreter imports gradhooks, and nothing else,
-and forks a child per page, so the pages share the cost of importing torch; elsewhere each page
-has a fresh interpreter.
+and forks a child per page, as many at once as there are cores, so the pages share the cost of
+importing torch; elsewhere each page has a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -55,28 +55,43 @@ def run_page(name, blocks):
 RUNNER = SETUP + "run_page(*json.load(sys.stdin))\n"
 
 # The pages in children forked from one interpreter that has imported gradhooks and nothing
-# else: [[name, blocks, file for its stderr], ...] as JSON on stdin; prints the children's exit
-# codes as JSON (None: killed past the timeout)
+# else, as many at once as the machine has cores (each child at one torch thread: pages are
+# small, and two children of two threads on two cores wait on each other's spinning threads):
+# [[name, blocks, file for its stderr], ...] as JSON on stdin; prints the children's exit codes
+# as JSON, in the pages' order (None: killed past the timeout)
 FORKING_RUNNER = (
     SETUP
     + f"""
-exits = []
-for name, blocks, stderr in json.load(sys.stdin):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        run_page(name, blocks)
-        sys.exit(0)
-    deadline = time.monotonic() + {PAGE_TIMEOUT}
-    while not (status := os.waitpid(child, os.WNOHANG))[0] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if not status[0]:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-    exits.append(os.waitstatus_to_exitcode(status[1]) if status[0] else None)
+jobs = json.load(sys.stdin)
+exits, running, waiting = [None] * len(jobs), {{}}, list(range(len(jobs)))
+at_once = max(1, len(os.sched_getaffinity(0)))
+while waiting or running:
+    while waiting and len(running) < at_once:
+        i = waiting.pop(0)
+        name, blocks, stderr = jobs[i]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        child = os.fork()
+        if child == 0:
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            if at_once > 1:
+                import torch
+                torch.set_num_threads(1)
+            run_page(name, blocks)
+            sys.exit(0)
+        running[child] = (i, time.monotonic() + {PAGE_TIMEOUT})
+    time.sleep(0.02)
+    for child, (i, deadline) in list(running.items()):
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            exits[i] = os.waitstatus_to_exitcode(status)
+        elif time.monotonic() > deadline:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        else:
+            continue
+        del running[child]
 print(json.dumps(exits))
 """
 )
