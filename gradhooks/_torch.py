@@ -43,8 +43,10 @@ Each internal, its name here, where it is used, and its fallback:
   Fallback: never reuse (a fresh ``grad1`` every backward).
 - ``autograd_saved``: an autograd node's ``_saved_<name>`` fields (:func:`saved`), the
   tensors torch saved for its backward: LayerNorm / GroupNorm's mean and ``rstd``
-  (``rules/norm.py``), a self-attention's projections and context (``rules/attention.py``).
-  Fallback: ``None``; the rules recompute them.
+  (``rules/norm.py``), a self-attention's projections and context (``rules/attention.py``);
+  the factor of a DP step's losses' last product, which ``workflows/dp.py`` refuses where a
+  GradScaler holds it (losses already scaled). Fallback: ``None``; the rules recompute them,
+  and scaled losses are not told from others.
 - ``fused_lstm``: ``torch._VF.lstm`` (:func:`fused_lstm`), the fused multi-layer LSTM that
   ``nn.LSTM.forward`` calls: ``rules/rnn.py`` recognizes it to keep each layer's outputs and
   runs it one layer at a time for the states. Fallback: the states are computed by the rule's

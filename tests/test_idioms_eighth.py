@@ -932,7 +932,8 @@ def test_vq_vae_ema_codebook_made_anew_at_each_forward_is_refused_naming_its_par
     training: the first forward makes the codebook anew as trainable ``nn.Parameter``s, so
     from the second step on the quantizer has trainable parameters and the torch.func
     fallback would have to split the commitment loss, a mean over the batch computed inside
-    the module. Refused at that step's backward, naming the module, the shapes and both
+    the module, which recomputed one example at a time is not the batch's mean (the codebook
+    moves as it runs). Refused at that step's backward, naming the module and both
     parameters as trainable at that backward, and saying how they became so; no grad1
     written by it. (The first step is right: its quantizer had no trainable parameter.)"""
     torch.manual_seed(0)
@@ -953,12 +954,14 @@ def test_vq_vae_ema_codebook_made_anew_at_each_forward_is_refused_naming_its_par
         kept = {n: p.grad1.clone() for n, p in model.named_parameters() if hasattr(p, "grad1")}
         assert model.vq._ema_w.requires_grad, "made anew, trainable"
         loss = _vq_loss(model(x), x)
+        # (the module's commitment loss, recomputed for each example alone, is neither the
+        # mean nor the sum of the batch's: the quantizer updates its codebook as it runs)
         message = (
-            r"'vq' \(_VectorQuantizerEMA\): an output of shape \(\) receives a gradient "
-            r"\(inputs \(4, 2, 5, 5\).*'_ema_w' \(5, 2\), '_embedding\.weight' \(5, 2\), "
+            r"'vq' \(_VectorQuantizerEMA\): output 0, of shape \(\), a number of the whole "
+            r"batch.*'_ema_w' \(5, 2\), '_embedding\.weight' \(5, 2\), "
             r"trainable at this backward.*requires_grad=False"
         )
-        with pytest.raises(gradhooks.UnsupportedInputError, match=message):
+        with pytest.raises(gradhooks.MixedExamplesError, match=message):
             loss.backward()
         for n, p in model.named_parameters():  # (nothing written: what is left, the first's)
             if hasattr(p, "grad1"):

@@ -594,6 +594,18 @@ def opacus_clipped_mean(model: nn.Module, x, y, max_norm: float) -> dict[str, Te
     return grads
 
 
+@pytest.fixture
+def cudnn_flags_settable(monkeypatch):
+    """Opacus' embedding grad sampler sets ``torch.backends.cudnn.deterministic``, which torch's
+    own testing modules, once another test file imported them, forbid outside a ``flags()``
+    block: allowed for the test, and the flag put back after it."""
+    monkeypatch.setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+    before = torch.backends.cudnn.deterministic
+    yield
+    torch.backends.cudnn.deterministic = before
+
+
+@pytest.mark.usefixtures("cudnn_flags_settable")
 @pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
 @pytest.mark.parametrize(
     "factory,inputs", [m[1:] for m in DP_MODELS], ids=[m[0] for m in DP_MODELS]

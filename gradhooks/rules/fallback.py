@@ -501,6 +501,15 @@ def _trainable(module: nn.Module) -> str:
     )
 
 
+def _freeze_hint(module: nn.Module) -> str:
+    """The advice to freeze the module's parameters, naming those trainable now."""
+    return (
+        f"freeze its parameters ({_trainable(module)}, trainable at this backward: a forward "
+        "that makes them anew, nn.Parameter(...) at each call as an EMA codebook does, makes "
+        "them trainable again unless it passes requires_grad=False)"
+    )
+
+
 def _per_example_vjp(
     call: Call, wrt: Mapping[str, nn.Parameter]
 ) -> tuple[dict[str, Tensor], set[int]]:
@@ -524,11 +533,7 @@ def _per_example_vjp(
             "per-example fallback, recomputing the module one example at a time, cannot split "
             "into examples. Return the per-example outputs (the logits) and compute the loss "
             "outside the module, or register a rule for it with @gradhooks.register (see "
-            "docs/extending.md), or freeze its parameters "
-            f"({_trainable(call.module)}, trainable at "
-            "this backward: a forward that makes them anew, nn.Parameter(...) at each call as "
-            "an EMA codebook does, makes them trainable again unless it passes "
-            "requires_grad=False)."
+            f"docs/extending.md), or {_freeze_hint(call.module)}."
         )
     if any(g.shape[0] != batch for g in batched_gs):
         raise UnsupportedInputError(
@@ -707,8 +712,8 @@ def _reduced(call: Call, name: str, out_idx: list[int], outs, scalar: list[bool]
                 f"({want.item():.6g}), is neither the mean ({got.mean().item():.6g}) nor the "
                 f"sum ({got.sum().item():.6g}) of each example's, recomputed alone: a "
                 "statistic that mixes the examples, whose per-example gradients do not exist. "
-                "Return each example's value and reduce it outside the module, or register a "
-                "rule with @gradhooks.register."
+                "Return each example's value and reduce it outside the module, register a "
+                f"rule with @gradhooks.register, or {_freeze_hint(call.module)}."
             )
     return tuple(reduced), weights
 

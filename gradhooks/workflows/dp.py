@@ -607,11 +607,8 @@ def _refuse_scaled_loss(per_example_loss: Tensor) -> None:
     node = per_example_loss.grad_fn
     if node is None or node.name() != "MulBackward0":
         return
-    for name in ("_saved_other", "_saved_self"):
-        try:
-            factor = getattr(node, name, None)
-        except RuntimeError:  # (freed by a backward)
-            continue
+    for name in ("other", "self"):
+        factor = _torch.saved(node, name)
         if (
             isinstance(factor, Tensor)
             and factor.numel() == 1
