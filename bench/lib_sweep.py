@@ -71,6 +71,7 @@ from .sweep import (
     progress,
     time_limit,
 )
+from .timm_sweep import import_torchvision
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 3
@@ -3046,22 +3047,10 @@ def compare(
     sweep.compare(res, params, want, rtol, mean=ex.reduction == "mean", zero=zero)
 
 
-@functools.cache
-def _import_torchvision() -> None:
-    """Import torchvision where it is installed, as :func:`bench.timm_sweep.import_vision`
-    does: transformers imports it (through diffusers' and sentence-transformers' models, and
-    Enformer's), and the PyPI wheel, built against CUDA torch, fails to import beside a
-    CPU-only torch unless its two operators are declared first."""
-    if importlib.util.find_spec("torchvision") is not None:
-        from .timm_sweep import import_vision
-
-        import_vision("torchvision")
-
-
 def build(name: str) -> Example:
     c = CASES[name]
     try:
-        _import_torchvision()
+        import_torchvision()
         if c.library in WITHOUT_INIT and importlib.util.find_spec("torchvision") is None:
             _package_without_init(c.library)
         importlib.import_module(c.library)

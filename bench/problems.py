@@ -102,6 +102,9 @@ class Unavailable(Exception):
 
 
 def _transformers():
+    from .timm_sweep import import_torchvision
+
+    import_torchvision()
     try:
         import transformers
     except ImportError as e:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import json
 import sys
 import time
@@ -122,6 +123,19 @@ def import_vision(module: str):
         lib.define(schema)
     _torchvision_schemas.append(lib)
     return importlib.import_module(module)
+
+
+@functools.cache
+def import_torchvision() -> None:
+    """Import torchvision where it is installed, as :func:`import_vision` does. transformers
+    imports it (its image models, and diffusers' and sentence-transformers' models), and the
+    PyPI wheel, built against CUDA torch, fails to import beside a CPU-only torch unless its
+    operators are declared first: without this, every transformers model fails to import
+    where ``pip install torch==2.13.0+cpu -e ".[bench]"`` brought torchvision with BackPACK."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        import_vision("torchvision")
 
 
 def _count(name: str, **kw) -> int:
