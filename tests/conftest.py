@@ -14,7 +14,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("default")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Each of pytest-xdist's workers (addopts: one per core, at most 4) takes one thread, so that
+# the workers do not share cores; a run in one process (-n 0) takes two.
+torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, torch.get_num_threads()))
 if "GRADHOOKS_TEST_DEFAULT_DEVICE" in os.environ:
     # e.g. cuda: the suite with torch's default device there (tensors and modules a test makes
     # without naming a device); a test that names the CPU, or mixes in its generators, stays
