@@ -2989,6 +2989,241 @@ def _regionvit() -> Example:
     return _vit_example(model, 3, 64, 64)
 
 
+# -- video, memory, routed attention, neural operators -----------------------------------------
+
+
+@case("timesformer", "timesformer_pytorch", "TimeSformer: divided space-time attention, rotary")
+def _timesformer() -> Example:
+    from timesformer_pytorch import TimeSformer
+
+    torch.manual_seed(0)
+    model = TimeSformer(dim=DIM, image_size=8, patch_size=4, num_frames=2, num_classes=CLASSES,
+                        depth=2, heads=4, dim_head=8)  # fmt: skip
+    return _vit_example(model, 2, 3, 8, 8)
+
+
+@case("timesformer-shift", "timesformer_pytorch", "TimeSformer, tokens shifted across frames")
+def _timesformer_shift() -> Example:
+    from timesformer_pytorch import TimeSformer
+
+    torch.manual_seed(0)
+    model = TimeSformer(dim=DIM, image_size=8, patch_size=4, num_frames=2, num_classes=CLASSES,
+                        depth=2, heads=4, dim_head=8, rotary_emb=False,
+                        shift_tokens=True)  # fmt: skip
+    return _vit_example(model, 2, 3, 8, 8)
+
+
+def _rmt(**kw) -> Example:
+    from recurrent_memory_transformer_pytorch import (
+        RecurrentMemoryTransformer,
+        RecurrentMemoryTransformerWrapper,
+    )
+
+    torch.manual_seed(0)
+    core = RecurrentMemoryTransformer(DIM, num_tokens=VOCAB, depth=2, num_memory_tokens=2,
+                                      seq_len=4, dim_head=8, heads=2, num_residual_streams=1,
+                                      **kw)  # fmt: skip
+    model = RecurrentMemoryTransformerWrapper(core)
+    # (the wrapper's loss: each segment's mean token cross-entropy, weighted by its length,
+    # averaged over the batch; 9 tokens: 2 segments of 4 predicted from the ones before)
+    return Example(model, (_tokens(9),), lambda loss: loss, (), "mean",
+                   call=lambda m, ids: m(ids, return_loss=True), batch_loss=True)  # fmt: skip
+
+
+@case("rmt-loss", "recurrent_memory_transformer_pytorch",
+      "Recurrent Memory Transformer, the loss of the batch computed inside (its README's)")  # fmt: skip
+def _rmt_loss() -> Example:
+    return _rmt()
+
+
+def _rmt_logits(**kw) -> Example:
+    ex = _rmt(**kw)
+    return Example(ex.model, (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("rmt", "recurrent_memory_transformer_pytorch",
+      "Recurrent Memory Transformer: memories read and written across 2 segments")  # fmt: skip
+def _rmt_plain() -> Example:
+    return _rmt_logits()
+
+
+@case("rmt-xl", "recurrent_memory_transformer_pytorch",
+      "the same, XL memories (keys and values of the segment before), rotary")  # fmt: skip
+def _rmt_xl() -> Example:
+    return _rmt_logits(use_xl_memories=True, rotary_pos_emb=True, abs_pos_emb=False)
+
+
+@case("mixture-of-attention", "mixture_of_attention",
+      "MixtureOfAttention: queries and keys routed to 2 experts by coordinate descent")  # fmt: skip
+def _mixture_of_attention() -> Example:
+    from mixture_of_attention import MixtureOfAttention
+
+    torch.manual_seed(0)
+    moa = MixtureOfAttention(dim=DIM, num_routed_queries=4, num_routed_key_values=4,
+                             num_experts=2, dim_head=8, heads=2, use_triton=False)  # fmt: skip
+    return Example(TokenClassifier(moa), (_tokens(),), class_ce, (_labels(),), "mean")
+
+
+@case("mixture-of-attention-causal", "mixture_of_attention",
+      "MixtureOfAutoregressiveAttention: routing within causal windows")  # fmt: skip
+def _mixture_of_attention_causal() -> Example:
+    from mixture_of_attention import MixtureOfAutoregressiveAttention
+
+    torch.manual_seed(0)
+    moa = MixtureOfAutoregressiveAttention(dim=DIM, local_attn_window_size=4, routed_window_size=4,
+                                           num_routed_queries=2, num_routed_key_values=2,
+                                           num_experts=2, dim_head=8, heads=2)  # fmt: skip
+    return Example(TokenHead(moa), (_randn(BATCH, SEQ, 4),), token_ce, (_tokens(seed=1),))
+
+
+@case("hierarchical-transformer", "simple_hierarchical_transformer",
+      "HierarchicalTransformer: tokens pooled to 2x coarser streams, local windows")  # fmt: skip
+def _hierarchical() -> Example:
+    from simple_hierarchical_transformer import HierarchicalTransformer
+
+    torch.manual_seed(0)
+    model = HierarchicalTransformer(num_tokens=VOCAB, dim=DIM, depth=2, dim_head=8, heads=2,
+                                    seq_len=SEQ, hierarchies=(1, 2),
+                                    window_sizes=(4, None))  # fmt: skip
+    return _lm_example(model)
+
+
+def _bs_roformer(kind: str, **kw) -> Example:
+    import bs_roformer
+
+    torch.manual_seed(0)
+    model = getattr(bs_roformer, kind)(dim=16, depth=1, time_transformer_depth=1,
+                                       freq_transformer_depth=1, dim_head=8, heads=2,
+                                       stft_n_fft=64, stft_hop_length=16, stft_win_length=64,
+                                       **kw)  # fmt: skip
+    audio, target = _randn(BATCH, 256), _randn(BATCH, 256, seed=1)
+    # (its loss: the L1 loss of the waveform and of multi-resolution STFTs, means over the
+    # batch)
+    return Example(model, (audio, target), lambda loss: loss, (), "mean",
+                   call=lambda m, x, y: m(x, target=y), batch_loss=True)  # fmt: skip
+
+
+@case("bs-roformer", "bs_roformer",
+      "BS-RoFormer: complex STFT, band-split, axial time and frequency attention, a mask")  # fmt: skip
+def _bs_roformer_plain() -> Example:
+    return _bs_roformer("BSRoformer", dim_freqs_in=33, freqs_per_bands=(8, 8, 8, 9),
+                        num_residual_streams=1, multi_stft_resolutions_window_sizes=(64, 32),
+                        multi_stft_hop_size=16)  # fmt: skip
+
+
+@case("bs-roformer-hyper", "bs_roformer", "BS-RoFormer, 2 residual streams (hyper-connections)")
+def _bs_roformer_hyper() -> Example:
+    return _bs_roformer("BSRoformer", dim_freqs_in=33, freqs_per_bands=(8, 8, 8, 9),
+                        num_residual_streams=2, multi_stft_resolutions_window_sizes=(64, 32),
+                        multi_stft_hop_size=16)  # fmt: skip
+
+
+@case("mel-band-roformer", "bs_roformer",
+      "Mel-Band RoFormer: overlapping mel bands gathered and scattered back, value residuals")  # fmt: skip
+def _mel_band_roformer() -> Example:
+    return _bs_roformer("MelBandRoformer", dim_freqs_in=33, num_bands=4, sample_rate=8000,
+                        num_residual_streams=1, attn_dropout=0.0, ff_dropout=0.0,
+                        multi_stft_resolutions_window_sizes=(64, 32),
+                        multi_stft_hop_size=16)  # fmt: skip
+
+
+def _fno(kind: str, **kw) -> Example:
+    import neuralop.models
+
+    torch.manual_seed(0)
+    model = getattr(neuralop.models, kind)(in_channels=1, out_channels=1, hidden_channels=8,
+                                           n_layers=2, **kw)  # fmt: skip
+    for param in model.parameters():  # (.double() leaves the complex spectral weights)
+        if param.is_complex():
+            param.data = param.data.to(torch.complex128)
+
+    # (its users' loss: neuralop.losses.LpLoss, each example's relative L2 error, summed)
+    def relative_l2(pred: Tensor, target: Tensor) -> Tensor:
+        return (pred - target).flatten(1).norm(dim=1) / target.flatten(1).norm(dim=1)
+
+    side = kw.get("n_modes", (4, 4))
+    shape = (1, 16) if len(side) == 1 else (1, 16, 16)
+    return Example(model, (_randn(BATCH, *shape),), relative_l2, (_randn(BATCH, *shape, seed=1),))
+
+
+@case("fno", "neuralop", "FNO: spectral convolutions (complex weights, rfft), a grid embedding")
+def _fno2d() -> Example:
+    return _fno("FNO", n_modes=(4, 4))
+
+
+@case("fno-1d", "neuralop", "FNO on 1D signals, soft-gated channel MLPs")
+def _fno1d() -> Example:
+    return _fno("FNO", n_modes=(4,))
+
+
+@case("tfno", "neuralop", "TFNO: spectral weights as a Tucker factorization (tensorly)")
+def _tfno() -> Example:
+    return _fno("TFNO", n_modes=(4, 4), factorization="tucker", rank=0.5)
+
+
+def _xlstm_config(**kw):
+    from xlstm import (
+        FeedForwardConfig,
+        mLSTMBlockConfig,
+        mLSTMLayerConfig,
+        sLSTMBlockConfig,
+        sLSTMLayerConfig,
+    )
+
+    mlstm = mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=2, qkv_proj_blocksize=4,
+                                                    num_heads=2))  # fmt: skip
+    slstm = sLSTMBlockConfig(slstm=sLSTMLayerConfig(backend="vanilla", num_heads=2,
+                                                    conv1d_kernel_size=2,
+                                                    bias_init="powerlaw_blockdependent"),
+                             feedforward=FeedForwardConfig(proj_factor=1.3, act_fn="gelu"))  # fmt: skip
+    return dict(mlstm_block=mlstm, slstm_block=slstm, context_length=SEQ, embedding_dim=16,
+                **kw)  # fmt: skip
+
+
+@case("xlstm-lm", "xlstm", "xLSTM: an mLSTM block (matrix memory), an sLSTM block (vanilla)")
+def _xlstm_lm() -> Example:
+    from xlstm import xLSTMLMModel, xLSTMLMModelConfig
+
+    torch.manual_seed(0)
+    config = xLSTMLMModelConfig(vocab_size=VOCAB, num_blocks=2, slstm_at=[1], **_xlstm_config())
+    return _lm_example(xLSTMLMModel(config))
+
+
+@case("xlstm-mlstm", "xlstm", "xLSTM block stack of mLSTM blocks alone (parallel form)")
+def _xlstm_mlstm() -> Example:
+    from xlstm import xLSTMBlockStack, xLSTMBlockStackConfig
+
+    torch.manual_seed(0)
+    config = xLSTMBlockStackConfig(num_blocks=2, slstm_at=[], **_xlstm_config())
+    stack = xLSTMBlockStack(config)
+    proj, head = nn.Linear(4, 16), nn.Linear(16, CLASSES)
+    model = nn.Sequential(proj, stack, head)
+    return Example(model, (_randn(BATCH, SEQ, 4),), lambda out, y: class_ce(out.mean(1), y),
+                   (_labels(),), "mean")  # fmt: skip
+
+
+@case("titans-neural-memory", "titans_pytorch",
+      "Titans NeuralMemory: an MLP memorizing each chunk at test time (torch.func grads)")  # fmt: skip
+def _titans_memory() -> Example:
+    from titans_pytorch import NeuralMemory
+
+    torch.manual_seed(0)
+    return Example(TokenClassifier(NeuralMemory(dim=DIM, chunk_size=4)), (_tokens(),), class_ce,
+                   (_labels(),), "mean")  # fmt: skip
+
+
+@case("titans-mac", "titans_pytorch",
+      "Titans MemoryAsContextTransformer: persistent and long-term memory tokens")  # fmt: skip
+def _titans_mac() -> Example:
+    from titans_pytorch import MemoryAsContextTransformer
+
+    torch.manual_seed(0)
+    model = MemoryAsContextTransformer(num_tokens=VOCAB, dim=DIM, depth=1, segment_len=4,
+                                       num_persist_mem_tokens=2, num_longterm_mem_tokens=2,
+                                       dim_head=8, heads=2)  # fmt: skip
+    return _lm_example(model)
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 

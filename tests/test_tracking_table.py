@@ -85,12 +85,15 @@ MIXING_ADDED = {
     "linalg_matrix_power", "linalg_matrix_rank", "linalg_eigvalsh", "linalg_svdvals",
     "fft_hfft2", "fft_ihfft2", "fft_hfftn", "fft_ihfftn",
 }  # fmt: skip
+# short-time Fourier transforms of a batch of signals, and their inverse (BS-RoFormer's
+# spectrograms: tests/test_lib_sweep_fourth.py)
+STFT_ADDED = {"stft", "istft"}
 # counts over the batch (a histogram of it as long as the batch was presumed its rows), and
 # searches among boundaries that may hold the examples (tests/test_tracking_ops.py)
 COUNTS_ADDED = {"histc", "histogram", "histogramdd", "bincount", "bucketize", "searchsorted"}
 ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell", "lstm_cell",
          "rnn_tanh_cell", "rnn_relu_cell", "cosine_similarity", "pairwise_distance",
-         "polygamma", "polygamma_", *SPECIAL, *MIXING_ADDED, *COUNTS_ADDED}  # fmt: skip
+         "polygamma", "polygamma_", *SPECIAL, *MIXING_ADDED, *COUNTS_ADDED, *STFT_ADDED}  # fmt: skip
 # names that follow rows picked by an index since (attention along the rows of one example
 # alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2; the
 # operations in which each row of the batch runs alone, convolutions, pooling, attention,

@@ -42,3 +42,25 @@ for _n in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2", "fft_hfft2", "fft
     HANDLERS[_n] = _fft_along((-2, -1))
 for _n in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "fft_hfftn", "fft_ihfftn"):
     HANDLERS[_n] = _fft_along(None)
+
+
+@handles("stft")
+def _stft(args, kwargs, out, layout_of):
+    """A short-time Fourier transform of ``[time]`` or ``[batch, time]`` (the frames cut along
+    the last dimension and transformed): the examples along dimension 0 of a 2-d input stay
+    there, ``[batch, freq, frames(, 2)]``; along the time they mix."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    return lay if t.dim() == 2 and lay.dim == 0 else MIXED
+
+
+@handles("istft")
+def _istft(args, kwargs, out, layout_of):
+    """Its inverse, of ``[freq, frames]`` or ``[batch, freq, frames]`` (complex): the examples
+    along dimension 0 of a 3-d input stay there, ``[batch, time]``; along the frequencies or
+    the frames they mix."""
+    t, lay = single_input(args, kwargs, layout_of)
+    if t is None or lay is UNKNOWN:
+        return UNKNOWN
+    return lay if t.dim() == 3 and lay.dim == 0 else MIXED
