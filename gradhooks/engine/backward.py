@@ -1080,6 +1080,8 @@ class BackwardWriter:
         self._settle(bw, kept and bool(bw.reached))
         if self.state.collector is not None:
             self.state.collector.missed = list(bw.missed)
+            if bw.missed and not bw.reached and not bw.nested:
+                self.state.collector.forget_results(bw.missed)
         if bw.missed:
             missed = set(bw.missed)
             for name, p in self.state.params.values():

@@ -44,7 +44,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
 from .accumulation import all_zero, grad_of
 from .backprops import KeptBackprops, kept_for
-from .backward import BackwardWriter
+from .backward import BackwardWriter, _listed_names
 from .calls import CallLayouts
 from .capture import DetachedCalls, runs_call_last_only
 from .forward import ForwardCapture
@@ -988,6 +988,15 @@ class Hooks:
             raise StateError(
                 f"this handle does not compute {quantity!r} (quantities={self.quantities!r}): "
                 f"add_hooks(model, quantities=({quantity!r}, ...))"
+            )
+        unreached = self._state.collector.unreached
+        if published and unreached and quantity != "kfac":  # (kfac sums until clear())
+            raise StateError(
+                f"the last backward computed the gradient of {_listed_names(unreached)} but "
+                "reached none of the model's captured calls (its loss used the outputs "
+                "detached, or only the parameters themselves: a weight penalty), so it has "
+                f"no {quantity!r}; the last captured backward's were not kept for it. Run the "
+                "forward and the backward through the model's modules" + frozen_model(self.model)
             )
         if published and not self._state.collector.published:
             raise StateError(

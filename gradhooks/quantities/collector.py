@@ -71,6 +71,9 @@ class Collector:
         # parameters the last backward computed a gradient for without capturing their calls:
         # left out of param_sq_norms, so the whole-model norms would be too small
         self.missed: list[str] = []
+        # parameters the last backward computed a gradient for while it reached none of the
+        # calls captured: the results of the backward before are not that one's, none published
+        self.unreached: list[str] = []
         self.norm_forms: dict[str, str] = {}  # how each parameter's norm was formed
         self._forms: dict[str, str] = {}  # (of the backward running)
         # per parameter whose norms kept the Gram form's rounding (on a device: see
@@ -116,6 +119,7 @@ class Collector:
         self._done = {}
         self.param_sq_norms = {}
         self.missed = []
+        self.unreached = []
         self.norm_forms, self._forms = {}, {}
         self.gram_rounding, self._rounding = {}, {}
         self.sum_grad_sq = {}
@@ -131,15 +135,22 @@ class Collector:
         backward's end replaces, never changes)."""
         return (
             self.param_sq_norms, self.norm_forms, self.gram_rounding, self.sum_grad_sq,
-            self.grad_mean, self.batch, self.published,
+            self.grad_mean, self.batch, self.published, self.unreached,
         )  # fmt: skip
 
     def restore(self, results: tuple) -> None:
         """Publish again what :meth:`results` gave (a later backward's were refused)."""
         (
             self.param_sq_norms, self.norm_forms, self.gram_rounding, self.sum_grad_sq,
-            self.grad_mean, self.batch, self.published,
+            self.grad_mean, self.batch, self.published, self.unreached,
         ) = results  # fmt: skip
+
+    def forget_results(self, names: list[str]) -> None:
+        """A backward computed the gradient of ``names`` and reached none of the calls
+        captured: what is published is an earlier backward's, never to be read for this one."""
+        self.param_sq_norms, self.norm_forms, self.gram_rounding = {}, {}, {}
+        self.sum_grad_sq, self.grad_mean, self.batch = {}, {}, None
+        self.unreached = list(names)
 
     def rescale(self, factor: Callable[[int], float]) -> None:
         """The per-example gradients were ``factor(batch)`` times what they are taken for
@@ -311,6 +322,7 @@ class Collector:
     def _finish_backward(self) -> None:
         self._queued = False
         self.published = True
+        self.unreached = []
         held, self._held = self._held, {}
         self._expected = {}  # the forward's calls are consumed by this backward
         if self.kfac is not None:
