@@ -48,7 +48,9 @@ class GradTrail:
     def __init__(self) -> None:
         # id(param) -> (param, a weak reference to its .grad or None, that .grad's version)
         self._left: dict[int, tuple[nn.Parameter, weakref.ref | None, int]] = {}
-        self._reset_seen: set[int] = set()  # by a backward that was not captured
+        # seen by a backward that was not captured, by id: whether .grad was None then (so
+        # that the tensor the last captured backward left, on .grad again, was put back)
+        self._reset_seen: dict[int, bool] = {}
         # computed without adding to .grad by the last captured backward that computed them
         # (torch.autograd.grad), by id
         self._not_added: set[int] = set()
@@ -78,7 +80,7 @@ class GradTrail:
             g = grad_of(p)
             ref = None if g is None else weakref.ref(g)
             self._left[id(p)] = (p, ref, -1 if g is None else _torch.version(g))
-            self._reset_seen.discard(id(p))
+            self._reset_seen.pop(id(p), None)
 
     def left_alone(self, p: nn.Parameter) -> bool:
         """Whether the last captured backward left ``p.grad`` ``None`` and it still is, or
@@ -99,7 +101,11 @@ class GradTrail:
         """The recorded parameters whose ``.grad`` is ``None`` now, or is all zeros (or,
         ``seen``, changed since a reset was seen). A ``.grad`` whose tensor and version are
         those recorded is read too: ``p.grad.data.zero_()`` (the manual loops' reset) zeroes
-        it without counting a version."""
+        it without counting a version. So is the recorded tensor put back on ``.grad`` after a
+        reset to ``None`` was seen (``.grad`` set aside around a per-example loop, as
+        ``check(loss_fn, ...)`` and ``loop_grad`` do), also where it was changed in place
+        since (``clip_grad_norm_``, a paused backward adding to it): autograd never gives
+        back a tensor it dropped, so the reset was undone."""
         reset, read = [], []
         for p, ref, version in self._left.values():
             g = grad_of(p)
@@ -108,7 +114,8 @@ class GradTrail:
                     reset.append(p)
                 continue
             changed = ref is None or ref() is not g or _torch.version(g) != version
-            if changed and seen and id(p) in self._reset_seen:
+            put_back = self._reset_seen.get(id(p), False) and ref is not None and ref() is g
+            if changed and seen and id(p) in self._reset_seen and not put_back:
                 reset.append(p)
             else:
                 read.append(p)
@@ -124,7 +131,7 @@ class GradTrail:
         reset = self._reset(seen=True)
         for p in reset:
             del self._left[id(p)]
-            self._reset_seen.discard(id(p))
+            self._reset_seen.pop(id(p), None)
         self._alone = {
             id(p) for p, ref, _ in self._left.values() if ref is None and grad_of(p) is None
         }
@@ -139,7 +146,8 @@ class GradTrail:
         """At the start of a backward that is not captured: note the resets it sees (its own
         gradient then makes ``.grad`` nonzero again; the next captured backward starts afresh
         all the same, unless ``.grad`` is put back as the last captured backward left it)."""
-        self._reset_seen.update(id(p) for p in self._reset(seen=True))
+        for p in self._reset(seen=True):
+            self._reset_seen[id(p)] = grad_of(p) is None
 
     def added_last(self, p: nn.Parameter) -> bool:
         """Whether the last captured backward that computed ``p``'s gradient added it into
@@ -149,7 +157,7 @@ class GradTrail:
     def forget(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self._left.pop(pid, None)
-            self._reset_seen.discard(pid)
+            self._reset_seen.pop(pid, None)
             self._not_added.discard(pid)
 
     def clear(self) -> None:
