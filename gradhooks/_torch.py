@@ -494,6 +494,18 @@ def in_transform(*trees: Any) -> bool:
         return True
 
 
+def functorch_base(t: Tensor) -> Tensor:
+    """The tensor under ``t``'s ``torch.func`` wrappers (``vmap``'s batched tensor, ``grad``'s
+    tracked one), by the public ``torch.func.debug_unwrap``; ``t`` itself where it has none
+    (or where that function is missing)."""
+    if _DEBUG_UNWRAP is None:
+        return t
+    try:
+        return _DEBUG_UNWRAP(t, recurse=True)
+    except Exception:
+        return t
+
+
 # -- functorch_batched -------------------------------------------------------------------------
 
 _BATCHED = _lookup(

@@ -443,6 +443,8 @@ class Tracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if (self.taints.entries or self.param_sources) and _torch.in_transform(args, kwargs):
+            self._note_transformed(func, args, kwargs)
         # The short way: a function whose layouts are kept for any call (quick_kind), where
         # nothing the tracker knows of the forward beyond layouts stands in the way, its
         # tensors carry no source and its parameters are used inside the hooked calls that
@@ -1831,6 +1833,23 @@ class Tracker(TorchFunctionMode):
         for s in set().union(*srcs.values()):
             s.uses.append(("aligned", aligned[s]) if s in aligned else ("meet", name))
         return out
+
+    def _note_transformed(self, func, args: tuple, kwargs: dict) -> None:
+        """A call inside a ``torch.func`` transform (``vmap``, ``grad``) run in the forward:
+        the transform's tensors wrap the forward's, which the tracker cannot follow through it.
+        A parameter used outside its module's call, or a tensor made from one, that enters it
+        may meet the batch there unseen, so its per-example gradient would miss that use:
+        marked, so that a backward that reaches it refuses rather than leaves it out."""
+        why = (
+            f"'{op_name(func)}' runs it inside a torch.func transform (vmap, grad) in the "
+            "forward, where gradhooks cannot follow the examples"
+        )
+        for t in tensor_args(args, kwargs):
+            base = _torch.functorch_base(t)
+            if base is t:
+                continue
+            for s in self.all_sources(base):
+                s.problem = s.problem or why
 
     def all_sources(self, t: Tensor) -> frozenset[Source]:
         s = self.taints.get(t, frozenset())
