@@ -58,7 +58,7 @@ from .calls import (
 from .capture import DetachedCalls
 from .opaque import follow_scripted
 from .outputs import LayerOutputs
-from .plan import Target, positional
+from .plan import Target, accumulator_of, positional
 from .records import (
     BufferStates,
     CallLayout,
@@ -270,6 +270,8 @@ class ForwardCapture:
                 live = _used_by_fallback(target, live, used, tracker, output)
                 if not live:
                     return  # the tracker follows every use (or there was none)
+            if target.entry is FALLBACK:
+                _refuse_held_by_functions(target, live, args, kwargs, output)
             replaced = None
             if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
@@ -1128,6 +1130,72 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
                 "parameter only through the submodule."
             )
     return kept
+
+
+def _refuse_held_by_functions(target: Target, live: dict, args, kwargs, output) -> None:
+    """A module without a rule that returns a function holding a tensor computed in its call
+    from parameters its fallback differentiates (hyper-connections' ``branch_input,
+    add_residual = hc(x)``, whose ``add_residual`` closes over the streams' mixing weights):
+    the fallback's recomputation differentiates through the call's returned tensors only,
+    so the gradient that reaches those parameters through the function, used after the call,
+    would be left out of their ``grad1``. Refused, naming them."""
+    held = [t for leaf in tree_leaves(output) for t in _held_tensors(leaf)]
+    held = [t for t in held if t.requires_grad and t.grad_fn is not None]
+    if not held:
+        return
+    targets = {}
+    for n, p in live.items():
+        node = accumulator_of(p)
+        if node is not None:
+            targets[node] = n
+    stop = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+    reached, seen = [], set()
+    todo = [t.grad_fn for t in held]
+    while todo and len(seen) < 100_000:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        if node in targets:
+            reached.append(targets[node])
+            continue
+        todo.extend(f for f, _ in node.next_functions)
+    if reached:
+        names = ", ".join(f"'{n}'" for n in sorted(set(reached)))
+        raise UnsupportedError(
+            f"{target.where} (a module without a rule, recomputed per example by the "
+            "torch.func fallback from the tensors it returns) returns a function that holds a "
+            f"tensor computed in the call from its parameters {names}: the gradient that "
+            "reaches them through that function, called after the call, would be left out of "
+            "their per-example gradients. Register a rule for "
+            f"{type(target.module).__qualname__} with @gradhooks.register, call its branch "
+            "inside it (as hyper-connections' branch= does), or freeze those parameters."
+        )
+
+
+def _held_tensors(leaf: Any, depth: int = 0) -> list[Tensor]:
+    """The tensors a function among a call's outputs holds: its closure's cells, a
+    ``functools.partial``'s arguments, and the containers and functions in them (two deep)."""
+    if isinstance(leaf, Tensor) or isinstance(leaf, nn.Module) or depth > 2:
+        return []
+    found: list = []
+    if isinstance(leaf, functools.partial):
+        found = [leaf.func, *leaf.args, *leaf.keywords.values()]
+    elif callable(leaf) and getattr(leaf, "__closure__", None):
+        for cell in leaf.__closure__:
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # (a cell not filled yet)
+                continue
+    else:
+        return []
+    out = []
+    for item in tree_leaves(found):
+        if isinstance(item, Tensor):
+            out.append(item)
+        elif callable(item):
+            out.extend(_held_tensors(item, depth + 1))
+    return out
 
 
 class _Edges(list):
