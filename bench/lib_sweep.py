@@ -3228,14 +3228,34 @@ def _titans_mac() -> Example:
 # spaces, GLOM, Hamburger, involution, E(n)-equivariant and few-shot models ----------------------
 
 
+class DefaultFloat64(nn.Module):
+    """A model run with float64 as torch's default dtype: flash attention written in torch
+    (memory-efficient-attention-pytorch's, ring-attention-pytorch's) keeps its running row
+    sums and maxima in the default dtype, and fills them with the float64 input's most negative
+    value, which float32 cannot hold."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        was = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return self.model(*xs)
+        finally:
+            torch.set_default_dtype(was)
+
+
 @case("mea-reversible", "memory_efficient_attention_pytorch",
-      "memory-efficient-attention-pytorch: reversible layers, chunked flash attention in torch")  # fmt: skip
+      "memory-efficient-attention-pytorch: reversible layers, chunked checkpointed attention")  # fmt: skip
 def _mea_reversible() -> Example:
     from memory_efficient_attention_pytorch.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(num_tokens=VOCAB, max_seq_len=SEQ, dim=DIM, depth=2, causal=True,
-                        dim_head=8, heads=4, q_bucket_size=4, k_bucket_size=4)  # fmt: skip
+                        dim_head=8, heads=4, use_flash_attn=False, q_bucket_size=4,
+                        k_bucket_size=4)  # fmt: skip
     return _lm_example(model)
 
 
@@ -3250,13 +3270,24 @@ def _mea_attention() -> Example:
     return Example(ResidualLM(attn), (_tokens(),), token_ce, (_tokens(seed=1),))
 
 
+@case("mea-flash", "memory_efficient_attention_pytorch",
+      "FlashAttention in torch: its own autograd.Function, blocks of 4 queries and keys")  # fmt: skip
+def _mea_flash() -> Example:
+    from memory_efficient_attention_pytorch import FlashAttention
+
+    torch.manual_seed(0)
+    attn = FlashAttention(dim=DIM, dim_head=8, heads=4, causal=True, q_bucket_size=4,
+                          k_bucket_size=4)  # fmt: skip
+    return Example(DefaultFloat64(ResidualLM(attn)), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
 def _ring(**kw) -> Example:
     from ring_attention_pytorch import RingTransformer
 
     torch.manual_seed(0)
     model = RingTransformer(num_tokens=VOCAB, dim=DIM, depth=2, causal=True, dim_head=8, heads=4,
                             bucket_size=4, use_cuda_kernel=False, **kw)  # fmt: skip
-    return _lm_example(model)
+    return _lm_example(DefaultFloat64(model))
 
 
 @case("ring-flash", "ring_attention_pytorch",
@@ -3432,13 +3463,17 @@ def _cross_transformer() -> Example:
 
 
 @case("fast-transformer", "fast_transformer_pytorch",
-      "Fastformer: additive attention, its projections tied across layers, rotary")  # fmt: skip
+      "Fastformer: additive attention, its projections tied across layers, padding masks")  # fmt: skip
 def _fast_transformer() -> Example:
     from fast_transformer_pytorch import FastTransformer
 
     torch.manual_seed(0)
-    return _lm_example(FastTransformer(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ,
-                                       heads=4, dim_head=8))  # fmt: skip
+    # (absolute positions: its rotary embedding calls rotary-embedding-torch with an argument
+    # that its current version lacks)
+    model = FastTransformer(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ, heads=4,
+                            dim_head=8, absolute_pos_emb=True)  # fmt: skip
+    mask = torch.arange(SEQ) < torch.tensor([[SEQ], [5], [3]])  # (each example's length)
+    return Example(model, (_tokens(), mask), token_ce, (_tokens(seed=1),))
 
 
 @case("hrm", "HRM",
@@ -3475,22 +3510,6 @@ def _bidirectional() -> Example:
                                                    dim_head=8, talking_heads=True)  # fmt: skip
     return Example(CrossPair(layer), (_tokens(), _tokens(5, seed=2)), class_ce, (_labels(),),
                    "mean")  # fmt: skip
-
-
-@case("gsa", "gsa_pytorch", "Global Self-Attention: content and relative-position attention")
-def _gsa() -> Example:
-    from gsa_pytorch import GSA
-
-    torch.manual_seed(0)
-    return _image_classifier(GSA(dim=8, rel_pos_length=4, heads=2, dim_key=4, batch_norm=False))
-
-
-@case("gsa-batchnorm", "gsa_pytorch", "Global Self-Attention, its positional BatchNorm")
-def _gsa_batchnorm() -> Example:
-    from gsa_pytorch import GSA
-
-    torch.manual_seed(0)
-    return _image_classifier(GSA(dim=8, rel_pos_length=4, heads=2, dim_key=4))
 
 
 @case("isab", "isab_pytorch", "Set Transformer's induced set attention: learned inducing points")
