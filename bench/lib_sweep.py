@@ -3259,17 +3259,6 @@ def _mea_reversible() -> Example:
     return _lm_example(model)
 
 
-@case("mea-attention", "memory_efficient_attention_pytorch",
-      "memory-efficient attention: query and key chunks, each checkpointed")  # fmt: skip
-def _mea_attention() -> Example:
-    from memory_efficient_attention_pytorch import Attention
-
-    torch.manual_seed(0)
-    attn = Attention(dim=DIM, dim_head=8, heads=4, causal=True, memory_efficient=True,
-                     q_bucket_size=4, k_bucket_size=4)  # fmt: skip
-    return Example(ResidualLM(attn), (_tokens(),), token_ce, (_tokens(seed=1),))
-
-
 @case("mea-flash", "memory_efficient_attention_pytorch",
       "FlashAttention in torch: its own autograd.Function, blocks of 4 queries and keys")  # fmt: skip
 def _mea_flash() -> Example:
@@ -3281,24 +3270,15 @@ def _mea_flash() -> Example:
     return Example(DefaultFloat64(ResidualLM(attn)), (_tokens(),), token_ce, (_tokens(seed=1),))
 
 
-def _ring(**kw) -> Example:
+@case("ring-flash", "ring_attention_pytorch",
+      "RingTransformer on one process: flash attention by buckets (its own autograd.Function)")  # fmt: skip
+def _ring_flash() -> Example:
     from ring_attention_pytorch import RingTransformer
 
     torch.manual_seed(0)
     model = RingTransformer(num_tokens=VOCAB, dim=DIM, depth=2, causal=True, dim_head=8, heads=4,
-                            bucket_size=4, use_cuda_kernel=False, **kw)  # fmt: skip
+                            bucket_size=4, use_cuda_kernel=False)  # fmt: skip
     return _lm_example(DefaultFloat64(model))
-
-
-@case("ring-flash", "ring_attention_pytorch",
-      "RingTransformer on one process: flash attention by buckets (its own autograd.Function)")  # fmt: skip
-def _ring_flash() -> Example:
-    return _ring()
-
-
-@case("ring-regular", "ring_attention_pytorch", "RingTransformer, regular attention, rotary")
-def _ring_regular() -> Example:
-    return _ring(force_regular_attn=True, num_grouped_query_heads=2)
 
 
 @case("native-sparse-attention", "native_sparse_attention_pytorch",
@@ -3322,26 +3302,6 @@ def _gss_lm() -> Example:
     torch.manual_seed(0)
     return _lm_example(GatedStateSpacesLM(num_tokens=VOCAB, dim=DIM, depth=2, dss_kernel_N=16,
                                           dss_kernel_H=16, dim_expansion_factor=2))  # fmt: skip
-
-
-@case("gated-mhesa-lm", "gated_state_spaces_pytorch",
-      "gated multi-head exponential smoothing (ETSFormer's), a learned decay by FFT")  # fmt: skip
-def _gated_mhesa_lm() -> Example:
-    from gated_state_spaces_pytorch import GatedExponentialSmoothingLM
-
-    torch.manual_seed(0)
-    return _lm_example(GatedExponentialSmoothingLM(num_tokens=VOCAB, dim=DIM, depth=2, heads=4,
-                                                   dim_mhesa=16, dim_expansion_factor=2))  # fmt: skip
-
-
-@case("gated-dsconv-lm", "gated_state_spaces_pytorch",
-      "gated depthwise-separable long convolutions (learned kernels, FFT)")  # fmt: skip
-def _gated_dsconv_lm() -> Example:
-    from gated_state_spaces_pytorch import GatedDsConvLM
-
-    torch.manual_seed(0)
-    return _lm_example(GatedDsConvLM(num_tokens=VOCAB, dim=DIM, depth=2, heads=4, dim_dsconv=16,
-                                     max_seq_len=SEQ, dim_expansion_factor=2))  # fmt: skip
 
 
 @case("compressive-transformer", "compressive_transformer_pytorch",
@@ -3370,14 +3330,12 @@ class Pooled(nn.Module):
     """A model's output, its mean over every dimension but the batch's first and last, a
     linear head: a classifier around an encoder of any output shape."""
 
-    def __init__(self, model: nn.Module, dim: int = DIM, take: int | None = None):
+    def __init__(self, model: nn.Module, dim: int = DIM):
         super().__init__()
-        self.model, self.head, self.take = model, nn.Linear(dim, CLASSES), take
+        self.model, self.head = model, nn.Linear(dim, CLASSES)
 
     def forward(self, *xs: Tensor) -> Tensor:
-        out = self.model(*xs)
-        out = out[self.take] if self.take is not None else out
-        return self.head(out.flatten(1, -2).mean(1))
+        return self.head(self.model(*xs).flatten(1, -2).mean(1))
 
 
 @case("glom", "glom_pytorch", "GLOM: columns of levels, bottom-up, top-down and consensus, 4 steps")
