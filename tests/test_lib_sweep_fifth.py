@@ -2,12 +2,12 @@
 ``bench.lib_sweep``: memory-efficient-attention-pytorch's reversible layers (blocks recomputed
 inside a custom autograd.Function's backward) and its flash attention written in torch,
 ring-attention-pytorch's bucketed flash attention, Hamburger's matrix decomposition (steps
-under no_grad, the last one differentiated), involution's per-pixel kernels, CrossTransformer's support images
-of each example encoded in one batch, Fastformer under padding masks, bidirectional cross
-attention and the Set Transformer's induced points; and those refused, each by gradhooks' own
-error (the E(n)-equivariant transformer's neighbours gathered by einx from the flattened batch,
-the Hierarchical Reasoning Model's steps under no_grad through a layer without a rule). A
-model whose library is not installed is skipped."""
+under no_grad, the last one differentiated), involution's per-pixel kernels,
+CrossTransformer's support images of each example encoded in one batch, Fastformer under
+padding masks and the Set Transformer's induced points; and those refused, each by
+gradhooks' own error (the E(n)-equivariant transformer's neighbours gathered by einx from the
+flattened batch, the Hierarchical Reasoning Model's steps under no_grad through a layer
+without a rule). A model whose library is not installed is skipped."""
 
 from __future__ import annotations
 
