@@ -3224,6 +3224,261 @@ def _titans_mac() -> Example:
     return _lm_example(model)
 
 
+# -- a fifth round: lucidrains' reversible, ring, sparse and feedback transformers, gated state
+# spaces, GLOM, Hamburger, involution, E(n)-equivariant and few-shot models ----------------------
+
+
+class DefaultFloat64(nn.Module):
+    """A model run with float64 as torch's default dtype: flash attention written in torch
+    (memory-efficient-attention-pytorch's, ring-attention-pytorch's) keeps its running row
+    sums and maxima in the default dtype, and fills them with the float64 input's most negative
+    value, which float32 cannot hold."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        was = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return self.model(*xs)
+        finally:
+            torch.set_default_dtype(was)
+
+
+@case("mea-reversible", "memory_efficient_attention_pytorch",
+      "memory-efficient-attention-pytorch: reversible layers, chunked checkpointed attention")  # fmt: skip
+def _mea_reversible() -> Example:
+    from memory_efficient_attention_pytorch.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(num_tokens=VOCAB, max_seq_len=SEQ, dim=DIM, depth=2, causal=True,
+                        dim_head=8, heads=4, use_flash_attn=False, q_bucket_size=4,
+                        k_bucket_size=4)  # fmt: skip
+    return _lm_example(model)
+
+
+@case("mea-flash", "memory_efficient_attention_pytorch",
+      "FlashAttention in torch: its own autograd.Function, blocks of 4 queries and keys")  # fmt: skip
+def _mea_flash() -> Example:
+    from memory_efficient_attention_pytorch import FlashAttention
+
+    torch.manual_seed(0)
+    attn = FlashAttention(dim=DIM, dim_head=8, heads=4, causal=True, q_bucket_size=4,
+                          k_bucket_size=4)  # fmt: skip
+    return Example(DefaultFloat64(ResidualLM(attn)), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("ring-flash", "ring_attention_pytorch",
+      "RingTransformer on one process: flash attention by buckets (its own autograd.Function)")  # fmt: skip
+def _ring_flash() -> Example:
+    from ring_attention_pytorch import RingTransformer
+
+    torch.manual_seed(0)
+    model = RingTransformer(num_tokens=VOCAB, dim=DIM, depth=2, causal=True, dim_head=8, heads=4,
+                            bucket_size=4, use_cuda_kernel=False)  # fmt: skip
+    return _lm_example(DefaultFloat64(model))
+
+
+@case("native-sparse-attention", "native_sparse_attention_pytorch",
+      "Native Sparse Attention: compressed blocks, top-k selected blocks, a sliding window")  # fmt: skip
+def _native_sparse_attention() -> Example:
+    from native_sparse_attention_pytorch import SparseAttention
+
+    torch.manual_seed(0)
+    attn = SparseAttention(dim=DIM, dim_head=8, heads=4, sliding_window_size=2,
+                           compress_block_size=2, compress_block_sliding_stride=2,
+                           selection_block_size=2, num_selected_blocks=2,
+                           causal=True)  # fmt: skip
+    return Example(ResidualLM(attn), (_tokens(),), token_ce, (_tokens(seed=1),))
+
+
+@case("gss-lm", "gated_state_spaces_pytorch",
+      "Gated State Spaces: a diagonal state space's kernel, a convolution by FFT")  # fmt: skip
+def _gss_lm() -> Example:
+    from gated_state_spaces_pytorch import GatedStateSpacesLM
+
+    torch.manual_seed(0)
+    return _lm_example(GatedStateSpacesLM(num_tokens=VOCAB, dim=DIM, depth=2, dss_kernel_N=16,
+                                          dss_kernel_H=16, dim_expansion_factor=2))  # fmt: skip
+
+
+@case("compressive-transformer", "compressive_transformer_pytorch",
+      "Compressive Transformer: memories and memories compressed by a Conv1d, GRU gating")  # fmt: skip
+def _compressive() -> Example:
+    from compressive_transformer_pytorch import CompressiveTransformer
+
+    torch.manual_seed(0)
+    model = CompressiveTransformer(num_tokens=VOCAB, dim=DIM, seq_len=SEQ, depth=2, heads=4,
+                                   mem_len=SEQ, cmem_ratio=4, memory_layers=[2])  # fmt: skip
+    return _lm_example(model)
+
+
+@case("feedback-transformer", "feedback_transformer_pytorch",
+      "Feedback Transformer: segments of 2 attend to a memory of all layers' past outputs")  # fmt: skip
+def _feedback() -> Example:
+    from feedback_transformer_pytorch import FeedbackTransformer
+
+    torch.manual_seed(0)
+    model = FeedbackTransformer(num_tokens=VOCAB, dim=DIM, depth=2, seq_len=2, mem_len=4,
+                                heads=4, dim_head=8)  # fmt: skip
+    return _lm_example(model)
+
+
+class Pooled(nn.Module):
+    """A model's output, its mean over every dimension but the batch's first and last, a
+    linear head: a classifier around an encoder of any output shape."""
+
+    def __init__(self, model: nn.Module, dim: int = DIM):
+        super().__init__()
+        self.model, self.head = model, nn.Linear(dim, CLASSES)
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        return self.head(self.model(*xs).flatten(1, -2).mean(1))
+
+
+@case("glom", "glom_pytorch", "GLOM: columns of levels, bottom-up, top-down and consensus, 4 steps")
+def _glom() -> Example:
+    from glom_pytorch import Glom
+
+    torch.manual_seed(0)
+    glom = Glom(dim=16, levels=2, image_size=8, patch_size=4)
+    return Example(Pooled(glom, 16), (_randn(BATCH, 3, 8, 8),), class_ce, (_labels(),), "mean")
+
+
+@case("hamburger", "hamburger_pytorch",
+      "Hamburger: a matrix decomposition (NMF) by 3 steps, the last one differentiated")  # fmt: skip
+def _hamburger() -> Example:
+    from hamburger_pytorch import Hamburger
+
+    torch.manual_seed(0)
+    return _image_classifier(Hamburger(dim=8, n=64, inner_dim=16, ratio=4, K=3))
+
+
+@case("involution", "involution_pytorch", "Involution: kernels generated per pixel, unfolded")
+def _involution() -> Example:
+    from involution_pytorch import Inv2d
+
+    torch.manual_seed(0)
+    return _image_classifier(Inv2d(channels=8, kernel_size=3, stride=1, group_ch=4, red_ratio=2))
+
+
+class EquivariantRegressor(nn.Module):
+    """EnTransformer on atoms and coordinates: a logit per atom of its features, and its new
+    coordinates."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.head = model, nn.Linear(DIM, CLASSES)
+
+    def forward(self, atoms: Tensor, coors: Tensor) -> Tensor:
+        feats, coors = self.model(atoms, coors)
+        return torch.cat((self.head(feats), coors), -1)
+
+
+def _en_loss(out: Tensor, labels: Tensor, target: Tensor) -> Tensor:
+    return token_ce(out[..., :CLASSES], labels) + mse(out[..., CLASSES:], target)
+
+
+@case("en-transformer", "en_transformer",
+      "E(n)-equivariant transformer: features and coordinates, 3 nearest neighbors")  # fmt: skip
+def _en_transformer() -> Example:
+    from en_transformer import EnTransformer
+
+    torch.manual_seed(0)
+    model = EnTransformer(num_tokens=10, dim=DIM, depth=2, dim_head=32, heads=2, neighbors=3,
+                          coors_hidden_dim=8)  # fmt: skip
+    atoms = torch.randint(0, 10, (BATCH, 6), generator=_gen(2))
+    return Example(EquivariantRegressor(model), (atoms, _randn(BATCH, 6, 3)), _en_loss,
+                   (torch.randint(0, CLASSES, (BATCH, 6), generator=_gen(3)),
+                    _randn(BATCH, 6, 3, seed=4)), "mean")  # fmt: skip
+
+
+class FewShot(nn.Module):
+    """CrossTransformer's README: a small ConvNet encodes each example's query image and its
+    own support images, 2 classes of 2, in one call of ``[batch * 4, ...]``; the query's
+    distances to each class are the logits."""
+
+    def __init__(self):
+        super().__init__()
+        from cross_transformers_pytorch import CrossTransformer
+
+        self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                     nn.Conv2d(8, 8, 3, stride=2, padding=1))  # fmt: skip
+        self.cross = CrossTransformer(dim=8, dim_key=4, dim_value=4)
+
+    def forward(self, query: Tensor, supports: Tensor) -> Tensor:
+        return -self.cross(self.encoder, query, supports)
+
+
+@case("cross-transformer", "cross_transformers_pytorch",
+      "CrossTransformer: few-shot, each example's support images encoded in one batch")  # fmt: skip
+def _cross_transformer() -> Example:
+    torch.manual_seed(0)
+    query, supports = _randn(BATCH, 3, 8, 8), _randn(BATCH, 2, 2, 3, 8, 8, seed=1)
+    return Example(FewShot(), (query, supports), class_ce, (_labels(2),), "mean")
+
+
+@case("fast-transformer", "fast_transformer_pytorch",
+      "Fastformer: additive attention, its projections tied across layers, padding masks")  # fmt: skip
+def _fast_transformer() -> Example:
+    from fast_transformer_pytorch import FastTransformer
+
+    torch.manual_seed(0)
+    # (absolute positions: its rotary embedding calls rotary-embedding-torch with an argument
+    # that its current version lacks)
+    model = FastTransformer(num_tokens=VOCAB, dim=DIM, depth=2, max_seq_len=SEQ, heads=4,
+                            dim_head=8, absolute_pos_emb=True)  # fmt: skip
+    mask = torch.arange(SEQ) < torch.tensor([[SEQ], [5], [3]])  # (each example's length)
+    return Example(model, (_tokens(), mask), token_ce, (_tokens(seed=1),))
+
+
+@case("hrm", "HRM",
+      "Hierarchical Reasoning Model: 2 x-transformers encoders, steps under no_grad, one not")  # fmt: skip
+def _hrm() -> Example:
+    from HRM import HRM
+
+    torch.manual_seed(0)
+    net = {"dim": DIM, "depth": 1, "heads": 2, "attn_dim_head": 8}
+    return _lm_example(HRM(networks=[net, dict(net)], dim=DIM, num_tokens=VOCAB,
+                           reasoning_steps=2, relative_period=2))  # fmt: skip
+
+
+class CrossPair(nn.Module):
+    """Two token sequences of different lengths, each embedded, attending to each other."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.embed, self.context = nn.Embedding(VOCAB, DIM), nn.Embedding(VOCAB, 16)
+        self.layer, self.head = layer, nn.Linear(DIM + 16, CLASSES)
+
+    def forward(self, ids: Tensor, context: Tensor) -> Tensor:
+        x, c = self.layer(self.embed(ids), self.context(context))
+        return self.head(torch.cat((x.mean(1), c.mean(1)), -1))
+
+
+@case("bidirectional-cross-attention", "bidirectional_cross_attention",
+      "bidirectional cross attention: one similarity matrix, softmaxed both ways")  # fmt: skip
+def _bidirectional() -> Example:
+    from bidirectional_cross_attention import BidirectionalCrossAttentionTransformer
+
+    torch.manual_seed(0)
+    layer = BidirectionalCrossAttentionTransformer(dim=DIM, context_dim=16, depth=2, heads=2,
+                                                   dim_head=8, talking_heads=True)  # fmt: skip
+    return Example(CrossPair(layer), (_tokens(), _tokens(5, seed=2)), class_ce, (_labels(),),
+                   "mean")  # fmt: skip
+
+
+@case("isab", "isab_pytorch", "Set Transformer's induced set attention: learned inducing points")
+def _isab() -> Example:
+    from isab_pytorch import ISAB
+
+    torch.manual_seed(0)
+    return Example(TokenClassifier(ISAB(dim=DIM, heads=4, num_induced_points=4)), (_tokens(),),
+                   class_ce, (_labels(),), "mean")  # fmt: skip
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 
