@@ -119,29 +119,32 @@ def test_the_branch_inside_under_bfloat16_autocast():
         torch.testing.assert_close(p.grad1, want[name], rtol=0.05, atol=0.02, msg=name)
 
 
-def test_hyper_connections_with_the_branch_outside_is_refused_without_the_check():
-    """hyper-connections' own modules (both kinds), as their README calls them with the branch
-    outside: refused with verify=False too, naming the mixing weights."""
+class HyperBlock(nn.Module):
+    """hyper-connections' streams around a Linear branch called outside the module."""
+
+    def __init__(self, get):
+        super().__init__()
+        init, self.expand, self.reduce = get(4, dim=8, add_stream_embed=True)
+        self.inp, self.hc, self.ff = nn.Linear(3, 8), init(), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        a, add = self.hc(self.expand(self.inp(x)))
+        return self.head(self.reduce(add(self.ff(a))).mean(1))
+
+
+@pytest.mark.parametrize("kind", ["hyper-connections", "manifold-constrained"])
+def test_hyper_connections_with_the_branch_outside_is_refused_without_the_check(kind):
+    """hyper-connections' own modules, as their README calls them with the branch outside:
+    refused with verify=False too, naming the mixing weights, nothing written."""
     hc = pytest.importorskip("hyper_connections")
-    for get in (hc.get_init_and_expand_reduce_stream_functions,
-                hc.mc_get_init_and_expand_reduce_stream_functions):  # fmt: skip
-        init, expand, reduce = get(4, dim=8, add_stream_embed=True)
-
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inp, self.hc, self.ff = nn.Linear(3, 8), init(), nn.Linear(8, 8)
-                self.head = nn.Linear(8, 2)
-
-            def forward(self, x):
-                a, add = self.hc(expand(self.inp(x)))
-                return self.head(reduce(add(self.ff(a))).mean(1))
-
-        torch.manual_seed(0)
-        model = Block().double()
-        x = torch.randn(3, 5, 3, dtype=torch.float64)
-        with gradhooks.add_hooks(model, verify=False):
-            err = raised(gradhooks.UnsupportedError, ["'hc'", "dynamic_beta_fn"],
-                         lambda: model(x).sum().backward())  # fmt: skip
-        assert "returns a function" in str(err)
-        assert not any(hasattr(p, "grad1") for p in model.parameters())
+    get = (hc.get_init_and_expand_reduce_stream_functions if kind == "hyper-connections"
+           else hc.mc_get_init_and_expand_reduce_stream_functions)  # fmt: skip
+    torch.manual_seed(0)
+    model = HyperBlock(get).double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    with gradhooks.add_hooks(model, verify=False):
+        err = raised(gradhooks.UnsupportedError, ["'hc'", "dynamic_beta_fn"],
+                     lambda: model(x).sum().backward())  # fmt: skip
+    assert "returns a function" in str(err)
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
