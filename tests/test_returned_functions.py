@@ -1,13 +1,15 @@
-"""A module without a rule that returns a function beside its tensors, as hyper-connections'
-``branch_input, add_residual = hc(x)`` does: the ``torch.func`` fallback recomputes such a
-call one example at a time from the tensors it returns, so a tensor the function holds,
-computed in the call from the module's parameters and used after the call, carries gradient
-to those parameters that the recomputation never sees. Such a call is refused at the forward
-with ``UnsupportedError`` naming the parameters, with the run-time check on or off (with it
-off, their ``grad1`` was silently missing that share: hyper-connections' ``dynamic_beta_fn``
-got zeros). A function that holds only what does not depend on them (the call's input), and
-the same module with its branch called inside, match the per-example loop in float64, in a
-training loop of several steps and under bfloat16 autocast."""
+"""A module without a rule whose call lets a tensor of its parameters out other than as a
+returned tensor: held by a function it returns, as hyper-connections' ``branch_input,
+add_residual = hc(x)`` does, or set on the module (an auxiliary loss kept as
+``self.aux_loss``, a list of them). The ``torch.func`` fallback recomputes such a call one
+example at a time from the tensors it returns, so a gradient that reaches the parameters
+through that tensor is never seen by the recomputation. A backward that reaches it is refused
+with ``UnsupportedError`` naming the module and the parameters, with the run-time check on or
+off (with it off, their ``grad1`` silently missed that share: hyper-connections'
+``dynamic_beta_fn`` got zeros), leaving the model untouched. Where no gradient flows through
+it (attention weights kept on the module for a look), where the function holds only the
+call's input, and with the branch called inside, ``grad1`` matches the per-example loop in
+float64, in a training loop of several steps and under bfloat16 autocast."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def test_a_returned_function_holding_a_tensor_of_the_parameters_is_refused(verif
     with gradhooks.add_hooks(model, verify=verify):
         err = raised(
             gradhooks.UnsupportedError,
-            ["'mix' (Mixer)", "returns a function", "'w'", "@gradhooks.register"],
+            ["'mix' (Mixer)", "a function it returns holds it", "'w'", "@gradhooks.register"],
             lambda: F.cross_entropy(model(x), y).backward(),
         )
     assert "branch" in str(err)
@@ -119,6 +121,74 @@ def test_the_branch_inside_under_bfloat16_autocast():
         torch.testing.assert_close(p.grad1, want[name], rtol=0.05, atol=0.02, msg=name)
 
 
+class Gate(nn.Module):
+    """A gate without a rule that keeps its logits' squared sum on itself (``kept="loss"``)
+    or in a list (``"list"``), added to the loss by the training loop, or its gate values
+    for a look only (``"look"``, never in the loss)."""
+
+    def __init__(self, kept: str):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.kept, self.logits = kept, []
+
+    def forward(self, x):
+        logits = torch.einsum("bd,de->be", x, self.w)
+        gate = torch.sigmoid(logits)
+        if self.kept == "loss":
+            self.aux_loss = (logits**2).sum()
+        elif self.kept == "list":
+            self.logits.append((logits**2).sum())
+        else:
+            self.seen = gate
+        return x * gate
+
+
+class GatedNet(nn.Module):
+    def __init__(self, kept: str):
+        super().__init__()
+        self.inp, self.gate, self.head = nn.Linear(3, 4), Gate(kept), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(self.inp(x)))
+
+    def loss(self, out, y):
+        loss = F.cross_entropy(out, y, reduction="sum")
+        if self.gate.kept == "loss":
+            return loss + 0.1 * self.gate.aux_loss
+        if self.gate.kept == "list":
+            return loss + 0.1 * self.gate.logits.pop()
+        return loss
+
+
+@pytest.mark.parametrize("kept", ["loss", "list"])
+@pytest.mark.parametrize("verify", [True, False], ids=["checked", "unchecked"])
+def test_an_auxiliary_loss_kept_on_the_module_is_refused_at_the_backward(kept, verify):
+    torch.manual_seed(3)
+    model = GatedNet(kept).double()
+    x, y = _batch(0)
+    before = model_state(model)
+    with gradhooks.add_hooks(model, verify=verify, loss_reduction="sum"):
+        out = model(x)
+        raised(gradhooks.UnsupportedError, ["'gate' (Gate)", "set on the module", "'w'"],
+               lambda: model.loss(out, y).backward())  # fmt: skip
+    assert_untouched(model, before)
+
+
+def test_gate_values_kept_for_a_look_leave_grad1_as_the_loop_gives_it():
+    torch.manual_seed(4)
+    model = GatedNet("look").double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for step in range(3):
+            x, y = _batch(step)
+            opt.zero_grad()
+            model.loss(model(x), y).backward()
+            want = loop_grad(model, model.loss, x, y)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, want[name], msg=name)
+            opt.step()
+
+
 class HyperBlock(nn.Module):
     """hyper-connections' streams around a Linear branch called outside the module."""
 
@@ -136,7 +206,8 @@ class HyperBlock(nn.Module):
 @pytest.mark.parametrize("kind", ["hyper-connections", "manifold-constrained"])
 def test_hyper_connections_with_the_branch_outside_is_refused_without_the_check(kind):
     """hyper-connections' own modules, as their README calls them with the branch outside:
-    refused with verify=False too, naming the mixing weights, nothing written."""
+    refused with verify=False too, naming the mixing weights, nothing written (their
+    ``dynamic_beta_fn`` got a grad1 of zeros)."""
     hc = pytest.importorskip("hyper_connections")
     get = (hc.get_init_and_expand_reduce_stream_functions if kind == "hyper-connections"
            else hc.mc_get_init_and_expand_reduce_stream_functions)  # fmt: skip
@@ -144,7 +215,7 @@ def test_hyper_connections_with_the_branch_outside_is_refused_without_the_check(
     model = HyperBlock(get).double()
     x = torch.randn(3, 5, 3, dtype=torch.float64)
     with gradhooks.add_hooks(model, verify=False):
-        err = raised(gradhooks.UnsupportedError, ["'hc'", "dynamic_beta_fn"],
+        err = raised(gradhooks.UnsupportedError, ["'hc'", "'dynamic_"],
                      lambda: model(x).sum().backward())  # fmt: skip
-    assert "returns a function" in str(err)
+    assert "other than as a returned tensor" in str(err)
     assert not any(hasattr(p, "grad1") for p in model.parameters())

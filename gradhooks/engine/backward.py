@@ -885,6 +885,28 @@ class BackwardWriter:
             "multiplies the gradient by a number is followed, with grad1."
         )
 
+    def escaped(self, target: Target, names: str, grad: Tensor) -> None:
+        """A gradient hook on a tensor that a call of a module without a rule computed from
+        its parameters ``names`` and that left the call other than as a returned tensor
+        (:func:`gradhooks.engine.forward._escaping`): a captured backward through it is
+        refused, as the fallback's recomputation would leave that share of their gradient
+        out of ``grad1``."""
+        if self.state.removed or self.state.rerunning or not self.state.mode.capture:
+            return
+        if not self.state.capturing_backward():
+            return
+        self._abort_backward()
+        raise UnsupportedError(
+            f"gradhooks: {target.where} (a module without a rule, whose per-example gradients "
+            "the torch.func fallback recomputes from the tensors its call returns) kept a "
+            f"tensor computed from its parameters {names} other than as a returned tensor (a "
+            "function it returns holds it, or it was set on the module), and this backward "
+            "reached it: that share of their gradient would be left out of their grad1, "
+            "which was not written. Return the tensor from the call (or call the branch "
+            f"inside it), register a rule for {type(target.module).__qualname__} with "
+            "@gradhooks.register, or freeze those parameters."
+        )
+
     def direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""

@@ -271,7 +271,8 @@ class ForwardCapture:
                 if not live:
                     return  # the tracker follows every use (or there was none)
             if target.entry is FALLBACK:
-                _refuse_held_by_functions(target, live, args, kwargs, output)
+                for t, names in _escaping(target, live, args, kwargs, output):
+                    t.register_hook(functools.partial(self.backwards.escaped, target, names))
             replaced = None
             if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
@@ -1132,45 +1133,71 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
     return kept
 
 
-def _refuse_held_by_functions(target: Target, live: dict, args, kwargs, output) -> None:
-    """A module without a rule that returns a function holding a tensor computed in its call
-    from parameters its fallback differentiates (hyper-connections' ``branch_input,
-    add_residual = hc(x)``, whose ``add_residual`` closes over the streams' mixing weights):
-    the fallback's recomputation differentiates through the call's returned tensors only,
-    so the gradient that reaches those parameters through the function, used after the call,
-    would be left out of their ``grad1``. Refused, naming them."""
+_MODULE_KEYS = frozenset(nn.Module().__dict__)
+
+
+def _escaping(target: Target, live: dict, args, kwargs, output) -> list[tuple[Tensor, str]]:
+    """The tensors a call of a module without a rule computed from the parameters its
+    fallback differentiates (``live``) that leave the call other than as its returned tensors:
+    held by a function it returns (hyper-connections' ``branch_input, add_residual = hc(x)``,
+    whose ``add_residual`` closes over the streams' mixing weights), or set on the module (an
+    auxiliary loss kept as ``self.aux_loss``, a list of them). The fallback's recomputation
+    differentiates through the returned tensors only, so a gradient that reaches the
+    parameters through one of these would be left out of their ``grad1``: each is returned
+    with the names of the parameters it depends on, for a hook that refuses the backward where
+    a gradient flows through it (:meth:`BackwardWriter.escaped`)."""
     held = [t for leaf in tree_leaves(output) for t in _held_tensors(leaf)]
+    own = target.module.__dict__
+    for key, value in own.items():
+        if key in _MODULE_KEYS:
+            continue  # (torch's own: parameters, buffers, submodules, hooks)
+        if isinstance(value, (Tensor, list, tuple, dict)):
+            held.extend(t for t in tree_leaves(value) if isinstance(t, Tensor))
     held = [t for t in held if t.requires_grad and t.grad_fn is not None]
     if not held:
-        return
+        return []
     targets = {}
     for n, p in live.items():
         node = accumulator_of(p)
         if node is not None:
             targets[node] = n
-    stop = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-    reached, seen = [], set()
-    todo = [t.grad_fn for t in held]
-    while todo and len(seen) < 100_000:
+    inputs = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+    # (a tensor on the way to the returned tensors gets their gradient too, through the
+    # call: its hook could not tell an escaped gradient from that one, so it is left out)
+    on_the_way = inputs | _nodes_from(
+        [t.grad_fn for t in tree_leaves(output) if isinstance(t, Tensor)], inputs
+    )
+    found, seen_tensors = [], set()
+    for t in held:
+        if id(t) in seen_tensors or t.grad_fn in on_the_way:
+            continue
+        seen_tensors.add(id(t))
+        reached, seen, todo = set(), set(), [t.grad_fn]
+        while todo and len(seen) < 100_000:
+            node = todo.pop()
+            if node is None or node in seen or node in inputs:
+                continue
+            seen.add(node)
+            if node in targets:
+                reached.add(targets[node])
+                continue
+            todo.extend(f for f, _ in node.next_functions)
+        if reached:
+            found.append((t, ", ".join(f"'{n}'" for n in sorted(reached))))
+    return found
+
+
+def _nodes_from(roots: list, stop: set, limit: int = 100_000) -> set:
+    """The autograd nodes reachable from ``roots`` without passing ``stop``."""
+    seen: set = set()
+    todo = list(roots)
+    while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or node in seen or node in stop:
             continue
         seen.add(node)
-        if node in targets:
-            reached.append(targets[node])
-            continue
         todo.extend(f for f, _ in node.next_functions)
-    if reached:
-        names = ", ".join(f"'{n}'" for n in sorted(set(reached)))
-        raise UnsupportedError(
-            f"{target.where} (a module without a rule, recomputed per example by the "
-            "torch.func fallback from the tensors it returns) returns a function that holds a "
-            f"tensor computed in the call from its parameters {names}: the gradient that "
-            "reaches them through that function, called after the call, would be left out of "
-            "their per-example gradients. Register a rule for "
-            f"{type(target.module).__qualname__} with @gradhooks.register, call its branch "
-            "inside it (as hyper-connections' branch= does), or freeze those parameters."
-        )
+    return seen
 
 
 def _held_tensors(leaf: Any, depth: int = 0) -> list[Tensor]:
