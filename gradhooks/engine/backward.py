@@ -860,7 +860,9 @@ class BackwardWriter:
         factor = _multiple(raw, final, tol)
         if factor is not None and abs(factor - 1.0) <= tol:
             return  # (a new tensor, the same gradient: a norm clip that did not clip)
-        if factor is not None and self.state.grad1:
+        # (the other quantities, the norms among them, are formed from the pieces, which do
+        # not know the factor: only a handle that computes grad1 alone follows it)
+        if factor is not None and self.state.collector is None:
             p = self.state.params[pid][1]
             if pid in self.state.written and pid in bw.before:
                 before = bw.before[pid]
@@ -882,7 +884,8 @@ class BackwardWriter:
             f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
             "Its grad1 was not written. Change grad1 (or the per-example gradients) yourself "
             "after the backward, or remove the hook while the hooks are on; a hook that "
-            "multiplies the gradient by a number is followed, with grad1."
+            "multiplies the gradient by a number is followed where grad1 is the only quantity "
+            "(quantities=('grad1',))."
         )
 
     def direct_reached(self, held: tuple, unknown: dict) -> None:

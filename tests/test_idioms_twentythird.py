@@ -1,0 +1,72 @@
+"""Training-loop idioms, a twenty-third set: mixed precision, swapped parameters, compilation,
+parameters a step does not reach, hooks on parameters and the optimizers' own features, in the
+loops the earlier sets do not run.
+
+Each test runs an ordinary loop with one of: a hook on a parameter that scales its gradient (a
+layer's own learning rate, a gradient reversal) while the handle computes the per-example norms
+or squared sums beside ``grad1``.
+
+Every quantity is compared at every step with each example's own gradient by a per-example loop
+in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
+the precision the loop runs in, or checked to stop with a typed error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import (
+    assert_close,
+    labelled_batch,
+    one_thread,  # noqa: F401 (autouse in this module)
+    raised,
+    wide_mlp,
+)
+
+D = torch.float64
+
+
+def reference(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model``'s weights now, for the loop."""
+    return copy.deepcopy(model).to(D)
+
+
+# -- a hook on a parameter that scales its gradient, beside the norms ------------------------------
+
+
+@pytest.mark.parametrize("quantity", ["norms", "sum_grad_sq"])
+@pytest.mark.parametrize("factor", [0.1, 0.0, -1.0], ids=["own-lr", "frozen", "reversal"])
+def test_a_hook_scaling_a_gradient_beside_the_norms_is_refused(quantity, factor):
+    """``grad1`` follows a hook's factor, but the norms and the squared sums are formed from the
+    layers' pieces, which do not know it: with them on, the backward is refused, leaving the
+    earlier micro-batch's ``grad1``, ``.grad`` and quantities (they were of the unscaled
+    gradients, beside a scaled ``grad1``, in silence)."""
+    model = wide_mlp()
+    with gradhooks.add_hooks(model, quantities=("grad1", quantity)) as h:
+        x, y = labelled_batch(0)
+        want = loop_grad(reference(model), F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, want[n], n)
+        grad1 = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        kept = h.param_norms() if quantity == "norms" else h.sum_grad_sq()
+        model[2].weight.register_hook(lambda g: g * factor)
+        x, y = labelled_batch(1)  # (a second micro-batch)
+        raised(
+            gradhooks.UnsupportedError, ["'2.weight'", "by a factor"],
+            lambda: F.cross_entropy(model(x), y).backward(),
+        )  # fmt: skip
+        now = h.param_norms() if quantity == "norms" else h.sum_grad_sq()
+        assert now.keys() == kept.keys()
+        for n in kept:
+            assert torch.equal(now[n], kept[n]), n
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad1, grad1[n]), n
+            assert_close(p.grad, grads[n], n)  # (the refused addition subtracted again)
