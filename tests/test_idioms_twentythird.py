@@ -4,7 +4,8 @@ loops the earlier sets do not run.
 
 Each test runs an ordinary loop with one of: a hook on a parameter that scales its gradient (a
 layer's own learning rate, a gradient reversal) while the handle computes the per-example norms
-or squared sums beside ``grad1``.
+or squared sums beside ``grad1``; hooks added around each micro-batch's backward, counting the
+backwards their ``grad1`` holds.
 
 Every quantity is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`), exactly in float64 or within the rounding of
@@ -70,3 +71,28 @@ def test_a_hook_scaling_a_gradient_beside_the_norms_is_refused(quantity, factor)
         for n, p in model.named_parameters():
             assert torch.equal(p.grad1, grad1[n]), n
             assert_close(p.grad, grads[n], n)  # (the refused addition subtracted again)
+
+
+# -- hooks added around each micro-batch's backward -------------------------------------------------
+
+
+def test_hooks_added_around_each_micro_batch_count_every_backward_they_go_on_from():
+    """``with add_hooks(model):`` around each micro-batch's backward: each handle goes on from
+    the ``grad1`` the one before left, and ``accumulated`` counts every backward it holds (it
+    stopped at 2, the adopted ones counted as one), so that ``grad1 / accumulated`` is each
+    example's average over the micro-batches; ``zero_grad`` starts both afresh."""
+    model = wide_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        want = {}
+        for k in range(4):
+            x, y = labelled_batch(4 * step + k)
+            for n, g in loop_grad(reference(model), F.cross_entropy, x, y).items():
+                want[n] = want.get(n, 0) + g
+            with gradhooks.add_hooks(model) as h:
+                F.cross_entropy(model(x), y).backward()
+                assert h.accumulated == k + 1
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"{step}.{k}: {n}")
+        optimizer.step()
