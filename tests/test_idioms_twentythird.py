@@ -31,6 +31,7 @@ from harness import (
 )
 
 D = torch.float64
+STEPS = 3
 
 
 def reference(model: nn.Module) -> nn.Module:
@@ -96,3 +97,44 @@ def test_hooks_added_around_each_micro_batch_count_every_backward_they_go_on_fro
             for n, p in model.named_parameters():
                 assert_close(p.grad1, want[n], f"{step}.{k}: {n}")
         optimizer.step()
+
+
+class _Attention(nn.Module):
+    """A projection, self-attention and a head: MultiheadAttention's ``in_proj_bias`` and
+    ``out_proj`` are accumulated by autograd before the layer's rule writes their ``grad1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(3, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_a_hook_scaling_the_attentions_gradients_reaches_every_grad1(verify):
+    """A smaller learning rate for the attention by hooks on its parameters (``g * 0.1``):
+    ``grad1`` follows the factor also where the layer's rule writes it after autograd
+    accumulated ``.grad`` (``in_proj_bias``, ``out_proj``: they kept the unscaled gradient, in
+    silence, and the check refused the backward as one whose grad1 does not add up)."""
+    model = _Attention().to(D)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    factor = {n: 0.1 if n.startswith("attention.") else 1.0 for n, _ in model.named_parameters()}
+    with gradhooks.add_hooks(model, verify=verify):
+        for n, p in model.named_parameters():
+            if factor[n] != 1.0:
+                p.register_hook(lambda g: g * 0.1)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 5, 3, dtype=D, generator=g), torch.randint(2, (4,), generator=g)
+            want = loop_grad(reference(model), F.cross_entropy, x, y)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, factor[n] * want[n], f"step {step}: {n}")
+                assert_close(p.grad1.mean(0), p.grad, f"step {step}: {n}")
+            optimizer.step()
