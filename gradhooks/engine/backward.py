@@ -427,8 +427,9 @@ class BackwardWriter:
                 self._unhide(bw, p)
             out = self._writable_grad1(p, piece.batch_size, accumulate)
             summed = sums is not None and (wanted is None or pname in wanted)
-            if accumulate and summed:
-                out = None  # this call's own grad1 is summed below: not added in place
+            factor = bw.factors.get(id(p)) if bw is not None else None
+            if (accumulate and summed) or factor is not None:
+                out = None  # this call's own grad1 is summed or multiplied below: not in place
             try:
                 if p.numel() == 0:  # (an empty parameter: a rule's reshape cannot infer it)
                     out, g1 = None, p.new_zeros((piece.batch_size, *p.shape))
@@ -445,6 +446,8 @@ class BackwardWriter:
                 own = out if out is not None else g1
                 total = own.sum(0, dtype=p.dtype)
                 sums[pname] = total / scale if scale else total
+            if factor is not None:  # (after the sum: autograd's gradient meets the hook itself)
+                g1 = g1 * factor
             if out is None:
                 self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1, bw)
             self.state.written[id(p)] = p
@@ -860,7 +863,10 @@ class BackwardWriter:
         factor = _multiple(raw, final, tol)
         if factor is not None and abs(factor - 1.0) <= tol:
             return  # (a new tensor, the same gradient: a norm clip that did not clip)
-        if factor is not None and self.state.grad1:
+        # (the other quantities, the norms among them, are formed from the pieces, which do
+        # not know the factor: only a handle that computes grad1 alone follows it)
+        if factor is not None and self.state.collector is None:
+            bw.factors[pid] = factor  # (for a call of p whose grad1 is written after this)
             p = self.state.params[pid][1]
             if pid in self.state.written and pid in bw.before:
                 before = bw.before[pid]
@@ -882,7 +888,8 @@ class BackwardWriter:
             f"changed its gradient {what}: no per-example gradient gives the .grad it makes. "
             "Its grad1 was not written. Change grad1 (or the per-example gradients) yourself "
             "after the backward, or remove the hook while the hooks are on; a hook that "
-            "multiplies the gradient by a number is followed, with grad1."
+            "multiplies the gradient by a number is followed where grad1 is the only quantity "
+            "(quantities=('grad1',))."
         )
 
     def escaped(self, target: Target, names: str, grad: Tensor) -> None:

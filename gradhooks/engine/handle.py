@@ -29,7 +29,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -109,12 +109,25 @@ class _HandlesOf:
 # garbage collected with its handle, its grad1 and what its calls kept.
 _ACTIVE = _HandlesOf()
 _HOOKED_MODULES = _HandlesOf()
-# The grad1 a removed handle left on a parameter whose .grad its last backward added to: that
-# .grad, so that hooks added again go on adding to the grad1 while .grad does (_adopt_grad1).
-# By id, each entry (parameter, .grad) weak, with the settings that give grad1's rows their
-# meaning (batch_dim, loss_reduction): a parameter that is garbage collected takes its entry with
-# it. (Not a WeakKeyDictionary: tensors compare elementwise.)
-_LEFT: dict[int, tuple[weakref.ref, weakref.ref, tuple]] = {}
+
+
+class _Left(NamedTuple):
+    """The ``grad1`` a removed handle left on a parameter whose ``.grad`` its last backward
+    added to (:data:`_LEFT`)."""
+
+    param: weakref.ref
+    grad: weakref.ref  # that .grad
+    rows: tuple  # the settings that give grad1's rows their meaning (batch_dim, loss_reduction)
+    depth: int  # the captured backwards grad1 holds (Hooks.accumulated)
+    rounded: int | None  # the terms rounded one by one in them, and their scale (the checks')
+    terms_scale: Tensor | None
+
+
+# The grad1 a removed handle left on a parameter whose .grad its last backward added to, so that
+# hooks added again go on adding to the grad1 while .grad does (_adopt_grad1), counting the
+# backwards it holds on. By id, the parameter and its .grad weak: a parameter that is garbage
+# collected takes its entry with it. (Not a WeakKeyDictionary: tensors compare elementwise.)
+_LEFT: dict[int, _Left] = {}
 
 
 class Hooks:
@@ -260,12 +273,19 @@ class Hooks:
         zero = {id(p) for p, z in zip(held, all_zero([p.grad for p in held])) if z}
         kept = {id(p) for p in held} - zero
         adopted = []
+        state = self._state
         for p in found:
             if id(p) not in kept:
-                self._state.stale[id(p)] = p
-            else:
-                self._state.written[id(p)] = p
-                adopted.append(p)
+                state.stale[id(p)] = p
+                continue
+            state.written[id(p)] = p
+            adopted.append(p)
+            left = _LEFT[id(p)]
+            state.depth[id(p)] = left.depth
+            if left.rounded is not None:
+                state.rounded[id(p)] = left.rounded
+            if left.terms_scale is not None:
+                state.terms_scale[id(p)] = left.terms_scale
         if adopted:
             self._state.trail.record(adopted)
         # a frozen parameter's grad1, left from when it was trainable, goes as after a reset
@@ -1014,7 +1034,7 @@ class Hooks:
         self._state.removed = True
         for p in self._state.written.values():
             if grad_of(p) is not None and self._state.trail.added_last(p):
-                _leave(p, self._rows())
+                _leave(p, self._rows(), self._state)
         for h in (*self._handles, *self._target_handles):
             h.remove()
         self._handles.clear()
@@ -1119,12 +1139,17 @@ class Hooks:
                 )
 
 
-def _leave(p: Tensor, rows: tuple) -> None:
+def _leave(p: Tensor, rows: tuple, state: CaptureState) -> None:
     def forget(ref: weakref.ref, key: int = id(p)) -> None:
-        if _LEFT.get(key, (None,))[0] is ref:
+        found = _LEFT.get(key)
+        if found is not None and found.param is ref:
             del _LEFT[key]
 
-    _LEFT[id(p)] = (weakref.ref(p, forget), weakref.ref(p.grad), rows)
+    pid = id(p)
+    _LEFT[pid] = _Left(
+        weakref.ref(p, forget), weakref.ref(p.grad), rows, state.depth.get(pid, 1),
+        state.rounded.get(pid), state.terms_scale.get(pid),
+    )  # fmt: skip
 
 
 def _left_with(p: Tensor, rows: tuple) -> Tensor | None:
@@ -1133,9 +1158,9 @@ def _left_with(p: Tensor, rows: tuple) -> Tensor | None:
     ``batch_dim`` reads other rows, another ``loss_reduction`` scales them otherwise: such a
     ``grad1`` is never added to)."""
     found = _LEFT.get(id(p))
-    if found is None or found[0]() is not p or found[2] != rows:
+    if found is None or found.param() is not p or found.rows != rows:
         return None
-    return found[1]()
+    return found.grad()
 
 
 def _checked(name: str, value: Any) -> Any:

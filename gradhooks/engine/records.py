@@ -205,6 +205,10 @@ class Backward:
     # each parameter's gradient as autograd gave it to gradhooks' hook, (tensor, version), until
     # the parameter's accumulation, where a hook of the user's may have changed it
     raw: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    # per parameter id, the factor such a hook multiplied its gradient by: the grad1 of a call
+    # written after the accumulation (MultiheadAttention's out_proj, whose .grad autograd
+    # accumulates before the layer's rule runs) is multiplied alike
+    factors: dict[int, float] = field(default_factory=dict)
     batched: str | None = None  # an is_grads_batched backward (under vmap): what it reached
     inside: bool = False  # it reached a call whose forward ran during a backward
 
