@@ -1,17 +1,20 @@
 """A module without a rule whose call lets a tensor of its parameters out other than as a
 returned tensor: held by a function it returns, as hyper-connections' ``branch_input,
 add_residual = hc(x)`` does, or set on the module (an auxiliary loss kept as
-``self.aux_loss``, a list of them). The ``torch.func`` fallback recomputes such a call one
+``self.aux_loss``, a list of them, a buffer, a plain object of statistics). The ``torch.func`` fallback recomputes such a call one
 example at a time from the tensors it returns, so a gradient that reaches the parameters
 through that tensor is never seen by the recomputation. A backward that reaches it is refused
 with ``UnsupportedError`` naming the module and the parameters, with the run-time check on or
 off (with it off, their ``grad1`` silently missed that share: hyper-connections'
 ``dynamic_beta_fn`` got zeros), leaving the model untouched. Where no gradient flows through
 it (attention weights kept on the module for a look), where the function holds only the
-call's input, and with the branch called inside, ``grad1`` matches the per-example loop in
+call's input, where a cell called again keeps its earlier calls' outputs, and with the branch
+called inside, ``grad1`` matches the per-example loop in
 float64, in a training loop of several steps and under bfloat16 autocast."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -122,14 +125,17 @@ def test_the_branch_inside_under_bfloat16_autocast():
 
 
 class Gate(nn.Module):
-    """A gate without a rule that keeps its logits' squared sum on itself (``kept="loss"``)
-    or in a list (``"list"``), added to the loss by the training loop, or its gate values
+    """A gate without a rule that keeps its logits' squared sum on itself (``kept="loss"``),
+    in a list (``"list"``), in a buffer registered empty (``"buffer"``) or on a plain object
+    of statistics (``"stats"``), added to the loss by the training loop, or its gate values
     for a look only (``"look"``, never in the loss)."""
 
     def __init__(self, kept: str):
         super().__init__()
         self.w = nn.Parameter(torch.randn(4, 4) * 0.5)
         self.kept, self.logits = kept, []
+        self.stats = types.SimpleNamespace(aux_loss=None)
+        self.register_buffer("aux_buffer", None, persistent=False)
 
     def forward(self, x):
         logits = torch.einsum("bd,de->be", x, self.w)
@@ -138,6 +144,10 @@ class Gate(nn.Module):
             self.aux_loss = (logits**2).sum()
         elif self.kept == "list":
             self.logits.append((logits**2).sum())
+        elif self.kept == "buffer":
+            self.aux_buffer = (logits**2).sum()
+        elif self.kept == "stats":
+            self.stats.aux_loss = (logits**2).sum()
         else:
             self.seen = gate
         return x * gate
@@ -157,10 +167,14 @@ class GatedNet(nn.Module):
             return loss + 0.1 * self.gate.aux_loss
         if self.gate.kept == "list":
             return loss + 0.1 * self.gate.logits.pop()
+        if self.gate.kept == "buffer":
+            return loss + 0.1 * self.gate.aux_buffer
+        if self.gate.kept == "stats":
+            return loss + 0.1 * self.gate.stats.aux_loss
         return loss
 
 
-@pytest.mark.parametrize("kept", ["loss", "list"])
+@pytest.mark.parametrize("kept", ["loss", "list", "buffer", "stats"])
 @pytest.mark.parametrize("verify", [True, False], ids=["checked", "unchecked"])
 def test_an_auxiliary_loss_kept_on_the_module_is_refused_at_the_backward(kept, verify):
     torch.manual_seed(3)
@@ -187,6 +201,53 @@ def test_gate_values_kept_for_a_look_leave_grad1_as_the_loop_gives_it():
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.grad1, want[name], msg=name)
             opt.step()
+
+
+class Cell(nn.Module):
+    """A recurrent cell without a rule that keeps what each of its calls computes in a list:
+    its output (``keeps="outputs"``), or its gate values for a look (``"gates"``)."""
+
+    def __init__(self, keeps: str):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.keeps, self.kept = keeps, []
+
+    def forward(self, h):
+        out = torch.tanh(torch.einsum("bd,de->be", h, self.w))
+        if self.keeps == "gates":
+            gate = torch.sigmoid(h @ self.w)
+            self.kept.append(gate)
+            return out * gate
+        self.kept.append(out)
+        return out
+
+
+class Unrolled(nn.Module):
+    def __init__(self, keeps: str):
+        super().__init__()
+        self.inp, self.cell, self.head = nn.Linear(3, 4), Cell(keeps), nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.cell.kept.clear()
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.cell(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("keeps", ["outputs", "gates"])
+@pytest.mark.parametrize("verify", [True, False], ids=["checked", "unchecked"])
+def test_a_cell_called_again_keeping_its_earlier_calls_tensors_matches_the_loop(keeps, verify):
+    """What the cell's earlier calls kept in its list (their outputs, on the way to the next
+    call's input) is not a tensor the later call let out: ``grad1`` matches the loop."""
+    torch.manual_seed(5)
+    model = Unrolled(keeps).double()
+    x, y = _batch(0)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model, verify=verify):
+        F.cross_entropy(model(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], msg=name)
 
 
 class HyperBlock(nn.Module):

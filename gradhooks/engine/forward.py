@@ -18,6 +18,7 @@ import copy
 import functools
 import inspect
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -121,6 +122,9 @@ class ForwardCapture:
                         )  # fmt: skip
                     if target.entry is FALLBACK and module.training and self.state.frames:
                         self._keep_buffers(module)
+                    if target.entry is FALLBACK and self.state.frames:
+                        kept = self.state.frames[-1].kept.setdefault(id(module), [])
+                        kept.append(_kept_on(module))
                 now = own
                 if self.state.sharded:
                     now = self._unsharded(target)
@@ -161,6 +165,15 @@ class ForwardCapture:
             left={n: b.detach().clone() for n, b, _, _ in kept},
         )
 
+    def _kept_before(self, module: nn.Module) -> list[Tensor]:
+        """After its call: the tensors the module kept in its attributes as the call found
+        them (a list its earlier calls appended their outputs to), which the call did not let
+        out (:func:`_escaping`)."""
+        if not self.state.frames:
+            return []
+        stack = self.state.frames[-1].kept.get(id(module))
+        return stack.pop() if stack else []
+
     def tracker(self) -> Tracker | None:
         return self.state.tracker()
 
@@ -185,9 +198,10 @@ class ForwardCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             output = self.layer_outputs.take(module, output)
             found = self._buffers_of(module) if target.entry is FALLBACK else None
+            before = self._kept_before(module) if target.entry is FALLBACK else []
             tracker = self.state.tracker()
             if tracker is None or module is not target.module or not tracker.covered:
-                return body(module, args, kwargs, output, None, True, found)
+                return body(module, args, kwargs, output, None, True, found, before=before)
             used = tracker.exit_call()
             reattached = None
             if self.state.detached:
@@ -196,9 +210,12 @@ class ForwardCapture:
                 with tracker.paused():
                     reattached = self.detached_calls.reattach(module)
             with OwnWork(tracker):
-                return body(module, args, kwargs, output, tracker, used, found, reattached)
+                return body(module, args, kwargs, output, tracker, used, found, reattached,
+                            before)  # fmt: skip
 
-        def body(module, args, kwargs, output, tracker, used, found, reattached=None) -> Any:
+        def body(
+            module, args, kwargs, output, tracker, used, found, reattached=None, before=()
+        ) -> Any:
             args, kwargs = positional(module, args, kwargs)
             if reattached is None and self.state.detached:
                 reattached = self.detached_calls.reattach(module)
@@ -271,7 +288,7 @@ class ForwardCapture:
                 if not live:
                     return  # the tracker follows every use (or there was none)
             if target.entry is FALLBACK:
-                for t, names in _escaping(target, live, args, kwargs, output):
+                for t, names in _escaping(target, live, args, kwargs, output, before):
                     t.register_hook(functools.partial(self.backwards.escaped, target, names))
             replaced = None
             if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
@@ -1136,23 +1153,23 @@ def _used_by_fallback(target: Target, live: dict, used, tracker: Tracker, output
 _MODULE_KEYS = frozenset(nn.Module().__dict__)
 
 
-def _escaping(target: Target, live: dict, args, kwargs, output) -> list[tuple[Tensor, str]]:
+def _escaping(
+    target: Target, live: dict, args, kwargs, output, before=()
+) -> list[tuple[Tensor, str]]:
     """The tensors a call of a module without a rule computed from the parameters its
     fallback differentiates (``live``) that leave the call other than as its returned tensors:
     held by a function it returns (hyper-connections' ``branch_input, add_residual = hc(x)``,
     whose ``add_residual`` closes over the streams' mixing weights), or set on the module (an
-    auxiliary loss kept as ``self.aux_loss``, a list of them). The fallback's recomputation
+    auxiliary loss kept as ``self.aux_loss``, a list of them, a buffer, an attribute of a
+    plain object it holds: :func:`_kept_on`), other than those it kept ``before`` the call (an
+    earlier call's outputs in a list of the module's). The fallback's recomputation
     differentiates through the returned tensors only, so a gradient that reaches the
     parameters through one of these would be left out of their ``grad1``: each is returned
     with the names of the parameters it depends on, for a hook that refuses the backward where
     a gradient flows through it (:meth:`BackwardWriter.escaped`)."""
     held = [t for leaf in tree_leaves(output) for t in _held_tensors(leaf)]
-    own = target.module.__dict__
-    for key, value in own.items():
-        if key in _MODULE_KEYS:
-            continue  # (torch's own: parameters, buffers, submodules, hooks)
-        if isinstance(value, (Tensor, list, tuple, dict)):
-            held.extend(t for t in tree_leaves(value) if isinstance(t, Tensor))
+    found_kept = {id(t) for t in before}  # (kept before the call: not its own)
+    held.extend(t for t in _kept_on(target.module) if id(t) not in found_kept)
     held = [t for t in held if t.requires_grad and t.grad_fn is not None]
     if not held:
         return []
@@ -1185,6 +1202,34 @@ def _escaping(target: Target, live: dict, args, kwargs, output) -> list[tuple[Te
         if reached:
             found.append((t, ", ".join(f"'{n}'" for n in sorted(reached))))
     return found
+
+
+def _kept_on(module: nn.Module) -> list[Tensor]:
+    """The tensors ``module`` keeps in its own attributes: a tensor, or one in a list, tuple
+    or dict (``self.aux_loss``, ``self.losses.append(...)``); a buffer (``self.aux_loss = ...``
+    where ``aux_loss`` was registered as one); and those in the attributes of a plain object
+    it holds (a ``SimpleNamespace``, a dataclass of statistics: ``self.stats.aux_loss``)."""
+    found = [b for b in module.buffers(recurse=False) if b is not None]
+    for key, value in module.__dict__.items():
+        if key in _MODULE_KEYS:
+            continue  # (torch's own: parameters, buffers, submodules, hooks)
+        found.extend(_tensors_in(value))
+        if not isinstance(value, _NOT_HOLDERS) and hasattr(value, "__dict__"):
+            for item in vars(value).values():
+                found.extend(_tensors_in(item))
+    return found
+
+
+# (attributes whose ``__dict__`` holds no tensor of a call: functions, classes, imported modules)
+_NOT_HOLDERS = (Tensor, nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType,
+                functools.partial)  # fmt: skip
+
+
+def _tensors_in(value: Any) -> list[Tensor]:
+    """``value`` if it is a tensor, or the tensors in it if it is a list, tuple or dict."""
+    if isinstance(value, (Tensor, list, tuple, dict)):
+        return [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+    return []
 
 
 def _nodes_from(roots: list, stop: set, limit: int = 100_000) -> set:

@@ -108,6 +108,9 @@ class Frame:
     # per module without a rule running in training mode, by id: its buffers as each of its
     # calls (innermost last) found them, (name, buffer, version, copy) (ForwardCapture._buffers_of)
     buffers: dict[int, list] = field(default_factory=dict)
+    # per module without a rule, by id: the tensors it kept in its attributes as each of its
+    # calls (innermost last) found them (ForwardCapture._kept_before), held for the call alone
+    kept: dict[int, list] = field(default_factory=dict)
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
     empty: tuple[int, ...] | None = None
