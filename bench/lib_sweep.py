@@ -3479,6 +3479,37 @@ def _isab() -> Example:
                    class_ce, (_labels(),), "mean")  # fmt: skip
 
 
+# -- tensors let out of a call of a module without a rule: hyper-connections' streams in
+# x-transformers, a residual FSQ, ST-MoE's block of feedforwards around its experts -------------
+
+
+case("xt-hyper-connections-views", "x_transformers",
+     "4 residual streams, queries, keys and values each read from a mix of their own")(
+    lambda: _xt_lm("Decoder", num_residual_streams=4, qkv_receive_diff_residuals=True)
+)  # fmt: skip
+
+
+def _residual_fsq():
+    from vector_quantize_pytorch import ResidualFSQ
+
+    return ResidualFSQ(dim=8, levels=[5, 5, 3], num_quantizers=2)
+
+
+case("residual-fsq", "vector_quantize_pytorch", "ResidualFSQ: 2 quantizers, scaled residuals")(
+    lambda: _vq(_residual_fsq)
+)
+
+
+@case("st-moe-block", "st_moe_pytorch",
+      "ST-MoE's SparseMoEBlock: feedforwards before and after the experts, its losses returned")  # fmt: skip
+def _st_moe_block() -> Example:
+    from st_moe_pytorch import MoE, SparseMoEBlock
+
+    torch.manual_seed(0)
+    moe = MoE(dim=16, num_experts=4, expert_hidden_mult=2, threshold_train=1e-30)
+    return _moe_lm(SparseMoEBlock(moe, add_ff_before=True, add_ff_after=True))
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 
