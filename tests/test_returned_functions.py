@@ -280,3 +280,21 @@ def test_hyper_connections_with_the_branch_outside_is_refused_without_the_check(
                      lambda: model(x).sum().backward())  # fmt: skip
     assert "other than as a returned tensor" in str(err)
     assert not any(hasattr(p, "grad1") for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
+@pytest.mark.parametrize("case", ["returned function", "auxiliary loss"])
+def test_a_dp_step_through_a_kept_tensor_is_refused_leaving_the_model_untouched(case, method):
+    torch.manual_seed(5)
+    model = (Net() if case == "returned function" else GatedNet("loss")).double()
+    x, y = _batch(0)
+    before = model_state(model)
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        per_example = F.cross_entropy(model(x), y, reduction="none")
+        if case == "auxiliary loss":
+            per_example = per_example + 0.1 * model.gate.aux_loss / len(y)
+        raised(gradhooks.UnsupportedError, ["a module without a rule", "'w'"],
+               lambda: gradhooks.dp_sgd_step(h, per_example, max_norm=1.0, noise_multiplier=0.0,
+                                             method=method))  # fmt: skip
+    assert_untouched(model, before)
