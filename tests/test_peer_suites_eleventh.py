@@ -35,7 +35,6 @@ otherwise.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy
@@ -43,7 +42,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, hessian, jacrev
+from torch.func import functional_call, hessian
 from torch.utils.checkpoint import checkpoint_sequential
 
 import gradhooks
@@ -263,3 +262,253 @@ def test_cockpit_bug_reproductions(bug):
             ref_opt.step()
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_close(p.detach(), q.detach(), f"{bug}: {n} after two Adam steps")
+
+
+# == kronfluence: tests/modules/test_per_sample_gradients.py, tests/factors/* =====================
+
+
+class RepeatedMLP(nn.Module):
+    """kronfluence's ``RepeatedMLP``: ``shared_linear`` called three times in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.shared_linear = nn.Linear(10, 16), nn.Linear(16, 16)
+        self.linear2, self.linear3 = nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.shared_linear(torch.relu(self.linear1(x)))
+        x = self.linear2(torch.relu(self.shared_linear(torch.relu(x))))
+        return self.linear3(torch.relu(self.shared_linear(torch.relu(x))))
+
+
+def kron_conv(inplace: bool = False, bn: bool = False) -> nn.Sequential:
+    """kronfluence's ``make_conv_model`` (``conv_inplace``, ``conv_bn``) for ``[3, 16, 16]``."""
+    norm = nn.BatchNorm2d if bn else lambda c: nn.Identity()
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(inplace=inplace), norm(4),
+        nn.Conv2d(4, 8, 3), nn.ReLU(inplace=inplace), norm(8),
+        nn.Flatten(), nn.Linear(1152, 5),
+    )  # fmt: skip
+
+
+def kron_mlp() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
+
+
+class Checkpointed(nn.Module):
+    """kronfluence's ``GradientCheckpointRegressionTask``: the model run by
+    ``checkpoint_sequential`` in two segments, non-reentrant."""
+
+    def __init__(self, seq: nn.Sequential):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint_sequential(self.seq, 2, x, use_reentrant=False)
+
+
+def mse_sum(out: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(out, target, reduction="sum")
+
+
+def ce_sum(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+def margin(logits: Tensor, labels: Tensor) -> Tensor:
+    """kronfluence's ``ClassificationTask.compute_measurement``: minus the summed margins,
+    the other classes' logsumexp taken after writing ``-inf`` into a clone of the logits."""
+    rows = torch.arange(logits.shape[0])
+    correct = logits[rows, labels]
+    others = logits.clone()
+    others[rows, labels] = -torch.inf
+    return -(correct - others.logsumexp(-1)).sum()
+
+
+def regression_data(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 10, generator=g, dtype=D), torch.randint(-5, 5, (n, 1), generator=g).to(D)
+
+
+def classification_data(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, 16, 16, generator=g, dtype=D), torch.randint(5, (n,), generator=g)
+
+
+# name: (model factory, data, training loss, measurement)
+KRONFLUENCE = {
+    "mlp": (kron_mlp, regression_data, mse_sum, mse_sum),
+    "repeated_mlp": (RepeatedMLP, regression_data, mse_sum, mse_sum),
+    "conv": (kron_conv, classification_data, ce_sum, margin),
+    "conv_inplace": (lambda: kron_conv(inplace=True), classification_data, ce_sum, margin),
+    "conv_bn": (lambda: kron_conv(bn=True), classification_data, ce_sum, margin),
+}
+
+
+def kron_model(name: str) -> nn.Module:
+    model = seeded(KRONFLUENCE[name][0]).to(D)
+    if name == "conv_bn":  # (running statistics of their own, as a trained model's)
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    return model.eval()  # (kronfluence's prepare_test)
+
+
+def module_matrices(model: nn.Module, grads: dict) -> dict[str, Tensor]:
+    """kronfluence's ``reshape_parameter_gradient_to_module_matrix``: each Linear's and
+    Conv2d's per-example gradient as ``[batch, out, in (· k · k) + 1]``, the bias last."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            w = grads[f"{name}.weight"]
+            out[name] = torch.cat([w.flatten(2), grads[f"{name}.bias"][..., None]], -1)
+    return out
+
+
+@pytest.mark.parametrize("loss", ["train-loss", "measurement"])
+@pytest.mark.parametrize("name", list(KRONFLUENCE))
+def test_kronfluence_per_sample_gradients(name, loss):
+    """kronfluence's ``test_for_loop_per_sample_gradient_equivalence`` and
+    ``test_mean_gradient_equivalence``: 10 examples in batches of 3 (the last of one), each
+    batch's summed training loss or measurement backpropagated in turn: the module matrices
+    of ``grad1`` are the per-example loop's, and their sum over every batch is the gradient
+    of the whole data set's loss."""
+    _, data, train, measurement = KRONFLUENCE[name]
+    fn = train if loss == "train-loss" else measurement
+    model = kron_model(name)
+    x, y = data(10)
+    want = module_matrices(model, loop_grad(model, fn, x, y))
+    fn(model(x), y).backward()
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rows = []
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for start in range(0, 10, 3):
+            model.zero_grad()
+            fn(model(x[start : start + 3]), y[start : start + 3]).backward()
+            rows.append(module_matrices(model, grad1_of(model)))
+    for n, w in want.items():
+        got = torch.cat([r[n] for r in rows])
+        assert_close(got, w, f"{name} {loss}: {n}")
+    for n, w in module_matrices(model, {n: g[None] for n, g in whole.items()}).items():
+        assert_close(torch.cat([r[n] for r in rows]).sum(0), w[0], f"{name} {loss}: {n} summed")
+
+
+def kron_factors(model: nn.Module, name: str, x: Tensor, y: Tensor, fisher: str) -> dict:
+    loss = KRONFLUENCE[name][2]
+    return gradhooks.kfac(model, x, y, fisher=fisher, loss=loss, reduction="sum")
+
+
+def combined(parts: list[tuple[int, dict]]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Factors of batches put together as kronfluence accumulates its covariances: ``A`` (a
+    mean over the examples' positions) weighted by each batch's size, ``G`` (a sum) added."""
+    total = sum(n for n, _ in parts)
+    return {
+        k: (sum(n * f[k].A for n, f in parts) / total, sum(f[k].G for _, f in parts))
+        for k in parts[0][1]
+    }
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "exact"])
+@pytest.mark.parametrize("name", ["mlp", "repeated_mlp", "conv"])
+def test_kronfluence_covariances_batch_size_equivalence(name, fisher):
+    """kronfluence's ``test_covariance_matrices_batch_size_equivalence``: the Kronecker
+    factors of 12 examples are those of batches of 4 and of 8 put together."""
+    model = kron_model(name)
+    x, y = KRONFLUENCE[name][1](12, seed=1)
+    whole = kron_factors(model, name, x, y, fisher)
+    for size in (4, 8):
+        parts = [(len(x[s : s + size]), kron_factors(model, name, x[s : s + size], y[s : s + size], fisher))
+                 for s in range(0, 12, size)]  # fmt: skip
+        for k, (a, g) in combined(parts).items():
+            assert_close(a, whole[k].A, f"{name} {fisher} by {size}: {k} A")
+            assert_close(g, whole[k].G, f"{name} {fisher} by {size}: {k} G")
+
+
+VARIANTS = {
+    "inplace-relu": ("conv", lambda: kron_conv(inplace=True)),
+    "gradient-checkpoint": ("mlp", lambda: Checkpointed(kron_mlp())),
+    "gradient-checkpoint-conv": ("conv", lambda: Checkpointed(kron_conv())),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kronfluence_covariances_of_equivalent_models(variant):
+    """kronfluence's ``test_covariance_matrices_inplace`` and
+    ``test_covariance_matrices_gradient_checkpoint``: the same network with in-place ReLUs,
+    or run by ``checkpoint_sequential``, has the plain network's factors and ``grad1``."""
+    name, factory = VARIANTS[variant]
+    plain, other = kron_model(name), seeded(factory).to(D).eval()
+    x, y = KRONFLUENCE[name][1](6, seed=2)
+    want, got = (
+        kron_factors(plain, name, x, y, "empirical"),
+        kron_factors(other, name, x, y, "empirical"),
+    )
+    assert len(got) == len(want)
+    for (k, w), g in zip(want.items(), got.values()):
+        assert_close(g.A, w.A, f"{variant}: {k} A")
+        assert_close(g.G, w.G, f"{variant}: {k} G")
+    loss = KRONFLUENCE[name][2]
+    ref = loop_grad(plain, loss, x, y)
+    with gradhooks.add_hooks(other, loss_reduction="sum"):
+        loss(other(x), y).backward()
+    for (n, w), p in zip(ref.items(), other.parameters()):
+        assert_close(p.grad1, w, f"{variant}: {n}")
+
+
+@pytest.mark.parametrize("name", ["mlp", "repeated_mlp", "conv"])
+def test_kronfluence_lambda_matrices(name):
+    """kronfluence's ``test_lambda_equivalence`` (EKFAC): the eigenvalue corrections
+    ``Λ = Σᵢ (Q_Gᵀ Mᵢ Q_A)²``, ``Mᵢ`` example ``i``'s module matrix and ``Q_A``, ``Q_G`` the
+    eigenvectors of gradhooks' factors, from ``grad1`` as from the per-example loop."""
+    model = kron_model(name)
+    _, data, loss, _ = KRONFLUENCE[name]
+    x, y = data(8, seed=3)
+    factors = kron_factors(model, name, x, y, "empirical")
+    want = module_matrices(model, loop_grad(model, loss, x, y))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x), y).backward()
+    got = module_matrices(model, grad1_of(model))
+    for n, m in want.items():
+        f = factors[f"{n}.weight"]
+        q_a, q_g = torch.linalg.eigh(f.A)[1], torch.linalg.eigh(f.G)[1]
+
+        def lam(mats: Tensor) -> Tensor:
+            return (q_g.T @ mats @ q_a).square().sum(0)
+
+        assert lam(m).shape == m.shape[1:]
+        assert_close(lam(got[n]), lam(m), f"{name}: {n} lambda")
+
+
+def test_kronfluence_padded_bert_with_attention_mask():
+    """kronfluence's ``test_covariance_matrices_attention_mask`` on a one-layer BERT
+    classifier in eval: three sequences of 5, 3 and 7 tokens padded on the right to 7 with
+    their attention mask. Each row of ``grad1`` (summed cross-entropy) is the gradient of
+    that sequence alone and unpadded, and ``G`` (the padded positions' output-gradients are
+    zero) is the mean of the sequences' own; ``A``, a mean over every position the layer
+    sees, counts the padded ones (kronfluence's masked ``A`` has no counterpart here)."""
+    torch.manual_seed(0)
+    bert = hf("BertForSequenceClassification")(tiny_bert_config(num_labels=3))
+    model = Logits(bert, last=False).to(D).eval()
+    lengths, labels = [5, 3, 7], torch.tensor([0, 2, 1])
+    ids = torch.randint(1, 20, (3, 7))
+    mask = (torch.arange(7) < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask  # (pad token 0)
+    alone = []
+    for i, t in enumerate(lengths):
+        model.zero_grad()
+        ce_sum(model(ids[i : i + 1, :t]), labels[i : i + 1]).backward()
+        alone.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        ce_sum(model(ids, attention_mask=mask), labels).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, torch.stack([a[n] for a in alone]), f"padded bert: {n}")
+    padded = gradhooks.kfac(model, ids, labels, kwargs={"attention_mask": mask}, fisher="empirical")
+    each = [gradhooks.kfac(model, ids[i : i + 1, :t], labels[i : i + 1], fisher="empirical")
+            for i, t in enumerate(lengths)]  # fmt: skip
+    assert padded
+    for k, f in padded.items():
+        assert_close(f.G, sum(e[k].G for e in each) / 3, f"padded bert: {k} G")
