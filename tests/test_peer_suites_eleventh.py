@@ -458,6 +458,11 @@ def test_kronfluence_covariances_of_equivalent_models(variant):
         assert_close(p.grad1, w, f"{variant}: {n}")
 
 
+def ekfac_lambda(mats: Tensor, q_a: Tensor, q_g: Tensor) -> Tensor:
+    """``Σᵢ (Q_Gᵀ Mᵢ Q_A)²`` over the module matrices ``mats`` ``[batch, out, in]``."""
+    return (q_g.T @ mats @ q_a).square().sum(0)
+
+
 @pytest.mark.parametrize("name", ["mlp", "repeated_mlp", "conv"])
 def test_kronfluence_lambda_matrices(name):
     """kronfluence's ``test_lambda_equivalence`` (EKFAC): the eigenvalue corrections
@@ -475,11 +480,9 @@ def test_kronfluence_lambda_matrices(name):
         f = factors[f"{n}.weight"]
         q_a, q_g = torch.linalg.eigh(f.A)[1], torch.linalg.eigh(f.G)[1]
 
-        def lam(mats: Tensor) -> Tensor:
-            return (q_g.T @ mats @ q_a).square().sum(0)
-
-        assert lam(m).shape == m.shape[1:]
-        assert_close(lam(got[n]), lam(m), f"{name}: {n} lambda")
+        assert ekfac_lambda(m, q_a, q_g).shape == m.shape[1:]
+        want_lambda = ekfac_lambda(m, q_a, q_g)
+        assert_close(ekfac_lambda(got[n], q_a, q_g), want_lambda, f"{name}: {n} lambda")
 
 
 def test_kronfluence_padded_bert_with_attention_mask():
