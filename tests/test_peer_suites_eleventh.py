@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, hessian
+from torch.func import functional_call, hessian, jacrev
 from torch.utils.checkpoint import checkpoint_sequential
 
 import gradhooks
@@ -515,3 +515,130 @@ def test_kronfluence_padded_bert_with_attention_mask():
     assert padded
     for k, f in padded.items():
         assert_close(f.G, sum(e[k].G for e in each) / 3, f"padded bert: {k} G")
+
+
+# == ViViT: test/extensions/firstorder/batch_grad/, test/optim/, test/settings.py ================
+
+
+def targets(n: int, classes: int):
+    return lambda: torch.randint(classes, (n,))
+
+
+# name: (input, network, loss of a batch of one, reduction, target)
+VIVIT = {
+    "linear-linear-relu-ce-mean": (
+        lambda: torch.rand(3, 7), lambda: nn.Sequential(nn.Linear(7, 6), nn.Linear(6, 5), nn.ReLU()),
+        F.cross_entropy, "mean", targets(3, 5),
+    ),
+    "linear-relu-linear-ce-sum": (
+        lambda: torch.rand(3, 7), lambda: nn.Sequential(nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 5)),
+        F.cross_entropy, "sum", targets(3, 5),
+    ),
+    "conv-maxpool-sigmoid-ce-mean": (
+        lambda: torch.rand(4, 3, 6, 6),
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, stride=2), nn.Flatten(),
+            nn.Linear(8, 5), nn.Sigmoid(),
+        ),
+        F.cross_entropy, "mean", targets(4, 5),
+    ),
+    "sigmoid-mse-mean": (
+        lambda: torch.rand(3, 7),
+        lambda: nn.Sequential(nn.Linear(7, 6), nn.Sigmoid(), nn.Linear(6, 5), nn.Sigmoid()),
+        F.mse_loss, "mean", lambda: torch.rand(3, 5),
+    ),
+    "one-additional-dim-mse-mean": (
+        lambda: torch.rand(3, 4, 5),
+        lambda: nn.Sequential(
+            nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2), nn.Sigmoid(), nn.Flatten()
+        ),
+        F.mse_loss, "mean", lambda: torch.rand(3, 8),
+    ),
+}  # fmt: skip
+
+
+def vivit_problem(name: str):
+    make_x, make_model, loss, reduction, make_y = VIVIT[name]
+    torch.manual_seed(0)
+    x, model, y = make_x().to(D), make_model().to(D), make_y()
+    return model, x, (y.to(D) if y.is_floating_point() else y), loss, reduction
+
+
+def batch_grad(model, x, y, loss, reduction) -> tuple[dict, dict]:
+    """BackPACK's ``BatchGrad`` (``grad1`` scaled by ``1 / batch`` under a mean loss) from
+    gradhooks and from the loop."""
+    scale = 1 / len(x) if reduction == "mean" else 1.0
+    want = {n: scale * g for n, g in loop_grad(model, loss, x, y).items()}
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        (loss(model(x), y) * len(x) * scale).backward()  # (the mean, or the sum)
+    return {n: scale * g for n, g in grad1_of(model).items()}, want
+
+
+def gram(per_example: Tensor, centered: bool) -> Tensor:
+    if centered:
+        per_example = per_example - per_example.mean(0)
+    return per_example @ per_example.T
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["GramBatchGrad", "CenteredGramBatchGrad"])
+@pytest.mark.parametrize("name", list(VIVIT))
+def test_vivit_gram_batch_grad(name, centered):
+    """ViViT's ``test_(Centered)GramBatchGrad_get_result`` / ``_spectrum`` (and
+    ``layerwise``): the ``[batch, batch]`` Gram matrix of the (centered) per-example
+    gradients, whole and per parameter, is the loop's, and its eigenvalues are the leading
+    ones of the ``[P, P]`` gradient covariance."""
+    model, x, y, loss, reduction = vivit_problem(name)
+    got, want = batch_grad(model, x, y, loss, reduction)
+    for n in want:
+        g, w = got[n].flatten(1), want[n].flatten(1)
+        assert_close(gram(g, centered), gram(w, centered), f"{name}: {n} layerwise")
+    got_gram, rows = gram(flat(got), centered), flat(want)
+    assert_close(got_gram, gram(rows, centered), f"{name}: whole")
+    rows = rows - rows.mean(0) if centered else rows
+    cov = torch.linalg.eigvalsh(rows.T @ rows)[-len(x) :]
+    assert_close(torch.linalg.eigvalsh(got_gram), cov, f"{name}: spectrum")
+
+
+def per_example_ggn(model, x, y, loss, jac: Tensor) -> Tensor:
+    """``Jₙᵀ Hₙ Jₙ`` ``[batch, P, P]``, ``Hₙ`` the Hessian of example ``n``'s own loss with
+    respect to its output, ``jac`` the per-example Jacobians ``[batch, outputs, P]``."""
+    out, k = model(x).detach(), jac.shape[1]
+
+    def own_loss(o: Tensor, target: Tensor) -> Tensor:
+        return loss(o[None], target[None])
+
+    hess = torch.stack([hessian(own_loss)(o, t).reshape(k, k) for o, t in zip(out, y)])
+    return torch.einsum("nop,noq,nqr->npr", jac, hess, jac)
+
+
+def loop_jacobians(model: nn.Module, x: Tensor) -> Tensor:
+    params = dict(model.named_parameters())
+
+    def row(i: int) -> Tensor:
+        def out(ps):
+            return functional_call(model, ps, (x[i : i + 1],))[0].flatten()
+
+        return torch.cat([j.flatten(1) for j in jacrev(out)(params).values()], 1)
+
+    return torch.stack([row(i) for i in range(len(x))])
+
+
+@pytest.mark.parametrize("name", list(VIVIT))
+def test_vivit_directional_derivatives(name):
+    """ViViT's ``test_directional_derivatives.py``: along the 3 leading eigenvectors ``e_d``
+    of the batch loss's GGN, the first-order derivatives ``γ[n, d] = gₙᵀ e_d`` from ``grad1``
+    and the second-order ``λ[n, d] = e_dᵀ GGNₙ e_d`` from gradhooks' per-example Jacobians
+    are the loop's (the GGN itself too), ``gₙ`` and ``GGNₙ`` example ``n``'s own."""
+    model, x, y, loss, reduction = vivit_problem(name)
+    scale = 1 / len(x) if reduction == "mean" else 1.0
+    want_ggn_n = per_example_ggn(model, x, y, loss, loop_jacobians(model, x))
+    got_ggn_n = per_example_ggn(model, x, y, loss, gradhooks.jacobians(model, x, flatten=True))
+    assert_close(got_ggn_n, want_ggn_n, f"{name}: per-example GGN")
+    evecs = torch.linalg.eigh(scale * want_ggn_n.sum(0))[1][:, -3:]
+    want_grads = flat(loop_grad(model, loss, x, y))
+    with gradhooks.add_hooks(model, loss_reduction=reduction):
+        (loss(model(x), y) * len(x) * scale).backward()
+    assert_close(flat(grad1_of(model)) @ evecs, want_grads @ evecs, f"{name}: gamma")
+    got_lambda = torch.einsum("pd,npq,qd->nd", evecs, got_ggn_n, evecs)
+    want_lambda = torch.einsum("pd,npq,qd->nd", evecs, want_ggn_n, evecs)
+    assert_close(got_lambda, want_lambda, f"{name}: lambda")
