@@ -151,3 +151,19 @@ def test_under_bfloat16_autocast_the_next_step_is_formed_again():
             torch.testing.assert_close(
                 h.param_norms()[name].double(), g.flatten(1).norm(dim=1), rtol=0.05, atol=0.05
             )
+
+
+def test_the_quantities_come_in_the_order_of_named_parameters():
+    """Keyed by name, in the order ``named_parameters()`` gives (not the order the backward
+    reached them, which is the reverse), so that flattening them by position lines up with the
+    model's parameters; each matches the loop."""
+    torch.manual_seed(5)
+    model = mlp()
+    x, y = labelled_batch(0)
+    names = [n for n, _ in model.named_parameters()]
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq"), loss_reduction="sum") as h:
+        _loss(model(x), y).backward()
+        for reader in (h.param_norms, h.norm_forms, h.sum_grad_sq, h.grad_variance):
+            assert list(reader()) == names, reader.__name__
+        _assert_norms_match(h, model, x, y)
+        _assert_sums_match(h, model, x, y)

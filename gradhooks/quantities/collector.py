@@ -58,6 +58,8 @@ class Collector:
         self.names = {}
         for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
+        self._order: dict[str, int] = {}  # name -> its place in self.names (the results' order)
+        self._ordered_for = -1  # (len(self.names) when _order was made)
         self._held: dict[int, _Held] = {}
         # calls per parameter in the forward(s) not yet backpropagated: a parameter's pieces are
         # reduced (and freed) as soon as all its calls' pieces arrived, not at the end
@@ -338,6 +340,15 @@ class Collector:
                 f"the hooked layers saw different batch sizes in one backward ({sorted(batches)}): "
                 "per-example quantities need every layer to see the same batch"
             )
+        # (in the model's order of its parameters, as named_parameters() gives them, rather
+        # than the order the backward reached them)
+        if self._ordered_for != len(self.names):  # (names are only ever added)
+            self._order = {}
+            for i, n in enumerate(self.names.values()):
+                self._order.setdefault(n, i)
+            self._ordered_for = len(self.names)
+        order = self._order
+        done = dict(sorted(done.items(), key=lambda item: order.get(item[0], len(order))))
         self.param_sq_norms = {n: d[1] for n, d in done.items() if d[1] is not None}
         self.norm_forms, self._forms = {n: self._forms[n] for n in self.param_sq_norms}, {}
         self.gram_rounding, self._rounding = self._rounding, {}
