@@ -1,6 +1,7 @@
 """Misuse of the public API, an eleventh set: inputs that are no inputs (``None``, a number)
 given to ``jacobians``, ``kfac`` and the oracles; the oracles given a loss of
-``reduction="none"`` or a model with no trainable parameter; ``kfac(fisher="mc")`` of an
+``reduction="none"`` or a model with no trainable parameter; ``check_rule`` given no inputs
+or the outputs for a loss; ``kfac(fisher="mc")`` of an
 output that holds NaN; a handle's ``with`` block entered again inside itself; and, kept as
 they are, empty batches and batches of one in the DP step, the quantities and the Jacobians, a
 handle's methods after ``remove()``, ``paused()`` and ``capturing()`` nested, a second handle
@@ -71,6 +72,23 @@ def test_inputs_that_are_no_inputs_are_refused_naming_their_type(call, says, inp
     assert_all_untouched(model, before)
     got = call(model, (x,), y)  # (a tuple of the positional inputs, as before)
     assert got
+
+
+def test_check_rule_given_no_inputs_or_a_loss_of_the_outputs_themselves():
+    """``check_rule(layer, None)`` failed with a bare ``TypeError`` from the oracle's
+    ``tuple(inputs)``; ``check_rule(layer, x, lambda out: out)`` (the output taken for its
+    loss) with torch's bare ``RuntimeError`` from the backward ("grad can be implicitly created
+    only for scalar outputs"). Both are refused, naming the type or the loss's shape, the layer
+    as it was; the same layer and input with a summed loss pass."""
+    layer = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    before = full_state(layer)
+    raised(gradhooks.ConfigurationTypeError, ["check_rule: inputs must be", "NoneType"],
+           lambda: gradhooks.check_rule(layer, None))  # fmt: skip
+    raised(gradhooks.ConfigurationError, ["check_rule: loss_fn returned (4, 2)", "batch of 4"],
+           lambda: gradhooks.check_rule(layer, x, lambda out: out))  # fmt: skip
+    assert_all_untouched(layer, before)
+    assert gradhooks.check_rule(layer, x, lambda out: out.pow(2).sum()).ok
 
 
 @pytest.mark.parametrize("oracle", [loop_grad, vmap_grad], ids=["loop_grad", "vmap_grad"])
