@@ -1,7 +1,7 @@
 """Misuse of the public API, an eleventh set: inputs that are no inputs (``None``, a number)
 given to ``jacobians``, ``kfac`` and the oracles; the oracles given a loss of
 ``reduction="none"`` or a model with no trainable parameter; ``check_rule`` given no inputs
-or the outputs for a loss; ``kfac(fisher="mc")`` of an
+or the outputs for a loss, ``h.check`` a number for its inputs; ``kfac(fisher="mc")`` of an
 output that holds NaN; a handle's ``with`` block entered again inside itself; and, kept as
 they are, empty batches and batches of one in the DP step, the quantities and the Jacobians, a
 handle's methods after ``remove()``, ``paused()`` and ``capturing()`` nested, a second handle
@@ -72,6 +72,22 @@ def test_inputs_that_are_no_inputs_are_refused_naming_their_type(call, says, inp
     assert_all_untouched(model, before)
     got = call(model, (x,), y)  # (a tuple of the positional inputs, as before)
     assert got
+
+
+def test_hooks_check_given_a_number_for_its_inputs():
+    """``h.check(loss_fn, 3, y)`` (the batch size given where the inputs go) failed inside
+    gradhooks with a bare ``TypeError`` (``'int' object is not iterable``). Refused, naming the
+    type, ``grad1`` and the hooks as they were; the inputs themselves give the check."""
+    model = mlp()
+    x, y = labelled_batch(1)
+    h = gradhooks.add_hooks(model)
+    F.cross_entropy(model(x), y).backward()
+    before = full_state(model)
+    raised(gradhooks.ConfigurationTypeError, ["check(loss_fn, inputs, target)", "got int"],
+           lambda: h.check(F.cross_entropy, 3, y))  # fmt: skip
+    assert_all_untouched(model, before)
+    assert h.check(F.cross_entropy, x, y).ok
+    h.remove()
 
 
 def test_check_rule_given_no_inputs_or_a_loss_of_the_outputs_themselves():
