@@ -41,8 +41,13 @@ def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
     return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
 
 
-def _as_call(inputs: Inputs) -> tuple[tuple, dict[str, Any]]:
+def _as_call(inputs: Inputs, where: str) -> tuple[tuple, dict[str, Any]]:
     """The positional and keyword arguments of ``model(...)``: a mapping is keywords."""
+    if not isinstance(inputs, (Tensor, Sequence, Mapping)) or isinstance(inputs, str):
+        raise ConfigurationTypeError(  # (None, a number: a bare TypeError from tuple())
+            f"{where}: inputs must be a tensor [batch, ...], a sequence of the model's positional "
+            f"inputs or a mapping of its keyword inputs, got {type(inputs).__qualname__}"
+        )
     if isinstance(inputs, Mapping):
         return (), dict(inputs)
     return _as_tuple(inputs), {}
@@ -90,6 +95,20 @@ def _checked_batch(
     return batch
 
 
+def _scalar(where: str, loss: Any) -> Tensor:
+    """Example ``i``'s loss, of a batch of one: a tensor of one element (a loss of
+    ``reduction="none"`` is of shape ``[1]``); more would be several losses, whose gradient
+    is not one (torch's bare ``RuntimeError``, under ``vmap`` also for one element)."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__qualname__
+        raise ConfigurationError(
+            f"{where}: loss_fn returned {got} for one example; it must return that example's "
+            "loss, one number: reduce it (a loss of reduction='none' over positions: .sum() "
+            "or .mean(), as the training loss does)"
+        )
+    return loss.reshape(())
+
+
 def _split(model: nn.Module):
     trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     rest = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
@@ -107,7 +126,7 @@ def vmap_grad(
     """Per-example gradients by ``vmap(grad(...))`` over dimension 0 of inputs and target
     (by :func:`loop_grad` for a model with an RNN where torch's Python dispatcher, which makes
     RNNs vmappable, cannot be reached: :func:`gradhooks._torch.python_dispatcher`)."""
-    args, kwargs = _as_call(inputs)
+    args, kwargs = _as_call(inputs, "vmap_grad")
     batch = _checked_batch("vmap_grad", model, loss_fn, args, kwargs, target)
     trainable, rest = _split(model)
     if batch == 0:
@@ -129,7 +148,7 @@ def vmap_grad(
         one = [next(it).unsqueeze(0) if sp else t for t, sp in zip(leaves, split)]
         xargs, xkwargs = _torch.tree_unflatten(one, spec)
         out = functional_call(model, (params, rest), xargs, xkwargs)
-        return loss_fn(out) if y is None else loss_fn(out, y.unsqueeze(0))
+        return _scalar("vmap_grad", loss_fn(out) if y is None else loss_fn(out, y.unsqueeze(0)))
 
     # functional_call does not always put back a parameter of a module that appears under
     # several names (nn.Sequential(*[conv] * 3)): put every one back ourselves.
@@ -150,10 +169,12 @@ def loop_grad(
     """Per-example gradients by one forward and backward per example (``loss.backward()``,
     each parameter's ``.grad`` put back as it was: ``torch.autograd.grad`` would not run
     reentrant activation checkpointing again, and give those parameters nothing)."""
-    args, kwargs = _as_call(inputs)
+    args, kwargs = _as_call(inputs, "loop_grad")
     batch = _checked_batch("loop_grad", model, loss_fn, args, kwargs, target)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:  # (as vmap_grad: no parameter, no gradient; its loss has no history)
+        return {}
     kept = [p.grad for p in params]
 
     def row(i: int):
@@ -164,7 +185,7 @@ def loop_grad(
             p.grad = None
         out = model(*_torch.tree_map(row(i), args), **_torch.tree_map(row(i), kwargs))
         loss = loss_fn(out) if target is None else loss_fn(out, target[i : i + 1])
-        loss.backward()
+        _scalar("loop_grad", loss).backward()
         return [None if p.grad is None else p.grad.to_dense() for p in params]
 
     try:  # (recording whatever the caller's grad mode)

@@ -206,6 +206,7 @@ class Hooks:
         self._module_hooks: list[Hook] = []  # the hooks _install put on the planned modules
         self._storages: list[int | None] = []
         self._key: tuple | None = None  # (the model's state_key when last followed)
+        self._in_block = False  # (inside its with block: a second one would end it early)
         # autograd-hacks' backprop_hess: per backward, {id(param): raw per-example gradients}
         self._hessian_backprops: list[dict[int, Tensor]] = []
         # the parts, each with the state and the others it calls
@@ -1082,9 +1083,18 @@ class Hooks:
                 "remove()), so a with block on it would capture nothing and leave the grad1 "
                 "of before: add them again, with gradhooks.add_hooks(model) as h: ..."
             )
+        if self._in_block:  # (the inner block's end would remove the hooks of the outer's)
+            raise StateError(
+                f"this handle ({self!r}) is already inside its with block: a second with block "
+                "on it would remove the hooks at its end, and the rest of the outer block "
+                "would capture nothing; drop the inner with (use h.paused() or h.capturing() "
+                "for a part of the block)"
+            )
+        self._in_block = True
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._in_block = False
         self.remove()
 
     def __repr__(self) -> str:

@@ -1257,6 +1257,12 @@ def check_hooks(
             raise ConfigurationError(
                 "check(loss_fn, inputs, target): the inputs of the captured forward"
             )
+        if not isinstance(inputs, (Tensor, tuple, list)):  # (a bare TypeError from tuple())
+            raise ConfigurationTypeError(
+                "check(loss_fn, inputs, target): inputs must be the captured forward's input "
+                f"[batch, ...] or a tuple (list) of its positional inputs, got "
+                f"{type(inputs).__qualname__}"
+            )
         _check_reduction(state, model, written, loss_fn, inputs, target, examples, report)
     elif written:
         other = "sum" if reduce == "mean" else "mean"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,16 +96,29 @@ def check_rule(
         return _check_rule(module, inputs, loss_fn, registry, rtol, atol, raise_on_mismatch)
 
 
+def _one_number(loss: Any, batch: int) -> Tensor:
+    """The loss of the batch, summed over its examples: one number (torch's bare
+    ``RuntimeError`` from the backward of more)."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__qualname__
+        raise ConfigurationError(
+            f"check_rule: loss_fn returned {got} for the batch of {batch}; it must return one "
+            "number, the sum of the examples' losses (out.pow(2).sum(), or a loss with "
+            "reduction='sum')"
+        )
+    return loss
+
+
 def _check_rule(
     module: nn.Module, inputs: Inputs, loss_fn: Callable[..., Tensor] | None,
     registry: Registry, rtol: float, atol: float, raise_on_mismatch: bool,
 ) -> CheckReport:  # fmt: skip
     loss_fn = loss_fn or _default_loss
     model = copy.deepcopy(module).double()
-    # (nested inputs too: an LSTMCell's state (h, c))
+    # (nested inputs too: an LSTMCell's state (h, c); None or a number: no tuple of them)
     xs = tree_map(
         lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x,
-        _as_tuple(inputs),
+        _as_tuple(inputs) if isinstance(inputs, (Tensor, tuple, list)) else (),
     )
     if not xs or not isinstance(xs[0], Tensor):
         raise ConfigurationTypeError(
@@ -123,7 +137,7 @@ def _check_rule(
     for reduction in ("sum", "mean"):
         denom = batch if reduction == "mean" and batch else 1
         with add_hooks(model, loss_reduction=reduction, registry=registry, verify=False):
-            (loss_fn(model(*xs)) / denom).backward()
+            (_one_number(loss_fn(model(*xs)), batch) / denom).backward()
         # (after the rule's own pass: an input it refuses, one without a batch dimension, is
         # told by the rule's typed error rather than by a shape error inside vmap)
         expected = vmap_grad(model, loss_fn, xs)

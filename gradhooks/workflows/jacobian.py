@@ -236,6 +236,12 @@ def model_inputs(
 ) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` of the model's call from ``inputs`` (a tensor, or a tuple or list of
     positional inputs) and ``kwargs``; refuses a call with no tensor to take the batch from."""
+    if not isinstance(inputs, (Tensor, tuple, list)):  # (None, a number: a bare TypeError)
+        raise ConfigurationTypeError(
+            f"{who}(): inputs must be the model's input [batch, ...] or a tuple (list) of its "
+            f"positional inputs, got {type(inputs).__qualname__}; give keyword inputs as "
+            "kwargs={...}"
+        )
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise ConfigurationTypeError(

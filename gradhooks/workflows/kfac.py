@@ -55,7 +55,13 @@ from torch import Tensor, nn
 from .. import _torch
 from ..engine.api import engine_of
 from ..engine.handle import add_hooks, hooks_of
-from ..errors import ConfigurationError, ConfigurationTypeError, StateError, UnsupportedError
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    NumericalError,
+    StateError,
+    UnsupportedError,
+)
 from ..quantities.kfac import (
     KfacAccumulator,
     KFactors,
@@ -560,7 +566,7 @@ def _output_vectors(
             if loss == "cross_entropy":  # one label per example (and position)
                 probs = torch.softmax(out, -1)
                 flat = probs.reshape(-1, out.shape[-1])
-                y = torch.multinomial(flat, 1, generator=generator)[:, 0].view(out.shape[:-1])
+                y = _sampled_labels(flat, generator, out).view(out.shape[:-1])
                 vs.append(probs - F.one_hot(y, out.shape[-1]).to(out.dtype))
             else:  # y ~ N(out, I/2), the distribution whose NLL is the squared error
                 noise = torch.randn(out.shape, generator=generator, dtype=out.dtype)
@@ -573,6 +579,22 @@ def _output_vectors(
     # diag(p) - p pᵀ = Σ_c √p_c (e_c - p) (√p_c (e_c - p))ᵀ
     probs = torch.softmax(out, -1)
     return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(classes)]
+
+
+def _sampled_labels(probs: Tensor, generator: torch.Generator | None, out: Tensor) -> Tensor:
+    """One label per row of ``probs`` ``[rows, classes]``, drawn from it (fisher="mc")."""
+    try:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    except RuntimeError:  # (torch's: the probabilities of a NaN or inf output)
+        if bool(probs.isfinite().all()):
+            raise
+        rows = (~out.isfinite()).flatten(1).any(1).nonzero()[:, 0].tolist()
+        raise NumericalError(
+            f"kfac(fisher='mc'): the model's output {tuple(out.shape)} holds NaN or inf for "
+            f"examples {rows[:8]}{' ...' if len(rows) > 8 else ''}, and no label can be drawn "
+            "from their softmax: check those examples' inputs (or the model, if it diverged), "
+            "and drop them before the forward"
+        ) from None
 
 
 # F.cross_entropy's default ignore_index: the positions so labelled have no loss (padding)
