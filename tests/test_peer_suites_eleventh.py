@@ -220,7 +220,8 @@ def test_cockpit_gradient_histograms(dims):
 
 
 class CustomContainer(nn.Module):
-    """Cockpit's issue 6: a container that is not an ``nn.Sequential``."""
+    """From Cockpit's reproduction of a reported bug: a container that is not an
+    ``nn.Sequential``."""
 
     def __init__(self, d_in: int = 3, d_out: int = 1):
         super().__init__()
