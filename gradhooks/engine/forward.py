@@ -1189,16 +1189,7 @@ def _escaping(
         if id(t) in seen_tensors or t.grad_fn in on_the_way:
             continue
         seen_tensors.add(id(t))
-        reached, seen, todo = set(), set(), [t.grad_fn]
-        while todo and len(seen) < 100_000:
-            node = todo.pop()
-            if node is None or node in seen or node in inputs:
-                continue
-            seen.add(node)
-            if node in targets:
-                reached.add(targets[node])
-                continue
-            todo.extend(f for f, _ in node.next_functions)
+        reached = {targets[node] for node in _nodes_from([t.grad_fn], inputs) if node in targets}
         if reached:
             found.append((t, ", ".join(f"'{n}'" for n in sorted(reached))))
     return found
