@@ -187,3 +187,9 @@ def is_whole(value: object) -> bool:
     ``OverflowError`` and ``int(nan)`` a ``ValueError``, naming neither the argument nor the
     call) and without a fraction."""
     return math.isfinite(value) and int(value) == value  # type: ignore[arg-type]
+
+
+def listed_names(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names`` quoted, for an error's message: ``'a', 'b' and 3 more``."""
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(f"'{x}'" for x in names[:n]) + more

@@ -30,6 +30,7 @@ from ..errors import (
     StateError,
     UnbatchedInputError,
     UnsupportedError,
+    listed_names,
 )
 from ..rules.registry import Call, _Entry
 from .accumulation import all_zero, grad_of, sole_grad1
@@ -1147,7 +1148,7 @@ class BackwardWriter:
         raise UnsupportedError(
             f"gradhooks: a backward with is_grads_batched=True (a batch of output-gradients, "
             f"as torch.autograd.functional.jacobian(vectorize=True) runs) computed the "
-            f"gradient of {_listed_names(names)}, which reached {bw.batched}; grad1 holds one "
+            f"gradient of {listed_names(names)}, which reached {bw.batched}; grad1 holds one "
             "gradient per example, not one per output-gradient, so it was left as it was. Take "
             "such backwards with respect to the inputs only, run them under h.paused(), or use "
             "gradhooks.jacobians for per-example Jacobians."
@@ -1173,7 +1174,7 @@ class BackwardWriter:
         names = [name for pid, (name, _) in self.state.params.items() if pid in returned]
         self._undo_running(bw)
         raise UnsupportedError(
-            f"gradhooks: {_listed_names(names)}: their gradients were computed by a backward "
+            f"gradhooks: {listed_names(names)}: their gradients were computed by a backward "
             "run inside another backward (torch.autograd.grad with respect to them, in a custom "
             "autograd.Function's backward or a gradient hook: an adjoint ODE solver, implicit "
             "differentiation) and handed back to the code that called it, which may scale, sum "
@@ -1352,11 +1353,6 @@ def _batched(grads) -> bool:
         if g is not None and _torch.is_grads_batched(g):
             return True
     return False
-
-
-def _listed_names(names: list[str], n: int = 5) -> str:
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(f"'{x}'" for x in names[:n]) + more
 
 
 def _same(final: Tensor, raw: Tensor, version: int) -> bool:

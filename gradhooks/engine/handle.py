@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch
-from ..errors import ConfigurationError, ConfigurationTypeError, StateError
+from ..errors import ConfigurationError, ConfigurationTypeError, StateError, listed_names
 from ..inert import InertHandle, sweep_with
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
@@ -44,7 +44,7 @@ from ..rules.fallback import FALLBACK
 from ..rules.registry import REGISTRY, Registry
 from .accumulation import all_zero, grad_of
 from .backprops import KeptBackprops, kept_for
-from .backward import BackwardWriter, _listed_names
+from .backward import BackwardWriter
 from .calls import CallLayouts
 from .capture import DetachedCalls, runs_call_last_only
 from .forward import ForwardCapture
@@ -1013,7 +1013,7 @@ class Hooks:
         unreached = self._state.collector.unreached
         if published and unreached and quantity != "kfac":  # (kfac sums until clear())
             raise StateError(
-                f"the last backward computed the gradient of {_listed_names(unreached)} but "
+                f"the last backward computed the gradient of {listed_names(unreached)} but "
                 "reached none of the model's captured calls (its loss used the outputs "
                 "detached, or only the parameters themselves: a weight penalty), so it has "
                 f"no {quantity!r}; the last captured backward's were not kept for it. Run the "
