@@ -492,7 +492,9 @@ def test_kronfluence_padded_bert_with_attention_mask():
     their attention mask. Each row of ``grad1`` (summed cross-entropy) is the gradient of
     that sequence alone and unpadded, and ``G`` (the padded positions' output-gradients are
     zero) is the mean of the sequences' own; ``A``, a mean over every position the layer
-    sees, counts the padded ones (kronfluence's masked ``A`` has no counterpart here)."""
+    sees, counts the padded ones, unless ``kfac(mask=...)`` is given the attention mask
+    (kronfluence's masked ``A``): then the encoder's layers count the real positions alone,
+    as the sequences unpadded give it, and the pooled head its examples."""
     torch.manual_seed(0)
     bert = hf("BertForSequenceClassification")(tiny_bert_config(num_labels=3))
     model = Logits(bert, last=False).to(D).eval()
@@ -516,6 +518,14 @@ def test_kronfluence_padded_bert_with_attention_mask():
     assert padded
     for k, f in padded.items():
         assert_close(f.G, sum(e[k].G for e in each) / 3, f"padded bert: {k} G")
+    masked = gradhooks.kfac(model, ids, labels, kwargs={"attention_mask": mask},
+                            fisher="empirical", mask=mask)  # fmt: skip
+    assert any(".encoder." in k for k in masked) and any(".encoder." not in k for k in masked)
+    for k, f in masked.items():
+        weights = lengths if ".encoder." in k else [1, 1, 1]  # (positions, or the pooled rows)
+        want = sum(w * e[k].A for w, e in zip(weights, each, strict=True)) / sum(weights)
+        assert_close(f.A, want, f"padded bert, masked: {k} A")
+        assert_close(f.G, padded[k].G, f"padded bert, masked: {k} G")
 
 
 # == ViViT: test/extensions/firstorder/batch_grad/, test/optim/, test/settings.py ================

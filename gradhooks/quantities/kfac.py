@@ -178,6 +178,10 @@ class KfacAccumulator:
         self.expand = True
         self.bias = True
         self.capture_a = True  # False: later backwards of the same forward add to G only
+        # [batch, positions], bool: the positions whose inputs count in A (kfac(mask=...): a
+        # tokenizer's attention mask), for the layers that see that many positions per example
+        self.mask: Tensor | None = None
+        self.masked: set[str] = set()  # the weights the mask applied to
         # the modules without a rule (the fallback's), by qualified name: their matrix-like
         # weights get no factors, and are listed (``unfactored``); set by the hooks' planning
         self.without_rule: frozenset[str] = frozenset()
@@ -256,7 +260,14 @@ class KfacAccumulator:
             if not self.capture_a:
                 continue  # (a later backward of the same forward: the input is not read,
                 # a convolution's columns never formed again)
-            a, count = _positions_seen(piece, self.expand)
+            mask = self.mask
+            if mask is not None and piece.a.shape[0] == mask.shape[0] and (
+                piece.a.shape[-2] == mask.shape[1]
+            ):
+                self.masked.add(key)
+            else:
+                mask = None
+            a, count = _positions_seen(piece, self.expand, mask)
             batch = piece.a.shape[0]
             self._a[key] = second_moment(a, augment=biased, into=self._a.get(key), real_rows=count)
             self._n_a[key] = self._n_a.get(key, 0) + count
@@ -363,15 +374,27 @@ def _matrix_like(p: Tensor) -> bool:
     return sum(size > 1 for size in p.shape) >= 2
 
 
-def _positions_seen(piece: Outer, expand: bool) -> tuple[Tensor, int | Tensor]:
+def _positions_seen(
+    piece: Outer, expand: bool, mask: Tensor | None = None
+) -> tuple[Tensor, int | Tensor]:
     """The inputs whose second moment is ``A`` (``[batch, *groups, shared', in]``) and how many
     positions (or, reduced, examples) they count: an ``int``, or per group (``[prod(groups)]``,
     int64) where the groups count differently. Where the piece marks padding
     (:attr:`Outer.seen`: an expert's rows padded to the most of one example, a packed
-    sequence's steps past its end), only the positions seen count: ``expand``, their inputs
+    sequence's steps past its end), or ``mask`` (``[batch, shared]``, bool) leaves positions
+    out (a sequence's padding), only the positions seen count: ``expand``, their inputs
     (the padding zeroed) over their number; reduced, each example's mean over its own
     positions, over the examples with any (the others' rows zero)."""
     a, seen = piece.a, piece.seen
+    if mask is not None:
+        mask = mask.to(a.device)
+        if seen is None:
+            seen = mask
+        elif seen.dim() == 2:
+            seen = seen.to(a.device, torch.bool) & mask
+        else:  # (per group: [batch, *groups, shared])
+            per_group = mask.view(mask.shape[0], *[1] * (seen.dim() - 2), -1)
+            seen = seen.to(a.device, torch.bool) & per_group
     batch, shared, groups = a.shape[0], a.shape[-2], a.shape[1:-2]
     if seen is None:
         if not expand:

@@ -100,6 +100,7 @@ def kfac(
     generator: torch.Generator | None = None,
     sample_target: Sampler | None = None,
     output_grads: Sampler | None = None,
+    mask: Tensor | None = None,
 ) -> dict[str, KFactors]:
     """K-FAC factors of every weight of ``model`` from one forward, ``model(*inputs, **kwargs)``.
 
@@ -167,6 +168,15 @@ def kfac(
             ``output_grads(output, generator)`` returns a tensor of the output's shape whose
             slice ``i`` is example ``i``'s own sampled gradient with respect to its output
             (``loss`` is not used).
+        mask: ``[batch, positions]``, true (or 1) at each example's real positions and false
+            (0) at its padding (a tokenizer's ``attention_mask``): for every layer that sees
+            ``positions`` positions per example (a Linear on ``[batch, positions,
+            features]``), ``A`` counts the real positions alone, ``Σ a aᵀ`` over them over
+            their number (reduced: each example's mean over its own), as a batch of the
+            sequences unpadded would give it; the layers that see another number of positions
+            (a pooled head) are as without it, and a mask that fits no layer is refused. ``G``
+            is as without it: the padding's output-gradients are zero where the loss leaves
+            them out (labels of ``-100``) and attention does not read them.
 
     Returns:
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
@@ -203,7 +213,7 @@ def kfac(
         raise ConfigurationError(f"kfac(): reduction must be 'mean' or 'sum', got {reduction!r}")
     acc = _accumulate(
         model, inputs, target, fisher, loss, expand, bias, mc_samples, generator,
-        sample_target, output_grads, kwargs,
+        sample_target, output_grads, kwargs, mask=mask,
     )  # fmt: skip
     return acc.factors(reduction, last=True)
 
@@ -317,7 +327,7 @@ def _accumulate(
     loss: LossName | LossFn, expand: bool, bias: bool, mc_samples: int,
     generator: torch.Generator | None, sample_target: Sampler | None = None,
     output_grads: Sampler | None = None, kwargs: Mapping[str, Any] | None = None,
-    shard: bool = False,
+    shard: bool = False, mask: Tensor | None = None,
 ) -> KfacAccumulator:  # fmt: skip
     """The sums and counts behind :func:`kfac`'s factors (the distributed version reduces them
     across ranks before dividing: ``shard``, one rank's examples, which may be none)."""
@@ -332,6 +342,7 @@ def _accumulate(
         acc.expand, acc.bias = expand, bias
         run = hooked_forward(h, model, args, kwargs)
         out = checked_output(run, model, "kfac", "[batch, classes] or [batch, ..., classes]")
+        acc.mask = _checked_mask(mask, out)
         reached = run.reached
         if out.dim() < 2:
             raise ConfigurationError(
@@ -416,7 +427,39 @@ def _accumulate(
         if fisher == "mc" and mc_samples > 1:
             for key in acc._g:
                 acc._g[key] = acc._g[key] / mc_samples
+        if acc.mask is not None and not acc.masked:
+            raise ConfigurationError(
+                f"kfac(): mask has shape {tuple(acc.mask.shape)}, but no layer sees "
+                f"{acc.mask.shape[1]} positions per example (a Linear on [batch, "
+                f"{acc.mask.shape[1]}, features]): it would leave every factor as without it. "
+                "Give the mask of the positions the layers see, or none"
+            )
         return acc
+
+
+def _checked_mask(mask: Any, out: Tensor) -> Tensor | None:
+    """:func:`kfac`'s ``mask``, as a bool tensor ``[batch, positions]`` on the output's
+    device; refused where it is no such thing for the output's batch."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ConfigurationTypeError(
+            f"kfac(): mask must be a tensor [batch, positions], got {type(mask).__qualname__}"
+        )
+    if mask.dim() != 2 or mask.shape[0] != out.shape[0]:
+        raise ConfigurationError(
+            f"kfac(): mask has shape {tuple(mask.shape)}, the model's output "
+            f"{tuple(out.shape)}: give one row per example, [{out.shape[0]}, positions], true "
+            "(or 1) at its real positions and false (0) at its padding"
+        )
+    if mask.dtype is not torch.bool:
+        if mask.is_complex() or bool(((mask != 0) & (mask != 1)).any()):
+            raise ConfigurationError(
+                f"kfac(): mask must be bool or hold 0s and 1s (an attention_mask), got "
+                f"{mask.dtype} with other values"
+            )
+        mask = mask != 0
+    return mask.to(out.device)
 
 
 def _check_model(model: Any, where: str) -> None:
