@@ -237,3 +237,234 @@ def test_run_semantic_segmentation_segformer_batch_norm_refused_then_group_norm_
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
+
+
+# -- huggingface/transformers examples/pytorch/speech-recognition/run_speech_recognition_ctc.py ----
+
+
+def _wav2vec2_ctc(mask_time_prob: float):
+    """A tiny ``Wav2Vec2ForCTC`` as the script configures it: ``feat_extract_norm="group"`` (a
+    GroupNorm after the first convolution, wav2vec2-base's), the script's ``mask_time_prob``
+    (SpecAugment: spans of time steps replaced by ``masked_spec_embed``, drawn by numpy in the
+    forward), ``ctc_loss_reduction="mean"``, the pad token the blank, dropout and LayerDrop 0."""
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=48, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, feat_extract_norm="group",
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=mask_time_prob,
+        mask_time_length=2, mask_feature_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(config).to(D)
+    model.freeze_feature_encoder()  # (the script's --freeze_feature_encoder, on by default)
+    return model
+
+
+def test_run_speech_recognition_ctc_spec_augment_refused_then_trained_with_its_embedding_frozen():
+    """huggingface/transformers ``examples/pytorch/speech-recognition/
+    run_speech_recognition_ctc.py``: ``Wav2Vec2ForCTC`` with its feature encoder frozen,
+    SpecAugment on (``mask_time_prob``), labels padded with -100 by
+    ``DataCollatorCTCWithPadding``; the Trainer's step: the loss (CTC of the log-softmax
+    taken in float32, each example's divided by its label length, then the mean),
+    ``backward``, ``clip_grad_norm_(model.parameters(), 1.0)``, AdamW, a linear schedule with
+    warmup. As written, ``masked_spec_embed`` is a trainable parameter of ``Wav2Vec2Model``
+    itself, which no rule covers: the fallback recomputes that module one example at a time
+    and cannot draw numpy's masks again, so the backward is refused naming it, the model left
+    as it was. With ``masked_spec_embed`` frozen, SpecAugment still masks each example's own
+    time steps, and grad1 at every step is autograd's derivative of each example's CTC loss
+    through one forward with the same masks, within float32's precision (the loss's)."""
+    np = pytest.importorskip("numpy")
+    model = _wav2vec2_ctc(mask_time_prob=0.3)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():
+        audio = torch.randn(3, 200, generator=g, dtype=D)
+        labels = torch.randint(1, 12, (3, 4), generator=g)
+        labels[1, 3:] = -100  # (a shorter transcript, padded by the collator)
+        return {"input_values": audio, "labels": labels}
+
+    def ctc_rows(logits, labels):
+        log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+        lengths = (labels >= 0).sum(-1)
+        steps = torch.full((labels.shape[0],), logits.shape[1], dtype=torch.long)
+        losses = F.ctc_loss(log_probs, labels[labels >= 0], steps, lengths, blank=0,
+                            reduction="none")  # fmt: skip
+        return losses / lengths
+
+    model.train()
+    before = snapshot(model)
+    with gradhooks.add_hooks(model):
+        b = batch()
+        np.random.seed(0)
+        raised(gradhooks.errors.MixedExamplesError, "'wav2vec2' (Wav2Vec2Model)",
+               lambda: model(**b).loss.backward())  # fmt: skip
+    assert_untouched(model, before, "refused")
+
+    model.wav2vec2.masked_spec_embed.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    lr_scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, 3)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            b = batch()
+            np.random.seed(step)
+            loss = model(**b).loss
+            loss.backward()
+            np.random.seed(step)
+            want = rows_of_one_forward(
+                model, lambda b=b: model(b["input_values"]).logits,
+                lambda logits, b=b: ctc_rows(logits, b["labels"]),
+            )  # fmt: skip
+            assert_grad1(model, want, f"step {step}", frozen_clean=True, rtol=1e-5, atol=1e-7)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+
+
+# -- huggingface/peft examples/conditional_generation/peft_adalora_seq2seq.py ----------------------
+
+
+def _adalora_bart(orth_reg_weight: float):
+    peft = pytest.importorskip("peft")
+    config = transformers.BartConfig(
+        vocab_size=30, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        forced_eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.BartForConditionalGeneration(config)
+    adalora = peft.AdaLoraConfig(
+        init_r=6, target_r=4, beta1=0.85, beta2=0.85, tinit=1, tfinal=1, deltaT=1,
+        lora_alpha=32, lora_dropout=0.0, task_type=peft.TaskType.SEQ_2_SEQ_LM,
+        inference_mode=False, total_step=5, orth_reg_weight=orth_reg_weight,
+    )  # fmt: skip
+    return peft.get_peft_model(base, adalora).to(D)
+
+
+def test_peft_adalora_seq2seq_orthogonality_penalty_and_rank_allocation():
+    """huggingface/peft ``examples/conditional_generation/peft_adalora_seq2seq.py``: a BART
+    with AdaLoRA (``AdaLoraConfig(init_r=12, target_r=8, beta1=0.85, beta2=0.85, tinit,
+    tfinal, deltaT, lora_alpha=32, ...)``, here smaller), ``outputs = model(**batch)``,
+    ``loss.backward()``, ``optimizer.step()``, ``lr_scheduler.step()``,
+    ``model.base_model.update_and_allocate(global_step)`` (the singular values below the
+    budget's threshold masked to 0 in place, from ``p * p.grad`` sensitivities), then
+    ``optimizer.zero_grad()``. In training mode AdaLoRA's forward adds
+    ``orth_reg_weight * ||AAᵀ - I||`` over the adapters to ``outputs.loss``: a term of the
+    parameters alone, no example's. As written, the first backward is refused (grad1 would not
+    add up to ``.grad``) and the model is left as it was. With ``verify=False``, as the error
+    says, grad1 holds each example's share of the token loss (the mean over the batch's
+    labelled tokens) and ``.grad`` its mean plus the penalty's gradient, at every step, the
+    rank allocation's masking between steps included."""
+    model = _adalora_bart(orth_reg_weight=0.5)
+    shift = transformers.models.bart.modeling_bart.shift_tokens_right
+    g = torch.Generator().manual_seed(0)
+
+    def batch():
+        ids = torch.randint(3, 30, (3, 6), generator=g)
+        labels = torch.randint(3, 30, (3, 4), generator=g)
+        labels[2, 3:] = -100  # (a shorter target, padded with -100 by the script's map)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+    model.train()
+    before = snapshot(model)
+    with gradhooks.add_hooks(model):
+        b = batch()
+        raised(gradhooks.errors.CheckFailedError, ["lora_", "penalty added to the loss"],
+               lambda: model(**b).loss.backward())  # fmt: skip
+    assert_untouched(model, before, "refused")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lr_scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 0, 5)
+    masked = 0
+    with gradhooks.add_hooks(model, verify=False):
+        for global_step in range(5):
+            b = batch()
+            outputs = model(**b)
+            loss = outputs.loss
+            loss.backward()
+            labels = b.pop("labels")
+            b["decoder_input_ids"] = shift(labels, 1, 2)
+            want = loop_grad(
+                model, share_of_the_count(lambda o, t: o.logits.flatten(0, 1), labels), b, labels
+            )
+            assert_grad1(model, want, f"step {global_step}")
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            with gradhooks.paused():  # the penalty: the model's loss less the token loss
+                out = model(**b, labels=labels)
+                token = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+                penalty = torch.autograd.grad(out.loss - token, [p for _, p in named],
+                                              allow_unused=True)  # fmt: skip
+            for (n, p), pen in zip(named, penalty):
+                pen = torch.zeros_like(p) if pen is None else pen
+                torch.testing.assert_close(p.grad, p.grad1.mean(0) + pen, rtol=1e-7, atol=1e-9)
+            optimizer.step()
+            lr_scheduler.step()
+            model.base_model.update_and_allocate(global_step)
+            optimizer.zero_grad()
+            masked = sum(int((p == 0).sum()) for n, p in named if "lora_E" in n)
+    assert masked, "the rank allocation masked no singular value"
+
+
+# -- huggingface/peft examples/sequence_classification/P_Tuning.ipynb ------------------------------
+
+
+def test_peft_p_tuning_roberta_prompt_encoder_on_padded_batches_with_evaluation():
+    """huggingface/peft ``examples/sequence_classification/P_Tuning.ipynb``: a RoBERTa
+    sequence classifier with ``PromptEncoderConfig(task_type="SEQ_CLS", num_virtual_tokens=20,
+    encoder_hidden_size=128)`` (here 4 and 16): the prompt encoder's embedding and MLP compute
+    the virtual tokens from their indices, the same for every example, and the classifier
+    head is trained as ``modules_to_save``. Right-padded batches (``DataCollatorWithPadding``),
+    AdamW at 1e-3, ``get_linear_schedule_with_warmup``, each epoch followed by an evaluation in
+    eval mode under ``no_grad`` (argmax predictions). grad1 at every step against the loop."""
+    peft = pytest.importorskip("peft")
+    config = transformers.RobertaConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=48, max_position_embeddings=40, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1, num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.RobertaForSequenceClassification(config)
+    peft_config = peft.PromptEncoderConfig(
+        task_type="SEQ_CLS", num_virtual_tokens=4, encoder_hidden_size=16
+    )
+    model = peft.get_peft_model(base, peft_config).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():  # right-padded with RoBERTa's pad id 1
+        lengths = torch.randint(3, 7, (3,), generator=g)
+        ids = torch.full((3, int(lengths.max())), 1)
+        for i, k in enumerate(lengths.tolist()):
+            ids[i, :k] = torch.randint(3, 40, (k,), generator=g)
+        mask = (ids != 1).long()
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": torch.randint(2, (3,), generator=g)}  # fmt: skip
+
+    epochs, steps = 2, 2
+    optimizer = torch.optim.AdamW(params=model.parameters(), lr=1e-3)
+    lr_scheduler = transformers.get_linear_schedule_with_warmup(
+        optimizer, num_warmup_steps=int(0.06 * epochs * steps) + 1,
+        num_training_steps=epochs * steps,
+    )  # fmt: skip
+    with gradhooks.add_hooks(model):
+        for epoch in range(epochs):
+            model.train()
+            for step in range(steps):
+                b = batch()
+                outputs = model(**b)
+                loss = outputs.loss
+                loss.backward()
+                labels = b.pop("labels")
+                want = loop_grad(model, lambda o, t: F.cross_entropy(o.logits, t), b, labels)
+                assert_grad1(model, want, f"epoch {epoch} step {step}", frozen_clean=True)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            model.eval()
+            for step in range(2):
+                b = batch()
+                with torch.no_grad():
+                    outputs = model(**b)
+                assert outputs.logits.argmax(dim=-1).shape == (3,)
