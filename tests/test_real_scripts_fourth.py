@@ -399,7 +399,8 @@ def test_peft_adalora_seq2seq_orthogonality_penalty_and_rank_allocation():
                                               allow_unused=True)  # fmt: skip
             for (n, p), pen in zip(named, penalty):
                 pen = torch.zeros_like(p) if pen is None else pen
-                torch.testing.assert_close(p.grad, p.grad1.mean(0) + pen, rtol=1e-7, atol=1e-9)
+                torch.testing.assert_close(p.grad, p.grad1.mean(0) + pen, rtol=1e-7, atol=1e-9,
+                                           msg=lambda m, n=n: f"{n}: {m}")  # fmt: skip
             optimizer.step()
             lr_scheduler.step()
             model.base_model.update_and_allocate(global_step)
@@ -463,8 +464,90 @@ def test_peft_p_tuning_roberta_prompt_encoder_on_padded_batches_with_evaluation(
                 lr_scheduler.step()
                 optimizer.zero_grad()
             model.eval()
-            for step in range(2):
+            for _ in range(2):
                 b = batch()
                 with torch.no_grad():
                     outputs = model(**b)
                 assert outputs.logits.argmax(dim=-1).shape == (3,)
+
+
+# -- meta-llama/llama-recipes src/llama_recipes/utils/train_utils.py's train ------------------------
+
+
+def test_llama_recipes_lora_finetuning_accumulation_clipping_steplr_and_evaluation():
+    """meta-llama/llama-recipes ``src/llama_recipes/finetuning.py`` with
+    ``utils/train_utils.py``'s ``train``, non-FSDP, on a tiny ``LlamaForCausalLM`` with the
+    recipe's LoRA (``r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"]``, here r=4, its
+    dropout 0) and the "padding" batching strategy (``DataCollatorForSeq2Seq``: each batch
+    right-padded to its own longest sample, the prompt's and the padding's labels -100): per
+    epoch ``model.train()``, ``loss = model(**batch).loss / gradient_accumulation_steps``,
+    ``backward``, and every second step ``clip_grad_norm_(model.parameters(), 1.0)``,
+    ``optimizer.step()``, ``optimizer.zero_grad()``; ``StepLR(step_size=1, gamma=0.85)`` at
+    the epoch's end, then ``evaluation`` (eval mode, ``no_grad``, the perplexity). grad1 at
+    each update is the halved sum of its two micro-batches' rows (each padded otherwise),
+    each that example's answer tokens over its micro-batch's count, within float32's
+    precision (Hugging Face's causal-LM loss casts the logits to float32)."""
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    peft_config = peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=4, lora_alpha=32, lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"], bias="none",
+    )  # fmt: skip
+    model = peft.get_peft_model(model, peft_config).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():  # prompt then answer, right-padded with 0; labels -100 on prompt and padding
+        samples = []
+        for _ in range(3):
+            prompt, answer = (int(k) for k in torch.randint(2, 5, (2,), generator=g))
+            samples.append((torch.randint(3, 32, (prompt + answer,), generator=g), prompt))
+        longest = max(len(ids) for ids, _ in samples)
+        ids = torch.zeros(3, longest, dtype=torch.long)
+        labels = torch.full((3, longest), -100)
+        for i, (s, prompt) in enumerate(samples):
+            ids[i, : len(s)] = s
+            labels[i, prompt : len(s)] = s[prompt:]
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
+
+    gradient_accumulation_steps, epochs, steps = 2, 2, 4
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.85)
+
+    def shifted(out, target):  # (the model's own shift: logits of positions 0.., labels 1..)
+        return out.logits[:, :-1].flatten(0, 1)
+
+    with gradhooks.add_hooks(model):
+        for epoch in range(epochs):
+            model.train()
+            want = None
+            for step in range(steps):
+                b = batch()
+                loss = model(**b).loss
+                loss = loss / gradient_accumulation_steps
+                loss.backward()
+                labels = b.pop("labels")
+                own = loop_grad(model, share_of_the_count(shifted, labels[:, 1:]), b, labels[:, 1:])
+                want = {
+                    n: w / gradient_accumulation_steps + (0 if want is None else want[n])
+                    for n, w in own.items()
+                }  # fmt: skip
+                if (step + 1) % gradient_accumulation_steps == 0:
+                    assert_grad1(model, want, f"epoch {epoch} step {step}", frozen_clean=True,
+                                 rtol=1e-5, atol=1e-7)  # fmt: skip
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    want = None
+            scheduler.step()
+            model.eval()
+            eval_loss = 0.0
+            for _ in range(2):
+                with torch.no_grad():
+                    eval_loss += model(**batch()).loss.detach().float()
+            assert torch.isfinite(torch.exp(eval_loss / 2))
