@@ -551,3 +551,78 @@ def test_llama_recipes_lora_finetuning_accumulation_clipping_steplr_and_evaluati
                 with torch.no_grad():
                     eval_loss += model(**batch()).loss.detach().float()
             assert torch.isfinite(torch.exp(eval_loss / 2))
+
+
+# -- huggingface/transformers examples/pytorch/translation/run_translation_no_trainer.py -----------
+
+
+def test_run_translation_no_trainer_marian_with_generation_between_epochs():
+    """huggingface/transformers ``examples/pytorch/translation/run_translation_no_trainer.py``
+    on a tiny ``MarianMTModel`` (sinusoidal positions, scaled embeddings shared by the encoder,
+    the decoder and the output layer, the ``final_logits_bias`` buffer):
+    ``DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)`` (labels
+    padded with -100, ``decoder_input_ids`` from the model's
+    ``prepare_decoder_input_ids_from_labels``), ``outputs = model(**batch)``, ``loss =
+    outputs.loss`` (the mean over the batch's target tokens), AdamW over the no-decay groups,
+    ``get_scheduler("linear")``; after each epoch ``model.eval()`` and
+    ``model.generate(..., max_length, num_beams=2)`` (beam search with its key-value cache,
+    under ``no_grad``) on the evaluation batches, the hooks on. grad1 at every step against
+    the loop of each example's target tokens over the batch's count."""
+    config = transformers.MarianConfig(
+        vocab_size=30, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=29, eos_token_id=0, decoder_start_token_id=29, forced_eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():  # sources and targets of unequal lengths ending in </s> (0), padded (29)
+        def padded(lengths, pad):
+            rows = torch.full((3, int(lengths.max()) + 1), pad)
+            for i, k in enumerate(lengths.tolist()):
+                rows[i, :k] = torch.randint(1, 29, (k,), generator=g)
+                rows[i, k] = 0
+            return rows
+
+        ids = padded(torch.randint(3, 6, (3,), generator=g), 29)
+        labels = padded(torch.randint(2, 5, (3,), generator=g), -100)
+        return {
+            "input_ids": ids, "attention_mask": (ids != 29).long(), "labels": labels,
+            "decoder_input_ids": model.prepare_decoder_input_ids_from_labels(labels=labels),
+        }  # fmt: skip
+
+    no_decay = ["bias", "layer_norm.weight"]
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ], lr=5e-3)  # fmt: skip
+    lr_scheduler = transformers.get_scheduler("linear", optimizer, 0, 4)
+    with gradhooks.add_hooks(model):
+        for epoch in range(2):
+            model.train()
+            for step in range(2):
+                b = batch()
+                outputs = model(**b)
+                loss = outputs.loss
+                loss.backward()
+                labels = b.pop("labels")
+                want = loop_grad(
+                    model, share_of_the_count(lambda o, t: o.logits.flatten(0, 1), labels), b,
+                    labels,
+                )  # fmt: skip
+                assert_grad1(model, want, f"epoch {epoch} step {step}")
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            model.eval()
+            b = batch()
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                    max_length=8, num_beams=2,
+                )  # fmt: skip
+            assert generated.shape[0] == 3
