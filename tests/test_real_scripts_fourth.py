@@ -7,7 +7,8 @@ written there (the script's collator, optimizer, scheduler, clipping, accumulati
 evaluation), at tiny sizes, on synthetic data, in float64 where the script allows. These are
 Hugging Face's ``no_trainer`` examples whose loss is not a plain mean over examples (masked
 language modelling over the masked tokens of the batch, token classification over the labelled
-tokens, semantic segmentation over the labelled pixels, CTC in float32), PEFT's examples of
+tokens, semantic segmentation over the labelled pixels, translation with beam search between
+epochs, CTC in float32), PEFT's examples of
 adapters that the other sets leave out (AdaLoRA with its orthogonality penalty and its rank
 allocation, P-tuning's prompt encoder), and the llama-recipes fine-tuning loop. At every step
 ``grad1`` is compared with each example's own gradient at that step's parameters
@@ -626,3 +627,70 @@ def test_run_translation_no_trainer_marian_with_generation_between_epochs():
                     max_length=8, num_beams=2,
                 )  # fmt: skip
             assert generated.shape[0] == 3
+
+
+# -- huggingface/transformers examples/pytorch/token-classification/run_ner_no_trainer.py ----------
+
+
+def test_run_ner_no_trainer_distilbert_labels_on_first_subwords_only():
+    """huggingface/transformers ``examples/pytorch/token-classification/run_ner_no_trainer.py``
+    on a tiny ``DistilBertForTokenClassification``: ``tokenize_and_align_labels`` without
+    ``--label_all_tokens`` (each word's first sub-token labelled, its other sub-tokens and the
+    special tokens -100), ``DataCollatorForTokenClassification`` (padding, labels -100),
+    ``outputs = model(**batch)``, ``loss = outputs.loss`` (the mean over the batch's labelled
+    tokens), ``accelerator.backward(loss)``, AdamW over the no-decay groups, a linear schedule
+    with warmup, then the evaluation's ``predictions = outputs.logits.argmax(dim=-1)`` in eval
+    mode under ``no_grad``. grad1 at every step against the loop of each example's labelled
+    tokens over the batch's count."""
+    config = transformers.DistilBertConfig(
+        vocab_size=30, dim=32, n_layers=1, n_heads=2, hidden_dim=48, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, num_labels=5, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DistilBertForTokenClassification(config).to(D)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():  # [CLS] words (1 or 2 sub-tokens each) [SEP], padded with 0
+        rows, tags = [], []
+        for _ in range(3):
+            ids, labels = [1], [-100]
+            for _ in range(int(torch.randint(2, 4, (1,), generator=g))):
+                pieces = int(torch.randint(1, 3, (1,), generator=g))
+                ids += torch.randint(3, 30, (pieces,), generator=g).tolist()
+                labels += [int(torch.randint(5, (1,), generator=g))] + [-100] * (pieces - 1)
+            rows.append([*ids, 2])
+            tags.append([*labels, -100])
+        longest = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (longest - len(r)) for r in rows])
+        labels = torch.tensor([t + [-100] * (longest - len(t)) for t in tags])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
+
+    no_decay = ["bias", "LayerNorm.weight"]
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ], lr=5e-3)  # fmt: skip
+    lr_scheduler = transformers.get_scheduler("linear", optimizer, 1, 3)
+    with gradhooks.add_hooks(model):
+        model.train()
+        for step in range(3):
+            b = batch()
+            outputs = model(**b)
+            loss = outputs.loss
+            loss.backward()
+            labels = b.pop("labels")
+            want = loop_grad(
+                model, share_of_the_count(lambda o, t: o.logits.flatten(0, 1), labels), b, labels
+            )
+            assert_grad1(model, want, f"step {step}")
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        model.eval()
+        b = batch()
+        with torch.no_grad():
+            outputs = model(**b)
+        predictions = outputs.logits.argmax(dim=-1)
+        assert predictions.shape == b["labels"].shape
