@@ -35,6 +35,8 @@ def convert_batch_norm(module: nn.Module, num_groups: int | None = None) -> nn.M
     ``bias`` copied (with their ``requires_grad``), its device, dtype and train/eval mode. The
     running statistics are dropped: a group norm has none. Hooks registered on a batch norm
     go with it. A model under :func:`gradhooks.add_hooks` is followed at its next forward.
+    The group norms' ``weight`` and ``bias`` are new parameters: convert before making the
+    optimizer (one made before still holds the batch norms', and never steps or zeroes these).
 
     Nothing is changed where a batch norm cannot be converted (every one is checked first):
     a subclass of a batch norm (its forward may do more than normalize: timm's
