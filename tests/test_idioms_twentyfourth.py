@@ -241,3 +241,198 @@ def test_a_focal_loss_with_class_weights_into_the_dp_step(method):
             for n, s in clipped_sum(want, 0.3).items():
                 assert_close(dict(model.named_parameters())[n].grad, s / 5, f"{step}: {n}")
             opt.step()
+
+
+# -- distillation from a teacher that keeps hooks of its own -----------------------------------
+
+
+def test_distillation_from_a_frozen_teacher_that_keeps_its_own_hooks():
+    """The teacher was trained with hooks of its own and keeps them; frozen
+    (``requires_grad_(False)``, ``eval()``) and run under ``no_grad``, it gives the student's
+    soft targets, ``KL(teacher || student) * T^2`` (``batchmean``) plus the hard labels' loss.
+    The student's grad1 is the loop's at every step, and the teacher's handle writes nothing."""
+    teacher, student = mlp(), mlp()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.mul_(1.5)
+    t = 2.0
+
+    def distill(out, target):
+        soft_target, y = target[:, :3], target[:, 3].long()
+        kl = F.kl_div(F.log_softmax(out / t, 1), F.log_softmax(soft_target / t, 1),
+                      reduction="batchmean", log_target=True)  # fmt: skip
+        return kl * t * t + F.cross_entropy(out, y)
+
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with gradhooks.add_hooks(teacher) as ht:
+        x, y = batch(30)
+        F.cross_entropy(teacher(x), y).backward()  # (the teacher's own training, once)
+        teacher.zero_grad()
+        gradhooks.clear_grad1(teacher)
+        teacher.requires_grad_(False).eval()
+        with gradhooks.add_hooks(student):
+            for step in range(STEPS):
+                x, y = batch(31 + step)
+                with torch.no_grad():
+                    target = torch.cat([teacher(x), y[:, None].to(D)], 1)
+                want = loop_grad(reference(student), distill, x, target)
+                opt.zero_grad()
+                distill(student(x), target).backward()
+                assert_grad1(student, want, f"step {step}")
+                opt.step()
+        assert ht.accumulated == 0
+    for p in teacher.parameters():
+        assert p.grad is None and "grad1" not in p.__dict__
+
+
+# -- a triplet loss: the positive each example's own view, negatives from a memory bank --------
+
+
+class Views(nn.Module):
+    """An embedding of an example and of its augmented view (two forwards of the encoder), the
+    triplet loss of each against a negative from a memory bank (detached, given as an input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = mlp(out=4)
+
+    def forward(self, x, view, negative):
+        anchor = F.normalize(self.encoder(x), dim=1)
+        positive = F.normalize(self.encoder(view), dim=1)
+        return F.triplet_margin_loss(anchor, positive, negative, margin=0.5, reduction="none")
+
+
+def test_a_triplet_loss_with_own_views_and_memory_bank_negatives_matches_the_loop():
+    """Each example's anchor and positive (its own augmented view) go through the encoder, the
+    negative is a detached embedding of an earlier batch from a memory bank: each loss is the
+    example's own, and grad1 (summed over the encoder's two calls) is the loop's over steps."""
+    model = Views()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    bank = F.normalize(torch.randn(16, 4, generator=g, dtype=D), dim=1)
+
+    def mean(out):
+        return out.mean()
+
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, _ = batch(40 + step)
+            view = x + 0.1 * torch.randn(x.shape, generator=g, dtype=D)
+            negative = bank[torch.randint(16, (5,), generator=g)]
+            want = loop_grad(reference(model), mean, (x, view, negative))
+            opt.zero_grad()
+            model(x, view, negative).mean().backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
+            with torch.no_grad():
+                bank[5 * step : 5 * step + 5] = F.normalize(model.encoder(x), dim=1)
+
+
+# -- state dicts saved with the hooks on, training rewound to them -----------------------------
+
+
+@pytest.mark.parametrize("into", ["the-hooked-model", "a-new-model"])
+def test_training_rewound_to_saved_state_dicts_repeats_its_grad1(into):
+    """The model's and Adam's ``state_dict`` saved (``torch.save`` to a buffer) after two steps
+    with the hooks on, two more steps taken, then both loaded back, into the hooked model and
+    its optimizer or into a new model hooked afresh: the steps again give the same grad1 as the
+    first time, each the loop's, and the saved state holds the model's own keys only."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    first = []
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            if step == 2:
+                saved = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+            x, y = batch(50 + step)
+            want = loop_grad(reference(model), F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            if step >= 2:
+                first.append({n: p.grad1.clone() for n, p in model.named_parameters()})
+            opt.step()
+        saved.seek(0)
+        state = torch.load(saved)
+        assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        if into == "the-hooked-model":
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            rerun(model, opt, first)
+    if into == "a-new-model":
+        fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(D)
+        fresh.load_state_dict(state["model"])
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.05)
+        fresh_opt.load_state_dict(state["opt"])
+        with gradhooks.add_hooks(fresh):
+            rerun(fresh, fresh_opt, first)
+
+
+def rerun(model, opt, first) -> None:
+    for k, step in enumerate((2, 3)):
+        x, y = batch(50 + step)
+        want = loop_grad(reference(model), F.cross_entropy, x, y)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert_grad1(model, want, f"rerun {step}")
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, first[k][n], f"rerun {step}: {n} as the first time")
+        opt.step()
+
+
+# -- a backward stopped by anomaly detection, caught, and training going on --------------------
+
+
+class Logged(nn.Module):
+    """A body, the square root of its output's magnitude, a head; in ``eval()`` the square root
+    written as ``where(h > 0, sqrt(h), 0)``, whose backward gives NaN for a negative entry
+    (``0 / sqrt(h)``), though its forward is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(out=6)
+        self.head = nn.Linear(6, 3).to(D)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(torch.sqrt(h.abs() + 1e-3) if self.training else torch.where(h > 0, h.sqrt(), 0))
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "accumulate"])
+def test_a_backward_stopped_by_detect_anomaly_then_training_goes_on(then):
+    """Under ``torch.autograd.detect_anomaly()`` a step whose backward gives NaN in
+    ``SqrtBackward0`` stops with torch's ``RuntimeError``, after the head's hooks ran. The loop
+    catches it and takes the next batch, with ``zero_grad`` (grad1 and ``.grad`` the loop's of
+    that batch) or accumulating on from the batch before (the next forward puts back the grad1
+    the stopped backward wrote: grad1 is the sum of the two good batches' loop gradients, and so
+    is the ``.grad`` of the body, which the stopped backward did not reach)."""
+    model = Logged()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model) as h, torch.autograd.detect_anomaly(check_nan=True):
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(60 + 3 * step)
+            first = loop_grad(reference(model), F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, first, f"step {step}, before")
+            model.eval()  # (the bad forward)
+            x, y = batch(61 + 3 * step)
+            with pytest.raises(RuntimeError, match="SqrtBackward0"):
+                F.cross_entropy(model(x), y).backward()
+            model.train()
+            assert h.accumulated == 1
+            if then == "zero_grad":
+                opt.zero_grad()
+            x, y = batch(62 + 3 * step)
+            want = loop_grad(reference(model), F.cross_entropy, x, y)
+            F.cross_entropy(model(x), y).backward()
+            if then == "zero_grad":
+                assert_grad1(model, want, f"step {step}, after")
+            else:
+                assert h.accumulated == 2
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1, first[n] + want[n], f"step {step}: {n}")
+                    if n.startswith("body."):
+                        assert_close(p.grad, (first[n] + want[n]).mean(0), f"step {step}: {n}")
+            opt.step()
