@@ -117,7 +117,7 @@ def test_mixing_the_batch_within_the_model_is_refused_and_the_model_kept(how):
             before = model_state(model)
             raised(
                 gradhooks.MixedExamplesError, ["'head'"],
-                lambda: F.cross_entropy(model(x, lam), y).backward(),
+                lambda x=x, lam=lam, y=y: F.cross_entropy(model(x, lam), y).backward(),
             )  # fmt: skip
             assert_untouched(model, before)
             model.how = "none"
@@ -396,9 +396,13 @@ class Logged(nn.Module):
 
     def forward(self, x):
         h = self.body(x)
-        return self.head(torch.sqrt(h.abs() + 1e-3) if self.training else torch.where(h > 0, h.sqrt(), 0))
+        return self.head(
+            torch.sqrt(h.abs() + 1e-3) if self.training else torch.where(h > 0, h.sqrt(), 0)
+        )
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.filterwarnings("ignore:Error detected in")
 @pytest.mark.parametrize("then", ["zero_grad", "accumulate"])
 def test_a_backward_stopped_by_detect_anomaly_then_training_goes_on(then):
     """Under ``torch.autograd.detect_anomaly()`` a step whose backward gives NaN in
@@ -436,3 +440,46 @@ def test_a_backward_stopped_by_detect_anomaly_then_training_goes_on(then):
                     if n.startswith("body."):
                         assert_close(p.grad, (first[n] + want[n]).mean(0), f"step {step}: {n}")
             opt.step()
+
+
+# -- clip_grad_value_ on the gradients the DP step wrote ---------------------------------------
+
+
+@pytest.mark.parametrize("where", ["after-dp_sgd_step", "inner-step-pre-hook"])
+def test_clip_grad_value_on_the_dp_steps_gradients(where):
+    """A loop that clipped ``.grad`` by value keeps ``clip_grad_value_`` after the DP step wrote
+    its gradients (post-processing: the privacy is the DP step's): after ``dp_sgd_step``, or
+    as a step pre-hook on the optimizer a :class:`gradhooks.DPOptimizer` wraps (run after it set
+    ``.grad``). The step moves each weight by the learning rate times the clamped clipped mean
+    of the loop's gradients."""
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    value = 0.02
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        if where == "inner-step-pre-hook":
+            opt = gradhooks.DPOptimizer(
+                inner, h, max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=5
+            )
+            inner.register_step_pre_hook(
+                lambda *_: torch.nn.utils.clip_grad_value_(model.parameters(), value)
+            )
+        for step in range(STEPS):
+            x, y = batch(70 + step)
+            want = loop_grad(
+                reference(model), lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y
+            )
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            if where == "after-dp_sgd_step":
+                inner.zero_grad()
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+                torch.nn.utils.clip_grad_value_(model.parameters(), value)
+                inner.step()
+            else:
+                opt.backward(losses)
+                opt.step()
+                opt.zero_grad()
+            clamped = {n: (s / 5).clamp(-value, value) for n, s in clipped_sum(want, 0.5).items()}
+            assert any((s.abs() == value).any() for s in clamped.values())  # (some clamped)
+            for n, p in model.named_parameters():
+                assert_close(p.detach(), before[n] - 0.5 * clamped[n], f"step {step}: {n}")
