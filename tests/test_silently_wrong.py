@@ -18,13 +18,23 @@ import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import (
     assert_close,
+    assert_untouched,
     labelled_batch,
+    model_state,
     one_thread,  # noqa: F401 (autouse in this module)
+    raised,
     wide_mlp,
 )
 
 D = torch.float64
 MICRO = 3
+
+
+def _clipped_mean(want: dict, max_norm: float, n: int) -> dict:
+    """Each example's whole-model gradient clipped to ``max_norm``, summed, divided by ``n``."""
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
+    factor = (max_norm / norms).clamp(max=1.0)
+    return {k: torch.einsum("b,b...->...", factor, g) / n for k, g in want.items()}
 
 
 def _loaded(model, tensors: dict):
@@ -66,3 +76,59 @@ def test_functional_call_leaves_accumulate_with_hooks_added_per_micro_batch(then
             assert_close(t.grad, total[n].mean(0), f"micro-batch {k}: .grad of {n}")
     for n, p in model.named_parameters():
         assert not hasattr(p, "grad1") and p.grad is None, f"the model's own {n} was written"
+
+
+# -- a change of .grad between DPOptimizer.backward and its step ------------------------------
+
+
+def _clip_value(model) -> None:
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+
+
+def _add_a_plain_backward(model) -> None:
+    x, y = labelled_batch(99, classes=3)
+    F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("change", [_clip_value, _add_a_plain_backward], ids=["clip", "backward"])
+@pytest.mark.parametrize("reset", ["none", "zeros"], ids=["no_zero_grad", "zeros"])
+def test_grad_changed_between_dp_backward_and_step_is_refused(change, reset):
+    """A loop ported from plain training clips ``.grad`` by value between the backward and the
+    step. :meth:`DPOptimizer.step` writes ``.grad`` afresh (the noised clipped mean), so a
+    change made there would be lost without a word: ``.grad`` still holding the last step's
+    gradient (no ``zero_grad`` in the loop) or zeros (``set_to_none=False``), the step is
+    refused with a :class:`gradhooks.StateError` naming the parameter and its shape, nothing
+    stepped. With ``.grad`` reset, the step then gives the loop's clipped mean."""
+    model = wide_mlp(out=3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            inner, h, max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=5
+        )
+        for step in range(2):
+            if reset == "zeros":
+                opt.zero_grad(set_to_none=False)
+            x, y = labelled_batch(50 + step, classes=3)
+            want = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+            if step == 0:
+                assert opt.step() is True
+                continue
+            change(model)
+            before = model_state(model)
+            err = raised(
+                gradhooks.StateError,
+                ["DPOptimizer.step", "'0.weight' (6, 3)", "clip_grad_value_",
+                 "register_step_pre_hook"],
+                opt.step,
+            )  # fmt: skip
+            assert "1 physical batch(es)" in str(err), str(err)
+            assert_untouched(model, before)
+            model.zero_grad()  # (the change let go of: the step goes on)
+            stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+            assert opt.step() is True
+            for n, g in _clipped_mean(want, 0.5, 5).items():
+                p = model.get_parameter(n)
+                assert_close(p.grad, g, f"step {step}: .grad of {n}")
+                assert_close(p.detach(), stepped[n] - 0.5 * g, f"step {step}: {n}")
+
