@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch import nn
+
 import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import (
@@ -67,7 +69,9 @@ def test_functional_call_leaves_accumulate_with_hooks_added_per_micro_batch(then
         x, y = labelled_batch(40 + k, classes=3)
         want = loop_grad(reference, F.cross_entropy, x, y)
         with gradhooks.add_hooks(model) as h:
-            (F.cross_entropy(torch.func.functional_call(model, tensors, (x,)), y) / MICRO).backward()
+            (
+                F.cross_entropy(torch.func.functional_call(model, tensors, (x,)), y) / MICRO
+            ).backward()
             held = h.accumulated
         assert held == (k + 1 if then == "accumulate" else 1), f"micro-batch {k}: {held}"
         for n, t in tensors.items():
@@ -132,3 +136,53 @@ def test_grad_changed_between_dp_backward_and_step_is_refused(change, reset):
                 assert_close(p.grad, g, f"step {step}: .grad of {n}")
                 assert_close(p.detach(), stepped[n] - 0.5 * g, f"step {step}: {n}")
 
+
+# -- a backward stopped part-way by an error outside gradhooks --------------------------------
+
+
+class _Rooted(nn.Module):
+    """A body, the square root of its output's magnitude, a head; with ``guarded=False`` the
+    square root written as ``where(h > 0, sqrt(h), 0)``: the forward is finite, the backward of
+    the square root gives NaN at a negative entry (``0 / sqrt(h)``), after the head's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = wide_mlp(out=6)
+        self.head = nn.Linear(6, 3).to(D)
+
+    def forward(self, x, guarded: bool = True):
+        h = self.body(x)
+        return self.head(torch.sqrt(h.abs() + 1e-3) if guarded else torch.where(h > 0, h.sqrt(), 0))
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.filterwarnings("ignore:Error detected in")
+@pytest.mark.parametrize("then", ["accumulate", "zero_grad"])
+def test_a_backward_stopped_by_detect_anomaly_leaves_no_partial_grad1(then):
+    """Under ``detect_anomaly`` a backward stops at ``SqrtBackward0``, after the head's hooks
+    ran; the loop catches torch's ``RuntimeError``. Read at once, ``grad1`` holds no row of the
+    stopped backward: accumulating, every parameter's is the last complete backward's (the
+    loop's of the batch before, ``accumulated`` 1); after ``zero_grad``, the head's, which the
+    stopped backward had begun to replace, is gone. Before, the head's held the stopped
+    backward's rows until the next forward, beside the body's of the batch before."""
+    model = _Rooted()
+    with gradhooks.add_hooks(model) as h, torch.autograd.detect_anomaly(check_nan=True):
+        x, y = labelled_batch(60, classes=3)
+        first = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():
+            assert_close(p.grad1, first[n], f"first: {n}")
+        x, y = labelled_batch(61, classes=3)
+        assert (model.body(x) < 0).any()  # (a NaN in the backward)
+        if then == "zero_grad":
+            model.zero_grad()
+        loss = F.cross_entropy(model(x, guarded=False), y)
+        with pytest.raises(RuntimeError, match="SqrtBackward0"):
+            loss.backward()
+        if then == "accumulate":
+            assert h.accumulated == 1
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, first[n], f"after the stopped backward: {n}")
+        else:
+            for n, p in model.head.named_parameters():
+                assert not hasattr(p, "grad1"), f"head.{n} keeps the stopped backward's rows"
