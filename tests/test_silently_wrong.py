@@ -4,7 +4,13 @@ typed error that names what it refuses and leaves the model as it was.
 
 - ``torch.func.functional_call(model, tensors, x)`` with leaf tensors of the user's in the
   parameters' slots, the hooks added again around each micro-batch's backward: ``grad1`` of the
-  tensors adds up over the micro-batches as their ``.grad`` does, as a parameter's does."""
+  tensors adds up over the micro-batches as their ``.grad`` does, as a parameter's does.
+- ``torch.nn.utils.clip_grad_value_`` (or any change of ``.grad``) between
+  :meth:`gradhooks.DPOptimizer.backward` and its ``step``, which writes ``.grad`` afresh:
+  refused, naming the parameter and the change, before anything is stepped.
+- a backward stopped part-way by an error outside gradhooks (``torch.autograd.detect_anomaly``
+  at a NaN), caught by the loop: the ``grad1`` it wrote for the layers it reached is taken back
+  as it fails, as a refused backward's is, not left to be read as if complete."""
 
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 import gradhooks
