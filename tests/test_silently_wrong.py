@@ -10,7 +10,10 @@ typed error that names what it refuses and leaves the model as it was.
   refused, naming the parameter and the change, before anything is stepped.
 - a backward stopped part-way by an error outside gradhooks (``torch.autograd.detect_anomaly``
   at a NaN), caught by the loop: the ``grad1`` it wrote for the layers it reached is taken back
-  as it fails, as a refused backward's is, not left to be read as if complete."""
+  as it fails, as a refused backward's is, not left to be read as if complete.
+- ``model.eval()`` (or ``train()``) between the forward and :meth:`gradhooks.Hooks.check`,
+  which recomputes the examples in the mode the model is in then: the report says the mode
+  changed since the captured forward, not to "check in eval mode" a model that is."""
 
 from __future__ import annotations
 
@@ -191,3 +194,42 @@ def test_a_backward_stopped_by_detect_anomaly_leaves_no_partial_grad1(then):
         else:
             for n, p in model.head.named_parameters():
                 assert not hasattr(p, "grad1"), f"head.{n} keeps the stopped backward's rows"
+
+
+# -- the mode switched between the captured forward and check() -------------------------------
+
+
+@pytest.mark.parametrize("then", ["train", "eval"])
+def test_check_after_the_mode_switched_names_the_switch(then):
+    """A model with dropout, its forward in ``then`` mode, switched to the other before the
+    backward (a loop that evaluates in between, or computes the loss in eval mode and forgets
+    nothing): ``grad1`` is the gradient of the forward as it ran (in eval mode, the loop's),
+    and ``check(loss_fn, x, y)``, which recomputes the first examples in the mode the model is
+    in now, fails saying that the model was in ``then`` mode at the captured forward and is in
+    the other now. Before, it said the model may be random and to "check in eval mode", also
+    to a model in eval mode. A model without dropout or batch norm passes the same check."""
+    x, y = labelled_batch(80, n=6, classes=3)
+    other = "eval" if then == "train" else "train"
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 3)).to(D)
+    model.train(then == "train")
+    want = loop_grad(copy.deepcopy(model).eval(), F.cross_entropy, x, y)
+    with gradhooks.add_hooks(model) as h:
+        loss = F.cross_entropy(model(x), y)
+        model.train(other == "train")
+        loss.backward()
+        if then == "eval":
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"{n} (the forward in eval mode)")
+        err = raised(
+            gradhooks.CheckFailedError,
+            [f"in {then} mode at the captured forward", f"in {other} mode now",
+             f"model.{then}()"],
+            lambda: h.check(F.cross_entropy, x, y),
+        )  # fmt: skip
+        assert "check in eval mode" not in str(err), str(err)
+    plain = wide_mlp(out=3)
+    with gradhooks.add_hooks(plain) as h:
+        loss = F.cross_entropy(plain(x), y)
+        plain.eval()
+        loss.backward()
+        assert h.check(F.cross_entropy, x, y).ok
