@@ -13,7 +13,10 @@ typed error that names what it refuses and leaves the model as it was.
   as it fails, as a refused backward's is, not left to be read as if complete.
 - ``model.eval()`` (or ``train()``) between the forward and :meth:`gradhooks.Hooks.check`,
   which recomputes the examples in the mode the model is in then: the report says the mode
-  changed since the captured forward, not to "check in eval mode" a model that is."""
+  changed since the captured forward, not to "check in eval mode" a model that is.
+- a clipping group whose parameters are all frozen (an optimizer's ``param_groups`` with a
+  frozen block): left out with its bound, as the documentation says of an empty group, so the
+  other groups' bounds and the noise are those of the groups that have a gradient."""
 
 from __future__ import annotations
 
@@ -233,3 +236,85 @@ def test_check_after_the_mode_switched_names_the_switch(then):
         plain.eval()
         loss.backward()
         assert h.check(F.cross_entropy, x, y).ok
+
+
+# -- a clipping group whose parameters are all frozen ------------------------------------------
+
+
+def _three_blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)
+    ).to(D)
+    model[2].requires_grad_(False)
+    return model
+
+
+def _group_clipped_mean(want: dict, groups: list[list[str]], bounds: list[float]) -> dict:
+    """Each example's gradient of each group clipped to that group's bound, summed over the
+    batch, divided by its size."""
+    out = {}
+    for names, bound in zip(groups, bounds, strict=True):
+        norms = torch.stack([want[n].flatten(1).pow(2).sum(1) for n in names]).sum(0).sqrt()
+        factor = (bound / norms).clamp(max=1.0)
+        for n in names:
+            out[n] = torch.einsum("b,b...->...", factor, want[n]) / want[n].shape[0]
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:gradhooks.dp_sgd_step. the generator starts")
+@pytest.mark.parametrize("bounds", ["one", "per_group"])
+def test_a_frozen_clipping_group_counts_for_nothing(bounds):
+    """Three blocks, the middle one frozen, grouped as an optimizer's ``param_groups``: the DP
+    step (no noise) is the float64 loop's gradients clipped group by group to the bounds of the
+    two trainable groups (``C/√2`` each for one float ``C``; the given bounds of those groups
+    for one per group), divided by the batch; with noise, the same step as with the frozen
+    group left out (and its bound), draw for draw. Before, one ``C`` was split ``C/√3`` (a
+    clip tighter than asked), and a frozen group's bound added to the noise's total bound."""
+    model = _three_blocks()
+    names = [[f"{k}.weight", f"{k}.bias"] for k in (0, 2, 4)]
+    live = [names[0], names[2]]
+    given = 0.5 if bounds == "one" else [0.3, 0.7, 0.4]
+    left = 0.5 if bounds == "one" else [0.3, 0.4]
+    per_group = [0.5 / 2**0.5] * 2 if bounds == "one" else left
+    x, y = labelled_batch(90, n=6, classes=3)
+    want = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+    assert set(want) == {n for g in live for n in g}
+    clipped = _group_clipped_mean(want, live, per_group)
+    assert any((clipped[n] - want[n].mean(0)).abs().max() > 1e-3 for n in clipped)  # (clipped)
+    grads = {}
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for what, groups, bound, sigma in [
+            ("frozen group in, no noise", names, given, 0.0),
+            ("frozen group in", names, given, 1.0),
+            ("frozen group out", live, left, 1.0),
+        ]:
+            model.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(
+                h, losses, max_norm=bound, noise_multiplier=sigma, method="bookkeeping",
+                generator=torch.Generator().manual_seed(3), clipping_groups=groups,
+            )  # fmt: skip
+            grads[what] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        for what, groups, bound in [("in", names, given), ("out", live, left)]:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                h, max_grad_norm=bound, noise_multiplier=1.0, expected_batch_size=6,
+                generator=torch.Generator().manual_seed(3), clipping_groups=groups,
+            )  # fmt: skip
+            opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+            opt.step()
+            grads[f"DPOptimizer, frozen group {what}"] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+            opt.zero_grad()
+    for n, g in clipped.items():
+        assert_close(grads["frozen group in, no noise"][n], g, f"clipped: {n}")
+        assert_close(grads["frozen group in"][n], grads["frozen group out"][n], f"noised: {n}")
+        assert_close(
+            grads["DPOptimizer, frozen group in"][n],
+            grads["DPOptimizer, frozen group out"][n],
+            f"DPOptimizer: {n}",
+        )

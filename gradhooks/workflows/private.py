@@ -393,7 +393,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 multiplier = self.adaptive_clipping.gradient_noise_multiplier(
                     multiplier, self.expected_batch_size
                 )
-            std = multiplier * _clip.total_bound(self.max_grad_norm)
+            groups = _dp.grouped(
+                self.hooks, _dp._checked_method(self.hooks, self.method), params,
+                self.max_grad_norm, self.clipping_groups, "DPOptimizer.step", "max_grad_norm",
+            )  # fmt: skip
+            std = multiplier * _dp.noise_bound(self.max_grad_norm, groups)
             for p, s, sparse in zip(params, self._sums, self._sparse, strict=True):
                 # (the noise drawn into the gradient's own tensor, around the sum)
                 grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
