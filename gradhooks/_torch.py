@@ -125,7 +125,9 @@ Required (no fallback; :func:`require` refuses without them):
 - ``backward_callback``: ``torch.autograd.Variable._execution_engine.queue_callback``
   (:func:`queue_backward_callback`), a function run when the running backward ends: where the
   engine verifies and reduces what it captured (``backward.py``, ``verify.py``,
-  ``quantities/collector.py``).
+  ``quantities/collector.py``); a backward that fails lets go of it unrun, which tells the
+  engine to take back the ``grad1`` the backward wrote (``backward.py``; without it, the next
+  forward does).
 - ``version_counter``: ``Tensor._version`` (:func:`version`), the version counter autograd's
   in-place checks use (documented in autograd's notes; ``torch.autograd.graph.increment_version``
   bumps it), read under its private name: the engine refuses an input changed in place after
@@ -895,12 +897,35 @@ _QUEUE_CALLBACK = _lookup(
 )
 
 
-def queue_backward_callback(fn: Callable[[], None]) -> None:
+def queue_backward_callback(
+    fn: Callable[[], None], failed: Callable[[], None] | None = None
+) -> None:
     """Run ``fn`` when the running backward ends
-    (``torch.autograd.Variable._execution_engine.queue_callback``, as DDP and FSDP use it).
+    (``torch.autograd.Variable._execution_engine.queue_callback``, as DDP and FSDP use it);
+    ``failed`` where it fails instead (an error raised in it: torch lets go of the callbacks
+    of a backward that fails, unrun, before the error reaches its caller).
 
-    No public hook fires once a backward is done. Required (:func:`require`)."""
-    _QUEUE_CALLBACK(fn)
+    No public hook fires once a backward is done, or has failed. Required (:func:`require`)."""
+    _QUEUE_CALLBACK(fn if failed is None else _Callback(fn, failed))
+
+
+class _Callback:
+    """A backward's callback that calls ``failed`` where it is let go of unrun."""
+
+    __slots__ = ("_fn", "_failed")
+
+    def __init__(self, fn: Callable[[], None], failed: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._failed = failed
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+    def __del__(self) -> None:
+        if self._fn is not None:
+            self._failed()
 
 
 # -- version_counter (required) ----------------------------------------------------------------

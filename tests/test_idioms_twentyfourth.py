@@ -408,8 +408,8 @@ def test_a_backward_stopped_by_detect_anomaly_then_training_goes_on(then):
     """Under ``torch.autograd.detect_anomaly()`` a step whose backward gives NaN in
     ``SqrtBackward0`` stops with torch's ``RuntimeError``, after the head's hooks ran. The loop
     catches it and takes the next batch, with ``zero_grad`` (grad1 and ``.grad`` the loop's of
-    that batch) or accumulating on from the batch before (the next forward puts back the grad1
-    the stopped backward wrote: grad1 is the sum of the two good batches' loop gradients, and so
+    that batch) or accumulating on from the batch before (the grad1 the stopped backward wrote
+    is taken back as it fails: grad1 is the sum of the two good batches' loop gradients, and so
     is the ``.grad`` of the body, which the stopped backward did not reach)."""
     model = Logged()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -563,8 +563,25 @@ class BackwardWriter:
                     bw.verify = frozenset(self.state.unverified)
                 elif self.state.verify and self.state.grad1 and bw.capturing:
                     bw.spot = self.verifier.spot_of()
-            _torch.queue_backward_callback(lambda: self._end_backward(task))
+            _torch.queue_backward_callback(
+                lambda: self._end_backward(task), failed=lambda: self._failed_backward(task)
+            )
         return bw
+
+    def _failed_backward(self, task: int) -> None:
+        """Backward ``task`` failed on the way (an error of torch's or of the user's code
+        raised in it, caught by the loop: ``torch.autograd.detect_anomaly`` at a NaN): the
+        ``grad1`` it wrote for the calls it reached, part of a backward, is taken back as a
+        refused backward's is (an accumulation's sum before it put back, one it started or
+        was replacing deleted), at once rather than at the next forward; ``.grad`` holds what
+        autograd added before the error."""
+        bw = self.state.tasks.pop(task, None)
+        if bw is None:  # (ended by a refusal of ours: undone then)
+            return
+        self.rollback(bw)
+        self._put_back(bw)
+        if self.state.collector is not None:
+            self.state.collector.discard_backward()
 
     def _restart(self, bw: Backward) -> None:
         """At the start of a backward, before autograd adds anything to ``.grad``: where

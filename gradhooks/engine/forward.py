@@ -648,6 +648,8 @@ class ForwardCapture:
         if not torch.is_grad_enabled() or _torch.in_transform(args, kwargs):
             return
         refuse_nested(lambda: f"'{type(module).__qualname__}' (the model)", args, kwargs)
+        model = self.state.model
+        self.state.training_at_forward = (model if model is not None else module).training
         if self.state.batch_dim is not None:
             refuse_packed(module, args, kwargs)
         if graph_task() == -1:

@@ -256,7 +256,7 @@ class Hooks:
         ``loss_reduction``."""
         return (self._state.batch_dim, self._state.loss_reduction)
 
-    def _adopt_grad1(self) -> None:
+    def _adopt_grad1(self, pids: Iterable[int] | None = None) -> None:
         """A ``grad1`` already on a parameter (left by hooks removed since, or carried by a
         pickled copy) goes on as ``.grad`` does: where ``.grad`` holds a gradient (hooks added
         around each micro-batch's backward: ``with add_hooks(model): loss.backward()`` in the
@@ -265,8 +265,12 @@ class Hooks:
         backward replaces it, or deletes it where it does not reach the parameter. So does a
         handle that does not compute ``grad1``, and one after hooks whose last backward did not
         add to ``.grad`` (``torch.autograd.grad``, also where the loop then assigned ``p.grad =
-        g``) or after ``.grad`` was replaced by another tensor."""
-        found = [p for _, p in self._state.params.values() if "grad1" in p.__dict__]
+        g``) or after ``.grad`` was replaced by another tensor. ``pids``: only those of the
+        covered parameters (the tensors a forward's planning found in the parameters' slots,
+        ``torch.func.functional_call``'s), else all, and the frozen ones' too."""
+        params = self._state.params
+        chosen = params if pids is None else {pid: params[pid] for pid in pids}
+        found = [p for _, p in chosen.values() if "grad1" in p.__dict__]
         held = [
             p for p in found
             if p.grad is not None and self._state.grad1 and _left_with(p, self._rows()) is p.grad
@@ -289,6 +293,8 @@ class Hooks:
                 state.terms_scale[id(p)] = left.terms_scale
         if adopted:
             self._state.trail.record(adopted)
+        if pids is not None:
+            return
         # a frozen parameter's grad1, left from when it was trainable, goes as after a reset
         # (unless another handle keeps it up)
         covered = {pid for h in active_handles() for pid in h._state.params}
@@ -645,6 +651,13 @@ class Hooks:
         self._state.dropped = {
             pid: (name, weakref.ref(p)) for pid, (name, p) in before.items() if pid not in params
         }  # (weakly: a layer swapped out goes with its parameters)
+        # tensors new in the slots (functional_call's, with hooks added around each
+        # micro-batch) go on from the grad1 earlier hooks left them, as the parameters do
+        state = self._state
+        self._adopt_grad1(
+            pid for pid in params
+            if pid not in before and pid not in state.written and pid not in state.stale
+        )  # fmt: skip
         self._state.rehooked = set()
         if self._state.collector is not None:
             for name, p in self._named_parameters(model):

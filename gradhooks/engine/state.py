@@ -149,6 +149,9 @@ class CaptureState:
         # and the scale of their rounding, as rounded holds them (pieces.Piece.terms_scale)
         self.terms_scale: dict[int, Tensor] = {}
         self.backwards = 0  # backwards that captured a call, since the hooks were added
+        # the model's training flag at the last captured forward: check() recomputes the
+        # examples in the mode the model is in at its call (None: no forward captured yet)
+        self.training_at_forward: bool | None = None
         self.exempt: set[int] = set()  # parameters whose grad1 does not sum to .grad by design
 
         # -- the last line of defence (Verifier) -----------------------------------------------

@@ -1422,6 +1422,25 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
             "pass the losses unscaled and the scaler to dp_sgd_step(..., scaler=scaler)"
         )
         return
+    was = state.training_at_forward
+    if was is not None and was != model.training:
+        then, now = ("train", "eval") if was else ("eval", "train")
+        report.problems.append(
+            f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× "
+            f"it, batch {batch}) as check() recomputes it, in the mode the model is in now: "
+            f"the model was in {then} mode at the captured forward and is in {now} mode now "
+            f"(model.{now}() was called after the forward), and a layer that differs between "
+            "the modes (dropout, batch norm) gives the examples another gradient in each. "
+            f"Call check with the model in the forward's mode (model.{then}() before "
+            "h.check(...))"
+            + (
+                "; dropout in train mode draws masks no recomputation replays: check a step "
+                "whose forward runs in eval mode"
+                if was
+                else ""
+            )
+        )
+        return
     report.problems.append(
         f"grad1 of the first {k} examples is not their own gradient (about {ratio:.3g}× it, "
         f"loss_reduction={state.loss_reduction!r}, batch {batch}): the loss may be scaled "

@@ -25,7 +25,9 @@ The groups:
 - a list of groups, each a list of parameters or of their qualified names in the hooked model
   (blocks of layers: fastDP's ``"block-wise"``), or an optimizer's ``param_groups`` (dicts with
   ``"params"``). Every trainable parameter of the hooked model is in exactly one group; a
-  frozen parameter of the model in a group is left out (it has no gradient).
+  frozen parameter of the model in a group is left out (it has no gradient), and a group whose
+  parameters are all frozen (a frozen block's param group) is left out with its bound: ``K``
+  below counts the groups with a trainable parameter, and the total bound is theirs.
 
 The bounds (``max_norm``, ``max_grad_norm``):
 
@@ -205,13 +207,16 @@ def grouped(
     else:
         groups = _given(model, params, names, clipping_groups, where)
     count = len(groups)
-    if count == 0:
+    # (a group whose parameters are all frozen has no gradient: left out with its bound, so
+    # that the others' bounds and the total, the noise's, are those of the groups clipped)
+    live = [k for k, g in enumerate(groups) if g]
+    if not live:
         raise ConfigurationError(
-            f"{where}: clipping_groups={clipping_groups!r} gives no group: the hooked model has "
-            "no trainable parameter to clip"
+            f"{where}: clipping_groups={_short(clipping_groups)} gives no group with a "
+            "trainable parameter: the hooked model has no trainable parameter to clip"
         )
     if not _is_list(max_norm):
-        bounds = [float(max_norm) / math.sqrt(count)] * count  # type: ignore[arg-type]
+        bounds = [float(max_norm) / math.sqrt(len(live))] * len(live)  # type: ignore[arg-type]
         total = float(max_norm)  # type: ignore[arg-type]
     else:
         bounds = [float(c) for c in max_norm]  # type: ignore[union-attr]
@@ -226,7 +231,9 @@ def grouped(
                 f"parameters ({listed}{'; ...' if count > 6 else ''}): give one bound per "
                 "group, in that order, or one float C (each group then gets C / sqrt(groups))"
             )
+        bounds = [bounds[k] for k in live]
         total = total_bound(bounds)
+    groups = [groups[k] for k in live]
     index = [0] * len(params)
     for k, g in enumerate(groups):
         for j in g:

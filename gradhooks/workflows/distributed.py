@@ -128,6 +128,7 @@ def dp_sgd_step(
     groups = _dp.grouped(
         hooks, method, params, max_norm, clipping_groups, "gradhooks.distributed.dp_sgd_step"
     )
+    total = _dp.noise_bound(max_norm, groups)
     norms, grads, scale, sparse = _dp._clipped_sums(
         hooks, per_example_loss, max_norm, method, params, scaler, clipping=clipping,
         groups=groups,

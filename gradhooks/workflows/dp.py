@@ -228,7 +228,7 @@ def dp_sgd_step(
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
-    std = noise_multiplier * _clip.total_bound(max_norm)
+    std = noise_multiplier * noise_bound(max_norm, groups)
     # Without a scaler, the noise is drawn parameter after parameter (in their order) into the
     # tensor its gradient is built in, once its clipped sum is at hand, which is added to it
     # (the rows of an embedding an example looked up in place): one tensor of each parameter's
@@ -412,6 +412,12 @@ def grouped(
             "'grad1' (a handle with 'grad1'). No gradient was written."
         )
     return groups
+
+
+def noise_bound(max_norm: Any, groups: _clip.GroupedBounds | None) -> float:
+    """The total bound the noise is scaled to: that of the groups clipped (a group of frozen
+    parameters left out), else ``max_norm``'s."""
+    return groups.total if groups is not None else _clip.total_bound(max_norm)
 
 
 def check_scaler(scaler: Any) -> None:

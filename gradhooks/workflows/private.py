@@ -23,13 +23,14 @@ import collections
 import copy
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
+from .. import _torch
 from ..engine.api import engine_of
 from ..engine.handle import Hooks, add_hooks
 from ..errors import (
@@ -210,6 +211,9 @@ class DPOptimizer(torch.optim.Optimizer):
         # (name, parameter) of each of the buffer's sums: the trainable parameters the first
         # backward since the last step clipped, in the order of the sums
         self._held: list[tuple[str, torch.nn.Parameter]] = []
+        # the .grad the last backward left each of them with (_GradMark), which the step
+        # replaces: a change made to it since would be lost
+        self._marks: list[_GradMark] = []
         self._unclipped: Tensor | None = None  # (adaptive) examples not clipped since then
         self._bound: float | list[float] | None = None  # the bound of the buffer's backwards
         self._finite = True  # no scaled backward since the last step overflowed
@@ -322,6 +326,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._sums is not None:
             self._same_params("DPOptimizer.backward")
             self._same_bound("DPOptimizer.backward")
+            self._same_grads("DPOptimizer.backward")
         got = _dp.clipped_sum(
             self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
             scaler=self.scaler, clipping=self.clipping, clipping_groups=self.clipping_groups,
@@ -338,6 +343,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.adaptive_clipping is not None:  # (a tensor: read once, at the step)
             count = (got.norms <= self.max_grad_norm).sum()
             self._unclipped = count if self._unclipped is None else self._unclipped + count
+        self._marks = [_GradMark.of(p) for _, p in self._held]
         self._finite = self._finite and got.finite
         self._examples += per_example_loss.shape[0]
         self._backwards += 1
@@ -373,6 +379,7 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         params = self._same_params("DPOptimizer.step")
         self._same_bound("DPOptimizer.step")
+        self._same_grads("DPOptimizer.step")
         _check_optimizer_params(self.optimizer, self.hooks, params, "DPOptimizer.step")
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
@@ -386,7 +393,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 multiplier = self.adaptive_clipping.gradient_noise_multiplier(
                     multiplier, self.expected_batch_size
                 )
-            std = multiplier * _clip.total_bound(self.max_grad_norm)
+            groups = _dp.grouped(
+                self.hooks, _dp._checked_method(self.hooks, self.method), params,
+                self.max_grad_norm, self.clipping_groups, "DPOptimizer.step", "max_grad_norm",
+            )  # fmt: skip
+            std = multiplier * _dp.noise_bound(self.max_grad_norm, groups)
             for p, s, sparse in zip(params, self._sums, self._sparse, strict=True):
                 # (the noise drawn into the gradient's own tensor, around the sum)
                 grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
@@ -514,11 +525,36 @@ class DPOptimizer(torch.optim.Optimizer):
             "batches so far. Nothing was changed by this call."
         )
 
+    def _same_grads(self, where: str) -> None:
+        """Refuses a ``.grad`` changed since the last backward (``clip_grad_value_`` or
+        ``clip_grad_norm_`` there, as a plain loop clips, a ``GradScaler``'s ``unscale_``, a
+        plain ``loss.backward()`` adding to it): the step replaces ``.grad`` with the noised
+        clipped mean, and the change would be lost without a word. A ``.grad`` set to ``None``
+        since is no change that matters."""
+        for (name, p), mark in zip(self._held, self._marks, strict=True):
+            how = mark.changed(p)
+            if how is None:
+                continue
+            raise StateError(
+                f"{where}: the .grad of parameter '{name}' {tuple(p.shape)} was {how} since "
+                f"DPOptimizer.backward left it (the buffer holds {self._backwards} physical "
+                f"batch(es), {self._examples} examples): torch.nn.utils.clip_grad_value_ or "
+                "clip_grad_norm_ between the backward and the step, a GradScaler's unscale_, "
+                "or a plain loss.backward(). The step writes .grad afresh, the noised clipped "
+                "mean of the buffer, so that change would be lost. To clip or rescale the DP "
+                "step's gradient, do it after the step wrote it and before the wrapped "
+                "optimizer uses it: opt.register_step_pre_hook(lambda *_: "
+                "torch.nn.utils.clip_grad_value_(model.parameters(), value)) (post-processing "
+                "of the private gradient). Or let go of the change (model.zero_grad(), which "
+                "keeps the buffer) and call step() again. Nothing was changed by this call."
+            )
+
     def _forget(self) -> None:
         self._bound = None
         self._unclipped = None
         self._sums = None
         self._held = []
+        self._marks = []
         self._sparse: list[bool] = []
         self._finite = True
         self._examples = 0
@@ -531,6 +567,30 @@ class DPOptimizer(torch.optim.Optimizer):
             f"{self.max_grad_norm}, noise_multiplier={self.noise_multiplier}, "
             f"expected_batch_size={self.expected_batch_size}{adaptive})"
         )
+
+
+class _GradMark(NamedTuple):
+    """The ``.grad`` a parameter held: the tensor (weakly, ``None`` for none) and its version."""
+
+    grad: weakref.ref | None
+    version: int
+
+    @classmethod
+    def of(cls, p: torch.nn.Parameter) -> _GradMark:
+        g = p.grad
+        return cls(None, -1) if g is None else cls(weakref.ref(g), _torch.version(g))
+
+    def changed(self, p: torch.nn.Parameter) -> str | None:
+        """How ``p.grad`` changed since it was marked (``None``: it did not, or it is ``None``
+        now)."""
+        g = p.grad
+        if g is None:
+            return None
+        if self.grad is None:
+            return "set"
+        if self.grad() is not g:
+            return "replaced by another tensor"
+        return "changed in place" if _torch.version(g) != self.version else None
 
 
 # (DPOptimizer.state_dict's key for the adaptive bound now)
