@@ -1,0 +1,525 @@
+"""A twelfth set of the cases that other projects check in their own test suites, written in
+gradhooks' terms and compared with float64 references (``torch.func`` ``vmap(grad)`` /
+``jacrev`` / ``hessian``, per-example loops of autograd, and closed forms where the peer has
+them). The first eleven sets are :mod:`test_peer_suites`, :mod:`test_peer_suites_more`,
+:mod:`test_peer_suites_third` to :mod:`test_peer_suites_eleventh`; this one adds:
+
+- pyDVL (``aai-institute/pyDVL``: ``tests/influence/torch/test_functional.py``,
+  ``tests/influence/torch/test_influence_model.py``, ``tests/influence/conftest.py``): the
+  per-sample gradients, matrix-Jacobian products and per-sample mixed derivatives
+  ``∂ₓ∇_θ ℓ`` of a Linear under the MSE loss against its closed forms; the influences of
+  up-weighting and of perturbing a training example (``InfluenceMode.Up`` /
+  ``Perturbation``) on its networks (1-d to 3-d convolutions, a Linear stack, frozen first
+  layers under the cross-entropy), with the Hessian or the Gauss-Newton matrix (from
+  gradhooks' per-example Jacobians), whole and by block;
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, hessian, jacrev, vmap
+
+import gradhooks
+from gradhooks.oracle import vmap_grad
+from harness import assert_close, seeded
+
+D = torch.float64
+
+
+def flat(grads) -> Tensor:
+    """Per-example gradients ``{name: [batch, *shape]}`` (or their list) as ``[batch, P]``."""
+    rows = grads.values() if isinstance(grads, dict) else grads
+    return torch.cat([g.flatten(1) for g in rows], 1)
+
+
+def grad1_of(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad1 for n, p in model.named_parameters() if p.requires_grad}
+
+
+def trainable(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def per_example_fn(model: nn.Module, loss_fn):
+    """``(flat trainable parameters, x_i, y_i) -> example i's loss`` for ``torch.func``."""
+    names = list(trainable(model))
+    shapes = [p.shape for p in trainable(model).values()]
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def loss(theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        parts = theta.split([s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes)}
+        out = functional_call(model, {**params, **frozen, **buffers}, (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    return loss
+
+
+def theta_of(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in trainable(model).values()])
+
+
+def sgd_step(model: nn.Module, loss: Tensor, lr: float) -> None:
+    """``loss.backward()`` and plain SGD on ``.grad`` (``torch.optim.SGD``'s step, without
+    the compiler its first use imports), ``.grad`` set to ``None`` after."""
+    loss.backward()
+    with torch.no_grad():
+        for p in trainable(model).values():
+            p -= lr * p.grad
+            p.grad = None
+
+
+# == pyDVL: tests/influence/torch/test_functional.py, test_influence_model.py ======================
+
+
+def linear_closed_forms(layer: nn.Linear, x: Tensor, y: Tensor):
+    """pyDVL's ``linear_derivative_analytical`` and ``linear_mixed_second_derivative_analytical``
+    for ``ℓ(x, y) = mean_o (A x + b - y)_o²``: the per-example gradient ``[N, out·in + out]``
+    (weight row-major, then bias) and the mixed derivative ``∂ₓ∇_θ ℓ`` ``[N, out·in + out, in]``."""
+    a, n_out = layer.weight.detach(), layer.out_features
+    r = x @ a.T + layer.bias.detach() - y  # [N, out]
+    grads = 2 / n_out * torch.cat([(r[:, :, None] * x[:, None, :]).flatten(1), r], 1)
+    # ∂/∂x_k of r_o x_i = a_ok x_i + r_o δ_ik; ∂/∂x_k of r_o = a_ok
+    eye = torch.eye(x.shape[1], dtype=x.dtype)
+    w = a[None, :, None, :] * x[:, None, :, None] + r[:, :, None, None] * eye  # [N, o, i, k]
+    mixed = torch.cat([w.flatten(1, 2), a.expand(len(x), -1, -1)], 1)
+    return grads, 2 / n_out * mixed
+
+
+def mixed_from_grad1(model: nn.Module, x: Tensor, rows: int) -> Tensor:
+    """``∂ₓ grad1`` ``[N, P, *x.shape[1:]]`` from a ``create_graph`` backward's ``grad1``:
+    example ``i``'s gradient depends on ``x[i]`` alone, so the derivative of the sum over the
+    batch of one entry of it is that entry's per-example derivative."""
+    g = flat(grad1_of(model))
+    cols = [torch.autograd.grad(g[:, j].sum(), x, retain_graph=True)[0] for j in range(rows)]
+    return torch.stack(cols, 1)
+
+
+@pytest.mark.parametrize(
+    "shape", [(5, 3, 7), (4, 1, 6), (6, 4, 3)], ids=lambda s: "x".join(map(str, s))
+)
+def test_pydvl_linear_closed_forms(shape):
+    """pyDVL's ``test_per_sample_gradient``, ``test_matrix_jacobian_product`` and
+    ``test_mixed_derivatives``: a Linear under ``F.mse_loss`` (the mean over the batch and the
+    outputs): ``grad1`` is the closed form ``2/out · (ŷ - y) xᵀ`` (and ``vmap(grad)``'s), a
+    matrix ``G`` times the per-example gradients is ``G`` times the closed form's, and the
+    derivative of ``grad1`` of a ``create_graph=True`` backward with respect to the input is
+    the closed-form mixed derivative, and ``vmap(jacrev(grad))``'s."""
+    n_in, n_out, n = shape
+    layer = seeded(lambda: nn.Linear(n_in, n_out)).to(D)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, n_in, generator=g, dtype=D).requires_grad_()
+    y = torch.randn(n, n_out, generator=g, dtype=D)
+    want_grads, want_mixed = linear_closed_forms(layer, x.detach(), y)
+    with gradhooks.add_hooks(layer):
+        F.mse_loss(layer(x), y).backward(create_graph=True)
+    got = flat(grad1_of(layer))
+    assert_close(got.detach(), want_grads, f"{shape}: grad1 against the closed form")
+    assert_close(got.detach(), flat(vmap_grad(layer, F.mse_loss, x.detach(), y)), f"{shape}: vmap")
+    m = torch.randn(10, got.shape[1], generator=g, dtype=D)
+    assert_close(m @ got.detach().T, m @ want_grads.T, f"{shape}: matrix-Jacobian product")
+    mixed = mixed_from_grad1(layer, x, got.shape[1])
+    assert_close(mixed, want_mixed, f"{shape}: mixed derivative against the closed form")
+    loss = per_example_fn(layer, F.mse_loss)
+    oracle = vmap(jacrev(grad(loss), argnums=1), in_dims=(None, 0, 0))(
+        theta_of(layer), x.detach(), y
+    )
+    assert_close(mixed, oracle, f"{shape}: mixed derivative against vmap(jacrev(grad))")
+    gradhooks.clear_grad1(layer)
+
+
+def conv3d_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv3d(5, 3, 2), nn.Flatten(), nn.Linear(24, 3))
+
+
+def conv2d_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(5, 3, 3), nn.Flatten(), nn.Linear(27, 3))
+
+
+def conv1d_net(frozen: bool = False) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv1d(5, 3, 2).requires_grad_(not frozen), nn.Flatten(), nn.Linear(6, 2)
+    )
+
+
+def simple_regression() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3), nn.Linear(3, 1))
+
+
+def simple_classifier() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(10, 10).requires_grad_(False), nn.Linear(10, 5))
+
+
+# name: (model factory, input shape, outputs, loss, mode): pyDVL's InfluenceTestCases
+PYDVL = {
+    "conv3d_nn_up": (conv3d_net, (5, 3, 3, 3), 3, F.mse_loss, "up"),
+    "conv3d_nn_pert": (conv3d_net, (5, 3, 3, 3), 3, F.smooth_l1_loss, "perturbation"),
+    "conv2d_nn_up": (conv2d_net, (5, 5, 5), 3, F.mse_loss, "up"),
+    "conv2d_nn_pert": (conv2d_net, (5, 5, 5), 3, F.smooth_l1_loss, "perturbation"),
+    "conv1d_nn_up": (conv1d_net, (5, 3), 2, F.mse_loss, "up"),
+    "conv1d_nn_pert": (conv1d_net, (5, 3), 2, F.smooth_l1_loss, "perturbation"),
+    "simple_nn_up": (simple_regression, (10,), 1, F.mse_loss, "up"),
+    "simple_nn_pert": (simple_regression, (10,), 1, F.smooth_l1_loss, "perturbation"),
+    "conv1d_no_grad_up": (lambda: conv1d_net(frozen=True), (5, 3), 2, F.cross_entropy, "up"),
+    "simple_nn_class_up": (simple_classifier, (10,), 5, F.cross_entropy, "up"),
+}
+REGULARIZATION = 0.5
+
+
+def pydvl_problem(name: str, n_train: int = 8, n_test: int = 3):
+    """pyDVL's ``model_and_data``: uniform inputs, uniform (or class) targets, the model trained
+    by full-batch SGD (its ``minimal_training``, shortened) and put in eval."""
+    factory, shape, outputs, loss, _ = PYDVL[name]
+    model = seeded(factory).to(D)
+    g = torch.Generator().manual_seed(2)
+    x, x_test = (torch.rand(n, *shape, generator=g, dtype=D) for n in (n_train, n_test))
+    if loss is F.cross_entropy:
+        y, y_test = (torch.randint(outputs, (n,), generator=g) for n in (n_train, n_test))
+    else:
+        y, y_test = (torch.rand(n, outputs, generator=g, dtype=D) for n in (n_train, n_test))
+    for _ in range(5):
+        sgd_step(model, loss(model(x), y), lr=0.3)
+    return model.eval(), loss, x, y, x_test, y_test
+
+
+def train_hessian(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> Tensor:
+    """The Hessian of the mean training loss over the trainable parameters, flattened, plus
+    pyDVL's ``regularization · I`` (its ``DirectInfluence``)."""
+    names, shapes = list(trainable(model)), [p.shape for p in trainable(model).values()]
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+
+    def mean_loss(theta: Tensor) -> Tensor:
+        parts = theta.split([s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes)}
+        return loss_fn(functional_call(model, {**params, **frozen}, (x,)), y)
+
+    h = hessian(mean_loss)(theta_of(model))
+    return h + REGULARIZATION * torch.eye(len(h), dtype=h.dtype)
+
+
+def hooked_influences(model: nn.Module, loss_fn, x, y, x_test, y_test, h: Tensor, mode: str):
+    """pyDVL's influences in gradhooks' terms: the factors ``H⁻¹ ∇ℓ_test`` from the test batch's
+    ``grad1``; ``Up``: minus their dot products with the training batch's ``grad1``
+    ``[test, train]``; ``Perturbation``: the derivative of those with respect to the training
+    inputs, through a ``create_graph=True`` backward ``[test, train, *input]``."""
+    with gradhooks.add_hooks(model) as hooks:
+        loss_fn(model(x_test), y_test).backward()
+        factors = torch.linalg.solve(h, flat(grad1_of(model)).T).T  # [test, P]
+        hooks.clear()
+        xt = x.clone().requires_grad_(mode == "perturbation")
+        loss_fn(model(xt), y).backward(create_graph=mode == "perturbation")
+        scores = -factors @ flat(grad1_of(model)).T  # [test, train]
+        if mode == "up":
+            out = scores.detach()
+        else:
+            rows = [torch.autograd.grad(s.sum(), xt, retain_graph=True)[0] for s in scores]
+            out = torch.stack(rows)
+        hooks.clear()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def oracle_influences(model: nn.Module, loss_fn, x, y, x_test, y_test, h: Tensor, mode: str):
+    """The same by ``torch.func``: ``vmap(grad)`` of each example's loss, ``vmap(jacrev(grad))``
+    with respect to its input for ``Perturbation``."""
+    loss = per_example_fn(model, loss_fn)
+    theta = theta_of(model)
+    test_grads = vmap(grad(loss), in_dims=(None, 0, 0))(theta, x_test, y_test)
+    factors = torch.linalg.solve(h, test_grads.T).T
+    if mode == "up":
+        return -factors @ vmap(grad(loss), in_dims=(None, 0, 0))(theta, x, y).T
+    mixed = vmap(jacrev(grad(loss), argnums=1), in_dims=(None, 0, 0))(theta, x, y)  # [N, P, *in]
+    return -torch.einsum("tp,np...->tn...", factors, mixed)
+
+
+@pytest.mark.parametrize("name", list(PYDVL))
+def test_pydvl_influences(name):
+    """pyDVL's ``test_influences_*`` against its ``DirectInfluence``: on its networks (trained a
+    little, in eval), the influence of up-weighting each training example on each test
+    example's loss (``MSELoss``, the cross-entropy with a frozen first layer) or of perturbing
+    its input (``SmoothL1Loss``), ``-∇ℓ_testᵀ (H + λI)⁻¹ ∇ℓ_train`` from ``grad1``, is
+    ``torch.func``'s; and the influences of the test set on itself are symmetric (``Up``)."""
+    model, loss_fn, x, y, x_test, y_test = pydvl_problem(name)
+    mode = PYDVL[name][4]
+    h = train_hessian(model, loss_fn, x, y)
+    got = hooked_influences(model, loss_fn, x, y, x_test, y_test, h, mode)
+    want = oracle_influences(model, loss_fn, x, y, x_test, y_test, h, mode)
+    shape = (len(x_test), len(x)) + ((*x.shape[1:],) if mode == "perturbation" else ())
+    assert got.shape == shape, f"{name}: {tuple(got.shape)}"
+    assert want.abs().max() > 1e-6, f"{name}: the influences vanish"
+    assert_close(got, want, f"{name}: {mode} influences")
+    if mode == "up":
+        sym = hooked_influences(model, loss_fn, x, y, x, y, h, mode)
+        assert_close(sym, sym.T, f"{name}: the training set's influences on itself")
+
+
+# == dattri: test/dattri/algorithm/test_tracin.py, test_influence_function.py, test_dvemb.py =======
+
+
+class BasicBlock(nn.Module):
+    """dattri's ResNet-9 block (``dattri/benchmark/models/resnet9``): two bias-free convolutions,
+    each followed by a BatchNorm, a ReLU and a dropout, and a shortcut convolution + BatchNorm
+    where the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1, self.drop1 = nn.BatchNorm2d(c_out), nn.Dropout(0.1)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2, self.drop2 = nn.BatchNorm2d(c_out), nn.Dropout(0.1)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.Dropout(0.1),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.drop1(F.relu(self.bn1(self.conv1(x))))
+        out = self.drop2(F.relu(self.bn2(self.conv2(out))))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet9(nn.Module):
+    """dattri's ``ResNet9`` for CIFAR-2, narrowed (widths 4 to 8) for ``[3, 4, 4]`` images."""
+
+    def __init__(self, classes: int = 2):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4)
+        self.dropout1 = nn.Dropout(0.1)
+        self.layer1 = nn.Sequential(BasicBlock(4, 6))
+        self.layer2 = nn.Sequential(BasicBlock(6, 8, stride=2))
+        self.linear = nn.Linear(8, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.dropout1(F.relu(self.bn1(self.conv1(x))))
+        out = self.layer2(self.layer1(out))
+        return self.linear(F.adaptive_avg_pool2d(out, (1, 1)).view(len(x), -1))
+
+
+def images(seed: int, n: int, n_test: int, shape: tuple, classes: int):
+    """Training and test images ``[n, *shape]`` from ``randn`` and their class labels, as
+    dattri's tests draw them."""
+    g = torch.Generator().manual_seed(seed)
+    x, x_test = (torch.randn(k, *shape, generator=g, dtype=D) for k in (n, n_test))
+    y, y_test = (torch.randint(classes, (k,), generator=g) for k in (n, n_test))
+    return x, y, x_test, y_test
+
+
+def batches(n: int, size: int):
+    """The index ranges of an unshuffled loader of ``n`` examples, the last batch short."""
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def resnet_checkpoints(x: Tensor, y: Tensor) -> list[dict]:
+    """Two checkpoints of dattri's ``train_cifar_resnet9`` (after one and two epochs, batches of
+    4, in training: the BatchNorms' running statistics move with the weights)."""
+    model = seeded(ResNet9).to(D).train()
+    saved = []
+    for _ in range(2):
+        for rows in batches(len(x), 4):
+            sgd_step(model, F.cross_entropy(model(x[rows]), y[rows]), lr=0.1)
+        saved.append({k: v.clone() for k, v in model.state_dict().items()})
+    return saved
+
+
+def normalize(g: Tensor) -> Tensor:
+    return g / g.norm(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("normalized", [True, False], ids=["normalized_grad", "raw_grad"])
+def test_dattri_tracin_over_checkpoints(normalized):
+    """dattri's ``test_tracin`` and ``test_cifar2_multi_ckpts_grad``: TracIn's scores over two
+    checkpoints of its ResNet-9 (BatchNorm and dropout, in eval) loaded in turn into the hooked
+    model, ``Σ_c w_c ĝ_trainᵀ ĝ_test`` (gradients normalized or not), from ``grad1`` of
+    batches of 4 (train) and 2 (test) under the mean cross-entropy, are the loop's at each
+    checkpoint; the self-influence ``Σ_c w_c |g|²`` is read from ``h.norms()``. A checkpoint's
+    BatchNorm statistics count: with the other checkpoint's, the loop's gradients differ (what
+    dattri's test shows of parameters saved without their buffers)."""
+    x, y, x_test, y_test = images(3, 6, 3, (3, 4, 4), classes=2)
+    checkpoints, weights = resnet_checkpoints(x, y), (0.7, 1.3)
+    model = seeded(ResNet9).to(D).eval()
+    reference = seeded(ResNet9).to(D).eval()
+    got, want = torch.zeros(6, 3, dtype=D), torch.zeros(6, 3, dtype=D)
+    got_self, want_self = torch.zeros(6, dtype=D), torch.zeros(6, dtype=D)
+    prep = normalize if normalized else (lambda t: t)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for state, w in zip(checkpoints, weights):
+            model.load_state_dict(state)
+            reference.load_state_dict(state)
+            rows = []
+            for part, (xs, ys, size) in enumerate(((x, y, 4), (x_test, y_test, 2))):
+                grads = []
+                for r in batches(len(xs), size):
+                    model.zero_grad()
+                    F.cross_entropy(model(xs[r]), ys[r]).backward()
+                    grads.append(flat(grad1_of(model)))
+                    if part == 0:
+                        got_self[r] += w * h.norms().square()
+                rows.append(torch.cat(grads))
+            got += w * prep(rows[0]) @ prep(rows[1]).T
+            want_train = flat(vmap_grad(reference, F.cross_entropy, x, y))
+            want_test = flat(vmap_grad(reference, F.cross_entropy, x_test, y_test))
+            want += w * prep(want_train) @ prep(want_test).T
+            want_self += w * want_train.square().sum(1)
+    assert_close(got, want, "TracIn scores")
+    assert_close(got_self, want_self, "TracIn self-influence from the norms")
+    stale = {**checkpoints[0], **{k: v for k, v in checkpoints[1].items() if "running" in k}}
+    reference.load_state_dict(checkpoints[0])
+    first = flat(vmap_grad(reference, F.cross_entropy, x, y))
+    reference.load_state_dict(stale)
+    moved = flat(vmap_grad(reference, F.cross_entropy, x, y))
+    assert (first - moved).abs().max() > 1e-6, "the checkpoints' BatchNorm statistics do not differ"
+
+
+def mnist_lr() -> nn.Sequential:
+    """dattri's ``LogisticRegressionMnist`` for ``[1, 6, 6]`` images."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 10))
+
+
+class MnistMLP(nn.Module):
+    """dattri's ``MLPMnist`` (``fc1``-``fc3`` with dropout), narrowed for ``[1, 6, 6]`` images."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(36, 12), nn.Linear(12, 8), nn.Linear(8, 10)
+        self.dropout1, self.dropout2 = nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.dropout1(torch.relu(self.fc1(x.view(-1, 36))))
+        return self.fc3(self.dropout2(torch.relu(self.fc2(x))))
+
+
+def layers_of(model: nn.Module) -> dict[str, list[str]]:
+    """dattri's ``param_layer_map``: the trainable parameters grouped by the module holding them."""
+    out: dict[str, list[str]] = {}
+    for name in trainable(model):
+        out.setdefault(name.rpartition(".")[0], []).append(name)
+    return out
+
+
+def datainf(train: dict, train_sq: dict, test: dict, layers: dict, r: float) -> Tensor:
+    """dattri's ``IFAttributorDataInf``: per layer ``l``, each test gradient ``v`` becomes
+    ``q = meanᵢ (v - (v·gᵢ) / (r + |gᵢ|²) gᵢ) / r`` over the training gradients ``gᵢ``; the score
+    of training example ``k`` for test example ``t`` is ``Σ_l g_kᵀ q_t`` ``[train, test]``.
+    ``train_sq[l]`` holds ``|gᵢ|²`` of layer ``l`` ``[train]``."""
+    total = 0
+    for layer, names in layers.items():
+        g, v = flat([train[n] for n in names]), flat([test[n] for n in names])
+        coef = (v @ g.T) / (r + train_sq[layer])  # [test, train]
+        q = (v - coef @ g / len(g)) / r
+        total = total + g @ q.T
+    return total
+
+
+@pytest.mark.parametrize("factory", [mnist_lr, MnistMLP], ids=["mnist_lr", "mnist_mlp"])
+def test_dattri_datainf(factory):
+    """dattri's ``test_influence_function`` (``IFAttributorDataInf``): DataInf's layer-wise
+    closed-form inverse of the damped empirical Fisher, its layers' squared gradient norms
+    taken from gradhooks' per-parameter norms (``h.param_norms()``, summed over a layer's
+    weight and bias) and its gradients from ``grad1`` (batches of 4, the last short, then the
+    test batch), equals the same from ``vmap(grad)``, on its MNIST logistic regression and MLP
+    (dropout, in eval); a second checkpoint equal to the first (its
+    ``test_influence_function_ensemble``) gives the same scores."""
+    model = seeded(factory).to(D).eval()
+    x, y, x_test, y_test = images(4, 10, 3, (1, 6, 6), classes=10)
+    layers = layers_of(model)
+    parts, sq = [], []
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for r in batches(10, 4):
+            model.zero_grad()
+            F.cross_entropy(model(x[r]), y[r]).backward()
+            parts.append(grad1_of(model))
+            norms = h.param_norms()
+            sq.append({k: sum(norms[n].square() for n in names) for k, names in layers.items()})
+        model.zero_grad()
+        F.cross_entropy(model(x_test), y_test).backward()
+        test = grad1_of(model)
+    train = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+    train_sq = {k: torch.cat([s[k] for s in sq]) for k in layers}
+    got = datainf(train, train_sq, test, layers, r=0.01)
+    want_train = vmap_grad(model, F.cross_entropy, x, y)
+    want_test = vmap_grad(model, F.cross_entropy, x_test, y_test)
+    want_sq = {k: flat([want_train[n] for n in ns]).square().sum(1) for k, ns in layers.items()}
+    want = datainf(want_train, want_sq, want_test, layers, r=0.01)
+    assert want.abs().max() > 1e-3
+    for k in layers:
+        assert_close(train_sq[k], want_sq[k], f"{k}: squared norms")
+    assert_close(got, want, "DataInf scores")
+    assert_close((got + got) / 2, got, "two equal checkpoints")
+
+
+class TokenLinear(nn.Module):
+    """A Linear over ``[batch, tokens, features]`` then mean pooling and a head: the sequence
+    inputs dattri's DVEmb reconstructs by ``einsum("bli,blo->boi", A, B)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(6, 5), nn.Linear(5, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.proj(x.view(len(x), 6, 6))).mean(1))
+
+
+def dvemb(steps: list, n: int) -> dict[int, Tensor]:
+    """dattri's ``DVEmbAttributor.cache``: walking back over the steps ``(epoch, η_t, indices,
+    per-example gradients)``, ``e_t = η_t g_t - η_t g_t Mᵀ`` added to the examples' rows of
+    their epoch's embedding and ``M += e_tᵀ g_t``."""
+    m = torch.zeros(steps[0][3].shape[1], steps[0][3].shape[1], dtype=D)
+    out: dict[int, Tensor] = {}
+    for epoch, eta, rows, g in reversed(steps):
+        e = eta * g - eta * (g @ m.T)
+        out.setdefault(epoch, torch.zeros(n, g.shape[1], dtype=D)).index_add_(0, rows, e)
+        m += e.T @ g
+    return out
+
+
+@pytest.mark.parametrize("factory", [mnist_lr, TokenLinear], ids=["mnist_lr", "token_linear"])
+def test_dattri_dvemb(factory):
+    """dattri's ``test_dvemb_context_matches_direct`` and ``_run_dvemb_simulation``: data value
+    embeddings over two epochs of SGD (batches of 4, the last short, the mean cross-entropy,
+    ``η_t = lr / batch``), the per-example gradients taken by gradhooks inside the training
+    loop (its ``cache_gradients_context``) or by ``vmap(grad)`` before each step (its
+    ``cache_gradients``): the same embeddings per epoch, scores summing over the epochs, a
+    subset of training rows the same rows; and its Kronecker factors, each Linear's kept input
+    ``A`` and output gradient ``B`` (times the batch, for the mean), give its ``grad1``."""
+    model = seeded(factory).to(D)
+    reference = seeded(factory).to(D)
+    x, y, x_test, y_test = images(5, 10, 3, (1, 6, 6), classes=10)
+    lr, got_steps, want_steps = 0.5, [], []
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    with gradhooks.add_hooks(model, keep_backprops=True) as h:
+        for epoch in range(2):
+            for r in batches(10, 4):
+                rows = torch.tensor(list(r))
+                want = flat(vmap_grad(reference, F.cross_entropy, x[r], y[r]))
+                want_steps.append((epoch, lr / len(r), rows, want))
+                sgd_step(reference, F.cross_entropy(reference(x[r]), y[r]), lr)
+                h.clear()  # (the factors are kept until then: one per step, as dattri's)
+                sgd_step(model, F.cross_entropy(model(x[r]), y[r]), lr)
+                got_steps.append((epoch, lr / len(r), rows, flat(grad1_of(model))))
+                for lin in linears:
+                    a, (b,) = h.activations(lin), h.backprops(lin)
+                    w = torch.einsum("b...i,b...o->boi", a, b * len(r))
+                    assert_close(w, lin.weight.grad1, f"epoch {epoch} {list(r)}: A, B")
+        h.clear()
+        model.zero_grad()
+        F.cross_entropy(model(x_test), y_test).backward()
+        test = flat(grad1_of(model))
+    want_test = flat(vmap_grad(reference, F.cross_entropy, x_test, y_test))
+    assert_close(test, want_test, "test gradients at the last step")
+    got, want = dvemb(got_steps, 10), dvemb(want_steps, 10)
+    for epoch in (0, 1):
+        assert_close(got[epoch], want[epoch], f"epoch {epoch}'s embeddings")
+    total = (got[0] + got[1]) @ test.T
+    assert_close(total, (want[0] + want[1]) @ want_test.T, "scores")
+    assert_close(total, got[0] @ test.T + got[1] @ test.T, "scores summed over the epochs")
+    assert_close(total[[1, 2]], ((got[0] + got[1]) @ test.T)[[1, 2]], "a subset of rows")
+    assert (got[0] - lr / 4 * torch.cat([s[3] for s in got_steps[:3]])).abs().max() > 1e-8, (
+        "the later steps change nothing"
+    )
