@@ -10,8 +10,27 @@ them). The first eleven sets are :mod:`test_peer_suites`, :mod:`test_peer_suites
   ``∂ₓ∇_θ ℓ`` of a Linear under the MSE loss against its closed forms; the influences of
   up-weighting and of perturbing a training example (``InfluenceMode.Up`` /
   ``Perturbation``) on its networks (1-d to 3-d convolutions, a Linear stack, frozen first
-  layers under the cross-entropy), with the Hessian or the Gauss-Newton matrix (from
-  gradhooks' per-example Jacobians), whole and by block;
+  layers under the cross-entropy) with the Hessian, and by layer-wise blocks of its
+  "Gauss-Newton" matrix (the mean of the per-example gradients' outer products: formed from
+  ``grad1``, its diagonal from ``h.sum_grad_sq()``, its product with a matrix unformed);
+- dattri (``TRAIS-Lab/dattri``: ``test/dattri/algorithm/test_tracin.py``,
+  ``test_influence_function.py``, ``test_dvemb.py``): TracIn over two checkpoints of its
+  ResNet-9 (BatchNorm statistics of their own, dropout) loaded in turn into the hooked model,
+  normalized or not, its self-influence from ``h.norms()``; DataInf's layer-wise inverse of
+  the damped empirical Fisher from ``grad1`` and ``h.param_norms()``; data value embeddings
+  (DVEmb) from the per-example gradients taken inside a training loop, and from each
+  Linear's kept inputs and output-gradients (its Kronecker factors, over tokens too);
+- LogIX (``logix-project/logix``: ``tests/logger/test_mlp.py``, ``test_conv2d.py``,
+  ``test_transformer.py``, ``tests/examples/test_add_lora.py``, ``logix/lora/modules.py``):
+  per-sample gradients of its MLP (also under ``checkpoint_sequential``), its CNN and a BERT
+  classifier over right-padded sequences (also with Hugging Face's gradient checkpointing),
+  and its LoRA wrappers of Linear, Conv2d and Embedding layers (the low-rank branch added in
+  place to the layer's output, its middle matrix shared by two layers too), whose middle
+  matrix's ``grad1`` is the wrapped layer's projected, ``Cᵀ G Aᵀ``.
+
+``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
+Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
+otherwise.
 """
 
 from __future__ import annotations
@@ -21,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, hessian, jacrev, vmap
+from torch.utils.checkpoint import checkpoint_sequential
 
 import gradhooks
-from gradhooks.oracle import vmap_grad
-from harness import assert_close, seeded
+from gradhooks.oracle import loop_grad, vmap_grad
+from harness import Logits, assert_close, hf, seeded, tiny_bert_config
 
 D = torch.float64
 
@@ -167,7 +187,7 @@ PYDVL = {
     "conv1d_no_grad_up": (lambda: conv1d_net(frozen=True), (5, 3), 2, F.cross_entropy, "up"),
     "simple_nn_class_up": (simple_classifier, (10,), 5, F.cross_entropy, "up"),
 }
-REGULARIZATION = 0.5
+REGULARIZATION = 5.0  # (H + λI positive definite on every network here)
 
 
 def pydvl_problem(name: str, n_train: int = 8, n_test: int = 3):
@@ -182,7 +202,7 @@ def pydvl_problem(name: str, n_train: int = 8, n_test: int = 3):
     else:
         y, y_test = (torch.rand(n, outputs, generator=g, dtype=D) for n in (n_train, n_test))
     for _ in range(5):
-        sgd_step(model, loss(model(x), y), lr=0.3)
+        sgd_step(model, loss(model(x), y), lr=0.05)
     return model.eval(), loss, x, y, x_test, y_test
 
 
@@ -255,6 +275,64 @@ def test_pydvl_influences(name):
     if mode == "up":
         sym = hooked_influences(model, loss_fn, x, y, x, y, h, mode)
         assert_close(sym, sym.T, f"{name}: the training set's influences on itself")
+
+
+def blocks_of(model: nn.Module) -> dict[str, slice]:
+    """pyDVL's ``BlockMode.LAYER_WISE``: each module's trainable parameters, as a slice of the
+    flattened parameters (in ``named_parameters()`` order)."""
+    out, start = {}, 0
+    for name, p in trainable(model).items():
+        layer = name.rpartition(".")[0]
+        s = out.get(layer, slice(start, start))
+        out[layer] = slice(s.start, start + p.numel())
+        start += p.numel()
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, c in PYDVL.items() if c[4] == "up"])
+def test_pydvl_gauss_newton_by_block(name):
+    """pyDVL's ``SecondOrderMode.GAUSS_NEWTON`` and ``BlockMode.LAYER_WISE``
+    (``test_composable_influence``): its "Gauss-Newton" matrix, the mean of the per-example
+    gradients' outer products (``functional.gauss_newton``), summed from ``grad1`` over
+    batches of 3 (the last short), with its diagonal from ``h.sum_grad_sq()`` and its product
+    with a matrix taken without forming it (``GaussNewtonBatchOperation``), is
+    ``vmap(grad)``'s; and the influences by block (each layer's block of that matrix,
+    regularized, inverted alone) are ``torch.func``'s, and sum to the block-diagonal whole."""
+    model, loss_fn, x, y, x_test, y_test = pydvl_problem(name)
+    loss = per_example_fn(model, loss_fn)
+    want_g = vmap(grad(loss), in_dims=(None, 0, 0))(theta_of(model), x, y)
+    want_test = vmap(grad(loss), in_dims=(None, 0, 0))(theta_of(model), x_test, y_test)
+    n, dim = want_g.shape
+    v = torch.randn(dim, 2, generator=torch.Generator().manual_seed(8), dtype=D)
+    gn, diag, mvp, rows = 0, 0, 0, []
+    with gradhooks.add_hooks(model, quantities=("grad1", "sum_grad_sq")) as h:
+        for r in batches(n, 3):
+            model.zero_grad()
+            loss_fn(model(x[r]), y[r]).backward()
+            g = flat(grad1_of(model))
+            gn, mvp = gn + g.T @ g / n, mvp + g.T @ (g @ v) / n
+            diag = diag + flat([h.sum_grad_sq()[k][None] for k in trainable(model)])[0] / n
+            rows.append(g)
+        model.zero_grad()
+        loss_fn(model(x_test), y_test).backward()
+        test = flat(grad1_of(model))
+    model.zero_grad(set_to_none=True)
+    train = torch.cat(rows)
+    assert_close(train, want_g, f"{name}: grad1")
+    assert_close(gn, want_g.T @ want_g / n, f"{name}: Gauss-Newton matrix")
+    assert_close(diag, gn.diagonal(), f"{name}: its diagonal from sum_grad_sq")
+    assert_close(mvp, gn @ v, f"{name}: its product, unformed")
+    total, want_total = 0, 0
+    for layer, s in blocks_of(model).items():
+        eye = REGULARIZATION * torch.eye(s.stop - s.start, dtype=D)
+        got = -test[:, s] @ torch.linalg.solve(gn[s, s] + eye, train[:, s].T)
+        want = -want_test[:, s] @ torch.linalg.solve(
+            want_g[:, s].T @ want_g[:, s] / n + eye, want_g[:, s].T
+        )
+        assert want.abs().max() > 1e-8, f"{name}: {layer}'s influences vanish"
+        assert_close(got, want, f"{name}: {layer}'s influences")
+        total, want_total = total + got, want_total + want
+    assert_close(total, want_total, f"{name}: block-diagonal influences")
 
 
 # == dattri: test/dattri/algorithm/test_tracin.py, test_influence_function.py, test_dvemb.py =======
@@ -523,3 +601,239 @@ def test_dattri_dvemb(factory):
     assert (got[0] - lr / 4 * torch.cat([s[3] for s in got_steps[:3]])).abs().max() > 1e-8, (
         "the later steps change nothing"
     )
+
+
+# == LogIX: tests/logger/test_mlp.py, test_conv2d.py, test_transformer.py, logix/lora/ ============
+
+
+def logix_mlp() -> nn.Sequential:
+    """LogIX's ``create_mlp(4, 8, 5)``: GELU, ReLU and Tanh between four Linears."""
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.ReLU(),
+        nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 5),
+    )  # fmt: skip
+
+
+class Simple2DCNN(nn.Module):
+    """LogIX's ``Simple2DCNN(1, 8, 10)`` for ``[1, 8, 8]`` images: bias-free padded
+    convolutions, a max-pool, a Linear."""
+
+    def __init__(self, channels: int = 1, hidden: int = 8, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, hidden, 3, 1, 1, bias=False)
+        self.relu, self.pool = nn.ReLU(), nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(hidden, hidden, 3, 1, 1, bias=False)
+        self.fc = nn.Linear(hidden * 4 * 4, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.conv2(self.pool(self.relu(self.conv1(x)))))
+        return self.fc(out.view(out.size(0), -1))
+
+
+class Checkpointed(nn.Module):
+    """LogIX's ``checkpoint_sequential(model, segments=2, input, use_reentrant=False)``."""
+
+    def __init__(self, seq: nn.Sequential):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint_sequential(self.seq, 2, x, use_reentrant=False)
+
+
+def logix_bert(checkpointing: bool) -> nn.Module:
+    """LogIX's ``BertForSequenceClassification`` (narrowed, 10 labels), its logits; with
+    Hugging Face's non-reentrant gradient checkpointing, in training (where it applies: no
+    dropout here), or in eval."""
+    bert = hf("BertForSequenceClassification")(tiny_bert_config(num_labels=10))
+    if checkpointing:
+        bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return Logits(bert, last=False).to(D).train(checkpointing)
+
+
+MASK = torch.tensor([[1] * 8 + [0] * 2, [1] * 7 + [0] * 3, [1] * 5 + [0] * 5, [1] * 10])
+
+# name: (model factory, inputs (the batch of 4))
+LOGIX = {
+    "mlp": (lambda: logix_mlp().eval(), lambda g: torch.randn(4, 4, generator=g, dtype=D)),
+    "mlp_checkpoint_sequential": (
+        lambda: Checkpointed(logix_mlp()).eval(),
+        lambda g: torch.randn(4, 4, generator=g, dtype=D),
+    ),
+    "conv2d": (
+        lambda: Simple2DCNN().eval(),
+        lambda g: torch.randn(4, 1, 8, 8, generator=g, dtype=D),
+    ),
+    "bert_mask": (
+        lambda: logix_bert(False),
+        lambda g: (torch.randint(20, (4, 10), generator=g), MASK),
+    ),
+    "bert_mask_gradient_checkpointing": (
+        lambda: logix_bert(True),
+        lambda g: (torch.randint(20, (4, 10), generator=g), MASK),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGIX))
+def test_logix_per_sample_gradients(name):
+    """LogIX's ``test_per_sample_gradient`` (``_with_gradient_checkpoint``, ``_mask``): its MLP,
+    its CNN and a BERT classifier over right-padded sequences with their attention mask (with
+    gradient checkpointing too), under the summed cross-entropy: every parameter's ``grad1``
+    (LogIX logs the weights') is the per-example loop's, and ``vmap(grad)``'s where the model
+    runs under it."""
+    factory, inputs = LOGIX[name]
+    model = seeded(factory).to(D)
+    g = torch.Generator().manual_seed(6)
+    x = inputs(g)
+    y = torch.tensor([1, 3, 0, 2])
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model.zero_grad()
+        out = model(*x) if isinstance(x, tuple) else model(x)
+        F.cross_entropy(out, y, reduction="sum").backward()
+    assert out.shape == (4, 10 if "bert" in name or name == "conv2d" else 5)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    if "bert" not in name and "checkpoint" not in name:  # (torch.func refuses checkpointing)
+        assert_close(flat(vmap_grad(model, F.cross_entropy, x, y)), flat(want), f"{name}: vmap")
+    assert want.keys() == grad1_of(model).keys()
+    for n, w in want.items():
+        assert_close(grad1_of(model)[n], w, f"{name}: {n}")
+    gradhooks.clear_grad1(model)
+
+
+class LoraLinear(nn.Module):
+    """LogIX's ``LoraLinear``: the Linear's output plus ``C(B(A(x)))``, added in place, ``B``
+    (rank x rank, zero at first) the layer whose gradient LogIX logs, maybe shared."""
+
+    def __init__(self, rank: int, linear: nn.Linear, shared: nn.Module | None = None):
+        super().__init__()
+        self.rank = min(rank, linear.in_features, linear.out_features)
+        self.logix_lora_A = nn.Linear(linear.in_features, self.rank, bias=False)
+        self.logix_lora_B = shared or nn.Linear(self.rank, self.rank, bias=False)
+        self.logix_lora_C = nn.Linear(self.rank, linear.out_features, bias=False)
+        nn.init.zeros_(self.logix_lora_B.weight)
+        self._linear = linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self._linear(x)
+        result += self.logix_lora_C(self.logix_lora_B(self.logix_lora_A(x)))
+        return result
+
+
+class LoraConv2d(nn.Module):
+    """LogIX's ``LoraConv2d``: ``A`` a convolution of the layer's kernel, stride and padding to
+    ``rank`` channels, ``B`` and ``C`` 1x1 convolutions."""
+
+    def __init__(self, rank: int, conv: nn.Conv2d, shared: nn.Module | None = None):
+        super().__init__()
+        self.rank = min(rank, conv.in_channels, conv.out_channels)
+        self.logix_lora_A = nn.Conv2d(
+            conv.in_channels, self.rank, conv.kernel_size, conv.stride, conv.padding, bias=False
+        )
+        self.logix_lora_B = shared or nn.Conv2d(self.rank, self.rank, 1, bias=False)
+        self.logix_lora_C = nn.Conv2d(self.rank, conv.out_channels, 1, bias=False)
+        nn.init.zeros_(self.logix_lora_B.weight)
+        self._conv = conv
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self._conv(x)
+        result += self.logix_lora_C(self.logix_lora_B(self.logix_lora_A(x)))
+        return result
+
+
+class LoraEmbedding(nn.Module):
+    """LogIX's ``LoraEmbedding``: ``A`` an embedding to ``rank`` features, ``B`` and ``C``
+    Linears."""
+
+    def __init__(self, rank: int, embedding: nn.Embedding):
+        super().__init__()
+        self.rank = min(rank, embedding.num_embeddings, embedding.embedding_dim)
+        self.logix_lora_A = nn.Embedding(embedding.num_embeddings, self.rank)
+        self.logix_lora_B = nn.Linear(self.rank, self.rank, bias=False)
+        self.logix_lora_C = nn.Linear(self.rank, embedding.embedding_dim, bias=False)
+        nn.init.zeros_(self.logix_lora_B.weight)
+        self._embedding = embedding
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self._embedding(x)
+        result += self.logix_lora_C(self.logix_lora_B(self.logix_lora_A(x)))
+        return result
+
+
+def lora_mlp(shared: bool = False) -> nn.Sequential:
+    b = nn.Linear(3, 3, bias=False) if shared else None
+    return nn.Sequential(
+        LoraLinear(3, nn.Linear(6, 8), b), nn.ReLU(), LoraLinear(3, nn.Linear(8, 5), b)
+    )
+
+
+def lora_cnn() -> nn.Sequential:
+    return nn.Sequential(
+        LoraConv2d(2, nn.Conv2d(2, 4, 3, stride=2, padding=1)), nn.ReLU(), nn.Flatten(),
+        LoraLinear(3, nn.Linear(4 * 3 * 3, 5)),
+    )  # fmt: skip
+
+
+class LoraBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = LoraEmbedding(3, nn.Embedding(12, 6)), nn.Linear(6, 5)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.emb(ids)).mean(1))
+
+
+def projected(wrapper: nn.Module, grad1: dict[str, Tensor], name: str) -> Tensor:
+    """What LogIX's ``B`` holds: the wrapped layer's per-example gradient ``[N, out, in]``
+    projected by ``C`` on the left and ``A`` on the right, ``Cᵀ G Aᵀ`` (a convolution's kernel
+    flattened into ``in``; an embedding's table ``[N, rows, dim]`` read as ``Gᵀ``)."""
+    base = next(n for n, _ in wrapper.named_children() if n.startswith("_"))
+    w = grad1[f"{name}.{base}.weight"]
+    a, c = wrapper.logix_lora_A.weight.detach(), wrapper.logix_lora_C.weight.detach()
+    if isinstance(getattr(wrapper, base), nn.Embedding):  # (a: [rows, rank], c: [dim, rank])
+        return torch.einsum("dr,nvd,vs->nrs", c, w, a)
+    p = torch.einsum("or,noi,si->nrs", c.flatten(1), w.flatten(2), a.flatten(1))
+    return p.reshape(len(w), *wrapper.logix_lora_B.weight.shape)
+
+
+# name: (model factory, inputs)
+LORA = {
+    "linear": (lora_mlp, lambda g: torch.randn(5, 6, generator=g, dtype=D)),
+    "linear_shared_B": (
+        lambda: lora_mlp(shared=True),
+        lambda g: torch.randn(5, 6, generator=g, dtype=D),
+    ),
+    "conv2d": (lora_cnn, lambda g: torch.randn(5, 2, 6, 6, generator=g, dtype=D)),
+    "embedding": (LoraBag, lambda g: torch.randint(12, (5, 4), generator=g)),
+}
+
+
+@pytest.mark.parametrize("name", list(LORA))
+def test_logix_lora_projected_gradients(name):
+    """LogIX's ``LoraLinear`` / ``LoraConv2d`` / ``LoraEmbedding`` (``tests/examples/
+    test_add_lora.py``; ``B`` zero, its output added in place to the wrapped layer's, ``B``
+    shared by two layers too): every parameter's ``grad1`` (the wrapped layer's, ``A``, ``B``,
+    ``C``) is the per-example loop's, and ``B``'s is the wrapped layer's projected, ``Cᵀ G
+    Aᵀ`` (summed over the layers sharing it): the low-rank gradient LogIX logs in place of the
+    whole one."""
+    factory, inputs = LORA[name]
+    model = seeded(factory).to(D)
+    x = inputs(torch.Generator().manual_seed(7))
+    y = torch.tensor([0, 4, 1, 3, 2])
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x), y).backward()
+    got = grad1_of(model)
+    want = loop_grad(model, F.cross_entropy, x, y)
+    assert want.keys() == got.keys()
+    for n, w in want.items():
+        assert_close(got[n], w, f"{name}: {n}")
+    wrappers = {n: m for n, m in model.named_modules() if hasattr(m, "logix_lora_B")}
+    by_b: dict[int, Tensor] = {}
+    for n, m in wrappers.items():
+        b = id(m.logix_lora_B.weight)
+        by_b[b] = by_b.get(b, 0) + projected(m, got, n)
+    for n, m in wrappers.items():
+        b_name = next(k for k, p in model.named_parameters() if p is m.logix_lora_B.weight)
+        assert by_b[id(m.logix_lora_B.weight)].abs().max() > 1e-6, f"{name}: {n} projects to zero"
+        assert_close(got[b_name], by_b[id(m.logix_lora_B.weight)], f"{name}: {n} B as projected")
+    gradhooks.clear_grad1(model)
