@@ -125,7 +125,7 @@ def mixed_from_grad1(model: nn.Module, x: Tensor, rows: int) -> Tensor:
 def test_pydvl_linear_closed_forms(shape):
     """pyDVL's ``test_per_sample_gradient``, ``test_matrix_jacobian_product`` and
     ``test_mixed_derivatives``: a Linear under ``F.mse_loss`` (the mean over the batch and the
-    outputs): ``grad1`` is the closed form ``2/out · (ŷ - y) xᵀ`` (and ``vmap(grad)``'s), a
+    outputs; input and target requiring grad, as there): ``grad1`` is the closed form ``2/out · (ŷ - y) xᵀ`` (and ``vmap(grad)``'s), a
     matrix ``G`` times the per-example gradients is ``G`` times the closed form's, and the
     derivative of ``grad1`` of a ``create_graph=True`` backward with respect to the input is
     the closed-form mixed derivative, and ``vmap(jacrev(grad))``'s."""
@@ -133,20 +133,22 @@ def test_pydvl_linear_closed_forms(shape):
     layer = seeded(lambda: nn.Linear(n_in, n_out)).to(D)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, n_in, generator=g, dtype=D).requires_grad_()
-    y = torch.randn(n, n_out, generator=g, dtype=D)
-    want_grads, want_mixed = linear_closed_forms(layer, x.detach(), y)
+    y = torch.randn(n, n_out, generator=g, dtype=D).requires_grad_()
+    want_grads, want_mixed = linear_closed_forms(layer, x.detach(), y.detach())
     with gradhooks.add_hooks(layer):
         F.mse_loss(layer(x), y).backward(create_graph=True)
     got = flat(grad1_of(layer))
     assert_close(got.detach(), want_grads, f"{shape}: grad1 against the closed form")
-    assert_close(got.detach(), flat(vmap_grad(layer, F.mse_loss, x.detach(), y)), f"{shape}: vmap")
+    assert_close(
+        got.detach(), flat(vmap_grad(layer, F.mse_loss, x.detach(), y.detach())), f"{shape}: vmap"
+    )
     m = torch.randn(10, got.shape[1], generator=g, dtype=D)
     assert_close(m @ got.detach().T, m @ want_grads.T, f"{shape}: matrix-Jacobian product")
     mixed = mixed_from_grad1(layer, x, got.shape[1])
     assert_close(mixed, want_mixed, f"{shape}: mixed derivative against the closed form")
     loss = per_example_fn(layer, F.mse_loss)
     oracle = vmap(jacrev(grad(loss), argnums=1), in_dims=(None, 0, 0))(
-        theta_of(layer), x.detach(), y
+        theta_of(layer), x.detach(), y.detach()
     )
     assert_close(mixed, oracle, f"{shape}: mixed derivative against vmap(jacrev(grad))")
     gradhooks.clear_grad1(layer)
@@ -262,7 +264,7 @@ def test_pydvl_influences(name):
     little, in eval), the influence of up-weighting each training example on each test
     example's loss (``MSELoss``, the cross-entropy with a frozen first layer) or of perturbing
     its input (``SmoothL1Loss``), ``-∇ℓ_testᵀ (H + λI)⁻¹ ∇ℓ_train`` from ``grad1``, is
-    ``torch.func``'s; and the influences of the test set on itself are symmetric (``Up``)."""
+    ``torch.func``'s, and so are those of the training set on itself (``Up``)."""
     model, loss_fn, x, y, x_test, y_test = pydvl_problem(name)
     mode = PYDVL[name][4]
     h = train_hessian(model, loss_fn, x, y)
@@ -272,9 +274,10 @@ def test_pydvl_influences(name):
     assert got.shape == shape, f"{name}: {tuple(got.shape)}"
     assert want.abs().max() > 1e-6, f"{name}: the influences vanish"
     assert_close(got, want, f"{name}: {mode} influences")
-    if mode == "up":
+    if mode == "up":  # (pyDVL's direct_sym_influences)
         sym = hooked_influences(model, loss_fn, x, y, x, y, h, mode)
-        assert_close(sym, sym.T, f"{name}: the training set's influences on itself")
+        want = oracle_influences(model, loss_fn, x, y, x, y, h, mode)
+        assert_close(sym, want, f"{name}: the training set's influences on itself")
 
 
 def blocks_of(model: nn.Module) -> dict[str, slice]:
@@ -297,7 +300,7 @@ def test_pydvl_gauss_newton_by_block(name):
     batches of 3 (the last short), with its diagonal from ``h.sum_grad_sq()`` and its product
     with a matrix taken without forming it (``GaussNewtonBatchOperation``), is
     ``vmap(grad)``'s; and the influences by block (each layer's block of that matrix,
-    regularized, inverted alone) are ``torch.func``'s, and sum to the block-diagonal whole."""
+    regularized, inverted alone) are ``torch.func``'s."""
     model, loss_fn, x, y, x_test, y_test = pydvl_problem(name)
     loss = per_example_fn(model, loss_fn)
     want_g = vmap(grad(loss), in_dims=(None, 0, 0))(theta_of(model), x, y)
@@ -322,7 +325,6 @@ def test_pydvl_gauss_newton_by_block(name):
     assert_close(gn, want_g.T @ want_g / n, f"{name}: Gauss-Newton matrix")
     assert_close(diag, gn.diagonal(), f"{name}: its diagonal from sum_grad_sq")
     assert_close(mvp, gn @ v, f"{name}: its product, unformed")
-    total, want_total = 0, 0
     for layer, s in blocks_of(model).items():
         eye = REGULARIZATION * torch.eye(s.stop - s.start, dtype=D)
         got = -test[:, s] @ torch.linalg.solve(gn[s, s] + eye, train[:, s].T)
@@ -331,8 +333,6 @@ def test_pydvl_gauss_newton_by_block(name):
         )
         assert want.abs().max() > 1e-8, f"{name}: {layer}'s influences vanish"
         assert_close(got, want, f"{name}: {layer}'s influences")
-        total, want_total = total + got, want_total + want
-    assert_close(total, want_total, f"{name}: block-diagonal influences")
 
 
 # == dattri: test/dattri/algorithm/test_tracin.py, test_influence_function.py, test_dvemb.py =======
@@ -497,39 +497,43 @@ def datainf(train: dict, train_sq: dict, test: dict, layers: dict, r: float) -> 
 
 @pytest.mark.parametrize("factory", [mnist_lr, MnistMLP], ids=["mnist_lr", "mnist_mlp"])
 def test_dattri_datainf(factory):
-    """dattri's ``test_influence_function`` (``IFAttributorDataInf``): DataInf's layer-wise
-    closed-form inverse of the damped empirical Fisher, its layers' squared gradient norms
-    taken from gradhooks' per-parameter norms (``h.param_norms()``, summed over a layer's
-    weight and bias) and its gradients from ``grad1`` (batches of 4, the last short, then the
-    test batch), equals the same from ``vmap(grad)``, on its MNIST logistic regression and MLP
-    (dropout, in eval); a second checkpoint equal to the first (its
-    ``test_influence_function_ensemble``) gives the same scores."""
+    """dattri's ``test_influence_function`` (``IFAttributorDataInf``) and
+    ``test_influence_function_ensemble``: DataInf's layer-wise closed-form inverse of the
+    damped empirical Fisher, its layers' squared gradient norms taken from gradhooks'
+    per-parameter norms (``h.param_norms()``, summed over a layer's weight and bias) and its
+    gradients from ``grad1`` (batches of 4, the last short, then the test batch), equals the
+    same from ``vmap(grad)``, on its MNIST logistic regression and MLP (dropout, in eval); and
+    two checkpoints holding the same state, loaded in turn into the hooked model, average to
+    the same scores."""
     model = seeded(factory).to(D).eval()
     x, y, x_test, y_test = images(4, 10, 3, (1, 6, 6), classes=10)
     layers = layers_of(model)
-    parts, sq = [], []
-    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
-        for r in batches(10, 4):
-            model.zero_grad()
-            F.cross_entropy(model(x[r]), y[r]).backward()
-            parts.append(grad1_of(model))
-            norms = h.param_norms()
-            sq.append({k: sum(norms[n].square() for n in names) for k, names in layers.items()})
-        model.zero_grad()
-        F.cross_entropy(model(x_test), y_test).backward()
-        test = grad1_of(model)
-    train = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
-    train_sq = {k: torch.cat([s[k] for s in sq]) for k in layers}
-    got = datainf(train, train_sq, test, layers, r=0.01)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     want_train = vmap_grad(model, F.cross_entropy, x, y)
     want_test = vmap_grad(model, F.cross_entropy, x_test, y_test)
     want_sq = {k: flat([want_train[n] for n in ns]).square().sum(1) for k, ns in layers.items()}
     want = datainf(want_train, want_sq, want_test, layers, r=0.01)
     assert want.abs().max() > 1e-3
-    for k in layers:
-        assert_close(train_sq[k], want_sq[k], f"{k}: squared norms")
-    assert_close(got, want, "DataInf scores")
-    assert_close((got + got) / 2, got, "two equal checkpoints")
+    scores = []
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for checkpoint in range(2):
+            model.load_state_dict(state)
+            parts, sq = [], []
+            for r in batches(10, 4):
+                model.zero_grad()
+                F.cross_entropy(model(x[r]), y[r]).backward()
+                parts.append(grad1_of(model))
+                norms = h.param_norms()
+                sq.append({k: sum(norms[n].square() for n in ns) for k, ns in layers.items()})
+            model.zero_grad()
+            F.cross_entropy(model(x_test), y_test).backward()
+            train = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+            train_sq = {k: torch.cat([s[k] for s in sq]) for k in layers}
+            for k in layers:
+                assert_close(train_sq[k], want_sq[k], f"checkpoint {checkpoint}: {k} squared norms")
+            scores.append(datainf(train, train_sq, grad1_of(model), layers, r=0.01))
+            assert_close(scores[-1], want, f"checkpoint {checkpoint}: DataInf scores")
+    assert_close(sum(scores) / 2, want, "DataInf scores averaged over the checkpoints")
 
 
 class TokenLinear(nn.Module):
@@ -563,8 +567,8 @@ def test_dattri_dvemb(factory):
     embeddings over two epochs of SGD (batches of 4, the last short, the mean cross-entropy,
     ``η_t = lr / batch``), the per-example gradients taken by gradhooks inside the training
     loop (its ``cache_gradients_context``) or by ``vmap(grad)`` before each step (its
-    ``cache_gradients``): the same embeddings per epoch, scores summing over the epochs, a
-    subset of training rows the same rows; and its Kronecker factors, each Linear's kept input
+    ``cache_gradients``): the same embeddings per epoch (the later steps' correction of
+    each not zero) and the same scores; and its Kronecker factors, each Linear's kept input
     ``A`` and output gradient ``B`` (times the batch, for the mean), give its ``grad1``."""
     model = seeded(factory).to(D)
     reference = seeded(factory).to(D)
@@ -596,11 +600,8 @@ def test_dattri_dvemb(factory):
         assert_close(got[epoch], want[epoch], f"epoch {epoch}'s embeddings")
     total = (got[0] + got[1]) @ test.T
     assert_close(total, (want[0] + want[1]) @ want_test.T, "scores")
-    assert_close(total, got[0] @ test.T + got[1] @ test.T, "scores summed over the epochs")
-    assert_close(total[[1, 2]], ((got[0] + got[1]) @ test.T)[[1, 2]], "a subset of rows")
-    assert (got[0] - lr / 4 * torch.cat([s[3] for s in got_steps[:3]])).abs().max() > 1e-8, (
-        "the later steps change nothing"
-    )
+    first_epoch = torch.cat([eta * g for epoch, eta, _, g in got_steps if epoch == 0])
+    assert (got[0] - first_epoch).abs().max() > 1e-6, "the later steps change no embedding"
 
 
 # == LogIX: tests/logger/test_mlp.py, test_conv2d.py, test_transformer.py, logix/lora/ ============
