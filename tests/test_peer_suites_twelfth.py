@@ -63,17 +63,21 @@ def trainable(model: nn.Module) -> dict[str, Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
+def state_from(model: nn.Module, theta: Tensor) -> dict[str, Tensor]:
+    """The model's state for ``functional_call`` with its trainable parameters taken from
+    ``theta`` (flattened in ``named_parameters()`` order, a tied one once), the frozen ones
+    and the buffers as they are."""
+    shapes = {n: p.shape for n, p in trainable(model).items()}
+    parts = theta.split([s.numel() for s in shapes.values()])
+    state = {n: p.detach() for n, p in model.named_parameters()} | dict(model.named_buffers())
+    return state | {n: t.view(s) for (n, s), t in zip(shapes.items(), parts)}
+
+
 def per_example_fn(model: nn.Module, loss_fn):
     """``(flat trainable parameters, x_i, y_i) -> example i's loss`` for ``torch.func``."""
-    names = list(trainable(model))
-    shapes = [p.shape for p in trainable(model).values()]
-    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-    buffers = dict(model.named_buffers())
 
     def loss(theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
-        parts = theta.split([s.numel() for s in shapes])
-        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes)}
-        out = functional_call(model, {**params, **frozen, **buffers}, (x.unsqueeze(0),))
+        out = functional_call(model, state_from(model, theta), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
     return loss
@@ -110,12 +114,12 @@ def linear_closed_forms(layer: nn.Linear, x: Tensor, y: Tensor):
     return grads, 2 / n_out * mixed
 
 
-def mixed_from_grad1(model: nn.Module, x: Tensor, rows: int) -> Tensor:
+def mixed_from_grad1(model: nn.Module, x: Tensor) -> Tensor:
     """``∂ₓ grad1`` ``[N, P, *x.shape[1:]]`` from a ``create_graph`` backward's ``grad1``:
     example ``i``'s gradient depends on ``x[i]`` alone, so the derivative of the sum over the
     batch of one entry of it is that entry's per-example derivative."""
     g = flat(grad1_of(model))
-    cols = [torch.autograd.grad(g[:, j].sum(), x, retain_graph=True)[0] for j in range(rows)]
+    cols = [torch.autograd.grad(g[:, j].sum(), x, retain_graph=True)[0] for j in range(g.shape[1])]
     return torch.stack(cols, 1)
 
 
@@ -125,10 +129,11 @@ def mixed_from_grad1(model: nn.Module, x: Tensor, rows: int) -> Tensor:
 def test_pydvl_linear_closed_forms(shape):
     """pyDVL's ``test_per_sample_gradient``, ``test_matrix_jacobian_product`` and
     ``test_mixed_derivatives``: a Linear under ``F.mse_loss`` (the mean over the batch and the
-    outputs; input and target requiring grad, as there): ``grad1`` is the closed form ``2/out · (ŷ - y) xᵀ`` (and ``vmap(grad)``'s), a
-    matrix ``G`` times the per-example gradients is ``G`` times the closed form's, and the
-    derivative of ``grad1`` of a ``create_graph=True`` backward with respect to the input is
-    the closed-form mixed derivative, and ``vmap(jacrev(grad))``'s."""
+    outputs; input and target requiring grad, as there): ``grad1`` is the closed form
+    ``2/out · (ŷ - y) xᵀ`` (and ``vmap(grad)``'s), a matrix ``G`` times the per-example
+    gradients is ``G`` times the closed form's, and the derivative of ``grad1`` of a
+    ``create_graph=True`` backward with respect to the input is the closed-form mixed
+    derivative, and ``vmap(jacrev(grad))``'s."""
     n_in, n_out, n = shape
     layer = seeded(lambda: nn.Linear(n_in, n_out)).to(D)
     g = torch.Generator().manual_seed(1)
@@ -144,7 +149,7 @@ def test_pydvl_linear_closed_forms(shape):
     )
     m = torch.randn(10, got.shape[1], generator=g, dtype=D)
     assert_close(m @ got.detach().T, m @ want_grads.T, f"{shape}: matrix-Jacobian product")
-    mixed = mixed_from_grad1(layer, x, got.shape[1])
+    mixed = mixed_from_grad1(layer, x)
     assert_close(mixed, want_mixed, f"{shape}: mixed derivative against the closed form")
     loss = per_example_fn(layer, F.mse_loss)
     oracle = vmap(jacrev(grad(loss), argnums=1), in_dims=(None, 0, 0))(
@@ -211,13 +216,9 @@ def pydvl_problem(name: str, n_train: int = 8, n_test: int = 3):
 def train_hessian(model: nn.Module, loss_fn, x: Tensor, y: Tensor) -> Tensor:
     """The Hessian of the mean training loss over the trainable parameters, flattened, plus
     pyDVL's ``regularization · I`` (its ``DirectInfluence``)."""
-    names, shapes = list(trainable(model)), [p.shape for p in trainable(model).values()]
-    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
 
     def mean_loss(theta: Tensor) -> Tensor:
-        parts = theta.split([s.numel() for s in shapes])
-        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes)}
-        return loss_fn(functional_call(model, {**params, **frozen}, (x,)), y)
+        return loss_fn(functional_call(model, state_from(model, theta), (x,)), y)
 
     h = hessian(mean_loss)(theta_of(model))
     return h + REGULARIZATION * torch.eye(len(h), dtype=h.dtype)
