@@ -281,6 +281,15 @@ class KeepsCalls(Protocol):
         ...
 
 
+def _reads_others(module: nn.Module, detached: dict[str, Tensor]) -> bool:
+    """Whether a call may reach trainable parameters other than the module's own ``detached``
+    ones (a weight made by a parametrization from its ``original``, a submodule's): run with
+    grad mode off, autograd would record nothing of their use, and they would get neither
+    ``.grad`` nor ``grad1``."""
+    own = {id(p) for p in detached.values()}
+    return any(p.requires_grad and id(p) not in own for p in module.parameters())
+
+
 def runs_call_last_only(entry: Any) -> bool:
     """Whether a rule's entry may run its layer's call itself (``owns_backward``) or carry
     its parameters on an input (``taps``), which :meth:`DetachedCalls.detach_hook` does only
@@ -368,6 +377,8 @@ class DetachedCalls:
                     None,
                 )  # fmt: skip
             if not detached or (carries and carried is None):
+                return None
+            if owns and _reads_others(module, detached):
                 return None
             return detached, carried
 
