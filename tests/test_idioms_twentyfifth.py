@@ -5,7 +5,8 @@ Each test runs several steps of an ordinary loop with one of: recurrent weights 
 orthogonal by ``torch.nn.utils.parametrizations.orthogonal`` (an LSTM's, a GRU's), an LSTM's
 projection under ``weight_norm``, and a parametrization put on after ``add_hooks``; AWD-LSTM's
 weight drop on the recurrent weight written as a parametrization whose mask is drawn once a
-step, into the DP step; parametrized projections inside ``nn.MultiheadAttention`` and the
+step, into the DP step, and its ``WeightDrop`` as written (the LSTM's ``forward`` called
+directly); parametrized projections inside ``nn.MultiheadAttention`` and the
 Transformer layers (``weight_norm`` on ``out_proj``, ``orthogonal`` on ``in_proj_weight``, on a
 feed-forward ``linear1``, on a decoder's cross-attention); an ``nn.LSTMCell`` stepped in time
 with a parametrized weight (a strict xfail: refused by the check); an auxiliary head used on
@@ -186,6 +187,61 @@ def test_awd_lstm_weight_drop_as_a_parametrization_into_the_dp_step(method):
             for n, s in clipped_sum(want, 0.3).items():
                 assert_close(params[n].grad, s / 5, f"step {step}: {n}")
             assert params["rnn.parametrizations.weight_hh_l0.original"].grad.abs().sum() > 0
+            opt.step()
+
+
+class AwdWeightDrop(nn.Module):
+    """salesforce/awd-lstm-lm's ``WeightDrop`` as written: the weight moved to ``<name>_raw``
+    on the LSTM, ``<name>`` set from it by ``F.dropout`` before each call, and the LSTM's
+    ``forward`` called directly (not as a module). The mask is drawn from ``seed``, which the
+    loop sets once a step, so that every forward of the step (the loop's too) draws the same."""
+
+    def __init__(self, module: nn.Module, name: str, p: float) -> None:
+        super().__init__()
+        self.module, self.name, self.p, self.seed = module, name, p, 0
+        raw = getattr(module, name)
+        del module._parameters[name]
+        module.register_parameter(f"{name}_raw", nn.Parameter(raw.detach().clone()))
+
+    def forward(self, *args):
+        raw = getattr(self.module, f"{self.name}_raw")
+        with torch.random.fork_rng():
+            torch.manual_seed(self.seed)
+            setattr(self.module, self.name, F.dropout(raw, p=self.p, training=self.training))
+        return self.module.forward(*args)
+
+
+class AwdLstm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = AwdWeightDrop(nn.LSTM(4, 4, batch_first=True), "weight_hh_l0", p=0.3)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_awd_lstm_weight_drop_as_written_trains_as_the_loop():
+    """The original ``WeightDrop``: the LSTM is not called as a module (its ``forward``
+    directly), so no hook sees its call, and its weights meet the batch inside it. ``grad1``
+    of every parameter (``weight_hh_l0_raw`` through the dropped weight) and ``.grad`` are
+    the loop's at every step, with a new mask each step."""
+    model = AwdLstm().to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            model.rnn.seed = 100 + step
+            x, y = sequences(90 + step)
+            reference = AwdLstm().to(D)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                    q.copy_(p)
+            reference.rnn.seed = model.rnn.seed
+            want = loop_grad(reference, F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
             opt.step()
 
 

@@ -3,17 +3,18 @@ old ``torch.nn.utils.weight_norm`` or by AWD-LSTM's ``WeightDrop`` calling the L
 a per-example function ``torch.vmap``-ed over the batch inside the forward; a layer's weight
 made from a statistic of the batch (by a hypernetwork given the batch mean, by a
 parametrization given the batch's spread); ``batch_first`` forgotten on an ``nn.LSTM``, an
-``nn.GRU`` or an ``nn.MultiheadAttention`` given ``[batch, time, features]``; and a hidden state
-carried to the next batch without ``detach`` after the optimizer's step. Each stops with the
+``nn.GRU`` or an ``nn.MultiheadAttention`` given ``[batch, time, features]``; a ``view`` in
+place of a transpose (an LSTM's final state flattened, a batch made time-major); and a hidden
+state carried to the next batch without ``detach`` (found and fixed: with the hooks the
+backward went on in silence through the freed graph of the last batch). Each stops with the
 typed error of its kind, whose message names the module or the parameter, leaving the
-parameters, ``.grad``, ``grad1``, the buffers, the hooks and the training flags as they were,
-and the model written the right way trains as the per-example loop in float64
-(:func:`gradhooks.oracle.loop_grad`) says (``tests/test_misuse.py`` to
-``tests/test_misuse_eleventh.py`` hold the earlier sets)."""
+parameters, ``.grad``, ``grad1``, the buffers, the hooks and the training flags as they were
+(or, for torch's own error, as torch leaves them without the hooks), and the model written the
+right way trains as the per-example loop in float64 (:func:`gradhooks.oracle.loop_grad`) says
+(``tests/test_misuse.py`` to ``tests/test_misuse_eleventh.py`` hold the earlier sets)."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
@@ -167,9 +168,7 @@ def test_a_layer_vmapped_over_the_batch_inside_the_forward_is_refused():
     layer after it gets an input that, as far as they can tell, depends on no example. The
     backward is refused (:class:`gradhooks.BatchNotFoundError`, naming ``'b'``), the model as
     it was; the same layer called on the batch trains as the loop says."""
-    refused(
-        Vmapped(True).to(D), gradhooks.BatchNotFoundError, ["'b' (Linear)"], batch
-    )
+    refused(Vmapped(True).to(D), gradhooks.BatchNotFoundError, ["'b' (Linear)"], batch)
     trains_as_the_loop(lambda: Vmapped(False).to(D), batch)
 
 
@@ -275,6 +274,47 @@ def test_batch_first_forgotten_on_a_sequence_layer_is_refused(kind):
         Sequence(kind, False).to(D), gradhooks.MixedExamplesError, ["'head' (Linear)"], sequences
     )
     trains_as_the_loop(lambda: Sequence(kind, True).to(D), sequences)
+
+
+# -- a reshape in place of a transpose ---------------------------------------------------------
+
+
+class Reshaped(nn.Module):
+    """An LSTM whose input or final state is laid out by ``view`` where the layout needs a
+    transpose (``right=False``), or by the transpose (``right=True``)."""
+
+    def __init__(self, where: str, right: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where, self.right = where, right
+        if where == "final-state":
+            self.rnn, self.head = nn.LSTM(4, 4, num_layers=2, batch_first=True), nn.Linear(8, 3)
+        else:
+            self.rnn, self.head = nn.LSTM(4, 4), nn.Linear(4, 3)  # (time-major)
+
+    def forward(self, x):
+        batch, time = x.shape[:2]
+        if self.where == "final-state":
+            _, (h, _) = self.rnn(x)  # (h: [layers, batch, hidden])
+            h = h.transpose(0, 1).reshape(batch, -1) if self.right else h.view(batch, -1)
+            return self.head(h)
+        x = x.transpose(0, 1) if self.right else x.view(time, batch, -1)
+        return self.head(self.rnn(x)[0][-1])
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [("final-state", "'head' (Linear)"), ("time-major-input", "'rnn' (LSTM)")],
+    ids=["h_n.view(batch, -1)", "x.view(time, batch, -1)"],
+)  # fmt: skip
+def test_a_view_in_place_of_a_transpose_is_refused(where, says):
+    """A two-layer LSTM's final state ``[layers, batch, hidden]`` flattened by
+    ``h_n.view(batch, -1)``, or a batch made time-major by ``x.view(time, batch, -1)``: the
+    shapes fit, and each row now holds parts of several examples. Refused
+    (:class:`gradhooks.MixedExamplesError`, naming the layer that gets them), the model as it
+    was; with the transpose the model trains as the loop says."""
+    refused(Reshaped(where, False).to(D), gradhooks.MixedExamplesError, [says], sequences)
+    trains_as_the_loop(lambda: Reshaped(where, True).to(D), sequences)
 
 
 # -- a hidden state carried to the next batch without detach ----------------------------------
