@@ -6,8 +6,8 @@ orthogonal by ``torch.nn.utils.parametrizations.orthogonal`` (an LSTM's, a GRU's
 projection under ``weight_norm``, and a parametrization put on after ``add_hooks``; AWD-LSTM's
 weight drop on the recurrent weight written as a parametrization whose mask is drawn once a
 step, into the DP step, and its ``WeightDrop`` as written (the LSTM's ``forward`` called
-directly); parametrized projections inside ``nn.MultiheadAttention`` and the
-Transformer layers (``weight_norm`` on ``out_proj``, ``orthogonal`` on ``in_proj_weight``, on a
+directly); parametrized projections inside ``nn.MultiheadAttention`` and the Transformer
+layers (``weight_norm`` on ``out_proj``, ``orthogonal`` on ``in_proj_weight``, on a
 feed-forward ``linear1``, on a decoder's cross-attention); an ``nn.LSTMCell`` stepped in time
 with a parametrized weight (a strict xfail: refused by the check); an auxiliary head used on
 some steps only, with ``zero_grad(set_to_none=True)`` and ``False``; fairseq's LayerDrop
