@@ -9,7 +9,7 @@ step, into the DP step, and its ``WeightDrop`` as written (the LSTM's ``forward`
 directly); parametrized projections inside ``nn.MultiheadAttention`` and the Transformer
 layers (``weight_norm`` on ``out_proj``, ``orthogonal`` on ``in_proj_weight``, on a
 feed-forward ``linear1``, on a decoder's cross-attention); an ``nn.LSTMCell`` stepped in time
-with a parametrized weight (a strict xfail: refused by the check); an auxiliary head used on
+with a parametrized weight; an auxiliary head used on
 some steps only, with ``zero_grad(set_to_none=True)`` and ``False``; fairseq's LayerDrop
 (whole layers skipped at random, once a step) into the DP step; deferred initialization (a
 model built on the ``meta`` device, hooked, then ``to_empty`` and ``reset_parameters``); the
@@ -20,7 +20,8 @@ Every quantity is compared at every step with each example's own gradient by a p
 in float64 (:func:`gradhooks.oracle.loop_grad`), or with the DP step's clipped sum of those, or
 with the same optimizer stepped on that sum; the LSTM and the attention layers with
 parametrized weights are what was found and fixed (the LSTM's original got neither ``.grad``
-nor ``grad1``, in silence; the attention layers were refused with a ``RuleError``)."""
+nor ``grad1``, in silence; the attention layers were refused with a ``RuleError``, the LSTM
+cell with a ``BatchNotFoundError``)."""
 
 from __future__ import annotations
 
@@ -338,29 +339,30 @@ class CellInTime(nn.Module):
         return self.head(state[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.BatchNotFoundError,
-    reason="an LSTMCell's weight made by a parametrization meets the batch in lstm_cell, which "
-    "torch computes on the CPU as several autograd nodes: c' is an output and an input of h', "
-    "and the tracker's re-differentiation at each output's node (tracking/sources.py, Meeting) "
-    "counts the gradient h' passes to c' twice; the check refuses the sum (the GRU and RNN "
-    "cells, one node each, are right)",
-)
-def test_an_lstm_cell_stepped_in_time_with_an_orthogonal_recurrent_weight():
-    """``orthogonal(cell, "weight_hh")`` on an ``nn.LSTMCell`` stepped in time by hand."""
+@pytest.mark.parametrize("weight", ["weight_hh", "weight_ih"])
+def test_an_lstm_cell_stepped_in_time_with_an_orthogonal_weight(weight):
+    """``orthogonal(cell, "weight_hh")`` (or ``"weight_ih"``) on an ``nn.LSTMCell`` stepped in
+    time by hand. The weight the parametrization makes meets the batch in ``lstm_cell``, which
+    torch runs on the CPU as several autograd nodes, ``c'`` among the inputs of ``h'``: the
+    per-example shares taken again at each output's node counted the gradient ``h'`` passes to
+    ``c'`` twice, and the check refused the sum (a ``BatchNotFoundError``). Now ``grad1`` and
+    ``.grad`` are the loop's at every step."""
 
     def make():
         model = CellInTime().to(D)
-        orthogonal(model.cell, "weight_hh")
+        orthogonal(model.cell, weight)
         return model
 
     model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
     with gradhooks.add_hooks(model):
-        x, y = sequences(30)
-        want = loop_grad(twin(make, model), F.cross_entropy, x, y)
-        F.cross_entropy(model(x), y).backward()
-        assert_grad1(model, want, "one step")
+        for step in range(STEPS):
+            x, y = sequences(30 + step)
+            want = loop_grad(twin(make, model), F.cross_entropy, x, y)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert_grad1(model, want, f"step {step}")
+            opt.step()
 
 
 # -- parameters a step does not reach ---------------------------------------------------------
