@@ -111,16 +111,23 @@ class _Join(torch.autograd.Function):
     The one node by which a call whose parameters autograd does not see reaches them again:
     after the output of a call run detached (:meth:`DetachedCalls.capture_detached`) or with
     grad mode off (:meth:`DetachedCalls.capture_owned`), or before the first input of a
-    carried call (:class:`_Carried`)."""
+    carried call (:class:`_Carried`).
+
+    It saves an empty tensor, read at its backward, so that a second backward through it
+    without ``retain_graph=True`` stops with torch's own error, as the call's nodes would:
+    for a call run with grad mode off it is the only node (a hidden state carried into the next
+    batch without ``detach`` went through it again, in silence, as if the graph were kept)."""
 
     @staticmethod
     def forward(ctx, backward, n: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.backward = backward
         ctx.set_materialize_grads(False)
+        ctx.save_for_backward(torch.empty(0))
         return tuple(t.detach() for t in tensors[:n])
 
     @staticmethod
     def backward(ctx, *grads):
+        _ = ctx.saved_tensors  # (torch's error where an earlier backward freed the graph)
         return (None, None, *ctx.backward(grads))
 
 
@@ -281,6 +288,15 @@ class KeepsCalls(Protocol):
         ...
 
 
+def _reads_others(module: nn.Module, detached: dict[str, Tensor]) -> bool:
+    """Whether a call may reach trainable parameters other than the module's own ``detached``
+    ones (a weight made by a parametrization from its ``original``, a submodule's): run with
+    grad mode off, autograd would record nothing of their use, and they would get neither
+    ``.grad`` nor ``grad1``."""
+    own = {id(p) for p in detached.values()}
+    return any(p.requires_grad and id(p) not in own for p in module.parameters())
+
+
 def runs_call_last_only(entry: Any) -> bool:
     """Whether a rule's entry may run its layer's call itself (``owns_backward``) or carry
     its parameters on an input (``taps``), which :meth:`DetachedCalls.detach_hook` does only
@@ -368,6 +384,8 @@ class DetachedCalls:
                     None,
                 )  # fmt: skip
             if not detached or (carries and carried is None):
+                return None
+            if owns and _reads_others(module, detached):
                 return None
             return detached, carried
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .. import _torch
 from ..errors import ConfigurationError, UnsupportedModuleError, describe_module
@@ -61,14 +62,20 @@ def plan_targets(
     owned: list[str] = []
     uncovered: list[tuple[str, nn.Module, dict[str, nn.Parameter]]] = []
     covered: set[int] = set()
+    made = parametrizations(model)
     for name, module in model.named_modules():
-        if any(name.startswith(prefix) for prefix in owned):
+        if any(name.startswith(prefix) for prefix in owned) and not _under(name, made):
             continue
         entry = registry.lookup(module)
         recurse = entry is not None and entry.owns_children
         # Every slot, also one Parameter held in two slots of a module (bias = weight): each
         # slot's piece is added to it.
         own = dict(module.named_parameters(recurse=recurse, remove_duplicate=recurse))
+        if recurse:
+            # (a parametrization's originals are its own target's, the tensor it makes for the
+            # owned layer's slot given their per-example gradients as any layer's weight is)
+            prefix = f"{name}." if name else ""
+            own = {n: p for n, p in own.items() if not _under(prefix + n, made)}
         if entry is None:
             trainable = {n: p for n, p in own.items() if p.requires_grad}
             if trainable and unsupported == "fallback":
@@ -119,6 +126,21 @@ def plan_targets(
             prefix = f"{t.name}." if t.name else ""
             t.params = {n: shards.get(prefix + n, p) for n, p in t.params.items()}
     return targets
+
+
+def parametrizations(model: nn.Module) -> tuple[str, ...]:
+    """The qualified names of the ``parametrizations`` containers of ``model``'s parametrized
+    modules (``torch.nn.utils.parametrize``), each ending in a dot: ``"att.out_proj.parametrizations."``."""
+    return tuple(
+        f"{name}.parametrizations." if name else "parametrizations."
+        for name, module in model.named_modules()
+        if parametrize.is_parametrized(module)
+    )
+
+
+def _under(name: str, containers: tuple[str, ...]) -> bool:
+    """Whether the module or parameter ``name`` is one of ``containers`` or inside it."""
+    return any(f"{name}.".startswith(c) for c in containers)
 
 
 _SIGNATURES: weakref.WeakKeyDictionary[type, inspect.Signature | None] = (

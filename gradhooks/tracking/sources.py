@@ -382,11 +382,16 @@ class Meeting:
                             f"an input of '{self.name}' was modified in place after it"
                         )
                 return
-        per_example = self._per_example(grads)
+        per_example = self._per_example(grads, node)
         for e, per, edges in zip(self.edges, per_example, self.src_edges):
             deliver(self.engine, edges, per, e)
 
-    def _per_example(self, grads) -> list[Tensor]:
+    def _per_example(self, grads, node) -> list[Tensor]:
+        """Each example's share of the gradient of every tainted operand, from the gradients
+        ``grads`` of the outputs of ``node``. Where another output, from another node, is
+        computed on the way to these (an LSTM cell's ``c'``, which its ``h'`` is made from,
+        where torch runs the cell as several nodes), the share that reaches the operands
+        through it is left out here: it is in that output's gradient, counted at its node."""
         batch = self.batch
 
         with torch.enable_grad(), autocast_as(self.autocast):
@@ -407,6 +412,7 @@ class Meeting:
                         )
             outs = out_tensors(self.func(*args, **kwargs))
             pairs = [(o, g, lay) for o, g, lay in zip(outs, grads, self.layouts) if g is not None]
+            others = [o for o, (n, _) in zip(outs, self.nodes) if n is not node and o.requires_grad]
             per_elem = sum(g.numel() for _, g, _ in pairs)
             step = max(1, self.CHUNK // max(per_elem, 1))
             parts: list[list[Tensor]] = [[] for _ in leaves]
@@ -420,12 +426,33 @@ class Meeting:
                     [o for o, _, _ in pairs], leaves, cots, retain_graph=True,
                     allow_unused=True, is_grads_batched=True,
                 )  # fmt: skip
+                if others:
+                    got = self._less_through(others, [o for o, _, _ in pairs], cots, leaves, got)
                 for j, (leaf, gj) in enumerate(zip(leaves, got)):
                     parts[j].append(
                         torch.zeros((stop - start, *leaf.shape), dtype=leaf.dtype,
                                     device=leaf.device) if gj is None else gj
                     )  # fmt: skip
         return [torch.cat(p) for p in parts]
+
+    @staticmethod
+    def _less_through(others, outs, cots, leaves, got) -> list[Tensor | None]:
+        """``got`` (the operands' gradients from ``outs`` with cotangents ``cots``, batched)
+        less what reaches them through ``others``: with one other output on the way, exactly
+        the share its own node's gradient holds again; with more, the paths through several of
+        them would be taken off more than once, so nothing is (the check of the sums refuses
+        the call then, naming it)."""
+        into = torch.autograd.grad(
+            outs, others, cots, retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
+        reached = [(o, c) for o, c in zip(others, into) if c is not None]
+        if len(reached) != 1:
+            return got
+        ((other, c),) = reached
+        back = torch.autograd.grad(
+            [other], leaves, [c], retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
+        return [g if b is None else (-b if g is None else g - b) for g, b in zip(got, back)]
 
 
 def _detached(a: Any) -> Any:
