@@ -397,7 +397,7 @@ def test_the_short_way_gives_every_call_the_layouts_of_the_long_way(monkeypatch)
     """Hugging Face GPT-2 with an attention mask, followed call by call: the short way gives
     each call's outputs the layouts the long way alone gives them, first and from what was
     kept; the first forward's and the second's agree too."""
-    from tests.harness import hf
+    from harness import hf
 
     config = hf("GPT2Config")(
         n_embd=8, n_layer=1, n_head=2, n_positions=8, vocab_size=11, resid_pdrop=0.0,
