@@ -1,0 +1,81 @@
+"""A parameter used outside its module's call through ``torch.broadcast_tensors``
+(``torch.distributions.Normal``), which gradhooks once refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+
+
+class GaussianPolicy(nn.Module):
+    """Stable-Baselines3's ``ActorCriticPolicy`` for a continuous action, shrunk: the mean by a
+    Linear, a state-independent ``log_std`` (``std = ones_like(mean) * log_std.exp()``), and
+    ``evaluate_actions``, a method, called by the loss's module as SB3's ``PPO.train`` does."""
+
+    def __init__(self, broadcast: str):
+        super().__init__()
+        self.action_net = nn.Linear(4, 2)
+        self.log_std = nn.Parameter(torch.linspace(-0.5, 0.5, 2))
+        self.broadcast = broadcast
+
+    def evaluate_actions(self, obs, actions):
+        mean = self.action_net(obs)
+        std = torch.ones_like(mean) * self.log_std.exp()
+        if self.broadcast == "distribution":
+            dist = torch.distributions.Normal(mean, std)  # (broadcast_all: broadcast_tensors)
+            return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
+        mean, std, actions = torch.broadcast_tensors(mean, std, actions)
+        return (-((actions - mean) ** 2) / (2 * std**2) - std.log()).sum(-1), std.log().sum(-1)
+
+
+class PolicyLoss(nn.Module):
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, obs, actions):
+        log_prob, entropy = self.policy.evaluate_actions(obs, actions)
+        return -log_prob - 0.01 * entropy
+
+
+@pytest.mark.parametrize("broadcast", ["distribution", "broadcast_tensors"])
+def test_parameter_broadcast_with_the_batch_outside_its_call_matches_the_loop(broadcast):
+    """``torch.broadcast_tensors`` (which ``torch.distributions`` calls on its arguments)
+    expands each tensor alone: ``log_std``'s expansion meets the batch later, in the
+    log-probability, each example's share of its gradient its own. (gradhooks once refused
+    it, the batch lost through broadcast_tensors.)"""
+    torch.manual_seed(0)
+    model = PolicyLoss(GaussianPolicy(broadcast)).double()
+    obs = torch.randn(3, 4, dtype=torch.float64)
+    actions = torch.randn(3, 2, dtype=torch.float64)
+    want = loop_grad(model, lambda losses: losses.sum(), (obs, actions))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(obs, actions).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-12, msg=name)
+
+
+def test_parameter_broadcast_into_a_mix_of_examples_is_refused():
+    """The expansion of ``log_std`` meets a tensor that mixes the examples (the batch's mean
+    subtracted): no example's share exists, and the backward is refused."""
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.policy = GaussianPolicy("broadcast_tensors")
+
+        def forward(self, obs):
+            mean = self.policy.action_net(obs)
+            centred = mean - mean.mean(0)
+            std, centred = torch.broadcast_tensors(self.policy.log_std.exp(), centred)
+            return (centred / std).pow(2).sum(-1)
+
+    model = Centred().double()
+    with pytest.raises(gradhooks.MixedExamplesError):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert not hasattr(model.policy.log_std, "grad1")
