@@ -1,14 +1,67 @@
-"""A parameter used outside its module's call through ``torch.broadcast_tensors``
-(``torch.distributions.Normal``), which gradhooks once refused."""
+"""A sixth round of pure-Python libraries' models against the per-example loop, through
+``bench.lib_sweep``: x-transformers' newer norms and residuals (dynamic tanh, U-Net skips,
+layers integrated by learned weights, the input reinjected, data-dependent ALiBi, adaptive
+LayerNorm from a condition per example, the AutoregressiveWrapper's own loss), vit-pytorch's
+CrossViT, ViT for small datasets and CCT, a BiLSTM-CRF tagger (pytorch-crf), PPO's loss of a
+Stable-Baselines3 policy, MMDiT, Taylor-series linear attention and a point transformer; and
+those refused, each by gradhooks' own error (XCiT's BatchNorm, Segment Anything's mask decoder
+run on each image taken out of the batch alone, MMDiT's hyper-connections called with the
+branch outside). Also, in plain torch, a parameter used outside its module's call through
+``torch.broadcast_tensors`` (``torch.distributions.Normal``), which gradhooks once refused. A
+model whose library is not installed is skipped."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_lib_sweep import (  # noqa: F401 (_quiet: a fixture, used by name)
+    _quiet,
+    assert_swept_match,
+    assert_swept_refused,
+)
 from torch import nn
 
 import gradhooks
 from gradhooks.oracle import loop_grad
+
+# The quicker ones of each library: bench.lib_sweep runs them all (x-transformers' LASER,
+# orthogonal, aggregated and gated residuals, CoPE, selective attention, polar positions; CaiT,
+# DeepViT, T2T-ViT, Simple ViT with registers; a CNN policy; Taylor-series ViT; IPA; SegFormer).
+MODELS = [
+    "xt-dynamic-tanh",  # DyT in place of the norms
+    "xt-unet-skips",  # U-Net skips between layers
+    "xt-integrate-layers",  # every layer's output mixed by learned weights
+    "xt-reinject-input",  # the input reinjected at each layer, gated
+    "xt-data-dependent-alibi",  # ALiBi slopes computed from the tokens
+    "xt-adaptive-layernorm",  # ada-LN-zero from a condition per example
+    "xt-autoregressive-wrapper",  # the library's own next-token loss of the batch
+    "cross-vit",  # two patch sizes, class tokens cross-attending
+    "vit-small-dataset",  # shifted patch tokenization, learned temperature
+    "cct",  # convolutional tokenizer, sequence pooling
+    "crf-bilstm",  # the CRF's log-likelihood of padded sequences
+    "sb3-ppo-gaussian",  # log_std outside any layer, through torch.distributions.Normal
+    "mmdit",  # joint text-image attention, adaptive norms from the timestep
+    "taylor-linear-attention",  # second-order Taylor feature maps, rotary
+    "point-transformer",  # vector attention over each point's nearest neighbours
+]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_library_model_matches_the_loop(name):
+    assert_swept_match(name)
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("xcit", gradhooks.MixedExamplesError),  # BatchNorm2d in its local patch interaction
+        ("sam", gradhooks.MixedExamplesError),  # the decoder run on each image taken out alone
+        ("mmdit-hyper", gradhooks.UnsupportedError),  # a residual function returned by the call
+    ],
+)
+def test_library_model_refused(name, error):
+    """Refused by gradhooks' own error, naming the layer, never a grad1 given."""
+    assert_swept_refused(name, error)
 
 
 class GaussianPolicy(nn.Module):
