@@ -7,8 +7,8 @@ the per-example loop.
     python -m bench.lib_sweep --out /tmp/sweep --limit 60
 
 Each model is built as its library's users build it, at a tiny configuration, in float64, in
-training mode with every dropout at 0, and given a batch of 3; its loss is the one its users
-write (a language model's summed token cross-entropy, a classifier's cross-entropy, the DDPM
+training mode with every dropout (and stochastic depth's DropPath) at 0, and given a batch of
+3; its loss is the one its users write (a language model's summed token cross-entropy, a classifier's cross-entropy, the DDPM
 loss: the mean squared error between the predicted and the true noise of each example, at a
 timestep of its own), summed or averaged over the batch as the row says.
 ``add_hooks(model, loss_reduction=...)`` and one ``backward()`` give ``grad1``, compared
@@ -3627,8 +3627,7 @@ def _cct() -> Example:
                                    kernel_size=3, stride=1, padding=1, pooling_kernel_size=3,
                                    pooling_stride=2, pooling_padding=1, num_layers=2,
                                    num_heads=4, mlp_ratio=2.0, num_classes=CLASSES,
-                                   positional_embedding="learnable",
-                                   stochastic_depth_rate=0.0)  # fmt: skip
+                                   positional_embedding="learnable")  # fmt: skip
     return _vit_example(model, 3, 16, 16)
 
 
@@ -3965,6 +3964,8 @@ def prepare(model: nn.Module) -> nn.Module:
             m.p = 0.0
         if isinstance(getattr(m, "dropout_prob", None), float):
             m.dropout_prob = 0.0  # (diffusers' label dropout, for classifier-free guidance)
+        if isinstance(getattr(m, "drop_prob", None), float):
+            m.drop_prob = 0.0  # (stochastic depth: timm's DropPath and its copies)
     return model
 
 

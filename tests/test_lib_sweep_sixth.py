@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from test_lib_sweep import (  # noqa: F401 (_quiet: a fixture, used by name)
+    _needs,
     _quiet,
     assert_swept_match,
     assert_swept_refused,
+    lib_sweep,
 )
 from torch import nn
 
@@ -132,3 +134,15 @@ def test_parameter_broadcast_into_a_mix_of_examples_is_refused():
         with gradhooks.add_hooks(model, loss_reduction="sum"):
             model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
     assert not hasattr(model.policy.log_std, "grad1")
+
+
+def test_sweep_turns_stochastic_depth_off():
+    """CCT's DropPath (timm's, copied) draws a keep mask per example in training mode: with
+    ``drop_prob=0.1`` two forwards often come out equal, passing the sweep's check for random
+    numbers, and a loop that drew other masks then read as a mismatch. The sweep sets its
+    ``drop_prob`` to 0, as it sets every dropout's ``p``."""
+    _needs("cct")
+    built = lib_sweep.CASES["cct"].build().model
+    assert max(m.drop_prob for m in built.modules() if hasattr(m, "drop_prob")) > 0
+    rates = [m.drop_prob for m in lib_sweep.prepare(built).modules() if hasattr(m, "drop_prob")]
+    assert rates and all(r == 0.0 for r in rates)
