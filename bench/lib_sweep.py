@@ -2655,7 +2655,7 @@ def _package_without_init(name: str) -> None:
 
 
 # packages whose __init__ imports torchvision, which their models do not use
-WITHOUT_INIT = {"vit_pytorch", "segment_anything"}
+WITHOUT_INIT = {"vit_pytorch", "segment_anything", "encodec"}
 
 VIT = dict(num_classes=CLASSES, dim=DIM, depth=2, heads=4, mlp_dim=64, dim_head=8)
 
@@ -3933,6 +3933,44 @@ def _segformer() -> Example:
         return F.cross_entropy(logits, labels, reduction="none").flatten(1).mean(1)
 
     return Example(model, (_randn(BATCH, 3, 32, 32),), losses, (labels,), "mean")
+
+
+class SEANetAutoencoder(nn.Module):
+    """EnCodec's SEANet encoder and decoder without the quantizer between them (its codebooks
+    are k-means-initialized from the batch and updated by EMA in every training forward):
+    strided convolutions, residual units, an LSTM over the latent frames."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        from encodec.modules import SEANetDecoder, SEANetEncoder
+
+        kw = dict(channels=1, dimension=8, n_filters=4, n_residual_layers=1, ratios=[4, 2],
+                  lstm=1, **kw)  # fmt: skip
+        self.encoder, self.decoder = SEANetEncoder(**kw), SEANetDecoder(**kw)
+
+    def forward(self, audio: Tensor) -> Tensor:
+        return self.decoder(self.encoder(audio))
+
+
+def _encodec(**kw) -> Example:
+    torch.manual_seed(0)
+    audio = _randn(BATCH, 1, 64)
+
+    def losses(out: Tensor, target: Tensor) -> Tensor:  # (EnCodec's time-domain L1, and L2)
+        return (out - target).abs().flatten(1).mean(1) + mse(out, target)
+
+    return Example(SEANetAutoencoder(**kw), (audio,), losses, (audio,), "mean")
+
+
+case("encodec-seanet", "encodec",
+     "EnCodec's SEANet autoencoder: torch.nn.utils.weight_norm (a pre-hook), reflect padding, "
+     "an LSTM")(lambda: _encodec())  # fmt: skip
+case("encodec-seanet-causal", "encodec", "the same, causal: padded on the left only")(
+    lambda: _encodec(causal=True)
+)
+case("encodec-seanet-groupnorm", "encodec", "the same, a GroupNorm over time in each convolution")(
+    lambda: _encodec(norm="time_group_norm")
+)
 
 
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:

@@ -3,7 +3,8 @@
 layers integrated by learned weights, the input reinjected, data-dependent ALiBi, adaptive
 LayerNorm from a condition per example, the AutoregressiveWrapper's own loss), vit-pytorch's
 CrossViT, ViT for small datasets and CCT, a BiLSTM-CRF tagger (pytorch-crf), PPO's loss of a
-Stable-Baselines3 policy, MMDiT, Taylor-series linear attention and a point transformer; and
+Stable-Baselines3 policy, MMDiT, Taylor-series linear attention, a point transformer and
+EnCodec's SEANet autoencoder; and
 those refused, each by gradhooks' own error (XCiT's BatchNorm, Segment Anything's mask decoder
 run on each image taken out of the batch alone, MMDiT's hyper-connections called with the
 branch outside). Also, in plain torch, a parameter used outside its module's call through
@@ -45,6 +46,7 @@ MODELS = [
     "mmdit",  # joint text-image attention, adaptive norms from the timestep
     "taylor-linear-attention",  # second-order Taylor feature maps, rotary
     "point-transformer",  # vector attention over each point's nearest neighbours
+    "encodec-seanet",  # torch.nn.utils.weight_norm: the weight recomputed by a pre-hook
 ]
 
 
