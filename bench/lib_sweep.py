@@ -3711,6 +3711,20 @@ def _sb3_gaussian() -> Example:
     return _ppo(policy, _randn(BATCH, 6), _randn(BATCH, 2, seed=1))
 
 
+@case(
+    "sb3-ppo-gsde",
+    "stable_baselines3",
+    "the same with generalized state-dependent exploration: the std from the features, by mm",
+)
+def _sb3_gsde() -> Example:
+    from gymnasium import spaces
+
+    torch.manual_seed(0)
+    policy = _sb3_policy(spaces.Box(-1, 1, (6,)), spaces.Box(-1, 1, (2,)), use_sde=True,
+                         net_arch={"pi": [16], "vf": [16]})  # fmt: skip
+    return _ppo(policy, _randn(BATCH, 6), _randn(BATCH, 2, seed=1))
+
+
 @case("sb3-ppo-cnn", "stable_baselines3",
       "PPO's loss of a CnnPolicy: NatureCNN on images, a categorical, a shared extractor")  # fmt: skip
 def _sb3_cnn() -> Example:

@@ -18,6 +18,7 @@ import torch
 from test_lib_sweep import (  # noqa: F401 (_quiet: a fixture, used by name)
     _needs,
     _quiet,
+    assert_setting_match,
     assert_swept_match,
     assert_swept_refused,
     lib_sweep,
@@ -66,6 +67,19 @@ def test_library_model_matches_the_loop(name):
 def test_library_model_refused(name, error):
     """Refused by gradhooks' own error, naming the layer, never a grad1 given."""
     assert_swept_refused(name, error)
+
+
+@pytest.mark.parametrize(
+    "name, setting",
+    [
+        ("sb3-ppo-gaussian", "dp-step"),  # log_std outside any layer, clipped with the rest
+        ("crf-bilstm", "training"),  # the CRF's transitions over 3 SGD steps
+    ],
+)
+def test_library_model_in_another_setting(name, setting):
+    """A DP step (p.grad against the loop's clipped sum), 3 SGD steps (grad1 of each against
+    the loop)."""
+    assert_setting_match(name, setting)
 
 
 class GaussianPolicy(nn.Module):
