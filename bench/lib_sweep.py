@@ -7,8 +7,8 @@ the per-example loop.
     python -m bench.lib_sweep --out /tmp/sweep --limit 60
 
 Each model is built as its library's users build it, at a tiny configuration, in float64, in
-training mode with every dropout at 0, and given a batch of 3; its loss is the one its users
-write (a language model's summed token cross-entropy, a classifier's cross-entropy, the DDPM
+training mode with every dropout (and stochastic depth's DropPath) at 0, and given a batch of
+3; its loss is the one its users write (a language model's summed token cross-entropy, a classifier's cross-entropy, the DDPM
 loss: the mean squared error between the predicted and the true noise of each example, at a
 timestep of its own), summed or averaged over the batch as the row says.
 ``add_hooks(model, loss_reduction=...)`` and one ``backward()`` give ``grad1``, compared
@@ -2655,7 +2655,7 @@ def _package_without_init(name: str) -> None:
 
 
 # packages whose __init__ imports torchvision, which their models do not use
-WITHOUT_INIT = {"vit_pytorch"}
+WITHOUT_INIT = {"vit_pytorch", "segment_anything", "encodec"}
 
 VIT = dict(num_classes=CLASSES, dim=DIM, depth=2, heads=4, mlp_dim=64, dim_head=8)
 
@@ -3510,6 +3510,483 @@ def _st_moe_block() -> Example:
     return _moe_lm(SparseMoEBlock(moe, add_ff_before=True, add_ff_after=True))
 
 
+# -- a sixth round: x-transformers' newer residuals and norms, vit-pytorch's other ViTs, a
+# BiLSTM-CRF tagger, Stable-Baselines3's policies, the Segment Anything model, MMDiT,
+# Taylor-series linear attention, invariant point attention, point transformers, SegFormer
+
+
+XT_DECODERS_SIXTH = {
+    "xt-dynamic-tanh": {"use_dynamic_tanh": True},
+    "xt-head-scale": {"attn_head_scale": True, "ff_post_act_ln": True},
+    "xt-unet-skips": {"unet_skips": True},
+    "xt-integrate-layers": {"integrate_layers": True},
+    "xt-reinject-input": {"reinject_input": True, "learned_reinject_input_gate": True},
+    "xt-orthog-residual": {"orthog_residual": True},
+    "xt-aggregated-residuals": {
+        "attn_aggregated_residuals": True,
+        "attn_aggregated_residual_kwargs": {"lora_rank": 8},
+    },
+    "xt-gated-multi-residual": {
+        "gated_multi_residual": True,
+        "num_residual_streams": 2,
+        "residual_fn_kwargs": {"read_gate_rank": 4},
+    },
+    "xt-laser": {"attn_laser": True},
+    "xt-data-dependent-alibi": {"attn_data_dependent_alibi": True},
+    "xt-cope": {"attn_use_cope": True},
+    "xt-selective": {"attn_selective": True},
+    "xt-polar-pos": {"polar_pos_emb": True},
+    "xt-pre-and-post-norm": {"pre_and_post_norm": True},
+}
+for _name, _kw in XT_DECODERS_SIXTH.items():
+    case(_name, "x_transformers")(lambda _kw=_kw: _xt_lm("Decoder", **_kw))
+
+
+@case("xt-adaptive-layernorm", "x_transformers",
+      "adaptive LayerNorm and layerscale (DiT's ada-LN-zero) from a condition per example")  # fmt: skip
+def _xt_adaptive() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    layers = xt.Decoder(dim=DIM, depth=2, heads=4, attn_dim_head=8, use_adaptive_layernorm=True,
+                        use_adaptive_layerscale=True, dim_condition=8)  # fmt: skip
+    model = xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16, attn_layers=layers)
+    return Example(model, (_tokens(), _randn(BATCH, 8, seed=2)), token_ce, (_tokens(seed=1),),
+                   call=lambda m, ids, cond: m(ids, condition=cond))  # fmt: skip
+
+
+@case("xt-autoregressive-wrapper", "x_transformers",
+      "AutoregressiveWrapper: the library's own next-token loss of the batch")  # fmt: skip
+def _xt_autoregressive() -> Example:
+    import x_transformers as xt
+
+    torch.manual_seed(0)
+    net = xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16,
+                                attn_layers=xt.Decoder(dim=DIM, depth=2, heads=4,
+                                                       attn_dim_head=8))  # fmt: skip
+    return Example(xt.AutoregressiveWrapper(net), (_tokens(SEQ + 1),), lambda loss: loss,
+                   reduction="mean", batch_loss=True)  # fmt: skip
+
+
+SIXTH_VITS = {
+    # name: (module, class, extra arguments, input shape)
+    "cait": ("cait", "CaiT", {"image_size": 16, "patch_size": 4, "cls_depth": 1}, (3, 16, 16)),
+    "deepvit": ("deepvit", "DeepViT", {"image_size": 16, "patch_size": 4}, (3, 16, 16)),
+    "xcit": (
+        "xcit",
+        "XCiT",
+        {"image_size": 16, "patch_size": 4, "cls_depth": 1, "local_patch_kernel_size": 3},
+        (3, 16, 16),
+    ),  # fmt: skip
+    "vit-small-dataset": (
+        "vit_for_small_dataset",
+        "ViT",
+        {"image_size": 16, "patch_size": 4},
+        (3, 16, 16),
+    ),  # fmt: skip
+    "simple-vit-registers": (
+        "simple_vit_with_register_tokens",
+        "SimpleViT",
+        {"image_size": 16, "patch_size": 4, "num_register_tokens": 2},
+        (3, 16, 16),
+    ),  # fmt: skip
+}
+for _name, (_module, _cls, _kw, _shape) in SIXTH_VITS.items():
+    case(_name, "vit_pytorch")(
+        lambda m=_module, c=_cls, kw=_kw, shape=_shape: _vit_example(
+            getattr(_vit_module(m), c)(**{**VIT, **kw}), *shape
+        )
+    )
+
+
+@case("cross-vit", "vit_pytorch", "CrossViT: two patch sizes, their class tokens cross-attending")
+def _cross_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("cross_vit").CrossViT(
+        image_size=16, num_classes=CLASSES, sm_dim=DIM, sm_patch_size=4, sm_enc_depth=1,
+        sm_enc_heads=4, sm_enc_mlp_dim=64, sm_enc_dim_head=8, lg_dim=16, lg_patch_size=8,
+        lg_enc_depth=1, lg_enc_heads=2, lg_enc_mlp_dim=32, lg_enc_dim_head=8, cross_attn_depth=1,
+        cross_attn_heads=2, cross_attn_dim_head=8, depth=1, dropout=0.0, emb_dropout=0.0,
+    )  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("t2t-vit", "vit_pytorch", "T2T-ViT: tokens-to-token by nn.Unfold, soft splits")
+def _t2t_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("t2t").T2TViT(dim=DIM, image_size=16, depth=2, heads=4, mlp_dim=64,
+                                       num_classes=CLASSES,
+                                       t2t_layers=((3, 2), (3, 2)))  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("cct", "vit_pytorch", "Compact Convolutional Transformer: conv tokenizer, sequence pooling")
+def _cct() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("cct").CCT(img_size=(16, 16), embedding_dim=DIM, n_conv_layers=2,
+                                   kernel_size=3, stride=1, padding=1, pooling_kernel_size=3,
+                                   pooling_stride=2, pooling_padding=1, num_layers=2,
+                                   num_heads=4, mlp_ratio=2.0, num_classes=CLASSES,
+                                   positional_embedding="learnable")  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+@case("max-vit", "vit_pytorch", "MaxViT: MBConv (BatchNorm), block and grid attention")
+def _max_vit() -> Example:
+    torch.manual_seed(0)
+    model = _vit_module("max_vit").MaxViT(num_classes=CLASSES, dim_conv_stem=8, dim=16,
+                                          dim_head=8, depth=(1,), window_size=2)  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+class CRFTagger(nn.Module):
+    """A BiLSTM-CRF tagger as pytorch-crf's users write it: embeddings, a bidirectional LSTM,
+    emissions by a Linear, and the CRF's negative log-likelihood of the gold tags, each
+    example's own (``reduction="none"``) over its unpadded tokens."""
+
+    def __init__(self, tags: int = 5):
+        super().__init__()
+        from torchcrf import CRF
+
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.lstm = nn.LSTM(16, 8, batch_first=True, bidirectional=True)
+        self.emit, self.crf = nn.Linear(16, tags), CRF(tags, batch_first=True)
+
+    def forward(self, ids: Tensor, tags: Tensor, mask: Tensor) -> Tensor:
+        emissions = self.emit(self.lstm(self.embed(ids))[0])
+        return -self.crf(emissions, tags, mask=mask, reduction="none")
+
+
+@case("crf-bilstm", "torchcrf", "BiLSTM-CRF tagger: the CRF's log-likelihood, padded sequences")
+def _crf() -> Example:
+    torch.manual_seed(0)
+    mask = torch.arange(SEQ) < torch.tensor([[SEQ], [5], [3]])
+    tags = torch.randint(0, 5, (BATCH, SEQ), generator=_gen(1))
+    return Example(CRFTagger(), (_tokens(), tags, mask), lambda nll: nll)
+
+
+class PPOLoss(nn.Module):
+    """PPO's clipped surrogate, value and entropy terms of each example, as Stable-Baselines3's
+    ``PPO.train`` computes them from ``policy.evaluate_actions`` (old log-probabilities and
+    advantages given)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, obs, actions, old_log_prob, advantages, returns):
+        values, log_prob, entropy = self.policy.evaluate_actions(obs, actions)
+        ratio = torch.exp(log_prob - old_log_prob)
+        surrogate = torch.min(advantages * ratio, advantages * ratio.clamp(0.8, 1.2))
+        return -surrogate + 0.5 * (returns - values.flatten()).pow(2) - 0.01 * entropy
+
+
+def _in_float64(policy: nn.Module) -> nn.Module:
+    """Stable-Baselines3 casts the observations to float32 (``preprocess_obs``); a pre-hook on
+    the features extractor brings them to the sweep's float64 (they hold no parameter)."""
+    policy.features_extractor.register_forward_pre_hook(lambda _, args: (args[0].double(),))
+    return policy
+
+
+def _sb3_policy(obs_space, action_space, **kw) -> nn.Module:
+    from stable_baselines3.common.policies import ActorCriticPolicy
+
+    return _in_float64(ActorCriticPolicy(obs_space, action_space, lambda _: 3e-4, **kw))
+
+
+def _ppo(policy: nn.Module, obs: Tensor, actions: Tensor) -> Example:
+    extra = _randn(3, BATCH, seed=3)
+    inputs = (obs, actions, extra[0] - 2.0, extra[1], extra[2])
+    return Example(PPOLoss(policy), inputs, lambda loss: loss, reduction="mean")
+
+
+@case("sb3-ppo-gaussian", "stable_baselines3",
+      "PPO's loss of an ActorCriticPolicy: a diagonal Gaussian, its log_std a parameter")  # fmt: skip
+def _sb3_gaussian() -> Example:
+    from gymnasium import spaces
+
+    torch.manual_seed(0)
+    policy = _sb3_policy(spaces.Box(-1, 1, (6,)), spaces.Box(-1, 1, (2,)),
+                         net_arch={"pi": [16, 16], "vf": [16, 16]})  # fmt: skip
+    return _ppo(policy, _randn(BATCH, 6), _randn(BATCH, 2, seed=1))
+
+
+@case(
+    "sb3-ppo-gsde",
+    "stable_baselines3",
+    "the same with generalized state-dependent exploration: the std from the features, by mm",
+)
+def _sb3_gsde() -> Example:
+    from gymnasium import spaces
+
+    torch.manual_seed(0)
+    policy = _sb3_policy(spaces.Box(-1, 1, (6,)), spaces.Box(-1, 1, (2,)), use_sde=True,
+                         net_arch={"pi": [16], "vf": [16]})  # fmt: skip
+    return _ppo(policy, _randn(BATCH, 6), _randn(BATCH, 2, seed=1))
+
+
+@case("sb3-ppo-cnn", "stable_baselines3",
+      "PPO's loss of a CnnPolicy: NatureCNN on images, a categorical, a shared extractor")  # fmt: skip
+def _sb3_cnn() -> Example:
+    from gymnasium import spaces
+    from stable_baselines3.common.policies import ActorCriticCnnPolicy
+
+    torch.manual_seed(0)
+    obs_space = spaces.Box(0, 255, (3, 36, 36), dtype="uint8")
+    policy = _in_float64(ActorCriticCnnPolicy(obs_space, spaces.Discrete(4), lambda _: 3e-4,
+                                              features_extractor_kwargs={"features_dim": 16},
+                                              normalize_images=True))  # fmt: skip
+    obs = torch.randint(0, 256, (BATCH, 3, 36, 36), generator=_gen(0)).double()
+    return _ppo(policy, obs, torch.randint(0, 4, (BATCH,), generator=_gen(1)))
+
+
+def _pe_in_dtype(cls: type) -> type:
+    """Segment Anything's random Fourier positions, their coordinates cast to the dtype of
+    its (parameter-free) Gaussian matrix rather than to float32."""
+
+    class InDtype(cls):
+        def _pe_encoding(self, coords: Tensor) -> Tensor:
+            return super()._pe_encoding(coords.to(self.positional_encoding_gaussian_matrix))
+
+    return InDtype
+
+
+class SamFineTune(nn.Module):
+    """Segment Anything fine-tuned on boxes as MedSAM's users do: the image encoder on the
+    batch, then, as ``Sam.forward`` does, the prompt encoder and mask decoder image by image
+    (the decoder repeats its image for each prompt), the low-resolution mask logits stacked."""
+
+    def __init__(self):
+        super().__init__()
+        from functools import partial
+
+        from segment_anything.modeling import (
+            ImageEncoderViT,
+            MaskDecoder,
+            PromptEncoder,
+            TwoWayTransformer,
+        )
+
+        self.encoder = ImageEncoderViT(img_size=32, patch_size=8, embed_dim=DIM, depth=2,
+                                       num_heads=2, mlp_ratio=2.0, out_chans=16, qkv_bias=True,
+                                       norm_layer=partial(nn.LayerNorm, eps=1e-6),
+                                       use_rel_pos=True, window_size=2,
+                                       global_attn_indexes=(1,))  # fmt: skip
+        self.prompts = PromptEncoder(embed_dim=16, image_embedding_size=(4, 4),
+                                     input_image_size=(32, 32), mask_in_chans=4)  # fmt: skip
+        self.prompts.pe_layer.__class__ = _pe_in_dtype(type(self.prompts.pe_layer))
+        self.decoder = MaskDecoder(transformer_dim=16, num_multimask_outputs=3,
+                                   transformer=TwoWayTransformer(depth=2, embedding_dim=16,
+                                                                 mlp_dim=32, num_heads=2),
+                                   iou_head_depth=2, iou_head_hidden_dim=16)  # fmt: skip
+
+    def forward(self, images: Tensor, boxes: Tensor) -> Tensor:
+        embeddings = self.encoder(images)
+        masks = []
+        for embedding, box in zip(embeddings, boxes):
+            sparse, dense = self.prompts(points=None, boxes=box[None], masks=None)
+            low_res, _ = self.decoder(embedding[None], self.prompts.get_dense_pe(), sparse,
+                                      dense, multimask_output=False)  # fmt: skip
+            masks.append(low_res)
+        return torch.cat(masks)
+
+
+@case("sam", "segment_anything",
+      "Segment Anything: windowed ViT with relative positions, box prompts, image by image")  # fmt: skip
+def _sam() -> Example:
+    torch.manual_seed(0)
+    boxes = torch.tensor([[2.0, 3.0, 20.0, 25.0], [0.0, 0.0, 31.0, 31.0], [8.0, 4.0, 16.0, 30.0]])
+    target = (_randn(BATCH, 1, 16, 16, seed=1) > 0).double()
+
+    def losses(logits: Tensor, target: Tensor) -> Tensor:
+        bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        return bce.flatten(1).mean(1)
+
+    return Example(SamFineTune(), (_randn(BATCH, 3, 32, 32), boxes.double()), losses, (target,),
+                   "mean")  # fmt: skip
+
+
+class MMDiTDenoiser(nn.Module):
+    """MMDiT's joint attention of text and image tokens, conditioned on each example's
+    timestep embedding; the image tokens' output predicts the noise."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        from mmdit import MMDiT
+
+        self.time = nn.Sequential(nn.Linear(1, 16), nn.SiLU())
+        self.mmdit = MMDiT(depth=2, dim_text=16, dim_image=DIM, dim_cond=16, dim_head=8, heads=2,
+                           qk_rmsnorm=True, **kw)  # fmt: skip
+
+    def forward(self, text: Tensor, image: Tensor, t: Tensor, mask: Tensor) -> Tensor:
+        _, image = self.mmdit(text_tokens=text, image_tokens=image, text_mask=mask,
+                              time_cond=self.time(t[:, None]))  # fmt: skip
+        return image
+
+
+def _mmdit(**kw) -> Example:
+    torch.manual_seed(0)
+    mask = torch.arange(5) < torch.tensor([[5], [3], [4]])
+    inputs = (_randn(BATCH, 5, 16), _randn(BATCH, SEQ, DIM, seed=1), _randn(BATCH, seed=2), mask)
+    return Example(MMDiTDenoiser(**kw), inputs, mse, (_randn(BATCH, SEQ, DIM, seed=3),), "mean")
+
+
+case("mmdit", "mmdit", "MMDiT: joint text-image attention, adaptive norms from the timestep")(
+    lambda: _mmdit(num_residual_streams=1)
+)
+case("mmdit-hyper", "mmdit", "MMDiT with 4 residual streams (hyper-connections), registers")(
+    lambda: _mmdit(num_register_tokens=2)
+)
+
+
+@case("taylor-linear-attention", "taylor_series_linear_attention",
+      "Taylor series linear attention, rotary, in a token classifier")  # fmt: skip
+def _taylor() -> Example:
+    from taylor_series_linear_attention import TaylorSeriesLinearAttn
+
+    torch.manual_seed(0)
+    attn = TaylorSeriesLinearAttn(dim=DIM, dim_head=8, heads=4, rotary_emb=True)
+    return Example(TokenClassifier(attn), (_tokens(),), class_ce, (_labels(),), "mean")
+
+
+@case("taylor-vit", "taylor_series_linear_attention", "its ViT of Taylor series attention")
+def _taylor_vit() -> Example:
+    from taylor_series_linear_attention.vit import ViT
+
+    torch.manual_seed(0)
+    model = ViT(image_size=16, patch_size=4, num_classes=CLASSES, dim=DIM, depth=2, heads=4,
+                dim_head=8, ff_mult=2)  # fmt: skip
+    return _vit_example(model, 3, 16, 16)
+
+
+class IPAFold(nn.Module):
+    """Invariant point attention as AlphaFold2's structure module uses it: single and pair
+    representations of each protein, its residues' frames (rotations, translations), two IPA
+    blocks, each residue's point predicted in its frame and moved to global coordinates."""
+
+    def __init__(self):
+        super().__init__()
+        from invariant_point_attention import IPABlock
+
+        self.blocks = nn.ModuleList(IPABlock(dim=16, heads=2, scalar_key_dim=8,
+                                             scalar_value_dim=8, point_key_dim=2,
+                                             point_value_dim=2, pairwise_repr_dim=8,
+                                             require_pairwise_repr=True)
+                                    for _ in range(2))  # fmt: skip
+        self.to_points = nn.Linear(16, 3)
+
+    def forward(self, single, pair, rotations, translations, mask):
+        for block in self.blocks:
+            single = block(single, pairwise_repr=pair, rotations=rotations,
+                           translations=translations, mask=mask)  # fmt: skip
+        local = self.to_points(single)
+        return torch.einsum("b n c, b n r c -> b n r", local, rotations) + translations
+
+
+@case("ipa", "invariant_point_attention",
+      "invariant point attention: residue frames, pair biases, points in the frames, masks")  # fmt: skip
+def _ipa() -> Example:
+    torch.manual_seed(0)
+    n = 6
+    mask = torch.arange(n) < torch.tensor([[n], [4], [5]])
+    rotations = torch.linalg.qr(_randn(BATCH, n, 3, 3, seed=2)).Q  # (orthogonal frames)
+    inputs = (_randn(BATCH, n, 16), _randn(BATCH, n, n, 8, seed=1), rotations,
+              _randn(BATCH, n, 3, seed=3), mask)  # fmt: skip
+    return Example(IPAFold(), inputs, mse, (_randn(BATCH, n, 3, seed=4),), "mean")
+
+
+class PointClassifier(nn.Module):
+    """Point features lifted, a point transformer layer (each point attending to its nearest
+    neighbours of its own cloud), max-pooled over the points, a head."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.lift, self.layer, self.head = nn.Linear(3, DIM), layer, nn.Linear(DIM, CLASSES)
+
+    def forward(self, feats: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        return self.head(self.layer(self.lift(feats), pos, mask=mask).amax(1))
+
+
+def _points(layer: nn.Module) -> Example:
+    torch.manual_seed(0)
+    mask = torch.arange(10) < torch.tensor([[10], [7], [9]])
+    inputs = (_randn(BATCH, 10, 3), _randn(BATCH, 10, 3, seed=1), mask)
+    return Example(PointClassifier(layer), inputs, class_ce, (_labels(),), "mean")
+
+
+@case("point-transformer", "point_transformer_pytorch",
+      "Point Transformer: vector attention over each point's 4 nearest neighbours")  # fmt: skip
+def _point_transformer() -> Example:
+    from point_transformer_pytorch import PointTransformerLayer
+
+    return _points(PointTransformerLayer(dim=DIM, pos_mlp_hidden_dim=16,
+                                         attn_mlp_hidden_mult=2, num_neighbors=4))  # fmt: skip
+
+
+@case("point-transformer-multihead", "point_transformer_pytorch",
+      "multi-head Point Transformer, neighbours within a radius")  # fmt: skip
+def _point_transformer_mh() -> Example:
+    from point_transformer_pytorch import MultiheadPointTransformerLayer
+
+    return _points(MultiheadPointTransformerLayer(dim=DIM, heads=4, dim_head=8,
+                                                  num_neighbors=4))  # fmt: skip
+
+
+@case("segformer", "segformer_pytorch",
+      "SegFormer: overlapping patch merging by nn.Unfold, reduced keys, a per-pixel loss")  # fmt: skip
+def _segformer() -> Example:
+    from segformer_pytorch import Segformer
+
+    torch.manual_seed(0)
+    model = Segformer(dims=(8, 8, 16, 16), heads=(1, 1, 2, 2), ff_expansion=(2, 2, 2, 2),
+                      reduction_ratio=(4, 2, 1, 1), num_layers=1, channels=3, decoder_dim=16,
+                      num_classes=CLASSES)  # fmt: skip
+    labels = torch.randint(0, CLASSES, (BATCH, 8, 8), generator=_gen(1))
+
+    def losses(logits: Tensor, labels: Tensor) -> Tensor:  # (the logits at a quarter's size)
+        return F.cross_entropy(logits, labels, reduction="none").flatten(1).mean(1)
+
+    return Example(model, (_randn(BATCH, 3, 32, 32),), losses, (labels,), "mean")
+
+
+class SEANetAutoencoder(nn.Module):
+    """EnCodec's SEANet encoder and decoder without the quantizer between them (its codebooks
+    are k-means-initialized from the batch and updated by EMA in every training forward):
+    strided convolutions, residual units, an LSTM over the latent frames."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        from encodec.modules import SEANetDecoder, SEANetEncoder
+
+        kw = dict(channels=1, dimension=8, n_filters=4, n_residual_layers=1, ratios=[4, 2],
+                  lstm=1, **kw)  # fmt: skip
+        self.encoder, self.decoder = SEANetEncoder(**kw), SEANetDecoder(**kw)
+
+    def forward(self, audio: Tensor) -> Tensor:
+        return self.decoder(self.encoder(audio))
+
+
+def _encodec(**kw) -> Example:
+    torch.manual_seed(0)
+    audio = _randn(BATCH, 1, 64)
+
+    def losses(out: Tensor, target: Tensor) -> Tensor:  # (EnCodec's time-domain L1, and L2)
+        return (out - target).abs().flatten(1).mean(1) + mse(out, target)
+
+    return Example(SEANetAutoencoder(**kw), (audio,), losses, (audio,), "mean")
+
+
+case("encodec-seanet", "encodec",
+     "EnCodec's SEANet autoencoder: torch.nn.utils.weight_norm (a pre-hook), reflect padding, "
+     "an LSTM")(lambda: _encodec())  # fmt: skip
+case("encodec-seanet-causal", "encodec", "the same, causal: padded on the left only")(
+    lambda: _encodec(causal=True)
+)
+case("encodec-seanet-groupnorm", "encodec", "the same, a GroupNorm over time in each convolution")(
+    lambda: _encodec(norm="time_group_norm")
+)
+
+
 def _rows(tensors: tuple[Tensor, ...], b: int) -> tuple[Tensor, ...]:
     return tuple(t[b : b + 1] for t in tensors)
 
@@ -3539,6 +4016,8 @@ def prepare(model: nn.Module) -> nn.Module:
             m.p = 0.0
         if isinstance(getattr(m, "dropout_prob", None), float):
             m.dropout_prob = 0.0  # (diffusers' label dropout, for classifier-free guidance)
+        if isinstance(getattr(m, "drop_prob", None), float):
+            m.drop_prob = 0.0  # (stochastic depth: timm's DropPath and its copies)
     return model
 
 

@@ -82,6 +82,7 @@ from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.pointwise import is_pointwise, where_unselected
+from .ops.views import DECOMPOSED
 from .sources import (
     COPIES,
     SPREADS,
@@ -505,6 +506,11 @@ class Tracker(TorchFunctionMode):
         if not laid and not sources and not direct:
             return func(*args, **kwargs)
         name = op.name
+        split = DECOMPOSED.get(name) if sources or direct else None
+        if split is not None and self._outside(sources, direct):
+            # (a tensor derived from a parameter used outside its module's call goes through
+            # each part alone, to meet the batch where it is combined with it)
+            return tuple(self.__torch_function__(f, types, a, k) for f, a, k in split(args, kwargs))
         if direct and op.maybe_same and isinstance(args[0], Tensor):
             out = func(*args, **kwargs)
             if out is args[0]:
@@ -555,6 +561,14 @@ class Tracker(TorchFunctionMode):
                 return out
         finally:
             self.off -= 1
+
+    def _outside(self, sources: frozenset, direct: list) -> bool:
+        """Whether ``sources`` or the parameters ``direct`` hold one used outside its
+        module's call (not one that a module without a rule, whose fallback takes it over,
+        uses)."""
+        return any(not getattr(s, "soft", False) for s in sources) or any(
+            self._covering(id(p)) is None for p in direct
+        )
 
     def _untainted(self, op: OpFacts, args: tuple, kwargs: dict) -> bool:
         """Whether a call of :data:`~.ops.METADATA` or :data:`~.ops.FREE` function ``op`` is

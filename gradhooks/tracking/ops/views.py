@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+from torch import Tensor
+
 from ..layout import MIXED, UNKNOWN, Layout, owned, slice_rows
 from .common import HANDLERS, NeedsBatch, arg, first_tensor, handles, norm_dim, single_input
 
@@ -117,6 +120,21 @@ def _expand(args, kwargs, out, layout_of):
         return UNKNOWN
     d = lay.dim + o.dim() - t.dim()
     return lay.at(d) if o.shape[d] == t.shape[lay.dim] else UNKNOWN
+
+
+def broadcast_apart(args: tuple, kwargs: dict) -> list[tuple]:
+    """``torch.broadcast_tensors(*tensors)`` (``torch.distributions``' ``broadcast_all``) as
+    what it is, each tensor expanded to the common shape: ``(func, args, kwargs)`` of each
+    output's call. Each output holds its own input's values alone, so a tensor derived from a
+    parameter stays apart from the batch it is broadcast with (a policy's ``log_std`` beside
+    the batch of means: they meet in the log-probability, not here)."""
+    tensors = args[0] if len(args) == 1 and isinstance(args[0], list | tuple) else args
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return [(Tensor.expand, (t, shape), {}) for t in tensors]
+
+
+# operations followed as the calls they decompose into (see broadcast_apart)
+DECOMPOSED = {"broadcast_tensors": broadcast_apart}
 
 
 @handles("repeat", "tile")
