@@ -2636,6 +2636,7 @@ def _sru() -> Example:
 
 
 def _vit_module(module: str):
+    _package_without_init("vit_pytorch")
     return importlib.import_module(f"vit_pytorch.{module}")
 
 
