@@ -225,7 +225,13 @@ class BackwardWriter:
                 bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
         frame = state.frame
-        new_rows = bw is not None and frame is not None and _note_frame(bw, frame, ids, target)
+        new_rows = (
+            bw is not None
+            and frame is not None
+            # (the usual: a forward it reached already, nothing kept for the probe)
+            and (bw.verify or id(frame) not in bw.frames)
+            and _note_frame(bw, frame, ids, target)
+        )
         try:
             if new_rows:
                 self._check_rows(bw)
@@ -368,17 +374,20 @@ class BackwardWriter:
         if sums is not None and not self.state.grad1 and self.state.mode.param_grads and not nested:
             formed = {}
         for pname, p in live.items():
-            if not pieces[pname].sums_to_grad:
+            piece = pieces[pname]
+            if not piece.sums_to_grad:
                 self.state.exempt.add(id(p))
-            if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
-                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
-                size = pieces[pname].terms_scale(p.shape)
+            if piece.rounded_terms and bw is not None:  # (the room: see _settle)
+                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + piece.rounded_terms
+                size = piece.terms_scale(p.shape)
                 found = bw.terms_scale.get(id(p))
                 bw.terms_scale[id(p)] = size if found is None else found + size
         # (an empty parameter's gradients are empty: the quantities have nothing of it to
         # add, and a rule's reshape of its pieces cannot infer the batch)
-        full = {n: p for n, p in live.items() if p.numel()}
-        if not self.state.grad1 and bw is not None and bw.verify:
+        keep = not self.state.grad1 and bw is not None and bw.verify
+        if keep or self.state.collector is not None:
+            full = {n: p for n, p in live.items() if p.numel()}
+        if keep:
             self.verifier.keep(bw, pieces, full, scale)
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
@@ -781,7 +790,7 @@ class BackwardWriter:
             or self.state.rerunning
         ):
             return  # (None: a node gave it no gradient, an empty batch's detached call)
-        if not self.state.vmapped and _batched((grad,)):
+        if not self.state.vmapped and _torch.is_grads_batched(grad):
             bw = self.backward_state()
             bw.batched = bw.batched or f"'{name}'"
             bw.computed.add(pid)
