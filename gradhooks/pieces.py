@@ -257,6 +257,8 @@ class Outer(Piece):
     def __post_init__(self) -> None:
         # (a [batch, out] output-gradient reads its batch as the shared positions too: every
         # quantity but grad1, which cannot reshape, would sum over the examples)
+        if self.g.dim() >= 3 and (self.a is None or self.a.dim() >= 3):
+            return  # (the usual: asked once per piece of every call)
         for what, t in (("a", self.a), ("g", self.g)):
             if t is not None and t.dim() < 3:
                 raise RuleError(
@@ -454,10 +456,12 @@ class Outer(Piece):
         return Outer(None if self.a is None else fold(self.a), fold(self.g), seen)
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
-        if not (_other(self.g, dtype) or _other(self.a, dtype)):
+        g, a = self.g, self.a
+        if g.dtype is dtype and (a is None or a.dtype is dtype):
+            return self  # (the usual: asked once per piece of every call)
+        if not (_other(g, dtype) or _other(a, dtype)):
             return self
-        a = None if self.a is None else cast(self.a, dtype)
-        return Outer(a, cast(self.g, dtype), self.seen)
+        return Outer(None if a is None else cast(a, dtype), cast(g, dtype), self.seen)
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Where ``g`` is batched over the outputs (and ``a`` not): ``g ⊗ a`` straight into the
@@ -693,7 +697,8 @@ class Direct(Piece):
         return _sq_row_norms(v, scale), "direct", None
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
-        return Direct(cast(self.value, dtype)) if _other(self.value, dtype) else self
+        v = self.value
+        return self if v.dtype is dtype or not _other(v, dtype) else Direct(cast(v, dtype))
 
 
 @dataclass

@@ -95,6 +95,12 @@ class EngineAPI:
         parameter), with respect to which a backward computes ``p``'s gradient."""
         return self._hooks._state.current.get(id(p), p)
 
+    def in_use_of(self, params: list[Tensor]) -> list[Tensor]:
+        """:meth:`in_use` of each of ``params``, in order (the handle looked up once: a step
+        asks for every parameter)."""
+        current = self._hooks._state.current
+        return [current.get(id(p), p) for p in params]
+
     def directly_used(self) -> set[int]:
         """The ids of the hooked parameters the forwards used outside their modules' calls."""
         hooks = self._hooks
@@ -118,6 +124,11 @@ class EngineAPI:
         """Whether ``p``'s per-example gradients, by its rule's design, do not add up to its
         batch gradient (:attr:`gradhooks.pieces.Piece.sums_to_grad`)."""
         return id(p) in self._hooks._state.exempt
+
+    def any_unsummed(self, params: list[Tensor]) -> bool:
+        """Whether :meth:`by_design_unsummed` holds for any of ``params``."""
+        exempt = self._hooks._state.exempt
+        return bool(exempt) and any(id(p) in exempt for p in params)
 
     def rounded_terms(self, p: Tensor) -> int:
         """The terms of ``p``'s gradient autograd's kernels rounded one by one in a half

@@ -181,34 +181,30 @@ class BackwardWriter:
         """The backward reached the outputs of one captured call. ``sums``: filled with the
         call's batch gradient of each parameter it writes ``grad1`` for. Returns whether the
         call's rule ran (what the call keeps may then go: :meth:`spend`)."""
-        if (
-            self.state.removed
-            or not self.state.mode.capture
-            or state.cancelled
-            or self.state.probing
-        ):
+        s = self.state
+        if s.removed or not s.mode.capture or state.cancelled or s.probing:
             return False
         # Inside a backward, grad mode is on exactly when it was asked for with create_graph.
         create_graph = torch.is_grad_enabled()
-        if not self.state.capturing_backward():
+        if not s.capturing_backward():
             state.derived |= create_graph
             return False
-        if not self.state.vmapped and _batched(call.grad_outputs):
+        if not s.vmapped and _batched(call.grad_outputs):
             # an is_grads_batched backward (torch.autograd.functional.jacobian(vectorize=True)):
             # a batch of output-gradients per example, no grad1 of its own (see _end_backward)
             bw = self.backward_state()
             bw.batched = bw.batched or target.quoted
             return False
-        if self.state.kept_backprops is not None:
-            self.state.kept_backprops.record(target.module, call, graph_task())
+        if s.kept_backprops is not None:
+            s.kept_backprops.record(target.module, call, graph_task())
         bw = self.backward_state()
         # (lowest_precision of them all, one at a time: most often each is the one before)
         precision = state.precision
         for g in call.grad_outputs:
             if isinstance(g, Tensor) and g.dtype is not precision:
                 precision = lowest_precision(precision, g.dtype)
-        if precision is not self.state.precision:
-            self.state.precision = lowest_precision(self.state.precision, precision)
+        if precision is not s.precision:
+            s.precision = lowest_precision(s.precision, precision)
         if bw is not None and precision is not bw.precision:
             bw.precision = lowest_precision(bw.precision, precision)
         if state.derived:
@@ -229,7 +225,13 @@ class BackwardWriter:
                 bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
         frame = state.frame
-        new_rows = bw is not None and frame is not None and _note_frame(bw, frame, ids, target)
+        new_rows = (
+            bw is not None
+            and frame is not None
+            # (the usual: a forward it reached already, nothing kept for the probe)
+            and (bw.verify or id(frame) not in bw.frames)
+            and _note_frame(bw, frame, ids, target)
+        )
         try:
             if new_rows:
                 self._check_rows(bw)
@@ -372,17 +374,20 @@ class BackwardWriter:
         if sums is not None and not self.state.grad1 and self.state.mode.param_grads and not nested:
             formed = {}
         for pname, p in live.items():
-            if not pieces[pname].sums_to_grad:
+            piece = pieces[pname]
+            if not piece.sums_to_grad:
                 self.state.exempt.add(id(p))
-            if pieces[pname].rounded_terms and bw is not None:  # (the room: see _settle)
-                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + pieces[pname].rounded_terms
-                size = pieces[pname].terms_scale(p.shape)
+            if piece.rounded_terms and bw is not None:  # (the room: see _settle)
+                bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + piece.rounded_terms
+                size = piece.terms_scale(p.shape)
                 found = bw.terms_scale.get(id(p))
                 bw.terms_scale[id(p)] = size if found is None else found + size
         # (an empty parameter's gradients are empty: the quantities have nothing of it to
         # add, and a rule's reshape of its pieces cannot infer the batch)
-        full = {n: p for n, p in live.items() if p.numel()}
-        if not self.state.grad1 and bw is not None and bw.verify:
+        keep = not self.state.grad1 and bw is not None and bw.verify
+        if keep or self.state.collector is not None:
+            full = {n: p for n, p in live.items() if p.numel()}
+        if keep:
             self.verifier.keep(bw, pieces, full, scale)
         if self.state.collector is not None:
             if nested:  # (handed over at its end, if it computed parameter gradients)
@@ -404,31 +409,35 @@ class BackwardWriter:
                         total = pieces[pname].batch_sum(p.shape)
                     sums[pname] = total.to(p.dtype)
             return
-        frame_ref = None if frame is None else frame.ref()
+        s = self.state
+        written, frame_ref = s.written, None if frame is None else frame.ref()
+        # (a create_graph backward: grad1 gets a graph, never written in place)
+        in_place = not torch.is_grad_enabled()
         for pname, p in live.items():
-            piece = pieces[pname]
-            if bw is not None and id(p) not in bw.before:
-                if not bw.adds or id(p) in self.state.aside:  # (else set_aside does nothing)
+            piece, pid = pieces[pname], id(p)
+            if bw is not None and pid not in bw.before:
+                if not bw.adds or pid in s.aside:  # (else set_aside does nothing)
                     self.set_aside(p, bw)
-                if id(p) in self.state.written and self._new_forward(p, frame):
-                    del self.state.written[id(p)]  # (torch.autograd.grad of another forward)
-                if id(p) in self.state.written and p.__dict__.get("grad1") is None:
-                    del self.state.written[id(p)]  # (grad1 set to None: begun anew, as .grad)
-                if id(p) in self.state.written:
+                if pid in written and self._new_forward(p, frame):
+                    del written[pid]  # (torch.autograd.grad of another forward)
+                if pid in written and p.__dict__.get("grad1") is None:
+                    del written[pid]  # (grad1 set to None: begun anew, as .grad)
+                if pid in written:
                     _refuse_foreign_grad1(target, pname, p)
                 # kept for a rollback; a kept grad1 is then never written in place
-                bw.before[id(p)] = p.grad1 if id(p) in self.state.written else None
+                bw.before[pid] = p.grad1 if pid in written else None
                 if bw.batch is None:
                     bw.batch = piece.batch_size
-            self.state.stale.pop(id(p), None)
+            if s.stale:
+                s.stale.pop(pid, None)
             if frame_ref is not None:
-                self.state.forward_of[id(p)] = frame_ref
-            accumulate = id(p) in self.state.written
+                s.forward_of[pid] = frame_ref
+            accumulate = pid in written
             if bw is not None and bw.hidden:
                 self._unhide(bw, p)
-            out = self._writable_grad1(p, piece.batch_size, accumulate)
+            out = self._writable_grad1(p, piece.batch_size, accumulate) if in_place else None
             summed = sums is not None and (wanted is None or pname in wanted)
-            factor = bw.factors.get(id(p)) if bw is not None else None
+            factor = bw.factors.get(pid) if bw is not None and bw.factors else None
             if (accumulate and summed) or factor is not None:
                 out = None  # this call's own grad1 is summed or multiplied below: not in place
             try:
@@ -451,16 +460,15 @@ class BackwardWriter:
                 g1 = g1 * factor
             if out is None:
                 self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1, bw)
-            self.state.written[id(p)] = p
+            written[pid] = p
 
     def _writable_grad1(self, p: nn.Parameter, batch: int, accumulate: bool) -> Tensor | None:
         """``p.grad1``, if this call's gradient can be written into its memory: it has the
         right shape, dtype and device, and nothing but ``p`` refers to it or to its memory (the
         test autograd makes before reusing ``.grad``). Writing in place skips a fresh
         allocation, whose page faults cost more than the writing itself on CPU; a ``grad1``
-        the caller kept (a reference, a view, a numpy array) is never changed."""
-        if torch.is_grad_enabled():
-            return None  # a create_graph backward: grad1 gets a graph, never written in place
+        the caller kept (a reference, a view, a numpy array) is never changed. (Not asked in a
+        create_graph backward, whose grad1 gets a graph.)"""
         old = sole_grad1(p)
         if old is None:
             return None
@@ -799,7 +807,7 @@ class BackwardWriter:
             or self.state.rerunning
         ):
             return  # (None: a node gave it no gradient, an empty batch's detached call)
-        if not self.state.vmapped and _batched((grad,)):
+        if not self.state.vmapped and _torch.is_grads_batched(grad):
             bw = self.backward_state()
             bw.batched = bw.batched or f"'{name}'"
             bw.computed.add(pid)

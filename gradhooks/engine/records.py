@@ -407,8 +407,9 @@ def autocast_off() -> contextlib.AbstractContextManager:
     ``grad1``, norms, factors) run in the precision the engine chose for them
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
-    devices = [d for d in ("cpu", "cuda") if autocast_enabled(d)]
-    return _autocast_off(devices) if devices else NOTHING
+    if not autocast_on():
+        return NOTHING  # (the usual: asked once per call of every backward)
+    return _autocast_off([d for d in ("cpu", "cuda") if autocast_enabled(d)])
 
 
 # what autocast_off gives where autocast is off (a caller may skip entering it)

@@ -357,6 +357,27 @@ def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Par
             "parameters to train (model.requires_grad_(True), or those of the layers to "
             "fine-tune) before the forward."
         )
+    # (the usual: neither kind of hook on any parameter, told in one pass)
+    if any(_torch.accumulate_hooks(p) or _torch.backward_optimizers(p) for p in params):
+        _refuse_fused(names, params, where)
+    own = 1  # (gradhooks' own hook on each parameter)
+    if method == "ghost":
+        hooked = [n for n, p in zip(names, params, strict=True) if _torch.tensor_hooks(p) > own]
+        if hooked:
+            raise ConfigurationError(
+                f"{where}(method='ghost'): '{hooked[0]}' has a gradient hook "
+                "(register_hook), and ghost clipping takes the clipped sum from autograd's "
+                "gradient of the parameters, which such a hook may change after the clipping (a "
+                "factor above 1 would break the clipping bound). Use method='bookkeeping' or "
+                "'grad1' (they form the clipped sum from the per-example gradients themselves), "
+                "or remove the hook."
+            )
+    return [p for p in params if p.numel()]  # (an empty parameter: nothing to clip or noise)
+
+
+def _refuse_fused(names: list[str], params: list, where: str) -> None:
+    """Refuse a step whose parameters an optimizer steps inside the backward (see
+    :func:`steppable_params`)."""
     fused = [n for n, p in zip(names, params, strict=True) if _torch.accumulate_hooks(p)]
     if fused:
         raise ConfigurationError(
@@ -375,19 +396,6 @@ def steppable_params(hooks: Hooks, method: str, where: str) -> list[torch.nn.Par
             "noised, so that optimizer would never step on it. Build a plain optimizer over "
             "the parameters instead, and call its step() after dp_sgd_step."
         )
-    own = 1  # (gradhooks' own hook on each parameter)
-    if method == "ghost":
-        hooked = [n for n, p in zip(names, params, strict=True) if _torch.tensor_hooks(p) > own]
-        if hooked:
-            raise ConfigurationError(
-                f"{where}(method='ghost'): '{hooked[0]}' has a gradient hook "
-                "(register_hook), and ghost clipping takes the clipped sum from autograd's "
-                "gradient of the parameters, which such a hook may change after the clipping (a "
-                "factor above 1 would break the clipping bound). Use method='bookkeeping' or "
-                "'grad1' (they form the clipped sum from the per-example gradients themselves), "
-                "or remove the hook."
-            )
-    return [p for p in params if p.numel()]  # (an empty parameter: nothing to clip or noise)
 
 
 def grouped(
@@ -881,7 +889,7 @@ def _step_sums(
     loss = per_example_loss.mean() if hooks.loss_reduction == "mean" else per_example_loss.sum()
     # (FSDP2: the backward is taken with respect to the unsharded parameters the forward used)
     engine = engine_of(hooks)
-    wrt = [engine.in_use(p) for p in params]
+    wrt = engine.in_use_of(params)
     truth = _truth(hooks, per_example_loss, wrt, method)
     hooks.clear()
     if method == "grad1":
@@ -1060,7 +1068,7 @@ def _kept_sums(
     waiting: dict[int, list[tuple[P.Piece, Tensor]]] = {}
     while kept:  # (each call's pieces freed once added)
         pieces, live, scale = kept.pop(0)
-        used = {n: p for n, p in live.items() if id(p) not in summed}
+        used = {n: p for n, p in live.items() if id(p) not in summed} if summed else live
         if all(pieces[n].adds_rows for n in used):
             for n, p in used.items():
                 waiting.setdefault(id(p), []).append((pieces[n], weight(p, scale)))
@@ -1149,7 +1157,7 @@ def _refuse_coupled(hooks: Hooks, params: list) -> None:
     the sum of its per-example gradients: there, autograd's gradient of the clipped losses
     (the ghost step) couples the examples, and no step can be checked against autograd."""
     engine = engine_of(hooks)
-    if not any([engine.by_design_unsummed(p) for p in params]):
+    if not engine.any_unsummed(params):
         return  # (named only where one is: naming walks the model)
     coupled = [n for n, p in names_of(hooks, params) if engine.by_design_unsummed(p)]
     if coupled:
