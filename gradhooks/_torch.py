@@ -212,6 +212,7 @@ __all__ = [
     "Internal",
     "accumulate_hooks",
     "all_grads_hook",
+    "late_hook",
     "available",
     "backward_optimizers",
     "batched_backwards",
@@ -1163,7 +1164,26 @@ def adds_to_grad(p: Tensor, node: Any = None) -> bool | None:
         return None
 
 
-def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], None]) -> Any:
+def late_hook(t: Tensor, fn: Callable[[Tensor], None]) -> Any:
+    """``fn(grad)`` in a backward that reaches ``t``, after every gradient hook on ``t`` (also
+    those put on it later: a mask a user's ``t.register_hook`` applies is in ``grad``): a
+    pre-hook of the node that computed ``t`` (``Node.register_prehook``, which torch runs
+    after the tensors' hooks), for its slot; ``t.register_hook`` for a leaf. Returns the
+    handle."""
+    node, slot = t.grad_fn, t.output_nr
+    if node is None:
+        return t.register_hook(fn)
+
+    def pre(grads: tuple) -> None:
+        if grads[slot] is not None:
+            fn(grads[slot])
+
+    return node.register_prehook(pre)
+
+
+def all_grads_hook(
+    tensors: list[Tensor], fn: Callable[[list[Tensor | None]], None], late: bool = False
+) -> Any:
     """``torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="all")``: ``fn`` of
     the gradients of ``tensors`` (non-leaf; ``None`` for those the backward does not reach),
     once per backward, when the last it reaches has its gradient. Returns the handle.
@@ -1171,7 +1191,8 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
     torch's counts the tensors whose nodes ``torch._C._will_engine_execute_node`` says will
     run; for the root of a backward of one root (``out.backward(v)``), which torch runs as the
     graph's first node, it says no, so that where ``out`` is one of ``tensors`` the hook never
-    fires. The root's hook is the first to run: a tensor whose hook runs is counted here."""
+    fires. The root's hook is the first to run: a tensor whose hook runs is counted here.
+    ``late``: each tensor's gradient as every hook on it left it (:func:`late_hook`)."""
     if (
         _WILL_EXECUTE is None
         or "engine_executes" in _off
@@ -1207,8 +1228,8 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
 
         return hook
 
-    handles = [t.register_hook(hook_of(i)) for i, t in enumerate(tensors)]
-    return _Handles(handles)
+    register = late_hook if late else Tensor.register_hook
+    return _Handles([register(t, hook_of(i)) for i, t in enumerate(tensors)])
 
 
 def _weak_or_strong(node: Any) -> Any:

@@ -359,11 +359,15 @@ class ForwardCapture:
                 node.register_prehook(functools.partial(writer.node_grads, kept, i))
             if self.state.collector is not None:
                 self.state.collector.expect(live)
+            # (after every gradient hook on the outputs, also those put on them after the call:
+            # a mask of the user's is in the output-gradient autograd gives the call's nodes)
             if len(hooked) == 1:
-                leaves[hooked[0]].register_hook(lambda g: writer.output_grads(kept, (g,)))
+                _torch.late_hook(leaves[hooked[0]], lambda g: writer.output_grads(kept, (g,)))
             else:
                 _torch.all_grads_hook(  # (torch's misses a backward rooted at one of them)
-                    [leaves[i] for i in hooked], functools.partial(writer.output_grads, kept)
+                    [leaves[i] for i in hooked],
+                    functools.partial(writer.output_grads, kept),
+                    late=True,
                 )
             return replaced
 
