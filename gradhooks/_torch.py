@@ -1167,18 +1167,42 @@ def adds_to_grad(p: Tensor, node: Any = None) -> bool | None:
 def late_hook(t: Tensor, fn: Callable[[Tensor], None]) -> Any:
     """``fn(grad)`` in a backward that reaches ``t``, after every gradient hook on ``t`` (also
     those put on it later: a mask a user's ``t.register_hook`` applies is in ``grad``): a
-    pre-hook of the node that computed ``t`` (``Node.register_prehook``, which torch runs
-    after the tensors' hooks), for its slot; ``t.register_hook`` for a leaf. Returns the
-    handle."""
+    pre-hook of the node that computed ``t`` (``Node.register_prehook``, which torch runs after
+    the tensors' hooks), for its slot. Where that node does not run (``t`` among the
+    ``inputs`` of ``torch.autograd.grad``, where the backward stops: none of the nodes after
+    it will, by ``torch._C._will_engine_execute_node``), ``fn`` takes the gradient in a hook
+    on ``t`` itself, as it is when that hook runs, once per backward; also for a leaf, and
+    where that internal is missing. Returns the handle."""
     node, slot = t.grad_fn, t.output_nr
-    if node is None:
+    if node is None or _WILL_EXECUTE is None or "engine_executes" in _off:
         return t.register_hook(fn)
+    held = _weak_or_strong(node)  # (as in all_grads_hook: the hook is held by the node)
+    took = [-2]  # the backward in which the hook on t took the gradient
+
+    def early(grad: Tensor) -> None:
+        node = held() if isinstance(held, weakref.ref) else held
+        after = () if node is None else node.next_functions
+        if not any(_runs(n) for n, _ in after):
+            took[0] = graph_task_id()
+            fn(grad)
 
     def pre(grads: tuple) -> None:
-        if grads[slot] is not None:
+        if took[0] != graph_task_id() and grads[slot] is not None:
             fn(grads[slot])
 
-    return node.register_prehook(pre)
+    return _Handles([t.register_hook(early), node.register_prehook(pre)])
+
+
+def _runs(node: Any) -> bool:
+    """Whether the running backward runs ``node`` or takes a gradient there; for a leaf's node
+    in a ``torch.autograd.grad`` (torch refuses to say), ``True``: where the leaf is among its
+    inputs, the nodes before it run."""
+    if node is None:
+        return False
+    try:
+        return bool(_WILL_EXECUTE(node))
+    except RuntimeError:
+        return True
 
 
 def all_grads_hook(
@@ -1192,7 +1216,7 @@ def all_grads_hook(
     run; for the root of a backward of one root (``out.backward(v)``), which torch runs as the
     graph's first node, it says no, so that where ``out`` is one of ``tensors`` the hook never
     fires. The root's hook is the first to run: a tensor whose hook runs is counted here.
-    ``late``: each tensor's gradient as every hook on it left it (:func:`late_hook`)."""
+    ``late``: each tensor's gradient as every hook on it leaves it (:func:`late_hook`)."""
     if (
         _WILL_EXECUTE is None
         or "engine_executes" in _off
