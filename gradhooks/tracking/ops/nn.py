@@ -302,6 +302,15 @@ def _pad(args, kwargs, out, layout_of):
     return lay
 
 
+# what an operation that mixes the examples is called in a refusal, where its name alone does
+# not say what to do
+MIXES_AS = {
+    "batch_norm": "batch_norm in train mode, a BatchNorm's statistics of the batch (with or "
+    "without parameters, frozen or not: every layer after it reads them; put it in eval "
+    "mode, or replace it: gradhooks.convert_batch_norm(model))",
+}
+
+
 @handles("batch_norm")
 def _batch_norm(args, kwargs, out, layout_of):
     training = arg(args, kwargs, 5, "training", False)
