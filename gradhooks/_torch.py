@@ -76,7 +76,11 @@ Each internal, its name here, where it is used, and its fallback:
   ``register_multi_grad_hook(mode="all")`` counting the backward's root among the tensors
   whose gradients it waits for (torch's does not, and never fires where a call's outputs are
   hooked together and one of them is the root: ``out.backward(v)`` on an RNN's or an
-  attention's output, the Jacobians' backwards). Fallback: torch's own.
+  attention's output, the Jacobians' backwards). Fallback: torch's own. And
+  :func:`late_hook`, which tells whether the node that computed a layer's output will run
+  (the nodes after it will), or the backward stops at the output (an ``autograd.grad``
+  input): there the hook on the output takes its gradient. Fallback: a hook on the output
+  alone, before the hooks put on it after the layer's call (a mask they apply is missed).
 - ``autograd_node``: ``torch._C._current_autograd_node`` (:func:`enclosing_backward`),
   whether a backward ends inside another (taken in a custom ``autograd.Function``'s backward
   or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
