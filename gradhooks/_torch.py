@@ -1180,13 +1180,13 @@ def late_hook(t: Tensor, fn: Callable[[Tensor], None]) -> Any:
     node, slot = t.grad_fn, t.output_nr
     if node is None or _WILL_EXECUTE is None or "engine_executes" in _off:
         return t.register_hook(fn)
-    held = _weak_or_strong(node)  # (as in all_grads_hook: the hook is held by the node)
+    # (the nodes after it, not the node itself: the hooks, which the node holds where the
+    # garbage collector cannot see them, would keep it and its graph alive for good)
+    after = [n for n, _ in node.next_functions if n is not None]
     took = [-2]  # the backward in which the hook on t took the gradient
 
     def early(grad: Tensor) -> None:
-        node = held() if isinstance(held, weakref.ref) else held
-        after = () if node is None else node.next_functions
-        if not any(_runs(n) for n, _ in after):
+        if not any(_runs(n) for n in after):
             took[0] = graph_task_id()
             fn(grad)
 
@@ -1201,8 +1201,6 @@ def _runs(node: Any) -> bool:
     """Whether the running backward runs ``node`` or takes a gradient there; for a leaf's node
     in a ``torch.autograd.grad`` (torch refuses to say), ``True``: where the leaf is among its
     inputs, the nodes before it run."""
-    if node is None:
-        return False
     try:
         return bool(_WILL_EXECUTE(node))
     except RuntimeError:
