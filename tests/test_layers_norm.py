@@ -290,7 +290,7 @@ def test_batch_norm_in_train_mode_behind_a_frozen_prefix_is_refused_naming_it(af
     assert not torch.allclose(torch.stack(rows), alone), "the batch's rows are the loop's"
     with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError) as info:
         model(x)
-    names = ["'1' (BatchNorm2d)"] if affine else ["batch_norm in train mode", "'3' (Linear)"]
+    names = ["'1' (BatchNorm2d)"] if affine else ["batch_norm (in train mode", "'3' (Linear)"]
     for part in [*names, "eval", "convert_batch_norm"]:
         assert part in str(info.value), (part, str(info.value))
     model.eval()

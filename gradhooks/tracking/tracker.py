@@ -1009,7 +1009,7 @@ class Tracker(TorchFunctionMode):
         if result is MIXED:
             if any(carries(o) for o in outs):
                 if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
-                    self.mixed.setdefault(self._in_call(MIXES_AS.get(name, name)), None)
+                    self.mixed.setdefault(self._in_call(name) + MIXES_AS.get(name, ""), None)
                 if (
                     not inherited
                     and args

@@ -302,12 +302,12 @@ def _pad(args, kwargs, out, layout_of):
     return lay
 
 
-# what an operation that mixes the examples is called in a refusal, where its name alone does
-# not say what to do
+# what a refusal adds to the name of an operation that mixes the examples, where its name
+# alone does not say what to do
 MIXES_AS = {
-    "batch_norm": "batch_norm in train mode, a BatchNorm's statistics of the batch (with or "
-    "without parameters, frozen or not: every layer after it reads them; put it in eval "
-    "mode, or replace it: gradhooks.convert_batch_norm(model))",
+    "batch_norm": " (in train mode: a BatchNorm's statistics of the batch, with or without "
+    "parameters, frozen or not, which every layer after it reads; put it in eval mode, or "
+    "replace it: gradhooks.convert_batch_norm(model))",
 }
 
 
