@@ -76,7 +76,11 @@ Each internal, its name here, where it is used, and its fallback:
   ``register_multi_grad_hook(mode="all")`` counting the backward's root among the tensors
   whose gradients it waits for (torch's does not, and never fires where a call's outputs are
   hooked together and one of them is the root: ``out.backward(v)`` on an RNN's or an
-  attention's output, the Jacobians' backwards). Fallback: torch's own.
+  attention's output, the Jacobians' backwards). Fallback: torch's own. And
+  :func:`late_hook`, which tells whether the node that computed a layer's output will run
+  (the nodes after it will), or the backward stops at the output (an ``autograd.grad``
+  input): there the hook on the output takes its gradient. Fallback: a hook on the output
+  alone, before the hooks put on it after the layer's call (a mask they apply is missed).
 - ``autograd_node``: ``torch._C._current_autograd_node`` (:func:`enclosing_backward`),
   whether a backward ends inside another (taken in a custom ``autograd.Function``'s backward
   or a gradient hook: an adjoint ODE solver, implicit differentiation), where the backward's
@@ -212,6 +216,7 @@ __all__ = [
     "Internal",
     "accumulate_hooks",
     "all_grads_hook",
+    "late_hook",
     "available",
     "backward_optimizers",
     "batched_backwards",
@@ -1163,7 +1168,48 @@ def adds_to_grad(p: Tensor, node: Any = None) -> bool | None:
         return None
 
 
-def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], None]) -> Any:
+def late_hook(t: Tensor, fn: Callable[[Tensor], None]) -> Any:
+    """``fn(grad)`` in a backward that reaches ``t``, after every gradient hook on ``t`` (also
+    those put on it later: a mask a user's ``t.register_hook`` applies is in ``grad``): a
+    pre-hook of the node that computed ``t`` (``Node.register_prehook``, which torch runs after
+    the tensors' hooks), for its slot. Where that node does not run (``t`` among the
+    ``inputs`` of ``torch.autograd.grad``, where the backward stops: none of the nodes after
+    it will, by ``torch._C._will_engine_execute_node``), ``fn`` takes the gradient in a hook
+    on ``t`` itself, as it is when that hook runs, once per backward; also for a leaf, and
+    where that internal is missing. Returns the handle."""
+    node, slot = t.grad_fn, t.output_nr
+    if node is None or _WILL_EXECUTE is None or "engine_executes" in _off:
+        return t.register_hook(fn)
+    # (the nodes after it, not the node itself: the hooks, which the node holds where the
+    # garbage collector cannot see them, would keep it and its graph alive for good)
+    after = [n for n, _ in node.next_functions if n is not None]
+    took = [-2]  # the backward in which the hook on t took the gradient
+
+    def early(grad: Tensor) -> None:
+        if not any(_runs(n) for n in after):
+            took[0] = graph_task_id()
+            fn(grad)
+
+    def pre(grads: tuple) -> None:
+        if took[0] != graph_task_id() and grads[slot] is not None:
+            fn(grads[slot])
+
+    return _Handles([t.register_hook(early), node.register_prehook(pre)])
+
+
+def _runs(node: Any) -> bool:
+    """Whether the running backward runs ``node`` or takes a gradient there; for a leaf's node
+    in a ``torch.autograd.grad`` (torch refuses to say), ``True``: where the leaf is among its
+    inputs, the nodes before it run."""
+    try:
+        return bool(_WILL_EXECUTE(node))
+    except RuntimeError:
+        return True
+
+
+def all_grads_hook(
+    tensors: list[Tensor], fn: Callable[[list[Tensor | None]], None], late: bool = False
+) -> Any:
     """``torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="all")``: ``fn`` of
     the gradients of ``tensors`` (non-leaf; ``None`` for those the backward does not reach),
     once per backward, when the last it reaches has its gradient. Returns the handle.
@@ -1171,7 +1217,8 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
     torch's counts the tensors whose nodes ``torch._C._will_engine_execute_node`` says will
     run; for the root of a backward of one root (``out.backward(v)``), which torch runs as the
     graph's first node, it says no, so that where ``out`` is one of ``tensors`` the hook never
-    fires. The root's hook is the first to run: a tensor whose hook runs is counted here."""
+    fires. The root's hook is the first to run: a tensor whose hook runs is counted here.
+    ``late``: each tensor's gradient as every hook on it leaves it (:func:`late_hook`)."""
     if (
         _WILL_EXECUTE is None
         or "engine_executes" in _off
@@ -1207,8 +1254,8 @@ def all_grads_hook(tensors: list[Tensor], fn: Callable[[list[Tensor | None]], No
 
         return hook
 
-    handles = [t.register_hook(hook_of(i)) for i, t in enumerate(tensors)]
-    return _Handles(handles)
+    register = late_hook if late else Tensor.register_hook
+    return _Handles([register(t, hook_of(i)) for i, t in enumerate(tensors)])
 
 
 def _weak_or_strong(node: Any) -> Any:

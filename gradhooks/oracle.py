@@ -95,18 +95,25 @@ def _checked_batch(
     return batch
 
 
-def _scalar(where: str, loss: Any) -> Tensor:
-    """Example ``i``'s loss, of a batch of one: a tensor of one element (a loss of
-    ``reduction="none"`` is of shape ``[1]``); more would be several losses, whose gradient
-    is not one (torch's bare ``RuntimeError``, under ``vmap`` also for one element)."""
+def one_number(where: str, loss: Any, of: str, must: str) -> Tensor:
+    """``loss``, what ``loss_fn`` returned ``of`` one example or a batch, as one number (shape
+    ``()``): a tensor of one element (a loss of ``reduction="none"`` of one example is of
+    shape ``[1]``). Anything else (several losses, whose gradient is not one: torch's bare
+    ``RuntimeError``, under ``vmap`` also for one element) is refused with a
+    :class:`~gradhooks.ConfigurationError` naming ``where`` and what it ``must`` return."""
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__qualname__
-        raise ConfigurationError(
-            f"{where}: loss_fn returned {got} for one example; it must return that example's "
-            "loss, one number: reduce it (a loss of reduction='none' over positions: .sum() "
-            "or .mean(), as the training loss does)"
-        )
+        raise ConfigurationError(f"{where}: loss_fn returned {got} for {of}; it must return {must}")
     return loss.reshape(())
+
+
+def _scalar(where: str, loss: Any) -> Tensor:
+    """Example ``i``'s loss, of a batch of one (:func:`one_number`)."""
+    return one_number(
+        where, loss, "one example",
+        "that example's loss, one number: reduce it (a loss of reduction='none' over "
+        "positions: .sum() or .mean(), as the training loss does)",
+    )  # fmt: skip
 
 
 def _split(model: nn.Module):

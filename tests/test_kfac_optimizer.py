@@ -148,6 +148,54 @@ def test_running_factors_are_the_decayed_average_of_each_steps_factors():
         torch.testing.assert_close(p, q)
 
 
+class _Pooled(nn.Module):
+    """Tokens ``[batch, seq, 5]`` through a Linear, averaged over the positions an
+    ``attention_mask`` keeps (a keyword input, as a Hugging Face model's), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x, *, attention_mask):
+        keep = attention_mask[..., None].to(x.dtype)
+        h = (torch.tanh(self.proj(x)) * keep).sum(1) / keep.sum(1)
+        return self.head(h)
+
+
+def test_a_model_taking_keyword_inputs_steps_with_them():
+    """``step(x, y, kwargs={"attention_mask": m})``: the factors are :func:`gradhooks.kfac`'s
+    with the same keyword inputs, at the parameters before the step (the mask reached the
+    forward: its ``G`` differs from the one without it), and the model moves by the update
+    they precondition."""
+    model = _Pooled().to(D)
+    reference = copy.deepcopy(model)
+    opt = gradhooks.KFAC(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), fisher="empirical", decay=0.0
+    )
+    x, y = _batch(0, features=20)
+    x = x.view(12, 4, 5)
+    mask = torch.ones(12, 4, dtype=torch.long)
+    mask[::2, 2:] = 0
+    want = gradhooks.kfac(reference, x, y, kwargs={"attention_mask": mask}, fisher="empirical")
+    unmasked = gradhooks.kfac(
+        reference, x, y, kwargs={"attention_mask": torch.ones_like(mask)}, fisher="empirical"
+    )
+    opt.zero_grad()
+    F.cross_entropy(model(x, attention_mask=mask), y).backward()
+    opt.step(x, y, kwargs={"attention_mask": mask})
+    F.cross_entropy(reference(x, attention_mask=mask), y).backward()
+    inverses = {n: f.inverse(opt.damping) for n, f in want.items()}
+    gradhooks.kfac_precondition(reference, inverses)
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, f in want.items():
+        torch.testing.assert_close(opt.factors[name].A, f.A, msg=f"A of {name}")
+        torch.testing.assert_close(opt.factors[name].G, f.G, msg=f"G of {name}")
+    assert not torch.allclose(unmasked["proj.weight"].G, want["proj.weight"].G)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=n)
+
+
 def test_the_update_is_the_dense_damped_solve():
     """One SGD step of lr 1: each layer's [W, b] moves by -(kron(G, A) + λI)⁻¹ vec(grad)."""
     model, damping = _mlp(), 0.05

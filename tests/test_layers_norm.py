@@ -271,6 +271,35 @@ def test_frozen_batch_norm_in_train_mode_is_refused_too():
         model(torch.randn(4, 3))
 
 
+@pytest.mark.parametrize("affine", [True, False], ids=["frozen_affine", "no_affine"])
+def test_batch_norm_in_train_mode_behind_a_frozen_prefix_is_refused_naming_it(affine):
+    """A frozen prefix and a BatchNorm in train mode (its parameters frozen, or none), before
+    a trainable head: the head's rows in the batch are not the examples' own gradients (each
+    example's loss, alone, as the per-example loop runs it, normalizes with other statistics,
+    checked here), so the refusal stands, for the whole model; it names the BatchNorm (or the
+    batch_norm it runs, where it has no parameters and so no hooks) and the remedies. In eval
+    mode, ``grad1`` is the loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, affine=affine), nn.Flatten(),
+                          nn.Linear(12, 2)).double()  # fmt: skip
+    model[:2].requires_grad_(False)
+    x = torch.randn(4, 2, 2, 2, dtype=torch.float64)
+    loss = lambda out, target=None: out.pow(2).sum()  # noqa: E731
+    rows = [torch.autograd.grad(loss(model(x)[b]), model[3].weight)[0] for b in range(4)]
+    alone = loop_grad(model, loss, x)["3.weight"]
+    assert not torch.allclose(torch.stack(rows), alone), "the batch's rows are the loop's"
+    with gradhooks.add_hooks(model), pytest.raises(gradhooks.MixedExamplesError) as info:
+        model(x)
+    names = ["'1' (BatchNorm2d)"] if affine else ["batch_norm (in train mode", "'3' (Linear)"]
+    for part in [*names, "eval", "convert_batch_norm"]:
+        assert part in str(info.value), (part, str(info.value))
+    model.eval()
+    want = loop_grad(model, loss, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss(model(x)).backward()
+    assert_close(model[3].weight.grad1, want["3.weight"], "3.weight in eval mode")
+
+
 @REDUCTIONS
 @settings(max_examples=10)
 @given(

@@ -16,7 +16,12 @@ typed error that names what it refuses and leaves the model as it was.
   changed since the captured forward, not to "check in eval mode" a model that is.
 - a clipping group whose parameters are all frozen (an optimizer's ``param_groups`` with a
   frozen block): left out with its bound, as the documentation says of an empty group, so the
-  other groups' bounds and the noise are those of the groups that have a gradient."""
+  other groups' bounds and the noise are those of the groups that have a gradient.
+- a module without a rule (run by the fallback) that keeps, in a list of its own, a tensor
+  its returned tensors are computed from (a router's logits), read by a z-loss outside the
+  call: the backward is refused, under ``verify=False`` too, naming the module and the
+  parameter, where the kept tensor gets a gradient besides what the call's own operations send
+  it; kept only to be looked at, detached, or returned, ``grad1`` is the loop's."""
 
 from __future__ import annotations
 
@@ -318,3 +323,76 @@ def test_a_frozen_clipping_group_counts_for_nothing(bounds):
             grads["DPOptimizer, frozen group out"][n],
             f"DPOptimizer: {n}",
         )
+
+
+# -- a fallback call's tensor kept on the module, on the way to its outputs, read aside -------
+
+
+class KeepsLogits(nn.Module):
+    """A router without a rule that keeps its logits in a list (for a z-loss read outside its
+    call) and returns their softmax. ``keep``: ``"graph"`` as computed; ``"detached"``;
+    ``"returned"``, kept and also returned (Mixtral's ``(weights, logits)``), the z-loss
+    reading the kept ones; ``"returned_only"``, returned, not kept, and the z-loss reading
+    the returned ones."""
+
+    def __init__(self, keep: str, n: int = 4, experts: int = 3):
+        super().__init__()
+        self.keep, self.logits = keep, []
+        self.w = nn.Parameter(torch.randn(n, experts) / 2)
+
+    def forward(self, x):
+        logits = x @ self.w
+        if self.keep != "returned_only":
+            self.logits.append(logits.detach() if self.keep == "detached" else logits)
+        if self.keep.startswith("returned"):
+            return logits.softmax(-1), logits
+        return logits.softmax(-1)
+
+
+class Routed(nn.Module):
+    def __init__(self, keep: str):
+        super().__init__()
+        self.router, self.head = KeepsLogits(keep), nn.Linear(3, 2)
+
+    def forward(self, x):
+        out = self.router(x)
+        if self.router.keep == "returned_only":
+            return self.head(out[0]), out[1]
+        return self.head(out[0] if isinstance(out, tuple) else out)
+
+
+def _z_loss(model):
+    def loss(out, target=None):
+        out, logits = out if isinstance(out, tuple) else (out, model.router.logits.pop())
+        return out.pow(2).sum() + torch.logsumexp(logits, -1).pow(2).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("keep", ["graph", "returned", "detached", "returned_only"])
+def test_fallback_tensor_kept_on_the_way_and_read_aside(keep):
+    """The router's logits, kept in its list and read by a z-loss after the forward, are on
+    the way to its returned softmax (or are a returned tensor, which the engine hooks through
+    a node of its own, the call returning two): the gradient reaching them holds the
+    softmax's and the z-loss's, which the fallback's recomputation from the returned tensors
+    leaves out. The backward is refused, naming the module and the parameter, under
+    ``verify=False`` too (before: ``grad1`` of ``router.w`` silently off by the z-loss's
+    share there, the run-time check alone refusing it, at the backwards it checks). Kept
+    detached, or returned and read from there, ``grad1`` is the loop's, under either."""
+    torch.manual_seed(0)
+    model = Routed(keep).double()
+    x = torch.randn(5, 4, dtype=D)
+    loss = _z_loss(model)
+    want = loop_grad(model, loss, x)
+    for verify in (True, False):
+        model.zero_grad()
+        with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+            run = lambda: loss(model(x)).backward()  # noqa: E731
+            if keep in ("graph", "returned"):
+                says = ["'router' (KeepsLogits)", "'w'", "besides the one that flowed back"]
+                raised(gradhooks.UnsupportedError, says, run)
+                assert not hasattr(model.router.w, "grad1"), f"verify={verify}: grad1 written"
+                continue
+            run()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], f"verify={verify}: grad1 of {n}")

@@ -15,6 +15,12 @@
   or after ``add_hooks``: ``grad1`` is the loop's (gradhooks' forward hook runs first among the
   module's; a global hook of gradhooks' runs first among the global ones while others' are
   registered, and none is left behind).
+- A gradient hook that masks an activation's gradient per example (``h.register_hook(lambda
+  g: g * mask)``), on a hooked layer's output inside the forward, on an activation, on the
+  model's output after the forward, on a layer's two outputs: ``grad1`` is the loop's, whose
+  examples each get their row of the mask (gradhooks takes a layer's output-gradient after
+  every hook on its outputs; before, the mask of a hook put on them after the call was left
+  out: silently with ``verify=False``, a refusal that blamed the loss with ``verify=True``).
 - An optimizer step fused into the backward (``register_post_accumulate_grad_hook`` that steps
   and zeroes ``.grad``): ``grad1`` is the loop's; ``dp_sgd_step``, which writes ``.grad`` after
   its backward, refuses such a hook.
@@ -605,3 +611,62 @@ def test_optimizer_step_fused_into_the_backward(verify):
         for handle in handles:
             handle.remove()
         gradhooks.dp_sgd_step(h, per_example(model(x), y), max_norm=1.0, noise_multiplier=0.0)
+
+
+# -- a per-example mask on an activation's gradient -----------------------------------------
+
+
+class Masked(nn.Module):
+    """A Linear, a GRU (two outputs), a Linear head; ``where``: the tensor whose gradient
+    ``self.mask`` (``[batch, 1, 5]``, one row per example) multiplies."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.mask = where, None
+        self.a, self.rnn, self.head = (
+            nn.Linear(3, 5),
+            nn.GRU(5, 5, batch_first=True),
+            nn.Linear(5, 2),
+        )
+
+    def _masked(self, t, name, batch_dim=0):
+        if self.where == name:
+            mask = self.mask.transpose(0, batch_dim)
+            t.register_hook(lambda g: g * mask)
+        return t
+
+    def forward(self, x):
+        h = self._masked(self.a(x), "layer_output")
+        h = self._masked(torch.tanh(h), "activation")
+        out, last = self.rnn(h)
+        out, last = self._masked(out, "two_outputs"), self._masked(last, "two_outputs", 1)
+        return self.head(out + last.transpose(0, 1))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("where", ["layer_output", "activation", "two_outputs", "model_output"])
+def test_a_per_example_mask_on_an_activations_gradient(where, verify):
+    torch.manual_seed(7)
+    model = Masked(where).double()
+    x = torch.randn(4, 3, 3, dtype=torch.float64)
+    mask = (torch.rand(4, 1, 5, dtype=torch.float64) > 0.4).double()
+    head_mask = mask[..., :2]  # (for the model's output, [batch, time, 2])
+
+    def run(xs, rows):
+        model.mask = mask[rows]
+        out = model(xs)
+        if where == "model_output":
+            out.register_hook(lambda g: g * head_mask[rows])
+        return out.pow(2).sum()
+
+    want = {n: [] for n, _ in model.named_parameters()}
+    for b in range(4):
+        model.zero_grad()
+        run(x[b : b + 1], slice(b, b + 1)).backward()
+        for n, p in model.named_parameters():
+            want[n].append(p.grad.clone())
+    model.zero_grad()
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=verify):
+        run(x, slice(None)).backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad1, torch.stack(want[n]), f"{where}: grad1 of {n}")

@@ -940,6 +940,30 @@ class BackwardWriter:
             "@gradhooks.register, or freeze those parameters."
         )
 
+    def reached_aside(self, target: Target, names: str) -> None:
+        """A backward gave a tensor that a call of a module without a rule computed from its
+        parameters ``names``, kept other than as a returned tensor and computed its returned
+        tensors from, a gradient besides what the call's own operations sent it
+        (:mod:`gradhooks.engine.aside`): a captured backward is refused, as the fallback's
+        recomputation would leave that share of their gradient out of ``grad1``."""
+        if self.state.removed or self.state.rerunning or not self.state.mode.capture:
+            return
+        if not self.state.capturing_backward():
+            return
+        self._abort_backward()
+        raise UnsupportedError(
+            f"gradhooks: {target.where} (a module without a rule, whose per-example gradients "
+            "the torch.func fallback recomputes from the tensors its call returns) kept a "
+            f"tensor computed from its parameters {names} that its returned tensors are "
+            "computed from (set on the module, or held by a function it returns), and this "
+            "backward gave it a gradient besides the one that flowed back through the call (an "
+            "auxiliary loss read from where it is kept): that share of their gradient would "
+            "be left out of their grad1, which was not written. Return the tensor from the "
+            "call where a loss uses it, register a rule for "
+            f"{type(target.module).__qualname__} with @gradhooks.register, or freeze those "
+            "parameters."
+        )
+
     def direct_reached(self, held: tuple, unknown: dict) -> None:
         """The backward passes through an operation of a followed forward that used these
         parameters directly (``held``: ``(id, source)`` pairs, see :meth:`Tracker._hold`)."""

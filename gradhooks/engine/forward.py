@@ -22,6 +22,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from ..errors import (
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, ModuleState
 from ..tracking import PACKED, UNKNOWN, Source, Tracker
+from .aside import follow_aside
 from .backward import BackwardWriter
 from .calls import (
     CallLayouts,
@@ -287,11 +289,18 @@ class ForwardCapture:
                 live = _used_by_fallback(target, live, used, tracker, output)
                 if not live:
                     return  # the tracker follows every use (or there was none)
+            rehooked = len(hooked) > 1 or _torch.is_view(leaves[hooked[0]])
+            aside = []
             if target.entry is FALLBACK:
-                for t, names in _escaping(target, live, args, kwargs, output, before):
-                    t.register_hook(functools.partial(self.backwards.escaped, target, names))
+                for e in _escaping(target, live, args, kwargs, output, before, rehooked):
+                    if e.on_the_way:
+                        aside.append(e)  # (followed once the returned tensors are final)
+                        continue
+                    e.tensor.register_hook(
+                        functools.partial(self.backwards.escaped, target, e.names)
+                    )
             replaced = None
-            if len(hooked) > 1 or _torch.is_view(leaves[hooked[0]]):
+            if rehooked:
                 # an output that is a view (nn.Linear on [batch, seq, in]) loses its gradient
                 # hooks to an in-place change (a ReLU(inplace=True) next): the same memory, as
                 # an output of its own. Several outputs each get a node of their own: where one
@@ -307,6 +316,12 @@ class ForwardCapture:
                     output = tree_map(unview if len(hooked) == 1 else own_node, output)
                     replaced = carry_layouts(tracker, old, output)
                     leaves = tree_leaves(output)
+            if aside:
+                inputs = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+                inside = _nodes_from([t.grad_fn for t in leaves if isinstance(t, Tensor)], inputs)
+                for e in aside:
+                    refuse = functools.partial(self.backwards.reached_aside, target, e.names)
+                    follow_aside(e.tensor, inside, refuse)
             if tracker is not None:
                 ins = tree_leaves((args, kwargs))
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
@@ -344,11 +359,15 @@ class ForwardCapture:
                 node.register_prehook(functools.partial(writer.node_grads, kept, i))
             if self.state.collector is not None:
                 self.state.collector.expect(live)
+            # (after every gradient hook on the outputs, also those put on them after the call:
+            # a mask of the user's is in the output-gradient autograd gives the call's nodes)
             if len(hooked) == 1:
-                leaves[hooked[0]].register_hook(lambda g: writer.output_grads(kept, (g,)))
+                _torch.late_hook(leaves[hooked[0]], lambda g: writer.output_grads(kept, (g,)))
             else:
                 _torch.all_grads_hook(  # (torch's misses a backward rooted at one of them)
-                    [leaves[i] for i in hooked], functools.partial(writer.output_grads, kept)
+                    [leaves[i] for i in hooked],
+                    functools.partial(writer.output_grads, kept),
+                    late=True,
                 )
             return replaced
 
@@ -1156,8 +1175,8 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 
 
 def _escaping(
-    target: Target, live: dict, args, kwargs, output, before=()
-) -> list[tuple[Tensor, str]]:
+    target: Target, live: dict, args, kwargs, output, before=(), rehooked: bool = False
+) -> list[Escaping]:
     """The tensors a call of a module without a rule computed from the parameters its
     fallback differentiates (``live``) that leave the call other than as its returned tensors:
     held by a function it returns (hyper-connections' ``branch_input, add_residual = hc(x)``,
@@ -1168,7 +1187,10 @@ def _escaping(
     differentiates through the returned tensors only, so a gradient that reaches the
     parameters through one of these would be left out of their ``grad1``: each is returned
     with the names of the parameters it depends on, for a hook that refuses the backward where
-    a gradient flows through it (:meth:`BackwardWriter.escaped`)."""
+    a gradient flows through it (:meth:`BackwardWriter.escaped`), or, for one on the way to
+    the returned tensors, where it gets one besides theirs (:mod:`.aside`).
+    ``rehooked``: the call's returned tensors are each given a node of their own, which the
+    engine hooks, so that a returned tensor kept as it was is on the way to them too."""
     held = [t for leaf in tree_leaves(output) for t in _held_tensors(leaf)]
     found_kept = {id(t) for t in before}  # (kept before the call: not its own)
     held.extend(t for t in _kept_on(target.module) if id(t) not in found_kept)
@@ -1181,20 +1203,33 @@ def _escaping(
         if node is not None:
             targets[node] = n
     inputs = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-    # (a tensor on the way to the returned tensors gets their gradient too, through the
-    # call: its hook could not tell an escaped gradient from that one, so it is left out)
-    on_the_way = inputs | _nodes_from(
-        [t.grad_fn for t in tree_leaves(output) if isinstance(t, Tensor)], inputs
-    )
+    returned = {t.grad_fn for t in tree_leaves(output) if isinstance(t, Tensor)}
+    on_the_way = inputs | _nodes_from(list(returned), inputs)
+    hooked = set() if rehooked else returned
     found, seen_tensors = [], set()
     for t in held:
-        if id(t) in seen_tensors or t.grad_fn in on_the_way:
-            continue
+        if id(t) in seen_tensors or t.grad_fn in inputs or t.grad_fn in hooked:
+            continue  # (a returned tensor's whole gradient reaches the call's hooks)
         seen_tensors.add(id(t))
         reached = {targets[node] for node in _nodes_from([t.grad_fn], inputs) if node in targets}
         if reached:
-            found.append((t, ", ".join(f"'{n}'" for n in sorted(reached))))
+            names = ", ".join(f"'{n}'" for n in sorted(reached))
+            found.append(Escaping(t, names, t.grad_fn in on_the_way))
     return found
+
+
+@dataclass(frozen=True)
+class Escaping:
+    """A tensor a call of a module without a rule keeps other than as a returned tensor
+    (:func:`_escaping`), computed from its parameters ``names``. ``on_the_way``: the returned
+    tensors are computed from it, so the gradient it gets includes theirs, through the call;
+    a hook on it cannot tell that share from one that reaches it from outside (an auxiliary
+    loss read from where it is kept), which the fallback would leave out, but by an account
+    of who sent it (:func:`.aside.follow_aside`)."""
+
+    tensor: Tensor
+    names: str
+    on_the_way: bool
 
 
 def _kept_on(module: nn.Module) -> list[Tensor]:

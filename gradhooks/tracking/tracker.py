@@ -81,6 +81,7 @@ from .ops import (
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
+from .ops.nn import MIXES_AS
 from .ops.pointwise import is_pointwise, where_unselected
 from .ops.views import DECOMPOSED
 from .sources import (
@@ -1022,7 +1023,7 @@ class Tracker(TorchFunctionMode):
         if result is MIXED:
             if any(carries(o) for o in outs):
                 if not inherited and not any(k.startswith(f"{name} picking") for k in self.mixed):
-                    self.mixed.setdefault(self._in_call(name), None)
+                    self.mixed.setdefault(self._in_call(name) + MIXES_AS.get(name, ""), None)
                 if (
                     not inherited
                     and args

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +21,7 @@ from ..errors import (
     ConfigurationTypeError,
     require_number,
 )
-from ..oracle import Inputs, _as_tuple, vmap_grad
+from ..oracle import Inputs, _as_tuple, one_number, vmap_grad
 from ..rules.registry import REGISTRY, Registry
 
 __all__ = ["check_rule", "CheckReport"]
@@ -96,19 +95,6 @@ def check_rule(
         return _check_rule(module, inputs, loss_fn, registry, rtol, atol, raise_on_mismatch)
 
 
-def _one_number(loss: Any, batch: int) -> Tensor:
-    """The loss of the batch, summed over its examples: one number (torch's bare
-    ``RuntimeError`` from the backward of more)."""
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__qualname__
-        raise ConfigurationError(
-            f"check_rule: loss_fn returned {got} for the batch of {batch}; it must return one "
-            "number, the sum of the examples' losses (out.pow(2).sum(), or a loss with "
-            "reduction='sum')"
-        )
-    return loss
-
-
 def _check_rule(
     module: nn.Module, inputs: Inputs, loss_fn: Callable[..., Tensor] | None,
     registry: Registry, rtol: float, atol: float, raise_on_mismatch: bool,
@@ -137,7 +123,12 @@ def _check_rule(
     for reduction in ("sum", "mean"):
         denom = batch if reduction == "mean" and batch else 1
         with add_hooks(model, loss_reduction=reduction, registry=registry, verify=False):
-            (_one_number(loss_fn(model(*xs)), batch) / denom).backward()
+            loss = one_number(
+                "check_rule", loss_fn(model(*xs)), f"the batch of {batch}",
+                "one number, the sum of the examples' losses (out.pow(2).sum(), or a loss "
+                "with reduction='sum')",
+            )  # fmt: skip
+            (loss / denom).backward()
         # (after the rule's own pass: an input it refuses, one without a batch dimension, is
         # told by the rule's typed error rather than by a shape error inside vmap)
         expected = vmap_grad(model, loss_fn, xs)

@@ -41,7 +41,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -58,6 +58,7 @@ from ..errors import (
 from ..quantities.kfac import KFactors, KFactorsInverse, weight_matrix
 from .kfac import (
     Fisher,
+    Inputs,
     LossFn,
     LossName,
     _accumulate,
@@ -189,16 +190,22 @@ class KFAC:
     @torch.no_grad()
     def step(
         self,
-        inputs: Tensor,
+        inputs: Inputs,
         target: Tensor | None = None,
         *,
+        kwargs: Mapping[str, Any] | None = None,
+        mask: Tensor | None = None,
         closure: Callable[[], Tensor | float] | None = None,
     ) -> None:
         """Precondition the gradients of the backward just run, and step.
 
         Args:
-            inputs: the batch the gradients are of (``[batch, ...]``), for new factors.
+            inputs: the batch the gradients are of (``[batch, ...]``, or a tuple of the
+                model's positional inputs), for new factors.
             target: its labels, needed for ``fisher="empirical"``.
+            kwargs: the model's keyword inputs (``{"attention_mask": mask}``), as for
+                :func:`gradhooks.kfac`: the factors' forward is ``model(*inputs, **kwargs)``.
+            mask: which output positions have a loss, as for :func:`gradhooks.kfac`.
             closure: with ``adaptive``: a function returning the loss on the same batch at
                 the current parameters (no backward needed; it is called under
                 ``torch.no_grad()``, before and after the base optimizer's step).
@@ -219,7 +226,7 @@ class KFAC:
                 )
         if self.steps % self.factors_every == 0:
             with torch.enable_grad():
-                self._update_factors(inputs, target)
+                self._update_factors(inputs, target, kwargs, mask)
         stale = self._inverted_at != self.damping
         if stale or self.steps % self.inverse_every == 0:
             self._invert()
@@ -254,12 +261,14 @@ class KFAC:
                     "assign=True. Nothing was changed."
                 )
 
-    def _update_factors(self, inputs: Tensor, target: Tensor | None) -> None:
+    def _update_factors(
+        self, inputs: Inputs, target: Tensor | None, kwargs: Mapping | None, mask: Tensor | None
+    ) -> None:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         try:
             args = dict(self._kfac_args)
             reduction = args.pop("reduction")
-            acc = _accumulate(self.model, inputs, target, **args)
+            acc = _accumulate(self.model, inputs, target, **args, kwargs=kwargs, mask=mask)
         finally:  # the factors' forward is not a training step: buffers as they were
             for name, b in self.model.named_buffers():
                 if name in buffers:

@@ -302,6 +302,15 @@ def _pad(args, kwargs, out, layout_of):
     return lay
 
 
+# what a refusal adds to the name of an operation that mixes the examples, where its name
+# alone does not say what to do
+MIXES_AS = {
+    "batch_norm": " (in train mode: a BatchNorm's statistics of the batch, with or without "
+    "parameters, frozen or not, which every layer after it reads; put it in eval mode, or "
+    "replace it: gradhooks.convert_batch_norm(model))",
+}
+
+
 @handles("batch_norm")
 def _batch_norm(args, kwargs, out, layout_of):
     training = arg(args, kwargs, 5, "training", False)
