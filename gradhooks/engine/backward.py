@@ -918,18 +918,23 @@ class BackwardWriter:
             "(quantities=('grad1',))."
         )
 
+    def _refuse_captured(self, message: str) -> None:
+        """Stop a captured backward (not one the engine runs itself, nor one after the hooks
+        were removed) with ``message``, undoing what it wrote."""
+        if self.state.removed or self.state.rerunning or not self.state.mode.capture:
+            return
+        if not self.state.capturing_backward():
+            return
+        self._abort_backward()
+        raise UnsupportedError(message)
+
     def escaped(self, target: Target, names: str, grad: Tensor) -> None:
         """A gradient hook on a tensor that a call of a module without a rule computed from
         its parameters ``names`` and that left the call other than as a returned tensor
         (:func:`gradhooks.engine.forward._escaping`): a captured backward through it is
         refused, as the fallback's recomputation would leave that share of their gradient
         out of ``grad1``."""
-        if self.state.removed or self.state.rerunning or not self.state.mode.capture:
-            return
-        if not self.state.capturing_backward():
-            return
-        self._abort_backward()
-        raise UnsupportedError(
+        self._refuse_captured(
             f"gradhooks: {target.where} (a module without a rule, whose per-example gradients "
             "the torch.func fallback recomputes from the tensors its call returns) kept a "
             f"tensor computed from its parameters {names} other than as a returned tensor (a "
@@ -946,12 +951,7 @@ class BackwardWriter:
         tensors from, a gradient besides what the call's own operations sent it
         (:mod:`gradhooks.engine.aside`): a captured backward is refused, as the fallback's
         recomputation would leave that share of their gradient out of ``grad1``."""
-        if self.state.removed or self.state.rerunning or not self.state.mode.capture:
-            return
-        if not self.state.capturing_backward():
-            return
-        self._abort_backward()
-        raise UnsupportedError(
+        self._refuse_captured(
             f"gradhooks: {target.where} (a module without a rule, whose per-example gradients "
             "the torch.func fallback recomputes from the tensors its call returns) kept a "
             f"tensor computed from its parameters {names} that its returned tensors are "
