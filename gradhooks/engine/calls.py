@@ -785,9 +785,7 @@ class CallLayouts:
             return layout
         return CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
 
-    def _usual_layout(
-        self, target: Target, x: Any, y: Any, tracker: Tracker
-    ) -> CallLayout | None:
+    def _usual_layout(self, target: Target, x: Any, y: Any, tracker: Tracker) -> CallLayout | None:
         """:meth:`call_layout` of the usual call of a module with a rule, its one input ``x``
         and one output ``y`` followed by the tracker (``ins`` and ``outs`` of one leaf each),
         in fewer steps: where ``x`` holds the examples (not rows picked by an index, nor a

@@ -312,8 +312,10 @@ class ForwardCapture:
                     leaves = tree_leaves(output)
             if tracker is not None:
                 # (the usual call, tensors given by position: its leaves without a tree walk)
-                ins = list(args) if not kwargs and _plain_tensors(args) else tree_leaves(
-                    (args, kwargs)
+                ins = (
+                    list(args)
+                    if not kwargs and _plain_tensors(args)
+                    else tree_leaves((args, kwargs))
                 )
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
             call, state = self.kept_call(target, live, args, kwargs, output, layout, ins, leaves)
