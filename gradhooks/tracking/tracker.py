@@ -461,8 +461,11 @@ class Tracker(TorchFunctionMode):
         if op is not None and not self.off and not any(self.blocking):
             if op.metadata or op.free:
                 # (x.shape, x.dim(), torch.arange(n): what the long way does with them where
-                # none of their tensors has sources, or, made afresh, where they have none)
-                if self._untainted(op, args, kwargs):
+                # none of their tensors has sources, or, made afresh, where they have none;
+                # a question where no tensor has any, without a call to ask it)
+                if (op.metadata and not op.free and not self.taints.entries) or self._untainted(
+                    op, args, kwargs
+                ):
                     return func(*args, **kwargs)
             else:
                 parts = self._quick_key(op, args, kwargs)
