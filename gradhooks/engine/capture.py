@@ -336,12 +336,12 @@ class DetachedCalls:
                 module is not target.module
                 or self.state.removed
                 or not (self.state.grad1 or {"norms", "sum_grad_sq"} & set(self.state.quantities))
-                or is_compiling()
-                or _torch.in_transform(args, kwargs)
-                # (before the other checks: at most calls it says no, an MLP's every Linear)
-                or not self._worth_detaching(target, module, args)
                 or not self.state.capturing_backward()
                 or not torch.is_grad_enabled()
+                or is_compiling()
+                or _torch.in_transform(args, kwargs)
+                # (before the hooks' order: at most calls it says no, an MLP's every Linear)
+                or not self._worth_detaching(target, module, args)
                 or _torch.first_forward_hook(module) != forward_hook
                 or _torch.global_forward_hooks()
                 # (non-reentrant activation checkpointing runs the call again at the backward,
