@@ -788,9 +788,11 @@ def pop_mode(mode: Any) -> bool:
     return True
 
 
-def push_mode(mode: Any) -> None:
-    """Put back the mode :func:`pop_mode` took off."""
-    _MODE_STACK[3](mode)
+# Put back the mode :func:`pop_mode` took off (called only where it did, so where the stack's
+# functions were found): torch's own push, without a Python call around it (once per hook)
+push_mode: Callable[[Any], None] = (
+    _MODE_STACK[3] if _MODE_STACK is not None else (lambda mode: None)
+)
 
 
 # -- tensor_impl (required) -------------------------------------------------------------------

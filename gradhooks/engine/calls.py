@@ -622,6 +622,10 @@ class CallLayouts:
             ins = tree_leaves((args, kwargs))
         if outs is None:
             outs = tree_leaves(output)
+        if len(ins) == 1 and len(outs) == 1 and target.entry is not FALLBACK:
+            usual = self._usual_layout(target, ins[0], outs[0], tracker)
+            if usual is not None:
+                return usual
         # (the fallback may split where the examples are presumed: its recomputation one
         # example at a time must reproduce the call's output; a rule is never handed them)
         of = tracker.presumed_of if target.entry is FALLBACK else tracker.layout
@@ -781,6 +785,33 @@ class CallLayouts:
             return layout
         return CallLayout("plain" if first.plain else "fold", batch, first, lin, lout, root=root)
 
+    def _usual_layout(self, target: Target, x: Any, y: Any, tracker: Tracker) -> CallLayout | None:
+        """:meth:`call_layout` of the usual call of a module with a rule, its one input ``x``
+        and one output ``y`` followed by the tracker (``ins`` and ``outs`` of one leaf each),
+        in fewer steps: where ``x`` holds the examples (not rows picked by an index, nor a
+        tensor of the forward's own inputs, whose layout may be reseeded), on the dimension
+        the rule reads them from, no tensor of the forward is reordered along the batch, and
+        ``y`` has a layout too. ``None`` where any of that does not hold: then the call is
+        judged as any other, whose every refusal this path never reaches."""
+        lx = tracker.layout(x)
+        if lx is None or lx.dim < 0 or lx.owners is not None or tracker.reordered.entries:
+            return None
+        ly = tracker.layout(y)
+        if ly is None:
+            return None
+        if self.state.frames:
+            for r in self.state.frames[-1].roots:
+                if r is x:
+                    return None
+        dim = target.entry.batch_dim_of(target.module)
+        if dim == "positions":
+            kind = "plain" if lx.dim == 0 and lx.plain else "moved"
+        elif lx.dim == dim:
+            kind = "plain" if lx.plain else "fold"
+        else:
+            return None
+        return CallLayout(kind, tracker.batch, lx, (lx,), (ly,))
+
     def _one_example(
         self, target: Target, args: tuple, kwargs: dict, alone: tuple[str, int], batch: int
     ) -> str:
@@ -887,6 +918,9 @@ class CallLayouts:
         model's input), so that the operations inside it are followed from the right batch."""
         if target.entry is FALLBACK:
             return
+        frame = self.state.frames[-1] if self.state.frames else None
+        if self.state.batch_dim != "auto" or frame is None or frame.signature or not frame.roots:
+            return  # (as _reseed would find, before the inputs' layouts are looked up)
         dim = target.entry.batch_dim_of(module)
         if not isinstance(dim, int) or isinstance(dim, bool):
             return

@@ -107,6 +107,9 @@ class ForwardCapture:
         learns which parameters the call covers, so that an operation using a parameter
         outside its module's call is seen as a direct use."""
         own = list(target.params.values())
+        # (what each call covers, its name and softness: the same at every call, made once)
+        covers = frozenset(id(p) for p in own)
+        soft, quoted = target.entry is FALLBACK, target.quoted
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
@@ -127,14 +130,12 @@ class ForwardCapture:
                     if target.entry is FALLBACK and self.state.frames:
                         kept = self.state.frames[-1].kept.setdefault(id(module), [])
                         kept.append(_kept_on(module))
-                now = own
+                now = covers
                 if self.state.sharded:
-                    now = self._unsharded(target)
+                    now = frozenset(id(p) for p in self._unsharded(target))
                 if tracker is not None:
                     self.layouts.reseed_before(target, module, args, kwargs, tracker)
-                    tracker.enter_call(
-                        now, module, soft=target.entry is FALLBACK, where=target.quoted
-                    )
+                    tracker.enter_call(now, module, soft=soft, where=quoted)
                 if capturing and target.entry.on_forward is not None:
                     if not _torch.in_transform(args, kwargs):
                         # (before the call: a refused BatchNorm leaves its running statistics)
@@ -263,17 +264,19 @@ class ForwardCapture:
                 return  # inside vmap/grad (an oracle, the fallback rule): not ours to capture
             if target.entry.on_forward is not None:
                 target.entry.on_forward(module, target.name)  # raises where grad1 cannot exist
-            live = {n: p for n, p in target.params.items() if p.requires_grad}
             if tracker is not None and target.entry is not FALLBACK:
                 # a parameter its call never used, followed where it was used instead (the old
                 # nn.utils.weight_norm makes `weight` from `weight_g` and `weight_v` in a
                 # forward pre-hook, before the call): its grad1 comes from there
+                current, direct = self.state.current, tracker.param_sources
                 live = {
                     n: p
-                    for n, p in live.items()
-                    if id(self.state.current.get(id(p), p)) in used.params
-                    or id(p) not in tracker.param_sources
+                    for n, p in target.params.items()
+                    if p.requires_grad
+                    and (id(current.get(id(p), p)) in used.params or id(p) not in direct)
                 }
+            else:
+                live = {n: p for n, p in target.params.items() if p.requires_grad}
             if not live:
                 return
             leaves = tree_leaves(output)
@@ -323,7 +326,12 @@ class ForwardCapture:
                     refuse = functools.partial(self.backwards.reached_aside, target, e.names)
                     follow_aside(e.tensor, inside, refuse)
             if tracker is not None:
-                ins = tree_leaves((args, kwargs))
+                # (the usual call, tensors given by position: its leaves without a tree walk)
+                ins = (
+                    list(args)
+                    if not kwargs and _plain_tensors(args)
+                    else tree_leaves((args, kwargs))
+                )
             layout = self.layouts.call_layout(target, args, kwargs, output, tracker, ins, leaves)
             call, state = self.kept_call(target, live, args, kwargs, output, layout, ins, leaves)
             if found is not None:

@@ -344,12 +344,14 @@ class Tracker(TorchFunctionMode):
         """``new`` replaces ``old``, a hooked call's output: its layout (or where its examples
         are presumed), sources and lineage."""
         self.set_layout(new, self.layout(old))
-        if old in self.presumed:
+        # (each map looked into only where it holds any tensor: most forwards fill none)
+        if self.presumed.entries and old in self.presumed:
             self.presumed[new] = self.presumed[old]
-        self.taint(new, self.sources_of(old))
-        if old in self.lineage:
+        if self.taints.entries:
+            self.taint(new, self.sources_of(old))
+        if self.lineage.entries and old in self.lineage:
             self.lineage[new] = self.lineage[old]
-        if old in self.would:
+        if self.would.entries and old in self.would:
             self.would[new] = self.would[old]
             for k in self.would[old]:
                 outs = self.pending[k].outputs
@@ -374,16 +376,17 @@ class Tracker(TorchFunctionMode):
             self.off -= 1
 
     def enter_call(
-        self, params: Sequence[Tensor], module: Any = None, soft: bool = False,
+        self, params: Sequence[Tensor] | frozenset[int], module: Any = None, soft: bool = False,
         where: str | None = None,
     ) -> None:  # fmt: skip
-        """A hooked call starts; it covers ``params``: an operation inside it (and not inside
+        """A hooked call starts; it covers ``params`` (the parameters, or the frozenset of their
+        ids): an operation inside it (and not inside
         an inner call that covers them) uses them as that call's own. ``soft`` (a module
         without a rule): its parameters' uses are still followed as direct uses, and its call
         takes over (the ``torch.func`` fallback) only those the tracker cannot handle.
         ``where``: the module as the errors quote it, to say in which call an operation mixed
         the examples."""
-        covers = frozenset(id(p) for p in params)
+        covers = params if type(params) is frozenset else frozenset(id(p) for p in params)
         for record in self.used:
             record.called.add(id(module))
             if not soft:
@@ -460,8 +463,11 @@ class Tracker(TorchFunctionMode):
         if op is not None and not self.off and not any(self.blocking):
             if op.metadata or op.free:
                 # (x.shape, x.dim(), torch.arange(n): what the long way does with them where
-                # none of their tensors has sources, or, made afresh, where they have none)
-                if self._untainted(op, args, kwargs):
+                # none of their tensors has sources, or, made afresh, where they have none;
+                # a question where no tensor has any, without a call to ask it)
+                if (op.metadata and not op.free and not self.taints.entries) or self._untainted(
+                    op, args, kwargs
+                ):
                     return func(*args, **kwargs)
             else:
                 parts = self._quick_key(op, args, kwargs)
