@@ -109,6 +109,25 @@ def labelled_batch(step: int, n: int = 5, features: int = 3, classes: int = 2):
     return x, torch.randint(classes, (n,), generator=g)
 
 
+def labelled_sequences(step: int, n: int = 5, time: int = 6, features: int = 4, classes: int = 3):
+    """``n`` float64 sequences of ``time`` steps of ``features`` and a label each, drawn from a
+    generator seeded with ``step``."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, time, features, generator=g, dtype=torch.float64)
+    return x, torch.randint(classes, (n,), generator=g)
+
+
+def flat_grads(grads) -> Tensor:
+    """Per-example gradients ``{name: [batch, *shape]}`` (or their list) as ``[batch, P]``."""
+    rows = grads.values() if isinstance(grads, dict) else grads
+    return torch.cat([g.flatten(1) for g in rows], 1)
+
+
+def grad1_of(model: nn.Module) -> dict[str, Tensor]:
+    """Each trainable parameter's ``grad1``, by name."""
+    return {n: p.grad1 for n, p in model.named_parameters() if p.requires_grad}
+
+
 def wide_mlp(out: int = 2) -> nn.Sequential:
     """A Linear-Tanh-Linear model (3 -> 6 -> ``out``) in float64, seeded (the idiom sets')."""
     torch.manual_seed(0)

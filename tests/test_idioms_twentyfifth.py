@@ -25,6 +25,8 @@ cell with a ``BatchNotFoundError``)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,8 @@ import gradhooks
 from gradhooks.oracle import loop_grad
 from harness import (
     assert_close,
+    labelled_batch,
+    labelled_sequences,
     one_thread,  # noqa: F401 (autouse in this module)
 )
 
@@ -44,15 +48,8 @@ D = torch.float64
 STEPS = 3
 
 
-def batch(seed: int, n: int = 5, features: int = 4, classes: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, features, generator=g, dtype=D), torch.randint(classes, (n,), generator=g)
-
-
-def sequences(seed: int, n: int = 5, time: int = 6, features: int = 4, classes: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, time, features, generator=g, dtype=D)
-    return x, torch.randint(classes, (n,), generator=g)
+batch = functools.partial(labelled_batch, features=4, classes=3)
+sequences = labelled_sequences
 
 
 def twin(make, model: nn.Module) -> nn.Module:

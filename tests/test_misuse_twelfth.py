@@ -15,11 +15,13 @@ right way trains as the per-example loop in float64 (:func:`gradhooks.oracle.loo
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_idioms_twentyfifth import assert_grad1
 from test_misuse_fifth import assert_all_untouched, close, full_state
 from torch import nn
 from torch.nn.utils import parametrize
@@ -27,30 +29,14 @@ from torch.nn.utils.parametrizations import weight_norm
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import one_thread, raised
+from harness import labelled_batch, labelled_sequences, one_thread, raised
 
 D = torch.float64
 assert one_thread  # (autouse: one intra-op thread for these tiny models)
 
 
-def batch(seed: int, n: int = 5, features: int = 4, classes: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, features, generator=g, dtype=D), torch.randint(classes, (n,), generator=g)
-
-
-def sequences(seed: int, n: int = 5, time: int = 6, features: int = 4, classes: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, time, features, generator=g, dtype=D)
-    return x, torch.randint(classes, (n,), generator=g)
-
-
-def assert_grad1(model: nn.Module, want: dict, what: str) -> None:
-    checked = 0
-    for name, p in model.named_parameters():
-        close(p.grad1, want[name], f"{what}: {name}")
-        close(p.grad1.mean(0), p.grad, f"{what}: {name} (mean)")
-        checked += 1
-    assert checked == len(want), what
+batch = functools.partial(labelled_batch, features=4, classes=3)
+sequences = labelled_sequences
 
 
 def trains_as_the_loop(make, data, steps: int = 2) -> None:

@@ -47,19 +47,12 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import Logits, assert_close, hf, seeded, tiny_bert_config
+from harness import Logits, assert_close, flat_grads, grad1_of, hf, seeded, tiny_bert_config
 
 D = torch.float64
 
 
-def flat(grads) -> Tensor:
-    """Per-example gradients ``{name: [batch, *shape]}`` (or their list) as ``[batch, P]``."""
-    rows = grads.values() if isinstance(grads, dict) else grads
-    return torch.cat([g.flatten(1) for g in rows], 1)
-
-
-def grad1_of(model: nn.Module) -> dict[str, Tensor]:
-    return {n: p.grad1 for n, p in model.named_parameters() if p.requires_grad}
+flat = flat_grads
 
 
 # == Cockpit: tests/test_quantities/*, tests/test_bugs/* ===========================================
