@@ -122,6 +122,17 @@ def unchanged_outputs(call: Call, versions: tuple) -> Call:
     return with_fields(call, output=tree_unflatten(kept, spec))
 
 
+def _kind_of(dim: Any, lay: Layout) -> str | None:
+    """The :class:`CallLayout` kind of a call whose rule reads the examples on ``dim`` (a
+    dimension, or ``"positions"``), given an input laid out as ``lay``; ``None`` where the
+    examples are on another dimension of a layer that is not position-wise."""
+    if dim == "positions":
+        return "plain" if lay.dim == 0 and lay.plain else "moved"
+    if lay.dim == dim:
+        return "plain" if lay.plain else "fold"
+    return None
+
+
 def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout | None:
     """A call that does not depend on the examples whose output every operation took row by
     row with the batch (positions looked up already expanded to the batch, then added to it):
@@ -130,16 +141,12 @@ def aligned_call(target: Target, layout: CallLayout, call: Call) -> CallLayout |
     if len(found) != 1 or None in found:
         return None
     (lay,) = found
-    dim = target.entry.batch_dim_of(target.module)
     leaves = tree_leaves((call.inputs, call.kwargs))
     first = next((i for i, t in enumerate(leaves) if isinstance(t, Tensor)), None)
     if first is None or leaves[first].dim() <= lay.dim:
         return None
-    if dim == "positions":
-        kind = "plain" if lay.dim == 0 and lay.plain else "moved"
-    elif lay.dim == dim:
-        kind = "plain" if lay.plain else "fold"
-    else:
+    kind = _kind_of(target.entry.batch_dim_of(target.module), lay)
+    if kind is None:
         return None
     inputs = tuple(lay if i == first else None for i in range(len(leaves)))
     outputs = tuple(lay for _ in layout.outputs)
@@ -803,12 +810,8 @@ class CallLayouts:
             for r in self.state.frames[-1].roots:
                 if r is x:
                     return None
-        dim = target.entry.batch_dim_of(target.module)
-        if dim == "positions":
-            kind = "plain" if lx.dim == 0 and lx.plain else "moved"
-        elif lx.dim == dim:
-            kind = "plain" if lx.plain else "fold"
-        else:
+        kind = _kind_of(target.entry.batch_dim_of(target.module), lx)
+        if kind is None:
             return None
         return CallLayout(kind, tracker.batch, lx, (lx,), (ly,))
 
