@@ -254,11 +254,12 @@ def test_batch_first_forgotten_on_a_sequence_layer_is_refused(kind):
     """``nn.LSTM(4, 4)`` (or a GRU, or ``nn.MultiheadAttention``) without ``batch_first=True``,
     given ``[batch, time, features]``: the layer runs along the batch as its time (or attends
     across the examples), and ``[:, -1]`` picks one example's states for every row. Refused
-    (:class:`gradhooks.MixedExamplesError`, naming the head that gets them), the model as it
+    (:class:`gradhooks.MixedExamplesError`, naming the head that gets them, the dimension taken
+    for the batch and the layer that took it, and pointing at ``batch_first``), the model as it
     was; with ``batch_first=True`` it trains as the loop says."""
-    refused(
-        Sequence(kind, False).to(D), gradhooks.MixedExamplesError, ["'head' (Linear)"], sequences
-    )
+    says = ["'head' (Linear)", "dimension 1 of the model's first input"]
+    says += [f"'layer' ({kind})", "batch_first=True"]
+    refused(Sequence(kind, False).to(D), gradhooks.MixedExamplesError, says, sequences)
     trains_as_the_loop(lambda: Sequence(kind, True).to(D), sequences)
 
 

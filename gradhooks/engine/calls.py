@@ -668,13 +668,7 @@ class CallLayouts:
                 "the model, or use running statistics: a statistic of the batch, even detached, "
                 "makes each example's result depend on the others'), or freeze this layer's "
                 "parameters."
-                + (
-                    f" The batch was taken as dimension 0 of the model's first input ({batch} "
-                    "examples): if it is another dimension (a sequence-first model, [seq, "
-                    "batch, ...]), say which with add_hooks(model, batch_dim=k)."
-                    if self.state.batch_dim == "auto"
-                    else ""
-                )
+                + self._batch_taken(batch, "a sequence-first model, [seq, batch, ...]")
             )
         if first is PACKED:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
@@ -778,7 +772,7 @@ class CallLayouts:
             return CallLayout(kind, batch, first, lin, lout, root=root)
         if first.dim != dim:
             first = self._aligned_first(ins, lin, first, dim, batch)
-        if first.dim != dim and self._reseed(tracker, ins, outs, dim):
+        if first.dim != dim and self._reseed(target, tracker, ins, outs, dim):
             return self.call_layout(target, args, kwargs, output, tracker)
         if first.dim != dim:
             layout = CallLayout("mismatch", batch, first, lin, lout)
@@ -835,14 +829,31 @@ class CallLayouts:
             f"which example each row is. Keep that dimension, of size 1, first: {keep} gives "
             "each call its example as a batch of one, which gradhooks follows (join the "
             "outputs with torch.cat, not torch.stack)."
-            + (
-                f" The batch was taken as dimension 0 of the model's first input ({batch} "
-                "examples): if it is another dimension (a sequence-first input looped over "
-                "its time steps, [seq, batch, ...]), say which with add_hooks(model, "
-                "batch_dim=k)."
-                if self.state.batch_dim == "auto"
-                else ""
+            + self._batch_taken(
+                batch, "a sequence-first input looped over its time steps, [seq, batch, ...]"
             )
+        )
+
+    def _batch_taken(self, batch: int, other: str) -> str:
+        """Under ``batch_dim="auto"``, the sentence of a refusal that says which dimension of
+        the model's first input was taken for the batch (``other``: a layout where it would be
+        another); nothing under a ``batch_dim`` the user gave."""
+        if self.state.batch_dim != "auto":
+            return ""
+        frame = self.state.frames[-1] if self.state.frames else None
+        if frame is not None and frame.reseeded is not None:
+            dim, where = frame.reseeded
+            return (
+                f" The batch was taken as dimension {dim} of the model's first input ({batch} "
+                f"examples), where its first layer, {where}, reads it (a sequence-first "
+                "layer: batch_first=False). If the examples are on dimension 0 ([batch, seq, "
+                "...]), that layer runs along the batch as its time steps: give it "
+                "batch_first=True, or x.transpose(0, 1) as its input."
+            )
+        return (
+            f" The batch was taken as dimension 0 of the model's first input ({batch} "
+            f"examples): if it is another dimension ({other}), say which with "
+            "add_hooks(model, batch_dim=k)."
         )
 
     @staticmethod
@@ -860,7 +871,7 @@ class CallLayouts:
             return first
         return first.at(dim)
 
-    def _reseed(self, tracker: Tracker, ins: list, outs: list, dim: int) -> bool:
+    def _reseed(self, target: Target, tracker: Tracker, ins: list, outs: list, dim: int) -> bool:
         """``batch_dim="auto"`` takes dimension 0 of the model's first input as the batch;
         where the first hooked call takes that very input and reads its batch from dimension
         ``dim`` (a sequence-first layer), the batch is dimension ``dim`` instead (once, at the
@@ -881,6 +892,7 @@ class CallLayouts:
             if isinstance(t, Tensor):
                 tracker.set_layout(t, UNKNOWN)
         frame.roots = []
+        frame.reseeded = (dim, target.where)
         return True
 
     def _reseed_from_output(
@@ -930,7 +942,7 @@ class CallLayouts:
         ins = tree_leaves((args, kwargs))
         first = next((tracker.layout(t) for t in ins if tracker.layout(t) is not None), None)
         if first is not None and first.dim >= 0 and first.dim != dim:
-            self._reseed(tracker, ins, [], dim)
+            self._reseed(target, tracker, ins, [], dim)
 
     def direct_source(self, source: Source, p: nn.Parameter) -> None:
         """The tracker saw ``p`` used outside its module's call (a parent's
@@ -959,7 +971,9 @@ class CallLayouts:
             return True
         dim = target.entry.batch_dim_of(module)
         want = 0 if dim == "positions" else dim
-        if first.dim != want and self._reseed(tracker, tree_leaves((args, kwargs)), [], want):
+        if first.dim != want and self._reseed(
+            target, tracker, tree_leaves((args, kwargs)), [], want
+        ):
             first = next(tracker.layout(t) for t in tree_leaves((args, kwargs))
                          if tracker.layout(t) is not None)  # fmt: skip
         return first.plain and first.dim == want

@@ -114,6 +114,9 @@ class Frame:
     # (batch_dim "auto") the shape of its first tensor input where that has no entries but a
     # dimension 0 of some size: a batch of empty examples, or no example on another dimension
     empty: tuple[int, ...] | None = None
+    # (batch_dim "auto") where its first hooked call moved the batch, a sequence-first layer
+    # given the first input: (that dimension, the call's description) (CallLayouts._reseed)
+    reseeded: tuple[int, str] | None = None
     # where its examples lie in the memory its first batched input shares (calls.Rows)
     rows: Any = None
     # the forward hook that follows the batch through its TorchScript calls (opaque.py)
