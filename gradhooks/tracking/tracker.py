@@ -79,7 +79,14 @@ from .ops import (
     quick_table,
 )
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
-from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
+from .ops.indexing import (
+    by_positions,
+    examples_taken,
+    one_example,
+    puts_back,
+    regrown_dim,
+    reorder_of,
+)
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS, UNFUSED
 from .ops.nn import MIXES_AS
 from .ops.pointwise import is_pointwise, where_unselected
@@ -1309,6 +1316,12 @@ class Tracker(TorchFunctionMode):
             return owned(d, rows, base.at(d), self.batch)
         if len({b for b, _ in found}) != 1:
             return None  # (two examples combined)
+        if len(laid) == 1 and len(outs) == 1:
+            d = regrown_dim(name, args, kwargs, laid[0], outs[0])
+            if d is not None:  # (x[i].unsqueeze(0): that example as a batch of one)
+                rows = torch.tensor(found[0][:1], device=outs[0].device)
+                self.rejoined += 1
+                return owned(d, rows, base.at(d), self.batch)
         for o in outs:
             self.single[o] = found[0]
             if laid[0] in self.alone:

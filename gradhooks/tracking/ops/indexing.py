@@ -536,6 +536,32 @@ def examples_taken(name: str, args: tuple, kwargs: dict, lay: Layout, outs: int)
     return [i % n]
 
 
+# the operations that may give an example taken out of the batch alone its dimension of one
+# back (x[i].unsqueeze(0), x[i][None], x[i].view(1, -1)), as x[i : i + 1] keeps it
+_REGROWS = frozenset(
+    {"unsqueeze", "__getitem__", "view", "reshape", "expand", "unflatten", "view_as",
+     "reshape_as", "expand_as", "atleast_2d", "atleast_3d"}
+)  # fmt: skip
+
+
+def regrown_dim(name: str, args: tuple, kwargs: dict, t: Tensor, o: Tensor) -> int | None:
+    """The dimension of one that ``name`` adds to ``t`` (an example taken out of the batch
+    alone, or computed from one alone) to give ``o``: ``o``'s shape is ``t``'s with a ``1``
+    inserted there (``x[i].unsqueeze(0)``: ``0``); ``None`` for any other operation or shape.
+    Every entry of ``o`` is that one example's, so the inserted dimension holds it as a batch
+    of one (``unsqueeze``'s own ``dim``; the first such position for the others)."""
+    if name not in _REGROWS or o.dim() != t.dim() + 1:
+        return None
+    before, after = tuple(t.shape), tuple(o.shape)
+    if name == "unsqueeze":
+        d = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), o.dim())
+        return d if after[:d] + after[d + 1 :] == before and after[d] == 1 else None
+    for d in range(o.dim()):
+        if after[d] == 1 and after[:d] + after[d + 1 :] == before:
+            return d
+    return None
+
+
 def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
     """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: the index picks or
     reorders examples)."""

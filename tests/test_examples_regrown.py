@@ -1,0 +1,183 @@
+"""An example taken out of the batch alone and given its batch dimension back before a layer:
+``x[i].unsqueeze(0)``, ``x[i][None]``, ``x[i].view(1, -1)``, ``for xi in x: f(xi[None])``.
+
+This is how per-image code is written (Segment Anything's ``Sam.forward`` runs its mask decoder
+on ``curr_embedding.unsqueeze(0)`` for each image; detection heads and set-prediction losses
+loop over images the same way). Each such tensor holds that one example as a batch of one, as
+``x[i : i + 1]`` does, and gradhooks follows it as it follows the slice: every layer on it is
+compared here with the float64 per-example loop, in a training loop and under bfloat16
+autocast. What combines two examples, or an example with the batch, is still refused, the
+model as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.oracle import loop_grad
+from harness import assert_grad1, assert_untouched, labelled_batch, model_state, one_thread, raised  # noqa: F401
+
+D = torch.float64
+REGROWN = {
+    "slice": lambda e, i: e[i : i + 1],  # (the reference: followed before)
+    "unsqueeze": lambda e, i: e[i].unsqueeze(0),
+    "none": lambda e, i: e[i][None],
+    "view": lambda e, i: e[i].view(1, -1),
+    "reshape": lambda e, i: e[i].reshape(1, *e[i].shape),
+    "after-f": lambda e, i: torch.tanh(e[i] * 2).unsqueeze(0),  # (computed from it alone)
+}
+
+
+class PerExample(nn.Module):
+    """An encoder over the batch, then a head run on each example in turn, given back its batch
+    dimension by ``regrow``; the heads' outputs joined by ``torch.cat``, or returned as a list
+    (``joined=False``) for a loss per example."""
+
+    def __init__(self, regrow: str, joined: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.regrow, self.joined = REGROWN[regrow], joined
+
+    def forward(self, x):
+        e = torch.tanh(self.enc(x))
+        outs = [self.head(self.regrow(e, i)) for i in range(e.shape[0])]
+        return torch.cat(outs) if self.joined else outs
+
+
+def _sum_ce(out, y):
+    if isinstance(out, list):
+        return sum(F.cross_entropy(o, y[i : i + 1], reduction="sum") for i, o in enumerate(out))
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("regrow", list(REGROWN))
+@pytest.mark.parametrize("joined", [True, False], ids=["cat", "list"])
+def test_a_head_on_each_example_regrown_trains_as_the_loop(regrow, joined):
+    """Three SGD steps, ``zero_grad`` between: each step's ``grad1`` is the float64 loop's,
+    and the sum of its rows is autograd's ``.grad``."""
+    model = PerExample(regrow, joined).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(3):
+            x, y = labelled_batch(step, n=4)
+            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+            opt.zero_grad()
+            h.clear()
+            _sum_ce(model(x), y).backward()
+            assert_grad1(model, want, f"{regrow}, step {step}")
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1.sum(0), p.grad, msg=n)
+            opt.step()
+
+
+class Sequences(nn.Module):
+    """Per sequence, self-attention on ``x[i][None]`` (``[1, T, F]``), batch-first, and a head
+    on its mean over time: Segment Anything's decoder loop in miniature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 6)
+        self.att = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        e = self.enc(x)
+        outs = []
+        for ei in e:  # (iteration: unbind, one example each)
+            q = ei[None]
+            outs.append(self.head(self.att(q, q, q, need_weights=False)[0].mean(1)))
+        return torch.cat(outs)
+
+
+def _sequences(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(3, 5, 4, generator=g, dtype=D), torch.randint(3, (3,), generator=g)
+
+
+def test_attention_on_each_sequence_regrown_matches_the_loop_and_its_norms():
+    model = Sequences().to(D)
+    x, y = _sequences(0)
+    want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        _sum_ce(model(x), y).backward()
+        assert_grad1(model, want, "attention per sequence")
+        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+        torch.testing.assert_close(h.norms(), norms)
+
+
+def test_dp_step_of_a_head_on_each_example_regrown_is_the_loops_clipped_sum():
+    """The book-keeping DP step (no noise): ``.grad`` is the loop's per-example gradients, each
+    clipped to 1, averaged."""
+    model = PerExample("unsqueeze").to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(2):
+            x, y = labelled_batch(step, n=4)
+            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+            flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+            factors = (1.0 / flat.norm(dim=1)).clamp(max=1.0)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+            for n, p in model.named_parameters():
+                expected = torch.einsum("b,b...->...", factors, want[n]) / 4
+                torch.testing.assert_close(p.grad, expected, msg=n)
+            opt.step()
+            h.clear()
+
+
+def test_under_bf16_autocast_the_rows_sum_to_autograds_gradient():
+    model = PerExample("none")
+    x, y = labelled_batch(0, n=4)
+    x = x.float()
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        _sum_ce(out.float(), y).backward()
+        for n, p in model.named_parameters():
+            assert p.grad1.dtype == torch.float32
+            torch.testing.assert_close(p.grad1.sum(0), p.grad, rtol=2e-2, atol=2e-2, msg=n)
+        h.clear()
+    ref = loop_grad(copy.deepcopy(model).double(), _sum_ce, x.double(), y)
+    for n, p in model.named_parameters():
+        scale = ref[n].abs().max()
+        assert (p.grad1.double() - ref[n]).abs().max() <= 5e-2 * scale, n
+
+
+class Combined(nn.Module):
+    """A head on two examples added (``mix``), or on one example plus the batch's mean
+    (``batch-mean``), each regrown: every output depends on more than one example."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head, self.how = nn.Linear(3, 6), nn.Linear(6, 2), how
+
+    def forward(self, x):
+        e = torch.tanh(self.enc(x))
+        outs = []
+        for i in range(e.shape[0]):
+            other = e[(i + 1) % e.shape[0]][None] if self.how == "mix" else e.mean(0)[None]
+            outs.append(self.head(e[i].unsqueeze(0) + other))
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("how", ["mix", "batch-mean"])
+def test_an_example_regrown_and_combined_with_another_is_refused(how):
+    model = Combined(how).to(D)
+    x, y = labelled_batch(0, n=4)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        before = model_state(model)
+        raised(
+            gradhooks.MixedExamplesError,
+            ["'head' (Linear)", "computed across the examples"],
+            lambda: _sum_ce(model(x), y).backward(),
+        )
+        assert_untouched(model, before)
