@@ -181,3 +181,60 @@ def test_an_example_regrown_and_combined_with_another_is_refused(how):
             lambda: _sum_ce(model(x), y).backward(),
         )
         assert_untouched(model, before)
+
+
+class Repeated(nn.Module):
+    """Rows picked from the batch (one example, sliced or regrown) repeated along the rows (``repeat_interleave``, as Segment Anything's decoder repeats its
+    image for each prompt, or ``expand`` of one row), weighted per copy, into a head; a list
+    of outputs, one per pick."""
+
+    def __init__(self, pick: str, repeat: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.pick, self.repeat = pick, repeat
+
+    def forward(self, x):
+        e = torch.tanh(self.enc(x))
+        outs = []
+        for i in range(e.shape[0]):
+            r = REGROWN[self.pick](e, i)
+            if self.repeat == "repeat_interleave":
+                r = r.repeat_interleave(2, dim=0)
+            else:
+                r = r.expand(2, -1)
+            w = torch.linspace(0.5, 1.5, r.shape[0], dtype=r.dtype)[:, None]
+            outs.append(self.head(r * w))
+        return outs
+
+
+def _repeated_loss(outs, y):
+    """Each example's copies' cross-entropies against its label."""
+    total = 0
+    for i, o in enumerate(outs):
+        total = total + F.cross_entropy(o, y[i].repeat(o.shape[0]), reduction="sum")
+    return total
+
+
+@pytest.mark.parametrize(
+    "pick, repeat",
+    [
+        ("slice", "repeat_interleave"),
+        ("unsqueeze", "repeat_interleave"),
+        ("slice", "expand"),
+        ("none", "expand"),
+    ],
+)
+def test_picked_rows_repeated_into_a_layer_match_the_loop(pick, repeat):
+    model = Repeated(pick, repeat).to(D)
+    loss = _repeated_loss
+    x, y = labelled_batch(1, n=4)
+    want = loop_grad(copy.deepcopy(model), loss, x, y)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        loss(model(x), y).backward()
+        assert_grad1(model, want, f"{pick}, {repeat}")
+        torch.testing.assert_close(h.norms(), flat_norms(want))
+
+
+def flat_norms(grads: dict) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)

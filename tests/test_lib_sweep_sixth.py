@@ -6,7 +6,8 @@ CrossViT, ViT for small datasets and CCT, a BiLSTM-CRF tagger (pytorch-crf), PPO
 Stable-Baselines3 policy, MMDiT, Taylor-series linear attention, a point transformer and
 EnCodec's SEANet autoencoder; and
 those refused, each by gradhooks' own error (XCiT's BatchNorm, Segment Anything's mask decoder
-run on each image, whose rows it repeats per prompt by ``repeat_interleave``, MMDiT's hyper-connections called with the
+run on each image, whose LayerNorm2d, a module without a rule, cannot be split by rows,
+MMDiT's hyper-connections called with the
 branch outside). Also, in plain torch, a parameter used outside its module's call through
 ``torch.broadcast_tensors`` (``torch.distributions.Normal``), which gradhooks once refused. A
 model whose library is not installed is skipped."""
@@ -60,7 +61,7 @@ def test_library_model_matches_the_loop(name):
     "name, error",
     [
         ("xcit", gradhooks.MixedExamplesError),  # BatchNorm2d in its local patch interaction
-        ("sam", gradhooks.MixedExamplesError),  # an image's rows repeated per prompt
+        ("sam", gradhooks.UnsupportedError),  # LayerNorm2d (no rule) on one image's rows
         ("mmdit-hyper", gradhooks.UnsupportedError),  # a residual function returned by the call
     ],
 )

@@ -62,6 +62,10 @@ CHANGED = {
     "addbmm": "addbmm",
     # (the examples of prepend= and append= followed too: tests/test_fuzz_regressions.py)
     "diff": "diff",
+    # (one example's rows repeated, or its row expanded, as Segment Anything's decoder repeats
+    # an image per prompt: tests/test_examples_regrown.py)
+    **dict.fromkeys(("expand", "expand_as", "broadcast_to", "expand_copy"), "needs_batch:expand"),
+    "repeat_interleave": "needs_batch:repeat_interleave",
 }
 # handlers added since for operations the table lacked (tests/test_real_loops.py and
 # tests/test_idioms_fifth.py say why; the recurrent cells: tests/test_timm_sweep.py and
@@ -97,8 +101,9 @@ ADDED = {"fused_moving_avg_obs_fake_quant", "quantile", "nanquantile", "gru_cell
 # names that follow rows picked by an index since (attention along the rows of one example
 # alone, a varlen batch's sequences: tests/test_idioms_ninth.py, flash_attention_2; the
 # operations in which each row of the batch runs alone, convolutions, pooling, attention,
-# recurrent layers: a layer on a cut of the batch, tests/test_moe.py)
-OWNER_AWARE_ADDED = {"scaled_dot_product_attention"} | PER_ROW
+# recurrent layers: a layer on a cut of the batch, tests/test_moe.py; one example's rows
+# repeated: tests/test_examples_regrown.py)
+OWNER_AWARE_ADDED = {"scaled_dot_product_attention", "repeat_interleave"} | PER_ROW
 # elementwise aten operators torch tags as such that the hand-written table lacked
 TAGGED = ["special_i1", "lcm", "signbit", "nextafter", "special_zeta", "igamma", "ldexp_"]
 

@@ -60,6 +60,7 @@ _OWNER_AWARE = (
         "expand",
         "expand_as",
         "broadcast_to",
+        "repeat_interleave",
         "permute",
         "transpose",
         "swapaxes",

@@ -97,29 +97,45 @@ def _squeeze_in_place(args, kwargs, out, layout_of):
     return lay if (dim if dim >= 0 else dim + t.dim()) > lay.dim else UNKNOWN
 
 
-@handles("repeat_interleave")
-def _repeat_interleave(args, kwargs, out, layout_of):
+def _repeat_interleave(args, kwargs, out, layout_of, batch):
     """``x.repeat_interleave(k, dim)``: along the layout's dimension each entry is repeated
-    ``k`` times in place, so every example's entries stay together (``inner`` times ``k``);
-    along another dimension the layout stays. Per-entry counts (a tensor), or no ``dim`` (the
-    input flattened): not followed."""
+    ``k`` times in place, so every example's entries stay together (``inner`` times ``k``;
+    rows picked by an index, each row's owner ``k`` times); along another dimension the
+    layout stays. Per-entry counts (a tensor), or no ``dim`` (the input flattened): not
+    followed."""
     t, lay = single_input(args, kwargs, layout_of)
     repeats, dim = arg(args, kwargs, 1, "repeats"), arg(args, kwargs, 2, "dim")
     if t is None or lay is UNKNOWN or dim is None or not isinstance(repeats, int):
         return UNKNOWN
     if norm_dim(int(dim), t.dim()) != lay.dim:
         return lay
+    if lay.owners is not None:
+        rows = lay.owners.rows.repeat_interleave(repeats)
+        return owned(lay.dim, rows, lay.owners.base, batch)
     return Layout(lay.dim, lay.outer, lay.inner * repeats)
 
 
-@handles("expand", "expand_as", "broadcast_to", "expand_copy")
-def _expand(args, kwargs, out, layout_of):
+HANDLERS["repeat_interleave"] = NeedsBatch(_repeat_interleave)
+
+
+def _expand(args, kwargs, out, layout_of, batch):
+    """``x.expand(*sizes)``: the layout's dimension kept (moved by the dimensions put in
+    front); one row picked by an index and expanded along it (``x[i : i + 1].expand(k, -1)``),
+    that row's owner ``k`` times; any other expansion of it not followed."""
     t, lay = single_input(args, kwargs, layout_of)
     o = first_tensor(out)
     if t is None or lay is UNKNOWN or o is None:
         return UNKNOWN
     d = lay.dim + o.dim() - t.dim()
-    return lay.at(d) if o.shape[d] == t.shape[lay.dim] else UNKNOWN
+    if o.shape[d] == t.shape[lay.dim]:
+        return lay.at(d)
+    if lay.owners is not None and t.shape[lay.dim] == 1:
+        return owned(d, lay.owners.rows.expand(o.shape[d]), lay.owners.base, batch)
+    return UNKNOWN
+
+
+for _n in ("expand", "expand_as", "broadcast_to", "expand_copy"):
+    HANDLERS[_n] = NeedsBatch(_expand)
 
 
 def broadcast_apart(args: tuple, kwargs: dict) -> list[tuple]:
