@@ -238,3 +238,179 @@ def test_picked_rows_repeated_into_a_layer_match_the_loop(pick, repeat):
 
 def flat_norms(grads: dict) -> torch.Tensor:
     return torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+
+
+class ChannelNorm(nn.Module):
+    """Segment Anything's ``LayerNorm2d``: a norm over the channels of ``[N, C, H, W]`` with
+    its own weight and bias, a module without a rule (the ``torch.func`` fallback's)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels) + 0.1 * torch.randn(channels))
+        self.bias = nn.Parameter(0.1 * torch.randn(channels))
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + 1e-6)
+        return self.weight[:, None, None] * x + self.bias[:, None, None]
+
+
+class PerImage(nn.Module):
+    """A convolution over the batch, then per image (``pick``) a module without a rule and a
+    head."""
+
+    def __init__(self, pick: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.norm = nn.Conv2d(2, 3, 3, padding=1), ChannelNorm(3)
+        self.head, self.pick = nn.Linear(3, 2), pick
+
+    def forward(self, x):
+        e = self.conv(x)
+        outs = []
+        for i in range(e.shape[0]):
+            h = torch.tanh(self.norm(REGROWN[self.pick](e, i))).mean((2, 3))  # [1, 3]
+            outs.append(self.head(h))
+        return torch.cat(outs)
+
+
+def _images(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(3, 2, 4, 4, generator=g, dtype=D), torch.randint(2, (3,), generator=g)
+
+
+@pytest.mark.parametrize("pick", ["slice", "unsqueeze", "none"])
+def test_a_module_without_a_rule_on_each_image_trains_as_the_loop(pick):
+    """The fallback recomputes such a call whole, as that image's own: two SGD steps, each
+    step's ``grad1`` and norms against the float64 loop."""
+    model = PerImage(pick).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        for step in range(2):
+            x, y = _images(step)
+            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+            opt.zero_grad()
+            h.clear()
+            _sum_ce(model(x), y).backward()
+            assert_grad1(model, want, pick)
+            torch.testing.assert_close(h.norms(), flat_norms(want))
+            opt.step()
+
+
+class Copies(nn.Module):
+    """Per example, its rows repeated (as Segment Anything's decoder repeats an image per
+    prompt) into a module without a rule that mixes them: each row scaled by a softmax over
+    the rows; then their mean (``keepdim``) into a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.mix = RowsScaled(4)
+
+    def forward(self, x):
+        e = torch.tanh(self.enc(x))
+        outs = []
+        for i in range(e.shape[0]):
+            copies = e[i].unsqueeze(0).repeat_interleave(3, dim=0) * torch.tensor(
+                [[1.0], [0.5], [-1.0]], dtype=e.dtype
+            )
+            outs.append(self.head(self.mix(copies).mean(0, keepdim=True)))
+        return torch.cat(outs)
+
+
+class RowsScaled(nn.Module):
+    """A module without a rule whose rows are not independent: each row scaled by a softmax
+    over the rows, through a weight of its own."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return x * torch.softmax((x * self.weight).sum(-1), 0)[:, None]
+
+
+def test_a_module_without_a_rule_that_mixes_one_examples_rows_matches_the_loop():
+    """Every row the module is given is one example's, and it mixes them: the fallback
+    recomputes the call whole, as that example's, not row by row; the softmax and the mean
+    over one example's rows are that example's alone."""
+    model = Copies().to(D)
+    x, y = labelled_batch(2, n=4)
+    want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        _sum_ce(model(x), y).backward()
+        assert_grad1(model, want, "one example's rows mixed")
+        torch.testing.assert_close(h.norms(), flat_norms(want))
+
+
+class TwoImages(nn.Module):
+    """The module without a rule given the rows of the images whose first feature is positive
+    (a mask of each row's own, as a router's): not one example's, so the fallback cannot
+    recompute it whole, and refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.norm, self.head = (
+            nn.Conv2d(2, 3, 3, padding=1),
+            ChannelNorm(3),
+            nn.Linear(3, 2),
+        )
+
+    def forward(self, x):
+        e = self.conv(x)
+        keep = e[:, 0, 0, 0] > 0.4
+        picked = self.norm(e[keep]).mean((2, 3))
+        return torch.cat([self.head(picked), self.head(e[~keep].mean((2, 3)))])
+
+
+def test_a_module_without_a_rule_on_two_examples_rows_is_still_refused():
+    model = TwoImages().to(D)
+    x, _ = _images(0)
+    with torch.no_grad():
+        assert int((model.conv(x)[:, 0, 0, 0] > 0.4).sum()) == 2  # (the case meant)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        before = model_state(model)
+        raised(
+            gradhooks.UnsupportedError,
+            ["'norm' (ChannelNorm)", "a module without a rule given rows picked"],
+            lambda: model(x).pow(2).sum().backward(),
+        )
+        assert_untouched(model, before)
+
+
+class AcrossPicked(nn.Module):
+    """Rows of two examples picked by a mask of their own, then a softmax (or a mean) over
+    those rows: the examples mixed, whatever picked them."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head, self.how = nn.Linear(3, 4), nn.Linear(4, 2), how
+
+    def forward(self, x):
+        e = torch.tanh(self.enc(x))
+        picked = e[e[:, 0] > -0.3]
+        if self.how == "softmax":
+            mixed = picked * torch.softmax(picked.sum(-1), 0)[:, None]
+        else:
+            mixed = picked.mean(0, keepdim=True).expand_as(picked)
+        return self.head(mixed)
+
+
+@pytest.mark.parametrize("how", ["softmax", "mean"])
+def test_rows_of_several_examples_combined_are_still_refused(how):
+    model = AcrossPicked(how).to(D)
+    x, _ = labelled_batch(2, n=4)
+    with torch.no_grad():
+        assert int((torch.tanh(model.enc(x))[:, 0] > -0.3).sum()) == 2  # (the case meant)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        before = model_state(model)
+        raised(
+            gradhooks.MixedExamplesError,
+            ["'head' (Linear)"],
+            lambda: model(x).pow(2).sum().backward(),
+        )
+        assert_untouched(model, before)

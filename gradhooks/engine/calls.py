@@ -27,6 +27,7 @@ from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
+from ..tracking.layout import sole_owner
 from .plan import Target
 from .records import CallLayout, CallState, Frame, args_leaves, tree_leaves, with_fields
 from .state import CaptureState
@@ -734,8 +735,10 @@ class CallLayouts:
         root = frame is not None and any(
             x is r for r in frame.roots for x, lay in zip(ins, lin) if lay is first
         )
-        if target.entry is FALLBACK and any(
-            lay is not None and lay.owners is not None for lay in (*lin, *lout)
+        if (
+            target.entry is FALLBACK
+            and any(lay is not None and lay.owners is not None for lay in (*lin, *lout))
+            and sole_owner((*lin, *lout)) is None
         ):
             raise UnsupportedError(
                 f"{target.where}: a module without a rule given rows picked from the batch by an index "

@@ -64,6 +64,7 @@ from ..errors import MixedExamplesError, RuleError, UnsupportedError, Unsupporte
 from ..loop import per_example
 from ..pieces import Direct, Piece, cast
 from ..tracking import PACKED, Layout, batch_rows
+from ..tracking.layout import sole_owner
 from .registry import Call, ModuleState, _Entry
 
 __all__ = ["fallback", "FALLBACK", "fallback_params"]
@@ -259,6 +260,9 @@ def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]
     dimensions hold the examples (dimension 0, or 1 in a sequence-first module such as
     XLNet's attention; the output check decides)."""
     info = call.batch
+    owner = sole_owner((*info.inputs, *info.outputs))
+    if owner is not None:
+        return _of_one_example(call, wrt, owner)
     leaves = tree_flatten((tuple(call.inputs), dict(call.kwargs)))[0]
     split = [
         not info.shared and isinstance(t, Tensor) and lay is not None
@@ -298,6 +302,27 @@ def _by_layout(call: Call, wrt: Mapping[str, nn.Parameter]) -> dict[str, Tensor]
             if chosen == tries[0]:
                 error = e  # (the message of the widest try)
     raise error
+
+
+def _of_one_example(call: Call, wrt: Mapping[str, nn.Parameter], owner: int) -> dict[str, Tensor]:
+    """:func:`_by_layout` of a call whose every row is example ``owner``'s
+    (:func:`~gradhooks.tracking.layout.sole_owner`):
+    the call recomputed whole, as that one example's (its rows folded into a batch of one), its
+    gradients in row ``owner`` and zeros in the others."""
+    info = call.batch
+
+    def whole(lay: Layout | None) -> Layout | None:
+        return None if lay is None else Layout(lay.dim, 1, lay.owners.rows.numel())
+
+    alone = dataclasses.replace(
+        info, size=1, inputs=tuple(map(whole, info.inputs)), outputs=tuple(map(whole, info.outputs))
+    )
+    grads = _by_layout(dataclasses.replace(call, batch=alone), wrt)
+    index = torch.tensor([owner])
+    return {
+        n: g.new_zeros((info.size, *g.shape[1:])).index_copy(0, index.to(g.device), g)
+        for n, g in grads.items()
+    }
 
 
 def _by_layout_split(

@@ -134,6 +134,27 @@ def example_mask(shape: Sequence[int], layout: Layout, batch: int, device) -> Te
     return mask.reshape(view).expand(batch, *shape)
 
 
+def sole_owner(layouts) -> int | None:
+    """The example that owns every row where each of ``layouts`` that holds examples (``None``:
+    none) holds rows picked from the batch (:class:`Owners`) of that one example alone (an
+    image's rows, ``x[i : i + 1]`` or ``x[i].unsqueeze(0)``, in a loop over the batch);
+    ``None`` where any holds another example's, or the batch itself, or none does."""
+    owner = None
+    for lay in layouts:
+        if lay is None:
+            continue
+        if lay.owners is None or lay.dim < 0:
+            return None
+        rows = lay.owners.rows
+        if rows.numel() == 0 or not bool((rows == rows[0]).all()):
+            return None
+        k = int(rows[0])
+        if owner not in (None, k):
+            return None
+        owner = k
+    return owner
+
+
 def owner_vector(layout: Layout, batch: int, device) -> Tensor:
     """``[size]`` (int64): the example that owns each entry of the layout's dimension."""
     if layout.owners is not None:

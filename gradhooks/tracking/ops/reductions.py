@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..layout import MIXED, UNKNOWN, Layout, owned, owner_vector
+from ..layout import MIXED, UNKNOWN, Layout, Owners, owned, owner_vector, sole_owner
 from .common import (
     HANDLERS,
     Handler,
@@ -22,9 +22,15 @@ from .common import (
 from .pointwise import broadcast, pointwise
 
 
+def _one_examples_rows(lay: Layout) -> bool:
+    """Whether ``lay``'s dimension holds rows picked from the batch, all of one example
+    (:func:`~..layout.sole_owner`): an operation along it combines that example's rows alone."""
+    return lay.owners is not None and sole_owner((lay,)) is not None
+
+
 def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
     """A shape-keeping operation along ``dim`` (softmax, cumsum, flip): the layout stays, unless
-    it works along the batch dimension (it mixes the examples)."""
+    it works along the batch dimension (it mixes the examples; not rows of one example alone)."""
 
     def handler(args, kwargs, out, layout_of):
         t, lay = single_input(args, kwargs, layout_of)
@@ -32,7 +38,7 @@ def _dim_op(default_dim: Any, pos: int = 1, name: str = "dim") -> Handler:
             return UNKNOWN
         dims = normalized_dims(arg(args, kwargs, pos, name, default_dim), t.dim())
         if dims is None or lay.dim in dims:
-            return MIXED
+            return lay if _one_examples_rows(lay) else MIXED
         return lay
 
     return handler
@@ -126,9 +132,12 @@ def reduction(args, kwargs, out, layout_of):
                 dim = a
                 break
     dims = normalized_dims(dim, n)
-    if dims is None or lay.dim in dims:
-        return MIXED  # a reduction over the examples
     keepdim = kwargs.get("keepdim", False) or any(a is True for a in args[2:])
+    if dims is None or lay.dim in dims:
+        if dims is not None and keepdim and _one_examples_rows(lay):
+            # (rows of one example alone reduced to one row: still that example's)
+            return Layout(lay.dim, owners=Owners(lay.owners.rows[:1], lay.owners.base))
+        return MIXED  # a reduction over the examples
     if keepdim:
         return lay
     return lay.at(lay.dim - sum(1 for d in dims if d < lay.dim))
