@@ -5,6 +5,7 @@ recomputed by its rule or the fallback, an operation recomputed by the tracker a
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from . import _torch
 
-__all__ = ["CastCache", "autocast_as", "autocast_enabled", "autocast_state"]
+__all__ = ["CastCache", "autocast_as", "autocast_enabled", "autocast_state", "cast_versions"]
 
 
 def autocast_enabled(device: str) -> bool:
@@ -63,7 +64,9 @@ class CastCache:
 
     The blocks are told apart by a sentinel of this object's own that the cache holds too: the
     autograd node of its cast is the same object for as long as the block lasts (no values are
-    read, nothing waits for a device)."""
+    read, nothing waits for a device). Autocast's cache is one per thread, shared by every
+    model and handle: so is this object (:func:`cast_versions`), so that hooks added again
+    inside the block see what the earlier ones saw."""
 
     def __init__(self) -> None:
         self._sentinels: dict[str, Tensor] = {}  # a float32 leaf per device type
@@ -104,3 +107,17 @@ class CastCache:
                     self._first[id(t)] = (weakref.ref(t), version)
             found[n] = version
         return found
+
+
+_per_thread = threading.local()
+
+
+def cast_versions(
+    params: Mapping[str, Tensor], state: tuple[tuple[str, torch.dtype], ...]
+) -> dict[str, int]:
+    """:meth:`CastCache.versions` by this thread's :class:`CastCache`, as autocast's cache is
+    this thread's."""
+    cache = getattr(_per_thread, "cache", None)
+    if cache is None:
+        cache = _per_thread.cache = CastCache()
+    return cache.versions(params, state)

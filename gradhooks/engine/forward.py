@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_map
-from ..autocast import autocast_state
+from ..autocast import autocast_state, cast_versions
 from ..errors import (
     BatchNotFoundError,
     GradhooksWarning,
@@ -466,7 +466,7 @@ class ForwardCapture:
             versions = None
         elif autocast and torch.is_autocast_cache_enabled():
             # (the casts autocast's cache holds may be of versions before a step in its block)
-            versions = self.state.casts.versions(slots, state_now)
+            versions = cast_versions(slots, state_now)
         else:
             versions = {n: _torch.version(t) for n, t in slots.items()}
         call = Call(

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..autocast import CastCache
 from ..quantities import Collector
 from ..rules.registry import Registry
 from ..tracking import Tracker
@@ -91,8 +90,6 @@ class CaptureState:
         # -- whether and how what runs is captured ---------------------------------------------
         self.removed = False
         self.pause = Pause(PROCESS)  # `with h.paused():`, under gradhooks.paused()
-        # the parameter versions autocast's cast cache may hold (engine.forward's kept_call)
-        self.casts = CastCache()
         self.marked = 0  # depth of `with h.capturing()`
         self.mode = BackwardMode()  # (a workflow's own backwards: EngineAPI.backward_mode)
         # the last backward of a workflow's took no parameter gradient (the book-keeping DP
