@@ -11,13 +11,16 @@ and two backwards through a retained graph; a hook on a parameter scaling its gr
 exponential moving average of the weights swapped in by ``torch.func.functional_call`` for a
 validation, and two layers' weights swapped by it for a training step; a compiled loss; a model
 cast to bfloat16 whose float32 master weights are stepped in a
-``register_post_accumulate_grad_hook``; epochs of a ``DataLoader`` with ``drop_last=False``
-whose last batch is one example, validated in ``eval()`` under ``inference_mode``;
-``AveragedModel`` updated each step; per-example clipping then ``clip_grad_norm_`` under a
-cosine schedule; micro-batches of unequal sizes read and cleared one by one; ``requires_grad_``
-toggled, a head replaced, and ``load_state_dict`` of an earlier snapshot between steps; a
-``channels_last`` CNN; and, under a ``GradScaler``, the two retained backwards, a step the
-scaler skips, per-example clipping after ``unscale_`` and the DP step of a checkpointed block.
+``register_post_accumulate_grad_hook``, or stepped through a ``GradScaler``; epochs of a
+``DataLoader`` with ``drop_last=False`` whose last batch is one example, validated in
+``eval()`` under ``inference_mode``; ``AveragedModel`` updated each step; per-example clipping
+then ``clip_grad_norm_`` under a cosine schedule; micro-batches of unequal sizes read and
+cleared one by one, and a head reached by the second micro-batch alone after
+``zero_grad(set_to_none=False)``; a compiled model whose auxiliary head comes and goes;
+``requires_grad_`` toggled, a head replaced, and ``load_state_dict`` of an earlier snapshot
+between steps; a ``channels_last`` CNN; and, under a ``GradScaler``, the two retained
+backwards, a step the scaler skips, per-example clipping after ``unscale_`` and the DP step of
+a checkpointed block.
 
 Every ``grad1`` is compared at every step with each example's own gradient by a per-example
 loop in float64 (:func:`gradhooks.oracle.loop_grad`) of the same weights, within the rounding
@@ -673,6 +676,52 @@ def test_micro_batches_of_unequal_sizes_read_and_cleared_one_by_one_in_bfloat16(
             optimizer.step()
 
 
+def test_a_head_reached_by_the_second_micro_batch_alone_with_zeros_kept_in_bfloat16():
+    """``zero_grad(set_to_none=False)`` before an accumulation of two micro-batches, the
+    auxiliary head used by the second alone: after the step, its ``grad1`` is the second
+    micro-batch's rows (the first added zeros, as to its ``.grad``), the others' the sum of
+    both, each over the two micro-batches."""
+    model = Net(aux=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=False)
+            want = {}
+            for k in range(2):
+                model.use_aux = k == 1
+                x, y = batch(10 * step + k)
+                for n, g in loop(model, x, y).items():
+                    want[n] = want.get(n, 0) + g / 2
+                with bf16():
+                    out = model(x)
+                (ce(out, y) / 2).backward()
+            for n, p in model.named_parameters():
+                near(p.grad1, want[n], BF16, f"step {step}: {n}")
+            optimizer.step()
+
+
+def test_a_compiled_model_whose_auxiliary_head_comes_and_goes_under_bfloat16():
+    """``torch.compile(model)`` called under bfloat16 autocast, the auxiliary head used on odd
+    steps (a flag the compiled code guards on): every step's ``grad1`` is each example's own
+    gradient, the head's only where it was used."""
+    model = Net(aux=True)
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model):
+        for step in range(4):
+            model.use_aux = step % 2 == 1
+            x, y = batch(step)
+            want = loop(model, x, y)
+            optimizer.zero_grad()
+            with bf16():
+                out = compiled(x)
+            ce(out, y).backward()
+            assert_step(model, want, BF16, f"step {step}")
+            for p in model.aux.parameters():
+                assert ("grad1" in p.__dict__) == model.use_aux
+            optimizer.step()
+
+
 # -- float16 with a GradScaler ------------------------------------------------------------------
 
 
@@ -814,3 +863,26 @@ def test_the_dp_step_with_a_scaler_through_a_checkpointed_block_in_float16(reent
     finally:
         hooks.remove()
     assert math.isfinite(scaler.get_scale())
+
+
+def test_a_bfloat16_model_trained_through_a_grad_scaler():
+    """A model cast to bfloat16 stepped through a ``GradScaler`` (kept from a float16 recipe):
+    ``grad1`` is in bfloat16, and divided by the scale the backward ran with it is each
+    example's own gradient; ``unscale_`` divides ``.grad`` alone."""
+    model = Net().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
+    with gradhooks.add_hooks(model):
+        for step in range(STEPS):
+            x, y = batch(step)
+            want = loop_grad(reference(model), ce, (x.bfloat16().double(),), y)
+            optimizer.zero_grad()
+            scale = scaler.get_scale()
+            scaler.scale(ce(model(x.bfloat16()), y)).backward()
+            scaler.unscale_(optimizer)
+            for n, p in model.named_parameters():
+                assert p.grad1.dtype == torch.bfloat16
+                near(p.grad1 / scale, want[n], BF16, f"step {step}: {n}")
+                near((p.grad1 / scale).mean(0), p.grad, BF16, f"step {step}: {n} vs .grad")
+            scaler.step(optimizer)
+            scaler.update()

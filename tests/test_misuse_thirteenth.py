@@ -8,7 +8,7 @@ layers, the fallback) computed from the stepped weights, so that ``grad1`` no lo
 to ``.grad`` (an LSTM's at the second step, a Transformer layer's 14% off at the third, in
 silence; or refused as a mixing of the examples where the check ran), and are now refused with
 a ``StateError`` naming the parameter, autocast's cache and the remedies, which train as the
-per-example loop says. Then: a weight changed in place between the forward and
+per-example loop says (also where the hooks are added again at each step inside the block). Then: a weight changed in place between the forward and
 its backward under autocast (autograd keeps the cast, not the weight); a validation forward
 with grad left on; two scaled backwards without ``zero_grad``, then a batch of another size;
 a loss that mixes the examples; a batch of one under a ``GradScaler`` (and in a train-mode
@@ -163,6 +163,27 @@ def test_the_optimizers_step_inside_the_autocast_block_is_refused_where_a_rule_r
             ["'mid'", NAMED[kind], "autocast's cast cache", "cache_enabled=False"],
             loss.backward,
         )
+
+
+def test_hooks_added_again_at_each_step_inside_the_autocast_block_are_refused_too():
+    """The same loop with ``with gradhooks.add_hooks(model):`` around each step, inside the one
+    autocast block: the new handle knows the casts the earlier one saw (autocast's cache is
+    the thread's, not a handle's), and the second step is refused as well."""
+    model = Seq("transformer")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with bf16():
+        for step in range(2):
+            x, y = batch(step, shape=(5, 4))
+            want = loop(model, x, y)
+            optimizer.zero_grad()
+            with gradhooks.add_hooks(model):
+                loss = ce(model(x), y)
+                if step == 0:
+                    loss.backward()
+                    assert_step(model, want, BF16, "the first step")
+                else:
+                    raised(gradhooks.StateError, ["'mid'", "autocast's cast cache"], loss.backward)
+            optimizer.step()
 
 
 @pytest.mark.parametrize("kind", KINDS)
