@@ -91,7 +91,10 @@ class CastCache:
         call in this autocast block, where autocast may have cast it; its version now where
         autocast does not cache it (not a float32 leaf that requires grad on a device autocast
         is on for)."""
-        block = self._nodes(state)
+        try:
+            block = self._nodes(state)
+        except (RuntimeError, NotImplementedError):  # (no product of the autocast dtype here)
+            return {n: _torch.version(t) for n, t in params.items()}
         if len(block) != len(self._block) or any(a is not b for a, b in zip(block, self._block)):
             self._block, self._first = block, {}  # (a new block: a new cache)
         devices = {d for d, _ in state}
