@@ -639,3 +639,34 @@ def test_check_allows_the_rounding_of_a_gradient_whose_terms_cancel_under_autoca
         ((out[0].float() ** 2).sum() + penalty).backward()
         report = h.check(raise_on_error=False)
     assert any("'bias_ih_l0'" in problem for problem in report.problems), str(report)
+
+
+def test_cast_cache_keeps_the_first_version_within_one_autocast_block():
+    """:class:`gradhooks.autocast.CastCache`: within one autocast block (nested blocks
+    included) a float32 leaf that requires grad keeps the version of its first sighting after
+    it is changed in place, as autocast's cache keeps its cast; a new block starts afresh;
+    tensors autocast does not cache (float64, frozen, not a leaf) keep their version now."""
+    from gradhooks.autocast import CastCache, autocast_state
+
+    cache = CastCache()
+    w = nn.Parameter(torch.randn(3, 3))
+    wide = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    frozen = torch.randn(3, 3)
+    tensors = {"w": w, "wide": wide, "frozen": frozen, "made": w * 2}
+    with torch.autocast("cpu", dtype=BF16):
+        state = autocast_state()
+        first = cache.versions(tensors, state)
+        cast = torch.nn.functional.linear(torch.eye(3), w)  # (autocast caches w's cast)
+        with torch.no_grad():
+            for t in (w, wide, frozen):
+                t.mul_(0.5)
+        with torch.autocast("cpu", dtype=BF16):  # (nested: the same cache)
+            again = cache.versions(tensors, state)
+        assert again["w"] == first["w"] != w._version
+        for n in ("wide", "frozen"):
+            assert again[n] == tensors[n]._version != first[n], n
+        assert again["made"] == tensors["made"]._version
+        # (torch's own forward in the block runs with the first cast)
+        assert torch.equal(torch.nn.functional.linear(torch.eye(3), w), cast)
+    with torch.autocast("cpu", dtype=BF16):
+        assert cache.versions(tensors, autocast_state())["w"] == w._version

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from .._torch import tree_map
-from ..autocast import autocast_state
+from ..autocast import autocast_state, cast_versions
 from ..errors import (
     BatchNotFoundError,
     GradhooksWarning,
@@ -461,6 +461,14 @@ class ForwardCapture:
         autocast = autocast_on()
         # (FSDP2's sharded ones are not what the call ran with: the rule reads the module's)
         slots = None if self.state.sharded else _in_slots(target)
+        state_now = autocast_state() if autocast else ()
+        if slots is None:
+            versions = None
+        elif autocast and torch.is_autocast_cache_enabled():
+            # (the casts autocast's cache holds may be of versions before a step in its block)
+            versions = cast_versions(slots, state_now)
+        else:
+            versions = {n: _torch.version(t) for n, t in slots.items()}
         call = Call(
             module=target.module,
             inputs=detach_tree(args),
@@ -471,9 +479,9 @@ class ForwardCapture:
             registry=self.state.registry,
             hooked=self.state.hooked,
             memo=target.memo,
-            autocast=autocast_state() if autocast else (),
+            autocast=state_now,
             params=slots,
-            versions=None if slots is None else {n: _torch.version(t) for n, t in slots.items()},
+            versions=versions,
             modes=tuple([m.training for m in target.modules]),
         )
         if _torch.mutation_on_saved_allowed():

@@ -1412,14 +1412,38 @@ def _check_reduction(state, model, written, loss_fn, inputs, target, examples, r
         return
     ratio = (got * ref).sum().item() / (ref * ref).sum().item()
     scale = 2.0 ** round(math.log2(ratio)) if ratio > 0 else 0.0
+    scaled = (
+        "the backward of a loss scaled by a torch.amp.GradScaler "
+        "(scaler.scale(loss).backward()) gives grad1 (and the norms) times the scale. "
+        "Divide grad1 by the scale the backward ran with, scaler.get_scale() read before "
+        "scaler.update(), and the norms by it too (docs/mixed-precision.md); for DP-SGD, "
+        "pass the losses unscaled and the scaler to dp_sgd_step(..., scaler=scaler)"
+    )
     if scale >= 16 and close(scale):  # (a GradScaler's scale: a power of two, 65536 at first)
+        # (with a batch of a power of two, a scale times the other reduction's factor is one
+        # too: which it is, the scale the backward ran with tells)
+        alt = scale / factor
+        other_too = (
+            f". If the scale it ran with was {alt:g}, not {scale:g}, the loss is also the "
+            f"{other} of the per-example losses, where the hooks were told "
+            f"loss_reduction={state.loss_reduction!r}: call h.rescale({other!r}) first"
+            if batch > 1 and alt >= 1 and alt == 2.0 ** round(math.log2(alt))
+            else ""
+        )
         report.problems.append(
             f"grad1 of the first {k} examples is {scale:g}× their own gradient, a power of "
-            "two: the backward of a loss scaled by a torch.amp.GradScaler "
-            "(scaler.scale(loss).backward()) gives grad1 (and the norms) times the scale. "
-            "Divide grad1 by the scale the backward ran with, scaler.get_scale() read before "
-            "scaler.update(), and the norms by it too (docs/mixed-precision.md); for DP-SGD, "
-            "pass the losses unscaled and the scaler to dp_sgd_step(..., scaler=scaler)"
+            f"two: {scaled}{other_too}"
+        )
+        return
+    both = 2.0 ** round(math.log2(ratio / factor)) if ratio > 0 and batch > 1 else 0.0
+    if both >= 16 and close(both * factor):  # (a GradScaler's scale, and the other reduction)
+        report.reduction = other
+        report.problems.append(
+            f"grad1 of the first {k} examples is {both * factor:.4g}× their own gradient, "
+            f"{both:g} (a power of two) times {factor:.4g}: the loss is the {other} of the "
+            f"per-example losses, but the hooks were told "
+            f"loss_reduction={state.loss_reduction!r}, and {scaled}. Call h.rescale({other!r}) "
+            f"(or pass add_hooks(model, loss_reduction={other!r})), then divide by the scale"
         )
         return
     was = state.training_at_forward

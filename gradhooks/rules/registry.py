@@ -129,7 +129,9 @@ class Call:
     parameter's value reads :meth:`parameter`.
     ``versions``: the version counter of each tensor of ``params`` at the forward (``None``:
     not known): :meth:`parameter` refuses one changed in place since, as autograd refuses a
-    saved tensor changed so.
+    saved tensor changed so. Under autocast with its cache on, the version autocast cast it
+    at, at its first call in the autocast block (:class:`gradhooks.autocast.CastCache`): a
+    step inside the block leaves the block's forwards running with the cast of before.
     ``modes``: the ``training`` flag of each of ``module.modules()`` at the forward, in that
     order (``None``: not known, a call built by hand). A loop may switch the model between
     ``train()`` and ``eval()`` after the forward and before the backward: a rule that asks
@@ -195,6 +197,15 @@ class Call:
             t = self.params[name]
             kept = None if self.versions is None else self.versions.get(name)
             if kept is not None and _torch.version(t) != kept:
+                cached = (
+                    " Under torch.autocast, this is also a step taken inside the autocast "
+                    "block the forward ran in: autocast's cast cache kept the parameter's cast "
+                    f"of version {kept}, and the forward ran with those values. Enter autocast "
+                    "around each forward and its loss alone, as torch advises (the backward "
+                    "and the optimizer's step outside), or pass cache_enabled=False."
+                    if self.autocast
+                    else ""
+                )
                 raise StateError(
                     "one of the variables needed for gradient computation has been modified "
                     f"by an inplace operation: parameter '{name}' of "
@@ -202,7 +213,7 @@ class Call:
                     f"at version {_torch.version(t)}; expected version {kept} instead. Its "
                     "rule computes from the parameter's values at the call: change parameters "
                     "after the backward (optimizer.step() after loss.backward()), or take the "
-                    "graph's second backward before the step."
+                    f"graph's second backward before the step.{cached}"
                 )
             return t
         owner, _, leaf = name.rpartition(".")
