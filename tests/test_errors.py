@@ -536,19 +536,22 @@ class _EachRow(nn.Module):
 def test_one_example_taken_out_of_the_batch_alone_is_told_to_keep_the_batch_dimension(rows):
     """``x[i]``, ``x.unbind(0)``, ``for xi in x``: each call of the layer sees one example,
     so "per-example gradients do not exist" was the wrong advice; the refusal says the
-    example lost its batch dimension and how to keep it (``x[i : i + 1]``, which is
-    followed: grad1 is then each example's)."""
+    example lost its batch dimension and how to keep it (``x[i : i + 1]``, or to give it back,
+    ``x[i][None]``: both followed, grad1 is then each example's)."""
     model = _EachRow(rows)
     x = torch.randn(4, 3)
     with gradhooks.add_hooks(model):
         e = _raised(gradhooks.MixedExamplesError, lambda: model(x), r"'a' \(Linear\)")
     assert "one example taken out of the batch alone" in str(e)
-    assert "x[i : i + 1] or x.split(1)" in str(e) and "do not exist" not in str(e)
+    assert "x[i : i + 1], x[i][None] or x.split(1)" in str(e) and "do not exist" not in str(e)
     assert _untouched(model)
-    kept = _EachRow(lambda x: list(x.split(1)))
-    with gradhooks.add_hooks(kept, loss_reduction="sum"):
-        kept(x).sum().backward()
-    assert kept.a.weight.grad1.shape == (4, 4, 3)
+    for keep in (lambda x: list(x.split(1)), lambda x: [x[i][None] for i in range(len(x))]):
+        kept = _EachRow(keep)
+        with gradhooks.add_hooks(kept, loss_reduction="sum"):
+            kept(x).sum().backward()
+        for p in kept.parameters():  # (each example's own: the sum of its rows)
+            assert p.grad1.shape == (4, *p.shape)
+            torch.testing.assert_close(p.grad1.sum(0), p.grad)
 
 
 @pytest.mark.parametrize(

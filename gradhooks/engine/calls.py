@@ -821,7 +821,10 @@ class CallLayouts:
         op, dim = alone
         before = ":, " * dim
         if dim == 0:
-            pick, keep = "x[i], x.unbind(0) or for xi in x", "x[i : i + 1] or x.split(1)"
+            pick, keep = (
+                "x[i], x.unbind(0) or for xi in x",
+                "x[i : i + 1], x[i][None] or x.split(1)",
+            )
         else:
             pick = f"x[{before}i] or x.unbind({dim})"
             keep = f"x.transpose(0, {dim})[i : i + 1] or x.transpose(0, {dim}).split(1)"
