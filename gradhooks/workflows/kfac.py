@@ -175,8 +175,10 @@ def kfac(
             their number (reduced: each example's mean over its own), as a batch of the
             sequences unpadded would give it; the layers that see another number of positions
             (a pooled head) are as without it, and a mask that fits no layer is refused. ``G``
-            is as without it: the padding's output-gradients are zero where the loss leaves
-            them out (labels of ``-100``) and attention does not read them.
+            leaves the padding's rows out too: its output-gradients, zero anyway where the
+            loss leaves them out (labels of ``-100``) and attention does not read them, and
+            the padding's inputs of a weight used as ``torch.addmm(b, x, W)`` (Hugging Face's
+            ``Conv1D``), whose ``G`` is over its inputs.
 
     Returns:
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
@@ -425,8 +427,7 @@ def _accumulate(
             with _torch.own_transform():
                 torch.func.vmap(backward, chunk_size=chunk)(torch.stack(vectors))
         if fisher == "mc" and mc_samples > 1:
-            for key in acc._g:
-                acc._g[key] = acc._g[key] / mc_samples
+            acc.average_samples(mc_samples)
         if acc.mask is not None and not acc.masked:
             raise ConfigurationError(
                 f"kfac(): mask has shape {tuple(acc.mask.shape)}, but no layer sees "
