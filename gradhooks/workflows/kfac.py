@@ -133,7 +133,8 @@ def kfac(
         kwargs: the model's keyword inputs (``{"attention_mask": mask}``), per example
             ``[batch, ...]`` or shared.
         target: labels ``[batch, ...]`` (``cross_entropy``; ``-100``, ``F.cross_entropy``'s
-            ``ignore_index``, marks a position without a loss) or the output's shape (``mse``),
+            ``ignore_index``, marks a position without a loss, for every ``fisher``: no label
+            is sampled there, nor its Hessian's columns taken) or the output's shape (``mse``),
             or what your ``loss`` takes; needed for ``fisher="empirical"`` with a named loss.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
             model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
@@ -586,7 +587,26 @@ def _output_vectors(
     output_grads: Sampler | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients with respect to the output that each backward propagates, shaped as
-    ``out``: row ``i`` is example ``i``'s own."""
+    ``out``: row ``i`` is example ``i``'s own. With the named cross-entropy and ``target``, a
+    row (position) labelled ``-100`` has no loss, and none of its output-gradients: sampled
+    (``"mc"``) or the Hessian's (``"exact"``) as the true label's (``"empirical"``)."""
+    vectors = _unmasked_output_vectors(
+        out, target, fisher, loss, samples, generator, sample_target, output_grads
+    )
+    if loss == "cross_entropy" and isinstance(target, Tensor) and output_grads is None:
+        kept = target != _IGNORE_INDEX
+        if not bool(kept.all()):
+            kept = kept.unsqueeze(-1).to(out.dtype)
+            return [v * kept for v in vectors]
+    return vectors
+
+
+def _unmasked_output_vectors(
+    out: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName | LossFn, samples: int,
+    generator: torch.Generator | None, sample_target: Sampler | None = None,
+    output_grads: Sampler | None = None,
+) -> list[Tensor]:  # fmt: skip
+    """:func:`_output_vectors` of every row, whatever its label."""
     if output_grads is not None:
         return [_checked(output_grads(out, generator), out) for _ in range(samples)]
     if sample_target is not None:
