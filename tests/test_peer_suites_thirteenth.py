@@ -43,7 +43,16 @@ from torch.autograd.functional import hessian
 
 import gradhooks
 from gradhooks.oracle import loop_grad
-from harness import assert_close, flat_grads, grad1_of, hf, one_thread, raised, seeded  # noqa: F401
+from harness import (  # noqa: F401
+    Logits,
+    assert_close,
+    flat_grads,
+    grad1_of,
+    hf,
+    one_thread,
+    raised,
+    seeded,
+)
 
 D = torch.float64
 
@@ -967,3 +976,51 @@ def test_bergson_kfac_modules_reading_one_input():
     assert f["biased.weight"].bias and f["biased.weight"].A.shape == (7, 7)
     assert_close(f["biased.weight"].A[:6, :6], f["q.weight"].A, "biased: its inputs' block")
     assert len(seen["twice"]) == 2
+
+
+# == bergson: tests/ekfac_tests/test_sampled_fisher_mask.py =====================================
+
+
+def test_bergson_sampled_labels_only_add_loss_where_dataset_labels_do():
+    """``test_sampled_labels_only_add_loss_where_dataset_labels_do``: two sequences of 8 and 4
+    tokens right-padded, labelled ``-100`` on a prompt of three tokens, on the first position
+    of the second and on the padding (the peer's dataset); with every sampled label the true
+    next token (the peer's ``torch.multinomial`` returning it), ``kfac(fisher="mc")`` given the
+    labels is ``kfac(fisher="empirical")``: sampling adds no loss where the labels have none.
+    The default sampler, given the labels, leaves those positions out too: its factors are
+    those of the padded batch whose prompt and padding logits are anything else. And
+    ``"exact"``: an example labelled ``-100`` adds nothing to ``G``."""
+    model = Logits(tiny_neox(), last=False)
+    ids, mask = padded([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]])
+    labels = torch.full_like(ids, -100)
+    labels[0, 2:7] = ids[0, 3:8]  # (position t predicts token t + 1; the first 3 a prompt)
+    labels[1, 1:3] = ids[1, 2:4]
+    nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # (each position's next input token)
+    kwargs = dict(kwargs={"attention_mask": mask}, reduction="sum", mask=mask)
+    sampled = gradhooks.kfac(model, ids, labels, fisher="mc",
+                             sample_target=lambda out, gen: nxt, **kwargs)  # fmt: skip
+    true = gradhooks.kfac(model, ids, labels, fisher="empirical", **kwargs)
+    assert sampled.keys() == true.keys()
+    for name, f in true.items():
+        assert_close(sampled[name].A, f.A, f"{name}: A")
+        assert_close(sampled[name].G, f.G, f"{name}: G")
+    head = "model.lm_head.weight"
+    got = gradhooks.kfac(model, ids, labels, fisher="mc", mc_samples=2,
+                         generator=torch.Generator().manual_seed(0), **kwargs)[head]  # fmt: skip
+    with torch.no_grad():  # (the same draws: one label per position, sample after sample)
+        probs = model(ids, mask).softmax(-1).flatten(0, 1)
+    gen, kept, want = torch.Generator().manual_seed(0), (labels != -100).flatten(), 0
+    for _ in range(2):
+        y = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        v = (probs - F.one_hot(y, probs.shape[1]).to(D))[kept]
+        want = want + v.T @ v / 2
+    assert_close(got.G, want, "the default sampler: G of the head over the labelled positions")
+
+    torch.manual_seed(1)
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).to(D)
+    x = torch.randn(3, 3, dtype=D)
+    y = torch.tensor([1, -100, 2])
+    with_ignored = gradhooks.kfac(mlp, x, y, fisher="exact", reduction="sum")
+    without = gradhooks.kfac(mlp, x[[0, 2]], y[[0, 2]], fisher="exact", reduction="sum")
+    for name, f in without.items():
+        assert_close(with_ignored[name].G, f.G, f"exact, {name}: G without the ignored example")
