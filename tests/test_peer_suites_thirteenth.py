@@ -202,6 +202,10 @@ class ConvMLP(nn.Module):
         super().__init__()
         if kind == "conv1d":
             self.first = pytest.importorskip("transformers.pytorch_utils").Conv1D(5, 3)
+        elif kind == "loralib":  # (microsoft/LoRA's layer on GPT-2's [in, out] weight)
+            lora = pytest.importorskip("loralib")
+            self.first = lora.Linear(3, 5, r=2, fan_in_fan_out=True, merge_weights=False)
+            self.first.weight.requires_grad_(True)
         else:
             self.first = nn.Linear(3, 5)
         self.head = nn.Linear(5, 4)
@@ -210,9 +214,9 @@ class ConvMLP(nn.Module):
         return self.head(torch.tanh(self.first(x)))
 
 
-def conv_mlp_pair() -> tuple[ConvMLP, ConvMLP]:
+def conv_mlp_pair(kind: str = "conv1d") -> tuple[ConvMLP, ConvMLP]:
     linear = seeded(lambda: ConvMLP("linear")).to(D)
-    conv = ConvMLP("conv1d").to(D)
+    conv = ConvMLP(kind).to(D)
     with torch.no_grad():
         conv.first.weight.copy_(linear.first.weight.T)
         conv.first.bias.copy_(linear.first.bias)
@@ -222,7 +226,8 @@ def conv_mlp_pair() -> tuple[ConvMLP, ConvMLP]:
 
 @pytest.mark.parametrize("batched", [True, False], ids=["vmapped", "one-at-a-time"])
 @pytest.mark.parametrize("fisher", ["exact", "mc", "empirical"])
-def test_autograd_lib_kfac_of_a_conv1d_as_of_its_linear(fisher, batched):
+@pytest.mark.parametrize("kind", ["conv1d", "loralib"])
+def test_autograd_lib_kfac_of_a_conv1d_as_of_its_linear(kind, fisher, batched):
     """``test_hessian_kfac``'s one datum repeated (K-FAC then the Hessian's GGN block), with
     the first layer as GPT-2's ``Conv1D``: its factors are its Linear twin's with the roles
     swapped (``G`` over the inputs is the Linear's ``A``, ``A`` over the output-gradients the
@@ -230,8 +235,10 @@ def test_autograd_lib_kfac_of_a_conv1d_as_of_its_linear(fisher, batched):
     (``"exact"``) and three sampled labels (``"mc"``, one generator for both) are several
     backwards of one forward, which the Conv1D's ``A`` must sum over; batched under ``vmap``
     and one at a time (``kfac_vmap_elements=1``). ``kron(G, A)`` of the repeated datum is
-    autograd's GGN block of the weight ``[in, out]``, and of a batch of four, the Linear's."""
-    linear, conv = conv_mlp_pair()
+    autograd's GGN block of the weight ``[in, out]``, and of a batch of four, the Linear's.
+    The same of loralib's ``Linear`` with ``fan_in_fan_out`` (the LoRA of GPT-2's layers, its
+    weight ``[in, out]`` and trained here; ``lora_B`` zero, so the same function)."""
+    linear, conv = conv_mlp_pair(kind)
     p = torch.tensor([[0.5, -1.0, 2.0]], dtype=D)
     for x in (
         p.repeat(3, 1),
@@ -249,7 +256,7 @@ def test_autograd_lib_kfac_of_a_conv1d_as_of_its_linear(fisher, batched):
         assert got.G.shape == (3, 3) and got.A.shape == (5, 5)
         assert_close(got.G, twin.A, f"{len(x)} examples: Conv1D G against the Linear's A")
         assert_close(got.A, twin.G, f"{len(x)} examples: Conv1D A against the Linear's G")
-    if fisher == "exact":  # (the last x is the batch of four; the datum repeated, exact)
+    if fisher == "exact" and kind == "conv1d":  # (the datum repeated: exact)
         x = p.repeat(3, 1)
         got = gradhooks.kfac(conv, x, fisher="exact", reduction="mean", bias=False)
         w = conv.first.weight
