@@ -336,6 +336,41 @@ def test_autograd_lib_fisher_one_example_at_a_time():
     assert_close(fisher, g.T @ g, "empirical Fisher against the loop")
 
 
+def test_autograd_lib_example_norms():
+    """``example_norms.py`` (its README's first example): a deep linear network of five
+    identity 2x2 layers, three examples of ones, ``Σ err² / 2 / n``; the per-example squared
+    gradient norms by Goodfellow's trick ``Σ_layers |A|²·|B|²`` (``B`` the backprops of the
+    mean loss, ``1/n`` of each example's own) are ``h.norms()²`` over ``n²``, and the loop's.
+    Then on random data and weights, where the examples differ."""
+    for seed in (None, 0):
+        torch.manual_seed(seed or 0)
+        model = nn.Sequential(*[nn.Linear(2, 2, bias=False) for _ in range(5)]).to(D)
+        data = torch.randn(3, 2, dtype=D)
+        if seed is None:  # (the peer's: identity layers, examples of ones)
+            with torch.no_grad():
+                for layer in model:
+                    layer.weight.copy_(torch.eye(2, dtype=D))
+            data = torch.ones(3, 2, dtype=D)
+        acts, b, peer = {}, {}, torch.zeros(3, dtype=D)
+
+        def save(m, args, out, acts=acts, b=b):  # (autograd-lib's activations, backprops)
+            acts[m] = args[0].detach()
+            out.register_hook(lambda g, m=m: b.__setitem__(m, g.detach()))
+
+        hooks = [m.register_forward_hook(save) for m in model]
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            out = model(data)
+            (torch.sum(out * out) / 2 / len(data)).backward()
+            norms = h.norms()
+        for handle in hooks:
+            handle.remove()
+        for m in model:
+            peer += (acts[m] ** 2).sum(1) * (b[m] ** 2).sum(1)
+        want = loop_grad(model, lambda o, t=None: 0.5 * (o * o).sum(), data)
+        assert_close(norms**2, flat_grads(want).pow(2).sum(1), f"seed {seed}: against the loop")
+        assert_close(norms**2 / len(data) ** 2, peer, f"seed {seed}: the peer's Σ |A|²|B|²")
+
+
 # == bergson: tests/test_gradients.py ===========================================================
 
 N, S, IN, OUT = 4, 6, 5, 3  # bergson's test_params (N, S, I, O)
