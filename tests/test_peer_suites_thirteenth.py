@@ -211,7 +211,8 @@ class ConvMLP(nn.Module):
         self.head = nn.Linear(5, 4)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.first(x)))
+        h = torch.tanh(self.first(x))
+        return self.head(h.mean(1) if h.dim() == 3 else h)  # (positions pooled)
 
 
 def conv_mlp_pair(kind: str = "conv1d") -> tuple[ConvMLP, ConvMLP]:
@@ -269,6 +270,26 @@ def test_autograd_lib_kfac_of_a_conv1d_as_of_its_linear(kind, fisher, batched):
         ggn = j.T @ s.T @ s @ j
         assert_close(torch.kron(got["first.weight"].G, got["first.weight"].A), ggn,
                      "kron(G, A) of the datum against its GGN")  # fmt: skip
+
+
+@pytest.mark.parametrize("expand", [True, False], ids=["expand", "reduce"])
+@pytest.mark.parametrize("fisher", ["exact", "mc"])
+def test_autograd_lib_kfac_of_a_conv1d_over_positions(fisher, expand):
+    """The same twins on sequences of three positions pooled before the head, where the
+    factors of a Conv1D and of its Linear twin differ by the positions (its ``G`` sums the
+    inputs as an output-gradient is summed, its ``A`` averages the output-gradients as an
+    input is averaged) but their product does not: ``kron(A, G)`` of the Conv1D (its output
+    side first) is ``kron(G, A)`` of the Linear, expanded and reduced, for the several
+    backwards of ``"exact"`` and ``"mc"``."""
+    linear, conv = conv_mlp_pair()
+    x = torch.randn(4, 3, 3, dtype=D, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([0, 3, 1, 2])
+    kwargs = dict(fisher=fisher, reduction="mean", bias=False, expand=expand)
+    if fisher == "mc":
+        kwargs["mc_samples"] = 3
+    got, twin = (gradhooks.kfac(m, x, y, generator=torch.Generator().manual_seed(7),
+                                **kwargs)["first.weight"] for m in (conv, linear))  # fmt: skip
+    assert_close(torch.kron(got.A, got.G), torch.kron(twin.G, twin.A), "kron products")
 
 
 def toy_model() -> tuple[Tensor, SimpleMLP]:
