@@ -1087,3 +1087,43 @@ def test_bergson_sampled_labels_only_add_loss_where_dataset_labels_do():
     without = gradhooks.kfac(mlp, x[[0, 2]], y[[0, 2]], fisher="exact", reduction="sum")
     for name, f in without.items():
         assert_close(with_ignored[name].G, f.G, f"exact, {name}: G without the ignored example")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_bergson_moe_kfac_of_the_router_and_the_fused_experts(family):
+    """``test_ekfac_covariance_over_experts``: bergson factors each expert over the rows routed
+    to it; gradhooks' K-FAC has no factors for the fused ``[experts, ...]`` weights (no rule
+    reads an expert's inputs and output-gradients), leaves them out and says so, naming them,
+    with a ``GradhooksWarning``; the router, a Linear, has the factors of its definition:
+    ``A`` over every token's input (bias-augmented where it has one), ``G`` of its
+    output-gradients under the summed cross-entropy of the next tokens (``"empirical"``)."""
+    model = LogitsOf(moe_model(family))
+    ids = torch.randint(0, 24, (2, SEQ_LEN), generator=torch.Generator().manual_seed(4))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    with pytest.warns(gradhooks.GradhooksWarning, match=r"no Kronecker factors for .*experts"):
+        f = gradhooks.kfac(model, ids, labels, fisher="empirical", reduction="sum")
+    assert not any(".experts." in name for name in f)
+    router_name = next(
+        n for n in expert_names(model) if n.endswith(("gate.weight", "router.weight"))
+    )
+    router = model.get_submodule(router_name.rsplit(".", 1)[0])
+    seen = {}
+
+    def keep(module, args, out):
+        seen["a"] = args[0].detach().reshape(-1, args[0].shape[-1])
+        logits = out[0] if isinstance(out, tuple) else out  # (its F.linear's output: the
+        # routers return (logits, scores, indices), the scores computed from the logits)
+        logits.register_hook(lambda g: seen.__setitem__("g", g.reshape(-1, g.shape[-1])))
+
+    handle = router.register_forward_hook(keep)
+    out = model(ids)
+    F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    a, bias = seen["a"], getattr(router, "bias", None)
+    if bias is not None:
+        a = torch.cat([a, torch.ones(len(a), 1, dtype=D)], 1)
+    got = f[router_name]
+    assert got.bias == (bias is not None)
+    assert_close(got.A, a.T @ a / len(a), f"{family}: the router's A")
+    assert_close(got.G, seen["g"].T @ seen["g"], f"{family}: the router's G")
