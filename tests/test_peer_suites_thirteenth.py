@@ -1127,3 +1127,74 @@ def test_bergson_moe_kfac_of_the_router_and_the_fused_experts(family):
     assert got.bias == (bias is not None)
     assert_close(got.A, a.T @ a / len(a), f"{family}: the router's A")
     assert_close(got.G, seen["g"].T @ seen["g"], f"{family}: the router's G")
+
+
+# == ASDL: tests/test_param_grad_w_fisher_emp.py, tests/test_shape_selection_in_ngd.py ===========
+
+
+def asdl_convnet(n_dim: int = 32, n_channels: int = 4, n_classes: int = 10, kernel_size: int = 3):
+    """ASDL's ``convnet`` (its tests use 16 channels): two convolutions each followed by a
+    max-pool of its kernel size and a ReLU, then a Linear."""
+    n_features = int(n_dim / (2**4)) ** 2 * n_channels
+    return nn.Sequential(
+        nn.Conv2d(3, n_channels, kernel_size), nn.MaxPool2d(kernel_size), nn.ReLU(),
+        nn.Conv2d(n_channels, n_channels, kernel_size), nn.MaxPool2d(kernel_size), nn.ReLU(),
+        nn.Flatten(), nn.Linear(n_features, n_classes),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", ["cross_entropy", "mse"])
+def test_asdl_fisher_shapes_with_param_grad(loss_type):
+    """``test_param_grad_w_fisher_emp`` and ``test_shape_selection_in_ngd`` on its convnet
+    (batch of 3, labels all 0, one-hot targets under MSE): the empirical Fisher computed in the
+    same backward as ``.grad`` (``calc_emp_loss_grad=True``) leaves ``.grad`` that of a plain
+    ``loss.backward()``; its full, layer-wise and diagonal shapes (``SHAPE_FULL``,
+    ``SHAPE_LAYER_WISE``, ``SHAPE_DIAG``: ``Σ_n g_n g_nᵀ / n`` of the mean loss's examples,
+    from ``grad1``, its per-layer blocks and ``h.sum_grad_sq()``) are the loop's; and the exact
+    Fisher (``FISHER_EXACT``, full: ``Σ_n J_nᵀ H_n J_n / n``) from gradhooks' per-example
+    Jacobians is ``vmap(jacrev)``'s."""
+    model = seeded(asdl_convnet).to(D)
+    plain = deepcopy(model)
+    x = torch.randn(3, 3, 32, 32, dtype=D, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(3, dtype=torch.long)
+    if loss_type == "mse":
+        target = F.one_hot(y, 10).to(D)
+        loss_of = lambda out, t: F.mse_loss(out, t)  # noqa: E731
+        per_example = lambda out, t: F.mse_loss(out, t, reduction="sum") / 10  # noqa: E731
+    else:
+        target = y
+        loss_of = per_example = lambda out, t: F.cross_entropy(out, t)  # noqa: E731
+    with gradhooks.add_hooks(model, quantities=("grad1", "sum_grad_sq")) as h:
+        loss_of(model(x), target).backward()
+        diag = h.sum_grad_sq()
+    loss_of(plain(x), target).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert_close(p.grad, q.grad, f"{name}: .grad as a plain backward's")
+    want = loop_grad(model, lambda out, t: per_example(out, t), x, target)
+    g = flat_grads(grad1_of(model))
+    assert_close(g.T @ g / 3, flat_grads(want).T @ flat_grads(want) / 3, "full")
+    for name, p in model.named_parameters():
+        gp = p.grad1.flatten(1)
+        wp = want[name].flatten(1)
+        assert_close(gp.T @ gp / 3, wp.T @ wp / 3, f"layer-wise: {name}")
+        assert_close(diag[name] / 3, (want[name] ** 2).sum(0) / 3, f"diagonal: {name}")
+    model.zero_grad(set_to_none=True)
+    jac = gradhooks.jacobians(model, x, flatten=True)  # [n, 10, P]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def out_of(theta, xi):
+        return torch.func.functional_call(model, theta, (xi[None],))[0]
+
+    ref = torch.func.vmap(torch.func.jacrev(out_of), in_dims=(None, 0))(params, x)
+    ref = torch.cat([ref[n].flatten(2) for n in params], 2)
+    assert_close(jac, ref, "per-example Jacobians")
+    with torch.no_grad():
+        out = model(x)
+    if loss_type == "mse":
+        hess = 2 / 10 * torch.eye(10, dtype=D).expand(3, 10, 10)
+    else:
+        p = out.softmax(-1)
+        hess = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    fisher = torch.einsum("nop,noq,nqr->pr", jac, hess, jac) / 3
+    want_f = torch.einsum("nop,noq,nqr->pr", ref, hess, ref) / 3
+    assert_close(fisher, want_f, "exact Fisher, full")
