@@ -59,11 +59,9 @@ def _positions(t: Tensor) -> Tensor:
 
 
 @register(
-    nn.Linear,
-    grad_from_grad1=many_positions,
-    detach_without_grads=large_product,
+    nn.Linear, grad_from_grad1=many_positions, detach_without_grads=large_product,
     batch_dim="positions",
-)
+)  # fmt: skip
 def linear(call: Call) -> dict[str, Outer]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis."""
