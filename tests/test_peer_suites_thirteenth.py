@@ -9,9 +9,13 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
   a ReLU network under the mean cross-entropy, whole and its diagonal, over two steps, from the
   per-example backprops of the loss Hessian's square root (``backward_hessian``, gradhooks'
   ``backprop_hess`` / ``compute_hess`` and its per-example Jacobians); K-FAC exact for one
-  datum repeated; the squared Jacobian of its toy network (``backward_jacobian``) equal to the
-  least-squares Hessian; the empirical Fisher accumulated one unbatched example at a time
-  (its ``SimpleMLP`` reshapes each example to a batch of one);
+  datum repeated, also with the layer as GPT-2's ``Conv1D`` or loralib's ``fan_in_fan_out``
+  Linear (a weight ``[in, out]``) against its Linear twin, for the several backwards of
+  ``"exact"`` and ``"mc"``, batched and one at a time, over positions expanded and reduced;
+  the squared Jacobian of its toy network (``backward_jacobian``) equal to the least-squares
+  Hessian; the empirical Fisher accumulated one example at a time (its ``SimpleMLP``
+  reshapes an unbatched example to a batch of one: refused, with the remedy); the
+  per-example norms of ``example_norms.py`` by Goodfellow's trick;
 - bergson (``EleutherAI/bergson``: ``tests/test_gradients.py``, ``test_moe.py``,
   ``test_outer_product_gradients.py``, ``test_batch_size_invariance.py``,
   ``bergson/gradients.py``): per-example gradients of Linears over sequences normalized by
@@ -23,8 +27,15 @@ gradhooks' terms and compared with float64 references (per-example loops of auto
   mixture-of-experts models of transformers with fused expert weights (gpt-oss: transposed,
   biased, a biased router; Mixtral; OLMoE; Qwen3-MoE; DeepSeek-V3: a sigmoid router with a
   score-correction buffer and a shared expert), ``grad1`` of every expert and router against
-  the loop (also in float32 with transformers' default experts kernel), their norms, and the
-  model's outputs and modules unchanged by the hooks.
+  the loop (also in float32 with transformers' default experts kernel), their norms, the
+  model's outputs and modules unchanged by the hooks, and K-FAC of the router (the fused
+  experts left out, said); K-FAC (``ekfac_tests/``) of a ``Conv1D`` over the real positions
+  of a padded batch, of modules reading one input and of a module called twice, and the
+  sampled Fisher only where the labels have a loss;
+- ASDL (``kazukiosawa/asdl``: ``tests/test_param_grad_w_fisher_emp.py``,
+  ``test_shape_selection_in_ngd.py``): on its convnet, the empirical Fisher's full,
+  layer-wise and diagonal shapes in the backward that gives ``.grad``, and the exact Fisher
+  from the per-example Jacobians.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
