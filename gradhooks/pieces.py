@@ -235,6 +235,11 @@ class Outer(Piece):
     parameter must be laid out as ``[*groups, out, in]`` in row-major order (true of
     ``Linear.weight`` and of ``Conv.weight`` as ``[groups * out, in * kernel]``).
 
+    ``inputs_in_g``: the layer's input is ``g`` and its output-gradient ``a`` (a weight
+    ``[in, out]`` used as ``torch.addmm(b, x, W)``, Hugging Face's ``Conv1D``: ``grad1[b] =
+    Σ_s x[b, s]ᵀ g[b, s]``); only K-FAC reads it (the input's second moment is taken once per
+    forward, the output-gradient's summed over every backward of it).
+
     ``seen``: ``None`` where every ``(batch, shared)`` position is one the layer saw; else a
     ``[batch, shared]`` (or, where the groups differ, ``[batch, *groups, shared]``) bool mask of
     those it saw, the others being padding that the layout added (an example's rows of an
@@ -247,6 +252,7 @@ class Outer(Piece):
     a: Tensor | None
     g: Tensor
     seen: Tensor | None = None
+    inputs_in_g: bool = False
 
     # How the parameter lies in the matrix ``[*groups, out, in]`` of ``grad1``'s rows and
     # columns: ``"out_in"``, row-major as is; ``"in_out"``, its first two axes swapped per group
@@ -316,9 +322,9 @@ class Outer(Piece):
 
     def select(self, rows: slice) -> Outer:
         if rows == _ALL:  # (a piece of its own on the same tensors: nothing to slice)
-            return Outer(self.a, self.g, self.seen)
+            return Outer(self.a, self.g, self.seen, self.inputs_in_g)
         seen = None if self.seen is None else self.seen[rows]
-        return Outer(None if self.a is None else self.a[rows], self.g[rows], seen)
+        return Outer(None if self.a is None else self.a[rows], self.g[rows], seen, self.inputs_in_g)
 
     @property
     def kept_elements(self) -> float:
@@ -425,7 +431,7 @@ class Outer(Piece):
             return t.reshape(batch, *t.shape[1 : 1 + groups], -1, t.shape[-1])
 
         seen = None if self.seen is None else fold(self.seen[..., None])[..., 0]
-        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen)
+        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen, self.inputs_in_g)
 
     def owned(self, param_shape: torch.Size, owners: Tensor, batch: int) -> Piece:
         """The rows become shared positions of their examples: ``[rows, *groups, S, f]`` as
@@ -453,7 +459,7 @@ class Outer(Piece):
         if self.seen is not None:
             rows = self.seen[..., None].to(self.g.device)
         seen = fold(rows)[..., 0]
-        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen)
+        return Outer(None if self.a is None else fold(self.a), fold(self.g), seen, self.inputs_in_g)
 
     def in_dtype(self, dtype: torch.dtype) -> Piece:
         g, a = self.g, self.a
@@ -461,7 +467,9 @@ class Outer(Piece):
             return self  # (the usual: asked once per piece of every call)
         if not (_other(g, dtype) or _other(a, dtype)):
             return self
-        return Outer(None if a is None else cast(a, dtype), cast(g, dtype), self.seen)
+        return Outer(
+            None if a is None else cast(a, dtype), cast(g, dtype), self.seen, self.inputs_in_g
+        )
 
     def jacobian_into(self, into: Tensor, scale: float, first: bool) -> bool:
         """Where ``g`` is batched over the outputs (and ``a`` not): ``g ⊗ a`` straight into the

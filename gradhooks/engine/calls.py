@@ -609,6 +609,17 @@ def released_call(name: str, module: nn.Module) -> str:
     )
 
 
+def _unbatched_hint(shape: tuple[int, ...] | None) -> str:
+    """What a refusal adds where the model's first input has one dimension: one example given
+    alone (a vector the model reshapes to a batch of one) is a batch of its entries here."""
+    if shape is None or len(shape) != 1:
+        return ""
+    return (
+        f" It is 1-d ({tuple(shape)}): if it is one example given alone, unbatched (a vector "
+        "the model reshapes to one row), give it as a batch of one, x.unsqueeze(0)."
+    )
+
+
 class CallLayouts:
     """The tracker's view of each call (a part of :class:`gradhooks.Hooks`)."""
 
@@ -670,6 +681,7 @@ class CallLayouts:
                 "makes each example's result depend on the others'), or freeze this layer's "
                 "parameters."
                 + self._batch_taken(batch, "a sequence-first model, [seq, batch, ...]")
+                + (_unbatched_hint(tracker.given_shape) if self.state.batch_dim == "auto" else "")
             )
         if first is PACKED:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))

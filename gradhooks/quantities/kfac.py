@@ -200,6 +200,7 @@ class KfacAccumulator:
         self._g_batch: dict[str, int] = {}
         self._other: dict[str, str] = {}  # key -> a call whose piece gives no factors
         self._unfactored: dict[str, str] = {}  # key -> the call of a matrix-like weight without
+        self._inputs_in_g: set[str] = set()  # keys of weights [in, out] (Outer.inputs_in_g)
         self.capture_a = True
 
     def restart(self, keys) -> None:
@@ -210,6 +211,7 @@ class KfacAccumulator:
                          self._layout, self._batch_now, self._g_batch, self._other,
                          self._unfactored):  # fmt: skip
                 sums.pop(key, None)
+            self._inputs_in_g.discard(key)
 
     def add(self, module_name: str, call_pieces: dict, params: dict, scale: float) -> None:
         bias_pieces = [
@@ -249,27 +251,46 @@ class KfacAccumulator:
                     f"weights; this call: '{module_name}'), so no one bias-augmented factor fits "
                     "both: use bias=False"
                 )
-            g = piece.g
-            physical = _torch.unbatched(g)
-            if physical is not None:  # vmapped over output-gradients (kfac()):
-                # each column is one more backward of the same examples
-                g = physical.flatten(0, 1)
-            if not self.expand:
-                g = g.sum(-2, keepdim=True)
-            self._g[key] = second_moment(g, into=self._g.get(key), alpha=scale**2)
-            if not self.capture_a:
-                continue  # (a later backward of the same forward: the input is not read,
-                # a convolution's columns never formed again)
             mask = self.mask
-            if mask is not None and piece.a.shape[0] == mask.shape[0] and (
-                piece.a.shape[-2] == mask.shape[1]
+            if (
+                mask is not None
+                and piece.a.shape[0] == mask.shape[0]
+                and (piece.a.shape[-2] == mask.shape[1])
             ):
                 self.masked.add(key)
             else:
                 mask = None
-            a, count = _positions_seen(piece, self.expand, mask)
-            batch = piece.a.shape[0]
-            self._a[key] = second_moment(a, augment=biased, into=self._a.get(key), real_rows=count)
+            if piece.inputs_in_g:
+                # a weight [in, out] (torch.addmm(b, x, W)): G is over its inputs, the piece's
+                # g, read once per forward as any input is; A over its output-gradients, the
+                # piece's a, summed over every backward of the forward as G is elsewhere
+                self._inputs_in_g.add(key)
+                biased = False  # (its bias lies along the columns: no column of A)
+                if self.capture_a:
+                    self._g[key] = second_moment(
+                        self._g_rows(piece.g, piece.a, mask), into=self._g.get(key),
+                        alpha=scale**2,
+                    )  # fmt: skip
+                physical = _torch.unbatched(piece.a)
+                columns = [piece.a] if physical is None else physical.unbind(0)
+                for column in columns:
+                    a, count = _positions_seen(Outer(column, piece.g, piece.seen), self.expand,
+                                               mask)  # fmt: skip
+                    self._a[key] = second_moment(a, into=self._a.get(key), real_rows=count)
+                if not self.capture_a:
+                    continue
+                batch = columns[0].shape[0]
+            else:
+                g = self._g_rows(piece.g, piece.a, mask)
+                self._g[key] = second_moment(g, into=self._g.get(key), alpha=scale**2)
+                if not self.capture_a:
+                    continue  # (a later backward of the same forward: the input is not read,
+                    # a convolution's columns never formed again)
+                a, count = _positions_seen(piece, self.expand, mask)
+                batch = piece.a.shape[0]
+                self._a[key] = second_moment(
+                    a, augment=biased, into=self._a.get(key), real_rows=count
+                )
             self._n_a[key] = self._n_a.get(key, 0) + count
             self._biased[key] = biased
             self._batch_now[key] = batch
@@ -278,6 +299,37 @@ class KfacAccumulator:
                 name = self.names.get(id(params[b]), f"{module_name}.{b}" if module_name else b)
                 if self._bias_name.setdefault(key, name) != name:
                     self._bias_name[key] = None  # a weight tied across calls with other biases
+
+    def _g_rows(self, g: Tensor, a: Tensor | None, mask: Tensor | None) -> Tensor:
+        """The rows of ``g`` (``[batch, *groups, shared, out]``, or vmapped over several
+        backwards) whose second moment is ``G``: the padding's out where ``mask`` applies to
+        the piece (zero already for an output-gradient the loss leaves out, not for the
+        inputs of a weight ``[in, out]``, whose ``g`` they are); each example's sum over its
+        positions where reduced; several backwards' as more rows."""
+        physical = _torch.unbatched(g)
+        if physical is not None:  # vmapped over output-gradients (kfac()):
+            # each column is one more backward of the same examples
+            g = physical
+        if mask is not None:
+            lead = 0 if physical is None else 1
+            groups = g.dim() - lead - 3
+            seen = mask.to(g.device).view(mask.shape[0], *[1] * groups, mask.shape[1], 1)
+            g = g * seen.to(g.dtype)
+        if physical is not None:
+            g = g.flatten(0, 1)
+        if not self.expand:
+            g = g.sum(-2, keepdim=True)
+        return g
+
+    def average_samples(self, samples: int) -> None:
+        """Divide the output-gradients' factor of every weight by ``samples``, the backwards
+        of sampled output-gradients summed into it (``kfac(fisher="mc", mc_samples=...)``):
+        ``G``, or ``A`` for a weight ``[in, out]`` whose ``A`` is over them."""
+        for key in self._g:
+            if key in self._inputs_in_g:
+                self._a[key] = self._a[key] / samples
+            else:
+                self._g[key] = self._g[key] / samples
 
     def end_backward(self) -> None:
         """G is normalized by examples, not by calls: count each example once per forward."""

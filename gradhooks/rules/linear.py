@@ -61,7 +61,7 @@ def _positions(t: Tensor) -> Tensor:
 @register(
     nn.Linear, grad_from_grad1=many_positions, detach_without_grads=large_product,
     batch_dim="positions",
-)
+)  # fmt: skip
 def linear(call: Call) -> dict[str, Outer]:
     """``x``: ``[batch, *, in]``, ``g``: ``[batch, *, out]``; the ``*`` positions are the
     pieces' ``shared`` axis."""
@@ -88,7 +88,7 @@ def addmm(call: Call) -> dict[str, Piece]:
     (x,) = call.inputs
     g = _positions(call.grad_output)
     x = _positions(x.conj() if x.is_complex() else x)  # (mat2's gradient is mat1ᴴ g)
-    return {"weight": Outer(g, x), "bias": Direct(g.sum(-2))}
+    return {"weight": Outer(g, x, inputs_in_g=True), "bias": Direct(g.sum(-2))}
 
 
 def _plain_addmm(args: tuple, kwargs: dict) -> bool:

@@ -135,7 +135,7 @@ def lora_linear(call: Call) -> dict[str, Piece | None]:
     x = _positions(call.inputs[0])
     g = _positions(call.grad_output)
     pieces: dict[str, Piece | None] = {
-        "weight": Outer(g, x) if m.fan_in_fan_out else Outer(x, g),
+        "weight": Outer(g, x, inputs_in_g=True) if m.fan_in_fan_out else Outer(x, g),
         "bias": Outer(None, g),
     }
     if not (m.r > 0 and hasattr(m, "lora_A")) or getattr(m, "merged", False):

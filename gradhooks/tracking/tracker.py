@@ -200,8 +200,9 @@ class Tracker(TorchFunctionMode):
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
         self.rejoined = 0
-        # the model's first input as the engine took it (:meth:`give`)
+        # the model's first input as the engine took it (:meth:`give`), and its shape
         self.given: TensorMap = TensorMap()
+        self.given_shape: tuple[int, ...] | None = None
         # tensors every torch function gets in place of others, by the others' ids: the
         # detached parameters of a call whose rule gives their batch gradients itself
         self.aliases: dict[int, Tensor] = {}
@@ -301,6 +302,7 @@ class Tracker(TorchFunctionMode):
         (:data:`~gradhooks.tracking.layout.CONTRACTED`)."""
         self.set_layout(t, layout)
         self.given[t] = True
+        self.given_shape = tuple(t.shape)
 
     def mark_mixed(self, outs: Sequence[Tensor], why: str) -> None:
         """``outs`` mix the examples, for ``why`` (named where a layer reading them is

@@ -285,6 +285,7 @@ def _reduced(acc: KfacAccumulator, group: Group) -> KfacAccumulator:
     out._bias_name = {k: acc._bias_name.get(k) for k in keys}
     out._layout = {k: acc._layout.get(k, "out_in") for k in keys}
     out._unfactored, out._other = dict(acc._unfactored), dict(acc._other)
+    out._inputs_in_g = set(acc._inputs_in_g)
     tensors = [out._a[k] for k in keys] + [out._g[k] for k in keys]
     # A's counts per group (one where the module has no groups), the same layout on every rank
     # whether or not its groups counted alike

@@ -133,7 +133,8 @@ def kfac(
         kwargs: the model's keyword inputs (``{"attention_mask": mask}``), per example
             ``[batch, ...]`` or shared.
         target: labels ``[batch, ...]`` (``cross_entropy``; ``-100``, ``F.cross_entropy``'s
-            ``ignore_index``, marks a position without a loss) or the output's shape (``mse``),
+            ``ignore_index``, marks a position without a loss, for every ``fisher``: no label
+            is sampled there, nor its Hessian's columns taken) or the output's shape (``mse``),
             or what your ``loss`` takes; needed for ``fisher="empirical"`` with a named loss.
         fisher: which backward feeds ``G``: ``"mc"`` backpropagates labels sampled from the
             model's predictive distribution (``mc_samples`` backwards; for ``mse``, Gaussian
@@ -175,8 +176,10 @@ def kfac(
             their number (reduced: each example's mean over its own), as a batch of the
             sequences unpadded would give it; the layers that see another number of positions
             (a pooled head) are as without it, and a mask that fits no layer is refused. ``G``
-            is as without it: the padding's output-gradients are zero where the loss leaves
-            them out (labels of ``-100``) and attention does not read them.
+            leaves the padding's rows out too: its output-gradients, zero anyway where the
+            loss leaves them out (labels of ``-100``) and attention does not read them, and
+            the padding's inputs of a weight used as ``torch.addmm(b, x, W)`` (Hugging Face's
+            ``Conv1D``), whose ``G`` is over its inputs.
 
     Returns:
         ``{param_name: KFactors}`` for every parameter with an ``Outer`` piece (weights), with
@@ -425,8 +428,7 @@ def _accumulate(
             with _torch.own_transform():
                 torch.func.vmap(backward, chunk_size=chunk)(torch.stack(vectors))
         if fisher == "mc" and mc_samples > 1:
-            for key in acc._g:
-                acc._g[key] = acc._g[key] / mc_samples
+            acc.average_samples(mc_samples)
         if acc.mask is not None and not acc.masked:
             raise ConfigurationError(
                 f"kfac(): mask has shape {tuple(acc.mask.shape)}, but no layer sees "
@@ -585,7 +587,26 @@ def _output_vectors(
     output_grads: Sampler | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients with respect to the output that each backward propagates, shaped as
-    ``out``: row ``i`` is example ``i``'s own."""
+    ``out``: row ``i`` is example ``i``'s own. With the named cross-entropy and ``target``, a
+    row (position) labelled ``-100`` has no loss, and none of its output-gradients: sampled
+    (``"mc"``) or the Hessian's (``"exact"``) as the true label's (``"empirical"``)."""
+    vectors = _unmasked_output_vectors(
+        out, target, fisher, loss, samples, generator, sample_target, output_grads
+    )
+    if loss == "cross_entropy" and isinstance(target, Tensor) and output_grads is None:
+        kept = target != _IGNORE_INDEX
+        if not bool(kept.all()):
+            kept = kept.unsqueeze(-1).to(out.dtype)
+            return [v * kept for v in vectors]
+    return vectors
+
+
+def _unmasked_output_vectors(
+    out: Tensor, target: Tensor | None, fisher: Fisher, loss: LossName | LossFn, samples: int,
+    generator: torch.Generator | None, sample_target: Sampler | None = None,
+    output_grads: Sampler | None = None,
+) -> list[Tensor]:  # fmt: skip
+    """:func:`_output_vectors` of every row, whatever its label."""
     if output_grads is not None:
         return [_checked(output_grads(out, generator), out) for _ in range(samples)]
     if sample_target is not None:
