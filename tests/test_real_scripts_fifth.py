@@ -1,0 +1,654 @@
+"""Published training scripts, a fifth set, rewritten small, with gradhooks put where their
+users put it, each step checked against the float64 per-example loop.
+
+As in the other sets (``test_real_scripts*.py``): each test follows one script of a public
+repository (cited in its docstring: repository and path), its model and its loop as written
+there, at tiny sizes, on synthetic data, in float64 where the script allows. Here gradhooks
+takes the place of the script's own per-example machinery: Opacus' and its forks' privacy
+engines (TAN's augmentation multiplicity, fastDP's automatic clipping and DP-BiTFiT,
+private-transformers' ghost clipping over virtual steps, dp-transformers' LoRA through the
+Hugging Face ``Trainer``, its author-level DP), the gradient noise scale of k-diffusion's
+``GradientNoiseScale`` and of McCandlish et al. beside nanoGPT's loop, Hugging Face's
+``run_glue_no_trainer`` under ``accelerate`` with bfloat16, and data-pruning scores. At every
+step what the script computes from gradhooks (the update, the clipped sum, the norms, the
+scores) is compared with the same computed from each example's own gradient by a float64
+loop; where a step draws noise, the noise is drawn again from a generator of the same seed and
+taken off; under bfloat16 autocast the comparison has a stated tolerance, and the per-example
+rows reduce to torch's own summed gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from harness import assert_close
+
+D = torch.float64
+
+
+# -- the float64 reference --------------------------------------------------------------------
+
+
+def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def loop(model: nn.Module, loss_of, *batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: [n, *shape]}``: row ``i`` the gradient of ``loss_of(*rows_i)`` (example
+    ``i``'s own loss, computed alone on row ``i`` of each tensor of ``batch``) by autograd,
+    for every trainable parameter (zeros where it does not reach one)."""
+    params = trainable(model)
+    rows = []
+    with gradhooks.paused():
+        for i in range(len(batch[0])):
+            loss = loss_of(*(t[i : i + 1] for t in batch))
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            rows.append(
+                [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+            )
+    return {name: torch.stack([r[k] for r in rows]) for k, name in enumerate(params)}
+
+
+def flat(per: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for g in per.values()], 1)
+
+
+def clipped_sum(per: dict, bound: float, groups=None, automatic: bool = False) -> dict:
+    """``Σ_i f_i g_i`` per parameter, ``f_i = min(1, C/‖g_i‖)`` (or fastDP's automatic
+    ``C/(‖g_i‖ + 0.01)``) over each group of parameters (one group of all by default, each
+    group clipped to ``C/√K`` of ``K`` groups)."""
+    groups = groups or [list(per)]
+    c = bound / math.sqrt(len(groups))
+    out = {}
+    for group in groups:
+        norms = torch.cat([per[n].flatten(1) for n in group], 1).norm(dim=1)
+        f = c / (norms + 0.01) if automatic else (c / norms).clamp(max=1.0)
+        for n in group:
+            out[n] = torch.einsum("b,b...->...", f, per[n])
+    return out
+
+
+def denoised(model, noise, std: float, denom: float) -> dict:
+    """Each trainable parameter's ``.grad · denom`` less the noise ``std · z``, ``z`` drawn
+    from ``noise`` parameter after parameter, as the DP step draws it."""
+    out = {}
+    for n, p in trainable(model).items():
+        z = torch.randn(p.shape, generator=noise, dtype=p.dtype)
+        out[n] = p.grad * denom - std * z
+    return out
+
+
+def assert_all(got: dict, want: dict, what: str, **tol) -> None:
+    assert got and got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    for n in want:
+        if tol:
+            torch.testing.assert_close(
+                got[n], want[n].to(got[n].dtype), **tol, msg=lambda m, n=n: f"{what} {n}: {m}"
+            )
+        else:
+            assert_close(got[n], want[n], f"{what}: {n}")
+
+
+def follow(twin: nn.Module, model: nn.Module) -> None:
+    """The float64 twin takes the hooked model's parameters (it follows the noisy
+    trajectory, so that the next step's loop runs at the same point)."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            q.copy_(p)
+
+
+# -- facebookresearch/tan: augmentation multiplicity ---------------------------------------------
+
+
+class TinyWideResNet(nn.Module):
+    """TAN's ``src/models/wideresnet.py`` in miniature: a stem convolution, one pre-activation
+    residual block with GroupNorm (the script's ``nb_groups``) in place of batch norm, global
+    average pooling and a linear head."""
+
+    def __init__(self, classes: int = 3, width: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1)
+        self.bn1, self.conv2 = nn.GroupNorm(2, width), nn.Conv2d(width, width, 3, padding=1)
+        self.bn2, self.conv3 = nn.GroupNorm(2, width), nn.Conv2d(width, width, 3, padding=1)
+        self.bn, self.fc = nn.GroupNorm(2, width), nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.conv1(x)
+        h = h + self.conv3(F.relu(self.bn2(self.conv2(F.relu(self.bn1(h))))))
+        return self.fc(F.relu(self.bn(h)).mean((2, 3)))
+
+
+class Views(nn.Module):
+    """The network run on ``[batch, K, C, H, W]``: the K augmented views of each example kept
+    on their own dimension, so that the batch is still the examples'."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x.flatten(0, 1)).unflatten(0, x.shape[:2])
+
+
+def augment(images: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
+    """TAN's ``RandomCrop(padding=4, padding_mode="reflect")`` and ``RandomHorizontalFlip``
+    on K copies of each image (here a padding of 1 on 6x6 images): ``[batch, K, C, H, W]``."""
+    b, _, h, w = images.shape
+    padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+    out = torch.empty(b, k, *images.shape[1:], dtype=images.dtype)
+    for i in range(b):
+        for j in range(k):
+            dy, dx = torch.randint(3, (2,), generator=g).tolist()
+            view = padded[i, :, dy : dy + h, dx : dx + w]
+            out[i, j] = view.flip(-1) if torch.rand((), generator=g) < 0.5 else view
+    return out
+
+
+def test_tan_cifar10_augmentation_multiplicity_averages_the_views_before_clipping():
+    """facebookresearch/tan ``cifar10.py`` with ``--transform K``: each image is repeated K
+    times (``torch.repeat_interleave``) and each copy cropped and flipped at random; TAN's
+    grad samplers (``src/models/augmented_grad_samplers.py``) reshape the rows into
+    ``[batch, K]`` and reduce over K, so that each example's gradient, averaged over its views,
+    is clipped once. With gradhooks the per-example losses of the repeated rows, reduced over
+    the views, are refused (the forward's batch is ``batch·K``: the message says to stack the
+    views), and with the views stacked, ``[batch, K, ...]``, ``DPOptimizer`` over SGD with the
+    script's ``BatchMemoryManager`` split (physical batches of ``max_physical // K`` images) is
+    the loop's: the logged per-example norms are those of each example's gradient of its
+    views' mean loss, and ``.grad``, the noise drawn again and taken off, the clipped sum over
+    the batch size, for 2 steps; the script's EMA copy is unhooked and follows the model."""
+    C, SIGMA, B, K = 1.0, 0.6, 4, 2
+    torch.manual_seed(0)
+    model = Views(TinyWideResNet()).to(D)
+    twin = copy.deepcopy(model)
+    ema = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.0)
+    g = torch.Generator().manual_seed(3)
+    noise, again = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            opt, h, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=B,
+            generator=noise,
+        )  # fmt: skip
+        for step in range(2):
+            images = torch.randn(B, 3, 6, 6, generator=g, dtype=D)
+            target = torch.randint(3, (B,), generator=g)
+            views = augment(images, K, g)
+            if step == 0:  # the script's own form: the copies along the batch
+                rows = model.net(views.flatten(0, 1))
+                per_row = F.cross_entropy(rows, target.repeat_interleave(K), reduction="none")
+                with pytest.raises(gradhooks.ConfigurationError, match="views"):
+                    dp.backward(per_row.view(B, K).mean(1))
+            norms = []
+            for half in (slice(0, B // 2), slice(B // 2, B)):  # BatchMemoryManager's split
+                out = model(views[half])  # [batch, K, classes]
+                y = target[half].repeat_interleave(K)
+                losses = F.cross_entropy(out.flatten(0, 1), y, reduction="none")
+                norms.append(dp.backward(losses.view(-1, K).mean(1)))
+            assert dp.step()
+            per = loop(twin, lambda v, t: F.cross_entropy(twin(v)[0], t.repeat(K)), views, target)
+            torch.testing.assert_close(torch.cat(norms), flat(per).norm(dim=1))
+            got = denoised(model, again, SIGMA * C, B)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            dp.zero_grad()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+            follow(twin, model)
+    assert all(not hasattr(p, "grad1") for p in ema.parameters())
+    assert not torch.equal(ema.net.fc.weight, model.net.fc.weight)
+
+
+# -- awslabs/fast-differential-privacy: automatic clipping, layer-wise, DP-BiTFiT ----------------
+
+
+class TinyViT(nn.Module):
+    """timm's ``VisionTransformer`` in miniature, as fastDP's ``CIFAR_TIMM.py`` fine-tunes it
+    (``vit_small_patch16_224``): a convolutional patch embedding, a class token and position
+    embedding used by the model itself, one pre-norm block (timm's ``Attention`` with one
+    ``qkv`` linear, and its MLP), a final LayerNorm and the head on the class token."""
+
+    def __init__(self, dim: int = 8, classes: int = 3, heads: int = 2):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 2, stride=2)
+        self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, 5, dim))
+        self.norm1, self.qkv, self.proj = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 3 * dim),
+            nn.Linear(dim, dim),
+        )
+        self.norm2, self.fc1, self.fc2 = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 2 * dim),
+            nn.Linear(2 * dim, dim),
+        )
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+        self.heads = heads
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, 4, dim]
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        b, n, c = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1) / math.sqrt(c // self.heads)).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, n, c))
+        x = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return self.head(self.norm(x)[:, 0])
+
+
+def modules_of(model: nn.Module) -> list[list[str]]:
+    """The trainable parameters' names grouped by the module that holds them (fastDP's
+    layers; the model's own ``cls_token`` and ``pos_embed`` one group of the root)."""
+    groups: dict[str, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "layer-wise", "BiTFiT"])
+def test_fastdp_cifar_timm_automatic_clipping_with_accumulation(mode):
+    """awslabs/fast-differential-privacy ``examples/image_classification/CIFAR_TIMM.py``:
+    fastDP's ``PrivacyEngine`` attached to Adam, its default automatic clipping
+    (``clipping_fn="automatic"``: each gradient scaled by ``C/(‖g_i‖ + 0.01)``, Bu et al.),
+    ``clipping_style="all-layer"`` or ``"layer-wise"`` (each layer to ``C/√L``), or DP-BiTFiT
+    (``--clipping_mode BiTFiT``: every parameter but the biases frozen), and the loop's
+    gradient accumulation: ``n_acc_steps = bs // mini_bs`` mini-batches, ``optimizer.step()``
+    after the last. Here ``gradhooks.DPOptimizer(clipping="automatic", clipping_groups=...)``
+    takes fastDP's place: ``opt.backward(per-example losses)`` per mini-batch. After each of 2
+    logical steps of 2 mini-batches ``.grad``, the noise taken off, is the loop's clipped sum
+    over the logical batch, and in BiTFiT the frozen weights do not move and have no
+    ``grad1``."""
+    C, SIGMA, BS, MINI = 1.0, 0.5, 4, 2
+    torch.manual_seed(0)
+    model = TinyViT().to(D)
+    if mode == "BiTFiT":
+        for name, p in model.named_parameters():
+            if not name.endswith("bias"):
+                p.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    twin = copy.deepcopy(model)
+    groups = modules_of(model) if mode == "layer-wise" else None
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    noise, again = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(1)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            opt, h, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=BS,
+            generator=noise, clipping="automatic",
+            clipping_groups="layer" if mode == "layer-wise" else None,
+        )  # fmt: skip
+        for step in range(2):
+            inputs = torch.randn(BS, 3, 4, 4, generator=g, dtype=D)
+            targets = torch.randint(3, (BS,), generator=g)
+            for batch_idx in range(BS // MINI):
+                rows = slice(batch_idx * MINI, (batch_idx + 1) * MINI)
+                outputs = model(inputs[rows])
+                dp.backward(F.cross_entropy(outputs, targets[rows], reduction="none"))
+                if (batch_idx + 1) % (BS // MINI) == 0:
+                    dp.step()
+                    per = loop(twin, lambda x, y: F.cross_entropy(twin(x), y), inputs, targets)
+                    want = clipped_sum(per, C, groups, automatic=True)
+                    got = denoised(model, again, SIGMA * C, BS)
+                    assert_all(got, want, f"{mode} step {step}", rtol=1e-9, atol=1e-11)
+                    dp.zero_grad()
+            follow(twin, model)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]) and not hasattr(p, "grad1"), n
+    if mode == "BiTFiT":
+        assert frozen and all(n.endswith("bias") for n, _ in trainable(model).items())
+
+
+# -- lxuechen/private-transformers: table-to-text with ghost clipping over virtual steps -------
+
+V, T = 24, 9  # vocabulary, sequence length of the language-model tests
+
+
+def transformers_or_skip():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def tiny_gpt2(seed: int = 0, **more):
+    transformers = transformers_or_skip()
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        n_embd=8, n_layer=1, n_head=2, vocab_size=V, n_positions=T, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, **more,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).to(D)
+
+
+def table2text_batch(g: torch.Generator, n: int):
+    """Right-padded ``table <bos> text`` sequences as private-transformers'
+    ``DataCollatorForData2TextLanguageModeling`` gives them: label -100 on the table (the
+    prompt) and on the padding."""
+    ids = torch.randint(1, V, (n, T), generator=g)
+    src = torch.randint(2, 4, (n,), generator=g)
+    lengths = torch.randint(6, T + 1, (n,), generator=g)
+    pos = torch.arange(T)
+    mask = (pos < lengths[:, None]).long()
+    labels = ids.masked_fill((pos < src[:, None]) | (mask == 0), -100)
+    return ids * mask, mask, labels
+
+
+def table2text_loss(model, ids, mask, labels):
+    """private-transformers' ``compute_loss``: the shifted token losses summed per sequence
+    over its labelled tokens and divided by their count (``(batch_size,)``)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    shift_logits, shift_labels = logits[..., :-1, :], labels[..., 1:]
+    seq_lens = (shift_labels != -100).sum(dim=1)
+    loss = F.cross_entropy(shift_logits.permute(0, 2, 1), shift_labels, reduction="none")
+    return loss.sum(dim=1) / seq_lens
+
+
+def test_private_transformers_table2text_ghost_clipping_virtual_steps_and_warmup():
+    """lxuechen/private-transformers ``examples/table2text/trainer.py``: GPT-2 (its output
+    layer the token embedding), ``compute_loss``'s vector loss (each sequence's mean over its
+    labelled text tokens), ``optimizer.virtual_step(loss=vector_loss)`` on every micro-batch
+    but the last of ``gradient_accumulation_steps`` and ``optimizer.step(loss=vector_loss)``
+    on it, AdamW with the script's decay groups (``no_decay = ["bias", "LayerNorm.weight"]``)
+    and ``get_linear_schedule_with_warmup``, in the engine's default ghost clipping. Here
+    ``DPOptimizer(method="ghost")`` on ``add_hooks(model, quantities=("norms",))``:
+    ``opt.backward(vector_loss)`` per micro-batch and ``opt.step()`` after the last. At each of
+    2 steps the norms of each micro-batch are the loop's, and ``.grad``, the noise taken off,
+    is the loop's clipped sum over the logical batch (never forming ``grad1``)."""
+    transformers = transformers_or_skip()
+    C, SIGMA, MICRO, ACC = 0.5, 0.8, 2, 2
+    model = tiny_gpt2()
+    twin = copy.deepcopy(model)
+    no_decay = ["bias", "LayerNorm.weight"]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, 4)
+    noise, again = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(0)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            optimizer, h, max_grad_norm=C, noise_multiplier=SIGMA,
+            expected_batch_size=MICRO * ACC, generator=noise, method="ghost",
+        )  # fmt: skip
+        for step in range(2):
+            batches = [table2text_batch(g, MICRO) for _ in range(ACC)]
+            norms = []
+            for ids, mask, labels in batches:
+                norms.append(dp.backward(table2text_loss(model, ids, mask, labels)))
+            dp.step()
+            scheduler.step()
+            ids, mask, labels = (torch.cat(t) for t in zip(*batches))
+            per = loop(twin, lambda *row: table2text_loss(twin, *row)[0], ids, mask, labels)
+            torch.testing.assert_close(torch.cat(norms), flat(per).norm(dim=1))
+            got = denoised(model, again, SIGMA * C, MICRO * ACC)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            assert all(not hasattr(p, "grad1") for p in model.parameters())
+            dp.zero_grad()
+            follow(twin, model)
+    assert scheduler.get_last_lr()[0] < 1e-2
+
+
+# -- the gradient noise scale: k-diffusion's GradientNoiseScale, McCandlish et al. ------------
+
+
+class GradientNoiseScale:
+    """crowsonkb/k-diffusion ``k_diffusion/gns.py``'s ``GradientNoiseScale.update`` (the
+    estimators of Appendix A of McCandlish et al., 2018, from a small and a large batch's
+    squared gradient norms, each smoothed by an exponential moving average)."""
+
+    def __init__(self, beta: float = 0.9, eps: float = 1e-8):
+        self.beta, self.eps = beta, eps
+        self.ema_sq_norm = self.ema_var = 0.0
+
+    def update(self, sq_small, sq_large, n_small, n_large):
+        est_sq_norm = (n_large * sq_large - n_small * sq_small) / (n_large - n_small)
+        est_var = (sq_small - sq_large) / (1 / n_small - 1 / n_large)
+        self.ema_sq_norm = self.beta * self.ema_sq_norm + (1 - self.beta) * est_sq_norm
+        self.ema_var = self.beta * self.ema_var + (1 - self.beta) * est_var
+        return max(self.ema_var, self.eps) / max(self.ema_sq_norm, self.eps), est_sq_norm, est_var
+
+
+class FourierFeatures(nn.Module):
+    def __init__(self, out: int, std: float = 1.0):
+        super().__init__()
+        self.register_buffer("weight", torch.randn(out // 2, 1) * std)
+
+    def forward(self, x):
+        f = 2 * math.pi * x @ self.weight.T
+        return torch.cat([f.cos(), f.sin()], -1)
+
+
+class TinyInner(nn.Module):
+    """An image denoiser of k-diffusion's kind (``image_v1.py`` in miniature): the noise level
+    ``c_noise = log(σ)/4`` through Fourier features and a mapping layer into a per-channel
+    shift, around two convolutions."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.fourier, self.mapping = FourierFeatures(4), nn.Linear(4, width)
+        self.proj_in, self.proj_out = (
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.Conv2d(width, 1, 3, padding=1),
+        )
+
+    def forward(self, x, sigma):
+        shift = self.mapping(self.fourier(sigma.log()[:, None] / 4))
+        return self.proj_out(F.gelu(self.proj_in(x) + shift[:, :, None, None]))
+
+
+class Denoiser(nn.Module):
+    """k-diffusion ``k_diffusion/layers.py``'s ``Denoiser``: Karras et al.'s preconditioning,
+    and its ``loss`` (a method, not the forward), each example's own weighted squared error."""
+
+    def __init__(self, inner: nn.Module, sigma_data: float = 0.5):
+        super().__init__()
+        self.inner_model, self.sigma_data = inner, sigma_data
+
+    def get_scalings(self, sigma):
+        c_skip = self.sigma_data**2 / (sigma**2 + self.sigma_data**2)
+        c_out = sigma * self.sigma_data / (sigma**2 + self.sigma_data**2) ** 0.5
+        c_in = 1 / (sigma**2 + self.sigma_data**2) ** 0.5
+        return c_skip, c_out, c_in
+
+    def loss(self, input, noise, sigma):
+        c_skip, c_out, c_in = (x[:, None, None, None] for x in self.get_scalings(sigma))
+        c_weight = (sigma**2 + self.sigma_data**2) / (sigma * self.sigma_data) ** 2  # "karras"
+        noised_input = input + noise * sigma[:, None, None, None]
+        model_output = self.inner_model(noised_input * c_in, sigma)
+        target = (input - c_skip * noised_input) / c_out
+        return (model_output - target).pow(2).flatten(1).mean(1) * c_weight
+
+    def forward(self, input, sigma):
+        c_skip, c_out, c_in = (x[:, None, None, None] for x in self.get_scalings(sigma))
+        return self.inner_model(input * c_in, sigma) * c_out + input * c_skip
+
+
+def test_k_diffusion_gradient_noise_scale_from_per_example_norms_through_model_loss():
+    """crowsonkb/k-diffusion ``train.py`` with ``--gns``: ``losses = model.loss(reals, noise,
+    sigma)`` (a method of the hooked ``Denoiser``, not its forward; σ drawn per example from
+    the log-normal ``sample_density``), ``accelerator.backward(losses.mean())``, then
+    ``gns_stats.update(sq_norm_small_batch, sq_norm_large_batch, n_small, n_large)``. The
+    script's small batches are the processes' (``DDPGradientStatsHook``); on one process
+    gradhooks' per-example norms give the smallest: ``n_small = 1``, ``sq_norm_small_batch =
+    mean_i ‖g_i‖²``, ``sq_norm_large_batch = ‖p.grad‖²``. Over 3 Adam steps the norms are the
+    loop's, the script's two estimates are the loop's and equal ``h.noise_scale()``'s
+    (``grad_sq`` and ``trace``), and the smoothed noise scale is the loop's."""
+    B = 4
+    torch.manual_seed(0)
+    model = Denoiser(TinyInner()).to(D)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ours, theirs = GradientNoiseScale(), GradientNoiseScale()
+    g = torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(model, quantities=("norms", "sum_grad_sq")) as h:
+        for _ in range(3):
+            reals = torch.randn(B, 1, 4, 4, generator=g, dtype=D)
+            noise = torch.randn(reals.shape, generator=g, dtype=D)
+            sigma = (torch.randn(B, generator=g, dtype=D) * 1.2 - 1.2).exp()  # lognormal
+            losses = model.loss(reals, noise, sigma)
+            losses.mean().backward()
+            norms = h.norms()
+            sq_small = float((norms**2).mean())
+            sq_large = float(sum(p.grad.pow(2).sum() for p in model.parameters()))
+            gns, est_sq_norm, est_var = ours.update(sq_small, sq_large, 1, B)
+            per = loop(twin, lambda *row: twin.loss(*row)[0], reals, noise, sigma)
+            want_norms = flat(per).norm(dim=1)
+            torch.testing.assert_close(norms, want_norms, rtol=1e-9, atol=1e-12)
+            mean = flat(per).mean(0)
+            want_gns, want_sq, want_var = theirs.update(
+                float((want_norms**2).mean()), float(mean.pow(2).sum()), 1, B
+            )
+            est = h.noise_scale()
+            assert est_sq_norm == pytest.approx(want_sq, rel=1e-9)
+            assert est_var == pytest.approx(want_var, rel=1e-9)
+            assert float(est.grad_sq) == pytest.approx(want_sq, rel=1e-9)
+            assert float(est.trace) == pytest.approx(want_var, rel=1e-9)
+            assert gns == pytest.approx(want_gns, rel=1e-9)
+            opt.step()
+            opt.zero_grad()
+            follow(twin, model)
+
+
+# -- karpathy/nanoGPT: train.py ------------------------------------------------------------------
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1, self.c_attn, self.c_proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln_2, self.c_fc, self.mlp_proj = (
+            nn.LayerNorm(d),
+            nn.Linear(d, 4 * d),
+            nn.Linear(4 * d, d),
+        )
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # nanoGPT's flash path
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """karpathy/nanoGPT ``model.py``'s ``GPT`` in miniature: token and position embeddings,
+    the language-model head tied to the token embedding, ``forward(idx, targets)`` returning
+    the logits and the mean token loss, ``crop_block_size``, ``get_num_params``,
+    ``configure_optimizers`` (weight decay on the parameters of 2 or more dimensions) and
+    ``estimate_mfu``."""
+
+    def __init__(self, vocab: int = 16, block_size: int = 16, d: int = 8, heads: int = 2):
+        super().__init__()
+        self.block_size, self.d, self.heads = block_size, d, heads
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block_size, d)
+        self.h, self.ln_f = NanoBlock(d, heads), nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long)
+        x = self.ln_f(self.h(self.wte(idx) + self.wpe(pos)))
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def crop_block_size(self, block_size):
+        self.block_size = block_size
+        self.wpe.weight = nn.Parameter(self.wpe.weight[:block_size])
+
+    def get_num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        n, t = self.get_num_params(), self.block_size
+        flops_per_iter = (
+            (6 * n + 12 * 1 * self.heads * (self.d // self.heads) * t) * t * fwdbwd_per_iter
+        )
+        return flops_per_iter / dt / 312e12
+
+
+def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_scale():
+    """karpathy/nanoGPT ``train.py``: the model cropped (``model.crop_block_size(block_size)``,
+    which puts a new ``wpe.weight`` parameter in place) after gradhooks was added, the script's
+    ``configure_optimizers``, ``get_lr``'s warmup, 2 micro-steps of ``loss /
+    gradient_accumulation_steps`` through ``scaler.scale(loss).backward()`` (a disabled
+    ``GradScaler``: on the CPU the script's ``ctx`` is ``nullcontext()``), ``scaler.unscale_``
+    and ``clip_grad_norm_``, ``scaler.step`` and ``estimate_mfu``. A user logs each example's
+    gradient norm after each micro-step (``h.norms()``, times the accumulation steps) and the
+    gradient noise scale of the logical batch (McCandlish et al.: ``mean_i ‖g_i‖²`` against
+    ``‖p.grad‖²`` before the clipping). Over 2 iterations the norms are the loop's, ``grad1``
+    after the micro-steps is each micro-batch's rows added up over the accumulation steps, the
+    clipping leaves it as it was, and the noise scale is the loop's."""
+    ACC, B, T_, CLIP = 2, 3, 6, 0.5
+    torch.manual_seed(0)
+    model = NanoGPT().to(D)
+    h = gradhooks.add_hooks(model, quantities=("grad1", "norms"))
+    model.crop_block_size(8)
+    twin = copy.deepcopy(model)
+    optimizer = model.configure_optimizers(0.1, 6e-3, (0.9, 0.95))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    g = torch.Generator().manual_seed(7)
+    estimates = []
+    for it in range(2):
+        lr = 6e-3 * (it + 1) / 2  # get_lr's linear warmup
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        data = torch.randint(16, (ACC, B, T_ + 1), generator=g)
+        xs, ys = data[..., :-1].contiguous(), data[..., 1:].contiguous()  # (get_batch's stack)
+        norms = []
+        for micro_step in range(ACC):
+            X, Y = xs[micro_step], ys[micro_step]
+            logits, loss = model(X, Y)
+            loss = loss / ACC
+            scaler.scale(loss).backward()
+            norms.append(h.norms() * ACC)
+        per = [loop(twin, lambda x, y: twin(x, y)[1], xs[m], ys[m]) for m in range(ACC)]
+        want_norms = torch.cat([flat(p).norm(dim=1) for p in per])
+        torch.testing.assert_close(torch.cat(norms), want_norms, rtol=1e-9, atol=1e-12)
+        added = {n: sum(p[n] for p in per) / ACC for n in per[0]}
+        assert_all({n: p.grad1 for n, p in trainable(model).items()}, added, f"iter {it}")
+        sq_small = float((torch.cat(norms) ** 2).mean())
+        sq_large = float(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        want_large = float(
+            sum((sum(p[n].sum(0) for p in per) / (ACC * B)).pow(2).sum() for n in per[0])
+        )
+        assert sq_large == pytest.approx(want_large, rel=1e-9)
+        n_large = ACC * B
+        estimates.append((n_large * sq_large - sq_small) / (n_large - 1))
+        scaler.unscale_(optimizer)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        assert float(total) == pytest.approx(math.sqrt(want_large), rel=1e-9)
+        assert_all({n: p.grad1 for n, p in trainable(model).items()}, added, f"iter {it} clipped")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        assert model.estimate_mfu(B * ACC, 1.0) > 0
+        follow(twin, model)
+    h.remove()
+    assert model.wpe.weight.shape == (8, 8) and len(estimates) == 2
