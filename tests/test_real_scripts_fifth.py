@@ -652,3 +652,106 @@ def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_sca
         follow(twin, model)
     h.remove()
     assert model.wpe.weight.shape == (8, 8) and len(estimates) == 2
+
+
+# -- microsoft/dp-transformers: nlg-reddit, sample level and author level ------------------------
+
+
+def reddit_like(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``n`` posts tokenized as the script does (``padding="max_length"``), of unequal
+    lengths: ``input_ids`` and ``attention_mask``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (n, T), generator=g)
+    lengths = torch.randint(3, T + 1, (n,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    return [{"input_ids": ids[i] * mask[i], "attention_mask": mask[i]} for i in range(n)]
+
+
+def private_causal_collator(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """dp-transformers' ``DataCollatorForPrivateCausalLanguageModeling``: the language-model
+    collator's labels (-100 on the padding) and explicit ``position_ids``,
+    ``torch.arange(T).repeat(batch, 1)``, for Opacus to find the batch in."""
+    batch = {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    ids = batch["input_ids"]
+    batch["position_ids"] = torch.arange(ids.shape[1], dtype=torch.long).repeat(ids.shape[0], 1)
+    return batch
+
+
+def own_mean_token_loss(model, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One sequence's own loss, run alone: its next-token cross-entropy averaged over its own
+    labelled tokens."""
+    labels = row["labels"]
+    logits = model(**{k: v for k, v in row.items() if k != "labels"}).logits
+    return F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (transformers' own deprecations)
+def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(tmp_path):
+    """microsoft/dp-transformers ``examples/nlg-reddit/sample-level-dp/fine-tune-dp.py`` with
+    ``--lora_dim``: GPT-2 with LoRA on the attention's ``c_attn``, only the adapter trainable
+    (``mark_only_lora_as_trainable``), its ``DataCollatorForPrivateCausalLanguageModeling``
+    (explicit ``position_ids`` in every batch) and the Hugging Face ``Trainer`` made private
+    (``OpacusDPTrainer``), here ``gradhooks.hf.DPTrainer`` with PEFT's ``LoraConfig`` and the
+    script's collator. Over 2 Trainer steps of 2 accumulated physical batches, each update is
+    the float64 loop's: each drawn sequence's own mean token loss run alone (with its
+    position ids), its gradient clipped, summed, over the expected batch size, times the
+    rate of plain SGD; the base model's weights do not move."""
+    transformers = transformers_or_skip()
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("dp_accounting")
+    from gradhooks.hf import DPArguments, DPTrainer
+
+    base = tiny_gpt2()
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
+                        fan_in_fan_out=True),
+    )  # fmt: skip
+    model.to(D)
+    frozen = base.transformer.h[0].attn.c_attn.weight.detach().clone()
+    twin = copy.deepcopy(model)
+    clip, lr, per_device, acc = 0.05, 0.5, 2, 2
+    checked = []
+
+    class Checked(DPTrainer):
+        def per_example_losses(self, model, inputs):
+            self.rows += [{k: v[i : i + 1] for k, v in inputs.items()} for i in range(len(inputs["labels"]))]
+            return super().per_example_losses(model, inputs)
+
+    class Against(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer.rows = []
+            follow(twin, model)
+            self.before = {n: p.detach().clone() for n, p in trainable(model).items()}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            rows = trainer.rows
+            assert rows and all("position_ids" in r for r in rows)
+            per = {n: torch.stack(g) for n, g in zip(
+                trainable(twin),
+                zip(*(torch.autograd.grad(own_mean_token_loss(twin, r), list(trainable(twin).values()))
+                      for r in rows)),
+            )}  # fmt: skip
+            want = {n: -lr * s / (per_device * acc) for n, s in clipped_sum(per, clip).items()}
+            got = {n: p.detach() - self.before[n] for n, p in trainable(model).items()}
+            assert_all(got, want, f"step {state.global_step}", rtol=1e-7, atol=1e-12)
+            norms = flat(per).norm(dim=1)
+            checked.append((len(rows), bool((norms > clip).any() and (norms < clip).any())))
+
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=acc, max_steps=2, optim="sgd", learning_rate=lr,
+        lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+        remove_unused_columns=False,
+    )  # fmt: skip
+    dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=1)
+    trainer = Checked(
+        model, args, train_dataset=reddit_like(16), data_collator=private_causal_collator, dp=dp,
+        callbacks=[Against()],
+    )  # fmt: skip
+    trainer.train()
+    assert len(checked) == 2 and all(n > 0 for n, _ in checked), checked
+    assert any(mixed for _, mixed in checked), "no step both clipped and left some unclipped"
+    assert torch.equal(base.transformer.h[0].attn.c_attn.weight, frozen)
