@@ -716,7 +716,9 @@ def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(t
 
     class Checked(DPTrainer):
         def per_example_losses(self, model, inputs):
-            self.rows += [{k: v[i : i + 1] for k, v in inputs.items()} for i in range(len(inputs["labels"]))]
+            self.rows += [
+                {k: v[i : i + 1] for k, v in inputs.items()} for i in range(len(inputs["labels"]))
+            ]
             return super().per_example_losses(model, inputs)
 
     class Against(transformers.TrainerCallback):
@@ -755,3 +757,116 @@ def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(t
     assert len(checked) == 2 and all(n > 0 for n, _ in checked), checked
     assert any(mixed for _, mixed in checked), "no step both clipped and left some unclipped"
     assert torch.equal(base.transformer.h[0].attn.c_attn.weight, frozen)
+
+
+# -- huggingface/transformers: run_glue_no_trainer.py under accelerate, bfloat16 ----------------
+
+
+@pytest.fixture
+def accelerate():
+    """The accelerate module, its process-wide state reset before and after the test (an
+    ``Accelerator`` of another mixed precision is refused while one exists)."""
+    module = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield module
+    AcceleratorState._reset_state(True)
+
+
+def padded_to_longest(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """``DataCollatorWithPadding``: each batch right-padded to its own longest sequence."""
+    longest = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, : len(e["input_ids"])], mask[i, : len(e["input_ids"])] = e["input_ids"], 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.stack([e["label"] for e in examples]),
+    }
+
+
+BF16 = 0.04  # bfloat16: 8 significant bits, 2^-8 = 0.4% per rounding, ~1% through a block
+
+
+def test_run_glue_no_trainer_accelerate_bf16_norms_per_micro_batch_and_eval_with_graphs(
+    accelerate,
+):
+    """huggingface/transformers ``examples/pytorch/text-classification/run_glue_no_trainer.py``
+    as first published: ``accelerator.prepare(model, optimizer, train_dataloader,
+    eval_dataloader)`` (here with ``mixed_precision="bf16"``, the forward under bfloat16
+    autocast), dynamic padding, AdamW with the decay groups, ``loss = outputs.loss /
+    gradient_accumulation_steps``, ``accelerator.backward(loss)``, the step when ``step %
+    gradient_accumulation_steps == 0`` (so after the first batch alone, then after pairs) or at
+    the loader's end, and the evaluation in eval mode *without* ``no_grad`` (graphs built and
+    never backpropagated). The user adds gradhooks after ``prepare`` and logs each example's
+    gradient norm after every ``accelerator.backward`` (``h.norms()``, each backward's own).
+    Over 2 epochs (3 optimizer steps each), at every backward the norms times the accumulation
+    steps are the float64 loop's own gradient norms within bfloat16's rounding (measured 2e-3
+    of the largest; tolerance 4e-2, as for the other bfloat16 checks), ``grad1`` holds
+    each example's rows added up over the micro-batches since the last step (each example's
+    whole gradient within the same rounding of its norm: measured 3e-3), and its mean is torch's ``.grad``
+    (its weight gradients bfloat16 products too) within one bfloat16 rounding (measured
+    8e-4 of the whole gradient's norm; tolerance 1e-2)."""
+    transformers = transformers_or_skip()
+    from harness import tiny_bert_config
+
+    ACC = 2
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(tiny_bert_config(num_labels=3))
+    twin = copy.deepcopy(model).to(D)
+    g = torch.Generator().manual_seed(0)
+    train = [
+        {"input_ids": torch.randint(1, 20, (int(n),), generator=g), "label": torch.randint(3, (), generator=g)}
+        for n in torch.randint(3, 9, (7,), generator=g)
+    ]  # fmt: skip
+    no_decay = ["bias", "LayerNorm.weight"]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    loader = torch.utils.data.DataLoader(train, batch_size=2, collate_fn=padded_to_longest)
+    evaluation = torch.utils.data.DataLoader(train, batch_size=4, collate_fn=padded_to_longest)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    model, optimizer, loader, evaluation = accelerator.prepare(
+        model, torch.optim.AdamW(groups, lr=1e-2), loader, evaluation
+    )
+    steps, held = 0, None
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for epoch in range(2):
+            model.train()
+            for step, batch in enumerate(loader):
+                outputs = model(**batch)
+                loss = outputs.loss / ACC
+                accelerator.backward(loss)
+                per = loop(
+                    twin,
+                    lambda ids, mask, y: F.cross_entropy(
+                        twin(input_ids=ids, attention_mask=mask).logits, y
+                    ),
+                    batch["input_ids"], batch["attention_mask"], batch["labels"],
+                )  # fmt: skip
+                own = flat(per).norm(dim=1)
+                err = float((h.norms().double() * ACC - own).abs().max() / own.max())
+                assert err < BF16, f"epoch {epoch} batch {step}: norms off by {err:.3f}"
+                held = {n: w / ACC + (held[n] if held else 0) for n, w in per.items()}
+                rows = flat({n: p.grad1.double() for n, p in trainable(model).items()})
+                err = float(((rows - flat(held)).norm(dim=1) / flat(held).norm(dim=1)).max())
+                assert err < BF16, f"epoch {epoch} batch {step}: grad1 off by {err:.3f}"
+                summed = torch.cat([p.grad.flatten() for p in trainable(model).values()])
+                err = float((rows.mean(0) - summed.double()).norm() / summed.norm())
+                assert err < 1e-2, f"epoch {epoch} batch {step}: grad1's mean off by {err:.4f}"
+                if step % ACC == 0 or step == len(loader) - 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    steps, held = steps + 1, None
+                    twin.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+            model.eval()
+            for batch in evaluation:
+                predictions = model(**batch).logits.argmax(dim=-1)
+                assert predictions.shape == batch["labels"].shape
+    assert steps == 6
