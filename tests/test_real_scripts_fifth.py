@@ -870,3 +870,92 @@ def test_run_glue_no_trainer_accelerate_bf16_norms_per_micro_batch_and_eval_with
                 predictions = model(**batch).logits.argmax(dim=-1)
                 assert predictions.shape == batch["labels"].shape
     assert steps == 6
+
+
+# -- lxuechen/private-transformers: prompt-based classification ----------------------------------
+
+
+class RobertaForPromptFinetuning(nn.Module):
+    """private-transformers ``examples/classification/src/models.py``'s
+    ``RobertaForPromptFinetuning``: the encoder, the ``<mask>`` token's representation picked
+    per example (``sequence_output[torch.arange(batch_size), mask_pos]``), the masked-language
+    head (its decoder the word embedding, tied) and the logits of the label words."""
+
+    def __init__(self, config, label_word_list):
+        super().__init__()
+        transformers = transformers_or_skip()
+        from transformers.models.roberta.modeling_roberta import RobertaLMHead
+
+        self.roberta = transformers.RobertaModel(config, add_pooling_layer=False)
+        self.lm_head = RobertaLMHead(config)
+        self.lm_head.decoder.weight = self.roberta.embeddings.word_embeddings.weight
+        self.label_word_list = label_word_list
+
+    def forward(self, input_ids, attention_mask, mask_pos):
+        mask_pos = mask_pos.squeeze()  # (as written: a batch of one gives a 0-d position)
+        sequence_output = self.roberta(input_ids, attention_mask=attention_mask)[0]
+        sequence_mask_output = sequence_output[torch.arange(input_ids.size(0)), mask_pos]
+        prediction_mask_scores = self.lm_head(sequence_mask_output)
+        logits = [prediction_mask_scores[:, w].unsqueeze(-1) for w in self.label_word_list]
+        return torch.cat(logits, -1)
+
+
+def prompts(g: torch.Generator, n: int, mask_id: int = 3):
+    """``<s> sentence <mask> . </s>`` prompts (the template ``*cls**sent_0*_It_was*mask*.*sep+*``)
+    of unequal lengths, right-padded: the ids, the attention mask, each ``<mask>``'s
+    position, ``[n, 1]``, and the labels."""
+    lengths = torch.randint(2, 6, (n,), generator=g)
+    ids = torch.ones(n, 9, dtype=torch.long)  # (1: RoBERTa's padding id)
+    for i, k in enumerate(lengths.tolist()):
+        ids[i, : k + 4] = torch.tensor(
+            [0, *torch.randint(5, 30, (k,), generator=g).tolist(), mask_id, 4, 2]
+        )
+    return ids, (ids != 1).long(), (lengths + 1)[:, None], torch.randint(2, (n,), generator=g)
+
+
+def test_private_transformers_prompt_classification_frozen_tied_embedding_ghost_clipping():
+    """lxuechen/private-transformers ``examples/classification/run_classification.py`` with
+    ``RobertaForPromptFinetuning``: SST-2 as a cloze (``It was <mask>.``, the label words
+    "terrible"/"great"), the logits of the label words at each example's ``<mask>``, the
+    trainer's per-example cross-entropy handed to the engine's ``step(loss=...)`` in ghost
+    clipping, and ``--static_embedding`` (the word embedding frozen: so is the language-model
+    head's decoder, the same tensor, while its bias trains). Here ``dp_sgd_step(method=
+    "ghost")`` with SGD, 2 steps: each ``.grad``, the noise taken off, is the loop's clipped
+    sum over the batch; the frozen embedding gets none and does not move."""
+    transformers = transformers_or_skip()
+    C, SIGMA, B = 1.0, 0.7, 4
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=12, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1,
+    )  # fmt: skip
+    model = RobertaForPromptFinetuning(config, label_word_list=[11, 17]).to(D)
+    model.roberta.embeddings.word_embeddings.requires_grad_(False)  # --static_embedding
+    frozen = model.lm_head.decoder.weight.detach().clone()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    noise, again = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    g = torch.Generator().manual_seed(2)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(2):
+            ids, mask, mask_pos, labels = prompts(g, B)
+            opt.zero_grad()
+            losses = F.cross_entropy(model(ids, mask, mask_pos), labels, reduction="none")
+            norms = gradhooks.dp_sgd_step(
+                h, losses, max_norm=C, noise_multiplier=SIGMA, generator=noise, method="ghost"
+            )
+            per = loop(
+                twin,
+                lambda *row: F.cross_entropy(twin(*row[:3]), row[3]),
+                ids, mask, mask_pos, labels,
+            )  # fmt: skip
+            torch.testing.assert_close(norms, flat(per).norm(dim=1))
+            assert (norms > C).any() and (norms < C).any(), norms
+            got = denoised(model, again, SIGMA * C, B)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            opt.step()
+            follow(twin, model)
+    assert torch.equal(model.lm_head.decoder.weight, frozen)
+    assert model.lm_head.decoder.weight.grad is None
+    assert "lm_head.bias" in trainable(model) or "lm_head.decoder.bias" in trainable(model)
