@@ -959,3 +959,111 @@ def test_private_transformers_prompt_classification_frozen_tied_embedding_ghost_
     assert torch.equal(model.lm_head.decoder.weight, frozen)
     assert model.lm_head.decoder.weight.grad is None
     assert "lm_head.bias" in trainable(model) or "lm_head.decoder.bias" in trainable(model)
+
+
+# -- K-FAC: kfac-pytorch's vision engine -----------------------------------------------------
+
+
+class KfacNet(nn.Module):
+    """A convolution and a linear head (kfac-pytorch's ResNets in miniature: the layers K-FAC
+    preconditions, a Conv2d whose positions are shared and a Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 3, 3), nn.Linear(3 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def own_factors(model: KfacNet, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The empirical K-FAC factors by a loop over the examples, each run alone: its layers'
+    inputs (a convolution's patches, each a row; a ones column for the bias) and the
+    gradients of its own loss at their outputs; ``A`` the mean of ``a aᵀ`` over the examples
+    and positions, ``G`` the sum of ``g gᵀ`` over the positions, averaged over the examples
+    (gradhooks' ``expand=True``, ``reduction="mean"``)."""
+    sums = {"conv.weight": [0, 0], "fc.weight": [0, 0]}
+    n = len(x)
+    for i in range(n):
+        seen = {}
+        hooks = [
+            m.register_forward_hook(lambda m, inp, out, k=k, s=seen: s.update({k: (inp[0], out)}))
+            for k, m in (("conv.weight", model.conv), ("fc.weight", model.fc))
+        ]
+        try:
+            with gradhooks.paused():
+                out = model(x[i : i + 1])
+                loss = F.cross_entropy(out, y[i : i + 1])
+                outs = [seen[k][1] for k in sums]
+                grads = torch.autograd.grad(loss, outs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for (k, (inp, _)), g in zip(seen.items(), grads, strict=True):
+            if k == "conv.weight":
+                a = F.unfold(inp, 3)[0].T  # [positions, in·3·3]
+                g = g[0].flatten(1).T  # [positions, out]
+            else:
+                a, g = inp, g
+            a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
+            sums[k][0] = sums[k][0] + a.T @ a / (n * len(a))
+            sums[k][1] = sums[k][1] + g.T @ g / n
+    return sums
+
+
+def test_kfac_pytorch_engine_accumulated_mini_steps_with_running_factors():
+    """gpauloski/kfac-pytorch ``examples/vision/engine.py``'s ``train``: each batch in
+    ``mini_steps`` micro-batches, ``loss = loss_func(output, target) / mini_steps`` and its
+    backward, then ``preconditioner.step()`` (``KFACPreconditioner``: factors from the
+    training batch every ``factor_update_steps``, a running average of decay
+    ``factor_decay``, inverses every ``inv_update_steps``) and ``optimizer.step()`` (SGD with
+    momentum). Here ``gradhooks.KFAC(fisher="empirical")`` around the SGD, ``opt.step(data,
+    target)`` after the micro-steps. Over 3 steps (factors at every step, inverses at steps
+    0 and 2) the weights are those of a float64 twin preconditioned by hand: the factors from
+    each example's own inputs and output-gradients by a loop, averaged as the script does,
+    each weight's gradient (its bias a column) solved against ``kron(G, A) + damping·I``
+    with the factors last inverted."""
+    MINI, B, DAMPING, DECAY = 2, 6, 1e-2, 0.95
+    torch.manual_seed(0)
+    model = KfacNet().to(D)
+    twin = copy.deepcopy(model)
+    opt = gradhooks.KFAC(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), damping=DAMPING,
+        decay=DECAY, factors_every=1, inverse_every=2, fisher="empirical",
+    )  # fmt: skip
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    running, inverted = None, None
+    for step in range(3):
+        data = torch.randn(B, 1, 6, 6, generator=g, dtype=D)
+        target = torch.randint(4, (B,), generator=g)
+        opt.zero_grad()
+        for i in range(0, B, B // MINI):
+            output = model(data[i : i + B // MINI])
+            loss = F.cross_entropy(output, target[i : i + B // MINI]) / MINI
+            loss.backward()
+        opt.step(data, target)
+        new = own_factors(twin, data, target)
+        running = new if running is None else {
+            k: [DECAY * r + (1 - DECAY) * f for r, f in zip(running[k], new[k], strict=True)]
+            for k in new
+        }  # fmt: skip
+        if step % 2 == 0:
+            inverted = {k: [t.clone() for t in v] for k, v in running.items()}
+        twin_opt.zero_grad()
+        F.cross_entropy(twin(data), target).backward()
+        for k, layer in (("conv.weight", twin.conv), ("fc.weight", twin.fc)):
+            A, G = inverted[k]
+            grad = torch.cat([layer.weight.grad.flatten(1), layer.bias.grad[:, None]], 1)
+            eye = torch.eye(grad.numel(), dtype=D)
+            natural = torch.linalg.solve(torch.kron(G, A) + DAMPING * eye, grad.flatten())
+            natural = natural.view(grad.shape)
+            layer.weight.grad = natural[:, :-1].reshape(layer.weight.shape).clone()
+            layer.bias.grad = natural[:, -1].clone()
+        twin_opt.step()
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=f"step {step}: {n}")
+        assert set(opt.factors) == set(running)
+        for k, f in opt.factors.items():
+            torch.testing.assert_close(f.A, running[k][0], rtol=1e-9, atol=1e-12, msg=k)
+            torch.testing.assert_close(f.G, running[k][1], rtol=1e-9, atol=1e-12, msg=k)
