@@ -1067,3 +1067,108 @@ def test_kfac_pytorch_engine_accumulated_mini_steps_with_running_factors():
         for k, f in opt.factors.items():
             torch.testing.assert_close(f.A, running[k][0], rtol=1e-9, atol=1e-12, msg=k)
             torch.testing.assert_close(f.G, running[k][1], rtol=1e-9, atol=1e-12, msg=k)
+
+
+# -- princeton-nlp/LESS: Adam-preconditioned LoRA gradient features for data selection -----------
+
+
+def adam_features(grads: torch.Tensor, avg: torch.Tensor, avg_sq: torch.Tensor) -> torch.Tensor:
+    """LESS's ``obtain_gradients_with_adam``: the gradient through one more Adam update of the
+    checkpoint's moments, ``m' / sqrt(v' + eps)`` (row by row)."""
+    beta1, beta2, eps = 0.9, 0.999, 1e-08
+    updated_avg = beta1 * avg + (1 - beta1) * grads
+    updated_avg_sq = beta2 * avg_sq + (1 - beta2) * grads**2
+    return updated_avg / torch.sqrt(updated_avg_sq + eps)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (transformers' own deprecations)
+def test_less_adam_lora_gradient_features_select_the_same_data_as_its_batch_of_one_loop():
+    """princeton-nlp/LESS ``less/data_selection/collect_grad_reps.py`` and ``matching.py``:
+    after a LoRA warm-up with AdamW, each training example's gradient of the LoRA weights at
+    each checkpoint, one example per batch (``model(**batch).loss``, its own mean token loss;
+    the functorch version "never made it work sadly"), turned into an Adam update direction
+    with the checkpoint's moments (``obtain_gradients_with_adam``), each validation example's
+    plain gradient (``obtain_gradients``), a Rademacher projection (trak's
+    ``BasicProjector``), normalized rows, scores ``train @ valid.T`` weighted by the
+    checkpoints' learning rates, averaged over each target subtask's examples and maxed over
+    the subtasks. Here one backward per batch of the examples' own losses (gradhooks.hf's
+    ``per_example_loss``, summed, ``loss_reduction="sum"``): the features, the scores and the
+    selected examples are the script's loop's, at 2 checkpoints (within float32's rounding:
+    Hugging Face's ``.loss`` takes the logits to float32, ``logits.float()``, so the script's
+    own gradients are float32's: measured 6e-8 of each row's norm)."""
+    transformers_or_skip()
+    peft = pytest.importorskip("peft")
+    from gradhooks.hf import per_example_loss
+
+    model = peft.get_peft_model(
+        tiny_gpt2(),
+        peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
+                        fan_in_fan_out=True),
+    )  # fmt: skip
+    model.to(D)
+    names = list(trainable(model))
+    assert names and all("lora" in n for n in names)  # (LESS's get_number_of_params check)
+    g = torch.Generator().manual_seed(3)
+    train = reddit_like(6, seed=4)
+    valid = reddit_like(4, seed=5)  # 2 subtasks of 2 examples
+    batch_of = lambda rows: private_causal_collator(rows)  # noqa: E731
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    checkpoints = []
+    for lr in (1e-2, 5e-3):  # the warm-up, a checkpoint after each step
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randperm(6, generator=g)[:4].tolist()
+        opt.zero_grad()
+        model(**batch_of([train[i] for i in idx])).loss.backward()
+        opt.step()
+        state = opt.state_dict()["state"]
+        avg = torch.cat([state[k]["exp_avg"].flatten() for k in range(len(names))])
+        avg_sq = torch.cat([state[k]["exp_avg_sq"].flatten() for k in range(len(names))])
+        weights = {n: p.detach().clone() for n, p in trainable(model).items()}
+        checkpoints.append((weights, avg, avg_sq, lr))
+    total = sum(p.numel() for p in trainable(model).values())
+    projection = torch.randint(2, (total, 16), generator=g).to(D) * 2 - 1  # Rademacher
+
+    def script(rows, avg=None, avg_sq=None):
+        """The script's loop: one example per batch, ``model(**batch).loss``, ``.grad``."""
+        feats = []
+        with gradhooks.paused():
+            for row in rows:
+                model.zero_grad()
+                model(**batch_of([row])).loss.backward()
+                grads = torch.cat([p.grad.view(-1) for p in trainable(model).values()])
+                feats.append(grads if avg is None else adam_features(grads, avg, avg_sq))
+        model.zero_grad()
+        return torch.stack(feats)
+
+    def hooked(h, rows, avg=None, avg_sq=None):
+        """One backward of the batch's own losses, every example's gradient from grad1."""
+        batch = batch_of(rows)
+        labels = batch.pop("labels")
+        model.zero_grad()
+        per_example_loss(model(**batch).logits, labels, shift=True).sum().backward()
+        grads = torch.cat([p.grad1.flatten(1) for p in trainable(model).values()], 1)
+        return grads if avg is None else adam_features(grads, avg, avg_sq)
+
+    scores = {"script": 0, "gradhooks": 0}
+    lrs = sum(c[3] for c in checkpoints)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for weights, avg, avg_sq, lr in checkpoints:
+            with torch.no_grad():
+                for n, p in trainable(model).items():
+                    p.copy_(weights[n])
+            train_s, valid_s = script(train, avg, avg_sq), script(valid)
+            train_h, valid_h = hooked(h, train, avg, avg_sq), hooked(h, valid)
+            for what, ours, theirs in (("adam", train_h, train_s), ("sgd", valid_h, valid_s)):
+                err = float(((ours - theirs).norm(dim=1) / theirs.norm(dim=1)).max())
+                assert err < 1e-5, f"{what} features off by {err:.2e}"  # (float32's 6e-8)
+            for way, (tr, va) in (
+                ("script", (train_s, valid_s)),
+                ("gradhooks", (train_h, valid_h)),
+            ):
+                tr, va = F.normalize(tr @ projection, dim=1), F.normalize(va @ projection, dim=1)
+                scores[way] = scores[way] + lr / lrs * (tr @ va.T)
+    got, want = (scores[w].reshape(6, 2, -1).mean(-1).max(-1)[0] for w in ("gradhooks", "script"))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got.topk(3).indices.tolist() == want.topk(3).indices.tolist()
+    assert len(set(got.tolist())) == 6
