@@ -57,7 +57,7 @@ def loop(model: nn.Module, loss_of, *batch: torch.Tensor) -> dict[str, torch.Ten
 
 
 def flat(per: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.flatten(1) for g in per.values()], 1)
+    return torch.cat([g.reshape(len(g), -1) for g in per.values()], 1)
 
 
 def clipped_sum(per: dict, bound: float, groups=None, automatic: bool = False) -> dict:
@@ -68,7 +68,7 @@ def clipped_sum(per: dict, bound: float, groups=None, automatic: bool = False) -
     c = bound / math.sqrt(len(groups))
     out = {}
     for group in groups:
-        norms = torch.cat([per[n].flatten(1) for n in group], 1).norm(dim=1)
+        norms = torch.cat([per[n].reshape(len(per[n]), -1) for n in group], 1).norm(dim=1)
         f = c / (norms + 0.01) if automatic else (c / norms).clamp(max=1.0)
         for n in group:
             out[n] = torch.einsum("b,b...->...", f, per[n])
@@ -1172,3 +1172,95 @@ def test_less_adam_lora_gradient_features_select_the_same_data_as_its_batch_of_o
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got.topk(3).indices.tolist() == want.topk(3).indices.tolist()
     assert len(set(got.tolist())) == 6
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """TAN ``src/models/NFnet.py``'s ``MyScaledStdConv2d`` (from timm): a Conv2d subclass whose
+    forward standardizes its weight over each output channel's fan-in and scales it by a
+    learned ``gain`` before ``F.conv2d``."""
+
+    def __init__(self, cin, cout, k, gain_init=1.0, eps=1e-6):
+        super().__init__(cin, cout, k, padding=k // 2)
+        self.gain = nn.Parameter(torch.full((cout, 1, 1, 1), gain_init))
+        self.eps = eps
+
+    def forward(self, x):
+        fan_in = self.weight[0].numel()
+        mean = torch.mean(self.weight, dim=[-3, -2, -1], keepdim=True)
+        var = torch.var(self.weight, dim=[-3, -2, -1], keepdim=True)
+        std_weight = (self.weight - mean) / (var * fan_in + self.eps) ** 0.5 * self.gain
+        return F.conv2d(x, std_weight, self.bias, self.stride, self.padding)
+
+
+class Expand(nn.Module):
+    """TAN's ``Expand``: the skip-init gain, one parameter expanded over the batch."""
+
+    def __init__(self, tensor):
+        super().__init__()
+        self.weight = nn.Parameter(tensor)
+
+    def forward(self, x):
+        return self.weight.unsqueeze(0).expand([x.size(0)] + [-1] * self.weight.ndim)
+
+
+class NormFreeNet(nn.Module):
+    """A stem and one of TAN's ``MyNormFreeBlock`` (pre-activation ``act1(x) * beta``, a 1x1,
+    a 3x3 and a 1x1 weight-standardized convolution, in-place activations, the skip-init
+    ``Expand`` gain, ``out * alpha + shortcut``), pooled into a linear head."""
+
+    def __init__(self, width=4, classes=3, alpha=0.2, beta=1.0):
+        super().__init__()
+        self.stem = ScaledStdConv2d(3, width, 3)
+        self.act1, self.conv1 = nn.GELU(), ScaledStdConv2d(width, 2, 1)
+        self.act2, self.conv2 = nn.ReLU(inplace=True), ScaledStdConv2d(2, 2, 3)
+        self.act3, self.conv3 = nn.ReLU(inplace=True), ScaledStdConv2d(2, width, 1, gain_init=1.0)
+        self.expand = Expand(torch.tensor(1.0))
+        self.head = nn.Linear(width, classes)
+        self.alpha, self.beta = alpha, beta
+
+    def forward(self, x):
+        x = self.stem(x)
+        out = self.act1(x) * self.beta
+        out = self.conv3(self.act3(self.conv2(self.act2(self.conv1(out)))))
+        out = out * self.expand(out).unsqueeze(1).unsqueeze(2).unsqueeze(3)
+        out = out * self.alpha + x
+        return self.head(out.mean((2, 3)))
+
+
+def test_tan_nfnet_weight_standardized_convolutions_and_skipinit_gain_with_views():
+    """facebookresearch/tan ``src/models/NFnet.py``, the NFNet that ``imagenet.py`` trains with
+    augmentation multiplicity: ``MyScaledStdConv2d`` (a Conv2d subclass whose own forward
+    standardizes the weight and multiplies a ``gain``; TAN registers a grad sampler that
+    backpropagates the convolution's per-sample gradient through the standardization) and
+    ``Expand`` (the skip-init gain, a parameter ``expand``-ed over the batch: TAN's sampler
+    returns its backprops as they are). With gradhooks nothing is registered: over 2 DP-SGD
+    steps (SGD, each example's gradient the mean over its 2 views, clipped) ``.grad``, the
+    noise taken off, is the loop's clipped sum, and the logged norms the loop's."""
+    C, SIGMA, B, K = 1.1, 0.6, 3, 2
+    torch.manual_seed(0)
+    model = Views(NormFreeNet()).to(D)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(3)
+    noise, again = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    seen = []
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(2):
+            views = augment(torch.randn(B, 3, 6, 6, generator=g, dtype=D), K, g)
+            target = torch.randint(3, (B,), generator=g)
+            opt.zero_grad()
+            out = model(views)
+            losses = F.cross_entropy(
+                out.flatten(0, 1), target.repeat_interleave(K), reduction="none"
+            )
+            norms = gradhooks.dp_sgd_step(
+                h, losses.view(B, K).mean(1), max_norm=C, noise_multiplier=SIGMA, generator=noise
+            )
+            per = loop(twin, lambda v, t: F.cross_entropy(twin(v)[0], t.repeat(K)), views, target)
+            torch.testing.assert_close(norms, flat(per).norm(dim=1))
+            seen.append(norms)
+            got = denoised(model, again, SIGMA * C, B)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            opt.step()
+            follow(twin, model)
+    assert (torch.cat(seen) > C).any() and (torch.cat(seen) < C).any(), seen
