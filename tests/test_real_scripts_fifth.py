@@ -1264,3 +1264,89 @@ def test_tan_nfnet_weight_standardized_convolutions_and_skipinit_gain_with_views
             opt.step()
             follow(twin, model)
     assert (torch.cat(seen) > C).any() and (torch.cat(seen) < C).any(), seen
+
+
+class AuthorSampler:
+    """dp-transformers ``dp_transformers/sampler.py``'s ``AuthorSampler``: for each batch of
+    authors its sampler draws, the next example of each author in turn (one per author)."""
+
+    def __init__(self, author_sampler, author_mapping):
+        self.author_mapping, self.author_sampler = list(author_mapping), author_sampler
+        self.indices = [0 for _ in range(len(self.author_mapping))]
+
+    def __len__(self):
+        return len(self.author_sampler)
+
+    def __iter__(self):
+        for batch_author_ids in self.author_sampler:
+            sample_ids = [self.indices[a] for a in batch_author_ids]
+            for a in batch_author_ids:
+                self.indices[a] = (self.indices[a] + 1) % len(self.author_mapping[a])
+            yield [int(self.author_mapping[a][s]) for a, s in zip(batch_author_ids, sample_ids)]
+
+
+def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path):
+    """microsoft/dp-transformers ``examples/nlg-reddit/author-level-dp/fine-tune-dp.py``: the
+    posts grouped by author (``author_mapping``), authors drawn by Poisson sampling
+    (``PoissonAuthorSampler``: each author with probability ``q``), one post of each drawn
+    author per batch (``AuthorSampler``), so that clipping each example bounds each author's
+    contribution to a step; the model fine-tuned whole (``fuft``) with AdamW. Here
+    ``gradhooks.PoissonSampler`` over the authors as the author sampler, the script's
+    collator, and ``gradhooks.DPOptimizer`` with the expected batch ``q·authors`` and the
+    accountant. Over 3 steps (an empty draw among them: GPT-2 cannot run a batch of 0 rows, so
+    one post stands in, its losses times 0, as ``gradhooks.hf.DPTrainer`` does it) every
+    batch holds at most one post
+    per author, ``.grad``, the noise taken off, is the loop's clipped sum of each post's own
+    mean token loss over the expected batch, and the accountant recorded 3 steps at rate
+    ``q``."""
+    transformers_or_skip()
+    pytest.importorskip("dp_accounting")
+    from gradhooks.hf import per_example_loss
+
+    C, SIGMA = 0.5, 0.8
+    posts = reddit_like(10, seed=6)
+    author_mapping = [[0, 3, 7], [1, 8], [2], [4, 5, 9], [6]]
+    authors = gradhooks.PoissonSampler(
+        len(author_mapping), 2.5, steps=4, generator=torch.Generator().manual_seed(1)
+    )
+    batches = list(AuthorSampler(authors, author_mapping))
+    batches[1] = []  # (a draw of no author, which Poisson sampling may give)
+    assert batches[0] and batches[2]
+    model = tiny_gpt2(1)
+    twin = copy.deepcopy(model)
+    noise, again = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    accountant = gradhooks.PrivacyAccountant()
+    owner = {i: a for a, ids in enumerate(author_mapping) for i in ids}
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), h, max_grad_norm=C,
+            noise_multiplier=SIGMA, expected_batch_size=authors.expected_batch_size,
+            sample_rate=authors.sample_rate, accountant=accountant, generator=noise,
+        )  # fmt: skip
+        for step, idx in enumerate(batches[:3]):
+            assert len({owner[i] for i in idx}) == len(idx)  # one post per author
+            batch = private_causal_collator([posts[i] for i in idx]) if idx else None
+            if idx:
+                labels = batch.pop("labels")
+                dp.backward(per_example_loss(model(**batch).logits, labels, shift=True))
+                rows = private_causal_collator([posts[i] for i in idx])
+                keys = list(rows)
+                per = loop(
+                    twin,
+                    lambda *r, k=keys: own_mean_token_loss(twin, dict(zip(k, r))),
+                    *rows.values(),
+                )
+                want = clipped_sum(per, C)
+            else:  # (GPT-2 cannot run 0 rows: one post stands in, its losses times 0)
+                want = {n: torch.zeros_like(p) for n, p in trainable(twin).items()}
+                batch = private_causal_collator(posts[:1])
+                labels = batch.pop("labels")
+                stand_in = per_example_loss(model(**batch).logits, labels, shift=True)
+                assert float(dp.backward(stand_in * 0.0)[0]) == 0.0
+            dp.step()
+            got = denoised(model, again, SIGMA * C, authors.expected_batch_size)
+            assert_all(got, want, f"step {step}", rtol=1e-9, atol=1e-11)
+            dp.zero_grad()
+            follow(twin, model)
+    assert accountant.steps == 3
+    assert {q for _, q, _ in accountant.history} == {authors.sample_rate}
