@@ -1294,7 +1294,8 @@ def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path
     ``gradhooks.PoissonSampler`` over the authors as the author sampler, the script's
     collator, and ``gradhooks.DPOptimizer`` with the expected batch ``q·authors`` and the
     accountant. Over 3 steps (an empty draw among them: GPT-2 cannot run a batch of 0 rows, so
-    one post stands in, its losses times 0, as ``gradhooks.hf.DPTrainer`` does it) every
+    one post stands in, its losses times 0, as ``gradhooks.hf.DPTrainer`` does it, which the
+    refusal of an empty tensor of losses now says) every
     batch holds at most one post
     per author, ``.grad``, the noise taken off, is the loop's clipped sum of each post's own
     mean token loss over the expected batch, and the accountant recorded 3 steps at rate
@@ -1338,6 +1339,11 @@ def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path
                 )
                 want = clipped_sum(per, C)
             else:  # (GPT-2 cannot run 0 rows: one post stands in, its losses times 0)
+                with pytest.raises(gradhooks.ConfigurationError) as info:
+                    dp.backward(torch.zeros(0, dtype=D))  # (no forward: refused, saying how)
+                for part in ("empty", "0 rows", "its losses times 0", "Nothing was changed"):
+                    assert part in str(info.value), (part, str(info.value))
+                assert dp.examples == 0
                 want = {n: torch.zeros_like(p) for n, p in trainable(twin).items()}
                 batch = private_causal_collator(posts[:1])
                 labels = batch.pop("labels")
@@ -1350,3 +1356,31 @@ def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path
             follow(twin, model)
     assert accountant.steps == 3
     assert {q for _, q, _ in accountant.history} == {authors.sample_rate}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.ConfigurationError,
+    reason="an empty tensor of losses without a forward (an empty Poisson draw for a model "
+    "that cannot run 0 rows) is refused; the per-example loop's sum over no example is 0, "
+    "and the step would be the noise alone. Accepting it needs a step with no backward (the "
+    "parameters and the gradients' layouts from the hooks' plan): the refusal says to run a "
+    "stand-in example whose losses are multiplied by 0 instead",
+)
+def test_an_empty_draw_handed_to_the_dp_optimizer_without_a_forward_steps_on_the_noise():
+    """dp-transformers' ``PoissonAuthorSampler`` (or ``gradhooks.PoissonSampler``) may draw
+    no author; GPT-2 cannot run a batch of 0 rows (its attention's ``reshape(0, T, -1, d)``),
+    so the loop has no losses to hand over but an empty tensor. The step it would take, by the
+    float64 loop, is the noise alone over the expected batch size."""
+    transformers_or_skip()
+    model = tiny_gpt2(1)
+    noise, again = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), h, max_grad_norm=0.5,
+            noise_multiplier=0.8, expected_batch_size=2.5, generator=noise,
+        )  # fmt: skip
+        dp.backward(torch.zeros(0, dtype=D))
+        dp.step()
+        got = denoised(model, again, 0.8 * 0.5, 2.5)
+        assert_all(got, {n: torch.zeros_like(p) for n, p in trainable(model).items()}, "empty")
