@@ -1384,3 +1384,207 @@ def test_an_empty_draw_handed_to_the_dp_optimizer_without_a_forward_steps_on_the
         dp.step()
         got = denoised(model, again, 0.8 * 0.5, 2.5)
         assert_all(got, {n: torch.zeros_like(p) for n, p in trainable(model).items()}, "empty")
+
+
+# -- crowsonkb/k-diffusion: the image transformer v2 ----------------------------------------------
+
+
+def linear_geglu(x, weight, bias=None):
+    x = x @ weight.mT
+    if bias is not None:
+        x = x + bias
+    x, gate = x.chunk(2, dim=-1)
+    return x * F.gelu(gate)
+
+
+def rms_norm(x, scale, eps):
+    mean_sq = torch.mean(x**2, dim=-1, keepdim=True)
+    return x * (scale * torch.rsqrt(mean_sq + eps))
+
+
+def scale_for_cosine_sim(q, k, scale, eps):
+    sqrt_scale = torch.sqrt(scale)
+    scale_q = sqrt_scale * torch.rsqrt(torch.sum(q**2, dim=-1, keepdim=True) + eps)
+    scale_k = sqrt_scale * torch.rsqrt(torch.sum(k**2, dim=-1, keepdim=True) + eps)
+    return q * scale_q, k * scale_k
+
+
+def apply_rotary_emb(x, cos, sin):
+    ro_dim = cos.shape[-1] * 2
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    x1, x2 = x[..., :ro_dim].chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat([x[..., :ro_dim] * cos + rotated * sin, x[..., ro_dim:]], dim=-1)
+
+
+class ApplyRotaryEmbeddingInplace(torch.autograd.Function):
+    """k-diffusion's in-place rotary embedding: the forward copies the rotated tensor into its
+    input, the backward rotates the gradient back."""
+
+    @staticmethod
+    def forward(x, cos, sin):
+        return x.copy_(apply_rotary_emb(x, cos, sin))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        cos, sin = ctx.saved_tensors
+        return apply_rotary_emb(grad_output, cos, -sin), None, None
+
+
+class LinearGEGLU(nn.Linear):
+    """A Linear subclass whose own forward is a linear and a GEGLU (``linear_geglu``)."""
+
+    def __init__(self, cin, cout, bias=True):
+        super().__init__(cin, cout * 2, bias=bias)
+
+    def forward(self, x):
+        return linear_geglu(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, shape, eps=1e-6):
+        super().__init__()
+        self.eps, self.scale = eps, nn.Parameter(torch.ones(shape))
+
+    def forward(self, x):
+        return rms_norm(x, self.scale, self.eps)
+
+
+class AdaRMSNorm(nn.Module):
+    """An RMS norm whose scale is ``1 +`` a linear map of each example's conditioning."""
+
+    def __init__(self, features, cond_features, eps=1e-6):
+        super().__init__()
+        self.eps, self.linear = eps, nn.Linear(cond_features, features, bias=False)
+
+    def forward(self, x, cond):
+        return rms_norm(x, self.linear(cond)[:, None, None, :] + 1, self.eps)
+
+
+class AxialRoPE(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        freqs = torch.linspace(math.log(math.pi), math.log(10.0 * math.pi), dim // 4 + 1)[:-1].exp()
+        self.register_buffer("freqs", freqs)
+
+    def forward(self, pos):
+        freqs = torch.cat((pos[..., 0:1] * self.freqs, pos[..., 1:2] * self.freqs), dim=-1)
+        return freqs.cos(), freqs.sin()
+
+
+class SelfAttentionBlock(nn.Module):
+    """``image_transformer_v2.py``'s global ``SelfAttentionBlock`` (its non-flash path):
+    AdaRMSNorm, a packed ``qkv_proj``, cosine-similarity attention with a learned per-head
+    ``scale`` used by the block itself, the in-place axial RoPE on q and k, SDPA."""
+
+    def __init__(self, d_model, d_head, cond_features):
+        super().__init__()
+        self.d_head, self.n_heads = d_head, d_model // d_head
+        self.norm = AdaRMSNorm(d_model, cond_features)
+        self.qkv_proj = nn.Linear(d_model, d_model * 3, bias=False)
+        self.scale = nn.Parameter(torch.full([self.n_heads], 10.0))
+        self.pos_emb = AxialRoPE(d_head // 2)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, pos, cond):
+        skip = x
+        n, h, w, _ = x.shape
+        qkv = self.qkv_proj(self.norm(x, cond))
+        cos, sin = self.pos_emb(pos.reshape(h * w, 2).to(qkv.dtype))
+        # rearrange(qkv, "n h w (t nh e) -> t n nh (h w) e")
+        q, k, v = qkv.reshape(n, h * w, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
+        q, k = scale_for_cosine_sim(q, k, self.scale[:, None, None] * k.shape[-1] ** 0.5, 1e-6)
+        q = ApplyRotaryEmbeddingInplace.apply(q, cos, sin)
+        k = ApplyRotaryEmbeddingInplace.apply(k, cos, sin)
+        x = F.scaled_dot_product_attention(q, k, v)
+        x = x.permute(0, 2, 1, 3).reshape(n, h, w, -1)  # "n nh (h w) e -> n h w (nh e)"
+        return self.out_proj(x) + skip
+
+
+class FeedForwardBlock(nn.Module):
+    def __init__(self, d_model, d_ff, cond_features):
+        super().__init__()
+        self.norm = AdaRMSNorm(d_model, cond_features)
+        self.up_proj = LinearGEGLU(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x, cond):
+        return self.down_proj(self.up_proj(self.norm(x, cond))) + x
+
+
+class TinyImageTransformerV2(nn.Module):
+    """``ImageTransformerDenoiserModelV2`` in miniature: ``TokenMerge`` of 2x2 patches, the
+    noise level through Fourier features, a projection and a ``MappingNetwork`` (RMSNorm, a
+    GEGLU feed-forward) into each example's conditioning, one global-attention
+    ``TransformerLayer``, ``TokenSplit``."""
+
+    def __init__(self, width=16, d_head=8, d_ff=8, mapping=8):
+        super().__init__()
+        self.patch_in = nn.Linear(1 * 2 * 2, width, bias=False)
+        self.time_emb = FourierFeatures(mapping)
+        self.time_in_proj = nn.Linear(mapping, mapping, bias=False)
+        self.mapping_in_norm, self.mapping_out_norm = RMSNorm(mapping), RMSNorm(mapping)
+        self.mapping_norm = RMSNorm(mapping)
+        self.mapping_up = LinearGEGLU(mapping, mapping, bias=False)
+        self.mapping_down = nn.Linear(mapping, mapping, bias=False)
+        self.self_attn = SelfAttentionBlock(width, d_head, mapping)
+        self.ff = FeedForwardBlock(width, d_ff, mapping)
+        self.out_norm = RMSNorm(width)
+        self.patch_out = nn.Linear(width, 1 * 2 * 2, bias=False)
+
+    def forward(self, x, sigma):
+        n, c, hh, ww = x.shape
+        c_noise = torch.log(sigma) / 4
+        cond = self.time_in_proj(self.time_emb(c_noise[..., None]))
+        cond = self.mapping_in_norm(cond)
+        cond = cond + self.mapping_down(self.mapping_up(self.mapping_norm(cond)))
+        cond = self.mapping_out_norm(cond)
+        # "n c (h nh) (w nw) -> n h w (nh nw c)", then the patch projection
+        x = (
+            x.reshape(n, c, hh // 2, 2, ww // 2, 2)
+            .permute(0, 2, 4, 3, 5, 1)
+            .reshape(n, hh // 2, ww // 2, -1)
+        )
+        x = self.patch_in(x)
+        h_pos = torch.linspace(-1, 1, hh // 2 + 1, dtype=x.dtype)
+        h_pos = (h_pos[:-1] + h_pos[1:]) / 2
+        pos = torch.stack(torch.meshgrid(h_pos, h_pos, indexing="ij"), dim=-1)  # make_axial_pos
+        x = self.ff(self.self_attn(x, pos, cond), cond)
+        x = self.patch_out(self.out_norm(x))
+        return (
+            x.reshape(n, hh // 2, ww // 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(n, c, hh, ww)
+        )
+
+
+def test_k_diffusion_image_transformer_v2_rotary_in_place_geglu_subclass_and_ada_norms():
+    """crowsonkb/k-diffusion ``k_diffusion/models/image_transformer_v2.py`` (trained by
+    ``train.py`` through the ``Denoiser``'s ``loss``): ``LinearGEGLU``, an ``nn.Linear``
+    subclass whose own forward is the linear map and a GEGLU; ``RMSNorm`` and ``AdaRMSNorm``
+    (each example's scale a linear map of its noise level's conditioning); cosine-similarity
+    attention scaled by the block's own ``scale`` parameter; the rotary embedding applied in
+    place by a custom ``autograd.Function`` (``ApplyRotaryEmbeddingInplace``) on q and k;
+    SDPA. The model's zero-initialized layers are drawn at random here (a model that has
+    trained: at zero every earlier layer's gradient is 0). Over 2 AdamW steps with the script's
+    log-normal noise levels, ``grad1`` and the norms are the float64 loop's."""
+    B = 3
+    torch.manual_seed(0)
+    model = Denoiser(TinyImageTransformerV2()).to(D)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    g = torch.Generator().manual_seed(2)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(2):
+            reals = torch.randn(B, 1, 4, 4, generator=g, dtype=D)
+            noise = torch.randn(reals.shape, generator=g, dtype=D)
+            sigma = (torch.randn(B, generator=g, dtype=D) * 1.2 - 1.2).exp()
+            opt.zero_grad()
+            model.loss(reals, noise, sigma).mean().backward()
+            per = loop(twin, lambda *row: twin.loss(*row)[0], reals, noise, sigma)
+            assert_all({n: p.grad1 for n, p in trainable(model).items()}, per, f"step {step}")
+            assert_close(h.norms(), flat(per).norm(dim=1), f"step {step}: norms")
+            opt.step()
+            follow(twin, model)
