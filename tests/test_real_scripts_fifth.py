@@ -687,7 +687,10 @@ def own_mean_token_loss(model, row: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # (transformers' own deprecations)
-def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
+def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(
+    tmp_path, checkpointing
+):
     """microsoft/dp-transformers ``examples/nlg-reddit/sample-level-dp/fine-tune-dp.py`` with
     ``--lora_dim``: GPT-2 with LoRA on the attention's ``c_attn``, only the adapter trainable
     (``mark_only_lora_as_trainable``), its ``DataCollatorForPrivateCausalLanguageModeling``
@@ -696,7 +699,9 @@ def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(t
     script's collator. Over 2 Trainer steps of 2 accumulated physical batches, each update is
     the float64 loop's: each drawn sequence's own mean token loss run alone (with its
     position ids), its gradient clipped, summed, over the expected batch size, times the
-    rate of plain SGD; the base model's weights do not move."""
+    rate of plain SGD; the base model's weights do not move. Also with
+    ``--gradient_checkpointing`` (the Trainer's own: each block's forward run again in the
+    backward)."""
     transformers = transformers_or_skip()
     peft = pytest.importorskip("peft")
     pytest.importorskip("dp_accounting")
@@ -746,7 +751,7 @@ def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(t
         gradient_accumulation_steps=acc, max_steps=2, optim="sgd", learning_rate=lr,
         lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to=[],
         save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
-        remove_unused_columns=False,
+        remove_unused_columns=False, gradient_checkpointing=checkpointing,
     )  # fmt: skip
     dp = DPArguments(max_grad_norm=clip, delta=1e-5, noise_multiplier=0.0, sampling_seed=1)
     trainer = Checked(
@@ -757,6 +762,7 @@ def test_dp_transformers_nlg_reddit_lora_through_the_trainer_with_position_ids(t
     assert len(checked) == 2 and all(n > 0 for n, _ in checked), checked
     assert any(mixed for _, mixed in checked), "no step both clipped and left some unclipped"
     assert torch.equal(base.transformer.h[0].attn.c_attn.weight, frozen)
+    assert base.transformer.gradient_checkpointing == checkpointing
 
 
 # -- huggingface/transformers: run_glue_no_trainer.py under accelerate, bfloat16 ----------------
