@@ -1625,3 +1625,114 @@ def test_k_diffusion_image_transformer_v2_rotary_in_place_geglu_subclass_and_ada
                 assert err < 1e-2, f"step {step}: grad1's mean off by {err:.4f}"
             opt.step()
             follow(twin, model)
+
+
+# -- lxuechen/private-transformers: prefix-tuning ----------------------------------------------
+
+
+class PrefixedBlock(NanoBlock):
+    """A GPT-2 block whose attention reads a prefix of keys and values before the sequence's
+    own (GPT-2 given ``past_key_values``): every position sees the whole prefix, and the
+    sequence causally."""
+
+    def forward(self, x, past):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        p = past[0].shape[2]
+        mask = torch.ones(t, p + t, dtype=torch.bool).tril(diagonal=p)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class View(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x):
+        return x.reshape(*self.shape)
+
+
+class PrefixTuner(nn.Module):
+    """private-transformers ``examples/table2text/models.py``'s ``PrefixTuner``: a frozen
+    GPT-2 ("DON'T optimize it!") and ``extra_prefix_net``, an Embedding of the prefix
+    positions (a buffer ``arange(prefix_len)`` expanded over the batch), an MLP and a view
+    into every layer's keys and values, ``permute([2, 0, 3, 1, 4]).split(2)``, given to GPT-2
+    as ``past_key_values``."""
+
+    def __init__(self, vocab=16, d=8, heads=2, layers=2, prefix_len=3, mid_dim=6):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList(PrefixedBlock(d, heads) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.register_buffer("extra_prefix_ids", torch.arange(prefix_len))
+        self.extra_prefix_net = nn.Sequential(
+            nn.Embedding(prefix_len, d), nn.Linear(d, mid_dim), nn.Tanh(),
+            nn.Linear(mid_dim, layers * 2 * d), View((-1, prefix_len, layers * 2, heads, d // heads)),
+            nn.Dropout(0.0),
+        )  # fmt: skip
+
+    def make_past_key_values(self, bsz):
+        extra_prefix_ids = self.extra_prefix_ids[None, :].expand(bsz, -1)
+        past_key_values = self.extra_prefix_net(extra_prefix_ids)
+        return past_key_values.permute([2, 0, 3, 1, 4]).split(2, dim=0)
+
+    def forward(self, input_ids, attention_mask=None):
+        past_key_values = self.make_past_key_values(bsz=input_ids.size(0))
+        p = past_key_values[0].shape[3]
+        pos = torch.arange(p, p + input_ids.shape[1])  # (GPT-2 counts the past's positions)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block, past in zip(self.h, past_key_values, strict=True):
+            x = block(x, past)
+        return self.lm_head(self.ln_f(x))
+
+
+def test_private_transformers_prefix_tuning_a_frozen_gpt2_through_an_expanded_prefix_net():
+    """lxuechen/private-transformers ``examples/table2text`` with ``--tuning_mode prefix``:
+    ``PrefixTuner``'s prefix net runs on ``extra_prefix_ids[None, :].expand(bsz, -1)`` (the
+    same rows for every example, the batch made by an ``expand`` of a buffer, not read from
+    the data), and each example's keys and values of the prefix are its own rows of that
+    output, read by the frozen GPT-2's attention. Here 2 DP-SGD steps with ghost clipping (the
+    engine's default) on table-to-text batches (``compute_loss``'s per-sequence mean token
+    loss): only the prefix net trains, and ``.grad``, the noise taken off, is the float64
+    loop's clipped sum, the norms the loop's."""
+    C, SIGMA, B = 0.45, 0.7, 4
+    torch.manual_seed(0)
+    model = PrefixTuner().to(D)
+    twin = copy.deepcopy(model)
+    assert set(trainable(model)) == {n for n, _ in model.named_parameters() if "prefix" in n}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    noise, again = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(5)
+    seen = []
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for step in range(2):
+            ids, mask, labels = table2text_batch(g, B)
+            ids, labels = ids % 16, torch.where(labels == -100, labels, labels % 16)
+            opt.zero_grad()
+            logits = model(ids, mask)
+            shift = labels[:, 1:]
+            losses = F.cross_entropy(logits[:, :-1].permute(0, 2, 1), shift, reduction="none")
+            losses = losses.sum(1) / (shift != -100).sum(1)
+            norms = gradhooks.dp_sgd_step(
+                h, losses, max_norm=C, noise_multiplier=SIGMA, generator=noise, method="ghost"
+            )
+
+            def own(i, m, y):
+                out = twin(i, m)[0, :-1]
+                return F.cross_entropy(out, y[0, 1:], ignore_index=-100)
+
+            per = loop(twin, own, ids, mask, labels)
+            torch.testing.assert_close(norms, flat(per).norm(dim=1))
+            seen.append(norms)
+            got = denoised(model, again, SIGMA * C, B)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            opt.step()
+            follow(twin, model)
+    assert (torch.cat(seen) > C).any() and (torch.cat(seen) < C).any(), seen
