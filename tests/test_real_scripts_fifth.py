@@ -5,16 +5,18 @@ As in the other sets (``test_real_scripts*.py``): each test follows one script o
 repository (cited in its docstring: repository and path), its model and its loop as written
 there, at tiny sizes, on synthetic data, in float64 where the script allows. Here gradhooks
 takes the place of the script's own per-example machinery: Opacus' and its forks' privacy
-engines (TAN's augmentation multiplicity, fastDP's automatic clipping and DP-BiTFiT,
-private-transformers' ghost clipping over virtual steps, dp-transformers' LoRA through the
-Hugging Face ``Trainer``, its author-level DP), the gradient noise scale of k-diffusion's
-``GradientNoiseScale`` and of McCandlish et al. beside nanoGPT's loop, Hugging Face's
-``run_glue_no_trainer`` under ``accelerate`` with bfloat16, and data-pruning scores. At every
-step what the script computes from gradhooks (the update, the clipped sum, the norms, the
+engines (TAN's augmentation multiplicity and NFNet, fastDP's automatic clipping, layer-wise
+and DP-BiTFiT, private-transformers' ghost clipping over virtual steps, prompt-based
+classification and prefix-tuning, dp-transformers' LoRA through the Hugging Face ``Trainer``
+and its author-level DP), the gradient noise scale (k-diffusion's ``GradientNoiseScale``
+through ``Denoiser.loss``, McCandlish et al.'s estimate in nanoGPT's loop), k-diffusion's
+image transformer v2, Hugging Face's ``run_glue_no_trainer`` under ``accelerate``, K-FAC in
+kfac-pytorch's engine, and LESS's gradient features for data selection. At every step what
+the script computes from gradhooks (the update, the clipped sum, the norms, the factors, the
 scores) is compared with the same computed from each example's own gradient by a float64
 loop; where a step draws noise, the noise is drawn again from a generator of the same seed and
-taken off; under bfloat16 autocast the comparison has a stated tolerance, and the per-example
-rows reduce to torch's own summed gradient.
+taken off; under bfloat16 autocast (where the script uses it) the comparison has a stated
+tolerance, and the per-example rows' mean is compared with torch's own gradient.
 """
 
 from __future__ import annotations
@@ -596,7 +598,8 @@ class NanoGPT(nn.Module):
 def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_scale():
     """karpathy/nanoGPT ``train.py``: the model cropped (``model.crop_block_size(block_size)``,
     which puts a new ``wpe.weight`` parameter in place) after gradhooks was added, the script's
-    ``configure_optimizers``, ``get_lr``'s warmup, 2 micro-steps of ``loss /
+    ``configure_optimizers``, ``estimate_loss`` between the iterations (eval mode, under
+    ``no_grad``), ``get_lr``'s warmup, 2 micro-steps of ``loss /
     gradient_accumulation_steps`` through ``scaler.scale(loss).backward()`` (a disabled
     ``GradScaler``: on the CPU the script's ``ctx`` is ``nullcontext()``), ``scaler.unscale_``
     and ``clip_grad_norm_``, ``scaler.step`` and ``estimate_mfu``. A user logs each example's
@@ -604,7 +607,7 @@ def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_sca
     gradient noise scale of the logical batch (McCandlish et al.: ``mean_i ‖g_i‖²`` against
     ``‖p.grad‖²`` before the clipping). Over 2 iterations the norms are the loop's, ``grad1``
     after the micro-steps is each micro-batch's rows added up over the accumulation steps, the
-    clipping leaves it as it was, and the noise scale is the loop's."""
+    clipping leaves it as it was, and the noise scale's estimate of ``|G|²`` is the loop's."""
     ACC, B, T_, CLIP = 2, 3, 6, 0.5
     torch.manual_seed(0)
     model = NanoGPT().to(D)
@@ -619,6 +622,12 @@ def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_sca
         lr = 6e-3 * (it + 1) / 2  # get_lr's linear warmup
         for group in optimizer.param_groups:
             group["lr"] = lr
+        model.eval()  # estimate_loss(): eval mode, @torch.no_grad(), then train mode again
+        with torch.no_grad():
+            held_out = torch.randint(16, (B, T_ + 1), generator=g)
+            _, val_loss = model(held_out[:, :-1].contiguous(), held_out[:, 1:].contiguous())
+        model.train()
+        assert val_loss.isfinite()
         data = torch.randint(16, (ACC, B, T_ + 1), generator=g)
         xs, ys = data[..., :-1].contiguous(), data[..., 1:].contiguous()  # (get_batch's stack)
         norms = []
@@ -639,8 +648,11 @@ def test_nanogpt_train_loop_cropped_accumulated_clipped_with_norms_and_noise_sca
             sum((sum(p[n].sum(0) for p in per) / (ACC * B)).pow(2).sum() for n in per[0])
         )
         assert sq_large == pytest.approx(want_large, rel=1e-9)
-        n_large = ACC * B
+        n_large = ACC * B  # (|G|²'s unbiased estimate, from the small and the large batch)
         estimates.append((n_large * sq_large - sq_small) / (n_large - 1))
+        want_small = float((want_norms**2).mean())
+        want_est = (n_large * want_large - want_small) / (n_large - 1)
+        assert estimates[-1] == pytest.approx(want_est, rel=1e-9, abs=1e-15)
         scaler.unscale_(optimizer)
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         assert float(total) == pytest.approx(math.sqrt(want_large), rel=1e-9)
