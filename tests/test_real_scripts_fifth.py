@@ -256,15 +256,17 @@ def modules_of(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-@pytest.mark.parametrize("mode", ["BK-MixOpt", "layer-wise", "BiTFiT"])
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-ghost", "layer-wise", "BiTFiT"])
 def test_fastdp_cifar_timm_automatic_clipping_with_accumulation(mode):
     """awslabs/fast-differential-privacy ``examples/image_classification/CIFAR_TIMM.py``:
     fastDP's ``PrivacyEngine`` attached to Adam, its default automatic clipping
     (``clipping_fn="automatic"``: each gradient scaled by ``C/(‖g_i‖ + 0.01)``, Bu et al.),
-    ``clipping_style="all-layer"`` or ``"layer-wise"`` (each layer to ``C/√L``), or DP-BiTFiT
+    ``clipping_style="all-layer"`` (book-keeping, ``--clipping_mode BK-MixOpt``, or ghost
+    clipping, ``BK-ghost``) or ``"layer-wise"`` (each layer to ``C/√L``), or DP-BiTFiT
     (``--clipping_mode BiTFiT``: every parameter but the biases frozen), and the loop's
     gradient accumulation: ``n_acc_steps = bs // mini_bs`` mini-batches, ``optimizer.step()``
-    after the last. Here ``gradhooks.DPOptimizer(clipping="automatic", clipping_groups=...)``
+    after the last. Here ``gradhooks.DPOptimizer(clipping="automatic", clipping_groups=...,
+    method=...)``
     takes fastDP's place: ``opt.backward(per-example losses)`` per mini-batch. After each of 2
     logical steps of 2 mini-batches ``.grad``, the noise taken off, is the loop's clipped sum
     over the logical batch, and in BiTFiT the frozen weights do not move and have no
@@ -287,6 +289,7 @@ def test_fastdp_cifar_timm_automatic_clipping_with_accumulation(mode):
             opt, h, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=BS,
             generator=noise, clipping="automatic",
             clipping_groups="layer" if mode == "layer-wise" else None,
+            method="ghost" if mode == "BK-ghost" else None,
         )  # fmt: skip
         for step in range(2):
             inputs = torch.randn(BS, 3, 4, 4, generator=g, dtype=D)
