@@ -1751,3 +1751,79 @@ def test_private_transformers_prefix_tuning_a_frozen_gpt2_through_an_expanded_pr
             opt.step()
             follow(twin, model)
     assert (torch.cat(seen) > C).any() and (torch.cat(seen) < C).any(), seen
+
+
+# -- huggingface/pytorch-image-models: train.py with AugMix splits and the JSD loss ------------
+
+
+class JsdCrossEntropy(nn.Module):
+    """timm ``timm/loss/jsd.py``: the cross-entropy of the clean split (label smoothing) plus
+    ``alpha`` times the Jensen-Shannon divergence of the splits' predictions from their
+    clamped mixture, ``batchmean`` over the examples (AugMix, Hendrycks et al.)."""
+
+    def __init__(self, num_splits=3, alpha=12.0, smoothing=0.1):
+        super().__init__()
+        self.num_splits, self.alpha, self.smoothing = num_splits, alpha, smoothing
+
+    def forward(self, output, target):
+        split_size = output.shape[0] // self.num_splits
+        assert split_size * self.num_splits == output.shape[0]
+        logits_split = torch.split(output, split_size)
+        loss = F.cross_entropy(logits_split[0], target[:split_size], label_smoothing=self.smoothing)
+        probs = [F.softmax(logits, dim=1) for logits in logits_split]
+        logp_mixture = torch.clamp(torch.stack(probs).mean(axis=0), 1e-7, 1).log()
+        kl = sum(F.kl_div(logp_mixture, p, reduction="batchmean") for p in probs)
+        return loss + self.alpha * kl / len(probs)
+
+
+def test_timm_augmix_jsd_loss_couples_the_splits_rows_added_per_example():
+    """huggingface/pytorch-image-models ``train.py`` with ``--aug-splits 3 --jsd-loss``:
+    ``AugMixDataset`` gives each image as a clean copy and two augmented ones, ``fast_collate``
+    lays them out split after split (row ``i + j·B`` is copy ``j`` of example ``i``), and
+    ``JsdCrossEntropy`` couples each example's three rows through the mixture of their
+    predictions. grad1 has a row per copy, each copy's share of the gradient; with
+    ``loss_reduction="sum"`` on ``loss · B`` (the loss is ``batchmean``), an example's own
+    gradient is its three rows added up: the float64 loop's of the JSD loss of its three
+    copies alone, over 2 SGD steps. ``h.check(loss_fn, x, y)``, which recomputes examples one
+    row at a time, cannot run this loss (timm's assertion that the rows split in three): it is
+    refused saying so, with nothing changed, where it let the loss's own error through;
+    without the loss, ``h.check()`` finds no problem (grad1's rows add up to ``.grad``)."""
+    from harness import assert_untouched, model_state
+
+    B = 3
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+    ).to(D)  # fmt: skip
+    twin = copy.deepcopy(model)
+    train_loss_fn = JsdCrossEntropy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(2):
+            clean = torch.randn(B, 3, 6, 6, generator=g, dtype=D)
+            copies = [clean, clean.flip(-1) * 0.9, clean.roll(1, -2) + 0.1]  # (AugMix's ops)
+            x = torch.cat(copies)  # fast_collate: row i + j·B
+            target = torch.randint(3, (B,), generator=g).repeat(3)
+            opt.zero_grad()
+            (train_loss_fn(model(x), target) * B).backward()
+            own = {n: p.grad1.view(3, B, *p.shape).sum(0) for n, p in model.named_parameters()}
+            per = loop(
+                twin,
+                lambda a, b, c, y: train_loss_fn(twin(torch.cat([a, b, c])), y.repeat(3)),
+                *copies, target[:B],
+            )  # fmt: skip
+            assert_all(own, per, f"step {step}")
+            if step == 0:
+                before = model_state(model)
+                with pytest.raises(gradhooks.ConfigurationError) as info:
+                    h.check(train_loss_fn, x, target, raise_on_error=False)
+                for part in ("raised AssertionError", "a batch of one example", "JsdCrossEntropy",
+                             "h.check() without the loss", "Nothing was changed"):  # fmt: skip
+                    assert part in str(info.value), (part, str(info.value))
+                assert_untouched(model, before)
+                report = h.check(raise_on_error=False)  # (grad1 against .grad: it holds)
+                assert not report.problems and report.unchecked, report
+            opt.step()
+            follow(twin, model)
