@@ -1827,3 +1827,53 @@ def test_timm_augmix_jsd_loss_couples_the_splits_rows_added_per_example():
                 assert not report.problems and report.unchecked, report
             opt.step()
             follow(twin, model)
+
+
+# -- mansheej/data_diet: EL2N and GraNd scores early in training ---------------------------------
+
+
+def test_data_diet_el2n_is_the_heads_bias_gradient_and_grand_the_whole_norm_after_training():
+    """mansheej/data_diet ``data_diet/scores.py``: ``get_lord_error_fn(..., ord=2)`` (EL2N, the
+    norm of ``softmax(f(x)) - y``) and ``get_grad_norm_fn`` (GraNd, the norm of each example's
+    whole gradient of its cross-entropy), both through the model in test mode (batch norm on
+    its running statistics), computed a few steps into training and averaged over runs
+    (``scripts/get_mean_score.py``); ``run_keep_max_scores.py`` keeps the highest-scoring
+    examples. With gradhooks, one backward of the summed cross-entropy per run gives both: the
+    head's bias ``grad1`` is ``softmax - onehot`` row by row, so EL2N is its norm, and GraNd is
+    ``h.norms()``. Over 2 runs of 2 training steps each, EL2N is the script's formula, GraNd the
+    float64 loop's, and the examples kept by either mean score are the script's."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 3, 6, 6, generator=g, dtype=D)
+    y = torch.randint(4, (8,), generator=g)
+    el2n, grand, want_el2n, want_grand = [], [], [], []
+    for run in range(2):
+        torch.manual_seed(run)
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4),
+        ).to(D)  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):  # (training, batch statistics: no hooks)
+            idx = torch.randperm(8, generator=g)[:4]
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        model.eval()
+        with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            el2n.append(model[5].bias.grad1.norm(dim=1))
+            grand.append(h.norms())
+        with torch.no_grad():
+            errors = F.softmax(model(x), -1) - F.one_hot(y, 4).to(D)
+        want_el2n.append(torch.linalg.norm(errors, ord=2, dim=-1))
+        per = loop(model, lambda a, b, m=model: F.cross_entropy(m(a), b), x, y)
+        want_grand.append(flat(per).norm(dim=1))
+        assert_close(el2n[-1], want_el2n[-1], f"run {run}: EL2N")
+        assert_close(grand[-1], want_grand[-1], f"run {run}: GraNd")
+    for name, got, want in (("EL2N", el2n, want_el2n), ("GraNd", grand, want_grand)):
+        mean, want_mean = torch.stack(got).mean(0), torch.stack(want).mean(0)
+        assert_close(mean, want_mean, f"mean {name}")
+        assert (
+            mean.argsort(descending=True)[:5].tolist()
+            == want_mean.argsort(descending=True)[:5].tolist()
+        )
