@@ -1877,3 +1877,72 @@ def test_data_diet_el2n_is_the_heads_bias_gradient_and_grand_the_whole_norm_afte
             mean.argsort(descending=True)[:5].tolist()
             == want_mean.argsort(descending=True)[:5].tolist()
         )
+
+
+def test_kfac_pytorch_engine_fp16_grad_scaler_skips_an_overflowed_step():
+    """gpauloski/kfac-pytorch ``examples/vision/engine.py`` with ``--fp16``: the forward under
+    float16 autocast, ``scaler.scale(loss).backward()``, ``scaler.unscale_(optimizer)``,
+    ``preconditioner.step()``, ``scaler.step(optimizer)``, ``scaler.update()``. With
+    ``gradhooks.KFAC`` the same lines run as ``scaler.unscale_(kfac)`` and ``scaler.step(kfac,
+    data, target)`` (``KFAC.param_groups`` is its base optimizer's): where the scaled gradients
+    overflowed (the first step, at a large initial scale) the step is skipped as the
+    script's, the weights, factors and step count as they were, and the scale lowered
+    (``kfac.step`` itself refused such gradients, saying the model diverged, and
+    ``scaler.step(kfac, ...)`` failed on the missing ``param_groups``); the steps taken are
+    those of a float64 twin preconditioned by hand with the unscaled gradients and the float64
+    loop's factors (within float32's rounding: the factors' forward runs in float32)."""
+    DAMPING, DECAY = 1e-2, 0.95
+    torch.manual_seed(0)
+    model = KfacNet()
+    twin = copy.deepcopy(model).to(D)
+    kfac = gradhooks.KFAC(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), damping=DAMPING, decay=DECAY,
+        fisher="empirical",
+    )  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, backoff_factor=2.0**-20)
+    g = torch.Generator().manual_seed(3)
+    running, skipped, taken = None, 0, 0
+    for _ in range(3):
+        data = torch.randn(6, 1, 6, 6, generator=g)
+        target = torch.randint(4, (6,), generator=g)
+        kfac.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            output = model(data)
+            loss = F.cross_entropy(output, target)
+        scaler.scale(loss).backward()
+        scaler.unscale_(kfac)
+        grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        steps, scale = kfac.steps, scaler.get_scale()
+        overflowed = not all(torch.isfinite(t).all() for t in grads.values())
+        if overflowed:  # (the step itself refuses it, pointing to the scaler)
+            with pytest.raises(gradhooks.NumericalError, match=r"scaler\.step\(kfac, inputs"):
+                kfac.step(data, target)
+        scaler.step(kfac, data, target)
+        scaler.update()
+        if overflowed:  # skipped
+            skipped += 1
+            assert kfac.steps == steps and scaler.get_scale() < scale
+            for n, p in model.named_parameters():
+                assert torch.equal(p, before[n]), n
+            continue
+        taken += 1
+        new = own_factors(twin, data.double(), target)
+        running = new if running is None else {
+            k: [DECAY * r + (1 - DECAY) * f for r, f in zip(running[k], new[k], strict=True)]
+            for k in new
+        }  # fmt: skip
+        for k, layer in (("conv.weight", twin.conv), ("fc.weight", twin.fc)):
+            A, G = running[k]
+            prefix = k.rpartition(".")[0]
+            grad = torch.cat([grads[k].flatten(1), grads[f"{prefix}.bias"][:, None]], 1)
+            eye = torch.eye(grad.numel(), dtype=D)
+            natural = torch.linalg.solve(torch.kron(G, A) + DAMPING * eye, grad.flatten())
+            natural = natural.view(grad.shape)
+            with torch.no_grad():
+                layer.weight -= 0.1 * natural[:, :-1].reshape(layer.weight.shape)
+                layer.bias -= 0.1 * natural[:, -1]
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.double(), q, rtol=1e-4, atol=1e-6, msg=n)
+        follow(twin, model)
+    assert skipped == 1 and taken == 2 and kfac.steps == 2
