@@ -1032,14 +1032,15 @@ def own_factors(model: KfacNet, x: torch.Tensor, y: torch.Tensor) -> dict:
     return sums
 
 
-def test_kfac_pytorch_engine_accumulated_mini_steps_with_running_factors():
-    """gpauloski/kfac-pytorch ``examples/vision/engine.py``'s ``train``: each batch in
-    ``mini_steps`` micro-batches, ``loss = loss_func(output, target) / mini_steps`` and its
-    backward, then ``preconditioner.step()`` (``KFACPreconditioner``: factors from the
+def test_kfac_pytorch_engine_accumulated_batches_with_running_factors():
+    """gpauloski/kfac-pytorch ``examples/vision/engine.py``'s ``train``: each step over
+    ``batches_per_allreduce`` loader batches, ``loss = loss_func(output, target) /
+    batches_per_allreduce`` and its backward on each, then ``preconditioner.step()``
+    (``KFACPreconditioner``: factors from the
     training batch every ``factor_update_steps``, a running average of decay
     ``factor_decay``, inverses every ``inv_update_steps``) and ``optimizer.step()`` (SGD with
     momentum). Here ``gradhooks.KFAC(fisher="empirical")`` around the SGD, ``opt.step(data,
-    target)`` after the micro-steps. Over 3 steps (factors at every step, inverses at steps
+    target)`` after the accumulated batches. Over 3 steps (factors at every step, inverses at steps
     0 and 2) the weights are those of a float64 twin preconditioned by hand: the factors from
     each example's own inputs and output-gradients by a loop, averaged as the script does,
     each weight's gradient (its bias a column) solved against ``kron(G, A) + damping·I``
