@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from harness import assert_close
+from harness import assert_close, one_thread  # noqa: F401 (autouse in this module)
 
 D = torch.float64
 
