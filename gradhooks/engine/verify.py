@@ -35,6 +35,7 @@ from ..errors import (
     CheckFailedError,
     ConfigurationError,
     ConfigurationTypeError,
+    GradhooksError,
     MixedExamplesError,
     StateError,
     UnsupportedInputError,
@@ -1296,6 +1297,17 @@ def _checked_loss(loss_fn: Callable[..., Tensor], target: Tensor | None) -> Call
                 else "a loss of the output alone takes no target: h.check(loss_fn, inputs)"
             )
             raise ConfigurationTypeError(f"check(): {called} raised TypeError ({e}); {fix}") from e
+        except GradhooksError:
+            raise
+        except Exception as e:  # (a loss of the whole batch: it splits it, or couples rows)
+            raise ConfigurationError(
+                f"check(): {called} raised {type(e).__name__} ({e}) on a batch of one example: "
+                "check() recomputes the first examples one at a time, each alone, to compare "
+                "their gradients with grad1, and this loss needs more of the batch (one that "
+                "splits it, as timm's JsdCrossEntropy splits the augmented copies, or couples "
+                "its rows). Call h.check() without the loss (grad1 against .grad), or pass a "
+                "loss of one example. Nothing was changed."
+            ) from e
         if not isinstance(value, Tensor):
             raise ConfigurationTypeError(
                 f"check(): {called} returned {type(value).__qualname__} {value!r}, not a "

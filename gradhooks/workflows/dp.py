@@ -596,6 +596,15 @@ def _checked(
             "no gradient (correct-or-not flags, predicted classes, counts?): pass each "
             "example's loss, F.cross_entropy(output, target, reduction='none')"
         )
+    if not per_example_loss.requires_grad and per_example_loss.shape == (0,):
+        raise ConfigurationError(
+            "dp_sgd_step: per_example_loss is empty and has no autograd history: a batch of no "
+            "example (an empty Poisson draw) is stepped through the hooked forward all the same, "
+            "the step then being the noise alone. Run the model on the batch of 0 rows "
+            "(model(x[idx])); where the model cannot run 0 rows (a Hugging Face transformer's "
+            "attention), run it on any one example and pass its losses times 0, as "
+            "gradhooks.hf.DPTrainer does: that example adds nothing. Nothing was changed."
+        )
     if not per_example_loss.requires_grad:
         raise ConfigurationError(
             "dp_sgd_step: per_example_loss has no autograd history (detached, or computed "

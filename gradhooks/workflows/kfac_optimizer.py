@@ -183,6 +183,14 @@ class KFAC:
 
     # -- the step ----------------------------------------------------------------------------
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The base optimizer's ``param_groups``: what a float16 ``GradScaler`` unscales, so
+        that ``scaler.step(kfac, inputs, target)`` skips a step whose scaled gradients
+        overflowed and otherwise calls :meth:`step` with the inputs (then
+        ``scaler.update()``)."""
+        return self.optimizer.param_groups
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -222,7 +230,10 @@ class KFAC:
                 raise NumericalError(
                     f"KFAC: the gradient of '{name}' {tuple(p.shape)} holds NaN or inf: the "
                     "loss or the model diverged. Lower the learning rate or raise the "
-                    "damping, and restart from a checkpoint"
+                    "damping, and restart from a checkpoint. (The backward of a float16 "
+                    "GradScaler's scaled loss overflows now and then: step through "
+                    "scaler.step(kfac, inputs, target), which skips such a step, then "
+                    "scaler.update().)"
                 )
         if self.steps % self.factors_every == 0:
             with torch.enable_grad():
