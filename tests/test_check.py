@@ -64,7 +64,8 @@ def _trained_bn(bn, shape):
 NAMED_EXAMPLES = {
     "transformers.pytorch_utils.Conv1D": (lambda cls: cls(5, 4), lambda: torch.randn(3, 2, 4)),
     "loralib.layers.Linear": (
-        lambda cls: _lora_b_drawn(cls(5, 4, r=2, lora_alpha=2)), lambda: torch.randn(3, 2, 5)
+        lambda cls: _lora_b_drawn(cls(5, 4, r=2, lora_alpha=2)),
+        lambda: torch.randn(3, 2, 5),
     ),
     "loralib.layers.MergedLinear": (
         lambda cls: _lora_b_drawn(cls(4, 6, r=2, lora_alpha=2, enable_lora=[True, False, True])),

@@ -40,7 +40,8 @@ MIXING = {
     "linalg.lu_factor": (lambda h: torch.linalg.lu_factor(h)[0], (3, 5)),
     "linalg.solve_ex": (lambda h: torch.linalg.solve_ex(h, _constant(4, 2))[0], (4, 4)),
     "linalg.householder_product": (
-        lambda h: torch.linalg.householder_product(h, _constant(3)), (4, 4)
+        lambda h: torch.linalg.householder_product(h, _constant(3)),
+        (4, 4),
     ),
     "cholesky_inverse": (lambda h: torch.cholesky_inverse(_near_identity(h)), (5, 5)),
     "gradient": (lambda h: torch.gradient(h, dim=0)[0], (4, 3)),
@@ -49,13 +50,17 @@ MIXING = {
     "linalg.diagonal": (lambda h: torch.linalg.diagonal(h), (4, 4)),
     "diagonal_scatter": (lambda h: torch.diagonal_scatter(h, _constant(4)), (4, 4)),
     "as_strided_scatter": (
-        lambda h: torch.as_strided_scatter(h, _constant(2, 2), (2, 2), (1, 2)), (3, 3)
+        lambda h: torch.as_strided_scatter(h, _constant(2, 2), (2, 2), (1, 2)),
+        (3, 3),
     ),
-    "linalg.vecdot over the batch": (lambda h: torch.linalg.vecdot(h, _constant(4, 4), dim=0),
-                                     (4, 4)),  # fmt: skip
+    "linalg.vecdot over the batch": (
+        lambda h: torch.linalg.vecdot(h, _constant(4, 4), dim=0),
+        (4, 4),
+    ),  # fmt: skip
     "linalg.vander": (lambda h: torch.linalg.vander(h[:, 0]), (4, 3)),
     "native_group_norm of N examples": (
-        lambda h: torch.native_group_norm(h, None, None, 4, 6, 1, 2, 1e-5)[0], (4, 6)
+        lambda h: torch.native_group_norm(h, None, None, 4, 6, 1, 2, 1e-5)[0],
+        (4, 6),
     ),
 }
 
@@ -67,15 +72,19 @@ KEEPING = {
     "sum over the features": (lambda h: h.sum(1), (4, 3)),
     "logsumexp over the features": (lambda h: h.logsumexp(-1), (4, 3)),
     "each example's Gram matrix": (lambda h: (h @ h.transpose(-1, -2)).sum(-1), (4, 3, 3)),
-    "linalg.cross": (lambda h: torch.linalg.cross(h, _constant(3).to(h).expand_as(h), dim=-1),
-                     (4, 3)),  # fmt: skip
+    "linalg.cross": (
+        lambda h: torch.linalg.cross(h, _constant(3).to(h).expand_as(h), dim=-1),
+        (4, 3),
+    ),  # fmt: skip
     "linalg.vecdot over the features": (lambda h: torch.linalg.vecdot(h, h.flip(-1)), (4, 3)),
     "as_strided to its own shape": (lambda h: h.as_strided(h.shape, h.stride()), (4, 3)),
     "linalg.eigh of each example's matrix": (
-        lambda h: torch.linalg.eigh(h + h.transpose(-1, -2))[0], (4, 3, 3)
+        lambda h: torch.linalg.eigh(h + h.transpose(-1, -2))[0],
+        (4, 3, 3),
     ),
     "cholesky_inverse of each example's matrix": (
-        lambda h: torch.cholesky_inverse(torch.eye(3, dtype=D) + 1e-3 * h.tril()), (4, 3, 3)
+        lambda h: torch.cholesky_inverse(torch.eye(3, dtype=D) + 1e-3 * h.tril()),
+        (4, 3, 3),
     ),
 }
 

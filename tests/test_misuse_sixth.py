@@ -413,8 +413,6 @@ def test_dp_steps_on_micro_batches_before_one_optimizer_step_warn():
                 opt.step()
 
 
-
-
 @pytest.mark.parametrize("method", ["grad1", "bookkeeping", "ghost"])
 def test_dp_step_of_a_float16_model_whose_example_norms_pass_256(method):
     """A model cast with ``model.half()`` (CPU or GPU, no autocast) whose examples' gradient

@@ -346,5 +346,7 @@ def test_no_module_defines_a_function_or_class_twice():
 
 def test_the_twice_defined_scan_sees_one(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    return g()\n\n\ndef g():\n    return 1\n\n\ndef g():\n    return 2\n")
+    module.write_text(
+        "def f():\n    return g()\n\n\ndef g():\n    return 1\n\n\ndef g():\n    return 2\n"
+    )
     assert _defined_twice(module) == ["m.py: g (line 9)"]

@@ -120,9 +120,9 @@ def test_detach_without_grads_needs_grad_from_grad1_and_a_function(registry):
     with pytest.raises(gradhooks.ConfigurationTypeError, match="needs grad_from_grad1"):
         registry.register(Scale, detach_without_grads=lambda m, a: True)(scale_rule)
     with pytest.raises(gradhooks.ConfigurationTypeError, match="takes a function"):
-        registry.register(
-            Scale, grad_from_grad1=lambda m, a: False, detach_without_grads=True
-        )(scale_rule)
+        registry.register(Scale, grad_from_grad1=lambda m, a: False, detach_without_grads=True)(
+            scale_rule
+        )
     assert Scale not in registry
 
 

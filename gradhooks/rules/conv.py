@@ -517,7 +517,10 @@ def _out_positions(module: _Conv, x: Tensor) -> int:
 
 
 @register(
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, grad_from_grad1=many_positions,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    grad_from_grad1=many_positions,
     detach_without_grads=large_product,
 )
 def conv(call: Call) -> dict[str, Outer]:

@@ -27,7 +27,9 @@ CONV1D = "transformers.pytorch_utils.Conv1D"
 
 
 @register(
-    CONV1D, grad_from_grad1=many_positions, detach_without_grads=large_product,
+    CONV1D,
+    grad_from_grad1=many_positions,
+    detach_without_grads=large_product,
     batch_dim="positions",
 )
 def conv1d(call: Call) -> dict[str, Piece]:

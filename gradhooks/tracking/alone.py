@@ -78,4 +78,3 @@ def differs_alone(
                 if o.dim() <= d or not same_row(o.narrow(d, i, 1), g):
                     return "whose output for an example alone is not that example's row"
     return None
-
