@@ -207,7 +207,7 @@ def device_side(step, reset, reps: int) -> dict[str, float]:
 # a Hook's function by a part of its qualified name, or a BackwardWriter method)
 STAGES = (
     ("forward starts", ("on_root_pre", "entry_hooks.<locals>.pre")),
-    ("a call's pre-hooks", ("_pre_then", "detach_hook", "enter_hook")),
+    ("a call's pre-hooks", ("enter_hook",)),
     ("a call's forward hook", ("_forward_then", "forward_hook")),
     ("forward ends", ("on_root_post", "entry_hooks.<locals>.post")),
     ("a call's backward", ("output_grads", "node_grads")),

@@ -670,3 +670,74 @@ def test_a_per_example_mask_on_an_activations_gradient(where, verify):
         run(x, slice(None)).backward()
     for n, p in model.named_parameters():
         assert_close(p.grad1, torch.stack(want[n]), f"{where}: grad1 of {n}")
+
+
+def _weight_from_half(m: nn.Module, args: tuple) -> None:
+    """A pre-hook that makes the layer's ``weight`` from the parameter ``w_half``, before the
+    call (as the old ``nn.utils.weight_norm`` does)."""
+    m.weight = 2.0 * m.w_half
+
+
+_AFTER_OURS = pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.RuleError,
+    reason="a layer that may be called on its own (a child of the model) gets one pre-hook "
+    "of gradhooks' that also opens its forward, which stays first: a pre-hook of the user's "
+    "registered after add_hooks runs after it, inside the call, where the weight it makes "
+    "from another parameter is taken for the call's own use, which the rule does not know "
+    "(refused; registered before add_hooks, or with prepend=True, it runs before, and its use "
+    "is followed)",
+)
+
+
+@pytest.mark.parametrize(
+    "what, when",
+    [
+        ("input", "before"),
+        ("input", "after"),
+        ("input", "after-prepended"),
+        ("weight", "before"),
+        pytest.param("weight", "after", marks=_AFTER_OURS),
+        ("weight", "after-prepended"),
+    ],
+)
+def test_a_pre_hook_on_a_layer_whose_call_runs_detached(what, when):
+    """A forward pre-hook of the user's on a Linear whose call would run detached (the
+    threshold at 1: its batch gradient taken from grad1), registered before ``add_hooks``,
+    after it, or after it in front of every other: one that changes the input is seen by the
+    call, as torch runs it; one that makes the weight from another parameter before the call
+    leaves it attached, its use followed where the hook makes it. ``grad1`` and ``.grad`` are
+    the loop's either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    layer = model[2]
+    if what == "weight":
+        layer.w_half = nn.Parameter(layer.weight.detach() / 2)
+        del layer.weight
+        layer.weight = 2.0 * layer.w_half
+        hook = _weight_from_half
+    else:
+        hook = lambda m, args: (3.0 * args[0],)  # noqa: E731
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+
+    def loss(out, y=None):
+        return (out**2).sum()
+
+    def register():
+        return layer.register_forward_pre_hook(hook, prepend=when == "after-prepended")
+
+    handle = register()
+    want = loop_grad(model, loss, x)
+    if when != "before":
+        handle.remove()
+    with gradhooks.tuned(sum_grad1_positions=1):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            if when != "before":
+                handle = register()
+            for step in range(2):
+                model.zero_grad()
+                loss(model(x)).backward()
+                for n, p in model.named_parameters():
+                    assert_close(p.grad1, want[n], f"{n} step {step}")
+                    assert_close(p.grad, want[n].sum(0), f"{n}.grad step {step}")
+    handle.remove()

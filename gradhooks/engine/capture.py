@@ -32,7 +32,6 @@ from .plan import Target
 from .records import (
     CallState,
     Hook,
-    OwnWork,
     detach_tree,
     is_compiling,
     tree_leaves,
@@ -53,7 +52,7 @@ class _Sums(dict):
 @dataclass
 class _Carried:
     """A call run with its parameters detached whose rule has ``taps`` (see
-    :meth:`DetachedCalls.detach_hook`): the parameters are attached to its first input through a
+    :meth:`DetachedCalls.detach_steps`): the parameters are attached to its first input through a
     :class:`_Join` node, whose backward runs after every node of the call, so after the rule.
     Never holds a tensor of the call's own graph (a cycle through autograd's graph)."""
 
@@ -69,7 +68,7 @@ class _Carried:
 @dataclass
 class DetachedCall:
     """A call running now with its parameters detached: pushed by
-    :meth:`DetachedCalls.detach_hook` before the call, popped by :meth:`DetachedCalls.reattach`
+    :meth:`DetachedCalls.detach_steps` before the call, popped by :meth:`DetachedCalls.reattach`
     at its end (or by :meth:`gradhooks.Hooks.remove` during it)."""
 
     module: nn.Module
@@ -85,7 +84,7 @@ class DetachedCall:
         if self.undo is not None:
             self.undo()
         if self.owned is not None:
-            torch.set_grad_enabled(True)  # (it was on: _detach_hook)
+            torch.set_grad_enabled(True)  # (it was on: detach_steps)
         if self.recording is None:
             return None
         manager, recorded = self.recording
@@ -297,9 +296,19 @@ def _reads_others(module: nn.Module, detached: dict[str, Tensor]) -> bool:
     return any(p.requires_grad and id(p) not in own for p in module.parameters())
 
 
+class DetachSteps(NamedTuple):
+    """A hooked call's decision to run detached and its start
+    (:meth:`DetachedCalls.detach_steps`), run by the module's forward pre-hook."""
+
+    # (module, args, kwargs, the pre-hook) -> what runs detached, or None: asked in OwnWork
+    decide: Callable[[nn.Module, tuple, dict, Callable], tuple | None]
+    # (module, args, kwargs, what decide gave) -> the call's new (args, kwargs), or None
+    start: Callable[[nn.Module, tuple, dict, tuple], tuple[tuple, dict] | None]
+
+
 def runs_call_last_only(entry: Any) -> bool:
     """Whether a rule's entry may run its layer's call itself (``owns_backward``) or carry
-    its parameters on an input (``taps``), which :meth:`DetachedCalls.detach_hook` does only
+    its parameters on an input (``taps``), which :meth:`DetachedCalls.detach_steps` does only
     where its pre-hook is the module's last: a pre-hook of the user's after it could change
     what the forward gets."""
     return entry.owns_backward is not False or entry.taps is not None
@@ -325,8 +334,9 @@ class DetachedCalls:
             return entry.detach_without_grads(module, args)
         return entry.grad_from_grad1(module, args)
 
-    def detach_hook(self, target: Target, forward_hook: int):
-        """The forward pre-hook of a module whose rule has ``grad_from_grad1``: where it says
+    def detach_steps(self, target: Target, forward_hook: int) -> DetachSteps:
+        """The part of a hooked module's forward pre-hook
+        (:meth:`ForwardCapture.enter_hook`) for a rule with ``grad_from_grad1``: where it says
         so, the call runs with the module's own parameters detached (the tracker hands its
         torch functions detached aliases: autograd then computes no batch gradient for them),
         and :meth:`ForwardCapture.forward_hook` (handle id ``forward_hook``)
@@ -345,9 +355,14 @@ class DetachedCalls:
         carries = target.entry.taps is not None and not owns
         last_only = runs_call_last_only(target.entry)  # (owns or carries)
 
-        def runs_detached(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        def runs_detached(
+            module: nn.Module, args: tuple, kwargs: dict, hook: Callable
+        ) -> tuple | None:
             """The parameters the call runs detached, and the input that carries them
-            (``None``: not carried); ``None`` where it runs as autograd runs it."""
+            (``None``: not carried); ``None`` where it runs as autograd runs it. ``hook``: the
+            module's forward pre-hook that asks (the engine's own work, which the forward's
+            tracker does not see: asked inside
+            :class:`~gradhooks.engine.records.OwnWork`)."""
             if (
                 module is not target.module
                 or self.state.removed
@@ -389,13 +404,10 @@ class DetachedCalls:
                 return None
             return detached, carried
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            # (whether the call runs detached, and what: the engine's own work, which the
-            # forward's tracker does not see; what the call then runs on, it does)
-            with OwnWork(self.state.tracker()):
-                found = runs_detached(module, args, kwargs)
-            if found is None:
-                return
+        def start(
+            module: nn.Module, args: tuple, kwargs: dict, found: tuple
+        ) -> tuple[tuple, dict] | None:
+            # (what the call then runs on, the forward's tracker sees)
             detached, carried = found
             owned = (args, kwargs) if owns else None
             recording = None  # (context manager, what it gave), left in _reattach
@@ -421,8 +433,9 @@ class DetachedCalls:
                 torch.set_grad_enabled(False)  # back on in _reattach, at the forward's end
             if box is not None:
                 return args, kwargs
+            return None
 
-        return hook
+        return DetachSteps(runs_detached, start)
 
     def _from_sources(self, args: tuple, kwargs: dict) -> bool:
         """Whether an input of a call that requires grad was computed from tensors that do not
@@ -437,7 +450,7 @@ class DetachedCalls:
         )
 
     def reattach(self, module: nn.Module) -> Reattached:
-        """Put back the parameters :meth:`detach_hook` detached for the call now ending;
+        """Put back the parameters :meth:`detach_steps` detached for the call now ending;
         returns them, the call's ``(args, kwargs)`` where it ran with grad mode off (else
         ``None``), its :class:`_Carried` where its first input carries them (else ``None``)
         and what its rule's ``owns_backward`` recording gave (else ``None``), the recording now left."""
@@ -502,7 +515,7 @@ class DetachedCalls:
         kwargs: dict,
         output: Any,
     ) -> Tensor:
-        """Capture a call that ran with ``detached`` detached (:meth:`detach_hook`); return
+        """Capture a call that ran with ``detached`` detached (:meth:`detach_steps`); return
         its output attached to them again (the forward hook's replacement output)."""
         module = target.module
         if not isinstance(output, Tensor):

@@ -58,7 +58,7 @@ from .calls import (
     rows_in_memory,
     unview,
 )
-from .capture import DetachedCalls
+from .capture import DetachedCalls, DetachSteps
 from .opaque import follow_scripted
 from .outputs import LayerOutputs
 from .plan import Target, accumulator_of, positional
@@ -102,19 +102,31 @@ class ForwardCapture:
         # the outputs hooked calls returned, where a global forward hook of others returns another
         self.layer_outputs = LayerOutputs(lambda module: False)
 
-    def enter_hook(self, target: Target):
+    def enter_hook(
+        self, target: Target, first: Callable | None = None, detach: DetachSteps | None = None
+    ):
         """The forward pre-hook of every hooked module: the tracker (if this forward has one)
         learns which parameters the call covers, so that an operation using a parameter
-        outside its module's call is seen as a direct use."""
+        outside its module's call is seen as a direct use. ``first``: the pre-hook of an entry
+        module (:meth:`entry_hooks`) that runs before, where no hook of the user's runs between
+        them; ``detach``: where the rule may run the call detached, whether it does, decided
+        in the same :class:`OwnWork`, and the call's start (one hook does the work of all)."""
         own = list(target.params.values())
         # (what each call covers, its name and softness: the same at every call, made once)
         covers = frozenset(id(p) for p in own)
         soft, quoted = target.entry is FALLBACK, target.quoted
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            if first is not None:
+                given = first(module, args, kwargs)
+                if given is not None:
+                    # (the hooks were planned again in it: this one is dead, and its successor
+                    # ran, which gave the call's arguments)
+                    return given
             if module is not target.module:
-                return
+                return None
             tracker = self.state.tracker()
+            found = None
             with OwnWork(tracker):
                 capturing = (
                     self.state.pause.on and torch.is_grad_enabled() and not self.state.removed
@@ -140,6 +152,11 @@ class ForwardCapture:
                     if not _torch.in_transform(args, kwargs):
                         # (before the call: a refused BatchNorm leaves its running statistics)
                         target.entry.on_forward(module, target.name)
+                if detach is not None:
+                    found = detach.decide(module, args, kwargs, hook)
+            if found is None:
+                return None
+            return detach.start(module, args, kwargs, found)
 
         return hook
 
@@ -657,7 +674,7 @@ class ForwardCapture:
             # (not during a backward: activation checkpointing running a block again)
             if not self.state.frames and m is ref() and graph_task() == -1:
                 replanned, given = self._open_planned(m, args, kwargs)
-                if replanned:  # (the module's other hooks of ours are dead: _pre_then)
+                if replanned:  # (the module's other hooks of ours are dead: enter_hook)
                     return (args, kwargs) if given is None else given
             return None
 

@@ -439,7 +439,8 @@ class Hooks:
         for target in self._state.targets:
             m = target.module
             detaches = target.entry.grad_from_grad1 is not None
-            enter, forward = self._forwards.enter_hook(target), self._forwards.forward_hook(target)
+            forward = self._forwards.forward_hook(target)
+            first = None
             if id(m) in entry_ids:
                 # A hooked module that may be called on its own: where no hook of its user's
                 # runs between its entry's hooks and ours, one pre-hook and one forward hook
@@ -450,34 +451,28 @@ class Hooks:
                     _torch.first_forward_hook(m) is None,
                 )
                 if joined[id(m)][0]:
-                    enter = _pre_then(pre, enter)
+                    first = pre
                 if joined[id(m)][1]:
                     forward = _forward_then(forward, post)
-            pre_handles = [m.register_forward_pre_hook(hook(enter), with_kwargs=True)]
             # (first among the module's forward hooks: one registered before add_hooks that
             # returns a new output must not hide the output the rule's gradient is taken at)
             handle = m.register_forward_hook(
                 hook(forward), with_kwargs=True, always_call=True, prepend=True
             )
             handles.append(handle)
-            if detaches:
-                pre_handles.append(
-                    m.register_forward_pre_hook(
-                        hook(self._detached_calls.detach_hook(target, handle.id)), with_kwargs=True
-                    )
-                )
-            handles.extend(pre_handles)
-            # (our pre-hooks last: one registered since, nn.utils.prune's applied again, makes
+            # (one pre-hook: the entry's, where joined, the call's start, and whether the call
+            # runs detached)
+            detach = self._detached_calls.detach_steps(target, handle.id) if detaches else None
+            enter = self._forwards.enter_hook(target, first, detach)
+            pre_handle = m.register_forward_pre_hook(hook(enter), with_kwargs=True)
+            handles.append(pre_handle)
+            # (our pre-hook last: one registered since, nn.utils.prune's applied again, makes
             # the weight from its parameters before the call, where the tracker sees it; not
             # where ours opens the forward of an entry module, nor where the call may be run by
             # the rule itself, which it is only where no pre-hook of the user's runs after ours:
             # moved after one, ours would run it on what that one changed, outside its graph)
             owned = detaches and runs_call_last_only(target.entry)
-            last = (
-                ()
-                if (id(m) in joined and joined[id(m)][0]) or owned
-                else tuple(h.id for h in pre_handles)
-            )
+            last = () if first is not None or owned else (pre_handle.id,)
             self._first_hooks.append((m, handle.id, last))
         for entry in entries:
             pre_joined, post_joined = joined.get(id(entry), (False, False))
@@ -1413,21 +1408,6 @@ def _note_rule_less(state: CaptureState) -> None:
         kfac.without_rule = frozenset(
             t.name for t in state.targets if t.entry is FALLBACK and t.name
         )
-
-
-def _pre_then(first, then):
-    """One forward pre-hook that runs ``first``, then ``then`` (which gives ``None``); not
-    ``then`` where ``first`` gives the call's arguments: the hooks were planned again in it,
-    ``then`` is dead and ``first`` ran its successor (:meth:`ForwardCapture.entry_hooks`)."""
-
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        given = first(module, args, kwargs)
-        if given is not None:
-            return given
-        then(module, args, kwargs)
-        return None
-
-    return pre
 
 
 def _forward_then(first, then):
