@@ -1068,7 +1068,8 @@ def _kept_sums(
     waiting: dict[int, list[tuple[P.Piece, Tensor]]] = {}
     while kept:  # (each call's pieces freed once added)
         pieces, live, scale = kept.pop(0)
-        used = {n: p for n, p in live.items() if id(p) not in summed} if summed else live
+        # (a parameter frozen since the forward is not the step's: its pieces are not used)
+        used = {n: p for n, p in live.items() if id(p) in by_id and id(p) not in summed}
         if all(pieces[n].adds_rows for n in used):
             for n, p in used.items():
                 waiting.setdefault(id(p), []).append((pieces[n], weight(p, scale)))
