@@ -403,6 +403,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
                 grad = grad.div_(self.expected_batch_size)
                 p.grad = _dp.as_grad(grad if scale == 1.0 else grad.mul_(scale), sparse)
+        _dp.drop_stale_grads(self, params)
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
