@@ -1135,8 +1135,13 @@ class BackwardWriter:
             for q in [q for q in bw.computed if not self.state.params[q][1].requires_grad]:
                 left_out.add(q)
                 bw.grads.pop(q, None)
-            if self.state.grad1 and left_out:
-                self.rollback(bw, left_out)
+        elif kept and bw.reached and not self.state.mode.param_grads:
+            # (the book-keeping step asks for no parameter gradient, and clips those of the
+            # parameters trainable when it runs: one frozen since the forward is left out)
+            params = self.state.params
+            left_out = {q for q in bw.reached if q in params and not params[q][1].requires_grad}
+        if self.state.grad1 and left_out:
+            self.rollback(bw, left_out)
         for held in bw.held:
             self.state.collector.add(*held)
         bw.held.clear()

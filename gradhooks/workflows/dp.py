@@ -258,6 +258,7 @@ def dp_sgd_step(
     for p, c, layout in zip(params, clipped, sparse, strict=True):
         p.grad = as_grad(c, layout)
     _written(hooks, params)
+    drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
     return norms.detach()
 
@@ -503,6 +504,30 @@ def _written(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
             for p in params
             if p.grad is not None
         ]
+
+
+# Per writer (a handle, for dp_sgd_step; a DPOptimizer), the .grad its last step wrote
+_OWN_GRADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def drop_stale_grads(writer: object, params: list[torch.nn.Parameter]) -> None:
+    """Set to ``None`` the ``.grad`` that ``writer``'s last step wrote for a parameter that is
+    not among this step's ``params`` (frozen since, or no longer the model's), where it is
+    still that step's tensor, unchanged; then record the ``.grad`` of ``params``. A DP step
+    needs no ``zero_grad()``: without this, the optimizer would step a parameter frozen
+    between two steps again, on the last step's gradient, at every step after."""
+    now = {id(p) for p in params}
+    for p_ref, g_ref, version in _OWN_GRADS.get(writer, ()):
+        p, g = p_ref(), g_ref()
+        if p is None or g is None or id(p) in now or p.grad is not g:
+            continue
+        if _torch.version(g) == version:
+            p.grad = None
+    _OWN_GRADS[writer] = [
+        (weakref.ref(p), weakref.ref(p.grad), _torch.version(p.grad))
+        for p in params
+        if p.grad is not None
+    ]
 
 
 def _warn_if_unstepped(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
@@ -1077,7 +1102,8 @@ def _kept_sums(
     waiting: dict[int, list[tuple[P.Piece, Tensor]]] = {}
     while kept:  # (each call's pieces freed once added)
         pieces, live, scale = kept.pop(0)
-        used = {n: p for n, p in live.items() if id(p) not in summed} if summed else live
+        # (a parameter frozen since the forward is not the step's: its pieces are not used)
+        used = {n: p for n, p in live.items() if id(p) in by_id and id(p) not in summed}
         if all(pieces[n].adds_rows for n in used):
             for n, p in used.items():
                 waiting.setdefault(id(p), []).append((pieces[n], weight(p, scale)))

@@ -305,7 +305,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"torch.optim.Optimizer.add_param_group does), got {type(param_group).__qualname__}"
             )
         probe = torch.optim.SGD(param_group["params"], lr=0.0)
-        _check_optimizer_params(probe, self.hooks, _dp._covered_params(self.hooks))
+        _check_optimizer_params(
+            probe, self.hooks, _dp._covered_params(self.hooks), "DPOptimizer.add_param_group",
+            first=len(self.optimizer.param_groups),
+        )  # fmt: skip
         self.optimizer.add_param_group(param_group)
 
     # -- DP-SGD ---------------------------------------------------------------------------------
@@ -403,6 +406,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
                 grad = grad.div_(self.expected_batch_size)
                 p.grad = _dp.as_grad(grad if scale == 1.0 else grad.mul_(scale), sparse)
+        _dp.drop_stale_grads(self, params)
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
             self._adapt_bound(params[0].device if params else torch.device("cpu"))
@@ -607,12 +611,14 @@ def _check_optimizer_params(
     hooks: Hooks,
     covered: list[torch.nn.Parameter],
     where: str = "DPOptimizer",
+    first: int = 0,
 ) -> None:
     """Every trainable parameter the optimizer steps is one the hooks clip: another would be
     stepped on a gradient that is neither clipped nor noised. Checked when the optimizer is
     wrapped and again at each backward and step (``where``): a parameter of the model replaced
     since (``load_state_dict(assign=True)``, ``layer.weight = nn.Parameter(...)``) stays in
-    the optimizer, which would step the old one and leave the model as it was."""
+    the optimizer, which would step the old one and leave the model as it was. ``first``: the
+    index of the optimizer's first group among those of the optimizer it is added to."""
     ids = {id(p) for p in covered}
     planned = {id(p) for p in _dp._plan(hooks).walked}  # (the model's at its last forward)
     model = hooks.model
@@ -632,10 +638,20 @@ def _check_optimizer_params(
                     "give the optimizer the clipped parameters only. Nothing was changed."
                 )
             owner = type(model).__qualname__ if model is not None else "no longer alive"
+            if where.endswith("add_param_group"):
+                raise ConfigurationError(
+                    f"{where}: the new group (param_groups[{first + k}]) holds a trainable "
+                    f"parameter of shape {tuple(p.shape)} that is not one of the hooked "
+                    f"model's ({owner}), so the hooks do not clip it: its step would use a "
+                    "gradient with neither clipping nor noise. Give add_param_group the "
+                    "model's own parameters (a new layer: put it in the model first, so that "
+                    "its forward runs under the hooks), or freeze that tensor "
+                    "(requires_grad_(False)). Nothing was changed."
+                )
             raise ConfigurationError(
                 f"{where}: the optimizer steps a trainable parameter of shape "
-                f"{tuple(p.shape)} that the hooks do not clip (param_groups[{k}]): it is not one "
-                f"of the hooked model's ({owner}) now. The model's parameter was replaced "
+                f"{tuple(p.shape)} that the hooks do not clip (param_groups[{first + k}]): it is "
+                f"not one of the hooked model's ({owner}) now. The model's parameter was replaced "
                 "after the optimizer was built (load_state_dict(..., assign=True), "
                 "layer.weight = nn.Parameter(...)), or the optimizer is another model's. Its "
                 "step would move that old tensor and leave the model as it was, "
