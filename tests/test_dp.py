@@ -168,9 +168,10 @@ def test_poisson_batches_have_the_binomial_statistics():
 def test_poisson_batches_may_be_empty_as_often_as_the_binomial_says():
     n, expected, steps = 10, 0.5, 2000
     p_empty = (1 - expected / n) ** n  # 0.599
-    sampler = gradhooks.PoissonSampler(
-        n, expected, steps=steps, generator=torch.Generator().manual_seed(1)
-    )
+    with pytest.warns(gradhooks.GradhooksWarning, match="less than one example"):
+        sampler = gradhooks.PoissonSampler(
+            n, expected, steps=steps, generator=torch.Generator().manual_seed(1)
+        )
     empty = sum(len(idx) == 0 for idx in sampler) / steps
     assert abs(empty - p_empty) < 5 * math.sqrt(p_empty * (1 - p_empty) / steps), empty
 
@@ -185,6 +186,19 @@ def test_poisson_sampler_is_reproducible_by_its_seed():
     assert first != second, "a second epoch continues the generator: other batches"
     assert draw(4)[0] != first, "another seed must give other batches"
     assert len(first) == 10, "by default one epoch in expectation: n / expected batches"
+
+
+def test_poisson_sampler_warns_of_a_sampling_rate_given_as_the_expected_batch():
+    """``PoissonSampler(1000, 0.032)``, Opacus' ``sample_rate`` in the place of the expected
+    batch size: about 31,250 nearly empty batches an epoch, each of 0.032 examples expected.
+    It warns, naming both readings; an expected batch of one or more does not."""
+    with pytest.warns(gradhooks.GradhooksWarning, match="not a sampling rate") as caught:
+        sampler = gradhooks.PoissonSampler(1000, 0.032)
+    assert "expected_batch_size=q * num_examples" in str(caught[0].message)
+    assert len(sampler) == 31250
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(gradhooks.PoissonSampler(1000, 32)) == 31
 
 
 def test_poisson_sampler_refuses_a_rate_out_of_range():

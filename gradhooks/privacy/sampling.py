@@ -18,6 +18,7 @@ Two ways to draw them:
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -26,7 +27,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .._torch import tree_map
-from ..errors import ConfigurationError, ConfigurationTypeError, is_whole, require_number
+from ..errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    GradhooksWarning,
+    is_whole,
+    require_number,
+)
 
 __all__ = ["PoissonSampler", "poisson_loader"]
 
@@ -43,7 +50,8 @@ class PoissonSampler(Sampler[list[int]]):
 
     Args:
         num_examples: the number of examples ``n`` (``len(dataset)``).
-        expected_batch_size: ``q·n``, in ``(0, n]``.
+        expected_batch_size: ``q·n``, in ``(0, n]`` (below 1, it warns: a sampling rate
+            ``q`` given in its place, as Opacus' ``sample_rate``, is the usual cause).
         steps: the number of batches per iteration.
         generator: a CPU ``torch.Generator``; by default a fresh one seeded from torch's
             global generator at each iteration (as ``RandomSampler`` does).
@@ -82,6 +90,16 @@ class PoissonSampler(Sampler[list[int]]):
             raise ConfigurationError(
                 f"expected_batch_size must be in (0, num_examples={num_examples}], got "
                 f"{expected_batch_size!r}"
+            )
+        if expected_batch_size < 1:
+            warnings.warn(
+                f"PoissonSampler(num_examples={num_examples}, expected_batch_size="
+                f"{expected_batch_size!r}): an expected batch of less than one example, mostly "
+                "empty batches. Its second argument is the expected batch size, not a sampling "
+                "rate (Opacus' sample_rate): for a rate q, pass expected_batch_size=q * "
+                "num_examples.",
+                GradhooksWarning,
+                stacklevel=2,
             )
         if steps is None:
             steps = max(1, round(num_examples / expected_batch_size))

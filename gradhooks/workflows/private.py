@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -36,6 +37,7 @@ from ..engine.handle import Hooks, add_hooks
 from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
+    GradhooksWarning,
     PrivacyBudgetExceeded,
     StateError,
     is_whole,
@@ -1159,9 +1161,11 @@ class _Indices:
     def __iter__(self) -> Iterator[list[int]]:
         owner = self.owner
         gen = owner._batch_generator
-        sampler = PoissonSampler(
-            owner.num_examples, owner.expected_batch_size, steps=1, generator=gen
-        )
+        with warnings.catch_warnings():  # (named expected_batch_size=: not a rate misplaced)
+            warnings.simplefilter("ignore", GradhooksWarning)
+            sampler = PoissonSampler(
+                owner.num_examples, owner.expected_batch_size, steps=1, generator=gen
+            )
         size = owner.max_physical_batch_size
         k = owner._done
         while True:
