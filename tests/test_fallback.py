@@ -252,17 +252,29 @@ def _only(*module_types):
     return reg
 
 
-@pytest.mark.parametrize("rule", [True, False], ids=["rule", "fallback"])
-def test_a_called_childs_parameter_used_directly_too_is_refused(rule):
-    """``proj``'s call and the model's own operations both use ``proj``'s parameter: the
-    model's recomputation would count the first use again, so neither is taken."""
-    model = UsesCalledChildWeight(rule=rule).double()
+def test_a_called_childs_parameter_used_directly_too_is_refused():
+    """``proj`` (a custom layer without a rule) is called and the model's own operations use
+    its parameter too: the model's recomputation would count the call's use again, so neither
+    is taken."""
+    model = UsesCalledChildWeight(rule=False).double()
     ((name, param),) = model.proj.named_parameters()
     x = torch.randn(3, 4, dtype=torch.double)
     with gradhooks.add_hooks(model, registry=_only(nn.Linear)):
         with pytest.raises(gradhooks.UnsupportedError, match=f"proj.{name}"):
             model(x).sum().backward()
     assert not hasattr(param, "grad1")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_called_ruled_childs_parameter_used_directly_too_matches(reduction):
+    """``proj`` is a Linear (which has a rule): its call's use is its rule's, the model's own
+    use of ``proj.weight`` is followed as a use outside any call, not recomputed by the
+    model's fallback, and the two add up to each example's gradient (tied logits,
+    ``x @ embedding.weight.T``, in a module that also has parameters of its own). (gradhooks
+    once refused it, as for a child without a rule.)"""
+    case = Case("called_ruled_child", lambda: UsesCalledChildWeight(rule=True),
+                lambda b: torch.randn(b, 4))  # fmt: skip
+    check(case, batch=4, reduction=reduction, registry=_only(nn.Linear))
 
 
 def test_check_rule_on_a_custom_layer():
