@@ -2,31 +2,31 @@
 them trained as their users train them.
 
 Each model is a small excerpt of a public repository's model code, rewritten in plain torch
-(each class cites the repository and file it follows), at a tiny configuration: selective and
-linear-recurrent sequence models (mamba-minimal, RWKV-4, S4D, LRU), ConvNeXt-V2's global
-response norm, point clouds (PointNet, DGCNN), graph networks written in torch (dense GCN, GIN
-and GAT, a mesh network passing messages by ``index_add_``), tabular and recommendation models
-(SAINT, NODE's oblivious trees, DeepFM, DCN, xDeepFM, DLRM's ``EmbeddingBag`` with offsets,
-NeuMF, SASRec), audio (WaveNet, torchaudio's Conformer, Whisper), generative models (the
-denoising-diffusion U-Net with weight-standardized convolutions, a VAE, a NeRF with volume
-rendering), efficient-KAN, the Set Transformer with its heads folded into the batch,
-torchtitan's Llama, capsules' dynamic routing and the Decision Transformer on Hugging Face's
-GPT-2.
+(each class cites the repository and file it follows), at a tiny configuration: sequence models
+(mamba-minimal, RWKV-4, S4D, LRU, TimesNet), ConvNeXt-V2's global response norm, point clouds
+(PointNet, DGCNN), graph networks written in torch (dense GCN, GIN and GAT, a mesh network
+passing messages by ``index_add_``), tabular and recommendation models (SAINT, NODE's oblivious
+trees, DeepFM, DCN, xDeepFM, DLRM's ``EmbeddingBag`` with offsets, NeuMF, SASRec), audio
+(WaveNet, torchaudio's Conformer, Whisper), generative models (the denoising-diffusion U-Net
+with weight-standardized convolutions, a VAE, a NeRF with volume rendering), efficient-KAN, the
+Set Transformer with its heads folded into the batch, torchtitan's Llama, capsules' dynamic
+routing and the Decision Transformer on Hugging Face's GPT-2.
 
-Each is built in float64 and training mode; ``grad1`` and the per-example norms of one
-backward are compared with a loop of batches of one (``rtol=1e-7``; ``1e-5`` where the model
-computes in float32 inside, as its authors wrote it): 30 match. Five, whose examples meet
-(BatchNorm in training mode in PointNet and DeepFM, SAINT's attention between the rows of the
-batch, a graph whose nodes are the examples, graphs concatenated into one list of nodes), are
-refused by gradhooks' own error naming the layer and the shapes. DGCNN's neighbours gathered
-from the flattened batch are refused where the loop works (a strict xfail, with the reason).
-Twelve are then trained in float32 as their users train them: three steps of ``zero_grad``, a
-forward under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and an AdamW step;
-at each step ``grad1`` (or the clipped ``.grad``) equals the same model's per-example loop under
-the same autocast within bfloat16's tolerance, and ``grad1`` reduces to ``.grad``. Whisper (its
-decoder's logits by the token embedding's weight, beside the embedding's call) and the
-diffusion U-Net under autocast (a convolution that branches on its input's dtype) were once
-refused.
+Each is built in float64 and training mode; ``grad1`` and the per-example norms of one backward
+are compared with a loop of batches of one (``rtol=1e-7``; ``1e-5`` where the model computes in
+float32 inside, as its authors wrote it): 30 match. Six, whose examples meet (BatchNorm in
+training mode in PointNet and DeepFM, SAINT's attention between the rows of the batch, a graph
+whose nodes are the examples, graphs concatenated into one list of nodes, TimesNet's periods
+chosen by the batch's spectrum and read into NumPy), are refused by gradhooks' own error naming
+the layer and the shapes (TimesNet's once had a ``grad1`` off the loop's). DGCNN's neighbours
+gathered from the flattened batch are refused where the loop works (a strict xfail, with the
+reason). Twelve are then trained in float32 as their users train them: three steps of
+``zero_grad``, a forward under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and
+an AdamW step; at each step ``grad1`` (or the clipped ``.grad``) equals the same model's
+per-example loop under the same autocast within bfloat16's tolerance, and ``grad1`` reduces to
+``.grad``. Whisper (its decoder's logits by the token embedding's weight, beside the
+embedding's call) and the diffusion U-Net under autocast (a convolution that branches on its
+input's dtype) were once refused.
 """
 
 from __future__ import annotations
@@ -392,6 +392,72 @@ class S4Model(nn.Module):
             z, _ = layer(z)
             x = z + x
         return self.decoder(x.transpose(-1, -2).mean(dim=1))
+
+
+def FFT_for_Period(x, k=2):
+    """thuml/Time-Series-Library, ``models/TimesNet.py``: ``FFT_for_Period``, the periods
+    of the batch's largest mean amplitudes, read into NumPy."""
+    xf = torch.fft.rfft(x, dim=1)
+    frequency_list = abs(xf).mean(0).mean(-1)
+    frequency_list[0] = 0
+    _, top_list = torch.topk(frequency_list, k)
+    top_list = top_list.detach().cpu().numpy()
+    period = x.shape[1] // top_list
+    return period, abs(xf).mean(-1)[:, top_list]
+
+
+class TimesBlock(nn.Module):
+    """thuml/Time-Series-Library, ``models/TimesNet.py``: ``TimesBlock`` (each period's 2D
+    view through a convolution, weighted by the amplitudes), its Inception block one
+    convolution pair."""
+
+    def __init__(self, seq_len=8, d_model=3, k=2):
+        super().__init__()
+        self.seq_len, self.k = seq_len, k
+        self.conv = nn.Sequential(nn.Conv2d(d_model, 4, 3, padding=1), nn.GELU(),
+                                  nn.Conv2d(4, d_model, 3, padding=1))  # fmt: skip
+
+    def forward(self, x):
+        B_, T, N = x.size()
+        period_list, period_weight = FFT_for_Period(x, self.k)
+        res = []
+        for i in range(self.k):
+            period = period_list[i]
+            if self.seq_len % period != 0:
+                length = ((self.seq_len // period) + 1) * period
+                padding = torch.zeros(
+                    [x.shape[0], (length - self.seq_len), x.shape[2]], dtype=x.dtype
+                )
+                out = torch.cat([x, padding], dim=1)
+            else:
+                length, out = self.seq_len, x
+            out = out.reshape(B_, length // period, period, N).permute(0, 3, 1, 2).contiguous()
+            out = self.conv(out).permute(0, 2, 3, 1).reshape(B_, -1, N)
+            res.append(out[:, : self.seq_len, :])
+        res = torch.stack(res, dim=-1)
+        period_weight = F.softmax(period_weight, dim=1)
+        period_weight = period_weight.unsqueeze(1).unsqueeze(1).repeat(1, T, N, 1)
+        return torch.sum(res * period_weight, -1) + x
+
+
+class TimesNet(nn.Module):
+    """thuml/Time-Series-Library, ``models/TimesNet.py``: ``Model`` for classification, an
+    embedding, a TimesBlock under LayerNorm, a head on the flattened output."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc_embedding = nn.Linear(2, 3)
+        self.model = TimesBlock()
+        self.layer_norm = nn.LayerNorm(3)
+        self.projection = nn.Linear(3 * 8, 3)
+
+    def forward(self, x_enc):
+        enc_out = self.layer_norm(self.model(self.enc_embedding(x_enc)))
+        return self.projection(F.gelu(enc_out).reshape(enc_out.shape[0], -1))
+
+
+def timesnet():
+    return Spec(TimesNet(), (torch.randn(B, 8, 2),), cross_entropy, (torch.randint(3, (B,)),))
 
 
 def s4d():
@@ -2405,6 +2471,11 @@ REFUSED = {
         ["'out_att' (GraphAttentionLayer)", "(6, 8)"],
     ),
     "gin-flat": (gin_flat, gradhooks.MixedExamplesError, ["'nn1.0' (Linear)", "(12, 3)"]),
+    "timesnet": (
+        timesnet,
+        gradhooks.MixedExamplesError,
+        ["'layer_norm' (LayerNorm)", "numpy of a tensor computed across the batch"],
+    ),
     "saint": (
         partial(saint, "colrow"),
         gradhooks.MixedExamplesError,
