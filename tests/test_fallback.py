@@ -252,11 +252,12 @@ def _only(*module_types):
     return reg
 
 
-def test_a_called_childs_parameter_used_directly_too_is_refused():
-    """``proj`` (a custom layer without a rule) is called and the model's own operations use
-    its parameter too: the model's recomputation would count the call's use again, so neither
+@pytest.mark.parametrize("rule", [True, False], ids=["rule", "fallback"])
+def test_a_called_childs_parameter_used_directly_too_is_refused(rule):
+    """``proj``'s call and the model's own operations both use ``proj``'s parameter, the
+    direct use first: the model's recomputation would count the call's use again, so neither
     is taken."""
-    model = UsesCalledChildWeight(rule=False).double()
+    model = UsesCalledChildWeight(rule=rule).double()
     ((name, param),) = model.proj.named_parameters()
     x = torch.randn(3, 4, dtype=torch.double)
     with gradhooks.add_hooks(model, registry=_only(nn.Linear)):
@@ -265,15 +266,27 @@ def test_a_called_childs_parameter_used_directly_too_is_refused():
     assert not hasattr(param, "grad1")
 
 
+class CallsThenUsesChildWeight(nn.Module):
+    """Calls ``proj`` (a Linear), then uses its weight directly too, as Whisper's decoder
+    takes its logits by its token embedding's weight after the embedding's call; a parameter
+    of its own besides."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False)
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = self.proj(x) * self.gain
+        return h + torch.tanh(h) @ self.proj.weight.T
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_a_called_ruled_childs_parameter_used_directly_too_matches(reduction):
-    """``proj`` is a Linear (which has a rule): its call's use is its rule's, the model's own
-    use of ``proj.weight`` is followed as a use outside any call, not recomputed by the
-    model's fallback, and the two add up to each example's gradient (tied logits,
-    ``x @ embedding.weight.T``, in a module that also has parameters of its own). (gradhooks
-    once refused it, as for a child without a rule.)"""
-    case = Case("called_ruled_child", lambda: UsesCalledChildWeight(rule=True),
-                lambda b: torch.randn(b, 4))  # fmt: skip
+def test_a_called_ruled_childs_parameter_then_used_directly_matches(reduction):
+    """The direct use after the call of ``proj`` (which has a rule) is followed as a use
+    outside any call, not recomputed by the model's fallback, and adds to the rule's share.
+    (gradhooks once refused it, as where the use comes first.)"""
+    case = Case("calls_then_uses", CallsThenUsesChildWeight, lambda b: torch.randn(b, 4))
     check(case, batch=4, reduction=reduction, registry=_only(nn.Linear))
 
 

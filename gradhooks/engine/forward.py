@@ -110,16 +110,6 @@ class ForwardCapture:
         # (what each call covers, its name and softness: the same at every call, made once)
         covers = frozenset(id(p) for p in own)
         soft, quoted = target.entry is FALLBACK, target.quoted
-        # (a module without a rule: the parameters its submodules' rules give gradients for)
-        ruled = frozenset()
-        if soft:
-            inside = {id(m) for m in target.modules}
-            ruled = frozenset(
-                id(p)
-                for t in self.state.targets
-                if t.entry is not FALLBACK and id(t.module) in inside
-                for p in t.params.values()
-            )
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module is not target.module:
@@ -145,7 +135,7 @@ class ForwardCapture:
                     now = frozenset(id(p) for p in self._unsharded(target))
                 if tracker is not None:
                     self.layouts.reseed_before(target, module, args, kwargs, tracker)
-                    tracker.enter_call(now, module, soft=soft, where=quoted, ruled=ruled)
+                    tracker.enter_call(now, module, soft=soft, where=quoted)
                 if capturing and target.entry.on_forward is not None:
                     if not _torch.in_transform(args, kwargs):
                         # (before the call: a refused BatchNorm leaves its running statistics)

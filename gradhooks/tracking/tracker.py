@@ -117,10 +117,6 @@ class _Use:
     called: set[int] = field(default_factory=set)
     claimed: set[int] = field(default_factory=set)
     soft: bool = False
-    # soft: the ids of the parameters of its submodules with rules, whose calls give gradients
-    # for them: a direct use of one is followed as one outside any call, not taken over by
-    # this call's fallback (whose recomputation would count the submodule's call's use too)
-    ruled: frozenset[int] = frozenset()
     sources: dict[int, Source] = field(default_factory=dict)  # soft: per parameter id
     functional: set[int] = field(default_factory=set)  # soft: captured as a function's call
     # soft: the operations of its own that mixed rows of the batch (see Tracker.absorb)
@@ -386,7 +382,7 @@ class Tracker(TorchFunctionMode):
 
     def enter_call(
         self, params: Sequence[Tensor] | frozenset[int], module: Any = None, soft: bool = False,
-        where: str | None = None, ruled: frozenset[int] = frozenset(),
+        where: str | None = None,
     ) -> None:  # fmt: skip
         """A hooked call starts; it covers ``params`` (the parameters, or the frozenset of their
         ids): an operation inside it (and not inside
@@ -394,16 +390,14 @@ class Tracker(TorchFunctionMode):
         without a rule): its parameters' uses are still followed as direct uses, and its call
         takes over (the ``torch.func`` fallback) only those the tracker cannot handle.
         ``where``: the module as the errors quote it, to say in which call an operation mixed
-        the examples. ``ruled`` (soft): the parameters of its submodules with rules, whose
-        direct uses are followed as uses outside any call (a tied embedding's weight used for
-        the logits by a module without a rule that also calls the embedding)."""
+        the examples."""
         covers = params if type(params) is frozenset else frozenset(id(p) for p in params)
         for record in self.used:
             record.called.add(id(module))
             if not soft:
                 record.claimed |= covers
         self.covered.append(covers)
-        self.used.append(_Use(soft=soft, ruled=ruled, graph=torch.is_grad_enabled(), where=where))
+        self.used.append(_Use(soft=soft, graph=torch.is_grad_enabled(), where=where))
 
     def absorb(self, used: _Use, inputs: list, outputs: list) -> bool:
         """A call of a module without a rule (``used``, just left) whose own operations mixed
@@ -804,7 +798,11 @@ class Tracker(TorchFunctionMode):
             name, _ = self.params[id(p)]
             s = Source(name, p.shape)
             s.param = True  # type: ignore[attr-defined]
-            s.soft = record is not None and id(p) not in record.ruled  # type: ignore[attr-defined]
+            # (a parameter of a submodule with a rule that the call has called, used directly
+            # too: Whisper's logits by its token embedding's weight. Its fallback's
+            # recomputation would count the submodule's use again: followed as a use outside
+            # any call)
+            s.soft = record is not None and id(p) not in record.claimed  # type: ignore[attr-defined]
             self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
             table[id(p)] = s
             if self.engine is not None:
