@@ -756,3 +756,36 @@ def test_a_module_that_moves_its_submodules_in_its_forward(reduction):
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad1, want[name], msg=name)
+
+
+class MaskedByData(nn.Conv2d):
+    """A convolution that masks its weight in place through ``.data`` at every forward
+    (jzbontar/pixelcnn-pytorch's ``MaskedConv2d``): a layer without a rule, which torch.func
+    cannot run (it raises at the write, once the write is done)."""
+
+    def __init__(self):
+        super().__init__(2, 3, 3, padding=1, bias=False)
+        self.register_buffer("mask", torch.ones_like(self.weight))
+        self.mask[:, :, 1, 2:] = 0
+        self.mask[:, :, 2:] = 0
+
+    def forward(self, x):
+        self.weight.data *= self.mask
+        return super().forward(x)
+
+
+def test_a_layer_writing_its_weight_through_data_matches():
+    """Its fallback recomputes it on a view of the weight with a version counter of its own.
+    (Once the first recomputation, by torch.func, wrote through ``.data`` before raising, the
+    write counted as a change of the weight the forward's graph saved, and the user's backward
+    failed: "modified by an inplace operation".)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), MaskedByData(), nn.Flatten(), nn.Linear(48, 2))
+    model = model.double()
+    x = torch.randn(3, 1, 4, 4, dtype=torch.double)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as hooks:
+        model(x).pow(2).sum().backward()
+    assert [name for name, _ in hooks.fallback_modules()] == ["1"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-10, msg=name)

@@ -761,7 +761,15 @@ def _holder(call: Call, create_graph: bool):
     module's own."""
     if call.buffers is not None:
         return Tensor.clone if create_graph else lambda t: t.detach().clone()
-    return (lambda t: t) if create_graph else Tensor.detach
+    # (detached with a version counter of their own, ``t.data``: a forward that writes into
+    # its weight through ``.data``, PixelCNN's ``self.weight.data *= self.mask``, makes
+    # torch.func raise only once it has written, and the write then counted as a change of the
+    # module's parameter, whose value the forward's graph saved: the user's backward failed)
+    return (lambda t: t) if create_graph else _own_version
+
+
+def _own_version(t: Tensor) -> Tensor:
+    return t.data
 
 
 def _buffers(call: Call):
