@@ -1,4 +1,4 @@
-"""A seventh round of other projects' models against the per-example loop, and a dozen of
+"""A seventh round of other projects' models against the per-example loop, and thirteen of
 them trained as their users train them.
 
 Each model is a small excerpt of a public repository's model code, rewritten in plain torch
@@ -8,25 +8,26 @@ Each model is a small excerpt of a public repository's model code, rewritten in 
 passing messages by ``index_add_``), tabular and recommendation models (SAINT, NODE's oblivious
 trees, DeepFM, DCN, xDeepFM, DLRM's ``EmbeddingBag`` with offsets, NeuMF, SASRec), audio
 (WaveNet, torchaudio's Conformer, Whisper), generative models (the denoising-diffusion U-Net
-with weight-standardized convolutions, a VAE, a NeRF with volume rendering), efficient-KAN, the
-Set Transformer with its heads folded into the batch, torchtitan's Llama, capsules' dynamic
+with weight-standardized convolutions, StyleGAN2's modulated convolutions with the batch in the
+groups, PixelCNN's masked convolutions, a VAE, a NeRF with volume rendering), efficient-KAN,
+the Set Transformer with its heads folded into the batch, torchtitan's Llama, capsules' dynamic
 routing and the Decision Transformer on Hugging Face's GPT-2.
 
 Each is built in float64 and training mode; ``grad1`` and the per-example norms of one backward
 are compared with a loop of batches of one (``rtol=1e-7``; ``1e-5`` where the model computes in
-float32 inside, as its authors wrote it): 30 match. Six, whose examples meet (BatchNorm in
+float32 inside, as its authors wrote it): 32 match. Six, whose examples meet (BatchNorm in
 training mode in PointNet and DeepFM, SAINT's attention between the rows of the batch, a graph
 whose nodes are the examples, graphs concatenated into one list of nodes, TimesNet's periods
 chosen by the batch's spectrum and read into NumPy), are refused by gradhooks' own error naming
 the layer and the shapes (TimesNet's once had a ``grad1`` off the loop's). DGCNN's neighbours
 gathered from the flattened batch are refused where the loop works (a strict xfail, with the
-reason). Twelve are then trained in float32 as their users train them: three steps of
+reason). Thirteen are then trained in float32 as their users train them: three steps of
 ``zero_grad``, a forward under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and
 an AdamW step; at each step ``grad1`` (or the clipped ``.grad``) equals the same model's
 per-example loop under the same autocast within bfloat16's tolerance, and ``grad1`` reduces to
 ``.grad``. Whisper (its decoder's logits by the token embedding's weight, beside the
 embedding's call) and the diffusion U-Net under autocast (a convolution that branches on its
-input's dtype) were once refused.
+input's dtype) were once refused; PixelCNN's backward once failed.
 """
 
 from __future__ import annotations
@@ -1882,6 +1883,143 @@ def ddpm_unet():
     return Spec(Unet(), (x_t, t), lambda out, n: (out - n).pow(2).flatten(1).mean(1), (noise,))
 
 
+class EqualLinear(nn.Module):
+    """rosinality/stylegan2-pytorch, ``model.py``: ``EqualLinear`` (equalized learning rate:
+    the weight scaled in the forward), its ``fused_leaky_relu`` written in torch."""
+
+    def __init__(self, in_dim, out_dim, bias_init=0.0, lr_mul=1.0, activation=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_dim, in_dim).div_(lr_mul))
+        self.bias = nn.Parameter(torch.zeros(out_dim).fill_(bias_init))
+        self.scale, self.lr_mul, self.activation = (
+            (1 / math.sqrt(in_dim)) * lr_mul,
+            lr_mul,
+            activation,
+        )
+
+    def forward(self, input):
+        if self.activation:
+            out = F.linear(input, self.weight * self.scale)
+            return F.leaky_relu(out + self.bias * self.lr_mul, 0.2) * math.sqrt(2)
+        return F.linear(input, self.weight * self.scale, bias=self.bias * self.lr_mul)
+
+
+class ModulatedConv2d(nn.Module):
+    """rosinality/stylegan2-pytorch, ``model.py``: ``ModulatedConv2d`` with ``fused=True``:
+    each example's weight modulated by its style and demodulated, the batch folded into the
+    convolution's groups (``input.view(1, batch * in_channel, height, width)``,
+    ``groups=batch``)."""
+
+    def __init__(self, in_channel, out_channel, kernel_size, style_dim, demodulate=True):
+        super().__init__()
+        self.eps, self.kernel_size = 1e-8, kernel_size
+        self.in_channel, self.out_channel = in_channel, out_channel
+        fan_in = in_channel * kernel_size**2
+        self.scale, self.padding = 1 / math.sqrt(fan_in), kernel_size // 2
+        self.weight = nn.Parameter(
+            torch.randn(1, out_channel, in_channel, kernel_size, kernel_size)
+        )
+        self.modulation = EqualLinear(style_dim, in_channel, bias_init=1)
+        self.demodulate = demodulate
+
+    def forward(self, input, style):
+        batch, in_channel, height, width = input.shape
+        style = self.modulation(style).view(batch, 1, in_channel, 1, 1)
+        weight = self.scale * self.weight * style
+        if self.demodulate:
+            demod = torch.rsqrt(weight.pow(2).sum([2, 3, 4]) + 1e-8)
+            weight = weight * demod.view(batch, self.out_channel, 1, 1, 1)
+        weight = weight.view(
+            batch * self.out_channel, in_channel, self.kernel_size, self.kernel_size
+        )
+        input = input.view(1, batch * in_channel, height, width)
+        out = F.conv2d(input, weight, padding=self.padding, groups=batch)
+        _, _, height, width = out.shape
+        return out.view(batch, self.out_channel, height, width)
+
+
+class StyledConv(nn.Module):
+    """rosinality/stylegan2-pytorch, ``model.py``: ``StyledConv`` (``NoiseInjection``'s
+    weight times the noise, given here as an input; ``FusedLeakyReLU``'s bias)."""
+
+    def __init__(self, in_channel, out_channel, kernel_size, style_dim):
+        super().__init__()
+        self.conv = ModulatedConv2d(in_channel, out_channel, kernel_size, style_dim)
+        self.noise_weight = nn.Parameter(torch.full((1,), 0.1))
+        self.bias = nn.Parameter(0.1 * torch.randn(1, out_channel, 1, 1))
+
+    def forward(self, input, style, noise):
+        out = self.conv(input, style) + self.noise_weight * noise
+        return F.leaky_relu(out + self.bias, 0.2) * math.sqrt(2)
+
+
+class StyleGenerator(nn.Module):
+    """rosinality/stylegan2-pytorch, ``model.py``: ``Generator`` cut to a mapping network
+    (``PixelNorm`` then ``EqualLinear`` with ``lr_mul=0.01``), a learned constant input
+    repeated over the batch, two styled convolutions and a ``ToRGB`` (modulated, without
+    demodulation)."""
+
+    def __init__(self, style_dim=4, channels=3):
+        super().__init__()
+        self.style = nn.Sequential(EqualLinear(style_dim, style_dim, lr_mul=0.01, activation=True),
+                                   EqualLinear(style_dim, style_dim, lr_mul=0.01, activation=True))  # fmt: skip
+        self.input = nn.Parameter(torch.randn(1, channels, 4, 4))
+        self.conv1 = StyledConv(channels, channels, 3, style_dim)
+        self.conv2 = StyledConv(channels, channels, 3, style_dim)
+        self.to_rgb = ModulatedConv2d(channels, 3, 1, style_dim, demodulate=False)
+        self.rgb_bias = nn.Parameter(torch.zeros(1, 3, 1, 1))
+
+    def forward(self, z, noise):
+        z = z * torch.rsqrt(torch.mean(z**2, dim=1, keepdim=True) + 1e-8)
+        latent = self.style(z)
+        out = self.input.repeat(z.shape[0], 1, 1, 1)
+        out = self.conv1(out, latent, noise[:, :1])
+        out = self.conv2(out, latent, noise[:, 1:])
+        return self.to_rgb(out, latent) + self.rgb_bias
+
+
+def stylegan2():
+    """The generator's output against a target image (a reconstruction loss, each example's)."""
+    return Spec(StyleGenerator(), (torch.randn(B, 4), torch.randn(B, 2, 4, 4)), mse,
+                (torch.randn(B, 3, 4, 4),))  # fmt: skip
+
+
+class MaskedConv2d(nn.Conv2d):
+    """jzbontar/pixelcnn-pytorch, ``main.py``: ``MaskedConv2d``, its weight masked in place
+    through ``.data`` at every forward (``self.weight.data *= self.mask``), then
+    ``Conv2d.forward``."""
+
+    def __init__(self, mask_type, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("mask", self.weight.data.clone())
+        _, _, kH, kW = self.weight.size()
+        self.mask.fill_(1)
+        self.mask[:, :, kH // 2, kW // 2 + (mask_type == "B") :] = 0
+        self.mask[:, :, kH // 2 + 1 :] = 0
+
+    def forward(self, x):
+        self.weight.data *= self.mask
+        return super().forward(x)
+
+
+def pixelcnn():
+    """jzbontar/pixelcnn-pytorch, ``main.py``: the network (its BatchNorm2d converted to
+    GroupNorm by ``gradhooks.convert_batch_norm``), each pixel's cross-entropy over 4 levels."""
+    fm = 4
+    net = nn.Sequential(
+        MaskedConv2d("A", 1, fm, 5, 1, 2, bias=False), nn.BatchNorm2d(fm), nn.ReLU(True),
+        MaskedConv2d("B", fm, fm, 5, 1, 2, bias=False), nn.BatchNorm2d(fm), nn.ReLU(True),
+        nn.Conv2d(fm, 4, 1),
+    )  # fmt: skip
+    gradhooks.convert_batch_norm(net)
+    levels = torch.randint(4, (B, 1, 6, 6))
+    return Spec(net, (levels.float() / 3,), channels_cross_entropy_2d, (levels[:, 0],))
+
+
+def channels_cross_entropy_2d(logits, target):
+    return F.cross_entropy(logits, target, reduction="none").flatten(1).sum(1)
+
+
 class VAE(nn.Module):
     """pytorch/examples, ``vae/main.py``: ``VAE``; ``reparameterize`` takes its noise as an
     input (drawn by ``torch.randn_like`` there), so the loop sees each example's own draw."""
@@ -2449,6 +2587,8 @@ MATCH = {
     "whisper": whisper,
     "ddpm-unet": ddpm_unet,
     "vae": vae,
+    "stylegan2": stylegan2,
+    "pixelcnn-groupnorm": pixelcnn,
     "nerf": nerf,
     "efficient-kan": efficient_kan,
     "set-transformer": set_transformer,
@@ -2592,6 +2732,7 @@ TRAINED = {
     "whisper": (whisper, "grad1"),
     "ddpm-unet": (ddpm_unet, "dp"),
     "nerf": (nerf, "grad1"),
+    "stylegan2": (stylegan2, "dp"),
     "efficient-kan": (efficient_kan, "grad1"),
     "set-transformer": (set_transformer, "dp"),
     "torchtitan-llama": (torchtitan_llama, "grad1"),
