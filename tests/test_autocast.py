@@ -358,6 +358,46 @@ def test_fallback(case, dtype):
     _check_grad1_and_norms(case, model, ref, TOL[dtype])
 
 
+class DtypeBranchingConv(nn.Conv2d):
+    """A convolution whose weight is standardized with an ``eps`` its input's dtype chooses
+    (denoising-diffusion-pytorch 1.x's ``WeightStandardizedConv2d``): a layer without a rule
+    whose output from a bfloat16 input is not its output from that input in float32."""
+
+    def forward(self, x):
+        eps = 1e-5 if x.dtype == torch.float32 else 1e-3
+        w = self.weight
+        mean = w.mean(dim=(1, 2, 3), keepdim=True)
+        var = w.var(dim=(1, 2, 3), unbiased=False, keepdim=True)
+        return torch.nn.functional.conv2d(x, (w - mean) * (var + eps).rsqrt(), self.bias,
+                                          self.stride, self.padding)  # fmt: skip
+
+
+def test_fallback_recomputes_from_the_inputs_as_the_forward_gave_them():
+    """Under bfloat16 autocast the convolution before gives the layer a bfloat16 input: its
+    fallback recomputes it from that input, under the same autocast, and matches the loop run
+    under it. (It once recomputed it from the input cast to the parameters' float32, with
+    ``eps=1e-5``: the output differed from the forward's by 0.75 and the call was refused as
+    mixing the examples.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), DtypeBranchingConv(4, 4, 3, padding=1))
+    x = torch.randn(3, 2, 6, 6)
+
+    def loss(out):
+        return out.float().pow(2).sum()
+
+    with torch.autocast("cpu", dtype=BF16):
+        want = loop_grad(model, loss, x)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        with torch.autocast("cpu", dtype=BF16):
+            out = model(x)
+        assert out.dtype == BF16
+        loss(out).backward()
+    assert [name for name, _ in h.fallback_modules()] == ["1"]
+    for name, p in model.named_parameters():
+        _assert_rel(p.grad1, want[name], TOL[BF16], name)
+        _assert_rel(p.grad1.sum(0), p.grad, TOL[BF16], name)
+
+
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
 @pytest.mark.parametrize("layer", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer],

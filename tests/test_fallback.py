@@ -254,8 +254,9 @@ def _only(*module_types):
 
 @pytest.mark.parametrize("rule", [True, False], ids=["rule", "fallback"])
 def test_a_called_childs_parameter_used_directly_too_is_refused(rule):
-    """``proj``'s call and the model's own operations both use ``proj``'s parameter: the
-    model's recomputation would count the first use again, so neither is taken."""
+    """``proj``'s call and the model's own operations both use ``proj``'s parameter, the
+    direct use first: the model's recomputation would count the call's use again, so neither
+    is taken."""
     model = UsesCalledChildWeight(rule=rule).double()
     ((name, param),) = model.proj.named_parameters()
     x = torch.randn(3, 4, dtype=torch.double)
@@ -263,6 +264,30 @@ def test_a_called_childs_parameter_used_directly_too_is_refused(rule):
         with pytest.raises(gradhooks.UnsupportedError, match=f"proj.{name}"):
             model(x).sum().backward()
     assert not hasattr(param, "grad1")
+
+
+class CallsThenUsesChildWeight(nn.Module):
+    """Calls ``proj`` (a Linear), then uses its weight directly too, as Whisper's decoder
+    takes its logits by its token embedding's weight after the embedding's call; a parameter
+    of its own besides."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False)
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = self.proj(x) * self.gain
+        return h + torch.tanh(h) @ self.proj.weight.T
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_called_ruled_childs_parameter_then_used_directly_matches(reduction):
+    """The direct use after the call of ``proj`` (which has a rule) is followed as a use
+    outside any call, not recomputed by the model's fallback, and adds to the rule's share.
+    (gradhooks once refused it, as where the use comes first.)"""
+    case = Case("calls_then_uses", CallsThenUsesChildWeight, lambda b: torch.randn(b, 4))
+    check(case, batch=4, reduction=reduction, registry=_only(nn.Linear))
 
 
 def test_check_rule_on_a_custom_layer():
@@ -731,3 +756,36 @@ def test_a_module_that_moves_its_submodules_in_its_forward(reduction):
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad1, want[name], msg=name)
+
+
+class MaskedByData(nn.Conv2d):
+    """A convolution that masks its weight in place through ``.data`` at every forward
+    (jzbontar/pixelcnn-pytorch's ``MaskedConv2d``): a layer without a rule, which torch.func
+    cannot run (it raises at the write, once the write is done)."""
+
+    def __init__(self):
+        super().__init__(2, 3, 3, padding=1, bias=False)
+        self.register_buffer("mask", torch.ones_like(self.weight))
+        self.mask[:, :, 1, 2:] = 0
+        self.mask[:, :, 2:] = 0
+
+    def forward(self, x):
+        self.weight.data *= self.mask
+        return super().forward(x)
+
+
+def test_a_layer_writing_its_weight_through_data_matches():
+    """Its fallback recomputes it on a view of the weight with a version counter of its own.
+    (Once the first recomputation, by torch.func, wrote through ``.data`` before raising, the
+    write counted as a change of the weight the forward's graph saved, and the user's backward
+    failed: "modified by an inplace operation".)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), MaskedByData(), nn.Flatten(), nn.Linear(48, 2))
+    model = model.double()
+    x = torch.randn(3, 1, 4, 4, dtype=torch.double)
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as hooks:
+        model(x).pow(2).sum().backward()
+    assert [name for name, _ in hooks.fallback_modules()] == ["1"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, want[name], rtol=1e-7, atol=1e-10, msg=name)

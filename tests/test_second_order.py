@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradhooks
+from gradhooks.oracle import loop_grad
 from gradhooks.rules import fallback
 from harness import _double, assert_close, cpu_only
 
@@ -197,3 +198,32 @@ def test_rnn_calls_the_fallback_cannot_split(how, kind, options):
             got = torch.autograd.grad(value, params)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_close(g, w, f"{how}: d Σ_b w_b ‖grad1_b‖² / d parameter {i}")
+
+
+class UsesWeightOutsideItsCall(nn.Module):
+    """A Linear called, and its weight used again outside its call (a tied output)."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) + torch.tanh(x) @ self.proj.weight.T
+
+
+def test_a_weight_used_outside_its_call_in_a_create_graph_backward_is_refused():
+    """The per-example gradient of a use outside the module's call is formed without a graph:
+    a derivative of grad1 missed its terms (off the loop's by 18, silently). Refused, naming
+    the parameter, where the backward keeps its graph; matched without it."""
+    torch.manual_seed(0)
+    model = UsesWeightOutsideItsCall().double()
+    x = torch.randn(3, 4, dtype=torch.double)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        loss = model(x).pow(2).sum()
+        with pytest.raises(gradhooks.UnsupportedError, match="'proj.weight'.*create_graph"):
+            torch.autograd.grad(loss, [model.proj.weight], create_graph=True)
+    assert getattr(model.proj.weight, "grad1", None) is None
+    want = loop_grad(model, lambda out: out.pow(2).sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).pow(2).sum().backward()
+    torch.testing.assert_close(model.proj.weight.grad1, want["proj.weight"], rtol=1e-7, atol=1e-10)

@@ -21,7 +21,12 @@ typed error that names what it refuses and leaves the model as it was.
   its returned tensors are computed from (a router's logits), read by a z-loss outside the
   call: the backward is refused, under ``verify=False`` too, naming the module and the
   parameter, where the kept tensor gets a gradient besides what the call's own operations send
-  it; kept only to be looked at, detached, or returned, ``grad1`` is the loop's."""
+  it; kept only to be looked at, detached, or returned, ``grad1`` is the loop's.
+- an index of the batch's top-k (columns chosen by the batch's mean activation), detached,
+  copied, moved, or read into a NumPy array or a list (TimesNet's periods,
+  ``topk(...).indices.detach().cpu().numpy()``) and used to pick each example's entries: each
+  example's entries are chosen by all of them, as with the index itself, and the layer after
+  is refused, naming the read; read and only kept to be looked at, ``grad1`` is the loop's."""
 
 from __future__ import annotations
 
@@ -396,3 +401,53 @@ def test_fallback_tensor_kept_on_the_way_and_read_aside(keep):
             run()
             for n, p in model.named_parameters():
                 assert_close(p.grad1, want[n], f"verify={verify}: grad1 of {n}")
+
+
+class PicksByTheBatch(nn.Module):
+    """Two columns of each example's activations picked by the batch's mean activation's
+    top-2 (``how`` the index goes from the top-k to the pick)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 6), nn.Linear(2, 1), how
+        self.seen: list = []
+
+    def forward(self, x):
+        h = self.a(x)
+        idx = h.mean(0).topk(2).indices
+        if self.how == "looked at":
+            self.seen.append(idx.detach().cpu().numpy())
+            return self.b(h[:, :2])
+        idx = {
+            "detach": lambda: idx.detach(),
+            "clone": lambda: idx.clone(),
+            "add": lambda: idx + 0,
+            "numpy": lambda: idx.detach().cpu().numpy(),
+            "tolist": lambda: idx.tolist(),
+        }[self.how]()
+        return self.b(h[:, idx])
+
+
+@pytest.mark.parametrize("how", ["detach", "clone", "add", "numpy", "tolist"])
+def test_an_index_chosen_by_the_batch_is_refused_however_it_is_carried(how):
+    """Once, ``h[:, idx.detach()]`` (or a copy, or a NumPy array or list of it) gave a
+    ``grad1`` off the loop's by 1.9: a tensor made from an index computed across the batch
+    was taken for one of unknown layout, and what was read into Python was not followed."""
+    torch.manual_seed(0)
+    model = PicksByTheBatch(how).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(gradhooks.MixedExamplesError, match="'b' \\(Linear\\)"):
+        with gradhooks.add_hooks(model, loss_reduction="sum"):
+            model(x).sum().backward()
+    assert all(getattr(p, "grad1", None) is None for p in model.parameters())
+
+
+def test_an_index_chosen_by_the_batch_only_looked_at_matches():
+    torch.manual_seed(0)
+    model = PicksByTheBatch("looked at").double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want = loop_grad(model, lambda out: out.sum(), x)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        model(x).sum().backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, want[name], name)

@@ -1033,6 +1033,18 @@ class BackwardWriter:
                 "tell each example's share of its gradient. Compute it with modules that have "
                 "rules (the parameter's own module's call), or freeze it."
             )
+        if torch.is_grad_enabled() and p.requires_grad:
+            missing = [s for s in found if task in s.grads and not s.grads[task].requires_grad]
+            if missing:  # (a create_graph backward: grad1 must keep the graph of every piece)
+                self._abort_backward()
+                raise UnsupportedError(
+                    f"'{name}' is used outside its module's call, and this backward keeps its "
+                    "graph (create_graph=True), but gradhooks forms the per-example gradient "
+                    "of those uses without one: a derivative of grad1 would miss their terms. "
+                    "Use the parameter through a module with a rule (its own module's call), "
+                    "or take the derivative by a per-example loop "
+                    "(gradhooks.oracle.loop_grad)."
+                )
         bw = self.backward_state()
         frames = {id(f): f for f in map(self.state.source_frames.get, found) if f is not None}
         for frame in frames.values():  # (the forwards of its uses, as a call's: for the checks)

@@ -330,7 +330,24 @@ def _by_layout_split(
     wrt: Mapping[str, nn.Parameter],
     split: list[bool],
     aligned: list[Layout | None] | None = None,
+    as_given: bool | None = None,
 ):
+    if as_given is None:
+        # Under autocast, the inputs as the forward gave them first (the call as it ran: a
+        # module may branch on its input's dtype, as denoising-diffusion-pytorch's
+        # weight-standardized convolution takes its eps from it), then in the parameters'
+        # precision (see _per_example_vjp); the output check judges each
+        if not call.autocast:
+            return _by_layout_split(call, wrt, split, aligned, False)
+        order = (False, True) if call.memo.get("cast") else (True, False)
+        try:
+            found = _by_layout_split(call, wrt, split, aligned, order[0])
+        except Exception:
+            found = _by_layout_split(call, wrt, split, aligned, order[1])
+            call.memo["cast"] = not order[1]
+            return found
+        call.memo["cast"] = not order[0]
+        return found
     module, name = call.module, f"'{call.name or '<model>'}' ({type(call.module).__qualname__})"
     info = call.batch
     batch = info.size
@@ -350,9 +367,9 @@ def _by_layout_split(
     buffers = _buffers(call)
     primals = {n: own(p) for n, p in wrt.items()}
     leaves, spec = tree_flatten((tuple(call.inputs), dict(call.kwargs)))
-    # (in the parameters' precision: see _per_example_vjp)
-    dtype = next(iter(wrt.values())).dtype
-    leaves = [cast(t, dtype) if isinstance(t, Tensor) else t for t in leaves]
+    if not as_given:  # (in the parameters' precision: see _per_example_vjp)
+        dtype = next(iter(wrt.values())).dtype
+        leaves = [cast(t, dtype) if isinstance(t, Tensor) else t for t in leaves]
     xs = [
         batch_rows(t, lay if lay is not None else aligned[k] if aligned else Layout(0), batch)
         for k, (t, lay, sp) in enumerate(zip(leaves, info.inputs, split))
@@ -447,7 +464,7 @@ def _by_layout_split(
                 if not (vmapped and call.autocast):
                     raise
                 call.memo["loop"] = True  # (see _attempt)
-                return _by_layout_split(call, wrt, split, aligned)
+                return _by_layout_split(call, wrt, split, aligned, as_given)
     return grads
 
 
@@ -769,7 +786,15 @@ def _holder(call: Call, create_graph: bool):
     module's own."""
     if call.buffers is not None:
         return Tensor.clone if create_graph else lambda t: t.detach().clone()
-    return (lambda t: t) if create_graph else Tensor.detach
+    # (detached with a version counter of their own, ``t.data``: a forward that writes into
+    # its weight through ``.data``, PixelCNN's ``self.weight.data *= self.mask``, makes
+    # torch.func raise only once it has written, and the write then counted as a change of the
+    # module's parameter, whose value the forward's graph saved: the user's backward failed)
+    return (lambda t: t) if create_graph else _own_version
+
+
+def _own_version(t: Tensor) -> Tensor:
+    return t.data
 
 
 def _buffers(call: Call):

@@ -233,6 +233,11 @@ class Tracker(TorchFunctionMode):
         # examples (float(h.abs().max()), .item()), with the operation that read each: an
         # operation given one back as an argument mixes the examples (see _read_back)
         self.read: dict[float, str] = {}
+        # the lists and arrays read into Python from tensors computed across the examples
+        # (indices of the batch's top-k, .numpy() or .tolist()), by id, each kept with the
+        # operation that read it: an operation given one back as an argument, an index of the
+        # examples' entries chosen by all of them, mixes the examples (see _rows_back)
+        self.read_rows: dict[int, tuple[Any, str]] = {}
         # the ids of the candidates held with the model's first input in one list or tuple,
         # where the engine takes the batch from dimension 0 of the first by its guess (see
         # note_listed), and the joins of the forward that treated them as the examples
@@ -252,7 +257,7 @@ class Tracker(TorchFunctionMode):
         # fails to guard on the short way's
         self.quick = quick_table() if _torch.available("eval_frame") else {}
         self.blocking = (
-            self.aliases, self.coupled.entries, self.read, self.row_index.entries,
+            self.aliases, self.coupled.entries, self.read, self.read_rows, self.row_index.entries,
             self.positions.entries, self.reordered.entries, self.lineage.entries,
         )  # fmt: skip
 
@@ -539,6 +544,8 @@ class Tracker(TorchFunctionMode):
                     if out.__class__ is float and self.layouts.get(tensors[0]) is MIXED:
                         _note_read(self.read, out, name)  # (a statistic of the batch)
                     return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
+                if name in _READS_ROWS and self.layouts.get(tensors[0]) is MIXED:
+                    self.read_rows[id(out)] = (out, name)  # (held: its id stays its own)
                 if isinstance(out, Tensor) and out.dtype is not self.precision:
                     self._note_precision(out)
                 self.func = func
@@ -800,7 +807,11 @@ class Tracker(TorchFunctionMode):
             name, _ = self.params[id(p)]
             s = Source(name, p.shape)
             s.param = True  # type: ignore[attr-defined]
-            s.soft = record is not None  # type: ignore[attr-defined]
+            # (a parameter of a submodule with a rule that the call has called, used directly
+            # too: Whisper's logits by its token embedding's weight. Its fallback's
+            # recomputation would count the submodule's use again: followed as a use outside
+            # any call)
+            s.soft = record is not None and id(p) not in record.claimed  # type: ignore[attr-defined]
             self.edges[s] = torch.autograd.graph.get_gradient_edge(p)
             table[id(p)] = s
             if self.engine is not None:
@@ -958,6 +969,15 @@ class Tracker(TorchFunctionMode):
         if self.read and result is not MIXED and (got := _read_back(self.read, args, kwargs)):
             result = MIXED  # (h / float(h.abs().max()): every example's rows scaled by all)
             self.mixed.setdefault(f"{got} of a reduction over the batch, read into Python", None)
+        if (
+            self.read_rows
+            and result is not MIXED
+            and (got := _rows_back(self.read_rows, args, kwargs))
+        ):
+            result = MIXED  # (h[:, idx], idx = h.mean(0).topk(k).indices.numpy(): TimesNet's)
+            self.mixed.setdefault(
+                f"{got} of a tensor computed across the batch, read into Python", None
+            )
         if self.coupled.entries:
             result = self._coupling(name, args, ins, outs, result)
         if self.ranked.entries or self.coupled.entries:
@@ -1061,9 +1081,10 @@ class Tracker(TorchFunctionMode):
                         )
                         self.used[-1].mixing.add("__getitem__" if picked else name)
                 return
-            if inherited and any(carries(t) and layouts.get(t) is MIXED for t in ins):
+            if inherited:
                 # (a mask of values against a statistic of the batch, x > x.mean(): which
-                # entries it keeps depends on the other examples' values)
+                # entries it keeps depends on the other examples' values; and what is made of
+                # one, an index of the batch's top-k detached, copied or moved, idx.detach())
                 for o in outs:
                     self.layouts[o] = MIXED
                 return
@@ -2009,6 +2030,21 @@ def _read_back(read: dict[float, str], args: tuple, kwargs: dict) -> str | None:
     for a in (*args, *kwargs.values()):
         if a.__class__ is float and a in read:
             return read[a]
+    return None
+
+
+# the operations that read a tensor into a Python list or a NumPy array
+_READS_ROWS = frozenset({"numpy", "tolist"})
+
+
+def _rows_back(read: dict[int, tuple[Any, str]], args: tuple, kwargs: dict) -> str | None:
+    """The operation that read a list or array of ``read`` into Python where that same object
+    is an argument, or a part of an index (``h[:, idx]``), of another."""
+    for a in (*args, *kwargs.values()):
+        for b in a if a.__class__ is tuple else (a,):
+            found = read.get(id(b))
+            if found is not None and found[0] is b:
+                return found[1]
     return None
 
 
