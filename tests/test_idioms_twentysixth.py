@@ -120,6 +120,18 @@ class Net(nn.Module):
         return out + 0.5 * self.aux(h) if self.use_aux else out
 
 
+def bf16_step(step, model, optimizer, x, y, loss=ce, backward=None, set_to_none=True) -> None:
+    """The set's step before the optimizer's: the float64 loop's gradients of ``loss`` on
+    ``(x, y)``, ``zero_grad``, the forward under bfloat16 autocast, the backward of
+    ``backward`` (``loss`` by default; a compiled twin), and every ``grad1`` against the loop."""
+    want = loop(model, x, y, loss)
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with bf16():
+        out = model(x)
+    (backward or loss)(out, y).backward()
+    assert_step(model, want, BF16, f"step {step}")
+
+
 # -- parameters a step does not reach -----------------------------------------------------------
 
 
@@ -133,12 +145,7 @@ def test_an_auxiliary_head_every_other_step_with_zero_grad_keeping_zeros_under_b
         for step in range(4):
             model.use_aux = step % 2 == 1
             x, y = batch(step, n=3 + step % 2)
-            want = loop(model, x, y)
-            optimizer.zero_grad(set_to_none=False)
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y, set_to_none=False)
             if not model.use_aux:
                 for p in model.aux.parameters():
                     if step == 0:  # (never reached yet: no .grad, no grad1)
@@ -187,12 +194,7 @@ def test_requires_grad_toggled_on_the_head_between_steps_under_bfloat16():
         for step in range(4):
             model.head.requires_grad_(step % 2 == 0)
             x, y = batch(step)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             for p in model.head.parameters():
                 assert ("grad1" in p.__dict__) == (step % 2 == 0), step
             optimizer.step()
@@ -213,12 +215,7 @@ def test_a_head_replaced_between_steps_and_added_to_the_optimizer_under_bfloat16
                 model.head = nn.Linear(8, 3)
                 optimizer.add_param_group({"params": list(model.head.parameters())})
             x, y = batch(step)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             optimizer.step()
         assert old.weight.grad is None and "grad1" not in old.weight.__dict__
 
@@ -275,12 +272,7 @@ def test_a_checkpointed_block_under_bfloat16_autocast(reentrant):
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             optimizer.step()
 
 
@@ -308,12 +300,7 @@ def test_a_target_from_the_same_layers_under_no_grad_inside_the_forward_in_bfloa
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop(model, x, y, loss)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            loss(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y, loss=loss)
             optimizer.step()
 
 
@@ -393,12 +380,7 @@ def test_an_ema_swapped_in_by_functional_call_for_validation_between_steps_in_bf
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             kept = {n: p.grad1.clone() for n, p in model.named_parameters()}
             optimizer.step()
             with torch.no_grad():
@@ -480,12 +462,7 @@ def test_a_compiled_loss_under_bfloat16_autocast():
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop(model, x, y, smoothed)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            compiled(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y, loss=smoothed, backward=compiled)
             optimizer.step()
 
 
@@ -504,12 +481,7 @@ def test_a_channels_last_cnn_under_bfloat16_autocast_validated_between_steps():
             g = torch.Generator().manual_seed(step)
             x = torch.randn(3, 2, 5, 5, generator=g).to(memory_format=torch.channels_last)
             y = torch.randint(3, (3,), generator=g)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             optimizer.step()
             model.eval()
             with torch.inference_mode(), bf16():
@@ -599,12 +571,7 @@ def test_averaged_model_updated_each_step_beside_the_hooked_model_in_bfloat16():
         mine = {n: p.detach().clone() for n, p in model.named_parameters()}
         for step in range(STEPS):
             x, y = batch(step)
-            want = loop(model, x, y)
-            optimizer.zero_grad()
-            with bf16():
-                out = model(x)
-            ce(out, y).backward()
-            assert_step(model, want, BF16, f"step {step}")
+            bf16_step(step, model, optimizer, x, y)
             optimizer.step()
             ema.update_parameters(model)
             for n, p in model.named_parameters():
