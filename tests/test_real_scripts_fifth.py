@@ -153,6 +153,18 @@ def augment(images: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
     return out
 
 
+def decay_groups(model: nn.Module) -> list[dict]:
+    """The Hugging Face scripts' two parameter groups: weight decay 0.01, none for the biases
+    and the LayerNorm weights (``no_decay = ["bias", "LayerNorm.weight"]``)."""
+    no_decay = ["bias", "LayerNorm.weight"]
+    return [
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+         "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+
+
 def test_tan_cifar10_augmentation_multiplicity_averages_the_views_before_clipping():
     """facebookresearch/tan ``cifar10.py`` with ``--transform K``: each image is repeated K
     times (``torch.repeat_interleave``) and each copy cropped and flipped at random; TAN's
@@ -372,13 +384,7 @@ def test_private_transformers_table2text_ghost_clipping_virtual_steps_and_warmup
     C, SIGMA, MICRO, ACC = 0.5, 0.8, 2, 2
     model = tiny_gpt2()
     twin = copy.deepcopy(model)
-    no_decay = ["bias", "LayerNorm.weight"]
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": 0.01},
-        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-         "weight_decay": 0.0},
-    ]  # fmt: skip
+    groups = decay_groups(model)
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, 4)
     noise, again = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
@@ -843,13 +849,7 @@ def test_run_glue_no_trainer_accelerate_bf16_norms_per_micro_batch_and_eval_with
         {"input_ids": torch.randint(1, 20, (int(n),), generator=g), "label": torch.randint(3, (), generator=g)}
         for n in torch.randint(3, 9, (7,), generator=g)
     ]  # fmt: skip
-    no_decay = ["bias", "LayerNorm.weight"]
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": 0.01},
-        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-         "weight_decay": 0.0},
-    ]  # fmt: skip
+    groups = decay_groups(model)
     loader = torch.utils.data.DataLoader(train, batch_size=2, collate_fn=padded_to_longest)
     evaluation = torch.utils.data.DataLoader(train, batch_size=4, collate_fn=padded_to_longest)
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
