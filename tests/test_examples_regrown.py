@@ -414,3 +414,57 @@ def test_rows_of_several_examples_combined_are_still_refused(how):
             lambda: model(x).pow(2).sum().backward(),
         )
         assert_untouched(model, before)
+
+
+DROPPED = {
+    "index": lambda h: h[0],
+    "select": lambda h: h.select(0, 0),
+    "mean": lambda h: h.mean(0),
+    "sum-of-copies": lambda h: h.repeat_interleave(2, dim=0).sum(0),
+    "squeeze": lambda h: h.squeeze(0),
+}
+
+
+class Dropped(nn.Module):
+    """Per example, an encoder on its slice ``x[i : i + 1]``, the batch dimension of one then
+    dropped (``drop``), the results stacked into a head: a loop over the batch written with
+    slices."""
+
+    def __init__(self, drop: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head, self.drop = nn.Linear(3, 4), nn.Linear(4, 2), DROPPED[drop]
+
+    def forward(self, x):
+        return self.head(torch.stack([self.drop(torch.tanh(self.enc(x[i : i + 1])))
+                                      for i in range(x.shape[0])]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [
+        *[d for d in DROPPED if d != "squeeze"],
+        pytest.param(
+            "squeeze",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=gradhooks.MixedExamplesError,
+                reason="a reshape that drops the one row keeps its owner on every feature "
+                "(rows merged into features), so the stack is taken for examples combined: "
+                "refused, not wrong; h[0] or h.mean(0) are followed",
+            ),
+        ),
+    ],
+)
+def test_one_examples_rows_dropped_then_stacked_trains_as_the_loop(drop):
+    model = Dropped(drop).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
+        for step in range(2):
+            x, y = labelled_batch(step, n=4)
+            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+            opt.zero_grad()
+            h.clear()
+            _sum_ce(model(x), y).backward()
+            assert_grad1(model, want, f"{drop}, step {step}")
+            opt.step()

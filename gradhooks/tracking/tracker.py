@@ -66,6 +66,7 @@ from .layout import (
     is_followed,
     owned,
     owner_vector,
+    sole_owner,
 )
 from .link import EngineLink
 from .ops import (
@@ -1069,6 +1070,12 @@ class Tracker(TorchFunctionMode):
                         self.alone[o] = (name, lay.dim)
                         if taken is not None:
                             self.single[o] = (taken[k], lay)
+                elif not inherited and (one := self._one_examples(ins)) is not None:
+                    # (computed from one example's rows alone, their dimension dropped:
+                    # h[0], h.squeeze(0) or h.mean(0) of x[i : i + 1]'s: that example alone)
+                    for o in outs:
+                        self.alone[o] = (name, one[1].dim)
+                        self.single[o] = one
                 for o in outs:
                     self.layouts[o] = MIXED
                 if self.used and self.used[-1].soft:
@@ -1350,6 +1357,18 @@ class Tracker(TorchFunctionMode):
             if laid[0] in self.alone:
                 self.alone[o] = self.alone[laid[0]]
         return MIXED
+
+    def _one_examples(self, ins: list) -> tuple[int, Layout] | None:
+        """``(example, layout it was picked from)`` where every tensor among ``ins`` that holds
+        examples holds rows picked from the batch of that one example alone
+        (:func:`~.layout.sole_owner`); ``None`` otherwise."""
+        lays = [self._layout_of(t) for t in ins]
+        example = sole_owner(lays)
+        if example is None:
+            return None
+        lay = next(lay for lay in lays if lay is not None)
+        base = lay.owners.base
+        return example, (base if base is not None and base.owners is None else Layout(lay.dim))
 
     def _permutes(self, before: Layout | None, after: Any) -> bool:
         """Whether ``after`` (a layout) holds the rows of ``before`` in any order: each
