@@ -51,10 +51,32 @@ class PerExample(nn.Module):
         return torch.cat(outs) if self.joined else outs
 
 
+def _batch4(step):
+    return labelled_batch(step, n=4)
+
+
 def _sum_ce(out, y):
     if isinstance(out, list):
         return sum(F.cross_entropy(o, y[i : i + 1], reduction="sum") for i, o in enumerate(out))
     return F.cross_entropy(out, y, reduction="sum")
+
+
+def trains_as_the_loop(model: nn.Module, data, steps: int, what: str) -> None:
+    """``steps`` SGD steps on ``data(step)``, ``zero_grad`` and ``h.clear()`` between: each
+    step's ``grad1`` and norms are the float64 loop's, and the sum of its rows is ``.grad``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        for step in range(steps):
+            x, y = data(step)
+            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
+            opt.zero_grad()
+            h.clear()
+            _sum_ce(model(x), y).backward()
+            assert_grad1(model, want, f"{what}, step {step}")
+            torch.testing.assert_close(h.norms(), flat_norms(want))
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1.sum(0), p.grad, msg=n)
+            opt.step()
 
 
 @pytest.mark.parametrize("regrow", list(REGROWN))
@@ -62,19 +84,7 @@ def _sum_ce(out, y):
 def test_a_head_on_each_example_regrown_trains_as_the_loop(regrow, joined):
     """Three SGD steps, ``zero_grad`` between: each step's ``grad1`` is the float64 loop's,
     and the sum of its rows is autograd's ``.grad``."""
-    model = PerExample(regrow, joined).to(D)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
-        for step in range(3):
-            x, y = labelled_batch(step, n=4)
-            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
-            opt.zero_grad()
-            h.clear()
-            _sum_ce(model(x), y).backward()
-            assert_grad1(model, want, f"{regrow}, step {step}")
-            for n, p in model.named_parameters():
-                torch.testing.assert_close(p.grad1.sum(0), p.grad, msg=n)
-            opt.step()
+    trains_as_the_loop(PerExample(regrow, joined).to(D), _batch4, 3, regrow)
 
 
 class Sequences(nn.Module):
@@ -284,18 +294,7 @@ def _images(step):
 def test_a_module_without_a_rule_on_each_image_trains_as_the_loop(pick):
     """The fallback recomputes such a call whole, as that image's own: two SGD steps, each
     step's ``grad1`` and norms against the float64 loop."""
-    model = PerImage(pick).to(D)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
-        for step in range(2):
-            x, y = _images(step)
-            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
-            opt.zero_grad()
-            h.clear()
-            _sum_ce(model(x), y).backward()
-            assert_grad1(model, want, pick)
-            torch.testing.assert_close(h.norms(), flat_norms(want))
-            opt.step()
+    trains_as_the_loop(PerImage(pick).to(D), _images, 2, pick)
 
 
 class Copies(nn.Module):
@@ -457,14 +456,4 @@ class Dropped(nn.Module):
     ],
 )
 def test_one_examples_rows_dropped_then_stacked_trains_as_the_loop(drop):
-    model = Dropped(drop).to(D)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model, loss_reduction="sum") as h:
-        for step in range(2):
-            x, y = labelled_batch(step, n=4)
-            want = loop_grad(copy.deepcopy(model), _sum_ce, x, y)
-            opt.zero_grad()
-            h.clear()
-            _sum_ce(model(x), y).backward()
-            assert_grad1(model, want, f"{drop}, step {step}")
-            opt.step()
+    trains_as_the_loop(Dropped(drop).to(D), _batch4, 2, drop)
