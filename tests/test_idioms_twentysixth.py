@@ -120,6 +120,19 @@ class Net(nn.Module):
         return out + 0.5 * self.aux(h) if self.use_aux else out
 
 
+class Checkpointed(Net):
+    """The body's second layer run by ``checkpoint(..., use_reentrant=reentrant)``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = torch.tanh(self.body[0](x))
+        h = checkpoint(lambda t: torch.tanh(self.body[2](t)), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 def bf16_step(step, model, optimizer, x, y, loss=ce, backward=None, set_to_none=True) -> None:
     """The set's step before the optimizer's: the float64 loop's gradients of ``loss`` on
     ``(x, y)``, ``zero_grad``, the forward under bfloat16 autocast, the backward of
@@ -261,13 +274,7 @@ def test_a_checkpointed_block_under_bfloat16_autocast(reentrant):
     autocast: its forward runs again in the backward (under the autocast the checkpoint
     kept), and every ``grad1`` is each example's own gradient at every step."""
 
-    class Checkpointed(Net):
-        def forward(self, x):
-            h = torch.tanh(self.body[0](x))
-            h = checkpoint(lambda t: torch.tanh(self.body[2](t)), h, use_reentrant=reentrant)
-            return self.head(h)
-
-    model = Checkpointed()
+    model = Checkpointed(reentrant)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.add_hooks(model):
         for step in range(STEPS):
@@ -798,13 +805,7 @@ def test_the_dp_step_with_a_scaler_through_a_checkpointed_block_in_float16(reent
     loop's sum of each example's gradient clipped to norm 1, over the batch; the scaler's
     step unscales it."""
 
-    class Checkpointed(Net):
-        def forward(self, x):
-            h = torch.tanh(self.body[0](x))
-            h = checkpoint(lambda t: torch.tanh(self.body[2](t)), h, use_reentrant=reentrant)
-            return self.head(h)
-
-    model = Checkpointed()
+    model = Checkpointed(reentrant)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     names = [n for n, _ in model.named_parameters()]
