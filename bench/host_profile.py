@@ -58,6 +58,8 @@ HOOK_CALL = Hook.__call__  # (StageClock wraps it for its block only)
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADHOOKS = str(Path(gradhooks.__file__).resolve().parent)
+# where the tracker hands the model's torch functions on: its mode, and its short way
+_HANDS_ON = {("tracker.py", "__torch_function__"), ("quick.py", "quick_follow")}
 
 
 def _setup(name: str, device: str = "cpu"):
@@ -108,9 +110,8 @@ def _share(stats: pstats.Stats, total: float) -> dict:
         for caller, (_, _, _, cct) in callers.items():
             if mine and not caller[0].startswith(GRADHOOKS):
                 entered += cct
-            if caller[2] == "__torch_function__" and caller[0].endswith("tracker.py"):
-                if _is_torch_function(func):
-                    handed_on += cct
+            if (Path(caller[0]).name, caller[2]) in _HANDS_ON and _is_torch_function(func):
+                handed_on += cct
     top = sorted(own.items(), key=lambda kv: -kv[1])[:8]
     return {
         "tracker_share": (tracker - handed_on) / total,

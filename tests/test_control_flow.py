@@ -655,9 +655,10 @@ def replayed_layouts(monkeypatch, key: str):
     path); ``key="shapes"``: the j-th call of a name on arguments of given shapes gets the
     layout of the previous forward's j-th such call (a cache keyed on the calls and shapes).
     Yields the number of layouts replayed so far (``memory["replayed"]``)."""
+    from gradhooks.tracking import propagate
     from gradhooks.tracking import tracker as tracking
 
-    real_layout, real_enter = tracking.output_layout, tracking.Tracker.__enter__
+    real_layout, real_enter = propagate.output_layout, tracking.Tracker.__enter__
     memory: dict = {"last": [], "now": [], "replayed": 0}
 
     def enter(self):
@@ -683,7 +684,7 @@ def replayed_layouts(monkeypatch, key: str):
         memory["now"].append((this, result))
         return result
 
-    monkeypatch.setattr(tracking, "output_layout", output_layout)
+    monkeypatch.setattr(propagate, "output_layout", output_layout)
     monkeypatch.setattr(tracking.Tracker, "__enter__", enter)
     yield memory
 

@@ -6,6 +6,7 @@ say), and the short ways through :meth:`Tracker.__torch_function__`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 
@@ -28,6 +29,7 @@ from gradhooks.tracking.ops import (
 )
 from gradhooks.tracking.ops.common import is_inplace, op_name
 from gradhooks.tracking.ops.names import MAYBE_SAME
+from gradhooks.tracking.quick import quick_key
 from gradhooks.tracking.tensormap import TensorMap
 
 
@@ -251,25 +253,26 @@ def test_a_call_whose_layout_depends_on_values_is_followed_afresh(case):
     memo.clear()
 
 
-def test_a_call_like_one_before_is_given_its_layouts():
+def test_a_call_like_one_before_is_given_its_layouts(monkeypatch):
     """A call with the same key as one followed before (its function, other arguments, its
     tensors' layouts, shapes and dtypes, the batch) is given the layouts kept from it, without
     its handler; one that differs in any of these is followed afresh."""
-    from gradhooks.tracking import memo
+    from gradhooks.tracking import memo, propagate, quick, tracker
 
     calls = []
-    real = Tracker._propagate
+    real = propagate.propagate_op
 
-    def counted(self, *args):
+    def counted(tr, *args):
         calls.append(args[0].name)
-        return real(self, *args)
+        return real(tr, *args)
 
     def fn(x):
         return (x.transpose(0, 1) * 2).sum(0)
 
+    for where in (quick, tracker):  # (the long way's callers)
+        monkeypatch.setattr(where, "propagate_op", counted)
     memo.clear()
     try:
-        Tracker._propagate = counted
         first = _followed(fn, torch.randn(4, 3))
         n = len(calls)
         assert n == 3 and len(memo.KEPT) == 3
@@ -281,7 +284,6 @@ def test_a_call_like_one_before_is_given_its_layouts():
         assert _followed(fn, torch.randn(5, 3), batch=5) == [Layout(0)]
         assert len(calls) == n + 6
     finally:
-        Tracker._propagate = real
         memo.clear()
 
 
@@ -295,7 +297,7 @@ def test_an_index_holding_a_tensor_at_any_depth_is_read_afresh():
     assert not memo.holds_tensor((slice(None, 2), None, Ellipsis, [0, 1]))
 
 
-# -- the short way through Tracker.__torch_function__ (Tracker._quick_key) -----------------------
+# -- the short way through Tracker.__torch_function__ (quick.quick_key) -------------------------
 
 
 def _quick_calls():
@@ -337,7 +339,7 @@ def test_the_short_way_keys_a_call_as_memo_does(case):
     tracker = Tracker(4, {})
     tracker.set_layout(args[0], Layout(0))
     assert quick_kind(op)
-    parts = tracker._quick_key(op, args, kwargs)
+    parts = quick_key(tracker, op, args, kwargs)
     want = memo.key(op, 4, args, kwargs, tracker.layouts.entries)
     assert isinstance(parts, list) and want is not memo.NO_KEY
     assert tuple(parts) == want and hash(tuple(parts)) == hash(want)
@@ -349,17 +351,17 @@ def test_the_short_way_leaves_to_the_long_way_what_it_does_not_key():
     index: the long way (``None``); no tensor with a layout: run as it is."""
     from gradhooks.tracking import memo
     from gradhooks.tracking.layout import Owners
+    from gradhooks.tracking.quick import UNLAID
     from gradhooks.tracking.sources import Source
-    from gradhooks.tracking.tracker import _UNLAID
 
     x, y, z = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
     tracker = Tracker(4, {})
     tracker.set_layout(x, Layout(0))
-    key = tracker._quick_key
+    key = functools.partial(quick_key, tracker)
     assert key(facts(torch.cat), ([x, y],), {}) is None
     assert key(facts(torch.add), (x, y), {"out": z}) is None
     assert key(facts(torch.Tensor.to), (x, y), {}) is None
-    assert key(facts(torch.add), (y, z), {}) is _UNLAID
+    assert key(facts(torch.add), (y, z), {}) is UNLAID
     tracker.taint(y, frozenset({Source("pos", y.shape)}))
     assert key(facts(torch.add), (x, y), {}) is None
     tracker.set_layout(z, Layout(0, owners=Owners(torch.tensor([0, 1, 1, 3]))))

@@ -744,7 +744,7 @@ class Verifier:
 
     def lost_reached(self, why: str, after: tuple) -> None:
         """A backward reaches the autograd node of an operation that lost the examples' rows
-        (``why``; see :meth:`gradhooks.tracking.Tracker.guard_rows`): its result holds them
+        (``why``; see :func:`gradhooks.tracking.alone.guard_rows`): its result holds them
         nowhere the tracker can say, so nothing after it, a rule's or the probe's, can tell
         one example's rows from another's. Refused as :meth:`coupled_reached` is."""
         self._refuse_reached(after, lambda names: (

@@ -59,7 +59,7 @@ class EngineLink(Protocol):
 
     def lost_reached(self, why: str, after: tuple) -> None:
         """A backward reaches an operation that lost the examples' rows (``why``, see
-        :meth:`~gradhooks.tracking.tracker.Tracker.guard_rows`); ``after``: the autograd nodes
+        :func:`~gradhooks.tracking.alone.guard_rows`); ``after``: the autograd nodes
         it passes to next. The engine refuses a backward that writes ``grad1``."""
         ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 # conversions that return their tensor itself where it already is what they make
 MAYBE_SAME = frozenset("""to type type_as contiguous float double half bfloat16 cpu cuda""".split())
 # operations that take a part of a tensor by position, and those that keep every entry of an
-# index of rows (see Tracker._row_indices)
+# index of rows (see rows.follow_row_indices)
 PART_OF = frozenset(
     """__getitem__ narrow select split chunk tensor_split split_with_sizes unsafe_split unbind
     topk kthvalue""".split()
@@ -16,7 +16,7 @@ KEEPS_ROWS_INDEX = frozenset(
     """view reshape flatten ravel squeeze unsqueeze contiguous clone cat concat concatenate
     stack expand expand_as sort msort""".split()
 )
-# products by a mask (see Tracker._all_ones)
+# products by a mask (see rows.all_ones)
 PRODUCTS = frozenset(
     """mul mul_ __mul__ __rmul__ __imul__ logical_and __and__ __rand__ __iand__
     bitwise_and""".split()
