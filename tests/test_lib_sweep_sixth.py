@@ -3,14 +3,13 @@
 layers integrated by learned weights, the input reinjected, data-dependent ALiBi, adaptive
 LayerNorm from a condition per example, the AutoregressiveWrapper's own loss), vit-pytorch's
 CrossViT, ViT for small datasets and CCT, a BiLSTM-CRF tagger (pytorch-crf), PPO's loss of a
-Stable-Baselines3 policy, MMDiT, Taylor-series linear attention, a point transformer and
-EnCodec's SEANet autoencoder; and
-those refused, each by gradhooks' own error (XCiT's BatchNorm, Segment Anything's mask decoder
-run on each image, whose LayerNorm2d, a module without a rule, cannot be split by rows,
-MMDiT's hyper-connections called with the
-branch outside). Also, in plain torch, a parameter used outside its module's call through
-``torch.broadcast_tensors`` (``torch.distributions.Normal``), which gradhooks once refused. A
-model whose library is not installed is skipped."""
+Stable-Baselines3 policy, MMDiT, Taylor-series linear attention, a point transformer,
+EnCodec's SEANet autoencoder, and Segment Anything fine-tuned on boxes, its prompt encoder and
+mask decoder run image by image; and those refused, each by gradhooks' own error (XCiT's
+BatchNorm, MMDiT's hyper-connections called with the branch outside). Also, in plain torch, a
+parameter used outside its module's call through ``torch.broadcast_tensors``
+(``torch.distributions.Normal``), which gradhooks once refused. A model whose library is not
+installed is skipped."""
 
 from __future__ import annotations
 
@@ -49,6 +48,7 @@ MODELS = [
     "taylor-linear-attention",  # second-order Taylor feature maps, rotary
     "point-transformer",  # vector attention over each point's nearest neighbours
     "encodec-seanet",  # torch.nn.utils.weight_norm: the weight recomputed by a pre-hook
+    "sam",  # each image's box corners' embeddings added in place into its prompt's rows
 ]
 
 
@@ -61,7 +61,6 @@ def test_library_model_matches_the_loop(name):
     "name, error",
     [
         ("xcit", gradhooks.MixedExamplesError),  # BatchNorm2d in its local patch interaction
-        ("sam", gradhooks.UnsupportedError),  # LayerNorm2d (no rule) on one image's rows
         ("mmdit-hyper", gradhooks.UnsupportedError),  # a residual function returned by the call
     ],
 )
@@ -75,6 +74,7 @@ def test_library_model_refused(name, error):
     [
         ("sb3-ppo-gaussian", "dp-step"),  # log_std outside any layer, clipped with the rest
         ("crf-bilstm", "training"),  # the CRF's transitions over 3 SGD steps
+        ("sam", "dp-step"),  # the corners' embeddings clipped with the rest
     ],
 )
 def test_library_model_in_another_setting(name, setting):

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .. import _torch, loop
 from ..autocast import autocast_as, autocast_state
-from .layout import Layout, batch_rows, example_mask
+from .layout import Layout, batch_rows, example_mask, owner_vector
 from .link import EngineLink
 from .ops.common import arg, is_inplace, norm_dim, out_tensors, tensor_args
 from .ops.pointwise import is_pointwise
@@ -92,8 +92,6 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
     others = [t for t in tensor_args(args, kwargs) if tracker.layouts.get(t) is not None]
     if not others or any(tracker.layouts[t].dim < 0 for t in others):
         return None  # (unknown, packed or mixed: no batch dimension to expand along)
-    if any(tracker.layouts[t].owners is not None for t in others):
-        return None  # (rows picked by an index: the general meeting, by example masks)
     if is_inplace(name) and any(args and t is args[0] for t in tainted):
         return None  # the batch written into a batch-free tensor
     try:
@@ -139,8 +137,7 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
         def hook(g, lay=lay, t_shape=t_shape, t_ref=t_ref, edges=edges, engine=engine, same=same):
             # [batch, ..., outer * inner, ...]: each example's rows summed, as broadcasting
             # would have summed all of them
-            per = batch_rows(g, lay, batch).sum(lay.dim + 1, keepdim=True)
-            per = per.reshape(batch, *t_shape)
+            per = _rows_summed(g, lay, batch).reshape(batch, *t_shape)
             deliver(engine, edges, per, t_ref)
             # an expand of nothing (a batch of one) and the reshape pass the gradient on as
             # views of it, where broadcasting would have summed it into a tensor of its own:
@@ -151,6 +148,17 @@ def expanded_meeting(tracker: Tracker, func, name, args, kwargs, tainted) -> Any
 
         e.register_hook(hook)
     return out
+
+
+def _rows_summed(g: Tensor, lay: Layout, batch: int) -> Tensor:
+    """``[batch, *g.shape]`` but for ``lay``'s dimension, of one entry: each example's rows of
+    ``g`` summed (rows picked by an index: by their owners, as many as each has)."""
+    if lay.owners is None:
+        return batch_rows(g, lay, batch).sum(lay.dim + 1, keepdim=True)
+    rows = g.movedim(lay.dim, 0)
+    per = rows.new_zeros(batch, *rows.shape[1:])
+    per.index_add_(0, owner_vector(lay, batch, g.device), rows)
+    return per.unsqueeze(1).movedim(1, lay.dim + 1)
 
 
 # in-place operations whose result's gradient is its first operand's (``self``'s)
