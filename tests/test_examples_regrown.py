@@ -416,6 +416,8 @@ DROPPED = {
     "mean": lambda h: h.mean(0),
     "sum-of-copies": lambda h: h.repeat_interleave(2, dim=0).sum(0),
     "squeeze": lambda h: h.squeeze(0),
+    "flatten": lambda h: h.flatten(),
+    "view": lambda h: h.view(-1),
 }
 
 
@@ -434,22 +436,7 @@ class Dropped(nn.Module):
                                       for i in range(x.shape[0])]))  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "drop",
-    [
-        *[d for d in DROPPED if d != "squeeze"],
-        pytest.param(
-            "squeeze",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=gradhooks.MixedExamplesError,
-                reason="a reshape that drops the one row keeps its owner on every feature "
-                "(rows merged into features), so the stack is taken for examples combined: "
-                "refused, not wrong; h[0] or h.mean(0) are followed",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("drop", list(DROPPED))
 def test_one_examples_rows_dropped_then_stacked_trains_as_the_loop(drop):
     trains_as_the_loop(Dropped(drop).to(D), _batch4, 2, drop)
 

@@ -41,6 +41,11 @@ def _reshaped_rows(lay: Layout, before: Sequence[int], after: Sequence[int], bat
             continue
         if inner % post == 0:
             times = inner // post
+            if times > 1 and rows.numel() == 1 and post == 1:
+                # (one example's only row made the last dimension, each entry a row: h.squeeze(0)
+                # or h.flatten() of x[i : i + 1]'s, that example alone, as h[0] is, which the
+                # tracker follows as such; [1, T, F] to [T, F] keeps its rows, each one a step)
+                return MIXED
             return owned(e, rows.repeat_interleave(times) if times > 1 else rows,
                           lay.owners.base, batch)  # fmt: skip
         if post % inner == 0:
