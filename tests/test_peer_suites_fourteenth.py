@@ -47,7 +47,12 @@ never forming ``grad1``) and ``grad1`` against the loop:
 - ``optimizers/clip_and_aggregate_gradients_test.py``: its six examples that read an
   embedding's rows and their own row of a variable, summed in 1, 2, 3 or 6 units, clipped and
   aggregated by ``mean`` or ``sum``, the embedding dense and sparse, a variable no loss
-  reaches.
+  reaches;
+- ``optimizers/dp_optimizer_keras_test.py``: two variables clipped together per micro-batch
+  through ``DPOptimizer``, large-batch emulation (nothing moves until a logical batch of 1,
+  2 or 4 physical batches ends, then SGD's, Adam's or Adagrad's step on its mean loss), and
+  its embedding model whose pooler reaches no loss (its gradient 0, noise alone), with the
+  peer's softmax over one unit (every gradient and norm 0).
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -1197,3 +1202,161 @@ def test_clip_and_aggregate_gradients(n, clip, agg):
                 assert p.grad.is_sparse == (sparse and name == "emb0.weight"), name
                 assert_close(p.grad.to_dense(), want, f"n={n} {method} sparse={sparse}: {name}")
             gradhooks.clear_grad1(model)
+
+
+# == optimizers/dp_optimizer_keras_test.py =======================================================
+
+
+class Residuals(nn.Module):
+    """``DPOptimizerComputeGradientsTest``'s loss ``½‖data0 - var0‖² + ½‖data1 - var1‖²``
+    per example, as a module holding ``var0`` and ``var1`` (each example's data its input):
+    the unit's loss is the mean over its examples (a micro-batch's, as the peer's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.var0 = nn.Parameter(torch.tensor([1.0, 2.0]))
+        self.var1 = nn.Parameter(torch.tensor([3.0]))
+
+    def forward(self, data0, data1):
+        return 0.5 * ((data0 - self.var0).square().sum(-1) + (data1 - self.var1).square().sum(-1))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_dp_optimizer_clipping_norm_multiple_variables(microbatches):
+    """``testClippingNormMultipleVariables``: four examples, ``C = 2.5``, no noise: each
+    micro-batch's mean gradient of both variables together clipped, then averaged (the peer's
+    expected gradients, written out below), by every method and through ``DPOptimizer``'s
+    ``backward`` (the micro-batches as gradhooks' examples)."""
+    data0 = torch.tensor([[3.0, 6.0], [5.0, 6.0], [4.0, 8.0], [-1.0, 0.0]], dtype=D)
+    data1 = torch.tensor([[8.0], [2.0], [3.0], [1.0]], dtype=D)
+    var = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    grads = torch.cat([data0, data1], 1) - var
+    mb = grads.reshape(microbatches, 4 // microbatches, -1).mean(1)
+    want = -(mb * (2.5 / mb.norm(dim=1).clamp(min=2.5))[:, None]).mean(0)
+    units = (data0.reshape(microbatches, -1, 2), data1.reshape(microbatches, -1, 1))
+    for quantities, method in METHODS:
+        model = Residuals().double()
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=2.0), h, max_grad_norm=2.5,
+                noise_multiplier=0.0, expected_batch_size=microbatches, method=method,
+            )  # fmt: skip
+            opt.backward(model(*units).mean(1))
+            opt.step()
+        got = torch.cat([model.var0.grad, model.var1.grad])
+        assert_close(got, want, f"{microbatches} micro-batches, {method}")
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam", "Adagrad"])
+def test_large_batch_emulation(optimizer):
+    """``testLargeBatchEmulationNoNoise``, ``testLargeBatchEmulation``: a Dense layer
+    ``var0 · x + var1`` (weights ``[1, 2]``, bias 3) whose output is the loss, physical
+    batches of two examples, a bound no example reaches and no noise: nothing moves until a
+    logical batch of 1, 2 or 4 physical batches ends, and then the step is the plain
+    optimizer's on the mean loss of the logical batch (for SGD at rate 1, the peer's
+    ``[-1, 1], 2`` then ``[-4, -0.5], 1`` for two physical batches)."""
+    x1 = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=D)
+    x2 = torch.tensor([[4.0, 2.0], [2.0, 1.0]], dtype=D)
+
+    def dense():
+        layer = nn.Linear(2, 1).double()
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor([[1.0, 2.0]]))
+            layer.bias.fill_(3.0)
+        return layer
+
+    make = getattr(torch.optim, optimizer)
+    for steps in (1, 2, 4):
+        model, plain = dense(), dense()
+        ref = make(plain.parameters(), lr=1.0)
+        with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+            opt = gradhooks.DPOptimizer(
+                make(model.parameters(), lr=1.0), h, max_grad_norm=100.0, noise_multiplier=0.0,
+                expected_batch_size=2 * steps,
+            )  # fmt: skip
+            batches = [x1, x2, x2, x2, x1, x2, x1, x1][: 2 * steps]
+            for logical in (batches[:steps], batches[steps:]):
+                ref.zero_grad()
+                (sum(plain(x).sum() for x in logical) / (2 * steps)).backward()
+                ref.step()
+                for i, x in enumerate(logical):
+                    before = [p.detach().clone() for p in model.parameters()]
+                    opt.backward(model(x).squeeze(1))
+                    if i < steps - 1:
+                        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                opt.step()
+                opt.zero_grad()
+                for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+                    assert_close(p.detach(), q.detach(), f"{optimizer}, {steps} steps: {n}")
+
+
+class SimpleEmbeddingModel(nn.Module):
+    """dp_optimizer_keras_test.py's ``SimpleEmbeddingModel``: an embedding (10 ids, 6 wide)
+    of 4 tokens, and a pooler (a zero Dense(6) with tanh) of the first token; both outputs
+    returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_layer = nn.Embedding(10, 6)
+        self.pool_layer = nn.Linear(6, 6)
+        nn.init.zeros_(self.pool_layer.weight)
+        nn.init.zeros_(self.pool_layer.bias)
+
+    def forward(self, ids):
+        sequence_output = self.embed_layer(ids)
+        return sequence_output, torch.tanh(self.pool_layer(sequence_output[:, 0:1].squeeze(1)))
+
+
+class EmbeddingClassifier(nn.Module):
+    """``keras_embedding_model_fn``: a Dense(1) classification of the sequence output (the
+    pooler then reaches no loss) or of the pooled one, with the peer's softmax over its one
+    unit (1 whatever the input: every gradient is 0) or a sigmoid."""
+
+    def __init__(self, use_sequence_output: bool, activation: str):
+        super().__init__()
+        self.inner, self.classification = SimpleEmbeddingModel(), nn.Linear(6, 1)
+        self.use_sequence_output, self.activation = use_sequence_output, activation
+
+    def forward(self, ids):
+        sequence_output, pooled_output = self.inner(ids)
+        z = self.classification(sequence_output if self.use_sequence_output else pooled_output)
+        return torch.softmax(z, -1) if self.activation == "softmax" else torch.sigmoid(z)
+
+
+@pytest.mark.parametrize("use_sequence_output", [True, False], ids=["sequence", "pooled"])
+def test_unconnected_gradients(use_sequence_output):
+    """``DPVectorizedOptimizerUnconnectedNodesTest``: where the pooler reaches no loss (the
+    sequence output classified), the peer's vectorized optimizer fails unless told to take
+    its gradients as 0; gradhooks' step gives every parameter the loop's clipped mean (the
+    unreached pooler's 0, noise alone with ``σ > 0``), by every method, and with the peer's
+    softmax over one unit (every gradient 0, every norm 0) no NaN."""
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 10, (8, 4)), torch.randint(0, 2, (8, 1)).to(D)
+    target = y[:, None].expand(8, 4, 1) if use_sequence_output else y
+
+    def losses(out, t):
+        return (out - t).square().flatten(1).mean(1)
+
+    for activation in ("softmax", "sigmoid"):
+        torch.manual_seed(1)
+        model = EmbeddingClassifier(use_sequence_output, activation).double()
+        per = loop_grad(model, lambda o, t: losses(o, t).sum(), ids, target)
+        factors = gradhooks.clip_factors(flat_grads(per).norm(dim=1), 1.0)
+        for quantities, method in METHODS:
+            with gradhooks.add_hooks(model, quantities=quantities) as h:
+                norms = gradhooks.dp_sgd_step(
+                    h, losses(model(ids), target), max_norm=1.0, noise_multiplier=0.0,
+                    method=method,
+                )  # fmt: skip
+            assert_close(norms, flat_grads(per).norm(dim=1), f"{activation} {method}: norms")
+            for n, p in model.named_parameters():
+                want = torch.einsum("b,b...->...", factors, per[n]) / 8
+                assert_close(p.grad, want, f"{activation} {method}: {n}")
+            gradhooks.clear_grad1(model)
+        if use_sequence_output:
+            with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+                gradhooks.dp_sgd_step(
+                    h, losses(model(ids), target), max_norm=1.0, noise_multiplier=0.5,
+                    generator=torch.Generator().manual_seed(0),
+                )  # fmt: skip
+            assert model.inner.pool_layer.weight.grad.abs().min() > 0  # the noise reaches it
