@@ -2,10 +2,11 @@
 gradhooks' terms and compared with float64 references (per-example loops of autograd and
 :mod:`gradhooks.oracle`). The first thirteen sets are :mod:`test_peer_suites`,
 :mod:`test_peer_suites_more`, :mod:`test_peer_suites_third` to
-:mod:`test_peer_suites_thirteenth`; this one adds TensorFlow Privacy's fast gradient clipping
-tests (``tensorflow/privacy``: ``tensorflow_privacy/privacy/fast_gradient_clipping/``), their
-Keras layers re-expressed in torch, each case's per-example norms (gradhooks' ``("norms",)``,
-never forming ``grad1``) and ``grad1`` against the loop:
+:mod:`test_peer_suites_thirteenth`; this one adds TensorFlow Privacy's tests
+(``tensorflow/privacy``: ``tensorflow_privacy/privacy/fast_gradient_clipping/``,
+``keras_models/``, ``optimizers/``), their Keras layers re-expressed in torch, each case's
+per-example norms (gradhooks' ``("norms",)``, never forming ``grad1``), ``grad1`` and DP
+steps against the loop, and jax-privacy's clipped gradients:
 
 - ``registry_functions/dense_test.py``, ``clip_grads_test.py`` (``CustomLayerTest``): a Dense
   layer (plain, with a sigmoid, its ``DoubleDense`` of two nested Dense layers) in its one- and
@@ -22,7 +23,11 @@ never forming ``grad1``) and ``grad1`` against the loop:
   it (a scale and offset broadcast over the other axes) and as torch writes it (the axes moved
   last, then ``nn.LayerNorm``);
 - ``registry_functions/nlp_position_embedding_test.py``: tf-models' ``PositionEmbedding``
-  (the first rows of a table, broadcast to the input's shape along ``seq_axis``);
+  (the first rows of a table, broadcast to the input's shape along ``seq_axis``) added to the
+  input, as models use it; returned alone, as the peer's test model does, refused (broadcast
+  to ``x.shape``, given as numbers, its rows are tied to no example), and expanded by
+  ``expand_as(x)`` (rows the examples' by construction) a false refusal, kept as a strict
+  xfail;
 - ``registry_functions/embedding_test.py``, ``nlp_on_device_embedding_test.py``: its
   bag-of-words models (embeddings summed per example, then a Dense layer, or weighted by a
   fixed table first), tf-models' ``OnDeviceEmbedding`` (by a gather or a one-hot matmul, with
@@ -30,7 +35,8 @@ never forming ``grad1``) and ``grad1`` against the loop:
   ``nn.EmbeddingBag`` cut by ``offsets`` and as padded ids under a mask;
 - ``registry_functions/multi_head_attention_test.py``: Keras' ``MultiHeadAttention`` (its
   seven settings: a separate key, no bias, attention dropout, ``output_shape``, one head, a
-  random attention mask), alone and followed by a Dense layer;
+  random attention mask), alone with ``EinsumDense`` projections as Keras builds it, and
+  followed by a Dense layer with ``nn.Linear`` projections as torch code writes it;
 - ``clip_grads_test.py``: ``compute_clip_weights`` (zero norms included), the clipped gradient
   of its two-layer model for batches of 1, 2 and 10, three bounds and the ``sum`` and
   ``sum_over_batch_size`` reductions, and its ``SharedLayerTest`` (one Dense layer on 1, 2 or
@@ -52,7 +58,11 @@ never forming ``grad1``) and ``grad1`` against the loop:
   through ``DPOptimizer``, large-batch emulation (nothing moves until a logical batch of 1,
   2 or 4 physical batches ends, then SGD's, Adam's or Adagrad's step on its mean loss), and
   its embedding model whose pooler reaches no loss (its gradient 0, noise alone), with the
-  peer's softmax over one unit (every gradient and norm 0).
+  peer's softmax over one unit (every gradient and norm 0);
+- jax-privacy (``jax_privacy/experimental/gradient_clipping_test.py``): its clipped sum of a
+  quadratic loss in float64, float32, bfloat16 and float16 with the norms returned, padding
+  examples, users of several examples each (``keep_batch_dim=False``) and a random draw in
+  the loss.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -1360,3 +1370,113 @@ def test_unconnected_gradients(use_sequence_output):
                     generator=torch.Generator().manual_seed(0),
                 )  # fmt: skip
             assert model.inner.pool_layer.weight.grad.abs().min() > 0  # the noise reaches it
+
+
+# == jax-privacy: jax_privacy/experimental/gradient_clipping_test.py =============================
+
+
+class MeanQuadratic(nn.Module):
+    """gradient_clipping_test.py's ``mean_quadratic_loss`` per example, ``½ mean((p - xᵢ)²)``
+    over the example's features, its parameter ``p = [2]`` (``noise``: plus a standard
+    normal draw per example, as ``test_sum_clipped_grad_prng_key`` adds one from its key)."""
+
+    def __init__(self, dtype=D, noise: bool = False):
+        super().__init__()
+        self.params = nn.Parameter(torch.tensor([2.0], dtype=dtype))
+        self.noise = noise
+
+    def forward(self, x):
+        out = 0.5 * (self.params - x).square().flatten(1).mean(1)
+        return out + torch.randn_like(out) if self.noise else out
+
+
+def clipped_sum_by_loop(model: nn.Module, x: Tensor, clip: float, weights=None) -> Tensor:
+    """The reference: each example's gradient in float64 by the loop, clipped to ``clip``
+    (weighted by ``weights``, a padding example's 0), summed."""
+    ref = MeanQuadratic()
+    with torch.no_grad():
+        ref.params.copy_(model.params.double())
+    w = torch.ones(x.shape[0], dtype=D) if weights is None else weights
+    per = loop_grad(ref, lambda o, wi: (o * wi).sum(), x.double(), w)["params"]
+    return torch.einsum(
+        "b,b...->...", gradhooks.clip_factors(per.flatten(1).norm(dim=1), clip), per
+    )
+
+
+@pytest.mark.parametrize("dtype", [D, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_sum_clipped_grad_basic(dtype):
+    """``test_sum_clipped_grad_basic``, ``test_sum_clipped_grad_float16`` and
+    ``test_sum_clipped_grad_return_metrics``: ``p = 2``, examples 1, 4 and 7, whose gradients
+    1, -2 and -5 clipped to 2.5 sum to -3.5, in float64, float32, bfloat16 and float16 (the
+    parameters and inputs in that dtype), by every method; the norms returned are 1, 2, 5 (both
+    against the float64 loop)."""
+    for quantities, method in METHODS:
+        model = MeanQuadratic(dtype)
+        x = torch.tensor([[1.0], [4.0], [7.0]], dtype=dtype)
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            norms = gradhooks.dp_sgd_step(
+                h, model(x), max_norm=2.5, noise_multiplier=0.0, reduction="sum", method=method
+            )
+        assert model.params.grad.dtype == dtype
+        want = clipped_sum_by_loop(model, x, 2.5)
+        assert_close(model.params.grad.double(), want, f"{dtype} {method}")
+        ref = MeanQuadratic()
+        per = loop_grad(ref, lambda o: o.sum(), x.double())["params"]
+        assert_close(norms.double(), per.flatten(1).norm(dim=1), f"{dtype} {method}: norms")
+
+
+def test_sum_clipped_grad_with_padding_examples():
+    """``test_sum_clipped_grad_with_padding_examples``: padding examples (their losses
+    multiplied by 0, as gradhooks' empty batches do) add nothing: none padded, all padded (a
+    zero gradient), the last two padded (the first example's alone), by every method."""
+    x = torch.tensor([[1.0], [4.0], [7.0]], dtype=D)
+    for padding in ([False, False, False], [True, True, True], [False, True, True]):
+        keep = (~torch.tensor(padding)).to(D)
+        for quantities, method in METHODS:
+            model = MeanQuadratic()
+            with gradhooks.add_hooks(model, quantities=quantities) as h:
+                gradhooks.dp_sgd_step(
+                    h, model(x) * keep, max_norm=2.5, noise_multiplier=0.0, reduction="sum",
+                    method=method,
+                )  # fmt: skip
+            want = clipped_sum_by_loop(model, x, 2.5, keep)
+            assert_close(model.params.grad, want, f"padding {padding}, {method}")
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 1, 2])
+def test_sum_clipped_grad_extra_batch_axis(microbatch_size):
+    """``test_sum_clipped_grad_extra_batch_axis`` (``keep_batch_dim=False``): two users of
+    three examples each (``x`` of shape ``[users, examples, 1]``), each user's gradient of
+    the mean over its examples clipped to 1000 (nothing clipped) and summed: divided by the
+    users, the gradient of the mean loss over all six examples; taken by ``DPOptimizer`` in
+    physical batches of ``microbatch_size`` users (``None``: both at once)."""
+    x = torch.tensor([[[1.0], [2.0], [3.0]], [[3.0], [4.0], [5.0]]], dtype=D)
+    plain = MeanQuadratic()
+    plain(x.reshape(6, 1)).mean().backward()
+    for quantities, method in METHODS:
+        model = MeanQuadratic()
+        step = microbatch_size or 2
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1.0), h, max_grad_norm=1000.0,
+                noise_multiplier=0.0, expected_batch_size=2, method=method,
+            )  # fmt: skip
+            for users in x.split(step):
+                opt.backward(model(users))
+            opt.step()
+        assert_close(model.params.grad, plain.params.grad, f"{microbatch_size} {method}")
+
+
+def test_sum_clipped_grad_prng_key():
+    """``test_sum_clipped_grad_prng_key``: the loss adds a random draw per example, which does
+    not change its gradient: the clipped sum is the loop's (the draw made once, in the
+    batch's forward), by every method."""
+    x = torch.tensor([[10.0], [20.0], [30.0]], dtype=D)
+    for quantities, method in METHODS:
+        torch.manual_seed(0)
+        model = MeanQuadratic(noise=True)
+        with gradhooks.add_hooks(model, quantities=quantities) as h:
+            gradhooks.dp_sgd_step(
+                h, model(x), max_norm=1.0, noise_multiplier=0.0, reduction="sum", method=method
+            )
+        assert_close(model.params.grad, clipped_sum_by_loop(model, x, 1.0), method)
