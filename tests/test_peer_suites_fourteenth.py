@@ -36,7 +36,9 @@ steps against the loop, and jax-privacy's clipped gradients:
 - ``registry_functions/multi_head_attention_test.py``: Keras' ``MultiHeadAttention`` (its
   seven settings: a separate key, no bias, attention dropout, ``output_shape``, one head, a
   random attention mask), alone with ``EinsumDense`` projections as Keras builds it, and
-  followed by a Dense layer with ``nn.Linear`` projections as torch code writes it;
+  followed by a Dense layer with ``nn.Linear`` projections as torch code writes it (its
+  kernels held by the attention layer itself, with dropout in its forward: refused, the
+  fallback unable to draw the batch's masks again);
 - ``clip_grads_test.py``: ``compute_clip_weights`` (zero norms included), the clipped gradient
   of its two-layer model for batches of 1, 2 and 10, three bounds and the ``sum`` and
   ``sum_over_batch_size`` reductions, and its ``SharedLayerTest`` (one Dense layer on 1, 2 or
@@ -791,6 +793,43 @@ def test_multi_head_attention_norms(setting):
             mse_loss(model(*inputs), w).sum().backward()
         assert_grad1(model, want, f"{setting} {seq}")
         gradhooks.clear_grad1(model)
+
+
+class OwnKernelsAttention(nn.Module):
+    """Keras' attention with its projection kernels held by the layer itself (one module with
+    parameters, ``einsum`` on each, dropout on the probabilities in its own forward), as a
+    port might write it."""
+
+    def __init__(self, q_dim=3, v_dim=4, heads=2, key_dim=2, value_dim=3):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(q_dim, heads, key_dim))
+        self.k = nn.Parameter(torch.randn(v_dim, heads, key_dim))
+        self.v = nn.Parameter(torch.randn(v_dim, heads, value_dim))
+        self.o = nn.Parameter(torch.randn(heads, value_dim, q_dim))
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, query, value):
+        q = torch.einsum("abc,cde->abde", query, self.q)
+        k = torch.einsum("abc,cde->abde", value, self.k)
+        v = torch.einsum("abc,cde->abde", value, self.v)
+        probs = self.dropout(torch.softmax(torch.einsum("aecd,abcd->acbe", k, q), -1))
+        return torch.einsum("abcd,cde->abe", torch.einsum("acbe,aecd->abcd", probs, v), self.o)
+
+
+def test_attention_with_its_own_kernels_and_dropout_is_refused():
+    """The ``dropout`` setting with the kernels the attention layer's own: gradhooks has no
+    rule for the layer, and its fallback, which runs the layer again per example, cannot
+    draw the batch's dropout masks again: refused, naming the layer and the remedies (the
+    projections as sublayers, above, match the loop with dropout)."""
+    torch.manual_seed(0)
+    model = OwnKernelsAttention().double()
+    query, value, _, _ = attention_inputs([2, 3], [3, 4])
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.UnsupportedError) as info:
+            reshape_and_sum(model(query, value)).square().sum().backward()
+    said = str(info.value)
+    assert "OwnKernelsAttention" in said and "draws random numbers" in said
+    assert "register a rule" in said
 
 
 # == clip_grads_test.py =========================================================================
