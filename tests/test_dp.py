@@ -339,6 +339,80 @@ def test_step_on_an_empty_batch_gives_the_noise_alone(method):
     assert all(torch.equal(g, torch.zeros_like(g)) for g in clean), "no noise, no examples: 0"
 
 
+class _NoZeroRows(nn.Module):
+    """A model that cannot run a batch of 0 rows (a Hugging Face attention's ``reshape(B, T,
+    -1, d)`` fails on it), with a frozen layer and a sparse embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, sparse=True)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, ids):
+        h = self.emb(ids).reshape(ids.shape[0], ids.shape[1], -1, 3).sum(2)
+        return self.head(torch.tanh(self.frozen(h))).mean(1)
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_an_empty_draw_without_a_forward_steps_on_the_noise_alone(method):
+    """Losses of no example and of no forward, ``torch.zeros(0)`` (the model cannot run 0
+    rows): the sum over no example is zero, so every trainable parameter's gradient is its
+    noise over the expected batch size, as after a forward of 0 rows, sparse where autograd's
+    would be; the frozen layer's ``.grad`` stays None. Then a real batch steps as usual."""
+    torch.manual_seed(0)
+    model = _NoZeroRows().double()
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(0, 5, dtype=torch.long))  # (the case meant)
+    sigma, clip, expected, seed = 1.3, 0.5, 2.5, 3
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    quantity = "grad1" if method == "grad1" else "norms"
+    with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+        norms = gradhooks.dp_sgd_step(
+            h, torch.zeros(0, dtype=torch.float64), max_norm=clip, noise_multiplier=sigma,
+            method=method, generator=torch.Generator().manual_seed(seed),
+            expected_batch_size=expected,
+        )  # fmt: skip
+        assert norms.shape == (0,)
+        gen = torch.Generator().manual_seed(seed)
+        for p in trainable:
+            z = sigma * clip * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            assert p.grad.is_sparse == (p is model.emb.weight)
+            assert_close(p.grad.to_dense(), z / expected, f"{method}: noise / expected batch")
+        assert model.frozen.weight.grad is None
+        for p in trainable:
+            p.grad = None
+        ids, y = torch.randint(7, (3, 5)), torch.randint(4, (3,))
+        losses = F.cross_entropy(model(ids), y, reduction="none")
+        gradhooks.dp_sgd_step(h, losses, max_norm=1e6, noise_multiplier=0.0, method=method)
+        want = loop_grad(copy.deepcopy(model), lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+                         ids, y)  # fmt: skip
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                assert_close(p.grad.to_dense(), want[n].sum(0) / 3, f"{method}: then {n}")
+
+
+def test_an_empty_draw_without_a_forward_in_the_dp_optimizer():
+    """``DPOptimizer.backward(torch.zeros(0))`` for one physical batch of a logical batch adds
+    nothing to its sum: the step is the other batches' clipped sum and the noise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(2, (3,))
+    want = loop_grad(copy.deepcopy(model), lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+                     x, y)  # fmt: skip
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        opt = gradhooks.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), h, max_grad_norm=1e6,
+            noise_multiplier=0.0, expected_batch_size=4.0,
+        )  # fmt: skip
+        assert opt.backward(torch.zeros(0, dtype=torch.float64)).shape == (0,)
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.backward(torch.zeros(0, dtype=torch.float64))
+        opt.step()
+    for n, p in model.named_parameters():
+        assert_close(p.grad, want[n].sum(0) / 4.0, f"the empty batches add nothing: {n}")
+
+
 def test_expected_batch_size_refuses_reduction_sum_and_bad_values():
     model = nn.Linear(3, 2)
     for kwargs, match in (

@@ -1360,17 +1360,10 @@ def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path
                     *rows.values(),
                 )
                 want = clipped_sum(per, C)
-            else:  # (GPT-2 cannot run 0 rows: one post stands in, its losses times 0)
-                with pytest.raises(gradhooks.ConfigurationError) as info:
-                    dp.backward(torch.zeros(0, dtype=D))  # (no forward: refused, saying how)
-                for part in ("empty", "0 rows", "its losses times 0", "Nothing was changed"):
-                    assert part in str(info.value), (part, str(info.value))
+            else:  # (GPT-2 cannot run 0 rows: no forward, the losses of no example)
+                assert dp.backward(torch.zeros(0, dtype=D)).shape == (0,)
                 assert dp.examples == 0
                 want = {n: torch.zeros_like(p) for n, p in trainable(twin).items()}
-                batch = private_causal_collator(posts[:1])
-                labels = batch.pop("labels")
-                stand_in = per_example_loss(model(**batch).logits, labels, shift=True)
-                assert float(dp.backward(stand_in * 0.0)[0]) == 0.0
             dp.step()
             got = denoised(model, again, SIGMA * C, authors.expected_batch_size)
             assert_all(got, want, f"step {step}", rtol=1e-9, atol=1e-11)
@@ -1380,15 +1373,6 @@ def test_dp_transformers_author_level_dp_one_example_per_sampled_author(tmp_path
     assert {q for _, q, _ in accountant.history} == {authors.sample_rate}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.ConfigurationError,
-    reason="an empty tensor of losses without a forward (an empty Poisson draw for a model "
-    "that cannot run 0 rows) is refused; the per-example loop's sum over no example is 0, "
-    "and the step would be the noise alone. Accepting it needs a step with no backward (the "
-    "parameters and the gradients' layouts from the hooks' plan): the refusal says to run a "
-    "stand-in example whose losses are multiplied by 0 instead",
-)
 def test_an_empty_draw_handed_to_the_dp_optimizer_without_a_forward_steps_on_the_noise():
     """dp-transformers' ``PoissonAuthorSampler`` (or ``gradhooks.PoissonSampler``) may draw
     no author; GPT-2 cannot run a batch of 0 rows (its attention's ``reshape(0, T, -1, d)``),

@@ -621,16 +621,7 @@ def _checked(
             "no gradient (correct-or-not flags, predicted classes, counts?): pass each "
             "example's loss, F.cross_entropy(output, target, reduction='none')"
         )
-    if not per_example_loss.requires_grad and per_example_loss.shape == (0,):
-        raise ConfigurationError(
-            "dp_sgd_step: per_example_loss is empty and has no autograd history: a batch of no "
-            "example (an empty Poisson draw) is stepped through the hooked forward all the same, "
-            "the step then being the noise alone. Run the model on the batch of 0 rows "
-            "(model(x[idx])); where the model cannot run 0 rows (a Hugging Face transformer's "
-            "attention), run it on any one example and pass its losses times 0, as "
-            "gradhooks.hf.DPTrainer does: that example adds nothing. Nothing was changed."
-        )
-    if not per_example_loss.requires_grad:
+    if not per_example_loss.requires_grad and per_example_loss.shape != (0,):
         raise ConfigurationError(
             "dp_sgd_step: per_example_loss has no autograd history (detached, or computed "
             "under torch.no_grad()); the step runs the backward itself: pass the losses as "
@@ -913,6 +904,8 @@ def _step_sums(
     (:mod:`gradhooks.workflows.clipping`); ``max_norm`` is then not used."""
     if groups is not None and method == "ghost":  # (one group: grouped refuses more)
         max_norm, groups = groups.bounds[0], None
+    if not per_example_loss.requires_grad and per_example_loss.shape == (0,):
+        return _no_example(hooks, per_example_loss, params, scaler, into)
     stepped, scaled_by, loss_scale = per_example_loss, 1.0, None
     if scaler is not None and scaler.is_enabled():
         scaled_by = loss_scale = float(scaler.get_scale())
@@ -1007,6 +1000,22 @@ def _step_sums(
         clipped = _added(into, params, _popped(grads))  # (each freed once added)
     _STEPPED[stepped] = True
     return StepSums(unscaled(norms), clipped, loss_scale, sparse)
+
+
+def _no_example(
+    hooks: Hooks, per_example_loss: Tensor, params: list, scaler: Any, into: Any
+) -> StepSums:
+    """:func:`_step_sums` of a batch of no example whose losses come from no forward (an empty
+    Poisson draw for a model that cannot run 0 rows, ``torch.zeros(0)``): the sum over no
+    example is zero for every parameter, as the per-example loop's is, so the step is the
+    noise alone. Nothing runs backward; each parameter's gradient is sparse where its module
+    makes it so (``nn.Embedding(sparse=True)``), as autograd's would be."""
+    hooks.clear()
+    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+    owner = {id(p): m for m in hooks.model.modules() for p in m.parameters(recurse=False)}
+    sparse = [getattr(owner.get(id(p)), "sparse", False) is True for p in params]
+    clipped = _added(into, params, (None for _ in params))
+    return StepSums(per_example_loss.detach().new_zeros(0), clipped, scale, sparse)
 
 
 def _of(factors: Tensor, group: int | None) -> Tensor:
