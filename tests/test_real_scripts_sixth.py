@@ -307,3 +307,267 @@ def test_fishr_penalty_on_per_example_gradient_variances_differentiated_through_
 def _paused_backward(h: gradhooks.Hooks, objective: torch.Tensor) -> None:
     with h.paused():
         objective.backward()
+
+
+# -- Thrandis/EKFAC-pytorch: second moments in the Kronecker eigenbasis, from grad1 --------------
+
+
+class EKFACNet(nn.Module):
+    """A convolution and two linear layers, the layer kinds ``EKFAC`` preconditions."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.fc1, self.fc2 = nn.Linear(3 * 4 * 4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.relu(self.conv(x)).flatten(1))))
+
+
+class ScriptEKFAC:
+    """``ekfac.py``'s ``EKFAC(net, eps, sua=False, ra=False, alpha=1.0, update_freq=1)``: its
+    own hooks save each layer's input and ``grad_output * batch``; ``_compute_kfe`` takes the
+    eigenvectors of ``x xᵀ`` and ``gy gyᵀ`` (a convolution's input as patches, its positions as
+    rows); ``_precond_intra`` projects the gradient into that basis, divides it by the batch's
+    second moment there, ``m2`` (each example's gradient projected, squared, averaged) plus
+    ``eps``, and projects back into ``.grad``."""
+
+    def __init__(self, net: nn.Module, eps: float):
+        self.eps, self.saved, self.m2 = eps, {}, {}
+        self.layers = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        for m in self.layers:
+            m.register_forward_pre_hook(lambda mod, i: self.saved.__setitem__((mod, "x"), i[0]))
+            m.register_full_backward_hook(
+                lambda mod, gi, go: self.saved.__setitem__((mod, "gy"), go[0] * go[0].size(0))
+            )
+
+    def rows(self, mod):
+        """The layer's inputs (bias-augmented) and output-gradients as ``[batch, positions,
+        n]``."""
+        x, gy = self.saved[(mod, "x")], self.saved[(mod, "gy")]
+        if isinstance(mod, nn.Conv2d):
+            x = F.unfold(x, mod.kernel_size).transpose(1, 2)  # the gathering filter's patches
+            gy = gy.flatten(2).transpose(1, 2)
+        else:
+            x, gy = x[:, None], gy[:, None]
+        return torch.cat([x, torch.ones_like(x[..., :1])], -1), gy
+
+    def step(self):
+        for mod in self.layers:
+            x, gy = self.rows(mod)
+            bs = x.shape[0]
+            xs, gs = x.flatten(0, 1), gy.flatten(0, 1)
+            kfe_x = torch.linalg.eigh(xs.T @ xs / len(xs)).eigenvectors
+            kfe_gy = torch.linalg.eigh(gs.T @ gs / len(gs)).eigenvectors
+            x_kfe, gy_kfe = x @ kfe_x, gy @ kfe_gy
+            per = torch.einsum("bpo,bpi->boi", gy_kfe, x_kfe)  # each example's, in the basis
+            self.m2[mod] = per.pow(2).sum(0) / bs
+            g_kfe = per.sum(0) / bs
+            g_nat = kfe_gy @ (g_kfe / (self.m2[mod] + self.eps)) @ kfe_x.T
+            mod.bias.grad = g_nat[:, -1].clone()
+            mod.weight.grad = g_nat[:, :-1].reshape(mod.weight.shape).clone()
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_ekfac_intra_batch_second_moments_from_grad1_and_the_kfac_factors():
+    """Thrandis/EKFAC-pytorch ``ekfac.py`` as its README trains with it (``loss.backward()``,
+    ``preconditioner.step()``, ``optimizer.step()``), with the intra-batch estimate
+    (``ra=False``, ``alpha=1``) and ``update_freq=1``. With gradhooks in place of its hooks,
+    ``add_hooks(net, quantities=("grad1", "kfac"))`` gives the eigenbases (of
+    ``h.kfac_factors()``'s ``A`` and ``G``, whatever their scale) and ``m2``, the mean square of
+    each example's gradient (``grad1``, bias as the last column) in that basis. Over 3 SGD
+    steps ``m2`` is that of the per-example loop's gradients, and the preconditioned ``.grad``
+    and the parameters are the script's own, computed by its hooks on a float64 twin."""
+    EPS = 0.1
+    torch.manual_seed(0)
+    net = EKFACNet().to(D)
+    twin = copy.deepcopy(net)
+    script = ScriptEKFAC(twin, EPS)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    layers = {"conv": net.conv, "fc1": net.fc1, "fc2": net.fc2}
+    g = torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(net, quantities=("grad1", "kfac")) as h:
+        for step in range(3):
+            x = torch.randn(4, 2, 6, 6, generator=g, dtype=D)
+            y = torch.randint(3, (4,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            factors = h.kfac_factors()
+            per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x, y)
+            for name, mod in layers.items():
+                f = factors[f"{name}.weight"]
+                kfe_x = torch.linalg.eigh(f.A.detach()).eigenvectors
+                kfe_gy = torch.linalg.eigh(f.G.detach()).eigenvectors
+                g1 = torch.cat([mod.weight.grad1.flatten(2), mod.bias.grad1[..., None]], -1)
+                m2 = (kfe_gy.T @ g1 @ kfe_x).pow(2).mean(0)
+                rows = torch.cat(
+                    [per[f"{name}.weight"].flatten(2), per[f"{name}.bias"][..., None]], -1
+                )
+                torch.testing.assert_close(m2, (kfe_gy.T @ rows @ kfe_x).pow(2).mean(0))
+                g_kfe = kfe_gy.T @ g1.mean(0) @ kfe_x
+                g_nat = kfe_gy @ (g_kfe / (m2 + EPS)) @ kfe_x.T
+                mod.bias.grad = g_nat[:, -1].clone()
+                mod.weight.grad = g_nat[:, :-1].reshape(mod.weight.shape).clone()
+            opt.step()
+            h.clear()
+            ref_opt.zero_grad()
+            F.cross_entropy(twin(x), y).backward()
+            script.step()
+            ref_opt.step()
+            assert_all(dict(net.named_parameters()), dict(twin.named_parameters()),
+                       f"step {step}: the parameters")  # fmt: skip
+
+
+# -- nimarb/pytorch_influence_functions: grad_z of every training point from one backward --------
+
+
+def calc_loss(y, t):
+    """``influence_function.py``'s ``calc_loss``: ``nll_loss`` of ``log_softmax``, a mean."""
+    return F.nll_loss(F.log_softmax(y, dim=1), t, reduction="mean")
+
+
+def hvp(y, w, v):
+    """``influence_function.py``'s ``hvp``: a double backward through ``create_graph``."""
+    first = torch.autograd.grad(y, w, retain_graph=True, create_graph=True)
+    dot = sum(torch.sum(g * e) for g, e in zip(first, v))
+    return torch.autograd.grad(dot, w, create_graph=True)
+
+
+def s_test(z_test, t_test, model, z_loader, damp=0.01, scale=25.0, recursion_depth=3):
+    """``influence_function.py``'s ``s_test``: LiSSA's recursion ``h ← v + (1 - damp) h -
+    H h / scale`` on the loader's first batch, ``v`` the test point's gradient."""
+    v = list(torch.autograd.grad(calc_loss(model(z_test), t_test), list(model.parameters()),
+                                 create_graph=True))  # fmt: skip
+    h_estimate = v.copy()
+    for _ in range(recursion_depth):
+        for x, t in z_loader:
+            hv = hvp(calc_loss(model(x), t), list(model.parameters()), h_estimate)
+            h_estimate = [a + (1 - damp) * b - c / scale for a, b, c in zip(v, h_estimate, hv)]
+            break
+    return [h.detach() for h in h_estimate]
+
+
+def test_influence_functions_grad_z_of_the_training_set_from_grad1_against_its_loop():
+    """nimarb/pytorch_influence_functions ``calc_influence_function.py``'s
+    ``calc_influence_single``: ``s_test`` of a test point (LiSSA over the training loader, a
+    double backward), then for each training point alone ``grad_z`` (one forward and backward
+    per point) and its influence ``-Σ grad_z · s_test / n``, sorted into the harmful and the
+    helpful. With the model hooked once, for the whole script, the training set's ``grad_z``
+    are ``grad1`` of one backward of the mean loss. The script's ``s_test`` run on the hooked
+    model as it stands is refused (its ``hvp`` differentiates a ``create_graph`` gradient:
+    the error names ``paused``); run under ``h.paused()`` it is the unhooked model's. The
+    influences and their order are the script's loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(D)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(6)
+    train_x, train_t = torch.randn(6, 4, generator=g, dtype=D), torch.randint(3, (6,), generator=g)
+    test_x, test_t = torch.randn(1, 4, generator=g, dtype=D), torch.randint(3, (1,), generator=g)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(train_x, train_t), batch_size=2, shuffle=False
+    )
+    want_s = s_test(test_x, test_t, twin, loader)
+    want = []
+    for i in range(6):  # the script's loop over the training set, one point at a time
+        grad_z = torch.autograd.grad(calc_loss(twin(train_x[i : i + 1]), train_t[i : i + 1]),
+                                     list(twin.parameters()))  # fmt: skip
+        want.append(-sum(torch.sum(k * j) for k, j in zip(grad_z, want_s)) / 6)
+    want = torch.stack(want)
+    with gradhooks.add_hooks(model) as h:
+        with pytest.raises(gradhooks.GradhooksError, match="paused"):
+            s_test(test_x, test_t, model, loader)
+        model.zero_grad()
+        with h.paused():
+            got_s = s_test(test_x, test_t, model, loader)
+        assert_all(dict(enumerate(got_s)), dict(enumerate(want_s)), "s_test")
+        calc_loss(model(train_x), train_t).backward()
+        got = -sum((p.grad1 * s).flatten(1).sum(1) for p, s in zip(model.parameters(), got_s)) / 6
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert got.argsort().tolist() == want.argsort().tolist()  # the harmful, then the helpful
+
+
+# -- pytorch/opacus tutorials: a ResNet with its batch norm converted, RMSprop, virtual steps ----
+
+
+class TinyResNet(nn.Module):
+    """torchvision's ``resnet18`` as the tutorial builds it, in miniature: a stem (convolution,
+    batch norm, ReLU), one ``BasicBlock`` with a strided downsample (1x1 convolution and batch
+    norm), global average pooling and the classifier."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.b_conv1 = nn.Conv2d(4, 8, 3, stride=2, padding=1, bias=False)
+        self.b_bn1 = nn.BatchNorm2d(8)
+        self.b_conv2, self.b_bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.downsample = nn.Sequential(nn.Conv2d(4, 8, 1, stride=2, bias=False), nn.BatchNorm2d(8))
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        out = self.b_bn2(self.b_conv2(F.relu(self.b_bn1(self.b_conv1(x)))))
+        x = F.relu(out + self.downsample(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def test_opacus_image_classifier_tutorial_converted_resnet_rmsprop_and_virtual_steps():
+    """pytorch/opacus ``tutorials/building_image_classifier.ipynb``: ``resnet18`` is refused by
+    ``ModuleValidator`` for its batch norms, ``ModuleValidator.fix`` puts GroupNorm in their
+    place, ``RMSprop(lr=1e-3)``, ``make_private_with_epsilon(target_epsilon=50, ...,
+    max_grad_norm=1.2)`` and ``BatchMemoryManager(max_physical_batch_size=...)`` around the
+    loop. Here the hooked ResNet is refused at its first batch norm (``MixedExamplesError``),
+    ``gradhooks.convert_batch_norm`` converts it, and ``gradhooks.make_private(...,
+    target_epsilon=50, max_physical_batch_size=3)`` runs the tutorial's loop. At each of 3
+    logical steps (Poisson batches of 8 expected, split into physical batches of at most 3) the
+    gradient RMSprop steps on, the noise taken off, is the float64 loop's clipped sum over the
+    expected batch, and the parameters are RMSprop's update of it."""
+    C, E = 1.2, 8
+    torch.manual_seed(0)
+    model = TinyResNet().to(D)
+    g = torch.Generator().manual_seed(8)
+    images = torch.randn(48, 3, 6, 6, generator=g, dtype=D)
+    labels = torch.randint(3, (48,), generator=g)
+    with gradhooks.add_hooks(model):
+        with pytest.raises(gradhooks.MixedExamplesError, match="bn1"):
+            F.cross_entropy(model(images[:4]), labels[:4]).backward()
+    model.zero_grad(set_to_none=True)
+    model = gradhooks.convert_batch_norm(model)
+    assert isinstance(model.bn1, nn.GroupNorm) and isinstance(model.downsample[1], nn.GroupNorm)
+    twin = copy.deepcopy(model)
+    inner = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
+    seen = []
+    inner.register_step_pre_hook(lambda *_: seen.append(grads_of(model)))
+    private = gradhooks.make_private(
+        model, inner, torch.utils.data.TensorDataset(images, labels), target_epsilon=50.0,
+        delta=1e-5, steps=3, expected_batch_size=E, max_grad_norm=C,
+        max_physical_batch_size=3, generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    sigma = private.noise_multiplier
+    physical, state = [], None
+    for x, y in private.batches():
+        if not physical:
+            state = private.optimizer.generator.get_state()
+        physical.append((x, y))
+        private.backward(F.cross_entropy(model(x), y, reduction="none"))
+        if not private.step():
+            continue
+        assert max(len(b[0]) for b in physical) <= 3
+        x = torch.cat([b[0] for b in physical])
+        y = torch.cat([b[1] for b in physical])
+        physical = []
+        per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x, y)
+        noise = torch.Generator().set_state(state)
+        got = {n: t * E - sigma * C * torch.randn(t.shape, generator=noise, dtype=D)
+               for n, t in seen[-1].items()}  # fmt: skip
+        want = clipped_sum(per, C)
+        assert_all(got, want, f"step {private.steps_taken}: the clipped sum", rtol=1e-9, atol=1e-11)
+        for n, p in twin.named_parameters():
+            p.grad = seen[-1][n]
+        ref_opt.step()
+        assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                   f"step {private.steps_taken}: RMSprop's update")  # fmt: skip
+    private.close()
+    assert private.steps_taken == 3 and len(seen) == 3
+    assert 0 < private.epsilon <= 50.0
