@@ -25,7 +25,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_real_scripts_fifth import assert_all, clipped_sum, loop
+from test_real_scripts_fifth import assert_all, clipped_sum, denoised, follow, loop
 from torch import nn
 
 import gradhooks
@@ -511,6 +511,49 @@ class TinyResNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+def cross_entropy_rows(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def run_checked(private, model, twin, ref_opt, bound, expected, losses_of) -> list[int]:
+    """The loop of ``make_private``'s docstring over ``private.batches()``, ``losses_of(model,
+    x, y)`` each physical batch's per-example losses. At each logical step the gradient the
+    wrapped optimizer steps on, times the expected batch size, the noise drawn again and taken
+    off, is the float64 loop's clipped sum on the twin over the logical batch; the twin steps
+    on that gradient with ``ref_opt`` and its parameters are the model's. Returns the physical
+    batches' sizes."""
+    seen = []
+    handle = private.optimizer.optimizer.register_step_pre_hook(
+        lambda *_: seen.append(grads_of(model))
+    )
+    sigma, sizes = private.noise_multiplier, []
+    physical, state = [], None
+    for x, y in private.batches():
+        if not physical:
+            state = private.optimizer.generator.get_state()
+        physical.append((x, y))
+        sizes.append(len(x))
+        private.backward(losses_of(model, x, y))
+        if not private.step():
+            continue
+        x, y = torch.cat([b[0] for b in physical]), torch.cat([b[1] for b in physical])
+        physical = []
+        per = loop(twin, lambda a, b: losses_of(twin, a, b).sum(), x, y)
+        noise = torch.Generator().set_state(state)
+        got = {n: t * expected - sigma * bound * torch.randn(t.shape, generator=noise, dtype=D)
+               for n, t in seen[-1].items()}  # fmt: skip
+        what = f"step {private.steps_taken}"
+        assert_all(got, clipped_sum(per, bound), f"{what}: the clipped sum", rtol=1e-9, atol=1e-11)
+        for n, p in twin.named_parameters():
+            p.grad = seen[-1][n]
+        ref_opt.step()
+        assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                   f"{what}: the optimizer's update")  # fmt: skip
+    handle.remove()
+    assert len(seen) == private.steps_taken
+    return sizes
+
+
 def test_opacus_image_classifier_tutorial_converted_resnet_rmsprop_and_virtual_steps():
     """pytorch/opacus ``tutorials/building_image_classifier.ipynb``: ``resnet18`` is refused by
     ``ModuleValidator`` for its batch norms, ``ModuleValidator.fix`` puts GroupNorm in their
@@ -537,37 +580,168 @@ def test_opacus_image_classifier_tutorial_converted_resnet_rmsprop_and_virtual_s
     twin = copy.deepcopy(model)
     inner = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
-    seen = []
-    inner.register_step_pre_hook(lambda *_: seen.append(grads_of(model)))
     private = gradhooks.make_private(
         model, inner, torch.utils.data.TensorDataset(images, labels), target_epsilon=50.0,
         delta=1e-5, steps=3, expected_batch_size=E, max_grad_norm=C,
         max_physical_batch_size=3, generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
-    sigma = private.noise_multiplier
-    physical, state = [], None
-    for x, y in private.batches():
-        if not physical:
-            state = private.optimizer.generator.get_state()
-        physical.append((x, y))
-        private.backward(F.cross_entropy(model(x), y, reduction="none"))
-        if not private.step():
-            continue
-        assert max(len(b[0]) for b in physical) <= 3
-        x = torch.cat([b[0] for b in physical])
-        y = torch.cat([b[1] for b in physical])
-        physical = []
-        per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x, y)
-        noise = torch.Generator().set_state(state)
-        got = {n: t * E - sigma * C * torch.randn(t.shape, generator=noise, dtype=D)
-               for n, t in seen[-1].items()}  # fmt: skip
-        want = clipped_sum(per, C)
-        assert_all(got, want, f"step {private.steps_taken}: the clipped sum", rtol=1e-9, atol=1e-11)
-        for n, p in twin.named_parameters():
-            p.grad = seen[-1][n]
-        ref_opt.step()
-        assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
-                   f"step {private.steps_taken}: RMSprop's update")  # fmt: skip
+    sizes = run_checked(private, model, twin, ref_opt, C, E, cross_entropy_rows)
     private.close()
-    assert private.steps_taken == 3 and len(seen) == 3
+    assert max(sizes) <= 3 and len(sizes) > 3
+    assert private.steps_taken == 3
     assert 0 < private.epsilon <= 50.0
+
+
+# -- awslabs/fast-differential-privacy: multi-label CelebA --------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BiTFiT"])
+def test_fastdp_celeba_multi_label_bce_summed_over_attributes_with_accumulation(mode):
+    """awslabs/fast-differential-privacy ``examples/image_classification/CelebA_TIMM.py``: a
+    timm ResNet fixed by ``ModuleValidator.fix`` (GroupNorm), 40 binary attributes,
+    ``BCEWithLogitsLoss(reduction="none")`` summed over the attributes (``.sum(dim=1)``: each
+    image's loss) and averaged over the mini-batch, fastDP's ``PrivacyEngine`` on Adam with its
+    automatic clipping, ``virtual_step()`` over ``bs // mini_bs`` mini-batches, and with
+    ``--clipping_mode BiTFiT`` every weight but the biases frozen. Here
+    ``gradhooks.DPOptimizer(clipping="automatic")`` takes the engine's place: the per-attribute
+    losses ``[batch, 5]`` handed to it are refused (one loss per example), their sum over the
+    attributes is each image's. After each of 2 logical steps of 2 mini-batches ``.grad``,
+    the noise taken off, is the loop's automatically clipped sum over the batch size; the frozen
+    weights do not move."""
+    C, SIGMA, BS, MINI = 1.0, 0.7, 4, 2
+    torch.manual_seed(0)
+    net = gradhooks.convert_batch_norm(TinyResNet(classes=5)).to(D)
+    if mode == "BiTFiT":
+        for name, p in net.named_parameters():
+            if ".bias" not in name and name != "fc.bias":
+                p.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    twin = copy.deepcopy(net)
+    criterion = nn.BCEWithLogitsLoss(reduction="none")
+    opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    noise, again = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(10)
+    with gradhooks.add_hooks(net, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(
+            opt, h, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=BS,
+            clipping="automatic", generator=noise,
+        )  # fmt: skip
+        for step in range(2):
+            inputs = torch.rand(BS, 3, 6, 6, generator=g, dtype=D)
+            targets = torch.randint(2, (BS, 5), generator=g).to(D)
+            for k in range(BS // MINI):
+                rows = slice(k * MINI, (k + 1) * MINI)
+                outputs = net(inputs[rows])
+                if step == 0 and k == 0:
+                    with pytest.raises(gradhooks.GradhooksError, match=r"\[2, 5\]|\(2, 5\)"):
+                        dp.backward(criterion(outputs, targets[rows]))
+                    outputs = net(inputs[rows])
+                dp.backward(criterion(outputs, targets[rows]).sum(dim=1))
+            dp.step()
+            per = loop(twin, lambda a, b: criterion(twin(a), b).sum(), inputs, targets)
+            got = denoised(net, again, SIGMA * C, BS)
+            want = clipped_sum(per, C, automatic=True)
+            assert_all(got, want, f"step {step}", rtol=1e-9, atol=1e-11)
+            dp.zero_grad()
+            follow(twin, net)
+    for n, p in net.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]) and not hasattr(p, "grad1"), n
+
+
+# -- adap/flower examples/opacus: FedAvg over clients that each train privately ------------------
+
+
+class FlowerNet(nn.Module):
+    """``opacus_fl/task.py``'s ``Net`` (the PyTorch tutorial's LeNet) in miniature, its
+    ``x.view(-1, 16 * 5 * 5)`` kept (here ``4 * 1 * 1`` on 10x10 images)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.pool, self.conv2 = (
+            nn.Conv2d(3, 2, 3),
+            nn.MaxPool2d(2, 2),
+            nn.Conv2d(2, 4, 3),
+        )
+        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(-1, 4 * 1 * 1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def get_weights(net):
+    return [v.cpu().numpy() for v in net.state_dict().values()]
+
+
+def set_weights(net, parameters):
+    keys = net.state_dict().keys()
+    net.load_state_dict({k: torch.tensor(v) for k, v in zip(keys, parameters)}, strict=True)
+
+
+def test_flower_opacus_clients_make_private_each_round_and_fedavg_of_their_weights():
+    """adap/flower ``examples/opacus/opacus_fl``: each client's ``fit`` sets the global weights
+    into its own model (``set_weights``: ``load_state_dict`` of new tensors), makes a fresh
+    SGD (momentum 0.9), calls ``make_private`` again every round (σ 1.0 for even partitions,
+    1.5 for odd ones), trains one epoch, logs ε and returns ``get_weights`` and its number of
+    examples; the server's FedAvg averages the weights by those numbers. With
+    ``gradhooks.make_private`` (closed at the end of ``fit``) over 2 rounds of 2 clients, each
+    client's every step is the float64 loop's clipped sum plus the noise, its weights the
+    loop's, each round's ε is that of its own σ over its steps, and the global weights are the
+    average of the loop's clients. A ``fit`` that leaves its training open (no ``close()``)
+    has the next ``make_private`` on that model refused (``StateError``)."""
+    C, E = 1.0, 4
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(12)
+    parts = [
+        torch.utils.data.TensorDataset(torch.randn(12, 3, 10, 10, generator=g, dtype=D),
+                                       torch.randint(3, (12,), generator=g))
+        for _ in range(2)
+    ]  # fmt: skip
+    clients = [FlowerNet().to(D) for _ in parts]
+    twins = [copy.deepcopy(c) for c in clients]
+    global_weights = get_weights(FlowerNet().to(D))
+    for rnd in range(2):
+        results = []
+        for pid, (model, twin, data) in enumerate(zip(clients, twins, parts)):
+            set_weights(model, global_weights)
+            set_weights(twin, global_weights)
+            sigma = 1.0 if pid % 2 == 0 else 1.5
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+            private = gradhooks.make_private(
+                model, optimizer, data, noise_multiplier=sigma, delta=1e-5, epochs=1,
+                expected_batch_size=E, max_grad_norm=C,
+                generator=torch.Generator().manual_seed(10 * rnd + pid),
+            )  # fmt: skip
+            run_checked(private, model, twin, ref_opt, C, E, cross_entropy_rows)
+            private.close()
+            accountant = gradhooks.PrivacyAccountant()
+            accountant.step(noise_multiplier=sigma, sample_rate=E / 12, steps=3)
+            assert private.steps_taken == 3
+            assert private.epsilon == pytest.approx(accountant.epsilon(1e-5), rel=1e-12)
+            results.append((get_weights(model), len(data)))
+            assert not any(hasattr(p, "grad1") for p in model.parameters())
+        total = sum(n for _, n in results)
+        global_weights = [
+            sum(w[k] * n for w, n in results) / total for k in range(len(results[0][0]))
+        ]
+        want = [
+            sum(t.detach() * len(d) for t, d in zip(ts, parts)) / total
+            for ts in zip(*(list(tw.state_dict().values()) for tw in twins))
+        ]
+        for k, (got, w) in enumerate(zip(global_weights, want)):
+            torch.testing.assert_close(torch.tensor(got), w, msg=f"round {rnd}: weight {k}")
+    # a fit that forgets ``close()`` (Opacus' engine needs none): the next round's
+    # make_private is refused before it hooks the model a second time
+    model = clients[0]
+    kwargs = dict(noise_multiplier=1.0, delta=1e-5, epochs=1, expected_batch_size=E,
+                  max_grad_norm=C)  # fmt: skip
+    private = gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
+                                     **kwargs)  # fmt: skip
+    with pytest.raises(gradhooks.StateError, match="already has gradhooks hooks"):
+        gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
+                               **kwargs)  # fmt: skip
+    private.close()
