@@ -25,7 +25,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_real_scripts_fifth import assert_all, clipped_sum, denoised, follow, loop
+from test_real_scripts_fifth import assert_all, clipped_sum, denoised, flat, follow, loop
 from torch import nn
 
 import gradhooks
@@ -745,3 +745,117 @@ def test_flower_opacus_clients_make_private_each_round_and_fedavg_of_their_weigh
         gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
                                **kwargs)  # fmt: skip
     private.close()
+
+
+# -- dayu11/individual_privacy_of_DPSGD: each example's privacy from its gradient norms ---------
+
+
+class IndividualPrivacy:
+    """``idp_tracker.py``'s ``PrivacyLossTracker`` in miniature: each example's gradient norm,
+    capped at the clipping bound and rounded to the nearest multiple of ``rounding``, makes
+    its own noise multiplier ``σ·C/norm``; every step adds that multiplier's RDP of the
+    sampled Gaussian (here by gradhooks' accountant, one history per example)."""
+
+    def __init__(self, n: int, q: float, sigma: float, clip: float, rounding: float):
+        self.q, self.sigma, self.clip, self.rounding = q, sigma, clip, rounding
+        self.norms = torch.full((n,), clip, dtype=D)
+        self.history: list[list[float]] = [[] for _ in range(n)]
+
+    def update_norm(self, norms: torch.Tensor, idx: torch.Tensor) -> None:
+        levels = torch.arange(1, round(self.clip / self.rounding), dtype=D) * self.rounding
+        capped = norms.clamp(max=self.clip)
+        nearest = levels[(capped[:, None] - levels).abs().argmin(1)]
+        self.norms[idx] = torch.where(capped >= self.clip, self.clip, nearest)
+
+    def update_loss(self) -> None:
+        for h, norm in zip(self.history, self.norms.tolist()):
+            h.append(self.sigma * self.clip / norm)
+
+    def eps(self, delta: float) -> list[float]:
+        done: dict[tuple, float] = {}
+        for h in map(tuple, self.history):
+            if h not in done:
+                acc = gradhooks.PrivacyAccountant("rdp")
+                for sigma in h:
+                    acc.step(noise_multiplier=sigma, sample_rate=self.q)
+                done[h] = acc.epsilon(delta)
+        return [done[tuple(h)] for h in self.history]
+
+
+def test_individual_privacy_tracker_from_per_example_norms_of_each_step():
+    """dayu11/individual_privacy_of_DPSGD ``main.py``: a ResNet-20 trained by DP-SGD with
+    BackPACK's ``BatchGrad`` (``CrossEntropyLoss(reduction="sum")``, ``process_grad_batch``
+    clips each example to ``--clip`` and averages, the noise ``σ·C/batchsize`` added to every
+    parameter but the batch norms', whose gradients are dropped), and ``update_norms``: the
+    whole training set's per-example gradient norms in eval mode (``get_grad_batch_norms``,
+    batch norms left out), handed to ``PrivacyLossTracker``, whose ``update_loss`` after each
+    step adds each example's RDP at its own noise multiplier. The training step's batch norms
+    in train mode are refused by gradhooks (``MixedExamplesError``): the model is converted
+    (``convert_batch_norm``, whose GroupNorms are left out as the script leaves its batch norms
+    out). With ``add_hooks(net, "sum", quantities=("norms",))`` the norms are ``h.norms()`` of
+    one backward, and the step ``dp_sgd_step(expected_batch_size=batchsize)``. Over 3 steps the
+    norms are the loop's, each step's ``.grad``, the noise taken off, the loop's clipped mean,
+    and the tracker's rounded norms and noise multipliers are those of the loop's norms: the
+    examples at the bound at every step have the population's ε, the others less."""
+    N, BS, C, SIGMA, ROUND = 12, 4, 3.0, 1.5, 0.1
+    torch.manual_seed(0)
+    net = TinyResNet().to(D)
+    g = torch.Generator().manual_seed(14)
+    images, labels = (
+        torch.randn(N, 3, 6, 6, generator=g, dtype=D),
+        torch.randint(3, (N,), generator=g),
+    )
+    with gradhooks.add_hooks(net, loss_reduction="sum", quantities=("norms",)):
+        with pytest.raises(gradhooks.MixedExamplesError, match="bn1"):
+            F.cross_entropy(net(images[:BS]), labels[:BS], reduction="sum").backward()
+    net = gradhooks.convert_batch_norm(net)
+    for name, p in net.named_parameters():
+        if "bn" in name:
+            p.requires_grad_(False)
+    twin = copy.deepcopy(net)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9,
+                          weight_decay=1e-3)  # fmt: skip
+    mine = IndividualPrivacy(N, BS / N, SIGMA, C, ROUND)
+    theirs = IndividualPrivacy(N, BS / N, SIGMA, C, ROUND)
+    noise, again = torch.Generator().manual_seed(15), torch.Generator().manual_seed(15)
+    order = torch.randperm(N, generator=g)
+
+    def per_example(x, y):
+        return loop(twin, lambda a, b: F.cross_entropy(twin(a), b, reduction="sum"), x, y)
+
+    with gradhooks.add_hooks(net, loss_reduction="sum", quantities=("norms",)) as h:
+        for step in range(N // BS):
+            net.eval()  # update_norms: the whole training set, in batches
+            for start in range(0, N, BS):
+                idx = torch.arange(start, start + BS)
+                net.zero_grad()
+                F.cross_entropy(net(images[idx]), labels[idx], reduction="sum").backward()
+                norms = h.norms()
+                want = flat(per_example(images[idx], labels[idx])).norm(dim=1)
+                torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-13)
+                mine.update_norm(norms, idx)
+                theirs.update_norm(want, idx)
+                assert torch.equal(mine.norms, theirs.norms)
+            net.train()
+            idx = order[step * BS : (step + 1) * BS]
+            opt.zero_grad()
+            losses = F.cross_entropy(net(images[idx]), labels[idx], reduction="none")
+            gradhooks.dp_sgd_step(h, losses, max_norm=C, noise_multiplier=SIGMA,
+                                  expected_batch_size=BS, generator=noise)  # fmt: skip
+            got = denoised(net, again, SIGMA * C, BS)
+            want = clipped_sum(per_example(images[idx], labels[idx]), C)
+            assert_all(got, want, f"step {step}: the clipped sum", rtol=1e-9, atol=1e-11)
+            opt.step()
+            mine.update_loss()
+            theirs.update_loss()
+            follow(twin, net)
+    assert mine.history == theirs.history
+    eps = mine.eps(1e-5)
+    population = gradhooks.PrivacyAccountant("rdp")
+    population.step(noise_multiplier=SIGMA, sample_rate=BS / N, steps=N // BS)
+    at_bound = [all(sigma == SIGMA for sigma in h) for h in mine.history]
+    assert 0 < sum(at_bound) < N, mine.history
+    for e, bound in zip(eps, at_bound):
+        assert (
+            e == pytest.approx(population.epsilon(1e-5)) if bound else e < population.epsilon(1e-5)
+        )
